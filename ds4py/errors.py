@@ -1,0 +1,21 @@
+"""User-facing errors. The CLI prints these as one line; the server maps them to 4xx JSON."""
+
+
+class Ds4Error(Exception):
+    """Base class: a problem with the user's input or environment, stated in one sentence."""
+
+
+class GGUFError(Ds4Error):
+    """Not a GGUF, truncated, unsupported version, missing tensor, wrong type or shape."""
+
+
+class ConfigError(Ds4Error):
+    """Model metadata is missing or inconsistent with the tensors."""
+
+
+class ContextLengthError(Ds4Error):
+    """A prompt (plus requested generation) longer than the context."""
+
+
+class CudaUnavailableError(Ds4Error):
+    """The CUDA backend was asked for but no driver / device / cuda-python is present."""
