@@ -1,0 +1,239 @@
+"""Offline decode/prefill sweep: `python -m ds4py bench -m MODEL ...`.
+
+One fixed token sequence is walked to each context frontier with incremental prefill (a row times only the
+new interval), then a fixed greedy probe is generated (EOS suppressed) and the KV state is restored to the
+frontier, so the next row continues from exactly the prompt. Warm-up is excluded; with --repeat N every
+row is measured N times from the same snapshot and reported as mean ± std.
+
+Columns (comparable with ds4-bench):
+  ctx_tokens              frontier reached by the prefill (positions in the KV state)
+  prefill_tokens          tokens prefilled for this row (the interval since the previous frontier)
+  prefill_tps             prefill_tokens / prefill seconds
+  gen_tokens              greedy tokens generated at this frontier
+  gen_tps                 gen_tokens / decode seconds (the first sampled token comes from the prefill logits)
+  kv_bytes                bytes of KV/compressor state held at the frontier
+  weight_bytes_per_token  weight bytes one decode step reads (dense + 6 routed experts per layer + head)
+  effective_gbps          (weight_bytes_per_token + kv_bytes) · gen_tps / 1e9: an upper bound of the bytes
+                          a decode step touches, so it is comparable across machines
+  pct_of_roofline         effective_gbps / bandwidth (only when a bandwidth is known)
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ds4py.errors import Ds4Error
+
+DEFAULT_PROMPT = Path(__file__).parent / "data" / "bench_prompt.txt"
+
+COLUMNS = [
+    "ctx_tokens", "prefill_tokens", "prefill_tps", "gen_tokens", "gen_tps",
+    "kv_bytes", "weight_bytes_per_token", "effective_gbps", "pct_of_roofline",
+]
+
+
+@dataclass
+class Row:
+    ctx_tokens: int
+    prefill_tokens: int
+    prefill_tps: float
+    gen_tokens: int
+    gen_tps: float
+    kv_bytes: int
+    weight_bytes_per_token: int
+    effective_gbps: float
+    pct_of_roofline: float | None
+    prefill_tps_std: float = 0.0
+    gen_tps_std: float = 0.0
+
+
+@dataclass
+class SweepResult:
+    rows: list[Row]
+    startup: dict[str, float | str | None] = field(default_factory=dict)
+    info: dict[str, object] = field(default_factory=dict)
+
+
+def frontiers(ctx_start: int, ctx_max: int, step_incr: int | None, step_mul: float | None) -> list[int]:
+    """The context sizes to measure: ctx_start, then +step_incr (or ×step_mul) up to ctx_max inclusive."""
+    if ctx_start < 1 or ctx_max < ctx_start:
+        raise Ds4Error(f"need 1 <= --ctx-start ({ctx_start}) <= --ctx-max ({ctx_max})")
+    if step_incr is not None and step_mul is not None:
+        raise Ds4Error("give either --step-incr or --step-mul, not both")
+    if step_mul is not None and step_mul <= 1.0:
+        raise Ds4Error(f"--step-mul must be > 1 (got {step_mul})")
+    if step_incr is not None and step_incr < 1:
+        raise Ds4Error(f"--step-incr must be >= 1 (got {step_incr})")
+    out = [ctx_start]
+    while True:
+        nxt = int(out[-1] * step_mul) if step_mul else out[-1] + (step_incr or ctx_start)
+        if nxt <= out[-1] or nxt > ctx_max:
+            break
+        out.append(nxt)
+    return out
+
+
+def prompt_tokens(encode: Callable[[str], list[int]], text: str, need: int) -> tuple[list[int], int]:
+    """Tokenize `text` once; cycle it when it is shorter than `need`. Returns (tokens, times cycled)."""
+    toks = encode(text)
+    if not toks:
+        raise Ds4Error("the prompt file tokenizes to nothing")
+    cycles = 0
+    out = list(toks)
+    while len(out) < need:
+        out.extend(toks)
+        cycles += 1
+    return out[:need], cycles
+
+
+def _greedy_probe(model, state, logits: np.ndarray, n: int, eos: int | None) -> None:
+    """Generate n tokens greedily with EOS suppressed (fixed work per row, independent of the text)."""
+    for _ in range(n):
+        if eos is not None:
+            logits = logits.copy()
+            logits[eos] = -np.inf
+        logits = model.decode(state, int(np.argmax(logits)))
+
+
+def run_sweep(
+    model,
+    tokens: Sequence[int],
+    points: list[int],
+    gen_tokens: int,
+    repeat: int = 1,
+    bandwidth_gbps: float | None = None,
+    eos: int | None = None,
+    warmup_tokens: int = 16,
+    progress: Callable[[str], None] | None = None,
+) -> list[Row]:
+    """Measure every frontier in `points` (ascending) on one evolving state. See the module docstring."""
+    if repeat < 1:
+        raise Ds4Error("--repeat must be >= 1")
+    wbytes = int(model.weight_bytes_per_token())
+
+    # Warm-up (excluded): touch the code paths and the page cache once.
+    warm = model.new_state()
+    wl = model.prefill(warm, list(tokens[: max(1, min(warmup_tokens, points[0]))]))
+    _greedy_probe(model, warm, wl, min(2, gen_tokens), eos)
+    del warm
+
+    state = model.new_state()
+    cur = 0
+    rows: list[Row] = []
+    for frontier in points:
+        base = state.copy() if repeat > 1 else None
+        chunk = list(tokens[cur:frontier])
+        p_times, g_times = [], []
+        for r in range(repeat):
+            st = state if r == 0 else base.copy()
+            t0 = time.perf_counter()
+            logits = model.prefill(st, chunk)
+            p_times.append(time.perf_counter() - t0)
+            snap = st.copy()  # restore point: the probe must not leak into the next row
+            t0 = time.perf_counter()
+            _greedy_probe(model, st, logits, gen_tokens, eos)
+            g_times.append(time.perf_counter() - t0)
+            if r == 0:
+                kept = snap
+        state = kept
+        cur = frontier
+        kv = int(state.nbytes())
+        p_tps = [len(chunk) / t for t in p_times]
+        g_tps = [gen_tokens / t for t in g_times] if gen_tokens else [0.0]
+        gen_mean = statistics.fmean(g_tps)
+        eff = (wbytes + kv) * gen_mean / 1e9
+        rows.append(Row(
+            ctx_tokens=frontier,
+            prefill_tokens=len(chunk),
+            prefill_tps=statistics.fmean(p_tps),
+            gen_tokens=gen_tokens,
+            gen_tps=gen_mean,
+            kv_bytes=kv,
+            weight_bytes_per_token=wbytes,
+            effective_gbps=eff,
+            pct_of_roofline=(100.0 * eff / bandwidth_gbps) if bandwidth_gbps else None,
+            prefill_tps_std=statistics.pstdev(p_tps) if repeat > 1 else 0.0,
+            gen_tps_std=statistics.pstdev(g_tps) if repeat > 1 else 0.0,
+        ))
+        if progress:
+            progress(f"ctx {frontier}: prefill {rows[-1].prefill_tps:.1f} tok/s, gen {gen_mean:.2f} tok/s")
+    return rows
+
+
+def host_copy_bandwidth_gbps(nbytes: int = 256 << 20, reps: int = 5) -> float:
+    """Best-of-N numpy memcpy bandwidth (read + write bytes): the CPU backend's roofline."""
+    a = np.ones(nbytes // 8, dtype=np.float64)
+    b = np.empty_like(a)
+    best = math.inf
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        np.copyto(b, a)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * a.nbytes / best / 1e9
+
+
+# ---- output ---------------------------------------------------------------------------------------------
+
+def _fmt(v, repeat_std: float | None = None) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        s = f"{v:.3f}" if abs(v) < 1000 else f"{v:.1f}"
+        return f"{s} ± {repeat_std:.3f}" if repeat_std else s
+    return str(v)
+
+
+def format_rows(result: SweepResult, fmt: str) -> str:
+    rows = result.rows
+    if fmt == "json":
+        return json.dumps({"rows": [asdict(r) for r in rows], "startup": result.startup, "info": result.info},
+                          indent=2) + "\n"
+    std = {"prefill_tps": "prefill_tps_std", "gen_tps": "gen_tps_std"}
+    if fmt == "csv":
+        cols = COLUMNS + ["prefill_tps_std", "gen_tps_std"]
+        buf = io.StringIO()
+        buf.write(",".join(cols) + "\n")
+        for r in rows:
+            d = asdict(r)
+            buf.write(",".join("" if d[c] is None else (f"{d[c]:.6g}" if isinstance(d[c], float) else str(d[c]))
+                               for c in cols) + "\n")
+        return buf.getvalue()
+    if fmt == "md":
+        lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---:|" * len(COLUMNS)]
+        for r in rows:
+            d = asdict(r)
+            lines.append("| " + " | ".join(_fmt(d[c], d.get(std.get(c, ""), None)) for c in COLUMNS) + " |")
+        return "\n".join(lines) + "\n"
+    raise Ds4Error(f"unknown --format {fmt!r} (csv, md or json)")
+
+
+def plot_rows(rows: list[Row], path: str, title: str) -> None:
+    """tokens/s vs context; matplotlib is optional and imported only here."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise Ds4Error("--plot needs matplotlib (pip install matplotlib); the sweep itself does not") from e
+    x = [r.ctx_tokens for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(x, [r.prefill_tps for r in rows], marker="o", label="prefill tok/s")
+    ax.plot(x, [r.gen_tps for r in rows], marker="s", label="decode tok/s")
+    ax.set_xlabel("context tokens")
+    ax.set_ylabel("tokens / s")
+    ax.set_yscale("log")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -1,0 +1,118 @@
+"""`python -m ds4py bench`: offline decode/prefill sweep, or `bench serve` for a serving load test."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+NAME = "bench"
+HELP = "benchmark: prefill/decode sweep over context sizes (default) or `bench serve` against a running server"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("mode", nargs="?", choices=["sweep", "serve"], default="sweep",
+                   help="sweep (offline, default) or serve (load test of a running server)")
+    g = p.add_argument_group("sweep")
+    g.add_argument("-m", "--model", dest="model_path", help="GGUF model file (sweep)")
+    g.add_argument("--backend", choices=["ref", "cuda"], default="ref")
+    g.add_argument("--prompt-file", help="text walked to every frontier (default: bundled public-domain book)")
+    g.add_argument("--ctx-start", type=int, default=2048)
+    g.add_argument("--ctx-max", type=int, default=65536)
+    g.add_argument("--step-incr", type=int, default=None, help="add this many tokens per row (default 2048)")
+    g.add_argument("--step-mul", type=float, default=None, help="multiply the frontier by this per row")
+    g.add_argument("--gen-tokens", type=int, default=128, help="greedy tokens per row (EOS suppressed)")
+    g.add_argument("--repeat", type=int, default=1, help="measure every row N times: mean ± std")
+    g.add_argument("--bandwidth", default=None,
+                   help="GB/s for pct_of_roofline, or 'auto' to measure (host copy for ref, device copy for cuda)")
+    g.add_argument("--format", choices=["csv", "md", "json"], default="md")
+    g.add_argument("--out", help="write the table here as well as to stdout")
+    g.add_argument("--plot", help="PNG of tokens/s vs context (needs matplotlib)")
+    s = p.add_argument_group("serve")
+    s.add_argument("--url", default="http://127.0.0.1:8000")
+    s.add_argument("--served-model", dest="served_model", default=None,
+                   help="model id to request (default: the first of /v1/models)")
+    s.add_argument("--concurrency", type=int, default=1)
+    s.add_argument("--requests", type=int, default=8)
+    s.add_argument("--input-len", type=int, default=128, help="approximate prompt tokens per request")
+    s.add_argument("--output-len", type=int, default=32, help="max_tokens per request")
+    s.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second (default: all at once)")
+    s.add_argument("--api-key", default=None)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--ignore-eos", action="store_true", help="send ignore_eos so every request generates output-len")
+    s.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+
+def _prompt_text(path: str | None) -> str:
+    from ds4py.bench import DEFAULT_PROMPT
+    from ds4py.errors import Ds4Error
+
+    p = path or DEFAULT_PROMPT
+    try:
+        return open(p, encoding="utf-8").read()
+    except OSError as e:
+        raise Ds4Error(f"cannot read prompt file {p}: {e.strerror}") from e
+
+
+def run(args: argparse.Namespace) -> int:
+    from ds4py.errors import Ds4Error
+
+    if args.mode == "serve":
+        from ds4py import bench_serve
+
+        summary = bench_serve.run_serve_bench(
+            args.url, model=args.served_model, concurrency=args.concurrency, requests=args.requests,
+            input_len=args.input_len, output_len=args.output_len, request_rate=args.request_rate,
+            api_key=args.api_key, seed=args.seed, prompt_text=_prompt_text(args.prompt_file),
+            ignore_eos=args.ignore_eos)
+        sys.stdout.write(bench_serve.dumps(summary) if args.json else bench_serve.format_summary(summary))
+        return 0 if summary["failed_requests"] == 0 else 1
+
+    from ds4py import bench
+    from ds4py.model import open_model
+    from ds4py.tokenizer import Tokenizer
+
+    if not args.model_path:
+        raise Ds4Error("the sweep needs -m MODEL.gguf")
+    step_incr = args.step_incr if (args.step_incr or args.step_mul) else 2048
+    points = bench.frontiers(args.ctx_start, args.ctx_max, step_incr if not args.step_mul else None, args.step_mul)
+    t0 = time.perf_counter()
+    model = open_model(args.model_path, backend=args.backend)
+    startup = {"model_open_s": time.perf_counter() - t0}
+    startup.update(getattr(model, "startup", {}) or {})
+    tok = Tokenizer.from_gguf(args.model_path)
+    tokens, cycles = bench.prompt_tokens(lambda t: tok.encode(t), _prompt_text(args.prompt_file), points[-1])
+    if cycles:
+        print(f"note: the prompt file is shorter than {points[-1]} tokens; it was repeated {cycles}x",
+              file=sys.stderr)
+
+    bw = None
+    if args.bandwidth == "auto":
+        if args.backend == "cuda":
+            from ds4py.cuda.probe import device_copy_bandwidth_gbps
+
+            bw = device_copy_bandwidth_gbps()
+        else:
+            bw = bench.host_copy_bandwidth_gbps()
+        print(f"bandwidth (measured copy): {bw:.1f} GB/s", file=sys.stderr)
+    elif args.bandwidth is not None:
+        try:
+            bw = float(args.bandwidth)
+        except ValueError:
+            raise Ds4Error(f"--bandwidth must be a number of GB/s or 'auto' (got {args.bandwidth!r})") from None
+
+    for k, v in startup.items():
+        print(f"startup {k}: {v:.3f}" if isinstance(v, float) else f"startup {k}: {v}", file=sys.stderr)
+    rows = bench.run_sweep(model, tokens, points, args.gen_tokens, repeat=args.repeat, bandwidth_gbps=bw,
+                           eos=tok.eos_id, progress=lambda m: print(m, file=sys.stderr))
+    result = bench.SweepResult(rows, startup=startup, info={
+        "model": args.model_path, "backend": args.backend, "gen_tokens": args.gen_tokens,
+        "repeat": args.repeat, "bandwidth_gbps": bw})
+    text = bench.format_rows(result, args.format)
+    sys.stdout.write(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    if args.plot:
+        bench.plot_rows(rows, args.plot, f"ds4py {args.backend}: {args.model_path}")
+    return 0

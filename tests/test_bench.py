@@ -1,0 +1,107 @@
+"""Bench smoke tests on the golden tiny model (numpy backend, CI-sized settings)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from ds4py import bench
+from ds4py.errors import Ds4Error
+
+COLS = bench.COLUMNS + ["prefill_tps_std", "gen_tps_std"]
+
+
+def test_frontiers():
+    assert bench.frontiers(32, 96, 32, None) == [32, 64, 96]
+    assert bench.frontiers(32, 100, 32, None) == [32, 64, 96]
+    assert bench.frontiers(16, 128, None, 2.0) == [16, 32, 64, 128]
+    with pytest.raises(Ds4Error):
+        bench.frontiers(64, 32, 32, None)
+    with pytest.raises(Ds4Error):
+        bench.frontiers(32, 64, 8, 2.0)
+
+
+def test_prompt_tokens_cycles_short_text():
+    toks, cycles = bench.prompt_tokens(lambda t: [ord(c) for c in t], "abc", 8)
+    assert toks == [97, 98, 99] * 2 + [97, 98] and cycles == 2
+
+
+def test_sweep_csv_on_golden_tiny(golden, tmp_path):
+    model = golden / "ds4-tiny" / "tiny.gguf"
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    out = tmp_path / "rows.csv"
+    r = subprocess.run(
+        [sys.executable, "-m", "ds4py", "bench", "-m", str(model), "--prompt-file", str(prompt),
+         "--ctx-start", "32", "--ctx-max", "96", "--step-incr", "32", "--gen-tokens", "3",
+         "--repeat", "2", "--bandwidth", "10", "--format", "csv", "--out", str(out)],
+        capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "startup model_open_s" in r.stderr
+    rows = list(csv.DictReader(io.StringIO(out.read_text())))
+    assert list(rows[0].keys()) == COLS
+    assert [int(x["ctx_tokens"]) for x in rows] == [32, 64, 96]
+    assert [int(x["prefill_tokens"]) for x in rows] == [32, 32, 32]
+    for row in rows:
+        for c in ("prefill_tps", "gen_tps", "kv_bytes", "weight_bytes_per_token", "effective_gbps",
+                  "pct_of_roofline"):
+            v = float(row[c])
+            assert math.isfinite(v) and v > 0, (c, row)
+        assert int(row["gen_tokens"]) == 3
+    # KV state grows with the frontier (window ring fills, compressed rows appear)
+    assert int(rows[-1]["kv_bytes"]) >= int(rows[0]["kv_bytes"])
+    assert r.stdout == out.read_text()
+
+
+def test_sweep_json_format(golden, tmp_path):
+    model = golden / "ds4-tiny" / "tiny.gguf"
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("Numbers 12345 and words, words, words. " * 30)
+    r = subprocess.run(
+        [sys.executable, "-m", "ds4py", "bench", "-m", str(model), "--prompt-file", str(prompt),
+         "--ctx-start", "16", "--ctx-max", "32", "--step-mul", "2", "--gen-tokens", "2", "--format", "json"],
+        capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert [row["ctx_tokens"] for row in data["rows"]] == [16, 32]
+    assert data["startup"]["model_open_s"] > 0
+    assert data["rows"][0]["pct_of_roofline"] is None
+
+
+def test_sweep_state_restored_between_rows(golden):
+    """The probe must not leak into the next row: the state after the sweep equals a plain prefill."""
+    import numpy as np
+
+    from ds4py.model import open_model
+
+    m = open_model(str(golden / "ds4-tiny" / "tiny.gguf"))
+    toks = [(7 * i + 3) % 500 + 2 for i in range(48)]
+    seen = []
+
+    class Spy:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, k):
+            return getattr(self.inner, k)
+
+        def prefill(self, state, ids, all_logits=False):
+            seen.append(state.n_tokens)
+            return self.inner.prefill(state, ids, all_logits)
+
+    bench.run_sweep(Spy(m), toks, [16, 32, 48], gen_tokens=4, warmup_tokens=4)
+    # warm-up prefill starts at 0, then each row starts exactly at the previous frontier
+    assert seen == [0, 0, 16, 32]
+
+
+def test_bad_bandwidth_is_a_clear_error(golden, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "ds4py", "bench", "-m", str(golden / "ds4-tiny" / "tiny.gguf"),
+                        "--ctx-start", "8", "--ctx-max", "8", "--gen-tokens", "1", "--bandwidth", "fast"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "--bandwidth" in r.stderr and "Traceback" not in r.stderr
