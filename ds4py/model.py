@@ -49,10 +49,16 @@ def open_model(path: str, backend: str = "ref", **kwargs) -> Model:
         from ds4py.ref.engine import RefModel
 
         return RefModel(path, **kwargs)
-    if backend == "cuda":
-        from ds4py.cuda.engine import CudaModel  # noqa: F401  (raises CudaUnavailableError without a GPU)
-
-        return CudaModel(path, **kwargs)
     from ds4py.errors import Ds4Error
+
+    if backend == "cuda":
+        try:
+            from ds4py.cuda.engine import CudaModel  # raises CudaUnavailableError without a GPU
+        except ModuleNotFoundError as e:
+            if e.name != "ds4py.cuda.engine":
+                raise
+            raise Ds4Error("the CUDA backend has kernels and a runtime but no model forward yet; "
+                           "use --backend ref (see docs/cuda.md)") from None
+        return CudaModel(path, **kwargs)
 
     raise Ds4Error(f"unknown backend {backend!r} (choose 'ref' or 'cuda')")

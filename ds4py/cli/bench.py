@@ -74,18 +74,6 @@ def run(args: argparse.Namespace) -> int:
 
     if not args.model_path:
         raise Ds4Error("the sweep needs -m MODEL.gguf")
-    step_incr = args.step_incr if (args.step_incr or args.step_mul) else 2048
-    points = bench.frontiers(args.ctx_start, args.ctx_max, step_incr if not args.step_mul else None, args.step_mul)
-    t0 = time.perf_counter()
-    model = open_model(args.model_path, backend=args.backend)
-    startup = {"model_open_s": time.perf_counter() - t0}
-    startup.update(getattr(model, "startup", {}) or {})
-    tok = Tokenizer.from_gguf(args.model_path)
-    tokens, cycles = bench.prompt_tokens(lambda t: tok.encode(t), _prompt_text(args.prompt_file), points[-1])
-    if cycles:
-        print(f"note: the prompt file is shorter than {points[-1]} tokens; it was repeated {cycles}x",
-              file=sys.stderr)
-
     bw = None
     if args.bandwidth == "auto":
         if args.backend == "cuda":
@@ -100,6 +88,18 @@ def run(args: argparse.Namespace) -> int:
             bw = float(args.bandwidth)
         except ValueError:
             raise Ds4Error(f"--bandwidth must be a number of GB/s or 'auto' (got {args.bandwidth!r})") from None
+
+    step_incr = args.step_incr if (args.step_incr or args.step_mul) else 2048
+    points = bench.frontiers(args.ctx_start, args.ctx_max, step_incr if not args.step_mul else None, args.step_mul)
+    t0 = time.perf_counter()
+    model = open_model(args.model_path, backend=args.backend)
+    startup = {"model_open_s": time.perf_counter() - t0}
+    startup.update(getattr(model, "startup", {}) or {})
+    tok = Tokenizer.from_gguf(args.model_path)
+    tokens, cycles = bench.prompt_tokens(lambda t: tok.encode(t), _prompt_text(args.prompt_file), points[-1])
+    if cycles:
+        print(f"note: the prompt file is shorter than {points[-1]} tokens; it was repeated {cycles}x",
+              file=sys.stderr)
 
     for k, v in startup.items():
         print(f"startup {k}: {v:.3f}" if isinstance(v, float) else f"startup {k}: {v}", file=sys.stderr)
