@@ -1,0 +1,279 @@
+"""NVRTC: compile cu/*.cu straight to CUBIN for one GPU arch, with a disk cache and the ptxas resource report.
+
+Runs without a GPU driver (CI compiles every kernel for sm_121 and sm_90). One module per .cu file.
+Cache: $DS4PY_CACHE_DIR or ~/.cache/ds4py, file cubin/<arch>/<stem>-<key>.cubin (+ .log with the ptxas report),
+where key = sha256 of the .cu bytes, every .cuh beside it, the options, the NVRTC version, the CUDA wheel
+versions and the arch. A cold compile prints per-file progress and the total time; a warm start reads cubins.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+from ds4py.cuda.signature import Param, parse_kernels
+from ds4py.errors import CudaUnavailableError, Ds4Error
+
+CU_DIR = Path(os.environ.get("DS4PY_CU_DIR") or Path(__file__).resolve().parents[2] / "cu")
+BASE_OPTIONS = ("-std=c++17", "-lineinfo", "--ptxas-options=-v")
+CACHE_FORMAT = b"ds4py-cubin-v1"
+
+
+class KernelCompileError(Ds4Error):
+    """NVRTC rejected a kernel source; the message carries NVRTC's log with file and line."""
+
+
+class NvrtcUnavailableError(CudaUnavailableError):
+    """NVRTC (cuda-bindings + nvidia-cuda-nvrtc) cannot be loaded."""
+
+
+@dataclass(frozen=True)
+class KernelResources:
+    """One entry function's line of the ptxas report."""
+    name: str
+    registers: int = 0
+    spill_stores: int = 0     # bytes
+    spill_loads: int = 0      # bytes
+    stack_frame: int = 0      # bytes of local memory per thread
+    smem: int = 0             # static shared memory, bytes
+    barriers: int = 0
+
+
+@dataclass
+class CompiledModule:
+    source: Path
+    arch: str
+    cubin: bytes
+    log: str                  # NVRTC log, including the ptxas report
+    key: str
+    cached: bool              # True: read from the disk cache
+    seconds: float            # compile (or load) time
+    kernels: dict[str, list[Param]] = field(default_factory=dict)
+
+    @property
+    def resources(self) -> dict[str, KernelResources]:
+        return parse_ptxas_report(self.log)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DS4PY_CACHE_DIR") or Path.home() / ".cache" / "ds4py")
+
+
+def _nvrtc():
+    try:
+        from cuda.bindings import nvrtc
+
+        err, major, minor = nvrtc.nvrtcVersion()
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise RuntimeError(str(err))
+    except Exception as e:  # ImportError, or the wheel's library cannot be loaded
+        raise NvrtcUnavailableError(
+            f"NVRTC is not available ({type(e).__name__}: {e}); install the CUDA extra: pip install 'ds4py[cuda]'"
+        ) from None
+    return nvrtc
+
+
+def nvrtc_version() -> tuple[int, int]:
+    nvrtc = _nvrtc()
+    _, major, minor = nvrtc.nvrtcVersion()
+    return int(major), int(minor)
+
+
+def supported_archs() -> list[int]:
+    nvrtc = _nvrtc()
+    err, archs = nvrtc.nvrtcGetSupportedArchs()
+    return [int(a) for a in archs]
+
+
+def cuda_include_dir() -> str | None:
+    """Headers (cuda_fp16.h, ...) from the nvidia-cuda-runtime / nvrtc wheels, found by cuda.pathfinder."""
+    try:
+        from cuda import pathfinder
+
+        for lib in ("cudart", "nvrtc"):
+            d = pathfinder.find_nvidia_header_directory(lib)
+            if d:
+                return str(d)
+    except Exception:
+        pass
+    return None
+
+
+def arch_for(major: int, minor: int, source_text: str = "") -> str:
+    """sm_XY for a compute capability; the arch-specific 'a' target (sm_90a: wgmma, setmaxnreg) only for a
+    source that asks for it with a line `// ds4py: arch-specific`."""
+    suffix = "a" if re.search(r"^\s*//\s*ds4py:\s*arch-specific\b", source_text, re.M) else ""
+    return f"sm_{major}{minor}{suffix}"
+
+
+def _wheel_versions() -> str:
+    from importlib import metadata
+
+    out = []
+    for dist in ("nvidia-cuda-nvrtc", "nvidia-cuda-runtime", "cuda-bindings"):
+        try:
+            out.append(f"{dist}={metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            out.append(f"{dist}=none")
+    return ";".join(out)
+
+
+def cache_key(source: Path, arch: str, options: Sequence[str], version: tuple[int, int]) -> str:
+    h = hashlib.sha256(CACHE_FORMAT)
+    h.update(f"|{arch}|{version[0]}.{version[1]}|{_wheel_versions()}|".encode())
+    for o in options:
+        h.update(o.encode() + b"\0")
+    files = [source] + sorted(source.parent.glob("*.cuh"))
+    for f in files:
+        h.update(f.name.encode() + b"\0")
+        data = f.read_bytes()
+        h.update(len(data).to_bytes(8, "little") + data)
+    return h.hexdigest()
+
+
+_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+_PROPS = re.compile(r"Function properties for (\S+)")
+_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_USED = re.compile(r"Used (\d+) registers")
+_SMEM = re.compile(r"(\d+) bytes smem")
+_BARS = re.compile(r"used (\d+) barriers")
+
+
+def parse_ptxas_report(log: str) -> dict[str, KernelResources]:
+    """Registers, spills, stack frame and static shared memory per entry function from `ptxas -v` output."""
+    fields: dict[str, dict[str, int]] = {}
+    entry = props = None
+    for line in log.splitlines():
+        if m := _ENTRY.search(line):
+            entry = m.group(1)
+            fields.setdefault(entry, {})
+            continue
+        if m := _PROPS.search(line):
+            props = m.group(1)
+            continue
+        if (m := _FRAME.search(line)) and props in fields:
+            fields[props].update(stack_frame=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
+            continue
+        if (m := _USED.search(line)) and entry is not None:
+            f = fields[entry]
+            f["registers"] = int(m.group(1))
+            if s := _SMEM.search(line):
+                f["smem"] = int(s.group(1))
+            if b := _BARS.search(line):
+                f["barriers"] = int(b.group(1))
+            entry = None
+    return {name: KernelResources(name, **f) for name, f in fields.items()}
+
+
+def _display(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def _run_nvrtc(source: Path, arch: str, options: Sequence[str], include_dirs: Sequence[str]) -> tuple[bytes, str]:
+    nvrtc = _nvrtc()
+    ok = nvrtc.nvrtcResult.NVRTC_SUCCESS
+    err, prog = nvrtc.nvrtcCreateProgram(source.read_bytes(), _display(source).encode(), 0, [], [])
+    if err != ok:
+        raise KernelCompileError(f"NVRTC could not create a program for {source.name}: {err}")
+    try:
+        opts = [f"--gpu-architecture={arch}", *options, *(f"-I{d}" for d in include_dirs)]
+        (result,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
+        err, size = nvrtc.nvrtcGetProgramLogSize(prog)
+        buf = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, buf)
+        log = buf.rstrip(b"\0 ").decode(errors="replace")
+        if result != ok:
+            raise KernelCompileError(f"NVRTC could not compile {_display(source)} for {arch}:\n{log.strip()}")
+        err, size = nvrtc.nvrtcGetCUBINSize(prog)
+        cubin = b" " * size
+        (err,) = nvrtc.nvrtcGetCUBIN(prog, cubin)
+        if err != ok or size == 0:
+            raise KernelCompileError(f"NVRTC produced no CUBIN for {_display(source)} ({arch}): {err}")
+        return cubin, log
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def compile_file(source: Path, arch: str, options: Sequence[str] = BASE_OPTIONS,
+                 cache: Path | None | bool = True) -> CompiledModule:
+    """Compile one .cu for `arch` (e.g. "sm_90"), or read it from the cache. cache: a directory, True for the
+    default location, False/None to bypass it."""
+    source = Path(source)
+    t0 = time.perf_counter()
+    version = nvrtc_version()
+    key = cache_key(source, arch, options, version)
+    kernels = parse_kernels(source.read_text())
+    cdir = (cache_dir() if cache is True else Path(cache)) if cache else None
+    cubin_path = cdir / "cubin" / arch / f"{source.stem}-{key[:32]}.cubin" if cdir else None
+    if cubin_path is not None and cubin_path.is_file() and cubin_path.with_suffix(".log").is_file():
+        cubin = cubin_path.read_bytes()
+        log = cubin_path.with_suffix(".log").read_text()
+        return CompiledModule(source, arch, cubin, log, key, True, time.perf_counter() - t0, kernels)
+    includes = [str(source.parent)] + ([d] if (d := cuda_include_dir()) else [])
+    cubin, log = _run_nvrtc(source, arch, options, includes)
+    if cubin_path is not None:
+        try:
+            cubin_path.parent.mkdir(parents=True, exist_ok=True)
+            _write_atomic(cubin_path.with_suffix(".log"), log.encode())
+            _write_atomic(cubin_path, cubin)
+        except OSError as e:
+            print(f"ds4py: warning: cannot write the kernel cache at {cdir} ({e})", file=sys.stderr)
+    return CompiledModule(source, arch, cubin, log, key, False, time.perf_counter() - t0, kernels)
+
+
+def kernel_sources(cu_dir: Path = CU_DIR) -> list[Path]:
+    files = sorted(Path(cu_dir).glob("*.cu"))
+    if not files:
+        raise Ds4Error(f"no CUDA kernel sources found in {cu_dir} (set DS4PY_CU_DIR to the repository's cu/)")
+    return files
+
+
+def compile_all(arch: str, cu_dir: Path = CU_DIR, cache: Path | None | bool = True,
+                progress: Callable[[str], None] | None = None) -> dict[str, CompiledModule]:
+    """Every cu/*.cu for `arch`, keyed by file stem. Prints progress for files that really compile."""
+    if progress is None:
+        def progress(msg: str) -> None:
+            print(msg, file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    modules: dict[str, CompiledModule] = {}
+    for src in kernel_sources(cu_dir):
+        mod = compile_file(src, arch, cache=cache)
+        if not mod.cached:
+            progress(f"ds4py: compiled {src.name} for {arch} in {mod.seconds:.2f} s")
+        modules[src.stem] = mod
+    fresh = sum(not m.cached for m in modules.values())
+    if fresh:
+        progress(f"ds4py: compiled {fresh} of {len(modules)} kernel files for {arch} "
+                 f"in {time.perf_counter() - t0:.1f} s (cache: {cache_dir() if cache is True else cache})")
+    return modules
+
+
+def resource_table(modules: dict[str, CompiledModule]) -> str:
+    """Text table of the ptxas report: one line per kernel."""
+    lines = [f"{'kernel':<20} {'regs':>5} {'smem':>6} {'stack':>6} {'spill st/ld':>12}"]
+    for mod in modules.values():
+        for r in mod.resources.values():
+            lines.append(f"{r.name:<20} {r.registers:>5} {r.smem:>6} {r.stack_frame:>6} "
+                         f"{r.spill_stores:>5}/{r.spill_loads:<6}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python -m ds4py.cuda.compiler sm_90 [sm_121 ...]: compile and print the report
+    for a in sys.argv[1:] or ["sm_90", "sm_121"]:
+        print(f"== {a}")
+        print(resource_table(compile_all(a)))

@@ -1,0 +1,133 @@
+"""Kernel signatures parsed from `.cu` source, so launches are checked before they reach the driver.
+
+Every kernel is written `extern "C" __global__ void name(<plain params>)`; this module finds those and returns
+each parameter's name and C type. The CPU emulator (ds4py/cuda/emu.py) reuses `parse_kernels`.
+
+    parse_kernels(src) -> {"gemv_f16": [Param("W", "__half", is_pointer=True, is_const=True), ...], ...}
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from ds4py.errors import Ds4Error
+
+
+class KernelSignatureError(Ds4Error):
+    """A kernel declaration that this parser (and so the launcher) cannot handle."""
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    ctype: str          # base type without qualifiers or '*': "float", "__half", "unsigned int", "uint8_t", ...
+    is_pointer: bool
+    is_const: bool      # pointers: the pointee is const; scalars: the value is const
+
+
+# C scalar type -> (struct format, numpy dtype). Pointers are 8-byte device addresses.
+SCALAR_TYPES: dict[str, tuple[str, np.dtype]] = {
+    "int": ("i", np.dtype(np.int32)),
+    "int32_t": ("i", np.dtype(np.int32)),
+    "unsigned int": ("I", np.dtype(np.uint32)),
+    "uint32_t": ("I", np.dtype(np.uint32)),
+    "long long": ("q", np.dtype(np.int64)),
+    "int64_t": ("q", np.dtype(np.int64)),
+    "unsigned long long": ("Q", np.dtype(np.uint64)),
+    "uint64_t": ("Q", np.dtype(np.uint64)),
+    "size_t": ("Q", np.dtype(np.uint64)),
+    "float": ("f", np.dtype(np.float32)),
+    "double": ("d", np.dtype(np.float64)),
+}
+
+# Element dtypes that a pointer parameter's buffer must have (None: any buffer, e.g. bf16 has no numpy dtype).
+POINTEE_DTYPES: dict[str, np.dtype | None] = {
+    **{k: v[1] for k, v in SCALAR_TYPES.items()},
+    "__half": np.dtype(np.float16),
+    "uint8_t": np.dtype(np.uint8),
+    "unsigned char": np.dtype(np.uint8),
+    "int8_t": np.dtype(np.int8),
+    "signed char": np.dtype(np.int8),
+    "char": np.dtype(np.int8),
+    "uint16_t": np.dtype(np.uint16),
+    "int16_t": np.dtype(np.int16),
+    "__nv_bfloat16": None,
+    "__nv_fp8_e4m3": None,
+    "void": None,
+}
+
+_KERNEL_RE = re.compile(
+    r'extern\s+"C"\s+__global__\s+(?:__launch_bounds__\s*\([^)]*\)\s+)?void\s+'
+    r"(?:__launch_bounds__\s*\([^)]*\)\s+)?([A-Za-z_]\w*)\s*\(([^)]*)\)"
+)
+_QUALIFIERS = {"__restrict__", "__restrict", "restrict", "__grid_constant__", "volatile"}
+_TYPE_WORDS = {"unsigned", "signed", "long", "short", "int", "char"}
+
+
+def strip_comments(src: str) -> str:
+    """Remove // and /* */ comments (string literals in kernel signatures are not a thing)."""
+    src = re.sub(r"/\*.*?\*/", " ", src, flags=re.S)
+    return re.sub(r"//[^\n]*", "", src)
+
+
+_ALIASES = {
+    "unsigned": "unsigned int",
+    "signed": "int",
+    "signed int": "int",
+    "long long int": "long long",
+    "unsigned long long int": "unsigned long long",
+    "half": "__half",
+}
+
+
+def parse_param(text: str, kernel: str) -> Param:
+    """One declaration like `const float* __restrict__ x` -> Param("x", "float", True, True)."""
+    tokens = re.findall(r"[A-Za-z_]\w*|\*|&|\[|\]|\S", text)
+    if not tokens:
+        raise KernelSignatureError(f"kernel {kernel}: empty parameter in its signature")
+    if any(t in ("&", "[", "]", "=") for t in tokens):
+        raise KernelSignatureError(f"kernel {kernel}: parameter {text.strip()!r} is not a plain value or pointer")
+    name = tokens[-1]
+    if not re.fullmatch(r"[A-Za-z_]\w*", name) or len(tokens) < 2:
+        raise KernelSignatureError(f"kernel {kernel}: parameter {text.strip()!r} has no name")
+    body = [t for t in tokens[:-1] if t not in _QUALIFIERS]
+    stars = body.count("*")
+    if stars > 1:
+        raise KernelSignatureError(f"kernel {kernel}: parameter {name!r} is a pointer to a pointer")
+    is_pointer = stars == 1
+    base_part = body[: body.index("*")] if is_pointer else body
+    is_const = "const" in base_part
+    words = [t for t in base_part if t != "const"]
+    ctype = " ".join(words)
+    ctype = _ALIASES.get(ctype, ctype)
+    if not ctype:
+        raise KernelSignatureError(f"kernel {kernel}: parameter {name!r} has no type")
+    # Pointers to any named type are fine (unknown pointees just skip the dtype check); scalars must be packable.
+    if not is_pointer and ctype not in SCALAR_TYPES:
+        raise KernelSignatureError(f"kernel {kernel}: parameter {name!r} has unsupported scalar type {ctype!r}")
+    return Param(name, ctype, is_pointer, is_const)
+
+
+def parse_kernels(source_text: str) -> dict[str, list[Param]]:
+    """All `extern "C" __global__` kernels in a .cu source, in order, with their parameters."""
+    src = strip_comments(source_text)
+    kernels: dict[str, list[Param]] = {}
+    for m in _KERNEL_RE.finditer(src):
+        name, plist = m.group(1), m.group(2).strip()
+        if name in kernels:
+            raise KernelSignatureError(f"kernel {name} is declared twice")
+        params = [] if plist in ("", "void") else [parse_param(p, name) for p in plist.split(",")]
+        seen = [p.name for p in params]
+        if len(set(seen)) != len(seen):
+            raise KernelSignatureError(f"kernel {name}: repeated parameter name")
+        kernels[name] = params
+    return kernels
+
+
+def format_signature(name: str, params: list[Param]) -> str:
+    """`gemv_f16(const __half* W, const float* x, ...)` for error messages."""
+    parts = [("const " if p.is_const else "") + p.ctype + ("* " if p.is_pointer else " ") + p.name for p in params]
+    return f"{name}({', '.join(parts)})"
