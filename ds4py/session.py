@@ -1,0 +1,273 @@
+"""One live KV state and the generation loop around it, with prompt-prefix reuse.
+
+    session = Session(model, tokenizer, ctx_size=32768)
+    for ev in session.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=64)):
+        if isinstance(ev, TokenEvent): print(ev.text, end="")
+        else: print(ev.finish_reason, ev.cached_tokens)
+
+Reuse. The session remembers which tokens its live state has consumed. A prompt that extends them prefills
+only the new suffix. A state cannot be rolled back, so for a prompt that diverges from the live tokens the
+session keeps a few snapshots (deep copies) and restores the longest one that is a prefix of the new prompt.
+A snapshot is taken just before the *last* prompt token of each request: a thinking-mode chat re-renders the
+previous turn as `<｜Assistant｜></think>answer` where the prompt ended in `<｜Assistant｜><think>`, so the next
+prompt diverges exactly at that last token, and a repeated prompt (retry, regenerate) reuses all but one token.
+
+Generation. The last sampled token is never decoded (nobody needs its logits), so after a request the live
+tokens are prompt + completion[:-1]; the next turn prefills that token as part of its suffix. Every sampled
+token, EOS included, yields one TokenEvent (completion_tokens == number of TokenEvents); EOS never contributes
+its spelling, only text still held back. Text is a UTF-8-safe delta; text that could still become one of the
+stop strings is held back until it cannot, and the stop string itself is never emitted.
+
+Not thread-safe: one generate() at a time per session (the server serialises requests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator, Literal, Sequence
+
+import numpy as np
+
+from ds4py.errors import ContextLengthError, Ds4Error
+from ds4py.sampling import Sampler, SamplingParams
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token_id: int
+    text: str
+
+
+@dataclass(frozen=True)
+class DoneEvent:
+    finish_reason: Literal["stop", "length", "cancelled"]
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    stop_string: str | None = None
+
+
+Event = TokenEvent | DoneEvent
+
+
+@dataclass
+class SessionStats:
+    """Running totals since the session was created (reset() keeps them): what tests and --verbose read."""
+    requests: int = 0
+    prompt_tokens: int = 0       # prompt tokens asked for
+    cached_tokens: int = 0       # of those, reused from the live state or a snapshot
+    prefilled_tokens: int = 0    # tokens passed to model.prefill
+    prefill_calls: int = 0
+    decoded_tokens: int = 0      # model.decode calls
+    snapshots_taken: int = 0
+    snapshots_restored: int = 0
+
+
+@dataclass
+class _Snapshot:
+    tokens: tuple[int, ...]
+    state: object
+    logits: np.ndarray           # after the last of `tokens`, so an exact match needs no prefill
+
+
+class Session:
+    def __init__(self, model, tokenizer, ctx_size: int | None = None, max_snapshots: int = 4,
+                 prefill_chunk: int = 2048):
+        model_ctx = int(getattr(model.config, "context_length", 0) or 0)
+        if ctx_size is None:
+            ctx_size = model_ctx
+        if ctx_size < 2:
+            raise Ds4Error(f"context size must be at least 2 tokens, got {ctx_size}")
+        if model_ctx and ctx_size > model_ctx:
+            raise Ds4Error(f"context size {ctx_size} exceeds the model's context length {model_ctx}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.ctx_size = int(ctx_size)
+        self.vocab_size = int(model.config.vocab_size)
+        self.max_snapshots = max_snapshots
+        self.prefill_chunk = prefill_chunk   # cancellation is checked between chunks of a long prefill
+        self.stats = SessionStats()
+        self._busy = False
+        self.reset()
+
+    # ---- cache bookkeeping -----------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Forget the live state and every snapshot (the next prompt is prefilled from scratch)."""
+        self.state = None
+        self.tokens: list[int] = []
+        self._logits: np.ndarray | None = None
+        self._snapshots: list[_Snapshot] = []   # least recently used first
+
+    def prompt_cache_tokens(self, prompt_ids: Sequence[int]) -> int:
+        """How many leading tokens of this prompt would be reused instead of prefilled."""
+        return self._best_source(list(prompt_ids))[0]
+
+    def _best_source(self, prompt: list[int]) -> tuple[int, _Snapshot | None]:
+        """(tokens reused, snapshot to restore or None for the live state) - the longest prefix wins."""
+        best, src = 0, None
+        n_live = len(self.tokens)
+        if self.state is not None and n_live <= len(prompt) and self.tokens == prompt[:n_live]:
+            best = n_live
+        for snap in self._snapshots:
+            n = len(snap.tokens)
+            if n > best and n <= len(prompt) and snap.tokens == tuple(prompt[:n]):
+                best, src = n, snap
+        return best, src
+
+    def _take_snapshot(self) -> None:
+        key = tuple(self.tokens)
+        for i, snap in enumerate(self._snapshots):
+            if snap.tokens == key:                 # already have it: mark as recently used
+                self._snapshots.append(self._snapshots.pop(i))
+                return
+        self._snapshots.append(_Snapshot(key, self.state.copy(), self._logits.copy()))
+        self.stats.snapshots_taken += 1
+        del self._snapshots[:-self.max_snapshots]
+
+    # ---- model calls: keep (state, tokens, logits) consistent even if a call is interrupted --------------
+
+    def _prefill(self, ids: list[int]) -> None:
+        try:
+            logits = self.model.prefill(self.state, ids)
+        except BaseException:
+            self._drop_live()                     # a half-advanced state must never be reused
+            raise
+        self.tokens.extend(ids)
+        self._logits = np.asarray(logits)
+        self.stats.prefilled_tokens += len(ids)
+        self.stats.prefill_calls += 1
+
+    def _decode(self, token: int) -> None:
+        try:
+            logits = self.model.decode(self.state, token)
+        except BaseException:
+            self._drop_live()
+            raise
+        self.tokens.append(token)
+        self._logits = np.asarray(logits)
+        self.stats.decoded_tokens += 1
+
+    def _drop_live(self) -> None:
+        self.state, self.tokens, self._logits = None, [], None
+
+    # ---- generation -------------------------------------------------------------------------------------
+
+    def check_prompt(self, prompt_ids: Sequence[int]) -> list[int]:
+        """Validate a prompt (ContextLengthError / Ds4Error) and return it as a list of ints."""
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise Ds4Error("the prompt is empty")
+        if len(prompt) + 1 > self.ctx_size:
+            raise ContextLengthError(f"the prompt has {len(prompt)} tokens but the context holds {self.ctx_size} "
+                                     f"(prompt + at least 1 generated token)")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise Ds4Error(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+        return prompt
+
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
+                 cancelled: Callable[[], bool] | None = None) -> Iterator[Event]:
+        """Validate now (errors raise here, before any event), then stream TokenEvents and one DoneEvent."""
+        prompt = self.check_prompt(prompt_ids)
+        if self._busy:
+            raise RuntimeError("this session is already generating (one request at a time)")
+        return self._run(prompt, params, cancelled or (lambda: False))
+
+    def _run(self, prompt: list[int], params: SamplingParams, cancelled: Callable[[], bool]) -> Iterator[Event]:
+        if self._busy:
+            raise RuntimeError("this session is already generating (one request at a time)")
+        self._busy = True
+        try:
+            yield from self._generate(prompt, params, cancelled)
+        finally:
+            self._busy = False
+
+    def _prepare(self, prompt: list[int], cancelled: Callable[[], bool]) -> tuple[int, bool]:
+        """Bring the live state to `prompt`. Returns (cached tokens, completed)."""
+        cached, snap = self._best_source(prompt)
+        if snap is not None:
+            self.state, self.tokens, self._logits = snap.state.copy(), list(snap.tokens), snap.logits.copy()
+            self._snapshots.append(self._snapshots.pop(self._snapshots.index(snap)))
+            self.stats.snapshots_restored += 1
+        elif cached == 0:
+            self.state, self.tokens, self._logits = self.model.new_state(), [], None
+        self.stats.cached_tokens += cached
+
+        split = len(prompt) - 1                   # snapshot point: before the last prompt token
+        while len(self.tokens) < len(prompt):
+            if cancelled():
+                return cached, False
+            n = len(self.tokens)
+            if n == split and split > 0:
+                self._take_snapshot()
+            end = min(len(prompt), n + self.prefill_chunk)
+            if n < split:
+                end = min(end, split)
+            self._prefill(prompt[n:end])
+        return cached, True
+
+    def _generate(self, prompt: list[int], params: SamplingParams,
+                  cancelled: Callable[[], bool]) -> Iterator[Event]:
+        self.stats.requests += 1
+        self.stats.prompt_tokens += len(prompt)
+        cached, ready = self._prepare(prompt, cancelled)
+        if not ready:
+            yield DoneEvent("cancelled", len(prompt), cached, 0)
+            return
+
+        sampler = Sampler(params)
+        stream = self.tokenizer.stream()
+        eos = None if params.ignore_eos else self.tokenizer.eos_id
+        limit = self.ctx_size - len(prompt)       # prompt + completion <= context
+        if params.max_tokens is not None:
+            limit = min(limit, params.max_tokens)
+        held = ""                                 # decoded text not yet emitted (possible stop-string start)
+        n, last = 0, None
+        while True:
+            if cancelled():                       # before every token: a gone client stops within one token
+                yield DoneEvent("cancelled", len(prompt), cached, n)
+                return
+            if last is not None:
+                self._decode(last)
+            last = sampler.sample(self._logits)
+            n += 1
+            if last == eos:
+                yield TokenEvent(last, held + stream.flush())
+                yield DoneEvent("stop", len(prompt), cached, n)
+                return
+            held += stream.push(last)
+            hit = _find_stop(held, params.stop)
+            if hit is not None:
+                at, s = hit
+                yield TokenEvent(last, held[:at])
+                yield DoneEvent("stop", len(prompt), cached, n, stop_string=s)
+                return
+            if n >= limit:
+                yield TokenEvent(last, held + stream.flush())
+                yield DoneEvent("length", len(prompt), cached, n)
+                return
+            keep = _stop_prefix_len(held, params.stop)
+            text, held = held[:len(held) - keep], held[len(held) - keep:]
+            yield TokenEvent(last, text)
+
+
+def _find_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
+    """Earliest stop string in text (ties: the shorter, which completed first)."""
+    best = None
+    for s in stops:
+        i = text.find(s)
+        if i >= 0 and (best is None or (i, len(s)) < (best[0], len(best[1]))):
+            best = (i, s)
+    return best
+
+
+def _stop_prefix_len(text: str, stops: list[str]) -> int:
+    """Length of the longest tail of text that is a proper prefix of some stop string (must be held back)."""
+    keep = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), keep, -1):
+            if text.endswith(s[:k]):
+                keep = k
+                break
+    return keep

@@ -1,0 +1,332 @@
+"""Session: prefix reuse (counted on a fake model whose logits depend on the whole history), stop strings,
+EOS, limits, cancellation; then the real numpy reference model on ds4-tiny."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from ds4py.errors import ContextLengthError, Ds4Error
+from ds4py.sampling import SamplingParams
+from ds4py.session import DoneEvent, Session, TokenEvent
+from ds4py.tokenizer import Tokenizer
+
+V = 512
+GREEDY = dict(temperature=0.0)
+
+
+@dataclass
+class FakeState:
+    history: list[int] = field(default_factory=list)
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.history)
+
+    def copy(self) -> "FakeState":
+        return FakeState(list(self.history))
+
+    def nbytes(self) -> int:
+        return 8 * len(self.history)
+
+
+class FakeModel:
+    """Logits are a pseudo-random function of the entire history, so a wrongly reused or half-restored state
+    gives different tokens. `script` forces the tokens that follow a given prefix length (to spell text)."""
+
+    def __init__(self, ctx: int = 4096):
+        self.config = SimpleNamespace(vocab_size=V, context_length=ctx)
+        self.path, self.backend = "<fake>", "fake"
+        self.prefill_calls: list[int] = []
+        self.decode_calls = 0
+        self.script: list[int] = []
+        self.script_start = 0
+        self.fail_decode = False
+
+    def new_state(self) -> FakeState:
+        return FakeState()
+
+    def logits(self, history: list[int]) -> np.ndarray:
+        seed = int.from_bytes(hashlib.sha256(np.asarray(history, np.int64).tobytes()).digest()[:8], "little")
+        out = np.random.default_rng(seed).normal(size=V).astype(np.float32)
+        out[1] = -30.0                                  # EOS only when scripted
+        k = len(history) - self.script_start
+        if 0 <= k < len(self.script):
+            out[self.script[k]] = 50.0
+        return out
+
+    def prefill(self, state, ids, all_logits=False):
+        self.prefill_calls.append(len(ids))
+        state.history.extend(int(i) for i in ids)
+        return self.logits(state.history)
+
+    def decode(self, state, token):
+        if self.fail_decode:
+            raise KeyboardInterrupt
+        self.decode_calls += 1
+        state.history.append(int(token))
+        return self.logits(state.history)
+
+    def weight_bytes_per_token(self) -> int:
+        return 0
+
+
+@pytest.fixture(scope="module")
+def tok(golden) -> Tokenizer:
+    return Tokenizer.from_gguf(golden / "ds4-tiny" / "tiny.gguf")
+
+
+def run(session, prompt, **kw):
+    cancelled = kw.pop("cancelled", None)
+    events = list(session.generate(prompt, SamplingParams(**{**GREEDY, **kw}), cancelled))
+    toks = [e for e in events if isinstance(e, TokenEvent)]
+    done = events[-1]
+    assert isinstance(done, DoneEvent) and all(isinstance(e, TokenEvent) for e in events[:-1])
+    assert done.completion_tokens == len(toks)
+    return [e.token_id for e in toks], "".join(e.text for e in toks), done
+
+
+def fresh_tokens(tok, prompt, n):
+    ids, _, _ = run(Session(FakeModel(), tok), prompt, max_tokens=n)
+    return ids
+
+
+PROMPT = [0, 507, 100, 101, 102, 103, 508, 510]
+
+
+def test_first_request_prefills_everything(tok):
+    m = FakeModel()
+    s = Session(m, tok)
+    ids, text, done = run(s, PROMPT, max_tokens=5)
+    assert (done.finish_reason, done.prompt_tokens, done.cached_tokens, done.completion_tokens) == ("length", 8, 0, 5)
+    assert s.stats.prefilled_tokens == 8 and sum(m.prefill_calls) == 8
+    assert m.decode_calls == 4                       # the last sampled token is never decoded
+    assert s.tokens == PROMPT + ids[:-1]
+    assert text == tok.decode(ids)
+
+
+def test_second_turn_prefills_only_the_new_tokens(tok):
+    m = FakeModel()
+    s = Session(m, tok)
+    ids, _, _ = run(s, PROMPT, max_tokens=6)
+    turn2 = PROMPT + ids + [1, 507, 200, 201, 508, 510]
+    assert s.prompt_cache_tokens(turn2) == len(PROMPT) + 5
+    before = s.stats.prefilled_tokens
+    ids2, _, done = run(s, turn2, max_tokens=6)
+    assert done.cached_tokens == len(PROMPT) + 5
+    assert s.stats.prefilled_tokens - before == len(turn2) - done.cached_tokens == 7
+    assert ids2 == fresh_tokens(tok, turn2, 6)       # same history -> same logits -> same greedy tokens
+
+
+def test_thinking_turn_diverging_at_last_prompt_token_restores_snapshot(tok):
+    m = FakeModel()
+    s = Session(m, tok)
+    think = PROMPT[:-1] + [509]                      # ... <｜Assistant｜><think>
+    ids, _, _ = run(s, think, max_tokens=6)
+    # history re-renders the turn as <｜Assistant｜></think>answer: diverges at the last prompt token
+    turn2 = PROMPT[:-1] + [510, 300, 301, 1, 507, 200, 508, 509]
+    assert s.prompt_cache_tokens(turn2) == len(PROMPT) - 1
+    before = s.stats.prefilled_tokens
+    ids2, _, done = run(s, turn2, max_tokens=4)
+    assert done.cached_tokens == len(PROMPT) - 1 and s.stats.snapshots_restored == 1
+    assert s.stats.prefilled_tokens - before == len(turn2) - len(PROMPT) + 1
+    assert ids2 == fresh_tokens(tok, turn2, 4)
+
+
+def test_repeated_prompt_reuses_all_but_one_or_all(tok):
+    s = Session(FakeModel(), tok)
+    a, _, _ = run(s, PROMPT, max_tokens=3)
+    b, _, done = run(s, PROMPT, max_tokens=3)
+    assert a == b and done.cached_tokens == len(PROMPT) - 1
+    # one-token completions leave the live state exactly at the prompt: nothing to prefill at all
+    s = Session(FakeModel(), tok)
+    run(s, PROMPT, max_tokens=1)
+    before = s.stats.prefilled_tokens
+    c, _, done = run(s, PROMPT, max_tokens=3)
+    assert done.cached_tokens == len(PROMPT) and s.stats.prefilled_tokens == before and c == a
+
+
+def test_snapshots_are_bounded_and_independent(tok):
+    s = Session(FakeModel(), tok, max_snapshots=2)
+    prompts = [[0, 507, 100 + i, 508, 510] for i in range(3)]
+    for p in prompts:
+        run(s, p, max_tokens=2)
+    assert len(s._snapshots) == 2
+    assert s.prompt_cache_tokens(prompts[0]) == 0          # its snapshot was evicted (least recently used)
+    assert s.prompt_cache_tokens(prompts[2]) == 4
+    # a restored snapshot is copied: generating from it must not change the stored one
+    snap = s._snapshots[-1]
+    stored = list(snap.state.history)
+    run(s, prompts[2] + [300, 301], max_tokens=3)
+    assert snap.state.history == stored
+
+
+def test_reset_forgets_everything(tok):
+    s = Session(FakeModel(), tok)
+    run(s, PROMPT, max_tokens=2)
+    s.reset()
+    assert s.prompt_cache_tokens(PROMPT) == 0
+    _, _, done = run(s, PROMPT, max_tokens=2)
+    assert done.cached_tokens == 0
+
+
+def test_prompt_errors(tok):
+    s = Session(FakeModel(ctx=16), tok)
+    with pytest.raises(ContextLengthError, match="16"):
+        s.generate(list(range(2, 18)), SamplingParams())
+    with pytest.raises(Ds4Error, match="empty"):
+        s.generate([], SamplingParams())
+    with pytest.raises(Ds4Error, match="vocabulary"):
+        s.generate([0, 512], SamplingParams())
+    with pytest.raises(Ds4Error, match="exceeds"):
+        Session(FakeModel(ctx=16), tok, ctx_size=32)
+
+
+def test_context_full_ends_with_length(tok):
+    s = Session(FakeModel(), tok, ctx_size=len(PROMPT) + 3)
+    ids, _, done = run(s, PROMPT, max_tokens=100)
+    assert done.finish_reason == "length" and len(ids) == 3
+    _, _, done = run(s, list(range(2, 2 + len(PROMPT) + 2)))   # exactly one token of room
+    assert done.completion_tokens == 1
+
+
+def scripted(tok, text: str, prompt=PROMPT, eos=False):
+    m = FakeModel()
+    m.script = tok.encode(text) + ([tok.eos_id] if eos else [])
+    m.script_start = len(prompt)
+    return m
+
+
+def test_stop_string_is_cut_and_never_emitted(tok):
+    m = scripted(tok, "abc STOP def")
+    ids, text, done = run(Session(m, tok), PROMPT, max_tokens=20, stop=["XYZ", "STOP"])
+    assert (text, done.finish_reason, done.stop_string) == ("abc ", "stop", "STOP")
+    assert tok.decode(ids).endswith("STOP")
+
+
+def test_stop_prefix_is_held_back_then_released(tok):
+    m = scripted(tok, "abc STOP def")
+    events = list(Session(m, tok).generate(PROMPT, SamplingParams(max_tokens=20, stop=["STAR"], **GREEDY)))
+    texts = [e.text for e in events if isinstance(e, TokenEvent)]
+    # 'S', 'T' could start "STAR": held (empty deltas) until 'O' rules it out, then released at once
+    i = texts.index("ST" + "O")
+    assert texts[i - 2:i] == ["", ""]
+    assert "".join(texts).startswith("abc STOP def")
+    # a prefix still pending when the limit hits is flushed with the last token
+    m = scripted(tok, "abc ST")
+    _, text, done = run(Session(m, tok), PROMPT, max_tokens=len(m.script), stop=["STAR"])
+    assert text == "abc ST" and done.finish_reason == "length"
+
+
+def test_eos_stops_and_ignore_eos_continues(tok):
+    m = scripted(tok, "abc", eos=True)
+    ids, text, done = run(Session(m, tok), PROMPT, max_tokens=20)
+    assert ids[-1] == tok.eos_id and text == "abc" and done.finish_reason == "stop" and done.stop_string is None
+    m = scripted(tok, "abc", eos=True)
+    ids, text, done = run(Session(m, tok), PROMPT, max_tokens=6, ignore_eos=True)
+    assert done.finish_reason == "length" and ids[3] == tok.eos_id and text.startswith("abc<｜end▁of▁sentence｜>")
+
+
+def test_text_deltas_never_split_utf8(tok):
+    m = scripted(tok, "héllo 日本")
+    events = list(Session(m, tok).generate(PROMPT, SamplingParams(max_tokens=len(m.script), **GREEDY)))
+    texts = [e.text for e in events if isinstance(e, TokenEvent)]
+    assert "".join(texts) == "héllo 日本"
+    assert "\ufffd" not in "".join(texts) and texts[1] == "" and texts[2] == "é"
+
+
+def test_cancel_stops_before_the_next_decode(tok):
+    m = FakeModel()
+    s = Session(m, tok)
+    got = []
+    gen = s.generate(PROMPT, SamplingParams(max_tokens=50, **GREEDY), cancelled=lambda: len(got) >= 3)
+    for ev in gen:
+        got.append(ev)
+    done = got[-1]
+    assert done.finish_reason == "cancelled" and done.completion_tokens == 3
+    assert m.decode_calls == 2                       # no forward pass after the client went away
+
+
+def test_cancel_during_prefill_keeps_a_reusable_state(tok):
+    m = FakeModel()
+    s = Session(m, tok, prefill_chunk=4)
+    long_prompt = list(range(2, 40))
+    calls = iter(range(100))
+    _, _, done = run(s, long_prompt, cancelled=lambda: next(calls) >= 3)
+    assert done.finish_reason == "cancelled" and done.completion_tokens == 0
+    assert s.tokens == long_prompt[:12]
+    ids, _, done = run(s, long_prompt, max_tokens=3)
+    assert done.cached_tokens == 12 and ids == fresh_tokens(tok, long_prompt, 3)
+
+
+def test_interrupted_model_call_drops_the_live_state(tok):
+    m = FakeModel()
+    s = Session(m, tok)
+    m.fail_decode = True
+    with pytest.raises(KeyboardInterrupt):
+        run(s, PROMPT, max_tokens=5)
+    assert s.state is None and s.tokens == []
+    m.fail_decode = False
+    ids, _, done = run(s, PROMPT, max_tokens=4)       # snapshot before the last prompt token survives
+    assert done.cached_tokens == len(PROMPT) - 1 and ids == fresh_tokens(tok, PROMPT, 4)
+
+
+def test_one_generation_at_a_time(tok):
+    s = Session(FakeModel(), tok)
+    g = s.generate(PROMPT, SamplingParams(max_tokens=5, **GREEDY))
+    next(g)
+    with pytest.raises(RuntimeError, match="already generating"):
+        next(s.generate(PROMPT, SamplingParams(max_tokens=5)))
+    g.close()
+    run(s, PROMPT, max_tokens=2)
+
+
+def test_seeded_sampling_is_reproducible_across_sessions(tok):
+    a, _, _ = run(Session(FakeModel(), tok), PROMPT, max_tokens=8, temperature=1.0, seed=3)
+    b, _, _ = run(Session(FakeModel(), tok), PROMPT, max_tokens=8, temperature=1.0, seed=3)
+    c, _, _ = run(Session(FakeModel(), tok), PROMPT, max_tokens=8, temperature=1.0, seed=4)
+    assert a == b and a != c
+
+
+# ---- the real numpy reference model on ds4-tiny ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ref_model(golden):
+    engine = pytest.importorskip("ds4py.ref.engine", reason="the reference engine is not in the tree yet")
+    return engine.RefModel(str(golden / "ds4-tiny" / "tiny.gguf"))
+
+
+def test_ref_second_turn_reuses_prefix_with_same_logits(ref_model, tok):
+    s = Session(ref_model, tok, ctx_size=4096)
+    p1 = [0, 507] + tok.encode("Hello there, how are you?") + [508, 510]
+    ids, _, done = run(s, p1, max_tokens=4)
+    assert done.cached_tokens == 0
+    p2 = p1 + ids + [1, 507] + tok.encode("And now?") + [508, 510]
+    before = s.stats.prefilled_tokens
+    _, _, done = run(s, p2, max_tokens=1)
+    assert done.cached_tokens == len(p1) + 3
+    assert s.stats.prefilled_tokens - before == len(p2) - len(p1) - 3
+    fresh = ref_model.prefill(ref_model.new_state(), p2)
+    np.testing.assert_allclose(s._logits, fresh, atol=2e-3, rtol=1e-3)
+    assert int(np.argmax(s._logits)) == int(np.argmax(fresh))
+
+
+def test_ref_snapshot_restore_is_independent(ref_model, tok):
+    s = Session(ref_model, tok, ctx_size=4096)
+    base = [0, 507] + tok.encode("Count to three.") + [508]
+    run(s, base + [509], max_tokens=3)                       # thinking prompt
+    turn2 = base + [510] + tok.encode("one two") + [1, 507] + tok.encode("again") + [508, 509]
+    _, _, d1 = run(s, turn2, max_tokens=1)
+    logits_a = s._logits.copy()
+    _, _, d2 = run(s, turn2, max_tokens=1)                   # same prompt: exact live match
+    assert d1.cached_tokens == len(base) and d2.cached_tokens == len(turn2)
+    np.testing.assert_array_equal(s._logits, logits_a)
+    s.reset()
+    _, _, d3 = run(s, turn2, max_tokens=1)
+    assert d3.cached_tokens == 0
+    np.testing.assert_allclose(s._logits, logits_a, atol=2e-3, rtol=1e-3)
