@@ -1,0 +1,28 @@
+"""`python -m ds4py convert SRC_DIR OUT.gguf`: official V4 Flash safetensors -> ds4-layout GGUF."""
+
+from __future__ import annotations
+
+import argparse
+
+NAME = "convert"
+HELP = "convert an official DeepSeek V4 Flash checkpoint folder into a ds4-layout GGUF"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", metavar="SRC_DIR", help="folder with config.json and *.safetensors (single or sharded)")
+    p.add_argument("out", metavar="OUT.gguf", help="output file (written to a temporary file, renamed at the end)")
+    p.add_argument("--experts", choices=["mxfp4", "q4_k", "q2_k"], default="mxfp4",
+                   help="routed experts: mxfp4 = lossless repack of the official FP4 (default); q4_k / q2_k = smaller, lossy")
+    p.add_argument("--dense", choices=["q8_0", "f16", "f32"], default="q8_0",
+                   help="dense FP8 linears and head: q8_0 (default, lossy) | f16 (lossless, F32 where F16 is not exact) | f32")
+    p.add_argument("--tokenizer", metavar="TOKENIZER_JSON",
+                   help="HF tokenizer.json to embed (default: SRC_DIR/tokenizer.json when present)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ds4py.convert import convert_checkpoint
+
+    convert_checkpoint(args.src, args.out, experts=args.experts, dense=args.dense, tokenizer=args.tokenizer,
+                       progress=not args.quiet)
+    return 0

@@ -1,0 +1,639 @@
+"""Official DeepSeek V4 Flash checkpoint (safetensors) -> GGUF in the ds4 layout (MODEL.md §5, §6).
+
+The conversion streams: tensor infos are planned first (names, shapes, types), then each GGUF tensor is
+built from its official source(s), written, and dropped, so peak memory is about one output tensor plus a
+row chunk of float32 work space. The output goes to a temporary file that is renamed only on success.
+
+Types written (`dense` = the FP8 linears' mode; F16/F32 "slots" are the tensors ds4 keeps unquantised):
+    slot        q8_0 (default)           f16 (lossless)                   f32 (lossless)
+    Q8 linear   Q8_0 (lossy, ~0.4%)      F16 if every value is exact, else F32    F32
+    F16 slot    F16 (rounded)            F16 if every value is exact, else F32    F32
+    F32 slot    F32                      F32                              F32
+    experts     --experts mxfp4 (lossless repack of FP4+e8m0) | q4_k | q2_k (lossy)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+
+from ds4py import quant
+from ds4py.errors import Ds4Error
+from ds4py.quant import official
+
+
+class ConvertError(Ds4Error):
+    """The checkpoint cannot be converted: missing/unknown tensor, wrong shape, unknown dtype, bad config."""
+
+
+ARCH = "deepseek4"
+EXPERT_TYPES = {"mxfp4": QT.MXFP4, "q4_k": QT.Q4_K, "q2_k": QT.Q2_K}
+DENSE_MODES = ("q8_0", "f16", "f32")
+ROW_CHUNK = 2048          # rows converted at a time (a multiple of every FP8 tile size)
+
+
+# ----------------------------------------------------------------------------------------------- shape
+@dataclass
+class V4Shape:
+    """Every size the ds4 layout depends on (official ModelArgs names)."""
+    n_layers: int
+    dim: int
+    vocab_size: int
+    n_heads: int
+    head_dim: int = 512
+    rope_head_dim: int = 64
+    q_lora_rank: int = 1024
+    o_groups: int = 8
+    o_lora_rank: int = 1024
+    n_routed_experts: int = 256
+    n_activated_experts: int = 6
+    n_shared_experts: int = 1
+    moe_inter_dim: int = 2048
+    n_hash_layers: int = 3
+    window_size: int = 128
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 512
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    norm_eps: float = 1e-6
+    compress_ratios: list[int] = field(default_factory=list)
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    rope_factor: float = 16.0
+    original_seq_len: int = 65536
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    route_scale: float = 1.5
+    swiglu_limit: float = 10.0
+    n_mtp_layers: int = 0
+
+    @property
+    def context_length(self) -> int:
+        return int(self.original_seq_len * self.rope_factor)
+
+    def ratio(self, layer: int) -> int:
+        return int(self.compress_ratios[layer])
+
+    def check(self) -> None:
+        if len(self.compress_ratios) < self.n_layers:
+            raise ConvertError(f"config: compress_ratios has {len(self.compress_ratios)} entries for {self.n_layers} layers")
+        bad = sorted({r for r in self.compress_ratios[: self.n_layers] if r not in (0, 4, 128)})
+        if bad:
+            raise ConvertError(f"config: compress ratios {bad} are not V4 Flash ratios (0, 4, 128); "
+                               "V4.1 checkpoints are not supported")
+        if self.n_heads % self.o_groups:
+            raise ConvertError(f"config: n_heads {self.n_heads} is not a multiple of o_groups {self.o_groups}")
+
+
+# HF-style aliases accepted in config.json besides the official ModelArgs names (inference/config.json).
+CONFIG_ALIASES = {
+    "hidden_size": "dim", "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads",
+    "moe_intermediate_size": "moe_inter_dim", "num_experts_per_tok": "n_activated_experts",
+    "rms_norm_eps": "norm_eps", "routed_scaling_factor": "route_scale", "num_nextn_predict_layers": "n_mtp_layers",
+    "sliding_window": "window_size", "qk_rope_head_dim": "rope_head_dim", "num_hash_layers": "n_hash_layers",
+    "index_topk": "index_topk", "o_lora_rank": "o_lora_rank",
+}
+V41_KEYS = ("kv_source_layers", "index_source_layers", "engram_layers", "candidate_source_layer", "dspark_stages",
+            "n_dspark_layers", "engram")
+
+
+def shape_from_config(cfg: dict[str, Any]) -> V4Shape:
+    for k in V41_KEYS:
+        if k in cfg:
+            raise ConvertError(f"config.json has {k!r}: this is a V4.1 checkpoint, which is not supported (V4 Flash only)")
+    c = {CONFIG_ALIASES.get(k, k): v for k, v in cfg.items()}
+    rs = c.get("rope_scaling") or {}
+    for src, dst in (("factor", "rope_factor"), ("original_max_position_embeddings", "original_seq_len"),
+                     ("beta_fast", "beta_fast"), ("beta_slow", "beta_slow")):
+        if src in rs and dst not in c:
+            c[dst] = rs[src]
+    fields = V4Shape.__dataclass_fields__
+    missing = [k for k in ("n_layers", "dim", "vocab_size", "n_heads") if k not in c]
+    if missing:
+        raise ConvertError(f"config.json lacks {', '.join(missing)}")
+    shape = V4Shape(**{k: v for k, v in c.items() if k in fields})
+    if not shape.compress_ratios:
+        raise ConvertError("config.json lacks compress_ratios")
+    shape.compress_ratios = [int(r) for r in shape.compress_ratios[: shape.n_layers]]
+    shape.check()
+    return shape
+
+
+def gguf_metadata(s: V4Shape) -> list[tuple[str, str, Any]]:
+    """(key, type, value) in ds4's order; types: u32, f32, bool, i32[], f32[]."""
+    A = ARCH + "."
+    return [
+        (A + "block_count", "u32", s.n_layers),
+        (A + "context_length", "u32", s.context_length),
+        (A + "embedding_length", "u32", s.dim),
+        (A + "vocab_size", "u32", s.vocab_size),
+        (A + "attention.head_count", "u32", s.n_heads),
+        (A + "attention.head_count_kv", "u32", 1),
+        (A + "attention.key_length", "u32", s.head_dim),
+        (A + "attention.value_length", "u32", s.head_dim),
+        (A + "rope.dimension_count", "u32", s.rope_head_dim),
+        (A + "attention.q_lora_rank", "u32", s.q_lora_rank),
+        (A + "attention.output_lora_rank", "u32", s.o_lora_rank),
+        (A + "attention.output_group_count", "u32", s.o_groups),
+        (A + "expert_count", "u32", s.n_routed_experts),
+        (A + "expert_used_count", "u32", s.n_activated_experts),
+        (A + "expert_feed_forward_length", "u32", s.moe_inter_dim),
+        (A + "expert_shared_count", "u32", s.n_shared_experts),
+        (A + "hash_layer_count", "u32", s.n_hash_layers),
+        (A + "expert_group_count", "u32", 0),
+        (A + "expert_group_used_count", "u32", 0),
+        (A + "attention.sliding_window", "u32", s.window_size),
+        (A + "attention.indexer.head_count", "u32", s.index_n_heads),
+        (A + "attention.indexer.key_length", "u32", s.index_head_dim),
+        (A + "attention.indexer.top_k", "u32", s.index_topk),
+        (A + "hyper_connection.count", "u32", s.hc_mult),
+        (A + "hyper_connection.sinkhorn_iterations", "u32", s.hc_sinkhorn_iters),
+        (A + "hyper_connection.epsilon", "f32", s.hc_eps),
+        (A + "attention.compress_ratios", "i32[]", list(s.compress_ratios[: s.n_layers])),
+        (A + "swiglu_clamp_exp", "f32[]", [float(s.swiglu_limit)] * s.n_layers),
+        (A + "rope.scaling.original_context_length", "u32", s.original_seq_len),
+        (A + "rope.freq_base", "f32", s.rope_theta),
+        (A + "rope.scaling.factor", "f32", s.rope_factor),
+        (A + "rope.scaling.yarn_beta_fast", "f32", s.beta_fast),
+        (A + "rope.scaling.yarn_beta_slow", "f32", s.beta_slow),
+        (A + "attention.compress_rope_freq_base", "f32", s.compress_rope_theta),
+        (A + "expert_weights_scale", "f32", s.route_scale),
+        (A + "expert_weights_norm", "bool", True),
+        (A + "attention.layer_norm_rms_epsilon", "f32", s.norm_eps),
+    ]
+
+
+# ----------------------------------------------------------------------------------------------- layout
+@dataclass
+class Spec:
+    """One GGUF tensor: name, numpy shape (reversed ne), slot kind, official source name(s)."""
+    name: str
+    shape: tuple[int, ...]
+    slot: str               # "q8" | "f16" | "f32" | "experts" | "i32"
+    src: str | list[str]    # official tensor name (per-expert list for "experts")
+
+
+def ds4_layout(s: V4Shape) -> list[Spec]:
+    """Every tensor of the ds4 GGUF, in ds4's order, with its official source (MODEL.md §5)."""
+    D, V, H, hd, hc = s.dim, s.vocab_size, s.n_heads, s.head_dim, s.hc_mult
+    mix = (2 + hc) * hc
+    FF, NX = s.moe_inter_dim, s.n_routed_experts
+    out = [
+        Spec("token_embd.weight", (V, D), "f16", "embed.weight"),
+        Spec("output_hc_base.weight", (hc,), "f32", "hc_head_base"),
+        Spec("output_hc_fn.weight", (hc, hc * D), "f16", "hc_head_fn"),
+        Spec("output_hc_scale.weight", (1,), "f32", "hc_head_scale"),
+        Spec("output_norm.weight", (D,), "f32", "norm.weight"),
+        Spec("output.weight", (V, D), "q8", "head.weight"),
+    ]
+    for il in range(s.n_layers):
+        p, o = f"blk.{il}.", f"layers.{il}."
+        r = s.ratio(il)
+        for k in ("attn", "ffn"):
+            out += [Spec(p + f"hc_{k}_fn.weight", (mix, hc * D), "f16", o + f"hc_{k}_fn"),
+                    Spec(p + f"hc_{k}_scale.weight", (3,), "f32", o + f"hc_{k}_scale"),
+                    Spec(p + f"hc_{k}_base.weight", (mix,), "f32", o + f"hc_{k}_base")]
+        out += [
+            Spec(p + "attn_norm.weight", (D,), "f32", o + "attn_norm.weight"),
+            Spec(p + "attn_q_a.weight", (s.q_lora_rank, D), "q8", o + "attn.wq_a.weight"),
+            Spec(p + "attn_q_a_norm.weight", (s.q_lora_rank,), "f32", o + "attn.q_norm.weight"),
+            Spec(p + "attn_q_b.weight", (H * hd, s.q_lora_rank), "q8", o + "attn.wq_b.weight"),
+            Spec(p + "attn_kv.weight", (hd, D), "q8", o + "attn.wkv.weight"),
+            Spec(p + "attn_kv_a_norm.weight", (hd,), "f32", o + "attn.kv_norm.weight"),
+            Spec(p + "attn_sinks.weight", (H,), "f32", o + "attn.attn_sink"),
+            Spec(p + "attn_output_a.weight", (s.o_groups * s.o_lora_rank, H * hd // s.o_groups), "q8",
+                 o + "attn.wo_a.weight"),
+            Spec(p + "attn_output_b.weight", (D, s.o_groups * s.o_lora_rank), "q8", o + "attn.wo_b.weight"),
+        ]
+        if r:
+            cw = (2 if r == 4 else 1) * hd
+            c = o + "attn.compressor."
+            out += [Spec(p + "attn_compressor_ape.weight", (r, cw), "f16", c + "ape"),
+                    Spec(p + "attn_compressor_kv.weight", (cw, D), "f16", c + "wkv.weight"),
+                    Spec(p + "attn_compressor_gate.weight", (cw, D), "f16", c + "wgate.weight"),
+                    Spec(p + "attn_compressor_norm.weight", (hd,), "f32", c + "norm.weight")]
+        if r == 4:
+            ih, ihd = s.index_n_heads, s.index_head_dim
+            x = o + "attn.indexer."
+            out += [Spec(p + "indexer.attn_q_b.weight", (ih * ihd, s.q_lora_rank), "f16", x + "wq_b.weight"),
+                    Spec(p + "indexer.proj.weight", (ih, D), "f16", x + "weights_proj.weight"),
+                    Spec(p + "indexer_compressor_ape.weight", (4, 2 * ihd), "f16", x + "compressor.ape"),
+                    Spec(p + "indexer_compressor_kv.weight", (2 * ihd, D), "f16", x + "compressor.wkv.weight"),
+                    Spec(p + "indexer_compressor_gate.weight", (2 * ihd, D), "f16", x + "compressor.wgate.weight"),
+                    Spec(p + "indexer_compressor_norm.weight", (ihd,), "f32", x + "compressor.norm.weight")]
+        out += [Spec(p + "ffn_norm.weight", (D,), "f32", o + "ffn_norm.weight"),
+                Spec(p + "ffn_gate_inp.weight", (NX, D), "f16", o + "ffn.gate.weight")]
+        if il >= s.n_hash_layers:
+            out.append(Spec(p + "exp_probs_b.bias", (NX,), "f32", o + "ffn.gate.bias"))
+        e = o + "ffn.experts."
+        out += [Spec(p + "ffn_gate_exps.weight", (NX, FF, D), "experts", [e + f"{i}.w1.weight" for i in range(NX)]),
+                Spec(p + "ffn_up_exps.weight", (NX, FF, D), "experts", [e + f"{i}.w3.weight" for i in range(NX)]),
+                Spec(p + "ffn_down_exps.weight", (NX, D, FF), "experts", [e + f"{i}.w2.weight" for i in range(NX)])]
+        FS = FF * s.n_shared_experts
+        sh = o + "ffn.shared_experts."
+        out += [Spec(p + "ffn_gate_shexp.weight", (FS, D), "q8", sh + "w1.weight"),
+                Spec(p + "ffn_up_shexp.weight", (FS, D), "q8", sh + "w3.weight"),
+                Spec(p + "ffn_down_shexp.weight", (D, FS), "q8", sh + "w2.weight")]
+        if il < s.n_hash_layers:
+            out.append(Spec(p + "ffn_gate_tid2eid.weight", (V, s.n_activated_experts), "i32", o + "ffn.gate.tid2eid"))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- safetensors
+ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64, "I64": np.int64,
+             "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "F8_E4M3": np.uint8,
+             "F8_E8M0": np.uint8, "BOOL": np.uint8}
+
+
+class Checkpoint:
+    """Memory-mapped tensors of one safetensors file or a sharded set (model.safetensors.index.json)."""
+
+    def __init__(self, src: str):
+        self.src = src
+        index = os.path.join(src, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index) as fh:
+                weight_map = json.load(fh)["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(f for f in os.listdir(src) if f.endswith(".safetensors"))
+            if not files:
+                raise ConvertError(f"{src}: no *.safetensors files and no model.safetensors.index.json")
+        self.entries: dict[str, tuple[str, str, tuple[int, ...], int, int]] = {}
+        for fname in files:
+            path = os.path.join(src, fname)
+            if not os.path.isfile(path):
+                raise ConvertError(f"{src}: shard {fname} named in the index is missing")
+            with open(path, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(n))
+            base = 8 + n
+            for name, e in header.items():
+                if name == "__metadata__":
+                    continue
+                b0, b1 = e["data_offsets"]
+                self.entries[name] = (path, e["dtype"], tuple(e["shape"]), base + b0, b1 - b0)
+        self._maps: dict[str, np.memmap] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def dtype(self, name: str) -> str:
+        return self._entry(name)[1]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._entry(name)[2]
+
+    def _entry(self, name: str):
+        e = self.entries.get(name)
+        if e is None:
+            raise ConvertError(f"{self.src}: tensor {name!r} is missing from the checkpoint")
+        return e
+
+    def raw(self, name: str) -> np.ndarray:
+        """The stored values as a numpy view (bf16 / fp8 / e8m0 as raw integer codes)."""
+        path, dt, shape, off, nbytes = self._entry(name)
+        if dt not in ST_DTYPES:
+            raise ConvertError(f"{self.src}: tensor {name!r} has dtype {dt}, which the converter does not know")
+        if path not in self._maps:
+            self._maps[path] = np.memmap(path, dtype=np.uint8, mode="r")
+        return self._maps[path][off: off + nbytes].view(ST_DTYPES[dt]).reshape(shape)
+
+    def floats(self, name: str, r0: int = 0, r1: int | None = None) -> np.ndarray:
+        """Rows [r0, r1) of a weight, dequantised exactly to float32 (FP8 and FP4 use their `.scale`)."""
+        dt = self.dtype(name)
+        x = self.raw(name)
+        r1 = x.shape[0] if r1 is None or x.ndim == 0 else r1
+        if dt == "BF16":
+            return quant.dequantize(np.ascontiguousarray(x[r0:r1]), QT.BF16, x[r0:r1].shape)
+        if dt in ("F32", "F16", "F64"):
+            return np.asarray(x[r0:r1] if x.ndim else x, dtype=np.float32)
+        sname = name[: -len(".weight")] + ".scale" if name.endswith(".weight") else name + ".scale"
+        if dt == "F8_E4M3":
+            s = self.raw(sname)
+            if self.dtype(sname) not in ("F8_E8M0", "U8"):
+                raise ConvertError(f"{self.src}: scale {sname!r} has dtype {self.dtype(sname)}, expected F8_E8M0")
+            b = official.fp8_block_size(x.shape, s.shape, prefer=(128,))
+            if b != 128:
+                raise ConvertError(f"{self.src}: {name!r} uses {b}x{b} FP8 tiles; V4 Flash uses 128x128 "
+                                   "(V4.1 checkpoints are not supported)")
+            return official.dequant_fp8(x[r0:r1], s[r0 // b: -(-r1 // b)], b)
+        if dt == "I8":                                # routed expert: packed e2m1 pairs + e8m0 per 32
+            return official.dequant_fp4(x[r0:r1], self.raw(sname)[r0:r1])
+        raise ConvertError(f"{self.src}: tensor {name!r} has dtype {dt}, which is not a weight dtype")
+
+
+# ----------------------------------------------------------------------------------------------- tokenizer
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (byte-level BPE symbols)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs)))
+
+
+@dataclass
+class Tokenizer:
+    tokens: list[str]
+    token_types: list[int]     # 1 normal, 3 control (added / special tokens: matched literally), 5 unused
+    merges: list[str]          # "a b", rank = index
+    bos: int = 0
+    eos: int = 1
+    pre: str = "joyai-llm"
+
+
+def load_hf_tokenizer(path: str, vocab_size: int) -> Tokenizer:
+    """tokenizer.json (HF byte-level BPE) -> GGUF tokenizer arrays padded to `vocab_size` rows."""
+    with open(path, encoding="utf-8") as fh:
+        tj = json.load(fh)
+    model = tj.get("model") or {}
+    if model.get("type") != "BPE":
+        raise ConvertError(f"{path}: tokenizer model is {model.get('type')!r}, expected BPE")
+    id_to_tok: dict[int, str] = {int(i): t for t, i in model["vocab"].items()}
+    types = {i: 1 for i in id_to_tok}
+    for a in tj.get("added_tokens", []):
+        id_to_tok[int(a["id"])] = a["content"]
+        types[int(a["id"])] = 3
+    n = max(id_to_tok) + 1
+    if n > vocab_size:
+        raise ConvertError(f"{path}: the tokenizer has {n} ids but the model's vocab has {vocab_size} rows")
+    tokens = [id_to_tok.get(i, f"[PAD{i}]") for i in range(vocab_size)]
+    ttypes = [types.get(i, 5) for i in range(vocab_size)]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    bos, eos = 0, 1
+    cfg_path = os.path.join(os.path.dirname(path), "tokenizer_config.json")
+    if os.path.isfile(cfg_path):
+        with open(cfg_path, encoding="utf-8") as fh:
+            tc = json.load(fh)
+        rev = {t: i for i, t in enumerate(tokens)}
+        for key in ("bos_token", "eos_token"):
+            t = tc.get(key)
+            t = t.get("content") if isinstance(t, dict) else t
+            if t in rev:
+                bos, eos = (rev[t], eos) if key == "bos_token" else (bos, rev[t])
+    return Tokenizer(tokens, ttypes, merges, bos, eos)
+
+
+# ----------------------------------------------------------------------------------------------- writing
+@dataclass
+class OutTensor:
+    name: str
+    shape: tuple[int, ...]
+    qtype: QT
+    make: Callable[[], np.ndarray]     # -> uint8 / typed array with exactly nbytes(qtype, shape) bytes
+
+    @property
+    def nbytes(self) -> int:
+        rows = int(np.prod(self.shape[:-1], dtype=np.int64)) if len(self.shape) > 1 else 1
+        if self.qtype == QT.I32:
+            return rows * self.shape[-1] * 4
+        return rows * quant.row_nbytes(self.qtype, self.shape[-1])
+
+
+def write_gguf(out: str, name: str, meta: list[tuple[str, str, Any]], tok: Tokenizer | None,
+               tensors: list[OutTensor], progress: bool = True) -> None:
+    """Write a GGUF to `out` via a temporary file; tensors are built one at a time by `make()`."""
+    import gguf
+
+    out_dir = os.path.dirname(os.path.abspath(out)) or "."
+    if not os.path.isdir(out_dir):
+        raise ConvertError(f"{out}: the output folder {out_dir} does not exist")
+    tmp = os.path.join(out_dir, f".{os.path.basename(out)}.tmp-{os.getpid()}")
+    w = gguf.GGUFWriter(tmp, ARCH)
+    try:
+        w.add_name(name)
+        for key, typ, val in meta:
+            if typ == "u32":
+                w.add_uint32(key, int(val))
+            elif typ == "f32":
+                w.add_float32(key, float(val))
+            elif typ == "bool":
+                w.add_bool(key, bool(val))
+            elif typ == "i32[]":
+                w.add_key_value(key, [int(v) for v in val], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32)
+            elif typ == "f32[]":
+                w.add_key_value(key, [float(v) for v in val], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.FLOAT32)
+            else:
+                raise AssertionError(typ)
+        if tok is not None:
+            w.add_tokenizer_model("gpt2")
+            w.add_tokenizer_pre(tok.pre)
+            w.add_token_list(tok.tokens)
+            w.add_token_types(tok.token_types)
+            w.add_token_merges(tok.merges)
+            w.add_bos_token_id(tok.bos)
+            w.add_eos_token_id(tok.eos)
+            w.add_add_bos_token(False)
+        for t in tensors:
+            w.add_tensor_info(t.name, t.shape, np.dtype(np.int32 if t.qtype == QT.I32 else np.float32), t.nbytes,
+                              raw_dtype=t.qtype)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        total = sum(t.nbytes for t in tensors)
+        done, t0 = 0, time.time()
+        for i, t in enumerate(tensors):
+            data = np.ascontiguousarray(t.make())
+            if data.nbytes != t.nbytes:
+                raise AssertionError(f"{t.name}: built {data.nbytes} bytes, planned {t.nbytes}")
+            w.write_tensor_data(data)
+            done += t.nbytes
+            if progress:
+                print(f"[{i + 1:4d}/{len(tensors)}] {t.name:<36s} {t.qtype.name:<7s} {list(t.shape[::-1])} "
+                      f"{done / 2**20:9.1f}/{total / 2**20:.1f} MiB {time.time() - t0:6.1f}s", file=sys.stderr)
+            del data
+        w.close()
+        os.replace(tmp, out)
+    except BaseException:
+        w.close()
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+# ----------------------------------------------------------------------------------------------- conversion
+def _f16_exact(x: np.ndarray) -> bool:
+    h = x.astype(np.float16)
+    return bool(np.array_equal(h.astype(np.float32), x) and np.isfinite(h).all() == np.isfinite(x).all())
+
+
+def _encode(x: np.ndarray, qt: QT) -> np.ndarray:
+    if qt == QT.F16:
+        h = x.astype(np.float16)
+        if not np.isfinite(h[np.isfinite(x)]).all():
+            raise ConvertError("a value overflows F16")
+        return h
+    return quant.quantize(x, qt)
+
+
+class _Converter:
+    def __init__(self, ck: Checkpoint, shape: V4Shape, experts: str, dense: str, progress: bool):
+        self.ck, self.s, self.progress = ck, shape, progress
+        self.expert_qt = EXPERT_TYPES[experts]
+        self.dense = dense
+        self.notes: list[str] = []
+
+    def log(self, msg: str) -> None:
+        if self.progress:
+            print(msg, file=sys.stderr)
+
+    # -- source checks -------------------------------------------------------------------------------------
+    def expect(self, name: str, shape: tuple[int, ...]) -> None:
+        ck = self.ck
+        dt, got = ck.dtype(name), ck.shape(name)
+        if dt == "I8" and len(shape) == 2:        # FP4 packs two values per byte
+            shape = (shape[0], shape[1] // 2)
+        if dt not in ST_DTYPES:
+            raise ConvertError(f"{ck.src}: tensor {name!r} has dtype {dt}, which the converter does not know")
+        if tuple(got) != tuple(shape):
+            raise ConvertError(f"{ck.src}: tensor {name!r} has shape {list(got)}, expected {list(shape)} from config.json")
+
+    def rows(self, name: str, nrows: int):
+        for r0 in range(0, nrows, ROW_CHUNK):
+            r1 = min(nrows, r0 + ROW_CHUNK)
+            yield r0, r1, self.ck.floats(name, r0, r1)
+
+    def all_exact_f16(self, name: str, nrows: int) -> bool:
+        return all(_f16_exact(x) for _, _, x in self.rows(name, nrows))
+
+    # -- plan ------------------------------------------------------------------------------------------------
+    def plan(self) -> list[OutTensor]:
+        out = []
+        for sp in ds4_layout(self.s):
+            if sp.slot == "experts":
+                for e in sp.src:
+                    self.expect(e, sp.shape[1:])
+                out.append(self.plan_experts(sp))
+                continue
+            self.expect(sp.src, sp.shape)
+            if sp.slot == "i32":
+                out.append(OutTensor(sp.name, sp.shape, QT.I32, lambda sp=sp: self.make_i32(sp)))
+                continue
+            qt = self.slot_type(sp)
+            out.append(OutTensor(sp.name, sp.shape, qt, lambda sp=sp, qt=qt: self.make_dense(sp, qt)))
+        return out
+
+    def slot_type(self, sp: Spec) -> QT:
+        if sp.slot == "f32" or self.dense == "f32":
+            return QT.F32
+        if self.dense == "q8_0":
+            if sp.slot == "q8" and sp.shape[-1] % 32 == 0:
+                return QT.Q8_0
+            return QT.F16
+        nrows = sp.shape[0] if len(sp.shape) > 1 else 1
+        if self.all_exact_f16(sp.src, nrows):
+            return QT.F16
+        self.notes.append(sp.name)
+        self.log(f"note: {sp.name} is not exactly representable in F16; writing F32")
+        return QT.F32
+
+    def plan_experts(self, sp: Spec) -> OutTensor:
+        qt = self.expert_qt
+        dt = self.ck.dtype(sp.src[0])
+        if qt == QT.MXFP4 and dt != "I8":
+            raise ConvertError(f"{self.ck.src}: {sp.src[0]!r} is {dt}, not packed FP4; MXFP4 output needs the "
+                               "official FP4 experts (use --experts q4_k or q2_k)")
+        block = 32 if qt == QT.MXFP4 else 256
+        if sp.shape[-1] % block:
+            raise ConvertError(f"{sp.name}: input width {sp.shape[-1]} is not a multiple of the {qt.name} block {block}")
+        return OutTensor(sp.name, sp.shape, qt, lambda sp=sp, qt=qt: self.make_experts(sp, qt))
+
+    # -- builders --------------------------------------------------------------------------------------------
+    def make_dense(self, sp: Spec, qt: QT) -> np.ndarray:
+        if len(sp.shape) == 1:
+            x = self.ck.floats(sp.src).reshape(sp.shape)
+            self.check_finite(sp, x)
+            return _encode(x, qt) if qt != QT.F32 else x.astype(np.float32)
+        rb = quant.row_nbytes(qt, sp.shape[-1])
+        buf = np.empty((sp.shape[0], rb), np.uint8)
+        for r0, r1, x in self.rows(sp.src, sp.shape[0]):
+            self.check_finite(sp, x)
+            try:
+                buf[r0:r1] = _encode(x, qt).view(np.uint8).reshape(r1 - r0, rb)
+            except ConvertError as e:
+                raise ConvertError(f"{sp.src!r} -> {sp.name}: {e}; use --dense f32") from None
+        return buf
+
+    def make_experts(self, sp: Spec, qt: QT) -> np.ndarray:
+        NX, rows, cols = sp.shape
+        rb = quant.row_nbytes(qt, cols)
+        buf = np.empty((NX, rows, rb), np.uint8)
+        for e, name in enumerate(sp.src):
+            if qt == QT.MXFP4:
+                sname = name[: -len(".weight")] + ".scale"
+                s = self.ck.raw(sname)
+                if self.ck.dtype(sname) != "F8_E8M0" or s.shape != (rows, cols // 32):
+                    raise ConvertError(f"{self.ck.src}: {sname!r} is {self.ck.dtype(sname)} {list(s.shape)}, "
+                                       f"expected F8_E8M0 {[rows, cols // 32]}")
+                if (np.asarray(s) == 0xFF).any():
+                    raise ConvertError(f"{self.ck.src}: {sname!r} holds a NaN (0xFF) e8m0 scale")
+                buf[e] = quant.mxfp4_from_official(self.ck.raw(name), s)
+            else:
+                for r0, r1, x in self.rows(name, rows):
+                    buf[e, r0:r1] = quant.quantize(x, qt)
+        return buf
+
+    def make_i32(self, sp: Spec) -> np.ndarray:
+        x = np.asarray(self.ck.raw(sp.src))
+        if x.dtype.kind not in "iu" or x.min() < 0 or x.max() >= self.s.n_routed_experts:
+            raise ConvertError(f"{self.ck.src}: {sp.src!r} must hold expert ids in [0, {self.s.n_routed_experts})")
+        return x.astype(np.int32)
+
+    def check_finite(self, sp: Spec, x: np.ndarray) -> None:
+        if not np.isfinite(x).all():
+            raise ConvertError(f"{self.ck.src}: tensor {sp.src!r} holds NaN or infinite values")
+
+
+def convert_checkpoint(src: str, out: str, experts: str = "mxfp4", dense: str = "q8_0",
+                       tokenizer: str | None = None, progress: bool = True) -> None:
+    """Convert an official V4 Flash checkpoint folder (config.json + safetensors) into a ds4-layout GGUF."""
+    if experts not in EXPERT_TYPES:
+        raise ConvertError(f"--experts {experts!r} is not one of {', '.join(EXPERT_TYPES)}")
+    if dense not in DENSE_MODES:
+        raise ConvertError(f"--dense {dense!r} is not one of {', '.join(DENSE_MODES)}")
+    if not os.path.isdir(src):
+        raise ConvertError(f"{src}: not a folder (expected a checkpoint folder with config.json)")
+    cfg_path = os.path.join(src, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise ConvertError(f"{src}: config.json is missing")
+    with open(cfg_path) as fh:
+        shape = shape_from_config(json.load(fh))
+    ck = Checkpoint(src)
+    if any(".engram." in n or n.startswith("dspark") for n in ck.entries):
+        raise ConvertError(f"{src}: Engram / DSpark tensors found: this is a V4.1 checkpoint, which is not supported")
+    tok_path = tokenizer or os.path.join(src, "tokenizer.json")
+    tok = None
+    if tokenizer or os.path.isfile(tok_path):
+        if not os.path.isfile(tok_path):
+            raise ConvertError(f"{tok_path}: tokenizer file not found")
+        tok = load_hf_tokenizer(tok_path, shape.vocab_size)
+
+    conv = _Converter(ck, shape, experts, dense, progress)
+    tensors = conv.plan()
+    used = {n for sp in ds4_layout(shape) for n in (sp.src if isinstance(sp.src, list) else [sp.src])}
+    used |= {n[: -len(".weight")] + ".scale" for n in used if n.endswith(".weight")}
+    skipped = [n for n in ck.entries if n not in used]
+    mtp = [n for n in skipped if n.startswith("mtp.")]
+    other = [n for n in skipped if not n.startswith("mtp.")]
+    if other:
+        raise ConvertError(f"{src}: tensor {other[0]!r} is not part of the V4 Flash layout "
+                           f"({len(other)} unexpected tensors in all)")
+    if mtp:
+        conv.log(f"note: skipping {len(mtp)} MTP tensors (ds4 keeps the draft block in a separate GGUF)")
+    name = os.path.basename(os.path.normpath(src)) or "deepseek4"
+    write_gguf(out, name, gguf_metadata(shape), tok, tensors, progress)
