@@ -1,0 +1,208 @@
+// portable.cuh: the only place in cu/ with inline PTX. Each wrapper has a PTX path (guarded by the arch that
+// has the instruction), a plain-CUDA fallback for older archs, and an exact CPU path for the emulator
+// (DS4_EMU, cu/emu/cuda_emu.h). Kernels call these wrappers and never write asm() themselves.
+//
+//   pdl_wait(), pdl_launch_dependents()       programmatic dependent launch (griddepcontrol, sm_90+)
+//   cp_async_{4,8,16}, cp_async_commit(),     asynchronous global->shared copies (cp.async, sm_80+)
+//   cp_async_wait<N>(), cp_async_wait_all()
+//   fp8_{e4m3,e5m2}_to_float, fp8x2_*_to_half2, float_to_fp8_*, float2_to_fp8x2_*   (cvt, sm_89+)
+//   mma_m16n8k16_f16_f32                      one warp-wide tensor-core tile, D += A*B (mma.sync, sm_80+)
+//
+// FP8 is the OCP format: e4m3 "fn" (bias 7, no infinity, 0x7f/0xff NaN, max 448) and e5m2 (bias 15, IEEE-like,
+// max 57344). Float -> FP8 rounds to nearest-even and saturates to the largest finite value (PTX .satfinite);
+// NaN becomes 0x7f. FP8 -> half/float is exact.
+#pragma once
+#include <cuda_fp16.h>
+
+#ifdef DS4_EMU
+#define DS4_HD
+#else
+#define DS4_HD __host__ __device__
+#endif
+
+// ---------------------------------------------------------------------------------------------------------------
+// Programmatic dependent launch. pdl_wait: block until the previous grid in the stream has finished (or called
+// pdl_launch_dependents); every kernel calls it before reading its predecessor's output.
+// The emulator runs launches one after another, so both are no-ops there.
+__device__ __forceinline__ void pdl_wait() {
+#if !defined(DS4_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if !defined(DS4_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// cp.async: copy 4/8/16 bytes from global to shared memory without staging through registers. The data is only
+// guaranteed to be in shared memory after cp_async_wait (then __syncthreads/__syncwarp for other threads to see it).
+// The emulator defers each copy to the matching wait, so a missing wait reads stale shared memory there too.
+#if defined(DS4_EMU)
+__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem) { __emu::cp_async(smem, gmem, 4); }
+__device__ __forceinline__ void cp_async_8(void* smem, const void* gmem) { __emu::cp_async(smem, gmem, 8); }
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) { __emu::cp_async(smem, gmem, 16); }
+__device__ __forceinline__ void cp_async_commit() { __emu::cp_async_commit(); }
+template <int N> __device__ __forceinline__ void cp_async_wait() { __emu::cp_async_wait(N); }
+__device__ __forceinline__ void cp_async_wait_all() { __emu::cp_async_wait(0); }
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+__device__ __forceinline__ unsigned ds4_smem_addr(const void* p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(ds4_smem_addr(smem)), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_8(void* smem, const void* gmem) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" :: "r"(ds4_smem_addr(smem)), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(ds4_smem_addr(smem)), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+#else  // before sm_80: ordinary synchronous copies
+__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem) {
+    *(unsigned*)smem = *(const unsigned*)gmem;
+}
+__device__ __forceinline__ void cp_async_8(void* smem, const void* gmem) { *(uint2*)smem = *(const uint2*)gmem; }
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) { *(uint4*)smem = *(const uint4*)gmem; }
+__device__ __forceinline__ void cp_async_commit() {}
+template <int N> __device__ __forceinline__ void cp_async_wait() {}
+__device__ __forceinline__ void cp_async_wait_all() {}
+#endif
+
+// ---------------------------------------------------------------------------------------------------------------
+// FP8 <-> float/half. The software versions below are exact (integer rounding only) and serve the emulator and
+// archs without the cvt instructions; sm_89+ uses the hardware conversion.
+DS4_HD __forceinline__ unsigned ds4_f32_bits(float f) { union { float f; unsigned u; } c; c.f = f; return c.u; }
+DS4_HD __forceinline__ float ds4_bits_f32(unsigned u) { union { float f; unsigned u; } c; c.u = u; return c.f; }
+
+// Round-to-nearest-even of `m >> shift` (shift in 1..31).
+DS4_HD __forceinline__ unsigned ds4_rne_shift(unsigned m, int shift) {
+    const unsigned q = m >> shift, rem = m & ((1u << shift) - 1u), half = 1u << (shift - 1);
+    return q + (rem > half || (rem == half && (q & 1u)));
+}
+
+// float -> FP8 with `mbits` mantissa bits, exponent bias `bias`, largest finite magnitude bits `maxcode` whose
+// float value is `maxf` (bits). Shared by e4m3 and e5m2.
+DS4_HD __forceinline__ unsigned char ds4_sw_float_to_fp8(float f, int mbits, int bias, unsigned maxcode,
+                                                          unsigned maxf) {
+    const unsigned x = ds4_f32_bits(f), sign = (x >> 24) & 0x80u, ax = x & 0x7fffffffu;
+    if (ax > 0x7f800000u) return 0x7f;                             // NaN
+    if (ax >= maxf) return (unsigned char)(sign | maxcode);         // saturate (infinity included)
+    const int e = (int)(ax >> 23) - 127;
+    const int emin = 1 - bias;                                      // smallest normal exponent
+    if (e >= emin) {
+        const unsigned code = ((unsigned)(e + bias) << mbits) + ds4_rne_shift(ax & 0x7fffffu, 23 - mbits);
+        return (unsigned char)(sign | (code > maxcode ? maxcode : code));
+    }
+    // Subnormal: count units of 2^(emin - mbits). Anything at or below half a unit rounds to zero.
+    const unsigned half_unit = (unsigned)(127 + emin - mbits - 1) << 23;
+    if (ax <= half_unit) return (unsigned char)sign;
+    const unsigned m = (ax & 0x7fffffu) | 0x800000u;
+    return (unsigned char)(sign | ds4_rne_shift(m, 23 - mbits - (e - emin)));
+}
+
+DS4_HD __forceinline__ unsigned char ds4_sw_float_to_fp8_e4m3(float f) {
+    return ds4_sw_float_to_fp8(f, 3, 7, 0x7eu, 0x43e00000u);        // 448
+}
+DS4_HD __forceinline__ unsigned char ds4_sw_float_to_fp8_e5m2(float f) {
+    return ds4_sw_float_to_fp8(f, 2, 15, 0x7bu, 0x47600000u);       // 57344
+}
+
+DS4_HD __forceinline__ float ds4_sw_fp8_e4m3_to_float(unsigned char v) {
+    const unsigned s = (unsigned)(v & 0x80u) << 24, e = (v >> 3) & 15u, m = v & 7u;
+    if (e == 15u && m == 7u) return ds4_bits_f32(s | 0x7fc00000u);
+    if (e == 0u) {                                                   // m * 2^-9, exact in float
+        const float mag = (float)m * 0.001953125f;
+        return s ? -mag : mag;
+    }
+    return ds4_bits_f32(s | ((e + 120u) << 23) | (m << 20));
+}
+
+DS4_HD __forceinline__ float ds4_sw_fp8_e5m2_to_float(unsigned char v) {
+    const unsigned s = (unsigned)(v & 0x80u) << 24, e = (v >> 2) & 31u, m = v & 3u;
+    if (e == 31u) return ds4_bits_f32(s | 0x7f800000u | (m << 21));    // inf / NaN
+    if (e == 0u) {                                                   // m * 2^-16
+        const float mag = (float)m * 1.52587890625e-05f;
+        return s ? -mag : mag;
+    }
+    return ds4_bits_f32(s | ((e + 112u) << 23) | (m << 21));
+}
+
+#if !defined(DS4_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#define DS4_HW_FP8 1
+#endif
+
+// Two FP8 values packed in 16 bits (low byte first) <-> half2 (.x from the low byte).
+__device__ __forceinline__ __half2 fp8x2_e4m3_to_half2(unsigned short v) {
+#ifdef DS4_HW_FP8
+    unsigned r;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(v));
+    return __halves2half2(__ushort_as_half((unsigned short)(r & 0xffffu)), __ushort_as_half((unsigned short)(r >> 16)));
+#else
+    return __floats2half2_rn(ds4_sw_fp8_e4m3_to_float((unsigned char)(v & 0xffu)),
+                             ds4_sw_fp8_e4m3_to_float((unsigned char)(v >> 8)));
+#endif
+}
+
+__device__ __forceinline__ __half2 fp8x2_e5m2_to_half2(unsigned short v) {
+#ifdef DS4_HW_FP8
+    unsigned r;
+    asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(r) : "h"(v));
+    return __halves2half2(__ushort_as_half((unsigned short)(r & 0xffffu)), __ushort_as_half((unsigned short)(r >> 16)));
+#else  // e5m2 is the top byte of an IEEE half
+    return __halves2half2(__ushort_as_half((unsigned short)((v & 0xffu) << 8)),
+                          __ushort_as_half((unsigned short)(v & 0xff00u)));
+#endif
+}
+
+__device__ __forceinline__ float fp8_e4m3_to_float(unsigned char v) {
+#ifdef DS4_HW_FP8
+    return __low2float(fp8x2_e4m3_to_half2(v));
+#else
+    return ds4_sw_fp8_e4m3_to_float(v);
+#endif
+}
+
+__device__ __forceinline__ float fp8_e5m2_to_float(unsigned char v) {
+#ifdef DS4_HW_FP8
+    return __low2float(fp8x2_e5m2_to_half2(v));
+#else
+    return ds4_sw_fp8_e5m2_to_float(v);
+#endif
+}
+
+// (lo, hi) -> 16 bits with lo in the low byte. PTX packs its first source operand into the upper byte.
+__device__ __forceinline__ unsigned short float2_to_fp8x2_e4m3(float lo, float hi) {
+#ifdef DS4_HW_FP8
+    unsigned short r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    return r;
+#else
+    return (unsigned short)(ds4_sw_float_to_fp8_e4m3(lo) | (ds4_sw_float_to_fp8_e4m3(hi) << 8));
+#endif
+}
+
+__device__ __forceinline__ unsigned short float2_to_fp8x2_e5m2(float lo, float hi) {
+#ifdef DS4_HW_FP8
+    unsigned short r;
+    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    return r;
+#else
+    return (unsigned short)(ds4_sw_float_to_fp8_e5m2(lo) | (ds4_sw_float_to_fp8_e5m2(hi) << 8));
+#endif
+}
+
+__device__ __forceinline__ unsigned char float_to_fp8_e4m3(float f) {
+    return (unsigned char)(float2_to_fp8x2_e4m3(f, 0.0f) & 0xffu);
+}
+
+__device__ __forceinline__ unsigned char float_to_fp8_e5m2(float f) {
+    return (unsigned char)(float2_to_fp8x2_e5m2(f, 0.0f) & 0xffu);
+}
