@@ -549,7 +549,11 @@ class _Converter:
             raise ConvertError(f"{self.ck.src}: {sp.src[0]!r} is {dt}, not packed FP4; MXFP4 output needs the "
                                "official FP4 experts (use --experts q4_k or q2_k)")
         block = 32 if qt == QT.MXFP4 else 256
-        if sp.shape[-1] % block:
+        if sp.shape[-1] % block and qt != QT.MXFP4 and sp.shape[-1] % 32 == 0:
+            # K-quants need rows of 256; like llama.cpp, narrower rows fall back to Q8_0
+            self.log(f"note: {sp.name} rows of {sp.shape[-1]} are not a multiple of 256; writing Q8_0")
+            qt = QT.Q8_0
+        elif sp.shape[-1] % block:
             raise ConvertError(f"{sp.name}: input width {sp.shape[-1]} is not a multiple of the {qt.name} block {block}")
         return OutTensor(sp.name, sp.shape, qt, lambda sp=sp, qt=qt: self.make_experts(sp, qt))
 
