@@ -36,14 +36,15 @@ extern "C" __global__ void gemv_f16(const __half* W, const float* x, float* y, i
 
 // Q8_0: each row is cols/32 blocks of 34 bytes (f16 scale d, then 32 int8 q); value = d * q.
 // A block is 34 bytes, so rows are only 2-byte aligned and the quants cannot be read with 16-byte loads in place.
-// Each warp therefore stages a chunk of its row into shared memory with 16-byte loads (the unaligned head and tail
-// bytes one by one), then decodes from shared memory: 8 lanes per block, 4 quants per lane, 4 blocks per step.
+// Each warp therefore stages a chunk of its row into shared memory with 16-byte async copies (the unaligned head
+// and tail bytes one by one), then decodes from shared memory: 8 lanes per block, 4 quants per lane, 4 blocks per step.
 #define Q8_BLOCK_BYTES 34
 #define Q8_CHUNK_BLOCKS 128                                    // 4352 bytes: a whole row of a 4096-wide matrix
 #define Q8_STAGE_BYTES (Q8_CHUNK_BLOCKS * Q8_BLOCK_BYTES + 16)  // + room to keep the source's 16-byte phase
 
 // Copy n bytes from global src into shared dst + (src % 16), so 16-byte aligned words stay 16-byte aligned.
-// Returns where the copy starts in dst. The whole warp calls it.
+// The aligned words go by cp.async (global -> shared without registers, many in flight, L1 bypassed); the
+// unaligned head and tail bytes by plain loads. Returns where the copy starts in dst. The whole warp calls it.
 __device__ __forceinline__ const uint8_t* warp_stage(uint8_t* dst, const uint8_t* src, int n, int lane) {
     const int phase = (int)(reinterpret_cast<size_t>(src) & 15);
     int head = phase ? 16 - phase : 0;
@@ -51,11 +52,13 @@ __device__ __forceinline__ const uint8_t* warp_stage(uint8_t* dst, const uint8_t
     const int words = (n - head) >> 4;
     uint8_t* out = dst + phase;
     for (int i = lane; i < head; i += 32) out[i] = src[i];
-    const uint4* s4 = reinterpret_cast<const uint4*>(src + head);
-    uint4* d4 = reinterpret_cast<uint4*>(out + head);
+    const uint8_t* s16 = src + head;
+    uint8_t* d16 = out + head;
 #pragma unroll 4
-    for (int i = lane; i < words; i += 32) d4[i] = s4[i];
+    for (int i = lane; i < words; i += 32) cp_async_16(d16 + 16 * i, s16 + 16 * i);
+    cp_async_commit();
     for (int i = head + words * 16 + lane; i < n; i += 32) out[i] = src[i];
+    cp_async_wait_all();
     __syncwarp();
     return out;
 }

@@ -1,0 +1,121 @@
+"""Kernel registry and launches.
+
+Each cu/*.cu becomes one module (cuModuleLoadData on its cubin); every `extern "C" __global__` kernel's handle is
+looked up once (cuModuleGetFunction) and kept with the signature parsed from its source. `launch` checks the
+arguments and the geometry, then calls cuLaunchKernelEx, with programmatic dependent launch (PDL) when asked:
+the kernel may then start while the previous kernel in the stream is still running, and its `pdl_wait()` waits
+for that kernel's memory to be visible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from ds4py.cuda.args import KernelArgumentError, pack_args
+from ds4py.cuda.compiler import CU_DIR, CompiledModule, KernelResources, compile_all
+from ds4py.cuda.driver import api, call
+from ds4py.cuda.signature import Param
+
+STATIC_SMEM_LIMIT = 48 * 1024   # dynamic shared memory above this needs cuFuncSetAttribute
+
+
+Dim = int | tuple[int, ...]
+
+
+def dim3(d: Dim, what: str) -> tuple[int, int, int]:
+    t = (d,) if isinstance(d, int) else tuple(d)
+    if not 1 <= len(t) <= 3 or any(not isinstance(x, int) or x < 1 for x in t):
+        raise KernelArgumentError(f"{what} must be 1 to 3 positive integers, got {d!r}")
+    return (t + (1, 1))[:3]
+
+
+def check_geometry(kernel: str, grid: Dim, block: Dim, smem: int, max_threads: int, max_smem: int
+                   ) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """Reject a launch the driver would refuse (or that breaks the kernels' warp assumptions) with a clear error."""
+    g, b = dim3(grid, f"{kernel}: grid"), dim3(block, f"{kernel}: block")
+    threads = b[0] * b[1] * b[2]
+    if threads > max_threads:
+        raise KernelArgumentError(f"{kernel}: {threads} threads per block exceeds this kernel's limit of {max_threads}")
+    if g[0] >= 2**31 or g[1] > 65535 or g[2] > 65535:
+        raise KernelArgumentError(f"{kernel}: grid {g} exceeds the device limits")
+    if smem < 0 or smem > max_smem:
+        raise KernelArgumentError(f"{kernel}: {smem} bytes of dynamic shared memory exceeds the limit of {max_smem}")
+    return g, b
+
+
+@dataclass
+class Kernel:
+    name: str
+    module: str                    # .cu stem
+    params: list[Param]
+    func: Any                      # CUfunction
+    resources: KernelResources | None
+    max_threads: int = 1024
+    smem_opt_in: int = STATIC_SMEM_LIMIT   # dynamic smem currently allowed (raised on demand)
+
+
+@dataclass
+class KernelRegistry:
+    arch: str
+    modules: dict[str, CompiledModule] = field(default_factory=dict)
+    kernels: dict[str, Kernel] = field(default_factory=dict)
+    handles: list[Any] = field(default_factory=list)
+
+    @classmethod
+    def load(cls, arch: str, cu_dir: Path = CU_DIR, cache: Path | None | bool = True,
+             progress: Callable[[str], None] | None = None) -> "KernelRegistry":
+        reg = cls(arch, compile_all(arch, cu_dir, cache=cache, progress=progress))
+        d = api()
+        for stem, mod in reg.modules.items():
+            handle = call("cuModuleLoadData", mod.cubin)
+            reg.handles.append(handle)
+            res = mod.resources
+            for name, params in mod.kernels.items():
+                if name in reg.kernels:
+                    raise KernelArgumentError(f"kernel {name} is defined in both {reg.kernels[name].module}.cu "
+                                              f"and {stem}.cu")
+                func = call("cuModuleGetFunction", handle, name.encode())
+                max_threads = int(call("cuFuncGetAttribute",
+                                       d.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, func))
+                reg.kernels[name] = Kernel(name, stem, params, func, res.get(name), max_threads)
+        return reg
+
+    def __getitem__(self, name: str) -> Kernel:
+        try:
+            return self.kernels[name]
+        except KeyError:
+            raise KernelArgumentError(f"no kernel named {name!r}; known: {', '.join(sorted(self.kernels))}") from None
+
+    def unload(self) -> None:
+        for h in self.handles:
+            call("cuModuleUnload", h)
+        self.handles, self.kernels = [], {}
+
+
+def launch(kernel: Kernel, grid: Dim, block: Dim, args: Sequence[Any], stream: Any, smem: int = 0,
+           pdl: bool = False, max_smem: int = STATIC_SMEM_LIMIT) -> None:
+    """One cuLaunchKernelEx. pdl=True adds CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION."""
+    d = api()
+    g, b = check_geometry(kernel.name, grid, block, smem, kernel.max_threads, max(max_smem, STATIC_SMEM_LIMIT))
+    packed = pack_args(kernel.name, kernel.params, args)
+    if smem > kernel.smem_opt_in:
+        call("cuFuncSetAttribute", kernel.func,
+             d.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
+        kernel.smem_opt_in = smem
+    cfg = d.CUlaunchConfig()
+    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = g
+    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = b
+    cfg.sharedMemBytes = smem
+    cfg.hStream = stream
+    if pdl:
+        attr = d.CUlaunchAttribute()
+        attr.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        cfg.attrs = [attr]
+        cfg.numAttrs = 1
+    else:
+        cfg.numAttrs = 0
+    call("cuLaunchKernelEx", cfg, kernel.func, packed.address, 0)
+    del packed   # the driver copied the parameters at launch

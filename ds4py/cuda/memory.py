@@ -1,0 +1,243 @@
+"""Device memory: one arena per context, typed views, pinned staging and chunked weight upload.
+
+The arena holds two regions, each one cuMemAlloc:
+  weights  sized once from the model; bump-allocated while loading, never freed piecemeal
+  scratch  activations of one step; bump-allocated, reset by begin_step(), and grown (by doubling) only there,
+           so no pointer handed out during a step ever moves. Growth bumps `generation`: captured CUDA graphs
+           hold raw pointers and must be re-captured.
+Every allocation is 256-byte aligned (16-byte vector loads, and room for TMA/cp.async alignment later).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, Protocol
+
+import numpy as np
+
+from ds4py.cuda.driver import call
+from ds4py.errors import Ds4Error
+
+ALIGN = 256
+
+
+class ArenaError(Ds4Error):
+    """An arena region is too small for what was asked of it."""
+
+
+def align_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+class Allocator(Protocol):
+    def alloc(self, nbytes: int) -> int: ...
+
+    def free(self, ptr: int) -> None: ...
+
+
+class DriverAllocator:
+    """cuMemAlloc / cuMemFree (allocations are at least 256-byte aligned by the driver)."""
+
+    def alloc(self, nbytes: int) -> int:
+        return int(call("cuMemAlloc", nbytes))
+
+    def free(self, ptr: int) -> None:
+        call("cuMemFree", ptr)
+
+
+@dataclass
+class DeviceArray:
+    """A typed view of device memory (no ownership: the arena owns the bytes)."""
+    ptr: int
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    readonly: bool = False
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * np.dtype(self.dtype).itemsize
+
+    def _check(self, host: np.ndarray) -> np.ndarray:
+        host = np.ascontiguousarray(host)
+        if host.dtype != self.dtype or host.size != self.size:
+            raise ArenaError(f"host array {host.dtype}{list(host.shape)} does not match device "
+                             f"{np.dtype(self.dtype)}{list(self.shape)}")
+        return host
+
+    def upload(self, host: np.ndarray, stream: Any = None) -> None:
+        """Copy host -> device. Synchronous unless a stream is given (then `host` must stay alive and, for real
+        overlap, be pinned)."""
+        host = self._check(host)
+        if stream is None:
+            call("cuMemcpyHtoD", self.ptr, host.ctypes.data, self.nbytes)
+        else:
+            call("cuMemcpyHtoDAsync", self.ptr, host.ctypes.data, self.nbytes, stream)
+
+    def download(self, stream: Any = None) -> np.ndarray:
+        """Copy device -> host (waits for `stream` first when given)."""
+        if stream is not None:
+            call("cuStreamSynchronize", stream)
+        out = np.empty(self.shape, dtype=self.dtype)
+        call("cuMemcpyDtoH", out.ctypes.data, self.ptr, self.nbytes)
+        return out
+
+
+class Region:
+    """A bump allocator over [base, base + capacity)."""
+
+    def __init__(self, name: str, base: int, capacity: int):
+        self.name, self.base, self.capacity, self.used = name, base, capacity, 0
+
+    def take(self, nbytes: int) -> int | None:
+        start = align_up(self.used)
+        if start + nbytes > self.capacity:
+            return None
+        self.used = start + nbytes
+        return self.base + start
+
+
+class Arena:
+    def __init__(self, weights_bytes: int, scratch_bytes: int = 64 << 20, allocator: Allocator | None = None):
+        self.allocator = allocator or DriverAllocator()
+        wcap, scap = align_up(max(weights_bytes, ALIGN)), align_up(max(scratch_bytes, ALIGN))
+        self.weights_region = Region("weights", self.allocator.alloc(wcap), wcap)
+        self.scratch_region = Region("scratch", self.allocator.alloc(scap), scap)
+        self.generation = 0          # bumped whenever scratch moves
+        self.high_water = 0          # largest scratch a step asked for (even a failed ask)
+        self.in_step = False
+
+    def weights(self, shape: tuple[int, ...] | int, dtype: Any) -> DeviceArray:
+        """Room for one weight tensor; read-only for kernels (only uploads write it)."""
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        arr = DeviceArray(0, shape, np.dtype(dtype), readonly=True)
+        ptr = self.weights_region.take(arr.nbytes)
+        if ptr is None:
+            raise ArenaError(f"the weights region ({self.weights_region.capacity} bytes) is full: cannot add "
+                             f"{arr.nbytes} bytes (size the arena from the model)")
+        arr.ptr = ptr
+        return arr
+
+    def begin_step(self, scratch_bytes: int = 0) -> bool:
+        """Start a step: frees all scratch, and grows it (by doubling) to hold max(scratch_bytes, the largest
+        earlier ask). Returns True when scratch moved (graphs that captured its pointers must be re-captured)."""
+        need = max(scratch_bytes, self.high_water)
+        grew = False
+        if need > self.scratch_region.capacity:
+            cap = self.scratch_region.capacity
+            while cap < need:
+                cap *= 2
+            self.allocator.free(self.scratch_region.base)
+            self.scratch_region = Region("scratch", self.allocator.alloc(cap), cap)
+            self.generation += 1
+            grew = True
+        self.scratch_region.used = 0
+        self.in_step = True
+        return grew
+
+    def scratch(self, shape: tuple[int, ...] | int, dtype: Any) -> DeviceArray:
+        """Room for one activation tensor, valid until the next begin_step()."""
+        if not self.in_step:
+            raise ArenaError("scratch memory is handed out only inside a step: call begin_step() first")
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        arr = DeviceArray(0, shape, np.dtype(dtype))
+        ptr = self.scratch_region.take(arr.nbytes)
+        if ptr is None:
+            self.high_water = max(self.high_water, align_up(self.scratch_region.used) + arr.nbytes)
+            raise ArenaError(f"this step needs more than the {self.scratch_region.capacity} bytes of scratch; "
+                             f"it grows to {self.high_water} bytes at the next begin_step()")
+        arr.ptr = ptr
+        self.high_water = max(self.high_water, self.scratch_region.used)
+        return arr
+
+    def close(self) -> None:
+        for r in (self.weights_region, self.scratch_region):
+            if r.base:
+                self.allocator.free(r.base)
+                r.base = 0
+
+
+class PinnedBuffer:
+    """Page-locked host memory (cuMemHostAlloc) with a numpy uint8 view; the DMA engine reads it directly."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        self.ptr = int(call("cuMemHostAlloc", nbytes, 0))
+        self.array = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(self.ptr))
+
+    def free(self) -> None:
+        if self.ptr:
+            self.array = None
+            call("cuMemFreeHost", self.ptr)
+            self.ptr = 0
+
+
+def plan_chunks(total: int, chunk: int) -> Iterator[tuple[int, int]]:
+    """(offset, nbytes) pieces covering [0, total) in order."""
+    if chunk <= 0:
+        raise ValueError("chunk must be positive")
+    for off in range(0, total, chunk):
+        yield off, min(chunk, total - off)
+
+
+class WeightUploader:
+    """Streams bytes (e.g. an np.memmap of the GGUF's tensor data) to the device on a copy stream through two
+    pinned chunks: the host fills one while the DMA engine drains the other, so pinned memory stays at
+    2 x chunk_bytes whatever the model size."""
+
+    def __init__(self, copy_stream: Any, chunk_bytes: int = 64 << 20):
+        self.stream = copy_stream
+        self.chunk_bytes = chunk_bytes
+        self.buffers = [PinnedBuffer(chunk_bytes) for _ in range(2)]
+        self.events = [call("cuEventCreate", 0) for _ in range(2)]
+
+    def upload(self, src: np.ndarray, dst: DeviceArray | int, progress: bool = True, label: str = "weights") -> float:
+        """Copy all of `src` (any array; its raw bytes) to dst. Returns GB/s. Blocks until the copy is done."""
+        raw = np.asarray(src).reshape(-1).view(np.uint8)
+        dst_ptr = dst.ptr if isinstance(dst, DeviceArray) else int(dst)
+        if isinstance(dst, DeviceArray) and dst.nbytes < raw.nbytes:
+            raise ArenaError(f"{label}: {raw.nbytes} bytes do not fit the {dst.nbytes}-byte device buffer")
+        pending = [False, False]
+        t0 = last = time.perf_counter()
+        total = raw.nbytes
+        for i, (off, n) in enumerate(plan_chunks(total, self.chunk_bytes)):
+            slot = i % 2
+            if pending[slot]:
+                call("cuEventSynchronize", self.events[slot])   # the DMA engine is done with this buffer
+            self.buffers[slot].array[:n] = raw[off: off + n]     # reads the file (page faults on an mmap)
+            call("cuMemcpyHtoDAsync", dst_ptr + off, self.buffers[slot].ptr, n, self.stream)
+            call("cuEventRecord", self.events[slot], self.stream)
+            pending[slot] = True
+            now = time.perf_counter()
+            if progress and (now - last > 0.5 or off + n == total):
+                last = now
+                done = off + n
+                print(f"\rds4py: uploading {label} {done / 1e9:.2f}/{total / 1e9:.2f} GB "
+                      f"({100 * done / max(total, 1):.0f}%) {done / 1e9 / max(now - t0, 1e-9):.1f} GB/s",
+                      end="", file=sys.stderr, flush=True)
+        call("cuStreamSynchronize", self.stream)
+        secs = time.perf_counter() - t0
+        if progress and total:
+            print(file=sys.stderr)
+        return total / 1e9 / max(secs, 1e-9)
+
+    def upload_file(self, path: str, offset: int, nbytes: int, dst: DeviceArray | int, progress: bool = True) -> float:
+        """Upload bytes [offset, offset + nbytes) of a file, read through a read-only memory map."""
+        mm = np.memmap(path, dtype=np.uint8, mode="r", offset=offset, shape=(nbytes,))
+        try:
+            return self.upload(mm, dst, progress=progress, label=path)
+        finally:
+            del mm
+
+    def close(self) -> None:
+        for b in self.buffers:
+            b.free()
+        for e in self.events:
+            call("cuEventDestroy", e)
+        self.buffers, self.events = [], []

@@ -1,0 +1,86 @@
+"""The CUDA runtime object: device + context, compiled kernels, a main and a side stream, and launches.
+
+    rt = Runtime()                       # raises CudaUnavailableError without a GPU
+    rt.launch("rmsnorm_f32", rows, 256, x, w, y, n, eps, pdl=True)
+    rt.fork(); rt.launch(..., stream=rt.side); rt.join()    # side-stream work joined back with events
+    rt.synchronize()
+
+Work on the side stream overlaps the main stream between fork() and join(); both are plain event edges, so the
+same calls work during graph capture (see graph.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from ds4py.cuda.compiler import CU_DIR
+from ds4py.cuda.driver import Device, api, call
+from ds4py.cuda.launch import KernelRegistry, launch
+
+
+class Runtime:
+    def __init__(self, ordinal: int = 0, cu_dir: Path = CU_DIR, cache: Path | None | bool = True,
+                 progress: Callable[[str], None] | None = None):
+        d = api()
+        self.device = Device.open(ordinal)
+        self.kernels = KernelRegistry.load(self.device.arch, cu_dir, cache=cache, progress=progress)
+        flags = d.CUstream_flags.CU_STREAM_NON_BLOCKING
+        self.main = call("cuStreamCreate", flags)
+        self.side = call("cuStreamCreate", flags)
+        self.copy = call("cuStreamCreate", flags)
+        no_timing = d.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        self._fork_event = call("cuEventCreate", no_timing)
+        self._join_event = call("cuEventCreate", no_timing)
+
+    def launch(self, name: str, grid: Any, block: Any, *args: Any, smem: int = 0, stream: Any = None,
+               pdl: bool = False) -> None:
+        launch(self.kernels[name], grid, block, args, self.main if stream is None else stream, smem=smem, pdl=pdl,
+               max_smem=self.device.smem_per_block_optin)
+
+    def fork(self) -> None:
+        """The side stream waits for everything issued on the main stream so far."""
+        call("cuEventRecord", self._fork_event, self.main)
+        call("cuStreamWaitEvent", self.side, self._fork_event, 0)
+
+    def join(self) -> None:
+        """The main stream waits for everything issued on the side stream so far."""
+        call("cuEventRecord", self._join_event, self.side)
+        call("cuStreamWaitEvent", self.main, self._join_event, 0)
+
+    def synchronize(self) -> None:
+        for s in (self.main, self.side, self.copy):
+            call("cuStreamSynchronize", s)
+
+    def timer(self) -> "EventTimer":
+        return EventTimer(self.main)
+
+    def close(self) -> None:
+        self.synchronize()
+        for e in (self._fork_event, self._join_event):
+            call("cuEventDestroy", e)
+        for s in (self.main, self.side, self.copy):
+            call("cuStreamDestroy", s)
+        self.kernels.unload()
+        self.device.close()
+
+
+class EventTimer:
+    """GPU time between start() and stop() on one stream, in milliseconds (cuEventElapsedTime)."""
+
+    def __init__(self, stream: Any):
+        self.stream = stream
+        self.begin = call("cuEventCreate", 0)
+        self.end = call("cuEventCreate", 0)
+
+    def start(self) -> None:
+        call("cuEventRecord", self.begin, self.stream)
+
+    def stop(self) -> float:
+        call("cuEventRecord", self.end, self.stream)
+        call("cuEventSynchronize", self.end)
+        return float(call("cuEventElapsedTime", self.begin, self.end))
+
+    def close(self) -> None:
+        call("cuEventDestroy", self.begin)
+        call("cuEventDestroy", self.end)
