@@ -135,7 +135,9 @@ class ContentDelta:
 class ToolCall:
     name: str
     arguments: str  # JSON object text, built as the official parser builds it
-    raw_dsml: str  # `<｜DSML｜invoke ...</｜DSML｜invoke>` exactly as generated (for byte-identical replay)
+    # `<｜DSML｜invoke ...</｜DSML｜invoke>` exactly as generated, for byte-identical replay of history (a call
+    # the official parser accepts from a cut-off block gets its closed form).
+    raw_dsml: str
 
 
 @dataclass(frozen=True)
@@ -214,7 +216,11 @@ class _Block:
                 except ValueError:
                     bad.append(key)
             parts.append(f"{to_json(key)}: {value}")
-        raw = self.text[self.invoke_start : raw_end] + extra
+        if extra:
+            raw = self.text[self.invoke_start : raw_end] + extra
+        else:  # a call cut off at the end of the text: replay it closed, as the model should have written it
+            params = "\n".join(f'{PARAM_OPEN} name="{k}" string="{s}">{v}</{DSML}parameter>' for k, (v, s) in self.args.items())
+            raw = f'{INVOKE_OPEN} name="{self.name}">\n{params}\n</{DSML}invoke>'
         self.calls.append((self.name, "{" + ", ".join(parts) + "}", raw, bad))
 
     def run(self, final: bool) -> None:
