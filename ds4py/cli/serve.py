@@ -1,0 +1,127 @@
+"""`python -m ds4py serve [-m MODEL]`: the OpenAI + Anthropic compatible HTTP server (see docs/server.md)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+NAME = "serve"
+HELP = "OpenAI / Anthropic compatible HTTP server (chat, completions, responses, messages)"
+
+DEMO_SEED = 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", default=None,
+                   help="GGUF file (default: a small random-weight demo model, generated once under ~/.cache/ds4py)")
+    p.add_argument("--backend", choices=["ref", "cuda"], default="ref", help="engine backend (default: ref)")
+    p.add_argument("--ctx", type=int, default=32768,
+                   help="context size in tokens (default 32768, capped at the model's)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 exposes it to the network)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    p.add_argument("--api-key", default=os.environ.get("DS4PY_API_KEY"),
+                   help="require this key as 'Authorization: Bearer KEY' or 'x-api-key: KEY' "
+                        "(default: $DS4PY_API_KEY, else no auth); /health stays open")
+    p.add_argument("--cors", default=None, metavar="ORIGINS",
+                   help="comma-separated browser origins allowed to call the API ('*' for any); default: no CORS")
+    p.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body in MB (default 32)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests allowed to wait for the engine; more get 429 (default 64)")
+    p.add_argument("--tool-memory-max-ids", type=int, default=100_000,
+                   help="tool-call ids remembered for exact DSML replay (default 100000)")
+    p.add_argument("--disable-exact-dsml-tool-replay", action="store_true",
+                   help="re-render tool calls from the client's JSON instead of the sampled DSML")
+    p.add_argument("-v", "--verbose", action="store_true", help="log every request and DSML parse issue")
+
+
+def demo_model_path() -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ds4py"
+    return base / f"demo-tiny-random-seed{DEMO_SEED}.gguf"
+
+
+def ensure_demo_model() -> Path:
+    """Generate the random-weight demo GGUF deterministically on first use (atomic rename: never half-written)."""
+    from ds4py.errors import Ds4Error
+
+    path = demo_model_path()
+    if path.exists():
+        return path
+    try:
+        from ds4py.tiny import make_tiny
+    except ImportError as e:
+        raise Ds4Error(f"no -m MODEL given and the demo model generator is unavailable ({e})") from None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    try:
+        make_tiny(str(tmp), seed=DEMO_SEED)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def make_engine(model_path: str, backend: str, ctx: int, tool_memory):
+    from ds4py.model import open_model
+    from ds4py.server.worker import Engine
+    from ds4py.session import Session
+    from ds4py.tokenizer import Tokenizer
+
+    model = open_model(model_path, backend=backend)
+    tok = Tokenizer.from_gguf(getattr(model, "gguf", model_path))
+    model_ctx = int(getattr(model.config, "context_length", 0) or 0)
+    session = Session(model, tok, ctx_size=min(ctx, model_ctx) if model_ctx else ctx)
+    return Engine(session, tok, tool_memory=tool_memory)
+
+
+def run(args) -> int:
+    from ds4py.errors import Ds4Error
+    from ds4py.server.app import ServerConfig, ServerState, bind, run_server
+    from ds4py.server.protocol import MODEL_IDS
+    from ds4py.server.toolmemory import ToolMemory
+
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("ds4py.server").setLevel(logging.INFO)
+    if args.ctx < 2:
+        raise Ds4Error(f"--ctx must be at least 2, got {args.ctx}")
+    if args.max_queue < 0 or args.max_body_mb <= 0:
+        raise Ds4Error("--max-queue must be >= 0 and --max-body-mb > 0")
+
+    demo = args.model is None
+    config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key or None,
+                          cors=[o.strip() for o in (args.cors or "").split(",") if o.strip()],
+                          max_body_mb=args.max_body_mb, max_queue=args.max_queue)
+    if demo:
+        config.model_ids = ("ds4py-demo",) + MODEL_IDS
+        config.model_name = "ds4py demo (tiny, random weights)"
+        config.model_note = "RANDOM WEIGHTS: a tiny generated demo model, its output is noise"
+    else:
+        if not Path(args.model).is_file():
+            raise Ds4Error(f"model file not found: {args.model}")
+    try:
+        sock = bind(args.host, args.port)
+    except OSError as e:
+        raise Ds4Error(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+
+    state = ServerState(config)
+    memory = ToolMemory(args.tool_memory_max_ids, enabled=not args.disable_exact_dsml_tool_replay)
+
+    def load():
+        path = str(ensure_demo_model()) if demo else args.model
+        return make_engine(path, args.backend, args.ctx, memory)
+
+    what = "the DEMO model (tiny, RANDOM WEIGHTS: output is noise; pass -m MODEL.gguf for a real model)" if demo \
+        else args.model
+    print(f"ds4py serve: listening on http://{args.host}:{sock.getsockname()[1]} with {what}; "
+          f"backend {args.backend}, context {args.ctx}{', API key required' if config.api_key else ''}. "
+          f"/health answers 503 until the model is loaded.", file=sys.stderr, flush=True)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not config.api_key:
+        print("ds4py serve: warning: listening beyond this machine without --api-key", file=sys.stderr, flush=True)
+    state.load_in_background(load)
+    run_server(state, sock)
+    return 0

@@ -1,0 +1,394 @@
+"""The aiohttp application: routes, the safety middleware (auth, CORS, body limit, error JSON), and the glue
+between a request handler and the engine worker.
+
+    state = ServerState(config)                 # starts "loading": /health answers 503
+    state.set_engine(engine)                    # ready
+    with BackgroundServer(state) as srv:        # tests: a loopback port in a thread
+        srv.base_url
+    run_server(state)                           # the CLI: blocks until Ctrl-C
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hmac
+import logging
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+import orjson
+from aiohttp import web
+
+from . import anthropic, openai, responses
+from .metrics import Metrics
+from .protocol import MODEL_IDS, NONTHINKING_ALIASES, THINKING_ALIASES, ApiError, Done, Result
+from .worker import Engine, Job, Worker
+
+log = logging.getLogger("ds4py.server")
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    cors: list[str] = field(default_factory=list)      # allowed origins; ["*"] for any; [] = no CORS headers
+    max_body_mb: float = 32.0
+    max_queue: int = 64
+    model_ids: tuple[str, ...] = MODEL_IDS             # first one is the primary id
+    model_name: str = "DeepSeek V4 Flash"
+    model_note: str | None = None                      # e.g. "random weights (demo model)"
+
+
+class ServerState:
+    def __init__(self, config: ServerConfig, metrics: Metrics | None = None):
+        self.config = config
+        self.metrics = metrics or Metrics()
+        self.engine: Engine | None = None
+        self.worker: Worker | None = None
+        self.load_error: str | None = None
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="ds4py-render")
+        self.started = int(time.time())
+
+    @property
+    def served_ids(self) -> tuple[str, ...]:
+        return self.config.model_ids
+
+    def set_engine(self, engine: Engine) -> None:
+        engine.metrics = self.metrics
+        self.worker = Worker(engine, self.config.max_queue)
+        self.engine = engine
+
+    def load_in_background(self, make_engine) -> threading.Thread:
+        def run():
+            try:
+                self.set_engine(make_engine())
+                log.info("model ready")
+            except Exception as e:  # reported by /health and every generation endpoint
+                self.load_error = f"{type(e).__name__}: {e}"
+                log.error("model failed to load: %s", self.load_error)
+        t = threading.Thread(target=run, name="ds4py-load", daemon=True)
+        t.start()
+        return t
+
+    def ready_engine(self) -> Engine:
+        if self.engine is None:
+            msg = f"the model failed to load: {self.load_error}" if self.load_error else "the model is still loading"
+            raise ApiError(503, msg, kind="service_unavailable", headers={"Retry-After": "5"})
+        return self.engine
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+STATE = web.AppKey("state", ServerState)
+
+
+# ---- middleware ------------------------------------------------------------------------------------------
+
+def _api_of(path: str) -> str:
+    return "anthropic" if path.startswith("/v1/messages") else "openai"
+
+
+def error_response(err: ApiError, path: str) -> web.Response:
+    body = anthropic.error_body(err) if _api_of(path) == "anthropic" else openai.error_body(err)
+    return web.Response(status=err.status, body=orjson.dumps(body), content_type="application/json",
+                        headers=err.headers)
+
+
+HTTP_ERRORS = {404: ("not_found_error", "no route {method} {path}"),
+               405: ("invalid_request_error", "{path} does not accept {method}"),
+               413: ("request_too_large", "the request body is larger than --max-body-mb ({mb} MB)")}
+
+
+@web.middleware
+async def middleware(request: web.Request, handler):
+    st: ServerState = request.app[STATE]
+    cfg = st.config
+    origin = request.headers.get("Origin")
+    allow_origin = None
+    if cfg.cors and origin:
+        allow_origin = "*" if "*" in cfg.cors else (origin if origin in cfg.cors else None)
+    if cfg.cors and request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
+        resp = web.Response(status=204 if allow_origin else 403)
+        if allow_origin:
+            resp.headers.update({
+                "Access-Control-Allow-Origin": allow_origin, "Vary": "Origin",
+                "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                "Access-Control-Allow-Headers": request.headers.get("Access-Control-Request-Headers",
+                                                                    "authorization, content-type, x-api-key"),
+                "Access-Control-Max-Age": "600"})
+        return resp
+    try:
+        if cfg.api_key and request.path != "/health":
+            _check_auth(request, cfg.api_key)
+        resp = await handler(request)
+    except ApiError as e:
+        resp = error_response(e, request.path)
+    except web.HTTPException as e:
+        kind, msg = HTTP_ERRORS.get(e.status, ("invalid_request_error", e.reason))
+        msg = msg.format(method=request.method, path=request.path, mb=cfg.max_body_mb)
+        resp = error_response(ApiError(e.status, msg, kind=kind), request.path)
+    except (asyncio.CancelledError, ConnectionResetError):
+        st.metrics.request_done(_endpoint(request), 499)      # nginx's "client closed request"
+        raise
+    except Exception as e:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        resp = error_response(ApiError(500, f"internal server error: {type(e).__name__}", kind="api_error"),
+                              request.path)
+    if allow_origin and not resp.prepared:
+        resp.headers["Access-Control-Allow-Origin"] = allow_origin
+        resp.headers["Vary"] = "Origin"
+    st.metrics.request_done(_endpoint(request), resp.status)
+    return resp
+
+
+def _endpoint(request: web.Request) -> str:
+    route = request.match_info.route
+    resource = getattr(route, "resource", None)
+    return resource.canonical if resource is not None else "other"
+
+
+def _check_auth(request: web.Request, key: str) -> None:
+    given = request.headers.get("x-api-key")
+    auth = request.headers.get("Authorization", "")
+    if given is None and auth.lower().startswith("bearer "):
+        given = auth[7:].strip()
+    if given is None or not hmac.compare_digest(given.encode(), key.encode()):
+        raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY')",
+                       kind="authentication_error", code="invalid_api_key")
+
+
+# ---- handlers --------------------------------------------------------------------------------------------
+
+async def read_json(request: web.Request) -> dict:
+    raw = await request.read()            # raises 413 past client_max_size
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return body
+
+
+async def health(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    if st.engine is not None:
+        return web.json_response({"status": "ok"})
+    status = "error" if st.load_error else "loading"
+    return web.json_response({"status": status, "error": st.load_error}, status=503)
+
+
+def _model_entry(st: ServerState, mid: str) -> dict:
+    cfg = st.config
+    ctx = st.engine.ctx_size if st.engine is not None else None
+    e = {"id": mid, "object": "model", "type": "model", "created": 1767225600, "created_at": "2026-01-01T00:00:00Z",
+         "owned_by": "ds4py", "name": cfg.model_name, "display_name": cfg.model_name, "context_length": ctx}
+    if mid in NONTHINKING_ALIASES:
+        e["description"] = "alias: thinking disabled"
+    elif mid in THINKING_ALIASES:
+        e["description"] = "alias: thinking enabled"
+    if cfg.model_note:
+        e["description"] = (e.get("description", "") + "; " if "description" in e else "") + cfg.model_note
+    return e
+
+
+def _all_ids(st: ServerState) -> list[str]:
+    return list(st.served_ids) + list(NONTHINKING_ALIASES) + list(THINKING_ALIASES)
+
+
+async def list_models(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    data = [_model_entry(st, m) for m in _all_ids(st)]
+    return web.json_response({"object": "list", "data": data, "has_more": False,
+                              "first_id": data[0]["id"], "last_id": data[-1]["id"]})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    mid = request.match_info["id"]
+    if mid not in _all_ids(st):
+        raise ApiError(404, f"model '{mid}' does not exist on this server", kind="not_found_error",
+                       code="model_not_found")
+    return web.json_response(_model_entry(st, mid))
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(text=request.app[STATE].metrics.render(), content_type="text/plain",
+                        headers={"X-Content-Type-Options": "nosniff"})
+
+
+async def _prepare(request: web.Request, parse) -> tuple[ServerState, object, list[int], int]:
+    from ds4py.errors import Ds4Error
+
+    st = request.app[STATE]
+    body = await read_json(request)
+    req = parse(body, st.served_ids)
+    engine = st.ready_engine()
+    loop = asyncio.get_running_loop()
+
+    def render():
+        ids = engine.prompt_ids(req)
+        engine.check_fits(ids)
+        return ids, engine.cached_tokens(ids)
+    try:
+        ids, cached = await loop.run_in_executor(st.pool, render)
+    except Ds4Error as e:          # ChatFormatError, TokenizerError: the request's content is the problem
+        raise ApiError(400, str(e)) from None
+    return st, req, ids, cached
+
+
+def generation_handler(parse, encoder_cls, id_prefix: str):
+    async def handle(request: web.Request) -> web.StreamResponse:
+        st, req, ids, cached = await _prepare(request, parse)
+        loop = asyncio.get_running_loop()
+        job = Job(req, ids, loop, id_prefix)
+        st.worker.submit(job)
+        enc = encoder_cls(req, secrets.token_hex(12), int(time.time()),
+                          {"prompt_tokens": len(ids), "cached_tokens": cached})
+        try:
+            if req.stream:
+                return await _stream(request, job, enc)
+            result = Result()
+            while result.done is None:
+                result.add(await job.events.get())
+            if result.done.finish_reason == "error":
+                raise ApiError(500, result.done.error, kind="api_error")
+            return web.Response(body=orjson.dumps(enc.body(result)), content_type="application/json")
+        finally:
+            job.cancel.set()       # no-op after a finished job; stops the engine within one token otherwise
+    return handle
+
+
+async def _stream(request: web.Request, job: Job, enc) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                       "X-Accel-Buffering": "no"})
+    st = request.app[STATE]
+    origin = request.headers.get("Origin")
+    if st.config.cors and origin and ("*" in st.config.cors or origin in st.config.cors):
+        resp.headers["Access-Control-Allow-Origin"] = "*" if "*" in st.config.cors else origin
+        resp.headers["Vary"] = "Origin"
+    await resp.prepare(request)
+    try:
+        first = enc.start()
+        if first:
+            await resp.write(first)
+        done = False
+        while not done:
+            ev = await job.events.get()
+            buf = enc.event(ev)
+            done = isinstance(ev, Done)
+            while not done and not job.events.empty():      # batch what piled up into one write
+                ev = job.events.get_nowait()
+                buf += enc.event(ev)
+                done = isinstance(ev, Done)
+            if buf:
+                await resp.write(buf)
+        await resp.write_eof()
+    except ConnectionResetError:
+        job.cancel.set()
+    return resp
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    _, _, ids, _ = await _prepare(request, anthropic.parse_count_tokens)
+    return web.json_response({"input_tokens": len(ids)})
+
+
+def make_app(state: ServerState) -> web.Application:
+    app = web.Application(middlewares=[middleware], client_max_size=int(state.config.max_body_mb * 1024 * 1024))
+    app[STATE] = state
+    r = app.router
+    r.add_get("/health", health)
+    r.add_get("/metrics", metrics)
+    r.add_get("/v1/models", list_models)
+    r.add_get("/v1/models/{id}", get_model)
+    r.add_post("/v1/chat/completions", generation_handler(openai.parse_chat, openai.ChatEncoder, "call_"))
+    r.add_post("/v1/completions", generation_handler(openai.parse_completion, openai.CompletionEncoder, "call_"))
+    r.add_post("/v1/responses", generation_handler(responses.parse_responses, responses.ResponsesEncoder, "call_"))
+    r.add_post("/v1/messages", generation_handler(anthropic.parse_messages, anthropic.MessagesEncoder, "toolu_"))
+    r.add_post("/v1/messages/count_tokens", count_tokens)
+    return app
+
+
+# ---- running -----------------------------------------------------------------------------------------------
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
+
+
+async def _start(state: ServerState, sock: socket.socket) -> web.AppRunner:
+    # handler_cancellation: a client that disconnects cancels its handler, whose `finally` stops generation.
+    runner = web.AppRunner(make_app(state), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.SockSite(runner, sock, shutdown_timeout=1.0).start()
+    return runner
+
+
+def run_server(state: ServerState, sock: socket.socket) -> None:
+    """Serve until KeyboardInterrupt / SIGTERM."""
+    import signal
+
+    async def main():
+        runner = await _start(state, sock)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, stop.set)
+            except (NotImplementedError, RuntimeError):
+                pass
+        try:
+            await stop.wait()
+        finally:
+            await runner.cleanup()
+            state.close()
+    asyncio.run(main())
+
+
+class BackgroundServer:
+    """The server on its own event loop in a daemon thread (tests, embedding)."""
+
+    def __init__(self, state: ServerState, host: str = "127.0.0.1", port: int = 0):
+        self.state = state
+        self.sock = bind(host, port)
+        self.host, self.port = self.sock.getsockname()[:2]
+        self.loop = asyncio.new_event_loop()
+        self._runner = None
+        self._thread = threading.Thread(target=self.loop.run_forever, name="ds4py-http", daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> "BackgroundServer":
+        self._thread.start()
+        self._runner = asyncio.run_coroutine_threadsafe(_start(self.state, self.sock), self.loop).result(10)
+        return self
+
+    def stop(self) -> None:
+        if self._runner is not None:
+            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self.loop).result(10)
+            self._runner = None
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+        self.state.close()
+
+    def __enter__(self) -> "BackgroundServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

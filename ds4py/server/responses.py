@@ -1,0 +1,308 @@
+"""OpenAI Responses API (`POST /v1/responses`, what Codex speaks): input items → chat messages, and the output
+items (reasoning, message, function_call / custom_tool_call) as one JSON object or the SSE event lifecycle
+`response.created → in_progress → output_item.added → ...delta... → output_item.done → completed|incomplete|failed`.
+
+Stateless: `previous_response_id` (server-side conversation storage) is refused; clients resend the input, and
+prefix reuse of the live KV state makes that cheap.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+
+from .openai import error_body  # noqa: F401  (same error JSON as the other OpenAI endpoints)
+from .protocol import (
+    Done, GenRequest, Reasoning, Result, Text, ToolCallOut, apply_sampling, attach_to_system, bad,
+    check_tool_schema, get_bool, reject_if, resolve_model, resolve_thinking, sse, text_of,
+)
+
+# A Responses "custom" tool takes free text; the model sees it as a function with one string parameter.
+CUSTOM_PARAM = "input"
+
+
+def _item_id(prefix: str) -> str:
+    return prefix + secrets.token_hex(12)
+
+
+# ---- request parsing --------------------------------------------------------------------------------------
+
+def _input_messages(inp, instructions) -> list[dict]:
+    msgs: list[dict] = []
+    if instructions is not None:
+        msgs.append({"role": "system", "content": text_of(instructions, "instructions")})
+    if isinstance(inp, str):
+        return msgs + [{"role": "user", "content": inp}]
+    if not isinstance(inp, list) or not inp:
+        raise bad("'input' must be a string or a non-empty list of items", "input")
+    pending_reasoning = None
+
+    def assistant() -> dict:
+        """The assistant turn a call or reasoning item belongs to (consecutive items share one turn)."""
+        nonlocal pending_reasoning
+        if not msgs or msgs[-1]["role"] != "assistant" or msgs[-1].get("_closed"):
+            msgs.append({"role": "assistant", "content": ""})
+        if pending_reasoning is not None:
+            msgs[-1]["reasoning_content"] = msgs[-1].get("reasoning_content", "") + pending_reasoning
+            pending_reasoning = None
+        return msgs[-1]
+
+    for i, it in enumerate(inp):
+        w = f"input[{i}]"
+        if not isinstance(it, dict):
+            raise bad(f"{w} must be an object", "input")
+        kind = it.get("type", "message")
+        if kind == "message":
+            role = it.get("role")
+            content = text_of(it.get("content"), f"{w}.content")
+            if role in ("system", "developer"):
+                msgs.append({"role": "system", "content": content})
+            elif role == "user":
+                msgs.append({"role": "user", "content": content})
+            elif role == "assistant":
+                a = assistant()
+                if a.get("tool_calls"):                 # text after calls starts a new turn
+                    a["_closed"] = True
+                    a = assistant()
+                a["content"] += content
+            else:
+                raise bad(f"{w}.role must be system, developer, user or assistant", "input")
+        elif kind == "reasoning":
+            parts = it.get("content") or it.get("summary") or []
+            text = "".join(p.get("text", "") for p in parts if isinstance(p, dict))
+            pending_reasoning = (pending_reasoning or "") + text
+        elif kind in ("function_call", "custom_tool_call"):
+            if not isinstance(it.get("call_id"), str) or not isinstance(it.get("name"), str):
+                raise bad(f"{w} needs string 'call_id' and 'name'", "input")
+            if kind == "function_call":
+                args = it.get("arguments", "{}")
+                args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+            else:
+                args = json.dumps({CUSTOM_PARAM: text_of(it.get("input", ""), f"{w}.input")}, ensure_ascii=False)
+            a = assistant()
+            a.setdefault("tool_calls", []).append(
+                {"id": it["call_id"], "type": "function", "function": {"name": it["name"], "arguments": args}})
+        elif kind in ("function_call_output", "custom_tool_call_output"):
+            if not isinstance(it.get("call_id"), str):
+                raise bad(f"{w}.call_id must be a string", "input")
+            msgs.append({"role": "tool", "tool_call_id": it["call_id"], "content": text_of(it.get("output", ""),
+                                                                                         f"{w}.output")})
+        else:
+            raise bad(f"{w} has type {kind!r}; supported input items: message, reasoning, function_call, "
+                      "function_call_output, custom_tool_call, custom_tool_call_output", "input")
+    for m in msgs:
+        m.pop("_closed", None)
+    return msgs
+
+
+def _tools(body: dict) -> tuple[list[dict], set[str]]:
+    tools = body.get("tools") or []
+    if not isinstance(tools, list):
+        raise bad("'tools' must be a list", "tools")
+    out, custom = [], set()
+    for i, t in enumerate(tools):
+        kind = t.get("type") if isinstance(t, dict) else None
+        if kind == "function":
+            out.append(check_tool_schema(t.get("name"), t.get("description"), t.get("parameters"), f"tools[{i}]"))
+        elif kind == "custom":
+            schema = {"type": "object", "properties": {CUSTOM_PARAM: {"type": "string"}}, "required": [CUSTOM_PARAM]}
+            out.append(check_tool_schema(t.get("name"), t.get("description"), schema, f"tools[{i}]"))
+            custom.add(t["name"])
+        else:
+            raise bad(f"tools[{i}] has type {kind!r}: only 'function' and 'custom' tools are supported "
+                      "(no hosted tools)", "tools")
+    choice = body.get("tool_choice")
+    if choice in (None, "auto"):
+        return out, custom
+    if choice == "none":
+        return [], set()
+    raise bad("'tool_choice' must be 'auto' or 'none': forcing a tool call is not supported", "tool_choice")
+
+
+def _text_format(body: dict) -> dict | None:
+    text = body.get("text") or {}
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if fmt is None or fmt.get("type") == "text":
+        return None
+    if fmt.get("type") == "json_object":
+        return {"type": "json_object"}
+    if fmt.get("type") == "json_schema":
+        return {"type": "json_schema", "json_schema": {"name": fmt.get("name", "response"), "schema": fmt.get("schema")}}
+    raise bad("'text.format.type' must be 'text', 'json_object' or 'json_schema'", "text")
+
+
+def parse_responses(body: dict, served: tuple[str, ...]) -> GenRequest:
+    reject_if(body, "previous_response_id", (None,), "is not supported: this server stores no responses; "
+                                                     "send the whole conversation in 'input'")
+    reject_if(body, "conversation", (None,), "is not supported: this server stores no conversations")
+    reject_if(body, "background", (None, False), "is not supported")
+    reject_if(body, "prompt", (None,), "(stored prompt templates) is not supported")
+    reject_if(body, "top_logprobs", (None, 0), "is not supported")
+    model, alias = resolve_model(body, served)
+    req = GenRequest(api="responses", model=model)
+    reasoning = body.get("reasoning") or {}
+    if not isinstance(reasoning, dict):
+        raise bad("'reasoning' must be an object", "reasoning")
+    req.thinking, req.reasoning_effort = resolve_thinking(
+        alias, effort=reasoning.get("effort"), thinking_obj=body.get("thinking"), effort_key="reasoning.effort")
+    req.tools, custom = _tools(body)
+    req.messages = attach_to_system(_input_messages(body.get("input"), body.get("instructions")), req.tools,
+                                    _text_format(body))
+    apply_sampling(req, body, max_keys=("max_output_tokens",), stop_key="stop")
+    req.stream = get_bool(body, "stream")
+    req.extra = {"custom_tools": custom, "instructions": body.get("instructions"), "tools": body.get("tools") or [],
+                 "reasoning": reasoning, "metadata": body.get("metadata") or {}, "text": body.get("text"),
+                 "max_output_tokens": body.get("max_output_tokens")}
+    return req
+
+
+# ---- response encoding -------------------------------------------------------------------------------------
+
+def usage(d: Done) -> dict:
+    return {"input_tokens": d.prompt_tokens, "input_tokens_details": {"cached_tokens": d.cached_tokens},
+            "output_tokens": d.completion_tokens, "output_tokens_details": {"reasoning_tokens": d.reasoning_tokens},
+            "total_tokens": d.prompt_tokens + d.completion_tokens}
+
+
+class ResponsesEncoder:
+    def __init__(self, req: GenRequest, rid: str, created: int, meta: dict):
+        self.req, self.created = req, created
+        self.id = "resp_" + rid
+        self.seq = 0
+        self.output: list[dict] = []       # finished items
+        self.open: dict | None = None      # the reasoning or message item being streamed
+        self.open_text = ""
+
+    # --- the response object
+    def _response(self, status: str, done: Done | None = None, error: str | None = None) -> dict:
+        x = self.req.extra
+        r = {"id": self.id, "object": "response", "created_at": self.created, "status": status,
+             "error": None, "incomplete_details": None, "instructions": x.get("instructions"),
+             "max_output_tokens": x.get("max_output_tokens"), "model": self.req.model, "output": list(self.output),
+             "parallel_tool_calls": True, "previous_response_id": None,
+             "reasoning": {"effort": x.get("reasoning", {}).get("effort"), "summary": None},
+             "store": False, "temperature": self.req.temperature, "text": x.get("text") or {"format": {"type": "text"}},
+             "tool_choice": "auto", "tools": x.get("tools", []), "top_p": self.req.top_p, "truncation": "disabled",
+             "usage": usage(done) if done else None, "metadata": x.get("metadata", {})}
+        if status == "incomplete":
+            r["incomplete_details"] = {"reason": "max_output_tokens"}
+        if error:
+            r["error"] = {"code": "server_error", "message": error}
+        return r
+
+    def _ev(self, kind: str, **fields) -> bytes:
+        data = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return sse(data, kind)
+
+    # --- streaming
+    def start(self) -> bytes:
+        return (self._ev("response.created", response=self._response("in_progress")) +
+                self._ev("response.in_progress", response=self._response("in_progress")))
+
+    def _open(self, kind: str) -> bytes:
+        out = self._close()
+        idx = len(self.output)
+        if kind == "reasoning":
+            self.open = {"id": _item_id("rs_"), "type": "reasoning", "summary": [], "content": []}
+            part = {"type": "reasoning_text", "text": ""}
+        else:
+            self.open = {"id": _item_id("msg_"), "type": "message", "role": "assistant", "status": "in_progress",
+                         "content": []}
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        self.open_text = ""
+        out += self._ev("response.output_item.added", output_index=idx, item=dict(self.open))
+        return out + self._ev("response.content_part.added", item_id=self.open["id"], output_index=idx,
+                              content_index=0, part=part)
+
+    def _close(self) -> bytes:
+        if self.open is None:
+            return b""
+        item, idx, text = self.open, len(self.output), self.open_text
+        self.open = None
+        if item["type"] == "reasoning":
+            part = {"type": "reasoning_text", "text": text}
+            out = self._ev("response.reasoning_text.done", item_id=item["id"], output_index=idx, content_index=0,
+                           text=text)
+        else:
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            out = self._ev("response.output_text.done", item_id=item["id"], output_index=idx, content_index=0,
+                           text=text, logprobs=[])
+            item["status"] = "completed"
+        item["content"] = [part]
+        out += self._ev("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0,
+                        part=part)
+        self.output.append(item)
+        return out + self._ev("response.output_item.done", output_index=idx, item=item)
+
+    def _call_item(self, ev: ToolCallOut) -> dict:
+        if ev.name in self.req.extra.get("custom_tools", ()):
+            try:
+                text = json.loads(ev.arguments).get(CUSTOM_PARAM, "")
+            except (ValueError, AttributeError):
+                text = ev.arguments
+            return {"id": _item_id("ctc_"), "type": "custom_tool_call", "status": "completed", "call_id": ev.id,
+                    "name": ev.name, "input": text if isinstance(text, str) else json.dumps(text)}
+        return {"id": _item_id("fc_"), "type": "function_call", "status": "completed", "call_id": ev.id,
+                "name": ev.name, "arguments": ev.arguments}
+
+    def event(self, ev) -> bytes:
+        if isinstance(ev, (Reasoning, Text)):
+            if not ev.text:
+                return b""
+            kind = "reasoning" if isinstance(ev, Reasoning) else "message"
+            out = self._open(kind) if self.open is None or self.open["type"] != kind else b""
+            self.open_text += ev.text
+            idx = len(self.output)
+            if kind == "reasoning":
+                return out + self._ev("response.reasoning_text.delta", item_id=self.open["id"], output_index=idx,
+                                      content_index=0, delta=ev.text)
+            return out + self._ev("response.output_text.delta", item_id=self.open["id"], output_index=idx,
+                                  content_index=0, delta=ev.text, logprobs=[])
+        if isinstance(ev, ToolCallOut):
+            out = self._close()
+            item = self._call_item(ev)
+            idx = len(self.output)
+            if item["type"] == "function_call":
+                out += self._ev("response.output_item.added", output_index=idx,
+                                item={**item, "status": "in_progress", "arguments": ""})
+                out += self._ev("response.function_call_arguments.delta", item_id=item["id"], output_index=idx,
+                                delta=item["arguments"])
+                out += self._ev("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
+                                name=item["name"], arguments=item["arguments"])
+            else:
+                out += self._ev("response.output_item.added", output_index=idx,
+                                item={**item, "status": "in_progress", "input": ""})
+                out += self._ev("response.custom_tool_call_input.delta", item_id=item["id"], output_index=idx,
+                                delta=item["input"])
+                out += self._ev("response.custom_tool_call_input.done", item_id=item["id"], output_index=idx,
+                                input=item["input"])
+            self.output.append(item)
+            return out + self._ev("response.output_item.done", output_index=idx, item=item)
+        if isinstance(ev, Done):
+            out = self._close()
+            if ev.finish_reason == "error":
+                return out + self._ev("response.failed", response=self._response("failed", ev, ev.error))
+            status = "incomplete" if ev.finish_reason == "length" else "completed"
+            return out + self._ev(f"response.{status}", response=self._response(status, ev))
+        return b""
+
+    # --- non-streaming
+    def body(self, r: Result) -> dict:
+        if r.reasoning and self.req.thinking:
+            self.output.append({"id": _item_id("rs_"), "type": "reasoning", "summary": [],
+                                "content": [{"type": "reasoning_text", "text": r.reasoning}]})
+        if r.text or not r.tool_calls:
+            self.output.append({"id": _item_id("msg_"), "type": "message", "role": "assistant",
+                                "status": "completed",
+                                "content": [{"type": "output_text", "text": r.text, "annotations": [],
+                                             "logprobs": []}]})
+        for c in r.tool_calls:
+            self.output.append(self._call_item(c))
+        status = "incomplete" if r.done.finish_reason == "length" else "completed"
+        return self._response(status, r.done)
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,206 @@
+"""The engine side of the server: prompt rendering, one worker thread running the blocking numpy/CUDA session,
+and a bounded FIFO queue in front of it.
+
+The event loop never runs model code. A request handler renders its prompt in a thread pool, puts a `Job` on
+the queue and awaits the job's asyncio.Queue; the worker thread runs one job at a time (the session has one
+live KV state) and posts `Reasoning` / `Text` / `ToolCallOut` / `Done` events back with call_soon_threadsafe.
+A handler whose client goes away sets `job.cancel`; the session checks it before every token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .metrics import Metrics
+from .protocol import ApiError, Done, GenRequest, Reasoning, Text, ToolCallOut
+from .toolmemory import StoredCall, ToolMemory
+
+log = logging.getLogger("ds4py.server")
+
+EOS_TEXT = "<｜end▁of▁sentence｜>"
+END_THINK = "</think>"
+
+
+@dataclass
+class Job:
+    req: GenRequest
+    ids: list[int]
+    loop: asyncio.AbstractEventLoop
+    id_prefix: str = "call_"
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancel: threading.Event = field(default_factory=threading.Event)
+    t_arrival: float = field(default_factory=time.monotonic)
+
+    def emit(self, ev) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, ev)
+
+
+class Engine:
+    """Everything between a GenRequest and its events: rendering, tokenizing, sampling, DSML parsing."""
+
+    def __init__(self, session, tokenizer, *, metrics: Metrics | None = None, tool_memory: ToolMemory | None = None,
+                 encode_prompt: Callable | None = None, parser_factory: Callable | None = None):
+        self.session, self.tokenizer = session, tokenizer
+        self.ctx_size = int(session.ctx_size)
+        self.metrics = metrics or Metrics()
+        self.tool_memory = tool_memory or ToolMemory()
+        if encode_prompt is None or parser_factory is None:
+            from ds4py import chat
+            encode_prompt = encode_prompt or chat.encode_prompt
+            parser_factory = parser_factory or chat.DSMLParser
+        self._encode_prompt, self._parser_factory = encode_prompt, parser_factory
+
+    # ---- rendering (called from a thread pool, never on the event loop) ----------------------------------
+
+    def prompt_ids(self, req: GenRequest) -> list[int]:
+        if req.messages is None:                                   # raw /v1/completions
+            if isinstance(req.prompt, list):
+                return list(req.prompt)
+            bos = getattr(self.tokenizer, "bos_id", None)
+            return ([bos] if bos is not None else []) + self.tokenizer.encode(req.prompt)
+        options = {"thinking_mode": "thinking" if req.thinking else "chat", "reasoning_effort": req.reasoning_effort,
+                   "drop_thinking": True, "add_default_bos_token": True}
+        messages = self.tool_memory.replay(req.messages)
+        return list(self._encode_prompt(messages, options, self.tokenizer))
+
+    def check_fits(self, ids: list[int]) -> None:
+        if len(ids) + 1 > self.ctx_size:
+            raise ApiError(400, f"the prompt has {len(ids)} tokens but the context holds {self.ctx_size} "
+                                f"(prompt + at least 1 generated token); shorten it or restart with a larger --ctx",
+                           code="context_length_exceeded", param="messages")
+        vocab = getattr(self.session, "vocab_size", None)
+        if vocab is not None and any(not 0 <= t < vocab for t in ids):
+            raise ApiError(400, f"token ids must be in 0..{vocab - 1}", param="prompt")
+
+    def cached_tokens(self, ids: list[int]) -> int:
+        return int(self.session.prompt_cache_tokens(ids))
+
+    # ---- generation (worker thread) ---------------------------------------------------------------------
+
+    def run(self, job: Job) -> None:
+        from ds4py.sampling import SamplingParams
+
+        req, m = job.req, self.metrics
+        params = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, min_p=req.min_p,
+                                seed=req.seed, max_tokens=req.max_tokens, stop=list(req.stop))
+        parser = self._parser_factory(req.thinking) if req.messages is not None else None
+        n_tokens = n_reasoning = 0
+        answering = not req.thinking           # past </think>: tokens stop counting as reasoning
+        think_text = ""
+        t_last = None
+        done = None
+        gen = self.session.generate(job.ids, params, cancelled=job.cancel.is_set)
+        try:
+            for ev in gen:
+                if hasattr(ev, "finish_reason"):
+                    done = ev
+                    break
+                now = time.monotonic()
+                if t_last is None:
+                    m.observe_ttft(now - job.t_arrival)
+                else:
+                    m.observe_itl(now - t_last)
+                t_last = now
+                n_tokens += 1
+                m.add(generated_tokens=1)
+                if parser is None:
+                    if ev.text:
+                        job.emit(Text(ev.text))
+                    continue
+                if not answering:                  # tokens up to and including the one that closes </think>
+                    n_reasoning += 1
+                    think_text += ev.text
+                    answering = END_THINK in think_text[-(len(ev.text) + len(END_THINK)):]
+                for out in parser.feed(ev.text):
+                    self._emit(job, out)
+                if job.cancel.is_set():
+                    break
+        finally:
+            gen.close()
+        if done is None or done.finish_reason == "cancelled" or job.cancel.is_set():
+            m.add(cancelled=1)
+            job.emit(Done("cancelled", len(job.ids), 0, n_tokens, n_reasoning))
+            return
+        if parser is not None:
+            tail = parser.feed(EOS_TEXT) if done.finish_reason == "stop" and done.stop_string is None else []
+            for out in tail + parser.finish():
+                self._emit(job, out)
+        m.add(prompt_tokens=done.prompt_tokens, cached_prompt_tokens=done.cached_tokens)
+        job.emit(Done(done.finish_reason, done.prompt_tokens, done.cached_tokens, done.completion_tokens,
+                      n_reasoning, done.stop_string))
+
+    def _emit(self, job: Job, out) -> None:
+        kind = type(out).__name__
+        if kind == "ReasoningDelta":
+            job.emit(Reasoning(out.text))
+        elif kind == "ContentDelta":
+            job.emit(Text(out.text))
+        elif kind == "ToolCall":
+            tid = ToolMemory.new_id(job.id_prefix)
+            self.tool_memory.remember(tid, StoredCall(out.name, out.arguments, out.raw_dsml))
+            job.emit(ToolCallOut(tid, out.name, out.arguments))
+        elif kind == "ParseIssue":
+            log.info("DSML parse issue: %s", out.reason)
+
+
+class QueueFull(ApiError):
+    pass
+
+
+class Worker:
+    """One engine thread and a bounded FIFO of waiting jobs (the running job is not counted)."""
+
+    def __init__(self, engine: Engine, max_queue: int = 64):
+        self.engine, self.max_queue = engine, max_queue
+        self._pending: collections.deque[Job] = collections.deque()
+        self._cv = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="ds4py-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        with self._cv:
+            if len(self._pending) >= self.max_queue:
+                retry = max(1, len(self._pending) // 2)
+                raise QueueFull(429, f"the server is busy: {len(self._pending)} requests are waiting "
+                                     f"(--max-queue {self.max_queue}); retry later",
+                                kind="rate_limit_error", code="queue_full", headers={"Retry-After": str(retry)})
+            self._pending.append(job)
+            self.engine.metrics.queue_depth = len(self._pending)
+            self._cv.notify()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            for job in self._pending:
+                job.cancel.set()
+            self._cv.notify_all()
+
+    def _loop(self) -> None:
+        m = self.engine.metrics
+        while True:
+            with self._cv:
+                while not self._pending and not self._closed:
+                    self._cv.wait()
+                if self._closed and not self._pending:
+                    return
+                job = self._pending.popleft()
+                m.queue_depth = len(self._pending)
+            if job.cancel.is_set():
+                m.add(cancelled=1)
+                job.emit(Done("cancelled", len(job.ids)))
+                continue
+            m.running = 1
+            try:
+                self.engine.run(job)
+            except Exception as e:  # a bug or a backend failure: fail this request, keep serving
+                log.exception("generation failed")
+                job.emit(Done("error", len(job.ids), error=f"generation failed: {type(e).__name__}: {e}"))
+            finally:
+                m.running = 0
