@@ -144,6 +144,13 @@ def test_holds_back_only_a_possible_marker_prefix():
     assert summary(q.feed("x <thank"))[1] == "x <thank"  # not a prefix of any marker: nothing held
 
 
+def test_finish_with_eos_equals_feeding_it():
+    text = "Hmm.</think>Done."
+    p = DSMLParser(thinking=True)
+    assert summary(p.feed(text) + p.finish(eos=True)) == summary(parse([text + EOS], True))
+    assert summary(parse([text + EOS], True)) == ("Hmm.", "Done.", [], [])
+
+
 def test_truncated_turn_reports_issue_not_exception():
     for text, thinking in [("half a thought", True), ("answer", False), ("\n\n<｜DSML｜tool_calls>\n<｜DSML｜inv", False)]:
         events = parse([text], thinking)

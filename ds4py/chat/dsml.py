@@ -316,9 +316,9 @@ def _holdback(buf: str, markers: tuple[str, ...]) -> int:
 class DSMLParser:
     """Incremental parser for one generated assistant turn: `feed(text)` any split, then `finish()`.
 
-    thinking=True when the prompt ended with `<think>` (the text starts inside the reasoning). Feed the
-    end-of-sentence text too when the model emits it: it marks the turn complete (without it, `finish()`
-    reports a truncated turn). Tool calls are emitted once their block is closed and followed by the
+    thinking=True when the prompt ended with `<think>` (the text starts inside the reasoning). The turn is
+    complete at <｜end▁of▁sentence｜>: feed its text, or call `finish(eos=True)` when generation stopped on
+    the EOS token; a plain `finish()` without it reports a truncated turn. Tool calls are emitted once their block is closed and followed by the
     end-of-sentence (or by `finish()`), so a block that turns out malformed never yields half its calls.
     """
 
@@ -341,9 +341,12 @@ class DSMLParser:
         self._run(final=False)
         return self._take()
 
-    def finish(self) -> list[Event]:
+    def finish(self, eos: bool = False) -> list[Event]:
+        """End of generation. eos=True: the model stopped on <｜end▁of▁sentence｜> and its text was not fed."""
         if self._finished:
             return []
+        if eos:
+            self._buf += EOS
         self._run(final=True)
         if self._state == _REASONING:
             self._issue("the turn ended inside the reasoning (no </think>)")
