@@ -1,0 +1,605 @@
+// The emulator's execution engine: every CUDA thread of a block is a fiber on its own small stack; blocks run
+// one at a time. A fiber runs until it reaches a barrier, a warp collective or its end, then the scheduler moves
+// to the next runnable fiber. See cu/README.md for what this can and cannot show.
+#pragma once
+
+namespace __emu {
+
+enum : int { kWarp = 32, kMaxThreads = 1024, kStackBytes = 64 * 1024, kMaxDynSmem = 227 * 1024 };
+enum State : int { READY, AT_BARRIER, AT_WARP, DONE };
+enum Result : int { OK = 0, KERNEL_ERROR = 1, FAULT = 2, BAD_LAUNCH = 3 };
+
+// ---- context switching -----------------------------------------------------------------------------------------
+#if defined(__x86_64__) && !defined(DS4_EMU_UCONTEXT)
+// Callee-saved registers, MXCSR and the x87 control word go on the fiber's own stack; the switch is a few
+// instructions, versus a system call per switch for swapcontext.
+asm(R"(
+    .text
+    .p2align 4
+    .globl __emu_switch
+    .hidden __emu_switch
+    .type __emu_switch,@function
+__emu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    subq $8, %rsp
+    stmxcsr (%rsp)
+    fnstcw 4(%rsp)
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    ldmxcsr (%rsp)
+    fldcw 4(%rsp)
+    addq $8, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size __emu_switch, .-__emu_switch
+    .globl __emu_fiber_start
+    .hidden __emu_fiber_start
+    .type __emu_fiber_start,@function
+__emu_fiber_start:
+    callq *%r13
+    ud2
+    .size __emu_fiber_start, .-__emu_fiber_start
+)");
+extern "C" void __emu_switch(void** save_sp, void* load_sp);
+extern "C" void __emu_fiber_start();
+struct Context { void* sp; };
+inline void ctx_switch(Context* from, Context* to) { __emu_switch(&from->sp, to->sp); }
+inline void ctx_make(Context* c, char* stack_lo, size_t size, void (*entry)()) {
+    uintptr_t top = ((uintptr_t)(stack_lo + size)) & ~(uintptr_t)15;
+    uint64_t* sp = (uint64_t*)(top - 64);                 // after `ret` the fiber starts with rsp = top (16-aligned)
+    sp[0] = 0x1f80ull | (0x037full << 32);                // default MXCSR | x87 control word
+    sp[1] = sp[2] = 0;                                    // r15 r14
+    sp[3] = (uint64_t)entry;                              // r13: called by __emu_fiber_start
+    sp[4] = sp[5] = sp[6] = 0;                            // r12 rbx rbp
+    sp[7] = (uint64_t)&__emu_fiber_start;                 // return address
+    c->sp = sp;
+}
+#else
+}  // namespace __emu
+#include <ucontext.h>
+namespace __emu {
+struct Context { ucontext_t uc; };
+inline void ctx_switch(Context* from, Context* to) { swapcontext(&from->uc, &to->uc); }
+inline void ctx_make(Context* c, char* stack_lo, size_t size, void (*entry)()) {
+    getcontext(&c->uc);
+    c->uc.uc_stack.ss_sp = stack_lo;
+    c->uc.uc_stack.ss_size = size;
+    c->uc.uc_link = nullptr;
+    makecontext(&c->uc, entry, 0);
+}
+#endif
+
+// ---- state -----------------------------------------------------------------------------------------------------
+struct Site { const char* what; const char* file; int line; };
+
+struct PendingCopy { void* dst; const void* src; int bytes; unsigned group; };
+
+struct Fiber {
+    Context ctx;
+    char* stack;
+    uint3 tid;
+    int linear, lane, warp;
+    State state;
+    Site site;                       // where it waits
+    uint64_t in[12], out[4];         // warp-collective payload: this lane's operands, and its result
+    int bar_result;
+    PendingCopy copies[32];          // cp.async issued but not yet waited for
+    int ncopies;
+    unsigned cp_group;               // index of the group being filled
+};
+
+struct Fiber;
+typedef void (*Combine)(Fiber* lanes, unsigned mask);
+
+struct Group {                       // one warp collective in progress
+    unsigned mask, arrived;
+    Site site;
+    Combine combine;
+};
+
+struct Warp {
+    unsigned exists, exited;
+    Group groups[8];
+    int ngroups;
+};
+
+struct Launch {
+    void (*thunk)(void* fn, void** args);
+    void* fn;
+    void** args;
+    dim3 grid, block;
+    uint3 block_idx;
+    Fiber* fibers;
+    int nthreads, live;
+    Warp warps[kMaxThreads / kWarp];
+    int bar_count, bar_pred;
+    Site bar_site;
+    Fiber* cur;
+    Context sched;
+    int in_fiber, failed;
+    char msg[2048];
+    sigjmp_buf fault_jmp;
+    void* fault_addr;
+    int fault_sig;
+    uint64_t rng;
+};
+
+inline Launch L;
+inline char* stack_pool;               // kMaxThreads stacks, each below a PROT_NONE guard page
+inline size_t page_bytes;
+
+}  // namespace __emu
+
+// The built-in variables: the scheduler writes threadIdx before switching into a fiber.
+inline uint3 threadIdx, blockIdx;
+inline dim3 blockDim, gridDim;
+constexpr int warpSize = 32;
+extern "C" { __attribute__((aligned(1024))) inline unsigned char __emu_dyn_smem[__emu::kMaxDynSmem]; }
+extern "C" char __start_emu_shared[] __attribute__((weak));
+extern "C" char __stop_emu_shared[] __attribute__((weak));
+
+namespace __emu {
+
+inline void describe_thread(char* out, size_t n, const Fiber* f) {
+    snprintf(out, n, "thread (%u,%u,%u) of block (%u,%u,%u)", f->tid.x, f->tid.y, f->tid.z,
+             L.block_idx.x, L.block_idx.y, L.block_idx.z);
+}
+
+// Stop the launch with a message: from a fiber, switch back to the scheduler and never return.
+[[noreturn]] inline void fail(const char* fmt, ...) {
+    char who[96];
+    describe_thread(who, sizeof who, L.cur);
+    int k = snprintf(L.msg, sizeof L.msg, "%s: ", who);
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(L.msg + k, sizeof L.msg - k, fmt, ap);
+    va_end(ap);
+    L.failed = 1;
+    ctx_switch(&L.cur->ctx, &L.sched);
+    __builtin_trap();
+}
+
+inline bool same_site(const Site& a, const Site& b) {
+    return a.line == b.line && strcmp(a.file, b.file) == 0 && strcmp(a.what, b.what) == 0;
+}
+
+inline void yield_to_scheduler(Fiber* f) { ctx_switch(&f->ctx, &L.sched); }
+
+// ---- cp.async: copies are held per thread and land at the matching wait ------------------------------------
+inline void run_copy(const PendingCopy& c) { memcpy(c.dst, c.src, c.bytes); }
+
+inline void cp_async(void* dst, const void* src, int bytes) {
+    Fiber* f = L.cur;
+    if (((uintptr_t)dst | (uintptr_t)src) & (uintptr_t)(bytes - 1))
+        fail("cp.async of %d bytes needs %d-byte aligned addresses (dst %p, src %p)", bytes, bytes, dst, src);
+    if (f->ncopies == 32) {                      // hardware may finish a copy at any time: retire the oldest
+        run_copy(f->copies[0]);
+        memmove(f->copies, f->copies + 1, 31 * sizeof(PendingCopy));
+        f->ncopies--;
+    }
+    f->copies[f->ncopies++] = PendingCopy{dst, src, bytes, f->cp_group};
+}
+inline void cp_async_commit() { L.cur->cp_group++; }
+inline void cp_async_wait(int newest_pending) {  // complete every committed group but the newest N
+    Fiber* f = L.cur;
+    int k = 0;
+    for (int i = 0; i < f->ncopies; i++) {
+        const PendingCopy& c = f->copies[i];
+        if (c.group + (unsigned)newest_pending < f->cp_group) run_copy(c);
+        else f->copies[k++] = c;
+    }
+    f->ncopies = k;
+}
+
+// ---- barriers --------------------------------------------------------------------------------------------------
+enum BarMode : int { BAR_PLAIN, BAR_COUNT, BAR_AND, BAR_OR };
+
+inline void release_barrier(int mode) {
+    int r = 0;
+    if (mode == BAR_COUNT) r = L.bar_pred;
+    else if (mode == BAR_AND) r = L.bar_pred == L.bar_count;
+    else if (mode == BAR_OR) r = L.bar_pred > 0;
+    for (int i = 0; i < L.nthreads; i++)
+        if (L.fibers[i].state == AT_BARRIER) { L.fibers[i].state = READY; L.fibers[i].bar_result = r; }
+    L.bar_count = 0;
+    L.bar_pred = 0;
+}
+
+inline int barrier(Site site, int mode, int pred) {
+    Fiber* f = L.cur;
+    if (L.bar_count == 0) L.bar_site = site;
+    else if (!same_site(site, L.bar_site))
+        fail("barrier divergence: reached %s at %s:%d while other threads wait at %s at %s:%d", site.what,
+             site.file, site.line, L.bar_site.what, L.bar_site.file, L.bar_site.line);
+    f->site = site;
+    f->state = AT_BARRIER;
+    L.bar_count++;
+    L.bar_pred += pred != 0;
+    if (L.bar_count == L.live) release_barrier(mode);   // this thread was the last: go on without switching
+    else yield_to_scheduler(f);
+    return f->bar_result;
+}
+
+// ---- warp collectives ------------------------------------------------------------------------------------------
+// Every lane named in `mask` must reach the same collective (same intrinsic, same source line, same mask);
+// the last one to arrive computes everybody's result with `combine` and the group resumes.
+inline void warp_collective(Site site, unsigned mask, Combine combine) {
+    Fiber* f = L.cur;
+    Warp& w = L.warps[f->warp];
+    const unsigned bit = 1u << f->lane;
+    if (!(mask & bit)) fail("%s at %s:%d with mask 0x%08x that does not include the calling lane %d", site.what,
+                            site.file, site.line, mask, f->lane);
+    if (mask & ~w.exists)
+        fail("%s at %s:%d: mask 0x%08x names lanes that do not exist (warp %d has lanes 0x%08x; blockDim %u)",
+             site.what, site.file, site.line, mask, f->warp, w.exists, L.block.x * L.block.y * L.block.z);
+    if (mask & w.exited)
+        fail("%s at %s:%d: mask 0x%08x names lanes that have already exited (0x%08x)", site.what, site.file,
+             site.line, mask, mask & w.exited);
+    Group* g = nullptr;
+    for (int i = 0; i < w.ngroups; i++)
+        if (w.groups[i].mask & mask) { g = &w.groups[i]; break; }
+    if (!g) {
+        if (w.ngroups == 8) fail("more than 8 disjoint warp collectives pending in warp %d", f->warp);
+        g = &w.groups[w.ngroups++];
+        *g = Group{mask, 0, site, combine};
+    } else if (g->mask != mask || !same_site(site, g->site) || g->combine != combine) {
+        fail("warp divergence: lane %d reached %s at %s:%d (mask 0x%08x) while lanes 0x%08x wait at %s at %s:%d "
+             "(mask 0x%08x)", f->lane, site.what, site.file, site.line, mask, g->arrived, g->site.what,
+             g->site.file, g->site.line, g->mask);
+    }
+    g->arrived |= bit;
+    f->site = site;
+    f->state = AT_WARP;
+    if (g->arrived != mask) { yield_to_scheduler(f); return; }
+    Fiber* lanes = L.fibers + f->warp * kWarp;
+    g->combine(lanes, mask);
+    for (unsigned m = mask; m; m &= m - 1) lanes[__builtin_ctz(m)].state = READY;
+    *g = w.groups[--w.ngroups];
+}
+
+template <class T> inline uint64_t to_bits(T v) {
+    static_assert(sizeof(T) <= 8, "warp collectives move at most 8 bytes per lane");
+    uint64_t b = 0;
+    memcpy(&b, &v, sizeof(T));
+    return b;
+}
+template <class T> inline T from_bits(uint64_t b) { T v; memcpy(&v, &b, sizeof(T)); return v; }
+
+// Shuffles: in[0] = value, in[1] = source lane (or -1: keep own value). A source lane outside the mask is
+// undefined on the GPU; here it reads as all-ones bits (NaN for floats) so tests notice.
+inline void combine_shfl(Fiber* lanes, unsigned mask) {
+    for (unsigned m = mask; m; m &= m - 1) {
+        Fiber& f = lanes[__builtin_ctz(m)];
+        const int64_t src = (int64_t)f.in[1];
+        if (src < 0) f.out[0] = f.in[0];
+        else if (mask & (1u << src)) f.out[0] = lanes[src].in[0];
+        else f.out[0] = ~0ull;
+    }
+}
+
+inline void check_width(Site s, int width) {
+    if (width <= 0 || width > 32 || (width & (width - 1)))
+        fail("%s at %s:%d: width %d is not a power of two in [1, 32]", s.what, s.file, s.line, width);
+}
+
+template <class T> inline T shfl(Site s, unsigned mask, T v, int64_t src) {
+    Fiber* f = L.cur;
+    f->in[0] = to_bits(v);
+    f->in[1] = (uint64_t)src;
+    warp_collective(s, mask, combine_shfl);
+    return from_bits<T>(f->out[0]);
+}
+template <class T> inline T shfl_idx(Site s, unsigned mask, T v, int src, int width) {
+    check_width(s, width);
+    const int lane = L.cur->lane, base = lane & ~(width - 1);
+    return shfl(s, mask, v, base + (src & (width - 1)));
+}
+template <class T> inline T shfl_up(Site s, unsigned mask, T v, unsigned delta, int width) {
+    check_width(s, width);
+    const int lane = L.cur->lane, base = lane & ~(width - 1);
+    const int64_t src = (int64_t)lane - (int64_t)delta;
+    return shfl(s, mask, v, src < base ? -1 : src);
+}
+template <class T> inline T shfl_down(Site s, unsigned mask, T v, unsigned delta, int width) {
+    check_width(s, width);
+    const int lane = L.cur->lane, base = lane & ~(width - 1);
+    const int64_t src = (int64_t)lane + (int64_t)delta;
+    return shfl(s, mask, v, src >= base + width ? -1 : src);
+}
+template <class T> inline T shfl_xor(Site s, unsigned mask, T v, int lane_mask, int width) {
+    check_width(s, width);
+    const int lane = L.cur->lane, base = lane & ~(width - 1);
+    const int src = lane ^ (lane_mask & 31);
+    return shfl(s, mask, v, src >= base + width ? -1 : src);   // later groups are out of reach: own value
+}
+
+// Votes and reductions: in[0] = operand, out[0] = result (same for all lanes unless noted).
+inline void combine_ballot(Fiber* lanes, unsigned mask) {
+    unsigned b = 0;
+    for (unsigned m = mask; m; m &= m - 1) if (lanes[__builtin_ctz(m)].in[0]) b |= m & -m;
+    for (unsigned m = mask; m; m &= m - 1) lanes[__builtin_ctz(m)].out[0] = b;
+}
+inline void combine_sync(Fiber*, unsigned) {}
+inline void combine_match_any(Fiber* lanes, unsigned mask) {
+    for (unsigned m = mask; m; m &= m - 1) {
+        Fiber& f = lanes[__builtin_ctz(m)];
+        unsigned same = 0;
+        for (unsigned k = mask; k; k &= k - 1) if (lanes[__builtin_ctz(k)].in[0] == f.in[0]) same |= k & -k;
+        f.out[0] = same;
+    }
+}
+template <class T, int OP> inline void combine_reduce(Fiber* lanes, unsigned mask) {
+    T acc = from_bits<T>(lanes[__builtin_ctz(mask)].in[0]);
+    for (unsigned m = mask & (mask - 1); m; m &= m - 1) {
+        const T v = from_bits<T>(lanes[__builtin_ctz(m)].in[0]);
+        if (OP == 0) acc = (T)(acc + v);
+        else if (OP == 1) acc = v < acc ? v : acc;
+        else if (OP == 2) acc = v > acc ? v : acc;
+        else if (OP == 3) acc = acc & v;
+        else if (OP == 4) acc = acc | v;
+        else acc = acc ^ v;
+    }
+    for (unsigned m = mask; m; m &= m - 1) lanes[__builtin_ctz(m)].out[0] = to_bits(acc);
+}
+template <class T, int OP> inline T reduce(Site s, unsigned mask, T v) {
+    L.cur->in[0] = to_bits(v);
+    warp_collective(s, mask, combine_reduce<T, OP>);
+    return from_bits<T>(L.cur->out[0]);
+}
+
+inline unsigned ballot(Site s, unsigned mask, int pred) {
+    L.cur->in[0] = pred != 0;
+    warp_collective(s, mask, combine_ballot);
+    return (unsigned)L.cur->out[0];
+}
+inline void syncwarp(Site s, unsigned mask) { warp_collective(s, mask, combine_sync); }
+template <class T> inline unsigned match_any(Site s, unsigned mask, T v) {
+    L.cur->in[0] = to_bits(v);
+    warp_collective(s, mask, combine_match_any);
+    return (unsigned)L.cur->out[0];
+}
+
+// ---- thread start and end --------------------------------------------------------------------------------------
+inline void thread_exit(Fiber* f) {
+    f->cp_group++;
+    cp_async_wait(0);                                   // copies still in flight land before the block ends
+    Warp& w = L.warps[f->warp];
+    const unsigned bit = 1u << f->lane;
+    for (int i = 0; i < w.ngroups; i++)
+        if (w.groups[i].mask & bit)
+            fail("exited while lanes 0x%08x of its warp wait for it at %s at %s:%d (mask 0x%08x)",
+                 w.groups[i].arrived, w.groups[i].site.what, w.groups[i].site.file, w.groups[i].site.line,
+                 w.groups[i].mask);
+    w.exited |= bit;
+    f->state = DONE;
+    L.live--;
+    // Threads that have exited no longer hold a barrier back (as on sm_70+).
+    if (L.bar_count > 0 && L.bar_count == L.live) release_barrier(BAR_PLAIN);
+}
+
+inline void fiber_main() {
+    Fiber* f = L.cur;
+    L.thunk(L.fn, L.args);
+    thread_exit(f);
+    ctx_switch(&f->ctx, &L.sched);
+    __builtin_trap();
+}
+
+// ---- faults ----------------------------------------------------------------------------------------------------
+inline void on_fault(int sig, siginfo_t* si, void*) {
+    if (!L.in_fiber) { signal(sig, SIG_DFL); return; }  // the emulator itself crashed: let it crash
+    L.fault_sig = sig;
+    L.fault_addr = si->si_addr;
+    siglongjmp(L.fault_jmp, 1);
+}
+
+inline bool ensure_stacks() {
+    if (stack_pool) return true;
+    page_bytes = (size_t)sysconf(_SC_PAGESIZE);
+    const size_t slot = kStackBytes + page_bytes;
+    void* p = mmap(nullptr, slot * kMaxThreads, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                   -1, 0);
+    if (p == MAP_FAILED) return false;
+    for (int i = 0; i < kMaxThreads; i++) mprotect((char*)p + i * slot, page_bytes, PROT_NONE);
+    stack_pool = (char*)p;
+    return true;
+}
+
+inline const char* state_name(const Fiber& f) {
+    return f.state == AT_BARRIER ? "barrier" : f.state == AT_WARP ? "warp" : "?";
+}
+
+// Nobody can run: name who waits where, in runs of consecutive threads.
+inline void report_deadlock() {
+    int k = snprintf(L.msg, sizeof L.msg, "deadlock in block (%u,%u,%u):", L.block_idx.x, L.block_idx.y,
+                     L.block_idx.z);
+    for (int i = 0; i < L.nthreads && k < (int)sizeof L.msg - 160;) {
+        const Fiber& f = L.fibers[i];
+        int j = i + 1;
+        if (f.state == DONE) {
+            while (j < L.nthreads && L.fibers[j].state == DONE) j++;
+            k += snprintf(L.msg + k, sizeof L.msg - k, " threads %d-%d exited;", i, j - 1);
+        } else {
+            while (j < L.nthreads && L.fibers[j].state == f.state && same_site(L.fibers[j].site, f.site)) j++;
+            k += snprintf(L.msg + k, sizeof L.msg - k, " threads %d-%d wait at %s (%s:%d);", i, j - 1,
+                          f.site.what, f.site.file, f.site.line);
+        }
+        i = j;
+    }
+    L.failed = 1;
+}
+
+inline uint64_t next_random() {
+    L.rng ^= L.rng << 13;
+    L.rng ^= L.rng >> 7;
+    L.rng ^= L.rng << 17;
+    return L.rng;
+}
+
+// order: 0 = ascending thread/block index, 1 = descending, 2 = a fresh random order every round (seeded).
+inline void make_order(int* idx, int n, int order) {
+    for (int i = 0; i < n; i++) idx[i] = order == 1 ? n - 1 - i : i;
+    if (order == 2)
+        for (int i = n - 1; i > 0; i--) { int j = (int)(next_random() % (uint64_t)(i + 1)); int t = idx[i]; idx[i] = idx[j]; idx[j] = t; }
+}
+
+inline bool run_block(uint3 b, int order) {
+    L.block_idx = b;
+    blockIdx = b;
+    const int n = L.nthreads;
+    for (int i = 0; i < n; i++) {
+        Fiber& f = L.fibers[i];
+        f.stack = stack_pool + (size_t)i * (kStackBytes + page_bytes) + page_bytes;
+        f.linear = i;
+        f.tid = uint3{(unsigned)(i % L.block.x), (unsigned)(i / L.block.x % L.block.y),
+                      (unsigned)(i / (L.block.x * L.block.y))};
+        f.lane = i % kWarp;
+        f.warp = i / kWarp;
+        f.state = READY;
+        f.ncopies = 0;
+        f.cp_group = 0;
+        ctx_make(&f.ctx, f.stack, kStackBytes, fiber_main);
+    }
+    for (int w = 0; w < (n + kWarp - 1) / kWarp; w++) {
+        const int lanes = n - w * kWarp < kWarp ? n - w * kWarp : kWarp;
+        L.warps[w].exists = lanes == 32 ? ~0u : (1u << lanes) - 1u;
+        L.warps[w].exited = 0;
+        L.warps[w].ngroups = 0;
+    }
+    L.live = n;
+    L.bar_count = L.bar_pred = 0;
+    // Shared memory starts as garbage on the GPU; all-ones bytes (NaN, -1) make reads before writes visible.
+    memset(__emu_dyn_smem, 0xff, sizeof __emu_dyn_smem);
+    if (__start_emu_shared && __stop_emu_shared) memset(__start_emu_shared, 0xff, __stop_emu_shared - __start_emu_shared);
+    static int idx[kMaxThreads];
+    while (L.live > 0) {
+        bool ran = false;
+        make_order(idx, n, order);
+        for (int k = 0; k < n; k++) {
+            Fiber& f = L.fibers[idx[k]];
+            if (f.state != READY) continue;
+            L.cur = &f;
+            threadIdx = f.tid;
+            L.in_fiber = 1;
+            ctx_switch(&L.sched, &f.ctx);
+            L.in_fiber = 0;
+            ran = true;
+            if (L.failed) return false;
+        }
+        if (!ran) { report_deadlock(); return false; }
+    }
+    return true;
+}
+
+inline int launch(void (*thunk)(void*, void**), void* fn, const unsigned* grid, const unsigned* block,
+                  size_t dyn_smem, void** args, int order, uint64_t seed) {
+    L.msg[0] = 0;
+    L.failed = 0;
+    L.fault_addr = nullptr;
+    L.fault_sig = 0;
+    const uint64_t nthreads = (uint64_t)block[0] * block[1] * block[2];
+    if (!grid[0] || !grid[1] || !grid[2] || !nthreads) {
+        snprintf(L.msg, sizeof L.msg, "launch with a zero grid or block dimension");
+        return BAD_LAUNCH;
+    }
+    if (nthreads > kMaxThreads || block[0] > 1024 || block[1] > 1024 || block[2] > 64) {
+        snprintf(L.msg, sizeof L.msg, "block (%u,%u,%u) exceeds the CUDA limits (1024 threads, z <= 64)",
+                 block[0], block[1], block[2]);
+        return BAD_LAUNCH;
+    }
+    if (grid[0] > 0x7fffffffu || grid[1] > 65535 || grid[2] > 65535) {
+        snprintf(L.msg, sizeof L.msg, "grid (%u,%u,%u) exceeds the CUDA limits", grid[0], grid[1], grid[2]);
+        return BAD_LAUNCH;
+    }
+    if (dyn_smem > (size_t)kMaxDynSmem) {
+        snprintf(L.msg, sizeof L.msg, "dynamic shared memory %zu bytes exceeds the %d bytes a block can have",
+                 dyn_smem, (int)kMaxDynSmem);
+        return BAD_LAUNCH;
+    }
+    if (!ensure_stacks()) { snprintf(L.msg, sizeof L.msg, "cannot map fiber stacks"); return BAD_LAUNCH; }
+    static Fiber fibers[kMaxThreads];
+    L.fibers = fibers;
+    L.nthreads = (int)nthreads;
+    L.thunk = thunk;
+    L.fn = fn;
+    L.args = args;
+    L.grid = dim3(grid[0], grid[1], grid[2]);
+    L.block = dim3(block[0], block[1], block[2]);
+    gridDim = L.grid;
+    blockDim = L.block;
+    L.rng = seed * 0x9e3779b97f4a7c15ull + 0x2545f4914f6cdd1dull;
+
+    // Catch out-of-bounds accesses (guard pages around every buffer), stack overflows and integer division by
+    // zero inside the kernel, and turn them into an error for this launch instead of a crash.
+    static char altstack[64 * 1024];
+    stack_t ss{}, old_ss{};
+    ss.ss_sp = altstack;
+    ss.ss_size = sizeof altstack;
+    sigaltstack(&ss, &old_ss);
+    struct sigaction sa{}, old_segv{}, old_bus{}, old_fpe{};
+    sa.sa_sigaction = on_fault;
+    sa.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGSEGV, &sa, &old_segv);
+    sigaction(SIGBUS, &sa, &old_bus);
+    sigaction(SIGFPE, &sa, &old_fpe);
+
+    int result = OK;
+    // Blocks in the chosen order; "random" walks them as lin = (a*i + c) mod N with gcd(a, N) = 1.
+    static volatile uint64_t i_block;
+    const uint64_t nblocks = (uint64_t)grid[0] * grid[1] * grid[2];
+    uint64_t a = 1, c = 0;
+    if (order == 2 && nblocks > 1) {
+        auto gcd = [](uint64_t x, uint64_t y) { while (y) { uint64_t t = x % y; x = y; y = t; } return x; };
+        do a = 1 + next_random() % (nblocks - 1); while (gcd(a, nblocks) != 1);
+        c = next_random() % nblocks;
+    }
+    if (sigsetjmp(L.fault_jmp, 1) == 0) {
+        for (i_block = 0; i_block < nblocks; i_block = i_block + 1) {
+            const uint64_t i = i_block;
+            const uint64_t lin = order == 1 ? nblocks - 1 - i : order == 2 ? (uint64_t)(((unsigned __int128)a * i + c) % nblocks) : i;
+            const uint3 b{(unsigned)(lin % grid[0]), (unsigned)(lin / grid[0] % grid[1]),
+                          (unsigned)(lin / ((uint64_t)grid[0] * grid[1]))};
+            if (!run_block(b, order)) { result = KERNEL_ERROR; break; }
+        }
+    } else {
+        L.in_fiber = 0;
+        char who[96];
+        describe_thread(who, sizeof who, L.cur);
+        const char* kind = L.fault_sig == SIGFPE ? "arithmetic fault (integer division by zero?)"
+                         : L.fault_sig == SIGBUS ? "bus error" : "invalid memory access";
+        const uintptr_t a = (uintptr_t)L.fault_addr, lo = (uintptr_t)stack_pool;
+        const bool stack = L.fault_sig == SIGSEGV && a >= lo && a < lo + (kStackBytes + page_bytes) * kMaxThreads &&
+                           (a - lo) % (kStackBytes + page_bytes) < page_bytes;
+        snprintf(L.msg, sizeof L.msg, "%s: %s at address %p%s", who, stack ? "stack overflow" : kind, L.fault_addr,
+                 stack ? " (the emulator gives each thread 64 KiB)" : "");
+        result = FAULT;
+    }
+    sigaction(SIGSEGV, &old_segv, nullptr);
+    sigaction(SIGBUS, &old_bus, nullptr);
+    sigaction(SIGFPE, &old_fpe, nullptr);
+    sigaltstack(&old_ss, nullptr);
+    return result;
+}
+
+// Call the kernel with its parameters read from the cuLaunchKernel-style array; each thread gets its own copy.
+template <class... A, size_t... I> inline void call_kernel(void* fn, void** args, std::index_sequence<I...>) {
+    reinterpret_cast<void (*)(A...)>(fn)(*static_cast<std::remove_cv_t<std::remove_reference_t<A>>*>(args[I])...);
+}
+template <class... A> inline void thunk(void* fn, void** args) { call_kernel<A...>(fn, args, std::index_sequence_for<A...>{}); }
+template <class... A> inline int launch_kernel(void (*k)(A...), const unsigned* grid, const unsigned* block,
+                                               size_t dyn_smem, void** args, int order, uint64_t seed) {
+    return launch(&thunk<A...>, reinterpret_cast<void*>(k), grid, block, dyn_smem, args, order, seed);
+}
+
+}  // namespace __emu
