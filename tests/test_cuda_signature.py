@@ -1,0 +1,130 @@
+"""Kernel signatures parsed from source, and argument packing checked against them before any launch."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ds4py.cuda.args import SLOT_BYTES, KernelArgumentError, pack_args
+from ds4py.cuda.launch import check_geometry
+from ds4py.cuda.memory import DeviceArray
+from ds4py.cuda.signature import KernelSignatureError, Param, parse_kernels
+
+CU = Path(__file__).resolve().parents[1] / "cu"
+
+SRC = r'''
+// extern "C" __global__ void commented_out(int x) {}
+/* extern "C" __global__ void also_commented(int x) {} */
+extern "C" __global__ void plain(const float* __restrict__ x, float *y, int n, unsigned m, float eps) {}
+extern "C" __global__ __launch_bounds__(256, 1) void bounded(const __half* w, const uint8_t* q,
+                                                             const int* ids, unsigned int k) {}
+extern "C" __global__ void noargs() {}
+extern "C" __global__ void voidargs(void) {}
+__global__ void not_extern_c(int x) {}
+__device__ float helper(float a, float b) { return a + b; }
+extern "C" __global__ void wide(long long a, uint64_t b, double c, const __nv_bfloat16* bf) {}
+'''
+
+
+def test_parse_kernels():
+    k = parse_kernels(SRC)
+    assert list(k) == ["plain", "bounded", "noargs", "voidargs", "wide"]
+    assert k["plain"] == [
+        Param("x", "float", True, True), Param("y", "float", True, False),
+        Param("n", "int", False, False), Param("m", "unsigned int", False, False), Param("eps", "float", False, False),
+    ]
+    assert k["bounded"] == [
+        Param("w", "__half", True, True), Param("q", "uint8_t", True, True),
+        Param("ids", "int", True, True), Param("k", "unsigned int", False, False),
+    ]
+    assert k["noargs"] == [] and k["voidargs"] == []
+    assert [p.ctype for p in k["wide"]] == ["long long", "uint64_t", "double", "__nv_bfloat16"]
+
+
+@pytest.mark.parametrize("bad", [
+    'extern "C" __global__ void k(float** p) {}',
+    'extern "C" __global__ void k(float& p) {}',
+    'extern "C" __global__ void k(float p[4]) {}',
+    'extern "C" __global__ void k(MyStruct s) {}',
+    'extern "C" __global__ void k(int a, int a) {}',
+    'extern "C" __global__ void k(int) {}',
+])
+def test_parse_rejects_what_cannot_be_packed(bad):
+    with pytest.raises(KernelSignatureError):
+        parse_kernels(bad)
+
+
+def test_every_repo_kernel_parses():
+    names = {}
+    for f in CU.glob("*.cu"):
+        for name, params in parse_kernels(f.read_text()).items():
+            assert name not in names, f"{name} defined in {names.get(name)} and {f.name}"
+            names[name] = f.name
+            assert params, name
+    assert {"rmsnorm_f32", "gemv_f16", "gemv_q8_0", "embed_f16", "argmax_partial", "argmax_final"} <= set(names)
+
+
+PLAIN = parse_kernels(SRC)["plain"]
+
+
+def dev(ptr: int, dtype, n: int = 4, readonly: bool = False) -> DeviceArray:
+    return DeviceArray(ptr, (n,), np.dtype(dtype), readonly)
+
+
+def test_pack_layout():
+    p = pack_args("plain", PLAIN, [dev(0x1000, np.float32), 0x2000, 7, 3, 0.5])
+    assert p.data.nbytes == 5 * SLOT_BYTES and p.pointers.dtype == np.uint64
+    base = p.data.ctypes.data
+    assert [int(a) - base for a in p.pointers] == [0, 16, 32, 48, 64]
+    assert p.address == p.pointers.ctypes.data
+    raw = p.data.tobytes()
+    assert struct.unpack_from("<Q", raw, 0)[0] == 0x1000
+    assert struct.unpack_from("<Q", raw, 16)[0] == 0x2000
+    assert struct.unpack_from("<i", raw, 32)[0] == 7
+    assert struct.unpack_from("<I", raw, 48)[0] == 3
+    assert struct.unpack_from("<f", raw, 64)[0] == 0.5
+
+
+def test_pack_null_pointer_and_no_args():
+    p = pack_args("plain", PLAIN, [None, dev(64, np.float32), -1, 0, 1])
+    assert struct.unpack_from("<Q", p.data.tobytes(), 0)[0] == 0
+    assert pack_args("noargs", [], []).address == 0
+
+
+@pytest.mark.parametrize("args, fragment", [
+    ([dev(0, np.float32), dev(0, np.float32), 1, 2], "takes 5 arguments, got 4"),
+    ([dev(0, np.float32), dev(0, np.float32), 1, 2, 3.0, 4], "takes 5 arguments, got 6"),
+    ([np.zeros(4, np.float32), dev(0, np.float32), 1, 2, 3.0], "host numpy array"),
+    ([dev(0, np.float16), dev(0, np.float32), 1, 2, 3.0], "declared float* but the buffer holds float16"),
+    ([dev(0, np.float32), dev(0, np.float32, readonly=True), 1, 2, 3.0], "read-only"),
+    ([dev(0, np.float32), dev(0, np.float32), 1.5, 2, 3.0], "is a int"),
+    ([dev(0, np.float32), dev(0, np.float32), True, 2, 3.0], "is a int"),
+    ([dev(0, np.float32), dev(0, np.float32), 2**31, 2, 3.0], "does not fit"),
+    ([dev(0, np.float32), dev(0, np.float32), 1, -1, 3.0], "does not fit in unsigned int"),
+    ([dev(0, np.float32), dev(0, np.float32), 1, 2, "x"], "is a float"),
+    ([dev(0, np.float32), 1.0, 1, 2, 3.0], "must be a device pointer"),
+    ([dev(0, np.float32), -5, 1, 2, 3.0], "not a valid device address"),
+])
+def test_pack_rejects(args, fragment):
+    with pytest.raises(KernelArgumentError) as e:
+        pack_args("plain", PLAIN, args)
+    assert fragment in str(e.value) and "plain" in str(e.value)
+
+
+def test_pack_accepts_numpy_scalars():
+    p = pack_args("plain", PLAIN, [0, 0, np.int32(5), np.uint64(9), np.float32(1.25)])
+    raw = p.data.tobytes()
+    assert struct.unpack_from("<i", raw, 32)[0] == 5 and struct.unpack_from("<f", raw, 64)[0] == 1.25
+
+
+def test_geometry_checks():
+    g, b = check_geometry("k", 10, (32, 4), 0, 1024, 48 * 1024)
+    assert g == (10, 1, 1) and b == (32, 4, 1)
+    for grid, block, smem, frag in [(0, 32, 0, "positive"), (1, 2048, 0, "exceeds this kernel's limit"),
+                                    (1, 32, 1 << 20, "shared memory"), ((1, 70000), 32, 0, "device limits"),
+                                    (1, (1, 2, 3, 4), 0, "1 to 3")]:
+        with pytest.raises(KernelArgumentError, match=frag):
+            check_geometry("k", grid, block, smem, 1024, 48 * 1024)
