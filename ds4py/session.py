@@ -107,6 +107,8 @@ class Session:
         """(tokens reused, snapshot to restore or None for the live state) - the longest prefix wins."""
         best, src = 0, None
         n_live = len(self.tokens)
+        if self.state is not None and (self.state.n_tokens != n_live or self._logits is None):
+            self._drop_live()                     # interrupted between a model call and its bookkeeping
         if self.state is not None and n_live <= len(prompt) and self.tokens == prompt[:n_live]:
             best = n_live
         for snap in self._snapshots:

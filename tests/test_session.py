@@ -275,6 +275,16 @@ def test_interrupted_model_call_drops_the_live_state(tok):
     assert done.cached_tokens == len(PROMPT) - 1 and ids == fresh_tokens(tok, PROMPT, 4)
 
 
+def test_live_state_out_of_step_with_its_tokens_is_not_reused(tok):
+    # e.g. a KeyboardInterrupt landing between a model call and the session's bookkeeping
+    s = Session(FakeModel(), tok)
+    run(s, PROMPT, max_tokens=1)
+    s.state.history.append(7)
+    assert s.prompt_cache_tokens(PROMPT + [9]) == len(PROMPT) - 1      # the snapshot, not the live state
+    ids, _, _ = run(s, PROMPT + [9], max_tokens=3)
+    assert ids == fresh_tokens(tok, PROMPT + [9], 3)
+
+
 def test_one_generation_at_a_time(tok):
     s = Session(FakeModel(), tok)
     g = s.generate(PROMPT, SamplingParams(max_tokens=5, **GREEDY))

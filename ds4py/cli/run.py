@@ -1,0 +1,216 @@
+"""`python -m ds4py run -m MODEL -p TEXT`: one chat turn, streamed to stdout.
+
+Reasoning is shown dim on a terminal; when stdout is not a terminal it is framed by "[thinking]" and
+"[answer]" lines instead, so a pipe or a log still shows where the answer starts. This module also holds the
+pieces `chat` shares: the common options, opening model + tokenizer + session, and the stream printer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+NAME = "run"
+HELP = "generate one answer to a prompt (streamed; reasoning shown separately)"
+
+DIM, RESET = "\x1b[2m", "\x1b[0m"
+
+
+def add_common_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", required=True, help="GGUF file")
+    p.add_argument("--backend", choices=["ref", "cuda"], default="ref", help="engine backend (default: ref)")
+    p.add_argument("--ctx", type=int, default=None, help="context size in tokens (default: the model's)")
+    p.add_argument("--system", "-s", default=None, help="system prompt")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--think", dest="thinking", action="store_const", const="on",
+                      help="reason before answering (default)")
+    mode.add_argument("--nothink", dest="thinking", action="store_const", const="off", help="answer directly")
+    mode.add_argument("--think-max", dest="thinking", action="store_const", const="max",
+                      help="thinking with DeepSeek's maximum reasoning-effort instruction")
+    p.set_defaults(thinking="on")
+    g = p.add_argument_group("sampling (DeepSeek V4 recommends temperature 1, top-p 1)")
+    g.add_argument("--temp", type=float, default=1.0, help="temperature; 0 = greedy (default 1.0)")
+    g.add_argument("--top-k", type=int, default=0, help="keep the K most probable tokens; 0 = off")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus mass; 1 = off")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below M x the top probability; 0 = off")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    g.add_argument("-n", "--max-tokens", type=int, default=4096,
+                   help="most tokens per answer, reasoning included (default 4096; 0 = until EOS or context full)")
+    p.add_argument("--color", choices=["auto", "always", "never"], default="auto",
+                   help="dim reasoning with ANSI colour (auto: when stdout is a terminal)")
+    p.add_argument("-v", "--verbose", action="store_true", help="print token counts and speeds to stderr")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-p", "--prompt", required=True, help="the user message ('-' reads it from stdin)")
+    add_common_arguments(p)
+
+
+def sampling_params(args):
+    from ds4py.errors import Ds4Error
+    from ds4py.sampling import SamplingParams
+
+    try:
+        return SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                              seed=args.seed, max_tokens=args.max_tokens or None)
+    except ValueError as e:
+        raise Ds4Error(str(e)) from None
+
+
+def chat_options(thinking: str) -> dict:
+    """The official encoder's options (see golden chat cases) for off / on / max."""
+    return {"thinking_mode": "chat" if thinking == "off" else "thinking", "drop_thinking": True,
+            "reasoning_effort": "max" if thinking == "max" else None, "add_default_bos_token": True}
+
+
+def open_session(args):
+    """Model, tokenizer and a Session, with the CLI's error wording (Ds4Error -> one line)."""
+    from ds4py.model import open_model
+    from ds4py.session import Session
+    from ds4py.tokenizer import Tokenizer
+
+    t0 = time.perf_counter()
+    model = open_model(args.model, backend=args.backend)
+    tok = Tokenizer.from_gguf(getattr(model, "gguf", args.model))
+    session = Session(model, tok, ctx_size=args.ctx)
+    if args.verbose:
+        print(f"[loaded {args.model} ({args.backend}) in {time.perf_counter() - t0:.2f} s; "
+              f"context {session.ctx_size} tokens]", file=sys.stderr, flush=True)
+    return session
+
+
+def use_color(args, stream=sys.stdout) -> bool:
+    if args.color == "auto":
+        return stream.isatty()
+    return args.color == "always"
+
+
+class Printer:
+    """Writes parser events: reasoning dim (colour) or between [thinking]/[answer] lines (plain)."""
+
+    def __init__(self, out, color: bool):
+        self.out, self.color = out, color
+        self.in_reasoning = False
+        self.saw_reasoning = False
+        self.at_line_start = True
+        self.reasoning: list[str] = []
+        self.content: list[str] = []
+        self.tool_calls: list = []
+        self.issues: list[str] = []          # parser notes (malformed DSML, truncated turn): shown with -v
+
+    def _write(self, s: str) -> None:
+        if s:
+            self.out.write(s)
+            self.out.flush()
+            self.at_line_start = s.endswith("\n")
+
+    def reasoning_delta(self, text: str) -> None:
+        self.reasoning.append(text)
+        if not self.in_reasoning:
+            self.in_reasoning = self.saw_reasoning = True
+            self._write(DIM if self.color else "[thinking]\n")
+        self._write(text)
+
+    def _end_reasoning(self, answer_follows: bool = True) -> None:
+        if self.in_reasoning:
+            self.in_reasoning = False
+            nl = "" if self.at_line_start else "\n"
+            if self.color:
+                self._write(f"{RESET}{nl}" + ("\n" if answer_follows else ""))
+            else:
+                self._write(nl + ("[answer]\n" if answer_follows else ""))
+
+    def content_delta(self, text: str) -> None:
+        if not text:
+            return
+        self._end_reasoning()
+        self.content.append(text)
+        self._write(text)
+
+    def tool_call(self, name: str, arguments) -> None:
+        self._end_reasoning()
+        self.tool_calls.append((name, arguments))
+        args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+        self._write(("" if self.at_line_start else "\n") + f"[tool call] {name} {args}\n")
+
+    def finish(self) -> None:
+        self._end_reasoning(answer_follows=False)   # reasoning cut off by a limit: no answer to announce
+        if not self.at_line_start:
+            self._write("\n")
+
+    def abort(self) -> None:
+        """Leave the terminal clean after an interruption."""
+        if self.in_reasoning and self.color:
+            self.out.write(RESET)
+        self.in_reasoning = False
+        self.finish()
+
+
+def feed(printer: Printer, events) -> None:
+    """Route ds4py.chat parser events to the printer."""
+    from ds4py.chat import ContentDelta, ParseIssue, ReasoningDelta, ToolCall
+
+    for ev in events:
+        if isinstance(ev, ReasoningDelta):
+            printer.reasoning_delta(ev.text)
+        elif isinstance(ev, ContentDelta):
+            printer.content_delta(ev.text)
+        elif isinstance(ev, ToolCall):
+            printer.tool_call(ev.name, ev.arguments)
+        elif isinstance(ev, ParseIssue):
+            printer.issues.append(ev.reason)
+
+
+def stream_answer(session, prompt_ids, params, thinking: str, printer: Printer, verbose: bool,
+                  cancelled=None):
+    """Generate, parse and print one answer. Returns the DoneEvent."""
+    from ds4py.chat import DSMLParser
+    from ds4py.session import DoneEvent
+
+    parser = DSMLParser(thinking != "off")
+    eos = session.tokenizer.eos_id
+    eos_text = session.tokenizer.decode([eos])
+    t0 = time.perf_counter()
+    t_first = None
+    done = None
+    try:
+        for ev in session.generate(prompt_ids, params, cancelled):
+            if isinstance(ev, DoneEvent):
+                done = ev
+                break
+            if t_first is None:
+                t_first = time.perf_counter()
+            # The session never spells EOS in the text; the parser wants it to know the turn is complete.
+            feed(printer, parser.feed(ev.text + (eos_text if ev.token_id == eos else "")))
+        feed(printer, parser.finish())
+    except BaseException:
+        printer.abort()
+        raise
+    printer.finish()
+    if verbose:
+        for reason in printer.issues:
+            print(f"[parser: {reason}]", file=sys.stderr, flush=True)
+        t1 = time.perf_counter()
+        tf = t_first or t1
+        prefilled = done.prompt_tokens - done.cached_tokens
+        gen = max(done.completion_tokens - 1, 0)
+        print(f"[prompt {done.prompt_tokens} tokens: cached {done.cached_tokens}, prefilled {prefilled} "
+              f"in {tf - t0:.2f} s ({prefilled / max(tf - t0, 1e-9):.1f} tok/s); generated "
+              f"{done.completion_tokens} ({gen / max(t1 - tf, 1e-9):.1f} tok/s); finish {done.finish_reason}]",
+              file=sys.stderr, flush=True)
+    return done
+
+
+def run(args) -> int:
+    from ds4py.chat import encode_prompt
+
+    text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    params = sampling_params(args)
+    session = open_session(args)
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+        [{"role": "user", "content": text}]
+    ids = encode_prompt(messages, chat_options(args.thinking), session.tokenizer, plain_content=True)
+    stream_answer(session, ids, params, args.thinking, Printer(sys.stdout, use_color(args)), args.verbose)
+    return 0
