@@ -1,0 +1,84 @@
+"""`python -m ds4py inspect MODEL.gguf`: model shape, tensor counts and sizes per type, largest tensors."""
+
+from __future__ import annotations
+
+import argparse
+
+NAME = "inspect"
+HELP = "show a GGUF's model shape, tensor types and sizes"
+
+SHAPE_KEYS = [  # (label, metadata key without the architecture prefix)
+    ("layers", "block_count"), ("hidden", "embedding_length"), ("vocab", "vocab_size"),
+    ("heads", "attention.head_count"), ("head dim", "attention.key_length"), ("rope dims", "rope.dimension_count"),
+    ("q lora rank", "attention.q_lora_rank"), ("output groups x rank", None),
+    ("experts (used / shared)", None), ("expert FFN", "expert_feed_forward_length"),
+    ("hash-routed layers", "hash_layer_count"), ("sliding window", "attention.sliding_window"),
+    ("indexer heads / dim / top-k", None), ("compress ratios", "attention.compress_ratios"),
+    ("context", "context_length"), ("hyper-connections", "hyper_connection.count"),
+    ("rms eps", "attention.layer_norm_rms_epsilon"),
+]
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", metavar="MODEL.gguf")
+    p.add_argument("--top", type=int, default=8, help="how many of the largest tensors to list (default 8)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from ds4py.gguf import GGUFFile
+
+    f = GGUFFile(args.model)
+    arch = f.meta("general.architecture", "?")
+    A = arch + "."
+
+    def m(key, default="?"):
+        return f.meta(A + key, default)
+
+    print(f"{args.model}: GGUF v{f.version}, architecture {arch}, name {f.meta('general.name', '?')!s}, "
+          f"{human(f.file_size)}")
+    values = {
+        "output groups x rank": f"{m('attention.output_group_count')} x {m('attention.output_lora_rank')}",
+        "experts (used / shared)": f"{m('expert_count')} ({m('expert_used_count')} / {m('expert_shared_count')})",
+        "indexer heads / dim / top-k": f"{m('attention.indexer.head_count')} / {m('attention.indexer.key_length')}"
+                                       f" / {m('attention.indexer.top_k')}",
+    }
+    print("shape:")
+    for label, key in SHAPE_KEYS:
+        v = values.get(label) if key is None else m(key)
+        if isinstance(v, list):
+            v = ",".join(str(x) for x in v)
+        elif isinstance(v, float):
+            v = f"{v:g}"
+        print(f"  {label:<28s} {v}")
+    if f.has("tokenizer.ggml.tokens"):
+        print(f"  {'tokenizer':<28s} {f.meta('tokenizer.ggml.model', '?')} / {f.meta('tokenizer.ggml.pre', '?')}, "
+              f"{len(f.meta('tokenizer.ggml.tokens'))} tokens, {len(f.meta('tokenizer.ggml.merges', []))} merges")
+    else:
+        print(f"  {'tokenizer':<28s} none")
+
+    tensors = list(f.tensors.values())
+    total = sum(t.nbytes for t in tensors)
+    print(f"tensors: {len(tensors)}, {human(total)} ({total} bytes)")
+    by_type: dict[str, list[int]] = {}
+    for t in tensors:
+        c = by_type.setdefault(t.qtype.name, [0, 0, 0])
+        c[0] += 1
+        c[1] += t.nbytes
+        c[2] += int(np.prod(t.shape, dtype=np.int64))
+    print(f"  {'type':<8s} {'count':>6s} {'bytes':>12s} {'params':>14s} {'bits/weight':>11s}")
+    for name, (n, nb, ne) in sorted(by_type.items(), key=lambda kv: -kv[1][1]):
+        print(f"  {name:<8s} {n:>6d} {human(nb):>12s} {ne:>14,d} {8 * nb / max(ne, 1):>11.2f}")
+    print(f"largest {min(args.top, len(tensors))}:")
+    for t in sorted(tensors, key=lambda t: -t.nbytes)[: args.top]:
+        print(f"  {t.name:<40s} {t.qtype.name:<8s} ne={list(t.ne)} {human(t.nbytes)}")
+    return 0

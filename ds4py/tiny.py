@@ -1,0 +1,293 @@
+"""A random-weight V4 Flash GGUF of any small shape, in the ds4 layout, with a real byte-level tokenizer.
+
+`make_tiny(out, seed=0, **shape)` is the server's built-in demo model and a fixture for engine tests.
+Tensor names, orientations and types come from `ds4py.convert.ds4_layout`, so a tiny file and a converted
+checkpoint are read by the same loader. Weight magnitudes follow the ds4-tiny golden model (see
+golden/ds4-tiny/README.md "Weight magnitudes") so hyper-connections mix, attention is peaky, sinks and
+compressed rows matter and the SwiGLU clamp fires: the logits are far from uniform.
+Deterministic: every tensor draws from its own generator seeded by (seed, tensor index).
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import numpy as np
+import regex
+from gguf import GGMLQuantizationType as QT
+
+from ds4py import quant
+from ds4py.convert import (ConvertError, OutTensor, Spec, Tokenizer, V4Shape, bytes_to_unicode, ds4_layout,
+                           gguf_metadata, write_gguf)
+from ds4py.quant import official
+from ds4py.quant.mxfp4 import mxfp4_from_official
+
+# ----------------------------------------------------------------------------------------------- tokenizer
+SPECIAL_HEAD = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"]          # ids 0, 1 as in DeepSeek
+SPECIAL_TAIL = ["<｜User｜>", "<｜Assistant｜>", "<think>", "</think>", "｜DSML｜", "<｜latest_reminder｜>",
+                "<｜▁pad▁｜>", "<｜action｜>", "<｜query｜>", "<｜authority｜>", "<｜domain｜>", "<｜title｜>",
+                "<｜read_url｜>"]
+
+# DeepSeek V4's pre-tokenizer splits (golden/tokenizer/pretokenizer.json), applied in order, matches isolated.
+PRETOKENIZE = [
+    regex.compile(r"\p{N}{1,3}"),
+    regex.compile(r"[一-龥぀-ゟ゠-ヿ]+"),
+    regex.compile(r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+|"
+                  r" ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
+]
+
+CORPUS = """\
+You are a helpful assistant. The user asks a question and the assistant answers it clearly.
+Hello! How can I help you today? I would like to know the weather in Paris, please.
+The weather in Paris is sunny with a high of 21 degrees. Tomorrow there will be some rain in the afternoon.
+Can you write a short poem about the sea? The sea is wide and the waves are slow; the light on the water is gold.
+Let me think about this step by step. First, we read the question. Then we check the facts and write the answer.
+The answer is 42. There are 365 days in a year, 24 hours in a day and 60 minutes in an hour.
+In 2024 the report listed 1250 items at 3.75 each; the total was 4687.50 after the 10% discount.
+def fibonacci(n: int) -> int:
+    if n < 2:
+        return n
+    return fibonacci(n - 1) + fibonacci(n - 2)
+
+for i in range(10):
+    print(f"fib({i}) = {fibonacci(i)}")
+
+import json
+data = {"name": "get_weather", "arguments": {"location": "Paris", "unit": "celsius"}}
+print(json.dumps(data, indent=2))
+{"role": "user", "content": "What is the time in Tokyo?"}
+{"role": "assistant", "content": "It is 9 in the morning in Tokyo."}
+<tool_result>{"temperature": 21, "condition": "sunny"}</tool_result>
+invoke name="get_weather" parameter name="location" string="true" Paris parameter tool_calls
+function(x) { return x * 2; } const value = items.map(function (item) { return item.value; });
+SELECT id, name FROM users WHERE age > 30 ORDER BY name LIMIT 10;
+The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step.
+This is a test of the system. The system should respond with a short and correct answer to each question.
+Il tempo oggi è bello. Der Himmel ist blau. Le chat dort sur le canapé. El perro come en la cocina.
+你好，世界！今天天气很好。人工智能可以帮助我们。日本語のテキスト、こんにちは。
+Thank you for your question. If you have any other questions, feel free to ask!
+"""
+
+
+def pretokenize(text: str) -> list[str]:
+    pieces = [text]
+    for pat in PRETOKENIZE:
+        out = []
+        for p in pieces:
+            pos = 0
+            for m in pat.finditer(p):
+                if m.start() > pos:
+                    out.append(p[pos: m.start()])
+                out.append(m.group())
+                pos = m.end()
+            if pos < len(p):
+                out.append(p[pos:])
+        pieces = out
+    return [p for p in pieces if p]
+
+
+def train_merges(text: str, n_merges: int) -> list[tuple[str, str]]:
+    """Plain byte-level BPE training: repeatedly merge the most frequent adjacent pair (ties: smallest pair)."""
+    b2u = bytes_to_unicode()
+    words = collections.Counter(tuple(b2u[b] for b in p.encode()) for p in pretokenize(text))
+    merges: list[tuple[str, str]] = []
+    known = set(b2u.values())
+    while len(merges) < n_merges:
+        pairs: collections.Counter = collections.Counter()
+        for w, n in words.items():
+            for a, b in zip(w, w[1:]):
+                pairs[(a, b)] += n
+        cands = [(n, p) for p, n in pairs.items() if p[0] + p[1] not in known]
+        if not cands:
+            break
+        top = max(n for n, _ in cands)
+        best = min(p for n, p in cands if n == top)
+        merges.append(best)
+        known.add(best[0] + best[1])
+        new: collections.Counter = collections.Counter()
+        for w, n in words.items():
+            out, i = [], 0
+            while i < len(w):
+                if i + 1 < len(w) and (w[i], w[i + 1]) == best:
+                    out.append(w[i] + w[i + 1])
+                    i += 2
+                else:
+                    out.append(w[i])
+                    i += 1
+            new[tuple(out)] += n
+        words = new
+    return merges
+
+
+def tiny_tokenizer(vocab_size: int) -> Tokenizer:
+    """[BOS, EOS] + the 256 byte symbols (GPT-2 table order) + learned merges + the chat specials at the end."""
+    n_merges = vocab_size - len(SPECIAL_HEAD) - 256 - len(SPECIAL_TAIL)
+    if n_merges < 0:
+        raise ConvertError(f"vocab {vocab_size} is too small: the tokenizer needs at least "
+                           f"{len(SPECIAL_HEAD) + 256 + len(SPECIAL_TAIL)} ids")
+    b2u = bytes_to_unicode()
+    text = CORPUS
+    for s in SPECIAL_HEAD + SPECIAL_TAIL:
+        text = text.replace(s, " ")
+    merges = train_merges(text, n_merges)
+    tokens = SPECIAL_HEAD + list(b2u.values()) + [a + b for a, b in merges]
+    types = [3] * len(SPECIAL_HEAD) + [1] * (len(tokens) - len(SPECIAL_HEAD))
+    while len(tokens) < vocab_size - len(SPECIAL_TAIL):          # corpus ran out of pairs: unused ids
+        types.append(5)
+        tokens.append(f"<｜place▁holder▁no▁{len(tokens)}｜>")
+    tokens += SPECIAL_TAIL
+    types += [3] * len(SPECIAL_TAIL)
+    return Tokenizer(tokens, types, [f"{a} {b}" for a, b in merges], bos=0, eos=1)
+
+
+# ----------------------------------------------------------------------------------------------- weights
+DEFAULTS: dict[str, Any] = dict(n_layers=4, dim=256, vocab_size=512, n_heads=16, q_lora_rank=256, o_lora_rank=128,
+                                n_routed_experts=16, n_activated_experts=6, moe_inter_dim=256, index_n_heads=4,
+                                index_topk=16, window_size=128, n_hash_layers=3)
+EXPERT_KINDS = ("iq2", "q4_k", "mxfp4")   # iq2 = the published q2 file's types: gate/up IQ2_XXS, down Q2_K
+NORM_STD = 0.3
+SINK_MEAN, SINK_STD = 4.0, 1.5
+HC_FN_STD, HC_BASE_STD = 0.08, 0.5
+HOT_GAIN, N_HOT = 6.0, 4                  # shared expert channels that drive the SwiGLU clamp
+HOT_GAIN_EXP = 4.0                        # one hot channel per routed expert (IQ2 kind)
+
+
+def tiny_shape(**kw: Any) -> V4Shape:
+    args = {**DEFAULTS, **kw}
+    unknown = set(args) - set(V4Shape.__dataclass_fields__)
+    if unknown:
+        raise ConvertError(f"unknown shape option(s): {', '.join(sorted(unknown))}")
+    L = args["n_layers"]
+    args.setdefault("compress_ratios", [0 if i < 2 else (4 if i % 2 == 0 else 128) for i in range(L)])
+    args["n_hash_layers"] = min(args["n_hash_layers"], L)
+    s = V4Shape(**args)
+    s.check()
+    for name in ("dim", "moe_inter_dim"):
+        if getattr(s, name) % 256:
+            raise ConvertError(f"{name} {getattr(s, name)} must be a multiple of 256 (K-quant / IQ2 rows)")
+    for name in ("q_lora_rank", "o_lora_rank", "head_dim"):
+        if getattr(s, name) % 32:
+            raise ConvertError(f"{name} {getattr(s, name)} must be a multiple of 32 (Q8_0 rows)")
+    if s.n_activated_experts > s.n_routed_experts:
+        raise ConvertError("n_activated_experts exceeds n_routed_experts")
+    if s.rope_head_dim > s.head_dim or s.rope_head_dim % 2:
+        raise ConvertError("rope_head_dim must be even and at most head_dim")
+    return s
+
+
+class _Weights:
+    def __init__(self, s: V4Shape, seed: int, experts: str):
+        self.s, self.seed, self.experts = s, seed, experts
+
+    def rng(self, i: int) -> np.random.Generator:
+        return np.random.default_rng([self.seed, i])
+
+    def tensor(self, i: int, sp: Spec) -> OutTensor:
+        qt = {"f16": QT.F16, "f32": QT.F32, "q8": QT.Q8_0, "i32": QT.I32}.get(sp.slot)
+        if sp.slot == "experts":
+            qt = {"iq2": QT.Q2_K if "down" in sp.name else QT.IQ2_XXS, "q4_k": QT.Q4_K, "mxfp4": QT.MXFP4}[self.experts]
+        return OutTensor(sp.name, sp.shape, qt, lambda: self.make(i, sp, qt))
+
+    def make(self, i: int, sp: Spec, qt: QT) -> np.ndarray:
+        r, s, n = self.rng(i), self.s, sp.name
+        shape = sp.shape
+        if sp.slot == "i32":                                   # hash routing: k distinct experts per token
+            return np.stack([r.permutation(s.n_routed_experts)[: s.n_activated_experts]
+                             for _ in range(s.vocab_size)]).astype(np.int32)
+        if sp.slot == "experts":
+            return self.experts_tensor(r, sp, qt)
+        if "shexp" in n:
+            return quant.quantize(self.shared_expert(r, n), qt)
+        x = self.dense(r, n, shape)
+        if qt == QT.F16:
+            return x.astype(np.float16)
+        return quant.quantize(x, qt)
+
+    def dense(self, r: np.random.Generator, n: str, shape: tuple[int, ...]) -> np.ndarray:
+        s = self.s
+        g = r.standard_normal(shape).astype(np.float32)
+        if n == "token_embd.weight":
+            return g
+        if n == "output.weight":
+            return g * 2 / np.sqrt(s.dim)
+        if "hc_" in n and n.endswith("_fn.weight"):
+            return g * HC_FN_STD
+        if "hc_" in n and n.endswith("_base.weight"):
+            return g * HC_BASE_STD
+        if n == "output_hc_scale.weight":
+            return np.ones(shape, np.float32)
+        if "hc_" in n and n.endswith("_scale.weight"):
+            return 1 + 0.1 * g
+        if n.endswith("attn_sinks.weight"):
+            return SINK_MEAN + SINK_STD * g
+        if n.endswith("exp_probs_b.bias"):
+            return 0.5 * g
+        if n.endswith("_ape.weight"):
+            return g
+        if n.endswith("attn_compressor_norm.weight"):
+            mean = 2.0 if s.ratio(int(n.split(".")[1])) == 128 else 1.0   # the few ratio-128 rows must matter
+            return mean * (1 + NORM_STD * g)
+        if "norm" in n:
+            return 1 + NORM_STD * g
+        return g / np.sqrt(shape[-1])                           # projections: N(0, 1/fan_in)
+
+    def shared_expert(self, r: np.random.Generator, n: str) -> np.ndarray:
+        """Gate/up rows of N_HOT channels are HOT_GAIN larger (the clamp fires on them); down compensates."""
+        s = self.s
+        FS = s.moe_inter_dim * s.n_shared_experts
+        hot = np.random.default_rng([self.seed, int(n.split(".")[1]), 7]).choice(32, N_HOT, replace=False)
+        if "down" in n:
+            x = r.standard_normal((s.dim, FS)).astype(np.float32) / np.sqrt(FS)
+            x[:, hot] /= HOT_GAIN ** 2
+        else:
+            x = r.standard_normal((FS, s.dim)).astype(np.float32) / np.sqrt(s.dim)
+            x[hot] *= HOT_GAIN
+        return x
+
+    def experts_tensor(self, r: np.random.Generator, sp: Spec, qt: QT) -> np.ndarray:
+        NX, rows, cols = sp.shape
+        layer = int(sp.name.split(".")[1])
+        hot = np.random.default_rng([self.seed, layer, 11]).integers(0, self.s.moe_inter_dim, NX)   # per expert
+        if qt in (QT.IQ2_XXS, QT.Q2_K):
+            return self.random_codes(r, sp, qt, hot)
+        gain = 1.0 if "down" in sp.name else 1.5
+        rb = quant.row_nbytes(qt, cols)
+        out = np.empty((NX, rows, rb), np.uint8)
+        for e in range(NX):
+            w = r.standard_normal((rows, cols)).astype(np.float32) * gain / np.sqrt(cols)
+            if qt == QT.MXFP4:
+                out[e] = mxfp4_from_official(*official.quant_fp4(w))
+            else:
+                out[e] = quant.quantize(w, qt)
+        return out
+
+    def random_codes(self, r: np.random.Generator, sp: Spec, qt: QT, hot: np.ndarray) -> np.ndarray:
+        """Random IQ2_XXS / Q2_K blocks (every byte pattern is a valid code) with scales set for ~N(0,1/fan_in)."""
+        NX, rows, cols = sp.shape
+        nb = cols // 256
+        size = quant.BLOCK[qt][1]
+        blk = r.integers(0, 256, size=(NX, rows, nb, size), dtype=np.uint8)
+        f16 = lambda v: np.frombuffer(np.float16(v).tobytes(), np.uint8)   # noqa: E731
+        k = np.sqrt(256 / cols)                                 # ds4-tiny's scales are for 256-wide rows
+        if qt == QT.IQ2_XXS:
+            blk[..., 0:2] = f16(0.0015 * k)
+            for e in range(NX):
+                blk[e, hot[e], :, 0:2] = f16(0.0015 * k * HOT_GAIN_EXP)
+        else:
+            blk[..., 80:82] = f16(0.002 * k)
+            blk[..., 82:84] = f16(0.003 * k)
+            for e in range(NX):                                 # tame the hot channel: scale 1, min 0
+                blk[e, :, hot[e] // 256, (hot[e] % 256) // 16] = 0x01
+        return blk.reshape(NX, rows, nb * size)
+
+
+def make_tiny(out_path: str, seed: int = 0, experts: str = "iq2", name: str = "ds4py-tiny-random",
+              progress: bool = False, **shape: Any) -> None:
+    """Write a random-weight V4 Flash GGUF (ds4 layout) of the given shape; see DEFAULTS for the shape keys."""
+    if experts not in EXPERT_KINDS:
+        raise ConvertError(f"experts {experts!r} is not one of {', '.join(EXPERT_KINDS)}")
+    s = tiny_shape(**shape)
+    w = _Weights(s, seed, experts)
+    tensors = [w.tensor(i, sp) for i, sp in enumerate(ds4_layout(s))]
+    write_gguf(out_path, name, gguf_metadata(s), tiny_tokenizer(s.vocab_size), tensors, progress)
