@@ -110,7 +110,7 @@ def _compiler_version(cxx: str) -> str:
     return _cxx_version[cxx]
 
 
-def build(source: Path) -> tuple[Path, dict[str, list[Param]]]:
+def build(source: Path, extra_flags: Sequence[str] = ()) -> tuple[Path, dict[str, list[Param]]]:
     """Compile `source` for the emulator (or find it in the cache). Returns the .so path and the kernels."""
     source = Path(source).resolve()
     if not source.is_file():
@@ -123,7 +123,7 @@ def build(source: Path) -> tuple[Path, dict[str, list[Param]]]:
     if not kernels:
         raise EmuError(f'{source.name} declares no extern "C" __global__ kernels')
     unit = generate(source, src, kernels)
-    h = hashlib.sha256(f"{GENERATOR_VERSION}|{_compiler_version(cxx)}|{' '.join(FLAGS)}|".encode())
+    h = hashlib.sha256(f"{GENERATOR_VERSION}|{_compiler_version(cxx)}|{' '.join((*FLAGS, *extra_flags))}|".encode())
     h.update(unit.encode())
     for f in _header_files(source):
         h.update(f.name.encode() + b"\0" + f.read_bytes())
@@ -135,7 +135,7 @@ def build(source: Path) -> tuple[Path, dict[str, list[Param]]]:
     tmp_src = out.with_name(f".{out.stem}.{os.getpid()}.cpp")
     tmp_so = out.with_name(f".{out.stem}.{os.getpid()}.so")
     tmp_src.write_text(unit)
-    cmd = [cxx, *FLAGS, f"-I{EMU_DIR / 'include'}", f"-I{source.parent}", f"-I{CU_DIR}",
+    cmd = [cxx, *FLAGS, *extra_flags, f"-I{EMU_DIR / 'include'}", f"-I{source.parent}", f"-I{CU_DIR}",
            "-include", str(EMU_DIR / "cuda_emu.h"), "-x", "c++", str(tmp_src), "-o", str(tmp_so)]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True)
@@ -174,9 +174,9 @@ def _dim3(v: int | Sequence[int], what: str) -> tuple[int, int, int]:
 class EmuModule:
     """One .cu file compiled for the CPU emulator; `launch` runs one of its kernels on numpy arrays."""
 
-    def __init__(self, source: str | Path):
+    def __init__(self, source: str | Path, extra_flags: Sequence[str] = ()):
         self.source = Path(source).resolve()
-        self.path, self.kernels = build(self.source)
+        self.path, self.kernels = build(self.source, extra_flags)
         self._lib = ctypes.CDLL(str(self.path))
         lib = self._lib
         lib.emu_alloc.restype = ctypes.c_void_p
