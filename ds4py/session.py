@@ -63,7 +63,7 @@ class SessionStats:
     snapshots_restored: int = 0
 
 
-@dataclass
+@dataclass(eq=False)          # compared by identity (list.index), never by its arrays
 class _Snapshot:
     tokens: tuple[int, ...]
     state: object

@@ -5,6 +5,7 @@ so Ctrl-C is a real SIGINT from the terminal driver."""
 from __future__ import annotations
 
 import functools
+import json
 import os
 import pty
 import re
@@ -58,6 +59,15 @@ def expected_answer(model_path, user, thinking, n, system=None):
     events += parser.finish()
     return ("".join(e.text for e in events if isinstance(e, ReasoningDelta)),
             "".join(e.text for e in events if isinstance(e, ContentDelta)))
+
+
+def test_thinking_switches_map_to_the_official_encoder_options(golden, tiny):
+    cases = json.loads((golden / "chat" / "chat_cases.json").read_text())["cases"]
+    tok = Tokenizer.from_gguf(tiny)
+    for mode, end in (("off", "</think>"), ("on", "<think>"), ("max", "<think>")):
+        case = next(c for c in cases if c["options"] == chat_options(mode) and c["prompt"])
+        assert case["prompt"].endswith(end)
+        assert tok.decode(encode_prompt(case["messages"], chat_options(mode), tok)) == case["prompt"]
 
 
 def test_run_streams_the_greedy_answer(tiny):
