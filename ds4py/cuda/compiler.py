@@ -92,16 +92,24 @@ def supported_archs() -> list[int]:
 
 
 def cuda_include_dir() -> str | None:
-    """Headers (cuda_fp16.h, ...) from the nvidia-cuda-runtime / nvrtc wheels, found by cuda.pathfinder."""
+    """Headers (cuda_fp16.h, ...): the nvidia-cuda-runtime wheel via cuda.pathfinder, else a wheel layout on
+    sys.path, else a toolkit ($CUDA_HOME, /usr/local/cuda)."""
     try:
         from cuda import pathfinder
 
         for lib in ("cudart", "nvrtc"):
             d = pathfinder.find_nvidia_header_directory(lib)
-            if d:
+            if d and (Path(d) / "cuda_fp16.h").is_file():
                 return str(d)
-    except Exception:
+    except Exception:  # an older cuda-pathfinder without header lookup
         pass
+    candidates = [Path(p) / "nvidia" / sub / "include" for p in sys.path if p
+                  for sub in ("cu13", "cu12", "cuda_runtime")]
+    candidates += [Path(os.environ[v]) / "include" for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)]
+    candidates.append(Path("/usr/local/cuda/include"))
+    for c in candidates:
+        if (c / "cuda_fp16.h").is_file():
+            return str(c)
     return None
 
 
@@ -224,7 +232,11 @@ def compile_file(source: Path, arch: str, options: Sequence[str] = BASE_OPTIONS,
         cubin = cubin_path.read_bytes()
         log = cubin_path.with_suffix(".log").read_text()
         return CompiledModule(source, arch, cubin, log, key, True, time.perf_counter() - t0, kernels)
-    includes = [str(source.parent)] + ([d] if (d := cuda_include_dir()) else [])
+    cuda_inc = cuda_include_dir()
+    if cuda_inc is None:
+        raise NvrtcUnavailableError("the CUDA headers (cuda_fp16.h) were not found; install nvidia-cuda-runtime "
+                                    "(pip install 'ds4py[cuda]') or set CUDA_HOME")
+    includes = [str(source.parent), cuda_inc]
     cubin, log = _run_nvrtc(source, arch, options, includes)
     if cubin_path is not None:
         try:
@@ -273,7 +285,28 @@ def resource_table(modules: dict[str, CompiledModule]) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # python -m ds4py.cuda.compiler sm_90 [sm_121 ...]: compile and print the report
-    for a in sys.argv[1:] or ["sm_90", "sm_121"]:
-        print(f"== {a}")
+def main(argv: list[str]) -> int:
+    """python -m ds4py.cuda.compiler [ARCH ...]: compile every kernel and print the ptxas report. Without an
+    arch: the local GPU's, or sm_90 and sm_121 when there is none."""
+    archs = argv
+    if not archs:
+        from ds4py.cuda import driver
+
+        if driver.available():
+            d = driver.Device.open(0)
+            archs = [d.arch]
+            print(f"device: {d.name} ({d.arch}, {d.sm_count} SMs, {d.l2_bytes >> 20} MB L2)")
+        else:
+            archs = ["sm_90", "sm_121"]
+    for a in archs:
+        print(f"== {a} (NVRTC {'.'.join(map(str, nvrtc_version()))})")
         print(resource_table(compile_all(a)))
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except Ds4Error as e:
+        print(f"ds4py: error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -72,18 +72,21 @@ class DeviceArray:
         return host
 
     def upload(self, host: np.ndarray, stream: Any = None) -> None:
-        """Copy host -> device. Synchronous unless a stream is given (then `host` must stay alive and, for real
-        overlap, be pinned)."""
+        """Copy host -> device. Without a stream: after all queued work in the context, and finished on return.
+        With a stream: queued there (`host` must stay alive and, for real overlap, be pinned)."""
         host = self._check(host)
         if stream is None:
+            call("cuCtxSynchronize")     # our streams are non-blocking: order against them explicitly
             call("cuMemcpyHtoD", self.ptr, host.ctypes.data, self.nbytes)
         else:
             call("cuMemcpyHtoDAsync", self.ptr, host.ctypes.data, self.nbytes, stream)
 
     def download(self, stream: Any = None) -> np.ndarray:
-        """Copy device -> host (waits for `stream` first when given)."""
+        """Copy device -> host after the work queued on `stream` (default: all work in the context)."""
         if stream is not None:
             call("cuStreamSynchronize", stream)
+        else:
+            call("cuCtxSynchronize")
         out = np.empty(self.shape, dtype=self.dtype)
         call("cuMemcpyDtoH", out.ctypes.data, self.ptr, self.nbytes)
         return out

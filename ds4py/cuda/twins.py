@@ -8,7 +8,29 @@ from __future__ import annotations
 
 import numpy as np
 
-from ds4py.quant.simple import dequant_q8_0
+Q8_0_BYTES = 34   # f16 scale d, then 32 int8 q; value = d * q (ggml's block_q8_0)
+
+
+def dequant_q8_0(raw: np.ndarray) -> np.ndarray:
+    """Q8_0 bytes -> float32 values, block after block. (Same as ds4py.quant.simple.dequant_q8_0; kept here so
+    the device check needs numpy only.)"""
+    blk = np.ascontiguousarray(raw).reshape(-1, Q8_0_BYTES)
+    d = blk[:, :2].copy().view(np.float16).astype(np.float32)
+    return (blk[:, 2:].view(np.int8).astype(np.float32) * d).reshape(-1)
+
+
+def quant_q8_0(x: np.ndarray) -> np.ndarray:
+    """float32 -> Q8_0 bytes [n/32, 34] (llama.cpp's reference: d = amax/127, q = round half away from zero)."""
+    blk = np.asarray(x, np.float32).reshape(-1, 32)
+    d = np.abs(blk).max(axis=1, keepdims=True) / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
+    y = blk * inv
+    q = np.copysign(np.floor(np.abs(y) + np.float32(0.5)), y).astype(np.int8)
+    out = np.empty((blk.shape[0], Q8_0_BYTES), np.uint8)
+    out[:, :2] = d.astype(np.float16).view(np.uint8)
+    out[:, 2:] = q.view(np.uint8)
+    return out
 
 
 def rmsnorm(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
@@ -27,7 +49,7 @@ def gemv_f16(W: np.ndarray, x: np.ndarray) -> np.ndarray:
 
 def q8_0_matrix(raw: np.ndarray, rows: int, cols: int) -> np.ndarray:
     """Q8_0 bytes [rows, cols/32 * 34] -> float32 [rows, cols]."""
-    return dequant_q8_0(np.ascontiguousarray(raw).reshape(-1)).reshape(rows, cols)
+    return dequant_q8_0(raw).reshape(rows, cols)
 
 
 def gemv_q8_0(raw: np.ndarray, x: np.ndarray, rows: int, cols: int) -> np.ndarray:

@@ -1,0 +1,53 @@
+"""GPU fixtures: one Runtime per session; every test here is skipped, with the reason, when there is no device."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ds4py.errors import CudaUnavailableError
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "tests/gpu/" in str(item.fspath).replace("\\", "/"):
+            item.add_marker(pytest.mark.gpu)
+
+
+@pytest.fixture(scope="session")
+def rt():
+    from ds4py.cuda import driver
+
+    try:
+        driver.api()
+    except CudaUnavailableError as e:
+        pytest.skip(f"no CUDA device: {e}")
+    from ds4py.cuda.runtime import Runtime
+
+    r = Runtime()
+    yield r
+    r.close()
+
+
+@pytest.fixture
+def arena(rt):
+    from ds4py.cuda.memory import Arena
+
+    a = Arena(weights_bytes=512 << 20, scratch_bytes=64 << 20)
+    a.begin_step()
+    yield a
+    rt.synchronize()
+    a.close()
+
+
+@pytest.fixture
+def put(arena):
+    """put(host, weights=True): upload a host array into the arena (weights region, or scratch)."""
+
+    def _put(host: np.ndarray, weights: bool = True):
+        host = np.ascontiguousarray(host)
+        d = arena.weights(host.shape, host.dtype) if weights else arena.scratch(host.shape, host.dtype)
+        d.upload(host)
+        return d
+
+    return _put
