@@ -86,11 +86,13 @@ def main() -> int:
 
     path = args.model or args.tokenizer
     tok, t_load = timed(lambda: Tokenizer.load(path))
-    # calibrate the text length to the requested token count (~3.3 chars per token on this mix)
-    text = mixed_text(int(args.tokens * 3.3))
+    # calibrate the text length to the requested token count (~3.6 chars per token on this mix)
+    text = mixed_text(int(args.tokens * 3.6))
     ids, t_cold = timed(lambda: tok.encode(text))
     _, t_warm = timed(lambda: tok.encode(text), repeat=3)
     n = len(ids)
+    pieces, t_pre = timed(lambda: tok.pretokenize(text), repeat=3)
+    _, t_bpe = timed(lambda: [tok._bpe(p) for p in pieces])      # what a cache-hostile text would cost
     chat = "<｜begin▁of▁sentence｜>" + "".join(
         f"<｜User｜>{text[i:i + 2000]}<｜Assistant｜></think>{text[i + 2000:i + 3000]}<｜end▁of▁sentence｜>"
         for i in range(0, len(text), 3000)
@@ -107,10 +109,12 @@ def main() -> int:
     assert tok.decode(ids) == text == streamed, "round trip failed"
 
     print(f"tokenizer: {path}")
-    print(f"text: {len(text):,} chars, {len(text.encode()):,} bytes, {n:,} tokens; load {t_load:.2f} s")
+    print(f"text: {len(text):,} chars, {len(text.encode()):,} bytes, {n:,} tokens, {len(pieces):,} pieces; load {t_load:.2f} s")
     rows = [
         ("encode, cold cache", n, t_cold),
         ("encode, warm cache", n, t_warm),
+        ("  of which pre-tokenize (regex splits)", n, t_pre),
+        ("BPE of every piece, no cache (worst case, + pre-tokenize)", n, t_bpe + t_pre),
         ("encode special=True (chat-rendered, cold)", len(sids), t_special),
         ("decode", n, t_dec),
         ("stream decode (push per token)", n, t_stream),

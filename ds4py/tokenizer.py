@@ -45,6 +45,10 @@ GPT2_PRE = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!
 # reuses the DeepSeek V3 tokenizer); llama.cpp writes "deepseek-v3".
 GGUF_PRE = {"joyai-llm": DEEPSEEK_PRE, "deepseek-v3": DEEPSEEK_PRE}
 
+# The spellings ds4 always treats as special (its `special_token_at`), present in every V4 vocabulary.
+CHAT_MARKERS = frozenset(("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
+                          "<think>", "</think>", "｜DSML｜"))
+
 # gguf.TokenType values (kept local so this module reads without the gguf package).
 TT_NORMAL, TT_UNKNOWN, TT_CONTROL, TT_USER_DEFINED, TT_UNUSED, TT_BYTE = 1, 2, 3, 4, 5, 6
 
@@ -168,6 +172,11 @@ class Tokenizer:
             raise TokenizerError(f"{path}: tokenizer.ggml.token_type is missing or not one entry per token")
         # CONTROL and USER_DEFINED tokens are the added tokens: matched by spelling, never produced by BPE.
         added = {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (TT_CONTROL, TT_USER_DEFINED)}
+        # ds4 finds the chat markers by spelling whatever their type; do the same so a GGUF that typed one
+        # of them NORMAL still renders chats.
+        for i, t in enumerate(tokens):
+            if t in CHAT_MARKERS:
+                added.setdefault(t, i)
         bos = meta.get("tokenizer.ggml.bos_token_id")
         eos = meta.get("tokenizer.ggml.eos_token_id")
         return cls(tokens, merges, added, GGUF_PRE[pre], bos, eos, source=path)

@@ -222,7 +222,7 @@ def test_ds4_tiny_cases(tiny, capsys):
 
 
 # ---- errors and CLI -----------------------------------------------------------------------------------------
-def test_errors(hf_tok, tmp_path):
+def test_errors(hf_tok, golden, tmp_path):
     with pytest.raises(TokenizerError, match="outside the vocabulary"):
         hf_tok.decode([5, 129280])
     with pytest.raises(TokenizerError, match="outside the vocabulary"):
@@ -236,26 +236,51 @@ def test_errors(hf_tok, tmp_path):
     with pytest.raises(TokenizerError, match="not a GGUF"):
         (tmp_path / "x.gguf").write_bytes(b"nope" * 10)
         Tokenizer.load(tmp_path / "x.gguf")
+    (tmp_path / "cut.gguf").write_bytes((golden / "ds4-tiny" / "tiny.gguf").read_bytes()[:3000])
+    with pytest.raises(TokenizerError, match="truncated"):
+        Tokenizer.from_gguf(tmp_path / "cut.gguf")
     with pytest.raises(TokenizerError, match="expected a .gguf"):
         Tokenizer.load(tmp_path / "x.txt")
 
 
-def test_gguf_without_supported_pretokenizer(tmp_path):
+def _write_gguf(path, tokens, types, merges, pre="joyai-llm") -> None:
     import gguf
 
-    path = tmp_path / "llama.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), "deepseek4")
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("llama-bpe")
-    w.add_token_list(["a"])
-    w.add_token_types([1])
-    w.add_token_merges([])
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def test_gguf_without_supported_pretokenizer(tiny, tmp_path):
+    d = tiny[1]
+    _write_gguf(tmp_path / "llama.gguf", d["gguf_tokens"], [TT_NORMAL] * 512, d["gguf_merges"], pre="llama-bpe")
     with pytest.raises(TokenizerError, match="'llama-bpe' is not supported"):
-        Tokenizer.from_gguf(path)
+        Tokenizer.from_gguf(tmp_path / "llama.gguf")
+
+
+def test_gguf_chat_markers_found_by_spelling(tiny, tmp_path):
+    """Like ds4, the 7 chat markers are special even when a GGUF types them NORMAL; other tokens are not."""
+    tok, d = tiny
+    _write_gguf(tmp_path / "untyped.gguf", d["gguf_tokens"], [TT_NORMAL] * 512, d["gguf_merges"])
+    untyped = Tokenizer.from_gguf(tmp_path / "untyped.gguf")
+    assert untyped.special_tokens == tok.special_tokens
+    assert (untyped.bos_id, untyped.eos_id) == (None, None)   # no bos/eos keys written
+    for c in d["text_cases"]:
+        assert untyped.encode(c["text"], special=True) == c["ids_with_specials"], c["name"]
+
+
+def test_bad_merge_is_reported(tiny, tmp_path):
+    d = tiny[1]
+    _write_gguf(tmp_path / "bad.gguf", d["gguf_tokens"], [TT_NORMAL] * 512, d["gguf_merges"] + ["q zz"])
+    with pytest.raises(TokenizerError, match="merge 249"):
+        Tokenizer.from_gguf(tmp_path / "bad.gguf")
 
 
 def test_cli(golden, hf_tok, capsys, monkeypatch, tmp_path):
