@@ -109,7 +109,8 @@ def main() -> int:
     assert tok.decode(ids) == text == streamed, "round trip failed"
 
     print(f"tokenizer: {path}")
-    print(f"text: {len(text):,} chars, {len(text.encode()):,} bytes, {n:,} tokens, {len(pieces):,} pieces; load {t_load:.2f} s")
+    print(f"text: {len(text):,} chars, {len(text.encode()):,} bytes, {n:,} tokens, {len(pieces):,} pieces; "
+          f"load {t_load:.2f} s")
     rows = [
         ("encode, cold cache", n, t_cold),
         ("encode, warm cache", n, t_warm),

@@ -119,9 +119,12 @@ class Tokenizer:
         for rank, m in enumerate(merges):
             a, b = m.split(" ", 1) if isinstance(m, str) else m
             try:
-                self._merges[(vocab[a], vocab[b])] = rank << 32 | vocab[a + b]
+                # setdefault: a repeated merge keeps its first (lowest) rank
+                self._merges.setdefault((vocab[a], vocab[b]), rank << 32 | vocab[a + b])
             except KeyError as e:
-                raise TokenizerError(f"{source}: merge {rank} ({a!r} {b!r}) uses {e.args[0]!r}, not in the vocabulary") from None
+                raise TokenizerError(
+                    f"{source}: merge {rank} ({a!r} {b!r}) uses {e.args[0]!r}, which is not in the vocabulary"
+                ) from None
 
         self._pre = [regex.compile(p) for p in pre_patterns]
         # Leftmost-longest added-token match: a character class finds candidate starts (a 1283-way
@@ -157,7 +160,9 @@ class Tokenizer:
         meta = read_gguf_metadata(path, prefix="tokenizer.ggml.")
         model = meta.get("tokenizer.ggml.model")
         if model != "gpt2":
-            raise TokenizerError(f"{path}: tokenizer.ggml.model is {model!r}; only byte-level BPE ('gpt2') is supported")
+            raise TokenizerError(
+                f"{path}: tokenizer.ggml.model is {model!r}; only byte-level BPE ('gpt2') is supported"
+            )
         pre = meta.get("tokenizer.ggml.pre")
         if pre not in GGUF_PRE:
             raise TokenizerError(
@@ -216,7 +221,9 @@ class Tokenizer:
             tokens[a["id"]] = a["content"]
             added[a["content"]] = a["id"]
         if any(t == "" for t in tokens):
-            raise TokenizerError(f"{path}: token ids are not contiguous (some id has neither a vocab nor an added entry)")
+            raise TokenizerError(
+                f"{path}: token ids are not contiguous (some id has neither a vocab nor an added entry)"
+            )
 
         bos, eos = _hf_bos_eos(path, added)
         return cls(tokens, model.get("merges") or [], added, _hf_pre_patterns(path, cfg.get("pre_tokenizer")),
