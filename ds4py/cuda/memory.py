@@ -127,6 +127,10 @@ class Arena:
         arr.ptr = ptr
         return arr
 
+    def reset_weights(self) -> None:
+        """Forget every weight allocation (benchmarks that load one matrix after another)."""
+        self.weights_region.used = 0
+
     def begin_step(self, scratch_bytes: int = 0) -> bool:
         """Start a step: frees all scratch, and grows it (by doubling) to hold max(scratch_bytes, the largest
         earlier ask). Returns True when scratch moved (graphs that captured its pointers must be re-captured)."""
