@@ -130,7 +130,7 @@ class Pty:
                     data = b""
                 if not data:
                     raise AssertionError(f"child exited waiting for {pattern!r}; got {self.buf[start:]!r}")
-                self.buf += data.decode("utf-8", "replace").replace("\r\n", "\n")
+                self.buf += data.decode("utf-8", "replace").replace("\r", "")   # the tty writes \r\n
 
     def send(self, text: str) -> None:
         os.write(self.fd, text.encode())
