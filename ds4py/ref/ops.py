@@ -1,0 +1,258 @@
+"""The numpy building blocks of the V4 Flash forward (MODEL.md §2), in float32.
+
+Each function is small and stateless so that the CUDA kernels' numpy twins can call it directly.
+Shapes: T tokens, H heads, D hidden, hd head dim, rd rope dims, hc hyper-connection copies.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import numpy as np
+
+F32 = np.float32
+
+
+# ---- norms -------------------------------------------------------------------------------------------
+def rmsnorm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
+    """x * rsqrt(mean(x²) + eps) [* weight] over the last axis."""
+    x = x.astype(F32, copy=False)
+    y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + F32(eps))
+    return y * weight if weight is not None else y
+
+
+# ---- rotary embedding ----------------------------------------------------------------------------------
+@lru_cache(maxsize=16)
+def rope_freqs(rd: int, base: float, factor: float = 1.0, orig_ctx: int = 0,
+               beta_fast: float = 32.0, beta_slow: float = 1.0) -> np.ndarray:
+    """Per-pair frequencies f_i = base^(-2i/rd); with orig_ctx > 0 the YaRN ramp divides the low ones by factor."""
+    freqs = (F32(1.0) / (F32(base) ** (np.arange(0, rd, 2, dtype=F32) / F32(rd)))).astype(F32)
+    if orig_ctx > 0:
+        def corr_dim(rot: float) -> float:
+            return rd * math.log(orig_ctx / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(math.floor(corr_dim(beta_fast)), 0)
+        high = min(math.ceil(corr_dim(beta_slow)), rd - 1)
+        if low == high:
+            high += 0.001
+        ramp = np.clip((np.arange(rd // 2, dtype=F32) - low) / F32(high - low), 0, 1).astype(F32)
+        freqs = (freqs / F32(factor) * ramp + freqs * (1 - ramp)).astype(F32)
+    return freqs
+
+
+def layer_rope_freqs(cfg, layer: int) -> np.ndarray:
+    """Ratio-0 layers: base theta, no YaRN. Compressed layers: compress theta with YaRN (when the context
+    exceeds the original one, as in the official precompute)."""
+    if cfg.compress_ratios[layer] == 0:
+        return rope_freqs(cfg.rope_dim, cfg.rope_base)
+    yarn = cfg.rope_orig_ctx if (cfg.rope_factor > 1 and cfg.context_length > cfg.rope_orig_ctx) else 0
+    return rope_freqs(cfg.rope_dim, cfg.compress_rope_base, cfg.rope_factor, yarn, cfg.beta_fast, cfg.beta_slow)
+
+
+def rope(x: np.ndarray, pos: np.ndarray, freqs: np.ndarray, inverse: bool = False) -> np.ndarray:
+    """Rotate interleaved pairs (x[2i], x[2i+1]) of the last axis by pos·f_i. x: [T, ..., rd], pos: [T]."""
+    ang = np.asarray(pos, dtype=F32)[:, None] * freqs[None, :]            # [T, rd/2], fp32 like the official
+    cos, sin = np.cos(ang), np.sin(ang)
+    if inverse:
+        sin = -sin
+    shape = (len(ang),) + (1,) * (x.ndim - 2) + (freqs.size,)
+    cos, sin = cos.reshape(shape), sin.reshape(shape)
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    out = np.empty(x.shape, dtype=F32)
+    out[..., 0::2] = x0 * cos - x1 * sin
+    out[..., 1::2] = x0 * sin + x1 * cos
+    return out
+
+
+def rope_tail(x: np.ndarray, pos: np.ndarray, freqs: np.ndarray, inverse: bool = False) -> np.ndarray:
+    """RoPE on the last rd dims of x (the first dims are left alone); returns a new array."""
+    rd = 2 * freqs.size
+    out = x.astype(F32, copy=True)
+    out[..., -rd:] = rope(x[..., -rd:], pos, freqs, inverse)
+    return out
+
+
+# ---- fake quantisation (part of the model's numerics; MODEL.md §2.3) --------------------------------------
+def pow2_scale(amax: np.ndarray, inv_max: float) -> np.ndarray:
+    """2^ceil(log2(amax · inv_max)), computed in fp32 like the official kernel's bit trick."""
+    x = amax.astype(F32) * F32(inv_max)
+    m, e = np.frexp(x)
+    e = np.where(m == 0.5, e - 1, e)        # exact powers of two keep their exponent
+    return np.ldexp(F32(1.0), e).astype(F32)
+
+
+def round_e4m3(y: np.ndarray) -> np.ndarray:
+    """Round to the nearest FP8 e4m3 value (ties to even); |y| <= 448 assumed (callers clip)."""
+    a = np.abs(y)
+    _, e = np.frexp(a)
+    step = np.ldexp(F32(1.0), np.maximum(e - 1, -6) - 3).astype(F32)   # 3 mantissa bits; subnormal step 2^-9
+    return (np.sign(y) * np.rint(a / step) * step).astype(F32)
+
+
+def round_e2m1(y: np.ndarray) -> np.ndarray:
+    """Round to the nearest FP4 e2m1 value {0, .5, 1, 1.5, 2, 3, 4, 6} (ties to even); |y| <= 6 assumed."""
+    a = np.abs(y)
+    step = np.where(a < 2, F32(0.5), np.where(a < 4, F32(1.0), F32(2.0)))
+    return (np.sign(y) * np.rint(a / step) * step).astype(F32)
+
+
+def fp8_fake_quant(x: np.ndarray, block: int = 64) -> np.ndarray:
+    """FP8 e4m3 quant-dequant in blocks of `block` along the last axis, scale 2^ceil(log2(amax/448))."""
+    xb = x.astype(F32).reshape(*x.shape[:-1], x.shape[-1] // block, block)
+    amax = np.maximum(np.abs(xb).max(-1, keepdims=True), F32(1e-4))
+    s = pow2_scale(amax, 1.0 / 448.0)
+    return (round_e4m3(np.clip(xb / s, -448, 448)) * s).reshape(x.shape)
+
+
+def fp4_fake_quant(x: np.ndarray, block: int = 32) -> np.ndarray:
+    """FP4 e2m1 quant-dequant in blocks of `block` along the last axis, scale 2^ceil(log2(amax/6))."""
+    xb = x.astype(F32).reshape(*x.shape[:-1], x.shape[-1] // block, block)
+    amax = np.maximum(np.abs(xb).max(-1, keepdims=True), F32(6 * 2.0 ** -126))
+    s = pow2_scale(amax, 1.0 / 6.0)
+    return (round_e2m1(np.clip(xb / s, -6, 6)) * s).reshape(x.shape)
+
+
+def f16_round(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16).astype(F32)
+
+
+def q8_0_round(x: np.ndarray) -> np.ndarray:
+    """Round activations the way ggml's Q8_0 dot products see them: blocks of 32, d = amax/127 stored as f16."""
+    xb = x.astype(F32).reshape(*x.shape[:-1], -1, 32)
+    d = np.abs(xb).max(-1, keepdims=True) / F32(127)
+    q = np.rint(xb / np.where(d > 0, d, F32(1)))
+    return (q * d.astype(np.float16).astype(F32)).reshape(x.shape)
+
+
+def q8_k_round(x: np.ndarray) -> np.ndarray:
+    """ggml's Q8_K activation rounding (K-quant / IQ dot products): blocks of 256, scale from the signed
+    value of largest magnitude, q = rint(−127·x/max) clipped at 127, d = −max/127 in f32."""
+    xb = x.astype(F32).reshape(*x.shape[:-1], -1, 256)
+    mx = np.take_along_axis(xb, np.abs(xb).argmax(-1)[..., None], -1)
+    iscale = np.where(mx != 0, F32(-127) / np.where(mx != 0, mx, F32(1)), F32(0))
+    q = np.minimum(np.rint(xb * iscale), 127)
+    d = np.where(iscale != 0, F32(1) / np.where(iscale != 0, iscale, F32(1)), F32(0))
+    return (q * d).astype(F32).reshape(x.shape)
+
+
+@lru_cache(maxsize=4)
+def hadamard_matrix(n: int) -> np.ndarray:
+    """Natural-order Sylvester Hadamard matrix scaled by n^-1/2 (symmetric, orthonormal)."""
+    h = np.ones((1, 1), dtype=F32)
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return (h / F32(math.sqrt(n))).astype(F32)
+
+
+def hadamard(x: np.ndarray) -> np.ndarray:
+    return x @ hadamard_matrix(x.shape[-1])
+
+
+# ---- hyper-connections (mHC, MODEL.md §2.2) -----------------------------------------------------------------
+def hc_mixes(X: np.ndarray, fn: np.ndarray, eps: float) -> np.ndarray:
+    """m = (fn @ flatten(X)) · rsqrt(mean(flatten(X)²) + eps). X: [T, hc, D] -> [T, rows(fn)]."""
+    xf = X.reshape(X.shape[0], -1)
+    return (xf @ fn.T) / np.sqrt(np.mean(xf * xf, axis=-1, keepdims=True) + F32(eps))
+
+
+def sinkhorn(C: np.ndarray, iters: int, eps: float) -> np.ndarray:
+    """Row softmax (+eps), column-normalise, then iters-1 rounds of row- then column-normalising. C: [T, j, k]."""
+    eps = F32(eps)
+    C = np.exp(C - C.max(-1, keepdims=True))
+    C = C / C.sum(-1, keepdims=True) + eps
+    C = C / (C.sum(-2, keepdims=True) + eps)
+    for _ in range(iters - 1):
+        C = C / (C.sum(-1, keepdims=True) + eps)
+        C = C / (C.sum(-2, keepdims=True) + eps)
+    return C
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return (F32(1) / (F32(1) + np.exp(-x))).astype(F32)
+
+
+def hc_pre(X: np.ndarray, fn: np.ndarray, scale: np.ndarray, base: np.ndarray, norm_eps: float, hc_eps: float,
+           iters: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Collapse the hc copies to one sub-layer input; returns (x [T, D], post [T, hc], comb [T, hc, hc])."""
+    hc = X.shape[1]
+    m = hc_mixes(X, fn, norm_eps)
+    pre = sigmoid(m[:, :hc] * scale[0] + base[:hc]) + F32(hc_eps)
+    post = 2 * sigmoid(m[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    comb = sinkhorn((m[:, 2 * hc:] * scale[2] + base[2 * hc:]).reshape(-1, hc, hc), iters, hc_eps)
+    x = np.einsum("tj,tjd->td", pre, X)
+    return x, post, comb
+
+
+def hc_post(f: np.ndarray, X: np.ndarray, post: np.ndarray, comb: np.ndarray) -> np.ndarray:
+    """X'_k = post_k · f + Σ_j comb[j, k] · X_j."""
+    return post[:, :, None] * f[:, None, :] + np.einsum("tjk,tjd->tkd", comb, X)
+
+
+def hc_head(X: np.ndarray, fn: np.ndarray, scale: np.ndarray, base: np.ndarray, norm_eps: float,
+            hc_eps: float) -> np.ndarray:
+    """Final collapse: y = Σ_j (sigmoid(m_j·scale + base_j) + hc_eps) X_j."""
+    pre = sigmoid(hc_mixes(X, fn, norm_eps) * scale[0] + base) + F32(hc_eps)
+    return np.einsum("tj,tjd->td", pre, X)
+
+
+# ---- attention pieces (MODEL.md §2.3) -------------------------------------------------------------------------
+def attention_with_sink(q: np.ndarray, kv: np.ndarray, mask: np.ndarray, sink: np.ndarray,
+                        scale: float) -> np.ndarray:
+    """o_h = Σ exp(s−m)·v / (Σ exp(s−m) + exp(sink_h − m)), K = V = kv.
+    q: [T, H, hd], kv: [N, hd], mask: [T, N] bool (True = attend), sink: [H] -> [T, H, hd]."""
+    s = np.einsum("thd,nd->thn", q, kv) * F32(scale)
+    s = np.where(mask[:, None, :], s, F32(-np.inf))
+    m = s.max(-1, keepdims=True)                      # every query sees at least its own row
+    p = np.exp(s - m)
+    denom = p.sum(-1) + np.exp(sink[None, :] - m[..., 0])
+    return np.einsum("thn,nd->thd", p, kv) / denom[..., None]
+
+
+def compress_pool(kv: np.ndarray, score: np.ndarray, ratio: int, overlap: bool,
+                  prev_kv: np.ndarray | None = None, prev_score: np.ndarray | None = None) -> np.ndarray:
+    """Gated pooling of whole groups: per channel, softmax over the group's slots of `score`, weights on `kv`.
+    kv, score: [G·ratio, c·d] (score already includes ape). Overlap (ratio 4, c = 2): group g pools its own
+    tokens through half B ([d:]) and group g−1's tokens through half A ([:d]); prev_* is the group before the
+    first one (None at the sequence start: kv 0, score −inf). Returns [G, d]."""
+    G = kv.shape[0] // ratio
+    kv = kv.reshape(G, ratio, -1)
+    score = score.reshape(G, ratio, -1)
+    if overlap:
+        d = kv.shape[-1] // 2
+        if prev_kv is None:
+            prev_kv = np.zeros((ratio, 2 * d), F32)
+            prev_score = np.full((ratio, 2 * d), -np.inf, F32)
+        pk = np.concatenate([prev_kv[None], kv[:-1]], 0)[..., :d]
+        ps = np.concatenate([prev_score[None], score[:-1]], 0)[..., :d]
+        kv = np.concatenate([pk, kv[..., d:]], 1)           # [G, 2·ratio, d]
+        score = np.concatenate([ps, score[..., d:]], 1)
+    w = np.exp(score - score.max(1, keepdims=True))
+    w /= w.sum(1, keepdims=True)
+    return (w * kv).sum(1)
+
+
+# ---- MoE (MODEL.md §2.4) ----------------------------------------------------------------------------------------
+def sqrt_softplus(x: np.ndarray) -> np.ndarray:
+    return np.sqrt(np.logaddexp(F32(0), x)).astype(F32)
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x * sigmoid(x)
+
+
+def swiglu(x: np.ndarray, w1: np.ndarray, w3: np.ndarray, w2: np.ndarray, clamp: float,
+           weight: np.ndarray | None = None, act_in=None, act_mid=None) -> np.ndarray:
+    """y = w2(silu(min(w1 x, c)) · clamp(w3 x, −c, c) [· weight]); weights are [out, in].
+    act_in / act_mid: optional activation rounding before w1,w3 / before w2 (ds4 emulation)."""
+    xi = act_in(x) if act_in is not None else x
+    g = xi @ w1.T
+    u = xi @ w3.T
+    if clamp > 0:
+        g = np.minimum(g, F32(clamp))
+        u = np.clip(u, F32(-clamp), F32(clamp))
+    h = silu(g) * u
+    if weight is not None:
+        h = h * weight[:, None]
+    return (act_mid(h) if act_mid is not None else h) @ w2.T
