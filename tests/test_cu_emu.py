@@ -338,3 +338,16 @@ def test_cache_reuses_the_library(mod, tmp_path, monkeypatch):
     src.write_text('extern "C" __global__ void fill(int* o, int v) { o[threadIdx.x] = v + 1 }\n')
     with pytest.raises(emu.EmuCompileError, match=r"k.cu:1.*expected"):
         emu.EmuModule(src)
+
+
+@pytest.mark.parametrize("grid,block", [(1, 32), (2, 64)])
+def test_mma_tile(mod, grid, block):
+    tiles = grid * block // 32
+    r = np.random.default_rng(tiles)
+    A = r.standard_normal((tiles, 16, 16)).astype(np.float16)
+    B = r.standard_normal((tiles, 16, 8)).astype(np.float16)
+    C = r.standard_normal((tiles, 16, 8)).astype(np.float32)
+    D = np.zeros_like(C)
+    mod.launch("mma_tile", grid, block, [A, B, C, D], order="random", seed=1)
+    want = (A.astype(np.float64) @ B.astype(np.float64) + C).astype(np.float32)
+    np.testing.assert_array_equal(D, want)             # the emulator sums in double and rounds once

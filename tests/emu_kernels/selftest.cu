@@ -159,3 +159,26 @@ extern "C" __global__ void cp_async_tile(const float* in, float* out, int wait) 
     __syncthreads();
     for (int i = t; i < 256; i += blockDim.x) out[blockIdx.x * 256 + i] = tile[255 - i];
 }
+
+// One m16n8k16 tile per warp: A [16][16] row-major, B [16][8] row-major (k, n), C/D [16][8] row-major.
+__device__ __forceinline__ unsigned pack2(const __half* p0, const __half* p1) {
+    return (unsigned)__half_as_ushort(*p0) | ((unsigned)__half_as_ushort(*p1) << 16);
+}
+extern "C" __global__ void mma_tile(const __half* A, const __half* B, const float* C, float* D) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int tile = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    A += tile * 256; B += tile * 128; C += tile * 128; D += tile * 128;
+    unsigned a[4], b[2];
+    a[0] = pack2(&A[g * 16 + 2 * t], &A[g * 16 + 2 * t + 1]);
+    a[1] = pack2(&A[(g + 8) * 16 + 2 * t], &A[(g + 8) * 16 + 2 * t + 1]);
+    a[2] = pack2(&A[g * 16 + 2 * t + 8], &A[g * 16 + 2 * t + 9]);
+    a[3] = pack2(&A[(g + 8) * 16 + 2 * t + 8], &A[(g + 8) * 16 + 2 * t + 9]);
+    b[0] = pack2(&B[(2 * t) * 8 + g], &B[(2 * t + 1) * 8 + g]);
+    b[1] = pack2(&B[(2 * t + 8) * 8 + g], &B[(2 * t + 9) * 8 + g]);
+    float d[4] = {C[g * 8 + 2 * t], C[g * 8 + 2 * t + 1], C[(g + 8) * 8 + 2 * t], C[(g + 8) * 8 + 2 * t + 1]};
+    mma_m16n8k16_f16_f32(d, a, b);
+    D[g * 8 + 2 * t] = d[0];
+    D[g * 8 + 2 * t + 1] = d[1];
+    D[(g + 8) * 8 + 2 * t] = d[2];
+    D[(g + 8) * 8 + 2 * t + 1] = d[3];
+}
