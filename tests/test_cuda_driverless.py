@@ -385,3 +385,36 @@ def test_arena_grows_by_doubling_only_between_steps():
     assert not arena.begin_step(100)
     arena.close()
     assert fa.live == {}
+
+
+def test_upload_gguf_places_every_tensor(standin, golden):
+    """The tiny model's whole tensor span goes up in chunks; each tensor is a view at its own offset."""
+    from ds4py.cuda.memory import Arena, WeightUploader
+    from ds4py.cuda.weights import data_span, upload_gguf, weights_bytes
+    from ds4py.gguf import GGUFFile
+
+    g = GGUFFile(golden / "ds4-tiny" / "tiny.gguf")
+    arena = Arena(weights_bytes(g))
+    up = WeightUploader(standin.real.CUstream(), chunk_bytes=4 << 20)
+    device = bytearray()
+    real_call = standin._call
+
+    def spy(name, real, args):
+        if name == "cuMemcpyHtoDAsync":
+            assert int(args[0]) - arena.weights_region.base == len(device)   # in order, no gaps
+            device.extend(bytes((ctypes.c_uint8 * args[2]).from_address(args[1])))
+        return real_call(name, real, args)
+
+    standin._call = spy
+    tensors = upload_gguf(g, arena, up, progress=False)
+    start, _ = data_span(g)
+    base = arena.weights_region.base
+    assert set(tensors) == set(g.tensors)
+    for name, t in g.tensors.items():
+        d = tensors[name]
+        rel = d.array.ptr - base
+        assert d.array.nbytes == t.nbytes and rel == t.offset - start
+        assert bytes(device[rel: rel + t.nbytes]) == t.raw_bytes().tobytes(), name
+        if d.qtype in ("F16", "F32"):
+            assert d.array.shape == t.shape and d.array.ptr % 16 == 0
+    assert {d.qtype for d in tensors.values()} >= {"F16", "F32", "Q8_0"}

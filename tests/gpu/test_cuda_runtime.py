@@ -170,3 +170,43 @@ def test_weight_upload_streams_a_file(rt, arena, tmp_path):
     up.upload_file(str(f), 100, data.size, dst, progress=False)
     up.close()
     assert dst.download().tobytes() == data.tobytes()
+
+
+def test_tiny_gguf_head_on_device(rt, arena, golden):
+    """Real tensors: the tiny model uploaded in one stream; embed -> output_norm -> Q8_0 head -> argmax, and an
+    F16 GEMV on output_hc_fn, each against the twins on the file's own bytes."""
+    pytest.importorskip("gguf")
+    from ds4py.cuda.weights import upload_gguf
+    from ds4py.gguf import GGUFFile
+
+    g = GGUFFile(golden / "ds4-tiny" / "tiny.gguf")
+    up = WeightUploader(rt.copy, chunk_bytes=4 << 20)
+    dev = upload_gguf(g, arena, up, progress=False)
+    up.close()
+    emb, norm, head = (g.tensor(n) for n in ("token_embd.weight", "output_norm.weight", "output.weight"))
+    V, D = emb.shape
+    table = emb.raw.view(np.float16).reshape(V, D)
+    head_raw = head.raw_bytes()
+    ids = arena.scratch(1, np.int32)
+    h, xn, logits = arena.scratch(D, np.float32), arena.scratch(D, np.float32), arena.scratch(V, np.float32)
+    pv, pi, tok = arena.scratch(16, np.float32), arena.scratch(16, np.int32), arena.scratch(1, np.int32)
+    for t in (0, 17, V - 1):
+        ids.upload(np.array([t], np.int32))
+        ops.embed(rt, dev["token_embd.weight"].array, ids, h, 1)
+        ops.rmsnorm(rt, h, dev["output_norm.weight"].array, xn, D, 1e-6)
+        ops.gemv_q8_0(rt, dev["output.weight"].array, xn, logits, V, D)
+        ops.argmax(rt, logits, V, pv, pi, tok)
+        ref_x = twins.rmsnorm(table[t].astype(np.float32), norm.raw.view(np.float32), 1e-6)
+        twins.assert_close_scaled(xn.download(), ref_x, np.abs(ref_x), D, "tiny norm")
+        got = logits.download()
+        mag = np.abs(twins.q8_0_matrix(head_raw, V, D).astype(np.float64)) @ np.abs(ref_x.astype(np.float64))
+        twins.assert_close_scaled(got, twins.gemv_q8_0(head_raw, ref_x, V, D), mag, D, "tiny head")
+        assert int(tok.download()[0]) == int(np.argmax(got))
+    fn = g.tensor("output_hc_fn.weight")
+    W = fn.raw.view(np.float16).reshape(fn.shape)
+    x_host = np.random.default_rng(1).standard_normal(fn.shape[1]).astype(np.float32)
+    x, y = arena.scratch(fn.shape[1], np.float32), arena.scratch(fn.shape[0], np.float32)
+    x.upload(x_host)
+    ops.gemv_f16(rt, dev["output_hc_fn.weight"].array, x, y, *fn.shape)
+    mag = np.abs(W.astype(np.float64)) @ np.abs(x_host.astype(np.float64))
+    twins.assert_close_scaled(y.download(), twins.gemv_f16(W, x_host), mag, fn.shape[1], "tiny hc_fn")
