@@ -11,6 +11,7 @@ Deterministic: every tensor draws from its own generator seeded by (seed, tensor
 from __future__ import annotations
 
 import collections
+import functools
 from typing import Any
 
 import numpy as np
@@ -88,38 +89,51 @@ def pretokenize(text: str) -> list[str]:
 
 
 def train_merges(text: str, n_merges: int) -> list[tuple[str, str]]:
-    """Plain byte-level BPE training: repeatedly merge the most frequent adjacent pair (ties: smallest pair)."""
+    """Plain byte-level BPE training: repeatedly merge the most frequent adjacent pair (ties: smallest pair),
+    skipping pairs whose result is already a token. Pair counts are updated only in the words that change."""
     b2u = bytes_to_unicode()
-    words = collections.Counter(tuple(b2u[b] for b in p.encode()) for p in pretokenize(text))
-    merges: list[tuple[str, str]] = []
+    counted = collections.Counter(tuple(b2u[b] for b in p.encode()) for p in pretokenize(text))
+    words = [list(w) for w in counted]
+    freq = list(counted.values())
+    pairs: collections.Counter = collections.Counter()
+    where: dict[tuple[str, str], set[int]] = collections.defaultdict(set)
+
+    def count(i: int, sign: int) -> None:
+        w = words[i]
+        for a, b in zip(w, w[1:]):
+            pairs[(a, b)] += sign * freq[i]
+            if sign > 0:
+                where[(a, b)].add(i)
+
+    for i in range(len(words)):
+        count(i, 1)
     known = set(b2u.values())
+    merges: list[tuple[str, str]] = []
     while len(merges) < n_merges:
-        pairs: collections.Counter = collections.Counter()
-        for w, n in words.items():
-            for a, b in zip(w, w[1:]):
-                pairs[(a, b)] += n
-        cands = [(n, p) for p, n in pairs.items() if p[0] + p[1] not in known]
+        cands = [(n, p) for p, n in pairs.items() if n > 0 and p[0] + p[1] not in known]
         if not cands:
             break
         top = max(n for n, _ in cands)
         best = min(p for n, p in cands if n == top)
         merges.append(best)
         known.add(best[0] + best[1])
-        new: collections.Counter = collections.Counter()
-        for w, n in words.items():
-            out, i = [], 0
-            while i < len(w):
-                if i + 1 < len(w) and (w[i], w[i + 1]) == best:
-                    out.append(w[i] + w[i + 1])
-                    i += 2
+        for i in where.pop(best):
+            w = words[i]
+            count(i, -1)
+            out, k = [], 0
+            while k < len(w):
+                if k + 1 < len(w) and (w[k], w[k + 1]) == best:
+                    out.append(w[k] + w[k + 1])
+                    k += 2
                 else:
-                    out.append(w[i])
-                    i += 1
-            new[tuple(out)] += n
-        words = new
+                    out.append(w[k])
+                    k += 1
+            words[i] = out
+            count(i, 1)
     return merges
 
 
+@functools.lru_cache(maxsize=8)
 def tiny_tokenizer(vocab_size: int) -> Tokenizer:
     """[BOS, EOS] + the 256 byte symbols (GPT-2 table order) + learned merges + the chat specials at the end."""
     n_merges = vocab_size - len(SPECIAL_HEAD) - 256 - len(SPECIAL_TAIL)
@@ -206,7 +220,7 @@ class _Weights:
 
     def dense(self, r: np.random.Generator, n: str, shape: tuple[int, ...]) -> np.ndarray:
         s = self.s
-        g = r.standard_normal(shape).astype(np.float32)
+        g = r.standard_normal(shape, dtype=np.float32)
         if n == "token_embd.weight":
             return g
         if n == "output.weight":
@@ -238,10 +252,10 @@ class _Weights:
         FS = s.moe_inter_dim * s.n_shared_experts
         hot = np.random.default_rng([self.seed, int(n.split(".")[1]), 7]).choice(32, N_HOT, replace=False)
         if "down" in n:
-            x = r.standard_normal((s.dim, FS)).astype(np.float32) / np.sqrt(FS)
+            x = r.standard_normal((s.dim, FS), dtype=np.float32) / np.sqrt(FS)
             x[:, hot] /= HOT_GAIN ** 2
         else:
-            x = r.standard_normal((FS, s.dim)).astype(np.float32) / np.sqrt(s.dim)
+            x = r.standard_normal((FS, s.dim), dtype=np.float32) / np.sqrt(s.dim)
             x[hot] *= HOT_GAIN
         return x
 
@@ -255,7 +269,7 @@ class _Weights:
         rb = quant.row_nbytes(qt, cols)
         out = np.empty((NX, rows, rb), np.uint8)
         for e in range(NX):
-            w = r.standard_normal((rows, cols)).astype(np.float32) * gain / np.sqrt(cols)
+            w = r.standard_normal((rows, cols), dtype=np.float32) * gain / np.sqrt(cols)
             if qt == QT.MXFP4:
                 out[e] = mxfp4_from_official(*official.quant_fp4(w))
             else:

@@ -184,3 +184,16 @@ def test_k_quant_round_trip_error_bounded(qt, rel_rms):
     lo, hi = np.minimum(b.min(1, keepdims=True), 0), b.max(1, keepdims=True)
     naive = lo + np.rint((b - lo) / (hi - lo) * nmax) * (hi - lo) / nmax
     assert err < np.sqrt(np.mean((naive - b) ** 2)) / np.sqrt(np.mean(b ** 2))
+
+
+def test_fp4_encoder_rounds_to_nearest_even_and_round_trips():
+    # with amax 6 the scale is 2^0: midpoints between e2m1 magnitudes go to the even code
+    x = np.array([[0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5, 6] + [0.3, 0.8, 5.2, -2.9] + [0] * 20], np.float32)
+    packed, scale = official.quant_fp4(np.concatenate([x, -x]))
+    assert (scale == 127).all()
+    y = official.dequant_fp4(packed, scale)
+    assert list(y[0, :12]) == [0, 1, 1, 2, 2, 4, 4, 6, 0.5, 1, 6, -3] and np.array_equal(y[1], -y[0])
+    w = np.random.default_rng(0).standard_normal((64, 256)).astype(np.float32)
+    p2, s2 = official.quant_fp4(w)
+    assert np.array_equal(official.dequant_fp4(*official.quant_fp4(official.dequant_fp4(p2, s2))),
+                          official.dequant_fp4(p2, s2))            # decoded values are fixed points

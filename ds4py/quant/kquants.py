@@ -63,32 +63,38 @@ def make_qkx2_quants(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelt
 
     Same search as llama.cpp: start from the min/max grid, then try nstep+1 inverse scales
     (rmin + rdelta*i + nmax) / (max - min) with the weighted least-squares (scale, min) for each;
-    keep the lowest weighted error. mn is returned positive (value = scale*L - mn), min clamped to <= 0.
+    keep the lowest weighted error (squared, or absolute when use_mad). mn is returned positive
+    (value = scale*L - mn); the fitted min is clamped to <= 0.
     """
     x = x.astype(np.float32)
+    dot = lambda a, b: np.einsum("ij,ij->i", a, b)          # noqa: E731  (fused multiply + row sum)
     lo = np.minimum(x.min(axis=1), 0)
-    hi = x.max(axis=1)
-    rng = hi - lo
+    rng = x.max(axis=1) - lo
     flat = rng == 0
-    rng = np.where(flat, 1, rng)
+    rng = np.where(flat, 1, rng).astype(np.float32)
+    xs = x - lo[:, None]
     sum_w = w.sum(axis=1)
-    sum_x = (w * x).sum(axis=1)
+    sum_x = dot(w, x)
+    sum_x2 = dot(w * x, x)
 
-    def err(scale, mn, L):
-        diff = scale[:, None] * L + mn[:, None] - x
-        diff = np.abs(diff) if use_mad else diff * diff
-        return (w * diff).sum(axis=1)
+    def err(scale, mn, L, sum_l, sum_l2, sum_xl):
+        if use_mad:
+            return dot(w, np.abs(scale[:, None] * L + mn[:, None] - x))
+        # sum w (s L + m - x)^2 expanded, from sums already at hand
+        return (scale * scale * sum_l2 + 2 * scale * mn * sum_l + mn * mn * sum_w
+                - 2 * scale * sum_xl - 2 * mn * sum_x + sum_x2)
 
-    iscale = nmax / rng
-    L = np.clip(np.rint(iscale[:, None] * (x - lo[:, None])), 0, nmax)
+    def fit(iscale):
+        L = np.clip(np.rint(iscale[:, None] * xs), 0, nmax)
+        wL = w * L
+        return L, wL.sum(axis=1), dot(wL, L), dot(wL, x)
+
+    iscale = (nmax / rng).astype(np.float32)
+    L, sl, sl2, sxl = fit(iscale)
     best_scale, best_min = 1 / iscale, lo.copy()
-    best_err = err(best_scale, best_min, L)
+    best_err = err(best_scale, best_min, L, sl, sl2, sxl)
     for i in range(nstep + 1):
-        iscale = (rmin + rdelta * i + nmax) / rng
-        La = np.clip(np.rint(iscale[:, None] * (x - lo[:, None])), 0, nmax)
-        sum_l = (w * La).sum(axis=1)
-        sum_l2 = (w * La * La).sum(axis=1)
-        sum_xl = (w * La * x).sum(axis=1)
+        La, sum_l, sum_l2, sum_xl = fit(((rmin + rdelta * i + nmax) / rng).astype(np.float32))
         D = sum_w * sum_l2 - sum_l * sum_l
         ok = D > 0
         Ds = np.where(ok, D, 1)
@@ -97,7 +103,7 @@ def make_qkx2_quants(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelt
         pos = mn > 0   # a positive offset is not representable: refit the scale alone with min 0
         scale = np.where(pos, sum_xl / np.where(sum_l2 > 0, sum_l2, 1), scale)
         mn = np.where(pos, 0, mn)
-        e = err(scale, mn, La)
+        e = err(scale, mn, La, sum_l, sum_l2, sum_xl)
         better = ok & (e < best_err)
         best_err = np.where(better, e, best_err)
         best_scale = np.where(better, scale, best_scale)

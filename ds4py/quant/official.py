@@ -77,18 +77,17 @@ def dequant_fp4(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
 
 def quant_fp4(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """float [out, in] -> official FP4 (packed e2m1 [out, in/2], e8m0 [out, in/32]), like the reference code:
-    per 32 inputs scale 2^ceil(log2(amax/6)), codes = nearest e2m1 (ties to the even code)."""
+    per 32 inputs scale 2^ceil(log2(amax/6)), codes = nearest e2m1 magnitude, ties to the even code."""
     x = np.asarray(x, dtype=np.float32)
     rows, cols = x.shape
     g = x.reshape(rows, cols // 32, 32)
     amax = np.maximum(np.abs(g).max(axis=2), np.float32(2.0 ** -120))
     e = np.clip(np.ceil(np.log2(amax / 6)), -127, 127).astype(np.int32)
-    y = g / np.ldexp(np.float32(1), e)[:, :, None]
-    mags = E2M1[:8]
-    dist = np.abs(np.abs(y)[..., None] - mags)                 # (rows, groups, 32, 8)
-    # nearest magnitude; exact ties go to the even code (the one with a 0 mantissa bit)
-    dist = dist + (np.arange(8) & 1) * np.float32(1e-6) * (dist.min(axis=-1, keepdims=True) == dist)
-    code = dist.argmin(axis=-1).astype(np.uint8) | np.where(y < 0, np.uint8(8), np.uint8(0))
+    y = np.abs(g / np.ldexp(np.float32(1), e)[:, :, None])
+    mid = (E2M1[:7] + E2M1[1:8]) / 2                          # decision points between magnitudes k and k+1
+    code = np.searchsorted(mid, y, side="left")                # y == mid[k] lands on k ...
+    tie = (code < 7) & (y == mid[np.minimum(code, 6)])
+    code = code + (tie & (code % 2 == 1))                      # ... and moves up when k is odd (ties to even)
+    code = code.astype(np.uint8) | np.where(g < 0, np.uint8(8), np.uint8(0))
     code = code.reshape(rows, cols)
-    packed = code[:, 0::2] | (code[:, 1::2] << 4)
-    return packed.astype(np.uint8), (e + 127).astype(np.uint8)
+    return (code[:, 0::2] | (code[:, 1::2] << 4)).astype(np.uint8), (e + 127).astype(np.uint8)

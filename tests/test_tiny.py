@@ -1,0 +1,141 @@
+"""make_tiny: ds4 layout (same names/types/metadata as the ds4-tiny golden file), determinism, tokenizer,
+weight magnitudes; the make-tiny and inspect commands."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+from ds4py import quant
+from ds4py.convert import ConvertError, ds4_layout
+from ds4py.gguf import GGUFFile
+from ds4py.tiny import SPECIAL_TAIL, make_tiny, tiny_shape, tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    p = tmp_path_factory.mktemp("tiny") / "tiny.gguf"
+    make_tiny(str(p), seed=0)
+    return p
+
+
+def test_default_shape_has_ds4_tiny_layout(golden, tiny):
+    ours, ref = GGUFFile(tiny), GGUFFile(golden / "ds4-tiny" / "tiny.gguf")
+    assert list(ours.tensors) == list(ref.tensors)                  # same names in the same order
+    for n, t in ours.tensors.items():
+        assert (t.qtype, t.shape) == (ref.tensors[n].qtype, ref.tensors[n].shape), n
+    assert set(ours.keys()) == set(ref.keys())
+    for k in ref.keys():
+        if k.startswith("deepseek4.") or k in ("general.architecture", "tokenizer.ggml.model",
+                                               "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
+            assert ours.meta(k) == ref.meta(k), k
+
+
+def test_deterministic_per_seed(tiny, tmp_path):
+    make_tiny(str(tmp_path / "a.gguf"), seed=0)
+    make_tiny(str(tmp_path / "b.gguf"), seed=1)
+    assert (tmp_path / "a.gguf").read_bytes() == tiny.read_bytes()
+    a, b = GGUFFile(tmp_path / "a.gguf"), GGUFFile(tmp_path / "b.gguf")
+    assert not np.array_equal(a.tensor("blk.1.attn_kv.weight").raw_bytes(), b.tensor("blk.1.attn_kv.weight").raw_bytes())
+
+
+@pytest.mark.parametrize("experts", ["mxfp4", "q4_k"])
+def test_other_shapes_and_expert_types(tmp_path, experts):
+    kw = dict(n_layers=5, dim=512, vocab_size=700, n_heads=8, q_lora_rank=128, o_lora_rank=64, n_routed_experts=4,
+              n_activated_experts=2, moe_inter_dim=256, index_n_heads=2, index_topk=8)
+    p = tmp_path / "m.gguf"
+    make_tiny(str(p), seed=3, experts=experts, **kw)
+    f = GGUFFile(p)
+    s = tiny_shape(**kw)
+    assert [sp.name for sp in ds4_layout(s)] == list(f.tensors)
+    for sp in ds4_layout(s):
+        assert f.tensors[sp.name].shape == sp.shape
+    assert f.meta("deepseek4.block_count") == 5 and f.meta("deepseek4.embedding_length") == 512
+    assert f.meta("deepseek4.attention.compress_ratios") == [0, 0, 4, 128, 4]
+    assert len(f.meta("tokenizer.ggml.tokens")) == 700
+    t = f.tensor("blk.4.ffn_up_exps.weight")
+    assert t.qtype == QT[experts.upper()]
+    w = quant.dequantize(t.raw_bytes(), t.qtype, t.shape)
+    assert abs(w.std() * np.sqrt(512) / 1.5 - 1) < 0.1               # N(0, 1.5^2/fan_in) after quantisation
+
+
+def test_weight_magnitudes_follow_ds4_tiny(tiny):
+    f = GGUFFile(tiny)
+
+    def w(name):
+        t = f.tensor(name)
+        return quant.dequantize(t.raw_bytes(), t.qtype, t.shape) if t.qtype != QT.I32 else np.asarray(t.raw)
+
+    assert abs(w("token_embd.weight").std() - 1) < 0.02
+    assert abs(w("output.weight").std() * 8 - 1) < 0.05             # 2/sqrt(256)
+    assert abs(w("blk.2.attn_q_b.weight").std() * 16 - 1) < 0.05    # 1/sqrt(q_lora 256)
+    sinks = w("blk.0.attn_sinks.weight")
+    assert 2.5 < sinks.mean() < 5.5
+    assert abs(w("blk.3.attn_compressor_norm.weight").mean() - 2) < 0.2   # ratio-128 layer: mean 2
+    assert abs(w("blk.2.attn_compressor_norm.weight").mean() - 1) < 0.1
+    gate = w("blk.1.ffn_gate_shexp.weight")                          # 4 hot channels at 6x
+    norms = np.sort(np.linalg.norm(gate, axis=1))
+    assert norms[-4] > 4 * np.median(norms) and norms[-5] < 2 * np.median(norms)
+    tid = w("blk.0.ffn_gate_tid2eid.weight").reshape(512, 6)
+    assert all(len(set(r)) == 6 for r in tid) and tid.min() >= 0 and tid.max() < 16
+    up = w("blk.3.ffn_up_exps.weight")                               # IQ2 codes with ~1/sqrt(fan_in) spread
+    assert 0.03 < up.std() < 0.15
+
+
+def test_tokenizer_layout_and_compact_text(tiny):
+    from ds4py.tokenizer import Tokenizer
+
+    tok = tiny_tokenizer(512)
+    assert tok.tokens[:2] == ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"]
+    assert tok.tokens[-len(SPECIAL_TAIL):] == SPECIAL_TAIL
+    assert len(set(tok.tokens)) == 512 and len(tok.merges) == 512 - 2 - 256 - len(SPECIAL_TAIL)
+    known = set(tok.tokens[2:258])
+    for m in tok.merges:                     # every merge joins two earlier symbols into the next token
+        a, b = m.split(" ")
+        assert a in known and b in known
+        known.add(a + b)
+    t = Tokenizer.from_gguf(str(tiny))
+    text = "Hello! The weather in Paris is sunny today, and the answer is 42."
+    ids = t.encode(text)
+    assert t.decode(ids) == text and len(ids) < len(text.encode()) / 2
+    ids = t.encode("<｜User｜>hi<｜Assistant｜><think>", special=True)
+    assert ids[0] == t.special_id("<｜User｜>") and ids[-1] == t.special_id("<think>")
+    assert t.decode(t.encode("naïve 日本 🚀")) == "naïve 日本 🚀"    # every byte is reachable
+
+
+def test_bad_shapes_are_refused(tmp_path):
+    with pytest.raises(ConvertError, match="dim 300 must be a multiple of 256"):
+        make_tiny(str(tmp_path / "x.gguf"), dim=300)
+    with pytest.raises(ConvertError, match="vocab 200 is too small"):
+        make_tiny(str(tmp_path / "x.gguf"), vocab_size=200)
+    with pytest.raises(ConvertError, match="unknown shape option"):
+        make_tiny(str(tmp_path / "x.gguf"), layerz=3)
+    with pytest.raises(ConvertError, match="not V4 Flash ratios"):
+        make_tiny(str(tmp_path / "x.gguf"), n_layers=2, compress_ratios=[0, 2])
+    assert not list(tmp_path.iterdir())
+
+
+def test_cli_make_tiny_and_inspect(tmp_path, tiny):
+    out = tmp_path / "c.gguf"
+    r = subprocess.run([sys.executable, "-m", "ds4py", "make-tiny", str(out), "--layers", "2", "--vocab", "300",
+                        "--experts-n", "8", "--seed", "5"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert GGUFFile(out).meta("deepseek4.expert_count") == 8
+    r = subprocess.run([sys.executable, "-m", "ds4py", "inspect", str(tiny)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    f = GGUFFile(tiny)
+    assert f"tensors: {len(f.tensors)}" in r.stdout and "compress ratios" in r.stdout and "0,0,4,128" in r.stdout
+    for qt in ("Q8_0", "F16", "IQ2_XXS", "Q2_K", "I32", "F32"):
+        n = sum(t.qtype.name == qt for t in f.tensors.values())
+        nb = sum(t.nbytes for t in f.tensors.values() if t.qtype.name == qt)
+        assert any(line.split()[:2] == [qt, str(n)] for line in r.stdout.splitlines()), qt
+        assert nb > 0
+    assert f"({f.tensor_bytes()} bytes)" in r.stdout and "blk.0.attn_q_b.weight" in r.stdout
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 20)
+    r = subprocess.run([sys.executable, "-m", "ds4py", "inspect", str(bad)], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "bad.gguf" in r.stderr
