@@ -75,7 +75,7 @@ def test_run_streams_the_greedy_answer(tiny):
     assert out.returncode == 0, out.stderr
     reasoning, content = expected_answer(tiny, "Hello, who are you?", "off", 12)
     assert reasoning == ""
-    assert out.stdout == content + ("" if content.endswith("\n") else "\n")
+    assert out.stdout == content + ("\n" if content and not content.endswith("\n") else "")
     assert "[thinking]" not in out.stdout
     assert re.search(r"\[prompt \d+ tokens: cached 0, prefilled \d+ .*generated \d+", out.stderr)
 
