@@ -51,3 +51,15 @@ def put(arena):
         return d
 
     return _put
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf():
+    """The golden tiny model (../shared/golden beside the repo, as tests/conftest.py finds it). A device machine
+    gets only the repository, so there it is skipped rather than failed."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2].parent / "shared" / "golden" / "ds4-tiny" / "tiny.gguf"
+    if not path.is_file():
+        pytest.skip(f"golden tiny model not found at {path}")
+    return path

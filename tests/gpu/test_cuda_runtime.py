@@ -172,14 +172,14 @@ def test_weight_upload_streams_a_file(rt, arena, tmp_path):
     assert dst.download().tobytes() == data.tobytes()
 
 
-def test_tiny_gguf_head_on_device(rt, arena, golden):
+def test_tiny_gguf_head_on_device(rt, arena, tiny_gguf):
     """Real tensors: the tiny model uploaded in one stream; embed -> output_norm -> Q8_0 head -> argmax, and an
     F16 GEMV on output_hc_fn, each against the twins on the file's own bytes."""
     pytest.importorskip("gguf")
     from ds4py.cuda.weights import upload_gguf
     from ds4py.gguf import GGUFFile
 
-    g = GGUFFile(golden / "ds4-tiny" / "tiny.gguf")
+    g = GGUFFile(tiny_gguf)
     up = WeightUploader(rt.copy, chunk_bytes=4 << 20)
     dev = upload_gguf(g, arena, up, progress=False)
     up.close()
