@@ -232,6 +232,16 @@ def test_bad_launches(mod):
         mod.launch("nope", 1, 1, [])
 
 
+def test_launch_bounds_and_division_by_zero(mod):
+    out = np.zeros(64, np.int32)
+    mod.launch("bounded", 1, 64, [out, 4])
+    assert (out == 25).all()
+    with pytest.raises(emu.EmuKernelError, match=r"exceeds its __launch_bounds__\(64\)"):
+        mod.launch("bounded", 1, 65, [np.zeros(65, np.int32), 4])
+    with pytest.raises(emu.EmuKernelError, match="division by zero"):
+        mod.launch("bounded", 1, 8, [out, 0])
+
+
 def test_same_array_twice_is_one_buffer(mod):
     x = np.arange(64, dtype=np.int32)
     mod.launch("reverse_dynamic", 1, 32, [x, x, 64], shared_mem=256)  # reads all before the barrier, then writes

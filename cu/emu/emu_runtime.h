@@ -118,6 +118,7 @@ struct Launch {
     void* fn;
     void** args;
     dim3 grid, block;
+    size_t dyn_smem;
     uint3 block_idx;
     Fiber* fibers;
     int nthreads, live;
@@ -519,7 +520,7 @@ inline bool run_block(uint3 b, int order) {
     L.live = n;
     L.bar_count = L.bar_pred = 0;
     // Shared memory starts as garbage on the GPU; all-ones bytes (NaN, -1) make reads before writes visible.
-    memset(__emu_dyn_smem, 0xff, sizeof __emu_dyn_smem);
+    memset(__emu_dyn_smem, 0xff, L.dyn_smem);
     if (__start_emu_shared && __stop_emu_shared) memset(__start_emu_shared, 0xff, __stop_emu_shared - __start_emu_shared);
     static int idx[kMaxThreads];
     while (L.live > 0) {
@@ -573,6 +574,7 @@ inline int launch(void (*thunk)(void*, void**), void* fn, const unsigned* grid, 
     L.thunk = thunk;
     L.fn = fn;
     L.args = args;
+    L.dyn_smem = dyn_smem;
     L.grid = dim3(grid[0], grid[1], grid[2]);
     L.block = dim3(block[0], block[1], block[2]);
     gridDim = L.grid;

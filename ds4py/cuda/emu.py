@@ -26,7 +26,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ds4py.cuda.args import KernelArgumentError, pack_args
-from ds4py.cuda.signature import Param, parse_kernels
+from ds4py.cuda.signature import Param, parse_kernels, strip_comments
 from ds4py.errors import Ds4Error
 
 CU_DIR = Path(__file__).resolve().parents[2] / "cu"
@@ -98,6 +98,20 @@ def _header_files(source: Path) -> list[Path]:
     if source.parent.resolve() != CU_DIR.resolve():
         files += sorted(CU_DIR.glob("*.cuh"))
     return files
+
+
+_BOUNDS = re.compile(r'extern\s+"C"\s+__global__\s+(?:__launch_bounds__\s*\(\s*(\w+)[^)]*\)\s+)?void\s+'
+                     r"(?:__launch_bounds__\s*\(\s*(\w+)[^)]*\)\s+)?([A-Za-z_]\w*)\s*\(")
+
+
+def launch_bounds(src: str) -> dict[str, int]:
+    """Kernels declared with `__launch_bounds__(N)` (a literal N): the most threads a block may have."""
+    out = {}
+    for m in _BOUNDS.finditer(strip_comments(src)):
+        n = m.group(1) or m.group(2)
+        if n and n.isdigit():
+            out[m.group(3)] = int(n)
+    return out
 
 
 _cxx_version: dict[str, str] = {}
@@ -177,6 +191,7 @@ class EmuModule:
     def __init__(self, source: str | Path, extra_flags: Sequence[str] = ()):
         self.source = Path(source).resolve()
         self.path, self.kernels = build(self.source, extra_flags)
+        self.max_threads = launch_bounds(self.source.read_text())
         self._lib = ctypes.CDLL(str(self.path))
         lib = self._lib
         lib.emu_alloc.restype = ctypes.c_void_p
@@ -209,6 +224,9 @@ class EmuModule:
             raise KernelArgumentError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
         params = self.kernels[name]
         g, b = _dim3(grid, "grid"), _dim3(block, "block")
+        if name in self.max_threads and b[0] * b[1] * b[2] > self.max_threads[name]:
+            raise EmuKernelError(f"{name}: block of {b[0] * b[1] * b[2]} threads exceeds its "
+                                 f"__launch_bounds__({self.max_threads[name]})")
         if len(args) != len(params):
             pack_args(name, params, args)                  # raises the count error with the signature
         buffers: list[_Buffer] = []
