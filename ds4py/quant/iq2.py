@@ -98,4 +98,7 @@ def dequant_iq2_xxs(raw: np.ndarray) -> np.ndarray:
     db = (d * (np.float32(0.5) + ls) * np.float32(0.25)).reshape(n, 8, 1, 1)
     grid_idx = aux[:, :, 0:1].view(np.uint8).reshape(n, 8, 4)
     sign_idx = (aux[:, :, 1:2] >> np.array([0, 7, 14, 21], np.uint32)) & 127        # (n, 8, 4)
-    return (db * GRID[grid_idx] * SIGNS[sign_idx]).reshape(n, 256)
+    out = np.take(GRID, grid_idx, axis=0)                                           # (n, 8, 4, 8)
+    out *= db
+    out *= np.take(SIGNS, sign_idx, axis=0)
+    return out.reshape(n, 256)

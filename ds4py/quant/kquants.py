@@ -41,7 +41,9 @@ def dequant_q4_k(raw: np.ndarray) -> np.ndarray:
     ml = (dmin * mn.astype(np.float32)).reshape(n, 8, 1)
     qs = blk[:, 16:].reshape(n, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
     q = (qs & 15).reshape(n, 8, 32).astype(np.float32)
-    return (dl * q - ml).reshape(n, QK_K)
+    q *= dl
+    q -= ml
+    return q.reshape(n, QK_K)
 
 
 def dequant_q2_k(raw: np.ndarray) -> np.ndarray:
@@ -53,7 +55,9 @@ def dequant_q2_k(raw: np.ndarray) -> np.ndarray:
     ml = (dmin * (sc >> 4).astype(np.float32)).reshape(n, 16, 1)
     qs = blk[:, 16:80].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
     q = (qs & 3).reshape(n, 16, 16).astype(np.float32)
-    return (dl * q - ml).reshape(n, QK_K)
+    q *= dl
+    q -= ml
+    return q.reshape(n, QK_K)
 
 
 # ----------------------------------------------------------------------------------------------- encode

@@ -11,6 +11,9 @@ import numpy as np
 
 MXFP4_BYTES = 17
 KVALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.float32)
+# byte -> value of its low / high nibble (one table lookup per byte instead of a mask, a shift and a lookup)
+LOW = KVALUES[np.arange(256) & 15]
+HIGH = KVALUES[np.arange(256) >> 4]
 
 
 def e8m0_half(e: np.ndarray) -> np.ndarray:
@@ -22,10 +25,14 @@ def e8m0_half(e: np.ndarray) -> np.ndarray:
 
 def dequant_mxfp4(raw: np.ndarray) -> np.ndarray:
     blk = raw.reshape(-1, MXFP4_BYTES)
+    n = blk.shape[0]
     d = e8m0_half(blk[:, :1])                                    # (n, 1)
     qs = blk[:, 1:]
-    codes = np.concatenate([qs & 15, qs >> 4], axis=1)          # (n, 32) in weight order
-    return KVALUES[codes] * d
+    out = np.empty((n, 32), np.float32)
+    out[:, :16] = np.take(LOW, qs)                               # weight j: low nibble of qs[j]
+    out[:, 16:] = np.take(HIGH, qs)                              # weight j+16: high nibble
+    out *= d
+    return out
 
 
 def mxfp4_from_official(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:

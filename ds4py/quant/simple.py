@@ -30,7 +30,8 @@ def dequant_q8_0(raw: np.ndarray) -> np.ndarray:
     blk = raw.reshape(-1, Q8_0_BYTES)
     d = blk[:, :2].copy().view(np.float16).astype(np.float32)       # (n, 1)
     q = blk[:, 2:].view(np.int8).astype(np.float32)                  # (n, 32)
-    return q * d
+    q *= d
+    return q
 
 
 def round_half_away(x: np.ndarray) -> np.ndarray:
