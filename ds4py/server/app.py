@@ -332,9 +332,9 @@ def bind(host: str, port: int) -> socket.socket:
 
 async def _start(state: ServerState, sock: socket.socket) -> web.AppRunner:
     # handler_cancellation: a client that disconnects cancels its handler, whose `finally` stops generation.
-    runner = web.AppRunner(make_app(state), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(make_app(state), handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
     await runner.setup()
-    await web.SockSite(runner, sock, shutdown_timeout=1.0).start()
+    await web.SockSite(runner, sock).start()
     return runner
 
 

@@ -1,0 +1,496 @@
+"""Server protocol layers against a scripted engine: the real tokenizer, chat renderer, DSML parser, worker and
+HTTP stack, with the model replaced by a session that "samples" a fixed script of text pieces. This is how
+tool calls (which random weights never produce) are pushed through every API's encoder, and how queueing,
+cancellation, limits and errors are checked deterministically. Clients are the official openai / anthropic SDKs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import time
+import http.client
+import socket
+import urllib.parse
+from contextlib import contextmanager
+
+import anthropic
+import openai
+import pytest
+
+from ds4py.chat import EOS
+from ds4py.errors import ContextLengthError
+from ds4py.server.app import BackgroundServer, ServerConfig, ServerState
+from ds4py.server.toolmemory import StoredCall, ToolMemory
+from ds4py.server.worker import Engine
+from ds4py.session import DoneEvent, TokenEvent
+from ds4py.tokenizer import Tokenizer
+
+THINK_TOOL_SCRIPT = [
+    "The user wants weather.", "</think>", "Let me check.", "\n\n<｜DSML｜tool_calls>\n",
+    '<｜DSML｜invoke name="get_weather">\n',
+    '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n',
+    # "[1,2]": a spelling json.dumps would never produce, so only exact replay can reproduce it
+    '<｜DSML｜parameter name="days" string="false">[1,2]</｜DSML｜parameter>\n',
+    "</｜DSML｜invoke>\n", "</｜DSML｜tool_calls>", EOS,
+]
+SAMPLED = "".join(THINK_TOOL_SCRIPT[:-1])
+TOOLS_OPENAI = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather forecast.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "array"}}}}}]
+TOOLS_ANTHROPIC = [{"name": "get_weather", "description": "Weather forecast.",
+                    "input_schema": TOOLS_OPENAI[0]["function"]["parameters"]}]
+TOOLS_RESPONSES = [{"type": "function", "name": "get_weather", "description": "Weather forecast.",
+                    "parameters": TOOLS_OPENAI[0]["function"]["parameters"]}]
+
+
+class ScriptedSession:
+    """The Session interface with a script instead of a model. EOS in the script ends the turn ("stop")."""
+
+    def __init__(self, tokenizer, script, ctx_size=4096, delay=0.0, gate: threading.Event | None = None):
+        self.tokenizer, self.script, self.ctx_size, self.delay, self.gate = tokenizer, script, ctx_size, delay, gate
+        self.vocab_size = tokenizer.vocab_size
+        self.prompts: list[list[int]] = []
+        self.live: list[int] = []
+        self.tokens_after_cancel = 0
+        self.finished: list[str] = []
+
+    def prompt_cache_tokens(self, ids) -> int:
+        n = 0
+        for a, b in zip(self.live, ids):
+            if a != b:
+                break
+            n += 1
+        return n
+
+    def generate(self, ids, params, cancelled=None):
+        if len(ids) + 1 > self.ctx_size:
+            raise ContextLengthError("too long")
+        return self._run(list(ids), params, cancelled or (lambda: False))
+
+    def _run(self, ids, params, cancelled):
+        try:
+            yield from self._script(ids, params, cancelled)
+        except GeneratorExit:                   # the engine stopped consuming (it saw the cancel first)
+            self.finished.append("cancelled")
+            raise
+
+    def _script(self, ids, params, cancelled):
+        self.prompts.append(ids)
+        cached = self.prompt_cache_tokens(ids)
+        self.live = ids
+        if self.gate is not None:
+            self.gate.wait(10)
+        n, was_cancelled = 0, False
+        for piece in self.script:
+            if cancelled():
+                self.finished.append("cancelled")
+                yield DoneEvent("cancelled", len(ids), cached, n)
+                return
+            if params.max_tokens is not None and n >= params.max_tokens:
+                break
+            time.sleep(self.delay)
+            n += 1
+            if piece == EOS:
+                self.finished.append("stop")
+                yield TokenEvent(self.tokenizer.eos_id, "")
+                yield DoneEvent("stop", len(ids), cached, n)
+                return
+            yield TokenEvent(5, piece)
+            if was_cancelled:
+                self.tokens_after_cancel += 1
+            was_cancelled = cancelled()
+        self.finished.append("length")
+        yield DoneEvent("length", len(ids), cached, n)
+
+
+# ---- plain HTTP (stdlib), for what the SDKs hide: raw bytes, headers, status codes, disconnects -------------
+
+class Reply:
+    def __init__(self, status, headers, body):
+        self.status_code, self.headers, self.content = status, headers, body
+
+    def json(self):
+        return json.loads(self.content)
+
+
+def call(method: str, url: str, *, json_body=None, content: bytes | None = None, headers=None,
+         timeout=30.0) -> Reply:
+    u = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+    hdrs = dict(headers or {})
+    if json_body is not None:
+        content = json.dumps(json_body).encode()
+        hdrs["Content-Type"] = "application/json"
+    try:
+        conn.request(method, u.path, body=content, headers=hdrs)
+        r = conn.getresponse()
+        return Reply(r.status, {k.lower(): v for k, v in r.getheaders()}, r.read())
+    finally:
+        conn.close()
+
+
+def send_raw(srv, body: dict) -> socket.socket:
+    """A POST on a bare socket, so the test decides exactly when the client goes away."""
+    data = json.dumps(body).encode()
+    sock = socket.create_connection((srv.host, srv.port), timeout=30)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(data) + data)
+    return sock
+
+
+def post(url, **kw):
+    return call("POST", url, **kw)
+
+
+def get(url, **kw):
+    return call("GET", url, **kw)
+
+
+@pytest.fixture(scope="module")
+def tok(golden):
+    return Tokenizer.from_gguf(str(golden / "ds4-tiny" / "tiny.gguf"))
+
+
+@contextmanager
+def scripted(tok, script, *, memory: ToolMemory | None = None, ctx_size=4096, delay=0.0, gate=None, **cfg):
+    session = ScriptedSession(tok, script, ctx_size=ctx_size, delay=delay, gate=gate)
+    state = ServerState(ServerConfig(**cfg))
+    state.set_engine(Engine(session, tok, tool_memory=memory or ToolMemory()))
+    with BackgroundServer(state) as srv:
+        srv.session = session
+        yield srv
+
+
+def oai(srv, key="test") -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.base_url + "/v1", api_key=key, max_retries=0, timeout=30)
+
+
+def ant(srv, key="test") -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=srv.base_url, api_key=key, max_retries=0, timeout=30)
+
+
+# ---- tool calls through every API's encoder ----------------------------------------------------------------
+
+def test_openai_tool_call_nonstream_and_stream(tok):
+    with scripted(tok, THINK_TOOL_SCRIPT) as srv:
+        c = oai(srv)
+        msgs = [{"role": "user", "content": "Weather in Paris?"}]
+        r = c.chat.completions.create(model="deepseek-v4-flash", messages=msgs, tools=TOOLS_OPENAI)
+        ch = r.choices[0]
+        assert ch.finish_reason == "tool_calls"
+        assert ch.message.content == "Let me check."
+        assert ch.message.model_extra["reasoning_content"] == "The user wants weather."
+        (call,) = ch.message.tool_calls
+        assert call.function.name == "get_weather"
+        assert json.loads(call.function.arguments) == {"city": "Paris", "days": [1, 2]}
+        assert call.id.startswith("call_") and len(call.id) > 20
+        assert r.usage.completion_tokens == len(THINK_TOOL_SCRIPT)
+        assert r.usage.completion_tokens_details.reasoning_tokens == 2      # up to and including </think>
+
+        reasoning, content, args, names, finish = "", "", {}, {}, None
+        for chunk in c.chat.completions.create(model="deepseek-v4-flash", messages=msgs, tools=TOOLS_OPENAI,
+                                               stream=True):
+            d = chunk.choices[0].delta
+            reasoning += (d.model_extra or {}).get("reasoning_content") or ""
+            content += d.content or ""
+            for tc in d.tool_calls or []:
+                args[tc.index] = args.get(tc.index, "") + (tc.function.arguments or "")
+                if tc.function.name:
+                    names[tc.index] = (tc.id, tc.function.name)
+            finish = chunk.choices[0].finish_reason or finish
+        assert (reasoning, content, finish) == ("The user wants weather.", "Let me check.", "tool_calls")
+        assert names[0][1] == "get_weather" and names[0][0] != call.id       # a fresh id per sampled call
+        assert json.loads(args[0]) == {"city": "Paris", "days": [1, 2]}
+        # the rendered prompt carried the tool schema
+        assert '"name": "get_weather"' in tok.decode(srv.session.prompts[0])
+
+
+def test_anthropic_tool_use_nonstream_and_stream(tok):
+    with scripted(tok, THINK_TOOL_SCRIPT) as srv:
+        c = ant(srv)
+        kw = dict(model="deepseek-v4-flash", max_tokens=100, tools=TOOLS_ANTHROPIC,
+                  messages=[{"role": "user", "content": "Weather in Paris?"}])
+        m = c.messages.create(**kw)
+        assert [b.type for b in m.content] == ["thinking", "text", "tool_use"]
+        assert m.content[0].thinking == "The user wants weather."
+        assert m.content[1].text == "Let me check."
+        assert m.content[2].name == "get_weather" and m.content[2].input == {"city": "Paris", "days": [1, 2]}
+        assert m.content[2].id.startswith("toolu_")
+        assert m.stop_reason == "tool_use"
+        assert m.usage.output_tokens == len(THINK_TOOL_SCRIPT)
+
+        with c.messages.stream(**kw) as s:
+            types = [ev.type for ev in s]
+            final = s.get_final_message()
+        assert types[0] == "message_start" and types[-1] == "message_stop"
+        assert [b.type for b in final.content] == ["thinking", "text", "tool_use"]
+        assert final.content[2].input == {"city": "Paris", "days": [1, 2]}
+        assert final.stop_reason == "tool_use"
+
+
+def test_responses_function_call_nonstream_and_stream(tok):
+    with scripted(tok, THINK_TOOL_SCRIPT) as srv:
+        c = oai(srv)
+        kw = dict(model="deepseek-v4-flash", input="Weather in Paris?", tools=TOOLS_RESPONSES)
+        r = c.responses.create(**kw)
+        assert r.status == "completed"
+        assert [o.type for o in r.output] == ["reasoning", "message", "function_call"]
+        assert r.output_text == "Let me check."
+        fc = r.output[2]
+        assert fc.name == "get_weather" and json.loads(fc.arguments) == {"city": "Paris", "days": [1, 2]}
+        assert r.usage.output_tokens == len(THINK_TOOL_SCRIPT)
+        assert r.usage.output_tokens_details.reasoning_tokens == 2
+
+        with c.responses.stream(**kw) as s:
+            types = [ev.type for ev in s]
+            final = s.get_final_response()
+        assert types[:2] == ["response.created", "response.in_progress"] and types[-1] == "response.completed"
+        assert "response.output_text.delta" in types and "response.function_call_arguments.delta" in types
+        assert [o.type for o in final.output] == ["reasoning", "message", "function_call"]
+        assert final.output_text == "Let me check."
+
+
+# ---- exact DSML replay --------------------------------------------------------------------------------------
+
+def _first_call(srv) -> tuple[str, str]:
+    r = oai(srv).chat.completions.create(model="deepseek-v4-flash", tools=TOOLS_OPENAI,
+                                         messages=[{"role": "user", "content": "Weather in Paris?"}])
+    call = r.choices[0].message.tool_calls[0]
+    return call.id, call.function.arguments
+
+
+def _history_openai(call_id, arguments):
+    return [{"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": "Let me check.", "reasoning_content": "The user wants weather.",
+             "tool_calls": [{"id": call_id, "type": "function",
+                             "function": {"name": "get_weather", "arguments": arguments}}]},
+            {"role": "tool", "tool_call_id": call_id, "content": "sunny"}]
+
+
+def test_exact_dsml_replay_openai(tok):
+    with scripted(tok, THINK_TOOL_SCRIPT) as srv:
+        call_id, arguments = _first_call(srv)
+        # the client normalizes the JSON (as SDKs do): "[1,2]" becomes "[1, 2]"
+        normalized = json.dumps(json.loads(arguments))
+        oai(srv).chat.completions.create(model="deepseek-v4-flash", tools=TOOLS_OPENAI,
+                                         messages=_history_openai(call_id, normalized), max_tokens=1)
+        first, second = (tok.decode(p) for p in srv.session.prompts)
+        # byte-identical: the next prompt = the previous prompt + exactly what was sampled + EOS
+        assert second.startswith(first + SAMPLED + EOS)
+        # an id the server never issued falls back to the canonical rendering
+        oai(srv).chat.completions.create(model="deepseek-v4-flash", tools=TOOLS_OPENAI,
+                                         messages=_history_openai("call_unknown", normalized), max_tokens=1)
+        third = tok.decode(srv.session.prompts[-1])
+        assert "[1, 2]" in third and SAMPLED not in third
+
+
+def test_exact_dsml_replay_anthropic_and_responses(tok):
+    with scripted(tok, THINK_TOOL_SCRIPT) as srv:
+        m = ant(srv).messages.create(model="deepseek-v4-flash", max_tokens=100, tools=TOOLS_ANTHROPIC,
+                                     messages=[{"role": "user", "content": "Weather in Paris?"}])
+        thinking, text, use = m.content
+        history = [{"role": "user", "content": "Weather in Paris?"},
+                   {"role": "assistant", "content": [
+                       {"type": "thinking", "thinking": thinking.thinking, "signature": ""},
+                       {"type": "text", "text": text.text},
+                       {"type": "tool_use", "id": use.id, "name": use.name, "input": use.input}]},
+                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}]}]
+        ant(srv).messages.create(model="deepseek-v4-flash", max_tokens=1, tools=TOOLS_ANTHROPIC, messages=history)
+        first, second = (tok.decode(p) for p in srv.session.prompts)
+        assert second.startswith(first + SAMPLED + EOS)
+
+        r = oai(srv).responses.create(model="deepseek-v4-flash", input="Weather in Paris?", tools=TOOLS_RESPONSES)
+        items = [{"role": "user", "content": "Weather in Paris?"}] + [o.model_dump(exclude_none=True)
+                                                                      for o in r.output]
+        fc = r.output[2]
+        items.append({"type": "function_call_output", "call_id": fc.call_id, "output": "sunny"})
+        oai(srv).responses.create(model="deepseek-v4-flash", input=items, tools=TOOLS_RESPONSES,
+                                  max_output_tokens=1)
+        third, fourth = (tok.decode(p) for p in srv.session.prompts[2:])
+        assert third == first                      # same conversation, same bytes, whichever API
+        assert fourth == second
+
+
+def test_tool_memory_is_bounded():
+    mem = ToolMemory(max_ids=3)
+    for i in range(5):
+        mem.remember(f"id{i}", StoredCall("f", "{}", f"raw{i}"))
+    assert len(mem) == 3 and mem.lookup("id0") is None and mem.lookup("id4").raw_dsml == "raw4"
+    call = {"id": "id4", "type": "function", "function": {"name": "f", "arguments": "{ }"}}
+    assert mem.replay([{"role": "assistant", "tool_calls": [call]}])[0]["tool_calls"][0]["raw_dsml"] == "raw4"
+    edited = {**call, "function": {"name": "f", "arguments": '{"x": 1}'}}   # client changed it: no replay
+    assert "raw_dsml" not in mem.replay([{"role": "assistant", "tool_calls": [edited]}])[0]["tool_calls"][0]
+
+
+# ---- scheduling -------------------------------------------------------------------------------------------
+
+def test_queue_full_gets_429_with_retry_after(tok):
+    gate = threading.Event()
+    with scripted(tok, ["a", EOS], gate=gate, max_queue=1) as srv:
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        results = []
+        threads = [threading.Thread(target=lambda: results.append(
+            post(srv.base_url + "/v1/chat/completions", json_body=body, timeout=30).status_code)) for _ in range(2)]
+        threads[0].start()
+        _wait(lambda: srv.state.metrics.running == 1)        # first one is in the engine, held by the gate
+        threads[1].start()
+        _wait(lambda: srv.state.metrics.queue_depth == 1)    # second one waits
+        r = post(srv.base_url + "/v1/chat/completions", json_body=body, timeout=30)
+        assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+        assert r.json()["error"]["code"] == "queue_full"
+        gate.set()
+        for t in threads:
+            t.join(30)
+        assert results == [200, 200]
+
+
+def test_disconnect_stops_generation_within_one_token(tok):
+    with scripted(tok, itertools.repeat("tok "), delay=0.01) as srv:
+        sock = send_raw(srv, {"messages": [{"role": "user", "content": "hi"}], "stream": True,
+                              "max_tokens": 100_000})
+        got = b""
+        while got.count(b"data: ") < 5:               # a few tokens have streamed
+            got += sock.recv(65536)
+        sock.close()
+        _wait(lambda: srv.session.finished == ["cancelled"])
+        assert srv.session.tokens_after_cancel <= 1
+        assert srv.state.metrics.cancelled == 1
+        # the engine is free again at once
+        r = oai(srv).chat.completions.create(model="deepseek-v4-flash", max_tokens=3,
+                                             messages=[{"role": "user", "content": "hi"}])
+        assert r.usage.completion_tokens == 3
+
+
+def test_non_streaming_disconnect_also_cancels(tok):
+    with scripted(tok, itertools.repeat("tok "), delay=0.01) as srv:
+        sock = send_raw(srv, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100_000})
+        _wait(lambda: srv.state.metrics.generated_tokens >= 3)
+        sock.close()
+        _wait(lambda: srv.session.finished == ["cancelled"])
+
+
+def _wait(cond, timeout=10.0):
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError("condition not reached")
+        time.sleep(0.01)
+
+
+# ---- errors, limits, security -----------------------------------------------------------------------------
+
+def test_openai_errors(tok):
+    with scripted(tok, ["x", EOS], ctx_size=64, max_body_mb=0.01) as srv:
+        url = srv.base_url
+        r = post(url + "/v1/chat/completions", content=b"{not json", timeout=10)
+        assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+        r = post(url + "/v1/chat/completions", json_body={"model": "deepseek-v4-flash"}, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+        c = oai(srv)
+        msgs = [{"role": "user", "content": "hi"}]
+        with pytest.raises(openai.BadRequestError, match="'n' must be 1"):
+            c.chat.completions.create(model="deepseek-v4-flash", messages=msgs, n=2)
+        with pytest.raises(openai.BadRequestError, match="temperature"):
+            c.chat.completions.create(model="deepseek-v4-flash", messages=msgs, temperature=5)
+        with pytest.raises(openai.BadRequestError, match="frequency_penalty"):
+            c.chat.completions.create(model="deepseek-v4-flash", messages=msgs, frequency_penalty=0.5)
+        with pytest.raises(openai.BadRequestError, match="tool_choice"):
+            c.chat.completions.create(model="deepseek-v4-flash", messages=msgs, tools=TOOLS_OPENAI,
+                                      tool_choice="required")
+        with pytest.raises(openai.BadRequestError, match="text only"):
+            c.chat.completions.create(model="deepseek-v4-flash", messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": "data:,"}}]}])
+        with pytest.raises(openai.NotFoundError, match="does not exist"):
+            c.chat.completions.create(model="gpt-4o", messages=msgs)
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="deepseek-v4-flash", messages=[{"role": "user", "content": "long " * 40}])
+        assert e.value.code == "context_length_exceeded"
+        with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+            c.responses.create(model="deepseek-v4-flash", input="hi", previous_response_id="resp_1")
+        r = post(url + "/v1/chat/completions", content=b"x" * 20_000, timeout=10)
+        assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
+        r = get(url + "/v1/nothing", timeout=10)
+        assert r.status_code == 404 and "error" in r.json()
+        r = get(url + "/v1/chat/completions", timeout=10)
+        assert r.status_code == 405 and "error" in r.json()
+        assert srv.session.prompts == []                     # nothing reached the engine
+
+
+def test_anthropic_errors_use_anthropic_json(tok):
+    with scripted(tok, ["x", EOS], ctx_size=64) as srv:
+        r = post(srv.base_url + "/v1/messages", content=b"[", timeout=10)
+        assert r.status_code == 400 and r.json()["type"] == "error"
+        assert r.json()["error"]["type"] == "invalid_request_error"
+        c = ant(srv)
+        with pytest.raises(anthropic.BadRequestError, match="max_tokens"):
+            c.messages.create(model="deepseek-v4-flash", max_tokens=0, messages=[{"role": "user", "content": "x"}])
+        with pytest.raises(anthropic.BadRequestError, match="images"):
+            c.messages.create(model="deepseek-v4-flash", max_tokens=5, messages=[{"role": "user", "content": [
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}])
+        with pytest.raises(anthropic.BadRequestError, match="context"):
+            c.messages.create(model="deepseek-v4-flash", max_tokens=5,
+                              messages=[{"role": "user", "content": "long " * 40}])
+
+
+def test_api_key_auth_and_open_health(tok):
+    with scripted(tok, ["ok", EOS], api_key="s3cret") as srv:
+        assert get(srv.base_url + "/health", timeout=10).status_code == 200
+        r = get(srv.base_url + "/v1/models", timeout=10)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert get(srv.base_url + "/metrics", timeout=10).status_code == 401
+        with pytest.raises(openai.AuthenticationError):
+            oai(srv, key="wrong").models.list()
+        with pytest.raises(anthropic.AuthenticationError):
+            ant(srv, key="wrong").messages.create(model="deepseek-v4-flash", max_tokens=2,
+                                                  messages=[{"role": "user", "content": "x"}])
+        assert oai(srv, key="s3cret").chat.completions.create(      # Bearer
+            model="deepseek-chat", messages=[{"role": "user", "content": "x"}]).choices[0].message.content == "ok"
+        assert ant(srv, key="s3cret").messages.create(               # x-api-key
+            model="deepseek-v4-flash", max_tokens=5, thinking={"type": "disabled"},
+            messages=[{"role": "user", "content": "x"}]).content[0].text == "ok"
+
+
+def test_cors_only_when_enabled(tok):
+    with scripted(tok, ["ok", EOS]) as srv:
+        r = get(srv.base_url + "/v1/models", headers={"Origin": "http://app.example"}, timeout=10)
+        assert "access-control-allow-origin" not in r.headers
+    with scripted(tok, ["ok", EOS], cors=["http://app.example"]) as srv:
+        r = get(srv.base_url + "/v1/models", headers={"Origin": "http://app.example"}, timeout=10)
+        assert r.headers["access-control-allow-origin"] == "http://app.example"
+        r = get(srv.base_url + "/v1/models", headers={"Origin": "http://evil.example"}, timeout=10)
+        assert "access-control-allow-origin" not in r.headers
+        r = call("OPTIONS", srv.base_url + "/v1/chat/completions", timeout=10, headers={
+            "Origin": "http://app.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type"})
+        assert r.status_code == 204 and "POST" in r.headers["access-control-allow-methods"]
+
+
+def test_health_is_503_while_loading(tok):
+    state = ServerState(ServerConfig())
+    with BackgroundServer(state) as srv:
+        assert get(srv.base_url + "/health", timeout=10).status_code == 503
+        r = post(srv.base_url + "/v1/chat/completions", timeout=10,
+                       json_body={"messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 503 and "loading" in r.json()["error"]["message"]
+        session = ScriptedSession(tok, ["ok", EOS])
+        state.set_engine(Engine(session, tok))
+        assert get(srv.base_url + "/health", timeout=10).status_code == 200
+
+
+def test_stop_sequences_and_thinking_controls(tok):
+    with scripted(tok, ["hello", EOS]) as srv:
+        c = oai(srv)
+        base = dict(model="deepseek-v4-flash", messages=[{"role": "user", "content": "x"}])
+        for extra, ends_with in (({}, "<think>"), ({"reasoning_effort": "none"}, "</think>"),
+                                 ({"extra_body": {"thinking": {"type": "disabled"}}}, "</think>"),
+                                 ({"extra_body": {"think": False}}, "</think>"),
+                                 ({"model": "deepseek-chat"}, "</think>"), ({"model": "deepseek-reasoner"}, "<think>"),
+                                 ({"reasoning_effort": "high"}, "<think>")):
+            c.chat.completions.create(**{**base, **extra})
+            assert tok.decode(srv.session.prompts[-1]).endswith(ends_with), extra
+        c.chat.completions.create(**base, reasoning_effort="max")
+        assert "Reasoning Effort" in tok.decode(srv.session.prompts[-1])
+        with pytest.raises(openai.BadRequestError, match="reasoning_effort"):
+            c.chat.completions.create(**base, reasoning_effort="extreme")
