@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import codecs
 import heapq
-import mmap
 import os
-import struct
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -152,12 +150,12 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, gguf_file_or_path) -> "Tokenizer":
-        """From `tokenizer.ggml.*` metadata of a GGUF (a path or an open ds4py.gguf.GGUFFile).
+        """From `tokenizer.ggml.*` metadata of a GGUF (a path or an open ds4py.gguf.GGUFFile)."""
+        from ds4py.gguf import GGUFFile
 
-        The metadata is scanned directly (read_gguf_metadata): the gguf package's reader builds one numpy
-        view per string and takes ~10 s on a 129k-token vocabulary; this takes ~0.2 s."""
-        path = os.fspath(getattr(gguf_file_or_path, "path", gguf_file_or_path))
-        meta = read_gguf_metadata(path, prefix="tokenizer.ggml.")
+        f = gguf_file_or_path if isinstance(gguf_file_or_path, GGUFFile) else GGUFFile(gguf_file_or_path)
+        path = f.path
+        meta = {k: f.meta(k) for k in f.keys() if k.startswith("tokenizer.ggml.")}
         model = meta.get("tokenizer.ggml.model")
         if model != "gpt2":
             raise TokenizerError(
@@ -414,74 +412,6 @@ class StreamDecoder:
         out = self._utf8.decode(b"", final=True)
         self._utf8.reset()
         return out
-
-
-# ---- loader helpers ----------------------------------------------------------------------------------------
-_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-
-
-def read_gguf_metadata(path: str, prefix: str = "") -> dict:
-    """Metadata values whose key starts with prefix, parsed straight from the GGUF header (v2/v3)."""
-    try:
-        with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            return _scan_gguf_kv(mm, prefix, path)
-    except FileNotFoundError:
-        raise TokenizerError(f"{path}: no such file") from None
-    except (struct.error, ValueError, UnicodeDecodeError) as e:
-        raise TokenizerError(f"{path}: corrupt or truncated GGUF metadata ({e})") from None
-
-
-def _scan_gguf_kv(mm, prefix: str, path: str) -> dict:
-    magic, version, _n_tensors, n_kv = struct.unpack_from("<4sIQQ", mm, 0)
-    if magic != b"GGUF":
-        raise TokenizerError(f"{path}: not a GGUF file (magic {magic!r})")
-    if version not in (2, 3):
-        raise TokenizerError(f"{path}: GGUF version {version} is not supported (supported: 2, 3)")
-    pos = 24
-    size = len(mm)
-
-    def string(pos: int) -> tuple[bytes, int]:
-        (n,) = struct.unpack_from("<Q", mm, pos)
-        if pos + 8 + n > size:
-            raise ValueError(f"string at byte {pos} runs past the end of the file")
-        return mm[pos + 8:pos + 8 + n], pos + 8 + n
-
-    def value(vtype: int, pos: int, keep: bool):
-        if vtype in _GGUF_SCALARS:
-            fmt = _GGUF_SCALARS[vtype]
-            return (struct.unpack_from(fmt, mm, pos)[0] if keep else None), pos + struct.calcsize(fmt)
-        if vtype == _GGUF_STRING:
-            raw, pos = string(pos)
-            return (raw.decode("utf-8") if keep else None), pos
-        if vtype == _GGUF_ARRAY:
-            etype, count = struct.unpack_from("<IQ", mm, pos)
-            pos += 12
-            if etype in _GGUF_SCALARS:
-                fmt = _GGUF_SCALARS[etype]
-                end = pos + count * struct.calcsize(fmt)
-                if end > size:
-                    raise ValueError(f"array at byte {pos} runs past the end of the file")
-                out = list(struct.unpack_from(f"<{count}{fmt[1]}", mm, pos)) if keep else None
-                return out, end
-            out = [] if keep else None
-            for _ in range(count):
-                v, pos = value(etype, pos, keep)
-                if keep:
-                    out.append(v)
-            return out, pos
-        raise ValueError(f"unknown metadata value type {vtype} at byte {pos}")
-
-    meta = {}
-    for _ in range(n_kv):
-        key, pos = string(pos)
-        key = key.decode("utf-8")
-        (vtype,) = struct.unpack_from("<I", mm, pos)
-        keep = key.startswith(prefix)
-        v, pos = value(vtype, pos + 4, keep)
-        if keep:
-            meta[key] = v
-    return meta
 
 
 def _hf_pre_patterns(path: Path, pre: dict | None) -> list[str]:

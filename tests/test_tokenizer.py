@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from ds4py.tokenizer import TT_CONTROL, TT_NORMAL, TT_USER_DEFINED, Tokenizer, TokenizerError
+from ds4py.errors import GGUFError
 
 
 # ---- fixtures -------------------------------------------------------------------------------------------
@@ -233,11 +234,12 @@ def test_errors(hf_tok, golden, tmp_path):
         hf_tok.encode(b"bytes")
     with pytest.raises(TokenizerError, match="surrogate"):
         hf_tok.encode("a\ud800b")
-    with pytest.raises(TokenizerError, match="not a GGUF"):
+    # GGUF problems come from ds4py.gguf (GGUFError), like every other GGUF reader in the project
+    with pytest.raises(GGUFError, match="not a GGUF"):
         (tmp_path / "x.gguf").write_bytes(b"nope" * 10)
         Tokenizer.load(tmp_path / "x.gguf")
     (tmp_path / "cut.gguf").write_bytes((golden / "ds4-tiny" / "tiny.gguf").read_bytes()[:3000])
-    with pytest.raises(TokenizerError, match="truncated"):
+    with pytest.raises(GGUFError, match="truncated"):
         Tokenizer.from_gguf(tmp_path / "cut.gguf")
     with pytest.raises(TokenizerError, match="expected a .gguf"):
         Tokenizer.load(tmp_path / "x.txt")
