@@ -57,9 +57,11 @@ def dequant_fp8(weight: np.ndarray, scale: np.ndarray, block: int | None = None)
     s = np.asarray(scale).view(np.uint8)
     b = block or fp8_block_size(w.shape, s.shape)
     out, inp = w.shape
+    x = np.take(E4M3, w)
     sf = E8M0[s]
-    sf = np.repeat(np.repeat(sf, b, axis=0)[:out], b, axis=1)[:, :inp]
-    return E4M3[w] * sf
+    for i in range(sf.shape[0]):                      # one band of b rows at a time shares a row of scales
+        x[i * b: (i + 1) * b] *= np.repeat(sf[i], b)[:inp]
+    return x
 
 
 def dequant_fp4(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
