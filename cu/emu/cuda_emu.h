@@ -226,7 +226,10 @@ inline unsigned min(int a, unsigned b) { return min((unsigned)a, b); }
 inline unsigned min(unsigned a, int b) { return min(a, (unsigned)b); }
 inline unsigned max(int a, unsigned b) { return max((unsigned)a, b); }
 inline unsigned max(unsigned a, int b) { return max(a, (unsigned)b); }
-inline float min(float a, double b) = delete;
+inline double min(float a, double b) { return fmin(a, b); }
+inline double min(double a, float b) { return fmin(a, b); }
+inline double max(float a, double b) { return fmax(a, b); }
+inline double max(double a, float b) { return fmax(a, b); }
 inline long long llmin(long long a, long long b) { return a < b ? a : b; }
 inline long long llmax(long long a, long long b) { return a > b ? a : b; }
 inline unsigned umin(unsigned a, unsigned b) { return a < b ? a : b; }

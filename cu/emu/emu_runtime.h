@@ -98,8 +98,7 @@ struct Fiber {
     unsigned cp_group;               // index of the group being filled
 };
 
-struct Fiber;
-typedef void (*Combine)(Fiber* lanes, unsigned mask);
+typedef void (*Combine)(Fiber* lanes, unsigned mask);   // computes `out` of every lane in mask from their `in`
 
 struct Group {                       // one warp collective in progress
     unsigned mask, arrived;
@@ -132,11 +131,12 @@ struct Launch {
     sigjmp_buf fault_jmp;
     void* fault_addr;
     int fault_sig;
+    struct sigaction old_segv, old_bus, old_fpe;
     uint64_t rng;
 };
 
 inline Launch L;
-inline char* stack_pool;               // kMaxThreads stacks, each below a PROT_NONE guard page
+inline char* stack_pool;               // kMaxThreads stacks, each above a PROT_NONE guard page (overflow faults)
 inline size_t page_bytes;
 
 }  // namespace __emu
@@ -438,7 +438,10 @@ inline void fiber_main() {
 
 // ---- faults ----------------------------------------------------------------------------------------------------
 inline void on_fault(int sig, siginfo_t* si, void*) {
-    if (!L.in_fiber) { signal(sig, SIG_DFL); return; }  // the emulator itself crashed: let it crash
+    if (!L.in_fiber) {                       // the emulator itself crashed: hand over to the previous handler
+        sigaction(sig, sig == SIGSEGV ? &L.old_segv : sig == SIGBUS ? &L.old_bus : &L.old_fpe, nullptr);
+        return;
+    }
     L.fault_sig = sig;
     L.fault_addr = si->si_addr;
     siglongjmp(L.fault_jmp, 1);
@@ -454,10 +457,6 @@ inline bool ensure_stacks() {
     for (int i = 0; i < kMaxThreads; i++) mprotect((char*)p + i * slot, page_bytes, PROT_NONE);
     stack_pool = (char*)p;
     return true;
-}
-
-inline const char* state_name(const Fiber& f) {
-    return f.state == AT_BARRIER ? "barrier" : f.state == AT_WARP ? "warp" : "?";
 }
 
 // Nobody can run: name who waits where, in runs of consecutive threads.
@@ -588,13 +587,13 @@ inline int launch(void (*thunk)(void*, void**), void* fn, const unsigned* grid, 
     ss.ss_sp = altstack;
     ss.ss_size = sizeof altstack;
     sigaltstack(&ss, &old_ss);
-    struct sigaction sa{}, old_segv{}, old_bus{}, old_fpe{};
+    struct sigaction sa{};
     sa.sa_sigaction = on_fault;
     sa.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER;
     sigemptyset(&sa.sa_mask);
-    sigaction(SIGSEGV, &sa, &old_segv);
-    sigaction(SIGBUS, &sa, &old_bus);
-    sigaction(SIGFPE, &sa, &old_fpe);
+    sigaction(SIGSEGV, &sa, &L.old_segv);
+    sigaction(SIGBUS, &sa, &L.old_bus);
+    sigaction(SIGFPE, &sa, &L.old_fpe);
 
     int result = OK;
     // Blocks in the chosen order; "random" walks them as lin = (a*i + c) mod N with gcd(a, N) = 1.
@@ -627,9 +626,9 @@ inline int launch(void (*thunk)(void*, void**), void* fn, const unsigned* grid, 
                  stack ? " (the emulator gives each thread 64 KiB)" : "");
         result = FAULT;
     }
-    sigaction(SIGSEGV, &old_segv, nullptr);
-    sigaction(SIGBUS, &old_bus, nullptr);
-    sigaction(SIGFPE, &old_fpe, nullptr);
+    sigaction(SIGSEGV, &L.old_segv, nullptr);
+    sigaction(SIGBUS, &L.old_bus, nullptr);
+    sigaction(SIGFPE, &L.old_fpe, nullptr);
     sigaltstack(&old_ss, nullptr);
     return result;
 }
