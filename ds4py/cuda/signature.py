@@ -64,7 +64,6 @@ _KERNEL_RE = re.compile(
     r"(?:__launch_bounds__\s*\([^)]*\)\s+)?([A-Za-z_]\w*)\s*\(([^)]*)\)"
 )
 _QUALIFIERS = {"__restrict__", "__restrict", "restrict", "__grid_constant__", "volatile"}
-_TYPE_WORDS = {"unsigned", "signed", "long", "short", "int", "char"}
 
 
 def strip_comments(src: str) -> str:
