@@ -105,6 +105,17 @@ def test_shuffle_float_double_partial_mask(mod):
     np.testing.assert_array_equal(fo[16:], 0)
 
 
+@pytest.mark.parametrize("order", ORDERS)
+def test_disjoint_half_warps(mod, order):
+    v = np.arange(64, dtype=np.int32) * 3
+    out = np.zeros_like(v)
+    mod.launch("half_warps", 1, 64, [v, out], order=order, seed=4)
+    lane = np.arange(64) % 32
+    down = np.where(lane % 16 < 15, np.roll(v, -1), v)     # width 16: the last lane of a group keeps its own
+    up = np.where(lane % 16 > 0, np.roll(v, 1), v)
+    np.testing.assert_array_equal(out, v + np.where(lane < 16, down, up))
+
+
 @pytest.mark.parametrize("block", [32, 128])
 def test_votes_and_syncthreads_count(mod, block):
     pred = (np.random.default_rng(block).random(2 * block) < 0.3).astype(np.int32)

@@ -25,7 +25,7 @@ def nvrtc():
     return compiler
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_89", "sm_90", "sm_120"])
+@pytest.mark.parametrize("arch", ["sm_80", "sm_89", "sm_90", "sm_120", "sm_121"])
 def test_selftest_and_portable_compile_with_nvrtc(nvrtc, arch, tmp_path):
     if int(arch[3:]) not in nvrtc.supported_archs():
         pytest.skip(f"this NVRTC does not know {arch}")

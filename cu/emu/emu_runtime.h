@@ -108,7 +108,7 @@ struct Group {                       // one warp collective in progress
 
 struct Warp {
     unsigned exists, exited;
-    Group groups[8];
+    Group groups[kWarp];
     int ngroups;
 };
 
@@ -231,9 +231,11 @@ inline int barrier(Site site, int mode, int pred) {
     return f->bar_result;
 }
 
-// ---- warp collectives ------------------------------------------------------------------------------------------
-// Every lane named in `mask` must reach the same collective (same intrinsic, same source line, same mask);
-// the last one to arrive computes everybody's result with `combine` and the group resumes.
+// ---- warp collectives ----------------------------------------------------------------------------------------
+// Every lane named in `mask` must reach the same collective (same intrinsic, source line and mask); the last one
+// to arrive computes everybody's result with `combine` and the group resumes. Several groups may be pending in a
+// warp at once (lanes 0-15 may wait at a __syncwarp while lanes 16-31 finish a shuffle among themselves); groups
+// that wait for each other forever are reported as warp divergence when nothing else can run.
 inline void warp_collective(Site site, unsigned mask, Combine combine) {
     Fiber* f = L.cur;
     Warp& w = L.warps[f->warp];
@@ -248,15 +250,13 @@ inline void warp_collective(Site site, unsigned mask, Combine combine) {
              site.line, mask, mask & w.exited);
     Group* g = nullptr;
     for (int i = 0; i < w.ngroups; i++)
-        if (w.groups[i].mask & mask) { g = &w.groups[i]; break; }
-    if (!g) {
-        if (w.ngroups == 8) fail("more than 8 disjoint warp collectives pending in warp %d", f->warp);
+        if (w.groups[i].mask == mask && w.groups[i].combine == combine && same_site(w.groups[i].site, site)) {
+            g = &w.groups[i];
+            break;
+        }
+    if (!g) {                        // each lane waits in at most one group, so 32 groups always suffice
         g = &w.groups[w.ngroups++];
         *g = Group{mask, 0, site, combine};
-    } else if (g->mask != mask || !same_site(site, g->site) || g->combine != combine) {
-        fail("warp divergence: lane %d reached %s at %s:%d (mask 0x%08x) while lanes 0x%08x wait at %s at %s:%d "
-             "(mask 0x%08x)", f->lane, site.what, site.file, site.line, mask, g->arrived, g->site.what,
-             g->site.file, g->site.line, g->mask);
     }
     g->arrived |= bit;
     f->site = site;
@@ -459,8 +459,23 @@ inline bool ensure_stacks() {
     return true;
 }
 
-// Nobody can run: name who waits where, in runs of consecutive threads.
+// Nobody can run. Two pending collectives of one warp whose masks overlap wait for each other: warp divergence.
+// Otherwise name who waits where, in runs of consecutive threads.
 inline void report_deadlock() {
+    L.failed = 1;
+    for (int wi = 0; wi < (L.nthreads + kWarp - 1) / kWarp; wi++) {
+        const Warp& w = L.warps[wi];
+        for (int i = 0; i < w.ngroups; i++)
+            for (int j = i + 1; j < w.ngroups; j++) {
+                const Group &a = w.groups[i], &b = w.groups[j];
+                if (!(a.mask & b.mask)) continue;
+                snprintf(L.msg, sizeof L.msg, "warp divergence in warp %d of block (%u,%u,%u): lanes 0x%08x wait at "
+                         "%s at %s:%d (mask 0x%08x) while lanes 0x%08x wait at %s at %s:%d (mask 0x%08x)", wi,
+                         L.block_idx.x, L.block_idx.y, L.block_idx.z, a.arrived, a.site.what, a.site.file,
+                         a.site.line, a.mask, b.arrived, b.site.what, b.site.file, b.site.line, b.mask);
+                return;
+            }
+    }
     int k = snprintf(L.msg, sizeof L.msg, "deadlock in block (%u,%u,%u):", L.block_idx.x, L.block_idx.y,
                      L.block_idx.z);
     for (int i = 0; i < L.nthreads && k < (int)sizeof L.msg - 160;) {
@@ -476,7 +491,6 @@ inline void report_deadlock() {
         }
         i = j;
     }
-    L.failed = 1;
 }
 
 inline uint64_t next_random() {

@@ -184,3 +184,13 @@ extern "C" __global__ void mma_tile(const __half* A, const __half* B, const floa
 }
 
 extern "C" __global__ void __launch_bounds__(64) bounded(int* out, int d) { out[threadIdx.x] = 100 / d; }
+
+// Two half-warps shuffle independently with disjoint masks at different call sites, then rejoin at __syncwarp.
+extern "C" __global__ void half_warps(const int* in, int* out) {
+    const int lane = threadIdx.x & 31;
+    int v = in[threadIdx.x];
+    if (lane < 16) v += __shfl_down_sync(0x0000ffffu, v, 1, 16);
+    else v += __shfl_up_sync(0xffff0000u, v, 1, 16);
+    __syncwarp();
+    out[threadIdx.x] = v;
+}
