@@ -25,6 +25,7 @@ from ds4py.cuda import ops, twins  # noqa: E402
 from ds4py.cuda.driver import call  # noqa: E402
 from ds4py.cuda.graph import StepGraph  # noqa: E402
 from ds4py.cuda.memory import Arena  # noqa: E402
+from ds4py.cuda.probe import device_copy_bandwidth_gbps  # noqa: E402
 from ds4py.cuda.runtime import Runtime  # noqa: E402
 
 PATTERN_BYTES = 32 << 20   # random data uploaded once and tiled over the big matrices
@@ -78,12 +79,7 @@ def main() -> int:
     res: dict = {"device": dev.name, "arch": dev.arch, "sm_count": dev.sm_count, "gemv": [], "chain": {}}
 
     # copy ceiling: 2 GiB device-to-device, counting bytes read + written
-    n = 2 << 30
-    a, b = int(call("cuMemAlloc", n)), int(call("cuMemAlloc", n))
-    ms = timed(rt, lambda: call("cuMemcpyDtoDAsync", b, a, n, rt.main), 10)
-    copy_gbs = 2 * n / ms / 1e6
-    call("cuMemFree", a)
-    call("cuMemFree", b)
+    copy_gbs = device_copy_bandwidth_gbps(rt)
     res["copy_GBps"] = copy_gbs
     print(f"copy (device to device, read + write): {copy_gbs:.0f} GB/s")
 
