@@ -61,11 +61,15 @@ def compiler() -> str | None:
 
 
 _EXTERN_SHARED = re.compile(r"\bextern(\s+(?:[^;\"{}]*?\s)?)__shared__\b([^;]*);")
+_COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
 
 
 def rewrite_source(src: str) -> tuple[str, list[str]]:
     """`extern __shared__ T name[];` -> `extern T name[];` (aliased to the block's dynamic shared memory by the
-    launcher). Line numbers are unchanged. Returns the text and the dynamic shared array names."""
+    launcher). Comments are blanked first (keeping their newlines, so line numbers are unchanged).
+    Returns the text and the dynamic shared array names. Headers are not rewritten: declare dynamic shared
+    memory in the kernel's .cu file."""
+    src = _COMMENT.sub(lambda m: "\n" * m.group(0).count("\n"), src)
     names: list[str] = []
 
     def sub(m: re.Match) -> str:
