@@ -255,6 +255,11 @@ ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.
              "F8_E8M0": np.uint8, "BOOL": np.uint8}
 
 
+def scale_name(weight: str) -> str:
+    """`x.weight` -> `x.scale` (the official name of a quantised weight's scales)."""
+    return weight[: -len(".weight")] + ".scale" if weight.endswith(".weight") else weight + ".scale"
+
+
 class Checkpoint:
     """Memory-mapped tensors of one safetensors file or a sharded set (model.safetensors.index.json)."""
 
@@ -309,6 +314,18 @@ class Checkpoint:
             self._maps[path] = np.memmap(path, dtype=np.uint8, mode="r")
         return self._maps[path][off: off + nbytes].view(ST_DTYPES[dt]).reshape(shape)
 
+    def e8m0(self, name: str) -> np.ndarray:
+        """A scale tensor as e8m0 codes: stored F8_E8M0 / U8, or F32 holding exact powers of two."""
+        dt, s = self.dtype(name), self.raw(name)
+        if dt in ("F8_E8M0", "U8"):
+            return s
+        if dt == "F32":
+            m, e = np.frexp(np.asarray(s))
+            if not ((m == 0.5) & (e >= -126) & (e <= 128)).all():
+                raise ConvertError(f"{self.src}: scale {name!r} holds values that are not powers of two (not e8m0)")
+            return (e + 126).astype(np.uint8)
+        raise ConvertError(f"{self.src}: scale {name!r} has dtype {dt}, expected F8_E8M0")
+
     def floats(self, name: str, r0: int = 0, r1: int | None = None) -> np.ndarray:
         """Rows [r0, r1) of a weight, dequantised exactly to float32 (FP8 and FP4 use their `.scale`)."""
         dt = self.dtype(name)
@@ -318,18 +335,16 @@ class Checkpoint:
             return quant.dequantize(np.ascontiguousarray(x[r0:r1]), QT.BF16, x[r0:r1].shape)
         if dt in ("F32", "F16", "F64"):
             return np.asarray(x[r0:r1] if x.ndim else x, dtype=np.float32)
-        sname = name[: -len(".weight")] + ".scale" if name.endswith(".weight") else name + ".scale"
+        sname = scale_name(name)
         if dt == "F8_E4M3":
-            s = self.raw(sname)
-            if self.dtype(sname) not in ("F8_E8M0", "U8"):
-                raise ConvertError(f"{self.src}: scale {sname!r} has dtype {self.dtype(sname)}, expected F8_E8M0")
+            s = self.e8m0(sname)
             b = official.fp8_block_size(x.shape, s.shape, prefer=(128,))
             if b != 128:
                 raise ConvertError(f"{self.src}: {name!r} uses {b}x{b} FP8 tiles; V4 Flash uses 128x128 "
                                    "(V4.1 checkpoints are not supported)")
             return official.dequant_fp8(x[r0:r1], s[r0 // b: -(-r1 // b)], b)
-        if dt == "I8":                                # routed expert: packed e2m1 pairs + e8m0 per 32
-            return official.dequant_fp4(x[r0:r1], self.raw(sname)[r0:r1])
+        if dt in ("I8", "U8") and sname in self:     # routed expert: packed e2m1 pairs + e8m0 per 32
+            return official.dequant_fp4(x[r0:r1], self.e8m0(sname)[r0:r1])
         raise ConvertError(f"{self.src}: tensor {name!r} has dtype {dt}, which is not a weight dtype")
 
 
@@ -496,7 +511,7 @@ class _Converter:
     def expect(self, name: str, shape: tuple[int, ...]) -> None:
         ck = self.ck
         dt, got = ck.dtype(name), ck.shape(name)
-        if dt == "I8" and len(shape) == 2:        # FP4 packs two values per byte
+        if dt in ("I8", "U8") and len(shape) == 2 and scale_name(name) in ck:   # FP4: two values per byte
             shape = (shape[0], shape[1] // 2)
         if dt not in ST_DTYPES:
             raise ConvertError(f"{ck.src}: tensor {name!r} has dtype {dt}, which the converter does not know")
@@ -545,7 +560,7 @@ class _Converter:
     def plan_experts(self, sp: Spec) -> OutTensor:
         qt = self.expert_qt
         dt = self.ck.dtype(sp.src[0])
-        if qt == QT.MXFP4 and dt != "I8":
+        if qt == QT.MXFP4 and dt not in ("I8", "U8"):
             raise ConvertError(f"{self.ck.src}: {sp.src[0]!r} is {dt}, not packed FP4; MXFP4 output needs the "
                                "official FP4 experts (use --experts q4_k or q2_k)")
         block = 32 if qt == QT.MXFP4 else 256
@@ -579,11 +594,10 @@ class _Converter:
         buf = np.empty((NX, rows, rb), np.uint8)
         for e, name in enumerate(sp.src):
             if qt == QT.MXFP4:
-                sname = name[: -len(".weight")] + ".scale"
-                s = self.ck.raw(sname)
-                if self.ck.dtype(sname) != "F8_E8M0" or s.shape != (rows, cols // 32):
-                    raise ConvertError(f"{self.ck.src}: {sname!r} is {self.ck.dtype(sname)} {list(s.shape)}, "
-                                       f"expected F8_E8M0 {[rows, cols // 32]}")
+                sname = scale_name(name)
+                s = self.ck.e8m0(sname)
+                if s.shape != (rows, cols // 32):
+                    raise ConvertError(f"{self.ck.src}: {sname!r} has shape {list(s.shape)}, expected {[rows, cols // 32]}")
                 if (np.asarray(s) == 0xFF).any():
                     raise ConvertError(f"{self.ck.src}: {sname!r} holds a NaN (0xFF) e8m0 scale")
                 buf[e] = quant.mxfp4_from_official(self.ck.raw(name), s)
@@ -630,7 +644,7 @@ def convert_checkpoint(src: str, out: str, experts: str = "mxfp4", dense: str = 
     conv = _Converter(ck, shape, experts, dense, progress)
     tensors = conv.plan()
     used = {n for sp in ds4_layout(shape) for n in (sp.src if isinstance(sp.src, list) else [sp.src])}
-    used |= {n[: -len(".weight")] + ".scale" for n in used if n.endswith(".weight")}
+    used |= {scale_name(n) for n in used if n.endswith(".weight")}
     skipped = [n for n in ck.entries if n not in used]
     mtp = [n for n in skipped if n.startswith("mtp.")]
     other = [n for n in skipped if not n.startswith("mtp.")]

@@ -246,3 +246,22 @@ def test_tokenizer_is_embedded(golden, tmp_path):
     assert toks[251] == "[PAD251]" and f.meta("tokenizer.ggml.token_type")[251] == 5
     assert f.meta("tokenizer.ggml.merges") == ["t 1", "t 2"] and f.meta("tokenizer.ggml.model") == "gpt2"
     assert f.meta("tokenizer.ggml.bos_token_id") == 0 and f.meta("tokenizer.ggml.eos_token_id") == 1
+
+
+def test_f32_scales_and_u8_packed_experts_are_accepted(golden, tmp_path, converted):
+    """Some exports store e8m0 scales as float32 powers of two, or packed FP4 as U8: same values, same file."""
+    ck = Checkpoint(str(golden / "v4-tiny"))
+    s = np.asarray(ck.raw("layers.2.attn.wq_b.scale"))
+    es = np.asarray(ck.raw("layers.2.ffn.experts.1.w2.scale"))
+    edit = {"layers.2.attn.wq_b.scale": ("F32", np.ldexp(np.float32(1), s.astype(np.int32) - 127)),
+            "layers.2.ffn.experts.1.w2.scale": ("F32", np.ldexp(np.float32(1), es.astype(np.int32) - 127)),
+            "layers.2.ffn.experts.1.w2.weight": ("U8", np.asarray(ck.raw("layers.2.ffn.experts.1.w2.weight")).view(np.uint8))}
+    src = copy_ckpt(golden, tmp_path / "f32s", edit=edit)
+    out = tmp_path / "f.gguf"
+    convert_checkpoint(str(src), str(out), dense="f32", progress=False)
+    a, b = GGUFFile(out), GGUFFile(converted["f32"])
+    for n in ("blk.2.attn_q_b.weight", "blk.2.ffn_down_exps.weight"):
+        assert np.array_equal(a.tensors[n].raw_bytes(), b.tensors[n].raw_bytes())
+    bad = edit["layers.2.attn.wq_b.scale"][1] * np.float32(1.5)
+    _fails(copy_ckpt(golden, tmp_path / "g", edit={"layers.2.attn.wq_b.scale": ("F32", bad)}), out,
+           "'layers.2.attn.wq_b.scale' holds values that are not powers of two")
