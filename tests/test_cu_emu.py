@@ -372,3 +372,13 @@ def test_mma_tile(mod, grid, block):
     mod.launch("mma_tile", grid, block, [A, B, C, D], order="random", seed=1)
     want = (A.astype(np.float64) @ B.astype(np.float64) + C).astype(np.float32)
     np.testing.assert_array_equal(D, want)             # the emulator sums in double and rounds once
+
+
+def test_rewrite_source_only_touches_dynamic_shared_declarations():
+    src = ("// extern __shared__ in a comment\n"
+           "/* and\n here */ __shared__ float s[32];\n"
+           "extern __shared__ __align__(16) uint8_t stage[]; // tail\n")
+    out, names = emu.rewrite_source(src)
+    assert names == ["stage"]
+    assert out.count("\n") == src.count("\n")          # line numbers kept
+    assert "__shared__ float s[32];" in out and "extern  __align__(16) uint8_t stage[];" in out
