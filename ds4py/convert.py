@@ -330,11 +330,12 @@ class Checkpoint:
         """Rows [r0, r1) of a weight, dequantised exactly to float32 (FP8 and FP4 use their `.scale`)."""
         dt = self.dtype(name)
         x = self.raw(name)
-        r1 = x.shape[0] if r1 is None or x.ndim == 0 else r1
+        x = x.reshape(1) if x.ndim == 0 else x
+        r1 = x.shape[0] if r1 is None else r1
         if dt == "BF16":
             return quant.dequantize(np.ascontiguousarray(x[r0:r1]), QT.BF16, x[r0:r1].shape)
         if dt in ("F32", "F16", "F64"):
-            return np.asarray(x[r0:r1] if x.ndim else x, dtype=np.float32)
+            return np.asarray(x[r0:r1], dtype=np.float32)
         sname = scale_name(name)
         if dt == "F8_E4M3":
             s = self.e8m0(sname)
