@@ -377,8 +377,35 @@ def test_mma_tile(mod, grid, block):
 def test_rewrite_source_only_touches_dynamic_shared_declarations():
     src = ("// extern __shared__ in a comment\n"
            "/* and\n here */ __shared__ float s[32];\n"
-           "extern __shared__ __align__(16) uint8_t stage[]; // tail\n")
-    out, names = emu.rewrite_source(src)
-    assert names == ["stage"]
+           "extern __shared__ float table[];\n"
+           "__global__ void k() {\n"
+           "    extern __shared__ __align__(16) uint8_t stage[]; // tail\n"
+           "}\n")
+    out, file_scope = emu.rewrite_source(src)
+    assert file_scope == ["table"]
     assert out.count("\n") == src.count("\n")          # line numbers kept
-    assert "__shared__ float s[32];" in out and "extern  __align__(16) uint8_t stage[];" in out
+    assert "__shared__ float s[32];" in out and "extern  float table[];" in out
+    assert "__align__(16) uint8_t (&stage)[] = *reinterpret_cast<" in out
+
+
+def test_dynamic_shared_memory_overrun(mod):
+    x = np.arange(64, dtype=np.int32)
+    with pytest.raises(emu.EmuKernelError, match=r"0 bytes past the end of dynamic shared memory \(128 bytes\)"):
+        mod.launch("reverse_dynamic", 1, 32, [x, np.zeros_like(x), 64], shared_mem=128)
+    with pytest.raises(emu.EmuKernelError, match=r"past the end of dynamic shared memory \(0 bytes\)"):
+        mod.launch("reverse_dynamic", 1, 32, [x, np.zeros_like(x), 64])
+
+
+def test_file_scope_dynamic_shared_memory(tmp_path, monkeypatch):
+    monkeypatch.setenv("DS4PY_CACHE_DIR", str(tmp_path))
+    src = tmp_path / "fs.cu"
+    src.write_text("extern __shared__ int fs[];\n"
+                   'extern "C" __global__ void rev(const int* x, int* y) {\n'
+                   "    fs[threadIdx.x] = x[threadIdx.x];\n"
+                   "    __syncthreads();\n"
+                   "    y[threadIdx.x] = fs[blockDim.x - 1 - threadIdx.x];\n"
+                   "}\n")
+    x = np.arange(40, dtype=np.int32)
+    y = np.zeros_like(x)
+    emu.EmuModule(src).launch("rev", 1, 40, [x, y], shared_mem=160)
+    np.testing.assert_array_equal(y, x[::-1])

@@ -33,7 +33,7 @@
 #define __constant__
 #define __managed__
 // Static shared memory: one instance per kernel (blocks run one at a time), kept in its own section so each
-// block can start with it poisoned. `extern __shared__` (dynamic) is rewritten by emu.py to alias one buffer.
+// block can start with it poisoned. `extern __shared__` (dynamic) is rewritten by emu.py (see rewrite_source).
 #define __shared__ static __attribute__((section("emu_shared")))
 
 // ---- vector types ----------------------------------------------------------------------------------------------
@@ -238,38 +238,18 @@ inline unsigned umax(unsigned a, unsigned b) { return a > b ? a : b; }
 // ---- the C interface used by ds4py/cuda/emu.py ---------------------------------------------------------------
 #define EMU_API extern "C" __attribute__((visibility("default")))
 
-// A buffer whose last byte ends right below a PROT_NONE page (and with one more guard page in front), so the
-// first access past either end faults. Returns the start; `bytes` is rounded up to 16 for the alignment the
-// kernels' vector loads expect (the arena aligns to 256).
+// Guarded buffers for kernel arguments (see guarded_map): the first access past either end faults.
 EMU_API void* emu_alloc(size_t bytes) {
     __emu::ensure_stacks();
-    const size_t pg = __emu::page_bytes, padded = (bytes + 15) & ~(size_t)15;
-    const size_t body = (padded + pg - 1) / pg * pg;
-    char* base = (char*)mmap(nullptr, body + 2 * pg, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (base == (char*)MAP_FAILED) return nullptr;
-    mprotect(base, pg, PROT_NONE);
-    mprotect(base + pg + body, pg, PROT_NONE);
-    return base + pg + body - padded;
-}
-
-static inline char* emu_alloc_base(void* p, size_t bytes, size_t* total) {
-    const size_t pg = __emu::page_bytes, padded = (bytes + 15) & ~(size_t)15;
-    const size_t body = (padded + pg - 1) / pg * pg;
-    *total = body + 2 * pg;
-    return (char*)p + padded - body - pg;
+    return __emu::guarded_map(bytes);
 }
 
 EMU_API int emu_protect(void* p, size_t bytes, int readonly) {
-    size_t total;
-    char* base = emu_alloc_base(p, bytes, &total);
-    return mprotect(base + __emu::page_bytes, total - 2 * __emu::page_bytes, readonly ? PROT_READ : PROT_READ | PROT_WRITE);
+    return mprotect(__emu::guarded_base(p, bytes) + __emu::page_bytes, __emu::guarded_body(bytes),
+                    readonly ? PROT_READ : PROT_READ | PROT_WRITE);
 }
 
-EMU_API void emu_free(void* p, size_t bytes) {
-    size_t total;
-    char* base = emu_alloc_base(p, bytes, &total);
-    munmap(base, total);
-}
+EMU_API void emu_free(void* p, size_t bytes) { __emu::guarded_unmap(p, bytes); }
 
 EMU_API const char* emu_message() { return __emu::L.msg; }
 EMU_API void* emu_fault_address() { return __emu::L.fault_addr; }

@@ -136,6 +136,7 @@ struct Launch {
 };
 
 inline Launch L;
+inline unsigned char* dyn_smem_ptr;   // the block's dynamic shared memory, as seen by `extern __shared__` arrays
 inline char* stack_pool;               // kMaxThreads stacks, each above a PROT_NONE guard page (overflow faults)
 inline size_t page_bytes;
 
@@ -447,6 +448,23 @@ inline void on_fault(int sig, siginfo_t* si, void*) {
     siglongjmp(L.fault_jmp, 1);
 }
 
+// `bytes` (rounded up to 16) ending right below a PROT_NONE page, with another guard page in front: the first
+// access past the end faults. The start is 16-byte aligned (what vector loads need).
+inline size_t guarded_padded(size_t bytes) { return (bytes + 15) & ~(size_t)15; }
+inline size_t guarded_body(size_t bytes) { return (guarded_padded(bytes) + page_bytes - 1) / page_bytes * page_bytes; }
+inline void* guarded_map(size_t bytes) {
+    const size_t body = guarded_body(bytes);
+    char* base = (char*)mmap(nullptr, body + 2 * page_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (base == (char*)MAP_FAILED) return nullptr;
+    mprotect(base, page_bytes, PROT_NONE);
+    mprotect(base + page_bytes + body, page_bytes, PROT_NONE);
+    return base + page_bytes + body - guarded_padded(bytes);
+}
+inline char* guarded_base(void* p, size_t bytes) {
+    return (char*)p + guarded_padded(bytes) - guarded_body(bytes) - page_bytes;
+}
+inline void guarded_unmap(void* p, size_t bytes) { munmap(guarded_base(p, bytes), guarded_body(bytes) + 2 * page_bytes); }
+
 inline bool ensure_stacks() {
     if (stack_pool) return true;
     page_bytes = (size_t)sysconf(_SC_PAGESIZE);
@@ -533,7 +551,7 @@ inline bool run_block(uint3 b, int order) {
     L.live = n;
     L.bar_count = L.bar_pred = 0;
     // Shared memory starts as garbage on the GPU; all-ones bytes (NaN, -1) make reads before writes visible.
-    memset(__emu_dyn_smem, 0xff, L.dyn_smem);
+    memset(dyn_smem_ptr, 0xff, L.dyn_smem);
     if (__start_emu_shared && __stop_emu_shared) memset(__start_emu_shared, 0xff, __stop_emu_shared - __start_emu_shared);
     static int idx[kMaxThreads];
     while (L.live > 0) {
@@ -555,8 +573,10 @@ inline bool run_block(uint3 b, int order) {
     return true;
 }
 
+// static_dyn: the module declares `extern __shared__` at file scope, aliased to the fixed __emu_dyn_smem buffer;
+// otherwise each launch maps exactly dyn_smem bytes ending at a guard page.
 inline int launch(void (*thunk)(void*, void**), void* fn, const unsigned* grid, const unsigned* block,
-                  size_t dyn_smem, void** args, int order, uint64_t seed) {
+                  size_t dyn_smem, void** args, int order, uint64_t seed, bool static_dyn) {
     L.msg[0] = 0;
     L.failed = 0;
     L.fault_addr = nullptr;
@@ -581,6 +601,8 @@ inline int launch(void (*thunk)(void*, void**), void* fn, const unsigned* grid, 
         return BAD_LAUNCH;
     }
     if (!ensure_stacks()) { snprintf(L.msg, sizeof L.msg, "cannot map fiber stacks"); return BAD_LAUNCH; }
+    dyn_smem_ptr = static_dyn ? __emu_dyn_smem : (unsigned char*)guarded_map(dyn_smem);
+    if (!dyn_smem_ptr) { snprintf(L.msg, sizeof L.msg, "cannot map dynamic shared memory"); return BAD_LAUNCH; }
     static Fiber fibers[kMaxThreads];
     L.fibers = fibers;
     L.nthreads = (int)nthreads;
@@ -636,14 +658,21 @@ inline int launch(void (*thunk)(void*, void**), void* fn, const unsigned* grid, 
         const uintptr_t a = (uintptr_t)L.fault_addr, lo = (uintptr_t)stack_pool;
         const bool stack = L.fault_sig == SIGSEGV && a >= lo && a < lo + (kStackBytes + page_bytes) * kMaxThreads &&
                            (a - lo) % (kStackBytes + page_bytes) < page_bytes;
+        const uintptr_t dyn_end = (uintptr_t)dyn_smem_ptr + guarded_padded(dyn_smem);
+        const bool dyn = !static_dyn && a >= dyn_end && a < dyn_end + page_bytes;
+        char where[96] = "";
+        if (stack) snprintf(where, sizeof where, " (the emulator gives each thread 64 KiB)");
+        if (dyn) snprintf(where, sizeof where, ": %zu bytes past the end of dynamic shared memory (%zu bytes)",
+                          (size_t)(a - (uintptr_t)dyn_smem_ptr) - dyn_smem, dyn_smem);
         snprintf(L.msg, sizeof L.msg, "%s: %s at address %p%s", who, stack ? "stack overflow" : kind, L.fault_addr,
-                 stack ? " (the emulator gives each thread 64 KiB)" : "");
+                 where);
         result = FAULT;
     }
     sigaction(SIGSEGV, &L.old_segv, nullptr);
     sigaction(SIGBUS, &L.old_bus, nullptr);
     sigaction(SIGFPE, &L.old_fpe, nullptr);
     sigaltstack(&old_ss, nullptr);
+    if (!static_dyn) guarded_unmap(dyn_smem_ptr, dyn_smem);
     return result;
 }
 
@@ -653,8 +682,9 @@ template <class... A, size_t... I> inline void call_kernel(void* fn, void** args
 }
 template <class... A> inline void thunk(void* fn, void** args) { call_kernel<A...>(fn, args, std::index_sequence_for<A...>{}); }
 template <class... A> inline int launch_kernel(void (*k)(A...), const unsigned* grid, const unsigned* block,
-                                               size_t dyn_smem, void** args, int order, uint64_t seed) {
-    return launch(&thunk<A...>, reinterpret_cast<void*>(k), grid, block, dyn_smem, args, order, seed);
+                                               size_t dyn_smem, void** args, int order, uint64_t seed,
+                                               bool static_dyn) {
+    return launch(&thunk<A...>, reinterpret_cast<void*>(k), grid, block, dyn_smem, args, order, seed, static_dyn);
 }
 
 }  // namespace __emu

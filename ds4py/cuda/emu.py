@@ -33,7 +33,7 @@ CU_DIR = Path(__file__).resolve().parents[2] / "cu"
 EMU_DIR = CU_DIR / "emu"
 FLAGS = ("-std=c++17", "-O1", "-g0", "-fPIC", "-shared", "-fvisibility=hidden", "-fno-strict-aliasing",
          "-ffp-contract=off", "-Wl,-Bsymbolic", "-DDS4_EMU=1")
-GENERATOR_VERSION = "ds4py-emu-v1"
+GENERATOR_VERSION = "ds4py-emu-v2"
 ORDERS = {"forward": 0, "reverse": 1, "random": 2}
 
 _launch_lock = threading.Lock()      # the emulator's state is global per library, signal handlers per process
@@ -65,35 +65,47 @@ _COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
 
 
 def rewrite_source(src: str) -> tuple[str, list[str]]:
-    """`extern __shared__ T name[];` -> `extern T name[];` (aliased to the block's dynamic shared memory by the
-    launcher). Comments are blanked first (keeping their newlines, so line numbers are unchanged).
-    Returns the text and the dynamic shared array names. Headers are not rewritten: declare dynamic shared
-    memory in the kernel's .cu file."""
+    """Dynamic shared memory for the emulator. Inside a function, `extern __shared__ T name[];` becomes a reference
+    `T (&name)[]` to the launch's guarded dynamic shared memory (so overruns fault); at file scope it becomes
+    `extern T name[];`, aliased by the launcher to one fixed buffer (no guard). Comments are blanked first,
+    keeping their newlines: line numbers are unchanged. Returns the text and the file-scope array names.
+    Headers are not rewritten: declare dynamic shared memory in the kernel's .cu file."""
     src = _COMMENT.sub(lambda m: "\n" * m.group(0).count("\n"), src)
-    names: list[str] = []
+    file_scope: list[str] = []
+    count = 0
 
     def sub(m: re.Match) -> str:
+        nonlocal count
         decl = m.group(2)
         nm = re.search(r"([A-Za-z_]\w*)\s*\[\s*\]\s*$", decl)
         if not nm:
             raise EmuCompileError(f"cannot read the dynamic shared memory declaration {m.group(0)!r}")
-        if nm.group(1) not in names:
-            names.append(nm.group(1))
-        return f"extern{m.group(1)}{decl};"
+        name, prefix = nm.group(1), " ".join((m.group(1) + decl[: nm.start()]).split())
+        before = src[: m.start()]
+        if before.count("{") - before.count("}") == 0:
+            file_scope.append(name)
+            return f"extern{m.group(1)}{decl};"
+        count += 1
+        dummy = f"__emu_dyn_{count}"
+        return (f"extern {prefix} {dummy}[]; {prefix} (&{name})[] = "
+                f"*reinterpret_cast<decltype(&{dummy})>(::__emu::dyn_smem_ptr);")
 
-    return _EXTERN_SHARED.sub(sub, src), names
+    out = _EXTERN_SHARED.sub(sub, src)
+    return out, file_scope
 
 
 def generate(source: Path, src: str, kernels: dict[str, list[Param]]) -> str:
     """The translation unit g++ compiles: the kernel source (dynamic shared memory rewritten) + one launcher per
     kernel, `emu_launch_<name>(grid[3], block[3], dyn_smem, void** args, order, seed)`."""
-    body, dyn_names = rewrite_source(src)
+    body, file_scope = rewrite_source(src)
     out = [f'#line 1 "{source}"', body, '#line 1 "<ds4py emu launcher>"']
-    for n in dyn_names:
+    for n in dict.fromkeys(file_scope):
         out.append(f'asm(".globl {n}\\n.hidden {n}\\n.set {n}, __emu_dyn_smem");')
+    static = "true" if file_scope else "false"
     for k in kernels:
         out.append(f"EMU_API int emu_launch_{k}(const unsigned* g, const unsigned* b, size_t smem, void** args, "
-                   f"int order, uint64_t seed) {{ return ::__emu::launch_kernel({k}, g, b, smem, args, order, seed); }}")
+                   f"int order, uint64_t seed) {{ return ::__emu::launch_kernel({k}, g, b, smem, args, order, seed, "
+                   f"{static}); }}")
     return "\n".join(out) + "\n"
 
 
