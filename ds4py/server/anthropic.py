@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 from .protocol import (
+    Started,
     ApiError, Done, GenRequest, Reasoning, Result, Text, ToolCallOut, apply_sampling, attach_to_system, bad,
     check_tool_schema, get_bool, get_int, reject_if, resolve_model, resolve_thinking, sse, text_of,
 )
@@ -162,15 +163,15 @@ def tool_input(arguments: str) -> dict:
 
 
 class MessagesEncoder:
-    def __init__(self, req: GenRequest, rid: str, created: int, meta: dict):
-        self.req, self.meta = req, meta
+    def __init__(self, req: GenRequest, rid: str, created: int):
+        self.req = req
         self.id = "msg_" + rid
         self.index = -1          # index of the open content block
         self.open = None         # its type: "thinking" | "text" | None
         self.n_calls = 0
 
-    def start(self) -> bytes:
-        est = Done("stop", self.meta.get("prompt_tokens", 0), self.meta.get("cached_tokens", 0), 0)
+    def start(self, started: Started) -> bytes:
+        est = Done("stop", started.prompt_tokens, started.cached_tokens, 0)
         msg = {"id": self.id, "type": "message", "role": "assistant", "model": self.req.model, "content": [],
                "stop_reason": None, "stop_sequence": None, "usage": usage(est)}
         return sse({"type": "message_start", "message": msg}, "message_start")

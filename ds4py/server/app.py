@@ -25,7 +25,7 @@ from aiohttp import web
 
 from . import anthropic, openai, responses
 from .metrics import Metrics
-from .protocol import MODEL_IDS, NONTHINKING_ALIASES, THINKING_ALIASES, ApiError, Done, Result
+from .protocol import MODEL_IDS, NONTHINKING_ALIASES, THINKING_ALIASES, ApiError, Done, Result, Started
 from .worker import Engine, Job, Worker
 
 log = logging.getLogger("ds4py.server")
@@ -225,37 +225,37 @@ async def metrics(request: web.Request) -> web.Response:
                         headers={"X-Content-Type-Options": "nosniff"})
 
 
-async def _prepare(request: web.Request, parse) -> tuple[ServerState, object, list[int], int]:
+async def _prepare(request: web.Request, parse) -> tuple[ServerState, object, list[int]]:
     from ds4py.errors import Ds4Error
 
     st = request.app[STATE]
     body = await read_json(request)
     req = parse(body, st.served_ids)
     engine = st.ready_engine()
-    loop = asyncio.get_running_loop()
 
     def render():
         ids = engine.prompt_ids(req)
         engine.check_fits(ids)
-        return ids, engine.cached_tokens(ids)
+        return ids
     try:
-        ids, cached = await loop.run_in_executor(st.pool, render)
+        ids = await asyncio.get_running_loop().run_in_executor(st.pool, render)
     except Ds4Error as e:          # ChatFormatError, TokenizerError: the request's content is the problem
         raise ApiError(400, str(e)) from None
-    return st, req, ids, cached
+    return st, req, ids
 
 
 def generation_handler(parse, encoder_cls, id_prefix: str):
     async def handle(request: web.Request) -> web.StreamResponse:
-        st, req, ids, cached = await _prepare(request, parse)
-        loop = asyncio.get_running_loop()
-        job = Job(req, ids, loop, id_prefix)
+        st, req, ids = await _prepare(request, parse)
+        job = Job(req, ids, asyncio.get_running_loop(), id_prefix)
         st.worker.submit(job)
-        enc = encoder_cls(req, secrets.token_hex(12), int(time.time()),
-                          {"prompt_tokens": len(ids), "cached_tokens": cached})
+        enc = encoder_cls(req, secrets.token_hex(12), int(time.time()))
         try:
+            started = await job.events.get()
+            if isinstance(started, Done):          # failed or cancelled before the first token
+                raise ApiError(500, started.error or "generation did not start", kind="api_error")
             if req.stream:
-                return await _stream(request, job, enc)
+                return await _stream(request, job, enc, started)
             result = Result()
             while result.done is None:
                 result.add(await job.events.get())
@@ -267,7 +267,8 @@ def generation_handler(parse, encoder_cls, id_prefix: str):
     return handle
 
 
-async def _stream(request: web.Request, job: Job, enc) -> web.StreamResponse:
+async def _stream(request: web.Request, job: Job, enc, started: Started) -> web.StreamResponse:
+    """SSE: headers go out when the engine picks the job up (a queued request can still get a clean error)."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        "X-Accel-Buffering": "no"})
     st = request.app[STATE]
@@ -277,7 +278,7 @@ async def _stream(request: web.Request, job: Job, enc) -> web.StreamResponse:
         resp.headers["Vary"] = "Origin"
     await resp.prepare(request)
     try:
-        first = enc.start()
+        first = enc.start(started)
         if first:
             await resp.write(first)
         done = False
@@ -298,7 +299,7 @@ async def _stream(request: web.Request, job: Job, enc) -> web.StreamResponse:
 
 
 async def count_tokens(request: web.Request) -> web.Response:
-    _, _, ids, _ = await _prepare(request, anthropic.parse_count_tokens)
+    _, _, ids = await _prepare(request, anthropic.parse_count_tokens)
     return web.json_response({"input_tokens": len(ids)})
 
 

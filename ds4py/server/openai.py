@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 from .protocol import (
+    Started,
     ApiError, Done, GenRequest, Reasoning, Result, Text, ToolCallOut, apply_sampling, attach_to_system, bad,
     check_tool_schema, get_bool, reject_if, resolve_model, resolve_thinking, sse, text_of,
 )
@@ -178,7 +179,7 @@ def finish_reason(d: Done, has_tools: bool) -> str:
 class ChatEncoder:
     content_type = "application/json"
 
-    def __init__(self, req: GenRequest, rid: str, created: int, meta: dict):
+    def __init__(self, req: GenRequest, rid: str, created: int):
         self.req, self.created = req, created
         self.id = "chatcmpl-" + rid
         self.n_calls = 0
@@ -187,7 +188,7 @@ class ChatEncoder:
         return sse({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
                     "model": self.req.model, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
 
-    def start(self) -> bytes:
+    def start(self, started: Started) -> bytes:
         return self._chunk({"role": "assistant"})
 
     def event(self, ev) -> bytes:
@@ -226,7 +227,7 @@ class ChatEncoder:
 
 
 class CompletionEncoder:
-    def __init__(self, req: GenRequest, rid: str, created: int, meta: dict):
+    def __init__(self, req: GenRequest, rid: str, created: int):
         self.req, self.created = req, created
         self.id = "cmpl-" + rid
 
@@ -234,7 +235,7 @@ class CompletionEncoder:
         return sse({"id": self.id, "object": "text_completion", "created": self.created, "model": self.req.model,
                     "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}]})
 
-    def start(self) -> bytes:
+    def start(self, started: Started) -> bytes:
         return b""
 
     def event(self, ev) -> bytes:

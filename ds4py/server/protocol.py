@@ -69,6 +69,13 @@ class GenRequest:
 # ---- engine output events -------------------------------------------------------------------------------
 
 @dataclass
+class Started:
+    """The worker picked the job up: prompt size and how much of it the live KV state already holds."""
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclass
 class Reasoning:
     text: str
 

@@ -14,6 +14,7 @@ import time
 
 from .openai import error_body  # noqa: F401  (same error JSON as the other OpenAI endpoints)
 from .protocol import (
+    Started,
     Done, GenRequest, Reasoning, Result, Text, ToolCallOut, apply_sampling, attach_to_system, bad,
     check_tool_schema, get_bool, reject_if, resolve_model, resolve_thinking, sse, text_of,
 )
@@ -166,7 +167,7 @@ def usage(d: Done) -> dict:
 
 
 class ResponsesEncoder:
-    def __init__(self, req: GenRequest, rid: str, created: int, meta: dict):
+    def __init__(self, req: GenRequest, rid: str, created: int):
         self.req, self.created = req, created
         self.id = "resp_" + rid
         self.seq = 0
@@ -197,7 +198,7 @@ class ResponsesEncoder:
         return sse(data, kind)
 
     # --- streaming
-    def start(self) -> bytes:
+    def start(self, started: Started) -> bytes:
         return (self._ev("response.created", response=self._response("in_progress")) +
                 self._ev("response.in_progress", response=self._response("in_progress")))
 

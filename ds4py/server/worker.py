@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .metrics import Metrics
-from .protocol import ApiError, Done, GenRequest, Reasoning, Text, ToolCallOut
+from .protocol import ApiError, Done, GenRequest, Reasoning, Started, Text, ToolCallOut
 from .toolmemory import StoredCall, ToolMemory
 
 log = logging.getLogger("ds4py.server")
@@ -78,9 +78,6 @@ class Engine:
         if vocab is not None and any(not 0 <= t < vocab for t in ids):
             raise ApiError(400, f"token ids must be in 0..{vocab - 1}", param="prompt")
 
-    def cached_tokens(self, ids: list[int]) -> int:
-        return int(self.session.prompt_cache_tokens(ids))
-
     # ---- generation (worker thread) ---------------------------------------------------------------------
 
     def run(self, job: Job) -> None:
@@ -95,6 +92,8 @@ class Engine:
         think_text = ""
         t_last = None
         done = None
+        # the session is not thread-safe: even this look-up happens here, on the engine thread
+        job.emit(Started(len(job.ids), int(self.session.prompt_cache_tokens(job.ids))))
         gen = self.session.generate(job.ids, params, cancelled=job.cancel.is_set)
         try:
             for ev in gen:
