@@ -105,3 +105,64 @@ def test_bad_bandwidth_is_a_clear_error(golden, tmp_path):
                         "--ctx-start", "8", "--ctx-max", "8", "--gen-tokens", "1", "--bandwidth", "fast"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "--bandwidth" in r.stderr and "Traceback" not in r.stderr
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_mode_against_the_real_server(golden, tmp_path):
+    """`bench serve` drives a real `ds4py serve` (tiny model, numpy backend) and reports sane numbers."""
+    import time
+    import urllib.request
+
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "ds4py", "serve", "-m", str(golden / "ds4-tiny" / "tiny.gguf"), "--port", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200:
+                    break
+            except OSError:
+                pass
+            assert server.poll() is None, server.stderr.read()
+            assert time.time() < deadline, "server did not become ready"
+            time.sleep(0.3)
+        prompt = tmp_path / "p.txt"
+        prompt.write_text("alpha beta gamma delta epsilon zeta eta theta " * 50)
+        r = subprocess.run(
+            [sys.executable, "-m", "ds4py", "bench", "serve", "--url", f"http://127.0.0.1:{port}",
+             "--concurrency", "2", "--requests", "3", "--input-len", "16", "--output-len", "4",
+             "--request-rate", "50", "--prompt-file", str(prompt), "--json"],
+            capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr + r.stdout
+        s = json.loads(r.stdout)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    assert s["successful_requests"] == 3 and s["failed_requests"] == 0
+    assert 0 < s["total_output_tokens"] <= 12 and s["total_input_tokens"] > 3 * 8
+    for k in ("duration_s", "request_throughput", "output_throughput", "total_token_throughput"):
+        assert math.isfinite(s[k]) and s[k] > 0, k
+    for k in ("ttft_ms", "e2e_ms"):
+        st = s[k]
+        assert 0 < st["p50"] <= st["p90"] <= st["p99"] and math.isfinite(st["mean"]), (k, st)
+    assert s["e2e_ms"]["mean"] >= s["ttft_ms"]["mean"]
+
+
+def test_serve_mode_counts_failures(tmp_path):
+    """A server that is not there: every request fails, exit status 1, errors named."""
+    port = _free_port()
+    r = subprocess.run(
+        [sys.executable, "-m", "ds4py", "bench", "serve", "--url", f"http://127.0.0.1:{port}",
+         "--served-model", "x", "--requests", "2", "--json"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr
+    s = json.loads(r.stdout)
+    assert s["successful_requests"] == 0 and s["failed_requests"] == 2 and s["errors"]
