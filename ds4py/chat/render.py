@@ -180,7 +180,12 @@ def _tool_result_text(content: Any, where: str) -> str:
     for block in content:
         if not isinstance(block, dict):
             raise ChatFormatError(f"{where}: tool result parts must be objects")
-        parts.append(_fmt(block.get("text", "")) if block.get("type") == "text" else f"[Unsupported {block.get('type')}]")
+        if block.get("type") != "text":
+            parts.append(f"[Unsupported {block.get('type')}]")  # the official placeholder for images etc.
+        elif not isinstance(block.get("text", ""), str):
+            raise ChatFormatError(f"{where}: a tool result text part needs a string 'text'")
+        else:
+            parts.append(block.get("text", ""))
     return "\n\n".join(parts)
 
 
