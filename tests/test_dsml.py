@@ -144,6 +144,16 @@ def test_holds_back_only_a_possible_marker_prefix():
     assert summary(q.feed("x <thank"))[1] == "x <thank"  # not a prefix of any marker: nothing held
 
 
+def test_end_of_text_leniencies_of_the_official_parser():
+    """Its `while index < len(text)` loop accepts text that stops at a block boundary (read from its source)."""
+    inv = '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="x" string="true">1</｜DSML｜parameter>\n'
+    assert summary(parse(["Hi\n\n<｜DSML｜tool_calls"], False)) == ("", "Hi", [], [])
+    (call,) = summary(parse([inv + "</｜DSML｜invoke"], False))[2]
+    assert call[:2] == ("f", '{"x": "1"}') and call[2].endswith("</｜DSML｜invoke>")
+    assert summary(parse([inv], False))[2][0][:2] == ("f", '{"x": "1"}')  # cut after a parameter's ">\n"
+    assert summary(parse([inv + "</｜DSML｜invoke>"], False))[3]  # but not after the invoke's ">"
+
+
 def test_finish_with_eos_equals_feeding_it():
     text = "Hmm.</think>Done."
     p = DSMLParser(thinking=True)

@@ -164,8 +164,9 @@ class _Block:
     """The official `parse_tool_calls` as a resumable state machine over the growing block text.
 
     `text` starts right after `\\n\\n<｜DSML｜tool_calls`. `run(final)` advances as far as the text allows;
-    `final` means no more text will come, which enables the official parser's end-of-text leniencies
-    (an invoke cut right after `name="f">\\n`, or right after a parameter's `>\\n`, is still a call).
+    `final` means no more text will come, which enables the official parser's end-of-text leniencies: text
+    that ends right after `name="f">\\n`, after a parameter's `>\\n`, or after `</｜DSML｜invoke` still
+    closes the call, and text that ends right after `\\n\\n<｜DSML｜tool_calls` is a turn with no calls.
     """
 
     def __init__(self) -> None:
@@ -226,6 +227,11 @@ class _Block:
     def run(self, final: bool) -> None:
         while self.end is None:
             if self.phase == "gap":
+                if final and self.pos == len(self.text):
+                    # Official leniency: text that ends right after `\n\n<｜DSML｜tool_calls` or after an
+                    # invoke's `</｜DSML｜invoke` is complete (the calls so far, possibly none).
+                    self.end = self.pos
+                    return
                 nxt = self._expect([(">\n" + INVOKE_OPEN, "name"), (">\n" + CALLS_CLOSE, "end")], final)
                 if nxt is None:
                     return
@@ -236,9 +242,9 @@ class _Block:
                 self._goto("name")
             elif self.phase == "name":
                 hit = self._find([PARAM_OPEN, _INVOKE_END])
-                head = self.text[self.pos : hit[0] if hit else len(self.text)]
                 if hit is None and not final:
                     return
+                head = self.text[self.pos : hit[0] if hit else len(self.text)]
                 m = _NAME_RE.match(head)
                 if m is None:
                     raise _Malformed(f"bad invoke tag {head[:60]!r}")
