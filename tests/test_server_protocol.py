@@ -92,6 +92,11 @@ class ScriptedSession:
                 break
             time.sleep(self.delay)
             n += 1
+            if piece in params.stop:
+                self.finished.append("stop")
+                yield TokenEvent(5, "")
+                yield DoneEvent("stop", len(ids), cached, n, stop_string=piece)
+                return
             if piece == EOS:
                 self.finished.append("stop")
                 yield TokenEvent(self.tokenizer.eos_id, "")
@@ -479,7 +484,20 @@ def test_health_is_503_while_loading(tok):
         assert get(srv.base_url + "/health", timeout=10).status_code == 200
 
 
-def test_stop_sequences_and_thinking_controls(tok):
+def test_stop_sequences(tok):
+    with scripted(tok, ["hello ", "STOP", "more", EOS]) as srv:
+        m = ant(srv).messages.create(model="deepseek-v4-flash", max_tokens=50, stop_sequences=["STOP"],
+                                     thinking={"type": "disabled"}, messages=[{"role": "user", "content": "x"}])
+        assert (m.content[0].text, m.stop_reason, m.stop_sequence) == ("hello ", "stop_sequence", "STOP")
+        r = oai(srv).chat.completions.create(model="deepseek-chat", messages=[{"role": "user", "content": "x"}],
+                                             stop=["STOP"])
+        assert (r.choices[0].message.content, r.choices[0].finish_reason) == ("hello ", "stop")
+        with pytest.raises(openai.BadRequestError, match="stop"):
+            oai(srv).chat.completions.create(model="deepseek-chat", messages=[{"role": "user", "content": "x"}],
+                                             stop=[""])
+
+
+def test_thinking_controls(tok):
     with scripted(tok, ["hello", EOS]) as srv:
         c = oai(srv)
         base = dict(model="deepseek-v4-flash", messages=[{"role": "user", "content": "x"}])
@@ -494,3 +512,29 @@ def test_stop_sequences_and_thinking_controls(tok):
         assert "Reasoning Effort" in tok.decode(srv.session.prompts[-1])
         with pytest.raises(openai.BadRequestError, match="reasoning_effort"):
             c.chat.completions.create(**base, reasoning_effort="extreme")
+
+
+def test_codex_shaped_responses_round_trip(tok):
+    """The fields Codex sends (store=false, include encrypted reasoning, developer messages, ...), and a reasoning
+    item handed back with only its encrypted_content still re-renders the sampled turn byte for byte."""
+    with scripted(tok, THINK_TOOL_SCRIPT) as srv:
+        body = {"model": "deepseek-v4-flash", "instructions": "You are Codex.", "stream": True, "store": False,
+                "include": ["reasoning.encrypted_content"], "parallel_tool_calls": False, "tool_choice": "auto",
+                "prompt_cache_key": "abc", "reasoning": {"effort": "medium", "summary": "auto"},
+                "tools": TOOLS_RESPONSES,
+                "input": [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "env"}]},
+                          {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}]}
+        events = [e for e in oai(srv).responses.create(**{k: v for k, v in body.items() if k != "stream"},
+                                                      stream=True)]
+        done = events[-1].response
+        assert events[-1].type == "response.completed"
+        reasoning, message, fc = done.output
+        assert reasoning.encrypted_content == "The user wants weather."
+        history = body["input"] + [
+            {"type": "reasoning", "id": reasoning.id, "summary": [], "encrypted_content": reasoning.encrypted_content},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": message.content[0].text}]},
+            {"type": "function_call", "call_id": fc.call_id, "name": fc.name, "arguments": fc.arguments},
+            {"type": "function_call_output", "call_id": fc.call_id, "output": "sunny"}]
+        oai(srv).responses.create(**{**{k: v for k, v in body.items() if k != "stream"}, "input": history})
+        first, second = (tok.decode(p) for p in srv.session.prompts)
+        assert second.startswith(first + SAMPLED + EOS)

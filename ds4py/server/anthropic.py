@@ -9,7 +9,7 @@ import json
 from .protocol import (
     Started,
     ApiError, Done, GenRequest, Reasoning, Result, Text, ToolCallOut, apply_sampling, attach_to_system, bad,
-    check_tool_schema, get_bool, get_int, reject_if, resolve_model, resolve_thinking, sse, text_of,
+    check_tool_schema, get_bool, get_int, note_unknown, reject_if, resolve_model, resolve_thinking, sse, text_of,
 )
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -113,7 +113,13 @@ def _tools(body: dict) -> list[dict]:
     raise bad("'tool_choice.type' must be 'auto' or 'none': forcing a tool call is not supported", "tool_choice")
 
 
+FIELDS = frozenset({"model", "max_tokens", "messages", "system", "tools", "tool_choice", "stop_sequences", "temperature",
+                    "top_p", "top_k", "min_p", "seed", "stream", "thinking", "metadata", "service_tier", "mcp_servers",
+                    "container"})
+
+
 def _common(body: dict, served: tuple[str, ...], api: str) -> GenRequest:
+    note_unknown(body, FIELDS, "/v1/messages")
     reject_if(body, "mcp_servers", (None, []), "is not supported")
     reject_if(body, "container", (None,), "is not supported")
     model, alias = resolve_model(body, served)

@@ -13,12 +13,22 @@ import json
 from .protocol import (
     Started,
     ApiError, Done, GenRequest, Reasoning, Result, Text, ToolCallOut, apply_sampling, attach_to_system, bad,
-    check_tool_schema, get_bool, reject_if, resolve_model, resolve_thinking, sse, text_of,
+    check_tool_schema, get_bool, note_unknown, reject_if, resolve_model, resolve_thinking, sse, text_of,
 )
 
 
 def error_body(err: ApiError) -> dict:
     return {"error": {"message": err.message, "type": err.kind, "param": err.param, "code": err.code}}
+
+
+SAMPLING = {"model", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream", "stream_options", "n",
+            "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs", "user", "metadata",
+            "best_of", "echo", "suffix", "store", "service_tier", "prompt_cache_key", "safety_identifier"}
+CHAT_FIELDS = frozenset(SAMPLING | {
+    "messages", "max_tokens", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls",
+    "reasoning_effort", "thinking", "think", "response_format", "modalities", "audio", "prediction",
+    "web_search_options", "functions", "function_call"})
+COMPLETION_FIELDS = frozenset(SAMPLING | {"prompt", "max_tokens"})
 
 
 # ---- request parsing --------------------------------------------------------------------------------------
@@ -126,6 +136,7 @@ def _tool_call(c, w: str) -> dict:
 
 
 def parse_chat(body: dict, served: tuple[str, ...]) -> GenRequest:
+    note_unknown(body, CHAT_FIELDS, "/v1/chat/completions")
     _reject_common(body)
     model, alias = resolve_model(body, served)
     req = GenRequest(api="chat", model=model)
@@ -139,6 +150,7 @@ def parse_chat(body: dict, served: tuple[str, ...]) -> GenRequest:
 
 
 def parse_completion(body: dict, served: tuple[str, ...]) -> GenRequest:
+    note_unknown(body, COMPLETION_FIELDS, "/v1/completions")
     _reject_common(body)
     model, _ = resolve_model(body, served)
     prompt = body.get("prompt")

@@ -8,8 +8,11 @@ sampling knobs and the streaming flags. The worker turns a `GenRequest` into a s
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
+
+log = logging.getLogger("ds4py.server")
 
 # Model ids the server answers to. They all name the one loaded GGUF (like ds4-server); the two DeepSeek API
 # aliases only pick the thinking mode.
@@ -167,6 +170,18 @@ def get_stop(body: dict, key: str) -> list[str]:
     if len(v) > 16:
         raise bad(f"'{key}' allows at most 16 strings", key)
     return v
+
+
+_warned: set[tuple[str, str]] = set()
+
+
+def note_unknown(body: dict, known: frozenset[str], api: str) -> None:
+    """Fields we do not know are logged (once per name), not silently dropped: clients add new fields often,
+    and refusing them would break unmodified clients; every field known to change the answer is handled."""
+    for key in body.keys() - known:
+        if (api, key) not in _warned:
+            _warned.add((api, key))
+            log.warning("%s: ignoring unknown request field %r", api, key)
 
 
 def reject_if(body: dict, key: str, allowed=(None,), why: str = "is not supported by this server") -> None:

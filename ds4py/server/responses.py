@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import secrets
-import time
 
 from .openai import error_body  # noqa: F401  (same error JSON as the other OpenAI endpoints)
 from .protocol import (
     Started,
     Done, GenRequest, Reasoning, Result, Text, ToolCallOut, apply_sampling, attach_to_system, bad,
-    check_tool_schema, get_bool, reject_if, resolve_model, resolve_thinking, sse, text_of,
+    check_tool_schema, get_bool, note_unknown, reject_if, resolve_model, resolve_thinking, sse, text_of,
 )
 
 # A Responses "custom" tool takes free text; the model sees it as a function with one string parameter.
@@ -72,6 +71,8 @@ def _input_messages(inp, instructions) -> list[dict]:
         elif kind == "reasoning":
             parts = it.get("content") or it.get("summary") or []
             text = "".join(p.get("text", "") for p in parts if isinstance(p, dict))
+            if not text and isinstance(it.get("encrypted_content"), str):
+                text = it["encrypted_content"]      # ours is the plain reasoning text (see ResponsesEncoder)
             pending_reasoning = (pending_reasoning or "") + text
         elif kind in ("function_call", "custom_tool_call"):
             if not isinstance(it.get("call_id"), str) or not isinstance(it.get("name"), str):
@@ -133,7 +134,15 @@ def _text_format(body: dict) -> dict | None:
     raise bad("'text.format.type' must be 'text', 'json_object' or 'json_schema'", "text")
 
 
+FIELDS = frozenset({
+    "model", "input", "instructions", "tools", "tool_choice", "max_output_tokens", "temperature", "top_p", "top_k",
+    "min_p", "seed", "stop", "stream", "reasoning", "thinking", "previous_response_id", "conversation", "background",
+    "prompt", "top_logprobs", "store", "include", "metadata", "parallel_tool_calls", "prompt_cache_key", "user",
+    "safety_identifier", "service_tier", "truncation", "text", "stream_options"})
+
+
 def parse_responses(body: dict, served: tuple[str, ...]) -> GenRequest:
+    note_unknown(body, FIELDS, "/v1/responses")
     reject_if(body, "previous_response_id", (None,), "is not supported: this server stores no responses; "
                                                      "send the whole conversation in 'input'")
     reject_if(body, "conversation", (None,), "is not supported: this server stores no conversations")
@@ -154,7 +163,8 @@ def parse_responses(body: dict, served: tuple[str, ...]) -> GenRequest:
     req.stream = get_bool(body, "stream")
     req.extra = {"custom_tools": custom, "instructions": body.get("instructions"), "tools": body.get("tools") or [],
                  "reasoning": reasoning, "metadata": body.get("metadata") or {}, "text": body.get("text"),
-                 "max_output_tokens": body.get("max_output_tokens")}
+                 "max_output_tokens": body.get("max_output_tokens"),
+                 "encrypted_reasoning": "reasoning.encrypted_content" in (body.get("include") or [])}
     return req
 
 
@@ -232,6 +242,8 @@ class ResponsesEncoder:
                            text=text, logprobs=[])
             item["status"] = "completed"
         item["content"] = [part]
+        if item["type"] == "reasoning" and self.req.extra.get("encrypted_reasoning"):
+            item["encrypted_content"] = text      # not encrypted: lets store=false clients hand the text back
         out += self._ev("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0,
                         part=part)
         self.output.append(item)
@@ -292,8 +304,11 @@ class ResponsesEncoder:
     # --- non-streaming
     def body(self, r: Result) -> dict:
         if r.reasoning and self.req.thinking:
-            self.output.append({"id": _item_id("rs_"), "type": "reasoning", "summary": [],
-                                "content": [{"type": "reasoning_text", "text": r.reasoning}]})
+            item = {"id": _item_id("rs_"), "type": "reasoning", "summary": [],
+                    "content": [{"type": "reasoning_text", "text": r.reasoning}]}
+            if self.req.extra.get("encrypted_reasoning"):
+                item["encrypted_content"] = r.reasoning
+            self.output.append(item)
         if r.text or not r.tool_calls:
             self.output.append({"id": _item_id("msg_"), "type": "message", "role": "assistant",
                                 "status": "completed",
@@ -303,7 +318,3 @@ class ResponsesEncoder:
             self.output.append(self._call_item(c))
         status = "incomplete" if r.done.finish_reason == "length" else "completed"
         return self._response(status, r.done)
-
-
-def now() -> int:
-    return int(time.time())
