@@ -123,6 +123,18 @@ def test_cli_render_prints_exact_prompt(cases, golden):
         assert json.loads(out.stdout) == case[key]
 
 
+def test_cli_render_ids_from_gguf_tokenizer(cases, golden, tokenizer):
+    """-m takes the tokenizer from a GGUF (here the tiny test model's 512-token vocabulary)."""
+    from ds4py.tokenizer import Tokenizer
+
+    gguf = golden / "ds4-tiny" / "tiny.gguf"
+    case = next(c for c in cases if c["id"] == "multiturn_thinking_drop")
+    stdin = json.dumps({"messages": case["messages"], "options": case["options"]}).encode()
+    out = subprocess.run([sys.executable, "-m", "ds4py", "render", "--ids", "-m", str(gguf)],
+                         input=stdin, capture_output=True, check=True)
+    assert json.loads(out.stdout) == Tokenizer.from_gguf(gguf).encode(case["prompt"], special=True)
+
+
 def test_cli_render_rejects_with_one_line(cases):
     case = next(c for c in cases if c["id"] == "error_developer_empty")
     stdin = json.dumps({"messages": case["messages"], "options": case["options"]}).encode()

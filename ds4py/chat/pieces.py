@@ -71,7 +71,9 @@ def encode_pieces(items: list[Piece], tokenizer) -> list[int]:
                 run = []
             tok = tokenizer.encode(text, special=True)
             if len(tok) != 1:
-                raise ValueError(f"tokenizer does not know the special token {text!r} (got {tok})")
+                from ds4py.errors import ConfigError
+
+                raise ConfigError(f"the tokenizer has no special token {text!r}, which the V4 chat template needs")
             ids += tok
         else:
             run.append(text)
