@@ -49,7 +49,8 @@ def to_json(value: Any) -> str:
 def _arguments_to_params(name: str, arguments: Any) -> list[tuple[str, str, bool]]:
     """OpenAI `arguments` JSON string -> [(key, value text, is_string)] as the encoder writes them."""
     if not isinstance(arguments, str):
-        raise ChatFormatError(f"tool call {name!r}: function.arguments must be a JSON string, got {type(arguments).__name__}")
+        kind = type(arguments).__name__
+        raise ChatFormatError(f"tool call {name!r}: function.arguments must be a JSON string, got {kind}")
     try:
         parsed = json.loads(arguments)
     except ValueError:
@@ -220,7 +221,9 @@ class _Block:
         if extra:
             raw = self.text[self.invoke_start : raw_end] + extra
         else:  # a call cut off at the end of the text: replay it closed, as the model should have written it
-            params = "\n".join(f'{PARAM_OPEN} name="{k}" string="{s}">{v}</{DSML}parameter>' for k, (v, s) in self.args.items())
+            params = "\n".join(
+                f'{PARAM_OPEN} name="{k}" string="{s}">{v}</{DSML}parameter>' for k, (v, s) in self.args.items()
+            )
             raw = f'{INVOKE_OPEN} name="{self.name}">\n{params}\n</{DSML}invoke>'
         self.calls.append((self.name, "{" + ", ".join(parts) + "}", raw, bad))
 
@@ -324,8 +327,9 @@ class DSMLParser:
 
     thinking=True when the prompt ended with `<think>` (the text starts inside the reasoning). The turn is
     complete at <｜end▁of▁sentence｜>: feed its text, or call `finish(eos=True)` when generation stopped on
-    the EOS token; a plain `finish()` without it reports a truncated turn. Tool calls are emitted once their block is closed and followed by the
-    end-of-sentence (or by `finish()`), so a block that turns out malformed never yields half its calls.
+    the EOS token; a plain `finish()` without it reports a truncated turn. Tool calls are emitted once
+    their block is closed and followed by the end-of-sentence (or by `finish()`), so a block that turns
+    out malformed never yields half its calls.
     """
 
     def __init__(self, thinking: bool) -> None:

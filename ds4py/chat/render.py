@@ -163,7 +163,8 @@ def _fmt(value: Any) -> str:
 def _tools_pieces(p: Pieces, msg: dict, where: str) -> None:
     tools = msg.get("tools")
     if tools:
-        if not isinstance(tools, list) or not all(isinstance(t, dict) and isinstance(t.get("function"), dict) for t in tools):
+        if not isinstance(tools, list) or not all(isinstance(t, dict) and isinstance(t.get("function"), dict)
+                                                  for t in tools):
             raise ChatFormatError(f"{where}: tools must be a list of {{'type': 'function', 'function': {{...}}}}")
         p.tpl("\n\n" + TOOLS_HEAD)
         p.content("\n".join(to_json(t["function"]) for t in tools))
@@ -241,7 +242,9 @@ def _render_message(index: int, messages: list[dict], opts: dict, drop: bool) ->
         if not msg.get("wo_eos", False):
             p.tpl(EOS)
     else:
-        raise ChatFormatError(f"{where}: unknown role {role!r} (expected system, developer, user, assistant, tool or latest_reminder)")
+        raise ChatFormatError(
+            f"{where}: unknown role {role!r} (expected system, developer, user, assistant, tool or latest_reminder)"
+        )
 
     # Transition: only before an assistant / latest_reminder message, or after the last message.
     if index + 1 < len(messages) and messages[index + 1].get("role") not in ("assistant", "latest_reminder"):
