@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 NAME = "serve"
@@ -86,7 +87,6 @@ def run(args) -> int:
 
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("ds4py.server").setLevel(logging.INFO)
     if args.ctx < 2:
         raise Ds4Error(f"--ctx must be at least 2, got {args.ctx}")
     if args.max_queue < 0 or args.max_body_mb <= 0:
@@ -95,7 +95,7 @@ def run(args) -> int:
     demo = args.model is None
     config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key or None,
                           cors=[o.strip() for o in (args.cors or "").split(",") if o.strip()],
-                          max_body_mb=args.max_body_mb, max_queue=args.max_queue)
+                          max_body_mb=args.max_body_mb, max_queue=args.max_queue, access_log=args.verbose)
     if demo:
         config.model_ids = ("ds4py-demo",) + MODEL_IDS
         config.model_name = "ds4py demo (tiny, random weights)"
@@ -112,8 +112,12 @@ def run(args) -> int:
     memory = ToolMemory(args.tool_memory_max_ids, enabled=not args.disable_exact_dsml_tool_replay)
 
     def load():
+        t0 = time.perf_counter()
         path = str(ensure_demo_model()) if demo else args.model
-        return make_engine(path, args.backend, args.ctx, memory)
+        engine = make_engine(path, args.backend, args.ctx, memory)
+        print(f"ds4py serve: model ready in {time.perf_counter() - t0:.1f} s (context {engine.ctx_size} tokens)",
+              file=sys.stderr, flush=True)
+        return engine
 
     what = "the DEMO model (tiny, RANDOM WEIGHTS: output is noise; pass -m MODEL.gguf for a real model)" if demo \
         else args.model

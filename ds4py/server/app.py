@@ -42,6 +42,7 @@ class ServerConfig:
     model_ids: tuple[str, ...] = MODEL_IDS             # first one is the primary id
     model_name: str = "DeepSeek V4 Flash"
     model_note: str | None = None                      # e.g. "random weights (demo model)"
+    access_log: bool = False                           # one log line per request (serve -v)
 
 
 class ServerState:
@@ -333,7 +334,8 @@ def bind(host: str, port: int) -> socket.socket:
 
 async def _start(state: ServerState, sock: socket.socket) -> web.AppRunner:
     # handler_cancellation: a client that disconnects cancels its handler, whose `finally` stops generation.
-    runner = web.AppRunner(make_app(state), handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+    access_log = logging.getLogger("ds4py.server.access") if state.config.access_log else None
+    runner = web.AppRunner(make_app(state), handler_cancellation=True, access_log=access_log, shutdown_timeout=1.0)
     await runner.setup()
     await web.SockSite(runner, sock).start()
     return runner
