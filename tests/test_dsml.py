@@ -154,6 +154,26 @@ def test_end_of_text_leniencies_of_the_official_parser():
     assert summary(parse([inv + "</｜DSML｜invoke>"], False))[3]  # but not after the invoke's ">"
 
 
+def test_random_marker_soup_is_chunking_invariant_and_never_raises():
+    """Random mixes of DSML fragments: same events for any split; every parsed call replays through render."""
+    frags = ["\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"g\">\n", "</｜DSML｜invoke>\n</｜DSML｜tool_calls>",
+             '<｜DSML｜parameter name="p" string="false">[1,2]</｜DSML｜parameter>\n', "</｜DSML｜invoke>\n",
+             '<｜DSML｜parameter name="q" string="true">hi</｜DSML｜parameter>\n', "</think>", "<think>", EOS,
+             "<｜begin▁of▁sentence｜>", "\n\n<｜DSML｜tool_calls", ">\n", "<｜DSML｜invoke", ' name="f">\n', "<",
+             "<｜DSML｜parameter", ' name="x" string="true">', "/｜DSML｜parameter", "</｜DSML｜invoke", "\n", "a"]
+    rng = random.Random(99)
+    n_calls = 0
+    for _ in range(2000):
+        text = "".join(rng.choice(frags) for _ in range(rng.randint(0, 12)))
+        thinking = rng.random() < 0.5
+        whole = summary(parse([text], thinking))
+        assert summary(parse(random_chunks(text, rng), thinking)) == whole, text
+        for call in whole[2]:
+            assert render_tool_calls([ToolCall(*call)]).count(call[2]) == 1
+            n_calls += 1
+    assert n_calls > 20
+
+
 def test_finish_with_eos_equals_feeding_it():
     text = "Hmm.</think>Done."
     p = DSMLParser(thinking=True)

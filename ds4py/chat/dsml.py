@@ -393,14 +393,19 @@ class DSMLParser:
         forbidden = _FORBIDDEN.get(self._state)
         if forbidden:
             window = self._tail + text
+            where = "reasoning" if self._state == _REASONING else "content"
+            found = []
             for tok in forbidden:
+                if (tok, where) in self._reported:  # once per spelling and channel is enough
+                    continue
                 i = window.find(tok)
-                while i != -1:
-                    where = "reasoning" if self._state == _REASONING else "content"
-                    if i + len(tok) > len(self._tail) and (tok, where) not in self._reported:
-                        self._reported.add((tok, where))  # once per spelling and channel is enough
-                        self._issue(f"unexpected {tok!r} in the {where}")
+                while i != -1 and i + len(tok) <= len(self._tail):  # already reported with the previous text
                     i = window.find(tok, i + 1)
+                if i != -1:
+                    found.append((i + len(tok), tok))
+            for _, tok in sorted(found):  # in order of where they end, as chunked feeding sees them
+                self._reported.add((tok, where))
+                self._issue(f"unexpected {tok!r} in the {where}")
             self._tail = window[-_TAIL:]
 
     def _fail_block(self, reason: str) -> None:

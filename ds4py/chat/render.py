@@ -84,6 +84,8 @@ def _check(messages: Any, what: str) -> list[dict]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise ChatFormatError(f"{what}[{i}] must be an object, got {type(m).__name__}")
+        if not isinstance(m.get("role"), str):
+            raise ChatFormatError(f"{what}[{i}] needs a string 'role', got {m.get('role')!r}")
         m = copy.deepcopy(m)
         if m.get("role") != "tool" and "content" in m:
             m["content"] = _text(m["content"], f"{what}[{i}] ({m.get('role')})")
@@ -97,20 +99,23 @@ def _merge_tool_messages(messages: list[dict]) -> list[dict]:
     for msg in messages:
         role = msg.get("role")
         prev = merged[-1] if merged else None
-        is_user_blocks = prev is not None and prev.get("role") == "user" and "blocks" in prev
+        is_user_blocks = prev is not None and prev.get("role") == "user" and "_blocks" in prev
         if role == "tool":
-            block = {"type": "tool_result", "id": msg.get("tool_call_id", ""), "content": msg.get("content", "")}
+            tc_id = msg.get("tool_call_id", "")
+            if not isinstance(tc_id, (str, type(None))):
+                raise ChatFormatError(f"a tool message's tool_call_id must be a string, got {type(tc_id).__name__}")
+            block = {"type": "tool_result", "id": tc_id, "content": msg.get("content", "")}
             if is_user_blocks:
-                prev["blocks"].append(block)
+                prev["_blocks"].append(block)
             else:
-                merged.append({"role": "user", "blocks": [block]})
+                merged.append({"role": "user", "_blocks": [block]})
         elif role == "user":
             block = {"type": "text", "text": msg.get("content", "")}
             if is_user_blocks and prev.get("task") is None:
-                prev["blocks"].append(block)
+                prev["_blocks"].append(block)
             else:
                 # Only these keys survive the merge (the official code drops the rest, e.g. `tools`).
-                new = {"role": "user", "blocks": [block]}
+                new = {"role": "user", "_blocks": [block]}
                 new.update({k: msg[k] for k in ("task", "wo_eos") if k in msg})
                 merged.append(new)
         else:
@@ -126,13 +131,13 @@ def _sort_tool_results(messages: list[dict]) -> list[dict]:
             order = {}
             for i, tc in enumerate(msg["tool_calls"]):
                 tc_id = (tc.get("id") or (tc.get("function") or {}).get("id", "")) if isinstance(tc, dict) else ""
-                if tc_id:
+                if tc_id and isinstance(tc_id, str):
                     order[tc_id] = i
-        elif msg.get("role") == "user" and msg.get("blocks"):
-            results = [b for b in msg["blocks"] if b["type"] == "tool_result"]
+        elif msg.get("role") == "user" and msg.get("_blocks"):
+            results = [b for b in msg["_blocks"] if b["type"] == "tool_result"]
             if len(results) > 1 and order:
                 ranked = iter(sorted(results, key=lambda b: order.get(b["id"], 0)))
-                msg["blocks"] = [next(ranked) if b["type"] == "tool_result" else b for b in msg["blocks"]]
+                msg["_blocks"] = [next(ranked) if b["type"] == "tool_result" else b for b in msg["_blocks"]]
     return messages
 
 
@@ -214,7 +219,7 @@ def _render_message(index: int, messages: list[dict], opts: dict, drop: bool) ->
         _tools_pieces(p, msg, where)
     elif role == "user":
         p.tpl(USER)
-        for i, block in enumerate(msg["blocks"]):
+        for i, block in enumerate(msg["_blocks"]):
             if i:
                 p.tpl("\n\n")
             if block["type"] == "text":
@@ -251,7 +256,7 @@ def _render_message(index: int, messages: list[dict], opts: dict, drop: bool) ->
         return p
     task = msg.get("task")
     if task is not None:
-        if task not in TASK_TOKENS:
+        if not isinstance(task, str) or task not in TASK_TOKENS:
             raise ChatFormatError(f"{where}: unknown task {task!r} (valid: {', '.join(TASK_TOKENS)})")
         if task == "action":
             p.tpl(ASSISTANT + (THINK if thinking else END_THINK) + TASK_TOKENS[task])
@@ -287,14 +292,21 @@ def _render_pieces(messages: list[dict], options: dict | None) -> Pieces:
     return p
 
 
+def _render_checked(messages: list[dict], options: dict | None) -> Pieces:
+    try:
+        return _render_pieces(messages, options)
+    except (TypeError, AttributeError, KeyError) as e:  # a shape the checks above did not foresee
+        raise ChatFormatError(f"malformed conversation ({type(e).__name__}: {e})") from None
+
+
 def render(messages: list[dict], options: dict | None = None) -> str:
     """The exact prompt string the official V4 encoder produces. Raises ChatFormatError where it would fail."""
-    return _render_pieces(messages, options).text()
+    return _render_checked(messages, options).text()
 
 
 def render_segments(messages: list[dict], options: dict | None = None) -> list[tuple[str, bool]]:
     """`render()` cut into (text, is_template) runs; False = text from the conversation (tokenize as plain)."""
-    return segments(_render_pieces(messages, options).items)
+    return segments(_render_checked(messages, options).items)
 
 
 def encode_prompt(messages: list[dict], options: dict | None, tokenizer, plain_content: bool = True) -> list[int]:
@@ -304,7 +316,7 @@ def encode_prompt(messages: list[dict], options: dict | None, tokenizer, plain_c
     `generate.py` does (special-token spellings typed into a message become special ids).
     plain_content=True: only the template's special tokens are special; conversation text stays plain text.
     """
-    pieces = _render_pieces(messages, options)
+    pieces = _render_checked(messages, options)
     if not plain_content:
         return tokenizer.encode(pieces.text(), special=True)
     return encode_pieces(pieces.items, tokenizer)
