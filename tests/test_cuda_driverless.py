@@ -207,6 +207,32 @@ def test_launch_with_and_without_pdl(rt, standin):
     assert (pdl.gridDimX, pdl.blockDimX) == (8, 256)
 
 
+def test_launch_from_another_thread_binds_the_context_once(rt, standin):
+    """A context is current per thread: the engine worker thread must make it current before launching."""
+    import threading
+
+    from ds4py.cuda import ops
+    from ds4py.cuda.memory import Arena
+
+    arena = Arena(1 << 20, 1 << 20)
+    arena.begin_step()
+    W = arena.weights((64, 256), np.float16)
+    x, y = arena.scratch(256, np.float32), arena.scratch(64, np.float32)
+    before = standin.names().count("cuCtxSetCurrent")
+    ops.gemv_f16(rt, W, x, y, 64, 256)                      # creator thread: already current
+    assert standin.names().count("cuCtxSetCurrent") == before
+
+    def worker():
+        ops.gemv_f16(rt, W, x, y, 64, 256)
+        ops.gemv_f16(rt, W, x, y, 64, 256)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    sets = [args for n, args in standin.calls if n == "cuCtxSetCurrent"][before:]
+    assert len(sets) == 1 and sets[0][0] == rt.device.context
+
+
 def test_q8_launch_uses_dynamic_smem_and_raises_limit(rt, standin):
     from ds4py.cuda import ops
     from ds4py.cuda.memory import Arena

@@ -78,6 +78,9 @@ class DeviceArray:
         if stream is None:
             call("cuCtxSynchronize")     # our streams are non-blocking: order against them explicitly
             call("cuMemcpyHtoD", self.ptr, host.ctypes.data, self.nbytes)
+            # A pageable-memory cuMemcpyHtoD may return once the bytes are staged, before they reach the device,
+            # and non-blocking streams do not wait for it: synchronise so "finished on return" holds.
+            call("cuCtxSynchronize")
         else:
             call("cuMemcpyHtoDAsync", self.ptr, host.ctypes.data, self.nbytes, stream)
 

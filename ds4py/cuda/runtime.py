@@ -11,6 +11,7 @@ same calls work during graph capture (see graph.py).
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -24,6 +25,8 @@ class Runtime:
                  progress: Callable[[str], None] | None = None):
         d = api()
         self.device = Device.open(ordinal)
+        self._bound = threading.local()
+        self._bound.ok = True            # Device.open made the context current on this thread
         self.kernels = KernelRegistry.load(self.device.arch, cu_dir, cache=cache, progress=progress)
         flags = d.CUstream_flags.CU_STREAM_NON_BLOCKING
         self.main = call("cuStreamCreate", flags)
@@ -33,8 +36,18 @@ class Runtime:
         self._fork_event = call("cuEventCreate", no_timing)
         self._join_event = call("cuEventCreate", no_timing)
 
+    def bind_thread(self) -> None:
+        """Make this runtime's context current on the calling thread. A CUDA context is current per thread:
+        a thread other than the creator (e.g. the server's engine worker) needs this once before any call.
+        launch() does it on first use from a new thread."""
+        if getattr(self._bound, "ok", False):
+            return
+        call("cuCtxSetCurrent", self.device.context)
+        self._bound.ok = True
+
     def launch(self, name: str, grid: Any, block: Any, *args: Any, smem: int = 0, stream: Any = None,
                pdl: bool = False) -> None:
+        self.bind_thread()
         launch(self.kernels[name], grid, block, args, self.main if stream is None else stream, smem=smem, pdl=pdl,
                max_smem=self.device.smem_per_block_optin)
 
@@ -49,6 +62,7 @@ class Runtime:
         call("cuStreamWaitEvent", self.main, self._join_event, 0)
 
     def synchronize(self) -> None:
+        self.bind_thread()
         for s in (self.main, self.side, self.copy):
             call("cuStreamSynchronize", s)
 
