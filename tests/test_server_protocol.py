@@ -532,7 +532,8 @@ def test_codex_shaped_responses_round_trip(tok):
         assert reasoning.encrypted_content == "The user wants weather."
         history = body["input"] + [
             {"type": "reasoning", "id": reasoning.id, "summary": [], "encrypted_content": reasoning.encrypted_content},
-            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": message.content[0].text}]},
+            {"type": "message", "role": "assistant",
+             "content": [{"type": "output_text", "text": message.content[0].text}]},
             {"type": "function_call", "call_id": fc.call_id, "name": fc.name, "arguments": fc.arguments},
             {"type": "function_call_output", "call_id": fc.call_id, "output": "sunny"}]
         oai(srv).responses.create(**{**{k: v for k, v in body.items() if k != "stream"}, "input": history})

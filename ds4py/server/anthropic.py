@@ -81,8 +81,8 @@ def _assistant_blocks(blocks: list, w: str) -> dict:
             if not isinstance(b.get("name"), str) or not isinstance(b.get("id"), str):
                 raise bad(f"{w}.content[{j}] tool_use needs string 'id' and 'name'", "messages")
             args = b.get("input", {})
-            calls.append({"id": b["id"], "type": "function", "function": {
-                "name": b["name"], "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}})
+            args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+            calls.append({"id": b["id"], "type": "function", "function": {"name": b["name"], "arguments": args}})
         else:
             raise bad(f"{w}.content[{j}] has type {kind!r}; assistant turns take text, thinking and tool_use "
                       "blocks", "messages")
@@ -113,8 +113,8 @@ def _tools(body: dict) -> list[dict]:
     raise bad("'tool_choice.type' must be 'auto' or 'none': forcing a tool call is not supported", "tool_choice")
 
 
-FIELDS = frozenset({"model", "max_tokens", "messages", "system", "tools", "tool_choice", "stop_sequences", "temperature",
-                    "top_p", "top_k", "min_p", "seed", "stream", "thinking", "metadata", "service_tier", "mcp_servers",
+FIELDS = frozenset({"model", "max_tokens", "messages", "system", "tools", "tool_choice", "stop_sequences",
+                    "temperature", "top_p", "top_k", "min_p", "seed", "stream", "thinking", "metadata", "service_tier", "mcp_servers",
                     "container"})
 
 

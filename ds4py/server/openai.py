@@ -67,9 +67,9 @@ def parse_tools(body: dict) -> list[dict]:
         raise bad("'tools' must be a list", "tools")
     out = []
     for i, t in enumerate(tools):
-        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(t.get("function"), dict):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(fn, dict) or t.get("type", "function") != "function":
             raise bad(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}", "tools")
-        fn = t["function"]
         out.append(check_tool_schema(fn.get("name"), fn.get("description"), fn.get("parameters"), f"tools[{i}]"))
     choice = body.get("tool_choice")
     if choice in (None, "auto"):

@@ -130,7 +130,8 @@ def _text_format(body: dict) -> dict | None:
     if fmt.get("type") == "json_object":
         return {"type": "json_object"}
     if fmt.get("type") == "json_schema":
-        return {"type": "json_schema", "json_schema": {"name": fmt.get("name", "response"), "schema": fmt.get("schema")}}
+        return {"type": "json_schema",
+                "json_schema": {"name": fmt.get("name", "response"), "schema": fmt.get("schema")}}
     raise bad("'text.format.type' must be 'text', 'json_object' or 'json_schema'", "text")
 
 

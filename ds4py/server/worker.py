@@ -38,7 +38,10 @@ class Job:
     t_arrival: float = field(default_factory=time.monotonic)
 
     def emit(self, ev) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, ev)
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, ev)
+        except RuntimeError:      # the event loop is gone (server shutting down): nobody is listening
+            self.cancel.set()
 
 
 class Engine:
