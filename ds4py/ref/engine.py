@@ -25,6 +25,7 @@ class RefModel:
     """
 
     backend = "ref"
+    max_chunk = 1024        # prefill tokens per forward pass (without a trace)
 
     def __init__(self, path: str, fake_quant: bool = True, act_quant: bool = False,
                  cache_bytes: int = DEFAULT_CACHE_BYTES):
@@ -59,7 +60,13 @@ class RefModel:
                 trace: Trace | None = None) -> np.ndarray:
         """Consume ids (continuing `state`); logits of the last position [vocab] or of all [len(ids), vocab]."""
         arr = self._check_ids(state, ids)
-        return forward(self.weights, self.config, state, arr, all_logits, self.fake_quant, trace)
+        if trace is not None or len(arr) <= self.max_chunk:
+            return forward(self.weights, self.config, state, arr, all_logits, self.fake_quant, trace)
+        # long prompts run as consecutive chunks (same math: chunked prefill == one prefill), which bounds
+        # the activations ([chunk, H, head_dim] queries) on the full-size model
+        out = [forward(self.weights, self.config, state, arr[a:a + self.max_chunk], all_logits, self.fake_quant)
+               for a in range(0, len(arr), self.max_chunk)]
+        return np.concatenate(out) if all_logits else out[-1]
 
     def decode(self, state: RefState, token: int, trace: Trace | None = None) -> np.ndarray:
         return self.prefill(state, [int(token)], trace=trace)

@@ -79,8 +79,10 @@ def indexer_scores(w, cfg, p: str, x: np.ndarray, qr: np.ndarray, pos: np.ndarra
     if fake_quant:
         q = ops.fp4_fake_quant(q, 32)
     wts = w.linear(p + "indexer.proj.weight", x) * F32(ihd ** -0.5 * ih ** -0.5)
-    s = np.einsum("thd,nd->thn", q, keys)
-    s = (np.maximum(s, 0) * wts[:, :, None]).sum(1)
+    s = np.empty((len(pos), keys.shape[0]), F32)
+    for a in range(0, len(pos), QUERY_BLOCK):              # bounds the [T, IH, Nc] temporary
+        b = a + QUERY_BLOCK
+        s[a:b] = (np.maximum(np.einsum("thd,nd->thn", q[a:b], keys), 0) * wts[a:b, :, None]).sum(1)
     visible = np.arange(keys.shape[0])[None, :] < ((pos + 1) // 4)[:, None]
     return np.where(visible, s, F32(-np.inf))
 

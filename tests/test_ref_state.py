@@ -1,0 +1,113 @@
+"""Our own properties of the reference engine: prefill == decode, chunked prefill == one prefill, state
+snapshots are independent, bad input gets a clear error, and the score command."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from ds4py.__main__ import main
+from ds4py.errors import ContextLengthError, Ds4Error
+from ds4py.model import Model, State
+from ds4py.ref.engine import RefModel
+
+# fake_quant off: FP8/FP4 rounding boundaries would turn ~1e-7 summation-order differences into flips
+ATOL = 2e-3
+
+
+@pytest.fixture(scope="module")
+def model(golden):
+    return RefModel(str(golden / "ds4-tiny" / "tiny.gguf"), fake_quant=False)
+
+
+@pytest.fixture(scope="module")
+def ids(golden):
+    return np.load(golden / "ds4-tiny" / "cases.npz")["rand_300_p200/ids"][:150]
+
+
+@pytest.fixture(scope="module")
+def whole(model, ids):
+    st = model.new_state()
+    return model.prefill(st, ids, all_logits=True), st
+
+
+def test_protocols(model):
+    assert isinstance(model, Model) and isinstance(model.new_state(), State)
+
+
+def test_prefill_equals_decode(model, ids, whole):
+    """Decode crosses the 128-row window and the first ratio-128 row (position 127)."""
+    st = model.new_state()
+    rows = [model.prefill(st, ids[:110])] + [model.decode(st, int(t)) for t in ids[110:]]
+    ref = whole[0][109:]
+    np.testing.assert_allclose(np.array(rows), ref, atol=ATOL)
+    assert st.n_tokens == len(ids)
+
+
+def test_chunked_prefill_equals_one_prefill(model, ids, whole):
+    st = model.new_state()
+    parts = [model.prefill(st, ids[a:b], all_logits=True) for a, b in ((0, 37), (37, 130), (130, 150))]
+    np.testing.assert_allclose(np.concatenate(parts), whole[0], atol=ATOL)
+    model.max_chunk = 64                                     # long prompts are split automatically
+    try:
+        np.testing.assert_allclose(model.prefill(model.new_state(), ids, all_logits=True), whole[0], atol=ATOL)
+    finally:
+        del model.max_chunk
+    ws = whole[1]
+    for a, b in zip(st.layers, ws.layers):                   # same KV state afterwards
+        np.testing.assert_allclose(a.ring, b.ring, atol=ATOL)
+        if a.comp is not None:
+            np.testing.assert_allclose(a.comp.view(), b.comp.view(), atol=ATOL)
+
+
+def test_state_copy_is_independent(model, ids):
+    st = model.new_state()
+    model.prefill(st, ids[:50])
+    snap = st.copy()
+    first = model.decode(st, int(ids[50]))
+    model.decode(st, int(ids[51]))
+    assert (snap.n_tokens, st.n_tokens) == (50, 52)
+    np.testing.assert_array_equal(model.decode(snap, int(ids[50])), first)
+    assert model.new_state().nbytes() < snap.nbytes()           # compressed rows and buffers count
+
+
+def test_bad_input(model):
+    st = model.new_state()
+    with pytest.raises(Ds4Error, match="outside the vocabulary"):
+        model.prefill(st, [1, 2, 512])
+    with pytest.raises(Ds4Error, match="non-empty"):
+        model.prefill(st, [])
+    with pytest.raises(Ds4Error, match="integers"):
+        model.prefill(st, [1.5])
+    assert st.n_tokens == 0                                  # nothing consumed by a rejected call
+
+
+def test_context_length(golden):
+    m = RefModel(str(golden / "ds4-tiny" / "tiny.gguf"))
+    m.config = dataclasses.replace(m.config, context_length=8)
+    st = m.new_state()
+    m.prefill(st, [0, 5, 6, 7, 8, 9])
+    with pytest.raises(ContextLengthError, match="exceed the context length 8"):
+        m.prefill(st, [10, 11, 12])
+
+
+def test_score_command(golden, tmp_path, capsys):
+    gguf = str(golden / "ds4-tiny" / "tiny.gguf")
+    ids = np.load(golden / "ds4-tiny" / "cases.npz")["chat_short/ids"][:12]
+    np.save(tmp_path / "ids.npy", ids)
+    out = tmp_path / "logits.npy"
+    assert main(["score", "-m", gguf, "--ids", str(tmp_path / "ids.npy"), "--split", "9", "--out", str(out)]) == 0
+    got = np.load(out)
+    m = RefModel(gguf)
+    st = m.new_state()
+    want = [m.prefill(st, ids[:9])] + [m.decode(st, int(t)) for t in ids[9:]]
+    assert got.dtype == np.float32 and got.shape == (4, 512)
+    np.testing.assert_array_equal(got, np.array(want))
+
+    assert main(["score", "-m", gguf, "--ids", str(tmp_path / "ids.npy"), "--split", "13", "--out", str(out)]) == 2
+    assert "--split 13 is out of range" in capsys.readouterr().err
+    np.save(tmp_path / "bad.npy", np.array([0, 600]))
+    assert main(["score", "-m", gguf, "--ids", str(tmp_path / "bad.npy"), "--split", "1", "--out", str(out)]) == 2
+    assert "token id 600 at index 1 is outside the vocabulary" in capsys.readouterr().err
