@@ -89,8 +89,8 @@ def run(args) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.ctx < 2:
         raise Ds4Error(f"--ctx must be at least 2, got {args.ctx}")
-    if args.max_queue < 0 or args.max_body_mb <= 0:
-        raise Ds4Error("--max-queue must be >= 0 and --max-body-mb > 0")
+    if args.max_queue < 1 or args.max_body_mb <= 0:
+        raise Ds4Error("--max-queue must be >= 1 and --max-body-mb > 0")
 
     demo = args.model is None
     config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key or None,

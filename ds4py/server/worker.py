@@ -92,7 +92,7 @@ class Engine:
         parser = self._parser_factory(req.thinking) if req.messages is not None else None
         n_tokens = n_reasoning = 0
         answering = not req.thinking           # past </think>: tokens stop counting as reasoning
-        think_text = ""
+        think_tail = ""                        # end of the reasoning text (finds a split </think>)
         t_last = None
         done = None
         # the session is not thread-safe: even this look-up happens here, on the engine thread
@@ -117,8 +117,9 @@ class Engine:
                     continue
                 if not answering:                  # tokens up to and including the one that closes </think>
                     n_reasoning += 1
-                    think_text += ev.text
-                    answering = END_THINK in think_text[-(len(ev.text) + len(END_THINK)):]
+                    think_tail += ev.text
+                    answering = END_THINK in think_tail
+                    think_tail = think_tail[-len(END_THINK):]
                 for out in parser.feed(ev.text):
                     self._emit(job, out)
                 if job.cancel.is_set():
