@@ -26,7 +26,7 @@ def tokenizer(golden):
     return Tokenizer.from_hf_json(golden / "tokenizer" / "tokenizer.json")
 
 
-def test_golden_prompts_byte_for_byte(cases):
+def test_golden_prompts_byte_for_byte(cases, capsys):
     rendered = rejected = 0
     for case in cases:
         if case["prompt"] is None:
@@ -39,11 +39,12 @@ def test_golden_prompts_byte_for_byte(cases):
         assert "".join(t for t, _ in segs) == case["prompt"], case["id"]
         assert all(t for t, _ in segs) and all(a[1] != b[1] for a, b in zip(segs, segs[1:])), case["id"]
         rendered += 1
-    print(f"chat golden: {rendered} prompts byte-identical, {rejected} rejected as the official encoder does")
+    with capsys.disabled():  # shown in a plain `pytest -q` run: how many golden cases were checked
+        print(f"\n  chat golden: {rendered} prompts byte-identical, {rejected} rejected as the official encoder does")
     assert rendered + rejected == len(cases) and rejected == 3
 
 
-def test_golden_token_ids(cases, tokenizer):
+def test_golden_token_ids(cases, tokenizer, capsys):
     n = n_plain = 0
     for case in cases:
         if case["prompt"] is None:
@@ -56,7 +57,8 @@ def test_golden_token_ids(cases, tokenizer):
         assert encode_prompt(case["messages"], case["options"], tokenizer) == want, case["id"]
         n += 1
         n_plain += "prompt_token_ids_plain_content" in case
-    print(f"chat golden: {n} prompts' ids match ({n_plain} with a distinct plain-content variant)")
+    with capsys.disabled():  # shown in a plain `pytest -q` run: how many golden cases were checked
+        print(f"\n  chat golden: {n} prompts' ids match ({n_plain} with a distinct plain-content variant)")
     assert n_plain == 2
 
 
