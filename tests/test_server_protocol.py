@@ -327,6 +327,10 @@ def test_tool_memory_is_bounded():
     assert mem.replay([{"role": "assistant", "tool_calls": [call]}])[0]["tool_calls"][0]["raw_dsml"] == "raw4"
     edited = {**call, "function": {"name": "f", "arguments": '{"x": 1}'}}   # client changed it: no replay
     assert "raw_dsml" not in mem.replay([{"role": "assistant", "tool_calls": [edited]}])[0]["tool_calls"][0]
+    off = ToolMemory(enabled=False)                                         # --disable-exact-dsml-tool-replay
+    off.remember("id4", StoredCall("f", "{}", "raw4"))
+    assert off.lookup("id4") is None and "raw_dsml" not in off.replay([{"role": "assistant",
+                                                                          "tool_calls": [call]}])[0]["tool_calls"][0]
 
 
 # ---- scheduling -------------------------------------------------------------------------------------------
