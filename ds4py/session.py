@@ -100,16 +100,19 @@ class Session:
         self._snapshots: list[_Snapshot] = []   # least recently used first
 
     def prompt_cache_tokens(self, prompt_ids: Sequence[int]) -> int:
-        """How many leading tokens of this prompt would be reused instead of prefilled."""
+        """How many leading tokens of this prompt would be reused instead of prefilled. Read-only; the session
+        is not thread-safe, so call it from the thread that runs generate()."""
         return self._best_source(list(prompt_ids))[0]
 
+    def _live_is_consistent(self) -> bool:
+        """False when a model call was interrupted between advancing the state and its bookkeeping."""
+        return self.state is not None and self.state.n_tokens == len(self.tokens) and self._logits is not None
+
     def _best_source(self, prompt: list[int]) -> tuple[int, _Snapshot | None]:
-        """(tokens reused, snapshot to restore or None for the live state) - the longest prefix wins."""
+        """(tokens reused, snapshot to restore or None for the live state) - the longest prefix wins. Pure."""
         best, src = 0, None
         n_live = len(self.tokens)
-        if self.state is not None and (self.state.n_tokens != n_live or self._logits is None):
-            self._drop_live()                     # interrupted between a model call and its bookkeeping
-        if self.state is not None and n_live <= len(prompt) and self.tokens == prompt[:n_live]:
+        if self._live_is_consistent() and n_live <= len(prompt) and self.tokens == prompt[:n_live]:
             best = n_live
         for snap in self._snapshots:
             n = len(snap.tokens)
@@ -187,6 +190,8 @@ class Session:
 
     def _prepare(self, prompt: list[int], cancelled: Callable[[], bool]) -> tuple[int, bool]:
         """Bring the live state to `prompt`. Returns (cached tokens, completed)."""
+        if self.state is not None and not self._live_is_consistent():
+            self._drop_live()
         cached, snap = self._best_source(prompt)
         if snap is not None:
             self.state, self.tokens, self._logits = snap.state.copy(), list(snap.tokens), snap.logits.copy()
