@@ -82,7 +82,7 @@ def indexer_scores(w, cfg, p: str, x: np.ndarray, qr: np.ndarray, pos: np.ndarra
     s = np.empty((len(pos), keys.shape[0]), F32)
     for a in range(0, len(pos), QUERY_BLOCK):              # bounds the [T, IH, Nc] temporary
         b = a + QUERY_BLOCK
-        s[a:b] = (np.maximum(np.einsum("thd,nd->thn", q[a:b], keys), 0) * wts[a:b, :, None]).sum(1)
+        s[a:b] = (np.maximum(q[a:b] @ keys.T, 0) * wts[a:b, :, None]).sum(1)
     visible = np.arange(keys.shape[0])[None, :] < ((pos + 1) // 4)[:, None]
     return np.where(visible, s, F32(-np.inf))
 
@@ -163,7 +163,8 @@ def attention(w, cfg, il: int, x: np.ndarray, pos: np.ndarray, st: LayerState, f
     o = ops.rope_tail(o, pos, freqs, inverse=True)
     G, r = cfg.o_groups, cfg.o_lora_rank
     wo_a = w.get(p + "attn_output_a.weight").reshape(G, r, -1)
-    u = np.einsum("tgi,gri->tgr", w.act(p + "attn_output_a.weight", o.reshape(T, G, -1)), wo_a)
+    og = w.act(p + "attn_output_a.weight", o.reshape(T, G, -1))
+    u = (og.transpose(1, 0, 2) @ wo_a.transpose(0, 2, 1)).transpose(1, 0, 2)     # u_g = wo_a[g] @ o_g
     return w.linear(p + "attn_output_b.weight", u.reshape(T, G * r))
 
 

@@ -181,20 +181,20 @@ def hc_pre(X: np.ndarray, fn: np.ndarray, scale: np.ndarray, base: np.ndarray, n
     pre = sigmoid(m[:, :hc] * scale[0] + base[:hc]) + F32(hc_eps)
     post = 2 * sigmoid(m[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
     comb = sinkhorn((m[:, 2 * hc:] * scale[2] + base[2 * hc:]).reshape(-1, hc, hc), iters, hc_eps)
-    x = np.einsum("tj,tjd->td", pre, X)
+    x = (pre[:, :, None] * X).sum(1)      # Σ_j pre_j X_j; products then a sum over j, in the official order
     return x, post, comb
 
 
 def hc_post(f: np.ndarray, X: np.ndarray, post: np.ndarray, comb: np.ndarray) -> np.ndarray:
     """X'_k = post_k · f + Σ_j comb[j, k] · X_j."""
-    return post[:, :, None] * f[:, None, :] + np.einsum("tjk,tjd->tkd", comb, X)
+    return post[:, :, None] * f[:, None, :] + (comb[:, :, :, None] * X[:, :, None, :]).sum(1)
 
 
 def hc_head(X: np.ndarray, fn: np.ndarray, scale: np.ndarray, base: np.ndarray, norm_eps: float,
             hc_eps: float) -> np.ndarray:
     """Final collapse: y = Σ_j (sigmoid(m_j·scale + base_j) + hc_eps) X_j."""
     pre = sigmoid(hc_mixes(X, fn, norm_eps) * scale[0] + base) + F32(hc_eps)
-    return np.einsum("tj,tjd->td", pre, X)
+    return (pre[:, :, None] * X).sum(1)
 
 
 # ---- attention pieces (MODEL.md §2.3) -------------------------------------------------------------------------
@@ -202,12 +202,12 @@ def attention_with_sink(q: np.ndarray, kv: np.ndarray, mask: np.ndarray, sink: n
                         scale: float) -> np.ndarray:
     """o_h = Σ exp(s−m)·v / (Σ exp(s−m) + exp(sink_h − m)), K = V = kv.
     q: [T, H, hd], kv: [N, hd], mask: [T, N] bool (True = attend), sink: [H] -> [T, H, hd]."""
-    s = np.einsum("thd,nd->thn", q, kv) * F32(scale)
+    s = (q @ kv.T) * F32(scale)                                   # [T, H, N]
     s = np.where(mask[:, None, :], s, F32(-np.inf))
     m = s.max(-1, keepdims=True)                      # every query sees at least its own row
     p = np.exp(s - m)
     denom = p.sum(-1) + np.exp(sink[None, :] - m[..., 0])
-    return np.einsum("thn,nd->thd", p, kv) / denom[..., None]
+    return (p @ kv) / denom[..., None]
 
 
 def compress_pool(kv: np.ndarray, score: np.ndarray, ratio: int, overlap: bool,
