@@ -42,12 +42,12 @@ def rope_freqs(rd: int, base: float, factor: float = 1.0, orig_ctx: int = 0,
 
 
 def layer_rope_freqs(cfg, layer: int) -> np.ndarray:
-    """Ratio-0 layers: base theta, no YaRN. Compressed layers: compress theta with YaRN (when the context
-    exceeds the original one, as in the official precompute)."""
+    """Ratio-0 layers: base theta, no YaRN. Compressed layers: compress theta with YaRN whenever an original
+    context is given (the official precompute does not compare it with the context length)."""
     if cfg.compress_ratios[layer] == 0:
         return rope_freqs(cfg.rope_dim, cfg.rope_base)
-    yarn = cfg.rope_orig_ctx if (cfg.rope_factor > 1 and cfg.context_length > cfg.rope_orig_ctx) else 0
-    return rope_freqs(cfg.rope_dim, cfg.compress_rope_base, cfg.rope_factor, yarn, cfg.beta_fast, cfg.beta_slow)
+    return rope_freqs(cfg.rope_dim, cfg.compress_rope_base, cfg.rope_factor, cfg.rope_orig_ctx, cfg.beta_fast,
+                      cfg.beta_slow)
 
 
 def rope(x: np.ndarray, pos: np.ndarray, freqs: np.ndarray, inverse: bool = False) -> np.ndarray:
