@@ -207,6 +207,26 @@ def test_messages_nonstream_thinking_block(ant):
     assert m.usage.output_tokens == 4 and m.stop_reason == "max_tokens"
 
 
+# ---- limits: max_tokens past the context is clamped, a prompt that does not fit is refused ---------------------
+
+def test_max_tokens_beyond_context(tiny):
+    model = open_model(str(tiny), backend="ref")
+    tok = Tokenizer.from_gguf(str(tiny))
+    state = ServerState(ServerConfig())
+    state.set_engine(Engine(Session(model, tok, ctx_size=16), tok))
+    with BackgroundServer(state) as s:
+        c = openai.OpenAI(base_url=s.base_url + "/v1", api_key="none", max_retries=0, timeout=60)
+        # a huge max_tokens is not an error: prompt + answer stop at the context size, reported as "length"
+        r = c.completions.create(model="deepseek-v4-flash", prompt=[5] * 12, max_tokens=10 ** 9, temperature=0)
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.choices[0].finish_reason) == (12, 4, "length")
+        with pytest.raises(openai.BadRequestError) as e:          # 16 prompt tokens leave no room for an answer
+            c.completions.create(model="deepseek-v4-flash", prompt=[5] * 16, max_tokens=1)
+        assert e.value.code == "context_length_exceeded"
+        a = anthropic.Anthropic(base_url=s.base_url, api_key="none", max_retries=0, timeout=60)
+        with pytest.raises(anthropic.BadRequestError, match=r"prompt is too long: \d+ tokens > 15 maximum"):
+            a.messages.create(model="deepseek-v4-flash", max_tokens=1, messages=[{"role": "user", "content": "w " * 50}])
+
+
 # ---- tool-call round trips: history with a tool call re-renders identically, and the prefix is reused -------
 
 HISTORY_Q = "Weather in Paris?"

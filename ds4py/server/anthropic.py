@@ -9,7 +9,7 @@ import json
 from .protocol import (
     Started,
     ApiError, Done, GenRequest, Reasoning, Result, Text, ToolCallOut, apply_sampling, attach_to_system, bad,
-    check_tool_schema, get_bool, get_int, note_unknown, reject_if, resolve_model, resolve_thinking, sse, text_of,
+    check_tool_schema, check_turns, get_bool, get_int, note_unknown, reject_if, resolve_model, resolve_thinking, sse, text_of,
 )
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -126,7 +126,9 @@ def _common(body: dict, served: tuple[str, ...], api: str) -> GenRequest:
     req = GenRequest(api=api, model=model)
     req.thinking, req.reasoning_effort = resolve_thinking(alias, thinking_obj=body.get("thinking"))
     req.tools = _tools(body)
-    req.messages = attach_to_system(_messages(body.get("system"), body.get("messages")), req.tools)
+    messages = _messages(body.get("system"), body.get("messages"))
+    req.continue_final = check_turns(messages, prefill=True, hint="")   # a final assistant message is a prefill
+    req.messages = attach_to_system(messages, req.tools)
     return req
 
 

@@ -13,7 +13,7 @@ import json
 from .protocol import (
     Started,
     ApiError, Done, GenRequest, Reasoning, Result, Text, ToolCallOut, apply_sampling, attach_to_system, bad,
-    check_tool_schema, get_bool, note_unknown, reject_if, resolve_model, resolve_thinking, sse, text_of,
+    check_tool_schema, check_turns, get_bool, note_unknown, reject_if, resolve_model, resolve_thinking, sse, text_of,
 )
 
 
@@ -143,7 +143,12 @@ def parse_chat(body: dict, served: tuple[str, ...]) -> GenRequest:
     req.thinking, req.reasoning_effort = resolve_thinking(
         alias, effort=body.get("reasoning_effort"), thinking_obj=body.get("thinking"), think=body.get("think"))
     req.tools = parse_tools(body)
-    req.messages = attach_to_system(chat_messages(body.get("messages")), req.tools, parse_response_format(body))
+    messages = chat_messages(body.get("messages"))
+    # DeepSeek's chat prefix completion: a final assistant message marked `"prefix": true` is continued
+    prefix = isinstance(body["messages"][-1], dict) and body["messages"][-1].get("prefix") is True
+    req.continue_final = check_turns(messages, prefill=prefix,
+                                     hint=' (or mark a final assistant message "prefix": true to continue it)')
+    req.messages = attach_to_system(messages, req.tools, parse_response_format(body))
     apply_sampling(req, body, max_keys=("max_tokens", "max_completion_tokens"), stop_key="stop")
     _stream_flags(req, body)
     return req

@@ -66,6 +66,7 @@ class GenRequest:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    continue_final: bool = False              # the prompt ends inside the last assistant message (prefill)
     extra: dict[str, Any] = field(default_factory=dict)   # API-specific bits the encoder echoes back
 
 
@@ -262,6 +263,38 @@ def attach_to_system(messages: list[dict], tools: list[dict], response_format: d
     else:
         messages.insert(0, {"role": "system", "content": "", **extra})
     return messages
+
+
+def check_turns(messages: list[dict], *, prefill: bool, hint: str) -> bool:
+    """Conversation shapes the chat template cannot answer, refused instead of rendered into a broken prompt.
+
+    - A tool result must answer a call of the nearest assistant message before it (both official APIs refuse
+      unknown ids; the template does not render ids, so a stray result would be silently misattributed).
+    - There must be a user turn, and the conversation must end with a user or tool message: only those are
+      followed by the `<｜Assistant｜>` transition. The one exception is a final assistant message without tool
+      calls when `prefill` is allowed: its text is continued (True is returned; it is rendered without EOS).
+    """
+    call_ids: set[str] | None = None
+    for m in messages:
+        if m["role"] == "assistant":
+            call_ids = {c.get("id") for c in m.get("tool_calls") or []}
+        elif m["role"] == "tool":
+            tid = m.get("tool_call_id")
+            if call_ids is None or tid not in call_ids:
+                known = ", ".join(sorted(i for i in call_ids or () if i)) or "none"
+                raise bad(f"a tool result answers tool call id {tid!r}, which is not a tool call of the preceding "
+                          f"assistant message (its tool call ids: {known})", "messages")
+    if not any(m["role"] in ("user", "tool") for m in messages):
+        raise bad("the conversation needs at least one user message", "messages")
+    last = messages[-1]
+    if last["role"] in ("user", "tool"):
+        return False
+    if last["role"] == "assistant" and prefill and not last.get("tool_calls"):
+        last["wo_eos"] = True
+        return True
+    what = "an assistant message with tool calls (send their results)" if last.get("tool_calls") else \
+        f"{'an' if last['role'][0] in 'aeiou' else 'a'} {last['role']} message"
+    raise bad(f"the conversation ends with {what}; it must end with a user or tool message{hint}", "messages")
 
 
 def check_tool_schema(name, description, parameters, where: str) -> dict:

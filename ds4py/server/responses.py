@@ -15,7 +15,7 @@ from .openai import error_body  # noqa: F401  (same error JSON as the other Open
 from .protocol import (
     Started,
     Done, GenRequest, Reasoning, Result, Text, ToolCallOut, apply_sampling, attach_to_system, bad,
-    check_tool_schema, get_bool, note_unknown, reject_if, resolve_model, resolve_thinking, sse, text_of,
+    check_tool_schema, check_turns, get_bool, note_unknown, reject_if, resolve_model, resolve_thinking, sse, text_of,
 )
 
 # A Responses "custom" tool takes free text; the model sees it as a function with one string parameter.
@@ -158,8 +158,9 @@ def parse_responses(body: dict, served: tuple[str, ...]) -> GenRequest:
     req.thinking, req.reasoning_effort = resolve_thinking(
         alias, effort=reasoning.get("effort"), thinking_obj=body.get("thinking"), effort_key="reasoning.effort")
     req.tools, custom = _tools(body)
-    req.messages = attach_to_system(_input_messages(body.get("input"), body.get("instructions")), req.tools,
-                                    _text_format(body))
+    messages = _input_messages(body.get("input"), body.get("instructions"))
+    check_turns(messages, prefill=False, hint="")
+    req.messages = attach_to_system(messages, req.tools, _text_format(body))
     apply_sampling(req, body, max_keys=("max_output_tokens",), stop_key="stop")
     req.stream = get_bool(body, "stream")
     req.extra = {"custom_tools": custom, "instructions": body.get("instructions"), "tools": body.get("tools") or [],

@@ -74,8 +74,10 @@ class Engine:
 
     def check_fits(self, ids: list[int]) -> None:
         if len(ids) + 1 > self.ctx_size:
-            raise ApiError(400, f"the prompt has {len(ids)} tokens but the context holds {self.ctx_size} "
-                                f"(prompt + at least 1 generated token); shorten it or restart with a larger --ctx",
+            # "prompt is too long: N tokens > M maximum" is Anthropic's wording, which Claude Code looks for
+            raise ApiError(400, f"prompt is too long: {len(ids)} tokens > {self.ctx_size - 1} maximum (the context "
+                                f"holds {self.ctx_size} tokens: the prompt and at least 1 generated token); "
+                                f"shorten it or restart with a larger --ctx",
                            code="context_length_exceeded", param="messages")
         vocab = getattr(self.session, "vocab_size", None)
         if vocab is not None and any(not 0 <= t < vocab for t in ids):
@@ -89,9 +91,11 @@ class Engine:
         req, m = job.req, self.metrics
         params = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, min_p=req.min_p,
                                 seed=req.seed, max_tokens=req.max_tokens, stop=list(req.stop))
-        parser = self._parser_factory(req.thinking) if req.messages is not None else None
+        # a continued (prefilled) assistant message is past its </think> already
+        in_reasoning = req.thinking and not req.continue_final
+        parser = self._parser_factory(in_reasoning) if req.messages is not None else None
         n_tokens = n_reasoning = 0
-        answering = not req.thinking           # past </think>: tokens stop counting as reasoning
+        answering = not in_reasoning           # past </think>: tokens stop counting as reasoning
         think_tail = ""                        # end of the reasoning text (finds a split </think>)
         t_last = None
         done = None
