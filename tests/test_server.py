@@ -224,7 +224,8 @@ def test_max_tokens_beyond_context(tiny):
         assert e.value.code == "context_length_exceeded"
         a = anthropic.Anthropic(base_url=s.base_url, api_key="none", max_retries=0, timeout=60)
         with pytest.raises(anthropic.BadRequestError, match=r"prompt is too long: \d+ tokens > 15 maximum"):
-            a.messages.create(model="deepseek-v4-flash", max_tokens=1, messages=[{"role": "user", "content": "w " * 50}])
+            a.messages.create(model="deepseek-v4-flash", max_tokens=1,
+                              messages=[{"role": "user", "content": "w " * 50}])
 
 
 # ---- tool-call round trips: history with a tool call re-renders identically, and the prefix is reused -------

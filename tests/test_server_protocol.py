@@ -643,9 +643,8 @@ def test_tool_result_for_unknown_id_is_refused(tok):
     call_a = {"id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
     with scripted(tok, ["ok", EOS]) as srv:
         c = oai(srv)
-        for messages in ([{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "call_x", "content": "r"}],
-                         [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call_a]},
-                          {"role": "tool", "tool_call_id": "call_x", "content": "r"}]):
+        user, stray = {"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "call_x", "content": "r"}
+        for messages in ([user, stray], [user, {"role": "assistant", "content": "", "tool_calls": [call_a]}, stray]):
             with pytest.raises(openai.BadRequestError, match="call_x"):
                 c.chat.completions.create(model="deepseek-v4-flash", messages=messages)
         with pytest.raises(anthropic.BadRequestError, match="toolu_x"):
@@ -696,3 +695,30 @@ def test_prefill_continues_the_final_assistant_message(tok):
             msgs[0], {**msgs[1], "prefix": True}])
         assert tok.decode(srv.session.prompts[-1]).endswith("<｜Assistant｜></think>Sure")
         assert r.choices[0].message.content == "ok"
+
+
+def test_non_text_tool_results_render_as_placeholders(tok):
+    """A screenshot returned by an agent tool stays in the history: it renders as the official encoder's
+    `[Unsupported image]` placeholder (parts joined by a blank line) instead of failing every later request.
+    Images the user sends are still refused (test_openai_errors)."""
+    with scripted(tok, ["ok", EOS]) as srv:
+        ant(srv).messages.create(model="deepseek-v4-flash", max_tokens=5, messages=[
+            {"role": "user", "content": "look"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_a", "name": "shot", "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_a", "is_error": True,
+                                          "content": [{"type": "text", "text": "taken"}, {"type": "image", "source": {
+                                              "type": "base64", "media_type": "image/png", "data": "AA=="}}]}]}])
+        prompt = tok.decode(srv.session.prompts[-1])
+        assert "<tool_result>Error:\n\ntaken\n\n[Unsupported image]</tool_result>" in prompt
+        oai(srv).responses.create(model="deepseek-v4-flash", input=[
+            {"role": "user", "content": "look"},
+            {"type": "function_call", "call_id": "call_a", "name": "shot", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "call_a", "output": [
+                {"type": "input_image", "image_url": "data:,"}]}])
+        assert "<tool_result>[Unsupported input_image]</tool_result>" in tok.decode(srv.session.prompts[-1])
+        with pytest.raises(openai.BadRequestError, match="content part"):
+            oai(srv).chat.completions.create(model="deepseek-v4-flash", messages=[
+                {"role": "user", "content": "look"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "c", "type": "function", "function": {"name": "shot", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "c", "content": [{"no_type": 1}]}])

@@ -9,7 +9,8 @@ import json
 from .protocol import (
     Started,
     ApiError, Done, GenRequest, Reasoning, Result, Text, ToolCallOut, apply_sampling, attach_to_system, bad,
-    check_tool_schema, check_turns, get_bool, get_int, note_unknown, reject_if, resolve_model, resolve_thinking, sse, text_of,
+    check_tool_schema, check_turns, get_bool, get_int, note_unknown, reject_if, resolve_model,
+    resolve_thinking, sse, text_of, tool_result_of,
 )
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -54,9 +55,10 @@ def _user_blocks(blocks: list, w: str) -> list[dict]:
             tid = b.get("tool_use_id")
             if not isinstance(tid, str):
                 raise bad(f"{w}.content[{j}].tool_use_id must be a string", "messages")
-            result = text_of(b.get("content", ""), f"{w}.content[{j}].content")
+            result = tool_result_of(b.get("content", ""), f"{w}.content[{j}].content")
             if b.get("is_error"):
-                result = "Error: " + result
+                result = "Error: " + result if isinstance(result, str) else \
+                    [{"type": "text", "text": "Error:"}] + result
             out.append({"role": "tool", "tool_call_id": tid, "content": result})
         else:
             raise bad(f"{w}.content[{j}] has type {kind!r}; user turns take text and tool_result blocks only "
@@ -114,8 +116,8 @@ def _tools(body: dict) -> list[dict]:
 
 
 FIELDS = frozenset({"model", "max_tokens", "messages", "system", "tools", "tool_choice", "stop_sequences",
-                    "temperature", "top_p", "top_k", "min_p", "seed", "stream", "thinking", "metadata", "service_tier", "mcp_servers",
-                    "container"})
+                    "temperature", "top_p", "top_k", "min_p", "seed", "stream", "thinking", "metadata", "service_tier",
+                    "mcp_servers", "container"})
 
 
 def _common(body: dict, served: tuple[str, ...], api: str) -> GenRequest:

@@ -13,7 +13,8 @@ import json
 from .protocol import (
     Started,
     ApiError, Done, GenRequest, Reasoning, Result, Text, ToolCallOut, apply_sampling, attach_to_system, bad,
-    check_tool_schema, check_turns, get_bool, note_unknown, reject_if, resolve_model, resolve_thinking, sse, text_of,
+    check_tool_schema, check_turns, get_bool, note_unknown, reject_if, resolve_model,
+    resolve_thinking, sse, text_of, tool_result_of,
 )
 
 
@@ -119,7 +120,8 @@ def chat_messages(messages, where: str = "messages") -> list[dict]:
             tid = m.get("tool_call_id")
             if not isinstance(tid, str):
                 raise bad(f"{w}.tool_call_id must be a string", where)
-            out.append({"role": "tool", "tool_call_id": tid, "content": text_of(m.get("content"), f"{w}.content")})
+            out.append({"role": "tool", "tool_call_id": tid, "content": tool_result_of(m.get("content"),
+                                                                                        f"{w}.content")})
         else:
             raise bad(f"{w}.role must be system, developer, user, assistant or tool, got {role!r}", where)
     return out

@@ -335,6 +335,33 @@ def text_of(content, where: str, *, allow_none: bool = False) -> str:
     raise bad(f"{where} must be a string or a list of text parts")
 
 
+def tool_result_of(content, where: str) -> str | list[dict]:
+    """A tool result for the renderer: a string, or text parts with a placeholder part for anything else, which
+    the official encoder renders as `[Unsupported image]` etc. (and joins parts with a blank line). Agent tools
+    return screenshots; refusing them would fail every later request of the loop, since the result stays in
+    the history."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad(f"{where} must be a string or a list of content parts")
+    parts = []
+    for i, part in enumerate(content):
+        if isinstance(part, str):
+            part = {"type": "text", "text": part}
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("text", "input_text", "output_text"):
+            if not isinstance(part.get("text"), str):
+                raise bad(f"{where}[{i}].text must be a string")
+            parts.append({"type": "text", "text": part["text"]})
+        elif isinstance(kind, str) and kind:
+            parts.append({"type": kind})
+        else:
+            raise bad(f"{where}[{i}] must be a content part with a string 'type'")
+    return parts
+
+
 def sse(data: dict | str, event: str | None = None) -> bytes:
     import orjson
 

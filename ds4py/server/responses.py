@@ -15,7 +15,8 @@ from .openai import error_body  # noqa: F401  (same error JSON as the other Open
 from .protocol import (
     Started,
     Done, GenRequest, Reasoning, Result, Text, ToolCallOut, apply_sampling, attach_to_system, bad,
-    check_tool_schema, check_turns, get_bool, note_unknown, reject_if, resolve_model, resolve_thinking, sse, text_of,
+    check_tool_schema, check_turns, get_bool, note_unknown, reject_if, resolve_model,
+    resolve_thinking, sse, text_of, tool_result_of,
 )
 
 # A Responses "custom" tool takes free text; the model sees it as a function with one string parameter.
@@ -88,8 +89,8 @@ def _input_messages(inp, instructions) -> list[dict]:
         elif kind in ("function_call_output", "custom_tool_call_output"):
             if not isinstance(it.get("call_id"), str):
                 raise bad(f"{w}.call_id must be a string", "input")
-            msgs.append({"role": "tool", "tool_call_id": it["call_id"], "content": text_of(it.get("output", ""),
-                                                                                         f"{w}.output")})
+            msgs.append({"role": "tool", "tool_call_id": it["call_id"], "content": tool_result_of(it.get("output", ""),
+                                                                                               f"{w}.output")})
         else:
             raise bad(f"{w} has type {kind!r}; supported input items: message, reasoning, function_call, "
                       "function_call_output, custom_tool_call, custom_tool_call_output", "input")
