@@ -516,6 +516,19 @@ def test_thinking_controls(tok):
         assert "Reasoning Effort" in tok.decode(srv.session.prompts[-1])
         with pytest.raises(openai.BadRequestError, match="reasoning_effort"):
             c.chat.completions.create(**base, reasoning_effort="extreme")
+        # the same switches on the other two APIs
+        for call, ends_with in ((lambda: c.responses.create(model="deepseek-v4-flash", input="x",
+                                                            extra_body={"think": False}), "</think>"),
+                                (lambda: c.responses.create(model="deepseek-chat", input="x",
+                                                            reasoning={"effort": "high"}), "<think>"),
+                                (lambda: ant(srv).messages.create(model="deepseek-v4-flash", max_tokens=5,
+                                                                  messages=base["messages"],
+                                                                  extra_body={"think": False}), "</think>"),
+                                (lambda: ant(srv).messages.create(model="deepseek-v4-flash", max_tokens=5,
+                                                                  messages=base["messages"],
+                                                                  extra_body={"reasoning_effort": "none"}), "</think>")):
+            call()
+            assert tok.decode(srv.session.prompts[-1]).endswith(ends_with)
 
 
 def test_codex_shaped_responses_round_trip(tok):

@@ -116,7 +116,7 @@ def _tools(body: dict) -> list[dict]:
 
 
 FIELDS = frozenset({"model", "max_tokens", "messages", "system", "tools", "tool_choice", "stop_sequences",
-                    "temperature", "top_p", "top_k", "min_p", "seed", "stream", "thinking", "metadata", "service_tier",
+                    "temperature", "top_p", "top_k", "min_p", "seed", "stream", "thinking", "think", "reasoning_effort", "metadata", "service_tier",
                     "mcp_servers", "container"})
 
 
@@ -126,7 +126,8 @@ def _common(body: dict, served: tuple[str, ...], api: str) -> GenRequest:
     reject_if(body, "container", (None,), "is not supported")
     model, alias = resolve_model(body, served)
     req = GenRequest(api=api, model=model)
-    req.thinking, req.reasoning_effort = resolve_thinking(alias, thinking_obj=body.get("thinking"))
+    req.thinking, req.reasoning_effort = resolve_thinking(alias, effort=body.get("reasoning_effort"),
+                                                          thinking_obj=body.get("thinking"), think=body.get("think"))
     req.tools = _tools(body)
     messages = _messages(body.get("system"), body.get("messages"))
     req.continue_final = check_turns(messages, prefill=True, hint="")   # a final assistant message is a prefill

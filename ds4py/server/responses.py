@@ -138,7 +138,7 @@ def _text_format(body: dict) -> dict | None:
 
 FIELDS = frozenset({
     "model", "input", "instructions", "tools", "tool_choice", "max_output_tokens", "temperature", "top_p", "top_k",
-    "min_p", "seed", "stop", "stream", "reasoning", "thinking", "previous_response_id", "conversation", "background",
+    "min_p", "seed", "stop", "stream", "reasoning", "thinking", "think", "previous_response_id", "conversation", "background",
     "prompt", "top_logprobs", "store", "include", "metadata", "parallel_tool_calls", "prompt_cache_key", "user",
     "safety_identifier", "service_tier", "truncation", "text", "stream_options"})
 
@@ -157,7 +157,8 @@ def parse_responses(body: dict, served: tuple[str, ...]) -> GenRequest:
     if not isinstance(reasoning, dict):
         raise bad("'reasoning' must be an object", "reasoning")
     req.thinking, req.reasoning_effort = resolve_thinking(
-        alias, effort=reasoning.get("effort"), thinking_obj=body.get("thinking"), effort_key="reasoning.effort")
+        alias, effort=reasoning.get("effort"), thinking_obj=body.get("thinking"), think=body.get("think"),
+        effort_key="reasoning.effort")
     req.tools, custom = _tools(body)
     messages = _input_messages(body.get("input"), body.get("instructions"))
     check_turns(messages, prefill=False, hint="")
