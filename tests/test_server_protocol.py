@@ -517,16 +517,15 @@ def test_thinking_controls(tok):
         with pytest.raises(openai.BadRequestError, match="reasoning_effort"):
             c.chat.completions.create(**base, reasoning_effort="extreme")
         # the same switches on the other two APIs
-        for call, ends_with in ((lambda: c.responses.create(model="deepseek-v4-flash", input="x",
-                                                            extra_body={"think": False}), "</think>"),
-                                (lambda: c.responses.create(model="deepseek-chat", input="x",
-                                                            reasoning={"effort": "high"}), "<think>"),
-                                (lambda: ant(srv).messages.create(model="deepseek-v4-flash", max_tokens=5,
-                                                                  messages=base["messages"],
-                                                                  extra_body={"think": False}), "</think>"),
-                                (lambda: ant(srv).messages.create(model="deepseek-v4-flash", max_tokens=5,
-                                                                  messages=base["messages"],
-                                                                  extra_body={"reasoning_effort": "none"}), "</think>")):
+        a = ant(srv)
+        for call, ends_with in (
+                (lambda: c.responses.create(model="deepseek-v4-flash", input="x", extra_body={"think": False}),
+                 "</think>"),
+                (lambda: c.responses.create(model="deepseek-chat", input="x", reasoning={"effort": "high"}), "<think>"),
+                (lambda: a.messages.create(model="deepseek-v4-flash", max_tokens=5, messages=base["messages"],
+                                           extra_body={"think": False}), "</think>"),
+                (lambda: a.messages.create(model="deepseek-v4-flash", max_tokens=5, messages=base["messages"],
+                                           extra_body={"reasoning_effort": "none"}), "</think>")):
             call()
             assert tok.decode(srv.session.prompts[-1]).endswith(ends_with)
 

@@ -116,8 +116,8 @@ def _tools(body: dict) -> list[dict]:
 
 
 FIELDS = frozenset({"model", "max_tokens", "messages", "system", "tools", "tool_choice", "stop_sequences",
-                    "temperature", "top_p", "top_k", "min_p", "seed", "stream", "thinking", "think", "reasoning_effort", "metadata", "service_tier",
-                    "mcp_servers", "container"})
+                    "temperature", "top_p", "top_k", "min_p", "seed", "stream", "thinking", "think",
+                    "reasoning_effort", "metadata", "service_tier", "mcp_servers", "container"})
 
 
 def _common(body: dict, served: tuple[str, ...], api: str) -> GenRequest:
