@@ -139,8 +139,8 @@ def _text_format(body: dict) -> dict | None:
 FIELDS = frozenset({
     "model", "input", "instructions", "tools", "tool_choice", "max_output_tokens", "temperature", "top_p", "top_k",
     "min_p", "seed", "stop", "stream", "reasoning", "thinking", "think", "previous_response_id", "conversation",
-    "background", "prompt", "top_logprobs", "store", "include", "metadata", "parallel_tool_calls", "prompt_cache_key", "user",
-    "safety_identifier", "service_tier", "truncation", "text", "stream_options"})
+    "background", "prompt", "top_logprobs", "store", "include", "metadata", "parallel_tool_calls", "prompt_cache_key",
+    "user", "safety_identifier", "service_tier", "truncation", "text", "stream_options"})
 
 
 def parse_responses(body: dict, served: tuple[str, ...]) -> GenRequest:
