@@ -405,6 +405,8 @@ def test_openai_errors(tok):
             c.chat.completions.create(model="deepseek-v4-flash", messages=msgs, temperature=5)
         with pytest.raises(openai.BadRequestError, match="frequency_penalty"):
             c.chat.completions.create(model="deepseek-v4-flash", messages=msgs, frequency_penalty=0.5)
+        with pytest.raises(openai.BadRequestError, match="repetition_penalty"):
+            c.completions.create(model="deepseek-v4-flash", prompt="x", extra_body={"repetition_penalty": 1.1})
         with pytest.raises(openai.BadRequestError, match="tool_choice"):
             c.chat.completions.create(model="deepseek-v4-flash", messages=msgs, tools=TOOLS_OPENAI,
                                       tool_choice="required")

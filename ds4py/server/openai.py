@@ -24,7 +24,8 @@ def error_body(err: ApiError) -> dict:
 
 SAMPLING = {"model", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream", "stream_options", "n",
             "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs", "user", "metadata",
-            "best_of", "echo", "suffix", "store", "service_tier", "prompt_cache_key", "safety_identifier"}
+            "best_of", "echo", "suffix", "store", "service_tier", "prompt_cache_key", "safety_identifier",
+            "repetition_penalty", "min_tokens", "ignore_eos"}
 CHAT_FIELDS = frozenset(SAMPLING | {
     "messages", "max_tokens", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls",
     "reasoning_effort", "thinking", "think", "response_format", "modalities", "audio", "prediction",
@@ -49,6 +50,10 @@ def _reject_common(body: dict) -> None:
     reject_if(body, "audio", (None,), "is not supported (text only)")
     reject_if(body, "prediction", (None,), "is not supported")
     reject_if(body, "web_search_options", (None,), "is not supported")
+    # sampling extensions other OpenAI-compatible servers take: refused rather than ignored
+    reject_if(body, "repetition_penalty", (None, 1, 1.0), "is not supported (only 1)")
+    reject_if(body, "min_tokens", (None, 0), "is not supported (only 0)")
+    reject_if(body, "ignore_eos", (None, False), "is not supported")
     if body.get("modalities") not in (None, ["text"]):
         raise bad("'modalities' must be [\"text\"]: this server generates text only", "modalities")
 
