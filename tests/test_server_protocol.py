@@ -458,6 +458,9 @@ def test_api_key_auth_and_open_health(tok):
                                                   messages=[{"role": "user", "content": "x"}])
         assert oai(srv, key="s3cret").chat.completions.create(      # Bearer
             model="deepseek-chat", messages=[{"role": "user", "content": "x"}]).choices[0].message.content == "ok"
+        # Claude Code with both ANTHROPIC_API_KEY and ANTHROPIC_AUTH_TOKEN set sends both headers
+        assert get(srv.base_url + "/v1/models", timeout=10, headers={
+            "x-api-key": "sk-ant-other", "Authorization": "Bearer s3cret"}).status_code == 200
         assert ant(srv, key="s3cret").messages.create(               # x-api-key
             model="deepseek-v4-flash", max_tokens=5, thinking={"type": "disabled"},
             messages=[{"role": "user", "content": "x"}]).content[0].text == "ok"

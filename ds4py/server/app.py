@@ -157,11 +157,13 @@ def _endpoint(request: web.Request) -> str:
 
 
 def _check_auth(request: web.Request, key: str) -> None:
-    given = request.headers.get("x-api-key")
+    # either header may carry the key: Claude Code with both ANTHROPIC_API_KEY and ANTHROPIC_AUTH_TOKEN set
+    # sends both
+    given = [request.headers.get("x-api-key", "")]
     auth = request.headers.get("Authorization", "")
-    if given is None and auth.lower().startswith("bearer "):
-        given = auth[7:].strip()
-    if given is None or not hmac.compare_digest(given.encode(), key.encode()):
+    if auth.lower().startswith("bearer "):
+        given.append(auth[7:].strip())
+    if not any(g and hmac.compare_digest(g.encode(), key.encode()) for g in given):
         raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY')",
                        kind="authentication_error", code="invalid_api_key")
 
