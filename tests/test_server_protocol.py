@@ -542,7 +542,8 @@ def test_codex_shaped_responses_round_trip(tok):
         body = {"model": "deepseek-v4-flash", "instructions": "You are Codex.", "stream": True, "store": False,
                 "include": ["reasoning.encrypted_content"], "parallel_tool_calls": False, "tool_choice": "auto",
                 "prompt_cache_key": "abc", "reasoning": {"effort": "medium", "summary": "auto"},
-                "tools": TOOLS_RESPONSES,
+                # Codex declares the hosted web_search tool by default: it cannot run here and is not offered
+                "tools": TOOLS_RESPONSES + [{"type": "web_search", "external_web_access": False}],
                 "input": [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "env"}]},
                           {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}]}
         events = [e for e in oai(srv).responses.create(**{k: v for k, v in body.items() if k != "stream"},
@@ -560,6 +561,7 @@ def test_codex_shaped_responses_round_trip(tok):
         oai(srv).responses.create(**{**{k: v for k, v in body.items() if k != "stream"}, "input": history})
         first, second = (tok.decode(p) for p in srv.session.prompts)
         assert second.startswith(first + SAMPLED + EOS)
+        assert '"name": "get_weather"' in first and "web_search" not in first
 
 
 # ---- client text is plain text: it can never forge a special token -------------------------------------------

@@ -112,9 +112,13 @@ def _tools(body: dict) -> tuple[list[dict], set[str]]:
             schema = {"type": "object", "properties": {CUSTOM_PARAM: {"type": "string"}}, "required": [CUSTOM_PARAM]}
             out.append(check_tool_schema(t.get("name"), t.get("description"), schema, f"tools[{i}]"))
             custom.add(t["name"])
+        elif isinstance(kind, str) and kind:
+            # A hosted tool (web_search, image_generation, file_search, mcp, ...) runs on OpenAI's servers, not
+            # here. Codex declares web_search on every request by default, so refusing it would make Codex
+            # unusable: the model is simply not shown the tool (logged once per type; see docs/server.md).
+            note_unknown({kind: None}, frozenset(), "/v1/responses hosted tool (not offered to the model)")
         else:
-            raise bad(f"tools[{i}] has type {kind!r}: only 'function' and 'custom' tools are supported "
-                      "(no hosted tools)", "tools")
+            raise bad(f"tools[{i}] needs a string 'type' ('function' or 'custom')", "tools")
     choice = body.get("tool_choice")
     if choice in (None, "auto"):
         return out, custom
