@@ -9,6 +9,7 @@ prefix reuse of the live KV state makes that cheap.
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 
 from .openai import error_body  # noqa: F401  (same error JSON as the other OpenAI endpoints)
@@ -18,6 +19,8 @@ from .protocol import (
     check_tool_schema, check_turns, get_bool, note_unknown, reject_if, resolve_model,
     resolve_thinking, sse, text_of, tool_result_of,
 )
+
+log = logging.getLogger("ds4py.server")
 
 # A Responses "custom" tool takes free text; the model sees it as a function with one string parameter.
 CUSTOM_PARAM = "input"
@@ -99,6 +102,9 @@ def _input_messages(inp, instructions) -> list[dict]:
     return msgs
 
 
+_hosted_seen: set[str] = set()
+
+
 def _tools(body: dict) -> tuple[list[dict], set[str]]:
     tools = body.get("tools") or []
     if not isinstance(tools, list):
@@ -116,7 +122,9 @@ def _tools(body: dict) -> tuple[list[dict], set[str]]:
             # A hosted tool (web_search, image_generation, file_search, mcp, ...) runs on OpenAI's servers, not
             # here. Codex declares web_search on every request by default, so refusing it would make Codex
             # unusable: the model is simply not shown the tool (logged once per type; see docs/server.md).
-            note_unknown({kind: None}, frozenset(), "/v1/responses hosted tool (not offered to the model)")
+            if kind not in _hosted_seen:
+                _hosted_seen.add(kind)
+                log.warning("/v1/responses: hosted tool %r cannot run on this server; not offered to the model", kind)
         else:
             raise bad(f"tools[{i}] needs a string 'type' ('function' or 'custom')", "tools")
     choice = body.get("tool_choice")
