@@ -255,6 +255,40 @@ ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.
              "F8_E8M0": np.uint8, "BOOL": np.uint8}
 
 
+def read_safetensors_header(path: str) -> dict[str, tuple[str, str, tuple[int, ...], int, int]]:
+    """name -> (path, dtype, shape, file offset, nbytes), checked against the file's size so that a truncated
+    or foreign file is a ConvertError naming it, never a crash in the middle of a conversion."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+        if n is None or n > min(size - 8, 100 << 20):
+            raise ConvertError(f"{path}: not a safetensors file, or truncated (header length "
+                               f"{n if n is not None else 'missing'}, file size {size})")
+        try:
+            header = json.loads(fh.read(n))
+            if not isinstance(header, dict):
+                raise ValueError("not a JSON object")
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ConvertError(f"{path}: the safetensors header is not valid JSON ({e})") from None
+    base, out = 8 + n, {}
+    for name, e in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dt, shape, (b0, b1) = e["dtype"], tuple(int(d) for d in e["shape"]), e["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise ConvertError(f"{path}: malformed safetensors entry for tensor {name!r}") from None
+        if not 0 <= b0 <= b1 or base + b1 > size:
+            raise ConvertError(f"{path}: tensor {name!r} lies beyond the end of the file "
+                               f"(bytes {base + b0}..{base + b1} of {size}): the file is truncated")
+        item = np.dtype(ST_DTYPES[dt]).itemsize if dt in ST_DTYPES else None
+        if item is not None and b1 - b0 != item * int(np.prod(shape, dtype=np.int64)):
+            raise ConvertError(f"{path}: tensor {name!r} has {b1 - b0} bytes for {dt} {list(shape)}")
+        out[name] = (path, dt, shape, base + b0, b1 - b0)
+    return out
+
+
 def scale_name(weight: str) -> str:
     """`x.weight` -> `x.scale` (the official name of a quantised weight's scales)."""
     return weight[: -len(".weight")] + ".scale" if weight.endswith(".weight") else weight + ".scale"
@@ -279,16 +313,14 @@ class Checkpoint:
             path = os.path.join(src, fname)
             if not os.path.isfile(path):
                 raise ConvertError(f"{src}: shard {fname} named in the index is missing")
-            with open(path, "rb") as fh:
-                (n,) = struct.unpack("<Q", fh.read(8))
-                header = json.loads(fh.read(n))
-            base = 8 + n
-            for name, e in header.items():
-                if name == "__metadata__":
-                    continue
-                b0, b1 = e["data_offsets"]
-                self.entries[name] = (path, e["dtype"], tuple(e["shape"]), base + b0, b1 - b0)
+            for name, entry in read_safetensors_header(path).items():
+                self.entries[name] = entry
         self._maps: dict[str, np.memmap] = {}
+
+    def release(self) -> None:
+        """Unmap the files: the pages read so far leave this process's resident set (called after every
+        output tensor, so a many-GB checkpoint never accumulates in RSS)."""
+        self._maps.clear()
 
     def __contains__(self, name: str) -> bool:
         return name in self.entries
@@ -422,8 +454,9 @@ class OutTensor:
 
 
 def write_gguf(out: str, name: str, meta: list[tuple[str, str, Any]], tok: Tokenizer | None,
-               tensors: list[OutTensor], progress: bool = True) -> None:
-    """Write a GGUF to `out` via a temporary file; tensors are built one at a time by `make()`."""
+               tensors: list[OutTensor], progress: bool = True, after_tensor: Callable[[], None] | None = None) -> None:
+    """Write a GGUF to `out` via a temporary file; tensors are built one at a time by `make()` and dropped
+    once written (`after_tensor` runs after each one)."""
     import gguf
 
     out_dir = os.path.dirname(os.path.abspath(out)) or "."
@@ -473,6 +506,8 @@ def write_gguf(out: str, name: str, meta: list[tuple[str, str, Any]], tok: Token
                 print(f"[{i + 1:4d}/{len(tensors)}] {t.name:<36s} {t.qtype.name:<7s} {list(t.shape[::-1])} "
                       f"{done / 2**20:9.1f}/{total / 2**20:.1f} MiB {time.time() - t0:6.1f}s", file=sys.stderr)
             del data
+            if after_tensor is not None:
+                after_tensor()
         w.close()
         os.replace(tmp, out)
     except BaseException:
@@ -525,7 +560,9 @@ class _Converter:
             yield r0, r1, self.ck.floats(name, r0, r1)
 
     def all_exact_f16(self, name: str, nrows: int) -> bool:
-        return all(_f16_exact(x) for _, _, x in self.rows(name, nrows))
+        exact = all(_f16_exact(x) for _, _, x in self.rows(name, nrows))
+        self.ck.release()                     # planning reads whole tensors too: keep RSS to one at a time
+        return exact
 
     # -- plan ------------------------------------------------------------------------------------------------
     def plan(self) -> list[OutTensor]:
@@ -655,4 +692,4 @@ def convert_checkpoint(src: str, out: str, experts: str = "mxfp4", dense: str = 
     if mtp:
         conv.log(f"note: skipping {len(mtp)} MTP tensors (ds4 keeps the draft block in a separate GGUF)")
     name = os.path.basename(os.path.normpath(src)) or "deepseek4"
-    write_gguf(out, name, gguf_metadata(shape), tok, tensors, progress)
+    write_gguf(out, name, gguf_metadata(shape), tok, tensors, progress, after_tensor=ck.release)

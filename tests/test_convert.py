@@ -14,6 +14,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from ds4py import quant
+from ds4py.quant import official
 from ds4py.convert import Checkpoint, ConvertError, convert_checkpoint, ds4_layout, load_hf_tokenizer, shape_from_config
 from ds4py.gguf import GGUFFile
 
@@ -265,3 +266,98 @@ def test_f32_scales_and_u8_packed_experts_are_accepted(golden, tmp_path, convert
     bad = edit["layers.2.attn.wq_b.scale"][1] * np.float32(1.5)
     _fails(copy_ckpt(golden, tmp_path / "g", edit={"layers.2.attn.wq_b.scale": ("F32", bad)}), out,
            "'layers.2.attn.wq_b.scale' holds values that are not powers of two")
+
+
+def test_bad_checkpoint_files_are_one_line_errors(golden, tmp_path):
+    """Truncated / foreign safetensors, no config.json, a V4.1 checkpoint: a ConvertError naming the file,
+    no output and no temporary left behind."""
+    out = tmp_path / "o.gguf"
+    blob = (golden / "v4-tiny" / "model.safetensors").read_bytes()
+    for name, data, match in (("cut_data", blob[: len(blob) // 2], "lies beyond the end of the file"),
+                              ("cut_header", blob[:2000], "not a safetensors file, or truncated"),
+                              ("foreign", b"\x89PNG\r\n\x1a\n" + bytes(200), "not a safetensors file"),
+                              ("bad_json", struct.pack("<Q", 8) + b"{nojson}", "not valid JSON")):
+        d = tmp_path / name
+        d.mkdir()
+        shutil.copy(golden / "v4-tiny" / "config.json", d)
+        (d / "model.safetensors").write_bytes(data)
+        _fails(d, out, match)
+    d = tmp_path / "noconfig"
+    d.mkdir()
+    shutil.copy(golden / "v4-tiny" / "model.safetensors", d)
+    _fails(d, out, "config.json is missing")
+    _fails(golden / "v41-tiny", out, "V4.1")                  # the real V4.1 golden checkpoint
+    assert not out.exists()
+    r = subprocess.run([sys.executable, "-m", "ds4py", "convert", str(tmp_path / "cut_data"), str(out)],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "truncated" in r.stderr and not out.exists()
+
+
+def synthetic_checkpoint(golden, dst, shards=1, **cfg_edit):
+    """A random official-layout checkpoint of any shape (FP8 + e8m0 linears, FP4 experts, BF16, F32, I64)."""
+    from ds4py.convert import scale_name
+    cfg = json.loads((golden / "v4-tiny" / "config.json").read_text()) | cfg_edit
+    s = shape_from_config(cfg)
+    rng = np.random.default_rng(0)
+    t = {}
+    for sp in ds4_layout(s):
+        shp = sp.shape[1:] if sp.slot == "experts" else sp.shape
+        for n in sp.src if isinstance(sp.src, list) else [sp.src]:
+            if sp.slot == "q8":
+                t[n] = ("F8_E4M3", rng.integers(0, 0x7F, shp, dtype=np.uint8) | np.uint8(0x80) * rng.integers(0, 2, shp, dtype=np.uint8))
+                t[scale_name(n)] = ("F8_E8M0", np.full((-(-shp[0] // 128), -(-shp[1] // 128)), 120, np.uint8))
+            elif sp.slot == "experts":
+                t[n] = ("I8", rng.integers(-128, 128, (shp[0], shp[1] // 2), dtype=np.int8))
+                t[scale_name(n)] = ("F8_E8M0", np.full((shp[0], shp[1] // 32), 124, np.uint8))
+            elif sp.slot == "i32":
+                t[n] = ("I64", np.argsort(rng.random((shp[0], s.n_routed_experts)), 1)[:, :shp[1]].astype(np.int64))
+            elif sp.slot == "f16":
+                t[n] = ("BF16", (rng.standard_normal(shp, np.float32).view(np.uint32) >> 16).astype(np.uint16))
+            else:
+                t[n] = ("F32", rng.standard_normal(shp, np.float32))
+    os.makedirs(dst, exist_ok=True)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    names, wmap = list(t), {}
+    for k in range(shards):
+        fname = "model.safetensors" if shards == 1 else f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: t[n] for n in names[k::shards]}
+        write_safetensors(dst / fname, part)
+        wmap.update({n: fname for n in part})
+    if shards > 1:
+        (dst / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wmap}))
+    return dst, t
+
+
+# VmHWM (peak RSS of this process image; ru_maxrss would include the forking parent's, pytest's, peak)
+MEASURE = """
+import sys
+from ds4py.convert import convert_checkpoint
+kb = lambda: int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1])
+base = kb()
+convert_checkpoint(sys.argv[1], sys.argv[2], dense="f32", progress=False)
+print(base, kb())
+"""
+
+
+def test_peak_memory_is_bounded_by_the_largest_tensor(golden, tmp_path):
+    """Peak RSS growth while converting a sharded 110 MB checkpoint stays within about one output tensor (and
+    its float32 working copy) + one source tensor: tensors are built, written and dropped one at a time, and
+    the memory-mapped sources are unmapped after each (otherwise every page read stays resident: measured
+    +42 MiB with, +122 MiB without)."""
+    src, t = synthetic_checkpoint(golden, tmp_path / "ck", shards=2, dim=512, vocab_size=8192, moe_inter_dim=512,
+                                  n_routed_experts=32)
+    out = tmp_path / "big.gguf"
+    r = subprocess.run([sys.executable, "-c", MEASURE, str(src), str(out)], capture_output=True, text=True,
+                       check=True)
+    base, peak = (int(v) << 10 for v in r.stdout.split())
+    f = GGUFFile(out)
+    largest_out = max(x.nbytes for x in f.tensors.values())              # F32 embedding / head: 16 MiB
+    largest_src = max(a.nbytes for _, a in t.values())                    # BF16 embedding: 8 MiB
+    total_src = sum(a.nbytes for _, a in t.values())                      # 113 MiB
+    bound = 2 * largest_out + largest_src + (16 << 20)
+    assert total_src + largest_out > 1.5 * bound                          # holding everything would fail
+    assert peak - base <= bound, f"peak RSS grew by {(peak - base) >> 20} MiB (bound {bound >> 20} MiB)"
+    up = f.tensor("blk.1.ffn_up_exps.weight")
+    got = quant.dequantize(up.raw_bytes(), up.qtype, up.shape)[3]
+    want = official.dequant_fp4(t["layers.1.ffn.experts.3.w3.weight"][1], t["layers.1.ffn.experts.3.w3.scale"][1])
+    assert np.array_equal(got, want)
