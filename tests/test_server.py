@@ -398,3 +398,14 @@ def test_serve_demo_model(tmp_path):
         err = _stop(proc)
     assert "RANDOM WEIGHTS" in err
     assert (tmp_path / "ds4py" / "demo-tiny-random-seed0.gguf").is_file()
+
+
+def test_ignore_eos_generates_max_tokens(oai):
+    """vLLM's `ignore_eos` (used by `bench serve --ignore-eos`) is honoured, not ignored: exactly max_tokens."""
+    for n in (1, 7):
+        r = oai.chat.completions.create(model="deepseek-chat", messages=[{"role": "user", "content": "hi"}],
+                                        max_tokens=n, temperature=0, extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == n and r.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError, match="ignore_eos"):
+        oai.chat.completions.create(model="deepseek-chat", messages=[{"role": "user", "content": "hi"}],
+                                    max_tokens=2, extra_body={"ignore_eos": "yes"})

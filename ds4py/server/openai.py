@@ -53,7 +53,6 @@ def _reject_common(body: dict) -> None:
     # sampling extensions other OpenAI-compatible servers take: refused rather than ignored
     reject_if(body, "repetition_penalty", (None, 1, 1.0), "is not supported (only 1)")
     reject_if(body, "min_tokens", (None, 0), "is not supported (only 0)")
-    reject_if(body, "ignore_eos", (None, False), "is not supported")
     if body.get("modalities") not in (None, ["text"]):
         raise bad("'modalities' must be [\"text\"]: this server generates text only", "modalities")
 

@@ -64,6 +64,7 @@ class GenRequest:
     seed: int | None = None
     max_tokens: int | None = None
     stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False                  # vLLM's extension: generate max_tokens whatever is sampled (benchmarks)
     stream: bool = False
     include_usage: bool = False
     continue_final: bool = False              # the prompt ends inside the last assistant message (prefill)
@@ -205,6 +206,7 @@ def apply_sampling(req: GenRequest, body: dict, *, max_keys: tuple[str, ...], st
         if v is not None:
             req.max_tokens = v
     req.stop = get_stop(body, stop_key)
+    req.ignore_eos = get_bool(body, "ignore_eos")
 
 
 def resolve_model(body: dict, served: tuple[str, ...]) -> tuple[str, bool | None]:

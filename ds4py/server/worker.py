@@ -90,7 +90,8 @@ class Engine:
 
         req, m = job.req, self.metrics
         params = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, min_p=req.min_p,
-                                seed=req.seed, max_tokens=req.max_tokens, stop=list(req.stop))
+                                seed=req.seed, max_tokens=req.max_tokens, stop=list(req.stop),
+                                ignore_eos=req.ignore_eos)
         # a continued (prefilled) assistant message is past its </think> already
         in_reasoning = req.thinking and not req.continue_final
         parser = self._parser_factory(in_reasoning) if req.messages is not None else None
