@@ -187,7 +187,35 @@ def tiny_shape(**kw: Any) -> V4Shape:
         raise ConvertError("n_activated_experts exceeds n_routed_experts")
     if s.rope_head_dim > s.head_dim or s.rope_head_dim % 2:
         raise ConvertError("rope_head_dim must be even and at most head_dim")
+    _check_loadable(s)
     return s
+
+
+class _ShapeMeta:
+    """The metadata make_tiny would write, readable by ModelConfig.from_gguf (no tensors)."""
+    path = "make-tiny shape"
+
+    def __init__(self, s: V4Shape):
+        self.kv = {k: v for k, _, v in gguf_metadata(s)} | {"general.architecture": "deepseek4"}
+
+    def meta(self, key: str, default: Any = ...) -> Any:
+        if key in self.kv:
+            return self.kv[key]
+        if default is ...:
+            raise ConvertError(f"metadata key {key!r} is missing")
+        return default
+
+
+def _check_loadable(s: V4Shape) -> None:
+    """Refuse a shape the loader would reject (e.g. non-rope head dims not a multiple of the FP8 block), so
+    make-tiny never writes a file that cannot be opened."""
+    from ds4py.config import ModelConfig
+    from ds4py.errors import ConfigError
+
+    try:
+        ModelConfig.from_gguf(_ShapeMeta(s), validate=False)
+    except ConfigError as e:
+        raise ConvertError(str(e)) from None
 
 
 class _Weights:

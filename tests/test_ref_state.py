@@ -111,3 +111,14 @@ def test_score_command(golden, tmp_path, capsys):
     np.save(tmp_path / "bad.npy", np.array([0, 600]))
     assert main(["score", "-m", gguf, "--ids", str(tmp_path / "bad.npy"), "--split", "1", "--out", str(out)]) == 2
     assert "token id 600 at index 1 is outside the vocabulary" in capsys.readouterr().err
+    args = ["score", "-m", gguf, "--ids", str(tmp_path / "ids.npy"), "--split", "0", "--out", str(tmp_path / "o.npy")]
+    assert main(args) == 2 and "--split 0 is out of range" in capsys.readouterr().err
+    args[-1] = str(tmp_path / "missing" / "o.npy")          # checked before any compute
+    assert main(args[:-3] + ["1", "--out", args[-1]]) == 2 and "does not exist" in capsys.readouterr().err
+    assert main(["score", "-m", str(tmp_path / "ids.npy"), "--ids", str(tmp_path / "ids.npy"), "--split", "1",
+                 "--out", str(tmp_path / "o.npy")]) == 2 and "not a GGUF" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.npy", "ids.npy", "logits.npy"]   # nothing partial
+    # the exact name given, even without .npy (np.save would append one)
+    assert main(["score", "-m", gguf, "--ids", str(tmp_path / "ids.npy"), "--split", "11", "--out",
+                 str(tmp_path / "l.bin")]) == 0
+    np.testing.assert_allclose(np.load(tmp_path / "l.bin"), got[2:], atol=1e-3)   # row 0: prefill, not decode

@@ -116,6 +116,11 @@ def test_bad_shapes_are_refused(tmp_path):
         make_tiny(str(tmp_path / "x.gguf"), layerz=3)
     with pytest.raises(ConvertError, match="not V4 Flash ratios"):
         make_tiny(str(tmp_path / "x.gguf"), n_layers=2, compress_ratios=[0, 2])
+    # shapes the loader (ModelConfig) would reject are refused before anything is written
+    with pytest.raises(ConvertError, match="not a multiple of the FP8 block"):
+        make_tiny(str(tmp_path / "x.gguf"), head_dim=128, rope_head_dim=32)
+    with pytest.raises(ConvertError, match="indexer key_length 48 must be a power of two"):
+        make_tiny(str(tmp_path / "x.gguf"), index_head_dim=48)
     assert not list(tmp_path.iterdir())
 
 

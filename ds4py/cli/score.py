@@ -39,12 +39,17 @@ def load_ids(path: str):
 
 
 def run(args: argparse.Namespace) -> int:
+    import os
+
     import numpy as np
 
     from ds4py.errors import Ds4Error
     from ds4py.model import open_model
 
     ids = load_ids(args.ids)
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):
+        raise Ds4Error(f"--out {args.out}: the folder {out_dir} does not exist or is not writable")
     T, P = len(ids), args.split
     if not 1 <= P <= T:
         raise Ds4Error(f"--split {P} is out of range: it must be between 1 and the number of ids ({T})")
@@ -62,6 +67,13 @@ def run(args: argparse.Namespace) -> int:
     for tok in ids[P:]:
         rows.append(model.decode(state, int(tok)))
     out = np.stack(rows).astype(np.float32)
-    np.save(args.out, out)
+    tmp = os.path.join(out_dir, f".{os.path.basename(args.out)}.tmp-{os.getpid()}")
+    try:                                     # written whole or not at all, under exactly the given name
+        with open(tmp, "wb") as fh:
+            np.save(fh, out)
+        os.replace(tmp, args.out)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
     print(f"wrote {args.out}: logits {list(out.shape)} (prefill {P}, decoded {T - P})")
     return 0
