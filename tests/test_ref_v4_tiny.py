@@ -19,7 +19,8 @@ NOQUANT_ATOL = 1e-4
 # rounding flips that then persist in the KV cache (the official code's own prefill and decode differ by up
 # to 0.105 on case c). Which positions flip depends on the BLAS, so the check is statistical per case:
 QAT_MEDIAN = 0.05        # median over a case's positions of the row max |diff| (measured <= 0.004)
-QAT_MAX = 1.0            # a flipped indexer pick moves one row by up to ~0.6 (measured)
+QAT_MAX = 1.0            # one row of case c moves by 0.62: an FP8 flip in layer 1's KV tips a near-tie in
+                         # layer 6's router (docs/reference.md); indexer-pick swaps move rows by <= 0.06
 
 
 @pytest.fixture(scope="session")
