@@ -459,10 +459,7 @@ def write_gguf(out: str, name: str, meta: list[tuple[str, str, Any]], tok: Token
     once written (`after_tensor` runs after each one)."""
     import gguf
 
-    out_dir = os.path.dirname(os.path.abspath(out)) or "."
-    if not os.path.isdir(out_dir):
-        raise ConvertError(f"{out}: the output folder {out_dir} does not exist")
-    tmp = os.path.join(out_dir, f".{os.path.basename(out)}.tmp-{os.getpid()}")
+    out, tmp = output_paths(out)
     w = gguf.GGUFWriter(tmp, ARCH)
     try:
         w.add_name(name)
@@ -510,11 +507,27 @@ def write_gguf(out: str, name: str, meta: list[tuple[str, str, Any]], tok: Token
                 after_tensor()
         w.close()
         os.replace(tmp, out)
-    except BaseException:
+    except BaseException as e:
         w.close()
         if os.path.exists(tmp):
             os.remove(tmp)
+        if isinstance(e, OSError):           # disk full, unwritable folder, I/O error: one line, not a trace
+            raise ConvertError(f"{out}: {e.strerror or e}{f' ({e.filename})' if e.filename else ''}") from e
         raise
+
+
+def output_paths(out: str) -> tuple[str, str]:
+    """(OUT, the temporary file beside it that is renamed to OUT on success); checked up front so that a bad
+    OUT fails before any conversion work."""
+    path = os.path.abspath(out)
+    out_dir = os.path.dirname(path)
+    if os.path.isdir(path):
+        raise ConvertError(f"{out}: is a folder; give the name of the GGUF file to write")
+    if not os.path.isdir(out_dir):
+        raise ConvertError(f"{out}: the output folder {out_dir} does not exist")
+    if not os.access(out_dir, os.W_OK):
+        raise ConvertError(f"{out}: the output folder {out_dir} is not writable")
+    return path, os.path.join(out_dir, f".{os.path.basename(path)}.tmp-{os.getpid()}")
 
 
 # ----------------------------------------------------------------------------------------------- conversion
@@ -664,6 +677,7 @@ def convert_checkpoint(src: str, out: str, experts: str = "mxfp4", dense: str = 
         raise ConvertError(f"--dense {dense!r} is not one of {', '.join(DENSE_MODES)}")
     if not os.path.isdir(src):
         raise ConvertError(f"{src}: not a folder (expected a checkpoint folder with config.json)")
+    output_paths(out)
     cfg_path = os.path.join(src, "config.json")
     if not os.path.isfile(cfg_path):
         raise ConvertError(f"{src}: config.json is missing")

@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType as QT
 
 from ds4py import quant
 from ds4py.convert import (ConvertError, OutTensor, Spec, Tokenizer, V4Shape, bytes_to_unicode, ds4_layout,
-                           gguf_metadata, write_gguf)
+                           gguf_metadata, output_paths, write_gguf)
 from ds4py.quant import official
 from ds4py.quant.mxfp4 import mxfp4_from_official
 
@@ -330,6 +330,7 @@ def make_tiny(out_path: str, seed: int = 0, experts: str = "iq2", name: str = "d
     if experts not in EXPERT_KINDS:
         raise ConvertError(f"experts {experts!r} is not one of {', '.join(EXPERT_KINDS)}")
     s = tiny_shape(**shape)
+    output_paths(out_path)
     w = _Weights(s, seed, experts)
     tensors = [w.tensor(i, sp) for i, sp in enumerate(ds4_layout(s))]
     write_gguf(out_path, name, gguf_metadata(s), tiny_tokenizer(s.vocab_size), tensors, progress)

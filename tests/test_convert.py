@@ -361,3 +361,16 @@ def test_peak_memory_is_bounded_by_the_largest_tensor(golden, tmp_path):
     got = quant.dequantize(up.raw_bytes(), up.qtype, up.shape)[3]
     want = official.dequant_fp4(t["layers.1.ffn.experts.3.w3.weight"][1], t["layers.1.ffn.experts.3.w3.scale"][1])
     assert np.array_equal(got, want)
+
+
+def test_bad_output_paths_fail_before_any_work(golden, tmp_path, monkeypatch):
+    from ds4py import convert
+    from ds4py.tiny import make_tiny
+
+    monkeypatch.setattr(convert._Converter, "plan", lambda self: pytest.fail("planned despite a bad OUT"))
+    for out, match in ((tmp_path, "is a folder"), (tmp_path / "no" / "x.gguf", "output folder .* does not exist")):
+        with pytest.raises(ConvertError, match=match):
+            convert_checkpoint(str(golden / "v4-tiny"), str(out), progress=False)
+        with pytest.raises(ConvertError, match=match):
+            make_tiny(str(out))
+    assert list(tmp_path.iterdir()) == []
