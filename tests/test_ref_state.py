@@ -115,6 +115,7 @@ def test_score_command(golden, tmp_path, capsys):
     assert main(args) == 2 and "--split 0 is out of range" in capsys.readouterr().err
     args[-1] = str(tmp_path / "missing" / "o.npy")          # checked before any compute
     assert main(args[:-3] + ["1", "--out", args[-1]]) == 2 and "does not exist" in capsys.readouterr().err
+    assert main(args[:-3] + ["1", "--out", str(tmp_path)]) == 2 and "is a folder" in capsys.readouterr().err
     assert main(["score", "-m", str(tmp_path / "ids.npy"), "--ids", str(tmp_path / "ids.npy"), "--split", "1",
                  "--out", str(tmp_path / "o.npy")]) == 2 and "not a GGUF" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.npy", "ids.npy", "logits.npy"]   # nothing partial

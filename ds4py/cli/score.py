@@ -48,6 +48,8 @@ def run(args: argparse.Namespace) -> int:
 
     ids = load_ids(args.ids)
     out_dir = os.path.dirname(os.path.abspath(args.out))
+    if os.path.isdir(args.out):
+        raise Ds4Error(f"--out {args.out}: is a folder; give the name of the .npy file to write")
     if not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):
         raise Ds4Error(f"--out {args.out}: the folder {out_dir} does not exist or is not writable")
     T, P = len(ids), args.split
