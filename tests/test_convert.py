@@ -374,3 +374,29 @@ def test_bad_output_paths_fail_before_any_work(golden, tmp_path, monkeypatch):
         with pytest.raises(ConvertError, match=match):
             make_tiny(str(out))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_bf16_and_f32_checkpoints_convert_like_the_fp8_one(golden, tmp_path):
+    """A dequantised export (FP8 linears as BF16 or F32, FP4 experts as BF16, no .scale tensors) holds the
+    same values (e4m3 and e2m1 times a power of two fit BF16 exactly), so it must give the same GGUF; MXFP4
+    output needs the FP4 codes and is refused with a pointer to --experts q4_k."""
+    ck = Checkpoint(str(golden / "v4-tiny"))
+    edit = {}
+    for n in ck.entries:
+        if n.endswith(".scale"):
+            edit[n] = None
+        elif ck.dtype(n) in ("F8_E4M3", "I8"):
+            x = ck.floats(n)
+            if ".experts." in n or n.endswith("wq_a.weight"):
+                edit[n] = ("BF16", (x.view(np.uint32) >> 16).astype(np.uint16))
+            else:
+                edit[n] = ("F32", x)
+    src = copy_ckpt(golden, tmp_path / "bf16", edit=edit)
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    convert_checkpoint(str(src), str(a), experts="q4_k", dense="f32", progress=False)
+    convert_checkpoint(str(golden / "v4-tiny"), str(b), experts="q4_k", dense="f32", progress=False)
+    fa, fb = GGUFFile(a), GGUFFile(b)
+    assert list(fa.tensors) == list(fb.tensors)
+    for n in fa.tensors:
+        assert fa.tensors[n].qtype == fb.tensors[n].qtype and np.array_equal(fa.tensors[n].raw_bytes(), fb.tensors[n].raw_bytes()), n
+    _fails(src, tmp_path / "c.gguf", "not packed FP4; MXFP4 output needs the official FP4 experts")
