@@ -102,6 +102,8 @@ class GGUFFile:
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
+        if os.path.isdir(self.path):
+            raise GGUFError(f"{self.path}: is a directory, expected a .gguf file")
         if not os.path.isfile(self.path):
             raise GGUFError(f"{self.path}: no such file")
         self.file_size = os.path.getsize(self.path)

@@ -52,6 +52,8 @@ def test_bad_files(tiny, tmp_path):
     p = tmp_path / "x.gguf"
     with pytest.raises(GGUFError, match="no such file"):
         GGUFFile(p)
+    with pytest.raises(GGUFError, match="is a directory"):
+        GGUFFile(tmp_path)
     p.write_bytes(b"PK\x03\x04" + b"\0" * 64)
     with pytest.raises(GGUFError, match="not a GGUF file"):
         GGUFFile(p)
