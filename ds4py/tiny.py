@@ -19,10 +19,11 @@ import regex
 from gguf import GGMLQuantizationType as QT
 
 from ds4py import quant
-from ds4py.convert import (ConvertError, OutTensor, Spec, Tokenizer, V4Shape, bytes_to_unicode, ds4_layout,
-                           gguf_metadata, output_paths, write_gguf)
+from ds4py.convert import (ConvertError, OutTensor, Spec, Tokenizer, V4Shape, ds4_layout, gguf_metadata,
+                           output_paths, write_gguf)
 from ds4py.quant import official
 from ds4py.quant.mxfp4 import mxfp4_from_official
+from ds4py.tokenizer import BYTE_TO_CHAR, DEEPSEEK_PRE, split_isolated
 
 # ----------------------------------------------------------------------------------------------- tokenizer
 SPECIAL_HEAD = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"]          # ids 0, 1 as in DeepSeek
@@ -31,12 +32,7 @@ SPECIAL_TAIL = ["<｜User｜>", "<｜Assistant｜>", "<think>", "</think>", "｜
                 "<｜read_url｜>"]
 
 # DeepSeek V4's pre-tokenizer splits (golden/tokenizer/pretokenizer.json), applied in order, matches isolated.
-PRETOKENIZE = [
-    regex.compile(r"\p{N}{1,3}"),
-    regex.compile(r"[一-龥぀-ゟ゠-ヿ]+"),
-    regex.compile(r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+|"
-                  r" ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
-]
+PRETOKENIZE = [regex.compile(p) for p in DEEPSEEK_PRE]
 
 CORPUS = """\
 You are a helpful assistant. The user asks a question and the assistant answers it clearly.
@@ -71,28 +67,11 @@ Thank you for your question. If you have any other questions, feel free to ask!
 """
 
 
-def pretokenize(text: str) -> list[str]:
-    pieces = [text]
-    for pat in PRETOKENIZE:
-        out = []
-        for p in pieces:
-            pos = 0
-            for m in pat.finditer(p):
-                if m.start() > pos:
-                    out.append(p[pos: m.start()])
-                out.append(m.group())
-                pos = m.end()
-            if pos < len(p):
-                out.append(p[pos:])
-        pieces = out
-    return [p for p in pieces if p]
-
-
 def train_merges(text: str, n_merges: int) -> list[tuple[str, str]]:
     """Plain byte-level BPE training: repeatedly merge the most frequent adjacent pair (ties: smallest pair),
     skipping pairs whose result is already a token. Pair counts are updated only in the words that change."""
-    b2u = bytes_to_unicode()
-    counted = collections.Counter(tuple(b2u[b] for b in p.encode()) for p in pretokenize(text))
+    b2u = BYTE_TO_CHAR
+    counted = collections.Counter(tuple(b2u[b] for b in p.encode()) for p in split_isolated(text, PRETOKENIZE))
     words = [list(w) for w in counted]
     freq = list(counted.values())
     pairs: collections.Counter = collections.Counter()
@@ -140,7 +119,7 @@ def tiny_tokenizer(vocab_size: int) -> Tokenizer:
     if n_merges < 0:
         raise ConvertError(f"vocab {vocab_size} is too small: the tokenizer needs at least "
                            f"{len(SPECIAL_HEAD) + 256 + len(SPECIAL_TAIL)} ids")
-    b2u = bytes_to_unicode()
+    b2u = BYTE_TO_CHAR
     text = CORPUS
     for s in SPECIAL_HEAD + SPECIAL_TAIL:
         text = text.replace(s, " ")

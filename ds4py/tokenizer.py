@@ -70,6 +70,28 @@ BYTE_TO_CHAR = bytes_to_unicode()
 CHAR_TO_BYTE = {c: b for b, c in BYTE_TO_CHAR.items()}
 
 
+def split_isolated(text: str, patterns: Sequence[regex.Pattern]) -> list[str]:
+    """Pre-tokenize with a sequence of "Isolated" regex splits: each runs inside the pieces of the previous
+    one, and every match and every gap between matches becomes its own piece."""
+    pieces = [text] if text else []
+    for pat in patterns:
+        out: list[str] = []
+        for p in pieces:
+            last = 0
+            for m in pat.finditer(p):
+                s, e = m.span()
+                if s == e:
+                    continue
+                if s > last:
+                    out.append(p[last:s])
+                out.append(p[s:e])
+                last = e
+            if last < len(p):
+                out.append(p[last:])
+        pieces = out
+    return pieces
+
+
 class Tokenizer:
     """Byte-level BPE with DeepSeek's pre-tokenizer and added (special) tokens.
 
@@ -258,23 +280,7 @@ class Tokenizer:
 
     def pretokenize(self, text: str) -> list[str]:
         """The raw-text pieces BPE runs on (no added-token matching)."""
-        pieces = [text] if text else []
-        for pat in self._pre:
-            out: list[str] = []
-            for p in pieces:
-                last = 0
-                for m in pat.finditer(p):
-                    s, e = m.span()
-                    if s == e:
-                        continue
-                    if s > last:
-                        out.append(p[last:s])
-                    out.append(p[s:e])
-                    last = e
-                if last < len(p):
-                    out.append(p[last:])
-            pieces = out
-        return pieces
+        return split_isolated(text, self._pre)
 
     def _encode_plain(self, text: str) -> list[int]:
         out: list[int] = []
