@@ -13,6 +13,7 @@ import pytest
 
 from ds4py import bench
 from ds4py.errors import Ds4Error
+from helpers import free_port, start_serve
 
 COLS = bench.COLUMNS + ["prefill_tps_std", "gen_tps_std"]
 
@@ -107,38 +108,14 @@ def test_bad_bandwidth_is_a_clear_error(golden, tmp_path):
     assert r.returncode == 2 and "--bandwidth" in r.stderr and "Traceback" not in r.stderr
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_mode_against_the_real_server(golden, tmp_path):
     """`bench serve` drives a real `ds4py serve` (tiny model, numpy backend) and reports sane numbers."""
-    import time
-    import urllib.request
-
-    port = _free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "ds4py", "serve", "-m", str(golden / "ds4-tiny" / "tiny.gguf"), "--port", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    server, base = start_serve(["-m", str(golden / "ds4-tiny" / "tiny.gguf")], ready_s=120, stdout=subprocess.DEVNULL)
     try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200:
-                    break
-            except OSError:
-                pass
-            assert server.poll() is None, server.stderr.read()
-            assert time.time() < deadline, "server did not become ready"
-            time.sleep(0.3)
         prompt = tmp_path / "p.txt"
         prompt.write_text("alpha beta gamma delta epsilon zeta eta theta " * 50)
         r = subprocess.run(
-            [sys.executable, "-m", "ds4py", "bench", "serve", "--url", f"http://127.0.0.1:{port}",
+            [sys.executable, "-m", "ds4py", "bench", "serve", "--url", base,
              "--concurrency", "2", "--requests", "3", "--input-len", "16", "--output-len", "4",
              "--request-rate", "50", "--prompt-file", str(prompt), "--json"],
             capture_output=True, text=True, timeout=300)
@@ -159,7 +136,7 @@ def test_serve_mode_against_the_real_server(golden, tmp_path):
 
 def test_serve_mode_counts_failures(tmp_path):
     """A server that is not there: every request fails, exit status 1, errors named."""
-    port = _free_port()
+    port = free_port()
     r = subprocess.run(
         [sys.executable, "-m", "ds4py", "bench", "serve", "--url", f"http://127.0.0.1:{port}",
          "--served-model", "x", "--requests", "2", "--json"], capture_output=True, text=True, timeout=120)

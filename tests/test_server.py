@@ -6,11 +6,8 @@ and the `python -m ds4py serve` command (with a model and with the generated dem
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -25,8 +22,8 @@ from ds4py.server.app import BackgroundServer, ServerConfig, ServerState
 from ds4py.server.worker import Engine
 from ds4py.session import Session
 from ds4py.tokenizer import Tokenizer
+from helpers import start_serve
 
-REPO = Path(__file__).resolve().parents[1]
 CTX = 1024
 NOTHINK = {"thinking": {"type": "disabled"}}
 
@@ -340,30 +337,6 @@ def test_metrics_are_consistent(srv, oai):
 
 # ---- the command ---------------------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _serve(args: list[str], env: dict | None = None):
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "ds4py", "serve", "--port", str(port), *args],
-                            cwd=REPO, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
-    base = f"http://127.0.0.1:{port}"
-    t0 = time.monotonic()
-    while True:
-        assert proc.poll() is None, proc.stderr.read()
-        try:
-            if urllib.request.urlopen(base + "/health", timeout=5).status == 200:
-                return proc, base
-        except OSError:
-            pass
-        assert time.monotonic() - t0 < 60, "server did not become ready"
-        time.sleep(0.2)
-
-
 def _stop(proc) -> str:
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=30)
@@ -372,7 +345,7 @@ def _stop(proc) -> str:
 
 
 def test_serve_command(tiny):
-    proc, base = _serve(["-m", str(tiny), "--ctx", "256", "--api-key", "k"])
+    proc, base = start_serve(["-m", str(tiny), "--ctx", "256", "--api-key", "k"])
     try:
         c = openai.OpenAI(base_url=base + "/v1", api_key="k", max_retries=0, timeout=60)
         r = c.chat.completions.create(model="deepseek-v4-flash", max_tokens=2, messages=[{"role": "user",
@@ -387,7 +360,7 @@ def test_serve_command(tiny):
 
 
 def test_serve_demo_model(tmp_path):
-    proc, base = _serve(["--ctx", "128"], env={"XDG_CACHE_HOME": str(tmp_path)})
+    proc, base = start_serve(["--ctx", "128"], env={"XDG_CACHE_HOME": str(tmp_path)})
     try:
         models = json.loads(urllib.request.urlopen(base + "/v1/models", timeout=30).read())["data"]
         assert models[0]["id"] == "ds4py-demo" and "RANDOM WEIGHTS" in models[0]["description"]

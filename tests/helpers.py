@@ -1,0 +1,39 @@
+"""Helpers shared by the tests that start `python -m ds4py serve` as a subprocess."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_serve(args: list[str], env: dict | None = None, ready_s: float = 60, **popen) -> tuple[subprocess.Popen, str]:
+    """`python -m ds4py serve --port <free> ARGS` from the repo; returns (process, base URL) once /health is 200.
+    stderr is piped (shown if the server dies first); extra keyword arguments go to Popen."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "ds4py", "serve", "--port", str(port), *args],
+                            cwd=REPO, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})}, **popen)
+    base = f"http://127.0.0.1:{port}"
+    t0 = time.monotonic()
+    while True:
+        assert proc.poll() is None, proc.stderr.read()
+        try:
+            if urllib.request.urlopen(base + "/health", timeout=5).status == 200:
+                return proc, base
+        except OSError:
+            pass
+        assert time.monotonic() - t0 < ready_s, "server did not become ready"
+        time.sleep(0.2)
