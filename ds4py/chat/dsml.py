@@ -32,7 +32,9 @@ from ds4py.chat.template import (
     DSML,
     END_THINK,
     EOS,
+    INVOKE_CLOSE,
     INVOKE_OPEN,
+    PARAM_CLOSE,
     PARAM_OPEN,
     THINK,
 )
@@ -73,8 +75,8 @@ def _invoke_pieces(name: str, arguments: Any) -> Pieces:
         p.content(key)
         p.tpl(f'" string="{"true" if is_str else "false"}">')
         p.content(value)
-        p.tpl(f"</{DSML}parameter>")
-    p.tpl(f"\n</{DSML}invoke>")
+        p.tpl(PARAM_CLOSE)
+    p.tpl("\n" + INVOKE_CLOSE)
     return p
 
 
@@ -222,9 +224,9 @@ class _Block:
             raw = self.text[self.invoke_start : raw_end] + extra
         else:  # a call cut off at the end of the text: replay it closed, as the model should have written it
             params = "\n".join(
-                f'{PARAM_OPEN} name="{k}" string="{s}">{v}</{DSML}parameter>' for k, (v, s) in self.args.items()
+                f'{PARAM_OPEN} name="{k}" string="{s}">{v}{PARAM_CLOSE}' for k, (v, s) in self.args.items()
             )
-            raw = f'{INVOKE_OPEN} name="{self.name}">\n{params}\n</{DSML}invoke>'
+            raw = f'{INVOKE_OPEN} name="{self.name}">\n{params}\n{INVOKE_CLOSE}'
         self.calls.append((self.name, "{" + ", ".join(parts) + "}", raw, bad))
 
     def run(self, final: bool) -> None:
