@@ -93,7 +93,6 @@ class Printer:
     def __init__(self, out, color: bool):
         self.out, self.color = out, color
         self.in_reasoning = False
-        self.saw_reasoning = False
         self.at_line_start = True
         self.reasoning: list[str] = []
         self.content: list[str] = []
@@ -109,7 +108,7 @@ class Printer:
     def reasoning_delta(self, text: str) -> None:
         self.reasoning.append(text)
         if not self.in_reasoning:
-            self.in_reasoning = self.saw_reasoning = True
+            self.in_reasoning = True
             self._write(DIM if self.color else "[thinking]\n")
         self._write(text)
 

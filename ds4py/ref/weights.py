@@ -40,7 +40,6 @@ class Weights:
         self.cache_bytes = cache_bytes
         self._cache: OrderedDict[tuple, np.ndarray] = OrderedDict()
         self._cached = 0
-        self.dequantised_bytes = 0         # float32 bytes produced so far (a cost counter for benchmarks)
 
     # ---- cache -------------------------------------------------------------------------------------------
     def _get_cached(self, key: tuple, make) -> np.ndarray:
@@ -49,7 +48,6 @@ class Weights:
             self._cache.move_to_end(key)
             return a
         a = make()
-        self.dequantised_bytes += a.nbytes
         if a.nbytes <= self.cache_bytes:
             self._cache[key] = a
             self._cached += a.nbytes
@@ -114,6 +112,5 @@ class Weights:
         for a in range(0, out_rows, STREAM_ROWS):
             b = min(a + STREAM_ROWS, out_rows)
             w = _dequant_rows(t, raw[a:b], (b - a, ncols)).astype(F32, copy=False)
-            self.dequantised_bytes += w.nbytes
             y[:, a:b] = x @ w.T
         return y

@@ -200,8 +200,6 @@ def finish_reason(d: Done, has_tools: bool) -> str:
 
 
 class ChatEncoder:
-    content_type = "application/json"
-
     def __init__(self, req: GenRequest, rid: str, created: int):
         self.req, self.created = req, created
         self.id = "chatcmpl-" + rid
