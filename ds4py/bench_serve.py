@@ -87,9 +87,7 @@ async def _one_request(session, url: str, headers: dict, body: dict, timeout: fl
         res.ok = last is not None or res.output_tokens == 0
         if not res.ok:
             res.error = "stream ended without any token"
-    except (asyncio.TimeoutError, OSError, ValueError) as e:
-        res.error = f"{type(e).__name__}: {e}"
-    except Exception as e:  # aiohttp.ClientError and friends: counted as a failed request
+    except Exception as e:  # timeouts, OSError, bad JSON, aiohttp.ClientError: counted as a failed request
         res.error = f"{type(e).__name__}: {e}"
     return res
 
