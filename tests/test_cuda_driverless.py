@@ -15,7 +15,6 @@ import ctypes
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import numpy as np

@@ -26,6 +26,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ds4py.cuda.args import KernelArgumentError, pack_args
+from ds4py.cuda.compiler import cache_dir as compiler_cache_dir
 from ds4py.cuda.signature import Param, parse_kernels, strip_comments
 from ds4py.errors import Ds4Error
 
@@ -53,7 +54,7 @@ class EmuKernelError(EmuError):
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("DS4PY_CACHE_DIR") or Path.home() / ".cache" / "ds4py") / "emu"
+    return compiler_cache_dir() / "emu"
 
 
 def compiler() -> str | None:
