@@ -108,14 +108,24 @@ HTTP_ERRORS = {404: ("not_found_error", "no route {method} {path}"),
                413: ("request_too_large", "the request body is larger than --max-body-mb ({mb} MB)")}
 
 
+def _allow_origin(cors, origin: str | None) -> str | None:
+    """Access-Control-Allow-Origin for this request's Origin; None when CORS is off or the origin not allowed."""
+    if not cors or not origin:
+        return None
+    return "*" if "*" in cors else (origin if origin in cors else None)
+
+
+def _add_cors(resp: web.StreamResponse, allow_origin: str | None) -> None:
+    if allow_origin:
+        resp.headers["Access-Control-Allow-Origin"] = allow_origin
+        resp.headers["Vary"] = "Origin"
+
+
 @web.middleware
 async def middleware(request: web.Request, handler):
     st: ServerState = request.app[STATE]
     cfg = st.config
-    origin = request.headers.get("Origin")
-    allow_origin = None
-    if cfg.cors and origin:
-        allow_origin = "*" if "*" in cfg.cors else (origin if origin in cfg.cors else None)
+    allow_origin = _allow_origin(cfg.cors, request.headers.get("Origin"))
     if cfg.cors and request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
         resp = web.Response(status=204 if allow_origin else 403)
         if allow_origin:
@@ -143,9 +153,8 @@ async def middleware(request: web.Request, handler):
         log.exception("unhandled error on %s %s", request.method, request.path)
         resp = error_response(ApiError(500, f"internal server error: {type(e).__name__}", kind="api_error"),
                               request.path)
-    if allow_origin and not resp.prepared:
-        resp.headers["Access-Control-Allow-Origin"] = allow_origin
-        resp.headers["Vary"] = "Origin"
+    if not resp.prepared:
+        _add_cors(resp, allow_origin)
     st.metrics.request_done(_endpoint(request), resp.status)
     return resp
 
@@ -274,11 +283,7 @@ async def _stream(request: web.Request, job: Job, enc, started: Started) -> web.
     """SSE: headers go out when the engine picks the job up (a queued request can still get a clean error)."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        "X-Accel-Buffering": "no"})
-    st = request.app[STATE]
-    origin = request.headers.get("Origin")
-    if st.config.cors and origin and ("*" in st.config.cors or origin in st.config.cors):
-        resp.headers["Access-Control-Allow-Origin"] = "*" if "*" in st.config.cors else origin
-        resp.headers["Vary"] = "Origin"
+    _add_cors(resp, _allow_origin(request.app[STATE].config.cors, request.headers.get("Origin")))
     await resp.prepare(request)
     try:
         first = enc.start(started)
