@@ -199,6 +199,17 @@ def finish_reason(d: Done, has_tools: bool) -> str:
     return "tool_calls" if has_tools else "stop"
 
 
+def stream_tail(enc, ev: Done, obj: str, finish_chunk: bytes) -> bytes:
+    """The end of a stream: the error event, or the finish chunk + (include_usage) a usage chunk; then [DONE]."""
+    if ev.finish_reason == "error":
+        return sse({"error": {"message": ev.error, "type": "server_error", "param": None,
+                              "code": None}}) + b"data: [DONE]\n\n"
+    if enc.req.include_usage:
+        finish_chunk += sse({"id": enc.id, "object": obj, "created": enc.created, "model": enc.req.model,
+                             "choices": [], "usage": usage(ev)})
+    return finish_chunk + b"data: [DONE]\n\n"
+
+
 class ChatEncoder:
     def __init__(self, req: GenRequest, rid: str, created: int):
         self.req, self.created = req, created
@@ -224,14 +235,7 @@ class ChatEncoder:
             return (self._chunk({"tool_calls": [head]}) +
                     self._chunk({"tool_calls": [{"index": i, "function": {"arguments": ev.arguments}}]}))
         if isinstance(ev, Done):
-            if ev.finish_reason == "error":
-                return sse({"error": {"message": ev.error, "type": "server_error", "param": None,
-                                      "code": None}}) + b"data: [DONE]\n\n"
-            out = self._chunk({}, finish_reason(ev, self.n_calls > 0))
-            if self.req.include_usage:
-                out += sse({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                            "model": self.req.model, "choices": [], "usage": usage(ev)})
-            return out + b"data: [DONE]\n\n"
+            return stream_tail(self, ev, "chat.completion.chunk", self._chunk({}, finish_reason(ev, self.n_calls > 0)))
         return b""
 
     def body(self, r: Result) -> dict:
@@ -263,14 +267,7 @@ class CompletionEncoder:
         if isinstance(ev, (Text, Reasoning)):
             return self._chunk(ev.text) if ev.text else b""
         if isinstance(ev, Done):
-            if ev.finish_reason == "error":
-                return sse({"error": {"message": ev.error, "type": "server_error", "param": None,
-                                      "code": None}}) + b"data: [DONE]\n\n"
-            out = self._chunk("", finish_reason(ev, False))
-            if self.req.include_usage:
-                out += sse({"id": self.id, "object": "text_completion", "created": self.created,
-                            "model": self.req.model, "choices": [], "usage": usage(ev)})
-            return out + b"data: [DONE]\n\n"
+            return stream_tail(self, ev, "text_completion", self._chunk("", finish_reason(ev, False)))
         return b""
 
     def body(self, r: Result) -> dict:
