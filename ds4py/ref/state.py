@@ -10,7 +10,7 @@ Per layer:
 from __future__ import annotations
 
 import copy as _copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -35,11 +35,6 @@ class Rows:
 
     def view(self) -> np.ndarray:
         return self._a[: self.n]
-
-    def copy(self) -> "Rows":
-        r = Rows.__new__(Rows)
-        r._a, r.n = self._a[: self.n].copy(), self.n
-        return r
 
     def nbytes(self) -> int:
         return self.n * self._a.shape[1] * 4
@@ -81,7 +76,6 @@ class LayerState:
 class RefState:
     layers: list[LayerState]
     n_tokens: int = 0
-    extra: dict = field(default_factory=dict)
 
     @classmethod
     def empty(cls, cfg) -> "RefState":
