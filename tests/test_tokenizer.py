@@ -32,8 +32,6 @@ def hf_tok(tok_dir):
 def write_gguf_from_hf(hf_json, out_path) -> None:
     """Store a HF tokenizer.json the way a GGUF holds it: byte-level token strings by id, "a b" merges in rank
     order, token_type CONTROL for special added tokens and USER_DEFINED for the other added tokens."""
-    import gguf
-
     cfg = json.loads(hf_json.read_text(encoding="utf-8"))
     vocab, added = cfg["model"]["vocab"], cfg["added_tokens"]
     n = max(max(vocab.values()), max(a["id"] for a in added)) + 1
@@ -44,14 +42,23 @@ def write_gguf_from_hf(hf_json, out_path) -> None:
         tokens[a["id"]] = a["content"]
         types[a["id"]] = TT_CONTROL if a["special"] else TT_USER_DEFINED
     merges = [m if isinstance(m, str) else " ".join(m) for m in cfg["model"]["merges"]]
-    w = gguf.GGUFWriter(str(out_path), "deepseek4")
+    _write_gguf(out_path, tokens, types, merges, bos=0, eos=1)
+
+
+def _write_gguf(path, tokens, types, merges, pre="joyai-llm", bos=None, eos=None) -> None:
+    """A GGUF holding only tokenizer metadata (BOS / EOS ids only when given)."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "deepseek4")
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("joyai-llm")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(1)
+    if bos is not None:
+        w.add_bos_token_id(bos)
+    if eos is not None:
+        w.add_eos_token_id(eos)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -243,21 +250,6 @@ def test_errors(hf_tok, golden, tmp_path):
         Tokenizer.from_gguf(tmp_path / "cut.gguf")
     with pytest.raises(TokenizerError, match="expected a .gguf"):
         Tokenizer.load(tmp_path / "x.txt")
-
-
-def _write_gguf(path, tokens, types, merges, pre="joyai-llm") -> None:
-    import gguf
-
-    w = gguf.GGUFWriter(str(path), "deepseek4")
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
 
 
 def test_gguf_without_supported_pretokenizer(tiny, tmp_path):
