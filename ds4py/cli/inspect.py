@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {'tokenizer':<28s} none")
 
     tensors = list(f.tensors.values())
-    total = sum(t.nbytes for t in tensors)
+    total = f.tensor_bytes()
     print(f"tensors: {len(tensors)}, {human(total)} ({total} bytes)")
     by_type: dict[str, list[int]] = {}
     for t in tensors:
