@@ -45,7 +45,8 @@ def demo_model_path() -> Path:
 
 
 def ensure_demo_model() -> Path:
-    """Generate the random-weight demo GGUF deterministically on first use (atomic rename: never half-written)."""
+    """Generate the random-weight demo GGUF deterministically on first use (make_tiny writes a temporary file
+    and renames it: never half-written)."""
     from ds4py.errors import Ds4Error
 
     path = demo_model_path()
@@ -56,13 +57,7 @@ def ensure_demo_model() -> Path:
     except ImportError as e:
         raise Ds4Error(f"no -m MODEL given and the demo model generator is unavailable ({e})") from None
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    try:
-        make_tiny(str(tmp), seed=DEMO_SEED)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    make_tiny(str(path), seed=DEMO_SEED)
     return path
 
 
