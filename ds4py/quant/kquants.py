@@ -124,6 +124,13 @@ def _requant(x: np.ndarray, d: np.ndarray, dm: np.ndarray, nmax: int) -> np.ndar
     return np.where(dz, 0, np.clip(q, 0, nmax)).astype(np.uint8)
 
 
+def _scale_codes(v: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """Sub-block scales (or mins) v [n, sub] -> codes rint(v * nmax / max) capped at nmax, and the max [n]."""
+    vmax = v.max(axis=1)
+    inv = np.where(vmax > 0, nmax / np.where(vmax > 0, vmax, 1), 0)
+    return np.minimum(np.rint(inv[:, None] * v), nmax).astype(np.uint8), vmax
+
+
 def quant_q4_k(x: np.ndarray) -> np.ndarray:
     """float32 (n*256,) -> Q4_K bytes (n, 144)."""
     xb = np.asarray(x, dtype=np.float32).reshape(-1, 8, 32)
@@ -132,11 +139,8 @@ def quant_q4_k(x: np.ndarray) -> np.ndarray:
     av = np.sqrt((sub * sub).sum(axis=1, keepdims=True) / 32)
     scale, mn = make_qkx2_quants(sub, av + np.abs(sub), 15, -1.0, 0.1, 20, False)
     scale, mn = scale.reshape(n, 8), mn.reshape(n, 8)
-    max_scale, max_min = scale.max(axis=1), mn.max(axis=1)
-    inv_s = np.where(max_scale > 0, 63 / np.where(max_scale > 0, max_scale, 1), 0)
-    inv_m = np.where(max_min > 0, 63 / np.where(max_min > 0, max_min, 1), 0)
-    ls = np.minimum(np.rint(inv_s[:, None] * scale), 63).astype(np.uint8)
-    lm = np.minimum(np.rint(inv_m[:, None] * mn), 63).astype(np.uint8)
+    ls, max_scale = _scale_codes(scale, 63)
+    lm, max_min = _scale_codes(mn, 63)
     d16 = (max_scale / 63).astype(np.float16)
     m16 = (max_min / 63).astype(np.float16)
     sc12 = np.empty((n, 12), np.uint8)
@@ -162,11 +166,8 @@ def quant_q2_k(x: np.ndarray) -> np.ndarray:
     sub = xb.reshape(-1, 16)
     scale, mn = make_qkx2_quants(sub, np.abs(sub), 3, -0.5, 0.1, 15, True)
     scale, mn = scale.reshape(n, 16), mn.reshape(n, 16)
-    max_scale, max_min = scale.max(axis=1), mn.max(axis=1)
-    inv_s = np.where(max_scale > 0, 15 / np.where(max_scale > 0, max_scale, 1), 0)
-    inv_m = np.where(max_min > 0, 15 / np.where(max_min > 0, max_min, 1), 0)
-    ls = np.minimum(np.rint(inv_s[:, None] * scale), 15).astype(np.uint8)
-    lm = np.minimum(np.rint(inv_m[:, None] * mn), 15).astype(np.uint8)
+    ls, max_scale = _scale_codes(scale, 15)
+    lm, max_min = _scale_codes(mn, 15)
     d16 = np.where(max_scale > 0, max_scale / 15, 0).astype(np.float16)
     m16 = np.where(max_min > 0, max_min / 15, 0).astype(np.float16)
     d = d16.astype(np.float32)[:, None] * ls.astype(np.float32)
