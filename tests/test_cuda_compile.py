@@ -143,10 +143,11 @@ ptxas info    : Used 10 registers, used 0 barriers, 364 bytes cmem[0]
     assert r["plain"] == compiler.KernelResources("plain", 10, 0, 0, 0, 0, 0)
 
 
-def test_arch_for():
-    assert compiler.arch_for(9, 0) == "sm_90"
-    assert compiler.arch_for(12, 1) == "sm_121"
-    assert compiler.arch_for(9, 0, "// ds4py: arch-specific (wgmma)\n") == "sm_90a"
+def test_source_arch():
+    assert compiler.source_arch("sm_90", "") == "sm_90"
+    assert compiler.source_arch("sm_121", "// a comment\n") == "sm_121"
+    assert compiler.source_arch("sm_90", "// ds4py: arch-specific (wgmma)\n") == "sm_90a"
+    assert compiler.source_arch("sm_90a", "// ds4py: arch-specific\n") == "sm_90a"
 
 
 def test_supported_archs_include_targets():

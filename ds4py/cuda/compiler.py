@@ -113,11 +113,13 @@ def cuda_include_dir() -> str | None:
     return None
 
 
-def arch_for(major: int, minor: int, source_text: str = "") -> str:
-    """sm_XY for a compute capability; the arch-specific 'a' target (sm_90a: wgmma, setmaxnreg) only for a
-    source that asks for it with a line `// ds4py: arch-specific`."""
-    suffix = "a" if re.search(r"^\s*//\s*ds4py:\s*arch-specific\b", source_text, re.M) else ""
-    return f"sm_{major}{minor}{suffix}"
+ARCH_SPECIFIC = re.compile(r"^\s*//\s*ds4py:\s*arch-specific\b", re.M)
+
+
+def source_arch(arch: str, source_text: str) -> str:
+    """The target for one source: the arch-specific 'a' variant (sm_90a: wgmma, setmaxnreg) only for a source
+    that asks for it with a line `// ds4py: arch-specific`; every other file keeps the portable target."""
+    return arch + "a" if ARCH_SPECIFIC.search(source_text) and not arch.endswith("a") else arch
 
 
 def _wheel_versions() -> str:
@@ -264,9 +266,10 @@ def compile_all(arch: str, cu_dir: Path = CU_DIR, cache: Path | None | bool = Tr
     t0 = time.perf_counter()
     modules: dict[str, CompiledModule] = {}
     for src in kernel_sources(cu_dir):
-        mod = compile_file(src, arch, cache=cache)
+        target = source_arch(arch, src.read_text())
+        mod = compile_file(src, target, cache=cache)
         if not mod.cached:
-            progress(f"ds4py: compiled {src.name} for {arch} in {mod.seconds:.2f} s")
+            progress(f"ds4py: compiled {src.name} for {target} in {mod.seconds:.2f} s")
         modules[src.stem] = mod
     fresh = sum(not m.cached for m in modules.values())
     if fresh:
