@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 # Before numpy loads: one BLAS thread. On the 2-core CI machine OpenBLAS's worker threads spin against the
 # subprocesses the tests start (servers, CLIs); a small matmul then takes 15 ms instead of 0.2 ms.
@@ -13,6 +14,8 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
+# Test this checkout, not whichever ds4py an editable install points at (git worktrees, a second clone).
+sys.path.insert(0, str(REPO))
 GOLDEN = REPO.parent / "shared" / "golden"
 
 
