@@ -61,9 +61,9 @@ def test_43_layers_with_the_v4_flash_ratio_pattern(tmp_path, spy):
     """make-tiny with the full model's depth and per-layer ratios (small widths): loads, the first ratio-128
     row is emitted by a decode step (position 127), decode equals prefill, 6 experts touched per layer."""
     path = tmp_path / "deep.gguf"
-    make_tiny(str(path), seed=2, n_layers=43, dim=256, vocab_size=300, n_heads=2, head_dim=128, rope_head_dim=64,
-              q_lora_rank=64, o_lora_rank=64, o_groups=2, n_routed_experts=8, n_activated_experts=6,
-              moe_inter_dim=256, index_n_heads=2, index_head_dim=64, index_topk=8, window_size=16)
+    make_tiny(str(path), seed=2, n_layers=43, dim=256, vocab_size=300, n_heads=2, head_dim=128, rope_dim=64,
+              q_lora_rank=64, o_lora_rank=64, o_groups=2, n_experts=8, n_experts_used=6,
+              expert_ff=256, index_heads=2, index_head_dim=64, index_topk=8, window=16)
     model = RefModel(str(path), fake_quant=False, cache_bytes=0)
     cfg = model.config
     assert cfg.n_layers == 43 and list(cfg.compress_ratios) == V4_FLASH_RATIOS and cfg.hash_layers == 3
