@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from ds4py.model import Numerics
 from ds4py.ref.engine import RefModel
 
 CASES = ("a", "b", "c", "d")
@@ -42,7 +43,7 @@ def runs(v4_gguf, gold):
     """Per (case, mode): prefill of ids[:P] (all positions, with trace), then teacher-forced decode."""
     out = {}
     for fq in (True, False):
-        model = RefModel(v4_gguf, fake_quant=fq)
+        model = RefModel(v4_gguf, numerics=Numerics(fake_quant=fq))
         for c in CASES:
             ids, P = gold[f"{c}_ids"], int(gold[f"{c}_P"])
             st, tr = model.new_state(), model.new_trace()
