@@ -165,7 +165,7 @@ def encode_state(model: str, numerics: dict[str, Any], layout: StateLayout, n_to
         if e["offset"] > at:
             pieces.append(bytes(e["offset"] - at))
         a = np.ascontiguousarray(arrays[p.key])
-        pieces.append(memoryview(a).cast("B"))
+        pieces.append(a.reshape(-1).view(np.uint8))
         at = e["offset"] + a.nbytes
     pieces.append(bytes(off - at))
     crc = 0
