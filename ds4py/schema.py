@@ -56,6 +56,14 @@ def _layer(name: str, shape: tuple, types: tuple, slot: str, field: str, src: st
     return TensorSpec("blk.{l}." + name, shape, types, slot, field, "layers.{l}." + src, layers)
 
 
+def _compressor(name: str, field: str, src: str, ratio: str, width: str, out: str, layers: str) -> tuple:
+    """A compressor's four tensors (MODEL.md §2.3): ape [ratio, c·d], wkv and wgate [c·d, D], norm [d]."""
+    return (_layer(f"{name}_ape.weight", (ratio, width), F, "f16", f"{field}.ape", f"{src}.ape", layers),
+            _layer(f"{name}_kv.weight", (width, "dim"), M, "f16", f"{field}.kv", f"{src}.wkv.weight", layers),
+            _layer(f"{name}_gate.weight", (width, "dim"), M, "f16", f"{field}.gate", f"{src}.wgate.weight", layers),
+            _layer(f"{name}_norm.weight", (out,), F, "f32", f"{field}.norm", f"{src}.norm.weight", layers))
+
+
 MODEL_TENSORS = (
     _model("token_embd.weight", ("vocab_size", "dim"), M, "f16", "embed", "embed.weight"),
     _model("output_hc_base.weight", ("hc_mult",), F, "f32", "hc_head.base", "hc_head_base"),
@@ -81,28 +89,15 @@ LAYER_TENSORS = (
     _layer("attn_sinks.weight", ("n_heads",), F, "f32", "attn.sinks", "attn.attn_sink"),
     _layer("attn_output_a.weight", ("o_dim", "o_group_in"), M, "q8", "attn.out_a", "attn.wo_a.weight"),
     _layer("attn_output_b.weight", ("dim", "o_dim"), M, "q8", "attn.out_b", "attn.wo_b.weight"),
-    # the attention compressor (layers that compute compressed rows)
-    _layer("attn_compressor_ape.weight", ("ratio", "comp_width"), F, "f16", "attn.comp.ape",
-           "attn.compressor.ape", "has_compressor"),
-    _layer("attn_compressor_kv.weight", ("comp_width", "dim"), M, "f16", "attn.comp.kv",
-           "attn.compressor.wkv.weight", "has_compressor"),
-    _layer("attn_compressor_gate.weight", ("comp_width", "dim"), M, "f16", "attn.comp.gate",
-           "attn.compressor.wgate.weight", "has_compressor"),
-    _layer("attn_compressor_norm.weight", ("head_dim",), F, "f32", "attn.comp.norm",
-           "attn.compressor.norm.weight", "has_compressor"),
-    # the indexer and its own compressor
+    # the attention compressor (layers that compute compressed rows), the indexer and its own compressor
+    *_compressor("attn_compressor", "attn.comp", "attn.compressor", "ratio", "comp_width", "head_dim",
+                 "has_compressor"),
     _layer("indexer.attn_q_b.weight", ("index_q_dim", "q_lora_rank"), M, "f16", "attn.index.q_b",
            "attn.indexer.wq_b.weight", "has_indexer"),
     _layer("indexer.proj.weight", ("index_heads", "dim"), M, "f16", "attn.index.proj",
            "attn.indexer.weights_proj.weight", "has_indexer"),
-    _layer("indexer_compressor_ape.weight", ("index_ratio", "index_comp_width"), F, "f16", "attn.index.comp.ape",
-           "attn.indexer.compressor.ape", "has_indexer"),
-    _layer("indexer_compressor_kv.weight", ("index_comp_width", "dim"), M, "f16", "attn.index.comp.kv",
-           "attn.indexer.compressor.wkv.weight", "has_indexer"),
-    _layer("indexer_compressor_gate.weight", ("index_comp_width", "dim"), M, "f16", "attn.index.comp.gate",
-           "attn.indexer.compressor.wgate.weight", "has_indexer"),
-    _layer("indexer_compressor_norm.weight", ("index_head_dim",), F, "f32", "attn.index.comp.norm",
-           "attn.indexer.compressor.norm.weight", "has_indexer"),
+    *_compressor("indexer_compressor", "attn.index.comp", "attn.indexer.compressor", "index_ratio",
+                 "index_comp_width", "index_head_dim", "has_indexer"),
     # MoE
     _layer("ffn_norm.weight", ("dim",), F, "f32", "ffn_norm", "ffn_norm.weight"),
     _layer("ffn_gate_inp.weight", ("n_experts", "dim"), M, "f16", "ffn.gate_inp", "ffn.gate.weight"),

@@ -24,16 +24,6 @@ FP32 = Numerics(fake_quant=False)
 
 
 @pytest.fixture(scope="module")
-def v4_gguf(golden, tmp_path_factory):
-    """The official v4-tiny checkpoint, converted losslessly: window 16, ratios 0,0,4,128,4,128,4."""
-    from ds4py.convert import convert_checkpoint
-
-    out = tmp_path_factory.mktemp("contract") / "v4-tiny-f32.gguf"
-    convert_checkpoint(str(golden / "v4-tiny"), str(out), experts="mxfp4", dense="f32", progress=False)
-    return str(out)
-
-
-@pytest.fixture(scope="module")
 def ds4_gguf(golden):
     return str(golden / "ds4-tiny" / "tiny.gguf")
 

@@ -25,15 +25,6 @@ QAT_MAX = 1.0            # one row of case c moves by 0.62: an FP8 flip in layer
 
 
 @pytest.fixture(scope="session")
-def v4_gguf(golden, tmp_path_factory):
-    from ds4py.convert import convert_checkpoint
-
-    out = tmp_path_factory.mktemp("v4tiny") / "v4-tiny-f32.gguf"
-    convert_checkpoint(str(golden / "v4-tiny"), str(out), experts="mxfp4", dense="f32", progress=False)
-    return str(out)
-
-
-@pytest.fixture(scope="session")
 def gold(golden):
     return np.load(golden / "v4-tiny" / "cases.npz")
 
