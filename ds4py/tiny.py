@@ -21,7 +21,8 @@ from gguf import GGMLQuantizationType as QT
 
 from ds4py import quant
 from ds4py.config import ModelConfig
-from ds4py.convert import ConvertError, OutTensor, Spec, Tokenizer, check_shape, ds4_layout, gguf_metadata, output_paths, write_gguf
+from ds4py.convert import (ConvertError, OutTensor, Spec, Tokenizer, check_shape, ds4_layout, gguf_metadata,
+                           output_paths, write_gguf)
 from ds4py.errors import ConfigError
 from ds4py.quant import official
 from ds4py.quant.mxfp4 import mxfp4_from_official
