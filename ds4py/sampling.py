@@ -187,10 +187,15 @@ class Sampler:
         return i
 
 
+class InvalidLogits(ValueError):
+    """The backend produced logits that are no distribution (NaN, +inf, all -inf): a model problem, never the
+    request's (the server reports it on /health)."""
+
+
 def _check_logits(logits: np.ndarray) -> np.ndarray:
     logits = np.asarray(logits)
     if logits.ndim != 1 or logits.shape[0] == 0:
         raise ValueError(f"logits must be a non-empty 1-D vector, got shape {logits.shape}")
     if not np.isfinite(logits.max()):  # max propagates NaN; +inf or all -inf is no distribution either
-        raise ValueError("logits contain NaN/inf or are all -inf (the backend produced invalid numbers)")
+        raise InvalidLogits("logits contain NaN/inf or are all -inf (the backend produced invalid numbers)")
     return logits

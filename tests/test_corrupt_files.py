@@ -288,3 +288,56 @@ def test_serve_reports_the_reason_on_health_and_every_request(base, tmp_path):
         status, body = fetch("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
         assert status == 503 and "blk.1.ffn_norm.weight" in body["error"]["message"]
 
+
+
+def test_a_model_that_turns_out_broken_while_serving_is_reported_on_health(golden):
+    """Non-finite logits (a corrupt weight outside the rows sampled at load): that request fails with the reason,
+    /health stops saying ok, and later requests get the same reason as a 503 instead of a 500 each."""
+    import json
+    import urllib.error
+    import urllib.request
+    from types import SimpleNamespace
+
+    from ds4py.server.app import BackgroundServer, ServerConfig, ServerState
+    from ds4py.server.worker import Engine
+    from ds4py.session import Session
+    from ds4py.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(str(golden / "ds4-tiny" / "tiny.gguf"))
+
+    class State:
+        n_tokens = 0
+
+        def copy(self):
+            return State()
+
+    class NaNModel:
+        config = SimpleNamespace(vocab_size=tok.vocab_size, context_length=512)
+
+        def new_state(self):
+            return State()
+
+        def prefill(self, state, ids, all_logits=False):
+            state.n_tokens += len(ids)
+            return np.full(tok.vocab_size, np.nan, np.float32)
+
+    state = ServerState(ServerConfig())
+    state.set_engine(Engine(Session(NaNModel(), tok, ctx_size=512), tok))
+
+    def fetch(srv, p, body=None):
+        req = urllib.request.Request(srv.base_url + p, data=body and json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            r = urllib.request.urlopen(req, timeout=30)
+            return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+    with BackgroundServer(state) as srv:
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        assert fetch(srv, "/health")[0] == 200
+        status, body = fetch(srv, "/v1/chat/completions", chat)
+        assert status == 503 and "invalid logits" in body["error"]["message"], body
+        status, body = fetch(srv, "/health")
+        assert status == 503 and body["status"] == "error" and "inspect" in body["error"]
+        status, body = fetch(srv, "/v1/messages", chat)
+        assert status == 503 and "weights are corrupt" in body["error"]["message"]

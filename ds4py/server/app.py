@@ -92,6 +92,8 @@ class ServerState:
         if self.engine is None:
             msg = f"the model failed to load: {self.load_error}" if self.load_error else "the model is still loading"
             raise ApiError(503, msg, kind="service_unavailable", headers={"Retry-After": "5"})
+        if self.engine.broken:
+            raise ApiError(503, self.engine.broken, kind="service_unavailable")
         return self.engine
 
     def close(self) -> None:
@@ -313,8 +315,10 @@ async def read_json(request: web.Request) -> dict:
 
 async def health(request: web.Request) -> web.Response:
     st = request.app[STATE]
-    if st.engine is not None:
+    if st.engine is not None and not st.engine.broken:
         return web.json_response({"status": "ok"})
+    if st.engine is not None:
+        return web.json_response({"status": "error", "error": st.engine.broken}, status=503)
     status = "error" if st.load_error else "loading"
     return web.json_response({"status": status, "error": st.load_error}, status=503)
 
@@ -387,14 +391,15 @@ def generation_handler(parse, encoder_cls, id_prefix: str):
         try:
             started = await job.events.get()
             if isinstance(started, Done):          # failed or cancelled before the first token
-                raise ApiError(500, started.error or "generation did not start", kind="api_error")
+                raise ApiError(503 if st.engine.broken else 500, started.error or "generation did not start",
+                               kind="api_error")
             if req.stream:
                 return await _stream(request, job, enc, started)
             result = Result()
             while result.done is None:
                 result.add(await job.events.get())
             if result.done.finish_reason == "error":
-                raise ApiError(500, result.done.error, kind="api_error")
+                raise ApiError(503 if st.engine.broken else 500, result.done.error, kind="api_error")
             return web.Response(body=orjson.dumps(enc.body(result)), content_type="application/json")
         finally:
             job.cancel.set()       # no-op after a finished job; stops the engine within one token otherwise

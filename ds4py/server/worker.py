@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ds4py.sampling import InvalidLogits
+
 from .metrics import Metrics
 from .protocol import ApiError, Done, GenRequest, Reasoning, Started, Text, ToolCallOut
 from .toolmemory import StoredCall, ToolMemory
@@ -51,6 +53,7 @@ class Engine:
                  encode_prompt: Callable | None = None, parser_factory: Callable | None = None):
         self.session, self.tokenizer = session, tokenizer
         self.ctx_size = int(session.ctx_size)
+        self.broken: str | None = None          # set when the model proved broken while serving (see Worker)
         self.metrics = metrics or Metrics()
         self.tool_memory = tool_memory or ToolMemory()
         if encode_prompt is None or parser_factory is None:
@@ -247,6 +250,13 @@ class Worker:
             m.running = 1
             try:
                 self.engine.run(job)
+            except InvalidLogits as e:
+                # a correct model never gives non-finite logits for valid token ids: the weights are broken in a
+                # way the load-time checks did not sample. Say so on /health and on every request, not a 500 each.
+                self.engine.broken = (f"the model produced invalid logits ({e}); its weights are corrupt: run "
+                                      f"'python -m ds4py inspect MODEL --verify' and restart with a good file")
+                log.error("%s", self.engine.broken)
+                job.emit(Done("error", len(job.ids), error=self.engine.broken))
             except Exception as e:  # a bug or a backend failure: fail this request, keep serving
                 log.exception("generation failed")
                 job.emit(Done("error", len(job.ids), error=f"generation failed: {type(e).__name__}: {e}"))
