@@ -1,9 +1,10 @@
-"""Per-tensor content checksums in a GGUF: written by `convert` / `make-tiny`, checked by `inspect --verify` (all
-tensors) and at every load (the small ones).
+"""Content checksums in a GGUF: written by `convert` / `make-tiny`, checked by `inspect --verify` (everything) and at
+every load (the metadata and the small tensors).
 
 A tensor's digest is sha256 over its name, ggml type code and shape, then its bytes; they are stored in tensor
 order as the string array `ds4py.tensor_sha256`. Covering the type matters: a tensor relabelled to another type
-of the same size (F16 <-> BF16, F32 <-> I32) keeps its bytes but changes its digest.
+of the same size (F16 <-> BF16, F32 <-> I32) keeps its bytes but changes its digest. `ds4py.metadata_sha256` is
+the sha256 of the raw bytes of every other metadata entry (shape, tokenizer, ...), in file order.
 
 The header is written before the data, so the converter writes placeholders and patches them in place once every
 tensor is written (same length, so nothing moves).
@@ -17,6 +18,7 @@ from typing import Iterable
 from ds4py.errors import GGUFError
 
 KEY = "ds4py.tensor_sha256"
+META_KEY = "ds4py.metadata_sha256"        # sha256 of every other metadata entry's bytes, in file order
 PLACEHOLDER = "0" * 64
 _PIECE = 16 << 20                   # hash a mapped tensor in pieces: never a second copy of a large tensor
 
@@ -60,6 +62,28 @@ def stored_digests(f) -> list[str] | None:
     return v
 
 
+def metadata_digest(f) -> str:
+    """sha256 over the raw bytes of every metadata entry except the two checksum entries (a ds4py.gguf.GGUFFile)."""
+    h = hashlib.sha256()
+    for key, (a, b) in sorted(f.kv_spans.items(), key=lambda kv: kv[1]):
+        if key not in (KEY, META_KEY):
+            h.update(memoryview(f._map[a:b]))
+    return h.hexdigest()
+
+
+def verify_metadata(f) -> bool:
+    """GGUFError when the file's metadata checksum does not match; False when it has none."""
+    if not f.has(META_KEY):
+        return False
+    want = f.meta(META_KEY)
+    if want == PLACEHOLDER:
+        raise GGUFError(f"{f.path}: metadata {META_KEY} is a placeholder: the file was not finished by its writer")
+    if metadata_digest(f) != want:
+        raise GGUFError(f"{f.path}: the metadata does not match its checksum: a value (shape, tokenizer, ...) changed "
+                        f"after the file was written (a corrupt or edited file)")
+    return True
+
+
 def verify(f, *, max_tensor_bytes: int | None = None, budget_bytes: int | None = None) -> tuple[int, int]:
     """Check stored digests: every tensor, or (at load) those up to max_tensor_bytes, smallest first until
     budget_bytes are hashed. GGUFError naming the first mismatch. Returns (tensors checked, bytes hashed)."""
@@ -81,34 +105,22 @@ def verify(f, *, max_tensor_bytes: int | None = None, budget_bytes: int | None =
 
 
 def patch(path: str, digests: list[str]) -> None:
-    """Overwrite the placeholder array of a just-written GGUF with the real digests (same byte length)."""
-    import numpy as np
+    """Overwrite the placeholders of a just-written GGUF with the real digests (same byte lengths): the tensor
+    digests, then the metadata digest (which covers neither)."""
+    from ds4py.gguf import GGUFFile
 
-    from ds4py.gguf import _ARRAY, _STRING, _Header
-
-    buf = np.memmap(path, dtype=np.uint8, mode="r")
-    try:
-        h = _Header(buf, path)
-        h.pos = 16
-        n_kv = h.unpack("<Q")
-        for _ in range(n_kv):
-            key = h.string()
-            vtype = h.unpack("<I")
-            if key == KEY and vtype == _ARRAY:
-                etype, count = h.unpack("<I"), h.unpack("<Q")
-                if etype != _STRING or count != len(digests):
-                    raise GGUFError(f"{path}: {KEY} has the wrong shape to patch")
-                at = h.pos
-                break
-            h.value(vtype)
-        else:
-            raise GGUFError(f"{path}: {KEY} placeholder not found")
-    finally:
-        del buf
+    f = GGUFFile(path)
+    a, b = f.kv_spans[KEY]
+    if f.meta(KEY) != [PLACEHOLDER] * len(digests):
+        raise GGUFError(f"{path}: {KEY} has the wrong shape to patch")
+    first = b - len(digests) * (8 + 64)         # each element: u64 length 64, then 64 hex bytes
+    meta = metadata_digest(f) if f.has(META_KEY) else None
+    meta_at = f.kv_spans[META_KEY][1] - 64 if meta else None
+    del f
     with open(path, "r+b") as fh:
-        for d in digests:
-            fh.seek(at)
-            if int.from_bytes(fh.read(8), "little") != 64:
-                raise GGUFError(f"{path}: {KEY} placeholder has an unexpected length")
+        for i, d in enumerate(digests):
+            fh.seek(first + i * 72 + 8)
             fh.write(d.encode())
-            at += 8 + 64
+        if meta:
+            fh.seek(meta_at)
+            fh.write(meta.encode())

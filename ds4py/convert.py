@@ -514,6 +514,7 @@ def write_gguf(out: str, name: str, meta: list[tuple[str, str, Any]], tok: Token
             w.add_eos_token_id(tok.eos)
             w.add_add_bos_token(False)
         w.add_array(checksum.KEY, [checksum.PLACEHOLDER] * len(tensors))     # patched once the data is written
+        w.add_string(checksum.META_KEY, checksum.PLACEHOLDER)
         digests = []
         for t in tensors:
             w.add_tensor_info(t.name, t.shape, np.dtype(np.int32 if t.qtype == QT.I32 else np.float32), t.nbytes,

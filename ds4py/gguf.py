@@ -130,11 +130,14 @@ class GGUFFile:
             raise GGUFError(f"{self.path}: corrupt or truncated GGUF header ({n_tensors} tensors and {n_kv} metadata "
                             f"entries cannot fit in {self.file_size} bytes)")
         self._meta: dict[str, Any] = {}
+        self.kv_spans: dict[str, tuple[int, int]] = {}     # key -> (start, end) bytes of its entry (checksums)
         for _ in range(n_kv):
+            start = h.pos
             key = h.string()
             if key in self._meta:
                 raise GGUFError(f"{self.path}: corrupt GGUF header (metadata key {key!r} appears twice)")
             self._meta[key] = h.value(h.unpack("<I"))
+            self.kv_spans[key] = (start, h.pos)
         infos = []
         for _ in range(n_tensors):
             name = h.string()

@@ -7,7 +7,7 @@ Never a scan of the whole file (80 GB): only
   * a few rows of every other tensor (first, middle, last), decoded: finite;
   * every F16 / BF16 matrix's sample: its magnitudes must look like weights in the type it is labelled with
     (see _label_mismatch: a tensor relabelled F16 <-> BF16 keeps its bytes and reads as garbage);
-  * the stored checksums (ds4py.checksum) of the smallest tensors, up to CHECKSUM_BUDGET bytes.
+  * the stored checksums (ds4py.checksum): the metadata's, and the smallest tensors' up to CHECKSUM_BUDGET bytes.
 `python -m ds4py inspect --verify` checks every checksum.
 """
 
@@ -51,6 +51,7 @@ def check_weights(f) -> None:
             if why:
                 raise GGUFError(f"{f.path}: tensor {t.name!r} is labelled {t.qtype.name} but {why}: was it written "
                                 f"in another type and relabelled?")
+    checksum.verify_metadata(f)
     checksum.verify(f, max_tensor_bytes=CHECKSUM_MAX_TENSOR, budget_bytes=CHECKSUM_BUDGET)
 
 

@@ -341,3 +341,16 @@ def test_a_model_that_turns_out_broken_while_serving_is_reported_on_health(golde
         assert status == 503 and body["status"] == "error" and "inspect" in body["error"]
         status, body = fetch(srv, "/v1/messages", chat)
         assert status == 503 and "weights are corrupt" in body["error"]["message"]
+
+
+def test_metadata_checksum_catches_a_plausible_edit(made, tmp_path):
+    """A metadata value changed to another valid one (an epsilon, a token's type): only the checksum sees it."""
+    f = GGUFFile(made)
+    data = bytearray(open(made, "rb").read())
+    a, b = f.kv_spans["deepseek4.attention.layer_norm_rms_epsilon"]
+    struct.pack_into("<f", data, b - 4, 1e-5)                        # 1e-6 -> 1e-5: in range, wrong
+    (tmp_path / "eps.gguf").write_bytes(bytes(data))
+    with pytest.raises(GGUFError, match="metadata does not match its checksum"):
+        load(tmp_path / "eps.gguf")
+    assert GGUFFile(tmp_path / "eps.gguf").meta("deepseek4.attention.layer_norm_rms_epsilon") == \
+        pytest.approx(1e-5)                                          # the edit is there, and plausible

@@ -105,6 +105,8 @@ def verify(f) -> None:
         raise GGUFError(f"{f.path}: the file carries no checksums ({checksum.KEY}; written by ds4py convert and "
                         f"make-tiny): its structure and sampled values are fine, its contents cannot be verified")
     t0 = time.perf_counter()
+    meta = checksum.verify_metadata(f)
     n, nbytes = checksum.verify(f)
-    print(f"verify: OK: metadata, tensor layout and sampled values are valid; {n} tensor checksums match "
+    print(f"verify: OK: metadata, tensor layout and sampled values are valid; "
+          f"{'the metadata checksum and ' if meta else ''}{n} tensor checksums match "
           f"({human(nbytes)} read in {time.perf_counter() - t0:.1f} s)")
