@@ -351,3 +351,18 @@ def test_a_vq_model_scores_runs_and_serves(work, vq6):
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
+
+
+def test_decode_dequantises_only_the_routed_experts(vq6, monkeypatch):
+    seen = []
+    real = vq.VQExperts.expert
+    monkeypatch.setattr(vq.VQExperts, "expert", lambda self, name, e: seen.append((name, int(e))) or real(self, name, e))
+    m = RefModel(str(vq6[0]), cache_bytes=0)
+    st = m.new_state()
+    m.prefill(st, [0, 5, 9, 11])
+    seen.clear()
+    tr = m.new_trace()
+    m.decode(st, 7, trace=tr)
+    want = sorted((vq.payload_name(layer, mm), int(e)) for layer in range(4) for e in tr.experts[layer][0]
+                  for mm in vq.MATRICES)
+    assert sorted(seen) == want and len(want) == 4 * 6 * 3

@@ -99,10 +99,13 @@ def nearest(v: np.ndarray, codebook: np.ndarray, workers: int | None = None) -> 
     return Searcher(codebook, workers)(v)
 
 
-def sq_error(v: np.ndarray, codebook: np.ndarray, idx: np.ndarray) -> np.ndarray:
+def sq_error(v: np.ndarray, codebook: np.ndarray, idx: np.ndarray, chunk: int = 1 << 20) -> np.ndarray:
     """float64 squared distance of each vector to its assigned codeword (elementwise, fixed order)."""
-    d = v.astype(F64) - codebook[idx].astype(F64)
-    return (d * d).sum(1)
+    out = np.empty(len(v), F64)
+    for a in range(0, len(v), chunk):
+        d = v[a:a + chunk].astype(F64) - codebook[idx[a:a + chunk]].astype(F64)
+        out[a:a + chunk] = (d * d).sum(1)
+    return out
 
 
 def equidistant(pool: np.ndarray, k: int) -> np.ndarray:
@@ -119,12 +122,11 @@ def lloyd(pool: np.ndarray, k: int, rounds: int, workers: int | None = None,
     pool = np.ascontiguousarray(pool, dtype=F32)
     if len(pool) < k:
         raise ValueError(f"a pool of {len(pool)} vectors cannot train {k} codewords")
-    cols = [pool[:, i].astype(F64) for i in range(DIM)]
     c = equidistant(pool, k)
     for r in range(rounds):
         idx = Searcher(c, workers)(pool)
         counts = np.bincount(idx, minlength=k)
-        sums = np.stack([np.bincount(idx, weights=col, minlength=k) for col in cols], 1)
+        sums = np.stack([np.bincount(idx, weights=pool[:, i], minlength=k) for i in range(DIM)], 1)   # float64
         err = sq_error(pool, c, idx)
         new = c.astype(F64)
         full = counts > 0

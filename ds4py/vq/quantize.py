@@ -53,6 +53,8 @@ class Options:
     train_per_code: int = 2048    # Lloyd pool: at most this many vectors per codeword (0 = every vector)
     rounds: int = 10
     workers: int | None = None
+    # a fixed codebook (pool, K) -> float32 [K, 8] instead of Lloyd: for baselines such as a scalar grid
+    codebook: Callable[[np.ndarray, int], np.ndarray] | None = None
 
     def layer_bits(self, layer: int) -> int:
         return self.bits_shallow if self.bits_shallow is not None and layer < self.shallow_layers else self.bits
@@ -78,7 +80,8 @@ class Options:
         s = f"bits={self.bits}"
         if self.bits_shallow is not None:
             s += f" bits_shallow={self.bits_shallow} shallow_layers={self.shallow_layers}"
-        return s + f" rounds={self.rounds} train_per_code={self.train_per_code} min_pool={self.min_pool} dense={self.dense}"
+        s += f" rounds={self.rounds} train_per_code={self.train_per_code} min_pool={self.min_pool} dense={self.dense}"
+        return s + (" codebook=fixed" if self.codebook else "")
 
 
 class Progress:
@@ -187,7 +190,7 @@ def train_layer(job: LayerJob, opts: Options, prog: Progress) -> None:
         prog.bar(f"layer {job.layer:3d} lloyd", r + 1, opts.rounds, f"pool mse {err:.5f}")
 
     t1 = time.perf_counter()
-    c = kmeans.lloyd(pool, K, opts.rounds, opts.workers, report)
+    c = opts.codebook(pool, K) if opts.codebook else kmeans.lloyd(pool, K, opts.rounds, opts.workers, report)
     t_lloyd = time.perf_counter() - t1
     job.codebook = vq.e4m3_encode(c)
     job.report.update(pool=len(pool), pool_stride=stride, pool_mse=errs, seconds_pool=t_pool,
