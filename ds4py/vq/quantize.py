@@ -157,7 +157,7 @@ class LayerJob:
 
 
 def train_layer(job: LayerJob, opts: Options, prog: Progress) -> None:
-    """Passes 1 and 2: gains, pool, Lloyd, E4M3 codebook (job.gains, job.codebook, job.report)."""
+    """Steps 1 and 2: gains, pool, Lloyd, E4M3 codebook (job.gains, job.codebook, job.report)."""
     K = 1 << job.bits
     total = job.n_vectors
     target = total if not opts.train_per_code else min(total, opts.train_per_code * K)
@@ -184,21 +184,22 @@ def train_layer(job: LayerJob, opts: Options, prog: Progress) -> None:
     pool = np.concatenate(pool)
     t_pool = time.perf_counter() - t0
     errs: list[float] = []
+    energy = float(kmeans.sq_error(pool, np.zeros((1, vq.GROUP), np.float32), np.zeros(len(pool), np.int64)).mean())
 
-    def report(r: int, err: float) -> None:
-        errs.append(err)
-        prog.bar(f"layer {job.layer:3d} lloyd", r + 1, opts.rounds, f"pool mse {err:.5f}")
+    def report(r: int, err: float) -> None:                 # the pool's relative error before round r's update
+        errs.append(err / energy if energy else 0.0)
+        prog.bar(f"layer {job.layer:3d} lloyd", r + 1, opts.rounds, f"pool rel. error {errs[-1]:.4f}")
 
     t1 = time.perf_counter()
     c = opts.codebook(pool, K) if opts.codebook else kmeans.lloyd(pool, K, opts.rounds, opts.workers, report)
     t_lloyd = time.perf_counter() - t1
     job.codebook = vq.e4m3_encode(c)
-    job.report.update(pool=len(pool), pool_stride=stride, pool_mse=errs, seconds_pool=t_pool,
+    job.report.update(pool=len(pool), pool_stride=stride, pool_rel_err=errs, seconds_pool=t_pool,
                       seconds_lloyd=t_lloyd, lloyd_vectors=len(pool) * opts.rounds)
 
 
 def assign_layer(job: LayerJob, opts: Options, prog: Progress, write: Callable[[str, np.ndarray], None]) -> None:
-    """Pass 3: assign every vector with the stored codebook and gains; write payload, hi plane and gains."""
+    """Step 3: assign every vector with the stored codebook and gains; write payload, hi plane and gains."""
     cb = vq.E4M3_F32[job.codebook]
     search = kmeans.Searcher(cb, opts.workers)
     err_all = energy_all = 0.0
