@@ -93,6 +93,7 @@ struct Fiber {
     Site site;                       // where it waits
     uint64_t in[12], out[4];         // warp-collective payload: this lane's operands, and its result
     int bar_result;
+    int waited;                      // has called pdl_wait() (checked with the pdl check on)
     PendingCopy copies[32];          // cp.async issued but not yet waited for
     int ncopies;
     unsigned cp_group;               // index of the group being filled
@@ -127,6 +128,11 @@ struct Launch {
     Fiber* cur;
     Context sched;
     int in_fiber, failed;
+    // pdl check: the launch's writable argument buffers stay read-only for threads that have not called
+    // pdl_wait() yet; a store from such a thread faults and fails the launch (see pdl_check_* below).
+    int pdl_check, pdl_open, pdl_violation, nwatch;
+    char* watch_lo[32];
+    size_t watch_len[32];
     char msg[2048];
     sigjmp_buf fault_jmp;
     void* fault_addr;
@@ -413,6 +419,7 @@ inline void mma_m16n8k16(Site s, float* d, const unsigned* a, const unsigned* b)
 
 // ---- thread start and end --------------------------------------------------------------------------------------
 inline void thread_exit(Fiber* f) {
+    if (L.pdl_check && !f->waited) fail("returned without calling pdl_wait() (every kernel waits first)");
     f->cp_group++;
     cp_async_wait(0);                                   // copies still in flight land before the block ends
     Warp& w = L.warps[f->warp];
@@ -438,7 +445,33 @@ inline void fiber_main() {
 }
 
 // ---- faults ----------------------------------------------------------------------------------------------------
+// ---- pdl check: no global store and no return before pdl_wait() -------------------------------------------
+inline void pdl_protect(int prot) {
+    for (int i = 0; i < L.nwatch; i++) mprotect(L.watch_lo[i], L.watch_len[i], prot);
+}
+inline int pdl_watched(const void* a) {
+    for (int i = 0; i < L.nwatch; i++)
+        if ((const char*)a >= L.watch_lo[i] && (const char*)a < L.watch_lo[i] + L.watch_len[i]) return 1;
+    return 0;
+}
+inline void pdl_mark() { L.cur->waited = 1; }
+// Before a thread that has not waited runs, close the buffers again (a waited thread's store opened them).
+inline void pdl_before_switch(const Fiber& f) {
+    if (L.pdl_check && L.pdl_open && !f.waited) {
+        pdl_protect(PROT_READ);
+        L.pdl_open = 0;
+    }
+}
+
 inline void on_fault(int sig, siginfo_t* si, void*) {
+    if (L.in_fiber && L.pdl_check && sig == SIGSEGV && pdl_watched(si->si_addr)) {
+        if (L.cur->waited) {                 // a legal store: open the buffers and retry the instruction
+            pdl_protect(PROT_READ | PROT_WRITE);
+            L.pdl_open = 1;
+            return;
+        }
+        L.pdl_violation = 1;
+    }
     if (!L.in_fiber) {                       // the emulator itself crashed: hand over to the previous handler
         sigaction(sig, sig == SIGSEGV ? &L.old_segv : sig == SIGBUS ? &L.old_bus : &L.old_fpe, nullptr);
         return;
@@ -552,6 +585,7 @@ inline bool run_block(uint3 b, int order) {
         f.state = READY;
         f.ncopies = 0;
         f.cp_group = 0;
+        f.waited = 0;
         ctx_make(&f.ctx, f.stack, kStackBytes, fiber_main);
     }
     for (int w = 0; w < (n + kWarp - 1) / kWarp; w++) {
@@ -572,6 +606,7 @@ inline bool run_block(uint3 b, int order) {
         for (int k = 0; k < n; k++) {
             Fiber& f = L.fibers[idx[k]];
             if (f.state != READY) continue;
+            pdl_before_switch(f);
             L.cur = &f;
             threadIdx = f.tid;
             L.in_fiber = 1;
@@ -593,6 +628,11 @@ inline int launch(void (*thunk)(void*, void**), void* fn, const unsigned* grid, 
     L.failed = 0;
     L.fault_addr = nullptr;
     L.fault_sig = 0;
+    L.pdl_violation = 0;
+    if (L.pdl_check) {
+        pdl_protect(PROT_READ);
+        L.pdl_open = 0;
+    }
     const uint64_t nthreads = (uint64_t)block[0] * block[1] * block[2];
     if (!grid[0] || !grid[1] || !grid[2] || !nthreads) {
         snprintf(L.msg, sizeof L.msg, "launch with a zero grid or block dimension");
@@ -665,7 +705,8 @@ inline int launch(void (*thunk)(void*, void**), void* fn, const unsigned* grid, 
         L.in_fiber = 0;
         char who[96];
         describe_thread(who, sizeof who, L.cur);
-        const char* kind = L.fault_sig == SIGFPE ? "arithmetic fault (integer division by zero?)"
+        const char* kind = L.pdl_violation ? "store to global memory before pdl_wait()"
+                         : L.fault_sig == SIGFPE ? "arithmetic fault (integer division by zero?)"
                          : L.fault_sig == SIGBUS ? "bus error" : "invalid memory access";
         const uintptr_t a = (uintptr_t)L.fault_addr, lo = (uintptr_t)stack_pool;
         const bool stack = L.fault_sig == SIGSEGV && a >= lo && a < lo + (kStackBytes + page_bytes) * kMaxThreads &&
