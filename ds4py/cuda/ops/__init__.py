@@ -3,6 +3,9 @@
 Each wrapper checks shapes and picks the launch geometry its kernel's comment documents; `rt` is a Runtime
 (GPU) or an EmuRuntime (CPU emulator) — the same calls run on both. A module's DEFINES table holds its kernel
 file's geometry constants (compiled in with -D; see ds4py/cuda/compiler.py).
+
+The names below are the functions (ops.gemv is the function gemv, not the module): take a module's constants
+from its path, `from ds4py.cuda.ops.gemv import DEFINES`.
 """
 
 from ds4py.cuda.ops.argmax import argmax  # noqa: F401
