@@ -9,25 +9,39 @@ from ds4py.cuda.twins.core import weight_values
 from ds4py.ref import ops as ref
 
 
+CHUNK_ROWS = 8192          # rows dequantised at a time (the head is 129,280 x 4096)
+
+
+def _rows_dot(W: np.ndarray, x: np.ndarray, rows: int, cols: int, x_group_rows: int, absolute: bool) -> np.ndarray:
+    """sum_c W[r, c] x_r[c] in float64, chunk by chunk (|W| with absolute)."""
+    W = np.asarray(W).reshape(rows, -1)
+    out = np.empty(rows, np.float64)
+    for a in range(0, rows, CHUNK_ROWS):
+        b = min(rows, a + CHUNK_ROWS)
+        Wv = weight_values(W[a:b], b - a, cols)
+        if absolute:
+            Wv = np.abs(Wv)
+        if not x_group_rows:
+            out[a:b] = Wv @ x[:cols].astype(np.float64)
+        else:
+            g = np.arange(a, b) // x_group_rows
+            out[a:b] = np.einsum("rc,rc->r", Wv, x[: (g[-1] + 1) * cols].reshape(-1, cols).astype(np.float64)[g])
+    return out
+
+
 def gemv(W: np.ndarray, x: np.ndarray, rows: int, cols: int, norm: tuple[np.ndarray | None, float] | None = None,
          x_group_rows: int = 0) -> np.ndarray:
     """W [rows, cols] (F32 / F16 / Q8_0 bytes) @ x -> float32 [rows]; norm=(w, eps): x RMS-normalised first;
     x_group_rows: row block g reads x[g*cols:(g+1)*cols]."""
-    Wv = weight_values(W, rows, cols)
-    x = np.asarray(x, np.float32)
+    x = np.asarray(x, np.float32).reshape(-1)
     if norm is not None:
         x = ref.rmsnorm(x[:cols], norm[0], norm[1])
-    if not x_group_rows:
-        return (Wv @ x[:cols].astype(np.float64)).astype(np.float32)
-    g = np.arange(rows) // x_group_rows
-    xg = x.reshape(-1)[: (g[-1] + 1) * cols].reshape(-1, cols).astype(np.float64)
-    return np.einsum("rc,rc->r", Wv, xg[g]).astype(np.float32)
+    return _rows_dot(W, x, rows, cols, x_group_rows, False).astype(np.float32)
 
 
 def magnitude(W: np.ndarray, x: np.ndarray, rows: int, cols: int, x_group_rows: int = 0) -> np.ndarray:
     """sum_c |W[r, c] x[c]| per row: what the fp32 tolerance scales with."""
-    return gemv(np.abs(weight_values(W, rows, cols)), np.abs(np.asarray(x, np.float64)).astype(np.float32), rows,
-                cols, x_group_rows=x_group_rows).astype(np.float64)
+    return _rows_dot(W, np.abs(np.asarray(x, np.float32).reshape(-1)), rows, cols, x_group_rows, True)
 
 
 def hc_post(f: np.ndarray, X: np.ndarray, mix: np.ndarray, hc: int = 4) -> np.ndarray:
