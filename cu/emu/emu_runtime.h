@@ -127,6 +127,8 @@ struct Launch {
     Site bar_site;
     Fiber* cur;
     Context sched;
+    int* order;                      // this round's thread order, and the position of the running thread in it
+    int pos, ran;
     int in_fiber, failed;
     // pdl check: the launch's writable argument buffers stay read-only for threads that have not called
     // pdl_wait() yet; a store from such a thread faults and fails the launch (see pdl_check_* below).
@@ -178,10 +180,28 @@ inline void describe_thread(char* out, size_t n, const Fiber* f) {
 }
 
 inline bool same_site(const Site& a, const Site& b) {
-    return a.line == b.line && strcmp(a.file, b.file) == 0 && strcmp(a.what, b.what) == 0;
+    if (a.line != b.line) return false;
+    if (a.file == b.file && a.what == b.what) return true;     // the usual case: the same string literals
+    return strcmp(a.file, b.file) == 0 && strcmp(a.what, b.what) == 0;
 }
 
-inline void yield_to_scheduler(Fiber* f) { ctx_switch(&f->ctx, &L.sched); }
+// A thread that blocks hands over straight to the next ready thread of this round (in the round's order) -
+// one switch instead of two through the scheduler - or, at the end of the round, to the scheduler.
+inline void pdl_before_switch(const Fiber& f);
+inline void yield_to_scheduler(Fiber* f) {
+    for (int k = L.pos + 1; k < L.nthreads; k++) {
+        Fiber& g = L.fibers[L.order[k]];
+        if (g.state != READY) continue;
+        L.pos = k;
+        L.ran = 1;
+        pdl_before_switch(g);
+        L.cur = &g;
+        threadIdx = g.tid;
+        ctx_switch(&f->ctx, &g.ctx);
+        return;
+    }
+    ctx_switch(&f->ctx, &L.sched);
+}
 
 // ---- cp.async: copies are held per thread and land at the matching wait ------------------------------------
 inline void run_copy(const PendingCopy& c) { memcpy(c.dst, c.src, c.bytes); }
@@ -440,7 +460,7 @@ inline void fiber_main() {
     Fiber* f = L.cur;
     L.thunk(L.fn, L.args);
     thread_exit(f);
-    ctx_switch(&f->ctx, &L.sched);
+    yield_to_scheduler(f);                               // never resumed: its state is DONE
     __builtin_trap();
 }
 
@@ -600,22 +620,27 @@ inline bool run_block(uint3 b, int order) {
     memset(dyn_smem_ptr, 0xff, L.dyn_smem);
     if (__start_emu_shared && __stop_emu_shared) memset(__start_emu_shared, 0xff, __stop_emu_shared - __start_emu_shared);
     static int idx[kMaxThreads];
+    L.order = idx;
     while (L.live > 0) {
-        bool ran = false;
+        L.ran = 0;
         make_order(idx, n, order);
+        // Run the round: the first ready thread is switched in from here; each one that blocks passes on to the
+        // next ready one (yield_to_scheduler), and the last of the round comes back.
         for (int k = 0; k < n; k++) {
             Fiber& f = L.fibers[idx[k]];
             if (f.state != READY) continue;
+            L.pos = k;
+            L.ran = 1;
             pdl_before_switch(f);
             L.cur = &f;
             threadIdx = f.tid;
             L.in_fiber = 1;
             ctx_switch(&L.sched, &f.ctx);
             L.in_fiber = 0;
-            ran = true;
             if (L.failed) return false;
+            k = L.pos;                                   // the chain ran up to here
         }
-        if (!ran) { report_deadlock(); return false; }
+        if (!L.ran) { report_deadlock(); return false; }
     }
     return true;
 }
