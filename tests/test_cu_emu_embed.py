@@ -82,3 +82,38 @@ def test_wrapper_checks(rt, arena, put):
     with pytest.raises(Ds4Error, match="ticket"):
         ops.argmax(rt, put(np.zeros(8, np.float32), False), 8, arena.scratch(1, np.float32),
                    arena.scratch(1, np.int32), arena.scratch(1, np.int32), out)
+
+
+def test_the_token_stays_on_the_device(rt, arena, put):
+    """A toy decode loop as one graph: embed(slot) -> RMSNorm -> Q8_0 head -> argmax(slot). Each replay reads the
+    token the previous one wrote - the host never sees it - and the sequence matches a host loop on the twins."""
+    from ds4py.cuda.graph import StepGraph
+    from ds4py.cuda.twins import gemv as tg
+
+    r = rng(21)
+    V, D = 96, 64
+    table = r.standard_normal((V, D)).astype(np.float16)
+    head = twins.quant_q8_0(r.standard_normal((V, D)).astype(np.float32)).reshape(V, -1)
+    dt, dh = put(table), put(head)
+    slot = put(np.array([5, 0], np.int32))
+    slot.readonly = False
+    ticket = put(np.zeros(1, np.uint32))
+    ticket.readonly = False
+    h, xn, logits = arena.scratch(D, np.float32), arena.scratch(D, np.float32), arena.scratch(V, np.float32)
+    pv, pi = arena.scratch(2, np.float32), arena.scratch(2, np.int32)
+
+    def record():
+        ops.embed(rt, dt, slot, h, 1)
+        ops.rmsnorm(rt, h, None, xn, D, 1e-6, threads=32)
+        ops.gemv(rt, [(dh, logits, V)], xn, D)
+        ops.argmax(rt, logits, V, pv, pi, ticket, slot, threads=32)
+
+    g = StepGraph(rt, record, slot.view(4, 1))
+    got, tok, want = [], 5, []
+    for step in range(4):
+        g.replay([step])                                   # writes the position; the token is already there
+        got.append(int(slot.download()[0]))
+        x = twins.rmsnorm(table[tok].astype(np.float32), None, 1e-6)
+        tok = int(np.argmax(tg.gemv(head, x, V, D)))
+        want.append(tok)
+    assert got == want and g.captures == 1
