@@ -328,5 +328,10 @@ class ModelConfig:
 
     def check_tensors(self, f) -> None:
         """Raise GGUFError naming the first tensor that is missing or has the wrong shape / type."""
+        from ds4py.quant import vq
+
         for name, (shape, types) in self.expected_tensors().items():
-            f.tensor(name, types=types, shape=shape)
+            if name.endswith("_exps.weight") and vq.is_vq(f, name):     # VQ-8 routed experts (docs/vq.md)
+                vq.check_expert(f, name, shape)
+            else:
+                f.tensor(name, types=types, shape=shape)

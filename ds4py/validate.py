@@ -46,7 +46,7 @@ def check_weights(f) -> None:
             if not np.isfinite(x).all():
                 raise GGUFError(f"{f.path}: tensor {t.name!r} holds NaN or infinite values (in the rows sampled at "
                                 f"load): the file is corrupt")
-        if t.qtype in (Q.F16, Q.BF16) and len(t.shape) >= 2:
+        if t.qtype in (Q.F16, Q.BF16) and len(t.shape) >= 2 and t.name.endswith(".weight"):
             why = _label_mismatch(t)
             if why:
                 raise GGUFError(f"{f.path}: tensor {t.name!r} is labelled {t.qtype.name} but {why}: was it written "
@@ -87,23 +87,28 @@ def _decode(t, rows: np.ndarray | None) -> np.ndarray:
     return dequantize(np.ascontiguousarray(sel), t.qtype, (sel.shape[0], t.shape[-1])).astype(np.float64)
 
 
-def _spread(bits: np.ndarray, as_bf16: bool) -> float | None:
+def _spread(bits: np.ndarray, as_bf16: bool) -> tuple[float, float] | None:
+    """(std of log2 |x|, fraction of negative values) of the non-zero values, read as BF16 or F16."""
     x = (bits.astype(np.uint32) << 16).view(np.float32) if as_bf16 else bits.view(np.float16).astype(np.float32)
-    a = np.abs(x[np.isfinite(x) & (x != 0)]).astype(np.float64)
-    return float(np.std(np.log2(a))) if a.size >= SPREAD_MIN_VALUES else None
+    x = x[np.isfinite(x) & (x != 0)].astype(np.float64)
+    return (float(np.std(np.log2(np.abs(x)))), float((x < 0).mean())) if x.size >= SPREAD_MIN_VALUES else None
 
 
 def _label_mismatch(t) -> str | None:
-    """Why the sampled values look like the other 2-byte float type, or None. Only when the labelled reading is
-    implausible AND the swapped reading is plausible (a constant or otherwise unusual tensor is left alone)."""
+    """Why a weight matrix's sampled values look like the other 2-byte float type, or None. Flagged only when the
+    swapped reading is plausible and the labelled one is not: spread over far too many octaves (F16 read as
+    BF16), or collapsed into one octave while the values have both signs (BF16 read as F16: a weight matrix has
+    both; a narrow range of positive values, such as gains, is left alone)."""
     raw = t.raw.view(np.uint16) if t.qtype == Q.F16 else t.raw_bytes().view(np.uint16)
     flat = raw.reshape(-1, raw.shape[-1])
     k = min(flat.shape[0], max(1, 4 * SPREAD_MIN_VALUES // flat.shape[1]))     # ~16k values, evenly spaced rows
     bits = flat[np.linspace(0, flat.shape[0] - 1, k).astype(np.int64)].reshape(-1)
-    mine = _spread(bits, as_bf16=t.qtype == Q.BF16)
-    other = _spread(bits, as_bf16=t.qtype != Q.BF16)
+    a, b = _spread(bits, as_bf16=t.qtype == Q.BF16), _spread(bits, as_bf16=t.qtype != Q.BF16)
     lo, hi = SPREAD_RANGE
-    if mine is None or other is None or lo <= mine <= hi or not lo <= other <= hi:
+    if a is None or b is None or not lo <= b[0] <= hi:
+        return None
+    (mine, negative), other = a, b[0]
+    if not (mine > hi or (mine < lo and 0.2 <= negative <= 0.8)):
         return None
     alt = "F16" if t.qtype == Q.BF16 else "BF16"
     return (f"its values' magnitudes spread over {mine:.1f} octaves (trained weights: {lo:g}..{hi:g}); read as "

@@ -39,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
 
     from ds4py.gguf import GGUFFile
+    from ds4py.quant import vq
 
     f = GGUFFile(args.model)
     arch = f.meta("general.architecture", "?")
@@ -76,11 +77,13 @@ def run(args: argparse.Namespace) -> int:
     total = f.tensor_bytes()
     print(f"tensors: {len(tensors)}, {human(total)} ({total} bytes)")
     by_type: dict[str, list[int]] = {}
+    vq_roles = vq.tensor_roles(f)          # VQ-8 tensors count as one type: weights held, overhead included
     for t in tensors:
-        c = by_type.setdefault(t.qtype.name, [0, 0, 0])
+        label, ne = vq_roles.get(t.name, (t.qtype.name, int(np.prod(t.shape, dtype=np.int64))))
+        c = by_type.setdefault(label, [0, 0, 0])
         c[0] += 1
         c[1] += t.nbytes
-        c[2] += int(np.prod(t.shape, dtype=np.int64))
+        c[2] += ne
     print(f"  {'type':<8s} {'count':>6s} {'bytes':>12s} {'params':>14s} {'bits/weight':>11s}")
     for name, (n, nb, ne) in sorted(by_type.items(), key=lambda kv: -kv[1][1]):
         print(f"  {name:<8s} {n:>6d} {human(nb):>12s} {ne:>14,d} {8 * nb / max(ne, 1):>11.2f}")

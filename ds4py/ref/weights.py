@@ -16,6 +16,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from ds4py.quant import dequantize
+from ds4py.quant.vq import VQExperts
 from ds4py.ref.ops import q8_0_round, q8_k_round
 
 F32 = np.float32
@@ -40,6 +41,7 @@ class Weights:
         self.cache_bytes = cache_bytes
         self._cache: OrderedDict[tuple, np.ndarray] = OrderedDict()
         self._cached = 0
+        self.vq = VQExperts(gguf)          # decodes VQ-8 experts; its row gains can be rescaled at load
 
     # ---- cache -------------------------------------------------------------------------------------------
     def _get_cached(self, key: tuple, make) -> np.ndarray:
@@ -85,6 +87,8 @@ class Weights:
         t = self.f.tensor(name)
 
         def make() -> np.ndarray:
+            if t.qtype == Q.I8:                                   # VQ-8 index stream (ds4py.quant.vq)
+                return self.vq.expert(name, e)
             raw = t.raw if t.qtype in (Q.F32, Q.F16) else t.raw_bytes()
             return _dequant_rows(t, raw[e], t.shape[1:]).astype(F32, copy=False)
 
