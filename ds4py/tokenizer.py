@@ -49,7 +49,7 @@ CHAT_MARKERS = frozenset(("<｜begin▁of▁sentence｜>", "<｜end▁of▁sente
 
 # gguf.TokenType values (kept local so this module reads without the gguf package).
 TT_NORMAL, TT_UNKNOWN, TT_CONTROL, TT_USER_DEFINED, TT_UNUSED, TT_BYTE = 1, 2, 3, 4, 5, 6
-GGUF_TOKEN_TYPES = frozenset((TT_NORMAL, TT_UNKNOWN, TT_CONTROL, TT_USER_DEFINED, TT_UNUSED, TT_BYTE))
+GGUF_TOKEN_TYPES = frozenset((0, TT_NORMAL, TT_UNKNOWN, TT_CONTROL, TT_USER_DEFINED, TT_UNUSED, TT_BYTE))  # 0: undefined
 
 LONG_PIECE = 48          # pieces with more bytes than this use the heap merge (O(n log n) not O(n^2))
 CACHE_LIMIT = 1 << 18    # pieces kept in the encode cache before it is cleared
@@ -200,7 +200,7 @@ class Tokenizer:
             raise TokenizerError(f"{path}: tokenizer.ggml.token_type is missing or not one entry per token")
         bad = next((i for i, ty in enumerate(types) if ty not in GGUF_TOKEN_TYPES), None)
         if bad is not None or not all(isinstance(t, str) for t in tokens):
-            what = f"token {bad} has type {types[bad]!r} (GGUF types are 1..6)" if bad is not None else \
+            what = f"token {bad} has type {types[bad]!r} (GGUF types are 0..6)" if bad is not None else \
                 "a token is not a string"
             raise TokenizerError(f"{path}: corrupt tokenizer metadata: {what}")
         # CONTROL and USER_DEFINED tokens are the added tokens: matched by spelling, never produced by BPE.
