@@ -20,14 +20,37 @@ def test_q8_0_round_trip():
     assert np.abs(twins.dequant_q8_0(raw) - x).max() <= np.abs(x).max() / 127
 
 
+def _exact_dot(W, x) -> np.ndarray:
+    """Row-by-row dot products summed exactly (math.fsum of exact float64 products), rounded once to float32:
+    an independent oracle, not the twins' own matmul."""
+    import math
+
+    W, x = np.asarray(W, np.float64), np.asarray(x, np.float64)
+    return np.array([math.fsum(float(a) * float(b) for a, b in zip(row, x)) for row in W], np.float32)
+
+
 def test_gemv_twin_forms():
+    """The GEMV twin against independent oracles: the Q8_0 matrix decoded by ds4py.quant (not the twin's decoder)
+    and exact sums (the twin rounds once from float64: within one float32 step), known answers, then its forms
+    (grouped inputs, the norm prologue, the SwiGLU epilogue) against plain numpy and ref.ops."""
+    from gguf import GGMLQuantizationType as Q
+
+    from ds4py.quant import dequantize
+
     r = np.random.default_rng(1)
     W = r.standard_normal((8, 64)).astype(np.float32)
     x = r.standard_normal(64 * 2).astype(np.float32)
     raw = twins.quant_q8_0(W).reshape(8, -1)
-    np.testing.assert_allclose(tg.gemv(raw, x, 8, 64), twins.q8_0_matrix(raw, 8, 64) @ x[:64], rtol=1e-5)
+    Wq = dequantize(raw, Q.Q8_0, (8, 64))
+    np.testing.assert_array_equal(twins.q8_0_matrix(raw, 8, 64), Wq)
+    np.testing.assert_allclose(tg.gemv(raw, x, 8, 64), _exact_dot(Wq, x[:64]), rtol=2 ** -23, atol=1e-30)
     W16 = W.astype(np.float16)
-    np.testing.assert_allclose(twins.gemv_f16(W16, x[:64]), W16.astype(np.float32) @ x[:64], rtol=1e-5)
+    np.testing.assert_allclose(twins.gemv_f16(W16, x[:64]), _exact_dot(W16, x[:64]), rtol=2 ** -23, atol=1e-30)
+    blk = np.zeros((1, 34), np.uint8)          # d = 0.5, q = 1..32, x = 1: 0.5 * (1 + ... + 32) = 264
+    blk[0, :2] = np.array([0.5], np.float16).view(np.uint8)
+    blk[0, 2:] = np.arange(1, 33, dtype=np.int8).view(np.uint8)
+    assert tg.gemv(blk, np.ones(32, np.float32), 1, 32)[0] == 264.0
+    assert twins.gemv_f16(np.full((1, 3), 0.25, np.float16), np.array([4, 8, -2], np.float32))[0] == 2.5
     grouped = tg.gemv(W, x, 8, 64, x_group_rows=4)
     np.testing.assert_allclose(grouped, np.concatenate([W[:4] @ x[:64], W[4:] @ x[64:]]), rtol=1e-5)
     w = r.random(64).astype(np.float32)

@@ -30,6 +30,9 @@ def human(n: float) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL.gguf")
     p.add_argument("--top", type=int, default=8, help="how many of the largest tensors to list (default 8)")
+    p.add_argument("--verify", action="store_true",
+                   help="also check the model: metadata, tensor shapes and types, the load-time value checks, and "
+                        "every tensor's checksum (reads the whole file)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,8 +65,11 @@ def run(args: argparse.Namespace) -> int:
             v = f"{v:g}"
         print(f"  {label:<28s} {v}")
     if f.has("tokenizer.ggml.tokens"):
+        def count(key):
+            v = f.meta(key, [])
+            return len(v) if isinstance(v, list) else "?"
         print(f"  {'tokenizer':<28s} {f.meta('tokenizer.ggml.model', '?')} / {f.meta('tokenizer.ggml.pre', '?')}, "
-              f"{len(f.meta('tokenizer.ggml.tokens'))} tokens, {len(f.meta('tokenizer.ggml.merges', []))} merges")
+              f"{count('tokenizer.ggml.tokens')} tokens, {count('tokenizer.ggml.merges')} merges")
     else:
         print(f"  {'tokenizer':<28s} none")
 
@@ -84,4 +90,26 @@ def run(args: argparse.Namespace) -> int:
     print(f"largest {min(args.top, len(tensors))}:")
     for t in sorted(tensors, key=lambda t: -t.nbytes)[: args.top]:
         print(f"  {t.name:<40s} {t.qtype.name:<8s} ne={list(t.ne)} {human(t.nbytes)}")
+    if args.verify:
+        verify(f)
     return 0
+
+
+def verify(f) -> None:
+    """Everything a load checks, then every checksum. Raises the first problem as a Ds4Error (one line)."""
+    import time
+
+    from ds4py import checksum
+    from ds4py.config import ModelConfig
+    from ds4py.errors import GGUFError
+
+    ModelConfig.from_gguf(f)                      # metadata types and ranges, tensor schema, sampled values
+    if checksum.stored_digests(f) is None:
+        raise GGUFError(f"{f.path}: the file carries no checksums ({checksum.KEY}; written by ds4py convert and "
+                        f"make-tiny): its structure and sampled values are fine, its contents cannot be verified")
+    t0 = time.perf_counter()
+    meta = checksum.verify_metadata(f)
+    n, nbytes = checksum.verify(f)
+    print(f"verify: OK: metadata, tensor layout and sampled values are valid; "
+          f"{'the metadata checksum and ' if meta else ''}{n} tensor checksums match "
+          f"({human(nbytes)} read in {time.perf_counter() - t0:.1f} s)")

@@ -36,7 +36,9 @@ Q4K_SUFFIXES = ("attn_q_a.weight", "attn_q_b.weight", "attn_kv.weight", "attn_ou
                 "attn_output_b.weight", "ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight")
 Q4K_FROM = (Q.F32, Q.F16, Q.BF16, Q.Q8_0)          # only ever requantise down
 ROW_CHUNK = 2048
-OWN_KEYS = ("general.alignment", "ds4py.vq.version", "ds4py.vq.quantizer")
+# keys not copied from the source: ours, and the source's checksums (ds4py.checksum), which describe its tensors
+OWN_KEYS = ("general.alignment", "ds4py.vq.version", "ds4py.vq.quantizer", "ds4py.tensor_sha256",
+            "ds4py.metadata_sha256")
 
 
 class QuantizeError(Ds4Error):
