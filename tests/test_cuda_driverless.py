@@ -139,13 +139,15 @@ class StandInDriver:
         simple = {
             "cuDeviceGetCount": 1, "cuDeviceGet": d.CUdevice(0), "cuDevicePrimaryCtxRetain": d.CUcontext(),
             "cuDeviceGetName": b"Stand-in H200" + b"\0" * 243, "cuDeviceTotalMem": 141 << 30,
-            "cuModuleLoadData": d.CUmodule(), "cuModuleGetFunction": d.CUfunction(), "cuFuncGetAttribute": 1024,
+            "cuModuleLoadData": d.CUmodule(), "cuModuleGetFunction": d.CUfunction(), "cuDriverGetVersion": 13000,
             "cuStreamCreate": d.CUstream(), "cuEventCreate": d.CUevent(), "cuStreamEndCapture": d.CUgraph(),
             "cuGraphInstantiate": d.CUgraphExec(), "cuEventElapsedTime": 1.0,
             "cuGetErrorName": b"CUDA_ERROR_STANDIN",
         }
         if name == "cuDeviceGetAttribute":
             return ok, attrs[args[0]]
+        if name == "cuFuncGetAttribute":   # 1024 threads, 64 bytes of static shared memory
+            return ok, 1024 if args[0] == d.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK else 64
         if name in simple:
             return ok, simple[name]
         return (ok,)

@@ -238,19 +238,6 @@ inline unsigned umax(unsigned a, unsigned b) { return a > b ? a : b; }
 // ---- the C interface used by ds4py/cuda/emu.py ---------------------------------------------------------------
 #define EMU_API extern "C" __attribute__((visibility("default")))
 
-// Guarded buffers for kernel arguments (see guarded_map): the first access past either end faults.
-EMU_API void* emu_alloc(size_t bytes) {
-    __emu::ensure_stacks();
-    return __emu::guarded_map(bytes);
-}
-
-EMU_API int emu_protect(void* p, size_t bytes, int readonly) {
-    return mprotect(__emu::guarded_base(p, bytes) + __emu::page_bytes, __emu::guarded_body(bytes),
-                    readonly ? PROT_READ : PROT_READ | PROT_WRITE);
-}
-
-EMU_API void emu_free(void* p, size_t bytes) { __emu::guarded_unmap(p, bytes); }
-
 EMU_API const char* emu_message() { return __emu::L.msg; }
 EMU_API void* emu_fault_address() { return __emu::L.fault_addr; }
 EMU_API size_t emu_static_smem_bytes() {

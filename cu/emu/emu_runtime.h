@@ -465,6 +465,18 @@ inline char* guarded_base(void* p, size_t bytes) {
 }
 inline void guarded_unmap(void* p, size_t bytes) { munmap(guarded_base(p, bytes), guarded_body(bytes) + 2 * page_bytes); }
 
+// Dynamic shared memory: one mapping of the largest size a block may have, kept for the process; a launch uses
+// its last `bytes` (so the end still sits right below the guard page) instead of mapping memory every time.
+inline unsigned char* dyn_smem_area(size_t bytes) {
+    static unsigned char* end = nullptr;
+    if (!end) {
+        unsigned char* p = (unsigned char*)guarded_map(kMaxDynSmem);
+        if (!p) return nullptr;
+        end = p + guarded_padded(kMaxDynSmem);
+    }
+    return end - guarded_padded(bytes);
+}
+
 inline bool ensure_stacks() {
     if (stack_pool) return true;
     page_bytes = (size_t)sysconf(_SC_PAGESIZE);
@@ -601,7 +613,7 @@ inline int launch(void (*thunk)(void*, void**), void* fn, const unsigned* grid, 
         return BAD_LAUNCH;
     }
     if (!ensure_stacks()) { snprintf(L.msg, sizeof L.msg, "cannot map fiber stacks"); return BAD_LAUNCH; }
-    dyn_smem_ptr = static_dyn ? __emu_dyn_smem : (unsigned char*)guarded_map(dyn_smem);
+    dyn_smem_ptr = static_dyn ? __emu_dyn_smem : dyn_smem_area(dyn_smem);
     if (!dyn_smem_ptr) { snprintf(L.msg, sizeof L.msg, "cannot map dynamic shared memory"); return BAD_LAUNCH; }
     static Fiber fibers[kMaxThreads];
     L.fibers = fibers;
@@ -672,7 +684,6 @@ inline int launch(void (*thunk)(void*, void**), void* fn, const unsigned* grid, 
     sigaction(SIGBUS, &L.old_bus, nullptr);
     sigaction(SIGFPE, &L.old_fpe, nullptr);
     sigaltstack(&old_ss, nullptr);
-    if (!static_dyn) guarded_unmap(dyn_smem_ptr, dyn_smem);
     return result;
 }
 

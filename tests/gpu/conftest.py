@@ -31,9 +31,7 @@ def rt():
 
 @pytest.fixture
 def arena(rt):
-    from ds4py.cuda.memory import Arena
-
-    a = Arena(weights_bytes=512 << 20, scratch_bytes=64 << 20)
+    a = rt.arena(weights_bytes=512 << 20, scratch_bytes=64 << 20)
     a.begin_step()
     yield a
     rt.synchronize()
