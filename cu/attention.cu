@@ -12,11 +12,18 @@
 #include "reduce.cuh"
 #include "attention.cuh"
 
+// Geometry (-D values from ds4py/cuda/ops/attention.py DEFINES): ATTN_MAX_HD the largest head dim (registers per
+// lane are sized for it), ATTN_TILE keys staged in shared memory at a time, ATTN_HPW heads per warp (each staged
+// key is read once per ATTN_HPW heads).
 #ifndef ATTN_MAX_HD
-#define ATTN_MAX_HD 512                   // largest head dim (registers per lane are sized for it)
+#error "ATTN_MAX_HD comes from the DEFINES table of ds4py/cuda/ops/attention.py"
 #endif
-#define ATTN_TILE 16                      // keys staged in shared memory at a time
-#define ATTN_HPW 4                        // heads per warp: each staged key is read once per 4 heads
+#ifndef ATTN_TILE
+#error "ATTN_TILE comes from the DEFINES table of ds4py/cuda/ops/attention.py"
+#endif
+#ifndef ATTN_HPW
+#error "ATTN_HPW comes from the DEFINES table of ds4py/cuda/ops/attention.py"
+#endif
 #define ATTN_PAIRS (ATTN_MAX_HD / 64)     // dim pairs per lane in the P.V product
 #define ATTN_NEG_INF (-__int_as_float(0x7f800000))
 

@@ -15,8 +15,15 @@
 #include "reduce.cuh"
 #include "attention.cuh"
 
-#define COMP_MAX_THREADS 1024
-#define COMP_MAX_D 1024                   // Hadamard buffer (indexer keys: 128)
+// Geometry (-D values from ds4py/cuda/ops/compressor.py DEFINES): COMP_MAX_THREADS block size limit (merge
+// buffers), COMP_MAX_D largest rotated row (Hadamard buffer; indexer keys: 128).
+#ifndef COMP_MAX_THREADS
+#error "COMP_MAX_THREADS comes from the DEFINES table of ds4py/cuda/ops/compressor.py"
+#endif
+#ifndef COMP_MAX_D
+#error "COMP_MAX_D comes from the DEFINES table of ds4py/cuda/ops/compressor.py"
+#endif
+
 #define COMP_NEG_INF (-__int_as_float(0x7f800000))
 
 __device__ __forceinline__ float2 comp_ape(const void* ape, int ape_f32, size_t i) {

@@ -18,8 +18,12 @@
 #include "portable.cuh"
 #include "reduce.cuh"
 
-#define MOE_RPT 8                         // rows per thread: rows_per_block <= MOE_RPT * (blockDim.x / G)
-#define MOE_MAX_SLOTS 16                  // experts summed by one moe_down launch
+// Geometry (-D value from ds4py/cuda/ops/experts.py DEFINES): MOE_RPT rows per thread (accumulators per matrix),
+// so rows_per_block <= MOE_RPT * (blockDim.x / G).
+#ifndef MOE_RPT
+#error "MOE_RPT comes from the DEFINES table of ds4py/cuda/ops/experts.py"
+#endif
+
 
 #define FMT_IQ2_XXS 0
 #define FMT_Q2_K 1

@@ -9,10 +9,19 @@
 #include "reduce.cuh"
 #include "attention.cuh"
 
-#define IDX_MAX_DIM 1024                  // Hadamard buffer (V4: 128)
-#define IDX_MAX_HEADS 256
-#define IDX_KT 64                         // keys per tile of indexer_scores
-#define IDX_THREADS 256                   // indexer_scores: 16 key lanes x 16 head groups of 4 heads
+// Geometry (-D values from ds4py/cuda/ops/indexer.py DEFINES): IDX_MAX_DIM the Hadamard buffer (V4: 128),
+// IDX_MAX_HEADS the weight buffer, IDX_THREADS the block of indexer_scores (16 key lanes x IDX_THREADS/16 head
+// groups of 4 heads).
+#ifndef IDX_MAX_DIM
+#error "IDX_MAX_DIM comes from the DEFINES table of ds4py/cuda/ops/indexer.py"
+#endif
+#ifndef IDX_MAX_HEADS
+#error "IDX_MAX_HEADS comes from the DEFINES table of ds4py/cuda/ops/indexer.py"
+#endif
+#ifndef IDX_THREADS
+#error "IDX_THREADS comes from the DEFINES table of ds4py/cuda/ops/indexer.py"
+#endif
+#define IDX_KT 64                         // keys per tile of indexer_scores: 16 key lanes x 4 keys
 
 // q_raw [IH, ihd] -> q [IH, ihd]. freqs: the layer's rd/2 RoPE frequencies. ihd a power of two >= 32, rd even.
 // Launch: grid (IH), block (32 * ceil(ihd / 64)); thread t holds dims (2t, 2t+1) of head blockIdx.x.

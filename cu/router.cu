@@ -6,8 +6,12 @@
 #include "portable.cuh"
 #include "reduce.cuh"
 
-#define ROUTE_PER_LANE 32                 // up to 1024 experts
-#define ROUTE_MAX_K 32
+// Geometry (-D value from ds4py/cuda/ops/router.py DEFINES): ROUTE_PER_LANE experts per lane of the one warp
+// (32 * ROUTE_PER_LANE experts at most).
+#ifndef ROUTE_PER_LANE
+#error "ROUTE_PER_LANE comes from the DEFINES table of ds4py/cuda/ops/router.py"
+#endif
+
 
 __device__ __forceinline__ float route_score(float x) {     // sqrt(logaddexp(0, x)), computed like numpy's
     return sqrtf(x == 0.0f ? 0.69314718055994530942f : fmaxf(x, 0.0f) + log1pf(expf(-fabsf(x))));

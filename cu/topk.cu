@@ -10,8 +10,12 @@
 #include "portable.cuh"
 #include "reduce.cuh"
 
-#define TOPK_THREADS 1024
-#define TOPK_REG 16                 // keys kept in registers per thread: n <= 16384 is read from memory once
+// Geometry (-D value from ds4py/cuda/ops/topk.py DEFINES): TOPK_REG keys kept in registers per thread (with the
+// block of 1024, n <= 1024 * TOPK_REG scores are read from memory once).
+#ifndef TOPK_REG
+#error "TOPK_REG comes from the DEFINES table of ds4py/cuda/ops/topk.py"
+#endif
+
 
 // Larger float -> larger unsigned key (negative floats have their bits flipped, positive ones the sign set).
 __device__ __forceinline__ unsigned topk_key(float f) {
@@ -47,9 +51,8 @@ __device__ __forceinline__ int topk_block_scan(int v, int* wsum, int* total) {
 // pos_slot is given (the visible compressed rows of a decode step), else n_static. n <= k: out = 0 .. n-1.
 // NaN scores order above +inf (positive NaN) or below -inf (negative NaN).
 // Launch: grid (1), block (1024).
-extern "C" __global__ void __launch_bounds__(TOPK_THREADS) topk_radix_select(const float* scores,
-                                                                             const int* pos_slot, int ratio,
-                                                                             int n_static, int k, int* out) {
+extern "C" __global__ __launch_bounds__(1024) void topk_radix_select(const float* scores, const int* pos_slot,
+                                                                     int ratio, int n_static, int k, int* out) {
     __shared__ int hist[256];
     __shared__ int wsum[32];
     __shared__ unsigned s_prefix;

@@ -14,9 +14,10 @@ from ds4py.cuda.twins import attention as twin
 from ds4py.cuda.twins.core import assert_close_scaled
 from ds4py.errors import Ds4Error
 from ds4py.ref import ops
-from tests.emu_launch import EmuLaunch
+from tests.cu_emu_device import devices
 
 pytestmark = pytest.mark.skipif(emu.compiler() is None, reason="the CUDA emulator needs g++")
+emu_dev = pytest.fixture(devices, name="emu_dev")
 
 ORDERS = ("forward", "reverse", "random")
 EPS = 1e-6
@@ -35,15 +36,18 @@ def yarn_freqs(rd: int) -> np.ndarray:
                                             (128, 64, 144, 70001)])
 @pytest.mark.parametrize("fake_quant,round_f16", [(True, False), (False, False), (True, True)])
 @pytest.mark.parametrize("order", ORDERS)
-def test_kv_store(hd, rd, ring, pos, fake_quant, round_f16, order):
+def test_kv_store(emu_dev, hd, rd, ring, pos, fake_quant, round_f16, order):
     r = rng(hd, pos, fake_quant, round_f16)
     kv_raw = (r.standard_normal(hd) * 3).astype(np.float32)
     norm_w = (1 + 0.2 * r.standard_normal(hd)).astype(np.float32)
     freqs = yarn_freqs(rd) if hd != 96 else ops.rope_freqs(rd, 10000.0)
     win = r.standard_normal((ring, hd)).astype(np.float32)
     before = win.copy()
-    rt = EmuLaunch("attention", order=order, seed=pos)
-    ops_attn.kv_store(rt, kv_raw, norm_w, freqs, np.array([pos], np.int32), win, hd, rd, EPS, fake_quant, round_f16)
+    dev = emu_dev(order, pos)
+    d_win = dev.var(win)
+    ops_attn.kv_store(dev.rt, dev.const(kv_raw), dev.const(norm_w), dev.const(freqs),
+                      dev.const(np.array([pos], np.int32)), d_win, hd, rd, EPS, fake_quant, round_f16)
+    win = d_win.download()
     slot = pos % ring
     others = np.arange(ring) != slot
     np.testing.assert_array_equal(win[others], before[others])      # only the position's slot is written
@@ -61,7 +65,7 @@ def test_kv_store(hd, rd, ring, pos, fake_quant, round_f16, order):
     assert_close_scaled(got[nope:], pre[nope:], mag[nope:], hd, "kv rope dims")
 
 
-def test_fp8_fake_quant_is_exact_on_the_grid():
+def test_fp8_fake_quant_is_exact_on_the_grid(emu_dev):
     """Rows whose normalised, roped values are exact e4m3 grid points times a power of two come back unchanged:
     the quantiser itself adds no error (and a scale off by one binade would change them)."""
     hd, rd = 128, 64
@@ -71,9 +75,11 @@ def test_fp8_fake_quant_is_exact_on_the_grid():
     x = (grid * np.float32(2.0 ** -9)).astype(np.float32)
     ms = float(np.mean(x.astype(np.float64) ** 2))
     norm_w = np.full(hd, np.sqrt(ms + EPS), np.float32)   # undo the RMSNorm (up to rounding)
-    win = np.zeros((4, hd), np.float32)
-    ops_attn.kv_store(EmuLaunch("attention"), x, norm_w, yarn_freqs(rd), np.array([0], np.int32), win, hd, rd,
-                      EPS, True, False)
+    dev = emu_dev()
+    d_win = dev.var(np.zeros((4, hd), np.float32))
+    ops_attn.kv_store(dev.rt, dev.const(x), dev.const(norm_w), dev.const(yarn_freqs(rd)),
+                      dev.const(np.array([0], np.int32)), d_win, hd, rd, EPS, True, False)
+    win = d_win.download()
     _, pre, mag = twin.kv_row(x, norm_w, yarn_freqs(rd), 0, rd, EPS, True, False)
     twin.assert_fake_quant_close(win[0, :64], pre[:64], 8 * EPS32 * mag[:64], "fp8", 64, "grid row")
     np.testing.assert_array_equal(win[0, :64], ops.fp8_fake_quant(pre[None, :64], 64)[0])
@@ -91,7 +97,7 @@ ATTN_CASES = [
 
 @pytest.mark.parametrize("case", ATTN_CASES, ids=lambda c: f"hd{c[0]}-H{c[2]}-r{c[5]}-pos{c[6]}")
 @pytest.mark.parametrize("order", ORDERS)
-def test_decode_attention(case, order):
+def test_decode_attention(emu_dev, case, order):
     hd, rd, H, window, ring, ratio, pos, topk, warps, extra, target = case
     r = rng(hd, H, pos)
     q_raw = (r.standard_normal((H, hd)) * 2).astype(np.float32)
@@ -107,13 +113,15 @@ def test_decode_attention(case, order):
     freqs = yarn_freqs(rd) if ratio else ops.rope_freqs(rd, 10000.0)
     n_keys = min(pos + 1, window) + (min(n_vis, topk) if ratio == 4 else n_vis)
     plan = ops_attn.attn_plan(H, hd, n_keys + extra, warps=warps, target_blocks=target)
-    part_o = np.full(plan.part_o_shape, np.nan, np.float32)
-    part_ml = np.full(plan.part_ml_shape, np.nan, np.float32)
-    out = np.full((H, hd), np.nan, np.float32)
-    rt = EmuLaunch("attention", order=order, seed=pos)
+    dev = emu_dev(order, pos)
+    d_part_o = dev.var(np.full(plan.part_o_shape, np.nan, np.float32))
+    d_part_ml = dev.var(np.full(plan.part_ml_shape, np.nan, np.float32))
+    d_out = dev.var(np.full((H, hd), np.nan, np.float32))
     scale = hd ** -0.5
-    ops_attn.decode_attention(rt, plan, q_raw, freqs, np.array([pos], np.int32), win, window, comp, ratio, sel,
-                              topk, sinks, part_o, part_ml, out, rd, EPS, scale)
+    ops_attn.decode_attention(dev.rt, plan, dev.const(q_raw), dev.const(freqs), dev.const(np.array([pos], np.int32)),
+                              dev.const(win), window, dev.const(comp), ratio, dev.const(sel), topk, dev.const(sinks),
+                              d_part_o, d_part_ml, d_out, rd, EPS, scale)
+    out, part_ml = d_out.download(), d_part_ml.download()
     keys = twin.decode_keys(win, ring, window, pos, comp, ratio, sel, topk)
     assert keys.shape[0] == n_keys
     want, mag = twin.decode_attention(q_raw, keys, sinks, freqs, pos, H, rd, EPS, scale)
@@ -123,7 +131,7 @@ def test_decode_attention(case, order):
     assert np.all(part_ml[:, empty, 0] == -np.inf) and np.all(part_ml[:, empty, 1] == 0)
 
 
-def test_attention_is_bit_identical_across_thread_orders():
+def test_attention_is_bit_identical_across_thread_orders(emu_dev):
     hd, rd, H, window, ring, ratio, pos, topk, warps, extra, target = ATTN_CASES[0]
     r = rng(99)
     q_raw = r.standard_normal((H, hd)).astype(np.float32)
@@ -134,17 +142,18 @@ def test_attention_is_bit_identical_across_thread_orders():
     plan = ops_attn.attn_plan(H, hd, 40, warps=warps, target_blocks=target)
     outs = []
     for order in ORDERS:
-        out = np.zeros((H, hd), np.float32)
-        ops_attn.decode_attention(EmuLaunch("attention", order=order, seed=5), plan, q_raw, yarn_freqs(rd),
-                                  np.array([pos], np.int32), win, window, comp, ratio, sel, topk, sinks,
-                                  np.zeros(plan.part_o_shape, np.float32), np.zeros(plan.part_ml_shape, np.float32),
-                                  out, rd, EPS, hd ** -0.5)
-        outs.append(out)
+        dev = emu_dev(order, 5)
+        d_out = dev.var(np.zeros((H, hd), np.float32))
+        ops_attn.decode_attention(dev.rt, plan, dev.const(q_raw), dev.const(yarn_freqs(rd)),
+                                  dev.const(np.array([pos], np.int32)), dev.const(win), window, dev.const(comp), ratio,
+                                  dev.const(sel), topk, dev.const(sinks), dev.var(np.zeros(plan.part_o_shape, np.float32)),
+                                  dev.var(np.zeros(plan.part_ml_shape, np.float32)), d_out, rd, EPS, hd ** -0.5)
+        outs.append(d_out.download())
     assert all(np.array_equal(outs[0], o) for o in outs[1:])
 
 
 def test_attention_wrappers_reject_bad_shapes():
-    rt = EmuLaunch("attention")
+    rt = None                                            # rejected before any launch
     with pytest.raises(Ds4Error, match="blocks of 64"):
         ops_attn.kv_store(rt, np.zeros(100, np.float32), np.zeros(100, np.float32), np.zeros(16, np.float32),
                           np.zeros(1, np.int32), np.zeros((4, 100), np.float32), 100, 32, EPS)

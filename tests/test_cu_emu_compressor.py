@@ -15,9 +15,10 @@ from ds4py.cuda.twins.attention import assert_fake_quant_close
 from ds4py.cuda.twins.core import assert_close_scaled
 from ds4py.errors import Ds4Error
 from ds4py.ref import ops
-from tests.emu_launch import EmuLaunch
+from tests.cu_emu_device import devices
 
 pytestmark = pytest.mark.skipif(emu.compiler() is None, reason="the CUDA emulator needs g++")
+emu_dev = pytest.fixture(devices, name="emu_dev")
 
 ORDERS = ("forward", "reverse", "random")
 EPS = 1e-6
@@ -75,7 +76,7 @@ COMPRESSORS = [
 
 @pytest.mark.parametrize("comp", COMPRESSORS, ids=lambda c: f"d{c[0]}-r{c[2]}-{'idx' if c[4] else 'attn'}")
 @pytest.mark.parametrize("order", ORDERS)
-def test_compressor_decode(comp, order):
+def test_compressor_decode(emu_dev, comp, order):
     d, rd, ratio, overlap, rotate, ape_dt, subs = comp
     cap = twin.ring_capacity(ratio, overlap, SPARE)
     # positions: first group, a middle position (no emission), a ring wrap-around, a later group
@@ -83,12 +84,15 @@ def test_compressor_decode(comp, order):
     r = rng(d, ratio)
     h = History(r, max(positions) + 1, d, ratio, overlap, ape_dt)
     freqs = ops.rope_freqs(rd, 160000.0, 16.0, 65536, 32.0, 1.0)
-    rt = EmuLaunch("compressor", order=order, seed=d)
+    dev = emu_dev(order, d)
+    ape, norm, d_freqs = dev.const(h.ape), dev.const(h.norm), dev.const(freqs)
     for pos in positions:
-        ring_kv, ring_sc = h.rings(range(max(0, pos - cap + 1), pos), cap)
-        rows = np.full(((pos + 1) // ratio + 2, d), np.nan, np.float32)
-        ops_comp.compressor_decode(rt, h.kv[pos], h.sc_raw[pos], h.ape, h.norm, freqs, np.array([pos], np.int32),
-                                   ring_kv, ring_sc, rows, ratio, overlap, d, rd, EPS, rotate, True, subs=subs)
+        d_kv, d_sc = (dev.var(a) for a in h.rings(range(max(0, pos - cap + 1), pos), cap))
+        d_rows = dev.var(np.full(((pos + 1) // ratio + 2, d), np.nan, np.float32))
+        ops_comp.compressor_decode(dev.rt, dev.const(h.kv[pos]), dev.const(h.sc_raw[pos]), ape, norm, d_freqs,
+                                   dev.const(np.array([pos], np.int32)), d_kv, d_sc, d_rows, ratio, overlap, d, rd, EPS,
+                                   rotate, True, subs=subs)
+        ring_kv, ring_sc, rows = d_kv.download(), d_sc.download(), d_rows.download()
         np.testing.assert_array_equal(ring_kv[pos % cap], h.kv[pos])
         np.testing.assert_array_equal(ring_sc[pos % cap], h.sc[pos])    # score + ape, one fp32 add
         g = pos // ratio
@@ -101,7 +105,7 @@ def test_compressor_decode(comp, order):
 
 @pytest.mark.parametrize("comp", COMPRESSORS[:3] + COMPRESSORS[4:], ids=lambda c: f"d{c[0]}-r{c[2]}")
 @pytest.mark.parametrize("p0,n_tok", [(0, 9), (6, 1), (13, 30), (131, 260)])
-def test_compressor_prefill(comp, p0, n_tok):
+def test_compressor_prefill(emu_dev, comp, p0, n_tok):
     d, rd, ratio, overlap, rotate, ape_dt, subs = comp
     if ratio == 128 and n_tok < 100:
         p0, n_tok = p0 + 100, n_tok + 150                  # make ratio-128 chunks complete groups too
@@ -109,13 +113,14 @@ def test_compressor_prefill(comp, p0, n_tok):
     r = rng(d, p0, n_tok)
     h = History(r, p0 + n_tok, d, ratio, overlap, ape_dt)
     freqs = ops.rope_freqs(rd, 160000.0, 16.0, 65536, 32.0, 1.0)
-    ring_kv, ring_sc = h.rings(range(max(0, p0 - cap), p0), cap)
+    dev = emu_dev("random", p0 + n_tok)
+    d_kv, d_sc = (dev.var(a) for a in h.rings(range(max(0, p0 - cap), p0), cap))
     n_rows = (p0 + n_tok) // ratio + 2
-    rows = np.full((n_rows, d), np.nan, np.float32)
-    rt = EmuLaunch("compressor", order="random", seed=p0 + n_tok)
-    ops_comp.compressor_prefill(rt, h.kv[p0:], h.sc_raw[p0:], n_tok, h.ape, h.norm, freqs,
-                                np.array([p0], np.int32), ring_kv, ring_sc, rows, ratio, overlap, d, rd, EPS, rotate,
-                                True, subs=subs)
+    d_rows = dev.var(np.full((n_rows, d), np.nan, np.float32))
+    ops_comp.compressor_prefill(dev.rt, dev.const(h.kv[p0:]), dev.const(h.sc_raw[p0:]), n_tok, dev.const(h.ape),
+                                dev.const(h.norm), dev.const(freqs), dev.const(np.array([p0], np.int32)), d_kv, d_sc,
+                                d_rows, ratio, overlap, d, rd, EPS, rotate, True, subs=subs)
+    ring_kv, ring_sc, rows = d_kv.download(), d_sc.download(), d_rows.download()
     done = range(p0 // ratio, (p0 + n_tok) // ratio)
     for g in range(n_rows):
         if g in done:
@@ -127,29 +132,33 @@ def test_compressor_prefill(comp, p0, n_tok):
     np.testing.assert_array_equal(ring_sc, want_sc)
 
 
-def test_decode_equals_prefill_rows():
+def test_decode_equals_prefill_rows(emu_dev):
     """Feeding positions one by one (decode) and as one chunk (prefill) emits bit-identical rows."""
     d, rd, ratio, overlap, rotate, ape_dt, _ = COMPRESSORS[1]
     n = 21
     cap = twin.ring_capacity(ratio, overlap, SPARE)
     h = History(rng(5), n, d, ratio, overlap, ape_dt)
     freqs = ops.rope_freqs(rd, 160000.0, 16.0, 65536, 32.0, 1.0)
-    rt = EmuLaunch("compressor")
-    rows_a = np.full((n // ratio, d), np.nan, np.float32)
-    ring_kv, ring_sc = h.rings([], cap)
-    for pos in range(n):
-        ops_comp.compressor_decode(rt, h.kv[pos], h.sc_raw[pos], h.ape, h.norm, freqs, np.array([pos], np.int32),
-                                   ring_kv, ring_sc, rows_a, ratio, overlap, d, rd, EPS, rotate)
-    rows_b = np.full_like(rows_a, np.nan)
-    kv_b, sc_b = h.rings([], cap)
-    ops_comp.compressor_prefill(rt, h.kv, h.sc_raw, n, h.ape, h.norm, freqs, np.array([0], np.int32), kv_b, sc_b,
-                                rows_b, ratio, overlap, d, rd, EPS, rotate)
-    np.testing.assert_array_equal(rows_a, rows_b)
-    np.testing.assert_array_equal(ring_kv, kv_b)
+    dev = emu_dev()
+    ape, norm, d_freqs = dev.const(h.ape), dev.const(h.norm), dev.const(freqs)
+    rows_a = dev.var(np.full((n // ratio, d), np.nan, np.float32))
+    kv_a, sc_a = (dev.var(a) for a in h.rings([], cap))
+    pos_slot = dev.var(np.zeros(1, np.int32))
+    for pos in range(n):                                 # one slot, rewritten per step (as a graph replay does)
+        pos_slot.upload(np.array([pos], np.int32))
+        ops_comp.compressor_decode(dev.rt, dev.const(h.kv[pos]), dev.const(h.sc_raw[pos]), ape, norm, d_freqs,
+                                   pos_slot, kv_a, sc_a, rows_a, ratio, overlap, d, rd, EPS, rotate)
+    rows_b = dev.var(np.full((n // ratio, d), np.nan, np.float32))
+    kv_b, sc_b = (dev.var(a) for a in h.rings([], cap))
+    ops_comp.compressor_prefill(dev.rt, dev.const(h.kv), dev.const(h.sc_raw), n, ape, norm, d_freqs,
+                                dev.const(np.array([0], np.int32)), kv_b, sc_b, rows_b, ratio, overlap, d, rd, EPS,
+                                rotate)
+    np.testing.assert_array_equal(rows_a.download(), rows_b.download())
+    np.testing.assert_array_equal(kv_a.download(), kv_b.download())
 
 
 def test_compressor_wrappers_reject_bad_shapes():
-    rt = EmuLaunch("compressor")
+    rt = None                                            # rejected before any launch
     z = np.zeros
     with pytest.raises(Ds4Error, match="power of two"):
         ops_comp.compressor_decode(rt, z(192, np.float32), z(192, np.float32), z((4, 192), np.float16),

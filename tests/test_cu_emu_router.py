@@ -12,7 +12,7 @@ from ds4py.cuda.ops import router as ops_route
 from ds4py.cuda.twins import router as twin
 from ds4py.cuda.twins.core import assert_close_scaled
 from ds4py.errors import Ds4Error
-from tests.emu_launch import EmuLaunch
+from tests.cu_emu_device import EmuDevice
 
 pytestmark = pytest.mark.skipif(emu.compiler() is None, reason="the CUDA emulator needs g++")
 
@@ -20,12 +20,15 @@ ORDERS = ("forward", "reverse", "random")
 
 
 def run(n_experts, k, logits, bias, tid2eid=None, token=None, scale=1.5, norm=True, order="forward"):
-    ids = np.full(k, -9, np.int32)
-    w = np.full(k, np.nan, np.float32)
-    tok = None if token is None else np.array([token], np.int32)
-    ops_route.moe_route(EmuLaunch("router", order=order, seed=k), logits, bias, tid2eid, tok, ids, w, n_experts, k,
-                        scale, norm)
-    return ids, w
+    dev = EmuDevice(order, k, weights_mib=1, scratch_mib=1)
+    try:
+        ids, w = dev.var(np.full(k, -9, np.int32)), dev.var(np.full(k, np.nan, np.float32))
+        tok = None if token is None else dev.const(np.array([token], np.int32))
+        ops_route.moe_route(dev.rt, dev.const(logits), dev.const(bias), dev.const(tid2eid), tok, ids, w, n_experts,
+                            k, scale, norm)
+        return ids.download(), w.download()
+    finally:
+        dev.close()
 
 
 @pytest.mark.parametrize("n_experts,k", [(256, 6), (16, 6), (8, 3), (384, 6), (1000, 32), (33, 1)])
@@ -71,7 +74,7 @@ def test_route_hash_layers(order):
 
 
 def test_route_wrapper_rejects_bad_shapes():
-    rt = EmuLaunch("router")
+    rt = None                                            # rejected before any launch
     z = np.zeros
     with pytest.raises(Ds4Error, match="experts"):
         ops_route.moe_route(rt, z(8, np.float32), None, None, None, z(9, np.int32), z(9, np.float32), 8, 9, 1.5)

@@ -15,9 +15,10 @@ import numpy as np
 
 from ds4py.errors import Ds4Error
 
-ATTN_TILE = 16                 # = ATTN_TILE in cu/attention.cu: keys staged per tile
-ATTN_HPW = 4                   # = ATTN_HPW: heads per warp
-ATTN_MAX_HD = 512              # = ATTN_MAX_HD: largest head dim
+ATTN_TILE = 16                 # keys staged per tile
+ATTN_HPW = 4                   # heads per warp
+ATTN_MAX_HD = 512              # largest head dim
+DEFINES = {"ATTN_TILE": ATTN_TILE, "ATTN_HPW": ATTN_HPW, "ATTN_MAX_HD": ATTN_MAX_HD}   # -D values of cu/attention.cu
 
 
 def need(cond: bool, msg: str) -> None:

@@ -13,8 +13,9 @@ import numpy as np
 
 from ds4py.cuda.ops.attention import aligned, dtype_is, need, pair_threads
 
-COMP_MAX_THREADS = 1024        # = COMP_MAX_THREADS in cu/compressor.cu
-COMP_MAX_D = 1024              # = COMP_MAX_D (Hadamard buffer)
+COMP_MAX_THREADS = 1024        # block size limit (merge buffers)
+COMP_MAX_D = 1024              # largest rotated row (Hadamard buffer)
+DEFINES = {"COMP_MAX_THREADS": COMP_MAX_THREADS, "COMP_MAX_D": COMP_MAX_D}          # -D values of cu/compressor.cu
 
 
 def comp_threads(d: int, ratio: int, overlap: bool, subs: int | None = None) -> int:

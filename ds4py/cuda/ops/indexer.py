@@ -1,4 +1,4 @@
-"""Host wrappers of cu/indexer.cu (query preparation, scores) and cu/topk.cu (exact top-k by radix select)."""
+"""Host wrappers of cu/indexer.cu: the indexer query preparation and its scores over the visible keys."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import numpy as np
 
 from ds4py.cuda.ops.attention import aligned, dtype_is, need, pair_threads
 
-IDX_MAX_DIM = 1024             # = IDX_MAX_DIM in cu/indexer.cu
-IDX_MAX_HEADS = 256            # = IDX_MAX_HEADS
-IDX_KT = 64                    # = IDX_KT: keys per tile
-IDX_THREADS = 256              # = IDX_THREADS
-TOPK_THREADS = 1024            # = TOPK_THREADS in cu/topk.cu
+IDX_MAX_DIM = 1024             # Hadamard buffer
+IDX_MAX_HEADS = 256            # weight buffer
+IDX_THREADS = 256              # block of indexer_scores: 16 key lanes x 16 head groups
+IDX_KT = 64                    # = IDX_KT in cu/indexer.cu: keys per tile (16 key lanes x 4)
+DEFINES = {"IDX_MAX_DIM": IDX_MAX_DIM, "IDX_MAX_HEADS": IDX_MAX_HEADS, "IDX_THREADS": IDX_THREADS}  # cu/indexer.cu
 
 
 def indexer_q_prep(rt: Any, q_raw: Any, freqs: Any, pos_slot: Any, q: Any, n_heads: int, ihd: int, rd: int,
@@ -46,12 +46,3 @@ def indexer_scores(rt: Any, q: Any, w_raw: Any, wscale: float, keys: Any, pos_sl
     rt.launch("indexer_scores", grid, IDX_THREADS, q, w_raw, float(wscale), keys, pos_slot, int(ratio), scores,
               n_heads, ihd, smem=scores_smem(n_heads, ihd), stream=stream, pdl=pdl)
 
-
-def topk(rt: Any, scores: Any, k: int, out: Any, pos_slot: Any = None, ratio: int = 4, n: int = 0,
-         stream: Any = None, pdl: bool = False) -> None:
-    """out[:min(n, k)] = indices of the k best scores, ascending (ties: lowest index). n = (pos+1)//ratio from the
-    slot when pos_slot is given (decode), else the n given."""
-    need(k >= 1 and out.size >= k and dtype_is(out, np.int32), f"topk: out must be int32 with room for k = {k}")
-    need(pos_slot is not None or 0 <= n <= scores.size, f"topk: n = {n} scores asked of {scores.size}")
-    rt.launch("topk_radix_select", 1, TOPK_THREADS, scores, pos_slot, int(ratio), int(n), int(k), out,
-              stream=stream, pdl=pdl)

@@ -8,8 +8,10 @@ import numpy as np
 
 from ds4py.cuda.ops.attention import dtype_is, need
 
-ROUTE_MAX_EXPERTS = 1024       # = 32 * ROUTE_PER_LANE in cu/router.cu
-ROUTE_MAX_K = 32               # = ROUTE_MAX_K
+ROUTE_PER_LANE = 32            # experts per lane of the one warp
+ROUTE_MAX_EXPERTS = 32 * ROUTE_PER_LANE
+ROUTE_MAX_K = 32               # picks are held one per lane
+DEFINES = {"ROUTE_PER_LANE": ROUTE_PER_LANE}                                       # -D values of cu/router.cu
 
 
 def moe_route(rt: Any, logits: Any, bias: Any, tid2eid: Any, token: Any, ids: Any, weights: Any, n_experts: int,

@@ -1,9 +1,5 @@
-"""numpy twins of cu/indexer.cu and cu/topk.cu: the indexer's query preparation, scores and exact top-k.
-
-The math is ds4py/ref/ops.py's (rope_tail, hadamard, fp4_fake_quant) and ref/forward.indexer_scores's; the top-k
-twin spells out the kernel's documented tie rule (the lowest indices win), which ref/forward.topk_mask leaves to
-numpy's argpartition.
-"""
+"""numpy twins of cu/indexer.cu: the indexer's query preparation and scores (ds4py/ref/ops.py's rope_tail, hadamard,
+fp4_fake_quant; ref/forward.indexer_scores's sum)."""
 
 from __future__ import annotations
 
@@ -40,17 +36,3 @@ def scores(q: np.ndarray, w_raw: np.ndarray, wscale: float, keys: np.ndarray) ->
     mag = np.abs(wts.astype(np.float64)) @ (np.abs(q.astype(np.float64)) @ np.abs(keys.astype(np.float64)).T)
     return s.astype(F32), mag
 
-
-def topk_key(x: np.ndarray) -> np.ndarray:
-    """The kernel's order-preserving uint32 key of a float32."""
-    u = np.asarray(x, F32).view(np.uint32)
-    return np.where(u & np.uint32(0x80000000), ~u, u | np.uint32(0x80000000)).astype(np.uint32)
-
-
-def topk(scores: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the k largest scores, ascending; ties at the k-th value go to the lowest indices."""
-    n = len(scores)
-    if n <= k:
-        return np.arange(n, dtype=np.int32)
-    order = np.lexsort((np.arange(n), -topk_key(scores).astype(np.int64)))
-    return np.sort(order[:k]).astype(np.int32)
