@@ -1,6 +1,7 @@
 """numpy arrays on the emulated device for the kernel tests: an EmuRuntime (every launch in the given thread order)
 with one arena. `dev.const(a)` uploads into the weights region (read-only to kernels), `dev.var(a)` into scratch;
-`DeviceArray.download()` reads back. The ops wrappers get the same DeviceArrays as on a GPU."""
+`DeviceArray.download()` reads back. The ops wrappers get the same DeviceArrays as on a GPU, and the tests that
+take the `kdev` fixture run unchanged on a real device (tests/gpu/test_cuda_attn_moe.py binds it to the GPU)."""
 
 from __future__ import annotations
 
@@ -37,8 +38,8 @@ class EmuDevice:
 
 
 def devices():
-    """Fixture body (a test module binds it: `emu_dev = pytest.fixture(devices, name="emu_dev")`):
-    make(order="forward", seed=0) -> an EmuDevice, closed after the test."""
+    """Fixture body (a test module binds it: `kdev = pytest.fixture(devices, name="kdev")`; tests/gpu binds the
+    same name to real devices): make(order="forward", seed=0) -> an EmuDevice, closed after the test."""
     made: list[EmuDevice] = []
 
     def make(order: str = "forward", seed: int = 0, **kw) -> EmuDevice:

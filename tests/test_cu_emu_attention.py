@@ -17,7 +17,7 @@ from ds4py.ref import ops
 from tests.cu_emu_device import devices
 
 pytestmark = pytest.mark.skipif(emu.compiler() is None, reason="the CUDA emulator needs g++")
-emu_dev = pytest.fixture(devices, name="emu_dev")
+kdev = pytest.fixture(devices, name="kdev")
 
 ORDERS = ("forward", "reverse", "random")
 EPS = 1e-6
@@ -36,14 +36,14 @@ def yarn_freqs(rd: int) -> np.ndarray:
                                             (128, 64, 144, 70001)])
 @pytest.mark.parametrize("fake_quant,round_f16", [(True, False), (False, False), (True, True)])
 @pytest.mark.parametrize("order", ORDERS)
-def test_kv_store(emu_dev, hd, rd, ring, pos, fake_quant, round_f16, order):
+def test_kv_store(kdev, hd, rd, ring, pos, fake_quant, round_f16, order):
     r = rng(hd, pos, fake_quant, round_f16)
     kv_raw = (r.standard_normal(hd) * 3).astype(np.float32)
     norm_w = (1 + 0.2 * r.standard_normal(hd)).astype(np.float32)
     freqs = yarn_freqs(rd) if hd != 96 else ops.rope_freqs(rd, 10000.0)
     win = r.standard_normal((ring, hd)).astype(np.float32)
     before = win.copy()
-    dev = emu_dev(order, pos)
+    dev = kdev(order, pos)
     d_win = dev.var(win)
     ops_attn.kv_store(dev.rt, dev.const(kv_raw), dev.const(norm_w), dev.const(freqs),
                       dev.const(np.array([pos], np.int32)), d_win, hd, rd, EPS, fake_quant, round_f16)
@@ -65,7 +65,7 @@ def test_kv_store(emu_dev, hd, rd, ring, pos, fake_quant, round_f16, order):
     assert_close_scaled(got[nope:], pre[nope:], mag[nope:], hd, "kv rope dims")
 
 
-def test_fp8_fake_quant_is_exact_on_the_grid(emu_dev):
+def test_fp8_fake_quant_is_exact_on_the_grid(kdev):
     """Rows whose normalised, roped values are exact e4m3 grid points times a power of two come back unchanged:
     the quantiser itself adds no error (and a scale off by one binade would change them)."""
     hd, rd = 128, 64
@@ -75,7 +75,7 @@ def test_fp8_fake_quant_is_exact_on_the_grid(emu_dev):
     x = (grid * np.float32(2.0 ** -9)).astype(np.float32)
     ms = float(np.mean(x.astype(np.float64) ** 2))
     norm_w = np.full(hd, np.sqrt(ms + EPS), np.float32)   # undo the RMSNorm (up to rounding)
-    dev = emu_dev()
+    dev = kdev()
     d_win = dev.var(np.zeros((4, hd), np.float32))
     ops_attn.kv_store(dev.rt, dev.const(x), dev.const(norm_w), dev.const(yarn_freqs(rd)),
                       dev.const(np.array([0], np.int32)), d_win, hd, rd, EPS, True, False)
@@ -92,12 +92,14 @@ ATTN_CASES = [
     (512, 64, 4, 128, 144, 0, 57, 0, 1, 16, 3),    # window only, before the window is full (58 keys)
     (96, 32, 5, 16, 20, 4, 9, 8, 1, 0, 8),         # ratio 4 with fewer visible rows (2) than topk; 5 heads
     (64, 32, 16, 8, 12, 128, 1023, 0, 2, 33, 5),   # 8 compressed rows, a full window, several splits per head
+    (512, 64, 64, 128, 144, 4, 65535, 512, 4, 0, 264),     # V4 Flash at 64K: top 512 of 16K rows
+    (512, 64, 64, 128, 144, 128, 65535, 0, 4, 0, 264),     # V4 Flash at 64K, ratio 128: all 512 rows
 ]
 
 
 @pytest.mark.parametrize("case", ATTN_CASES, ids=lambda c: f"hd{c[0]}-H{c[2]}-r{c[5]}-pos{c[6]}")
 @pytest.mark.parametrize("order", ORDERS)
-def test_decode_attention(emu_dev, case, order):
+def test_decode_attention(kdev, case, order):
     hd, rd, H, window, ring, ratio, pos, topk, warps, extra, target = case
     r = rng(hd, H, pos)
     q_raw = (r.standard_normal((H, hd)) * 2).astype(np.float32)
@@ -113,7 +115,7 @@ def test_decode_attention(emu_dev, case, order):
     freqs = yarn_freqs(rd) if ratio else ops.rope_freqs(rd, 10000.0)
     n_keys = min(pos + 1, window) + (min(n_vis, topk) if ratio == 4 else n_vis)
     plan = ops_attn.attn_plan(H, hd, n_keys + extra, warps=warps, target_blocks=target)
-    dev = emu_dev(order, pos)
+    dev = kdev(order, pos)
     d_part_o = dev.var(np.full(plan.part_o_shape, np.nan, np.float32))
     d_part_ml = dev.var(np.full(plan.part_ml_shape, np.nan, np.float32))
     d_out = dev.var(np.full((H, hd), np.nan, np.float32))
@@ -131,7 +133,7 @@ def test_decode_attention(emu_dev, case, order):
     assert np.all(part_ml[:, empty, 0] == -np.inf) and np.all(part_ml[:, empty, 1] == 0)
 
 
-def test_attention_is_bit_identical_across_thread_orders(emu_dev):
+def test_attention_is_bit_identical_across_thread_orders(kdev):
     hd, rd, H, window, ring, ratio, pos, topk, warps, extra, target = ATTN_CASES[0]
     r = rng(99)
     q_raw = r.standard_normal((H, hd)).astype(np.float32)
@@ -142,7 +144,7 @@ def test_attention_is_bit_identical_across_thread_orders(emu_dev):
     plan = ops_attn.attn_plan(H, hd, 40, warps=warps, target_blocks=target)
     outs = []
     for order in ORDERS:
-        dev = emu_dev(order, 5)
+        dev = kdev(order, 5)
         d_out = dev.var(np.zeros((H, hd), np.float32))
         ops_attn.decode_attention(dev.rt, plan, dev.const(q_raw), dev.const(yarn_freqs(rd)),
                                   dev.const(np.array([pos], np.int32)), dev.const(win), window, dev.const(comp), ratio,

@@ -18,7 +18,7 @@ from ds4py.ref import ops
 from tests.cu_emu_device import devices
 
 pytestmark = pytest.mark.skipif(emu.compiler() is None, reason="the CUDA emulator needs g++")
-emu_dev = pytest.fixture(devices, name="emu_dev")
+kdev = pytest.fixture(devices, name="kdev")
 
 ORDERS = ("forward", "reverse", "random")
 EPS = 1e-6
@@ -76,7 +76,7 @@ COMPRESSORS = [
 
 @pytest.mark.parametrize("comp", COMPRESSORS, ids=lambda c: f"d{c[0]}-r{c[2]}-{'idx' if c[4] else 'attn'}")
 @pytest.mark.parametrize("order", ORDERS)
-def test_compressor_decode(emu_dev, comp, order):
+def test_compressor_decode(kdev, comp, order):
     d, rd, ratio, overlap, rotate, ape_dt, subs = comp
     cap = twin.ring_capacity(ratio, overlap, SPARE)
     # positions: first group, a middle position (no emission), a ring wrap-around, a later group
@@ -84,7 +84,7 @@ def test_compressor_decode(emu_dev, comp, order):
     r = rng(d, ratio)
     h = History(r, max(positions) + 1, d, ratio, overlap, ape_dt)
     freqs = ops.rope_freqs(rd, 160000.0, 16.0, 65536, 32.0, 1.0)
-    dev = emu_dev(order, d)
+    dev = kdev(order, d)
     ape, norm, d_freqs = dev.const(h.ape), dev.const(h.norm), dev.const(freqs)
     for pos in positions:
         d_kv, d_sc = (dev.var(a) for a in h.rings(range(max(0, pos - cap + 1), pos), cap))
@@ -105,7 +105,7 @@ def test_compressor_decode(emu_dev, comp, order):
 
 @pytest.mark.parametrize("comp", COMPRESSORS[:3] + COMPRESSORS[4:], ids=lambda c: f"d{c[0]}-r{c[2]}")
 @pytest.mark.parametrize("p0,n_tok", [(0, 9), (6, 1), (13, 30), (131, 260)])
-def test_compressor_prefill(emu_dev, comp, p0, n_tok):
+def test_compressor_prefill(kdev, comp, p0, n_tok):
     d, rd, ratio, overlap, rotate, ape_dt, subs = comp
     if ratio == 128 and n_tok < 100:
         p0, n_tok = p0 + 100, n_tok + 150                  # make ratio-128 chunks complete groups too
@@ -113,7 +113,7 @@ def test_compressor_prefill(emu_dev, comp, p0, n_tok):
     r = rng(d, p0, n_tok)
     h = History(r, p0 + n_tok, d, ratio, overlap, ape_dt)
     freqs = ops.rope_freqs(rd, 160000.0, 16.0, 65536, 32.0, 1.0)
-    dev = emu_dev("random", p0 + n_tok)
+    dev = kdev("random", p0 + n_tok)
     d_kv, d_sc = (dev.var(a) for a in h.rings(range(max(0, p0 - cap), p0), cap))
     n_rows = (p0 + n_tok) // ratio + 2
     d_rows = dev.var(np.full((n_rows, d), np.nan, np.float32))
@@ -132,14 +132,14 @@ def test_compressor_prefill(emu_dev, comp, p0, n_tok):
     np.testing.assert_array_equal(ring_sc, want_sc)
 
 
-def test_decode_equals_prefill_rows(emu_dev):
+def test_decode_equals_prefill_rows(kdev):
     """Feeding positions one by one (decode) and as one chunk (prefill) emits bit-identical rows."""
     d, rd, ratio, overlap, rotate, ape_dt, _ = COMPRESSORS[1]
     n = 21
     cap = twin.ring_capacity(ratio, overlap, SPARE)
     h = History(rng(5), n, d, ratio, overlap, ape_dt)
     freqs = ops.rope_freqs(rd, 160000.0, 16.0, 65536, 32.0, 1.0)
-    dev = emu_dev()
+    dev = kdev()
     ape, norm, d_freqs = dev.const(h.ape), dev.const(h.norm), dev.const(freqs)
     rows_a = dev.var(np.full((n // ratio, d), np.nan, np.float32))
     kv_a, sc_a = (dev.var(a) for a in h.rings([], cap))

@@ -17,7 +17,7 @@ from ds4py.errors import Ds4Error
 from tests.cu_emu_device import devices
 
 pytestmark = pytest.mark.skipif(emu.compiler() is None, reason="the CUDA emulator needs g++")
-emu_dev = pytest.fixture(devices, name="emu_dev")
+kdev = pytest.fixture(devices, name="kdev")
 
 ORDERS = ("forward", "reverse", "random")
 FMTS = [QT.IQ2_XXS, QT.Q2_K, QT.Q4_K, QT.MXFP4, QT.Q8_0, QT.F16]
@@ -66,11 +66,11 @@ def expert_tensor(r, qtype, n_experts: int, rows: int, cols: int) -> tuple[np.nd
 
 
 @pytest.mark.parametrize("qtype", FMTS, ids=lambda q: q.name)
-def test_dequant_is_bit_exact(emu_dev, qtype):
+def test_dequant_is_bit_exact(kdev, qtype):
     r = rng(int(qtype))
     n = 256 * 37
     raw = random_blocks(r, qtype, n, edge=True)
-    dev = emu_dev("random", int(qtype))
+    dev = kdev("random", int(qtype))
     d_out = dev.var(np.full(n + 64, np.nan, np.float32))
     ops_moe.moe_dequant(dev.rt, qtype, dev.const(raw), d_out, n)
     out = d_out.download()
@@ -90,7 +90,7 @@ GATE_UP = [
 
 @pytest.mark.parametrize("case", GATE_UP, ids=lambda c: f"{c[0].name}-d{c[1]}-ff{c[2]}")
 @pytest.mark.parametrize("order", ORDERS)
-def test_gate_up(emu_dev, case, order):
+def test_gate_up(kdev, case, order):
     qtype, dim, ff, n_exp, slots, rpb = case
     r = rng(int(qtype), dim, ff)
     raw_g, Wg = expert_tensor(r, qtype, n_exp, ff, dim)
@@ -100,7 +100,7 @@ def test_gate_up(emu_dev, case, order):
     ids = None if shared else r.integers(0, n_exp, slots).astype(np.int32)
     route_w = None if shared else (r.random(slots) + 0.2).astype(np.float32)
     clamp = 0.0 if qtype == QT.F16 else 0.5                # small: the clamp really cuts with these scales
-    dev = emu_dev(order, dim)
+    dev = kdev(order, dim)
     d_h = dev.var(np.full((slots + 1, ff), np.nan, np.float32))
     ops_moe.moe_gate_up(dev.rt, qtype, dev.const(raw_g), dev.const(raw_u), dev.const(x), dev.const(ids),
                         dev.const(route_w), d_h, n_exp, ff, dim, slots, clamp, rows_per_block=rpb)
@@ -120,7 +120,7 @@ DOWN = [
 
 @pytest.mark.parametrize("case", DOWN, ids=lambda c: f"{c[0].name}-ff{c[1]}-d{c[2]}-{c[6]}")
 @pytest.mark.parametrize("order", ORDERS)
-def test_down(emu_dev, case, order):
+def test_down(kdev, case, order):
     qtype, ff, dim, n_exp, slots, rpb, epi = case
     r = rng(int(qtype), ff, dim, 1)
     raw, W = expert_tensor(r, qtype, n_exp, dim, ff)
@@ -131,7 +131,7 @@ def test_down(emu_dev, case, order):
     post = (r.random(hc) * 2).astype(np.float32) if epi == "hc" else None
     comb = r.random((hc, hc)).astype(np.float32) if epi == "hc" else None
     X = r.standard_normal((hc, dim)).astype(np.float32) if epi == "hc" else None
-    dev = emu_dev(order, ff)
+    dev = kdev(order, ff)
     d_out = dev.var(np.full((hc if epi == "hc" else 1, dim), np.nan, np.float32))
     ops_moe.moe_down(dev.rt, qtype, dev.const(raw), dev.const(ids), dev.const(h), d_out, n_exp, dim, ff, slots,
                      add=dev.const(add), hc_post=dev.const(post), hc_comb=dev.const(comb), hc_x=dev.const(X),
@@ -140,7 +140,7 @@ def test_down(emu_dev, case, order):
     assert_close_scaled(d_out.download().reshape(want.shape), want, mag, ff * slots + hc, f"down {case}")
 
 
-def test_moe_is_bit_identical_across_orders(emu_dev):
+def test_moe_is_bit_identical_across_orders(kdev):
     qtype, dim, ff, n_exp, slots = QT.IQ2_XXS, 512, 256, 4, 6
     r = rng(5)
     raw_g, _ = expert_tensor(r, qtype, n_exp, ff, dim)
@@ -151,7 +151,7 @@ def test_moe_is_bit_identical_across_orders(emu_dev):
     w = r.random(slots).astype(np.float32)
     outs = []
     for order in ORDERS:
-        dev = emu_dev(order, 9)
+        dev = kdev(order, 9)
         d_h, d_y = dev.var(np.zeros((slots, ff), np.float32)), dev.var(np.zeros(dim, np.float32))
         d_ids = dev.const(ids)
         ops_moe.moe_gate_up(dev.rt, qtype, dev.const(raw_g), dev.const(raw_u), dev.const(x), d_ids, dev.const(w), d_h,
@@ -161,11 +161,11 @@ def test_moe_is_bit_identical_across_orders(emu_dev):
     assert all(np.array_equal(outs[0], o) for o in outs[1:])
 
 
-def test_bad_expert_ids_give_nan_not_a_wild_read(emu_dev):
+def test_bad_expert_ids_give_nan_not_a_wild_read(kdev):
     qtype, dim, ff, n_exp = QT.Q4_K, 256, 8, 2
     r = rng(6)
     raw, _ = expert_tensor(r, qtype, n_exp, ff, dim)
-    dev = emu_dev()
+    dev = kdev()
     ids = dev.const(np.array([1, -1, 2], np.int32))
     d_h = dev.var(np.zeros((3, ff), np.float32))
     ops_moe.moe_gate_up(dev.rt, qtype, dev.const(raw), dev.const(raw), dev.const(r.standard_normal(dim).astype(

@@ -17,7 +17,7 @@ from ds4py.ref import ops
 from tests.cu_emu_device import devices
 
 pytestmark = pytest.mark.skipif(emu.compiler() is None, reason="the CUDA emulator needs g++")
-emu_dev = pytest.fixture(devices, name="emu_dev")
+kdev = pytest.fixture(devices, name="kdev")
 
 ORDERS = ("forward", "reverse", "random")
 EPS32 = float(np.finfo(np.float32).eps)
@@ -29,11 +29,11 @@ def rng(*seed: int) -> np.random.Generator:
 
 @pytest.mark.parametrize("ih,ihd,rd,pos", [(64, 128, 64, 70003), (16, 64, 32, 11), (4, 128, 64, 0), (6, 32, 16, 9)])
 @pytest.mark.parametrize("order", ORDERS)
-def test_indexer_q_prep(emu_dev, ih, ihd, rd, pos, order):
+def test_indexer_q_prep(kdev, ih, ihd, rd, pos, order):
     r = rng(ih, ihd, pos)
     q_raw = (r.standard_normal((ih, ihd)) * 2).astype(np.float32)
     freqs = ops.rope_freqs(rd, 160000.0, 16.0, 65536, 32.0, 1.0)
-    dev = emu_dev(order, pos)
+    dev = kdev(order, pos)
     args = dev.const(q_raw), dev.const(freqs), dev.const(np.array([pos], np.int32))
     d_q, d_q2 = dev.var(np.full((ih, ihd), np.nan, np.float32)), dev.var(np.full((ih, ihd), np.nan, np.float32))
     ops_idx.indexer_q_prep(dev.rt, *args, d_q, ih, ihd, rd)
@@ -51,7 +51,7 @@ SCORE_CASES = [(64, 128, 4 * 300 - 1, 320, 2), (16, 64, 4 * 5 + 2, 64, 8), (4, 1
 
 @pytest.mark.parametrize("ih,ihd,pos,cap,blocks", SCORE_CASES)
 @pytest.mark.parametrize("order", ORDERS)
-def test_indexer_scores(emu_dev, ih, ihd, pos, cap, blocks, order):
+def test_indexer_scores(kdev, ih, ihd, pos, cap, blocks, order):
     r = rng(ih, ihd, pos, 1)
     n_vis = (pos + 1) // 4
     q = ops.fp4_fake_quant(r.standard_normal((ih, ihd)).astype(np.float32), 32)
@@ -59,7 +59,7 @@ def test_indexer_scores(emu_dev, ih, ihd, pos, cap, blocks, order):
     keys[:n_vis] = ops.fp4_fake_quant(r.standard_normal((n_vis, ihd)).astype(np.float32), 32)
     w_raw = r.standard_normal(ih).astype(np.float32)
     wscale = twin.weight_scale(ihd, ih)
-    dev = emu_dev(order, pos)
+    dev = kdev(order, pos)
     d_scores = dev.var(np.full(cap, np.nan, np.float32))
     ops_idx.indexer_scores(dev.rt, dev.const(q), dev.const(w_raw), wscale, dev.const(keys),
                            dev.const(np.array([pos], np.int32)), d_scores, ih, ihd, cap, max_blocks=blocks)

@@ -24,9 +24,10 @@ from ds4py.ref import forward, ops as ref_ops
 from ds4py.ref.state import RefState
 from ds4py.ref.weights import Weights
 from ds4py.tiny import make_tiny
-from tests.cu_emu_device import EmuDevice
+from tests.cu_emu_device import devices
 
 pytestmark = pytest.mark.skipif(emu.compiler() is None, reason="the CUDA emulator needs g++")
+kdev = pytest.fixture(devices, name="kdev")
 
 SHAPE = dict(n_layers=4, dim=256, vocab_size=300, n_heads=8, head_dim=128, rope_head_dim=64, q_lora_rank=64,
              o_groups=2, o_lora_rank=64, n_routed_experts=8, n_activated_experts=6, moe_inter_dim=256,
@@ -47,7 +48,7 @@ def model(tmp_path_factory):
 class Params:
     """The layer's tensors on the device: raw GGUF bytes for matrices (F16 ones as halves), f32 small ones."""
 
-    def __init__(self, dev: EmuDevice, gg: GGUFFile, il: int):
+    def __init__(self, dev, gg: GGUFFile, il: int):
         self.dev, self.gg, self.p = dev, gg, f"blk.{il}."
         self.up: dict[tuple[str, str], object] = {}
 
@@ -74,14 +75,14 @@ def linear(dev, P, name, x, rows, cols):
     return y
 
 
-def test_attention_sublayer_matches_the_reference(model):
+def test_attention_sublayer_matches_the_reference(kdev, model):
     gg, cfg, w = model
     il = 2
     D, H, hd, rd, W = cfg.dim, cfg.n_heads, cfg.head_dim, cfg.rope_dim, cfg.window
     ih, ihd, topk, ratio, eps = cfg.index_heads, cfg.index_head_dim, cfg.index_topk, cfg.compress_ratios[il], cfg.norm_eps
     qr_dim, G, r_o = cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank
     freqs_h = ref_ops.layer_rope_freqs(cfg, il)
-    dev = EmuDevice("random", 1, weights_mib=16, scratch_mib=64)
+    dev = kdev("random", 1, weights_mib=16, scratch_mib=64)
     P = Params(dev, gg, il)
     freqs = dev.const(freqs_h)
     cap = 2 * ratio + SPARE                  # overlap: this group and the previous one, + the rollback horizon
@@ -147,10 +148,10 @@ def test_attention_sublayer_matches_the_reference(model):
 
 
 @pytest.mark.parametrize("il,token", [(0, 17), (3, 5)], ids=["hash-layer", "biased-top6"])
-def test_moe_sublayer_matches_the_reference(model, il, token):
+def test_moe_sublayer_matches_the_reference(kdev, model, il, token):
     gg, cfg, w = model
     D, NX, FF, k = cfg.dim, cfg.n_experts, cfg.expert_ff, cfg.n_experts_used
-    dev = EmuDevice("random", il, weights_mib=16, scratch_mib=16)
+    dev = kdev("random", il, weights_mib=16, scratch_mib=16)
     P = Params(dev, gg, il)
     rt = dev.rt
     x_h = (np.random.default_rng(il).standard_normal(D) * 1.5).astype(np.float32)
@@ -189,4 +190,3 @@ def test_moe_sublayer_matches_the_reference(model, il, token):
     assert np.abs(y.download() - want).max() < 1e-5 * scale
     want_X = ref_ops.hc_post(want[None], X[None], post[None], comb[None])[0]
     assert np.abs(Xn.download() - want_X).max() < 1e-5 * np.abs(want_X).max()
-    dev.close()

@@ -15,7 +15,7 @@ from ds4py.ref.forward import topk_mask
 from tests.cu_emu_device import devices
 
 pytestmark = pytest.mark.skipif(emu.compiler() is None, reason="the CUDA emulator needs g++")
-emu_dev = pytest.fixture(devices, name="emu_dev")
+kdev = pytest.fixture(devices, name="kdev")
 
 ORDERS = ("forward", "reverse", "random")
 
@@ -31,10 +31,10 @@ def tie_scores(r, n: int) -> np.ndarray:
 
 @pytest.mark.parametrize("n,k", [(10, 16), (300, 16), (3000, 512), (20000, 512), (5, 5), (1025, 1024)])
 @pytest.mark.parametrize("order", ORDERS)
-def test_topk(emu_dev, n, k, order):
+def test_topk(kdev, n, k, order):
     r = rng(n, k)
     s = r.standard_normal(n).astype(np.float32)
-    dev = emu_dev(order, n)
+    dev = kdev(order, n)
     d_out = dev.var(np.full(k + 3, -7, np.int32))
     pos = 4 * n + 2                                       # (pos + 1) // 4 = n visible rows
     ops_topk.topk(dev.rt, dev.const(s), k, d_out, pos_slot=dev.const(np.array([pos], np.int32)))
@@ -46,10 +46,10 @@ def test_topk(emu_dev, n, k, order):
 
 
 @pytest.mark.parametrize("n,k", [(700, 16), (17000, 512), (64, 63)])
-def test_topk_ties_go_to_the_lowest_indices(emu_dev, n, k):
+def test_topk_ties_go_to_the_lowest_indices(kdev, n, k):
     r = rng(n, k, 2)
     s = tie_scores(r, n)
-    dev = emu_dev("random", 1)
+    dev = kdev("random", 1)
     d_out = dev.var(np.zeros(k, np.int32))
     ops_topk.topk(dev.rt, dev.const(s), k, d_out, n=n)
     out = d_out.download()
@@ -59,9 +59,9 @@ def test_topk_ties_go_to_the_lowest_indices(emu_dev, n, k):
     assert np.all(s[out] >= kth) and np.sum(s > kth) <= k   # the same values as any top-k: only ties differ
 
 
-def test_topk_extreme_values(emu_dev):
+def test_topk_extreme_values(kdev):
     s = np.array([np.inf, -np.inf, 0.0, -0.0, 1e-45, -1e-45, 3.4e38, -3.4e38, 1.0, 1.0], np.float32)
-    dev = emu_dev()
+    dev = kdev()
     d_s = dev.const(s)
     for k in range(1, len(s)):
         d_out = dev.var(np.zeros(k, np.int32))
