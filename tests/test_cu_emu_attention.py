@@ -115,7 +115,7 @@ def test_decode_attention(kdev, case, order):
     freqs = yarn_freqs(rd) if ratio else ops.rope_freqs(rd, 10000.0)
     n_keys = min(pos + 1, window) + (min(n_vis, topk) if ratio == 4 else n_vis)
     plan = ops_attn.attn_plan(H, hd, n_keys + extra, warps=warps, target_blocks=target)
-    dev = kdev(order, pos)
+    dev = kdev(order, pos, weights_mib=64)
     d_part_o = dev.var(np.full(plan.part_o_shape, np.nan, np.float32))
     d_part_ml = dev.var(np.full(plan.part_ml_shape, np.nan, np.float32))
     d_out = dev.var(np.full((H, hd), np.nan, np.float32))
