@@ -82,6 +82,7 @@ extern "C" __global__ void attn_decode_partial(const float* q_raw, const float* 
                                                int n_heads, int hd, int rd, int keys_per_split, float eps,
                                                float scale) {
     extern __shared__ __align__(16) float attn_smem[];
+    __shared__ float2 rope_cs[ATTN_MAX_HD / 2];                           // (cos, sin) of pos * freqs[i]
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const int stride = hd + 4, half = hd / 2, nope = hd - rd;
     float* ktile = attn_smem;                                              // [ATTN_TILE][hd + 4]
@@ -104,6 +105,12 @@ extern "C" __global__ void attn_decode_partial(const float* q_raw, const float* 
     const int n_keys = keys.n_win + n_comp;
     const int k0 = blockIdx.x * keys_per_split, k1 = min(n_keys, k0 + keys_per_split);
     const int h0 = (blockIdx.y * warps + warp) * ATTN_HPW;
+    for (int i = threadIdx.x; i < rd / 2; i += blockDim.x) {             // once per block, not per head
+        float sn, cs;
+        ds4_sincos((float)pos * freqs[i], &sn, &cs);
+        rope_cs[i] = make_float2(cs, sn);
+    }
+    __syncthreads();
 
     // q for this warp's heads: RMS over the head, RoPE on the last rd dims, times the score scale.
 #pragma unroll
@@ -121,7 +128,10 @@ extern "C" __global__ void attn_decode_partial(const float* q_raw, const float* 
             for (int p = lane; p < half; p += 32) {
                 float2 v = qr[p];
                 v = make_float2(v.x * r, v.y * r);
-                if (2 * p >= nope) v = ds4_rope_pair(v, pos, freqs[p - nope / 2], false);
+                if (2 * p >= nope) {
+                    const float2 cs = rope_cs[p - nope / 2];
+                    v = ds4_rotate(v, cs.x, cs.y, false);
+                }
                 qd[p] = make_float2(v.x * scale, v.y * scale);
             }
         } else {

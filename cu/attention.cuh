@@ -58,21 +58,39 @@ __device__ __forceinline__ float2 ds4_fp4_block32(float2 v) {
     return make_float2(ds4_round_e2m1(v.x * inv) * s, ds4_round_e2m1(v.y * inv) * s);
 }
 
-// sin and cos of a float angle, accurate to about an ulp for |x| < 2^24 without the local-memory slow path of
-// sincosf (Payne-Hanek, which gives every kernel a stack frame): the reduction x - k*pi/2 runs in double (pi/2
-// split in two parts, fma: exact enough for |k| < 2^24), then float minimax polynomials on [-pi/4, pi/4] (cephes).
+// sin and cos of a float angle, accurate to about an ulp, without the local-memory slow path of sincosf
+// (Payne-Hanek, which gives every kernel a stack frame). The reduction x - k*pi/2 is a float Cody-Waite with three
+// fma terms for |x| <= 105615 (decode positions below ~100K: no double math, which is slow on GB10), and runs in
+// double (pi/2 in two parts) above; then float minimax polynomials on [-pi/4, pi/4] (cephes).
 __device__ __forceinline__ void ds4_sincos(float x, float* sp, float* cp) {
-    const double xd = (double)x;
-    const double k = rint(xd * 0.63661977236758134308);
-    double r = fma(-k, 1.5707963267948966192, xd);
-    r = fma(-k, 6.1232339957367658e-17, r);
-    const float f = (float)r, z = f * f;
+    float f;
+    int q;
+    if (fabsf(x) <= 105615.0f) {
+        const float k = rintf(x * 0.636619747f);
+        f = fmaf(k, -1.57079601e+00f, x);
+        f = fmaf(k, -3.13916473e-07f, f);
+        f = fmaf(k, -5.39030253e-15f, f);
+        q = (int)k & 3;
+    } else {
+        const double xd = (double)x;
+        const double k = rint(xd * 0.63661977236758134308);
+        double r = fma(-k, 1.5707963267948966192, xd);
+        r = fma(-k, 6.1232339957367658e-17, r);
+        f = (float)r;
+        q = (int)(((long long)k) & 3);
+    }
+    const float z = f * f;
     const float s = f + f * z * (-1.6666654611e-1f + z * (8.3321608736e-3f + z * -1.9515295891e-4f));
     const float c = 1.0f - 0.5f * z + z * z * (4.166664568298827e-2f + z * (-1.388731625493765e-3f +
                                                                            z * 2.443315711809948e-5f));
-    const int q = (int)(((long long)k) & 3);
     *sp = q == 0 ? s : q == 1 ? c : q == 2 ? -s : -c;
     *cp = q == 0 ? c : q == 1 ? -s : q == 2 ? -c : s;
+}
+
+// The rotation of the pair (x[2i], x[2i+1]) by (cos, sin); inverse: the conjugate rotation.
+__device__ __forceinline__ float2 ds4_rotate(float2 v, float c, float s, bool inverse) {
+    if (inverse) s = -s;
+    return make_float2(v.x * c - v.y * s, v.x * s + v.y * c);
 }
 
 // Rotate the pair (x[2i], x[2i+1]) by angle pos * freqs[i] (ops.rope; the angle is the fp32 product, like the
@@ -80,8 +98,7 @@ __device__ __forceinline__ void ds4_sincos(float x, float* sp, float* cp) {
 __device__ __forceinline__ float2 ds4_rope_pair(float2 v, int pos, float freq, bool inverse) {
     float s, c;
     ds4_sincos((float)pos * freq, &s, &c);
-    if (inverse) s = -s;
-    return make_float2(v.x * c - v.y * s, v.x * s + v.y * c);
+    return ds4_rotate(v, c, s, inverse);
 }
 
 // In-place Walsh-Hadamard transform of buf[0..n) (n a power of two), natural (Sylvester) order, unscaled:

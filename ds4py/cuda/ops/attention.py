@@ -82,16 +82,18 @@ class AttnPlan:
         return (self.n_heads, self.splits, 2)
 
 
-def attn_plan(n_heads: int, hd: int, max_keys: int, warps: int = 4, target_blocks: int = 264) -> AttnPlan:
+def attn_plan(n_heads: int, hd: int, max_keys: int, warps: int = 2, target_blocks: int = 264,
+              min_tiles: int = 2) -> AttnPlan:
     """Split max_keys into chunks so that splits x head groups is about target_blocks (two per SM of an H200):
-    enough blocks to spread a short key list over the device, and never a chunk of less than one tile."""
+    enough blocks to spread a short key list over the device, each with at least min_tiles tiles of keys (a block's
+    q preparation and its partial row are worth amortising over a few tiles)."""
     need(hd % 8 == 0 and 0 < hd <= ATTN_MAX_HD, f"attention: head dim {hd} must be a multiple of 8 up to "
          f"{ATTN_MAX_HD}")
     need(1 <= warps <= 32 and n_heads >= 1 and max_keys >= 1, "attention: bad heads, warps or key capacity")
     warps = min(warps, -(-n_heads // ATTN_HPW))
     groups = -(-n_heads // (ATTN_HPW * warps))
     tiles = -(-max_keys // ATTN_TILE)
-    splits = max(1, min(tiles, -(-target_blocks // groups)))
+    splits = max(1, min(-(-tiles // max(1, min_tiles)), -(-target_blocks // groups)))
     kps = ATTN_TILE * -(-tiles // splits)
     return AttnPlan(n_heads, hd, -(-max_keys // kps), kps, warps)
 
