@@ -100,12 +100,20 @@ __device__ const uint64_t moe_iq2xxs_grid[256] = {
     0x2b2b082b08080808ull, 0x2b2b190808192b08ull, 0x2b2b2b0819190808ull, 0x2b2b2b1908081908ull
 };
 
-// ---- exact decoders: the 32 values of column group `grp` counted from `base` (a row start, or a whole tensor:
-// rows are whole blocks). Products and sums are explicit _rn operations, in ds4py.quant's order, so that no FMA
-// contraction changes a bit.
+// ---- decoders: the 32 values of column group `grp` counted from `base` (a row start, or a whole tensor: rows are
+// whole blocks). EXACT: products and sums are explicit _rn operations in ds4py.quant's order, so no FMA contraction
+// changes a bit (moe_dequant_*); otherwise `d*q - m` is one fma (the products' paths: 1 ulp per weight at most).
+// Small integers become floats through the bits of 2^23 + v (exact, full rate; I2F is quarter rate on sm_90).
 __device__ __forceinline__ unsigned moe_u16(const uint8_t* p) { return *reinterpret_cast<const uint16_t*>(p); }
 __device__ __forceinline__ unsigned moe_u32(const uint8_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
 __device__ __forceinline__ float moe_f16(const uint8_t* p) { return __half2float(*reinterpret_cast<const __half*>(p)); }
+__device__ __forceinline__ float moe_u2f(unsigned v) { return __uint_as_float(0x4B000000u | v) - 8388608.0f; }
+__device__ __forceinline__ float moe_i8f(unsigned byte) {                 // the int8 in the low byte
+    return __uint_as_float(0x4B000000u | ((byte & 255u) ^ 0x80u)) - 8388736.0f;
+}
+template <bool EXACT> __device__ __forceinline__ float moe_mul_sub(float q, float d, float m) {
+    return EXACT ? __fsub_rn(__fmul_rn(q, d), m) : fmaf(q, d, -m);
+}
 
 template <int F> struct MoeFmt;
 
@@ -113,11 +121,11 @@ template <int F> struct MoeFmt;
 // value = d * (0.5 + ls) * 0.25 * grid[idx][j] * sign. 2-byte aligned: read in 16-bit halves.
 template <> struct MoeFmt<FMT_IQ2_XXS> {
     static constexpr int QK = 256, BYTES = 66;
-    __device__ static __forceinline__ void dq(const uint8_t* base, int grp, float* w, const uint64_t* grid) {
+    template <bool EXACT> __device__ static __forceinline__ void dq(const uint8_t* base, int grp, float* w, const uint64_t* grid) {
         const uint8_t* b = base + (size_t)(grp >> 3) * BYTES;
         const uint8_t* q = b + 2 + 8 * (grp & 7);
         const unsigned a0 = moe_u16(q) | (moe_u16(q + 2) << 16), a1 = moe_u16(q + 4) | (moe_u16(q + 6) << 16);
-        const float db = __fmul_rn(__fmul_rn(moe_f16(b), __fadd_rn(0.5f, (float)(a1 >> 28))), 0.25f);
+        const float db = __fmul_rn(__fmul_rn(moe_f16(b), __fadd_rn(0.5f, moe_u2f(a1 >> 28))), 0.25f);
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
             const uint64_t g = grid[(a0 >> (8 * k)) & 255u];
@@ -125,7 +133,7 @@ template <> struct MoeFmt<FMT_IQ2_XXS> {
             const unsigned sg = si | ((unsigned)(__popc(si) & 1) << 7);
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
-                const float v = __fmul_rn((float)((unsigned)(g >> (8 * j)) & 255u), db);
+                const float v = __fmul_rn(moe_u2f((unsigned)(g >> (8 * j)) & 255u), db);
                 w[8 * k + j] = (sg >> j) & 1u ? -v : v;
             }
         }
@@ -136,21 +144,21 @@ template <> struct MoeFmt<FMT_IQ2_XXS> {
 // (weight 128h + 32j + l = bits 2j of qs[32h + l]), f16 d, f16 dmin. value = d*sc*q - dmin*m. 4-byte aligned.
 template <> struct MoeFmt<FMT_Q2_K> {
     static constexpr int QK = 256, BYTES = 84;
-    __device__ static __forceinline__ void dq(const uint8_t* base, int grp, float* w, const uint64_t*) {
+    template <bool EXACT> __device__ static __forceinline__ void dq(const uint8_t* base, int grp, float* w, const uint64_t*) {
         const uint8_t* b = base + (size_t)(grp >> 3) * BYTES;
         const int cw = (grp & 7) * 32, sh = 2 * ((cw >> 5) & 3);
         const float d = moe_f16(b + 80), dmin = moe_f16(b + 82);
 #pragma unroll
         for (int sub = 0; sub < 2; ++sub) {
             const unsigned sc = b[(cw >> 4) + sub];
-            const float dl = __fmul_rn(d, (float)(sc & 15u)), ml = __fmul_rn(dmin, (float)(sc >> 4));
+            const float dl = __fmul_rn(d, moe_u2f(sc & 15u)), ml = __fmul_rn(dmin, moe_u2f(sc >> 4));
             const uint8_t* qs = b + 16 + 32 * (cw >> 7) + 16 * sub;
 #pragma unroll
             for (int word = 0; word < 4; ++word) {
                 const unsigned u = moe_u32(qs + 4 * word);
 #pragma unroll
                 for (int by = 0; by < 4; ++by)
-                    w[16 * sub + 4 * word + by] = __fsub_rn(__fmul_rn((float)((u >> (8 * by + sh)) & 3u), dl), ml);
+                    w[16 * sub + 4 * word + by] = moe_mul_sub<EXACT>(moe_u2f((u >> (8 * by + sh)) & 3u), dl, ml);
             }
         }
     }
@@ -160,7 +168,7 @@ template <> struct MoeFmt<FMT_Q2_K> {
 // the low nibbles of qs[32c..], 2c+1 in the high ones). value = d*sc*q - dmin*m. 4-byte aligned.
 template <> struct MoeFmt<FMT_Q4_K> {
     static constexpr int QK = 256, BYTES = 144;
-    __device__ static __forceinline__ void dq(const uint8_t* base, int grp, float* w, const uint64_t*) {
+    template <bool EXACT> __device__ static __forceinline__ void dq(const uint8_t* base, int grp, float* w, const uint64_t*) {
         const uint8_t* b = base + (size_t)(grp >> 3) * BYTES;
         const int gi = grp & 7;
         const uint8_t* s = b + 4;
@@ -172,7 +180,7 @@ template <> struct MoeFmt<FMT_Q4_K> {
             sc = (s[gi + 4] & 15u) | ((unsigned)(s[gi - 4] >> 6) << 4);
             mn = (unsigned)(s[gi + 4] >> 4) | ((unsigned)(s[gi] >> 6) << 4);
         }
-        const float dl = __fmul_rn(moe_f16(b), (float)sc), ml = __fmul_rn(moe_f16(b + 2), (float)mn);
+        const float dl = __fmul_rn(moe_f16(b), moe_u2f(sc)), ml = __fmul_rn(moe_f16(b + 2), moe_u2f(mn));
         const uint8_t* qs = b + 16 + 32 * (gi >> 1);
         const int sh = 4 * (gi & 1);
 #pragma unroll
@@ -180,7 +188,7 @@ template <> struct MoeFmt<FMT_Q4_K> {
             const unsigned u = moe_u32(qs + 4 * word);
 #pragma unroll
             for (int by = 0; by < 4; ++by)
-                w[4 * word + by] = __fsub_rn(__fmul_rn((float)((u >> (8 * by + sh)) & 15u), dl), ml);
+                w[4 * word + by] = moe_mul_sub<EXACT>(moe_u2f((u >> (8 * by + sh)) & 15u), dl, ml);
         }
     }
 };
@@ -188,13 +196,12 @@ template <> struct MoeFmt<FMT_Q4_K> {
 // MXFP4 (17 B / 32): e8m0 byte e, 16 bytes of e2m1 codes (weight j: low nibble of qs[j], j+16: high nibble).
 // value = {0,1,2,3,4,6,8,12}[code & 7] * sign * 2^(e-128). Byte aligned.
 __device__ __forceinline__ float moe_mxfp4_code(unsigned c) {
-    const unsigned m = c & 7u;
-    const unsigned v = m < 4u ? m : (2u + (m & 1u)) << ((m >> 1) - 1u);
-    return (c & 8u) && m ? -(float)v : (float)v;
+    const float v = moe_u2f((0xC8643210u >> (4u * (c & 7u))) & 15u);   // the 8 magnitudes, one nibble each
+    return (c & 8u) && (c & 7u) ? -v : v;                               // code 8 is +0, as in ggml's table
 }
 template <> struct MoeFmt<FMT_MXFP4> {
     static constexpr int QK = 32, BYTES = 17;
-    __device__ static __forceinline__ void dq(const uint8_t* base, int grp, float* w, const uint64_t*) {
+    template <bool EXACT> __device__ static __forceinline__ void dq(const uint8_t* base, int grp, float* w, const uint64_t*) {
         const uint8_t* b = base + (size_t)grp * BYTES;
         const unsigned e = b[0];
         const float d = __uint_as_float(e < 2u ? 0x00200000u << e : (e - 1u) << 23);
@@ -210,14 +217,14 @@ template <> struct MoeFmt<FMT_MXFP4> {
 // Q8_0 (34 B / 32): f16 d, 32 int8 q. value = q * d. 2-byte aligned.
 template <> struct MoeFmt<FMT_Q8_0> {
     static constexpr int QK = 32, BYTES = 34;
-    __device__ static __forceinline__ void dq(const uint8_t* base, int grp, float* w, const uint64_t*) {
+    template <bool EXACT> __device__ static __forceinline__ void dq(const uint8_t* base, int grp, float* w, const uint64_t*) {
         const uint8_t* b = base + (size_t)grp * BYTES;
         const float d = moe_f16(b);
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
             const unsigned u = moe_u16(b + 2 + 2 * j);
-            w[2 * j] = __fmul_rn((float)(int8_t)(u & 255u), d);
-            w[2 * j + 1] = __fmul_rn((float)(int8_t)(u >> 8), d);
+            w[2 * j] = __fmul_rn(moe_i8f(u), d);
+            w[2 * j + 1] = __fmul_rn(moe_i8f(u >> 8), d);
         }
     }
 };
@@ -225,7 +232,7 @@ template <> struct MoeFmt<FMT_Q8_0> {
 // F16: 32 halves (64 bytes; 16-byte aligned when the row length is a multiple of 8).
 template <> struct MoeFmt<FMT_F16> {
     static constexpr int QK = 32, BYTES = 64;
-    __device__ static __forceinline__ void dq(const uint8_t* base, int grp, float* w, const uint64_t*) {
+    template <bool EXACT> __device__ static __forceinline__ void dq(const uint8_t* base, int grp, float* w, const uint64_t*) {
         const uint4* p = reinterpret_cast<const uint4*>(base + (size_t)grp * BYTES);
 #pragma unroll
         for (int v = 0; v < 4; ++v) {
@@ -335,9 +342,9 @@ __device__ __forceinline__ void moe_gate_up_impl(uint8_t* smem, const uint64_t* 
         ag[i] = au[i] = 0.0f;
         if (worker && r < nr) {
             float w[32];
-            MoeFmt<F>::dq(sg + (size_t)r * rb, grp, w, grid);
+            MoeFmt<F>::template dq<false>(sg + (size_t)r * rb, grp, w, grid);
             ag[i] = moe_dot32(w, xv);
-            MoeFmt<F>::dq(su + (size_t)r * rb, grp, w, grid);
+            MoeFmt<F>::template dq<false>(su + (size_t)r * rb, grp, w, grid);
             au[i] = moe_dot32(w, xv);
         }
     }
@@ -401,7 +408,7 @@ __device__ __forceinline__ void moe_down_impl(uint8_t* smem, const uint64_t* gri
             const int r = rl + RL * i;
             if (r < nr) {
                 float w[32];
-                MoeFmt<F>::dq(st + (size_t)r * rb, grp, w, grid);
+                MoeFmt<F>::template dq<false>(st + (size_t)r * rb, grp, w, grid);
                 acc[i] += moe_dot32(w, hv);
             }
         }
@@ -438,7 +445,7 @@ __device__ __forceinline__ void moe_dequant_impl(const uint64_t* grid, const uin
     const int gidx = blockIdx.x * blockDim.x + threadIdx.x;
     if (gidx >= n_groups) return;
     float w[32];
-    MoeFmt<F>::dq(W, gidx, w, grid);
+    MoeFmt<F>::template dq<true>(W, gidx, w, grid);
     float4* o = reinterpret_cast<float4*>(out + (size_t)gidx * 32);
 #pragma unroll
     for (int v = 0; v < 8; ++v) o[v] = make_float4(w[4 * v], w[4 * v + 1], w[4 * v + 2], w[4 * v + 3]);
