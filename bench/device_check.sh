@@ -53,13 +53,14 @@ STATUS[cpu_tests]=${PIPESTATUS[0]}
 step "GEMV bandwidth probe"
 timeout 120 $PY bench/gemv_bandwidth.py --json "$RES/gemv_bandwidth.json" 2>&1 | tee "$RES/gemv_bandwidth.txt"
 STATUS[bandwidth]=${PIPESTATUS[0]}
+step "attention / MoE kernels at V4 Flash shapes"; timeout 90 $PY bench/attn_moe_bandwidth.py --json "$RES/attn_moe_bandwidth.json" 2>&1 | tee "$RES/attn_moe_bandwidth.txt"; STATUS[attn_moe]=${PIPESTATUS[0]}
 
 step "summary"
 grep -E "^(device|copy)" "$RES/gemv_bandwidth.txt" 2>/dev/null
 grep -E "best:|^gemv_|chain" "$RES/gemv_bandwidth.txt" 2>/dev/null | grep -E "best|chain" || true
 tail -1 "$RES/gpu-tests.txt" 2>/dev/null
 rc=0
-for k in build gpu_tests cpu_tests bandwidth; do
+for k in build gpu_tests cpu_tests bandwidth attn_moe; do
   printf '%-10s %s\n' "$k" "$([ "${STATUS[$k]}" = 0 ] && echo ok || echo "FAILED (${STATUS[$k]})")"
   [ "${STATUS[$k]}" = 0 ] || rc=1
 done
