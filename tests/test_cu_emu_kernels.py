@@ -13,6 +13,11 @@ pytestmark = pytest.mark.skipif(emu.compiler() is None, reason="the CUDA emulato
 
 Q8_STAGE_BYTES = 128 * 34 + 16          # per warp, = Q8_STAGE_BYTES in cu/gemv.cu
 COVERED = {"rmsnorm_f32", "gemv_f16", "gemv_q8_0", "embed_f16", "argmax_partial", "argmax_final"}
+# tested in tests/test_cu_emu_{attention,compressor,indexer,topk,router,experts}.py
+COVERED |= {"attn_kv_store", "attn_decode_partial", "attn_decode_combine", "compressor_decode",
+            "compressor_prefill_pool", "compressor_prefill_store", "indexer_q_prep", "indexer_scores",
+            "topk_radix_select", "moe_route"} | {f"moe_{k}_{f}" for k in ("gate_up", "down", "dequant")
+                                                 for f in ("iq2_xxs", "q2_k", "q4_k", "mxfp4", "q8_0", "f16")}
 
 
 def module(stem: str) -> emu.EmuModule:
