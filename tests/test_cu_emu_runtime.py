@@ -93,8 +93,9 @@ def test_guarded_arguments_catch_overruns_of_a_view(rt, arena):
     x = put(arena, np.ones(64, np.float32), weights=False)
     y = arena.scratch(16, np.float32)
     half = W.view(0, (8, 64))
-    with pytest.raises(emu.EmuKernelError, match="past the end of argument 'W'"):
-        rt.launch("gemv_f16", 2, 256, half, x, y, 16, 64)    # 16 rows through an 8-row view
+    with pytest.raises(emu.EmuKernelError, match="past the end of argument 'W0'"):
+        rt.launch("gemv_f16", 2, 256, half, None, None, None, 16, 0, 0, 0, y, None, None, None, x, 64, 0, None,
+                  0.0, 0)                                   # 16 rows through an 8-row view
     with pytest.raises(KernelArgumentError, match="read-only"):
         ops.rmsnorm(rt, x, None, W.view(0, 64, np.float32), 64, 1e-6)
     with pytest.raises(KernelArgumentError, match="host numpy array"):
@@ -222,3 +223,25 @@ def test_per_launch_overhead_is_reported(rt, arena, capsys):
     with capsys.disabled():
         print(f"\nemulator: {us:.0f} us CPU per launch (rmsnorm, 1 block of 32 threads)")
     assert rt.launches == n + 1
+
+
+def test_pdl_check():
+    """check_pdl: a store to an argument, or a return, before pdl_wait() fails the launch; loads may come first
+    (weights prefetched under the previous kernel). The kernel tests run every cu/ kernel with it on."""
+    rt = EmuRuntime(cu_dir=SELFTEST_DIR, check_pdl=True, order="random")
+    x = np.arange(64, dtype=np.float32)
+    y = np.zeros(64, np.float32)
+    launch_arrays(rt, "pdl_ok", 1, 64, [x, y])
+    np.testing.assert_array_equal(y, x[::-1])
+    y = np.zeros(64, np.float32)
+    launch_arrays(rt, "pdl_store_first", 1, 64, [y, 99])    # nobody stores early
+    assert (y == 1).all()
+    with pytest.raises(emu.EmuKernelError, match=r"thread \(5,0,0\).*store to global memory before pdl_wait\(\)"
+                                                 r".*argument 'y' \(byte 20 of 256\)"):
+        launch_arrays(rt, "pdl_store_first", 1, 64, [np.zeros(64, np.float32), 5])
+    with pytest.raises(emu.EmuKernelError, match="returned without calling pdl_wait"):
+        launch_arrays(rt, "pdl_return_first", 1, 64, [np.zeros(64, np.float32), 40])
+    launch_arrays(rt, "pdl_return_first", 1, 64, [np.zeros(64, np.float32), 64])
+    y = np.zeros(64, np.float32)
+    launch_arrays(EmuRuntime(cu_dir=SELFTEST_DIR), "pdl_store_first", 1, 64, [y, 5])   # off: not checked
+    assert y[5] == 2 and y[4] == 1

@@ -239,6 +239,16 @@ inline unsigned umax(unsigned a, unsigned b) { return a > b ? a : b; }
 #define EMU_API extern "C" __attribute__((visibility("default")))
 
 EMU_API const char* emu_message() { return __emu::L.msg; }
+// The pdl check for the next launches: n writable argument buffers [starts[i], +lens[i]) (page-aligned bodies)
+// read-only until the storing thread has called pdl_wait(); n = -1 turns the check off. The caller restores
+// the buffers' protection after each launch.
+EMU_API int emu_pdl_check(int n, void** starts, const size_t* lens) {
+    if (n < 0 || n > 32) { __emu::L.pdl_check = 0; __emu::L.nwatch = 0; return n < 0 ? 0 : -1; }
+    __emu::L.pdl_check = 1;
+    __emu::L.nwatch = n;
+    for (int i = 0; i < n; i++) { __emu::L.watch_lo[i] = (char*)starts[i]; __emu::L.watch_len[i] = lens[i]; }
+    return 0;
+}
 EMU_API void* emu_fault_address() { return __emu::L.fault_addr; }
 EMU_API size_t emu_static_smem_bytes() {
     return __start_emu_shared && __stop_emu_shared ? (size_t)(__stop_emu_shared - __start_emu_shared) : 0;

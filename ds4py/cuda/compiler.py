@@ -397,17 +397,25 @@ def compile_all(arch: str, cu_dir: Path = CU_DIR, cache: Path | None | bool = Tr
 
 def resource_table(modules: dict[str, CompiledModule]) -> str:
     """Text table of the ptxas report: one line per kernel."""
-    lines = [f"{'kernel':<20} {'regs':>5} {'smem':>6} {'stack':>6} {'spill st/ld':>12}"]
+    lines = [f"{'kernel':<24} {'regs':>5} {'smem':>6} {'stack':>6} {'spill st/ld':>12}"]
     for mod in modules.values():
         for r in mod.resources.values():
-            lines.append(f"{r.name:<20} {r.registers:>5} {r.smem:>6} {r.stack_frame:>6} "
+            lines.append(f"{r.name:<24} {r.registers:>5} {r.smem:>6} {r.stack_frame:>6} "
                          f"{r.spill_stores:>5}/{r.spill_loads:<6}")
     return "\n".join(lines)
 
 
 def main(argv: list[str]) -> int:
-    """python -m ds4py.cuda.compiler [ARCH ...]: compile every kernel and print the ptxas report. Without an
-    arch: the local GPU's, or sm_90 and sm_121 when there is none."""
+    """python -m ds4py.cuda.compiler [--json FILE] [ARCH ...]: compile every kernel and print the ptxas report
+    (and write it as JSON: arch -> kernel -> resources). Without an arch: the local GPU's, or sm_90, sm_90a and
+    sm_121 when there is none."""
+    import json
+
+    out = None
+    if argv[:1] == ["--json"]:
+        if len(argv) < 2:
+            raise Ds4Error("--json needs a file name")
+        out, argv = Path(argv[1]), argv[2:]
     archs = argv
     if not archs:
         from ds4py.cuda import driver
@@ -417,10 +425,17 @@ def main(argv: list[str]) -> int:
             archs = [d.arch]
             print(f"device: {d.name} ({d.arch}, {d.sm_count} SMs, {d.l2_bytes >> 20} MB L2)")
         else:
-            archs = ["sm_90", "sm_121"]
+            archs = ["sm_90", "sm_90a", "sm_121"]
+    report: dict = {}
     for a in archs:
         print(f"== {a} (NVRTC {'.'.join(map(str, nvrtc_version()))})")
-        print(resource_table(compile_all(a)))
+        mods = compile_all(a)
+        print(resource_table(mods))
+        report[a] = {r.name: {"module": stem, "registers": r.registers, "spill_stores": r.spill_stores,
+                              "spill_loads": r.spill_loads, "stack_frame": r.stack_frame, "smem": r.smem}
+                     for stem, m in mods.items() for r in m.resources.values()}
+    if out is not None:
+        out.write_text(json.dumps(report, indent=1))
     return 0
 
 

@@ -353,12 +353,17 @@ class Staging:
                 _pool.put(g.buf)
             g.buf = None
 
+    def writable(self) -> list[GuardedBuffer]:
+        return [g.buf for g in self.groups if g.writes and g.buf is not None]
+
     def describe_fault(self, msg: str, addr: int) -> str:
         for g in self.groups:
             buf = g.buf
             if buf is None:
                 continue
             end = buf.ptr + _padded(g.nbytes)
+            if buf.ptr <= addr < end and "pdl_wait" in msg:
+                return f"{msg}: to argument {g.names[0]!r} (byte {addr - buf.ptr} of {g.nbytes})"
             if buf.ptr <= addr < end:
                 return f"{msg}: a write to const argument {g.names[0]!r} (byte {addr - buf.ptr} of {g.nbytes})"
             if end <= addr < end + PAGE:
@@ -389,6 +394,7 @@ class EmuModule:
         lib.emu_message.restype = ctypes.c_char_p
         lib.emu_fault_address.restype = ctypes.c_void_p
         lib.emu_static_smem_bytes.restype = ctypes.c_size_t
+        lib.emu_pdl_check.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
         self._launchers = {}
         for k in self.kernels:
             fn = getattr(lib, f"emu_launch_{k}")
@@ -412,11 +418,25 @@ class EmuModule:
         return self.kernels[name]
 
     def run(self, name: str, grid: tuple[int, int, int], block: tuple[int, int, int], shared_mem: int,
-            params_address: int | None, order: str, seed: int, staging: Staging) -> None:
+            params_address: int | None, order: str, seed: int, staging: Staging, pdl_check: bool = False) -> None:
         """One launch with packed parameters (pointers already into `staging`'s buffers). Call under
-        `launch_lock`; raises EmuKernelError naming thread, block and line when the kernel misbehaves."""
-        rc = self._launchers[name]((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), int(shared_mem),
-                                   params_address, ORDERS[order], int(seed) & (2**64 - 1))
+        `launch_lock`; raises EmuKernelError naming thread, block and line when the kernel misbehaves.
+        pdl_check: a thread that stores to an argument, or returns, before calling pdl_wait() fails the launch."""
+        watched = staging.writable() if pdl_check else []
+        if pdl_check:
+            if len(watched) > 32:
+                raise EmuError(f"{name}: the pdl check watches at most 32 written arguments")
+            starts = (ctypes.c_void_p * max(1, len(watched)))(*[b.start for b in watched])
+            lens = (ctypes.c_size_t * max(1, len(watched)))(*[b.body for b in watched])
+            self._lib.emu_pdl_check(len(watched), starts, lens)
+        try:
+            rc = self._launchers[name]((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), int(shared_mem),
+                                       params_address, ORDERS[order], int(seed) & (2**64 - 1))
+        finally:
+            if pdl_check:
+                self._lib.emu_pdl_check(-1, None, None)
+                for b in watched:                          # the launch may have left them read-only
+                    protect(b.start, b.body, False)
         if rc != 0:
             msg = self._lib.emu_message().decode(errors="replace")
             if rc == 2:

@@ -283,15 +283,17 @@ class EmuUploader:
 class EmuRuntime:
     def __init__(self, cu_dir: Path = CU_DIR, order: str = "forward", seed: int = 0, defer_side: bool = False,
                  defines: dict[str, int] | None = None, device: EmuDevice | None = None,
-                 progress: Callable[[str], None] | None = None):
+                 progress: Callable[[str], None] | None = None, check_pdl: bool = False):
         """order: thread/block order of every launch ("forward", "reverse", "random"; random is seeded with
-        seed + the launch number, so a run is reproducible). defines: per-model -D values (as Runtime)."""
+        seed + the launch number, so a run is reproducible). defines: per-model -D values (as Runtime).
+        check_pdl: fail a launch in which a thread stores to an argument, or returns, before pdl_wait() (the
+        rule PDL needs; costs a few system calls per block, so the kernel tests turn it on)."""
         if emu.compiler() is None:
             raise emu.EmuError("the CUDA emulator needs a host C++ compiler (g++ not found; set CXX)")
         if order not in emu.ORDERS:
             raise KernelArgumentError(f"order must be one of {', '.join(emu.ORDERS)}, got {order!r}")
         self.cu_dir = Path(cu_dir)
-        self.order, self.seed, self.defer_side = order, seed, defer_side
+        self.order, self.seed, self.defer_side, self.check_pdl = order, seed, defer_side, check_pdl
         self.defines = dict(defines or {})
         self.device = device or EmuDevice()
         self.progress = progress
@@ -412,7 +414,8 @@ class EmuRuntime:
                 for i, s in where:
                     raw[i] = s.ptr
                 packed = pack_raw(k.params, raw)
-                mod.run(k.name, op.grid, op.block, op.smem, packed.address or None, self.order, seed, staging)
+                mod.run(k.name, op.grid, op.block, op.smem, packed.address or None, self.order, seed, staging,
+                        self.check_pdl)
                 staging.finish()
             finally:
                 staging.release()

@@ -1,21 +1,38 @@
-"""GPU fixtures: one Runtime per session; every test here is skipped, with the reason, when there is no device."""
+"""GPU fixtures: one Runtime per session; every test here is skipped, with the reason, when there is no device.
+
+DS4PY_GPU_TESTS_ON_EMULATOR=1 runs them on the CPU emulator instead (EmuRuntime with the pdl check), to check the
+test code itself without a GPU (tests/test_cuda_gpu_tests_on_emulator.py does, in CI); there gpu_sizes.shrink() cuts the
+real V4 Flash sizes down and tests marked real_size are skipped."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from gpu_sizes import ON_EMULATOR
+
 from ds4py.errors import CudaUnavailableError
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "real_size: V4 Flash shapes; skipped when the GPU tests run on the emulator")
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if "tests/gpu/" in str(item.fspath).replace("\\", "/"):
             item.add_marker(pytest.mark.gpu)
+            if ON_EMULATOR and item.get_closest_marker("real_size"):
+                item.add_marker(pytest.mark.skip(reason="real-size GPU test: too slow for the emulator"))
 
 
 @pytest.fixture(scope="session")
 def rt():
+    if ON_EMULATOR:
+        from ds4py.cuda.emu_runtime import EmuRuntime
+
+        yield EmuRuntime(order="random", seed=3, check_pdl=True)
+        return
     from ds4py.cuda import driver
 
     try:
