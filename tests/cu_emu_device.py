@@ -13,7 +13,7 @@ from ds4py.cuda.memory import DeviceArray
 
 class EmuDevice:
     def __init__(self, order: str = "forward", seed: int = 0, weights_mib: int = 32, scratch_mib: int = 32):
-        self.rt = EmuRuntime(order=order, seed=seed)
+        self.rt = EmuRuntime(order=order, seed=seed, check_pdl=True)   # no store / return before pdl_wait()
         self.arena = self.rt.arena(weights_mib << 20, scratch_mib << 20)
         self.arena.begin_step()
 

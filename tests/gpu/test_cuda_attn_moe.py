@@ -5,7 +5,8 @@
    hardware's FP8 conversion, FMA contraction, cp.async and warp scheduling.
 2. Real V4 Flash shapes: decode attention at 4K and 64K context (64 heads of 512, window 128, top-k 512 of 16K
    compressed rows, or all 512 rows of a ratio-128 layer), the ratio-128 compressor, the indexer's scores over 16K
-   keys and the top-k, 6 of the routed experts at 4096 x 2048 in IQ2_XXS / Q2_K and the Q8_0 shared expert.
+   keys and the top-k, 6 of the routed experts at 4096 x 2048 in IQ2_XXS / Q2_K and the Q8_0 shared expert (the
+   experts cut down 8x when these tests run on the emulator, DS4PY_GPU_TESTS_ON_EMULATOR=1).
 3. Runs are bit-identical: twice, and with PDL on and off.
 """
 
@@ -27,6 +28,7 @@ from ds4py.cuda.twins import topk as twin_topk
 from ds4py.cuda.twins.core import assert_close_scaled
 from ds4py.ref import ops
 from ds4py.ref.forward import topk_mask
+from gpu_sizes import shrink
 from tests.test_cu_emu_attention import (test_attention_is_bit_identical_across_thread_orders,  # noqa: F401 (re-collected)
                                    test_decode_attention, test_fp8_fake_quant_is_exact_on_the_grid, test_kv_store)
 from tests.test_cu_emu_compressor import (History, check_row, test_compressor_decode,  # noqa: F401
@@ -50,13 +52,12 @@ IH, IHD, TOPK = 64, 128, 512                         # its indexer
 
 
 class GpuDevice:
-    """EmuDevice's interface on the CUDA Runtime: const() into the weights region, var() into scratch."""
+    """EmuDevice's interface on conftest's runtime (the GPU's, or EmuRuntime under DS4PY_GPU_TESTS_ON_EMULATOR):
+    const() into the weights region, var() into scratch."""
 
     def __init__(self, rt, weights_mib: int = 256, scratch_mib: int = 256):
-        from ds4py.cuda.memory import Arena
-
         self.rt = rt
-        self.arena = Arena(max(weights_mib, 64) << 20, max(scratch_mib, 64) << 20)
+        self.arena = rt.arena(max(weights_mib, 64) << 20, max(scratch_mib, 64) << 20)
         self.arena.begin_step()
 
     def const(self, a):
@@ -169,7 +170,7 @@ def test_indexer_and_topk_real_shapes(kdev):
 
 @pytest.mark.parametrize("gate_type,down_type", [(QT.IQ2_XXS, QT.Q2_K), (QT.Q4_K, QT.Q4_K), (QT.MXFP4, QT.MXFP4)])
 def test_experts_real_shapes(kdev, gate_type, down_type):
-    D, FF, NX, k = 4096, 2048, 8, 6
+    D, FF, NX, k = shrink(4096, 8, 256), shrink(2048, 8, 256), 8, 6     # cut down on the emulator
     r = np.random.default_rng(int(gate_type))
     raw_g, Wg = expert_tensor(r, gate_type, NX, FF, D)
     raw_u, Wu = expert_tensor(r, gate_type, NX, FF, D)
@@ -190,7 +191,7 @@ def test_experts_real_shapes(kdev, gate_type, down_type):
 
 
 def test_shared_expert_q8_0_real_shape(kdev):
-    D, FF = 4096, 2048
+    D, FF = shrink(4096, 8, 256), shrink(2048, 8, 256)
     r = np.random.default_rng(7)
     raw_g, Wg = expert_tensor(r, QT.Q8_0, 1, FF, D)
     raw_u, Wu = expert_tensor(r, QT.Q8_0, 1, FF, D)
