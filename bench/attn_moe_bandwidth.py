@@ -1,6 +1,7 @@
-"""The attention / compressor / indexer / top-k / MoE decode kernels at V4 Flash shapes (needs a CUDA GPU).
+"""The attention / compressor / indexer / top-k / MoE decode kernels at V4 Flash shapes (needs a CUDA GPU; --emu
+runs the same code on the CPU emulator at cut-down shapes, which checks it but measures nothing).
 
-    python bench/attn_moe_bandwidth.py [--json out.json] [--reps 20]
+    python bench/attn_moe_bandwidth.py [--json out.json] [--reps 20] [--emu]
 
 Each kernel sequence is captured `reps` times into one CUDA graph and replayed (no Python launch overhead), timed
 with CUDA events. Experts are weight-bandwidth bound: their GB/s (expert bytes read / time) is set against the
@@ -25,20 +26,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gguf import GGMLQuantizationType as QT  # noqa: E402
 
-from ds4py.cuda.memory import Arena  # noqa: E402
 from ds4py.cuda.ops import attention as ops_attn  # noqa: E402
 from ds4py.cuda.ops import compressor as ops_comp  # noqa: E402
 from ds4py.cuda.ops import experts as ops_moe  # noqa: E402
 from ds4py.cuda.ops import indexer as ops_idx  # noqa: E402
 from ds4py.cuda.ops import topk as ops_topk  # noqa: E402
 from ds4py.cuda.probe import device_copy_bandwidth_gbps  # noqa: E402
-from ds4py.cuda.runtime import Runtime  # noqa: E402
 from ds4py.ref import ops as ref_ops  # noqa: E402
 from gemv_bandwidth import fill_tiled, timed_graph  # noqa: E402
 
-D, FF, NX, K = 4096, 2048, 256, 6                   # V4 Flash MoE
+D, FF, NX, K = 4096, 2048, 256, 6                   # V4 Flash MoE (--emu: 512 x 256, 24 experts)
 H, HD, RD, W, RING, TOPK = 64, 512, 64, 128, 144, 512
 IH, IHD = 64, 128
+CONTEXTS = (4096, 65536)                             # --emu: 4096 only
 
 
 def random_blocks(r: np.random.Generator, qtype: int, rows: int, cols: int) -> np.ndarray:
@@ -127,7 +127,7 @@ def bench_experts(rt, arena, r, reps, copy_gbs, res) -> None:
 
 def bench_attention(rt, arena, r, reps, res) -> None:
     freqs_np = ref_ops.rope_freqs(RD, 160000.0, 16.0, 65536, 32.0, 1.0)
-    for ctx in (4096, 65536):
+    for ctx in CONTEXTS:
         pos = ctx - 1
         arena.reset_weights()
         arena.begin_step()
@@ -206,24 +206,38 @@ def bench_compressor(rt, arena, r, reps, res) -> None:
                   f"{ms * 1e3:6.1f} us")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    global D, FF, NX, CONTEXTS
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--reps", type=int, default=20)
-    args = ap.parse_args()
-    rt = Runtime()
+    ap.add_argument("--emu", action="store_true", help="run on the CPU emulator at cut-down shapes (a code check)")
+    args = ap.parse_args(argv)
+    if args.emu:
+        from ds4py.cuda.emu_runtime import EmuRuntime
+
+        rt = EmuRuntime(check_pdl=True)
+        reps = min(args.reps, 2)
+        D, FF, NX, CONTEXTS = 512, 256, 24, (4096,)
+    else:
+        from ds4py.cuda.runtime import Runtime
+
+        rt = Runtime()
+        reps = args.reps
     dev = rt.device
     print(f"device: {dev.name} ({dev.arch}), {dev.sm_count} SMs, {dev.l2_bytes >> 20} MB L2")
-    copy_gbs = device_copy_bandwidth_gbps(rt)
+    copy_gbs = device_copy_bandwidth_gbps(rt, nbytes=(2 << 30) if not args.emu else (4 << 20),
+                                          reps=10 if not args.emu else 2)
     print(f"copy (device to device, read + write): {copy_gbs:.0f} GB/s")
-    res: dict = {"device": dev.name, "arch": dev.arch, "copy_GBps": copy_gbs, "experts": [], "attention": [],
-                 "indexer": [], "compressor": []}
+    res: dict = {"device": dev.name, "arch": dev.arch, "emulated": args.emu, "copy_GBps": copy_gbs, "experts": [],
+                 "attention": [], "indexer": [], "compressor": []}
     r = np.random.default_rng(0)
-    arena = Arena(weights_bytes=4 << 30, scratch_bytes=256 << 20)
+    arena = rt.arena(weights_bytes=(4 << 30) if not args.emu else (192 << 20),
+                     scratch_bytes=(256 << 20) if not args.emu else (64 << 20))
     try:
-        bench_experts(rt, arena, r, args.reps, copy_gbs, res)
-        bench_attention(rt, arena, r, args.reps, res)
-        bench_compressor(rt, arena, r, args.reps, res)
+        bench_experts(rt, arena, r, reps, copy_gbs, res)
+        bench_attention(rt, arena, r, reps, res)
+        bench_compressor(rt, arena, r, reps, res)
     finally:
         rt.synchronize()
         arena.close()
