@@ -10,9 +10,10 @@
 // Geometry: a block owns `rows_per_block` consecutive rows of one matrix; those rows are one contiguous span of
 // bytes, staged into shared memory with 16-byte cp.async (the blocks of most formats are not 16-byte aligned in
 // place: 66, 84, 17, 34 bytes). Thread (grp = tid % G, rl = tid / G), G = cols / 32, holds the 32 activations of
-// column group grp in registers for all its rows (rl, rl + RL, ...; RL = blockDim.x / G), decodes that group of
-// each row from shared memory (exact values, then an fp32 dot), and the G partial sums of a row are added by 8
-// lanes in a fixed order: no float atomics, bit-identical results run to run.
+// column group grp in registers for all its rows (rl, rl + RL, ...; RL = blockDim.x / G), takes the dot of that
+// group of each row straight from the staged bytes (an fma per weight on its integer code, the block scales once
+// per 16 or 32 weights), and the G partial sums of a row are added by 8 lanes in a fixed order: no float atomics,
+// bit-identical results run to run.
 #include <cuda_fp16.h>
 #include "types.cuh"
 #include "portable.cuh"
@@ -100,9 +101,12 @@ __device__ const uint64_t moe_iq2xxs_grid[256] = {
     0x2b2b082b08080808ull, 0x2b2b190808192b08ull, 0x2b2b2b0819190808ull, 0x2b2b2b1908081908ull
 };
 
-// ---- decoders: the 32 values of column group `grp` counted from `base` (a row start, or a whole tensor: rows are
-// whole blocks). EXACT: products and sums are explicit _rn operations in ds4py.quant's order, so no FMA contraction
-// changes a bit (moe_dequant_*); otherwise `d*q - m` is one fma (the products' paths: 1 ulp per weight at most).
+// ---- formats. Each has, for the 32 weights of column group `grp` counted from `base` (a row start, or a whole
+// tensor: rows are whole blocks):
+//   dq   the exact values, with explicit _rn operations in ds4py.quant's order (no FMA contraction changes a bit):
+//        moe_dequant_*, and the reference every kernel test compares with;
+//   dot  sum_j w_j x_j with the block / sub-block scales taken out of the loop (one fma per weight on the integer
+//        code, the scales applied once per 16 or 32), given xs = the sums of x over its two halves (for the mins).
 // Small integers become floats through the bits of 2^23 + v (exact, full rate; I2F is quarter rate on sm_90).
 __device__ __forceinline__ unsigned moe_u16(const uint8_t* p) { return *reinterpret_cast<const uint16_t*>(p); }
 __device__ __forceinline__ unsigned moe_u32(const uint8_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
@@ -111,9 +115,6 @@ __device__ __forceinline__ float moe_u2f(unsigned v) { return __uint_as_float(0x
 __device__ __forceinline__ float moe_i8f(unsigned byte) {                 // the int8 in the low byte
     return __uint_as_float(0x4B000000u | ((byte & 255u) ^ 0x80u)) - 8388736.0f;
 }
-template <bool EXACT> __device__ __forceinline__ float moe_mul_sub(float q, float d, float m) {
-    return EXACT ? __fsub_rn(__fmul_rn(q, d), m) : fmaf(q, d, -m);
-}
 
 template <int F> struct MoeFmt;
 
@@ -121,16 +122,26 @@ template <int F> struct MoeFmt;
 // value = d * (0.5 + ls) * 0.25 * grid[idx][j] * sign. 2-byte aligned: read in 16-bit halves.
 template <> struct MoeFmt<FMT_IQ2_XXS> {
     static constexpr int QK = 256, BYTES = 66;
-    template <bool EXACT> __device__ static __forceinline__ void dq(const uint8_t* base, int grp, float* w, const uint64_t* grid) {
+    __device__ static __forceinline__ void aux(const uint8_t* base, int grp, unsigned& a0, unsigned& a1,
+                                               float& db) {
         const uint8_t* b = base + (size_t)(grp >> 3) * BYTES;
         const uint8_t* q = b + 2 + 8 * (grp & 7);
-        const unsigned a0 = moe_u16(q) | (moe_u16(q + 2) << 16), a1 = moe_u16(q + 4) | (moe_u16(q + 6) << 16);
-        const float db = __fmul_rn(__fmul_rn(moe_f16(b), __fadd_rn(0.5f, moe_u2f(a1 >> 28))), 0.25f);
+        a0 = moe_u16(q) | (moe_u16(q + 2) << 16);
+        a1 = moe_u16(q + 4) | (moe_u16(q + 6) << 16);
+        db = __fmul_rn(__fmul_rn(moe_f16(b), __fadd_rn(0.5f, moe_u2f(a1 >> 28))), 0.25f);
+    }
+    __device__ static __forceinline__ unsigned signs(unsigned a1, int k) {      // ksigns_iq2xs[7 bits]: even parity
+        const unsigned si = (a1 >> (7 * k)) & 127u;
+        return si | ((unsigned)(__popc(si) & 1) << 7);
+    }
+    __device__ static __forceinline__ void dq(const uint8_t* base, int grp, float* w, const uint64_t* grid) {
+        unsigned a0, a1;
+        float db;
+        aux(base, grp, a0, a1, db);
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
             const uint64_t g = grid[(a0 >> (8 * k)) & 255u];
-            const unsigned si = (a1 >> (7 * k)) & 127u;
-            const unsigned sg = si | ((unsigned)(__popc(si) & 1) << 7);
+            const unsigned sg = signs(a1, k);
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
                 const float v = __fmul_rn(moe_u2f((unsigned)(g >> (8 * j)) & 255u), db);
@@ -138,13 +149,32 @@ template <> struct MoeFmt<FMT_IQ2_XXS> {
             }
         }
     }
+    __device__ static __forceinline__ float dot(const uint8_t* base, int grp, const float* x, const float*,
+                                                const uint64_t* grid) {
+        unsigned a0, a1;
+        float db;
+        aux(base, grp, a0, a1, db);
+        float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const uint64_t g = grid[(a0 >> (8 * k)) & 255u];
+            const unsigned sg = signs(a1, k), lo = (unsigned)g, hi = (unsigned)(g >> 32);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const float v0 = moe_u2f((lo >> (8 * j)) & 255u), v1 = moe_u2f((hi >> (8 * j)) & 255u);
+                s0 = fmaf((sg >> j) & 1u ? -v0 : v0, x[8 * k + j], s0);
+                s1 = fmaf((sg >> (j + 4)) & 1u ? -v1 : v1, x[8 * k + j + 4], s1);
+            }
+        }
+        return (s0 + s1) * db;
+    }
 };
 
 // Q2_K (84 B / 256): 16 scale bytes (low nibble scale, high nibble min, per 16 weights), 64 bytes of 2-bit q
 // (weight 128h + 32j + l = bits 2j of qs[32h + l]), f16 d, f16 dmin. value = d*sc*q - dmin*m. 4-byte aligned.
 template <> struct MoeFmt<FMT_Q2_K> {
     static constexpr int QK = 256, BYTES = 84;
-    template <bool EXACT> __device__ static __forceinline__ void dq(const uint8_t* base, int grp, float* w, const uint64_t*) {
+    __device__ static __forceinline__ void dq(const uint8_t* base, int grp, float* w, const uint64_t*) {
         const uint8_t* b = base + (size_t)(grp >> 3) * BYTES;
         const int cw = (grp & 7) * 32, sh = 2 * ((cw >> 5) & 3);
         const float d = moe_f16(b + 80), dmin = moe_f16(b + 82);
@@ -158,9 +188,33 @@ template <> struct MoeFmt<FMT_Q2_K> {
                 const unsigned u = moe_u32(qs + 4 * word);
 #pragma unroll
                 for (int by = 0; by < 4; ++by)
-                    w[16 * sub + 4 * word + by] = moe_mul_sub<EXACT>(moe_u2f((u >> (8 * by + sh)) & 3u), dl, ml);
+                    w[16 * sub + 4 * word + by] = __fsub_rn(__fmul_rn(moe_u2f((u >> (8 * by + sh)) & 3u), dl), ml);
             }
         }
+    }
+    __device__ static __forceinline__ float dot(const uint8_t* base, int grp, const float* x, const float* xs,
+                                                const uint64_t*) {
+        const uint8_t* b = base + (size_t)(grp >> 3) * BYTES;
+        const int cw = (grp & 7) * 32, sh = 2 * ((cw >> 5) & 3);
+        const float d = moe_f16(b + 80), dmin = moe_f16(b + 82);
+        float acc = 0.0f;
+#pragma unroll
+        for (int sub = 0; sub < 2; ++sub) {
+            const unsigned sc = b[(cw >> 4) + sub];
+            const uint8_t* qs = b + 16 + 32 * (cw >> 7) + 16 * sub;
+            float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+            for (int word = 0; word < 4; ++word) {
+                const unsigned u = moe_u32(qs + 4 * word) >> sh;
+                s0 = fmaf(moe_u2f(u & 3u), x[16 * sub + 4 * word], s0);
+                s1 = fmaf(moe_u2f((u >> 8) & 3u), x[16 * sub + 4 * word + 1], s1);
+                s0 = fmaf(moe_u2f((u >> 16) & 3u), x[16 * sub + 4 * word + 2], s0);
+                s1 = fmaf(moe_u2f((u >> 24) & 3u), x[16 * sub + 4 * word + 3], s1);
+            }
+            acc = fmaf(d * moe_u2f(sc & 15u), s0 + s1, acc);
+            acc = fmaf(-dmin * moe_u2f(sc >> 4), xs[sub], acc);
+        }
+        return acc;
     }
 };
 
@@ -168,11 +222,8 @@ template <> struct MoeFmt<FMT_Q2_K> {
 // the low nibbles of qs[32c..], 2c+1 in the high ones). value = d*sc*q - dmin*m. 4-byte aligned.
 template <> struct MoeFmt<FMT_Q4_K> {
     static constexpr int QK = 256, BYTES = 144;
-    template <bool EXACT> __device__ static __forceinline__ void dq(const uint8_t* base, int grp, float* w, const uint64_t*) {
-        const uint8_t* b = base + (size_t)(grp >> 3) * BYTES;
-        const int gi = grp & 7;
+    __device__ static __forceinline__ void scales(const uint8_t* b, int gi, unsigned& sc, unsigned& mn) {
         const uint8_t* s = b + 4;
-        unsigned sc, mn;
         if (gi < 4) {
             sc = s[gi] & 63u;
             mn = s[gi + 4] & 63u;
@@ -180,6 +231,12 @@ template <> struct MoeFmt<FMT_Q4_K> {
             sc = (s[gi + 4] & 15u) | ((unsigned)(s[gi - 4] >> 6) << 4);
             mn = (unsigned)(s[gi + 4] >> 4) | ((unsigned)(s[gi] >> 6) << 4);
         }
+    }
+    __device__ static __forceinline__ void dq(const uint8_t* base, int grp, float* w, const uint64_t*) {
+        const uint8_t* b = base + (size_t)(grp >> 3) * BYTES;
+        const int gi = grp & 7;
+        unsigned sc, mn;
+        scales(b, gi, sc, mn);
         const float dl = __fmul_rn(moe_f16(b), moe_u2f(sc)), ml = __fmul_rn(moe_f16(b + 2), moe_u2f(mn));
         const uint8_t* qs = b + 16 + 32 * (gi >> 1);
         const int sh = 4 * (gi & 1);
@@ -188,8 +245,27 @@ template <> struct MoeFmt<FMT_Q4_K> {
             const unsigned u = moe_u32(qs + 4 * word);
 #pragma unroll
             for (int by = 0; by < 4; ++by)
-                w[4 * word + by] = moe_mul_sub<EXACT>(moe_u2f((u >> (8 * by + sh)) & 15u), dl, ml);
+                w[4 * word + by] = __fsub_rn(__fmul_rn(moe_u2f((u >> (8 * by + sh)) & 15u), dl), ml);
         }
+    }
+    __device__ static __forceinline__ float dot(const uint8_t* base, int grp, const float* x, const float* xs,
+                                                const uint64_t*) {
+        const uint8_t* b = base + (size_t)(grp >> 3) * BYTES;
+        const int gi = grp & 7;
+        unsigned sc, mn;
+        scales(b, gi, sc, mn);
+        const uint8_t* qs = b + 16 + 32 * (gi >> 1);
+        const int sh = 4 * (gi & 1);
+        float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+        for (int word = 0; word < 8; ++word) {
+            const unsigned u = moe_u32(qs + 4 * word) >> sh;
+            s0 = fmaf(moe_u2f(u & 15u), x[4 * word], s0);
+            s1 = fmaf(moe_u2f((u >> 8) & 15u), x[4 * word + 1], s1);
+            s0 = fmaf(moe_u2f((u >> 16) & 15u), x[4 * word + 2], s0);
+            s1 = fmaf(moe_u2f((u >> 24) & 15u), x[4 * word + 3], s1);
+        }
+        return fmaf(moe_f16(b) * moe_u2f(sc), s0 + s1, -(moe_f16(b + 2) * moe_u2f(mn)) * (xs[0] + xs[1]));
     }
 };
 
@@ -201,10 +277,13 @@ __device__ __forceinline__ float moe_mxfp4_code(unsigned c) {
 }
 template <> struct MoeFmt<FMT_MXFP4> {
     static constexpr int QK = 32, BYTES = 17;
-    template <bool EXACT> __device__ static __forceinline__ void dq(const uint8_t* base, int grp, float* w, const uint64_t*) {
-        const uint8_t* b = base + (size_t)grp * BYTES;
+    __device__ static __forceinline__ float scale(const uint8_t* b) {
         const unsigned e = b[0];
-        const float d = __uint_as_float(e < 2u ? 0x00200000u << e : (e - 1u) << 23);
+        return __uint_as_float(e < 2u ? 0x00200000u << e : (e - 1u) << 23);
+    }
+    __device__ static __forceinline__ void dq(const uint8_t* base, int grp, float* w, const uint64_t*) {
+        const uint8_t* b = base + (size_t)grp * BYTES;
+        const float d = scale(b);
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
             const unsigned q = b[1 + j];
@@ -212,12 +291,24 @@ template <> struct MoeFmt<FMT_MXFP4> {
             w[j + 16] = __fmul_rn(moe_mxfp4_code(q >> 4), d);
         }
     }
+    __device__ static __forceinline__ float dot(const uint8_t* base, int grp, const float* x, const float*,
+                                                const uint64_t*) {
+        const uint8_t* b = base + (size_t)grp * BYTES;
+        float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            const unsigned q = b[1 + j];
+            s0 = fmaf(moe_mxfp4_code(q & 15u), x[j], s0);
+            s1 = fmaf(moe_mxfp4_code(q >> 4), x[j + 16], s1);
+        }
+        return (s0 + s1) * scale(b);
+    }
 };
 
 // Q8_0 (34 B / 32): f16 d, 32 int8 q. value = q * d. 2-byte aligned.
 template <> struct MoeFmt<FMT_Q8_0> {
     static constexpr int QK = 32, BYTES = 34;
-    template <bool EXACT> __device__ static __forceinline__ void dq(const uint8_t* base, int grp, float* w, const uint64_t*) {
+    __device__ static __forceinline__ void dq(const uint8_t* base, int grp, float* w, const uint64_t*) {
         const uint8_t* b = base + (size_t)grp * BYTES;
         const float d = moe_f16(b);
 #pragma unroll
@@ -227,12 +318,24 @@ template <> struct MoeFmt<FMT_Q8_0> {
             w[2 * j + 1] = __fmul_rn(moe_i8f(u >> 8), d);
         }
     }
+    __device__ static __forceinline__ float dot(const uint8_t* base, int grp, const float* x, const float*,
+                                                const uint64_t*) {
+        const uint8_t* b = base + (size_t)grp * BYTES;
+        float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            const unsigned u = moe_u16(b + 2 + 2 * j);
+            s0 = fmaf(moe_i8f(u), x[2 * j], s0);
+            s1 = fmaf(moe_i8f(u >> 8), x[2 * j + 1], s1);
+        }
+        return (s0 + s1) * moe_f16(b);
+    }
 };
 
 // F16: 32 halves (64 bytes; 16-byte aligned when the row length is a multiple of 8).
 template <> struct MoeFmt<FMT_F16> {
     static constexpr int QK = 32, BYTES = 64;
-    template <bool EXACT> __device__ static __forceinline__ void dq(const uint8_t* base, int grp, float* w, const uint64_t*) {
+    __device__ static __forceinline__ void dq(const uint8_t* base, int grp, float* w, const uint64_t*) {
         const uint4* p = reinterpret_cast<const uint4*>(base + (size_t)grp * BYTES);
 #pragma unroll
         for (int v = 0; v < 4; ++v) {
@@ -241,6 +344,22 @@ template <> struct MoeFmt<FMT_F16> {
 #pragma unroll
             for (int j = 0; j < 8; ++j) w[8 * v + j] = __half2float(hh[j]);
         }
+    }
+    __device__ static __forceinline__ float dot(const uint8_t* base, int grp, const float* x, const float*,
+                                                const uint64_t*) {
+        const uint4* p = reinterpret_cast<const uint4*>(base + (size_t)grp * BYTES);
+        float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+            const uint4 u = p[v];
+            const __half* hh = reinterpret_cast<const __half*>(&u);
+#pragma unroll
+            for (int j = 0; j < 8; j += 2) {
+                s0 = fmaf(__half2float(hh[j]), x[8 * v + j], s0);
+                s1 = fmaf(__half2float(hh[j + 1]), x[8 * v + j + 1], s1);
+            }
+        }
+        return s0 + s1;
     }
 };
 
@@ -278,16 +397,16 @@ __device__ __forceinline__ void moe_load_x(const float* x, float* xv) {
     }
 }
 
-__device__ __forceinline__ float moe_dot32(const float* w, const float* x) {
-    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+// The sums of x over the two halves of a column group (the K-quants' mins multiply them).
+__device__ __forceinline__ void moe_half_sums(const float* xv, float* xs) {
+    float a = 0.0f, b = 0.0f;
 #pragma unroll
-    for (int j = 0; j < 32; j += 4) {
-        s0 += w[j] * x[j];
-        s1 += w[j + 1] * x[j + 1];
-        s2 += w[j + 2] * x[j + 2];
-        s3 += w[j + 3] * x[j + 3];
+    for (int j = 0; j < 16; ++j) {
+        a += xv[j];
+        b += xv[j + 16];
     }
-    return (s0 + s1) + (s2 + s3);
+    xs[0] = a;
+    xs[1] = b;
 }
 
 // tot[row] = sum over g < G of red[row * G + g] for rows < n_rows: 8 lanes per row, each a strided partial sum,
@@ -330,8 +449,11 @@ __device__ __forceinline__ void moe_gate_up_impl(uint8_t* smem, const uint64_t* 
     const uint8_t* sg = moe_stage(smem, Wg + ((size_t)e * ff + r0) * rb, span);
     const uint8_t* su = moe_stage(smem + moe_room(span), Wu + ((size_t)e * ff + r0) * rb, span);
     cp_async_commit();
-    float xv[32];
-    if (worker) moe_load_x(x + 32 * grp, xv);
+    float xv[32], xs[2] = {0.0f, 0.0f};
+    if (worker) {
+        moe_load_x(x + 32 * grp, xv);
+        moe_half_sums(xv, xs);
+    }
     cp_async_wait_all();
     __syncthreads();
 
@@ -341,11 +463,8 @@ __device__ __forceinline__ void moe_gate_up_impl(uint8_t* smem, const uint64_t* 
         const int r = rl + RL * i;
         ag[i] = au[i] = 0.0f;
         if (worker && r < nr) {
-            float w[32];
-            MoeFmt<F>::template dq<false>(sg + (size_t)r * rb, grp, w, grid);
-            ag[i] = moe_dot32(w, xv);
-            MoeFmt<F>::template dq<false>(su + (size_t)r * rb, grp, w, grid);
-            au[i] = moe_dot32(w, xv);
+            ag[i] = MoeFmt<F>::dot(sg + (size_t)r * rb, grp, xv, xs, grid);
+            au[i] = MoeFmt<F>::dot(su + (size_t)r * rb, grp, xv, xs, grid);
         }
     }
     __syncthreads();                                              // the stage is read; reuse it for the sums
@@ -401,16 +520,13 @@ __device__ __forceinline__ void moe_down_impl(uint8_t* smem, const uint64_t* gri
         const int e = ids ? ids[s] : s;
         if (!worker || e < 0 || e >= n_experts) continue;
         const uint8_t* st = smem + s * room + ((size_t)(W + ((size_t)e * dim + r0) * rb) & 15);
-        float hv[32];
+        float hv[32], hs[2];
         moe_load_x(h + (size_t)s * ff + 32 * grp, hv);
+        moe_half_sums(hv, hs);
 #pragma unroll
         for (int i = 0; i < MOE_RPT; ++i) {
             const int r = rl + RL * i;
-            if (r < nr) {
-                float w[32];
-                MoeFmt<F>::template dq<false>(st + (size_t)r * rb, grp, w, grid);
-                acc[i] += moe_dot32(w, hv);
-            }
+            if (r < nr) acc[i] += MoeFmt<F>::dot(st + (size_t)r * rb, grp, hv, hs, grid);
         }
     }
     __syncthreads();
@@ -445,7 +561,7 @@ __device__ __forceinline__ void moe_dequant_impl(const uint64_t* grid, const uin
     const int gidx = blockIdx.x * blockDim.x + threadIdx.x;
     if (gidx >= n_groups) return;
     float w[32];
-    MoeFmt<F>::template dq<true>(W, gidx, w, grid);
+    MoeFmt<F>::dq(W, gidx, w, grid);
     float4* o = reinterpret_cast<float4*>(out + (size_t)gidx * 32);
 #pragma unroll
     for (int v = 0; v < 8; ++v) o[v] = make_float4(w[4 * v], w[4 * v + 1], w[4 * v + 2], w[4 * v + 3]);
