@@ -86,7 +86,8 @@ def bench_experts(rt, arena, r, reps, copy_gbs, res) -> None:
         gu_bytes = 2 * K * FF * ops_moe.row_bytes(gate_t, D)
         dn_bytes = K * D * ops_moe.row_bytes(down_t, FF)
         for name, nbytes, fn in [
-            ("gate_up", gu_bytes, lambda i: ops_moe.moe_gate_up(rt, gate_t, Wg, Wu, x, ids[i], w, h, NX, FF, D, K, 10.0)),
+            ("gate_up", gu_bytes,
+             lambda i: ops_moe.moe_gate_up(rt, gate_t, Wg, Wu, x, ids[i], w, h, NX, FF, D, K, 10.0)),
             ("down", dn_bytes, lambda i: ops_moe.moe_down(rt, down_t, Wd, ids[i], h, y, NX, D, FF, K)),
         ]:
             ms = timed_graph(rt, lambda: fn(next(it) % reps), reps, slot)

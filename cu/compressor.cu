@@ -59,7 +59,8 @@ struct CompSource {
 
 // Pool group g, then RMSNorm, RoPE at g*ratio, quantise, and write rows[g]. Every thread of the block calls it.
 __device__ void comp_emit(const CompSource& src, int g, int overlap, const float* norm_w, const float* freqs,
-                          float* rows, int d, int rd, float eps, int rotate, int fake_quant, int round_f16) {
+                          float* rows, int rows_cap, int d, int rd, float eps, int rotate, int fake_quant,
+                          int round_f16) {
     __shared__ float2 red_m[COMP_MAX_THREADS], red_l[COMP_MAX_THREADS], red_a[COMP_MAX_THREADS];
     __shared__ float part[32];
     __shared__ float hbuf[COMP_MAX_D];
@@ -140,20 +141,22 @@ __device__ void comp_emit(const CompSource& src, int g, int overlap, const float
         c = ds4_fp8_block64(c);                                       // a whole warp of non-rope dims
     }
     if (round_f16) c = make_float2(__half2float(__float2half_rn(c.x)), __half2float(__float2half_rn(c.y)));
-    if (sub == 0 && live) reinterpret_cast<float2*>(rows + (size_t)g * d)[t] = c;
+    if (sub == 0 && live && g < rows_cap) reinterpret_cast<float2*>(rows + (size_t)g * d)[t] = c;
 }
 
 // Decode step at pos = *pos_slot: store kv_in / sc_in + ape[pos % ratio] ([(1+overlap)*d] each, the wkv / wgate
 // GEMV outputs) into ring slot pos % cap, then, when (pos+1) % ratio == 0, emit row g = pos / ratio.
 // ape [ratio, (1+overlap)*d], F16 (ape_f32 = 0) or F32; norm_w [d]; freqs [rd/2] (compressed-layer RoPE).
 // rotate = 1: indexer keys (Hadamard over d, a power of two; FP4 when fake_quant); else FP8 on the first d-rd dims.
-// Needs d even, (d - rd) % 64 == 0 unless rotate, d % 32 == 0 when rotating; arrays 8-byte aligned.
+// rows [rows_cap, d]: a row past rows_cap is not written (the state grows between steps; this only keeps a
+// too-small array from being overrun). Needs d even, (d - rd) % 64 == 0 unless rotate, d % 32 == 0 when rotating;
+// arrays 8-byte aligned.
 // Launch: grid (1), block (subs * 32*ceil(d/64)) threads, at most 1024; subs > 1 splits long groups (ratio 128).
 extern "C" __global__ void compressor_decode(const float* kv_in, const float* sc_in, const void* ape, int ape_f32,
                                              const float* norm_w, const float* freqs, const int* pos_slot,
-                                             float* ring_kv, float* ring_sc, float* rows, int ratio, int overlap,
-                                             int cap, int d, int rd, float eps, int rotate, int fake_quant,
-                                             int round_f16) {
+                                             float* ring_kv, float* ring_sc, float* rows, int rows_cap,
+                                             int ratio, int overlap, int cap, int d, int rd, float eps, int rotate,
+                                             int fake_quant, int round_f16) {
     pdl_wait();
     pdl_launch_dependents();
     const int pos = pos_slot[0], width = (1 + overlap) * d;
@@ -177,7 +180,8 @@ extern "C" __global__ void compressor_decode(const float* kv_in, const float* sc
     src.width = width;
     src.ratio = ratio;
     src.p0 = pos;
-    comp_emit(src, pos / ratio, overlap, norm_w, freqs, rows, d, rd, eps, rotate, fake_quant, round_f16);
+    comp_emit(src, pos / ratio, overlap, norm_w, freqs, rows, rows_cap, d, rd, eps, rotate, fake_quant,
+              round_f16);
 }
 
 // Prefill: emit every group that the chunk of n_tok tokens at positions p0 = *pos_slot .. p0+n_tok-1 completes.
@@ -188,9 +192,9 @@ extern "C" __global__ void compressor_decode(const float* kv_in, const float* sc
 extern "C" __global__ void compressor_prefill_pool(const float* chunk_kv, const float* chunk_sc, int n_tok,
                                                    const void* ape, int ape_f32, const float* norm_w,
                                                    const float* freqs, const int* pos_slot, const float* ring_kv,
-                                                   const float* ring_sc, float* rows, int ratio, int overlap,
-                                                   int cap, int d, int rd, float eps, int rotate, int fake_quant,
-                                                   int round_f16) {
+                                                   const float* ring_sc, float* rows, int rows_cap, int ratio,
+                                                   int overlap, int cap, int d, int rd, float eps, int rotate,
+                                                   int fake_quant, int round_f16) {
     pdl_wait();
     pdl_launch_dependents();
     const int p0 = pos_slot[0];
@@ -207,7 +211,7 @@ extern "C" __global__ void compressor_prefill_pool(const float* chunk_kv, const 
     src.width = (1 + overlap) * d;
     src.ratio = ratio;
     src.p0 = p0;
-    comp_emit(src, g, overlap, norm_w, freqs, rows, d, rd, eps, rotate, fake_quant, round_f16);
+    comp_emit(src, g, overlap, norm_w, freqs, rows, rows_cap, d, rd, eps, rotate, fake_quant, round_f16);
 }
 
 // Prefill: store the chunk's last min(n_tok, cap) positions into the rings (scores + ape), after the pooling.

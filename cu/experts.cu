@@ -605,8 +605,8 @@ extern "C" __global__ void moe_down_iq2_xxs(const uint8_t* W, const int* ids, co
     pdl_wait();
     pdl_launch_dependents();
     moe_load_grid(grid_s);
-    moe_down_impl<FMT_IQ2_XXS>(moe_smem, grid_s, W, ids, h, add, hc_post, hc_comb, hc_x, out, n_slots, n_experts, dim, ff,
-                             rows_per_block, hc);
+    moe_down_impl<FMT_IQ2_XXS>(moe_smem, grid_s, W, ids, h, add, hc_post, hc_comb, hc_x, out, n_slots, n_experts,
+                             dim, ff, rows_per_block, hc);
 }
 
 // out[32g + j] = value j of column group g (n_groups groups of 32 from the start of W). Launch: grid
@@ -637,8 +637,8 @@ extern "C" __global__ void moe_down_q2_k(const uint8_t* W, const int* ids, const
     extern __shared__ __align__(16) uint8_t moe_smem[];
     pdl_wait();
     pdl_launch_dependents();
-    moe_down_impl<FMT_Q2_K>(moe_smem, nullptr, W, ids, h, add, hc_post, hc_comb, hc_x, out, n_slots, n_experts, dim, ff,
-                             rows_per_block, hc);
+    moe_down_impl<FMT_Q2_K>(moe_smem, nullptr, W, ids, h, add, hc_post, hc_comb, hc_x, out, n_slots, n_experts,
+                          dim, ff, rows_per_block, hc);
 }
 
 // out[32g + j] = value j of column group g (n_groups groups of 32 from the start of W). Launch: grid
@@ -669,8 +669,8 @@ extern "C" __global__ void moe_down_q4_k(const uint8_t* W, const int* ids, const
     extern __shared__ __align__(16) uint8_t moe_smem[];
     pdl_wait();
     pdl_launch_dependents();
-    moe_down_impl<FMT_Q4_K>(moe_smem, nullptr, W, ids, h, add, hc_post, hc_comb, hc_x, out, n_slots, n_experts, dim, ff,
-                             rows_per_block, hc);
+    moe_down_impl<FMT_Q4_K>(moe_smem, nullptr, W, ids, h, add, hc_post, hc_comb, hc_x, out, n_slots, n_experts,
+                          dim, ff, rows_per_block, hc);
 }
 
 // out[32g + j] = value j of column group g (n_groups groups of 32 from the start of W). Launch: grid
@@ -701,8 +701,8 @@ extern "C" __global__ void moe_down_mxfp4(const uint8_t* W, const int* ids, cons
     extern __shared__ __align__(16) uint8_t moe_smem[];
     pdl_wait();
     pdl_launch_dependents();
-    moe_down_impl<FMT_MXFP4>(moe_smem, nullptr, W, ids, h, add, hc_post, hc_comb, hc_x, out, n_slots, n_experts, dim, ff,
-                             rows_per_block, hc);
+    moe_down_impl<FMT_MXFP4>(moe_smem, nullptr, W, ids, h, add, hc_post, hc_comb, hc_x, out, n_slots, n_experts,
+                           dim, ff, rows_per_block, hc);
 }
 
 // out[32g + j] = value j of column group g (n_groups groups of 32 from the start of W). Launch: grid
@@ -733,8 +733,8 @@ extern "C" __global__ void moe_down_q8_0(const uint8_t* W, const int* ids, const
     extern __shared__ __align__(16) uint8_t moe_smem[];
     pdl_wait();
     pdl_launch_dependents();
-    moe_down_impl<FMT_Q8_0>(moe_smem, nullptr, W, ids, h, add, hc_post, hc_comb, hc_x, out, n_slots, n_experts, dim, ff,
-                             rows_per_block, hc);
+    moe_down_impl<FMT_Q8_0>(moe_smem, nullptr, W, ids, h, add, hc_post, hc_comb, hc_x, out, n_slots, n_experts,
+                          dim, ff, rows_per_block, hc);
 }
 
 // out[32g + j] = value j of column group g (n_groups groups of 32 from the start of W). Launch: grid
@@ -765,8 +765,8 @@ extern "C" __global__ void moe_down_f16(const uint8_t* W, const int* ids, const 
     extern __shared__ __align__(16) uint8_t moe_smem[];
     pdl_wait();
     pdl_launch_dependents();
-    moe_down_impl<FMT_F16>(moe_smem, nullptr, W, ids, h, add, hc_post, hc_comb, hc_x, out, n_slots, n_experts, dim, ff,
-                             rows_per_block, hc);
+    moe_down_impl<FMT_F16>(moe_smem, nullptr, W, ids, h, add, hc_post, hc_comb, hc_x, out, n_slots, n_experts,
+                         dim, ff, rows_per_block, hc);
 }
 
 // out[32g + j] = value j of column group g (n_groups groups of 32 from the start of W). Launch: grid

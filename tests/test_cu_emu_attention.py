@@ -148,7 +148,8 @@ def test_attention_is_bit_identical_across_thread_orders(kdev):
         d_out = dev.var(np.zeros((H, hd), np.float32))
         ops_attn.decode_attention(dev.rt, plan, dev.const(q_raw), dev.const(yarn_freqs(rd)),
                                   dev.const(np.array([pos], np.int32)), dev.const(win), window, dev.const(comp), ratio,
-                                  dev.const(sel), topk, dev.const(sinks), dev.var(np.zeros(plan.part_o_shape, np.float32)),
+                                  dev.const(sel), topk, dev.const(sinks),
+                                  dev.var(np.zeros(plan.part_o_shape, np.float32)),
                                   dev.var(np.zeros(plan.part_ml_shape, np.float32)), d_out, rd, EPS, hd ** -0.5)
         outs.append(d_out.download())
     assert all(np.array_equal(outs[0], o) for o in outs[1:])

@@ -157,6 +157,22 @@ def test_decode_equals_prefill_rows(kdev):
     np.testing.assert_array_equal(kv_a.download(), kv_b.download())
 
 
+def test_a_row_past_the_capacity_is_dropped_not_written_out_of_bounds(kdev):
+    d, rd, ratio, overlap, rotate, ape_dt, _ = COMPRESSORS[0]
+    cap = twin.ring_capacity(ratio, overlap, SPARE)
+    pos = 3 * ratio - 1                                  # completes group 2
+    h = History(rng(8), pos + 1, d, ratio, overlap, ape_dt)
+    dev = kdev()
+    d_kv, d_sc = (dev.var(a) for a in h.rings(range(max(0, pos - cap + 1), pos), cap))
+    rows = dev.var(np.full((2, d), 7.0, np.float32))     # room for groups 0 and 1 only
+    ops_comp.compressor_decode(dev.rt, dev.const(h.kv[pos]), dev.const(h.sc_raw[pos]), dev.const(h.ape),
+                               dev.const(h.norm), dev.const(ops.rope_freqs(rd, 10000.0)),
+                               dev.const(np.array([pos], np.int32)), d_kv, d_sc, rows, ratio, overlap, d, rd, EPS,
+                               rotate)
+    assert np.all(rows.download() == 7.0)                # the emulator faults on an out-of-bounds store
+    np.testing.assert_array_equal(d_kv.download()[pos % cap], h.kv[pos])
+
+
 def test_compressor_wrappers_reject_bad_shapes():
     rt = None                                            # rejected before any launch
     z = np.zeros

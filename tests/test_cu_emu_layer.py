@@ -79,7 +79,8 @@ def test_attention_sublayer_matches_the_reference(kdev, model):
     gg, cfg, w = model
     il = 2
     D, H, hd, rd, W = cfg.dim, cfg.n_heads, cfg.head_dim, cfg.rope_dim, cfg.window
-    ih, ihd, topk, ratio, eps = cfg.index_heads, cfg.index_head_dim, cfg.index_topk, cfg.compress_ratios[il], cfg.norm_eps
+    ih, ihd, topk, ratio = cfg.index_heads, cfg.index_head_dim, cfg.index_topk, cfg.compress_ratios[il]
+    eps = cfg.norm_eps
     qr_dim, G, r_o = cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank
     freqs_h = ref_ops.layer_rope_freqs(cfg, il)
     dev = kdev("random", 1, weights_mib=16, scratch_mib=64)
@@ -94,7 +95,8 @@ def test_attention_sublayer_matches_the_reference(kdev, model):
     scores = dev.var(np.zeros(STEPS // ratio + 1, np.float32))
     sel = dev.var(np.zeros(topk, np.int32))
     plan = ops_attn.attn_plan(H, hd, W + topk, warps=1, target_blocks=4)
-    part_o, part_ml = dev.var(np.zeros(plan.part_o_shape, np.float32)), dev.var(np.zeros(plan.part_ml_shape, np.float32))
+    part_o = dev.var(np.zeros(plan.part_o_shape, np.float32))
+    part_ml = dev.var(np.zeros(plan.part_ml_shape, np.float32))
     pos_slot = dev.var(np.zeros(1, np.int32))
     st = RefState.empty(cfg).layers[il]
     xs = (np.random.default_rng(4).standard_normal((STEPS, D)) * 1.5).astype(np.float32)
@@ -160,7 +162,8 @@ def test_moe_sublayer_matches_the_reference(kdev, model, il, token):
     hash_layer = cfg.is_hash_layer(il)
     ops_route.moe_route(rt, linear(dev, P, "ffn_gate_inp.weight", x, NX, D),
                         None if hash_layer else P.f32("exp_probs_b.bias"),
-                        P.any("ffn_gate_tid2eid.weight") if hash_layer else None, dev.const(np.array([token], np.int32)),
+                        P.any("ffn_gate_tid2eid.weight") if hash_layer else None,
+                        dev.const(np.array([token], np.int32)),
                         ids, wts, NX, k, cfg.route_scale, cfg.route_norm)
     clamp = cfg.swiglu_clamp[il]
     sh = {m: gg.tensor(P.p + f"ffn_{m}_shexp.weight").qtype for m in ("gate", "down")}

@@ -29,7 +29,7 @@ from ds4py.cuda.twins.core import assert_close_scaled
 from ds4py.ref import ops
 from ds4py.ref.forward import topk_mask
 from gpu_sizes import shrink
-from tests.test_cu_emu_attention import (test_attention_is_bit_identical_across_thread_orders,  # noqa: F401 (re-collected)
+from tests.test_cu_emu_attention import (test_attention_is_bit_identical_across_thread_orders,  # noqa: F401
                                    test_decode_attention, test_fp8_fake_quant_is_exact_on_the_grid, test_kv_store)
 from tests.test_cu_emu_compressor import (History, check_row, test_compressor_decode,  # noqa: F401
                                     test_compressor_prefill, test_decode_equals_prefill_rows)
@@ -105,7 +105,8 @@ def run_attention(dev, pos, ratio, q_raw, win, comp, sel, sinks, pdl=False):
     n_vis = (pos + 1) // ratio if ratio else 0
     cap = W + (TOPK if ratio == 4 else n_vis)
     plan = ops_attn.attn_plan(H, HD, cap)
-    part_o, part_ml = dev.var(np.zeros(plan.part_o_shape, np.float32)), dev.var(np.zeros(plan.part_ml_shape, np.float32))
+    part_o = dev.var(np.zeros(plan.part_o_shape, np.float32))
+    part_ml = dev.var(np.zeros(plan.part_ml_shape, np.float32))
     out = dev.var(np.zeros((H, HD), np.float32))
     ops_attn.decode_attention(dev.rt, plan, q_raw, dev.const(yarn()), dev.const(np.array([pos], np.int32)), win, W,
                               comp, ratio, sel, TOPK, sinks, part_o, part_ml, out, RD, EPS, HD ** -0.5, pdl=pdl)

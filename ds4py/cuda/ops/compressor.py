@@ -2,7 +2,8 @@
 
 The rings and row arrays are the device KV state of one layer (KV_LAYOUT): ring_kv / ring_sc [cap, (1+overlap)*d],
 rows [capacity, d]. The caller keeps `rows` large enough for (position+1) // ratio rows (the state grows between
-steps); the kernels read the position from pos_slot.
+steps; a row past the capacity is dropped rather than written out of bounds); the kernels read the position from
+pos_slot.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def compressor_decode(rt: Any, kv_in: Any, sc_in: Any, ape: Any, norm_w: Any, fr
     width = _check("compressor_decode", ape, norm_w, freqs, ring_kv, ring_sc, rows, ratio, overlap, d, rd, rotate)
     need(kv_in.size == width and sc_in.size == width, f"compressor_decode: kv and score inputs must hold {width}")
     rt.launch("compressor_decode", 1, comp_threads(d, ratio, overlap, subs), kv_in, sc_in, ape,
-              int(np.dtype(ape.dtype) == np.float32), norm_w, freqs, pos_slot, ring_kv, ring_sc, rows, int(ratio),
+              int(np.dtype(ape.dtype) == np.float32), norm_w, freqs, pos_slot, ring_kv, ring_sc, rows,
+              int(rows.shape[0]), int(ratio),
               int(overlap), int(ring_kv.shape[0]), d, rd, float(eps), int(rotate), int(fake_quant), int(round_f16),
               stream=stream, pdl=pdl)
 
@@ -75,7 +77,8 @@ def compressor_prefill(rt: Any, chunk_kv: Any, chunk_sc: Any, n_tok: int, ape: A
     ape_f32 = int(np.dtype(ape.dtype) == np.float32)
     cap = int(ring_kv.shape[0])
     rt.launch("compressor_prefill_pool", n_tok // ratio + 1, comp_threads(d, ratio, overlap, subs), chunk_kv,
-              chunk_sc, int(n_tok), ape, ape_f32, norm_w, freqs, pos_slot, ring_kv, ring_sc, rows, int(ratio),
+              chunk_sc, int(n_tok), ape, ape_f32, norm_w, freqs, pos_slot, ring_kv, ring_sc, rows,
+              int(rows.shape[0]), int(ratio),
               int(overlap), cap, d, rd, float(eps), int(rotate), int(fake_quant), int(round_f16), stream=stream,
               pdl=pdl)
     rt.launch("compressor_prefill_store", min(n_tok, cap), 256, chunk_kv, chunk_sc, int(n_tok), ape, ape_f32,
