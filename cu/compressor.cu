@@ -57,6 +57,35 @@ struct CompSource {
     }
 };
 
+__device__ __forceinline__ CompSource comp_source(const float* ring_kv, const float* ring_sc, const float* chunk_kv,
+                                                  const float* chunk_sc, const void* ape, int ape_f32, int cap,
+                                                  int width, int ratio, int p0) {
+    CompSource s;
+    s.ring_kv = ring_kv;
+    s.ring_sc = ring_sc;
+    s.chunk_kv = chunk_kv;
+    s.chunk_sc = chunk_sc;
+    s.ape = ape;
+    s.ape_f32 = ape_f32;
+    s.cap = cap;
+    s.width = width;
+    s.ratio = ratio;
+    s.p0 = p0;
+    return s;
+}
+
+// Ring slot p % cap <- (kv, score + ape[p % ratio]), the whole block striding over the width.
+__device__ __forceinline__ void comp_store(const float* kv, const float* sc, const void* ape, int ape_f32, int p,
+                                           int ratio, int cap, int width, float* ring_kv, float* ring_sc) {
+    const size_t slot = (size_t)(p % cap) * width;
+    for (int i = 2 * threadIdx.x; i < width; i += 2 * blockDim.x) {
+        const float2 a = comp_ape(ape, ape_f32, (size_t)(p % ratio) * width + i);
+        const float2 s = *reinterpret_cast<const float2*>(sc + i);
+        *reinterpret_cast<float2*>(ring_kv + slot + i) = *reinterpret_cast<const float2*>(kv + i);
+        *reinterpret_cast<float2*>(ring_sc + slot + i) = make_float2(s.x + a.x, s.y + a.y);
+    }
+}
+
 // Pool group g, then RMSNorm, RoPE at g*ratio, quantise, and write rows[g]. Every thread of the block calls it.
 __device__ void comp_emit(const CompSource& src, int g, int overlap, const float* norm_w, const float* freqs,
                           float* rows, int rows_cap, int d, int rd, float eps, int rotate, int fake_quant,
@@ -160,26 +189,10 @@ extern "C" __global__ void compressor_decode(const float* kv_in, const float* sc
     pdl_wait();
     pdl_launch_dependents();
     const int pos = pos_slot[0], width = (1 + overlap) * d;
-    const size_t slot = (size_t)(pos % cap) * width;
-    for (int i = 2 * threadIdx.x; i < width; i += 2 * blockDim.x) {
-        const float2 a = comp_ape(ape, ape_f32, (size_t)(pos % ratio) * width + i);
-        const float2 s = *reinterpret_cast<const float2*>(sc_in + i);
-        *reinterpret_cast<float2*>(ring_kv + slot + i) = *reinterpret_cast<const float2*>(kv_in + i);
-        *reinterpret_cast<float2*>(ring_sc + slot + i) = make_float2(s.x + a.x, s.y + a.y);
-    }
+    comp_store(kv_in, sc_in, ape, ape_f32, pos, ratio, cap, width, ring_kv, ring_sc);
     if ((pos + 1) % ratio != 0) return;                  // block-uniform: the group is not complete yet
     __syncthreads();                                     // this position's slot is read by other threads
-    CompSource src;
-    src.ring_kv = ring_kv;
-    src.ring_sc = ring_sc;
-    src.chunk_kv = nullptr;
-    src.chunk_sc = nullptr;
-    src.ape = ape;
-    src.ape_f32 = ape_f32;
-    src.cap = cap;
-    src.width = width;
-    src.ratio = ratio;
-    src.p0 = pos;
+    const CompSource src = comp_source(ring_kv, ring_sc, nullptr, nullptr, ape, ape_f32, cap, width, ratio, pos);
     comp_emit(src, pos / ratio, overlap, norm_w, freqs, rows, rows_cap, d, rd, eps, rotate, fake_quant,
               round_f16);
 }
@@ -200,17 +213,8 @@ extern "C" __global__ void compressor_prefill_pool(const float* chunk_kv, const 
     const int p0 = pos_slot[0];
     const int g = p0 / ratio + (int)blockIdx.x;
     if (g >= (p0 + n_tok) / ratio) return;               // block-uniform
-    CompSource src;
-    src.ring_kv = ring_kv;
-    src.ring_sc = ring_sc;
-    src.chunk_kv = chunk_kv;
-    src.chunk_sc = chunk_sc;
-    src.ape = ape;
-    src.ape_f32 = ape_f32;
-    src.cap = cap;
-    src.width = (1 + overlap) * d;
-    src.ratio = ratio;
-    src.p0 = p0;
+    const CompSource src = comp_source(ring_kv, ring_sc, chunk_kv, chunk_sc, ape, ape_f32, cap, (1 + overlap) * d,
+                                       ratio, p0);
     comp_emit(src, g, overlap, norm_w, freqs, rows, rows_cap, d, rd, eps, rotate, fake_quant, round_f16);
 }
 
@@ -224,12 +228,6 @@ extern "C" __global__ void compressor_prefill_store(const float* chunk_kv, const
     pdl_launch_dependents();
     const int kept = min(n_tok, cap);
     const int j = n_tok - kept + (int)blockIdx.x;        // row in the chunk
-    const int p = pos_slot[0] + j;
-    const size_t so = (size_t)(p % cap) * width, co = (size_t)j * width;
-    for (int i = 2 * threadIdx.x; i < width; i += 2 * blockDim.x) {
-        const float2 a = comp_ape(ape, ape_f32, (size_t)(p % ratio) * width + i);
-        const float2 s = *reinterpret_cast<const float2*>(chunk_sc + co + i);
-        *reinterpret_cast<float2*>(ring_kv + so + i) = *reinterpret_cast<const float2*>(chunk_kv + co + i);
-        *reinterpret_cast<float2*>(ring_sc + so + i) = make_float2(s.x + a.x, s.y + a.y);
-    }
+    comp_store(chunk_kv + (size_t)j * width, chunk_sc + (size_t)j * width, ape, ape_f32, pos_slot[0] + j, ratio, cap,
+               width, ring_kv, ring_sc);
 }

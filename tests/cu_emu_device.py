@@ -11,30 +11,36 @@ from ds4py.cuda.emu_runtime import EmuRuntime
 from ds4py.cuda.memory import DeviceArray
 
 
-class EmuDevice:
-    def __init__(self, order: str = "forward", seed: int = 0, weights_mib: int = 32, scratch_mib: int = 32):
-        self.rt = EmuRuntime(order=order, seed=seed, check_pdl=True)   # no store / return before pdl_wait()
-        self.arena = self.rt.arena(weights_mib << 20, scratch_mib << 20)
+class KernelDevice:
+    """A runtime and one arena: const() uploads into the weights region, var() into scratch (None stays None)."""
+
+    def __init__(self, rt, weights_mib: int, scratch_mib: int):
+        self.rt = rt
+        self.arena = rt.arena(weights_mib << 20, scratch_mib << 20)
         self.arena.begin_step()
 
-    def const(self, a: np.ndarray | None) -> DeviceArray | None:
+    def _put(self, a: np.ndarray | None, weights: bool) -> DeviceArray | None:
         if a is None:
             return None
         a = np.ascontiguousarray(a)
-        d = self.arena.weights(a.shape, a.dtype)
+        d = self.arena.weights(a.shape, a.dtype) if weights else self.arena.scratch(a.shape, a.dtype)
         d.upload(a)
         return d
+
+    def const(self, a: np.ndarray | None) -> DeviceArray | None:
+        return self._put(a, True)
 
     def var(self, a: np.ndarray | None) -> DeviceArray | None:
-        if a is None:
-            return None
-        a = np.ascontiguousarray(a)
-        d = self.arena.scratch(a.shape, a.dtype)
-        d.upload(a)
-        return d
+        return self._put(a, False)
 
     def close(self) -> None:
+        self.rt.synchronize()
         self.arena.close()
+
+
+class EmuDevice(KernelDevice):
+    def __init__(self, order: str = "forward", seed: int = 0, weights_mib: int = 32, scratch_mib: int = 32):
+        super().__init__(EmuRuntime(order=order, seed=seed, check_pdl=True), weights_mib, scratch_mib)
 
 
 def devices():

@@ -28,6 +28,7 @@ from ds4py.cuda.twins import topk as twin_topk
 from ds4py.cuda.twins.core import assert_close_scaled
 from ds4py.ref import ops
 from ds4py.ref.forward import topk_mask
+from tests.cu_emu_device import KernelDevice
 from gpu_sizes import shrink
 from tests.test_cu_emu_attention import (test_attention_is_bit_identical_across_thread_orders,  # noqa: F401
                                    test_decode_attention, test_fp8_fake_quant_is_exact_on_the_grid, test_kv_store)
@@ -51,36 +52,6 @@ H, HD, RD, W, RING = 64, 512, 64, 128, 144          # V4 Flash attention
 IH, IHD, TOPK = 64, 128, 512                         # its indexer
 
 
-class GpuDevice:
-    """EmuDevice's interface on conftest's runtime (the GPU's, or EmuRuntime under DS4PY_GPU_TESTS_ON_EMULATOR):
-    const() into the weights region, var() into scratch."""
-
-    def __init__(self, rt, weights_mib: int = 256, scratch_mib: int = 256):
-        self.rt = rt
-        self.arena = rt.arena(max(weights_mib, 64) << 20, max(scratch_mib, 64) << 20)
-        self.arena.begin_step()
-
-    def const(self, a):
-        if a is None:
-            return None
-        a = np.ascontiguousarray(a)
-        d = self.arena.weights(a.shape, a.dtype)
-        d.upload(a)
-        return d
-
-    def var(self, a):
-        if a is None:
-            return None
-        a = np.ascontiguousarray(a)
-        d = self.arena.scratch(a.shape, a.dtype)
-        d.upload(a)
-        return d
-
-    def close(self) -> None:
-        self.rt.synchronize()
-        self.arena.close()
-
-
 @pytest.fixture
 def kdev(rt):
     """The emulator tests' device factory, on the GPU (thread order and seed do not apply to hardware)."""
@@ -89,7 +60,8 @@ def kdev(rt):
     def make(order: str = "forward", seed: int = 0, **kw):
         if order != "forward":
             pytest.skip("thread order is an emulator setting; the GPU runs each case once")
-        made.append(GpuDevice(rt, **kw))
+        kw = {"weights_mib": 256, "scratch_mib": 256, **kw}
+        made.append(KernelDevice(rt, max(kw["weights_mib"], 64), max(kw["scratch_mib"], 64)))
         return made[-1]
 
     yield make
