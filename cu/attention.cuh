@@ -38,25 +38,20 @@ __device__ __forceinline__ float ds4_round_e2m1(float y) {
     return copysignf(rintf(a * inv) * step, y);             // a / step and the product are exact
 }
 
-// FP8 fake-quant of one 64-dim block held as a pair per lane by a whole warp (all 32 lanes call it).
-__device__ __forceinline__ float2 ds4_fp8_block64(float2 v) {
+// Fake-quant of blocks held as a pair per lane, all 32 lanes calling: FP8 e4m3 over 64 dims (a whole warp, scale
+// 2^ceil(log2(amax/448)), amax >= 1e-4) or FP4 e2m1 over 32 dims (aligned groups of 16 lanes, 2^ceil(log2(amax/6))).
+template <bool FP8> __device__ __forceinline__ float2 ds4_fake_quant_block(float2 v) {
     float amax = fmaxf(fabsf(v.x), fabsf(v.y));
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(DS4_FULL_MASK, amax, o));
-    const float s = ds4_pow2_ceil(fmaxf(amax, DS4_FP8_AMAX_FLOOR) * (1.0f / 448.0f));
+    for (int o = FP8 ? 16 : 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(DS4_FULL_MASK, amax, o));
+    const float s = FP8 ? ds4_pow2_ceil(fmaxf(amax, DS4_FP8_AMAX_FLOOR) * (1.0f / 448.0f))
+                        : ds4_pow2_ceil(fmaxf(amax, DS4_FP4_AMAX_FLOOR) * (1.0f / 6.0f));
     const float inv = ds4_pow2_inv(s);
-    return make_float2(ds4_round_e4m3(v.x * inv) * s, ds4_round_e4m3(v.y * inv) * s);
-}
-
-// FP4 fake-quant of 32-dim blocks held as a pair per lane by aligned groups of 16 lanes (all 32 lanes call it).
-__device__ __forceinline__ float2 ds4_fp4_block32(float2 v) {
-    float amax = fmaxf(fabsf(v.x), fabsf(v.y));
-#pragma unroll
-    for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(DS4_FULL_MASK, amax, o));
-    const float s = ds4_pow2_ceil(fmaxf(amax, DS4_FP4_AMAX_FLOOR) * (1.0f / 6.0f));
-    const float inv = ds4_pow2_inv(s);
+    if (FP8) return make_float2(ds4_round_e4m3(v.x * inv) * s, ds4_round_e4m3(v.y * inv) * s);
     return make_float2(ds4_round_e2m1(v.x * inv) * s, ds4_round_e2m1(v.y * inv) * s);
 }
+__device__ __forceinline__ float2 ds4_fp8_block64(float2 v) { return ds4_fake_quant_block<true>(v); }
+__device__ __forceinline__ float2 ds4_fp4_block32(float2 v) { return ds4_fake_quant_block<false>(v); }
 
 // sin and cos of a float angle, accurate to about an ulp, without the local-memory slow path of sincosf
 // (Payne-Hanek, which gives every kernel a stack frame). The reduction x - k*pi/2 is a float Cody-Waite with three
