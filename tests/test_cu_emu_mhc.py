@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cu_fixtures import arena, put, requires_emulator, rng, rt  # noqa: F401 (fixtures)
+from cu_fixtures import arena, fresh_arena, put, putter, requires_emulator, rng, rt  # noqa: F401 (fixtures)
 from ds4py.cuda import ops, twins
 from ds4py.cuda.ops import mhc as om
 from ds4py.cuda.twins import mhc as tm
@@ -71,19 +71,12 @@ def test_mix_is_bit_identical_whichever_block_is_last(put):
     out = []
     for order, seed in [("forward", 0), ("reverse", 0), ("random", 1), ("random", 2)]:
         rt = EmuRuntime(order=order, seed=seed)
-        arena = rt.arena(4 << 20, 1 << 20)
-        arena.begin_step()
-
-        def put_here(h, weights=True):
-            d = arena.weights(h.shape, h.dtype) if weights else arena.scratch(h.shape, h.dtype)
-            d.upload(np.ascontiguousarray(h))
-            return d
-
-        mix, ticket = run_mix(rt, arena, put_here, X, fn, scale, base)
-        first = mix.download()
-        mix2, _ = run_mix(rt, arena, put_here, X, fn, scale, base, ticket=ticket)   # the same ticket again
-        assert mix2.download().tobytes() == first.tobytes()
-        out.append(first.tobytes())
+        with fresh_arena(rt, 4 << 20, 1 << 20) as arena:
+            mix, ticket = run_mix(rt, arena, putter(arena), X, fn, scale, base)
+            first = mix.download()
+            mix2, _ = run_mix(rt, arena, putter(arena), X, fn, scale, base, ticket=ticket)   # the same ticket again
+            assert mix2.download().tobytes() == first.tobytes()
+            out.append(first.tobytes())
     assert len(set(out)) == 1
 
 

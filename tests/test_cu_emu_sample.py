@@ -11,7 +11,7 @@ import math
 import numpy as np
 import pytest
 
-from cu_fixtures import arena, put, requires_emulator, rng, rt  # noqa: F401 (fixtures)
+from cu_fixtures import arena, fresh_arena, put, putter, requires_emulator, rng, rt  # noqa: F401 (fixtures)
 from ds4py.cuda import ops
 from ds4py.cuda.graph import StepGraph
 from ds4py.cuda.twins import sample as ts
@@ -115,17 +115,10 @@ def test_distribution_matches_the_cpu_sampler(prm):
     from ds4py.cuda.emu_runtime import EmuRuntime
 
     rt = EmuRuntime()
-    arena = rt.arena(1 << 20, 1 << 20)
-    arena.begin_step()
-
-    def put_here(h, weights=True):
-        d = arena.weights(h.shape, h.dtype) if weights else arena.scratch(h.shape, h.dtype)
-        d.upload(np.ascontiguousarray(h))
-        return d
-
     logits = np.array([2.0, 1.5, 1.4, 0.3, 0.0, -0.2, -1.0, 1.45, 0.9, -3.0, 0.5, 1.0], np.float32)
     N = 4000
-    toks, _ = run(rt, arena, put_here, logits, threads=32, rows=N, kept=False, seed=2024, **prm)
+    with fresh_arena(rt, 1 << 20, 1 << 20) as arena:
+        toks, _ = run(rt, arena, putter(arena), logits, threads=32, rows=N, kept=False, seed=2024, **prm)
     p = ts.distribution(logits, ts.params(**prm))
     counts = np.bincount(toks, minlength=len(logits))
     assert counts[p == 0].sum() == 0, f"drew outside the support: {counts} vs {p}"

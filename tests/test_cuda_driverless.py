@@ -208,10 +208,19 @@ def test_launch_with_and_without_pdl(rt, standin):
     assert (pdl.gridDimX, pdl.blockDimX) == (2, 256)      # 16 groups of 4 rows over 8 warps
 
 
-def test_launch_from_another_thread_binds_the_context_once(rt, standin):
-    """A context is current per thread: the engine worker thread must make it current before launching."""
+def context_sets_in_a_thread(rt, standin, work) -> list:
+    """The cuCtxSetCurrent calls made while `work` runs on a new thread."""
     import threading
 
+    before = standin.names().count("cuCtxSetCurrent")
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    return [args for n, args in standin.calls if n == "cuCtxSetCurrent"][before:]
+
+
+def test_launch_from_another_thread_binds_the_context_once(rt, standin):
+    """A context is current per thread: the engine worker thread must make it current before launching."""
     from ds4py.cuda import ops
     from ds4py.cuda.memory import Arena
 
@@ -227,10 +236,7 @@ def test_launch_from_another_thread_binds_the_context_once(rt, standin):
         ops.gemv_f16(rt, W, x, y, 64, 256)
         ops.gemv_f16(rt, W, x, y, 64, 256)
 
-    t = threading.Thread(target=worker)
-    t.start()
-    t.join()
-    sets = [args for n, args in standin.calls if n == "cuCtxSetCurrent"][before:]
+    sets = context_sets_in_a_thread(rt, standin, worker)
     assert len(sets) == 1 and sets[0][0] == rt.device.context
 
 
@@ -473,12 +479,9 @@ def test_a_driver_older_than_nvrtc_is_refused_in_one_sentence(standin, monkeypat
 
 
 def test_uploads_and_fork_join_bind_the_context_on_other_threads(rt, standin):
-    import threading
-
     arena = rt.arena(1 << 20, 1 << 20)
     arena.begin_step()
     x = arena.scratch(64, np.float32)
-    before = standin.names().count("cuCtxSetCurrent")
 
     def worker():
         x.upload(np.zeros(64, np.float32))
@@ -486,10 +489,7 @@ def test_uploads_and_fork_join_bind_the_context_on_other_threads(rt, standin):
         rt.fork()
         rt.join()
 
-    t = threading.Thread(target=worker)
-    t.start()
-    t.join()
-    sets = [args for n, args in standin.calls if n == "cuCtxSetCurrent"][before:]
+    sets = context_sets_in_a_thread(rt, standin, worker)
     assert len(sets) == 1 and sets[0][0] == rt.device.context
 
 

@@ -188,15 +188,19 @@ inline bool same_site(const Site& a, const Site& b) {
 // A thread that blocks hands over straight to the next ready thread of this round (in the round's order) -
 // one switch instead of two through the scheduler - or, at the end of the round, to the scheduler.
 inline void pdl_before_switch(const Fiber& f);
+// Make g (at position k of the round) the running thread; the caller then switches into it.
+inline void make_current(Fiber& g, int k) {
+    L.pos = k;
+    L.ran = 1;
+    pdl_before_switch(g);
+    L.cur = &g;
+    threadIdx = g.tid;
+}
 inline void yield_to_scheduler(Fiber* f) {
     for (int k = L.pos + 1; k < L.nthreads; k++) {
         Fiber& g = L.fibers[L.order[k]];
         if (g.state != READY) continue;
-        L.pos = k;
-        L.ran = 1;
-        pdl_before_switch(g);
-        L.cur = &g;
-        threadIdx = g.tid;
+        make_current(g, k);
         ctx_switch(&f->ctx, &g.ctx);
         return;
     }
@@ -629,11 +633,7 @@ inline bool run_block(uint3 b, int order) {
         for (int k = 0; k < n; k++) {
             Fiber& f = L.fibers[idx[k]];
             if (f.state != READY) continue;
-            L.pos = k;
-            L.ran = 1;
-            pdl_before_switch(f);
-            L.cur = &f;
-            threadIdx = f.tid;
+            make_current(f, k);
             L.in_fiber = 1;
             ctx_switch(&L.sched, &f.ctx);
             L.in_fiber = 0;

@@ -41,7 +41,7 @@ from ds4py.cuda import emu
 from ds4py.cuda.args import KernelArgumentError, check_args, pack_raw
 from ds4py.cuda.compiler import CU_DIR, file_options, kernel_sources
 from ds4py.cuda.launch import check_geometry
-from ds4py.cuda.memory import Arena, ArenaError, DeviceArray, plan_chunks
+from ds4py.cuda.memory import Arena, ArenaError, DeviceArray, Uploader, plan_chunks
 from ds4py.cuda.signature import Param, parse_kernels
 from ds4py.errors import Ds4Error
 
@@ -252,28 +252,18 @@ class EmuTimer:
         pass
 
 
-class EmuUploader:
+class EmuUploader(Uploader):
     """WeightUploader's interface: copies straight from the (memory-mapped) source into the emulated memory."""
 
     def __init__(self, rt: "EmuRuntime", chunk_bytes: int = 64 << 20):
         self.rt, self.chunk_bytes = rt, chunk_bytes
 
     def upload(self, src: np.ndarray, dst: DeviceArray | int, progress: bool = True, label: str = "weights") -> float:
-        raw = np.asarray(src).reshape(-1).view(np.uint8)
-        dst_ptr = dst.ptr if isinstance(dst, DeviceArray) else int(dst)
-        if isinstance(dst, DeviceArray) and dst.nbytes < raw.nbytes:
-            raise ArenaError(f"{label}: {raw.nbytes} bytes do not fit the {dst.nbytes}-byte device buffer")
+        raw, dst_ptr = self.target(src, dst, label)
         t0 = time.perf_counter()
         for off, n in plan_chunks(raw.nbytes, self.chunk_bytes):
             self.rt.memory.upload(dst_ptr + off, np.ascontiguousarray(raw[off: off + n]))
         return raw.nbytes / 1e9 / max(time.perf_counter() - t0, 1e-9)
-
-    def upload_file(self, path: str, offset: int, nbytes: int, dst: DeviceArray | int, progress: bool = True) -> float:
-        mm = np.memmap(path, dtype=np.uint8, mode="r", offset=offset, shape=(nbytes,))
-        try:
-            return self.upload(mm, dst, progress=progress, label=path)
-        finally:
-            del mm
 
     def close(self) -> None:
         pass

@@ -313,7 +313,30 @@ def plan_chunks(total: int, chunk: int) -> Iterator[tuple[int, int]]:
         yield off, min(chunk, total - off)
 
 
-class WeightUploader:
+class Uploader:
+    """What every uploader shares: the source/target checks and uploads from a file through a memory map."""
+
+    def upload(self, src: np.ndarray, dst: DeviceArray | int, progress: bool = True, label: str = "weights") -> float:
+        raise NotImplementedError
+
+    @staticmethod
+    def target(src: np.ndarray, dst: DeviceArray | int, label: str) -> tuple[np.ndarray, int]:
+        """(the source's raw bytes, the destination address); a source larger than the array is refused."""
+        raw = np.asarray(src).reshape(-1).view(np.uint8)
+        if isinstance(dst, DeviceArray) and dst.nbytes < raw.nbytes:
+            raise ArenaError(f"{label}: {raw.nbytes} bytes do not fit the {dst.nbytes}-byte device buffer")
+        return raw, dst.ptr if isinstance(dst, DeviceArray) else int(dst)
+
+    def upload_file(self, path: str, offset: int, nbytes: int, dst: DeviceArray | int, progress: bool = True) -> float:
+        """Upload bytes [offset, offset + nbytes) of a file, read through a read-only memory map."""
+        mm = np.memmap(path, dtype=np.uint8, mode="r", offset=offset, shape=(nbytes,))
+        try:
+            return self.upload(mm, dst, progress=progress, label=path)
+        finally:
+            del mm
+
+
+class WeightUploader(Uploader):
     """Streams bytes (e.g. an np.memmap of the GGUF's tensor data) to the device on a copy stream through two
     pinned chunks: the host fills one while the DMA engine drains the other, so pinned memory stays at
     2 x chunk_bytes whatever the model size."""
@@ -329,10 +352,7 @@ class WeightUploader:
     def upload(self, src: np.ndarray, dst: DeviceArray | int, progress: bool = True, label: str = "weights") -> float:
         """Copy all of `src` (any array; its raw bytes) to dst. Returns GB/s. Blocks until the copy is done."""
         self.bind()
-        raw = np.asarray(src).reshape(-1).view(np.uint8)
-        dst_ptr = dst.ptr if isinstance(dst, DeviceArray) else int(dst)
-        if isinstance(dst, DeviceArray) and dst.nbytes < raw.nbytes:
-            raise ArenaError(f"{label}: {raw.nbytes} bytes do not fit the {dst.nbytes}-byte device buffer")
+        raw, dst_ptr = self.target(src, dst, label)
         pending = [False, False]
         t0 = last = time.perf_counter()
         total = raw.nbytes
@@ -356,14 +376,6 @@ class WeightUploader:
         if progress and total:
             print(file=sys.stderr)
         return total / 1e9 / max(secs, 1e-9)
-
-    def upload_file(self, path: str, offset: int, nbytes: int, dst: DeviceArray | int, progress: bool = True) -> float:
-        """Upload bytes [offset, offset + nbytes) of a file, read through a read-only memory map."""
-        mm = np.memmap(path, dtype=np.uint8, mode="r", offset=offset, shape=(nbytes,))
-        try:
-            return self.upload(mm, dst, progress=progress, label=path)
-        finally:
-            del mm
 
     def close(self) -> None:
         for b in self.buffers:

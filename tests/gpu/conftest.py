@@ -6,9 +6,9 @@ real V4 Flash sizes down and tests marked real_size are skipped."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
+from cu_fixtures import fresh_arena, putter
 from gpu_sizes import ON_EMULATOR
 
 from ds4py.errors import CudaUnavailableError
@@ -48,24 +48,14 @@ def rt():
 
 @pytest.fixture
 def arena(rt):
-    a = rt.arena(weights_bytes=512 << 20, scratch_bytes=64 << 20)
-    a.begin_step()
-    yield a
-    rt.synchronize()
-    a.close()
+    with fresh_arena(rt, 512 << 20, 64 << 20) as a:
+        yield a
 
 
 @pytest.fixture
 def put(arena):
     """put(host, weights=True): upload a host array into the arena (weights region, or scratch)."""
-
-    def _put(host: np.ndarray, weights: bool = True):
-        host = np.ascontiguousarray(host)
-        d = arena.weights(host.shape, host.dtype) if weights else arena.scratch(host.shape, host.dtype)
-        d.upload(host)
-        return d
-
-    return _put
+    return putter(arena)
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,7 @@ from ds4py.cuda.ops.argmax import argmax_parts
 from ds4py.cuda.twins import gemv as tg
 from ds4py.cuda.twins import mhc as tm
 from ds4py.cuda.twins import sample as ts
+from cu_fixtures import fresh_arena
 from gpu_sizes import shrink
 from test_cu_emu_embed import (test_argmax, test_embed, test_rmsnorm, test_rmsnorm_in_place,  # noqa: F401
                                test_wrapper_checks as test_embed_wrapper_checks)
@@ -44,11 +45,8 @@ def q8_random(r: np.random.Generator, rows: int, cols: int) -> np.ndarray:
 
 @pytest.fixture
 def big(rt):
-    a = rt.arena(weights_bytes=1200 << 20, scratch_bytes=32 << 20)
-    a.begin_step()
-    yield a
-    rt.synchronize()
-    a.close()
+    with fresh_arena(rt, 1200 << 20, 32 << 20) as a:
+        yield a
 
 
 @pytest.mark.parametrize("name,rows,cols,groups", REAL)
