@@ -73,6 +73,7 @@ done_step cpu_tests "${PIPESTATUS[0]}"
 step "decode-kernel bandwidth at the V4 Flash shapes"
 timeout 150 $PY bench/gemv_bandwidth.py --json "$RES/gemv_bandwidth.json" 2>&1 | tee "$RES/gemv_bandwidth.txt"
 done_step bandwidth "${PIPESTATUS[0]}"
+step "attention / MoE kernels at V4 Flash shapes"; timeout 60 $PY bench/attn_moe_bandwidth.py --json "$RES/attn_moe_bandwidth.json" 2>&1 | tee "$RES/attn_moe_bandwidth.txt"; done_step attn_moe "${PIPESTATUS[0]}"
 
 step "summary"
 grep -E "^(device|copy)" "$RES/gemv_bandwidth.txt" 2>/dev/null

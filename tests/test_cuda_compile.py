@@ -242,6 +242,7 @@ def test_driver_too_old_for_nvrtc_is_one_sentence():
 
 def _functions(text: str) -> dict[str, str]:
     """name -> body of every function defined in a (comment-free) source."""
+    text = re.sub(r"__launch_bounds__\s*\([^)]*\)", " ", text)     # not a function: `(...) void name(...) {`
     out = {}
     for m in re.finditer(r"([A-Za-z_]\w*)\s*\([^;{}]*\)\s*(?:const\s*)?\{", text):
         depth, i = 1, m.end()
