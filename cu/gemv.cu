@@ -1,52 +1,253 @@
-// Decode GEMV: y[r] = sum_c W[r, c] * x[c] for one activation vector, fp32 accumulate.
-// Memory-bound: each weight byte is read once, with 16-byte loads coalesced across the warp and several loads
-// in flight per lane; x (a few KB) stays in L1/L2. One warp owns one row at a time, so no shared-memory
-// reduction is needed for F16 and the row loop works for any grid (persistent or one-block-per-few-rows).
+// Decode GEMV: y[r] = sum_c W[r, c] * x[c] for one activation vector, weights straight from the GGUF (F32, F16,
+// Q8_0), fp32 activations and fp32 accumulation. Memory-bound: every weight byte is read once.
+//
+// Shape of the work. A warp computes GEMV_ROWS (4) rows at a time - "slots" - so each x value it loads serves 4
+// rows (x traffic through L1 is a quarter of the weight traffic instead of several times it). Warps take
+// row groups grid-stride, so any grid covers every row once. Lanes stride the columns with 16-byte loads.
+//
+// Reduction order. A row's sum depends only on `cols`: every lane accumulates its columns in increasing order
+// and warp_sum4 adds the 32 lane partials with a fixed tree; a row's slot is its index mod 4. So the result is
+// bit-identical run to run and whatever the grid, the block size, the other matrices in the launch or how many
+// rows a launch covers (batch invariance).
+//
+// Q8_0 (34-byte blocks: f16 scale d, 32 int8 q; rows only 2-byte aligned): each warp streams its slots' row
+// pieces (Q8_CHUNK_BLOCKS blocks = 1024 columns each) into shared memory with 16-byte cp.async, double-buffered:
+// the next piece is in flight while the current one is decoded, and the first is issued before pdl_wait()
+// (weights are never written by the kernel before this one). int8 -> float uses a byte permute into the
+// mantissa of 2^23 and one exact subtraction (full-rate integer and fp32 ops) instead of I2F, which runs at a
+// quarter of the fp32 rate and would cap the kernel below the memory roofline.
+//
+// Variants (the same body; see ops/gemv.py): plain (up to 4 matrices sharing x, each with its own y: q_a + kv),
+// optional RMSNorm prologue on x (flags & GEMV_NORM; scale applied to each row's sum), optional accumulate
+// (flags & GEMV_ADD: y += W x), input groups (x_group_rows > 0: rows [g*x_group_rows, ...) read
+// x + g*cols; the grouped wo_a), an hc_post epilogue (X'_k = post_k * y + sum_j C[j,k] X_j in place) and a
+// SwiGLU epilogue (out = silu(min(g, c)) * clamp(u, -c, c) of two matrices: the shared expert's gate and up).
 #include <cuda_fp16.h>
 #include "types.cuh"
 #include "portable.cuh"
 #include "reduce.cuh"
 
-// F16 weights [rows, cols] row-major. Needs cols % 8 == 0 and W, x 16-byte aligned (the arena gives 256).
-// Launch: block (32*warps, a multiple of 32), grid (any; ceil(rows / warps) covers every row once).
-// Warp w of block b takes rows b*warps + w, stepping gridDim.x*warps.
-extern "C" __global__ void gemv_f16(const __half* W, const float* x, float* y, int rows, int cols) {
-    pdl_wait();
-    pdl_launch_dependents();
-    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-    const int nvec = cols >> 3;                       // 8 halves per 16-byte load
-    const float4* x4 = reinterpret_cast<const float4*>(x);
-    for (int row = blockIdx.x * warps + (threadIdx.x >> 5); row < rows; row += gridDim.x * warps) {
-        const uint4* w4 = reinterpret_cast<const uint4*>(W + (size_t)row * cols);
-        float acc = 0.0f;
-#pragma unroll 4
-        for (int v = lane; v < nvec; v += 32) {
-            const uint4 p = w4[v];
-            const __half* h = reinterpret_cast<const __half*>(&p);
-            const float4 xa = x4[2 * v], xb = x4[2 * v + 1];
-            acc += __half2float(h[0]) * xa.x + __half2float(h[1]) * xa.y
-                 + __half2float(h[2]) * xa.z + __half2float(h[3]) * xa.w
-                 + __half2float(h[4]) * xb.x + __half2float(h[5]) * xb.y
-                 + __half2float(h[6]) * xb.z + __half2float(h[7]) * xb.w;
+#ifndef GEMV_ROWS
+#error "GEMV_ROWS comes from ds4py/cuda/ops/gemv.py (DEFINES)"
+#endif
+#ifndef Q8_CHUNK_BLOCKS
+#error "Q8_CHUNK_BLOCKS comes from ds4py/cuda/ops/gemv.py (DEFINES)"
+#endif
+#ifndef DS4_HC
+#error "DS4_HC comes from ds4py/cuda/compiler.py (model defines)"
+#endif
+static_assert(GEMV_ROWS == 4, "warp_sum4 reduces exactly 4 slots");
+static_assert(Q8_CHUNK_BLOCKS % 4 == 0, "4 Q8_0 blocks are decoded side by side");
+
+#define Q8_BLOCK_BYTES 34
+#define Q8_PIECE_BYTES (Q8_CHUNK_BLOCKS * Q8_BLOCK_BYTES + 16)    // + room to keep the source's 16-byte phase
+#define Q8_WARP_SMEM (2 * GEMV_ROWS * Q8_PIECE_BYTES)             // two buffers of GEMV_ROWS pieces
+
+#define GEMV_NORM 1
+#define GEMV_ADD 2
+#define EPI_STORE 0
+#define EPI_HC_POST 1
+#define EPI_SWIGLU 2
+#define MAX_MATS 4
+
+struct GemvJob {
+    const void* W[MAX_MATS];
+    float* y[MAX_MATS];
+    int rows[MAX_MATS];
+    int nmat;
+    const float* x;
+    int cols, x_group_rows;
+    const float* norm_w;
+    float norm_eps;
+    int flags, epi;
+    const float* mix;          // hc_post: [pre(hc), post(hc), comb(hc*hc)]
+    float* hc_x;               // hc_post: X [hc, rows], updated in place
+    float clamp;               // swiglu
+};
+
+// The job's arrays are only ever indexed with constants or through sel4, so they stay in registers (a runtime
+// index into a local array would put it in local memory).
+template <class T> __device__ __forceinline__ T sel4(int m, T a, T b, T c, T d) {
+    return m == 0 ? a : m == 1 ? b : m == 2 ? c : d;
+}
+#define JOB_W(j, m) sel4((m), (j).W[0], (j).W[1], (j).W[2], (j).W[3])
+#define JOB_Y(j, m) sel4((m), (j).y[0], (j).y[1], (j).y[2], (j).y[3])
+
+// Row groups: matrix m has ceil(rows_m / 4) groups (SwiGLU: ceil(rows / 2) groups of 2 gate + 2 up rows).
+__device__ __forceinline__ int group_count(const GemvJob& j) {
+    if (j.epi == EPI_SWIGLU) return (j.rows[0] + 1) >> 1;
+    int n = 0;
+#pragma unroll
+    for (int m = 0; m < MAX_MATS; m++)
+        if (m < j.nmat) n += (j.rows[m] + GEMV_ROWS - 1) / GEMV_ROWS;
+    return n;
+}
+
+// Slot s of group g: which matrix and row (row < 0: no such row, the slot idles).
+__device__ __forceinline__ void slot_row(const GemvJob& j, int g, int s, int& m, int& row) {
+    if (j.epi == EPI_SWIGLU) {
+        m = s >> 1;
+        row = 2 * g + (s & 1);
+        if (row >= j.rows[0]) row = -1;
+        return;
+    }
+    m = 0;
+    int first = 0, rows = j.rows[0];
+    bool found = false;
+#pragma unroll
+    for (int mm = 0; mm < MAX_MATS; mm++) {
+        if (!found && mm < j.nmat) {
+            const int gm = (j.rows[mm] + GEMV_ROWS - 1) / GEMV_ROWS;
+            if (g < first + gm || mm == j.nmat - 1) {
+                m = mm;
+                rows = j.rows[mm];
+                found = true;
+            } else {
+                first += gm;
+            }
         }
-        acc = warp_sum(acc);
-        if (lane == 0) y[row] = acc;
+    }
+    row = (g - first) * GEMV_ROWS + s;
+    if (row >= rows) row = -1;
+}
+
+__device__ __forceinline__ const float* slot_x(const GemvJob& j, int row) {
+    return j.x_group_rows > 0 ? j.x + (size_t)(row / j.x_group_rows) * j.cols : j.x;
+}
+
+// RMSNorm scale of x, computed by each warp on its own (fixed order, so it is the same in every warp and block).
+__device__ __forceinline__ float warp_norm_scale(const GemvJob& j) {
+    const int lane = threadIdx.x & 31;
+    const float4* x4 = reinterpret_cast<const float4*>(j.x);
+    float ss = 0.0f;
+    for (int v = lane; v < (j.cols >> 2); v += 32) {
+        const float4 a = x4[v];
+        ss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
+    }
+    ss = warp_sum(ss);
+    return rsqrtf(ss / (float)j.cols + j.norm_eps);
+}
+
+__device__ __forceinline__ float silu_f(float v) { return v / (1.0f + expf(-v)); }
+
+// The 4 slot sums are in lanes 0, 8, 16, 24 (warp_sum4); lane 8*s finishes slot s.
+__device__ __forceinline__ void epilogue(const GemvJob& j, int g, float t, float scale) {
+    const int lane = threadIdx.x & 31;
+    t *= scale;
+    if (j.epi == EPI_SWIGLU) {
+        const float u = __shfl_down_sync(DS4_FULL_MASK, t, 16);    // up rows are slots 2, 3
+        if (lane == 0 || lane == 8) {
+            int m, row;
+            slot_row(j, g, lane >> 3, m, row);
+            if (row >= 0) {
+                float gv = t, uv = u;
+                if (j.clamp > 0.0f) {
+                    gv = fminf(gv, j.clamp);
+                    uv = fminf(fmaxf(uv, -j.clamp), j.clamp);
+                }
+                j.y[0][row] = silu_f(gv) * uv;
+            }
+        }
+        return;
+    }
+    if (lane & 7) return;
+    int m, row;
+    slot_row(j, g, lane >> 3, m, row);
+    if (row < 0) return;
+    if (j.epi == EPI_HC_POST) {
+        const int D = j.rows[0];
+        float xj[DS4_HC];
+#pragma unroll
+        for (int a = 0; a < DS4_HC; a++) xj[a] = j.hc_x[(size_t)a * D + row];
+#pragma unroll
+        for (int k = 0; k < DS4_HC; k++) {
+            float s = j.mix[2 * DS4_HC + k] * xj[0];                 // sum_j C[j, k] X_j, j ascending
+#pragma unroll
+            for (int a = 1; a < DS4_HC; a++) s += j.mix[2 * DS4_HC + a * DS4_HC + k] * xj[a];
+            j.hc_x[(size_t)k * D + row] = j.mix[DS4_HC + k] * t + s;
+        }
+        return;
+    }
+    float* y = JOB_Y(j, m) + row;
+    *y = (j.flags & GEMV_ADD) ? *y + t : t;
+}
+
+// ---- F32 / F16: direct 16-byte loads -----------------------------------------------------------------------
+// x[8v .. 8v+8) (times the norm weight when there is one).
+__device__ __forceinline__ void load_x8(const GemvJob& j, const float* x, int v, bool weighted, float xs[8]) {
+    const float4* x4 = reinterpret_cast<const float4*>(x);
+    const float4 a = x4[2 * v], b = x4[2 * v + 1];
+    xs[0] = a.x; xs[1] = a.y; xs[2] = a.z; xs[3] = a.w; xs[4] = b.x; xs[5] = b.y; xs[6] = b.z; xs[7] = b.w;
+    if (weighted) {
+        const float4* w4 = reinterpret_cast<const float4*>(j.norm_w);
+        const float4 c = w4[2 * v], d = w4[2 * v + 1];
+        xs[0] *= c.x; xs[1] *= c.y; xs[2] *= c.z; xs[3] *= c.w; xs[4] *= d.x; xs[5] *= d.y; xs[6] *= d.z; xs[7] *= d.w;
     }
 }
 
-// Q8_0: each row is cols/32 blocks of 34 bytes (f16 scale d, then 32 int8 q); value = d * q.
-// A block is 34 bytes, so rows are only 2-byte aligned and the quants cannot be read with 16-byte loads in place.
-// Each warp therefore stages a chunk of its row into shared memory with 16-byte async copies (the unaligned head
-// and tail bytes one by one), then decodes from shared memory: 8 lanes per block, 4 quants per lane, 4 blocks per step.
-#define Q8_BLOCK_BYTES 34
-#define Q8_CHUNK_BLOCKS 128                                    // 4352 bytes: a whole row of a 4096-wide matrix
-#define Q8_STAGE_BYTES (Q8_CHUNK_BLOCKS * Q8_BLOCK_BYTES + 16)  // + room to keep the source's 16-byte phase
+// sum_i W[8v + i] * xs[i], i ascending: one 16-byte load of halves, or two of floats.
+__device__ __forceinline__ float dot8(const __half* row, int v, const float* xs) {
+    const uint4 p = reinterpret_cast<const uint4*>(row)[v];
+    const __half2* h = reinterpret_cast<const __half2*>(&p);
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const float2 f = __half22float2(h[i]);
+        s += f.x * xs[2 * i];
+        s += f.y * xs[2 * i + 1];
+    }
+    return s;
+}
 
+__device__ __forceinline__ float dot8(const float* row, int v, const float* xs) {
+    const float4 a = reinterpret_cast<const float4*>(row)[2 * v], b = reinterpret_cast<const float4*>(row)[2 * v + 1];
+    float s = a.x * xs[0];
+    s += a.y * xs[1]; s += a.z * xs[2]; s += a.w * xs[3];
+    s += b.x * xs[4]; s += b.y * xs[5]; s += b.z * xs[6]; s += b.w * xs[7];
+    return s;
+}
+
+// T = __half or float; 8 columns per lane step.
+template <class T>
+__device__ __forceinline__ void gemv_direct(const GemvJob& j) {
+    pdl_wait();
+    pdl_launch_dependents();
+    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    const int gwarp = blockIdx.x * warps + (threadIdx.x >> 5), nwarps = gridDim.x * warps;
+    const float scale = (j.flags & GEMV_NORM) ? warp_norm_scale(j) : 1.0f;
+    const bool weighted = (j.flags & GEMV_NORM) && j.norm_w;
+    const int nvec = j.cols >> 3;
+    const int groups = group_count(j);
+    for (int g = gwarp; g < groups; g += nwarps) {
+        const T* wr[GEMV_ROWS];
+        float acc[GEMV_ROWS];
+        int m0 = 0, row0 = 0;
+        slot_row(j, g, 0, m0, row0);
+        const float* xr = slot_x(j, row0);
+#pragma unroll
+        for (int s = 0; s < GEMV_ROWS; s++) {
+            int m, row;
+            slot_row(j, g, s, m, row);
+            wr[s] = row >= 0 ? reinterpret_cast<const T*>(JOB_W(j, m)) + (size_t)row * j.cols : nullptr;
+            acc[s] = 0.0f;
+        }
+#pragma unroll 2
+        for (int v = lane; v < nvec; v += 32) {
+            float xs[8];
+            load_x8(j, xr, v, weighted, xs);
+#pragma unroll
+            for (int s = 0; s < GEMV_ROWS; s++)
+                if (wr[s]) acc[s] += dot8(wr[s], v, xs);
+        }
+        epilogue(j, g, warp_sum4(acc), scale);
+    }
+}
+
+// ---- Q8_0: staged through shared memory ---------------------------------------------------------------------
 // Start copying n bytes from global src into shared dst + (src % 16), so 16-byte aligned words stay 16-byte
-// aligned. The aligned words go by cp.async (global -> shared without registers, many in flight, L1 bypassed);
-// the unaligned head and tail bytes by plain loads. Returns where the copy starts in dst. The whole warp calls
-// it, then warp_stage_wait() before reading the stage.
-__device__ __forceinline__ const uint8_t* warp_stage_issue(uint8_t* dst, const uint8_t* src, int n, int lane) {
+// aligned: aligned words by cp.async (no registers, L1 bypassed), the unaligned head and tail bytes by plain
+// loads. Returns the offset in dst where the bytes start. The whole warp calls it.
+__device__ __forceinline__ int warp_stage_issue(uint8_t* dst, const uint8_t* src, int n, int lane) {
     const int phase = (int)(reinterpret_cast<size_t>(src) & 15);
     int head = phase ? 16 - phase : 0;
     if (head > n) head = n;
@@ -54,57 +255,200 @@ __device__ __forceinline__ const uint8_t* warp_stage_issue(uint8_t* dst, const u
     uint8_t* out = dst + phase;
     const uint8_t* s16 = src + head;
     uint8_t* d16 = out + head;
-#pragma unroll 4
     for (int i = lane; i < words; i += 32) cp_async_16(d16 + 16 * i, s16 + 16 * i);
-    cp_async_commit();
     for (int i = lane; i < head; i += 32) out[i] = src[i];
     for (int i = head + words * 16 + lane; i < n; i += 32) out[i] = src[i];
-    return out;
+    return phase;
 }
 
-__device__ __forceinline__ void warp_stage_wait() {
-    cp_async_wait_all();
-    __syncwarp();
+// 4 int8 (as 4 bytes of w) -> 4 exact floats: the biased byte becomes the low mantissa of 2^23.
+__device__ __forceinline__ void q8x4_to_float(unsigned w, float q[4]) {
+    const unsigned u = w ^ 0x80808080u;
+    q[0] = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7650)) - 8388736.0f;
+    q[1] = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7651)) - 8388736.0f;
+    q[2] = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7652)) - 8388736.0f;
+    q[3] = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7653)) - 8388736.0f;
 }
 
-// Q8_0 weights [rows, cols] (cols % 32 == 0), x 16-byte aligned. W must not be written by the kernel before this
-// one in the stream: its first chunk is fetched before pdl_wait(), overlapping that kernel's tail under PDL.
-// Launch: block (32*warps), dynamic shared memory warps * Q8_STAGE_BYTES (4368 B per warp), grid (any; ceil(rows /
-// warps) covers every row once). Warp w of block b takes rows b*warps + w, stepping gridDim.x*warps.
-extern "C" __global__ void gemv_q8_0(const uint8_t* W, const float* x, float* y, int rows, int cols) {
+struct Q8Item {               // one piece of work: chunk c of group g
+    int g, c;
+};
+
+__device__ __forceinline__ bool q8_next(int nchunks, int groups, int nwarps, Q8Item& it) {
+    if (++it.c < nchunks) return true;
+    it.c = 0;
+    it.g += nwarps;
+    return it.g < groups;
+}
+
+// Where slot s of an item starts in global memory (null: the slot has no row).
+__device__ __forceinline__ const uint8_t* q8_src(const GemvJob& j, const Q8Item& it, int s, int nblocks) {
+    int m, row;
+    slot_row(j, it.g, s, m, row);
+    if (row < 0) return nullptr;
+    return reinterpret_cast<const uint8_t*>(JOB_W(j, m)) + (size_t)row * nblocks * Q8_BLOCK_BYTES +
+           (size_t)it.c * Q8_CHUNK_BLOCKS * Q8_BLOCK_BYTES;
+}
+
+// Issue the copies of one item into buffer `buf` (slot s's bytes start at its piece + (src % 16)).
+__device__ __forceinline__ void q8_issue(const GemvJob& j, uint8_t* stage, int buf, const Q8Item& it, int nblocks,
+                                         int lane) {
+    const int nb = min(Q8_CHUNK_BLOCKS, nblocks - it.c * Q8_CHUNK_BLOCKS);
+#pragma unroll
+    for (int s = 0; s < GEMV_ROWS; s++) {
+        const uint8_t* src = q8_src(j, it, s, nblocks);
+        if (src) warp_stage_issue(stage + (buf * GEMV_ROWS + s) * Q8_PIECE_BYTES, src, nb * Q8_BLOCK_BYTES, lane);
+    }
+    cp_async_commit();
+}
+
+// Q8_0 weights [rows, cols] (cols % 32 == 0), x 16-byte aligned, W 2-byte aligned.
+__device__ __forceinline__ void gemv_q8(const GemvJob& j) {
     extern __shared__ __align__(16) uint8_t q8_stage[];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    const int nblocks = cols >> 5;
-    const size_t row_bytes = (size_t)nblocks * Q8_BLOCK_BYTES;
-    uint8_t* stage = q8_stage + warp * Q8_STAGE_BYTES;
-    const int first_row = blockIdx.x * warps + warp;
-    bool prefetched = first_row < rows;
-    const uint8_t* s = prefetched
-        ? warp_stage_issue(stage, W + (size_t)first_row * row_bytes, min(Q8_CHUNK_BLOCKS, nblocks) * Q8_BLOCK_BYTES,
-                           lane)
-        : stage;
+    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    const int gwarp = blockIdx.x * warps + (threadIdx.x >> 5), nwarps = gridDim.x * warps;
+    uint8_t* stage = q8_stage + (threadIdx.x >> 5) * Q8_WARP_SMEM;
+    const int nblocks = j.cols >> 5;
+    const int nchunks = (nblocks + Q8_CHUNK_BLOCKS - 1) / Q8_CHUNK_BLOCKS;
+    const int groups = group_count(j);
+    Q8Item cur{gwarp, 0};
+    const bool any = cur.g < groups;
+    if (any) q8_issue(j, stage, 0, cur, nblocks, lane);    // before pdl_wait: weights only
     pdl_wait();                                        // from here on x (the previous kernel's output) is ready
     pdl_launch_dependents();
-    const float4* x4 = reinterpret_cast<const float4*>(x);
+    const float scale = (j.flags & GEMV_NORM) ? warp_norm_scale(j) : 1.0f;
+    const bool weighted = (j.flags & GEMV_NORM) && j.norm_w;
     const int sub = lane & 7;                          // which 4 quants of a block this lane takes
-    for (int row = first_row; row < rows; row += gridDim.x * warps) {
-        const uint8_t* wr = W + (size_t)row * row_bytes;
-        float acc = 0.0f;
-        for (int b0 = 0; b0 < nblocks; b0 += Q8_CHUNK_BLOCKS) {
-            const int nb = min(Q8_CHUNK_BLOCKS, nblocks - b0);
-            if (!prefetched) s = warp_stage_issue(stage, wr + (size_t)b0 * Q8_BLOCK_BYTES, nb * Q8_BLOCK_BYTES, lane);
-            prefetched = false;
-            warp_stage_wait();
-            for (int b = lane >> 3; b < nb; b += 4) {
-                const uint8_t* blk = s + b * Q8_BLOCK_BYTES;
-                const float d = __half2float(*reinterpret_cast<const __half*>(blk));
-                const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2 + 4 * sub);
-                const float4 xv = x4[(b0 + b) * 8 + sub];
-                acc += d * ((float)q[0] * xv.x + (float)q[1] * xv.y + (float)q[2] * xv.z + (float)q[3] * xv.w);
-            }
-            __syncwarp();                              // all lanes done reading before the next chunk lands
+    float acc[GEMV_ROWS] = {0.0f, 0.0f, 0.0f, 0.0f};
+    int buf = 0;
+    bool more = any;
+    while (more) {
+        Q8Item nxt = cur;
+        more = q8_next(nchunks, groups, nwarps, nxt);
+        if (more) {
+            q8_issue(j, stage, buf ^ 1, nxt, nblocks, lane);
+            cp_async_wait<1>();                        // this item's copies have landed, the next one's fly
+        } else {
+            cp_async_wait_all();
         }
-        acc = warp_sum(acc);
-        if (lane == 0) y[row] = acc;
+        __syncwarp();
+        int m0, row0;
+        slot_row(j, cur.g, 0, m0, row0);
+        const float* xr = slot_x(j, row0 >= 0 ? row0 : 0);
+        const int b0 = cur.c * Q8_CHUNK_BLOCKS;
+        const int nb = min(Q8_CHUNK_BLOCKS, nblocks - b0);
+        const float4* x4 = reinterpret_cast<const float4*>(xr);
+        const float4* w4 = reinterpret_cast<const float4*>(j.norm_w);
+        const uint8_t* piece[GEMV_ROWS];
+#pragma unroll
+        for (int s = 0; s < GEMV_ROWS; s++) {
+            const uint8_t* src = q8_src(j, cur, s, nblocks);
+            piece[s] = src ? stage + (buf * GEMV_ROWS + s) * Q8_PIECE_BYTES + ((size_t)src & 15) : nullptr;
+        }
+        for (int b = lane >> 3; b < nb; b += 4) {
+            float4 xv = x4[(b0 + b) * 8 + sub];
+            if (weighted) {
+                const float4 nw = w4[(b0 + b) * 8 + sub];
+                xv.x *= nw.x; xv.y *= nw.y; xv.z *= nw.z; xv.w *= nw.w;
+            }
+#pragma unroll
+            for (int s = 0; s < GEMV_ROWS; s++) {
+                if (!piece[s]) continue;
+                const uint8_t* blk = piece[s] + b * Q8_BLOCK_BYTES;
+                const float d = __half2float(*reinterpret_cast<const __half*>(blk));
+                const uint16_t* q16 = reinterpret_cast<const uint16_t*>(blk + 2 + 4 * sub);
+                float q[4];
+                q8x4_to_float((unsigned)q16[0] | ((unsigned)q16[1] << 16), q);
+                acc[s] += d * (q[0] * xv.x + q[1] * xv.y + q[2] * xv.z + q[3] * xv.w);
+            }
+        }
+        __syncwarp();                                  // all lanes done reading before the buffer is refilled
+        if (cur.c == nchunks - 1) {
+            epilogue(j, cur.g, warp_sum4(acc), scale);
+#pragma unroll
+            for (int s = 0; s < GEMV_ROWS; s++) acc[s] = 0.0f;
+        }
+        cur = nxt;
+        buf ^= 1;
     }
+}
+
+// ---- entry points ----------------------------------------------------------------------------------------------
+#define GEMV_JOB(W0, W1, W2, W3, r0, r1, r2, r3, y0, y1, y2, y3)                                                     \
+    GemvJob j;                                                                                                     \
+    j.W[0] = W0; j.W[1] = W1; j.W[2] = W2; j.W[3] = W3;                                                            \
+    j.rows[0] = r0; j.rows[1] = r1; j.rows[2] = r2; j.rows[3] = r3;                                                \
+    j.y[0] = y0; j.y[1] = y1; j.y[2] = y2; j.y[3] = y3;                                                            \
+    j.nmat = W3 ? 4 : W2 ? 3 : W1 ? 2 : 1;                                                                          \
+    j.x = x; j.cols = cols; j.x_group_rows = x_group_rows; j.norm_w = norm_w; j.norm_eps = norm_eps;             \
+    j.flags = flags; j.epi = EPI_STORE; j.mix = nullptr; j.hc_x = nullptr; j.clamp = 0.0f;
+
+// Plain: y_m = W_m x (+= with GEMV_ADD) for up to 4 matrices W_m [rows_m, cols] sharing x (unused W_m null).
+// Launch: block (32*warps), grid (any; ops/gemv.py picks min(groups / warps, what fits the SMs)), dynamic shared
+// memory warps * Q8_WARP_SMEM for Q8_0 (8832 B per warp), 0 otherwise. F16 / F32: cols % 8 == 0, W and x
+// 16-byte aligned. Q8_0: cols % 32 == 0, W 2-byte aligned. x_group_rows: a multiple of 4, or 0.
+extern "C" __global__ void gemv_q8_0(const uint8_t* W0, const uint8_t* W1, const uint8_t* W2, const uint8_t* W3,
+                                     int rows0, int rows1, int rows2, int rows3, float* y0, float* y1, float* y2,
+                                     float* y3, const float* x, int cols, int x_group_rows, const float* norm_w,
+                                     float norm_eps, int flags) {
+    GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3)
+    gemv_q8(j);
+}
+
+// Same as gemv_q8_0, F16 weights. Launch: as gemv_q8_0 without dynamic shared memory.
+extern "C" __global__ void gemv_f16(const __half* W0, const __half* W1, const __half* W2, const __half* W3,
+                                    int rows0, int rows1, int rows2, int rows3, float* y0, float* y1, float* y2,
+                                    float* y3, const float* x, int cols, int x_group_rows, const float* norm_w,
+                                    float norm_eps, int flags) {
+    GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3)
+    gemv_direct<__half>(j);
+}
+
+// Same as gemv_q8_0, F32 weights. Launch: as gemv_q8_0 without dynamic shared memory.
+extern "C" __global__ void gemv_f32(const float* W0, const float* W1, const float* W2, const float* W3,
+                                    int rows0, int rows1, int rows2, int rows3, float* y0, float* y1, float* y2,
+                                    float* y3, const float* x, int cols, int x_group_rows, const float* norm_w,
+                                    float norm_eps, int flags) {
+    GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3)
+    gemv_direct<float>(j);
+}
+
+// hc_post epilogue: f = W x (W [D, cols]), then X'_k[r] = post_k f[r] + sum_j C[j,k] X_j[r] in place, with
+// mix = [pre, post, comb] of this sub-layer (hc_mix_*) and X [DS4_HC, D]. Launch: as gemv_q8_0.
+#define GEMV_HC_POST_BODY                                                                                          \
+    GEMV_JOB(W, nullptr, nullptr, nullptr, rows, 0, 0, 0, nullptr, nullptr, nullptr, nullptr)                     \
+    j.epi = EPI_HC_POST; j.mix = mix; j.hc_x = X;
+extern "C" __global__ void gemv_q8_0_hc_post(const uint8_t* W, int rows, const float* x, int cols, int x_group_rows,
+                                             const float* norm_w, float norm_eps, int flags, const float* mix,
+                                             float* X) {
+    GEMV_HC_POST_BODY
+    gemv_q8(j);
+}
+
+// As gemv_q8_0_hc_post, F16 weights. Launch: as gemv_f16.
+extern "C" __global__ void gemv_f16_hc_post(const __half* W, int rows, const float* x, int cols, int x_group_rows,
+                                            const float* norm_w, float norm_eps, int flags, const float* mix,
+                                            float* X) {
+    GEMV_HC_POST_BODY
+    gemv_direct<__half>(j);
+}
+
+// SwiGLU epilogue: y[r] = silu(min(g[r], c)) * clamp(u[r], -c, c) with g = Wg x, u = Wu x (both [rows, cols]);
+// clamp <= 0 turns the clamp off. Launch: as gemv_q8_0.
+#define GEMV_SWIGLU_BODY                                                                                           \
+    const int x_group_rows = 0;                                                                                   \
+    GEMV_JOB(Wg, Wu, nullptr, nullptr, rows, rows, 0, 0, y, nullptr, nullptr, nullptr)                            \
+    j.epi = EPI_SWIGLU; j.clamp = clamp;
+extern "C" __global__ void gemv_q8_0_swiglu(const uint8_t* Wg, const uint8_t* Wu, int rows, float* y,
+                                            const float* x, int cols, const float* norm_w, float norm_eps,
+                                            int flags, float clamp) {
+    GEMV_SWIGLU_BODY
+    gemv_q8(j);
+}
+
+// As gemv_q8_0_swiglu, F16 weights. Launch: as gemv_f16.
+extern "C" __global__ void gemv_f16_swiglu(const __half* Wg, const __half* Wu, int rows, float* y, const float* x,
+                                           int cols, const float* norm_w, float norm_eps, int flags, float clamp) {
+    GEMV_SWIGLU_BODY
+    gemv_direct<__half>(j);
 }

@@ -22,10 +22,13 @@
 
 // ---------------------------------------------------------------------------------------------------------------
 // Programmatic dependent launch. pdl_wait: block until the previous grid in the stream has finished (or called
-// pdl_launch_dependents); every kernel calls it before reading its predecessor's output.
-// The emulator runs launches one after another, so both are no-ops there.
+// pdl_launch_dependents); every kernel calls it before reading its predecessor's output, and stores nothing to
+// global memory and does not return before it. The emulator runs launches one after another; there pdl_wait
+// only marks the thread as having waited, which its pdl check enforces (EmuRuntime(check_pdl=True)).
 __device__ __forceinline__ void pdl_wait() {
-#if !defined(DS4_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if defined(DS4_EMU)
+    ::__emu::pdl_mark();
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }

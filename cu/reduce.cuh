@@ -52,3 +52,48 @@ __device__ __forceinline__ void block_argmax(float& v, int& i, float* pv, int* p
     else { v = -__int_as_float(0x7f800000); i = 0x7fffffff; }   // -inf, beaten by any real entry
     warp_argmax(v, i);
 }
+
+// Four sums at once across the warp, transposed so that it takes 6 shuffles instead of 20: lane l contributes
+// v[0..3]; afterwards lane 8*s holds the total of slot s (s = 0..3), and every lane l holds the total of slot
+// (l >> 3) & 3. The tree is fixed, so each slot's sum is bit-identical from run to run.
+__device__ __forceinline__ float warp_sum4(const float v[4]) {
+    const int lane = threadIdx.x & 31;
+    const bool hi16 = lane & 16, hi8 = lane & 8;
+    // lanes 0-15 keep slots 0,1 and receive them from lanes 16-31, which keep slots 2,3
+    const float s0 = __shfl_xor_sync(DS4_FULL_MASK, hi16 ? v[0] : v[2], 16);
+    const float s1 = __shfl_xor_sync(DS4_FULL_MASK, hi16 ? v[1] : v[3], 16);
+    const float k0 = (hi16 ? v[2] : v[0]) + s0;
+    const float k1 = (hi16 ? v[3] : v[1]) + s1;
+    // within each half, lanes 0-7 keep the first of the two, lanes 8-15 the second
+    const float s = __shfl_xor_sync(DS4_FULL_MASK, hi8 ? k0 : k1, 8);
+    float t = (hi8 ? k1 : k0) + s;
+    t += __shfl_xor_sync(DS4_FULL_MASK, t, 4);
+    t += __shfl_xor_sync(DS4_FULL_MASK, t, 2);
+    t += __shfl_xor_sync(DS4_FULL_MASK, t, 1);
+    return t;
+}
+
+// Block-wide exclusive scan from the top thread down (a suffix sum): returns the sum of v over threads with a
+// larger index; `total` gets the sum over all. blockDim.x a multiple of 32; `part` a __shared__ T[32] of the
+// caller. Integer T (counts, fixed-point masses): exact, and independent of the order of the threads.
+template <class T>
+__device__ __forceinline__ T block_suffix_exclusive(T v, T* part, T& total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    T incl = v;                                  // inclusive suffix within the warp: lanes >= this one
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const T u = __shfl_down_sync(DS4_FULL_MASK, incl, o);
+        if (lane + o < 32) incl += u;
+    }
+    __syncthreads();                             // part[] may still be read by a previous call
+    if (lane == 0) part[warp] = incl;            // the warp's total
+    __syncthreads();
+    T above = 0, all = 0;
+    for (int w = 0; w < nwarps; w++) {
+        const T pw = part[w];
+        all += pw;
+        if (w > warp) above += pw;
+    }
+    total = all;
+    return above + incl - v;
+}

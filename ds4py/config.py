@@ -8,6 +8,7 @@ and the 43-layer V4 Flash file go through the same code. See MODEL.md §1 and §
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from dataclasses import fields as dataclass_fields
 from functools import cached_property
@@ -54,6 +55,73 @@ class LayerRoles:
     index_ratio: int
     index_overlap: int
     hash_routing: bool           # experts from tid2eid[token] instead of biased top-k
+
+
+# The JSON-like kind of every `deepseek4.*` value read (GGUF stores a type per value; a file with a string where
+# a count belongs, or ratios as strings, is refused by name instead of failing inside int()).
+META_KINDS = {
+    "block_count": "int", "embedding_length": "int", "vocab_size": "int", "context_length": "int",
+    "attention.head_count": "int", "attention.head_count_kv": "int", "attention.key_length": "int",
+    "attention.value_length": "int", "rope.dimension_count": "int", "attention.q_lora_rank": "int",
+    "attention.output_lora_rank": "int", "attention.output_group_count": "int", "attention.sliding_window": "int",
+    "attention.layer_norm_rms_epsilon": "float", "attention.compress_ratios": "ints",
+    "rope.freq_base": "float", "attention.compress_rope_freq_base": "float", "rope.scaling.factor": "float",
+    "rope.scaling.original_context_length": "int", "rope.scaling.yarn_beta_fast": "float",
+    "rope.scaling.yarn_beta_slow": "float", "attention.indexer.head_count": "int",
+    "attention.indexer.key_length": "int", "attention.indexer.top_k": "int", "expert_count": "int",
+    "expert_used_count": "int", "expert_feed_forward_length": "int", "expert_shared_count": "int",
+    "expert_weights_scale": "float", "expert_weights_norm": "bool", "hash_layer_count": "int",
+    "swiglu_clamp_exp": "floats", "hyper_connection.count": "int", "hyper_connection.sinkhorn_iterations": "int",
+    "hyper_connection.epsilon": "float",
+}
+_KIND_NAMES = {"int": "an integer", "float": "a number", "bool": "a boolean", "ints": "an array of integers",
+               "floats": "an array of numbers"}
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+
+_KIND_CHECKS = {"int": _is_int, "float": _is_num, "bool": lambda v: isinstance(v, bool),
+                "ints": lambda v: isinstance(v, list) and all(_is_int(x) for x in v),
+                "floats": lambda v: isinstance(v, list) and all(_is_num(x) for x in v)}
+
+
+def _describe(v: Any) -> str:
+    kind = "a string" if isinstance(v, str) else "an array" if isinstance(v, list) else \
+        "a boolean" if isinstance(v, bool) else "a non-finite number" if isinstance(v, float) else type(v).__name__
+    text = repr(v)
+    return f"{kind} ({text[:40] + '...' if len(text) > 40 else text})"
+
+
+def check_metadata_types(f) -> None:
+    """ConfigError naming the first `deepseek4.*` (or token id) metadata value of the wrong type."""
+    keys = {f"{ARCH}.{k}": kind for k, kind in META_KINDS.items()}
+    keys.update({"tokenizer.ggml.bos_token_id": "int", "tokenizer.ggml.eos_token_id": "int"})
+    for key, kind in keys.items():
+        v = f.meta(key, None)
+        if v is not None and not _KIND_CHECKS[kind](v):
+            raise ConfigError(f"{f.path}: metadata {key} is {_describe(v)}, expected {_KIND_NAMES[kind]}")
+
+
+# Plausible ranges (generous: the tiny test models and the 43-layer V4 Flash sit well inside). Values outside
+# are corrupt metadata: they would divide by zero, allocate absurd states, or poison every activation.
+SIZE_LIMITS = {
+    "n_layers": (1, 1024), "dim": (1, 1 << 17), "vocab_size": (2, 1 << 24), "context_length": (2, (1 << 31) - 1),
+    "n_heads": (1, 4096), "head_dim": (1, 1 << 14), "rope_dim": (2, 1 << 14), "q_lora_rank": (1, 1 << 17),
+    "o_lora_rank": (1, 1 << 17), "o_groups": (1, 4096), "window": (1, 1 << 20), "rope_orig_ctx": (1, (1 << 31) - 1),
+    "index_heads": (1, 4096), "index_head_dim": (1, 1 << 14), "index_topk": (1, 1 << 20), "n_experts": (1, 1 << 16),
+    "n_experts_used": (1, 1 << 16), "expert_ff": (1, 1 << 18), "n_shared_experts": (0, 64), "hash_layers": (0, 1024),
+    "hc_mult": (1, 64), "sinkhorn_iters": (1, 1000),
+}
+FLOAT_LIMITS = {
+    "norm_eps": (1e-12, 1e-2), "hc_eps": (1e-12, 1e-2), "rope_base": (1.0, 1e12), "compress_rope_base": (1.0, 1e12),
+    "rope_factor": (1.0, 1e6), "beta_fast": (0.0, 1e6), "beta_slow": (0.0, 1e6), "route_scale": (1e-6, 1e6),
+}
 
 
 @dataclass(frozen=True)
@@ -215,6 +283,8 @@ class ModelConfig:
             except GGUFError as e:
                 raise ConfigError(f"{f.path}: metadata key '{ARCH}.{key}' is missing") from e
 
+        check_metadata_types(f)
+
         n_layers = int(m("block_count"))
         ratios = tuple(int(r) for r in m("attention.compress_ratios"))
         clamp = m("swiglu_clamp_exp", None)
@@ -262,12 +332,32 @@ class ModelConfig:
         cfg.check_metadata(f.path)
         if validate:
             cfg.check_tensors(f)
+            if hasattr(f, "tensors"):          # a real file (stand-ins in tests carry metadata only)
+                from ds4py.validate import check_weights
+
+                check_weights(f)
         return cfg
 
     # ---- validation ----------------------------------------------------------------------------------
     def check_metadata(self, path: str = "model") -> None:
         def bad(msg: str) -> None:
             raise ConfigError(f"{path}: {msg}")
+
+        # ranges first: everything below divides by or allocates from these values
+        for name, (lo, hi) in SIZE_LIMITS.items():
+            v = getattr(self, name)
+            if not lo <= v <= hi:
+                bad(f"{name.replace('_', ' ')} is {v}, outside the plausible range {lo}..{hi} (corrupt metadata?)")
+        for name, (lo, hi) in FLOAT_LIMITS.items():
+            v = getattr(self, name)
+            if not (math.isfinite(v) and lo <= v <= hi):
+                bad(f"{name.replace('_', ' ')} is {v}, outside the plausible range {lo:g}..{hi:g} (corrupt metadata?)")
+        if not all(math.isfinite(c) and 0 < c <= 1e4 for c in self.swiglu_clamp):
+            bad(f"swiglu_clamp_exp {list(self.swiglu_clamp)} has a value that is not a finite positive number")
+        if not (0 <= self.bos_id < self.vocab_size and 0 <= self.eos_id < self.vocab_size):
+            bad(f"BOS / EOS token ids {self.bos_id} / {self.eos_id} are outside the vocabulary (0..{self.vocab_size - 1})")
+        if self.window > self.context_length:
+            bad(f"attention.sliding_window {self.window} exceeds context_length {self.context_length}")
 
         if self.extra.get("head_count_kv", 1) != 1:
             bad(f"attention.head_count_kv is {self.extra['head_count_kv']}, expected 1 (one shared K=V head)")
@@ -306,5 +396,10 @@ class ModelConfig:
 
     def check_tensors(self, f) -> None:
         """Raise GGUFError naming the first tensor that is missing or has the wrong shape / type."""
+        from ds4py.quant import vq
+
         for name, (shape, types) in self.expected_tensors().items():
-            f.tensor(name, types=types, shape=shape)
+            if name.endswith("_exps.weight") and vq.is_vq(f, name):     # VQ-8 routed experts (docs/vq.md)
+                vq.check_expert(f, name, shape)
+            else:
+                f.tensor(name, types=types, shape=shape)

@@ -14,10 +14,13 @@ Types written (`dense` = the FP8 linears' mode; F16/F32 "slots" are the tensors 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import signal
 import struct
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -25,7 +28,7 @@ from typing import Any, Callable
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from ds4py import quant, schema
+from ds4py import checksum, quant, schema
 from ds4py.config import ModelConfig
 from ds4py.errors import Ds4Error
 from ds4py.quant import official
@@ -76,13 +79,56 @@ def check_shape(s: ModelConfig) -> None:
         raise ConvertError(f"config: n_heads {s.n_heads} is not a multiple of o_groups {s.o_groups}")
 
 
+def _read_json(path: str, what: str) -> dict:
+    """A JSON object file (config.json, the shard index); anything else is one ConvertError naming it."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            v = json.load(fh)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConvertError(f"{path}: {what} is not valid JSON ({e})") from None
+    if not isinstance(v, dict):
+        raise ConvertError(f"{path}: {what} must be a JSON object, not {type(v).__name__}")
+    return v
+
+
+def _official_kinds() -> dict[str, str]:
+    """Official config.json key -> the kind of value it holds (ModelConfig's field type for the keys it maps)."""
+    ann = {f.name: str(f.type) for f in dataclasses.fields(ModelConfig)}
+    kinds = {k: "list[int]" if ann[v].startswith("tuple") else ann[v] for k, v in OFFICIAL_FIELDS.items()}
+    return kinds | {"swiglu_limit": "float", "n_mtp_layers": "int"}
+
+
+def _check_config_types(c: dict[str, Any]) -> None:
+    """Each field config.json sets must have its field's kind: an integer where a count belongs (not
+    "256" or 256.5), a number for ratios and epsilons, a list of integers for compress_ratios."""
+    for name, kind in _official_kinds().items():
+        if name not in c:
+            continue
+        v = c[name]
+        ok = {"int": isinstance(v, int) and not isinstance(v, bool),
+              "float": isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf"),
+              "list[int]": isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)}
+        if not ok.get(kind, True):
+            want = {"int": "an integer", "float": "a number", "list[int]": "a list of integers"}[kind]
+            raise ConvertError(f"config.json: {name!r} is {json.dumps(v)[:40]}, expected {want}")
+        if kind in ("int", "float"):
+            positive = name not in ("n_hash_layers", "n_mtp_layers", "beta_fast", "beta_slow")
+            if v < 0 or (positive and v == 0):
+                raise ConvertError(f"config.json: {name!r} is {v}, expected a {'positive' if positive else 'non-negative'}"
+                                   f" number")
+
+
 def shape_from_config(cfg: dict[str, Any]) -> ModelConfig:
     """An official config.json -> the ModelConfig the GGUF will describe (V4 Flash defaults for absent keys)."""
+    if not isinstance(cfg, dict):
+        raise ConvertError(f"config.json must be a JSON object, not {type(cfg).__name__}")
     for k in V41_KEYS:
         if k in cfg:
             raise ConvertError(f"config.json has {k!r}: this is a V4.1 checkpoint, which is not supported (V4 Flash only)")
     c = {CONFIG_ALIASES.get(k, k): v for k, v in cfg.items()}
     rs = c.get("rope_scaling") or {}
+    if not isinstance(rs, dict):
+        raise ConvertError("config.json: 'rope_scaling' must be an object")
     for src, dst in (("factor", "rope_factor"), ("original_max_position_embeddings", "original_seq_len"),
                      ("beta_fast", "beta_fast"), ("beta_slow", "beta_slow")):
         if src in rs and dst not in c:
@@ -90,6 +136,7 @@ def shape_from_config(cfg: dict[str, Any]) -> ModelConfig:
     missing = [k for k in ("n_layers", "dim", "vocab_size", "n_heads") if k not in c]
     if missing:
         raise ConvertError(f"config.json lacks {', '.join(missing)}")
+    _check_config_types(c)
     if not c.get("compress_ratios"):
         raise ConvertError("config.json lacks compress_ratios")
     fields = {OFFICIAL_FIELDS[k]: v for k, v in c.items() if k in OFFICIAL_FIELDS}
@@ -214,8 +261,9 @@ class Checkpoint:
         self.src = src
         index = os.path.join(src, "model.safetensors.index.json")
         if os.path.isfile(index):
-            with open(index) as fh:
-                weight_map = json.load(fh)["weight_map"]
+            weight_map = _read_json(index, "the shard index").get("weight_map")
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise ConvertError(f"{index}: the shard index has no 'weight_map' object of tensor name -> file name")
             files = sorted(set(weight_map.values()))
         else:
             files = sorted(f for f in os.listdir(src) if f.endswith(".safetensors"))
@@ -361,6 +409,7 @@ def write_gguf(out: str, name: str, meta: list[tuple[str, str, Any]], tok: Token
 
     out, tmp = output_paths(out)
     w = gguf.GGUFWriter(tmp, ARCH)
+    restore_sigterm = _sigterm_raises()
     try:
         w.add_name(name)
         for key, typ, val in meta:
@@ -385,6 +434,9 @@ def write_gguf(out: str, name: str, meta: list[tuple[str, str, Any]], tok: Token
             w.add_bos_token_id(tok.bos)
             w.add_eos_token_id(tok.eos)
             w.add_add_bos_token(False)
+        w.add_array(checksum.KEY, [checksum.PLACEHOLDER] * len(tensors))     # patched once the data is written
+        w.add_string(checksum.META_KEY, checksum.PLACEHOLDER)
+        digests = []
         for t in tensors:
             w.add_tensor_info(t.name, t.shape, np.dtype(np.int32 if t.qtype == QT.I32 else np.float32), t.nbytes,
                               raw_dtype=t.qtype)
@@ -397,6 +449,7 @@ def write_gguf(out: str, name: str, meta: list[tuple[str, str, Any]], tok: Token
             data = np.ascontiguousarray(t.make())
             if data.nbytes != t.nbytes:
                 raise AssertionError(f"{t.name}: built {data.nbytes} bytes, planned {t.nbytes}")
+            digests.append(checksum.digest_of(t.name, t.qtype, t.shape, data))
             w.write_tensor_data(data)
             done += t.nbytes
             if progress:
@@ -406,6 +459,7 @@ def write_gguf(out: str, name: str, meta: list[tuple[str, str, Any]], tok: Token
             if after_tensor is not None:
                 after_tensor()
         w.close()
+        checksum.patch(tmp, digests)
         os.replace(tmp, out)
     except BaseException as e:
         w.close()
@@ -414,6 +468,20 @@ def write_gguf(out: str, name: str, meta: list[tuple[str, str, Any]], tok: Token
         if isinstance(e, OSError):           # disk full, unwritable folder, I/O error: one line, not a trace
             raise ConvertError(f"{out}: {e.strerror or e}{f' ({e.filename})' if e.filename else ''}") from e
         raise
+    finally:
+        restore_sigterm()
+
+
+def _sigterm_raises() -> Callable[[], None]:
+    """While a GGUF is written, SIGTERM (kill, a service manager, a CI timeout) raises SystemExit as Ctrl-C raises
+    KeyboardInterrupt, so the temporary file is removed on the way out. Returns what restores the old handler."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None                     # handlers can only be set from the main thread
+
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+    prev = signal.signal(signal.SIGTERM, handler)
+    return lambda: signal.signal(signal.SIGTERM, prev if prev is not None else signal.SIG_DFL)
 
 
 def output_paths(out: str) -> tuple[str, str]:
@@ -581,8 +649,7 @@ def convert_checkpoint(src: str, out: str, experts: str = "mxfp4", dense: str = 
     cfg_path = os.path.join(src, "config.json")
     if not os.path.isfile(cfg_path):
         raise ConvertError(f"{src}: config.json is missing")
-    with open(cfg_path) as fh:
-        shape = shape_from_config(json.load(fh))
+    shape = shape_from_config(_read_json(cfg_path, "config.json"))
     ck = Checkpoint(src)
     if any(".engram." in n or n.startswith("dspark") for n in ck.entries):
         raise ConvertError(f"{src}: Engram / DSpark tensors found: this is a V4.1 checkpoint, which is not supported")

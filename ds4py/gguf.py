@@ -23,6 +23,9 @@ from ds4py.errors import GGUFError
 SUPPORTED_VERSIONS = (2, 3)
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
+MAX_DIMS = 4                      # GGML_MAX_DIMS
+_MIN_KV_BYTES = 8 + 4             # key length + value type (and at least one value byte, not counted)
+_MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8    # name length, n_dims, type, offset
 
 # GGUF metadata value types -> struct format
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -66,6 +69,10 @@ class _Header:
             return self.string()
         if vtype == _ARRAY:
             etype, count = self.unpack("<I"), self.unpack("<Q")
+            least = struct.calcsize(_SCALARS[etype]) if etype in _SCALARS else 8 if etype == _STRING else 12
+            if count * least > len(self.buf) - self.pos:      # checked before reading a single element
+                raise GGUFError(f"{self.path}: truncated or corrupt GGUF header (an array of {count} elements runs "
+                                f"past the end of the file)")
             if etype in _SCALARS:
                 fmt = _SCALARS[etype]
                 n = struct.calcsize(fmt) * count
@@ -119,39 +126,70 @@ class GGUFFile:
         h = _Header(self._map, self.path)
         h.pos = 8
         n_tensors, n_kv = h.unpack("<Q"), h.unpack("<Q")
+        if n_kv * _MIN_KV_BYTES + n_tensors * _MIN_TENSOR_INFO_BYTES > self.file_size:
+            raise GGUFError(f"{self.path}: corrupt or truncated GGUF header ({n_tensors} tensors and {n_kv} metadata "
+                            f"entries cannot fit in {self.file_size} bytes)")
         self._meta: dict[str, Any] = {}
+        self.kv_spans: dict[str, tuple[int, int]] = {}     # key -> (start, end) bytes of its entry (checksums)
         for _ in range(n_kv):
+            start = h.pos
             key = h.string()
+            if key in self._meta:
+                raise GGUFError(f"{self.path}: corrupt GGUF header (metadata key {key!r} appears twice)")
             self._meta[key] = h.value(h.unpack("<I"))
+            self.kv_spans[key] = (start, h.pos)
         infos = []
         for _ in range(n_tensors):
             name = h.string()
-            ne = [h.unpack("<Q") for _ in range(h.unpack("<I"))]
+            n_dims = h.unpack("<I")
+            if n_dims > MAX_DIMS:
+                raise GGUFError(f"{self.path}: tensor {name!r} has {n_dims} dimensions (GGUF allows at most {MAX_DIMS}):"
+                                f" the header is corrupt")
+            ne = [h.unpack("<Q") for _ in range(n_dims)]
             infos.append((name, ne, h.unpack("<I"), h.unpack("<Q")))
-        align = int(self._meta.get("general.alignment", DEFAULT_ALIGNMENT))
+        align = self._meta.get("general.alignment", DEFAULT_ALIGNMENT)
+        if isinstance(align, bool) or not isinstance(align, int) or align < 1 or align & (align - 1):
+            raise GGUFError(f"{self.path}: general.alignment is {align!r}; it must be a power of two (GGUF default "
+                            f"{DEFAULT_ALIGNMENT})")
         data_start = (h.pos + align - 1) // align * align
         self._tensors: dict[str, TensorInfo] = {}
+        spans = []
         for name, ne, tcode, rel in infos:
+            if name in self._tensors:
+                raise GGUFError(f"{self.path}: corrupt GGUF header (tensor {name!r} appears twice)")
             try:
                 qtype = GGMLQuantizationType(tcode)
-            except ValueError:
+                block, bsize = GGML_QUANT_SIZES[qtype]
+            except (ValueError, KeyError):
                 raise GGUFError(f"{self.path}: tensor {name!r} has unknown ggml type {tcode}") from None
             shape = tuple(int(x) for x in reversed(ne)) or (1,)
-            block, bsize = GGML_QUANT_SIZES[qtype]
             if shape[-1] % block:
                 raise GGUFError(f"{self.path}: tensor {name!r} row length {shape[-1]} is not a multiple of the "
                                 f"{qtype.name} block size {block}")
-            nbytes = int(np.prod(shape[:-1], dtype=np.int64)) * (shape[-1] // block * bsize)
+            nbytes = 1                              # Python ints: an absurd dimension cannot overflow
+            for d in shape[:-1]:
+                nbytes *= d
+            nbytes *= shape[-1] // block * bsize
+            if rel % align:
+                raise GGUFError(f"{self.path}: tensor {name!r} starts at data offset {rel}, which is not a multiple of "
+                                f"the alignment {align}: the header is corrupt")
             off = data_start + int(rel)
             if off + nbytes > self.file_size:
-                raise GGUFError(f"{self.path}: truncated: tensor {name!r} ends at byte {off + nbytes} "
-                                f"but the file has {self.file_size}")
+                raise GGUFError(f"{self.path}: truncated or corrupt: tensor {name!r} {list(shape)} ({qtype.name}) "
+                                f"ends at byte {off + nbytes} but the file has {self.file_size}")
+            spans.append((off, off + nbytes, name))
             flat = self._map[off:off + nbytes]
             if qtype in _TYPED:
                 raw = flat.view(_TYPED[qtype]).reshape(shape)
             else:
                 raw = flat.reshape(*(shape[:-1] or (1,)), -1)
             self._tensors[name] = TensorInfo(name, qtype, shape, raw, off, nbytes)
+        end, last = 0, None                      # two tensors never share bytes
+        for b0, b1, b in sorted(s for s in spans if s[1] > s[0]):
+            if b0 < end:
+                raise GGUFError(f"{self.path}: tensors {last!r} and {b!r} overlap (bytes {b0}..{min(end, b1)}): the "
+                                f"header is corrupt")
+            end, last = b1, b
 
     # ---- metadata -------------------------------------------------------------------------------------
     def keys(self) -> list[str]:

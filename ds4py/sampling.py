@@ -12,12 +12,16 @@ on ratios to the maximum, which renormalising does not change); top-p measures m
 after top-p only removes tokens, so the order matters only between top-k and top-p. The most probable token
 always survives, so the kept set is never empty.
 
-temperature == 0 (or top_k == 1) is greedy: argmax, lowest id on ties, and the generator is not consumed.
+temperature == 0 (or top_k == 1) is greedy: argmax, lowest id on ties, and the generator is not consumed. So is
+a temperature too small to divide by (below the smallest normal double, e.g. 1e-320: 1/T overflows); any other
+tiny temperature is applied as given, with the maximum subtracted before dividing, so the distribution stays
+finite (it collapses onto the maximum). A distribution that is not finite is never sampled from: that raises.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -72,7 +76,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        # below the smallest normal double, 1/temperature overflows: nothing but the maximum can be sampled
+        return self.temperature < sys.float_info.min or self.top_k == 1
 
 
 def _number(name: str, v: object) -> float:
@@ -91,8 +96,11 @@ def _integer(name: str, v: object) -> int:
 
 
 def softmax(logits: np.ndarray, temperature: float = 1.0) -> np.ndarray:
-    z = np.asarray(logits, dtype=np.float64) / temperature
-    z = z - z.max()
+    # max first, then divide: (l - max) / T is <= 0 and only underflows (to -inf, probability 0) for tiny T,
+    # where l / T - max / T would overflow and give inf - inf = NaN
+    z = np.asarray(logits, dtype=np.float64)
+    with np.errstate(over="ignore"):
+        z = (z - z.max()) / temperature
     p = np.exp(z)
     return p / p.sum()
 
@@ -166,6 +174,10 @@ class Sampler:
         if self.params.greedy:
             return int(np.argmax(_check_logits(logits)))
         probs = self.distribution(logits)
+        total = probs.sum()
+        if not (np.isfinite(total) and total > 0) or not np.isfinite(probs).all():
+            raise ValueError(f"the sampling distribution is not finite (temperature {self.params.temperature!r}); "
+                             "refusing to sample from it")
         # Inverse CDF with one uniform draw: one generator step per token, robust to rounding in the sum.
         cdf = np.cumsum(probs)
         i = int(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"))
@@ -175,10 +187,15 @@ class Sampler:
         return i
 
 
+class InvalidLogits(ValueError):
+    """The backend produced logits that are no distribution (NaN, +inf, all -inf): a model problem, never the
+    request's (the server reports it on /health)."""
+
+
 def _check_logits(logits: np.ndarray) -> np.ndarray:
     logits = np.asarray(logits)
     if logits.ndim != 1 or logits.shape[0] == 0:
         raise ValueError(f"logits must be a non-empty 1-D vector, got shape {logits.shape}")
     if not np.isfinite(logits.max()):  # max propagates NaN; +inf or all -inf is no distribution either
-        raise ValueError("logits contain NaN/inf or are all -inf (the backend produced invalid numbers)")
+        raise InvalidLogits("logits contain NaN/inf or are all -inf (the backend produced invalid numbers)")
     return logits

@@ -26,6 +26,7 @@ Not thread-safe: one generate() at a time per session (the server serialises req
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Literal, Sequence
 
@@ -90,7 +91,9 @@ class Session:
         self.ctx_size = int(ctx_size)
         self.vocab_size = int(model.config.vocab_size)
         self.max_snapshots = max_snapshots
-        self.prefill_chunk = prefill_chunk   # cancellation is checked between chunks of a long prefill
+        # cancellation is checked between chunks of a long prefill. An int is a fixed chunk; an object with
+        # next_len() and record(n_tokens, seconds) sizes each chunk (the server's PrefillPacer bounds its time)
+        self.prefill_chunk = prefill_chunk
         self.stats = SessionStats()
         self._busy = False
         self.reset()
@@ -227,10 +230,14 @@ class Session:
             n = len(self.tokens)
             if n == split and split > 0:
                 self._take_snapshot()
-            end = min(len(prompt), n + self.prefill_chunk)
+            paced = not isinstance(self.prefill_chunk, int)
+            end = min(len(prompt), n + (self.prefill_chunk.next_len() if paced else self.prefill_chunk))
             if n < split:
                 end = min(end, split)
+            t0 = time.perf_counter()
             self._prefill(prompt[n:end])
+            if paced:
+                self.prefill_chunk.record(end - n, time.perf_counter() - t0)
         return cached, True
 
     def _generate(self, prompt: list[int], params: SamplingParams,

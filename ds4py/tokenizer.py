@@ -49,6 +49,7 @@ CHAT_MARKERS = frozenset(("<｜begin▁of▁sentence｜>", "<｜end▁of▁sente
 
 # gguf.TokenType values (kept local so this module reads without the gguf package).
 TT_NORMAL, TT_UNKNOWN, TT_CONTROL, TT_USER_DEFINED, TT_UNUSED, TT_BYTE = 1, 2, 3, 4, 5, 6
+GGUF_TOKEN_TYPES = frozenset((0, TT_NORMAL, TT_UNKNOWN, TT_CONTROL, TT_USER_DEFINED, TT_UNUSED, TT_BYTE))  # 0: undefined
 
 LONG_PIECE = 48          # pieces with more bytes than this use the heap merge (O(n log n) not O(n^2))
 CACHE_LIMIT = 1 << 18    # pieces kept in the encode cache before it is cleared
@@ -137,6 +138,8 @@ class Tokenizer:
         # packed ints compares ranks (ranks are unique, so equal values mean the same merge).
         self._merges: dict[tuple[int, int], int] = {}
         for rank, m in enumerate(merges):
+            if isinstance(m, str) and " " not in m:       # a corrupt file: one sentence, not a ValueError
+                raise TokenizerError(f"{source}: merge {rank} ({m!r}) is not two tokens separated by a space")
             a, b = m.split(" ", 1) if isinstance(m, str) else m
             try:
                 # setdefault: a repeated merge keeps its first (lowest) rank
@@ -195,6 +198,11 @@ class Tokenizer:
             raise TokenizerError(f"{path}: tokenizer.ggml.tokens or tokenizer.ggml.merges is missing")
         if not isinstance(types, list) or len(types) != len(tokens):
             raise TokenizerError(f"{path}: tokenizer.ggml.token_type is missing or not one entry per token")
+        bad = next((i for i, ty in enumerate(types) if ty not in GGUF_TOKEN_TYPES), None)
+        if bad is not None or not all(isinstance(t, str) for t in tokens):
+            what = f"token {bad} has type {types[bad]!r} (GGUF types are 0..6)" if bad is not None else \
+                "a token is not a string"
+            raise TokenizerError(f"{path}: corrupt tokenizer metadata: {what}")
         # CONTROL and USER_DEFINED tokens are the added tokens: matched by spelling, never produced by BPE.
         added = {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (TT_CONTROL, TT_USER_DEFINED)}
         # ds4 finds the chat markers by spelling whatever their type; do the same so a GGUF that typed one

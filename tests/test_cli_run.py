@@ -138,9 +138,11 @@ class Pty:
     def wait(self, timeout: float = 30, kill: bool = True) -> int | None:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
+            # drain so the child never blocks on output; select first: a child that is still waiting for input
+            # writes nothing, and a bare read would block forever instead of failing after `timeout`
             if select.select([self.fd], [], [], 0.05)[0]:
                 try:
-                    os.read(self.fd, 4096)    # drain so the child never blocks on output
+                    os.read(self.fd, 4096)
                 except OSError:
                     pass
             pid, status = os.waitpid(self.pid, os.WNOHANG)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from ds4py.cuda import emu
+from ds4py.cuda.launch import launch_arrays
 from ds4py.errors import CudaUnavailableError
 from test_cu_emu import (SELFTEST, test_atomics, test_barrier_orders_shared_memory,  # noqa: F401 (re-collected)
                          test_disjoint_half_warps, test_dynamic_shared_memory, test_half_and_fp8_conversions,
@@ -19,51 +20,14 @@ from test_cu_emu import (SELFTEST, test_atomics, test_barrier_orders_shared_memo
 pytestmark = pytest.mark.gpu
 
 
-class GpuKernels:
-    """EmuModule.launch's interface on the GPU: numpy arrays in, non-const ones copied back (order is ignored)."""
+class OnDevice:
+    """EmuModule.launch's call shape on the GPU Runtime (order and seed do not apply to hardware)."""
 
-    def __init__(self, cu_dir):
-        from ds4py.cuda.driver import Device, call
-        from ds4py.cuda.launch import KernelRegistry
-        from ds4py.cuda.memory import DriverAllocator
-
-        self.call = call
-        self.device = Device.open(0)
-        self.registry = KernelRegistry.load(self.device.arch, cu_dir, cache=False)
-        self.stream = call("cuStreamCreate", 0)
-        self.alloc = DriverAllocator()
+    def __init__(self, rt):
+        self.rt = rt
 
     def launch(self, name, grid, block, args, shared_mem=0, order="forward", seed=0):
-        from ds4py.cuda.launch import launch
-        from ds4py.cuda.memory import DeviceArray
-
-        kernel = self.registry[name]
-        dev_args, outputs, owned = [], [], []
-        try:
-            for p, v in zip(kernel.params, args):
-                if p.is_pointer and isinstance(v, np.ndarray):
-                    ptr = self.alloc.alloc(max(v.nbytes, 256))
-                    owned.append(ptr)
-                    d = DeviceArray(ptr, v.shape, v.dtype)
-                    d.upload(np.ascontiguousarray(v))
-                    if not p.is_const:
-                        outputs.append((d, v))
-                    dev_args.append(d)
-                else:
-                    dev_args.append(v)
-            launch(kernel, grid, block, dev_args, self.stream, smem=shared_mem,
-                   max_smem=self.device.smem_per_block_optin)
-            self.call("cuStreamSynchronize", self.stream)
-            for d, v in outputs:
-                v[...] = d.download()
-        finally:
-            for ptr in owned:
-                self.alloc.free(ptr)
-
-    def close(self):
-        self.call("cuStreamDestroy", self.stream)
-        self.registry.unload()
-        self.device.close()
+        launch_arrays(self.rt, name, grid, block, args, smem=shared_mem)
 
 
 @pytest.fixture(scope="module")
@@ -74,12 +38,15 @@ def mod(tmp_path_factory):
         driver.api()
     except CudaUnavailableError as e:
         pytest.skip(f"no CUDA device: {e}")
+    from ds4py.cuda.runtime import Runtime
+
     d = tmp_path_factory.mktemp("selftest")
     shutil.copy(SELFTEST, d)
-    shutil.copy(emu.CU_DIR / "portable.cuh", d)
-    g = GpuKernels(d)
-    yield g
-    g.close()
+    for h in emu.CU_DIR.glob("*.cuh"):
+        shutil.copy(h, d)
+    rt = Runtime(cu_dir=d, cache=False)
+    yield OnDevice(rt)
+    rt.close()
 
 
 def test_cp_async_on_gpu(mod):

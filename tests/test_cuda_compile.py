@@ -1,5 +1,6 @@
-"""NVRTC compiles every cu/*.cu for sm_121 (DGX Spark) and sm_90 (Hopper) without a GPU; the ptxas report shows
-no spills; the disk cache hits, and misses when a byte of a source or header changes; errors carry file:line."""
+"""NVRTC compiles every cu/*.cu for sm_121 (DGX Spark), sm_90 and sm_90a (Hopper) without a GPU; the ptxas report
+shows no spills; the disk cache hits, misses when a byte of a source, a header or a -D define changes, and works
+without NVRTC; errors carry file:line; geometry constants come from one table; every kernel waits (pdl_wait)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from ds4py.cuda.signature import parse_kernels, strip_comments
 
 REPO = Path(__file__).resolve().parents[1]
 CU = REPO / "cu"
-ARCHS = ("sm_121", "sm_90")
+ARCHS = ("sm_121", "sm_90", "sm_90a")
 
 
 def _nvrtc_or_skip() -> None:
@@ -36,7 +37,7 @@ def compiled(cache) -> dict[str, dict[str, compiler.CompiledModule]]:
     return {arch: compiler.compile_all(arch, CU, cache=cache, progress=lambda m: None) for arch in ARCHS}
 
 
-def test_every_file_compiles_for_both_archs(compiled):
+def test_every_file_compiles_for_every_arch(compiled):
     stems = {p.stem for p in CU.glob("*.cu")}
     assert stems, "no kernels in cu/"
     for arch, mods in compiled.items():
@@ -53,7 +54,7 @@ def test_ptxas_report_every_kernel_no_spills(compiled):
             res = m.resources
             assert set(res) == set(m.kernels), f"{m.source.name}: ptxas report {sorted(res)} vs source {sorted(m.kernels)}"
             for r in res.values():
-                lines.append(f"{arch:7} {r.name:18} {r.registers:3} regs {r.smem:5} B smem {r.stack_frame} B stack")
+                lines.append(f"{arch:7} {r.name:20} {r.registers:3} regs {r.smem:5} B smem {r.stack_frame} B stack")
                 assert 0 < r.registers <= 255
                 assert r.spill_stores == 0 and r.spill_loads == 0, f"{arch} {r.name} spills: {r}"
                 assert r.stack_frame == 0, f"{arch} {r.name} uses a {r.stack_frame}-byte stack frame (local memory)"
@@ -179,11 +180,101 @@ def test_kernel_conventions():
                 assert "Launch:" in comment, f"{path.name}: kernel {name} lacks a 'Launch:' geometry comment"
 
 
-def test_q8_constants_match_the_kernel():
-    from ds4py.cuda import ops
+def test_geometry_defines_come_from_the_ops_tables():
+    """Each kernel file's constants are -D values from its wrapper's DEFINES table (the .cu refuses to compile
+    without them), and what the wrapper derives from them is what the kernel derives."""
+    from ds4py.cuda.ops.gemv import DEFINES, Q8_PIECE_BYTES, Q8_WARP_SMEM
 
+    for src in sorted(CU.glob("*.cu")):
+        table = compiler.geometry_defines(src.stem)
+        text = src.read_text()
+        for name in table:
+            assert re.search(rf"#ifndef {name}\n#error", text), f"{src.name}: {name} has no #error guard"
+        opts = compiler.file_options(src)
+        assert all(f"-D{k}={v}" in opts for k, v in table.items())
     text = (CU / "gemv.cu").read_text()
-    chunk = int(re.search(r"#define Q8_CHUNK_BLOCKS (\d+)", text).group(1))
-    assert chunk == ops.Q8_CHUNK_BLOCKS
-    assert ops.Q8_STAGE_BYTES == chunk * 34 + 16
-    assert "#define Q8_STAGE_BYTES (Q8_CHUNK_BLOCKS * Q8_BLOCK_BYTES + 16)" in text
+    env = dict(DEFINES)
+    for name in ("Q8_BLOCK_BYTES", "Q8_PIECE_BYTES", "Q8_WARP_SMEM"):       # evaluate the kernel's #defines
+        expr = re.search(rf"#define {name} (.+?)(?:\s*//.*)?$", text, re.M).group(1)
+        env[name] = eval(expr, {}, env)                                     # noqa: S307 (our own source)
+    assert env["Q8_WARP_SMEM"] == Q8_WARP_SMEM and env["Q8_PIECE_BYTES"] == Q8_PIECE_BYTES
+
+
+def test_model_defines_are_in_the_key_only_where_used(tmp_path):
+    mhc, embed = CU / "mhc.cu", CU / "embed.cu"
+    assert "-DDS4_HC=4" in compiler.file_options(mhc)
+    assert compiler.file_options(mhc, {"DS4_HC": 2}) != compiler.file_options(mhc)
+    assert compiler.file_options(embed, {"DS4_HC": 2}) == compiler.file_options(embed)   # embed does not use it
+    v = (13, 0)
+    assert compiler.cache_key(mhc, "sm_90", compiler.file_options(mhc, {"DS4_HC": 2}), v) != \
+        compiler.cache_key(mhc, "sm_90", compiler.file_options(mhc), v)
+    with pytest.raises(Exception, match="unknown model defines"):
+        compiler.file_options(mhc, {"DS4_NOPE": 1})
+    with pytest.raises(Exception, match="upper-case"):
+        compiler.define_options({"x": 1})
+
+
+def test_the_cubin_cache_works_without_nvrtc(tmp_path, monkeypatch):
+    _nvrtc_or_skip()
+    src = CU / "embed.cu"
+    opts = compiler.file_options(src)
+    built = compiler.compile_file(src, "sm_90", opts, cache=tmp_path)
+
+    def missing():
+        raise compiler.NvrtcUnavailableError("NVRTC is not available (test)")
+
+    monkeypatch.setattr(compiler, "nvrtc_version", missing)
+    hit = compiler.compile_file(src, "sm_90", opts, cache=tmp_path)
+    assert hit.cached and hit.cubin == built.cubin
+    assert hit.nvrtc == built.nvrtc and hit.nvrtc[0] >= 12            # the version that built it, from the cache
+    with pytest.raises(compiler.NvrtcUnavailableError, match="no cached cubin for sm_121"):
+        compiler.compile_file(src, "sm_121", opts, cache=tmp_path)
+
+
+def test_driver_too_old_for_nvrtc_is_one_sentence():
+    compiler.check_driver_version(13000, (13, 5))      # same major: CUBIN minor-version compatibility
+    compiler.check_driver_version(12080, (12, 4))
+    with pytest.raises(compiler.CudaUnavailableError) as e:
+        compiler.check_driver_version(12040, (13, 0))
+    msg = str(e.value)
+    assert "CUDA 12.4" in msg and "NVRTC 13.0" in msg and "\n" not in msg
+
+
+def _functions(text: str) -> dict[str, str]:
+    """name -> body of every function defined in a (comment-free) source."""
+    text = re.sub(r"__launch_bounds__\s*\([^)]*\)", " ", text)     # not a function: `(...) void name(...) {`
+    out = {}
+    for m in re.finditer(r"([A-Za-z_]\w*)\s*\([^;{}]*\)\s*(?:const\s*)?\{", text):
+        depth, i = 1, m.end()
+        while depth and i < len(text):
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            i += 1
+        if m.group(1) not in ("if", "for", "while", "switch", "return", "sizeof"):
+            out.setdefault(m.group(1), text[m.end(): i - 1])
+    return out
+
+
+def test_every_kernel_waits_for_its_predecessor():
+    """Static half of the PDL rule: every kernel reaches pdl_wait() (directly or through its helpers). The
+    emulator's pdl check (EmuRuntime(check_pdl=True), on in every kernel test) catches stores and returns
+    before it at run time."""
+    headers = "\n".join(strip_comments(h.read_text()) for h in sorted(CU.glob("*.cuh")))
+    for src in sorted(CU.glob("*.cu")):
+        text = strip_comments(src.read_text())
+        funcs = _functions(headers + "\n" + text)
+        macros = dict(re.findall(r"#define (\w+)(?:\([^)]*\))?((?:.*\\\n)*.*)", text))
+
+        def waits(body: str, seen: set) -> bool:
+            if "pdl_wait()" in body:
+                return True
+            for name in re.findall(r"\b([A-Za-z_]\w*)\b", body):
+                if name in seen:
+                    continue
+                seen.add(name)
+                inner = funcs.get(name) or macros.get(name)
+                if inner is not None and waits(inner, seen):
+                    return True
+            return False
+
+        for name in parse_kernels(src.read_text()):
+            assert waits(funcs[name], {name}), f"{src.name}: kernel {name} never calls pdl_wait()"

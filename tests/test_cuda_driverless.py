@@ -139,13 +139,15 @@ class StandInDriver:
         simple = {
             "cuDeviceGetCount": 1, "cuDeviceGet": d.CUdevice(0), "cuDevicePrimaryCtxRetain": d.CUcontext(),
             "cuDeviceGetName": b"Stand-in H200" + b"\0" * 243, "cuDeviceTotalMem": 141 << 30,
-            "cuModuleLoadData": d.CUmodule(), "cuModuleGetFunction": d.CUfunction(), "cuFuncGetAttribute": 1024,
+            "cuModuleLoadData": d.CUmodule(), "cuModuleGetFunction": d.CUfunction(), "cuDriverGetVersion": 13000,
             "cuStreamCreate": d.CUstream(), "cuEventCreate": d.CUevent(), "cuStreamEndCapture": d.CUgraph(),
             "cuGraphInstantiate": d.CUgraphExec(), "cuEventElapsedTime": 1.0,
             "cuGetErrorName": b"CUDA_ERROR_STANDIN",
         }
         if name == "cuDeviceGetAttribute":
             return ok, attrs[args[0]]
+        if name == "cuFuncGetAttribute":   # 1024 threads, 64 bytes of static shared memory
+            return ok, 1024 if args[0] == d.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK else 64
         if name in simple:
             return ok, simple[name]
         return (ok,)
@@ -181,7 +183,7 @@ def test_runtime_opens_device_and_loads_every_kernel(rt, standin):
     n_files = len(list((REPO / "cu").glob("*.cu")))
     assert standin.names().count("cuModuleLoadData") == n_files
     assert standin.names().count("cuModuleGetFunction") == len(rt.kernels.kernels)
-    assert {"rmsnorm_f32", "gemv_q8_0", "argmax_final"} <= set(rt.kernels.kernels)
+    assert {"rmsnorm_f32", "gemv_q8_0", "argmax_f32", "hc_mix_f16", "sample_f32"} <= set(rt.kernels.kernels)
 
 
 def _launch_configs(standin):
@@ -203,13 +205,22 @@ def test_launch_with_and_without_pdl(rt, standin):
     d = standin.real
     assert pdl.attrs[0].id == d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
     assert pdl.attrs[0].value.programmaticStreamSerializationAllowed == 1
-    assert (pdl.gridDimX, pdl.blockDimX) == (8, 256)
+    assert (pdl.gridDimX, pdl.blockDimX) == (2, 256)      # 16 groups of 4 rows over 8 warps
+
+
+def context_sets_in_a_thread(rt, standin, work) -> list:
+    """The cuCtxSetCurrent calls made while `work` runs on a new thread."""
+    import threading
+
+    before = standin.names().count("cuCtxSetCurrent")
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    return [args for n, args in standin.calls if n == "cuCtxSetCurrent"][before:]
 
 
 def test_launch_from_another_thread_binds_the_context_once(rt, standin):
     """A context is current per thread: the engine worker thread must make it current before launching."""
-    import threading
-
     from ds4py.cuda import ops
     from ds4py.cuda.memory import Arena
 
@@ -225,10 +236,7 @@ def test_launch_from_another_thread_binds_the_context_once(rt, standin):
         ops.gemv_f16(rt, W, x, y, 64, 256)
         ops.gemv_f16(rt, W, x, y, 64, 256)
 
-    t = threading.Thread(target=worker)
-    t.start()
-    t.join()
-    sets = [args for n, args in standin.calls if n == "cuCtxSetCurrent"][before:]
+    sets = context_sets_in_a_thread(rt, standin, worker)
     assert len(sets) == 1 and sets[0][0] == rt.device.context
 
 
@@ -242,9 +250,11 @@ def test_q8_launch_uses_dynamic_smem_and_raises_limit(rt, standin):
     x, y = arena.scratch(4096, np.float32), arena.scratch(64, np.float32)
     ops.gemv_q8_0(rt, W, x, y, 64, 4096, warps=4)
     ops.gemv_q8_0(rt, W, x, y, 64, 4096, warps=16)           # 16 * 4368 B > 48 KB: needs the opt-in
+    from ds4py.cuda.ops.gemv import Q8_WARP_SMEM
+
     a, b = _launch_configs(standin)
-    assert a.sharedMemBytes == 4 * ops.Q8_STAGE_BYTES and b.sharedMemBytes == 16 * ops.Q8_STAGE_BYTES
-    assert standin.names().count("cuFuncSetAttribute") == 1
+    assert a.sharedMemBytes == 4 * Q8_WARP_SMEM and b.sharedMemBytes == 16 * Q8_WARP_SMEM
+    assert standin.names().count("cuFuncSetAttribute") == 1          # only the launch above 48 KB opts in
 
 
 def test_wrong_arguments_never_reach_the_driver(rt, standin):
@@ -443,3 +453,101 @@ def test_upload_gguf_places_every_tensor(standin, golden):
         if d.qtype in ("F16", "F32"):
             assert d.array.shape == t.shape and d.array.ptr % 16 == 0
     assert {d.qtype for d in tensors.values()} >= {"F16", "F32", "Q8_0"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Runtime repairs: driver version, context binding, async uploads, shared-memory limits, failed captures
+
+def test_a_driver_older_than_nvrtc_is_refused_in_one_sentence(standin, monkeypatch):
+    from ds4py.cuda import compiler
+    from ds4py.cuda.runtime import Runtime
+    from ds4py.errors import CudaUnavailableError
+
+    try:
+        major = compiler.nvrtc_version()[0]
+    except compiler.NvrtcUnavailableError as e:
+        pytest.skip(str(e))
+    real_result = standin._result
+    monkeypatch.setattr(standin, "_result", lambda name, args: (standin.real.CUresult.CUDA_SUCCESS,
+                                                                (major - 1) * 1000 + 40)
+                        if name == "cuDriverGetVersion" else real_result(name, args))
+    with pytest.raises(CudaUnavailableError) as e:
+        Runtime(progress=lambda m: None)
+    msg = str(e.value)
+    assert f"CUDA {major - 1}.4" in msg and "NVRTC" in msg and "\n" not in msg
+    assert "cuModuleLoadData" not in standin.names()          # refused before loading any module
+
+
+def test_uploads_and_fork_join_bind_the_context_on_other_threads(rt, standin):
+    arena = rt.arena(1 << 20, 1 << 20)
+    arena.begin_step()
+    x = arena.scratch(64, np.float32)
+
+    def worker():
+        x.upload(np.zeros(64, np.float32))
+        x.download()
+        rt.fork()
+        rt.join()
+
+    sets = context_sets_in_a_thread(rt, standin, worker)
+    assert len(sets) == 1 and sets[0][0] == rt.device.context
+
+
+def test_async_upload_keeps_its_host_buffer_until_done(rt, standin):
+    import gc
+    import weakref
+
+    arena = rt.arena(1 << 20, 1 << 20)
+    arena.begin_step()
+    x = arena.scratch(1000, np.float32)
+    host = np.arange(1000, dtype=np.float32)
+    probe = weakref.ref(host)
+    x.upload(host, stream=rt.copy)
+    del host
+    gc.collect()
+    assert probe() is not None                              # still referenced: the copy may not have run yet
+    i = max(i for i, (n, _) in enumerate(standin.calls) if n == "cuMemcpyHtoDAsync")
+    assert standin.names()[i + 1: i + 3] == ["cuEventCreate", "cuEventRecord"]
+    rt.synchronize()
+    gc.collect()
+    assert probe() is None and not rt.memory._pending       # released once its event completed
+
+
+def test_static_plus_dynamic_shared_memory_is_checked(rt, standin):
+    from ds4py.cuda.args import KernelArgumentError
+
+    arena = rt.arena(1 << 22, 1 << 20)
+    arena.begin_step()
+    W = arena.weights(64 * 4096 // 32 * 34, np.uint8)
+    x, y = arena.scratch(4096, np.float32), arena.scratch(64, np.float32)
+    k = rt.kernels["gemv_q8_0"]
+    assert k.static_smem == 64                              # what the stand-in reports
+    limit = rt.device.smem_per_block_optin
+    with pytest.raises(KernelArgumentError, match=r"\+ 64 static"):
+        rt.launch("gemv_q8_0", 1, 32, W, None, None, None, 64, 0, 0, 0, y, None, None, None, x, 4096, 0, None,
+                  0.0, 0, smem=limit - 63)
+
+
+def test_a_failed_capture_is_never_swallowed(rt, standin, monkeypatch):
+    from ds4py.cuda.graph import CaptureError, StepGraph
+    from ds4py.errors import Ds4Error
+
+    arena = rt.arena(1 << 20, 1 << 20)
+    slot = arena.weights(2, np.int32)
+    slot.readonly = False
+
+    def bad_record():
+        raise Ds4Error("record failed")
+
+    g = StepGraph(rt, bad_record, slot)
+    with pytest.raises(Ds4Error, match="record failed"):
+        g.capture()
+    assert standin.names()[-2:] == ["cuStreamEndCapture", "cuGraphDestroy"]   # out of capture, partial graph gone
+    assert not rt.capturing and g.graph is None
+    # the driver invalidates the capture (e.g. a host sync inside it): end_capture's error is raised
+    real_result = standin._result
+    monkeypatch.setattr(standin, "_result", lambda name, args: (
+        standin.real.CUresult.CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,) if name == "cuStreamEndCapture"
+        else real_result(name, args))
+    with pytest.raises(CaptureError, match="CAPTURE_INVALIDATED|capture failed"):
+        StepGraph(rt, lambda: None, slot).capture()

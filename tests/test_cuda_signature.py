@@ -64,7 +64,7 @@ def test_every_repo_kernel_parses():
             assert name not in names, f"{name} defined in {names.get(name)} and {f.name}"
             names[name] = f.name
             assert params, name
-    assert {"rmsnorm_f32", "gemv_f16", "gemv_q8_0", "embed_f16", "argmax_partial", "argmax_final"} <= set(names)
+    assert {"rmsnorm_f32", "gemv_f16", "gemv_q8_0", "embed_f16", "argmax_f32", "hc_mix_f16", "sample_f32"} <= set(names)
 
 
 PLAIN = parse_kernels(SRC)["plain"]
@@ -123,6 +123,11 @@ def test_pack_accepts_numpy_scalars():
 def test_geometry_checks():
     g, b = check_geometry("k", 10, (32, 4), 0, 1024, 48 * 1024)
     assert g == (10, 1, 1) and b == (32, 4, 1)
+    check_geometry("k", 1, 32, 40 * 1024, 1024, 48 * 1024, static_smem=8 * 1024)       # exactly the limit
+    with pytest.raises(KernelArgumentError, match=r"\+ 8193 static"):
+        check_geometry("k", 1, 32, 40 * 1024, 1024, 48 * 1024, static_smem=8193)
+    with pytest.raises(KernelArgumentError, match="device limits"):
+        check_geometry("k", 1, (1, 1, 65), 0, 1024, 48 * 1024)
     for grid, block, smem, frag in [(0, 32, 0, "positive"), (1, 2048, 0, "exceeds this kernel's limit"),
                                     (1, 32, 1 << 20, "shared memory"), ((1, 70000), 32, 0, "device limits"),
                                     (1, (1, 2, 3, 4), 0, "1 to 3")]:

@@ -33,8 +33,74 @@ def whole(model, ids):
     return model.prefill(st, ids, all_logits=True), st
 
 
-def test_protocols(model):
+def check_engine_contract(model, ids) -> None:
+    """What ds4py.model promises beyond attribute names (all a runtime_checkable isinstance looks at): the
+    signatures, the shapes and dtypes returned, a state that advances by the tokens consumed, and a copy that is
+    independent of its original."""
+    import inspect
+
     assert isinstance(model, Model) and isinstance(model.new_state(), State)
+    for name in ("new_state", "step", "prefill", "decode", "save_state", "load_state", "weight_bytes_per_token"):
+        want = list(inspect.signature(getattr(Model, name)).parameters)[1:]
+        got = list(inspect.signature(getattr(model, name)).parameters)
+        assert got[:len(want)] == want, f"{name}{tuple(got)} does not take {tuple(want)}"
+    V = model.config.vocab_size
+    st = model.new_state()
+    assert st.n_tokens == 0
+    last = model.prefill(st, ids[:5])
+    assert last.shape == (V,) and last.dtype == np.float32 and np.isfinite(last).all() and st.n_tokens == 5
+    snap = st.copy()
+    rows = model.prefill(st, ids[5:8], all_logits=True)
+    assert rows.shape == (3, V) and rows.dtype == np.float32 and st.n_tokens == 8
+    step = model.decode(st, int(ids[8]))
+    assert step.shape == (V,) and st.n_tokens == 9
+    assert snap.n_tokens == 5                                   # the copy did not move with its original
+    np.testing.assert_allclose(model.prefill(snap, ids[5:8], all_logits=True), rows, atol=ATOL)
+    both = model.step([st, snap], [ids[9:11], ids[8:9]])        # several sequences in one call
+    assert [b.shape for b in both] == [(V,), (V,)] and (st.n_tokens, snap.n_tokens) == (11, 9)
+    st.truncate(9)                                              # exact rollback within the horizon
+    assert st.n_tokens == 9 and st.rollback_floor <= 9
+    loaded = model.load_state(model.save_state(st))
+    assert loaded.n_tokens == 9 and loaded is not st
+    assert isinstance(st.nbytes(), int) and st.nbytes() > 0
+    w = model.weight_bytes_per_token()
+    assert isinstance(w, int) and w > 0
+
+
+def test_protocols(model, ids):
+    check_engine_contract(model, ids)
+
+
+def test_contract_check_fails_on_a_lookalike(model, ids):
+    """Negative control: an object with every attribute name of the protocol, but a state that does not advance
+    and logits of the wrong dtype, passes isinstance yet fails the contract check."""
+    class Lookalike:
+        config, path, backend = model.config, "x", "fake"
+        numerics, rollback_horizon, fingerprint, layout = model.numerics, 16, "0", model.layout
+
+        def new_state(self):
+            return model.new_state()
+
+        def step(self, states, chunks, all_logits=False):
+            return [np.zeros(model.config.vocab_size, np.float64) for _ in states]
+
+        def save_state(self, state):
+            return b""
+
+        def load_state(self, data):
+            return model.new_state()
+
+        def prefill(self, state, ids, all_logits=False):
+            return np.zeros(model.config.vocab_size, np.float64)
+
+        def decode(self, state, token):
+            return np.zeros(model.config.vocab_size, np.float64)
+
+        def weight_bytes_per_token(self):
+            return 1
+    assert isinstance(Lookalike(), Model)
+    with pytest.raises(AssertionError):
+        check_engine_contract(Lookalike(), ids)
 
 
 def test_prefill_equals_decode(model, ids, whole):

@@ -81,14 +81,45 @@ def test_logits(runs, gold, case, fq):
         assert np.median(d) <= QAT_MEDIAN, f"median row max |diff| {np.median(d):.2e} > {QAT_MEDIAN}"
 
 
-def test_prefill_hidden_states(runs, gold):
-    """Every block's output state (qat run of case a); measured max diff 4e-5. An FP8 flip upstream (from a
-    different BLAS summation order) would move the positions after it, hence the 90% criterion."""
-    hidden = gold["a_prefill_hidden"]                     # [layers, P, hc, D]
-    tr = runs["a", True]["trace"]
+# Block outputs (qat run of case a; the golden has no noquant hidden states). Without a rounding flip every
+# position matches to ~5e-6 of the row's RMS. Which FP8 rounding boundaries a ~1e-7 summation-order difference
+# tips over depends on the BLAS kernel and thread count, and a flip in a compressed KV row moves every later
+# position that attends to it (and, through a near-tie in a router, one row by up to 0.2 RMS). Measured over
+# 10 OpenBLAS kernels x 1-2 threads: median <= 3.3e-3, 90th percentile <= 5.9e-3, max 0.2 (of the row RMS).
+# The bounds leave 3-5x room for other machines; a wrong formula moves most positions by O(0.1-1).
+HIDDEN_MEDIAN, HIDDEN_P90, HIDDEN_MAX = 1e-2, 3e-2, 0.5
+
+
+def hidden_state_errors(trace_hc, hidden) -> list[np.ndarray]:
+    """Per layer: each position's max |diff| over (hc, dim), relative to the golden row's RMS."""
+    out = []
     for il in range(hidden.shape[0]):
-        d = np.abs(tr.hc[il + 1] - hidden[il]).max(axis=(1, 2))
-        assert (d <= 1e-4).mean() >= 0.9 and d.max() < 0.1, f"layer {il}: max diff {d.max():.2e}"
+        d = np.abs(trace_hc[il + 1] - hidden[il]).max(axis=(1, 2))
+        out.append(d / np.sqrt((hidden[il].astype(np.float64) ** 2).mean(axis=(1, 2))))
+    return out
+
+
+def check_hidden_states(errors: list[np.ndarray]) -> None:
+    for il, r in enumerate(errors):
+        assert np.median(r) <= HIDDEN_MEDIAN, f"layer {il}: median relative error {np.median(r):.2e}"
+        assert np.quantile(r, 0.9) <= HIDDEN_P90, f"layer {il}: 90th percentile {np.quantile(r, 0.9):.2e}"
+        assert r.max() <= HIDDEN_MAX, f"layer {il}: max relative error {r.max():.2e}"
+
+
+def test_prefill_hidden_states(runs, gold):
+    """Every block's output state, with a criterion that holds under any BLAS summation order (see above)."""
+    check_hidden_states(hidden_state_errors(runs["a", True]["trace"].hc, gold["a_prefill_hidden"]))
+
+
+def test_hidden_state_criterion_catches_a_wrong_block(runs, gold):
+    """Negative control: the same criterion fails on a state that is off by what a small formula error gives
+    (every position of one layer moved by 5% of its RMS, as a mis-scaled residual branch would)."""
+    hidden = gold["a_prefill_hidden"]
+    hc = list(runs["a", True]["trace"].hc)
+    rms = np.sqrt((hidden[3] ** 2).mean(axis=(1, 2), keepdims=True))
+    hc[4] = hc[4] + 0.05 * rms * np.sign(np.random.default_rng(0).standard_normal(hc[4].shape))
+    with pytest.raises(AssertionError, match="layer 3"):
+        check_hidden_states(hidden_state_errors(hc, hidden))
 
 
 def _picks(row) -> set:

@@ -125,3 +125,35 @@ def test_masked_logits_are_never_sampled():
 def test_invalid_logits_raise(bad):
     with pytest.raises(ValueError, match="logits"):
         Sampler(SamplingParams(seed=0)).sample(bad)
+
+
+@pytest.mark.parametrize("t", [1e-320, 5e-324, 1e-309])
+def test_subnormal_temperature_is_greedy(t):
+    """A temperature that passes a 0..2 range check but cannot be divided by (1/t overflows) is greedy: argmax,
+    lowest id on ties, no generator step; never a draw from NaN probabilities."""
+    logits = np.array([1.0, 3.0, 2.0, 3.0], np.float32)
+    s = Sampler(SamplingParams(temperature=t, seed=0, min_p=0.05))
+    assert s.params.greedy
+    d = s.distribution(logits)
+    assert np.isfinite(d).all() and d.tolist() == [0, 1, 0, 0]
+    state = s.rng.bit_generator.state
+    assert [s.sample(logits) for _ in range(5)] == [1] * 5 and s.rng.bit_generator.state == state
+
+
+@pytest.mark.parametrize("t", [1e-300, 1e-200, 1e-30, 1e-8])
+def test_tiny_temperatures_give_a_finite_distribution(t):
+    """Tiny but normal temperatures are applied as given: the distribution collapses onto the maximum (ties
+    share it) and stays finite, because the maximum is subtracted before dividing."""
+    logits = np.array([1.0, 3.0, 2.0, 3.0, -np.inf], np.float32)
+    d = Sampler(SamplingParams(temperature=t, seed=0)).distribution(logits)
+    assert np.isfinite(d).all() and d.tolist() == [0, 0.5, 0, 0.5, 0]
+    assert np.isfinite(softmax(np.array([1e30, -1e30, 0.0]), t)).all()
+
+
+def test_a_non_finite_distribution_is_never_sampled(monkeypatch):
+    """The last line of defence: whatever produced it, a distribution with NaN is refused, not drawn from."""
+    import ds4py.sampling as sampling
+
+    monkeypatch.setattr(sampling, "softmax", lambda logits, t: np.full(np.asarray(logits).shape, np.nan))
+    with pytest.raises(ValueError, match="not finite"):
+        Sampler(SamplingParams(temperature=0.7, seed=0)).sample(np.zeros(4, np.float32))

@@ -299,7 +299,7 @@ def test_disconnect_stops_generation(srv):
     body = json.dumps({"model": "deepseek-v4-flash", "stream": True, "max_tokens": 500, "temperature": 0,
                        "messages": [{"role": "user", "content": "Tell me a long story."}]}).encode()
     sock = socket.create_connection((srv.host, srv.port), timeout=60)
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
     got = b""
     while got.count(b"data: ") < 4:

@@ -140,7 +140,7 @@ def send_raw(srv, body: dict) -> socket.socket:
     """A POST on a bare socket, so the test decides exactly when the client goes away."""
     data = json.dumps(body).encode()
     sock = socket.create_connection((srv.host, srv.port), timeout=30)
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n" % len(data) + data)
     return sock
 
@@ -373,11 +373,24 @@ def test_disconnect_stops_generation_within_one_token(tok):
 
 
 def test_non_streaming_disconnect_also_cancels(tok):
+    """A non-streaming client that goes away mid-answer: generation stops within one token, nothing more is
+    generated, the request is counted as 499 (client closed) and cancelled, and the engine serves the next one."""
     with scripted(tok, itertools.repeat("tok "), delay=0.01) as srv:
+        m = srv.state.metrics
         sock = send_raw(srv, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100_000})
-        _wait(lambda: srv.state.metrics.generated_tokens >= 3)
+        _wait(lambda: m.generated_tokens >= 3)
         sock.close()
         _wait(lambda: srv.session.finished == ["cancelled"])
+        assert srv.session.tokens_after_cancel <= 1
+        _wait(lambda: m.running == 0)
+        stopped = m.generated_tokens
+        time.sleep(0.2)
+        assert m.generated_tokens == stopped < 1000                 # far from the 100,000 asked for
+        assert m.cancelled == 1
+        _wait(lambda: 'ds4py_requests_total{endpoint="/v1/chat/completions",status="499"} 1' in m.render())
+        r = oai(srv).chat.completions.create(model="deepseek-v4-flash", max_tokens=3,
+                                             messages=[{"role": "user", "content": "hi"}])
+        assert r.usage.completion_tokens == 3 and srv.session.finished[:2] == ["cancelled", "length"]
 
 
 def _wait(cond, timeout=10.0):

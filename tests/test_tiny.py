@@ -28,7 +28,8 @@ def test_default_shape_has_ds4_tiny_layout(golden, tiny):
     assert list(ours.tensors) == list(ref.tensors)                  # same names in the same order
     for n, t in ours.tensors.items():
         assert (t.qtype, t.shape) == (ref.tensors[n].qtype, ref.tensors[n].shape), n
-    assert set(ours.keys()) == set(ref.keys())
+    # ds4py.* keys are ours (the content checksums that inspect --verify checks); every other key is ds4's
+    assert {k for k in ours.keys() if not k.startswith("ds4py.")} == set(ref.keys())
     for k in ref.keys():
         if k.startswith("deepseek4.") or k in ("general.architecture", "tokenizer.ggml.model",
                                                "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):

@@ -238,20 +238,17 @@ inline unsigned umax(unsigned a, unsigned b) { return a > b ? a : b; }
 // ---- the C interface used by ds4py/cuda/emu.py ---------------------------------------------------------------
 #define EMU_API extern "C" __attribute__((visibility("default")))
 
-// Guarded buffers for kernel arguments (see guarded_map): the first access past either end faults.
-EMU_API void* emu_alloc(size_t bytes) {
-    __emu::ensure_stacks();
-    return __emu::guarded_map(bytes);
-}
-
-EMU_API int emu_protect(void* p, size_t bytes, int readonly) {
-    return mprotect(__emu::guarded_base(p, bytes) + __emu::page_bytes, __emu::guarded_body(bytes),
-                    readonly ? PROT_READ : PROT_READ | PROT_WRITE);
-}
-
-EMU_API void emu_free(void* p, size_t bytes) { __emu::guarded_unmap(p, bytes); }
-
 EMU_API const char* emu_message() { return __emu::L.msg; }
+// The pdl check for the next launches: n writable argument buffers [starts[i], +lens[i]) (page-aligned bodies)
+// read-only until the storing thread has called pdl_wait(); n = -1 turns the check off. The caller restores
+// the buffers' protection after each launch.
+EMU_API int emu_pdl_check(int n, void** starts, const size_t* lens) {
+    if (n < 0 || n > 32) { __emu::L.pdl_check = 0; __emu::L.nwatch = 0; return n < 0 ? 0 : -1; }
+    __emu::L.pdl_check = 1;
+    __emu::L.nwatch = n;
+    for (int i = 0; i < n; i++) { __emu::L.watch_lo[i] = (char*)starts[i]; __emu::L.watch_len[i] = lens[i]; }
+    return 0;
+}
 EMU_API void* emu_fault_address() { return __emu::L.fault_addr; }
 EMU_API size_t emu_static_smem_bytes() {
     return __start_emu_shared && __stop_emu_shared ? (size_t)(__stop_emu_shared - __start_emu_shared) : 0;

@@ -93,6 +93,7 @@ struct Fiber {
     Site site;                       // where it waits
     uint64_t in[12], out[4];         // warp-collective payload: this lane's operands, and its result
     int bar_result;
+    int waited;                      // has called pdl_wait() (checked with the pdl check on)
     PendingCopy copies[32];          // cp.async issued but not yet waited for
     int ncopies;
     unsigned cp_group;               // index of the group being filled
@@ -126,7 +127,14 @@ struct Launch {
     Site bar_site;
     Fiber* cur;
     Context sched;
+    int* order;                      // this round's thread order, and the position of the running thread in it
+    int pos, ran;
     int in_fiber, failed;
+    // pdl check: the launch's writable argument buffers stay read-only for threads that have not called
+    // pdl_wait() yet; a store from such a thread faults and fails the launch (see pdl_check_* below).
+    int pdl_check, pdl_open, pdl_violation, nwatch;
+    char* watch_lo[32];
+    size_t watch_len[32];
     char msg[2048];
     sigjmp_buf fault_jmp;
     void* fault_addr;
@@ -172,10 +180,32 @@ inline void describe_thread(char* out, size_t n, const Fiber* f) {
 }
 
 inline bool same_site(const Site& a, const Site& b) {
-    return a.line == b.line && strcmp(a.file, b.file) == 0 && strcmp(a.what, b.what) == 0;
+    if (a.line != b.line) return false;
+    if (a.file == b.file && a.what == b.what) return true;     // the usual case: the same string literals
+    return strcmp(a.file, b.file) == 0 && strcmp(a.what, b.what) == 0;
 }
 
-inline void yield_to_scheduler(Fiber* f) { ctx_switch(&f->ctx, &L.sched); }
+// A thread that blocks hands over straight to the next ready thread of this round (in the round's order) -
+// one switch instead of two through the scheduler - or, at the end of the round, to the scheduler.
+inline void pdl_before_switch(const Fiber& f);
+// Make g (at position k of the round) the running thread; the caller then switches into it.
+inline void make_current(Fiber& g, int k) {
+    L.pos = k;
+    L.ran = 1;
+    pdl_before_switch(g);
+    L.cur = &g;
+    threadIdx = g.tid;
+}
+inline void yield_to_scheduler(Fiber* f) {
+    for (int k = L.pos + 1; k < L.nthreads; k++) {
+        Fiber& g = L.fibers[L.order[k]];
+        if (g.state != READY) continue;
+        make_current(g, k);
+        ctx_switch(&f->ctx, &g.ctx);
+        return;
+    }
+    ctx_switch(&f->ctx, &L.sched);
+}
 
 // ---- cp.async: copies are held per thread and land at the matching wait ------------------------------------
 inline void run_copy(const PendingCopy& c) { memcpy(c.dst, c.src, c.bytes); }
@@ -413,6 +443,7 @@ inline void mma_m16n8k16(Site s, float* d, const unsigned* a, const unsigned* b)
 
 // ---- thread start and end --------------------------------------------------------------------------------------
 inline void thread_exit(Fiber* f) {
+    if (L.pdl_check && !f->waited) fail("returned without calling pdl_wait() (every kernel waits first)");
     f->cp_group++;
     cp_async_wait(0);                                   // copies still in flight land before the block ends
     Warp& w = L.warps[f->warp];
@@ -433,12 +464,38 @@ inline void fiber_main() {
     Fiber* f = L.cur;
     L.thunk(L.fn, L.args);
     thread_exit(f);
-    ctx_switch(&f->ctx, &L.sched);
+    yield_to_scheduler(f);                               // never resumed: its state is DONE
     __builtin_trap();
 }
 
 // ---- faults ----------------------------------------------------------------------------------------------------
+// ---- pdl check: no global store and no return before pdl_wait() -------------------------------------------
+inline void pdl_protect(int prot) {
+    for (int i = 0; i < L.nwatch; i++) mprotect(L.watch_lo[i], L.watch_len[i], prot);
+}
+inline int pdl_watched(const void* a) {
+    for (int i = 0; i < L.nwatch; i++)
+        if ((const char*)a >= L.watch_lo[i] && (const char*)a < L.watch_lo[i] + L.watch_len[i]) return 1;
+    return 0;
+}
+inline void pdl_mark() { L.cur->waited = 1; }
+// Before a thread that has not waited runs, close the buffers again (a waited thread's store opened them).
+inline void pdl_before_switch(const Fiber& f) {
+    if (L.pdl_check && L.pdl_open && !f.waited) {
+        pdl_protect(PROT_READ);
+        L.pdl_open = 0;
+    }
+}
+
 inline void on_fault(int sig, siginfo_t* si, void*) {
+    if (L.in_fiber && L.pdl_check && sig == SIGSEGV && pdl_watched(si->si_addr)) {
+        if (L.cur->waited) {                 // a legal store: open the buffers and retry the instruction
+            pdl_protect(PROT_READ | PROT_WRITE);
+            L.pdl_open = 1;
+            return;
+        }
+        L.pdl_violation = 1;
+    }
     if (!L.in_fiber) {                       // the emulator itself crashed: hand over to the previous handler
         sigaction(sig, sig == SIGSEGV ? &L.old_segv : sig == SIGBUS ? &L.old_bus : &L.old_fpe, nullptr);
         return;
@@ -464,6 +521,18 @@ inline char* guarded_base(void* p, size_t bytes) {
     return (char*)p + guarded_padded(bytes) - guarded_body(bytes) - page_bytes;
 }
 inline void guarded_unmap(void* p, size_t bytes) { munmap(guarded_base(p, bytes), guarded_body(bytes) + 2 * page_bytes); }
+
+// Dynamic shared memory: one mapping of the largest size a block may have, kept for the process; a launch uses
+// its last `bytes` (so the end still sits right below the guard page) instead of mapping memory every time.
+inline unsigned char* dyn_smem_area(size_t bytes) {
+    static unsigned char* end = nullptr;
+    if (!end) {
+        unsigned char* p = (unsigned char*)guarded_map(kMaxDynSmem);
+        if (!p) return nullptr;
+        end = p + guarded_padded(kMaxDynSmem);
+    }
+    return end - guarded_padded(bytes);
+}
 
 inline bool ensure_stacks() {
     if (stack_pool) return true;
@@ -540,6 +609,7 @@ inline bool run_block(uint3 b, int order) {
         f.state = READY;
         f.ncopies = 0;
         f.cp_group = 0;
+        f.waited = 0;
         ctx_make(&f.ctx, f.stack, kStackBytes, fiber_main);
     }
     for (int w = 0; w < (n + kWarp - 1) / kWarp; w++) {
@@ -554,21 +624,23 @@ inline bool run_block(uint3 b, int order) {
     memset(dyn_smem_ptr, 0xff, L.dyn_smem);
     if (__start_emu_shared && __stop_emu_shared) memset(__start_emu_shared, 0xff, __stop_emu_shared - __start_emu_shared);
     static int idx[kMaxThreads];
+    L.order = idx;
     while (L.live > 0) {
-        bool ran = false;
+        L.ran = 0;
         make_order(idx, n, order);
+        // Run the round: the first ready thread is switched in from here; each one that blocks passes on to the
+        // next ready one (yield_to_scheduler), and the last of the round comes back.
         for (int k = 0; k < n; k++) {
             Fiber& f = L.fibers[idx[k]];
             if (f.state != READY) continue;
-            L.cur = &f;
-            threadIdx = f.tid;
+            make_current(f, k);
             L.in_fiber = 1;
             ctx_switch(&L.sched, &f.ctx);
             L.in_fiber = 0;
-            ran = true;
             if (L.failed) return false;
+            k = L.pos;                                   // the chain ran up to here
         }
-        if (!ran) { report_deadlock(); return false; }
+        if (!L.ran) { report_deadlock(); return false; }
     }
     return true;
 }
@@ -581,6 +653,11 @@ inline int launch(void (*thunk)(void*, void**), void* fn, const unsigned* grid, 
     L.failed = 0;
     L.fault_addr = nullptr;
     L.fault_sig = 0;
+    L.pdl_violation = 0;
+    if (L.pdl_check) {
+        pdl_protect(PROT_READ);
+        L.pdl_open = 0;
+    }
     const uint64_t nthreads = (uint64_t)block[0] * block[1] * block[2];
     if (!grid[0] || !grid[1] || !grid[2] || !nthreads) {
         snprintf(L.msg, sizeof L.msg, "launch with a zero grid or block dimension");
@@ -601,7 +678,7 @@ inline int launch(void (*thunk)(void*, void**), void* fn, const unsigned* grid, 
         return BAD_LAUNCH;
     }
     if (!ensure_stacks()) { snprintf(L.msg, sizeof L.msg, "cannot map fiber stacks"); return BAD_LAUNCH; }
-    dyn_smem_ptr = static_dyn ? __emu_dyn_smem : (unsigned char*)guarded_map(dyn_smem);
+    dyn_smem_ptr = static_dyn ? __emu_dyn_smem : dyn_smem_area(dyn_smem);
     if (!dyn_smem_ptr) { snprintf(L.msg, sizeof L.msg, "cannot map dynamic shared memory"); return BAD_LAUNCH; }
     static Fiber fibers[kMaxThreads];
     L.fibers = fibers;
@@ -653,7 +730,8 @@ inline int launch(void (*thunk)(void*, void**), void* fn, const unsigned* grid, 
         L.in_fiber = 0;
         char who[96];
         describe_thread(who, sizeof who, L.cur);
-        const char* kind = L.fault_sig == SIGFPE ? "arithmetic fault (integer division by zero?)"
+        const char* kind = L.pdl_violation ? "store to global memory before pdl_wait()"
+                         : L.fault_sig == SIGFPE ? "arithmetic fault (integer division by zero?)"
                          : L.fault_sig == SIGBUS ? "bus error" : "invalid memory access";
         const uintptr_t a = (uintptr_t)L.fault_addr, lo = (uintptr_t)stack_pool;
         const bool stack = L.fault_sig == SIGSEGV && a >= lo && a < lo + (kStackBytes + page_bytes) * kMaxThreads &&
@@ -672,7 +750,6 @@ inline int launch(void (*thunk)(void*, void**), void* fn, const unsigned* grid, 
     sigaction(SIGBUS, &L.old_bus, nullptr);
     sigaction(SIGFPE, &L.old_fpe, nullptr);
     sigaltstack(&old_ss, nullptr);
-    if (!static_dyn) guarded_unmap(dyn_smem_ptr, dyn_smem);
     return result;
 }
 

@@ -30,12 +30,16 @@ def human(n: float) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL.gguf")
     p.add_argument("--top", type=int, default=8, help="how many of the largest tensors to list (default 8)")
+    p.add_argument("--verify", action="store_true",
+                   help="also check the model: metadata, tensor shapes and types, the load-time value checks, and "
+                        "every tensor's checksum (reads the whole file)")
 
 
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
     from ds4py.gguf import GGUFFile
+    from ds4py.quant import vq
 
     f = GGUFFile(args.model)
     arch = f.meta("general.architecture", "?")
@@ -61,8 +65,11 @@ def run(args: argparse.Namespace) -> int:
             v = f"{v:g}"
         print(f"  {label:<28s} {v}")
     if f.has("tokenizer.ggml.tokens"):
+        def count(key):
+            v = f.meta(key, [])
+            return len(v) if isinstance(v, list) else "?"
         print(f"  {'tokenizer':<28s} {f.meta('tokenizer.ggml.model', '?')} / {f.meta('tokenizer.ggml.pre', '?')}, "
-              f"{len(f.meta('tokenizer.ggml.tokens'))} tokens, {len(f.meta('tokenizer.ggml.merges', []))} merges")
+              f"{count('tokenizer.ggml.tokens')} tokens, {count('tokenizer.ggml.merges')} merges")
     else:
         print(f"  {'tokenizer':<28s} none")
 
@@ -70,15 +77,39 @@ def run(args: argparse.Namespace) -> int:
     total = f.tensor_bytes()
     print(f"tensors: {len(tensors)}, {human(total)} ({total} bytes)")
     by_type: dict[str, list[int]] = {}
+    vq_roles = vq.tensor_roles(f)          # VQ-8 tensors count as one type: weights held, overhead included
     for t in tensors:
-        c = by_type.setdefault(t.qtype.name, [0, 0, 0])
+        label, ne = vq_roles.get(t.name, (t.qtype.name, int(np.prod(t.shape, dtype=np.int64))))
+        c = by_type.setdefault(label, [0, 0, 0])
         c[0] += 1
         c[1] += t.nbytes
-        c[2] += int(np.prod(t.shape, dtype=np.int64))
+        c[2] += ne
     print(f"  {'type':<8s} {'count':>6s} {'bytes':>12s} {'params':>14s} {'bits/weight':>11s}")
     for name, (n, nb, ne) in sorted(by_type.items(), key=lambda kv: -kv[1][1]):
         print(f"  {name:<8s} {n:>6d} {human(nb):>12s} {ne:>14,d} {8 * nb / max(ne, 1):>11.2f}")
     print(f"largest {min(args.top, len(tensors))}:")
     for t in sorted(tensors, key=lambda t: -t.nbytes)[: args.top]:
         print(f"  {t.name:<40s} {t.qtype.name:<8s} ne={list(t.ne)} {human(t.nbytes)}")
+    if args.verify:
+        verify(f)
     return 0
+
+
+def verify(f) -> None:
+    """Everything a load checks, then every checksum. Raises the first problem as a Ds4Error (one line)."""
+    import time
+
+    from ds4py import checksum
+    from ds4py.config import ModelConfig
+    from ds4py.errors import GGUFError
+
+    ModelConfig.from_gguf(f)                      # metadata types and ranges, tensor schema, sampled values
+    if checksum.stored_digests(f) is None:
+        raise GGUFError(f"{f.path}: the file carries no checksums ({checksum.KEY}; written by ds4py convert and "
+                        f"make-tiny): its structure and sampled values are fine, its contents cannot be verified")
+    t0 = time.perf_counter()
+    meta = checksum.verify_metadata(f)
+    n, nbytes = checksum.verify(f)
+    print(f"verify: OK: metadata, tensor layout and sampled values are valid; "
+          f"{'the metadata checksum and ' if meta else ''}{n} tensor checksums match "
+          f"({human(nbytes)} read in {time.perf_counter() - t0:.1f} s)")

@@ -24,11 +24,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 exposes it to the network)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
-    p.add_argument("--api-key", default=os.environ.get("DS4PY_API_KEY"),
-                   help="require this key as 'Authorization: Bearer KEY' or 'x-api-key: KEY' "
-                        "(default: $DS4PY_API_KEY, else no auth); /health stays open")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require this key as 'Authorization: Bearer KEY' or 'x-api-key: KEY' on every route but "
+                        "/health. A key given here is visible in the process list: prefer --api-key-file or "
+                        "$DS4PY_API_KEY (the default when neither option is given)")
+    p.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="read the API key from the first line of this file")
     p.add_argument("--cors", default=None, metavar="ORIGINS",
-                   help="comma-separated browser origins allowed to call the API ('*' for any); default: no CORS")
+                   help="comma-separated browser origins allowed to call the API ('*' for any); default: no CORS, "
+                        "and a POST from a web page of another origin is refused")
+    p.add_argument("--allowed-hosts", default=None, metavar="NAMES",
+                   help="comma-separated host names the Host header may carry ('*' for any; 'name' or '*.domain'). "
+                        "Default: loopback names when --host is loopback, that address when it is one address, "
+                        "any when it is 0.0.0.0 / ::")
+    p.add_argument("--header-timeout", type=float, default=30.0, metavar="S",
+                   help="close a connection that has not sent a complete request head within S seconds (default 30; "
+                        "also the idle keep-alive time)")
+    p.add_argument("--body-timeout", type=float, default=60.0, metavar="S",
+                   help="answer 408 when a request body has not arrived S seconds after its headers (default 60)")
     p.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body in MB (default 32)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests allowed to wait for the engine; more get 429 (default 64)")
@@ -63,15 +76,46 @@ def ensure_demo_model() -> Path:
 
 def make_engine(model_path: str, backend: str, ctx: int, tool_memory):
     from ds4py.model import open_model
-    from ds4py.server.worker import Engine
+    from ds4py.server.worker import Engine, PrefillPacer
     from ds4py.session import Session
     from ds4py.tokenizer import Tokenizer
 
     model = open_model(model_path, backend=backend)
     tok = Tokenizer.from_gguf(getattr(model, "gguf", model_path))
     model_ctx = int(getattr(model.config, "context_length", 0) or 0)
-    session = Session(model, tok, ctx_size=min(ctx, model_ctx) if model_ctx else ctx)
+    # prefill in chunks of about a quarter second: a client that goes away mid-prompt frees the engine soon
+    session = Session(model, tok, ctx_size=min(ctx, model_ctx) if model_ctx else ctx, prefill_chunk=PrefillPacer())
     return Engine(session, tok, tool_memory=tool_memory)
+
+
+def api_key(args) -> tuple[str | None, str]:
+    """(the key or None, where it came from). An empty key is refused: it would silently turn authentication
+    off. A key must be printable ASCII without spaces, since it travels in an HTTP header."""
+    from ds4py.errors import Ds4Error
+
+    if args.api_key is not None and args.api_key_file is not None:
+        raise Ds4Error("give either --api-key or --api-key-file, not both")
+    if args.api_key_file is not None:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as fh:
+                key, source = fh.readline().strip(), f"--api-key-file {args.api_key_file}"
+        except (OSError, UnicodeDecodeError) as e:
+            raise Ds4Error(f"cannot read --api-key-file {args.api_key_file}: "
+                           f"{getattr(e, 'strerror', None) or e}") from None
+    elif args.api_key is not None:
+        key, source = args.api_key, "--api-key"
+    elif "DS4PY_API_KEY" in os.environ:
+        key, source = os.environ["DS4PY_API_KEY"], "$DS4PY_API_KEY"
+    else:
+        return None, ""
+    if not key:
+        raise Ds4Error(f"{source} gives an empty API key, which would turn authentication off; give a non-empty "
+                       f"key, or {'unset DS4PY_API_KEY' if source.startswith('$') else 'leave the option out'} to "
+                       f"serve without one")
+    if not all("!" <= c <= "~" for c in key):
+        raise Ds4Error(f"the API key from {source} must be printable ASCII without spaces (it is sent in an HTTP "
+                       f"header)")
+    return key, source
 
 
 def run(args) -> int:
@@ -86,11 +130,16 @@ def run(args) -> int:
         raise Ds4Error(f"--ctx must be at least 2, got {args.ctx}")
     if args.max_queue < 1 or args.max_body_mb <= 0:
         raise Ds4Error("--max-queue must be >= 1 and --max-body-mb > 0")
+    if not (args.header_timeout > 0 and args.body_timeout > 0):
+        raise Ds4Error("--header-timeout and --body-timeout must be > 0 seconds")
+    key, key_source = api_key(args)
 
     demo = args.model is None
-    config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key or None,
+    hosts = None if args.allowed_hosts is None else [h.strip() for h in args.allowed_hosts.split(",") if h.strip()]
+    config = ServerConfig(host=args.host, port=args.port, api_key=key,
                           cors=[o.strip() for o in (args.cors or "").split(",") if o.strip()],
-                          max_body_mb=args.max_body_mb, max_queue=args.max_queue, access_log=args.verbose)
+                          max_body_mb=args.max_body_mb, max_queue=args.max_queue, access_log=args.verbose,
+                          allowed_hosts=hosts, header_timeout=args.header_timeout, body_timeout=args.body_timeout)
     if demo:
         config.model_ids = ("ds4py-demo",) + MODEL_IDS
         config.model_name = "ds4py demo (tiny, random weights)"
@@ -121,6 +170,9 @@ def run(args) -> int:
           f"/health answers 503 until the model is loaded.", file=sys.stderr, flush=True)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not config.api_key:
         print("ds4py serve: warning: listening beyond this machine without --api-key", file=sys.stderr, flush=True)
+    if key_source == "--api-key":
+        print("ds4py serve: note: a key given with --api-key is visible to other users in the process list; "
+              "--api-key-file or $DS4PY_API_KEY keep it out", file=sys.stderr, flush=True)
     state.load_in_background(load)
     run_server(state, sock)
     return 0

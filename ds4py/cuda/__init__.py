@@ -6,6 +6,7 @@ raises CudaUnavailableError without a GPU. Modules:
     compiler   NVRTC -> cubin, disk cache, ptxas report     driver    lazy driver access, Device
     memory     arena, DeviceArray, pinned chunked upload    launch    kernel registry, cuLaunchKernelEx (+PDL)
     runtime    Runtime: device, kernels, main/side streams  graph     StepGraph: capture once, replay per step
-    ops        host wrappers picking launch geometry        twins     numpy twins of every kernel
+    emu        the CPU emulator of cu/*.cu                  emu_runtime  EmuRuntime: Runtime's interface on it
+    ops        host wrappers picking launch geometry        twins     numpy twins of every kernel (ref.ops)
 See docs/cuda.md.
 """

@@ -35,7 +35,7 @@ def api() -> Any:
         raise CudaUnavailableError(
             "no NVIDIA driver was found (libcuda could not be loaded); the CUDA backend needs a GPU") from None
     if err != driver.CUresult.CUDA_SUCCESS:
-        raise CudaUnavailableError(f"the NVIDIA driver found no usable GPU (cuInit: {_err_name(driver, err)})")
+        raise CudaUnavailableError(f"the NVIDIA driver found no usable GPU (cuInit: {error_name(driver, err)})")
     err, count = driver.cuDeviceGetCount()
     if err != driver.CUresult.CUDA_SUCCESS or count == 0:
         raise CudaUnavailableError("the NVIDIA driver reports no CUDA device")
@@ -51,7 +51,7 @@ def available() -> bool:
         return False
 
 
-def _err_name(driver: Any, err: Any) -> str:
+def error_name(driver: Any, err: Any) -> str:
     try:
         e, name = driver.cuGetErrorName(err)
         return name.decode() if isinstance(name, bytes) else str(name)
@@ -65,7 +65,7 @@ def call(name: str, *args: Any) -> Any:
     res = getattr(d, name)(*args)
     err = res[0]
     if err != d.CUresult.CUDA_SUCCESS:
-        raise CudaError(f"{name} failed: {_err_name(d, err)}")
+        raise CudaError(f"{name} failed: {error_name(d, err)}")
     return None if len(res) == 1 else res[1] if len(res) == 2 else res[1:]
 
 

@@ -19,9 +19,9 @@ import re
 import shutil
 import subprocess
 import threading
-from dataclasses import dataclass
+import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -37,8 +37,7 @@ FLAGS = ("-std=c++17", "-O1", "-g0", "-fPIC", "-shared", "-fvisibility=hidden", 
 GENERATOR_VERSION = "ds4py-emu-v2"
 ORDERS = {"forward": 0, "reverse": 1, "random": 2}
 
-_launch_lock = threading.Lock()      # the emulator's state is global per library, signal handlers per process
-_loaded: dict[str, "EmuModule"] = {}
+_loaded: dict[tuple[str, tuple[str, ...]], "EmuModule"] = {}
 
 
 class EmuError(Ds4Error):
@@ -141,8 +140,10 @@ def _compiler_version(cxx: str) -> str:
     return _cxx_version[cxx]
 
 
-def build(source: Path, extra_flags: Sequence[str] = ()) -> tuple[Path, dict[str, list[Param]]]:
-    """Compile `source` for the emulator (or find it in the cache). Returns the .so path and the kernels."""
+def build(source: Path, extra_flags: Sequence[str] = (),
+          progress: Callable[[str], None] | None = None) -> tuple[Path, dict[str, list[Param]]]:
+    """Compile `source` for the emulator (or find it in the cache). Returns the .so path and the kernels.
+    progress: told about a build that really runs g++ (about a second per file)."""
     source = Path(source).resolve()
     if not source.is_file():
         raise EmuError(f"kernel source {source} does not exist")
@@ -166,6 +167,7 @@ def build(source: Path, extra_flags: Sequence[str] = ()) -> tuple[Path, dict[str
     tmp_src = out.with_name(f".{out.stem}.{os.getpid()}.cpp")
     tmp_so = out.with_name(f".{out.stem}.{os.getpid()}.so")
     tmp_src.write_text(unit)
+    t0 = time.perf_counter()
     cmd = [cxx, *FLAGS, *extra_flags, f"-I{EMU_DIR / 'include'}", f"-I{source.parent}", f"-I{CU_DIR}",
            "-include", str(EMU_DIR / "cuda_emu.h"), "-x", "c++", str(tmp_src), "-o", str(tmp_so)]
     try:
@@ -173,26 +175,201 @@ def build(source: Path, extra_flags: Sequence[str] = ()) -> tuple[Path, dict[str
         if r.returncode != 0:
             raise EmuCompileError(f"the emulator could not compile {source.name}:\n{r.stderr.strip()}")
         os.replace(tmp_so, out)
+        if progress is not None:
+            progress(f"ds4py: emulator built {source.name} in {time.perf_counter() - t0:.1f} s")
     finally:
         tmp_src.unlink(missing_ok=True)
         tmp_so.unlink(missing_ok=True)
     return out, kernels
 
 
-@dataclass
-class _Buffer:
-    """A guarded copy of one array, shaped like a device buffer for `pack_args` (ptr, dtype, readonly)."""
-    ptr: int
-    dtype: np.dtype
-    readonly: bool
-    nbytes: int
-    array: np.ndarray
-    names: list[str]
-    written: bool = False
+# ---- guarded host buffers ------------------------------------------------------------------------------------
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+PAGE = os.sysconf("SC_PAGE_SIZE")
+_PROT_NONE, _PROT_READ, _PROT_RW = 0, 1, 3
+_MAP_PRIVATE_ANON = 0x02 | 0x20
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def map_guarded(body: int) -> int:
+    """`body` bytes (a whole number of pages) of read-write memory between two PROT_NONE pages; returns the
+    address of the first body byte."""
+    base = _libc.mmap(None, body + 2 * PAGE, _PROT_RW, _MAP_PRIVATE_ANON, -1, 0)
+    if base in (None, _MAP_FAILED):
+        raise EmuError(f"cannot map {body} bytes of host memory for the emulator")
+    _libc.mprotect(base, PAGE, _PROT_NONE)
+    _libc.mprotect(base + PAGE + body, PAGE, _PROT_NONE)
+    return base + PAGE
+
+
+def unmap_guarded(start: int, body: int) -> None:
+    _libc.munmap(start - PAGE, body + 2 * PAGE)
+
+
+def protect(start: int, body: int, readonly: bool) -> None:
+    _libc.mprotect(start, body, _PROT_READ if readonly else _PROT_RW)
+
+
+def _padded(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
+def _body(n: int) -> int:
+    return max(PAGE, (_padded(n) + PAGE - 1) // PAGE * PAGE)
+
+
+class GuardedBuffer:
+    """Host bytes ending (after up to 15 bytes of padding) right below a PROT_NONE page: the first access past
+    the end faults. `ptr` is 16-byte aligned, as a vector load needs."""
+    __slots__ = ("start", "body", "ptr", "nbytes", "readonly")
+
+    def __init__(self, start: int, body: int):
+        self.start, self.body, self.ptr, self.nbytes, self.readonly = start, body, start, 0, False
+
+    def place(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.ptr = self.start + self.body - _padded(nbytes)
+
+    def set_readonly(self, ro: bool) -> None:
+        if ro != self.readonly:
+            protect(self.start, self.body, ro)
+            self.readonly = ro
 
     @property
-    def padded(self) -> int:
-        return (self.nbytes + 15) // 16 * 16
+    def padding(self) -> int:
+        return _padded(self.nbytes) - self.nbytes
+
+
+class BufferPool:
+    """Guarded buffers reused from launch to launch (a mapping costs system calls; a reuse costs none)."""
+
+    def __init__(self, keep: int = 64):
+        self.free: dict[int, list[GuardedBuffer]] = {}
+        self.keep = keep
+
+    def get(self, nbytes: int) -> GuardedBuffer:
+        body = _body(nbytes)
+        bufs = self.free.get(body)
+        buf = bufs.pop() if bufs else GuardedBuffer(map_guarded(body), body)
+        buf.place(nbytes)
+        return buf
+
+    def put(self, buf: GuardedBuffer) -> None:
+        buf.set_readonly(False)
+        bufs = self.free.setdefault(buf.body, [])
+        if len(bufs) < self.keep:
+            bufs.append(buf)
+        else:
+            unmap_guarded(buf.start, buf.body)
+
+
+_pool = BufferPool()
+
+
+# ---- staging: every pointer argument in its own guarded copy ----------------------------------------------------
+class Staged:
+    """What pack_args sees for one staged pointer argument: the guarded copy's address, dtype and writability."""
+    __slots__ = ("ptr", "dtype", "readonly")
+
+    def __init__(self, ptr: int, dtype: Any, readonly: bool):
+        self.ptr, self.dtype, self.readonly = ptr, dtype, readonly
+
+
+class _Group:
+    """One host extent [addr, addr + nbytes) that one or more arguments point at (the same array twice)."""
+    __slots__ = ("addr", "nbytes", "names", "writes", "buf", "cached", "memory")
+
+    def __init__(self, addr: int, nbytes: int, name: str, writes: bool, memory: Any):
+        self.addr, self.nbytes, self.names, self.writes = addr, nbytes, [name], writes
+        self.buf: GuardedBuffer | None = None
+        self.cached = False
+        self.memory = memory
+
+
+class Staging:
+    """The guarded copies of one launch's pointer arguments.
+
+    Each argument's bytes are copied into a buffer that ends at a guard page (const ones mapped read-only), the
+    kernel runs on the copies, and the written ones are copied back (after checking the alignment padding).
+    A const argument whose memory offers `const_copy` (the EmuRuntime's host arena) is taken from its cache of
+    read-only copies instead: weights are copied once, not once per launch."""
+
+    def __init__(self, kernel: str):
+        self.kernel = kernel
+        self.groups: list[_Group] = []
+
+    def add(self, p: Param, addr: int, nbytes: int, dtype: Any, src_readonly: bool, memory: Any = None) -> Staged:
+        writes = not p.is_const
+        for g in self.groups:                         # the same array twice (in-place kernels) shares a buffer
+            if g.addr == addr and g.nbytes == nbytes:
+                g.names.append(p.name)
+                g.writes |= writes
+                return Staged(0, dtype, src_readonly)   # pointer filled in by place()
+            if nbytes and g.nbytes and addr < g.addr + g.nbytes and g.addr < addr + nbytes:
+                raise KernelArgumentError(f"{self.kernel}: argument {p.name!r} partly overlaps argument "
+                                          f"{g.names[0]!r}; pass separate arrays")
+        self.groups.append(_Group(addr, nbytes, p.name, writes, memory))
+        return Staged(0, dtype, src_readonly)
+
+    def place(self, staged: list[tuple[int, int, Staged]]) -> None:
+        """Copy every group into its buffer and point each Staged at it; staged: (addr, nbytes, Staged)."""
+        for g in self.groups:
+            if not g.writes and g.memory is not None and g.nbytes:
+                g.buf, g.cached = g.memory.const_copy(g.addr, g.nbytes), True
+                continue
+            buf = g.buf = _pool.get(g.nbytes)
+            if g.nbytes:
+                ctypes.memmove(buf.ptr, g.addr, g.nbytes)
+            if buf.padding:
+                ctypes.memset(buf.ptr + g.nbytes, 0xFF, buf.padding)   # poison the alignment padding
+            if not g.writes:
+                buf.set_readonly(True)                       # a store through a const pointer faults
+        where = {(g.addr, g.nbytes): g.buf.ptr for g in self.groups}
+        for addr, nbytes, s in staged:
+            s.ptr = where[(addr, nbytes)]
+
+    def finish(self) -> None:
+        """After a successful launch: check the padding of written buffers, then copy them back."""
+        for g in self.groups:
+            if not g.writes:
+                continue
+            buf = g.buf
+            if buf.padding and ctypes.string_at(buf.ptr + g.nbytes, buf.padding) != b"\xff" * buf.padding:
+                raise EmuKernelError(f"{self.kernel}: wrote past the end of argument {g.names[0]!r} "
+                                     f"({g.nbytes} bytes)")
+        for g in self.groups:
+            if g.writes and g.nbytes:
+                ctypes.memmove(g.addr, g.buf.ptr, g.nbytes)
+                if g.memory is not None:
+                    g.memory.invalidate(g.addr, g.nbytes)
+
+    def release(self) -> None:
+        for g in self.groups:
+            if g.buf is not None and not g.cached:
+                _pool.put(g.buf)
+            g.buf = None
+
+    def writable(self) -> list[GuardedBuffer]:
+        return [g.buf for g in self.groups if g.writes and g.buf is not None]
+
+    def describe_fault(self, msg: str, addr: int) -> str:
+        for g in self.groups:
+            buf = g.buf
+            if buf is None:
+                continue
+            end = buf.ptr + _padded(g.nbytes)
+            if buf.ptr <= addr < end and "pdl_wait" in msg:
+                return f"{msg}: to argument {g.names[0]!r} (byte {addr - buf.ptr} of {g.nbytes})"
+            if buf.ptr <= addr < end:
+                return f"{msg}: a write to const argument {g.names[0]!r} (byte {addr - buf.ptr} of {g.nbytes})"
+            if end <= addr < end + PAGE:
+                return f"{msg}: {addr - buf.ptr - g.nbytes} bytes past the end of argument {g.names[0]!r} " \
+                       f"({g.nbytes} bytes)"
+        return msg
 
 
 def _dim3(v: int | Sequence[int], what: str) -> tuple[int, int, int]:
@@ -203,21 +380,21 @@ def _dim3(v: int | Sequence[int], what: str) -> tuple[int, int, int]:
 
 
 class EmuModule:
-    """One .cu file compiled for the CPU emulator; `launch` runs one of its kernels on numpy arrays."""
+    """One .cu file compiled for the CPU emulator; `launch` runs one of its kernels on numpy arrays (the
+    EmuRuntime runs them on its host arena through `run`)."""
 
-    def __init__(self, source: str | Path, extra_flags: Sequence[str] = ()):
+    def __init__(self, source: str | Path, extra_flags: Sequence[str] = (),
+                 progress: Callable[[str], None] | None = None):
         self.source = Path(source).resolve()
-        self.path, self.kernels = build(self.source, extra_flags)
+        self.extra_flags = tuple(extra_flags)
+        self.path, self.kernels = build(self.source, self.extra_flags, progress)
         self.max_threads = launch_bounds(self.source.read_text())
         self._lib = ctypes.CDLL(str(self.path))
         lib = self._lib
-        lib.emu_alloc.restype = ctypes.c_void_p
-        lib.emu_alloc.argtypes = [ctypes.c_size_t]
-        lib.emu_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        lib.emu_protect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         lib.emu_message.restype = ctypes.c_char_p
         lib.emu_fault_address.restype = ctypes.c_void_p
         lib.emu_static_smem_bytes.restype = ctypes.c_size_t
+        lib.emu_pdl_check.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
         self._launchers = {}
         for k in self.kernels:
             fn = getattr(lib, f"emu_launch_{k}")
@@ -230,92 +407,82 @@ class EmuModule:
         """Static __shared__ bytes of all kernels in the file together."""
         return int(self._lib.emu_static_smem_bytes())
 
+    def check(self, name: str, block: tuple[int, int, int], order: str) -> list[Param]:
+        if name not in self.kernels:
+            raise KernelArgumentError(f"{self.source.name} has no kernel {name!r} (it has {', '.join(self.kernels)})")
+        if order not in ORDERS:
+            raise KernelArgumentError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
+        if name in self.max_threads and block[0] * block[1] * block[2] > self.max_threads[name]:
+            raise EmuKernelError(f"{name}: block of {block[0] * block[1] * block[2]} threads exceeds its "
+                                 f"__launch_bounds__({self.max_threads[name]})")
+        return self.kernels[name]
+
+    def run(self, name: str, grid: tuple[int, int, int], block: tuple[int, int, int], shared_mem: int,
+            params_address: int | None, order: str, seed: int, staging: Staging, pdl_check: bool = False) -> None:
+        """One launch with packed parameters (pointers already into `staging`'s buffers). Call under
+        `launch_lock`; raises EmuKernelError naming thread, block and line when the kernel misbehaves.
+        pdl_check: a thread that stores to an argument, or returns, before calling pdl_wait() fails the launch."""
+        watched = staging.writable() if pdl_check else []
+        if pdl_check:
+            if len(watched) > 32:
+                raise EmuError(f"{name}: the pdl check watches at most 32 written arguments")
+            starts = (ctypes.c_void_p * max(1, len(watched)))(*[b.start for b in watched])
+            lens = (ctypes.c_size_t * max(1, len(watched)))(*[b.body for b in watched])
+            self._lib.emu_pdl_check(len(watched), starts, lens)
+        try:
+            rc = self._launchers[name]((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), int(shared_mem),
+                                       params_address, ORDERS[order], int(seed) & (2**64 - 1))
+        finally:
+            if pdl_check:
+                self._lib.emu_pdl_check(-1, None, None)
+                for b in watched:                          # the launch may have left them read-only
+                    protect(b.start, b.body, False)
+        if rc != 0:
+            msg = self._lib.emu_message().decode(errors="replace")
+            if rc == 2:
+                msg = staging.describe_fault(msg, self._lib.emu_fault_address() or 0)
+            raise EmuKernelError(f"{name}: {msg}")
+
     def launch(self, name: str, grid: int | Sequence[int], block: int | Sequence[int], args: Sequence[Any],
                shared_mem: int = 0, order: str = "forward", seed: int = 0) -> None:
         """Run kernel `name` over `grid` x `block`. Pointer parameters take C-contiguous numpy arrays (or None for
         a null pointer); arrays passed to non-const pointers are updated in place. `order` picks the thread and
         block order ("forward", "reverse" or seeded "random") to shake out order-dependent results."""
-        if name not in self.kernels:
-            raise KernelArgumentError(f"{self.source.name} has no kernel {name!r} (it has {', '.join(self.kernels)})")
-        if order not in ORDERS:
-            raise KernelArgumentError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
-        params = self.kernels[name]
         g, b = _dim3(grid, "grid"), _dim3(block, "block")
-        if name in self.max_threads and b[0] * b[1] * b[2] > self.max_threads[name]:
-            raise EmuKernelError(f"{name}: block of {b[0] * b[1] * b[2]} threads exceeds its "
-                                 f"__launch_bounds__({self.max_threads[name]})")
+        params = self.check(name, b, order)
         if len(args) != len(params):
             pack_args(name, params, args)                  # raises the count error with the signature
-        buffers: list[_Buffer] = []
-        with _launch_lock:
+        staging = Staging(name)
+        staged: list[tuple[int, int, Staged]] = []
+        values = []
+        for p, v in zip(params, args):
+            if p.is_pointer and isinstance(v, np.ndarray):
+                if not v.flags.c_contiguous:
+                    raise KernelArgumentError(f"{name}: argument {p.name!r} must be a C-contiguous array")
+                s = staging.add(p, v.ctypes.data, v.nbytes, v.dtype, not v.flags.writeable)
+                staged.append((v.ctypes.data, v.nbytes, s))
+                v = s
+            values.append(v)
+        with launch_lock:
             try:
-                values = [self._stage(name, p, v, buffers) if p.is_pointer else v for p, v in zip(params, args)]
+                staging.place(staged)
                 packed = pack_args(name, params, values)
-                for buf in buffers:                         # a store through a const pointer faults
-                    if not buf.written and buf.nbytes:
-                        self._lib.emu_protect(buf.ptr, buf.nbytes, 1)
-                rc = self._launchers[name]((ctypes.c_uint * 3)(*g), (ctypes.c_uint * 3)(*b), int(shared_mem),
-                                           packed.address or None, ORDERS[order], int(seed))
-                if rc != 0:
-                    raise EmuKernelError(f"{name}: {self._describe_failure(rc, buffers)}")
-                for buf in buffers:
-                    self._finish(name, buf)
+                self.run(name, g, b, shared_mem, packed.address or None, order, seed, staging)
+                staging.finish()
             finally:
-                for buf in buffers:
-                    self._lib.emu_free(buf.ptr, buf.nbytes)
-
-    def _stage(self, kernel: str, p: Param, v: Any, buffers: list[_Buffer]) -> Any:
-        if v is None or not isinstance(v, np.ndarray):
-            return v                                        # None (null), or something pack_args will reject
-        if not v.flags.c_contiguous:
-            raise KernelArgumentError(f"{kernel}: argument {p.name!r} must be a C-contiguous array")
-        addr = v.ctypes.data
-        for buf in buffers:                                 # the same array twice (in-place kernels) shares a buffer
-            a0 = buf.array.ctypes.data
-            if a0 == addr and buf.nbytes == v.nbytes:
-                buf.names.append(p.name)
-                buf.written |= not p.is_const
-                return buf
-            if v.nbytes and buf.nbytes and addr < a0 + buf.nbytes and a0 < addr + v.nbytes:
-                raise KernelArgumentError(
-                    f"{kernel}: argument {p.name!r} partly overlaps argument {buf.names[0]!r}; pass separate arrays")
-        ptr = self._lib.emu_alloc(v.nbytes)
-        if not ptr:
-            raise EmuError(f"{kernel}: cannot map {v.nbytes} bytes for argument {p.name!r}")
-        buf = _Buffer(ptr, v.dtype, not v.flags.writeable, v.nbytes, v, [p.name], not p.is_const)
-        buffers.append(buf)
-        ctypes.memmove(ptr, addr, v.nbytes)
-        ctypes.memset(ptr + v.nbytes, 0xFF, buf.padded - v.nbytes)   # poison the alignment padding
-        return buf
-
-    def _finish(self, kernel: str, buf: _Buffer) -> None:
-        pad = ctypes.string_at(buf.ptr + buf.nbytes, buf.padded - buf.nbytes)
-        if pad != b"\xff" * len(pad):
-            raise EmuKernelError(f"{kernel}: wrote past the end of argument {buf.names[0]!r} ({buf.nbytes} bytes)")
-        if buf.written:
-            ctypes.memmove(buf.array.ctypes.data, buf.ptr, buf.nbytes)
-
-    def _describe_failure(self, rc: int, buffers: list[_Buffer]) -> str:
-        msg = self._lib.emu_message().decode(errors="replace")
-        if rc != 2:
-            return msg
-        addr = self._lib.emu_fault_address() or 0
-        page = os.sysconf("SC_PAGE_SIZE")
-        for buf in buffers:
-            end = buf.ptr + buf.padded
-            if buf.ptr <= addr < end:
-                return f"{msg}: a write to const argument {buf.names[0]!r} (byte {addr - buf.ptr} of {buf.nbytes})"
-            if end <= addr < end + page:
-                return f"{msg}: {addr - buf.ptr - buf.nbytes} bytes past the end of argument {buf.names[0]!r} " \
-                       f"({buf.nbytes} bytes)"
-        return msg
+                staging.release()
 
 
-def load(source: str | Path) -> EmuModule:
-    """EmuModule for `source`, shared within the process (rebuilt when the source or headers change)."""
+launch_lock = threading.Lock()      # the emulator's state is global per library, signal handlers per process
+
+
+def load(source: str | Path, extra_flags: Sequence[str] = (),
+         progress: Callable[[str], None] | None = None) -> EmuModule:
+    """EmuModule for `source` (and flags, e.g. -D defines), shared within the process (rebuilt when the source or
+    headers change)."""
     source = Path(source).resolve()
-    key = str(source)
+    key = (str(source), tuple(extra_flags))
     mod = _loaded.get(key)
-    if mod is None or build(source)[0] != mod.path:
-        mod = _loaded[key] = EmuModule(source)
+    if mod is None or build(source, extra_flags)[0] != mod.path:
+        mod = _loaded[key] = EmuModule(source, extra_flags, progress)
     return mod

@@ -2,10 +2,13 @@
 
 A step's launches (main stream, plus side-stream work forked and joined with events) are captured into a graph
 and instantiated once. What changes from step to step (token id, position, ...) lives in a small device slot of
-int32 values that the captured kernels read; `replay(values)` writes the slot with cuMemsetD32Async on the main
+int32 values that the captured kernels read; `replay(values)` writes the slot with a 32-bit memset on the main
 stream (a launch parameter, so no host buffer can be overwritten under a pending copy) and launches the graph.
 Replay never re-captures, except when the arena's scratch has moved (its generation changed): the graph holds
 raw pointers, so it is captured again.
+
+The runtime does the capturing (Runtime: cuStreamBeginCapture ... cuGraphInstantiate; EmuRuntime: a recorded
+list of launches replayed on the CPU), so the same StepGraph drives both.
 """
 
 from __future__ import annotations
@@ -14,68 +17,73 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ds4py.cuda.driver import api, call
 from ds4py.cuda.memory import Arena, DeviceArray
-from ds4py.cuda.runtime import Runtime
 from ds4py.errors import Ds4Error
 
 
+class CaptureError(Ds4Error):
+    """A graph capture failed (the step's recording raised, or the runtime invalidated the capture)."""
+
+
 class StepGraph:
-    def __init__(self, rt: Runtime, record: Callable[[], None], slot: DeviceArray, arena: Arena | None = None):
+    def __init__(self, rt: Any, record: Callable[[], None], slot: DeviceArray, arena: Arena | None = None):
         """record() issues the step's launches on rt.main (and rt.side between rt.fork()/rt.join()); it runs
-        once per capture, never per replay. slot: int32 device array the kernels read the step values from."""
+        once per capture, never per replay. slot: int32 device array the kernels read the step values from.
+        rt: a Runtime or an EmuRuntime."""
         if np.dtype(slot.dtype) != np.int32:
             raise Ds4Error("the step slot must be an int32 device array")
         self.rt, self.record, self.slot, self.arena = rt, record, slot, arena
         self.graph: Any = None
-        self.exec: Any = None
         self.generation = -1
         self.captures = 0
 
     def _stale(self) -> bool:
-        return self.exec is None or (self.arena is not None and self.arena.generation != self.generation)
+        return self.graph is None or (self.arena is not None and self.arena.generation != self.generation)
 
     def capture(self) -> None:
-        d = api()
+        """Record the step into a fresh graph. A failure in record() or in the capture itself raises (the
+        stream is taken out of capture mode first); nothing half-captured is ever kept or replayed."""
         self._destroy()
-        call("cuStreamBeginCapture", self.rt.main, d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        self.rt.begin_capture()
         try:
             self.record()
-        except BaseException:
-            try:  # leave the stream usable
-                g = call("cuStreamEndCapture", self.rt.main)
-                call("cuGraphDestroy", g)
-            except Exception:
-                pass
+        except BaseException as e:
+            try:
+                self.rt.abort_capture()
+            except Exception as cleanup:      # the capture is unusable and the stream may be too: say both
+                raise CaptureError(f"graph capture failed ({type(e).__name__}: {e}) and the stream could not "
+                                   f"leave capture mode ({cleanup})") from e
             raise
-        self.graph = call("cuStreamEndCapture", self.rt.main)
-        self.exec = call("cuGraphInstantiate", self.graph, 0)
+        try:
+            self.graph = self.rt.end_capture()
+        except Ds4Error as e:
+            raise CaptureError(f"graph capture failed: {e}") from e
         self.generation = self.arena.generation if self.arena is not None else 0
         self.captures += 1
 
     def write_slot(self, values: Sequence[int]) -> None:
         if len(values) > self.slot.size:
             raise Ds4Error(f"{len(values)} step values do not fit the {self.slot.size}-entry slot")
-        for i, v in enumerate(values):
+        words = []
+        for v in values:
             v = int(v)
             if not -2**31 <= v < 2**31:
                 raise Ds4Error(f"step value {v} does not fit in int32")
-            call("cuMemsetD32Async", self.slot.ptr + 4 * i, v & 0xFFFFFFFF, 1, self.rt.main)
+            words.append(v)
+        for i, v in enumerate(words):
+            self.slot.memory.memset_d32(self.slot.ptr + 4 * i, v, 1, self.rt.main)
 
     def replay(self, values: Sequence[int] = ()) -> None:
         """Write the step values, then launch the graph on the main stream (capturing first if needed)."""
         if self._stale():
             self.capture()
         self.write_slot(values)
-        call("cuGraphLaunch", self.exec, self.rt.main)
+        self.rt.launch_graph(self.graph)
 
     def _destroy(self) -> None:
-        if self.exec is not None:
-            call("cuGraphExecDestroy", self.exec)
-            self.exec = None
         if self.graph is not None:
-            call("cuGraphDestroy", self.graph)
-            self.graph = None
+            g, self.graph = self.graph, None
+            self.rt.destroy_graph(g)
 
     def close(self) -> None:
         self._destroy()

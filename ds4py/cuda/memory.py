@@ -1,20 +1,23 @@
 """Device memory: one arena per context, typed views, pinned staging and chunked weight upload.
 
-The arena holds two regions, each one cuMemAlloc:
+The arena holds two regions, each one allocation of its memory (cuMemAlloc on a GPU, a host mapping under the
+emulator, ds4py/cuda/emu_runtime.py):
   weights  sized once from the model; bump-allocated while loading, never freed piecemeal
   scratch  activations of one step; bump-allocated, reset by begin_step(), and grown (by doubling) only there,
            so no pointer handed out during a step ever moves. Growth bumps `generation`: captured CUDA graphs
            hold raw pointers and must be re-captured.
 Every allocation is 256-byte aligned (16-byte vector loads, and room for TMA/cp.async alignment later).
+A DeviceArray copies through the memory it lives in (`mem`): DriverMemory binds its Runtime's context first.
 """
 
 from __future__ import annotations
 
 import ctypes
+import math
 import sys
 import time
-from dataclasses import dataclass
-from typing import Any, Iterator, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Protocol
 
 import numpy as np
 
@@ -38,31 +41,132 @@ class Allocator(Protocol):
     def free(self, ptr: int) -> None: ...
 
 
-class DriverAllocator:
-    """cuMemAlloc / cuMemFree (allocations are at least 256-byte aligned by the driver)."""
+class DriverMemory:
+    """Device memory through the driver: cuMemAlloc / cuMemFree and the copies DeviceArray makes.
+
+    `bind` makes the owning Runtime's context current on the calling thread (a context is current per thread,
+    so an upload from the server's engine worker would otherwise run in no context or the wrong one).
+    An asynchronous upload keeps its host array alive until the copy has completed (an event per copy,
+    released on a later call once the event has fired, or at synchronize())."""
+
+    def __init__(self, bind: Callable[[], None] | None = None):
+        self.bind = bind or (lambda: None)
+        self._pending: list[tuple[Any, np.ndarray]] = []     # (event, host array) of async uploads in flight
 
     def alloc(self, nbytes: int) -> int:
+        self.bind()
         return int(call("cuMemAlloc", nbytes))
 
     def free(self, ptr: int) -> None:
+        self.bind()
         call("cuMemFree", ptr)
+
+    def _reap(self, wait: bool = False) -> None:
+        keep = []
+        for event, host in self._pending:
+            if wait:
+                call("cuEventSynchronize", event)
+            elif not _event_done(event):
+                keep.append((event, host))
+                continue
+            call("cuEventDestroy", event)
+        self._pending = keep
+
+    def upload(self, dst: int, host: np.ndarray, stream: Any = None) -> None:
+        self.bind()
+        self._reap()
+        if stream is None:
+            call("cuCtxSynchronize")     # our streams are non-blocking: order against them explicitly
+            call("cuMemcpyHtoD", dst, host.ctypes.data, host.nbytes)
+            # A pageable-memory cuMemcpyHtoD may return once the bytes are staged, before they reach the device,
+            # and non-blocking streams do not wait for it: synchronise so "finished on return" holds.
+            call("cuCtxSynchronize")
+            return
+        call("cuMemcpyHtoDAsync", dst, host.ctypes.data, host.nbytes, stream)
+        event = call("cuEventCreate", _no_timing())
+        call("cuEventRecord", event, stream)
+        self._pending.append((event, host))
+
+    def download(self, out: np.ndarray, src: int, stream: Any = None) -> None:
+        self.bind()
+        if stream is not None:
+            call("cuStreamSynchronize", stream)
+        else:
+            call("cuCtxSynchronize")
+        call("cuMemcpyDtoH", out.ctypes.data, src, out.nbytes)
+        self._reap()
+
+    def memset_d32(self, dst: int, value: int, count: int, stream: Any) -> None:
+        self.bind()
+        call("cuMemsetD32Async", dst, value & 0xFFFFFFFF, count, stream)
+
+    def copy(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
+        self.bind()
+        call("cuMemcpyDtoDAsync", dst, src, nbytes, stream)
+
+    def synchronize(self) -> None:
+        """Every async upload has landed; their host buffers are released."""
+        self._reap(wait=True)
+
+
+DriverAllocator = DriverMemory            # the name Arena's callers used before copies moved here too
+
+
+def _no_timing() -> Any:
+    from ds4py.cuda.driver import api
+
+    return api().CUevent_flags.CU_EVENT_DISABLE_TIMING
+
+
+def _event_done(event: Any) -> bool:
+    from ds4py.cuda.driver import api
+
+    d = api()
+    (err,) = d.cuEventQuery(event)
+    if err == d.CUresult.CUDA_SUCCESS:
+        return True
+    if err == d.CUresult.CUDA_ERROR_NOT_READY:
+        return False
+    call("cuEventSynchronize", event)     # raises CudaError naming the failure
+    return True
+
+
+_DEFAULT_MEMORY: DriverMemory | None = None
+
+
+def _default_memory() -> DriverMemory:
+    global _DEFAULT_MEMORY
+    if _DEFAULT_MEMORY is None:
+        _DEFAULT_MEMORY = DriverMemory()
+    return _DEFAULT_MEMORY
 
 
 @dataclass
 class DeviceArray:
-    """A typed view of device memory (no ownership: the arena owns the bytes)."""
+    """A typed view of device memory (no ownership: the arena owns the bytes).
+
+    `mem` is the memory it lives in (DriverMemory of a Runtime, or the emulator's host arena); None means the
+    driver with whatever context is current."""
     ptr: int
     shape: tuple[int, ...]
     dtype: np.dtype
     readonly: bool = False
+    mem: Any = field(default=None, repr=False, compare=False)
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
-        return self.size * np.dtype(self.dtype).itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def __post_init__(self) -> None:
+        self.dtype = np.dtype(self.dtype)
+
+    @property
+    def memory(self) -> Any:
+        return self.mem if self.mem is not None else _default_memory()
 
     def _check(self, host: np.ndarray) -> np.ndarray:
         host = np.ascontiguousarray(host)
@@ -73,26 +177,37 @@ class DeviceArray:
 
     def upload(self, host: np.ndarray, stream: Any = None) -> None:
         """Copy host -> device. Without a stream: after all queued work in the context, and finished on return.
-        With a stream: queued there (`host` must stay alive and, for real overlap, be pinned)."""
-        host = self._check(host)
-        if stream is None:
-            call("cuCtxSynchronize")     # our streams are non-blocking: order against them explicitly
-            call("cuMemcpyHtoD", self.ptr, host.ctypes.data, self.nbytes)
-            # A pageable-memory cuMemcpyHtoD may return once the bytes are staged, before they reach the device,
-            # and non-blocking streams do not wait for it: synchronise so "finished on return" holds.
-            call("cuCtxSynchronize")
-        else:
-            call("cuMemcpyHtoDAsync", self.ptr, host.ctypes.data, self.nbytes, stream)
+        With a stream: queued there; the host array is kept alive until the copy completes (for real overlap
+        it should be pinned)."""
+        self.memory.upload(self.ptr, self._check(host), stream)
 
     def download(self, stream: Any = None) -> np.ndarray:
         """Copy device -> host after the work queued on `stream` (default: all work in the context)."""
-        if stream is not None:
-            call("cuStreamSynchronize", stream)
-        else:
-            call("cuCtxSynchronize")
         out = np.empty(self.shape, dtype=self.dtype)
-        call("cuMemcpyDtoH", out.ctypes.data, self.ptr, self.nbytes)
+        self.memory.download(out, self.ptr, stream)
         return out
+
+    def fill_d32(self, value: int, stream: Any) -> None:
+        """Every 32-bit word set to `value` (int bits), queued on `stream` (cuMemsetD32Async)."""
+        if self.nbytes % 4:
+            raise ArenaError(f"fill_d32 needs a whole number of 32-bit words, the array holds {self.nbytes} bytes")
+        self.memory.memset_d32(self.ptr, int(value), self.nbytes // 4, stream)
+
+    def view(self, offset: int, shape: tuple[int, ...] | int, dtype: Any = None,
+             readonly: bool | None = None) -> "DeviceArray":
+        """A sub-array starting `offset` bytes in, of `shape` and `dtype` (default: this array's); it must fit."""
+        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
+        v = DeviceArray(self.ptr + int(offset), shape, np.dtype(dtype if dtype is not None else self.dtype),
+                        self.readonly if readonly is None else readonly, self.mem)
+        if offset < 0 or offset + v.nbytes > self.nbytes:
+            raise ArenaError(f"a view of {v.nbytes} bytes at offset {offset} does not fit a {self.nbytes}-byte array")
+        return v
+
+    def reshape(self, *shape: int) -> "DeviceArray":
+        shape = tuple(shape[0]) if len(shape) == 1 and not isinstance(shape[0], int) else shape
+        if int(np.prod(shape, dtype=np.int64)) != self.size:
+            raise ArenaError(f"cannot reshape {list(self.shape)} to {list(shape)}")
+        return DeviceArray(self.ptr, tuple(shape), self.dtype, self.readonly, self.mem)
 
 
 class Region:
@@ -111,7 +226,9 @@ class Region:
 
 class Arena:
     def __init__(self, weights_bytes: int, scratch_bytes: int = 64 << 20, allocator: Allocator | None = None):
-        self.allocator = allocator or DriverAllocator()
+        self.allocator = allocator if allocator is not None else DriverMemory()
+        # the arrays handed out copy through the allocator when it is a memory (DriverMemory, the emulator's)
+        self.memory = self.allocator if hasattr(self.allocator, "upload") else None
         wcap, scap = align_up(max(weights_bytes, ALIGN)), align_up(max(scratch_bytes, ALIGN))
         self.weights_region = Region("weights", self.allocator.alloc(wcap), wcap)
         self.scratch_region = Region("scratch", self.allocator.alloc(scap), scap)
@@ -122,7 +239,7 @@ class Arena:
     def weights(self, shape: tuple[int, ...] | int, dtype: Any) -> DeviceArray:
         """Room for one weight tensor; read-only for kernels (only uploads write it)."""
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
-        arr = DeviceArray(0, shape, np.dtype(dtype), readonly=True)
+        arr = DeviceArray(0, shape, np.dtype(dtype), readonly=True, mem=self.memory)
         ptr = self.weights_region.take(arr.nbytes)
         if ptr is None:
             raise ArenaError(f"the weights region ({self.weights_region.capacity} bytes) is full: cannot add "
@@ -156,7 +273,7 @@ class Arena:
         if not self.in_step:
             raise ArenaError("scratch memory is handed out only inside a step: call begin_step() first")
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
-        arr = DeviceArray(0, shape, np.dtype(dtype))
+        arr = DeviceArray(0, shape, np.dtype(dtype), mem=self.memory)
         ptr = self.scratch_region.take(arr.nbytes)
         if ptr is None:
             self.high_water = max(self.high_water, align_up(self.scratch_region.used) + arr.nbytes)
@@ -196,12 +313,37 @@ def plan_chunks(total: int, chunk: int) -> Iterator[tuple[int, int]]:
         yield off, min(chunk, total - off)
 
 
-class WeightUploader:
+class Uploader:
+    """What every uploader shares: the source/target checks and uploads from a file through a memory map."""
+
+    def upload(self, src: np.ndarray, dst: DeviceArray | int, progress: bool = True, label: str = "weights") -> float:
+        raise NotImplementedError
+
+    @staticmethod
+    def target(src: np.ndarray, dst: DeviceArray | int, label: str) -> tuple[np.ndarray, int]:
+        """(the source's raw bytes, the destination address); a source larger than the array is refused."""
+        raw = np.asarray(src).reshape(-1).view(np.uint8)
+        if isinstance(dst, DeviceArray) and dst.nbytes < raw.nbytes:
+            raise ArenaError(f"{label}: {raw.nbytes} bytes do not fit the {dst.nbytes}-byte device buffer")
+        return raw, dst.ptr if isinstance(dst, DeviceArray) else int(dst)
+
+    def upload_file(self, path: str, offset: int, nbytes: int, dst: DeviceArray | int, progress: bool = True) -> float:
+        """Upload bytes [offset, offset + nbytes) of a file, read through a read-only memory map."""
+        mm = np.memmap(path, dtype=np.uint8, mode="r", offset=offset, shape=(nbytes,))
+        try:
+            return self.upload(mm, dst, progress=progress, label=path)
+        finally:
+            del mm
+
+
+class WeightUploader(Uploader):
     """Streams bytes (e.g. an np.memmap of the GGUF's tensor data) to the device on a copy stream through two
     pinned chunks: the host fills one while the DMA engine drains the other, so pinned memory stays at
     2 x chunk_bytes whatever the model size."""
 
-    def __init__(self, copy_stream: Any, chunk_bytes: int = 64 << 20):
+    def __init__(self, copy_stream: Any, chunk_bytes: int = 64 << 20, bind: Callable[[], None] | None = None):
+        self.bind = bind or (lambda: None)
+        self.bind()
         self.stream = copy_stream
         self.chunk_bytes = chunk_bytes
         self.buffers = [PinnedBuffer(chunk_bytes) for _ in range(2)]
@@ -209,10 +351,8 @@ class WeightUploader:
 
     def upload(self, src: np.ndarray, dst: DeviceArray | int, progress: bool = True, label: str = "weights") -> float:
         """Copy all of `src` (any array; its raw bytes) to dst. Returns GB/s. Blocks until the copy is done."""
-        raw = np.asarray(src).reshape(-1).view(np.uint8)
-        dst_ptr = dst.ptr if isinstance(dst, DeviceArray) else int(dst)
-        if isinstance(dst, DeviceArray) and dst.nbytes < raw.nbytes:
-            raise ArenaError(f"{label}: {raw.nbytes} bytes do not fit the {dst.nbytes}-byte device buffer")
+        self.bind()
+        raw, dst_ptr = self.target(src, dst, label)
         pending = [False, False]
         t0 = last = time.perf_counter()
         total = raw.nbytes
@@ -236,14 +376,6 @@ class WeightUploader:
         if progress and total:
             print(file=sys.stderr)
         return total / 1e9 / max(secs, 1e-9)
-
-    def upload_file(self, path: str, offset: int, nbytes: int, dst: DeviceArray | int, progress: bool = True) -> float:
-        """Upload bytes [offset, offset + nbytes) of a file, read through a read-only memory map."""
-        mm = np.memmap(path, dtype=np.uint8, mode="r", offset=offset, shape=(nbytes,))
-        try:
-            return self.upload(mm, dst, progress=progress, label=path)
-        finally:
-            del mm
 
     def close(self) -> None:
         for b in self.buffers:

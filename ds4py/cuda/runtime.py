@@ -1,12 +1,14 @@
 """The CUDA runtime object: device + context, compiled kernels, a main and a side stream, and launches.
 
     rt = Runtime()                       # raises CudaUnavailableError without a GPU
+    arena = rt.arena(weights_bytes, scratch_bytes)
     rt.launch("rmsnorm_f32", rows, 256, x, w, y, n, eps, pdl=True)
     rt.fork(); rt.launch(..., stream=rt.side); rt.join()    # side-stream work joined back with events
     rt.synchronize()
 
 Work on the side stream overlaps the main stream between fork() and join(); both are plain event edges, so the
-same calls work during graph capture (see graph.py).
+same calls work during graph capture (see graph.py). ds4py/cuda/emu_runtime.py's EmuRuntime has the same
+interface and runs the same kernels on the CPU.
 """
 
 from __future__ import annotations
@@ -16,18 +18,25 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ds4py.cuda.compiler import CU_DIR
-from ds4py.cuda.driver import Device, api, call
+from ds4py.cuda.driver import CudaError, Device, api, call, error_name
 from ds4py.cuda.launch import KernelRegistry, launch
+from ds4py.cuda.memory import Arena, DriverMemory, WeightUploader
 
 
 class Runtime:
     def __init__(self, ordinal: int = 0, cu_dir: Path = CU_DIR, cache: Path | None | bool = True,
-                 progress: Callable[[str], None] | None = None):
+                 progress: Callable[[str], None] | None = None, defines: dict[str, int] | None = None):
+        """defines: per-model shape constants (compiler.model_defines(cfg)); they reach NVRTC as -D values and
+        are part of every cubin's cache key. Missing ones take the V4 Flash values."""
         d = api()
         self.device = Device.open(ordinal)
         self._bound = threading.local()
         self._bound.ok = True            # Device.open made the context current on this thread
-        self.kernels = KernelRegistry.load(self.device.arch, cu_dir, cache=cache, progress=progress)
+        self.driver_version = int(call("cuDriverGetVersion"))
+        self.kernels = KernelRegistry.load(self.device.arch, cu_dir, cache=cache, progress=progress, defines=defines,
+                                           driver_version=self.driver_version)
+        self.memory = DriverMemory(self.bind_thread)
+        self.capturing = False
         flags = d.CUstream_flags.CU_STREAM_NON_BLOCKING
         self.main = call("cuStreamCreate", flags)
         self.side = call("cuStreamCreate", flags)
@@ -51,20 +60,70 @@ class Runtime:
         launch(self.kernels[name], grid, block, args, self.main if stream is None else stream, smem=smem, pdl=pdl,
                max_smem=self.device.smem_per_block_optin)
 
+    def arena(self, weights_bytes: int, scratch_bytes: int = 64 << 20) -> Arena:
+        """An arena in this device's memory; its arrays copy with this runtime's context bound."""
+        return Arena(weights_bytes, scratch_bytes, allocator=self.memory)
+
+    def uploader(self, chunk_bytes: int = 64 << 20) -> WeightUploader:
+        """Chunked file/array upload on the copy stream through two pinned buffers."""
+        return WeightUploader(self.copy, chunk_bytes, bind=self.bind_thread)
+
     def fork(self) -> None:
         """The side stream waits for everything issued on the main stream so far."""
+        self.bind_thread()
         call("cuEventRecord", self._fork_event, self.main)
         call("cuStreamWaitEvent", self.side, self._fork_event, 0)
 
     def join(self) -> None:
         """The main stream waits for everything issued on the side stream so far."""
+        self.bind_thread()
         call("cuEventRecord", self._join_event, self.side)
         call("cuStreamWaitEvent", self.main, self._join_event, 0)
+
+    def copy_d2d(self, dst: int, src: int, nbytes: int, stream: Any = None) -> None:
+        self.memory.copy(dst, src, nbytes, self.main if stream is None else stream)
 
     def synchronize(self) -> None:
         self.bind_thread()
         for s in (self.main, self.side, self.copy):
             call("cuStreamSynchronize", s)
+        self.memory.synchronize()
+
+    # ---- graphs (driven by graph.StepGraph) ------------------------------------------------------------------
+    def begin_capture(self) -> None:
+        self.bind_thread()
+        call("cuStreamBeginCapture", self.main, api().CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        self.capturing = True
+
+    def end_capture(self) -> tuple[Any, Any]:
+        """(graph, instantiated graph). A capture the driver invalidated (an illegal call during it, or work left
+        on the side stream without a join) raises here."""
+        self.capturing = False
+        graph = call("cuStreamEndCapture", self.main)
+        try:
+            return graph, call("cuGraphInstantiate", graph, 0)
+        except Exception:
+            call("cuGraphDestroy", graph)
+            raise
+
+    def abort_capture(self) -> None:
+        """Leave capture mode after a failed record(); the partial graph is destroyed."""
+        self.capturing = False
+        d = api()
+        err, graph = d.cuStreamEndCapture(self.main)
+        if err == d.CUresult.CUDA_SUCCESS:
+            call("cuGraphDestroy", graph)
+        elif err != d.CUresult.CUDA_ERROR_STREAM_CAPTURE_INVALIDATED:   # invalidated: out of capture, no graph
+            raise CudaError(f"cuStreamEndCapture failed: {error_name(d, err)}")
+
+    def launch_graph(self, graph: tuple[Any, Any]) -> None:
+        self.bind_thread()
+        call("cuGraphLaunch", graph[1], self.main)
+
+    def destroy_graph(self, graph: tuple[Any, Any]) -> None:
+        self.bind_thread()
+        call("cuGraphExecDestroy", graph[1])
+        call("cuGraphDestroy", graph[0])
 
     def timer(self) -> "EventTimer":
         return EventTimer(self.main)

@@ -53,7 +53,7 @@ def upload_gguf(gguf, arena: Arena, uploader: WeightUploader, progress: bool = T
             dtype, shape = np.dtype(np.uint8), tuple(t.raw_bytes().shape)
         if rel % 16 and qname in ("F32", "F16"):
             raise GGUFError(f"{gguf.path}: tensor {t.name!r} is not 16-byte aligned in the file")
-        arr = DeviceArray(blob.ptr + rel, shape, dtype, readonly=True)
+        arr = blob.view(rel, shape, dtype)
         if arr.nbytes != t.nbytes:
             raise GGUFError(f"{gguf.path}: tensor {t.name!r} holds {t.nbytes} bytes, expected {arr.nbytes}")
         out[t.name] = DeviceTensor(t.name, qname, t.shape, arr)

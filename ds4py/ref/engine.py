@@ -13,6 +13,7 @@ from ds4py.fingerprint import file_fingerprint
 from ds4py.gguf import GGUFFile
 from ds4py.kv import state_layout
 from ds4py.model import DEFAULT_ROLLBACK_HORIZON, ModelBase, Numerics
+from ds4py.quant import vq
 from ds4py.ref.forward import Trace, forward
 from ds4py.ref.state import RefState
 from ds4py.ref.weights import DEFAULT_CACHE_BYTES, Weights
@@ -89,14 +90,17 @@ class RefModel(ModelBase):
         return Trace(self.config.n_layers)
 
     def weight_bytes_per_token(self) -> int:
-        """GGUF bytes one decode step reads: every tensor except the embedding (one row) and the routed
-        experts (n_experts_used of n_experts per layer)."""
-        cfg, total = self.config, 0
-        for e in schema.entries(cfg):
-            t = self.gguf.tensor(e.name)
-            if e.spec.field == "embed":
+        """GGUF bytes one decode step reads: every tensor of the file except the embedding (one row) and the
+        routed experts (n_experts_used of n_experts per layer, with their VQ-8 companions: row gains, hi plane)."""
+        cfg, entries = self.config, list(schema.entries(self.config))
+        embed = next(e.name for e in entries if e.spec.field == "embed")
+        experts = {e.name for e in entries if e.spec.field.startswith("ffn.experts.")}
+        per_expert = experts | {vq.gain_name(n) for n in experts} | {vq.hi_name(n) for n in experts}
+        total = 0
+        for name, t in self.gguf.tensors.items():
+            if name == embed:
                 total += t.nbytes // t.shape[0]
-            elif e.spec.field.startswith("ffn.experts."):
+            elif name in per_expert:
                 total += t.nbytes * cfg.n_experts_used // cfg.n_experts
             else:
                 total += t.nbytes

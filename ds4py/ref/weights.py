@@ -17,6 +17,7 @@ from gguf import GGMLQuantizationType as Q
 
 from ds4py.gguf import TensorInfo
 from ds4py.quant import dequantize
+from ds4py.quant.vq import VQExperts
 from ds4py.ref.ops import q8_0_round, q8_k_round
 
 F32 = np.float32
@@ -44,6 +45,7 @@ class Weights:
         self.cache_bytes = cache_bytes
         self._cache: OrderedDict[tuple, np.ndarray] = OrderedDict()
         self._cached = 0
+        self.vq = VQExperts(gguf)          # decodes VQ-8 experts; its row gains can be rescaled at load
 
     # ---- cache -------------------------------------------------------------------------------------------
     def _get_cached(self, key: tuple, make) -> np.ndarray:
@@ -82,6 +84,8 @@ class Weights:
         """Expert e's [out, in] matrix of a stacked [X, out, in] expert tensor: the one place routed experts
         are dequantised."""
         def make() -> np.ndarray:
+            if t.qtype == Q.I8:                                   # VQ-8 index stream (ds4py.quant.vq)
+                return self.vq.expert(t.name, e)
             raw = t.raw if t.qtype in (Q.F32, Q.F16) else t.raw_bytes()
             return _dequant_rows(t, raw[e], t.shape[1:]).astype(F32, copy=False)
 

@@ -56,7 +56,7 @@ def _user_blocks(blocks: list, w: str) -> list[dict]:
             if not isinstance(tid, str):
                 raise bad(f"{w}.content[{j}].tool_use_id must be a string", "messages")
             result = tool_result_of(b.get("content", ""), f"{w}.content[{j}].content")
-            if b.get("is_error"):
+            if get_bool(b, "is_error"):
                 result = "Error: " + result if isinstance(result, str) else \
                     [{"type": "text", "text": "Error:"}] + result
             out.append({"role": "tool", "tool_call_id": tid, "content": result})
@@ -139,7 +139,7 @@ def parse_messages(body: dict, served: tuple[str, ...]) -> GenRequest:
     if body.get("max_tokens") is None:
         raise bad("'max_tokens' is required", "max_tokens")
     req = _common(body, served, "messages")
-    apply_sampling(req, body, max_keys=("max_tokens",), stop_key="stop_sequences")
+    apply_sampling(req, body, max_keys=("max_tokens",), stop_key="stop_sequences", stop_list_only=True)
     get_int(body, "max_tokens", 1)
     req.stream = get_bool(body, "stream")
     return req

@@ -13,15 +13,19 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import hmac
+import ipaddress
 import logging
 import secrets
 import socket
 import threading
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 
 import orjson
 from aiohttp import web
+from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
 from . import anthropic, openai, responses
 from .metrics import Metrics
@@ -43,6 +47,11 @@ class ServerConfig:
     model_name: str = "DeepSeek V4 Flash"
     model_note: str | None = None                      # e.g. "random weights (demo model)"
     access_log: bool = False                           # one log line per request (serve -v)
+    # Host names / addresses a request's Host header may name (DNS-rebinding protection); None = derived from
+    # `host` (see allowed_hosts_for), ["*"] = any
+    allowed_hosts: list[str] | None = None
+    header_timeout: float = 30.0       # seconds for a connection to deliver a request's headers (and idle keep-alive)
+    body_timeout: float = 60.0         # seconds for the body to arrive once the headers are in
 
 
 class ServerState:
@@ -65,12 +74,15 @@ class ServerState:
         self.engine = engine
 
     def load_in_background(self, make_engine) -> threading.Thread:
+        from ds4py.errors import Ds4Error
+
         def run():
             try:
                 self.set_engine(make_engine())
                 log.info("model ready")
             except Exception as e:  # reported by /health and every generation endpoint
-                self.load_error = f"{type(e).__name__}: {e}"
+                # a Ds4Error is already the one sentence naming the problem; anything else is a bug: keep its type
+                self.load_error = str(e) if isinstance(e, Ds4Error) else f"{type(e).__name__}: {e}"
                 log.error("model failed to load: %s", self.load_error)
         t = threading.Thread(target=run, name="ds4py-load", daemon=True)
         t.start()
@@ -80,6 +92,8 @@ class ServerState:
         if self.engine is None:
             msg = f"the model failed to load: {self.load_error}" if self.load_error else "the model is still loading"
             raise ApiError(503, msg, kind="service_unavailable", headers={"Retry-After": "5"})
+        if self.engine.broken:
+            raise ApiError(503, self.engine.broken, kind="service_unavailable")
         return self.engine
 
     def close(self) -> None:
@@ -97,15 +111,89 @@ def _api_of(path: str) -> str:
     return "anthropic" if path.startswith("/v1/messages") else "openai"
 
 
+# Answers after which the connection is closed: the rest of the request (an oversized or stalled body) is
+# never read, so the client must not send another request on it.
+CLOSE_STATUSES = (408, 413)
+
+
 def error_response(err: ApiError, path: str) -> web.Response:
     body = anthropic.error_body(err) if _api_of(path) == "anthropic" else openai.error_body(err)
-    return web.Response(status=err.status, body=orjson.dumps(body), content_type="application/json",
+    resp = web.Response(status=err.status, body=orjson.dumps(body), content_type="application/json",
                         headers=err.headers)
+    if err.status in CLOSE_STATUSES:
+        resp.force_close()              # "Connection: close"
+    return resp
 
 
 HTTP_ERRORS = {404: ("not_found_error", "no route {method} {path}"),
                405: ("invalid_request_error", "{path} does not accept {method}"),
                413: ("request_too_large", "the request body is larger than --max-body-mb ({mb} MB)")}
+
+
+def too_large(cfg: ServerConfig) -> ApiError:
+    return ApiError(413, HTTP_ERRORS[413][1].format(mb=cfg.max_body_mb), kind="request_too_large")
+
+
+# ---- browser-facing safety: DNS rebinding (Host) and cross-site simple requests (Origin) ----------------------
+
+LOOPBACK_NAMES = ("localhost",)
+
+
+def _split_host(value: str) -> str:
+    """The host part of a Host header or URL authority, lower-case, without port, brackets or a final dot."""
+    value = value.strip().lower()
+    if value.startswith("["):                       # [v6]:port
+        return value[1:value.find("]")] if "]" in value else value
+    if value.count(":") == 1:
+        value = value.split(":", 1)[0]
+    return value.rstrip(".")
+
+
+def _is_loopback(host: str) -> bool:
+    if host in LOOPBACK_NAMES or host.endswith(".localhost"):    # RFC 6761: *.localhost is loopback
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def allowed_hosts_for(bind_host: str) -> list[str] | None:
+    """What the Host header may name when --allowed-hosts is not given: a loopback server answers only to
+    loopback names (a web page whose DNS name was rebound to 127.0.0.1 is refused); a server bound to one
+    address answers to that address and the loopback names; one bound to every interface (0.0.0.0, ::) to any
+    name (None), since it cannot know its names - use --allowed-hosts (and --api-key) there."""
+    h = _split_host(bind_host)
+    if h in ("", "0.0.0.0", "::", "*"):
+        return None
+    if _is_loopback(h):
+        return ["localhost", "*.localhost", "127.0.0.0/8", "::1"]
+    return [h, "localhost", "*.localhost", "127.0.0.0/8", "::1"]
+
+
+def host_allowed(host: str, allowed: list[str] | None) -> bool:
+    if allowed is None or "*" in allowed:
+        return True
+    h = _split_host(host)
+    for a in allowed:
+        a = a.lower()
+        if a.startswith("*.") and (h.endswith(a[1:]) or h == a[2:]):
+            return True
+        if "/" in a:
+            try:
+                if ipaddress.ip_address(h) in ipaddress.ip_network(a, strict=False):
+                    return True
+            except ValueError:
+                pass
+            continue
+        if h == _split_host(a):
+            return True
+    return False
+
+
+def _same_origin(origin: str, host: str) -> bool:
+    u = urllib.parse.urlsplit(origin)
+    return bool(u.netloc) and u.scheme in ("http", "https") and u.netloc.lower() == host.strip().lower()
 
 
 def _allow_origin(cors, origin: str | None) -> str | None:
@@ -121,11 +209,32 @@ def _add_cors(resp: web.StreamResponse, allow_origin: str | None) -> None:
         resp.headers["Vary"] = "Origin"
 
 
+def _check_browser_safety(request: web.Request, cfg: ServerConfig, allow_origin: str | None) -> None:
+    host = request.headers.get("Host")
+    allowed = cfg.allowed_hosts if cfg.allowed_hosts is not None else allowed_hosts_for(cfg.host)
+    if host is not None and not host_allowed(host, allowed):
+        raise ApiError(403, f"the Host header {host[:100]!r} does not name this server (DNS-rebinding protection);"
+                            f" connect by its address, or start it with --allowed-hosts naming that host",
+                       kind="permission_error", code="host_not_allowed")
+    origin = request.headers.get("Origin")
+    if request.method not in ("GET", "HEAD", "OPTIONS") and origin is not None and allow_origin is None \
+            and not (host is not None and _same_origin(origin, host)):
+        # A web page can POST a "simple" request (text/plain, no preflight) to a loopback server; its answer is
+        # unreadable without CORS, but the request would still run. Browsers always send Origin on it.
+        raise ApiError(403, f"cross-site request from origin {origin[:100]!r} refused; start the server with "
+                            f"--cors naming that origin to allow it", kind="permission_error", code="origin_not_allowed")
+
+
 @web.middleware
 async def middleware(request: web.Request, handler):
     st: ServerState = request.app[STATE]
     cfg = st.config
     allow_origin = _allow_origin(cfg.cors, request.headers.get("Origin"))
+    try:
+        _check_browser_safety(request, cfg, allow_origin)
+    except ApiError as e:
+        st.metrics.request_done(_endpoint(request), e.status)
+        return error_response(e, request.path)
     if cfg.cors and request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
         resp = web.Response(status=204 if allow_origin else 403)
         if allow_origin:
@@ -144,7 +253,7 @@ async def middleware(request: web.Request, handler):
         resp = error_response(e, request.path)
     except web.HTTPException as e:
         kind, msg = HTTP_ERRORS.get(e.status, ("invalid_request_error", e.reason))
-        msg = msg.format(method=request.method, path=request.path, mb=cfg.max_body_mb)
+        msg = msg.format(method=request.method, path=request.path[:200], mb=cfg.max_body_mb)
         resp = error_response(ApiError(e.status, msg, kind=kind), request.path)
     except (asyncio.CancelledError, ConnectionResetError):
         st.metrics.request_done(_endpoint(request), 499)      # nginx's "client closed request"
@@ -167,12 +276,13 @@ def _endpoint(request: web.Request) -> str:
 
 def _check_auth(request: web.Request, key: str) -> None:
     # either header may carry the key: Claude Code with both ANTHROPIC_API_KEY and ANTHROPIC_AUTH_TOKEN set
-    # sends both
+    # sends both. Header bytes that are not UTF-8 arrive as surrogate escapes: compare the bytes as sent.
     given = [request.headers.get("x-api-key", "")]
     auth = request.headers.get("Authorization", "")
     if auth.lower().startswith("bearer "):
         given.append(auth[7:].strip())
-    if not any(g and hmac.compare_digest(g.encode(), key.encode()) for g in given):
+    want = key.encode()
+    if not any(g and hmac.compare_digest(g.encode("utf-8", "surrogateescape"), want) for g in given):
         raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY')",
                        kind="authentication_error", code="invalid_api_key")
 
@@ -180,7 +290,20 @@ def _check_auth(request: web.Request, key: str) -> None:
 # ---- handlers --------------------------------------------------------------------------------------------
 
 async def read_json(request: web.Request) -> dict:
-    raw = await request.read()            # raises 413 past client_max_size
+    cfg = request.app[STATE].config
+    if request.content_length is not None and request.content_length > int(cfg.max_body_mb * 1024 * 1024):
+        raise too_large(cfg)             # before reading a byte of it (and the connection is closed)
+    try:
+        raw = await asyncio.wait_for(request.read(), cfg.body_timeout)   # raises 413 past client_max_size
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {cfg.body_timeout:g} s",
+                       kind="invalid_request_error", code="request_timeout") from None
+    except web.HTTPRequestEntityTooLarge:
+        raise too_large(cfg) from None
+    except (RequestPayloadError, HttpProcessingError) as e:
+        # e.g. "Content-Encoding: gzip" on a body that is not gzip, or a broken chunked encoding
+        why = (getattr(e, "message", "") or str(e)).strip().splitlines()[0][:200]
+        raise ApiError(400, f"the request body cannot be read: {why}") from None
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
@@ -192,8 +315,10 @@ async def read_json(request: web.Request) -> dict:
 
 async def health(request: web.Request) -> web.Response:
     st = request.app[STATE]
-    if st.engine is not None:
+    if st.engine is not None and not st.engine.broken:
         return web.json_response({"status": "ok"})
+    if st.engine is not None:
+        return web.json_response({"status": "error", "error": st.engine.broken}, status=503)
     status = "error" if st.load_error else "loading"
     return web.json_response({"status": status, "error": st.load_error}, status=503)
 
@@ -237,7 +362,7 @@ async def metrics(request: web.Request) -> web.Response:
                         headers={"X-Content-Type-Options": "nosniff"})
 
 
-async def _prepare(request: web.Request, parse) -> tuple[ServerState, object, list[int]]:
+async def _prepare(request: web.Request, parse, check_fits: bool = True) -> tuple[ServerState, object, list[int]]:
     from ds4py.errors import Ds4Error
 
     st = request.app[STATE]
@@ -247,7 +372,8 @@ async def _prepare(request: web.Request, parse) -> tuple[ServerState, object, li
 
     def render():
         ids = engine.prompt_ids(req)
-        engine.check_fits(ids)
+        if check_fits:
+            engine.check_fits(ids)
         return ids
     try:
         ids = await asyncio.get_running_loop().run_in_executor(st.pool, render)
@@ -265,14 +391,15 @@ def generation_handler(parse, encoder_cls, id_prefix: str):
         try:
             started = await job.events.get()
             if isinstance(started, Done):          # failed or cancelled before the first token
-                raise ApiError(500, started.error or "generation did not start", kind="api_error")
+                raise ApiError(503 if st.engine.broken else 500, started.error or "generation did not start",
+                               kind="api_error")
             if req.stream:
                 return await _stream(request, job, enc, started)
             result = Result()
             while result.done is None:
                 result.add(await job.events.get())
             if result.done.finish_reason == "error":
-                raise ApiError(500, result.done.error, kind="api_error")
+                raise ApiError(503 if st.engine.broken else 500, result.done.error, kind="api_error")
             return web.Response(body=orjson.dumps(enc.body(result)), content_type="application/json")
         finally:
             job.cancel.set()       # no-op after a finished job; stops the engine within one token otherwise
@@ -307,7 +434,9 @@ async def _stream(request: web.Request, job: Job, enc, started: Started) -> web.
 
 
 async def count_tokens(request: web.Request) -> web.Response:
-    _, _, ids = await _prepare(request, anthropic.parse_count_tokens)
+    # counting is what a client does to decide whether to shorten a prompt: a prompt longer than --ctx is
+    # counted, not refused
+    _, _, ids = await _prepare(request, anthropic.parse_count_tokens, check_fits=False)
     return web.json_response({"input_tokens": len(ids)})
 
 
@@ -339,10 +468,75 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+class _Handler(RequestHandler):
+    """aiohttp's connection handler, with its own error answers replaced: a request the HTTP parser cannot read
+    (bad request line or headers, an unsupported Content-Encoding, ...) gets the API's JSON error shape (the
+    OpenAI one: the route is unknown at that point) and one log line, not a plain-text body and a traceback."""
+
+    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if isinstance(exc, HttpProcessingError) or status < 500:
+            why = ((getattr(exc, "message", None) or message or "").strip().splitlines() or [""])[0][:200]
+            if isinstance(exc, ContentEncodingError):   # aiohttp's text suggests installing a package: not the client's business
+                why = "unsupported Content-Encoding (send the body uncompressed, gzip or deflate)"
+            log.info("malformed HTTP request from %s: %s", request.remote, why)
+            text = f"malformed HTTP request: {why}" if why else "malformed HTTP request"
+            kind = "invalid_request_error"
+        else:                                        # the last resort: a bug, logged with its traceback
+            log.error("unhandled error on %s", request.path, exc_info=exc)
+            text, kind = "internal server error", "api_error"
+        metrics = getattr(self._manager, "ds4py_metrics", None)
+        if metrics is not None:
+            metrics.request_done("malformed" if status < 500 else "other", status)
+        if request.writer.output_size > 0:
+            raise ConnectionError("the answer has started; cannot send an error now")
+        # the route is unknown here: a body that both the OpenAI and the Anthropic SDKs read as their error
+        err = {"type": kind, "message": text, "param": None, "code": None}
+        resp = web.Response(status=status, body=orjson.dumps({"type": "error", "error": err}),
+                            content_type="application/json")
+        resp.force_close()
+        return resp
+
+
+    def log_exception(self, *args, **kw) -> None:
+        # after an answer to a body that could not be decoded, aiohttp's lingering read of the rest raises the
+        # same payload error again; that is the client's problem, already answered: one line, no traceback
+        exc = kw.get("exc_info")
+        if isinstance(exc, (HttpProcessingError, RequestPayloadError)):
+            why = ((getattr(exc, "message", None) or str(exc)).strip().splitlines() or [""])[0][:200]
+            log.info("malformed HTTP request body: %s", why)
+            return
+        super().log_exception(*args, **kw)
+
+
+class _Server(web.Server):
+    def __call__(self) -> RequestHandler:
+        return _Handler(self, loop=self._loop, **self._kwargs)
+
+
+class _Runner(web.AppRunner):
+    def __init__(self, app: web.Application, metrics: Metrics, **kw):
+        super().__init__(app, **kw)
+        self._ds4py_metrics = metrics
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = _Server         # same object and state; only the connection handler class differs
+        server.ds4py_metrics = self._ds4py_metrics
+        return server
+
+
 async def _start(state: ServerState, sock: socket.socket) -> web.AppRunner:
     # handler_cancellation: a client that disconnects cancels its handler, whose `finally` stops generation.
-    access_log = logging.getLogger("ds4py.server.access") if state.config.access_log else None
-    runner = web.AppRunner(make_app(state), handler_cancellation=True, access_log=access_log, shutdown_timeout=1.0)
+    # keepalive_timeout: aiohttp closes a connection that has not delivered a complete request head within it,
+    # both at the start of a connection and between requests: the header timeout for stalled clients.
+    cfg = state.config
+    access_log = logging.getLogger("ds4py.server.access") if cfg.access_log else None
+    # lingering_time: after an answer to a request whose body was not read (413, 408, a body that could not be
+    # decoded), the rest is read and dropped for at most this long before closing, so that the client sees the
+    # answer instead of a connection reset
+    runner = _Runner(make_app(state), state.metrics, handler_cancellation=True, access_log=access_log,
+                     shutdown_timeout=1.0, keepalive_timeout=cfg.header_timeout, lingering_time=2.0)
     await runner.setup()
     await web.SockSite(runner, sock).start()
     return runner

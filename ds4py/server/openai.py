@@ -13,7 +13,7 @@ import json
 from .protocol import (
     Started,
     ApiError, Done, GenRequest, Reasoning, Result, Text, ToolCallOut, apply_sampling, attach_to_system, bad,
-    check_tool_schema, check_turns, get_bool, note_unknown, reject_if, resolve_model,
+    check_tool_schema, check_turns, get_bool, json_type, note_unknown, reject_if, resolve_model,
     resolve_thinking, sse, text_of, tool_result_of,
 )
 
@@ -63,7 +63,7 @@ def _stream_flags(req: GenRequest, body: dict) -> None:
     if opts is not None:
         if not isinstance(opts, dict):
             raise bad("'stream_options' must be an object", "stream_options")
-        req.include_usage = bool(opts.get("include_usage", False))
+        req.include_usage = get_bool(opts, "include_usage")
 
 
 def parse_tools(body: dict) -> list[dict]:
@@ -138,7 +138,10 @@ def _tool_call(c, w: str) -> dict:
     args = fn.get("arguments", "{}")
     if not isinstance(args, str):
         args = json.dumps(args, ensure_ascii=False)
-    return {"id": str(c.get("id", "")), "type": "function", "function": {"name": fn["name"], "arguments": args}}
+    tid = c.get("id", "")
+    if not isinstance(tid, str):
+        raise bad(f"{w}.id must be a string, got {json_type(tid)}", "messages")
+    return {"id": tid, "type": "function", "function": {"name": fn["name"], "arguments": args}}
 
 
 def parse_chat(body: dict, served: tuple[str, ...]) -> GenRequest:

@@ -161,14 +161,15 @@ def get_bool(body: dict, key: str, default: bool = False) -> bool:
     return v
 
 
-def get_stop(body: dict, key: str) -> list[str]:
+def get_stop(body: dict, key: str, *, list_only: bool = False) -> list[str]:
     v = body.get(key)
     if v is None:
         return []
-    if isinstance(v, str):
+    if isinstance(v, str) and not list_only:
         v = [v]
     if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v):
-        raise bad(f"'{key}' must be a non-empty string or a list of non-empty strings", key)
+        what = "a list of non-empty strings" if list_only else "a non-empty string or a list of non-empty strings"
+        raise bad(f"'{key}' must be {what}", key)
     if len(v) > 16:
         raise bad(f"'{key}' allows at most 16 strings", key)
     return v
@@ -192,8 +193,45 @@ def reject_if(body: dict, key: str, allowed=(None,), why: str = "is not supporte
         raise bad(f"'{key}' {why}", key)
 
 
-def apply_sampling(req: GenRequest, body: dict, *, max_keys: tuple[str, ...], stop_key: str) -> None:
-    """The sampling knobs every API shares; explicit request values always win over the defaults."""
+def get_str(obj: dict, key: str, where: str | None = None, *, param: str | None = None, default=None):
+    """An optional string field (None / missing -> default); anything else is a 400 naming the field."""
+    v = obj.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, str):
+        raise bad(f"'{where or key}' must be a string, got {json_type(v)}", param or key)
+    return v
+
+
+def get_obj(obj: dict, key: str, where: str | None = None, *, param: str | None = None) -> dict:
+    """An optional JSON object field (None / missing -> {})."""
+    v = obj.get(key)
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise bad(f"'{where or key}' must be an object, got {json_type(v)}", param or key)
+    return v
+
+
+def json_type(v) -> str:
+    """The JSON name of a parsed value's type, for error messages."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, (int, float)):
+        return "a number"
+    if isinstance(v, str):
+        return "a string"
+    if isinstance(v, list):
+        return "an array"
+    return "an object"
+
+
+def apply_sampling(req: GenRequest, body: dict, *, max_keys: tuple[str, ...], stop_key: str,
+                   stop_list_only: bool = False) -> None:
+    """The sampling knobs every API shares; explicit request values always win over the defaults. When a
+    request sends several of the length limits (max_tokens and max_completion_tokens), the smaller binds."""
     req.temperature = get_number(body, "temperature", 0.0, 2.0, DEFAULT_TEMPERATURE)
     req.top_p = get_number(body, "top_p", 0.0, 1.0, DEFAULT_TOP_P)
     if req.top_p == 0.0:
@@ -201,11 +239,10 @@ def apply_sampling(req: GenRequest, body: dict, *, max_keys: tuple[str, ...], st
     req.top_k = get_int(body, "top_k", 0, None, 0)
     req.min_p = get_number(body, "min_p", 0.0, 1.0, DEFAULT_MIN_P)
     req.seed = get_int(body, "seed", 0, 2 ** 64 - 1, None)
-    for key in max_keys:
-        v = get_int(body, key, 1, None, None)
-        if v is not None:
-            req.max_tokens = v
-    req.stop = get_stop(body, stop_key)
+    limits = [v for v in (get_int(body, key, 1, None, None) for key in max_keys) if v is not None]
+    if limits:
+        req.max_tokens = min(limits)
+    req.stop = get_stop(body, stop_key, list_only=stop_list_only)
     req.ignore_eos = get_bool(body, "ignore_eos")
 
 
@@ -234,7 +271,7 @@ def resolve_thinking(alias_thinking: bool | None, *, effort=None, thinking_obj=N
     if alias_thinking is not None:
         thinking = alias_thinking
     if effort is not None:
-        if effort not in EFFORTS:
+        if not isinstance(effort, str) or effort not in EFFORTS:
             raise bad(f"'{effort_key}' must be one of {', '.join(EFFORTS)}, got {effort!r}", effort_key)
         thinking, enc_effort = EFFORTS[effort]
     if thinking_obj is not None:
@@ -306,9 +343,11 @@ def check_tool_schema(name, description, parameters, where: str) -> dict:
         parameters = {"type": "object", "properties": {}}
     if not isinstance(parameters, dict):
         raise bad(f"{where}: tool '{name}' parameters must be a JSON schema object", "tools")
+    if description is not None and not isinstance(description, str):
+        raise bad(f"{where}: tool '{name}' description must be a string, got {json_type(description)}", "tools")
     fn = {"name": name}
     if description:
-        fn["description"] = str(description)
+        fn["description"] = description
     fn["parameters"] = parameters
     return {"type": "function", "function": fn}
 

@@ -16,8 +16,8 @@ from .openai import error_body  # noqa: F401  (same error JSON as the other Open
 from .protocol import (
     Started,
     Done, GenRequest, Reasoning, Result, Text, ToolCallOut, apply_sampling, attach_to_system, bad,
-    check_tool_schema, check_turns, get_bool, note_unknown, reject_if, resolve_model,
-    resolve_thinking, sse, text_of, tool_result_of,
+    check_tool_schema, check_turns, get_bool, get_obj, get_str, json_type, note_unknown, reject_if,
+    resolve_model, resolve_thinking, sse, text_of, tool_result_of,
 )
 
 log = logging.getLogger("ds4py.server")
@@ -73,10 +73,11 @@ def _input_messages(inp, instructions) -> list[dict]:
             else:
                 raise bad(f"{w}.role must be system, developer, user or assistant", "input")
         elif kind == "reasoning":
-            parts = it.get("content") or it.get("summary") or []
-            text = "".join(p.get("text", "") for p in parts if isinstance(p, dict))
-            if not text and isinstance(it.get("encrypted_content"), str):
-                text = it["encrypted_content"]      # ours is the plain reasoning text (see ResponsesEncoder)
+            text = "".join(_reasoning_parts(it.get("content"), f"{w}.content") or
+                           _reasoning_parts(it.get("summary"), f"{w}.summary"))
+            encrypted = get_str(it, "encrypted_content", f"{w}.encrypted_content", param="input")
+            if not text and encrypted:
+                text = encrypted                    # ours is the plain reasoning text (see ResponsesEncoder)
             pending_reasoning = (pending_reasoning or "") + text
         elif kind in ("function_call", "custom_tool_call"):
             if not isinstance(it.get("call_id"), str) or not isinstance(it.get("name"), str):
@@ -100,6 +101,20 @@ def _input_messages(inp, instructions) -> list[dict]:
     for m in msgs:
         m.pop("_closed", None)
     return msgs
+
+
+def _reasoning_parts(parts, where: str) -> list[str]:
+    """The texts of a reasoning item's `content` (reasoning_text parts) or `summary` (summary_text parts)."""
+    if parts is None:
+        return []
+    if not isinstance(parts, list):
+        raise bad(f"{where} must be a list of text parts, got {json_type(parts)}", "input")
+    out = []
+    for i, p in enumerate(parts):
+        if not isinstance(p, dict) or not isinstance(p.get("text", ""), str):
+            raise bad(f"{where}[{i}] must be a text part {{\"type\": ..., \"text\": \"...\"}}", "input")
+        out.append(p.get("text", ""))
+    return out
 
 
 _hosted_seen: set[str] = set()
@@ -136,16 +151,28 @@ def _tools(body: dict) -> tuple[list[dict], set[str]]:
 
 
 def _text_format(body: dict) -> dict | None:
-    text = body.get("text") or {}
-    fmt = text.get("format") if isinstance(text, dict) else None
-    if fmt is None or fmt.get("type") == "text":
+    fmt = get_obj(get_obj(body, "text"), "format", "text.format", param="text")
+    kind = fmt.get("type")
+    if not fmt or kind == "text":
         return None
-    if fmt.get("type") == "json_object":
+    if kind == "json_object":
         return {"type": "json_object"}
-    if fmt.get("type") == "json_schema":
-        return {"type": "json_schema",
-                "json_schema": {"name": fmt.get("name", "response"), "schema": fmt.get("schema")}}
+    if kind == "json_schema":
+        schema = fmt.get("schema")
+        if schema is not None and not isinstance(schema, dict):
+            raise bad(f"'text.format.schema' must be a JSON schema object, got {json_type(schema)}", "text")
+        return {"type": "json_schema", "json_schema": {
+            "name": get_str(fmt, "name", "text.format.name", param="text", default="response"), "schema": schema}}
     raise bad("'text.format.type' must be 'text', 'json_object' or 'json_schema'", "text")
+
+
+def _include(body: dict) -> list[str]:
+    inc = body.get("include")
+    if inc is None:
+        return []
+    if not isinstance(inc, list) or not all(isinstance(x, str) for x in inc):
+        raise bad(f"'include' must be a list of strings, got {json_type(inc)}", "include")
+    return inc
 
 
 FIELDS = frozenset({
@@ -165,9 +192,7 @@ def parse_responses(body: dict, served: tuple[str, ...]) -> GenRequest:
     reject_if(body, "top_logprobs", (None, 0), "is not supported")
     model, alias = resolve_model(body, served)
     req = GenRequest(api="responses", model=model)
-    reasoning = body.get("reasoning") or {}
-    if not isinstance(reasoning, dict):
-        raise bad("'reasoning' must be an object", "reasoning")
+    reasoning = get_obj(body, "reasoning")
     req.thinking, req.reasoning_effort = resolve_thinking(
         alias, effort=reasoning.get("effort"), thinking_obj=body.get("thinking"), think=body.get("think"),
         effort_key="reasoning.effort")
@@ -180,7 +205,7 @@ def parse_responses(body: dict, served: tuple[str, ...]) -> GenRequest:
     req.extra = {"custom_tools": custom, "instructions": body.get("instructions"), "tools": body.get("tools") or [],
                  "reasoning": reasoning, "metadata": body.get("metadata") or {}, "text": body.get("text"),
                  "max_output_tokens": body.get("max_output_tokens"),
-                 "encrypted_reasoning": "reasoning.encrypted_content" in (body.get("include") or [])}
+                 "encrypted_reasoning": "reasoning.encrypted_content" in _include(body)}
     return req
 
 

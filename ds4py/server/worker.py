@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ds4py.sampling import InvalidLogits
+
 from .metrics import Metrics
 from .protocol import ApiError, Done, GenRequest, Reasoning, Started, Text, ToolCallOut
 from .toolmemory import StoredCall, ToolMemory
@@ -51,6 +53,7 @@ class Engine:
                  encode_prompt: Callable | None = None, parser_factory: Callable | None = None):
         self.session, self.tokenizer = session, tokenizer
         self.ctx_size = int(session.ctx_size)
+        self.broken: str | None = None          # set when the model proved broken while serving (see Worker)
         self.metrics = metrics or Metrics()
         self.tool_memory = tool_memory or ToolMemory()
         if encode_prompt is None or parser_factory is None:
@@ -157,6 +160,46 @@ class Engine:
             log.info("DSML parse issue: %s", out.reason)
 
 
+class PrefillPacer:
+    """Prefill chunk sizes that keep one chunk near `seconds`, so that a client who disconnects during a long
+    prefill frees the engine within about that long (the session checks for cancellation between chunks).
+
+    The time of a chunk is modelled as a + b*n (a fixed cost per model call, b per token), fitted to the last
+    few chunks. A chunk is (seconds - a) / b tokens, but never so small that the fixed cost is more than half of
+    its time (n >= a / b): when one call costs more than `seconds` anyway (the numpy reference on a full-size
+    model re-reads its weights every call), throughput wins over latency.
+    """
+
+    def __init__(self, seconds: float = 0.25, min_len: int = 16, max_len: int = 2048, start_len: int = 64):
+        if seconds <= 0 or not 1 <= min_len <= start_len <= max_len:
+            raise ValueError("PrefillPacer needs seconds > 0 and 1 <= min_len <= start_len <= max_len")
+        self.seconds, self.min_len, self.max_len = seconds, min_len, max_len
+        self.len = start_len
+        self._samples: collections.deque[tuple[int, float]] = collections.deque(maxlen=8)
+
+    def next_len(self) -> int:
+        return self.len
+
+    def record(self, n: int, seconds: float) -> None:
+        self._samples.append((n, max(seconds, 1e-6)))
+        a, b = self._fit()
+        want = max((self.seconds - a) / b, a / b)
+        # at most double per chunk: one fast chunk (a cached prefix, a warm cache) must not make the next huge
+        self.len = int(min(self.max_len, self.len * 2, max(self.min_len, want)))
+
+    def _fit(self) -> tuple[float, float]:
+        ns = [n for n, _ in self._samples]
+        ts = [t for _, t in self._samples]
+        if len(set(ns)) < 2:                       # one size seen: no way to tell a from b; assume a = 0
+            return 0.0, sum(ts) / sum(ns)
+        mn, mt = sum(ns) / len(ns), sum(ts) / len(ts)
+        var = sum((n - mn) ** 2 for n in ns)
+        b = sum((n - mn) * (t - mt) for n, t in zip(ns, ts)) / var
+        if b <= 0:                                 # noise (or a cache effect) dominates: per-token cost only
+            return 0.0, mt / mn
+        return max(0.0, mt - b * mn), b
+
+
 class QueueFull(ApiError):
     pass
 
@@ -207,6 +250,13 @@ class Worker:
             m.running = 1
             try:
                 self.engine.run(job)
+            except InvalidLogits as e:
+                # a correct model never gives non-finite logits for valid token ids: the weights are broken in a
+                # way the load-time checks did not sample. Say so on /health and on every request, not a 500 each.
+                self.engine.broken = (f"the model produced invalid logits ({e}); its weights are corrupt: run "
+                                      f"'python -m ds4py inspect MODEL --verify' and restart with a good file")
+                log.error("%s", self.engine.broken)
+                job.emit(Done("error", len(job.ids), error=self.engine.broken))
             except Exception as e:  # a bug or a backend failure: fail this request, keep serving
                 log.exception("generation failed")
                 job.emit(Done("error", len(job.ids), error=f"generation failed: {type(e).__name__}: {e}"))

@@ -194,3 +194,25 @@ extern "C" __global__ void half_warps(const int* in, int* out) {
     __syncwarp();
     out[threadIdx.x] = v;
 }
+
+// The PDL rule the emulator's pdl check enforces: nothing stored to global memory and no return before
+// pdl_wait(). Reads before it are fine (weights prefetched while the previous kernel finishes).
+extern "C" __global__ void pdl_ok(const float* x, float* y) {
+    __shared__ float s[64];
+    s[threadIdx.x] = x[threadIdx.x];
+    pdl_wait();
+    __syncthreads();
+    y[threadIdx.x] = s[blockDim.x - 1 - threadIdx.x];
+}
+
+extern "C" __global__ void pdl_store_first(float* y, int late) {
+    if (threadIdx.x == (unsigned)late) y[threadIdx.x] = 1.0f;
+    pdl_wait();
+    y[threadIdx.x] += 1.0f;
+}
+
+extern "C" __global__ void pdl_return_first(float* y, int n) {
+    if ((int)threadIdx.x >= n) return;
+    pdl_wait();
+    y[threadIdx.x] = 2.0f;
+}

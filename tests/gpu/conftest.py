@@ -1,21 +1,38 @@
-"""GPU fixtures: one Runtime per session; every test here is skipped, with the reason, when there is no device."""
+"""GPU fixtures: one Runtime per session; every test here is skipped, with the reason, when there is no device.
+
+DS4PY_GPU_TESTS_ON_EMULATOR=1 runs them on the CPU emulator instead (EmuRuntime with the pdl check), to check the
+test code itself without a GPU (tests/test_cuda_gpu_tests_on_emulator.py does, in CI); there gpu_sizes.shrink() cuts the
+real V4 Flash sizes down and tests marked real_size are skipped."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
+from cu_fixtures import fresh_arena, putter
+from gpu_sizes import ON_EMULATOR
+
 from ds4py.errors import CudaUnavailableError
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "real_size: V4 Flash shapes; skipped when the GPU tests run on the emulator")
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if "tests/gpu/" in str(item.fspath).replace("\\", "/"):
             item.add_marker(pytest.mark.gpu)
+            if ON_EMULATOR and item.get_closest_marker("real_size"):
+                item.add_marker(pytest.mark.skip(reason="real-size GPU test: too slow for the emulator"))
 
 
 @pytest.fixture(scope="session")
 def rt():
+    if ON_EMULATOR:
+        from ds4py.cuda.emu_runtime import EmuRuntime
+
+        yield EmuRuntime(order="random", seed=3, check_pdl=True)
+        return
     from ds4py.cuda import driver
 
     try:
@@ -31,26 +48,14 @@ def rt():
 
 @pytest.fixture
 def arena(rt):
-    from ds4py.cuda.memory import Arena
-
-    a = Arena(weights_bytes=512 << 20, scratch_bytes=64 << 20)
-    a.begin_step()
-    yield a
-    rt.synchronize()
-    a.close()
+    with fresh_arena(rt, 512 << 20, 64 << 20) as a:
+        yield a
 
 
 @pytest.fixture
 def put(arena):
     """put(host, weights=True): upload a host array into the arena (weights region, or scratch)."""
-
-    def _put(host: np.ndarray, weights: bool = True):
-        host = np.ascontiguousarray(host)
-        d = arena.weights(host.shape, host.dtype) if weights else arena.scratch(host.shape, host.dtype)
-        d.upload(host)
-        return d
-
-    return _put
+    return putter(arena)
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,6 @@ import pytest
 
 from ds4py.cuda import ops, twins
 from ds4py.cuda.graph import StepGraph
-from ds4py.cuda.memory import WeightUploader
 from ds4py.cuda.twins import quant_q8_0
 
 pytestmark = pytest.mark.gpu
@@ -26,6 +25,8 @@ def model(arena, put):
         "head": quant_q8_0((0.05 * r.standard_normal((VOCAB, DIM))).astype(np.float32)).reshape(VOCAB, -1),
     }
     dev = {k: put(v) for k, v in host.items()}
+    dev["ticket"] = put(np.zeros(1, np.uint32))   # outlives begin_step(): argmax leaves it zeroed
+    dev["ticket"].readonly = False
     slot = arena.weights(2, np.int32)          # token id, position: written before each replay
     slot.readonly = False
     return host, dev, slot
@@ -43,6 +44,7 @@ def make_step(rt, arena, dev, slot, pdl):
         bufs["logits"] = logits = arena.scratch(VOCAB, np.float32)
         pv, pi = arena.scratch(64, np.float32), arena.scratch(64, np.int32)
         bufs["tok"] = tok = arena.scratch(1, np.int32)
+        ticket = dev["ticket"]
         ops.embed(rt, dev["embed"], slot, h, 1, pdl=pdl)
         ops.rmsnorm(rt, h, dev["norm"], xn, DIM, 1e-6, pdl=pdl)
         rt.fork()                                               # side stream: F16 projection of xn
@@ -50,7 +52,7 @@ def make_step(rt, arena, dev, slot, pdl):
         ops.gemv_q8_0(rt, dev["head"], xn, logits, VOCAB, DIM, pdl=pdl)   # main stream meanwhile
         rt.join()
         ops.rmsnorm(rt, side, None, side_n, HID, 1e-6, pdl=pdl)  # needs the side result
-        ops.argmax(rt, logits, VOCAB, pv, pi, tok, pdl=pdl)
+        ops.argmax(rt, logits, VOCAB, pv, pi, ticket, tok, pdl=pdl)
 
     return record, bufs
 
@@ -117,6 +119,7 @@ def test_graph_replay_bit_identical_to_direct(rt, arena, model, pdl):
     graph.close()
 
 
+@pytest.mark.real_size
 def test_side_stream_join(rt, arena, put):
     """Main waits for a long side-stream GEMV through the join event; without it the main stream would read
     the zeros it wrote before the fork."""
@@ -166,7 +169,7 @@ def test_weight_upload_streams_a_file(rt, arena, tmp_path):
     f = tmp_path / "w.bin"
     f.write_bytes(b"x" * 100 + data.tobytes())
     dst = arena.weights(data.size, np.uint8)
-    up = WeightUploader(rt.copy, chunk_bytes=1 << 20)
+    up = rt.uploader(chunk_bytes=1 << 20)
     up.upload_file(str(f), 100, data.size, dst, progress=False)
     up.close()
     assert dst.download().tobytes() == data.tobytes()
@@ -180,7 +183,7 @@ def test_tiny_gguf_head_on_device(rt, arena, tiny_gguf):
     from ds4py.gguf import GGUFFile
 
     g = GGUFFile(tiny_gguf)
-    up = WeightUploader(rt.copy, chunk_bytes=4 << 20)
+    up = rt.uploader(chunk_bytes=4 << 20)
     dev = upload_gguf(g, arena, up, progress=False)
     up.close()
     emb, norm, head = (g.tensor(n) for n in ("token_embd.weight", "output_norm.weight", "output.weight"))
@@ -190,12 +193,14 @@ def test_tiny_gguf_head_on_device(rt, arena, tiny_gguf):
     ids = arena.scratch(1, np.int32)
     h, xn, logits = arena.scratch(D, np.float32), arena.scratch(D, np.float32), arena.scratch(V, np.float32)
     pv, pi, tok = arena.scratch(16, np.float32), arena.scratch(16, np.int32), arena.scratch(1, np.int32)
+    ticket = arena.scratch(1, np.uint32)
+    ticket.upload(np.zeros(1, np.uint32))
     for t in (0, 17, V - 1):
         ids.upload(np.array([t], np.int32))
         ops.embed(rt, dev["token_embd.weight"].array, ids, h, 1)
         ops.rmsnorm(rt, h, dev["output_norm.weight"].array, xn, D, 1e-6)
         ops.gemv_q8_0(rt, dev["output.weight"].array, xn, logits, V, D)
-        ops.argmax(rt, logits, V, pv, pi, tok)
+        ops.argmax(rt, logits, V, pv, pi, ticket, tok)
         ref_x = twins.rmsnorm(table[t].astype(np.float32), norm.raw.view(np.float32), 1e-6)
         twins.assert_close_scaled(xn.download(), ref_x, np.abs(ref_x), D, "tiny norm")
         got = logits.download()

@@ -1,0 +1,211 @@
+// Hyper-connections (mHC, MODEL.md §2.2 and the head collapse of §2.1): the residual state is hc copies X_j of
+// the hidden vector; before each sub-layer a 24-row mix of flatten(X) gives pre / post weights and a Sinkhorn-
+// normalised hc x hc matrix C; the sub-layer sees sum_j pre_j X_j, and its output f goes back as
+// X'_k = post_k f + sum_j C[j,k] X_j (here, or fused into the GEMV that produces f: cu/gemv.cu).
+//
+//   hc_mix_f16 / hc_mix_f32   m = fn @ flatten(X) and sum(flatten(X)^2), split over column chunks of
+//                              MIX_COLS; the last block to finish (an atomic ticket, never a spin-wait) adds
+//                              the chunks' partials in chunk order, applies the RMS scale and computes
+//                              pre / post / C (20 Sinkhorn rounds on one warp). With hc rows (the head's fn)
+//                              it computes pre only.
+//   hc_collapse_norm           y = RMSNorm(sum_j pre_j X_j; w)
+//   hc_post_f32                X'_k = post_k f + sum_j C[j,k] X_j in place
+// Mix record per token: MIX = (2 + hc) * hc floats: pre[hc], post[hc], C[hc][hc] (row j, column k).
+#include <cuda_fp16.h>
+#include "types.cuh"
+#include "portable.cuh"
+#include "reduce.cuh"
+
+#ifndef MIX_COLS
+#error "MIX_COLS comes from ds4py/cuda/ops/mhc.py (DEFINES)"
+#endif
+#ifndef DS4_HC
+#error "DS4_HC comes from ds4py/cuda/compiler.py (model defines)"
+#endif
+#define HC DS4_HC
+#define MIX ((2 + HC) * HC)
+static_assert((HC & (HC - 1)) == 0 && HC * HC <= 32, "the Sinkhorn warp holds the hc x hc matrix, hc a power of 2");
+static_assert(MIX_COLS % 256 == 0, "a warp covers 256 columns per step");
+
+__device__ __forceinline__ float sigmoid_f(float v) { return 1.0f / (1.0f + expf(-v)); }
+
+__device__ __forceinline__ void load8(const __half* p, float* o) {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    const __half2* h = reinterpret_cast<const __half2*>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const float2 f = __half22float2(h[i]);
+        o[2 * i] = f.x;
+        o[2 * i + 1] = f.y;
+    }
+}
+
+__device__ __forceinline__ void load8(const float* p, float* o) {
+    const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+    o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w; o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
+}
+
+// Sum over the hc x hc matrix held one entry per lane (lane & (hc*hc - 1)): rows (over k) or columns (over j).
+__device__ __forceinline__ float row_sum(float v) {
+#pragma unroll
+    for (int o = 1; o < HC; o <<= 1) v += __shfl_xor_sync(DS4_FULL_MASK, v, o);
+    return v;
+}
+__device__ __forceinline__ float row_max(float v) {
+#pragma unroll
+    for (int o = 1; o < HC; o <<= 1) v = fmaxf(v, __shfl_xor_sync(DS4_FULL_MASK, v, o));
+    return v;
+}
+__device__ __forceinline__ float col_sum(float v) {
+#pragma unroll
+    for (int o = HC; o < HC * HC; o <<= 1) v += __shfl_xor_sync(DS4_FULL_MASK, v, o);
+    return v;
+}
+
+template <class T>
+__device__ __forceinline__ void hc_mix_body(const T* fn, int nrows, const float* X, int n, const float* scale,
+                                            const float* base, float* partial, unsigned* ticket, float* mix,
+                                            float norm_eps, float hc_eps, int iters) {
+    __shared__ float acc[MIX + 1];
+    __shared__ int last;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int tok = blockIdx.y, nblk = gridDim.x;
+    const int c0 = blockIdx.x * MIX_COLS, c1 = min(n, c0 + MIX_COLS);
+    pdl_wait();
+    pdl_launch_dependents();
+    const float* x = X + (size_t)tok * n;
+    float* part = partial + ((size_t)tok * nblk + blockIdx.x) * (nrows + 1);
+    // rows in groups of 4 (warp_sum4), one group per warp at a time; lanes over 8-column vectors
+    const int groups = (nrows + 3) >> 2;
+    for (int g = warp; g < groups; g += warps) {
+        float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int c = c0 + 8 * lane; c < c1; c += 256) {
+            float xv[8], wv[8];
+            load8(x + c, xv);
+#pragma unroll
+            for (int s = 0; s < 4; s++) {
+                const int r = 4 * g + s;
+                if (r >= nrows) continue;
+                load8(fn + (size_t)r * n + c, wv);
+                float d = wv[0] * xv[0];
+#pragma unroll
+                for (int i = 1; i < 8; i++) d += wv[i] * xv[i];
+                a[s] += d;
+            }
+        }
+        const float t = warp_sum4(a);
+        const int r = 4 * g + (lane >> 3);
+        if ((lane & 7) == 0 && r < nrows) part[r] = t;
+    }
+    if (warp == warps - 1) {                           // and the sum of squares of this chunk
+        float ss = 0.0f;
+        for (int c = c0 + 8 * lane; c < c1; c += 256) {
+            float xv[8];
+            load8(x + c, xv);
+#pragma unroll
+            for (int i = 0; i < 8; i++) ss += xv[i] * xv[i];
+        }
+        ss = warp_sum(ss);
+        if (lane == 0) part[nrows] = ss;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();                               // the partials are visible before the ticket says so
+        last = atomicAdd(ticket + tok, 1u) == (unsigned)nblk - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const float* all = partial + (size_t)tok * nblk * (nrows + 1);
+    for (int r = threadIdx.x; r <= nrows; r += blockDim.x) {
+        float s = 0.0f;
+        for (int b = 0; b < nblk; b++) s += __ldcg(all + (size_t)b * (nrows + 1) + r);   // chunk order
+        acc[r] = s;
+    }
+    __syncthreads();
+    const float rs = rsqrtf(acc[nrows] / (float)n + norm_eps);
+    float* out = mix + (size_t)tok * MIX;
+    const int r = threadIdx.x;
+    if (r < HC) out[r] = sigmoid_f(acc[r] * rs * scale[0] + base[r]) + hc_eps;
+    if (nrows == MIX) {
+        if (r >= HC && r < 2 * HC) out[r] = 2.0f * sigmoid_f(acc[r] * rs * scale[1] + base[r]);
+        if (warp == 0) {                               // Sinkhorn: lane holds C[j][k], e = lane mod hc*hc
+            const int e = lane & (HC * HC - 1);
+            float c = acc[2 * HC + e] * rs * scale[2] + base[2 * HC + e];
+            c = expf(c - row_max(c));
+            c = c / row_sum(c) + hc_eps;
+            c = c / (col_sum(c) + hc_eps);
+            for (int it = 1; it < iters; it++) {
+                c = c / (row_sum(c) + hc_eps);
+                c = c / (col_sum(c) + hc_eps);
+            }
+            if (lane < HC * HC) out[2 * HC + e] = c;
+        }
+    }
+    if (threadIdx.x == 0) ticket[tok] = 0u;            // ready for the next launch (graph replays)
+}
+
+// Launch: grid (ceil(n / MIX_COLS), T tokens), block (32 * warps, warps >= 1). fn [nrows, n] with n = hc * D
+// (n % 8 == 0, fn and X 16-byte aligned); nrows = (2 + hc) * hc (a sub-layer's mix) or hc (the head's: pre
+// only). partial: T * gridDim.x * (nrows + 1) floats of scratch; ticket: T zeroed uints, left zeroed; mix:
+// T records of MIX floats. scale: [3] (head: [1]), base: [nrows].
+extern "C" __global__ void hc_mix_f16(const __half* fn, int nrows, const float* X, int n, const float* scale,
+                                      const float* base, float* partial, unsigned* ticket, float* mix,
+                                      float norm_eps, float hc_eps, int iters) {
+    hc_mix_body(fn, nrows, X, n, scale, base, partial, ticket, mix, norm_eps, hc_eps, iters);
+}
+
+// As hc_mix_f16 with F32 fn. Launch: as hc_mix_f16.
+extern "C" __global__ void hc_mix_f32(const float* fn, int nrows, const float* X, int n, const float* scale,
+                                      const float* base, float* partial, unsigned* ticket, float* mix,
+                                      float norm_eps, float hc_eps, int iters) {
+    hc_mix_body(fn, nrows, X, n, scale, base, partial, ticket, mix, norm_eps, hc_eps, iters);
+}
+
+// y[t] = RMSNorm(sum_j pre_j X[t, j]; w) with pre = mix[t * mix_stride ...] and w optional (null: no weight).
+// Launch: grid (T), block (threads, a multiple of 32, <= 1024). X [T, hc, D], y [T, D].
+extern "C" __global__ void hc_collapse_norm(const float* X, const float* mix, int mix_stride, int D,
+                                            const float* w, float eps, float* y) {
+    __shared__ float part[32];
+    pdl_wait();
+    pdl_launch_dependents();
+    const float* x = X + (size_t)blockIdx.x * HC * D;
+    const float* pre = mix + (size_t)blockIdx.x * mix_stride;
+    float p[HC];
+#pragma unroll
+    for (int j = 0; j < HC; j++) p[j] = pre[j];
+    float* yr = y + (size_t)blockIdx.x * D;
+    float ss = 0.0f;
+    for (int c = threadIdx.x; c < D; c += blockDim.x) {
+        float v = p[0] * x[c];                         // sum over j in ascending order
+#pragma unroll
+        for (int j = 1; j < HC; j++) v += p[j] * x[(size_t)j * D + c];
+        yr[c] = v;
+        ss += v * v;
+    }
+    ss = block_sum(ss, part);
+    const float r = rsqrtf(ss / (float)D + eps);
+    for (int c = threadIdx.x; c < D; c += blockDim.x) yr[c] = w ? yr[c] * r * w[c] : yr[c] * r;
+}
+
+// X'_k = post_k f + sum_j C[j,k] X_j for every column, in place (each thread owns its columns for all k).
+// Launch: grid (ceil(D / threads), T), block (threads, a multiple of 32). X [T, hc, D], f [T, D].
+extern "C" __global__ void hc_post_f32(const float* f, const float* mix, int mix_stride, float* X, int D) {
+    pdl_wait();
+    pdl_launch_dependents();
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= D) return;
+    const float* m = mix + (size_t)blockIdx.y * mix_stride;
+    float* x = X + (size_t)blockIdx.y * HC * D;
+    const float fv = f[(size_t)blockIdx.y * D + c];
+    float xj[HC];
+#pragma unroll
+    for (int j = 0; j < HC; j++) xj[j] = x[(size_t)j * D + c];
+#pragma unroll
+    for (int k = 0; k < HC; k++) {
+        float s = m[2 * HC + k] * xj[0];
+#pragma unroll
+        for (int j = 1; j < HC; j++) s += m[2 * HC + j * HC + k] * xj[j];
+        x[(size_t)k * D + c] = m[HC + k] * fv + s;
+    }
+}

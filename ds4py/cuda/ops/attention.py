@@ -1,0 +1,125 @@
+"""Host wrappers of cu/attention.cu: shape checks and the launch geometry each kernel's comment documents.
+
+`rt` is a Runtime (GPU) or an emulator runtime: anything with `launch(name, grid, block, *args, smem=, stream=,
+pdl=)`. Arrays are DeviceArrays (or numpy arrays under emulation): only .shape/.size/.dtype (and .ptr when present)
+are read. The decode position is read by the kernels from `pos_slot` (an int32 device scalar), so a captured
+graph replays unchanged; only shapes and the bucket's key capacity are fixed at capture.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ds4py.errors import Ds4Error
+
+ATTN_TILE = 16                 # keys staged per tile
+ATTN_HPW = 4                   # heads per warp
+ATTN_MAX_HD = 512              # largest head dim
+DEFINES = {"ATTN_TILE": ATTN_TILE, "ATTN_HPW": ATTN_HPW, "ATTN_MAX_HD": ATTN_MAX_HD}   # -D values of cu/attention.cu
+
+
+def need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise Ds4Error(msg)
+
+
+def aligned(n: int, *arrays: Any) -> bool:
+    return all(a is None or getattr(a, "ptr", 0) % n == 0 for a in arrays)
+
+
+def dtype_is(a: Any, dt: Any) -> bool:
+    return a is None or np.dtype(a.dtype) == np.dtype(dt)
+
+
+def pair_threads(dim: int) -> int:
+    """Block size of the one-pair-per-thread kernels: 32 * ceil(dim / 64)."""
+    return 32 * (-(-dim // 64))
+
+
+def kv_store(rt: Any, kv_raw: Any, norm_w: Any, freqs: Any, pos_slot: Any, win: Any, hd: int, rd: int,
+             eps: float, fake_quant: bool = True, round_f16: bool = False, stream: Any = None,
+             pdl: bool = False) -> None:
+    """win[pos % ring] = FP8(RoPE(RMSNorm(kv_raw; norm_w))) for the decode position in pos_slot."""
+    need(hd % 2 == 0 and rd % 2 == 0 and 0 < rd <= hd and (hd - rd) % 64 == 0,
+         f"attn_kv_store: head dim {hd} with {rd} rope dims needs even sizes and a non-rope part in blocks of 64")
+    need(kv_raw.size == hd and norm_w.size == hd and freqs.size == rd // 2,
+         f"attn_kv_store: kv ({kv_raw.size}), norm ({norm_w.size}) or freqs ({freqs.size}) do not match hd {hd}")
+    need(len(win.shape) == 2 and win.shape[1] == hd, f"attn_kv_store: window ring shape {tuple(win.shape)} is not "
+         f"[ring, {hd}]")
+    need(all(dtype_is(a, np.float32) for a in (kv_raw, norm_w, freqs, win)) and dtype_is(pos_slot, np.int32),
+         "attn_kv_store: float32 arrays and an int32 position slot expected")
+    need(aligned(8, kv_raw, norm_w, win), "attn_kv_store: kv, norm weight and ring must be 8-byte aligned")
+    rt.launch("attn_kv_store", 1, pair_threads(hd), kv_raw, norm_w, freqs, pos_slot, win, int(win.shape[0]), hd,
+              rd, float(eps), int(fake_quant), int(round_f16), stream=stream, pdl=pdl)
+
+
+@dataclass(frozen=True)
+class AttnPlan:
+    """Launch plan of one decode attention for a key capacity (window + most compressed rows of the bucket)."""
+    n_heads: int
+    hd: int
+    splits: int                # key chunks = blocks along x; part_o is [n_heads, splits, hd]
+    keys_per_split: int        # a multiple of ATTN_TILE
+    warps: int                 # warps per block (each holds ATTN_HPW heads)
+
+    @property
+    def head_groups(self) -> int:
+        return -(-self.n_heads // (ATTN_HPW * self.warps))
+
+    @property
+    def smem(self) -> int:
+        return (ATTN_TILE * (self.hd + 4) + self.warps * ATTN_HPW * (self.hd + ATTN_TILE)) * 4
+
+    @property
+    def part_o_shape(self) -> tuple[int, int, int]:
+        return (self.n_heads, self.splits, self.hd)
+
+    @property
+    def part_ml_shape(self) -> tuple[int, int, int]:
+        return (self.n_heads, self.splits, 2)
+
+
+def attn_plan(n_heads: int, hd: int, max_keys: int, warps: int = 2, target_blocks: int = 264,
+              min_tiles: int = 2) -> AttnPlan:
+    """Split max_keys into chunks so that splits x head groups is about target_blocks (two per SM of an H200):
+    enough blocks to spread a short key list over the device, each with at least min_tiles tiles of keys (a block's
+    q preparation and its partial row are worth amortising over a few tiles)."""
+    need(hd % 8 == 0 and 0 < hd <= ATTN_MAX_HD, f"attention: head dim {hd} must be a multiple of 8 up to "
+         f"{ATTN_MAX_HD}")
+    need(1 <= warps <= 32 and n_heads >= 1 and max_keys >= 1, "attention: bad heads, warps or key capacity")
+    warps = min(warps, -(-n_heads // ATTN_HPW))
+    groups = -(-n_heads // (ATTN_HPW * warps))
+    tiles = -(-max_keys // ATTN_TILE)
+    splits = max(1, min(-(-tiles // max(1, min_tiles)), -(-target_blocks // groups)))
+    kps = ATTN_TILE * -(-tiles // splits)
+    return AttnPlan(n_heads, hd, -(-max_keys // kps), kps, warps)
+
+
+def decode_attention(rt: Any, plan: AttnPlan, q_raw: Any, freqs: Any, pos_slot: Any, win: Any, window: int,
+                     comp: Any, ratio: int, sel: Any, topk: int, sinks: Any, part_o: Any, part_ml: Any, out: Any,
+                     rd: int, eps: float, scale: float, stream: Any = None, pdl: bool = False) -> None:
+    """out [H, hd] = attention of the decode query over window + compressed rows (two launches).
+
+    The key count at the step's position must not exceed the plan's capacity: min(pos+1, window) + the visible
+    compressed rows (ratio 128, sel None) or min(visible, topk) (ratio 4, sel = the indexer's indices)."""
+    H, hd = plan.n_heads, plan.hd
+    need(q_raw.size == H * hd and out.size == H * hd, f"attention: q or out is not [{H}, {hd}]")
+    need(len(win.shape) == 2 and win.shape[1] == hd and win.shape[0] >= window >= 1,
+         f"attention: window ring {tuple(win.shape)} must be [>= {window}, {hd}]")
+    need(ratio >= 0 and (ratio == 0 or (comp is not None and comp.shape[-1] == hd)),
+         "attention: a compressed layer needs its compressed rows [n, hd]")
+    need(sel is None or (ratio > 0 and dtype_is(sel, np.int32) and sel.size >= topk >= 1),
+         "attention: sel must be int32 indices with room for topk")
+    need(freqs.size == rd // 2 and (hd - rd) % 2 == 0 and sinks.size == H, "attention: freqs or sinks mismatch")
+    need(tuple(part_o.shape) == plan.part_o_shape and tuple(part_ml.shape) == plan.part_ml_shape,
+         f"attention: partial buffers must be {plan.part_o_shape} and {plan.part_ml_shape}")
+    need(aligned(16, q_raw, win, comp, part_o), "attention: q, ring, rows and partials must be 16-byte aligned")
+    comp_arg = comp if comp is not None else win          # never read when ratio == 0
+    rt.launch("attn_decode_partial", (plan.splits, plan.head_groups), 32 * plan.warps, q_raw, freqs, pos_slot, win,
+              int(win.shape[0]), int(window), comp_arg, int(ratio), sel, int(topk), part_o, part_ml, H, hd, rd,
+              plan.keys_per_split, float(eps), float(scale), smem=plan.smem, stream=stream, pdl=pdl)
+    rt.launch("attn_decode_combine", H, pair_threads(hd), part_o, part_ml, sinks, freqs, pos_slot, out, hd, rd,
+              plan.splits, stream=stream, pdl=pdl)

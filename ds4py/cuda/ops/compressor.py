@@ -1,0 +1,85 @@
+"""Host wrappers of cu/compressor.cu (decode update with on-device emission, prefill pooling + ring store).
+
+The rings and row arrays are the device KV state of one layer (KV_LAYOUT): ring_kv / ring_sc [cap, (1+overlap)*d],
+rows [capacity, d]. The caller keeps `rows` large enough for (position+1) // ratio rows (the state grows between
+steps; a row past the capacity is dropped rather than written out of bounds); the kernels read the position from
+pos_slot.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ds4py.cuda.ops.attention import aligned, dtype_is, need, pair_threads
+
+COMP_MAX_THREADS = 1024        # block size limit (merge buffers)
+COMP_MAX_D = 1024              # largest rotated row (Hadamard buffer)
+DEFINES = {"COMP_MAX_THREADS": COMP_MAX_THREADS, "COMP_MAX_D": COMP_MAX_D}          # -D values of cu/compressor.cu
+
+
+def comp_threads(d: int, ratio: int, overlap: bool, subs: int | None = None) -> int:
+    """Block size: `subs` copies of the 32*ceil(d/64) pair threads; by default one sub per 16 slots of a group
+    (ratio 128: 8 subs at d = 128, 4 at d = 512), within 1024 threads."""
+    P = pair_threads(d)
+    if subs is None:
+        subs = max(1, ratio * (1 + int(overlap)) // 16)
+    return P * max(1, min(subs, COMP_MAX_THREADS // P))
+
+
+def _check(where: str, ape: Any, norm_w: Any, freqs: Any, ring_kv: Any, ring_sc: Any, rows: Any, ratio: int,
+           overlap: bool, d: int, rd: int, rotate: bool) -> int:
+    width = (1 + int(overlap)) * d
+    need(ratio >= 1 and d % 2 == 0 and rd % 2 == 0 and 0 < rd <= d, f"{where}: bad ratio {ratio}, d {d} or rd {rd}")
+    if rotate:
+        need(d & (d - 1) == 0 and 32 <= d <= COMP_MAX_D, f"{where}: a rotated (indexer) row needs d a power of two "
+             f"in 32..{COMP_MAX_D}, got {d}")
+    else:
+        need((d - rd) % 64 == 0, f"{where}: the non-rope part ({d - rd}) must be whole FP8 blocks of 64")
+    need(tuple(ring_kv.shape[1:]) == (width,) and tuple(ring_sc.shape) == tuple(ring_kv.shape),
+         f"{where}: rings must both be [cap, {width}], got {tuple(ring_kv.shape)} and {tuple(ring_sc.shape)}")
+    need(ring_kv.shape[0] >= ratio * (1 + int(overlap)), f"{where}: a ring of {ring_kv.shape[0]} slots cannot hold "
+         f"a group ({ratio * (1 + int(overlap))} positions)")
+    need(tuple(ape.shape) == (ratio, width), f"{where}: ape must be [{ratio}, {width}], got {tuple(ape.shape)}")
+    need(np.dtype(ape.dtype) in (np.dtype(np.float16), np.dtype(np.float32)), f"{where}: ape must be F16 or F32")
+    need(norm_w.size == d and freqs.size == rd // 2 and len(rows.shape) == 2 and rows.shape[1] == d,
+         f"{where}: norm ({norm_w.size}), freqs ({freqs.size}) or rows {tuple(rows.shape)} do not match d {d}")
+    need(all(dtype_is(a, np.float32) for a in (norm_w, freqs, ring_kv, ring_sc, rows)),
+         f"{where}: rings, rows, norm weight and freqs must be float32")
+    need(aligned(8, ape, norm_w, ring_kv, ring_sc, rows), f"{where}: arrays must be 8-byte aligned")
+    return width
+
+
+def compressor_decode(rt: Any, kv_in: Any, sc_in: Any, ape: Any, norm_w: Any, freqs: Any, pos_slot: Any,
+                      ring_kv: Any, ring_sc: Any, rows: Any, ratio: int, overlap: bool, d: int, rd: int, eps: float,
+                      rotate: bool, fake_quant: bool = True, round_f16: bool = False, subs: int | None = None,
+                      stream: Any = None, pdl: bool = False) -> None:
+    """Store this position's kv / score (+ ape) in the rings; emit row pos // ratio when its group completes."""
+    width = _check("compressor_decode", ape, norm_w, freqs, ring_kv, ring_sc, rows, ratio, overlap, d, rd, rotate)
+    need(kv_in.size == width and sc_in.size == width, f"compressor_decode: kv and score inputs must hold {width}")
+    rt.launch("compressor_decode", 1, comp_threads(d, ratio, overlap, subs), kv_in, sc_in, ape,
+              int(np.dtype(ape.dtype) == np.float32), norm_w, freqs, pos_slot, ring_kv, ring_sc, rows,
+              int(rows.shape[0]), int(ratio),
+              int(overlap), int(ring_kv.shape[0]), d, rd, float(eps), int(rotate), int(fake_quant), int(round_f16),
+              stream=stream, pdl=pdl)
+
+
+def compressor_prefill(rt: Any, chunk_kv: Any, chunk_sc: Any, n_tok: int, ape: Any, norm_w: Any, freqs: Any,
+                       pos_slot: Any, ring_kv: Any, ring_sc: Any, rows: Any, ratio: int, overlap: bool, d: int,
+                       rd: int, eps: float, rotate: bool, fake_quant: bool = True, round_f16: bool = False,
+                       subs: int | None = None, stream: Any = None, pdl: bool = False) -> None:
+    """A chunk of n_tok tokens from the position in pos_slot: emit every group it completes, then keep its last
+    positions in the rings (two launches, in that order)."""
+    width = _check("compressor_prefill", ape, norm_w, freqs, ring_kv, ring_sc, rows, ratio, overlap, d, rd, rotate)
+    need(n_tok >= 1 and chunk_kv.size >= n_tok * width and chunk_sc.size >= n_tok * width,
+         f"compressor_prefill: chunk arrays must hold {n_tok} x {width}")
+    ape_f32 = int(np.dtype(ape.dtype) == np.float32)
+    cap = int(ring_kv.shape[0])
+    rt.launch("compressor_prefill_pool", n_tok // ratio + 1, comp_threads(d, ratio, overlap, subs), chunk_kv,
+              chunk_sc, int(n_tok), ape, ape_f32, norm_w, freqs, pos_slot, ring_kv, ring_sc, rows,
+              int(rows.shape[0]), int(ratio),
+              int(overlap), cap, d, rd, float(eps), int(rotate), int(fake_quant), int(round_f16), stream=stream,
+              pdl=pdl)
+    rt.launch("compressor_prefill_store", min(n_tok, cap), 256, chunk_kv, chunk_sc, int(n_tok), ape, ape_f32,
+              pos_slot, ring_kv, ring_sc, int(ratio), cap, width, stream=stream, pdl=pdl)

@@ -1,0 +1,44 @@
+"""What every host wrapper in ds4py/cuda/ops shares: argument checks and launch sizing.
+
+A wrapper checks shapes and alignment, picks the launch geometry its kernel's `Launch:` comment documents, and
+calls rt.launch (rt: a Runtime on a GPU, or an EmuRuntime on the CPU: the same calls run on both). Arguments are
+DeviceArrays (None where a pointer may be null). `pdl=True` lets the kernel overlap the previous one in the stream
+(every kernel calls pdl_wait() before touching that kernel's output).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ds4py.cuda.memory import DeviceArray
+from ds4py.errors import Ds4Error
+
+
+def need(cond: bool, msg: str) -> None:
+    """One-sentence Ds4Error when a wrapper's precondition fails (before anything is launched)."""
+    if not cond:
+        raise Ds4Error(msg)
+
+
+def aligned(n: int, *arrays: DeviceArray | None) -> bool:
+    return all(a is None or a.ptr % n == 0 for a in arrays)
+
+
+def is_dtype(a: DeviceArray | None, dtype: Any) -> bool:
+    return a is not None and np.dtype(a.dtype) == np.dtype(dtype)
+
+
+def blocks_that_fit(rt: Any, threads: int, smem_per_block: int, cap_per_sm: int = 32) -> int:
+    """Blocks of `threads` threads and `smem_per_block` bytes that the whole device holds at once (an upper bound
+    for a grid-stride launch: more blocks only queue behind the first wave)."""
+    dev = rt.device
+    per_sm = min(cap_per_sm, max(1, 2048 // threads))
+    if smem_per_block:
+        per_sm = min(per_sm, max(1, dev.smem_per_block_optin // smem_per_block))
+    return dev.sm_count * per_sm
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)

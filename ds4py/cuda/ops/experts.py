@@ -1,0 +1,134 @@
+"""Host wrappers of cu/experts.cu: routed / shared expert gate+up+SwiGLU, down (+ add, + hc_post), and exact
+dequantisation, for every expert weight format. Launch geometry and shared memory are computed here.
+
+A decode MoE sub-layer is (the shared expert may run on the side stream, between rt.fork() and rt.join()):
+    moe_gate_up(shared, ids=None, n_slots=1) -> h_sh;  moe_down(shared, ids=None, n_slots=1) -> y_sh
+    moe_gate_up(routed, ids, route_w) -> h;  moe_down(routed, ids, add=y_sh, hc=(post, comb, X)) -> X'
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+
+from ds4py.cuda.ops.attention import aligned, dtype_is, need
+
+MOE_RPT = 8                    # rows per thread (accumulators per matrix)
+DEFINES = {"MOE_RPT": MOE_RPT}                                                     # -D values of cu/experts.cu
+SMEM_BUDGET = 48 * 1024        # staged rows per block: no opt-in, several blocks per SM
+
+# qtype -> (kernel suffix, weights per block, bytes per block); = MoeFmt<F> in cu/experts.cu
+FORMATS = {
+    QT.IQ2_XXS: ("iq2_xxs", 256, 66),
+    QT.Q2_K: ("q2_k", 256, 84),
+    QT.Q4_K: ("q4_k", 256, 144),
+    QT.MXFP4: ("mxfp4", 32, 17),
+    QT.Q8_0: ("q8_0", 32, 34),
+    QT.F16: ("f16", 32, 64),
+}
+
+
+def _fmt(qtype: int) -> tuple[str, int, int]:
+    qt = QT(int(qtype)) if int(qtype) in QT._value2member_map_ else None
+    need(qt in FORMATS, f"experts: weight type {qt.name if qt is not None else qtype} has no kernel (supported: "
+         f"{', '.join(q.name for q in FORMATS)})")
+    return FORMATS[qt]
+
+
+def row_bytes(qtype: int, cols: int) -> int:
+    _, qk, nb = _fmt(qtype)
+    need(cols % qk == 0 and cols % 32 == 0, f"experts: a row of {cols} is not whole {QT(int(qtype)).name} blocks")
+    return cols // qk * nb
+
+
+def room(n: int) -> int:
+    return (n + 31) & ~15
+
+
+@dataclass(frozen=True)
+class MoePlan:
+    """Launch geometry of one expert kernel over matrices of `cols` columns."""
+    threads: int               # block size
+    row_lanes: int             # RL = threads // groups
+    rows_per_block: int
+    smem: int                  # dynamic shared memory bytes
+
+
+def moe_plan(qtype: int, cols: int, rows: int, spans: int, sums: int, rows_per_block: int | None = None,
+             budget: int = SMEM_BUDGET) -> MoePlan:
+    """spans: row spans staged per block (2 for gate+up, n_slots for down); sums: partial-sum rows per block row
+    (2 for gate+up, 1 for down). Rows per block: as many as fit `budget`, at most MOE_RPT per row lane."""
+    rb = row_bytes(qtype, cols)
+    G = cols // 32
+    need(G <= 1024, f"experts: {cols} columns exceed the kernel's 1024 column groups")
+    RL = max(1, 256 // G)
+    threads = 32 * -(-(G * RL) // 32)
+    if rows_per_block is None:
+        rows_per_block = max(1, min(MOE_RPT * RL, budget // (spans * room(rb)), rows))
+    need(1 <= rows_per_block <= MOE_RPT * RL, f"experts: {rows_per_block} rows per block exceed {MOE_RPT} per "
+         f"row lane x {RL} lanes")
+    stage = spans * room(rows_per_block * rb)
+    partial = 4 * sums * rows_per_block * (G + 1)
+    return MoePlan(threads, RL, rows_per_block, max(stage, partial))
+
+
+def _check_weights(where: str, W: Any, qtype: int, n_experts: int, rows: int, cols: int) -> None:
+    need(dtype_is(W, np.uint8), f"{where}: weights must be the raw GGUF bytes (uint8)")
+    need(W.nbytes == n_experts * rows * row_bytes(qtype, cols), f"{where}: {W.nbytes} weight bytes for {n_experts} "
+         f"experts of [{rows}, {cols}] {QT(int(qtype)).name} ({n_experts * rows * row_bytes(qtype, cols)} expected)")
+
+
+def moe_gate_up(rt: Any, qtype: int, Wg: Any, Wu: Any, x: Any, ids: Any, route_w: Any, h: Any, n_experts: int,
+                ff: int, dim: int, n_slots: int, clamp: float, rows_per_block: int | None = None, stream: Any = None,
+                pdl: bool = False) -> MoePlan:
+    """h [n_slots, ff] = silu(min(Wg[e] x, c)) * clamp(Wu[e] x, -c, c) * route_w[s], e = ids[s] (ids None: e = s,
+    route_w None: 1). Wg / Wu: [n_experts, ff, dim] in qtype."""
+    name, _, _ = _fmt(qtype)
+    for W in (Wg, Wu):
+        _check_weights("moe_gate_up", W, qtype, n_experts, ff, dim)
+    need(x.size == dim and h.size >= n_slots * ff and n_slots >= 1, "moe_gate_up: x or h does not match the shapes")
+    need(ids is None or (dtype_is(ids, np.int32) and ids.size >= n_slots), "moe_gate_up: ids must be int32 [n_slots]")
+    need(route_w is None or route_w.size >= n_slots, "moe_gate_up: route weights must cover the slots")
+    need(aligned(16, x, h), "moe_gate_up: x and h must be 16-byte aligned")
+    plan = moe_plan(qtype, dim, ff, 2, 2, rows_per_block)
+    rt.launch(f"moe_gate_up_{name}", (-(-ff // plan.rows_per_block), n_slots), plan.threads, Wg, Wu, x, ids, route_w,
+              h, int(n_experts), int(ff), int(dim), plan.rows_per_block, float(clamp), smem=plan.smem, stream=stream,
+              pdl=pdl)
+    return plan
+
+
+def moe_down(rt: Any, qtype: int, W: Any, ids: Any, h: Any, out: Any, n_experts: int, dim: int, ff: int,
+             n_slots: int, add: Any = None, hc_post: Any = None, hc_comb: Any = None, hc_x: Any = None,
+             rows_per_block: int | None = None, stream: Any = None, pdl: bool = False) -> MoePlan:
+    """y = sum_s W[ids[s]] h[s] (+ add): out [dim] = y, or with hc_post / hc_comb / hc_x (the sub-layer's mHC post
+    mix and residual [hc, dim]) out [hc, dim] = post_k y + sum_j comb[j, k] X_j. W: [n_experts, dim, ff]."""
+    name, _, _ = _fmt(qtype)
+    _check_weights("moe_down", W, qtype, n_experts, dim, ff)
+    need(1 <= n_slots and h.size >= n_slots * ff, "moe_down: h does not hold n_slots x ff")
+    need(ids is None or (dtype_is(ids, np.int32) and ids.size >= n_slots), "moe_down: ids must be int32 [n_slots]")
+    need(add is None or add.size == dim, "moe_down: add must be [dim]")
+    hc = 0
+    if hc_post is not None:
+        hc = int(hc_post.size)
+        need(hc_comb is not None and hc_comb.size == hc * hc and hc_x is not None and hc_x.size == hc * dim
+             and out.size == hc * dim, f"moe_down: hc_post needs comb [{hc}, {hc}], X and out [{hc}, {dim}]")
+    else:
+        need(out.size == dim, "moe_down: out must be [dim]")
+    need(aligned(16, h), "moe_down: h must be 16-byte aligned")
+    plan = moe_plan(qtype, ff, dim, n_slots, 1, rows_per_block)
+    rt.launch(f"moe_down_{name}", -(-dim // plan.rows_per_block), plan.threads, W, ids, h, add, hc_post, hc_comb,
+              hc_x, out, int(n_slots), int(n_experts), int(dim), int(ff), plan.rows_per_block, hc, smem=plan.smem,
+              stream=stream, pdl=pdl)
+    return plan
+
+
+def moe_dequant(rt: Any, qtype: int, W: Any, out: Any, n_values: int, stream: Any = None, pdl: bool = False) -> None:
+    """out[:n_values] = the exact values of the first n_values weights of W (whole blocks)."""
+    name, qk, nb = _fmt(qtype)
+    need(n_values % qk == 0 and n_values % 32 == 0 and W.nbytes >= n_values // qk * nb and out.size >= n_values,
+         f"moe_dequant: {n_values} values are not whole blocks of the given buffers")
+    n_groups = n_values // 32
+    rt.launch(f"moe_dequant_{name}", -(-n_groups // 256), 256, W, out, n_groups, stream=stream, pdl=pdl)

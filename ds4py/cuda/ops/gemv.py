@@ -1,0 +1,159 @@
+"""Host side of cu/gemv.cu: decode GEMVs on F32 / F16 / Q8_0 weights straight from the GGUF.
+
+    gemv(rt, [(W_q_a, q, 1024), (W_kv, kv, 512)], x, cols=4096)          # two matrices, one launch, one x
+    gemv(rt, [(W_q_b, qb, 32768)], qr, 1024, norm=(q_a_norm, eps))       # RMSNorm prologue on x
+    gemv(rt, [(W_o_a, u, 8192)], o, 4096, x_group_rows=1024)             # grouped wo_a: group g reads x[g]
+    gemv_hc_post(rt, W_o_b, u, X, mix, 4096, 8192)                        # X'_k = post_k W u + sum_j C[j,k] X_j
+    gemv_swiglu(rt, W_gate, W_up, x, mid, 2048, 4096, clamp=10.0)         # shared expert gate + up
+
+The weight type follows the array: float32 -> F32, float16 -> F16, uint8 bytes -> Q8_0 ([rows, cols/32*34]).
+Launch geometry: warps of 32 lanes, 4 rows (slots) per warp step, grid-stride over row groups, the grid capped
+at what the device holds at once. Results do not depend on the geometry (see cu/gemv.cu).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from ds4py.cuda.memory import DeviceArray
+from ds4py.cuda.ops.core import aligned, blocks_that_fit, ceil_div, is_dtype, need
+from ds4py.errors import Ds4Error
+
+# Geometry shared with cu/gemv.cu (passed to NVRTC and the emulator as -D values; see compiler.file_defines).
+DEFINES = {
+    "GEMV_ROWS": 4,              # rows per warp step (slots); warp_sum4 reduces exactly 4
+    "Q8_CHUNK_BLOCKS": 32,       # Q8_0 blocks (x32 columns) of one row staged per piece
+}
+GEMV_ROWS = DEFINES["GEMV_ROWS"]
+Q8_0_BLOCK_BYTES = 34
+Q8_PIECE_BYTES = DEFINES["Q8_CHUNK_BLOCKS"] * Q8_0_BLOCK_BYTES + 16
+Q8_WARP_SMEM = 2 * GEMV_ROWS * Q8_PIECE_BYTES           # double-buffered pieces of 4 rows, per warp
+MAX_MATS = 4
+NORM, ADD = 1, 2                                          # flags (GEMV_NORM, GEMV_ADD)
+DEFAULT_WARPS = {"Q8_0": 4, "F16": 8, "F32": 8}
+_KERNEL = {"Q8_0": "gemv_q8_0", "F16": "gemv_f16", "F32": "gemv_f32"}
+
+
+def weight_type(W: DeviceArray) -> str:
+    """The GGML type a GEMV weight array holds, from its dtype."""
+    dt = np.dtype(W.dtype)
+    if dt == np.float32:
+        return "F32"
+    if dt == np.float16:
+        return "F16"
+    if dt == np.uint8:
+        return "Q8_0"
+    raise Ds4Error(f"a GEMV weight must be float32, float16 or Q8_0 bytes (uint8), not {dt}")
+
+
+def _check_matrix(what: str, W: DeviceArray, rows: int, cols: int, qtype: str) -> None:
+    need(weight_type(W) == qtype, f"{what}: all matrices of one launch have the same type ({qtype}), "
+                                  f"got {weight_type(W)}")
+    need(rows >= 1, f"{what}: rows must be >= 1, got {rows}")
+    if qtype == "Q8_0":
+        need(W.nbytes == rows * (cols // 32) * Q8_0_BLOCK_BYTES,
+             f"{what}: W holds {W.nbytes} bytes, not {rows} x {cols} Q8_0 ({rows * (cols // 32) * 34})")
+        need(W.ptr % 2 == 0, f"{what}: Q8_0 weights must be 2-byte aligned")
+    else:
+        need(W.size == rows * cols, f"{what}: W has {W.size} values, not {rows} x {cols}")
+        need(aligned(16, W), f"{what}: {qtype} weights must be 16-byte aligned")
+
+
+def _check_common(what: str, qtype: str, x: DeviceArray, cols: int, x_groups: int,
+                  norm: tuple[DeviceArray | None, float] | None) -> tuple[DeviceArray | None, float, int]:
+    need(cols % (32 if qtype == "Q8_0" else 8) == 0,
+         f"{what}: cols ({cols}) must be a multiple of {32 if qtype == 'Q8_0' else 8} for {qtype}")
+    need(is_dtype(x, np.float32) and x.size >= cols * max(x_groups, 1),
+         f"{what}: x must be float32 with {cols * max(x_groups, 1)} values")
+    need(aligned(16, x), f"{what}: x must be 16-byte aligned")
+    flags, norm_w, eps = 0, None, 0.0
+    if norm is not None:
+        norm_w, eps = norm
+        need(norm_w is None or (is_dtype(norm_w, np.float32) and norm_w.size == cols and aligned(16, norm_w)),
+             f"{what}: the norm weight must be {cols} float32, 16-byte aligned")
+        need(x_groups == 0, f"{what}: an RMSNorm prologue does not combine with input groups")
+        flags |= NORM
+    return norm_w, float(eps), flags
+
+
+def _geometry(rt: Any, qtype: str, groups: int, warps: int | None, grid: int | None) -> tuple[int, int, int]:
+    warps = warps or DEFAULT_WARPS[qtype]
+    need(1 <= warps <= 32, f"gemv: warps must be 1..32, got {warps}")
+    smem = warps * Q8_WARP_SMEM if qtype == "Q8_0" else 0
+    grid = grid or min(ceil_div(groups, warps), blocks_that_fit(rt, 32 * warps, smem))
+    return grid, 32 * warps, smem
+
+
+def gemv(rt: Any, outs: Sequence[tuple[DeviceArray, DeviceArray, int]], x: DeviceArray, cols: int,
+         norm: tuple[DeviceArray | None, float] | None = None, add: bool = False, x_group_rows: int = 0,
+         warps: int | None = None, grid: int | None = None, stream: Any = None, pdl: bool = False) -> None:
+    """y_m = W_m @ x (y_m += with add) for up to 4 (W_m, y_m, rows_m) of one weight type sharing x [cols].
+
+    norm=(w, eps): x is RMS-normalised first (times w unless None). x_group_rows > 0: rows
+    [g*x_group_rows, (g+1)*x_group_rows) of every matrix read x[g*cols:(g+1)*cols] (a multiple of 4)."""
+    need(1 <= len(outs) <= MAX_MATS, f"gemv: 1 to {MAX_MATS} matrices per launch, got {len(outs)}")
+    qtype = weight_type(outs[0][0])
+    groups = 0
+    for i, (W, y, rows) in enumerate(outs):
+        _check_matrix(f"gemv matrix {i}", W, rows, cols, qtype)
+        need(is_dtype(y, np.float32) and y.size >= rows, f"gemv matrix {i}: y must be float32 with {rows} values")
+        groups += ceil_div(rows, GEMV_ROWS)
+    need(x_group_rows >= 0 and x_group_rows % GEMV_ROWS == 0,
+         f"gemv: x_group_rows ({x_group_rows}) must be a multiple of {GEMV_ROWS}")
+    x_groups = max(ceil_div(r, x_group_rows) for _, _, r in outs) if x_group_rows else 0
+    norm_w, eps, flags = _check_common("gemv", qtype, x, cols, x_groups, norm)
+    flags |= ADD if add else 0
+    g, b, smem = _geometry(rt, qtype, groups, warps, grid)
+    Ws = [o[0] for o in outs] + [None] * (MAX_MATS - len(outs))
+    ys = [o[1] for o in outs] + [None] * (MAX_MATS - len(outs))
+    rows = [o[2] for o in outs] + [0] * (MAX_MATS - len(outs))
+    rt.launch(_KERNEL[qtype], g, b, *Ws, *rows, *ys, x, cols, x_group_rows, norm_w, eps, flags, smem=smem,
+              stream=stream, pdl=pdl)
+
+
+def gemv_hc_post(rt: Any, W: DeviceArray, x: DeviceArray, X: DeviceArray, mix: DeviceArray, rows: int, cols: int,
+                 hc: int = 4, norm: tuple[DeviceArray | None, float] | None = None, x_group_rows: int = 0,
+                 warps: int | None = None, grid: int | None = None, stream: Any = None, pdl: bool = False) -> None:
+    """f = W @ x (W [rows=D, cols]), then X [hc, D] <- post_k f + sum_j C[j,k] X_j in place; mix holds
+    [pre(hc), post(hc), comb(hc*hc)] (cu/mhc.cu's hc_mix output for this sub-layer)."""
+    qtype = weight_type(W)
+    need(qtype in ("Q8_0", "F16"), f"gemv_hc_post: Q8_0 or F16 weights, got {qtype}")
+    _check_matrix("gemv_hc_post", W, rows, cols, qtype)
+    need(is_dtype(X, np.float32) and X.size == hc * rows, f"gemv_hc_post: X must be float32 [{hc}, {rows}]")
+    need(is_dtype(mix, np.float32) and mix.size >= (2 + hc) * hc,
+         f"gemv_hc_post: mix must hold {(2 + hc) * hc} float32")
+    need(x_group_rows % GEMV_ROWS == 0, f"gemv_hc_post: x_group_rows must be a multiple of {GEMV_ROWS}")
+    norm_w, eps, flags = _check_common("gemv_hc_post", qtype, x, cols,
+                                       ceil_div(rows, x_group_rows) if x_group_rows else 0, norm)
+    g, b, smem = _geometry(rt, qtype, ceil_div(rows, GEMV_ROWS), warps, grid)
+    rt.launch(_KERNEL[qtype] + "_hc_post", g, b, W, rows, x, cols, x_group_rows, norm_w, eps, flags, mix, X,
+              smem=smem, stream=stream, pdl=pdl)
+
+
+def gemv_swiglu(rt: Any, Wg: DeviceArray, Wu: DeviceArray, x: DeviceArray, y: DeviceArray, rows: int, cols: int,
+                clamp: float = 0.0, norm: tuple[DeviceArray | None, float] | None = None,
+                warps: int | None = None, grid: int | None = None, stream: Any = None, pdl: bool = False) -> None:
+    """y = silu(min(Wg x, clamp)) * clamp(Wu x, -clamp, clamp) (clamp <= 0: no clamp); Wg, Wu [rows, cols]."""
+    qtype = weight_type(Wg)
+    need(qtype in ("Q8_0", "F16"), f"gemv_swiglu: Q8_0 or F16 weights, got {qtype}")
+    _check_matrix("gemv_swiglu gate", Wg, rows, cols, qtype)
+    _check_matrix("gemv_swiglu up", Wu, rows, cols, qtype)
+    need(is_dtype(y, np.float32) and y.size >= rows, f"gemv_swiglu: y must be float32 with {rows} values")
+    norm_w, eps, flags = _check_common("gemv_swiglu", qtype, x, cols, 0, norm)
+    g, b, smem = _geometry(rt, qtype, ceil_div(rows, 2), warps, grid)
+    rt.launch(_KERNEL[qtype] + "_swiglu", g, b, Wg, Wu, rows, y, x, cols, norm_w, eps, flags, float(clamp),
+              smem=smem, stream=stream, pdl=pdl)
+
+
+def gemv_q8_0(rt: Any, W: DeviceArray, x: DeviceArray, y: DeviceArray, rows: int, cols: int, **kw: Any) -> None:
+    """y[rows] = W[rows, cols] @ x[cols], Q8_0 weights (raw uint8 blocks, rows * cols/32 * 34 bytes)."""
+    need(weight_type(W) == "Q8_0", "gemv_q8_0: W must be Q8_0 bytes (uint8)")
+    gemv(rt, [(W, y, rows)], x, cols, **kw)
+
+
+def gemv_f16(rt: Any, W: DeviceArray, x: DeviceArray, y: DeviceArray, rows: int, cols: int, **kw: Any) -> None:
+    """y[rows] = W[rows, cols] @ x[cols], F16 weights."""
+    need(weight_type(W) == "F16", "gemv_f16: W must be float16")
+    gemv(rt, [(W, y, rows)], x, cols, **kw)

@@ -1,0 +1,48 @@
+"""Host wrappers of cu/indexer.cu: the indexer query preparation and its scores over the visible keys."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ds4py.cuda.ops.attention import aligned, dtype_is, need, pair_threads
+
+IDX_MAX_DIM = 1024             # Hadamard buffer
+IDX_MAX_HEADS = 256            # weight buffer
+IDX_THREADS = 256              # block of indexer_scores: 16 key lanes x 16 head groups
+IDX_KT = 64                    # = IDX_KT in cu/indexer.cu: keys per tile (16 key lanes x 4)
+DEFINES = {"IDX_MAX_DIM": IDX_MAX_DIM, "IDX_MAX_HEADS": IDX_MAX_HEADS, "IDX_THREADS": IDX_THREADS}  # cu/indexer.cu
+
+
+def indexer_q_prep(rt: Any, q_raw: Any, freqs: Any, pos_slot: Any, q: Any, n_heads: int, ihd: int, rd: int,
+                   fake_quant: bool = True, stream: Any = None, pdl: bool = False) -> None:
+    """q [IH, ihd] = FP4(Hadamard(RoPE(q_raw at the slot's position)))."""
+    need(ihd & (ihd - 1) == 0 and 32 <= ihd <= IDX_MAX_DIM, f"indexer: head dim {ihd} must be a power of two in "
+         f"32..{IDX_MAX_DIM}")
+    need(rd % 2 == 0 and 0 < rd <= ihd and freqs.size == rd // 2, f"indexer: {freqs.size} freqs for {rd} rope dims")
+    need(q_raw.size == n_heads * ihd and q.size == n_heads * ihd, f"indexer: q is not [{n_heads}, {ihd}]")
+    need(all(dtype_is(a, np.float32) for a in (q_raw, freqs, q)) and aligned(8, q_raw, q),
+         "indexer: float32 arrays, 8-byte aligned")
+    rt.launch("indexer_q_prep", n_heads, pair_threads(ihd), q_raw, freqs, pos_slot, q, ihd, rd, int(fake_quant),
+              stream=stream, pdl=pdl)
+
+
+def scores_smem(n_heads: int, ihd: int) -> int:
+    return (n_heads * ihd + IDX_KT * (ihd + 4)) * 4
+
+
+def indexer_scores(rt: Any, q: Any, w_raw: Any, wscale: float, keys: Any, pos_slot: Any, scores: Any,
+                   n_heads: int, ihd: int, max_keys: int, ratio: int = 4, max_blocks: int = 264,
+                   stream: Any = None, pdl: bool = False) -> None:
+    """scores[g] for the (pos+1)//ratio visible keys (at most max_keys, the bucket's capacity)."""
+    need(n_heads % 4 == 0 and 4 <= n_heads <= IDX_MAX_HEADS and ihd % 4 == 0,
+         f"indexer_scores: {n_heads} heads (a multiple of 4 up to {IDX_MAX_HEADS}) of dim {ihd} (a multiple of 4)")
+    need(q.size == n_heads * ihd and w_raw.size == n_heads, "indexer_scores: q or weights do not match the heads")
+    need(len(keys.shape) == 2 and keys.shape[1] == ihd and keys.shape[0] >= max_keys and scores.size >= max_keys,
+         f"indexer_scores: keys {tuple(keys.shape)} / scores ({scores.size}) smaller than the {max_keys} keys")
+    need(aligned(16, q, keys), "indexer_scores: q and keys must be 16-byte aligned")
+    grid = max(1, min(-(-max_keys // IDX_KT), max_blocks))
+    rt.launch("indexer_scores", grid, IDX_THREADS, q, w_raw, float(wscale), keys, pos_slot, int(ratio), scores,
+              n_heads, ihd, smem=scores_smem(n_heads, ihd), stream=stream, pdl=pdl)
+

@@ -1,0 +1,75 @@
+"""Host side of cu/mhc.cu: the hyper-connection mix (with its Sinkhorn), collapse + RMSNorm, and hc_post."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ds4py.cuda.memory import DeviceArray
+from ds4py.cuda.ops.core import aligned, ceil_div, is_dtype, need
+
+DEFINES = {"MIX_COLS": 512}              # columns of flatten(X) per block of hc_mix (fixes the summation order)
+
+
+def mix_record(hc: int = 4) -> int:
+    """Floats per token of the mix output: pre[hc], post[hc], C[hc][hc]."""
+    return (2 + hc) * hc
+
+
+def mix_blocks(D: int, hc: int = 4) -> int:
+    return ceil_div(hc * D, DEFINES["MIX_COLS"])
+
+
+def mix_partial_floats(n_tok: int, nrows: int, D: int, hc: int = 4) -> int:
+    """Scratch floats hc_mix needs for its per-block partials."""
+    return n_tok * mix_blocks(D, hc) * (nrows + 1)
+
+
+def hc_mix(rt: Any, fn: DeviceArray, X: DeviceArray, n_tok: int, D: int, scale: DeviceArray, base: DeviceArray,
+           partial: DeviceArray, ticket: DeviceArray, mix: DeviceArray, norm_eps: float, hc_eps: float,
+           iters: int = 20, hc: int = 4, warps: int = 4, stream: Any = None, pdl: bool = False) -> None:
+    """mix[t] = the mHC mix of X[t] ([hc, D]): fn [(2+hc)*hc, hc*D] gives pre, post and the Sinkhorn C of a
+    sub-layer; fn [hc, hc*D] (the head's) gives pre only. F16 or F32 fn, as the GGUF stores it. ticket: n_tok
+    zeroed uint32 (left zeroed); partial: mix_partial_floats(...) float32 scratch."""
+    nrows = fn.shape[0] if len(fn.shape) == 2 else 0
+    n = hc * D
+    need(nrows in (hc, mix_record(hc)) and fn.shape[1] == n,
+         f"hc_mix: fn must be [{mix_record(hc)} or {hc}, {n}], got {list(fn.shape)}")
+    need(is_dtype(fn, np.float16) or is_dtype(fn, np.float32), "hc_mix: fn must be F16 or F32")
+    need(n % 8 == 0 and aligned(16, fn, X), "hc_mix: hc*D must be a multiple of 8, fn and X 16-byte aligned")
+    need(is_dtype(X, np.float32) and X.size >= n_tok * n, f"hc_mix: X must be float32 [{n_tok}, {hc}, {D}]")
+    need(is_dtype(scale, np.float32) and scale.size >= (3 if nrows > hc else 1), "hc_mix: scale too small")
+    need(is_dtype(base, np.float32) and base.size >= nrows, "hc_mix: base too small")
+    need(is_dtype(partial, np.float32) and partial.size >= mix_partial_floats(n_tok, nrows, D, hc),
+         "hc_mix: partial scratch too small")
+    need(is_dtype(ticket, np.uint32) and ticket.size >= n_tok, "hc_mix: ticket must hold n_tok uint32")
+    need(is_dtype(mix, np.float32) and mix.size >= n_tok * mix_record(hc), "hc_mix: mix too small")
+    need(1 <= warps <= 32 and iters >= 1, "hc_mix: warps 1..32, iters >= 1")
+    kernel = "hc_mix_f16" if is_dtype(fn, np.float16) else "hc_mix_f32"
+    rt.launch(kernel, (mix_blocks(D, hc), n_tok), 32 * warps, fn, nrows, X, n, scale, base, partial, ticket, mix,
+              float(norm_eps), float(hc_eps), int(iters), stream=stream, pdl=pdl)
+
+
+def hc_collapse_norm(rt: Any, X: DeviceArray, mix: DeviceArray, n_tok: int, D: int, w: DeviceArray | None,
+                     eps: float, y: DeviceArray, hc: int = 4, threads: int = 256, stream: Any = None,
+                     pdl: bool = False) -> None:
+    """y[t] = RMSNorm(sum_j pre_j X[t, j]; w) with pre from mix (w None: no weight) - a sub-layer's input, or
+    the head's (mix from hc_mix on output_hc_fn, w = output_norm)."""
+    need(is_dtype(X, np.float32) and X.size >= n_tok * hc * D, "hc_collapse_norm: X must be float32 [T, hc, D]")
+    need(is_dtype(mix, np.float32) and mix.size >= n_tok * mix_record(hc), "hc_collapse_norm: mix too small")
+    need(w is None or (is_dtype(w, np.float32) and w.size == D), f"hc_collapse_norm: w must be {D} float32")
+    need(is_dtype(y, np.float32) and y.size >= n_tok * D, "hc_collapse_norm: y too small")
+    need(threads % 32 == 0 and 32 <= threads <= 1024, "hc_collapse_norm: threads a multiple of 32 up to 1024")
+    rt.launch("hc_collapse_norm", n_tok, threads, X, mix, mix_record(hc), D, w, float(eps), y, stream=stream, pdl=pdl)
+
+
+def hc_post(rt: Any, f: DeviceArray, mix: DeviceArray, X: DeviceArray, n_tok: int, D: int, hc: int = 4,
+            threads: int = 256, stream: Any = None, pdl: bool = False) -> None:
+    """X[t] <- post_k f[t] + sum_j C[j,k] X[t, j] in place (the sub-layer output back into the residual state)."""
+    need(is_dtype(f, np.float32) and f.size >= n_tok * D, "hc_post: f must be float32 [T, D]")
+    need(is_dtype(mix, np.float32) and mix.size >= n_tok * mix_record(hc), "hc_post: mix too small")
+    need(is_dtype(X, np.float32) and X.size >= n_tok * hc * D, "hc_post: X must be float32 [T, hc, D]")
+    need(threads % 32 == 0 and 32 <= threads <= 1024, "hc_post: threads a multiple of 32 up to 1024")
+    rt.launch("hc_post_f32", (ceil_div(D, threads), n_tok), threads, f, mix, mix_record(hc), X, D, stream=stream,
+              pdl=pdl)

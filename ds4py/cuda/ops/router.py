@@ -1,0 +1,32 @@
+"""Host wrapper of cu/router.cu: the MoE routing of the decode token (top-k or hash table, weights)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ds4py.cuda.ops.attention import dtype_is, need
+
+ROUTE_PER_LANE = 32            # experts per lane of the one warp
+ROUTE_MAX_EXPERTS = 32 * ROUTE_PER_LANE
+ROUTE_MAX_K = 32               # picks are held one per lane
+DEFINES = {"ROUTE_PER_LANE": ROUTE_PER_LANE}                                       # -D values of cu/router.cu
+
+
+def moe_route(rt: Any, logits: Any, bias: Any, tid2eid: Any, token: Any, ids: Any, weights: Any, n_experts: int,
+              k: int, route_scale: float, route_norm: bool = True, stream: Any = None, pdl: bool = False) -> None:
+    """ids / weights [k] of the token: top-k of sqrt(softplus(logits)) + bias, or tid2eid[token] (hash layers,
+    token = the device token id; then bias is unused)."""
+    need(1 <= n_experts <= ROUTE_MAX_EXPERTS and 1 <= k <= min(ROUTE_MAX_K, n_experts),
+         f"moe_route: {k} of {n_experts} experts (at most {ROUTE_MAX_K} of {ROUTE_MAX_EXPERTS})")
+    need(logits.size == n_experts and (bias is None or bias.size == n_experts), "moe_route: logits / bias size")
+    need(ids.size >= k and weights.size >= k and dtype_is(ids, np.int32) and dtype_is(weights, np.float32),
+         "moe_route: ids (int32) and weights (float32) need k entries")
+    vocab = 0
+    if tid2eid is not None:
+        need(len(tid2eid.shape) == 2 and tid2eid.shape[1] == k and dtype_is(tid2eid, np.int32) and token is not None,
+             f"moe_route: tid2eid must be int32 [vocab, {k}] with a device token id")
+        vocab = int(tid2eid.shape[0])
+    rt.launch("moe_route", 1, 32, logits, bias, tid2eid, token, int(n_experts), int(k), vocab, float(route_scale),
+              int(route_norm), ids, weights, stream=stream, pdl=pdl)

@@ -1,0 +1,64 @@
+"""Fixtures for the kernel tests that run on the CPU emulator (tests/test_cu_emu_<stage>.py): an EmuRuntime in
+each thread order, its arena, and `put` to upload host arrays. tests/gpu/conftest.py builds the same arena and
+put on a GPU runtime, and re-runs the same test functions there."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import pytest
+
+from ds4py.cuda import emu
+
+ORDERS = ("forward", "reverse", "random")
+
+requires_emulator = pytest.mark.skipif(emu.compiler() is None, reason="the CUDA emulator needs g++")
+
+
+@contextmanager
+def fresh_arena(rt: Any, weights_bytes: int, scratch_bytes: int) -> Iterator[Any]:
+    """An arena on rt, in a step; closed (after the work on it finished) at exit."""
+    a = rt.arena(weights_bytes=weights_bytes, scratch_bytes=scratch_bytes)
+    a.begin_step()
+    try:
+        yield a
+    finally:
+        rt.synchronize()
+        a.close()
+
+
+def putter(arena: Any) -> Callable[..., Any]:
+    """put(host, weights=True): upload a host array into the arena (weights region, or scratch)."""
+
+    def put(host: np.ndarray, weights: bool = True):
+        host = np.ascontiguousarray(host)
+        d = arena.weights(host.shape, host.dtype) if weights else arena.scratch(host.shape, host.dtype)
+        d.upload(host)
+        return d
+
+    return put
+
+
+@pytest.fixture(params=ORDERS)
+def rt(request):
+    """Every launch also checks the PDL rule: no store to an argument and no return before pdl_wait()."""
+    from ds4py.cuda.emu_runtime import EmuRuntime
+
+    return EmuRuntime(order=request.param, seed=17, check_pdl=True)
+
+
+@pytest.fixture
+def arena(rt):
+    with fresh_arena(rt, 48 << 20, 16 << 20) as a:
+        yield a
+
+
+@pytest.fixture
+def put(arena):
+    return putter(arena)
+
+
+def rng(*seed: int) -> np.random.Generator:
+    return np.random.default_rng(list(seed))

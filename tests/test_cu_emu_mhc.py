@@ -1,0 +1,133 @@
+"""cu/mhc.cu against its twin (ds4py/cuda/twins/mhc.py, ref.ops) on the CPU emulator, in every thread order:
+the mix with its last-block Sinkhorn (F16 and F32 fn, several tokens, ragged column chunks, the head's pre-only
+mix), collapse + RMSNorm, hc_post; the ticket left zeroed for replays; bit-identical whichever block finishes
+last. The twin itself is pinned to ref.ops.hc_pre."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cu_fixtures import arena, fresh_arena, put, putter, requires_emulator, rng, rt  # noqa: F401 (fixtures)
+from ds4py.cuda import ops, twins
+from ds4py.cuda.ops import mhc as om
+from ds4py.cuda.twins import mhc as tm
+from ds4py.ref import ops as ref
+
+pytestmark = requires_emulator
+
+HC = 4
+EPS = 1e-6
+
+
+def case(r, T, D, nrows, f32):
+    X = r.standard_normal((T, HC, D)).astype(np.float32)
+    fn = (r.standard_normal((nrows, HC * D)) * 0.05).astype(np.float32 if f32 else np.float16)
+    scale = (0.5 + r.random(3)).astype(np.float32)
+    base = (0.3 * r.standard_normal(nrows)).astype(np.float32)
+    return X, fn, scale, base
+
+
+def run_mix(rt, arena, put, X, fn, scale, base, warps=4, ticket=None):
+    T, _, D = X.shape
+    nrows = fn.shape[0]
+    part = arena.scratch(om.mix_partial_floats(T, nrows, D), np.float32)
+    ticket = ticket or put(np.zeros(T, np.uint32), False)
+    mix = arena.scratch((T, om.mix_record(HC)), np.float32)
+    ops.hc_mix(rt, put(fn), put(X, False), T, D, put(scale), put(base), part, ticket, mix, EPS, EPS, 20, warps=warps)
+    return mix, ticket
+
+
+def check_mix(got, X, fn, scale, base, what):
+    want = tm.hc_mix(X, fn.astype(np.float32), scale, base, EPS, EPS, 20)
+    n = X.shape[1] * X.shape[2]
+    xf = X.reshape(X.shape[0], -1).astype(np.float64)
+    rs = 1 / np.sqrt((xf ** 2).mean(1) + EPS)
+    mag_m = (np.abs(xf) @ np.abs(fn.astype(np.float64)).T) * rs[:, None]              # [T, nrows]
+    sc = np.concatenate([np.full(HC, scale[0]), np.full(HC, scale[1]), np.full(HC * HC, scale[2])])[:fn.shape[0]]
+    mag = np.zeros_like(want, np.float64)
+    mag[:, :fn.shape[0]] = mag_m * sc
+    mag += np.abs(want)
+    twins.assert_close_scaled(got, want, mag, n, what)
+
+
+@pytest.mark.parametrize("D,T,warps", [(64, 1, 1), (160, 3, 3), (1024, 2, 4), (200, 1, 8)])
+@pytest.mark.parametrize("f32", [False, True])
+def test_mix_and_sinkhorn(rt, arena, put, D, T, warps, f32):
+    r = rng(D, T, warps, f32)
+    X, fn, scale, base = case(r, T, D, om.mix_record(HC), f32)
+    mix, ticket = run_mix(rt, arena, put, X, fn, scale, base, warps)
+    check_mix(mix.download(), X, fn, scale, base, f"mix D={D} T={T}")
+    assert (ticket.download() == 0).all()                 # left ready for the next launch / replay
+    C = mix.download()[:, 2 * HC:].reshape(T, HC, HC)
+    np.testing.assert_allclose(C.sum(1), 1.0, atol=1e-4)  # Sinkhorn: columns sum to one (rows nearly)
+
+
+def test_mix_is_bit_identical_whichever_block_is_last(put):
+    from ds4py.cuda.emu_runtime import EmuRuntime
+
+    r = rng(5)
+    X, fn, scale, base = case(r, 2, 1024, om.mix_record(HC), False)
+    out = []
+    for order, seed in [("forward", 0), ("reverse", 0), ("random", 1), ("random", 2)]:
+        rt = EmuRuntime(order=order, seed=seed)
+        with fresh_arena(rt, 4 << 20, 1 << 20) as arena:
+            mix, ticket = run_mix(rt, arena, putter(arena), X, fn, scale, base)
+            first = mix.download()
+            mix2, _ = run_mix(rt, arena, putter(arena), X, fn, scale, base, ticket=ticket)   # the same ticket again
+            assert mix2.download().tobytes() == first.tobytes()
+            out.append(first.tobytes())
+    assert len(set(out)) == 1
+
+
+def test_twin_is_the_reference_hc_pre():
+    r = rng(6)
+    X, fn, scale, base = case(r, 3, 96, om.mix_record(HC), True)
+    mix = tm.hc_mix(X, fn, scale, base, EPS, EPS, 20)
+    x, post, comb = ref.hc_pre(X, fn, scale, base, EPS, EPS, 20)
+    pre = mix[:, :HC]
+    np.testing.assert_array_equal((pre[:, :, None] * X).sum(1), x)
+    np.testing.assert_array_equal(mix[:, HC:2 * HC], post)
+    np.testing.assert_array_equal(mix[:, 2 * HC:].reshape(-1, HC, HC), comb)
+    f = r.standard_normal((3, 96)).astype(np.float32)
+    np.testing.assert_array_equal(tm.hc_post(f, X, mix), ref.hc_post(f, X, post, comb))
+
+
+@pytest.mark.parametrize("D,T,threads,weighted", [(1, 1, 32, True), (33, 2, 32, False), (500, 3, 128, True),
+                                                  (4096, 1, 1024, True)])
+def test_collapse_norm(rt, arena, put, D, T, threads, weighted):
+    r = rng(D, T, threads)
+    X = (3 * r.standard_normal((T, HC, D))).astype(np.float32)
+    mix = r.random((T, om.mix_record(HC))).astype(np.float32)
+    w = (1 + 0.1 * r.standard_normal(D)).astype(np.float32) if weighted else None
+    y = arena.scratch((T, D), np.float32)
+    ops.hc_collapse_norm(rt, put(X, False), put(mix), T, D, put(w) if weighted else None, EPS, y, threads=threads)
+    want = tm.hc_collapse_norm(X, mix, w, EPS)
+    twins.assert_close_scaled(y.download(), want, np.abs(want) + 1e-30, D, f"collapse D={D}")
+
+
+@pytest.mark.parametrize("D,T,threads", [(1, 1, 32), (70, 2, 32), (1000, 3, 256)])
+def test_hc_post(rt, arena, put, D, T, threads):
+    r = rng(D, T, 3)
+    X = r.standard_normal((T, HC, D)).astype(np.float32)
+    f = r.standard_normal((T, D)).astype(np.float32)
+    mix = r.random((T, om.mix_record(HC))).astype(np.float32)
+    dX = put(X, False)
+    ops.hc_post(rt, put(f, False), put(mix), dX, T, D, threads=threads)
+    want = tm.hc_post(f, X, mix)
+    post, C = mix[:, HC:2 * HC], mix[:, 2 * HC:].reshape(T, HC, HC)
+    mag = np.abs(post)[:, :, None] * np.abs(f)[:, None, :] + np.einsum("tjk,tjd->tkd", np.abs(C), np.abs(X))
+    twins.assert_close_scaled(dX.download(), want, mag, HC + 1, "hc_post")
+
+
+@pytest.mark.parametrize("D", [64, 288])
+def test_head_collapse(rt, arena, put, D):
+    """The head: a pre-only mix from output_hc_fn [hc, hc*D], then collapse + output_norm."""
+    r = rng(D, 9)
+    X, fn, scale, base = case(r, 2, D, HC, False)
+    mix, _ = run_mix(rt, arena, put, X, fn, scale[:1], base)
+    w = (1 + 0.1 * r.standard_normal(D)).astype(np.float32)
+    y = arena.scratch((2, D), np.float32)
+    ops.hc_collapse_norm(rt, X=put(X, False), mix=mix, n_tok=2, D=D, w=put(w), eps=EPS, y=y, threads=64)
+    want = tm.hc_head(X, fn.astype(np.float32), scale[:1], base, w, EPS, EPS)
+    twins.assert_close_scaled(y.download(), want, np.abs(want) + np.abs(w), HC * D, "head collapse")
