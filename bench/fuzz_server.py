@@ -361,6 +361,10 @@ class FastState:
     def __init__(self, n=0):
         self.n_tokens = n
 
+    @property
+    def rollback_floor(self) -> int:              # no rollback: the session uses its snapshots
+        return self.n_tokens
+
     def copy(self):
         return FastState(self.n_tokens)
 
@@ -384,13 +388,12 @@ class FastModel:
         x[self.eos] += 3.0                        # answers end soon
         return x
 
-    def prefill(self, state, ids, all_logits=False):
-        state.n_tokens += len(ids)
-        return self._logits(state.n_tokens)
-
-    def decode(self, state, token):
-        state.n_tokens += 1
-        return self._logits(state.n_tokens)
+    def step(self, states, chunks, all_logits=False):
+        out = []
+        for state, ids in zip(states, chunks):
+            state.n_tokens += len(ids)
+            out.append(self._logits(state.n_tokens))
+        return out
 
     def weight_bytes_per_token(self):
         return 0

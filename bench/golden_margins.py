@@ -28,6 +28,7 @@ GOLDEN = REPO.parent / "shared" / "golden"
 def v4(out: dict) -> None:
     import test_ref_v4_tiny as t
     from ds4py.convert import convert_checkpoint
+    from ds4py.model import Numerics
     from ds4py.ref.engine import RefModel
 
     gold = np.load(GOLDEN / "v4-tiny" / "cases.npz")
@@ -35,7 +36,7 @@ def v4(out: dict) -> None:
         path = os.path.join(d, "v4.gguf")
         convert_checkpoint(str(GOLDEN / "v4-tiny"), path, experts="mxfp4", dense="f32", progress=False)
         for fq in (True, False):
-            m = RefModel(path, fake_quant=fq)
+            m = RefModel(path, numerics=Numerics(fake_quant=fq))
             s = "" if fq else "_noquant"
             diffs, top1 = [], True
             for c in t.CASES:
@@ -67,6 +68,7 @@ def v4(out: dict) -> None:
 
 def ds4(out: dict) -> None:
     import test_ref_ds4_tiny as t
+    from ds4py.model import Numerics
     from ds4py.ref.engine import RefModel
 
     spec = importlib.util.spec_from_file_location("cl", GOLDEN / "ds4-tiny" / "compare_logits.py")
@@ -74,7 +76,7 @@ def ds4(out: dict) -> None:
     spec.loader.exec_module(cl)
     gold = np.load(GOLDEN / "ds4-tiny" / "cases.npz")
     for aq in (True, False):
-        m = RefModel(str(GOLDEN / "ds4-tiny" / "tiny.gguf"), act_quant=aq)
+        m = RefModel(str(GOLDEN / "ds4-tiny" / "tiny.gguf"), numerics=Numerics.ds4() if aq else Numerics())
         tol = cl.LOOSE_TOL if aq else t.FP32_TOL
         name = "ds4 act_quant" if aq else "ds4 fp32"
         for c in t.CASES:

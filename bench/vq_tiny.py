@@ -37,7 +37,7 @@ from ds4py.vq.quantize import Options, quantize_vq, source_rows  # noqa: E402
 from ds4py.vq.rulers import rulers  # noqa: E402
 from ds4py.vq.writer import StreamWriter, TensorPlan, kv_records  # noqa: E402
 
-SHAPE = dict(dim=512, moe_inter_dim=512, n_routed_experts=16)
+SHAPE = dict(dim=512, expert_ff=512, n_experts=16)
 BOOK = Path(__file__).resolve().parents[1] / "ds4py" / "data" / "bench_prompt.txt"
 
 
@@ -54,15 +54,16 @@ def expert_bits(path: Path, weights: int) -> float:
 
 
 def rel_err(teacher: Path, student: Path) -> list[float]:
-    a, b = RefModel(str(teacher)).weights, RefModel(str(student)).weights
+    ta, tb = RefModel(str(teacher)), RefModel(str(student))
+    a, b = ta.weights, tb.weights
     out = []
-    for layer in range(a.f.meta("deepseek4.block_count")):
+    for la, lb in zip(ta.binding.layers, tb.binding.layers):
         err = energy = 0.0
         for m in ("gate", "up", "down"):
-            n = f"blk.{layer}.ffn_{m}_exps.weight"
+            ea, eb = getattr(la.ffn.experts, m), getattr(lb.ffn.experts, m)
             for e in range(16):
-                x = a.expert(n, e).astype(np.float64)
-                err += ((x - b.expert(n, e)) ** 2).sum()
+                x = a.expert(ea, e).astype(np.float64)
+                err += ((x - b.expert(eb, e)) ** 2).sum()
                 energy += (x * x).sum()
         out.append(err / energy)
     return out

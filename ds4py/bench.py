@@ -1,8 +1,9 @@
 """Offline decode/prefill sweep: `python -m ds4py bench -m MODEL ...`.
 
 One fixed token sequence is walked to each context frontier with incremental prefill (a row times only the
-new interval), then a fixed greedy probe is generated (EOS suppressed) and the KV state is restored to the
-frontier, so the next row continues from exactly the prompt. Warm-up is excluded; with --repeat N every
+new interval), then a fixed greedy probe is generated (EOS suppressed) and the KV state is rolled back to the
+frontier (state.truncate when the probe is within the model's rollback horizon, else a copy taken before it),
+so the next row continues from exactly the prompt. Warm-up is excluded; with --repeat N every
 row is measured N times from the same snapshot and reported as mean ± std.
 
 Columns (comparable with ds4-bench):
@@ -11,7 +12,7 @@ Columns (comparable with ds4-bench):
   prefill_tps             prefill_tokens / prefill seconds
   gen_tokens              greedy tokens generated at this frontier
   gen_tps                 gen_tokens / decode seconds (the first sampled token comes from the prefill logits)
-  kv_bytes                bytes of KV/compressor state held at the frontier
+  kv_bytes                bytes of KV/compressor state held at the frontier (state.nbytes(): what is allocated)
   weight_bytes_per_token  weight bytes one decode step reads (dense + 6 routed experts per layer + head)
   effective_gbps          (weight_bytes_per_token + kv_bytes) · gen_tps / 1e9: an upper bound of the bytes
                           a decode step touches, so it is comparable across machines
@@ -101,7 +102,7 @@ def _greedy_probe(model, state, logits: np.ndarray, n: int, eos: int | None) -> 
         if eos is not None:
             logits = logits.copy()
             logits[eos] = -np.inf
-        logits = model.decode(state, int(np.argmax(logits)))
+        logits = model.step([state], [[int(np.argmax(logits))]])[0]
 
 
 def run_sweep(
@@ -122,11 +123,12 @@ def run_sweep(
 
     # Warm-up (excluded): touch the code paths and the page cache once.
     warm = model.new_state()
-    wl = model.prefill(warm, list(tokens[: max(1, min(warmup_tokens, points[0]))]))
+    wl = model.step([warm], [list(tokens[: max(1, min(warmup_tokens, points[0]))])])[0]
     _greedy_probe(model, warm, wl, min(2, gen_tokens), eos)
     del warm
 
     state = model.new_state()
+    rollback = gen_tokens <= model.rollback_horizon      # the probe can be undone by truncate
     cur = 0
     rows: list[Row] = []
     for frontier in points:
@@ -136,14 +138,16 @@ def run_sweep(
         for r in range(repeat):
             st = state if r == 0 else base.copy()
             t0 = time.perf_counter()
-            logits = model.prefill(st, chunk)
+            logits = model.step([st], [chunk])[0]
             p_times.append(time.perf_counter() - t0)
-            snap = st.copy()  # restore point: the probe must not leak into the next row
+            snap = None if rollback else st.copy()     # the probe must not leak into the next row
             t0 = time.perf_counter()
             _greedy_probe(model, st, logits, gen_tokens, eos)
             g_times.append(time.perf_counter() - t0)
             if r == 0:
-                kept = snap
+                if rollback:
+                    st.truncate(frontier)
+                kept = st if rollback else snap
         state = kept
         cur = frontier
         kv = int(state.nbytes())

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from dataclasses import fields as dataclass_fields
+from functools import cached_property
 from typing import Any
 
 from gguf import GGMLQuantizationType as Q
@@ -24,6 +26,35 @@ ARCH = "deepseek4"
 MATRIX_TYPES = tuple(QUANT_BLOCK)
 FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)     # norms, hc parameters, sinks, biases, ape, compressor/indexer linears
 INT_TYPES = (Q.I32, Q.I64, Q.I16)        # tid2eid
+
+# V4 Flash's ratio roles (MODEL.md §2.3), used only by the predicates below
+V4_OVERLAP_RATIO = 4                     # the overlapping compressor
+V4_INDEXER_RATIO = 4                     # layers with an indexer
+
+
+# V4 Flash's sizes (MODEL.md §1) in ModelConfig's names; n_layers, dim, vocab_size, n_heads and compress_ratios
+# are always given
+V4_FLASH: dict[str, Any] = dict(
+    head_dim=512, rope_dim=64, q_lora_rank=1024, o_lora_rank=1024, o_groups=8, window=128, norm_eps=1e-6,
+    rope_base=10000.0, compress_rope_base=160000.0, rope_factor=16.0, rope_orig_ctx=65536, beta_fast=32.0,
+    beta_slow=1.0, index_heads=64, index_head_dim=128, index_topk=512, n_experts=256, n_experts_used=6,
+    expert_ff=2048, n_shared_experts=1, route_scale=1.5, route_norm=True, hash_layers=3, hc_mult=4,
+    sinkhorn_iters=20, hc_eps=1e-6, bos_id=0, eos_id=1)
+
+
+@dataclass(frozen=True)
+class LayerRoles:
+    """What one layer does, from the config's predicates (ModelConfig.roles(l))."""
+    layer: int
+    ratio: int                   # compress ratio (0: window only)
+    compressed: bool             # attends to compressed rows
+    kv_source: int               # whose compressed rows it reads (itself in V4)
+    compressor: bool             # computes compressed rows (owns comp_* state)
+    overlap: int                 # 1: group g also pools group g-1 (2x-wide compressor)
+    indexer: bool                # top-k selection of compressed rows (owns idx_* state)
+    index_ratio: int
+    index_overlap: int
+    hash_routing: bool           # experts from tid2eid[token] instead of biased top-k
 
 
 # The JSON-like kind of every `deepseek4.*` value read (GGUF stores a type per value; a file with a string where
@@ -132,7 +163,7 @@ class ModelConfig:
     eos_id: int = 1
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
-    # ---- derived -------------------------------------------------------------------------------------
+    # ---- derived sizes (the names the weight schema and the state layout use) -------------------------
     @property
     def nope_dim(self) -> int:
         return self.head_dim - self.rope_dim
@@ -141,14 +172,103 @@ class ModelConfig:
     def hc_mix(self) -> int:
         return (2 + self.hc_mult) * self.hc_mult
 
+    @property
+    def hc_dim(self) -> int:                 # the flattened residual state: hc copies of D
+        return self.hc_mult * self.dim
+
+    @property
+    def q_dim(self) -> int:                  # all query heads
+        return self.n_heads * self.head_dim
+
+    @property
+    def o_dim(self) -> int:                  # the grouped output projection's inner width
+        return self.o_groups * self.o_lora_rank
+
+    @property
+    def o_group_in(self) -> int:             # one output group's input: n_heads / o_groups heads
+        return self.n_heads * self.head_dim // self.o_groups
+
+    @property
+    def index_q_dim(self) -> int:
+        return self.index_heads * self.index_head_dim
+
+    @property
+    def shared_ff(self) -> int:
+        return self.expert_ff * self.n_shared_experts
+
+    # ---- variant predicates: the only code that knows what a ratio means -----------------------------
+    # The forward, the weight schema and the KV state layout ask these; none of them compares ratios.
+    # V4 Flash (MODEL.md §2.3): ratio 4 layers have an overlapping compressor and an indexer whose own
+    # compressor has the same ratio and overlap; ratio 128 layers a plain compressor; every compressed
+    # layer owns its rows. V4.1 (§3: ratios 2 and 1, no overlap, kv / index source layers) changes the
+    # answers here, not the callers.
     def ratio(self, layer: int) -> int:
         return self.compress_ratios[layer]
 
+    def is_compressed(self, layer: int) -> bool:
+        """The layer attends to compressed rows (and uses the compressed-layer RoPE)."""
+        return self.compress_ratios[layer] > 0
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose compressed rows this layer attends to (V4: its own)."""
+        return layer
+
+    def has_compressor(self, layer: int) -> bool:
+        """The layer computes (and its state holds) compressed rows."""
+        return self.is_compressed(layer) and self.kv_source(layer) == layer
+
+    def compress_overlap(self, layer: int) -> int:
+        """1 when group g also pools group g-1's tokens (through the first half of a 2x-wide compressor)."""
+        return int(self.compress_ratios[layer] == V4_OVERLAP_RATIO)
+
+    def comp_width(self, layer: int) -> int:
+        return (1 + self.compress_overlap(layer)) * self.head_dim
+
     def has_indexer(self, layer: int) -> bool:
-        return self.compress_ratios[layer] == 4
+        return self.compress_ratios[layer] == V4_INDEXER_RATIO
+
+    def index_ratio(self, layer: int) -> int:
+        return self.compress_ratios[layer]
+
+    def index_overlap(self, layer: int) -> int:
+        return 1
+
+    def index_comp_width(self, layer: int) -> int:
+        return (1 + self.index_overlap(layer)) * self.index_head_dim
 
     def is_hash_layer(self, layer: int) -> bool:
         return layer < self.hash_layers
+
+    def has_route_bias(self, layer: int) -> bool:
+        """Biased top-k routing (the bias picks experts, never weighs them); hash layers use tid2eid."""
+        return not self.is_hash_layer(layer)
+
+    def roles(self, layer: int) -> "LayerRoles":
+        return self._roles[layer]
+
+    @cached_property
+    def _roles(self) -> tuple["LayerRoles", ...]:
+        return tuple(LayerRoles(
+            layer=il, ratio=self.ratio(il), compressed=self.is_compressed(il), kv_source=self.kv_source(il),
+            compressor=self.has_compressor(il), overlap=self.compress_overlap(il), indexer=self.has_indexer(il),
+            index_ratio=self.index_ratio(il) if self.has_indexer(il) else 0,
+            index_overlap=self.index_overlap(il) if self.has_indexer(il) else 0,
+            hash_routing=self.is_hash_layer(il)) for il in range(self.n_layers))
+
+    @classmethod
+    def v4_flash(cls, **fields: Any) -> "ModelConfig":
+        """V4 Flash's values (MODEL.md §1) for every field not given: the converter (official config.json)
+        and make-tiny (small shapes) build their configs here, so one set of names serves every size."""
+        unknown = set(fields) - {f.name for f in dataclass_fields(cls)} | ({"extra"} & set(fields))
+        if unknown:
+            raise ConfigError(f"unknown config field(s): {', '.join(sorted(unknown))}")
+        args = {**V4_FLASH, **fields}
+        n = args["n_layers"]
+        args.setdefault("context_length", int(args["rope_orig_ctx"] * args["rope_factor"]))
+        args.setdefault("swiglu_clamp", (10.0,) * n)
+        args["compress_ratios"] = tuple(int(r) for r in args["compress_ratios"])
+        args["swiglu_clamp"] = tuple(float(c) for c in args["swiglu_clamp"])
+        return cls(**args)
 
     # ---- reading -------------------------------------------------------------------------------------
     @classmethod
@@ -269,62 +389,10 @@ class ModelConfig:
             bad(f"attention.sliding_window is {self.window}")
 
     def expected_tensors(self) -> dict[str, tuple[tuple[int, ...], tuple]]:
-        """Every tensor the forward reads: name -> (numpy-order shape, allowed types)."""
-        D, H, hd, V = self.dim, self.n_heads, self.head_dim, self.vocab_size
-        hc, mix = self.hc_mult, self.hc_mix
-        X, FF = self.n_experts, self.expert_ff
-        M, F, I = MATRIX_TYPES, FLOAT_TYPES, INT_TYPES
-        t: dict[str, tuple[tuple[int, ...], tuple]] = {
-            "token_embd.weight": ((V, D), M),
-            "output.weight": ((V, D), M),
-            "output_norm.weight": ((D,), F),
-            "output_hc_base.weight": ((hc,), F),
-            "output_hc_fn.weight": ((hc, hc * D), F),
-            "output_hc_scale.weight": ((1,), F),
-        }
-        for il in range(self.n_layers):
-            p = f"blk.{il}."
-            for sub in ("attn", "ffn"):
-                t[p + f"hc_{sub}_fn.weight"] = ((mix, hc * D), F)
-                t[p + f"hc_{sub}_scale.weight"] = ((3,), F)
-                t[p + f"hc_{sub}_base.weight"] = ((mix,), F)
-            t[p + "attn_norm.weight"] = ((D,), F)
-            t[p + "ffn_norm.weight"] = ((D,), F)
-            t[p + "attn_q_a.weight"] = ((self.q_lora_rank, D), M)
-            t[p + "attn_q_a_norm.weight"] = ((self.q_lora_rank,), F)
-            t[p + "attn_q_b.weight"] = ((H * hd, self.q_lora_rank), M)
-            t[p + "attn_kv.weight"] = ((hd, D), M)
-            t[p + "attn_kv_a_norm.weight"] = ((hd,), F)
-            t[p + "attn_sinks.weight"] = ((H,), F)
-            t[p + "attn_output_a.weight"] = ((self.o_groups * self.o_lora_rank, H * hd // self.o_groups), M)
-            t[p + "attn_output_b.weight"] = ((D, self.o_groups * self.o_lora_rank), M)
-            ratio = self.compress_ratios[il]
-            if ratio:
-                c = 2 if ratio == 4 else 1
-                t[p + "attn_compressor_kv.weight"] = ((c * hd, D), M)
-                t[p + "attn_compressor_gate.weight"] = ((c * hd, D), M)
-                t[p + "attn_compressor_ape.weight"] = ((ratio, c * hd), F)
-                t[p + "attn_compressor_norm.weight"] = ((hd,), F)
-            if ratio == 4:
-                ih, ihd = self.index_heads, self.index_head_dim
-                t[p + "indexer.attn_q_b.weight"] = ((ih * ihd, self.q_lora_rank), M)
-                t[p + "indexer.proj.weight"] = ((ih, D), M)
-                t[p + "indexer_compressor_kv.weight"] = ((2 * ihd, D), M)
-                t[p + "indexer_compressor_gate.weight"] = ((2 * ihd, D), M)
-                t[p + "indexer_compressor_ape.weight"] = ((4, 2 * ihd), F)
-                t[p + "indexer_compressor_norm.weight"] = ((ihd,), F)
-            t[p + "ffn_gate_inp.weight"] = ((X, D), M)
-            if self.is_hash_layer(il):
-                t[p + "ffn_gate_tid2eid.weight"] = ((V, self.n_experts_used), I)
-            else:
-                t[p + "exp_probs_b.bias"] = ((X,), F)
-            t[p + "ffn_gate_exps.weight"] = ((X, FF, D), M)
-            t[p + "ffn_up_exps.weight"] = ((X, FF, D), M)
-            t[p + "ffn_down_exps.weight"] = ((X, D, FF), M)
-            t[p + "ffn_gate_shexp.weight"] = ((FF, D), M)
-            t[p + "ffn_up_shexp.weight"] = ((FF, D), M)
-            t[p + "ffn_down_shexp.weight"] = ((D, FF), M)
-        return t
+        """Every tensor the forward reads: name -> (numpy-order shape, allowed types), from ds4py.schema."""
+        from ds4py.schema import expected_tensors
+
+        return expected_tensors(self)
 
     def check_tensors(self, f) -> None:
         """Raise GGUFError naming the first tensor that is missing or has the wrong shape / type."""

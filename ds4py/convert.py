@@ -14,6 +14,7 @@ Types written (`dense` = the FP8 linears' mode; F16/F32 "slots" are the tensors 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -21,13 +22,14 @@ import struct
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from ds4py import checksum, quant
+from ds4py import checksum, quant, schema
+from ds4py.config import ModelConfig
 from ds4py.errors import Ds4Error
 from ds4py.quant import official
 
@@ -43,60 +45,18 @@ ROW_CHUNK = 2048          # rows converted at a time (a multiple of every FP8 ti
 
 
 # ----------------------------------------------------------------------------------------------- shape
-@dataclass
-class V4Shape:
-    """Every size the ds4 layout depends on (official ModelArgs names)."""
-    n_layers: int
-    dim: int
-    vocab_size: int
-    n_heads: int
-    head_dim: int = 512
-    rope_head_dim: int = 64
-    q_lora_rank: int = 1024
-    o_groups: int = 8
-    o_lora_rank: int = 1024
-    n_routed_experts: int = 256
-    n_activated_experts: int = 6
-    n_shared_experts: int = 1
-    moe_inter_dim: int = 2048
-    n_hash_layers: int = 3
-    window_size: int = 128
-    index_n_heads: int = 64
-    index_head_dim: int = 128
-    index_topk: int = 512
-    hc_mult: int = 4
-    hc_sinkhorn_iters: int = 20
-    hc_eps: float = 1e-6
-    norm_eps: float = 1e-6
-    compress_ratios: list[int] = field(default_factory=list)
-    rope_theta: float = 10000.0
-    compress_rope_theta: float = 160000.0
-    rope_factor: float = 16.0
-    original_seq_len: int = 65536
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    route_scale: float = 1.5
-    swiglu_limit: float = 10.0
-    n_mtp_layers: int = 0
-
-    @property
-    def context_length(self) -> int:
-        return int(self.original_seq_len * self.rope_factor)
-
-    def ratio(self, layer: int) -> int:
-        return int(self.compress_ratios[layer])
-
-    def check(self) -> None:
-        if len(self.compress_ratios) < self.n_layers:
-            raise ConvertError(f"config: compress_ratios has {len(self.compress_ratios)} entries for {self.n_layers} layers")
-        bad = sorted({r for r in self.compress_ratios[: self.n_layers] if r not in (0, 4, 128)})
-        if bad:
-            raise ConvertError(f"config: compress ratios {bad} are not V4 Flash ratios (0, 4, 128); "
-                               "V4.1 checkpoints are not supported")
-        if self.n_heads % self.o_groups:
-            raise ConvertError(f"config: n_heads {self.n_heads} is not a multiple of o_groups {self.o_groups}")
-
-
+# official ModelArgs name (inference/config.json) -> ModelConfig field; anything else in config.json is ignored
+OFFICIAL_FIELDS = {
+    "n_layers": "n_layers", "dim": "dim", "vocab_size": "vocab_size", "n_heads": "n_heads", "head_dim": "head_dim",
+    "rope_head_dim": "rope_dim", "q_lora_rank": "q_lora_rank", "o_groups": "o_groups", "o_lora_rank": "o_lora_rank",
+    "n_routed_experts": "n_experts", "n_activated_experts": "n_experts_used", "n_shared_experts": "n_shared_experts",
+    "moe_inter_dim": "expert_ff", "n_hash_layers": "hash_layers", "window_size": "window",
+    "index_n_heads": "index_heads", "index_head_dim": "index_head_dim", "index_topk": "index_topk",
+    "hc_mult": "hc_mult", "hc_sinkhorn_iters": "sinkhorn_iters", "hc_eps": "hc_eps", "norm_eps": "norm_eps",
+    "compress_ratios": "compress_ratios", "rope_theta": "rope_base", "compress_rope_theta": "compress_rope_base",
+    "rope_factor": "rope_factor", "original_seq_len": "rope_orig_ctx", "beta_fast": "beta_fast",
+    "beta_slow": "beta_slow", "route_scale": "route_scale",
+}
 # HF-style aliases accepted in config.json besides the official ModelArgs names (inference/config.json).
 CONFIG_ALIASES = {
     "hidden_size": "dim", "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads",
@@ -107,6 +67,16 @@ CONFIG_ALIASES = {
 }
 V41_KEYS = ("kv_source_layers", "index_source_layers", "engram_layers", "candidate_source_layer", "dspark_stages",
             "n_dspark_layers", "engram")
+
+
+def check_shape(s: ModelConfig) -> None:
+    """What the converter (and make-tiny) refuse before writing anything."""
+    bad = sorted({r for r in s.compress_ratios if r not in (0, 4, 128)})
+    if bad:
+        raise ConvertError(f"config: compress ratios {bad} are not V4 Flash ratios (0, 4, 128); "
+                           "V4.1 checkpoints are not supported")
+    if s.n_heads % s.o_groups:
+        raise ConvertError(f"config: n_heads {s.n_heads} is not a multiple of o_groups {s.o_groups}")
 
 
 def _read_json(path: str, what: str) -> dict:
@@ -121,13 +91,20 @@ def _read_json(path: str, what: str) -> dict:
     return v
 
 
+def _official_kinds() -> dict[str, str]:
+    """Official config.json key -> the kind of value it holds (ModelConfig's field type for the keys it maps)."""
+    ann = {f.name: str(f.type) for f in dataclasses.fields(ModelConfig)}
+    kinds = {k: "list[int]" if ann[v].startswith("tuple") else ann[v] for k, v in OFFICIAL_FIELDS.items()}
+    return kinds | {"swiglu_limit": "float", "n_mtp_layers": "int"}
+
+
 def _check_config_types(c: dict[str, Any]) -> None:
-    """Each V4Shape field config.json sets must have its field's kind: an integer where a count belongs (not
+    """Each field config.json sets must have its field's kind: an integer where a count belongs (not
     "256" or 256.5), a number for ratios and epsilons, a list of integers for compress_ratios."""
-    for name, f in V4Shape.__dataclass_fields__.items():
+    for name, kind in _official_kinds().items():
         if name not in c:
             continue
-        v, kind = c[name], f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        v = c[name]
         ok = {"int": isinstance(v, int) and not isinstance(v, bool),
               "float": isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf"),
               "list[int]": isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)}
@@ -141,7 +118,8 @@ def _check_config_types(c: dict[str, Any]) -> None:
                                    f" number")
 
 
-def shape_from_config(cfg: dict[str, Any]) -> V4Shape:
+def shape_from_config(cfg: dict[str, Any]) -> ModelConfig:
+    """An official config.json -> the ModelConfig the GGUF will describe (V4 Flash defaults for absent keys)."""
     if not isinstance(cfg, dict):
         raise ConvertError(f"config.json must be a JSON object, not {type(cfg).__name__}")
     for k in V41_KEYS:
@@ -155,20 +133,24 @@ def shape_from_config(cfg: dict[str, Any]) -> V4Shape:
                      ("beta_fast", "beta_fast"), ("beta_slow", "beta_slow")):
         if src in rs and dst not in c:
             c[dst] = rs[src]
-    fields = V4Shape.__dataclass_fields__
     missing = [k for k in ("n_layers", "dim", "vocab_size", "n_heads") if k not in c]
     if missing:
         raise ConvertError(f"config.json lacks {', '.join(missing)}")
     _check_config_types(c)
-    shape = V4Shape(**{k: v for k, v in c.items() if k in fields})
-    if not shape.compress_ratios:
+    if not c.get("compress_ratios"):
         raise ConvertError("config.json lacks compress_ratios")
-    shape.compress_ratios = [int(r) for r in shape.compress_ratios[: shape.n_layers]]
-    shape.check()
+    fields = {OFFICIAL_FIELDS[k]: v for k, v in c.items() if k in OFFICIAL_FIELDS}
+    n = int(fields["n_layers"])
+    if len(fields["compress_ratios"]) < n:
+        raise ConvertError(f"config: compress_ratios has {len(fields['compress_ratios'])} entries for {n} layers")
+    fields["compress_ratios"] = [int(r) for r in fields["compress_ratios"][:n]]
+    fields["swiglu_clamp"] = (float(c.get("swiglu_limit", 10.0)),) * n
+    shape = ModelConfig.v4_flash(**fields)
+    check_shape(shape)
     return shape
 
 
-def gguf_metadata(s: V4Shape) -> list[tuple[str, str, Any]]:
+def gguf_metadata(s: ModelConfig) -> list[tuple[str, str, Any]]:
     """(key, type, value) in ds4's order; types: u32, f32, bool, i32[], f32[]."""
     A = ARCH + "."
     return [
@@ -180,34 +162,34 @@ def gguf_metadata(s: V4Shape) -> list[tuple[str, str, Any]]:
         (A + "attention.head_count_kv", "u32", 1),
         (A + "attention.key_length", "u32", s.head_dim),
         (A + "attention.value_length", "u32", s.head_dim),
-        (A + "rope.dimension_count", "u32", s.rope_head_dim),
+        (A + "rope.dimension_count", "u32", s.rope_dim),
         (A + "attention.q_lora_rank", "u32", s.q_lora_rank),
         (A + "attention.output_lora_rank", "u32", s.o_lora_rank),
         (A + "attention.output_group_count", "u32", s.o_groups),
-        (A + "expert_count", "u32", s.n_routed_experts),
-        (A + "expert_used_count", "u32", s.n_activated_experts),
-        (A + "expert_feed_forward_length", "u32", s.moe_inter_dim),
+        (A + "expert_count", "u32", s.n_experts),
+        (A + "expert_used_count", "u32", s.n_experts_used),
+        (A + "expert_feed_forward_length", "u32", s.expert_ff),
         (A + "expert_shared_count", "u32", s.n_shared_experts),
-        (A + "hash_layer_count", "u32", s.n_hash_layers),
+        (A + "hash_layer_count", "u32", s.hash_layers),
         (A + "expert_group_count", "u32", 0),
         (A + "expert_group_used_count", "u32", 0),
-        (A + "attention.sliding_window", "u32", s.window_size),
-        (A + "attention.indexer.head_count", "u32", s.index_n_heads),
+        (A + "attention.sliding_window", "u32", s.window),
+        (A + "attention.indexer.head_count", "u32", s.index_heads),
         (A + "attention.indexer.key_length", "u32", s.index_head_dim),
         (A + "attention.indexer.top_k", "u32", s.index_topk),
         (A + "hyper_connection.count", "u32", s.hc_mult),
-        (A + "hyper_connection.sinkhorn_iterations", "u32", s.hc_sinkhorn_iters),
+        (A + "hyper_connection.sinkhorn_iterations", "u32", s.sinkhorn_iters),
         (A + "hyper_connection.epsilon", "f32", s.hc_eps),
-        (A + "attention.compress_ratios", "i32[]", list(s.compress_ratios[: s.n_layers])),
-        (A + "swiglu_clamp_exp", "f32[]", [float(s.swiglu_limit)] * s.n_layers),
-        (A + "rope.scaling.original_context_length", "u32", s.original_seq_len),
-        (A + "rope.freq_base", "f32", s.rope_theta),
+        (A + "attention.compress_ratios", "i32[]", list(s.compress_ratios)),
+        (A + "swiglu_clamp_exp", "f32[]", list(s.swiglu_clamp)),
+        (A + "rope.scaling.original_context_length", "u32", s.rope_orig_ctx),
+        (A + "rope.freq_base", "f32", s.rope_base),
         (A + "rope.scaling.factor", "f32", s.rope_factor),
         (A + "rope.scaling.yarn_beta_fast", "f32", s.beta_fast),
         (A + "rope.scaling.yarn_beta_slow", "f32", s.beta_slow),
-        (A + "attention.compress_rope_freq_base", "f32", s.compress_rope_theta),
+        (A + "attention.compress_rope_freq_base", "f32", s.compress_rope_base),
         (A + "expert_weights_scale", "f32", s.route_scale),
-        (A + "expert_weights_norm", "bool", True),
+        (A + "expert_weights_norm", "bool", s.route_norm),
         (A + "attention.layer_norm_rms_epsilon", "f32", s.norm_eps),
     ]
 
@@ -222,70 +204,9 @@ class Spec:
     src: str | list[str]    # official tensor name (per-expert list for "experts")
 
 
-def ds4_layout(s: V4Shape) -> list[Spec]:
-    """Every tensor of the ds4 GGUF, in ds4's order, with its official source (MODEL.md §5)."""
-    D, V, H, hd, hc = s.dim, s.vocab_size, s.n_heads, s.head_dim, s.hc_mult
-    mix = (2 + hc) * hc
-    FF, NX = s.moe_inter_dim, s.n_routed_experts
-    out = [
-        Spec("token_embd.weight", (V, D), "f16", "embed.weight"),
-        Spec("output_hc_base.weight", (hc,), "f32", "hc_head_base"),
-        Spec("output_hc_fn.weight", (hc, hc * D), "f16", "hc_head_fn"),
-        Spec("output_hc_scale.weight", (1,), "f32", "hc_head_scale"),
-        Spec("output_norm.weight", (D,), "f32", "norm.weight"),
-        Spec("output.weight", (V, D), "q8", "head.weight"),
-    ]
-    for il in range(s.n_layers):
-        p, o = f"blk.{il}.", f"layers.{il}."
-        r = s.ratio(il)
-        for k in ("attn", "ffn"):
-            out += [Spec(p + f"hc_{k}_fn.weight", (mix, hc * D), "f16", o + f"hc_{k}_fn"),
-                    Spec(p + f"hc_{k}_scale.weight", (3,), "f32", o + f"hc_{k}_scale"),
-                    Spec(p + f"hc_{k}_base.weight", (mix,), "f32", o + f"hc_{k}_base")]
-        out += [
-            Spec(p + "attn_norm.weight", (D,), "f32", o + "attn_norm.weight"),
-            Spec(p + "attn_q_a.weight", (s.q_lora_rank, D), "q8", o + "attn.wq_a.weight"),
-            Spec(p + "attn_q_a_norm.weight", (s.q_lora_rank,), "f32", o + "attn.q_norm.weight"),
-            Spec(p + "attn_q_b.weight", (H * hd, s.q_lora_rank), "q8", o + "attn.wq_b.weight"),
-            Spec(p + "attn_kv.weight", (hd, D), "q8", o + "attn.wkv.weight"),
-            Spec(p + "attn_kv_a_norm.weight", (hd,), "f32", o + "attn.kv_norm.weight"),
-            Spec(p + "attn_sinks.weight", (H,), "f32", o + "attn.attn_sink"),
-            Spec(p + "attn_output_a.weight", (s.o_groups * s.o_lora_rank, H * hd // s.o_groups), "q8",
-                 o + "attn.wo_a.weight"),
-            Spec(p + "attn_output_b.weight", (D, s.o_groups * s.o_lora_rank), "q8", o + "attn.wo_b.weight"),
-        ]
-        if r:
-            cw = (2 if r == 4 else 1) * hd
-            c = o + "attn.compressor."
-            out += [Spec(p + "attn_compressor_ape.weight", (r, cw), "f16", c + "ape"),
-                    Spec(p + "attn_compressor_kv.weight", (cw, D), "f16", c + "wkv.weight"),
-                    Spec(p + "attn_compressor_gate.weight", (cw, D), "f16", c + "wgate.weight"),
-                    Spec(p + "attn_compressor_norm.weight", (hd,), "f32", c + "norm.weight")]
-        if r == 4:
-            ih, ihd = s.index_n_heads, s.index_head_dim
-            x = o + "attn.indexer."
-            out += [Spec(p + "indexer.attn_q_b.weight", (ih * ihd, s.q_lora_rank), "f16", x + "wq_b.weight"),
-                    Spec(p + "indexer.proj.weight", (ih, D), "f16", x + "weights_proj.weight"),
-                    Spec(p + "indexer_compressor_ape.weight", (4, 2 * ihd), "f16", x + "compressor.ape"),
-                    Spec(p + "indexer_compressor_kv.weight", (2 * ihd, D), "f16", x + "compressor.wkv.weight"),
-                    Spec(p + "indexer_compressor_gate.weight", (2 * ihd, D), "f16", x + "compressor.wgate.weight"),
-                    Spec(p + "indexer_compressor_norm.weight", (ihd,), "f32", x + "compressor.norm.weight")]
-        out += [Spec(p + "ffn_norm.weight", (D,), "f32", o + "ffn_norm.weight"),
-                Spec(p + "ffn_gate_inp.weight", (NX, D), "f16", o + "ffn.gate.weight")]
-        if il >= s.n_hash_layers:
-            out.append(Spec(p + "exp_probs_b.bias", (NX,), "f32", o + "ffn.gate.bias"))
-        e = o + "ffn.experts."
-        out += [Spec(p + "ffn_gate_exps.weight", (NX, FF, D), "experts", [e + f"{i}.w1.weight" for i in range(NX)]),
-                Spec(p + "ffn_up_exps.weight", (NX, FF, D), "experts", [e + f"{i}.w3.weight" for i in range(NX)]),
-                Spec(p + "ffn_down_exps.weight", (NX, D, FF), "experts", [e + f"{i}.w2.weight" for i in range(NX)])]
-        FS = FF * s.n_shared_experts
-        sh = o + "ffn.shared_experts."
-        out += [Spec(p + "ffn_gate_shexp.weight", (FS, D), "q8", sh + "w1.weight"),
-                Spec(p + "ffn_up_shexp.weight", (FS, D), "q8", sh + "w3.weight"),
-                Spec(p + "ffn_down_shexp.weight", (D, FS), "q8", sh + "w2.weight")]
-        if il < s.n_hash_layers:
-            out.append(Spec(p + "ffn_gate_tid2eid.weight", (V, s.n_activated_experts), "i32", o + "ffn.gate.tid2eid"))
-    return out
+def ds4_layout(s: ModelConfig) -> list[Spec]:
+    """Every tensor of the ds4 GGUF, in ds4's order, with its official source (the weight schema, ds4py.schema)."""
+    return [Spec(e.name, e.shape, e.spec.slot, e.src) for e in schema.entries(s)]
 
 
 # ----------------------------------------------------------------------------------------------- safetensors
@@ -593,7 +514,7 @@ def _encode(x: np.ndarray, qt: QT) -> np.ndarray:
 
 
 class _Converter:
-    def __init__(self, ck: Checkpoint, shape: V4Shape, experts: str, dense: str, progress: bool):
+    def __init__(self, ck: Checkpoint, shape: ModelConfig, experts: str, dense: str, progress: bool):
         self.ck, self.s, self.progress = ck, shape, progress
         self.expert_qt = EXPERT_TYPES[experts]
         self.dense = dense
@@ -706,8 +627,8 @@ class _Converter:
 
     def make_i32(self, sp: Spec) -> np.ndarray:
         x = np.asarray(self.ck.raw(sp.src))
-        if x.dtype.kind not in "iu" or x.min() < 0 or x.max() >= self.s.n_routed_experts:
-            raise ConvertError(f"{self.ck.src}: {sp.src!r} must hold expert ids in [0, {self.s.n_routed_experts})")
+        if x.dtype.kind not in "iu" or x.min() < 0 or x.max() >= self.s.n_experts:
+            raise ConvertError(f"{self.ck.src}: {sp.src!r} must hold expert ids in [0, {self.s.n_experts})")
         return x.astype(np.int32)
 
     def check_finite(self, sp: Spec, x: np.ndarray) -> None:

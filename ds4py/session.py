@@ -6,11 +6,14 @@
         else: print(ev.finish_reason, ev.cached_tokens)
 
 Reuse. The session remembers which tokens its live state has consumed. A prompt that extends them prefills
-only the new suffix. A state cannot be rolled back, so for a prompt that diverges from the live tokens the
-session keeps a few snapshots (deep copies) and restores the longest one that is a prefix of the new prompt.
-A snapshot is taken just before the *last* prompt token of each request: a thinking-mode chat re-renders the
-previous turn as `<｜Assistant｜></think>answer` where the prompt ended in `<｜Assistant｜><think>`, so the next
-prompt diverges exactly at that last token, and a repeated prompt (retry, regenerate) reuses all but one token.
+only the new suffix. A prompt that diverges from them within the state's rollback horizon (a regenerated
+answer, an edited last message: `state.rollback_floor`) truncates the live state to the common prefix, in
+O(1). Where truncation cannot reach, the session keeps a few snapshots (copies) and restores the longest one
+that is a prefix of the new prompt. A snapshot is taken just before the *last* prompt token of each request:
+a thinking-mode chat re-renders the previous turn as `<｜Assistant｜></think>answer` where the prompt ended in
+`<｜Assistant｜><think>`, so the next prompt diverges exactly at that last token (usually further back than
+the horizon), and a repeated prompt (retry, regenerate) reuses all but one token. Whatever the source, the
+longest reuse wins; the live state wins ties (no copy).
 
 Generation. The last sampled token is never decoded (nobody needs its logits), so after a request the live
 tokens are prompt + completion[:-1]; the next turn prefills that token as part of its suffix. Every sampled
@@ -57,18 +60,20 @@ class SessionStats:
     requests: int = 0
     prompt_tokens: int = 0       # prompt tokens asked for
     cached_tokens: int = 0       # of those, reused from the live state or a snapshot
-    prefilled_tokens: int = 0    # tokens passed to model.prefill
+    prefilled_tokens: int = 0    # prompt tokens stepped (model.step)
     prefill_calls: int = 0
-    decoded_tokens: int = 0      # model.decode calls
+    decoded_tokens: int = 0      # one-token steps of sampled tokens
     snapshots_taken: int = 0
     snapshots_restored: int = 0
+    truncations: int = 0         # live state rolled back to a diverging prompt's common prefix
 
 
 @dataclass(eq=False)          # compared by identity (list.index), never by its arrays
 class _Snapshot:
     tokens: tuple[int, ...]
     state: object
-    logits: np.ndarray           # after the last of `tokens`, so an exact match needs no prefill
+    logits: np.ndarray | None    # after the last of `tokens`, so an exact match needs no prefill (None when the
+                                 # live state had been truncated there: serves longer prompts only)
 
 
 class Session:
@@ -109,17 +114,25 @@ class Session:
 
     def _live_is_consistent(self) -> bool:
         """False when a model call was interrupted between advancing the state and its bookkeeping."""
-        return self.state is not None and self.state.n_tokens == len(self.tokens) and self._logits is not None
+        return self.state is not None and self.state.n_tokens == len(self.tokens)
 
-    def _best_source(self, prompt: list[int]) -> tuple[int, _Snapshot | None]:
-        """(tokens reused, snapshot to restore or None for the live state) - the longest prefix wins. Pure."""
+    def _best_source(self, prompt: list[int]) -> tuple[int, _Snapshot | str | None]:
+        """(tokens reused, source): "live" (extend the live state), "truncate" (roll the live state back to
+        the common prefix), a snapshot to restore, or None (start over). The longest reuse wins. Pure."""
         best, src = 0, None
-        n_live = len(self.tokens)
-        if self._live_is_consistent() and n_live <= len(prompt) and self.tokens == prompt[:n_live]:
-            best = n_live
+        if self._live_is_consistent():
+            live = self.tokens
+            k = _common_prefix(live, prompt)
+            if k == len(live) and (k < len(prompt) or self._logits is not None):
+                best, src = k, "live"
+            else:                                  # keep at least one prompt token to step (its logits)
+                r = min(k, len(prompt) - 1)
+                if r > 0 and r >= self.state.rollback_floor:
+                    best, src = r, "truncate"
         for snap in self._snapshots:
             n = len(snap.tokens)
-            if n > best and n <= len(prompt) and snap.tokens == tuple(prompt[:n]):
+            if n > best and (n < len(prompt) or (n == len(prompt) and snap.logits is not None)) \
+                    and snap.tokens == tuple(prompt[:n]):
                 best, src = n, snap
         return best, src
 
@@ -129,7 +142,8 @@ class Session:
             if snap.tokens == key:                 # already have it: mark as recently used
                 self._snapshots.append(self._snapshots.pop(i))
                 return
-        self._snapshots.append(_Snapshot(key, self.state.copy(), self._logits.copy()))
+        logits = None if self._logits is None else self._logits.copy()
+        self._snapshots.append(_Snapshot(key, self.state.copy(), logits))
         self.stats.snapshots_taken += 1
         del self._snapshots[:-self.max_snapshots]
 
@@ -137,7 +151,7 @@ class Session:
 
     def _prefill(self, ids: list[int]) -> None:
         try:
-            logits = self.model.prefill(self.state, ids)
+            logits = self.model.step([self.state], [ids])[0]
         except BaseException:
             self._drop_live()                     # a half-advanced state must never be reused
             raise
@@ -148,7 +162,7 @@ class Session:
 
     def _decode(self, token: int) -> None:
         try:
-            logits = self.model.decode(self.state, token)
+            logits = self.model.step([self.state], [[token]])[0]
         except BaseException:
             self._drop_live()
             raise
@@ -195,12 +209,17 @@ class Session:
         """Bring the live state to `prompt`. Returns (cached tokens, completed)."""
         if self.state is not None and not self._live_is_consistent():
             self._drop_live()
-        cached, snap = self._best_source(prompt)
-        if snap is not None:
-            self.state, self.tokens, self._logits = snap.state.copy(), list(snap.tokens), snap.logits.copy()
-            self._snapshots.append(self._snapshots.pop(self._snapshots.index(snap)))
+        cached, src = self._best_source(prompt)
+        if isinstance(src, _Snapshot):
+            self.state, self.tokens = src.state.copy(), list(src.tokens)
+            self._logits = None if src.logits is None else src.logits.copy()
+            self._snapshots.append(self._snapshots.pop(self._snapshots.index(src)))
             self.stats.snapshots_restored += 1
-        elif cached == 0:
+        elif src == "truncate":
+            self.state.truncate(cached)
+            self.tokens, self._logits = self.tokens[:cached], None
+            self.stats.truncations += 1
+        elif src is None:
             self.state, self.tokens, self._logits = self.model.new_state(), [], None
         self.stats.cached_tokens += cached
 
@@ -264,6 +283,13 @@ class Session:
             keep = _stop_prefix_len(held, params.stop)
             text, held = held[:len(held) - keep], held[len(held) - keep:]
             yield TokenEvent(last, text)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    if list(a[:n]) == list(b[:n]):
+        return n
+    return int(np.argmin(np.asarray(a[:n]) == np.asarray(b[:n])))
 
 
 def _find_stop(text: str, stops: list[str]) -> tuple[int, str] | None:

@@ -11,6 +11,7 @@ Deterministic: every tensor draws from its own generator seeded by (seed, tensor
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 from typing import Any
 
@@ -19,8 +20,10 @@ import regex
 from gguf import GGMLQuantizationType as QT
 
 from ds4py import quant
-from ds4py.convert import (ConvertError, OutTensor, Spec, Tokenizer, V4Shape, ds4_layout, gguf_metadata,
+from ds4py.config import ModelConfig
+from ds4py.convert import (ConvertError, OutTensor, Spec, Tokenizer, check_shape, ds4_layout, gguf_metadata,
                            output_paths, write_gguf)
+from ds4py.errors import ConfigError
 from ds4py.quant import official
 from ds4py.quant.mxfp4 import mxfp4_from_official
 from ds4py.tokenizer import BYTE_TO_CHAR, DEEPSEEK_PRE, split_isolated
@@ -136,8 +139,8 @@ def tiny_tokenizer(vocab_size: int) -> Tokenizer:
 
 # ----------------------------------------------------------------------------------------------- weights
 DEFAULTS: dict[str, Any] = dict(n_layers=4, dim=256, vocab_size=512, n_heads=16, q_lora_rank=256, o_lora_rank=128,
-                                n_routed_experts=16, n_activated_experts=6, moe_inter_dim=256, index_n_heads=4,
-                                index_topk=16, window_size=128, n_hash_layers=3)
+                                n_experts=16, n_experts_used=6, expert_ff=256, index_heads=4, index_topk=16,
+                                window=128, hash_layers=3)        # ModelConfig names; the rest: V4 Flash's
 EXPERT_KINDS = ("iq2", "q4_k", "mxfp4")   # iq2 = the published q2 file's types: gate/up IQ2_XXS, down Q2_K
 NORM_STD = 0.3
 SINK_MEAN, SINK_STD = 4.0, 1.5
@@ -146,59 +149,38 @@ HOT_GAIN, N_HOT = 6.0, 4                  # shared expert channels that drive th
 HOT_GAIN_EXP = 4.0                        # one hot channel per routed expert (IQ2 kind)
 
 
-def tiny_shape(**kw: Any) -> V4Shape:
-    args = {**DEFAULTS, **kw}
-    unknown = set(args) - set(V4Shape.__dataclass_fields__)
+def tiny_shape(**kw: Any) -> ModelConfig:
+    """The ModelConfig make_tiny writes: DEFAULTS, then `kw` (ModelConfig field names), V4 Flash for the rest."""
+    unknown = set(kw) - {f.name for f in dataclasses.fields(ModelConfig)} | ({"extra"} & set(kw))
     if unknown:
         raise ConvertError(f"unknown shape option(s): {', '.join(sorted(unknown))}")
+    args = {**DEFAULTS, **kw}
     L = args["n_layers"]
     args.setdefault("compress_ratios", [0 if i < 2 else (4 if i % 2 == 0 else 128) for i in range(L)])
-    args["n_hash_layers"] = min(args["n_hash_layers"], L)
-    s = V4Shape(**args)
-    s.check()
-    for name in ("dim", "moe_inter_dim"):
+    args["hash_layers"] = min(args["hash_layers"], L)
+    s = ModelConfig.v4_flash(**args)
+    if len(s.compress_ratios) != L:
+        raise ConvertError(f"compress_ratios has {len(s.compress_ratios)} entries for {L} layers")
+    check_shape(s)
+    for name in ("dim", "expert_ff"):
         if getattr(s, name) % 256:
             raise ConvertError(f"{name} {getattr(s, name)} must be a multiple of 256 (K-quant / IQ2 rows)")
     for name in ("q_lora_rank", "o_lora_rank", "head_dim"):
         if getattr(s, name) % 32:
             raise ConvertError(f"{name} {getattr(s, name)} must be a multiple of 32 (Q8_0 rows)")
-    if s.n_activated_experts > s.n_routed_experts:
-        raise ConvertError("n_activated_experts exceeds n_routed_experts")
-    if s.rope_head_dim > s.head_dim or s.rope_head_dim % 2:
-        raise ConvertError("rope_head_dim must be even and at most head_dim")
-    _check_loadable(s)
+    if s.n_experts_used > s.n_experts:
+        raise ConvertError("n_experts_used exceeds n_experts")
+    if s.rope_dim > s.head_dim or s.rope_dim % 2:
+        raise ConvertError("rope_dim must be even and at most head_dim")
+    try:                       # refuse a shape the loader would reject, so make-tiny never writes a file
+        s.check_metadata("make-tiny shape")      # that cannot be opened
+    except ConfigError as e:
+        raise ConvertError(str(e)) from None
     return s
 
 
-class _ShapeMeta:
-    """The metadata make_tiny would write, readable by ModelConfig.from_gguf (no tensors)."""
-    path = "make-tiny shape"
-
-    def __init__(self, s: V4Shape):
-        self.kv = {k: v for k, _, v in gguf_metadata(s)} | {"general.architecture": "deepseek4"}
-
-    def meta(self, key: str, default: Any = ...) -> Any:
-        if key in self.kv:
-            return self.kv[key]
-        if default is ...:
-            raise ConvertError(f"metadata key {key!r} is missing")
-        return default
-
-
-def _check_loadable(s: V4Shape) -> None:
-    """Refuse a shape the loader would reject (e.g. non-rope head dims not a multiple of the FP8 block), so
-    make-tiny never writes a file that cannot be opened."""
-    from ds4py.config import ModelConfig
-    from ds4py.errors import ConfigError
-
-    try:
-        ModelConfig.from_gguf(_ShapeMeta(s), validate=False)
-    except ConfigError as e:
-        raise ConvertError(str(e)) from None
-
-
 class _Weights:
-    def __init__(self, s: V4Shape, seed: int, experts: str):
+    def __init__(self, s: ModelConfig, seed: int, experts: str):
         self.s, self.seed, self.experts = s, seed, experts
 
     def rng(self, i: int) -> np.random.Generator:
@@ -214,7 +196,7 @@ class _Weights:
         r, s, n = self.rng(i), self.s, sp.name
         shape = sp.shape
         if sp.slot == "i32":                                   # hash routing: k distinct experts per token
-            return np.stack([r.permutation(s.n_routed_experts)[: s.n_activated_experts]
+            return np.stack([r.permutation(s.n_experts)[: s.n_experts_used]
                              for _ in range(s.vocab_size)]).astype(np.int32)
         if sp.slot == "experts":
             return self.experts_tensor(r, sp, qt)
@@ -256,7 +238,7 @@ class _Weights:
     def shared_expert(self, r: np.random.Generator, n: str) -> np.ndarray:
         """Gate/up rows of N_HOT channels are HOT_GAIN larger (the clamp fires on them); down compensates."""
         s = self.s
-        FS = s.moe_inter_dim * s.n_shared_experts
+        FS = s.expert_ff * s.n_shared_experts
         hot = np.random.default_rng([self.seed, int(n.split(".")[1]), 7]).choice(32, N_HOT, replace=False)
         if "down" in n:
             x = r.standard_normal((s.dim, FS), dtype=np.float32) / np.sqrt(FS)
@@ -269,7 +251,7 @@ class _Weights:
     def experts_tensor(self, r: np.random.Generator, sp: Spec, qt: QT) -> np.ndarray:
         NX, rows, cols = sp.shape
         layer = int(sp.name.split(".")[1])
-        hot = np.random.default_rng([self.seed, layer, 11]).integers(0, self.s.moe_inter_dim, NX)   # per expert
+        hot = np.random.default_rng([self.seed, layer, 11]).integers(0, self.s.expert_ff, NX)   # per expert
         if qt in (QT.IQ2_XXS, QT.Q2_K):
             return self.random_codes(r, sp, qt, hot)
         gain = 1.0 if "down" in sp.name else 1.5

@@ -26,6 +26,17 @@ def golden() -> Path:
     return GOLDEN
 
 
+@pytest.fixture(scope="session")
+def v4_gguf(golden, tmp_path_factory) -> str:
+    """The official v4-tiny checkpoint converted losslessly (dense F32, experts MXFP4 = the FP4 codes + e8m0
+    scales), once per session: window 16, ratios 0,0,4,128,4,128,4."""
+    from ds4py.convert import convert_checkpoint
+
+    out = tmp_path_factory.mktemp("v4tiny") / "v4-tiny-f32.gguf"
+    convert_checkpoint(str(golden / "v4-tiny"), str(out), experts="mxfp4", dense="f32", progress=False)
+    return str(out)
+
+
 # ---- emulator kernel coverage: what the tests really launch (tests/test_cu_emu_kernels.py checks it) -----------
 
 _LAUNCHED_KERNELS: dict[str, set[str]] = {}      # kernel name -> the test files that ran it on the emulator

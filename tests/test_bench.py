@@ -9,6 +9,7 @@ import math
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from ds4py import bench
@@ -75,13 +76,13 @@ def test_sweep_json_format(golden, tmp_path):
     assert data["rows"][0]["pct_of_roofline"] is None
 
 
-def test_sweep_state_restored_between_rows(golden):
-    """The probe must not leak into the next row: the state after the sweep equals a plain prefill."""
-    import numpy as np
-
+@pytest.mark.parametrize("horizon", [16, 2], ids=["truncate", "copy"])
+def test_sweep_state_restored_between_rows(golden, horizon):
+    """The probe must not leak into the next row, rolled back by truncate (probe within the rollback horizon)
+    or from a copy (deeper): each row's prefill starts exactly at the previous frontier."""
     from ds4py.model import open_model
 
-    m = open_model(str(golden / "ds4-tiny" / "tiny.gguf"))
+    m = open_model(str(golden / "ds4-tiny" / "tiny.gguf"), rollback_horizon=horizon)
     toks = [(7 * i + 3) % 500 + 2 for i in range(48)]
     seen = []
 
@@ -92,13 +93,21 @@ def test_sweep_state_restored_between_rows(golden):
         def __getattr__(self, k):
             return getattr(self.inner, k)
 
-        def prefill(self, state, ids, all_logits=False):
-            seen.append(state.n_tokens)
-            return self.inner.prefill(state, ids, all_logits)
+        def step(self, states, chunks, all_logits=False):
+            out = self.inner.step(states, chunks, all_logits)
+            if len(chunks[0]) > 1:                           # a prefill (the probe steps one token)
+                seen.append(states[0].n_tokens - len(chunks[0]))
+                logits.append(out[0])
+            return out
 
+    logits = []
     bench.run_sweep(Spy(m), toks, [16, 32, 48], gen_tokens=4, warmup_tokens=4)
-    # warm-up prefill starts at 0, then each row starts exactly at the previous frontier
+    # warm-up prefill starts at 0, then each row starts exactly at the previous frontier ...
     assert seen == [0, 0, 16, 32]
+    # ... with exactly the state the rows' prefills alone give (no trace of the probes)
+    st = m.new_state()
+    for got, (a, b) in zip(logits[1:], ((0, 16), (16, 32), (32, 48))):
+        np.testing.assert_array_equal(got, m.prefill(st, toks[a:b]))
 
 
 def test_bad_bandwidth_is_a_clear_error(golden, tmp_path):

@@ -135,7 +135,7 @@ class Pty:
     def send(self, text: str) -> None:
         os.write(self.fd, text.encode())
 
-    def wait(self, timeout: float = 30) -> int:
+    def wait(self, timeout: float = 30, kill: bool = True) -> int | None:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             # drain so the child never blocks on output; select first: a child that is still waiting for input
@@ -148,7 +148,8 @@ class Pty:
             pid, status = os.waitpid(self.pid, os.WNOHANG)
             if pid:
                 return os.waitstatus_to_exitcode(status)
-            time.sleep(0.05)
+        if not kill:
+            return None
         os.kill(self.pid, signal.SIGKILL)
         raise AssertionError("child did not exit")
 
@@ -205,8 +206,15 @@ def test_chat_ctrl_c_stops_the_answer_not_the_chat(tiny):
             stopped = p.read_until(r"\n> ", timeout=30)
             assert "[stopped]" in stopped and "finish cancelled" in stopped
         assert cached_count(stopped) >= 6                     # the interrupted first turn is history, reused
-        p.send("\x03")                                        # Ctrl-C at the prompt leaves
-        assert p.wait() == 0
+        # Ctrl-C at the prompt leaves. A SIGINT that lands after the prompt is printed but before readline's
+        # select() starts is only noticed at the next signal (CPython's readline loop has no timeout), and a
+        # test sends it within microseconds of the prompt: send it again until the chat has left.
+        for _ in range(5):
+            p.send("\x03")
+            code = p.wait(timeout=3, kill=False)
+            if code is not None:
+                break
+        assert code == 0
     finally:
         p.close()
 

@@ -60,7 +60,7 @@ def test_wrong_shape_names_tensor_and_shape(tiny):
 
 def test_wrong_layer_pattern_names_missing_tensor(tiny):
     cfg = dataclasses.replace(ModelConfig.from_gguf(tiny), compress_ratios=(0, 4, 4, 128))
-    with pytest.raises(GGUFError, match=r"blk\.1\.attn_compressor_kv\.weight.*missing"):
+    with pytest.raises(GGUFError, match=r"blk\.1\.attn_compressor_ape\.weight.*missing"):
         cfg.check_tensors(tiny)
 
 

@@ -310,7 +310,7 @@ def synthetic_checkpoint(golden, dst, shards=1, **cfg_edit):
                 t[n] = ("I8", rng.integers(-128, 128, (shp[0], shp[1] // 2), dtype=np.int8))
                 t[scale_name(n)] = ("F8_E8M0", np.full((shp[0], shp[1] // 32), 124, np.uint8))
             elif sp.slot == "i32":
-                t[n] = ("I64", np.argsort(rng.random((shp[0], s.n_routed_experts)), 1)[:, :shp[1]].astype(np.int64))
+                t[n] = ("I64", np.argsort(rng.random((shp[0], s.n_experts)), 1)[:, :shp[1]].astype(np.int64))
             elif sp.slot == "f16":
                 t[n] = ("BF16", (rng.standard_normal(shp, np.float32).view(np.uint32) >> 16).astype(np.uint16))
             else:

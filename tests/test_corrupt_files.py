@@ -308,6 +308,10 @@ def test_a_model_that_turns_out_broken_while_serving_is_reported_on_health(golde
     class State:
         n_tokens = 0
 
+        @property
+        def rollback_floor(self):                 # no rollback
+            return self.n_tokens
+
         def copy(self):
             return State()
 
@@ -317,9 +321,10 @@ def test_a_model_that_turns_out_broken_while_serving_is_reported_on_health(golde
         def new_state(self):
             return State()
 
-        def prefill(self, state, ids, all_logits=False):
-            state.n_tokens += len(ids)
-            return np.full(tok.vocab_size, np.nan, np.float32)
+        def step(self, states, chunks, all_logits=False):
+            for st, ids in zip(states, chunks):
+                st.n_tokens += len(ids)
+            return [np.full(tok.vocab_size, np.nan, np.float32) for _ in states]
 
     state = ServerState(ServerConfig())
     state.set_engine(Engine(Session(NaNModel(), tok, ctx_size=512), tok))

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
+from ds4py import schema
 from ds4py.config import ModelConfig
 from ds4py.cuda import emu, ops
 from ds4py.cuda.ops import attention as ops_attn
@@ -20,6 +21,8 @@ from ds4py.cuda.ops import router as ops_route
 from ds4py.cuda.ops import topk as ops_topk
 from ds4py.cuda.twins.indexer import weight_scale
 from ds4py.gguf import GGUFFile
+from ds4py.kv import state_layout
+from ds4py.model import Numerics
 from ds4py.ref import forward, ops as ref_ops
 from ds4py.ref.state import RefState
 from ds4py.ref.weights import Weights
@@ -29,11 +32,12 @@ from tests.cu_emu_device import devices
 pytestmark = pytest.mark.skipif(emu.compiler() is None, reason="the CUDA emulator needs g++")
 kdev = pytest.fixture(devices, name="kdev")
 
-SHAPE = dict(n_layers=4, dim=256, vocab_size=300, n_heads=8, head_dim=128, rope_head_dim=64, q_lora_rank=64,
-             o_groups=2, o_lora_rank=64, n_routed_experts=8, n_activated_experts=6, moe_inter_dim=256,
-             index_n_heads=4, index_head_dim=128, index_topk=4, window_size=8, n_hash_layers=2,
+SHAPE = dict(n_layers=4, dim=256, vocab_size=300, n_heads=8, head_dim=128, rope_dim=64, q_lora_rank=64,
+             o_groups=2, o_lora_rank=64, n_experts=8, n_experts_used=6, expert_ff=256,
+             index_heads=4, index_head_dim=128, index_topk=4, window=8, hash_layers=2,
              compress_ratios=[0, 0, 4, 128])
-SPARE = 4                     # rollback horizon of the device rings
+SPARE = 4                     # rollback horizon of the device rings (and of the reference state)
+FP32 = Numerics(fake_quant=False)
 STEPS = 30                    # 7 compressed rows at the end: the top 4 are chosen from up to 7
 
 
@@ -42,7 +46,8 @@ def model(tmp_path_factory):
     path = tmp_path_factory.mktemp("layer") / "tiny.gguf"
     make_tiny(str(path), seed=3, **SHAPE)
     gg = GGUFFile(str(path))
-    return gg, ModelConfig.from_gguf(gg), Weights(gg)
+    cfg = ModelConfig.from_gguf(gg)
+    return gg, cfg, Weights(gg), schema.bind(cfg, gg.tensor)
 
 
 class Params:
@@ -76,7 +81,7 @@ def linear(dev, P, name, x, rows, cols):
 
 
 def test_attention_sublayer_matches_the_reference(kdev, model):
-    gg, cfg, w = model
+    gg, cfg, w, B = model
     il = 2
     D, H, hd, rd, W = cfg.dim, cfg.n_heads, cfg.head_dim, cfg.rope_dim, cfg.window
     ih, ihd, topk, ratio = cfg.index_heads, cfg.index_head_dim, cfg.index_topk, cfg.compress_ratios[il]
@@ -98,7 +103,7 @@ def test_attention_sublayer_matches_the_reference(kdev, model):
     part_o = dev.var(np.zeros(plan.part_o_shape, np.float32))
     part_ml = dev.var(np.zeros(plan.part_ml_shape, np.float32))
     pos_slot = dev.var(np.zeros(1, np.int32))
-    st = RefState.empty(cfg).layers[il]
+    st = RefState(state_layout(cfg, SPARE))
     xs = (np.random.default_rng(4).standard_normal((STEPS, D)) * 1.5).astype(np.float32)
     worst = 0.0
     for t in range(STEPS):
@@ -138,7 +143,9 @@ def test_attention_sublayer_matches_the_reference(kdev, model):
         out = linear(dev, P, "attn_output_b.weight", u, D, G * r_o).download()
 
         trace = forward.Trace(cfg.n_layers)
-        want = forward.attention(w, cfg, il, xs[t:t + 1], np.array([t]), st, False, trace)[0]
+        seq = forward.Seq(st, slice(0, 1), np.array([t]))
+        want = forward.attention(w, cfg, FP32, cfg.roles(il), B.layers[il].attn, xs[t:t + 1], seq.pos, [seq],
+                                 trace)[0]
         if t >= 4 * topk + 3:
             chosen = np.flatnonzero(trace.indexer_selected[il][0])
             np.testing.assert_array_equal(np.sort(sel.download()), chosen, err_msg=f"step {t}: indexer selection")
@@ -151,7 +158,7 @@ def test_attention_sublayer_matches_the_reference(kdev, model):
 
 @pytest.mark.parametrize("il,token", [(0, 17), (3, 5)], ids=["hash-layer", "biased-top6"])
 def test_moe_sublayer_matches_the_reference(kdev, model, il, token):
-    gg, cfg, w = model
+    gg, cfg, w, B = model
     D, NX, FF, k = cfg.dim, cfg.n_experts, cfg.expert_ff, cfg.n_experts_used
     dev = kdev("random", il, weights_mib=16, scratch_mib=16)
     P = Params(dev, gg, il)
@@ -186,7 +193,7 @@ def test_moe_sublayer_matches_the_reference(kdev, model, il, token):
                      hc_post=dev.const(post), hc_comb=dev.const(comb), hc_x=dev.const(X))
 
     trace = forward.Trace(cfg.n_layers)
-    want = forward.moe(w, cfg, il, x_h[None], np.array([token]), trace)[0]
+    want = forward.moe(w, cfg, cfg.roles(il), B.layers[il].ffn, x_h[None], np.array([token]), trace)[0]
     np.testing.assert_array_equal(ids.download(), trace.experts[il][0])
     np.testing.assert_allclose(wts.download(), trace.expert_weights[il][0], rtol=1e-6)
     scale = np.abs(want).max()

@@ -20,7 +20,11 @@ from ds4py.tokenizer import Tokenizer
 
 class _State:
     def __init__(self, n=0):
-        self.n_tokens = n
+        self.n_tokens = self.n_written = n
+        self.rollback_floor = n                     # no rollback: the session falls back to its snapshots
+
+    def truncate(self, n):
+        raise AssertionError("not reachable: rollback_floor is n_tokens")
 
     def copy(self):
         return _State(self.n_tokens)
@@ -30,7 +34,7 @@ class _State:
 
 
 class SlowModel:
-    """A model whose prefill costs `per_token` seconds per token and cannot be interrupted inside a call."""
+    """A model whose prompt steps cost `per_token` seconds per token and cannot be interrupted inside a call."""
     backend, path = "fake", "slow"
 
     def __init__(self, vocab: int, per_token: float, ctx: int = 16384):
@@ -40,15 +44,14 @@ class SlowModel:
     def new_state(self):
         return _State()
 
-    def prefill(self, state, ids, all_logits=False):
-        self.calls.append(len(ids))
-        time.sleep(self.per_token * len(ids))
+    def step(self, states, chunks, all_logits=False):
+        (state,), (ids,) = states, chunks
+        if len(ids) > 1:
+            self.calls.append(len(ids))
+            time.sleep(self.per_token * len(ids))
         state.n_tokens += len(ids)
-        return np.zeros(self.config.vocab_size, np.float32)
-
-    def decode(self, state, token):
-        state.n_tokens += 1
-        return np.zeros(self.config.vocab_size, np.float32)
+        state.n_written = state.rollback_floor = state.n_tokens
+        return [np.zeros(self.config.vocab_size, np.float32)]
 
     def weight_bytes_per_token(self):
         return 0

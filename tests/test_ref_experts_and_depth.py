@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import ds4py.ref.weights as ref_weights
+from ds4py.model import Numerics
 from ds4py.ref.engine import RefModel
 from ds4py.tiny import make_tiny
 
@@ -61,22 +62,22 @@ def test_43_layers_with_the_v4_flash_ratio_pattern(tmp_path, spy):
     """make-tiny with the full model's depth and per-layer ratios (small widths): loads, the first ratio-128
     row is emitted by a decode step (position 127), decode equals prefill, 6 experts touched per layer."""
     path = tmp_path / "deep.gguf"
-    make_tiny(str(path), seed=2, n_layers=43, dim=256, vocab_size=300, n_heads=2, head_dim=128, rope_head_dim=64,
-              q_lora_rank=64, o_lora_rank=64, o_groups=2, n_routed_experts=8, n_activated_experts=6,
-              moe_inter_dim=256, index_n_heads=2, index_head_dim=64, index_topk=8, window_size=16)
-    model = RefModel(str(path), fake_quant=False, cache_bytes=0)
+    make_tiny(str(path), seed=2, n_layers=43, dim=256, vocab_size=300, n_heads=2, head_dim=128, rope_dim=64,
+              q_lora_rank=64, o_lora_rank=64, o_groups=2, n_experts=8, n_experts_used=6,
+              expert_ff=256, index_heads=2, index_head_dim=64, index_topk=8, window=16)
+    model = RefModel(str(path), numerics=Numerics(fake_quant=False), cache_bytes=0)
     cfg = model.config
     assert cfg.n_layers == 43 and list(cfg.compress_ratios) == V4_FLASH_RATIOS and cfg.hash_layers == 3
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, 128)
     full = model.prefill(model.new_state(), ids)
     st = model.new_state()
     model.prefill(st, ids[:127])
-    assert all(st.layers[il].comp.view().shape[0] == 0 for il in range(3, 43, 2))
+    assert all(st.view(il, "comp_rows").shape[0] == 0 for il in range(3, 43, 2))
     spy.clear()
     tr = model.new_trace()
     last = model.decode(st, int(ids[127]), trace=tr)
-    assert all(st.layers[il].comp.view().shape[0] == 1 for il in range(3, 43, 2))     # ratio-128 row emitted
-    assert all(st.layers[il].comp.view().shape[0] == 32 for il in range(2, 43, 2))    # ratio-4 rows
+    assert all(st.view(il, "comp_rows").shape[0] == 1 for il in range(3, 43, 2))     # ratio-128 row emitted
+    assert all(st.view(il, "comp_rows").shape[0] == 32 for il in range(2, 43, 2))    # ratio-4 rows
     np.testing.assert_allclose(last, full, atol=1e-3)
     assert np.isfinite(last).all() and last.std() > 0.1
     for il in range(43):

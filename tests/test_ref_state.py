@@ -10,7 +10,7 @@ import pytest
 
 from ds4py.__main__ import main
 from ds4py.errors import ContextLengthError, Ds4Error
-from ds4py.model import Model, State
+from ds4py.model import Model, Numerics, State
 from ds4py.ref.engine import RefModel
 
 # fake_quant off: FP8/FP4 rounding boundaries would turn ~1e-7 summation-order differences into flips
@@ -19,7 +19,7 @@ ATOL = 2e-3
 
 @pytest.fixture(scope="module")
 def model(golden):
-    return RefModel(str(golden / "ds4-tiny" / "tiny.gguf"), fake_quant=False)
+    return RefModel(str(golden / "ds4-tiny" / "tiny.gguf"), numerics=Numerics(fake_quant=False))
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def check_engine_contract(model, ids) -> None:
     import inspect
 
     assert isinstance(model, Model) and isinstance(model.new_state(), State)
-    for name in ("new_state", "prefill", "decode", "weight_bytes_per_token"):
+    for name in ("new_state", "step", "prefill", "decode", "save_state", "load_state", "weight_bytes_per_token"):
         want = list(inspect.signature(getattr(Model, name)).parameters)[1:]
         got = list(inspect.signature(getattr(model, name)).parameters)
         assert got[:len(want)] == want, f"{name}{tuple(got)} does not take {tuple(want)}"
@@ -56,6 +56,12 @@ def check_engine_contract(model, ids) -> None:
     assert step.shape == (V,) and st.n_tokens == 9
     assert snap.n_tokens == 5                                   # the copy did not move with its original
     np.testing.assert_allclose(model.prefill(snap, ids[5:8], all_logits=True), rows, atol=ATOL)
+    both = model.step([st, snap], [ids[9:11], ids[8:9]])        # several sequences in one call
+    assert [b.shape for b in both] == [(V,), (V,)] and (st.n_tokens, snap.n_tokens) == (11, 9)
+    st.truncate(9)                                              # exact rollback within the horizon
+    assert st.n_tokens == 9 and st.rollback_floor <= 9
+    loaded = model.load_state(model.save_state(st))
+    assert loaded.n_tokens == 9 and loaded is not st
     assert isinstance(st.nbytes(), int) and st.nbytes() > 0
     w = model.weight_bytes_per_token()
     assert isinstance(w, int) and w > 0
@@ -70,8 +76,18 @@ def test_contract_check_fails_on_a_lookalike(model, ids):
     and logits of the wrong dtype, passes isinstance yet fails the contract check."""
     class Lookalike:
         config, path, backend = model.config, "x", "fake"
+        numerics, rollback_horizon, fingerprint, layout = model.numerics, 16, "0", model.layout
 
         def new_state(self):
+            return model.new_state()
+
+        def step(self, states, chunks, all_logits=False):
+            return [np.zeros(model.config.vocab_size, np.float64) for _ in states]
+
+        def save_state(self, state):
+            return b""
+
+        def load_state(self, data):
             return model.new_state()
 
         def prefill(self, state, ids, all_logits=False):
@@ -106,10 +122,8 @@ def test_chunked_prefill_equals_one_prefill(model, ids, whole):
     finally:
         del model.max_chunk
     ws = whole[1]
-    for a, b in zip(st.layers, ws.layers):                   # same KV state afterwards
-        np.testing.assert_allclose(a.ring, b.ring, atol=ATOL)
-        if a.comp is not None:
-            np.testing.assert_allclose(a.comp.view(), b.comp.view(), atol=ATOL)
+    for p in model.layout.parts:                             # same KV state afterwards
+        np.testing.assert_allclose(st.view(p.layer, p.name), ws.view(p.layer, p.name), atol=ATOL)
 
 
 def test_state_copy_is_independent(model, ids):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from ds4py.model import Numerics
 from ds4py.ref.engine import RefModel
 
 CASES = ("a", "b", "c", "d")
@@ -24,15 +25,6 @@ QAT_MAX = 1.0            # one row of case c moves by 0.62: an FP8 flip in layer
 
 
 @pytest.fixture(scope="session")
-def v4_gguf(golden, tmp_path_factory):
-    from ds4py.convert import convert_checkpoint
-
-    out = tmp_path_factory.mktemp("v4tiny") / "v4-tiny-f32.gguf"
-    convert_checkpoint(str(golden / "v4-tiny"), str(out), experts="mxfp4", dense="f32", progress=False)
-    return str(out)
-
-
-@pytest.fixture(scope="session")
 def gold(golden):
     return np.load(golden / "v4-tiny" / "cases.npz")
 
@@ -42,7 +34,7 @@ def runs(v4_gguf, gold):
     """Per (case, mode): prefill of ids[:P] (all positions, with trace), then teacher-forced decode."""
     out = {}
     for fq in (True, False):
-        model = RefModel(v4_gguf, fake_quant=fq)
+        model = RefModel(v4_gguf, numerics=Numerics(fake_quant=fq))
         for c in CASES:
             ids, P = gold[f"{c}_ids"], int(gold[f"{c}_P"])
             st, tr = model.new_state(), model.new_trace()

@@ -21,14 +21,24 @@ GREEDY = dict(temperature=0.0)
 
 @dataclass
 class FakeState:
+    horizon: int = 16
     history: list[int] = field(default_factory=list)
+    n_written: int = 0
 
     @property
     def n_tokens(self) -> int:
         return len(self.history)
 
+    @property
+    def rollback_floor(self) -> int:
+        return max(0, self.n_written - self.horizon)
+
+    def truncate(self, n: int) -> None:
+        assert self.rollback_floor <= n <= self.n_tokens, (n, self.rollback_floor, self.n_tokens)
+        del self.history[n:]
+
     def copy(self) -> "FakeState":
-        return FakeState(list(self.history))
+        return FakeState(self.horizon, list(self.history), self.n_written)
 
     def nbytes(self) -> int:
         return 8 * len(self.history)
@@ -38,17 +48,16 @@ class FakeModel:
     """Logits are a pseudo-random function of the entire history, so a wrongly reused or half-restored state
     gives different tokens. `script` forces the tokens that follow a given prefix length (to spell text)."""
 
-    def __init__(self, ctx: int = 4096):
+    def __init__(self, ctx: int = 4096, horizon: int = 16):
         self.config = SimpleNamespace(vocab_size=V, context_length=ctx)
-        self.path, self.backend = "<fake>", "fake"
-        self.prefill_calls: list[int] = []
-        self.decode_calls = 0
+        self.path, self.backend, self.rollback_horizon = "<fake>", "fake", horizon
+        self.steps: list[int] = []                    # rows of every step call
         self.script: list[int] = []
         self.script_start = 0
-        self.fail_decode = False
+        self.fail_at_step: int | None = None          # raise KeyboardInterrupt in this step call (1-based)
 
     def new_state(self) -> FakeState:
-        return FakeState()
+        return FakeState(self.rollback_horizon)
 
     def logits(self, history: list[int]) -> np.ndarray:
         seed = int.from_bytes(hashlib.sha256(np.asarray(history, np.int64).tobytes()).digest()[:8], "little")
@@ -59,17 +68,15 @@ class FakeModel:
             out[self.script[k]] = 50.0
         return out
 
-    def prefill(self, state, ids, all_logits=False):
-        self.prefill_calls.append(len(ids))
-        state.history.extend(int(i) for i in ids)
-        return self.logits(state.history)
-
-    def decode(self, state, token):
-        if self.fail_decode:
+    def step(self, states, chunks, all_logits=False):
+        assert len(states) == len(chunks) == 1 and not all_logits     # the session steps its one state
+        self.steps.append(len(chunks[0]))
+        if self.fail_at_step is not None and len(self.steps) >= self.fail_at_step:
             raise KeyboardInterrupt
-        self.decode_calls += 1
-        state.history.append(int(token))
-        return self.logits(state.history)
+        st = states[0]
+        st.history.extend(int(i) for i in chunks[0])
+        st.n_written = max(st.n_written, st.n_tokens)
+        return [self.logits(st.history)]
 
     def weight_bytes_per_token(self) -> int:
         return 0
@@ -103,8 +110,8 @@ def test_first_request_prefills_everything(tok):
     s = Session(m, tok)
     ids, text, done = run(s, PROMPT, max_tokens=5)
     assert (done.finish_reason, done.prompt_tokens, done.cached_tokens, done.completion_tokens) == ("length", 8, 0, 5)
-    assert s.stats.prefilled_tokens == 8 and sum(m.prefill_calls) == 8
-    assert m.decode_calls == 4                       # the last sampled token is never decoded
+    assert s.stats.prefilled_tokens == 8 and s.stats.decoded_tokens == 4
+    assert sum(m.steps) == 8 + 4                     # the last sampled token is never decoded
     assert s.tokens == PROMPT + ids[:-1]
     assert text == tok.decode(ids)
 
@@ -123,7 +130,7 @@ def test_second_turn_prefills_only_the_new_tokens(tok):
 
 
 def test_thinking_turn_diverging_at_last_prompt_token_restores_snapshot(tok):
-    m = FakeModel()
+    m = FakeModel(horizon=4)                         # the answer is longer than the rollback horizon
     s = Session(m, tok)
     think = PROMPT[:-1] + [509]                      # ... <｜Assistant｜><think>
     ids, _, _ = run(s, think, max_tokens=6)
@@ -150,8 +157,28 @@ def test_repeated_prompt_reuses_all_but_one_or_all(tok):
     assert done.cached_tokens == len(PROMPT) and s.stats.prefilled_tokens == before and c == a
 
 
+def test_diverging_within_the_rollback_horizon_truncates_the_live_state(tok):
+    m = FakeModel(horizon=8)
+    s = Session(m, tok)
+    ids, _, _ = run(s, PROMPT, max_tokens=4)               # live: PROMPT + 3 answer tokens
+    edited = PROMPT + ids[:2] + [300, 301]                 # keeps 2 answer tokens, then differs
+    assert s.prompt_cache_tokens(edited) == len(PROMPT) + 2
+    steps = len(m.steps)
+    got, _, done = run(s, edited, max_tokens=3)
+    assert done.cached_tokens == len(PROMPT) + 2 and s.stats.truncations == 1 and s.stats.snapshots_restored == 0
+    assert m.steps[steps] == 1 and got == fresh_tokens(tok, edited, 3)   # only the new tokens were stepped
+    # regenerating the same prompt: truncate to all but its last token (no snapshot copy needed)
+    again, _, done = run(s, edited, max_tokens=3)
+    assert again == got and done.cached_tokens == len(edited) - 1 and s.stats.truncations == 2
+    # deeper than the horizon (measured from the furthest the state reached): a snapshot or a fresh start
+    far = PROMPT[:3] + [400, 401]
+    assert s.prompt_cache_tokens(far) == 0 and s.state.rollback_floor > 3
+    got, _, done = run(s, far, max_tokens=2)
+    assert done.cached_tokens == 0 and s.stats.truncations == 2 and got == fresh_tokens(tok, far, 2)
+
+
 def test_snapshots_are_bounded_and_independent(tok):
-    s = Session(FakeModel(), tok, max_snapshots=2)
+    s = Session(FakeModel(horizon=0), tok, max_snapshots=2)      # horizon 0: no truncation, only snapshots
     prompts = [[0, 507, 100 + i, 508, 510] for i in range(3)]
     for p in prompts:
         run(s, p, max_tokens=2)
@@ -248,7 +275,7 @@ def test_cancel_stops_before_the_next_decode(tok):
         got.append(ev)
     done = got[-1]
     assert done.finish_reason == "cancelled" and done.completion_tokens == 3
-    assert m.decode_calls == 2                       # no forward pass after the client went away
+    assert s.stats.decoded_tokens == 2 and sum(m.steps) == len(PROMPT) + 2    # none after the client left
 
 
 def test_cancel_during_prefill_keeps_a_reusable_state(tok):
@@ -266,11 +293,11 @@ def test_cancel_during_prefill_keeps_a_reusable_state(tok):
 def test_interrupted_model_call_drops_the_live_state(tok):
     m = FakeModel()
     s = Session(m, tok)
-    m.fail_decode = True
+    m.fail_at_step = 3                                # prompt: 7 + 1 tokens, then the first decode fails
     with pytest.raises(KeyboardInterrupt):
         run(s, PROMPT, max_tokens=5)
     assert s.state is None and s.tokens == []
-    m.fail_decode = False
+    m.fail_at_step = None
     ids, _, done = run(s, PROMPT, max_tokens=4)       # snapshot before the last prompt token survives
     assert done.cached_tokens == len(PROMPT) - 1 and ids == fresh_tokens(tok, PROMPT, 4)
 
@@ -324,6 +351,17 @@ def test_ref_second_turn_reuses_prefix_with_same_logits(ref_model, tok):
     fresh = ref_model.prefill(ref_model.new_state(), p2)
     np.testing.assert_allclose(s._logits, fresh, atol=2e-3, rtol=1e-3)
     assert int(np.argmax(s._logits)) == int(np.argmax(fresh))
+
+
+def test_ref_regenerate_truncates_with_the_same_logits(ref_model, tok):
+    s = Session(ref_model, tok, ctx_size=4096)
+    p = [0, 507] + tok.encode("Tell me a story.") + [508, 510]
+    a, _, _ = run(s, p, max_tokens=5)
+    logits_a = s._logits                                 # after the 4th answer token
+    b, _, done = run(s, p, max_tokens=5)                  # regenerate: truncate to len(p) - 1, step 1 token
+    assert done.cached_tokens == len(p) - 1 and s.stats.truncations == 1 and s.stats.snapshots_restored == 0
+    assert a == b
+    np.testing.assert_array_equal(s._logits, logits_a)     # the same computations: bit for bit
 
 
 def test_ref_snapshot_restore_is_independent(ref_model, tok):

@@ -46,8 +46,8 @@ def test_deterministic_per_seed(tiny, tmp_path):
 
 @pytest.mark.parametrize("experts", ["mxfp4", "q4_k"])
 def test_other_shapes_and_expert_types(tmp_path, experts):
-    kw = dict(n_layers=5, dim=512, vocab_size=700, n_heads=8, q_lora_rank=128, o_lora_rank=64, n_routed_experts=4,
-              n_activated_experts=2, moe_inter_dim=256, index_n_heads=2, index_topk=8)
+    kw = dict(n_layers=5, dim=512, vocab_size=700, n_heads=8, q_lora_rank=128, o_lora_rank=64, n_experts=4,
+              n_experts_used=2, expert_ff=256, index_heads=2, index_topk=8)
     p = tmp_path / "m.gguf"
     make_tiny(str(p), seed=3, experts=experts, **kw)
     f = GGUFFile(p)
@@ -119,7 +119,7 @@ def test_bad_shapes_are_refused(tmp_path):
         make_tiny(str(tmp_path / "x.gguf"), n_layers=2, compress_ratios=[0, 2])
     # shapes the loader (ModelConfig) would reject are refused before anything is written
     with pytest.raises(ConvertError, match="not a multiple of the FP8 block"):
-        make_tiny(str(tmp_path / "x.gguf"), head_dim=128, rope_head_dim=32)
+        make_tiny(str(tmp_path / "x.gguf"), head_dim=128, rope_dim=32)
     with pytest.raises(ConvertError, match="indexer key_length 48 must be a power of two"):
         make_tiny(str(tmp_path / "x.gguf"), index_head_dim=48)
     assert not list(tmp_path.iterdir())

@@ -70,7 +70,7 @@ def vq8(work, teacher):
 def vq13(work):
     """Layer 0 at 13 bits ("12 + 1"), the other at 7, on a 2-layer, 8-expert model (a deliberately thin pool)."""
     src = work / "small.gguf"
-    make_tiny(str(src), seed=5, experts="mxfp4", n_layers=2, n_routed_experts=8, compress_ratios=[0, 4])
+    make_tiny(str(src), seed=5, experts="mxfp4", n_layers=2, n_experts=8, compress_ratios=[0, 4])
     p = work / "vq13.gguf"
     opts = Options(bits=7, bits_shallow=13, shallow_layers=1, min_pool=20, train_per_code=20, rounds=2)
     return src, p, quantize_vq(str(src), str(p), opts, progress=False)
@@ -194,7 +194,7 @@ def test_file_decodes_exactly_and_the_reported_error_is_the_engines(teacher, vq6
                     idx = ref_unpack(payload[e, 9].tobytes(), None, 6, 256 // 8)
                     row = (gains[e, 9] * E4M3[cb_codes[idx]]).reshape(-1)
                     assert np.array_equal(w[9], row)
-                x = src_w.expert(name, e).astype(np.float64)
+                x = src_w.expert(src_w.f.tensor(name), e).astype(np.float64)
                 err += ((x - w) ** 2).sum()
                 energy += (x ** 2).sum()
         assert err / energy == pytest.approx(report["layers"][layer]["rel_err"], rel=1e-9)

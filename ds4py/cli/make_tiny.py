@@ -7,13 +7,13 @@ import argparse
 NAME = "make-tiny"
 HELP = "write a small random-weight DeepSeek V4 Flash GGUF (ds4 layout, byte-level BPE tokenizer)"
 
-# CLI flag -> V4Shape field (defaults: ds4py.tiny.DEFAULTS, the ds4-tiny golden shape)
+# CLI flag -> ModelConfig field (defaults: ds4py.tiny.DEFAULTS, the ds4-tiny golden shape)
 SHAPE_FLAGS = {
     "layers": "n_layers", "dim": "dim", "vocab": "vocab_size", "heads": "n_heads", "head_dim": "head_dim",
-    "rope_dim": "rope_head_dim", "q_lora": "q_lora_rank", "o_lora": "o_lora_rank", "o_groups": "o_groups",
-    "experts_n": "n_routed_experts", "experts_used": "n_activated_experts", "ff": "moe_inter_dim",
-    "index_heads": "index_n_heads", "index_dim": "index_head_dim", "index_topk": "index_topk",
-    "window": "window_size", "hash_layers": "n_hash_layers",
+    "rope_dim": "rope_dim", "q_lora": "q_lora_rank", "o_lora": "o_lora_rank", "o_groups": "o_groups",
+    "experts_n": "n_experts", "experts_used": "n_experts_used", "ff": "expert_ff",
+    "index_heads": "index_heads", "index_dim": "index_head_dim", "index_topk": "index_topk",
+    "window": "window", "hash_layers": "hash_layers",
 }
 
 

@@ -19,9 +19,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="output .npy (float32 [T-P+1, vocab])")
     p.add_argument("--backend", default="ref", choices=("ref", "cuda"))
     p.add_argument("--no-fake-quant", action="store_true",
-                   help="ref: skip the FP8/FP4 KV and indexer quant-dequant (official 'train' numerics)")
+                   help="skip the FP8/FP4 KV and indexer quant-dequant (official 'train' numerics)")
     p.add_argument("--act-quant", action="store_true",
-                   help="ref: round activations like ds4's CPU path (Q8_0/Q8_K) before quantised matmuls")
+                   help="ds4's numerics: round activations like its CPU path (Q8_0/Q8_K) before quantised "
+                        "matmuls and store KV as F16")
 
 
 def load_ids(path: str):
@@ -44,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
 
     from ds4py.errors import Ds4Error
-    from ds4py.model import open_model
+    from ds4py.model import Numerics, open_model
 
     ids = load_ids(args.ids)
     out_dir = os.path.dirname(os.path.abspath(args.out))
@@ -55,19 +56,17 @@ def run(args: argparse.Namespace) -> int:
     T, P = len(ids), args.split
     if not 1 <= P <= T:
         raise Ds4Error(f"--split {P} is out of range: it must be between 1 and the number of ids ({T})")
-    kwargs = {}
-    if args.backend == "ref":
-        kwargs = dict(fake_quant=not args.no_fake_quant, act_quant=args.act_quant)
-    model = open_model(args.model, backend=args.backend, **kwargs)
+    numerics = Numerics.ds4(not args.no_fake_quant) if args.act_quant else Numerics(not args.no_fake_quant)
+    model = open_model(args.model, backend=args.backend, numerics=numerics)
     V = model.config.vocab_size
     bad = (ids < 0) | (ids >= V)
     if bad.any():
         i = int(np.argmax(bad))
         raise Ds4Error(f"{args.ids}: token id {int(ids[i])} at index {i} is outside the vocabulary (0..{V - 1})")
     state = model.new_state()
-    rows = [model.prefill(state, ids[:P])]
+    rows = model.step([state], [ids[:P]])
     for tok in ids[P:]:
-        rows.append(model.decode(state, int(tok)))
+        rows += model.step([state], [[int(tok)]])
     out = np.stack(rows).astype(np.float32)
     tmp = os.path.join(out_dir, f".{os.path.basename(args.out)}.tmp-{os.getpid()}")
     try:                                     # written whole or not at all, under exactly the given name

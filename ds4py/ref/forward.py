@@ -1,23 +1,43 @@
-"""One forward step of V4 Flash over a chunk of new tokens against a RefState (MODEL.md §2).
+"""One forward step of V4 Flash over a batch of sequences (MODEL.md §2).
 
-Prefill, chunked prefill and decode are the same code: a chunk of T tokens at positions n..n+T−1 attends to
-the window rows kept in the state plus its own rows (causal), and to the compressed rows visible to each
-query. Decode is a chunk of one token.
+A step advances several sequences, each by its own chunk of tokens at positions n..n+T-1 of its state (a
+prompt, a chunk of one for decode, k+1 rows to verify). What is per row - the embedding, norms,
+hyper-connections, every projection, routing and the experts - runs once over the rows of all sequences
+(one matmul per weight; each routed expert is dequantised and applied once per step). What reads a
+sequence's past - the window, the compressors, the indexer, attention - runs per sequence against its own
+state. Prefill, chunked prefill and decode are the same code; a batch equals separate calls up to float
+summation order.
+
+Weights come from the typed binding (ds4py.schema: `L.attn.comp.kv`), each layer's roles from the config's
+predicates (`cfg.roles(l)`), the numerics from one explicit `Numerics` value.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
+from ds4py.config import LayerRoles
+from ds4py.model import Numerics
 from ds4py.ref import ops
-from ds4py.ref.state import CompressorState, LayerState, RefState
+from ds4py.ref.state import RefState
+from ds4py.schema import AttentionWeights, CompressorWeights, FfnWeights, LayerWeights, ModelWeights
 
 F32 = np.float32
 QUERY_BLOCK = 256        # queries per attention block: bounds the [T, H, keys] score memory on long prompts
 
 
+@dataclass
+class Seq:
+    """One sequence of a step: its state, its rows in the step's arrays and their positions."""
+    state: RefState
+    rows: slice
+    pos: np.ndarray
+
+
 class Trace:
-    """Optional recorder of intermediates (for golden checks). Lists are indexed by layer."""
+    """Optional recorder of intermediates for a one-sequence step (golden checks). Lists are indexed by layer."""
 
     def __init__(self, n_layers: int):
         self.hc = []                                         # [T, hc, D] after embedding, then after each layer
@@ -29,61 +49,57 @@ class Trace:
         self.indexer_scores = [None] * n_layers              # [T, Nc] float (invisible rows −inf)
 
 
-def ds4_numerics(w) -> bool:
-    """RefModel(act_quant=True): also mirror ds4's F16 KV storage (see Weights.act for the matmul side)."""
-    return bool(getattr(w, "act_quant", False))
+def kv_store(x: np.ndarray, nx: Numerics) -> np.ndarray:
+    """KV rows as the state stores them (ds4 keeps F16)."""
+    return ops.f16_round(x) if nx.kv_dtype == "f16" else x
 
 
-# ---- attention ----------------------------------------------------------------------------------------------
-def compressor(w, cfg, x: np.ndarray, pos: np.ndarray, buf: CompressorState, prefix: str, d: int, ratio: int,
-               freqs: np.ndarray, rotate: bool, fake_quant: bool) -> np.ndarray:
-    """Feed the chunk's tokens to a compressor; return the rows of every group completed in this chunk.
-    Rows: RMSNorm, RoPE at g·ratio, then Hadamard + FP4 (indexer keys) or FP8 on the non-rope dims."""
-    overlap = ratio == 4
-    kv = w.linear(prefix + "_kv.weight", x)
-    score = w.linear(prefix + "_gate.weight", x) + w.get(prefix + "_ape.weight")[pos % ratio]
-    all_kv = np.concatenate([buf.kv, kv])
-    all_sc = np.concatenate([buf.score, score])
-    p0, p_end = int(pos[0]), int(pos[-1]) + 1
-    g0, g1 = p0 // ratio, p_end // ratio                # groups completed in this chunk: [g0, g1)
-    rows = np.zeros((0, d), F32)
+# ---- compressors (MODEL.md §2.3) -----------------------------------------------------------------------------
+def compressor_inputs(w, C: CompressorWeights, x: np.ndarray, pos: np.ndarray,
+                      ratio: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per row: kv = wkv x and the gate score s = wgate x + ape[pos mod ratio] (all sequences at once)."""
+    return w.linear(C.kv, x), w.linear(C.gate, x) + w.get(C.ape)[pos % ratio]
+
+
+def compress(w, cfg, nx: Numerics, C: CompressorWeights, kv: np.ndarray, score: np.ndarray, pos: np.ndarray,
+             ring_kv: np.ndarray, ring_score: np.ndarray, out: np.ndarray, ratio: int, overlap: int,
+             freqs: np.ndarray, rotate: bool) -> None:
+    """One sequence's chunk through a compressor: pool every group it completes into out[g], keep its inputs
+    in the rings. Group g = positions [g·r, (g+1)·r) completes at (g+1)·r − 1 and pools them, plus group g−1's
+    through the first half of the channels when the compressor overlaps (group −1: kv 0, score −inf). Rows:
+    RMSNorm, RoPE at g·r, then Hadamard + FP4 (indexer keys) or FP8 on the non-rope dims."""
+    cap = ring_kv.shape[0]
+    p0, p1 = int(pos[0]), int(pos[-1]) + 1
+    g0, g1 = p0 // ratio, p1 // ratio                     # groups completed by this chunk: [g0, g1)
     if g1 > g0:
-        a, b = g0 * ratio - buf.start, g1 * ratio - buf.start
-        prev_kv = prev_sc = None
-        if overlap and g0 > 0:
-            prev_kv, prev_sc = all_kv[a - ratio:a], all_sc[a - ratio:a]
-        rows = ops.compress_pool(all_kv[a:b], all_sc[a:b], ratio, overlap, prev_kv, prev_sc)
-        rows = ops.rmsnorm(rows, w.get(prefix + "_norm.weight"), cfg.norm_eps)
+        start = max(0, g0 - overlap) * ratio              # the first position those groups read
+        old = np.arange(start, p0)                        # ... held in the rings
+        all_kv = np.concatenate([ring_kv[old % cap], kv])
+        all_sc = np.concatenate([ring_score[old % cap], score])
+        a, b = g0 * ratio - start, g1 * ratio - start
+        prev = (all_kv[a - ratio:a], all_sc[a - ratio:a]) if overlap and g0 > 0 else (None, None)
+        rows = ops.compress_pool(all_kv[a:b], all_sc[a:b], ratio, bool(overlap), *prev)
+        rows = ops.rmsnorm(rows, w.get(C.norm), cfg.norm_eps)
         rows = ops.rope_tail(rows, np.arange(g0, g1) * ratio, freqs)
         if rotate:
             rows = ops.hadamard(rows)
-            if fake_quant:
+            if nx.fake_quant:
                 rows = ops.fp4_fake_quant(rows, 32)
-        elif fake_quant:
+        elif nx.fake_quant:
             rows[:, :cfg.nope_dim] = ops.fp8_fake_quant(rows[:, :cfg.nope_dim], 64)
-        if ds4_numerics(w):
-            rows = ops.f16_round(rows)
-    # keep what later groups still need: the current incomplete group (+ the last full group for overlap)
-    keep = max(0, (g1 - overlap) * ratio)
-    buf.kv, buf.score = all_kv[keep - buf.start:].copy(), all_sc[keep - buf.start:].copy()
-    buf.start = keep
-    return rows
+        out[g0:g1] = kv_store(rows, nx)
+    keep = pos[-min(len(pos), cap):]                      # a chunk longer than the ring keeps its tail
+    ring_kv[keep % cap] = kv[-len(keep):]
+    ring_score[keep % cap] = score[-len(keep):]
 
 
-def indexer_scores(w, cfg, p: str, x: np.ndarray, qr: np.ndarray, pos: np.ndarray, keys: np.ndarray,
-                   freqs: np.ndarray, fake_quant: bool) -> np.ndarray:
+def indexer_scores(q: np.ndarray, wts: np.ndarray, pos: np.ndarray, keys: np.ndarray, ratio: int) -> np.ndarray:
     """score[t, g] = Σ_h w_h · relu(qI_h · K_I[g]); rows invisible to t are −inf. -> [T, Nc]"""
-    ih, ihd = cfg.index_heads, cfg.index_head_dim
-    q = w.linear(p + "indexer.attn_q_b.weight", qr).reshape(-1, ih, ihd)
-    q = ops.hadamard(ops.rope_tail(q, pos, freqs))
-    if fake_quant:
-        q = ops.fp4_fake_quant(q, 32)
-    wts = w.linear(p + "indexer.proj.weight", x) * F32(ihd ** -0.5 * ih ** -0.5)
     s = np.empty((len(pos), keys.shape[0]), F32)
     for a in range(0, len(pos), QUERY_BLOCK):              # bounds the [T, IH, Nc] temporary
         b = a + QUERY_BLOCK
         s[a:b] = (np.maximum(q[a:b] @ keys.T, 0) * wts[a:b, :, None]).sum(1)
-    visible = np.arange(keys.shape[0])[None, :] < ((pos + 1) // 4)[:, None]
+    visible = np.arange(keys.shape[0])[None, :] < ((pos + 1) // ratio)[:, None]
     return np.where(visible, s, F32(-np.inf))
 
 
@@ -98,85 +114,108 @@ def topk_mask(scores: np.ndarray, k: int) -> np.ndarray:
     return sel & finite
 
 
-def attention(w, cfg, il: int, x: np.ndarray, pos: np.ndarray, st: LayerState, fake_quant: bool,
-              trace: Trace | None) -> np.ndarray:
-    p = f"blk.{il}."
-    T, H, hd, W = x.shape[0], cfg.n_heads, cfg.head_dim, cfg.window
-    ratio = cfg.compress_ratios[il]
-    freqs = ops.layer_rope_freqs(cfg, il)
-
-    # query: low rank + q_norm, per-head RMS (no weight), RoPE on the last rd dims
-    qr = ops.rmsnorm(w.linear(p + "attn_q_a.weight", x), w.get(p + "attn_q_a_norm.weight"), cfg.norm_eps)
-    q = ops.rmsnorm(w.linear(p + "attn_q_b.weight", qr).reshape(T, H, hd), None, cfg.norm_eps)
-    q = ops.rope_tail(q, pos, freqs)
-
-    # the one shared K=V row per token; FP8 fake-quant of the non-rope dims
-    kv = ops.rmsnorm(w.linear(p + "attn_kv.weight", x), w.get(p + "attn_kv_a_norm.weight"), cfg.norm_eps)
-    kv = ops.rope_tail(kv, pos, freqs)
-    if fake_quant:
-        kv[:, :cfg.nope_dim] = ops.fp8_fake_quant(kv[:, :cfg.nope_dim], 64)
-    if ds4_numerics(w):
-        kv = ops.f16_round(kv)                             # ds4 stores KV rows as F16
-
-    # window keys: the state's rows for positions [p0−W+1, p0) then this chunk's rows
-    p0 = int(pos[0])
+# ---- attention ----------------------------------------------------------------------------------------------
+def window(ring: np.ndarray, kv: np.ndarray, pos: np.ndarray, W: int) -> tuple[np.ndarray, np.ndarray]:
+    """The raw rows a chunk's queries may see: the state's for [p0−W+1, p0), then the chunk's own (with their
+    positions); the chunk's rows go into the ring."""
+    cap, p0 = ring.shape[0], int(pos[0])
     old = np.arange(max(0, p0 - W + 1), p0)
-    win_kv = np.concatenate([st.ring[old % W], kv])
-    win_pos = np.concatenate([old, pos])
-    tail = pos[-min(T, W):]
-    st.ring[tail % W] = kv[-len(tail):]
+    keys, kpos = np.concatenate([ring[old % cap], kv]), np.concatenate([old, pos])
+    tail = pos[-min(len(pos), cap):]
+    ring[tail % cap] = kv[-len(tail):]
+    return keys, kpos
 
-    # compressed rows (and indexer keys) emitted by this chunk
-    comp = sel = None
-    if ratio:
-        rows = compressor(w, cfg, x, pos, st.comp_buf, p + "attn_compressor", hd, ratio, freqs, False,
-                          fake_quant)
-        st.comp.append(rows)
-        comp = st.comp.view()
-        visible = np.arange(comp.shape[0])[None, :] < ((pos + 1) // ratio)[:, None]
-        sel = visible
-        if ratio == 4:
-            keys = compressor(w, cfg, x, pos, st.index_buf, p + "indexer_compressor", cfg.index_head_dim, 4,
-                              freqs, True, fake_quant)
-            st.index_keys.append(keys)
-            scores = indexer_scores(w, cfg, p, x, qr, pos, st.index_keys.view(), freqs, fake_quant)
-            sel = topk_mask(scores, cfg.index_topk)
-            if trace is not None:
-                trace.indexer_selected[il], trace.indexer_scores[il] = sel, scores
 
-    # attention with sink, in query blocks: keys = window rows ∪ selected compressed rows
-    sink = w.get(p + "attn_sinks.weight")
-    o = np.empty((T, H, hd), F32)
+def attend(q: np.ndarray, win: np.ndarray, win_pos: np.ndarray, comp: np.ndarray | None, sel: np.ndarray | None,
+           pos: np.ndarray, sink: np.ndarray, W: int) -> np.ndarray:
+    """Attention with sink for one sequence, in query blocks: keys = its window rows ∪ the selected compressed
+    rows (K = V)."""
+    T, hd = q.shape[0], q.shape[-1]
+    o = np.empty(q.shape, F32)
     for a in range(0, T, QUERY_BLOCK):
         b = min(a + QUERY_BLOCK, T)
         lo = max(0, int(pos[a]) - W + 1 - int(win_pos[0]))
         hi = int(pos[b - 1]) - int(win_pos[0]) + 1
         kp = win_pos[lo:hi]
         mask = (kp[None, :] <= pos[a:b, None]) & (kp[None, :] > pos[a:b, None] - W)
-        keys = win_kv[lo:hi]
+        keys = win[lo:hi]
         if comp is not None and comp.shape[0]:
             keys = np.concatenate([keys, comp])
             mask = np.concatenate([mask, sel[a:b]], 1)
         o[a:b] = ops.attention_with_sink(q[a:b], keys, mask, sink, hd ** -0.5)
+    return o
+
+
+def attention(w, cfg, nx: Numerics, ro: LayerRoles, A: AttentionWeights, x: np.ndarray, pos: np.ndarray,
+              seqs: list[Seq], trace: Trace | None) -> np.ndarray:
+    il, T, H, hd, W = ro.layer, x.shape[0], cfg.n_heads, cfg.head_dim, cfg.window
+    freqs = ops.layer_rope_freqs(cfg, il)
+
+    # query: low rank + q_norm, per-head RMS (no weight), RoPE on the last rd dims
+    qr = ops.rmsnorm(w.linear(A.q_a, x), w.get(A.q_a_norm), cfg.norm_eps)
+    q = ops.rmsnorm(w.linear(A.q_b, qr).reshape(T, H, hd), None, cfg.norm_eps)
+    q = ops.rope_tail(q, pos, freqs)
+
+    # the one shared K=V row per token; FP8 fake-quant of the non-rope dims
+    kv = ops.rmsnorm(w.linear(A.kv, x), w.get(A.kv_norm), cfg.norm_eps)
+    kv = ops.rope_tail(kv, pos, freqs)
+    if nx.fake_quant:
+        kv[:, :cfg.nope_dim] = ops.fp8_fake_quant(kv[:, :cfg.nope_dim], 64)
+    kv = kv_store(kv, nx)
+
+    # the compressors' and the indexer's per-row inputs, for every sequence at once
+    if ro.compressor:
+        ckv, csc = compressor_inputs(w, A.comp, x, pos, ro.ratio)
+    if ro.indexer:
+        ih, ihd = cfg.index_heads, cfg.index_head_dim
+        iq = ops.hadamard(ops.rope_tail(w.linear(A.index.q_b, qr).reshape(T, ih, ihd), pos, freqs))
+        if nx.fake_quant:
+            iq = ops.fp4_fake_quant(iq, 32)
+        iw = w.linear(A.index.proj, x) * F32(ihd ** -0.5 * ih ** -0.5)
+        ikv, isc = compressor_inputs(w, A.index.comp, x, pos, ro.index_ratio)
+
+    # per sequence: window, compressed rows, indexer selection, attention with sink
+    sink = w.get(A.sinks)
+    o = np.empty((T, H, hd), F32)
+    for s in seqs:
+        r, p, st = s.rows, s.pos, s.state
+        win, win_pos = window(st.ring(il, "win"), kv[r], p, W)
+        comp = sel = None
+        if ro.compressed:
+            n_rows = (int(p[-1]) + 1) // ro.ratio
+            if ro.compressor:
+                compress(w, cfg, nx, A.comp, ckv[r], csc[r], p, st.ring(il, "comp_kv"), st.ring(il, "comp_score"),
+                         st.rows(il, "comp_rows", n_rows), ro.ratio, ro.overlap, freqs, False)
+            comp = st.rows(ro.kv_source, "comp_rows", n_rows)[:n_rows]
+            sel = np.arange(n_rows)[None, :] < ((p + 1) // ro.ratio)[:, None]
+            if ro.indexer:
+                n_keys = (int(p[-1]) + 1) // ro.index_ratio
+                keys = st.rows(il, "idx_keys", n_keys)
+                compress(w, cfg, nx, A.index.comp, ikv[r], isc[r], p, st.ring(il, "idx_kv"),
+                         st.ring(il, "idx_score"), keys, ro.index_ratio, ro.index_overlap, freqs, True)
+                scores = indexer_scores(iq[r], iw[r], p, keys[:n_keys], ro.index_ratio)
+                sel = topk_mask(scores, cfg.index_topk)
+                if trace is not None:
+                    trace.indexer_selected[il], trace.indexer_scores[il] = sel, scores
+        o[r] = attend(q[r], win, win_pos, comp, sel, p, sink, W)
 
     # inverse RoPE on the output's rope dims, then the grouped low-rank output projection
     o = ops.rope_tail(o, pos, freqs, inverse=True)
-    G, r = cfg.o_groups, cfg.o_lora_rank
-    wo_a = w.get(p + "attn_output_a.weight").reshape(G, r, -1)
-    og = w.act(p + "attn_output_a.weight", o.reshape(T, G, -1))
+    G, rank = cfg.o_groups, cfg.o_lora_rank
+    wo_a = w.get(A.out_a).reshape(G, rank, -1)
+    og = w.act(A.out_a, o.reshape(T, G, -1))
     u = (og.transpose(1, 0, 2) @ wo_a.transpose(0, 2, 1)).transpose(1, 0, 2)     # u_g = wo_a[g] @ o_g
-    return w.linear(p + "attn_output_b.weight", u.reshape(T, G * r))
+    return w.linear(A.out_b, u.reshape(T, G * rank))
 
 
 # ---- MoE ----------------------------------------------------------------------------------------------------
-def route(w, cfg, il: int, x: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Expert ids [T, k] and weights [T, k]: hash table on the first layers, biased top-k after."""
-    p = f"blk.{il}."
-    s = ops.sqrt_softplus(w.linear(p + "ffn_gate_inp.weight", x))
-    if cfg.is_hash_layer(il):
-        idx = w.get(p + "ffn_gate_tid2eid.weight")[ids]
+def route(w, cfg, ro: LayerRoles, Fw: FfnWeights, x: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Expert ids [T, k] and weights [T, k]: hash table on the hash layers, biased top-k after."""
+    s = ops.sqrt_softplus(w.linear(Fw.gate_inp, x))
+    if ro.hash_routing:
+        idx = w.get(Fw.tid2eid)[ids]
     else:
-        biased = s + w.get(p + "exp_probs_b.bias")                 # the bias picks experts, never weighs them
+        biased = s + w.get(Fw.route_bias)                          # the bias picks experts, never weighs them
         idx = np.argsort(-biased, axis=1, kind="stable")[:, :cfg.n_experts_used]
     wts = np.take_along_axis(s, idx, 1)
     if cfg.route_norm:
@@ -184,67 +223,63 @@ def route(w, cfg, il: int, x: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, 
     return idx, (wts * F32(cfg.route_scale)).astype(F32)
 
 
-def acts(w, names: list[str]) -> tuple:
-    """Activation rounding for the inputs of (gate, up) and of down; (None, None) in plain fp32."""
-    if not ds4_numerics(w):
-        return None, None
-    return (lambda a: w.act(names[0], a)), (lambda a: w.act(names[2], a))
-
-
-def moe(w, cfg, il: int, x: np.ndarray, ids: np.ndarray, trace: Trace | None) -> np.ndarray:
-    p = f"blk.{il}."
-    clamp = cfg.swiglu_clamp[il]
-    idx, wts = route(w, cfg, il, x, ids)
+def moe(w, cfg, ro: LayerRoles, Fw: FfnWeights, x: np.ndarray, ids: np.ndarray, trace: Trace | None) -> np.ndarray:
+    clamp = cfg.swiglu_clamp[ro.layer]
+    idx, wts = route(w, cfg, ro, Fw, x, ids)
     if trace is not None:
-        trace.experts[il], trace.expert_weights[il] = idx, wts
-    names = [p + f"ffn_{m}_shexp.weight" for m in ("gate", "up", "down")]
-    y = ops.swiglu(x, *(w.get(n) for n in names), clamp, None, *acts(w, names))
-    names = [p + f"ffn_{m}_exps.weight" for m in ("gate", "up", "down")]
-    for e in np.unique(idx):                               # only the experts actually routed to
+        trace.experts[ro.layer], trace.expert_weights[ro.layer] = idx, wts
+    S, E = Fw.shared, Fw.experts
+    act_in, act_mid = (lambda a: w.act(S.gate, a)), (lambda a: w.act(S.down, a))
+    y = ops.swiglu(x, w.get(S.gate), w.get(S.up), w.get(S.down), clamp, None, act_in, act_mid)
+    act_in, act_mid = (lambda a: w.act(E.gate, a)), (lambda a: w.act(E.down, a))
+    for e in np.unique(idx):                     # each expert some row of the step was routed to, once
         tok, slot = np.nonzero(idx == e)
-        y[tok] += ops.swiglu(x[tok], *(w.expert(n, e) for n in names), clamp, wts[tok, slot], *acts(w, names))
+        y[tok] += ops.swiglu(x[tok], w.expert(E.gate, e), w.expert(E.up, e), w.expert(E.down, e), clamp,
+                             wts[tok, slot], act_in, act_mid)
     return y
 
 
 # ---- block and model ----------------------------------------------------------------------------------------
-def block(w, cfg, il: int, X: np.ndarray, ids: np.ndarray, pos: np.ndarray, st: LayerState, fake_quant: bool,
-          trace: Trace | None) -> np.ndarray:
-    p = f"blk.{il}."
+def block(w, cfg, nx: Numerics, ro: LayerRoles, L: LayerWeights, X: np.ndarray, ids: np.ndarray, pos: np.ndarray,
+          seqs: list[Seq], trace: Trace | None) -> np.ndarray:
     hc_args = (cfg.norm_eps, cfg.hc_eps, cfg.sinkhorn_iters)
 
-    x, post, comb = ops.hc_pre(X, w.get(p + "hc_attn_fn.weight"), w.get(p + "hc_attn_scale.weight"),
-                               w.get(p + "hc_attn_base.weight"), *hc_args)
-    x = ops.rmsnorm(x, w.get(p + "attn_norm.weight"), cfg.norm_eps)
+    x, post, comb = ops.hc_pre(X, w.get(L.hc_attn.fn), w.get(L.hc_attn.scale), w.get(L.hc_attn.base), *hc_args)
+    x = ops.rmsnorm(x, w.get(L.attn_norm), cfg.norm_eps)
     if trace is not None:
-        trace.attn_in[il] = x
-    X = ops.hc_post(attention(w, cfg, il, x, pos, st, fake_quant, trace), X, post, comb)
+        trace.attn_in[ro.layer] = x
+    X = ops.hc_post(attention(w, cfg, nx, ro, L.attn, x, pos, seqs, trace), X, post, comb)
 
-    x, post, comb = ops.hc_pre(X, w.get(p + "hc_ffn_fn.weight"), w.get(p + "hc_ffn_scale.weight"),
-                               w.get(p + "hc_ffn_base.weight"), *hc_args)
-    x = ops.rmsnorm(x, w.get(p + "ffn_norm.weight"), cfg.norm_eps)
+    x, post, comb = ops.hc_pre(X, w.get(L.hc_ffn.fn), w.get(L.hc_ffn.scale), w.get(L.hc_ffn.base), *hc_args)
+    x = ops.rmsnorm(x, w.get(L.ffn_norm), cfg.norm_eps)
     if trace is not None:
-        trace.ffn_in[il] = x
-    return ops.hc_post(moe(w, cfg, il, x, ids, trace), X, post, comb)
+        trace.ffn_in[ro.layer] = x
+    return ops.hc_post(moe(w, cfg, ro, L.ffn, x, ids, trace), X, post, comb)
 
 
-def forward(w, cfg, state: RefState, ids: np.ndarray, all_logits: bool, fake_quant: bool,
-            trace: Trace | None = None) -> np.ndarray:
-    """Run the chunk `ids` at positions state.n_tokens.. and advance the state. Returns logits
-    [T, vocab] (all_logits) or [vocab] (the last position)."""
-    T = len(ids)
-    pos = np.arange(state.n_tokens, state.n_tokens + T)
-    h = w.rows("token_embd.weight", ids)
-    X = np.repeat(h[:, None, :], cfg.hc_mult, axis=1)        # [T, hc, D]
+def forward(w, B: ModelWeights, cfg, nx: Numerics, states: list[RefState], chunks: list[np.ndarray],
+            all_logits: bool, trace: Trace | None = None) -> list[np.ndarray]:
+    """Run each chunk at positions state.n_tokens.. of its state and advance the states. Returns per sequence
+    logits [T, vocab] (all_logits) or [vocab] (its last position)."""
+    seqs, at = [], 0
+    for st, c in zip(states, chunks):
+        seqs.append(Seq(st, slice(at, at + len(c)), np.arange(st.n_tokens, st.n_tokens + len(c))))
+        at += len(c)
+    ids, pos = np.concatenate(chunks), np.concatenate([s.pos for s in seqs])
+    for s in seqs:
+        s.state.begin_step(len(s.pos))
+    h = w.rows(B.embed, ids)
+    X = np.repeat(h[:, None, :], cfg.hc_mult, axis=1)        # [rows, hc, D]
     if trace is not None:
         trace.hc.append(X)
-    for il in range(cfg.n_layers):
-        X = block(w, cfg, il, X, ids, pos, state.layers[il], fake_quant, trace)
+    for il, L in enumerate(B.layers):
+        X = block(w, cfg, nx, cfg.roles(il), L, X, ids, pos, seqs, trace)
         if trace is not None:
             trace.hc.append(X)
-    state.n_tokens += T
+    for s in seqs:
+        s.state.end_step(len(s.pos))
     if not all_logits:
-        X = X[-1:]
-    y = ops.hc_head(X, w.get("output_hc_fn.weight"), w.get("output_hc_scale.weight"),
-                    w.get("output_hc_base.weight"), cfg.norm_eps, cfg.hc_eps)
-    logits = w.linear("output.weight", ops.rmsnorm(y, w.get("output_norm.weight"), cfg.norm_eps))
-    return logits if all_logits else logits[0]
+        X = X[[s.rows.stop - 1 for s in seqs]]
+    y = ops.hc_head(X, w.get(B.hc_head.fn), w.get(B.hc_head.scale), w.get(B.hc_head.base), cfg.norm_eps, cfg.hc_eps)
+    logits = w.linear(B.head, ops.rmsnorm(y, w.get(B.output_norm), cfg.norm_eps))
+    return [logits[s.rows] for s in seqs] if all_logits else list(logits)

@@ -42,9 +42,9 @@ def rope_freqs(rd: int, base: float, factor: float = 1.0, orig_ctx: int = 0,
 
 
 def layer_rope_freqs(cfg, layer: int) -> np.ndarray:
-    """Ratio-0 layers: base theta, no YaRN. Compressed layers: compress theta with YaRN whenever an original
-    context is given (the official precompute does not compare it with the context length)."""
-    if cfg.compress_ratios[layer] == 0:
+    """Window-only (ratio-0) layers: base theta, no YaRN. Compressed layers: compress theta with YaRN whenever
+    an original context is given (the official precompute does not compare it with the context length)."""
+    if not cfg.is_compressed(layer):
         return rope_freqs(cfg.rope_dim, cfg.rope_base)
     return rope_freqs(cfg.rope_dim, cfg.compress_rope_base, cfg.rope_factor, cfg.rope_orig_ctx, cfg.beta_fast,
                       cfg.beta_slow)

@@ -1,100 +1,72 @@
-"""Per-sequence KV state of the reference engine (implements ds4py.model.State).
+"""The reference engine's per-sequence KV state: the declared parts (ds4py.kv.state_layout) as numpy arrays.
 
-Per layer:
-  * window ring: the last `window` raw kv rows (slot = position mod window), fake-quantised as attended;
-  * ratio > 0: compressed attention rows emitted so far, and the compressor's pending tokens
-    (kv and ape-shifted scores of the current incomplete group, plus the previous group for ratio-4 overlap);
-  * ratio 4: the indexer's compressed keys and its own compressor pending tokens.
+Rings are allocated whole; emitted rows (comp_rows, idx_keys) grow by doubling with the rows actually used.
+The counters and the rollback rule are ds4py.kv.StateCounters (shared with every backend).
 """
 
 from __future__ import annotations
 
-import copy as _copy
-from dataclasses import dataclass
-
 import numpy as np
 
-F32 = np.float32
+from ds4py.kv import RING, StateCounters, StateLayout, grown_capacity
 
 
-class Rows:
-    """An append-only [n, width] float32 array with amortised growth."""
+class RefState(StateCounters):
+    def __init__(self, layout: StateLayout):
+        super().__init__(layout)
+        self.arrays: dict[str, np.ndarray] = {
+            p.key: np.zeros((p.capacity, p.width), p.dtype) for p in layout.parts}
+        self._parts = {p.key: p for p in layout.parts}
 
-    def __init__(self, width: int):
-        self._a = np.zeros((0, width), F32)
-        self.n = 0
+    # ---- what the forward reads and writes ------------------------------------------------------------------
+    def ring(self, layer: int, name: str) -> np.ndarray:
+        """A ring part: position p lives in slot p % len(ring)."""
+        return self.arrays[f"{layer}.{name}"]
 
-    def append(self, rows: np.ndarray) -> None:
-        k = rows.shape[0]
-        if self.n + k > self._a.shape[0]:
-            grown = np.zeros((max(2 * self._a.shape[0], self.n + k, 16), self._a.shape[1]), F32)
-            grown[: self.n] = self._a[: self.n]
-            self._a = grown
-        self._a[self.n: self.n + k] = rows
-        self.n += k
+    def rows(self, layer: int, name: str, n: int) -> np.ndarray:
+        """A rows part with room for at least n rows (the capacity doubles)."""
+        key = f"{layer}.{name}"
+        a = self.arrays[key]
+        if n > a.shape[0]:
+            grown = np.zeros((grown_capacity(a.shape[0], n), a.shape[1]), a.dtype)
+            grown[: a.shape[0]] = a
+            self.arrays[key] = a = grown
+        return a
 
-    def view(self) -> np.ndarray:
-        return self._a[: self.n]
+    def view(self, layer: int, name: str) -> np.ndarray:
+        """The valid rows of a part in position order (a ring: the positions still held, oldest first)."""
+        p = self._parts[f"{layer}.{name}"]
+        a = self.arrays[p.key]
+        if p.kind != RING:
+            return a[: self.n_tokens // p.period]
+        pos = np.arange(max(0, self.n_written - p.capacity), self.n_tokens)
+        return a[pos % p.capacity]
 
-    def nbytes(self) -> int:
-        return self.n * self._a.shape[1] * 4
-
-
-@dataclass
-class CompressorState:
-    """Tokens not yet fully consumed by the compressor: positions [start, start + len(kv))."""
-    width: int                    # c·d (c = 2 for the overlapping ratio-4 compressor)
-    start: int = 0
-    kv: np.ndarray = None         # [n, c·d]
-    score: np.ndarray = None      # [n, c·d], ape already added
-
-    def __post_init__(self):
-        if self.kv is None:
-            self.kv = np.zeros((0, self.width), F32)
-            self.score = np.zeros((0, self.width), F32)
-
-    def nbytes(self) -> int:
-        return self.kv.nbytes + self.score.nbytes
-
-
-@dataclass
-class LayerState:
-    ring: np.ndarray                                 # [window, hd] raw kv rows, slot = pos % window
-    comp: Rows | None = None                         # compressed attention rows [n, hd]
-    comp_buf: CompressorState | None = None
-    index_keys: Rows | None = None                   # indexer compressed keys [n, index_head_dim]
-    index_buf: CompressorState | None = None
+    # ---- the State contract -----------------------------------------------------------------------------------
+    def copy(self) -> "RefState":
+        out = RefState.__new__(RefState)
+        out.layout, out._parts = self.layout, self._parts
+        out.n_tokens, out.n_written = self.n_tokens, self.n_written
+        out.arrays = {k: a.copy() for k, a in self.arrays.items()}
+        return out
 
     def nbytes(self) -> int:
-        n = self.ring.nbytes
-        for part in (self.comp, self.comp_buf, self.index_keys, self.index_buf):
-            n += part.nbytes() if part is not None else 0
-        return n
+        """Bytes held: every ring and the allocated capacity of the rows parts."""
+        return sum(a.nbytes for a in self.arrays.values())
 
-
-@dataclass
-class RefState:
-    layers: list[LayerState]
-    n_tokens: int = 0
+    def export(self) -> dict[str, np.ndarray]:
+        """Per part what a saved state holds: a ring's slots, a rows part's n_tokens // period rows."""
+        return {p.key: self.arrays[p.key][: p.rows_for(self.n_tokens)] for p in self.layout.parts}
 
     @classmethod
-    def empty(cls, cfg) -> "RefState":
-        layers = []
-        for il in range(cfg.n_layers):
-            ratio = cfg.compress_ratios[il]
-            st = LayerState(ring=np.zeros((cfg.window, cfg.head_dim), F32))
-            if ratio:
-                coff = 2 if ratio == 4 else 1
-                st.comp = Rows(cfg.head_dim)
-                st.comp_buf = CompressorState(coff * cfg.head_dim)
-            if ratio == 4:
-                st.index_keys = Rows(cfg.index_head_dim)
-                st.index_buf = CompressorState(2 * cfg.index_head_dim)
-            layers.append(st)
-        return cls(layers)
-
-    def copy(self) -> "RefState":
-        return _copy.deepcopy(self)
-
-    def nbytes(self) -> int:
-        return sum(layer.nbytes() for layer in self.layers)
+    def from_parts(cls, layout: StateLayout, n_tokens: int, n_written: int,
+                   arrays: dict[str, np.ndarray]) -> "RefState":
+        st = cls(layout)
+        st.n_tokens, st.n_written = n_tokens, n_written
+        for p in layout.parts:
+            a = arrays[p.key]
+            if p.kind == RING:
+                st.arrays[p.key] = a
+            elif len(a):
+                st.rows(p.layer, p.name, len(a))[: len(a)] = a
+        return st

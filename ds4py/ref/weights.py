@@ -15,6 +15,7 @@ from collections import OrderedDict
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
+from ds4py.gguf import TensorInfo
 from ds4py.quant import dequantize
 from ds4py.quant.vq import VQExperts
 from ds4py.ref.ops import q8_0_round, q8_k_round
@@ -35,6 +36,9 @@ def _dequant_rows(t, raw_rows: np.ndarray, shape: tuple[int, ...]) -> np.ndarray
 
 
 class Weights:
+    """The GGUF's tensors for the forward: every method takes a tensor handle from the typed binding
+    (ds4py.schema.bind over GGUFFile.tensor: a TensorInfo), never a name assembled in the math."""
+
     def __init__(self, gguf, cache_bytes: int = DEFAULT_CACHE_BYTES, act_quant: bool = False):
         self.f = gguf
         self.act_quant = act_quant         # emulate ds4 / ggml activation rounding before quantised matmuls
@@ -59,13 +63,8 @@ class Weights:
         return a
 
     # ---- access ------------------------------------------------------------------------------------------
-    def has(self, name: str) -> bool:
-        return name in self.f
-
-    def get(self, name: str) -> np.ndarray:
+    def get(self, t: TensorInfo) -> np.ndarray:
         """The whole tensor as float32 (ints stay ints: tid2eid)."""
-        t = self.f.tensor(name)
-
         def make() -> np.ndarray:
             if t.qtype in (Q.I32, Q.I16, Q.I8, Q.I64):
                 return np.asarray(t.raw).reshape(t.shape).astype(np.int64)
@@ -73,44 +72,40 @@ class Weights:
                 return np.asarray(t.raw).reshape(t.shape).astype(F32)
             return _dequant_rows(t, t.raw_bytes(), t.shape).astype(F32, copy=False)
 
-        return self._get_cached(("all", name), make)
+        return self._get_cached(("all", t.name), make)
 
-    def rows(self, name: str, ids: np.ndarray) -> np.ndarray:
+    def rows(self, t: TensorInfo, ids: np.ndarray) -> np.ndarray:
         """Rows `ids` of a 2-D matrix (the embedding lookup), without dequantising the rest."""
-        t = self.f.tensor(name)
         raw = t.raw if t.qtype in (Q.F32, Q.F16) else t.raw_bytes()
         ids = np.asarray(ids, dtype=np.int64)
         return _dequant_rows(t, raw[ids], (len(ids), t.shape[-1])).astype(F32, copy=False)
 
-    def expert(self, name: str, e: int) -> np.ndarray:
-        """Expert e's [out, in] matrix of a stacked [X, out, in] expert tensor."""
-        t = self.f.tensor(name)
-
+    def expert(self, t: TensorInfo, e: int) -> np.ndarray:
+        """Expert e's [out, in] matrix of a stacked [X, out, in] expert tensor: the one place routed experts
+        are dequantised."""
         def make() -> np.ndarray:
             if t.qtype == Q.I8:                                   # VQ-8 index stream (ds4py.quant.vq)
-                return self.vq.expert(name, e)
+                return self.vq.expert(t.name, e)
             raw = t.raw if t.qtype in (Q.F32, Q.F16) else t.raw_bytes()
             return _dequant_rows(t, raw[e], t.shape[1:]).astype(F32, copy=False)
 
-        return self._get_cached(("expert", name, int(e)), make)
+        return self._get_cached(("expert", t.name, int(e)), make)
 
-    def act(self, name: str, x: np.ndarray) -> np.ndarray:
-        """The activation as a quantised matmul with `name` sees it: unchanged unless act_quant is on."""
+    def act(self, t: TensorInfo, x: np.ndarray) -> np.ndarray:
+        """The activation as a quantised matmul with `t` sees it: unchanged unless act_quant is on."""
         if self.act_quant:
-            qt = self.f.tensor(name).qtype
-            if qt in Q8_0_ACT:
+            if t.qtype in Q8_0_ACT:
                 return q8_0_round(x)
-            if qt in Q8_K_ACT:
+            if t.qtype in Q8_K_ACT:
                 return q8_k_round(x)
         return x
 
-    def linear(self, name: str, x: np.ndarray) -> np.ndarray:
+    def linear(self, t: TensorInfo, x: np.ndarray) -> np.ndarray:
         """x @ W.T for a [out, in] matrix W; a matrix larger than the cache is streamed in row chunks."""
-        t = self.f.tensor(name)
-        x = self.act(name, x)
+        x = self.act(t, x)
         out_rows, ncols = t.shape
-        if ("all", name) in self._cache or out_rows * ncols * 4 <= self.cache_bytes:
-            return x @ self.get(name).T
+        if ("all", t.name) in self._cache or out_rows * ncols * 4 <= self.cache_bytes:
+            return x @ self.get(t).T
         raw = t.raw if t.qtype in (Q.F32, Q.F16) else t.raw_bytes()
         y = np.empty((x.shape[0], out_rows), F32)
         for a in range(0, out_rows, STREAM_ROWS):

@@ -1,0 +1,246 @@
+"""The model's weights, declared once (MODEL.md §5 names, §6 official sources).
+
+Each `TensorSpec` says: the GGUF name, the numpy-order shape in ModelConfig's terms, the types a loader
+accepts, the storage slot our writers use (the ds4 convention), the official checkpoint tensor it comes from,
+which layers have it (a ModelConfig predicate), and where it lives in the typed binding the forward reads.
+Everything else derives from this table:
+
+    expected_tensors(cfg)          -> ModelConfig.expected_tensors / check_tensors (loading)
+    entries(cfg)                   -> convert.ds4_layout (the converter's and make-tiny's output, in file order)
+    bind(cfg, resolve)             -> ModelWeights: per-layer dataclasses of a backend's tensor handles
+
+so the forward never assembles a weight name from strings: it reads `layer.attn.comp.kv`.
+Order is ds4's file order (the golden ds4-tiny GGUF's), which `entries` preserves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Callable, Generic, Iterator, TypeVar
+
+from ds4py.config import FLOAT_TYPES as F
+from ds4py.config import INT_TYPES as I
+from ds4py.config import MATRIX_TYPES as M
+from ds4py.config import ModelConfig
+
+T = TypeVar("T")                 # a backend's tensor handle (ref: the GGUF TensorInfo; cuda: a device array)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str                    # GGUF name; "{l}" is the layer
+    shape: tuple                 # numpy order; each dim a ModelConfig attribute, a per-layer method, or an int
+    types: tuple                 # GGML types a loader accepts
+    slot: str                    # what our writers store: q8 | f16 | f32 | experts | i32 (ds4's choice per tensor)
+    field: str                   # path in the binding, e.g. "attn.comp.kv"
+    src: str                     # official tensor; "{l}" layer, "{e}" expert (slot "experts": one per expert)
+    layers: str | None = None    # None: model-level; "all" or a ModelConfig predicate taking the layer
+
+    def present(self, cfg: ModelConfig, layer: int) -> bool:
+        return self.layers == "all" or bool(getattr(cfg, self.layers)(layer))
+
+    def dims(self, cfg: ModelConfig, layer: int | None = None) -> tuple[int, ...]:
+        out = []
+        for d in self.shape:
+            v = d if isinstance(d, int) else getattr(cfg, d)
+            out.append(int(v(layer) if callable(v) else v))
+        return tuple(out)
+
+
+def _model(name: str, shape: tuple, types: tuple, slot: str, field: str, src: str) -> TensorSpec:
+    return TensorSpec(name, shape, types, slot, field, src)
+
+
+def _layer(name: str, shape: tuple, types: tuple, slot: str, field: str, src: str,
+           layers: str = "all") -> TensorSpec:
+    return TensorSpec("blk.{l}." + name, shape, types, slot, field, "layers.{l}." + src, layers)
+
+
+def _compressor(name: str, field: str, src: str, ratio: str, width: str, out: str, layers: str) -> tuple:
+    """A compressor's four tensors (MODEL.md §2.3): ape [ratio, c·d], wkv and wgate [c·d, D], norm [d]."""
+    return (_layer(f"{name}_ape.weight", (ratio, width), F, "f16", f"{field}.ape", f"{src}.ape", layers),
+            _layer(f"{name}_kv.weight", (width, "dim"), M, "f16", f"{field}.kv", f"{src}.wkv.weight", layers),
+            _layer(f"{name}_gate.weight", (width, "dim"), M, "f16", f"{field}.gate", f"{src}.wgate.weight", layers),
+            _layer(f"{name}_norm.weight", (out,), F, "f32", f"{field}.norm", f"{src}.norm.weight", layers))
+
+
+MODEL_TENSORS = (
+    _model("token_embd.weight", ("vocab_size", "dim"), M, "f16", "embed", "embed.weight"),
+    _model("output_hc_base.weight", ("hc_mult",), F, "f32", "hc_head.base", "hc_head_base"),
+    _model("output_hc_fn.weight", ("hc_mult", "hc_dim"), F, "f16", "hc_head.fn", "hc_head_fn"),
+    _model("output_hc_scale.weight", (1,), F, "f32", "hc_head.scale", "hc_head_scale"),
+    _model("output_norm.weight", ("dim",), F, "f32", "output_norm", "norm.weight"),
+    _model("output.weight", ("vocab_size", "dim"), M, "q8", "head", "head.weight"),
+)
+
+LAYER_TENSORS = (
+    _layer("hc_attn_fn.weight", ("hc_mix", "hc_dim"), F, "f16", "hc_attn.fn", "hc_attn_fn"),
+    _layer("hc_attn_scale.weight", (3,), F, "f32", "hc_attn.scale", "hc_attn_scale"),
+    _layer("hc_attn_base.weight", ("hc_mix",), F, "f32", "hc_attn.base", "hc_attn_base"),
+    _layer("hc_ffn_fn.weight", ("hc_mix", "hc_dim"), F, "f16", "hc_ffn.fn", "hc_ffn_fn"),
+    _layer("hc_ffn_scale.weight", (3,), F, "f32", "hc_ffn.scale", "hc_ffn_scale"),
+    _layer("hc_ffn_base.weight", ("hc_mix",), F, "f32", "hc_ffn.base", "hc_ffn_base"),
+    _layer("attn_norm.weight", ("dim",), F, "f32", "attn_norm", "attn_norm.weight"),
+    _layer("attn_q_a.weight", ("q_lora_rank", "dim"), M, "q8", "attn.q_a", "attn.wq_a.weight"),
+    _layer("attn_q_a_norm.weight", ("q_lora_rank",), F, "f32", "attn.q_a_norm", "attn.q_norm.weight"),
+    _layer("attn_q_b.weight", ("q_dim", "q_lora_rank"), M, "q8", "attn.q_b", "attn.wq_b.weight"),
+    _layer("attn_kv.weight", ("head_dim", "dim"), M, "q8", "attn.kv", "attn.wkv.weight"),
+    _layer("attn_kv_a_norm.weight", ("head_dim",), F, "f32", "attn.kv_norm", "attn.kv_norm.weight"),
+    _layer("attn_sinks.weight", ("n_heads",), F, "f32", "attn.sinks", "attn.attn_sink"),
+    _layer("attn_output_a.weight", ("o_dim", "o_group_in"), M, "q8", "attn.out_a", "attn.wo_a.weight"),
+    _layer("attn_output_b.weight", ("dim", "o_dim"), M, "q8", "attn.out_b", "attn.wo_b.weight"),
+    # the attention compressor (layers that compute compressed rows), the indexer and its own compressor
+    *_compressor("attn_compressor", "attn.comp", "attn.compressor", "ratio", "comp_width", "head_dim",
+                 "has_compressor"),
+    _layer("indexer.attn_q_b.weight", ("index_q_dim", "q_lora_rank"), M, "f16", "attn.index.q_b",
+           "attn.indexer.wq_b.weight", "has_indexer"),
+    _layer("indexer.proj.weight", ("index_heads", "dim"), M, "f16", "attn.index.proj",
+           "attn.indexer.weights_proj.weight", "has_indexer"),
+    *_compressor("indexer_compressor", "attn.index.comp", "attn.indexer.compressor", "index_ratio",
+                 "index_comp_width", "index_head_dim", "has_indexer"),
+    # MoE
+    _layer("ffn_norm.weight", ("dim",), F, "f32", "ffn_norm", "ffn_norm.weight"),
+    _layer("ffn_gate_inp.weight", ("n_experts", "dim"), M, "f16", "ffn.gate_inp", "ffn.gate.weight"),
+    _layer("exp_probs_b.bias", ("n_experts",), F, "f32", "ffn.route_bias", "ffn.gate.bias", "has_route_bias"),
+    _layer("ffn_gate_exps.weight", ("n_experts", "expert_ff", "dim"), M, "experts", "ffn.experts.gate",
+           "ffn.experts.{e}.w1.weight"),
+    _layer("ffn_up_exps.weight", ("n_experts", "expert_ff", "dim"), M, "experts", "ffn.experts.up",
+           "ffn.experts.{e}.w3.weight"),
+    _layer("ffn_down_exps.weight", ("n_experts", "dim", "expert_ff"), M, "experts", "ffn.experts.down",
+           "ffn.experts.{e}.w2.weight"),
+    _layer("ffn_gate_shexp.weight", ("shared_ff", "dim"), M, "q8", "ffn.shared.gate", "ffn.shared_experts.w1.weight"),
+    _layer("ffn_up_shexp.weight", ("shared_ff", "dim"), M, "q8", "ffn.shared.up", "ffn.shared_experts.w3.weight"),
+    _layer("ffn_down_shexp.weight", ("dim", "shared_ff"), M, "q8", "ffn.shared.down", "ffn.shared_experts.w2.weight"),
+    _layer("ffn_gate_tid2eid.weight", ("vocab_size", "n_experts_used"), I, "i32", "ffn.tid2eid", "ffn.gate.tid2eid",
+           "is_hash_layer"),
+)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of one model: its spec, layer (None: model-level), GGUF name, shape and official source(s)."""
+    spec: TensorSpec
+    layer: int | None
+    name: str
+    shape: tuple[int, ...]
+
+    @property
+    def src(self) -> str | list[str]:
+        """The official tensor name (a list with one name per expert for stacked experts)."""
+        s = self.spec.src.replace("{l}", str(self.layer))
+        if self.spec.slot == "experts":
+            return [s.replace("{e}", str(e)) for e in range(self.shape[0])]
+        return s
+
+
+def entries(cfg: ModelConfig) -> Iterator[Entry]:
+    """Every tensor of the model in ds4's file order: the model-level head tensors, then each layer's."""
+    for sp in MODEL_TENSORS:
+        yield Entry(sp, None, sp.name, sp.dims(cfg))
+    for il in range(cfg.n_layers):
+        for sp in LAYER_TENSORS:
+            if sp.present(cfg, il):
+                yield Entry(sp, il, sp.name.replace("{l}", str(il)), sp.dims(cfg, il))
+
+
+def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple]]:
+    return {e.name: (e.shape, e.spec.types) for e in entries(cfg)}
+
+
+# ---- the typed binding -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class HcWeights(Generic[T]):
+    fn: T
+    scale: T
+    base: T
+
+
+@dataclass(frozen=True)
+class CompressorWeights(Generic[T]):
+    kv: T
+    gate: T
+    ape: T
+    norm: T
+
+
+@dataclass(frozen=True)
+class IndexerWeights(Generic[T]):
+    q_b: T
+    proj: T
+    comp: CompressorWeights[T]
+
+
+@dataclass(frozen=True)
+class AttentionWeights(Generic[T]):
+    q_a: T
+    q_a_norm: T
+    q_b: T
+    kv: T
+    kv_norm: T
+    sinks: T
+    out_a: T
+    out_b: T
+    comp: CompressorWeights[T] | None = None
+    index: IndexerWeights[T] | None = None
+
+
+@dataclass(frozen=True)
+class SwigluWeights(Generic[T]):
+    gate: T                      # w1
+    up: T                        # w3
+    down: T                      # w2
+
+
+@dataclass(frozen=True)
+class FfnWeights(Generic[T]):
+    gate_inp: T
+    experts: SwigluWeights[T]    # stacked [n_experts, out, in]
+    shared: SwigluWeights[T]
+    route_bias: T | None = None
+    tid2eid: T | None = None
+
+
+@dataclass(frozen=True)
+class LayerWeights(Generic[T]):
+    hc_attn: HcWeights[T]
+    attn_norm: T
+    attn: AttentionWeights[T]
+    hc_ffn: HcWeights[T]
+    ffn_norm: T
+    ffn: FfnWeights[T]
+
+
+@dataclass(frozen=True)
+class ModelWeights(Generic[T]):
+    embed: T
+    hc_head: HcWeights[T]
+    output_norm: T
+    head: T
+    layers: tuple[LayerWeights[T], ...] = ()
+
+
+# field name -> the dataclass a group of dotted paths builds
+_GROUPS = {"hc_attn": HcWeights, "hc_ffn": HcWeights, "hc_head": HcWeights, "attn": AttentionWeights,
+           "comp": CompressorWeights, "index": IndexerWeights, "ffn": FfnWeights, "experts": SwigluWeights,
+           "shared": SwigluWeights}
+
+
+def _build(cls: type, values: dict[str, T], prefix: str = ""):
+    kw = {}
+    for f in fields(cls):
+        path = prefix + f.name
+        if f.name in _GROUPS:
+            if any(k.startswith(path + ".") for k in values):
+                kw[f.name] = _build(_GROUPS[f.name], values, path + ".")
+        elif path in values:
+            kw[f.name] = values[path]
+    return cls(**kw)
+
+
+def bind(cfg: ModelConfig, resolve: Callable[[str], T]) -> ModelWeights[T]:
+    """The typed binding: `resolve(gguf_name)` gives a backend's handle for each tensor of the schema."""
+    top: dict[str, T] = {}
+    per_layer: list[dict[str, T]] = [{} for _ in range(cfg.n_layers)]
+    for e in entries(cfg):
+        (top if e.layer is None else per_layer[e.layer])[e.spec.field] = resolve(e.name)
+    return replace(_build(ModelWeights, top), layers=tuple(_build(LayerWeights, d) for d in per_layer))
