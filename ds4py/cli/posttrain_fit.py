@@ -19,13 +19,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "should have chosen there, -1 elsewhere")
     p.add_argument("--out", required=True, metavar="DIR", help="the post-training directory (must not exist); "
                    "a candidate that fails a gate goes to rejected/ beside it instead")
-    p.add_argument("--margin", type=float, default=1.0, metavar="TAU", help="target margin in logits (default 1)")
+    p.add_argument("--margin", type=float, default=0.5, metavar="TAU", help="target margin in logits (default 0.5)")
     p.add_argument("--rho", type=float, default=1.0, help="weight of the rows that must keep their margin (default 1)")
     p.add_argument("--ridge", type=float, default=1e-3, help="ridge, relative to the mean data diagonal (default 1e-3)")
     p.add_argument("--min-flip", type=float, default=0.5, metavar="F",
                    help="gate: share of decision points that must end on their target (default 0.5)")
     p.add_argument("--min-keep", type=float, default=0.95, metavar="K",
                    help="gate: share of other positions that must keep their top-1 (default 0.95)")
+    p.add_argument("--rounds", type=int, default=6, help="active-set rounds per solve (default 6)")
+    p.add_argument("--checks", type=int, default=3,
+                   help="real forwards; each one's mistakes join the active set of the next solve (default 3)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
 
 
@@ -49,7 +52,10 @@ def run(args: argparse.Namespace) -> int:
         targets = np.load(args.targets, allow_pickle=False)
     except (OSError, ValueError) as e:
         raise Ds4Error(f"cannot read --targets {args.targets}: {e}") from None
-    opts = Options(margin=args.margin, rho=args.rho, ridge=args.ridge, min_flip=args.min_flip, min_keep=args.min_keep)
+    if args.rounds < 1 or args.checks < 1:
+        raise Ds4Error("--rounds and --checks must be at least 1")
+    opts = Options(margin=args.margin, rho=args.rho, ridge=args.ridge, min_flip=args.min_flip, min_keep=args.min_keep,
+                   rounds=args.rounds, checks=args.checks)
     say = None if args.quiet else (lambda m: print(f"posttrain-fit: {m}", file=sys.stderr, flush=True))
     cand, report = fit_posttrain(args.base, args.sidecar, ids, args.split, targets, opts, progress=say)
     where = keep_or_reject(cand, report, args.out)
