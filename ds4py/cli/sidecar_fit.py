@@ -21,6 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens per prefill chunk, a multiple of 128 (default 512)")
     p.add_argument("--min-gain", type=float, default=0.005, metavar="G",
                    help="mount a layer's gains only if their held-out gain exceeds G (default 0.005 = 0.5%%)")
+    p.add_argument("--lambdas", default="0.01,0.1,1,10,100,1000", metavar="L,L,...",
+                   help="ridge values tried per layer, chosen on held-out rows (default 0.01,0.1,1,10,100,1000)")
     p.add_argument("--no-bias", action="store_true", help="gains only: solve no router bias")
     p.add_argument("--report", metavar="FILE.json", help="also write the manifest's per-layer numbers and times")
     p.add_argument("-q", "--quiet", action="store_true", help="no per-layer progress on stderr")
@@ -64,7 +66,13 @@ def run(args: argparse.Namespace) -> int:
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
         raise Ds4Error(f"--out {args.out}: the folder {parent} does not exist or is not writable")
     sources = [(os.path.basename(n), np.asarray(ids, np.int64)) for n, ids in read_sources(args)]
-    opts = Options(seq_len=args.seq_len, min_gain=args.min_gain, bias=not args.no_bias)
+    try:
+        lambdas = tuple(float(x) for x in args.lambdas.split(","))
+        if not lambdas or min(lambdas) <= 0:
+            raise ValueError
+    except ValueError:
+        raise Ds4Error(f"--lambdas {args.lambdas!r} must be a comma-separated list of positive numbers") from None
+    opts = Options(seq_len=args.seq_len, min_gain=args.min_gain, bias=not args.no_bias, lambdas=lambdas)
     t0 = time.perf_counter()
     say = None if args.quiet else (lambda m: print(f"sidecar-fit: {m}", file=sys.stderr, flush=True))
     times: dict = {}

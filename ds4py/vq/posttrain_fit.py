@@ -282,7 +282,7 @@ def load_targets(targets: np.ndarray, T: int, split: int) -> np.ndarray:
                          f"(one per score row of --split {split})")
 
 
-def fit_posttrain(base: str, sidecar: str | None, ids: np.ndarray, split: int, targets: np.ndarray,
+def fit_posttrain(base: str, sidecar: "str | fmt.Sidecar | None", ids: np.ndarray, split: int, targets: np.ndarray,
                   opts: Options = Options(), progress: Callable[[str], None] | None = None
                   ) -> tuple[fmt.Sidecar, dict]:
     """Solve a post-training gain table for the last layer; returns (candidate, report with the real-forward
@@ -325,7 +325,8 @@ def fit_posttrain(base: str, sidecar: str | None, ids: np.ndarray, split: int, t
     rv = (np.repeat(np.arange(T), rivals.shape[1]), np.repeat(winners, rivals.shape[1]), rivals.reshape(-1))
     solver = Solver(lin, rows, rv, dec, X, D, opts, say)
     on = ({"kind": "sidecar", "fingerprint": model.stack.sidecar.fingerprint, "base_fingerprint": model.base_fingerprint,
-           "name": os.path.basename(os.path.normpath(sidecar))} if model.stack is not None
+           "name": os.path.basename(os.path.normpath(model.stack.sidecar.path or "in-memory"))}
+          if model.stack is not None
           else {"kind": "base", "fingerprint": model.base_fingerprint, "base_fingerprint": model.base_fingerprint,
                 "name": os.path.basename(base)})
     n = np.arange(T)
