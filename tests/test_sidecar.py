@@ -186,7 +186,8 @@ def test_fit_progress_manifest_and_files(fitted, models):
             assert set(rf["same_set_by_alpha"]) == {"0.5", "1.0", "1.5", "2.5"}
             assert (e["bias"] is not None) == rf["mounted"] == (rf.get("same_set_after", -1) > rf["same_set_before"])
     assert sum(e["gains"] is not None for e in layers.values()) >= 2
-    assert all(e["prev_mount_check"] < 1e-10 for e in layers.values() if "prev_mount_check" in e)
+    assert all(e["mount_check"] < 1e-10 for e in layers.values() if e["gains"])      # every mounted layer checked
+    assert all("mount_check" in e for e in layers.values() if e["gains"])
     assert set(os.listdir(out)) == {"manifest.json", *m["files"]}
     assert json.loads((out.parent / "report.json").read_text())["total_s"] > 0
 

@@ -5,7 +5,7 @@ their mixing weights, each routed expert's weighted output `rw · ye` (the parts
 `ysh + Σ parts`, summed in the forward's order, is the block output bit for bit, or stops.
 
 A capture of layer l stops the forward right after layer l's MoE (the layers above cannot matter yet), so a
-sidecar fit over L layers costs L(L+1)/2 layer passes plus one per router bias (docs/vq.md).
+sidecar fit over L layers costs about L(L+1)/2 layer passes plus a recapture per router bias (docs/vq.md).
 """
 
 from __future__ import annotations

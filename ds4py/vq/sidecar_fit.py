@@ -232,12 +232,13 @@ def fit_sidecar(base: str, teacher: str, sources: Sequence[tuple[str, np.ndarray
         info: dict = {}
         model = RefModel(base, sidecar=sc)
         want = [l] if predicted is None else [predicted[0], l]
-        caps, _ = capture(model, corpus.seqs, want, stop_after=l)
+        caps, _ = capture(model, corpus.seqs, want, stop_after=l)        # parts of l-1 are not needed
         if predicted is not None:                       # the mounted file does what the solver predicted
-            info["prev_mount_check"] = rel_err(caps[predicted[0]].y, predicted[1])
-            if info["prev_mount_check"] > 1e-6:
-                raise FitError(f"layer {predicted[0]}: the mounted gains give a block output {info['prev_mount_check']:.2e} "
-                               f"(relative) away from the solver's prediction")
+            err = rel_err(caps[predicted[0]].y, predicted[1])
+            sc.layers[predicted[0]].info["mount_check"] = err
+            if err > 1e-6:
+                raise FitError(f"layer {predicted[0]}: the mounted gains give a block output {err:.2e} (relative) "
+                               f"away from the solver's prediction")
         c = caps[l]
         yt, tidx = fixture[l].y, fixture[l].idx
         info["error_before"] = rel_err(c.y[held], yt[held])
@@ -281,6 +282,14 @@ def fit_sidecar(base: str, teacher: str, sources: Sequence[tuple[str, np.ndarray
         times["layers_s"].append(time.perf_counter() - t0)
         say(f"layer {l + 1}/{L}: block error {info['error_before']:.4f}; " + "; ".join(words)
             + f"; {time.perf_counter() - t0:.1f} s")
+    if predicted is not None:                           # the last layer's gains, mounted, on the same check
+        caps, _ = capture(RefModel(base, sidecar=sc), corpus.seqs, [predicted[0]], stop_after=predicted[0],
+                          parts=False)
+        err = rel_err(caps[predicted[0]].y, predicted[1])
+        sc.layers[predicted[0]].info["mount_check"] = err
+        if err > 1e-6:
+            raise FitError(f"layer {predicted[0]}: the mounted gains give a block output {err:.2e} (relative) away "
+                           f"from the solver's prediction")
     times["total_s"] = time.perf_counter() - t_all
     say(f"done: {sc.summary()} in {times['total_s']:.1f} s")
     return sc
