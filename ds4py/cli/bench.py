@@ -16,6 +16,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sweep")
     g.add_argument("-m", "--model", dest="model_path", help="GGUF model file (sweep)")
     g.add_argument("--backend", choices=["ref", "cuda"], default="ref")
+    from ds4py.cli._options import add_engram_dir
+
+    add_engram_dir(g)
     g.add_argument("--prompt-file", help="text walked to every frontier (default: bundled public-domain book)")
     g.add_argument("--ctx-start", type=int, default=2048)
     g.add_argument("--ctx-max", type=int, default=65536)
@@ -92,7 +95,9 @@ def run(args: argparse.Namespace) -> int:
     step_incr = args.step_incr if (args.step_incr or args.step_mul) else 2048
     points = bench.frontiers(args.ctx_start, args.ctx_max, step_incr if not args.step_mul else None, args.step_mul)
     t0 = time.perf_counter()
-    model = open_model(args.model_path, backend=args.backend)
+    from ds4py.cli._options import model_kwargs
+
+    model = open_model(args.model_path, backend=args.backend, **model_kwargs(args))
     startup = {"model_open_s": time.perf_counter() - t0}
     startup.update(getattr(model, "startup", {}) or {})
     tok = Tokenizer.from_gguf(args.model_path)

@@ -22,6 +22,9 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", required=True, help="GGUF file")
     p.add_argument("--backend", choices=["ref", "cuda"], default="ref", help="engine backend (default: ref)")
     p.add_argument("--ctx", type=int, default=None, help="context size in tokens (default: the model's)")
+    from ds4py.cli._options import add_engram_dir
+
+    add_engram_dir(p)
     p.add_argument("--system", "-s", default=None, help="system prompt")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--think", dest="thinking", action="store_const", const="on",
@@ -72,7 +75,9 @@ def open_session(args):
     from ds4py.tokenizer import Tokenizer
 
     t0 = time.perf_counter()
-    model = open_model(args.model, backend=args.backend)
+    from ds4py.cli._options import model_kwargs
+
+    model = open_model(args.model, backend=args.backend, **model_kwargs(args))
     tok = Tokenizer.from_gguf(getattr(model, "gguf", args.model))
     session = Session(model, tok, ctx_size=args.ctx)
     if args.verbose:

@@ -21,6 +21,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=["ref", "cuda"], default="ref", help="engine backend (default: ref)")
     p.add_argument("--ctx", type=int, default=32768,
                    help="context size in tokens (default 32768, capped at the model's)")
+    from ds4py.cli._options import add_engram_dir
+
+    add_engram_dir(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 exposes it to the network)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
@@ -74,13 +77,13 @@ def ensure_demo_model() -> Path:
     return path
 
 
-def make_engine(model_path: str, backend: str, ctx: int, tool_memory):
+def make_engine(model_path: str, backend: str, ctx: int, tool_memory, **model_kwargs):
     from ds4py.model import open_model
     from ds4py.server.worker import Engine, PrefillPacer
     from ds4py.session import Session
     from ds4py.tokenizer import Tokenizer
 
-    model = open_model(model_path, backend=backend)
+    model = open_model(model_path, backend=backend, **model_kwargs)
     tok = Tokenizer.from_gguf(getattr(model, "gguf", model_path))
     model_ctx = int(getattr(model.config, "context_length", 0) or 0)
     # prefill in chunks of about a quarter second: a client that goes away mid-prompt frees the engine soon
@@ -158,7 +161,9 @@ def run(args) -> int:
     def load():
         t0 = time.perf_counter()
         path = str(ensure_demo_model()) if demo else args.model
-        engine = make_engine(path, args.backend, args.ctx, memory)
+        from ds4py.cli._options import model_kwargs
+
+        engine = make_engine(path, args.backend, args.ctx, memory, **model_kwargs(args))
         print(f"ds4py serve: model ready in {time.perf_counter() - t0:.1f} s (context {engine.ctx_size} tokens)",
               file=sys.stderr, flush=True)
         return engine
