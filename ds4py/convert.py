@@ -268,7 +268,7 @@ class Checkpoint:
             files = sorted(f for f in os.listdir(src) if f.endswith(".safetensors"))
             if not files:
                 raise ConvertError(f"{src}: no *.safetensors files and no model.safetensors.index.json")
-        self.fp8_block = 128              # the dense FP8 tile: 128 (V4), 32 (V4.1; set by the converter)
+        self.fp8_block: int | None = None   # the dense FP8 tile the converter requires: 128 (V4) / 32 (V4.1)
         self.entries: dict[str, tuple[str, str, tuple[int, ...], int, int]] = {}
         for fname in files:
             path = os.path.join(src, fname)
@@ -334,10 +334,10 @@ class Checkpoint:
             s = self.e8m0(sname)
             want = self.fp8_block
             try:
-                b = official.fp8_block_size(x.shape, s.shape, prefer=(want,))
+                b = official.fp8_block_size(x.shape, s.shape, prefer=(want or 128,))
             except ValueError as e:
                 raise ConvertError(f"{self.src}: {name!r}: {e}") from None
-            if b != want:
+            if want is not None and b != want:
                 raise ConvertError(f"{self.src}: {name!r} uses {b}x{b} FP8 tiles; this config "
                                    f"({'V4.1' if want == 32 else 'V4'} Flash) uses {want}x{want}")
             return official.dequant_fp8(x[r0:r1], s[r0 // b: -(-r1 // b)], b)
@@ -662,9 +662,8 @@ def convert_checkpoint(src: str, out: str, experts: str = "mxfp4", dense: str = 
         raise ConvertError(f"{src}: config.json is missing")
     shape = shape_from_config(_read_json(cfg_path, "config.json"))
     ck = Checkpoint(src)
-    if shape.is_v41:
-        ck.fp8_block = 32
-    elif any(".engram." in n or n.startswith("dspark") for n in ck.entries):
+    ck.fp8_block = 32 if shape.is_v41 else 128
+    if not shape.is_v41 and any(".engram." in n or n.startswith("dspark") for n in ck.entries):
         raise ConvertError(f"{src}: Engram / DSpark tensors found, but config.json has none of V4.1's source layers")
     tok_path = tokenizer or os.path.join(src, "tokenizer.json")
     tok = None

@@ -86,6 +86,13 @@ def open_session(args):
     return session
 
 
+def session_chat(session):
+    """The chat format of the session's model (V4 or V4.1: ds4py.chat.chat_format)."""
+    from ds4py.chat import chat_format
+
+    return chat_format(getattr(session.model.config, "variant", "v4"))
+
+
 def use_color(args, stream=sys.stdout) -> bool:
     if args.color == "auto":
         return stream.isatty()
@@ -170,10 +177,9 @@ def feed(printer: Printer, events) -> None:
 def stream_answer(session, prompt_ids, params, thinking: str, printer: Printer, verbose: bool,
                   cancelled=None):
     """Generate, parse and print one answer. Returns the DoneEvent."""
-    from ds4py.chat import DSMLParser
     from ds4py.session import DoneEvent
 
-    parser = DSMLParser(thinking != "off")
+    parser = session_chat(session).parser(thinking != "off")
     eos = session.tokenizer.eos_id
     eos_text = session.tokenizer.decode([eos])
     t0 = time.perf_counter()
@@ -208,13 +214,12 @@ def stream_answer(session, prompt_ids, params, thinking: str, printer: Printer, 
 
 
 def run(args) -> int:
-    from ds4py.chat import encode_prompt
-
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     params = sampling_params(args)
     session = open_session(args)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
         [{"role": "user", "content": text}]
-    ids = encode_prompt(messages, chat_options(args.thinking), session.tokenizer, plain_content=True)
+    ids = session_chat(session).encode_prompt(messages, chat_options(args.thinking), session.tokenizer,
+                                              plain_content=True)
     stream_answer(session, ids, params, args.thinking, Printer(sys.stdout, use_color(args)), args.verbose)
     return 0

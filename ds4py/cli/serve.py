@@ -88,7 +88,10 @@ def make_engine(model_path: str, backend: str, ctx: int, tool_memory, **model_kw
     model_ctx = int(getattr(model.config, "context_length", 0) or 0)
     # prefill in chunks of about a quarter second: a client that goes away mid-prompt frees the engine soon
     session = Session(model, tok, ctx_size=min(ctx, model_ctx) if model_ctx else ctx, prefill_chunk=PrefillPacer())
-    return Engine(session, tok, tool_memory=tool_memory)
+    from ds4py.chat import chat_format
+
+    fmt = chat_format(getattr(model.config, "variant", "v4"))       # the V4 or V4.1 chat format
+    return Engine(session, tok, tool_memory=tool_memory, encode_prompt=fmt.encode_prompt, parser_factory=fmt.parser)
 
 
 def api_key(args) -> tuple[str | None, str]:
