@@ -229,3 +229,18 @@ def test_serve_answers_with_the_v41_chat_format(chat_model, tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=30)
+
+
+def test_quantize_vq_takes_a_v41_gguf(v41_gguf, tmp_path):
+    """quantize-vq copies the metadata as it is: the VQ-8 file is a V4.1 model that finds its Engram tables and runs."""
+    from ds4py.quant import vq
+    from ds4py.ref.engine import RefModel
+
+    out = tmp_path / "vq.gguf"
+    r = _cli("quantize-vq", v41_gguf, str(out), "--bits", "6", "--min-pool", "100", "--rounds", "1",
+             "--train-per-code", "100", "-q")
+    assert r.returncode == 0, r.stderr
+    f = GGUFFile(out)
+    assert f.meta("general.architecture") == ARCH_V41 and vq.is_vq(f, "blk.3.ffn_up_exps.weight")
+    m = RefModel(str(out))
+    assert m.config.is_v41 and np.isfinite(m.prefill(m.new_state(), list(range(40)))).all()
