@@ -12,6 +12,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+from helpers import stub_tokenizer_json  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 # Test this checkout, not whichever ds4py an editable install points at (git worktrees, a second clone).
@@ -35,17 +36,6 @@ def v4_gguf(golden, tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("v4tiny") / "v4-tiny-f32.gguf"
     convert_checkpoint(str(golden / "v4-tiny"), str(out), experts="mxfp4", dense="f32", progress=False)
     return str(out)
-
-
-def stub_tokenizer_json(path) -> str:
-    """The vocabulary the V4.1 golden run used (tt-metal's StubTokenizer: token 2k decodes to "w{k}", 2k+1 to
-    " W{k}") as a HF tokenizer.json, so that the converted GGUF carries it and Engram's token map is built from
-    its strings."""
-    import json
-
-    vocab = {(f"w{i // 2}" if i % 2 == 0 else f"\u0120W{i // 2}"): i for i in range(512)}
-    Path(path).write_text(json.dumps({"model": {"type": "BPE", "vocab": vocab, "merges": []}, "added_tokens": []}))
-    return str(path)
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""Helpers shared by the tests that start `python -m ds4py serve` as a subprocess."""
+"""Helpers shared by several test files (a plain module: `from conftest import` is ambiguous once tests/gpu/
+has its own conftest): the V4.1 golden vocabulary, and starting `python -m ds4py serve` as a subprocess."""
 
 from __future__ import annotations
 
@@ -37,3 +38,14 @@ def start_serve(args: list[str], env: dict | None = None, ready_s: float = 60, *
             pass
         assert time.monotonic() - t0 < ready_s, "server did not become ready"
         time.sleep(0.2)
+
+
+def stub_tokenizer_json(path) -> str:
+    """The vocabulary the V4.1 golden run used (tt-metal's StubTokenizer: token 2k decodes to "w{k}", 2k+1 to
+    " W{k}") as a HF tokenizer.json, so that the converted GGUF carries it and Engram's token map is built from
+    its strings."""
+    import json
+
+    vocab = {(f"w{i // 2}" if i % 2 == 0 else f"\u0120W{i // 2}"): i for i in range(512)}
+    Path(path).write_text(json.dumps({"model": {"type": "BPE", "vocab": vocab, "merges": []}, "added_tokens": []}))
+    return str(path)

@@ -70,7 +70,7 @@ def build_checkpoint(dst) -> None:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from conftest import stub_tokenizer_json
+    from helpers import stub_tokenizer_json
 
     d = tmp_path_factory.mktemp("v41deep")
     build_checkpoint(d)
