@@ -121,6 +121,13 @@ class ModelBase(ABC):
         arrays = self.check_step(states, chunks)
         return self._step(list(states), arrays, bool(all_logits))
 
+    def step_hidden(self, states: Sequence[State], chunks: Sequence[Sequence[int]],
+                    all_logits: bool = False) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """step, and per sequence the final hyper-connection state of every row, [len(chunk), hc_mult, dim]: the
+        head's input h_j, which the MTP draft block reads (MODEL.md §2.5). Same logits, same state as step."""
+        arrays = self.check_step(states, chunks)
+        return self._step_hidden(list(states), arrays, bool(all_logits))
+
     def prefill(self, state: State, ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
         return self.step([state], [ids], all_logits)[0]
 
@@ -177,6 +184,11 @@ class ModelBase(ABC):
     # ---- backend hooks ----------------------------------------------------------------------------------------
     @abstractmethod
     def _step(self, states: list, chunks: list[np.ndarray], all_logits: bool) -> list[np.ndarray]: ...
+
+    def _step_hidden(self, states: list, chunks: list[np.ndarray],
+                     all_logits: bool) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        raise Ds4Error(f"the {self.backend} backend does not expose the final hyper-connection state, which the "
+                       "MTP draft block needs; decode without speculation (--no-spec) or use --backend ref")
 
     @abstractmethod
     def _export(self, state) -> dict[str, np.ndarray]: ...

@@ -103,6 +103,22 @@ def indexer_scores(q: np.ndarray, wts: np.ndarray, pos: np.ndarray, keys: np.nda
     return np.where(visible, s, F32(-np.inf))
 
 
+def index_select(q: np.ndarray, wts: np.ndarray, pos: np.ndarray, keys: np.ndarray, ratio: int,
+                 k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The indexer's choice of compressed rows for one sequence's queries: (selected [T, Nc], scores [T, Nc]).
+    Row-stable (ops.row_stable): each query scores exactly the keys its own decode step has (its visible ones)."""
+    if len(pos) == 1 or not ops.is_row_stable():
+        scores = indexer_scores(q, wts, pos, keys, ratio)
+        return topk_mask(scores, k), scores
+    scores = np.full((len(pos), keys.shape[0]), -np.inf, F32)
+    sel = np.zeros(scores.shape, bool)
+    for t in range(len(pos)):
+        n = (int(pos[t]) + 1) // ratio
+        s_t = indexer_scores(q[t:t + 1], wts[t:t + 1], pos[t:t + 1], keys[:n], ratio)
+        scores[t, :n], sel[t, :n] = s_t[0], topk_mask(s_t, k)[0]
+    return sel, scores
+
+
 def topk_mask(scores: np.ndarray, k: int) -> np.ndarray:
     """True for the k best finite entries of each row (all finite entries when there are at most k)."""
     finite = np.isfinite(scores)
@@ -127,21 +143,24 @@ def window(ring: np.ndarray, kv: np.ndarray, pos: np.ndarray, W: int) -> tuple[n
 
 
 def attend(q: np.ndarray, win: np.ndarray, win_pos: np.ndarray, comp: np.ndarray | None, sel: np.ndarray | None,
-           pos: np.ndarray, sink: np.ndarray, W: int) -> np.ndarray:
+           pos: np.ndarray, sink: np.ndarray, W: int, ratio: int = 0) -> np.ndarray:
     """Attention with sink for one sequence, in query blocks: keys = its window rows ∪ the selected compressed
-    rows (K = V)."""
+    rows (K = V). Row-stable (ops.row_stable): one query per block, with exactly the keys its own decode step
+    has (the window up to it, the compressed rows visible to it)."""
     T, hd = q.shape[0], q.shape[-1]
+    block = 1 if ops.is_row_stable() else QUERY_BLOCK
     o = np.empty(q.shape, F32)
-    for a in range(0, T, QUERY_BLOCK):
-        b = min(a + QUERY_BLOCK, T)
+    for a in range(0, T, block):
+        b = min(a + block, T)
         lo = max(0, int(pos[a]) - W + 1 - int(win_pos[0]))
         hi = int(pos[b - 1]) - int(win_pos[0]) + 1
         kp = win_pos[lo:hi]
         mask = (kp[None, :] <= pos[a:b, None]) & (kp[None, :] > pos[a:b, None] - W)
         keys = win[lo:hi]
-        if comp is not None and comp.shape[0]:
-            keys = np.concatenate([keys, comp])
-            mask = np.concatenate([mask, sel[a:b]], 1)
+        n_comp = 0 if comp is None else comp.shape[0] if block > 1 else (int(pos[a]) + 1) // ratio
+        if n_comp:
+            keys = np.concatenate([keys, comp[:n_comp]])
+            mask = np.concatenate([mask, sel[a:b, :n_comp]], 1)
         o[a:b] = ops.attention_with_sink(q[a:b], keys, mask, sink, hd ** -0.5)
     return o
 
@@ -193,18 +212,18 @@ def attention(w, cfg, nx: Numerics, ro: LayerRoles, A: AttentionWeights, x: np.n
                 keys = st.rows(il, "idx_keys", n_keys)
                 compress(w, cfg, nx, A.index.comp, ikv[r], isc[r], p, st.ring(il, "idx_kv"),
                          st.ring(il, "idx_score"), keys, ro.index_ratio, ro.index_overlap, freqs, True)
-                scores = indexer_scores(iq[r], iw[r], p, keys[:n_keys], ro.index_ratio)
-                sel = topk_mask(scores, cfg.index_topk)
+                sel, scores = index_select(iq[r], iw[r], p, keys[:n_keys], ro.index_ratio, cfg.index_topk)
                 if trace is not None:
                     trace.indexer_selected[il], trace.indexer_scores[il] = sel, scores
-        o[r] = attend(q[r], win, win_pos, comp, sel, p, sink, W)
+        o[r] = attend(q[r], win, win_pos, comp, sel, p, sink, W, ro.ratio)
 
     # inverse RoPE on the output's rope dims, then the grouped low-rank output projection
     o = ops.rope_tail(o, pos, freqs, inverse=True)
     G, rank = cfg.o_groups, cfg.o_lora_rank
     wo_a = w.get(A.out_a).reshape(G, rank, -1)
     og = w.act(A.out_a, o.reshape(T, G, -1))
-    u = (og.transpose(1, 0, 2) @ wo_a.transpose(0, 2, 1)).transpose(1, 0, 2)     # u_g = wo_a[g] @ o_g
+    wo_aT = wo_a.transpose(0, 2, 1)
+    u = ops.per_row(lambda g: (g.transpose(1, 0, 2) @ wo_aT).transpose(1, 0, 2), og)     # u_g = wo_a[g] @ o_g
     return w.linear(A.out_b, u.reshape(T, G * rank))
 
 
@@ -258,9 +277,18 @@ def block(w, cfg, nx: Numerics, ro: LayerRoles, L: LayerWeights, X: np.ndarray, 
 
 
 def forward(w, B: ModelWeights, cfg, nx: Numerics, states: list[RefState], chunks: list[np.ndarray],
-            all_logits: bool, trace: Trace | None = None) -> list[np.ndarray]:
+            all_logits: bool, trace: Trace | None = None, hidden: list | None = None,
+            row_stable: bool = False) -> list[np.ndarray]:
     """Run each chunk at positions state.n_tokens.. of its state and advance the states. Returns per sequence
-    logits [T, vocab] (all_logits) or [vocab] (its last position)."""
+    logits [T, vocab] (all_logits) or [vocab] (its last position). `hidden`, when given, receives per sequence
+    the final hyper-connection state of every row, [T, hc, dim] (the head's input: the MTP block's h_j).
+    row_stable: every row bit-identical to the same row stepped alone (ops.row_stable)."""
+    with ops.row_stable(row_stable):
+        return _forward(w, B, cfg, nx, states, chunks, all_logits, trace, hidden)
+
+
+def _forward(w, B: ModelWeights, cfg, nx: Numerics, states: list[RefState], chunks: list[np.ndarray],
+             all_logits: bool, trace: Trace | None, hidden: list | None) -> list[np.ndarray]:
     seqs, at = [], 0
     for st, c in zip(states, chunks):
         seqs.append(Seq(st, slice(at, at + len(c)), np.arange(st.n_tokens, st.n_tokens + len(c))))
@@ -278,6 +306,8 @@ def forward(w, B: ModelWeights, cfg, nx: Numerics, states: list[RefState], chunk
             trace.hc.append(X)
     for s in seqs:
         s.state.end_step(len(s.pos))
+    if hidden is not None:
+        hidden.extend(X[s.rows] for s in seqs)
     if not all_logits:
         X = X[[s.rows.stop - 1 for s in seqs]]
     y = ops.hc_head(X, w.get(B.hc_head.fn), w.get(B.hc_head.scale), w.get(B.hc_head.base), cfg.norm_eps, cfg.hc_eps)
