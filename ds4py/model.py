@@ -197,6 +197,18 @@ class ModelBase(ABC):
     def _import(self, n_tokens: int, n_written: int, arrays: dict[str, np.ndarray]): ...
 
 
+def open_mtp(model, path: str | None = None):
+    """The MTP draft block of `model` (MODEL.md §2.5) from its MTP GGUF (`path`; None: the model's own GGUF
+    holds the mtp.0.* tensors). Its interface: new_state(), step(states, hidden, next_ids, all_logits, logits),
+    rollback_horizon (docs/engine.md "The MTP draft block")."""
+    if model.backend == "ref":
+        from ds4py.ref.mtp import RefMtp
+
+        return RefMtp(model, path)
+    raise Ds4Error(f"the {model.backend} backend cannot run the MTP draft block yet (it needs the verify batch's "
+                   f"kernels, issue 17); use --backend ref for speculative decoding, or --no-spec")
+
+
 def open_model(path: str, backend: str = "ref", **kwargs) -> Model:
     """Open a GGUF with the named backend (kwargs: numerics=Numerics(...), rollback_horizon=...).
     Raises ds4py.errors.Ds4Error subclasses with a clear sentence."""

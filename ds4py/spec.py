@@ -543,3 +543,19 @@ class SpecRequest:
         self.stats.add(r.stats)
         self.spec.stats.add(r.stats)
         return r
+
+
+def has_mtp_tensors(model) -> bool:
+    """The model's own GGUF holds an MTP block (mtp.0.* tensors)."""
+    gguf = getattr(model, "gguf", None)
+    return gguf is not None and schema.MTP_PREFIX + "e_proj.weight" in gguf
+
+
+def speculative(model, mtp_path: str | None = None, enabled: bool = True, fixed_k: int | None = None):
+    """`model` wrapped for speculative decoding when it is on and the model has an MTP block (the --mtp file,
+    or mtp.0.* tensors in its own GGUF); otherwise `model` itself. On by default: --no-spec sets enabled=False."""
+    from ds4py.model import open_mtp
+
+    if not enabled or (mtp_path is None and not has_mtp_tensors(model)):
+        return model
+    return SpecModel(model, open_mtp(model, mtp_path), fixed_k)
