@@ -12,6 +12,8 @@ import json
 import sys
 import time
 
+from ds4py.cli._stack import add_stack_arguments, describe, stack_kwargs
+
 NAME = "run"
 HELP = "generate one answer to a prompt (streamed; reasoning shown separately)"
 
@@ -21,6 +23,7 @@ DIM, RESET = "\x1b[2m", "\x1b[0m"
 def add_common_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", required=True, help="GGUF file")
     p.add_argument("--backend", choices=["ref", "cuda"], default="ref", help="engine backend (default: ref)")
+    add_stack_arguments(p)
     p.add_argument("--ctx", type=int, default=None, help="context size in tokens (default: the model's)")
     p.add_argument("--system", "-s", default=None, help="system prompt")
     mode = p.add_mutually_exclusive_group()
@@ -58,7 +61,7 @@ def open_model_for_generation(args):
     from ds4py.model import open_model
     from ds4py.spec import speculative
 
-    model = open_model(args.model, backend=args.backend)
+    model = open_model(args.model, backend=args.backend, **stack_kwargs(args))
     return speculative(model, args.mtp, enabled=not args.no_spec)
 
 
@@ -91,11 +94,12 @@ def open_session(args):
 
     t0 = time.perf_counter()
     model = open_model_for_generation(args)
-    tok = Tokenizer.from_gguf(getattr(getattr(model, "model", model), "gguf", args.model))
+    base = getattr(model, "model", model)                   # the main model under a SpecModel
+    tok = Tokenizer.from_gguf(getattr(base, "gguf", args.model))
     session = Session(model, tok, ctx_size=args.ctx)
     if args.verbose:
         spec = getattr(model, "mtp", None)
-        print(f"[loaded {args.model} ({args.backend}) in {time.perf_counter() - t0:.2f} s; "
+        print(f"[loaded {args.model}{describe(base)} ({args.backend}) in {time.perf_counter() - t0:.2f} s; "
               f"context {session.ctx_size} tokens"
               f"{f'; speculative decoding with {spec.path}' if spec is not None else ''}]", file=sys.stderr, flush=True)
     return session

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 
+from ds4py.cli._stack import add_stack_arguments, describe, stack_kwargs
+
 NAME = "score"
 HELP = "prefill ids[:P] then teacher-forced decode of the rest; write float32 logits [T-P+1, vocab]"
 
@@ -21,6 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split", type=int, required=True, metavar="P", help="number of ids to prefill (1..T)")
     p.add_argument("--out", required=True, help="output .npy (float32 [T-P+1, vocab])")
     p.add_argument("--backend", default="ref", choices=("ref", "cuda"))
+    add_stack_arguments(p)
     p.add_argument("--no-fake-quant", action="store_true",
                    help="skip the FP8/FP4 KV and indexer quant-dequant (official 'train' numerics)")
     p.add_argument("--mtp", metavar="MTP.gguf", default=None,
@@ -64,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     if not 1 <= P <= T:
         raise Ds4Error(f"--split {P} is out of range: it must be between 1 and the number of ids ({T})")
     numerics = Numerics.ds4(not args.no_fake_quant) if args.act_quant else Numerics(not args.no_fake_quant)
-    model = open_model(args.model, backend=args.backend, numerics=numerics)
+    model = open_model(args.model, backend=args.backend, numerics=numerics, **stack_kwargs(args))
     V = model.config.vocab_size
     bad = (ids < 0) | (ids >= V)
     if bad.any():
@@ -85,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {args.mtp_out}: MTP draft logits {list(draft.shape)}")
     out = np.stack(rows).astype(np.float32)
     _save(args.out, out)
-    print(f"wrote {args.out}: logits {list(out.shape)} (prefill {P}, decoded {T - P})")
+    print(f"wrote {args.out}: logits {list(out.shape)} (prefill {P}, decoded {T - P}){describe(model)}")
     return 0
 
 

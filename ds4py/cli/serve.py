@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from ds4py.cli._stack import add_stack_arguments, stack_kwargs
+
 NAME = "serve"
 HELP = "OpenAI / Anthropic compatible HTTP server (chat, completions, responses, messages)"
 
@@ -19,6 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", default=None,
                    help="GGUF file (default: a small random-weight demo model, generated once under ~/.cache/ds4py)")
     p.add_argument("--backend", choices=["ref", "cuda"], default="ref", help="engine backend (default: ref)")
+    add_stack_arguments(p)
     p.add_argument("--ctx", type=int, default=32768,
                    help="context size in tokens (default 32768, capped at the model's)")
     p.add_argument("--host", default="127.0.0.1",
@@ -79,14 +82,15 @@ def ensure_demo_model() -> Path:
     return path
 
 
-def make_engine(model_path: str, backend: str, ctx: int, tool_memory, mtp: str | None = None, spec: bool = True):
+def make_engine(model_path: str, backend: str, ctx: int, tool_memory, mtp: str | None = None, spec: bool = True,
+                **stack):
     from ds4py.model import open_model
     from ds4py.server.worker import Engine, PrefillPacer
     from ds4py.session import Session
     from ds4py.spec import speculative
     from ds4py.tokenizer import Tokenizer
 
-    base = open_model(model_path, backend=backend)
+    base = open_model(model_path, backend=backend, **stack)     # stack: sidecar= / posttrain= directories
     model = speculative(base, mtp, enabled=spec)
     tok = Tokenizer.from_gguf(getattr(base, "gguf", model_path))
     model_ctx = int(getattr(model.config, "context_length", 0) or 0)
@@ -156,6 +160,10 @@ def run(args) -> int:
             raise Ds4Error(f"model file not found: {args.model}")
     if args.mtp is not None and not Path(args.mtp).is_file():
         raise Ds4Error(f"MTP file not found: {args.mtp}")
+    if args.sidecar or args.posttrain:                   # a mismatched pair is refused before listening
+        from ds4py.vq.sidecar import check_files
+
+        check_files(str(ensure_demo_model()) if demo else args.model, args.sidecar, args.posttrain)
     try:
         sock = bind(args.host, args.port)
     except OSError as e:
@@ -167,7 +175,7 @@ def run(args) -> int:
     def load():
         t0 = time.perf_counter()
         path = str(ensure_demo_model()) if demo else args.model
-        engine = make_engine(path, args.backend, args.ctx, memory, args.mtp, not args.no_spec)
+        engine = make_engine(path, args.backend, args.ctx, memory, args.mtp, not args.no_spec, **stack_kwargs(args))
         mtp = getattr(engine.session.model, "mtp", None)
         print(f"ds4py serve: model ready in {time.perf_counter() - t0:.1f} s (context {engine.ctx_size} tokens"
               f"{f'; speculative decoding with {mtp.path}' if mtp is not None else ''})", file=sys.stderr, flush=True)

@@ -17,6 +17,7 @@ from ds4py.quant import vq
 from ds4py.ref.forward import Trace, forward
 from ds4py.ref.state import RefState
 from ds4py.ref.weights import DEFAULT_CACHE_BYTES, Weights
+from ds4py.vq.sidecar import mount
 
 
 class RefModel(ModelBase):
@@ -27,7 +28,8 @@ class RefModel(ModelBase):
     max_chunk = 1024        # rows per forward pass, all sequences of a step together (without a trace)
 
     def __init__(self, path: str, numerics: Numerics | None = None,
-                 rollback_horizon: int = DEFAULT_ROLLBACK_HORIZON, cache_bytes: int = DEFAULT_CACHE_BYTES):
+                 rollback_horizon: int = DEFAULT_ROLLBACK_HORIZON, cache_bytes: int = DEFAULT_CACHE_BYTES,
+                 sidecar=None, posttrain=None):
         numerics = Numerics() if numerics is None else numerics
         if not isinstance(numerics, Numerics):
             raise Ds4Error(f"numerics must be a ds4py.model.Numerics, got {type(numerics).__name__}")
@@ -36,11 +38,17 @@ class RefModel(ModelBase):
         self.config = ModelConfig.from_gguf(self.gguf)
         self.numerics = numerics
         self.weights = Weights(self.gguf, cache_bytes, numerics.act_quant)
-        self.binding = schema.bind(self.config, self.gguf.tensor)
         self.layout = state_layout(self.config, rollback_horizon)
         self.rollback_horizon = rollback_horizon
         header = min(t.offset for t in self.gguf.tensors.values())       # the whole GGUF header
-        self.fingerprint = file_fingerprint(self.path, head_bytes=header)
+        self.fingerprint = self.base_fingerprint = file_fingerprint(self.path, head_bytes=header)
+        # a domain sidecar / post-training file (docs/vq.md): gains folded into the VQ row gains, router biases
+        # bound in place of the file's; the model's fingerprint becomes the stack's
+        self.stack = mount(self, sidecar, posttrain)
+        self.binding = schema.bind(self.config, self.stack.resolver(self.gguf.tensor) if self.stack
+                                   else self.gguf.tensor)
+        if self.stack:
+            self.fingerprint = self.stack.fingerprint
 
     def new_state(self) -> RefState:
         return RefState(self.layout)

@@ -47,6 +47,11 @@ class Trace:
         self.expert_weights = [None] * n_layers              # [T, k]
         self.indexer_selected = [None] * n_layers            # [T, Nc] bool: compressed rows chosen by top-k
         self.indexer_scores = [None] * n_layers              # [T, Nc] float (invisible rows −inf)
+        self.ffn_post = [None] * n_layers                    # [T, hc] the FFN's hc_post weights
+        # the sidecar solvers' capture (ds4py/vq/capture.py): called at the end of every MoE as
+        # moe_hook(layer, x, idx, wts, parts [T, k, D] = each routed expert's weighted output, shared, y);
+        # y = shared + the parts, summed in the forward's order. It may raise to stop the step there.
+        self.moe_hook = None
 
 
 def kv_store(x: np.ndarray, nx: Numerics) -> np.ndarray:
@@ -251,10 +256,18 @@ def moe(w, cfg, ro: LayerRoles, Fw: FfnWeights, x: np.ndarray, ids: np.ndarray, 
     act_in, act_mid = (lambda a: w.act(S.gate, a)), (lambda a: w.act(S.down, a))
     y = ops.swiglu(x, w.get(S.gate), w.get(S.up), w.get(S.down), clamp, None, act_in, act_mid)
     act_in, act_mid = (lambda a: w.act(E.gate, a)), (lambda a: w.act(E.down, a))
+    hook = trace.moe_hook if trace is not None else None
+    if hook is not None:
+        shared, parts = y.copy(), np.zeros((*idx.shape, y.shape[1]), F32)
     for e in np.unique(idx):                     # each expert some row of the step was routed to, once
         tok, slot = np.nonzero(idx == e)
-        y[tok] += ops.swiglu(x[tok], w.expert(E.gate, e), w.expert(E.up, e), w.expert(E.down, e), clamp,
-                             wts[tok, slot], act_in, act_mid)
+        part = ops.swiglu(x[tok], w.expert(E.gate, e), w.expert(E.up, e), w.expert(E.down, e), clamp,
+                          wts[tok, slot], act_in, act_mid)
+        y[tok] += part
+        if hook is not None:
+            parts[tok, slot] = part
+    if hook is not None:
+        hook(ro.layer, x, idx, wts, parts, shared, y)
     return y
 
 
@@ -272,7 +285,7 @@ def block(w, cfg, nx: Numerics, ro: LayerRoles, L: LayerWeights, X: np.ndarray, 
     x, post, comb = ops.hc_pre(X, w.get(L.hc_ffn.fn), w.get(L.hc_ffn.scale), w.get(L.hc_ffn.base), *hc_args)
     x = ops.rmsnorm(x, w.get(L.ffn_norm), cfg.norm_eps)
     if trace is not None:
-        trace.ffn_in[ro.layer] = x
+        trace.ffn_in[ro.layer], trace.ffn_post[ro.layer] = x, post
     return ops.hc_post(moe(w, cfg, ro, L.ffn, x, ids, trace), X, post, comb)
 
 
