@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from ds4py.cli._stack import add_stack_arguments, stack_kwargs
+from ds4py.cli._options import add_engram_dir, add_stack_arguments, model_kwargs
 
 NAME = "bench"
 HELP = "benchmark: prefill/decode sweep over context sizes (default) or `bench serve` against a running server"
@@ -19,6 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("-m", "--model", dest="model_path", help="GGUF model file (sweep)")
     g.add_argument("--backend", choices=["ref", "cuda"], default="ref")
     add_stack_arguments(g)
+    add_engram_dir(g)
     g.add_argument("--prompt-file", help="text walked to every frontier (default: bundled public-domain book)")
     g.add_argument("--ctx-start", type=int, default=2048)
     g.add_argument("--ctx-max", type=int, default=65536)
@@ -98,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     step_incr = args.step_incr if (args.step_incr or args.step_mul) else 2048
     points = bench.frontiers(args.ctx_start, args.ctx_max, step_incr if not args.step_mul else None, args.step_mul)
     t0 = time.perf_counter()
-    model = open_model(args.model_path, backend=args.backend, **stack_kwargs(args))
+    model = open_model(args.model_path, backend=args.backend, **model_kwargs(args))
     startup = {"model_open_s": time.perf_counter() - t0}
     startup.update(getattr(model, "startup", {}) or {})
     tok = Tokenizer.from_gguf(args.model_path)
@@ -116,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
                            eos=tok.eos_id, progress=lambda m: print(m, file=sys.stderr),
                            spec=spec if isinstance(spec, SpecModel) else None)
     result = bench.SweepResult(rows, startup=startup, info={
-        "model": args.model_path, "backend": args.backend, **stack_kwargs(args), "gen_tokens": args.gen_tokens,
+        "model": args.model_path, "backend": args.backend, **model_kwargs(args), "gen_tokens": args.gen_tokens,
         "repeat": args.repeat, "bandwidth_gbps": bw,
         "mtp": getattr(getattr(spec, "mtp", None), "path", None)})
     text = bench.format_rows(result, args.format)

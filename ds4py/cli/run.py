@@ -12,7 +12,7 @@ import json
 import sys
 import time
 
-from ds4py.cli._stack import add_stack_arguments, describe, stack_kwargs
+from ds4py.cli._options import add_engram_dir, add_stack_arguments, describe, model_kwargs
 
 NAME = "run"
 HELP = "generate one answer to a prompt (streamed; reasoning shown separately)"
@@ -25,6 +25,7 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=["ref", "cuda"], default="ref", help="engine backend (default: ref)")
     add_stack_arguments(p)
     p.add_argument("--ctx", type=int, default=None, help="context size in tokens (default: the model's)")
+    add_engram_dir(p)
     p.add_argument("--system", "-s", default=None, help="system prompt")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--think", dest="thinking", action="store_const", const="on",
@@ -61,7 +62,7 @@ def open_model_for_generation(args):
     from ds4py.model import open_model
     from ds4py.spec import speculative
 
-    model = open_model(args.model, backend=args.backend, **stack_kwargs(args))
+    model = open_model(args.model, backend=args.backend, **model_kwargs(args))
     return speculative(model, args.mtp, enabled=not args.no_spec)
 
 
@@ -103,6 +104,13 @@ def open_session(args):
               f"context {session.ctx_size} tokens"
               f"{f'; speculative decoding with {spec.path}' if spec is not None else ''}]", file=sys.stderr, flush=True)
     return session
+
+
+def session_chat(session):
+    """The chat format of the session's model (V4 or V4.1: ds4py.chat.chat_format)."""
+    from ds4py.chat import chat_format
+
+    return chat_format(getattr(session.model.config, "variant", "v4"))
 
 
 def use_color(args, stream=sys.stdout) -> bool:
@@ -189,10 +197,9 @@ def feed(printer: Printer, events) -> None:
 def stream_answer(session, prompt_ids, params, thinking: str, printer: Printer, verbose: bool,
                   cancelled=None):
     """Generate, parse and print one answer. Returns the DoneEvent."""
-    from ds4py.chat import DSMLParser
     from ds4py.session import DoneEvent
 
-    parser = DSMLParser(thinking != "off")
+    parser = session_chat(session).parser(thinking != "off")
     eos = session.tokenizer.eos_id
     eos_text = session.tokenizer.decode([eos])
     t0 = time.perf_counter()
@@ -229,13 +236,12 @@ def stream_answer(session, prompt_ids, params, thinking: str, printer: Printer, 
 
 
 def run(args) -> int:
-    from ds4py.chat import encode_prompt
-
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     params = sampling_params(args)
     session = open_session(args)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
         [{"role": "user", "content": text}]
-    ids = encode_prompt(messages, chat_options(args.thinking), session.tokenizer, plain_content=True)
+    ids = session_chat(session).encode_prompt(messages, chat_options(args.thinking), session.tokenizer,
+                                              plain_content=True)
     stream_answer(session, ids, params, args.thinking, Printer(sys.stdout, use_color(args)), args.verbose)
     return 0

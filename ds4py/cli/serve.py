@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from ds4py.cli._stack import add_stack_arguments, stack_kwargs
+from ds4py.cli._options import add_engram_dir, add_stack_arguments, model_kwargs
 
 NAME = "serve"
 HELP = "OpenAI / Anthropic compatible HTTP server (chat, completions, responses, messages)"
@@ -24,6 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_stack_arguments(p)
     p.add_argument("--ctx", type=int, default=32768,
                    help="context size in tokens (default 32768, capped at the model's)")
+    add_engram_dir(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 exposes it to the network)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
@@ -83,20 +84,23 @@ def ensure_demo_model() -> Path:
 
 
 def make_engine(model_path: str, backend: str, ctx: int, tool_memory, mtp: str | None = None, spec: bool = True,
-                **stack):
+                **model_options):
     from ds4py.model import open_model
     from ds4py.server.worker import Engine, PrefillPacer
     from ds4py.session import Session
     from ds4py.spec import speculative
     from ds4py.tokenizer import Tokenizer
 
-    base = open_model(model_path, backend=backend, **stack)     # stack: sidecar= / posttrain= directories
+    base = open_model(model_path, backend=backend, **model_options)   # engram_dir= / sidecar= / posttrain=
     model = speculative(base, mtp, enabled=spec)
     tok = Tokenizer.from_gguf(getattr(base, "gguf", model_path))
     model_ctx = int(getattr(model.config, "context_length", 0) or 0)
     # prefill in chunks of about a quarter second: a client that goes away mid-prompt frees the engine soon
     session = Session(model, tok, ctx_size=min(ctx, model_ctx) if model_ctx else ctx, prefill_chunk=PrefillPacer())
-    return Engine(session, tok, tool_memory=tool_memory)
+    from ds4py.chat import chat_format
+
+    fmt = chat_format(getattr(model.config, "variant", "v4"))       # the V4 or V4.1 chat format
+    return Engine(session, tok, tool_memory=tool_memory, encode_prompt=fmt.encode_prompt, parser_factory=fmt.parser)
 
 
 def api_key(args) -> tuple[str | None, str]:
@@ -175,7 +179,7 @@ def run(args) -> int:
     def load():
         t0 = time.perf_counter()
         path = str(ensure_demo_model()) if demo else args.model
-        engine = make_engine(path, args.backend, args.ctx, memory, args.mtp, not args.no_spec, **stack_kwargs(args))
+        engine = make_engine(path, args.backend, args.ctx, memory, args.mtp, not args.no_spec, **model_kwargs(args))
         mtp = getattr(engine.session.model, "mtp", None)
         print(f"ds4py serve: model ready in {time.perf_counter() - t0:.1f} s (context {engine.ctx_size} tokens"
               f"{f'; speculative decoding with {mtp.path}' if mtp is not None else ''})", file=sys.stderr, flush=True)

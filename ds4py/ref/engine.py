@@ -14,7 +14,7 @@ from ds4py.gguf import GGUFFile
 from ds4py.kv import state_layout
 from ds4py.model import DEFAULT_ROLLBACK_HORIZON, ModelBase, Numerics
 from ds4py.quant import vq
-from ds4py.ref.forward import Trace, forward
+from ds4py.ref.forward import Trace, V41Step, forward
 from ds4py.ref.state import RefState
 from ds4py.ref.weights import DEFAULT_CACHE_BYTES, Weights
 from ds4py.vq.sidecar import mount
@@ -29,7 +29,11 @@ class RefModel(ModelBase):
 
     def __init__(self, path: str, numerics: Numerics | None = None,
                  rollback_horizon: int = DEFAULT_ROLLBACK_HORIZON, cache_bytes: int = DEFAULT_CACHE_BYTES,
-                 sidecar=None, posttrain=None):
+                 sidecar=None, posttrain=None, engram_dir: str | None = None,
+                 official_decode_bug: bool = False):
+        """engram_dir: V4.1 only, the folder with the official shards that hold the Engram tables (default: the
+        one the converter recorded). official_decode_bug: V4.1 only, reproduce the official code's decode-time
+        index-key bug instead of the fixed behaviour (for comparison; docs/v41.md)."""
         numerics = Numerics() if numerics is None else numerics
         if not isinstance(numerics, Numerics):
             raise Ds4Error(f"numerics must be a ds4py.model.Numerics, got {type(numerics).__name__}")
@@ -49,6 +53,25 @@ class RefModel(ModelBase):
                                    else self.gguf.tensor)
         if self.stack:
             self.fingerprint = self.stack.fingerprint
+        self.v41 = self._v41_step(engram_dir, official_decode_bug)
+
+    def _v41_step(self, engram_dir: str | None, official_decode_bug: bool) -> V41Step | None:
+        """The Engram hasher and tables and the decode-bug switch of a V4.1 model (None for V4)."""
+        cfg = self.config
+        if not cfg.is_v41:
+            if engram_dir is not None or official_decode_bug:
+                raise Ds4Error(f"{self.path}: --engram-dir and the official decode bug apply to V4.1 models only")
+            return None
+        from ds4py import engram
+        from ds4py.ref import v41
+
+        step = V41Step(publishers=v41.KeyPublishers() if official_decode_bug else None)
+        if cfg.engram_layers:
+            step.ngram = v41.NgramIds(cfg, engram.NgramHasher(cfg, *engram.gguf_vocabulary(self.gguf), self.path))
+            dir_key, digest_key = engram.meta_keys(cfg.arch)
+            folder = engram_dir if engram_dir is not None else self.gguf.meta(dir_key, None)
+            step.tables = engram.EngramTables.open(cfg, folder, self.gguf.meta(digest_key, None), self.path)
+        return step
 
     def new_state(self) -> RefState:
         return RefState(self.layout)
@@ -87,7 +110,8 @@ class RefModel(ModelBase):
                     break
             hid = None if hidden is None else []
             res = forward(self.weights, self.binding, self.config, self.numerics, [states[i] for i in picked],
-                          parts, all_logits, hidden=hid, row_stable=max(map(len, parts)) <= self.stable_rows)
+                          parts, all_logits, extra=self.v41, hidden=hid,
+                          row_stable=max(map(len, parts)) <= self.stable_rows)
             for j, (i, r) in enumerate(zip(picked, res)):
                 out[i].append(r)
                 if hid is not None:
@@ -109,7 +133,7 @@ class RefModel(ModelBase):
             return super().prefill(state, ids, all_logits)
         arr = self.check_step([state], [ids])
         return forward(self.weights, self.binding, self.config, self.numerics, [state], arr, all_logits, trace,
-                       row_stable=len(ids) <= self.stable_rows)[0]
+                       self.v41, row_stable=len(ids) <= self.stable_rows)[0]
 
     def decode(self, state: RefState, token: int, trace: Trace | None = None) -> np.ndarray:
         return self.prefill(state, [token], trace=trace)
