@@ -17,6 +17,12 @@ Columns (comparable with ds4-bench):
   effective_gbps          (weight_bytes_per_token + kv_bytes) · gen_tps / 1e9: an upper bound of the bytes
                           a decode step touches, so it is comparable across machines
   pct_of_roofline         effective_gbps / bandwidth (only when a bandwidth is known)
+With an MTP draft block (bench --mtp), the same probe is also decoded speculatively from the same state, its
+tokens checked equal to the plain probe's (greedy identity), and four more columns report it:
+  spec_tps                gen_tokens / seconds of the speculative probe
+  spec_speedup            spec_tps / gen_tps: measured in the same run, on the same state
+  spec_acceptance         accepted / verified drafts
+  spec_tokens_per_round   tokens per verify round (accepted + 1)
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ COLUMNS = [
     "ctx_tokens", "prefill_tokens", "prefill_tps", "gen_tokens", "gen_tps",
     "kv_bytes", "weight_bytes_per_token", "effective_gbps", "pct_of_roofline",
 ]
+SPEC_COLUMNS = ["spec_tps", "spec_speedup", "spec_acceptance", "spec_tokens_per_round"]
 
 
 @dataclass
@@ -55,6 +62,10 @@ class Row:
     pct_of_roofline: float | None
     prefill_tps_std: float = 0.0
     gen_tps_std: float = 0.0
+    spec_tps: float | None = None
+    spec_speedup: float | None = None
+    spec_acceptance: float | None = None
+    spec_tokens_per_round: float | None = None
 
 
 @dataclass
@@ -96,13 +107,28 @@ def prompt_tokens(encode: Callable[[str], list[int]], text: str, need: int) -> t
     return out[:need], cycles
 
 
-def _greedy_probe(model, state, logits: np.ndarray, n: int, eos: int | None) -> None:
+def _greedy_probe(model, state, logits: np.ndarray, n: int, eos: int | None) -> list[int]:
     """Generate n tokens greedily with EOS suppressed (fixed work per row, independent of the text)."""
+    out = []
     for _ in range(n):
         if eos is not None:
             logits = logits.copy()
             logits[eos] = -np.inf
-        logits = model.step([state], [[int(np.argmax(logits))]])[0]
+        out.append(int(np.argmax(logits)))
+        logits = model.step([state], [[out[-1]]])[0]
+    return out
+
+
+def _spec_probe(spec, state, logits: np.ndarray, n: int, eos: int | None):
+    """The same probe decoded speculatively (ds4py.spec rounds, EOS suppressed): (tokens fed, its stats)."""
+    from ds4py.sampling import Sampler, SamplingParams
+
+    req = spec.new_request(SamplingParams(temperature=0.0), suppress=[] if eos is None else [eos])
+    sampler = Sampler(req.params)
+    out = [req._sample(logits, sampler)]
+    while len(out) <= n:                       # n fed, as the plain probe feeds n
+        out += req.round(state, out[-1], sampler, n + 1 - len(out)).tokens
+    return out[:n], req.stats
 
 
 def run_sweep(
@@ -115,10 +141,15 @@ def run_sweep(
     eos: int | None = None,
     warmup_tokens: int = 16,
     progress: Callable[[str], None] | None = None,
+    spec=None,
 ) -> list[Row]:
-    """Measure every frontier in `points` (ascending) on one evolving state. See the module docstring."""
+    """Measure every frontier in `points` (ascending) on one evolving state. See the module docstring.
+    `spec` (a ds4py.spec.SpecModel of `model`): also the speculative probe, from the same state."""
     if repeat < 1:
         raise Ds4Error("--repeat must be >= 1")
+    if spec is not None:
+        return _run_spec_sweep(model, spec, tokens, points, gen_tokens, repeat, bandwidth_gbps, eos, warmup_tokens,
+                               progress)
     wbytes = int(model.weight_bytes_per_token())
 
     # Warm-up (excluded): touch the code paths and the page cache once.
@@ -173,6 +204,52 @@ def run_sweep(
     return rows
 
 
+def _run_spec_sweep(model, spec, tokens, points, gen_tokens, repeat, bandwidth_gbps, eos, warmup_tokens,
+                    progress) -> list[Row]:
+    """run_sweep with a paired (main + MTP) state: every probe starts from a copy of the frontier state."""
+    wbytes = int(model.weight_bytes_per_token())
+    warm = spec.new_state()
+    wl = spec.step([warm], [list(tokens[: max(1, min(warmup_tokens, points[0]))])])[0]
+    _greedy_probe(model, warm.copy().main, wl, min(2, gen_tokens), eos)
+    _spec_probe(spec, warm, wl, min(2, gen_tokens), eos)
+    del warm
+    state, cur, rows = spec.new_state(), 0, []
+    for frontier in points:
+        chunk = list(tokens[cur:frontier])
+        t0 = time.perf_counter()
+        logits = spec.step([state], [chunk])[0]
+        p_time = time.perf_counter() - t0
+        g_tps, s_tps, stats = [], [], None
+        for _ in range(repeat):
+            st = state.copy()
+            t0 = time.perf_counter()
+            plain = _greedy_probe(model, st.main, logits, gen_tokens, eos)
+            g_tps.append(gen_tokens / (time.perf_counter() - t0))
+            st = state.copy()
+            t0 = time.perf_counter()
+            fast, stats = _spec_probe(spec, st, logits, gen_tokens, eos)
+            s_tps.append(gen_tokens / (time.perf_counter() - t0))
+            if fast != plain:
+                at = next(i for i, (a, b) in enumerate(zip(fast, plain)) if a != b)
+                raise Ds4Error(f"speculative greedy decoding diverged from plain decoding at token {at} of the "
+                               f"probe at context {frontier} (a bug: please report it)")
+        cur = frontier
+        kv = int(state.main.nbytes())
+        gen_mean, spec_mean = statistics.fmean(g_tps), statistics.fmean(s_tps)
+        eff = (wbytes + kv) * gen_mean / 1e9
+        rows.append(Row(
+            ctx_tokens=frontier, prefill_tokens=len(chunk), prefill_tps=len(chunk) / p_time, gen_tokens=gen_tokens,
+            gen_tps=gen_mean, kv_bytes=kv, weight_bytes_per_token=wbytes, effective_gbps=eff,
+            pct_of_roofline=(100.0 * eff / bandwidth_gbps) if bandwidth_gbps else None,
+            gen_tps_std=statistics.pstdev(g_tps) if repeat > 1 else 0.0,
+            spec_tps=spec_mean, spec_speedup=spec_mean / gen_mean, spec_acceptance=stats.acceptance,
+            spec_tokens_per_round=stats.tokens_per_round))
+        if progress:
+            progress(f"ctx {frontier}: prefill {rows[-1].prefill_tps:.1f} tok/s, gen {gen_mean:.2f} tok/s, "
+                     f"speculative {spec_mean:.2f} tok/s (x{spec_mean / gen_mean:.2f}; {stats.summary()})")
+    return rows
+
+
 def host_copy_bandwidth_gbps(nbytes: int = 256 << 20, reps: int = 5) -> float:
     """Best-of-N numpy memcpy bandwidth (read + write bytes): the CPU backend's roofline."""
     a = np.ones(nbytes // 8, dtype=np.float64)
@@ -198,12 +275,13 @@ def _fmt(v, repeat_std: float | None = None) -> str:
 
 def format_rows(result: SweepResult, fmt: str) -> str:
     rows = result.rows
+    columns = COLUMNS + (SPEC_COLUMNS if any(r.spec_tps is not None for r in rows) else [])
     if fmt == "json":
         return json.dumps({"rows": [asdict(r) for r in rows], "startup": result.startup, "info": result.info},
                           indent=2) + "\n"
     std = {"prefill_tps": "prefill_tps_std", "gen_tps": "gen_tps_std"}
     if fmt == "csv":
-        cols = COLUMNS + ["prefill_tps_std", "gen_tps_std"]
+        cols = columns + ["prefill_tps_std", "gen_tps_std"]
         buf = io.StringIO()
         buf.write(",".join(cols) + "\n")
         for r in rows:
@@ -212,10 +290,10 @@ def format_rows(result: SweepResult, fmt: str) -> str:
                                for c in cols) + "\n")
         return buf.getvalue()
     if fmt == "md":
-        lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---:|" * len(COLUMNS)]
+        lines = ["| " + " | ".join(columns) + " |", "|" + "---:|" * len(columns)]
         for r in rows:
             d = asdict(r)
-            lines.append("| " + " | ".join(_fmt(d[c], d.get(std.get(c, ""), None)) for c in COLUMNS) + " |")
+            lines.append("| " + " | ".join(_fmt(d[c], d.get(std.get(c, ""), None)) for c in columns) + " |")
         return "\n".join(lines) + "\n"
     raise Ds4Error(f"unknown --format {fmt!r} (csv, md or json)")
 

@@ -9,7 +9,7 @@ and the 43-layer V4 Flash file go through the same code. See MODEL.md §1 and §
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from dataclasses import fields as dataclass_fields
 from functools import cached_property
 from typing import Any
@@ -407,6 +407,12 @@ class ModelConfig:
 
     def roles(self, layer: int) -> "LayerRoles":
         return self._roles[layer]
+
+    def mtp_block(self) -> "ModelConfig":
+        """The MTP draft block's config (MODEL.md §2.5): one layer of this model's shapes that attends to its
+        window only (ratio 0, base-theta RoPE) and routes by score (the official MTPBlock's layer id is
+        n_layers >= n_hash_layers); its weights are ds4py.schema.MTP_TENSORS, its state kv.state_layout of it."""
+        return replace(self, n_layers=1, compress_ratios=(0,), hash_layers=0, swiglu_clamp=self.swiglu_clamp[-1:])
 
     @cached_property
     def _roles(self) -> tuple["LayerRoles", ...]:

@@ -208,6 +208,11 @@ def ds4_layout(s: ModelConfig) -> list[Spec]:
     return [Spec(e.name, e.shape, e.spec.slot, e.src) for e in schema.entries(s)]
 
 
+def mtp_layout(s: ModelConfig) -> list[Spec]:
+    """Every tensor of the MTP draft GGUF (ds4's `mtp.0.*` file) of the model `s`, from the weight schema."""
+    return [Spec(e.name, e.shape, e.spec.slot, e.src) for e in schema.mtp_entries(s)]
+
+
 # ----------------------------------------------------------------------------------------------- safetensors
 ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64, "I64": np.int64,
              "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "F8_E4M3": np.uint8,
@@ -557,9 +562,9 @@ class _Converter:
         return exact
 
     # -- plan ------------------------------------------------------------------------------------------------
-    def plan(self) -> list[OutTensor]:
+    def plan(self, layout: list[Spec]) -> list[OutTensor]:
         out = []
-        for sp in ds4_layout(self.s):
+        for sp in layout:
             if sp.slot == "experts":
                 for e in sp.src:
                     self.expect(e, sp.shape[1:])
@@ -647,9 +652,17 @@ class _Converter:
             raise ConvertError(f"{self.ck.src}: tensor {sp.src!r} holds NaN or infinite values")
 
 
+def _mtp_ratio(cfg: dict[str, Any], n_layers: int) -> int:
+    """The MTP block's compress ratio: config.json's compress_ratios has n_layers + 1 entries when the checkpoint
+    has an MTP block (the official MTPBlock takes compress_ratios[n_layers]); 0 when it does not say."""
+    ratios = cfg.get("compress_ratios") or []
+    return int(ratios[n_layers]) if len(ratios) > n_layers else 0
+
+
 def convert_checkpoint(src: str, out: str, experts: str = "mxfp4", dense: str = "q8_0",
-                       tokenizer: str | None = None, progress: bool = True) -> None:
-    """Convert an official V4 Flash checkpoint folder (config.json + safetensors) into a ds4-layout GGUF."""
+                       tokenizer: str | None = None, progress: bool = True, mtp: str | None = None) -> None:
+    """Convert an official V4 Flash checkpoint folder (config.json + safetensors) into a ds4-layout GGUF; with
+    `mtp`, also write its MTP draft block (the official `mtp.0.*` tensors) as ds4's separate MTP GGUF there."""
     if experts not in EXPERT_TYPES:
         raise ConvertError(f"--experts {experts!r} is not one of {', '.join(EXPERT_TYPES)}")
     if dense not in DENSE_MODES:
@@ -657,10 +670,17 @@ def convert_checkpoint(src: str, out: str, experts: str = "mxfp4", dense: str = 
     if not os.path.isdir(src):
         raise ConvertError(f"{src}: not a folder (expected a checkpoint folder with config.json)")
     output_paths(out)
+    if mtp is not None:
+        output_paths(mtp)
+        if os.path.abspath(mtp) == os.path.abspath(out):
+            raise ConvertError(f"--mtp {mtp}: the MTP file must not be the main output file")
     cfg_path = os.path.join(src, "config.json")
     if not os.path.isfile(cfg_path):
         raise ConvertError(f"{src}: config.json is missing")
-    shape = shape_from_config(_read_json(cfg_path, "config.json"))
+    config = _read_json(cfg_path, "config.json")
+    shape = shape_from_config(config)
+    if mtp is not None and shape.is_v41:
+        raise ConvertError(f"--mtp {mtp}: writing a V4.1 MTP draft file is not supported (V4 Flash only)")
     ck = Checkpoint(src)
     ck.fp8_block = 32 if shape.is_v41 else 128
     if not shape.is_v41 and any(".engram." in n or n.startswith("dspark") for n in ck.entries):
@@ -673,8 +693,18 @@ def convert_checkpoint(src: str, out: str, experts: str = "mxfp4", dense: str = 
         tok = load_hf_tokenizer(tok_path, shape.vocab_size)
 
     conv = _Converter(ck, shape, experts, dense, progress)
-    tensors = conv.plan()
-    used = {n for sp in ds4_layout(shape) for n in (sp.src if isinstance(sp.src, list) else [sp.src])}
+    tensors = conv.plan(ds4_layout(shape))
+    mtp_tensors = []
+    if mtp is not None:
+        if not any(n.startswith(schema.MTP_PREFIX) for n in ck.entries):
+            raise ConvertError(f"{src}: --mtp was given but the checkpoint has no MTP block (no mtp.0.* tensors)")
+        ratio = _mtp_ratio(config, shape.n_layers)
+        if ratio != 0:
+            raise ConvertError(f"config.json: the MTP block's compress ratio is {ratio}; the V4 Flash MTP block "
+                               "(and ds4's MTP file) attends to its window only (ratio 0)")
+        mtp_tensors = conv.plan(mtp_layout(shape))
+    layouts = ds4_layout(shape) + (mtp_layout(shape) if mtp is not None else [])
+    used = {n for sp in layouts for n in (sp.src if isinstance(sp.src, list) else [sp.src])}
     used |= {scale_name(n) for n in used if n.endswith(".weight")}
     skipped = [n for n in ck.entries if n not in used]
     meta = gguf_metadata(shape)
@@ -684,9 +714,14 @@ def convert_checkpoint(src: str, out: str, experts: str = "mxfp4", dense: str = 
         notes, other = convert_v41.skipped(skipped, shape)
         meta = convert_v41.gguf_metadata(shape, meta, src, convert_v41.engram_digests(ck, shape))
     else:
-        mtp = [n for n in skipped if n.startswith("mtp.")]
+        draft = [n for n in skipped if n.startswith("mtp.")]
         other = [n for n in skipped if not n.startswith("mtp.")]
-        notes = [f"note: skipping {len(mtp)} MTP tensors (ds4 keeps the draft block in a separate GGUF)"] if mtp else []
+        notes = []
+        if draft and mtp is None:
+            notes = [f"note: skipping {len(draft)} MTP tensors (ds4 keeps the draft block in a separate GGUF: "
+                     "add --mtp OUT_MTP.gguf to write it)"]
+        elif draft:
+            notes = [f"note: skipping {len(draft)} tensors of further MTP blocks (ds4's MTP file holds mtp.0 only)"]
     if other:
         raise ConvertError(f"{src}: tensor {other[0]!r} is not part of the {'V4.1' if shape.is_v41 else 'V4'} Flash "
                            f"layout ({len(other)} unexpected tensors in all)")
@@ -694,3 +729,6 @@ def convert_checkpoint(src: str, out: str, experts: str = "mxfp4", dense: str = 
         conv.log(note)
     name = os.path.basename(os.path.normpath(src)) or shape.arch
     write_gguf(out, name, meta, tok, tensors, progress, after_tensor=ck.release, arch=shape.arch)
+    if mtp is not None:
+        write_gguf(mtp, name + "-mtp", gguf_metadata(shape), None, mtp_tensors, progress, after_tensor=ck.release,
+                   arch=shape.arch)

@@ -121,6 +121,13 @@ class ModelBase(ABC):
         arrays = self.check_step(states, chunks)
         return self._step(list(states), arrays, bool(all_logits))
 
+    def step_hidden(self, states: Sequence[State], chunks: Sequence[Sequence[int]],
+                    all_logits: bool = False) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """step, and per sequence the final hyper-connection state of every row, [len(chunk), hc_mult, dim]: the
+        head's input h_j, which the MTP draft block reads (MODEL.md §2.5). Same logits, same state as step."""
+        arrays = self.check_step(states, chunks)
+        return self._step_hidden(list(states), arrays, bool(all_logits))
+
     def prefill(self, state: State, ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
         return self.step([state], [ids], all_logits)[0]
 
@@ -178,11 +185,28 @@ class ModelBase(ABC):
     @abstractmethod
     def _step(self, states: list, chunks: list[np.ndarray], all_logits: bool) -> list[np.ndarray]: ...
 
+    def _step_hidden(self, states: list, chunks: list[np.ndarray],
+                     all_logits: bool) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        raise Ds4Error(f"the {self.backend} backend does not expose the final hyper-connection state, which the "
+                       "MTP draft block needs; decode without speculation (--no-spec) or use --backend ref")
+
     @abstractmethod
     def _export(self, state) -> dict[str, np.ndarray]: ...
 
     @abstractmethod
     def _import(self, n_tokens: int, n_written: int, arrays: dict[str, np.ndarray]): ...
+
+
+def open_mtp(model, path: str | None = None):
+    """The MTP draft block of `model` (MODEL.md §2.5) from its MTP GGUF (`path`; None: the model's own GGUF
+    holds the mtp.0.* tensors). Its interface: new_state(), step(states, hidden, next_ids, all_logits, logits),
+    rollback_horizon (docs/engine.md "The MTP draft block")."""
+    if model.backend == "ref":
+        from ds4py.ref.mtp import RefMtp
+
+        return RefMtp(model, path)
+    raise Ds4Error(f"the {model.backend} backend cannot run the MTP draft block yet (it needs the verify batch's "
+                   f"kernels, issue 17); use --backend ref for speculative decoding, or --no-spec")
 
 
 def open_model(path: str, backend: str = "ref", **kwargs) -> Model:

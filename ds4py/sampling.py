@@ -173,7 +173,11 @@ class Sampler:
     def sample(self, logits: np.ndarray) -> int:
         if self.params.greedy:
             return int(np.argmax(_check_logits(logits)))
-        probs = self.distribution(logits)
+        return self.draw(self.distribution(logits))
+
+    def draw(self, probs: np.ndarray) -> int:
+        """One token from a probability vector (e.g. `distribution`'s, or speculative decoding's residual), with
+        one uniform of this sampler's generator."""
         total = probs.sum()
         if not (np.isfinite(total) and total > 0) or not np.isfinite(probs).all():
             raise ValueError(f"the sampling distribution is not finite (temperature {self.params.temperature!r}); "

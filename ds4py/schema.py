@@ -11,6 +11,11 @@ Everything else derives from this table:
 
 so the forward never assembles a weight name from strings: it reads `layer.attn.comp.kv`.
 Order is ds4's file order (the golden ds4-tiny GGUF's), which `entries` preserves.
+
+The MTP draft block (MODEL.md §2.5) lives in a GGUF of its own in ds4's layout, so ds4's published MTP file
+loads unchanged: `mtp.0.{e_proj,h_proj,enorm,hnorm,norm,hc_head_*}` plus one block under the layer tensors'
+names with `blk.{l}.` replaced by `mtp.0.` (ds4.c `mtp_weights_bind`), declared here as MTP_TENSORS; it shares
+the main file's embedding and head. `mtp_entries` / `expected_mtp_tensors` / `bind_mtp` are its three views.
 """
 
 from __future__ import annotations
@@ -133,6 +138,23 @@ LAYER_TENSORS = (
 )
 
 
+# The MTP draft block: its own head tensors (official `mtp.0.*`), then one block of LAYER_TENSORS under `mtp.0.`
+# (only the tensors of a ratio-0, score-routed layer: ModelConfig.mtp_block()'s layer 0).
+MTP_PREFIX = "mtp.0."
+MTP_HEAD_TENSORS = (
+    _model("mtp.0.hc_head_base.weight", ("hc_mult",), F, "f32", "hc_head.base", "mtp.0.hc_head_base"),
+    _model("mtp.0.hc_head_fn.weight", ("hc_mult", "hc_dim"), F, "f16", "hc_head.fn", "mtp.0.hc_head_fn"),
+    _model("mtp.0.hc_head_scale.weight", (1,), F, "f32", "hc_head.scale", "mtp.0.hc_head_scale"),
+    _model("mtp.0.e_proj.weight", ("dim", "dim"), M, "q8", "e_proj", "mtp.0.e_proj.weight"),
+    _model("mtp.0.h_proj.weight", ("dim", "dim"), M, "q8", "h_proj", "mtp.0.h_proj.weight"),
+    _model("mtp.0.enorm.weight", ("dim",), F, "f32", "enorm", "mtp.0.enorm.weight"),
+    _model("mtp.0.hnorm.weight", ("dim",), F, "f32", "hnorm", "mtp.0.hnorm.weight"),
+    _model("mtp.0.norm.weight", ("dim",), F, "f32", "norm", "mtp.0.norm.weight"),
+)
+MTP_BLOCK_TENSORS = tuple(replace(sp, name=sp.name.replace("blk.{l}.", MTP_PREFIX), field="block." + sp.field,
+                                  src=sp.src.replace("layers.{l}.", MTP_PREFIX)) for sp in LAYER_TENSORS)
+
+
 @dataclass(frozen=True)
 class Entry:
     """One tensor of one model: its spec, layer (None: model-level), GGUF name, shape and official source(s)."""
@@ -163,6 +185,20 @@ def entries(cfg: ModelConfig) -> Iterator[Entry]:
 
 def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple]]:
     return {e.name: (e.shape, e.spec.types) for e in entries(cfg)}
+
+
+def mtp_entries(cfg: ModelConfig) -> Iterator[Entry]:
+    """Every tensor of the MTP draft file of the model `cfg` (the main config), in ds4's bind order."""
+    blk = cfg.mtp_block()
+    for sp in MTP_HEAD_TENSORS:
+        yield Entry(sp, None, sp.name, sp.dims(cfg))
+    for sp in MTP_BLOCK_TENSORS:
+        if sp.present(blk, 0):
+            yield Entry(sp, 0, sp.name, sp.dims(blk, 0))
+
+
+def expected_mtp_tensors(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple]]:
+    return {e.name: (e.shape, e.spec.types) for e in mtp_entries(cfg)}
 
 
 # ---- the typed binding -----------------------------------------------------------------------------------
@@ -247,10 +283,22 @@ class ModelWeights(Generic[T]):
     layers: tuple[LayerWeights[T], ...] = ()
 
 
+@dataclass(frozen=True)
+class MtpWeights(Generic[T]):
+    """The MTP draft block (MODEL.md §2.5); the embedding and the head are the main model's."""
+    e_proj: T
+    h_proj: T
+    enorm: T
+    hnorm: T
+    norm: T
+    hc_head: HcWeights[T]
+    block: LayerWeights[T]
+
+
 # field name -> the dataclass a group of dotted paths builds
 _GROUPS = {"hc_attn": HcWeights, "hc_ffn": HcWeights, "hc_head": HcWeights, "attn": AttentionWeights,
            "comp": CompressorWeights, "index": IndexerWeights, "ffn": FfnWeights, "experts": SwigluWeights,
-           "shared": SwigluWeights, "engram": EngramWeights}
+           "shared": SwigluWeights, "block": LayerWeights, "engram": EngramWeights}
 
 
 def _build(cls: type, values: dict[str, T], prefix: str = ""):
@@ -272,3 +320,8 @@ def bind(cfg: ModelConfig, resolve: Callable[[str], T]) -> ModelWeights[T]:
     for e in entries(cfg):
         (top if e.layer is None else per_layer[e.layer])[e.spec.field] = resolve(e.name)
     return replace(_build(ModelWeights, top), layers=tuple(_build(LayerWeights, d) for d in per_layer))
+
+
+def bind_mtp(cfg: ModelConfig, resolve: Callable[[str], T]) -> MtpWeights[T]:
+    """The MTP draft block's typed binding (`resolve` over the MTP file's tensors); `cfg` is the main config."""
+    return _build(MtpWeights, {e.spec.field: resolve(e.name) for e in mtp_entries(cfg)})

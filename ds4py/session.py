@@ -66,6 +66,9 @@ class SessionStats:
     snapshots_taken: int = 0
     snapshots_restored: int = 0
     truncations: int = 0         # live state rolled back to a diverging prompt's common prefix
+    spec_rounds: int = 0         # speculative verify rounds (ds4py.spec), their drafts and accepted drafts
+    spec_drafted: int = 0
+    spec_accepted: int = 0
 
 
 @dataclass(eq=False)          # compared by identity (list.index), never by its arrays
@@ -96,6 +99,7 @@ class Session:
         self.prefill_chunk = prefill_chunk
         self.stats = SessionStats()
         self._busy = False
+        self.spec_stats = None
         self.reset()
 
     # ---- cache bookkeeping -----------------------------------------------------------------------------
@@ -257,32 +261,75 @@ class Session:
             limit = min(limit, params.max_tokens)
         held = ""                                 # decoded text not yet emitted (possible stop-string start)
         n, last = 0, None
-        while True:
-            if cancelled():                       # before every token: a gone client stops within one token
-                yield DoneEvent("cancelled", len(prompt), cached, n)
-                return
+        spec = self._speculation(params)
+        queue: list[int] = []                     # sampled, not yet emitted: the rest of a speculative round
+        try:
+            while True:
+                if cancelled():                   # before every token: a gone client stops within one token
+                    yield DoneEvent("cancelled", len(prompt), cached, n)
+                    return
+                if not queue:
+                    queue = self._next_tokens(sampler, last, spec, limit - n)
+                last = queue.pop(0)
+                n += 1
+                if last == eos:
+                    yield TokenEvent(last, held + stream.flush())
+                    yield DoneEvent("stop", len(prompt), cached, n)
+                    return
+                held += stream.push(last)
+                hit = _find_stop(held, params.stop)
+                if hit is not None:
+                    at, s = hit
+                    yield TokenEvent(last, held[:at])
+                    yield DoneEvent("stop", len(prompt), cached, n, stop_string=s)
+                    return
+                if n >= limit:
+                    yield TokenEvent(last, held + stream.flush())
+                    yield DoneEvent("length", len(prompt), cached, n)
+                    return
+                keep = _stop_prefix_len(held, params.stop)
+                text, held = held[:len(held) - keep], held[len(held) - keep:]
+                yield TokenEvent(last, text)
+        finally:
+            self._unfeed(len(queue))
+
+    # ---- the speculative-decoding hook (ds4py.spec, docs/spec.md): the only place generation knows of it ----
+
+    def _speculation(self, params: SamplingParams):
+        """A model with `new_request` (ds4py.spec.SpecModel) decodes in speculative rounds; others one token a
+        step. `spec_stats` is the running request's speculation statistics (None without speculation)."""
+        new = getattr(self.model, "new_request", None)
+        spec = None if new is None else new(params)
+        self.spec_stats = None if spec is None else spec.stats
+        return spec
+
+    def _next_tokens(self, sampler: Sampler, last: int | None, spec, remaining: int) -> list[int]:
+        """The next sampled token(s): one, after feeding `last`; or a speculative round's accepted drafts and its
+        next token (the state then holds every one of them but the last, as after plain steps)."""
+        if spec is None or last is None:
             if last is not None:
                 self._decode(last)
-            last = sampler.sample(self._logits)
-            n += 1
-            if last == eos:
-                yield TokenEvent(last, held + stream.flush())
-                yield DoneEvent("stop", len(prompt), cached, n)
-                return
-            held += stream.push(last)
-            hit = _find_stop(held, params.stop)
-            if hit is not None:
-                at, s = hit
-                yield TokenEvent(last, held[:at])
-                yield DoneEvent("stop", len(prompt), cached, n, stop_string=s)
-                return
-            if n >= limit:
-                yield TokenEvent(last, held + stream.flush())
-                yield DoneEvent("length", len(prompt), cached, n)
-                return
-            keep = _stop_prefix_len(held, params.stop)
-            text, held = held[:len(held) - keep], held[len(held) - keep:]
-            yield TokenEvent(last, text)
+            return [sampler.sample(self._logits)]
+        try:
+            r = spec.round(self.state, last, sampler, remaining)
+        except BaseException:
+            self._drop_live()
+            raise
+        self.tokens += [last] + r.tokens[:-1]
+        self._logits = np.asarray(r.logits)
+        self.stats.decoded_tokens += r.stats.plain_steps
+        self.stats.spec_rounds += r.stats.rounds
+        self.stats.spec_drafted += r.stats.drafted
+        self.stats.spec_accepted += r.stats.accepted
+        return list(r.tokens)
+
+    def _unfeed(self, n: int) -> None:
+        """Generation stopped inside a round: forget the n fed tokens past the answer's last one (a rollback
+        within the round's own rows, so always exact)."""
+        if n and self.state is not None and self._live_is_consistent():
+            self.state.truncate(self.state.n_tokens - n)
+            del self.tokens[-n:]
+            self._logits = None
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

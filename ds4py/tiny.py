@@ -22,7 +22,7 @@ from gguf import GGMLQuantizationType as QT
 from ds4py import quant
 from ds4py.config import ModelConfig
 from ds4py.convert import (ConvertError, OutTensor, Spec, Tokenizer, check_shape, ds4_layout, gguf_metadata,
-                           output_paths, write_gguf)
+                           mtp_layout, output_paths, write_gguf)
 from ds4py.errors import ConfigError
 from ds4py.quant import official
 from ds4py.quant.mxfp4 import mxfp4_from_official
@@ -285,13 +285,22 @@ class _Weights:
         return blk.reshape(NX, rows, nb * size)
 
 
+MTP_SEED_BASE = 1 << 20          # the MTP file's tensors draw from generators (seed, MTP_SEED_BASE + index)
+
+
 def make_tiny(out_path: str, seed: int = 0, experts: str = "iq2", name: str = "ds4py-tiny-random",
-              progress: bool = False, **shape: Any) -> None:
-    """Write a random-weight V4 Flash GGUF (ds4 layout) of the given shape; see DEFAULTS for the shape keys."""
+              progress: bool = False, mtp: str | None = None, **shape: Any) -> None:
+    """Write a random-weight V4 Flash GGUF (ds4 layout) of the given shape; see DEFAULTS for the shape keys.
+    With `mtp`, also a random MTP draft block there (ds4's separate mtp.0.* file; it accepts few drafts)."""
     if experts not in EXPERT_KINDS:
         raise ConvertError(f"experts {experts!r} is not one of {', '.join(EXPERT_KINDS)}")
     s = tiny_shape(**shape)
     output_paths(out_path)
+    if mtp is not None:
+        output_paths(mtp)
     w = _Weights(s, seed, experts)
     tensors = [w.tensor(i, sp) for i, sp in enumerate(ds4_layout(s))]
     write_gguf(out_path, name, gguf_metadata(s), tiny_tokenizer(s.vocab_size), tensors, progress)
+    if mtp is not None:
+        tensors = [w.tensor(MTP_SEED_BASE + i, sp) for i, sp in enumerate(mtp_layout(s))]
+        write_gguf(mtp, name + "-mtp", gguf_metadata(s), None, tensors, progress)

@@ -39,6 +39,19 @@ def v4_gguf(golden, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def v4_mtp_gguf(golden, tmp_path_factory) -> tuple[str, str]:
+    """The official v4-tiny-mtp checkpoint converted losslessly (dense F32, experts MXFP4), once per session:
+    (main GGUF, MTP draft GGUF written by convert --mtp)."""
+    from ds4py.convert import convert_checkpoint
+
+    d = tmp_path_factory.mktemp("v4tinymtp")
+    out, mtp = d / "v4-tiny-mtp-f32.gguf", d / "v4-tiny-mtp-f32.mtp.gguf"
+    convert_checkpoint(str(golden / "v4-tiny-mtp"), str(out), experts="mxfp4", dense="f32", progress=False,
+                       mtp=str(mtp))
+    return str(out), str(mtp)
+
+
+@pytest.fixture(scope="session")
 def v41_gguf(golden, tmp_path_factory) -> str:
     """The official v41-tiny checkpoint converted losslessly (dense F32, experts MXFP4) with the golden run's
     vocabulary, once per session; its Engram tables stay in ../shared/golden/v41-tiny (the recorded default)."""

@@ -27,6 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--step-mul", type=float, default=None, help="multiply the frontier by this per row")
     g.add_argument("--gen-tokens", type=int, default=128, help="greedy tokens per row (EOS suppressed)")
     g.add_argument("--repeat", type=int, default=1, help="measure every row N times: mean ± std")
+    g.add_argument("--mtp", metavar="MTP.gguf", default=None,
+                   help="the model's MTP draft block: also decode each probe speculatively (identity-checked) and "
+                        "report acceptance, tokens per round and the speed-up over plain decoding (docs/spec.md)")
     g.add_argument("--bandwidth", default=None,
                    help="GB/s for pct_of_roofline, or 'auto' to measure (host copy for ref, device copy for cuda)")
     g.add_argument("--format", choices=["csv", "md", "json"], default="md")
@@ -107,11 +110,16 @@ def run(args: argparse.Namespace) -> int:
 
     for k, v in startup.items():
         print(f"startup {k}: {v:.3f}" if isinstance(v, float) else f"startup {k}: {v}", file=sys.stderr)
+    from ds4py.spec import SpecModel, speculative
+
+    spec = speculative(model, args.mtp)
     rows = bench.run_sweep(model, tokens, points, args.gen_tokens, repeat=args.repeat, bandwidth_gbps=bw,
-                           eos=tok.eos_id, progress=lambda m: print(m, file=sys.stderr))
+                           eos=tok.eos_id, progress=lambda m: print(m, file=sys.stderr),
+                           spec=spec if isinstance(spec, SpecModel) else None)
     result = bench.SweepResult(rows, startup=startup, info={
         "model": args.model_path, "backend": args.backend, **model_kwargs(args), "gen_tokens": args.gen_tokens,
-        "repeat": args.repeat, "bandwidth_gbps": bw})
+        "repeat": args.repeat, "bandwidth_gbps": bw,
+        "mtp": getattr(getattr(spec, "mtp", None), "path", None)})
     text = bench.format_rows(result, args.format)
     sys.stdout.write(text)
     if args.out:

@@ -17,6 +17,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="dense FP8 linears and head: q8_0 (default, lossy) | f16 (lossless, F32 where F16 is not exact) | f32")
     p.add_argument("--tokenizer", metavar="TOKENIZER_JSON",
                    help="HF tokenizer.json to embed (default: SRC_DIR/tokenizer.json when present)")
+    p.add_argument("--mtp", metavar="OUT_MTP.gguf",
+                   help="also write the checkpoint's MTP draft block (mtp.0.*) as ds4's separate MTP GGUF here; "
+                        "run / serve / bench --mtp OUT_MTP.gguf then decode speculatively (docs/spec.md)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
 
 
@@ -24,5 +27,5 @@ def run(args: argparse.Namespace) -> int:
     from ds4py.convert import convert_checkpoint
 
     convert_checkpoint(args.src, args.out, experts=args.experts, dense=args.dense, tokenizer=args.tokenizer,
-                       progress=not args.quiet)
+                       progress=not args.quiet, mtp=args.mtp)
     return 0

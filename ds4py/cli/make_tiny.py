@@ -27,6 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         p.add_argument("--" + flag.replace("_", "-"), dest=flag, type=int, metavar="N", help=f"{field}")
     p.add_argument("--compress-ratios", metavar="R,R,...",
                    help="per-layer ratios from {0,4,128} (default: 0,0 then alternating 4,128)")
+    p.add_argument("--mtp", metavar="OUT_MTP.gguf", help="also write a random MTP draft block (ds4's mtp.0.* file)")
     p.add_argument("-v", "--verbose", action="store_true", help="progress on stderr")
 
 
@@ -40,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
             shape["compress_ratios"] = [int(r) for r in args.compress_ratios.split(",")]
         except ValueError:
             raise ConfigError(f"--compress-ratios {args.compress_ratios!r} is not a comma-separated list of integers")
-    make_tiny(args.out, seed=args.seed, experts=args.experts, name=args.name, progress=args.verbose, **shape)
+    make_tiny(args.out, seed=args.seed, experts=args.experts, name=args.name, progress=args.verbose,
+              mtp=args.mtp, **shape)
     print(args.out)
     return 0

@@ -42,9 +42,28 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     g.add_argument("-n", "--max-tokens", type=int, default=4096,
                    help="most tokens per answer, reasoning included (default 4096; 0 = until EOS or context full)")
+    add_spec_arguments(p)
     p.add_argument("--color", choices=["auto", "always", "never"], default="auto",
                    help="dim reasoning with ANSI colour (auto: when stdout is a terminal)")
     p.add_argument("-v", "--verbose", action="store_true", help="print token counts and speeds to stderr")
+
+
+def add_spec_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculative decoding (docs/spec.md)")
+    g.add_argument("--mtp", metavar="MTP.gguf", default=None,
+                   help="the model's MTP draft block (ds4's MTP GGUF, or convert --mtp): decode speculatively, "
+                        "same tokens (greedy) or same distribution (sampled), faster when drafts are accepted")
+    g.add_argument("--no-spec", action="store_true",
+                   help="decode one token a step even when the model has an MTP block")
+
+
+def open_model_for_generation(args):
+    """open_model, wrapped for speculative decoding when the model has an MTP block and --no-spec is not given."""
+    from ds4py.model import open_model
+    from ds4py.spec import speculative
+
+    model = open_model(args.model, backend=args.backend, **model_kwargs(args))
+    return speculative(model, args.mtp, enabled=not args.no_spec)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -71,17 +90,19 @@ def chat_options(thinking: str) -> dict:
 
 def open_session(args):
     """Model, tokenizer and a Session, with the CLI's error wording (Ds4Error -> one line)."""
-    from ds4py.model import open_model
     from ds4py.session import Session
     from ds4py.tokenizer import Tokenizer
 
     t0 = time.perf_counter()
-    model = open_model(args.model, backend=args.backend, **model_kwargs(args))
-    tok = Tokenizer.from_gguf(getattr(model, "gguf", args.model))
+    model = open_model_for_generation(args)
+    base = getattr(model, "model", model)                   # the main model under a SpecModel
+    tok = Tokenizer.from_gguf(getattr(base, "gguf", args.model))
     session = Session(model, tok, ctx_size=args.ctx)
     if args.verbose:
-        print(f"[loaded {args.model}{describe(model)} ({args.backend}) in {time.perf_counter() - t0:.2f} s; "
-              f"context {session.ctx_size} tokens]", file=sys.stderr, flush=True)
+        spec = getattr(model, "mtp", None)
+        print(f"[loaded {args.model}{describe(base)} ({args.backend}) in {time.perf_counter() - t0:.2f} s; "
+              f"context {session.ctx_size} tokens"
+              f"{f'; speculative decoding with {spec.path}' if spec is not None else ''}]", file=sys.stderr, flush=True)
     return session
 
 
@@ -209,6 +230,8 @@ def stream_answer(session, prompt_ids, params, thinking: str, printer: Printer, 
               f"in {tf - t0:.2f} s ({prefilled / max(tf - t0, 1e-9):.1f} tok/s); generated "
               f"{done.completion_tokens} ({gen / max(t1 - tf, 1e-9):.1f} tok/s); finish {done.finish_reason}]",
               file=sys.stderr, flush=True)
+        if session.spec_stats is not None:
+            print(f"[{session.spec_stats.summary()}]", file=sys.stderr, flush=True)
     return done
 
 

@@ -2,6 +2,9 @@
 
 Output: float32 [T − P + 1, vocab]: row 0 = logits after the prefill (position P−1), row j = after decoding
 ids[P−1+j]. The format of the golden `decode_logits` arrays, so engines can be compared with one command.
+With --mtp-out, also the MTP draft block's logits, float32 [T − 1, vocab]: row j from the main model's final
+hyper-connection state h_j and token j+1 (it predicts token j+2), positions < P on the prefill path (one MTP
+step over the prompt), the rest one MTP step per decoded token: the golden v4-tiny-mtp driver.
 """
 
 from __future__ import annotations
@@ -23,6 +26,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_stack_arguments(p)
     p.add_argument("--no-fake-quant", action="store_true",
                    help="skip the FP8/FP4 KV and indexer quant-dequant (official 'train' numerics)")
+    p.add_argument("--mtp", metavar="MTP.gguf", default=None,
+                   help="the model's MTP draft block (default: the mtp.0.* tensors of the model file, if any)")
+    p.add_argument("--mtp-out", metavar="X.npy", default=None,
+                   help="also write the MTP draft logits, float32 [T-1, vocab] (row j: from h_j and token j+1)")
     p.add_argument("--act-quant", action="store_true",
                    help="ds4's numerics: round activations like its CPU path (Q8_0/Q8_K) before quantised "
                         "matmuls and store KV as F16")
@@ -52,11 +59,11 @@ def run(args: argparse.Namespace) -> int:
     from ds4py.model import Numerics, open_model
 
     ids = load_ids(args.ids)
-    out_dir = os.path.dirname(os.path.abspath(args.out))
-    if os.path.isdir(args.out):
-        raise Ds4Error(f"--out {args.out}: is a folder; give the name of the .npy file to write")
-    if not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):
-        raise Ds4Error(f"--out {args.out}: the folder {out_dir} does not exist or is not writable")
+    for flag, path in (("--out", args.out), ("--mtp-out", args.mtp_out)):
+        if path is not None:
+            _check_out(flag, path)
+    if args.mtp is not None and args.mtp_out is None:
+        raise Ds4Error("--mtp needs --mtp-out X.npy (where to write the draft logits)")
     T, P = len(ids), args.split
     if not 1 <= P <= T:
         raise Ds4Error(f"--split {P} is out of range: it must be between 1 and the number of ids ({T})")
@@ -67,18 +74,66 @@ def run(args: argparse.Namespace) -> int:
     if bad.any():
         i = int(np.argmax(bad))
         raise Ds4Error(f"{args.ids}: token id {int(ids[i])} at index {i} is outside the vocabulary (0..{V - 1})")
-    state = model.new_state()
-    rows = model.step([state], [ids[:P]])
-    for tok in ids[P:]:
-        rows += model.step([state], [[int(tok)]])
+    if args.mtp_out is None:
+        state = model.new_state()
+        rows = model.step([state], [ids[:P]])
+        for tok in ids[P:]:
+            rows += model.step([state], [[int(tok)]])
+    else:
+        if T < 2:
+            raise Ds4Error("--mtp-out needs at least 2 ids (the draft at position j reads token j+1)")
+        from ds4py.model import open_mtp
+
+        rows, draft = _score_with_mtp(model, open_mtp(model, args.mtp), ids, P)
+        _save(args.mtp_out, draft)
+        print(f"wrote {args.mtp_out}: MTP draft logits {list(draft.shape)}")
     out = np.stack(rows).astype(np.float32)
-    tmp = os.path.join(out_dir, f".{os.path.basename(args.out)}.tmp-{os.getpid()}")
-    try:                                     # written whole or not at all, under exactly the given name
+    _save(args.out, out)
+    print(f"wrote {args.out}: logits {list(out.shape)} (prefill {P}, decoded {T - P}){describe(model)}")
+    return 0
+
+
+def _score_with_mtp(model, mtp, ids, P: int):
+    """Main logits as without --mtp-out, and the MTP draft logits [T-1, vocab] along the golden driver."""
+    import numpy as np
+
+    T = len(ids)
+    state, ds = model.new_state(), mtp.new_state()
+    (last,), (h,) = model.step_hidden([state], [ids[:P]])
+    rows, draft = [last], []
+    n = min(P, T - 1)
+    draft.append(mtp.step([ds], [h[:n]], [ids[1:n + 1]], all_logits=True)[0][0])
+    for t in range(P, T):
+        (lg,), (h,) = model.step_hidden([state], [ids[t:t + 1]])
+        rows.append(lg)
+        if t + 1 < T:
+            draft.append(mtp.step([ds], [h], [ids[t + 1:t + 2]], all_logits=True)[0][0])
+    return rows, np.concatenate(draft).astype(np.float32)
+
+
+def _check_out(flag: str, path: str) -> None:
+    import os
+
+    from ds4py.errors import Ds4Error
+
+    out_dir = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise Ds4Error(f"{flag} {path}: is a folder; give the name of the .npy file to write")
+    if not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):
+        raise Ds4Error(f"{flag} {path}: the folder {out_dir} does not exist or is not writable")
+
+
+def _save(path: str, arr) -> None:
+    """Written whole or not at all, under exactly the given name."""
+    import os
+
+    import numpy as np
+
+    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    try:
         with open(tmp, "wb") as fh:
-            np.save(fh, out)
-        os.replace(tmp, args.out)
+            np.save(fh, arr)
+        os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
-    print(f"wrote {args.out}: logits {list(out.shape)} (prefill {P}, decoded {T - P}){describe(model)}")
-    return 0

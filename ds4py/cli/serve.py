@@ -53,7 +53,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tool-call ids remembered for exact DSML replay (default 100000)")
     p.add_argument("--disable-exact-dsml-tool-replay", action="store_true",
                    help="re-render tool calls from the client's JSON instead of the sampled DSML")
-    p.add_argument("-v", "--verbose", action="store_true", help="log every request and DSML parse issue")
+    from ds4py.cli.run import add_spec_arguments
+
+    add_spec_arguments(p)
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="log every request (with its speculative decoding: acceptance, tokens per round) and DSML "
+                        "parse issue")
 
 
 def demo_model_path() -> Path:
@@ -78,14 +83,17 @@ def ensure_demo_model() -> Path:
     return path
 
 
-def make_engine(model_path: str, backend: str, ctx: int, tool_memory, **model_options):
+def make_engine(model_path: str, backend: str, ctx: int, tool_memory, mtp: str | None = None, spec: bool = True,
+                **model_options):
     from ds4py.model import open_model
     from ds4py.server.worker import Engine, PrefillPacer
     from ds4py.session import Session
+    from ds4py.spec import speculative
     from ds4py.tokenizer import Tokenizer
 
-    model = open_model(model_path, backend=backend, **model_options)   # engram_dir= / sidecar= / posttrain=
-    tok = Tokenizer.from_gguf(getattr(model, "gguf", model_path))
+    base = open_model(model_path, backend=backend, **model_options)   # engram_dir= / sidecar= / posttrain=
+    model = speculative(base, mtp, enabled=spec)
+    tok = Tokenizer.from_gguf(getattr(base, "gguf", model_path))
     model_ctx = int(getattr(model.config, "context_length", 0) or 0)
     # prefill in chunks of about a quarter second: a client that goes away mid-prompt frees the engine soon
     session = Session(model, tok, ctx_size=min(ctx, model_ctx) if model_ctx else ctx, prefill_chunk=PrefillPacer())
@@ -154,6 +162,8 @@ def run(args) -> int:
     else:
         if not Path(args.model).is_file():
             raise Ds4Error(f"model file not found: {args.model}")
+    if args.mtp is not None and not Path(args.mtp).is_file():
+        raise Ds4Error(f"MTP file not found: {args.mtp}")
     if args.sidecar or args.posttrain:                   # a mismatched pair is refused before listening
         from ds4py.vq.sidecar import check_files
 
@@ -169,9 +179,10 @@ def run(args) -> int:
     def load():
         t0 = time.perf_counter()
         path = str(ensure_demo_model()) if demo else args.model
-        engine = make_engine(path, args.backend, args.ctx, memory, **model_kwargs(args))
-        print(f"ds4py serve: model ready in {time.perf_counter() - t0:.1f} s (context {engine.ctx_size} tokens)",
-              file=sys.stderr, flush=True)
+        engine = make_engine(path, args.backend, args.ctx, memory, args.mtp, not args.no_spec, **model_kwargs(args))
+        mtp = getattr(engine.session.model, "mtp", None)
+        print(f"ds4py serve: model ready in {time.perf_counter() - t0:.1f} s (context {engine.ctx_size} tokens"
+              f"{f'; speculative decoding with {mtp.path}' if mtp is not None else ''})", file=sys.stderr, flush=True)
         return engine
 
     what = "the DEMO model (tiny, RANDOM WEIGHTS: output is noise; pass -m MODEL.gguf for a real model)" if demo \

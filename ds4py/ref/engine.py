@@ -76,7 +76,23 @@ class RefModel(ModelBase):
     def new_state(self) -> RefState:
         return RefState(self.layout)
 
+    @property
+    def stable_rows(self) -> int:
+        """Steps whose chunks all have at most this many rows (decode, batched decode, a speculative verify of
+        up to rollback_horizon + 1 rows) run row-stable: each row bit-identical to it stepped alone."""
+        return self.rollback_horizon + 1
+
     def _step(self, states: list[RefState], chunks: list[np.ndarray], all_logits: bool) -> list[np.ndarray]:
+        return self._run(states, chunks, all_logits, None)
+
+    def _step_hidden(self, states: list[RefState], chunks: list[np.ndarray],
+                     all_logits: bool) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        hidden: list[list[np.ndarray]] = [[] for _ in states]
+        logits = self._run(states, chunks, all_logits, hidden)
+        return logits, [np.concatenate(h) for h in hidden]
+
+    def _run(self, states: list[RefState], chunks: list[np.ndarray], all_logits: bool,
+             hidden: list[list[np.ndarray]] | None) -> list[np.ndarray]:
         # at most max_chunk rows per forward pass (bounds the activations, e.g. [rows, H, head_dim] queries, on
         # the full-size model): a long chunk continues in the next pass, which is the same math
         out: list[list[np.ndarray]] = [[] for _ in states]
@@ -92,10 +108,14 @@ class RefModel(ModelBase):
                     budget -= take
                 if budget == 0:
                     break
+            hid = None if hidden is None else []
             res = forward(self.weights, self.binding, self.config, self.numerics, [states[i] for i in picked],
-                          parts, all_logits, extra=self.v41)
-            for i, r in zip(picked, res):
+                          parts, all_logits, extra=self.v41, hidden=hid,
+                          row_stable=max(map(len, parts)) <= self.stable_rows)
+            for j, (i, r) in enumerate(zip(picked, res)):
                 out[i].append(r)
+                if hid is not None:
+                    hidden[i].append(hid[j])
         return [np.concatenate(o) if all_logits else o[-1] for o in out]
 
     def _export(self, state: RefState) -> dict[str, np.ndarray]:
@@ -113,7 +133,7 @@ class RefModel(ModelBase):
             return super().prefill(state, ids, all_logits)
         arr = self.check_step([state], [ids])
         return forward(self.weights, self.binding, self.config, self.numerics, [state], arr, all_logits, trace,
-                       self.v41)[0]
+                       self.v41, row_stable=len(ids) <= self.stable_rows)[0]
 
     def decode(self, state: RefState, token: int, trace: Trace | None = None) -> np.ndarray:
         return self.prefill(state, [token], trace=trace)
@@ -130,6 +150,8 @@ class RefModel(ModelBase):
         per_expert = experts | {vq.gain_name(n) for n in experts} | {vq.hi_name(n) for n in experts}
         total = 0
         for name, t in self.gguf.tensors.items():
+            if name.startswith(schema.MTP_PREFIX):         # an MTP block kept in the same file: not read by a step
+                continue
             if name == embed:
                 total += t.nbytes // t.shape[0]
             elif name in per_expert:

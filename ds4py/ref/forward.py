@@ -144,6 +144,29 @@ def indexer_scores(q: np.ndarray, wts: np.ndarray, pos: np.ndarray, keys: np.nda
     return np.where(visible, s, F32(-np.inf))
 
 
+def index_scores(q: np.ndarray, wts: np.ndarray, pos: np.ndarray, keys: np.ndarray, ratio: int) -> np.ndarray:
+    """indexer_scores for one sequence's queries. Row-stable (ops.row_stable): each query scores exactly the keys
+    its own decode step has (its visible ones; the rest stay −inf), so the matmul has a decode step's shape."""
+    if len(pos) == 1 or not ops.is_row_stable():
+        return indexer_scores(q, wts, pos, keys, ratio)
+    scores = np.full((len(pos), keys.shape[0]), -np.inf, F32)
+    for t in range(len(pos)):
+        n = (int(pos[t]) + 1) // ratio
+        scores[t, :n] = indexer_scores(q[t:t + 1], wts[t:t + 1], pos[t:t + 1], keys[:n], ratio)[0]
+    return scores
+
+
+def index_topk(scores: np.ndarray, pos: np.ndarray, ratio: int, k: int) -> np.ndarray:
+    """topk_mask of the indexer scores; row-stable: each row over its visible keys only, as its decode step."""
+    if len(pos) == 1 or not ops.is_row_stable():
+        return topk_mask(scores, k)
+    sel = np.zeros(scores.shape, bool)
+    for t in range(len(pos)):
+        n = (int(pos[t]) + 1) // ratio
+        sel[t, :n] = topk_mask(scores[t:t + 1, :n], k)[0]
+    return sel
+
+
 def topk_mask(scores: np.ndarray, k: int) -> np.ndarray:
     """True for the k best finite entries of each row (all finite entries when there are at most k)."""
     finite = np.isfinite(scores)
@@ -168,21 +191,24 @@ def window(ring: np.ndarray, kv: np.ndarray, pos: np.ndarray, W: int) -> tuple[n
 
 
 def attend(q: np.ndarray, win: np.ndarray, win_pos: np.ndarray, comp: np.ndarray | None, sel: np.ndarray | None,
-           pos: np.ndarray, sink: np.ndarray, W: int) -> np.ndarray:
+           pos: np.ndarray, sink: np.ndarray, W: int, ratio: int = 0) -> np.ndarray:
     """Attention with sink for one sequence, in query blocks: keys = its window rows ∪ the selected compressed
-    rows (K = V)."""
+    rows (K = V). Row-stable (ops.row_stable): one query per block, with exactly the keys its own decode step
+    has (the window up to it, the compressed rows visible to it)."""
     T, hd = q.shape[0], q.shape[-1]
+    block = 1 if ops.is_row_stable() else QUERY_BLOCK
     o = np.empty(q.shape, F32)
-    for a in range(0, T, QUERY_BLOCK):
-        b = min(a + QUERY_BLOCK, T)
+    for a in range(0, T, block):
+        b = min(a + block, T)
         lo = max(0, int(pos[a]) - W + 1 - int(win_pos[0]))
         hi = int(pos[b - 1]) - int(win_pos[0]) + 1
         kp = win_pos[lo:hi]
         mask = (kp[None, :] <= pos[a:b, None]) & (kp[None, :] > pos[a:b, None] - W)
         keys = win[lo:hi]
-        if comp is not None and comp.shape[0]:
-            keys = np.concatenate([keys, comp])
-            mask = np.concatenate([mask, sel[a:b]], 1)
+        n_comp = 0 if comp is None else comp.shape[0] if block > 1 else (int(pos[a]) + 1) // ratio
+        if n_comp:
+            keys = np.concatenate([keys, comp[:n_comp]])
+            mask = np.concatenate([mask, sel[a:b, :n_comp]], 1)
         o[a:b] = ops.attention_with_sink(q[a:b], keys, mask, sink, hd ** -0.5)
     return o
 
@@ -251,26 +277,27 @@ def attention(w, cfg, nx: Numerics, ro: LayerRoles, A: AttentionWeights, x: np.n
                              ro.index_overlap, freqs, True)
                 keys_layer = ro.index_keys if publishers is None else publishers.keys_layer(s, ro, emitted)
                 keys = st.rows(keys_layer, "idx_keys", n_keys)[:n_keys]
-                scores = indexer_scores(iq[r], iw[r], p, keys, ro.index_ratio)
+                scores = index_scores(iq[r], iw[r], p, keys, ro.index_ratio)
                 if ro.candidate_source:
                     s.candidates = v41.candidate_blocks(scores, p, ro.index_ratio, cfg.candidate_topk_blocks,
                                                         cfg.candidate_block_size)
                 elif ro.uses_candidates:
                     scores = np.where(s.candidates, scores, F32(-np.inf))
-                sel = topk_mask(scores, cfg.index_topk)
+                sel = index_topk(scores, p, ro.index_ratio, cfg.index_topk)
                 s.topk[il] = sel
                 if trace is not None:
                     trace.indexer_selected[il], trace.indexer_scores[il] = sel, scores
             elif ro.index_source >= 0:               # V4.1: the latest index source's selection
                 sel = s.topk[ro.index_source]
-        o[r] = attend(q[r], win, win_pos, comp, sel, p, sink, W)
+        o[r] = attend(q[r], win, win_pos, comp, sel, p, sink, W, ro.ratio)
 
     # inverse RoPE on the output's rope dims, then the grouped low-rank output projection
     o = ops.rope_tail(o, pos, freqs, inverse=True)
     G, rank = cfg.o_groups, cfg.o_lora_rank
     wo_a = w.get(A.out_a).reshape(G, rank, -1)
     og = w.act(A.out_a, o.reshape(T, G, -1))
-    u = (og.transpose(1, 0, 2) @ wo_a.transpose(0, 2, 1)).transpose(1, 0, 2)     # u_g = wo_a[g] @ o_g
+    wo_aT = wo_a.transpose(0, 2, 1)
+    u = ops.per_row(lambda g: (g.transpose(1, 0, 2) @ wo_aT).transpose(1, 0, 2), og)     # u_g = wo_a[g] @ o_g
     return w.linear(A.out_b, u.reshape(T, G * rank))
 
 
@@ -352,9 +379,19 @@ def block(w, cfg, nx: Numerics, ro: LayerRoles, L: LayerWeights, X: np.ndarray, 
 
 
 def forward(w, B: ModelWeights, cfg, nx: Numerics, states: list[RefState], chunks: list[np.ndarray],
-            all_logits: bool, trace: Trace | None = None, extra: V41Step | None = None) -> list[np.ndarray]:
+            all_logits: bool, trace: Trace | None = None, extra: V41Step | None = None,
+            hidden: list | None = None, row_stable: bool = False) -> list[np.ndarray]:
     """Run each chunk at positions state.n_tokens.. of its state and advance the states. Returns per sequence
-    logits [T, vocab] (all_logits) or [vocab] (its last position). `extra`: what V4.1 needs besides weights."""
+    logits [T, vocab] (all_logits) or [vocab] (its last position). `extra`: what V4.1 needs besides weights.
+    `hidden`, when given, receives per sequence the final hyper-connection state of every row, [T, hc, dim] (the
+    head's input: the MTP block's h_j). row_stable: every row bit-identical to the same row stepped alone
+    (ops.row_stable; speculative decoding's verify rows, docs/spec.md)."""
+    with ops.row_stable(row_stable):
+        return _forward(w, B, cfg, nx, states, chunks, all_logits, trace, extra, hidden)
+
+
+def _forward(w, B: ModelWeights, cfg, nx: Numerics, states: list[RefState], chunks: list[np.ndarray],
+             all_logits: bool, trace: Trace | None, extra: V41Step | None, hidden: list | None) -> list[np.ndarray]:
     seqs, at = [], 0
     for st, c in zip(states, chunks):
         seqs.append(Seq(st, slice(at, at + len(c)), np.arange(st.n_tokens, st.n_tokens + len(c))))
@@ -387,6 +424,8 @@ def forward(w, B: ModelWeights, cfg, nx: Numerics, states: list[RefState], chunk
         publishers.end(seqs)
     for s in seqs:
         s.state.end_step(len(s.pos))
+    if hidden is not None:
+        hidden.extend(X[s.rows] for s in seqs)
     last = [s.rows.stop - 1 for s in seqs]
     if not all_logits:
         X = X[last]

@@ -6,12 +6,50 @@ Shapes: T tokens, H heads, D hidden, hd head dim, rd rope dims, hc hyper-connect
 
 from __future__ import annotations
 
+import contextvars
 import math
+from contextlib import contextmanager
 from functools import lru_cache
+from typing import Callable, Iterator
 
 import numpy as np
 
 F32 = np.float32
+
+
+# ---- row stability (docs/engine.md "Row stability") ------------------------------------------------------
+# A BLAS matmul does not give a row the same bits whatever else is in it: OpenBLAS forwards a 1-row sgemm to
+# gemv (another summation order) and picks its microkernels by the row count (measured here: a row of a 2..19
+# row product differs from the same row alone, and which counts differ depends on the CPU kernel). In
+# row-stable mode every row-wise product runs one token row at a time, so a row sees exactly the calls (shapes,
+# operands, order) a one-row step makes: the k + 1 rows a speculative verify step computes are bit for bit the
+# rows k + 1 decode steps compute, and greedy speculation is byte-identical to greedy decoding.
+_ROW_STABLE = contextvars.ContextVar("ds4py_row_stable", default=False)
+
+
+@contextmanager
+def row_stable(on: bool = True) -> Iterator[None]:
+    token = _ROW_STABLE.set(bool(on))
+    try:
+        yield
+    finally:
+        _ROW_STABLE.reset(token)
+
+
+def is_row_stable() -> bool:
+    return _ROW_STABLE.get()
+
+
+def per_row(fn: Callable[[np.ndarray], np.ndarray], x: np.ndarray) -> np.ndarray:
+    """fn(x); in row-stable mode fn of each token row x[t:t+1] (axis 0), stacked."""
+    if x.shape[0] <= 1 or not _ROW_STABLE.get():
+        return fn(x)
+    return np.concatenate([fn(x[t:t + 1]) for t in range(x.shape[0])])
+
+
+def mm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a @ b for activations `a` with token rows on axis 0 (row by row in row-stable mode)."""
+    return per_row(lambda r: r @ b, a)
 
 
 # ---- norms -------------------------------------------------------------------------------------------
@@ -164,14 +202,14 @@ def hadamard_matrix(n: int) -> np.ndarray:
 
 
 def hadamard(x: np.ndarray) -> np.ndarray:
-    return x @ hadamard_matrix(x.shape[-1])
+    return mm(x, hadamard_matrix(x.shape[-1]))
 
 
 # ---- hyper-connections (mHC, MODEL.md §2.2) -----------------------------------------------------------------
 def hc_mixes(X: np.ndarray, fn: np.ndarray, eps: float) -> np.ndarray:
     """m = (fn @ flatten(X)) · rsqrt(mean(flatten(X)²) + eps). X: [T, hc, D] -> [T, rows(fn)]."""
     xf = X.reshape(X.shape[0], -1)
-    return (xf @ fn.T) / np.sqrt(np.mean(xf * xf, axis=-1, keepdims=True) + F32(eps))
+    return mm(xf, fn.T) / np.sqrt(np.mean(xf * xf, axis=-1, keepdims=True) + F32(eps))
 
 
 def sinkhorn(C: np.ndarray, iters: int, eps: float) -> np.ndarray:
@@ -276,12 +314,12 @@ def swiglu(x: np.ndarray, w1: np.ndarray, w3: np.ndarray, w2: np.ndarray, clamp:
     """y = w2(silu(min(w1 x, c)) · clamp(w3 x, −c, c) [· weight]); weights are [out, in].
     act_in / act_mid: optional activation rounding before w1,w3 / before w2 (ds4 emulation)."""
     xi = act_in(x) if act_in is not None else x
-    g = xi @ w1.T
-    u = xi @ w3.T
+    g = mm(xi, w1.T)
+    u = mm(xi, w3.T)
     if clamp > 0:
         g = np.minimum(g, F32(clamp))
         u = np.clip(u, F32(-clamp), F32(clamp))
     h = silu(g) * u
     if weight is not None:
         h = h * weight[:, None]
-    return (act_mid(h) if act_mid is not None else h) @ w2.T
+    return mm(act_mid(h) if act_mid is not None else h, w2.T)

@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType as Q
 from ds4py.gguf import TensorInfo
 from ds4py.quant import dequantize
 from ds4py.quant.vq import VQExperts
-from ds4py.ref.ops import q8_0_round, q8_k_round
+from ds4py.ref.ops import mm, q8_0_round, q8_k_round
 
 F32 = np.float32
 DEFAULT_CACHE_BYTES = 512 << 20
@@ -105,11 +105,11 @@ class Weights:
         x = self.act(t, x)
         out_rows, ncols = t.shape
         if ("all", t.name) in self._cache or out_rows * ncols * 4 <= self.cache_bytes:
-            return x @ self.get(t).T
+            return mm(x, self.get(t).T)
         raw = t.raw if t.qtype in (Q.F32, Q.F16) else t.raw_bytes()
         y = np.empty((x.shape[0], out_rows), F32)
         for a in range(0, out_rows, STREAM_ROWS):
             b = min(a + STREAM_ROWS, out_rows)
             w = _dequant_rows(t, raw[a:b], (b - a, ncols)).astype(F32, copy=False)
-            y[:, a:b] = x @ w.T
+            y[:, a:b] = mm(x, w.T)
         return y

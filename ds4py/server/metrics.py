@@ -43,6 +43,11 @@ class Metrics:
         self.cancelled = 0
         self.queue_depth = 0
         self.running = 0
+        self.spec_rounds = 0            # speculative decoding (ds4py.spec): verify rounds with drafts
+        self.spec_drafted = 0           # drafts verified
+        self.spec_accepted = 0          # drafts accepted
+        self.spec_tokens = 0            # tokens those rounds produced
+        self.spec_plain_steps = 0       # one-token steps the scheduler chose instead
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
 
@@ -77,11 +82,22 @@ class Metrics:
                 ("ds4py_generated_tokens_total", "Tokens sampled.", self.generated_tokens),
                 ("ds4py_cancelled_generations_total", "Generations stopped because the client went away.",
                  self.cancelled),
+                ("ds4py_spec_rounds_total", "Speculative decoding rounds (one verify step of drafts).",
+                 self.spec_rounds),
+                ("ds4py_spec_draft_tokens_total", "Draft tokens verified.", self.spec_drafted),
+                ("ds4py_spec_accepted_tokens_total", "Draft tokens accepted.", self.spec_accepted),
+                ("ds4py_spec_round_tokens_total", "Tokens produced by speculative rounds.", self.spec_tokens),
+                ("ds4py_spec_plain_steps_total", "One-token steps the speculative scheduler chose.",
+                 self.spec_plain_steps),
             ):
                 out += [f"# HELP {name} {help_}", f"# TYPE {name} counter", f"{name} {value}"]
             for name, help_, value in (
                 ("ds4py_queue_depth", "Requests waiting for the engine.", self.queue_depth),
                 ("ds4py_running_requests", "Requests being generated (0 or 1).", self.running),
+                ("ds4py_spec_acceptance_ratio", "Accepted / verified draft tokens since start.",
+                 round(self.spec_accepted / self.spec_drafted, 6) if self.spec_drafted else 0),
+                ("ds4py_spec_tokens_per_round", "Tokens per speculative round since start.",
+                 round(self.spec_tokens / self.spec_rounds, 6) if self.spec_rounds else 0),
             ):
                 out += [f"# HELP {name} {help_}", f"# TYPE {name} gauge", f"{name} {value}"]
             for name, help_, h in (

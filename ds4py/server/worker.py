@@ -134,6 +134,7 @@ class Engine:
                     break
         finally:
             gen.close()
+        self._spec_report(done)
         if done is None or done.finish_reason == "cancelled" or job.cancel.is_set():
             m.add(cancelled=1)
             job.emit(Done("cancelled", len(job.ids), 0, n_tokens, n_reasoning))
@@ -145,6 +146,16 @@ class Engine:
         m.add(prompt_tokens=done.prompt_tokens, cached_prompt_tokens=done.cached_tokens)
         job.emit(Done(done.finish_reason, done.prompt_tokens, done.cached_tokens, done.completion_tokens,
                       n_reasoning, done.stop_string))
+
+    def _spec_report(self, done) -> None:
+        """Speculative decoding's share of the request (ds4py.spec): /metrics counters and the request log."""
+        st = getattr(self.session, "spec_stats", None)
+        if st is None:
+            return
+        self.metrics.add(spec_rounds=st.rounds, spec_drafted=st.drafted, spec_accepted=st.accepted,
+                         spec_tokens=st.spec_tokens, spec_plain_steps=st.plain_steps)
+        log.info("request done (%s, %s tokens); %s", getattr(done, "finish_reason", "interrupted"),
+                 getattr(done, "completion_tokens", "?"), st.summary())
 
     def _emit(self, job: Job, out) -> None:
         kind = type(out).__name__

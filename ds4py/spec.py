@@ -1,0 +1,561 @@
+"""Speculative decoding with the MTP draft block: draft k tokens, verify k + 1 rows in one step, keep the
+agreeing prefix (docs/spec.md).
+
+    spec = SpecModel(model, mtp)                 # model-like: new_state / step, as the session uses a model
+    session = Session(spec, tokenizer)           # generate() then runs speculative rounds (spec.new_request)
+
+A round at main position n (the state holds n tokens; `token` was sampled last and is not fed yet):
+ 1. draft: the MTP block consumes its pending rows (h_j, t_{j+1}) up to j = n − 1 (that one with `token`), all
+    from the main model's own final hyper-connection states; the last row's logits give q_1 and the draft d_1.
+    Chained steps (the block's own output state and d_i, positions n..n+k−2) give d_2..d_k and are rolled
+    back afterwards, so the MTP state only ever keeps rows computed from the main model's h;
+ 2. verify: one main step of [token, d_1..d_k]: k + 1 rows, all logits and hidden states;
+ 3. accept: greedy keeps d_i while it is the target's argmax; sampled keeps d_i with probability
+    min(1, p_i(d_i) / q_i(d_i)), else draws one token from normalise(max(0, p_i − q_i)) and stops; when all k
+    are kept one more token comes from p_k. The round yields a + 1 tokens (a accepted drafts);
+ 4. truncate the main state to n + 1 + a; the MTP state stays at n with h_n..h_{n+a} pending.
+Greedy output is byte-identical to plain greedy decoding for every k: verify rows are computed row-stably
+(bit for bit the rows one-token decode steps compute, docs/engine.md) and truncate is exact. Sampled output
+has exactly plain sampling's distribution (rejection sampling; tests/test_spec_sampling.py checks it).
+
+k is chosen per round by `Scheduler` from costs measured during the request and an acceptance rate calibrated
+online (seed 000 §4.4); see its docstring.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from ds4py import schema
+from ds4py.errors import Ds4Error
+from ds4py.sampling import Sampler, SamplingParams, softmax
+
+F32 = np.float32
+
+
+# ---- the paired state ------------------------------------------------------------------------------------
+class SpecState:
+    """A main state, its MTP state, and a ring of the main model's last final HC states and token ids by
+    position (the MTP's pending inputs: positions [draft.n_tokens, n_tokens) always sit in the ring).
+    copy / truncate / rollback_floor keep the three consistent; n_tokens is the main state's."""
+
+    def __init__(self, main, draft, h: np.ndarray, ids: np.ndarray):
+        self.main, self.draft, self.h, self.ids = main, draft, h, ids
+
+    @property
+    def n_tokens(self) -> int:
+        return self.main.n_tokens
+
+    @property
+    def n_written(self) -> int:
+        return self.main.n_written
+
+    @property
+    def layout(self):
+        return self.main.layout
+
+    def _draft_target(self, n: int) -> int:
+        """MTP positions kept when the main state holds n tokens: those whose next token is among them."""
+        return min(self.draft.n_tokens, max(n - 1, 0))
+
+    def _draft_can_follow(self, n: int) -> bool:
+        d = self._draft_target(n)
+        if d < self.draft.n_tokens and d < self.draft.rollback_floor:
+            return False
+        return n == 0 or d >= self.main.n_written - len(self.ids)      # the pending rows [d, n) are in the ring
+
+    @property
+    def rollback_floor(self) -> int:
+        n = self.main.rollback_floor
+        while n < self.n_tokens and not self._draft_can_follow(n):
+            n += 1
+        return n
+
+    def truncate(self, n: int) -> None:
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+            raise Ds4Error(f"truncate needs an integer token count, got {n!r}")
+        n = int(n)
+        if not 0 <= n <= self.n_tokens or n < self.main.rollback_floor:
+            self.main.truncate(n)                   # raises its one-sentence error, changes nothing
+        if not self._draft_can_follow(n):
+            raise Ds4Error(f"cannot roll back to {n} tokens: the MTP draft state cannot follow that far, "
+                           f"{self.rollback_floor} is the earliest; keep a copy() for deeper rollbacks")
+        self.main.truncate(n)
+        self.draft.truncate(self._draft_target(n))
+
+    def copy(self) -> "SpecState":
+        return SpecState(self.main.copy(), self.draft.copy(), self.h.copy(), self.ids.copy())
+
+    def nbytes(self) -> int:
+        return int(self.main.nbytes() + self.draft.nbytes() + self.h.nbytes + self.ids.nbytes)
+
+
+# ---- acceptance -------------------------------------------------------------------------------------------
+def accept_greedy(target_logits: np.ndarray, drafts: Sequence[int], pick=np.argmax) -> tuple[int, int]:
+    """(accepted drafts a, the next token): d_i is kept while it is row i−1's argmax (`pick`: the sampler's
+    greedy choice, which also refuses invalid logits); the next token is row a's."""
+    for i, d in enumerate(drafts):
+        best = int(pick(target_logits[i]))
+        if best != d:
+            return i, best
+    return len(drafts), int(pick(target_logits[len(drafts)]))
+
+
+def accept_sampled(p: Sequence[np.ndarray], q: Sequence[np.ndarray], drafts: Sequence[int],
+                   sampler: Sampler) -> tuple[int, int, float]:
+    """Rejection sampling: (accepted a, the next token, the first draft's acceptance probability).
+    p: the target's k + 1 final distributions, q: the k draft distributions the drafts were drawn from."""
+    first = 1.0
+    for i, d in enumerate(drafts):
+        ratio = p[i][d] / q[i][d]
+        if i == 0:
+            first = min(1.0, float(ratio))
+        if sampler.rng.random() < ratio:
+            continue
+        residual = np.maximum(p[i] - q[i], 0.0)
+        if residual.sum() <= 0:                 # p == q up to rounding: a rejection cannot happen in exact math
+            residual = p[i]
+        return i, sampler.draw(residual / residual.sum()), first
+    return len(drafts), sampler.draw(p[len(drafts)]), first
+
+
+# ---- costs and the scheduler ------------------------------------------------------------------------------
+class _Mean:
+    def __init__(self):
+        self.n, self.total = 0, 0.0
+
+    def add(self, v: float) -> None:
+        self.n += 1
+        self.total += v
+
+    def value(self) -> float | None:
+        return self.total / self.n if self.n else None
+
+
+class MeasuredCosts:
+    """Wall-clock costs of the request's own steps: a plain step (main step + MTP catch-up), a first draft
+    step (the MTP's pending rows + logits) and a chained draft step (running means), and a verify of r rows as
+    a line a + b·r, the weighted least-squares fit over the row counts seen so far (each count's mean weighted
+    by its number of samples; a count's first sample is a warm-up, left out once the count has a second)."""
+
+    deterministic = False
+
+    def __init__(self):
+        self._plain, self._first, self._chain = _Mean(), _Mean(), _Mean()
+        self._rows: dict[int, list[float]] = {}
+
+    def observe_plain(self, seconds: float) -> None:
+        self._plain.add(seconds)
+
+    def observe_draft(self, first: bool, seconds: float) -> None:
+        (self._first if first else self._chain).add(seconds)
+
+    def observe_verify(self, rows: int, seconds: float) -> None:
+        self._rows.setdefault(rows, []).append(seconds)
+
+    def line(self) -> tuple[float, float] | None:
+        pts = [(r, float(np.mean(v[1:] if len(v) > 1 else v)), len(v) - (len(v) > 1)) for r, v in self._rows.items()]
+        if len(pts) < 2:
+            return None
+        r, t, w = (np.array(x, float) for x in zip(*pts))
+        rm, tm = np.average(r, weights=w), np.average(t, weights=w)
+        b = float(np.sum(w * (r - rm) * (t - tm)) / np.sum(w * (r - rm) ** 2))
+        b = max(b, 0.0)                            # noise can tilt it; a verify never gets cheaper with rows
+        return float(tm - b * rm), b
+
+    def verified(self) -> bool:
+        return bool(self._rows)
+
+    def known(self) -> bool:
+        return self.line() is not None and self._first.n > 0
+
+    def verify(self, rows: int) -> float:
+        a, b = self.line()
+        return max(a + b * rows, 1e-12)
+
+    def plain(self) -> float:
+        return self._plain.value() or self.verify(1)
+
+    def draft(self, first: bool) -> float:
+        v = (self._first if first else self._chain).value()
+        return v if v is not None else self._first.value()
+
+
+class ByteCosts:
+    """Deterministic costs for a seeded sampled request (its tokens depend on the drafts, so its k must not
+    depend on the clock): the bytes each step reads, the decode roofline. A verify of r rows reads the dense
+    weights once and r rows' routed experts (no sharing assumed); a draft step reads the MTP block and the head;
+    a plain step the model and the MTP block's catch-up."""
+
+    deterministic = True
+
+    def __init__(self, main_bytes: int, routed_bytes: int, draft_bytes: int, head_bytes: int):
+        self.main, self.routed, self.draft_b, self.head = main_bytes, routed_bytes, draft_bytes, head_bytes
+
+    def observe_plain(self, seconds: float) -> None:
+        pass
+
+    def observe_draft(self, first: bool, seconds: float) -> None:
+        pass
+
+    def observe_verify(self, rows: int, seconds: float) -> None:
+        pass
+
+    def verified(self) -> bool:
+        return True
+
+    def known(self) -> bool:
+        return True
+
+    def verify(self, rows: int) -> float:
+        return float(self.main + (rows - 1) * self.routed)
+
+    def plain(self) -> float:
+        return float(self.main + self.draft_b - self.head)
+
+    def draft(self, first: bool) -> float:
+        return float(self.draft_b)
+
+
+class Scheduler:
+    """Chooses each round's k from the request's costs and its acceptance, no constants (seed 000 §4.4).
+
+    A round of k drafts yields E(k) = 1 + Σ_{j≤k} a_j tokens on average, a_j = Π_{i≤j} min(1, ρ·σ_i) the
+    survival of the first j drafts; σ_i is the draft block's confidence at position i, the largest probability
+    of its distribution q_i, and ρ the request's calibration: Σ first-position acceptance / Σ σ_1 (ρ = 1 before
+    any round; the acceptance of round r's first draft is known from its verify row 0 even when it is not
+    verified: [argmax p = argmax q] greedy, Σ min(p, q) sampled). A round costs the draft steps spent plus
+    verify(1 + k); a plain step costs plain(). Decisions, each before the token it concerns is drawn (a
+    sampled round must not pick its drafts by their values, or rejection sampling stops being exact):
+    - draft at all only if the optimistic E(1) / T(1) beats 1 / plain(): the first-position acceptance rate's
+      upper confidence bound (UCB1: mean + sqrt(2 ln decisions / rounds)), so a request whose drafts keep
+      failing decodes plainly but still probes O(log n) rounds;
+    - with q_i computed, verify position i only if it raises E / T: (E(i−1) + a_i) / (spent + verify(1 + i))
+      > E(i−1) / (spent + verify(i));
+    - with d_i drawn, compute q_{i+1} (one more chained step) only if even a_{i+1} = a_i (the best it can be)
+      would pay for that step and the longer verify.
+    Bootstrap (no cost line yet): the first round drafts and verifies the longest block, the next is a plain
+    step, which gives the verify line its two points. Timing only changes k: greedy tokens are the same for
+    every k, and a seeded sampled request uses ByteCosts. `fixed_k` replaces all of this by k = fixed_k drafts
+    every round (as far as k_max allows): for benchmarks and tests."""
+
+    def __init__(self, costs, k_max: int, fixed_k: int | None = None):
+        self.costs, self.k_max, self.fixed_k = costs, k_max, fixed_k
+        self.first_hits = 0.0          # Σ first-position acceptance (probability, or 0/1 greedy)
+        self.first_sigma = 0.0         # Σ σ_1 over the same rounds
+        self.first_rounds = 0
+        self.decisions = 0
+
+    def rho(self) -> float:
+        return self.first_hits / self.first_sigma if self.first_sigma > 0 else 1.0
+
+    def _expected(self, sigmas: Sequence[float]) -> tuple[float, float]:
+        """(E(j), a_j) for the j = len(sigmas) positions so far."""
+        a = np.cumprod(np.minimum(1.0, self.rho() * np.asarray(sigmas, float)))
+        return 1.0 + float(a.sum()), float(a[-1])
+
+    def _spent(self, j: int) -> float:
+        """Draft cost of computing q_1..q_j."""
+        return self.costs.draft(True) + (j - 1) * self.costs.draft(False)
+
+    def _free(self) -> bool:
+        """Bootstrap or a fixed k: positions are taken as far as allowed."""
+        return self.fixed_k is not None or not self.costs.known()
+
+    def should_draft(self, k_max: int) -> bool:
+        self.decisions += 1
+        if k_max < 1 or self.fixed_k is not None:
+            return k_max >= 1 and bool(self.fixed_k)
+        if not self.costs.known():
+            return not self.costs.verified()          # bootstrap: the longest block, then one plain row
+        if self.first_rounds == 0:
+            return True
+        ucb = min(1.0, self.first_hits / self.first_rounds
+                  + math.sqrt(2 * math.log(self.decisions) / self.first_rounds))
+        return (1 + ucb) / (self._spent(1) + self.costs.verify(2)) > 1 / self.costs.plain()
+
+    def include(self, sigmas: Sequence[float]) -> bool:
+        """q_i is known (σ_i = sigmas[-1]): verify position i?"""
+        i = len(sigmas)
+        if self._free():
+            return i <= (self.k_max if self.fixed_k is None else min(self.k_max, self.fixed_k))
+        E, a = self._expected(sigmas)
+        spent = self._spent(i)
+        return E / (spent + self.costs.verify(1 + i)) > (E - a) / (spent + self.costs.verify(i))
+
+    def keep_drafting(self, sigmas: Sequence[float], k_max: int) -> bool:
+        """d_i is drawn: compute q_{i+1}?"""
+        i = len(sigmas)
+        if i >= k_max or (self.fixed_k is not None and i >= self.fixed_k):
+            return False
+        if self._free():
+            return True
+        E, a = self._expected(sigmas)
+        spent = self._spent(i)
+        more = (E + a) / (spent + self.costs.draft(False) + self.costs.verify(i + 2))
+        return more > E / (spent + self.costs.verify(i + 1))
+
+    def record(self, first_hit: float, sigma1: float) -> None:
+        self.first_hits += first_hit
+        self.first_sigma += sigma1
+        self.first_rounds += 1
+
+
+# ---- statistics -----------------------------------------------------------------------------------------
+@dataclass
+class SpecStats:
+    rounds: int = 0            # verify steps with at least one draft
+    drafted: int = 0           # drafts verified
+    accepted: int = 0          # of those, accepted
+    plain_steps: int = 0       # rounds that decoded one token without drafts
+    draft_steps: int = 0       # MTP draft steps (first + chained), verified or not
+    spec_tokens: int = 0       # tokens the verify rounds produced (accepted + one each)
+
+    def add(self, other: "SpecStats") -> None:
+        for f in self.__dataclass_fields__:
+            setattr(self, f, getattr(self, f) + getattr(other, f))
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_round(self) -> float:
+        return self.spec_tokens / self.rounds if self.rounds else 0.0
+
+    def summary(self) -> str:
+        return (f"spec: {self.rounds} rounds, {self.accepted}/{self.drafted} drafts accepted "
+                f"({self.acceptance:.0%}), {self.tokens_per_round:.2f} tokens/round, {self.plain_steps} plain steps")
+
+
+@dataclass
+class Round:
+    tokens: list[int]          # sampled tokens, in order (the last one not fed yet)
+    logits: np.ndarray         # the main logits after the last fed token (what the last token was drawn from)
+    stats: SpecStats = field(default_factory=SpecStats)
+
+
+# ---- the model wrapper and a request's rounds -------------------------------------------------------------
+class SpecModel:
+    """A main model with its MTP draft block, usable wherever a model is stepped (Session): `step` advances
+    both (the MTP block consumes the main rows whose next token is known, lazily: see _pending), and
+    `new_request` gives the session a per-request round runner. save_state / load_state are not offered (no
+    disk cache uses them yet)."""
+
+    def __init__(self, model, mtp, fixed_k: int | None = None):
+        if fixed_k is not None and (isinstance(fixed_k, bool) or not isinstance(fixed_k, int) or fixed_k < 0):
+            raise Ds4Error(f"a fixed draft length must be an integer >= 0, got {fixed_k!r}")
+        self.fixed_k = fixed_k
+        if not callable(getattr(model, "step_hidden", None)):
+            raise Ds4Error(f"the {getattr(model, 'backend', '?')} backend cannot decode speculatively (no "
+                           "step_hidden); use --no-spec")
+        self.model, self.mtp = model, mtp
+        self.config, self.backend, self.numerics = model.config, model.backend, model.numerics
+        self.path, self.fingerprint, self.layout = model.path, model.fingerprint, model.layout
+        self.rollback_horizon = R = model.rollback_horizon
+        # verify rows k + 1 row-stable and within the rollback horizon; the MTP chain (k − 1 rows) within its own
+        self.k_max = max(0, min(R, getattr(model, "stable_rows", R + 1) - 1, mtp.rollback_horizon + 1))
+        self.capacity = R + 2                       # ring: positions n−1..n+k of a round, and R of rollback
+        self.stats = SpecStats()                    # every request's, summed
+
+    def new_state(self) -> SpecState:
+        cfg = self.config
+        return SpecState(self.model.new_state(), self.mtp.new_state(),
+                         np.zeros((self.capacity, cfg.hc_mult, cfg.dim), F32), np.zeros(self.capacity, np.int64))
+
+    def weight_bytes_per_token(self) -> int:
+        return self.model.weight_bytes_per_token()
+
+    def _check(self, states) -> list:
+        if isinstance(states, (str, bytes)) or not isinstance(states, Sequence):
+            raise Ds4Error("step takes a list of states and a list of token-id chunks")
+        for s in states:
+            if not isinstance(s, SpecState):
+                raise Ds4Error(f"a speculative model steps SpecStates from its new_state(), got {type(s).__name__}")
+        return [s.main for s in states]
+
+    def step(self, states: Sequence[SpecState], chunks: Sequence[Sequence[int]], all_logits: bool = False,
+             timing: dict | None = None) -> list[np.ndarray]:
+        t0 = time.perf_counter()
+        logits, hidden = self.model.step_hidden(self._check(states), chunks, all_logits)
+        t1 = time.perf_counter()
+        pend = [self._pending(s, np.asarray(c, np.int64), h) for s, c, h in zip(states, chunks, hidden)]
+        todo = [(s, p) for s, p in zip(states, pend) if p is not None]
+        if todo:
+            self.mtp.step([s.draft for s, _ in todo], [p[0] for _, p in todo], [p[1] for _, p in todo],
+                          logits=False)
+        if timing is not None:
+            timing["main"], timing["total"] = t1 - t0, time.perf_counter() - t0
+        return logits
+
+    def prefill(self, state: SpecState, ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
+        return self.step([state], [ids], all_logits)[0]
+
+    def decode(self, state: SpecState, token: int) -> np.ndarray:
+        return self.step([state], [[token]])[0]
+
+    def _pending(self, s: SpecState, chunk: np.ndarray, h: np.ndarray):
+        """After a main step of `chunk` (hidden states h): stores the chunk's rows in the ring and returns the
+        MTP rows to run now (their h and next ids, from the ring and the chunk), or None. The MTP block catches
+        up lazily: pending rows wait in the ring (the next draft step runs them in one batch) until the oldest
+        would fall out of it, as after a long prefill chunk."""
+        n1 = s.main.n_tokens
+        n0, d = n1 - len(chunk), s.draft.n_tokens
+        rows = self._rows(s, d, n1 - 1, n0, h, chunk) if d < n1 - self.capacity + 1 else None
+        self._store(s, n0, chunk, h)
+        return rows
+
+    def _rows(self, s: SpecState, j0: int, j1: int, n0: int, h: np.ndarray, chunk: np.ndarray):
+        """MTP inputs for positions [j0, j1): h_j and t_{j+1}, from the ring (below n0) or h / chunk (from n0)."""
+        if j1 <= j0:
+            return None
+        js = np.arange(j0, j1)
+        nxt, cap = js + 1, self.capacity
+        hs = np.concatenate([s.h[js[js < n0] % cap], h[js[js >= n0] - n0]])
+        ids = np.concatenate([s.ids[nxt[nxt < n0] % cap], chunk[nxt[nxt >= n0] - n0]])
+        return hs, ids
+
+    def _store(self, s: SpecState, n0: int, chunk: np.ndarray, h: np.ndarray) -> None:
+        keep = np.arange(max(0, len(chunk) - self.capacity), len(chunk))
+        slots = (n0 + keep) % self.capacity
+        s.h[slots], s.ids[slots] = h[keep], chunk[keep]
+
+    def new_request(self, params: SamplingParams, suppress: Sequence[int] = ()) -> "SpecRequest":
+        return SpecRequest(self, params, suppress)
+
+    def byte_costs(self) -> ByteCosts:
+        """The deterministic cost model (ByteCosts) from the files' bytes."""
+        m = self.model
+        main = int(m.weight_bytes_per_token())
+        draft = int(self.mtp.weight_bytes_per_token())
+        routed, head = 0, 0
+        gguf, binding = getattr(m, "gguf", None), getattr(m, "binding", None)
+        if gguf is not None and binding is not None:
+            cfg = self.config
+            for e in schema.entries(cfg):
+                if e.spec.field.startswith("ffn.experts."):
+                    routed += gguf.tensor(e.name).nbytes * cfg.n_experts_used // cfg.n_experts
+            head = int(binding.head.nbytes)
+        else:
+            routed = main                          # unknown: every verify row costs a whole step
+        return ByteCosts(main, routed, draft, head)
+
+
+class SpecRequest:
+    """One request's speculative rounds: its scheduler (costs, calibration) and statistics."""
+
+    def __init__(self, spec: SpecModel, params: SamplingParams, suppress: Sequence[int] = ()):
+        self.spec, self.params = spec, params
+        seeded_sampled = not params.greedy and params.seed is not None
+        self.scheduler = Scheduler(spec.byte_costs() if seeded_sampled else MeasuredCosts(), spec.k_max,
+                                   spec.fixed_k)
+        self.suppress = np.asarray(list(suppress), np.int64)
+        self.stats = SpecStats()
+
+    def _filtered(self, logits: np.ndarray) -> np.ndarray:
+        if not self.suppress.size:
+            return logits
+        out = np.array(logits, copy=True)
+        out[..., self.suppress] = -np.inf
+        return out
+
+    def _draft_distribution(self, logits: np.ndarray, sampler: Sampler) -> np.ndarray:
+        """q: the draft's own distribution under the request's sampling rules (greedy: the temperature-1
+        softmax, whose argmax is the draft and whose maximum its confidence)."""
+        lg = self._filtered(logits)
+        return softmax(lg) if sampler.params.greedy else sampler.distribution(lg)
+
+    def round(self, state: SpecState, token: int, sampler: Sampler, remaining: int) -> Round:
+        """Feed `token` and produce up to `remaining` tokens (at least one). See the module docstring."""
+        sp, sched, cfg = self.spec, self.scheduler, self.spec.config
+        st = SpecStats()
+        n = state.n_tokens
+        k_max = min(sp.k_max, remaining - 1, cfg.context_length - n - 1)
+        if n < 1 or not sched.should_draft(k_max):
+            timing: dict = {}
+            logits = sp.step([state], [[token]], timing=timing)[0]
+            sched.costs.observe_plain(timing["total"])
+            sched.costs.observe_verify(1, timing["main"])
+            st.plain_steps = 1
+            return self._done(Round([self._sample(logits, sampler)], logits, st))
+
+        # 1. draft: the pending true rows up to position n − 1 (with `token`), then chained rows
+        t0 = time.perf_counter()
+        hs, ids = sp._rows(state, state.draft.n_tokens, n, n, np.zeros((0,) + state.h.shape[1:], F32),
+                           np.asarray([token], np.int64))
+        lg, out = sp.mtp.step([state.draft], [hs], [ids])
+        sched.costs.observe_draft(True, time.perf_counter() - t0)
+        drafts, sigmas, qs = [], [], []
+        q1 = None
+        while True:
+            q = self._draft_distribution(lg[0], sampler)
+            q1 = q if q1 is None else q1
+            sigmas.append(float(q.max()))
+            st.draft_steps += 1
+            if not sched.include(sigmas):         # decided on q_i alone, before d_i is drawn
+                sigmas.pop()
+                break
+            d = int(np.argmax(q)) if sampler.params.greedy else sampler.draw(q)
+            drafts.append(d)
+            qs.append(q)
+            if not sched.keep_drafting(sigmas, k_max):
+                break
+            t0 = time.perf_counter()
+            lg, out = sp.mtp.step([state.draft], [out[0][-1:]], [[d]])
+            sched.costs.observe_draft(False, time.perf_counter() - t0)
+        state.draft.truncate(n)                   # keep the rows computed from the main model's h only
+        k = len(drafts)
+
+        # 2. verify k + 1 rows in one step
+        chunk = np.asarray([token] + drafts[:k], np.int64)
+        t0 = time.perf_counter()
+        (P,), (H,) = sp.model.step_hidden([state.main], [chunk], all_logits=True)
+        sched.costs.observe_verify(k + 1, time.perf_counter() - t0)
+        sp._store(state, n, chunk, H)
+        Pf = self._filtered(P)
+        greedy = sampler.params.greedy
+        p = [sampler.distribution(row) for row in (Pf[:1] if greedy else Pf)]
+        # the first position's acceptance, known from row 0 even when it is not verified (k = 0): calibration
+        first = float(np.argmax(p[0]) == np.argmax(q1)) if greedy else float(np.minimum(p[0], q1).sum())
+        sched.record(first, float(q1.max()))
+        if k == 0:
+            st.plain_steps = 1
+            return self._done(Round([self._sample(P[0], sampler)], P[0], st))
+
+        # 3. accept the agreeing prefix, 4. roll back the rejected rows
+        if greedy:
+            a, nxt = accept_greedy(Pf, drafts[:k], sampler.sample)
+        else:
+            a, nxt, _ = accept_sampled(p, qs[:k], drafts[:k], sampler)
+        state.main.truncate(n + 1 + a)
+        st.rounds, st.drafted, st.accepted, st.spec_tokens = 1, k, a, a + 1
+        return self._done(Round(drafts[:a] + [nxt], P[a], st))
+
+    def _sample(self, logits: np.ndarray, sampler: Sampler) -> int:
+        return sampler.sample(self._filtered(logits))
+
+    def _done(self, r: Round) -> Round:
+        self.stats.add(r.stats)
+        self.spec.stats.add(r.stats)
+        return r
+
+
+def has_mtp_tensors(model) -> bool:
+    """The model's own GGUF holds an MTP block (mtp.0.* tensors)."""
+    gguf = getattr(model, "gguf", None)
+    return gguf is not None and schema.MTP_PREFIX + "e_proj.weight" in gguf
+
+
+def speculative(model, mtp_path: str | None = None, enabled: bool = True, fixed_k: int | None = None):
+    """`model` wrapped for speculative decoding when it is on and the model has an MTP block (the --mtp file,
+    or mtp.0.* tensors in its own GGUF); otherwise `model` itself. On by default: --no-spec sets enabled=False."""
+    from ds4py.model import open_mtp
+
+    if not enabled or (mtp_path is None and not has_mtp_tensors(model)):
+        return model
+    return SpecModel(model, open_mtp(model, mtp_path), fixed_k)
