@@ -26,6 +26,9 @@ from ds4py.schema import AttentionWeights, CompressorWeights, FfnWeights, LayerW
 
 F32 = np.float32
 QUERY_BLOCK = 256        # queries per attention block: bounds the [T, H, keys] score memory on long prompts
+GATHER_BUDGET = 1 << 22  # floats of gathered compressed rows per attention block ([block, top-k, head_dim])
+DENSE_ROWS = 128         # up to this many compressed rows one masked matmul over all of them is as fast as
+                         # gathering each query's top-k (measured crossover 64-256 rows, 16 heads x 512)
 
 
 @dataclass
@@ -103,15 +106,21 @@ def indexer_scores(q: np.ndarray, wts: np.ndarray, pos: np.ndarray, keys: np.nda
     return np.where(visible, s, F32(-np.inf))
 
 
+def topk_rows(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k best finite entries of each row as (column indices [T, k'], valid [T, k']), k' = min(k, Nc): the
+    rows a query attends besides its window. A row with fewer than k finite entries has invalid picks."""
+    if scores.shape[1] <= k:
+        return np.broadcast_to(np.arange(scores.shape[1]), scores.shape), np.isfinite(scores)
+    idx = np.argpartition(-scores, k - 1, axis=1)[:, :k]
+    return idx, np.isfinite(np.take_along_axis(scores, idx, 1))
+
+
 def topk_mask(scores: np.ndarray, k: int) -> np.ndarray:
     """True for the k best finite entries of each row (all finite entries when there are at most k)."""
-    finite = np.isfinite(scores)
-    if scores.shape[1] <= k:
-        return finite
-    kth = np.argpartition(-scores, k - 1, axis=1)[:, :k]
+    idx, valid = topk_rows(scores, k)
     sel = np.zeros(scores.shape, bool)
-    np.put_along_axis(sel, kth, True, axis=1)
-    return sel & finite
+    np.put_along_axis(sel, idx, valid, axis=1)
+    return sel
 
 
 # ---- attention ----------------------------------------------------------------------------------------------
@@ -127,23 +136,47 @@ def window(ring: np.ndarray, kv: np.ndarray, pos: np.ndarray, W: int) -> tuple[n
 
 
 def attend(q: np.ndarray, win: np.ndarray, win_pos: np.ndarray, comp: np.ndarray | None, sel: np.ndarray | None,
-           pos: np.ndarray, sink: np.ndarray, W: int) -> np.ndarray:
-    """Attention with sink for one sequence, in query blocks: keys = its window rows ∪ the selected compressed
-    rows (K = V)."""
+           pos: np.ndarray, sink: np.ndarray, W: int, picks: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+    """Attention with sink for one sequence, in query blocks (K = V). A query's keys are its window rows plus
+    compressed rows: either every row `sel` marks (a [T, Nc] mask: the ratio-128 layers, which see all their
+    visible rows, and indexer layers whose top-k still takes every row), or the indexer's top-k `picks`
+    ((indices, valid), [T, k] each), gathered per query. With picks a query costs O(W + k) whatever the
+    context length, so a long prefill is linear in its length instead of scoring every compressed row."""
     T, hd = q.shape[0], q.shape[-1]
     o = np.empty(q.shape, F32)
-    for a in range(0, T, QUERY_BLOCK):
-        b = min(a + QUERY_BLOCK, T)
+    block = QUERY_BLOCK
+    if picks is not None:            # bound the gathered [block, k, hd] rows
+        block = max(1, min(QUERY_BLOCK, GATHER_BUDGET // max(1, picks[0].shape[1] * hd)))
+    for a in range(0, T, block):
+        b = min(a + block, T)
         lo = max(0, int(pos[a]) - W + 1 - int(win_pos[0]))
         hi = int(pos[b - 1]) - int(win_pos[0]) + 1
         kp = win_pos[lo:hi]
         mask = (kp[None, :] <= pos[a:b, None]) & (kp[None, :] > pos[a:b, None] - W)
         keys = win[lo:hi]
+        if picks is not None:
+            o[a:b] = attention_with_picks(q[a:b], keys, mask, comp, picks[0][a:b], picks[1][a:b], sink, hd ** -0.5)
+            continue
         if comp is not None and comp.shape[0]:
             keys = np.concatenate([keys, comp])
             mask = np.concatenate([mask, sel[a:b]], 1)
         o[a:b] = ops.attention_with_sink(q[a:b], keys, mask, sink, hd ** -0.5)
     return o
+
+
+def attention_with_picks(q: np.ndarray, win: np.ndarray, win_mask: np.ndarray, comp: np.ndarray, idx: np.ndarray,
+                         valid: np.ndarray, sink: np.ndarray, scale: float) -> np.ndarray:
+    """ops.attention_with_sink over the union of a band of window rows (win [Nw, hd], win_mask [B, Nw]) and
+    each query's own compressed rows comp[idx[t]] (valid [B, k]): one softmax with the sink, the same sums,
+    split into the two key sets. q: [B, H, hd] -> [B, H, hd]."""
+    ninf = F32(-np.inf)
+    rows = comp[idx]                                                   # [B, k, hd]
+    s_w = np.where(win_mask[:, None, :], (q @ win.T) * F32(scale), ninf)            # [B, H, Nw]
+    s_c = np.where(valid[:, None, :], (q @ rows.transpose(0, 2, 1)) * F32(scale), ninf)   # [B, H, k]
+    m = np.maximum(s_w.max(-1), s_c.max(-1))           # every query sees at least its own window row
+    p_w, p_c = np.exp(s_w - m[..., None]), np.exp(s_c - m[..., None])
+    denom = p_w.sum(-1) + p_c.sum(-1) + np.exp(sink[None, :] - m)
+    return (p_w @ win + p_c @ rows) / denom[..., None]
 
 
 def attention(w, cfg, nx: Numerics, ro: LayerRoles, A: AttentionWeights, x: np.ndarray, pos: np.ndarray,
@@ -180,7 +213,7 @@ def attention(w, cfg, nx: Numerics, ro: LayerRoles, A: AttentionWeights, x: np.n
     for s in seqs:
         r, p, st = s.rows, s.pos, s.state
         win, win_pos = window(st.ring(il, "win"), kv[r], p, W)
-        comp = sel = None
+        comp = sel = picks = None
         if ro.compressed:
             n_rows = (int(p[-1]) + 1) // ro.ratio
             if ro.compressor:
@@ -194,10 +227,15 @@ def attention(w, cfg, nx: Numerics, ro: LayerRoles, A: AttentionWeights, x: np.n
                 compress(w, cfg, nx, A.index.comp, ikv[r], isc[r], p, st.ring(il, "idx_kv"),
                          st.ring(il, "idx_score"), keys, ro.index_ratio, ro.index_overlap, freqs, True)
                 scores = indexer_scores(iq[r], iw[r], p, keys[:n_keys], ro.index_ratio)
-                sel = topk_mask(scores, cfg.index_topk)
+                if scores.shape[1] > max(cfg.index_topk, DENSE_ROWS):    # attend to each query's picks only
+                    picks = topk_rows(scores, cfg.index_topk)
+                    sel = None
+                else:                    # few rows (or top-k takes them all): the dense mask, one matmul
+                    sel = topk_mask(scores, cfg.index_topk)
                 if trace is not None:
-                    trace.indexer_selected[il], trace.indexer_scores[il] = sel, scores
-        o[r] = attend(q[r], win, win_pos, comp, sel, p, sink, W)
+                    trace.indexer_selected[il] = sel if sel is not None else topk_mask(scores, cfg.index_topk)
+                    trace.indexer_scores[il] = scores
+        o[r] = attend(q[r], win, win_pos, comp, sel, p, sink, W, picks)
 
     # inverse RoPE on the output's rope dims, then the grouped low-rank output projection
     o = ops.rope_tail(o, pos, freqs, inverse=True)
