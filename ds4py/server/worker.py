@@ -212,6 +212,7 @@ class Worker:
         self._pending: collections.deque[Job] = collections.deque()
         self._cv = threading.Condition()
         self._closed = False
+        self._running: Job | None = None
         self._thread = threading.Thread(target=self._loop, name="ds4py-engine", daemon=True)
         self._thread.start()
 
@@ -227,11 +228,19 @@ class Worker:
             self._cv.notify()
 
     def close(self) -> None:
+        """Stop taking jobs and cancel every job, the running one too: a prefill stops at its next chunk."""
         with self._cv:
             self._closed = True
             for job in self._pending:
                 job.cancel.set()
+            if self._running is not None:
+                self._running.cancel.set()
             self._cv.notify_all()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the engine thread to finish (after close()); True when it did within the timeout."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def _loop(self) -> None:
         m = self.engine.metrics
@@ -243,6 +252,9 @@ class Worker:
                     return
                 job = self._pending.popleft()
                 m.queue_depth = len(self._pending)
+                self._running = job
+                if self._closed:
+                    job.cancel.set()
             if job.cancel.is_set():
                 m.add(cancelled=1)
                 job.emit(Done("cancelled", len(job.ids)))
@@ -262,3 +274,5 @@ class Worker:
                 job.emit(Done("error", len(job.ids), error=f"generation failed: {type(e).__name__}: {e}"))
             finally:
                 m.running = 0
+                with self._cv:
+                    self._running = None
