@@ -883,3 +883,27 @@ def test_root_answers_get_and_head(tok):
         r = get(srv.base_url + "/")
         assert r.status_code == 200 and r.json()["name"] == "ds4py" and r.json()["status"] == "ok"
         assert call("HEAD", srv.base_url + "/").status_code == 200          # Claude Code probes the base URL
+
+
+def test_v41_format_gets_mid_conversation_system_messages_back(tok):
+    """V4.1's chat format has a <｜System｜> token for a late system message: an engine with that format
+    (native_mid_system, as `serve` sets for V4.1 models) renders it as a system message; V4 as user text."""
+    from ds4py.chat import encode_prompt
+
+    seen = []
+
+    def capture(messages, options, tokenizer):
+        seen.append(messages)
+        return encode_prompt(messages, options, tokenizer)
+    conv = [{"role": "user", "content": "hi"}, {"role": "system", "content": "Agents: a, b."}]
+    for native in (False, True):
+        session = ScriptedSession(tok, ["ok", EOS])
+        state = ServerState(ServerConfig())
+        state.set_engine(Engine(session, tok, encode_prompt=capture, native_mid_system=native))
+        with BackgroundServer(state) as srv:
+            ant(srv).messages.create(model="deepseek-v4-flash", max_tokens=5, system="sys", messages=conv)
+    v4, v41 = seen
+    assert v4 == [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"},
+                  {"role": "user", "content": "Agents: a, b."}]
+    assert v41 == [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"},
+                   {"role": "system", "content": "Agents: a, b."}]

@@ -288,6 +288,9 @@ def resolve_thinking(alias_thinking: bool | None, *, effort=None, thinking_obj=N
     return thinking, (enc_effort if thinking else None)
 
 
+MID_SYSTEM = "_mid_system"        # a user message that was a system message after the first turn
+
+
 def place_system(messages: list[dict]) -> list[dict]:
     """System messages where DeepSeek's template can hold them (see docs/chat.md, "System messages").
 
@@ -297,7 +300,9 @@ def place_system(messages: list[dict]) -> list[dict]:
     line), and every later one (Claude Code 2.1's agent and skill lists, a developer message mid-conversation)
     becomes user text: it joins the user turn it follows or opens the next one, exactly as the encoder merges
     consecutive user messages. Each message's text then depends only on itself and what was before it, so a
-    conversation that grows by appending keeps a byte-identical prompt prefix."""
+    conversation that grows by appending keeps a byte-identical prompt prefix. Such a message is marked
+    MID_SYSTEM: the V4.1 format, which has a `<｜System｜>` token for it, gets it back as a system message
+    (Engine.prompt_ids)."""
     lead = 0
     while lead < len(messages) and messages[lead]["role"] == "system":
         lead += 1
@@ -309,7 +314,7 @@ def place_system(messages: list[dict]) -> list[dict]:
         if m["role"] != "system":
             out.append(m)
         elif m.get("content"):                      # an empty one renders nothing either way
-            out.append({"role": "user", "content": m["content"]})
+            out.append({"role": "user", "content": m["content"], MID_SYSTEM: True})
     return out
 
 

@@ -20,7 +20,7 @@ from typing import Callable
 from ds4py.sampling import InvalidLogits
 
 from .metrics import Metrics
-from .protocol import ApiError, Done, GenRequest, Reasoning, Started, Text, ToolCallOut
+from .protocol import MID_SYSTEM, ApiError, Done, GenRequest, Reasoning, Started, Text, ToolCallOut
 from .toolmemory import StoredCall, ToolMemory
 
 log = logging.getLogger("ds4py.server")
@@ -50,7 +50,8 @@ class Engine:
     """Everything between a GenRequest and its events: rendering, tokenizing, sampling, DSML parsing."""
 
     def __init__(self, session, tokenizer, *, metrics: Metrics | None = None, tool_memory: ToolMemory | None = None,
-                 encode_prompt: Callable | None = None, parser_factory: Callable | None = None):
+                 encode_prompt: Callable | None = None, parser_factory: Callable | None = None,
+                 native_mid_system: bool = False):
         self.session, self.tokenizer = session, tokenizer
         self.ctx_size = int(session.ctx_size)
         self.broken: str | None = None          # set when the model proved broken while serving (see Worker)
@@ -61,6 +62,9 @@ class Engine:
             encode_prompt = encode_prompt or chat.encode_prompt
             parser_factory = parser_factory or chat.DSMLParser
         self._encode_prompt, self._parser_factory = encode_prompt, parser_factory
+        # the chat format renders a system message after the first turn itself (V4.1's <｜System｜>); V4 gets
+        # such messages as user text (protocol.place_system)
+        self.native_mid_system = native_mid_system
 
     # ---- rendering (called from a thread pool, never on the event loop) ----------------------------------
 
@@ -73,6 +77,9 @@ class Engine:
         options = {"thinking_mode": "thinking" if req.thinking else "chat", "reasoning_effort": req.reasoning_effort,
                    "drop_thinking": True, "add_default_bos_token": True}
         messages = self.tool_memory.replay(req.messages)
+        if self.native_mid_system:
+            messages = [{"role": "system", "content": m["content"]} if m.get(MID_SYSTEM) else m for m in messages]
+        messages = [{k: v for k, v in m.items() if k != MID_SYSTEM} for m in messages]
         return list(self._encode_prompt(messages, options, self.tokenizer))
 
     def check_fits(self, ids: list[int]) -> None:
