@@ -138,6 +138,13 @@ class Session:
             if n > best and (n < len(prompt) or (n == len(prompt) and snap.logits is not None)) \
                     and snap.tokens == tuple(prompt[:n]):
                 best, src = n, snap
+            elif n > best:
+                # a copy of the snapshot rolled back within its horizon: the previous answer rendered to nothing
+                # (its reasoning dropped, or no assistant message at all) ends the next prompt's common prefix a
+                # token or two before the snapshot point, at the old `<｜Assistant｜>`
+                r = min(_common_prefix(snap.tokens, prompt), len(prompt) - 1)
+                if r > best and r >= snap.state.rollback_floor:
+                    best, src = r, snap
         return best, src
 
     def _take_snapshot(self) -> None:
@@ -217,6 +224,10 @@ class Session:
         if isinstance(src, _Snapshot):
             self.state, self.tokens = src.state.copy(), list(src.tokens)
             self._logits = None if src.logits is None else src.logits.copy()
+            if cached < len(src.tokens):              # restored, then rolled back to the common prefix
+                self.state.truncate(cached)
+                self.tokens, self._logits = self.tokens[:cached], None
+                self.stats.truncations += 1
             self._snapshots.append(self._snapshots.pop(self._snapshots.index(src)))
             self.stats.snapshots_restored += 1
         elif src == "truncate":

@@ -1,6 +1,8 @@
 """A random-weight V4 Flash GGUF of any small shape, in the ds4 layout, with a real byte-level tokenizer.
 
-`make_tiny(out, seed=0, **shape)` is the server's built-in demo model and a fixture for engine tests.
+`make_tiny(out, seed=0, **shape)` is a fixture for engine tests; `make_tiny(out, vocab="v4")` is the server's
+built-in demo model: DeepSeek V4's own 129,280-entry vocabulary (shipped in ds4py/data), so that prompts
+measure like the real model's and the special tokens are the real ones.
 Tensor names, orientations and types come from `ds4py.convert.ds4_layout`, so a tiny file and a converted
 checkpoint are read by the same loader. Weight magnitudes follow the ds4-tiny golden model (see
 golden/ds4-tiny/README.md "Weight magnitudes") so hyper-connections mix, attention is peaky, sinks and
@@ -135,6 +137,37 @@ def tiny_tokenizer(vocab_size: int) -> Tokenizer:
     tokens += SPECIAL_TAIL
     types += [3] * len(SPECIAL_TAIL)
     return Tokenizer(tokens, types, [f"{a} {b}" for a, b in merges], bos=0, eos=1)
+
+
+V4_VOCAB_FILE = "deepseek-v4-vocab.xz"        # written by tools/make_v4_vocab.py; see deepseek-v4-vocab.md
+V4_VOCAB_SIZE = 129280
+
+
+@functools.lru_cache(maxsize=1)
+def v4_tokenizer() -> Tokenizer:
+    """DeepSeek V4's tokenizer (vocabulary, merges, added tokens) from the package's compact copy: merge rank
+    r makes token first_merge_id + r, so each merge is stored as the length of its left part."""
+    import json
+    import lzma
+    from importlib import resources
+
+    try:
+        raw = lzma.decompress(resources.files("ds4py").joinpath("data", V4_VOCAB_FILE).read_bytes())
+        magic, head, body = raw.split(b"\n", 2)
+        h = json.loads(head)
+        if magic != b"DS4PY-VOCAB 1":
+            raise ValueError("not a ds4py vocabulary file")
+        n, first, nm, nb = h["n_tokens"], h["first_merge_id"], h["n_merges"], h["tokens_bytes"]
+        tokens = body[:nb].decode().split("\0")
+        split = np.frombuffer(body, np.uint8, nm, nb)
+        types = np.frombuffer(body, np.uint8, n, nb + nm)
+        if len(tokens) != n or len(body) != nb + nm + n:
+            raise ValueError("its sections do not add up")
+    except (OSError, ValueError, KeyError, lzma.LZMAError) as e:
+        raise ConvertError(f"the packaged DeepSeek V4 vocabulary ds4py/data/{V4_VOCAB_FILE} is unusable ({e}); "
+                           f"reinstall ds4py") from None
+    merges = [f"{t[:k]} {t[k:]}" for t, k in zip(tokens[first:first + nm], split.tolist())]
+    return Tokenizer(tokens, [int(t) for t in types], merges, bos=h["bos"], eos=h["eos"])
 
 
 # ----------------------------------------------------------------------------------------------- weights
@@ -286,21 +319,30 @@ class _Weights:
 
 
 MTP_SEED_BASE = 1 << 20          # the MTP file's tensors draw from generators (seed, MTP_SEED_BASE + index)
+VOCABS = ("tiny", "v4")
 
 
 def make_tiny(out_path: str, seed: int = 0, experts: str = "iq2", name: str = "ds4py-tiny-random",
-              progress: bool = False, mtp: str | None = None, **shape: Any) -> None:
+              progress: bool = False, mtp: str | None = None, vocab: str = "tiny", **shape: Any) -> None:
     """Write a random-weight V4 Flash GGUF (ds4 layout) of the given shape; see DEFAULTS for the shape keys.
-    With `mtp`, also a random MTP draft block there (ds4's separate mtp.0.* file; it accepts few drafts)."""
+    With `mtp`, also a random MTP draft block there (ds4's separate mtp.0.* file; it accepts few drafts).
+    vocab "tiny": a byte-level BPE learned from a small corpus, of any vocab_size; "v4": DeepSeek V4's own
+    vocabulary (vocab_size 129280)."""
     if experts not in EXPERT_KINDS:
         raise ConvertError(f"experts {experts!r} is not one of {', '.join(EXPERT_KINDS)}")
+    if vocab not in VOCABS:
+        raise ConvertError(f"vocab {vocab!r} is not one of {', '.join(VOCABS)}")
+    if vocab == "v4":
+        if shape.setdefault("vocab_size", V4_VOCAB_SIZE) != V4_VOCAB_SIZE:
+            raise ConvertError(f"the V4 vocabulary has {V4_VOCAB_SIZE} entries, not vocab_size {shape['vocab_size']}")
     s = tiny_shape(**shape)
     output_paths(out_path)
     if mtp is not None:
         output_paths(mtp)
     w = _Weights(s, seed, experts)
     tensors = [w.tensor(i, sp) for i, sp in enumerate(ds4_layout(s))]
-    write_gguf(out_path, name, gguf_metadata(s), tiny_tokenizer(s.vocab_size), tensors, progress)
+    tok = v4_tokenizer() if vocab == "v4" else tiny_tokenizer(s.vocab_size)
+    write_gguf(out_path, name, gguf_metadata(s), tok, tensors, progress)
     if mtp is not None:
         tensors = [w.tensor(MTP_SEED_BASE + i, sp) for i, sp in enumerate(mtp_layout(s))]
         write_gguf(mtp, name + "-mtp", gguf_metadata(s), None, tensors, progress)

@@ -121,3 +121,29 @@ def test_serve_prefills_in_paced_chunks(golden):
 
     engine = make_engine(str(golden / "ds4-tiny" / "tiny.gguf"), "ref", 256, ToolMemory())
     assert isinstance(engine.session.prefill_chunk, PrefillPacer)
+
+
+def test_shutdown_during_prefill_stops_the_engine_and_tells_the_client(tok):
+    """SIGTERM's path (run_server: state.close() first): the running prefill is cancelled at its next chunk, the
+    engine thread ends within a second, and the waiting client gets a 503 saying the server is shutting down."""
+    model = SlowModel(tok.vocab_size, per_token=0.001)
+    state = ServerState(ServerConfig())
+    state.set_engine(Engine(Session(model, tok, ctx_size=16384, prefill_chunk=PrefillPacer(seconds=0.1)), tok))
+    with BackgroundServer(state) as srv:
+        body = json.dumps({"prompt": [5] * 12000, "max_tokens": 2}).encode()
+        s = socket.create_connection((srv.host, srv.port), timeout=30)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        t0 = time.monotonic()
+        while not model.calls:
+            assert time.monotonic() - t0 < 10
+            time.sleep(0.01)
+        time.sleep(0.2)
+        t_stop = time.monotonic()
+        state.close()
+        assert state.worker.join(5.0), "the engine thread kept running after close()"
+        stopped = time.monotonic() - t_stop
+        reply = s.recv(65536).decode()
+        s.close()
+    assert stopped < 1.0 and sum(model.calls) < 6000, (stopped, model.calls)
+    assert reply.startswith("HTTP/1.1 503") and "shutting down" in reply

@@ -75,3 +75,7 @@ def test_api_key_from_a_file_or_the_environment_stays_out_of_the_process_list(go
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
     assert "API key required" in err and "process list" not in err       # no warning: the key is not on argv
+
+
+def test_max_tokens_must_be_positive():
+    assert "--max-tokens must be at least 1, got 0" in serve_fails(["--max-tokens", "0"])

@@ -199,7 +199,7 @@ def test_responses_stream_equals_nonstream(oai):
 
 def test_messages_nonstream_thinking_block(ant):
     m = ant.messages.create(model="deepseek-v4-flash", max_tokens=4, messages=[{"role": "user", "content": "Hey"}],
-                            extra_body={"temperature": 0})
+                            thinking={"type": "enabled", "budget_tokens": 1024}, extra_body={"temperature": 0})
     assert m.content[0].type == "thinking" and m.content[0].thinking
     assert m.usage.output_tokens == 4 and m.stop_reason == "max_tokens"
 
@@ -359,7 +359,7 @@ def test_serve_command(tiny):
     assert f"listening on http://127.0.0.1:{base.rsplit(':', 1)[1]}" in err
 
 
-def test_serve_demo_model(tmp_path):
+def test_serve_demo_model(tmp_path, golden):
     proc, base = start_serve(["--ctx", "128"], env={"XDG_CACHE_HOME": str(tmp_path)})
     try:
         models = json.loads(urllib.request.urlopen(base + "/v1/models", timeout=30).read())["data"]
@@ -367,10 +367,18 @@ def test_serve_demo_model(tmp_path):
         c = anthropic.Anthropic(base_url=base, api_key="none", max_retries=0, timeout=60)
         m = c.messages.create(model="ds4py-demo", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
         assert m.usage.output_tokens == 2
+        text = "Refactor the tokenizer module so that merges are cached."
+        n = c.messages.count_tokens(model="ds4py-demo", messages=[{"role": "user", "content": text}]).input_tokens
     finally:
         err = _stop(proc)
     assert "RANDOM WEIGHTS" in err
-    assert (tmp_path / "ds4py" / "demo-tiny-random-seed0.gguf").is_file()
+    demo = tmp_path / "ds4py" / "demo-tiny-v4vocab-random-seed0.gguf"
+    # the demo model speaks DeepSeek V4's own vocabulary: official ids, and a prompt counts as the real model's
+    tok = Tokenizer.from_gguf(str(demo))
+    assert tok.vocab_size == 129280
+    for case in json.loads((golden / "tokenizer" / "tokenizer_cases.json").read_text(encoding="utf-8"))["cases"][:8]:
+        assert tok.encode(case["text"], special=True) == case["ids"], case["id"]
+    assert n == 4 + len(tok.encode(text))                # BOS <｜User｜> text <｜Assistant｜></think>
 
 
 def test_ignore_eos_generates_max_tokens(oai):

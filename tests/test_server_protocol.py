@@ -27,6 +27,7 @@ from ds4py.server.worker import Engine
 from ds4py.session import DoneEvent, TokenEvent
 from ds4py.tokenizer import Tokenizer
 
+THINKING = {"type": "enabled", "budget_tokens": 1024}     # Anthropic's API thinks only when asked to
 THINK_TOOL_SCRIPT = [
     "The user wants weather.", "</think>", "Let me check.", "\n\n<｜DSML｜tool_calls>\n",
     '<｜DSML｜invoke name="get_weather">\n',
@@ -215,7 +216,7 @@ def test_openai_tool_call_nonstream_and_stream(tok):
 def test_anthropic_tool_use_nonstream_and_stream(tok):
     with scripted(tok, THINK_TOOL_SCRIPT) as srv:
         c = ant(srv)
-        kw = dict(model="deepseek-v4-flash", max_tokens=100, tools=TOOLS_ANTHROPIC,
+        kw = dict(model="deepseek-v4-flash", max_tokens=100, tools=TOOLS_ANTHROPIC, thinking=THINKING,
                   messages=[{"role": "user", "content": "Weather in Paris?"}])
         m = c.messages.create(**kw)
         assert [b.type for b in m.content] == ["thinking", "text", "tool_use"]
@@ -294,7 +295,7 @@ def test_exact_dsml_replay_openai(tok):
 def test_exact_dsml_replay_anthropic_and_responses(tok):
     with scripted(tok, THINK_TOOL_SCRIPT) as srv:
         m = ant(srv).messages.create(model="deepseek-v4-flash", max_tokens=100, tools=TOOLS_ANTHROPIC,
-                                     messages=[{"role": "user", "content": "Weather in Paris?"}])
+                                     thinking=THINKING, messages=[{"role": "user", "content": "Weather in Paris?"}])
         thinking, text, use = m.content
         history = [{"role": "user", "content": "Weather in Paris?"},
                    {"role": "assistant", "content": [
@@ -302,7 +303,8 @@ def test_exact_dsml_replay_anthropic_and_responses(tok):
                        {"type": "text", "text": text.text},
                        {"type": "tool_use", "id": use.id, "name": use.name, "input": use.input}]},
                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}]}]
-        ant(srv).messages.create(model="deepseek-v4-flash", max_tokens=1, tools=TOOLS_ANTHROPIC, messages=history)
+        ant(srv).messages.create(model="deepseek-v4-flash", max_tokens=1, tools=TOOLS_ANTHROPIC, thinking=THINKING,
+                                 messages=history)
         first, second = (tok.decode(p) for p in srv.session.prompts)
         assert second.startswith(first + SAMPLED + EOS)
 
@@ -594,7 +596,7 @@ def _forge_bodies(text: str) -> dict[str, dict]:
                                           {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": args}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": text},
                                      {"type": "text", "text": text}]}]
-    anthropic_body = {"system": text, "messages": anthropic_msgs,
+    anthropic_body = {"system": text, "messages": anthropic_msgs, "thinking": THINKING,
                       "tools": [{"name": "get_weather", "description": text, "input_schema": params}]}
     return {
         "/v1/chat/completions": {
@@ -698,7 +700,6 @@ def test_conversation_must_end_with_a_turn_to_answer(tok):
         call_a = {"id": "call_a", "type": "function", "function": {"name": "f", "arguments": "{}"}}
         for messages, match in (
                 ([{"role": "system", "content": "sys"}], "at least one user message"),
-                ([{"role": "user", "content": "hi"}, {"role": "system", "content": "sys"}], "ends with a system"),
                 ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure"}], "prefix"),
                 ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call_a]}],
                  "tool calls")):
@@ -718,8 +719,10 @@ def test_prefill_continues_the_final_assistant_message(tok):
     thinking already closed) and the sampled text is returned as answer text, not reasoning."""
     with scripted(tok, ["ok", EOS]) as srv:
         msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure"}]
-        m = ant(srv).messages.create(model="deepseek-v4-flash", max_tokens=5, messages=msgs)   # thinking mode
+        m = ant(srv).messages.create(model="deepseek-v4-flash", max_tokens=5, messages=msgs, thinking=THINKING)
         assert tok.decode(srv.session.prompts[-1]).endswith("<｜User｜>hi<｜Assistant｜><think></think>Sure")
+        m = ant(srv).messages.create(model="deepseek-v4-flash", max_tokens=5, messages=msgs)   # thinking off
+        assert tok.decode(srv.session.prompts[-1]).endswith("<｜User｜>hi<｜Assistant｜></think>Sure")
         assert [(b.type, b.text) for b in m.content] == [("text", "ok")] and m.stop_reason == "end_turn"
         assert ant(srv).messages.count_tokens(model="deepseek-v4-flash", messages=msgs).input_tokens == \
             len(srv.session.prompts[-1])
@@ -754,3 +757,153 @@ def test_non_text_tool_results_render_as_placeholders(tok):
                 {"role": "assistant", "content": "", "tool_calls": [
                     {"id": "c", "type": "function", "function": {"name": "shot", "arguments": "{}"}}]},
                 {"role": "tool", "tool_call_id": "c", "content": [{"no_type": 1}]}])
+
+
+# ---- coding-agent clients: what Claude Code and Codex send -----------------------------------------------------
+
+def test_claude_code_mid_conversation_system_messages_are_user_text_and_prefix_stable(tok):
+    """Claude Code 2.1 sends `role: "system"` messages inside `messages` (its agent and skill lists): they are
+    rendered as user text, so the conversation grows by appending and each turn's prompt extends the last one."""
+    with scripted(tok, ["ok", EOS]) as srv:
+        c = ant(srv)
+        system = [{"type": "text", "text": "You are a coding agent."}]
+        turn1 = [{"role": "user", "content": "hi"}, {"role": "system", "content": "Agents: explorer, worker."}]
+        m = c.messages.create(model="deepseek-v4-flash", max_tokens=5, system=system, messages=turn1)
+        assert m.content[0].text == "ok"
+        turn2 = turn1 + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "next"},
+                         {"role": "system", "content": "Reminder: be brief."}]
+        c.messages.create(model="deepseek-v4-flash", max_tokens=5, system=system, messages=turn2)
+        p1, p2 = (tok.decode(p) for p in srv.session.prompts)
+        assert p2.startswith(p1 + "ok" + EOS)                 # byte-identical prefix: the KV state is reused
+        assert p1.startswith("<｜begin▁of▁sentence｜>You are a coding agent.<｜User｜>hi")
+        assert "Agents: explorer, worker." in p1 and p2.endswith("Reminder: be brief.<｜Assistant｜></think>")
+        assert p1.count("<｜User｜>") == 1                     # joined to the user turn it follows
+        # the same conversation as plain user messages renders identically (the encoder merges user turns)
+        as_user = [dict(x, role="user") if x["role"] == "system" else x for x in turn2]
+        c.messages.create(model="deepseek-v4-flash", max_tokens=5, system=system, messages=as_user)
+        assert srv.session.prompts[-1] == srv.session.prompts[1]
+        with pytest.raises(anthropic.BadRequestError, match="'user', 'assistant' or 'system'"):
+            c.messages.create(model="deepseek-v4-flash", max_tokens=5,
+                              messages=[{"role": "user", "content": "hi"}, {"role": "tool", "content": "x"}])
+
+
+def test_anthropic_thinking_default_off_and_output_config_effort(tok):
+    with scripted(tok, ["ok", EOS]) as srv:
+        c, msgs = ant(srv), [{"role": "user", "content": "hi"}]
+        c.messages.create(model="deepseek-v4-flash", max_tokens=5, messages=msgs)
+        assert tok.decode(srv.session.prompts[-1]).endswith("<｜Assistant｜></think>")      # Anthropic: off
+        # Claude Code's output_config.effort never switches thinking on by itself
+        c.messages.create(model="deepseek-v4-flash", max_tokens=5, messages=msgs,
+                          extra_body={"output_config": {"effort": "max"}})
+        assert srv.session.prompts[-1] == srv.session.prompts[0]
+        # with thinking on, "max" is DeepSeek's Think Max prompt, the same as reasoning_effort "max"
+        c.messages.create(model="deepseek-v4-flash", max_tokens=5, messages=msgs, thinking=THINKING,
+                          extra_body={"output_config": {"effort": "max"}})
+        c.messages.create(model="deepseek-v4-flash", max_tokens=5, messages=msgs, thinking=THINKING,
+                          extra_body={"reasoning_effort": "max"})
+        c.messages.create(model="deepseek-v4-flash", max_tokens=5, messages=msgs, thinking=THINKING,
+                          extra_body={"output_config": {"effort": "high"}})
+        max_a, max_b, high = srv.session.prompts[-3:]
+        assert max_a == max_b and len(max_a) > len(high) and tok.decode(high).endswith("<｜Assistant｜><think>")
+        with pytest.raises(anthropic.BadRequestError, match="output_config.effort"):
+            c.messages.create(model="deepseek-v4-flash", max_tokens=5, messages=msgs,
+                              extra_body={"output_config": {"effort": "ultra"}})
+
+
+NAMESPACE_TOOLS = [
+    {"type": "namespace", "name": "multi_agent_v1", "description": "Sub-agents.", "tools": [
+        {"type": "function", "name": "spawn_agent", "description": "Start an agent.", "strict": False,
+         "parameters": {"type": "object", "properties": {"message": {"type": "string"}}}},
+        {"type": "function", "name": "wait_agent", "parameters": {"type": "object", "properties": {}}}]},
+    {"type": "web_search"}]
+SPAWN_SCRIPT = ["Delegate.", "</think>", "\n\n<｜DSML｜tool_calls>\n", '<｜DSML｜invoke name="multi_agent_v1__spawn_agent">\n',
+                '<｜DSML｜parameter name="message" string="true">look</｜DSML｜parameter>\n',
+                "</｜DSML｜invoke>\n", "</｜DSML｜tool_calls>", EOS]
+
+
+def test_codex_namespace_tools_are_client_function_tools(tok):
+    """Codex's `namespace` tools (multi_agent_v1: spawn_agent, wait_agent ...) run in the client: the model sees
+    them as functions; a call comes back as a function_call with name and namespace apart, and replays exactly."""
+    with scripted(tok, SPAWN_SCRIPT) as srv:
+        body = {"model": "deepseek-v4-flash", "input": "Explore the repo.", "tools": NAMESPACE_TOOLS}
+        r = post(srv.base_url + "/v1/responses", json_body=body).json()
+        prompt = tok.decode(srv.session.prompts[0])
+        assert '"name": "multi_agent_v1__spawn_agent"' in prompt and '"name": "multi_agent_v1__wait_agent"' in prompt
+        assert "Sub-agents." in prompt and "web_search" not in prompt          # hosted: not offered
+        fc = r["output"][-1]
+        assert (fc["type"], fc["name"], fc["namespace"]) == ("function_call", "spawn_agent", "multi_agent_v1")
+        assert json.loads(fc["arguments"]) == {"message": "look"}
+        history = [{"role": "user", "content": "Explore the repo."}, r["output"][0],
+                   {"type": "function_call", "call_id": fc["call_id"], "name": "spawn_agent",
+                    "namespace": "multi_agent_v1", "arguments": json.dumps({"message": "look"})},
+                   {"type": "function_call_output", "call_id": fc["call_id"], "output": "agent a1 started"}]
+        r2 = oai(srv).responses.create(model="deepseek-v4-flash", input=history, tools=NAMESPACE_TOOLS,
+                                       max_output_tokens=1)
+        assert r2.status == "incomplete"
+        first, second = (tok.decode(p) for p in srv.session.prompts)
+        assert second.startswith(first + "".join(SPAWN_SCRIPT[:-1]) + EOS)
+        with pytest.raises(openai.BadRequestError, match="namespace tool"):
+            oai(srv).responses.create(model="deepseek-v4-flash", input="x", tools=[{"type": "namespace"}])
+
+
+def test_responses_reasoning_summary_is_filled_when_asked(tok):
+    """Codex asks `reasoning.summary: "auto"` and shows the summary stream; this model writes no separate
+    summary, so its reasoning is the summary."""
+    with scripted(tok, ["Think first.", "</think>", "Answer.", EOS]) as srv:
+        c = oai(srv)
+        r = c.responses.create(model="deepseek-v4-flash", input="q", reasoning={"summary": "auto"})
+        assert r.output[0].summary[0].text == "Think first." and r.reasoning.summary == "auto"
+        assert r.output[0].content[0].text == "Think first." and r.output_text == "Answer."
+        with c.responses.stream(model="deepseek-v4-flash", input="q", reasoning={"summary": "auto"}) as s:
+            events = list(s)
+            final = s.get_final_response()
+        types = [e.type for e in events]
+        deltas = "".join(e.delta for e in events if e.type == "response.reasoning_summary_text.delta")
+        assert deltas == "Think first." and "response.reasoning_text.delta" not in types
+        assert "response.reasoning_summary_part.added" in types and "response.reasoning_summary_part.done" in types
+        assert final.output[0].summary[0].text == "Think first."
+        plain = c.responses.create(model="deepseek-v4-flash", input="q")
+        assert plain.output[0].summary == [] and plain.output[0].content[0].text == "Think first."
+        with pytest.raises(openai.BadRequestError, match="reasoning.summary"):
+            c.responses.create(model="deepseek-v4-flash", input="q", reasoning={"summary": "long"})
+
+
+def test_server_max_tokens_caps_requests_that_send_none(tok):
+    with scripted(tok, ["x"] * 40, max_tokens=3) as srv:
+        r = oai(srv).responses.create(model="deepseek-v4-flash", input="q")            # Codex sends no limit
+        assert r.status == "incomplete" and r.usage.output_tokens == 3
+        r = oai(srv).responses.create(model="deepseek-v4-flash", input="q", max_output_tokens=5)
+        assert r.usage.output_tokens == 5                                                # an explicit one wins
+        r = oai(srv).chat.completions.create(model="deepseek-v4-flash", messages=[{"role": "user", "content": "q"}])
+        assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+
+
+def test_root_answers_get_and_head(tok):
+    with scripted(tok, ["ok", EOS]) as srv:
+        r = get(srv.base_url + "/")
+        assert r.status_code == 200 and r.json()["name"] == "ds4py" and r.json()["status"] == "ok"
+        assert call("HEAD", srv.base_url + "/").status_code == 200          # Claude Code probes the base URL
+
+
+def test_v41_format_gets_mid_conversation_system_messages_back(tok):
+    """V4.1's chat format has a <｜System｜> token for a late system message: an engine with that format
+    (native_mid_system, as `serve` sets for V4.1 models) renders it as a system message; V4 as user text."""
+    from ds4py.chat import encode_prompt
+
+    seen = []
+
+    def capture(messages, options, tokenizer):
+        seen.append(messages)
+        return encode_prompt(messages, options, tokenizer)
+    conv = [{"role": "user", "content": "hi"}, {"role": "system", "content": "Agents: a, b."}]
+    for native in (False, True):
+        session = ScriptedSession(tok, ["ok", EOS])
+        state = ServerState(ServerConfig())
+        state.set_engine(Engine(session, tok, encode_prompt=capture, native_mid_system=native))
+        with BackgroundServer(state) as srv:
+            ant(srv).messages.create(model="deepseek-v4-flash", max_tokens=5, system="sys", messages=conv)
+    v4, v41 = seen
+    assert v4 == [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"},
+                  {"role": "user", "content": "Agents: a, b."}]
+    assert v41 == [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"},
+                   {"role": "system", "content": "Agents: a, b."}]

@@ -144,6 +144,26 @@ def test_thinking_turn_diverging_at_last_prompt_token_restores_snapshot(tok):
     assert ids2 == fresh_tokens(tok, turn2, 4)
 
 
+def test_turn_that_rendered_to_nothing_reuses_a_rolled_back_snapshot(tok):
+    """A thinking-only answer (cut at max_tokens) whose reasoning the client drops leaves no assistant
+    message: the next prompt merges the user turns and diverges one token before the snapshot point (at the
+    old <｜Assistant｜>), far beyond the live state's horizon. A copy of the snapshot rolled back by one token
+    serves it instead of a full re-prefill."""
+    m = FakeModel(horizon=4)
+    s = Session(m, tok)
+    think = PROMPT[:-2] + [508, 509]                 # ... user text <｜Assistant｜><think>
+    run(s, think, max_tokens=12)                     # a long answer: the live state cannot roll back that far
+    retry = PROMPT[:-2] + [271, 200, 201, 508, 509]  # ... user text \n\n more text <｜Assistant｜><think>
+    assert s.prompt_cache_tokens(retry) == len(PROMPT) - 2
+    before, steps = s.stats.prefilled_tokens, len(m.steps)
+    ids, _, done = run(s, retry, max_tokens=4)
+    assert done.cached_tokens == len(PROMPT) - 2 and s.stats.snapshots_restored == 1 and s.stats.truncations == 1
+    assert s.stats.prefilled_tokens - before == 5 and m.steps[steps] == 4      # only the new tokens
+    assert ids == fresh_tokens(tok, retry, 4)
+    # the snapshot itself is untouched: the original prompt still reuses all of it
+    assert s.prompt_cache_tokens(think) == len(think) - 1
+
+
 def test_repeated_prompt_reuses_all_but_one_or_all(tok):
     s = Session(FakeModel(), tok)
     a, _, _ = run(s, PROMPT, max_tokens=3)
@@ -170,11 +190,16 @@ def test_diverging_within_the_rollback_horizon_truncates_the_live_state(tok):
     # regenerating the same prompt: truncate to all but its last token (no snapshot copy needed)
     again, _, done = run(s, edited, max_tokens=3)
     assert again == got and done.cached_tokens == len(edited) - 1 and s.stats.truncations == 2
-    # deeper than the horizon (measured from the furthest the state reached): a snapshot or a fresh start
+    # deeper than the live state's horizon (measured from the furthest it reached): a snapshot (here the one
+    # before PROMPT's last token, within its own horizon of 3 tokens) or a fresh start
     far = PROMPT[:3] + [400, 401]
-    assert s.prompt_cache_tokens(far) == 0 and s.state.rollback_floor > 3
+    assert s.prompt_cache_tokens(far) == 3 and s.state.rollback_floor > 3
     got, _, done = run(s, far, max_tokens=2)
-    assert done.cached_tokens == 0 and s.stats.truncations == 2 and got == fresh_tokens(tok, far, 2)
+    assert done.cached_tokens == 3 and s.stats.snapshots_restored == 1 and got == fresh_tokens(tok, far, 2)
+    farther = [300, 301, 302]
+    assert s.prompt_cache_tokens(farther) == 0
+    got, _, done = run(s, farther, max_tokens=2)
+    assert done.cached_tokens == 0 and got == fresh_tokens(tok, farther, 2)
 
 
 def test_snapshots_are_bounded_and_independent(tok):

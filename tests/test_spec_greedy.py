@@ -56,6 +56,23 @@ def test_verify_rows_are_bit_identical_to_decode_steps(v4_mtp_gguf, nx):
             assert np.array_equal(arr, b.arrays[key]), f"P={P} k={k}: state part {key} differs"
 
 
+def test_verify_rows_stay_bit_identical_across_the_gathered_attention_threshold(model, monkeypatch):
+    """The indexer layers attend gathered top-k picks once a query sees more than DENSE_ROWS compressed rows:
+    a verify chunk that crosses that threshold takes, row by row, the path each row's own decode step takes."""
+    import ds4py.ref.forward as F
+
+    monkeypatch.setattr(F, "DENSE_ROWS", 10)       # ratio 4: rows 43+ see 11+ compressed rows and gather
+    rng = np.random.default_rng(3)
+    for P, k in ((36, 10), (60, 5)):                # crossing the threshold; past it
+        ids = rng.integers(0, model.config.vocab_size, P + k + 1)
+        a = model.new_state()
+        model.step([a], [ids[:P]])
+        b = a.copy()
+        rows = model.step([a], [ids[P:]], all_logits=True)[0]
+        one = np.stack([model.step([b], [[int(t)]])[0] for t in ids[P:]])
+        assert np.array_equal(rows, one), f"P={P} k={k}: max |diff| {np.abs(rows - one).max():.2e}"
+
+
 def test_batched_decode_rows_are_bit_identical_too(model):
     """Row stability also covers a step of several sequences (batched decode): each row as if alone."""
     rng = np.random.default_rng(2)

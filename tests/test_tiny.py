@@ -3,6 +3,7 @@ weight magnitudes; the make-tiny and inspect commands."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -145,3 +146,46 @@ def test_cli_make_tiny_and_inspect(tmp_path, tiny):
     bad.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 20)
     r = subprocess.run([sys.executable, "-m", "ds4py", "inspect", str(bad)], capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "bad.gguf" in r.stderr
+
+
+def test_v4_vocab_is_the_official_tokenizer(golden, tmp_path):
+    """The packaged compact V4 vocabulary (ds4py/data, what the demo model gets) is the official tokenizer.json
+    entry for entry, and written into a GGUF it tokenizes every golden string to the official ids."""
+    import gguf
+
+    from ds4py.tiny import V4_VOCAB_SIZE, v4_tokenizer
+    from ds4py.tokenizer import Tokenizer
+
+    tj = json.loads((golden / "tokenizer" / "tokenizer.json").read_text(encoding="utf-8"))
+    t = v4_tokenizer()
+    assert len(t.tokens) == V4_VOCAB_SIZE and (t.bos, t.eos) == (0, 1)
+    want = {i: s for s, i in tj["model"]["vocab"].items()} | {a["id"]: a["content"] for a in tj["added_tokens"]}
+    assert t.tokens == [want[i] for i in range(V4_VOCAB_SIZE)]
+    assert t.merges == [m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]]
+    added = {a["id"] for a in tj["added_tokens"]}
+    assert [i for i, ty in enumerate(t.token_types) if ty == 3] == sorted(added)
+
+    p = tmp_path / "v4vocab.gguf"
+    w = gguf.GGUFWriter(str(p), "deepseek4")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(t.pre)
+    w.add_token_list(t.tokens)
+    w.add_token_types(t.token_types)
+    w.add_token_merges(t.merges)
+    w.add_bos_token_id(t.bos)
+    w.add_eos_token_id(t.eos)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    tok = Tokenizer.from_gguf(str(p))
+    cases = json.loads((golden / "tokenizer" / "tokenizer_cases.json").read_text(encoding="utf-8"))["cases"]
+    for c in cases:
+        assert tok.encode(c["text"], special=True) == c["ids"], c["id"]
+    assert tok.special_id("<｜User｜>") == 128803 and tok.special_id("<think>") == 128821
+
+
+def test_make_tiny_v4_vocab_refuses_another_size(tmp_path):
+    with pytest.raises(ConvertError, match="129280"):
+        make_tiny(str(tmp_path / "x.gguf"), vocab="v4", vocab_size=512)
+    with pytest.raises(ConvertError, match="vocab 'big'"):
+        make_tiny(str(tmp_path / "x.gguf"), vocab="big")

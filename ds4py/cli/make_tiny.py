@@ -28,6 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compress-ratios", metavar="R,R,...",
                    help="per-layer ratios from {0,4,128} (default: 0,0 then alternating 4,128)")
     p.add_argument("--mtp", metavar="OUT_MTP.gguf", help="also write a random MTP draft block (ds4's mtp.0.* file)")
+    p.add_argument("--v4-vocab", action="store_true",
+                   help="DeepSeek V4's own 129,280-entry vocabulary (as the serve demo model) instead of a small "
+                        "byte-level BPE learned from a sample text (--vocab N entries)")
     p.add_argument("-v", "--verbose", action="store_true", help="progress on stderr")
 
 
@@ -42,6 +45,6 @@ def run(args: argparse.Namespace) -> int:
         except ValueError:
             raise ConfigError(f"--compress-ratios {args.compress_ratios!r} is not a comma-separated list of integers")
     make_tiny(args.out, seed=args.seed, experts=args.experts, name=args.name, progress=args.verbose,
-              mtp=args.mtp, **shape)
+              mtp=args.mtp, vocab="v4" if args.v4_vocab else "tiny", **shape)
     print(args.out)
     return 0

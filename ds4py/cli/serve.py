@@ -24,6 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_stack_arguments(p)
     p.add_argument("--ctx", type=int, default=32768,
                    help="context size in tokens (default 32768, capped at the model's)")
+    p.add_argument("--max-tokens", type=int, default=None, metavar="N",
+                   help="generation limit for requests that send none (Codex sends none); default: unlimited, "
+                        "i.e. up to the context size")
     add_engram_dir(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 exposes it to the network)")
@@ -63,7 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def demo_model_path() -> Path:
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ds4py"
-    return base / f"demo-tiny-random-seed{DEMO_SEED}.gguf"
+    return base / f"demo-tiny-v4vocab-random-seed{DEMO_SEED}.gguf"
 
 
 def ensure_demo_model() -> Path:
@@ -79,7 +82,8 @@ def ensure_demo_model() -> Path:
     except ImportError as e:
         raise Ds4Error(f"no -m MODEL given and the demo model generator is unavailable ({e})") from None
     path.parent.mkdir(parents=True, exist_ok=True)
-    make_tiny(str(path), seed=DEMO_SEED)
+    # the real V4 vocabulary: agent prompts measure like the real model's, special tokens are the real ones
+    make_tiny(str(path), seed=DEMO_SEED, vocab="v4", name="ds4py-demo-random")
     return path
 
 
@@ -100,7 +104,8 @@ def make_engine(model_path: str, backend: str, ctx: int, tool_memory, mtp: str |
     from ds4py.chat import chat_format
 
     fmt = chat_format(getattr(model.config, "variant", "v4"))       # the V4 or V4.1 chat format
-    return Engine(session, tok, tool_memory=tool_memory, encode_prompt=fmt.encode_prompt, parser_factory=fmt.parser)
+    return Engine(session, tok, tool_memory=tool_memory, encode_prompt=fmt.encode_prompt, parser_factory=fmt.parser,
+                  native_mid_system=fmt.name == "v41")
 
 
 def api_key(args) -> tuple[str | None, str]:
@@ -143,6 +148,8 @@ def run(args) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.ctx < 2:
         raise Ds4Error(f"--ctx must be at least 2, got {args.ctx}")
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise Ds4Error(f"--max-tokens must be at least 1, got {args.max_tokens}")
     if args.max_queue < 1 or args.max_body_mb <= 0:
         raise Ds4Error("--max-queue must be >= 1 and --max-body-mb > 0")
     if not (args.header_timeout > 0 and args.body_timeout > 0):
@@ -154,7 +161,8 @@ def run(args) -> int:
     config = ServerConfig(host=args.host, port=args.port, api_key=key,
                           cors=[o.strip() for o in (args.cors or "").split(",") if o.strip()],
                           max_body_mb=args.max_body_mb, max_queue=args.max_queue, access_log=args.verbose,
-                          allowed_hosts=hosts, header_timeout=args.header_timeout, body_timeout=args.body_timeout)
+                          allowed_hosts=hosts, header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+                          max_tokens=args.max_tokens)
     if demo:
         config.model_ids = ("ds4py-demo",) + MODEL_IDS
         config.model_name = "ds4py demo (tiny, random weights)"

@@ -26,6 +26,9 @@ from ds4py.schema import AttentionWeights, CompressorWeights, FfnWeights, LayerW
 
 F32 = np.float32
 QUERY_BLOCK = 256        # queries per attention block: bounds the [T, H, keys] score memory on long prompts
+GATHER_BUDGET = 1 << 22  # floats of gathered compressed rows per attention block ([block, top-k, head_dim])
+DENSE_ROWS = 128         # up to this many compressed rows one masked matmul over all of them is as fast as
+                         # gathering each query's top-k (measured crossover 64-256 rows, 16 heads x 512)
 
 
 @dataclass
@@ -167,15 +170,36 @@ def index_topk(scores: np.ndarray, pos: np.ndarray, ratio: int, k: int) -> np.nd
     return sel
 
 
+def topk_rows(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k best finite entries of each row as (column indices [T, k'], valid [T, k']), k' = min(k, Nc): the
+    rows a query attends besides its window. A row with fewer than k finite entries has invalid picks."""
+    if scores.shape[1] <= k:
+        return np.broadcast_to(np.arange(scores.shape[1]), scores.shape), np.isfinite(scores)
+    idx = np.argpartition(-scores, k - 1, axis=1)[:, :k]
+    return idx, np.isfinite(np.take_along_axis(scores, idx, 1))
+
+
+def index_picks(scores: np.ndarray, pos: np.ndarray, ratio: int, k: int, dense_rows: int):
+    """topk_rows of the indexer scores as (indices, valid, use). Row-stable (ops.row_stable): each row picks over
+    its visible keys only and takes the path its own decode step takes: picks when it sees more than dense_rows
+    rows (use[t]), else the masked path (use[t] False; use is None when every row picks)."""
+    if len(pos) == 1 or not ops.is_row_stable():
+        return (*topk_rows(scores, k), None)
+    n = (pos.astype(np.int64) + 1) // ratio
+    use = n > dense_rows
+    idx, valid = np.zeros((len(pos), k), np.int64), np.zeros((len(pos), k), bool)
+    for t in np.flatnonzero(use):
+        i, v = topk_rows(scores[t:t + 1, :n[t]], k)
+        idx[t], valid[t] = i[0], v[0]
+    return idx, valid, None if use.all() else use
+
+
 def topk_mask(scores: np.ndarray, k: int) -> np.ndarray:
     """True for the k best finite entries of each row (all finite entries when there are at most k)."""
-    finite = np.isfinite(scores)
-    if scores.shape[1] <= k:
-        return finite
-    kth = np.argpartition(-scores, k - 1, axis=1)[:, :k]
+    idx, valid = topk_rows(scores, k)
     sel = np.zeros(scores.shape, bool)
-    np.put_along_axis(sel, kth, True, axis=1)
-    return sel & finite
+    np.put_along_axis(sel, idx, valid, axis=1)
+    return sel
 
 
 # ---- attention ----------------------------------------------------------------------------------------------
@@ -191,13 +215,20 @@ def window(ring: np.ndarray, kv: np.ndarray, pos: np.ndarray, W: int) -> tuple[n
 
 
 def attend(q: np.ndarray, win: np.ndarray, win_pos: np.ndarray, comp: np.ndarray | None, sel: np.ndarray | None,
-           pos: np.ndarray, sink: np.ndarray, W: int, ratio: int = 0) -> np.ndarray:
-    """Attention with sink for one sequence, in query blocks: keys = its window rows ∪ the selected compressed
-    rows (K = V). Row-stable (ops.row_stable): one query per block, with exactly the keys its own decode step
-    has (the window up to it, the compressed rows visible to it)."""
+           pos: np.ndarray, sink: np.ndarray, W: int, ratio: int = 0,
+           picks: tuple[np.ndarray, np.ndarray, np.ndarray | None] | None = None) -> np.ndarray:
+    """Attention with sink for one sequence, in query blocks (K = V). A query's keys are its window rows plus
+    compressed rows: either every row `sel` marks (a [T, Nc] mask: the ratio-128 layers, which see all their
+    visible rows, and indexer layers whose top-k still takes every row), or the indexer's top-k `picks`
+    ((indices, valid), [T, k] each, and use: the rows that take them, None = all), gathered per query. With picks
+    a query costs O(W + k) whatever the context length, so a long prefill is linear in its length instead of
+    scoring every compressed row. Row-stable (ops.row_stable): one query per block, with exactly the keys its own
+    decode step has (the window up to it, the compressed rows visible to it)."""
     T, hd = q.shape[0], q.shape[-1]
     block = 1 if ops.is_row_stable() else QUERY_BLOCK
     o = np.empty(q.shape, F32)
+    if picks is not None and block > 1:            # bound the gathered [block, k, hd] rows
+        block = max(1, min(QUERY_BLOCK, GATHER_BUDGET // max(1, picks[0].shape[1] * hd)))
     for a in range(0, T, block):
         b = min(a + block, T)
         lo = max(0, int(pos[a]) - W + 1 - int(win_pos[0]))
@@ -205,12 +236,30 @@ def attend(q: np.ndarray, win: np.ndarray, win_pos: np.ndarray, comp: np.ndarray
         kp = win_pos[lo:hi]
         mask = (kp[None, :] <= pos[a:b, None]) & (kp[None, :] > pos[a:b, None] - W)
         keys = win[lo:hi]
+        if picks is not None and (picks[2] is None or picks[2][a]):
+            o[a:b] = attention_with_picks(q[a:b], keys, mask, comp, picks[0][a:b], picks[1][a:b], sink, hd ** -0.5)
+            continue
         n_comp = 0 if comp is None else comp.shape[0] if block > 1 else (int(pos[a]) + 1) // ratio
         if n_comp:
             keys = np.concatenate([keys, comp[:n_comp]])
             mask = np.concatenate([mask, sel[a:b, :n_comp]], 1)
         o[a:b] = ops.attention_with_sink(q[a:b], keys, mask, sink, hd ** -0.5)
     return o
+
+
+def attention_with_picks(q: np.ndarray, win: np.ndarray, win_mask: np.ndarray, comp: np.ndarray, idx: np.ndarray,
+                         valid: np.ndarray, sink: np.ndarray, scale: float) -> np.ndarray:
+    """ops.attention_with_sink over the union of a band of window rows (win [Nw, hd], win_mask [B, Nw]) and
+    each query's own compressed rows comp[idx[t]] (valid [B, k]): one softmax with the sink, the same sums,
+    split into the two key sets. q: [B, H, hd] -> [B, H, hd]."""
+    ninf = F32(-np.inf)
+    rows = comp[idx]                                                   # [B, k, hd]
+    s_w = np.where(win_mask[:, None, :], (q @ win.T) * F32(scale), ninf)            # [B, H, Nw]
+    s_c = np.where(valid[:, None, :], (q @ rows.transpose(0, 2, 1)) * F32(scale), ninf)   # [B, H, k]
+    m = np.maximum(s_w.max(-1), s_c.max(-1))           # every query sees at least its own window row
+    p_w, p_c = np.exp(s_w - m[..., None]), np.exp(s_c - m[..., None])
+    denom = p_w.sum(-1) + p_c.sum(-1) + np.exp(sink[None, :] - m)
+    return (p_w @ win + p_c @ rows) / denom[..., None]
 
 
 def attention(w, cfg, nx: Numerics, ro: LayerRoles, A: AttentionWeights, x: np.ndarray, pos: np.ndarray,
@@ -253,7 +302,7 @@ def attention(w, cfg, nx: Numerics, ro: LayerRoles, A: AttentionWeights, x: np.n
     for s in seqs:
         r, p, st = s.rows, s.pos, s.state
         win, win_pos = window(st.ring(il, "win"), kv[r], p, W)
-        comp = sel = None
+        comp = sel = picks = None
         if ro.compressed:
             n_rows = (int(p[-1]) + 1) // ro.ratio
             emitted = False
@@ -283,13 +332,19 @@ def attention(w, cfg, nx: Numerics, ro: LayerRoles, A: AttentionWeights, x: np.n
                                                         cfg.candidate_block_size)
                 elif ro.uses_candidates:
                     scores = np.where(s.candidates, scores, F32(-np.inf))
-                sel = index_topk(scores, p, ro.index_ratio, cfg.index_topk)
-                s.topk[il] = sel
+                dense_rows = max(cfg.index_topk, DENSE_ROWS)
+                if not cfg.is_v41 and scores.shape[1] > dense_rows:   # V4: attend to each query's picks only
+                    picks = index_picks(scores, p, ro.index_ratio, cfg.index_topk, dense_rows)
+                    sel = None if picks[2] is None else index_topk(scores, p, ro.index_ratio, cfg.index_topk)
+                else:   # few rows (or top-k takes them all), or V4.1 whose later layers reuse the [T, N] mask
+                    sel = index_topk(scores, p, ro.index_ratio, cfg.index_topk)
+                    s.topk[il] = sel
                 if trace is not None:
-                    trace.indexer_selected[il], trace.indexer_scores[il] = sel, scores
+                    trace.indexer_selected[il] = sel if sel is not None else topk_mask(scores, cfg.index_topk)
+                    trace.indexer_scores[il] = scores
             elif ro.index_source >= 0:               # V4.1: the latest index source's selection
                 sel = s.topk[ro.index_source]
-        o[r] = attend(q[r], win, win_pos, comp, sel, p, sink, W, ro.ratio)
+        o[r] = attend(q[r], win, win_pos, comp, sel, p, sink, W, ro.ratio, picks)
 
     # inverse RoPE on the output's rope dims, then the grouped low-rank output projection
     o = ops.rope_tail(o, pos, freqs, inverse=True)

@@ -8,8 +8,8 @@ import json
 
 from .protocol import (
     Started,
-    ApiError, Done, GenRequest, Reasoning, Result, Text, ToolCallOut, apply_sampling, attach_to_system, bad,
-    check_tool_schema, check_turns, get_bool, get_int, note_unknown, reject_if, resolve_model,
+    EFFORTS, ApiError, Done, GenRequest, Reasoning, Result, Text, ToolCallOut, apply_sampling, attach_to_system,
+    bad, check_tool_schema, check_turns, get_bool, get_int, get_obj, note_unknown, place_system, reject_if, resolve_model,
     resolve_thinking, sse, text_of, tool_result_of,
 )
 
@@ -32,9 +32,12 @@ def _messages(system, messages) -> list[dict]:
         raise bad("'messages' must be a non-empty list", "messages")
     for i, m in enumerate(messages):
         w = f"messages[{i}]"
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            raise bad(f"{w}.role must be 'user' or 'assistant'", "messages")
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
+            raise bad(f"{w}.role must be 'user', 'assistant' or 'system'", "messages")
         content = m.get("content")
+        if m["role"] == "system":                     # Claude Code 2.1 (beta mid-conversation-system)
+            out.append({"role": "system", "content": text_of(content, f"{w}.content")})
+            continue
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(blocks, list):
             raise bad(f"{w}.content must be a string or a list of content blocks", "messages")
@@ -117,7 +120,18 @@ def _tools(body: dict) -> list[dict]:
 
 FIELDS = frozenset({"model", "max_tokens", "messages", "system", "tools", "tool_choice", "stop_sequences",
                     "temperature", "top_p", "top_k", "min_p", "seed", "stream", "thinking", "think",
-                    "reasoning_effort", "metadata", "service_tier", "mcp_servers", "container"})
+                    "reasoning_effort", "metadata", "service_tier", "mcp_servers", "container", "output_config"})
+
+
+def _output_effort(body: dict) -> str | None:
+    """Anthropic's `output_config.effort` (Claude Code sends "high"): the encoder effort it maps to when thinking
+    is on ("max" is DeepSeek's Think Max prompt; low/medium add nothing). It never switches thinking on/off."""
+    effort = get_obj(body, "output_config", param="output_config").get("effort")
+    if effort is None:
+        return None
+    if not isinstance(effort, str) or effort not in EFFORTS:
+        raise bad(f"'output_config.effort' must be one of {', '.join(EFFORTS)}, got {effort!r}", "output_config")
+    return EFFORTS[effort][1]
 
 
 def _common(body: dict, served: tuple[str, ...], api: str) -> GenRequest:
@@ -127,9 +141,13 @@ def _common(body: dict, served: tuple[str, ...], api: str) -> GenRequest:
     model, alias = resolve_model(body, served)
     req = GenRequest(api=api, model=model)
     req.thinking, req.reasoning_effort = resolve_thinking(alias, effort=body.get("reasoning_effort"),
-                                                          thinking_obj=body.get("thinking"), think=body.get("think"))
+                                                          thinking_obj=body.get("thinking"), think=body.get("think"),
+                                                          default=False)
+    effort = _output_effort(body)
+    if req.thinking and body.get("reasoning_effort") is None and effort is not None:
+        req.reasoning_effort = effort
     req.tools = _tools(body)
-    messages = _messages(body.get("system"), body.get("messages"))
+    messages = place_system(_messages(body.get("system"), body.get("messages")))
     req.continue_final = check_turns(messages, prefill=True, hint="")   # a final assistant message is a prefill
     req.messages = attach_to_system(messages, req.tools)
     return req

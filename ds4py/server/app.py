@@ -52,6 +52,7 @@ class ServerConfig:
     allowed_hosts: list[str] | None = None
     header_timeout: float = 30.0       # seconds for a connection to deliver a request's headers (and idle keep-alive)
     body_timeout: float = 60.0         # seconds for the body to arrive once the headers are in
+    max_tokens: int | None = None      # generation limit for requests that send none (serve --max-tokens)
 
 
 class ServerState:
@@ -100,6 +101,10 @@ class ServerState:
         if self.worker is not None:
             self.worker.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def stopped(self) -> bool:
+        """After close(): True once the engine thread has finished its last job."""
+        return self.worker is None or self.worker.join(0)
 
 
 STATE = web.AppKey("state", ServerState)
@@ -323,6 +328,16 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": status, "error": st.load_error}, status=503)
 
 
+async def root(request: web.Request) -> web.Response:
+    """`GET /` and `HEAD /` (Claude Code probes the base URL with HEAD before its first request): what this is."""
+    st = request.app[STATE]
+    status = "ok" if st.engine is not None and not st.engine.broken else ("error" if st.load_error or
+                                                                          st.engine is not None else "loading")
+    return web.json_response({"name": "ds4py", "model": st.config.model_name, "status": status,
+                              "endpoints": ["/v1/chat/completions", "/v1/completions", "/v1/responses",
+                                            "/v1/messages", "/v1/models", "/health", "/metrics"]})
+
+
 def _model_entry(st: ServerState, mid: str) -> dict:
     cfg = st.config
     ctx = st.engine.ctx_size if st.engine is not None else None
@@ -368,6 +383,8 @@ async def _prepare(request: web.Request, parse, check_fits: bool = True) -> tupl
     st = request.app[STATE]
     body = await read_json(request)
     req = parse(body, st.served_ids)
+    if req.max_tokens is None:
+        req.max_tokens = st.config.max_tokens
     engine = st.ready_engine()
 
     def render():
@@ -382,6 +399,18 @@ async def _prepare(request: web.Request, parse, check_fits: bool = True) -> tupl
     return st, req, ids
 
 
+SHUTTING_DOWN = "the server is shutting down; this request was stopped before it finished (retry it)"
+
+
+def _next_event(job: Job, ev):
+    """A job's event as the handler passes it on. A live handler sees a cancelled job only when the server
+    stopped it (a client that goes away takes its handler with it): that is an error, not a finished answer."""
+    if isinstance(ev, Done) and ev.finish_reason == "cancelled":
+        return Done("error", ev.prompt_tokens, ev.cached_tokens, ev.completion_tokens, ev.reasoning_tokens,
+                    error=SHUTTING_DOWN)
+    return ev
+
+
 def generation_handler(parse, encoder_cls, id_prefix: str):
     async def handle(request: web.Request) -> web.StreamResponse:
         st, req, ids = await _prepare(request, parse)
@@ -389,17 +418,18 @@ def generation_handler(parse, encoder_cls, id_prefix: str):
         st.worker.submit(job)
         enc = encoder_cls(req, secrets.token_hex(12), int(time.time()))
         try:
-            started = await job.events.get()
+            started = _next_event(job, await job.events.get())
             if isinstance(started, Done):          # failed or cancelled before the first token
-                raise ApiError(503 if st.engine.broken else 500, started.error or "generation did not start",
-                               kind="api_error")
+                status = 503 if st.engine.broken or started.error == SHUTTING_DOWN else 500
+                raise ApiError(status, started.error or "generation did not start", kind="api_error")
             if req.stream:
                 return await _stream(request, job, enc, started)
             result = Result()
             while result.done is None:
-                result.add(await job.events.get())
+                result.add(_next_event(job, await job.events.get()))
             if result.done.finish_reason == "error":
-                raise ApiError(503 if st.engine.broken else 500, result.done.error, kind="api_error")
+                status = 503 if st.engine.broken or result.done.error == SHUTTING_DOWN else 500
+                raise ApiError(status, result.done.error, kind="api_error")
             return web.Response(body=orjson.dumps(enc.body(result)), content_type="application/json")
         finally:
             job.cancel.set()       # no-op after a finished job; stops the engine within one token otherwise
@@ -418,11 +448,11 @@ async def _stream(request: web.Request, job: Job, enc, started: Started) -> web.
             await resp.write(first)
         done = False
         while not done:
-            ev = await job.events.get()
+            ev = _next_event(job, await job.events.get())
             buf = enc.event(ev)
             done = isinstance(ev, Done)
             while not done and not job.events.empty():      # batch what piled up into one write
-                ev = job.events.get_nowait()
+                ev = _next_event(job, job.events.get_nowait())
                 buf += enc.event(ev)
                 done = isinstance(ev, Done)
             if buf:
@@ -444,6 +474,7 @@ def make_app(state: ServerState) -> web.Application:
     app = web.Application(middlewares=[middleware], client_max_size=int(state.config.max_body_mb * 1024 * 1024))
     app[STATE] = state
     r = app.router
+    r.add_get("/", root)
     r.add_get("/health", health)
     r.add_get("/metrics", metrics)
     r.add_get("/v1/models", list_models)
@@ -542,24 +573,38 @@ async def _start(state: ServerState, sock: socket.socket) -> web.AppRunner:
     return runner
 
 
+SHUTDOWN_WAIT_S = 10.0       # how long a SIGTERM waits for the engine to stop at its next prefill chunk / token
+
+
 def run_server(state: ServerState, sock: socket.socket) -> None:
-    """Serve until KeyboardInterrupt / SIGTERM."""
+    """Serve until SIGINT / SIGTERM. Shutdown cancels every job first (the engine stops at the next paced
+    prefill chunk or token, so no handler has to be timed out), closes the connections, then waits up to
+    SHUTDOWN_WAIT_S for the engine thread; a second signal stops waiting."""
     import signal
 
     async def main():
         runner = await _start(state, sock)
         stop = asyncio.Event()
+        signals = [0]
         loop = asyncio.get_running_loop()
+
+        def on_signal():
+            signals[0] += 1
+            stop.set()
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
-                loop.add_signal_handler(sig, stop.set)
+                loop.add_signal_handler(sig, on_signal)
             except (NotImplementedError, RuntimeError):
                 pass
         try:
             await stop.wait()
         finally:
-            await runner.cleanup()
+            t0 = time.monotonic()
             state.close()
+            await runner.cleanup()
+            while not state.stopped() and signals[0] < 2 and time.monotonic() - t0 < SHUTDOWN_WAIT_S:
+                await asyncio.sleep(0.05)
+            log.info("shut down in %.2f s", time.monotonic() - t0)
     asyncio.run(main())
 
 

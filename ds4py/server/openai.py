@@ -13,7 +13,7 @@ import json
 from .protocol import (
     Started,
     ApiError, Done, GenRequest, Reasoning, Result, Text, ToolCallOut, apply_sampling, attach_to_system, bad,
-    check_tool_schema, check_turns, get_bool, json_type, note_unknown, reject_if, resolve_model,
+    check_tool_schema, check_turns, get_bool, json_type, note_unknown, place_system, reject_if, resolve_model,
     resolve_thinking, sse, text_of, tool_result_of,
 )
 
@@ -152,7 +152,7 @@ def parse_chat(body: dict, served: tuple[str, ...]) -> GenRequest:
     req.thinking, req.reasoning_effort = resolve_thinking(
         alias, effort=body.get("reasoning_effort"), thinking_obj=body.get("thinking"), think=body.get("think"))
     req.tools = parse_tools(body)
-    messages = chat_messages(body.get("messages"))
+    messages = place_system(chat_messages(body.get("messages")))
     # DeepSeek's chat prefix completion: a final assistant message marked `"prefix": true` is continued
     prefix = isinstance(body["messages"][-1], dict) and body["messages"][-1].get("prefix") is True
     req.continue_final = check_turns(messages, prefill=prefix,

@@ -265,9 +265,11 @@ def resolve_model(body: dict, served: tuple[str, ...]) -> tuple[str, bool | None
 
 
 def resolve_thinking(alias_thinking: bool | None, *, effort=None, thinking_obj=None, think=None,
-                     effort_key: str = "reasoning_effort") -> tuple[bool, str | None]:
-    """Thinking mode and encoder effort from the request's controls; explicit switches beat the alias."""
-    thinking, enc_effort = True, None          # ds4-server defaults to thinking mode
+                     effort_key: str = "reasoning_effort", default: bool = True) -> tuple[bool, str | None]:
+    """Thinking mode and encoder effort from the request's controls; explicit switches beat the alias. With
+    none of them the mode is `default`: on for the OpenAI APIs (as ds4-server), off for Anthropic's (whose
+    API thinks only when asked to)."""
+    thinking, enc_effort = default, None
     if alias_thinking is not None:
         thinking = alias_thinking
     if effort is not None:
@@ -284,6 +286,36 @@ def resolve_thinking(alias_thinking: bool | None, *, effort=None, thinking_obj=N
             raise bad("'think' must be a boolean", "think")
         thinking = think
     return thinking, (enc_effort if thinking else None)
+
+
+MID_SYSTEM = "_mid_system"        # a user message that was a system message after the first turn
+
+
+def place_system(messages: list[dict]) -> list[dict]:
+    """System messages where DeepSeek's template can hold them (see docs/chat.md, "System messages").
+
+    The V4 encoder renders a system message as bare text with no token of its own: at the start it is the
+    system prompt, but later it would glue onto the previous turn and, last, leave the prompt without its
+    `<｜Assistant｜>` transition. So the leading system messages become one system prompt (joined by a blank
+    line), and every later one (Claude Code 2.1's agent and skill lists, a developer message mid-conversation)
+    becomes user text: it joins the user turn it follows or opens the next one, exactly as the encoder merges
+    consecutive user messages. Each message's text then depends only on itself and what was before it, so a
+    conversation that grows by appending keeps a byte-identical prompt prefix. Such a message is marked
+    MID_SYSTEM: the V4.1 format, which has a `<｜System｜>` token for it, gets it back as a system message
+    (Engine.prompt_ids)."""
+    lead = 0
+    while lead < len(messages) and messages[lead]["role"] == "system":
+        lead += 1
+    out: list[dict] = []
+    if lead:
+        texts = [m["content"] for m in messages[:lead] if m.get("content")]
+        out.append({"role": "system", "content": "\n\n".join(texts)})
+    for m in messages[lead:]:
+        if m["role"] != "system":
+            out.append(m)
+        elif m.get("content"):                      # an empty one renders nothing either way
+            out.append({"role": "user", "content": m["content"], MID_SYSTEM: True})
+    return out
 
 
 def attach_to_system(messages: list[dict], tools: list[dict], response_format: dict | None = None) -> list[dict]:

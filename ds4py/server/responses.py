@@ -16,7 +16,7 @@ from .openai import error_body  # noqa: F401  (same error JSON as the other Open
 from .protocol import (
     Started,
     Done, GenRequest, Reasoning, Result, Text, ToolCallOut, apply_sampling, attach_to_system, bad,
-    check_tool_schema, check_turns, get_bool, get_obj, get_str, json_type, note_unknown, reject_if,
+    check_tool_schema, check_turns, get_bool, get_obj, get_str, json_type, note_unknown, place_system, reject_if,
     resolve_model, resolve_thinking, sse, text_of, tool_result_of,
 )
 
@@ -24,6 +24,11 @@ log = logging.getLogger("ds4py.server")
 
 # A Responses "custom" tool takes free text; the model sees it as a function with one string parameter.
 CUSTOM_PARAM = "input"
+# A tool inside a "namespace" tool (Codex's multi_agent_v1: spawn_agent, send_input, wait_agent ...) is shown to
+# the model as one function named namespace + NS_SEP + name, the spelling Codex itself uses when it speaks Chat
+# Completions; its calls come back as function_call items with `name` and `namespace` apart.
+NS_SEP = "__"
+SUMMARY_MODES = ("auto", "concise", "detailed")
 
 
 def _item_id(prefix: str) -> str:
@@ -82,6 +87,8 @@ def _input_messages(inp, instructions) -> list[dict]:
         elif kind in ("function_call", "custom_tool_call"):
             if not isinstance(it.get("call_id"), str) or not isinstance(it.get("name"), str):
                 raise bad(f"{w} needs string 'call_id' and 'name'", "input")
+            ns = get_str(it, "namespace", f"{w}.namespace", param="input")
+            name = f"{ns}{NS_SEP}{it['name']}" if ns else it["name"]
             if kind == "function_call":
                 args = it.get("arguments", "{}")
                 args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
@@ -89,7 +96,7 @@ def _input_messages(inp, instructions) -> list[dict]:
                 args = json.dumps({CUSTOM_PARAM: text_of(it.get("input", ""), f"{w}.input")}, ensure_ascii=False)
             a = assistant()
             a.setdefault("tool_calls", []).append(
-                {"id": it["call_id"], "type": "function", "function": {"name": it["name"], "arguments": args}})
+                {"id": it["call_id"], "type": "function", "function": {"name": name, "arguments": args}})
         elif kind in ("function_call_output", "custom_tool_call_output"):
             if not isinstance(it.get("call_id"), str):
                 raise bad(f"{w}.call_id must be a string", "input")
@@ -120,6 +127,27 @@ def _reasoning_parts(parts, where: str) -> list[str]:
 _hosted_seen: set[str] = set()
 
 
+def _client_tool(t: dict, where: str, out: list[dict], custom: set[str], ns: dict | None = None) -> bool:
+    """Add a function or custom tool (one of a namespace's, when ns is given); False for any other type."""
+    kind = t.get("type")
+    if kind not in ("function", "custom"):
+        return False
+    name, desc = t.get("name"), t.get("description")
+    if ns is not None:
+        if not isinstance(name, str) or not name:
+            raise bad(f"{where}: every tool needs a non-empty string 'name'", "tools")
+        name = f"{ns['name']}{NS_SEP}{name}"
+        if ns.get("description"):                  # the namespace's purpose travels with each of its tools
+            desc = f"{ns['description']}\n\n{desc}" if isinstance(desc, str) and desc else ns["description"]
+    if kind == "function":
+        out.append(check_tool_schema(name, desc, t.get("parameters"), where))
+    else:
+        schema = {"type": "object", "properties": {CUSTOM_PARAM: {"type": "string"}}, "required": [CUSTOM_PARAM]}
+        out.append(check_tool_schema(name, desc, schema, where))
+        custom.add(name)
+    return True
+
+
 def _tools(body: dict) -> tuple[list[dict], set[str]]:
     tools = body.get("tools") or []
     if not isinstance(tools, list):
@@ -127,12 +155,19 @@ def _tools(body: dict) -> tuple[list[dict], set[str]]:
     out, custom = [], set()
     for i, t in enumerate(tools):
         kind = t.get("type") if isinstance(t, dict) else None
-        if kind == "function":
-            out.append(check_tool_schema(t.get("name"), t.get("description"), t.get("parameters"), f"tools[{i}]"))
-        elif kind == "custom":
-            schema = {"type": "object", "properties": {CUSTOM_PARAM: {"type": "string"}}, "required": [CUSTOM_PARAM]}
-            out.append(check_tool_schema(t.get("name"), t.get("description"), schema, f"tools[{i}]"))
-            custom.add(t["name"])
+        if kind in ("function", "custom"):
+            _client_tool(t, f"tools[{i}]", out, custom)
+        elif kind == "namespace":
+            # client-side tools grouped under a name (Codex's multi_agent_v1): each one is a function tool
+            ns, inner = t.get("name"), t.get("tools")
+            if not isinstance(ns, str) or not ns or not isinstance(inner, list):
+                raise bad(f"tools[{i}]: a namespace tool needs a string 'name' and a list 'tools'", "tools")
+            desc = t.get("description")
+            for j, u in enumerate(inner):
+                if not isinstance(u, dict) or not _client_tool(
+                        u, f"tools[{i}].tools[{j}]", out, custom,
+                        {"name": ns, "description": desc if isinstance(desc, str) else None}):
+                    raise bad(f"tools[{i}].tools[{j}] must be a function or custom tool", "tools")
         elif isinstance(kind, str) and kind:
             # A hosted tool (web_search, image_generation, file_search, mcp, ...) runs on OpenAI's servers, not
             # here. Codex declares web_search on every request by default, so refusing it would make Codex
@@ -196,14 +231,20 @@ def parse_responses(body: dict, served: tuple[str, ...]) -> GenRequest:
     req.thinking, req.reasoning_effort = resolve_thinking(
         alias, effort=reasoning.get("effort"), thinking_obj=body.get("thinking"), think=body.get("think"),
         effort_key="reasoning.effort")
+    summary = reasoning.get("summary", reasoning.get("generate_summary"))
+    if summary is not None and summary not in SUMMARY_MODES + ("none",):
+        raise bad(f"'reasoning.summary' must be one of {', '.join(SUMMARY_MODES)} or none, got {summary!r}",
+                  "reasoning")
+    summary = None if summary == "none" else summary
     req.tools, custom = _tools(body)
-    messages = _input_messages(body.get("input"), body.get("instructions"))
+    messages = place_system(_input_messages(body.get("input"), body.get("instructions")))
     check_turns(messages, prefill=False, hint="")
     req.messages = attach_to_system(messages, req.tools, _text_format(body))
     apply_sampling(req, body, max_keys=("max_output_tokens",), stop_key="stop")
     req.stream = get_bool(body, "stream")
     req.extra = {"custom_tools": custom, "instructions": body.get("instructions"), "tools": body.get("tools") or [],
-                 "reasoning": reasoning, "metadata": body.get("metadata") or {}, "text": body.get("text"),
+                 "reasoning": reasoning, "summary": summary,
+                 "metadata": body.get("metadata") or {}, "text": body.get("text"),
                  "max_output_tokens": body.get("max_output_tokens"),
                  "encrypted_reasoning": "reasoning.encrypted_content" in _include(body)}
     return req
@@ -225,6 +266,11 @@ class ResponsesEncoder:
         self.output: list[dict] = []       # finished items
         self.open: dict | None = None      # the reasoning or message item being streamed
         self.open_text = ""
+        # reasoning.summary asked for: this model writes no separate summary, so the summary is its whole
+        # reasoning (streamed as summary deltas, which is what Codex displays); the item's content has it too
+        self._summarize = req.extra.get("summary") is not None
+        self._namespaces = {t.get("name") for t in req.extra.get("tools", ())
+                            if isinstance(t, dict) and t.get("type") == "namespace"}
 
     # --- the response object
     def _response(self, status: str, done: Done | None = None, error: str | None = None) -> dict:
@@ -233,7 +279,7 @@ class ResponsesEncoder:
              "error": None, "incomplete_details": None, "instructions": x.get("instructions"),
              "max_output_tokens": x.get("max_output_tokens"), "model": self.req.model, "output": list(self.output),
              "parallel_tool_calls": True, "previous_response_id": None,
-             "reasoning": {"effort": x.get("reasoning", {}).get("effort"), "summary": None},
+             "reasoning": {"effort": x.get("reasoning", {}).get("effort"), "summary": x.get("summary")},
              "store": False, "temperature": self.req.temperature, "text": x.get("text") or {"format": {"type": "text"}},
              "tool_choice": "auto", "tools": x.get("tools", []), "top_p": self.req.top_p, "truncation": "disabled",
              "usage": usage(done) if done else None, "metadata": x.get("metadata", {})}
@@ -258,6 +304,10 @@ class ResponsesEncoder:
         idx = len(self.output)
         if kind == "reasoning":
             self.open = {"id": _item_id("rs_"), "type": "reasoning", "summary": [], "content": []}
+            if self._summarize:
+                out += self._ev("response.output_item.added", output_index=idx, item=dict(self.open))
+                return out + self._ev("response.reasoning_summary_part.added", item_id=self.open["id"],
+                                      output_index=idx, summary_index=0, part={"type": "summary_text", "text": ""})
             part = {"type": "reasoning_text", "text": ""}
         else:
             self.open = {"id": _item_id("msg_"), "type": "message", "role": "assistant", "status": "in_progress",
@@ -273,6 +323,18 @@ class ResponsesEncoder:
             return b""
         item, idx, text = self.open, len(self.output), self.open_text
         self.open = None
+        if item["type"] == "reasoning" and self._summarize:
+            part = {"type": "reasoning_text", "text": text}
+            item["summary"] = [{"type": "summary_text", "text": text}]
+            out = self._ev("response.reasoning_summary_text.done", item_id=item["id"], output_index=idx,
+                           summary_index=0, text=text)
+            out += self._ev("response.reasoning_summary_part.done", item_id=item["id"], output_index=idx,
+                            summary_index=0, part=item["summary"][0])
+            item["content"] = [part]
+            if self.req.extra.get("encrypted_reasoning"):
+                item["encrypted_content"] = text
+            self.output.append(item)
+            return out + self._ev("response.output_item.done", output_index=idx, item=item)
         if item["type"] == "reasoning":
             part = {"type": "reasoning_text", "text": text}
             out = self._ev("response.reasoning_text.done", item_id=item["id"], output_index=idx, content_index=0,
@@ -298,8 +360,12 @@ class ResponsesEncoder:
                 text = ev.arguments
             return {"id": _item_id("ctc_"), "type": "custom_tool_call", "status": "completed", "call_id": ev.id,
                     "name": ev.name, "input": text if isinstance(text, str) else json.dumps(text)}
-        return {"id": _item_id("fc_"), "type": "function_call", "status": "completed", "call_id": ev.id,
+        item = {"id": _item_id("fc_"), "type": "function_call", "status": "completed", "call_id": ev.id,
                 "name": ev.name, "arguments": ev.arguments}
+        ns, sep, name = ev.name.partition(NS_SEP)
+        if sep and name and ns in self._namespaces:
+            item["name"], item["namespace"] = name, ns
+        return item
 
     def event(self, ev) -> bytes:
         if isinstance(ev, (Reasoning, Text)):
@@ -309,6 +375,9 @@ class ResponsesEncoder:
             out = self._open(kind) if self.open is None or self.open["type"] != kind else b""
             self.open_text += ev.text
             idx = len(self.output)
+            if kind == "reasoning" and self._summarize:
+                return out + self._ev("response.reasoning_summary_text.delta", item_id=self.open["id"],
+                                      output_index=idx, summary_index=0, delta=ev.text)
             if kind == "reasoning":
                 return out + self._ev("response.reasoning_text.delta", item_id=self.open["id"], output_index=idx,
                                       content_index=0, delta=ev.text)
@@ -347,6 +416,8 @@ class ResponsesEncoder:
         if r.reasoning and self.req.thinking:
             item = {"id": _item_id("rs_"), "type": "reasoning", "summary": [],
                     "content": [{"type": "reasoning_text", "text": r.reasoning}]}
+            if self._summarize:
+                item["summary"] = [{"type": "summary_text", "text": r.reasoning}]
             if self.req.extra.get("encrypted_reasoning"):
                 item["encrypted_content"] = r.reasoning
             self.output.append(item)

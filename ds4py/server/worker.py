@@ -20,7 +20,7 @@ from typing import Callable
 from ds4py.sampling import InvalidLogits
 
 from .metrics import Metrics
-from .protocol import ApiError, Done, GenRequest, Reasoning, Started, Text, ToolCallOut
+from .protocol import MID_SYSTEM, ApiError, Done, GenRequest, Reasoning, Started, Text, ToolCallOut
 from .toolmemory import StoredCall, ToolMemory
 
 log = logging.getLogger("ds4py.server")
@@ -50,7 +50,8 @@ class Engine:
     """Everything between a GenRequest and its events: rendering, tokenizing, sampling, DSML parsing."""
 
     def __init__(self, session, tokenizer, *, metrics: Metrics | None = None, tool_memory: ToolMemory | None = None,
-                 encode_prompt: Callable | None = None, parser_factory: Callable | None = None):
+                 encode_prompt: Callable | None = None, parser_factory: Callable | None = None,
+                 native_mid_system: bool = False):
         self.session, self.tokenizer = session, tokenizer
         self.ctx_size = int(session.ctx_size)
         self.broken: str | None = None          # set when the model proved broken while serving (see Worker)
@@ -61,6 +62,9 @@ class Engine:
             encode_prompt = encode_prompt or chat.encode_prompt
             parser_factory = parser_factory or chat.DSMLParser
         self._encode_prompt, self._parser_factory = encode_prompt, parser_factory
+        # the chat format renders a system message after the first turn itself (V4.1's <｜System｜>); V4 gets
+        # such messages as user text (protocol.place_system)
+        self.native_mid_system = native_mid_system
 
     # ---- rendering (called from a thread pool, never on the event loop) ----------------------------------
 
@@ -73,6 +77,9 @@ class Engine:
         options = {"thinking_mode": "thinking" if req.thinking else "chat", "reasoning_effort": req.reasoning_effort,
                    "drop_thinking": True, "add_default_bos_token": True}
         messages = self.tool_memory.replay(req.messages)
+        if self.native_mid_system:
+            messages = [{"role": "system", "content": m["content"]} if m.get(MID_SYSTEM) else m for m in messages]
+        messages = [{k: v for k, v in m.items() if k != MID_SYSTEM} for m in messages]
         return list(self._encode_prompt(messages, options, self.tokenizer))
 
     def check_fits(self, ids: list[int]) -> None:
@@ -223,6 +230,7 @@ class Worker:
         self._pending: collections.deque[Job] = collections.deque()
         self._cv = threading.Condition()
         self._closed = False
+        self._running: Job | None = None
         self._thread = threading.Thread(target=self._loop, name="ds4py-engine", daemon=True)
         self._thread.start()
 
@@ -238,11 +246,19 @@ class Worker:
             self._cv.notify()
 
     def close(self) -> None:
+        """Stop taking jobs and cancel every job, the running one too: a prefill stops at its next chunk."""
         with self._cv:
             self._closed = True
             for job in self._pending:
                 job.cancel.set()
+            if self._running is not None:
+                self._running.cancel.set()
             self._cv.notify_all()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the engine thread to finish (after close()); True when it did within the timeout."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def _loop(self) -> None:
         m = self.engine.metrics
@@ -254,6 +270,9 @@ class Worker:
                     return
                 job = self._pending.popleft()
                 m.queue_depth = len(self._pending)
+                self._running = job
+                if self._closed:
+                    job.cancel.set()
             if job.cancel.is_set():
                 m.add(cancelled=1)
                 job.emit(Done("cancelled", len(job.ids)))
@@ -273,3 +292,5 @@ class Worker:
                 job.emit(Done("error", len(job.ids), error=f"generation failed: {type(e).__name__}: {e}"))
             finally:
                 m.running = 0
+                with self._cv:
+                    self._running = None
