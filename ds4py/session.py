@@ -33,6 +33,7 @@ from typing import Callable, Iterator, Literal, Sequence
 import numpy as np
 
 from ds4py.errors import ContextLengthError, Ds4Error
+from ds4py.model import device_generation
 from ds4py.sampling import Sampler, SamplingParams
 
 
@@ -255,15 +256,20 @@ class Session:
         limit = self.ctx_size - len(prompt)       # prompt + completion <= context
         if params.max_tokens is not None:
             limit = min(limit, params.max_tokens)
-        held = ""                                 # decoded text not yet emitted (possible stop-string start)
-        n, last = 0, None
+        tokens = self._tokens(sampler, params, limit)
+        try:
+            yield from self._events(tokens, prompt, params, cached, cancelled, stream, eos, limit)
+        finally:
+            tokens.close()                        # (a device generation leaves the state consistent here)
+
+    def _events(self, tokens: Iterator[int], prompt: list[int], params: SamplingParams, cached: int,
+                cancelled: Callable[[], bool], stream, eos: int | None, limit: int) -> Iterator[Event]:
+        held, n = "", 0                           # decoded text not yet emitted (possible stop-string start)
         while True:
             if cancelled():                       # before every token: a gone client stops within one token
                 yield DoneEvent("cancelled", len(prompt), cached, n)
                 return
-            if last is not None:
-                self._decode(last)
-            last = sampler.sample(self._logits)
+            last = next(tokens)
             n += 1
             if last == eos:
                 yield TokenEvent(last, held + stream.flush())
@@ -283,6 +289,37 @@ class Session:
             keep = _stop_prefix_len(held, params.stop)
             text, held = held[:len(held) - keep], held[len(held) - keep:]
             yield TokenEvent(last, text)
+
+    def _tokens(self, sampler: Sampler, params: SamplingParams, limit: int) -> Iterator[int]:
+        """The sampled tokens, one per next(). The first comes from the prompt's logits (CPU sampler). The rest:
+        from the backend's device-side generation when it has one (ds4py.model.device_generation: the host
+        never sees logits), else from step() and the CPU sampler (the reference path)."""
+        last = sampler.sample(self._logits)
+        yield last
+        gen = device_generation(self.model)
+        if gen is None:
+            while True:
+                self._decode(last)
+                last = sampler.sample(self._logits)
+                yield last
+        if limit <= 1:
+            return
+        inner = gen(self.state, last, params, limit - 1)
+        try:
+            for t in inner:                        # t arrives once `last` has been fed
+                self.tokens.append(last)
+                self._logits = None
+                self.stats.decoded_tokens += 1
+                last = t
+                yield t
+        except GeneratorExit:
+            raise
+        except BaseException:
+            inner.close()
+            self._drop_live()                      # a half-advanced state must never be reused
+            raise
+        finally:
+            inner.close()                          # the state's counters are final from here on
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -6,6 +6,8 @@ import argparse
 import sys
 import time
 
+from ds4py.cli import BACKENDS
+
 NAME = "bench"
 HELP = "benchmark: prefill/decode sweep over context sizes (default) or `bench serve` against a running server"
 
@@ -15,7 +17,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sweep (offline, default) or serve (load test of a running server)")
     g = p.add_argument_group("sweep")
     g.add_argument("-m", "--model", dest="model_path", help="GGUF model file (sweep)")
-    g.add_argument("--backend", choices=["ref", "cuda"], default="ref")
+    g.add_argument("--backend", choices=BACKENDS, default="ref",
+                   help="engine backend: ref (numpy, default), cuda (GPU), cuda-emu (the CUDA engine on the CPU "
+                        "emulator: slow, for tests), auto (cuda where a GPU can run the model, else ref)")
     g.add_argument("--prompt-file", help="text walked to every frontier (default: bundled public-domain book)")
     g.add_argument("--ctx-start", type=int, default=2048)
     g.add_argument("--ctx-max", type=int, default=65536)

@@ -25,27 +25,29 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
+from ds4py import schema
 from ds4py.config import ModelConfig
-from ds4py.cuda import decode
+from ds4py.cuda import decode, synth
 from ds4py.cuda.compiler import model_defines
 from ds4py.cuda.graph import StepGraph
 from ds4py.cuda.kvstate import CudaState, DeviceStore
 from ds4py.cuda.memory import DeviceArray
+from ds4py.cuda.model_weights import DeviceWeights
 from ds4py.cuda.model_weights import load as load_weights
 from ds4py.errors import ContextLengthError, Ds4Error
 from ds4py.fingerprint import file_fingerprint
 from ds4py.gguf import GGUFFile
 from ds4py.kv import state_layout
-from ds4py.model import DEFAULT_ROLLBACK_HORIZON, ModelBase, Numerics
+from ds4py.model import DEFAULT_ROLLBACK_HORIZON, ModelBase, Numerics, UnsupportedByBackend
 from ds4py.sampling import InvalidLogits, SamplingParams
 
 MIN_BUCKET = 256            # smallest context bucket (positions); buckets double up to the context length
 HEAD_GRAPHS = 8             # head graphs kept (one per sampling setting; least recently used dropped)
 
 
-def bucket_for(n_positions: int, context_length: int) -> int:
-    """The context bucket holding positions [0, n_positions): a power of two >= MIN_BUCKET, at most the context."""
-    b = MIN_BUCKET
+def bucket_for(n_positions: int, context_length: int, min_bucket: int = MIN_BUCKET) -> int:
+    """The context bucket holding positions [0, n_positions): a power of two >= min_bucket, at most the context."""
+    b = min_bucket
     while b < n_positions:
         b *= 2
     return max(n_positions, min(b, context_length))
@@ -155,23 +157,44 @@ class CudaModel(ModelBase):
         """runtime: a Runtime / EmuRuntime to use (default: a new one: the GPU, or the emulator with emulate).
         pdl / graphs: programmatic dependent launches and graph replay (both on by default; off for the
         bit-identity tests and the bench's comparison)."""
+        t0 = time.perf_counter()
+        self.path = str(path)
+        self.gguf = GGUFFile(self.path)
+        cfg = ModelConfig.from_gguf(self.gguf)
+        header = min(t.offset for t in self.gguf.tensors.values())
+        if progress is None:
+            progress = not emulate and runtime is None
+        self._setup(cfg, numerics, rollback_horizon, runtime, emulate, pdl, graphs, bool(progress),
+                    file_fingerprint(self.path, head_bytes=header),
+                    lambda rt, ws0: load_weights(rt, self.gguf, cfg, ws0, progress=bool(progress)), t0)
+
+    @classmethod
+    def synthetic(cls, cfg: ModelConfig, seed: int = 0, experts: tuple = synth.Q2_EXPERTS,
+                  numerics: Numerics | None = None, rollback_horizon: int = DEFAULT_ROLLBACK_HORIZON,
+                  runtime: Any = None, emulate: bool = False, pdl: bool = True, graphs: bool = True) -> "CudaModel":
+        """A model of `cfg`'s shapes with random weights written on the device (ds4py/cuda/synth.py): the
+        device check's full-size decode step, without a file."""
+        self = cls.__new__(cls)
+        self.path, self.gguf = f"synthetic:{cfg.n_layers} layers", None
+        self._setup(cfg, numerics, rollback_horizon, runtime, emulate, pdl, graphs, False,
+                    synth.fingerprint(cfg, experts, seed),
+                    lambda rt, ws0: synth.load(rt, cfg, ws0, seed, experts), time.perf_counter())
+        return self
+
+    def _setup(self, cfg: ModelConfig, numerics: Numerics | None, rollback_horizon: int, runtime: Any,
+               emulate: bool, pdl: bool, graphs: bool, progress: bool, fingerprint: str,
+               load: Callable[[Any, int], DeviceWeights], t0: float) -> None:
         numerics = Numerics() if numerics is None else numerics
         if not isinstance(numerics, Numerics):
             raise Ds4Error(f"numerics must be a ds4py.model.Numerics, got {type(numerics).__name__}")
         if numerics.act_quant:
-            raise Ds4Error("the CUDA backend computes fp32 activations; it has no int8 (act_quant) path "
-                           "(use --backend ref for ds4's numerics)")
-        t0 = time.perf_counter()
-        self.path = str(path)
-        self.gguf = GGUFFile(self.path)
-        self.config = cfg = ModelConfig.from_gguf(self.gguf)
-        self.numerics = numerics
+            raise UnsupportedByBackend("the CUDA backend computes fp32 activations; it has no int8 (act_quant) "
+                                       "path (use --backend ref for ds4's numerics)")
+        self.config, self.numerics = cfg, numerics
         self.layout = state_layout(cfg, rollback_horizon)
         self.rollback_horizon = rollback_horizon
-        header = min(t.offset for t in self.gguf.tensors.values())
-        self.fingerprint = file_fingerprint(self.path, head_bytes=header)
-        if progress is None:
-            progress = not emulate and runtime is None
+        self.fingerprint = fingerprint
+        self._check_config()
         self.rt = runtime if runtime is not None else _runtime(emulate, cfg, progress)
         want = model_defines(cfg)
         have = getattr(self.rt, "defines", None)
@@ -182,11 +205,12 @@ class CudaModel(ModelBase):
         self.emulated = isinstance(self.rt, EmuRuntime)
         self.backend = "cuda-emu" if self.emulated else "cuda"
         self.pdl, self.graphs = bool(pdl), bool(graphs)
-        self._check_model()
+        self.min_bucket = MIN_BUCKET
         ws0 = decode.workspace_bytes(decode.workspace_shapes(cfg, bucket_for(1, cfg.context_length)))
         t1 = time.perf_counter()
-        self.w = load_weights(self.rt, self.gguf, cfg, ws0, progress=bool(progress))
+        self.w = load(self.rt, ws0)
         self.rt.synchronize()
+        self._check_weights()
         self.store = DeviceStore(self.rt)
         self._misc = self.store.block(256)
         self._misc.zero(self.rt.main)
@@ -198,12 +222,20 @@ class CudaModel(ModelBase):
         self.startup = {"weights_upload_s": time.perf_counter() - t1, "model_open_s": time.perf_counter() - t0,
                         "weights_gb": (self.w.file_bytes + self.w.extra_bytes) / 1e9}
 
-    def _check_model(self) -> None:
+    def _check_config(self) -> None:
         cfg = self.config
         for il in range(cfg.n_layers):
-            if cfg.kv_source(il) != il and not cfg.has_compressor(cfg.kv_source(il)):
-                raise Ds4Error(f"layer {il} reads compressed rows of layer {cfg.kv_source(il)}, which the CUDA "
-                               f"engine does not support yet (V4.1); use --backend ref")
+            if cfg.kv_source(il) != il:
+                raise UnsupportedByBackend(f"layer {il} reads compressed rows of layer {cfg.kv_source(il)}, which "
+                                           f"the CUDA engine does not support yet (V4.1); use --backend ref")
+
+    def _check_weights(self) -> None:
+        for il, L in enumerate(self.w.binding.layers):
+            for what, sw in (("routed", L.ffn.experts), ("shared", L.ffn.shared)):
+                if sw.gate.qtype != sw.up.qtype:
+                    raise UnsupportedByBackend(f"layer {il}: the {what} experts' gate ({sw.gate.qtype.name}) and up "
+                                               f"({sw.up.qtype.name}) differ in type; the CUDA kernel reads both "
+                                               f"in one format")
 
     # ---- the contract ----------------------------------------------------------------------------------------
     def new_state(self) -> CudaState:
@@ -247,9 +279,18 @@ class CudaModel(ModelBase):
         return st
 
     def weight_bytes_per_token(self) -> int:
-        from ds4py.ref.engine import RefModel
-
-        return RefModel.weight_bytes_per_token(self)      # the same file, the same count (reads config, gguf)
+        """Bytes of weights one decode step reads: every tensor, but one row of the embedding and n_experts_used
+        of n_experts of each routed expert tensor (the bench's roofline)."""
+        cfg, total = self.config, 0
+        for e in schema.entries(cfg):
+            t = synth._lookup(self.w.binding, e)
+            if e.spec.field == "embed":
+                total += t.array.nbytes // t.shape[0]
+            elif e.spec.field.startswith("ffn.experts."):
+                total += t.array.nbytes * cfg.n_experts_used // cfg.n_experts
+            else:
+                total += t.array.nbytes
+        return total
 
     # ---- graphs -------------------------------------------------------------------------------------------------
     def _workspace(self, bucket: int) -> decode.Workspace:
@@ -264,7 +305,7 @@ class CudaModel(ModelBase):
 
     def _body(self, st: CudaState, pos: int) -> StepRun:
         """The state's decode graph for position `pos` (captured for the bucket holding it)."""
-        need = bucket_for(pos + 1, self.config.context_length)
+        need = bucket_for(pos + 1, self.config.context_length, self.min_bucket)
         run = st.graph[0]
         if run is not None and run.tag[0] >= need and run.tag[1] == st.generation and self.ws is not None \
                 and run.tag[2] == self.ws.version:
@@ -280,7 +321,8 @@ class CudaModel(ModelBase):
         return run
 
     def _head(self, sampling: tuple | None) -> StepRun:
-        ws = self._workspace(self.ws.bucket if self.ws is not None else bucket_for(1, self.config.context_length))
+        ws = self._workspace(self.ws.bucket if self.ws is not None else
+                             bucket_for(1, self.config.context_length, self.min_bucket))
         run = self._heads.get(sampling)
         if run is not None and run.tag[0] == ws.version:
             self._heads.move_to_end(sampling)

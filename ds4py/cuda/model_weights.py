@@ -20,6 +20,7 @@ from ds4py.cuda.memory import ALIGN, Arena, DeviceArray, align_up
 from ds4py.cuda.ops.experts import FORMATS as EXPERT_FORMATS
 from ds4py.cuda.weights import data_span, upload_gguf
 from ds4py.errors import Ds4Error
+from ds4py.model import UnsupportedByBackend
 from ds4py.quant import vq
 from ds4py.ref import ops as ref_ops
 
@@ -59,7 +60,7 @@ def role(field: str) -> str:
 
 def _refuse(name: str, qtype: QT, what: str, allowed) -> Ds4Error:
     names = ", ".join(t.name for t in allowed)
-    return Ds4Error(f"{name} is {qtype.name}, which the CUDA backend cannot read as {what} (it reads {names}); "
+    return UnsupportedByBackend(f"{name} is {qtype.name}, which the CUDA backend cannot read as {what} (it reads {names}); "
                     f"use --backend ref")
 
 
@@ -84,7 +85,7 @@ def conversion(gguf, e: schema.Entry) -> np.ndarray | None:
         raise _refuse(e.name, qt, "a GEMV matrix", GEMV_TYPES)
     if kind == "experts":
         if qt == QT.I8 and vq.is_vq(gguf, e.name):
-            raise Ds4Error(f"{e.name} holds VQ-8 experts, which have no CUDA kernel yet; use --backend ref")
+            raise UnsupportedByBackend(f"{e.name} holds VQ-8 experts, which have no CUDA kernel yet; use --backend ref")
         if qt not in EXPERT_FORMATS:
             raise _refuse(e.name, qt, "routed experts", tuple(EXPERT_FORMATS))
     if kind == "shared" and qt not in GEMV_TYPES and qt not in EXPERT_FORMATS:
