@@ -33,6 +33,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ds4py.errors import Ds4Error
+from ds4py.model import device_generation
+from ds4py.sampling import SamplingParams
 
 DEFAULT_PROMPT = Path(__file__).parent / "data" / "bench_prompt.txt"
 
@@ -97,12 +99,39 @@ def prompt_tokens(encode: Callable[[str], list[int]], text: str, need: int) -> t
 
 
 def _greedy_probe(model, state, logits: np.ndarray, n: int, eos: int | None) -> None:
-    """Generate n tokens greedily with EOS suppressed (fixed work per row, independent of the text)."""
+    """Generate n tokens greedily with EOS suppressed (fixed work per row, independent of the text): n decode
+    steps. A backend with device-side generation (the CUDA engine) runs them as it decodes for real, the token
+    never leaving the device (EOS then is only suppressed in the first token: the work is the same)."""
+    if eos is not None:
+        logits = logits.copy()
+        logits[eos] = -np.inf
+    gen = device_generation(model)
+    if gen is not None and n > 0:
+        for _ in gen(state, int(np.argmax(logits)), SamplingParams(temperature=0), n):
+            pass
+        return
     for _ in range(n):
+        logits = model.step([state], [[int(np.argmax(logits))]])[0]
         if eos is not None:
             logits = logits.copy()
             logits[eos] = -np.inf
-        logits = model.step([state], [[int(np.argmax(logits))]])[0]
+
+
+def device_step_stats(model, state=None, steps: int = 32) -> dict[str, float | int] | None:
+    """For a backend with device-side decode graphs: launches per decode step and the host time per replayed
+    step (the Python work of issuing one step: slot write, graph launches, the token's async read), from a
+    greedy generation of `steps` tokens. None for other backends."""
+    if not hasattr(model, "launches_per_step") or device_generation(model) is None:
+        return None
+    st = state if state is not None else model.new_state()
+    n = model.launches_per_step(st)
+    steps = min(4 if getattr(model, "emulated", False) else steps, model.config.context_length - st.n_tokens)
+    for _ in model.generate(st, 1, SamplingParams(temperature=0), steps):
+        pass
+    g = model.last_generate
+    return {"launches_per_step": n["total"], "launches_body": n["body"], "launches_head": n["head"],
+            "launches_side_stream": n["side_stream"], "host_us_per_step": 1e6 * g["host_s"] / max(g["steps"], 1),
+            "gen_tps": g["tokens"] / max(g["wall_s"], 1e-9), "emulated": bool(getattr(model, "emulated", False))}
 
 
 def run_sweep(

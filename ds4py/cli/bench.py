@@ -109,9 +109,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"startup {k}: {v:.3f}" if isinstance(v, float) else f"startup {k}: {v}", file=sys.stderr)
     rows = bench.run_sweep(model, tokens, points, args.gen_tokens, repeat=args.repeat, bandwidth_gbps=bw,
                            eos=tok.eos_id, progress=lambda m: print(m, file=sys.stderr))
-    result = bench.SweepResult(rows, startup=startup, info={
-        "model": args.model_path, "backend": args.backend, "gen_tokens": args.gen_tokens,
-        "repeat": args.repeat, "bandwidth_gbps": bw})
+    info = {"model": args.model_path, "backend": args.backend, "gen_tokens": args.gen_tokens, "repeat": args.repeat,
+            "bandwidth_gbps": bw}
+    dev = bench.device_step_stats(model)
+    if dev is not None:
+        info.update(dev)
+        note = " (emulator: CPU time, not a GPU number)" if dev["emulated"] else " (target <= 30 us)"
+        print(f"decode step: {dev['launches_per_step']} launches ({dev['launches_body']} body + {dev['launches_head']} "
+              f"head, {dev['launches_side_stream']} on the side stream); host time per replayed step "
+              f"{dev['host_us_per_step']:.1f} us{note}", file=sys.stderr)
+    result = bench.SweepResult(rows, startup=startup, info=info)
     text = bench.format_rows(result, args.format)
     sys.stdout.write(text)
     if args.out:

@@ -59,6 +59,7 @@ class StepRun:
 
     def __init__(self, model: "CudaModel", record: Callable[[decode.Launcher], None], tag: tuple):
         self.model, self._record, self.tag = model, record, tag
+        self.mode = (model.pdl, model.graphs)
         self.launches = 0
         self.side_launches = 0
         rt = model.rt
@@ -77,6 +78,13 @@ class StepRun:
                 self.model.slot.memory.memset_d32(self.model.slot.ptr + 4 * i, int(v), 1, self.model.rt.main)
             self._capture()
 
+    def count(self) -> tuple[int, int]:
+        """(kernels, of which on the side stream) one run launches: the recording against a runtime that only
+        counts (no capture, no launch)."""
+        L = decode.Launcher(_CountingRuntime(self.model.rt), self.model.pdl)
+        self._record(L)
+        return L.launches, L.side_launches
+
     @property
     def captures(self) -> int:
         return self.graph.captures if self.graph is not None else 0
@@ -84,6 +92,22 @@ class StepRun:
     def close(self) -> None:
         if self.graph is not None:
             self.graph.close()
+
+
+class _CountingRuntime:
+    """The runtime's streams and device limits, launches that do nothing: what launches_per_step records on."""
+
+    def __init__(self, rt: Any):
+        self.device, self.main, self.side = rt.device, rt.main, rt.side
+
+    def launch(self, *args: Any, **kw: Any) -> None:
+        pass
+
+    def fork(self) -> None:
+        pass
+
+    def join(self) -> None:
+        pass
 
 
 class TokenReader:
@@ -308,7 +332,7 @@ class CudaModel(ModelBase):
         need = bucket_for(pos + 1, self.config.context_length, self.min_bucket)
         run = st.graph[0]
         if run is not None and run.tag[0] >= need and run.tag[1] == st.generation and self.ws is not None \
-                and run.tag[2] == self.ws.version:
+                and run.tag[2] == self.ws.version and run.mode == (self.pdl, self.graphs):
             return run
         bucket = max(need, run.tag[0]) if run is not None else need
         ws = self._workspace(bucket)
@@ -324,7 +348,7 @@ class CudaModel(ModelBase):
         ws = self._workspace(self.ws.bucket if self.ws is not None else
                              bucket_for(1, self.config.context_length, self.min_bucket))
         run = self._heads.get(sampling)
-        if run is not None and run.tag[0] == ws.version:
+        if run is not None and run.tag[0] == ws.version and run.mode == (self.pdl, self.graphs):
             self._heads.move_to_end(sampling)
             return run
         if run is not None:
@@ -336,19 +360,18 @@ class CudaModel(ModelBase):
             self.store.retire([self._heads.popitem(last=False)[1]])
         return run
 
+    def set_launch_mode(self, pdl: bool, graphs: bool) -> None:
+        """Programmatic dependent launches on / off, graph replay or direct launches (the bench compares them
+        on one set of weights): every step is captured again in the new mode."""
+        self.pdl, self.graphs = bool(pdl), bool(graphs)
+
     def launches_per_step(self, state: CudaState | None = None) -> dict[str, int]:
-        """Kernels of one decode step (body + head with the sampler), and how many run on the side stream,
-        from a capture at the state's bucket (a fresh state: the first bucket)."""
+        """Kernels of one decode step at the state's bucket (a fresh state: the first one): the body, the head
+        with the sampler, and how many of them run on the side stream."""
         st = state if state is not None else self.new_state()
-        body = self._body(st, st.n_tokens)
-        head = self._head((0.0, 0, 1.0, 0.0, 0))
-        for r in (body, head):
-            if r.graph is not None and r.graph._stale():
-                r.graph.capture()
-            elif r.graph is None:
-                raise Ds4Error("launches are counted from a capture; this model runs without graphs")
-        return {"body": body.launches, "head": head.launches, "total": body.launches + head.launches,
-                "side_stream": body.side_launches + head.side_launches}
+        body, side = self._body(st, st.n_tokens).count()
+        head, head_side = self._head((0.0, 0, 1.0, 0.0, 0)).count()
+        return {"body": body, "head": head, "total": body + head, "side_stream": side + head_side}
 
     # ---- device-side generation (ds4py.model.DeviceGeneration) ---------------------------------------------------
     def generate(self, state: CudaState, token: int, params: SamplingParams, max_tokens: int) -> Iterator[int]:
@@ -423,6 +446,7 @@ class CudaModel(ModelBase):
         for run in self._heads.values():
             self.store.retire([run])
         self._heads.clear()
+        self.store.retire([self._misc])
         self.store.reclaim()
         self.rt.synchronize()
         self.w.arena.close()
