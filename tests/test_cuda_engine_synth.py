@@ -6,8 +6,8 @@ and backend selection, on the CPU emulator:
   Flash's sizes);
 - bench/cuda_decode.py --emu runs every mode (graph + PDL, graph, direct) and writes its JSON;
 - open_model("cuda-emu" / "auto"): auto without a GPU opens the reference and says why in one line; the CLI's
-  --backend choices are the model's; `score`, `run` and `bench --backend cuda-emu` run through the CLI (run: the
-  reference's greedy text).
+  --backend choices are the model's; `score`, `run`, `serve` and `bench --backend cuda-emu` run through the CLI
+  (run and serve: the reference's greedy text).
 """
 
 from __future__ import annotations
@@ -138,3 +138,36 @@ def test_bench_sweep_on_cuda_emu(golden, tmp_path):
     assert info["launches_per_step"] == info["launches_body"] + info["launches_head"] > 4 * 4
     assert [row["gen_tokens"] for row in res["rows"]] == [2] and res["rows"][0]["gen_tps"] > 0
     assert "launches" in r.stderr
+
+
+def test_serve_on_cuda_emu_answers_as_the_reference(golden):
+    """`serve --backend cuda-emu`: the server's engine worker drives the CUDA engine from its own thread; a greedy
+    chat completion (plain and streamed) gives the reference server's text."""
+    import signal
+
+    import openai
+    from helpers import start_serve
+
+    texts = {}
+    for backend in ("cuda-emu", "ref"):
+        proc, base = start_serve(["-m", str(golden / "ds4-tiny" / "tiny.gguf"), "--ctx", "256", "--backend", backend],
+                                 ready_s=180, stdout=subprocess.DEVNULL)
+        try:
+            c = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=300)
+            ask = dict(model="deepseek-v4-flash", max_tokens=4, temperature=0,
+                       messages=[{"role": "user", "content": "hi"}])
+            r = c.chat.completions.create(**ask)
+            assert r.usage.completion_tokens == 4
+            got = [r.choices[0].message.content, r.choices[0].message.model_extra.get("reasoning_content")]
+            if backend == "cuda-emu":
+                parts = [ch.choices[0].delta for ch in c.chat.completions.create(stream=True, **ask) if ch.choices]
+                streamed = ["".join(d.content or "" for d in parts),
+                            "".join((d.model_extra or {}).get("reasoning_content") or "" for d in parts)]
+                assert streamed == [g or "" for g in got], (streamed, got)
+            texts[backend] = got
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        assert f"backend {backend}" in err
+    assert any(texts["ref"]) and texts["cuda-emu"] == texts["ref"]
