@@ -171,3 +171,17 @@ def test_serve_on_cuda_emu_answers_as_the_reference(golden):
         assert proc.returncode == 0, err
         assert f"backend {backend}" in err
     assert any(texts["ref"]) and texts["cuda-emu"] == texts["ref"]
+
+
+def test_what_the_cuda_engine_refuses(golden, v41_gguf, capsys):
+    """V4.1 models and sidecar / post-training stacks are the reference's only: one sentence from cuda(-emu),
+    and `auto` opens the reference instead."""
+    from ds4py.model import UnsupportedByBackend, open_model
+
+    with pytest.raises(UnsupportedByBackend, match="V4 Flash only"):
+        open_model(v41_gguf, backend="cuda-emu")
+    with pytest.raises(UnsupportedByBackend, match="sidecars"):
+        open_model(str(golden / "ds4-tiny" / "tiny.gguf"), backend="cuda-emu", sidecar=str(golden))
+    assert open_model(v41_gguf, backend="auto").backend == "ref"
+    err = capsys.readouterr().err
+    assert "backend auto" in err and "using the reference backend" in err
