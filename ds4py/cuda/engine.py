@@ -191,9 +191,8 @@ class CudaModel(ModelBase):
         self.path = str(path)
         self.gguf = GGUFFile(self.path)
         cfg = ModelConfig.from_gguf(self.gguf)
-        if cfg.is_v41 or official_decode_bug:
-            raise UnsupportedByBackend("the CUDA engine runs V4 Flash only (no V4.1 Engram, candidate selection or "
-                                       "VQ-8 kernels yet); use --backend ref")
+        if official_decode_bug:
+            raise UnsupportedByBackend("official_decode_bug is a V4.1 option; the CUDA engine runs V4 Flash only")
         header = min(t.offset for t in self.gguf.tensors.values())
         if progress is None:
             progress = not emulate and runtime is None
@@ -257,8 +256,11 @@ class CudaModel(ModelBase):
 
     def _check_config(self) -> None:
         cfg = self.config
+        if cfg.is_v41:
+            raise UnsupportedByBackend("the CUDA engine runs V4 Flash only (no V4.1 Engram, candidate selection or "
+                                       "VQ-8 kernels yet); use --backend ref")
         for il in range(cfg.n_layers):
-            if cfg.kv_source(il) != il:
+            if cfg.is_compressed(il) and cfg.kv_source(il) != il:
                 raise UnsupportedByBackend(f"layer {il} reads compressed rows of layer {cfg.kv_source(il)}, which "
                                            f"the CUDA engine does not support yet (V4.1); use --backend ref")
 
