@@ -433,6 +433,14 @@ extern "C" __global__ void gemv_f16_hc_post(const __half* W, int rows, const flo
     gemv_direct<__half>(j);
 }
 
+// As gemv_q8_0_hc_post, F32 weights. Launch: as gemv_f32.
+extern "C" __global__ void gemv_f32_hc_post(const float* W, int rows, const float* x, int cols, int x_group_rows,
+                                            const float* norm_w, float norm_eps, int flags, const float* mix,
+                                            float* X) {
+    GEMV_HC_POST_BODY
+    gemv_direct<float>(j);
+}
+
 // SwiGLU epilogue: y[r] = silu(min(g[r], c)) * clamp(u[r], -c, c) with g = Wg x, u = Wu x (both [rows, cols]);
 // clamp <= 0 turns the clamp off. Launch: as gemv_q8_0.
 #define GEMV_SWIGLU_BODY                                                                                           \
@@ -451,4 +459,11 @@ extern "C" __global__ void gemv_f16_swiglu(const __half* Wg, const __half* Wu, i
                                            int cols, const float* norm_w, float norm_eps, int flags, float clamp) {
     GEMV_SWIGLU_BODY
     gemv_direct<__half>(j);
+}
+
+// As gemv_q8_0_swiglu, F32 weights. Launch: as gemv_f32.
+extern "C" __global__ void gemv_f32_swiglu(const float* Wg, const float* Wu, int rows, float* y, const float* x,
+                                           int cols, const float* norm_w, float norm_eps, int flags, float clamp) {
+    GEMV_SWIGLU_BODY
+    gemv_direct<float>(j);
 }

@@ -39,6 +39,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ds4py.errors import Ds4Error
+from ds4py.model import device_generation
+from ds4py.sampling import SamplingParams
 
 DEFAULT_PROMPT = Path(__file__).parent / "data" / "bench_prompt.txt"
 
@@ -108,20 +110,31 @@ def prompt_tokens(encode: Callable[[str], list[int]], text: str, need: int) -> t
 
 
 def _greedy_probe(model, state, logits: np.ndarray, n: int, eos: int | None) -> list[int]:
-    """Generate n tokens greedily with EOS suppressed (fixed work per row, independent of the text)."""
+    """Generate n tokens greedily with EOS suppressed (fixed work per row, independent of the text): n decode
+    steps; returns the n tokens fed. A backend with device-side generation (the CUDA engine) runs them as it
+    decodes for real, the token never leaving the device (EOS then is only suppressed in the first token: the
+    work is the same)."""
+    if eos is not None:
+        logits = logits.copy()
+        logits[eos] = -np.inf
+    gen = device_generation(model)
+    if gen is not None and n > 0:
+        out = [int(np.argmax(logits))]
+        out += [int(t) for t in gen(state, out[0], SamplingParams(temperature=0), n)]
+        return out[:n]
     out = []
     for _ in range(n):
+        out.append(int(np.argmax(logits)))
+        logits = model.step([state], [[out[-1]]])[0]
         if eos is not None:
             logits = logits.copy()
             logits[eos] = -np.inf
-        out.append(int(np.argmax(logits)))
-        logits = model.step([state], [[out[-1]]])[0]
     return out
 
 
 def _spec_probe(spec, state, logits: np.ndarray, n: int, eos: int | None):
     """The same probe decoded speculatively (ds4py.spec rounds, EOS suppressed): (tokens fed, its stats)."""
-    from ds4py.sampling import Sampler, SamplingParams
+    from ds4py.sampling import Sampler
 
     req = spec.new_request(SamplingParams(temperature=0.0), suppress=[] if eos is None else [eos])
     sampler = Sampler(req.params)
@@ -129,6 +142,23 @@ def _spec_probe(spec, state, logits: np.ndarray, n: int, eos: int | None):
     while len(out) <= n:                       # n fed, as the plain probe feeds n
         out += req.round(state, out[-1], sampler, n + 1 - len(out)).tokens
     return out[:n], req.stats
+
+
+def device_step_stats(model, state=None, steps: int = 32) -> dict[str, float | int] | None:
+    """For a backend with device-side decode graphs: launches per decode step and the host time per replayed
+    step (the Python work of issuing one step: slot write, graph launches, the token's async read), from a
+    greedy generation of `steps` tokens. None for other backends."""
+    if not hasattr(model, "launches_per_step") or device_generation(model) is None:
+        return None
+    st = state if state is not None else model.new_state()
+    n = model.launches_per_step(st)
+    steps = min(4 if getattr(model, "emulated", False) else steps, model.config.context_length - st.n_tokens)
+    for _ in model.generate(st, 1, SamplingParams(temperature=0), steps):
+        pass
+    g = model.last_generate
+    return {"launches_per_step": n["total"], "launches_body": n["body"], "launches_head": n["head"],
+            "launches_side_stream": n["side_stream"], "host_us_per_step": 1e6 * g["host_s"] / max(g["steps"], 1),
+            "gen_tps": g["tokens"] / max(g["wall_s"], 1e-9), "emulated": bool(getattr(model, "emulated", False))}
 
 
 def run_sweep(

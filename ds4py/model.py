@@ -81,7 +81,7 @@ class State(Protocol):
 class Model(Protocol):
     config: Any              # ds4py.config.ModelConfig
     path: str
-    backend: str             # "ref" | "cuda"
+    backend: str             # "ref" | "cuda" | "cuda-emu"
     numerics: Numerics
     rollback_horizon: int
     fingerprint: str         # ds4py.fingerprint.file_fingerprint of the model file
@@ -197,6 +197,14 @@ class ModelBase(ABC):
     def _import(self, n_tokens: int, n_written: int, arrays: dict[str, np.ndarray]): ...
 
 
+BACKENDS = ("ref", "cuda", "cuda-emu", "auto")
+
+
+class UnsupportedByBackend(Ds4Error):
+    """The backend cannot run this model or these numerics (a weight type without a kernel, int8 activations on
+    CUDA, ...); `--backend auto` then falls back to the reference."""
+
+
 def open_mtp(model, path: str | None = None):
     """The MTP draft block of `model` (MODEL.md §2.5) from its MTP GGUF (`path`; None: the model's own GGUF
     holds the mtp.0.* tensors). Its interface: new_state(), step(states, hidden, next_ids, all_logits, logits),
@@ -210,21 +218,61 @@ def open_mtp(model, path: str | None = None):
 
 
 def open_model(path: str, backend: str = "ref", **kwargs) -> Model:
-    """Open a GGUF with the named backend (kwargs: numerics=Numerics(...), rollback_horizon=...).
+    """Open a GGUF with the named backend (kwargs: numerics=Numerics(...), rollback_horizon=...):
+    ref (numpy), cuda (the GPU), cuda-emu (the CUDA engine on the CPU emulator: slow, for tests), auto (cuda
+    where a GPU is present and can run the model, else ref, saying why in one line on stderr).
     Raises ds4py.errors.Ds4Error subclasses with a clear sentence."""
     if backend == "ref":
         from ds4py.ref.engine import RefModel
 
         return RefModel(path, **kwargs)
+    if backend in ("cuda", "cuda-emu"):
+        from ds4py.cuda.engine import CudaModel   # importing it never touches the driver
 
-    if backend == "cuda":
-        try:
-            from ds4py.cuda.engine import CudaModel  # raises CudaUnavailableError without a GPU
-        except ModuleNotFoundError as e:
-            if e.name != "ds4py.cuda.engine":
-                raise
-            raise Ds4Error("the CUDA backend has kernels and a runtime but no model forward yet; "
-                           "use --backend ref (see docs/cuda.md)") from None
+        return CudaModel(path, emulate=backend == "cuda-emu", **kwargs)
+    if backend == "auto":
+        return _open_auto(path, **kwargs)
+    raise Ds4Error(f"unknown backend {backend!r} (choose one of {', '.join(BACKENDS)})")
+
+
+def _open_auto(path: str, **kwargs) -> Model:
+    import sys
+
+    from ds4py.errors import CudaUnavailableError
+
+    try:
+        from ds4py.cuda import driver
+
+        driver.api()
+        from ds4py.cuda.engine import CudaModel
+
         return CudaModel(path, **kwargs)
+    except (CudaUnavailableError, UnsupportedByBackend) as e:
+        why = str(e).rstrip(".")
+    print(f"ds4py: backend auto: {why}; using the reference backend (ref)", file=sys.stderr, flush=True)
+    from ds4py.ref.engine import RefModel
 
-    raise Ds4Error(f"unknown backend {backend!r} (choose 'ref' or 'cuda')")
+    return RefModel(path, **kwargs)
+
+
+# ---- optional capability: generation on the backend's device ---------------------------------------------------
+@runtime_checkable
+class DeviceGeneration(Protocol):
+    """A backend that samples on its device and feeds each token to the next step itself, so the host reads a
+    few bytes per token instead of the logits (the CUDA engine). Callers that need no host logits (the session's
+    generation loop) use it when present (`device_generation(model)`); everything else uses step().
+
+    generate(state, token, params, max_tokens) checks its arguments when called (Ds4Error / ContextLengthError)
+    and returns an iterator: it feeds `token` at the state's next position and yields up to max_tokens sampled
+    tokens (ds4py.sampling's rules: temperature, top-k, top-p, min-p; greedy is exact argmax, lowest id on ties;
+    the draws are the device's own seeded stream, not numpy's). Closing it (or exhausting it) after k tokens
+    leaves the state having consumed `token` and the first k - 1 (the last sampled token is not fed), exactly as
+    the same tokens fed by step() would; no other call may use the state until then. Logits that are no
+    distribution raise ds4py.sampling.InvalidLogits."""
+
+    def generate(self, state: State, token: int, params: Any, max_tokens: int) -> Any: ...
+
+
+def device_generation(model: Any):
+    """model.generate when the backend offers device-side generation, else None."""
+    return model.generate if isinstance(model, DeviceGeneration) else None

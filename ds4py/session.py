@@ -33,6 +33,7 @@ from typing import Callable, Iterator, Literal, Sequence
 import numpy as np
 
 from ds4py.errors import ContextLengthError, Ds4Error
+from ds4py.model import device_generation
 from ds4py.sampling import Sampler, SamplingParams
 
 
@@ -270,39 +271,39 @@ class Session:
         limit = self.ctx_size - len(prompt)       # prompt + completion <= context
         if params.max_tokens is not None:
             limit = min(limit, params.max_tokens)
-        held = ""                                 # decoded text not yet emitted (possible stop-string start)
-        n, last = 0, None
-        spec = self._speculation(params)
-        queue: list[int] = []                     # sampled, not yet emitted: the rest of a speculative round
+        tokens = self._tokens(sampler, params, limit)
         try:
-            while True:
-                if cancelled():                   # before every token: a gone client stops within one token
-                    yield DoneEvent("cancelled", len(prompt), cached, n)
-                    return
-                if not queue:
-                    queue = self._next_tokens(sampler, last, spec, limit - n)
-                last = queue.pop(0)
-                n += 1
-                if last == eos:
-                    yield TokenEvent(last, held + stream.flush())
-                    yield DoneEvent("stop", len(prompt), cached, n)
-                    return
-                held += stream.push(last)
-                hit = _find_stop(held, params.stop)
-                if hit is not None:
-                    at, s = hit
-                    yield TokenEvent(last, held[:at])
-                    yield DoneEvent("stop", len(prompt), cached, n, stop_string=s)
-                    return
-                if n >= limit:
-                    yield TokenEvent(last, held + stream.flush())
-                    yield DoneEvent("length", len(prompt), cached, n)
-                    return
-                keep = _stop_prefix_len(held, params.stop)
-                text, held = held[:len(held) - keep], held[len(held) - keep:]
-                yield TokenEvent(last, text)
+            yield from self._events(tokens, prompt, params, cached, cancelled, stream, eos, limit)
         finally:
-            self._unfeed(len(queue))
+            tokens.close()                        # (a device generation leaves the state consistent here)
+
+    def _events(self, tokens: Iterator[int], prompt: list[int], params: SamplingParams, cached: int,
+                cancelled: Callable[[], bool], stream, eos: int | None, limit: int) -> Iterator[Event]:
+        held, n = "", 0                           # decoded text not yet emitted (possible stop-string start)
+        while True:
+            if cancelled():                       # before every token: a gone client stops within one token
+                yield DoneEvent("cancelled", len(prompt), cached, n)
+                return
+            last = next(tokens)
+            n += 1
+            if last == eos:
+                yield TokenEvent(last, held + stream.flush())
+                yield DoneEvent("stop", len(prompt), cached, n)
+                return
+            held += stream.push(last)
+            hit = _find_stop(held, params.stop)
+            if hit is not None:
+                at, s = hit
+                yield TokenEvent(last, held[:at])
+                yield DoneEvent("stop", len(prompt), cached, n, stop_string=s)
+                return
+            if n >= limit:
+                yield TokenEvent(last, held + stream.flush())
+                yield DoneEvent("length", len(prompt), cached, n)
+                return
+            keep = _stop_prefix_len(held, params.stop)
+            text, held = held[:len(held) - keep], held[len(held) - keep:]
+            yield TokenEvent(last, text)
 
     # ---- the speculative-decoding hook (ds4py.spec, docs/spec.md): the only place generation knows of it ----
 
@@ -314,13 +315,22 @@ class Session:
         self.spec_stats = None if spec is None else spec.stats
         return spec
 
-    def _next_tokens(self, sampler: Sampler, last: int | None, spec, remaining: int) -> list[int]:
-        """The next sampled token(s): one, after feeding `last`; or a speculative round's accepted drafts and its
-        next token (the state then holds every one of them but the last, as after plain steps)."""
-        if spec is None or last is None:
-            if last is not None:
-                self._decode(last)
-            return [sampler.sample(self._logits)]
+    def _spec_tokens(self, sampler: Sampler, last: int, spec, limit: int) -> Iterator[int]:
+        """The tokens after `last` in speculative rounds: each round's accepted drafts and its next token (the
+        state then holds every one of them but the last, as after plain steps). Closed inside a round, the fed
+        tokens past the last one taken are forgotten."""
+        n = 1
+        while True:
+            queue = self._round(sampler, last, spec, limit - n)
+            try:
+                while queue:
+                    last = queue.pop(0)
+                    n += 1
+                    yield last
+            finally:
+                self._unfeed(len(queue))
+
+    def _round(self, sampler: Sampler, last: int, spec, remaining: int) -> list[int]:
         try:
             r = spec.round(self.state, last, sampler, remaining)
         except BaseException:
@@ -341,6 +351,41 @@ class Session:
             self.state.truncate(self.state.n_tokens - n)
             del self.tokens[-n:]
             self._logits = None
+
+    def _tokens(self, sampler: Sampler, params: SamplingParams, limit: int) -> Iterator[int]:
+        """The sampled tokens, one per next(). The first comes from the prompt's logits (CPU sampler). The rest:
+        from the backend's device-side generation when it has one (ds4py.model.device_generation: the host
+        never sees logits), else from step() and the CPU sampler (the reference path)."""
+        last = sampler.sample(self._logits)
+        yield last
+        spec = self._speculation(params)
+        if spec is not None:
+            yield from self._spec_tokens(sampler, last, spec, limit)
+            return
+        gen = device_generation(self.model)
+        if gen is None:
+            while True:
+                self._decode(last)
+                last = sampler.sample(self._logits)
+                yield last
+        if limit <= 1:
+            return
+        inner = gen(self.state, last, params, limit - 1)
+        try:
+            for t in inner:                        # t arrives once `last` has been fed
+                self.tokens.append(last)
+                self._logits = None
+                self.stats.decoded_tokens += 1
+                last = t
+                yield t
+        except GeneratorExit:
+            raise
+        except BaseException:
+            inner.close()
+            self._drop_live()                      # a half-advanced state must never be reused
+            raise
+        finally:
+            inner.close()                          # the state's counters are final from here on
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

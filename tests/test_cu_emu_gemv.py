@@ -102,7 +102,7 @@ def test_q8_0_rows_at_any_even_address(rt, arena, put, shift):
     check(y.download(), W, x, rows, cols, f"q8_0 at +{shift}")
 
 
-@pytest.mark.parametrize("kind", ("F16", "Q8_0"))
+@pytest.mark.parametrize("kind", KINDS)
 def test_hc_post_epilogue(rt, arena, put, kind):
     r = rng(10, len(kind))
     D, cols, hc = 42, 96, 4
@@ -119,7 +119,7 @@ def test_hc_post_epilogue(rt, arena, put, kind):
     twins.assert_close_scaled(dX.download(), want, mag, cols, f"{kind} hc_post", factor=2.0)
 
 
-@pytest.mark.parametrize("kind", ("F16", "Q8_0"))
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("clamp", [0.0, 2.5])
 @pytest.mark.parametrize("rows", [1, 13])
 def test_swiglu_epilogue(rt, arena, put, kind, clamp, rows):

@@ -1,7 +1,8 @@
 """The CUDA host code without a GPU.
 
-1. `import ds4py` and the CUDA modules import without a driver or without cuda-bindings; asking for the backend
-   then raises CudaUnavailableError with one sentence (checked in subprocesses).
+1. `import ds4py`, the CUDA modules, the engine, the CLI and the server import without a driver or without
+   cuda-bindings; asking for the backend then raises CudaUnavailableError with one sentence, `--backend cuda` on the
+   CLI exits with that sentence, `auto` falls back to the reference, `cuda-emu` still runs (checked in subprocesses).
 2. A stand-in driver runs the whole host path (device open, NVRTC + module load, launches with and without PDL,
    fork/join, graph capture and replay, arena growth, pinned chunked upload). Each call first goes through the
    REAL cuda.bindings function, whose argument conversion runs before it looks for libcuda: a wrong argument type
@@ -69,6 +70,54 @@ def test_without_driver():
     assert r.returncode == 0, r.stderr
     msg = _one_sentence(r.stdout)
     assert "driver" in msg or "GPU" in msg or "device" in msg
+
+
+def _cli_without_cuda(tmp_path: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m ds4py ARGS` in a process where every `cuda` import fails (a sitecustomize installs the block)."""
+    site = tmp_path / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(BLOCK_CUDA)
+    return subprocess.run([sys.executable, "-m", "ds4py", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{REPO}", **(env or {})})
+
+
+def test_cli_server_and_engine_import_without_cuda_bindings():
+    code = ("import sys\n" + BLOCK_CUDA +
+            "import ds4py.__main__, ds4py.cli, ds4py.server, ds4py.server.app, ds4py.cuda.engine, ds4py.cuda.synth\n"
+            "from ds4py.cli import serve, run, score, bench\n"
+            "print(sorted(m for m in sys.modules if m == 'cuda' or m.startswith('cuda.')))")
+    r = _run(code)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
+
+
+def test_cli_backends_without_cuda_bindings(golden, tmp_path):
+    """--backend cuda: one sentence and exit 2; auto: the reference, saying why once; cuda-emu needs no
+    cuda-python (the emulator is g++-built) and scores the same ids."""
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.arange(2, 7))
+    model = str(golden / "ds4-tiny" / "tiny.gguf")
+    outs = {}
+    for backend in ("cuda", "auto", "cuda-emu"):
+        out = tmp_path / f"{backend}.npy"
+        r = _cli_without_cuda(tmp_path, "score", "-m", model, "--ids", str(ids), "--split", "3", "--out", str(out),
+                              "--backend", backend)
+        lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        if backend == "cuda":
+            assert r.returncode == 2 and not out.exists(), r.stderr
+            assert len(lines) == 1 and "cuda-python" in lines[0] and "Traceback" not in r.stderr, r.stderr
+            continue
+        if backend == "cuda-emu":
+            from ds4py.cuda import emu
+
+            if emu.compiler() is None:
+                continue                                       # the emulator needs g++ (skipped where absent)
+        assert r.returncode == 0, r.stderr
+        if backend == "auto":
+            assert sum("using the reference backend" in ln for ln in lines) == 1, r.stderr
+        outs[backend] = np.load(out)
+    assert outs["auto"].shape == (3, 512)
+    if "cuda-emu" in outs:
+        np.testing.assert_allclose(outs["cuda-emu"], outs["auto"], rtol=0, atol=1e-3 * np.abs(outs["auto"]).max())
 
 
 def test_import_is_lazy():

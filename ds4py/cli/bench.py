@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 
+from ds4py.cli import BACKENDS
 from ds4py.cli._options import add_engram_dir, add_stack_arguments, model_kwargs
 
 NAME = "bench"
@@ -17,7 +18,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sweep (offline, default) or serve (load test of a running server)")
     g = p.add_argument_group("sweep")
     g.add_argument("-m", "--model", dest="model_path", help="GGUF model file (sweep)")
-    g.add_argument("--backend", choices=["ref", "cuda"], default="ref")
+    g.add_argument("--backend", choices=BACKENDS, default="ref",
+                   help="engine backend: ref (numpy, default), cuda (GPU), cuda-emu (the CUDA engine on the CPU "
+                        "emulator: slow, for tests), auto (cuda where a GPU can run the model, else ref)")
     add_stack_arguments(g)
     add_engram_dir(g)
     g.add_argument("--prompt-file", help="text walked to every frontier (default: bundled public-domain book)")
@@ -116,10 +119,16 @@ def run(args: argparse.Namespace) -> int:
     rows = bench.run_sweep(model, tokens, points, args.gen_tokens, repeat=args.repeat, bandwidth_gbps=bw,
                            eos=tok.eos_id, progress=lambda m: print(m, file=sys.stderr),
                            spec=spec if isinstance(spec, SpecModel) else None)
-    result = bench.SweepResult(rows, startup=startup, info={
-        "model": args.model_path, "backend": args.backend, **model_kwargs(args), "gen_tokens": args.gen_tokens,
-        "repeat": args.repeat, "bandwidth_gbps": bw,
-        "mtp": getattr(getattr(spec, "mtp", None), "path", None)})
+    info = {"model": args.model_path, "backend": args.backend, **model_kwargs(args), "gen_tokens": args.gen_tokens,
+            "repeat": args.repeat, "bandwidth_gbps": bw, "mtp": getattr(getattr(spec, "mtp", None), "path", None)}
+    dev = bench.device_step_stats(model)
+    if dev is not None:
+        info.update(dev)
+        note = " (emulator: CPU time, not a GPU number)" if dev["emulated"] else " (target <= 30 us)"
+        print(f"decode step: {dev['launches_per_step']} launches ({dev['launches_body']} body + {dev['launches_head']} "
+              f"head, {dev['launches_side_stream']} on the side stream); host time per replayed step "
+              f"{dev['host_us_per_step']:.1f} us{note}", file=sys.stderr)
+    result = bench.SweepResult(rows, startup=startup, info=info)
     text = bench.format_rows(result, args.format)
     sys.stdout.write(text)
     if args.out:

@@ -12,6 +12,7 @@ import json
 import sys
 import time
 
+from ds4py.cli import BACKENDS
 from ds4py.cli._options import add_engram_dir, add_stack_arguments, describe, model_kwargs
 
 NAME = "run"
@@ -22,7 +23,9 @@ DIM, RESET = "\x1b[2m", "\x1b[0m"
 
 def add_common_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", required=True, help="GGUF file")
-    p.add_argument("--backend", choices=["ref", "cuda"], default="ref", help="engine backend (default: ref)")
+    p.add_argument("--backend", choices=BACKENDS, default="ref",
+                   help="engine backend: ref (numpy, default), cuda (GPU), cuda-emu (the CUDA engine on the CPU "
+                        "emulator: slow, for tests), auto (cuda where a GPU can run the model, else ref)")
     add_stack_arguments(p)
     p.add_argument("--ctx", type=int, default=None, help="context size in tokens (default: the model's)")
     add_engram_dir(p)

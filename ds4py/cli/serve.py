@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from ds4py.cli import BACKENDS
 from ds4py.cli._options import add_engram_dir, add_stack_arguments, model_kwargs
 
 NAME = "serve"
@@ -20,7 +21,9 @@ DEMO_SEED = 0
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", default=None,
                    help="GGUF file (default: a small random-weight demo model, generated once under ~/.cache/ds4py)")
-    p.add_argument("--backend", choices=["ref", "cuda"], default="ref", help="engine backend (default: ref)")
+    p.add_argument("--backend", choices=BACKENDS, default="ref",
+                   help="engine backend: ref (numpy, default), cuda (GPU), cuda-emu (the CUDA engine on the CPU "
+                        "emulator: slow, for tests), auto (cuda where a GPU can run the model, else ref)")
     add_stack_arguments(p)
     p.add_argument("--ctx", type=int, default=32768,
                    help="context size in tokens (default 32768, capped at the model's)")

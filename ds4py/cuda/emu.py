@@ -32,7 +32,7 @@ from ds4py.errors import Ds4Error
 
 CU_DIR = Path(__file__).resolve().parents[2] / "cu"
 EMU_DIR = CU_DIR / "emu"
-FLAGS = ("-std=c++17", "-O1", "-g0", "-fPIC", "-shared", "-fvisibility=hidden", "-fno-strict-aliasing",
+FLAGS = ("-std=c++17", "-O2", "-g0", "-fPIC", "-shared", "-fvisibility=hidden", "-fno-strict-aliasing",
          "-ffp-contract=off", "-Wl,-Bsymbolic", "-DDS4_EMU=1")
 GENERATOR_VERSION = "ds4py-emu-v2"
 ORDERS = {"forward": 0, "reverse": 1, "random": 2}

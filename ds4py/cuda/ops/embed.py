@@ -12,12 +12,15 @@ from ds4py.cuda.ops.core import aligned, is_dtype, need
 
 def embed(rt: Any, table: DeviceArray, ids: DeviceArray, out: DeviceArray, n_ids: int, copies: int = 1,
           threads: int = 256, stream: Any = None, pdl: bool = False) -> None:
-    """out[t, c] = float(table[ids[t]]) for c < copies (copies = hc: the residual state); table F16 [vocab, dim].
-    ids: an int32 device buffer (e.g. the slot the argmax or sampler of the previous step wrote)."""
-    need(len(table.shape) == 2 and is_dtype(table, np.float16), "embed: the table must be F16 [vocab, dim]")
+    """out[t, c] = float(table[ids[t]]) for c < copies (copies = hc: the residual state); table F16 or F32
+    [vocab, dim]. ids: an int32 device buffer (e.g. the slot the argmax or sampler of the previous step wrote)."""
+    f32 = is_dtype(table, np.float32)
+    need(len(table.shape) == 2 and (f32 or is_dtype(table, np.float16)),
+         "embed: the table must be F16 or F32 [vocab, dim]")
     vocab, dim = table.shape
-    need(dim % 2 == 0 and aligned(4, table), "embed: dim must be even and the table 4-byte aligned")
+    need(dim % 2 == 0 and aligned(8 if f32 else 4, table),
+         "embed: dim must be even and the table 4-byte (F32: 8-byte) aligned")
     need(is_dtype(ids, np.int32) and ids.size >= n_ids >= 1, "embed: ids must be int32 with n_ids entries")
     need(is_dtype(out, np.float32) and out.size >= n_ids * copies * dim, "embed: out too small")
     need(copies >= 1 and threads % 32 == 0 and 32 <= threads <= 1024, "embed: bad copies or threads")
-    rt.launch("embed_f16", n_ids, threads, table, ids, out, dim, vocab, copies, stream=stream, pdl=pdl)
+    rt.launch("embed_f32" if f32 else "embed_f16", n_ids, threads, table, ids, out, dim, vocab, copies, stream=stream, pdl=pdl)

@@ -119,7 +119,7 @@ def gemv_hc_post(rt: Any, W: DeviceArray, x: DeviceArray, X: DeviceArray, mix: D
     """f = W @ x (W [rows=D, cols]), then X [hc, D] <- post_k f + sum_j C[j,k] X_j in place; mix holds
     [pre(hc), post(hc), comb(hc*hc)] (cu/mhc.cu's hc_mix output for this sub-layer)."""
     qtype = weight_type(W)
-    need(qtype in ("Q8_0", "F16"), f"gemv_hc_post: Q8_0 or F16 weights, got {qtype}")
+    need(qtype in _KERNEL, f"gemv_hc_post: Q8_0, F16 or F32 weights, got {qtype}")
     _check_matrix("gemv_hc_post", W, rows, cols, qtype)
     need(is_dtype(X, np.float32) and X.size == hc * rows, f"gemv_hc_post: X must be float32 [{hc}, {rows}]")
     need(is_dtype(mix, np.float32) and mix.size >= (2 + hc) * hc,
@@ -137,7 +137,7 @@ def gemv_swiglu(rt: Any, Wg: DeviceArray, Wu: DeviceArray, x: DeviceArray, y: De
                 warps: int | None = None, grid: int | None = None, stream: Any = None, pdl: bool = False) -> None:
     """y = silu(min(Wg x, clamp)) * clamp(Wu x, -clamp, clamp) (clamp <= 0: no clamp); Wg, Wu [rows, cols]."""
     qtype = weight_type(Wg)
-    need(qtype in ("Q8_0", "F16"), f"gemv_swiglu: Q8_0 or F16 weights, got {qtype}")
+    need(qtype in _KERNEL, f"gemv_swiglu: Q8_0, F16 or F32 weights, got {qtype}")
     _check_matrix("gemv_swiglu gate", Wg, rows, cols, qtype)
     _check_matrix("gemv_swiglu up", Wu, rows, cols, qtype)
     need(is_dtype(y, np.float32) and y.size >= rows, f"gemv_swiglu: y must be float32 with {rows} values")

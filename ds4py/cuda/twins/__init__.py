@@ -4,7 +4,7 @@ Each twin calls ds4py/ref/ops.py for the math (one reference) and adds only the 
 from ds4py.cuda.twins.argmax import argmax  # noqa: F401
 from ds4py.cuda.twins.core import (Q8_0_BYTES, assert_close_scaled, dequant_q8_0, q8_0_matrix,  # noqa: F401
                                    quant_q8_0, weight_values)
-from ds4py.cuda.twins.embed import embed_f16  # noqa: F401
+from ds4py.cuda.twins.embed import embed, embed_f16  # noqa: F401
 from ds4py.cuda.twins.rmsnorm import rmsnorm  # noqa: F401
 
 

@@ -1,0 +1,463 @@
+"""CudaModel: V4 Flash on the GPU (or, `--backend cuda-emu`, on the CPU emulator of the same kernels).
+
+    model = CudaModel("model.gguf")                       # Runtime() on the first GPU; emulate=True: EmuRuntime
+    logits = model.step([state], [ids])[0]                # the engine contract (ds4py.model, docs/engine.md)
+    for tok in model.generate(state, first, params, 64):  # device-side sampling, 4 bytes read per token
+        ...
+
+Weights stay in their GGUF formats in the arena (ds4py/cuda/model_weights.py); a sequence's KV state is the
+declared layout in device memory (ds4py/cuda/kvstate.py); a decode step is one launch sequence
+(ds4py/cuda/decode.py) captured once per state and context bucket into a graph and replayed per token, with
+the position and the token in a device slot. A step of several tokens (a prompt) replays the decode graph once
+per position (the multi-row prefill kernels are issue 17's); the head graph runs after the positions whose
+logits are asked for. Numerics: fp32 activations and accumulation, the model's FP8 / FP4 fake-quant
+(Numerics.fake_quant) and F16 KV storage (kv_dtype "f16") as the reference computes them; ds4's int8
+activations (act_quant) are refused.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections import OrderedDict
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+from ds4py import schema
+from ds4py.config import ModelConfig
+from ds4py.cuda import decode, synth
+from ds4py.cuda.compiler import model_defines
+from ds4py.cuda.graph import StepGraph
+from ds4py.cuda.kvstate import CudaState, DeviceStore
+from ds4py.cuda.memory import DeviceArray
+from ds4py.cuda.model_weights import DeviceWeights
+from ds4py.cuda.model_weights import load as load_weights
+from ds4py.errors import ContextLengthError, Ds4Error
+from ds4py.fingerprint import file_fingerprint
+from ds4py.gguf import GGUFFile
+from ds4py.kv import state_layout
+from ds4py.model import DEFAULT_ROLLBACK_HORIZON, ModelBase, Numerics, UnsupportedByBackend
+from ds4py.sampling import InvalidLogits, SamplingParams
+
+MIN_BUCKET = 256            # smallest context bucket (positions); buckets double up to the context length
+HEAD_GRAPHS = 8             # head graphs kept (one per sampling setting; least recently used dropped)
+
+
+def bucket_for(n_positions: int, context_length: int, min_bucket: int = MIN_BUCKET) -> int:
+    """The context bucket holding positions [0, n_positions): a power of two >= min_bucket, at most the context."""
+    b = min_bucket
+    while b < n_positions:
+        b *= 2
+    return max(n_positions, min(b, context_length))
+
+
+class StepRun:
+    """One recorded step (a body or a head): captured into a graph and replayed, or launched directly each time
+    (graphs=False). `launches` counts the kernels of one run."""
+
+    def __init__(self, model: "CudaModel", record: Callable[[decode.Launcher], None], tag: tuple):
+        self.model, self._record, self.tag = model, record, tag
+        self.mode = (model.pdl, model.graphs)
+        self.launches = 0
+        self.side_launches = 0
+        rt = model.rt
+        self.graph = StepGraph(rt, self._capture, model.slot, model.w.arena) if model.graphs else None
+
+    def _capture(self) -> None:
+        L = decode.Launcher(self.model.rt, self.model.pdl)
+        self._record(L)
+        self.launches, self.side_launches = L.launches, L.side_launches
+
+    def run(self, values: Sequence[int]) -> None:
+        if self.graph is not None:
+            self.graph.replay(values)
+        else:
+            for i, v in enumerate(values):
+                self.model.slot.memory.memset_d32(self.model.slot.ptr + 4 * i, int(v), 1, self.model.rt.main)
+            self._capture()
+
+    def count(self) -> tuple[int, int]:
+        """(kernels, of which on the side stream) one run launches: the recording against a runtime that only
+        counts (no capture, no launch)."""
+        L = decode.Launcher(_CountingRuntime(self.model.rt), self.model.pdl)
+        self._record(L)
+        return L.launches, L.side_launches
+
+    @property
+    def captures(self) -> int:
+        return self.graph.captures if self.graph is not None else 0
+
+    def close(self) -> None:
+        if self.graph is not None:
+            self.graph.close()
+
+
+class _CountingRuntime:
+    """The runtime's streams and device limits, launches that do nothing: what launches_per_step records on."""
+
+    def __init__(self, rt: Any):
+        self.device, self.main, self.side = rt.device, rt.main, rt.side
+
+    def launch(self, *args: Any, **kw: Any) -> None:
+        pass
+
+    def fork(self) -> None:
+        pass
+
+    def join(self) -> None:
+        pass
+
+
+class TokenReader:
+    """The sampled token back to the host without stalling the device: a 4-byte copy into pinned memory and an
+    event, queued behind the step; wait(i) blocks on that event only (GPU). Elsewhere (the emulator, which runs
+    work as it is issued) the value is read at once."""
+
+    def __init__(self, rt: Any, depth: int = 4):
+        from ds4py.cuda.runtime import Runtime
+
+        self.rt, self.depth, self.n = rt, depth, 0
+        self.gpu = isinstance(rt, Runtime)
+        self._values: dict[int, int] = {}
+        if self.gpu:
+            from ds4py.cuda.driver import call
+            from ds4py.cuda.memory import PinnedBuffer, _no_timing
+
+            rt.bind_thread()
+            self._call = call
+            self._pinned = PinnedBuffer(4 * depth)
+            self._events = [call("cuEventCreate", _no_timing()) for _ in range(depth)]
+
+    def enqueue(self, src: DeviceArray) -> int:
+        i, self.n = self.n, self.n + 1
+        if not self.gpu:
+            self._values[i] = int(src.download()[0])
+            return i
+        k = i % self.depth
+        self._call("cuMemcpyDtoHAsync", self._pinned.ptr + 4 * k, src.ptr, 4, self.rt.main)
+        self._call("cuEventRecord", self._events[k], self.rt.main)
+        return i
+
+    def wait(self, i: int) -> int:
+        if not self.gpu:
+            return self._values.pop(i)
+        if self.n - i > self.depth:
+            raise Ds4Error("token readback overrun (more steps in flight than the reader holds)")
+        k = i % self.depth
+        self._call("cuEventSynchronize", self._events[k])
+        return int(self._pinned.array[4 * k: 4 * k + 4].view(np.int32)[0])
+
+    def close(self) -> None:
+        if self.gpu:
+            for e in self._events:
+                self._call("cuEventDestroy", e)
+            self._pinned.free()
+            self._events = []
+
+
+def _runtime(emulate: bool, cfg: ModelConfig, progress: bool) -> Any:
+    defines = model_defines(cfg)
+    if emulate:
+        from ds4py.cuda.emu_runtime import EmuRuntime
+
+        return EmuRuntime(defines=defines)
+    from ds4py.cuda.runtime import Runtime
+
+    say = (lambda m: print(f"ds4py: {m}", file=sys.stderr, flush=True)) if progress else None
+    return Runtime(defines=defines, progress=say)
+
+
+class CudaModel(ModelBase):
+    """The engine contract on CUDA devices (docs/engine.md, docs/cuda.md "The engine")."""
+
+    backend = "cuda"
+    state_type = CudaState
+
+    def __init__(self, path: str, numerics: Numerics | None = None,
+                 rollback_horizon: int = DEFAULT_ROLLBACK_HORIZON, runtime: Any = None, emulate: bool = False,
+                 pdl: bool = True, graphs: bool = True, progress: bool | None = None, sidecar: Any = None,
+                 posttrain: Any = None, engram_dir: str | None = None, official_decode_bug: bool = False):
+        """runtime: a Runtime / EmuRuntime to use (default: a new one: the GPU, or the emulator with emulate).
+        pdl / graphs: programmatic dependent launches and graph replay (both on by default; off for the
+        bit-identity tests and the bench's comparison). sidecar / posttrain / engram_dir / official_decode_bug:
+        the reference backend's options (docs/vq.md, docs/v41.md), which this engine refuses in one sentence
+        (UnsupportedByBackend: `--backend auto` then opens the reference); engram_dir is ignored for V4."""
+        t0 = time.perf_counter()
+        if sidecar is not None or posttrain is not None:
+            raise UnsupportedByBackend("the CUDA engine does not apply domain sidecars or post-training files yet; "
+                                       "use --backend ref")
+        self.path = str(path)
+        self.gguf = GGUFFile(self.path)
+        cfg = ModelConfig.from_gguf(self.gguf)
+        if official_decode_bug:
+            raise UnsupportedByBackend("official_decode_bug is a V4.1 option; the CUDA engine runs V4 Flash only")
+        header = min(t.offset for t in self.gguf.tensors.values())
+        if progress is None:
+            progress = not emulate and runtime is None
+        self._setup(cfg, numerics, rollback_horizon, runtime, emulate, pdl, graphs, bool(progress),
+                    file_fingerprint(self.path, head_bytes=header),
+                    lambda rt, ws0: load_weights(rt, self.gguf, cfg, ws0, progress=bool(progress)), t0)
+
+    @classmethod
+    def synthetic(cls, cfg: ModelConfig, seed: int = 0, experts: tuple = synth.Q2_EXPERTS,
+                  numerics: Numerics | None = None, rollback_horizon: int = DEFAULT_ROLLBACK_HORIZON,
+                  runtime: Any = None, emulate: bool = False, pdl: bool = True, graphs: bool = True) -> "CudaModel":
+        """A model of `cfg`'s shapes with random weights written on the device (ds4py/cuda/synth.py): the
+        device check's full-size decode step, without a file."""
+        self = cls.__new__(cls)
+        self.path, self.gguf = f"synthetic:{cfg.n_layers} layers", None
+        self._setup(cfg, numerics, rollback_horizon, runtime, emulate, pdl, graphs, False,
+                    synth.fingerprint(cfg, experts, seed),
+                    lambda rt, ws0: synth.load(rt, cfg, ws0, seed, experts), time.perf_counter())
+        return self
+
+    def _setup(self, cfg: ModelConfig, numerics: Numerics | None, rollback_horizon: int, runtime: Any,
+               emulate: bool, pdl: bool, graphs: bool, progress: bool, fingerprint: str,
+               load: Callable[[Any, int], DeviceWeights], t0: float) -> None:
+        numerics = Numerics() if numerics is None else numerics
+        if not isinstance(numerics, Numerics):
+            raise Ds4Error(f"numerics must be a ds4py.model.Numerics, got {type(numerics).__name__}")
+        if numerics.act_quant:
+            raise UnsupportedByBackend("the CUDA backend computes fp32 activations; it has no int8 (act_quant) "
+                                       "path (use --backend ref for ds4's numerics)")
+        self.config, self.numerics = cfg, numerics
+        self.layout = state_layout(cfg, rollback_horizon)
+        self.rollback_horizon = rollback_horizon
+        self.fingerprint = fingerprint
+        self._check_config()
+        self.rt = runtime if runtime is not None else _runtime(emulate, cfg, progress)
+        want = model_defines(cfg)
+        have = getattr(self.rt, "defines", None)
+        if have is not None and any(have.get(k, v) != v for k, v in want.items()):
+            raise Ds4Error(f"the runtime was built with defines {have}, this model needs {want}")
+        from ds4py.cuda.emu_runtime import EmuRuntime
+
+        self.emulated = isinstance(self.rt, EmuRuntime)
+        self.backend = "cuda-emu" if self.emulated else "cuda"
+        self.pdl, self.graphs = bool(pdl), bool(graphs)
+        self.min_bucket = MIN_BUCKET
+        ws0 = decode.workspace_bytes(decode.workspace_shapes(cfg, bucket_for(1, cfg.context_length)))
+        t1 = time.perf_counter()
+        self.w = load(self.rt, ws0)
+        self.rt.synchronize()
+        self._check_weights()
+        self.store = DeviceStore(self.rt)
+        self._misc = self.store.block(256)
+        self._misc.zero(self.rt.main)
+        self.slot = self._misc.array(0, (2,), np.int32)            # [pos, token]
+        self.ticket = self._misc.array(16, (1,), np.uint32)        # hc_mix's (zero between launches)
+        self.ws: decode.Workspace | None = None
+        self._heads: OrderedDict[Any, StepRun] = OrderedDict()
+        self.last_generate: dict[str, float] = {}
+        self.startup = {"weights_upload_s": time.perf_counter() - t1, "model_open_s": time.perf_counter() - t0,
+                        "weights_gb": (self.w.file_bytes + self.w.extra_bytes) / 1e9}
+
+    def _check_config(self) -> None:
+        cfg = self.config
+        if cfg.is_v41:
+            raise UnsupportedByBackend("the CUDA engine runs V4 Flash only (no V4.1 Engram, candidate selection or "
+                                       "VQ-8 kernels yet); use --backend ref")
+        for il in range(cfg.n_layers):
+            if cfg.is_compressed(il) and cfg.kv_source(il) != il:
+                raise UnsupportedByBackend(f"layer {il} reads compressed rows of layer {cfg.kv_source(il)}, which "
+                                           f"the CUDA engine does not support yet (V4.1); use --backend ref")
+
+    def _check_weights(self) -> None:
+        for il, L in enumerate(self.w.binding.layers):
+            for what, sw in (("routed", L.ffn.experts), ("shared", L.ffn.shared)):
+                if sw.gate.qtype != sw.up.qtype:
+                    raise UnsupportedByBackend(f"layer {il}: the {what} experts' gate ({sw.gate.qtype.name}) and up "
+                                               f"({sw.up.qtype.name}) differ in type; the CUDA kernel reads both "
+                                               f"in one format")
+
+    # ---- the contract ----------------------------------------------------------------------------------------
+    def new_state(self) -> CudaState:
+        self.store.reclaim()
+        return CudaState(self.layout, self.store)
+
+    def check_state(self, state: Any, what: str = "state") -> None:
+        super().check_state(state, what)
+        if state.busy:
+            raise Ds4Error(f"{what} is being generated into (a generate() iterator is running on it)")
+        if state.store is not self.store:
+            raise Ds4Error(f"{what} belongs to another CUDA model")
+
+    def _step(self, states: list[CudaState], chunks: list[np.ndarray], all_logits: bool) -> list[np.ndarray]:
+        self.store.reclaim()
+        out = []
+        for st, ids in zip(states, chunks):
+            n0, T = st.n_tokens, len(ids)
+            body = self._body(st, n0 + T - 1)           # rows grown and graph captured before anything is written
+            head = self._head(None)
+            body = self._body(st, n0 + T - 1)           # (the head may have grown the workspace)
+            st.begin_step(T)
+            rows = []
+            for i, tok in enumerate(ids):
+                st.device_hw = max(st.device_hw, n0 + i + 1)
+                body.run([n0 + i, int(tok)])
+                if all_logits or i == T - 1:
+                    head.run(())
+                    rows.append(self.ws.logits.download())
+            st.end_step(T)
+            out.append(np.stack(rows) if all_logits else rows[-1])
+        return out
+
+    def _export(self, state: CudaState) -> dict[str, np.ndarray]:
+        return state.export()
+
+    def _import(self, n_tokens: int, n_written: int, arrays: dict[str, np.ndarray]) -> CudaState:
+        st = self.new_state()
+        st.n_tokens, st.n_written = n_tokens, n_written
+        st.load(arrays)
+        return st
+
+    def weight_bytes_per_token(self) -> int:
+        """Bytes of weights one decode step reads: every tensor, but one row of the embedding and n_experts_used
+        of n_experts of each routed expert tensor (the bench's roofline)."""
+        cfg, total = self.config, 0
+        for e in schema.entries(cfg):
+            t = synth._lookup(self.w.binding, e)
+            if e.spec.field == "embed":
+                total += t.array.nbytes // t.shape[0]
+            elif e.spec.field.startswith("ffn.experts."):
+                total += t.array.nbytes * cfg.n_experts_used // cfg.n_experts
+            else:
+                total += t.array.nbytes
+        return total
+
+    # ---- graphs -------------------------------------------------------------------------------------------------
+    def _workspace(self, bucket: int) -> decode.Workspace:
+        if self.ws is None or self.ws.bucket < bucket:
+            self.rt.synchronize()                       # the old scratch may be freed: nothing may still use it
+            version = 0 if self.ws is None else self.ws.version + 1
+            self.ws = decode.make_workspace(self.w.arena, self.config, bucket, version)
+        return self.ws
+
+    def _context(self) -> decode.StepContext:
+        return decode.StepContext(self.config, self.numerics, self.w, self.ws, self.slot, self.ticket)
+
+    def _body(self, st: CudaState, pos: int) -> StepRun:
+        """The state's decode graph for position `pos` (captured for the bucket holding it)."""
+        need = bucket_for(pos + 1, self.config.context_length, self.min_bucket)
+        run = st.graph[0]
+        if run is not None and run.tag[0] >= need and run.tag[1] == st.generation and self.ws is not None \
+                and run.tag[2] == self.ws.version and run.mode == (self.pdl, self.graphs):
+            return run
+        bucket = max(need, run.tag[0]) if run is not None else need
+        ws = self._workspace(bucket)
+        st.ensure_rows(bucket)
+        if run is not None:
+            self.store.retire([run])
+        parts, ctx = dict(st.arrays), self._context()
+        run = StepRun(self, lambda L: decode.record_body(L, ctx, parts, bucket), (bucket, st.generation, ws.version))
+        st.graph[0] = run
+        return run
+
+    def _head(self, sampling: tuple | None) -> StepRun:
+        ws = self._workspace(self.ws.bucket if self.ws is not None else
+                             bucket_for(1, self.config.context_length, self.min_bucket))
+        run = self._heads.get(sampling)
+        if run is not None and run.tag[0] == ws.version and run.mode == (self.pdl, self.graphs):
+            self._heads.move_to_end(sampling)
+            return run
+        if run is not None:
+            self.store.retire([self._heads.pop(sampling)])
+        ctx = self._context()
+        run = StepRun(self, lambda L: decode.record_head(L, ctx, sampling), (ws.version,))
+        self._heads[sampling] = run
+        while len(self._heads) > HEAD_GRAPHS:
+            self.store.retire([self._heads.popitem(last=False)[1]])
+        return run
+
+    def set_launch_mode(self, pdl: bool, graphs: bool) -> None:
+        """Programmatic dependent launches on / off, graph replay or direct launches (the bench compares them
+        on one set of weights): every step is captured again in the new mode."""
+        self.pdl, self.graphs = bool(pdl), bool(graphs)
+
+    def launches_per_step(self, state: CudaState | None = None) -> dict[str, int]:
+        """Kernels of one decode step at the state's bucket (a fresh state: the first one): the body, the head
+        with the sampler, and how many of them run on the side stream."""
+        st = state if state is not None else self.new_state()
+        body, side = self._body(st, st.n_tokens).count()
+        head, head_side = self._head((0.0, 0, 1.0, 0.0, 0)).count()
+        return {"body": body, "head": head, "total": body + head, "side_stream": side + head_side}
+
+    # ---- device-side generation (ds4py.model.DeviceGeneration) ---------------------------------------------------
+    def generate(self, state: CudaState, token: int, params: SamplingParams, max_tokens: int) -> Iterator[int]:
+        """Feed `token` at the state's next position, then yield up to max_tokens sampled tokens, each drawn on
+        the device and fed by the next step without the host (docs/engine.md "Device-side generation"). When the
+        iterator ends or is closed after yielding k tokens, the state has consumed `token` and the first k - 1 of
+        them (the last sampled token is not fed). Checks run now; the work starts on the first next()."""
+        self.check_state(state)
+        if isinstance(token, bool) or not isinstance(token, (int, np.integer)) \
+                or not 0 <= int(token) < self.config.vocab_size:
+            raise Ds4Error(f"token {token!r} is outside the vocabulary (0..{self.config.vocab_size - 1})")
+        if not isinstance(params, SamplingParams):
+            raise Ds4Error(f"params must be a ds4py.sampling.SamplingParams, got {type(params).__name__}")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < 1:
+            raise Ds4Error(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+        if state.n_tokens + int(max_tokens) > self.config.context_length:
+            raise ContextLengthError(f"{state.n_tokens} + {int(max_tokens)} tokens exceed the context length "
+                                     f"{self.config.context_length}")
+        return self._generate(state, int(token), params, int(max_tokens))
+
+    @staticmethod
+    def sampling_key(params: SamplingParams) -> tuple:
+        """The sampler's launch values: greedy, or (temperature, top_k, top_p, min_p, seed); no seed = fresh."""
+        if params.greedy:
+            return (0.0, 0, 1.0, 0.0, 0)
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
+        return (float(params.temperature), int(params.top_k), float(params.top_p), float(params.min_p), seed)
+
+    def _generate(self, st: CudaState, token: int, params: SamplingParams, max_tokens: int) -> Iterator[int]:
+        self.store.reclaim()
+        sampling = self.sampling_key(params)
+        reader = TokenReader(self.rt)
+        n0, yielded, launched, host = st.n_tokens, 0, 0, 0.0
+        st.busy = True
+        t_start = time.perf_counter()
+
+        def launch(k: int) -> int:                      # feed input k (the given token, then sampled ones)
+            nonlocal host, launched
+            launched += 1
+            t0 = time.perf_counter()
+            body = self._body(st, n0 + k)
+            head = self._head(sampling)
+            body = self._body(st, n0 + k)
+            st.device_hw = max(st.device_hw, n0 + k + 1)
+            body.run([n0 + k, token] if k == 0 else [n0 + k])
+            head.run(())
+            i = reader.enqueue(self.slot.view(4, 1))
+            host += time.perf_counter() - t0
+            return i
+
+        try:
+            pending = launch(0)
+            for i in range(1, max_tokens + 1):
+                ahead = launch(i) if i < max_tokens else None     # feeds t_i, already on the device
+                t = reader.wait(pending)
+                if t < 0:
+                    raise InvalidLogits("the logits contain NaN/inf or are all -inf (the backend produced "
+                                        "invalid numbers)")
+                yielded = i
+                yield t
+                pending = ahead
+        finally:
+            st.busy = False
+            st.n_tokens = n0 + yielded                 # token and t_1 .. t_{k-1}; a run-ahead step is undone
+            st.n_written = max(st.n_written, st.n_tokens)
+            reader.close()
+            self.last_generate = {"tokens": yielded, "host_s": host, "wall_s": time.perf_counter() - t_start,
+                                  "steps": launched}
+
+    def close(self) -> None:
+        """Release the device (the model is unusable afterwards)."""
+        for run in self._heads.values():
+            self.store.retire([run])
+        self._heads.clear()
+        self.store.retire([self._misc])
+        self.store.reclaim()
+        self.rt.synchronize()
+        self.w.arena.close()

@@ -1,0 +1,153 @@
+"""A GGUF's weights on the device for the CUDA engine: the tensor data uploaded once, in the file's own formats
+(Q8_0 / F16 / F32 GEMV matrices, IQ2_XXS / Q2_K / Q4_K / MXFP4 / Q8_0 / F16 experts: no dequantised copy), and
+the typed per-layer binding (ds4py.schema.bind) resolved to device tensors.
+
+Only small vectors the kernels read as float32 (norms, hc scale / base, sinks, the router bias; BF16 hc `fn`
+and `ape`) and a tid2eid table that is not int32 are converted on the host and uploaded beside the file's bytes.
+A tensor type no kernel reads is refused at load, with one sentence naming it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+
+from ds4py import schema
+from ds4py.cuda.memory import ALIGN, Arena, DeviceArray, align_up
+from ds4py.cuda.ops.experts import FORMATS as EXPERT_FORMATS
+from ds4py.cuda.weights import data_span, upload_gguf
+from ds4py.errors import Ds4Error
+from ds4py.model import UnsupportedByBackend
+from ds4py.quant import vq
+from ds4py.ref import ops as ref_ops
+
+GEMV_TYPES = (QT.Q8_0, QT.F16, QT.F32)          # cu/gemv.cu
+EMBED_TYPES = (QT.F16, QT.F32)                  # cu/embed.cu
+HALF_OR_F32 = (QT.F16, QT.F32)                  # hc fn (cu/mhc.cu), compressor ape (cu/compressor.cu)
+
+
+@dataclass(frozen=True)
+class DevTensor:
+    """One weight on the device: typed for F32 / F16 / I32 (numpy shape), raw GGUF bytes (uint8) otherwise."""
+    name: str
+    qtype: QT
+    shape: tuple[int, ...]
+    array: DeviceArray
+
+
+def role(field: str) -> str:
+    """How the engine reads a binding field: gemv | vec | hcfn | ape | embed | experts | shared | ids."""
+    leaf = field.rsplit(".", 1)[-1]
+    if field == "embed":
+        return "embed"
+    if field.startswith("ffn.experts."):
+        return "experts"
+    if field.startswith("ffn.shared."):
+        return "shared"
+    if field == "ffn.tid2eid":
+        return "ids"
+    if field.startswith("hc_") and leaf == "fn":
+        return "hcfn"
+    if leaf == "ape":
+        return "ape"
+    if field.endswith("norm") or leaf in ("scale", "base", "sinks", "route_bias"):
+        return "vec"
+    return "gemv"
+
+
+def _refuse(name: str, qtype: QT, what: str, allowed) -> Ds4Error:
+    names = ", ".join(t.name for t in allowed)
+    return UnsupportedByBackend(f"{name} is {qtype.name}, which the CUDA backend cannot read as {what} (it reads {names}); "
+                    f"use --backend ref")
+
+
+def conversion(gguf, e: schema.Entry) -> np.ndarray | None:
+    """The host array to upload instead of the file's bytes (None: the bytes are used as they are); refuses a
+    type no kernel reads."""
+    t = gguf.tensor(e.name)
+    qt, kind = QT(int(t.qtype)), role(e.spec.field)
+    if kind == "vec":
+        return None if qt == QT.F32 else np.asarray(_float(gguf, t), np.float32).reshape(t.shape)
+    if kind in ("hcfn", "ape"):
+        if qt in HALF_OR_F32:
+            return None
+        if qt == QT.BF16:
+            return np.asarray(_float(gguf, t), np.float32).reshape(t.shape)
+        raise _refuse(e.name, qt, "an hc or ape table", HALF_OR_F32)
+    if kind == "ids":
+        return None if qt == QT.I32 else np.asarray(t.raw).reshape(t.shape).astype(np.int32)
+    if kind == "embed" and qt not in EMBED_TYPES:
+        raise _refuse(e.name, qt, "an embedding", EMBED_TYPES)
+    if kind == "gemv" and qt not in GEMV_TYPES:
+        raise _refuse(e.name, qt, "a GEMV matrix", GEMV_TYPES)
+    if kind == "experts":
+        if qt == QT.I8 and vq.is_vq(gguf, e.name):
+            raise UnsupportedByBackend(f"{e.name} holds VQ-8 experts, which have no CUDA kernel yet; use --backend ref")
+        if qt not in EXPERT_FORMATS:
+            raise _refuse(e.name, qt, "routed experts", tuple(EXPERT_FORMATS))
+    if kind == "shared" and qt not in GEMV_TYPES and qt not in EXPERT_FORMATS:
+        raise _refuse(e.name, qt, "the shared expert", tuple(dict.fromkeys(GEMV_TYPES + tuple(EXPERT_FORMATS))))
+    return None
+
+
+def _float(gguf, t) -> np.ndarray:
+    from ds4py.quant import dequantize
+
+    if QT(int(t.qtype)) in (QT.F32, QT.F16):
+        return np.asarray(t.raw, np.float32)
+    return dequantize(t.raw_bytes().reshape(-1), t.qtype, t.shape)
+
+
+def rope_tables(cfg) -> dict[int, np.ndarray]:
+    """Per layer its RoPE frequencies (float32 [rope_dim / 2]): ratio-0 layers share one table, compressed ones
+    another (ref.ops.layer_rope_freqs)."""
+    return {il: np.ascontiguousarray(ref_ops.layer_rope_freqs(cfg, il), np.float32) for il in range(cfg.n_layers)}
+
+
+@dataclass
+class DeviceWeights:
+    arena: Arena
+    binding: schema.ModelWeights            # of DevTensor
+    freqs: list[DeviceArray]                # per layer
+    file_bytes: int                         # the GGUF's tensor data (uploaded as it is)
+    extra_bytes: int                        # converted small tensors and RoPE tables
+
+
+def load(rt: Any, gguf, cfg, scratch_bytes: int, progress: bool = False) -> DeviceWeights:
+    """Upload every tensor the schema names, check every type, bind the schema to the device tensors."""
+    entries = list(schema.entries(cfg))
+    converted = {e.name: a for e in entries if (a := conversion(gguf, e)) is not None}
+    tables = rope_tables(cfg)
+    distinct: dict[bytes, np.ndarray] = {}
+    for a in tables.values():
+        distinct.setdefault(a.tobytes(), a)
+    extra = sum(align_up(a.nbytes) for a in list(converted.values()) + list(distinct.values())) + ALIGN
+    start, end = data_span(gguf)
+    arena = rt.arena(weights_bytes=(end - start) + extra, scratch_bytes=scratch_bytes)
+    uploader = rt.uploader()
+    try:
+        on_device = upload_gguf(gguf, arena, uploader, progress=progress)
+    finally:
+        uploader.close()
+
+    def put(a: np.ndarray) -> DeviceArray:
+        d = arena.weights(a.shape, a.dtype)
+        d.upload(np.ascontiguousarray(a))
+        return d
+
+    tensors: dict[str, DevTensor] = {}
+    for e in entries:
+        t = gguf.tensor(e.name)
+        if e.name in converted:
+            a = converted[e.name]
+            tensors[e.name] = DevTensor(e.name, QT.I32 if a.dtype == np.int32 else QT.F32, tuple(a.shape), put(a))
+        else:
+            d = on_device[e.name]
+            tensors[e.name] = DevTensor(e.name, QT(int(t.qtype)), tuple(t.shape), d.array)
+    by_bytes = {k: put(a) for k, a in distinct.items()}
+    freqs = [by_bytes[tables[il].tobytes()] for il in range(cfg.n_layers)]
+    binding = schema.bind(cfg, tensors.__getitem__)
+    return DeviceWeights(arena, binding, freqs, end - start, extra)
