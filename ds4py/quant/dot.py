@@ -86,10 +86,11 @@ def f16_all_finite(h: np.ndarray) -> bool:
     return not bool(((h & np.uint16(0x7C00)) == np.uint16(0x7C00)).any())
 
 
-def f16_scales(h: np.ndarray, scr: Scratch, tag: str) -> np.ndarray:
-    """Block scales (f16 bit patterns, any strides) as float32, inf / NaN included."""
+def f16_scales(h: np.ndarray, scr: Scratch, tag: str, finite: bool = False) -> np.ndarray:
+    """Block scales (f16 bit patterns, any strides) as float32, inf / NaN included (finite: the caller has
+    checked that there are none, see `scales_finite`)."""
     out = f16_to_f32(h, scr.get(tag, h.shape, np.int32))
-    if not f16_all_finite(h):
+    if not finite and not f16_all_finite(h):
         bad = (h & np.uint16(0x7C00)) == np.uint16(0x7C00)
         out[bad] = h[bad].view(np.float16).astype(F32)
     return out
@@ -132,7 +133,7 @@ class _F32:
         return x
 
     @staticmethod
-    def rows(raw, x, scr):
+    def rows(raw, x, scr, finite=False):
         return x @ raw.view(F32).T
 
 
@@ -142,16 +143,10 @@ class _F16:
         return x
 
     @staticmethod
-    def rows(raw, x, scr):
+    def rows(raw, x, scr, finite=False):
         h = raw.view(np.uint16)
-        if not f16_all_finite(h):                                   # inf / NaN weights: numpy's exact cast
+        if not finite and not f16_all_finite(h):                    # inf / NaN weights: numpy's exact cast
             return x @ h.view(np.float16).astype(F32).T
-        return _F16.rows_finite(raw, x, scr)
-
-    @staticmethod
-    def rows_finite(raw, x, scr):
-        """For codes known to be finite (Weights checks each F16 tensor once)."""
-        h = raw.view(np.uint16)
         return x @ f16_to_f32(h, scr.get("w", h.shape, np.int32)).T
 
 
@@ -161,7 +156,7 @@ class _BF16:
         return x
 
     @staticmethod
-    def rows(raw, x, scr):
+    def rows(raw, x, scr, finite=False):
         h = raw.view(np.uint16)
         w = scr.get("w", h.shape, np.uint32)
         np.copyto(w, h, casting="unsafe")
@@ -181,11 +176,11 @@ class _Q8_0:
         return X
 
     @staticmethod
-    def rows(raw, X, scr):
+    def rows(raw, X, scr, finite=False):
         R, nb = raw.shape[0], X.shape[0]
         S = scr.get("S", (R, nb, 34), F32)
         np.copyto(S, raw.view(np.int8).reshape(R, nb, 34), casting="unsafe")
-        d = f16_scales(raw.view(np.uint16).reshape(R, nb, 17)[:, :, 0].T, scr, "d")       # [nb, R]
+        d = f16_scales(raw.view(np.uint16).reshape(R, nb, 17)[:, :, 0].T, scr, "d", finite)       # [nb, R]
         return _finish(_partials(S, X, scr), d)
 
 
@@ -219,7 +214,7 @@ class _IQ2_XXS:
         return _group_x(x, 32)
 
     @staticmethod
-    def rows(raw, X, scr):
+    def rows(raw, X, scr, finite=False):
         R = raw.shape[0]
         nb = raw.shape[1] // iq2.IQ2_XXS_BYTES
         qs = _aligned(raw.reshape(R, nb, iq2.IQ2_XXS_BYTES)[:, :, 2:], scr, "qs")      # [R, nb, 64]
@@ -241,7 +236,7 @@ class _IQ2_XXS:
         S = scr.get("S", (R, nb * 8, 32), F32)
         np.copyto(S, codes.view(np.int8).reshape(R, nb * 8, 32), casting="unsafe")
         P = _partials(S, X, scr)
-        d = f16_scales(raw.view(np.uint16).reshape(R, nb, 33)[:, :, 0].T, scr, "d")       # [nb, R]
+        d = f16_scales(raw.view(np.uint16).reshape(R, nb, 33)[:, :, 0].T, scr, "d", finite)       # [nb, R]
         ls = scr.get("ls", (nb, 8, R), np.intp)
         np.right_shift(aux[:, :, :, 1].transpose(1, 2, 0), np.uint32(28), out=ls, casting="unsafe")
         db = np.take(_IQ2_GROUP_SCALE, ls, mode="clip")                # (0.5 + ls) * 0.25, exact
@@ -271,7 +266,7 @@ class _Q2_K:
         return X, Xs
 
     @staticmethod
-    def rows(raw, prep, scr):
+    def rows(raw, prep, scr, finite=False):
         X, Xs = prep
         R, nb = raw.shape[0], X.shape[0]
         blk = raw.reshape(R, nb, kquants.Q2_K_BYTES)
@@ -294,7 +289,7 @@ class _Q2_K:
         m = scr.get("m", (R, nb, 16), F32)
         np.right_shift(sc, np.uint8(4), out=m, casting="unsafe")
         M = _partials(m, Xs, scr, "M")                                 # [nb, R, T]
-        dd = f16_scales(raw.view(np.uint16).reshape(R, nb, 42)[:, :, 40:42].transpose(2, 1, 0), scr, "d")
+        dd = f16_scales(raw.view(np.uint16).reshape(R, nb, 42)[:, :, 40:42].transpose(2, 1, 0), scr, "d", finite)
         y = _finish(P, dd[0])
         y -= _finish(M, dd[1])
         return y
@@ -314,7 +309,7 @@ class _Q4_K:
         return X, Xs
 
     @staticmethod
-    def rows(raw, prep, scr):
+    def rows(raw, prep, scr, finite=False):
         X, Xs = prep
         R = raw.shape[0]
         nb = raw.shape[1] // kquants.Q4_K_BYTES
@@ -327,7 +322,7 @@ class _Q4_K:
         np.copyto(S, codes.view(np.uint8).reshape(R, nb * 8, 32), casting="unsafe")
         P = _partials(S, X, scr)                                       # [nb*8, R, T]
         sc, mn = kquants.q4_k_scale_min(blk[:, :, 4:16].transpose(1, 0, 2).reshape(nb * R, 12))   # [nb*R, 8]
-        dd = f16_scales(raw.view(np.uint16).reshape(R, nb, 72)[:, :, 0:2].transpose(2, 1, 0), scr, "d")
+        dd = f16_scales(raw.view(np.uint16).reshape(R, nb, 72)[:, :, 0:2].transpose(2, 1, 0), scr, "d", finite)
         dl = dd[0][:, :, None] * sc.reshape(nb, R, 8).astype(F32)     # [b, r, sub] as kquants.dequant: d * sc
         ml = dd[1][:, :, None] * mn.reshape(nb, R, 8).astype(F32)
         # P's groups are (b, n, c): sub-block 2c + n
@@ -357,7 +352,7 @@ class _MXFP4:
         return np.ascontiguousarray(xp.transpose(1, 2, 0))
 
     @staticmethod
-    def rows(raw, X, scr):
+    def rows(raw, X, scr, finite=False):
         R, nb = raw.shape[0], X.shape[0]
         blk = raw.reshape(R, nb, mxfp4.MXFP4_BYTES)
         q16 = _aligned(blk[:, :, 1:], scr, "qs").view(np.uint16)          # [R, nb, 8]
@@ -383,6 +378,26 @@ def prepare(qtype, x: np.ndarray):
     return KERNELS[Q(int(qtype))].prepare(np.ascontiguousarray(x, dtype=F32))
 
 
-def dot_rows(qtype, raw: np.ndarray, prep, scr: Scratch) -> np.ndarray:
-    """x @ W[rows].T for a block of rows of a stored matrix: raw uint8 [R, row_nbytes] -> float32 [T, R]."""
-    return KERNELS[Q(int(qtype))].rows(raw, prep, scr)
+def dot_rows(qtype, raw: np.ndarray, prep, scr: Scratch, finite: bool = False) -> np.ndarray:
+    """x @ W[rows].T for a block of rows of a stored matrix: raw uint8 [R, row_nbytes] -> float32 [T, R].
+    finite=True skips the per-block inf / NaN check of the f16 scales (or F16 weights): for rows whose
+    `scales_finite` the caller has established."""
+    return KERNELS[Q(int(qtype))].rows(raw, prep, scr, finite)
+
+
+# where each format keeps its f16 scale bit patterns: (uint16 words per block, the scale words in a block)
+_SCALE_WORDS = {Q.Q8_0: (17, slice(0, 1)), Q.IQ2_XXS: (33, slice(0, 1)), Q.Q2_K: (42, slice(40, 42)),
+                Q.Q4_K: (72, slice(0, 2))}
+
+
+def scales_finite(qtype, raw: np.ndarray) -> bool:
+    """No inf / NaN among the f16 scales (F16: the values) of these stored rows (uint8 [rows, row_nbytes]);
+    formats without f16 scales are always finite for the kernels (MXFP4's e8m0 scale is finite for every byte)."""
+    qt = Q(int(qtype))
+    h = raw.reshape(-1).view(np.uint16)
+    if qt == Q.F16:
+        return f16_all_finite(h)
+    if qt in _SCALE_WORDS:
+        words, where = _SCALE_WORDS[qt]
+        return f16_all_finite(h.reshape(-1, words)[:, where])
+    return True

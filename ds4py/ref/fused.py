@@ -87,10 +87,13 @@ class Runner:
                 f.result()
         return y
 
-    def matmul(self, qtype, raw: np.ndarray, x: np.ndarray, n_cols: int) -> np.ndarray:
-        """x [T, n_cols] @ W.T for a stored matrix W: raw uint8 [rows, row_nbytes] in GGUF layout."""
+    def matmul(self, qtype, raw: np.ndarray, x: np.ndarray, n_cols: int, finite: bool = False) -> np.ndarray:
+        """x [T, n_cols] @ W.T for a stored matrix W: raw uint8 [rows, row_nbytes] in GGUF layout (finite: its
+        f16 scales are known to hold no inf / NaN, dot.scales_finite)."""
         prep = dot.prepare(qtype, x)
-        return self.rows(raw.shape[0], n_cols, x.shape[0], lambda a, b, scr: dot.dot_rows(qtype, raw[a:b], prep, scr))
+        raw = np.asarray(raw)                  # a plain view: slicing a np.memmap runs Python for every block
+        return self.rows(raw.shape[0], n_cols, x.shape[0],
+                         lambda a, b, scr: dot.dot_rows(qtype, raw[a:b], prep, scr, finite))
 
     def vq_matmul(self, stream: np.ndarray, hi: np.ndarray | None, gains: np.ndarray, layer: vq.Layer,
                   x: np.ndarray) -> np.ndarray:
@@ -98,6 +101,7 @@ class Runner:
         bits = layer.header.bits
         n_cols = stream.shape[1] // vq.stream_bits(bits) * vq.ROW_QUANTUM
         x = np.ascontiguousarray(x, dtype=F32)
+        stream, hi = np.asarray(stream), None if hi is None else np.asarray(hi)
 
         def block(a: int, b: int, scr: dot.Scratch) -> np.ndarray:
             idx = vq.unpack_indices(stream[a:b], None if hi is None else hi[a:b], bits)

@@ -65,7 +65,7 @@ class Weights:
         self._cached = 0
         self.vq = VQExperts(gguf)          # decodes VQ-8 experts; its row gains can be rescaled at load
         self.runner = Runner(threads) if kernels == "fused" else None
-        self._finite_f16: dict[str, bool] = {}       # F16 matrices checked once for inf / NaN codes
+        self._finite: dict = {}            # matrix or (matrix, expert) -> its f16 scales hold no inf / NaN
 
     # ---- cache -------------------------------------------------------------------------------------------
     def _get_cached(self, key: tuple, make) -> np.ndarray:
@@ -125,31 +125,25 @@ class Weights:
         """Whether this product takes the fused kernels (few rows, a format they cover)."""
         return self.runner is not None and x.shape[0] <= FUSED_MAX_ROWS and (dot.supported(t.qtype) or t.qtype == Q.I8)
 
-    def _fused(self, t: TensorInfo, raw: np.ndarray, x: np.ndarray) -> np.ndarray:
-        """x @ W.T from W's stored rows `raw` (uint8 [rows, row_nbytes]) through the fused kernels."""
-        ncols = t.shape[-1]
+    def _fused(self, t: TensorInfo, raw: np.ndarray, x: np.ndarray, key) -> np.ndarray:
+        """x @ W.T from W's stored rows `raw` (uint8 [rows, row_nbytes]) through the fused kernels; `key` names
+        the rows (the tensor, or one expert of it) for the once-only inf / NaN check of their f16 scales."""
+        raw = np.asarray(raw)
         if t.qtype == Q.F32:                                 # nothing to decode: BLAS on the mapped rows
             return np.ascontiguousarray(x, dtype=F32) @ raw.view(F32).T
-        if t.qtype == Q.F16 and not self._f16_finite(t, raw):
+        finite = self._finite.get(key)
+        if finite is None:
+            finite = self._finite[key] = dot.scales_finite(t.qtype, raw)
+        if t.qtype == Q.F16 and not finite:                  # inf / NaN weights: numpy's exact cast
             return x @ raw.view(np.float16).astype(F32).T
-        return self.runner.matmul(t.qtype, raw, x, ncols)
-
-    def _f16_finite(self, t: TensorInfo, raw: np.ndarray) -> bool:
-        """No inf / NaN among these F16 weights (the fast f16 decode is exact only for finite codes). A dense
-        matrix is checked once; a slice of a stacked expert tensor every time (the rest may stay unread)."""
-        if raw.size != t.nbytes:
-            return dot.f16_all_finite(raw.view(np.uint16))
-        ok = self._finite_f16.get(t.name)
-        if ok is None:
-            ok = self._finite_f16[t.name] = dot.f16_all_finite(raw.view(np.uint16))
-        return ok
+        return self.runner.matmul(t.qtype, raw, x, t.shape[-1], finite)
 
     def linear(self, t: TensorInfo, x: np.ndarray) -> np.ndarray:
         """x @ W.T for a [out, in] matrix W; a matrix larger than the cache is streamed in row chunks."""
         x = self.act(t, x)
         out_rows, ncols = t.shape
         if ("all", t.name) not in self._cache and self._fuse(t, x):
-            return self._fused(t, t.raw_bytes(), x)
+            return self._fused(t, t.raw_bytes(), x, t.name)
         if ("all", t.name) in self._cache or out_rows * ncols * 4 <= self.cache_bytes:
             return x @ self.get(t).T
         raw = t.raw if t.qtype in (Q.F32, Q.F16) else t.raw_bytes()
@@ -168,10 +162,10 @@ class Weights:
         x = self.act(t, x)
         rank = t.shape[0] // G
         if ("all", t.name) not in self._cache and self._fuse(t, x[:, 0]):
-            raw = t.raw_bytes()
+            raw = np.asarray(t.raw_bytes())
             u = np.empty((T, G, rank), F32)
             for g in range(G):
-                u[:, g] = self._fused(t, raw[g * rank:(g + 1) * rank], np.ascontiguousarray(x[:, g]))
+                u[:, g] = self._fused(t, raw[g * rank:(g + 1) * rank], np.ascontiguousarray(x[:, g]), (t.name, g))
             return u
         w = self.get(t).reshape(G, rank, -1)
         return (x.transpose(1, 0, 2) @ w.transpose(0, 2, 1)).transpose(1, 0, 2)
@@ -184,5 +178,5 @@ class Weights:
                 lay = self.vq.layer(int(t.name.split(".")[1]))
                 hi = self.f.tensor(vq_hi_name(t.name)).raw_bytes()[e] if lay.header.bits == 13 else None
                 return self.runner.vq_matmul(t.raw_bytes()[e], hi, self.vq.gains(t.name, e), lay, x)
-            return self._fused(t, t.raw_bytes()[e], x)
+            return self._fused(t, t.raw_bytes()[e], x, (t.name, int(e)))
         return x @ self.expert(t, e).T
