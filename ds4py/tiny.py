@@ -2,7 +2,7 @@
 
 `make_tiny(out, seed=0, **shape)` is the server's built-in demo model and a fixture for engine tests;
 `make_synthetic(out, n_layers=4)` writes the real V4 Flash widths (dim 4096, 64 x 512 heads, 256 experts x 2048,
-vocab 129,280) for benchmarks, at any depth (~2 GB per layer with the q2 expert mix). Tensors larger than
+vocab 129,280) for benchmarks, at any depth (~1.7 GB per layer with the q2 expert mix). Tensors larger than
 CHUNK_BYTES are generated and written in row chunks (one expert, or ~64 MiB of rows, at a time), so neither
 writer ever holds more than a chunk; `fast=True` (make_synthetic's default) draws dense matrices as random
 codes at the right scale instead of quantising Gaussians, ~100x less work.

@@ -1,6 +1,6 @@
 """`python -m ds4py make-synthetic OUT.gguf --layers N`: a random-weight GGUF at V4 Flash's real widths.
 
-The benchmark sibling of make-tiny: dim 4096, 64 x 512 heads, 256 experts x 2048, vocab 129,280 (about 2 GB
+The benchmark sibling of make-tiny: dim 4096, 64 x 512 heads, 256 experts x 2048, vocab 129,280 (about 1.7 GB
 per layer with the q2 mix, 2.1 GB more for the embedding and head), streamed to disk one chunk at a time.
 """
 
