@@ -166,3 +166,25 @@ def test_chunked_tensors_write_the_same_file(tmp_path, monkeypatch):
     st = m.new_state()
     logits = m.prefill(st, [1, 2, 3])
     assert np.isfinite(logits).all()
+
+
+def test_make_synthetic_cli_writes_a_loadable_file_and_refuses_bad_flags(tmp_path, capsys):
+    """The real-width writer's command, shrunk by its shape flags to seconds: a file the engine decodes, named
+    as a synthetic one; a malformed flag is one line, not a traceback, and leaves no file."""
+    from ds4py.__main__ import main
+    from ds4py.gguf import GGUFFile
+    from ds4py.ref.engine import RefModel
+
+    small = ["--layers", "2", "--dim", "256", "--vocab", "512", "--heads", "2", "--o-groups", "2", "--q-lora", "256", "--o-lora", "128",
+             "--experts-n", "16", "--ff", "256", "--index-heads", "4", "--index-topk", "16", "--hash-layers", "1"]
+    out = tmp_path / "syn.gguf"
+    assert main(["make-synthetic", str(out), *small]) == 0
+    assert GGUFFile(str(out)).meta("general.name") == "ds4py-synthetic-v4-flash"
+    m = RefModel(str(out), kernels="fused", threads=1)
+    st = m.new_state()
+    m.prefill(st, [1, 2])
+    assert np.isfinite(m.decode(st, 3)).all()
+    bad = tmp_path / "bad.gguf"
+    assert main(["make-synthetic", str(bad), *small, "--compress-ratios", "0,x"]) == 2
+    assert "--compress-ratios" in capsys.readouterr().err
+    assert not bad.exists()
