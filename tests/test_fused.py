@@ -175,8 +175,9 @@ def test_make_synthetic_cli_writes_a_loadable_file_and_refuses_bad_flags(tmp_pat
     from ds4py.gguf import GGUFFile
     from ds4py.ref.engine import RefModel
 
-    small = ["--layers", "2", "--dim", "256", "--vocab", "512", "--heads", "2", "--o-groups", "2", "--q-lora", "256", "--o-lora", "128",
-             "--experts-n", "16", "--ff", "256", "--index-heads", "4", "--index-topk", "16", "--hash-layers", "1"]
+    small = ["--layers", "2", "--dim", "256", "--vocab", "512", "--heads", "2", "--o-groups", "2", "--q-lora", "256",
+             "--o-lora", "128", "--experts-n", "16", "--ff", "256", "--index-heads", "4", "--index-topk", "16",
+             "--hash-layers", "1"]
     out = tmp_path / "syn.gguf"
     assert main(["make-synthetic", str(out), *small]) == 0
     assert GGUFFile(str(out)).meta("general.name") == "ds4py-synthetic-v4-flash"
