@@ -400,7 +400,8 @@ class OutTensor:
     name: str
     shape: tuple[int, ...]
     qtype: QT
-    make: Callable[[], np.ndarray]     # -> uint8 / typed array with exactly nbytes(qtype, shape) bytes
+    make: Callable[[], Any]            # -> uint8 / typed array with exactly nbytes(qtype, shape) bytes, or an
+    #                                    iterable of such arrays (row chunks, in order) for a tensor streamed out
 
     @property
     def nbytes(self) -> int:
@@ -462,11 +463,15 @@ def write_gguf(out: str, name: str, meta: list[tuple[str, str, Any]], tok: Token
         total = sum(t.nbytes for t in tensors)
         done, t0 = 0, time.time()
         for i, t in enumerate(tensors):
-            data = np.ascontiguousarray(t.make())
-            if data.nbytes != t.nbytes:
-                raise AssertionError(f"{t.name}: built {data.nbytes} bytes, planned {t.nbytes}")
-            digests.append(checksum.digest_of(t.name, t.qtype, t.shape, data))
-            w.write_tensor_data(data)
+            data = t.make()
+            if isinstance(data, np.ndarray):
+                data = np.ascontiguousarray(data)
+                if data.nbytes != t.nbytes:
+                    raise AssertionError(f"{t.name}: built {data.nbytes} bytes, planned {t.nbytes}")
+                digests.append(checksum.digest_of(t.name, t.qtype, t.shape, data))
+                w.write_tensor_data(data)
+            else:
+                digests.append(_write_chunks(w, t, data))
             done += t.nbytes
             if progress:
                 print(f"[{i + 1:4d}/{len(tensors)}] {t.name:<36s} {t.qtype.name:<7s} {list(t.shape[::-1])} "
@@ -486,6 +491,37 @@ def write_gguf(out: str, name: str, meta: list[tuple[str, str, Any]], tok: Token
         raise
     finally:
         restore_sigterm()
+
+
+def _write_chunks(w, t: OutTensor, chunks) -> str:
+    """Write a tensor given as row chunks (the writer's own padding rules, hashed as it goes); written pages are
+    dropped from the page cache as they reach the disk, so a file larger than RAM does not evict everything
+    else. Returns the tensor's digest."""
+    import gguf
+
+    fout = w.fout[0]
+    if next(iter(w.tensors[0])) != t.name:
+        raise AssertionError(f"{t.name}: written out of order")
+    w.tensors[0].pop(t.name)
+    w.write_padding(fout, fout.tell())
+    h = checksum.hasher(t.name, t.qtype, t.shape)
+    n = unsynced = 0
+    for c in chunks:
+        c = np.ascontiguousarray(c).reshape(-1).view(np.uint8)
+        h.update(memoryview(c))
+        fout.write(memoryview(c))
+        n += c.nbytes
+        unsynced += c.nbytes
+        if unsynced >= 256 << 20:
+            fout.flush()
+            os.fdatasync(fout.fileno())
+            os.posix_fadvise(fout.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            unsynced = 0
+    if n != t.nbytes:
+        raise AssertionError(f"{t.name}: built {n} bytes, planned {t.nbytes}")
+    w.write_padding(fout, n)
+    w.state = gguf.gguf_writer.WriterState.WEIGHTS
+    return h.hexdigest()
 
 
 def _sigterm_raises() -> Callable[[], None]:

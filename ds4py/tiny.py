@@ -1,8 +1,13 @@
-"""A random-weight V4 Flash GGUF of any small shape, in the ds4 layout, with a real byte-level tokenizer.
+"""A random-weight V4 Flash GGUF of any shape, in the ds4 layout, with a real byte-level tokenizer.
 
 `make_tiny(out, seed=0, **shape)` is a fixture for engine tests; `make_tiny(out, vocab="v4")` is the server's
 built-in demo model: DeepSeek V4's own 129,280-entry vocabulary (shipped in ds4py/data), so that prompts
-measure like the real model's and the special tokens are the real ones.
+measure like the real model's and the special tokens are the real ones. `make_synthetic(out, n_layers=4)` writes
+the real V4 Flash widths (dim 4096, 64 x 512 heads, 256 experts x 2048, vocab 129,280) for benchmarks, at any
+depth (~1.7 GB per layer with the q2 expert mix). Tensors larger than CHUNK_BYTES are generated and written in
+row chunks (one expert, or ~64 MiB of rows, at a time), so neither writer ever holds more than a chunk;
+`fast=True` (make_synthetic's default) draws dense matrices as random codes at the right scale instead of
+quantising Gaussians, ~100x less work.
 Tensor names, orientations and types come from `ds4py.convert.ds4_layout`, so a tiny file and a converted
 checkpoint are read by the same loader. Weight magnitudes follow the ds4-tiny golden model (see
 golden/ds4-tiny/README.md "Weight magnitudes") so hyper-connections mix, attention is peaky, sinks and
@@ -22,7 +27,7 @@ import regex
 from gguf import GGMLQuantizationType as QT
 
 from ds4py import quant
-from ds4py.config import ModelConfig
+from ds4py.config import V4_FLASH, ModelConfig
 from ds4py.convert import (ConvertError, OutTensor, Spec, Tokenizer, check_shape, ds4_layout, gguf_metadata,
                            mtp_layout, output_paths, write_gguf)
 from ds4py.errors import ConfigError
@@ -180,6 +185,8 @@ SINK_MEAN, SINK_STD = 4.0, 1.5
 HC_FN_STD, HC_BASE_STD = 0.08, 0.5
 HOT_GAIN, N_HOT = 6.0, 4                  # shared expert channels that drive the SwiGLU clamp
 HOT_GAIN_EXP = 4.0                        # one hot channel per routed expert (IQ2 kind)
+CHUNK_BYTES = 64 << 20                    # larger tensors are generated and written in chunks
+FAST_MIN_BYTES = 1 << 20                  # fast=True draws dense tensors at least this big as random codes
 
 
 def tiny_shape(**kw: Any) -> ModelConfig:
@@ -213,17 +220,60 @@ def tiny_shape(**kw: Any) -> ModelConfig:
 
 
 class _Weights:
-    def __init__(self, s: ModelConfig, seed: int, experts: str):
-        self.s, self.seed, self.experts = s, seed, experts
+    def __init__(self, s: ModelConfig, seed: int, experts: str, fast: bool = False):
+        self.s, self.seed, self.experts, self.fast = s, seed, experts, fast
 
-    def rng(self, i: int) -> np.random.Generator:
-        return np.random.default_rng([self.seed, i])
+    def rng(self, i: int, *chunk: int) -> np.random.Generator:
+        return np.random.default_rng([self.seed, i, *chunk])
 
     def tensor(self, i: int, sp: Spec) -> OutTensor:
         qt = {"f16": QT.F16, "f32": QT.F32, "q8": QT.Q8_0, "i32": QT.I32}.get(sp.slot)
         if sp.slot == "experts":
             qt = {"iq2": QT.Q2_K if "down" in sp.name else QT.IQ2_XXS, "q4_k": QT.Q4_K, "mxfp4": QT.MXFP4}[self.experts]
-        return OutTensor(sp.name, sp.shape, qt, lambda: self.make(i, sp, qt))
+        t = OutTensor(sp.name, sp.shape, qt, lambda: self.make(i, sp, qt))
+        if t.nbytes > CHUNK_BYTES and sp.slot in ("experts", "q8", "f16"):
+            t = OutTensor(sp.name, sp.shape, qt, lambda: self.chunks(i, sp, qt))
+        elif self.fast and t.nbytes >= FAST_MIN_BYTES and sp.slot in ("q8", "f16") and "shexp" not in sp.name:
+            t = OutTensor(sp.name, sp.shape, qt, lambda: self.fast_dense(self.rng(i), sp.name, sp.shape, qt))
+        return t
+
+    def chunks(self, i: int, sp: Spec, qt: QT):
+        """A large tensor in pieces, each from its own generator (seed, tensor, piece): whole experts, or row
+        chunks of ~CHUNK_BYTES of a dense matrix."""
+        if sp.slot == "experts":
+            NX, rows, cols = sp.shape
+            layer = int(sp.name.split(".")[1])
+            hot = np.random.default_rng([self.seed, layer, 11]).integers(0, self.s.expert_ff, NX)
+            for e in range(NX):
+                yield self.experts_tensor(self.rng(i, e), Spec(sp.name, (1, rows, cols), sp.slot, sp.src), qt,
+                                          hot[e:e + 1])
+            return
+        rows, cols = sp.shape
+        step = max(1, CHUNK_BYTES // quant.row_nbytes(qt, cols) if qt != QT.F16 else CHUNK_BYTES // (2 * cols))
+        for k, a in enumerate(range(0, rows, step)):
+            shape = (min(rows, a + step) - a, cols)
+            if self.fast:
+                yield self.fast_dense(self.rng(i, k), sp.name, shape, qt)
+            else:
+                x = self.dense(self.rng(i, k), sp.name, shape)
+                yield x.astype(np.float16) if qt == QT.F16 else quant.quantize(x, qt)
+
+    def fast_dense(self, r: np.random.Generator, n: str, shape: tuple[int, ...], qt: QT) -> np.ndarray:
+        """Uniform random values with the standard deviation `dense` would give (embeddings 1, the head 2/sqrt(D),
+        projections 1/sqrt(fan_in)), written straight as codes: Q8_0 blocks of random int8 and one scale, F16
+        from random 16-bit integers."""
+        rows, cols = shape
+        sd = 1.0 if n == "token_embd.weight" else 2 / np.sqrt(self.s.dim) if n == "output.weight" else 1 / np.sqrt(cols)
+        if qt == QT.F16:
+            u = np.frombuffer(r.bytes(rows * cols * 2), np.int16).astype(np.float32)
+            return (u * np.float32(sd * np.sqrt(3) / 32768)).astype(np.float16).reshape(shape)
+        if qt != QT.Q8_0:
+            raise AssertionError(qt)
+        blk = np.frombuffer(r.bytes(rows * cols // 32 * 34), np.uint8).reshape(-1, 34).copy()
+        q = blk[:, 2:].view(np.int8)
+        q[q == -128] = -127                                   # the int8 range ggml's Q8_0 writes: [-127, 127]
+        blk[:, :2] = np.frombuffer(np.float16(sd * np.sqrt(3) / 127).tobytes(), np.uint8)
+        return blk.reshape(rows, -1)
 
     def make(self, i: int, sp: Spec, qt: QT) -> np.ndarray:
         r, s, n = self.rng(i), self.s, sp.name
@@ -281,10 +331,11 @@ class _Weights:
             x[hot] *= HOT_GAIN
         return x
 
-    def experts_tensor(self, r: np.random.Generator, sp: Spec, qt: QT) -> np.ndarray:
+    def experts_tensor(self, r: np.random.Generator, sp: Spec, qt: QT, hot: np.ndarray | None = None) -> np.ndarray:
         NX, rows, cols = sp.shape
         layer = int(sp.name.split(".")[1])
-        hot = np.random.default_rng([self.seed, layer, 11]).integers(0, self.s.expert_ff, NX)   # per expert
+        if hot is None:                                         # one hot channel per expert
+            hot = np.random.default_rng([self.seed, layer, 11]).integers(0, self.s.expert_ff, NX)
         if qt in (QT.IQ2_XXS, QT.Q2_K):
             return self.random_codes(r, sp, qt, hot)
         gain = 1.0 if "down" in sp.name else 1.5
@@ -303,7 +354,10 @@ class _Weights:
         NX, rows, cols = sp.shape
         nb = cols // 256
         size = quant.BLOCK[qt][1]
-        blk = r.integers(0, 256, size=(NX, rows, nb, size), dtype=np.uint8)
+        if self.fast:                                           # the same distribution, ~10x faster to draw
+            blk = np.frombuffer(r.bytes(NX * rows * nb * size), np.uint8).reshape(NX, rows, nb, size).copy()
+        else:
+            blk = r.integers(0, 256, size=(NX, rows, nb, size), dtype=np.uint8)
         f16 = lambda v: np.frombuffer(np.float16(v).tobytes(), np.uint8)   # noqa: E731
         k = np.sqrt(256 / cols)                                 # ds4-tiny's scales are for 256-wide rows
         if qt == QT.IQ2_XXS:
@@ -323,7 +377,8 @@ VOCABS = ("tiny", "v4")
 
 
 def make_tiny(out_path: str, seed: int = 0, experts: str = "iq2", name: str = "ds4py-tiny-random",
-              progress: bool = False, mtp: str | None = None, vocab: str = "tiny", **shape: Any) -> None:
+              progress: bool = False, mtp: str | None = None, vocab: str = "tiny", fast: bool = False,
+              **shape: Any) -> None:
     """Write a random-weight V4 Flash GGUF (ds4 layout) of the given shape; see DEFAULTS for the shape keys.
     With `mtp`, also a random MTP draft block there (ds4's separate mtp.0.* file; it accepts few drafts).
     vocab "tiny": a byte-level BPE learned from a small corpus, of any vocab_size; "v4": DeepSeek V4's own
@@ -339,10 +394,24 @@ def make_tiny(out_path: str, seed: int = 0, experts: str = "iq2", name: str = "d
     output_paths(out_path)
     if mtp is not None:
         output_paths(mtp)
-    w = _Weights(s, seed, experts)
+    w = _Weights(s, seed, experts, fast)
     tensors = [w.tensor(i, sp) for i, sp in enumerate(ds4_layout(s))]
     tok = v4_tokenizer() if vocab == "v4" else tiny_tokenizer(s.vocab_size)
     write_gguf(out_path, name, gguf_metadata(s), tok, tensors, progress)
     if mtp is not None:
         tensors = [w.tensor(MTP_SEED_BASE + i, sp) for i, sp in enumerate(mtp_layout(s))]
         write_gguf(mtp, name + "-mtp", gguf_metadata(s), None, tensors, progress)
+
+
+# the real V4 Flash widths (MODEL.md §1), for make_synthetic: everything DEFAULTS shrinks
+REAL_WIDTHS = {**{k: V4_FLASH[k] for k in DEFAULTS if k in V4_FLASH}, "dim": 4096, "vocab_size": 129280,
+               "n_heads": 64}
+
+
+def make_synthetic(out_path: str, n_layers: int = 4, seed: int = 0, experts: str = "iq2",
+                   name: str = "ds4py-synthetic-v4-flash", progress: bool = False, fast: bool = True,
+                   **shape: Any) -> None:
+    """make_tiny at V4 Flash's real widths (any depth; other shape keys override): a benchmark file with the
+    public q2 file's tensor types (experts="iq2": IQ2_XXS gate/up, Q2_K down, Q8_0 attention/shared/head)."""
+    make_tiny(out_path, seed=seed, experts=experts, name=name, progress=progress, fast=fast,
+              **{**REAL_WIDTHS, "n_layers": n_layers, **shape})

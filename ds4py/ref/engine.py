@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 import numpy as np
@@ -20,6 +21,19 @@ from ds4py.ref.weights import DEFAULT_CACHE_BYTES, Weights
 from ds4py.vq.sidecar import mount
 
 
+def memory_plan(cache_bytes: int | None, mem_budget_mb: float | None) -> tuple[int, int | None]:
+    """(dequant cache bytes, streamed-chunk bytes) for an explicit cache size or a memory budget: the budget
+    bounds what ds4py keeps beside the mapped file: an eighth for one streamed chunk of a matrix (at most
+    64 MiB), the rest for the dequantised-tensor cache. Neither given: the 512 MiB cache."""
+    if mem_budget_mb is None:
+        return (DEFAULT_CACHE_BYTES if cache_bytes is None else cache_bytes), None
+    if not mem_budget_mb > 0:
+        raise Ds4Error(f"--mem-budget-mb must be positive, got {mem_budget_mb}")
+    budget = int(mem_budget_mb * 2**20)
+    stream = min(64 << 20, budget // 8)
+    return (budget - stream if cache_bytes is None else min(cache_bytes, budget - stream)), stream
+
+
 class RefModel(ModelBase):
     """fp32 numpy forward of V4 Flash, straight from MODEL.md; `numerics` says how it rounds (ds4py.model)."""
 
@@ -28,12 +42,15 @@ class RefModel(ModelBase):
     max_chunk = 1024        # rows per forward pass, all sequences of a step together (without a trace)
 
     def __init__(self, path: str, numerics: Numerics | None = None,
-                 rollback_horizon: int = DEFAULT_ROLLBACK_HORIZON, cache_bytes: int = DEFAULT_CACHE_BYTES,
+                 rollback_horizon: int = DEFAULT_ROLLBACK_HORIZON, cache_bytes: int | None = None,
                  sidecar=None, posttrain=None, engram_dir: str | None = None,
-                 official_decode_bug: bool = False):
+                 official_decode_bug: bool = False, kernels: str | None = None, threads: int | None = None,
+                 mem_budget_mb: float | None = None):
         """engram_dir: V4.1 only, the folder with the official shards that hold the Engram tables (default: the
         one the converter recorded). official_decode_bug: V4.1 only, reproduce the official code's decode-time
-        index-key bug instead of the fixed behaviour (for comparison; docs/v41.md)."""
+        index-key bug instead of the fixed behaviour (for comparison; docs/v41.md). kernels: "dequant" (the
+        oracle) or "fused" (default: $DS4PY_KERNELS, else dequant), threads: the fused kernels' workers,
+        mem_budget_mb: bounds the dequant cache and streamed chunks (memory_plan)."""
         numerics = Numerics() if numerics is None else numerics
         if not isinstance(numerics, Numerics):
             raise Ds4Error(f"numerics must be a ds4py.model.Numerics, got {type(numerics).__name__}")
@@ -41,7 +58,10 @@ class RefModel(ModelBase):
         self.gguf = GGUFFile(self.path)
         self.config = ModelConfig.from_gguf(self.gguf)
         self.numerics = numerics
-        self.weights = Weights(self.gguf, cache_bytes, numerics.act_quant)
+        kernels = os.environ.get("DS4PY_KERNELS", "dequant") if kernels is None else kernels
+        cache_bytes, stream_bytes = memory_plan(cache_bytes, mem_budget_mb)
+        self.mem_budget_mb = mem_budget_mb
+        self.weights = Weights(self.gguf, cache_bytes, numerics.act_quant, kernels, threads, stream_bytes)
         self.layout = state_layout(self.config, rollback_horizon)
         self.rollback_horizon = rollback_horizon
         header = min(t.offset for t in self.gguf.tensors.values())       # the whole GGUF header

@@ -15,6 +15,7 @@ predicates (`cfg.roles(l)`), the numerics from one explicit `Numerics` value.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 
@@ -348,12 +349,8 @@ def attention(w, cfg, nx: Numerics, ro: LayerRoles, A: AttentionWeights, x: np.n
 
     # inverse RoPE on the output's rope dims, then the grouped low-rank output projection
     o = ops.rope_tail(o, pos, freqs, inverse=True)
-    G, rank = cfg.o_groups, cfg.o_lora_rank
-    wo_a = w.get(A.out_a).reshape(G, rank, -1)
-    og = w.act(A.out_a, o.reshape(T, G, -1))
-    wo_aT = wo_a.transpose(0, 2, 1)
-    u = ops.per_row(lambda g: (g.transpose(1, 0, 2) @ wo_aT).transpose(1, 0, 2), og)     # u_g = wo_a[g] @ o_g
-    return w.linear(A.out_b, u.reshape(T, G * rank))
+    u = w.grouped_linear(A.out_a, o.reshape(T, cfg.o_groups, -1))                 # u_g = wo_a[g] @ o_g
+    return w.linear(A.out_b, u.reshape(T, -1))
 
 
 # ---- MoE ----------------------------------------------------------------------------------------------------
@@ -381,16 +378,14 @@ def moe(w, cfg, ro: LayerRoles, Fw: FfnWeights, x: np.ndarray, ids: np.ndarray, 
     if trace is not None:
         trace.experts[ro.layer], trace.expert_weights[ro.layer] = idx, wts
     S, E = Fw.shared, Fw.experts
-    act_in, act_mid = (lambda a: w.act(S.gate, a)), (lambda a: w.act(S.down, a))
-    y = ops.swiglu(x, w.get(S.gate), w.get(S.up), w.get(S.down), clamp, None, act_in, act_mid)
-    act_in, act_mid = (lambda a: w.act(E.gate, a)), (lambda a: w.act(E.down, a))
+    y = ops.swiglu_of(x, *(partial(w.linear, m) for m in (S.gate, S.up, S.down)), clamp)
     hook = trace.moe_hook if trace is not None else None
     if hook is not None:
         shared, parts = y.copy(), np.zeros((*idx.shape, y.shape[1]), F32)
     for e in np.unique(idx):                     # each expert some row of the step was routed to, once
         tok, slot = np.nonzero(idx == e)
-        part = ops.swiglu(x[tok], w.expert(E.gate, e), w.expert(E.up, e), w.expert(E.down, e), clamp,
-                          wts[tok, slot], act_in, act_mid)
+        part = ops.swiglu_of(x[tok], *(partial(w.expert_linear, m, e) for m in (E.gate, E.up, E.down)), clamp,
+                             wts[tok, slot])
         y[tok] += part
         if hook is not None:
             parts[tok, slot] = part

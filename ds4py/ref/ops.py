@@ -314,12 +314,18 @@ def swiglu(x: np.ndarray, w1: np.ndarray, w3: np.ndarray, w2: np.ndarray, clamp:
     """y = w2(silu(min(w1 x, c)) · clamp(w3 x, −c, c) [· weight]); weights are [out, in].
     act_in / act_mid: optional activation rounding before w1,w3 / before w2 (ds4 emulation)."""
     xi = act_in(x) if act_in is not None else x
-    g = mm(xi, w1.T)
-    u = mm(xi, w3.T)
+    return swiglu_of(xi, lambda a: mm(a, w1.T), lambda a: mm(a, w3.T),
+                     lambda a: mm(act_mid(a) if act_mid is not None else a, w2.T), clamp, weight)
+
+
+def swiglu_of(x: np.ndarray, gate, up, down, clamp: float, weight: np.ndarray | None = None) -> np.ndarray:
+    """swiglu with the three projections given as functions (a -> a @ W.T, e.g. Weights.linear)."""
+    g = gate(x)
+    u = up(x)
     if clamp > 0:
         g = np.minimum(g, F32(clamp))
         u = np.clip(u, F32(-clamp), F32(clamp))
     h = silu(g) * u
     if weight is not None:
         h = h * weight[:, None]
-    return mm(act_mid(h) if act_mid is not None else h, w2.T)
+    return down(h)

@@ -1,11 +1,19 @@
-"""Memory-mapped weights, dequantised to float32 on use.
+"""Memory-mapped weights, dequantised to float32 on use, or multiplied straight from their stored bytes.
 
-The GGUF stays memory-mapped; a matrix is dequantised when a forward step needs it. A small LRU cache
-(default 512 MiB of float32) keeps recently used dequantised matrices: on the tiny models everything fits
-and decode does not re-dequantise; on the full model the cache holds a few layers and the reference simply
-re-dequantises (it is the oracle, not the fast path). Routed experts are dequantised one expert at a time
-(only the experts a token was routed to); the embedding reads only the rows of the given ids; matrices too
-big for the cache (the 129280-row head) are streamed through in row chunks.
+The GGUF stays memory-mapped. Two kernel sets sit behind one interface (`linear`, `grouped_linear`,
+`expert_linear`, `rows`, `get`):
+
+* "dequant" (the oracle, the default): a matrix is dequantised when a forward step needs it. A small LRU cache
+  (default 512 MiB of float32) keeps recently used dequantised matrices: on the tiny models everything fits
+  and decode does not re-dequantise; on the full model the cache holds a few layers and the reference simply
+  re-dequantises. Routed experts are dequantised one expert at a time (only the experts a token was routed
+  to); the embedding reads only the rows of the given ids; matrices too big for the cache (the 129280-row head)
+  are streamed through in row chunks.
+* "fused" (the fast CPU path): a step of at most FUSED_MAX_ROWS rows (decode, a short verify) multiplies x
+  with each matrix block by block straight from its stored bytes (ds4py.quant.dot, ds4py.ref.fused: no
+  float32 copy of a matrix beyond a cache-sized scratch per thread, a small thread pool over row blocks).
+  Longer steps (prefill) dequantise as "dequant" does, in row chunks bounded by the memory budget. Results
+  equal "dequant" up to float32 summation order (tests/test_fused.py).
 """
 
 from __future__ import annotations
@@ -15,14 +23,18 @@ from collections import OrderedDict
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
+from ds4py.errors import Ds4Error
 from ds4py.gguf import TensorInfo
-from ds4py.quant import dequantize
-from ds4py.quant.vq import VQExperts
-from ds4py.ref.ops import mm, q8_0_round, q8_k_round
+from ds4py.quant import dequantize, dot
+from ds4py.quant.vq import VQExperts, hi_name as vq_hi_name
+from ds4py.ref.fused import Runner
+from ds4py.ref.ops import mm, per_row, q8_0_round, q8_k_round
 
 F32 = np.float32
 DEFAULT_CACHE_BYTES = 512 << 20
 STREAM_ROWS = 8192
+KERNELS = ("dequant", "fused")
+FUSED_MAX_ROWS = 8           # steps of up to this many rows use the fused kernels (decode, a short verify)
 # ggml's CPU dot products quantise the activation side to Q8_0 (Q8_0 / MXFP4 weights) or Q8_K (K / IQ quants)
 Q8_0_ACT = (Q.Q8_0, Q.MXFP4)
 Q8_K_ACT = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ2_XXS)
@@ -39,13 +51,21 @@ class Weights:
     """The GGUF's tensors for the forward: every method takes a tensor handle from the typed binding
     (ds4py.schema.bind over GGUFFile.tensor: a TensorInfo), never a name assembled in the math."""
 
-    def __init__(self, gguf, cache_bytes: int = DEFAULT_CACHE_BYTES, act_quant: bool = False):
+    def __init__(self, gguf, cache_bytes: int = DEFAULT_CACHE_BYTES, act_quant: bool = False,
+                 kernels: str = "dequant", threads: int | None = None, stream_bytes: int | None = None):
+        if kernels not in KERNELS:
+            raise Ds4Error(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
         self.f = gguf
         self.act_quant = act_quant         # emulate ds4 / ggml activation rounding before quantised matmuls
         self.cache_bytes = cache_bytes
+        self.kernels = kernels
+        # float32 bytes of one streamed chunk of a matrix too big for the cache (None: STREAM_ROWS rows)
+        self.stream_bytes = stream_bytes
         self._cache: OrderedDict[tuple, np.ndarray] = OrderedDict()
         self._cached = 0
         self.vq = VQExperts(gguf)          # decodes VQ-8 experts; its row gains can be rescaled at load
+        self.runner = Runner(threads) if kernels == "fused" else None
+        self._finite: dict = {}            # matrix or (matrix, expert) -> its f16 scales hold no inf / NaN
 
     # ---- cache -------------------------------------------------------------------------------------------
     def _get_cached(self, key: tuple, make) -> np.ndarray:
@@ -100,16 +120,69 @@ class Weights:
                 return q8_k_round(x)
         return x
 
+    # ---- matmuls -----------------------------------------------------------------------------------------
+    def _fuse(self, t: TensorInfo, x: np.ndarray) -> bool:
+        """Whether this product takes the fused kernels (few rows, a format they cover)."""
+        return self.runner is not None and x.shape[0] <= FUSED_MAX_ROWS and (dot.supported(t.qtype) or t.qtype == Q.I8)
+
+    def _fused(self, t: TensorInfo, raw: np.ndarray, x: np.ndarray, key) -> np.ndarray:
+        """x @ W.T from W's stored rows `raw` (uint8 [rows, row_nbytes]) through the fused kernels; `key` names
+        the rows (the tensor, or one expert of it) for the once-only inf / NaN check of their f16 scales.
+        Row by row in row-stable mode (ops.row_stable), like every other product over token rows."""
+        raw = np.asarray(raw)
+        return per_row(lambda r: self._fused_rows(t, raw, r, key), x)
+
+    def _fused_rows(self, t: TensorInfo, raw: np.ndarray, x: np.ndarray, key) -> np.ndarray:
+        if t.qtype == Q.F32:                                 # nothing to decode: BLAS on the mapped rows
+            return np.ascontiguousarray(x, dtype=F32) @ raw.view(F32).T
+        finite = self._finite.get(key)
+        if finite is None:
+            finite = self._finite[key] = dot.scales_finite(t.qtype, raw)
+        if t.qtype == Q.F16 and not finite:                  # inf / NaN weights: numpy's exact cast
+            return x @ raw.view(np.float16).astype(F32).T
+        return self.runner.matmul(t.qtype, raw, x, t.shape[-1], finite)
+
     def linear(self, t: TensorInfo, x: np.ndarray) -> np.ndarray:
         """x @ W.T for a [out, in] matrix W; a matrix larger than the cache is streamed in row chunks."""
         x = self.act(t, x)
         out_rows, ncols = t.shape
+        if ("all", t.name) not in self._cache and self._fuse(t, x):
+            return self._fused(t, t.raw_bytes(), x, t.name)
         if ("all", t.name) in self._cache or out_rows * ncols * 4 <= self.cache_bytes:
             return mm(x, self.get(t).T)
         raw = t.raw if t.qtype in (Q.F32, Q.F16) else t.raw_bytes()
         y = np.empty((x.shape[0], out_rows), F32)
-        for a in range(0, out_rows, STREAM_ROWS):
-            b = min(a + STREAM_ROWS, out_rows)
+        step = STREAM_ROWS if self.stream_bytes is None else max(1, self.stream_bytes // (4 * ncols))
+        for a in range(0, out_rows, step):
+            b = min(a + step, out_rows)
             w = _dequant_rows(t, raw[a:b], (b - a, ncols)).astype(F32, copy=False)
             y[:, a:b] = mm(x, w.T)
         return y
+
+    def grouped_linear(self, t: TensorInfo, x: np.ndarray) -> np.ndarray:
+        """The grouped projection u_g = W_g @ x_g for x [T, G, in_g] and W [G*rank, in_g] (rows g*rank.. = W_g):
+        [T, G, rank]."""
+        T, G, _ = x.shape
+        x = self.act(t, x)
+        rank = t.shape[0] // G
+        if ("all", t.name) not in self._cache and self._fuse(t, x[:, 0]):
+            raw = np.asarray(t.raw_bytes())
+            u = np.empty((T, G, rank), F32)
+            for g in range(G):
+                u[:, g] = self._fused(t, raw[g * rank:(g + 1) * rank], np.ascontiguousarray(x[:, g]), (t.name, g))
+            return u
+        w = self.get(t).reshape(G, rank, -1)
+        wT = w.transpose(0, 2, 1)
+        return per_row(lambda r: (r.transpose(1, 0, 2) @ wT).transpose(1, 0, 2), x)
+
+    def expert_linear(self, t: TensorInfo, e: int, x: np.ndarray) -> np.ndarray:
+        """x @ W_e.T for routed expert e of a stacked [X, out, in] expert tensor."""
+        x = self.act(t, x)
+        if ("expert", t.name, int(e)) not in self._cache and self._fuse(t, x):
+            if t.qtype == Q.I8:                                   # VQ-8 index stream
+                lay = self.vq.layer(int(t.name.split(".")[1]))
+                hi = self.f.tensor(vq_hi_name(t.name)).raw_bytes()[e] if lay.header.bits == 13 else None
+                return per_row(lambda r: self.runner.vq_matmul(t.raw_bytes()[e], hi, self.vq.gains(t.name, e), lay, r),
+                               x)
+            return self._fused(t, t.raw_bytes()[e], x, (t.name, int(e)))
+        return mm(x, self.expert(t, e).T)

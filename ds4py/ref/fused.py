@@ -1,0 +1,116 @@
+"""The fused CPU kernels' runner: row blocks of a stored matrix over a small thread pool.
+
+`ds4py.quant.dot` multiplies one block of rows; this module cuts a matrix into blocks sized to stay in a core's
+cache (`BLOCK_ELEMS` weights), gives each worker a contiguous run of blocks and its own scratch buffers, and
+assembles y = x @ W.T. numpy releases the GIL inside its kernels (casts, takes, matmuls, ufuncs), so the
+workers run in parallel; what stays serial is the Python between kernel calls (a few microseconds per call,
+~20 calls per block). The calling thread works too (one part inline), so threads=1 means no pool at all.
+
+VQ-8 experts (ds4py.quant.vq) go through the same runner: a block's indices are unpacked and gathered from the
+float32 codebook into the scratch, multiplied by x, then scaled by the row gains.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import numpy as np
+
+from ds4py.quant import dot, vq
+
+F32 = np.float32
+BLOCK_ELEMS = 1 << 17          # weights per block: the float32 scratch of one block is 512 KiB (L2 is 1 MiB here)
+MIN_SPLIT_ELEMS = 1 << 19      # matrices smaller than this run on the calling thread alone
+
+
+def default_threads() -> int:
+    """DS4PY_THREADS, else the CPUs this process may run on."""
+    env = os.environ.get("DS4PY_THREADS")
+    if env:
+        return max(1, int(env))
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:                                  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+class Runner:
+    """Runs row-block kernels over `threads` workers (the calling thread included)."""
+
+    def __init__(self, threads: int | None = None):
+        self.threads = default_threads() if threads is None else max(1, int(threads))
+        self._pool = ThreadPoolExecutor(self.threads - 1, "ds4py-fused") if self.threads > 1 else None
+        self._local = threading.local()
+        self._scratches: list[dot.Scratch] = []
+        self._lock = threading.Lock()
+
+    def scratch(self) -> dot.Scratch:
+        s = getattr(self._local, "scratch", None)
+        if s is None:
+            s = self._local.scratch = dot.Scratch()
+            with self._lock:
+                self._scratches.append(s)
+        return s
+
+    def scratch_bytes(self) -> int:
+        """Bytes held by every worker's scratch buffers (they are reused, never freed while the model lives)."""
+        with self._lock:
+            return sum(s.nbytes for s in self._scratches)
+
+    def rows(self, n_rows: int, n_cols: int, T: int, block: Callable[[int, int, dot.Scratch], np.ndarray]
+             ) -> np.ndarray:
+        """y [T, n_rows] with y[:, a:b] = block(a, b, scratch) for blocks of rows covering [0, n_rows)."""
+        y = np.empty((T, n_rows), F32)
+        step = max(1, min(n_rows, BLOCK_ELEMS // max(1, n_cols)))
+
+        def run(lo: int, hi: int) -> None:
+            scr = self.scratch()
+            for a in range(lo, hi, step):
+                b = min(a + step, hi)
+                y[:, a:b] = block(a, b, scr)
+
+        parts = self.threads if self._pool is not None and n_rows * n_cols >= MIN_SPLIT_ELEMS else 1
+        n_blocks = -(-n_rows // step)
+        parts = min(parts, n_blocks)
+        if parts <= 1:
+            run(0, n_rows)
+            return y
+        bounds = [min(n_rows, (n_blocks * i // parts) * step) for i in range(parts + 1)]
+        futures = [self._pool.submit(run, bounds[i], bounds[i + 1]) for i in range(1, parts)]
+        try:
+            run(bounds[0], bounds[1])
+        finally:
+            for f in futures:
+                f.result()
+        return y
+
+    def matmul(self, qtype, raw: np.ndarray, x: np.ndarray, n_cols: int, finite: bool = False) -> np.ndarray:
+        """x [T, n_cols] @ W.T for a stored matrix W: raw uint8 [rows, row_nbytes] in GGUF layout (finite: its
+        f16 scales are known to hold no inf / NaN, dot.scales_finite)."""
+        prep = dot.prepare(qtype, x)
+        raw = np.asarray(raw)                  # a plain view: slicing a np.memmap runs Python for every block
+        return self.rows(raw.shape[0], n_cols, x.shape[0],
+                         lambda a, b, scr: dot.dot_rows(qtype, raw[a:b], prep, scr, finite))
+
+    def vq_matmul(self, stream: np.ndarray, hi: np.ndarray | None, gains: np.ndarray, layer: vq.Layer,
+                  x: np.ndarray) -> np.ndarray:
+        """x @ W.T for one VQ-8 expert matrix: stream [rows, row_bytes] (+ hi plane), gains [rows] float32."""
+        bits = layer.header.bits
+        n_cols = stream.shape[1] // vq.stream_bits(bits) * vq.ROW_QUANTUM
+        x = np.ascontiguousarray(x, dtype=F32)
+        stream, hi = np.asarray(stream), None if hi is None else np.asarray(hi)
+
+        def block(a: int, b: int, scr: dot.Scratch) -> np.ndarray:
+            idx = vq.unpack_indices(stream[a:b], None if hi is None else hi[a:b], bits)
+            w = scr.get("vq", (b - a, n_cols // vq.GROUP, vq.GROUP), F32)
+            np.take(layer.codebook, idx, axis=0, out=w, mode="clip")
+            return (x @ w.reshape(b - a, n_cols).T) * gains[a:b]
+
+        return self.rows(stream.shape[0], n_cols, x.shape[0], block)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
