@@ -5,8 +5,9 @@ prompt, a chunk of one for decode, k+1 rows to verify). What is per row - the em
 hyper-connections, every projection, routing and the experts - runs once over the rows of all sequences
 (one matmul per weight; each routed expert is dequantised and applied once per step). What reads a
 sequence's past - the window, the compressors, the indexer, attention - runs per sequence against its own
-state. Prefill, chunked prefill and decode are the same code; a batch equals separate calls up to float
-summation order.
+state. Prefill, chunked prefill and decode are the same code. A batch equals separate calls bit for bit:
+every product over rows runs once per sequence's rows (ops.seg_matmul, `seg` below), so a sequence's
+results never depend on the others in its step (docs/engine.md, "Batch invariance").
 
 Weights come from the typed binding (ds4py.schema: `L.attn.comp.kv`), each layer's roles from the config's
 predicates (`cfg.roles(l)`), the numerics from one explicit `Numerics` value.
@@ -55,10 +56,10 @@ def kv_store(x: np.ndarray, nx: Numerics) -> np.ndarray:
 
 
 # ---- compressors (MODEL.md §2.3) -----------------------------------------------------------------------------
-def compressor_inputs(w, C: CompressorWeights, x: np.ndarray, pos: np.ndarray,
-                      ratio: int) -> tuple[np.ndarray, np.ndarray]:
+def compressor_inputs(w, C: CompressorWeights, x: np.ndarray, pos: np.ndarray, ratio: int,
+                      seg: list[slice]) -> tuple[np.ndarray, np.ndarray]:
     """Per row: kv = wkv x and the gate score s = wgate x + ape[pos mod ratio] (all sequences at once)."""
-    return w.linear(C.kv, x), w.linear(C.gate, x) + w.get(C.ape)[pos % ratio]
+    return w.linear(C.kv, x, seg), w.linear(C.gate, x, seg) + w.get(C.ape)[pos % ratio]
 
 
 def compress(w, cfg, nx: Numerics, C: CompressorWeights, kv: np.ndarray, score: np.ndarray, pos: np.ndarray,
@@ -150,14 +151,15 @@ def attention(w, cfg, nx: Numerics, ro: LayerRoles, A: AttentionWeights, x: np.n
               seqs: list[Seq], trace: Trace | None) -> np.ndarray:
     il, T, H, hd, W = ro.layer, x.shape[0], cfg.n_heads, cfg.head_dim, cfg.window
     freqs = ops.layer_rope_freqs(cfg, il)
+    seg = [s.rows for s in seqs]
 
     # query: low rank + q_norm, per-head RMS (no weight), RoPE on the last rd dims
-    qr = ops.rmsnorm(w.linear(A.q_a, x), w.get(A.q_a_norm), cfg.norm_eps)
-    q = ops.rmsnorm(w.linear(A.q_b, qr).reshape(T, H, hd), None, cfg.norm_eps)
+    qr = ops.rmsnorm(w.linear(A.q_a, x, seg), w.get(A.q_a_norm), cfg.norm_eps)
+    q = ops.rmsnorm(w.linear(A.q_b, qr, seg).reshape(T, H, hd), None, cfg.norm_eps)
     q = ops.rope_tail(q, pos, freqs)
 
     # the one shared K=V row per token; FP8 fake-quant of the non-rope dims
-    kv = ops.rmsnorm(w.linear(A.kv, x), w.get(A.kv_norm), cfg.norm_eps)
+    kv = ops.rmsnorm(w.linear(A.kv, x, seg), w.get(A.kv_norm), cfg.norm_eps)
     kv = ops.rope_tail(kv, pos, freqs)
     if nx.fake_quant:
         kv[:, :cfg.nope_dim] = ops.fp8_fake_quant(kv[:, :cfg.nope_dim], 64)
@@ -165,14 +167,15 @@ def attention(w, cfg, nx: Numerics, ro: LayerRoles, A: AttentionWeights, x: np.n
 
     # the compressors' and the indexer's per-row inputs, for every sequence at once
     if ro.compressor:
-        ckv, csc = compressor_inputs(w, A.comp, x, pos, ro.ratio)
+        ckv, csc = compressor_inputs(w, A.comp, x, pos, ro.ratio, seg)
     if ro.indexer:
         ih, ihd = cfg.index_heads, cfg.index_head_dim
-        iq = ops.hadamard(ops.rope_tail(w.linear(A.index.q_b, qr).reshape(T, ih, ihd), pos, freqs))
+        # (a [T, ih, ihd] @ [ihd, ihd] product is one BLAS call per row already: numpy loops over the stack)
+        iq = ops.hadamard(ops.rope_tail(w.linear(A.index.q_b, qr, seg).reshape(T, ih, ihd), pos, freqs))
         if nx.fake_quant:
             iq = ops.fp4_fake_quant(iq, 32)
-        iw = w.linear(A.index.proj, x) * F32(ihd ** -0.5 * ih ** -0.5)
-        ikv, isc = compressor_inputs(w, A.index.comp, x, pos, ro.index_ratio)
+        iw = w.linear(A.index.proj, x, seg) * F32(ihd ** -0.5 * ih ** -0.5)
+        ikv, isc = compressor_inputs(w, A.index.comp, x, pos, ro.index_ratio, seg)
 
     # per sequence: window, compressed rows, indexer selection, attention with sink
     sink = w.get(A.sinks)
@@ -203,15 +206,19 @@ def attention(w, cfg, nx: Numerics, ro: LayerRoles, A: AttentionWeights, x: np.n
     o = ops.rope_tail(o, pos, freqs, inverse=True)
     G, rank = cfg.o_groups, cfg.o_lora_rank
     wo_a = w.get(A.out_a).reshape(G, rank, -1)
-    og = w.act(A.out_a, o.reshape(T, G, -1))
-    u = (og.transpose(1, 0, 2) @ wo_a.transpose(0, 2, 1)).transpose(1, 0, 2)     # u_g = wo_a[g] @ o_g
-    return w.linear(A.out_b, u.reshape(T, G * rank))
+    og, wt = w.act(A.out_a, o.reshape(T, G, -1)), wo_a.transpose(0, 2, 1)          # [T, G, d], [G, d, rank]
+    if len(seg) == T > 1:      # one row per sequence: [1, d] @ [d, rank] per row and group, as a row alone gets
+        u = (og[:, :, None] @ wt)[:, :, 0]
+    else:                      # u_g = wo_a[g] @ o_g, one product per group and sequence
+        u = np.concatenate([(og[r].transpose(1, 0, 2) @ wt).transpose(1, 0, 2) for r in seg])
+    return w.linear(A.out_b, u.reshape(T, G * rank), seg)
 
 
 # ---- MoE ----------------------------------------------------------------------------------------------------
-def route(w, cfg, ro: LayerRoles, Fw: FfnWeights, x: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def route(w, cfg, ro: LayerRoles, Fw: FfnWeights, x: np.ndarray, ids: np.ndarray,
+          seg: list[slice]) -> tuple[np.ndarray, np.ndarray]:
     """Expert ids [T, k] and weights [T, k]: hash table on the hash layers, biased top-k after."""
-    s = ops.sqrt_softplus(w.linear(Fw.gate_inp, x))
+    s = ops.sqrt_softplus(w.linear(Fw.gate_inp, x, seg))
     if ro.hash_routing:
         idx = w.get(Fw.tid2eid)[ids]
     else:
@@ -223,26 +230,31 @@ def route(w, cfg, ro: LayerRoles, Fw: FfnWeights, x: np.ndarray, ids: np.ndarray
     return idx, (wts * F32(cfg.route_scale)).astype(F32)
 
 
-def moe(w, cfg, ro: LayerRoles, Fw: FfnWeights, x: np.ndarray, ids: np.ndarray, trace: Trace | None) -> np.ndarray:
+def moe(w, cfg, ro: LayerRoles, Fw: FfnWeights, x: np.ndarray, ids: np.ndarray, seqs: list[Seq],
+        trace: Trace | None) -> np.ndarray:
     clamp = cfg.swiglu_clamp[ro.layer]
-    idx, wts = route(w, cfg, ro, Fw, x, ids)
+    seg = [s.rows for s in seqs]
+    idx, wts = route(w, cfg, ro, Fw, x, ids, seg)
     if trace is not None:
         trace.experts[ro.layer], trace.expert_weights[ro.layer] = idx, wts
     S, E = Fw.shared, Fw.experts
     act_in, act_mid = (lambda a: w.act(S.gate, a)), (lambda a: w.act(S.down, a))
-    y = ops.swiglu(x, w.get(S.gate), w.get(S.up), w.get(S.down), clamp, None, act_in, act_mid)
+    y = ops.swiglu(x, w.get(S.gate), w.get(S.up), w.get(S.down), clamp, None, act_in, act_mid, seg)
     act_in, act_mid = (lambda a: w.act(E.gate, a)), (lambda a: w.act(E.down, a))
+    seq_of_row = np.repeat(np.arange(len(seqs)), [s.rows.stop - s.rows.start for s in seqs])
     for e in np.unique(idx):                     # each expert some row of the step was routed to, once
-        tok, slot = np.nonzero(idx == e)
+        tok, slot = np.nonzero(idx == e)         # rows in order, so each sequence's rows are one run
+        runs = np.flatnonzero(np.diff(seq_of_row[tok])) + 1
+        sub = [slice(a, b) for a, b in zip(np.r_[0, runs], np.r_[runs, len(tok)])]
         y[tok] += ops.swiglu(x[tok], w.expert(E.gate, e), w.expert(E.up, e), w.expert(E.down, e), clamp,
-                             wts[tok, slot], act_in, act_mid)
+                             wts[tok, slot], act_in, act_mid, sub)
     return y
 
 
 # ---- block and model ----------------------------------------------------------------------------------------
 def block(w, cfg, nx: Numerics, ro: LayerRoles, L: LayerWeights, X: np.ndarray, ids: np.ndarray, pos: np.ndarray,
           seqs: list[Seq], trace: Trace | None) -> np.ndarray:
-    hc_args = (cfg.norm_eps, cfg.hc_eps, cfg.sinkhorn_iters)
+    hc_args = (cfg.norm_eps, cfg.hc_eps, cfg.sinkhorn_iters, [s.rows for s in seqs])
 
     x, post, comb = ops.hc_pre(X, w.get(L.hc_attn.fn), w.get(L.hc_attn.scale), w.get(L.hc_attn.base), *hc_args)
     x = ops.rmsnorm(x, w.get(L.attn_norm), cfg.norm_eps)
@@ -254,7 +266,7 @@ def block(w, cfg, nx: Numerics, ro: LayerRoles, L: LayerWeights, X: np.ndarray, 
     x = ops.rmsnorm(x, w.get(L.ffn_norm), cfg.norm_eps)
     if trace is not None:
         trace.ffn_in[ro.layer] = x
-    return ops.hc_post(moe(w, cfg, ro, L.ffn, x, ids, trace), X, post, comb)
+    return ops.hc_post(moe(w, cfg, ro, L.ffn, x, ids, seqs, trace), X, post, comb)
 
 
 def forward(w, B: ModelWeights, cfg, nx: Numerics, states: list[RefState], chunks: list[np.ndarray],
@@ -278,8 +290,11 @@ def forward(w, B: ModelWeights, cfg, nx: Numerics, states: list[RefState], chunk
             trace.hc.append(X)
     for s in seqs:
         s.state.end_step(len(s.pos))
+    seg = [s.rows for s in seqs]
     if not all_logits:
         X = X[[s.rows.stop - 1 for s in seqs]]
-    y = ops.hc_head(X, w.get(B.hc_head.fn), w.get(B.hc_head.scale), w.get(B.hc_head.base), cfg.norm_eps, cfg.hc_eps)
-    logits = w.linear(B.head, ops.rmsnorm(y, w.get(B.output_norm), cfg.norm_eps))
+        seg = [slice(i, i + 1) for i in range(len(seqs))]
+    y = ops.hc_head(X, w.get(B.hc_head.fn), w.get(B.hc_head.scale), w.get(B.hc_head.base), cfg.norm_eps, cfg.hc_eps,
+                    seg)
+    logits = w.linear(B.head, ops.rmsnorm(y, w.get(B.output_norm), cfg.norm_eps), seg)
     return [logits[s.rows] for s in seqs] if all_logits else list(logits)

@@ -14,6 +14,21 @@ import numpy as np
 F32 = np.float32
 
 
+# ---- batch invariance ---------------------------------------------------------------------------------
+def seg_matmul(x: np.ndarray, w_t: np.ndarray, seg: list[slice] | None = None) -> np.ndarray:
+    """x @ w_t where x's leading axis holds the rows of several sequences (seg: their row slices, in order):
+    one BLAS call per sequence, so that a row's result never depends on the other sequences of a step.
+    BLAS kernels pick their blocking and vector paths from the row count and a row's place in the block,
+    so a row computed beside others differs from the same row computed alone in the last bits: enough to
+    flip a near-tied argmax after a few steps (docs/engine.md, "Batch invariance"). A decode step (one row
+    per sequence) is one stacked call: numpy runs each [1, K] item as its own product."""
+    if seg is None or len(seg) < 2:
+        return x @ w_t
+    if len(seg) == x.shape[0]:
+        return (x[:, None] @ w_t)[:, 0]
+    return np.concatenate([x[s] @ w_t for s in seg])
+
+
 # ---- norms -------------------------------------------------------------------------------------------
 def rmsnorm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
     """x * rsqrt(mean(x²) + eps) [* weight] over the last axis."""
@@ -150,10 +165,10 @@ def hadamard(x: np.ndarray) -> np.ndarray:
 
 
 # ---- hyper-connections (mHC, MODEL.md §2.2) -----------------------------------------------------------------
-def hc_mixes(X: np.ndarray, fn: np.ndarray, eps: float) -> np.ndarray:
+def hc_mixes(X: np.ndarray, fn: np.ndarray, eps: float, seg: list[slice] | None = None) -> np.ndarray:
     """m = (fn @ flatten(X)) · rsqrt(mean(flatten(X)²) + eps). X: [T, hc, D] -> [T, rows(fn)]."""
     xf = X.reshape(X.shape[0], -1)
-    return (xf @ fn.T) / np.sqrt(np.mean(xf * xf, axis=-1, keepdims=True) + F32(eps))
+    return seg_matmul(xf, fn.T, seg) / np.sqrt(np.mean(xf * xf, axis=-1, keepdims=True) + F32(eps))
 
 
 def sinkhorn(C: np.ndarray, iters: int, eps: float) -> np.ndarray:
@@ -174,10 +189,10 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
 
 
 def hc_pre(X: np.ndarray, fn: np.ndarray, scale: np.ndarray, base: np.ndarray, norm_eps: float, hc_eps: float,
-           iters: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+           iters: int, seg: list[slice] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Collapse the hc copies to one sub-layer input; returns (x [T, D], post [T, hc], comb [T, hc, hc])."""
     hc = X.shape[1]
-    m = hc_mixes(X, fn, norm_eps)
+    m = hc_mixes(X, fn, norm_eps, seg)
     pre = sigmoid(m[:, :hc] * scale[0] + base[:hc]) + F32(hc_eps)
     post = 2 * sigmoid(m[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
     comb = sinkhorn((m[:, 2 * hc:] * scale[2] + base[2 * hc:]).reshape(-1, hc, hc), iters, hc_eps)
@@ -191,9 +206,9 @@ def hc_post(f: np.ndarray, X: np.ndarray, post: np.ndarray, comb: np.ndarray) ->
 
 
 def hc_head(X: np.ndarray, fn: np.ndarray, scale: np.ndarray, base: np.ndarray, norm_eps: float,
-            hc_eps: float) -> np.ndarray:
+            hc_eps: float, seg: list[slice] | None = None) -> np.ndarray:
     """Final collapse: y = Σ_j (sigmoid(m_j·scale + base_j) + hc_eps) X_j."""
-    pre = sigmoid(hc_mixes(X, fn, norm_eps) * scale[0] + base) + F32(hc_eps)
+    pre = sigmoid(hc_mixes(X, fn, norm_eps, seg) * scale[0] + base) + F32(hc_eps)
     return (pre[:, :, None] * X).sum(1)
 
 
@@ -243,16 +258,17 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 
 def swiglu(x: np.ndarray, w1: np.ndarray, w3: np.ndarray, w2: np.ndarray, clamp: float,
-           weight: np.ndarray | None = None, act_in=None, act_mid=None) -> np.ndarray:
+           weight: np.ndarray | None = None, act_in=None, act_mid=None, seg: list[slice] | None = None) -> np.ndarray:
     """y = w2(silu(min(w1 x, c)) · clamp(w3 x, −c, c) [· weight]); weights are [out, in].
-    act_in / act_mid: optional activation rounding before w1,w3 / before w2 (ds4 emulation)."""
+    act_in / act_mid: optional activation rounding before w1,w3 / before w2 (ds4 emulation); seg: the rows'
+    sequences (seg_matmul)."""
     xi = act_in(x) if act_in is not None else x
-    g = xi @ w1.T
-    u = xi @ w3.T
+    g = seg_matmul(xi, w1.T, seg)
+    u = seg_matmul(xi, w3.T, seg)
     if clamp > 0:
         g = np.minimum(g, F32(clamp))
         u = np.clip(u, F32(-clamp), F32(clamp))
     h = silu(g) * u
     if weight is not None:
         h = h * weight[:, None]
-    return (act_mid(h) if act_mid is not None else h) @ w2.T
+    return seg_matmul(act_mid(h) if act_mid is not None else h, w2.T, seg)

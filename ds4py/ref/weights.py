@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType as Q
 from ds4py.gguf import TensorInfo
 from ds4py.quant import dequantize
 from ds4py.quant.vq import VQExperts
-from ds4py.ref.ops import q8_0_round, q8_k_round
+from ds4py.ref.ops import q8_0_round, q8_k_round, seg_matmul
 
 F32 = np.float32
 DEFAULT_CACHE_BYTES = 512 << 20
@@ -100,16 +100,17 @@ class Weights:
                 return q8_k_round(x)
         return x
 
-    def linear(self, t: TensorInfo, x: np.ndarray) -> np.ndarray:
-        """x @ W.T for a [out, in] matrix W; a matrix larger than the cache is streamed in row chunks."""
+    def linear(self, t: TensorInfo, x: np.ndarray, seg: list[slice] | None = None) -> np.ndarray:
+        """x @ W.T for a [out, in] matrix W, one product per sequence's rows `seg` (ops.seg_matmul: batch
+        invariance); a matrix larger than the cache is streamed in row chunks."""
         x = self.act(t, x)
         out_rows, ncols = t.shape
         if ("all", t.name) in self._cache or out_rows * ncols * 4 <= self.cache_bytes:
-            return x @ self.get(t).T
+            return seg_matmul(x, self.get(t).T, seg)
         raw = t.raw if t.qtype in (Q.F32, Q.F16) else t.raw_bytes()
         y = np.empty((x.shape[0], out_rows), F32)
         for a in range(0, out_rows, STREAM_ROWS):
             b = min(a + STREAM_ROWS, out_rows)
             w = _dequant_rows(t, raw[a:b], (b - a, ncols)).astype(F32, copy=False)
-            y[:, a:b] = x @ w.T
+            y[:, a:b] = seg_matmul(x, w.T, seg)
         return y
