@@ -217,3 +217,43 @@ def test_tool_memory_journal_survives_a_restart(tmp_path):
     msg = [{"role": "assistant", "tool_calls": [{"id": "call_4", "type": "function",
                                                  "function": {"name": "f", "arguments": '{ "i" : 4 }'}}]}]
     assert again.replay(msg)[0]["tool_calls"][0]["raw_dsml"] == "<dsml 4>"
+
+
+@pytest.mark.parametrize("sessions", [1, 2])
+def test_serve_restart_reuses_the_disk_cache(golden, tmp_path, sessions):
+    """`serve --kv-disk-dir`: a 600-token prompt is checkpointed (cold, at 512); after a SIGTERM and a restart
+    the same prompt starts from the checkpoint. With --sessions 2 the prompt's chunks after the checkpoint are
+    the ones it had the first time, so the greedy answer is the same bit for bit."""
+    import signal
+    import urllib.request
+
+    from helpers import start_serve
+
+    ids = np.random.default_rng(5).integers(3, 512, 600).tolist()
+    body = json.dumps({"model": "deepseek-v4-flash", "prompt": ids, "max_tokens": 8, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    args = ["-m", str(golden / "ds4-tiny" / "tiny.gguf"), "--ctx", "1024", "--sessions", str(sessions),
+            "--kv-disk-dir", str(tmp_path / "kv"), "--kv-disk-space-mb", "256"]
+
+    def once() -> tuple[dict, str]:
+        proc, base = start_serve(args)
+        try:
+            req = urllib.request.Request(base + "/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+            out = json.loads(urllib.request.urlopen(req, timeout=300).read())
+            metrics = urllib.request.urlopen(base + "/metrics", timeout=30).read().decode()
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        return out, metrics
+
+    first, _ = once()
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    names = sorted(p.name for p in (tmp_path / "kv").iterdir())
+    assert len([n for n in names if n.endswith(".kv")]) == 2 and "tool-memory.jsonl" in names   # cold + shutdown
+    second, metrics = once()
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 512
+    assert "ds4py_kv_disk_hits_total 1" in metrics and 'ds4py_kv_cache_source_total{source="disk"} 1' in metrics
+    if sessions > 1:
+        assert second["choices"][0]["text"] == first["choices"][0]["text"]

@@ -20,14 +20,18 @@ from ds4py.errors import Ds4Error
 from ds4py.session import Session, common_prefix
 
 DEFAULT_SNAPSHOTS = 2        # per resident session: the last two prompts' snapshot points
+DEFAULT_PREFILL_CHUNK = 128  # prompt tokens per scheduler step (and the chunk grid of every prompt)
 
 
 class SessionPool:
     def __init__(self, model, tokenizer, n: int, ctx_size: int | None = None, max_snapshots: int = DEFAULT_SNAPSHOTS,
-                 disk=None):
+                 disk=None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
         if not isinstance(n, int) or n < 1:
             raise Ds4Error(f"--sessions must be an integer >= 1, got {n!r}")
+        if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+            raise Ds4Error(f"the prefill chunk must be an integer >= 1 token, got {prefill_chunk!r}")
         self.model, self.tokenizer, self.disk = model, tokenizer, disk
+        self.prefill_chunk = prefill_chunk
         self.sessions = [Session(model, tokenizer, ctx_size, max_snapshots=max_snapshots, disk=disk) for _ in range(n)]
         self.ctx_size = self.sessions[0].ctx_size
         self.vocab_size = self.sessions[0].vocab_size

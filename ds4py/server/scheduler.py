@@ -4,12 +4,12 @@ One loop on the engine thread. Each turn it
 1. drops the requests whose client went away (their session keeps what it consumed) and admits waiting ones,
    in arrival order, while a session is idle (SessionPool.route picks which; Session.start restores its prefix);
 2. plans one step: the decode row of every request that is generating, plus prefill chunks of the requests
-   still reading their prompt, oldest first, up to `prefill_chunk` prompt tokens (at least one chunk);
+   still reading their prompt, oldest first, up to `pool.prefill_chunk` prompt tokens (at least one chunk);
 3. runs it as one batched model step (ModelRunner) and turns each sequence's logits into its next token
    (each request has its own sampler: a seeded request does not depend on its neighbours).
 
 So a long prompt never stalls the active streams: they get a token every step, and a step holds at most one
-prefill chunk's worth of prompt. A prompt's chunks end at fixed multiples of `prefill_chunk` (and at the
+prefill chunk's worth of prompt. A prompt's chunks end at fixed multiples of the chunk (and at the
 session's split points: the snapshot before its last token, disk checkpoints), never where the load happened to
 cut them, and the backend computes every sequence of a step as if it were alone (docs/engine.md, batch
 invariance): a request's tokens at temperature 0 are the same whether it ran alone or beside others.
@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from ds4py.errors import Ds4Error
 from ds4py.sampling import InvalidLogits
 from ds4py.session import Completion, Session
 
@@ -29,8 +28,6 @@ from .runner import ModelRunner
 from .worker import Engine, Job, JobOutput, Worker
 
 log = logging.getLogger("ds4py.server")
-
-DEFAULT_PREFILL_CHUNK = 128
 
 
 @dataclass(eq=False)
@@ -44,16 +41,13 @@ class _Request:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, worker: Worker, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
-        if prefill_chunk < 1:
-            raise Ds4Error(f"the prefill chunk must be >= 1 token, got {prefill_chunk}")
+    def __init__(self, engine: Engine, worker: Worker):
         self.engine, self.worker, self.pool = engine, worker, engine.pool
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk = self.pool.prefill_chunk
         self.runner = ModelRunner(self.pool.model, engine.metrics)
         self.running: list[_Request] = []
 
     def run(self) -> None:
-        m = self.engine.metrics
         while True:
             if not self.running and not self.worker.wait():
                 return
@@ -62,11 +56,9 @@ class Scheduler:
                     r.job.cancel.set()
             self._drop_cancelled()
             self._admit()
-            m.running = len(self.running)
             if self.running:
                 self._step()
             self.engine.publish()
-            m.running = len(self.running)
 
     # ---- admission ---------------------------------------------------------------------------------------
     def _admit(self) -> None:
@@ -104,6 +96,7 @@ class Scheduler:
         comp = Completion(engine.tokenizer, engine.sampling_params(job.req), len(prompt), cached, session.ctx_size)
         r = _Request(job, slot, session, prompt, JobOutput(engine, job), comp)
         self.running.append(r)
+        self.engine.metrics.running = len(self.running)
         if session.ready:                         # the whole prompt was cached with its logits
             self._sample(r)
 
@@ -157,6 +150,7 @@ class Scheduler:
             return
         self.running.remove(r)
         self.pool.release(r.slot)
+        self.engine.metrics.running = len(self.running)      # before its Done goes out
         if error is not None:
             r.job.emit(Done("error", len(r.prompt), error=error))
         else:
