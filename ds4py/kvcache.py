@@ -190,7 +190,7 @@ class DiskCache:
 
     def __init__(self, directory: str | os.PathLike, space_mb: float, model=None, *, fingerprint: str | None = None,
                  numerics: dict | None = None, vocab: int | None = None, policy: KVCachePolicy | None = None,
-                 asynchronous: bool = True, max_pending: int = 4):
+                 asynchronous: bool = True, max_pending: int = 2):
         if not space_mb > 0:
             raise Ds4Error(f"--kv-disk-space-mb must be > 0, got {space_mb}")
         self.dir = Path(directory)

@@ -115,6 +115,8 @@ class Scheduler:
         for r in self.running:
             if not r.session.ready:
                 ids = r.session.next_chunk(r.prompt, self.prefill_chunk, aligned=True)
+                if ids is None:
+                    continue
                 if len(ids) > budget and budget < self.prefill_chunk:
                     break                         # oldest first: a later prompt never overtakes this one
                 rows.append((r, ids, False))

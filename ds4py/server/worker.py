@@ -311,6 +311,7 @@ class Worker:
         self._pending: collections.deque[Job] = collections.deque()
         self._cv = threading.Condition()
         self._closed = False
+        self._current: Job | None = None        # the job Engine.run is running (one session)
         self._thread = threading.Thread(target=self._main, name="ds4py-engine", daemon=True)
         self._thread.start()
 
@@ -332,6 +333,8 @@ class Worker:
             self._closed = True
             for job in self._pending:
                 job.cancel.set()
+            if self._current is not None:
+                self._current.cancel.set()
             self._cv.notify_all()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
@@ -379,7 +382,8 @@ class Worker:
     def _loop(self) -> None:
         m = self.engine.metrics
         while self.wait():
-            job = self.pop()
+            with self._cv:
+                job = self._current = self.pop()
             if job.cancel.is_set():
                 m.add(cancelled=1)
                 job.emit(Done("cancelled", len(job.ids)))
@@ -395,3 +399,4 @@ class Worker:
                 job.emit(Done("error", len(job.ids), error=f"generation failed: {type(e).__name__}: {e}"))
             finally:
                 m.running = 0
+                self._current = None
