@@ -6,6 +6,8 @@ import argparse
 import sys
 import time
 
+from ds4py.cli._options import add_engram_dir, add_stack_arguments, model_kwargs
+
 NAME = "bench"
 HELP = "benchmark: prefill/decode sweep over context sizes (default) or `bench serve` against a running server"
 
@@ -16,6 +18,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sweep")
     g.add_argument("-m", "--model", dest="model_path", help="GGUF model file (sweep)")
     g.add_argument("--backend", choices=["ref", "cuda"], default="ref")
+    add_stack_arguments(g)
+    add_engram_dir(g)
     g.add_argument("--prompt-file", help="text walked to every frontier (default: bundled public-domain book)")
     g.add_argument("--ctx-start", type=int, default=2048)
     g.add_argument("--ctx-max", type=int, default=65536)
@@ -99,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     step_incr = args.step_incr if (args.step_incr or args.step_mul) else 2048
     points = bench.frontiers(args.ctx_start, args.ctx_max, step_incr if not args.step_mul else None, args.step_mul)
     t0 = time.perf_counter()
-    model = open_model(args.model_path, backend=args.backend)
+    model = open_model(args.model_path, backend=args.backend, **model_kwargs(args))
     startup = {"model_open_s": time.perf_counter() - t0}
     startup.update(getattr(model, "startup", {}) or {})
     tok = Tokenizer.from_gguf(args.model_path)
@@ -113,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     rows = bench.run_sweep(model, tokens, points, args.gen_tokens, repeat=args.repeat, bandwidth_gbps=bw,
                            eos=tok.eos_id, progress=lambda m: print(m, file=sys.stderr))
     result = bench.SweepResult(rows, startup=startup, info={
-        "model": args.model_path, "backend": args.backend, "gen_tokens": args.gen_tokens,
+        "model": args.model_path, "backend": args.backend, **model_kwargs(args), "gen_tokens": args.gen_tokens,
         "repeat": args.repeat, "bandwidth_gbps": bw})
     text = bench.format_rows(result, args.format)
     sys.stdout.write(text)

@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from ds4py.cli._options import add_engram_dir, add_stack_arguments, model_kwargs
+
 NAME = "serve"
 HELP = "OpenAI / Anthropic compatible HTTP server (chat, completions, responses, messages)"
 
@@ -19,8 +21,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", default=None,
                    help="GGUF file (default: a small random-weight demo model, generated once under ~/.cache/ds4py)")
     p.add_argument("--backend", choices=["ref", "cuda"], default="ref", help="engine backend (default: ref)")
+    add_stack_arguments(p)
     p.add_argument("--ctx", type=int, default=32768,
                    help="context size in tokens (default 32768, capped at the model's)")
+    add_engram_dir(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 exposes it to the network)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
@@ -90,7 +94,8 @@ DEFAULT_KV_DISK_MB = 8192
 
 
 def make_engine(model_path: str, backend: str, ctx: int, tool_memory, sessions: int = 1,
-                kv_disk_dir: str | None = None, kv_disk_space_mb: float = DEFAULT_KV_DISK_MB):
+                kv_disk_dir: str | None = None, kv_disk_space_mb: float = DEFAULT_KV_DISK_MB, **model_options):
+    from ds4py.chat import chat_format
     from ds4py.kvcache import DiskCache
     from ds4py.model import open_model
     from ds4py.server.pool import SessionPool
@@ -98,16 +103,18 @@ def make_engine(model_path: str, backend: str, ctx: int, tool_memory, sessions: 
     from ds4py.session import Session
     from ds4py.tokenizer import Tokenizer
 
-    model = open_model(model_path, backend=backend)
+    model = open_model(model_path, backend=backend, **model_options)   # engram_dir= / sidecar= / posttrain=
     tok = Tokenizer.from_gguf(getattr(model, "gguf", model_path))
     model_ctx = int(getattr(model.config, "context_length", 0) or 0)
     ctx = min(ctx, model_ctx) if model_ctx else ctx
     disk = DiskCache(kv_disk_dir, kv_disk_space_mb, model) if kv_disk_dir else None
+    fmt = chat_format(getattr(model.config, "variant", "v4"))       # the V4 or V4.1 chat format
+    fmt_args = dict(encode_prompt=fmt.encode_prompt, parser_factory=fmt.parser)
     if sessions > 1:
-        return Engine(SessionPool(model, tok, sessions, ctx, disk=disk), tok, tool_memory=tool_memory)
+        return Engine(SessionPool(model, tok, sessions, ctx, disk=disk), tok, tool_memory=tool_memory, **fmt_args)
     # prefill in chunks of about a quarter second: a client that goes away mid-prompt frees the engine soon
     session = Session(model, tok, ctx_size=ctx, prefill_chunk=PrefillPacer(), disk=disk)
-    return Engine(session, tok, tool_memory=tool_memory)
+    return Engine(session, tok, tool_memory=tool_memory, **fmt_args)
 
 
 def api_key(args) -> tuple[str | None, str]:
@@ -176,6 +183,10 @@ def run(args) -> int:
     else:
         if not Path(args.model).is_file():
             raise Ds4Error(f"model file not found: {args.model}")
+    if args.sidecar or args.posttrain:                   # a mismatched pair is refused before listening
+        from ds4py.vq.sidecar import check_files
+
+        check_files(str(ensure_demo_model()) if demo else args.model, args.sidecar, args.posttrain)
     try:
         sock = bind(args.host, args.port)
     except OSError as e:
@@ -193,7 +204,8 @@ def run(args) -> int:
     def load():
         t0 = time.perf_counter()
         path = str(ensure_demo_model()) if demo else args.model
-        engine = make_engine(path, args.backend, args.ctx, memory, args.sessions, args.kv_disk_dir, disk_mb)
+        engine = make_engine(path, args.backend, args.ctx, memory, args.sessions, args.kv_disk_dir, disk_mb,
+                             **model_kwargs(args))
         print(f"ds4py serve: model ready in {time.perf_counter() - t0:.1f} s (context {engine.ctx_size} tokens)",
               file=sys.stderr, flush=True)
         return engine
