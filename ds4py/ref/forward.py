@@ -389,7 +389,8 @@ def forward(w, B: ModelWeights, cfg, nx: Numerics, states: list[RefState], chunk
     for il, L in enumerate(B.layers):
         ro = cfg.roles(il)
         if ro.engram >= 0:
-            X = v41.engram(w, cfg, L.engram, X, extra.tables.rows(ro.engram, ngram[:, ro.engram]))
+            X = v41.engram(w, cfg, L.engram, X, extra.tables.rows(ro.engram, ngram[:, ro.engram]),
+                           [s.rows for s in seqs])
             if trace is not None:
                 trace.engram_out[il] = X
         X = block(w, cfg, nx, ro, L, X, ids, pos, seqs, trace, lag, publishers)
