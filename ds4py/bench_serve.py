@@ -10,6 +10,10 @@ Definitions (as in vLLM):
   TPOT  (e2e − TTFT) / (output_tokens − 1), per request
   e2e   time from sending to the end of the stream
 Token counts come from the server's `usage` (stream_options.include_usage), not from counting chunks.
+
+`--concurrency 1,4,8` runs the load once per level (each with its own prompts, so that one level does not
+warm the server's KV cache for the next) and adds a table of what concurrency buys: against `serve
+--sessions N` the decode rows of concurrent requests share one model step.
 """
 
 from __future__ import annotations
@@ -211,3 +215,32 @@ def run_serve_bench(url: str, model: str | None = None, concurrency: int = 1, re
 
 def dumps(summary: dict) -> str:
     return json.dumps(summary, indent=2) + "\n"
+
+
+def parse_levels(text: str | int) -> list[int]:
+    """`--concurrency`: one level or a comma-separated list (1,4,8)."""
+    try:
+        levels = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise Ds4Error(f"--concurrency takes integers separated by commas, got {text!r}") from None
+    if not levels or any(c < 1 for c in levels):
+        raise Ds4Error(f"--concurrency levels must be >= 1, got {text!r}")
+    return levels
+
+
+def run_serve_sweep(url: str, levels: list[int], seed: int = 0, **kw) -> list[dict]:
+    """run_serve_bench once per concurrency level, each with other prompts (seed + 1000 · level index)."""
+    return [run_serve_bench(url, concurrency=c, seed=seed + 1000 * i, **kw) for i, c in enumerate(levels)]
+
+
+def format_sweep(summaries: list[dict]) -> str:
+    base = summaries[0]["output_throughput"] or float("nan")
+    lines = ["| concurrency | requests | duration s | req/s | output tok/s | × first | TTFT p50 ms | TPOT mean ms "
+             "| ITL p50 ms | e2e p50 ms | failed |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for s in summaries:
+        lines.append(f"| {s['concurrency']} | {s['requests']} | {s['duration_s']:.2f} | {s['request_throughput']:.2f} "
+                     f"| {s['output_throughput']:.1f} | {s['output_throughput'] / base:.2f} "
+                     f"| {s['ttft_ms']['p50']:.0f} | {s['tpot_ms']['mean']:.1f} | {s['itl_ms']['p50']:.1f} "
+                     f"| {s['e2e_ms']['p50']:.0f} | {s['failed_requests']} |")
+    return "\n".join(lines) + "\n"

@@ -143,6 +143,28 @@ def test_serve_mode_against_the_real_server(golden, tmp_path):
     assert s["e2e_ms"]["mean"] >= s["ttft_ms"]["mean"]
 
 
+def test_serve_mode_concurrency_sweep_against_sessions(golden, tmp_path):
+    """`bench serve --concurrency 1,3` against `serve --sessions 3`: one summary per level and the table."""
+    server, base = start_serve(["-m", str(golden / "ds4-tiny" / "tiny.gguf"), "--sessions", "3"], ready_s=120,
+                               stdout=subprocess.DEVNULL)
+    try:
+        cmd = [sys.executable, "-m", "ds4py", "bench", "serve", "--url", base, "--concurrency", "1,3",
+               "--requests", "3", "--input-len", "8", "--output-len", "3", "--ignore-eos"]
+        r = subprocess.run(cmd + ["--json"], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr + r.stdout
+        runs = json.loads(r.stdout)
+        t = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    assert [s["concurrency"] for s in runs] == [1, 3]
+    assert all(s["successful_requests"] == 3 and s["total_output_tokens"] == 9 for s in runs)
+    assert t.returncode == 0 and "| concurrency |" in t.stdout and "\n| 3 | 3 |" in t.stdout
+    bad = subprocess.run([sys.executable, "-m", "ds4py", "bench", "serve", "--concurrency", "1,x"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "--concurrency" in bad.stderr and "Traceback" not in bad.stderr
+
+
 def test_serve_mode_counts_failures(tmp_path):
     """A server that is not there: every request fails, exit status 1, errors named."""
     port = free_port()

@@ -315,6 +315,9 @@ def test_a_model_that_turns_out_broken_while_serving_is_reported_on_health(golde
         def copy(self):
             return State()
 
+        def nbytes(self):
+            return 0
+
     class NaNModel:
         config = SimpleNamespace(vocab_size=tok.vocab_size, context_length=512)
 

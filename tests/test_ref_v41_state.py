@@ -105,3 +105,16 @@ def test_save_load_round_trip_covers_the_ngram_ring(model, ids):
 def test_v41_only_options_are_refused_on_v4(v4_gguf):
     with pytest.raises(Ds4Error, match="V4.1 models only"):
         RefModel(v4_gguf, engram_dir="/tmp")
+
+
+def test_batched_step_is_batch_invariant(model, ids):
+    """`serve --sessions N` on V4.1: a sequence's logits in a batched step equal bit for bit the same step
+    alone (docs/engine.md, batch invariance), decode rows and a prefill chunk together."""
+    states = [model.new_state() for _ in range(3)]
+    for st, n in zip(states, (60, 20, 41)):
+        model.prefill(st, ids[:n])
+    chunks = [ids[60:61], ids[20:40], ids[41:42]]
+    alone = [model.step([st.copy()], [c], all_logits=True)[0] for st, c in zip(states, chunks)]
+    batched = model.step(states, chunks, all_logits=True)
+    for got, want in zip(batched, alone):
+        assert np.array_equal(got, want)

@@ -56,6 +56,17 @@ class ScriptedSession:
         self.live: list[int] = []
         self.tokens_after_cancel = 0
         self.finished: list[str] = []
+        self.disk, self.last_cached, self.last_source = None, 0, "none"     # what the worker reports on
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.live
+
+    def histories(self):
+        return [("live state", self.live)] if self.live else []
+
+    def nbytes(self) -> int:
+        return 0
 
     def prompt_cache_tokens(self, ids) -> int:
         n = 0
@@ -80,6 +91,7 @@ class ScriptedSession:
     def _script(self, ids, params, cancelled):
         self.prompts.append(ids)
         cached = self.prompt_cache_tokens(ids)
+        self.last_cached, self.last_source = cached, "live" if cached else "none"
         self.live = ids
         if self.gate is not None:
             self.gate.wait(10)

@@ -42,7 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--url", default="http://127.0.0.1:8000")
     s.add_argument("--served-model", dest="served_model", default=None,
                    help="model id to request (default: the first of /v1/models)")
-    s.add_argument("--concurrency", type=int, default=1)
+    s.add_argument("--concurrency", default="1",
+                   help="requests in flight; a comma-separated list (1,4,8) runs each level and compares them")
     s.add_argument("--requests", type=int, default=8)
     s.add_argument("--input-len", type=int, default=128, help="approximate prompt tokens per request")
     s.add_argument("--output-len", type=int, default=32, help="max_tokens per request")
@@ -70,13 +71,19 @@ def run(args: argparse.Namespace) -> int:
     if args.mode == "serve":
         from ds4py import bench_serve
 
-        summary = bench_serve.run_serve_bench(
-            args.url, model=args.served_model, concurrency=args.concurrency, requests=args.requests,
+        levels = bench_serve.parse_levels(args.concurrency)
+        runs = bench_serve.run_serve_sweep(
+            args.url, levels, model=args.served_model, requests=args.requests,
             input_len=args.input_len, output_len=args.output_len, request_rate=args.request_rate,
             api_key=args.api_key, seed=args.seed, prompt_text=_prompt_text(args.prompt_file),
             ignore_eos=args.ignore_eos)
-        sys.stdout.write(bench_serve.dumps(summary) if args.json else bench_serve.format_summary(summary))
-        return 0 if summary["failed_requests"] == 0 else 1
+        if args.json:
+            sys.stdout.write(bench_serve.dumps(runs[0] if len(runs) == 1 else runs))
+        else:
+            sys.stdout.write("".join(bench_serve.format_summary(s) for s in runs))
+            if len(runs) > 1:
+                sys.stdout.write(bench_serve.format_sweep(runs))
+        return 0 if all(s["failed_requests"] == 0 for s in runs) else 1
 
     from ds4py import bench
     from ds4py.model import open_model

@@ -55,6 +55,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body in MB (default 32)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests allowed to wait for the engine; more get 429 (default 64)")
+    p.add_argument("--sessions", type=int, default=1, metavar="N",
+                   help="resident KV sessions (default 1). With N > 1 up to N requests run together: their decode "
+                        "rows advance in one batched model step, long prompts in chunks between them; a request "
+                        "goes to the session holding the longest prefix of its prompt. Memory: N KV states "
+                        "(and a few snapshots each) of up to --ctx tokens")
+    p.add_argument("--kv-disk-dir", default=None, metavar="DIR",
+                   help="keep KV checkpoints of long prompts in DIR (keyed by their token prefix) so that warm "
+                        "prefixes survive a switch of conversation and a restart; also keeps the tool-call replay "
+                        "map there")
+    p.add_argument("--kv-disk-space-mb", type=float, default=None, metavar="MB",
+                   help="bound on the checkpoints in --kv-disk-dir; least recently used ones are deleted "
+                        "(default 8192)")
     p.add_argument("--tool-memory-max-ids", type=int, default=100_000,
                    help="tool-call ids remembered for exact DSML replay (default 100000)")
     p.add_argument("--disable-exact-dsml-tool-replay", action="store_true",
@@ -90,25 +102,41 @@ def ensure_demo_model() -> Path:
     return path
 
 
+DEFAULT_KV_DISK_MB = 8192
+
+
 def make_engine(model_path: str, backend: str, ctx: int, tool_memory, mtp: str | None = None, spec: bool = True,
+                sessions: int = 1, kv_disk_dir: str | None = None, kv_disk_space_mb: float = DEFAULT_KV_DISK_MB,
                 **model_options):
+    from ds4py.chat import chat_format
+    from ds4py.errors import Ds4Error
+    from ds4py.kvcache import DiskCache
     from ds4py.model import open_model
+    from ds4py.server.pool import SessionPool
     from ds4py.server.worker import Engine, PrefillPacer
     from ds4py.session import Session
     from ds4py.spec import speculative
     from ds4py.tokenizer import Tokenizer
 
+    if sessions > 1 and mtp is not None:
+        raise Ds4Error("--mtp (speculative decoding) serves one request at a time: use it without --sessions, "
+                       "or drop it")
     base = open_model(model_path, backend=backend, **model_options)   # engram_dir= / sidecar= / posttrain=
-    model = speculative(base, mtp, enabled=spec)
+    model = speculative(base, mtp, enabled=spec) if sessions <= 1 else base
+    if kv_disk_dir and model is not base:
+        raise Ds4Error("--kv-disk-dir cannot save a speculative (main + MTP) state yet: add --no-spec, or drop "
+                       "--kv-disk-dir")
     tok = Tokenizer.from_gguf(getattr(base, "gguf", model_path))
     model_ctx = int(getattr(model.config, "context_length", 0) or 0)
-    # prefill in chunks of about a quarter second: a client that goes away mid-prompt frees the engine soon
-    session = Session(model, tok, ctx_size=min(ctx, model_ctx) if model_ctx else ctx, prefill_chunk=PrefillPacer())
-    from ds4py.chat import chat_format
-
+    ctx = min(ctx, model_ctx) if model_ctx else ctx
+    disk = DiskCache(kv_disk_dir, kv_disk_space_mb, model) if kv_disk_dir else None
     fmt = chat_format(getattr(model.config, "variant", "v4"))       # the V4 or V4.1 chat format
-    return Engine(session, tok, tool_memory=tool_memory, encode_prompt=fmt.encode_prompt, parser_factory=fmt.parser,
-                  native_mid_system=fmt.name == "v41")
+    fmt_args = dict(encode_prompt=fmt.encode_prompt, parser_factory=fmt.parser, native_mid_system=fmt.name == "v41")
+    if sessions > 1:         # batched steps of several sequences; speculation runs one request at a time
+        return Engine(SessionPool(base, tok, sessions, ctx, disk=disk), tok, tool_memory=tool_memory, **fmt_args)
+    # prefill in chunks of about a quarter second: a client that goes away mid-prompt frees the engine soon
+    session = Session(model, tok, ctx_size=ctx, prefill_chunk=PrefillPacer(), disk=disk)
+    return Engine(session, tok, tool_memory=tool_memory, **fmt_args)
 
 
 def api_key(args) -> tuple[str | None, str]:
@@ -157,6 +185,13 @@ def run(args) -> int:
         raise Ds4Error("--max-queue must be >= 1 and --max-body-mb > 0")
     if not (args.header_timeout > 0 and args.body_timeout > 0):
         raise Ds4Error("--header-timeout and --body-timeout must be > 0 seconds")
+    if args.sessions < 1:
+        raise Ds4Error(f"--sessions must be >= 1, got {args.sessions}")
+    if args.kv_disk_space_mb is not None and args.kv_disk_dir is None:
+        raise Ds4Error("--kv-disk-space-mb needs --kv-disk-dir")
+    disk_mb = DEFAULT_KV_DISK_MB if args.kv_disk_space_mb is None else args.kv_disk_space_mb
+    if not disk_mb > 0:
+        raise Ds4Error(f"--kv-disk-space-mb must be > 0, got {args.kv_disk_space_mb}")
     key, key_source = api_key(args)
 
     demo = args.model is None
@@ -185,13 +220,20 @@ def run(args) -> int:
         raise Ds4Error(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
 
     state = ServerState(config)
-    memory = ToolMemory(args.tool_memory_max_ids, enabled=not args.disable_exact_dsml_tool_replay)
+    journal = Path(args.kv_disk_dir) / "tool-memory.jsonl" if args.kv_disk_dir else None
+    if journal is not None:
+        try:
+            journal.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise Ds4Error(f"cannot use --kv-disk-dir {args.kv_disk_dir}: {e.strerror or e}") from None
+    memory = ToolMemory(args.tool_memory_max_ids, enabled=not args.disable_exact_dsml_tool_replay, journal=journal)
 
     def load():
         t0 = time.perf_counter()
         path = str(ensure_demo_model()) if demo else args.model
-        engine = make_engine(path, args.backend, args.ctx, memory, args.mtp, not args.no_spec, **model_kwargs(args))
-        mtp = getattr(engine.session.model, "mtp", None)
+        engine = make_engine(path, args.backend, args.ctx, memory, args.mtp, not args.no_spec, args.sessions,
+                             args.kv_disk_dir, disk_mb, **model_kwargs(args))
+        mtp = getattr(getattr(engine.session, "model", None), "mtp", None)
         print(f"ds4py serve: model ready in {time.perf_counter() - t0:.1f} s (context {engine.ctx_size} tokens"
               f"{f'; speculative decoding with {mtp.path}' if mtp is not None else ''})", file=sys.stderr, flush=True)
         return engine
@@ -199,7 +241,10 @@ def run(args) -> int:
     what = "the DEMO model (tiny, RANDOM WEIGHTS: output is noise; pass -m MODEL.gguf for a real model)" if demo \
         else args.model
     print(f"ds4py serve: listening on http://{args.host}:{sock.getsockname()[1]} with {what}; "
-          f"backend {args.backend}, context {args.ctx}{', API key required' if config.api_key else ''}. "
+          f"backend {args.backend}, context {args.ctx}"
+          f"{f', {args.sessions} sessions' if args.sessions > 1 else ''}"
+          f"{f', disk KV cache {args.kv_disk_dir} ({disk_mb:g} MB)' if args.kv_disk_dir else ''}"
+          f"{', API key required' if config.api_key else ''}. "
           f"/health answers 503 until the model is loaded.", file=sys.stderr, flush=True)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not config.api_key:
         print("ds4py serve: warning: listening beyond this machine without --api-key", file=sys.stderr, flush=True)

@@ -114,20 +114,20 @@ class RefModel(ModelBase):
     def _run(self, states: list[RefState], chunks: list[np.ndarray], all_logits: bool,
              hidden: list[list[np.ndarray]] | None) -> list[np.ndarray]:
         # at most max_chunk rows per forward pass (bounds the activations, e.g. [rows, H, head_dim] queries, on
-        # the full-size model): a long chunk continues in the next pass, which is the same math
+        # the full-size model): a long chunk continues in the next pass, which is the same math. A chunk is cut
+        # into pieces of max_chunk from its own start, whatever else the step holds, and a pass takes whole
+        # pieces: a sequence's passes (and so its arithmetic) never depend on the other sequences
         out: list[list[np.ndarray]] = [[] for _ in states]
         done = [0] * len(states)
         while any(d < len(c) for d, c in zip(done, chunks)):
             budget, picked, parts = self.max_chunk, [], []
             for i, c in enumerate(chunks):
-                take = min(len(c) - done[i], budget)
-                if take > 0:
+                take = min(len(c) - done[i], self.max_chunk)
+                if take > 0 and (take <= budget or not picked):
                     picked.append(i)
                     parts.append(c[done[i]:done[i] + take])
                     done[i] += take
                     budget -= take
-                if budget == 0:
-                    break
             hid = None if hidden is None else []
             res = forward(self.weights, self.binding, self.config, self.numerics, [states[i] for i in picked],
                           parts, all_logits, extra=self.v41, hidden=hid,

@@ -2,11 +2,12 @@
 
 A step advances several sequences, each by its own chunk of tokens at positions n..n+T-1 of its state (a
 prompt, a chunk of one for decode, k+1 rows to verify). What is per row - the embedding, norms,
-hyper-connections, every projection, routing and the experts - runs once over the rows of all sequences
-(one matmul per weight; each routed expert is dequantised and applied once per step). What reads a
+hyper-connections, every projection, routing and the experts - runs over the rows of all sequences
+(each weight, and each routed expert, is fetched and dequantised once per step). What reads a
 sequence's past - the window, the compressors, the indexer, attention - runs per sequence against its own
-state. Prefill, chunked prefill and decode are the same code; a batch equals separate calls up to float
-summation order.
+state. Prefill, chunked prefill and decode are the same code. A batch equals separate calls bit for bit:
+every product over rows runs once per sequence's rows (ops.mm, `seg` below; row by row in a row-stable
+step), so a sequence's results never depend on the others in its step (docs/engine.md, "Batch invariance").
 
 Weights come from the typed binding (ds4py.schema: `L.attn.comp.kv`), each layer's roles from the config's
 predicates (`cfg.roles(l)`), the numerics from one explicit `Numerics` value.
@@ -80,15 +81,15 @@ def kv_store(x: np.ndarray, nx: Numerics) -> np.ndarray:
 
 
 # ---- compressors (MODEL.md §2.3) -----------------------------------------------------------------------------
-def compressor_inputs(w, C: CompressorWeights, x: np.ndarray, pos: np.ndarray,
-                      ratio: int) -> tuple[np.ndarray, np.ndarray | None]:
+def compressor_inputs(w, C: CompressorWeights, x: np.ndarray, pos: np.ndarray, ratio: int,
+                      seg: list[slice]) -> tuple[np.ndarray, np.ndarray | None]:
     """Per row: kv = wkv x and the gate score s = wgate x + ape[pos mod ratio] (all sequences at once); V4.1 has
     no ape, and a ratio-1 compressor no gate (score None)."""
     if C.gate is None:
-        return w.linear(C.kv, x), None
+        return w.linear(C.kv, x, seg), None
     if C.ape is None:
-        return w.linear(C.kv, x), w.linear(C.gate, x)
-    return w.linear(C.kv, x), w.linear(C.gate, x) + w.get(C.ape)[pos % ratio]
+        return w.linear(C.kv, x, seg), w.linear(C.gate, x, seg)
+    return w.linear(C.kv, x, seg), w.linear(C.gate, x, seg) + w.get(C.ape)[pos % ratio]
 
 
 def pool_groups(w, cfg, C: CompressorWeights, kv: np.ndarray, score: np.ndarray | None, pos: np.ndarray,
@@ -267,16 +268,17 @@ def attention(w, cfg, nx: Numerics, ro: LayerRoles, A: AttentionWeights, x: np.n
               seqs: list[Seq], trace: Trace | None, publishers: "v41.KeyPublishers | None" = None) -> np.ndarray:
     il, T, H, hd, W = ro.layer, x.shape[0], cfg.n_heads, cfg.head_dim, cfg.window
     freqs = ops.layer_rope_freqs(cfg, il)
+    seg = [s.rows for s in seqs]
 
     # query: low rank + q_norm, per-head RMS (no weight; V4 only), RoPE on the last rd dims
-    qr = ops.rmsnorm(w.linear(A.q_a, x), w.get(A.q_a_norm), cfg.norm_eps)
-    q = w.linear(A.q_b, qr).reshape(T, H, hd)
+    qr = ops.rmsnorm(w.linear(A.q_a, x, seg), w.get(A.q_a_norm), cfg.norm_eps)
+    q = w.linear(A.q_b, qr, seg).reshape(T, H, hd)
     if cfg.q_head_norm:
         q = ops.rmsnorm(q, None, cfg.norm_eps)
     q = ops.rope_tail(q, pos, freqs)
 
     # the one shared K=V row per token; FP8 fake-quant (V4: the non-rope dims in blocks of 64, V4.1 all in 32)
-    kv = ops.rmsnorm(w.linear(A.kv, x), w.get(A.kv_norm), cfg.norm_eps)
+    kv = ops.rmsnorm(w.linear(A.kv, x, seg), w.get(A.kv_norm), cfg.norm_eps)
     kv = ops.rope_tail(kv, pos, freqs)
     if nx.fake_quant:
         d, block = cfg.kv_fp8
@@ -285,17 +287,18 @@ def attention(w, cfg, nx: Numerics, ro: LayerRoles, A: AttentionWeights, x: np.n
 
     # the compressors' and the indexer's per-row inputs, for every sequence at once
     if ro.compressor:
-        ckv, csc = compressor_inputs(w, A.comp, x, pos, ro.ratio)
+        ckv, csc = compressor_inputs(w, A.comp, x, pos, ro.ratio, seg)
     if ro.indexer:
         ih, ihd = cfg.index_heads, cfg.index_head_dim
-        iq = ops.rope_tail(w.linear(A.index.q_b, qr).reshape(T, ih, ihd), pos, freqs)
+        # (a [T, ih, ihd] @ [ihd, ihd] product is one BLAS call per row already: numpy loops over the stack)
+        iq = ops.rope_tail(w.linear(A.index.q_b, qr, seg).reshape(T, ih, ihd), pos, freqs)
         if cfg.index_hadamard:
             iq = ops.hadamard(iq)
         if nx.fake_quant:
             iq = ops.fp4_fake_quant(iq, 32)
-        iw = w.linear(A.index.proj, x) * F32(ihd ** -0.5 * ih ** -0.5)
+        iw = w.linear(A.index.proj, x, seg) * F32(ihd ** -0.5 * ih ** -0.5)
         if A.index.comp is not None:
-            ikv, isc = compressor_inputs(w, A.index.comp, x, pos, ro.index_ratio)
+            ikv, isc = compressor_inputs(w, A.index.comp, x, pos, ro.index_ratio, seg)
 
     # per sequence: window, compressed rows, indexer selection, attention with sink
     sink = w.get(A.sinks)
@@ -349,14 +352,15 @@ def attention(w, cfg, nx: Numerics, ro: LayerRoles, A: AttentionWeights, x: np.n
 
     # inverse RoPE on the output's rope dims, then the grouped low-rank output projection
     o = ops.rope_tail(o, pos, freqs, inverse=True)
-    u = w.grouped_linear(A.out_a, o.reshape(T, cfg.o_groups, -1))                 # u_g = wo_a[g] @ o_g
-    return w.linear(A.out_b, u.reshape(T, -1))
+    u = w.grouped_linear(A.out_a, o.reshape(T, cfg.o_groups, -1), seg)            # u_g = wo_a[g] @ o_g
+    return w.linear(A.out_b, u.reshape(T, -1), seg)
 
 
 # ---- MoE ----------------------------------------------------------------------------------------------------
-def route(w, cfg, ro: LayerRoles, Fw: FfnWeights, x: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def route(w, cfg, ro: LayerRoles, Fw: FfnWeights, x: np.ndarray, ids: np.ndarray,
+          seg: list[slice]) -> tuple[np.ndarray, np.ndarray]:
     """Expert ids [T, k] and weights [T, k]: hash table on the hash layers, biased top-k after."""
-    logits = w.linear(Fw.gate_inp, x)
+    logits = w.linear(Fw.gate_inp, x, seg)
     if cfg.gate_temp != 1.0:                                       # V4.1's gate temperature
         logits = logits / F32(cfg.gate_temp)
     s = ops.sqrt_softplus(logits)
@@ -372,20 +376,25 @@ def route(w, cfg, ro: LayerRoles, Fw: FfnWeights, x: np.ndarray, ids: np.ndarray
     return idx, (wts * F32(cfg.route_scale)).astype(F32)
 
 
-def moe(w, cfg, ro: LayerRoles, Fw: FfnWeights, x: np.ndarray, ids: np.ndarray, trace: Trace | None) -> np.ndarray:
+def moe(w, cfg, ro: LayerRoles, Fw: FfnWeights, x: np.ndarray, ids: np.ndarray, seqs: list[Seq],
+        trace: Trace | None) -> np.ndarray:
     clamp = cfg.swiglu_clamp[ro.layer]
-    idx, wts = route(w, cfg, ro, Fw, x, ids)
+    seg = [s.rows for s in seqs]
+    idx, wts = route(w, cfg, ro, Fw, x, ids, seg)
     if trace is not None:
         trace.experts[ro.layer], trace.expert_weights[ro.layer] = idx, wts
     S, E = Fw.shared, Fw.experts
-    y = ops.swiglu_of(x, *(partial(w.linear, m) for m in (S.gate, S.up, S.down)), clamp)
+    y = ops.swiglu_of(x, *(partial(w.linear, m, seg=seg) for m in (S.gate, S.up, S.down)), clamp)
     hook = trace.moe_hook if trace is not None else None
     if hook is not None:
         shared, parts = y.copy(), np.zeros((*idx.shape, y.shape[1]), F32)
+    seq_of_row = np.repeat(np.arange(len(seqs)), [s.rows.stop - s.rows.start for s in seqs])
     for e in np.unique(idx):                     # each expert some row of the step was routed to, once
-        tok, slot = np.nonzero(idx == e)
-        part = ops.swiglu_of(x[tok], *(partial(w.expert_linear, m, e) for m in (E.gate, E.up, E.down)), clamp,
-                             wts[tok, slot])
+        tok, slot = np.nonzero(idx == e)         # rows in order, so each sequence's rows are one run
+        runs = np.flatnonzero(np.diff(seq_of_row[tok])) + 1
+        sub = [slice(a, b) for a, b in zip(np.r_[0, runs], np.r_[runs, len(tok)])]
+        part = ops.swiglu_of(x[tok], *(partial(w.expert_linear, m, e, seg=sub) for m in (E.gate, E.up, E.down)),
+                             clamp, wts[tok, slot])
         y[tok] += part
         if hook is not None:
             parts[tok, slot] = part
@@ -408,7 +417,7 @@ class HcLag:
 def block(w, cfg, nx: Numerics, ro: LayerRoles, L: LayerWeights, X: np.ndarray, ids: np.ndarray, pos: np.ndarray,
           seqs: list[Seq], trace: Trace | None, lag: HcLag | None = None,
           publishers: "v41.KeyPublishers | None" = None) -> np.ndarray:
-    hc_args = (cfg.norm_eps, cfg.hc_eps, cfg.sinkhorn_iters)
+    hc_args = (cfg.norm_eps, cfg.hc_eps, cfg.sinkhorn_iters, [s.rows for s in seqs])
 
     pre, post, comb = ops.hc_coeffs(X, w.get(L.hc_attn.fn), w.get(L.hc_attn.scale), w.get(L.hc_attn.base), *hc_args)
     x = ops.rmsnorm(ops.hc_collapse(X, pre if lag is None else lag.pre), w.get(L.attn_norm), cfg.norm_eps)
@@ -425,7 +434,7 @@ def block(w, cfg, nx: Numerics, ro: LayerRoles, L: LayerWeights, X: np.ndarray, 
             trace.premix[ro.layer] = pre
     if trace is not None:
         trace.ffn_in[ro.layer], trace.ffn_post[ro.layer] = x, post
-    return ops.hc_post(moe(w, cfg, ro, L.ffn, x, ids, trace), X, post, comb)
+    return ops.hc_post(moe(w, cfg, ro, L.ffn, x, ids, seqs, trace), X, post, comb)
 
 
 def forward(w, B: ModelWeights, cfg, nx: Numerics, states: list[RefState], chunks: list[np.ndarray],
@@ -464,7 +473,8 @@ def _forward(w, B: ModelWeights, cfg, nx: Numerics, states: list[RefState], chun
     for il, L in enumerate(B.layers):
         ro = cfg.roles(il)
         if ro.engram >= 0:
-            X = v41.engram(w, cfg, L.engram, X, extra.tables.rows(ro.engram, ngram[:, ro.engram]))
+            X = v41.engram(w, cfg, L.engram, X, extra.tables.rows(ro.engram, ngram[:, ro.engram]),
+                           [s.rows for s in seqs])
             if trace is not None:
                 trace.engram_out[il] = X
         X = block(w, cfg, nx, ro, L, X, ids, pos, seqs, trace, lag, publishers)
@@ -477,12 +487,14 @@ def _forward(w, B: ModelWeights, cfg, nx: Numerics, states: list[RefState], chun
     if hidden is not None:
         hidden.extend(X[s.rows] for s in seqs)
     last = [s.rows.stop - 1 for s in seqs]
+    seg = [s.rows for s in seqs]
     if not all_logits:
         X = X[last]
+        seg = [slice(i, i + 1) for i in range(len(seqs))]
     if B.hc_head is not None:
         y = ops.hc_head(X, w.get(B.hc_head.fn), w.get(B.hc_head.scale), w.get(B.hc_head.base), cfg.norm_eps,
-                        cfg.hc_eps)
+                        cfg.hc_eps, seg)
     else:                                                    # V4.1: the last FFN's pre-mix collapses the copies
         y = ops.hc_collapse(X, lag.pre if all_logits else lag.pre[last])
-    logits = w.linear(B.head, ops.rmsnorm(y, w.get(B.output_norm), cfg.norm_eps))
+    logits = w.linear(B.head, ops.rmsnorm(y, w.get(B.output_norm), cfg.norm_eps), seg)
     return [logits[s.rows] for s in seqs] if all_logits else list(logits)

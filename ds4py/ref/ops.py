@@ -40,16 +40,26 @@ def is_row_stable() -> bool:
     return _ROW_STABLE.get()
 
 
-def per_row(fn: Callable[[np.ndarray], np.ndarray], x: np.ndarray) -> np.ndarray:
-    """fn(x); in row-stable mode fn of each token row x[t:t+1] (axis 0), stacked."""
-    if x.shape[0] <= 1 or not _ROW_STABLE.get():
-        return fn(x)
-    return np.concatenate([fn(x[t:t + 1]) for t in range(x.shape[0])])
+#
+# Batch invariance (docs/engine.md "Batch invariance") is the same fact across sequences: a step's rows hold
+# several sequences (seg: their row slices, in order), and every product runs once per sequence, so that a
+# sequence's rows see the calls its own step would make, whatever else the step holds.
 
 
-def mm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """a @ b for activations `a` with token rows on axis 0 (row by row in row-stable mode)."""
-    return per_row(lambda r: r @ b, a)
+def per_row(fn: Callable[[np.ndarray], np.ndarray], x: np.ndarray, seg: list[slice] | None = None) -> np.ndarray:
+    """fn(x) over token rows (axis 0): in row-stable mode fn of each row x[t:t+1], else fn of each sequence's
+    rows x[s] for s in seg (several sequences), stacked."""
+    if x.shape[0] > 1 and _ROW_STABLE.get():
+        return np.concatenate([fn(x[t:t + 1]) for t in range(x.shape[0])])
+    if seg is not None and len(seg) > 1:
+        return np.concatenate([fn(x[s]) for s in seg])
+    return fn(x)
+
+
+def mm(a: np.ndarray, b: np.ndarray, seg: list[slice] | None = None) -> np.ndarray:
+    """a @ b for activations `a` with token rows on axis 0: row by row in row-stable mode, else one product per
+    sequence (seg)."""
+    return per_row(lambda r: r @ b, a, seg)
 
 
 # ---- norms -------------------------------------------------------------------------------------------
@@ -206,10 +216,10 @@ def hadamard(x: np.ndarray) -> np.ndarray:
 
 
 # ---- hyper-connections (mHC, MODEL.md §2.2) -----------------------------------------------------------------
-def hc_mixes(X: np.ndarray, fn: np.ndarray, eps: float) -> np.ndarray:
+def hc_mixes(X: np.ndarray, fn: np.ndarray, eps: float, seg: list[slice] | None = None) -> np.ndarray:
     """m = (fn @ flatten(X)) · rsqrt(mean(flatten(X)²) + eps). X: [T, hc, D] -> [T, rows(fn)]."""
     xf = X.reshape(X.shape[0], -1)
-    return mm(xf, fn.T) / np.sqrt(np.mean(xf * xf, axis=-1, keepdims=True) + F32(eps))
+    return mm(xf, fn.T, seg) / np.sqrt(np.mean(xf * xf, axis=-1, keepdims=True) + F32(eps))
 
 
 def sinkhorn(C: np.ndarray, iters: int, eps: float) -> np.ndarray:
@@ -230,10 +240,10 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
 
 
 def hc_coeffs(X: np.ndarray, fn: np.ndarray, scale: np.ndarray, base: np.ndarray, norm_eps: float, hc_eps: float,
-              iters: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The mixes of the state X: (pre [T, hc], post [T, hc], comb [T, hc, hc])."""
+              iters: int, seg: list[slice] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The mixes of the state X: (pre [T, hc], post [T, hc], comb [T, hc, hc]); seg: the rows' sequences."""
     hc = X.shape[1]
-    m = hc_mixes(X, fn, norm_eps)
+    m = hc_mixes(X, fn, norm_eps, seg)
     pre = sigmoid(m[:, :hc] * scale[0] + base[:hc]) + F32(hc_eps)
     post = 2 * sigmoid(m[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
     comb = sinkhorn((m[:, 2 * hc:] * scale[2] + base[2 * hc:]).reshape(-1, hc, hc), iters, hc_eps)
@@ -246,9 +256,9 @@ def hc_collapse(X: np.ndarray, pre: np.ndarray) -> np.ndarray:
 
 
 def hc_pre(X: np.ndarray, fn: np.ndarray, scale: np.ndarray, base: np.ndarray, norm_eps: float, hc_eps: float,
-           iters: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+           iters: int, seg: list[slice] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Collapse the hc copies to one sub-layer input; returns (x [T, D], post [T, hc], comb [T, hc, hc])."""
-    pre, post, comb = hc_coeffs(X, fn, scale, base, norm_eps, hc_eps, iters)
+    pre, post, comb = hc_coeffs(X, fn, scale, base, norm_eps, hc_eps, iters, seg)
     return hc_collapse(X, pre), post, comb
 
 
@@ -258,9 +268,9 @@ def hc_post(f: np.ndarray, X: np.ndarray, post: np.ndarray, comb: np.ndarray) ->
 
 
 def hc_head(X: np.ndarray, fn: np.ndarray, scale: np.ndarray, base: np.ndarray, norm_eps: float,
-            hc_eps: float) -> np.ndarray:
+            hc_eps: float, seg: list[slice] | None = None) -> np.ndarray:
     """Final collapse: y = Σ_j (sigmoid(m_j·scale + base_j) + hc_eps) X_j."""
-    pre = sigmoid(hc_mixes(X, fn, norm_eps) * scale[0] + base) + F32(hc_eps)
+    pre = sigmoid(hc_mixes(X, fn, norm_eps, seg) * scale[0] + base) + F32(hc_eps)
     return (pre[:, :, None] * X).sum(1)
 
 
@@ -310,12 +320,13 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 
 def swiglu(x: np.ndarray, w1: np.ndarray, w3: np.ndarray, w2: np.ndarray, clamp: float,
-           weight: np.ndarray | None = None, act_in=None, act_mid=None) -> np.ndarray:
+           weight: np.ndarray | None = None, act_in=None, act_mid=None, seg: list[slice] | None = None) -> np.ndarray:
     """y = w2(silu(min(w1 x, c)) · clamp(w3 x, −c, c) [· weight]); weights are [out, in].
-    act_in / act_mid: optional activation rounding before w1,w3 / before w2 (ds4 emulation)."""
+    act_in / act_mid: optional activation rounding before w1,w3 / before w2 (ds4 emulation); seg: the rows'
+    sequences (ops.mm)."""
     xi = act_in(x) if act_in is not None else x
-    return swiglu_of(xi, lambda a: mm(a, w1.T), lambda a: mm(a, w3.T),
-                     lambda a: mm(act_mid(a) if act_mid is not None else a, w2.T), clamp, weight)
+    return swiglu_of(xi, lambda a: mm(a, w1.T, seg), lambda a: mm(a, w3.T, seg),
+                     lambda a: mm(act_mid(a) if act_mid is not None else a, w2.T, seg), clamp, weight)
 
 
 def swiglu_of(x: np.ndarray, gate, up, down, clamp: float, weight: np.ndarray | None = None) -> np.ndarray:

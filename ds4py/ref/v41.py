@@ -69,12 +69,13 @@ def candidate_blocks(scores: np.ndarray, pos: np.ndarray, ratio: int, n_blocks: 
     return np.repeat(keep, block, axis=1)[:, :nc]
 
 
-def engram(w, cfg, E, X: np.ndarray, rows: np.ndarray) -> np.ndarray:
+def engram(w, cfg, E, X: np.ndarray, rows: np.ndarray, seg: list[slice] | None = None) -> np.ndarray:
     """Engram's update of the hc state X [T, hc, D] from its table rows [T, cols · row]: one key per copy and a
     shared value from wkv; per copy a normalised dot of the stream with the key (q_w · k_w weighted) gates the
-    value: gate = sigmoid(sign(dot) · sqrt(max(|dot|, 1e-6))), X_j += gate_j · value."""
+    value: gate = sigmoid(sign(dot) · sqrt(max(|dot|, 1e-6))), X_j += gate_j · value. seg: the rows' sequences
+    (one product per sequence: docs/engine.md, batch invariance)."""
     T, hc, D = X.shape
-    kv = w.linear(E.kv, rows)
+    kv = w.linear(E.kv, rows, seg)
     key, value = kv[:, :hc * D].reshape(T, hc, D), kv[:, hc * D:]
     weight = w.get(E.q) * w.get(E.k)
     eps = F32(cfg.norm_eps)

@@ -125,12 +125,12 @@ class Weights:
         """Whether this product takes the fused kernels (few rows, a format they cover)."""
         return self.runner is not None and x.shape[0] <= FUSED_MAX_ROWS and (dot.supported(t.qtype) or t.qtype == Q.I8)
 
-    def _fused(self, t: TensorInfo, raw: np.ndarray, x: np.ndarray, key) -> np.ndarray:
+    def _fused(self, t: TensorInfo, raw: np.ndarray, x: np.ndarray, key, seg: list[slice] | None = None) -> np.ndarray:
         """x @ W.T from W's stored rows `raw` (uint8 [rows, row_nbytes]) through the fused kernels; `key` names
         the rows (the tensor, or one expert of it) for the once-only inf / NaN check of their f16 scales.
-        Row by row in row-stable mode (ops.row_stable), like every other product over token rows."""
+        Row by row in row-stable mode, else per sequence (seg), like every other product over token rows."""
         raw = np.asarray(raw)
-        return per_row(lambda r: self._fused_rows(t, raw, r, key), x)
+        return per_row(lambda r: self._fused_rows(t, raw, r, key), x, seg)
 
     def _fused_rows(self, t: TensorInfo, raw: np.ndarray, x: np.ndarray, key) -> np.ndarray:
         if t.qtype == Q.F32:                                 # nothing to decode: BLAS on the mapped rows
@@ -142,24 +142,25 @@ class Weights:
             return x @ raw.view(np.float16).astype(F32).T
         return self.runner.matmul(t.qtype, raw, x, t.shape[-1], finite)
 
-    def linear(self, t: TensorInfo, x: np.ndarray) -> np.ndarray:
-        """x @ W.T for a [out, in] matrix W; a matrix larger than the cache is streamed in row chunks."""
+    def linear(self, t: TensorInfo, x: np.ndarray, seg: list[slice] | None = None) -> np.ndarray:
+        """x @ W.T for a [out, in] matrix W, one product per sequence's rows `seg` (ops.mm: batch
+        invariance); a matrix larger than the cache is streamed in row chunks."""
         x = self.act(t, x)
         out_rows, ncols = t.shape
         if ("all", t.name) not in self._cache and self._fuse(t, x):
-            return self._fused(t, t.raw_bytes(), x, t.name)
+            return self._fused(t, t.raw_bytes(), x, t.name, seg)
         if ("all", t.name) in self._cache or out_rows * ncols * 4 <= self.cache_bytes:
-            return mm(x, self.get(t).T)
+            return mm(x, self.get(t).T, seg)
         raw = t.raw if t.qtype in (Q.F32, Q.F16) else t.raw_bytes()
         y = np.empty((x.shape[0], out_rows), F32)
         step = STREAM_ROWS if self.stream_bytes is None else max(1, self.stream_bytes // (4 * ncols))
         for a in range(0, out_rows, step):
             b = min(a + step, out_rows)
             w = _dequant_rows(t, raw[a:b], (b - a, ncols)).astype(F32, copy=False)
-            y[:, a:b] = mm(x, w.T)
+            y[:, a:b] = mm(x, w.T, seg)
         return y
 
-    def grouped_linear(self, t: TensorInfo, x: np.ndarray) -> np.ndarray:
+    def grouped_linear(self, t: TensorInfo, x: np.ndarray, seg: list[slice] | None = None) -> np.ndarray:
         """The grouped projection u_g = W_g @ x_g for x [T, G, in_g] and W [G*rank, in_g] (rows g*rank.. = W_g):
         [T, G, rank]."""
         T, G, _ = x.shape
@@ -169,13 +170,14 @@ class Weights:
             raw = np.asarray(t.raw_bytes())
             u = np.empty((T, G, rank), F32)
             for g in range(G):
-                u[:, g] = self._fused(t, raw[g * rank:(g + 1) * rank], np.ascontiguousarray(x[:, g]), (t.name, g))
+                u[:, g] = self._fused(t, raw[g * rank:(g + 1) * rank], np.ascontiguousarray(x[:, g]), (t.name, g),
+                                      seg)
             return u
         w = self.get(t).reshape(G, rank, -1)
         wT = w.transpose(0, 2, 1)
-        return per_row(lambda r: (r.transpose(1, 0, 2) @ wT).transpose(1, 0, 2), x)
+        return per_row(lambda r: (r.transpose(1, 0, 2) @ wT).transpose(1, 0, 2), x, seg)
 
-    def expert_linear(self, t: TensorInfo, e: int, x: np.ndarray) -> np.ndarray:
+    def expert_linear(self, t: TensorInfo, e: int, x: np.ndarray, seg: list[slice] | None = None) -> np.ndarray:
         """x @ W_e.T for routed expert e of a stacked [X, out, in] expert tensor."""
         x = self.act(t, x)
         if ("expert", t.name, int(e)) not in self._cache and self._fuse(t, x):
@@ -183,6 +185,6 @@ class Weights:
                 lay = self.vq.layer(int(t.name.split(".")[1]))
                 hi = self.f.tensor(vq_hi_name(t.name)).raw_bytes()[e] if lay.header.bits == 13 else None
                 return per_row(lambda r: self.runner.vq_matmul(t.raw_bytes()[e], hi, self.vq.gains(t.name, e), lay, r),
-                               x)
-            return self._fused(t, t.raw_bytes()[e], x, (t.name, int(e)))
-        return mm(x, self.expert(t, e).T)
+                               x, seg)
+            return self._fused(t, t.raw_bytes()[e], x, (t.name, int(e)), seg)
+        return mm(x, self.expert(t, e).T, seg)

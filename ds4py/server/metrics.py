@@ -1,5 +1,7 @@
-"""Prometheus text exposition (format 0.0.4) for `GET /metrics`, written by hand: a few counters, a gauge, and
-two histograms. Updated from the event loop and the engine thread, so every mutation holds one lock."""
+"""Prometheus text exposition (format 0.0.4) for `GET /metrics`, written by hand: counters, gauges and
+histograms. Updated from the event loop and the engine thread, so every mutation holds one lock; the engine
+thread publishes the sessions' occupancy and the disk cache's figures (set_sessions, set_disk) instead of
+/metrics reading engine state."""
 
 from __future__ import annotations
 
@@ -8,6 +10,11 @@ import threading
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
+REUSE_SOURCES = ("live", "rollback", "snapshot", "disk", "none")
+REUSE_RESULTS = ("hit", "miss", "cold")
 
 
 class Histogram:
@@ -50,6 +57,18 @@ class Metrics:
         self.spec_plain_steps = 0       # one-token steps the scheduler chose instead
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
+        # model steps (serve --sessions N): sequences and rows per step, and its time
+        self.batch = Histogram(BATCH_BUCKETS)
+        self.step_rows = Histogram(TOKEN_BUCKETS)
+        self.step_seconds = Histogram(STEP_BUCKETS)
+        # KV reuse per request: where it came from, hit / miss / cold, and where a miss diverged
+        self.reuse_source = dict.fromkeys(REUSE_SOURCES, 0)
+        self.reuse_result = dict.fromkeys(REUSE_RESULTS, 0)
+        self.missed_tokens = 0
+        self.divergence = Histogram(TOKEN_BUCKETS)
+        self.last_divergence = 0
+        self.sessions: list[tuple[int, int, bool]] = []    # per resident session: (tokens, bytes, active)
+        self.disk: dict[str, float] | None = None
 
     def request_done(self, endpoint: str, status: int) -> None:
         with self._lock:
@@ -69,6 +88,33 @@ class Metrics:
         with self._lock:
             self.itl.observe(seconds)
 
+    def observe_step(self, sequences: int, rows: int, seconds: float) -> None:
+        with self._lock:
+            self.batch.observe(sequences)
+            self.step_rows.observe(rows)
+            self.step_seconds.observe(seconds)
+
+    def observe_reuse(self, source: str, result: str, divergence: int | None, missed_tokens: int) -> None:
+        with self._lock:
+            self.reuse_source[source] += 1
+            self.reuse_result[result] += 1
+            if divergence is not None:
+                self.divergence.observe(divergence)
+                self.last_divergence = divergence
+                self.missed_tokens += missed_tokens
+
+    def set_sessions(self, sessions: list[tuple[int, int, bool]]) -> None:
+        with self._lock:
+            self.sessions = list(sessions)
+
+    def set_disk(self, disk) -> None:
+        st = disk.stats
+        figures = {"entries": len(disk), "bytes": disk.nbytes(), "limit": disk.space, "hits": st.hits,
+                   "load_failures": st.load_failures, "written": st.written_bytes, "read": st.read_bytes,
+                   "deleted": st.deleted, "skipped": st.skipped, **{f"writes_{r}": n for r, n in st.writes.items()}}
+        with self._lock:
+            self.disk = figures
+
     def render(self) -> str:
         with self._lock:
             out = ["# HELP ds4py_requests_total HTTP requests by endpoint and status code.",
@@ -77,7 +123,7 @@ class Metrics:
                 out.append(f'ds4py_requests_total{{endpoint="{ep}",status="{st}"}} {n}')
             for name, help_, value in (
                 ("ds4py_prompt_tokens_total", "Prompt tokens of generation requests.", self.prompt_tokens),
-                ("ds4py_cached_prompt_tokens_total", "Prompt tokens served from the live KV state.",
+                ("ds4py_cached_prompt_tokens_total", "Prompt tokens served from cached KV (live, snapshot, disk).",
                  self.cached_prompt_tokens),
                 ("ds4py_generated_tokens_total", "Tokens sampled.", self.generated_tokens),
                 ("ds4py_cancelled_generations_total", "Generations stopped because the client went away.",
@@ -93,7 +139,7 @@ class Metrics:
                 out += [f"# HELP {name} {help_}", f"# TYPE {name} counter", f"{name} {value}"]
             for name, help_, value in (
                 ("ds4py_queue_depth", "Requests waiting for the engine.", self.queue_depth),
-                ("ds4py_running_requests", "Requests being generated (0 or 1).", self.running),
+                ("ds4py_running_requests", "Requests being generated (at most --sessions).", self.running),
                 ("ds4py_spec_acceptance_ratio", "Accepted / verified draft tokens since start.",
                  round(self.spec_accepted / self.spec_drafted, 6) if self.spec_drafted else 0),
                 ("ds4py_spec_tokens_per_round", "Tokens per speculative round since start.",
@@ -103,6 +149,57 @@ class Metrics:
             for name, help_, h in (
                 ("ds4py_time_to_first_token_seconds", "Request arrival to first sampled token.", self.ttft),
                 ("ds4py_inter_token_latency_seconds", "Time between consecutive sampled tokens.", self.itl),
+                ("ds4py_batch_sequences", "Sequences per model step (serve --sessions N).", self.batch),
+                ("ds4py_batch_rows", "Token rows per model step: decode rows plus prefill chunks.", self.step_rows),
+                ("ds4py_step_seconds", "Time of one batched model step.", self.step_seconds),
+                ("ds4py_kv_cache_miss_divergence_tokens", "Token index where a missed prompt first diverged "
+                 "from the longest cached history that shares its start.", self.divergence),
             ):
                 out += [f"# HELP {name} {help_}", f"# TYPE {name} histogram"] + h.lines(name)
+            out += ["# HELP ds4py_kv_cache_requests_total Requests by KV reuse: hit (served every cached token "
+                    "the prompt shares), miss (it diverged from a cached history: see the log), cold (nothing "
+                    "cached shares its start).", "# TYPE ds4py_kv_cache_requests_total counter"]
+            out += [f'ds4py_kv_cache_requests_total{{result="{k}"}} {v}' for k, v in self.reuse_result.items()]
+            out += ["# HELP ds4py_kv_cache_source_total Requests by where their reused prompt tokens came from.",
+                    "# TYPE ds4py_kv_cache_source_total counter"]
+            out += [f'ds4py_kv_cache_source_total{{source="{k}"}} {v}' for k, v in self.reuse_source.items()]
+            out += ["# HELP ds4py_kv_cache_missed_tokens_total Prompt tokens re-prefilled although a cached "
+                    "history shared them (misses).", "# TYPE ds4py_kv_cache_missed_tokens_total counter",
+                    f"ds4py_kv_cache_missed_tokens_total {self.missed_tokens}",
+                    "# HELP ds4py_kv_cache_last_miss_divergence_token Where the last missed prompt diverged.",
+                    "# TYPE ds4py_kv_cache_last_miss_divergence_token gauge",
+                    f"ds4py_kv_cache_last_miss_divergence_token {self.last_divergence}"]
+            if self.sessions:
+                for name, help_, col in (
+                    ("ds4py_session_tokens", "Tokens held by each resident session's live KV state.", 0),
+                    ("ds4py_session_bytes", "KV bytes held by each resident session (live state and snapshots).", 1),
+                    ("ds4py_session_active", "1 while a resident session runs a request.", 2),
+                ):
+                    out += [f"# HELP {name} {help_}", f"# TYPE {name} gauge"]
+                    out += [f'{name}{{session="{i}"}} {int(row[col])}' for i, row in enumerate(self.sessions)]
+                out += ["# HELP ds4py_kv_cache_resident_bytes KV bytes held in memory by all sessions.",
+                        "# TYPE ds4py_kv_cache_resident_bytes gauge",
+                        f"ds4py_kv_cache_resident_bytes {sum(r[1] for r in self.sessions)}"]
+            if self.disk is not None:
+                d = self.disk
+                for name, help_, kind, value in (
+                    ("ds4py_kv_disk_entries", "Checkpoints in the disk KV cache.", "gauge", d["entries"]),
+                    ("ds4py_kv_disk_bytes", "Bytes of the disk KV cache's checkpoints.", "gauge", d["bytes"]),
+                    ("ds4py_kv_disk_limit_bytes", "--kv-disk-space-mb in bytes.", "gauge", d["limit"]),
+                    ("ds4py_kv_disk_hits_total", "Checkpoints loaded from disk.", "counter", d["hits"]),
+                    ("ds4py_kv_disk_load_failures_total", "Checkpoints that failed to load (ignored).", "counter",
+                     d["load_failures"]),
+                    ("ds4py_kv_disk_read_bytes_total", "Bytes read from the disk KV cache.", "counter", d["read"]),
+                    ("ds4py_kv_disk_written_bytes_total", "Bytes written to the disk KV cache.", "counter",
+                     d["written"]),
+                    ("ds4py_kv_disk_deleted_total", "Checkpoints deleted to stay within the space.", "counter",
+                     d["deleted"]),
+                    ("ds4py_kv_disk_skipped_total", "Checkpoints not written (writer busy, or larger than the "
+                     "space).", "counter", d["skipped"]),
+                ):
+                    out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]
+                out += ["# HELP ds4py_kv_disk_writes_total Checkpoints written, by moment.",
+                        "# TYPE ds4py_kv_disk_writes_total counter"]
+                out += [f'ds4py_kv_disk_writes_total{{reason="{k[7:]}"}} {v}' for k, v in d.items()
+                        if k.startswith("writes_")]
             return "\n".join(out) + "\n"

@@ -1,10 +1,12 @@
-"""The engine side of the server: prompt rendering, one worker thread running the blocking numpy/CUDA session,
+"""The engine side of the server: prompt rendering, one worker thread running the blocking numpy/CUDA model,
 and a bounded FIFO queue in front of it.
 
 The event loop never runs model code. A request handler renders its prompt in a thread pool, puts a `Job` on
-the queue and awaits the job's asyncio.Queue; the worker thread runs one job at a time (the session has one
-live KV state) and posts `Reasoning` / `Text` / `ToolCallOut` / `Done` events back with call_soon_threadsafe.
-A handler whose client goes away sets `job.cancel`; the session checks it before every token.
+the queue and awaits the job's asyncio.Queue; the worker thread runs the jobs and posts `Reasoning` / `Text` /
+`ToolCallOut` / `Done` events back with call_soon_threadsafe (`JobOutput`). With one session it runs one job
+at a time (`Engine.run`); with `serve --sessions N` the Scheduler (scheduler.py) runs up to N together, their
+decode rows in one batched model step. A handler whose client goes away sets `job.cancel`; the engine checks it
+before every token and between prefill chunks.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ds4py.sampling import InvalidLogits
+
+from ds4py.session import common_prefix
 
 from .metrics import Metrics
 from .protocol import MID_SYSTEM, ApiError, Done, GenRequest, Reasoning, Started, Text, ToolCallOut
@@ -47,13 +51,21 @@ class Job:
 
 
 class Engine:
-    """Everything between a GenRequest and its events: rendering, tokenizing, sampling, DSML parsing."""
+    """Everything between a GenRequest and its events: rendering, tokenizing, sampling, DSML parsing.
 
-    def __init__(self, session, tokenizer, *, metrics: Metrics | None = None, tool_memory: ToolMemory | None = None,
+    `sessions` is one Session (one request at a time; `run` drives it) or a SessionPool (`serve --sessions N`:
+    the Scheduler batches the requests of several sessions)."""
+
+    def __init__(self, sessions, tokenizer, *, metrics: Metrics | None = None, tool_memory: ToolMemory | None = None,
                  encode_prompt: Callable | None = None, parser_factory: Callable | None = None,
                  native_mid_system: bool = False):
-        self.session, self.tokenizer = session, tokenizer
-        self.ctx_size = int(session.ctx_size)
+        from ds4py.server.pool import SessionPool
+
+        self.pool = sessions if isinstance(sessions, SessionPool) else None
+        self.session = None if self.pool is not None else sessions
+        self.tokenizer = tokenizer
+        self.ctx_size = int(sessions.ctx_size)
+        self.vocab_size = getattr(sessions, "vocab_size", None)
         self.broken: str | None = None          # set when the model proved broken while serving (see Worker)
         self.metrics = metrics or Metrics()
         self.tool_memory = tool_memory or ToolMemory()
@@ -65,6 +77,10 @@ class Engine:
         # the chat format renders a system message after the first turn itself (V4.1's <｜System｜>); V4 gets
         # such messages as user text (protocol.place_system)
         self.native_mid_system = native_mid_system
+
+    @property
+    def disk(self):
+        return (self.pool or self.session).disk
 
     # ---- rendering (called from a thread pool, never on the event loop) ----------------------------------
 
@@ -89,70 +105,99 @@ class Engine:
                                 f"holds {self.ctx_size} tokens: the prompt and at least 1 generated token); "
                                 f"shorten it or restart with a larger --ctx",
                            code="context_length_exceeded", param="messages")
-        vocab = getattr(self.session, "vocab_size", None)
+        vocab = self.vocab_size
         if vocab is not None and any(not 0 <= t < vocab for t in ids):
             raise ApiError(400, f"token ids must be in 0..{vocab - 1}", param="prompt")
 
-    # ---- generation (worker thread) ---------------------------------------------------------------------
+    # ---- generation (engine thread) ---------------------------------------------------------------------
 
-    def run(self, job: Job) -> None:
+    @staticmethod
+    def sampling_params(req: GenRequest):
         from ds4py.sampling import SamplingParams
 
-        req, m = job.req, self.metrics
-        params = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, min_p=req.min_p,
-                                seed=req.seed, max_tokens=req.max_tokens, stop=list(req.stop),
-                                ignore_eos=req.ignore_eos)
-        # a continued (prefilled) assistant message is past its </think> already
-        in_reasoning = req.thinking and not req.continue_final
-        parser = self._parser_factory(in_reasoning) if req.messages is not None else None
-        n_tokens = n_reasoning = 0
-        answering = not in_reasoning           # past </think>: tokens stop counting as reasoning
-        think_tail = ""                        # end of the reasoning text (finds a split </think>)
-        t_last = None
-        done = None
+        return SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, min_p=req.min_p,
+                              seed=req.seed, max_tokens=req.max_tokens, stop=list(req.stop), ignore_eos=req.ignore_eos)
+
+    def histories(self) -> list[tuple[str, object]]:
+        """Every token history a prompt could have been served from (the miss report's candidates)."""
+        out = self.pool.histories() if self.pool is not None else list(self.session.histories())
+        if self.disk is not None:
+            out += [(f"disk checkpoint {e.key[:12]} ({e.reason})", e.tokens) for e in self.disk.entries()]
+        return out
+
+    def report_reuse(self, prompt: list[int], cached: int, source: str, histories) -> None:
+        """Count the request's reuse and, when it reused less than some cached history shares with it, say where
+        the prompt first diverged from the best candidate (the cause of most cold re-prefills under agents)."""
+        k, what, cand = 0, None, None
+        for name, toks in histories:
+            c = common_prefix(toks, prompt)
+            if c > k:
+                k, what, cand = c, name, toks
+        if k == 0 and cached == 0:
+            result = "cold"
+        elif cached > 0 and cached >= min(k, len(prompt) - 1):
+            result = "hit"
+        else:
+            result = "miss"
+        self.metrics.observe_reuse(source, result, k if result == "miss" else None, max(0, k - cached))
+        if result == "miss":
+            def text(toks, a, b):
+                return repr(self.tokenizer.decode([int(t) for t in toks[max(0, a):b]]))[:120]
+            log.info("kv cache miss: the prompt (%d tokens) first diverged from %s (%d tokens) at token %d: after "
+                     "%s the cached history has %s, the prompt %s; %d tokens reused, %d prefilled", len(prompt),
+                     what, len(cand), k, text(prompt, k - 16, k), text(cand, k, k + 16), text(prompt, k, k + 16),
+                     cached, len(prompt) - cached)
+
+    def run(self, job: Job) -> None:
+        """One job on the single session, to its end (the Worker's loop without --sessions)."""
+        histories = self.histories()
         # the session is not thread-safe: even this look-up happens here, on the engine thread
         job.emit(Started(len(job.ids), int(self.session.prompt_cache_tokens(job.ids))))
-        gen = self.session.generate(job.ids, params, cancelled=job.cancel.is_set)
+        out = JobOutput(self, job)
+        gen = self.session.generate(job.ids, self.sampling_params(job.req), cancelled=job.cancel.is_set)
+        done, reported = None, False
         try:
             for ev in gen:
+                if not reported:       # the session has started the prompt: its reuse is known
+                    self.report_reuse(job.ids, self.session.last_cached, self.session.last_source, histories)
+                    reported = True
                 if hasattr(ev, "finish_reason"):
                     done = ev
                     break
-                now = time.monotonic()
-                if t_last is None:
-                    m.observe_ttft(now - job.t_arrival)
-                else:
-                    m.observe_itl(now - t_last)
-                t_last = now
-                n_tokens += 1
-                m.add(generated_tokens=1)
-                if parser is None:
-                    if ev.text:
-                        job.emit(Text(ev.text))
-                    continue
-                if not answering:                  # tokens up to and including the one that closes </think>
-                    n_reasoning += 1
-                    think_tail += ev.text
-                    answering = END_THINK in think_tail
-                    think_tail = think_tail[-len(END_THINK):]
-                for out in parser.feed(ev.text):
-                    self._emit(job, out)
+                out.token(ev)
                 if job.cancel.is_set():
                     break
         finally:
             gen.close()
+            self.publish()
         self._spec_report(done)
-        if done is None or done.finish_reason == "cancelled" or job.cancel.is_set():
-            m.add(cancelled=1)
-            job.emit(Done("cancelled", len(job.ids), 0, n_tokens, n_reasoning))
+        out.finish(done)
+
+    def set_broken(self, e: Exception) -> None:
+        # a correct model never gives non-finite logits for valid token ids: the weights are broken in a way the
+        # load-time checks did not sample. Say so on /health and on every request, not a 500 each.
+        self.broken = (f"the model produced invalid logits ({e}); its weights are corrupt: run "
+                       f"'python -m ds4py inspect MODEL --verify' and restart with a good file")
+        log.error("%s", self.broken)
+
+    def publish(self) -> None:
+        """Hand the sessions' occupancy and the disk cache's figures to /metrics (engine thread)."""
+        sessions = self.pool.sessions if self.pool is not None else [self.session]
+        busy = self.pool.busy if self.pool is not None else [False]
+        self.metrics.set_sessions([(len(s.tokens), s.nbytes(), b) for s, b in zip(sessions, busy)])
+        if self.disk is not None:
+            self.metrics.set_disk(self.disk)
+
+    def close(self) -> None:
+        """The server stops: checkpoint every live state to the disk cache (engine thread, or after it ended)."""
+        if self.disk is None:
             return
-        if parser is not None:
-            tail = parser.feed(EOS_TEXT) if done.finish_reason == "stop" and done.stop_string is None else []
-            for out in tail + parser.finish():
-                self._emit(job, out)
-        m.add(prompt_tokens=done.prompt_tokens, cached_prompt_tokens=done.cached_tokens)
-        job.emit(Done(done.finish_reason, done.prompt_tokens, done.cached_tokens, done.completion_tokens,
-                      n_reasoning, done.stop_string))
+        for s in (self.pool.sessions if self.pool is not None else [self.session]):
+            try:
+                s.close()
+            except Exception:  # one bad state must not stop the others' checkpoints
+                log.exception("kv cache: shutdown checkpoint failed")
+        self.disk.close()
 
     def _spec_report(self, done) -> None:
         """Speculative decoding's share of the request (ds4py.spec): /metrics counters and the request log."""
@@ -164,15 +209,68 @@ class Engine:
         log.info("request done (%s, %s tokens); %s", getattr(done, "finish_reason", "interrupted"),
                  getattr(done, "completion_tokens", "?"), st.summary())
 
-    def _emit(self, job: Job, out) -> None:
-        kind = type(out).__name__
+
+class JobOutput:
+    """What one job's sampled tokens become on its event queue: Reasoning / Text / ToolCallOut events (DSML
+    parsed), the reasoning count, the latency metrics, and the final Done."""
+
+    def __init__(self, engine: Engine, job: Job):
+        req = job.req
+        self.engine, self.job, self.m = engine, job, engine.metrics
+        # a continued (prefilled) assistant message is past its </think> already
+        in_reasoning = req.thinking and not req.continue_final
+        self.parser = engine._parser_factory(in_reasoning) if req.messages is not None else None
+        self.n_tokens = self.n_reasoning = 0
+        self.answering = not in_reasoning      # past </think>: tokens stop counting as reasoning
+        self.think_tail = ""                   # end of the reasoning text (finds a split </think>)
+        self.t_last: float | None = None
+
+    def token(self, ev) -> None:
+        job, m = self.job, self.m
+        now = time.monotonic()
+        if self.t_last is None:
+            m.observe_ttft(now - job.t_arrival)
+        else:
+            m.observe_itl(now - self.t_last)
+        self.t_last = now
+        self.n_tokens += 1
+        m.add(generated_tokens=1)
+        if self.parser is None:
+            if ev.text:
+                job.emit(Text(ev.text))
+            return
+        if not self.answering:                 # tokens up to and including the one that closes </think>
+            self.n_reasoning += 1
+            self.think_tail += ev.text
+            self.answering = END_THINK in self.think_tail
+            self.think_tail = self.think_tail[-len(END_THINK):]
+        for out in self.parser.feed(ev.text):
+            self._emit(out)
+
+    def finish(self, done) -> None:
+        """done: the session's DoneEvent, or None when the generation stopped without one."""
+        job, m = self.job, self.m
+        if done is None or done.finish_reason == "cancelled" or job.cancel.is_set():
+            m.add(cancelled=1)
+            job.emit(Done("cancelled", len(job.ids), 0, self.n_tokens, self.n_reasoning))
+            return
+        if self.parser is not None:
+            tail = self.parser.feed(EOS_TEXT) if done.finish_reason == "stop" and done.stop_string is None else []
+            for out in tail + self.parser.finish():
+                self._emit(out)
+        m.add(prompt_tokens=done.prompt_tokens, cached_prompt_tokens=done.cached_tokens)
+        job.emit(Done(done.finish_reason, done.prompt_tokens, done.cached_tokens, done.completion_tokens,
+                      self.n_reasoning, done.stop_string))
+
+    def _emit(self, out) -> None:
+        kind, job = type(out).__name__, self.job
         if kind == "ReasoningDelta":
             job.emit(Reasoning(out.text))
         elif kind == "ContentDelta":
             job.emit(Text(out.text))
         elif kind == "ToolCall":
             tid = ToolMemory.new_id(job.id_prefix)
-            self.tool_memory.remember(tid, StoredCall(out.name, out.arguments, out.raw_dsml))
+            self.engine.tool_memory.remember(tid, StoredCall(out.name, out.arguments, out.raw_dsml))
             job.emit(ToolCallOut(tid, out.name, out.arguments))
         elif kind == "ParseIssue":
             log.info("DSML parse issue: %s", out.reason)
@@ -223,15 +321,16 @@ class QueueFull(ApiError):
 
 
 class Worker:
-    """One engine thread and a bounded FIFO of waiting jobs (the running job is not counted)."""
+    """One engine thread and a bounded FIFO of waiting jobs (running jobs are not counted). With one session the
+    thread runs the jobs one at a time (Engine.run); with a SessionPool the Scheduler runs up to N at once."""
 
     def __init__(self, engine: Engine, max_queue: int = 64):
         self.engine, self.max_queue = engine, max_queue
         self._pending: collections.deque[Job] = collections.deque()
         self._cv = threading.Condition()
         self._closed = False
-        self._running: Job | None = None
-        self._thread = threading.Thread(target=self._loop, name="ds4py-engine", daemon=True)
+        self._current: Job | None = None        # the job Engine.run is running (one session)
+        self._thread = threading.Thread(target=self._main, name="ds4py-engine", daemon=True)
         self._thread.start()
 
     def submit(self, job: Job) -> None:
@@ -245,15 +344,58 @@ class Worker:
             self.engine.metrics.queue_depth = len(self._pending)
             self._cv.notify()
 
-    def close(self) -> None:
-        """Stop taking jobs and cancel every job, the running one too: a prefill stops at its next chunk."""
+    def close(self, timeout: float = 30.0) -> None:
+        """Cancel every job, let the engine thread finish its current model call and write the disk cache's
+        shutdown checkpoints (waits up to `timeout` seconds for it)."""
         with self._cv:
             self._closed = True
             for job in self._pending:
                 job.cancel.set()
-            if self._running is not None:
-                self._running.cancel.set()
+            if self._current is not None:
+                self._current.cancel.set()
             self._cv.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("the engine did not stop within %.0f s; no shutdown checkpoints written", timeout)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # ---- the queue, as the engine thread sees it -----------------------------------------------------------
+    def wait(self) -> bool:
+        """Block until a job is waiting (True) or the worker is closed (False)."""
+        with self._cv:
+            while not self._pending and not self._closed:
+                self._cv.wait()
+            return not self._closed
+
+    def peek(self) -> Job | None:
+        with self._cv:
+            return self._pending[0] if self._pending else None
+
+    def pop(self) -> Job:
+        with self._cv:
+            job = self._pending.popleft()
+            self.engine.metrics.queue_depth = len(self._pending)
+            return job
+
+    def _main(self) -> None:
+        try:
+            if self.engine.pool is not None:
+                from .scheduler import Scheduler
+                Scheduler(self.engine, self).run()
+            else:
+                self._loop()
+        finally:
+            with self._cv:
+                for job in self._pending:
+                    self.engine.metrics.add(cancelled=1)
+                    job.emit(Done("cancelled", len(job.ids)))
+                self._pending.clear()
+                self.engine.metrics.queue_depth = 0
+            self.engine.close()
 
     def join(self, timeout: float | None = None) -> bool:
         """Wait for the engine thread to finish (after close()); True when it did within the timeout."""
@@ -262,15 +404,9 @@ class Worker:
 
     def _loop(self) -> None:
         m = self.engine.metrics
-        while True:
+        while self.wait():
             with self._cv:
-                while not self._pending and not self._closed:
-                    self._cv.wait()
-                if self._closed and not self._pending:
-                    return
-                job = self._pending.popleft()
-                m.queue_depth = len(self._pending)
-                self._running = job
+                job = self._current = self.pop()
                 if self._closed:
                     job.cancel.set()
             if job.cancel.is_set():
@@ -281,16 +417,11 @@ class Worker:
             try:
                 self.engine.run(job)
             except InvalidLogits as e:
-                # a correct model never gives non-finite logits for valid token ids: the weights are broken in a
-                # way the load-time checks did not sample. Say so on /health and on every request, not a 500 each.
-                self.engine.broken = (f"the model produced invalid logits ({e}); its weights are corrupt: run "
-                                      f"'python -m ds4py inspect MODEL --verify' and restart with a good file")
-                log.error("%s", self.engine.broken)
+                self.engine.set_broken(e)
                 job.emit(Done("error", len(job.ids), error=self.engine.broken))
             except Exception as e:  # a bug or a backend failure: fail this request, keep serving
                 log.exception("generation failed")
                 job.emit(Done("error", len(job.ids), error=f"generation failed: {type(e).__name__}: {e}"))
             finally:
                 m.running = 0
-                with self._cv:
-                    self._running = None
+                self._current = None

@@ -1,0 +1,159 @@
+"""The batch scheduler of `serve --sessions N` (nano-vllm's split: this module decides, runner.py runs).
+
+One loop on the engine thread. Each turn it
+1. drops the requests whose client went away (their session keeps what it consumed) and admits waiting ones,
+   in arrival order, while a session is idle (SessionPool.route picks which; Session.start restores its prefix);
+2. plans one step: the decode row of every request that is generating, plus prefill chunks of the requests
+   still reading their prompt, oldest first, up to `pool.prefill_chunk` prompt tokens (at least one chunk);
+3. runs it as one batched model step (ModelRunner) and turns each sequence's logits into its next token
+   (each request has its own sampler: a seeded request does not depend on its neighbours).
+
+So a long prompt never stalls the active streams: they get a token every step, and a step holds at most one
+prefill chunk's worth of prompt. A prompt's chunks end at fixed multiples of the chunk (and at the
+session's split points: the snapshot before its last token, disk checkpoints), never where the load happened to
+cut them, and the backend computes every sequence of a step as if it were alone (docs/engine.md, batch
+invariance): a request's tokens at temperature 0 are the same whether it ran alone or beside others.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from ds4py.sampling import InvalidLogits
+from ds4py.session import Completion, Session
+
+from .protocol import Done, Started
+from .runner import ModelRunner
+from .worker import Engine, Job, JobOutput, Worker
+
+log = logging.getLogger("ds4py.server")
+
+
+@dataclass(eq=False)
+class _Request:
+    job: Job
+    slot: int
+    session: Session
+    prompt: list[int]
+    out: JobOutput
+    comp: Completion
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, worker: Worker):
+        self.engine, self.worker, self.pool = engine, worker, engine.pool
+        self.prefill_chunk = self.pool.prefill_chunk
+        self.runner = ModelRunner(self.pool.model, engine.metrics)
+        self.running: list[_Request] = []
+
+    def run(self) -> None:
+        while True:
+            if not self.running and not self.worker.wait():
+                return
+            if self.worker.closed:
+                for r in list(self.running):
+                    r.job.cancel.set()
+            self._drop_cancelled()
+            self._admit()
+            if self.running:
+                self._step()
+            self.engine.publish()
+
+    # ---- admission ---------------------------------------------------------------------------------------
+    def _admit(self) -> None:
+        m = self.engine.metrics
+        while (job := self.worker.peek()) is not None:
+            if job.cancel.is_set():
+                self.worker.pop()
+                m.add(cancelled=1)
+                job.emit(Done("cancelled", len(job.ids)))
+                continue
+            if self.engine.broken:
+                self.worker.pop()
+                job.emit(Done("error", len(job.ids), error=self.engine.broken))
+                continue
+            slot = self.pool.route(job.ids)
+            if slot is None:
+                return                            # every session is busy: it waits, in order
+            self.worker.pop()
+            session = self.pool.acquire(slot)
+            try:
+                self._start(job, slot, session)
+            except Exception as e:  # a bug or a backend failure (a bad disk checkpoint is handled inside)
+                log.exception("starting a request failed")
+                session.drop_live()
+                self.pool.release(slot)
+                job.emit(Done("error", len(job.ids), error=f"generation failed: {type(e).__name__}: {e}"))
+
+    def _start(self, job: Job, slot: int, session: Session) -> None:
+        engine = self.engine
+        prompt = session.check_prompt(job.ids)
+        histories = engine.histories()
+        cached = session.start(prompt)
+        engine.report_reuse(prompt, cached, session.last_source, histories)
+        job.emit(Started(len(prompt), cached))
+        comp = Completion(engine.tokenizer, engine.sampling_params(job.req), len(prompt), cached, session.ctx_size)
+        r = _Request(job, slot, session, prompt, JobOutput(engine, job), comp)
+        self.running.append(r)
+        self.engine.metrics.running = len(self.running)
+        if session.ready:                         # the whole prompt was cached with its logits
+            self._sample(r)
+
+    # ---- one step ------------------------------------------------------------------------------------------
+    def _drop_cancelled(self) -> None:
+        for r in list(self.running):
+            if r.job.cancel.is_set():
+                self._finish(r, r.comp.cancel())
+
+    def _step(self) -> None:
+        rows: list[tuple[_Request, list[int], bool]] = []        # (request, chunk, is a decode row)
+        budget = self.prefill_chunk
+        for r in self.running:
+            if r.session.ready:
+                rows.append((r, [r.comp.last], True))
+        for r in self.running:
+            if not r.session.ready:
+                ids = r.session.next_chunk(r.prompt, self.prefill_chunk, aligned=True)
+                if ids is None:
+                    continue
+                if len(ids) > budget and budget < self.prefill_chunk:
+                    break                         # oldest first: a later prompt never overtakes this one
+                rows.append((r, ids, False))
+                budget -= len(ids)
+        try:
+            logits = self.runner.step([r.session.state for r, _, _ in rows], [ids for _, ids, _ in rows])
+        except Exception as e:  # every state of the step may be half-advanced: none is reused
+            log.exception("a model step failed")
+            for r, _, _ in rows:
+                r.session.drop_live()
+                self._finish(r, None, error=f"generation failed: {type(e).__name__}: {e}")
+            return
+        for (r, ids, decoded), lg in zip(rows, logits):
+            r.session.advance(ids, lg, decoded=decoded)
+        for r, _, _ in rows:
+            if r in self.running and r.session.ready:     # (a broken model's logits finish them all)
+                self._sample(r)
+
+    def _sample(self, r: _Request) -> None:
+        try:
+            token = r.comp.sample(r.session.logits)
+        except InvalidLogits as e:
+            self.engine.set_broken(e)
+            for other in list(self.running):      # every sequence reads the same broken weights
+                self._finish(other, None, error=self.engine.broken)
+            return
+        r.out.token(r.comp.push(token))
+        if r.comp.done is not None:
+            self._finish(r, r.comp.done)
+
+    def _finish(self, r: _Request, done, error: str | None = None) -> None:
+        if r not in self.running:
+            return
+        self.running.remove(r)
+        self.pool.release(r.slot)
+        self.engine.metrics.running = len(self.running)      # before its Done goes out
+        if error is not None:
+            r.job.emit(Done("error", len(r.prompt), error=error))
+        else:
+            r.out.finish(done)
