@@ -23,7 +23,7 @@ declare -A STATUS SECS
 STEPS=()
 
 BUDGET="${DS4PY_CHECK_BUDGET_S:-570}"
-export DS4PY_DEVICE_RESULTS="$RES"        # tests/gpu/test_cuda_engine.py writes engine_e2e.json here
+export DS4PY_DEVICE_RESULTS="$RES"        # tests/gpu/test_gpu_engine.py writes engine_e2e.json here
 step() { echo; echo "== $1 ($(( $(date +%s) - T0 )) s)"; STEP_T0=$(date +%s); }
 # lim N: N seconds, or what is left of the budget (at least 1) if that is less
 lim() { local left=$(( BUDGET - ($(date +%s) - T0) )); [ "$left" -lt 1 ] && left=1; [ "$1" -lt "$left" ] && echo "$1" || echo "$left"; }

@@ -25,7 +25,8 @@ extern "C" __global__ void embed_f16(const __half* table, const int* ids, float*
     }
 }
 
-// As embed_f16 for an F32 table (a GGUF converted with dense f32). dim % 2 == 0, table 8-byte aligned (float2).
+// As embed_f16 for an F32 table (a GGUF converted with dense f32). Launch: as embed_f16. dim % 2 == 0, table
+// 8-byte aligned (float2).
 extern "C" __global__ void embed_f32(const float* table, const int* ids, float* out, int dim, int vocab, int copies) {
     pdl_wait();
     pdl_launch_dependents();

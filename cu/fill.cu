@@ -28,12 +28,14 @@ __device__ __forceinline__ float fill_unit(uint64_t seed, uint64_t i) {
 __device__ __forceinline__ uint64_t fill_start() { return (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; }
 __device__ __forceinline__ uint64_t fill_stride() { return (uint64_t)gridDim.x * blockDim.x; }
 
+// Launch: grid (any), block (any multiple of 32): a grid-stride loop (see the header).
 extern "C" __global__ void fill_random_u32(unsigned* p, long long n, unsigned long long seed) {
     pdl_wait();
     pdl_launch_dependents();
     for (uint64_t i = fill_start(); i < (uint64_t)n; i += fill_stride()) p[i] = (unsigned)(fill_mix(seed, i) >> 32);
 }
 
+// Launch: grid (any), block (any multiple of 32): a grid-stride loop (see the header).
 extern "C" __global__ void fill_f16_uniform(__half* p, long long n, float lo, float hi, unsigned long long seed) {
     pdl_wait();
     pdl_launch_dependents();
@@ -41,6 +43,7 @@ extern "C" __global__ void fill_f16_uniform(__half* p, long long n, float lo, fl
         p[i] = __float2half_rn(lo + (hi - lo) * fill_unit(seed, i));
 }
 
+// Launch: grid (any), block (any multiple of 32): a grid-stride loop (see the header).
 extern "C" __global__ void fill_f32_uniform(float* p, long long n, float lo, float hi, unsigned long long seed) {
     pdl_wait();
     pdl_launch_dependents();
@@ -48,6 +51,7 @@ extern "C" __global__ void fill_f32_uniform(float* p, long long n, float lo, flo
 }
 
 // p[i] = (start(row) + i % k) % mod with row = i / k: k <= mod gives k distinct values per row.
+// Launch: grid (any), block (any multiple of 32): a grid-stride loop (see the header).
 extern "C" __global__ void fill_i32_rows(int* p, long long n, int k, int mod, unsigned long long seed) {
     pdl_wait();
     pdl_launch_dependents();
@@ -57,6 +61,7 @@ extern "C" __global__ void fill_i32_rows(int* p, long long n, int k, int mod, un
 
 // f16 fields (offset < 0: none) get scale * (0.5 + u / 2), u uniform in [0, 1); the e8m0 byte (offset < 0: none)
 // gets e8m0_lo + (hash % (e8m0_hi - e8m0_lo + 1)). Fields are written bytewise (blocks are not 2-byte aligned).
+// Launch: grid (any), block (any multiple of 32): a grid-stride loop (see the header).
 extern "C" __global__ void fix_block_fields(uint8_t* p, long long n_blocks, int block_bytes, int f16_a, int f16_b,
                                             float scale, int e8m0_at, int e8m0_lo, int e8m0_hi,
                                             unsigned long long seed) {

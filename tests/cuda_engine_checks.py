@@ -1,5 +1,5 @@
 """What the CUDA engine's end-to-end tests check, shared by the emulated CI tests (tests/test_cuda_engine.py) and
-the GPU ones (tests/gpu/test_cuda_engine.py): a model run against the reference on the same ids, prefill (every
+the GPU ones (tests/gpu/test_gpu_engine.py): a model run against the reference on the same ids, prefill (every
 position's logits) then teacher-forced decode, in the same numerics."""
 
 from __future__ import annotations
