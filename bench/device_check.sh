@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
-# Device check for the CUDA backend, on one GPU (sized for one H200: the step limits add up to under 9 minutes).
+# Device check for the CUDA backend, on one GPU (sized for one H200 in <= 10 minutes: every step's limit is also
+# capped by what is left of DS4PY_CHECK_BUDGET_S, default 570 s, so the whole script ends in time).
 #   bench/device_check.sh            results and logs go to $OUT (the device runner's folder) or /tmp/ds4py-device-check
-# Steps: set up deps -> compile every kernel for this GPU (ptxas report, JSON) -> every GPU test (tests/gpu: each
-# kernel vs its twin at emulator and real V4 Flash shapes, PDL / graph bit-identity; tests/test_cu_emu_gpu.py:
-# the emulator's own value tests on hardware) -> the CPU-side CUDA tests -> decode-kernel bandwidth at the real
-# shapes (bench/gemv_bandwidth.py) -> summary.json with every step's status and time.
-# Exit status: 0 only if every step passed.
+# Steps, most valuable first: set up deps -> compile every kernel for this GPU (ptxas report, JSON) -> every GPU
+# test (tests/gpu: each kernel vs its twin at emulator and real V4 Flash shapes, PDL / graph bit-identity, the
+# CUDA engine end to end on the tiny models vs the reference (engine_e2e.json) and a full-size synthetic step;
+# tests/test_cu_emu_gpu.py: the emulator's own value tests on hardware) -> synthetic 43-layer q2 decode,
+# graph + PDL / graph / direct (bench/cuda_decode.py: tokens/s, host us per step, launches, % of copy) ->
+# decode-kernel bandwidth at the real shapes (bench/gemv_bandwidth.py, bench/attn_moe_bandwidth.py) ->
+# compute-sanitizer memcheck + racecheck on a subset, where it is installed -> the CPU-side CUDA tests ->
+# summary.json with every step's status and time.
+# Exit status: 0 only if every step passed (a compute-sanitizer that is not installed is reported, not failed;
+# GPU tests skipped for want of a device are a failure).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 T0=$(date +%s)
@@ -16,7 +22,11 @@ PY="${PYTHON:-python3}"
 declare -A STATUS SECS
 STEPS=()
 
+BUDGET="${DS4PY_CHECK_BUDGET_S:-570}"
+export DS4PY_DEVICE_RESULTS="$RES"        # tests/gpu/test_cuda_engine.py writes engine_e2e.json here
 step() { echo; echo "== $1 ($(( $(date +%s) - T0 )) s)"; STEP_T0=$(date +%s); }
+# lim N: N seconds, or what is left of the budget (at least 1) if that is less
+lim() { local left=$(( BUDGET - ($(date +%s) - T0) )); [ "$left" -lt 1 ] && left=1; [ "$1" -lt "$left" ] && echo "$1" || echo "$left"; }
 done_step() { STATUS[$1]=$2; SECS[$1]=$(( $(date +%s) - STEP_T0 )); STEPS+=("$1"); }
 
 step "setup"
@@ -55,37 +65,58 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --f
 done_step setup 0
 
 step "build: NVRTC -> cubin for this GPU, ptxas report"
-timeout 120 $PY -m ds4py.cuda.compiler --json "$RES/ptxas.json" 2>&1 | tee "$RES/ptxas.txt"
+timeout "$(lim 90)" $PY -m ds4py.cuda.compiler --json "$RES/ptxas.json" 2>&1 | tee "$RES/ptxas.txt"
 done_step build "${PIPESTATUS[0]}"
 
 step "GPU tests (tests/gpu, and the emulator's value tests on the hardware: portable.cuh's PTX paths)"
-timeout 240 $PY -m pytest tests/gpu tests/test_cu_emu_gpu.py -q -rs -p no:cacheprovider --junitxml="$RES/gpu-tests.xml" 2>&1 \
+timeout "$(lim 210)" $PY -m pytest tests/gpu tests/test_cu_emu_gpu.py -q -rs -p no:cacheprovider --junitxml="$RES/gpu-tests.xml" 2>&1 \
   | tee "$RES/gpu-tests.txt"
 rc=${PIPESTATUS[0]}
 if grep -q "no CUDA device" "$RES/gpu-tests.txt"; then rc=skipped; fi
 done_step gpu_tests "$rc"
 
-step "CPU-side CUDA tests (NVRTC, signatures, twins, stand-in driver)"
-timeout 90 $PY -m pytest tests/test_cuda_compile.py tests/test_cuda_signature.py tests/test_cuda_twins.py \
-  tests/test_cuda_driverless.py -q -p no:cacheprovider 2>&1 | tail -5 | tee "$RES/cpu-tests.txt"
-done_step cpu_tests "${PIPESTATUS[0]}"
+step "synthetic 43-layer q2 decode: graph + PDL / graph / direct"
+timeout "$(lim 100)" $PY bench/cuda_decode.py --json "$RES/cuda_decode.json" 2>&1 | tee "$RES/cuda_decode.txt"
+done_step cuda_decode "${PIPESTATUS[0]}"
 
 step "decode-kernel bandwidth at the V4 Flash shapes"
-timeout 150 $PY bench/gemv_bandwidth.py --json "$RES/gemv_bandwidth.json" 2>&1 | tee "$RES/gemv_bandwidth.txt"
+timeout "$(lim 90)" $PY bench/gemv_bandwidth.py --json "$RES/gemv_bandwidth.json" 2>&1 | tee "$RES/gemv_bandwidth.txt"
 done_step bandwidth "${PIPESTATUS[0]}"
-step "attention / MoE kernels at V4 Flash shapes"; timeout 60 $PY bench/attn_moe_bandwidth.py --json "$RES/attn_moe_bandwidth.json" 2>&1 | tee "$RES/attn_moe_bandwidth.txt"; done_step attn_moe "${PIPESTATUS[0]}"
+step "attention / MoE kernels at V4 Flash shapes"; timeout "$(lim 45)" $PY bench/attn_moe_bandwidth.py --json "$RES/attn_moe_bandwidth.json" 2>&1 | tee "$RES/attn_moe_bandwidth.txt"; done_step attn_moe "${PIPESTATUS[0]}"
+
+step "compute-sanitizer memcheck + racecheck on a subset (the decode chain and the side-stream join)"
+SAN="$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)"
+if [ -z "$SAN" ]; then
+  echo "compute-sanitizer is not installed: skipped" | tee "$RES/sanitizer.txt"
+  done_step sanitizer not_installed
+else
+  rc=0
+  timeout "$(lim 30)" "$SAN" --tool memcheck --error-exitcode 99 $PY -m pytest tests/gpu/test_cuda_runtime.py \
+    -q -p no:cacheprovider -k "step_matches_twins or side_stream" >"$RES/sanitizer-memcheck.txt" 2>&1 || rc=$?
+  tail -3 "$RES/sanitizer-memcheck.txt"
+  timeout "$(lim 30)" "$SAN" --tool racecheck --error-exitcode 99 $PY -m pytest tests/gpu/test_cuda_runtime.py \
+    -q -p no:cacheprovider -k "step_matches_twins" >"$RES/sanitizer-racecheck.txt" 2>&1 || rc=$?
+  tail -3 "$RES/sanitizer-racecheck.txt"
+  done_step sanitizer "$rc"
+fi
+
+step "CPU-side CUDA tests (NVRTC, signatures, twins, stand-in driver)"
+timeout "$(lim 60)" $PY -m pytest tests/test_cuda_compile.py tests/test_cuda_signature.py tests/test_cuda_twins.py \
+  tests/test_cuda_driverless.py tests/test_cuda_engine_standin.py -q -p no:cacheprovider 2>&1 | tail -5 | tee "$RES/cpu-tests.txt"
+done_step cpu_tests "${PIPESTATUS[0]}"
 
 step "summary"
 grep -E "^(device|copy)" "$RES/gemv_bandwidth.txt" 2>/dev/null
 grep -E "best:|per call|chain" "$RES/gemv_bandwidth.txt" 2>/dev/null || true
+grep -E "tokens/s|synthetic" "$RES/cuda_decode.txt" 2>/dev/null || true
 tail -1 "$RES/gpu-tests.txt" 2>/dev/null
 rc=0
 json="{"
 for k in "${STEPS[@]}"; do
-  printf '%-10s %-14s %4s s\n' "$k" "$([ "${STATUS[$k]}" = 0 ] && echo ok || echo "FAILED (${STATUS[$k]})")" "${SECS[$k]}"
-  [ "${STATUS[$k]}" = 0 ] || rc=1
+  case "${STATUS[$k]}" in 0) word=ok ;; not_installed) word="not installed" ;; *) word="FAILED (${STATUS[$k]})"; rc=1 ;; esac
+  printf '%-11s %-14s %4s s\n' "$k" "$word" "${SECS[$k]}"
   json="$json\"$k\": {\"status\": \"${STATUS[$k]}\", \"seconds\": ${SECS[$k]}}, "
 done
 echo "${json}\"total_seconds\": $(( $(date +%s) - T0 ))}" > "$RES/summary.json"
-echo "total $(( $(date +%s) - T0 )) s; logs and JSON (summary, versions, ptxas, gemv_bandwidth) in $RES"
+echo "total $(( $(date +%s) - T0 )) s; logs and JSON (summary, versions, ptxas, engine_e2e, cuda_decode, gemv_bandwidth, attn_moe_bandwidth) in $RES"
 exit $rc

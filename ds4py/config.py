@@ -19,7 +19,10 @@ from gguf import GGMLQuantizationType as Q
 from ds4py.errors import ConfigError, GGUFError
 from ds4py.quant import BLOCK as QUANT_BLOCK
 
-ARCH = "deepseek4"
+ARCH = "deepseek4"                       # V4 Flash GGUFs (the ds4 layout)
+ARCH_V41 = "deepseek41"                  # V4.1 Flash GGUFs (docs/v41.md)
+VARIANTS = {ARCH: "v4", ARCH_V41: "v41"}  # general.architecture -> ModelConfig.variant
+ARCH_OF = {v: a for a, v in VARIANTS.items()}
 
 # Types a weight matrix may be stored in: whatever ds4py.quant decodes (ds4 files use F16/Q8_0/IQ2_XXS/Q2_K/Q4_K;
 # our converter adds MXFP4/F32).
@@ -41,6 +44,18 @@ V4_FLASH: dict[str, Any] = dict(
     expert_ff=2048, n_shared_experts=1, route_scale=1.5, route_norm=True, hash_layers=3, hc_mult=4,
     sinkhorn_iters=20, hc_eps=1e-6, bos_id=0, eos_id=1)
 
+# V4.1 Flash's sizes (MODEL.md §1, §3; the official inference/config.json)
+V41_FLASH: dict[str, Any] = dict(
+    variant="v41", head_dim=512, rope_dim=64, q_lora_rank=1280, o_lora_rank=1024, o_groups=8, window=128,
+    norm_eps=1e-20, rope_base=10000.0, compress_rope_base=160000.0, rope_factor=16.0, rope_orig_ctx=65536,
+    beta_fast=32.0, beta_slow=1.0, index_heads=32, index_head_dim=128, index_topk=512, n_experts=384,
+    n_experts_used=6, expert_ff=2304, n_shared_experts=1, route_scale=1.5, route_norm=True, hash_layers=0, hc_mult=4,
+    sinkhorn_iters=20, hc_eps=1e-6, bos_id=0, eos_id=1, kv_source_layers=(2, 8, 14, 20),
+    index_source_layers=(2, 8, 14, 20, 24, 28, 32, 36), candidate_source_layer=20, candidate_topk_blocks=2048,
+    candidate_block_size=8, gate_temp=1.0, engram_layers=(1, 14), engram_rows=(384006168, 384016682),
+    engram_max_ngram=4, engram_heads=8, engram_head_dim=256, engram_bucket_base=16000000, engram_pad_id=2,
+    engram_compressed_vocab=99092)
+
 
 @dataclass(frozen=True)
 class LayerRoles:
@@ -55,6 +70,13 @@ class LayerRoles:
     index_ratio: int
     index_overlap: int
     hash_routing: bool           # experts from tid2eid[token] instead of biased top-k
+    gated: bool = True           # the compressor pools its group through a softmax gate (ratio > 1)
+    index_source: int = -1       # whose indexer top-k this layer's compressed attention uses (-1: all rows)
+    index_keys: int = -1         # whose idx_keys rows the indexer scores (-1: no indexer)
+    owns_index_keys: bool = False  # the layer computes (and its state holds) indexer keys
+    candidate_source: bool = False  # the indexer publishes candidate blocks (V4.1)
+    uses_candidates: bool = False   # the indexer scores only inside the candidate blocks (V4.1)
+    engram: int = -1             # index of the Engram applied before this block (-1: none)
 
 
 # The JSON-like kind of every `deepseek4.*` value read (GGUF stores a type per value; a file with a string where
@@ -73,6 +95,17 @@ META_KINDS = {
     "expert_weights_scale": "float", "expert_weights_norm": "bool", "hash_layer_count": "int",
     "swiglu_clamp_exp": "floats", "hyper_connection.count": "int", "hyper_connection.sinkhorn_iterations": "int",
     "hyper_connection.epsilon": "float",
+}
+# V4.1 (prefix `deepseek41.`): the keys above (hash_layer_count absent) plus the cross-layer sharing, the
+# candidate blocks, the gate temperature and Engram (docs/v41.md)
+META_KINDS_V41 = {
+    **{k: v for k, v in META_KINDS.items() if k != "hash_layer_count"},
+    "attention.kv_source_layers": "ints", "attention.indexer.source_layers": "ints",
+    "attention.indexer.candidate_source_layer": "int", "attention.indexer.candidate_top_k": "int",
+    "attention.indexer.candidate_block_size": "int", "expert_gating_temperature": "float",
+    "engram.layer_ids": "ints", "engram.table_rows": "ints", "engram.max_ngram_size": "int",
+    "engram.head_count": "int", "engram.key_length": "int", "engram.bucket_base": "int",
+    "engram.pad_token_id": "int", "engram.compressed_vocab_size": "int",
 }
 _KIND_NAMES = {"int": "an integer", "float": "a number", "bool": "a boolean", "ints": "an array of integers",
                "floats": "an array of numbers"}
@@ -98,9 +131,9 @@ def _describe(v: Any) -> str:
     return f"{kind} ({text[:40] + '...' if len(text) > 40 else text})"
 
 
-def check_metadata_types(f) -> None:
-    """ConfigError naming the first `deepseek4.*` (or token id) metadata value of the wrong type."""
-    keys = {f"{ARCH}.{k}": kind for k, kind in META_KINDS.items()}
+def check_metadata_types(f, arch: str = ARCH) -> None:
+    """ConfigError naming the first `deepseek4.*` / `deepseek41.*` (or token id) metadata value of the wrong type."""
+    keys = {f"{arch}.{k}": kind for k, kind in (META_KINDS_V41 if arch == ARCH_V41 else META_KINDS).items()}
     keys.update({"tokenizer.ggml.bos_token_id": "int", "tokenizer.ggml.eos_token_id": "int"})
     for key, kind in keys.items():
         v = f.meta(key, None)
@@ -161,6 +194,22 @@ class ModelConfig:
     hc_eps: float
     bos_id: int = 0
     eos_id: int = 1
+    # ---- V4.1 Flash (MODEL.md §3); V4 leaves the defaults ---------------------------------------------
+    variant: str = "v4"                          # "v4" | "v41" (the GGUF's general.architecture)
+    kv_source_layers: tuple[int, ...] = ()       # the layers that compute compressed KV (V4.1)
+    index_source_layers: tuple[int, ...] = ()    # the layers that run an indexer (V4.1)
+    candidate_source_layer: int = -1             # its indexer publishes candidate blocks (-1: none)
+    candidate_topk_blocks: int = 0
+    candidate_block_size: int = 0
+    gate_temp: float = 1.0                       # router logits are divided by it
+    engram_layers: tuple[int, ...] = ()          # Engram runs before these blocks
+    engram_rows: tuple[int, ...] = ()            # table rows per Engram layer
+    engram_max_ngram: int = 0                    # n-grams of 2..max_ngram tokens
+    engram_heads: int = 0                        # hash heads per n-gram size
+    engram_head_dim: int = 0                     # one table row
+    engram_bucket_base: int = 0                  # the official engram_vocab_size: bucket primes start above it
+    engram_pad_id: int = 2                       # the token whose compressed id fills missing history
+    engram_compressed_vocab: int = 0             # size of the compressed token map (checked against the vocab)
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     # ---- derived sizes (the names the weight schema and the state layout use) -------------------------
@@ -196,12 +245,34 @@ class ModelConfig:
     def shared_ff(self) -> int:
         return self.expert_ff * self.n_shared_experts
 
-    # ---- variant predicates: the only code that knows what a ratio means -----------------------------
-    # The forward, the weight schema and the KV state layout ask these; none of them compares ratios.
-    # V4 Flash (MODEL.md §2.3): ratio 4 layers have an overlapping compressor and an indexer whose own
-    # compressor has the same ratio and overlap; ratio 128 layers a plain compressor; every compressed
-    # layer owns its rows. V4.1 (§3: ratios 2 and 1, no overlap, kv / index source layers) changes the
-    # answers here, not the callers.
+    @property
+    def is_v41(self) -> bool:
+        return self.variant == "v41"
+
+    @property
+    def arch(self) -> str:
+        """The GGUF `general.architecture` (and metadata prefix) of this variant."""
+        return ARCH_OF[self.variant]
+
+    @property
+    def engram_cols(self) -> int:            # table rows one position reads per Engram layer
+        return max(self.engram_max_ngram - 1, 0) * self.engram_heads
+
+    @property
+    def engram_in_dim(self) -> int:          # the flattened rows Engram's wkv reads
+        return self.engram_cols * self.engram_head_dim
+
+    @property
+    def engram_kv_dim(self) -> int:          # one key per hc copy plus a shared value
+        return (self.hc_mult + 1) * self.dim
+
+    # ---- variant predicates: the only code that knows what a ratio or a variant means --------------------
+    # The forward, the weight schema and the KV state layout ask these; none of them compares ratios or
+    # variants. V4 Flash (MODEL.md §2.3): ratio 4 layers have an overlapping compressor and an indexer whose own
+    # compressor has the same ratio and overlap; ratio 128 layers a plain compressor and attend to every row;
+    # every compressed layer owns its rows. V4.1 (§3): ratios 2 and 1 without overlap or ape (ratio 1 without a
+    # gate); only kv source layers compress, the others read the latest source's rows; only index sources run
+    # an indexer, the others reuse the latest source's top-k; indexer keys come from the kv source's latent.
     def ratio(self, layer: int) -> int:
         return self.compress_ratios[layer]
 
@@ -210,31 +281,85 @@ class ModelConfig:
         return self.compress_ratios[layer] > 0
 
     def kv_source(self, layer: int) -> int:
-        """The layer whose compressed rows this layer attends to (V4: its own)."""
-        return layer
+        """The layer whose compressed rows this layer attends to (V4: its own; V4.1: the latest kv source at
+        or below it; -1 for a window-only layer)."""
+        if not self.is_compressed(layer):
+            return -1
+        return _latest(self.kv_source_layers, layer) if self.is_v41 else layer
 
     def has_compressor(self, layer: int) -> bool:
         """The layer computes (and its state holds) compressed rows."""
         return self.is_compressed(layer) and self.kv_source(layer) == layer
 
+    def has_compressor_gate(self, layer: int) -> bool:
+        """The compressor pools its group through a softmax gate (every ratio above 1)."""
+        return self.has_compressor(layer) and self.compress_ratios[layer] > 1
+
+    def has_compressor_ape(self, layer: int) -> bool:
+        """The gate adds a learned per-slot bias (V4 only)."""
+        return self.has_compressor(layer) and not self.is_v41
+
     def compress_overlap(self, layer: int) -> int:
         """1 when group g also pools group g-1's tokens (through the first half of a 2x-wide compressor)."""
-        return int(self.compress_ratios[layer] == V4_OVERLAP_RATIO)
+        return int(self.compress_ratios[layer] == V4_OVERLAP_RATIO and not self.is_v41)
 
     def comp_width(self, layer: int) -> int:
         return (1 + self.compress_overlap(layer)) * self.head_dim
 
     def has_indexer(self, layer: int) -> bool:
+        """The layer runs an indexer (scores compressed rows, keeps the top-k)."""
+        if self.is_v41:
+            return self.is_compressed(layer) and layer in self.index_source_layers
         return self.compress_ratios[layer] == V4_INDEXER_RATIO
+
+    def index_source(self, layer: int) -> int:
+        """The layer whose top-k this layer's compressed attention uses (V4: itself on indexer layers, -1 on
+        ratio-128 layers, which attend to every visible row; V4.1: the latest index source at or below it)."""
+        if not self.is_compressed(layer):
+            return -1
+        if self.is_v41:
+            return _latest(self.index_source_layers, layer)
+        return layer if self.has_indexer(layer) else -1
+
+    def has_index_compressor(self, layer: int) -> bool:
+        """The indexer keys come from the indexer's own compressor (V4)."""
+        return self.has_indexer(layer) and not self.is_v41
+
+    def owns_index_keys(self, layer: int) -> bool:
+        """The layer computes (and its state holds) indexer keys: V4 every indexer layer; V4.1 the indexer
+        layers that are kv sources (keys from the compressor's latent)."""
+        if self.is_v41:
+            return self.has_indexer(layer) and self.has_compressor(layer)
+        return self.has_indexer(layer)
+
+    def has_index_key_proj(self, layer: int) -> bool:
+        """wk + k_norm turn the compressed latent into indexer keys (V4.1 key owners)."""
+        return self.is_v41 and self.owns_index_keys(layer)
+
+    def index_keys(self, layer: int) -> int:
+        """The layer whose idx_keys this layer's indexer scores (-1: no indexer)."""
+        if not self.has_indexer(layer):
+            return -1
+        return self.kv_source(layer) if self.is_v41 else layer
 
     def index_ratio(self, layer: int) -> int:
         return self.compress_ratios[layer]
 
     def index_overlap(self, layer: int) -> int:
-        return 1
+        return 0 if self.is_v41 else 1
 
     def index_comp_width(self, layer: int) -> int:
         return (1 + self.index_overlap(layer)) * self.index_head_dim
+
+    def is_candidate_source(self, layer: int) -> bool:
+        return self.is_v41 and layer == self.candidate_source_layer and self.has_indexer(layer)
+
+    def uses_candidates(self, layer: int) -> bool:
+        """The indexer masks its scores to the candidate source's blocks (every indexer after it)."""
+        return self.is_v41 and 0 <= self.candidate_source_layer < layer and self.has_indexer(layer)
+
+    def is_engram_layer(self, layer: int) -> bool:
+        return layer in self.engram_layers
 
     def is_hash_layer(self, layer: int) -> bool:
         return layer < self.hash_layers
@@ -242,6 +367,43 @@ class ModelConfig:
     def has_route_bias(self, layer: int) -> bool:
         """Biased top-k routing (the bias picks experts, never weighs them); hash layers use tid2eid."""
         return not self.is_hash_layer(layer)
+
+    # ---- variant-wide numerics (MODEL.md §2 vs §3) ---------------------------------------------------------
+    @property
+    def lagged_hc(self) -> bool:
+        """V4.1: each sub-layer collapses the copies with the pre-mix the previous one computed (layer 0:
+        one-hot); the head collapses with the last FFN's; no hc_head tensors."""
+        return self.is_v41
+
+    @property
+    def has_hc_head(self) -> bool:
+        return not self.lagged_hc
+
+    @property
+    def q_head_norm(self) -> bool:
+        """Per-head RMS normalisation of the queries (V4 only)."""
+        return not self.is_v41
+
+    @property
+    def kv_fp8(self) -> tuple[int, int]:
+        """(leading dims, block) of the window KV's FP8 fake-quant: V4 the non-rope dims in blocks of 64,
+        V4.1 the whole row in blocks of 32."""
+        return (self.head_dim, 32) if self.is_v41 else (self.nope_dim, 64)
+
+    @property
+    def index_hadamard(self) -> bool:
+        """Indexer queries and keys are Hadamard-rotated before their FP4 fake-quant (V4 only)."""
+        return not self.is_v41
+
+    @property
+    def route_norm_eps(self) -> float:
+        """Added to the routing weights' sum before normalising (V4.1: 1e-20; V4: none)."""
+        return 1e-20 if self.is_v41 else 0.0
+
+    @property
+    def route_normalises(self) -> bool:
+        """The routing weights are normalised to sum 1 (V4.1 skips it for a single expert)."""
+        return self.route_norm and (self.n_experts_used > 1 or not self.is_v41)
 
     def roles(self, layer: int) -> "LayerRoles":
         return self._roles[layer]
@@ -253,16 +415,32 @@ class ModelConfig:
             compressor=self.has_compressor(il), overlap=self.compress_overlap(il), indexer=self.has_indexer(il),
             index_ratio=self.index_ratio(il) if self.has_indexer(il) else 0,
             index_overlap=self.index_overlap(il) if self.has_indexer(il) else 0,
-            hash_routing=self.is_hash_layer(il)) for il in range(self.n_layers))
+            hash_routing=self.is_hash_layer(il), gated=self.ratio(il) > 1, index_source=self.index_source(il),
+            index_keys=self.index_keys(il), owns_index_keys=self.owns_index_keys(il),
+            candidate_source=self.is_candidate_source(il), uses_candidates=self.uses_candidates(il),
+            engram=self.engram_layers.index(il) if il in self.engram_layers else -1)
+            for il in range(self.n_layers))
 
     @classmethod
     def v4_flash(cls, **fields: Any) -> "ModelConfig":
         """V4 Flash's values (MODEL.md §1) for every field not given: the converter (official config.json)
         and make-tiny (small shapes) build their configs here, so one set of names serves every size."""
+        return cls._with_defaults(V4_FLASH, fields)
+
+    @classmethod
+    def v41_flash(cls, **fields: Any) -> "ModelConfig":
+        """V4.1 Flash's values (MODEL.md §1, §3) for every field not given (the V4.1 converter's config)."""
+        for name in ("kv_source_layers", "index_source_layers", "engram_layers", "engram_rows"):
+            if name in fields:
+                fields[name] = tuple(int(v) for v in fields[name])
+        return cls._with_defaults(V41_FLASH, fields)
+
+    @classmethod
+    def _with_defaults(cls, defaults: dict[str, Any], fields: dict[str, Any]) -> "ModelConfig":
         unknown = set(fields) - {f.name for f in dataclass_fields(cls)} | ({"extra"} & set(fields))
         if unknown:
             raise ConfigError(f"unknown config field(s): {', '.join(sorted(unknown))}")
-        args = {**V4_FLASH, **fields}
+        args = {**defaults, **fields}
         n = args["n_layers"]
         args.setdefault("context_length", int(args["rope_orig_ctx"] * args["rope_factor"]))
         args.setdefault("swiglu_clamp", (10.0,) * n)
@@ -274,16 +452,19 @@ class ModelConfig:
     @classmethod
     def from_gguf(cls, f, validate: bool = True) -> "ModelConfig":
         arch = f.meta("general.architecture", None)
-        if arch is not None and arch != ARCH:
-            raise ConfigError(f"{f.path}: architecture is {arch!r}, expected {ARCH!r} (DeepSeek V4 Flash)")
+        if arch is None:
+            arch = ARCH
+        if arch not in VARIANTS:
+            raise ConfigError(f"{f.path}: architecture is {arch!r}, expected {ARCH!r} (DeepSeek V4 Flash) or "
+                              f"{ARCH_V41!r} (DeepSeek V4.1 Flash)")
 
         def m(key: str, default: Any = ...) -> Any:
             try:
-                return f.meta(f"{ARCH}.{key}", default)
+                return f.meta(f"{arch}.{key}", default)
             except GGUFError as e:
-                raise ConfigError(f"{f.path}: metadata key '{ARCH}.{key}' is missing") from e
+                raise ConfigError(f"{f.path}: metadata key '{arch}.{key}' is missing") from e
 
-        check_metadata_types(f)
+        check_metadata_types(f, arch)
 
         n_layers = int(m("block_count"))
         ratios = tuple(int(r) for r in m("attention.compress_ratios"))
@@ -319,7 +500,7 @@ class ModelConfig:
             n_shared_experts=int(m("expert_shared_count")),
             route_scale=float(m("expert_weights_scale")),
             route_norm=bool(m("expert_weights_norm", True)),
-            hash_layers=int(m("hash_layer_count", 0)),
+            hash_layers=int(m("hash_layer_count", 0)) if arch == ARCH else 0,
             swiglu_clamp=clamp,
             hc_mult=int(m("hyper_connection.count")),
             sinkhorn_iters=int(m("hyper_connection.sinkhorn_iterations")),
@@ -328,6 +509,7 @@ class ModelConfig:
             eos_id=int(f.meta("tokenizer.ggml.eos_token_id", 1)),
             extra={"head_count_kv": int(m("attention.head_count_kv", 1)),
                    "value_length": int(m("attention.value_length", head_dim))},
+            **(_v41_fields(m) if arch == ARCH_V41 else {}),
         )
         cfg.check_metadata(f.path)
         if validate:
@@ -350,6 +532,8 @@ class ModelConfig:
                 bad(f"{name.replace('_', ' ')} is {v}, outside the plausible range {lo}..{hi} (corrupt metadata?)")
         for name, (lo, hi) in FLOAT_LIMITS.items():
             v = getattr(self, name)
+            if name == "norm_eps" and self.is_v41:
+                lo = 1e-30                       # V4.1 uses 1e-20 everywhere
             if not (math.isfinite(v) and lo <= v <= hi):
                 bad(f"{name.replace('_', ' ')} is {v}, outside the plausible range {lo:g}..{hi:g} (corrupt metadata?)")
         if not all(math.isfinite(c) and 0 < c <= 1e4 for c in self.swiglu_clamp):
@@ -365,14 +549,21 @@ class ModelConfig:
             bad("attention.value_length differs from key_length (V4 uses one vector as K and V)")
         if len(self.compress_ratios) != self.n_layers:
             bad(f"attention.compress_ratios has {len(self.compress_ratios)} entries for {self.n_layers} layers")
-        if any(r not in (0, 4, 128) for r in self.compress_ratios):
+        if self.variant not in ARCH_OF:
+            bad(f"variant {self.variant!r} is not one of {', '.join(ARCH_OF)}")
+        if self.is_v41:
+            if any(not 0 <= r <= 1 << 16 for r in self.compress_ratios):
+                bad(f"attention.compress_ratios {list(self.compress_ratios)} has a ratio outside 0..65536")
+        elif any(r not in (0, 4, 128) for r in self.compress_ratios):
             bad(f"attention.compress_ratios {list(self.compress_ratios)} has a ratio other than 0, 4, 128")
         if len(self.swiglu_clamp) != self.n_layers:
             bad(f"swiglu_clamp_exp has {len(self.swiglu_clamp)} entries for {self.n_layers} layers")
         if self.rope_dim % 2 or not 0 < self.rope_dim <= self.head_dim:
             bad(f"rope.dimension_count {self.rope_dim} must be even and at most key_length {self.head_dim}")
-        if self.nope_dim % 64:
-            bad(f"key_length - rope dims = {self.nope_dim} is not a multiple of the FP8 block (64)")
+        fp8_dims, fp8_block = self.kv_fp8
+        if fp8_dims % fp8_block:
+            what = "key_length" if self.is_v41 else "key_length - rope dims"
+            bad(f"{what} = {fp8_dims} is not a multiple of the FP8 block ({fp8_block})")
         if (self.n_heads * self.head_dim) % self.o_groups:
             bad(f"{self.n_heads} heads x {self.head_dim} do not split into {self.o_groups} output groups")
         if self.n_shared_experts != 1:
@@ -381,12 +572,66 @@ class ModelConfig:
             bad(f"expert_used_count {self.n_experts_used} is not within 1..expert_count {self.n_experts}")
         if self.hash_layers > self.n_layers:
             bad(f"hash_layer_count {self.hash_layers} exceeds block_count {self.n_layers}")
-        if 4 in self.compress_ratios:
+        if any(self.has_indexer(il) for il in range(self.n_layers)):
             ihd = self.index_head_dim
-            if ihd & (ihd - 1) or ihd % 32 or ihd < self.rope_dim:
-                bad(f"indexer key_length {ihd} must be a power of two, a multiple of 32 and >= the rope dims")
+            if (self.index_hadamard and ihd & (ihd - 1)) or ihd % 32 or ihd < self.rope_dim:
+                bad(f"indexer key_length {ihd} must be {'a power of two, ' if self.index_hadamard else ''}a "
+                    f"multiple of 32 and >= the rope dims")
         if self.window <= 0:
             bad(f"attention.sliding_window is {self.window}")
+        if self.is_v41:
+            self._check_v41(bad)
+
+    def _check_v41(self, bad) -> None:
+        """The V4.1 layer map (MODEL.md §3): every compressed layer reads rows of a kv source and top-k of an index
+        source at or below it, with its own ratio; every kv source indexes (its latent gives the indexer keys);
+        the candidate source is an index source and the indexers after it share its ratio; Engram's layers,
+        hashing and table sizes fit. The official code would read another layer's stale buffers otherwise."""
+        n, compressed = self.n_layers, [il for il in range(self.n_layers) if self.is_compressed(il)]
+        for name in ("kv_source_layers", "index_source_layers", "engram_layers"):
+            v = getattr(self, name)
+            if len(set(v)) != len(v) or any(not 0 <= x < n for x in v):
+                bad(f"{name} {list(v)} must be distinct layers below block_count {n}")
+        for name in ("kv_source_layers", "index_source_layers"):
+            if any(not self.is_compressed(x) for x in getattr(self, name)):
+                bad(f"{name} {list(getattr(self, name))} names a layer without compression (ratio 0)")
+        if self.head_dim % 16:
+            bad(f"key_length {self.head_dim} is not a multiple of the compressed rows' FP4 block (16)")
+        for il in compressed:
+            kv, ix = self.kv_source(il), self.index_source(il)
+            if kv < 0 or ix < 0:
+                bad(f"compressed layer {il} has no {'kv' if kv < 0 else 'index'} source layer at or below it")
+            if self.ratio(kv) != self.ratio(il) or self.ratio(ix) != self.ratio(il):
+                bad(f"layer {il} (ratio {self.ratio(il)}) reads rows or top-k of a layer with another ratio")
+        for kv in self.kv_source_layers:
+            if kv not in self.index_source_layers:
+                bad(f"kv source layer {kv} is not an index source (its latent gives the indexer keys)")
+        c = self.candidate_source_layer
+        if c >= 0:
+            if c >= n or c not in self.index_source_layers:
+                bad(f"candidate_source_layer {c} is not an index source layer")
+            if self.candidate_topk_blocks < 1 or self.candidate_block_size < 1:
+                bad(f"candidate blocks {self.candidate_topk_blocks} x {self.candidate_block_size} must be positive")
+            if any(self.ratio(il) != self.ratio(c) for il in self.index_source_layers if il > c):
+                bad(f"an index source after the candidate source {c} has another ratio")
+        elif c != -1:
+            bad(f"candidate_source_layer is {c} (a layer, or -1 for none)")
+        if not 0 < self.gate_temp <= 1e6:
+            bad(f"expert_gating_temperature {self.gate_temp} must be a positive number")
+        if self.engram_layers:
+            e = self
+            if len(e.engram_rows) != len(e.engram_layers):
+                bad(f"engram.table_rows has {len(e.engram_rows)} entries for {len(e.engram_layers)} Engram layers")
+            if not (2 <= e.engram_max_ngram <= 16 and 1 <= e.engram_heads <= 1024 and 32 <= e.engram_head_dim <= 1 << 14
+                    and e.engram_head_dim % 32 == 0):
+                bad(f"Engram n-gram size {e.engram_max_ngram}, heads {e.engram_heads}, row width {e.engram_head_dim} "
+                    f"are out of range (2..16, 1..1024, a multiple of 32)")
+            if not (1 <= e.engram_compressed_vocab <= self.vocab_size and 0 <= e.engram_pad_id < self.vocab_size
+                    and 1 <= e.engram_bucket_base < 1 << 40):
+                bad(f"Engram compressed vocab {e.engram_compressed_vocab}, pad id {e.engram_pad_id} or bucket base "
+                    f"{e.engram_bucket_base} is out of range")
+            if any(not 1 <= r < 1 << 40 for r in e.engram_rows):
+                bad(f"engram.table_rows {list(e.engram_rows)} are out of range")
 
     def expected_tensors(self) -> dict[str, tuple[tuple[int, ...], tuple]]:
         """Every tensor the forward reads: name -> (numpy-order shape, allowed types), from ds4py.schema."""
@@ -403,3 +648,30 @@ class ModelConfig:
                 vq.check_expert(f, name, shape)
             else:
                 f.tensor(name, types=types, shape=shape)
+
+
+def _latest(layers: tuple[int, ...], layer: int) -> int:
+    """The largest entry of `layers` at or below `layer` (-1 when there is none)."""
+    return max((x for x in layers if x <= layer), default=-1)
+
+
+def _v41_fields(m) -> dict[str, Any]:
+    """The V4.1 fields from `deepseek41.*` metadata (m: the from_gguf reader)."""
+    ints = lambda key: tuple(int(v) for v in m(key))      # noqa: E731
+    return dict(
+        variant="v41",
+        kv_source_layers=ints("attention.kv_source_layers"),
+        index_source_layers=ints("attention.indexer.source_layers"),
+        candidate_source_layer=int(m("attention.indexer.candidate_source_layer", -1)),
+        candidate_topk_blocks=int(m("attention.indexer.candidate_top_k", 0)),
+        candidate_block_size=int(m("attention.indexer.candidate_block_size", 0)),
+        gate_temp=float(m("expert_gating_temperature", 1.0)),
+        engram_layers=tuple(int(v) for v in m("engram.layer_ids", [])),
+        engram_rows=tuple(int(v) for v in m("engram.table_rows", [])),
+        engram_max_ngram=int(m("engram.max_ngram_size", 0)),
+        engram_heads=int(m("engram.head_count", 0)),
+        engram_head_dim=int(m("engram.key_length", 0)),
+        engram_bucket_base=int(m("engram.bucket_base", 0)),
+        engram_pad_id=int(m("engram.pad_token_id", 2)),
+        engram_compressed_vocab=int(m("engram.compressed_vocab_size", 0)),
+    )

@@ -65,16 +65,14 @@ CONFIG_ALIASES = {
     "sliding_window": "window_size", "qk_rope_head_dim": "rope_head_dim", "num_hash_layers": "n_hash_layers",
     "index_topk": "index_topk", "o_lora_rank": "o_lora_rank",
 }
-V41_KEYS = ("kv_source_layers", "index_source_layers", "engram_layers", "candidate_source_layer", "dspark_stages",
-            "n_dspark_layers", "engram")
 
 
 def check_shape(s: ModelConfig) -> None:
     """What the converter (and make-tiny) refuse before writing anything."""
     bad = sorted({r for r in s.compress_ratios if r not in (0, 4, 128)})
     if bad:
-        raise ConvertError(f"config: compress ratios {bad} are not V4 Flash ratios (0, 4, 128); "
-                           "V4.1 checkpoints are not supported")
+        raise ConvertError(f"config: compress ratios {bad} are not V4 Flash ratios (0, 4, 128), and the config "
+                           "has none of V4.1's source layers")
     if s.n_heads % s.o_groups:
         raise ConvertError(f"config: n_heads {s.n_heads} is not a multiple of o_groups {s.o_groups}")
 
@@ -122,9 +120,10 @@ def shape_from_config(cfg: dict[str, Any]) -> ModelConfig:
     """An official config.json -> the ModelConfig the GGUF will describe (V4 Flash defaults for absent keys)."""
     if not isinstance(cfg, dict):
         raise ConvertError(f"config.json must be a JSON object, not {type(cfg).__name__}")
-    for k in V41_KEYS:
-        if k in cfg:
-            raise ConvertError(f"config.json has {k!r}: this is a V4.1 checkpoint, which is not supported (V4 Flash only)")
+    from ds4py import convert_v41
+
+    if convert_v41.is_v41_config(cfg):                      # V4.1 Flash (docs/v41.md)
+        return convert_v41.shape_from_config(cfg)
     c = {CONFIG_ALIASES.get(k, k): v for k, v in cfg.items()}
     rs = c.get("rope_scaling") or {}
     if not isinstance(rs, dict):
@@ -269,6 +268,7 @@ class Checkpoint:
             files = sorted(f for f in os.listdir(src) if f.endswith(".safetensors"))
             if not files:
                 raise ConvertError(f"{src}: no *.safetensors files and no model.safetensors.index.json")
+        self.fp8_block: int | None = None   # the dense FP8 tile the converter requires: 128 (V4) / 32 (V4.1)
         self.entries: dict[str, tuple[str, str, tuple[int, ...], int, int]] = {}
         for fname in files:
             path = os.path.join(src, fname)
@@ -332,10 +332,14 @@ class Checkpoint:
         sname = scale_name(name)
         if dt == "F8_E4M3":
             s = self.e8m0(sname)
-            b = official.fp8_block_size(x.shape, s.shape, prefer=(128,))
-            if b != 128:
-                raise ConvertError(f"{self.src}: {name!r} uses {b}x{b} FP8 tiles; V4 Flash uses 128x128 "
-                                   "(V4.1 checkpoints are not supported)")
+            want = self.fp8_block
+            try:
+                b = official.fp8_block_size(x.shape, s.shape, prefer=(want or 128,))
+            except ValueError as e:
+                raise ConvertError(f"{self.src}: {name!r}: {e}") from None
+            if want is not None and b != want:
+                raise ConvertError(f"{self.src}: {name!r} uses {b}x{b} FP8 tiles; this config "
+                                   f"({'V4.1' if want == 32 else 'V4'} Flash) uses {want}x{want}")
             return official.dequant_fp8(x[r0:r1], s[r0 // b: -(-r1 // b)], b)
         if dt in ("I8", "U8") and sname in self:     # routed expert: packed e2m1 pairs + e8m0 per 32
             return official.dequant_fp4(x[r0:r1], self.e8m0(sname)[r0:r1])
@@ -402,13 +406,14 @@ class OutTensor:
 
 
 def write_gguf(out: str, name: str, meta: list[tuple[str, str, Any]], tok: Tokenizer | None,
-               tensors: list[OutTensor], progress: bool = True, after_tensor: Callable[[], None] | None = None) -> None:
+               tensors: list[OutTensor], progress: bool = True, after_tensor: Callable[[], None] | None = None,
+               arch: str = ARCH) -> None:
     """Write a GGUF to `out` via a temporary file; tensors are built one at a time by `make()` and dropped
     once written (`after_tensor` runs after each one)."""
     import gguf
 
     out, tmp = output_paths(out)
-    w = gguf.GGUFWriter(tmp, ARCH)
+    w = gguf.GGUFWriter(tmp, arch)
     restore_sigterm = _sigterm_raises()
     try:
         w.add_name(name)
@@ -419,6 +424,12 @@ def write_gguf(out: str, name: str, meta: list[tuple[str, str, Any]], tok: Token
                 w.add_float32(key, float(val))
             elif typ == "bool":
                 w.add_bool(key, bool(val))
+            elif typ == "i32":
+                w.add_int32(key, int(val))
+            elif typ == "str":
+                w.add_string(key, str(val))
+            elif typ == "str[]":
+                w.add_array(key, [str(v) for v in val])
             elif typ == "i32[]":
                 w.add_key_value(key, [int(v) for v in val], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32)
             elif typ == "f32[]":
@@ -651,8 +662,9 @@ def convert_checkpoint(src: str, out: str, experts: str = "mxfp4", dense: str = 
         raise ConvertError(f"{src}: config.json is missing")
     shape = shape_from_config(_read_json(cfg_path, "config.json"))
     ck = Checkpoint(src)
-    if any(".engram." in n or n.startswith("dspark") for n in ck.entries):
-        raise ConvertError(f"{src}: Engram / DSpark tensors found: this is a V4.1 checkpoint, which is not supported")
+    ck.fp8_block = 32 if shape.is_v41 else 128
+    if not shape.is_v41 and any(".engram." in n or n.startswith("dspark") for n in ck.entries):
+        raise ConvertError(f"{src}: Engram / DSpark tensors found, but config.json has none of V4.1's source layers")
     tok_path = tokenizer or os.path.join(src, "tokenizer.json")
     tok = None
     if tokenizer or os.path.isfile(tok_path):
@@ -665,12 +677,20 @@ def convert_checkpoint(src: str, out: str, experts: str = "mxfp4", dense: str = 
     used = {n for sp in ds4_layout(shape) for n in (sp.src if isinstance(sp.src, list) else [sp.src])}
     used |= {scale_name(n) for n in used if n.endswith(".weight")}
     skipped = [n for n in ck.entries if n not in used]
-    mtp = [n for n in skipped if n.startswith("mtp.")]
-    other = [n for n in skipped if not n.startswith("mtp.")]
+    meta = gguf_metadata(shape)
+    if shape.is_v41:
+        from ds4py import convert_v41
+
+        notes, other = convert_v41.skipped(skipped, shape)
+        meta = convert_v41.gguf_metadata(shape, meta, src, convert_v41.engram_digests(ck, shape))
+    else:
+        mtp = [n for n in skipped if n.startswith("mtp.")]
+        other = [n for n in skipped if not n.startswith("mtp.")]
+        notes = [f"note: skipping {len(mtp)} MTP tensors (ds4 keeps the draft block in a separate GGUF)"] if mtp else []
     if other:
-        raise ConvertError(f"{src}: tensor {other[0]!r} is not part of the V4 Flash layout "
-                           f"({len(other)} unexpected tensors in all)")
-    if mtp:
-        conv.log(f"note: skipping {len(mtp)} MTP tensors (ds4 keeps the draft block in a separate GGUF)")
-    name = os.path.basename(os.path.normpath(src)) or "deepseek4"
-    write_gguf(out, name, gguf_metadata(shape), tok, tensors, progress, after_tensor=ck.release)
+        raise ConvertError(f"{src}: tensor {other[0]!r} is not part of the {'V4.1' if shape.is_v41 else 'V4'} Flash "
+                           f"layout ({len(other)} unexpected tensors in all)")
+    for note in notes:
+        conv.log(note)
+    name = os.path.basename(os.path.normpath(src)) or shape.arch
+    write_gguf(out, name, meta, tok, tensors, progress, after_tensor=ck.release, arch=shape.arch)

@@ -36,7 +36,7 @@ RING, ROWS = "ring", "rows"
 @dataclass(frozen=True)
 class StatePart:
     layer: int
-    name: str            # win | comp_kv | comp_score | comp_rows | idx_kv | idx_score | idx_keys
+    name: str            # win | comp_kv | comp_score | comp_rows | idx_kv | idx_score | idx_keys | ngram_ids
     kind: str            # RING | ROWS
     width: int           # floats per row
     capacity: int        # RING: slots; ROWS: 0 (grows by doubling)
@@ -66,23 +66,30 @@ def state_layout(cfg, horizon: int) -> StateLayout:
 
     Ring capacities: the window W + R; a compressor r·(1 + overlap) + R (the open group, the previous group
     when it overlaps, and R spare positions). V4.1 (MODEL.md §3) changes only the predicates' answers: layers
-    that read another layer's rows own no comp_* parts, ratio-1 / ratio-2 compressors have no overlap."""
+    that read another layer's rows own no comp_* parts, ratio-1 / ratio-2 compressors have no overlap, a
+    ratio-1 compressor pools nothing (no input rings), indexer keys come from the kv source's latent (idx_keys
+    only, on the key owners). Engram adds one model-wide ring of the last token ids (the n-gram history),
+    declared on the first Engram layer."""
     if not isinstance(horizon, int) or horizon < 0:
         raise Ds4Error(f"the rollback horizon must be an integer >= 0, got {horizon!r}")
     R, hd, parts = horizon, cfg.head_dim, []
     for il in range(cfg.n_layers):
         ro = cfg.roles(il)
+        if ro.engram == 0:
+            parts.append(StatePart(il, "ngram_ids", RING, 1, cfg.engram_max_ngram - 1 + R, 1, "<i4"))
         parts.append(StatePart(il, "win", RING, hd, cfg.window + R, 1))
         if ro.compressor:
             cap = ro.ratio * (1 + ro.overlap) + R
-            parts += [StatePart(il, "comp_kv", RING, cfg.comp_width(il), cap, 1),
-                      StatePart(il, "comp_score", RING, cfg.comp_width(il), cap, 1),
-                      StatePart(il, "comp_rows", ROWS, hd, 0, ro.ratio)]
-        if ro.indexer:
+            if ro.gated:
+                parts += [StatePart(il, "comp_kv", RING, cfg.comp_width(il), cap, 1),
+                          StatePart(il, "comp_score", RING, cfg.comp_width(il), cap, 1)]
+            parts.append(StatePart(il, "comp_rows", ROWS, hd, 0, ro.ratio))
+        if ro.indexer and cfg.has_index_compressor(il):
             cap = ro.index_ratio * (1 + ro.index_overlap) + R
             parts += [StatePart(il, "idx_kv", RING, cfg.index_comp_width(il), cap, 1),
-                      StatePart(il, "idx_score", RING, cfg.index_comp_width(il), cap, 1),
-                      StatePart(il, "idx_keys", ROWS, cfg.index_head_dim, 0, ro.index_ratio)]
+                      StatePart(il, "idx_score", RING, cfg.index_comp_width(il), cap, 1)]
+        if ro.owns_index_keys:
+            parts.append(StatePart(il, "idx_keys", ROWS, cfg.index_head_dim, 0, ro.index_ratio))
     return StateLayout(R, tuple(parts))
 
 

@@ -35,8 +35,11 @@ class TensorSpec:
     field: str                   # path in the binding, e.g. "attn.comp.kv"
     src: str                     # official tensor; "{l}" layer, "{e}" expert (slot "experts": one per expert)
     layers: str | None = None    # None: model-level; "all" or a ModelConfig predicate taking the layer
+    when: str | None = None      # model-level: a ModelConfig property that must hold (None: always)
 
-    def present(self, cfg: ModelConfig, layer: int) -> bool:
+    def present(self, cfg: ModelConfig, layer: int | None = None) -> bool:
+        if self.layers is None:
+            return self.when is None or bool(getattr(cfg, self.when))
         return self.layers == "all" or bool(getattr(cfg, self.layers)(layer))
 
     def dims(self, cfg: ModelConfig, layer: int | None = None) -> tuple[int, ...]:
@@ -47,8 +50,9 @@ class TensorSpec:
         return tuple(out)
 
 
-def _model(name: str, shape: tuple, types: tuple, slot: str, field: str, src: str) -> TensorSpec:
-    return TensorSpec(name, shape, types, slot, field, src)
+def _model(name: str, shape: tuple, types: tuple, slot: str, field: str, src: str,
+           when: str | None = None) -> TensorSpec:
+    return TensorSpec(name, shape, types, slot, field, src, None, when)
 
 
 def _layer(name: str, shape: tuple, types: tuple, slot: str, field: str, src: str,
@@ -56,24 +60,31 @@ def _layer(name: str, shape: tuple, types: tuple, slot: str, field: str, src: st
     return TensorSpec("blk.{l}." + name, shape, types, slot, field, "layers.{l}." + src, layers)
 
 
-def _compressor(name: str, field: str, src: str, ratio: str, width: str, out: str, layers: str) -> tuple:
-    """A compressor's four tensors (MODEL.md §2.3): ape [ratio, c·d], wkv and wgate [c·d, D], norm [d]."""
-    return (_layer(f"{name}_ape.weight", (ratio, width), F, "f16", f"{field}.ape", f"{src}.ape", layers),
+def _compressor(name: str, field: str, src: str, ratio: str, width: str, out: str, layers: str,
+                gate: str, ape: str) -> tuple:
+    """A compressor's tensors (MODEL.md §2.3): ape [ratio, c·d], wkv and wgate [c·d, D], norm [d]. V4.1 has no
+    ape and no gate on ratio 1 (§3): `gate` / `ape` are the predicates of those two."""
+    return (_layer(f"{name}_ape.weight", (ratio, width), F, "f16", f"{field}.ape", f"{src}.ape", ape),
             _layer(f"{name}_kv.weight", (width, "dim"), M, "f16", f"{field}.kv", f"{src}.wkv.weight", layers),
-            _layer(f"{name}_gate.weight", (width, "dim"), M, "f16", f"{field}.gate", f"{src}.wgate.weight", layers),
+            _layer(f"{name}_gate.weight", (width, "dim"), M, "f16", f"{field}.gate", f"{src}.wgate.weight", gate),
             _layer(f"{name}_norm.weight", (out,), F, "f32", f"{field}.norm", f"{src}.norm.weight", layers))
 
 
 MODEL_TENSORS = (
     _model("token_embd.weight", ("vocab_size", "dim"), M, "f16", "embed", "embed.weight"),
-    _model("output_hc_base.weight", ("hc_mult",), F, "f32", "hc_head.base", "hc_head_base"),
-    _model("output_hc_fn.weight", ("hc_mult", "hc_dim"), F, "f16", "hc_head.fn", "hc_head_fn"),
-    _model("output_hc_scale.weight", (1,), F, "f32", "hc_head.scale", "hc_head_scale"),
+    _model("output_hc_base.weight", ("hc_mult",), F, "f32", "hc_head.base", "hc_head_base", "has_hc_head"),
+    _model("output_hc_fn.weight", ("hc_mult", "hc_dim"), F, "f16", "hc_head.fn", "hc_head_fn", "has_hc_head"),
+    _model("output_hc_scale.weight", (1,), F, "f32", "hc_head.scale", "hc_head_scale", "has_hc_head"),
     _model("output_norm.weight", ("dim",), F, "f32", "output_norm", "norm.weight"),
     _model("output.weight", ("vocab_size", "dim"), M, "q8", "head", "head.weight"),
 )
 
 LAYER_TENSORS = (
+    # Engram (V4.1, MODEL.md §3), applied before the block; its table stays in the official shards (docs/v41.md)
+    _layer("engram_kv.weight", ("engram_kv_dim", "engram_in_dim"), M, "q8", "engram.kv", "engram.wkv.weight",
+           "is_engram_layer"),
+    _layer("engram_q.weight", ("hc_mult", "dim"), F, "f32", "engram.q", "engram.q_weight", "is_engram_layer"),
+    _layer("engram_k.weight", ("hc_mult", "dim"), F, "f32", "engram.k", "engram.k_weight", "is_engram_layer"),
     _layer("hc_attn_fn.weight", ("hc_mix", "hc_dim"), F, "f16", "hc_attn.fn", "hc_attn_fn"),
     _layer("hc_attn_scale.weight", (3,), F, "f32", "hc_attn.scale", "hc_attn_scale"),
     _layer("hc_attn_base.weight", ("hc_mix",), F, "f32", "hc_attn.base", "hc_attn_base"),
@@ -91,13 +102,19 @@ LAYER_TENSORS = (
     _layer("attn_output_b.weight", ("dim", "o_dim"), M, "q8", "attn.out_b", "attn.wo_b.weight"),
     # the attention compressor (layers that compute compressed rows), the indexer and its own compressor
     *_compressor("attn_compressor", "attn.comp", "attn.compressor", "ratio", "comp_width", "head_dim",
-                 "has_compressor"),
+                 "has_compressor", "has_compressor_gate", "has_compressor_ape"),
     _layer("indexer.attn_q_b.weight", ("index_q_dim", "q_lora_rank"), M, "f16", "attn.index.q_b",
            "attn.indexer.wq_b.weight", "has_indexer"),
     _layer("indexer.proj.weight", ("index_heads", "dim"), M, "f16", "attn.index.proj",
            "attn.indexer.weights_proj.weight", "has_indexer"),
     *_compressor("indexer_compressor", "attn.index.comp", "attn.indexer.compressor", "index_ratio",
-                 "index_comp_width", "index_head_dim", "has_indexer"),
+                 "index_comp_width", "index_head_dim", "has_index_compressor", "has_index_compressor",
+                 "has_index_compressor"),
+    # V4.1 key owners: indexer keys k = RMSNorm(wk · latent; k_norm) from the compressor's latent
+    _layer("indexer.attn_k.weight", ("index_head_dim", "head_dim"), M, "f16", "attn.index.k",
+           "attn.indexer.wk.weight", "has_index_key_proj"),
+    _layer("indexer.k_norm.weight", ("index_head_dim",), F, "f32", "attn.index.k_norm",
+           "attn.indexer.k_norm.weight", "has_index_key_proj"),
     # MoE
     _layer("ffn_norm.weight", ("dim",), F, "f32", "ffn_norm", "ffn_norm.weight"),
     _layer("ffn_gate_inp.weight", ("n_experts", "dim"), M, "f16", "ffn.gate_inp", "ffn.gate.weight"),
@@ -136,7 +153,8 @@ class Entry:
 def entries(cfg: ModelConfig) -> Iterator[Entry]:
     """Every tensor of the model in ds4's file order: the model-level head tensors, then each layer's."""
     for sp in MODEL_TENSORS:
-        yield Entry(sp, None, sp.name, sp.dims(cfg))
+        if sp.present(cfg):
+            yield Entry(sp, None, sp.name, sp.dims(cfg))
     for il in range(cfg.n_layers):
         for sp in LAYER_TENSORS:
             if sp.present(cfg, il):
@@ -158,16 +176,25 @@ class HcWeights(Generic[T]):
 @dataclass(frozen=True)
 class CompressorWeights(Generic[T]):
     kv: T
-    gate: T
-    ape: T
     norm: T
+    gate: T | None = None        # absent on V4.1 ratio-1 compressors (no pooling)
+    ape: T | None = None         # absent on V4.1
 
 
 @dataclass(frozen=True)
 class IndexerWeights(Generic[T]):
     q_b: T
     proj: T
-    comp: CompressorWeights[T]
+    comp: CompressorWeights[T] | None = None     # V4: the indexer's own compressor
+    k: T | None = None                           # V4.1 key owners: wk and k_norm
+    k_norm: T | None = None
+
+
+@dataclass(frozen=True)
+class EngramWeights(Generic[T]):
+    kv: T                        # wkv [(hc + 1)·D, n_cols·row]
+    q: T                         # q_weight [hc, D]
+    k: T                         # k_weight [hc, D]
 
 
 @dataclass(frozen=True)
@@ -208,21 +235,22 @@ class LayerWeights(Generic[T]):
     hc_ffn: HcWeights[T]
     ffn_norm: T
     ffn: FfnWeights[T]
+    engram: EngramWeights[T] | None = None       # V4.1 Engram layers
 
 
 @dataclass(frozen=True)
 class ModelWeights(Generic[T]):
     embed: T
-    hc_head: HcWeights[T]
     output_norm: T
     head: T
+    hc_head: HcWeights[T] | None = None          # V4 (V4.1 collapses with the last pre-mix)
     layers: tuple[LayerWeights[T], ...] = ()
 
 
 # field name -> the dataclass a group of dotted paths builds
 _GROUPS = {"hc_attn": HcWeights, "hc_ffn": HcWeights, "hc_head": HcWeights, "attn": AttentionWeights,
            "comp": CompressorWeights, "index": IndexerWeights, "ffn": FfnWeights, "experts": SwigluWeights,
-           "shared": SwigluWeights}
+           "shared": SwigluWeights, "engram": EngramWeights}
 
 
 def _build(cls: type, values: dict[str, T], prefix: str = ""):

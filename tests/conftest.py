@@ -37,6 +37,29 @@ def v4_gguf(golden, tmp_path_factory) -> str:
     return str(out)
 
 
+def stub_tokenizer_json(path) -> str:
+    """The vocabulary the V4.1 golden run used (tt-metal's StubTokenizer: token 2k decodes to "w{k}", 2k+1 to
+    " W{k}") as a HF tokenizer.json, so that the converted GGUF carries it and Engram's token map is built from
+    its strings."""
+    import json
+
+    vocab = {(f"w{i // 2}" if i % 2 == 0 else f"\u0120W{i // 2}"): i for i in range(512)}
+    Path(path).write_text(json.dumps({"model": {"type": "BPE", "vocab": vocab, "merges": []}, "added_tokens": []}))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def v41_gguf(golden, tmp_path_factory) -> str:
+    """The official v41-tiny checkpoint converted losslessly (dense F32, experts MXFP4) with the golden run's
+    vocabulary, once per session; its Engram tables stay in ../shared/golden/v41-tiny (the recorded default)."""
+    from ds4py.convert import convert_checkpoint
+
+    d = tmp_path_factory.mktemp("v41tiny")
+    convert_checkpoint(str(golden / "v41-tiny"), str(d / "v41-tiny-f32.gguf"), experts="mxfp4", dense="f32",
+                       tokenizer=stub_tokenizer_json(d / "tokenizer.json"), progress=False)
+    return str(d / "v41-tiny-f32.gguf")
+
+
 # ---- emulator kernel coverage: what the tests really launch (tests/test_cu_emu_kernels.py checks it) -----------
 
 _LAUNCHED_KERNELS: dict[str, set[str]] = {}      # kernel name -> the test files that ran it on the emulator

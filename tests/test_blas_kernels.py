@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-GOLDEN_TESTS = ["tests/test_ref_v4_tiny.py", "tests/test_ref_ds4_tiny.py"]
+GOLDEN_TESTS = ["tests/test_ref_v4_tiny.py", "tests/test_ref_ds4_tiny.py", "tests/test_ref_v41_tiny.py"]
 # the breadth test (7 more ds4 cases decoded with act_quant: 80% of the files' time) is left to the main run;
 # every tolerance it uses is also checked here on the other cases
 SKIP = "not test_every_other_case_act_quant_is_loose"

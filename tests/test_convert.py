@@ -269,8 +269,8 @@ def test_f32_scales_and_u8_packed_experts_are_accepted(golden, tmp_path, convert
 
 
 def test_bad_checkpoint_files_are_one_line_errors(golden, tmp_path):
-    """Truncated / foreign safetensors, no config.json, a V4.1 checkpoint: a ConvertError naming the file,
-    no output and no temporary left behind."""
+    """Truncated / foreign safetensors, no config.json: a ConvertError naming the file, no output and no
+    temporary left behind (V4.1 checkpoints convert: tests/test_convert_v41.py)."""
     out = tmp_path / "o.gguf"
     blob = (golden / "v4-tiny" / "model.safetensors").read_bytes()
     for name, data, match in (("cut_data", blob[: len(blob) // 2], "lies beyond the end of the file"),
@@ -286,7 +286,6 @@ def test_bad_checkpoint_files_are_one_line_errors(golden, tmp_path):
     d.mkdir()
     shutil.copy(golden / "v4-tiny" / "model.safetensors", d)
     _fails(d, out, "config.json is missing")
-    _fails(golden / "v41-tiny", out, "V4.1")                  # the real V4.1 golden checkpoint
     assert not out.exists()
     r = subprocess.run([sys.executable, "-m", "ds4py", "convert", str(tmp_path / "cut_data"), str(out)],
                        capture_output=True, text=True)

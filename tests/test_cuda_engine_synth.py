@@ -6,7 +6,8 @@ and backend selection, on the CPU emulator:
   Flash's sizes);
 - bench/cuda_decode.py --emu runs every mode (graph + PDL, graph, direct) and writes its JSON;
 - open_model("cuda-emu" / "auto"): auto without a GPU opens the reference and says why in one line; the CLI's
-  --backend choices are the model's; `score --backend cuda-emu` runs.
+  --backend choices are the model's; `score`, `run`, `serve` and `bench --backend cuda-emu` run through the CLI
+  (run and serve: the reference's greedy text).
 """
 
 from __future__ import annotations
@@ -102,3 +103,85 @@ def test_score_runs_on_cuda_emu(golden, tmp_path):
         outs[backend] = np.load(out)
     assert outs["cuda-emu"].shape == (3, 512)
     check(compare(outs["cuda-emu"], outs["ref"]), "score --backend cuda-emu vs ref")
+
+
+def _cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ds4py", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def test_run_on_cuda_emu_streams_the_reference_answer(golden):
+    """`run --backend cuda-emu`: the session's device-side greedy generation through the CLI gives the reference
+    backend's text."""
+    model = str(golden / "ds4-tiny" / "tiny.gguf")
+    outs = {}
+    for backend in ("cuda-emu", "ref"):
+        r = _cli("run", "-m", model, "-p", "hello there", "--nothink", "--temp", "0", "-n", "6", "--color", "never",
+                 "--backend", backend)
+        assert r.returncode == 0, r.stderr
+        outs[backend] = r.stdout
+    assert outs["ref"].strip() and outs["cuda-emu"] == outs["ref"]
+
+
+def test_bench_sweep_on_cuda_emu(golden, tmp_path):
+    """`bench --backend cuda-emu`: the sweep runs on the CUDA engine and reports its launches per step."""
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("The quick brown fox jumps over the lazy dog. " * 4)
+    out = tmp_path / "bench.json"
+    r = _cli("bench", "-m", str(golden / "ds4-tiny" / "tiny.gguf"), "--backend", "cuda-emu", "--prompt-file",
+             str(prompt), "--ctx-start", "4", "--ctx-max", "4", "--step-incr", "4", "--gen-tokens", "2", "--repeat",
+             "1", "--bandwidth", "10", "--format", "json", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    info = res["info"]
+    assert info["backend"] == "cuda-emu" and info["emulated"]
+    assert info["launches_per_step"] == info["launches_body"] + info["launches_head"] > 4 * 4
+    assert [row["gen_tokens"] for row in res["rows"]] == [2] and res["rows"][0]["gen_tps"] > 0
+    assert "launches" in r.stderr
+
+
+def test_serve_on_cuda_emu_answers_as_the_reference(golden):
+    """`serve --backend cuda-emu`: the server's engine worker drives the CUDA engine from its own thread; a greedy
+    chat completion (plain and streamed) gives the reference server's text."""
+    import signal
+
+    import openai
+    from helpers import start_serve
+
+    texts = {}
+    for backend in ("cuda-emu", "ref"):
+        proc, base = start_serve(["-m", str(golden / "ds4-tiny" / "tiny.gguf"), "--ctx", "256", "--backend", backend],
+                                 ready_s=180, stdout=subprocess.DEVNULL)
+        try:
+            c = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=300)
+            ask = dict(model="deepseek-v4-flash", max_tokens=4, temperature=0,
+                       messages=[{"role": "user", "content": "hi"}])
+            r = c.chat.completions.create(**ask)
+            assert r.usage.completion_tokens == 4
+            got = [r.choices[0].message.content, r.choices[0].message.model_extra.get("reasoning_content")]
+            if backend == "cuda-emu":
+                parts = [ch.choices[0].delta for ch in c.chat.completions.create(stream=True, **ask) if ch.choices]
+                streamed = ["".join(d.content or "" for d in parts),
+                            "".join((d.model_extra or {}).get("reasoning_content") or "" for d in parts)]
+                assert streamed == [g or "" for g in got], (streamed, got)
+            texts[backend] = got
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        assert f"backend {backend}" in err
+    assert any(texts["ref"]) and texts["cuda-emu"] == texts["ref"]
+
+
+def test_what_the_cuda_engine_refuses(golden, v41_gguf, capsys):
+    """V4.1 models and sidecar / post-training stacks are the reference's only: one sentence from cuda(-emu),
+    and `auto` opens the reference instead."""
+    from ds4py.model import UnsupportedByBackend, open_model
+
+    with pytest.raises(UnsupportedByBackend, match="V4 Flash only"):
+        open_model(v41_gguf, backend="cuda-emu")
+    with pytest.raises(UnsupportedByBackend, match="sidecars"):
+        open_model(str(golden / "ds4-tiny" / "tiny.gguf"), backend="cuda-emu", sidecar=str(golden))
+    assert open_model(v41_gguf, backend="auto").backend == "ref"
+    err = capsys.readouterr().err
+    assert "backend auto" in err and "using the reference backend" in err

@@ -40,6 +40,59 @@ from ds4py.chat.template import (
 )
 
 
+@dataclass(frozen=True)
+class Dialect:
+    """The DSML tag names of a chat format: V4 `tool_calls` / `invoke` / `parameter`, V4.1 the same words with a
+    leading space and `calls` (`<｜DSML｜ calls>`). Every marker the renderer writes and the parser looks for
+    derives from these three names."""
+    calls: str
+    invoke: str
+    param: str
+
+    @property
+    def calls_open(self) -> str:
+        return f"<{DSML}{self.calls}>"
+
+    @property
+    def calls_close(self) -> str:
+        return f"</{DSML}{self.calls}>"
+
+    @property
+    def calls_start(self) -> str:       # an assistant turn's calls start with this (then ">")
+        return f"\n\n<{DSML}{self.calls}"
+
+    @property
+    def invoke_open(self) -> str:
+        return f"<{DSML}{self.invoke}"
+
+    @property
+    def invoke_close(self) -> str:
+        return f"</{DSML}{self.invoke}>"
+
+    @property
+    def invoke_end(self) -> str:        # the official parser stops here; the ">" belongs to the next ">\n"
+        return f"</{DSML}{self.invoke}"
+
+    @property
+    def param_open(self) -> str:
+        return f"<{DSML}{self.param}"
+
+    @property
+    def param_close(self) -> str:
+        return f"</{DSML}{self.param}>"
+
+    @property
+    def param_end(self) -> str:         # ... and here, so a parameter's text ends with "<"
+        return f"/{DSML}{self.param}"
+
+
+V4_DIALECT = Dialect("tool_calls", "invoke", "parameter")
+V41_DIALECT = Dialect(" calls", " invoke", " parameter")
+assert (V4_DIALECT.calls_open, V4_DIALECT.calls_close, V4_DIALECT.calls_start, V4_DIALECT.invoke_open,
+        V4_DIALECT.invoke_close, V4_DIALECT.param_open, V4_DIALECT.param_close) == \
+    (CALLS_OPEN, CALLS_CLOSE, CALLS_START, INVOKE_OPEN, INVOKE_CLOSE, PARAM_OPEN, PARAM_CLOSE)
+
+
 def to_json(value: Any) -> str:
     """The encoder's JSON spelling: Python's default separators and float repr, non-ASCII kept."""
     return json.dumps(value, ensure_ascii=False)
@@ -63,20 +116,20 @@ def _arguments_to_params(name: str, arguments: Any) -> list[tuple[str, str, bool
     return [(str(k), v if isinstance(v, str) else to_json(v), isinstance(v, str)) for k, v in parsed.items()]
 
 
-def _invoke_pieces(name: str, arguments: Any) -> Pieces:
+def _invoke_pieces(name: str, arguments: Any, d: Dialect = V4_DIALECT) -> Pieces:
     p = Pieces()
-    p.tpl(f'{INVOKE_OPEN} name="')
+    p.tpl(f'{d.invoke_open} name="')
     p.content(name)
     p.tpl('">\n')
     for i, (key, value, is_str) in enumerate(_arguments_to_params(name, arguments)):
         if i:
             p.tpl("\n")
-        p.tpl(f'{PARAM_OPEN} name="')
+        p.tpl(f'{d.param_open} name="')
         p.content(key)
         p.tpl(f'" string="{"true" if is_str else "false"}">')
         p.content(value)
-        p.tpl(PARAM_CLOSE)
-    p.tpl("\n" + INVOKE_CLOSE)
+        p.tpl(d.param_close)
+    p.tpl("\n" + d.invoke_close)
     return p
 
 
@@ -92,7 +145,7 @@ def _call_fields(call: Any) -> tuple[str, Any, str | None]:
     return fn["name"], fn.get("arguments"), call.get("raw_dsml")
 
 
-def tool_calls_pieces(calls: Iterable[Any]) -> Pieces:
+def tool_calls_pieces(calls: Iterable[Any], d: Dialect = V4_DIALECT) -> Pieces:
     """The `\\n\\n<｜DSML｜tool_calls>...</｜DSML｜tool_calls>` block of an assistant turn, as pieces.
 
     A call that carries `raw_dsml` (the invoke exactly as the model sampled it, from `ToolCall.raw_dsml`) is
@@ -100,25 +153,25 @@ def tool_calls_pieces(calls: Iterable[Any]) -> Pieces:
     spelling differs from `json.dumps`. The raw text must parse back to the same name and arguments.
     """
     p = Pieces()
-    p.tpl(f"\n\n{CALLS_OPEN}\n")
+    p.tpl(f"\n\n{d.calls_open}\n")
     for i, call in enumerate(calls):
         if i:
             p.tpl("\n")
         name, arguments, raw = _call_fields(call)
         if raw:
-            got = _parse_block_text(f"{CALLS_START}>\n{raw}\n{CALLS_CLOSE}")
+            got = _parse_block_text(f"{d.calls_start}>\n{raw}\n{d.calls_close}", d)
             if got is None or len(got) != 1 or got[0][:2] != (name, arguments):
                 raise ChatFormatError(f"tool call {name!r}: raw_dsml does not parse to the same name and arguments")
             p.tpl(raw)  # model output: its DSML markers were sampled as special tokens
         else:
-            p.extend(_invoke_pieces(name, arguments))
-    p.tpl(f"\n{CALLS_CLOSE}")
+            p.extend(_invoke_pieces(name, arguments, d))
+    p.tpl(f"\n{d.calls_close}")
     return p
 
 
-def render_tool_calls(calls: Iterable[Any]) -> str:
+def render_tool_calls(calls: Iterable[Any], d: Dialect = V4_DIALECT) -> str:
     """The exact DSML block (leading blank line included) that the renderer puts after an assistant's content."""
-    return tool_calls_pieces(calls).text()
+    return tool_calls_pieces(calls, d).text()
 
 
 # ------------------------------------------------------------------------------------------------- events
@@ -153,8 +206,6 @@ Event = Union[ReasoningDelta, ContentDelta, ToolCall, ParseIssue]
 
 # ------------------------------------------------------------------------------------------ block parser
 
-_INVOKE_END = f"</{DSML}invoke"  # the official parser stops here; the ">" belongs to the next ">\n"
-_PARAM_END = f"/{DSML}parameter"  # ... and here, so a parameter's text ends with "<"
 _NAME_RE = re.compile(r'^\s*name="(.*?)">\n$', re.DOTALL)
 _PARAM_RE = re.compile(r'^ name="(.*?)" string="(true|false)">(.*?)<$', re.DOTALL)
 
@@ -172,7 +223,8 @@ class _Block:
     closes the call, and text that ends right after `\\n\\n<｜DSML｜tool_calls` is a turn with no calls.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, d: Dialect = V4_DIALECT) -> None:
+        self.d = d
         self.text = ""
         self.pos = 0
         self.scan = 0  # marker searches resume here: nothing before it can start a marker
@@ -223,13 +275,15 @@ class _Block:
         if extra:
             raw = self.text[self.invoke_start : raw_end] + extra
         else:  # a call cut off at the end of the text: replay it closed, as the model should have written it
+            d = self.d
             params = "\n".join(
-                f'{PARAM_OPEN} name="{k}" string="{s}">{v}{PARAM_CLOSE}' for k, (v, s) in self.args.items()
+                f'{d.param_open} name="{k}" string="{s}">{v}{d.param_close}' for k, (v, s) in self.args.items()
             )
-            raw = f'{INVOKE_OPEN} name="{self.name}">\n{params}\n{INVOKE_CLOSE}'
+            raw = f'{d.invoke_open} name="{self.name}">\n{params}\n{d.invoke_close}'
         self.calls.append((self.name, "{" + ", ".join(parts) + "}", raw, bad))
 
     def run(self, final: bool) -> None:
+        d = self.d
         while self.end is None:
             if self.phase == "gap":
                 if final and self.pos == len(self.text):
@@ -237,16 +291,16 @@ class _Block:
                     # invoke's `</｜DSML｜invoke` is complete (the calls so far, possibly none).
                     self.end = self.pos
                     return
-                nxt = self._expect([(">\n" + INVOKE_OPEN, "name"), (">\n" + CALLS_CLOSE, "end")], final)
+                nxt = self._expect([(">\n" + d.invoke_open, "name"), (">\n" + d.calls_close, "end")], final)
                 if nxt is None:
                     return
                 if nxt == "end":
                     self.end = self.pos
                     return
-                self.invoke_start = self.pos - len(INVOKE_OPEN)
+                self.invoke_start = self.pos - len(d.invoke_open)
                 self._goto("name")
             elif self.phase == "name":
-                hit = self._find([PARAM_OPEN, _INVOKE_END])
+                hit = self._find([d.param_open, d.invoke_end])
                 if hit is None and not final:
                     return
                 head = self.text[self.pos : hit[0] if hit else len(self.text)]
@@ -259,13 +313,13 @@ class _Block:
                     self.end = len(self.text)
                     return
                 self.pos = hit[0] + len(hit[1])
-                if hit[1] == PARAM_OPEN:
+                if hit[1] == d.param_open:
                     self._goto("param")
                 else:
                     self._close_call(self.pos, ">")
                     self._goto("gap")
             elif self.phase == "param":
-                hit = self._find([_PARAM_END])
+                hit = self._find([d.param_end])
                 if hit is None:
                     if final:
                         raise _Malformed("a parameter is not closed")
@@ -284,7 +338,7 @@ class _Block:
                     self._close_call(len(self.text))
                     self.end = len(self.text)
                     return
-                nxt = self._expect([(">\n" + PARAM_OPEN, "param"), (">\n" + _INVOKE_END, "close")], final)
+                nxt = self._expect([(">\n" + d.param_open, "param"), (">\n" + d.invoke_end, "close")], final)
                 if nxt is None:
                     return
                 if nxt == "close":
@@ -293,10 +347,10 @@ class _Block:
                 self._goto(nxt)
 
 
-def _parse_block_text(text: str) -> list[tuple[str, str, str, list[str]]] | None:
+def _parse_block_text(text: str, d: Dialect = V4_DIALECT) -> list[tuple[str, str, str, list[str]]] | None:
     """Parse one complete block starting with `\\n\\n<｜DSML｜tool_calls`; None when malformed or incomplete."""
-    block = _Block()
-    block.text = text[len(CALLS_START) :]
+    block = _Block(d)
+    block.text = text[len(d.calls_start) :]
     try:
         block.run(final=True)
     except _Malformed:
@@ -308,8 +362,9 @@ def _parse_block_text(text: str) -> list[tuple[str, str, str, list[str]]] | None
 
 _REASONING, _CONTENT, _BLOCK, _AFTER_BLOCK, _PASSTHROUGH, _DONE = range(6)
 
-# Markers that change state; text that could still grow into one of these is held back.
-_STOPS = {_REASONING: (END_THINK, EOS), _CONTENT: (EOS, CALLS_START), _PASSTHROUGH: (EOS,)}
+# Markers that change state; text that could still grow into one of these is held back (_CONTENT also stops at
+# the dialect's calls_start).
+_STOPS = {_REASONING: (END_THINK, EOS), _CONTENT: (EOS,), _PASSTHROUGH: (EOS,)}
 # Spellings the official parser forbids inside reasoning / content; they pass through with a ParseIssue.
 _FORBIDDEN = {_REASONING: (BOS, THINK, DSML), _CONTENT: (BOS, THINK, END_THINK, DSML)}
 _TAIL = max(map(len, (BOS, THINK, END_THINK, DSML))) - 1
@@ -334,8 +389,9 @@ class DSMLParser:
     out malformed never yields half its calls.
     """
 
-    def __init__(self, thinking: bool) -> None:
-        self.thinking = thinking
+    def __init__(self, thinking: bool, dialect: Dialect = V4_DIALECT) -> None:
+        self.thinking, self.d = thinking, dialect
+        self._stops = {**_STOPS, _CONTENT: (EOS, dialect.calls_start)}
         self._state = _REASONING if thinking else _CONTENT
         self._buf = ""
         self._tail = ""  # end of the text already emitted in this channel (finds split forbidden spellings)
@@ -426,8 +482,8 @@ class DSMLParser:
     def _run(self, final: bool) -> None:
         while True:
             state = self._state
-            if state in _STOPS:
-                stops = _STOPS[state]
+            if state in self._stops:
+                stops = self._stops[state]
                 hit = None
                 for s in stops:
                     i = self._buf.find(s)
@@ -443,8 +499,8 @@ class DSMLParser:
                 self._buf = self._buf[i + len(marker) :]
                 if marker == END_THINK:
                     self._set_state(_CONTENT)
-                elif marker == CALLS_START:
-                    self._block = _Block()
+                elif marker == self.d.calls_start:
+                    self._block = _Block(self.d)
                     self._set_state(_BLOCK)
                 else:  # EOS
                     if state == _REASONING:
@@ -458,11 +514,11 @@ class DSMLParser:
                     block.run(final)
                 except _Malformed as e:
                     self._fail_block(str(e))
-                    self._buf = CALLS_START + block.text  # may still hold the end-of-sentence
+                    self._buf = self.d.calls_start + block.text  # may still hold the end-of-sentence
                     continue
                 if block.end is None:
                     return
-                self._block_raw = CALLS_START + block.text[: block.end]
+                self._block_raw = self.d.calls_start + block.text[: block.end]
                 self._buf = block.text[block.end :]
                 self._set_state(_AFTER_BLOCK)
             elif state == _AFTER_BLOCK:
@@ -478,7 +534,7 @@ class DSMLParser:
                 elif EOS.startswith(self._buf) and not final:
                     return
                 else:
-                    self._fail_block("text after </｜DSML｜tool_calls>")
+                    self._fail_block(f"text after {self.d.calls_close}")
                     self._events.append(ContentDelta(self._block_raw))
             else:  # _DONE
                 if self._buf:

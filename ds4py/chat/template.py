@@ -82,7 +82,19 @@ RESPONSE_FORMAT_HEAD = "## Response Format:\n\nYou MUST strictly adhere to the f
 TOOL_RESULT_OPEN = "<tool_result>"
 TOOL_RESULT_CLOSE = "</tool_result>"
 
+# ---- V4.1 (docs/v41.md: what the V4.1 format relies on) ----------------------------------------------------
+SYSTEM = "<｜System｜>"
+# The V4.1 encoder's DSML tag names have a leading space: `<｜DSML｜ calls>`, `<｜DSML｜ invoke`, ...
+V41_CALLS, V41_INVOKE, V41_PARAM = " calls", " invoke", " parameter"
+V41_TOOLS_TEMPLATE = TOOLS_TEMPLATE.replace(f"{DSML}tool_calls", f"{DSML}{V41_CALLS}") \
+    .replace(f"{DSML}invoke", f"{DSML}{V41_INVOKE}").replace(f"{DSML}parameter", f"{DSML}{V41_PARAM}")
+V41_TOOLS_HEAD, V41_TOOLS_TAIL = V41_TOOLS_TEMPLATE.split("{tool_schemas}")
+# thinking mode, first message: the numeric effort (after <｜System｜>)
+V41_REASONING_EFFORT = "Reasoning Effort: {budget} (range 1-100, the higher the value, the more thorough the reasoning)\n\n"
+V41_EFFORTS = {"low": 25, "high": 50, "xhigh": 75, "max": 100}
+V41_DEFAULT_EFFORT = "high"
+
 # The added-vocabulary spellings that template text contains. Template text is cut at these so that
 # `encode_prompt` can give them their special ids and tokenize everything else as plain text.
-TEMPLATE_SPECIALS = (BOS, EOS, USER, ASSISTANT, LATEST_REMINDER, THINK, END_THINK, DSML, *TASK_TOKENS.values())
+TEMPLATE_SPECIALS = (BOS, EOS, USER, ASSISTANT, LATEST_REMINDER, THINK, END_THINK, DSML, SYSTEM, *TASK_TOKENS.values())
 TEMPLATE_SPECIALS_RE = re.compile("|".join(re.escape(s) for s in sorted(TEMPLATE_SPECIALS, key=len, reverse=True)))

@@ -7,6 +7,7 @@ import sys
 import time
 
 from ds4py.cli import BACKENDS
+from ds4py.cli._options import add_engram_dir, add_stack_arguments, model_kwargs
 
 NAME = "bench"
 HELP = "benchmark: prefill/decode sweep over context sizes (default) or `bench serve` against a running server"
@@ -20,6 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--backend", choices=BACKENDS, default="ref",
                    help="engine backend: ref (numpy, default), cuda (GPU), cuda-emu (the CUDA engine on the CPU "
                         "emulator: slow, for tests), auto (cuda where a GPU can run the model, else ref)")
+    add_stack_arguments(g)
+    add_engram_dir(g)
     g.add_argument("--prompt-file", help="text walked to every frontier (default: bundled public-domain book)")
     g.add_argument("--ctx-start", type=int, default=2048)
     g.add_argument("--ctx-max", type=int, default=65536)
@@ -96,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     step_incr = args.step_incr if (args.step_incr or args.step_mul) else 2048
     points = bench.frontiers(args.ctx_start, args.ctx_max, step_incr if not args.step_mul else None, args.step_mul)
     t0 = time.perf_counter()
-    model = open_model(args.model_path, backend=args.backend)
+    model = open_model(args.model_path, backend=args.backend, **model_kwargs(args))
     startup = {"model_open_s": time.perf_counter() - t0}
     startup.update(getattr(model, "startup", {}) or {})
     tok = Tokenizer.from_gguf(args.model_path)
@@ -109,8 +112,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"startup {k}: {v:.3f}" if isinstance(v, float) else f"startup {k}: {v}", file=sys.stderr)
     rows = bench.run_sweep(model, tokens, points, args.gen_tokens, repeat=args.repeat, bandwidth_gbps=bw,
                            eos=tok.eos_id, progress=lambda m: print(m, file=sys.stderr))
-    info = {"model": args.model_path, "backend": args.backend, "gen_tokens": args.gen_tokens, "repeat": args.repeat,
-            "bandwidth_gbps": bw}
+    info = {"model": args.model_path, "backend": args.backend, **model_kwargs(args), "gen_tokens": args.gen_tokens,
+            "repeat": args.repeat, "bandwidth_gbps": bw}
     dev = bench.device_step_stats(model)
     if dev is not None:
         info.update(dev)

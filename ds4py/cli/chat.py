@@ -49,8 +49,8 @@ class _Interrupt:
 
 
 def run(args) -> int:
-    from ds4py.chat import encode_prompt
-    from ds4py.cli.run import Printer, chat_options, open_session, sampling_params, stream_answer, use_color
+    from ds4py.cli.run import (Printer, chat_options, open_session, sampling_params, session_chat, stream_answer,
+                               use_color)
     from ds4py.errors import ContextLengthError
 
     try:
@@ -60,6 +60,7 @@ def run(args) -> int:
 
     params = sampling_params(args)
     session = open_session(args)
+    encode_prompt = session_chat(session).encode_prompt
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(system)
     thinking = args.thinking

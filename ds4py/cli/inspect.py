@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from ds4py.cli._options import add_engram_dir
+
 NAME = "inspect"
 HELP = "show a GGUF's model shape, tensor types and sizes"
 
@@ -16,6 +18,13 @@ SHAPE_KEYS = [  # (label, metadata key without the architecture prefix)
     ("indexer heads / dim / top-k", None), ("compress ratios", "attention.compress_ratios"),
     ("context", "context_length"), ("hyper-connections", "hyper_connection.count"),
     ("rms eps", "attention.layer_norm_rms_epsilon"),
+]
+V41_KEYS = [  # V4.1 only (docs/v41.md)
+    ("kv source layers", "attention.kv_source_layers"), ("index source layers", "attention.indexer.source_layers"),
+    ("candidate source layer", "attention.indexer.candidate_source_layer"),
+    ("candidate blocks x size", None), ("gate temperature", "expert_gating_temperature"),
+    ("Engram layers", "engram.layer_ids"), ("Engram table rows", "engram.table_rows"),
+    ("Engram n-gram / heads / row", None), ("Engram tables folder", "engram.source_dir"),
 ]
 
 
@@ -32,7 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top", type=int, default=8, help="how many of the largest tensors to list (default 8)")
     p.add_argument("--verify", action="store_true",
                    help="also check the model: metadata, tensor shapes and types, the load-time value checks, and "
-                        "every tensor's checksum (reads the whole file)")
+                        "every tensor's checksum (reads the whole file); V4.1: the Engram tables too")
+    add_engram_dir(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,9 +65,17 @@ def run(args: argparse.Namespace) -> int:
         "experts (used / shared)": f"{m('expert_count')} ({m('expert_used_count')} / {m('expert_shared_count')})",
         "indexer heads / dim / top-k": f"{m('attention.indexer.head_count')} / {m('attention.indexer.key_length')}"
                                        f" / {m('attention.indexer.top_k')}",
+        "candidate blocks x size": f"{m('attention.indexer.candidate_top_k')} x "
+                                   f"{m('attention.indexer.candidate_block_size')}",
+        "Engram n-gram / heads / row": f"{m('engram.max_ngram_size')} / {m('engram.head_count')} / "
+                                       f"{m('engram.key_length')}",
     }
     print("shape:")
-    for label, key in SHAPE_KEYS:
+    from ds4py.config import ARCH_V41
+
+    for label, key in SHAPE_KEYS + (V41_KEYS if arch == ARCH_V41 else []):
+        if key == "hash_layer_count" and arch == ARCH_V41:
+            continue
         v = values.get(label) if key is None else m(key)
         if isinstance(v, list):
             v = ",".join(str(x) for x in v)
@@ -92,7 +110,24 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {t.name:<40s} {t.qtype.name:<8s} ne={list(t.ne)} {human(t.nbytes)}")
     if args.verify:
         verify(f)
+        verify_engram(f, args.engram_dir)
     return 0
+
+
+def verify_engram(f, engram_dir: str | None) -> None:
+    """V4.1: the Engram token map from the vocabulary and the tables in their shards (EngramError otherwise)."""
+    from ds4py import engram
+    from ds4py.config import ModelConfig
+
+    cfg = ModelConfig.from_gguf(f, validate=False)
+    if not cfg.engram_layers:
+        return
+    engram.NgramHasher(cfg, *engram.gguf_vocabulary(f), f.path)
+    dir_key, digest_key = engram.meta_keys(cfg.arch)
+    folder = engram_dir if engram_dir is not None else f.meta(dir_key, None)
+    t = engram.EngramTables.open(cfg, folder, f.meta(digest_key, None), f.path)
+    print(f"verify: OK: the vocabulary compresses to {cfg.engram_compressed_vocab} Engram ids; "
+          f"{len(t.tables)} Engram tables in {folder} are the ones the model was converted with")
 
 
 def verify(f) -> None:

@@ -14,6 +14,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("-m", "--model", dest="model_path", help="GGUF model file whose tokenizer to use (with --ids)")
     src.add_argument("--tokenizer", help="HuggingFace tokenizer.json to use (with --ids)")
+    p.add_argument("--format", choices=["v4", "v41"], default=None,
+                   help="chat format: DeepSeek V4 or V4.1 (default: the -m model's, else v4)")
     p.add_argument("--plain-content", action="store_true",
                    help="with --ids: tokenize message text as plain text (special-token spellings typed by a user "
                         "stay text); default: encode the whole prompt string, as the official generate.py does")
@@ -36,9 +38,17 @@ def _read_case(raw: bytes) -> tuple[list, dict | None]:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from ds4py.chat import encode_prompt, render
+    from ds4py.chat import chat_format
     from ds4py.errors import ConfigError
 
+    variant = args.format
+    if variant is None and args.model_path:
+        from ds4py.config import VARIANTS
+        from ds4py.gguf import GGUFFile
+
+        variant = VARIANTS.get(GGUFFile(args.model_path).meta("general.architecture", None), "v4")
+    fmt = chat_format(variant or "v4")
+    render, encode_prompt = fmt.render, fmt.encode_prompt
     messages, options = _read_case(sys.stdin.buffer.read())
     if not args.ids:
         if args.plain_content or args.model_path or args.tokenizer:

@@ -13,6 +13,7 @@ import sys
 import time
 
 from ds4py.cli import BACKENDS
+from ds4py.cli._options import add_engram_dir, add_stack_arguments, describe, model_kwargs
 
 NAME = "run"
 HELP = "generate one answer to a prompt (streamed; reasoning shown separately)"
@@ -25,7 +26,9 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=BACKENDS, default="ref",
                    help="engine backend: ref (numpy, default), cuda (GPU), cuda-emu (the CUDA engine on the CPU "
                         "emulator: slow, for tests), auto (cuda where a GPU can run the model, else ref)")
+    add_stack_arguments(p)
     p.add_argument("--ctx", type=int, default=None, help="context size in tokens (default: the model's)")
+    add_engram_dir(p)
     p.add_argument("--system", "-s", default=None, help="system prompt")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--think", dest="thinking", action="store_const", const="on",
@@ -76,13 +79,20 @@ def open_session(args):
     from ds4py.tokenizer import Tokenizer
 
     t0 = time.perf_counter()
-    model = open_model(args.model, backend=args.backend)
+    model = open_model(args.model, backend=args.backend, **model_kwargs(args))
     tok = Tokenizer.from_gguf(getattr(model, "gguf", args.model))
     session = Session(model, tok, ctx_size=args.ctx)
     if args.verbose:
-        print(f"[loaded {args.model} ({args.backend}) in {time.perf_counter() - t0:.2f} s; "
+        print(f"[loaded {args.model}{describe(model)} ({args.backend}) in {time.perf_counter() - t0:.2f} s; "
               f"context {session.ctx_size} tokens]", file=sys.stderr, flush=True)
     return session
+
+
+def session_chat(session):
+    """The chat format of the session's model (V4 or V4.1: ds4py.chat.chat_format)."""
+    from ds4py.chat import chat_format
+
+    return chat_format(getattr(session.model.config, "variant", "v4"))
 
 
 def use_color(args, stream=sys.stdout) -> bool:
@@ -169,10 +179,9 @@ def feed(printer: Printer, events) -> None:
 def stream_answer(session, prompt_ids, params, thinking: str, printer: Printer, verbose: bool,
                   cancelled=None):
     """Generate, parse and print one answer. Returns the DoneEvent."""
-    from ds4py.chat import DSMLParser
     from ds4py.session import DoneEvent
 
-    parser = DSMLParser(thinking != "off")
+    parser = session_chat(session).parser(thinking != "off")
     eos = session.tokenizer.eos_id
     eos_text = session.tokenizer.decode([eos])
     t0 = time.perf_counter()
@@ -207,13 +216,12 @@ def stream_answer(session, prompt_ids, params, thinking: str, printer: Printer, 
 
 
 def run(args) -> int:
-    from ds4py.chat import encode_prompt
-
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     params = sampling_params(args)
     session = open_session(args)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
         [{"role": "user", "content": text}]
-    ids = encode_prompt(messages, chat_options(args.thinking), session.tokenizer, plain_content=True)
+    ids = session_chat(session).encode_prompt(messages, chat_options(args.thinking), session.tokenizer,
+                                              plain_content=True)
     stream_answer(session, ids, params, args.thinking, Printer(sys.stdout, use_color(args)), args.verbose)
     return 0

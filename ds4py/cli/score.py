@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from ds4py.cli import BACKENDS
+from ds4py.cli._options import add_engram_dir, add_stack_arguments, describe, model_kwargs
 
 NAME = "score"
 HELP = "prefill ids[:P] then teacher-forced decode of the rest; write float32 logits [T-P+1, vocab]"
@@ -22,11 +23,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=BACKENDS, default="ref",
                    help="engine backend: ref (numpy, default), cuda (GPU), cuda-emu (the CUDA engine on the CPU "
                         "emulator: slow, for tests), auto (cuda where a GPU can run the model, else ref)")
+    add_stack_arguments(p)
     p.add_argument("--no-fake-quant", action="store_true",
                    help="skip the FP8/FP4 KV and indexer quant-dequant (official 'train' numerics)")
     p.add_argument("--act-quant", action="store_true",
                    help="ds4's numerics: round activations like its CPU path (Q8_0/Q8_K) before quantised "
                         "matmuls and store KV as F16")
+    add_engram_dir(p)
 
 
 def load_ids(path: str):
@@ -61,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     if not 1 <= P <= T:
         raise Ds4Error(f"--split {P} is out of range: it must be between 1 and the number of ids ({T})")
     numerics = Numerics.ds4(not args.no_fake_quant) if args.act_quant else Numerics(not args.no_fake_quant)
-    model = open_model(args.model, backend=args.backend, numerics=numerics)
+    model = open_model(args.model, backend=args.backend, numerics=numerics, **model_kwargs(args))
     V = model.config.vocab_size
     bad = (ids < 0) | (ids >= V)
     if bad.any():
@@ -80,5 +83,5 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
-    print(f"wrote {args.out}: logits {list(out.shape)} (prefill {P}, decoded {T - P})")
+    print(f"wrote {args.out}: logits {list(out.shape)} (prefill {P}, decoded {T - P}){describe(model)}")
     return 0

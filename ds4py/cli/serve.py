@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from ds4py.cli import BACKENDS
+from ds4py.cli._options import add_engram_dir, add_stack_arguments, model_kwargs
 
 NAME = "serve"
 HELP = "OpenAI / Anthropic compatible HTTP server (chat, completions, responses, messages)"
@@ -23,8 +24,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=BACKENDS, default="ref",
                    help="engine backend: ref (numpy, default), cuda (GPU), cuda-emu (the CUDA engine on the CPU "
                         "emulator: slow, for tests), auto (cuda where a GPU can run the model, else ref)")
+    add_stack_arguments(p)
     p.add_argument("--ctx", type=int, default=32768,
                    help="context size in tokens (default 32768, capped at the model's)")
+    add_engram_dir(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 exposes it to the network)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
@@ -78,18 +81,21 @@ def ensure_demo_model() -> Path:
     return path
 
 
-def make_engine(model_path: str, backend: str, ctx: int, tool_memory):
+def make_engine(model_path: str, backend: str, ctx: int, tool_memory, **model_options):
     from ds4py.model import open_model
     from ds4py.server.worker import Engine, PrefillPacer
     from ds4py.session import Session
     from ds4py.tokenizer import Tokenizer
 
-    model = open_model(model_path, backend=backend)
+    model = open_model(model_path, backend=backend, **model_options)   # engram_dir= / sidecar= / posttrain=
     tok = Tokenizer.from_gguf(getattr(model, "gguf", model_path))
     model_ctx = int(getattr(model.config, "context_length", 0) or 0)
     # prefill in chunks of about a quarter second: a client that goes away mid-prompt frees the engine soon
     session = Session(model, tok, ctx_size=min(ctx, model_ctx) if model_ctx else ctx, prefill_chunk=PrefillPacer())
-    return Engine(session, tok, tool_memory=tool_memory)
+    from ds4py.chat import chat_format
+
+    fmt = chat_format(getattr(model.config, "variant", "v4"))       # the V4 or V4.1 chat format
+    return Engine(session, tok, tool_memory=tool_memory, encode_prompt=fmt.encode_prompt, parser_factory=fmt.parser)
 
 
 def api_key(args) -> tuple[str | None, str]:
@@ -151,6 +157,10 @@ def run(args) -> int:
     else:
         if not Path(args.model).is_file():
             raise Ds4Error(f"model file not found: {args.model}")
+    if args.sidecar or args.posttrain:                   # a mismatched pair is refused before listening
+        from ds4py.vq.sidecar import check_files
+
+        check_files(str(ensure_demo_model()) if demo else args.model, args.sidecar, args.posttrain)
     try:
         sock = bind(args.host, args.port)
     except OSError as e:
@@ -162,7 +172,7 @@ def run(args) -> int:
     def load():
         t0 = time.perf_counter()
         path = str(ensure_demo_model()) if demo else args.model
-        engine = make_engine(path, args.backend, args.ctx, memory)
+        engine = make_engine(path, args.backend, args.ctx, memory, **model_kwargs(args))
         print(f"ds4py serve: model ready in {time.perf_counter() - t0:.1f} s (context {engine.ctx_size} tokens)",
               file=sys.stderr, flush=True)
         return engine

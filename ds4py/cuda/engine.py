@@ -181,14 +181,22 @@ class CudaModel(ModelBase):
 
     def __init__(self, path: str, numerics: Numerics | None = None,
                  rollback_horizon: int = DEFAULT_ROLLBACK_HORIZON, runtime: Any = None, emulate: bool = False,
-                 pdl: bool = True, graphs: bool = True, progress: bool | None = None):
+                 pdl: bool = True, graphs: bool = True, progress: bool | None = None, sidecar: Any = None,
+                 posttrain: Any = None, engram_dir: str | None = None, official_decode_bug: bool = False):
         """runtime: a Runtime / EmuRuntime to use (default: a new one: the GPU, or the emulator with emulate).
         pdl / graphs: programmatic dependent launches and graph replay (both on by default; off for the
-        bit-identity tests and the bench's comparison)."""
+        bit-identity tests and the bench's comparison). sidecar / posttrain / engram_dir / official_decode_bug:
+        the reference backend's options (docs/vq.md, docs/v41.md), which this engine refuses in one sentence
+        (UnsupportedByBackend: `--backend auto` then opens the reference); engram_dir is ignored for V4."""
         t0 = time.perf_counter()
+        if sidecar is not None or posttrain is not None:
+            raise UnsupportedByBackend("the CUDA engine does not apply domain sidecars or post-training files yet; "
+                                       "use --backend ref")
         self.path = str(path)
         self.gguf = GGUFFile(self.path)
         cfg = ModelConfig.from_gguf(self.gguf)
+        if official_decode_bug:
+            raise UnsupportedByBackend("official_decode_bug is a V4.1 option; the CUDA engine runs V4 Flash only")
         header = min(t.offset for t in self.gguf.tensors.values())
         if progress is None:
             progress = not emulate and runtime is None
@@ -255,8 +263,11 @@ class CudaModel(ModelBase):
 
     def _check_config(self) -> None:
         cfg = self.config
+        if cfg.is_v41:
+            raise UnsupportedByBackend("the CUDA engine runs V4 Flash only (no V4.1 Engram, candidate selection or "
+                                       "VQ-8 kernels yet); use --backend ref")
         for il in range(cfg.n_layers):
-            if cfg.kv_source(il) != il:
+            if cfg.is_compressed(il) and cfg.kv_source(il) != il:
                 raise UnsupportedByBackend(f"layer {il} reads compressed rows of layer {cfg.kv_source(il)}, which "
                                            f"the CUDA engine does not support yet (V4.1); use --backend ref")
 

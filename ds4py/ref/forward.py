@@ -14,13 +14,13 @@ predicates (`cfg.roles(l)`), the numerics from one explicit `Numerics` value.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from ds4py.config import LayerRoles
 from ds4py.model import Numerics
-from ds4py.ref import ops
+from ds4py.ref import ops, v41
 from ds4py.ref.state import RefState
 from ds4py.schema import AttentionWeights, CompressorWeights, FfnWeights, LayerWeights, ModelWeights
 
@@ -30,10 +30,23 @@ QUERY_BLOCK = 256        # queries per attention block: bounds the [T, H, keys] 
 
 @dataclass
 class Seq:
-    """One sequence of a step: its state, its rows in the step's arrays and their positions."""
+    """One sequence of a step: its state, its rows in the step's arrays and their positions; what its layers hand
+    down within the step (V4.1: each index source's selection, the candidate blocks, the last key publisher)."""
     state: RefState
     rows: slice
     pos: np.ndarray
+    topk: dict = field(default_factory=dict)       # index source layer -> [T, Nc] selected compressed rows
+    candidates: np.ndarray | None = None           # [T, Nc] rows inside the candidate blocks
+    key_pub: int = -1                              # v41.KeyPublishers (the official decode bug, reproduced)
+
+
+@dataclass
+class V41Step:
+    """What a V4.1 step needs besides the weights (None for V4): the Engram hash ids and table rows, and the
+    switch that reproduces the official decode's index-key bug."""
+    ngram: "v41.NgramIds | None" = None
+    tables: object = None                          # ds4py.engram.EngramTables
+    publishers: "v41.KeyPublishers | None" = None
 
 
 class Trace:
@@ -47,6 +60,14 @@ class Trace:
         self.expert_weights = [None] * n_layers              # [T, k]
         self.indexer_selected = [None] * n_layers            # [T, Nc] bool: compressed rows chosen by top-k
         self.indexer_scores = [None] * n_layers              # [T, Nc] float (invisible rows −inf)
+        self.ffn_post = [None] * n_layers                    # [T, hc] the FFN's hc_post weights
+        # the sidecar solvers' capture (ds4py/vq/capture.py): called at the end of every MoE as
+        # moe_hook(layer, x, idx, wts, parts [T, k, D] = each routed expert's weighted output, shared, y);
+        # y = shared + the parts, summed in the forward's order. It may raise to stop the step there.
+        self.moe_hook = None
+        self.premix = [None] * n_layers                      # [T, hc] V4.1: the pre-mix each block hands on
+        self.engram_out = [None] * n_layers                  # [T, hc, D] V4.1: the state after Engram (block input)
+        self.engram_ids = None                               # [T, n_engram_layers, cols] V4.1 hash ids
 
 
 def kv_store(x: np.ndarray, nx: Numerics) -> np.ndarray:
@@ -56,22 +77,30 @@ def kv_store(x: np.ndarray, nx: Numerics) -> np.ndarray:
 
 # ---- compressors (MODEL.md §2.3) -----------------------------------------------------------------------------
 def compressor_inputs(w, C: CompressorWeights, x: np.ndarray, pos: np.ndarray,
-                      ratio: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per row: kv = wkv x and the gate score s = wgate x + ape[pos mod ratio] (all sequences at once)."""
+                      ratio: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """Per row: kv = wkv x and the gate score s = wgate x + ape[pos mod ratio] (all sequences at once); V4.1 has
+    no ape, and a ratio-1 compressor no gate (score None)."""
+    if C.gate is None:
+        return w.linear(C.kv, x), None
+    if C.ape is None:
+        return w.linear(C.kv, x), w.linear(C.gate, x)
     return w.linear(C.kv, x), w.linear(C.gate, x) + w.get(C.ape)[pos % ratio]
 
 
-def compress(w, cfg, nx: Numerics, C: CompressorWeights, kv: np.ndarray, score: np.ndarray, pos: np.ndarray,
-             ring_kv: np.ndarray, ring_score: np.ndarray, out: np.ndarray, ratio: int, overlap: int,
-             freqs: np.ndarray, rotate: bool) -> None:
-    """One sequence's chunk through a compressor: pool every group it completes into out[g], keep its inputs
-    in the rings. Group g = positions [g·r, (g+1)·r) completes at (g+1)·r − 1 and pools them, plus group g−1's
-    through the first half of the channels when the compressor overlaps (group −1: kv 0, score −inf). Rows:
-    RMSNorm, RoPE at g·r, then Hadamard + FP4 (indexer keys) or FP8 on the non-rope dims."""
-    cap = ring_kv.shape[0]
+def pool_groups(w, cfg, C: CompressorWeights, kv: np.ndarray, score: np.ndarray | None, pos: np.ndarray,
+                ring_kv: np.ndarray | None, ring_score: np.ndarray | None, ratio: int,
+                overlap: int) -> tuple[int, int, np.ndarray | None]:
+    """One sequence's chunk through a compressor's pooling: (g0, g1, the RMS-normalised rows of the groups
+    [g0, g1) it completes, or None), keeping its inputs in the rings. Group g = positions [g·r, (g+1)·r)
+    completes at (g+1)·r − 1 and pools them, plus group g−1's through the first half of the channels when the
+    compressor overlaps (group −1: kv 0, score −inf). Without a gate (ratio 1) a row is its position's kv."""
     p0, p1 = int(pos[0]), int(pos[-1]) + 1
     g0, g1 = p0 // ratio, p1 // ratio                     # groups completed by this chunk: [g0, g1)
-    if g1 > g0:
+    rows = None
+    if g1 > g0 and score is None:
+        rows = ops.rmsnorm(kv, w.get(C.norm), cfg.norm_eps)
+    elif g1 > g0:
+        cap = ring_kv.shape[0]
         start = max(0, g0 - overlap) * ratio              # the first position those groups read
         old = np.arange(start, p0)                        # ... held in the rings
         all_kv = np.concatenate([ring_kv[old % cap], kv])
@@ -80,6 +109,21 @@ def compress(w, cfg, nx: Numerics, C: CompressorWeights, kv: np.ndarray, score: 
         prev = (all_kv[a - ratio:a], all_sc[a - ratio:a]) if overlap and g0 > 0 else (None, None)
         rows = ops.compress_pool(all_kv[a:b], all_sc[a:b], ratio, bool(overlap), *prev)
         rows = ops.rmsnorm(rows, w.get(C.norm), cfg.norm_eps)
+    if ring_kv is not None:
+        cap = ring_kv.shape[0]
+        keep = pos[-min(len(pos), cap):]                  # a chunk longer than the ring keeps its tail
+        ring_kv[keep % cap] = kv[-len(keep):]
+        ring_score[keep % cap] = score[-len(keep):]
+    return g0, g1, rows
+
+
+def compress(w, cfg, nx: Numerics, C: CompressorWeights, kv: np.ndarray, score: np.ndarray, pos: np.ndarray,
+             ring_kv: np.ndarray, ring_score: np.ndarray, out: np.ndarray, ratio: int, overlap: int,
+             freqs: np.ndarray, rotate: bool) -> None:
+    """A V4 compressor: pool every group the chunk completes (pool_groups) into out[g]. Rows: RMSNorm, RoPE at
+    g·r, then Hadamard + FP4 (indexer keys) or FP8 on the non-rope dims."""
+    g0, g1, rows = pool_groups(w, cfg, C, kv, score, pos, ring_kv, ring_score, ratio, overlap)
+    if rows is not None:
         rows = ops.rope_tail(rows, np.arange(g0, g1) * ratio, freqs)
         if rotate:
             rows = ops.hadamard(rows)
@@ -88,9 +132,6 @@ def compress(w, cfg, nx: Numerics, C: CompressorWeights, kv: np.ndarray, score: 
         elif nx.fake_quant:
             rows[:, :cfg.nope_dim] = ops.fp8_fake_quant(rows[:, :cfg.nope_dim], 64)
         out[g0:g1] = kv_store(rows, nx)
-    keep = pos[-min(len(pos), cap):]                      # a chunk longer than the ring keeps its tail
-    ring_kv[keep % cap] = kv[-len(keep):]
-    ring_score[keep % cap] = score[-len(keep):]
 
 
 def indexer_scores(q: np.ndarray, wts: np.ndarray, pos: np.ndarray, keys: np.ndarray, ratio: int) -> np.ndarray:
@@ -147,20 +188,23 @@ def attend(q: np.ndarray, win: np.ndarray, win_pos: np.ndarray, comp: np.ndarray
 
 
 def attention(w, cfg, nx: Numerics, ro: LayerRoles, A: AttentionWeights, x: np.ndarray, pos: np.ndarray,
-              seqs: list[Seq], trace: Trace | None) -> np.ndarray:
+              seqs: list[Seq], trace: Trace | None, publishers: "v41.KeyPublishers | None" = None) -> np.ndarray:
     il, T, H, hd, W = ro.layer, x.shape[0], cfg.n_heads, cfg.head_dim, cfg.window
     freqs = ops.layer_rope_freqs(cfg, il)
 
-    # query: low rank + q_norm, per-head RMS (no weight), RoPE on the last rd dims
+    # query: low rank + q_norm, per-head RMS (no weight; V4 only), RoPE on the last rd dims
     qr = ops.rmsnorm(w.linear(A.q_a, x), w.get(A.q_a_norm), cfg.norm_eps)
-    q = ops.rmsnorm(w.linear(A.q_b, qr).reshape(T, H, hd), None, cfg.norm_eps)
+    q = w.linear(A.q_b, qr).reshape(T, H, hd)
+    if cfg.q_head_norm:
+        q = ops.rmsnorm(q, None, cfg.norm_eps)
     q = ops.rope_tail(q, pos, freqs)
 
-    # the one shared K=V row per token; FP8 fake-quant of the non-rope dims
+    # the one shared K=V row per token; FP8 fake-quant (V4: the non-rope dims in blocks of 64, V4.1 all in 32)
     kv = ops.rmsnorm(w.linear(A.kv, x), w.get(A.kv_norm), cfg.norm_eps)
     kv = ops.rope_tail(kv, pos, freqs)
     if nx.fake_quant:
-        kv[:, :cfg.nope_dim] = ops.fp8_fake_quant(kv[:, :cfg.nope_dim], 64)
+        d, block = cfg.kv_fp8
+        kv[:, :d] = ops.fp8_fake_quant(kv[:, :d], block)
     kv = kv_store(kv, nx)
 
     # the compressors' and the indexer's per-row inputs, for every sequence at once
@@ -168,11 +212,14 @@ def attention(w, cfg, nx: Numerics, ro: LayerRoles, A: AttentionWeights, x: np.n
         ckv, csc = compressor_inputs(w, A.comp, x, pos, ro.ratio)
     if ro.indexer:
         ih, ihd = cfg.index_heads, cfg.index_head_dim
-        iq = ops.hadamard(ops.rope_tail(w.linear(A.index.q_b, qr).reshape(T, ih, ihd), pos, freqs))
+        iq = ops.rope_tail(w.linear(A.index.q_b, qr).reshape(T, ih, ihd), pos, freqs)
+        if cfg.index_hadamard:
+            iq = ops.hadamard(iq)
         if nx.fake_quant:
             iq = ops.fp4_fake_quant(iq, 32)
         iw = w.linear(A.index.proj, x) * F32(ihd ** -0.5 * ih ** -0.5)
-        ikv, isc = compressor_inputs(w, A.index.comp, x, pos, ro.index_ratio)
+        if A.index.comp is not None:
+            ikv, isc = compressor_inputs(w, A.index.comp, x, pos, ro.index_ratio)
 
     # per sequence: window, compressed rows, indexer selection, attention with sink
     sink = w.get(A.sinks)
@@ -183,20 +230,39 @@ def attention(w, cfg, nx: Numerics, ro: LayerRoles, A: AttentionWeights, x: np.n
         comp = sel = None
         if ro.compressed:
             n_rows = (int(p[-1]) + 1) // ro.ratio
-            if ro.compressor:
+            emitted = False
+            if ro.compressor and cfg.is_v41:         # V4.1: ratio 1 / 2 pooling, keys from the latent, NVFP4 rows
+                rings = (st.ring(il, "comp_kv"), st.ring(il, "comp_score")) if ro.gated else (None, None)
+                g0, g1, lat = pool_groups(w, cfg, A.comp, ckv[r], None if csc is None else csc[r], p, *rings,
+                                          ro.ratio, 0)
+                if lat is not None:
+                    v41.finish_rows(w, cfg, nx, A, ro, st, lat, g0, g1, freqs)
+                emitted = lat is not None
+            elif ro.compressor:
                 compress(w, cfg, nx, A.comp, ckv[r], csc[r], p, st.ring(il, "comp_kv"), st.ring(il, "comp_score"),
                          st.rows(il, "comp_rows", n_rows), ro.ratio, ro.overlap, freqs, False)
             comp = st.rows(ro.kv_source, "comp_rows", n_rows)[:n_rows]
             sel = np.arange(n_rows)[None, :] < ((p + 1) // ro.ratio)[:, None]
             if ro.indexer:
                 n_keys = (int(p[-1]) + 1) // ro.index_ratio
-                keys = st.rows(il, "idx_keys", n_keys)
-                compress(w, cfg, nx, A.index.comp, ikv[r], isc[r], p, st.ring(il, "idx_kv"),
-                         st.ring(il, "idx_score"), keys, ro.index_ratio, ro.index_overlap, freqs, True)
-                scores = indexer_scores(iq[r], iw[r], p, keys[:n_keys], ro.index_ratio)
+                if A.index.comp is not None:         # V4: the indexer's own compressor makes its keys
+                    compress(w, cfg, nx, A.index.comp, ikv[r], isc[r], p, st.ring(il, "idx_kv"),
+                             st.ring(il, "idx_score"), st.rows(il, "idx_keys", n_keys), ro.index_ratio,
+                             ro.index_overlap, freqs, True)
+                keys_layer = ro.index_keys if publishers is None else publishers.keys_layer(s, ro, emitted)
+                keys = st.rows(keys_layer, "idx_keys", n_keys)[:n_keys]
+                scores = indexer_scores(iq[r], iw[r], p, keys, ro.index_ratio)
+                if ro.candidate_source:
+                    s.candidates = v41.candidate_blocks(scores, p, ro.index_ratio, cfg.candidate_topk_blocks,
+                                                        cfg.candidate_block_size)
+                elif ro.uses_candidates:
+                    scores = np.where(s.candidates, scores, F32(-np.inf))
                 sel = topk_mask(scores, cfg.index_topk)
+                s.topk[il] = sel
                 if trace is not None:
                     trace.indexer_selected[il], trace.indexer_scores[il] = sel, scores
+            elif ro.index_source >= 0:               # V4.1: the latest index source's selection
+                sel = s.topk[ro.index_source]
         o[r] = attend(q[r], win, win_pos, comp, sel, p, sink, W)
 
     # inverse RoPE on the output's rope dims, then the grouped low-rank output projection
@@ -211,15 +277,19 @@ def attention(w, cfg, nx: Numerics, ro: LayerRoles, A: AttentionWeights, x: np.n
 # ---- MoE ----------------------------------------------------------------------------------------------------
 def route(w, cfg, ro: LayerRoles, Fw: FfnWeights, x: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Expert ids [T, k] and weights [T, k]: hash table on the hash layers, biased top-k after."""
-    s = ops.sqrt_softplus(w.linear(Fw.gate_inp, x))
+    logits = w.linear(Fw.gate_inp, x)
+    if cfg.gate_temp != 1.0:                                       # V4.1's gate temperature
+        logits = logits / F32(cfg.gate_temp)
+    s = ops.sqrt_softplus(logits)
     if ro.hash_routing:
         idx = w.get(Fw.tid2eid)[ids]
     else:
         biased = s + w.get(Fw.route_bias)                          # the bias picks experts, never weighs them
         idx = np.argsort(-biased, axis=1, kind="stable")[:, :cfg.n_experts_used]
     wts = np.take_along_axis(s, idx, 1)
-    if cfg.route_norm:
-        wts = wts / wts.sum(1, keepdims=True)
+    if cfg.route_normalises:
+        den = wts.sum(1, keepdims=True)
+        wts = wts / (den + F32(cfg.route_norm_eps) if cfg.route_norm_eps else den)
     return idx, (wts * F32(cfg.route_scale)).astype(F32)
 
 
@@ -232,35 +302,59 @@ def moe(w, cfg, ro: LayerRoles, Fw: FfnWeights, x: np.ndarray, ids: np.ndarray, 
     act_in, act_mid = (lambda a: w.act(S.gate, a)), (lambda a: w.act(S.down, a))
     y = ops.swiglu(x, w.get(S.gate), w.get(S.up), w.get(S.down), clamp, None, act_in, act_mid)
     act_in, act_mid = (lambda a: w.act(E.gate, a)), (lambda a: w.act(E.down, a))
+    hook = trace.moe_hook if trace is not None else None
+    if hook is not None:
+        shared, parts = y.copy(), np.zeros((*idx.shape, y.shape[1]), F32)
     for e in np.unique(idx):                     # each expert some row of the step was routed to, once
         tok, slot = np.nonzero(idx == e)
-        y[tok] += ops.swiglu(x[tok], w.expert(E.gate, e), w.expert(E.up, e), w.expert(E.down, e), clamp,
-                             wts[tok, slot], act_in, act_mid)
+        part = ops.swiglu(x[tok], w.expert(E.gate, e), w.expert(E.up, e), w.expert(E.down, e), clamp,
+                          wts[tok, slot], act_in, act_mid)
+        y[tok] += part
+        if hook is not None:
+            parts[tok, slot] = part
+    if hook is not None:
+        hook(ro.layer, x, idx, wts, parts, shared, y)
     return y
 
 
 # ---- block and model ----------------------------------------------------------------------------------------
+class HcLag:
+    """V4.1's lagged hyper-connections (MODEL.md §3): the pre-mix the next sub-layer collapses with. Starts
+    one-hot (layer 0); each block's attention collapses with the incoming one, its FFN with the attention's,
+    and the block hands its FFN's on (to the next block, or the head)."""
+
+    def __init__(self, rows: int, hc: int):
+        self.pre = np.zeros((rows, hc), F32)
+        self.pre[:, 0] = 1
+
+
 def block(w, cfg, nx: Numerics, ro: LayerRoles, L: LayerWeights, X: np.ndarray, ids: np.ndarray, pos: np.ndarray,
-          seqs: list[Seq], trace: Trace | None) -> np.ndarray:
+          seqs: list[Seq], trace: Trace | None, lag: HcLag | None = None,
+          publishers: "v41.KeyPublishers | None" = None) -> np.ndarray:
     hc_args = (cfg.norm_eps, cfg.hc_eps, cfg.sinkhorn_iters)
 
-    x, post, comb = ops.hc_pre(X, w.get(L.hc_attn.fn), w.get(L.hc_attn.scale), w.get(L.hc_attn.base), *hc_args)
-    x = ops.rmsnorm(x, w.get(L.attn_norm), cfg.norm_eps)
+    pre, post, comb = ops.hc_coeffs(X, w.get(L.hc_attn.fn), w.get(L.hc_attn.scale), w.get(L.hc_attn.base), *hc_args)
+    x = ops.rmsnorm(ops.hc_collapse(X, pre if lag is None else lag.pre), w.get(L.attn_norm), cfg.norm_eps)
     if trace is not None:
         trace.attn_in[ro.layer] = x
-    X = ops.hc_post(attention(w, cfg, nx, ro, L.attn, x, pos, seqs, trace), X, post, comb)
+    X = ops.hc_post(attention(w, cfg, nx, ro, L.attn, x, pos, seqs, trace, publishers), X, post, comb)
 
-    x, post, comb = ops.hc_pre(X, w.get(L.hc_ffn.fn), w.get(L.hc_ffn.scale), w.get(L.hc_ffn.base), *hc_args)
-    x = ops.rmsnorm(x, w.get(L.ffn_norm), cfg.norm_eps)
+    attn_pre = pre
+    pre, post, comb = ops.hc_coeffs(X, w.get(L.hc_ffn.fn), w.get(L.hc_ffn.scale), w.get(L.hc_ffn.base), *hc_args)
+    x = ops.rmsnorm(ops.hc_collapse(X, pre if lag is None else attn_pre), w.get(L.ffn_norm), cfg.norm_eps)
+    if lag is not None:
+        lag.pre = pre
+        if trace is not None:
+            trace.premix[ro.layer] = pre
     if trace is not None:
-        trace.ffn_in[ro.layer] = x
+        trace.ffn_in[ro.layer], trace.ffn_post[ro.layer] = x, post
     return ops.hc_post(moe(w, cfg, ro, L.ffn, x, ids, trace), X, post, comb)
 
 
 def forward(w, B: ModelWeights, cfg, nx: Numerics, states: list[RefState], chunks: list[np.ndarray],
-            all_logits: bool, trace: Trace | None = None) -> list[np.ndarray]:
+            all_logits: bool, trace: Trace | None = None, extra: V41Step | None = None) -> list[np.ndarray]:
     """Run each chunk at positions state.n_tokens.. of its state and advance the states. Returns per sequence
-    logits [T, vocab] (all_logits) or [vocab] (its last position)."""
+    logits [T, vocab] (all_logits) or [vocab] (its last position). `extra`: what V4.1 needs besides weights."""
     seqs, at = [], 0
     for st, c in zip(states, chunks):
         seqs.append(Seq(st, slice(at, at + len(c)), np.arange(st.n_tokens, st.n_tokens + len(c))))
@@ -268,18 +362,38 @@ def forward(w, B: ModelWeights, cfg, nx: Numerics, states: list[RefState], chunk
     ids, pos = np.concatenate(chunks), np.concatenate([s.pos for s in seqs])
     for s in seqs:
         s.state.begin_step(len(s.pos))
+    extra = extra or V41Step()
+    publishers = extra.publishers
+    if publishers is not None:
+        publishers.begin(seqs)
+    ngram = extra.ngram.step(seqs, ids) if extra.ngram is not None else None
+    if trace is not None:
+        trace.engram_ids = ngram
     h = w.rows(B.embed, ids)
     X = np.repeat(h[:, None, :], cfg.hc_mult, axis=1)        # [rows, hc, D]
+    lag = HcLag(len(ids), cfg.hc_mult) if cfg.lagged_hc else None
     if trace is not None:
         trace.hc.append(X)
     for il, L in enumerate(B.layers):
-        X = block(w, cfg, nx, cfg.roles(il), L, X, ids, pos, seqs, trace)
+        ro = cfg.roles(il)
+        if ro.engram >= 0:
+            X = v41.engram(w, cfg, L.engram, X, extra.tables.rows(ro.engram, ngram[:, ro.engram]))
+            if trace is not None:
+                trace.engram_out[il] = X
+        X = block(w, cfg, nx, ro, L, X, ids, pos, seqs, trace, lag, publishers)
         if trace is not None:
             trace.hc.append(X)
+    if publishers is not None:
+        publishers.end(seqs)
     for s in seqs:
         s.state.end_step(len(s.pos))
+    last = [s.rows.stop - 1 for s in seqs]
     if not all_logits:
-        X = X[[s.rows.stop - 1 for s in seqs]]
-    y = ops.hc_head(X, w.get(B.hc_head.fn), w.get(B.hc_head.scale), w.get(B.hc_head.base), cfg.norm_eps, cfg.hc_eps)
+        X = X[last]
+    if B.hc_head is not None:
+        y = ops.hc_head(X, w.get(B.hc_head.fn), w.get(B.hc_head.scale), w.get(B.hc_head.base), cfg.norm_eps,
+                        cfg.hc_eps)
+    else:                                                    # V4.1: the last FFN's pre-mix collapses the copies
+        y = ops.hc_collapse(X, lag.pre if all_logits else lag.pre[last])
     logits = w.linear(B.head, ops.rmsnorm(y, w.get(B.output_norm), cfg.norm_eps))
     return [logits[s.rows] for s in seqs] if all_logits else list(logits)

@@ -25,8 +25,10 @@ def rmsnorm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
 # ---- rotary embedding ----------------------------------------------------------------------------------
 @lru_cache(maxsize=16)
 def rope_freqs(rd: int, base: float, factor: float = 1.0, orig_ctx: int = 0,
-               beta_fast: float = 32.0, beta_slow: float = 1.0) -> np.ndarray:
-    """Per-pair frequencies f_i = base^(-2i/rd); with orig_ctx > 0 the YaRN ramp divides the low ones by factor."""
+               beta_fast: float = 32.0, beta_slow: float = 1.0, v41: bool = False) -> np.ndarray:
+    """Per-pair frequencies f_i = base^(-2i/rd); with orig_ctx > 0 the YaRN ramp divides the low ones by factor.
+    v41: the V4.1 code's form of the same ramp (span floored at 1e-3 instead of nudged when low == high, and
+    the blend written through smooth = 1 - ramp), bit for bit."""
     freqs = (F32(1.0) / (F32(base) ** (np.arange(0, rd, 2, dtype=F32) / F32(rd)))).astype(F32)
     if orig_ctx > 0:
         def corr_dim(rot: float) -> float:
@@ -34,6 +36,10 @@ def rope_freqs(rd: int, base: float, factor: float = 1.0, orig_ctx: int = 0,
 
         low = max(math.floor(corr_dim(beta_fast)), 0)
         high = min(math.ceil(corr_dim(beta_slow)), rd - 1)
+        if v41:
+            ramp = np.clip((np.arange(rd // 2, dtype=F32) - low) / F32(max(high - low, 1e-3)), 0, 1).astype(F32)
+            smooth = (1 - ramp).astype(F32)
+            return (freqs / F32(factor) * (1 - smooth) + freqs * smooth).astype(F32)
         if low == high:
             high += 0.001
         ramp = np.clip((np.arange(rd // 2, dtype=F32) - low) / F32(high - low), 0, 1).astype(F32)
@@ -46,6 +52,9 @@ def layer_rope_freqs(cfg, layer: int) -> np.ndarray:
     an original context is given (the official precompute does not compare it with the context length)."""
     if not cfg.is_compressed(layer):
         return rope_freqs(cfg.rope_dim, cfg.rope_base)
+    if cfg.is_v41:
+        return rope_freqs(cfg.rope_dim, cfg.compress_rope_base, cfg.rope_factor, cfg.rope_orig_ctx, cfg.beta_fast,
+                          cfg.beta_slow, True)
     return rope_freqs(cfg.rope_dim, cfg.compress_rope_base, cfg.rope_factor, cfg.rope_orig_ctx, cfg.beta_fast,
                       cfg.beta_slow)
 
@@ -113,6 +122,15 @@ def fp4_fake_quant(x: np.ndarray, block: int = 32) -> np.ndarray:
     return (round_e2m1(np.clip(xb / s, -6, 6)) * s).reshape(x.shape)
 
 
+def nvfp4_fake_quant(x: np.ndarray, block: int = 16) -> np.ndarray:
+    """FP4 e2m1 quant-dequant in blocks of `block` with an FP8 e4m3 scale e4m3(amax/6), amax >= 6·2^-9 (the V4.1
+    compressed rows' NVFP4-like rounding, MODEL.md §3)."""
+    xb = x.astype(F32).reshape(*x.shape[:-1], x.shape[-1] // block, block)
+    amax = np.maximum(np.abs(xb).max(-1, keepdims=True), F32(6 * 2.0 ** -9))
+    s = round_e4m3(np.minimum(amax / F32(6), F32(448)))
+    return (round_e2m1(np.clip(xb / s, -6, 6)) * s).reshape(x.shape)
+
+
 def f16_round(x: np.ndarray) -> np.ndarray:
     return x.astype(np.float16).astype(F32)
 
@@ -173,16 +191,27 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
         return (F32(1) / (F32(1) + np.exp(-x))).astype(F32)
 
 
-def hc_pre(X: np.ndarray, fn: np.ndarray, scale: np.ndarray, base: np.ndarray, norm_eps: float, hc_eps: float,
-           iters: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Collapse the hc copies to one sub-layer input; returns (x [T, D], post [T, hc], comb [T, hc, hc])."""
+def hc_coeffs(X: np.ndarray, fn: np.ndarray, scale: np.ndarray, base: np.ndarray, norm_eps: float, hc_eps: float,
+              iters: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The mixes of the state X: (pre [T, hc], post [T, hc], comb [T, hc, hc])."""
     hc = X.shape[1]
     m = hc_mixes(X, fn, norm_eps)
     pre = sigmoid(m[:, :hc] * scale[0] + base[:hc]) + F32(hc_eps)
     post = 2 * sigmoid(m[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
     comb = sinkhorn((m[:, 2 * hc:] * scale[2] + base[2 * hc:]).reshape(-1, hc, hc), iters, hc_eps)
-    x = (pre[:, :, None] * X).sum(1)      # Σ_j pre_j X_j; products then a sum over j, in the official order
-    return x, post, comb
+    return pre, post, comb
+
+
+def hc_collapse(X: np.ndarray, pre: np.ndarray) -> np.ndarray:
+    """Σ_j pre_j X_j; products then a sum over j, in the official order. X [T, hc, D], pre [T, hc] -> [T, D]."""
+    return (pre[:, :, None] * X).sum(1)
+
+
+def hc_pre(X: np.ndarray, fn: np.ndarray, scale: np.ndarray, base: np.ndarray, norm_eps: float, hc_eps: float,
+           iters: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Collapse the hc copies to one sub-layer input; returns (x [T, D], post [T, hc], comb [T, hc, hc])."""
+    pre, post, comb = hc_coeffs(X, fn, scale, base, norm_eps, hc_eps, iters)
+    return hc_collapse(X, pre), post, comb
 
 
 def hc_post(f: np.ndarray, X: np.ndarray, post: np.ndarray, comb: np.ndarray) -> np.ndarray:
