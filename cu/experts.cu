@@ -874,21 +874,25 @@ extern "C" __global__ void moe_dequant_f16(const uint8_t* W, float* out, int n_g
 // with ids null), smem moe_smem_bytes with the stage and the partial sums side by side. moe_down_rows_<fmt>:
 // grid (ceil(dim / rows_per_block), rows), smem as moe_down_<fmt>.
 
+// Grouped gate + up of nx rows. Launch: grid (ceil(ff / rows_per_block), distinct experts at most), smem moe_rows_plan.
 extern "C" __global__ void moe_gate_up_rows_iq2_xxs(const uint8_t* Wg, const uint8_t* Wu, const float* x, const int* ids,
                                     const float* route_w, float* h, int n_experts, int ff, int dim,
-                                    int rows_per_block, float clamp, int n_pairs, int k, int x_stride) {
+                                    int rows_per_block, float clamp, int n_pairs, int k,
+                                    int x_stride) {
     extern __shared__ __align__(16) uint8_t moe_smem[];
     __shared__ int pick;
     __shared__ uint64_t grid_s[256];
     pdl_wait();
     pdl_launch_dependents();
     moe_load_grid(grid_s);
-    moe_gate_up_rows_impl<FMT_IQ2_XXS>(moe_smem, grid_s, Wg, Wu, x, ids, route_w, h, n_experts, ff, dim, rows_per_block, clamp, n_pairs, k, x_stride, &pick);
+    moe_gate_up_rows_impl<FMT_IQ2_XXS>(moe_smem, grid_s, Wg, Wu, x, ids, route_w, h, n_experts, ff, dim, rows_per_block,
+                                    clamp, n_pairs, k, x_stride, &pick);
 }
 
+// Per-row down of nx rows. Launch: grid (ceil(dim / rows_per_block), nx), smem as moe_down.
 extern "C" __global__ void moe_down_rows_iq2_xxs(const uint8_t* W, const int* ids, const float* h, const float* add,
-                                 const float* mix, const float* hc_x, float* out,
-                                 int n_slots, int n_experts, int dim, int ff, int rows_per_block, int hc) {
+                                 const float* mix, const float* hc_x, float* out, int n_slots, int n_experts,
+                                 int dim, int ff, int rows_per_block, int hc) {
     extern __shared__ __align__(16) uint8_t moe_smem[];
     __shared__ uint64_t grid_s[256];
     pdl_wait();
@@ -898,19 +902,23 @@ extern "C" __global__ void moe_down_rows_iq2_xxs(const uint8_t* W, const int* id
                              dim, ff, rows_per_block, hc);
 }
 
+// Grouped gate + up of nx rows. Launch: grid (ceil(ff / rows_per_block), distinct experts at most), smem moe_rows_plan.
 extern "C" __global__ void moe_gate_up_rows_q2_k(const uint8_t* Wg, const uint8_t* Wu, const float* x, const int* ids,
                                     const float* route_w, float* h, int n_experts, int ff, int dim,
-                                    int rows_per_block, float clamp, int n_pairs, int k, int x_stride) {
+                                    int rows_per_block, float clamp, int n_pairs, int k,
+                                    int x_stride) {
     extern __shared__ __align__(16) uint8_t moe_smem[];
     __shared__ int pick;
     pdl_wait();
     pdl_launch_dependents();
-    moe_gate_up_rows_impl<FMT_Q2_K>(moe_smem, nullptr, Wg, Wu, x, ids, route_w, h, n_experts, ff, dim, rows_per_block, clamp, n_pairs, k, x_stride, &pick);
+    moe_gate_up_rows_impl<FMT_Q2_K>(moe_smem, nullptr, Wg, Wu, x, ids, route_w, h, n_experts, ff, dim, rows_per_block,
+                                    clamp, n_pairs, k, x_stride, &pick);
 }
 
+// Per-row down of nx rows. Launch: grid (ceil(dim / rows_per_block), nx), smem as moe_down.
 extern "C" __global__ void moe_down_rows_q2_k(const uint8_t* W, const int* ids, const float* h, const float* add,
-                                 const float* mix, const float* hc_x, float* out,
-                                 int n_slots, int n_experts, int dim, int ff, int rows_per_block, int hc) {
+                                 const float* mix, const float* hc_x, float* out, int n_slots, int n_experts,
+                                 int dim, int ff, int rows_per_block, int hc) {
     extern __shared__ __align__(16) uint8_t moe_smem[];
     pdl_wait();
     pdl_launch_dependents();
@@ -918,19 +926,23 @@ extern "C" __global__ void moe_down_rows_q2_k(const uint8_t* W, const int* ids, 
                           dim, ff, rows_per_block, hc);
 }
 
+// Grouped gate + up of nx rows. Launch: grid (ceil(ff / rows_per_block), distinct experts at most), smem moe_rows_plan.
 extern "C" __global__ void moe_gate_up_rows_q4_k(const uint8_t* Wg, const uint8_t* Wu, const float* x, const int* ids,
                                     const float* route_w, float* h, int n_experts, int ff, int dim,
-                                    int rows_per_block, float clamp, int n_pairs, int k, int x_stride) {
+                                    int rows_per_block, float clamp, int n_pairs, int k,
+                                    int x_stride) {
     extern __shared__ __align__(16) uint8_t moe_smem[];
     __shared__ int pick;
     pdl_wait();
     pdl_launch_dependents();
-    moe_gate_up_rows_impl<FMT_Q4_K>(moe_smem, nullptr, Wg, Wu, x, ids, route_w, h, n_experts, ff, dim, rows_per_block, clamp, n_pairs, k, x_stride, &pick);
+    moe_gate_up_rows_impl<FMT_Q4_K>(moe_smem, nullptr, Wg, Wu, x, ids, route_w, h, n_experts, ff, dim, rows_per_block,
+                                    clamp, n_pairs, k, x_stride, &pick);
 }
 
+// Per-row down of nx rows. Launch: grid (ceil(dim / rows_per_block), nx), smem as moe_down.
 extern "C" __global__ void moe_down_rows_q4_k(const uint8_t* W, const int* ids, const float* h, const float* add,
-                                 const float* mix, const float* hc_x, float* out,
-                                 int n_slots, int n_experts, int dim, int ff, int rows_per_block, int hc) {
+                                 const float* mix, const float* hc_x, float* out, int n_slots, int n_experts,
+                                 int dim, int ff, int rows_per_block, int hc) {
     extern __shared__ __align__(16) uint8_t moe_smem[];
     pdl_wait();
     pdl_launch_dependents();
@@ -938,19 +950,23 @@ extern "C" __global__ void moe_down_rows_q4_k(const uint8_t* W, const int* ids, 
                           dim, ff, rows_per_block, hc);
 }
 
+// Grouped gate + up of nx rows. Launch: grid (ceil(ff / rows_per_block), distinct experts at most), smem moe_rows_plan.
 extern "C" __global__ void moe_gate_up_rows_mxfp4(const uint8_t* Wg, const uint8_t* Wu, const float* x, const int* ids,
                                     const float* route_w, float* h, int n_experts, int ff, int dim,
-                                    int rows_per_block, float clamp, int n_pairs, int k, int x_stride) {
+                                    int rows_per_block, float clamp, int n_pairs, int k,
+                                    int x_stride) {
     extern __shared__ __align__(16) uint8_t moe_smem[];
     __shared__ int pick;
     pdl_wait();
     pdl_launch_dependents();
-    moe_gate_up_rows_impl<FMT_MXFP4>(moe_smem, nullptr, Wg, Wu, x, ids, route_w, h, n_experts, ff, dim, rows_per_block, clamp, n_pairs, k, x_stride, &pick);
+    moe_gate_up_rows_impl<FMT_MXFP4>(moe_smem, nullptr, Wg, Wu, x, ids, route_w, h, n_experts, ff, dim, rows_per_block,
+                                    clamp, n_pairs, k, x_stride, &pick);
 }
 
+// Per-row down of nx rows. Launch: grid (ceil(dim / rows_per_block), nx), smem as moe_down.
 extern "C" __global__ void moe_down_rows_mxfp4(const uint8_t* W, const int* ids, const float* h, const float* add,
-                                 const float* mix, const float* hc_x, float* out,
-                                 int n_slots, int n_experts, int dim, int ff, int rows_per_block, int hc) {
+                                 const float* mix, const float* hc_x, float* out, int n_slots, int n_experts,
+                                 int dim, int ff, int rows_per_block, int hc) {
     extern __shared__ __align__(16) uint8_t moe_smem[];
     pdl_wait();
     pdl_launch_dependents();
@@ -958,19 +974,23 @@ extern "C" __global__ void moe_down_rows_mxfp4(const uint8_t* W, const int* ids,
                            dim, ff, rows_per_block, hc);
 }
 
+// Grouped gate + up of nx rows. Launch: grid (ceil(ff / rows_per_block), distinct experts at most), smem moe_rows_plan.
 extern "C" __global__ void moe_gate_up_rows_q8_0(const uint8_t* Wg, const uint8_t* Wu, const float* x, const int* ids,
                                     const float* route_w, float* h, int n_experts, int ff, int dim,
-                                    int rows_per_block, float clamp, int n_pairs, int k, int x_stride) {
+                                    int rows_per_block, float clamp, int n_pairs, int k,
+                                    int x_stride) {
     extern __shared__ __align__(16) uint8_t moe_smem[];
     __shared__ int pick;
     pdl_wait();
     pdl_launch_dependents();
-    moe_gate_up_rows_impl<FMT_Q8_0>(moe_smem, nullptr, Wg, Wu, x, ids, route_w, h, n_experts, ff, dim, rows_per_block, clamp, n_pairs, k, x_stride, &pick);
+    moe_gate_up_rows_impl<FMT_Q8_0>(moe_smem, nullptr, Wg, Wu, x, ids, route_w, h, n_experts, ff, dim, rows_per_block,
+                                    clamp, n_pairs, k, x_stride, &pick);
 }
 
+// Per-row down of nx rows. Launch: grid (ceil(dim / rows_per_block), nx), smem as moe_down.
 extern "C" __global__ void moe_down_rows_q8_0(const uint8_t* W, const int* ids, const float* h, const float* add,
-                                 const float* mix, const float* hc_x, float* out,
-                                 int n_slots, int n_experts, int dim, int ff, int rows_per_block, int hc) {
+                                 const float* mix, const float* hc_x, float* out, int n_slots, int n_experts,
+                                 int dim, int ff, int rows_per_block, int hc) {
     extern __shared__ __align__(16) uint8_t moe_smem[];
     pdl_wait();
     pdl_launch_dependents();
@@ -978,19 +998,23 @@ extern "C" __global__ void moe_down_rows_q8_0(const uint8_t* W, const int* ids, 
                           dim, ff, rows_per_block, hc);
 }
 
+// Grouped gate + up of nx rows. Launch: grid (ceil(ff / rows_per_block), distinct experts at most), smem moe_rows_plan.
 extern "C" __global__ void moe_gate_up_rows_f16(const uint8_t* Wg, const uint8_t* Wu, const float* x, const int* ids,
                                     const float* route_w, float* h, int n_experts, int ff, int dim,
-                                    int rows_per_block, float clamp, int n_pairs, int k, int x_stride) {
+                                    int rows_per_block, float clamp, int n_pairs, int k,
+                                    int x_stride) {
     extern __shared__ __align__(16) uint8_t moe_smem[];
     __shared__ int pick;
     pdl_wait();
     pdl_launch_dependents();
-    moe_gate_up_rows_impl<FMT_F16>(moe_smem, nullptr, Wg, Wu, x, ids, route_w, h, n_experts, ff, dim, rows_per_block, clamp, n_pairs, k, x_stride, &pick);
+    moe_gate_up_rows_impl<FMT_F16>(moe_smem, nullptr, Wg, Wu, x, ids, route_w, h, n_experts, ff, dim, rows_per_block,
+                                    clamp, n_pairs, k, x_stride, &pick);
 }
 
+// Per-row down of nx rows. Launch: grid (ceil(dim / rows_per_block), nx), smem as moe_down.
 extern "C" __global__ void moe_down_rows_f16(const uint8_t* W, const int* ids, const float* h, const float* add,
-                                 const float* mix, const float* hc_x, float* out,
-                                 int n_slots, int n_experts, int dim, int ff, int rows_per_block, int hc) {
+                                 const float* mix, const float* hc_x, float* out, int n_slots, int n_experts,
+                                 int dim, int ff, int rows_per_block, int hc) {
     extern __shared__ __align__(16) uint8_t moe_smem[];
     pdl_wait();
     pdl_launch_dependents();

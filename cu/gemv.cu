@@ -427,7 +427,8 @@ __device__ __forceinline__ void gemv_q8(const GemvJob& j) {
     j.rows[0] = r0; j.rows[1] = r1; j.rows[2] = r2; j.rows[3] = r3;                                                \
     j.y[0] = y0; j.y[1] = y1; j.y[2] = y2; j.y[3] = y3;                                                            \
     j.nmat = W3 ? 4 : W2 ? 3 : W1 ? 2 : 1;                                                                          \
-    j.x = x; j.nx = 1; j.x_stride = 0; j.cols = cols; j.x_group_rows = x_group_rows; j.norm_w = norm_w; j.norm_eps = norm_eps;             \
+    j.x = x; j.nx = 1; j.x_stride = 0; j.cols = cols; j.x_group_rows = x_group_rows;                             \
+    j.norm_w = norm_w; j.norm_eps = norm_eps;                                                                      \
     j.flags = flags; j.epi = EPI_STORE; j.mix = nullptr; j.hc_x = nullptr; j.clamp = 0.0f;
 
 // Plain: y_m = W_m x (+= with GEMV_ADD) for up to 4 matrices W_m [rows_m, cols] sharing x (unused W_m null).
@@ -518,6 +519,7 @@ extern "C" __global__ void gemv_f32_swiglu(const float* Wg, const float* Wu, int
 // Multi-row twins of the entry points above: nx <= GEMV_MAX_X activation rows x + n * x_stride (see the top of
 // the file); same launch geometry and shared memory. y / X / mix advance by one row's worth per n.
 
+// gemv_q8_0 for nx activation rows. Launch: as gemv_q8_0.
 extern "C" __global__ void gemv_q8_0_rows(const uint8_t* W0, const uint8_t* W1, const uint8_t* W2, const uint8_t* W3,
                                      int rows0, int rows1, int rows2, int rows3, float* y0, float* y1, float* y2,
                                      float* y3, const float* x, int cols, int x_group_rows, const float* norm_w,
@@ -527,6 +529,7 @@ extern "C" __global__ void gemv_q8_0_rows(const uint8_t* W0, const uint8_t* W1, 
     gemv_q8<GEMV_MAX_X>(j);
 }
 
+// gemv_f16 for nx activation rows. Launch: as gemv_f16.
 extern "C" __global__ void gemv_f16_rows(const __half* W0, const __half* W1, const __half* W2, const __half* W3,
                                     int rows0, int rows1, int rows2, int rows3, float* y0, float* y1, float* y2,
                                     float* y3, const float* x, int cols, int x_group_rows, const float* norm_w,
@@ -536,6 +539,7 @@ extern "C" __global__ void gemv_f16_rows(const __half* W0, const __half* W1, con
     gemv_direct<__half, GEMV_MAX_X>(j);
 }
 
+// gemv_f32 for nx activation rows. Launch: as gemv_f32.
 extern "C" __global__ void gemv_f32_rows(const float* W0, const float* W1, const float* W2, const float* W3,
                                     int rows0, int rows1, int rows2, int rows3, float* y0, float* y1, float* y2,
                                     float* y3, const float* x, int cols, int x_group_rows, const float* norm_w,
@@ -545,6 +549,7 @@ extern "C" __global__ void gemv_f32_rows(const float* W0, const float* W1, const
     gemv_direct<float, GEMV_MAX_X>(j);
 }
 
+// gemv_q8_0_hc_post for nx activation rows. Launch: as gemv_q8_0_hc_post.
 extern "C" __global__ void gemv_q8_0_hc_post_rows(const uint8_t* W, int rows, const float* x, int cols, int x_group_rows,
                                              const float* norm_w, float norm_eps, int flags, const float* mix,
                                              float* X, int nx, int x_stride) {
@@ -553,6 +558,7 @@ extern "C" __global__ void gemv_q8_0_hc_post_rows(const uint8_t* W, int rows, co
     gemv_q8<GEMV_MAX_X>(j);
 }
 
+// gemv_f16_hc_post for nx activation rows. Launch: as gemv_f16_hc_post.
 extern "C" __global__ void gemv_f16_hc_post_rows(const __half* W, int rows, const float* x, int cols, int x_group_rows,
                                             const float* norm_w, float norm_eps, int flags, const float* mix,
                                             float* X, int nx, int x_stride) {
@@ -561,6 +567,7 @@ extern "C" __global__ void gemv_f16_hc_post_rows(const __half* W, int rows, cons
     gemv_direct<__half, GEMV_MAX_X>(j);
 }
 
+// gemv_f32_hc_post for nx activation rows. Launch: as gemv_f32_hc_post.
 extern "C" __global__ void gemv_f32_hc_post_rows(const float* W, int rows, const float* x, int cols, int x_group_rows,
                                             const float* norm_w, float norm_eps, int flags, const float* mix,
                                             float* X, int nx, int x_stride) {
@@ -569,6 +576,7 @@ extern "C" __global__ void gemv_f32_hc_post_rows(const float* W, int rows, const
     gemv_direct<float, GEMV_MAX_X>(j);
 }
 
+// gemv_q8_0_swiglu for nx activation rows. Launch: as gemv_q8_0_swiglu.
 extern "C" __global__ void gemv_q8_0_swiglu_rows(const uint8_t* Wg, const uint8_t* Wu, int rows, float* y,
                                             const float* x, int cols, const float* norm_w, float norm_eps,
                                             int flags, float clamp, int nx, int x_stride) {
@@ -577,15 +585,19 @@ extern "C" __global__ void gemv_q8_0_swiglu_rows(const uint8_t* Wg, const uint8_
     gemv_q8<GEMV_MAX_X>(j);
 }
 
+// gemv_f16_swiglu for nx activation rows. Launch: as gemv_f16_swiglu.
 extern "C" __global__ void gemv_f16_swiglu_rows(const __half* Wg, const __half* Wu, int rows, float* y, const float* x,
-                                           int cols, const float* norm_w, float norm_eps, int flags, float clamp, int nx, int x_stride) {
+                                           int cols, const float* norm_w, float norm_eps, int flags, float clamp, int nx,
+                                           int x_stride) {
     GEMV_SWIGLU_BODY
     j.nx = nx; j.x_stride = x_stride;
     gemv_direct<__half, GEMV_MAX_X>(j);
 }
 
+// gemv_f32_swiglu for nx activation rows. Launch: as gemv_f32_swiglu.
 extern "C" __global__ void gemv_f32_swiglu_rows(const float* Wg, const float* Wu, int rows, float* y, const float* x,
-                                           int cols, const float* norm_w, float norm_eps, int flags, float clamp, int nx, int x_stride) {
+                                           int cols, const float* norm_w, float norm_eps, int flags, float clamp, int nx,
+                                           int x_stride) {
     GEMV_SWIGLU_BODY
     j.nx = nx; j.x_stride = x_stride;
     gemv_direct<float, GEMV_MAX_X>(j);

@@ -155,7 +155,8 @@ def test_grouped_gate_up_and_rows_down_equal_single_rows(kdev, case, order):
     add = r.standard_normal((nx, dim)).astype(np.float32)
     dev = kdev(order, dim)
     cg, cu, cd = dev.const(raw_g), dev.const(raw_u), dev.const(raw_d)
-    d_ids, d_w = dev.const(None if ids is None else ids.reshape(-1)), dev.const(None if wts is None else wts.reshape(-1))
+    d_ids = dev.const(None if ids is None else ids.reshape(-1))
+    d_w = dev.const(None if wts is None else wts.reshape(-1))
     d_h = dev.var(np.full((nx * k + 1, ff), 7.0, np.float32))
     ops_moe.moe_gate_up_rows(dev.rt, qtype, cg, cu, dev.const(x.reshape(-1)), d_ids, d_w, d_h, n_exp, ff, dim, k, nx,
                              0.5, x_stride=stride)

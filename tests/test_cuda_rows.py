@@ -17,6 +17,7 @@ import pytest
 
 from cuda_engine_checks import ids_for
 from ds4py.cuda import emu
+from test_cuda_driverless import rt, standin  # noqa: F401 (fixtures)
 from ds4py.cuda.rows import MAX_ROWS, weight_bytes_per_step
 from ds4py.model import open_model
 from ds4py.ref.engine import RefModel
@@ -119,3 +120,31 @@ def test_long_chunks_and_many_rows_take_the_single_row_path(v4):
     st = v4.new_state()
     v4.step([st], [ids_for(v4.config.vocab_size, MAX_ROWS + 1, seed=90)])
     assert len(v4._rows_runs) == before and st.n_tokens == MAX_ROWS + 1
+
+
+def test_full_size_rows_step_on_the_stand_in_driver(rt, standin):  # noqa: F811
+    """V4 Flash's 43 layers at real shapes on the stand-in driver: a step of 8 sequences is captured with no host
+    synchronisation inside the capture; launches and weight bytes per step for 1, 8 and 16 rows (printed)."""
+    from test_cuda_engine_standin import SYNC_CALLS, captures
+
+    from ds4py.config import ModelConfig
+    from ds4py.cuda.engine import CudaModel
+
+    cfg = ModelConfig.v4_flash(n_layers=43, dim=4096, vocab_size=129280, n_heads=64,
+                               compress_ratios=[0, 0] + [4, 128] * 20 + [4])
+    m = CudaModel.synthetic(cfg, runtime=rt)
+    sts = [m.new_state() for _ in range(8)]
+    before = len(captures(standin))
+    m.step(sts, [[1]] * 8)
+    new = captures(standin)[before:]
+    assert len(new) == 1 and not SYNC_CALLS & set(new[0])
+    one = m.launches_per_step(sts[0])["total"]
+    n = m._rows_run([(st, st.n_tokens, 1) for st in sts]).count()[0]
+    print(f"V4 Flash 8 rows: {n} launches per step (8 single steps: {8 * one})")
+    assert n < 8 * one / 2
+    for R in (1, 8, 16):
+        b = weight_bytes_per_step(m, R)
+        print(f"V4 Flash {R} rows: weights read {b['total'] / 1e9:.2f} GB per step ({R} single steps: "
+              f"{R * m.weight_bytes_per_token() / 1e9:.2f} GB): {b}")
+    assert weight_bytes_per_step(m, 1)["total"] == m.weight_bytes_per_token()
+    assert weight_bytes_per_step(m, 8)["dense"] == weight_bytes_per_step(m, 1)["dense"]
