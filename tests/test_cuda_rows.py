@@ -114,6 +114,23 @@ def test_rows_graph_replay_equals_direct_launches_and_launches_fewer_kernels(v4_
     assert b8["dense"] == b1["dense"] and b8["total"] < 8 * b1["total"]
 
 
+def test_rows_crossing_a_context_bucket_recapture_and_stay_exact(v4_gguf):
+    """Small buckets (8, 16, ...): rows steps cross them, the rows workspace grows (its old graphs dropped), and
+    every row still equals its state's single steps, whose graphs grow the same way."""
+    m = open_model(v4_gguf, backend="cuda-emu")
+    m.min_bucket = 8
+    V = m.config.vocab_size
+    (_, a, a2), (_, b, b2) = _prompts(m, [5, 3], seed=95)
+    versions = set()
+    for t in range(6):
+        ta, tb = ids_for(V, 1, seed=100 + t), ids_for(V, 1, seed=200 + t)
+        got = m.step([a, b], [ta, tb])
+        versions.add(m.rows_ws.version)
+        assert got[0].tobytes() == _single(m, a2, ta)[0].tobytes(), f"step {t}: row a"
+        assert got[1].tobytes() == _single(m, b2, tb)[0].tobytes(), f"step {t}: row b"
+    assert len(versions) == 2 and m.rows_ws.bucket == 16 and len(m._rows_runs) == 2
+
+
 def test_long_chunks_and_many_rows_take_the_single_row_path(v4):
     """More rows than MAX_ROWS (a prompt) are stepped position by position: no multi-row graph is made."""
     before = len(v4._rows_runs)

@@ -347,8 +347,9 @@ class CudaModel(ModelBase):
         if self.rows_ws is None or self.rows_ws.bucket < top:
             self.rt.synchronize()
             version = 0 if self.rows_ws is None else self.rows_ws.version + 1
-            if self.rows_ws is not None:
-                self.store.retire([self.rows_ws.block])
+            if self.rows_ws is not None:                # its graphs point into the old block: drop them
+                self.store.retire([self.rows_ws.block, *self._rows_runs.values()])
+                self._rows_runs.clear()
             self.rows_ws = multirow.make_rows_workspace(self.store, self.rt, self.config, top, version)
         per_state: dict[int, int] = {}
         for (st, _, _), b in zip(plan, buckets):
