@@ -501,21 +501,24 @@ __device__ __forceinline__ void moe_gate_up_impl(uint8_t* smem, const uint64_t* 
     moe_gate_up_pair<F>(grid, sg, su, rb, nr, x, rw, hout, clamp, reinterpret_cast<float*>(smem), dim);
 }
 
-// The u-th distinct value of ids[0 .. n) in ascending order (INT_MAX when there are fewer); every thread gets it.
-// n <= 1024 (MOE_MAX_PAIRS); `rank` is a __shared__ int the caller owns.
-__device__ __forceinline__ int moe_unique_id(const int* ids, int n, int u, int* pick) {
+// An expert id, every id outside [0, n_experts) as -1 (so the distinct ids are at most n_experts + 1).
+__device__ __forceinline__ int moe_canon(int v, int n_experts) { return v >= 0 && v < n_experts ? v : -1; }
+
+// The u-th distinct expert (moe_canon) of ids[0 .. n) in ascending order (INT_MAX when there are fewer); every
+// thread gets it. n <= 1024 (ops/experts.py MAX_PAIRS); `pick` is a __shared__ int the caller owns.
+__device__ __forceinline__ int moe_unique_id(const int* ids, int n, int n_experts, int u, int* pick) {
     if (threadIdx.x == 0) *pick = 0x7fffffff;
     __syncthreads();
     for (int p = threadIdx.x; p < n; p += blockDim.x) {
-        const int v = ids[p];
+        const int v = moe_canon(ids[p], n_experts);
         bool first = true;
         int below = 0;                                            // distinct values < v
         for (int q = 0; q < n; ++q) {
-            const int w = ids[q];
+            const int w = moe_canon(ids[q], n_experts);
             if (w == v && q < p) first = false;
             if (w < v) {
                 bool seen = false;                                // count w once: at its first occurrence
-                for (int t = 0; t < q && !seen; ++t) seen = ids[t] == w;
+                for (int t = 0; t < q && !seen; ++t) seen = moe_canon(ids[t], n_experts) == w;
                 below += !seen;
             }
         }
@@ -541,15 +544,15 @@ __device__ __forceinline__ void moe_gate_up_rows_impl(uint8_t* smem, const uint6
     if (nr <= 0) return;                                          // block-uniform
     int e;
     if (ids) {
-        e = moe_unique_id(ids, n_pairs, blockIdx.y, pick);
+        e = moe_unique_id(ids, n_pairs, n_experts, blockIdx.y, pick);
         if (e == 0x7fffffff) return;                              // fewer distinct experts than blocks
     } else {
         if ((int)blockIdx.y >= k) return;
-        e = blockIdx.y;
+        e = moe_canon(blockIdx.y, n_experts);
     }
-    if (e < 0 || e >= n_experts) {
+    if (e < 0) {                                                  // the bad ids' group: NaN pairs
         for (int p = 0; p < n_pairs; ++p)
-            if ((ids ? ids[p] : p % k) == e)
+            if (moe_canon(ids ? ids[p] : p % k, n_experts) < 0)
                 for (int i = tid; i < nr; i += blockDim.x) h[(size_t)p * ff + r0 + i] = __int_as_float(0x7fc00000);
         return;
     }
@@ -561,7 +564,7 @@ __device__ __forceinline__ void moe_gate_up_rows_impl(uint8_t* smem, const uint6
     __syncthreads();
     float* red = reinterpret_cast<float*>(smem + 2 * moe_room(span));
     for (int p = 0; p < n_pairs; ++p) {                           // block-uniform loop
-        if ((ids ? ids[p] : p % k) != e) continue;
+        if (moe_canon(ids ? ids[p] : p % k, n_experts) != e) continue;
         moe_gate_up_pair<F>(grid, sg, su, rb, nr, x + (size_t)(p / k) * x_stride, route_w ? route_w[p] : 1.0f,
                             h + (size_t)p * ff + r0, clamp, red, dim);
     }
