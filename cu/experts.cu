@@ -427,36 +427,22 @@ __device__ __forceinline__ void moe_row_sums(const float* red, float* tot, int n
 }
 
 // ---- gate + up + clamped SwiGLU -----------------------------------------------------------------------------------
+// One (x, slot) pair against the block's staged gate / up rows sg / su: hout[i] = silu(min(g, c)) * clamp(u) * rw.
+// Both entry points (one token; several rows grouped by expert) run exactly this, so a pair's bits do not depend
+// on which other pairs share its block or launch. red: partial-sum room (may alias the stage: a barrier comes
+// before it is written).
 template <int F>
-__device__ __forceinline__ void moe_gate_up_impl(uint8_t* smem, const uint64_t* grid, const uint8_t* Wg,
-                                                 const uint8_t* Wu, const float* x, const int* ids,
-                                                 const float* route_w, float* h, int n_experts, int ff, int dim,
-                                                 int rows_per_block, float clamp) {
+__device__ __forceinline__ void moe_gate_up_pair(const uint64_t* grid, const uint8_t* sg, const uint8_t* su,
+                                                 int rb, int nr, const float* x, float rw, float* hout, float clamp,
+                                                 float* red, int dim) {
     const int G = dim / 32, RL = blockDim.x / G, tid = threadIdx.x;
     const int grp = tid % G, rl = tid / G;
     const bool worker = rl < RL;
-    const int slot = blockIdx.y, r0 = blockIdx.x * rows_per_block;
-    const int nr = min(rows_per_block, ff - r0);
-    if (nr <= 0) return;                                          // block-uniform
-    const int e = ids ? ids[slot] : slot;
-    const float rw = route_w ? route_w[slot] : 1.0f;
-    float* hout = h + (size_t)slot * ff + r0;
-    if (e < 0 || e >= n_experts) {                                // a bad id: NaN rows, nothing read
-        for (int i = tid; i < nr; i += blockDim.x) hout[i] = __int_as_float(0x7fc00000);
-        return;
-    }
-    const int rb = moe_row_bytes<F>(dim), span = nr * rb;
-    const uint8_t* sg = moe_stage(smem, Wg + ((size_t)e * ff + r0) * rb, span);
-    const uint8_t* su = moe_stage(smem + moe_room(span), Wu + ((size_t)e * ff + r0) * rb, span);
-    cp_async_commit();
     float xv[32], xs[2] = {0.0f, 0.0f};
     if (worker) {
         moe_load_x(x + 32 * grp, xv);
         moe_half_sums(xv, xs);
     }
-    cp_async_wait_all();
-    __syncthreads();
-
     float ag[MOE_RPT], au[MOE_RPT];
 #pragma unroll
     for (int i = 0; i < MOE_RPT; ++i) {
@@ -467,9 +453,8 @@ __device__ __forceinline__ void moe_gate_up_impl(uint8_t* smem, const uint64_t* 
             au[i] = MoeFmt<F>::dot(su + (size_t)r * rb, grp, xv, xs, grid);
         }
     }
-    __syncthreads();                                              // the stage is read; reuse it for the sums
-    float* red = reinterpret_cast<float*>(smem);                  // [2][nr][G], then tot [2][nr]
-    float* tot = red + 2 * nr * G;
+    __syncthreads();                                              // the stage is read (when red aliases it)
+    float* tot = red + 2 * nr * G;                                // red [2][nr][G], then tot [2][nr]
 #pragma unroll
     for (int i = 0; i < MOE_RPT; ++i) {
         const int r = rl + RL * i;
@@ -488,6 +473,100 @@ __device__ __forceinline__ void moe_gate_up_impl(uint8_t* smem, const uint64_t* 
         }
         const float silu = g * (1.0f / (1.0f + expf(-g)));
         hout[i] = silu * u * rw;
+    }
+}
+
+template <int F>
+__device__ __forceinline__ void moe_gate_up_impl(uint8_t* smem, const uint64_t* grid, const uint8_t* Wg,
+                                                 const uint8_t* Wu, const float* x, const int* ids,
+                                                 const float* route_w, float* h, int n_experts, int ff, int dim,
+                                                 int rows_per_block, float clamp) {
+    const int tid = threadIdx.x;
+    const int slot = blockIdx.y, r0 = blockIdx.x * rows_per_block;
+    const int nr = min(rows_per_block, ff - r0);
+    if (nr <= 0) return;                                          // block-uniform
+    const int e = ids ? ids[slot] : slot;
+    const float rw = route_w ? route_w[slot] : 1.0f;
+    float* hout = h + (size_t)slot * ff + r0;
+    if (e < 0 || e >= n_experts) {                                // a bad id: NaN rows, nothing read
+        for (int i = tid; i < nr; i += blockDim.x) hout[i] = __int_as_float(0x7fc00000);
+        return;
+    }
+    const int rb = moe_row_bytes<F>(dim), span = nr * rb;
+    const uint8_t* sg = moe_stage(smem, Wg + ((size_t)e * ff + r0) * rb, span);
+    const uint8_t* su = moe_stage(smem + moe_room(span), Wu + ((size_t)e * ff + r0) * rb, span);
+    cp_async_commit();
+    cp_async_wait_all();
+    __syncthreads();
+    moe_gate_up_pair<F>(grid, sg, su, rb, nr, x, rw, hout, clamp, reinterpret_cast<float*>(smem), dim);
+}
+
+// An expert id, every id outside [0, n_experts) as -1 (so the distinct ids are at most n_experts + 1).
+__device__ __forceinline__ int moe_canon(int v, int n_experts) { return v >= 0 && v < n_experts ? v : -1; }
+
+// The u-th distinct expert (moe_canon) of ids[0 .. n) in ascending order (INT_MAX when there are fewer); every
+// thread gets it. n <= 1024 (ops/experts.py MAX_PAIRS); `pick` is a __shared__ int the caller owns.
+__device__ __forceinline__ int moe_unique_id(const int* ids, int n, int n_experts, int u, int* pick) {
+    if (threadIdx.x == 0) *pick = 0x7fffffff;
+    __syncthreads();
+    for (int p = threadIdx.x; p < n; p += blockDim.x) {
+        const int v = moe_canon(ids[p], n_experts);
+        bool first = true;
+        int below = 0;                                            // distinct values < v
+        for (int q = 0; q < n; ++q) {
+            const int w = moe_canon(ids[q], n_experts);
+            if (w == v && q < p) first = false;
+            if (w < v) {
+                bool seen = false;                                // count w once: at its first occurrence
+                for (int t = 0; t < q && !seen; ++t) seen = moe_canon(ids[t], n_experts) == w;
+                below += !seen;
+            }
+        }
+        if (first && below == u) *pick = v;
+    }
+    __syncthreads();
+    return *pick;
+}
+
+// Several rows (issue 17): the pairs p = (row n, slot s), p = n * k + s, of ids [nx * k] (null: pair p is expert
+// p % k) grouped by expert: block (x, u) stages rows [r0, r0 + rows_per_block) of the u-th distinct expert's gate
+// and up once, then runs every pair that chose it (ascending p) with x + n * x_stride, writing h[p]. A bad id's
+// pairs get NaN rows (nothing read). The stage stays while the pairs run: red sits after it.
+template <int F>
+__device__ __forceinline__ void moe_gate_up_rows_impl(uint8_t* smem, const uint64_t* grid, const uint8_t* Wg,
+                                                      const uint8_t* Wu, const float* x, const int* ids,
+                                                      const float* route_w, float* h, int n_experts, int ff,
+                                                      int dim, int rows_per_block, float clamp, int n_pairs, int k,
+                                                      int x_stride, int* pick) {
+    const int tid = threadIdx.x;
+    const int r0 = blockIdx.x * rows_per_block;
+    const int nr = min(rows_per_block, ff - r0);
+    if (nr <= 0) return;                                          // block-uniform
+    int e;
+    if (ids) {
+        e = moe_unique_id(ids, n_pairs, n_experts, blockIdx.y, pick);
+        if (e == 0x7fffffff) return;                              // fewer distinct experts than blocks
+    } else {
+        if ((int)blockIdx.y >= k) return;
+        e = moe_canon(blockIdx.y, n_experts);
+    }
+    if (e < 0) {                                                  // the bad ids' group: NaN pairs
+        for (int p = 0; p < n_pairs; ++p)
+            if (moe_canon(ids ? ids[p] : p % k, n_experts) < 0)
+                for (int i = tid; i < nr; i += blockDim.x) h[(size_t)p * ff + r0 + i] = __int_as_float(0x7fc00000);
+        return;
+    }
+    const int rb = moe_row_bytes<F>(dim), span = nr * rb;
+    const uint8_t* sg = moe_stage(smem, Wg + ((size_t)e * ff + r0) * rb, span);
+    const uint8_t* su = moe_stage(smem + moe_room(span), Wu + ((size_t)e * ff + r0) * rb, span);
+    cp_async_commit();
+    cp_async_wait_all();
+    __syncthreads();
+    float* red = reinterpret_cast<float*>(smem + 2 * moe_room(span));
+    for (int p = 0; p < n_pairs; ++p) {                           // block-uniform loop
+        if (moe_canon(ids ? ids[p] : p % k, n_experts) != e) continue;
+        moe_gate_up_pair<F>(grid, sg, su, rb, nr, x + (size_t)(p / k) * x_stride, route_w ? route_w[p] : 1.0f,
+                            h + (size_t)p * ff + r0, clamp, red, dim);
     }
 }
 
@@ -553,6 +632,22 @@ __device__ __forceinline__ void moe_down_impl(uint8_t* smem, const uint64_t* gri
             out[r] = y;
         }
     }
+}
+
+// Several rows: block (x, n) is row n's moe_down_impl on ids + n * k, h + n * k * ff, add + n * dim, the mHC
+// post / comb of mix + n * (2 + hc) * hc ([pre, post, comb] per row), hc_x + n * hc * dim and out + n * (hc ? hc : 1)
+// * dim: each row reads its own k experts' rows (an expert two rows chose is read twice, from L2 when they run
+// together), with exactly the single-token arithmetic. mix null: out = y.
+template <int F>
+__device__ __forceinline__ void moe_down_rows_impl(uint8_t* smem, const uint64_t* grid, const uint8_t* W,
+                                                   const int* ids, const float* h, const float* add,
+                                                   const float* mix, const float* hc_x, float* out, int n_slots,
+                                                   int n_experts, int dim, int ff, int rows_per_block, int hc) {
+    const size_t n = blockIdx.y, mrec = (size_t)(2 + hc) * hc;
+    moe_down_impl<F>(smem, grid, W, ids ? ids + n * n_slots : nullptr, h + n * n_slots * ff,
+                     add ? add + n * dim : nullptr, mix ? mix + n * mrec + hc : nullptr,
+                     mix ? mix + n * mrec + 2 * hc : nullptr, mix ? hc_x + n * hc * dim : nullptr,
+                     out + n * (mix ? hc : 1) * dim, n_slots, n_experts, dim, ff, rows_per_block, mix ? hc : 0);
 }
 
 // ---- exact dequantisation ---------------------------------------------------------------------------------------
@@ -775,4 +870,157 @@ extern "C" __global__ void moe_dequant_f16(const uint8_t* W, float* out, int n_g
     pdl_wait();
     pdl_launch_dependents();
     moe_dequant_impl<FMT_F16>(nullptr, W, out, n_groups);
+}
+
+// ---- several rows (issue 17): the grouped gate + up and the per-row down, one launch each -------------------
+// moe_gate_up_rows_<fmt>: grid (ceil(ff / rows_per_block), distinct experts at most: min(n_pairs, n_experts) or k
+// with ids null), smem moe_smem_bytes with the stage and the partial sums side by side. moe_down_rows_<fmt>:
+// grid (ceil(dim / rows_per_block), rows), smem as moe_down_<fmt>.
+
+// Grouped gate + up of nx rows. Launch: grid (ceil(ff / rows_per_block), distinct experts at most), smem moe_rows_plan.
+extern "C" __global__ void moe_gate_up_rows_iq2_xxs(const uint8_t* Wg, const uint8_t* Wu, const float* x, const int* ids,
+                                    const float* route_w, float* h, int n_experts, int ff, int dim,
+                                    int rows_per_block, float clamp, int n_pairs, int k,
+                                    int x_stride) {
+    extern __shared__ __align__(16) uint8_t moe_smem[];
+    __shared__ int pick;
+    __shared__ uint64_t grid_s[256];
+    pdl_wait();
+    pdl_launch_dependents();
+    moe_load_grid(grid_s);
+    moe_gate_up_rows_impl<FMT_IQ2_XXS>(moe_smem, grid_s, Wg, Wu, x, ids, route_w, h, n_experts, ff, dim, rows_per_block,
+                                    clamp, n_pairs, k, x_stride, &pick);
+}
+
+// Per-row down of nx rows. Launch: grid (ceil(dim / rows_per_block), nx), smem as moe_down.
+extern "C" __global__ void moe_down_rows_iq2_xxs(const uint8_t* W, const int* ids, const float* h, const float* add,
+                                 const float* mix, const float* hc_x, float* out, int n_slots, int n_experts,
+                                 int dim, int ff, int rows_per_block, int hc) {
+    extern __shared__ __align__(16) uint8_t moe_smem[];
+    __shared__ uint64_t grid_s[256];
+    pdl_wait();
+    pdl_launch_dependents();
+    moe_load_grid(grid_s);
+    moe_down_rows_impl<FMT_IQ2_XXS>(moe_smem, grid_s, W, ids, h, add, mix, hc_x, out, n_slots, n_experts,
+                             dim, ff, rows_per_block, hc);
+}
+
+// Grouped gate + up of nx rows. Launch: grid (ceil(ff / rows_per_block), distinct experts at most), smem moe_rows_plan.
+extern "C" __global__ void moe_gate_up_rows_q2_k(const uint8_t* Wg, const uint8_t* Wu, const float* x, const int* ids,
+                                    const float* route_w, float* h, int n_experts, int ff, int dim,
+                                    int rows_per_block, float clamp, int n_pairs, int k,
+                                    int x_stride) {
+    extern __shared__ __align__(16) uint8_t moe_smem[];
+    __shared__ int pick;
+    pdl_wait();
+    pdl_launch_dependents();
+    moe_gate_up_rows_impl<FMT_Q2_K>(moe_smem, nullptr, Wg, Wu, x, ids, route_w, h, n_experts, ff, dim, rows_per_block,
+                                    clamp, n_pairs, k, x_stride, &pick);
+}
+
+// Per-row down of nx rows. Launch: grid (ceil(dim / rows_per_block), nx), smem as moe_down.
+extern "C" __global__ void moe_down_rows_q2_k(const uint8_t* W, const int* ids, const float* h, const float* add,
+                                 const float* mix, const float* hc_x, float* out, int n_slots, int n_experts,
+                                 int dim, int ff, int rows_per_block, int hc) {
+    extern __shared__ __align__(16) uint8_t moe_smem[];
+    pdl_wait();
+    pdl_launch_dependents();
+    moe_down_rows_impl<FMT_Q2_K>(moe_smem, nullptr, W, ids, h, add, mix, hc_x, out, n_slots, n_experts,
+                          dim, ff, rows_per_block, hc);
+}
+
+// Grouped gate + up of nx rows. Launch: grid (ceil(ff / rows_per_block), distinct experts at most), smem moe_rows_plan.
+extern "C" __global__ void moe_gate_up_rows_q4_k(const uint8_t* Wg, const uint8_t* Wu, const float* x, const int* ids,
+                                    const float* route_w, float* h, int n_experts, int ff, int dim,
+                                    int rows_per_block, float clamp, int n_pairs, int k,
+                                    int x_stride) {
+    extern __shared__ __align__(16) uint8_t moe_smem[];
+    __shared__ int pick;
+    pdl_wait();
+    pdl_launch_dependents();
+    moe_gate_up_rows_impl<FMT_Q4_K>(moe_smem, nullptr, Wg, Wu, x, ids, route_w, h, n_experts, ff, dim, rows_per_block,
+                                    clamp, n_pairs, k, x_stride, &pick);
+}
+
+// Per-row down of nx rows. Launch: grid (ceil(dim / rows_per_block), nx), smem as moe_down.
+extern "C" __global__ void moe_down_rows_q4_k(const uint8_t* W, const int* ids, const float* h, const float* add,
+                                 const float* mix, const float* hc_x, float* out, int n_slots, int n_experts,
+                                 int dim, int ff, int rows_per_block, int hc) {
+    extern __shared__ __align__(16) uint8_t moe_smem[];
+    pdl_wait();
+    pdl_launch_dependents();
+    moe_down_rows_impl<FMT_Q4_K>(moe_smem, nullptr, W, ids, h, add, mix, hc_x, out, n_slots, n_experts,
+                          dim, ff, rows_per_block, hc);
+}
+
+// Grouped gate + up of nx rows. Launch: grid (ceil(ff / rows_per_block), distinct experts at most), smem moe_rows_plan.
+extern "C" __global__ void moe_gate_up_rows_mxfp4(const uint8_t* Wg, const uint8_t* Wu, const float* x, const int* ids,
+                                    const float* route_w, float* h, int n_experts, int ff, int dim,
+                                    int rows_per_block, float clamp, int n_pairs, int k,
+                                    int x_stride) {
+    extern __shared__ __align__(16) uint8_t moe_smem[];
+    __shared__ int pick;
+    pdl_wait();
+    pdl_launch_dependents();
+    moe_gate_up_rows_impl<FMT_MXFP4>(moe_smem, nullptr, Wg, Wu, x, ids, route_w, h, n_experts, ff, dim, rows_per_block,
+                                    clamp, n_pairs, k, x_stride, &pick);
+}
+
+// Per-row down of nx rows. Launch: grid (ceil(dim / rows_per_block), nx), smem as moe_down.
+extern "C" __global__ void moe_down_rows_mxfp4(const uint8_t* W, const int* ids, const float* h, const float* add,
+                                 const float* mix, const float* hc_x, float* out, int n_slots, int n_experts,
+                                 int dim, int ff, int rows_per_block, int hc) {
+    extern __shared__ __align__(16) uint8_t moe_smem[];
+    pdl_wait();
+    pdl_launch_dependents();
+    moe_down_rows_impl<FMT_MXFP4>(moe_smem, nullptr, W, ids, h, add, mix, hc_x, out, n_slots, n_experts,
+                           dim, ff, rows_per_block, hc);
+}
+
+// Grouped gate + up of nx rows. Launch: grid (ceil(ff / rows_per_block), distinct experts at most), smem moe_rows_plan.
+extern "C" __global__ void moe_gate_up_rows_q8_0(const uint8_t* Wg, const uint8_t* Wu, const float* x, const int* ids,
+                                    const float* route_w, float* h, int n_experts, int ff, int dim,
+                                    int rows_per_block, float clamp, int n_pairs, int k,
+                                    int x_stride) {
+    extern __shared__ __align__(16) uint8_t moe_smem[];
+    __shared__ int pick;
+    pdl_wait();
+    pdl_launch_dependents();
+    moe_gate_up_rows_impl<FMT_Q8_0>(moe_smem, nullptr, Wg, Wu, x, ids, route_w, h, n_experts, ff, dim, rows_per_block,
+                                    clamp, n_pairs, k, x_stride, &pick);
+}
+
+// Per-row down of nx rows. Launch: grid (ceil(dim / rows_per_block), nx), smem as moe_down.
+extern "C" __global__ void moe_down_rows_q8_0(const uint8_t* W, const int* ids, const float* h, const float* add,
+                                 const float* mix, const float* hc_x, float* out, int n_slots, int n_experts,
+                                 int dim, int ff, int rows_per_block, int hc) {
+    extern __shared__ __align__(16) uint8_t moe_smem[];
+    pdl_wait();
+    pdl_launch_dependents();
+    moe_down_rows_impl<FMT_Q8_0>(moe_smem, nullptr, W, ids, h, add, mix, hc_x, out, n_slots, n_experts,
+                          dim, ff, rows_per_block, hc);
+}
+
+// Grouped gate + up of nx rows. Launch: grid (ceil(ff / rows_per_block), distinct experts at most), smem moe_rows_plan.
+extern "C" __global__ void moe_gate_up_rows_f16(const uint8_t* Wg, const uint8_t* Wu, const float* x, const int* ids,
+                                    const float* route_w, float* h, int n_experts, int ff, int dim,
+                                    int rows_per_block, float clamp, int n_pairs, int k,
+                                    int x_stride) {
+    extern __shared__ __align__(16) uint8_t moe_smem[];
+    __shared__ int pick;
+    pdl_wait();
+    pdl_launch_dependents();
+    moe_gate_up_rows_impl<FMT_F16>(moe_smem, nullptr, Wg, Wu, x, ids, route_w, h, n_experts, ff, dim, rows_per_block,
+                                    clamp, n_pairs, k, x_stride, &pick);
+}
+
+// Per-row down of nx rows. Launch: grid (ceil(dim / rows_per_block), nx), smem as moe_down.
+extern "C" __global__ void moe_down_rows_f16(const uint8_t* W, const int* ids, const float* h, const float* add,
+                                 const float* mix, const float* hc_x, float* out, int n_slots, int n_experts,
+                                 int dim, int ff, int rows_per_block, int hc) {
+    extern __shared__ __align__(16) uint8_t moe_smem[];
+    pdl_wait();
+    pdl_launch_dependents();
+    moe_down_rows_impl<FMT_F16>(moe_smem, nullptr, W, ids, h, add, mix, hc_x, out, n_slots, n_experts,
+                         dim, ff, rows_per_block, hc);
 }

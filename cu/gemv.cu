@@ -22,6 +22,13 @@
 // (flags & GEMV_ADD: y += W x), input groups (x_group_rows > 0: rows [g*x_group_rows, ...) read
 // x + g*cols; the grouped wo_a), an hc_post epilogue (X'_k = post_k * y + sum_j C[j,k] X_j in place) and a
 // SwiGLU epilogue (out = silu(min(g, c)) * clamp(u, -c, c) of two matrices: the shared expert's gate and up).
+//
+// Several activation rows (the `_rows` entry points: nx <= GEMV_MAX_X vectors x_n = x + n * x_stride, outputs
+// y_m + n * rows_m, hc_post on X + n * hc * D with mix + n * (2 + hc) * hc): one multi-row step (several sequences,
+// or a verify chunk) reads each weight once for all rows. The body is the same template with NB = GEMV_MAX_X
+// accumulator sets instead of 1; row n's arithmetic - the lane's column order, the warp_sum4 tree, the epilogue -
+// is exactly that of a single-row launch, so a row's bits do not depend on which or how many other rows share the
+// launch (batch invariance; tests/test_cu_emu_rows.py).
 #include <cuda_fp16.h>
 #include "types.cuh"
 #include "portable.cuh"
@@ -32,6 +39,9 @@
 #endif
 #ifndef Q8_CHUNK_BLOCKS
 #error "Q8_CHUNK_BLOCKS comes from ds4py/cuda/ops/gemv.py (DEFINES)"
+#endif
+#ifndef GEMV_MAX_X
+#error "GEMV_MAX_X comes from ds4py/cuda/ops/gemv.py (DEFINES)"
 #endif
 #ifndef DS4_HC
 #error "DS4_HC comes from ds4py/cuda/compiler.py (model defines)"
@@ -56,6 +66,7 @@ struct GemvJob {
     int rows[MAX_MATS];
     int nmat;
     const float* x;
+    int nx, x_stride;          // activation rows and the floats between them (1, 0 for the single-row kernels)
     int cols, x_group_rows;
     const float* norm_w;
     float norm_eps;
@@ -72,6 +83,7 @@ template <class T> __device__ __forceinline__ T sel4(int m, T a, T b, T c, T d) 
 }
 #define JOB_W(j, m) sel4((m), (j).W[0], (j).W[1], (j).W[2], (j).W[3])
 #define JOB_Y(j, m) sel4((m), (j).y[0], (j).y[1], (j).y[2], (j).y[3])
+#define JOB_ROWS(j, m) sel4((m), (j).rows[0], (j).rows[1], (j).rows[2], (j).rows[3])
 
 // Row groups: matrix m has ceil(rows_m / 4) groups (SwiGLU: ceil(rows / 2) groups of 2 gate + 2 up rows).
 __device__ __forceinline__ int group_count(const GemvJob& j) {
@@ -111,14 +123,15 @@ __device__ __forceinline__ void slot_row(const GemvJob& j, int g, int s, int& m,
     if (row >= rows) row = -1;
 }
 
-__device__ __forceinline__ const float* slot_x(const GemvJob& j, int row) {
-    return j.x_group_rows > 0 ? j.x + (size_t)(row / j.x_group_rows) * j.cols : j.x;
+__device__ __forceinline__ const float* slot_x(const GemvJob& j, int row, int n) {
+    const float* x = j.x + (size_t)n * j.x_stride;
+    return j.x_group_rows > 0 ? x + (size_t)(row / j.x_group_rows) * j.cols : x;
 }
 
 // RMSNorm scale of x, computed by each warp on its own (fixed order, so it is the same in every warp and block).
-__device__ __forceinline__ float warp_norm_scale(const GemvJob& j) {
+__device__ __forceinline__ float warp_norm_scale(const GemvJob& j, int n) {
     const int lane = threadIdx.x & 31;
-    const float4* x4 = reinterpret_cast<const float4*>(j.x);
+    const float4* x4 = reinterpret_cast<const float4*>(j.x + (size_t)n * j.x_stride);
     float ss = 0.0f;
     for (int v = lane; v < (j.cols >> 2); v += 32) {
         const float4 a = x4[v];
@@ -130,8 +143,8 @@ __device__ __forceinline__ float warp_norm_scale(const GemvJob& j) {
 
 __device__ __forceinline__ float silu_f(float v) { return v / (1.0f + expf(-v)); }
 
-// The 4 slot sums are in lanes 0, 8, 16, 24 (warp_sum4); lane 8*s finishes slot s.
-__device__ __forceinline__ void epilogue(const GemvJob& j, int g, float t, float scale) {
+// The 4 slot sums are in lanes 0, 8, 16, 24 (warp_sum4); lane 8*s finishes slot s, of activation row n.
+__device__ __forceinline__ void epilogue(const GemvJob& j, int g, float t, float scale, int n) {
     const int lane = threadIdx.x & 31;
     t *= scale;
     if (j.epi == EPI_SWIGLU) {
@@ -145,7 +158,7 @@ __device__ __forceinline__ void epilogue(const GemvJob& j, int g, float t, float
                     gv = fminf(gv, j.clamp);
                     uv = fminf(fmaxf(uv, -j.clamp), j.clamp);
                 }
-                j.y[0][row] = silu_f(gv) * uv;
+                j.y[0][(size_t)n * j.rows[0] + row] = silu_f(gv) * uv;
             }
         }
         return;
@@ -156,19 +169,21 @@ __device__ __forceinline__ void epilogue(const GemvJob& j, int g, float t, float
     if (row < 0) return;
     if (j.epi == EPI_HC_POST) {
         const int D = j.rows[0];
+        float* X = j.hc_x + (size_t)n * DS4_HC * D;
+        const float* mix = j.mix + (size_t)n * (2 + DS4_HC) * DS4_HC;
         float xj[DS4_HC];
 #pragma unroll
-        for (int a = 0; a < DS4_HC; a++) xj[a] = j.hc_x[(size_t)a * D + row];
+        for (int a = 0; a < DS4_HC; a++) xj[a] = X[(size_t)a * D + row];
 #pragma unroll
         for (int k = 0; k < DS4_HC; k++) {
-            float s = j.mix[2 * DS4_HC + k] * xj[0];                 // sum_j C[j, k] X_j, j ascending
+            float s = mix[2 * DS4_HC + k] * xj[0];                   // sum_j C[j, k] X_j, j ascending
 #pragma unroll
-            for (int a = 1; a < DS4_HC; a++) s += j.mix[2 * DS4_HC + a * DS4_HC + k] * xj[a];
-            j.hc_x[(size_t)k * D + row] = j.mix[DS4_HC + k] * t + s;
+            for (int a = 1; a < DS4_HC; a++) s += mix[2 * DS4_HC + a * DS4_HC + k] * xj[a];
+            X[(size_t)k * D + row] = mix[DS4_HC + k] * t + s;
         }
         return;
     }
-    float* y = JOB_Y(j, m) + row;
+    float* y = JOB_Y(j, m) + (size_t)n * JOB_ROWS(j, m) + row;
     *y = (j.flags & GEMV_ADD) ? *y + t : t;
 }
 
@@ -185,61 +200,76 @@ __device__ __forceinline__ void load_x8(const GemvJob& j, const float* x, int v,
     }
 }
 
-// sum_i W[8v + i] * xs[i], i ascending: one 16-byte load of halves, or two of floats.
-__device__ __forceinline__ float dot8(const __half* row, int v, const float* xs) {
+// W[8v .. 8v+8) as floats (exact): one 16-byte load of halves, or two of floats - once for all activation rows.
+__device__ __forceinline__ void load_w8(const __half* row, int v, float wf[8]) {
     const uint4 p = reinterpret_cast<const uint4*>(row)[v];
     const __half2* h = reinterpret_cast<const __half2*>(&p);
-    float s = 0.0f;
 #pragma unroll
     for (int i = 0; i < 4; i++) {
         const float2 f = __half22float2(h[i]);
-        s += f.x * xs[2 * i];
-        s += f.y * xs[2 * i + 1];
+        wf[2 * i] = f.x;
+        wf[2 * i + 1] = f.y;
     }
-    return s;
 }
 
-__device__ __forceinline__ float dot8(const float* row, int v, const float* xs) {
+__device__ __forceinline__ void load_w8(const float* row, int v, float wf[8]) {
     const float4 a = reinterpret_cast<const float4*>(row)[2 * v], b = reinterpret_cast<const float4*>(row)[2 * v + 1];
-    float s = a.x * xs[0];
-    s += a.y * xs[1]; s += a.z * xs[2]; s += a.w * xs[3];
-    s += b.x * xs[4]; s += b.y * xs[5]; s += b.z * xs[6]; s += b.w * xs[7];
+    wf[0] = a.x; wf[1] = a.y; wf[2] = a.z; wf[3] = a.w; wf[4] = b.x; wf[5] = b.y; wf[6] = b.z; wf[7] = b.w;
+}
+
+// sum_i wf[i] * xs[i], i ascending.
+__device__ __forceinline__ float dot8(const float wf[8], const float* xs) {
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; i++) s += wf[i] * xs[i];
     return s;
 }
 
-// T = __half or float; 8 columns per lane step.
-template <class T>
+// T = __half or float; 8 columns per lane step; NB accumulator sets (activation rows n < j.nx <= NB).
+template <class T, int NB>
 __device__ __forceinline__ void gemv_direct(const GemvJob& j) {
     pdl_wait();
     pdl_launch_dependents();
     const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     const int gwarp = blockIdx.x * warps + (threadIdx.x >> 5), nwarps = gridDim.x * warps;
-    const float scale = (j.flags & GEMV_NORM) ? warp_norm_scale(j) : 1.0f;
+    float scale[NB];
+#pragma unroll
+    for (int n = 0; n < NB; n++) scale[n] = (n < j.nx && (j.flags & GEMV_NORM)) ? warp_norm_scale(j, n) : 1.0f;
     const bool weighted = (j.flags & GEMV_NORM) && j.norm_w;
     const int nvec = j.cols >> 3;
     const int groups = group_count(j);
     for (int g = gwarp; g < groups; g += nwarps) {
         const T* wr[GEMV_ROWS];
-        float acc[GEMV_ROWS];
+        float acc[NB][GEMV_ROWS];
         int m0 = 0, row0 = 0;
         slot_row(j, g, 0, m0, row0);
-        const float* xr = slot_x(j, row0);
 #pragma unroll
         for (int s = 0; s < GEMV_ROWS; s++) {
             int m, row;
             slot_row(j, g, s, m, row);
             wr[s] = row >= 0 ? reinterpret_cast<const T*>(JOB_W(j, m)) + (size_t)row * j.cols : nullptr;
-            acc[s] = 0.0f;
+#pragma unroll
+            for (int n = 0; n < NB; n++) acc[n][s] = 0.0f;
         }
 #pragma unroll 2
         for (int v = lane; v < nvec; v += 32) {
-            float xs[8];
-            load_x8(j, xr, v, weighted, xs);
+            float wf[GEMV_ROWS][8];
 #pragma unroll
             for (int s = 0; s < GEMV_ROWS; s++)
-                if (wr[s]) acc[s] += dot8(wr[s], v, xs);
+                if (wr[s]) load_w8(wr[s], v, wf[s]);
+#pragma unroll
+            for (int n = 0; n < NB; n++) {
+                if (n >= j.nx) break;
+                float xs[8];
+                load_x8(j, slot_x(j, row0, n), v, weighted, xs);
+#pragma unroll
+                for (int s = 0; s < GEMV_ROWS; s++)
+                    if (wr[s]) acc[n][s] += dot8(wf[s], xs);
+            }
         }
-        epilogue(j, g, warp_sum4(acc), scale);
+#pragma unroll
+        for (int n = 0; n < NB; n++)
+            if (n < j.nx) epilogue(j, g, warp_sum4(acc[n]), scale[n], n);
     }
 }
 
@@ -302,7 +332,8 @@ __device__ __forceinline__ void q8_issue(const GemvJob& j, uint8_t* stage, int b
     cp_async_commit();
 }
 
-// Q8_0 weights [rows, cols] (cols % 32 == 0), x 16-byte aligned, W 2-byte aligned.
+// Q8_0 weights [rows, cols] (cols % 32 == 0), x 16-byte aligned, W 2-byte aligned; NB accumulator sets.
+template <int NB>
 __device__ __forceinline__ void gemv_q8(const GemvJob& j) {
     extern __shared__ __align__(16) uint8_t q8_stage[];
     const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
@@ -316,10 +347,16 @@ __device__ __forceinline__ void gemv_q8(const GemvJob& j) {
     if (any) q8_issue(j, stage, 0, cur, nblocks, lane);    // before pdl_wait: weights only
     pdl_wait();                                        // from here on x (the previous kernel's output) is ready
     pdl_launch_dependents();
-    const float scale = (j.flags & GEMV_NORM) ? warp_norm_scale(j) : 1.0f;
+    float scale[NB];
+#pragma unroll
+    for (int n = 0; n < NB; n++) scale[n] = (n < j.nx && (j.flags & GEMV_NORM)) ? warp_norm_scale(j, n) : 1.0f;
     const bool weighted = (j.flags & GEMV_NORM) && j.norm_w;
     const int sub = lane & 7;                          // which 4 quants of a block this lane takes
-    float acc[GEMV_ROWS] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float acc[NB][GEMV_ROWS];
+#pragma unroll
+    for (int n = 0; n < NB; n++)
+#pragma unroll
+        for (int s = 0; s < GEMV_ROWS; s++) acc[n][s] = 0.0f;
     int buf = 0;
     bool more = any;
     while (more) {
@@ -334,10 +371,9 @@ __device__ __forceinline__ void gemv_q8(const GemvJob& j) {
         __syncwarp();
         int m0, row0;
         slot_row(j, cur.g, 0, m0, row0);
-        const float* xr = slot_x(j, row0 >= 0 ? row0 : 0);
+        if (row0 < 0) row0 = 0;
         const int b0 = cur.c * Q8_CHUNK_BLOCKS;
         const int nb = min(Q8_CHUNK_BLOCKS, nblocks - b0);
-        const float4* x4 = reinterpret_cast<const float4*>(xr);
         const float4* w4 = reinterpret_cast<const float4*>(j.norm_w);
         const uint8_t* piece[GEMV_ROWS];
 #pragma unroll
@@ -346,27 +382,38 @@ __device__ __forceinline__ void gemv_q8(const GemvJob& j) {
             piece[s] = src ? stage + (buf * GEMV_ROWS + s) * Q8_PIECE_BYTES + ((size_t)src & 15) : nullptr;
         }
         for (int b = lane >> 3; b < nb; b += 4) {
-            float4 xv = x4[(b0 + b) * 8 + sub];
-            if (weighted) {
-                const float4 nw = w4[(b0 + b) * 8 + sub];
-                xv.x *= nw.x; xv.y *= nw.y; xv.z *= nw.z; xv.w *= nw.w;
-            }
+            float d[GEMV_ROWS], q[GEMV_ROWS][4];       // the slots' weights, decoded once for all rows
 #pragma unroll
             for (int s = 0; s < GEMV_ROWS; s++) {
                 if (!piece[s]) continue;
                 const uint8_t* blk = piece[s] + b * Q8_BLOCK_BYTES;
-                const float d = __half2float(*reinterpret_cast<const __half*>(blk));
+                d[s] = __half2float(*reinterpret_cast<const __half*>(blk));
                 const uint16_t* q16 = reinterpret_cast<const uint16_t*>(blk + 2 + 4 * sub);
-                float q[4];
-                q8x4_to_float((unsigned)q16[0] | ((unsigned)q16[1] << 16), q);
-                acc[s] += d * (q[0] * xv.x + q[1] * xv.y + q[2] * xv.z + q[3] * xv.w);
+                q8x4_to_float((unsigned)q16[0] | ((unsigned)q16[1] << 16), q[s]);
+            }
+#pragma unroll
+            for (int n = 0; n < NB; n++) {
+                if (n >= j.nx) break;
+                float4 xv = reinterpret_cast<const float4*>(slot_x(j, row0, n))[(b0 + b) * 8 + sub];
+                if (weighted) {
+                    const float4 nw = w4[(b0 + b) * 8 + sub];
+                    xv.x *= nw.x; xv.y *= nw.y; xv.z *= nw.z; xv.w *= nw.w;
+                }
+#pragma unroll
+                for (int s = 0; s < GEMV_ROWS; s++) {
+                    if (!piece[s]) continue;
+                    acc[n][s] += d[s] * (q[s][0] * xv.x + q[s][1] * xv.y + q[s][2] * xv.z + q[s][3] * xv.w);
+                }
             }
         }
         __syncwarp();                                  // all lanes done reading before the buffer is refilled
         if (cur.c == nchunks - 1) {
-            epilogue(j, cur.g, warp_sum4(acc), scale);
 #pragma unroll
-            for (int s = 0; s < GEMV_ROWS; s++) acc[s] = 0.0f;
+            for (int n = 0; n < NB; n++) {
+                if (n < j.nx) epilogue(j, cur.g, warp_sum4(acc[n]), scale[n], n);
+#pragma unroll
+                for (int s = 0; s < GEMV_ROWS; s++) acc[n][s] = 0.0f;
+            }
         }
         cur = nxt;
         buf ^= 1;
@@ -380,7 +427,8 @@ __device__ __forceinline__ void gemv_q8(const GemvJob& j) {
     j.rows[0] = r0; j.rows[1] = r1; j.rows[2] = r2; j.rows[3] = r3;                                                \
     j.y[0] = y0; j.y[1] = y1; j.y[2] = y2; j.y[3] = y3;                                                            \
     j.nmat = W3 ? 4 : W2 ? 3 : W1 ? 2 : 1;                                                                          \
-    j.x = x; j.cols = cols; j.x_group_rows = x_group_rows; j.norm_w = norm_w; j.norm_eps = norm_eps;             \
+    j.x = x; j.nx = 1; j.x_stride = 0; j.cols = cols; j.x_group_rows = x_group_rows;                             \
+    j.norm_w = norm_w; j.norm_eps = norm_eps;                                                                      \
     j.flags = flags; j.epi = EPI_STORE; j.mix = nullptr; j.hc_x = nullptr; j.clamp = 0.0f;
 
 // Plain: y_m = W_m x (+= with GEMV_ADD) for up to 4 matrices W_m [rows_m, cols] sharing x (unused W_m null).
@@ -392,7 +440,7 @@ extern "C" __global__ void gemv_q8_0(const uint8_t* W0, const uint8_t* W1, const
                                      float* y3, const float* x, int cols, int x_group_rows, const float* norm_w,
                                      float norm_eps, int flags) {
     GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3)
-    gemv_q8(j);
+    gemv_q8<1>(j);
 }
 
 // Same as gemv_q8_0, F16 weights. Launch: as gemv_q8_0 without dynamic shared memory.
@@ -401,7 +449,7 @@ extern "C" __global__ void gemv_f16(const __half* W0, const __half* W1, const __
                                     float* y3, const float* x, int cols, int x_group_rows, const float* norm_w,
                                     float norm_eps, int flags) {
     GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3)
-    gemv_direct<__half>(j);
+    gemv_direct<__half, 1>(j);
 }
 
 // Same as gemv_q8_0, F32 weights. Launch: as gemv_q8_0 without dynamic shared memory.
@@ -410,7 +458,7 @@ extern "C" __global__ void gemv_f32(const float* W0, const float* W1, const floa
                                     float* y3, const float* x, int cols, int x_group_rows, const float* norm_w,
                                     float norm_eps, int flags) {
     GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3)
-    gemv_direct<float>(j);
+    gemv_direct<float, 1>(j);
 }
 
 // hc_post epilogue: f = W x (W [D, cols]), then X'_k[r] = post_k f[r] + sum_j C[j,k] X_j[r] in place, with
@@ -422,7 +470,7 @@ extern "C" __global__ void gemv_q8_0_hc_post(const uint8_t* W, int rows, const f
                                              const float* norm_w, float norm_eps, int flags, const float* mix,
                                              float* X) {
     GEMV_HC_POST_BODY
-    gemv_q8(j);
+    gemv_q8<1>(j);
 }
 
 // As gemv_q8_0_hc_post, F16 weights. Launch: as gemv_f16.
@@ -430,7 +478,7 @@ extern "C" __global__ void gemv_f16_hc_post(const __half* W, int rows, const flo
                                             const float* norm_w, float norm_eps, int flags, const float* mix,
                                             float* X) {
     GEMV_HC_POST_BODY
-    gemv_direct<__half>(j);
+    gemv_direct<__half, 1>(j);
 }
 
 // As gemv_q8_0_hc_post, F32 weights. Launch: as gemv_f32.
@@ -438,7 +486,7 @@ extern "C" __global__ void gemv_f32_hc_post(const float* W, int rows, const floa
                                             const float* norm_w, float norm_eps, int flags, const float* mix,
                                             float* X) {
     GEMV_HC_POST_BODY
-    gemv_direct<float>(j);
+    gemv_direct<float, 1>(j);
 }
 
 // SwiGLU epilogue: y[r] = silu(min(g[r], c)) * clamp(u[r], -c, c) with g = Wg x, u = Wu x (both [rows, cols]);
@@ -451,19 +499,106 @@ extern "C" __global__ void gemv_q8_0_swiglu(const uint8_t* Wg, const uint8_t* Wu
                                             const float* x, int cols, const float* norm_w, float norm_eps,
                                             int flags, float clamp) {
     GEMV_SWIGLU_BODY
-    gemv_q8(j);
+    gemv_q8<1>(j);
 }
 
 // As gemv_q8_0_swiglu, F16 weights. Launch: as gemv_f16.
 extern "C" __global__ void gemv_f16_swiglu(const __half* Wg, const __half* Wu, int rows, float* y, const float* x,
                                            int cols, const float* norm_w, float norm_eps, int flags, float clamp) {
     GEMV_SWIGLU_BODY
-    gemv_direct<__half>(j);
+    gemv_direct<__half, 1>(j);
 }
 
 // As gemv_q8_0_swiglu, F32 weights. Launch: as gemv_f32.
 extern "C" __global__ void gemv_f32_swiglu(const float* Wg, const float* Wu, int rows, float* y, const float* x,
                                            int cols, const float* norm_w, float norm_eps, int flags, float clamp) {
     GEMV_SWIGLU_BODY
-    gemv_direct<float>(j);
+    gemv_direct<float, 1>(j);
+}
+
+// Multi-row twins of the entry points above: nx <= GEMV_MAX_X activation rows x + n * x_stride (see the top of
+// the file); same launch geometry and shared memory. y / X / mix advance by one row's worth per n.
+
+// gemv_q8_0 for nx activation rows. Launch: as gemv_q8_0.
+extern "C" __global__ void gemv_q8_0_rows(const uint8_t* W0, const uint8_t* W1, const uint8_t* W2, const uint8_t* W3,
+                                     int rows0, int rows1, int rows2, int rows3, float* y0, float* y1, float* y2,
+                                     float* y3, const float* x, int cols, int x_group_rows, const float* norm_w,
+                                     float norm_eps, int flags, int nx, int x_stride) {
+    GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3)
+    j.nx = nx; j.x_stride = x_stride;
+    gemv_q8<GEMV_MAX_X>(j);
+}
+
+// gemv_f16 for nx activation rows. Launch: as gemv_f16.
+extern "C" __global__ void gemv_f16_rows(const __half* W0, const __half* W1, const __half* W2, const __half* W3,
+                                    int rows0, int rows1, int rows2, int rows3, float* y0, float* y1, float* y2,
+                                    float* y3, const float* x, int cols, int x_group_rows, const float* norm_w,
+                                    float norm_eps, int flags, int nx, int x_stride) {
+    GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3)
+    j.nx = nx; j.x_stride = x_stride;
+    gemv_direct<__half, GEMV_MAX_X>(j);
+}
+
+// gemv_f32 for nx activation rows. Launch: as gemv_f32.
+extern "C" __global__ void gemv_f32_rows(const float* W0, const float* W1, const float* W2, const float* W3,
+                                    int rows0, int rows1, int rows2, int rows3, float* y0, float* y1, float* y2,
+                                    float* y3, const float* x, int cols, int x_group_rows, const float* norm_w,
+                                    float norm_eps, int flags, int nx, int x_stride) {
+    GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3)
+    j.nx = nx; j.x_stride = x_stride;
+    gemv_direct<float, GEMV_MAX_X>(j);
+}
+
+// gemv_q8_0_hc_post for nx activation rows. Launch: as gemv_q8_0_hc_post.
+extern "C" __global__ void gemv_q8_0_hc_post_rows(const uint8_t* W, int rows, const float* x, int cols, int x_group_rows,
+                                             const float* norm_w, float norm_eps, int flags, const float* mix,
+                                             float* X, int nx, int x_stride) {
+    GEMV_HC_POST_BODY
+    j.nx = nx; j.x_stride = x_stride;
+    gemv_q8<GEMV_MAX_X>(j);
+}
+
+// gemv_f16_hc_post for nx activation rows. Launch: as gemv_f16_hc_post.
+extern "C" __global__ void gemv_f16_hc_post_rows(const __half* W, int rows, const float* x, int cols, int x_group_rows,
+                                            const float* norm_w, float norm_eps, int flags, const float* mix,
+                                            float* X, int nx, int x_stride) {
+    GEMV_HC_POST_BODY
+    j.nx = nx; j.x_stride = x_stride;
+    gemv_direct<__half, GEMV_MAX_X>(j);
+}
+
+// gemv_f32_hc_post for nx activation rows. Launch: as gemv_f32_hc_post.
+extern "C" __global__ void gemv_f32_hc_post_rows(const float* W, int rows, const float* x, int cols, int x_group_rows,
+                                            const float* norm_w, float norm_eps, int flags, const float* mix,
+                                            float* X, int nx, int x_stride) {
+    GEMV_HC_POST_BODY
+    j.nx = nx; j.x_stride = x_stride;
+    gemv_direct<float, GEMV_MAX_X>(j);
+}
+
+// gemv_q8_0_swiglu for nx activation rows. Launch: as gemv_q8_0_swiglu.
+extern "C" __global__ void gemv_q8_0_swiglu_rows(const uint8_t* Wg, const uint8_t* Wu, int rows, float* y,
+                                            const float* x, int cols, const float* norm_w, float norm_eps,
+                                            int flags, float clamp, int nx, int x_stride) {
+    GEMV_SWIGLU_BODY
+    j.nx = nx; j.x_stride = x_stride;
+    gemv_q8<GEMV_MAX_X>(j);
+}
+
+// gemv_f16_swiglu for nx activation rows. Launch: as gemv_f16_swiglu.
+extern "C" __global__ void gemv_f16_swiglu_rows(const __half* Wg, const __half* Wu, int rows, float* y, const float* x,
+                                           int cols, const float* norm_w, float norm_eps, int flags, float clamp, int nx,
+                                           int x_stride) {
+    GEMV_SWIGLU_BODY
+    j.nx = nx; j.x_stride = x_stride;
+    gemv_direct<__half, GEMV_MAX_X>(j);
+}
+
+// gemv_f32_swiglu for nx activation rows. Launch: as gemv_f32_swiglu.
+extern "C" __global__ void gemv_f32_swiglu_rows(const float* Wg, const float* Wu, int rows, float* y, const float* x,
+                                           int cols, const float* norm_w, float norm_eps, int flags, float clamp, int nx,
+                                           int x_stride) {
+    GEMV_SWIGLU_BODY
+    j.nx = nx; j.x_stride = x_stride;
+    gemv_direct<float, GEMV_MAX_X>(j);
 }

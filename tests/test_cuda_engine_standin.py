@@ -41,7 +41,9 @@ def test_a_decode_step_is_captured_without_host_syncs(rt, standin, golden):  # n
     m = CudaModel(str(golden / "ds4-tiny" / "tiny.gguf"), runtime=rt, progress=False)
     assert m.backend == "cuda"
     s = m.new_state()
+    m.multirow = False                          # the single-row graphs (multi-row steps: tests/test_cuda_rows.py)
     m.step([s], [[5, 6, 7]])
+    m.multirow = True
     caps = captures(standin)
     assert len(caps) == 2                                   # the body (bucket 256) and the head
     for calls in caps:

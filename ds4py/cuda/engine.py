@@ -28,6 +28,7 @@ import numpy as np
 from ds4py import schema
 from ds4py.config import ModelConfig
 from ds4py.cuda import decode, synth
+from ds4py.cuda import rows as multirow
 from ds4py.cuda.compiler import model_defines
 from ds4py.cuda.graph import StepGraph
 from ds4py.cuda.kvstate import CudaState, DeviceStore
@@ -43,6 +44,7 @@ from ds4py.sampling import InvalidLogits, SamplingParams
 
 MIN_BUCKET = 256            # smallest context bucket (positions); buckets double up to the context length
 HEAD_GRAPHS = 8             # head graphs kept (one per sampling setting; least recently used dropped)
+ROWS_GRAPHS = 8             # multi-row step graphs kept (one per set of rows' states, buckets and row count)
 
 
 def bucket_for(n_positions: int, context_length: int, min_bucket: int = MIN_BUCKET) -> int:
@@ -57,13 +59,15 @@ class StepRun:
     """One recorded step (a body or a head): captured into a graph and replayed, or launched directly each time
     (graphs=False). `launches` counts the kernels of one run."""
 
-    def __init__(self, model: "CudaModel", record: Callable[[decode.Launcher], None], tag: tuple):
+    def __init__(self, model: "CudaModel", record: Callable[[decode.Launcher], None], tag: tuple,
+                 slot: DeviceArray | None = None):
         self.model, self._record, self.tag = model, record, tag
+        self.slot = model.slot if slot is None else slot
         self.mode = (model.pdl, model.graphs)
         self.launches = 0
         self.side_launches = 0
         rt = model.rt
-        self.graph = StepGraph(rt, self._capture, model.slot, model.w.arena) if model.graphs else None
+        self.graph = StepGraph(rt, self._capture, self.slot, model.w.arena) if model.graphs else None
 
     def _capture(self) -> None:
         L = decode.Launcher(self.model.rt, self.model.pdl)
@@ -75,7 +79,7 @@ class StepRun:
             self.graph.replay(values)
         else:
             for i, v in enumerate(values):
-                self.model.slot.memory.memset_d32(self.model.slot.ptr + 4 * i, int(v), 1, self.model.rt.main)
+                self.slot.memory.memset_d32(self.slot.ptr + 4 * i, int(v), 1, self.model.rt.main)
             self._capture()
 
     def count(self) -> tuple[int, int]:
@@ -250,6 +254,9 @@ class CudaModel(ModelBase):
         self.ticket = self._misc.array(16, (1,), np.uint32)        # hc_mix's (zero between launches)
         self.ws: decode.Workspace | None = None
         self._heads: OrderedDict[Any, StepRun] = OrderedDict()
+        self.multirow = True                                       # several rows per step through cuda/rows.py
+        self.rows_ws: multirow.RowsWorkspace | None = None
+        self._rows_runs: OrderedDict[Any, StepRun] = OrderedDict()
         self.last_generate: dict[str, float] = {}
         self.startup = {"weights_upload_s": time.perf_counter() - t1, "model_open_s": time.perf_counter() - t0,
                         "weights_gb": (self.w.file_bytes + self.w.extra_bytes) / 1e9}
@@ -286,6 +293,9 @@ class CudaModel(ModelBase):
 
     def _step(self, states: list[CudaState], chunks: list[np.ndarray], all_logits: bool) -> list[np.ndarray]:
         self.store.reclaim()
+        if self.multirow and 2 <= sum(len(c) for c in chunks) <= multirow.MAX_ROWS \
+                and all(len(c) <= self.rollback_horizon + 1 for c in chunks):
+            return self._step_rows(states, chunks, all_logits)
         out = []
         for st, ids in zip(states, chunks):
             n0, T = st.n_tokens, len(ids)
@@ -303,6 +313,70 @@ class CudaModel(ModelBase):
             st.end_step(T)
             out.append(np.stack(rows) if all_logits else rows[-1])
         return out
+
+    def _step_rows(self, states: list[CudaState], chunks: list[np.ndarray], all_logits: bool) -> list[np.ndarray]:
+        """One multi-row step (cuda/rows.py): every chunk's positions as rows of one graph replay; each row's
+        logits bit-identical to stepping its state position by position."""
+        plan = [(st, st.n_tokens + i, int(t)) for st, ids in zip(states, chunks) for i, t in enumerate(ids)]
+        run = self._rows_run(plan)
+        R = len(plan)
+        values = [pos for _, pos, _ in plan] + [0] * (multirow.MAX_ROWS - R) + [tok for _, _, tok in plan]
+        for st, ids in zip(states, chunks):
+            st.begin_step(len(ids))
+            st.device_hw = max(st.device_hw, st.n_tokens + len(ids))
+        run.run(values)
+        logits = self.rows_ws.logits.view(0, (R, self.config.vocab_size)).download()
+        out, at = [], 0
+        for st, ids in zip(states, chunks):
+            T = len(ids)
+            st.end_step(T)
+            out.append(logits[at:at + T].copy() if all_logits else logits[at + T - 1].copy())
+            at += T
+        return out
+
+    def _row_bucket(self, st: CudaState, pos: int) -> int:
+        """The context bucket a single-row step of `st` at `pos` runs in (its attention plan): a row keeps it."""
+        need = bucket_for(pos + 1, self.config.context_length, self.min_bucket)
+        run = st.graph[0]
+        return max(need, run.tag[0]) if run is not None else need
+
+    def _rows_run(self, plan: list[tuple[CudaState, int, int]]) -> StepRun:
+        """The multi-row graph for these rows (their states' arrays, buckets and count), captured on first use."""
+        buckets = [self._row_bucket(st, pos) for st, pos, _ in plan]
+        top = max(buckets)
+        if self.rows_ws is None or self.rows_ws.bucket < top:
+            self.rt.synchronize()
+            version = 0 if self.rows_ws is None else self.rows_ws.version + 1
+            if self.rows_ws is not None:                # its graphs point into the old block: drop them
+                self.store.retire([self.rows_ws.block, *self._rows_runs.values()])
+                self._rows_runs.clear()
+            self.rows_ws = multirow.make_rows_workspace(self.store, self.rt, self.config, top, version)
+        per_state: dict[int, int] = {}
+        for (st, _, _), b in zip(plan, buckets):
+            per_state[id(st)] = max(per_state.get(id(st), 0), b)
+        for st, _, _ in plan:
+            st.ensure_rows(per_state[id(st)])
+        ws = self.rows_ws
+        key = (ws.version, self.pdl, self.graphs, tuple(
+            (b, tuple((a.ptr, a.shape[0]) for a in st.arrays.values())) for (st, _, _), b in zip(plan, buckets)))
+        run = self._rows_runs.get(key)
+        if run is not None:
+            self._rows_runs.move_to_end(key)
+            return run
+        ctx = multirow.RowsContext(self.config, self.numerics, self.w, ws, [dict(st.arrays) for st, _, _ in plan],
+                               buckets)
+        run = StepRun(self, lambda L: multirow.record_rows(L, ctx), key, slot=ws.slot)
+        self._rows_runs[key] = run
+        while len(self._rows_runs) > ROWS_GRAPHS:
+            self.store.retire([self._rows_runs.popitem(last=False)[1]])
+        return run
+
+    def launches_per_rows_step(self, n_rows: int) -> dict[str, int]:
+        """Kernels of one multi-row step of n_rows fresh sequences (one row each)."""
+        sts = [self.new_state() for _ in range(n_rows)]
+        run = self._rows_run([(st, 0, 0) for st in sts])
+        n, side = run.count()
+        return {"rows": n_rows, "total": n, "side_stream": side}
 
     def _export(self, state: CudaState) -> dict[str, np.ndarray]:
         return state.export()
@@ -457,6 +531,12 @@ class CudaModel(ModelBase):
         for run in self._heads.values():
             self.store.retire([run])
         self._heads.clear()
+        for run in self._rows_runs.values():
+            self.store.retire([run])
+        self._rows_runs.clear()
+        if self.rows_ws is not None:
+            self.store.retire([self.rows_ws.block])
+            self.rows_ws = None
         self.store.retire([self._misc])
         self.store.reclaim()
         self.rt.synchronize()

@@ -132,3 +132,76 @@ def moe_dequant(rt: Any, qtype: int, W: Any, out: Any, n_values: int, stream: An
          f"moe_dequant: {n_values} values are not whole blocks of the given buffers")
     n_groups = n_values // 32
     rt.launch(f"moe_dequant_{name}", -(-n_groups // 256), 256, W, out, n_groups, stream=stream, pdl=pdl)
+
+
+# ---- several rows (issue 17): experts grouped over the rows' choices -------------------------------------------
+MAX_PAIRS = 1024               # (row, slot) pairs of one grouped launch (moe_unique_id's bound)
+
+
+def moe_rows_plan(qtype: int, dim: int, ff: int, rows_per_block: int | None = None,
+                  budget: int = SMEM_BUDGET) -> MoePlan:
+    """The grouped gate + up keeps its stage while it runs every pair of its expert, so the partial sums sit
+    beside it: as many rows per block as fit stage + partials in `budget` (the thread layout, and so every
+    pair's bits, are those of moe_gate_up)."""
+    rb, G = row_bytes(qtype, dim), dim // 32
+    one = moe_plan(qtype, dim, ff, 2, 2, 1)
+    if rows_per_block is None:
+        rows_per_block = MOE_RPT * one.row_lanes
+        while rows_per_block > 1 and 2 * room(rows_per_block * rb) + 8 * rows_per_block * (G + 1) > budget:
+            rows_per_block -= 1
+        rows_per_block = min(rows_per_block, ff)
+    plan = moe_plan(qtype, dim, ff, 2, 2, rows_per_block)
+    return MoePlan(plan.threads, plan.row_lanes, rows_per_block,
+                   2 * room(rows_per_block * rb) + 8 * rows_per_block * (G + 1))
+
+
+def moe_gate_up_rows(rt: Any, qtype: int, Wg: Any, Wu: Any, x: Any, ids: Any, route_w: Any, h: Any,
+                     n_experts: int, ff: int, dim: int, k: int, nx: int, clamp: float, x_stride: int | None = None,
+                     rows_per_block: int | None = None, stream: Any = None, pdl: bool = False) -> MoePlan:
+    """h [nx * k, ff]: pair p = (row n, slot s) = n * k + s is moe_gate_up of x[n] (x + n * x_stride) with expert
+    ids[p] and weight route_w[p] (ids None: expert s, route_w None: 1), bit-identical to it; each distinct
+    expert's gate and up rows are read once for all the pairs that chose it."""
+    name, _, _ = _fmt(qtype)
+    for W in (Wg, Wu):
+        _check_weights("moe_gate_up_rows", W, qtype, n_experts, ff, dim)
+    stride = dim if x_stride is None else int(x_stride)
+    n_pairs = nx * k
+    need(1 <= k and 1 <= nx and n_pairs <= MAX_PAIRS, f"moe_gate_up_rows: 1 to {MAX_PAIRS} (row, slot) pairs")
+    need(stride >= dim and stride % 4 == 0 and x.size >= (nx - 1) * stride + dim and h.size >= n_pairs * ff,
+         "moe_gate_up_rows: x or h does not match the shapes")
+    need(ids is None or (dtype_is(ids, np.int32) and ids.size >= n_pairs),
+         "moe_gate_up_rows: ids must be int32 [nx * k]")
+    need(route_w is None or route_w.size >= n_pairs, "moe_gate_up_rows: route weights must cover the pairs")
+    need(aligned(16, x, h), "moe_gate_up_rows: x and h must be 16-byte aligned")
+    plan = moe_rows_plan(qtype, dim, ff, rows_per_block)
+    groups = k if ids is None else min(n_pairs, n_experts + 1)      # + 1: a bad id is a group of its own
+    rt.launch(f"moe_gate_up_rows_{name}", (-(-ff // plan.rows_per_block), groups), plan.threads, Wg, Wu, x, ids,
+              route_w, h, int(n_experts), int(ff), int(dim), plan.rows_per_block, float(clamp), int(n_pairs), int(k),
+              stride, smem=plan.smem, stream=stream, pdl=pdl)
+    return plan
+
+
+def moe_down_rows(rt: Any, qtype: int, W: Any, ids: Any, h: Any, out: Any, n_experts: int, dim: int, ff: int,
+                  n_slots: int, nx: int, add: Any = None, mix: Any = None, hc: int = 0, hc_x: Any = None,
+                  rows_per_block: int | None = None, stream: Any = None, pdl: bool = False) -> MoePlan:
+    """Row n of nx: moe_down on ids[n * n_slots:], h[n * n_slots:], add[n] and, with mix [nx, (2 + hc) * hc]
+    (pre, post, comb per row) and hc_x [nx, hc, dim], out[n] = X'_n; bit-identical to a one-row moe_down."""
+    name, _, _ = _fmt(qtype)
+    _check_weights("moe_down_rows", W, qtype, n_experts, dim, ff)
+    need(1 <= n_slots and 1 <= nx and h.size >= nx * n_slots * ff, "moe_down_rows: h does not hold nx x n_slots x ff")
+    need(ids is None or (dtype_is(ids, np.int32) and ids.size >= nx * n_slots),
+         "moe_down_rows: ids must be int32 [nx * n_slots]")
+    need(add is None or add.size >= nx * dim, "moe_down_rows: add must be [nx, dim]")
+    mrec = (2 + hc) * hc
+    if mix is not None:
+        need(hc >= 1 and mix.size >= nx * mrec and hc_x is not None and hc_x.size >= nx * hc * dim
+             and out.size >= nx * hc * dim, f"moe_down_rows: the hc_post needs mix [{nx}, {mrec}], X and out "
+             f"[{nx}, {hc}, {dim}]")
+    else:
+        need(out.size >= nx * dim, "moe_down_rows: out must be [nx, dim]")
+    need(aligned(16, h), "moe_down_rows: h must be 16-byte aligned")
+    plan = moe_plan(qtype, ff, dim, n_slots, 1, rows_per_block)
+    rt.launch(f"moe_down_rows_{name}", (-(-dim // plan.rows_per_block), nx), plan.threads, W, ids, h, add, mix, hc_x,
+              out, int(n_slots), int(n_experts), int(dim), int(ff), plan.rows_per_block, int(hc) if mix is not None
+              else 0, smem=plan.smem, stream=stream, pdl=pdl)
+    return plan

@@ -5,6 +5,7 @@
     gemv(rt, [(W_o_a, u, 8192)], o, 4096, x_group_rows=1024)             # grouped wo_a: group g reads x[g]
     gemv_hc_post(rt, W_o_b, u, X, mix, 4096, 8192)                        # X'_k = post_k W u + sum_j C[j,k] X_j
     gemv_swiglu(rt, W_gate, W_up, x, mid, 2048, 4096, clamp=10.0)         # shared expert gate + up
+    gemv(rt, [(W_q_a, q, 1024)], x, 4096, nx=8)                         # 8 activation rows x[n], y[n]: W read once
 
 The weight type follows the array: float32 -> F32, float16 -> F16, uint8 bytes -> Q8_0 ([rows, cols/32*34]).
 Launch geometry: warps of 32 lanes, 4 rows (slots) per warp step, grid-stride over row groups, the grid capped
@@ -25,7 +26,9 @@ from ds4py.errors import Ds4Error
 DEFINES = {
     "GEMV_ROWS": 4,              # rows per warp step (slots); warp_sum4 reduces exactly 4
     "Q8_CHUNK_BLOCKS": 32,       # Q8_0 blocks (x32 columns) of one row staged per piece
+    "GEMV_MAX_X": 8,             # activation rows of one multi-row launch (the `_rows` kernels' accumulator sets)
 }
+GEMV_MAX_X = DEFINES["GEMV_MAX_X"]
 GEMV_ROWS = DEFINES["GEMV_ROWS"]
 Q8_0_BLOCK_BYTES = 34
 Q8_PIECE_BYTES = DEFINES["Q8_CHUNK_BLOCKS"] * Q8_0_BLOCK_BYTES + 16
@@ -62,11 +65,12 @@ def _check_matrix(what: str, W: DeviceArray, rows: int, cols: int, qtype: str) -
 
 
 def _check_common(what: str, qtype: str, x: DeviceArray, cols: int, x_groups: int,
-                  norm: tuple[DeviceArray | None, float] | None) -> tuple[DeviceArray | None, float, int]:
+                  norm: tuple[DeviceArray | None, float] | None, nx: int = 1,
+                  x_stride: int = 0) -> tuple[DeviceArray | None, float, int]:
     need(cols % (32 if qtype == "Q8_0" else 8) == 0,
          f"{what}: cols ({cols}) must be a multiple of {32 if qtype == 'Q8_0' else 8} for {qtype}")
-    need(is_dtype(x, np.float32) and x.size >= cols * max(x_groups, 1),
-         f"{what}: x must be float32 with {cols * max(x_groups, 1)} values")
+    nvals = (nx - 1) * x_stride + cols * max(x_groups, 1)
+    need(is_dtype(x, np.float32) and x.size >= nvals, f"{what}: x must be float32 with {nvals} values")
     need(aligned(16, x), f"{what}: x must be 16-byte aligned")
     flags, norm_w, eps = 0, None, 0.0
     if norm is not None:
@@ -76,6 +80,17 @@ def _check_common(what: str, qtype: str, x: DeviceArray, cols: int, x_groups: in
         need(x_groups == 0, f"{what}: an RMSNorm prologue does not combine with input groups")
         flags |= NORM
     return norm_w, float(eps), flags
+
+
+def _rows(what: str, nx: int, x_stride: int | None, width: int) -> tuple[str, tuple, int]:
+    """The kernel suffix and extra arguments of an nx-row launch (x_stride: floats between rows' x, default
+    `width`, the floats one row's x occupies)."""
+    need(isinstance(nx, (int, np.integer)) and 1 <= nx <= GEMV_MAX_X,
+         f"{what}: 1 to {GEMV_MAX_X} activation rows per launch, got {nx}")
+    stride = width if x_stride is None else int(x_stride)
+    need(nx == 1 or (stride >= width and stride % 4 == 0),
+         f"{what}: x_stride ({stride}) must be a multiple of 4 and at least one row's x ({width})")
+    return ("", (), 0) if nx == 1 else ("_rows", (int(nx), stride), stride)
 
 
 def _geometry(rt: Any, qtype: str, groups: int, warps: int | None, grid: int | None) -> tuple[int, int, int]:
@@ -88,63 +103,78 @@ def _geometry(rt: Any, qtype: str, groups: int, warps: int | None, grid: int | N
 
 def gemv(rt: Any, outs: Sequence[tuple[DeviceArray, DeviceArray, int]], x: DeviceArray, cols: int,
          norm: tuple[DeviceArray | None, float] | None = None, add: bool = False, x_group_rows: int = 0,
-         warps: int | None = None, grid: int | None = None, stream: Any = None, pdl: bool = False) -> None:
+         warps: int | None = None, grid: int | None = None, stream: Any = None, pdl: bool = False, nx: int = 1,
+         x_stride: int | None = None) -> None:
     """y_m = W_m @ x (y_m += with add) for up to 4 (W_m, y_m, rows_m) of one weight type sharing x [cols].
 
     norm=(w, eps): x is RMS-normalised first (times w unless None). x_group_rows > 0: rows
-    [g*x_group_rows, (g+1)*x_group_rows) of every matrix read x[g*cols:(g+1)*cols] (a multiple of 4)."""
+    [g*x_group_rows, (g+1)*x_group_rows) of every matrix read x[g*cols:(g+1)*cols] (a multiple of 4).
+    nx > 1: activation rows x[n] = x[n*x_stride:] into y_m[n*rows_m:], each weight read once for all of them,
+    row n's bits the same as alone (nx = 1)."""
     need(1 <= len(outs) <= MAX_MATS, f"gemv: 1 to {MAX_MATS} matrices per launch, got {len(outs)}")
+    _rows("gemv", nx, None, 0)
     qtype = weight_type(outs[0][0])
     groups = 0
     for i, (W, y, rows) in enumerate(outs):
         _check_matrix(f"gemv matrix {i}", W, rows, cols, qtype)
-        need(is_dtype(y, np.float32) and y.size >= rows, f"gemv matrix {i}: y must be float32 with {rows} values")
+        need(is_dtype(y, np.float32) and y.size >= nx * rows,
+             f"gemv matrix {i}: y must be float32 with {nx * rows} values")
         groups += ceil_div(rows, GEMV_ROWS)
     need(x_group_rows >= 0 and x_group_rows % GEMV_ROWS == 0,
          f"gemv: x_group_rows ({x_group_rows}) must be a multiple of {GEMV_ROWS}")
     x_groups = max(ceil_div(r, x_group_rows) for _, _, r in outs) if x_group_rows else 0
-    norm_w, eps, flags = _check_common("gemv", qtype, x, cols, x_groups, norm)
+    suffix, extra, stride = _rows("gemv", nx, x_stride, cols * max(x_groups, 1))
+    norm_w, eps, flags = _check_common("gemv", qtype, x, cols, x_groups, norm, nx, stride)
     flags |= ADD if add else 0
     g, b, smem = _geometry(rt, qtype, groups, warps, grid)
     Ws = [o[0] for o in outs] + [None] * (MAX_MATS - len(outs))
     ys = [o[1] for o in outs] + [None] * (MAX_MATS - len(outs))
     rows = [o[2] for o in outs] + [0] * (MAX_MATS - len(outs))
-    rt.launch(_KERNEL[qtype], g, b, *Ws, *rows, *ys, x, cols, x_group_rows, norm_w, eps, flags, smem=smem,
-              stream=stream, pdl=pdl)
+    rt.launch(_KERNEL[qtype] + suffix, g, b, *Ws, *rows, *ys, x, cols, x_group_rows, norm_w, eps, flags, *extra,
+              smem=smem, stream=stream, pdl=pdl)
 
 
 def gemv_hc_post(rt: Any, W: DeviceArray, x: DeviceArray, X: DeviceArray, mix: DeviceArray, rows: int, cols: int,
                  hc: int = 4, norm: tuple[DeviceArray | None, float] | None = None, x_group_rows: int = 0,
-                 warps: int | None = None, grid: int | None = None, stream: Any = None, pdl: bool = False) -> None:
+                 warps: int | None = None, grid: int | None = None, stream: Any = None, pdl: bool = False,
+                 nx: int = 1, x_stride: int | None = None) -> None:
     """f = W @ x (W [rows=D, cols]), then X [hc, D] <- post_k f + sum_j C[j,k] X_j in place; mix holds
-    [pre(hc), post(hc), comb(hc*hc)] (cu/mhc.cu's hc_mix output for this sub-layer)."""
+    [pre(hc), post(hc), comb(hc*hc)] (cu/mhc.cu's hc_mix output for this sub-layer). nx > 1: rows n of x
+    (x_stride apart), of X [nx, hc, D] and of mix [nx, (2+hc)*hc]."""
     qtype = weight_type(W)
     need(qtype in _KERNEL, f"gemv_hc_post: Q8_0, F16 or F32 weights, got {qtype}")
     _check_matrix("gemv_hc_post", W, rows, cols, qtype)
-    need(is_dtype(X, np.float32) and X.size == hc * rows, f"gemv_hc_post: X must be float32 [{hc}, {rows}]")
-    need(is_dtype(mix, np.float32) and mix.size >= (2 + hc) * hc,
-         f"gemv_hc_post: mix must hold {(2 + hc) * hc} float32")
+    need(is_dtype(X, np.float32) and X.size == nx * hc * rows,
+         f"gemv_hc_post: X must be float32 [{nx}, {hc}, {rows}]" if nx > 1 else
+         f"gemv_hc_post: X must be float32 [{hc}, {rows}]")
+    need(is_dtype(mix, np.float32) and mix.size >= nx * (2 + hc) * hc,
+         f"gemv_hc_post: mix must hold {nx * (2 + hc) * hc} float32")
     need(x_group_rows % GEMV_ROWS == 0, f"gemv_hc_post: x_group_rows must be a multiple of {GEMV_ROWS}")
-    norm_w, eps, flags = _check_common("gemv_hc_post", qtype, x, cols,
-                                       ceil_div(rows, x_group_rows) if x_group_rows else 0, norm)
+    x_groups = ceil_div(rows, x_group_rows) if x_group_rows else 0
+    suffix, extra, stride = _rows("gemv_hc_post", nx, x_stride, cols * max(x_groups, 1))
+    norm_w, eps, flags = _check_common("gemv_hc_post", qtype, x, cols, x_groups, norm, nx, stride)
     g, b, smem = _geometry(rt, qtype, ceil_div(rows, GEMV_ROWS), warps, grid)
-    rt.launch(_KERNEL[qtype] + "_hc_post", g, b, W, rows, x, cols, x_group_rows, norm_w, eps, flags, mix, X,
-              smem=smem, stream=stream, pdl=pdl)
+    rt.launch(_KERNEL[qtype] + "_hc_post" + suffix, g, b, W, rows, x, cols, x_group_rows, norm_w, eps, flags, mix, X,
+              *extra, smem=smem, stream=stream, pdl=pdl)
 
 
 def gemv_swiglu(rt: Any, Wg: DeviceArray, Wu: DeviceArray, x: DeviceArray, y: DeviceArray, rows: int, cols: int,
                 clamp: float = 0.0, norm: tuple[DeviceArray | None, float] | None = None,
-                warps: int | None = None, grid: int | None = None, stream: Any = None, pdl: bool = False) -> None:
-    """y = silu(min(Wg x, clamp)) * clamp(Wu x, -clamp, clamp) (clamp <= 0: no clamp); Wg, Wu [rows, cols]."""
+                warps: int | None = None, grid: int | None = None, stream: Any = None, pdl: bool = False,
+                nx: int = 1, x_stride: int | None = None) -> None:
+    """y = silu(min(Wg x, clamp)) * clamp(Wu x, -clamp, clamp) (clamp <= 0: no clamp); Wg, Wu [rows, cols].
+    nx > 1: rows n of x (x_stride apart) into y[n*rows:]."""
     qtype = weight_type(Wg)
     need(qtype in _KERNEL, f"gemv_swiglu: Q8_0, F16 or F32 weights, got {qtype}")
     _check_matrix("gemv_swiglu gate", Wg, rows, cols, qtype)
     _check_matrix("gemv_swiglu up", Wu, rows, cols, qtype)
-    need(is_dtype(y, np.float32) and y.size >= rows, f"gemv_swiglu: y must be float32 with {rows} values")
-    norm_w, eps, flags = _check_common("gemv_swiglu", qtype, x, cols, 0, norm)
+    need(is_dtype(y, np.float32) and y.size >= nx * rows,
+         f"gemv_swiglu: y must be float32 with {nx * rows} values")
+    suffix, extra, stride = _rows("gemv_swiglu", nx, x_stride, cols)
+    norm_w, eps, flags = _check_common("gemv_swiglu", qtype, x, cols, 0, norm, nx, stride)
     g, b, smem = _geometry(rt, qtype, ceil_div(rows, 2), warps, grid)
-    rt.launch(_KERNEL[qtype] + "_swiglu", g, b, Wg, Wu, rows, y, x, cols, norm_w, eps, flags, float(clamp),
-              smem=smem, stream=stream, pdl=pdl)
+    rt.launch(_KERNEL[qtype] + "_swiglu" + suffix, g, b, Wg, Wu, rows, y, x, cols, norm_w, eps, flags, float(clamp),
+              *extra, smem=smem, stream=stream, pdl=pdl)
 
 
 def gemv_q8_0(rt: Any, W: DeviceArray, x: DeviceArray, y: DeviceArray, rows: int, cols: int, **kw: Any) -> None:
