@@ -7,7 +7,7 @@ experts; window 16, ratio-4 layers with the indexer, ratio-128 layers):
   bit-identical to position-by-position steps, the state left exactly where they leave it;
 - graph replay = direct launches; fewer kernel launches than R single steps; the weight bytes per step.
 
-tests/gpu/test_cuda_rows.py runs the bit-identity checks on a GPU. Budget: ~0.15 s of emulator per row.
+tests/gpu/test_gpu_rows.py runs the bit-identity checks on a GPU. Budget: ~0.15 s of emulator per row.
 """
 
 from __future__ import annotations
