@@ -13,7 +13,7 @@ from gpu_sizes import shrink
 from ds4py.cuda import ops, twins
 from ds4py.cuda.ops.gemv import GEMV_MAX_X
 from tests.cu_emu_device import KernelDevice
-from tests.gpu.test_cuda_engine import _cuda, models  # noqa: F401 (fixture)
+from tests.gpu.test_gpu_engine import _cuda, models  # noqa: F401 (fixture)
 from test_cu_emu_rows import (test_gemv_rows_equal_single_rows,  # noqa: F401
                               test_gemv_rows_input_groups_and_the_widest_launch,
                               test_grouped_gate_up_and_rows_down_equal_single_rows, test_hc_post_and_swiglu_rows,
