@@ -193,7 +193,8 @@ def test_moe_sublayer_matches_the_reference(kdev, model, il, token):
                      hc_post=dev.const(post), hc_comb=dev.const(comb), hc_x=dev.const(X))
 
     trace = forward.Trace(cfg.n_layers)
-    want = forward.moe(w, cfg, cfg.roles(il), B.layers[il].ffn, x_h[None], np.array([token]), trace)[0]
+    one = [forward.Seq(None, slice(0, 1), np.array([0]))]        # the MoE reads only the rows of its sequence
+    want = forward.moe(w, cfg, cfg.roles(il), B.layers[il].ffn, x_h[None], np.array([token]), one, trace)[0]
     np.testing.assert_array_equal(ids.download(), trace.experts[il][0])
     np.testing.assert_allclose(wts.download(), trace.expert_weights[il][0], rtol=1e-6)
     scale = np.abs(want).max()

@@ -126,7 +126,7 @@ kdev = pytest.fixture(devices, name="kdev")
 
 # format, dim, ff, experts, k (slots per row), rows
 ROWS_MOE = [(QT.IQ2_XXS, 256, 256, 5, 3, 4), (QT.Q2_K, 512, 256, 6, 2, 3), (QT.MXFP4, 96, 64, 4, 2, 5),
-            (QT.Q8_0, 160, 96, 3, 2, 2), (QT.F16, 64, 32, 1, 1, 3)]
+            (QT.Q8_0, 160, 96, 3, 2, 2), (QT.F16, 64, 32, 1, 1, 3), (QT.Q4_K, 256, 256, 4, 2, 3)]
 
 
 @pytest.mark.parametrize("case", ROWS_MOE, ids=lambda c: f"{c[0].name}-d{c[1]}-rows{c[5]}")

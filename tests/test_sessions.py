@@ -249,9 +249,10 @@ def test_disconnect_frees_its_session_and_spares_the_others(model, tok):
 
 def test_queue_limit_answers_429(model, tok):
     with serving(model, tok, n=2, max_queue=1) as srv:
-        socks = [open_stream(srv, completion(PROMPTS[i], n=900)) for i in (0, 1)]
-        for s in socks:
-            read_events(s, 2)                                   # both sessions busy
+        socks = []
+        for i in (0, 1):           # one at a time: two arriving together could find the first still queued
+            socks.append(open_stream(srv, completion(PROMPTS[i], n=900)))
+            read_events(socks[-1], 2)                           # running: both sessions busy after the second
         socks.append(open_stream(srv, completion(PROMPTS[2], n=5)))
         t0 = time.monotonic()
         while metrics(srv)["ds4py_queue_depth"] < 1:
