@@ -17,9 +17,10 @@ old reasoning may be dropped, then each message renders and appends the transiti
 from __future__ import annotations
 
 import copy
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
-from ds4py.chat.dsml import to_json, tool_calls_pieces
+from ds4py.chat.dsml import V4_DIALECT, Dialect, to_json, tool_calls_pieces
 from ds4py.chat.errors import ChatFormatError
 from ds4py.chat.pieces import Pieces, encode_pieces, segments
 from ds4py.chat.template import (
@@ -48,7 +49,34 @@ DEFAULT_OPTIONS: dict[str, Any] = {
 }
 
 
-def _options(options: dict | None) -> dict:
+@dataclass(frozen=True)
+class Variant:
+    """What a chat format changes in this renderer. V4 (below) is the official V4 encoder; ds4py.chat.v41 holds
+    the V4.1 one. Everything else (merging tool results, dropping old reasoning, the roles, the transitions) is
+    shared."""
+    check_effort: Callable[[Any], None]                 # reasoning_effort values the format takes
+    user_like: Callable[[list[dict], int], bool]        # a message the assistant answers (gets the transition)
+    opening: Callable[[Pieces, int, str, dict], None]   # what precedes message `index` of `role`, given the options
+    tools_head: str
+    tools_tail: str
+    dsml: Dialect
+
+
+def _v4_effort(e: Any) -> None:
+    if e not in (None, "high", "max"):
+        raise ChatFormatError(f"reasoning_effort must be null, 'high' or 'max', got {e!r}")
+
+
+def _v4_opening(p: Pieces, index: int, role: str, opts: dict) -> None:
+    if index == 0 and opts["thinking_mode"] == "thinking" and opts["reasoning_effort"] == "max":
+        p.tpl(REASONING_EFFORT_MAX)
+
+
+V4 = Variant(_v4_effort, lambda messages, i: messages[i].get("role") in ("user", "developer"), _v4_opening,
+             TOOLS_HEAD, TOOLS_TAIL, V4_DIALECT)
+
+
+def _options(options: dict | None, v: Variant) -> dict:
     opts = dict(DEFAULT_OPTIONS)
     if options is not None:
         if not isinstance(options, dict):
@@ -59,8 +87,7 @@ def _options(options: dict | None) -> dict:
         opts.update(options)
     if opts["thinking_mode"] not in ("chat", "thinking"):
         raise ChatFormatError(f"thinking_mode must be 'chat' or 'thinking', got {opts['thinking_mode']!r}")
-    if opts["reasoning_effort"] not in (None, "high", "max"):
-        raise ChatFormatError(f"reasoning_effort must be null, 'high' or 'max', got {opts['reasoning_effort']!r}")
+    v.check_effort(opts["reasoning_effort"])
     return opts
 
 
@@ -141,16 +168,16 @@ def _sort_tool_results(messages: list[dict]) -> list[dict]:
     return messages
 
 
-def _last_user_index(messages: list[dict]) -> int:
+def _last_user_index(messages: list[dict], v: Variant) -> int:
     for i in range(len(messages) - 1, -1, -1):
-        if messages[i].get("role") in ("user", "developer"):
+        if v.user_like(messages, i):
             return i
     return -1
 
 
-def _drop_thinking(messages: list[dict]) -> list[dict]:
+def _drop_thinking(messages: list[dict], v: Variant) -> list[dict]:
     """Before the last user turn: assistants lose reasoning_content, developer (and unknown) roles vanish."""
-    last_user = _last_user_index(messages)
+    last_user = _last_user_index(messages, v)
     keep = {"user", "system", "tool", "latest_reminder", "direct_search_results"}
     out = []
     for i, msg in enumerate(messages):
@@ -165,15 +192,15 @@ def _fmt(value: Any) -> str:
     return format(value)  # what the official `"{content}".format(content=...)` writes
 
 
-def _tools_pieces(p: Pieces, msg: dict, where: str) -> None:
+def _tools_pieces(p: Pieces, msg: dict, where: str, v: Variant) -> None:
     tools = msg.get("tools")
     if tools:
         if not isinstance(tools, list) or not all(isinstance(t, dict) and isinstance(t.get("function"), dict)
                                                   for t in tools):
             raise ChatFormatError(f"{where}: tools must be a list of {{'type': 'function', 'function': {{...}}}}")
-        p.tpl("\n\n" + TOOLS_HEAD)
+        p.tpl("\n\n" + v.tools_head)
         p.content("\n".join(to_json(t["function"]) for t in tools))
-        p.tpl(TOOLS_TAIL)
+        p.tpl(v.tools_tail)
     if msg.get("response_format"):
         p.tpl("\n\n" + RESPONSE_FORMAT_HEAD)
         p.content(to_json(msg["response_format"]))
@@ -195,20 +222,18 @@ def _tool_result_text(content: Any, where: str) -> str:
     return "\n\n".join(parts)
 
 
-def _render_message(index: int, messages: list[dict], opts: dict, drop: bool) -> Pieces:
+def _render_message(index: int, messages: list[dict], opts: dict, drop: bool, v: Variant) -> Pieces:
     p = Pieces()
     msg = messages[index]
     role = msg.get("role")
     thinking = opts["thinking_mode"] == "thinking"
     where = f"message {index} ({role})"
-    last_user = _last_user_index(messages)
-
-    if index == 0 and thinking and opts["reasoning_effort"] == "max":
-        p.tpl(REASONING_EFFORT_MAX)
+    last_user = _last_user_index(messages, v)
+    v.opening(p, index, role, opts)
 
     if role == "system":
         p.content(_fmt(msg.get("content") or ""))
-        _tools_pieces(p, msg, where)
+        _tools_pieces(p, msg, where, v)
     elif role == "developer":
         if not msg.get("content"):
             raise ChatFormatError(f"{where}: a developer message needs non-empty content")
@@ -216,7 +241,7 @@ def _render_message(index: int, messages: list[dict], opts: dict, drop: bool) ->
             raise ChatFormatError(f"{where}: content must be a string")
         p.tpl(USER)
         p.content(msg["content"])
-        _tools_pieces(p, msg, where)
+        _tools_pieces(p, msg, where, v)
     elif role == "user":
         p.tpl(USER)
         for i, block in enumerate(msg["_blocks"]):
@@ -243,7 +268,7 @@ def _render_message(index: int, messages: list[dict], opts: dict, drop: bool) ->
         if calls:
             if not isinstance(calls, list):
                 raise ChatFormatError(f"{where}: tool_calls must be a list")
-            p.extend(tool_calls_pieces(calls))
+            p.extend(tool_calls_pieces(calls, v.dsml))
         if not msg.get("wo_eos", False):
             p.tpl(EOS)
     else:
@@ -262,14 +287,14 @@ def _render_message(index: int, messages: list[dict], opts: dict, drop: bool) ->
             p.tpl(ASSISTANT + (THINK if thinking else END_THINK) + TASK_TOKENS[task])
         else:
             p.tpl(TASK_TOKENS[task])
-    elif role in ("user", "developer"):
+    elif v.user_like(messages, index):
         open_thinking = thinking and (not drop or index >= last_user)
         p.tpl(ASSISTANT + (THINK if open_thinking else END_THINK))
     return p
 
 
-def _render_pieces(messages: list[dict], options: dict | None) -> Pieces:
-    opts = _options(options)
+def _render_pieces(messages: list[dict], options: dict | None, v: Variant) -> Pieces:
+    opts = _options(options, v)
     msgs = _merge_tool_messages(_check(messages, "messages"))
     context = _check(opts["context"] or [], "context")
     # Results in the first new message may answer calls made in the context: sort over both.
@@ -282,19 +307,19 @@ def _render_pieces(messages: list[dict], options: dict | None) -> Pieces:
         p.tpl(BOS)
     drop = bool(opts["drop_thinking"]) and not any(m.get("tools") for m in full)
     if opts["thinking_mode"] == "thinking" and drop:
-        full = _drop_thinking(full)
-        n_render = len(full) - len(_drop_thinking(context))
+        full = _drop_thinking(full, v)
+        n_render = len(full) - len(_drop_thinking(context, v))
     else:
         n_render = len(msgs)
     start = len(full) - n_render
     for i in range(start, len(full)):
-        p.extend(_render_message(i, full, opts, drop))
+        p.extend(_render_message(i, full, opts, drop, v))
     return p
 
 
-def _render_checked(messages: list[dict], options: dict | None) -> Pieces:
+def _render_checked(messages: list[dict], options: dict | None, v: Variant | None = None) -> Pieces:
     try:
-        return _render_pieces(messages, options)
+        return _render_pieces(messages, options, V4 if v is None else v)
     except (TypeError, AttributeError, KeyError) as e:  # a shape the checks above did not foresee
         raise ChatFormatError(f"malformed conversation ({type(e).__name__}: {e})") from None
 
@@ -309,14 +334,15 @@ def render_segments(messages: list[dict], options: dict | None = None) -> list[t
     return segments(_render_checked(messages, options).items)
 
 
-def encode_prompt(messages: list[dict], options: dict | None, tokenizer, plain_content: bool = True) -> list[int]:
-    """Prompt token ids.
+def encode_prompt(messages: list[dict], options: dict | None, tokenizer, plain_content: bool = True,
+                  variant: Variant | None = None) -> list[int]:
+    """Prompt token ids (variant: another chat format's Variant, default V4).
 
     plain_content=False: `tokenizer.encode(render(...), special=True)`, exactly what the official
     `generate.py` does (special-token spellings typed into a message become special ids).
     plain_content=True: only the template's special tokens are special; conversation text stays plain text.
     """
-    pieces = _render_checked(messages, options)
+    pieces = _render_checked(messages, options, variant)
     if not plain_content:
         return tokenizer.encode(pieces.text(), special=True)
     return encode_pieces(pieces.items, tokenizer)
