@@ -8,6 +8,8 @@ The chunked GGUF writer (make_synthetic's streaming) is checked here too: chunks
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
@@ -144,6 +146,35 @@ def test_a_decoded_model_is_the_same_with_fused_kernels(model, request):
         assert np.abs(lf - lr).max() <= 1e-4 * scale, f"{model}: decode drifted {np.abs(lf - lr).max():.3e}"
         assert int(np.argmax(lf)) == int(np.argmax(lr))
     assert fused.weights.runner is not None and ref.weights.runner is None
+
+
+def test_cli_kernels_flag_scores_like_the_oracle_and_is_refused_elsewhere(tiny_iq2, tmp_path):
+    """score --kernels fused --threads 2 (6 ids: one step of <= 8 rows takes the fused kernels) agrees with the
+    default dequant path; the CPU flags with another backend, or --threads 0, are one-sentence errors."""
+    import os
+    import subprocess
+    import sys
+
+    np.save(tmp_path / "ids.npy", np.array([1, 5, 9, 2, 7, 3]))
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env.pop("DS4PY_KERNELS", None)
+
+    def score(*extra, out="l.npy"):
+        return subprocess.run([sys.executable, "-m", "ds4py", "score", "-m", tiny_iq2, "--ids", str(tmp_path / "ids.npy"),
+                               "--split", "1", "--out", str(tmp_path / out), *extra], capture_output=True, text=True,
+                              env=env, timeout=300)
+    r = score(out="dequant.npy")
+    assert r.returncode == 0, r.stderr
+    r = score("--kernels", "fused", "--threads", "2", out="fused.npy")
+    assert r.returncode == 0, r.stderr
+    want, got = np.load(tmp_path / "dequant.npy"), np.load(tmp_path / "fused.npy")
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+    assert not np.array_equal(got, want)        # the flag took effect: the fused kernels sum in their own order
+    for extra, words in ((["--backend", "cuda-emu", "--kernels", "fused"], "apply to the reference backend only"),
+                         (["--threads", "0"], "--threads must be at least 1")):
+        r = score(*extra)
+        assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_chunked_tensors_write_the_same_file(tmp_path, monkeypatch):

@@ -1,8 +1,14 @@
-"""Options several commands share: --engram-dir (V4.1), --sidecar and --posttrain (docs/vq.md, "Sidecars") (not a command: the leading underscore keeps it out of the dispatcher)."""
+"""Options several commands share: --engram-dir (V4.1), --sidecar and --posttrain (docs/vq.md, "Sidecars"), the
+reference backend's --kernels / --threads / --mem-budget-mb (docs/reference.md). Not a command: the leading
+underscore keeps it out of the dispatcher."""
 
 from __future__ import annotations
 
 import argparse
+
+from ds4py.errors import Ds4Error
+
+CPU_OPTIONS = ("kernels", "threads", "mem_budget_mb")
 
 ENGRAM_HELP = ("V4.1 models: the folder with the official checkpoint's safetensors shards that hold the Engram "
                "tables (model-00047/48-of-00048.safetensors and their index); default: the folder the model was "
@@ -14,9 +20,29 @@ def add_engram_dir(p) -> None:
 
 
 def model_kwargs(args: argparse.Namespace) -> dict:
-    """open_model keyword arguments from the shared options (--engram-dir, --sidecar, --posttrain; only those
-    given, so that every backend accepts a V4 model's defaults)."""
-    return {k: getattr(args, k) for k in ("engram_dir", "sidecar", "posttrain") if getattr(args, k, None) is not None}
+    """open_model keyword arguments from the shared options (only those given, so that every backend accepts a V4
+    model's defaults). The CPU options belong to the reference backend: with another one they are refused."""
+    out = {k: getattr(args, k) for k in ("engram_dir", "sidecar", "posttrain", *CPU_OPTIONS)
+           if getattr(args, k, None) is not None}
+    if out.get("threads") is not None and out["threads"] < 1:
+        raise Ds4Error(f"--threads must be at least 1, got {out['threads']}")
+    cpu = [k for k in CPU_OPTIONS if k in out]
+    backend = getattr(args, "backend", "ref")
+    if cpu and backend != "ref":
+        flags = ", ".join("--" + k.replace("_", "-") for k in cpu)
+        raise Ds4Error(f"{flags} apply to the reference backend only, not --backend {backend}")
+    return out
+
+
+def add_cpu_arguments(p) -> None:
+    p.add_argument("--kernels", choices=["dequant", "fused"], default=None,
+                   help="reference backend: 'fused' decodes straight from the stored bytes (no float32 matrices; "
+                        "steps of up to 8 rows), 'dequant' dequantises per use (default: $DS4PY_KERNELS, else dequant)")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="reference backend: worker threads of the fused kernels (default: the CPU count)")
+    p.add_argument("--mem-budget-mb", type=float, default=None, metavar="MB",
+                   help="reference backend: bound the dequantised-weight cache and streamed chunks (a model larger "
+                        "than RAM runs from the mapped file)")
 
 def add_stack_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sidecar", metavar="DIR", default=None,

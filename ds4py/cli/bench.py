@@ -7,7 +7,7 @@ import sys
 import time
 
 from ds4py.cli import BACKENDS
-from ds4py.cli._options import add_engram_dir, add_stack_arguments, model_kwargs
+from ds4py.cli._options import add_cpu_arguments, add_engram_dir, add_stack_arguments, model_kwargs
 
 NAME = "bench"
 HELP = "benchmark: prefill/decode sweep over context sizes (default) or `bench serve` against a running server"
@@ -22,6 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="engine backend: ref (numpy, default), cuda (GPU), cuda-emu (the CUDA engine on the CPU "
                         "emulator: slow, for tests), auto (cuda where a GPU can run the model, else ref)")
     add_stack_arguments(g)
+    add_cpu_arguments(g)
     add_engram_dir(g)
     g.add_argument("--prompt-file", help="text walked to every frontier (default: bundled public-domain book)")
     g.add_argument("--ctx-start", type=int, default=2048)

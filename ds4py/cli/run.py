@@ -13,7 +13,8 @@ import sys
 import time
 
 from ds4py.cli import BACKENDS
-from ds4py.cli._options import add_engram_dir, add_stack_arguments, describe, model_kwargs
+from ds4py.cli._options import (add_cpu_arguments, add_engram_dir, add_stack_arguments, describe,
+                                model_kwargs)
 
 NAME = "run"
 HELP = "generate one answer to a prompt (streamed; reasoning shown separately)"
@@ -27,6 +28,7 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
                    help="engine backend: ref (numpy, default), cuda (GPU), cuda-emu (the CUDA engine on the CPU "
                         "emulator: slow, for tests), auto (cuda where a GPU can run the model, else ref)")
     add_stack_arguments(p)
+    add_cpu_arguments(p)
     p.add_argument("--ctx", type=int, default=None, help="context size in tokens (default: the model's)")
     add_engram_dir(p)
     p.add_argument("--system", "-s", default=None, help="system prompt")

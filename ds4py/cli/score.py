@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 from ds4py.cli import BACKENDS
-from ds4py.cli._options import add_engram_dir, add_stack_arguments, describe, model_kwargs
+from ds4py.cli._options import add_cpu_arguments, add_engram_dir, add_stack_arguments, describe, model_kwargs
 
 NAME = "score"
 HELP = "prefill ids[:P] then teacher-forced decode of the rest; write float32 logits [T-P+1, vocab]"
@@ -27,6 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="engine backend: ref (numpy, default), cuda (GPU), cuda-emu (the CUDA engine on the CPU "
                         "emulator: slow, for tests), auto (cuda where a GPU can run the model, else ref)")
     add_stack_arguments(p)
+    add_cpu_arguments(p)
     p.add_argument("--no-fake-quant", action="store_true",
                    help="skip the FP8/FP4 KV and indexer quant-dequant (official 'train' numerics)")
     p.add_argument("--mtp", metavar="MTP.gguf", default=None,

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from ds4py.cli import BACKENDS
-from ds4py.cli._options import add_engram_dir, add_stack_arguments, model_kwargs
+from ds4py.cli._options import add_cpu_arguments, add_engram_dir, add_stack_arguments, model_kwargs
 
 NAME = "serve"
 HELP = "OpenAI / Anthropic compatible HTTP server (chat, completions, responses, messages)"
@@ -25,6 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="engine backend: ref (numpy, default), cuda (GPU), cuda-emu (the CUDA engine on the CPU "
                         "emulator: slow, for tests), auto (cuda where a GPU can run the model, else ref)")
     add_stack_arguments(p)
+    add_cpu_arguments(p)
     p.add_argument("--ctx", type=int, default=32768,
                    help="context size in tokens (default 32768, capped at the model's)")
     p.add_argument("--max-tokens", type=int, default=None, metavar="N",
