@@ -116,6 +116,25 @@ def _check_config_types(c: dict[str, Any]) -> None:
                                    f" number")
 
 
+def official_config(cfg: dict[str, Any], required: tuple[str, ...], aliases: dict[str, str] | None = None) -> dict:
+    """config.json keys under the official ModelArgs names (HF spellings through CONFIG_ALIASES, then `aliases`
+    first), rope_scaling unpacked, the `required` keys present and every value of the right type."""
+    aliases = aliases or {}
+    c = {aliases.get(k, CONFIG_ALIASES.get(k, k)): v for k, v in cfg.items()}
+    rs = c.get("rope_scaling") or {}
+    if not isinstance(rs, dict):
+        raise ConvertError("config.json: 'rope_scaling' must be an object")
+    for src, dst in (("factor", "rope_factor"), ("original_max_position_embeddings", "original_seq_len"),
+                     ("beta_fast", "beta_fast"), ("beta_slow", "beta_slow")):
+        if src in rs and dst not in c:
+            c[dst] = rs[src]
+    missing = [k for k in required if k not in c]
+    if missing:
+        raise ConvertError(f"config.json lacks {', '.join(missing)}")
+    _check_config_types(c)
+    return c
+
+
 def shape_from_config(cfg: dict[str, Any]) -> ModelConfig:
     """An official config.json -> the ModelConfig the GGUF will describe (V4 Flash defaults for absent keys)."""
     if not isinstance(cfg, dict):
@@ -124,18 +143,7 @@ def shape_from_config(cfg: dict[str, Any]) -> ModelConfig:
 
     if convert_v41.is_v41_config(cfg):                      # V4.1 Flash (docs/v41.md)
         return convert_v41.shape_from_config(cfg)
-    c = {CONFIG_ALIASES.get(k, k): v for k, v in cfg.items()}
-    rs = c.get("rope_scaling") or {}
-    if not isinstance(rs, dict):
-        raise ConvertError("config.json: 'rope_scaling' must be an object")
-    for src, dst in (("factor", "rope_factor"), ("original_max_position_embeddings", "original_seq_len"),
-                     ("beta_fast", "beta_fast"), ("beta_slow", "beta_slow")):
-        if src in rs and dst not in c:
-            c[dst] = rs[src]
-    missing = [k for k in ("n_layers", "dim", "vocab_size", "n_heads") if k not in c]
-    if missing:
-        raise ConvertError(f"config.json lacks {', '.join(missing)}")
-    _check_config_types(c)
+    c = official_config(cfg, ("n_layers", "dim", "vocab_size", "n_heads"))
     if not c.get("compress_ratios"):
         raise ConvertError("config.json lacks compress_ratios")
     fields = {OFFICIAL_FIELDS[k]: v for k, v in c.items() if k in OFFICIAL_FIELDS}

@@ -54,22 +54,11 @@ def is_v41_config(cfg: dict) -> bool:
 
 def shape_from_config(cfg: dict[str, Any]) -> ModelConfig:
     """A V4.1 config.json (ModelArgs or HF style) -> the ModelConfig the GGUF describes."""
-    from ds4py.convert import CONFIG_ALIASES, OFFICIAL_FIELDS, ConvertError, _check_config_types
+    from ds4py.convert import OFFICIAL_FIELDS, ConvertError, official_config
 
     if isinstance(cfg.get("text_config"), dict):            # HF: {"architectures", "text_config", "vision_config"}
         cfg = cfg["text_config"]
-    c = {V41_ALIASES.get(k, CONFIG_ALIASES.get(k, k)): v for k, v in cfg.items()}
-    rs = c.get("rope_scaling") or {}
-    if not isinstance(rs, dict):
-        raise ConvertError("config.json: 'rope_scaling' must be an object")
-    for src, dst in (("factor", "rope_factor"), ("original_max_position_embeddings", "original_seq_len"),
-                     ("beta_fast", "beta_fast"), ("beta_slow", "beta_slow")):
-        if src in rs and dst not in c:
-            c[dst] = rs[src]
-    missing = [k for k in ("n_layers", "dim", "vocab_size", "n_heads", "compress_ratios") if k not in c]
-    if missing:
-        raise ConvertError(f"config.json lacks {', '.join(missing)}")
-    _check_config_types(c)
+    c = official_config(cfg, ("n_layers", "dim", "vocab_size", "n_heads", "compress_ratios"), V41_ALIASES)
     for k in LIST_FIELDS:
         v = c.get(k)
         if v is not None and not (isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool)

@@ -62,3 +62,18 @@ def put(arena):
 
 def rng(*seed: int) -> np.random.Generator:
     return np.random.default_rng(list(seed))
+
+
+GEMV_KINDS = ("F32", "F16", "Q8_0")
+
+
+def gemv_weights(r: np.random.Generator, kind: str, rows: int, cols: int, scale: float = 1.0) -> np.ndarray:
+    """A random [rows, cols] matrix as the GEMV kernels take it: F32, F16, or Q8_0 blocks (one row of bytes each)."""
+    from ds4py.cuda import twins
+
+    Wf = (r.standard_normal((rows, cols)) * scale).astype(np.float32)
+    if kind == "F32":
+        return Wf
+    if kind == "F16":
+        return Wf.astype(np.float16)
+    return twins.quant_q8_0(Wf).reshape(rows, -1)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cu_fixtures import arena, put, requires_emulator, rng, rt  # noqa: F401 (fixtures)
+from cu_fixtures import GEMV_KINDS, arena, gemv_weights, put, requires_emulator, rng, rt  # noqa: F401 (fixtures)
 from ds4py.cuda import ops, twins
 from ds4py.cuda.memory import DeviceArray
 from ds4py.cuda.twins import gemv as tg
@@ -16,16 +16,6 @@ from ds4py.errors import Ds4Error
 
 pytestmark = requires_emulator
 
-KINDS = ("F32", "F16", "Q8_0")
-
-
-def weights(r: np.random.Generator, kind: str, rows: int, cols: int, scale: float = 1.0) -> np.ndarray:
-    Wf = (r.standard_normal((rows, cols)) * scale).astype(np.float32)
-    if kind == "F32":
-        return Wf
-    if kind == "F16":
-        return Wf.astype(np.float16)
-    return twins.quant_q8_0(Wf).reshape(rows, -1)
 
 
 def check(got, W, x, rows, cols, what, norm=None, x_group_rows=0, base=None):
@@ -43,24 +33,24 @@ GEOMETRIES = [(1, 32, 1, None), (5, 96, 2, None), (37, 288, 3, None), (67, 1056,
               (9, 2080, 2, 1)]
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", GEMV_KINDS)
 @pytest.mark.parametrize("rows,cols,warps,grid", GEOMETRIES)
 def test_gemv(rt, arena, put, kind, rows, cols, warps, grid):
     r = rng(rows, cols, warps, len(kind))
-    W = weights(r, kind, rows, cols)
+    W = gemv_weights(r, kind, rows, cols)
     x = r.standard_normal(cols).astype(np.float32)
     y = arena.scratch(rows, np.float32)
     ops.gemv(rt, [(put(W), y, rows)], put(x, False), cols, warps=warps, grid=grid)
     check(y.download(), W, x, rows, cols, f"{kind} {rows}x{cols}")
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", GEMV_KINDS)
 def test_several_matrices_norm_and_add(rt, arena, put, kind):
     """q_a + kv style: three matrices share x in one launch; RMSNorm prologue with and without a weight; add."""
     r = rng(7, len(kind))
     cols = 160
     shapes = [5, 12, 7]
-    Ws = [weights(r, kind, n, cols) for n in shapes]
+    Ws = [gemv_weights(r, kind, n, cols) for n in shapes]
     x = (r.standard_normal(cols) * 3).astype(np.float32)
     nw = (1 + 0.1 * r.standard_normal(cols)).astype(np.float32)
     dx, dnw = put(x, False), put(nw)
@@ -80,7 +70,7 @@ def test_input_groups(rt, arena, put, kind):
     """wo_a style: rows [g*8, (g+1)*8) read x[g]."""
     r = rng(8, len(kind))
     rows, cols, group = 24, 64, 8
-    W = weights(r, kind, rows, cols)
+    W = gemv_weights(r, kind, rows, cols)
     x = r.standard_normal(3 * cols).astype(np.float32)
     y = arena.scratch(rows, np.float32)
     ops.gemv(rt, [(put(W), y, rows)], put(x, False), cols, x_group_rows=group, warps=2)
@@ -92,7 +82,7 @@ def test_q8_0_rows_at_any_even_address(rt, arena, put, shift):
     """A Q8_0 tensor 2 bytes into a 16-byte word (34-byte blocks, tensors packed in one GGUF blob)."""
     r = rng(9, shift)
     rows, cols = 11, 1088
-    W = weights(r, "Q8_0", rows, cols)
+    W = gemv_weights(r, "Q8_0", rows, cols)
     blob = np.zeros(W.nbytes + 16, np.uint8)
     blob[shift: shift + W.nbytes] = W.reshape(-1)
     dW = put(blob).view(shift, W.shape, np.uint8)
@@ -102,11 +92,11 @@ def test_q8_0_rows_at_any_even_address(rt, arena, put, shift):
     check(y.download(), W, x, rows, cols, f"q8_0 at +{shift}")
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", GEMV_KINDS)
 def test_hc_post_epilogue(rt, arena, put, kind):
     r = rng(10, len(kind))
     D, cols, hc = 42, 96, 4
-    W = weights(r, kind, D, cols, 0.3)
+    W = gemv_weights(r, kind, D, cols, 0.3)
     x = r.standard_normal(cols).astype(np.float32)
     X = r.standard_normal((hc, D)).astype(np.float32)
     mix = r.random((2 + hc) * hc).astype(np.float32)
@@ -119,13 +109,13 @@ def test_hc_post_epilogue(rt, arena, put, kind):
     twins.assert_close_scaled(dX.download(), want, mag, cols, f"{kind} hc_post", factor=2.0)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", GEMV_KINDS)
 @pytest.mark.parametrize("clamp", [0.0, 2.5])
 @pytest.mark.parametrize("rows", [1, 13])
 def test_swiglu_epilogue(rt, arena, put, kind, clamp, rows):
     r = rng(11, rows, len(kind))
     cols = 96
-    Wg, Wu = weights(r, kind, rows, cols, 0.5), weights(r, kind, rows, cols, 0.5)
+    Wg, Wu = gemv_weights(r, kind, rows, cols, 0.5), gemv_weights(r, kind, rows, cols, 0.5)
     x = r.standard_normal(cols).astype(np.float32)
     y = arena.scratch(rows, np.float32)
     ops.gemv_swiglu(rt, put(Wg), put(Wu), put(x, False), y, rows, cols, clamp=clamp, warps=2)
@@ -137,13 +127,13 @@ def test_swiglu_epilogue(rt, arena, put, kind, clamp, rows):
     twins.assert_close_scaled(y.download(), want, mag, cols, f"{kind} swiglu clamp {clamp}", factor=2.0)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", GEMV_KINDS)
 def test_batch_invariance(rt, arena, put, kind):
     """A row's result is bit-identical whatever else the launch covers: the whole matrix, or a sub-range of it
     (any first row) launched with other matrices and another geometry."""
     r = rng(12, len(kind))
     rows, cols = 29, 1056
-    W = weights(r, kind, rows, cols)
+    W = gemv_weights(r, kind, rows, cols)
     x = r.standard_normal(cols).astype(np.float32)
     dW, dx = put(W), put(x, False)
     full = arena.scratch(rows, np.float32)
@@ -151,7 +141,7 @@ def test_batch_invariance(rt, arena, put, kind):
     a, b = 5, 22
     row_bytes = W.nbytes // rows
     sub = dW.view(a * row_bytes, (b - a,) + W.shape[1:])
-    other = put(weights(r, kind, 6, cols))
+    other = put(gemv_weights(r, kind, 6, cols))
     y_sub, y_other = arena.scratch(b - a, np.float32), arena.scratch(6, np.float32)
     ops.gemv(rt, [(other, y_other, 6), (sub, y_sub, b - a)], dx, cols, warps=1, grid=2)
     assert y_sub.download().tobytes() == full.download()[a:b].tobytes()
@@ -161,7 +151,7 @@ def test_the_tolerance_sees_one_quant_off(rt, arena, put):
     """The check above is strict enough that one int8 quant off by one in one row fails it."""
     r = rng(13)
     rows, cols = 16, 1056
-    W = weights(r, "Q8_0", rows, cols)
+    W = gemv_weights(r, "Q8_0", rows, cols)
     x = r.standard_normal(cols).astype(np.float32)
     y = arena.scratch(rows, np.float32)
     ops.gemv(rt, [(put(W), y, rows)], put(x, False), cols)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cu_fixtures import arena, put, requires_emulator, rng, rt  # noqa: F401 (fixtures)
+from cu_fixtures import GEMV_KINDS, arena, gemv_weights, put, requires_emulator, rng, rt  # noqa: F401 (fixtures)
 from ds4py.cuda import ops, twins
 from ds4py.cuda.ops.gemv import GEMV_MAX_X
 from ds4py.cuda.twins import gemv as tg
@@ -16,29 +16,19 @@ from ds4py.errors import Ds4Error
 
 pytestmark = requires_emulator
 
-KINDS = ("F32", "F16", "Q8_0")
-
-
-def weights(r: np.random.Generator, kind: str, rows: int, cols: int, scale: float = 1.0) -> np.ndarray:
-    Wf = (r.standard_normal((rows, cols)) * scale).astype(np.float32)
-    if kind == "F32":
-        return Wf
-    if kind == "F16":
-        return Wf.astype(np.float16)
-    return twins.quant_q8_0(Wf).reshape(rows, -1)
 
 
 def same_bits(a: np.ndarray, b: np.ndarray, what: str) -> None:
     assert a.tobytes() == b.tobytes(), f"{what}: not bit-identical (max |diff| {np.max(np.abs(a - b))})"
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", GEMV_KINDS)
 @pytest.mark.parametrize("nx", [2, 5])
 def test_gemv_rows_equal_single_rows(rt, arena, put, kind, nx):
     """Two matrices sharing x (q_a + kv style) with and without the RMSNorm prologue; rows padded apart."""
     r = rng(21, nx, len(kind))
     cols, shapes, stride = 1088, [9, 6], 1088 + 12
-    Ws = [weights(r, kind, n, cols) for n in shapes]
+    Ws = [gemv_weights(r, kind, n, cols) for n in shapes]
     x = np.zeros((nx, stride), np.float32)
     x[:, :cols] = r.standard_normal((nx, cols)) * (1 + np.arange(nx))[:, None]
     nw = (1 + 0.1 * r.standard_normal(cols)).astype(np.float32)
@@ -64,7 +54,7 @@ def test_gemv_rows_input_groups_and_the_widest_launch(rt, arena, put, kind):
     """wo_a style input groups with GEMV_MAX_X rows (x_stride defaults to the groups' width)."""
     nx, rows, cols, group = GEMV_MAX_X, 24, 64, 8
     r = rng(22, len(kind))
-    W = weights(r, kind, rows, cols)
+    W = gemv_weights(r, kind, rows, cols)
     x = r.standard_normal((nx, 3 * cols)).astype(np.float32)
     dW = put(W)
     y = arena.scratch(nx * rows, np.float32)
@@ -76,12 +66,12 @@ def test_gemv_rows_input_groups_and_the_widest_launch(rt, arena, put, kind):
         same_bits(got[i], one.download(), f"{kind} groups row {i}")
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", GEMV_KINDS)
 def test_hc_post_and_swiglu_rows(rt, arena, put, kind):
     r = rng(23, len(kind))
     nx, D, cols, hc = 3, 42, 96, 4
-    W = weights(r, kind, D, cols, 0.3)
-    Wg, Wu = weights(r, kind, 13, cols, 0.5), weights(r, kind, 13, cols, 0.5)
+    W = gemv_weights(r, kind, D, cols, 0.3)
+    Wg, Wu = gemv_weights(r, kind, 13, cols, 0.5), gemv_weights(r, kind, 13, cols, 0.5)
     x = r.standard_normal((nx, cols)).astype(np.float32)
     X = r.standard_normal((nx, hc, D)).astype(np.float32)
     mix = r.random((nx, (2 + hc) * hc)).astype(np.float32)

@@ -14,13 +14,13 @@ from ds4py.cuda.ops.argmax import argmax_parts
 from ds4py.cuda.twins import gemv as tg
 from ds4py.cuda.twins import mhc as tm
 from ds4py.cuda.twins import sample as ts
-from cu_fixtures import fresh_arena
+from cu_fixtures import fresh_arena, gemv_weights
 from gpu_sizes import shrink
 from test_cu_emu_embed import (test_argmax, test_embed, test_rmsnorm, test_rmsnorm_in_place,  # noqa: F401
                                test_wrapper_checks as test_embed_wrapper_checks)
 from test_cu_emu_gemv import (test_batch_invariance, test_gemv, test_hc_post_epilogue, test_input_groups,  # noqa: F401
                               test_q8_0_rows_at_any_even_address, test_several_matrices_norm_and_add,
-                              test_swiglu_epilogue, test_the_tolerance_sees_one_quant_off, weights)
+                              test_swiglu_epilogue, test_the_tolerance_sees_one_quant_off)
 from test_cu_emu_mhc import (test_collapse_norm, test_hc_post, test_head_collapse,  # noqa: F401
                              test_mix_and_sinkhorn)
 from test_cu_emu_sample import (chi2_tail, test_bad_rows_and_greedy, test_cut_inside_a_run_of_ties_keeps_the_lowest_ids,  # noqa: F401
@@ -139,7 +139,7 @@ def decode_weights(arena, put):
             "hfn": (0.05 * r.standard_normal((4, 4 * D))).astype(np.float16),
             "scale": (0.5 + r.random(3)).astype(np.float32), "base": (0.3 * r.standard_normal(24)).astype(np.float32),
             "norm": (1 + 0.1 * r.standard_normal(D)).astype(np.float32),
-            "W": weights(r, "Q8_0", D, D, 0.05), "head": weights(r, "Q8_0", V, D, 0.05)}
+            "W": gemv_weights(r, "Q8_0", D, D, 0.05), "head": gemv_weights(r, "Q8_0", V, D, 0.05)}
     dev = {k: put(v) for k, v in host.items()}
     for t in ("ticket", "ticket1"):               # in the weights region: they outlive begin_step()
         dev[t] = put(np.zeros(1, np.uint32))
