@@ -127,7 +127,8 @@ class Weights:
 
     def _fused(self, t: TensorInfo, raw: np.ndarray, x: np.ndarray, key, seg: list[slice] | None = None) -> np.ndarray:
         """x @ W.T from W's stored rows `raw` (uint8 [rows, row_nbytes]) through the fused kernels; `key` names
-        the rows (the tensor, or one expert of it) for the once-only inf / NaN check of their f16 scales.
+        the rows (the tensor, or one group of it) for the once-only inf / NaN check of their f16 scales (None:
+        checked block by block).
         Row by row in row-stable mode, else per sequence (seg), like every other product over token rows."""
         raw = np.asarray(raw)
         return per_row(lambda r: self._fused_rows(t, raw, r, key), x, seg)
@@ -135,7 +136,9 @@ class Weights:
     def _fused_rows(self, t: TensorInfo, raw: np.ndarray, x: np.ndarray, key) -> np.ndarray:
         if t.qtype == Q.F32:                                 # nothing to decode: BLAS on the mapped rows
             return np.ascontiguousarray(x, dtype=F32) @ raw.view(F32).T
-        finite = self._finite.get(key)
+        # key None (a routed expert: a new one nearly every token): each block checks its own scales, cheaper
+        # than a pass over the whole expert before the product reads it
+        finite = False if key is None else self._finite.get(key)
         if finite is None:
             finite = self._finite[key] = dot.scales_finite(t.qtype, raw)
         if t.qtype == Q.F16 and not finite:                  # inf / NaN weights: numpy's exact cast
@@ -186,5 +189,5 @@ class Weights:
                 hi = self.f.tensor(vq_hi_name(t.name)).raw_bytes()[e] if lay.header.bits == 13 else None
                 return per_row(lambda r: self.runner.vq_matmul(t.raw_bytes()[e], hi, self.vq.gains(t.name, e), lay, r),
                                x, seg)
-            return self._fused(t, t.raw_bytes()[e], x, (t.name, int(e)), seg)
+            return self._fused(t, t.raw_bytes()[e], x, None, seg)
         return mm(x, self.expert(t, e).T, seg)
