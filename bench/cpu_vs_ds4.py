@@ -9,8 +9,9 @@ EOS excluded), at the same thread count. ds4 runs as `ds4-bench --cpu -t T --pro
 --ctx-max N --gen-tokens G` (its own timer around the decode loop); ds4py in a child process of this script
 (RefModel, --kernels fused, its own timer around the same loop). Each round runs both, the order alternating
 (A/B, B/A, ...), so a load change on a shared machine hits both; the summary gives min and median over rounds.
-Per run: decode s/token, prefill tokens/s, CPU seconds of the whole process (user + sys), peak RSS, major
-faults (os.wait4 of that child).
+Per run: decode s/token (wall), decode CPU s/token (all threads; ds4py: process time around its loop; ds4:
+the run's CPU minus that of the same run with one decoded token, over the difference in tokens), prefill
+tokens/s, CPU seconds of the whole process (user + sys), peak RSS, major faults (os.wait4 of that child).
 
 ds4 accepts exactly its compiled-in layer count (43); for a shallower real-width file (make-synthetic
 --layers N) build it with that count, e.g. `sed -i 's/DS4_N_LAYER            = 43,/DS4_N_LAYER = N,/' ds4.c`
@@ -59,7 +60,7 @@ def child(a: argparse.Namespace) -> dict:
     st = m.new_state()
     t0 = time.perf_counter()
     logits = m.prefill(st, ids[:a.ctx])
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     gen = []
     for _ in range(a.gen):
         lg = np.array(logits, dtype=np.float32, copy=True)
@@ -67,9 +68,9 @@ def child(a: argparse.Namespace) -> dict:
         tok = int(np.argmax(lg))
         gen.append(tok)
         logits = m.decode(st, tok)
-    t2 = time.perf_counter()
+    t2, c2 = time.perf_counter(), time.process_time()
     return {"prompt_tokens": len(ids), "prefill_tps": a.ctx / (t1 - t0), "decode_s": (t2 - t1) / a.gen,
-            "generated": gen}
+            "decode_cpu_s": (c2 - c1) / a.gen, "generated": gen}
 
 
 def wait_child(cmd: list[str], env: dict | None = None) -> tuple[str, str, dict]:
@@ -87,15 +88,20 @@ def wait_child(cmd: list[str], env: dict | None = None) -> tuple[str, str, dict]
                     "major_faults": ru.ru_majflt, "wall_s": time.perf_counter() - t}
 
 
-def run_ds4(a: argparse.Namespace, tmp: str) -> dict:
+def run_ds4(a: argparse.Namespace, tmp: str, gen: int | None = None) -> dict:
     out = os.path.join(tmp, "ds4.csv")
+    gen = a.gen if gen is None else gen
     _, _, ru = wait_child([a.ds4, "-m", a.model, "--cpu", "-t", str(a.threads), "--prompt-file", a.prompt_file,
-                           "--ctx-start", str(a.ctx), "--ctx-max", str(a.ctx), "--gen-tokens", str(a.gen),
+                           "--ctx-start", str(a.ctx), "--ctx-max", str(a.ctx), "--gen-tokens", str(gen),
                            "--csv", out])
     with open(out) as f:
         row = next(csv.DictReader(f))
-    return {"engine": "ds4", "prefill_tps": float(row["prefill_tps"]), "decode_s": 1.0 / float(row["gen_tps"]),
-            **ru}
+    r = {"engine": "ds4", "prefill_tps": float(row["prefill_tps"]), "decode_s": 1.0 / float(row["gen_tps"]), **ru}
+    if gen == a.gen and a.gen > 1:
+        # ds4 times its decode loop but not its CPU: the same run with one decoded token, subtracted
+        base = run_ds4(a, tmp, 1)
+        r["decode_cpu_s"] = (ru["cpu_s"] - base["cpu_s"]) / (a.gen - 1)
+    return r
 
 
 def run_ds4py(a: argparse.Namespace) -> dict:
@@ -148,7 +154,8 @@ def main() -> int:
                 row = run_ds4(a, tmp) if eng == "ds4" else run_ds4py(a)
                 row.update(round=r, loadavg=os.getloadavg()[0])
                 rows.append(row)
-                print(f"round {r} {eng:<6s} decode {row['decode_s']:.3f} s/token  prefill {row['prefill_tps']:.2f} "
+                print(f"round {r} {eng:<6s} decode {row['decode_s']:.3f} s/token "
+                      f"(CPU {row.get('decode_cpu_s', float('nan')):.3f} s)  prefill {row['prefill_tps']:.2f} "
                       f"tok/s  cpu {row['cpu_s']:.1f} s  peak RSS {row['peak_rss'] / 2**20:.0f} MiB  "
                       f"major faults {row['major_faults']}  load {row['loadavg']:.1f}", flush=True)
     n_py = next(r["prompt_tokens"] for r in rows if r["engine"] == "ds4py")
@@ -156,13 +163,16 @@ def main() -> int:
                "gen": a.gen, "rounds": a.rounds, "prompt_tokens_ds4": n_ds4, "prompt_tokens_ds4py": n_py}
     for eng in ("ds4", "ds4py"):
         d = sorted(r["decode_s"] for r in rows if r["engine"] == eng)
-        summary[eng] = {"decode_s_min": d[0], "decode_s_median": d[len(d) // 2]}
+        c = sorted(r["decode_cpu_s"] for r in rows if r["engine"] == eng and "decode_cpu_s" in r)
+        summary[eng] = {"decode_s_min": d[0], "decode_s_median": d[len(d) // 2],
+                        "decode_cpu_s_median": c[len(c) // 2] if c else None}
     summary["ratio_median"] = summary["ds4py"]["decode_s_median"] / summary["ds4"]["decode_s_median"]
     summary["ratio_min"] = summary["ds4py"]["decode_s_min"] / summary["ds4"]["decode_s_min"]
     print(f"prompt tokens: ds4 {n_ds4}, ds4py {n_py}" + ("" if n_ds4 == n_py else "  (DIFFERENT tokenizations)"))
     for eng in ("ds4", "ds4py"):
         s = summary[eng]
-        print(f"{eng:<6s} decode s/token min {s['decode_s_min']:.3f} median {s['decode_s_median']:.3f}")
+        print(f"{eng:<6s} decode s/token min {s['decode_s_min']:.3f} median {s['decode_s_median']:.3f}"
+              f"  CPU s/token median {s['decode_cpu_s_median'] or float('nan'):.3f}")
     print(f"ds4py / ds4: {summary['ratio_min']:.2f}x (min), {summary['ratio_median']:.2f}x (median)")
     if a.json:
         with open(a.json, "w") as f:

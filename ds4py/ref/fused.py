@@ -1,8 +1,8 @@
 """The fused CPU kernels' runner: row blocks of a stored matrix over a small thread pool.
 
 `ds4py.quant.dot` multiplies one block of rows; this module cuts a matrix into blocks sized to stay in a core's
-cache (`BLOCK_ELEMS` weights), gives each worker a contiguous run of blocks and its own scratch buffers, and
-assembles y = x @ W.T. numpy releases the GIL inside its kernels (casts, takes, matmuls, ufuncs), so the
+cache (`BLOCK_ELEMS` weights), lets the workers take blocks one at a time (each with its own scratch buffers),
+and assembles y = x @ W.T. numpy releases the GIL inside its kernels (casts, takes, matmuls, ufuncs), so the
 workers run in parallel; what stays serial is the Python between kernel calls (a few microseconds per call,
 ~20 calls per block). The calling thread works too (one part inline), so threads=1 means no pool at all.
 
@@ -70,22 +70,26 @@ class Runner:
         y = np.empty((T, n_rows), F32)
         step = max(1, min(n_rows, block_elems // max(1, n_cols)))
 
-        def run(lo: int, hi: int) -> None:
+        starts = range(0, n_rows, step)
+        parts = self.threads if self._pool is not None and n_rows * n_cols >= MIN_SPLIT_ELEMS else 1
+        parts = min(parts, len(starts))
+        # the workers take blocks one at a time from a shared iterator (next() on a range iterator is atomic
+        # under the GIL): on a shared machine a worker whose core is busy elsewhere just takes fewer blocks,
+        # instead of the others waiting for its fixed half. Each block is computed the same whoever takes it.
+        todo = iter(starts)
+
+        def run() -> None:
             scr = self.scratch()
-            for a in range(lo, hi, step):
-                b = min(a + step, hi)
+            for a in todo:
+                b = min(a + step, n_rows)
                 y[:, a:b] = block(a, b, scr)
 
-        parts = self.threads if self._pool is not None and n_rows * n_cols >= MIN_SPLIT_ELEMS else 1
-        n_blocks = -(-n_rows // step)
-        parts = min(parts, n_blocks)
         if parts <= 1:
-            run(0, n_rows)
+            run()
             return y
-        bounds = [min(n_rows, (n_blocks * i // parts) * step) for i in range(parts + 1)]
-        futures = [self._pool.submit(run, bounds[i], bounds[i + 1]) for i in range(1, parts)]
+        futures = [self._pool.submit(run) for _ in range(1, parts)]
         try:
-            run(bounds[0], bounds[1])
+            run()
         finally:
             for f in futures:
                 f.result()
