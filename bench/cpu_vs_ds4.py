@@ -168,12 +168,15 @@ def main() -> int:
                         "decode_cpu_s_median": c[len(c) // 2] if c else None}
     summary["ratio_median"] = summary["ds4py"]["decode_s_median"] / summary["ds4"]["decode_s_median"]
     summary["ratio_min"] = summary["ds4py"]["decode_s_min"] / summary["ds4"]["decode_s_min"]
+    cp, cd = summary["ds4py"]["decode_cpu_s_median"], summary["ds4"]["decode_cpu_s_median"]
+    summary["cpu_ratio_median"] = cp / cd if cp and cd else None
     print(f"prompt tokens: ds4 {n_ds4}, ds4py {n_py}" + ("" if n_ds4 == n_py else "  (DIFFERENT tokenizations)"))
     for eng in ("ds4", "ds4py"):
         s = summary[eng]
         print(f"{eng:<6s} decode s/token min {s['decode_s_min']:.3f} median {s['decode_s_median']:.3f}"
               f"  CPU s/token median {s['decode_cpu_s_median'] or float('nan'):.3f}")
-    print(f"ds4py / ds4: {summary['ratio_min']:.2f}x (min), {summary['ratio_median']:.2f}x (median)")
+    print(f"ds4py / ds4: {summary['ratio_min']:.2f}x (min), {summary['ratio_median']:.2f}x (median)"
+          + (f", CPU {summary['cpu_ratio_median']:.2f}x (median)" if summary["cpu_ratio_median"] else ""))
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"summary": summary, "runs": rows}, f, indent=1)
