@@ -368,20 +368,23 @@ KERNELS = {Q.F32: _F32, Q.F16: _F16, Q.BF16: _BF16, Q.Q8_0: _Q8_0, Q.Q4_K: _Q4_K
            Q.IQ2_XXS: _IQ2_XXS, Q.MXFP4: _MXFP4}
 
 
+_BY_INT = {int(q): k for q, k in KERNELS.items()}      # int keys: an enum construction per call costs ~2 us
+
+
 def supported(qtype) -> bool:
-    return Q(int(qtype)) in KERNELS
+    return int(qtype) in _BY_INT
 
 
 def prepare(qtype, x: np.ndarray):
     """The activation-side arrays of format `qtype` for x [T, cols] (float32), shared by every row block."""
-    return KERNELS[Q(int(qtype))].prepare(np.ascontiguousarray(x, dtype=F32))
+    return _BY_INT[int(qtype)].prepare(np.ascontiguousarray(x, dtype=F32))
 
 
 def dot_rows(qtype, raw: np.ndarray, prep, scr: Scratch, finite: bool = False) -> np.ndarray:
     """x @ W[rows].T for a block of rows of a stored matrix: raw uint8 [R, row_nbytes] -> float32 [T, R].
     finite=True skips the per-block inf / NaN check of the f16 scales (or F16 weights): for rows whose
     `scales_finite` the caller has established."""
-    return KERNELS[Q(int(qtype))].rows(raw, prep, scr, finite)
+    return _BY_INT[int(qtype)].rows(raw, prep, scr, finite)
 
 
 # where each format keeps its f16 scale bit patterns: (uint16 words per block, the scale words in a block)

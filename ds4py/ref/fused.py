@@ -100,9 +100,10 @@ class Runner:
         f16 scales are known to hold no inf / NaN, dot.scales_finite)."""
         prep = dot.prepare(qtype, x)
         raw = np.asarray(raw)                  # a plain view: slicing a np.memmap runs Python for every block
+        qt = int(qtype)
         return self.rows(raw.shape[0], n_cols, x.shape[0],
-                         lambda a, b, scr: dot.dot_rows(qtype, raw[a:b], prep, scr, finite),
-                         FORMAT_BLOCK_ELEMS.get(int(qtype), BLOCK_ELEMS))
+                         lambda a, b, scr: dot.dot_rows(qt, raw[a:b], prep, scr, finite),
+                         FORMAT_BLOCK_ELEMS.get(qt, BLOCK_ELEMS))
 
     def vq_matmul(self, stream: np.ndarray, hi: np.ndarray | None, gains: np.ndarray, layer: vq.Layer,
                   x: np.ndarray) -> np.ndarray:
