@@ -334,6 +334,54 @@ class CudaModel(ModelBase):
             at += T
         return out
 
+    # ---- speculative decoding: the final hyper-connection states (the MTP block's input, ds4py/cuda/mtp.py) ------
+    def _step_hidden(self, states: list[CudaState], chunks: list[np.ndarray],
+                     all_logits: bool) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """step, and each row's final residual X [hc, D] (the head's input h_j). A step the multi-row path takes
+        (a verify of 1 + k rows, batched decode rows) reads them from its workspace; otherwise (a prompt) the
+        states are stepped position by position through the decode graph, each position's X read back."""
+        self.store.reclaim()
+        if self._takes_rows(chunks):
+            logits = self._step_rows(states, chunks, all_logits)
+            X = self.rows_ws.X0 if self.config.n_layers % 2 == 0 else self.rows_ws.X1
+            hc, D = self.config.hc_mult, self.config.dim
+            H = X.view(0, (sum(len(c) for c in chunks), hc, D)).download()
+            at, hidden = 0, []
+            for c in chunks:
+                hidden.append(H[at:at + len(c)].copy())
+                at += len(c)
+            return logits, hidden
+        logits, hidden = [], []
+        for st, ids in zip(states, chunks):
+            lg, h = self._positions_hidden(st, ids, all_logits)
+            logits.append(lg)
+            hidden.append(h)
+        return logits, hidden
+
+    def _takes_rows(self, chunks: list[np.ndarray]) -> bool:
+        """Whether a step of these chunks runs as one multi-row step (cuda/rows.py)."""
+        return self.multirow and 2 <= sum(len(c) for c in chunks) <= multirow.MAX_ROWS \
+            and all(len(c) <= self.rollback_horizon + 1 for c in chunks)
+
+    def _positions_hidden(self, st: CudaState, ids: np.ndarray, all_logits: bool) -> tuple[np.ndarray, np.ndarray]:
+        """One state's chunk position by position (the decode graph), with every position's final residual."""
+        n0, T = st.n_tokens, len(ids)
+        body = self._body(st, n0 + T - 1)
+        head = self._head(None)
+        body = self._body(st, n0 + T - 1)
+        X = decode.final_residual(self._context())
+        st.begin_step(T)
+        rows, hidden = [], np.empty((T, self.config.hc_mult, self.config.dim), np.float32)
+        for i, tok in enumerate(ids):
+            st.device_hw = max(st.device_hw, n0 + i + 1)
+            body.run([n0 + i, int(tok)])
+            hidden[i] = X.download().reshape(hidden.shape[1:])
+            if all_logits or i == T - 1:
+                head.run(())
+                rows.append(self.ws.logits.download())
+        st.end_step(T)
+        return (np.stack(rows) if all_logits else rows[-1]), hidden
+
     def _row_bucket(self, st: CudaState, pos: int) -> int:
         """The context bucket a single-row step of `st` at `pos` runs in (its attention plan): a row keeps it."""
         need = bucket_for(pos + 1, self.config.context_length, self.min_bucket)
