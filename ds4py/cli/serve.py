@@ -124,9 +124,7 @@ def make_engine(model_path: str, backend: str, ctx: int, tool_memory, mtp: str |
                        "or drop it")
     base = open_model(model_path, backend=backend, **model_options)   # engram_dir= / sidecar= / posttrain=
     model = speculative(base, mtp, enabled=spec) if sessions <= 1 else base
-    if kv_disk_dir and model is not base:
-        raise Ds4Error("--kv-disk-dir cannot save a speculative (main + MTP) state yet: add --no-spec, or drop "
-                       "--kv-disk-dir")
+    # a speculative model saves the paired main + MTP state (spec.encode_pair) under the pair's fingerprint
     tok = Tokenizer.from_gguf(getattr(base, "gguf", model_path))
     model_ctx = int(getattr(model.config, "context_length", 0) or 0)
     ctx = min(ctx, model_ctx) if model_ctx else ctx
