@@ -293,9 +293,10 @@ class CudaModel(ModelBase):
 
     def _step(self, states: list[CudaState], chunks: list[np.ndarray], all_logits: bool) -> list[np.ndarray]:
         self.store.reclaim()
-        if self.multirow and 2 <= sum(len(c) for c in chunks) <= multirow.MAX_ROWS \
-                and all(len(c) <= self.rollback_horizon + 1 for c in chunks):
+        if self._takes_rows(chunks):
             return self._step_rows(states, chunks, all_logits)
+        if self._splits(chunks):
+            return self._step_split(states, chunks, all_logits)
         out = []
         for st, ids in zip(states, chunks):
             n0, T = st.n_tokens, len(ids)
@@ -362,6 +363,42 @@ class CudaModel(ModelBase):
         """Whether a step of these chunks runs as one multi-row step (cuda/rows.py)."""
         return self.multirow and 2 <= sum(len(c) for c in chunks) <= multirow.MAX_ROWS \
             and all(len(c) <= self.rollback_horizon + 1 for c in chunks)
+
+    def _splits(self, chunks: list[np.ndarray]) -> bool:
+        """A step of several sequences that is not one multi-row step as a whole (a prompt chunk beside decode
+        rows, or more than MAX_ROWS rows): its short chunks still go through multi-row steps (_step_split)."""
+        if not self.multirow or len(chunks) < 2:
+            return False
+        return sum(len(c) for c in chunks if len(c) <= self._short_rows()) >= 2
+
+    def _short_rows(self) -> int:
+        return min(self.rollback_horizon + 1, multirow.MAX_ROWS)
+
+    def _step_split(self, states: list[CudaState], chunks: list[np.ndarray], all_logits: bool) -> list[np.ndarray]:
+        """Short chunks (decode rows, verifies) packed in order into multi-row steps of at most MAX_ROWS rows;
+        each long chunk (a prompt) stepped on its own. Sequences are independent, so the grouping changes no
+        row's bits (each row is bit-identical to its single-row step)."""
+        out: list[Any] = [None] * len(states)
+        group: list[int] = []
+
+        def flush() -> None:
+            if group:
+                got = self._step_rows([states[i] for i in group], [chunks[i] for i in group], all_logits) \
+                    if sum(len(chunks[i]) for i in group) >= 2 else \
+                    self._step([states[i] for i in group], [chunks[i] for i in group], all_logits)
+                for i, lg in zip(group, got):
+                    out[i] = lg
+                group.clear()
+
+        for i, c in enumerate(chunks):
+            if len(c) > self._short_rows():
+                out[i] = self._step([states[i]], [c], all_logits)[0]
+                continue
+            if sum(len(chunks[j]) for j in group) + len(c) > multirow.MAX_ROWS:
+                flush()
+            group.append(i)
+        flush()
+        return out
 
     def _positions_hidden(self, st: CudaState, ids: np.ndarray, all_logits: bool) -> tuple[np.ndarray, np.ndarray]:
         """One state's chunk position by position (the decode graph), with every position's final residual."""
