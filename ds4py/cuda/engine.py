@@ -178,6 +178,7 @@ class CudaModel(ModelBase):
 
     backend = "cuda"
     state_type = CudaState
+    stable_rows = multirow.MAX_ROWS     # a verify of 1 + k <= 16 rows is one multi-row step (spec: k <= 15)
 
     def __init__(self, path: str, numerics: Numerics | None = None,
                  rollback_horizon: int = DEFAULT_ROLLBACK_HORIZON, runtime: Any = None, emulate: bool = False,
