@@ -101,3 +101,19 @@ def test_disk_cache_with_speculation_on_the_cuda_engine(tmp_path, v4_mtp_gguf):
     assert _answer(s, prompt, 5) == plain and [e.reason for e in s.disk.entries()] == ["cold"]
     again = Session(spec, NullTokenizer(), 1024, disk=_disk(tmp_path, spec))
     assert _answer(again, prompt, 5) == plain and again.last_source == "disk" and again.last_cached == 16
+
+
+def test_serve_builds_a_speculative_engine_with_the_disk_cache(tmp_path):
+    """`serve --mtp … --kv-disk-dir …` is no longer refused: the engine's session decodes speculatively and its
+    disk cache is keyed by the pair's fingerprint; `--sessions` with `--mtp` is still refused in one sentence."""
+    from ds4py.cli.serve import make_engine
+    from ds4py.server.toolmemory import ToolMemory
+    from ds4py.tiny import make_tiny
+
+    path, mtp = str(tmp_path / "t.gguf"), str(tmp_path / "t.mtp.gguf")
+    make_tiny(path, seed=3, mtp=mtp, fast=True)
+    engine = make_engine(path, "ref", 256, ToolMemory(), mtp=mtp, kv_disk_dir=str(tmp_path / "kv"))
+    assert isinstance(engine.session.model, SpecModel)
+    assert engine.session.disk is not None and engine.session.disk.fingerprint == engine.session.model.fingerprint
+    with pytest.raises(Ds4Error, match="one request at a time"):
+        make_engine(path, "ref", 256, ToolMemory(), mtp=mtp, sessions=2)
