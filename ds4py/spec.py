@@ -420,6 +420,18 @@ class Round:
     stats: SpecStats = field(default_factory=SpecStats)
 
 
+@dataclass
+class Draft:
+    """A round between its draft and its verify (SpecRequest.draft / finish): the chunk to verify and what
+    acceptance needs."""
+    chunk: np.ndarray          # [token, d_1..d_k]
+    drafts: list[int]
+    qs: list[np.ndarray]       # the draft distributions d_i were drawn from
+    q1: np.ndarray             # the first position's draft distribution (calibration, also when k = 0)
+    n: int                     # main positions before the round
+    stats: SpecStats
+
+
 # ---- the model wrapper and a request's rounds -------------------------------------------------------------
 class SpecModel:
     """A main model with its MTP draft block, usable wherever a model is stepped (Session): `step` advances
@@ -577,11 +589,27 @@ class SpecRequest:
 
     def round(self, state: SpecState, token: int, sampler: Sampler, remaining: int) -> Round:
         """Feed `token` and produce up to `remaining` tokens (at least one). See the module docstring."""
+        plan = self.draft(state, token, sampler, remaining)
+        if isinstance(plan, Round):
+            return plan
+        t0 = time.perf_counter()
+        (P,), (H,) = self.spec.model.step_hidden([state.main], [plan.chunk], all_logits=True)
+        self.scheduler.costs.observe_verify(len(plan.chunk), time.perf_counter() - t0)
+        return self.finish(state, plan, P, H, sampler)
+
+    def draft(self, state: SpecState, token: int, sampler: Sampler, remaining: int,
+              step_plain: bool = True) -> "Round | Draft | None":
+        """Phase 1 (draft) of a round: a Draft whose `chunk` ([token, d_1..d_k]) the caller verifies in one main
+        step (step_hidden, all logits) and hands to finish(); or, when the scheduler decodes plainly, the whole
+        round (a plain step, done here), or None with step_plain=False (the caller steps `token` itself, through
+        the SpecModel's step, and reports it with plain_step())."""
         sp, sched, cfg = self.spec, self.scheduler, self.spec.config
         st = SpecStats()
         n = state.n_tokens
         k_max = min(sp.k_max, remaining - 1, cfg.context_length - n - 1)
         if n < 1 or not sched.should_draft(k_max):
+            if not step_plain:
+                return None
             timing: dict = {}
             logits = sp.step([state], [[token]], timing=timing)[0]
             sched.costs.observe_plain(timing["total"])
@@ -614,18 +642,19 @@ class SpecRequest:
             lg, out = sp.mtp.step([state.draft], [out[0][-1:]], [[d]])
             sched.costs.observe_draft(False, time.perf_counter() - t0)
         state.draft.truncate(n)                   # keep the rows computed from the main model's h only
-        k = len(drafts)
+        return Draft(np.asarray([token] + drafts, np.int64), drafts, qs, q1, n, st)
 
-        # 2. verify k + 1 rows in one step
-        chunk = np.asarray([token] + drafts[:k], np.int64)
-        t0 = time.perf_counter()
-        (P,), (H,) = sp.model.step_hidden([state.main], [chunk], all_logits=True)
-        sched.costs.observe_verify(k + 1, time.perf_counter() - t0)
-        sp._store(state, n, chunk, H)
+    def finish(self, state: SpecState, plan: "Draft", P: np.ndarray, H: np.ndarray, sampler: Sampler) -> Round:
+        """Phases 3 and 4 of a round, after the verify step of plan.chunk gave its logits P and hidden states H:
+        accept the agreeing prefix, roll back the rejected rows."""
+        sp, sched, st = self.spec, self.scheduler, plan.stats
+        n, drafts, k = plan.n, plan.drafts, len(plan.drafts)
+        sp._store(state, n, plan.chunk, H)
         Pf = self._filtered(P)
         greedy = sampler.params.greedy
         p = [sampler.distribution(row) for row in (Pf[:1] if greedy else Pf)]
         # the first position's acceptance, known from row 0 even when it is not verified (k = 0): calibration
+        q1 = plan.q1
         first = float(np.argmax(p[0]) == np.argmax(q1)) if greedy else float(np.minimum(p[0], q1).sum())
         sched.record(first, float(q1.max()))
         if k == 0:
@@ -634,12 +663,18 @@ class SpecRequest:
 
         # 3. accept the agreeing prefix, 4. roll back the rejected rows
         if greedy:
-            a, nxt = accept_greedy(Pf, drafts[:k], sampler.sample)
+            a, nxt = accept_greedy(Pf, drafts, sampler.sample)
         else:
-            a, nxt, _ = accept_sampled(p, qs[:k], drafts[:k], sampler)
+            a, nxt, _ = accept_sampled(p, plan.qs, drafts, sampler)
         state.main.truncate(n + 1 + a)
         st.rounds, st.drafted, st.accepted, st.spec_tokens = 1, k, a, a + 1
         return self._done(Round(drafts[:a] + [nxt], P[a], st))
+
+    def plain_step(self, seconds: float) -> None:
+        """A plain step the caller ran (draft(..., step_plain=False) gave None) and how long it took."""
+        self.scheduler.costs.observe_plain(seconds)
+        self.scheduler.costs.observe_verify(1, seconds)
+        self._done(Round([], np.zeros(0, F32), SpecStats(plain_steps=1)))
 
     def _sample(self, logits: np.ndarray, sampler: Sampler) -> int:
         return sampler.sample(self._filtered(logits))

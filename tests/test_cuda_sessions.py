@@ -1,6 +1,8 @@
 """`serve --sessions N` on the CUDA engine (CPU emulator, v4-tiny: ~0.13 s a row; ds4-tiny's IQ2 experts are ~1 s): the scheduler's batched decode steps reach the
 multi-row step (several states, one row each; a prompt chunk beside them is stepped on its own and the decode
-rows still share one multi-row step), and concurrent greedy answers equal sequential ones byte for byte."""
+rows still share one multi-row step), and concurrent greedy answers equal sequential ones byte for byte; with
+speculative decoding, the verify rows of several sessions go through one multi-row step and the answers are
+still plain decoding's."""
 
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ def test_concurrent_greedy_answers_on_cuda_equal_sequential_ones(cuda, tok):
         rows.append((len(states), sum(len(c) for c in chunks)))
         return real(states, chunks, all_logits)
     cuda._step_rows = spy
-    cuda._step_split = lambda st, ch, al: splits.append([len(c) for c in ch]) or real_split(st, ch, al)
+    cuda._step_split = lambda st, ch, al, **kw: splits.append([len(c) for c in ch]) or real_split(st, ch, al, **kw)
     try:
         with serving(cuda, tok, n=4, prefill_chunk=16) as srv:
             alone = [post(srv, completion(p, n=5)) for p in prompts]
@@ -63,3 +65,24 @@ def test_concurrent_greedy_answers_on_cuda_equal_sequential_ones(cuda, tok):
     assert not batched_alone                         # one request at a time: no step of several states
     assert any(n >= 3 and r == n for n, r in rows), rows      # decode rows of several sessions in one step
     assert any(max(c) > 1 and c.count(1) >= 2 for c in splits), splits   # a prompt chunk beside decode rows
+
+
+def test_speculative_rounds_of_several_sessions_on_cuda(cuda, tok, monkeypatch):
+    from ds4py.server import runner
+    from ds4py.spec import SpecModel
+    from test_spec_sessions import TableDraft
+
+    prompts = [np.random.default_rng(40 + i).integers(3, 256, 4 + 5 * i).tolist() for i in range(3)]
+    with serving(cuda, tok, n=3) as srv:
+        plain = [post(srv, completion(p, n=6))["choices"][0]["text"] for p in prompts]
+    truths = [p + [int(x) for x in t.strip("<>").split("><")] for p, t in zip(prompts, plain)]
+    seen: list[list[int]] = []
+    real = runner.ModelRunner.verify
+    monkeypatch.setattr(runner.ModelRunner, "verify",
+                        lambda self, st, ch: seen.append([len(c) for c in ch]) or real(self, st, ch))
+    spec = SpecModel(cuda, TableDraft(truths, cuda.config.vocab_size, {len(prompts[1]) + 2}), fixed_k=3)
+    with serving(spec, tok, n=3) as srv:
+        got = concurrently(lambda p: post(srv, completion(p, n=6)), prompts)
+    assert [g["choices"][0]["text"] for g in got] == plain
+    assert any(len(v) >= 2 and sum(v) <= 16 for v in seen), seen      # one multi-row verify of several sessions
+    assert spec.stats.accepted > 0

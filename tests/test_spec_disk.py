@@ -105,7 +105,7 @@ def test_disk_cache_with_speculation_on_the_cuda_engine(tmp_path, v4_mtp_gguf):
 
 def test_serve_builds_a_speculative_engine_with_the_disk_cache(tmp_path):
     """`serve --mtp … --kv-disk-dir …` is no longer refused: the engine's session decodes speculatively and its
-    disk cache is keyed by the pair's fingerprint; `--sessions` with `--mtp` is still refused in one sentence."""
+    disk cache is keyed by the pair's fingerprint; with `--sessions` the pool's sessions are speculative too."""
     from ds4py.cli.serve import make_engine
     from ds4py.server.toolmemory import ToolMemory
     from ds4py.tiny import make_tiny
@@ -115,5 +115,5 @@ def test_serve_builds_a_speculative_engine_with_the_disk_cache(tmp_path):
     engine = make_engine(path, "ref", 256, ToolMemory(), mtp=mtp, kv_disk_dir=str(tmp_path / "kv"))
     assert isinstance(engine.session.model, SpecModel)
     assert engine.session.disk is not None and engine.session.disk.fingerprint == engine.session.model.fingerprint
-    with pytest.raises(Ds4Error, match="one request at a time"):
-        make_engine(path, "ref", 256, ToolMemory(), mtp=mtp, sessions=2)
+    pooled = make_engine(path, "ref", 256, ToolMemory(), mtp=mtp, sessions=2, kv_disk_dir=str(tmp_path / "kv"))
+    assert isinstance(pooled.pool.model, SpecModel) and pooled.pool.disk is not None   # rounds inside the batches

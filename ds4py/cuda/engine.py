@@ -343,6 +343,8 @@ class CudaModel(ModelBase):
         (a verify of 1 + k rows, batched decode rows) reads them from its workspace; otherwise (a prompt) the
         states are stepped position by position through the decode graph, each position's X read back."""
         self.store.reclaim()
+        if not self._takes_rows(chunks) and self._splits(chunks):
+            return self._step_split(states, chunks, all_logits, hidden=True)
         if self._takes_rows(chunks):
             logits = self._step_rows(states, chunks, all_logits)
             X = self.rows_ws.X0 if self.config.n_layers % 2 == 0 else self.rows_ws.X1
@@ -375,31 +377,33 @@ class CudaModel(ModelBase):
     def _short_rows(self) -> int:
         return min(self.rollback_horizon + 1, multirow.MAX_ROWS)
 
-    def _step_split(self, states: list[CudaState], chunks: list[np.ndarray], all_logits: bool) -> list[np.ndarray]:
+    def _step_split(self, states: list[CudaState], chunks: list[np.ndarray], all_logits: bool,
+                    hidden: bool = False) -> Any:
         """Short chunks (decode rows, verifies) packed in order into multi-row steps of at most MAX_ROWS rows;
         each long chunk (a prompt) stepped on its own. Sequences are independent, so the grouping changes no
-        row's bits (each row is bit-identical to its single-row step)."""
+        row's bits (each row is bit-identical to its single-row step). hidden: step_hidden's (logits, hidden)."""
+        step = self._step_hidden if hidden else self._step
         out: list[Any] = [None] * len(states)
         group: list[int] = []
 
+        def put(idx: list[int], got: Any) -> None:
+            for j, i in enumerate(idx):
+                out[i] = (got[0][j], got[1][j]) if hidden else got[j]
+
         def flush() -> None:
             if group:
-                got = self._step_rows([states[i] for i in group], [chunks[i] for i in group], all_logits) \
-                    if sum(len(chunks[i]) for i in group) >= 2 else \
-                    self._step([states[i] for i in group], [chunks[i] for i in group], all_logits)
-                for i, lg in zip(group, got):
-                    out[i] = lg
+                put(group, step([states[i] for i in group], [chunks[i] for i in group], all_logits))
                 group.clear()
 
         for i, c in enumerate(chunks):
             if len(c) > self._short_rows():
-                out[i] = self._step([states[i]], [c], all_logits)[0]
+                put([i], step([states[i]], [c], all_logits))
                 continue
             if sum(len(chunks[j]) for j in group) + len(c) > multirow.MAX_ROWS:
                 flush()
             group.append(i)
         flush()
-        return out
+        return ([o[0] for o in out], [o[1] for o in out]) if hidden else out
 
     def _positions_hidden(self, st: CudaState, ids: np.ndarray, all_logits: bool) -> tuple[np.ndarray, np.ndarray]:
         """One state's chunk position by position (the decode graph), with every position's final residual."""
