@@ -1,4 +1,5 @@
-"""`serve --sessions N` on the CUDA engine (CPU emulator, v4-tiny: ~0.13 s a row; ds4-tiny's IQ2 experts are ~1 s): the scheduler's batched decode steps reach the
+"""`serve --sessions N` on the CUDA engine (CPU emulator, v4-tiny: ~0.13 s a row; ds4-tiny's IQ2 experts take
+~1 s): the scheduler's batched decode steps reach the
 multi-row step (several states, one row each; a prompt chunk beside them is stepped on its own and the decode
 rows still share one multi-row step), and concurrent greedy answers equal sequential ones byte for byte; with
 speculative decoding, the verify rows of several sessions go through one multi-row step and the answers are

@@ -118,7 +118,8 @@ class CudaMtp:
         for what, sw in (("routed", self.binding.block.ffn.experts), ("shared", self.binding.block.ffn.shared)):
             if sw.gate.qtype != sw.up.qtype:
                 raise UnsupportedByBackend(f"the MTP block's {what} experts' gate ({sw.gate.qtype.name}) and up "
-                                           f"({sw.up.qtype.name}) differ in type; the CUDA kernel reads both in one format")
+                                           f"({sw.up.qtype.name}) differ in type; the CUDA kernel reads both in "
+                                           f"one format")
         self._w = _Freqs([freqs])
         # a ratio-0 layer attends to its window only: one plan (and one workspace) serves every position
         self.bucket = model.min_bucket
@@ -136,8 +137,7 @@ class CudaMtp:
     # ---- the interface RefMtp has ------------------------------------------------------------------------------
     def new_state(self) -> CudaState:
         self.store.reclaim()
-        st = CudaState(self.layout, self.store)
-        return st
+        return CudaState(self.layout, self.store)
 
     def step(self, states: Sequence[CudaState], hidden: Sequence[np.ndarray], next_ids: Sequence[Sequence[int]],
              all_logits: bool = False, logits: bool = True) -> tuple[list[np.ndarray], list[np.ndarray]]:
