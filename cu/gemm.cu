@@ -257,19 +257,19 @@ __device__ __forceinline__ void gemm_impl(const void* W, const float* X, float* 
 // Y[m, n] (=, or += with accumulate) sum_k X[m, k] W[n, k], m < T, n < N (x_group_rows: see the top). Launch: grid
 // (ceil(cols / GEMM_BN), ceil(T / GEMM_BM), groups) with cols = x_group_rows or N and groups = ceil(N / cols),
 // block GEMM_THREADS, no dynamic shared memory. K % 32 == 0; X 16-byte aligned, ldx % 4 == 0; W 2-byte aligned.
-extern "C" __global__ void __launch_bounds__(GEMM_THREADS) gemm_q8_0(const uint8_t* W, const float* X, float* Y,
+extern "C" __global__ __launch_bounds__(GEMM_THREADS) void gemm_q8_0(const uint8_t* W, const float* X, float* Y,
         int T, int N, int K, int ldx, int ldy, int x_group_rows, int accumulate) {
     gemm_impl<GEMM_FMT_Q8_0>(W, X, Y, T, N, K, ldx, ldy, x_group_rows, accumulate);
 }
 
 // As gemm_q8_0 for F16 weights. Launch: as gemm_q8_0. K % 8 == 0; W, X 16-byte aligned, ldx % 4 == 0.
-extern "C" __global__ void __launch_bounds__(GEMM_THREADS) gemm_f16(const __half* W, const float* X, float* Y,
+extern "C" __global__ __launch_bounds__(GEMM_THREADS) void gemm_f16(const __half* W, const float* X, float* Y,
         int T, int N, int K, int ldx, int ldy, int x_group_rows, int accumulate) {
     gemm_impl<GEMM_FMT_F16>(W, X, Y, T, N, K, ldx, ldy, x_group_rows, accumulate);
 }
 
 // As gemm_q8_0 for F32 weights. Launch: as gemm_q8_0. K % 8 == 0; W, X 16-byte aligned, ldx % 4 == 0.
-extern "C" __global__ void __launch_bounds__(GEMM_THREADS) gemm_f32(const float* W, const float* X, float* Y,
+extern "C" __global__ __launch_bounds__(GEMM_THREADS) void gemm_f32(const float* W, const float* X, float* Y,
         int T, int N, int K, int ldx, int ldy, int x_group_rows, int accumulate) {
     gemm_impl<GEMM_FMT_F32>(W, X, Y, T, N, K, ldx, ldy, x_group_rows, accumulate);
 }
