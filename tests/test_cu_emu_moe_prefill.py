@@ -90,7 +90,7 @@ def test_gate_up_stage(kdev, case):
     ids = ids_case("bad" if qtype == QT.Q4_K else "skew", r, T, k, E)
     wts = (r.random((T, k)) + 0.2).astype(np.float32)
     clamp = 0.0 if qtype == QT.F16 else 0.5
-    dev = kdev("random", dim)
+    dev = kdev()
     bufs = bufs_on(dev, T, k, E, ff, dim)
     ops_mp.moe_prefill_route(dev.rt, dev.const(ids), bufs, T, k, E)
     ops_mp.moe_prefill_gate_up(dev.rt, qtype, dev.const(rg), dev.const(ru), dev.const(x), dev.const(wts), bufs, T, k,
@@ -111,7 +111,7 @@ def test_down_stage(kdev, case):
     rd, Wd = _experts(r, qtype, E, dim, ff)
     ids = ids_case("random" if E > 2 else "one", r, T, k, E)
     H = r.standard_normal((T * k, ff)).astype(np.float32)
-    dev = kdev("reverse", ff)
+    dev = kdev()
     bufs = bufs_on(dev, T, k, E, ff, dim)
     bufs.H.upload(H)
     ops_mp.moe_prefill_route(dev.rt, dev.const(ids), bufs, T, k, E)
@@ -137,7 +137,8 @@ WHOLE = [(QT.IQ2_XXS, QT.Q2_K, 256, 256, 21, 3, 4, "random"), (QT.MXFP4, QT.MXFP
 
 
 @pytest.mark.parametrize("case", WHOLE, ids=lambda c: f"{c[0].name}-{c[1].name}-{c[7]}")
-def test_whole_moe_against_twin_and_reference(kdev, case):
+@pytest.mark.parametrize("order", ORDERS)
+def test_whole_moe_against_twin_and_reference(kdev, case, order):
     qg, qd, dim, ff, T, k, E, how = case
     r = rng(4, int(qg), int(qd))
     rg, Wg = _experts(r, qg, E, ff, dim)
@@ -148,7 +149,7 @@ def test_whole_moe_against_twin_and_reference(kdev, case):
     wts = (r.random((T, k)) + 0.2).astype(np.float32)
     add = r.standard_normal((T, dim)).astype(np.float32)
     clamp = 10.0
-    dev = kdev("random", T)
+    dev = kdev(order, T)
     bufs = bufs_on(dev, T, k, E, ff, dim)
     y = dev.var(np.full((T, dim), np.nan, np.float32))
     ops_mp.moe_prefill(dev.rt, (qg, dev.const(rg)), (qg, dev.const(ru)), (qd, dev.const(rd)), dev.const(x),
