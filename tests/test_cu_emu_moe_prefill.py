@@ -183,3 +183,24 @@ def test_wrappers_reject_bad_input(kdev):
     with pytest.raises(Ds4Error, match="same weight type"):
         ops_mp.moe_prefill(dev.rt, (QT.Q8_0, None), (QT.F16, None), (QT.F16, None), None, None, None, None, 4, 2, 3,
                            32, 32, 0.0, bufs)
+
+
+def test_shared_expert_as_one_expert_for_every_token(kdev):
+    """The prefill shared expert: n_experts = 1, k = 1, ids 0, no route weights (Q8_0 gate / up / down)."""
+    T, dim, ff = 70, 64, 96
+    r = rng(5)
+    rg, Wg = _experts(r, QT.Q8_0, 1, ff, dim)
+    ru, Wu = _experts(r, QT.Q8_0, 1, ff, dim)
+    rd, Wd = _experts(r, QT.Q8_0, 1, dim, ff)
+    x = r.standard_normal((T, dim)).astype(np.float32)
+    ids = np.zeros((T, 1), np.int32)
+    dev = kdev()
+    bufs = bufs_on(dev, T, 1, 1, ff, dim)
+    y = dev.var(np.full((T, dim), np.nan, np.float32))
+    ops_mp.moe_prefill(dev.rt, (QT.Q8_0, dev.const(rg)), (QT.Q8_0, dev.const(ru)), (QT.Q8_0, dev.const(rd)),
+                       dev.const(x), dev.const(ids), None, y, T, 1, 1, ff, dim, 10.0, bufs)
+    got = y.download().astype(np.float64)
+    assert bufs.info.download()[0] == -(-T // ops_mp.BM)
+    want, mag = twin.moe(Wg, Wu, Wd, x, ids, None, 10.0, ops_mp.BM, ops_mp.max_tiles(T, 1))
+    ref = _reference_moe(Wg, Wu, Wd, x, ids, np.ones((T, 1), np.float32), 10.0, 0)
+    assert (np.abs(got - want) <= 2 ** -8 * mag).all() and (np.abs(got - ref) <= 2 ** -7 * mag).all()
