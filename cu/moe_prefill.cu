@@ -1,0 +1,527 @@
+// Routed experts of V4 Flash for a block of T tokens (prefill, issue 17), grouped by expert on tensor cores:
+//   moe_prefill_route          count the (token, slot) pairs per expert, exclusive scan, scatter the pairs into
+//                              expert-sorted order (within an expert by pair index p = t*k + s: deterministic),
+//                              and list the work items: (expert, first sorted row) per MOEP_BM rows of an expert;
+//   moe_prefill_gate_up_<fmt>  per work item and GEMM_BN-wide feature tile: g = x Wg[e]^T, u = x Wu[e]^T on the
+//                              tile's gathered token rows, H[row] = silu(min(g, c)) * clamp(u, -c, c) * route_w;
+//   moe_prefill_down_<fmt>     per work item and feature tile: Yp[row] = H[row] W2[e]^T (one row per pair);
+//   moe_prefill_combine        y[t] = sum_s Yp[pos[t*k + s]] (s ascending) (+ add[t]): no float atomics.
+// Skew: an expert with many rows gets one work item per MOEP_BM of them; the grids are sized for the worst case
+// (P / MOEP_BM + min(E + 1, P) items) and blocks past the real count exit. An id outside [0, n_experts) goes to a
+// bucket of its own (index n_experts) whose rows come out NaN, nothing read for them.
+//
+// Numerics: x and H (before the down) are rounded to bf16; the weights stay exact: each format's integer codes
+// (moe_formats.cuh cq: bf16 integers) go through the tensor cores from zero per scale group and the group's
+// scale and min are applied in fp32 (acc += s * P - m * sum(x of the group)), F16 as two bf16 pieces. Products
+// accumulate in fp32 over k tiles of 32 in increasing order; SwiGLU in fp32 as experts.cu. A pair's result
+// depends only on its own x row and expert (not on which rows share its tile).
+#include <cuda_fp16.h>
+#include "types.cuh"
+#include "portable.cuh"
+#include "reduce.cuh"
+#include "mma_tile.cuh"
+#include "moe_formats.cuh"
+
+#ifndef MOEP_WARPS_M
+#error "MOEP_WARPS_M comes from ds4py/cuda/ops/moe_prefill.py (DEFINES)"
+#endif
+#ifndef MOEP_WARPS_N
+#error "MOEP_WARPS_N comes from ds4py/cuda/ops/moe_prefill.py (DEFINES)"
+#endif
+#ifndef MOEP_MAX_EXPERTS
+#error "MOEP_MAX_EXPERTS comes from ds4py/cuda/ops/moe_prefill.py (DEFINES)"
+#endif
+
+#define MOEP_BM (32 * MOEP_WARPS_M)
+#define MOEP_BN (32 * MOEP_WARPS_N)
+#define MOEP_BK 32
+#define MOEP_LDS (MOEP_BK + 8)
+#define MOEP_THREADS (32 * MOEP_WARPS_M * MOEP_WARPS_N)
+#define MOEP_ROUTE_WARPS 32
+#define MOEP_MT 2
+#define MOEP_NT 4
+static_assert(MOEP_THREADS % MOEP_BM == 0, "every tile row has the same number of staging threads");
+
+// ---- route: count, scan, scatter -----------------------------------------------------------------------------
+// Bucket of pair p: its expert, or n_experts for an id outside [0, n_experts).
+__device__ __forceinline__ int moep_bucket(int id, int n_experts) { return id >= 0 && id < n_experts ? id : n_experts; }
+
+// Warp w owns pairs [w*chunk, (w+1)*chunk); cnt[w][b] counts its pairs of bucket b, then becomes where its next
+// one goes. The lanes of one 32-pair step with the same bucket find each other with __match_any_sync.
+// Outputs: offsets [n_experts + 2] (bucket b's sorted rows are [offsets[b], offsets[b+1])), sorted [P] (pair of
+// each sorted row), pos [P] (sorted row of each pair), the work items tile_bucket / tile_row [max_tiles] (bucket,
+// first sorted row), info[0] = number of work items. n_experts <= MOEP_MAX_EXPERTS. Launch: grid 1, block 1024.
+extern "C" __global__ __launch_bounds__(1024) void moe_prefill_route(const int* ids, int* offsets, int* sorted,
+        int* pos, int* tile_bucket, int* tile_row, int* info, int n_pairs, int n_experts, int max_tiles) {
+    __shared__ int cnt[MOEP_ROUTE_WARPS][MOEP_MAX_EXPERTS + 1];
+    __shared__ int start[MOEP_MAX_EXPERTS + 2], tstart[MOEP_MAX_EXPERTS + 2];
+    pdl_wait();
+    pdl_launch_dependents();
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nb = n_experts + 1;
+    for (int i = tid; i < MOEP_ROUTE_WARPS * (MOEP_MAX_EXPERTS + 1); i += blockDim.x) (&cnt[0][0])[i] = 0;
+    __syncthreads();
+    const int chunk = (n_pairs + MOEP_ROUTE_WARPS - 1) / MOEP_ROUTE_WARPS;
+    const int p0 = warp * chunk, p1 = min(n_pairs, p0 + chunk);
+    for (int base = p0; base < p0 + chunk; base += 32) {          // the same trip count in every warp's lanes
+        const int p = base + lane;
+        const int b = p < p1 ? moep_bucket(ids[p], n_experts) : -1;
+        const unsigned same = __match_any_sync(DS4_FULL_MASK, b);
+        if (b >= 0 && lane == __ffs(same) - 1) cnt[warp][b] += __popc(same);
+        __syncwarp();
+    }
+    __syncthreads();
+    // per bucket: the warps' exclusive prefix, the bucket's total
+    for (int b = tid; b < nb; b += blockDim.x) {
+        int s = 0;
+        for (int w = 0; w < MOEP_ROUTE_WARPS; w++) {
+            const int c = cnt[w][b];
+            cnt[w][b] = s;
+            s += c;
+        }
+        start[b] = s;
+    }
+    __syncthreads();
+    // warp 0: exclusive scans over the buckets of the row counts and of the work items (ceil(count / MOEP_BM))
+    if (warp == 0) {
+        const int per = (nb + 31) / 32, b0 = lane * per;
+        int rows = 0, items = 0;
+        for (int i = 0; i < per; i++)
+            if (b0 + i < nb) {
+                rows += start[b0 + i];
+                items += (start[b0 + i] + MOEP_BM - 1) / MOEP_BM;
+            }
+        int rx = rows, ix = items;                               // inclusive warp scans
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+            const int r = __shfl_up_sync(DS4_FULL_MASK, rx, d);
+            const int it = __shfl_up_sync(DS4_FULL_MASK, ix, d);
+            if (lane >= d) {
+                rx += r;
+                ix += it;
+            }
+        }
+        int r = rx - rows, it = ix - items;
+        for (int i = 0; i < per; i++)
+            if (b0 + i < nb) {
+                const int c = start[b0 + i];
+                tstart[b0 + i] = it;
+                start[b0 + i] = r;                               // counts become starts
+                offsets[b0 + i] = r;
+                r += c;
+                it += (c + MOEP_BM - 1) / MOEP_BM;
+            }
+        if (lane == 31) {
+            offsets[nb] = rx;
+            info[0] = min(ix, max_tiles);
+        }
+    }
+    __syncthreads();
+    // work items of each bucket
+    for (int b = tid; b < nb; b += blockDim.x) {
+        const int c = (b + 1 < nb ? start[b + 1] : n_pairs) - start[b];
+        for (int j = 0; j * MOEP_BM < c; j++) {
+            const int i = tstart[b] + j;
+            if (i < max_tiles) {
+                tile_bucket[i] = b;
+                tile_row[i] = start[b] + j * MOEP_BM;
+            }
+        }
+    }
+    // scatter: the same walk as the count, each pair to its bucket's next row
+    for (int base = p0; base < p0 + chunk; base += 32) {
+        const int p = base + lane;
+        const int b = p < p1 ? moep_bucket(ids[p], n_experts) : -1;
+        const unsigned same = __match_any_sync(DS4_FULL_MASK, b);
+        if (b >= 0) {
+            const int row = start[b] + cnt[warp][b] + __popc(same & ((1u << lane) - 1u));
+            sorted[row] = p;
+            pos[p] = row;
+        }
+        __syncwarp();
+        if (b >= 0 && lane == __ffs(same) - 1) cnt[warp][b] += __popc(same);
+        __syncwarp();
+    }
+}
+
+// ---- the grouped GEMMs ---------------------------------------------------------------------------------------
+// The work item of blockIdx.y: bucket, rows [r0, r1) of the sorted order; false when the item does not exist.
+__device__ __forceinline__ bool moep_item(const int* tile_bucket, const int* tile_row, const int* offsets,
+                                          const int* info, int& b, int& r0, int& r1) {
+    if ((int)blockIdx.y >= info[0]) return false;
+    b = tile_bucket[blockIdx.y];
+    r0 = tile_row[blockIdx.y];
+    r1 = min(r0 + MOEP_BM, offsets[b + 1]);
+    return true;
+}
+
+// Stage the tile's A rows (k columns [k, k + 32) of MOEP_BM rows from arow, zeros for a missing row) as bf16, and
+// sx[h * BM + r] = the fp32 sum of row r's 16 bf16 values of half h (the K-quants' mins multiply it).
+// Thread -> (row tid % BM, half tid / BM).
+static_assert(MOEP_THREADS == 2 * MOEP_BM, "two threads, one per 16 columns, stage each A row");
+__device__ __forceinline__ void moep_stage_a(uint16_t* as, float* sx, const float* arow, bool valid, int k) {
+    const int r = threadIdx.x % MOEP_BM, h = threadIdx.x / MOEP_BM;
+    float sum = 0.0f;
+#pragma unroll
+    for (int c = 0; c < 16; c += 8) {
+        float v[8];
+        if (valid) {
+            const float4 a = *reinterpret_cast<const float4*>(arow + k + 16 * h + c);
+            const float4 b = *reinterpret_cast<const float4*>(arow + k + 16 * h + c + 4);
+            v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; i++) v[i] = 0.0f;
+        }
+#pragma unroll
+        for (int i = 0; i < 8; i++) sum += tile_bf16_value(tile_bf16(v[i]));
+        tile_store8(as + r * MOEP_LDS + 16 * h + c, v);
+    }
+    sx[h * MOEP_BM + r] = sum;
+}
+
+// Weight pieces per matrix in shared memory: the codes (one piece), or for F16 the values as two bf16 pieces.
+template <int F> struct MoepW {
+    static constexpr int NP = MoeFmt<F>::CODES == MOE_CODES_NONE ? 2 : 1;
+};
+#define MOEP_PIECE (MOEP_BN * MOEP_LDS)
+
+// Column group kg of weight row `row` (of `rows`) of W [n_experts][rows][cols], expert e, into the shared tile:
+// its codes (exact bf16) and per half its scale sc[h * BN] and min mn[h * BN] (dst / sc / mn point at the row),
+// or for F16 its exact values as two bf16 pieces. Zeros past the last row.
+template <int F>
+__device__ __forceinline__ void moep_stage_w(uint16_t* dst, float* sc, float* mn, const uint8_t* W, int e, int row,
+                                             int rows, int cols, int kg, const uint64_t* grid) {
+    float s[2] = {0.0f, 0.0f}, o[2] = {0.0f, 0.0f};
+    if constexpr (F == FMT_IQ2_XXS) {            // 8 codes at a time (fewer live registers beside the accumulators)
+        unsigned a0 = 0u, a1 = 0u;
+        float db = 0.0f;
+        if (row < rows) MoeFmt<F>::aux(W + ((size_t)e * rows + row) * (size_t)moe_row_bytes<F>(cols), kg, a0, a1, db);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const uint64_t gq = grid[(a0 >> (8 * q)) & 255u];
+            const unsigned sg = MoeFmt<F>::signs(a1, q);
+            float c[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const float v = row < rows ? moe_u2f((unsigned)(gq >> (8 * j)) & 255u) : 0.0f;
+                c[j] = (sg >> j) & 1u ? -v : v;
+            }
+            tile_store8(dst + 8 * q, c);
+        }
+        sc[0] = sc[MOEP_BN] = db;
+        mn[0] = mn[MOEP_BN] = 0.0f;
+        return;
+    }
+    float w[32];
+    if (row < rows) {
+        const uint8_t* base = W + ((size_t)e * rows + row) * (size_t)moe_row_bytes<F>(cols);
+        if constexpr (MoeFmt<F>::CODES == MOE_CODES_NONE) MoeFmt<F>::dq(base, kg, w, grid);
+        else MoeFmt<F>::cq(base, kg, w, s, o, grid);
+    } else {
+#pragma unroll
+        for (int i = 0; i < 32; i++) w[i] = 0.0f;
+    }
+    if constexpr (MoeFmt<F>::CODES == MOE_CODES_NONE) {
+#pragma unroll
+        for (int i = 0; i < 32; i += 8) tile_split8<2>(w + i, dst + i, MOEP_PIECE);
+    } else {
+#pragma unroll
+        for (int i = 0; i < 32; i += 8) tile_store8(dst + i, w + i);
+        sc[0] = s[0];
+        sc[MOEP_BN] = s[1];
+        mn[0] = o[0];
+        mn[MOEP_BN] = o[1];
+    }
+}
+
+// acc += this k tile's A (the warp's rows) x the staged weights (the warp's columns) of one matrix, in the
+// format's decomposition: codes P = A c (tensor cores, from zero), then acc += s P - o sx per scale group.
+template <int F>
+__device__ __forceinline__ void moep_tile(float (&acc)[MOEP_MT][MOEP_NT][4], const uint16_t* a, const uint16_t* b,
+                                          const float* sc, const float* mn, const float* sx, int wm, int wn) {
+    constexpr int KIND = MoeFmt<F>::CODES;
+    if constexpr (KIND == MOE_CODES_NONE) {
+        tile_mma<MOEP_MT, MOEP_NT, MOEP_BK, MOEP_LDS>(acc, a, b);
+        tile_mma<MOEP_MT, MOEP_NT, MOEP_BK, MOEP_LDS>(acc, a, b + MOEP_PIECE);
+    } else {
+        const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+        constexpr int HALVES = KIND == MOE_CODES_AFFINE16 ? 2 : 1;
+#pragma unroll
+        for (int h = 0; h < HALVES; h++) {
+            float P[MOEP_MT][MOEP_NT][4];
+            tile_zero(P);
+            if constexpr (HALVES == 2) tile_mma<MOEP_MT, MOEP_NT, 16, MOEP_LDS>(P, a + 16 * h, b + 16 * h);
+            else tile_mma<MOEP_MT, MOEP_NT, MOEP_BK, MOEP_LDS>(P, a, b);
+#pragma unroll
+            for (int nt = 0; nt < MOEP_NT; nt++) {
+                const int n = wn * 32 + nt * 8 + 2 * t;
+                const float s0 = sc[h * MOEP_BN + n], s1 = sc[h * MOEP_BN + n + 1];
+                const float o0 = mn[h * MOEP_BN + n], o1 = mn[h * MOEP_BN + n + 1];
+#pragma unroll
+                for (int mt = 0; mt < MOEP_MT; mt++) {
+                    const int m = wm * 32 + mt * 16 + g;
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        const float s_ = (i & 1) ? s1 : s0;
+                        float v = fmaf(s_, P[mt][nt][i], acc[mt][nt][i]);
+                        if constexpr (KIND != MOE_CODES_SCALED) {
+                            const int r = m + 8 * (i >> 1);
+                            const float xs = HALVES == 2 ? sx[h * MOEP_BM + r] : sx[r] + sx[MOEP_BM + r];
+                            v = fmaf(-((i & 1) ? o1 : o0), xs, v);
+                        }
+                        acc[mt][nt][i] = v;
+                    }
+                }
+            }
+        }
+    }
+}
+
+__device__ __forceinline__ float moep_silu(float g) { return g * (1.0f / (1.0f + expf(-g))); }
+
+template <int F>
+__device__ __forceinline__ void moep_gate_up(const uint64_t* grid, const uint8_t* Wg, const uint8_t* Wu,
+        const float* x, int ldx, const float* route_w, const int* sorted, const int* tile_bucket,
+        const int* tile_row, const int* offsets, const int* info, float* H, int n_experts, int ff, int dim, int k,
+        float clamp) {
+    constexpr int NP = MoepW<F>::NP;
+    __shared__ __align__(16) uint16_t as[MOEP_BM * MOEP_LDS];
+    __shared__ __align__(16) uint16_t ws[2 * NP * MOEP_PIECE];
+    __shared__ float wsc[2 * 2 * MOEP_BN], wmn[2 * 2 * MOEP_BN], sx[2 * MOEP_BM];
+    int b, r0, r1;
+    if (!moep_item(tile_bucket, tile_row, offsets, info, b, r0, r1)) return;
+    const int n0 = blockIdx.x * MOEP_BN, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int wm = warp / MOEP_WARPS_N, wn = warp % MOEP_WARPS_N, g = lane >> 2, t = lane & 3;
+    const bool bad = b == n_experts;
+    if (!bad) {
+        const int ar = r0 + tid % MOEP_BM;
+        const bool avalid = ar < r1;
+        const float* arow = x + (size_t)(avalid ? sorted[ar] / k : 0) * ldx;
+        float accg[MOEP_MT][MOEP_NT][4], accu[MOEP_MT][MOEP_NT][4];
+        tile_zero(accg);
+        tile_zero(accu);
+        for (int kt = 0; kt < dim / MOEP_BK; kt++) {
+            __syncthreads();
+            moep_stage_a(as, sx, arow, avalid, kt * MOEP_BK);
+            for (int j = tid; j < 2 * MOEP_BN; j += MOEP_THREADS) {
+                const int mat = j / MOEP_BN, r = j % MOEP_BN;
+                moep_stage_w<F>(ws + mat * NP * MOEP_PIECE + r * MOEP_LDS, wsc + mat * 2 * MOEP_BN + r,
+                                wmn + mat * 2 * MOEP_BN + r, mat ? Wu : Wg, b, n0 + r, ff, dim, kt, grid);
+            }
+            __syncthreads();
+            const uint16_t* a = as + wm * 32 * MOEP_LDS;
+            moep_tile<F>(accg, a, ws + wn * 32 * MOEP_LDS, wsc, wmn, sx, wm, wn);
+            moep_tile<F>(accu, a, ws + NP * MOEP_PIECE + wn * 32 * MOEP_LDS, wsc + 2 * MOEP_BN, wmn + 2 * MOEP_BN, sx,
+                         wm, wn);
+        }
+#pragma unroll
+        for (int mt = 0; mt < MOEP_MT; mt++)
+#pragma unroll
+            for (int nt = 0; nt < MOEP_NT; nt++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    const int r = r0 + wm * 32 + mt * 16 + g + 8 * (i >> 1);
+                    const int n = n0 + wn * 32 + nt * 8 + 2 * t + (i & 1);
+                    if (r < r1 && n < ff) {
+                        float gv = accg[mt][nt][i], uv = accu[mt][nt][i];
+                        if (clamp > 0.0f) {
+                            gv = fminf(gv, clamp);
+                            uv = fminf(fmaxf(uv, -clamp), clamp);
+                        }
+                        const float rw = route_w ? route_w[sorted[r]] : 1.0f;
+                        H[(size_t)r * ff + n] = moep_silu(gv) * uv * rw;
+                    }
+                }
+    } else {
+        for (int i = tid; i < MOEP_BM * MOEP_BN; i += MOEP_THREADS) {
+            const int r = r0 + i / MOEP_BN, n = n0 + i % MOEP_BN;
+            if (r < r1 && n < ff) H[(size_t)r * ff + n] = __int_as_float(0x7fc00000);
+        }
+    }
+}
+
+template <int F>
+__device__ __forceinline__ void moep_down(const uint64_t* grid, const uint8_t* W, const float* H,
+        const int* tile_bucket, const int* tile_row, const int* offsets, const int* info, float* Yp, int n_experts,
+        int dim, int ff) {
+    constexpr int NP = MoepW<F>::NP;
+    __shared__ __align__(16) uint16_t as[MOEP_BM * MOEP_LDS];
+    __shared__ __align__(16) uint16_t ws[NP * MOEP_PIECE];
+    __shared__ float wsc[2 * MOEP_BN], wmn[2 * MOEP_BN], sx[2 * MOEP_BM];
+    int b, r0, r1;
+    if (!moep_item(tile_bucket, tile_row, offsets, info, b, r0, r1)) return;
+    const int n0 = blockIdx.x * MOEP_BN, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int wm = warp / MOEP_WARPS_N, wn = warp % MOEP_WARPS_N, g = lane >> 2, t = lane & 3;
+    const bool bad = b == n_experts;
+    float acc[MOEP_MT][MOEP_NT][4];
+    tile_zero(acc);
+    if (!bad) {
+        const int ar = r0 + tid % MOEP_BM;
+        const bool avalid = ar < r1;
+        const float* arow = H + (size_t)(avalid ? ar : 0) * ff;
+        for (int kt = 0; kt < ff / MOEP_BK; kt++) {
+            __syncthreads();
+            moep_stage_a(as, sx, arow, avalid, kt * MOEP_BK);
+            for (int j = tid; j < MOEP_BN; j += MOEP_THREADS)
+                moep_stage_w<F>(ws + j * MOEP_LDS, wsc + j, wmn + j, W, b, n0 + j, dim, ff, kt, grid);
+            __syncthreads();
+            moep_tile<F>(acc, as + wm * 32 * MOEP_LDS, ws + wn * 32 * MOEP_LDS, wsc, wmn, sx, wm, wn);
+        }
+    }
+#pragma unroll
+    for (int mt = 0; mt < MOEP_MT; mt++)
+#pragma unroll
+        for (int nt = 0; nt < MOEP_NT; nt++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int r = r0 + wm * 32 + mt * 16 + g + 8 * (i >> 1);
+                const int n = n0 + wn * 32 + nt * 8 + 2 * t + (i & 1);
+                if (r < r1 && n < dim) Yp[(size_t)r * dim + n] = bad ? __int_as_float(0x7fc00000) : acc[mt][nt][i];
+            }
+}
+
+// y[t, n] = sum_{s < k} Yp[pos[t*k + s], n] (+ add[t, n]), s ascending. Launch: grid (ceil(dim / 256), T),
+// block 256.
+extern "C" __global__ void moe_prefill_combine(const float* Yp, const int* pos, const float* add, float* y, int k,
+                                               int dim, int ldy) {
+    pdl_wait();
+    pdl_launch_dependents();
+    const int t = blockIdx.y, n = blockIdx.x * blockDim.x + threadIdx.x;
+    if (n >= dim) return;
+    float s = Yp[(size_t)pos[(size_t)t * k] * dim + n];
+    for (int j = 1; j < k; j++) s += Yp[(size_t)pos[(size_t)t * k + j] * dim + n];
+    if (add) s += add[(size_t)t * dim + n];
+    y[(size_t)t * ldy + n] = s;
+}
+
+// ---- entry points, one pair per format -------------------------------------------------------------------------
+// Common contracts. Wg / Wu [n_experts, ff, dim], W [n_experts, dim, ff]: the stacked expert tensors' raw GGUF
+// bytes; dim and ff multiples of 256 for IQ2_XXS / Q2_K / Q4_K, of 32 otherwise (and of 32 always). x [T, ldx]
+// float32 (16-byte aligned, ldx % 4 == 0), route_w [T*k] (null: 1), H [P, ff] and Yp [P, dim] float32 in sorted
+// order; sorted / tile_* / offsets / info from moe_prefill_route. clamp <= 0: no clamp.
+
+// Gate + up + SwiGLU per work item (iq2_xxs). Launch: grid (ceil(ff / MOEP_BN), max_tiles), block MOEP_THREADS.
+extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_gate_up_iq2_xxs(const uint8_t* Wg,
+        const uint8_t* Wu, const float* x, const float* route_w, const int* sorted, const int* tile_bucket,
+        const int* tile_row, const int* offsets, const int* info, float* H, int n_experts, int ff, int dim, int k,
+        int ldx, float clamp) {
+    __shared__ uint64_t grid_s[256];
+    pdl_wait();
+    pdl_launch_dependents();
+    moe_load_grid(grid_s);
+    __syncthreads();
+    moep_gate_up<FMT_IQ2_XXS>(grid_s, Wg, Wu, x, ldx, route_w, sorted, tile_bucket, tile_row, offsets, info, H, n_experts,
+                         ff, dim, k, clamp);
+}
+
+// Down per work item (iq2_xxs). Launch: grid (ceil(dim / MOEP_BN), max_tiles), block MOEP_THREADS.
+extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_down_iq2_xxs(const uint8_t* W, const float* H,
+        const int* tile_bucket, const int* tile_row, const int* offsets, const int* info, float* Yp, int n_experts,
+        int dim, int ff) {
+    __shared__ uint64_t grid_s[256];
+    pdl_wait();
+    pdl_launch_dependents();
+    moe_load_grid(grid_s);
+    __syncthreads();
+    moep_down<FMT_IQ2_XXS>(grid_s, W, H, tile_bucket, tile_row, offsets, info, Yp, n_experts, dim, ff);
+}
+
+// Gate + up + SwiGLU per work item (q2_k). Launch: grid (ceil(ff / MOEP_BN), max_tiles), block MOEP_THREADS.
+extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_gate_up_q2_k(const uint8_t* Wg,
+        const uint8_t* Wu, const float* x, const float* route_w, const int* sorted, const int* tile_bucket,
+        const int* tile_row, const int* offsets, const int* info, float* H, int n_experts, int ff, int dim, int k,
+        int ldx, float clamp) {
+    pdl_wait();
+    pdl_launch_dependents();
+    moep_gate_up<FMT_Q2_K>(nullptr, Wg, Wu, x, ldx, route_w, sorted, tile_bucket, tile_row, offsets, info, H, n_experts,
+                         ff, dim, k, clamp);
+}
+
+// Down per work item (q2_k). Launch: grid (ceil(dim / MOEP_BN), max_tiles), block MOEP_THREADS.
+extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_down_q2_k(const uint8_t* W, const float* H,
+        const int* tile_bucket, const int* tile_row, const int* offsets, const int* info, float* Yp, int n_experts,
+        int dim, int ff) {
+    pdl_wait();
+    pdl_launch_dependents();
+    moep_down<FMT_Q2_K>(nullptr, W, H, tile_bucket, tile_row, offsets, info, Yp, n_experts, dim, ff);
+}
+
+// Gate + up + SwiGLU per work item (q4_k). Launch: grid (ceil(ff / MOEP_BN), max_tiles), block MOEP_THREADS.
+extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_gate_up_q4_k(const uint8_t* Wg,
+        const uint8_t* Wu, const float* x, const float* route_w, const int* sorted, const int* tile_bucket,
+        const int* tile_row, const int* offsets, const int* info, float* H, int n_experts, int ff, int dim, int k,
+        int ldx, float clamp) {
+    pdl_wait();
+    pdl_launch_dependents();
+    moep_gate_up<FMT_Q4_K>(nullptr, Wg, Wu, x, ldx, route_w, sorted, tile_bucket, tile_row, offsets, info, H, n_experts,
+                         ff, dim, k, clamp);
+}
+
+// Down per work item (q4_k). Launch: grid (ceil(dim / MOEP_BN), max_tiles), block MOEP_THREADS.
+extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_down_q4_k(const uint8_t* W, const float* H,
+        const int* tile_bucket, const int* tile_row, const int* offsets, const int* info, float* Yp, int n_experts,
+        int dim, int ff) {
+    pdl_wait();
+    pdl_launch_dependents();
+    moep_down<FMT_Q4_K>(nullptr, W, H, tile_bucket, tile_row, offsets, info, Yp, n_experts, dim, ff);
+}
+
+// Gate + up + SwiGLU per work item (mxfp4). Launch: grid (ceil(ff / MOEP_BN), max_tiles), block MOEP_THREADS.
+extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_gate_up_mxfp4(const uint8_t* Wg,
+        const uint8_t* Wu, const float* x, const float* route_w, const int* sorted, const int* tile_bucket,
+        const int* tile_row, const int* offsets, const int* info, float* H, int n_experts, int ff, int dim, int k,
+        int ldx, float clamp) {
+    pdl_wait();
+    pdl_launch_dependents();
+    moep_gate_up<FMT_MXFP4>(nullptr, Wg, Wu, x, ldx, route_w, sorted, tile_bucket, tile_row, offsets, info, H, n_experts,
+                         ff, dim, k, clamp);
+}
+
+// Down per work item (mxfp4). Launch: grid (ceil(dim / MOEP_BN), max_tiles), block MOEP_THREADS.
+extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_down_mxfp4(const uint8_t* W, const float* H,
+        const int* tile_bucket, const int* tile_row, const int* offsets, const int* info, float* Yp, int n_experts,
+        int dim, int ff) {
+    pdl_wait();
+    pdl_launch_dependents();
+    moep_down<FMT_MXFP4>(nullptr, W, H, tile_bucket, tile_row, offsets, info, Yp, n_experts, dim, ff);
+}
+
+// Gate + up + SwiGLU per work item (q8_0). Launch: grid (ceil(ff / MOEP_BN), max_tiles), block MOEP_THREADS.
+extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_gate_up_q8_0(const uint8_t* Wg,
+        const uint8_t* Wu, const float* x, const float* route_w, const int* sorted, const int* tile_bucket,
+        const int* tile_row, const int* offsets, const int* info, float* H, int n_experts, int ff, int dim, int k,
+        int ldx, float clamp) {
+    pdl_wait();
+    pdl_launch_dependents();
+    moep_gate_up<FMT_Q8_0>(nullptr, Wg, Wu, x, ldx, route_w, sorted, tile_bucket, tile_row, offsets, info, H, n_experts,
+                         ff, dim, k, clamp);
+}
+
+// Down per work item (q8_0). Launch: grid (ceil(dim / MOEP_BN), max_tiles), block MOEP_THREADS.
+extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_down_q8_0(const uint8_t* W, const float* H,
+        const int* tile_bucket, const int* tile_row, const int* offsets, const int* info, float* Yp, int n_experts,
+        int dim, int ff) {
+    pdl_wait();
+    pdl_launch_dependents();
+    moep_down<FMT_Q8_0>(nullptr, W, H, tile_bucket, tile_row, offsets, info, Yp, n_experts, dim, ff);
+}
+
+// Gate + up + SwiGLU per work item (f16). Launch: grid (ceil(ff / MOEP_BN), max_tiles), block MOEP_THREADS.
+extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_gate_up_f16(const uint8_t* Wg,
+        const uint8_t* Wu, const float* x, const float* route_w, const int* sorted, const int* tile_bucket,
+        const int* tile_row, const int* offsets, const int* info, float* H, int n_experts, int ff, int dim, int k,
+        int ldx, float clamp) {
+    pdl_wait();
+    pdl_launch_dependents();
+    moep_gate_up<FMT_F16>(nullptr, Wg, Wu, x, ldx, route_w, sorted, tile_bucket, tile_row, offsets, info, H, n_experts,
+                         ff, dim, k, clamp);
+}
+
+// Down per work item (f16). Launch: grid (ceil(dim / MOEP_BN), max_tiles), block MOEP_THREADS.
+extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_down_f16(const uint8_t* W, const float* H,
+        const int* tile_bucket, const int* tile_row, const int* offsets, const int* info, float* Yp, int n_experts,
+        int dim, int ff) {
+    pdl_wait();
+    pdl_launch_dependents();
+    moep_down<FMT_F16>(nullptr, W, H, tile_bucket, tile_row, offsets, info, Yp, n_experts, dim, ff);
+}
