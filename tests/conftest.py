@@ -116,7 +116,11 @@ def pytest_collection_modifyitems(session, config, items):
 
 @pytest.fixture(scope="session", autouse=True)
 def _session_jobs(request, tmp_path_factory):
-    needed = {n for item in request.session.items for n in _jobs_needed(item)}
+    items = request.session.items
+    needed = {n for item in items for n in _jobs_needed(item)}
+    files = {Path(str(item.path)).name for item in items}
+    needed |= {n for n, prefixes in session_jobs.WARMUPS.items()
+               if sum(f.startswith(prefixes) for f in files) >= session_jobs.WARMUP_FILES}
     workdir = lambda name: tmp_path_factory.mktemp(f"job-{name}")   # noqa: E731
     request.config.stash[_JOB_WORKDIR] = workdir
     if needed and not request.config.option.collectonly:

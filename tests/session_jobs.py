@@ -7,9 +7,11 @@ and need nothing from the tests around them, so they run on the second core: tes
 that the selected tests need, one after another on one worker thread, as the session begins, and moves the tests
 that wait for a job (those using a `job_<name>` fixture) to the end of the session. The work and what the tests
 assert about it are unchanged; only when it runs moves. A job that fails or skips raises in the test waiting for it.
+A warm-up job goes first when many CUDA test files are selected: the emulator's g++ builds of every kernel file
+(nobody waits for it; a test needing a library still being built waits for that build, not for a second one).
 
 Each job runs in a child process (so no monkeypatch of the main process can reach it) started through
-`run_process`, which the session kills if it ends early (-x, Ctrl-C).
+`run_process`, which the session terminates if it ends early (-x, Ctrl-C).
 """
 
 from __future__ import annotations
@@ -29,10 +31,16 @@ NVRTC_ARCHS = ("sm_121", "sm_90", "sm_90a")
 
 # name -> "module:function"; the function takes a fresh work directory and returns the job's result.
 JOBS = {
+    "emu_builds": "session_jobs:emu_builds",
     "nvrtc_kernels": "session_jobs:nvrtc_kernels",
     "blas_rerun": "test_blas_kernels:blas_rerun_job",
     "gpu_tests_on_emulator": "test_cuda_gpu_tests_on_emulator:gpu_tests_job",
 }
+
+# warm-up jobs nobody waits for, started when the selected tests span at least WARMUP_FILES files whose names
+# start with one of these prefixes (a run of one or two files builds just what it needs, in the foreground)
+WARMUPS = {"emu_builds": ("test_cu_emu", "test_cuda")}
+WARMUP_FILES = 5
 
 _lock = threading.Lock()
 _futures: dict[str, concurrent.futures.Future] = {}
@@ -85,10 +93,15 @@ def stop() -> None:
     with _lock:
         for fut in _futures.values():
             fut.cancel()
-        for p in list(_procs):
-            if p.poll() is None:
-                p.kill()
+        procs = [p for p in _procs if p.poll() is None]
+        for p in procs:
+            p.terminate()           # the children clean up (g++ temporaries, pytest's) on SIGTERM
         ex, _executor = _executor, None
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
     if ex is not None:
         ex.shutdown(wait=True)
     _futures.clear()
@@ -113,6 +126,27 @@ def run_process(cmd: list[str], timeout: float, **kw) -> subprocess.CompletedPro
         with _lock:
             _procs.discard(p)
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+# ---- the emulator warm-up -------------------------------------------------------------------------------------
+def emu_builds(work: Path) -> int:
+    """g++ builds of every cu/*.cu for the emulator with EmuRuntime's default -D defines, into the session's
+    emulator cache (the same libraries the kernel tests build on first use: ds4py.cuda.emu's build lock makes a
+    test that needs one still being built wait for it rather than build it twice). Returns the exit status."""
+    return run_process([sys.executable, __file__, "emu"], timeout=1800, env={**os.environ, "PYTHONPATH": str(REPO)},
+                       stdin=subprocess.DEVNULL).returncode
+
+
+def _emu_child() -> int:
+    sys.path.insert(0, str(REPO))
+    from ds4py.cuda import compiler, emu
+    from ds4py.cuda.emu_runtime import EMU_OPTIONS
+
+    if emu.compiler() is None:
+        return 0
+    for src in compiler.kernel_sources():
+        emu.build(src, compiler.file_options(src, None, EMU_OPTIONS))
+    return 0
 
 
 # ---- the NVRTC job ---------------------------------------------------------------------------------------------
@@ -150,6 +184,11 @@ def _nvrtc_child(cu: str, cache: str, out: str, *archs: str) -> int:
 
 
 if __name__ == "__main__":
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))     # unwind: finally blocks remove temporaries
     if sys.argv[1:2] == ["nvrtc"]:
         sys.exit(_nvrtc_child(*sys.argv[2:]))
-    sys.exit(f"usage: {sys.argv[0]} nvrtc CU_DIR CACHE OUT ARCH...")
+    if sys.argv[1:] == ["emu"]:
+        sys.exit(_emu_child())
+    sys.exit(f"usage: {sys.argv[0]} nvrtc CU_DIR CACHE OUT ARCH... | emu")
