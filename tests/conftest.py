@@ -103,13 +103,21 @@ def _jobs_needed(item) -> list[str]:
     return [n for n in session_jobs.JOBS if f"job_{n}" in getattr(item, "fixturenames", ())]
 
 
+def _waits_for(item) -> int:
+    """0: waits for no background job; else 1 + the position in JOBS of the last job it waits for (the stand-in
+    driver's tests wait for the NVRTC job's cache through standin_cache)."""
+    names = getattr(item, "fixturenames", ())
+    needed = _jobs_needed(item) + (["nvrtc_kernels"] if "standin_cache" in names else [])
+    return 1 + max(list(session_jobs.JOBS).index(n) for n in needed) if needed else 0
+
+
 def pytest_collection_modifyitems(session, config, items):
-    # tests waiting for a background job (tests/session_jobs.py) run after the others, so the job has had the
-    # second core meanwhile; the coverage check reads what the other tests launched: it runs after all of them
+    # tests waiting for a background job (tests/session_jobs.py) run after the others, in the order the jobs
+    # finish, so each job has had the second core meanwhile; the coverage check reads what the other tests
+    # launched: it runs after all of them
     last = [i for i in items if i.name == "test_every_kernel_is_covered"]
-    waiting = [i for i in items if i not in last and _jobs_needed(i)]
-    if last or waiting:
-        items[:] = [i for i in items if i not in last and i not in waiting] + waiting + last
+    rest = [i for i in items if i not in last]
+    items[:] = sorted(rest, key=_waits_for) + last          # a stable sort: each group keeps its order
 
 
 # ---- background jobs (tests/session_jobs.py): started as the session begins, waited for by job_* fixtures ---------
