@@ -1,10 +1,15 @@
-"""Decode a GGUF whose file is larger than the memory the process may hold: run it inside a memory cgroup whose
-limit is below the file size (Linux cgroup v1 or v2, as root), so its pages are demand-paged from the mapped file
-and dropped again under pressure (issue 14). Prints one JSON line: file size, limit, per-token wall time, peak
-RSS, major faults, and whether the cgroup ever hit an OOM kill.
+"""Decode a GGUF whose file is larger than the memory the process may hold (issue 14): either inside a memory
+cgroup whose limit is below the file size (Linux cgroup v1 or v2, as root), or, with --limit-mb 0, a file larger
+than the machine's RAM with no limit at all. Its pages are demand-paged from the mapped file and dropped again
+under pressure. Prints one JSON line: file size, limit, first-token (prefill) and per-token wall times, tokens/s,
+peak RSS, private and file-backed RSS, major and minor faults, swap used (the process's VmSwap and the machine's
+swap in use before / after), and whether the cgroup ever hit an OOM kill.
 
     python bench/cpu_paging.py MODEL.gguf --limit-mb 2048 [--tokens 6] [--kernels fused] [--mem-budget-mb 256]
+                               [--threads 2] [--cold] [--madvise on|off]
 
+--cold drops the file's pages from the page cache first (posix_fadvise DONTNEED); --madvise switches the
+memory-budget mode's paging hints (ds4py.ref.weights: random for the routed experts, will-need one layer ahead).
 Make a real-width file first, e.g. `python -m ds4py make-synthetic /tmp/syn2.gguf --layers 2` (5.55 GB).
 The child process is this script with --child, moved into the cgroup before it opens the model."""
 
@@ -19,25 +24,60 @@ import sys
 import time
 from pathlib import Path
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
 
 def child(args: argparse.Namespace) -> None:
     import numpy as np
 
     from ds4py.ref.engine import RefModel
 
-    m = RefModel(args.model, kernels=args.kernels, mem_budget_mb=args.mem_budget_mb)
+    if args.cold:
+        fd = os.open(args.model, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    t_open = time.perf_counter()
+    m = RefModel(args.model, kernels=args.kernels, mem_budget_mb=args.mem_budget_mb, threads=args.threads,
+                 madvise=args.madvise == "on")
     st = m.new_state()
-    t0 = time.perf_counter()
+    t1 = time.perf_counter()
     logits = m.prefill(st, [1, 2, 3, 4])
-    times = [time.perf_counter() - t0]
+    times = [time.perf_counter() - t1]
     for _ in range(args.tokens):
         t0 = time.perf_counter()
         logits = m.decode(st, int(np.argmax(logits)))
         times.append(time.perf_counter() - t0)
     ru = resource.getrusage(resource.RUSAGE_SELF)
-    print(json.dumps({"prefill4_s": round(times[0], 2), "decode_s": [round(t, 2) for t in times[1:]],
-                      "peak_rss_mb": round(ru.ru_maxrss / 1024), "major_faults": ru.ru_majflt,
+    st_ = proc_status()
+    print(json.dumps({"open_s": round(t1 - t_open, 2), "prefill4_s": round(times[0], 2),
+                      "decode_s": [round(t, 2) for t in times[1:]],
+                      "tokens_per_s": round(len(times[1:]) / sum(times[1:]), 3) if times[1:] else None,
+                      "peak_rss_mb": round(ru.ru_maxrss / 1024), "private_mb": round(st_.get("RssAnon", 0) / 2**20),
+                      "file_rss_mb": round(st_.get("RssFile", 0) / 2**20), "swap_mb": round(st_.get("VmSwap", 0) / 2**20),
+                      "major_faults": ru.ru_majflt, "minor_faults": ru.ru_minflt,
+                      "cpu_s": round(ru.ru_utime + ru.ru_stime, 1), "loadavg": os.getloadavg()[0],
                       "finite": bool(np.isfinite(logits).all())}))
+
+
+def proc_status() -> dict[str, int]:
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            k, _, v = line.partition(":")
+            if k in ("RssAnon", "RssFile", "VmSwap"):
+                out[k] = int(v.split()[0]) * 1024
+    return out
+
+
+def swap_used_mb() -> int:
+    """The machine's swap in use (SwapTotal - SwapFree), MB."""
+    info = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            k, _, v = line.partition(":")
+            info[k] = int(v.split()[0])
+    return round((info.get("SwapTotal", 0) - info.get("SwapFree", 0)) / 1024)
 
 
 def cgroup(limit: int) -> tuple[Path, Path]:
@@ -73,28 +113,37 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=6)
     ap.add_argument("--kernels", default="fused", choices=["fused", "dequant"])
     ap.add_argument("--mem-budget-mb", type=float, default=256)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cold", action="store_true", help="drop the file's pages from the page cache first")
+    ap.add_argument("--madvise", choices=["on", "off"], default="on")
     ap.add_argument("--child", action="store_true")
     args = ap.parse_args()
     if args.child:
         child(args)
         return
-    d, procs = cgroup(args.limit_mb << 20)
+    d, procs = cgroup(args.limit_mb << 20) if args.limit_mb > 0 else (None, None)
     cmd = [sys.executable, __file__, "--child", args.model, "--tokens", str(args.tokens), "--kernels", args.kernels,
-           "--mem-budget-mb", str(args.mem_budget_mb)]
-    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
+           "--mem-budget-mb", str(args.mem_budget_mb), "--threads", str(args.threads), "--madvise", args.madvise]
+    if args.cold:
+        cmd.append("--cold")
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONPATH": REPO}
+    swap0 = swap_used_mb()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env,
-                         preexec_fn=lambda: procs.write_text(str(os.getpid())))
+                         preexec_fn=None if procs is None else lambda: procs.write_text(str(os.getpid())))
     out, _ = p.communicate()
-    res = {"file_gb": round(os.path.getsize(args.model) / 1e9, 2), "limit_mb": args.limit_mb,
-           "kernels": args.kernels, "mem_budget_mb": args.mem_budget_mb, "returncode": p.returncode,
-           "oom_kills": oom_kills(d)}
+    res = {"file_gb": round(os.path.getsize(args.model) / 1e9, 2), "ram_gb": round(os.sysconf("SC_PHYS_PAGES")
+           * os.sysconf("SC_PAGE_SIZE") / 1e9, 1), "limit_mb": args.limit_mb, "kernels": args.kernels,
+           "mem_budget_mb": args.mem_budget_mb, "threads": args.threads, "cold": args.cold, "madvise": args.madvise,
+           "returncode": p.returncode, "oom_kills": oom_kills(d) if d is not None else None,
+           "machine_swap_used_mb": [swap0, swap_used_mb()]}
     if p.returncode == 0:
         res.update(json.loads(out.strip().splitlines()[-1]))
     print(json.dumps(res))
-    try:
-        d.rmdir()
-    except OSError:
-        pass
+    if d is not None:
+        try:
+            d.rmdir()
+        except OSError:
+            pass
 
 
 if __name__ == "__main__":

@@ -7,6 +7,9 @@ weight bytes a step reads against the device's copy bandwidth.
     python bench/cuda_decode.py [--tokens 64] [--prompt 32] [--json OUT]
     python bench/cuda_decode.py --emu        # the same code on the CPU emulator, cut-down shapes (CI; numbers
                                              # mean nothing there)
+    python bench/cuda_decode.py --rows       # also multi-row steps (ds4py.bench.multirow_stats): a verify of
+                                             # 1 + k rows (k = 1..5) vs one decode step, and aggregate decode
+                                             # tokens/s of B = 1, 2, 4, 8, 16 sequences stepped together
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ def main() -> int:
     p.add_argument("--emu", action="store_true", help="run on the CPU emulator at cut-down shapes")
     p.add_argument("--tokens", type=int, default=None, help="greedy tokens per mode (default 64; emulator 2)")
     p.add_argument("--prompt", type=int, default=None, help="prompt tokens before decoding (default 32; emulator 3)")
+    p.add_argument("--rows", action="store_true", help="also time multi-row steps (verify 1 + k rows, B sequences)")
     p.add_argument("--json", default=None, help="write the results here")
     a = p.parse_args()
     from ds4py.cuda.engine import CudaModel
@@ -81,6 +85,14 @@ def main() -> int:
         print(f"{name:10s} {r['tokens_per_s']:8.2f} tokens/s ({r['ms_per_token']:.2f} ms/token{extra}); host "
               f"{r['host_us_per_step']:.1f} us per replayed step; {r['launches_per_step']} launches per step",
               flush=True)
+    if a.rows:
+        from ds4py import bench
+
+        model.set_launch_mode(True, True)
+        ks, bs = ((1,), (1, 2)) if a.emu else (bench.VERIFY_K, bench.BATCH_ROWS)
+        label = " (emulator: CPU time, not a GPU number)" if a.emu else ""
+        out["multirow"] = bench.multirow_stats(model, ks, bs, prompt=n_prompt, reps=1 if a.emu else 5,
+                                               progress=lambda m: print(f"multi-row: {m}{label}", flush=True))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -6,7 +6,8 @@
 # test (tests/gpu: each kernel vs its twin at emulator and real V4 Flash shapes, PDL / graph bit-identity, the
 # CUDA engine end to end on the tiny models vs the reference (engine_e2e.json) and a full-size synthetic step;
 # tests/test_cu_emu_gpu.py: the emulator's own value tests on hardware) -> synthetic 43-layer q2 decode,
-# graph + PDL / graph / direct (bench/cuda_decode.py: tokens/s, host us per step, launches, % of copy) ->
+# graph + PDL / graph / direct (bench/cuda_decode.py: tokens/s, host us per step, launches, % of copy; --rows: a
+# verify of 1 + k rows vs one decode step, aggregate tokens/s of B = 1..16 sequences stepped together) ->
 # decode-kernel bandwidth at the real shapes (bench/gemv_bandwidth.py, bench/attn_moe_bandwidth.py) ->
 # compute-sanitizer memcheck + racecheck on a subset, where it is installed -> the CPU-side CUDA tests ->
 # summary.json with every step's status and time.
@@ -75,8 +76,8 @@ rc=${PIPESTATUS[0]}
 if grep -q "no CUDA device" "$RES/gpu-tests.txt"; then rc=skipped; fi
 done_step gpu_tests "$rc"
 
-step "synthetic 43-layer q2 decode: graph + PDL / graph / direct"
-timeout "$(lim 100)" $PY bench/cuda_decode.py --json "$RES/cuda_decode.json" 2>&1 | tee "$RES/cuda_decode.txt"
+step "synthetic 43-layer q2 decode: graph + PDL / graph / direct; multi-row: verify 1 + k rows, B = 1..16 rows"
+timeout "$(lim 130)" $PY bench/cuda_decode.py --rows --json "$RES/cuda_decode.json" 2>&1 | tee "$RES/cuda_decode.txt"
 done_step cuda_decode "${PIPESTATUS[0]}"
 
 step "decode-kernel bandwidth at the V4 Flash shapes"
@@ -108,7 +109,7 @@ done_step cpu_tests "${PIPESTATUS[0]}"
 step "summary"
 grep -E "^(device|copy)" "$RES/gemv_bandwidth.txt" 2>/dev/null
 grep -E "best:|per call|chain" "$RES/gemv_bandwidth.txt" 2>/dev/null || true
-grep -E "tokens/s|synthetic" "$RES/cuda_decode.txt" 2>/dev/null || true
+grep -E "tokens/s|synthetic|multi-row" "$RES/cuda_decode.txt" 2>/dev/null || true
 tail -1 "$RES/gpu-tests.txt" 2>/dev/null
 rc=0
 json="{"

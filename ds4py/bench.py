@@ -161,6 +161,52 @@ def device_step_stats(model, state=None, steps: int = 32) -> dict[str, float | i
             "gen_tps": g["tokens"] / max(g["wall_s"], 1e-9), "emulated": bool(getattr(model, "emulated", False))}
 
 
+VERIFY_K = (1, 2, 3, 4, 5)
+BATCH_ROWS = (1, 2, 4, 8, 16)
+
+
+def multirow_stats(model, verify_k: Sequence[int] = VERIFY_K, batch_rows: Sequence[int] = BATCH_ROWS,
+                   prompt: int = 8, reps: int = 5, progress: Callable[[str], None] | None = None) -> dict | None:
+    """For a backend with multi-row steps (the CUDA engine): the cost of a speculative verify of 1 + k rows of one
+    sequence relative to one decode step, and the aggregate decode tokens/s of B sequences stepped together (one
+    row each). Every timed step is a model.step with the host reading its logits (what a verify and the
+    server's batched decode do), after one warm-up step (graph capture); the states are rolled back after each
+    step (truncate), so every sample sees the same context. Median of `reps`. None for other backends."""
+    if not hasattr(model, "_step_rows"):
+        return None
+    V = model.config.vocab_size
+    base = model.new_state()
+    model.step([base], [[int(t) % V for t in range(2, 2 + prompt)]])
+    n = base.n_tokens
+
+    def timed(states, chunks, all_logits=False) -> float:
+        out = []
+        for i in range(reps + 1):
+            t0 = time.perf_counter()
+            model.step(states, chunks, all_logits)
+            if i:
+                out.append(time.perf_counter() - t0)
+            for st in states:
+                st.truncate(n)
+        return statistics.median(out)
+
+    decode = timed([base], [[3]])
+    res: dict = {"emulated": bool(getattr(model, "emulated", False)), "context": n, "reps": reps,
+                 "decode_step_ms": 1e3 * decode, "verify": [], "batched": []}
+    for k in verify_k:
+        t = timed([base], [[int(3 + j) % V for j in range(k + 1)]], all_logits=True)
+        res["verify"].append({"k": int(k), "rows": int(k) + 1, "ms": 1e3 * t, "vs_decode": t / decode})
+        if progress:
+            progress(f"verify 1 + {k} rows: {1e3 * t:.2f} ms = {t / decode:.2f}x a decode step")
+    states = [base] + [base.copy() for _ in range(max(batch_rows, default=1) - 1)]
+    for B in batch_rows:
+        t = timed(states[:B], [[int(3 + j) % V] for j in range(B)])
+        res["batched"].append({"B": int(B), "ms": 1e3 * t, "tokens_per_s": B / t, "vs_one": (B / t) * decode})
+        if progress:
+            progress(f"batched decode B = {B}: {B / t:.1f} tokens/s aggregate = {(B / t) * decode:.2f}x one sequence")
+    return res
+
+
 def run_sweep(
     model,
     tokens: Sequence[int],

@@ -10,6 +10,7 @@ Shapes here are numpy order: the reverse of GGUF `ne` (ne0, the fastest / input 
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -240,6 +241,16 @@ class GGUFFile:
 
     def tensor_bytes(self) -> int:
         return sum(t.nbytes for t in self._tensors.values())
+
+    def advise(self, offset: int, nbytes: int, advice: int) -> bool:
+        """madvise(2) on bytes [offset, offset + nbytes) of the mapped file (the start rounded down to a page);
+        False where the platform has no madvise. A hint only: results never depend on it."""
+        m = getattr(self._map, "_mmap", None)
+        if m is None or not hasattr(m, "madvise") or nbytes <= 0:
+            return False
+        start = offset - offset % mmap.PAGESIZE
+        m.madvise(advice, start, min(offset + nbytes, self.file_size) - start)
+        return True
 
 
 def row_nbytes(qtype: GGMLQuantizationType, ncols: int) -> int:

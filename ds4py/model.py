@@ -213,6 +213,10 @@ def open_mtp(model, path: str | None = None):
         from ds4py.ref.mtp import RefMtp
 
         return RefMtp(model, path)
+    if model.backend in ("cuda", "cuda-emu"):
+        from ds4py.cuda.mtp import CudaMtp
+
+        return CudaMtp(model, path)
     raise Ds4Error(f"the {model.backend} backend cannot run the MTP draft block yet (it needs the verify batch's "
                    f"kernels, issue 17); use --backend ref for speculative decoding, or --no-spec")
 

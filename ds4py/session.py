@@ -499,6 +499,11 @@ class Session:
         except BaseException:
             self.drop_live()
             raise
+        return self.record_round(last, r)
+
+    def record_round(self, last: int, r) -> list[int]:
+        """A speculative round (ds4py.spec.Round) the live state ran from `last`: the tokens it fed and the
+        logits of the next step; returns its sampled tokens (the state holds all but the last)."""
         self.tokens += [last] + r.tokens[:-1]
         self._logits = np.asarray(r.logits)
         self.stats.decoded_tokens += r.stats.plain_steps
@@ -506,6 +511,10 @@ class Session:
         self.stats.spec_drafted += r.stats.drafted
         self.stats.spec_accepted += r.stats.accepted
         return list(r.tokens)
+
+    def unfeed(self, n: int) -> None:
+        """The answer stopped n tokens before the end of a speculative round: forget those fed tokens."""
+        self._unfeed(n)
 
     def _unfeed(self, n: int) -> None:
         """Generation stopped inside a round: forget the n fed tokens past the answer's last one (a rollback

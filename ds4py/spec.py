@@ -24,8 +24,12 @@ online (seed 000 §4.4); see its docstring.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import struct
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -93,6 +97,82 @@ class SpecState:
 
     def nbytes(self) -> int:
         return int(self.main.nbytes() + self.draft.nbytes() + self.h.nbytes + self.ids.nbytes)
+
+
+# ---- the paired state on disk ----------------------------------------------------------------------------
+PAIR_MAGIC = b"DS4PYSP\0"
+PAIR_VERSION = 1
+_PAIR_PREFIX = struct.Struct("<8sIIQ")          # magic, version, header length, total length
+_PAIR_TRAILER = struct.Struct("<I")             # CRC-32 of every byte before it
+
+
+def pair_fingerprint(main: str, mtp: str) -> str:
+    """The fingerprint of a main model with its MTP block (what a paired state and its disk checkpoints are
+    keyed by): a state of one pair never loads into another, nor into the main model alone."""
+    return hashlib.blake2b(f"ds4py spec pair v1\0{main}\0{mtp}".encode(), digest_size=20).hexdigest()
+
+
+def encode_pair(fingerprint: str, main: bytes, draft: bytes, h: np.ndarray, ids: np.ndarray) -> bytes:
+    """DS4PYSP v1: prefix (magic, version, header length, total length), JSON header {pair, sections[name,
+    offset, length], ring shape}, the main state blob, the MTP state blob (each a DS4PYKV blob with its own
+    fingerprint and checksum), the pending ring (h float32, ids int64), CRC-32 of everything before it."""
+    h = np.ascontiguousarray(h, np.float32)
+    ids = np.ascontiguousarray(ids, np.int64)
+    parts = [("main", bytes(main)), ("mtp", bytes(draft)), ("h", h.tobytes()), ("ids", ids.tobytes())]
+    sections, at = [], 0
+    for name, b in parts:
+        sections.append({"name": name, "offset": at, "length": len(b)})
+        at += len(b)
+    header = json.dumps({"pair": fingerprint, "sections": sections, "h_shape": list(h.shape)},
+                        separators=(",", ":")).encode()
+    total = _PAIR_PREFIX.size + len(header) + at + _PAIR_TRAILER.size
+    body = _PAIR_PREFIX.pack(PAIR_MAGIC, PAIR_VERSION, len(header), total) + header + b"".join(b for _, b in parts)
+    return body + _PAIR_TRAILER.pack(zlib.crc32(body))
+
+
+def decode_pair(data, fingerprint: str) -> tuple[bytes, bytes, np.ndarray, np.ndarray]:
+    """(main blob, MTP blob, h ring, ids ring) of a DS4PYSP blob saved by this pair; Ds4Error otherwise."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise Ds4Error(f"a saved state is bytes, got {type(data).__name__}")
+    view = memoryview(data).cast("B")
+    if len(view) < _PAIR_PREFIX.size + _PAIR_TRAILER.size:
+        raise Ds4Error(f"not a speculative (main + MTP) state: {len(view)} bytes is shorter than its header")
+    magic, version, hlen, total = _PAIR_PREFIX.unpack_from(view, 0)
+    if magic != PAIR_MAGIC:
+        what = "a state of the main model alone" if bytes(view[:8]) == b"DS4PYKV\0" else "not a ds4py state"
+        raise Ds4Error(f"this is {what}, not a speculative (main + MTP) state; open it without the MTP block")
+    if version != PAIR_VERSION:
+        raise Ds4Error(f"speculative state format version {version} is not supported (this ds4py reads {PAIR_VERSION})")
+    if total != len(view):
+        raise Ds4Error(f"the speculative state is {len(view)} bytes, its header says {total} (truncated or padded)")
+    (crc,) = _PAIR_TRAILER.unpack_from(view, len(view) - _PAIR_TRAILER.size)
+    if zlib.crc32(view[:len(view) - _PAIR_TRAILER.size]) != crc:
+        raise Ds4Error("the speculative state is corrupt (checksum mismatch)")
+    try:
+        header = json.loads(bytes(view[_PAIR_PREFIX.size:_PAIR_PREFIX.size + hlen]))
+        sec = {s["name"]: (int(s["offset"]), int(s["length"])) for s in header["sections"]}
+        h_shape = tuple(int(v) for v in header["h_shape"])
+        pair = header["pair"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise Ds4Error(f"the speculative state's header is unreadable ({type(e).__name__})") from None
+    if pair != fingerprint:
+        raise Ds4Error("this speculative state was saved with another main model or MTP block (the pair's "
+                       "fingerprint differs); it cannot be loaded here")
+    base = _PAIR_PREFIX.size + hlen
+    end = len(view) - _PAIR_TRAILER.size
+
+    def piece(name: str) -> memoryview:
+        if name not in sec or sec[name][0] < 0 or base + sum(sec[name]) > end:
+            raise Ds4Error(f"the speculative state's {name} section is missing or out of bounds")
+        o, n = sec[name]
+        return view[base + o: base + o + n]
+
+    hb, ib = piece("h"), piece("ids")
+    if len(hb) != 4 * int(np.prod(h_shape)) or len(ib) != 8 * h_shape[0]:
+        raise Ds4Error("the speculative state's pending ring does not match its declared shape")
+    h = np.frombuffer(hb, np.float32).reshape(h_shape).copy()
+    ids = np.frombuffer(ib, np.int64).copy()
+    return bytes(piece("main")), bytes(piece("mtp")), h, ids
 
 
 # ---- acceptance -------------------------------------------------------------------------------------------
@@ -340,12 +420,26 @@ class Round:
     stats: SpecStats = field(default_factory=SpecStats)
 
 
+@dataclass
+class Draft:
+    """A round between its draft and its verify (SpecRequest.draft / finish): the chunk to verify and what
+    acceptance needs."""
+    chunk: np.ndarray          # [token, d_1..d_k]
+    drafts: list[int]
+    qs: list[np.ndarray]       # the draft distributions d_i were drawn from
+    q1: np.ndarray             # the first position's draft distribution (calibration, also when k = 0)
+    n: int                     # main positions before the round
+    stats: SpecStats
+
+
 # ---- the model wrapper and a request's rounds -------------------------------------------------------------
 class SpecModel:
     """A main model with its MTP draft block, usable wherever a model is stepped (Session): `step` advances
     both (the MTP block consumes the main rows whose next token is known, lazily: see _pending), and
-    `new_request` gives the session a per-request round runner. save_state / load_state are not offered (no
-    disk cache uses them yet)."""
+    `new_request` gives the session a per-request round runner. save_state / load_state write and read the
+    paired state as one blob (`encode_pair`: the main and the MTP state blobs and the pending ring) under the
+    pair's `fingerprint` (main file + MTP file), so the disk KV cache (`--kv-disk-dir`) works with speculation;
+    a blob of another pair, or of the main model alone, is refused in one sentence."""
 
     def __init__(self, model, mtp, fixed_k: int | None = None):
         if fixed_k is not None and (isinstance(fixed_k, bool) or not isinstance(fixed_k, int) or fixed_k < 0):
@@ -356,7 +450,9 @@ class SpecModel:
                            "step_hidden); use --no-spec")
         self.model, self.mtp = model, mtp
         self.config, self.backend, self.numerics = model.config, model.backend, model.numerics
-        self.path, self.fingerprint, self.layout = model.path, model.fingerprint, model.layout
+        self.path, self.layout = model.path, model.layout
+        self.base_fingerprint = model.fingerprint
+        self.fingerprint = pair_fingerprint(model.fingerprint, getattr(mtp, "fingerprint", ""))
         self.rollback_horizon = R = model.rollback_horizon
         # verify rows k + 1 row-stable and within the rollback horizon; the MTP chain (k − 1 rows) within its own
         self.k_max = max(0, min(R, getattr(model, "stable_rows", R + 1) - 1, mtp.rollback_horizon + 1))
@@ -370,6 +466,27 @@ class SpecModel:
 
     def weight_bytes_per_token(self) -> int:
         return self.model.weight_bytes_per_token()
+
+    def save_state(self, state: SpecState) -> bytes:
+        """The paired state as one blob (format: encode_pair)."""
+        self._check([state])
+        if not callable(getattr(self.mtp, "save_state", None)):
+            raise Ds4Error("this MTP draft block cannot save its state")
+        return encode_pair(self.fingerprint, self.model.save_state(state.main), self.mtp.save_state(state.draft),
+                           state.h, state.ids)
+
+    def load_state(self, data) -> SpecState:
+        main, draft, h, ids = decode_pair(data, self.fingerprint)
+        m = self.model.load_state(main)                 # each blob checks its own model, numerics and layout
+        d = self.mtp.load_state(draft)
+        cfg = self.config
+        if h.shape != (self.capacity, cfg.hc_mult, cfg.dim) or ids.shape != (self.capacity,):
+            raise Ds4Error(f"this speculative state holds a pending ring of {list(h.shape)}, this pair needs "
+                           f"{[self.capacity, cfg.hc_mult, cfg.dim]}")
+        if not (d.n_tokens <= max(m.n_tokens - 1, 0) and m.n_tokens - d.n_tokens <= self.capacity):
+            raise Ds4Error(f"this speculative state is inconsistent: the MTP state holds {d.n_tokens} positions, "
+                           f"the main state {m.n_tokens}")
+        return SpecState(m, d, h, ids)
 
     def _check(self, states) -> list:
         if isinstance(states, (str, bytes)) or not isinstance(states, Sequence):
@@ -472,11 +589,27 @@ class SpecRequest:
 
     def round(self, state: SpecState, token: int, sampler: Sampler, remaining: int) -> Round:
         """Feed `token` and produce up to `remaining` tokens (at least one). See the module docstring."""
+        plan = self.draft(state, token, sampler, remaining)
+        if isinstance(plan, Round):
+            return plan
+        t0 = time.perf_counter()
+        (P,), (H,) = self.spec.model.step_hidden([state.main], [plan.chunk], all_logits=True)
+        self.scheduler.costs.observe_verify(len(plan.chunk), time.perf_counter() - t0)
+        return self.finish(state, plan, P, H, sampler)
+
+    def draft(self, state: SpecState, token: int, sampler: Sampler, remaining: int,
+              step_plain: bool = True) -> "Round | Draft | None":
+        """Phase 1 (draft) of a round: a Draft whose `chunk` ([token, d_1..d_k]) the caller verifies in one main
+        step (step_hidden, all logits) and hands to finish(); or, when the scheduler decodes plainly, the whole
+        round (a plain step, done here), or None with step_plain=False (the caller steps `token` itself, through
+        the SpecModel's step, and reports it with plain_step())."""
         sp, sched, cfg = self.spec, self.scheduler, self.spec.config
         st = SpecStats()
         n = state.n_tokens
         k_max = min(sp.k_max, remaining - 1, cfg.context_length - n - 1)
         if n < 1 or not sched.should_draft(k_max):
+            if not step_plain:
+                return None
             timing: dict = {}
             logits = sp.step([state], [[token]], timing=timing)[0]
             sched.costs.observe_plain(timing["total"])
@@ -509,18 +642,19 @@ class SpecRequest:
             lg, out = sp.mtp.step([state.draft], [out[0][-1:]], [[d]])
             sched.costs.observe_draft(False, time.perf_counter() - t0)
         state.draft.truncate(n)                   # keep the rows computed from the main model's h only
-        k = len(drafts)
+        return Draft(np.asarray([token] + drafts, np.int64), drafts, qs, q1, n, st)
 
-        # 2. verify k + 1 rows in one step
-        chunk = np.asarray([token] + drafts[:k], np.int64)
-        t0 = time.perf_counter()
-        (P,), (H,) = sp.model.step_hidden([state.main], [chunk], all_logits=True)
-        sched.costs.observe_verify(k + 1, time.perf_counter() - t0)
-        sp._store(state, n, chunk, H)
+    def finish(self, state: SpecState, plan: "Draft", P: np.ndarray, H: np.ndarray, sampler: Sampler) -> Round:
+        """Phases 3 and 4 of a round, after the verify step of plan.chunk gave its logits P and hidden states H:
+        accept the agreeing prefix, roll back the rejected rows."""
+        sp, sched, st = self.spec, self.scheduler, plan.stats
+        n, drafts, k = plan.n, plan.drafts, len(plan.drafts)
+        sp._store(state, n, plan.chunk, H)
         Pf = self._filtered(P)
         greedy = sampler.params.greedy
         p = [sampler.distribution(row) for row in (Pf[:1] if greedy else Pf)]
         # the first position's acceptance, known from row 0 even when it is not verified (k = 0): calibration
+        q1 = plan.q1
         first = float(np.argmax(p[0]) == np.argmax(q1)) if greedy else float(np.minimum(p[0], q1).sum())
         sched.record(first, float(q1.max()))
         if k == 0:
@@ -529,12 +663,18 @@ class SpecRequest:
 
         # 3. accept the agreeing prefix, 4. roll back the rejected rows
         if greedy:
-            a, nxt = accept_greedy(Pf, drafts[:k], sampler.sample)
+            a, nxt = accept_greedy(Pf, drafts, sampler.sample)
         else:
-            a, nxt, _ = accept_sampled(p, qs[:k], drafts[:k], sampler)
+            a, nxt, _ = accept_sampled(p, plan.qs, drafts, sampler)
         state.main.truncate(n + 1 + a)
         st.rounds, st.drafted, st.accepted, st.spec_tokens = 1, k, a, a + 1
         return self._done(Round(drafts[:a] + [nxt], P[a], st))
+
+    def plain_step(self, seconds: float) -> None:
+        """A plain step the caller ran (draft(..., step_plain=False) gave None) and how long it took."""
+        self.scheduler.costs.observe_plain(seconds)
+        self.scheduler.costs.observe_verify(1, seconds)
+        self._done(Round([], np.zeros(0, F32), SpecStats(plain_steps=1)))
 
     def _sample(self, logits: np.ndarray, sampler: Sampler) -> int:
         return sampler.sample(self._filtered(logits))

@@ -4,7 +4,8 @@ and backend selection, on the CPU emulator:
 - the synthetic weights read back and written as a GGUF run in the numpy reference to the same logits, so the
   generator's shapes, types and binding are the model's (the device check's 43-layer step is this code at V4
   Flash's sizes);
-- bench/cuda_decode.py --emu runs every mode (graph + PDL, graph, direct) and writes its JSON;
+- bench/cuda_decode.py --emu --rows runs every mode (graph + PDL, graph, direct) and the multi-row timings, and
+  writes its JSON;
 - open_model("cuda-emu" / "auto"): auto without a GPU opens the reference and says why in one line; the CLI's
   --backend choices are the model's; `score`, `run`, `serve` and `bench --backend cuda-emu` run through the CLI
   (run and serve: the reference's greedy text).
@@ -62,13 +63,16 @@ def test_synthetic_weights_are_a_model_the_reference_runs(tmp_path, experts):
 
 def test_the_decode_bench_runs_on_the_emulator(tmp_path):
     out = tmp_path / "cuda_decode.json"
-    r = subprocess.run([sys.executable, "bench/cuda_decode.py", "--emu", "--json", str(out)], cwd=REPO,
+    r = subprocess.run([sys.executable, "bench/cuda_decode.py", "--emu", "--rows", "--json", str(out)], cwd=REPO,
                        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert r.returncode == 0, r.stdout + r.stderr
     res = json.loads(out.read_text())
     assert set(res["modes"]) == {"graph+pdl", "graph", "direct"} and res["emulated"]
     for m in res["modes"].values():
         assert m["tokens_per_s"] > 0 and m["launches_per_step"] > 4 * res["layers"]
+    multi = res["multirow"]                  # --rows: the verify and batched-row timings (device_check.sh runs it)
+    assert [v["rows"] for v in multi["verify"]] == [2] and [b["B"] for b in multi["batched"]] == [1, 2]
+    assert "multi-row: verify 1 + 1 rows" in r.stdout and "emulator" in r.stdout
     print(r.stdout)
 
 
@@ -130,10 +134,14 @@ def test_bench_sweep_on_cuda_emu(golden, tmp_path):
     out = tmp_path / "bench.json"
     r = _cli("bench", "-m", str(golden / "ds4-tiny" / "tiny.gguf"), "--backend", "cuda-emu", "--prompt-file",
              str(prompt), "--ctx-start", "4", "--ctx-max", "4", "--step-incr", "4", "--gen-tokens", "2", "--repeat",
-             "1", "--bandwidth", "10", "--format", "json", "--out", str(out))
+             "1", "--bandwidth", "10", "--format", "json", "--out", str(out), "--verify-k", "1", "--batch-rows", "2")
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())
     info = res["info"]
+    multi = info["multirow"]                 # the verify / batched-row timings, labelled as the emulator's
+    assert multi["emulated"] and "emulator" in multi["label"] and "multi-row: verify 1 + 1 rows" in r.stderr
+    assert [v["rows"] for v in multi["verify"]] == [2] and multi["verify"][0]["vs_decode"] > 0
+    assert [b["B"] for b in multi["batched"]] == [2] and multi["batched"][0]["tokens_per_s"] > 0
     assert info["backend"] == "cuda-emu" and info["emulated"]
     assert info["launches_per_step"] == info["launches_body"] + info["launches_head"] > 4 * 4
     assert [row["gen_tokens"] for row in res["rows"]] == [2] and res["rows"][0]["gen_tps"] > 0

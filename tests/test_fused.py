@@ -220,3 +220,55 @@ def test_make_synthetic_cli_writes_a_loadable_file_and_refuses_bad_flags(tmp_pat
     assert main(["make-synthetic", str(bad), *small, "--compress-ratios", "0,x"]) == 2
     assert "--compress-ratios" in capsys.readouterr().err
     assert not bad.exists()
+
+
+def test_paging_hints_follow_the_layers_and_the_routed_experts_and_change_nothing(tiny_iq2, monkeypatch):
+    """With a memory budget the mapped file gets madvise hints: random for every routed-expert tensor, will-need
+    for the next layer's dense tensors and for exactly the routed experts' slices; the logits are bit-identical
+    to the same model without hints."""
+    import mmap
+
+    from ds4py.gguf import GGUFFile
+    from ds4py.ref import forward
+    from ds4py.ref.engine import RefModel
+
+    if not hasattr(mmap, "MADV_WILLNEED"):
+        pytest.skip("no madvise on this platform")
+    calls = []
+    real = GGUFFile.advise
+    monkeypatch.setattr(GGUFFile, "advise", lambda self, off, n, adv: calls.append((off, n, adv)) or real(self, off, n,
+                                                                                                          adv))
+    hinted = RefModel(tiny_iq2, kernels="fused", threads=1, mem_budget_mb=64)
+    plain = RefModel(tiny_iq2, kernels="fused", threads=1, mem_budget_mb=64, madvise=False)
+    f = hinted.gguf
+    exps = {t.offset: t for t in f.tensors.values() if "_exps" in t.name}
+    assert {off for off, _, adv in calls if adv == mmap.MADV_RANDOM} == set(exps) and len(calls) == len(exps)
+    calls.clear()
+    sh, sp = hinted.new_state(), plain.new_state()
+    hinted.prefill(sh, [1, 5, 9]), plain.prefill(sp, [1, 5, 9])
+    calls.clear()
+    picked = {}                                       # layer -> (its FFN weights, the experts the router picked)
+    real_route = forward.route
+
+    def spy(w, cfg, ro, Fw, x, ids, seg):
+        idx, wts = real_route(w, cfg, ro, Fw, x, ids, seg)
+        picked[ro.layer] = (Fw, set(int(e) for e in np.unique(idx)))
+        return idx, wts
+
+    monkeypatch.setattr(forward, "route", spy)
+    lh = hinted.decode(sh, 4)
+    monkeypatch.setattr(forward, "route", real_route)
+    lp = plain.decode(sp, 4)
+    np.testing.assert_array_equal(lh, lp)
+    need = [(off, n) for off, n, adv in calls if adv == mmap.MADV_WILLNEED]
+    want = set()
+    for Fw, experts in picked.values():
+        for t in (Fw.experts.gate, Fw.experts.up, Fw.experts.down):
+            per = t.nbytes // t.shape[0]
+            want |= {(t.offset + e * per, per) for e in experts}
+    expert_asks = {(off, n) for off, n in need if any(t.offset <= off < t.offset + t.nbytes for t in exps.values())}
+    assert expert_asks == want
+    dense = {(off, n) for off, n in need} - expert_asks
+    layer_dense = {(t.offset, t.nbytes) for t in f.tensors.values()
+                   if t.name.startswith("blk.") and "_exps" not in t.name}
+    assert dense == layer_dense                       # every layer's dense tensors, asked for one layer ahead

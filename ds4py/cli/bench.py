@@ -34,6 +34,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mtp", metavar="MTP.gguf", default=None,
                    help="the model's MTP draft block: also decode each probe speculatively (identity-checked) and "
                         "report acceptance, tokens per round and the speed-up over plain decoding (docs/spec.md)")
+    g.add_argument("--verify-k", default=None, metavar="K,K,...",
+                   help="multi-row steps (CUDA backends): the cost of a speculative verify of 1 + k rows against one "
+                        "decode step for these k (default 1,2,3,4,5 on cuda; off on cuda-emu unless given; 0 = off)")
+    g.add_argument("--batch-rows", default=None, metavar="B,B,...",
+                   help="multi-row steps (CUDA backends): aggregate decode tokens/s of B sequences stepped together "
+                        "(default 1,2,4,8,16 on cuda; off on cuda-emu unless given; 0 = off)")
     g.add_argument("--bandwidth", default=None,
                    help="GB/s for pct_of_roofline, or 'auto' to measure (host copy for ref, device copy for cuda)")
     g.add_argument("--format", choices=["csv", "md", "json"], default="md")
@@ -136,6 +142,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"decode step: {dev['launches_per_step']} launches ({dev['launches_body']} body + {dev['launches_head']} "
               f"head, {dev['launches_side_stream']} on the side stream); host time per replayed step "
               f"{dev['host_us_per_step']:.1f} us{note}", file=sys.stderr)
+    multi = _multirow(args, model, bench)
+    if multi is not None:
+        info["multirow"] = multi
     result = bench.SweepResult(rows, startup=startup, info=info)
     text = bench.format_rows(result, args.format)
     sys.stdout.write(text)
@@ -145,3 +154,38 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         bench.plot_rows(rows, args.plot, f"ds4py {args.backend}: {args.model_path}")
     return 0
+
+
+def _ints(text: str | None, what: str) -> tuple[int, ...]:
+    from ds4py.errors import Ds4Error
+
+    try:
+        vals = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise Ds4Error(f"{what} must be a comma-separated list of integers (got {text!r})") from None
+    if any(v < 0 or v > 16 for v in vals):
+        raise Ds4Error(f"{what} values must be between 0 and 16 (the multi-row step's rows), got {text!r}")
+    return tuple(v for v in vals if v > 0)
+
+
+def _multirow(args, model, bench):
+    """bench.multirow_stats on a CUDA backend (the GPU by default, the emulator when asked), printed and returned."""
+    if not hasattr(model, "_step_rows"):
+        if args.verify_k or args.batch_rows:
+            print(f"note: --verify-k / --batch-rows time the CUDA engine's multi-row steps; the {model.backend} "
+                  "backend has none, so they are skipped", file=sys.stderr)
+        return None
+    emulated = bool(getattr(model, "emulated", False))
+    ks = _ints(args.verify_k if args.verify_k is not None else ("" if emulated else "1,2,3,4,5"), "--verify-k")
+    bs = _ints(args.batch_rows if args.batch_rows is not None else ("" if emulated else "1,2,4,8,16"), "--batch-rows")
+    if any(k + 1 > 16 for k in ks):
+        from ds4py.errors import Ds4Error
+
+        raise Ds4Error("--verify-k: a verify of 1 + k rows must fit one multi-row step (k <= 15)")
+    if not ks and not bs:
+        return None
+    label = " (emulator: CPU time, not a GPU number)" if emulated else ""
+    res = bench.multirow_stats(model, ks, bs, reps=1 if emulated else 5,
+                               progress=lambda m: print(f"multi-row: {m}{label}", file=sys.stderr))
+    res["label"] = label.strip(" ()") or "device"
+    return res

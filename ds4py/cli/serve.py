@@ -110,7 +110,6 @@ def make_engine(model_path: str, backend: str, ctx: int, tool_memory, mtp: str |
                 sessions: int = 1, kv_disk_dir: str | None = None, kv_disk_space_mb: float = DEFAULT_KV_DISK_MB,
                 **model_options):
     from ds4py.chat import chat_format
-    from ds4py.errors import Ds4Error
     from ds4py.kvcache import DiskCache
     from ds4py.model import open_model
     from ds4py.server.pool import SessionPool
@@ -119,22 +118,17 @@ def make_engine(model_path: str, backend: str, ctx: int, tool_memory, mtp: str |
     from ds4py.spec import speculative
     from ds4py.tokenizer import Tokenizer
 
-    if sessions > 1 and mtp is not None:
-        raise Ds4Error("--mtp (speculative decoding) serves one request at a time: use it without --sessions, "
-                       "or drop it")
     base = open_model(model_path, backend=backend, **model_options)   # engram_dir= / sidecar= / posttrain=
-    model = speculative(base, mtp, enabled=spec) if sessions <= 1 else base
-    if kv_disk_dir and model is not base:
-        raise Ds4Error("--kv-disk-dir cannot save a speculative (main + MTP) state yet: add --no-spec, or drop "
-                       "--kv-disk-dir")
+    model = speculative(base, mtp, enabled=spec)     # with --sessions N: rounds of several sessions, one verify step
+    # a speculative model saves the paired main + MTP state (spec.encode_pair) under the pair's fingerprint
     tok = Tokenizer.from_gguf(getattr(base, "gguf", model_path))
     model_ctx = int(getattr(model.config, "context_length", 0) or 0)
     ctx = min(ctx, model_ctx) if model_ctx else ctx
     disk = DiskCache(kv_disk_dir, kv_disk_space_mb, model) if kv_disk_dir else None
     fmt = chat_format(getattr(model.config, "variant", "v4"))       # the V4 or V4.1 chat format
     fmt_args = dict(encode_prompt=fmt.encode_prompt, parser_factory=fmt.parser, native_mid_system=fmt.name == "v41")
-    if sessions > 1:         # batched steps of several sequences; speculation runs one request at a time
-        return Engine(SessionPool(base, tok, sessions, ctx, disk=disk), tok, tool_memory=tool_memory, **fmt_args)
+    if sessions > 1:         # batched steps of several sequences (speculative rounds verified together)
+        return Engine(SessionPool(model, tok, sessions, ctx, disk=disk), tok, tool_memory=tool_memory, **fmt_args)
     # prefill in chunks of about a quarter second: a client that goes away mid-prompt frees the engine soon
     session = Session(model, tok, ctx_size=ctx, prefill_chunk=PrefillPacer(), disk=disk)
     return Engine(session, tok, tool_memory=tool_memory, **fmt_args)

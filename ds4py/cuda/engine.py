@@ -178,6 +178,7 @@ class CudaModel(ModelBase):
 
     backend = "cuda"
     state_type = CudaState
+    stable_rows = multirow.MAX_ROWS     # a verify of 1 + k <= 16 rows is one multi-row step (spec: k <= 15)
 
     def __init__(self, path: str, numerics: Numerics | None = None,
                  rollback_horizon: int = DEFAULT_ROLLBACK_HORIZON, runtime: Any = None, emulate: bool = False,
@@ -293,9 +294,10 @@ class CudaModel(ModelBase):
 
     def _step(self, states: list[CudaState], chunks: list[np.ndarray], all_logits: bool) -> list[np.ndarray]:
         self.store.reclaim()
-        if self.multirow and 2 <= sum(len(c) for c in chunks) <= multirow.MAX_ROWS \
-                and all(len(c) <= self.rollback_horizon + 1 for c in chunks):
+        if self._takes_rows(chunks):
             return self._step_rows(states, chunks, all_logits)
+        if self._splits(chunks):
+            return self._step_split(states, chunks, all_logits)
         out = []
         for st, ids in zip(states, chunks):
             n0, T = st.n_tokens, len(ids)
@@ -333,6 +335,94 @@ class CudaModel(ModelBase):
             out.append(logits[at:at + T].copy() if all_logits else logits[at + T - 1].copy())
             at += T
         return out
+
+    # ---- speculative decoding: the final hyper-connection states (the MTP block's input, ds4py/cuda/mtp.py) ------
+    def _step_hidden(self, states: list[CudaState], chunks: list[np.ndarray],
+                     all_logits: bool) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """step, and each row's final residual X [hc, D] (the head's input h_j). A step the multi-row path takes
+        (a verify of 1 + k rows, batched decode rows) reads them from its workspace; otherwise (a prompt) the
+        states are stepped position by position through the decode graph, each position's X read back."""
+        self.store.reclaim()
+        if not self._takes_rows(chunks) and self._splits(chunks):
+            return self._step_split(states, chunks, all_logits, hidden=True)
+        if self._takes_rows(chunks):
+            logits = self._step_rows(states, chunks, all_logits)
+            X = self.rows_ws.X0 if self.config.n_layers % 2 == 0 else self.rows_ws.X1
+            hc, D = self.config.hc_mult, self.config.dim
+            H = X.view(0, (sum(len(c) for c in chunks), hc, D)).download()
+            at, hidden = 0, []
+            for c in chunks:
+                hidden.append(H[at:at + len(c)].copy())
+                at += len(c)
+            return logits, hidden
+        logits, hidden = [], []
+        for st, ids in zip(states, chunks):
+            lg, h = self._positions_hidden(st, ids, all_logits)
+            logits.append(lg)
+            hidden.append(h)
+        return logits, hidden
+
+    def _takes_rows(self, chunks: list[np.ndarray]) -> bool:
+        """Whether a step of these chunks runs as one multi-row step (cuda/rows.py)."""
+        return self.multirow and 2 <= sum(len(c) for c in chunks) <= multirow.MAX_ROWS \
+            and all(len(c) <= self.rollback_horizon + 1 for c in chunks)
+
+    def _splits(self, chunks: list[np.ndarray]) -> bool:
+        """A step of several sequences that is not one multi-row step as a whole (a prompt chunk beside decode
+        rows, or more than MAX_ROWS rows): its short chunks still go through multi-row steps (_step_split)."""
+        if not self.multirow or len(chunks) < 2:
+            return False
+        return sum(len(c) for c in chunks if len(c) <= self._short_rows()) >= 2
+
+    def _short_rows(self) -> int:
+        return min(self.rollback_horizon + 1, multirow.MAX_ROWS)
+
+    def _step_split(self, states: list[CudaState], chunks: list[np.ndarray], all_logits: bool,
+                    hidden: bool = False) -> Any:
+        """Short chunks (decode rows, verifies) packed in order into multi-row steps of at most MAX_ROWS rows;
+        each long chunk (a prompt) stepped on its own. Sequences are independent, so the grouping changes no
+        row's bits (each row is bit-identical to its single-row step). hidden: step_hidden's (logits, hidden)."""
+        step = self._step_hidden if hidden else self._step
+        out: list[Any] = [None] * len(states)
+        group: list[int] = []
+
+        def put(idx: list[int], got: Any) -> None:
+            for j, i in enumerate(idx):
+                out[i] = (got[0][j], got[1][j]) if hidden else got[j]
+
+        def flush() -> None:
+            if group:
+                put(group, step([states[i] for i in group], [chunks[i] for i in group], all_logits))
+                group.clear()
+
+        for i, c in enumerate(chunks):
+            if len(c) > self._short_rows():
+                put([i], step([states[i]], [c], all_logits))
+                continue
+            if sum(len(chunks[j]) for j in group) + len(c) > multirow.MAX_ROWS:
+                flush()
+            group.append(i)
+        flush()
+        return ([o[0] for o in out], [o[1] for o in out]) if hidden else out
+
+    def _positions_hidden(self, st: CudaState, ids: np.ndarray, all_logits: bool) -> tuple[np.ndarray, np.ndarray]:
+        """One state's chunk position by position (the decode graph), with every position's final residual."""
+        n0, T = st.n_tokens, len(ids)
+        body = self._body(st, n0 + T - 1)
+        head = self._head(None)
+        body = self._body(st, n0 + T - 1)
+        X = decode.final_residual(self._context())
+        st.begin_step(T)
+        rows, hidden = [], np.empty((T, self.config.hc_mult, self.config.dim), np.float32)
+        for i, tok in enumerate(ids):
+            st.device_hw = max(st.device_hw, n0 + i + 1)
+            body.run([n0 + i, int(tok)])
+            hidden[i] = X.download().reshape(hidden.shape[1:])
+            if all_logits or i == T - 1:
+                head.run(())
+                rows.append(self.ws.logits.download())
+        st.end_step(T)
+        return (np.stack(rows) if all_logits else rows[-1]), hidden
 
     def _row_bucket(self, st: CudaState, pos: int) -> int:
         """The context bucket a single-row step of `st` at `pos` runs in (its attention plan): a row keeps it."""

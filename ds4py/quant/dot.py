@@ -184,9 +184,10 @@ class _Q8_0:
         return _finish(_partials(S, X, scr), d)
 
 
-# IQ2_XXS: (grid index, sign pattern) -> the 8 signed magnitudes as int8, one 64-bit table entry per pair
-_IQ2_TABLE = (iq2.GRID.astype(np.int8)[:, None, :] * iq2.SIGNS.astype(np.int8)[None, :, :]).reshape(-1, 8)
-_IQ2_TABLE = np.ascontiguousarray(_IQ2_TABLE).view(np.int64).reshape(-1)        # [256 * 128]
+# IQ2_XXS: (grid index, sign pattern) -> the 8 signed magnitudes as float32, one 32-byte table row per pair
+# (1 MiB): one gather writes a block's weights straight into the scratch, no int8 pass between
+_IQ2_FTABLE = (iq2.GRID.astype(F32)[:, None, :] * iq2.SIGNS.astype(F32)[None, :, :]).reshape(-1, 8)
+_IQ2_FTABLE = np.ascontiguousarray(_IQ2_FTABLE)                                  # [256 * 128, 8]
 _IQ2_GROUP_SCALE = ((np.arange(16) + F32(0.5)) * F32(0.25)).astype(F32)
 
 
@@ -229,13 +230,11 @@ class _IQ2_XXS:
         _spread(s, t, _SEVENS_TO_LANES)
         np.bitwise_and(s, U64(0x007F007F007F007F), out=s)
         np.bitwise_or(g, s, out=g)
-        idx = scr.get("idx", (R, nb, 8, 4), np.intp)
-        np.copyto(idx, g.view(np.uint16).reshape(R, nb, 8, 4), casting="unsafe")
-        codes = scr.get("codes", (R, nb, 8, 4), np.int64)
-        np.take(_IQ2_TABLE, idx, out=codes, mode="clip")     # in range by construction
-        S = scr.get("S", (R, nb * 8, 32), F32)
-        np.copyto(S, codes.view(np.int8).reshape(R, nb * 8, 32), casting="unsafe")
-        P = _partials(S, X, scr)
+        idx = scr.get("idx", (R, nb * 8, 4), np.intp)
+        np.copyto(idx, g.view(np.uint16).reshape(R, nb * 8, 4), casting="unsafe")
+        S = scr.get("S", (R, nb * 8, 4, 8), F32)
+        np.take(_IQ2_FTABLE, idx, axis=0, out=S, mode="clip")     # in range by construction; 32-byte rows
+        P = _partials(S.reshape(R, nb * 8, 32), X, scr)
         d = f16_scales(raw.view(np.uint16).reshape(R, nb, 33)[:, :, 0].T, scr, "d", finite)       # [nb, R]
         ls = scr.get("ls", (nb, 8, R), np.intp)
         np.right_shift(aux[:, :, :, 1].transpose(1, 2, 0), np.uint32(28), out=ls, casting="unsafe")
@@ -369,20 +368,23 @@ KERNELS = {Q.F32: _F32, Q.F16: _F16, Q.BF16: _BF16, Q.Q8_0: _Q8_0, Q.Q4_K: _Q4_K
            Q.IQ2_XXS: _IQ2_XXS, Q.MXFP4: _MXFP4}
 
 
+_BY_INT = {int(q): k for q, k in KERNELS.items()}      # int keys: an enum construction per call costs ~2 us
+
+
 def supported(qtype) -> bool:
-    return Q(int(qtype)) in KERNELS
+    return int(qtype) in _BY_INT
 
 
 def prepare(qtype, x: np.ndarray):
     """The activation-side arrays of format `qtype` for x [T, cols] (float32), shared by every row block."""
-    return KERNELS[Q(int(qtype))].prepare(np.ascontiguousarray(x, dtype=F32))
+    return _BY_INT[int(qtype)].prepare(np.ascontiguousarray(x, dtype=F32))
 
 
 def dot_rows(qtype, raw: np.ndarray, prep, scr: Scratch, finite: bool = False) -> np.ndarray:
     """x @ W[rows].T for a block of rows of a stored matrix: raw uint8 [R, row_nbytes] -> float32 [T, R].
     finite=True skips the per-block inf / NaN check of the f16 scales (or F16 weights): for rows whose
     `scales_finite` the caller has established."""
-    return KERNELS[Q(int(qtype))].rows(raw, prep, scr, finite)
+    return _BY_INT[int(qtype)].rows(raw, prep, scr, finite)
 
 
 # where each format keeps its f16 scale bit patterns: (uint16 words per block, the scale words in a block)

@@ -45,12 +45,14 @@ class RefModel(ModelBase):
                  rollback_horizon: int = DEFAULT_ROLLBACK_HORIZON, cache_bytes: int | None = None,
                  sidecar=None, posttrain=None, engram_dir: str | None = None,
                  official_decode_bug: bool = False, kernels: str | None = None, threads: int | None = None,
-                 mem_budget_mb: float | None = None):
+                 mem_budget_mb: float | None = None, madvise: bool | None = None):
         """engram_dir: V4.1 only, the folder with the official shards that hold the Engram tables (default: the
         one the converter recorded). official_decode_bug: V4.1 only, reproduce the official code's decode-time
         index-key bug instead of the fixed behaviour (for comparison; docs/v41.md). kernels: "dequant" (the
         oracle) or "fused" (default: $DS4PY_KERNELS, else dequant), threads: the fused kernels' workers,
-        mem_budget_mb: bounds the dequant cache and streamed chunks (memory_plan)."""
+        mem_budget_mb: bounds the dequant cache and streamed chunks (memory_plan); madvise: paging hints on the
+        mapped file (random for the routed experts, will-need one layer ahead and for the routed experts;
+        default: $DS4PY_MADVISE=1 / 0 if set, else on exactly when a memory budget is given)."""
         numerics = Numerics() if numerics is None else numerics
         if not isinstance(numerics, Numerics):
             raise Ds4Error(f"numerics must be a ds4py.model.Numerics, got {type(numerics).__name__}")
@@ -61,7 +63,11 @@ class RefModel(ModelBase):
         kernels = os.environ.get("DS4PY_KERNELS", "dequant") if kernels is None else kernels
         cache_bytes, stream_bytes = memory_plan(cache_bytes, mem_budget_mb)
         self.mem_budget_mb = mem_budget_mb
-        self.weights = Weights(self.gguf, cache_bytes, numerics.act_quant, kernels, threads, stream_bytes)
+        if madvise is None:
+            env = os.environ.get("DS4PY_MADVISE")
+            madvise = env == "1" if env in ("0", "1") else mem_budget_mb is not None
+        self.weights = Weights(self.gguf, cache_bytes, numerics.act_quant, kernels, threads, stream_bytes,
+                               advise=bool(madvise))
         self.layout = state_layout(self.config, rollback_horizon)
         self.rollback_horizon = rollback_horizon
         header = min(t.offset for t in self.gguf.tensors.values())       # the whole GGUF header

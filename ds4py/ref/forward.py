@@ -381,6 +381,7 @@ def moe(w, cfg, ro: LayerRoles, Fw: FfnWeights, x: np.ndarray, ids: np.ndarray, 
     clamp = cfg.swiglu_clamp[ro.layer]
     seg = [s.rows for s in seqs]
     idx, wts = route(w, cfg, ro, Fw, x, ids, seg)
+    w.will_need_experts((Fw.experts.gate, Fw.experts.up, Fw.experts.down), np.unique(idx))   # paging hint
     if trace is not None:
         trace.experts[ro.layer], trace.expert_weights[ro.layer] = idx, wts
     S, E = Fw.shared, Fw.experts
@@ -477,6 +478,7 @@ def _forward(w, B: ModelWeights, cfg, nx: Numerics, states: list[RefState], chun
                            [s.rows for s in seqs])
             if trace is not None:
                 trace.engram_out[il] = X
+        w.entering_layer(il)                                  # paging hint (the memory-budget mode)
         X = block(w, cfg, nx, ro, L, X, ids, pos, seqs, trace, lag, publishers)
         if trace is not None:
             trace.hc.append(X)

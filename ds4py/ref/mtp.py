@@ -23,7 +23,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ds4py import schema
+from ds4py import kv, schema
 from ds4py.errors import ContextLengthError, Ds4Error, GGUFError
 from ds4py.fingerprint import file_fingerprint
 from ds4py.gguf import GGUFFile
@@ -173,6 +173,17 @@ class RefMtp:
             res.append(lg[at:at + n] if all_logits else (lg[at] if n else None))
             at += n
         return res, out
+
+    def save_state(self, state: RefState) -> bytes:
+        """The MTP state as a DS4PYKV blob under the MTP file's fingerprint (SpecModel pairs it with the main one)."""
+        if not isinstance(state, RefState) or state.layout != self.layout:
+            raise Ds4Error("save_state needs a state from this MTP block's new_state()")
+        return kv.encode_state(self.fingerprint, self.numerics.to_dict(), self.layout, state.n_tokens,
+                               state.n_written, state.export(), self.backend)
+
+    def load_state(self, data: bytes) -> RefState:
+        n_tokens, n_written, arrays = kv.decode_state(data, self.fingerprint, self.numerics.to_dict(), self.layout)
+        return RefState.from_parts(self.layout, n_tokens, n_written, arrays)
 
     def weight_bytes_per_token(self) -> int:
         """Bytes one draft row reads: the MTP block (n_experts_used of n_experts routed experts), the main

@@ -52,7 +52,8 @@ class Weights:
     (ds4py.schema.bind over GGUFFile.tensor: a TensorInfo), never a name assembled in the math."""
 
     def __init__(self, gguf, cache_bytes: int = DEFAULT_CACHE_BYTES, act_quant: bool = False,
-                 kernels: str = "dequant", threads: int | None = None, stream_bytes: int | None = None):
+                 kernels: str = "dequant", threads: int | None = None, stream_bytes: int | None = None,
+                 advise: bool = False):
         if kernels not in KERNELS:
             raise Ds4Error(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
         self.f = gguf
@@ -66,6 +67,52 @@ class Weights:
         self.vq = VQExperts(gguf)          # decodes VQ-8 experts; its row gains can be rescaled at load
         self.runner = Runner(threads) if kernels == "fused" else None
         self._finite: dict = {}            # matrix or (matrix, expert) -> its f16 scales hold no inf / NaN
+        self._layer_spans: dict[int, list[tuple[int, int]]] | None = self._advise_init() if advise else None
+
+    # ---- paging hints (the memory-budget mode) ------------------------------------------------------------
+    def _advise_init(self) -> dict[int, list[tuple[int, int]]] | None:
+        """MADV_RANDOM on the routed-expert tensors (a token reads 6 of 256 experts: readahead around a fault
+        would fetch the neighbours' bytes); each layer's other tensors as (offset, nbytes) spans for
+        MADV_WILLNEED one layer ahead. None where the platform has no madvise."""
+        import mmap
+
+        if not hasattr(mmap, "MADV_WILLNEED"):
+            return None
+        spans: dict[int, list[tuple[int, int]]] = {}
+        for name, t in self.f.tensors.items():
+            parts = name.split(".")
+            if parts[0] != "blk" or not parts[1].isdigit():
+                continue
+            if "_exps" in name:
+                if not self.f.advise(t.offset, t.nbytes, mmap.MADV_RANDOM):
+                    return None
+            else:
+                spans.setdefault(int(parts[1]), []).append((t.offset, t.nbytes))
+        return spans
+
+    def entering_layer(self, il: int) -> None:
+        """A forward step is about to run layer il: ask the kernel to read layer il + 1's dense tensors in the
+        background (and layer il's when it is the first), so the page faults of the next layer overlap this
+        one's compute. A no-op unless paging hints are on."""
+        if self._layer_spans is None:
+            return
+        import mmap
+
+        for j in ((0, 1) if il == 0 else (il + 1,)):
+            for off, n in self._layer_spans.get(j, ()):
+                self.f.advise(off, n, mmap.MADV_WILLNEED)
+
+    def will_need_experts(self, tensors, experts) -> None:
+        """The router picked `experts`: ask for their slices of the stacked expert tensors at once, so the reads
+        of the later ones overlap the products of the first. A no-op unless paging hints are on."""
+        if self._layer_spans is None:
+            return
+        import mmap
+
+        for t in tensors:
+            per = t.nbytes // t.shape[0]
+            for e in experts:
+                self.f.advise(t.offset + int(e) * per, per, mmap.MADV_WILLNEED)
 
     # ---- cache -------------------------------------------------------------------------------------------
     def _get_cached(self, key: tuple, make) -> np.ndarray:
@@ -127,7 +174,8 @@ class Weights:
 
     def _fused(self, t: TensorInfo, raw: np.ndarray, x: np.ndarray, key, seg: list[slice] | None = None) -> np.ndarray:
         """x @ W.T from W's stored rows `raw` (uint8 [rows, row_nbytes]) through the fused kernels; `key` names
-        the rows (the tensor, or one expert of it) for the once-only inf / NaN check of their f16 scales.
+        the rows (the tensor, or one group of it) for the once-only inf / NaN check of their f16 scales (None:
+        checked block by block).
         Row by row in row-stable mode, else per sequence (seg), like every other product over token rows."""
         raw = np.asarray(raw)
         return per_row(lambda r: self._fused_rows(t, raw, r, key), x, seg)
@@ -135,7 +183,9 @@ class Weights:
     def _fused_rows(self, t: TensorInfo, raw: np.ndarray, x: np.ndarray, key) -> np.ndarray:
         if t.qtype == Q.F32:                                 # nothing to decode: BLAS on the mapped rows
             return np.ascontiguousarray(x, dtype=F32) @ raw.view(F32).T
-        finite = self._finite.get(key)
+        # key None (a routed expert: a new one nearly every token): each block checks its own scales, cheaper
+        # than a pass over the whole expert before the product reads it
+        finite = False if key is None else self._finite.get(key)
         if finite is None:
             finite = self._finite[key] = dot.scales_finite(t.qtype, raw)
         if t.qtype == Q.F16 and not finite:                  # inf / NaN weights: numpy's exact cast
@@ -186,5 +236,5 @@ class Weights:
                 hi = self.f.tensor(vq_hi_name(t.name)).raw_bytes()[e] if lay.header.bits == 13 else None
                 return per_row(lambda r: self.runner.vq_matmul(t.raw_bytes()[e], hi, self.vq.gains(t.name, e), lay, r),
                                x, seg)
-            return self._fused(t, t.raw_bytes()[e], x, (t.name, int(e)), seg)
+            return self._fused(t, t.raw_bytes()[e], x, None, seg)
         return mm(x, self.expert(t, e).T, seg)

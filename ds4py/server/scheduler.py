@@ -8,6 +8,14 @@ One loop on the engine thread. Each turn it
 3. runs it as one batched model step (ModelRunner) and turns each sequence's logits into its next token
    (each request has its own sampler: a seeded request does not depend on its neighbours).
 
+With speculative decoding (the pool's model is a ds4py.spec.SpecModel) a generating request runs a round
+instead of a decode row: its drafts are made first (SpecRequest.draft: its own MTP steps, its own scheduler
+choosing k), then every drafting request's 1 + k rows are verified in one main step (ModelRunner.verify), and
+each round is accepted and rolled back on its own (SpecRequest.finish); requests that decode plainly this
+step (k = 0 chosen before drafting) and prompt chunks go through the batched step as before. A round's tokens
+are pushed one by one: an answer that ends inside a round un-feeds the rest (exact rollback). Greedy tokens
+are plain decoding's for every k and every neighbour (row stability and batch invariance).
+
 So a long prompt never stalls the active streams: they get a token every step, and a step holds at most one
 prefill chunk's worth of prompt. A prompt's chunks end at fixed multiples of the chunk (and at the
 session's split points: the snapshot before its last token, disk checkpoints), never where the load happened to
@@ -18,7 +26,9 @@ invariance): a request's tokens at temperature 0 are the same whether it ran alo
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
+from typing import Any
 
 from ds4py.sampling import InvalidLogits
 from ds4py.session import Completion, Session
@@ -38,6 +48,7 @@ class _Request:
     prompt: list[int]
     out: JobOutput
     comp: Completion
+    spec: Any = None           # its ds4py.spec.SpecRequest when the model decodes speculatively
 
 
 class Scheduler:
@@ -94,7 +105,9 @@ class Scheduler:
         engine.report_reuse(prompt, cached, session.last_source, histories)
         job.emit(Started(len(prompt), cached))
         comp = Completion(engine.tokenizer, engine.sampling_params(job.req), len(prompt), cached, session.ctx_size)
-        r = _Request(job, slot, session, prompt, JobOutput(engine, job), comp)
+        new_request = getattr(self.pool.model, "new_request", None)
+        spec = new_request(comp.sampler.params) if new_request is not None else None
+        r = _Request(job, slot, session, prompt, JobOutput(engine, job), comp, spec)
         self.running.append(r)
         self.engine.metrics.running = len(self.running)
         if session.ready:                         # the whole prompt was cached with its logits
@@ -109,9 +122,19 @@ class Scheduler:
     def _step(self) -> None:
         rows: list[tuple[_Request, list[int], bool]] = []        # (request, chunk, is a decode row)
         budget = self.prefill_chunk
-        for r in self.running:
-            if r.session.ready:
-                rows.append((r, [r.comp.last], True))
+        verify: list[tuple[_Request, Any]] = []                   # (request, its round's Draft)
+        try:
+            for r in self.running:
+                if r.session.ready:
+                    plan = None if r.spec is None else r.spec.draft(
+                        r.session.state, r.comp.last, r.comp.sampler, r.comp.limit - r.comp.n, step_plain=False)
+                    if plan is None:
+                        rows.append((r, [r.comp.last], True))
+                    else:
+                        verify.append((r, plan))
+        except Exception as e:  # an MTP step failed: its state may be half-advanced
+            self._fail([r for r in self.running if r.session.ready], e)
+            return
         for r in self.running:
             if not r.session.ready:
                 ids = r.session.next_chunk(r.prompt, self.prefill_chunk, aligned=True)
@@ -122,18 +145,52 @@ class Scheduler:
                 rows.append((r, ids, False))
                 budget -= len(ids)
         try:
-            logits = self.runner.step([r.session.state for r, _, _ in rows], [ids for _, ids, _ in rows])
+            t0 = time.perf_counter()
+            logits = self.runner.step([r.session.state for r, _, _ in rows], [ids for _, ids, _ in rows]) \
+                if rows else []
+            seconds = time.perf_counter() - t0
+            if verify:
+                t0 = time.perf_counter()
+                P, H = self.runner.verify([r.session.state for r, _ in verify], [p.chunk for _, p in verify])
+                verify_s = time.perf_counter() - t0
         except Exception as e:  # every state of the step may be half-advanced: none is reused
-            log.exception("a model step failed")
-            for r, _, _ in rows:
-                r.session.drop_live()
-                self._finish(r, None, error=f"generation failed: {type(e).__name__}: {e}")
+            self._fail([r for r, _, _ in rows] + [r for r, _ in verify], e)
             return
         for (r, ids, decoded), lg in zip(rows, logits):
             r.session.advance(ids, lg, decoded=decoded)
+            if decoded and r.spec is not None:
+                r.spec.plain_step(seconds)
         for r, _, _ in rows:
             if r in self.running and r.session.ready:     # (a broken model's logits finish them all)
                 self._sample(r)
+        for (r, plan), p, h in zip(verify, P if verify else [], H if verify else []):
+            if r in self.running:
+                self._accept(r, plan, p, h, verify_s)
+
+    def _fail(self, requests: list[_Request], e: Exception) -> None:
+        log.exception("a model step failed")
+        for r in requests:
+            r.session.drop_live()
+            self._finish(r, None, error=f"generation failed: {type(e).__name__}: {e}")
+
+    def _accept(self, r: _Request, plan, P, H, seconds: float) -> None:
+        """A speculative round's verify rows came back: accept, roll back, push its tokens (an answer that ends
+        inside the round un-feeds the rest)."""
+        try:
+            r.spec.scheduler.costs.observe_verify(len(plan.chunk), seconds)
+            rnd = r.spec.finish(r.session.state, plan, P, H, r.comp.sampler)
+        except InvalidLogits as e:
+            self.engine.set_broken(e)
+            for other in list(self.running):
+                self._finish(other, None, error=self.engine.broken)
+            return
+        tokens = r.session.record_round(r.comp.last, rnd)
+        for i, t in enumerate(tokens):
+            r.out.token(r.comp.push(t))
+            if r.comp.done is not None:
+                r.session.unfeed(len(tokens) - 1 - i)
+                self._finish(r, r.comp.done)
+                return
 
     def _sample(self, r: _Request) -> None:
         try:
@@ -152,6 +209,11 @@ class Scheduler:
             return
         self.running.remove(r)
         self.pool.release(r.slot)
+        if r.spec is not None:                   # speculation's share of the request: /metrics
+            st = r.spec.stats
+            self.engine.metrics.add(spec_rounds=st.rounds, spec_drafted=st.drafted, spec_accepted=st.accepted,
+                                    spec_tokens=st.spec_tokens, spec_plain_steps=st.plain_steps)
+            log.info("request done (%s tokens); %s", r.comp.n, st.summary())
         self.engine.metrics.running = len(self.running)      # before its Done goes out
         if error is not None:
             r.job.emit(Done("error", len(r.prompt), error=error))

@@ -1,0 +1,276 @@
+"""The MTP draft block on the CUDA engine (MODEL.md §2.5; ds4py/ref/mtp.py is the same math on the host).
+
+    mtp = CudaMtp(model, "model-mtp.gguf")          # model: a CudaModel; CudaMtp(model) when its GGUF holds mtp.0.*
+    ds = mtp.new_state()                            # a CudaState of kv.state_layout(cfg.mtp_block()): one window ring
+    logits, out = mtp.step([ds], [H], [next_ids], all_logits=True)     # RefMtp's interface
+
+A step is the multi-row launch sequence of ds4py/cuda/rows.py for the block's one layer (the same attention and
+MoE recordings, against the MTP state), with the block's prologue and head:
+
+    X   = e_proj(RMSNorm(embed(next_id); enorm)) in every hc copy  +  h_proj(RMSNorm(h_j; hnorm)) per copy
+    X'  = the block (ratio 0: window only, base-theta RoPE, score-routed)
+    lg  = head(RMSNorm(hc_head(X'; mtp hc_head_*); mtp norm))        # the main model's embedding and head
+
+The prologue is two GEMV passes over the R * hc copy rows (the embedding written hc times by the embedding kernel,
+e_proj with the enorm prologue into the residual, then h_proj with the hnorm prologue added on top), so no kernel
+is new. Rows come in steps of at most MAX_ROWS (a long catch-up after a prefill is several steps); each step is one
+graph replay per (rows' states, row count, with or without the head). The hidden states h_j arrive from the host
+(the main model's step_hidden downloads them) and go up into a workspace buffer before the replay; the block's
+output states come back down (a chained draft feeds its last row back in).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
+
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+
+from ds4py import schema
+from ds4py.cuda import ops
+from ds4py.cuda import rows as multirow
+from ds4py.cuda.decode import F32, Launcher, attn_plans
+from ds4py.cuda.kvstate import CudaState
+from ds4py.cuda.memory import align_up
+from ds4py.cuda.model_weights import DevTensor, conversion
+from ds4py.cuda.rows import MAX_ROWS, RowsContext, RowsWorkspace, gemvs_rows
+from ds4py.errors import ContextLengthError, Ds4Error
+from ds4py.fingerprint import file_fingerprint
+from ds4py.gguf import GGUFFile
+from ds4py.kv import state_layout
+from ds4py.model import UnsupportedByBackend
+from ds4py.quant import vq
+from ds4py.ref import ops as ref_ops
+from ds4py.ref.mtp import check_mtp_file
+
+RUNS = 16                    # MTP step graphs kept (per rows' states, row count and head)
+_PLAIN = {QT.F32: np.float32, QT.F16: np.float16, QT.I32: np.int32}
+
+
+@dataclass
+class _Freqs:
+    """What rows._attention reads of the model weights: the RoPE table per layer (the block's one)."""
+    freqs: list
+
+
+def _upload(rt: Any, store: Any, gguf, cfg) -> tuple[Any, dict[str, DevTensor], Any]:
+    """Every mtp.0.* tensor of `gguf` in one device block (the file's formats; small vectors converted as the
+    main model's are), and the block's RoPE table. Refuses a type no kernel reads, as the main load does."""
+    host: dict[str, tuple[QT, tuple, np.ndarray]] = {}
+    for e in schema.mtp_entries(cfg):
+        t = gguf.tensor(e.name)
+        if e.spec.field.startswith("block.ffn.experts.") and vq.is_vq(gguf, e.name):
+            raise UnsupportedByBackend(f"{e.name} holds VQ-8 experts, which have no CUDA kernel yet; use --backend ref")
+        conv = conversion(gguf, replace(e, spec=replace(e.spec, field=e.spec.field.removeprefix("block."))))
+        if conv is not None:
+            host[e.name] = (QT.I32 if conv.dtype == np.int32 else QT.F32, tuple(conv.shape), conv)
+        else:
+            qt = QT(int(t.qtype))
+            a = np.asarray(t.raw, _PLAIN[qt]) if qt in _PLAIN else t.raw_bytes()     # as upload_gguf views them
+            host[e.name] = (qt, tuple(t.shape), a)
+    freqs = np.ascontiguousarray(ref_ops.layer_rope_freqs(cfg.mtp_block(), 0), np.float32)
+    offs, at = {}, 0
+    for name, (_, _, a) in host.items():
+        offs[name] = at
+        at += align_up(a.nbytes)
+    blk = store.block(at + align_up(freqs.nbytes))
+    tensors = {}
+    for name, (qt, shape, a) in host.items():
+        d = blk.array(offs[name], a.shape, a.dtype)
+        d.upload(np.ascontiguousarray(a))
+        tensors[name] = DevTensor(name, qt, shape, d)
+    fr = blk.array(at, freqs.shape, np.float32)
+    fr.upload(freqs)
+    rt.synchronize()
+    return blk, tensors, fr
+
+
+def mtp_shapes(cfg, bucket: int) -> dict:
+    """The multi-row workspace of the block's config, plus the hidden-state input rows [MAX_ROWS, hc, D]."""
+    shapes = dict(multirow.rows_shapes(cfg, bucket))
+    shapes["h_in"] = ((MAX_ROWS, cfg.hc_mult, cfg.dim), F32)
+    return shapes
+
+
+class CudaMtp:
+    """The MTP draft block of a CudaModel, on the same device, runtime and state store."""
+
+    def __init__(self, model, path: str | None = None):
+        if model.gguf is None and path is None:
+            raise Ds4Error("a synthetic CUDA model has no MTP block; pass the MTP GGUF")
+        self.model = model
+        self.backend = model.backend
+        self.main_config = cfg = model.config
+        self.config = cfg.mtp_block()
+        self.path = model.path if path is None else str(path)
+        self.gguf = model.gguf if path is None else GGUFFile(self.path)
+        check_mtp_file(self.gguf, cfg)
+        self.numerics = model.numerics
+        self.rollback_horizon = model.rollback_horizon
+        self.layout = state_layout(self.config, model.rollback_horizon)
+        header = min(t.offset for t in self.gguf.tensors.values())
+        self.fingerprint = file_fingerprint(self.path, head_bytes=header)
+        self.rt, self.store = model.rt, model.store
+        self._block, tensors, freqs = _upload(self.rt, self.store, self.gguf, cfg)
+        self.binding = schema.bind_mtp(cfg, tensors.__getitem__)
+        for what, sw in (("routed", self.binding.block.ffn.experts), ("shared", self.binding.block.ffn.shared)):
+            if sw.gate.qtype != sw.up.qtype:
+                raise UnsupportedByBackend(f"the MTP block's {what} experts' gate ({sw.gate.qtype.name}) and up "
+                                           f"({sw.up.qtype.name}) differ in type; the CUDA kernel reads both in "
+                                           f"one format")
+        self._w = _Freqs([freqs])
+        # a ratio-0 layer attends to its window only: one plan (and one workspace) serves every position
+        self.bucket = model.min_bucket
+        shapes = mtp_shapes(self.config, self.bucket)
+        offs, at = {}, 0
+        for name, (s, dt) in shapes.items():
+            offs[name] = at
+            at += align_up(int(np.prod(s)) * dt.itemsize)
+        self._ws_block = self.store.block(at)
+        self._ws_block.zero(self.rt.main)
+        self.ws = RowsWorkspace(self.bucket, 0, self._ws_block,
+                                {n: self._ws_block.array(offs[n], s, dt) for n, (s, dt) in shapes.items()})
+        self._runs: OrderedDict[Any, Any] = OrderedDict()
+
+    # ---- the interface RefMtp has ------------------------------------------------------------------------------
+    def new_state(self) -> CudaState:
+        self.store.reclaim()
+        return CudaState(self.layout, self.store)
+
+    def step(self, states: Sequence[CudaState], hidden: Sequence[np.ndarray], next_ids: Sequence[Sequence[int]],
+             all_logits: bool = False, logits: bool = True) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Advance each state by its rows (hidden[i] [T, hc, dim], next_ids[i] [T]): (logits per sequence,
+        [vocab] or [T, vocab] with all_logits; [] when logits=False), block output states [T, hc, dim]."""
+        hs, ids = self._check(states, hidden, next_ids)
+        self.store.reclaim()
+        plan = [(i, j) for i, c in enumerate(ids) for j in range(len(c))]
+        n0 = [st.n_tokens for st in states]
+        V = self.main_config.vocab_size
+        out_h = [np.empty((len(c),) + hs[i].shape[1:], np.float32) for i, c in enumerate(ids)]
+        out_l = [np.empty((len(c) if all_logits else 1, V), np.float32) for c in ids] if logits else []
+        for a in range(0, len(plan), MAX_ROWS):
+            part = plan[a:a + MAX_ROWS]
+            want = [logits and (all_logits or j == len(ids[i]) - 1) for i, j in part]
+            head = any(want)
+            R = len(part)
+            run = self._run([states[i] for i, _ in part], head)
+            self.rt.synchronize()               # the previous replay may still read h_in
+            self.ws.h_in.view(0, (R,) + hs[0].shape[1:]).upload(np.stack([hs[i][j] for i, j in part]))
+            values = [n0[i] + j for i, j in part] + [0] * (MAX_ROWS - R) + [int(ids[i][j]) for i, j in part]
+            count: dict[int, int] = {}
+            for i, _ in part:
+                count[i] = count.get(i, 0) + 1
+            for i, k in count.items():
+                states[i].begin_step(k)
+            run.run(values)
+            for i, k in count.items():
+                states[i].end_step(k)
+            X = self.ws.X1.view(0, (R,) + hs[0].shape[1:]).download()
+            lg = self.ws.logits.view(0, (R, V)).download() if head else None
+            for r, ((i, j), w) in enumerate(zip(part, want)):
+                out_h[i][j] = X[r]
+                if w:
+                    out_l[i][j if all_logits else 0] = lg[r]
+        if not logits:
+            return [], out_h
+        return [o if all_logits else o[0] for o in out_l], out_h
+
+    def _check(self, states, hidden, next_ids) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        if not (len(states) == len(hidden) == len(next_ids)) or not states:
+            raise Ds4Error("an MTP step takes one hidden-state array and one id chunk per state")
+        if len({id(s) for s in states}) != len(states):
+            raise Ds4Error("the same MTP state appears twice in one step")
+        cfg, hs, ids = self.main_config, [], []
+        for st, h, c in zip(states, hidden, next_ids):
+            if not isinstance(st, CudaState) or st.layout != self.layout or st.store is not self.store:
+                raise Ds4Error("an MTP step needs states from this MTP block's new_state()")
+            h = np.asarray(h, dtype=np.float32)
+            c = np.asarray(c)
+            if c.ndim != 1 or c.size == 0 or not np.issubdtype(c.dtype, np.integer):
+                raise Ds4Error("MTP next-token ids must be a non-empty 1-D integer sequence")
+            if h.shape != (c.size, cfg.hc_mult, cfg.dim):
+                raise Ds4Error(f"MTP hidden states must be [{c.size}, {cfg.hc_mult}, {cfg.dim}] (one final "
+                               f"hyper-connection state per next token), got {list(h.shape)}")
+            if ((c < 0) | (c >= cfg.vocab_size)).any():
+                raise Ds4Error(f"an MTP next-token id is outside the vocabulary (0..{cfg.vocab_size - 1})")
+            if st.n_tokens + c.size > cfg.context_length:
+                raise ContextLengthError(f"{st.n_tokens} + {c.size} MTP positions exceed the context length "
+                                         f"{cfg.context_length}")
+            hs.append(h)
+            ids.append(c.astype(np.int64))
+        return hs, ids
+
+    def save_state(self, state: CudaState) -> bytes:
+        from ds4py import kv
+
+        if not isinstance(state, CudaState) or state.layout != self.layout:
+            raise Ds4Error("save_state needs a state from this MTP block's new_state()")
+        return kv.encode_state(self.fingerprint, self.numerics.to_dict(), self.layout, state.n_tokens,
+                               state.n_written, state.export(), self.backend)
+
+    def load_state(self, data: bytes) -> CudaState:
+        from ds4py import kv
+
+        n_tokens, n_written, arrays = kv.decode_state(data, self.fingerprint, self.numerics.to_dict(), self.layout)
+        st = self.new_state()
+        st.n_tokens, st.n_written = n_tokens, n_written
+        st.load(arrays)
+        return st
+
+    def weight_bytes_per_token(self) -> int:
+        """Bytes one draft row reads: the MTP block (n_experts_used of n_experts routed experts), the main
+        model's head and one embedding row."""
+        cfg = self.main_config
+        total = 0
+        for e in schema.mtp_entries(cfg):
+            t = self.gguf.tensor(e.name)
+            total += t.nbytes * cfg.n_experts_used // cfg.n_experts if e.spec.field.startswith(
+                "block.ffn.experts.") else t.nbytes
+        B = self.model.w.binding
+        return total + B.head.array.nbytes + B.embed.array.nbytes // B.embed.shape[0]
+
+    # ---- graphs -----------------------------------------------------------------------------------------------
+    def _run(self, states: list[CudaState], head: bool):
+        from ds4py.cuda.engine import StepRun
+
+        m = self.model
+        key = (m.pdl, m.graphs, head, tuple(tuple((a.ptr, a.shape[0]) for a in st.arrays.values()) for st in states))
+        run = self._runs.get(key)
+        if run is not None:
+            self._runs.move_to_end(key)
+            return run
+        ctx = RowsContext(self.config, self.numerics, self._w, self.ws, [dict(st.arrays) for st in states],
+                          [self.bucket] * len(states))
+        run = StepRun(m, lambda L: record_mtp(L, ctx, self.binding, m.w.binding, head), key, slot=self.ws.slot)
+        self._runs[key] = run
+        while len(self._runs) > RUNS:
+            self.store.retire([self._runs.popitem(last=False)[1]])
+        return run
+
+    def close(self) -> None:
+        self.store.retire(list(self._runs.values()) + [self._ws_block, self._block])
+        self._runs.clear()
+        self.store.reclaim()
+
+
+def record_mtp(L: Launcher, c: RowsContext, M, B, head: bool) -> None:
+    """One MTP step of c.R rows: prologue into X0, the block (X0 -> X1), and the head into ws.logits."""
+    cfg, ws, R = c.cfg, c.ws, c.R
+    hc, D, eps = cfg.hc_mult, cfg.dim, cfg.norm_eps
+    ops.embed(L, B.embed.array, c.tokens, ws.X1, R, copies=hc, **L.main())
+    gemvs_rows(L, [(M.e_proj, ws.X0, D)], ws.X1, D, R * hc, L.main, norm=(M.enorm.array, eps))
+    gemvs_rows(L, [(M.h_proj, ws.X0, D)], ws.h_in, D, R * hc, lambda: {**L.main(), "add": True},
+               norm=(M.hnorm.array, eps))
+    ro = cfg.roles(0)
+    plans = attn_plans(cfg, c.buckets[0])
+    multirow._attention(L, c, 0, ro, M.block, ws.X0, [plans[0]] * R)
+    multirow._moe(L, c, 0, ro, M.block, ws.X0, ws.X1)
+    if not head:
+        return
+    H = M.hc_head
+    ops.hc_mix(L, H.fn.array, ws.X1, R, D, H.scale.array, H.base.array, ws.mix_partial, ws.tickets, ws.mix_head,
+               eps, cfg.hc_eps, cfg.sinkhorn_iters, hc, **L.main())
+    ops.hc_collapse_norm(L, ws.X1, ws.mix_head, R, D, M.norm.array, eps, ws.x_head, hc, **L.main())
+    gemvs_rows(L, [(B.head, ws.logits, cfg.vocab_size)], ws.x_head, D, R, L.main)

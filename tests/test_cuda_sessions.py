@@ -1,0 +1,89 @@
+"""`serve --sessions N` on the CUDA engine (CPU emulator, v4-tiny: ~0.13 s a row; ds4-tiny's IQ2 experts take
+~1 s): the scheduler's batched decode steps reach the
+multi-row step (several states, one row each; a prompt chunk beside them is stepped on its own and the decode
+rows still share one multi-row step), and concurrent greedy answers equal sequential ones byte for byte; with
+speculative decoding, the verify rows of several sessions go through one multi-row step and the answers are
+still plain decoding's."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from ds4py.cuda import emu
+from ds4py.model import open_model
+from spec_fakes import NullTokenizer
+from test_sessions import completion, concurrently, post, serving
+
+pytestmark = pytest.mark.skipif(emu.compiler() is None, reason="the CUDA emulator needs g++")
+
+
+class IdsTokenizer(NullTokenizer):
+    """Each token's text is its id: answers compare token for token (the golden v4-tiny has no vocabulary)."""
+
+    def stream(self):
+        return SimpleNamespace(push=lambda t: f"<{t}>", flush=lambda: "")
+
+    def decode(self, ids):
+        return "".join(f"<{t}>" for t in ids)
+
+
+@pytest.fixture(scope="module")
+def cuda(v4_mtp_gguf):
+    return open_model(v4_mtp_gguf[0], backend="cuda-emu")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return IdsTokenizer()
+
+
+def test_concurrent_greedy_answers_on_cuda_equal_sequential_ones(cuda, tok):
+    prompts = [np.random.default_rng(30 + i).integers(3, 256, 3 + 10 * i).tolist() for i in range(3)]
+    rows: list[tuple[int, int]] = []                 # (states, rows) of every multi-row step
+    real, real_split = cuda._step_rows, cuda._step_split
+    splits: list[list[int]] = []
+
+    def spy(states, chunks, all_logits):
+        rows.append((len(states), sum(len(c) for c in chunks)))
+        return real(states, chunks, all_logits)
+    cuda._step_rows = spy
+    cuda._step_split = lambda st, ch, al, **kw: splits.append([len(c) for c in ch]) or real_split(st, ch, al, **kw)
+    try:
+        with serving(cuda, tok, n=3, prefill_chunk=16) as srv:
+            alone = [post(srv, completion(p, n=4)) for p in prompts]
+        batched_alone = [r for r in rows if r[0] > 1]
+        rows.clear()
+        with serving(cuda, tok, n=3, prefill_chunk=16) as srv:
+            together = concurrently(lambda p: post(srv, completion(p, n=4)), prompts)
+    finally:
+        del cuda._step_rows, cuda._step_split
+    for a, b in zip(alone, together):
+        assert a["choices"][0]["text"] == b["choices"][0]["text"]
+        assert b["usage"]["completion_tokens"] == 4 and a["choices"][0]["text"].count("<") == 4
+    assert not batched_alone                         # one request at a time: no step of several states
+    assert any(n >= 2 and r == n for n, r in rows), rows      # decode rows of several sessions in one step
+    assert any(max(c) > 1 and c.count(1) >= 2 for c in splits), splits   # a prompt chunk beside decode rows
+
+
+def test_speculative_rounds_of_several_sessions_on_cuda(cuda, tok, monkeypatch):
+    from ds4py.server import runner
+    from ds4py.spec import SpecModel
+    from test_spec_sessions import TableDraft
+
+    prompts = [np.random.default_rng(40 + i).integers(3, 256, 4 + 3 * i).tolist() for i in range(3)]
+    with serving(cuda, tok, n=3) as srv:
+        plain = [post(srv, completion(p, n=6))["choices"][0]["text"] for p in prompts]
+    truths = [p + [int(x) for x in t.strip("<>").split("><")] for p, t in zip(prompts, plain)]
+    seen: list[list[int]] = []
+    real = runner.ModelRunner.verify
+    monkeypatch.setattr(runner.ModelRunner, "verify",
+                        lambda self, st, ch: seen.append([len(c) for c in ch]) or real(self, st, ch))
+    spec = SpecModel(cuda, TableDraft(truths, cuda.config.vocab_size, {len(prompts[1]) + 2}), fixed_k=3)
+    with serving(spec, tok, n=3) as srv:
+        got = concurrently(lambda p: post(srv, completion(p, n=6)), prompts)
+    assert [g["choices"][0]["text"] for g in got] == plain
+    assert any(len(v) >= 2 and sum(v) <= 16 for v in seen), seen      # one multi-row verify of several sessions
+    assert spec.stats.accepted > 0
