@@ -12,6 +12,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+import session_jobs  # noqa: E402
 from helpers import stub_tokenizer_json  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -98,8 +99,82 @@ def emulator_launches() -> dict[str, set[str]]:
     return _LAUNCHED_KERNELS
 
 
+def _jobs_needed(item) -> list[str]:
+    return [n for n in session_jobs.JOBS if f"job_{n}" in getattr(item, "fixturenames", ())]
+
+
+def _waits_for(item) -> int:
+    """0: waits for no background job; else 1 + the position in JOBS of the last job it waits for (the stand-in
+    driver's tests wait for the NVRTC job's cache through standin_cache)."""
+    names = getattr(item, "fixturenames", ())
+    needed = _jobs_needed(item) + (["nvrtc_kernels"] if "standin_cache" in names else [])
+    return 1 + max(list(session_jobs.JOBS).index(n) for n in needed) if needed else 0
+
+
 def pytest_collection_modifyitems(session, config, items):
-    # the coverage check reads what the other tests launched: it runs after all of them
+    # tests waiting for a background job (tests/session_jobs.py) run after the others, in the order the jobs
+    # finish, so each job has had the second core meanwhile; the coverage check reads what the other tests
+    # launched: it runs after all of them
     last = [i for i in items if i.name == "test_every_kernel_is_covered"]
-    if last:
-        items[:] = [i for i in items if i not in last] + last
+    rest = [i for i in items if i not in last]
+    items[:] = sorted(rest, key=_waits_for) + last          # a stable sort: each group keeps its order
+
+
+# ---- background jobs (tests/session_jobs.py): started as the session begins, waited for by job_* fixtures ---------
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_jobs(request, tmp_path_factory):
+    items = request.session.items
+    needed = {n for item in items for n in _jobs_needed(item)}
+    files = {Path(str(item.path)).name for item in items}
+    needed |= {n for n, prefixes in session_jobs.WARMUPS.items()
+               if sum(f.startswith(prefixes) for f in files) >= session_jobs.WARMUP_FILES}
+    workdir = lambda name: tmp_path_factory.mktemp(f"job-{name}")   # noqa: E731
+    request.config.stash[_JOB_WORKDIR] = workdir
+    if needed and not request.config.option.collectonly:
+        session_jobs.start(sorted(needed), workdir)
+    try:
+        yield
+    finally:
+        session_jobs.stop()
+
+
+_JOB_WORKDIR = pytest.StashKey()
+
+
+def _waiter(request, name: str):
+    """What a job_* fixture gives: call it to wait for the job's result (its exception raises in the caller)."""
+    workdir = request.config.stash[_JOB_WORKDIR]
+    return lambda: session_jobs.result(name, workdir)
+
+
+@pytest.fixture(scope="session")
+def job_nvrtc_kernels(request, _session_jobs):
+    """() -> {"cache": a fresh cache folder, "compiled": {arch: {stem: CompiledModule}}}: every cu/*.cu compiled by
+    NVRTC for sm_121, sm_90 and sm_90a into that cache, once per session (raises NvrtcUnavailableError without it)."""
+    return _waiter(request, "nvrtc_kernels")
+
+
+@pytest.fixture(scope="session")
+def job_blas_rerun(request, _session_jobs):
+    """() -> what tests/test_blas_kernels.py's blas_rerun_job returns."""
+    return _waiter(request, "blas_rerun")
+
+
+@pytest.fixture(scope="session")
+def job_gpu_tests_on_emulator(request, _session_jobs):
+    """() -> what tests/test_cuda_gpu_tests_on_emulator.py's gpu_tests_job returns."""
+    return _waiter(request, "gpu_tests_on_emulator")
+
+
+@pytest.fixture(scope="session")
+def standin_cache(request, tmp_path_factory) -> Path:
+    """The kernel cache of the stand-in driver's Runtime (tests/test_cuda_driverless.py). When this session runs
+    tests/test_cuda_compile.py, its NVRTC job builds every kernel for sm_90 (the stand-in's arch) with the same
+    options: that cache is reused, after the job, instead of compiling the same cubins a second time."""
+    if session_jobs.scheduled("nvrtc_kernels"):
+        try:
+            return _waiter(request, "nvrtc_kernels")()["cache"]
+        except Exception:       # no NVRTC (the rt fixture skips) or a compile error (Runtime reports it again)
+            pass
+    return tmp_path_factory.getbasetemp() / "standin-cache"

@@ -206,12 +206,12 @@ class StandInDriver:
 
 
 @pytest.fixture
-def standin(monkeypatch, tmp_path_factory):
+def standin(monkeypatch, standin_cache):
     from ds4py.cuda import driver
 
     fake = StandInDriver(_real_driver())
     monkeypatch.setattr(driver, "_driver", fake)
-    monkeypatch.setenv("DS4PY_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "standin-cache"))
+    monkeypatch.setenv("DS4PY_CACHE_DIR", str(standin_cache))
     return fake
 
 

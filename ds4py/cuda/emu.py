@@ -12,7 +12,9 @@ Cache: $DS4PY_CACHE_DIR/emu or ~/.cache/ds4py/emu, one <stem>-<key>.so per sourc
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import hashlib
 import os
 import re
@@ -164,6 +166,27 @@ def build(source: Path, extra_flags: Sequence[str] = (),
     if out.is_file():
         return out, kernels
     out.parent.mkdir(parents=True, exist_ok=True)
+    with _build_lock(out):
+        if out.is_file():          # another process (or thread) built it while this one waited
+            return out, kernels
+        _compile(cxx, source, unit, extra_flags, out, progress)
+    return out, kernels
+
+
+@contextlib.contextmanager
+def _build_lock(out: Path):
+    """One g++ build per library at a time across processes (the test suite's background jobs, CLI subprocesses):
+    a second builder of the same key waits for the first and then finds its .so, instead of compiling it again."""
+    with open(out.with_name(f".{out.stem}.lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _compile(cxx: str, source: Path, unit: str, extra_flags: Sequence[str], out: Path,
+             progress: Callable[[str], None] | None) -> None:
     tmp_src = out.with_name(f".{out.stem}.{os.getpid()}.cpp")
     tmp_so = out.with_name(f".{out.stem}.{os.getpid()}.so")
     tmp_src.write_text(unit)
@@ -180,7 +203,6 @@ def build(source: Path, extra_flags: Sequence[str] = (),
     finally:
         tmp_src.unlink(missing_ok=True)
         tmp_so.unlink(missing_ok=True)
-    return out, kernels
 
 
 # ---- guarded host buffers ------------------------------------------------------------------------------------
