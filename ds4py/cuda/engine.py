@@ -28,6 +28,7 @@ import numpy as np
 from ds4py import schema
 from ds4py.config import ModelConfig
 from ds4py.cuda import decode, synth
+from ds4py.cuda import prefill as pf
 from ds4py.cuda import rows as multirow
 from ds4py.cuda.compiler import model_defines
 from ds4py.cuda.graph import StepGraph
@@ -257,6 +258,8 @@ class CudaModel(ModelBase):
         self.multirow = True                                       # several rows per step through cuda/rows.py
         self.rows_ws: multirow.RowsWorkspace | None = None
         self._rows_runs: OrderedDict[Any, StepRun] = OrderedDict()
+        self.prefill_blocks = True                                 # long chunks through cuda/prefill.py
+        self.prefill_ws: pf.PrefillWorkspace | None = None
         self.last_generate: dict[str, float] = {}
         self.startup = {"weights_upload_s": time.perf_counter() - t1, "model_open_s": time.perf_counter() - t0,
                         "weights_gb": (self.w.file_bytes + self.w.extra_bytes) / 1e9}
@@ -299,6 +302,9 @@ class CudaModel(ModelBase):
         out = []
         for st, ids in zip(states, chunks):
             n0, T = st.n_tokens, len(ids)
+            if self.prefill_blocks and T > self.rollback_horizon + 1:
+                out.append(self._prefill(st, np.asarray(ids), all_logits))
+                continue
             body = self._body(st, n0 + T - 1)           # rows grown and graph captured before anything is written
             head = self._head(None)
             body = self._body(st, n0 + T - 1)           # (the head may have grown the workspace)
@@ -313,6 +319,40 @@ class CudaModel(ModelBase):
             st.end_step(T)
             out.append(np.stack(rows) if all_logits else rows[-1])
         return out
+
+    def _prefill(self, st: CudaState, ids: np.ndarray, all_logits: bool) -> np.ndarray:
+        """A chunk longer than the rollback horizon + 1 (a prompt): prefill blocks of up to pf.MAX_BLOCK tokens,
+        each one launch sequence over its rows (cuda/prefill.py), launched directly (no graph); the head runs for
+        the rows asked for. The state ends as position-by-position steps leave it."""
+        cfg, rt = self.config, self.rt
+        n0, T = st.n_tokens, len(ids)
+        bucket = bucket_for(n0 + T, cfg.context_length, self.min_bucket)
+        rows = pf.block_rows(T)
+        ws = self.prefill_ws
+        if ws is None or ws.bucket < bucket or ws.rows < rows:
+            rt.synchronize()
+            if ws is not None:
+                self.store.retire([ws.block])
+            ws = self.prefill_ws = pf.make_prefill_workspace(
+                self.store, rt, cfg, max(bucket, ws.bucket if ws else 0), max(rows, ws.rows if ws else 0))
+        st.ensure_rows(bucket)
+        st.begin_step(T)
+        out: list[np.ndarray] = []
+        for a in range(0, T, pf.MAX_BLOCK):
+            Tb = min(pf.MAX_BLOCK, T - a)
+            ws.pos.view(0, Tb).upload(np.arange(n0 + a, n0 + a + Tb, dtype=np.int32), rt.main)
+            ws.tokens.view(0, Tb).upload(np.ascontiguousarray(ids[a:a + Tb], np.int32), rt.main)
+            st.device_hw = max(st.device_hw, n0 + a + Tb)
+            ctx = pf.PrefillContext(cfg, self.numerics, self.w, ws, dict(st.arrays), bucket, Tb)
+            L = decode.Launcher(rt, self.pdl)
+            pf.record_prefill(L, ctx)
+            heads = range(0, Tb, pf.HEAD_ROWS) if all_logits else ([Tb - 1] if a + Tb == T else [])
+            for r0 in heads:
+                n = min(pf.HEAD_ROWS, Tb - r0)
+                pf.record_head_rows(L, ctx, r0, n)
+                out.append(ws.logits.view(0, (n, cfg.vocab_size)).download())
+        st.end_step(T)
+        return np.concatenate(out) if all_logits else out[-1][-1].copy()
 
     def _step_rows(self, states: list[CudaState], chunks: list[np.ndarray], all_logits: bool) -> list[np.ndarray]:
         """One multi-row step (cuda/rows.py): every chunk's positions as rows of one graph replay; each row's
@@ -537,6 +577,9 @@ class CudaModel(ModelBase):
         if self.rows_ws is not None:
             self.store.retire([self.rows_ws.block])
             self.rows_ws = None
+        if self.prefill_ws is not None:
+            self.store.retire([self.prefill_ws.block])
+            self.prefill_ws = None
         self.store.retire([self._misc])
         self.store.reclaim()
         self.rt.synchronize()

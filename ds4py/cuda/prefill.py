@@ -1,0 +1,291 @@
+"""Prefill on CUDA (issue 17): a block of up to MAX_BLOCK tokens of one sequence as one launch sequence.
+
+    ws = make_prefill_workspace(store, rt, cfg, bucket, rows)
+    ctx = PrefillContext(cfg, numerics, weights, ws, state_arrays, bucket, n_rows)
+    record_prefill(L, ctx)               # positions ws.pos[:T] and tokens ws.tokens[:T] uploaded before
+
+What runs over the block's T rows (ds4py/ref/forward.py over a chunk is the same math):
+- embedding, the mHC mixes / collapses / posts (cu/mhc.cu takes T rows), every dense projection and the shared
+  expert (`dense`, `swiglu_dense`: the `_rows` GEMVs of cu/gemv.cu, GEMV_MAX_X rows per launch, until the
+  tensor-core GEMM lands), the routing (`moe_route_rows`) and the routed experts grouped by expert over the
+  rows (`experts_gate_up`, `experts_down`: cu/experts.cu's rows kernels);
+- the kv rows of the block (`prefill_kv_rows`, into a block buffer), the compressors (compressor_prefill_pool
+  emits every group the block completes, each from its window of ring + block inputs, in parallel; then
+  compressor_prefill_store keeps the block's tail in the rings), the indexer for all T queries (q prep, scores,
+  per-query top-k: the `_rows` kernels of cu/indexer.cu and cu/topk.cu, each row bit-identical to its decode
+  launch);
+- attention for every query row (cu/prefill_attn.cu `attn_prefill`: the query's window rows - the state's ring
+  before the block, the block buffer inside it - plus its compressed rows and the sink), and only then the
+  block's last window-ring rows into the ring (`prefill_ring_store`), so no query reads a slot a later row of
+  the block overwrote;
+- the head only for the rows asked for (`record_head_rows`).
+
+The state ends as T single steps leave it: ring slots p % cap of the last cap positions, every compressed row
+and indexer key g < n // ratio, the compressor rings' tail (kvstate.py's layout, docs/engine.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ds4py.cuda import ops
+from ds4py.cuda.decode import F32, I32, Launcher, index_keys
+from ds4py.cuda.memory import DeviceArray, align_up
+from ds4py.cuda.model_weights import GEMV_TYPES, DevTensor
+from ds4py.cuda.ops import compressor as ops_comp
+from ds4py.cuda.ops import experts as ops_moe
+from ds4py.cuda.ops import indexer as ops_idx
+from ds4py.cuda.ops import prefill_attn as ops_pfa
+from ds4py.cuda.ops import router as ops_route
+from ds4py.cuda.ops import topk as ops_topk
+from ds4py.cuda.ops.gemv import GEMV_MAX_X
+from ds4py.cuda.ops.mhc import mix_partial_floats, mix_record
+from ds4py.cuda.rows import gemvs_rows, rows_of
+from ds4py.cuda.twins.indexer import weight_scale
+
+MAX_BLOCK = 2048          # tokens per prefill block
+HEAD_ROWS = 16            # rows per head pass (all_logits runs the head in passes of this many rows)
+U32 = np.dtype(np.uint32)
+
+
+def block_rows(n: int) -> int:
+    """The workspace row bucket of a block of n tokens: a power of two >= 32, at most MAX_BLOCK."""
+    b = 32
+    while b < n:
+        b *= 2
+    return min(b, MAX_BLOCK)
+
+
+def prefill_shapes(cfg, bucket: int, T: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    hc, D, k = cfg.hc_mult, cfg.dim, cfg.n_experts_used
+    comp_w = max([cfg.comp_width(il) for il in range(cfg.n_layers) if cfg.roles(il).compressor], default=2)
+    idx_w = max([cfg.index_comp_width(il) for il in range(cfg.n_layers) if cfg.roles(il).indexer], default=2)
+    ih, mrec = cfg.index_heads, mix_record(hc)
+    n_keys = max(1, index_keys(cfg, bucket))
+    return {
+        "pos": ((T,), I32), "tokens": ((T,), I32), "tickets": ((T,), U32),
+        "mix_partial": ((mix_partial_floats(T, mrec, D, hc),), F32),
+        "X0": ((T, hc, D), F32), "X1": ((T, hc, D), F32),
+        "mix_attn": ((T, mrec), F32), "mix_ffn": ((T, mrec), F32), "mix_head": ((HEAD_ROWS, mrec), F32),
+        "x_attn": ((T, D), F32), "x_ffn": ((T, D), F32), "x_head": ((HEAD_ROWS, D), F32),
+        "qa": ((T, cfg.q_lora_rank), F32), "q": ((T, cfg.q_dim), F32), "kv": ((T, cfg.head_dim), F32),
+        "kvb": ((T, cfg.head_dim), F32), "ckv": ((T, comp_w), F32), "csc": ((T, comp_w), F32),
+        "ikv": ((T, idx_w), F32), "isc": ((T, idx_w), F32),
+        "iq_raw": ((T, ih * cfg.index_head_dim), F32), "iq": ((T, ih * cfg.index_head_dim), F32),
+        "iw": ((T, ih), F32), "scores": ((T, n_keys), F32), "sel": ((T, max(1, cfg.index_topk)), I32),
+        "o": ((T, cfg.q_dim), F32), "u": ((T, cfg.o_dim), F32),
+        "router": ((T, cfg.n_experts), F32), "ids": ((T, k), I32), "wts": ((T, k), F32),
+        "h_shared": ((T, cfg.shared_ff), F32), "y_shared": ((T, D), F32), "h": ((T * k, cfg.expert_ff), F32),
+        "logits": ((HEAD_ROWS, cfg.vocab_size), F32),
+    }
+
+
+@dataclass
+class PrefillWorkspace:
+    bucket: int                    # context bucket it serves (indexer score rows)
+    rows: int                      # block rows it holds
+    block: Any                     # the DeviceBlock holding every array
+    a: dict[str, DeviceArray]
+
+    def __getattr__(self, name: str) -> DeviceArray:
+        try:
+            return self.__dict__["a"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def prefill_bytes(cfg, bucket: int, T: int) -> int:
+    return sum(align_up(int(np.prod(s)) * dt.itemsize) for s, dt in prefill_shapes(cfg, bucket, T).values())
+
+
+def make_prefill_workspace(store: Any, rt: Any, cfg, bucket: int, T: int) -> PrefillWorkspace:
+    shapes = prefill_shapes(cfg, bucket, T)
+    offs, at = {}, 0
+    for name, (s, dt) in shapes.items():
+        offs[name] = at
+        at += align_up(int(np.prod(s)) * dt.itemsize)
+    blk = store.block(at)
+    blk.zero(rt.main)                               # the tickets start (and stay) zero
+    return PrefillWorkspace(bucket, T, blk, {n: blk.array(offs[n], s, dt) for n, (s, dt) in shapes.items()})
+
+
+@dataclass
+class PrefillContext:
+    cfg: Any
+    nx: Any
+    w: Any
+    ws: PrefillWorkspace
+    parts: dict[str, DeviceArray]   # the state's arrays
+    bucket: int                     # context bucket of the block's last position
+    T: int                          # rows of this block
+
+
+# ---- the products (one function each: the tensor-core GEMM / grouped experts replace their bodies) -------------
+def dense(L: Launcher, mats: list[tuple[DevTensor, DeviceArray, int]], x: DeviceArray, cols: int, T: int,
+          norm=None, x_group_rows: int = 0, x_stride: int | None = None) -> None:
+    """y_m[t] = W_m x[t] for the block's T rows (matrices sharing x)."""
+    gemvs_rows(L, mats, x, cols, T, L.main, norm=norm, x_group_rows=x_group_rows, x_stride=x_stride)
+
+
+def dense_hc_post(L: Launcher, W: DevTensor, u: DeviceArray, X: DeviceArray, mix: DeviceArray, D: int, cols: int,
+                  hc: int, T: int) -> None:
+    """X[t] <- post_k (W u[t]) + sum_j C[j,k] X[t, j]: the output projection into the residual."""
+    mrec = mix_record(hc)
+    for n0 in range(0, T, GEMV_MAX_X):
+        k = min(GEMV_MAX_X, T - n0)
+        ops.gemv_hc_post(L, W.array, rows_of(u, n0, k, cols), rows_of(X, n0, k, hc * D), rows_of(mix, n0, k, mrec),
+                         D, cols, hc=hc, nx=k, **L.main())
+
+
+def shared_expert(L: Launcher, S, x: DeviceArray, h: DeviceArray, y: DeviceArray, D: int, sff: int, clamp: float,
+                  T: int) -> None:
+    """y[t] = down(silu(min(gate x[t], c)) * clamp(up x[t], c)) for the block's rows."""
+    if S.gate.qtype in GEMV_TYPES:
+        for n0 in range(0, T, GEMV_MAX_X):
+            k = min(GEMV_MAX_X, T - n0)
+            ops.gemv_swiglu(L, S.gate.array, S.up.array, rows_of(x, n0, k, D), rows_of(h, n0, k, sff), sff, D,
+                            clamp=clamp, nx=k, **L.main())
+    else:
+        step = ops_moe.MAX_PAIRS
+        for n0 in range(0, T, step):
+            k = min(step, T - n0)
+            ops_moe.moe_gate_up_rows(L, S.gate.qtype, S.gate.array, S.up.array, rows_of(x, n0, k, D), None, None,
+                                     rows_of(h, n0, k, sff), 1, sff, D, 1, k, clamp, **L.main())
+    if S.down.qtype in GEMV_TYPES:
+        dense(L, [(S.down, y, D)], h, sff, T)
+    else:
+        ops_moe.moe_down_rows(L, S.down.qtype, S.down.array, None, h, y, 1, D, sff, 1, T, **L.main())
+
+
+def experts_gate_up(L: Launcher, E, x: DeviceArray, ids: DeviceArray, wts: DeviceArray, h: DeviceArray, NX: int,
+                    ff: int, D: int, k: int, clamp: float, T: int) -> None:
+    """h[t*k + s] = silu(min(gate_e x[t], c)) * clamp(up_e x[t], c) * w[t, s], e = ids[t, s]: grouped by expert."""
+    step = max(1, ops_moe.MAX_PAIRS // k)
+    for n0 in range(0, T, step):
+        n = min(step, T - n0)
+        ops_moe.moe_gate_up_rows(L, E.gate.qtype, E.gate.array, E.up.array, rows_of(x, n0, n, D),
+                                 ids.view(4 * n0 * k, n * k), wts.view(4 * n0 * k, n * k),
+                                 h.view(4 * n0 * k * ff, n * k * ff), NX, ff, D, k, n, clamp, **L.main())
+
+
+def experts_down(L: Launcher, E, ids: DeviceArray, h: DeviceArray, X_out: DeviceArray, NX: int, D: int, ff: int,
+                 k: int, add: DeviceArray, mix: DeviceArray, hc: int, X: DeviceArray, T: int) -> None:
+    """X_out[t] = post_k (sum_s down_e h[t*k + s] + add[t]) + sum_j C[j,k] X[t, j]."""
+    ops_moe.moe_down_rows(L, E.down.qtype, E.down.array, ids, h, X_out, NX, D, ff, k, T, add=add, mix=mix, hc=hc,
+                          hc_x=X, **L.main())
+
+
+# ---- the recorded block ----------------------------------------------------------------------------------------
+def record_prefill(L: Launcher, c: PrefillContext) -> None:
+    """Embedding and every layer over the block's rows; the residual ends in final_residual(c)."""
+    cfg, B, ws, T = c.cfg, c.w.binding, c.ws, c.T
+    ops.embed(L, B.embed.array, ws.tokens.view(0, T), ws.X0, T, copies=cfg.hc_mult, **L.main())
+    X = (ws.X0, ws.X1)
+    for il, lw in enumerate(B.layers):
+        ro = cfg.roles(il)
+        _attention(L, c, il, ro, lw, X[il % 2])
+        _moe(L, c, il, ro, lw, X[il % 2], X[(il + 1) % 2])
+
+
+def final_residual(c: PrefillContext) -> DeviceArray:
+    return c.ws.X0 if c.cfg.n_layers % 2 == 0 else c.ws.X1
+
+
+def _hc_pre(L: Launcher, c: PrefillContext, hw, norm: DevTensor, X: DeviceArray, mix: DeviceArray,
+            x: DeviceArray) -> None:
+    cfg, T = c.cfg, c.T
+    ops.hc_mix(L, hw.fn.array, X, T, cfg.dim, hw.scale.array, hw.base.array, c.ws.mix_partial, c.ws.tickets, mix,
+               cfg.norm_eps, cfg.hc_eps, cfg.sinkhorn_iters, cfg.hc_mult, **L.main())
+    ops.hc_collapse_norm(L, X, mix, T, cfg.dim, norm.array, cfg.norm_eps, x, cfg.hc_mult, **L.main())
+
+
+def _attention(L: Launcher, c: PrefillContext, il: int, ro, lw, X: DeviceArray) -> None:
+    cfg, nx, ws, A, T = c.cfg, c.nx, c.ws, lw.attn, c.T
+    D, hd, rd, eps = cfg.dim, cfg.head_dim, cfg.rope_dim, cfg.norm_eps
+    fq, f16 = nx.fake_quant, nx.kv_dtype == "f16"
+    freqs = c.w.freqs[il]
+    part = lambda name: c.parts[f"{il}.{name}"]   # noqa: E731
+    pos = ws.pos.view(0, T)
+    _hc_pre(L, c, lw.hc_attn, lw.attn_norm, X, ws.mix_attn, ws.x_attn)
+
+    # the KV branch: the block's kv rows, the compressors' inputs and every group the block completes
+    w2 = cfg.comp_width(il) if ro.compressor else 0
+    wi = cfg.index_comp_width(il) if ro.indexer else 0
+    mats = [(A.kv, ws.kv, hd)]
+    if ro.compressor:
+        mats += [(A.comp.kv, ws.ckv, w2), (A.comp.gate, ws.csc, w2)]
+    if ro.indexer:
+        mats += [(A.index.comp.kv, ws.ikv, wi), (A.index.comp.gate, ws.isc, wi), (A.index.proj, ws.iw, cfg.index_heads)]
+    dense(L, mats, ws.x_attn, D, T)
+    ops_pfa.kv_rows(L, ws.kv, A.kv_norm.array, freqs, pos, ws.kvb, T, hd, rd, eps, fq, f16, **L.main())
+    if ro.compressor:
+        ops_comp.compressor_prefill(L, ws.ckv.view(0, T * w2), ws.csc.view(0, T * w2), T, A.comp.ape.array,
+                                    A.comp.norm.array, freqs, pos, part("comp_kv"), part("comp_score"),
+                                    part("comp_rows"), ro.ratio, bool(ro.overlap), hd, rd, eps, False, fq, f16,
+                                    **L.main())
+    if ro.indexer:
+        ihd = cfg.index_head_dim
+        ops_comp.compressor_prefill(L, ws.ikv.view(0, T * wi), ws.isc.view(0, T * wi), T, A.index.comp.ape.array,
+                                    A.index.comp.norm.array, freqs, pos, part("idx_kv"), part("idx_score"),
+                                    part("idx_keys"), ro.index_ratio, bool(ro.index_overlap), ihd, rd, eps, True, fq,
+                                    f16, **L.main())
+
+    # the queries
+    dense(L, [(A.q_a, ws.qa, cfg.q_lora_rank)], ws.x_attn, D, T)
+    mats = [(A.q_b, ws.q, cfg.q_dim)]
+    if ro.indexer:
+        mats.append((A.index.q_b, ws.iq_raw, cfg.index_q_dim))
+    dense(L, mats, ws.qa, cfg.q_lora_rank, T, norm=(A.q_a_norm.array, eps))
+
+    comp = sel = None
+    if ro.compressed:
+        comp = c.parts[f"{ro.kv_source}.comp_rows"]
+    if ro.indexer:
+        ih, ihd = cfg.index_heads, cfg.index_head_dim
+        n_keys = c.bucket // ro.index_ratio
+        stride = int(ws.scores.shape[1])
+        ops_idx.indexer_q_prep_rows(L, ws.iq_raw, freqs, pos, ws.iq, ih, ihd, rd, T, fq, **L.main())
+        ops_idx.indexer_scores_rows(L, ws.iq, ws.iw, weight_scale(ihd, ih), part("idx_keys"), pos, ws.scores, stride,
+                                    ih, ihd, n_keys, T, ro.index_ratio, **L.main())
+        ops_topk.topk_rows(L, ws.scores, stride, cfg.index_topk, ws.sel, pos, T, ro.index_ratio, **L.main())
+        sel = ws.sel
+    ops_pfa.prefill_attention(L, ws.q, freqs, pos, part("win"), ws.kvb, cfg.window, comp, ro.ratio, sel,
+                              cfg.index_topk, A.sinks.array, ws.o, T, cfg.n_heads, rd, eps, hd ** -0.5, **L.main())
+    ops_pfa.ring_store(L, ws.kvb, T, pos, part("win"), **L.main())
+    dense(L, [(A.out_a, ws.u, cfg.o_dim)], ws.o, cfg.o_group_in, T, x_group_rows=cfg.o_lora_rank,
+          x_stride=cfg.q_dim)
+    dense_hc_post(L, A.out_b, ws.u, X, ws.mix_attn, D, cfg.o_dim, cfg.hc_mult, T)
+
+
+def _moe(L: Launcher, c: PrefillContext, il: int, ro, lw, X: DeviceArray, X_out: DeviceArray) -> None:
+    cfg, ws, Fw, T = c.cfg, c.ws, lw.ffn, c.T
+    D, hc, clamp = cfg.dim, cfg.hc_mult, cfg.swiglu_clamp[il]
+    _hc_pre(L, c, lw.hc_ffn, lw.ffn_norm, X, ws.mix_ffn, ws.x_ffn)
+    shared_expert(L, Fw.shared, ws.x_ffn, ws.h_shared, ws.y_shared, D, cfg.shared_ff, clamp, T)
+    E, k, NX, ff = Fw.experts, cfg.n_experts_used, cfg.n_experts, cfg.expert_ff
+    dense(L, [(Fw.gate_inp, ws.router, NX)], ws.x_ffn, D, T)
+    ops_route.moe_route_rows(L, ws.router, None if ro.hash_routing else Fw.route_bias.array,
+                             Fw.tid2eid.array if ro.hash_routing else None, ws.tokens.view(0, T), ws.ids, ws.wts, NX,
+                             k, T, cfg.route_scale, cfg.route_norm, **L.main())
+    experts_gate_up(L, E, ws.x_ffn, ws.ids, ws.wts, ws.h, NX, ff, D, k, clamp, T)
+    experts_down(L, E, ws.ids, ws.h, X_out, NX, D, ff, k, ws.y_shared, ws.mix_ffn, hc, X, T)
+
+
+def record_head_rows(L: Launcher, c: PrefillContext, r0: int, n: int) -> None:
+    """logits[:n] = head(RMSNorm(hc_head(X[r0 .. r0+n)))) of the block's final residual (n <= HEAD_ROWS)."""
+    cfg, B, ws = c.cfg, c.w.binding, c.ws
+    hc, D = cfg.hc_mult, cfg.dim
+    Xf = final_residual(c).view(4 * r0 * hc * D, (n, hc, D))
+    H = B.hc_head
+    ops.hc_mix(L, H.fn.array, Xf, n, D, H.scale.array, H.base.array, ws.mix_partial, ws.tickets, ws.mix_head,
+               cfg.norm_eps, cfg.hc_eps, cfg.sinkhorn_iters, hc, **L.main())
+    ops.hc_collapse_norm(L, Xf, ws.mix_head, n, D, B.output_norm.array, cfg.norm_eps, ws.x_head, hc, **L.main())
+    dense(L, [(B.head, ws.logits, cfg.vocab_size)], ws.x_head, D, n)
+
+
+__all__ = ["HEAD_ROWS", "MAX_BLOCK", "PrefillContext", "PrefillWorkspace", "block_rows", "dense", "experts_down",
+           "experts_gate_up", "final_residual", "make_prefill_workspace", "prefill_bytes", "prefill_shapes",
+           "record_head_rows", "record_prefill", "shared_expert"]
