@@ -259,6 +259,7 @@ class CudaModel(ModelBase):
         self.rows_ws: multirow.RowsWorkspace | None = None
         self._rows_runs: OrderedDict[Any, StepRun] = OrderedDict()
         self.prefill_blocks = True                                 # long chunks through cuda/prefill.py
+        self.prefill_block = pf.MAX_BLOCK                          # tokens per prefill block (<= pf.MAX_BLOCK)
         self.prefill_ws: pf.PrefillWorkspace | None = None
         self.last_generate: dict[str, float] = {}
         self.startup = {"weights_upload_s": time.perf_counter() - t1, "model_open_s": time.perf_counter() - t0,
@@ -327,7 +328,8 @@ class CudaModel(ModelBase):
         cfg, rt = self.config, self.rt
         n0, T = st.n_tokens, len(ids)
         bucket = bucket_for(n0 + T, cfg.context_length, self.min_bucket)
-        rows = pf.block_rows(T)
+        blk = max(1, min(int(self.prefill_block), pf.MAX_BLOCK))
+        rows = pf.block_rows(min(T, blk))
         ws = self.prefill_ws
         if ws is None or ws.bucket < bucket or ws.rows < rows:
             rt.synchronize()
@@ -338,8 +340,8 @@ class CudaModel(ModelBase):
         st.ensure_rows(bucket)
         st.begin_step(T)
         out: list[np.ndarray] = []
-        for a in range(0, T, pf.MAX_BLOCK):
-            Tb = min(pf.MAX_BLOCK, T - a)
+        for a in range(0, T, blk):
+            Tb = min(blk, T - a)
             ws.pos.view(0, Tb).upload(np.arange(n0 + a, n0 + a + Tb, dtype=np.int32), rt.main)
             ws.tokens.view(0, Tb).upload(np.ascontiguousarray(ids[a:a + Tb], np.int32), rt.main)
             st.device_hw = max(st.device_hw, n0 + a + Tb)
