@@ -6,7 +6,7 @@
 //   cp_async_{4,8,16}, cp_async_commit(),     asynchronous global->shared copies (cp.async, sm_80+)
 //   cp_async_wait<N>(), cp_async_wait_all()
 //   fp8_{e4m3,e5m2}_to_float, fp8x2_*_to_half2, float_to_fp8_*, float2_to_fp8x2_*   (cvt, sm_89+)
-//   mma_m16n8k16_f16_f32                      one warp-wide tensor-core tile, D += A*B (mma.sync, sm_80+)
+//   mma_m16n8k16_f16_f32, mma_m16n8k16_bf16_f32   one warp-wide tensor-core tile, D += A*B (mma.sync, sm_80+)
 //
 // FP8 is the OCP format: e4m3 "fn" (bias 7, no infinity, 0x7f/0xff NaN, max 448) and e5m2 (bias 15, IEEE-like,
 // max 57344). Float -> FP8 rounds to nearest-even and saturates to the largest finite value (PTX .satfinite);
@@ -211,17 +211,28 @@ __device__ __forceinline__ unsigned char float_to_fp8_e5m2(float f) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// One tensor-core tile, the whole warp together: D(16x8 f32) += A(16x16 f16, row-major) * B(16x8 f16, col-major).
-// Fragments per lane (g = lane / 4, t = lane % 4; two halves per register, lower k or column in the low half):
+// One tensor-core tile, the whole warp together: D(16x8 f32) += A(16x16, row-major) * B(16x8, col-major), with
+// f16 (mma_m16n8k16_f16_f32) or bf16 (mma_m16n8k16_bf16_f32) inputs; the layout is the same for both.
+// Fragments per lane (g = lane / 4, t = lane % 4; two 16-bit values per register, lower k or column in the low half):
 //   a[0]: A[g][2t..2t+1]   a[1]: A[g+8][2t..2t+1]   a[2]: A[g][2t+8..2t+9]   a[3]: A[g+8][2t+8..2t+9]
 //   b[0]: B[2t..2t+1][g]   b[1]: B[2t+8..2t+9][g]
 //   d[0], d[1]: D[g][2t], D[g][2t+1]                 d[2], d[3]: D[g+8][2t], D[g+8][2t+1]
-// sm_80+ only (no fallback: using it for an older arch does not compile).
+// (ds4py/cuda/twins/mma.py packs and unpacks these.) sm_80+ only (no fallback: using it for an older arch does not
+// compile). The emulator sums each element in double (C, then k ascending) and rounds once.
 #if defined(DS4_EMU)
-#define mma_m16n8k16_f16_f32(d, a, b) ::__emu::mma_m16n8k16(EMU_SITE("mma_m16n8k16_f16_f32"), (d), (a), (b))
+#define mma_m16n8k16_f16_f32(d, a, b) \
+    ::__emu::mma_m16n8k16<::__emu::half_bits_to_float>(EMU_SITE("mma_m16n8k16_f16_f32"), (d), (a), (b))
+#define mma_m16n8k16_bf16_f32(d, a, b) \
+    ::__emu::mma_m16n8k16<::__emu::bf16_bits_to_float>(EMU_SITE("mma_m16n8k16_bf16_f32"), (d), (a), (b))
 #elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 __device__ __forceinline__ void mma_m16n8k16_f16_f32(float* d, const unsigned* a, const unsigned* b) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+__device__ __forceinline__ void mma_m16n8k16_bf16_f32(float* d, const unsigned* a, const unsigned* b) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
                  "{%0,%1,%2,%3};"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));

@@ -401,14 +401,15 @@ template <class T> inline unsigned match_any(Site s, unsigned mask, T v) {
     return (unsigned)L.cur->out[0];
 }
 
-// Tensor-core tile D(16x8,f32) += A(16x16,f16,row) * B(16x8,f16,col), with the fragment layout of PTX
-// mma.m16n8k16: lane = 4*g + t holds A rows g and g+8, k columns 2t,2t+1 (a0,a1) and 2t+8,2t+9 (a2,a3);
-// B k rows 2t,2t+1 (b0) and 2t+8,2t+9 (b1) of column g; C/D rows g and g+8, columns 2t,2t+1.
-// The sum is done in double and rounded once; the hardware's accumulation may differ in the last bit.
-inline void combine_mma(Fiber* lanes, unsigned) {
+// Tensor-core tile D(16x8,f32) += A(16x16,row) * B(16x8,col) with f16 or bf16 inputs (CVT decodes one 16-bit
+// element), with the fragment layout of PTX mma.m16n8k16: lane = 4*g + t holds A rows g and g+8, k columns 2t,2t+1
+// (a0,a1) and 2t+8,2t+9 (a2,a3); B k rows 2t,2t+1 (b0) and 2t+8,2t+9 (b1) of column g; C/D rows g and g+8,
+// columns 2t,2t+1. The sum is done in double (C first, then k ascending) and rounded once; the hardware's
+// accumulation may differ in the last bit. One combine serves both input types.
+template <float (*CVT)(unsigned short)> inline void combine_mma(Fiber* lanes, unsigned) {
     double A[16][16], B[16][8], C[16][8];
-    auto lo = [](uint64_t w) { return (double)half_bits_to_float((unsigned short)(w & 0xffff)); };
-    auto hi = [](uint64_t w) { return (double)half_bits_to_float((unsigned short)((w >> 16) & 0xffff)); };
+    auto lo = [](uint64_t w) { return (double)CVT((unsigned short)(w & 0xffff)); };
+    auto hi = [](uint64_t w) { return (double)CVT((unsigned short)((w >> 16) & 0xffff)); };
     for (int l = 0; l < 32; l++) {
         const uint64_t* in = lanes[l].in;
         const int g = l >> 2, t = l & 3;
@@ -431,13 +432,14 @@ inline void combine_mma(Fiber* lanes, unsigned) {
     }
 }
 
+template <float (*CVT)(unsigned short)>
 inline void mma_m16n8k16(Site s, float* d, const unsigned* a, const unsigned* b) {
     Fiber* f = L.cur;
     for (int i = 0; i < 4; i++) f->in[i] = a[i];
     f->in[4] = b[0];
     f->in[5] = b[1];
     for (int i = 0; i < 4; i++) f->in[6 + i] = f32_bits(d[i]);
-    warp_collective(s, 0xffffffffu, combine_mma);
+    warp_collective(s, 0xffffffffu, combine_mma<CVT>);
     for (int i = 0; i < 4; i++) d[i] = bits_f32((unsigned)f->out[i]);
 }
 

@@ -1,0 +1,307 @@
+// Prefill GEMM on tensor cores: Y[T x N] = X[T x K] . W^T (or Y +=), for a block of T tokens (up to a few
+// thousand) and a dense weight W [N rows, K] straight from the GGUF (Q8_0, F16, F32), fp32 activations in and
+// fp32 results out. issue 17; the decode path's GEMV is gemv.cu.
+//
+// Numerics. Activations are rounded to bf16 (round to nearest even) when staged; the weights stay exact:
+//   Q8_0  the int8 codes q are bf16 integers (exact); each 32-column block's partial sum P = sum_k x_k q_k is
+//         accumulated by the tensor cores in fp32 from zero, then acc += d * P (fp32) - one scale per block and row;
+//   F16   w = hi + lo with hi = bf16(w), lo = bf16(w - hi) (exact: the remainder has at most 4 significant bits);
+//         two mma per step into the same accumulators;
+//   F32   w = hi + mid + lo, three bf16 pieces (exact for normal values), three mma per step.
+// So the product differs from an exact one only by the bf16 rounding of x (relative 2^-9 per element) and fp32
+// accumulation. ds4py/cuda/twins/gemm.py is that model in float64.
+//
+// Tiles. A block computes GEMM_BM tokens x GEMM_BN output features (8 warps, 2 x 4, each 32 x 32: 2 x 4 mma tiles);
+// K is walked in GEMM_BK = 32 column tiles in increasing order - the same order for every T, grid or tile
+// position, so an output row's bits depend only on its own x row and W (not on T, nor on which rows share its
+// tile: batch invariant). The next k-tile's raw bytes are loaded into registers while the current one is
+// multiplied (then converted to bf16 into shared memory); no split-K.
+//
+// Input groups (x_group_rows > 0: the grouped wo_a): output features [g*x_group_rows, (g+1)*x_group_rows) read x
+// columns [g*K, (g+1)*K) of each row (X is [T, groups*K], ldx apart); grid.z = groups.
+#include <cuda_fp16.h>
+#include "types.cuh"
+#include "portable.cuh"
+#include "mma_tile.cuh"
+
+#ifndef GEMM_BM
+#error "GEMM_BM comes from ds4py/cuda/ops/gemm.py (DEFINES)"
+#endif
+#ifndef GEMM_BN
+#error "GEMM_BN comes from ds4py/cuda/ops/gemm.py (DEFINES)"
+#endif
+#ifndef GEMM_WARPS_M
+#error "GEMM_WARPS_M comes from ds4py/cuda/ops/gemm.py (DEFINES)"
+#endif
+#ifndef GEMM_WARPS_N
+#error "GEMM_WARPS_N comes from ds4py/cuda/ops/gemm.py (DEFINES)"
+#endif
+
+#define GEMM_BK 32
+#define GEMM_LDS (GEMM_BK + 8)
+#define GEMM_THREADS (32 * GEMM_WARPS_M * GEMM_WARPS_N)
+#define GEMM_Q8_BYTES 34
+
+constexpr int GEMM_WM = GEMM_BM / GEMM_WARPS_M, GEMM_WN = GEMM_BN / GEMM_WARPS_N;
+constexpr int GEMM_MT = GEMM_WM / 16, GEMM_NT = GEMM_WN / 8;
+static_assert(GEMM_MT * 16 * GEMM_WARPS_M == GEMM_BM && GEMM_NT * 8 * GEMM_WARPS_N == GEMM_BN, "warp tiles");
+static_assert(GEMM_BM * 4 == GEMM_THREADS, "each thread stages 8 x values of one row per k-tile");
+static_assert(GEMM_BN * 2 == GEMM_THREADS, "each thread stages 16 weights of one row per k-tile");
+
+#define GEMM_FMT_Q8_0 0
+#define GEMM_FMT_F16 1
+#define GEMM_FMT_F32 2
+
+// Split fp32 values (exact weights) into NP bf16 pieces whose sum is the value; pieces p are PIECE apart.
+template <int NP>
+__device__ __forceinline__ void gemm_split8(const float* v, uint16_t* dst, int piece) {
+    float r[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++) r[i] = v[i];
+#pragma unroll
+    for (int p = 0; p < NP; p++) {
+        float b[8];
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            b[i] = tile_bf16_value(tile_bf16(r[i]));
+            r[i] = r[i] - b[i];                                  // exact (Sterbenz / the remainder's few bits)
+        }
+        tile_store8(dst + p * piece, b);                         // b is on the bf16 grid: stored as it is
+    }
+}
+
+// The weight formats: Raw = one thread's 16 weights of one row for one k-tile (loaded into registers ahead),
+// stage() writes them as bf16 pieces (and, Q8_0, the row's block scale).
+template <int F> struct GemmFmt;
+
+template <> struct GemmFmt<GEMM_FMT_F16> {
+    static constexpr int NP = 2;
+    static constexpr bool SCALED = false;
+    struct Raw { uint4 v[2]; };
+    __device__ static __forceinline__ void load(const void* W, int n, int ncols, int K, int k, Raw& r) {
+        const __half* row = reinterpret_cast<const __half*>(W) + (size_t)n * K;
+#pragma unroll
+        for (int i = 0; i < 2; i++)
+            r.v[i] = (n < ncols && k + 8 * i < K) ? *reinterpret_cast<const uint4*>(row + k + 8 * i)
+                                                  : make_uint4(0u, 0u, 0u, 0u);
+    }
+    __device__ static __forceinline__ void stage(const Raw& r, uint16_t* dst, int piece, float*, bool) {
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const __half2* h = reinterpret_cast<const __half2*>(&r.v[i]);
+            float v[8];
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const float2 f = __half22float2(h[j]);
+                v[2 * j] = f.x;
+                v[2 * j + 1] = f.y;
+            }
+            gemm_split8<NP>(v, dst + 8 * i, piece);
+        }
+    }
+};
+
+template <> struct GemmFmt<GEMM_FMT_F32> {
+    static constexpr int NP = 3;
+    static constexpr bool SCALED = false;
+    struct Raw { float4 v[4]; };
+    __device__ static __forceinline__ void load(const void* W, int n, int ncols, int K, int k, Raw& r) {
+        const float* row = reinterpret_cast<const float*>(W) + (size_t)n * K;
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            r.v[i] = (n < ncols && k + 4 * i < K) ? *reinterpret_cast<const float4*>(row + k + 4 * i)
+                                                  : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    __device__ static __forceinline__ void stage(const Raw& r, uint16_t* dst, int piece, float*, bool) {
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const float v[8] = {r.v[2 * i].x, r.v[2 * i].y, r.v[2 * i].z, r.v[2 * i].w,
+                                r.v[2 * i + 1].x, r.v[2 * i + 1].y, r.v[2 * i + 1].z, r.v[2 * i + 1].w};
+            gemm_split8<NP>(v, dst + 8 * i, piece);
+        }
+    }
+};
+
+// Q8_0: 34-byte blocks (f16 d, 32 int8 q), rows 2-byte aligned: 16-bit loads. k is a multiple of 16 here: this
+// thread's half of block k / 32.
+template <> struct GemmFmt<GEMM_FMT_Q8_0> {
+    static constexpr int NP = 1;
+    static constexpr bool SCALED = true;
+    struct Raw { unsigned q[8]; unsigned d; };
+    __device__ static __forceinline__ void load(const void* W, int n, int ncols, int K, int k, Raw& r) {
+        if (n >= ncols) {
+#pragma unroll
+            for (int i = 0; i < 8; i++) r.q[i] = 0u;
+            r.d = 0u;
+            return;
+        }
+        const uint8_t* b = reinterpret_cast<const uint8_t*>(W) + ((size_t)n * (K / 32) + k / 32) * GEMM_Q8_BYTES;
+        const uint16_t* q = reinterpret_cast<const uint16_t*>(b + 2 + (k & 16));
+#pragma unroll
+        for (int i = 0; i < 8; i++) r.q[i] = q[i];
+        r.d = *reinterpret_cast<const uint16_t*>(b);
+    }
+    __device__ static __forceinline__ void stage(const Raw& r, uint16_t* dst, int, float* scale, bool first) {
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            float v[8];
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const unsigned w = r.q[4 * i + j];
+                v[2 * j] = (float)(int8_t)(w & 255u);           // |q| <= 128: exact in bf16
+                v[2 * j + 1] = (float)(int8_t)(w >> 8);
+            }
+            tile_store8(dst + 8 * i, v);
+        }
+        if (first) *scale = __half2float(__ushort_as_half((unsigned short)r.d));
+    }
+};
+
+template <int F>
+__device__ __forceinline__ void gemm_impl(const void* W, const float* X, float* Y, int T, int N, int K, int ldx,
+                                          int ldy, int x_group_rows, int accumulate) {
+    using Fmt = GemmFmt<F>;
+    constexpr int NP = Fmt::NP, PIECE = GEMM_BN * GEMM_LDS;
+    __shared__ __align__(16) uint16_t xs[GEMM_BM * GEMM_LDS];
+    __shared__ __align__(16) uint16_t ws[NP * PIECE];
+    __shared__ float wscale[GEMM_BN];
+    pdl_wait();
+    pdl_launch_dependents();
+
+    // this launch's input group
+    int ncols = N;
+    if (x_group_rows > 0) {
+        const int nb = blockIdx.z * x_group_rows;
+        ncols = min(x_group_rows, N - nb);
+        X += (size_t)blockIdx.z * K;
+        Y += nb;
+        if (F == GEMM_FMT_Q8_0) W = reinterpret_cast<const uint8_t*>(W) + (size_t)nb * (K / 32) * GEMM_Q8_BYTES;
+        else if (F == GEMM_FMT_F16) W = reinterpret_cast<const __half*>(W) + (size_t)nb * K;
+        else W = reinterpret_cast<const float*>(W) + (size_t)nb * K;
+    }
+    const int n0 = blockIdx.x * GEMM_BN, m0 = blockIdx.y * GEMM_BM;
+    if (n0 >= ncols) return;                                    // the whole block: a short last group
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int wm = warp / GEMM_WARPS_N, wn = warp % GEMM_WARPS_N;
+    const int xr = tid >> 2, xc = (tid & 3) * 8;                // staging: x row and columns
+    const int wr = tid >> 1, wc = (tid & 1) * 16;               // staging: weight row and columns
+    const int xm = m0 + xr, wnr = n0 + wr;
+    const float* xrow = X + (size_t)(xm < T ? xm : 0) * ldx;
+    const int nk = (K + GEMM_BK - 1) / GEMM_BK;
+
+    float acc[GEMM_MT][GEMM_NT][4];
+    tile_zero(acc);
+    float xv[8];
+    typename Fmt::Raw raw;
+    auto load = [&](int kt) {
+        const int k = kt * GEMM_BK;
+        if (xm < T && k + xc < K) {
+            const float4 a = *reinterpret_cast<const float4*>(xrow + k + xc);
+            const float4 b = *reinterpret_cast<const float4*>(xrow + k + xc + 4);
+            xv[0] = a.x; xv[1] = a.y; xv[2] = a.z; xv[3] = a.w; xv[4] = b.x; xv[5] = b.y; xv[6] = b.z; xv[7] = b.w;
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; i++) xv[i] = 0.0f;
+        }
+        Fmt::load(W, wnr, ncols, K, k + wc, raw);
+    };
+    load(0);
+    for (int kt = 0; kt < nk; kt++) {
+        __syncthreads();                                        // the previous k-tile's fragments are read
+        tile_store8(xs + xr * GEMM_LDS + xc, xv);
+        Fmt::stage(raw, ws + wr * GEMM_LDS + wc, PIECE, wscale + wr, wc == 0);
+        __syncthreads();
+        if (kt + 1 < nk) load(kt + 1);                          // in flight while the tensor cores work
+        const uint16_t* as = xs + wm * GEMM_WM * GEMM_LDS;
+        const uint16_t* bs = ws + wn * GEMM_WN * GEMM_LDS;
+        if constexpr (Fmt::SCALED) {
+            float part[GEMM_MT][GEMM_NT][4];
+            tile_zero(part);
+            tile_mma<GEMM_MT, GEMM_NT, GEMM_BK, GEMM_LDS>(part, as, bs);
+            const int t = lane & 3;
+#pragma unroll
+            for (int nt = 0; nt < GEMM_NT; nt++) {
+                const float d0 = wscale[wn * GEMM_WN + nt * 8 + 2 * t], d1 = wscale[wn * GEMM_WN + nt * 8 + 2 * t + 1];
+#pragma unroll
+                for (int mt = 0; mt < GEMM_MT; mt++) {
+                    acc[mt][nt][0] = fmaf(d0, part[mt][nt][0], acc[mt][nt][0]);
+                    acc[mt][nt][1] = fmaf(d1, part[mt][nt][1], acc[mt][nt][1]);
+                    acc[mt][nt][2] = fmaf(d0, part[mt][nt][2], acc[mt][nt][2]);
+                    acc[mt][nt][3] = fmaf(d1, part[mt][nt][3], acc[mt][nt][3]);
+                }
+            }
+        } else {
+#pragma unroll
+            for (int p = 0; p < NP; p++)
+                tile_mma<GEMM_MT, GEMM_NT, GEMM_BK, GEMM_LDS>(acc, as, bs + p * PIECE);
+        }
+    }
+
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int mt = 0; mt < GEMM_MT; mt++)
+#pragma unroll
+        for (int nt = 0; nt < GEMM_NT; nt++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int m = m0 + wm * GEMM_WM + mt * 16 + g + 8 * (i >> 1);
+                const int n = n0 + wn * GEMM_WN + nt * 8 + 2 * t + (i & 1);
+                if (m < T && n < ncols) {
+                    float* y = Y + (size_t)m * ldy + n;
+                    *y = accumulate ? *y + acc[mt][nt][i] : acc[mt][nt][i];
+                }
+            }
+}
+
+// Y[m, n] (=, or += with accumulate) sum_k X[m, k] W[n, k], m < T, n < N (x_group_rows: see the top). Launch: grid
+// (ceil(cols / GEMM_BN), ceil(T / GEMM_BM), groups) with cols = x_group_rows or N and groups = ceil(N / cols),
+// block GEMM_THREADS, no dynamic shared memory. K % 32 == 0; X 16-byte aligned, ldx % 4 == 0; W 2-byte aligned.
+extern "C" __global__ __launch_bounds__(GEMM_THREADS) void gemm_q8_0(const uint8_t* W, const float* X, float* Y,
+        int T, int N, int K, int ldx, int ldy, int x_group_rows, int accumulate) {
+    gemm_impl<GEMM_FMT_Q8_0>(W, X, Y, T, N, K, ldx, ldy, x_group_rows, accumulate);
+}
+
+// As gemm_q8_0 for F16 weights. Launch: as gemm_q8_0. K % 8 == 0; W, X 16-byte aligned, ldx % 4 == 0.
+extern "C" __global__ __launch_bounds__(GEMM_THREADS) void gemm_f16(const __half* W, const float* X, float* Y,
+        int T, int N, int K, int ldx, int ldy, int x_group_rows, int accumulate) {
+    gemm_impl<GEMM_FMT_F16>(W, X, Y, T, N, K, ldx, ldy, x_group_rows, accumulate);
+}
+
+// As gemm_q8_0 for F32 weights. Launch: as gemm_q8_0. K % 8 == 0; W, X 16-byte aligned, ldx % 4 == 0.
+extern "C" __global__ __launch_bounds__(GEMM_THREADS) void gemm_f32(const float* W, const float* X, float* Y,
+        int T, int N, int K, int ldx, int ldy, int x_group_rows, int accumulate) {
+    gemm_impl<GEMM_FMT_F32>(W, X, Y, T, N, K, ldx, ldy, x_group_rows, accumulate);
+}
+
+// ---- one mma tile from per-lane fragments (ds4py/cuda/twins/mma.py packs them): the fragment-layout check ----
+// a [tiles, 32, 4], b [tiles, 32, 2], c / d [tiles, 32, 4] (lane-major): d = mma(a, b) + c for tile blockIdx.x.
+// Launch: grid (tiles), block 32.
+extern "C" __global__ void gemm_mma_tile_f16(const unsigned* a, const unsigned* b, const float* c, float* d) {
+    pdl_wait();
+    const int lane = threadIdx.x, tile = blockIdx.x;
+    const unsigned ra[4] = {a[(tile * 32 + lane) * 4], a[(tile * 32 + lane) * 4 + 1], a[(tile * 32 + lane) * 4 + 2],
+                            a[(tile * 32 + lane) * 4 + 3]};
+    const unsigned rb[2] = {b[(tile * 32 + lane) * 2], b[(tile * 32 + lane) * 2 + 1]};
+    float acc[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) acc[i] = c[(tile * 32 + lane) * 4 + i];
+    mma_m16n8k16_f16_f32(acc, ra, rb);
+#pragma unroll
+    for (int i = 0; i < 4; i++) d[(tile * 32 + lane) * 4 + i] = acc[i];
+}
+
+// As gemm_mma_tile_f16 with bf16 fragments. Launch: grid (tiles), block 32.
+extern "C" __global__ void gemm_mma_tile_bf16(const unsigned* a, const unsigned* b, const float* c, float* d) {
+    pdl_wait();
+    const int lane = threadIdx.x, tile = blockIdx.x;
+    const unsigned ra[4] = {a[(tile * 32 + lane) * 4], a[(tile * 32 + lane) * 4 + 1], a[(tile * 32 + lane) * 4 + 2],
+                            a[(tile * 32 + lane) * 4 + 3]};
+    const unsigned rb[2] = {b[(tile * 32 + lane) * 2], b[(tile * 32 + lane) * 2 + 1]};
+    float acc[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) acc[i] = c[(tile * 32 + lane) * 4 + i];
+    mma_m16n8k16_bf16_f32(acc, ra, rb);
+#pragma unroll
+    for (int i = 0; i < 4; i++) d[(tile * 32 + lane) * 4 + i] = acc[i];
+}

@@ -1,0 +1,352 @@
+// moe_formats.cuh: the routed / shared expert weight formats of V4 Flash GGUFs (ggml block layouts; ds4py/quant/),
+// as device decoders shared by experts.cu (decode: dot products on the integer codes) and moe_prefill.cu (prefill:
+// exact values staged as bf16 for the tensor cores). IQ2_XXS, Q2_K, Q4_K, MXFP4, Q8_0, F16.
+#pragma once
+#include <cuda_fp16.h>
+#include "types.cuh"
+#include "portable.cuh"
+#define FMT_IQ2_XXS 0
+#define FMT_Q2_K 1
+#define FMT_Q4_K 2
+#define FMT_MXFP4 3
+#define FMT_Q8_0 4
+#define FMT_F16 5
+
+// llama.cpp's iq2xxs_grid: 8 magnitudes (bytes 0x08, 0x19, 0x2b) per entry, byte j = weight j.
+__device__ const uint64_t moe_iq2xxs_grid[256] = {
+    0x0808080808080808ull, 0x080808080808082bull, 0x0808080808081919ull, 0x0808080808082b08ull,
+    0x0808080808082b2bull, 0x0808080808190819ull, 0x0808080808191908ull, 0x08080808082b0808ull,
+    0x08080808082b082bull, 0x08080808082b2b08ull, 0x08080808082b2b2bull, 0x0808080819080819ull,
+    0x0808080819081908ull, 0x0808080819190808ull, 0x0808080819192b08ull, 0x08080808192b0819ull,
+    0x08080808192b1908ull, 0x080808082b080808ull, 0x080808082b08082bull, 0x080808082b082b2bull,
+    0x080808082b2b082bull, 0x0808081908080819ull, 0x0808081908081908ull, 0x0808081908190808ull,
+    0x0808081908191919ull, 0x0808081919080808ull, 0x080808192b081908ull, 0x080808192b192b08ull,
+    0x0808082b08080808ull, 0x0808082b0808082bull, 0x0808082b082b082bull, 0x0808082b2b08082bull,
+    0x0808190808080819ull, 0x0808190808081908ull, 0x0808190808190808ull, 0x08081908082b0819ull,
+    0x08081908082b1908ull, 0x0808190819080808ull, 0x080819081908082bull, 0x0808190819082b08ull,
+    0x08081908192b0808ull, 0x080819082b080819ull, 0x080819082b081908ull, 0x080819082b190808ull,
+    0x080819082b2b1908ull, 0x0808191908080808ull, 0x080819190808082bull, 0x0808191908082b08ull,
+    0x08081919082b0808ull, 0x080819191908192bull, 0x08081919192b2b19ull, 0x080819192b080808ull,
+    0x080819192b190819ull, 0x0808192b08082b19ull, 0x0808192b08190808ull, 0x0808192b19080808ull,
+    0x0808192b2b081908ull, 0x0808192b2b2b1908ull, 0x08082b0808080808ull, 0x08082b0808081919ull,
+    0x08082b0808082b08ull, 0x08082b0808191908ull, 0x08082b08082b2b08ull, 0x08082b0819080819ull,
+    0x08082b0819081908ull, 0x08082b0819190808ull, 0x08082b081919082bull, 0x08082b082b082b08ull,
+    0x08082b1908081908ull, 0x08082b1919080808ull, 0x08082b2b0808082bull, 0x08082b2b08191908ull,
+    0x0819080808080819ull, 0x0819080808081908ull, 0x0819080808190808ull, 0x08190808082b0819ull,
+    0x0819080819080808ull, 0x08190808192b0808ull, 0x081908082b081908ull, 0x081908082b190808ull,
+    0x081908082b191919ull, 0x0819081908080808ull, 0x0819081908082b08ull, 0x08190819082b0808ull,
+    0x0819081919190808ull, 0x0819081919192b2bull, 0x081908192b080808ull, 0x0819082b082b1908ull,
+    0x0819082b19081919ull, 0x0819190808080808ull, 0x0819190808082b08ull, 0x08191908082b0808ull,
+    0x08191908082b1919ull, 0x0819190819082b19ull, 0x081919082b080808ull, 0x0819191908192b08ull,
+    0x08191919192b082bull, 0x0819192b08080808ull, 0x0819192b0819192bull, 0x08192b0808080819ull,
+    0x08192b0808081908ull, 0x08192b0808190808ull, 0x08192b0819080808ull, 0x08192b082b080819ull,
+    0x08192b1908080808ull, 0x08192b1908081919ull, 0x08192b192b2b0808ull, 0x08192b2b19190819ull,
+    0x082b080808080808ull, 0x082b08080808082bull, 0x082b080808082b2bull, 0x082b080819081908ull,
+    0x082b0808192b0819ull, 0x082b08082b080808ull, 0x082b08082b08082bull, 0x082b0819082b2b19ull,
+    0x082b081919082b08ull, 0x082b082b08080808ull, 0x082b082b0808082bull, 0x082b190808080819ull,
+    0x082b190808081908ull, 0x082b190808190808ull, 0x082b190819080808ull, 0x082b19081919192bull,
+    0x082b191908080808ull, 0x082b191919080819ull, 0x082b1919192b1908ull, 0x082b192b2b190808ull,
+    0x082b2b0808082b08ull, 0x082b2b08082b0808ull, 0x082b2b082b191908ull, 0x082b2b2b19081908ull,
+    0x1908080808080819ull, 0x1908080808081908ull, 0x1908080808190808ull, 0x1908080808192b08ull,
+    0x19080808082b0819ull, 0x19080808082b1908ull, 0x1908080819080808ull, 0x1908080819082b08ull,
+    0x190808081919192bull, 0x19080808192b0808ull, 0x190808082b080819ull, 0x190808082b081908ull,
+    0x190808082b190808ull, 0x1908081908080808ull, 0x19080819082b0808ull, 0x19080819192b0819ull,
+    0x190808192b080808ull, 0x190808192b081919ull, 0x1908082b08080819ull, 0x1908082b08190808ull,
+    0x1908082b19082b08ull, 0x1908082b1919192bull, 0x1908082b192b2b08ull, 0x1908190808080808ull,
+    0x1908190808082b08ull, 0x19081908082b0808ull, 0x190819082b080808ull, 0x190819082b192b19ull,
+    0x190819190819082bull, 0x19081919082b1908ull, 0x1908192b08080808ull, 0x19082b0808080819ull,
+    0x19082b0808081908ull, 0x19082b0808190808ull, 0x19082b0819080808ull, 0x19082b0819081919ull,
+    0x19082b1908080808ull, 0x19082b1919192b08ull, 0x19082b19192b0819ull, 0x19082b192b08082bull,
+    0x19082b2b19081919ull, 0x19082b2b2b190808ull, 0x1919080808080808ull, 0x1919080808082b08ull,
+    0x1919080808190819ull, 0x1919080808192b19ull, 0x19190808082b0808ull, 0x191908082b080808ull,
+    0x191908082b082b08ull, 0x1919081908081908ull, 0x191908191908082bull, 0x191908192b2b1908ull,
+    0x1919082b2b190819ull, 0x191919082b190808ull, 0x191919082b19082bull, 0x1919191908082b2bull,
+    0x1919192b08080819ull, 0x1919192b19191908ull, 0x19192b0808080808ull, 0x19192b0808190819ull,
+    0x19192b0808192b19ull, 0x19192b08192b1908ull, 0x19192b1919080808ull, 0x19192b2b08082b08ull,
+    0x192b080808081908ull, 0x192b080808190808ull, 0x192b080819080808ull, 0x192b0808192b2b08ull,
+    0x192b081908080808ull, 0x192b081919191919ull, 0x192b082b08192b08ull, 0x192b082b192b0808ull,
+    0x192b190808080808ull, 0x192b190808081919ull, 0x192b191908190808ull, 0x192b19190819082bull,
+    0x192b19192b081908ull, 0x192b2b081908082bull, 0x2b08080808080808ull, 0x2b0808080808082bull,
+    0x2b08080808082b2bull, 0x2b08080819080819ull, 0x2b0808082b08082bull, 0x2b08081908081908ull,
+    0x2b08081908192b08ull, 0x2b08081919080808ull, 0x2b08082b08190819ull, 0x2b08190808080819ull,
+    0x2b08190808081908ull, 0x2b08190808190808ull, 0x2b08190808191919ull, 0x2b08190819080808ull,
+    0x2b081908192b0808ull, 0x2b08191908080808ull, 0x2b0819191908192bull, 0x2b0819192b191908ull,
+    0x2b08192b08082b19ull, 0x2b08192b19080808ull, 0x2b08192b192b0808ull, 0x2b082b080808082bull,
+    0x2b082b1908081908ull, 0x2b082b2b08190819ull, 0x2b19080808081908ull, 0x2b19080808190808ull,
+    0x2b190808082b1908ull, 0x2b19080819080808ull, 0x2b1908082b2b0819ull, 0x2b1908190819192bull,
+    0x2b1908192b080808ull, 0x2b19082b19081919ull, 0x2b19190808080808ull, 0x2b191908082b082bull,
+    0x2b19190819081908ull, 0x2b19191919190819ull, 0x2b192b082b080819ull, 0x2b192b19082b0808ull,
+    0x2b2b08080808082bull, 0x2b2b080819190808ull, 0x2b2b08082b081919ull, 0x2b2b081908082b19ull,
+    0x2b2b082b08080808ull, 0x2b2b190808192b08ull, 0x2b2b2b0819190808ull, 0x2b2b2b1908081908ull
+};
+
+// ---- formats. Each has, for the 32 weights of column group `grp` counted from `base` (a row start, or a whole
+// tensor: rows are whole blocks):
+//   dq   the exact values, with explicit _rn operations in ds4py.quant's order (no FMA contraction changes a bit):
+//        moe_dequant_*, and the reference every kernel test compares with;
+//   dot  sum_j w_j x_j with the block / sub-block scales taken out of the loop (one fma per weight on the integer
+//        code, the scales applied once per 16 or 32), given xs = the sums of x over its two halves (for the mins).
+// Small integers become floats through the bits of 2^23 + v (exact, full rate; I2F is quarter rate on sm_90).
+__device__ __forceinline__ unsigned moe_u16(const uint8_t* p) { return *reinterpret_cast<const uint16_t*>(p); }
+__device__ __forceinline__ unsigned moe_u32(const uint8_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
+__device__ __forceinline__ float moe_f16(const uint8_t* p) { return __half2float(*reinterpret_cast<const __half*>(p)); }
+__device__ __forceinline__ float moe_u2f(unsigned v) { return __uint_as_float(0x4B000000u | v) - 8388608.0f; }
+__device__ __forceinline__ float moe_i8f(unsigned byte) {                 // the int8 in the low byte
+    return __uint_as_float(0x4B000000u | ((byte & 255u) ^ 0x80u)) - 8388736.0f;
+}
+
+template <int F> struct MoeFmt;
+
+// IQ2_XXS (66 B / 256): f16 d, then per 32 weights aux0 (4 grid indices) and aux1 (4 x 7 sign bits, 4-bit scale).
+// value = d * (0.5 + ls) * 0.25 * grid[idx][j] * sign. 2-byte aligned: read in 16-bit halves.
+template <> struct MoeFmt<FMT_IQ2_XXS> {
+    static constexpr int QK = 256, BYTES = 66;
+    __device__ static __forceinline__ void aux(const uint8_t* base, int grp, unsigned& a0, unsigned& a1,
+                                               float& db) {
+        const uint8_t* b = base + (size_t)(grp >> 3) * BYTES;
+        const uint8_t* q = b + 2 + 8 * (grp & 7);
+        a0 = moe_u16(q) | (moe_u16(q + 2) << 16);
+        a1 = moe_u16(q + 4) | (moe_u16(q + 6) << 16);
+        db = __fmul_rn(__fmul_rn(moe_f16(b), __fadd_rn(0.5f, moe_u2f(a1 >> 28))), 0.25f);
+    }
+    __device__ static __forceinline__ unsigned signs(unsigned a1, int k) {      // ksigns_iq2xs[7 bits]: even parity
+        const unsigned si = (a1 >> (7 * k)) & 127u;
+        return si | ((unsigned)(__popc(si) & 1) << 7);
+    }
+    __device__ static __forceinline__ void dq(const uint8_t* base, int grp, float* w, const uint64_t* grid) {
+        unsigned a0, a1;
+        float db;
+        aux(base, grp, a0, a1, db);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const uint64_t g = grid[(a0 >> (8 * k)) & 255u];
+            const unsigned sg = signs(a1, k);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const float v = __fmul_rn(moe_u2f((unsigned)(g >> (8 * j)) & 255u), db);
+                w[8 * k + j] = (sg >> j) & 1u ? -v : v;
+            }
+        }
+    }
+    __device__ static __forceinline__ float dot(const uint8_t* base, int grp, const float* x, const float*,
+                                                const uint64_t* grid) {
+        unsigned a0, a1;
+        float db;
+        aux(base, grp, a0, a1, db);
+        float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const uint64_t g = grid[(a0 >> (8 * k)) & 255u];
+            const unsigned sg = signs(a1, k), lo = (unsigned)g, hi = (unsigned)(g >> 32);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const float v0 = moe_u2f((lo >> (8 * j)) & 255u), v1 = moe_u2f((hi >> (8 * j)) & 255u);
+                s0 = fmaf((sg >> j) & 1u ? -v0 : v0, x[8 * k + j], s0);
+                s1 = fmaf((sg >> (j + 4)) & 1u ? -v1 : v1, x[8 * k + j + 4], s1);
+            }
+        }
+        return (s0 + s1) * db;
+    }
+};
+
+// Q2_K (84 B / 256): 16 scale bytes (low nibble scale, high nibble min, per 16 weights), 64 bytes of 2-bit q
+// (weight 128h + 32j + l = bits 2j of qs[32h + l]), f16 d, f16 dmin. value = d*sc*q - dmin*m. 4-byte aligned.
+template <> struct MoeFmt<FMT_Q2_K> {
+    static constexpr int QK = 256, BYTES = 84;
+    __device__ static __forceinline__ void dq(const uint8_t* base, int grp, float* w, const uint64_t*) {
+        const uint8_t* b = base + (size_t)(grp >> 3) * BYTES;
+        const int cw = (grp & 7) * 32, sh = 2 * ((cw >> 5) & 3);
+        const float d = moe_f16(b + 80), dmin = moe_f16(b + 82);
+#pragma unroll
+        for (int sub = 0; sub < 2; ++sub) {
+            const unsigned sc = b[(cw >> 4) + sub];
+            const float dl = __fmul_rn(d, moe_u2f(sc & 15u)), ml = __fmul_rn(dmin, moe_u2f(sc >> 4));
+            const uint8_t* qs = b + 16 + 32 * (cw >> 7) + 16 * sub;
+#pragma unroll
+            for (int word = 0; word < 4; ++word) {
+                const unsigned u = moe_u32(qs + 4 * word);
+#pragma unroll
+                for (int by = 0; by < 4; ++by)
+                    w[16 * sub + 4 * word + by] = __fsub_rn(__fmul_rn(moe_u2f((u >> (8 * by + sh)) & 3u), dl), ml);
+            }
+        }
+    }
+    __device__ static __forceinline__ float dot(const uint8_t* base, int grp, const float* x, const float* xs,
+                                                const uint64_t*) {
+        const uint8_t* b = base + (size_t)(grp >> 3) * BYTES;
+        const int cw = (grp & 7) * 32, sh = 2 * ((cw >> 5) & 3);
+        const float d = moe_f16(b + 80), dmin = moe_f16(b + 82);
+        float acc = 0.0f;
+#pragma unroll
+        for (int sub = 0; sub < 2; ++sub) {
+            const unsigned sc = b[(cw >> 4) + sub];
+            const uint8_t* qs = b + 16 + 32 * (cw >> 7) + 16 * sub;
+            float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+            for (int word = 0; word < 4; ++word) {
+                const unsigned u = moe_u32(qs + 4 * word) >> sh;
+                s0 = fmaf(moe_u2f(u & 3u), x[16 * sub + 4 * word], s0);
+                s1 = fmaf(moe_u2f((u >> 8) & 3u), x[16 * sub + 4 * word + 1], s1);
+                s0 = fmaf(moe_u2f((u >> 16) & 3u), x[16 * sub + 4 * word + 2], s0);
+                s1 = fmaf(moe_u2f((u >> 24) & 3u), x[16 * sub + 4 * word + 3], s1);
+            }
+            acc = fmaf(d * moe_u2f(sc & 15u), s0 + s1, acc);
+            acc = fmaf(-dmin * moe_u2f(sc >> 4), xs[sub], acc);
+        }
+        return acc;
+    }
+};
+
+// Q4_K (144 B / 256): f16 d, f16 dmin, 12 bytes of 6-bit (scale, min) x 8, 128 bytes of 4-bit q (sub-block 2c in
+// the low nibbles of qs[32c..], 2c+1 in the high ones). value = d*sc*q - dmin*m. 4-byte aligned.
+template <> struct MoeFmt<FMT_Q4_K> {
+    static constexpr int QK = 256, BYTES = 144;
+    __device__ static __forceinline__ void scales(const uint8_t* b, int gi, unsigned& sc, unsigned& mn) {
+        const uint8_t* s = b + 4;
+        if (gi < 4) {
+            sc = s[gi] & 63u;
+            mn = s[gi + 4] & 63u;
+        } else {
+            sc = (s[gi + 4] & 15u) | ((unsigned)(s[gi - 4] >> 6) << 4);
+            mn = (unsigned)(s[gi + 4] >> 4) | ((unsigned)(s[gi] >> 6) << 4);
+        }
+    }
+    __device__ static __forceinline__ void dq(const uint8_t* base, int grp, float* w, const uint64_t*) {
+        const uint8_t* b = base + (size_t)(grp >> 3) * BYTES;
+        const int gi = grp & 7;
+        unsigned sc, mn;
+        scales(b, gi, sc, mn);
+        const float dl = __fmul_rn(moe_f16(b), moe_u2f(sc)), ml = __fmul_rn(moe_f16(b + 2), moe_u2f(mn));
+        const uint8_t* qs = b + 16 + 32 * (gi >> 1);
+        const int sh = 4 * (gi & 1);
+#pragma unroll
+        for (int word = 0; word < 8; ++word) {
+            const unsigned u = moe_u32(qs + 4 * word);
+#pragma unroll
+            for (int by = 0; by < 4; ++by)
+                w[4 * word + by] = __fsub_rn(__fmul_rn(moe_u2f((u >> (8 * by + sh)) & 15u), dl), ml);
+        }
+    }
+    __device__ static __forceinline__ float dot(const uint8_t* base, int grp, const float* x, const float* xs,
+                                                const uint64_t*) {
+        const uint8_t* b = base + (size_t)(grp >> 3) * BYTES;
+        const int gi = grp & 7;
+        unsigned sc, mn;
+        scales(b, gi, sc, mn);
+        const uint8_t* qs = b + 16 + 32 * (gi >> 1);
+        const int sh = 4 * (gi & 1);
+        float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+        for (int word = 0; word < 8; ++word) {
+            const unsigned u = moe_u32(qs + 4 * word) >> sh;
+            s0 = fmaf(moe_u2f(u & 15u), x[4 * word], s0);
+            s1 = fmaf(moe_u2f((u >> 8) & 15u), x[4 * word + 1], s1);
+            s0 = fmaf(moe_u2f((u >> 16) & 15u), x[4 * word + 2], s0);
+            s1 = fmaf(moe_u2f((u >> 24) & 15u), x[4 * word + 3], s1);
+        }
+        return fmaf(moe_f16(b) * moe_u2f(sc), s0 + s1, -(moe_f16(b + 2) * moe_u2f(mn)) * (xs[0] + xs[1]));
+    }
+};
+
+// MXFP4 (17 B / 32): e8m0 byte e, 16 bytes of e2m1 codes (weight j: low nibble of qs[j], j+16: high nibble).
+// value = {0,1,2,3,4,6,8,12}[code & 7] * sign * 2^(e-128). Byte aligned.
+__device__ __forceinline__ float moe_mxfp4_code(unsigned c) {
+    const float v = moe_u2f((0xC8643210u >> (4u * (c & 7u))) & 15u);   // the 8 magnitudes, one nibble each
+    return (c & 8u) && (c & 7u) ? -v : v;                               // code 8 is +0, as in ggml's table
+}
+template <> struct MoeFmt<FMT_MXFP4> {
+    static constexpr int QK = 32, BYTES = 17;
+    __device__ static __forceinline__ float scale(const uint8_t* b) {
+        const unsigned e = b[0];
+        return __uint_as_float(e < 2u ? 0x00200000u << e : (e - 1u) << 23);
+    }
+    __device__ static __forceinline__ void dq(const uint8_t* base, int grp, float* w, const uint64_t*) {
+        const uint8_t* b = base + (size_t)grp * BYTES;
+        const float d = scale(b);
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            const unsigned q = b[1 + j];
+            w[j] = __fmul_rn(moe_mxfp4_code(q & 15u), d);
+            w[j + 16] = __fmul_rn(moe_mxfp4_code(q >> 4), d);
+        }
+    }
+    __device__ static __forceinline__ float dot(const uint8_t* base, int grp, const float* x, const float*,
+                                                const uint64_t*) {
+        const uint8_t* b = base + (size_t)grp * BYTES;
+        float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            const unsigned q = b[1 + j];
+            s0 = fmaf(moe_mxfp4_code(q & 15u), x[j], s0);
+            s1 = fmaf(moe_mxfp4_code(q >> 4), x[j + 16], s1);
+        }
+        return (s0 + s1) * scale(b);
+    }
+};
+
+// Q8_0 (34 B / 32): f16 d, 32 int8 q. value = q * d. 2-byte aligned.
+template <> struct MoeFmt<FMT_Q8_0> {
+    static constexpr int QK = 32, BYTES = 34;
+    __device__ static __forceinline__ void dq(const uint8_t* base, int grp, float* w, const uint64_t*) {
+        const uint8_t* b = base + (size_t)grp * BYTES;
+        const float d = moe_f16(b);
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            const unsigned u = moe_u16(b + 2 + 2 * j);
+            w[2 * j] = __fmul_rn(moe_i8f(u), d);
+            w[2 * j + 1] = __fmul_rn(moe_i8f(u >> 8), d);
+        }
+    }
+    __device__ static __forceinline__ float dot(const uint8_t* base, int grp, const float* x, const float*,
+                                                const uint64_t*) {
+        const uint8_t* b = base + (size_t)grp * BYTES;
+        float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            const unsigned u = moe_u16(b + 2 + 2 * j);
+            s0 = fmaf(moe_i8f(u), x[2 * j], s0);
+            s1 = fmaf(moe_i8f(u >> 8), x[2 * j + 1], s1);
+        }
+        return (s0 + s1) * moe_f16(b);
+    }
+};
+
+// F16: 32 halves (64 bytes; 16-byte aligned when the row length is a multiple of 8).
+template <> struct MoeFmt<FMT_F16> {
+    static constexpr int QK = 32, BYTES = 64;
+    __device__ static __forceinline__ void dq(const uint8_t* base, int grp, float* w, const uint64_t*) {
+        const uint4* p = reinterpret_cast<const uint4*>(base + (size_t)grp * BYTES);
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+            const uint4 u = p[v];
+            const __half* hh = reinterpret_cast<const __half*>(&u);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) w[8 * v + j] = __half2float(hh[j]);
+        }
+    }
+    __device__ static __forceinline__ float dot(const uint8_t* base, int grp, const float* x, const float*,
+                                                const uint64_t*) {
+        const uint4* p = reinterpret_cast<const uint4*>(base + (size_t)grp * BYTES);
+        float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+            const uint4 u = p[v];
+            const __half* hh = reinterpret_cast<const __half*>(&u);
+#pragma unroll
+            for (int j = 0; j < 8; j += 2) {
+                s0 = fmaf(__half2float(hh[j]), x[8 * v + j], s0);
+                s1 = fmaf(__half2float(hh[j + 1]), x[8 * v + j + 1], s1);
+            }
+        }
+        return s0 + s1;
+    }
+};
+
+template <int F> __device__ __forceinline__ int moe_row_bytes(int cols) {
+    return cols / MoeFmt<F>::QK * MoeFmt<F>::BYTES;
+}
+
+// The IQ2_XXS grid into shared memory (a block-wide copy; __syncthreads before use).
+__device__ __forceinline__ void moe_load_grid(uint64_t* grid_s) {
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) grid_s[i] = moe_iq2xxs_grid[i];
+}

@@ -1,0 +1,83 @@
+"""Host side of cu/gemm.cu: the prefill GEMM on tensor cores (bf16 mma.sync, fp32 accumulate) for the dense
+weights (Q8_0 / F16 / F32, as the GEMVs read them).
+
+    gemm(rt, W, x, y, T, N, K)                        # y[T, N] = x[T, K] @ W[N, K]^T
+    gemm(rt, W, x, y, T, N, K, accumulate=True)       # y += ...
+    gemm(rt, W_o_a, o, u, T, 8192, 4096, x_group_rows=1024)   # grouped wo_a: feature block g reads x[:, g*K:]
+
+W is a DeviceArray (or a DevTensor: its .array) typed as for ops.gemv: float32 -> F32, float16 -> F16, uint8
+bytes -> Q8_0 ([N, K/32*34]). x: float32 [T, ldx] (ldx >= K * groups, a multiple of 4, default K * groups), y:
+float32 [T, ldy] (default N). Numerics (cu/gemm.cu): x rounded to bf16, weights exact (Q8_0 codes + per-block
+scale, F16 as two bf16 pieces, F32 as three), fp32 accumulation in a fixed k order: a row's result does not depend
+on T or on the other rows (twin: ds4py/cuda/twins/gemm.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ds4py.cuda.ops.core import aligned, ceil_div, is_dtype, need
+from ds4py.cuda.ops.gemv import Q8_0_BLOCK_BYTES, weight_type
+from ds4py.errors import Ds4Error
+
+DEFINES = {
+    "GEMM_BM": 64,               # tokens per block tile
+    "GEMM_BN": 128,              # output features per block tile
+    "GEMM_WARPS_M": 2,           # warps along the tokens (each 32 rows)
+    "GEMM_WARPS_N": 4,           # warps along the features (each 32 columns)
+}
+BM, BN, BK = DEFINES["GEMM_BM"], DEFINES["GEMM_BN"], 32
+THREADS = 32 * DEFINES["GEMM_WARPS_M"] * DEFINES["GEMM_WARPS_N"]
+MAX_T = 65535 * BM               # grid.y limit
+_KERNEL = {"Q8_0": "gemm_q8_0", "F16": "gemm_f16", "F32": "gemm_f32"}
+PIECES = {"Q8_0": 1, "F16": 2, "F32": 3}     # bf16 mma per k16 step and tile: the tensor-core cost factor
+
+
+def gemm_grid(T: int, N: int, x_group_rows: int = 0) -> tuple[int, int, int]:
+    """(feature tiles, token tiles, input groups) of one launch."""
+    cols = x_group_rows or N
+    return ceil_div(cols, BN), ceil_div(T, BM), ceil_div(N, cols)
+
+
+def gemm(rt: Any, W: Any, x: Any, y: Any, T: int, N: int, K: int, accumulate: bool = False, x_group_rows: int = 0,
+         ldx: int | None = None, ldy: int | None = None, stream: Any = None, pdl: bool = False) -> None:
+    """y[t, n] = sum_k x[t, k] W[n, k] for t < T, n < N (accumulate: y +=). x_group_rows > 0: features
+    [g*x_group_rows, (g+1)*x_group_rows) read x[t, g*K:(g+1)*K] (the grouped wo_a). One launch."""
+    W = getattr(W, "array", W)
+    qtype = weight_type(W)
+    need(isinstance(T, (int, np.integer)) and 1 <= T <= MAX_T, f"gemm: T must be 1..{MAX_T}, got {T}")
+    need(N >= 1 and K >= 1, f"gemm: N and K must be >= 1, got {N}, {K}")
+    need(K % (32 if qtype == "Q8_0" else 8) == 0,
+         f"gemm: K ({K}) must be a multiple of {32 if qtype == 'Q8_0' else 8} for {qtype}")
+    need(x_group_rows >= 0, f"gemm: x_group_rows must be >= 0, got {x_group_rows}")
+    groups = ceil_div(N, x_group_rows) if x_group_rows else 1
+    need(groups <= 65535, f"gemm: {groups} input groups exceed the grid")
+    ldx = K * groups if ldx is None else int(ldx)
+    ldy = N if ldy is None else int(ldy)
+    need(ldx >= K * groups and ldx % 4 == 0, f"gemm: ldx ({ldx}) must be a multiple of 4 and >= {K * groups}")
+    need(ldy >= N, f"gemm: ldy ({ldy}) must be >= N ({N})")
+    if qtype == "Q8_0":
+        need(W.nbytes == N * (K // 32) * Q8_0_BLOCK_BYTES,
+             f"gemm: W holds {W.nbytes} bytes, not {N} x {K} Q8_0 ({N * (K // 32) * Q8_0_BLOCK_BYTES})")
+        need(W.ptr % 2 == 0, "gemm: Q8_0 weights must be 2-byte aligned")
+    else:
+        need(W.size == N * K, f"gemm: W has {W.size} values, not {N} x {K}")
+        need(aligned(16, W), f"gemm: {qtype} weights must be 16-byte aligned")
+    need(is_dtype(x, np.float32) and x.size >= (T - 1) * ldx + K * groups,
+         f"gemm: x must be float32 [{T}, {ldx}]")
+    need(aligned(16, x), "gemm: x must be 16-byte aligned")
+    need(is_dtype(y, np.float32) and y.size >= (T - 1) * ldy + N, f"gemm: y must be float32 [{T}, {ldy}]")
+    rt.launch(_KERNEL[qtype], gemm_grid(T, N, x_group_rows), THREADS, W, x, y, int(T), int(N), int(K), ldx, ldy,
+              int(x_group_rows), int(bool(accumulate)), stream=stream, pdl=pdl)
+
+
+def mma_tile(rt: Any, dtype: str, a: Any, b: Any, c: Any, d: Any, tiles: int = 1) -> None:
+    """d = one m16n8k16 mma per tile from per-lane fragments (a [tiles, 32, 4], b [tiles, 32, 2] uint32, c / d
+    [tiles, 32, 4] float32; twins.mma packs them): the fragment-layout check of the f16 / bf16 wrappers."""
+    if dtype not in ("f16", "bf16"):
+        raise Ds4Error(f"mma_tile: dtype must be f16 or bf16, not {dtype!r}")
+    need(a.size >= tiles * 128 and b.size >= tiles * 64 and c.size >= tiles * 128 and d.size >= tiles * 128,
+         "mma_tile: the fragments do not cover the tiles")
+    rt.launch(f"gemm_mma_tile_{dtype}", tiles, 32, a, b, c, d)

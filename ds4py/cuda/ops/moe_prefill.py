@@ -1,0 +1,163 @@
+"""Host side of cu/moe_prefill.cu: the routed experts of a block of T tokens, grouped by expert on tensor cores.
+
+    bufs = MoePrefillBuffers.alloc(arena.scratch, T, k, n_experts, ff, dim)     # or from any allocator
+    moe_prefill(rt, (E.gate.qtype, E.gate.array), (E.up.qtype, E.up.array), (E.down.qtype, E.down.array),
+                x_ffn, ids, wts, y, T, k, n_experts, ff, dim, clamp, bufs, add=y_shared)
+
+x [T, dim] float32 (ldx apart), ids [T, k] int32 and wts [T, k] float32 (the router's), y [T, dim] float32
+(ldy apart) = sum_s w_s * down_e(silu(min(gate_e x, c)) * clamp(up_e x, -c, c)) over the token's k slots (+ add
+[T, dim]). Four launches: route (count / scan / scatter, one block), gate + up, down, combine. The grids are sized
+for the worst case, so nothing is read back to the host (graph-capturable). The stages are separate functions
+too (moe_prefill_route, _gate_up, _down, _combine) for tests and for callers that fuse other work between them.
+
+Numerics: x, the decoded weights and the SwiGLU output are rounded to bf16 before their products; fp32
+accumulation in a fixed order; the combine sums the k slots in slot order (twin: ds4py/cuda/twins/moe_prefill.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Callable
+
+import numpy as np
+
+from ds4py.cuda.ops.core import aligned, ceil_div, is_dtype, need
+from ds4py.cuda.ops.experts import FORMATS, row_bytes
+
+DEFINES = {
+    "MOEP_WARPS_M": 2,            # warps along the routed rows (32 each): MOEP_BM = 64 rows per work item
+    "MOEP_WARPS_N": 2,            # warps along the features (32 each): MOEP_BN = 64 features per block
+    "MOEP_MAX_EXPERTS": 256,      # routed experts the route kernel's shared counters hold (V4 Flash: 256)
+}
+BM = 32 * DEFINES["MOEP_WARPS_M"]
+BN = 32 * DEFINES["MOEP_WARPS_N"]
+THREADS = 32 * DEFINES["MOEP_WARPS_M"] * DEFINES["MOEP_WARPS_N"]
+MAX_EXPERTS = DEFINES["MOEP_MAX_EXPERTS"]
+ROUTE_THREADS = 1024
+
+
+def max_tiles(n_pairs: int, n_experts: int) -> int:
+    """Work items at most: sum over buckets of ceil(c_b / BM) <= P / BM + (non-empty buckets, <= E + 1)."""
+    return n_pairs // BM + min(n_experts + 1, n_pairs)
+
+
+@dataclass
+class MoePrefillBuffers:
+    """Device scratch of one grouped MoE (P = T * k pairs): int32 offsets [E + 2], sorted [P], pos [P],
+    tile_bucket / tile_row [max_tiles], info [1]; float32 H [P, ff], Yp [P, dim]."""
+    offsets: Any
+    sorted: Any
+    pos: Any
+    tile_bucket: Any
+    tile_row: Any
+    info: Any
+    H: Any
+    Yp: Any
+
+    @staticmethod
+    def shapes(T: int, k: int, n_experts: int, ff: int, dim: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        P, i32, f32 = T * k, np.dtype(np.int32), np.dtype(np.float32)
+        mt = max_tiles(P, n_experts)
+        return {"offsets": ((n_experts + 2,), i32), "sorted": ((P,), i32), "pos": ((P,), i32),
+                "tile_bucket": ((mt,), i32), "tile_row": ((mt,), i32), "info": ((4,), i32),
+                "H": ((P, ff), f32), "Yp": ((P, dim), f32)}
+
+    @classmethod
+    def alloc(cls, make: Callable[[tuple[int, ...], np.dtype], Any], T: int, k: int, n_experts: int, ff: int,
+              dim: int) -> "MoePrefillBuffers":
+        """make(shape, dtype) -> a DeviceArray (arena.scratch, or arena.weights ... ), one call per buffer."""
+        return cls(**{n: make(s, dt) for n, (s, dt) in cls.shapes(T, k, n_experts, ff, dim).items()})
+
+    def check(self, T: int, k: int, n_experts: int, ff: int, dim: int) -> None:
+        for f in fields(self):
+            shape, dt = self.shapes(T, k, n_experts, ff, dim)[f.name]
+            a = getattr(self, f.name)
+            need(a is not None and is_dtype(a, dt) and a.size >= int(np.prod(shape)),
+                 f"moe_prefill: buffer {f.name} must be {dt} with {int(np.prod(shape))} values")
+        need(aligned(16, self.H, self.Yp), "moe_prefill: H and Yp must be 16-byte aligned")
+
+
+def _name(qtype: int, where: str) -> str:
+    from gguf import GGMLQuantizationType as QT
+
+    qt = QT(int(qtype)) if int(qtype) in QT._value2member_map_ else None
+    need(qt in FORMATS, f"{where}: weight type {qt.name if qt is not None else qtype} has no kernel (supported: "
+         f"{', '.join(q.name for q in FORMATS)})")
+    return FORMATS[qt][0]
+
+
+def _check_w(where: str, qtype: int, W: Any, n_experts: int, rows: int, cols: int) -> None:
+    need(cols % 32 == 0, f"{where}: {cols} columns are not a multiple of 32")
+    need(is_dtype(W, np.uint8), f"{where}: weights must be the raw GGUF bytes (uint8)")
+    need(W.nbytes == n_experts * rows * row_bytes(qtype, cols), f"{where}: {W.nbytes} weight bytes for {n_experts} "
+         f"experts of [{rows}, {cols}] ({n_experts * rows * row_bytes(qtype, cols)} expected)")
+
+
+def moe_prefill_route(rt: Any, ids: Any, bufs: MoePrefillBuffers, T: int, k: int, n_experts: int,
+                      stream: Any = None, pdl: bool = False) -> None:
+    """Count / scan / scatter the T*k pairs by expert (ids [T, k] int32): bufs.offsets, sorted, pos, the work
+    items and info[0] (their number). Exact and deterministic (within an expert: pair order t*k + s)."""
+    P = T * k
+    need(1 <= n_experts <= MAX_EXPERTS, f"moe_prefill: 1 to {MAX_EXPERTS} experts, got {n_experts}")
+    need(T >= 1 and k >= 1, "moe_prefill: T and k must be >= 1")
+    need(is_dtype(ids, np.int32) and ids.size >= P, f"moe_prefill: ids must be int32 [{T}, {k}]")
+    rt.launch("moe_prefill_route", 1, ROUTE_THREADS, ids, bufs.offsets, bufs.sorted, bufs.pos, bufs.tile_bucket,
+              bufs.tile_row, bufs.info, int(P), int(n_experts), max_tiles(P, n_experts), stream=stream, pdl=pdl)
+
+
+def moe_prefill_gate_up(rt: Any, qtype: int, Wg: Any, Wu: Any, x: Any, wts: Any, bufs: MoePrefillBuffers, T: int,
+                        k: int, n_experts: int, ff: int, dim: int, clamp: float, ldx: int | None = None,
+                        stream: Any = None, pdl: bool = False) -> None:
+    """bufs.H[row] = silu(min(x_t Wg[e]^T, c)) * clamp(x_t Wu[e]^T, -c, c) * wts[p] for every sorted row (pair
+    p = t*k + s of expert e; wts None: 1)."""
+    name = _name(qtype, "moe_prefill_gate_up")
+    for W in (Wg, Wu):
+        _check_w("moe_prefill_gate_up", qtype, W, n_experts, ff, dim)
+    ldx = dim if ldx is None else int(ldx)
+    need(ff % 32 == 0, f"moe_prefill_gate_up: ff ({ff}) must be a multiple of 32")
+    need(ldx >= dim and ldx % 4 == 0 and is_dtype(x, np.float32) and x.size >= (T - 1) * ldx + dim,
+         f"moe_prefill_gate_up: x must be float32 [{T}, {ldx}] with ldx % 4 == 0")
+    need(aligned(16, x), "moe_prefill_gate_up: x must be 16-byte aligned")
+    need(wts is None or (is_dtype(wts, np.float32) and wts.size >= T * k), "moe_prefill_gate_up: wts must be "
+         f"float32 [{T}, {k}]")
+    bufs.check(T, k, n_experts, ff, dim)
+    rt.launch(f"moe_prefill_gate_up_{name}", (ceil_div(ff, BN), max_tiles(T * k, n_experts)), THREADS, Wg, Wu, x,
+              wts, bufs.sorted, bufs.tile_bucket, bufs.tile_row, bufs.offsets, bufs.info, bufs.H, int(n_experts),
+              int(ff), int(dim), int(k), ldx, float(clamp), stream=stream, pdl=pdl)
+
+
+def moe_prefill_down(rt: Any, qtype: int, W: Any, bufs: MoePrefillBuffers, T: int, k: int, n_experts: int, ff: int,
+                     dim: int, stream: Any = None, pdl: bool = False) -> None:
+    """bufs.Yp[row] = bufs.H[row] W[e]^T for every sorted row (W [n_experts, dim, ff])."""
+    name = _name(qtype, "moe_prefill_down")
+    _check_w("moe_prefill_down", qtype, W, n_experts, dim, ff)
+    bufs.check(T, k, n_experts, ff, dim)
+    rt.launch(f"moe_prefill_down_{name}", (ceil_div(dim, BN), max_tiles(T * k, n_experts)), THREADS, W, bufs.H,
+              bufs.tile_bucket, bufs.tile_row, bufs.offsets, bufs.info, bufs.Yp, int(n_experts), int(dim), int(ff),
+              stream=stream, pdl=pdl)
+
+
+def moe_prefill_combine(rt: Any, bufs: MoePrefillBuffers, y: Any, T: int, k: int, dim: int, add: Any = None,
+                        ldy: int | None = None, stream: Any = None, pdl: bool = False) -> None:
+    """y[t] = sum_{s<k} Yp[pos[t*k + s]] (s ascending) (+ add[t], [T, dim])."""
+    ldy = dim if ldy is None else int(ldy)
+    need(ldy >= dim and is_dtype(y, np.float32) and y.size >= (T - 1) * ldy + dim,
+         f"moe_prefill_combine: y must be float32 [{T}, {ldy}]")
+    need(add is None or (is_dtype(add, np.float32) and add.size >= T * dim),
+         f"moe_prefill_combine: add must be float32 [{T}, {dim}]")
+    rt.launch("moe_prefill_combine", (ceil_div(dim, 256), T), 256, bufs.Yp, bufs.pos, add, y, int(k), int(dim), ldy,
+              stream=stream, pdl=pdl)
+
+
+def moe_prefill(rt: Any, gate: tuple[int, Any], up: tuple[int, Any], down: tuple[int, Any], x: Any, ids: Any,
+                wts: Any, y: Any, T: int, k: int, n_experts: int, ff: int, dim: int, clamp: float,
+                bufs: MoePrefillBuffers, add: Any = None, ldx: int | None = None, ldy: int | None = None,
+                stream: Any = None, pdl: bool = False) -> None:
+    """The whole routed MoE of T tokens: gate / up / down = (qtype, raw bytes) of the stacked expert tensors
+    (gate and up of one type). See the module docstring."""
+    need(int(gate[0]) == int(up[0]), "moe_prefill: gate and up must have the same weight type")
+    moe_prefill_route(rt, ids, bufs, T, k, n_experts, stream=stream, pdl=pdl)
+    moe_prefill_gate_up(rt, gate[0], gate[1], up[1], x, wts, bufs, T, k, n_experts, ff, dim, clamp, ldx,
+                        stream=stream, pdl=pdl)
+    moe_prefill_down(rt, down[0], down[1], bufs, T, k, n_experts, ff, dim, stream=stream, pdl=pdl)
+    moe_prefill_combine(rt, bufs, y, T, k, dim, add, ldy, stream=stream, pdl=pdl)
