@@ -264,3 +264,45 @@ extern "C" __global__ void attn_prefill(const float* q_raw, const float* freqs, 
         }
     }
 }
+
+// h[i] = silu(min(g[i], c)) * clamp(u[i], -c, c) for n values (clamp <= 0: no clamp): the shared expert's SwiGLU
+// between its tensor-core gate / up and down products (the same expression as cu/gemv.cu's SwiGLU epilogue).
+// Launch: grid (ceil(n / 256)), block (256).
+extern "C" __global__ void prefill_swiglu(const float* g, const float* u, float* h, int n, float clamp) {
+    pdl_wait();
+    pdl_launch_dependents();
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float gv = g[i], uv = u[i];
+    if (clamp > 0.0f) {
+        gv = fminf(gv, clamp);
+        uv = fminf(fmaxf(uv, -clamp), clamp);
+    }
+    h[i] = gv / (1.0f + expf(-gv)) * uv;
+}
+
+// Round to the nearest bf16 (ties to even), kept as a float.
+__device__ __forceinline__ float pf_bf16_round(float v) {
+    const unsigned u = __float_as_uint(v);
+    if ((u & 0x7f800000u) == 0x7f800000u) return v;                  // inf / NaN unchanged
+    return __uint_as_float((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);
+}
+
+// x = p0 + p1 (+ p2) + r, each piece the bf16 rounding (to nearest even) of what the ones before leave: with
+// three pieces every finite float32 whose pieces stay normal is exact (8 + 8 + 8 significant bits), with two
+// |r| <= 2^-17 |x|. The tensor-core GEMM multiplies bf16 x exactly against exact weights, so a dense product
+// accumulated over the pieces sees x to 24 (16) significant bits instead of 8. Inf / NaN go to p0 (others 0).
+// Launch: grid (ceil(n / 256)), block (256).
+extern "C" __global__ void prefill_split_bf16(const float* x, float* p0, float* p1, float* p2, int n, int pieces) {
+    pdl_wait();
+    pdl_launch_dependents();
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const float v = x[i], h = pf_bf16_round(v);
+    const bool finite = h - h == 0.0f;
+    const float r1 = finite ? v - h : 0.0f;                        // exact (Sterbenz)
+    const float m = pf_bf16_round(r1);
+    p0[i] = h;
+    p1[i] = m;
+    if (pieces > 2) p2[i] = pf_bf16_round(r1 - m);
+}

@@ -215,3 +215,34 @@ def test_prefill_wrappers_reject_bad_shapes():
         ops_pfa.prefill_attention(rt, z((2, 4, 64), np.float32), z(16, np.float32), z(2, np.int32),
                                   z((8, 64), np.float32), z((2, 64), np.float32), 8, z((4, 64), np.float32), 4,
                                   z(3, np.int32), 4, z(4, np.float32), z((2, 4, 64), np.float32), 2, 4, 32, EPS, 0.1)
+
+
+@pytest.mark.parametrize("clamp", [0.0, 1.5])
+def test_swiglu(kdev, clamp):
+    r = rng(5, int(clamp))
+    g, u = (r.standard_normal(1000) * 3).astype(np.float32), (r.standard_normal(1000) * 3).astype(np.float32)
+    dev = kdev("reverse", 1)
+    d_h = dev.var(np.full(1000, np.nan, np.float32))
+    ops_pfa.swiglu(dev.rt, dev.const(g), dev.const(u), d_h, 1000, clamp)
+    want = twin.swiglu(g, u, clamp)
+    assert_close_scaled(d_h.download(), want, np.abs(want) + 1e-30, 4, "prefill swiglu")
+
+
+@pytest.mark.parametrize("pieces", [2, 3])
+def test_split_bf16(kdev, pieces):
+    r = rng(6, pieces)
+    x = (r.standard_normal(700) * np.exp(r.uniform(-20, 20, 700))).astype(np.float32)
+    x[:4] = [np.inf, -np.inf, np.nan, 0.0]
+    dev = kdev("random", 3)
+    d_p = [dev.var(np.zeros(700, np.float32)) for _ in range(pieces)]
+    ops_pfa.split_bf16(dev.rt, dev.const(x), d_p, 700)
+    got = [d.download() for d in d_p]
+    for g, w in zip(got, twin.split_bf16(x, pieces)):
+        np.testing.assert_array_equal(g, w)
+        assert np.all(g.view(np.uint32)[4:] & 0xFFFF == 0)          # bf16 values
+    fin = np.isfinite(x)
+    err = np.abs(x[fin].astype(np.float64) - sum(g[fin].astype(np.float64) for g in got))
+    if pieces == 3:
+        assert np.all(err == 0), "three bf16 pieces hold a normal float32 exactly"
+    else:
+        assert np.all(err <= 2.0 ** -16 * np.abs(x[fin]))       # 16 significant bits survive

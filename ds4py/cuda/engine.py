@@ -260,6 +260,9 @@ class CudaModel(ModelBase):
         self._rows_runs: OrderedDict[Any, StepRun] = OrderedDict()
         self.prefill_blocks = True                                 # long chunks through cuda/prefill.py
         self.prefill_block = pf.MAX_BLOCK                          # tokens per prefill block (<= pf.MAX_BLOCK)
+        self.prefill_mma = True                                    # prefill dense products on tensor cores
+        self.prefill_x_pieces = 3                                  # ... x as 3 bf16 pieces: exact (1: bf16 x)
+        self.prefill_expert_mma = False                            # the experts too (bf16 x, h: less exact)
         self.prefill_ws: pf.PrefillWorkspace | None = None
         self.last_generate: dict[str, float] = {}
         self.startup = {"weights_upload_s": time.perf_counter() - t1, "model_open_s": time.perf_counter() - t0,
@@ -345,7 +348,9 @@ class CudaModel(ModelBase):
             ws.pos.view(0, Tb).upload(np.arange(n0 + a, n0 + a + Tb, dtype=np.int32), rt.main)
             ws.tokens.view(0, Tb).upload(np.ascontiguousarray(ids[a:a + Tb], np.int32), rt.main)
             st.device_hw = max(st.device_hw, n0 + a + Tb)
-            ctx = pf.PrefillContext(cfg, self.numerics, self.w, ws, dict(st.arrays), bucket, Tb)
+            ctx = pf.PrefillContext(cfg, self.numerics, self.w, ws, dict(st.arrays), bucket, Tb,
+                                    mma=self.prefill_mma, x_pieces=self.prefill_x_pieces,
+                                    expert_mma=self.prefill_expert_mma)
             L = decode.Launcher(rt, self.pdl)
             pf.record_prefill(L, ctx)
             heads = range(0, Tb, pf.HEAD_ROWS) if all_logits else ([Tb - 1] if a + Tb == T else [])

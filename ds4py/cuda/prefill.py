@@ -37,11 +37,14 @@ from ds4py.cuda.memory import DeviceArray, align_up
 from ds4py.cuda.model_weights import GEMV_TYPES, DevTensor
 from ds4py.cuda.ops import compressor as ops_comp
 from ds4py.cuda.ops import experts as ops_moe
+from ds4py.cuda.ops import gemm as ops_gemm
 from ds4py.cuda.ops import indexer as ops_idx
+from ds4py.cuda.ops import moe_prefill as ops_moep
 from ds4py.cuda.ops import prefill_attn as ops_pfa
 from ds4py.cuda.ops import router as ops_route
 from ds4py.cuda.ops import topk as ops_topk
 from ds4py.cuda.ops.gemv import GEMV_MAX_X
+from ds4py.cuda.ops.rmsnorm import rmsnorm
 from ds4py.cuda.ops.mhc import mix_partial_floats, mix_record
 from ds4py.cuda.rows import gemvs_rows, rows_of
 from ds4py.cuda.twins.indexer import weight_scale
@@ -80,6 +83,12 @@ def prefill_shapes(cfg, bucket: int, T: int) -> dict[str, tuple[tuple[int, ...],
         "router": ((T, cfg.n_experts), F32), "ids": ((T, k), I32), "wts": ((T, k), F32),
         "h_shared": ((T, cfg.shared_ff), F32), "y_shared": ((T, D), F32), "h": ((T * k, cfg.expert_ff), F32),
         "logits": ((HEAD_ROWS, cfg.vocab_size), F32),
+        # the tensor-core path: normalised q_a rows, the sub-layer outputs before hc_post, the shared expert's gate
+        # and up, the grouped MoE's scratch
+        "qa_n": ((T, cfg.q_lora_rank), F32), "f": ((T, D), F32), "hs_g": ((T, cfg.shared_ff), F32),
+        "hs_u": ((T, cfg.shared_ff), F32),
+        **{f"xp{i}": ((T * max(D, cfg.q_lora_rank, cfg.q_dim, cfg.o_dim, cfg.shared_ff),), F32) for i in range(3)},
+        **{f"moe.{n}": v for n, v in ops_moep.MoePrefillBuffers.shapes(T, k, cfg.n_experts, cfg.expert_ff, D).items()},
     }
 
 
@@ -121,18 +130,61 @@ class PrefillContext:
     parts: dict[str, DeviceArray]   # the state's arrays
     bucket: int                     # context bucket of the block's last position
     T: int                          # rows of this block
+    mma: bool = True                # dense products on tensor cores (cu/gemm.cu), else the GEMVs
+    x_pieces: int = 3               # ... with x as this many bf16 pieces (1: x rounded to bf16; 3: x exact)
+    expert_mma: bool = False        # the experts on tensor cores too (cu/moe_prefill.cu: x and h rounded to bf16)
+    final: DeviceArray | None = None    # the residual after the last layer (set by record_prefill)
+
+    def moe_bufs(self) -> "ops_moep.MoePrefillBuffers":
+        return ops_moep.MoePrefillBuffers(**{n: self.ws.a[f"moe.{n}"] for n in
+                                             ops_moep.MoePrefillBuffers.shapes(1, 1, 1, 32, 32)})
 
 
 # ---- the products (one function each: the tensor-core GEMM / grouped experts replace their bodies) -------------
-def dense(L: Launcher, mats: list[tuple[DevTensor, DeviceArray, int]], x: DeviceArray, cols: int, T: int,
-          norm=None, x_group_rows: int = 0, x_stride: int | None = None) -> None:
-    """y_m[t] = W_m x[t] for the block's T rows (matrices sharing x)."""
-    gemvs_rows(L, mats, x, cols, T, L.main, norm=norm, x_group_rows=x_group_rows, x_stride=x_stride)
+def mma_ok(W: DevTensor) -> bool:
+    return W.qtype in GEMV_TYPES            # the GEMM reads what the GEMVs read (Q8_0 / F16 / F32)
 
 
-def dense_hc_post(L: Launcher, W: DevTensor, u: DeviceArray, X: DeviceArray, mix: DeviceArray, D: int, cols: int,
-                  hc: int, T: int) -> None:
+def dense(L: Launcher, c: PrefillContext, mats: list[tuple[DevTensor, DeviceArray, int]], x: DeviceArray, cols: int,
+          T: int, norm=None, x_group_rows: int = 0, x_stride: int | None = None) -> None:
+    """y_m[t] = W_m x[t] for the block's T rows (matrices sharing x; norm = (w, eps): x[t] RMS-normalised first)."""
+    if not c.mma or not all(mma_ok(W) for W, _, _ in mats):
+        gemvs_rows(L, mats, x, cols, T, L.main, norm=norm, x_group_rows=x_group_rows, x_stride=x_stride)
+        return
+    if norm is not None:
+        xn = c.ws.qa_n.view(0, T * cols)
+        rmsnorm(L, x.view(0, T * cols), norm[0], xn, cols, norm[1], **L.main())
+        x = xn
+    gemm(L, c, [(W, y, rows) for W, y, rows in mats], x, cols, T, x_group_rows, x_stride)
+
+
+def gemm(L: Launcher, c: PrefillContext, mats: list, x: DeviceArray, cols: int, T: int, x_group_rows: int = 0,
+         x_stride: int | None = None) -> None:
+    """y = W x on tensor cores, x as c.x_pieces bf16 pieces accumulated (hi first): the weights are exact in the
+    GEMM (Q8_0 codes and scale, F16 / F32 as bf16 pieces), so with three pieces the product sees x exactly and
+    differs from the fp32 GEMV by the summation order only."""
+    groups = -(-mats[0][2] // x_group_rows) if x_group_rows else 1
+    ld = x_stride if x_stride is not None else cols * groups
+    n = (T - 1) * ld + cols * groups
+    if c.x_pieces <= 1:
+        xs = [x]
+    else:
+        xs = [c.ws.a[f"xp{i}"].view(0, n) for i in range(min(3, c.x_pieces))]
+        ops_pfa.split_bf16(L, x.view(0, n), xs, n, **L.main())
+    for W, y, rows in mats:
+        for i, xi in enumerate(xs):
+            ops_gemm.gemm(L, W, xi, y, T, rows, cols, accumulate=i > 0, x_group_rows=x_group_rows, ldx=ld,
+                          **L.main())
+
+
+def dense_hc_post(L: Launcher, c: PrefillContext, W: DevTensor, u: DeviceArray, X: DeviceArray, mix: DeviceArray,
+                  D: int, cols: int, hc: int, T: int) -> None:
     """X[t] <- post_k (W u[t]) + sum_j C[j,k] X[t, j]: the output projection into the residual."""
+    if c.mma and mma_ok(W):
+        f = c.ws.f
+        gemm(L, c, [(W, f, D)], u, cols, T)
+        ops.hc_post(L, f, mix, X, T, D, hc, **L.main())
+        return
     mrec = mix_record(hc)
     for n0 in range(0, T, GEMV_MAX_X):
         k = min(GEMV_MAX_X, T - n0)
@@ -140,10 +192,13 @@ def dense_hc_post(L: Launcher, W: DevTensor, u: DeviceArray, X: DeviceArray, mix
                          D, cols, hc=hc, nx=k, **L.main())
 
 
-def shared_expert(L: Launcher, S, x: DeviceArray, h: DeviceArray, y: DeviceArray, D: int, sff: int, clamp: float,
-                  T: int) -> None:
+def shared_expert(L: Launcher, c: PrefillContext, S, x: DeviceArray, h: DeviceArray, y: DeviceArray, D: int,
+                  sff: int, clamp: float, T: int) -> None:
     """y[t] = down(silu(min(gate x[t], c)) * clamp(up x[t], c)) for the block's rows."""
-    if S.gate.qtype in GEMV_TYPES:
+    if c.mma and mma_ok(S.gate) and mma_ok(S.up):
+        gemm(L, c, [(S.gate, c.ws.hs_g, sff), (S.up, c.ws.hs_u, sff)], x, D, T)
+        ops_pfa.swiglu(L, c.ws.hs_g, c.ws.hs_u, h, T * sff, clamp, **L.main())
+    elif S.gate.qtype in GEMV_TYPES:
         for n0 in range(0, T, GEMV_MAX_X):
             k = min(GEMV_MAX_X, T - n0)
             ops.gemv_swiglu(L, S.gate.array, S.up.array, rows_of(x, n0, k, D), rows_of(h, n0, k, sff), sff, D,
@@ -155,27 +210,31 @@ def shared_expert(L: Launcher, S, x: DeviceArray, h: DeviceArray, y: DeviceArray
             ops_moe.moe_gate_up_rows(L, S.gate.qtype, S.gate.array, S.up.array, rows_of(x, n0, k, D), None, None,
                                      rows_of(h, n0, k, sff), 1, sff, D, 1, k, clamp, **L.main())
     if S.down.qtype in GEMV_TYPES:
-        dense(L, [(S.down, y, D)], h, sff, T)
+        dense(L, c, [(S.down, y, D)], h, sff, T)
     else:
         ops_moe.moe_down_rows(L, S.down.qtype, S.down.array, None, h, y, 1, D, sff, 1, T, **L.main())
 
 
-def experts_gate_up(L: Launcher, E, x: DeviceArray, ids: DeviceArray, wts: DeviceArray, h: DeviceArray, NX: int,
-                    ff: int, D: int, k: int, clamp: float, T: int) -> None:
-    """h[t*k + s] = silu(min(gate_e x[t], c)) * clamp(up_e x[t], c) * w[t, s], e = ids[t, s]: grouped by expert."""
+def routed_experts(L: Launcher, c: PrefillContext, E, x: DeviceArray, ids: DeviceArray, wts: DeviceArray,
+                   add: DeviceArray, mix: DeviceArray, X: DeviceArray, X_out: DeviceArray, NX: int, ff: int, D: int,
+                   k: int, hc: int, clamp: float, T: int) -> DeviceArray:
+    """The routed experts of the block plus `add` (the shared expert), through the mHC post: returns the buffer
+    holding the new residual (X itself, in place, on the tensor-core path; X_out otherwise)."""
+    if c.expert_mma:
+        ops_moep.moe_prefill(L, (E.gate.qtype, E.gate.array), (E.up.qtype, E.up.array),
+                             (E.down.qtype, E.down.array), x, ids, wts, c.ws.f, T, k, NX, ff, D, clamp, c.moe_bufs(),
+                             add=add, **L.main())
+        ops.hc_post(L, c.ws.f, mix, X, T, D, hc, **L.main())
+        return X
     step = max(1, ops_moe.MAX_PAIRS // k)
     for n0 in range(0, T, step):
         n = min(step, T - n0)
         ops_moe.moe_gate_up_rows(L, E.gate.qtype, E.gate.array, E.up.array, rows_of(x, n0, n, D),
                                  ids.view(4 * n0 * k, n * k), wts.view(4 * n0 * k, n * k),
-                                 h.view(4 * n0 * k * ff, n * k * ff), NX, ff, D, k, n, clamp, **L.main())
-
-
-def experts_down(L: Launcher, E, ids: DeviceArray, h: DeviceArray, X_out: DeviceArray, NX: int, D: int, ff: int,
-                 k: int, add: DeviceArray, mix: DeviceArray, hc: int, X: DeviceArray, T: int) -> None:
-    """X_out[t] = post_k (sum_s down_e h[t*k + s] + add[t]) + sum_j C[j,k] X[t, j]."""
-    ops_moe.moe_down_rows(L, E.down.qtype, E.down.array, ids, h, X_out, NX, D, ff, k, T, add=add, mix=mix, hc=hc,
+                                 c.ws.h.view(4 * n0 * k * ff, n * k * ff), NX, ff, D, k, n, clamp, **L.main())
+    ops_moe.moe_down_rows(L, E.down.qtype, E.down.array, ids, c.ws.h, X_out, NX, D, ff, k, T, add=add, mix=mix, hc=hc,
                           hc_x=X, **L.main())
+    return X_out
 
 
 # ---- the recorded block ----------------------------------------------------------------------------------------
@@ -183,15 +242,18 @@ def record_prefill(L: Launcher, c: PrefillContext) -> None:
     """Embedding and every layer over the block's rows; the residual ends in final_residual(c)."""
     cfg, B, ws, T = c.cfg, c.w.binding, c.ws, c.T
     ops.embed(L, B.embed.array, ws.tokens.view(0, T), ws.X0, T, copies=cfg.hc_mult, **L.main())
-    X = (ws.X0, ws.X1)
+    X, other = ws.X0, ws.X1
     for il, lw in enumerate(B.layers):
         ro = cfg.roles(il)
-        _attention(L, c, il, ro, lw, X[il % 2])
-        _moe(L, c, il, ro, lw, X[il % 2], X[(il + 1) % 2])
+        _attention(L, c, il, ro, lw, X)
+        Y = _moe(L, c, il, ro, lw, X, other)
+        if Y is not X:
+            X, other = Y, X
+    c.final = X
 
 
 def final_residual(c: PrefillContext) -> DeviceArray:
-    return c.ws.X0 if c.cfg.n_layers % 2 == 0 else c.ws.X1
+    return c.final
 
 
 def _hc_pre(L: Launcher, c: PrefillContext, hw, norm: DevTensor, X: DeviceArray, mix: DeviceArray,
@@ -219,7 +281,7 @@ def _attention(L: Launcher, c: PrefillContext, il: int, ro, lw, X: DeviceArray) 
         mats += [(A.comp.kv, ws.ckv, w2), (A.comp.gate, ws.csc, w2)]
     if ro.indexer:
         mats += [(A.index.comp.kv, ws.ikv, wi), (A.index.comp.gate, ws.isc, wi), (A.index.proj, ws.iw, cfg.index_heads)]
-    dense(L, mats, ws.x_attn, D, T)
+    dense(L, c, mats, ws.x_attn, D, T)
     ops_pfa.kv_rows(L, ws.kv, A.kv_norm.array, freqs, pos, ws.kvb, T, hd, rd, eps, fq, f16, **L.main())
     if ro.compressor:
         ops_comp.compressor_prefill(L, ws.ckv.view(0, T * w2), ws.csc.view(0, T * w2), T, A.comp.ape.array,
@@ -234,11 +296,11 @@ def _attention(L: Launcher, c: PrefillContext, il: int, ro, lw, X: DeviceArray) 
                                     f16, **L.main())
 
     # the queries
-    dense(L, [(A.q_a, ws.qa, cfg.q_lora_rank)], ws.x_attn, D, T)
+    dense(L, c, [(A.q_a, ws.qa, cfg.q_lora_rank)], ws.x_attn, D, T)
     mats = [(A.q_b, ws.q, cfg.q_dim)]
     if ro.indexer:
         mats.append((A.index.q_b, ws.iq_raw, cfg.index_q_dim))
-    dense(L, mats, ws.qa, cfg.q_lora_rank, T, norm=(A.q_a_norm.array, eps))
+    dense(L, c, mats, ws.qa, cfg.q_lora_rank, T, norm=(A.q_a_norm.array, eps))
 
     comp = sel = None
     if ro.compressed:
@@ -255,23 +317,23 @@ def _attention(L: Launcher, c: PrefillContext, il: int, ro, lw, X: DeviceArray) 
     ops_pfa.prefill_attention(L, ws.q, freqs, pos, part("win"), ws.kvb, cfg.window, comp, ro.ratio, sel,
                               cfg.index_topk, A.sinks.array, ws.o, T, cfg.n_heads, rd, eps, hd ** -0.5, **L.main())
     ops_pfa.ring_store(L, ws.kvb, T, pos, part("win"), **L.main())
-    dense(L, [(A.out_a, ws.u, cfg.o_dim)], ws.o, cfg.o_group_in, T, x_group_rows=cfg.o_lora_rank,
+    dense(L, c, [(A.out_a, ws.u, cfg.o_dim)], ws.o, cfg.o_group_in, T, x_group_rows=cfg.o_lora_rank,
           x_stride=cfg.q_dim)
-    dense_hc_post(L, A.out_b, ws.u, X, ws.mix_attn, D, cfg.o_dim, cfg.hc_mult, T)
+    dense_hc_post(L, c, A.out_b, ws.u, X, ws.mix_attn, D, cfg.o_dim, cfg.hc_mult, T)
 
 
-def _moe(L: Launcher, c: PrefillContext, il: int, ro, lw, X: DeviceArray, X_out: DeviceArray) -> None:
+def _moe(L: Launcher, c: PrefillContext, il: int, ro, lw, X: DeviceArray, X_out: DeviceArray) -> DeviceArray:
     cfg, ws, Fw, T = c.cfg, c.ws, lw.ffn, c.T
     D, hc, clamp = cfg.dim, cfg.hc_mult, cfg.swiglu_clamp[il]
     _hc_pre(L, c, lw.hc_ffn, lw.ffn_norm, X, ws.mix_ffn, ws.x_ffn)
-    shared_expert(L, Fw.shared, ws.x_ffn, ws.h_shared, ws.y_shared, D, cfg.shared_ff, clamp, T)
+    shared_expert(L, c, Fw.shared, ws.x_ffn, ws.h_shared, ws.y_shared, D, cfg.shared_ff, clamp, T)
     E, k, NX, ff = Fw.experts, cfg.n_experts_used, cfg.n_experts, cfg.expert_ff
-    dense(L, [(Fw.gate_inp, ws.router, NX)], ws.x_ffn, D, T)
+    dense(L, c, [(Fw.gate_inp, ws.router, NX)], ws.x_ffn, D, T)
     ops_route.moe_route_rows(L, ws.router, None if ro.hash_routing else Fw.route_bias.array,
                              Fw.tid2eid.array if ro.hash_routing else None, ws.tokens.view(0, T), ws.ids, ws.wts, NX,
                              k, T, cfg.route_scale, cfg.route_norm, **L.main())
-    experts_gate_up(L, E, ws.x_ffn, ws.ids, ws.wts, ws.h, NX, ff, D, k, clamp, T)
-    experts_down(L, E, ws.ids, ws.h, X_out, NX, D, ff, k, ws.y_shared, ws.mix_ffn, hc, X, T)
+    return routed_experts(L, c, E, ws.x_ffn, ws.ids, ws.wts, ws.y_shared, ws.mix_ffn, X, X_out, NX, ff, D, k, hc,
+                          clamp, T)
 
 
 def record_head_rows(L: Launcher, c: PrefillContext, r0: int, n: int) -> None:
@@ -283,9 +345,9 @@ def record_head_rows(L: Launcher, c: PrefillContext, r0: int, n: int) -> None:
     ops.hc_mix(L, H.fn.array, Xf, n, D, H.scale.array, H.base.array, ws.mix_partial, ws.tickets, ws.mix_head,
                cfg.norm_eps, cfg.hc_eps, cfg.sinkhorn_iters, hc, **L.main())
     ops.hc_collapse_norm(L, Xf, ws.mix_head, n, D, B.output_norm.array, cfg.norm_eps, ws.x_head, hc, **L.main())
-    dense(L, [(B.head, ws.logits, cfg.vocab_size)], ws.x_head, D, n)
+    dense(L, c, [(B.head, ws.logits, cfg.vocab_size)], ws.x_head, D, n)
 
 
-__all__ = ["HEAD_ROWS", "MAX_BLOCK", "PrefillContext", "PrefillWorkspace", "block_rows", "dense", "experts_down",
-           "experts_gate_up", "final_residual", "make_prefill_workspace", "prefill_bytes", "prefill_shapes",
+__all__ = ["HEAD_ROWS", "MAX_BLOCK", "PrefillContext", "PrefillWorkspace", "block_rows", "dense", "dense_hc_post", "routed_experts",
+           "final_residual", "make_prefill_workspace", "prefill_bytes", "prefill_shapes",
            "record_head_rows", "record_prefill", "shared_expert"]

@@ -78,3 +78,20 @@ def prefill_attention(rt: Any, q_raw: Any, freqs: Any, pos: Any, ring: Any, blk:
     rt.launch("attn_prefill", (groups, int(n_rows)), 32 * w, q_raw, freqs, pos, ring, int(ring.shape[0]), blk,
               int(window), comp if comp is not None else ring, int(ratio), sel, int(topk), sinks, out, int(n_heads),
               hd, int(rd), float(eps), float(scale), smem=attn_smem(hd, w), stream=stream, pdl=pdl)
+
+
+def swiglu(rt: Any, g: Any, u: Any, h: Any, n: int, clamp: float, stream: Any = None, pdl: bool = False) -> None:
+    """h[:n] = silu(min(g, c)) * clamp(u, -c, c) (clamp <= 0: none), elementwise."""
+    need(n >= 1 and g.size >= n and u.size >= n and h.size >= n
+         and all(dtype_is(a, np.float32) for a in (g, u, h)), f"prefill_swiglu: float32 arrays of {n} values")
+    rt.launch("prefill_swiglu", -(-int(n) // 256), 256, g, u, h, int(n), float(clamp), stream=stream, pdl=pdl)
+
+
+def split_bf16(rt: Any, x: Any, pieces: list, n: int, stream: Any = None, pdl: bool = False) -> None:
+    """pieces (2 or 3 float32 arrays)[:n] = x's bf16 pieces (p0 = bf16(x), p1 = bf16(x - p0), p2 = bf16(rest))."""
+    need(len(pieces) in (2, 3), "prefill_split_bf16: 2 or 3 pieces")
+    need(n >= 1 and x.size >= n and all(p.size >= n for p in pieces)
+         and all(dtype_is(a, np.float32) for a in (x, *pieces)), f"prefill_split_bf16: float32 arrays of {n} values")
+    p2 = pieces[2] if len(pieces) == 3 else None
+    rt.launch("prefill_split_bf16", -(-int(n) // 256), 256, x, pieces[0], pieces[1], p2, int(n), len(pieces),
+              stream=stream, pdl=pdl)

@@ -55,3 +55,34 @@ def prefill_attention(q_raw: np.ndarray, ring: np.ndarray, blk: np.ndarray, pos:
         mags.append(m)
         counts.append(keys.shape[0])
     return np.stack(outs), np.stack(mags), counts
+
+
+def swiglu(g: np.ndarray, u: np.ndarray, clamp: float) -> np.ndarray:
+    """ops.swiglu_of's activation on precomputed gate / up rows."""
+    from ds4py.ref import ops
+
+    g, u = g.astype(F32), u.astype(F32)
+    if clamp > 0:
+        g = np.minimum(g, F32(clamp))
+        u = np.clip(u, F32(-clamp), F32(clamp))
+    return ops.silu(g) * u
+
+
+def bf16_round(x: np.ndarray) -> np.ndarray:
+    """Round float32 to the nearest bf16 (ties to even), as float32; inf / NaN unchanged."""
+    u = np.asarray(x, F32).view(np.uint32).astype(np.uint64)
+    r = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).astype(np.uint32).view(F32)
+    return np.where(np.isfinite(x), r, x).astype(F32)
+
+
+def split_bf16(x: np.ndarray, pieces: int = 2) -> list[np.ndarray]:
+    """x's bf16 pieces: p0 = bf16(x), p1 = bf16(x - p0), p2 = bf16(x - p0 - p1); inf / NaN in p0 only."""
+    x = np.asarray(x, F32)
+    h = bf16_round(x)
+    with np.errstate(invalid="ignore"):
+        r1 = np.where(np.isfinite(h), (x - h).astype(F32), F32(0)).astype(F32)
+    m = bf16_round(r1)
+    out = [h, m]
+    if pieces > 2:
+        out.append(bf16_round((r1 - m).astype(F32)))
+    return out
