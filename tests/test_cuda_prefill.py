@@ -139,3 +139,43 @@ def test_truncate_and_save_load_after_a_prefill(model_a):
     r = ref._import(loaded.n_tokens, loaded.n_written, loaded.export())
     want = ref.step([r], [ids[36:40]], all_logits=True)[0]
     check(compare(ahead, want), "synthetic A: reference decoding from the CUDA prefill's state")
+
+
+def test_bench_prefill_rows(model_a):
+    """bench's prefill rows (`bench --prefill-sizes`): a fresh prompt per size in one step, tokens/s; a size beyond
+    the context is skipped with its reason; 'auto' off the GPU says in one line why there are none."""
+    from ds4py import bench
+    from ds4py.errors import Ds4Error
+
+    assert bench.prefill_sizes("auto", "cuda") == (bench.PREFILL_SIZES, None)
+    for backend in ("ref", "cuda-emu"):
+        sizes, note = bench.prefill_sizes("auto", backend)
+        assert sizes == () and note.startswith("prefill rows skipped") and "\n" not in note
+    assert bench.prefill_sizes("20,30", "ref") == ((20, 30), None) and bench.prefill_sizes("none", "cuda") == ((), None)
+    with pytest.raises(Ds4Error, match="prefill-sizes"):
+        bench.prefill_sizes("2k", "cuda")
+    m, _ = model_a
+    seen = []
+    rows = bench.prefill_rates(m, list(range(2, 40)), [18, 2 ** 21], progress=seen.append)
+    assert rows[0]["tokens"] == 18 and rows[0]["tokens_per_s"] > 0 and rows[0]["seconds"] > 0
+    assert rows[1] == {"tokens": 2 ** 21, "skipped": f"{2 ** 21} tokens exceed the context length "
+                                                     f"{m.config.context_length}"}
+    assert seen[0].startswith("prefill 18: ") and "| 18 |" in bench.format_prefill(rows)
+
+
+def test_the_prefill_bench_runs_on_the_emulator(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    out = tmp_path / "cuda_prefill.json"
+    r = subprocess.run([sys.executable, "bench/cuda_prefill.py", "--emu", "--sizes", "18", "--json", str(out)],
+                       cwd=repo, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "PYTHONPATH": str(repo)})
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads(out.read_text())
+    assert res["emulated"] and set(res["modes"]) == {"dense_mma", "dense+experts_mma"}
+    assert all(rows[0]["tokens"] == 18 and rows[0]["tokens_per_s"] > 0 for rows in res["modes"].values())

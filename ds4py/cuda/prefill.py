@@ -5,10 +5,11 @@
     record_prefill(L, ctx)               # positions ws.pos[:T] and tokens ws.tokens[:T] uploaded before
 
 What runs over the block's T rows (ds4py/ref/forward.py over a chunk is the same math):
-- embedding, the mHC mixes / collapses / posts (cu/mhc.cu takes T rows), every dense projection and the shared
-  expert (`dense`, `swiglu_dense`: the `_rows` GEMVs of cu/gemv.cu, GEMV_MAX_X rows per launch, until the
-  tensor-core GEMM lands), the routing (`moe_route_rows`) and the routed experts grouped by expert over the
-  rows (`experts_gate_up`, `experts_down`: cu/experts.cu's rows kernels);
+- embedding, the mHC mixes / collapses / posts (cu/mhc.cu takes T rows); every dense projection and the shared
+  expert's on tensor cores (`dense`, `gemm`: cu/gemm.cu, with x split into three bf16 pieces accumulated so the
+  product sees x exactly; `prefill_mma=False`: the `_rows` GEMVs of cu/gemv.cu, GEMV_MAX_X rows per launch); the
+  routing (`moe_route_rows`); the routed experts (`routed_experts`): cu/experts.cu's rows kernels grouped by
+  expert (fp32, the default), or cu/moe_prefill.cu on tensor cores (`expert_mma`: x and h rounded to bf16);
 - the kv rows of the block (`prefill_kv_rows`, into a block buffer), the compressors (compressor_prefill_pool
   emits every group the block completes, each from its window of ring + block inputs, in parallel; then
   compressor_prefill_store keeps the block's tail in the rings), the indexer for all T queries (q prep, scores,
@@ -348,6 +349,6 @@ def record_head_rows(L: Launcher, c: PrefillContext, r0: int, n: int) -> None:
     dense(L, c, [(B.head, ws.logits, cfg.vocab_size)], ws.x_head, D, n)
 
 
-__all__ = ["HEAD_ROWS", "MAX_BLOCK", "PrefillContext", "PrefillWorkspace", "block_rows", "dense", "dense_hc_post", "routed_experts",
-           "final_residual", "make_prefill_workspace", "prefill_bytes", "prefill_shapes",
-           "record_head_rows", "record_prefill", "shared_expert"]
+__all__ = ["HEAD_ROWS", "MAX_BLOCK", "PrefillContext", "PrefillWorkspace", "block_rows", "dense", "dense_hc_post",
+           "final_residual", "gemm", "make_prefill_workspace", "prefill_bytes", "prefill_shapes", "record_head_rows",
+           "record_prefill", "routed_experts", "shared_expert"]
