@@ -8,9 +8,9 @@
 Weights stay in their GGUF formats in the arena (ds4py/cuda/model_weights.py); a sequence's KV state is the
 declared layout in device memory (ds4py/cuda/kvstate.py); a decode step is one launch sequence
 (ds4py/cuda/decode.py) captured once per state and context bucket into a graph and replayed per token, with
-the position and the token in a device slot. A step of several tokens (a prompt) replays the decode graph once
-per position (the multi-row prefill kernels are issue 17's); the head graph runs after the positions whose
-logits are asked for. Numerics: fp32 activations and accumulation, the model's FP8 / FP4 fake-quant
+the position and the token in a device slot. A chunk longer than the rollback horizon + 1 (a prompt) runs in
+prefill blocks of up to 2,048 tokens (ds4py/cuda/prefill.py, direct launches); 2 to 16 rows in all go through
+one multi-row graph (ds4py/cuda/rows.py); other short chunks replay the decode graph per position. Numerics: fp32 activations and accumulation, the model's FP8 / FP4 fake-quant
 (Numerics.fake_quant) and F16 KV storage (kv_dtype "f16") as the reference computes them; ds4's int8
 activations (act_quant) are refused.
 """
