@@ -10,9 +10,9 @@ declared layout in device memory (ds4py/cuda/kvstate.py); a decode step is one l
 (ds4py/cuda/decode.py) captured once per state and context bucket into a graph and replayed per token, with
 the position and the token in a device slot. A chunk longer than the rollback horizon + 1 (a prompt) runs in
 prefill blocks of up to 2,048 tokens (ds4py/cuda/prefill.py, direct launches); 2 to 16 rows in all go through
-one multi-row graph (ds4py/cuda/rows.py); other short chunks replay the decode graph per position. Numerics: fp32 activations and accumulation, the model's FP8 / FP4 fake-quant
-(Numerics.fake_quant) and F16 KV storage (kv_dtype "f16") as the reference computes them; ds4's int8
-activations (act_quant) are refused.
+one multi-row graph (ds4py/cuda/rows.py); other short chunks replay the decode graph per position.
+Numerics: fp32 activations and accumulation, the model's FP8 / FP4 fake-quant (Numerics.fake_quant) and F16 KV
+storage (kv_dtype "f16") as the reference computes them; ds4's int8 activations (act_quant) are refused.
 """
 
 from __future__ import annotations
