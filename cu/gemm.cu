@@ -52,24 +52,6 @@ static_assert(GEMM_BN * 2 == GEMM_THREADS, "each thread stages 16 weights of one
 #define GEMM_FMT_F16 1
 #define GEMM_FMT_F32 2
 
-// Split fp32 values (exact weights) into NP bf16 pieces whose sum is the value; pieces p are PIECE apart.
-template <int NP>
-__device__ __forceinline__ void gemm_split8(const float* v, uint16_t* dst, int piece) {
-    float r[8];
-#pragma unroll
-    for (int i = 0; i < 8; i++) r[i] = v[i];
-#pragma unroll
-    for (int p = 0; p < NP; p++) {
-        float b[8];
-#pragma unroll
-        for (int i = 0; i < 8; i++) {
-            b[i] = tile_bf16_value(tile_bf16(r[i]));
-            r[i] = r[i] - b[i];                                  // exact (Sterbenz / the remainder's few bits)
-        }
-        tile_store8(dst + p * piece, b);                         // b is on the bf16 grid: stored as it is
-    }
-}
-
 // The weight formats: Raw = one thread's 16 weights of one row for one k-tile (loaded into registers ahead),
 // stage() writes them as bf16 pieces (and, Q8_0, the row's block scale).
 template <int F> struct GemmFmt;
@@ -96,7 +78,7 @@ template <> struct GemmFmt<GEMM_FMT_F16> {
                 v[2 * j] = f.x;
                 v[2 * j + 1] = f.y;
             }
-            gemm_split8<NP>(v, dst + 8 * i, piece);
+            tile_split8<NP>(v, dst + 8 * i, piece);
         }
     }
 };
@@ -117,7 +99,7 @@ template <> struct GemmFmt<GEMM_FMT_F32> {
         for (int i = 0; i < 2; i++) {
             const float v[8] = {r.v[2 * i].x, r.v[2 * i].y, r.v[2 * i].z, r.v[2 * i].w,
                                 r.v[2 * i + 1].x, r.v[2 * i + 1].y, r.v[2 * i + 1].z, r.v[2 * i + 1].w};
-            gemm_split8<NP>(v, dst + 8 * i, piece);
+            tile_split8<NP>(v, dst + 8 * i, piece);
         }
     }
 };

@@ -63,3 +63,22 @@ __device__ __forceinline__ void tile_store8(uint16_t* dst, const float* v) {
     p.w = tile_bf16(v[6]) | (tile_bf16(v[7]) << 16);
     *reinterpret_cast<uint4*>(dst) = p;
 }
+
+// Split exact fp32 values into NP bf16 pieces whose sum is the value (NP = 2 covers F16, 3 covers F32 normals):
+// piece p of the 8 values goes to dst + p * piece.
+template <int NP>
+__device__ __forceinline__ void tile_split8(const float* v, uint16_t* dst, int piece) {
+    float r[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++) r[i] = v[i];
+#pragma unroll
+    for (int p = 0; p < NP; p++) {
+        float b[8];
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            b[i] = tile_bf16_value(tile_bf16(r[i]));
+            r[i] = r[i] - b[i];                                  // exact: the remainder has the few bits left
+        }
+        tile_store8(dst + p * piece, b);                         // on the bf16 grid: stored as it is
+    }
+}

@@ -95,12 +95,40 @@ __device__ __forceinline__ float moe_i8f(unsigned byte) {                 // the
     return __uint_as_float(0x4B000000u | ((byte & 255u) ^ 0x80u)) - 8388736.0f;
 }
 
+// How a format's 32 values of a column group decompose for the tensor cores (cq): integer codes c_j (exact in
+// bf16) with w_j = s_h c_j - o_h per half h of 16 values: SCALED one scale per 32, no offset (IQ2_XXS, MXFP4,
+// Q8_0); AFFINE32 scale and min per 32 (Q4_K); AFFINE16 per 16 (Q2_K); NONE: no codes (F16, the values).
+#define MOE_CODES_SCALED 0
+#define MOE_CODES_AFFINE32 1
+#define MOE_CODES_AFFINE16 2
+#define MOE_CODES_NONE 3
+
 template <int F> struct MoeFmt;
 
 // IQ2_XXS (66 B / 256): f16 d, then per 32 weights aux0 (4 grid indices) and aux1 (4 x 7 sign bits, 4-bit scale).
 // value = d * (0.5 + ls) * 0.25 * grid[idx][j] * sign. 2-byte aligned: read in 16-bit halves.
 template <> struct MoeFmt<FMT_IQ2_XXS> {
     static constexpr int QK = 256, BYTES = 66;
+    static constexpr int CODES = MOE_CODES_SCALED;
+    // cq: the integer codes of the group (exact in bf16) and w = s[h] * c - o[h] for half h (o = 0 here)
+    __device__ static __forceinline__ void cq(const uint8_t* base, int grp, float* c, float* s, float* o,
+                                              const uint64_t* grid) {
+        unsigned a0, a1;
+        float db;
+        aux(base, grp, a0, a1, db);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const uint64_t g = grid[(a0 >> (8 * k)) & 255u];
+            const unsigned sg = signs(a1, k);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const float v = moe_u2f((unsigned)(g >> (8 * j)) & 255u);
+                c[8 * k + j] = (sg >> j) & 1u ? -v : v;
+            }
+        }
+        s[0] = s[1] = db;
+        o[0] = o[1] = 0.0f;
+    }
     __device__ static __forceinline__ void aux(const uint8_t* base, int grp, unsigned& a0, unsigned& a1,
                                                float& db) {
         const uint8_t* b = base + (size_t)(grp >> 3) * BYTES;
@@ -153,6 +181,26 @@ template <> struct MoeFmt<FMT_IQ2_XXS> {
 // (weight 128h + 32j + l = bits 2j of qs[32h + l]), f16 d, f16 dmin. value = d*sc*q - dmin*m. 4-byte aligned.
 template <> struct MoeFmt<FMT_Q2_K> {
     static constexpr int QK = 256, BYTES = 84;
+    static constexpr int CODES = MOE_CODES_AFFINE16;
+    __device__ static __forceinline__ void cq(const uint8_t* base, int grp, float* c, float* s, float* o,
+                                              const uint64_t*) {
+        const uint8_t* b = base + (size_t)(grp >> 3) * BYTES;
+        const int cw = (grp & 7) * 32, sh = 2 * ((cw >> 5) & 3);
+        const float d = moe_f16(b + 80), dmin = moe_f16(b + 82);
+#pragma unroll
+        for (int sub = 0; sub < 2; ++sub) {
+            const unsigned sc = b[(cw >> 4) + sub];
+            s[sub] = __fmul_rn(d, moe_u2f(sc & 15u));
+            o[sub] = __fmul_rn(dmin, moe_u2f(sc >> 4));
+            const uint8_t* qs = b + 16 + 32 * (cw >> 7) + 16 * sub;
+#pragma unroll
+            for (int word = 0; word < 4; ++word) {
+                const unsigned u = moe_u32(qs + 4 * word);
+#pragma unroll
+                for (int by = 0; by < 4; ++by) c[16 * sub + 4 * word + by] = moe_u2f((u >> (8 * by + sh)) & 3u);
+            }
+        }
+    }
     __device__ static __forceinline__ void dq(const uint8_t* base, int grp, float* w, const uint64_t*) {
         const uint8_t* b = base + (size_t)(grp >> 3) * BYTES;
         const int cw = (grp & 7) * 32, sh = 2 * ((cw >> 5) & 3);
@@ -201,6 +249,7 @@ template <> struct MoeFmt<FMT_Q2_K> {
 // the low nibbles of qs[32c..], 2c+1 in the high ones). value = d*sc*q - dmin*m. 4-byte aligned.
 template <> struct MoeFmt<FMT_Q4_K> {
     static constexpr int QK = 256, BYTES = 144;
+    static constexpr int CODES = MOE_CODES_AFFINE32;
     __device__ static __forceinline__ void scales(const uint8_t* b, int gi, unsigned& sc, unsigned& mn) {
         const uint8_t* s = b + 4;
         if (gi < 4) {
@@ -209,6 +258,23 @@ template <> struct MoeFmt<FMT_Q4_K> {
         } else {
             sc = (s[gi + 4] & 15u) | ((unsigned)(s[gi - 4] >> 6) << 4);
             mn = (unsigned)(s[gi + 4] >> 4) | ((unsigned)(s[gi] >> 6) << 4);
+        }
+    }
+    __device__ static __forceinline__ void cq(const uint8_t* base, int grp, float* c, float* s, float* o,
+                                              const uint64_t*) {
+        const uint8_t* b = base + (size_t)(grp >> 3) * BYTES;
+        const int gi = grp & 7;
+        unsigned sc, mn;
+        scales(b, gi, sc, mn);
+        s[0] = s[1] = __fmul_rn(moe_f16(b), moe_u2f(sc));
+        o[0] = o[1] = __fmul_rn(moe_f16(b + 2), moe_u2f(mn));
+        const uint8_t* qs = b + 16 + 32 * (gi >> 1);
+        const int sh = 4 * (gi & 1);
+#pragma unroll
+        for (int word = 0; word < 8; ++word) {
+            const unsigned u = moe_u32(qs + 4 * word);
+#pragma unroll
+            for (int by = 0; by < 4; ++by) c[4 * word + by] = moe_u2f((u >> (8 * by + sh)) & 15u);
         }
     }
     __device__ static __forceinline__ void dq(const uint8_t* base, int grp, float* w, const uint64_t*) {
@@ -256,9 +322,22 @@ __device__ __forceinline__ float moe_mxfp4_code(unsigned c) {
 }
 template <> struct MoeFmt<FMT_MXFP4> {
     static constexpr int QK = 32, BYTES = 17;
+    static constexpr int CODES = MOE_CODES_SCALED;
     __device__ static __forceinline__ float scale(const uint8_t* b) {
         const unsigned e = b[0];
         return __uint_as_float(e < 2u ? 0x00200000u << e : (e - 1u) << 23);
+    }
+    __device__ static __forceinline__ void cq(const uint8_t* base, int grp, float* c, float* s, float* o,
+                                              const uint64_t*) {
+        const uint8_t* b = base + (size_t)grp * BYTES;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            const unsigned q = b[1 + j];
+            c[j] = moe_mxfp4_code(q & 15u);
+            c[j + 16] = moe_mxfp4_code(q >> 4);
+        }
+        s[0] = s[1] = scale(b);
+        o[0] = o[1] = 0.0f;
     }
     __device__ static __forceinline__ void dq(const uint8_t* base, int grp, float* w, const uint64_t*) {
         const uint8_t* b = base + (size_t)grp * BYTES;
@@ -287,6 +366,19 @@ template <> struct MoeFmt<FMT_MXFP4> {
 // Q8_0 (34 B / 32): f16 d, 32 int8 q. value = q * d. 2-byte aligned.
 template <> struct MoeFmt<FMT_Q8_0> {
     static constexpr int QK = 32, BYTES = 34;
+    static constexpr int CODES = MOE_CODES_SCALED;
+    __device__ static __forceinline__ void cq(const uint8_t* base, int grp, float* c, float* s, float* o,
+                                              const uint64_t*) {
+        const uint8_t* b = base + (size_t)grp * BYTES;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            const unsigned u = moe_u16(b + 2 + 2 * j);
+            c[2 * j] = moe_i8f(u);
+            c[2 * j + 1] = moe_i8f(u >> 8);
+        }
+        s[0] = s[1] = moe_f16(b);
+        o[0] = o[1] = 0.0f;
+    }
     __device__ static __forceinline__ void dq(const uint8_t* base, int grp, float* w, const uint64_t*) {
         const uint8_t* b = base + (size_t)grp * BYTES;
         const float d = moe_f16(b);
@@ -314,6 +406,7 @@ template <> struct MoeFmt<FMT_Q8_0> {
 // F16: 32 halves (64 bytes; 16-byte aligned when the row length is a multiple of 8).
 template <> struct MoeFmt<FMT_F16> {
     static constexpr int QK = 32, BYTES = 64;
+    static constexpr int CODES = MOE_CODES_NONE;     // no codes: the values themselves (split into bf16 pieces)
     __device__ static __forceinline__ void dq(const uint8_t* base, int grp, float* w, const uint64_t*) {
         const uint4* p = reinterpret_cast<const uint4*>(base + (size_t)grp * BYTES);
 #pragma unroll

@@ -10,9 +10,11 @@
 // (P / MOEP_BM + min(E + 1, P) items) and blocks past the real count exit. An id outside [0, n_experts) goes to a
 // bucket of its own (index n_experts) whose rows come out NaN, nothing read for them.
 //
-// Numerics: x, the decoded expert weights (exact values from moe_formats.cuh, rounded to bf16) and H (before the
-// down) are bf16; products accumulate in fp32 over k tiles of 32 in increasing order; SwiGLU in fp32 as
-// experts.cu. A pair's result depends only on its own x row and expert (not on which rows share its tile).
+// Numerics: x and H (before the down) are rounded to bf16; the weights stay exact: each format's integer codes
+// (moe_formats.cuh cq: bf16 integers) go through the tensor cores from zero per scale group and the group's
+// scale and min are applied in fp32 (acc += s * P - m * sum(x of the group)), F16 as two bf16 pieces. Products
+// accumulate in fp32 over k tiles of 32 in increasing order; SwiGLU in fp32 as experts.cu. A pair's result
+// depends only on its own x row and expert (not on which rows share its tile).
 #include <cuda_fp16.h>
 #include "types.cuh"
 #include "portable.cuh"
@@ -152,43 +154,127 @@ __device__ __forceinline__ bool moep_item(const int* tile_bucket, const int* til
     return true;
 }
 
-// Stage the tile's A rows (k columns [k, k + 32) of MOEP_BM rows; row i < nrows from src_i = a_row[i]) as bf16.
-// Thread -> (row tid % BM, 32 / (THREADS / BM) columns).
-constexpr int MOEP_A_SPLIT = MOEP_THREADS / MOEP_BM;              // threads per A row
-constexpr int MOEP_A_COLS = MOEP_BK / MOEP_A_SPLIT;
-static_assert(MOEP_A_COLS % 8 == 0, "A staging in 8-column pieces");
-__device__ __forceinline__ void moep_stage_a(uint16_t* as, const float* arow, bool valid, int k) {
-    const int r = threadIdx.x % MOEP_BM, c0 = (threadIdx.x / MOEP_BM) * MOEP_A_COLS;
+// Stage the tile's A rows (k columns [k, k + 32) of MOEP_BM rows from arow, zeros for a missing row) as bf16, and
+// sx[h * BM + r] = the fp32 sum of row r's 16 bf16 values of half h (the K-quants' mins multiply it).
+// Thread -> (row tid % BM, half tid / BM).
+static_assert(MOEP_THREADS == 2 * MOEP_BM, "two threads, one per 16 columns, stage each A row");
+__device__ __forceinline__ void moep_stage_a(uint16_t* as, float* sx, const float* arow, bool valid, int k) {
+    const int r = threadIdx.x % MOEP_BM, h = threadIdx.x / MOEP_BM;
+    float sum = 0.0f;
 #pragma unroll
-    for (int c = 0; c < MOEP_A_COLS; c += 8) {
+    for (int c = 0; c < 16; c += 8) {
         float v[8];
         if (valid) {
-            const float4 a = *reinterpret_cast<const float4*>(arow + k + c0 + c);
-            const float4 b = *reinterpret_cast<const float4*>(arow + k + c0 + c + 4);
+            const float4 a = *reinterpret_cast<const float4*>(arow + k + 16 * h + c);
+            const float4 b = *reinterpret_cast<const float4*>(arow + k + 16 * h + c + 4);
             v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
         } else {
 #pragma unroll
             for (int i = 0; i < 8; i++) v[i] = 0.0f;
         }
-        tile_store8(as + r * MOEP_LDS + c0 + c, v);
+#pragma unroll
+        for (int i = 0; i < 8; i++) sum += tile_bf16_value(tile_bf16(v[i]));
+        tile_store8(as + r * MOEP_LDS + 16 * h + c, v);
     }
+    sx[h * MOEP_BM + r] = sum;
 }
 
-// Decode column group kg of weight row `row` (of `rows`) of matrix W [n_experts][rows][cols] for expert e into
-// the shared tile row as bf16 (zeros past the last row).
+// Weight pieces per matrix in shared memory: the codes (one piece), or for F16 the values as two bf16 pieces.
+template <int F> struct MoepW {
+    static constexpr int NP = MoeFmt<F>::CODES == MOE_CODES_NONE ? 2 : 1;
+};
+#define MOEP_PIECE (MOEP_BN * MOEP_LDS)
+
+// Column group kg of weight row `row` (of `rows`) of W [n_experts][rows][cols], expert e, into the shared tile:
+// its codes (exact bf16) and per half its scale sc[h * BN] and min mn[h * BN] (dst / sc / mn point at the row),
+// or for F16 its exact values as two bf16 pieces. Zeros past the last row.
 template <int F>
-__device__ __forceinline__ void moep_stage_w(uint16_t* dst, const uint8_t* W, int e, int row, int rows, int cols,
-                                             int kg, const uint64_t* grid) {
+__device__ __forceinline__ void moep_stage_w(uint16_t* dst, float* sc, float* mn, const uint8_t* W, int e, int row,
+                                             int rows, int cols, int kg, const uint64_t* grid) {
+    float s[2] = {0.0f, 0.0f}, o[2] = {0.0f, 0.0f};
+    if constexpr (F == FMT_IQ2_XXS) {            // 8 codes at a time (fewer live registers beside the accumulators)
+        unsigned a0 = 0u, a1 = 0u;
+        float db = 0.0f;
+        if (row < rows) MoeFmt<F>::aux(W + ((size_t)e * rows + row) * (size_t)moe_row_bytes<F>(cols), kg, a0, a1, db);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const uint64_t gq = grid[(a0 >> (8 * q)) & 255u];
+            const unsigned sg = MoeFmt<F>::signs(a1, q);
+            float c[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const float v = row < rows ? moe_u2f((unsigned)(gq >> (8 * j)) & 255u) : 0.0f;
+                c[j] = (sg >> j) & 1u ? -v : v;
+            }
+            tile_store8(dst + 8 * q, c);
+        }
+        sc[0] = sc[MOEP_BN] = db;
+        mn[0] = mn[MOEP_BN] = 0.0f;
+        return;
+    }
     float w[32];
     if (row < rows) {
         const uint8_t* base = W + ((size_t)e * rows + row) * (size_t)moe_row_bytes<F>(cols);
-        MoeFmt<F>::dq(base, kg, w, grid);
+        if constexpr (MoeFmt<F>::CODES == MOE_CODES_NONE) MoeFmt<F>::dq(base, kg, w, grid);
+        else MoeFmt<F>::cq(base, kg, w, s, o, grid);
     } else {
 #pragma unroll
         for (int i = 0; i < 32; i++) w[i] = 0.0f;
     }
+    if constexpr (MoeFmt<F>::CODES == MOE_CODES_NONE) {
 #pragma unroll
-    for (int i = 0; i < 32; i += 8) tile_store8(dst + i, w + i);
+        for (int i = 0; i < 32; i += 8) tile_split8<2>(w + i, dst + i, MOEP_PIECE);
+    } else {
+#pragma unroll
+        for (int i = 0; i < 32; i += 8) tile_store8(dst + i, w + i);
+        sc[0] = s[0];
+        sc[MOEP_BN] = s[1];
+        mn[0] = o[0];
+        mn[MOEP_BN] = o[1];
+    }
+}
+
+// acc += this k tile's A (the warp's rows) x the staged weights (the warp's columns) of one matrix, in the
+// format's decomposition: codes P = A c (tensor cores, from zero), then acc += s P - o sx per scale group.
+template <int F>
+__device__ __forceinline__ void moep_tile(float (&acc)[MOEP_MT][MOEP_NT][4], const uint16_t* a, const uint16_t* b,
+                                          const float* sc, const float* mn, const float* sx, int wm, int wn) {
+    constexpr int KIND = MoeFmt<F>::CODES;
+    if constexpr (KIND == MOE_CODES_NONE) {
+        tile_mma<MOEP_MT, MOEP_NT, MOEP_BK, MOEP_LDS>(acc, a, b);
+        tile_mma<MOEP_MT, MOEP_NT, MOEP_BK, MOEP_LDS>(acc, a, b + MOEP_PIECE);
+    } else {
+        const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+        constexpr int HALVES = KIND == MOE_CODES_AFFINE16 ? 2 : 1;
+#pragma unroll
+        for (int h = 0; h < HALVES; h++) {
+            float P[MOEP_MT][MOEP_NT][4];
+            tile_zero(P);
+            if constexpr (HALVES == 2) tile_mma<MOEP_MT, MOEP_NT, 16, MOEP_LDS>(P, a + 16 * h, b + 16 * h);
+            else tile_mma<MOEP_MT, MOEP_NT, MOEP_BK, MOEP_LDS>(P, a, b);
+#pragma unroll
+            for (int nt = 0; nt < MOEP_NT; nt++) {
+                const int n = wn * 32 + nt * 8 + 2 * t;
+                const float s0 = sc[h * MOEP_BN + n], s1 = sc[h * MOEP_BN + n + 1];
+                const float o0 = mn[h * MOEP_BN + n], o1 = mn[h * MOEP_BN + n + 1];
+#pragma unroll
+                for (int mt = 0; mt < MOEP_MT; mt++) {
+                    const int m = wm * 32 + mt * 16 + g;
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        const float s_ = (i & 1) ? s1 : s0;
+                        float v = fmaf(s_, P[mt][nt][i], acc[mt][nt][i]);
+                        if constexpr (KIND != MOE_CODES_SCALED) {
+                            const int r = m + 8 * (i >> 1);
+                            const float xs = HALVES == 2 ? sx[h * MOEP_BM + r] : sx[r] + sx[MOEP_BM + r];
+                            v = fmaf(-((i & 1) ? o1 : o0), xs, v);
+                        }
+                        acc[mt][nt][i] = v;
+                    }
+                }
+            }
+        }
+    }
 }
 
 __device__ __forceinline__ float moep_silu(float g) { return g * (1.0f / (1.0f + expf(-g))); }
@@ -198,8 +284,10 @@ __device__ __forceinline__ void moep_gate_up(const uint64_t* grid, const uint8_t
         const float* x, int ldx, const float* route_w, const int* sorted, const int* tile_bucket,
         const int* tile_row, const int* offsets, const int* info, float* H, int n_experts, int ff, int dim, int k,
         float clamp) {
+    constexpr int NP = MoepW<F>::NP;
     __shared__ __align__(16) uint16_t as[MOEP_BM * MOEP_LDS];
-    __shared__ __align__(16) uint16_t ws[2 * MOEP_BN * MOEP_LDS];
+    __shared__ __align__(16) uint16_t ws[2 * NP * MOEP_PIECE];
+    __shared__ float wsc[2 * 2 * MOEP_BN], wmn[2 * 2 * MOEP_BN], sx[2 * MOEP_BM];
     int b, r0, r1;
     if (!moep_item(tile_bucket, tile_row, offsets, info, b, r0, r1)) return;
     const int n0 = blockIdx.x * MOEP_BN, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -214,13 +302,17 @@ __device__ __forceinline__ void moep_gate_up(const uint64_t* grid, const uint8_t
         tile_zero(accu);
         for (int kt = 0; kt < dim / MOEP_BK; kt++) {
             __syncthreads();
-            moep_stage_a(as, arow, avalid, kt * MOEP_BK);
-            for (int j = tid; j < 2 * MOEP_BN; j += MOEP_THREADS)
-                moep_stage_w<F>(ws + j * MOEP_LDS, j < MOEP_BN ? Wg : Wu, b, n0 + j % MOEP_BN, ff, dim, kt, grid);
+            moep_stage_a(as, sx, arow, avalid, kt * MOEP_BK);
+            for (int j = tid; j < 2 * MOEP_BN; j += MOEP_THREADS) {
+                const int mat = j / MOEP_BN, r = j % MOEP_BN;
+                moep_stage_w<F>(ws + mat * NP * MOEP_PIECE + r * MOEP_LDS, wsc + mat * 2 * MOEP_BN + r,
+                                wmn + mat * 2 * MOEP_BN + r, mat ? Wu : Wg, b, n0 + r, ff, dim, kt, grid);
+            }
             __syncthreads();
             const uint16_t* a = as + wm * 32 * MOEP_LDS;
-            tile_mma<MOEP_MT, MOEP_NT, MOEP_BK, MOEP_LDS>(accg, a, ws + wn * 32 * MOEP_LDS);
-            tile_mma<MOEP_MT, MOEP_NT, MOEP_BK, MOEP_LDS>(accu, a, ws + (MOEP_BN + wn * 32) * MOEP_LDS);
+            moep_tile<F>(accg, a, ws + wn * 32 * MOEP_LDS, wsc, wmn, sx, wm, wn);
+            moep_tile<F>(accu, a, ws + NP * MOEP_PIECE + wn * 32 * MOEP_LDS, wsc + 2 * MOEP_BN, wmn + 2 * MOEP_BN, sx,
+                         wm, wn);
         }
 #pragma unroll
         for (int mt = 0; mt < MOEP_MT; mt++)
@@ -252,8 +344,10 @@ template <int F>
 __device__ __forceinline__ void moep_down(const uint64_t* grid, const uint8_t* W, const float* H,
         const int* tile_bucket, const int* tile_row, const int* offsets, const int* info, float* Yp, int n_experts,
         int dim, int ff) {
+    constexpr int NP = MoepW<F>::NP;
     __shared__ __align__(16) uint16_t as[MOEP_BM * MOEP_LDS];
-    __shared__ __align__(16) uint16_t ws[MOEP_BN * MOEP_LDS];
+    __shared__ __align__(16) uint16_t ws[NP * MOEP_PIECE];
+    __shared__ float wsc[2 * MOEP_BN], wmn[2 * MOEP_BN], sx[2 * MOEP_BM];
     int b, r0, r1;
     if (!moep_item(tile_bucket, tile_row, offsets, info, b, r0, r1)) return;
     const int n0 = blockIdx.x * MOEP_BN, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -267,11 +361,11 @@ __device__ __forceinline__ void moep_down(const uint64_t* grid, const uint8_t* W
         const float* arow = H + (size_t)(avalid ? ar : 0) * ff;
         for (int kt = 0; kt < ff / MOEP_BK; kt++) {
             __syncthreads();
-            moep_stage_a(as, arow, avalid, kt * MOEP_BK);
+            moep_stage_a(as, sx, arow, avalid, kt * MOEP_BK);
             for (int j = tid; j < MOEP_BN; j += MOEP_THREADS)
-                moep_stage_w<F>(ws + j * MOEP_LDS, W, b, n0 + j, dim, ff, kt, grid);
+                moep_stage_w<F>(ws + j * MOEP_LDS, wsc + j, wmn + j, W, b, n0 + j, dim, ff, kt, grid);
             __syncthreads();
-            tile_mma<MOEP_MT, MOEP_NT, MOEP_BK, MOEP_LDS>(acc, as + wm * 32 * MOEP_LDS, ws + wn * 32 * MOEP_LDS);
+            moep_tile<F>(acc, as + wm * 32 * MOEP_LDS, ws + wn * 32 * MOEP_LDS, wsc, wmn, sx, wm, wn);
         }
     }
 #pragma unroll

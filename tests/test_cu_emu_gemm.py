@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from cu_fixtures import gemv_weights, requires_emulator
+from ds4py.cuda.emu_runtime import EmuRuntime
 from ds4py.cuda.ops import gemm as ops_gemm
 from ds4py.cuda.twins import gemm as twin
 from ds4py.cuda.twins import mma as twin_mma
@@ -41,13 +42,19 @@ def test_mma_fragment_layout_matches_the_twin(kdev, dtype):
         np.testing.assert_array_equal(twin_mma.unpack_a(a[i], dtype),
                                       twin_mma.value16(twin_mma.bits16(A[i], dtype), dtype).reshape(16, 16))
         np.testing.assert_array_equal(twin_mma.unpack_d(c[i]), C[i])
-    dev = kdev("random", 3)
+    dev = kdev()
     d = dev.var(np.full((tiles, 32, 4), np.nan, np.float32))
     ops_gemm.mma_tile(dev.rt, dtype, dev.const(a), dev.const(b), dev.const(c), d, tiles)
     got = d.download()
     for i in range(tiles):
         want = twin_mma.mma(A[i], B[i], C[i], dtype)
-        np.testing.assert_array_equal(twin_mma.unpack_d(got[i]), want)
+        if isinstance(dev.rt, EmuRuntime):                     # double accumulation rounded once: bit-exact
+            np.testing.assert_array_equal(twin_mma.unpack_d(got[i]), want)
+        else:                                                  # the tensor cores' own fp32 accumulation
+            Av = twin_mma.value16(twin_mma.bits16(A[i], dtype), dtype).reshape(16, 16)
+            Bv = twin_mma.value16(twin_mma.bits16(B[i], dtype), dtype).reshape(16, 8)
+            mag = np.abs(Av) @ np.abs(Bv) + np.abs(C[i])
+            assert np.all(np.abs(twin_mma.unpack_d(got[i]) - want) <= 1e-5 * mag), "fragment layout or accumulation"
         # and the tile is really the product (not a permutation of it that happens to be consistent)
         ref = A[i].astype(np.float64) @ B[i].astype(np.float64) + C[i]
         assert np.abs(twin_mma.unpack_d(got[i]) - ref).max() < (0.05 if dtype == "bf16" else 5e-3) * np.abs(ref).max()
@@ -89,7 +96,7 @@ def test_gemm_against_the_twin(kdev, case, order):
     ops_gemm.gemm(dev.rt, dev.const(W), dev.const(x), d_y, T, N, K, accumulate=acc, x_group_rows=xgr, ldx=ldx)
     got = d_y.download()
     want, mag = twin.gemm(W, x, T, N, K, xgr, y0 if acc else None)
-    assert_close_scaled(got, want, mag, K, f"gemm {case}", factor=2.0)
+    assert_close_scaled(got, want, mag, K, f"gemm {case}", factor=2.0 if isinstance(dev.rt, EmuRuntime) else 8.0)
 
 
 def test_gemm_rows_do_not_depend_on_T_or_neighbours(kdev):
@@ -97,7 +104,7 @@ def test_gemm_rows_do_not_depend_on_T_or_neighbours(kdev):
     N, K = 72, 64
     W = gemv_weights(r, "Q8_0", N, K, 0.1)
     x = _x(r, 70, K, K)
-    dev = kdev("random", 4)
+    dev = kdev()
     dW = dev.const(W)
     full, part = dev.var(np.zeros((70, N), np.float32)), dev.var(np.zeros((10, N), np.float32))
     ops_gemm.gemm(dev.rt, dW, dev.const(x), full, 70, N, K)
@@ -112,7 +119,7 @@ def test_tensor_core_path_vs_scalar_fp32(kdev, kind):
     T, N, K = 16, 64, 256
     W = gemv_weights(r, kind, N, K, 0.1)
     x = _x(r, T, K, K)
-    dev = kdev("forward", 5)
+    dev = kdev()
     d_y = dev.var(np.zeros((T, N), np.float32))
     ops_gemm.gemm(dev.rt, dev.const(W), dev.const(x), d_y, T, N, K)
     got = d_y.download().astype(np.float64)

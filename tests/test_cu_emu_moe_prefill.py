@@ -90,7 +90,7 @@ def test_gate_up_stage(kdev, case):
     ids = ids_case("bad" if qtype == QT.Q4_K else "skew", r, T, k, E)
     wts = (r.random((T, k)) + 0.2).astype(np.float32)
     clamp = 0.0 if qtype == QT.F16 else 0.5
-    dev = kdev("random", dim)
+    dev = kdev()
     bufs = bufs_on(dev, T, k, E, ff, dim)
     ops_mp.moe_prefill_route(dev.rt, dev.const(ids), bufs, T, k, E)
     ops_mp.moe_prefill_gate_up(dev.rt, qtype, dev.const(rg), dev.const(ru), dev.const(x), dev.const(wts), bufs, T, k,
@@ -111,7 +111,7 @@ def test_down_stage(kdev, case):
     rd, Wd = _experts(r, qtype, E, dim, ff)
     ids = ids_case("random" if E > 2 else "one", r, T, k, E)
     H = r.standard_normal((T * k, ff)).astype(np.float32)
-    dev = kdev("reverse", ff)
+    dev = kdev()
     bufs = bufs_on(dev, T, k, E, ff, dim)
     bufs.H.upload(H)
     ops_mp.moe_prefill_route(dev.rt, dev.const(ids), bufs, T, k, E)
@@ -137,7 +137,8 @@ WHOLE = [(QT.IQ2_XXS, QT.Q2_K, 256, 256, 21, 3, 4, "random"), (QT.MXFP4, QT.MXFP
 
 
 @pytest.mark.parametrize("case", WHOLE, ids=lambda c: f"{c[0].name}-{c[1].name}-{c[7]}")
-def test_whole_moe_against_twin_and_reference(kdev, case):
+@pytest.mark.parametrize("order", ORDERS)
+def test_whole_moe_against_twin_and_reference(kdev, case, order):
     qg, qd, dim, ff, T, k, E, how = case
     r = rng(4, int(qg), int(qd))
     rg, Wg = _experts(r, qg, E, ff, dim)
@@ -148,7 +149,7 @@ def test_whole_moe_against_twin_and_reference(kdev, case):
     wts = (r.random((T, k)) + 0.2).astype(np.float32)
     add = r.standard_normal((T, dim)).astype(np.float32)
     clamp = 10.0
-    dev = kdev("random", T)
+    dev = kdev(order, T)
     bufs = bufs_on(dev, T, k, E, ff, dim)
     y = dev.var(np.full((T, dim), np.nan, np.float32))
     ops_mp.moe_prefill(dev.rt, (qg, dev.const(rg)), (qg, dev.const(ru)), (qd, dev.const(rd)), dev.const(x),
@@ -182,3 +183,24 @@ def test_wrappers_reject_bad_input(kdev):
     with pytest.raises(Ds4Error, match="same weight type"):
         ops_mp.moe_prefill(dev.rt, (QT.Q8_0, None), (QT.F16, None), (QT.F16, None), None, None, None, None, 4, 2, 3,
                            32, 32, 0.0, bufs)
+
+
+def test_shared_expert_as_one_expert_for_every_token(kdev):
+    """The prefill shared expert: n_experts = 1, k = 1, ids 0, no route weights (Q8_0 gate / up / down)."""
+    T, dim, ff = 70, 64, 96
+    r = rng(5)
+    rg, Wg = _experts(r, QT.Q8_0, 1, ff, dim)
+    ru, Wu = _experts(r, QT.Q8_0, 1, ff, dim)
+    rd, Wd = _experts(r, QT.Q8_0, 1, dim, ff)
+    x = r.standard_normal((T, dim)).astype(np.float32)
+    ids = np.zeros((T, 1), np.int32)
+    dev = kdev()
+    bufs = bufs_on(dev, T, 1, 1, ff, dim)
+    y = dev.var(np.full((T, dim), np.nan, np.float32))
+    ops_mp.moe_prefill(dev.rt, (QT.Q8_0, dev.const(rg)), (QT.Q8_0, dev.const(ru)), (QT.Q8_0, dev.const(rd)),
+                       dev.const(x), dev.const(ids), None, y, T, 1, 1, ff, dim, 10.0, bufs)
+    got = y.download().astype(np.float64)
+    assert bufs.info.download()[0] == -(-T // ops_mp.BM)
+    want, mag = twin.moe(Wg, Wu, Wd, x, ids, None, 10.0, ops_mp.BM, ops_mp.max_tiles(T, 1))
+    ref = _reference_moe(Wg, Wu, Wd, x, ids, np.ones((T, 1), np.float32), 10.0, 0)
+    assert (np.abs(got - want) <= 2 ** -8 * mag).all() and (np.abs(got - ref) <= 2 ** -7 * mag).all()

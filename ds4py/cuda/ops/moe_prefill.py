@@ -10,8 +10,12 @@ x [T, dim] float32 (ldx apart), ids [T, k] int32 and wts [T, k] float32 (the rou
 for the worst case, so nothing is read back to the host (graph-capturable). The stages are separate functions
 too (moe_prefill_route, _gate_up, _down, _combine) for tests and for callers that fuse other work between them.
 
-Numerics: x, the decoded weights and the SwiGLU output are rounded to bf16 before their products; fp32
-accumulation in a fixed order; the combine sums the k slots in slot order (twin: ds4py/cuda/twins/moe_prefill.py).
+Numerics: x and the SwiGLU output are rounded to bf16 before their products, the expert weights stay exact (their
+integer codes on the tensor cores, scales and mins in fp32); fp32 accumulation in a fixed order; the combine sums
+the k slots in slot order (twin: ds4py/cuda/twins/moe_prefill.py).
+
+The shared expert of a prefill block runs through the same kernels as one expert chosen by every token:
+n_experts = 1, k = 1, ids all 0, wts None (its Q8_0 / F16 gate, up and down are expert formats too).
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from ds4py.cuda.ops.experts import FORMATS, row_bytes
 
 DEFINES = {
     "MOEP_WARPS_M": 2,            # warps along the routed rows (32 each): MOEP_BM = 64 rows per work item
-    "MOEP_WARPS_N": 2,            # warps along the features (32 each): MOEP_BN = 64 features per block
+    "MOEP_WARPS_N": 2,            # warps along the features (32 each): MOEP_BN = 64 features per block (2: the A
+                                  # staging has two threads per row, one per 16 columns)
     "MOEP_MAX_EXPERTS": 256,      # routed experts the route kernel's shared counters hold (V4 Flash: 256)
 }
 BM = 32 * DEFINES["MOEP_WARPS_M"]

@@ -1,8 +1,10 @@
 """Twin of cu/moe_prefill.cu: the routing bookkeeping exactly (count, exclusive scan, stable scatter by expert,
-the work items), and the grouped expert products as the kernels round them: x, the decoded weights and the
-SwiGLU output H on the bf16 grid, products in float64, SwiGLU with ref.ops (float32), the combine in slot order.
+the work items), and the grouped expert products as the kernels round them: x and the SwiGLU output H on the
+bf16 grid, the weights exact (ds4py.quant's values), products in float64, SwiGLU with ref.ops (float32), the
+combine in slot order.
 
-What the kernels do differently: fp32 accumulation. Because H is rounded to bf16 before the down, a kernel H
+What the kernels do differently: fp32 accumulation (per scale group from zero, then scale and min applied in
+fp32: w = s c - m is summed as s * sum(x c) - m * sum(x), equal to the exact values' sum up to fp32 rounding). Because H is rounded to bf16 before the down, a kernel H
 that differs from the twin's in the last fp32 bit can land on the neighbouring bf16 value, so the down and the
 whole MoE are compared within a bf16-level tolerance (2^-8 of the magnitude); each GEMM stage on its own
 (down fed the kernel's H) within the fp32 one."""
@@ -57,9 +59,9 @@ def gate_up(Wg: np.ndarray, Wu: np.ndarray, x: np.ndarray, wts: np.ndarray | Non
         if sel.size == 0:
             continue
         xe = xb[tok[sel]]
-        g64, u64 = xe @ bf16_round(Wg[e]).astype(np.float64).T, xe @ bf16_round(Wu[e]).astype(np.float64).T
-        mg, mu = np.abs(xe) @ np.abs(bf16_round(Wg[e])).astype(np.float64).T, \
-            np.abs(xe) @ np.abs(bf16_round(Wu[e])).astype(np.float64).T
+        Wge, Wue = Wg[e].astype(np.float64), Wu[e].astype(np.float64)
+        g64, u64 = xe @ Wge.T, xe @ Wue.T
+        mg, mu = np.abs(xe) @ np.abs(Wge).T, np.abs(xe) @ np.abs(Wue).T
         g, u = g64.astype(F32), u64.astype(F32)
         if clamp > 0:
             g, u = np.minimum(g, F32(clamp)), np.clip(u, F32(-clamp), F32(clamp))
@@ -70,7 +72,7 @@ def gate_up(Wg: np.ndarray, Wu: np.ndarray, x: np.ndarray, wts: np.ndarray | Non
 
 
 def down(W: np.ndarray, H: np.ndarray, r: dict) -> tuple[np.ndarray, np.ndarray]:
-    """(Yp [P, dim] in sorted order, magnitude): bf16(H) @ bf16(W[e])^T per row. W: dequantised [E, dim, ff]."""
+    """(Yp [P, dim] in sorted order, magnitude): bf16(H) @ W[e]^T per row. W: dequantised [E, dim, ff]."""
     E, dim, ff = W.shape
     rows = _bucket_of_rows(r["offsets"])
     Hb = bf16_round(np.asarray(H, F32)).astype(np.float64)
@@ -79,7 +81,7 @@ def down(W: np.ndarray, H: np.ndarray, r: dict) -> tuple[np.ndarray, np.ndarray]
     for e in range(E):
         sel = np.flatnonzero(rows == e)
         if sel.size:
-            We = bf16_round(W[e]).astype(np.float64)
+            We = W[e].astype(np.float64)
             Yp[sel] = Hb[sel] @ We.T
             mag[sel] = np.abs(Hb[sel]) @ np.abs(We).T
     return Yp, mag
