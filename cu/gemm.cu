@@ -9,7 +9,9 @@
 //         two mma per step into the same accumulators;
 //   F32   w = hi + mid + lo, three bf16 pieces (exact for normal values), three mma per step.
 // So the product differs from an exact one only by the bf16 rounding of x (relative 2^-9 per element) and fp32
-// accumulation. ds4py/cuda/twins/gemm.py is that model in float64.
+// accumulation; with GEMM_X_SPLIT x goes in as hi = bf16(x) plus lo = bf16(x - hi) (relative 2^-17, for the
+// matrices whose outputs are compared or selected on - the router), at twice the tensor work.
+// ds4py/cuda/twins/gemm.py is that model in float64.
 //
 // Tiles. A block computes GEMM_BM tokens x GEMM_BN output features (8 warps, 2 x 4, each 32 x 32: 2 x 4 mma tiles);
 // K is walked in GEMM_BK = 32 column tiles in increasing order - the same order for every T, grid or tile
@@ -47,6 +49,9 @@ constexpr int GEMM_MT = GEMM_WM / 16, GEMM_NT = GEMM_WN / 8;
 static_assert(GEMM_MT * 16 * GEMM_WARPS_M == GEMM_BM && GEMM_NT * 8 * GEMM_WARPS_N == GEMM_BN, "warp tiles");
 static_assert(GEMM_BM * 4 == GEMM_THREADS, "each thread stages 8 x values of one row per k-tile");
 static_assert(GEMM_BN * 2 == GEMM_THREADS, "each thread stages 16 weights of one row per k-tile");
+
+#define GEMM_ACCUMULATE 1   // flags: Y += instead of Y =
+#define GEMM_X_SPLIT 2      // flags: x as two bf16 pieces (hi + lo: ~16 significant bits), twice the tensor work
 
 #define GEMM_FMT_Q8_0 0
 #define GEMM_FMT_F16 1
@@ -141,10 +146,10 @@ template <> struct GemmFmt<GEMM_FMT_Q8_0> {
 
 template <int F>
 __device__ __forceinline__ void gemm_impl(const void* W, const float* X, float* Y, int T, int N, int K, int ldx,
-                                          int ldy, int x_group_rows, int accumulate) {
+                                          int ldy, int x_group_rows, int flags) {
     using Fmt = GemmFmt<F>;
-    constexpr int NP = Fmt::NP, PIECE = GEMM_BN * GEMM_LDS;
-    __shared__ __align__(16) uint16_t xs[GEMM_BM * GEMM_LDS];
+    constexpr int NP = Fmt::NP, PIECE = GEMM_BN * GEMM_LDS, XPIECE = GEMM_BM * GEMM_LDS;
+    __shared__ __align__(16) uint16_t xs[2 * XPIECE];
     __shared__ __align__(16) uint16_t ws[NP * PIECE];
     __shared__ float wscale[GEMM_BN];
     pdl_wait();
@@ -171,6 +176,8 @@ __device__ __forceinline__ void gemm_impl(const void* W, const float* X, float* 
     const int xm = m0 + xr, wnr = n0 + wr;
     const float* xrow = X + (size_t)(xm < T ? xm : 0) * ldx;
     const int nk = (K + GEMM_BK - 1) / GEMM_BK;
+    const bool x_split = (flags & GEMM_X_SPLIT) != 0;
+    const int nxp = x_split ? 2 : 1;
 
     float acc[GEMM_MT][GEMM_NT][4];
     tile_zero(acc);
@@ -191,7 +198,8 @@ __device__ __forceinline__ void gemm_impl(const void* W, const float* X, float* 
     load(0);
     for (int kt = 0; kt < nk; kt++) {
         __syncthreads();                                        // the previous k-tile's fragments are read
-        tile_store8(xs + xr * GEMM_LDS + xc, xv);
+        if (x_split) tile_split8<2>(xv, xs + xr * GEMM_LDS + xc, XPIECE);
+        else tile_store8(xs + xr * GEMM_LDS + xc, xv);
         Fmt::stage(raw, ws + wr * GEMM_LDS + wc, PIECE, wscale + wr, wc == 0);
         __syncthreads();
         if (kt + 1 < nk) load(kt + 1);                          // in flight while the tensor cores work
@@ -200,7 +208,7 @@ __device__ __forceinline__ void gemm_impl(const void* W, const float* X, float* 
         if constexpr (Fmt::SCALED) {
             float part[GEMM_MT][GEMM_NT][4];
             tile_zero(part);
-            tile_mma<GEMM_MT, GEMM_NT, GEMM_BK, GEMM_LDS>(part, as, bs);
+            for (int xp = 0; xp < nxp; xp++) tile_mma<GEMM_MT, GEMM_NT, GEMM_BK, GEMM_LDS>(part, as + xp * XPIECE, bs);
             const int t = lane & 3;
 #pragma unroll
             for (int nt = 0; nt < GEMM_NT; nt++) {
@@ -214,9 +222,10 @@ __device__ __forceinline__ void gemm_impl(const void* W, const float* X, float* 
                 }
             }
         } else {
+            for (int xp = 0; xp < nxp; xp++)
 #pragma unroll
-            for (int p = 0; p < NP; p++)
-                tile_mma<GEMM_MT, GEMM_NT, GEMM_BK, GEMM_LDS>(acc, as, bs + p * PIECE);
+                for (int p = 0; p < NP; p++)
+                    tile_mma<GEMM_MT, GEMM_NT, GEMM_BK, GEMM_LDS>(acc, as + xp * XPIECE, bs + p * PIECE);
         }
     }
 
@@ -231,29 +240,30 @@ __device__ __forceinline__ void gemm_impl(const void* W, const float* X, float* 
                 const int n = n0 + wn * GEMM_WN + nt * 8 + 2 * t + (i & 1);
                 if (m < T && n < ncols) {
                     float* y = Y + (size_t)m * ldy + n;
-                    *y = accumulate ? *y + acc[mt][nt][i] : acc[mt][nt][i];
+                    *y = (flags & GEMM_ACCUMULATE) ? *y + acc[mt][nt][i] : acc[mt][nt][i];
                 }
             }
 }
 
-// Y[m, n] (=, or += with accumulate) sum_k X[m, k] W[n, k], m < T, n < N (x_group_rows: see the top). Launch: grid
+// Y[m, n] (=, or += with flags & GEMM_ACCUMULATE) sum_k X[m, k] W[n, k], m < T, n < N (x_group_rows: see the top;
+// flags & GEMM_X_SPLIT: x as hi + lo bf16 pieces). Launch: grid
 // (ceil(cols / GEMM_BN), ceil(T / GEMM_BM), groups) with cols = x_group_rows or N and groups = ceil(N / cols),
 // block GEMM_THREADS, no dynamic shared memory. K % 32 == 0; X 16-byte aligned, ldx % 4 == 0; W 2-byte aligned.
 extern "C" __global__ __launch_bounds__(GEMM_THREADS) void gemm_q8_0(const uint8_t* W, const float* X, float* Y,
-        int T, int N, int K, int ldx, int ldy, int x_group_rows, int accumulate) {
-    gemm_impl<GEMM_FMT_Q8_0>(W, X, Y, T, N, K, ldx, ldy, x_group_rows, accumulate);
+        int T, int N, int K, int ldx, int ldy, int x_group_rows, int flags) {
+    gemm_impl<GEMM_FMT_Q8_0>(W, X, Y, T, N, K, ldx, ldy, x_group_rows, flags);
 }
 
 // As gemm_q8_0 for F16 weights. Launch: as gemm_q8_0. K % 8 == 0; W, X 16-byte aligned, ldx % 4 == 0.
 extern "C" __global__ __launch_bounds__(GEMM_THREADS) void gemm_f16(const __half* W, const float* X, float* Y,
-        int T, int N, int K, int ldx, int ldy, int x_group_rows, int accumulate) {
-    gemm_impl<GEMM_FMT_F16>(W, X, Y, T, N, K, ldx, ldy, x_group_rows, accumulate);
+        int T, int N, int K, int ldx, int ldy, int x_group_rows, int flags) {
+    gemm_impl<GEMM_FMT_F16>(W, X, Y, T, N, K, ldx, ldy, x_group_rows, flags);
 }
 
 // As gemm_q8_0 for F32 weights. Launch: as gemm_q8_0. K % 8 == 0; W, X 16-byte aligned, ldx % 4 == 0.
 extern "C" __global__ __launch_bounds__(GEMM_THREADS) void gemm_f32(const float* W, const float* X, float* Y,
-        int T, int N, int K, int ldx, int ldy, int x_group_rows, int accumulate) {
-    gemm_impl<GEMM_FMT_F32>(W, X, Y, T, N, K, ldx, ldy, x_group_rows, accumulate);
+        int T, int N, int K, int ldx, int ldy, int x_group_rows, int flags) {
+    gemm_impl<GEMM_FMT_F32>(W, X, Y, T, N, K, ldx, ldy, x_group_rows, flags);
 }
 
 // ---- one mma tile from per-lane fragments (ds4py/cuda/twins/mma.py packs them): the fragment-layout check ----

@@ -51,7 +51,7 @@ __device__ __forceinline__ int moep_bucket(int id, int n_experts) { return id >=
 // Outputs: offsets [n_experts + 2] (bucket b's sorted rows are [offsets[b], offsets[b+1])), sorted [P] (pair of
 // each sorted row), pos [P] (sorted row of each pair), the work items tile_bucket / tile_row [max_tiles] (bucket,
 // first sorted row), info[0] = number of work items. n_experts <= MOEP_MAX_EXPERTS. Launch: grid 1, block 1024.
-extern "C" __global__ void __launch_bounds__(1024) moe_prefill_route(const int* ids, int* offsets, int* sorted,
+extern "C" __global__ __launch_bounds__(1024) void moe_prefill_route(const int* ids, int* offsets, int* sorted,
         int* pos, int* tile_bucket, int* tile_row, int* info, int n_pairs, int n_experts, int max_tiles) {
     __shared__ int cnt[MOEP_ROUTE_WARPS][MOEP_MAX_EXPERTS + 1];
     __shared__ int start[MOEP_MAX_EXPERTS + 2], tstart[MOEP_MAX_EXPERTS + 2];

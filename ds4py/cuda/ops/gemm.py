@@ -7,7 +7,7 @@ weights (Q8_0 / F16 / F32, as the GEMVs read them).
 
 W is a DeviceArray (or a DevTensor: its .array) typed as for ops.gemv: float32 -> F32, float16 -> F16, uint8
 bytes -> Q8_0 ([N, K/32*34]). x: float32 [T, ldx] (ldx >= K * groups, a multiple of 4, default K * groups), y:
-float32 [T, ldy] (default N). Numerics (cu/gemm.cu): x rounded to bf16, weights exact (Q8_0 codes + per-block
+float32 [T, ldy] (default N). Numerics (cu/gemm.cu): x rounded to bf16 (or, precise_x, two bf16 pieces), weights exact (Q8_0 codes + per-block
 scale, F16 as two bf16 pieces, F32 as three), fp32 accumulation in a fixed k order: a row's result does not depend
 on T or on the other rows (twin: ds4py/cuda/twins/gemm.py).
 """
@@ -33,6 +33,7 @@ THREADS = 32 * DEFINES["GEMM_WARPS_M"] * DEFINES["GEMM_WARPS_N"]
 MAX_T = 65535 * BM               # grid.y limit
 _KERNEL = {"Q8_0": "gemm_q8_0", "F16": "gemm_f16", "F32": "gemm_f32"}
 PIECES = {"Q8_0": 1, "F16": 2, "F32": 3}     # bf16 mma per k16 step and tile: the tensor-core cost factor
+ACCUMULATE, X_SPLIT = 1, 2                   # flags (GEMM_ACCUMULATE, GEMM_X_SPLIT)
 
 
 def gemm_grid(T: int, N: int, x_group_rows: int = 0) -> tuple[int, int, int]:
@@ -42,9 +43,12 @@ def gemm_grid(T: int, N: int, x_group_rows: int = 0) -> tuple[int, int, int]:
 
 
 def gemm(rt: Any, W: Any, x: Any, y: Any, T: int, N: int, K: int, accumulate: bool = False, x_group_rows: int = 0,
-         ldx: int | None = None, ldy: int | None = None, stream: Any = None, pdl: bool = False) -> None:
+         ldx: int | None = None, ldy: int | None = None, precise_x: bool = False, stream: Any = None,
+         pdl: bool = False) -> None:
     """y[t, n] = sum_k x[t, k] W[n, k] for t < T, n < N (accumulate: y +=). x_group_rows > 0: features
-    [g*x_group_rows, (g+1)*x_group_rows) read x[t, g*K:(g+1)*K] (the grouped wo_a). One launch."""
+    [g*x_group_rows, (g+1)*x_group_rows) read x[t, g*K:(g+1)*K] (the grouped wo_a). precise_x: x as two bf16
+    pieces (relative error 2^-17 instead of 2^-9, twice the tensor work: for the router, whose top-k a bf16 x
+    could reorder). One launch."""
     W = getattr(W, "array", W)
     qtype = weight_type(W)
     need(isinstance(T, (int, np.integer)) and 1 <= T <= MAX_T, f"gemm: T must be 1..{MAX_T}, got {T}")
@@ -70,7 +74,8 @@ def gemm(rt: Any, W: Any, x: Any, y: Any, T: int, N: int, K: int, accumulate: bo
     need(aligned(16, x), "gemm: x must be 16-byte aligned")
     need(is_dtype(y, np.float32) and y.size >= (T - 1) * ldy + N, f"gemm: y must be float32 [{T}, {ldy}]")
     rt.launch(_KERNEL[qtype], gemm_grid(T, N, x_group_rows), THREADS, W, x, y, int(T), int(N), int(K), ldx, ldy,
-              int(x_group_rows), int(bool(accumulate)), stream=stream, pdl=pdl)
+              int(x_group_rows), (ACCUMULATE if accumulate else 0) | (X_SPLIT if precise_x else 0), stream=stream,
+              pdl=pdl)
 
 
 def mma_tile(rt: Any, dtype: str, a: Any, b: Any, c: Any, d: Any, tiles: int = 1) -> None:

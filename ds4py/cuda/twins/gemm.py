@@ -16,11 +16,13 @@ from ds4py.cuda.twins.mma import bf16_round
 
 
 def gemm(W: np.ndarray, x: np.ndarray, T: int, N: int, K: int, x_group_rows: int = 0,
-         y0: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+         y0: np.ndarray | None = None, precise_x: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(y [T, N] float32, magnitude [T, N]): W [N, K] as ops.gemm takes it (F32 / F16 / Q8_0 bytes), x [T, >= K *
-    groups] float32; y0: the accumulate case's prior y."""
+    groups] float32; y0: the accumulate case's prior y; precise_x: x as bf16(x) + bf16(x - bf16(x))."""
     Wv = weight_values(W, N, K)
-    xb = bf16_round(np.asarray(x, np.float32)[:T]).astype(np.float64)
+    x32 = np.asarray(x, np.float32)[:T]
+    hi = bf16_round(x32)
+    xb = hi.astype(np.float64) + (bf16_round(x32 - hi).astype(np.float64) if precise_x else 0.0)
     y = np.empty((T, N))
     mag = np.empty((T, N))
     cols = x_group_rows or N
