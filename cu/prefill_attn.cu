@@ -27,8 +27,6 @@
 #ifndef PFA_HPW
 #error "PFA_HPW comes from the DEFINES table of ds4py/cuda/ops/prefill_attn.py"
 #endif
-#define PFA_PAIRS (PFA_MAX_HD / 64)
-#define PFA_NEG_INF (-__int_as_float(0x7f800000))
 
 // kv_raw [T, hd] (the wkv GEMV rows) -> blk [T, hd]: row t as attn_kv_store computes it at pos[t].
 // Launch: grid (T), block (32 * ceil(hd / 64)); thread i holds dims (2i, 2i+1) of row blockIdx.x.
@@ -65,6 +63,9 @@ extern "C" __global__ void prefill_ring_store(const float* blk, int n_tok, const
     float2* dst = reinterpret_cast<float2*>(ring + (size_t)(pos[j] % ring_rows) * hd);
     for (int i = threadIdx.x; i < hd / 2; i += blockDim.x) dst[i] = src[i];
 }
+
+#define PFA_PAIRS (PFA_MAX_HD / 64)
+#define PFA_NEG_INF (-__int_as_float(0x7f800000))
 
 // Key j of query row t (see the top): window rows, then compressed rows.
 struct PfaKeys {
