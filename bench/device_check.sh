@@ -8,6 +8,7 @@
 # tests/test_cu_emu_gpu.py: the emulator's own value tests on hardware) -> synthetic 43-layer q2 decode,
 # graph + PDL / graph / direct (bench/cuda_decode.py: tokens/s, host us per step, launches, % of copy; --rows: a
 # verify of 1 + k rows vs one decode step, aggregate tokens/s of B = 1..16 sequences stepped together) ->
+# synthetic prefill of 2k / 12.5k tokens (bench/cuda_prefill.py: tokens/s, experts exact / on tensor cores) ->
 # decode-kernel bandwidth at the real shapes (bench/gemv_bandwidth.py, bench/attn_moe_bandwidth.py) ->
 # compute-sanitizer memcheck + racecheck on a subset, where it is installed -> the CPU-side CUDA tests ->
 # summary.json with every step's status and time.
@@ -79,6 +80,7 @@ done_step gpu_tests "$rc"
 step "synthetic 43-layer q2 decode: graph + PDL / graph / direct; multi-row: verify 1 + k rows, B = 1..16 rows"
 timeout "$(lim 130)" $PY bench/cuda_decode.py --rows --json "$RES/cuda_decode.json" 2>&1 | tee "$RES/cuda_decode.txt"
 done_step cuda_decode "${PIPESTATUS[0]}"
+step "synthetic 43-layer q2 prefill: 2k / 12.5k tokens, experts exact / on tensor cores"; timeout "$(lim 80)" $PY bench/cuda_prefill.py --json "$RES/cuda_prefill.json" 2>&1 | tee "$RES/cuda_prefill.txt"; done_step cuda_prefill "${PIPESTATUS[0]}"
 
 step "decode-kernel bandwidth at the V4 Flash shapes"
 timeout "$(lim 90)" $PY bench/gemv_bandwidth.py --json "$RES/gemv_bandwidth.json" 2>&1 | tee "$RES/gemv_bandwidth.txt"
@@ -110,6 +112,7 @@ step "summary"
 grep -E "^(device|copy)" "$RES/gemv_bandwidth.txt" 2>/dev/null
 grep -E "best:|per call|chain" "$RES/gemv_bandwidth.txt" 2>/dev/null || true
 grep -E "tokens/s|synthetic|multi-row" "$RES/cuda_decode.txt" 2>/dev/null || true
+grep -E "prefill" "$RES/cuda_prefill.txt" 2>/dev/null || true
 tail -1 "$RES/gpu-tests.txt" 2>/dev/null
 rc=0
 json="{"
@@ -119,5 +122,5 @@ for k in "${STEPS[@]}"; do
   json="$json\"$k\": {\"status\": \"${STATUS[$k]}\", \"seconds\": ${SECS[$k]}}, "
 done
 echo "${json}\"total_seconds\": $(( $(date +%s) - T0 ))}" > "$RES/summary.json"
-echo "total $(( $(date +%s) - T0 )) s; logs and JSON (summary, versions, ptxas, engine_e2e, cuda_decode, gemv_bandwidth, attn_moe_bandwidth) in $RES"
+echo "total $(( $(date +%s) - T0 )) s; logs and JSON (summary, versions, ptxas, engine_e2e, cuda_decode, cuda_prefill, gemv_bandwidth, attn_moe_bandwidth) in $RES"
 exit $rc

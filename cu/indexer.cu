@@ -23,14 +23,10 @@
 #endif
 #define IDX_KT 64                         // keys per tile of indexer_scores: 16 key lanes x 4 keys
 
-// q_raw [IH, ihd] -> q [IH, ihd]. freqs: the layer's rd/2 RoPE frequencies. ihd a power of two >= 32, rd even.
-// Launch: grid (IH), block (32 * ceil(ihd / 64)); thread t holds dims (2t, 2t+1) of head blockIdx.x.
-extern "C" __global__ void indexer_q_prep(const float* q_raw, const float* freqs, const int* pos_slot, float* q,
-                                          int ihd, int rd, int fake_quant) {
-    __shared__ float hbuf[IDX_MAX_DIM];
-    pdl_wait();
-    pdl_launch_dependents();
-    const int t = threadIdx.x, pos = pos_slot[0], nope = ihd - rd;
+// One head (blockIdx.x) of indexer_q_prep at pos; every thread of the block calls it (Hadamard barriers).
+__device__ __forceinline__ void idx_q_prep_head(const float* q_raw, const float* freqs, int pos, float* q, int ihd,
+                                                int rd, int fake_quant, float* hbuf) {
+    const int t = threadIdx.x, nope = ihd - rd;
     const bool live = 2 * t < ihd;
     const size_t row = (size_t)blockIdx.x * ihd;
     if (live) {
@@ -46,22 +42,35 @@ extern "C" __global__ void indexer_q_prep(const float* q_raw, const float* freqs
     if (live) reinterpret_cast<float2*>(q + row)[t] = v;
 }
 
-// Scores of the visible keys against the prepared q: keys [>= n_vis, ihd] with n_vis = (pos+1) / ratio; w_raw [IH]
-// (the indexer.proj GEMV output) scaled by wscale = ihd^-0.5 * IH^-0.5 (as fp32, ops order). scores [>= n_vis].
-// Needs IH % 4 == 0, IH <= 256, ihd % 4 == 0; q, keys 16-byte aligned.
-// Launch: grid (any: tiles of 64 keys go round-robin to blocks; ceil(max keys / 64) or a couple per SM), block
-// (256), dynamic shared memory (IH * ihd + 64 * (ihd + 4)) * 4 bytes. Thread (hg = tid / 16, kl = tid % 16)
-// accumulates heads 4hg + 64i .. +3 against keys kl + 16j (j < 4) of the tile; the 16 head groups' partial
-// scores are summed in a fixed order.
-extern "C" __global__ void indexer_scores(const float* q, const float* w_raw, float wscale, const float* keys,
-                                          const int* pos_slot, int ratio, float* scores, int n_heads, int ihd) {
+// q_raw [IH, ihd] -> q [IH, ihd]. freqs: the layer's rd/2 RoPE frequencies. ihd a power of two >= 32, rd even.
+// Launch: grid (IH), block (32 * ceil(ihd / 64)); thread t holds dims (2t, 2t+1) of head blockIdx.x.
+extern "C" __global__ void indexer_q_prep(const float* q_raw, const float* freqs, const int* pos_slot, float* q,
+                                          int ihd, int rd, int fake_quant) {
+    __shared__ float hbuf[IDX_MAX_DIM];
+    pdl_wait();
+    pdl_launch_dependents();
+    idx_q_prep_head(q_raw, freqs, pos_slot[0], q, ihd, rd, fake_quant, hbuf);
+}
+
+// Prefill: indexer_q_prep of T rows, row r at pos[r]: q_raw, q [T, IH, ihd].
+// Launch: grid (IH, T), block (32 * ceil(ihd / 64)); block (h, r) is head h of row r.
+extern "C" __global__ void indexer_q_prep_rows(const float* q_raw, const float* freqs, const int* pos, float* q,
+                                               int n_heads, int ihd, int rd, int fake_quant) {
+    __shared__ float hbuf[IDX_MAX_DIM];
+    pdl_wait();
+    pdl_launch_dependents();
+    const size_t off = (size_t)blockIdx.y * n_heads * ihd;
+    idx_q_prep_head(q_raw + off, freqs, pos[blockIdx.y], q + off, ihd, rd, fake_quant, hbuf);
+}
+
+// The scores of one query (a block's share of the tiles: blockIdx.x of gridDim.x).
+__device__ void idx_scores_query(const float* q, const float* w_raw, float wscale, const float* keys,
+                                  int n_vis, float* scores, int n_heads, int ihd) {
     extern __shared__ __align__(16) float idx_smem[];
     __shared__ float wts[IDX_MAX_HEADS];
     __shared__ float red[IDX_THREADS / 16][IDX_KT];
-    pdl_wait();
-    pdl_launch_dependents();
     const int tid = threadIdx.x, kl = tid & 15, hg = tid >> 4;
-    const int n_vis = (pos_slot[0] + 1) / ratio, n_tiles = (n_vis + IDX_KT - 1) / IDX_KT;
+    const int n_tiles = (n_vis + IDX_KT - 1) / IDX_KT;
     if ((int)blockIdx.x >= n_tiles) return;              // block-uniform
     const int stride = ihd + 4;
     float* qs = idx_smem;                                // [IH][ihd]
@@ -116,4 +125,32 @@ extern "C" __global__ void indexer_scores(const float* q, const float* w_raw, fl
             scores[base + tid] = s;
         }
     }
+}
+
+// Scores of the visible keys against the prepared q: keys [>= n_vis, ihd] with n_vis = (pos+1) / ratio; w_raw [IH]
+// (the indexer.proj GEMV output) scaled by wscale = ihd^-0.5 * IH^-0.5 (as fp32, ops order). scores [>= n_vis].
+// Needs IH % 4 == 0, IH <= 256, ihd % 4 == 0; q, keys 16-byte aligned.
+// Launch: grid (any: tiles of 64 keys go round-robin to blocks; ceil(max keys / 64) or a couple per SM), block
+// (256), dynamic shared memory (IH * ihd + 64 * (ihd + 4)) * 4 bytes. Thread (hg = tid / 16, kl = tid % 16)
+// accumulates heads 4hg + 64i .. +3 against keys kl + 16j (j < 4) of the tile; the 16 head groups' partial
+// scores are summed in a fixed order.
+extern "C" __global__ void indexer_scores(const float* q, const float* w_raw, float wscale, const float* keys,
+                                          const int* pos_slot, int ratio, float* scores, int n_heads, int ihd) {
+    pdl_wait();
+    pdl_launch_dependents();
+    idx_scores_query(q, w_raw, wscale, keys, (pos_slot[0] + 1) / ratio, scores, n_heads, ihd);
+}
+
+// Prefill: indexer_scores of T queries, query r at pos[r]: q [T, IH, ihd], w_raw [T, IH], scores [T, score_stride]
+// (row r's first (pos[r]+1)/ratio entries written). Each query's scores are bit-identical to its decode launch.
+// Launch: grid (tile blocks, T), block (256), dynamic shared memory as indexer_scores; blocks (x, r) take the
+// 64-key tiles of query r round-robin.
+extern "C" __global__ void indexer_scores_rows(const float* q, const float* w_raw, float wscale, const float* keys,
+                                               const int* pos, int ratio, float* scores, int score_stride,
+                                               int n_heads, int ihd) {
+    pdl_wait();
+    pdl_launch_dependents();
+    const int r = blockIdx.y;
+    idx_scores_query(q + (size_t)r * n_heads * ihd, w_raw + (size_t)r * n_heads, wscale, keys, (pos[r] + 1) / ratio,
+                     scores + (size_t)r * score_stride, n_heads, ihd);
 }

@@ -17,16 +17,10 @@ __device__ __forceinline__ float route_score(float x) {     // sqrt(logaddexp(0,
     return sqrtf(x == 0.0f ? 0.69314718055994530942f : fmaxf(x, 0.0f) + log1pf(expf(-fabsf(x))));
 }
 
-// logits [n_experts]; bias [n_experts] or null; tid2eid [vocab, k] int32 or null (then the biased top k);
-// token: the device token id (read only with tid2eid). ids [k] int32, weights [k] f32. An out-of-range token or
-// table entry gives id -1 and a NaN weight (visible downstream instead of a wild read). Ties in the top k go to the
-// lower expert index (numpy's stable argsort), NaN scores are never picked before numbers.
-// Launch: grid (1), block (32).
-extern "C" __global__ void moe_route(const float* logits, const float* bias, const int* tid2eid, const int* token,
-                                     int n_experts, int k, int vocab, float route_scale, int route_norm, int* ids,
-                                     float* weights) {
-    pdl_wait();
-    pdl_launch_dependents();
+// One token's routing by one warp (every lane calls it).
+__device__ __forceinline__ void route_one(const float* logits, const float* bias, const int* tid2eid,
+                                          const int* token, int n_experts, int k, int vocab, float route_scale,
+                                          int route_norm, int* ids, float* weights) {
     const int lane = threadIdx.x;
     const float nan = __int_as_float(0x7fc00000);
     float s[ROUTE_PER_LANE], b[ROUTE_PER_LANE];
@@ -82,4 +76,29 @@ extern "C" __global__ void moe_route(const float* logits, const float* bias, con
         ids[lane] = my_id;
         weights[lane] = (route_norm ? my_s / sum : my_s) * route_scale;
     }
+}
+
+// logits [n_experts]; bias [n_experts] or null; tid2eid [vocab, k] int32 or null (then the biased top k);
+// token: the device token id (read only with tid2eid). ids [k] int32, weights [k] f32. An out-of-range token or
+// table entry gives id -1 and a NaN weight (visible downstream instead of a wild read). Ties in the top k go to the
+// lower expert index (numpy's stable argsort), NaN scores are never picked before numbers.
+// Launch: grid (1), block (32).
+extern "C" __global__ void moe_route(const float* logits, const float* bias, const int* tid2eid, const int* token,
+                                     int n_experts, int k, int vocab, float route_scale, int route_norm, int* ids,
+                                     float* weights) {
+    pdl_wait();
+    pdl_launch_dependents();
+    route_one(logits, bias, tid2eid, token, n_experts, k, vocab, route_scale, route_norm, ids, weights);
+}
+
+// Prefill: moe_route of T tokens, row r: logits [T, n_experts], token [T], ids / weights [T, k].
+// Launch: grid (T), block (32).
+extern "C" __global__ void moe_route_rows(const float* logits, const float* bias, const int* tid2eid,
+                                          const int* token, int n_experts, int k, int vocab, float route_scale,
+                                          int route_norm, int* ids, float* weights) {
+    pdl_wait();
+    pdl_launch_dependents();
+    const size_t r = blockIdx.x;
+    route_one(logits + r * n_experts, bias, tid2eid, token + r, n_experts, k, vocab, route_scale, route_norm,
+              ids + r * k, weights + r * k);
 }

@@ -47,20 +47,13 @@ __device__ __forceinline__ int topk_block_scan(int v, int* wsum, int* total) {
     return (warp ? before : 0) + x - v;
 }
 
-// out[0 .. min(n, k)) = indices of the k largest scores[0 .. n), ascending. n = (pos_slot[0] + 1) / ratio when
-// pos_slot is given (the visible compressed rows of a decode step), else n_static. n <= k: out = 0 .. n-1.
-// NaN scores order above +inf (positive NaN) or below -inf (negative NaN).
-// Launch: grid (1), block (1024).
-extern "C" __global__ __launch_bounds__(1024) void topk_radix_select(const float* scores, const int* pos_slot,
-                                                                     int ratio, int n_static, int k, int* out) {
+// The selection of one score vector by the whole block (every thread calls it).
+__device__ void topk_select(const float* scores, int n, int k, int* out) {
     __shared__ int hist[256];
     __shared__ int wsum[32];
     __shared__ unsigned s_prefix;
     __shared__ int s_remaining;
-    pdl_wait();
-    pdl_launch_dependents();
     const int tid = threadIdx.x, bd = blockDim.x;
-    const int n = pos_slot ? (pos_slot[0] + 1) / ratio : n_static;
     if (n <= k) {
         for (int i = tid; i < n; i += bd) out[i] = i;
         return;
@@ -140,4 +133,26 @@ extern "C" __global__ __launch_bounds__(1024) void topk_radix_select(const float
         gt_before += total >> 16;
         eq_before += total & 0xffff;
     }
+}
+
+// out[0 .. min(n, k)) = indices of the k largest scores[0 .. n), ascending. n = (pos_slot[0] + 1) / ratio when
+// pos_slot is given (the visible compressed rows of a decode step), else n_static. n <= k: out = 0 .. n-1.
+// NaN scores order above +inf (positive NaN) or below -inf (negative NaN).
+// Launch: grid (1), block (1024).
+extern "C" __global__ __launch_bounds__(1024) void topk_radix_select(const float* scores, const int* pos_slot,
+                                                                     int ratio, int n_static, int k, int* out) {
+    pdl_wait();
+    pdl_launch_dependents();
+    topk_select(scores, pos_slot ? (pos_slot[0] + 1) / ratio : n_static, k, out);
+}
+
+// Prefill: the selection of T score rows, row r's n = (pos[r] + 1) / ratio scores at scores + r * score_stride into
+// out + r * k; each row's selection is exactly topk_radix_select's for that query.
+// Launch: grid (T), block (1024).
+extern "C" __global__ __launch_bounds__(1024) void topk_radix_select_rows(const float* scores, int score_stride,
+                                                                          const int* pos, int ratio, int k, int* out) {
+    pdl_wait();
+    pdl_launch_dependents();
+    const int r = blockIdx.x;
+    topk_select(scores + (size_t)r * score_stride, (pos[r] + 1) / ratio, k, out + (size_t)r * k);
 }

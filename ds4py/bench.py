@@ -395,3 +395,71 @@ def plot_rows(rows: list[Row], path: str, title: str) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+# ---- prefill rows (issue 17): a fresh state's prompt of N tokens in one step ---------------------------------------
+PREFILL_SIZES = (2048, 12500, 65536)
+
+
+def prefill_sizes(spec: str, backend: str) -> tuple[tuple[int, ...], str | None]:
+    """(sizes, note) for --prefill-sizes: 'auto' = 2k / 12.5k / 64k on cuda, none (with a one-line reason)
+    elsewhere; 'none'; or a comma-separated list of token counts (any backend)."""
+    if spec == "none":
+        return (), None
+    if spec == "auto":
+        if backend == "cuda":
+            return PREFILL_SIZES, None
+        if backend == "cuda-emu":
+            return (), ("prefill rows skipped: the emulator's CPU time means nothing at 2k / 12.5k / 64k tokens "
+                        "(give --prefill-sizes for a tiny one)")
+        return (), (f"prefill rows skipped: block prefill is the cuda backend's (the {backend} backend's prefill "
+                    f"speed is the sweep's prefill_tps column)")
+    try:
+        sizes = tuple(int(s) for s in spec.split(",") if s.strip())
+    except ValueError:
+        raise Ds4Error(f"--prefill-sizes must be 'auto', 'none' or token counts like 2048,12500 (got {spec!r})") \
+            from None
+    if not sizes or min(sizes) < 1:
+        raise Ds4Error(f"--prefill-sizes needs positive token counts (got {spec!r})")
+    return sizes, None
+
+
+def prefill_rates(model, tokens: Sequence[int], sizes: Sequence[int], repeat: int = 1,
+                  progress: Callable[[str], None] | None = None, warmup: bool = True) -> list[dict]:
+    """Per size n: a fresh state's prefill of tokens[:n] in one step (last logits only), tokens/s (mean of
+    `repeat`, after one warm-up run at the smallest size unless warmup=False); a size the context (or the token
+    list) cannot hold is reported with a one-line reason instead."""
+    out = []
+    ctx = model.config.context_length
+    fit = [n for n in sizes if n <= min(ctx, len(tokens))]
+    if fit and warmup:                                     # warm-up: kernels loaded, workspaces allocated
+        model.step([model.new_state()], [list(tokens[:min(fit)])])
+    for n in sizes:
+        if n > ctx or n > len(tokens):
+            why = f"{n} tokens exceed the context length {ctx}" if n > ctx else f"only {len(tokens)} prompt tokens"
+            out.append({"tokens": n, "skipped": why})
+            if progress:
+                progress(f"prefill {n}: skipped ({why})")
+            continue
+        secs = []
+        for _ in range(max(1, repeat)):
+            st = model.new_state()
+            t0 = time.perf_counter()
+            model.step([st], [list(tokens[:n])])
+            secs.append(time.perf_counter() - t0)
+            del st
+        row = {"tokens": n, "seconds": statistics.mean(secs), "tokens_per_s": n / statistics.mean(secs)}
+        out.append(row)
+        if progress:
+            progress(f"prefill {n}: {row['tokens_per_s']:.1f} tokens/s ({row['seconds']:.2f} s)")
+    return out
+
+
+def format_prefill(rows: list[dict]) -> str:
+    lines = ["| prefill_tokens | prefill_tps | seconds |", "|---|---|---|"]
+    for r in rows:
+        if "skipped" in r:
+            lines.append(f"| {r['tokens']} | skipped: {r['skipped']} | |")
+        else:
+            lines.append(f"| {r['tokens']} | {r['tokens_per_s']:.1f} | {r['seconds']:.3f} |")
+    return "\n".join(lines) + "\n"

@@ -110,6 +110,23 @@ def test_greedy_with_the_cuda_mtp_block_is_byte_identical(cuda, plain, k):
     assert max(rows) >= 2                        # the verify of 1 + k rows went through the multi-row step
 
 
+def test_greedy_after_a_long_prompt_is_byte_identical(cuda):
+    """A prompt longer than the rollback horizon + 1 runs through the prefill blocks in plain decoding; the
+    speculative path must prefill it the same way (step_hidden), or the two states differ in the last bits."""
+    m, mtp = cuda
+    prompt = [int(t) for t in np.random.default_rng(3).integers(0, m.config.vocab_size, m.rollback_horizon + 9)]
+    used = []
+    real = m._prefill
+    m._prefill = lambda *a, **kw: used.append(kw.get("hidden", False)) or real(*a, **kw)
+    try:
+        want, _ = _tokens(m, prompt, n=8)
+        got, _ = _tokens(SpecModel(m, mtp, fixed_k=3), prompt, n=8)
+    finally:
+        del m._prefill
+    assert used == [False, True]                 # plain and speculative prompts both went through _prefill
+    assert got == want
+
+
 @pytest.mark.parametrize("k", [2, 5])
 def test_greedy_with_accepted_and_rejected_drafts_is_byte_identical(cuda, plain, k):
     m, _ = cuda

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = ["setup", "build", "gpu_tests", "cuda_decode", "bandwidth", "attn_moe", "sanitizer", "cpu_tests"]
+STEPS = ["setup", "build", "gpu_tests", "cuda_decode", "cuda_prefill", "bandwidth", "attn_moe", "sanitizer",
+         "cpu_tests"]
 
 
 @pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash + timeout")

@@ -42,6 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default 1,2,4,8,16 on cuda; off on cuda-emu unless given; 0 = off)")
     g.add_argument("--bandwidth", default=None,
                    help="GB/s for pct_of_roofline, or 'auto' to measure (host copy for ref, device copy for cuda)")
+    g.add_argument("--prefill-sizes", default="auto",
+                   help="also time a fresh prompt of each of these token counts in one step (prefill tokens/s): "
+                        "'auto' = 2048,12500,65536 on cuda (skipped with a one-line reason elsewhere), 'none', or a "
+                        "comma-separated list")
     g.add_argument("--format", choices=["csv", "md", "json"], default="md")
     g.add_argument("--out", help="write the table here as well as to stdout")
     g.add_argument("--plot", help="PNG of tokens/s vs context (needs matplotlib)")
@@ -120,7 +124,9 @@ def run(args: argparse.Namespace) -> int:
     startup = {"model_open_s": time.perf_counter() - t0}
     startup.update(getattr(model, "startup", {}) or {})
     tok = Tokenizer.from_gguf(args.model_path)
-    tokens, cycles = bench.prompt_tokens(lambda t: tok.encode(t), _prompt_text(args.prompt_file), points[-1])
+    pf_sizes, pf_note = bench.prefill_sizes(args.prefill_sizes, args.backend)
+    tokens, cycles = bench.prompt_tokens(lambda t: tok.encode(t), _prompt_text(args.prompt_file),
+                                         max([points[-1], *pf_sizes]))
     if cycles:
         print(f"note: the prompt file is shorter than {points[-1]} tokens; it was repeated {cycles}x",
               file=sys.stderr)
@@ -145,8 +151,15 @@ def run(args: argparse.Namespace) -> int:
     multi = _multirow(args, model, bench)
     if multi is not None:
         info["multirow"] = multi
+    if pf_note:
+        print(pf_note, file=sys.stderr)
+    pf_rows = bench.prefill_rates(model, tokens, pf_sizes, repeat=args.repeat,
+                                  progress=lambda m: print(m, file=sys.stderr)) if pf_sizes else []
+    info["prefill"] = pf_rows
     result = bench.SweepResult(rows, startup=startup, info=info)
     text = bench.format_rows(result, args.format)
+    if pf_rows and args.format == "md":
+        text += "\n" + bench.format_prefill(pf_rows)
     sys.stdout.write(text)
     if args.out:
         with open(args.out, "w") as f:

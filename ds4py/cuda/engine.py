@@ -8,11 +8,11 @@
 Weights stay in their GGUF formats in the arena (ds4py/cuda/model_weights.py); a sequence's KV state is the
 declared layout in device memory (ds4py/cuda/kvstate.py); a decode step is one launch sequence
 (ds4py/cuda/decode.py) captured once per state and context bucket into a graph and replayed per token, with
-the position and the token in a device slot. A step of several tokens (a prompt) replays the decode graph once
-per position (the multi-row prefill kernels are issue 17's); the head graph runs after the positions whose
-logits are asked for. Numerics: fp32 activations and accumulation, the model's FP8 / FP4 fake-quant
-(Numerics.fake_quant) and F16 KV storage (kv_dtype "f16") as the reference computes them; ds4's int8
-activations (act_quant) are refused.
+the position and the token in a device slot. A chunk longer than the rollback horizon + 1 (a prompt) runs in
+prefill blocks of up to 2,048 tokens (ds4py/cuda/prefill.py, direct launches); 2 to 16 rows in all go through
+one multi-row graph (ds4py/cuda/rows.py); other short chunks replay the decode graph per position.
+Numerics: fp32 activations and accumulation, the model's FP8 / FP4 fake-quant (Numerics.fake_quant) and F16 KV
+storage (kv_dtype "f16") as the reference computes them; ds4's int8 activations (act_quant) are refused.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import numpy as np
 from ds4py import schema
 from ds4py.config import ModelConfig
 from ds4py.cuda import decode, synth
+from ds4py.cuda import prefill as pf
 from ds4py.cuda import rows as multirow
 from ds4py.cuda.compiler import model_defines
 from ds4py.cuda.graph import StepGraph
@@ -258,6 +259,12 @@ class CudaModel(ModelBase):
         self.multirow = True                                       # several rows per step through cuda/rows.py
         self.rows_ws: multirow.RowsWorkspace | None = None
         self._rows_runs: OrderedDict[Any, StepRun] = OrderedDict()
+        self.prefill_blocks = True                                 # long chunks through cuda/prefill.py
+        self.prefill_block = pf.MAX_BLOCK                          # tokens per prefill block (<= pf.MAX_BLOCK)
+        self.prefill_mma = True                                    # prefill dense products on tensor cores
+        self.prefill_x_pieces = 3                                  # ... x as 3 bf16 pieces: exact (1: bf16 x)
+        self.prefill_expert_mma = False                            # the experts too (bf16 x, h: less exact)
+        self.prefill_ws: pf.PrefillWorkspace | None = None
         self.last_generate: dict[str, float] = {}
         self.startup = {"weights_upload_s": time.perf_counter() - t1, "model_open_s": time.perf_counter() - t0,
                         "weights_gb": (self.w.file_bytes + self.w.extra_bytes) / 1e9}
@@ -301,6 +308,9 @@ class CudaModel(ModelBase):
         out = []
         for st, ids in zip(states, chunks):
             n0, T = st.n_tokens, len(ids)
+            if self.prefill_blocks and T > self.rollback_horizon + 1:
+                out.append(self._prefill(st, np.asarray(ids), all_logits))
+                continue
             body = self._body(st, n0 + T - 1)           # rows grown and graph captured before anything is written
             head = self._head(None)
             body = self._body(st, n0 + T - 1)           # (the head may have grown the workspace)
@@ -315,6 +325,49 @@ class CudaModel(ModelBase):
             st.end_step(T)
             out.append(np.stack(rows) if all_logits else rows[-1])
         return out
+
+    def _prefill(self, st: CudaState, ids: np.ndarray, all_logits: bool, hidden: bool = False) -> Any:
+        """A chunk longer than the rollback horizon + 1 (a prompt): prefill blocks of up to pf.MAX_BLOCK tokens,
+        each one launch sequence over its rows (cuda/prefill.py), launched directly (no graph); the head runs for
+        the rows asked for. The state ends as position-by-position steps leave it. hidden: (logits, every
+        position's final residual [T, hc, D]) for the MTP block, the same rows plain decoding computes."""
+        cfg, rt = self.config, self.rt
+        n0, T = st.n_tokens, len(ids)
+        bucket = bucket_for(n0 + T, cfg.context_length, self.min_bucket)
+        blk = max(1, min(int(self.prefill_block), pf.MAX_BLOCK))
+        rows = pf.block_rows(min(T, blk))
+        ws = self.prefill_ws
+        if ws is None or ws.bucket < bucket or ws.rows < rows:
+            rt.synchronize()
+            if ws is not None:
+                self.store.retire([ws.block])
+            ws = self.prefill_ws = pf.make_prefill_workspace(
+                self.store, rt, cfg, max(bucket, ws.bucket if ws else 0), max(rows, ws.rows if ws else 0))
+        st.ensure_rows(bucket)
+        st.begin_step(T)
+        out: list[np.ndarray] = []
+        H = np.empty((T, cfg.hc_mult, cfg.dim), np.float32) if hidden else None
+        for a in range(0, T, blk):
+            Tb = min(blk, T - a)
+            ws.pos.view(0, Tb).upload(np.arange(n0 + a, n0 + a + Tb, dtype=np.int32), rt.main)
+            ws.tokens.view(0, Tb).upload(np.ascontiguousarray(ids[a:a + Tb], np.int32), rt.main)
+            st.device_hw = max(st.device_hw, n0 + a + Tb)
+            ctx = pf.PrefillContext(cfg, self.numerics, self.w, ws, dict(st.arrays), bucket, Tb,
+                                    mma=self.prefill_mma, x_pieces=self.prefill_x_pieces,
+                                    expert_mma=self.prefill_expert_mma)
+            L = decode.Launcher(rt, self.pdl)
+            pf.record_prefill(L, ctx)
+            if hidden:
+                X = pf.final_residual(ctx).view(0, (Tb, cfg.hc_mult, cfg.dim))
+                H[a:a + Tb] = X.download()
+            heads = range(0, Tb, pf.HEAD_ROWS) if all_logits else ([Tb - 1] if a + Tb == T else [])
+            for r0 in heads:
+                n = min(pf.HEAD_ROWS, Tb - r0)
+                pf.record_head_rows(L, ctx, r0, n)
+                out.append(ws.logits.view(0, (n, cfg.vocab_size)).download())
+        st.end_step(T)
+        logits = np.concatenate(out) if all_logits else out[-1][-1].copy()
+        return (logits, H) if hidden else logits
 
     def _step_rows(self, states: list[CudaState], chunks: list[np.ndarray], all_logits: bool) -> list[np.ndarray]:
         """One multi-row step (cuda/rows.py): every chunk's positions as rows of one graph replay; each row's
@@ -340,8 +393,9 @@ class CudaModel(ModelBase):
     def _step_hidden(self, states: list[CudaState], chunks: list[np.ndarray],
                      all_logits: bool) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """step, and each row's final residual X [hc, D] (the head's input h_j). A step the multi-row path takes
-        (a verify of 1 + k rows, batched decode rows) reads them from its workspace; otherwise (a prompt) the
-        states are stepped position by position through the decode graph, each position's X read back."""
+        (a verify of 1 + k rows, batched decode rows) reads them from its workspace; a prompt longer than the
+        rollback horizon + 1 runs as plain decoding runs it (prefill blocks, _prefill), its rows' X read back;
+        any other chunk is stepped position by position through the decode graph, each position's X read back."""
         self.store.reclaim()
         if not self._takes_rows(chunks) and self._splits(chunks):
             return self._step_split(states, chunks, all_logits, hidden=True)
@@ -357,7 +411,10 @@ class CudaModel(ModelBase):
             return logits, hidden
         logits, hidden = [], []
         for st, ids in zip(states, chunks):
-            lg, h = self._positions_hidden(st, ids, all_logits)
+            if self.prefill_blocks and len(ids) > self.rollback_horizon + 1:   # a prompt: as plain decoding runs it
+                lg, h = self._prefill(st, np.asarray(ids), all_logits, hidden=True)
+            else:
+                lg, h = self._positions_hidden(st, ids, all_logits)
             logits.append(lg)
             hidden.append(h)
         return logits, hidden
@@ -627,6 +684,9 @@ class CudaModel(ModelBase):
         if self.rows_ws is not None:
             self.store.retire([self.rows_ws.block])
             self.rows_ws = None
+        if self.prefill_ws is not None:
+            self.store.retire([self.prefill_ws.block])
+            self.prefill_ws = None
         self.store.retire([self._misc])
         self.store.reclaim()
         self.rt.synchronize()

@@ -46,3 +46,36 @@ def indexer_scores(rt: Any, q: Any, w_raw: Any, wscale: float, keys: Any, pos_sl
     rt.launch("indexer_scores", grid, IDX_THREADS, q, w_raw, float(wscale), keys, pos_slot, int(ratio), scores,
               n_heads, ihd, smem=scores_smem(n_heads, ihd), stream=stream, pdl=pdl)
 
+
+
+def indexer_q_prep_rows(rt: Any, q_raw: Any, freqs: Any, pos: Any, q: Any, n_heads: int, ihd: int, rd: int,
+                        n_rows: int, fake_quant: bool = True, stream: Any = None, pdl: bool = False) -> None:
+    """indexer_q_prep of n_rows rows (prefill): q_raw, q [n_rows, IH, ihd], row r at pos[r]."""
+    need(ihd & (ihd - 1) == 0 and 32 <= ihd <= IDX_MAX_DIM, f"indexer: head dim {ihd} must be a power of two in "
+         f"32..{IDX_MAX_DIM}")
+    need(rd % 2 == 0 and 0 < rd <= ihd and freqs.size == rd // 2, f"indexer: {freqs.size} freqs for {rd} rope dims")
+    need(n_rows >= 1 and q_raw.size >= n_rows * n_heads * ihd and q.size >= n_rows * n_heads * ihd
+         and pos.size >= n_rows and dtype_is(pos, np.int32), f"indexer: q is not [{n_rows}, {n_heads}, {ihd}]")
+    need(all(dtype_is(a, np.float32) for a in (q_raw, freqs, q)) and aligned(8, q_raw, q),
+         "indexer: float32 arrays, 8-byte aligned")
+    rt.launch("indexer_q_prep_rows", (n_heads, int(n_rows)), pair_threads(ihd), q_raw, freqs, pos, q, n_heads, ihd,
+              rd, int(fake_quant), stream=stream, pdl=pdl)
+
+
+def indexer_scores_rows(rt: Any, q: Any, w_raw: Any, wscale: float, keys: Any, pos: Any, scores: Any,
+                        score_stride: int, n_heads: int, ihd: int, max_keys: int, n_rows: int, ratio: int = 4,
+                        max_blocks: int = 264, stream: Any = None, pdl: bool = False) -> None:
+    """scores[r, g] for each of n_rows queries (prefill) over its (pos[r]+1)//ratio visible keys (at most max_keys
+    <= score_stride); each row bit-identical to its decode indexer_scores."""
+    need(n_heads % 4 == 0 and 4 <= n_heads <= IDX_MAX_HEADS and ihd % 4 == 0,
+         f"indexer_scores: {n_heads} heads (a multiple of 4 up to {IDX_MAX_HEADS}) of dim {ihd} (a multiple of 4)")
+    need(n_rows >= 1 and q.size >= n_rows * n_heads * ihd and w_raw.size >= n_rows * n_heads
+         and pos.size >= n_rows, "indexer_scores_rows: q, weights or positions do not match the rows")
+    need(len(keys.shape) == 2 and keys.shape[1] == ihd and keys.shape[0] >= max_keys and score_stride >= max_keys
+         and scores.size >= n_rows * score_stride,
+         f"indexer_scores_rows: keys {tuple(keys.shape)} / scores ({scores.size}) smaller than the {max_keys} keys")
+    need(aligned(16, q, keys), "indexer_scores: q and keys must be 16-byte aligned")
+    grid = max(1, min(-(-max_keys // IDX_KT), max_blocks))
+    rt.launch("indexer_scores_rows", (grid, int(n_rows)), IDX_THREADS, q, w_raw, float(wscale), keys, pos,
+              int(ratio), scores, int(score_stride), n_heads, ihd, smem=scores_smem(n_heads, ihd), stream=stream,
+              pdl=pdl)

@@ -30,3 +30,24 @@ def moe_route(rt: Any, logits: Any, bias: Any, tid2eid: Any, token: Any, ids: An
         vocab = int(tid2eid.shape[0])
     rt.launch("moe_route", 1, 32, logits, bias, tid2eid, token, int(n_experts), int(k), vocab, float(route_scale),
               int(route_norm), ids, weights, stream=stream, pdl=pdl)
+
+
+def moe_route_rows(rt: Any, logits: Any, bias: Any, tid2eid: Any, tokens: Any, ids: Any, weights: Any,
+                   n_experts: int, k: int, n_rows: int, route_scale: float, route_norm: bool = True,
+                   stream: Any = None, pdl: bool = False) -> None:
+    """moe_route of n_rows tokens (prefill): logits [n_rows, n_experts], tokens [n_rows] int32 (read on hash
+    layers), ids / weights [n_rows, k]; row r bit-identical to a one-token moe_route."""
+    need(1 <= n_experts <= ROUTE_MAX_EXPERTS and 1 <= k <= min(ROUTE_MAX_K, n_experts) and n_rows >= 1,
+         f"moe_route_rows: {k} of {n_experts} experts (at most {ROUTE_MAX_K} of {ROUTE_MAX_EXPERTS}), rows >= 1")
+    need(logits.size >= n_rows * n_experts and (bias is None or bias.size == n_experts),
+         "moe_route_rows: logits / bias size")
+    need(ids.size >= n_rows * k and weights.size >= n_rows * k and dtype_is(ids, np.int32)
+         and dtype_is(weights, np.float32), "moe_route_rows: ids (int32) and weights (float32) need rows x k")
+    vocab = 0
+    if tid2eid is not None:
+        need(len(tid2eid.shape) == 2 and tid2eid.shape[1] == k and dtype_is(tid2eid, np.int32) and tokens is not None
+             and tokens.size >= n_rows and dtype_is(tokens, np.int32),
+             f"moe_route_rows: tid2eid must be int32 [vocab, {k}] with int32 device token ids")
+        vocab = int(tid2eid.shape[0])
+    rt.launch("moe_route_rows", int(n_rows), 32, logits, bias, tid2eid, tokens, int(n_experts), int(k), vocab,
+              float(route_scale), int(route_norm), ids, weights, stream=stream, pdl=pdl)

@@ -21,3 +21,14 @@ def topk(rt: Any, scores: Any, k: int, out: Any, pos_slot: Any = None, ratio: in
     need(pos_slot is not None or 0 <= n <= scores.size, f"topk: n = {n} scores asked of {scores.size}")
     rt.launch("topk_radix_select", 1, TOPK_THREADS, scores, pos_slot, int(ratio), int(n), int(k), out,
               stream=stream, pdl=pdl)
+
+
+def topk_rows(rt: Any, scores: Any, score_stride: int, k: int, out: Any, pos: Any, n_rows: int, ratio: int = 4,
+              stream: Any = None, pdl: bool = False) -> None:
+    """out[r, :min(n_r, k)] = topk of scores[r, :n_r], n_r = (pos[r]+1)//ratio, for n_rows rows (prefill)."""
+    need(k >= 1 and n_rows >= 1 and out.size >= n_rows * k and dtype_is(out, np.int32),
+         f"topk_rows: out must be int32 with room for {n_rows} x {k}")
+    need(scores.size >= n_rows * score_stride and pos.size >= n_rows and dtype_is(pos, np.int32),
+         "topk_rows: scores or positions do not cover the rows")
+    rt.launch("topk_radix_select_rows", int(n_rows), TOPK_THREADS, scores, int(score_stride), pos, int(ratio), int(k),
+              out, stream=stream, pdl=pdl)
