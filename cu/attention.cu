@@ -154,35 +154,12 @@ extern "C" __global__ void attn_decode_partial(const float* q_raw, const float* 
     const int kl = lane & 15, kh = lane >> 4;
     for (int base = k0; base < k1; base += ATTN_TILE) {
         __syncthreads();                             // the previous tile is no longer read
-        {   // stage keys base .. base+15 (rows past k1 are zeros: their p is 0 and 0 * 0 stays 0)
-            const int r = threadIdx.x / tpr, j = base + r;
-            float* dst = ktile + r * stride;
-            if (j < k1) {
-                const float* src = keys.row(j);
-                for (int c = threadIdx.x % tpr; c < hd / 4; c += tpr) cp_async_16(dst + 4 * c, src + 4 * c);
-            } else {
-                for (int c = threadIdx.x % tpr; c < hd / 4; c += tpr)
-                    *reinterpret_cast<float4*>(dst + 4 * c) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            }
-            cp_async_commit();
-            cp_async_wait_all();
-        }
+        attn_stage_tile(ktile, keys, base, k1, hd, stride, tpr);     // keys base .. base+15 (past k1: zeros)
         __syncthreads();
 
         // q.k: lane (kl, kh) sums its half of the dims for key kl, then the two halves are added.
         float s[ATTN_HPW];
-#pragma unroll
-        for (int i = 0; i < ATTN_HPW; ++i) s[i] = 0.0f;
-        const float* kr = ktile + kl * stride + kh * half;
-        const float* qh = qs + kh * half;
-        for (int d = 0; d < half; d += 4) {
-            const float4 k4 = *reinterpret_cast<const float4*>(kr + d);
-#pragma unroll
-            for (int i = 0; i < ATTN_HPW; ++i) {
-                const float4 q4 = *reinterpret_cast<const float4*>(qh + i * hd + d);
-                s[i] += q4.x * k4.x + q4.y * k4.y + q4.z * k4.z + q4.w * k4.w;
-            }
-        }
+        attn_half_scores<ATTN_HPW>(s, ktile, qs, kl, kh, hd, stride);
         const bool valid = base + kl < k1;
 #pragma unroll
         for (int i = 0; i < ATTN_HPW; ++i) {

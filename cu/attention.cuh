@@ -112,3 +112,42 @@ __device__ __forceinline__ void ds4_hadamard_smem(float* buf, int n) {
     }
     __syncthreads();
 }
+
+// ---- the key tile of the split-key attention kernels (attention.cu decode, prefill_attn.cu prefill) ------------
+// Stage key rows base .. base+tile-1 of `keys` (anything with row(j) -> const float*) into ktile [tile][stride];
+// rows at or past `end` are zeros (their p is 0 and 0 * 0 stays 0). tpr threads per row, 16-byte copies.
+template <class Keys>
+__device__ __forceinline__ void attn_stage_tile(float* ktile, const Keys& keys, int base, int end, int hd, int stride,
+                                                int tpr) {
+    const int r = threadIdx.x / tpr, j = base + r;
+    float* dst = ktile + r * stride;
+    if (j < end) {
+        const float* src = keys.row(j);
+        for (int c = threadIdx.x % tpr; c < hd / 4; c += tpr) cp_async_16(dst + 4 * c, src + 4 * c);
+    } else {
+        for (int c = threadIdx.x % tpr; c < hd / 4; c += tpr)
+            *reinterpret_cast<float4*>(dst + 4 * c) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+    cp_async_commit();
+    cp_async_wait_all();
+}
+
+// q.k of HPW heads against the staged key kl: lane (kl, kh) sums half kh of the dims (the caller adds the two
+// halves with a shuffle by 16). qs holds the warp's HPW query rows [HPW][hd]; fixed order, 4 dims at a time.
+template <int HPW>
+__device__ __forceinline__ void attn_half_scores(float* s, const float* ktile, const float* qs, int kl, int kh, int hd,
+                                                 int stride) {
+    const int half = hd / 2;
+#pragma unroll
+    for (int i = 0; i < HPW; ++i) s[i] = 0.0f;
+    const float* kr = ktile + kl * stride + kh * half;
+    const float* qh = qs + kh * half;
+    for (int d = 0; d < half; d += 4) {
+        const float4 k4 = *reinterpret_cast<const float4*>(kr + d);
+#pragma unroll
+        for (int i = 0; i < HPW; ++i) {
+            const float4 q4 = *reinterpret_cast<const float4*>(qh + i * hd + d);
+            s[i] += q4.x * k4.x + q4.y * k4.y + q4.z * k4.z + q4.w * k4.w;
+        }
+    }
+}

@@ -170,34 +170,11 @@ extern "C" __global__ void attn_prefill(const float* q_raw, const float* freqs, 
     const int kl = lane & 15, kh = lane >> 4;
     for (int base = 0; base < n_keys; base += PFA_TILE) {
         __syncthreads();                             // the previous tile is no longer read
-        {
-            const int r = threadIdx.x / tpr, j = base + r;
-            float* dst = ktile + r * stride;
-            if (j < n_keys) {
-                const float* src = keys.row(j);
-                for (int c = threadIdx.x % tpr; c < hd / 4; c += tpr) cp_async_16(dst + 4 * c, src + 4 * c);
-            } else {
-                for (int c = threadIdx.x % tpr; c < hd / 4; c += tpr)
-                    *reinterpret_cast<float4*>(dst + 4 * c) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            }
-            cp_async_commit();
-            cp_async_wait_all();
-        }
+        attn_stage_tile(ktile, keys, base, n_keys, hd, stride, tpr);
         __syncthreads();
 
         float s[PFA_HPW];
-#pragma unroll
-        for (int i = 0; i < PFA_HPW; ++i) s[i] = 0.0f;
-        const float* kr = ktile + kl * stride + kh * half;
-        const float* qh = qs + kh * half;
-        for (int d = 0; d < half; d += 4) {
-            const float4 k4 = *reinterpret_cast<const float4*>(kr + d);
-#pragma unroll
-            for (int i = 0; i < PFA_HPW; ++i) {
-                const float4 q4 = *reinterpret_cast<const float4*>(qh + i * hd + d);
-                s[i] += q4.x * k4.x + q4.y * k4.y + q4.z * k4.z + q4.w * k4.w;
-            }
-        }
+        attn_half_scores<PFA_HPW>(s, ktile, qs, kl, kh, hd, stride);
         const bool valid = base + kl < n_keys;
 #pragma unroll
         for (int i = 0; i < PFA_HPW; ++i) {

@@ -151,6 +151,18 @@ def make_workspace(arena: Arena, cfg, bucket: int, version: int) -> Workspace:
     return Workspace(bucket, version, {name: arena.scratch(s, dt) for name, (s, dt) in shapes.items()})
 
 
+def carve_block(store: Any, rt: Any, shapes: dict) -> tuple[Any, dict[str, DeviceArray]]:
+    """One zeroed store block holding every array of `shapes` (256-B aligned, in order), and the arrays: the
+    workspaces of the multi-row step and of prefill (their tickets start, and stay, zero)."""
+    offs, at = {}, 0
+    for name, (s, dt) in shapes.items():
+        offs[name] = at
+        at += align_up(int(np.prod(s)) * dt.itemsize)
+    blk = store.block(at)
+    blk.zero(rt.main)
+    return blk, {n: blk.array(offs[n], s, dt) for n, (s, dt) in shapes.items()}
+
+
 # ---- the recorded step -----------------------------------------------------------------------------------------
 @dataclass
 class StepContext:

@@ -36,14 +36,14 @@ from ds4py.cuda.kvstate import CudaState
 from ds4py.cuda.memory import align_up
 from ds4py.cuda.model_weights import DevTensor, conversion
 from ds4py.cuda.rows import MAX_ROWS, RowsContext, RowsWorkspace, gemvs_rows
-from ds4py.errors import ContextLengthError, Ds4Error
+from ds4py.errors import Ds4Error
 from ds4py.fingerprint import file_fingerprint
 from ds4py.gguf import GGUFFile
 from ds4py.kv import state_layout
 from ds4py.model import UnsupportedByBackend
 from ds4py.quant import vq
 from ds4py.ref import ops as ref_ops
-from ds4py.ref.mtp import check_mtp_file
+from ds4py.ref.mtp import check_mtp_file, check_step_inputs
 
 RUNS = 16                    # MTP step graphs kept (per rows' states, row count and head)
 _PLAIN = {QT.F32: np.float32, QT.F16: np.float16, QT.I32: np.int32}
@@ -178,29 +178,8 @@ class CudaMtp:
         return [o if all_logits else o[0] for o in out_l], out_h
 
     def _check(self, states, hidden, next_ids) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        if not (len(states) == len(hidden) == len(next_ids)) or not states:
-            raise Ds4Error("an MTP step takes one hidden-state array and one id chunk per state")
-        if len({id(s) for s in states}) != len(states):
-            raise Ds4Error("the same MTP state appears twice in one step")
-        cfg, hs, ids = self.main_config, [], []
-        for st, h, c in zip(states, hidden, next_ids):
-            if not isinstance(st, CudaState) or st.layout != self.layout or st.store is not self.store:
-                raise Ds4Error("an MTP step needs states from this MTP block's new_state()")
-            h = np.asarray(h, dtype=np.float32)
-            c = np.asarray(c)
-            if c.ndim != 1 or c.size == 0 or not np.issubdtype(c.dtype, np.integer):
-                raise Ds4Error("MTP next-token ids must be a non-empty 1-D integer sequence")
-            if h.shape != (c.size, cfg.hc_mult, cfg.dim):
-                raise Ds4Error(f"MTP hidden states must be [{c.size}, {cfg.hc_mult}, {cfg.dim}] (one final "
-                               f"hyper-connection state per next token), got {list(h.shape)}")
-            if ((c < 0) | (c >= cfg.vocab_size)).any():
-                raise Ds4Error(f"an MTP next-token id is outside the vocabulary (0..{cfg.vocab_size - 1})")
-            if st.n_tokens + c.size > cfg.context_length:
-                raise ContextLengthError(f"{st.n_tokens} + {c.size} MTP positions exceed the context length "
-                                         f"{cfg.context_length}")
-            hs.append(h)
-            ids.append(c.astype(np.int64))
-        return hs, ids
+        mine = lambda st: isinstance(st, CudaState) and st.layout == self.layout and st.store is self.store  # noqa: E731
+        return check_step_inputs(self.main_config, states, hidden, next_ids, mine)
 
     def save_state(self, state: CudaState) -> bytes:
         from ds4py import kv

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from ds4py.cuda import ops
-from ds4py.cuda.decode import F32, I32, Launcher, index_keys
+from ds4py.cuda.decode import F32, I32, Launcher, carve_block, index_keys
 from ds4py.cuda.memory import DeviceArray, align_up
 from ds4py.cuda.model_weights import GEMV_TYPES, DevTensor
 from ds4py.cuda.ops import compressor as ops_comp
@@ -112,14 +112,8 @@ def prefill_bytes(cfg, bucket: int, T: int) -> int:
 
 
 def make_prefill_workspace(store: Any, rt: Any, cfg, bucket: int, T: int) -> PrefillWorkspace:
-    shapes = prefill_shapes(cfg, bucket, T)
-    offs, at = {}, 0
-    for name, (s, dt) in shapes.items():
-        offs[name] = at
-        at += align_up(int(np.prod(s)) * dt.itemsize)
-    blk = store.block(at)
-    blk.zero(rt.main)                               # the tickets start (and stay) zero
-    return PrefillWorkspace(bucket, T, blk, {n: blk.array(offs[n], s, dt) for n, (s, dt) in shapes.items()})
+    blk, arrays = carve_block(store, rt, prefill_shapes(cfg, bucket, T))
+    return PrefillWorkspace(bucket, T, blk, arrays)
 
 
 @dataclass

@@ -32,7 +32,7 @@ import numpy as np
 
 from ds4py.cuda import decode, ops
 from ds4py.cuda.decode import F32, I32, Launcher, attn_plans, index_keys
-from ds4py.cuda.memory import DeviceArray, align_up
+from ds4py.cuda.memory import DeviceArray
 from ds4py.cuda.model_weights import GEMV_TYPES, DevTensor
 from ds4py.cuda.ops import attention as ops_attn
 from ds4py.cuda.ops import compressor as ops_comp
@@ -82,14 +82,8 @@ class RowsWorkspace:
 
 
 def make_rows_workspace(store: Any, rt: Any, cfg, bucket: int, version: int) -> RowsWorkspace:
-    shapes = rows_shapes(cfg, bucket)
-    offs, at = {}, 0
-    for name, (s, dt) in shapes.items():
-        offs[name] = at
-        at += align_up(int(np.prod(s)) * dt.itemsize)
-    blk = store.block(at)
-    blk.zero(rt.main)                               # the tickets start (and stay) zero
-    return RowsWorkspace(bucket, version, blk, {n: blk.array(offs[n], s, dt) for n, (s, dt) in shapes.items()})
+    blk, arrays = decode.carve_block(store, rt, rows_shapes(cfg, bucket))
+    return RowsWorkspace(bucket, version, blk, arrays)
 
 
 @dataclass

@@ -116,29 +116,8 @@ class RefMtp:
         return [np.concatenate(o) if all_logits else o[-1] for o in out_logits], hid
 
     def _check(self, states, hidden, next_ids) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        if not (len(states) == len(hidden) == len(next_ids)) or not states:
-            raise Ds4Error("an MTP step takes one hidden-state array and one id chunk per state")
-        if len({id(s) for s in states}) != len(states):
-            raise Ds4Error("the same MTP state appears twice in one step")
-        cfg, hs, ids = self.main_config, [], []
-        for st, h, c in zip(states, hidden, next_ids):
-            if not isinstance(st, RefState) or st.layout != self.layout:
-                raise Ds4Error("an MTP step needs states from this MTP block's new_state()")
-            h = np.asarray(h, dtype=F32)
-            c = np.asarray(c)
-            if c.ndim != 1 or c.size == 0 or not np.issubdtype(c.dtype, np.integer):
-                raise Ds4Error("MTP next-token ids must be a non-empty 1-D integer sequence")
-            if h.shape != (c.size, cfg.hc_mult, cfg.dim):
-                raise Ds4Error(f"MTP hidden states must be [{c.size}, {cfg.hc_mult}, {cfg.dim}] (one final "
-                               f"hyper-connection state per next token), got {list(h.shape)}")
-            if ((c < 0) | (c >= cfg.vocab_size)).any():
-                raise Ds4Error(f"an MTP next-token id is outside the vocabulary (0..{cfg.vocab_size - 1})")
-            if st.n_tokens + c.size > cfg.context_length:
-                raise ContextLengthError(f"{st.n_tokens} + {c.size} MTP positions exceed the context length "
-                                         f"{cfg.context_length}")
-            hs.append(h)
-            ids.append(c.astype(np.int64))
-        return hs, ids
+        return check_step_inputs(self.main_config, states, hidden, next_ids,
+                                 lambda st: isinstance(st, RefState) and st.layout == self.layout)
 
     def _forward(self, states: list[RefState], hidden: list[np.ndarray], next_ids: list[np.ndarray],
                  all_logits: bool, logits: bool, last: list[bool]) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -199,3 +178,31 @@ class RefMtp:
             total += t.nbytes * cfg.n_experts_used // cfg.n_experts if name in per_expert else t.nbytes
         head, embed = self.model.binding.head, self.model.binding.embed
         return total + head.nbytes + embed.nbytes // embed.shape[0]
+
+
+def check_step_inputs(cfg, states, hidden, next_ids, owns) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """An MTP step's arguments checked (one sentence per problem) and normalised: the hidden states as float32
+    [n, hc, D], the ids as int64; owns(state) says whether a state is this MTP block's (both backends use it)."""
+    if not (len(states) == len(hidden) == len(next_ids)) or not states:
+        raise Ds4Error("an MTP step takes one hidden-state array and one id chunk per state")
+    if len({id(s) for s in states}) != len(states):
+        raise Ds4Error("the same MTP state appears twice in one step")
+    hs, ids = [], []
+    for st, h, c in zip(states, hidden, next_ids):
+        if not owns(st):
+            raise Ds4Error("an MTP step needs states from this MTP block's new_state()")
+        h = np.asarray(h, dtype=np.float32)
+        c = np.asarray(c)
+        if c.ndim != 1 or c.size == 0 or not np.issubdtype(c.dtype, np.integer):
+            raise Ds4Error("MTP next-token ids must be a non-empty 1-D integer sequence")
+        if h.shape != (c.size, cfg.hc_mult, cfg.dim):
+            raise Ds4Error(f"MTP hidden states must be [{c.size}, {cfg.hc_mult}, {cfg.dim}] (one final "
+                           f"hyper-connection state per next token), got {list(h.shape)}")
+        if ((c < 0) | (c >= cfg.vocab_size)).any():
+            raise Ds4Error(f"an MTP next-token id is outside the vocabulary (0..{cfg.vocab_size - 1})")
+        if st.n_tokens + c.size > cfg.context_length:
+            raise ContextLengthError(f"{st.n_tokens} + {c.size} MTP positions exceed the context length "
+                                     f"{cfg.context_length}")
+        hs.append(h)
+        ids.append(c.astype(np.int64))
+    return hs, ids
