@@ -31,6 +31,7 @@ from gguf import GGMLQuantizationType as QT
 from ds4py import checksum, quant, schema
 from ds4py.config import ModelConfig
 from ds4py.errors import Ds4Error
+from ds4py.progress import Bar
 from ds4py.quant import official
 
 
@@ -470,6 +471,7 @@ def write_gguf(out: str, name: str, meta: list[tuple[str, str, Any]], tok: Token
         w.write_ti_data_to_file()
         total = sum(t.nbytes for t in tensors)
         done, t0 = 0, time.time()
+        bar = Bar(f"writing {os.path.basename(out)}", total, unit="MiB", scale=2**20, enabled=None if progress else False)
         for i, t in enumerate(tensors):
             data = t.make()
             if isinstance(data, np.ndarray):
@@ -481,16 +483,19 @@ def write_gguf(out: str, name: str, meta: list[tuple[str, str, Any]], tok: Token
             else:
                 digests.append(_write_chunks(w, t, data))
             done += t.nbytes
-            if progress:
-                print(f"[{i + 1:4d}/{len(tensors)}] {t.name:<36s} {t.qtype.name:<7s} {list(t.shape[::-1])} "
-                      f"{done / 2**20:9.1f}/{total / 2**20:.1f} MiB {time.time() - t0:6.1f}s", file=sys.stderr)
+            bar.update(done, f"{i + 1}/{len(tensors)} {t.name}")
             del data
             if after_tensor is not None:
                 after_tensor()
         w.close()
         checksum.patch(tmp, digests)
         os.replace(tmp, out)
+        bar.close()
+        if progress:
+            print(f"wrote {out}: {len(tensors)} tensors, {_size(total)} in {time.time() - t0:.1f} s", file=sys.stderr)
     except BaseException as e:
+        if "bar" in locals():
+            bar.close()
         w.close()
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -499,6 +504,10 @@ def write_gguf(out: str, name: str, meta: list[tuple[str, str, Any]], tok: Token
         raise
     finally:
         restore_sigterm()
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _write_chunks(w, t: OutTensor, chunks) -> str:
@@ -579,10 +588,21 @@ class _Converter:
         self.expert_qt = EXPERT_TYPES[experts]
         self.dense = dense
         self.notes: list[str] = []
+        self.grouped: dict[str, list[str]] = {}     # a note's text -> the tensors it applies to (one line each)
 
     def log(self, msg: str) -> None:
         if self.progress:
             print(msg, file=sys.stderr)
+
+    def note(self, what: str, name: str) -> None:
+        """A note that applies to many tensors alike (one per layer): printed once, by flush_notes."""
+        self.grouped.setdefault(what, []).append(name)
+
+    def flush_notes(self) -> None:
+        for what, names in self.grouped.items():
+            which = names[0] if len(names) == 1 else f"{len(names)} tensors ({names[0]} ... {names[-1]})"
+            self.log(f"note: {which}: {what}")
+        self.grouped = {}
 
     # -- source checks -------------------------------------------------------------------------------------
     def expect(self, name: str, shape: tuple[int, ...]) -> None:
@@ -633,7 +653,7 @@ class _Converter:
         if self.all_exact_f16(sp.src, nrows):
             return QT.F16
         self.notes.append(sp.name)
-        self.log(f"note: {sp.name} is not exactly representable in F16; writing F32")
+        self.note("not exactly representable in F16; written as F32", sp.name)
         return QT.F32
 
     def plan_experts(self, sp: Spec) -> OutTensor:
@@ -645,7 +665,7 @@ class _Converter:
         block = 32 if qt == QT.MXFP4 else 256
         if sp.shape[-1] % block and qt != QT.MXFP4 and sp.shape[-1] % 32 == 0:
             # K-quants need rows of 256; like llama.cpp, narrower rows fall back to Q8_0
-            self.log(f"note: {sp.name} rows of {sp.shape[-1]} are not a multiple of 256; writing Q8_0")
+            self.note(f"rows of {sp.shape[-1]} are not a multiple of 256 (K-quant blocks); written as Q8_0", sp.name)
             qt = QT.Q8_0
         elif sp.shape[-1] % block:
             raise ConvertError(f"{sp.name}: input width {sp.shape[-1]} is not a multiple of the {qt.name} block {block}")
@@ -704,9 +724,11 @@ def _mtp_ratio(cfg: dict[str, Any], n_layers: int) -> int:
 
 
 def convert_checkpoint(src: str, out: str, experts: str = "mxfp4", dense: str = "q8_0",
-                       tokenizer: str | None = None, progress: bool = True, mtp: str | None = None) -> None:
+                       tokenizer: str | None = None, progress: bool = True, mtp: str | None = None,
+                       require_tokenizer: bool = False) -> None:
     """Convert an official V4 Flash checkpoint folder (config.json + safetensors) into a ds4-layout GGUF; with
-    `mtp`, also write its MTP draft block (the official `mtp.0.*` tensors) as ds4's separate MTP GGUF there."""
+    `mtp`, also write its MTP draft block (the official `mtp.0.*` tensors) as ds4's separate MTP GGUF there.
+    require_tokenizer: refuse a folder without tokenizer.json (the command's default: run and serve need it)."""
     if experts not in EXPERT_TYPES:
         raise ConvertError(f"--experts {experts!r} is not one of {', '.join(EXPERT_TYPES)}")
     if dense not in DENSE_MODES:
@@ -735,6 +757,9 @@ def convert_checkpoint(src: str, out: str, experts: str = "mxfp4", dense: str = 
         if not os.path.isfile(tok_path):
             raise ConvertError(f"{tok_path}: tokenizer file not found")
         tok = load_hf_tokenizer(tok_path, shape.vocab_size)
+    elif require_tokenizer:
+        raise ConvertError(f"{src}: no tokenizer.json, and run, chat and serve need the tokenizer inside the GGUF; "
+                           f"give --tokenizer PATH/tokenizer.json, or --no-tokenizer to write the weights alone")
 
     conv = _Converter(ck, shape, experts, dense, progress)
     tensors = conv.plan(ds4_layout(shape))
@@ -769,6 +794,7 @@ def convert_checkpoint(src: str, out: str, experts: str = "mxfp4", dense: str = 
     if other:
         raise ConvertError(f"{src}: tensor {other[0]!r} is not part of the {'V4.1' if shape.is_v41 else 'V4'} Flash "
                            f"layout ({len(other)} unexpected tensors in all)")
+    conv.flush_notes()
     for note in notes:
         conv.log(note)
     name = os.path.basename(os.path.normpath(src)) or shape.arch

@@ -216,7 +216,7 @@ def test_cli_reports_one_line(golden, tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "not a folder" in r.stderr
     r = subprocess.run([sys.executable, "-m", "ds4py", "convert", str(golden / "v4-tiny"), str(tmp_path / "y.gguf"),
-                        "--dense", "f32", "-q"], capture_output=True, text=True)
+                        "--dense", "f32", "-q", "--no-tokenizer"], capture_output=True, text=True)
     assert r.returncode == 0 and r.stderr == "" and GGUFFile(tmp_path / "y.gguf").meta("deepseek4.block_count") == 7
 
 
@@ -287,7 +287,8 @@ def test_bad_checkpoint_files_are_one_line_errors(golden, tmp_path):
     shutil.copy(golden / "v4-tiny" / "model.safetensors", d)
     _fails(d, out, "config.json is missing")
     assert not out.exists()
-    r = subprocess.run([sys.executable, "-m", "ds4py", "convert", str(tmp_path / "cut_data"), str(out)],
+    r = subprocess.run([sys.executable, "-m", "ds4py", "convert", str(tmp_path / "cut_data"), str(out),
+                        "--no-tokenizer"],
                        capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "truncated" in r.stderr and not out.exists()
 

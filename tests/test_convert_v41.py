@@ -139,7 +139,7 @@ def test_bad_v41_checkpoints_are_one_line_errors(golden, tmp_path):
 
 def test_cli_convert_notes_what_stays_out(golden, tmp_path):
     r = subprocess.run([sys.executable, "-m", "ds4py", "convert", str(golden / "v41-tiny"), str(tmp_path / "x.gguf"),
-                        "--dense", "f32"], capture_output=True, text=True, timeout=300, cwd=REPO,
+                        "--dense", "f32", "--no-tokenizer"], capture_output=True, text=True, timeout=300, cwd=REPO,
                        env={**os.environ, "PYTHONPATH": str(REPO)})
     assert r.returncode == 0, r.stderr
     assert "skipping 4 tensors: hash buffers" in r.stderr and "2 Engram tables stay in the checkpoint's shards" \

@@ -20,12 +20,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mtp", metavar="OUT_MTP.gguf",
                    help="also write the checkpoint's MTP draft block (mtp.0.*) as ds4's separate MTP GGUF here; "
                         "run / serve / bench --mtp OUT_MTP.gguf then decode speculatively (docs/spec.md)")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+    p.add_argument("--no-tokenizer", action="store_true",
+                   help="write the weights without a tokenizer when SRC_DIR has no tokenizer.json (run, chat and serve "
+                        "then refuse the file; by default convert refuses such a folder)")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress bar (shown on a terminal only) and no summary line on stderr")
 
 
 def run(args: argparse.Namespace) -> int:
     from ds4py.convert import convert_checkpoint
 
     convert_checkpoint(args.src, args.out, experts=args.experts, dense=args.dense, tokenizer=args.tokenizer,
-                       progress=not args.quiet, mtp=args.mtp)
+                       progress=not args.quiet, mtp=args.mtp, require_tokenizer=not args.no_tokenizer)
     return 0

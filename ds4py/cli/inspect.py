@@ -145,6 +145,9 @@ def verify(f) -> None:
     t0 = time.perf_counter()
     meta = checksum.verify_metadata(f)
     n, nbytes = checksum.verify(f)
+    if not f.has("tokenizer.ggml.tokens"):       # run, chat and serve refuse it: so does the check
+        raise GGUFError(f"{f.path}: the weights are valid, but the file has no tokenizer (tokenizer.ggml.*), which "
+                        f"run, chat and serve need; convert again with --tokenizer tokenizer.json")
     print(f"verify: OK: metadata, tensor layout and sampled values are valid; "
           f"{'the metadata checksum and ' if meta else ''}{n} tensor checksums match "
           f"({human(nbytes)} read in {time.perf_counter() - t0:.1f} s)")

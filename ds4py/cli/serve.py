@@ -16,6 +16,9 @@ NAME = "serve"
 HELP = "OpenAI / Anthropic compatible HTTP server (chat, completions, responses, messages)"
 
 DEMO_SEED = 0
+# The demo model's random weights almost never sample EOS: without a cap a request that sends no max_tokens
+# would run to the end of the context (minutes). A real model stops by itself.
+DEMO_MAX_TOKENS = 256
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="context size in tokens (default 32768, capped at the model's)")
     p.add_argument("--max-tokens", type=int, default=None, metavar="N",
                    help="generation limit for requests that send none (Codex sends none); default: unlimited, "
-                        "i.e. up to the context size")
+                        f"i.e. up to the context size ({DEMO_MAX_TOKENS} for the demo model)")
     add_engram_dir(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 exposes it to the network)")
@@ -99,7 +102,10 @@ def ensure_demo_model() -> Path:
         raise Ds4Error(f"no -m MODEL given and the demo model generator is unavailable ({e})") from None
     path.parent.mkdir(parents=True, exist_ok=True)
     # the real V4 vocabulary: agent prompts measure like the real model's, special tokens are the real ones
-    make_tiny(str(path), seed=DEMO_SEED, vocab="v4", name="ds4py-demo-random")
+    progress = sys.stderr.isatty()         # a terminal sees the ~15 s wait; logs and pipes stay clean
+    if progress:
+        print(f"ds4py: generating the demo model once into {path} ...", file=sys.stderr, flush=True)
+    make_tiny(str(path), seed=DEMO_SEED, vocab="v4", name="ds4py-demo-random", progress=progress)
     return path
 
 
@@ -195,8 +201,9 @@ def run(args) -> int:
                           cors=[o.strip() for o in (args.cors or "").split(",") if o.strip()],
                           max_body_mb=args.max_body_mb, max_queue=args.max_queue, access_log=args.verbose,
                           allowed_hosts=hosts, header_timeout=args.header_timeout, body_timeout=args.body_timeout,
-                          max_tokens=args.max_tokens)
+                          max_tokens=args.max_tokens, backend=args.backend)
     if demo:
+        config.max_tokens = args.max_tokens or DEMO_MAX_TOKENS
         config.model_ids = ("ds4py-demo",) + MODEL_IDS
         config.model_name = "ds4py demo (tiny, random weights)"
         config.model_note = "RANDOM WEIGHTS: a tiny generated demo model, its output is noise"
@@ -229,6 +236,8 @@ def run(args) -> int:
         engine = make_engine(path, args.backend, args.ctx, memory, args.mtp, not args.no_spec, args.sessions,
                              args.kv_disk_dir, disk_mb, **model_kwargs(args))
         mtp = getattr(getattr(engine.session, "model", None), "mtp", None)
+        model = (engine.pool or engine.session).model
+        config.backend, config.model_context = model.backend, int(model.config.context_length)
         print(f"ds4py serve: model ready in {time.perf_counter() - t0:.1f} s (context {engine.ctx_size} tokens"
               f"{f'; speculative decoding with {mtp.path}' if mtp is not None else ''})", file=sys.stderr, flush=True)
         return engine
@@ -239,8 +248,10 @@ def run(args) -> int:
           f"backend {args.backend}, context {args.ctx}"
           f"{f', {args.sessions} sessions' if args.sessions > 1 else ''}"
           f"{f', disk KV cache {args.kv_disk_dir} ({disk_mb:g} MB)' if args.kv_disk_dir else ''}"
-          f"{', API key required' if config.api_key else ''}. "
-          f"/health answers 503 until the model is loaded.", file=sys.stderr, flush=True)
+          f"{', API key required' if config.api_key else ''}"
+          f"{f'; requests without max_tokens stop at {config.max_tokens} tokens' if config.max_tokens else ''}. "
+          f"/health answers 503 until the model is loaded; open http://{args.host}:{sock.getsockname()[1]}/ in a "
+          f"browser to chat.", file=sys.stderr, flush=True)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not config.api_key:
         print("ds4py serve: warning: listening beyond this machine without --api-key", file=sys.stderr, flush=True)
     if key_source == "--api-key":

@@ -27,7 +27,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
-from . import anthropic, openai, responses
+from . import anthropic, openai, page, responses
 from .metrics import Metrics
 from .protocol import MODEL_IDS, NONTHINKING_ALIASES, THINKING_ALIASES, ApiError, Done, Result, Started
 from .worker import Engine, Job, Worker
@@ -53,6 +53,8 @@ class ServerConfig:
     header_timeout: float = 30.0       # seconds for a connection to deliver a request's headers (and idle keep-alive)
     body_timeout: float = 60.0         # seconds for the body to arrive once the headers are in
     max_tokens: int | None = None      # generation limit for requests that send none (serve --max-tokens)
+    backend: str | None = None         # shown by `GET /` (the chat page's header); set once the model is loaded
+    model_context: int | None = None   # the model's own context length: a max_tokens beyond it is a 400
 
 
 class ServerState:
@@ -251,7 +253,7 @@ async def middleware(request: web.Request, handler):
                 "Access-Control-Max-Age": "600"})
         return resp
     try:
-        if cfg.api_key and request.path != "/health":
+        if cfg.api_key and request.path != "/health" and not page.is_public(request):
             _check_auth(request, cfg.api_key)
         resp = await handler(request)
     except ApiError as e:
@@ -329,13 +331,20 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def root(request: web.Request) -> web.Response:
-    """`GET /` and `HEAD /` (Claude Code probes the base URL with HEAD before its first request): what this is."""
+    """`GET /` and `HEAD /` (Claude Code probes the base URL with HEAD before its first request): what this is;
+    a browser gets the chat page."""
+    if page.prefers_html(request.headers.get("Accept")):
+        return page.page_response()
     st = request.app[STATE]
     status = "ok" if st.engine is not None and not st.engine.broken else ("error" if st.load_error or
                                                                           st.engine is not None else "loading")
-    return web.json_response({"name": "ds4py", "model": st.config.model_name, "status": status,
+    ctx = st.engine.ctx_size if st.engine is not None else None
+    return web.json_response({"name": "ds4py", "model": st.config.model_name, "model_id": st.served_ids[0],
+                              "model_note": st.config.model_note, "backend": st.config.backend,
+                              "context_length": ctx, "default_max_tokens": st.config.max_tokens, "status": status,
+                              "error": st.load_error or (st.engine.broken if st.engine is not None else None),
                               "endpoints": ["/v1/chat/completions", "/v1/completions", "/v1/responses",
-                                            "/v1/messages", "/v1/models", "/health", "/metrics"]})
+                                            "/v1/messages", "/v1/models", "/health", "/metrics", "/chat"]})
 
 
 def _model_entry(st: ServerState, mid: str) -> dict:
@@ -475,6 +484,7 @@ def make_app(state: ServerState) -> web.Application:
     app[STATE] = state
     r = app.router
     r.add_get("/", root)
+    page.add_routes(r)
     r.add_get("/health", health)
     r.add_get("/metrics", metrics)
     r.add_get("/v1/models", list_models)
