@@ -107,12 +107,18 @@ async def _run(url: str, model: str | None, concurrency: int, requests: int, inp
         headers["Authorization"] = f"Bearer {api_key}"
     rng = random.Random(seed)
     async with aiohttp.ClientSession() as session:
-        if model is None:
-            async with session.get(base + "/v1/models", headers=headers) as r:
-                if r.status != 200:
-                    raise Ds4Error(f"{base}/v1/models answered HTTP {r.status}; pass --model")
-                data = await r.json()
-                model = data["data"][0]["id"]
+        try:                   # reach the server once before the load: a wrong --url is one sentence, not N failures
+            async with session.get(base + "/v1/models", headers=headers,
+                                   timeout=aiohttp.ClientTimeout(total=30)) as r:
+                if r.status != 200 and model is None:
+                    raise Ds4Error(f"{base}/v1/models answered HTTP {r.status}; pass --served-model")
+                if model is None:
+                    data = await r.json()
+                    model = data["data"][0]["id"]
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
+            why = str(e) or type(e).__name__
+            raise Ds4Error(f"cannot reach the server at {base} ({why}); start it with 'python3 -m ds4py serve' "
+                           f"or pass the right --url") from None
         sem = asyncio.Semaphore(concurrency)
         bodies = []
         for _ in range(requests):

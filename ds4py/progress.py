@@ -59,3 +59,59 @@ class Bar:
     @property
     def elapsed(self) -> float:
         return time.monotonic() - self.t0
+
+
+class Waiting:
+    """A line that says what a silent wait is (`reading the prompt (812 tokens)... 12 s`), drawn on a terminal
+    only once the wait has lasted `delay` seconds, updated every second, and cleared by done() (or on exit).
+
+        with Waiting("reading the prompt (812 tokens)") as w:
+            for ev in generate(...):
+                w.done()            # the first token: the wait is over
+    """
+
+    def __init__(self, what: str, *, stream: TextIO | None = None, enabled: bool | None = None,
+                 delay: float = 1.0):
+        import threading
+
+        self.what = what
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = self.stream.isatty() if enabled is None else enabled
+        self.delay = delay
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._drawn = False
+        self._thread = threading.Thread(target=self._run, name="ds4py-waiting", daemon=True) if self.enabled else None
+
+    def _run(self) -> None:
+        t0 = time.monotonic()
+        if self._stop.wait(self.delay):
+            return
+        while True:
+            with self._lock:
+                if self._stop.is_set():
+                    return
+                self.stream.write(f"\r[{self.what}... {time.monotonic() - t0:.0f} s]")
+                self.stream.flush()
+                self._drawn = True
+            if self._stop.wait(1.0):
+                return
+
+    def __enter__(self) -> "Waiting":
+        if self._thread is not None:
+            self._thread.start()
+        return self
+
+    def done(self) -> None:
+        if self._stop.is_set():
+            return
+        with self._lock:
+            self._stop.set()
+            if self._drawn:
+                width = shutil.get_terminal_size((100, 20)).columns
+                self.stream.write("\r" + " " * (width - 1) + "\r")
+                self.stream.flush()
+                self._drawn = False
+
+    def __exit__(self, *exc) -> None:
+        self.done()

@@ -17,7 +17,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("mode", nargs="?", choices=["sweep", "serve"], default="sweep",
                    help="sweep (offline, default) or serve (load test of a running server)")
     g = p.add_argument_group("sweep")
-    g.add_argument("-m", "--model", dest="model_path", help="GGUF model file (sweep)")
+    g.add_argument("-m", "--model", dest="model_path", default=None,
+                   help="GGUF model file (default: the demo model, as serve uses)")
     g.add_argument("--backend", choices=BACKENDS, default="ref",
                    help="engine backend: ref (numpy, default), cuda (GPU), cuda-emu (the CUDA engine on the CPU "
                         "emulator: slow, for tests), auto (cuda where a GPU can run the model, else ref)")
@@ -25,12 +26,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_cpu_arguments(g)
     add_engram_dir(g)
     g.add_argument("--prompt-file", help="text walked to every frontier (default: bundled public-domain book)")
-    g.add_argument("--ctx-start", type=int, default=2048)
-    g.add_argument("--ctx-max", type=int, default=65536)
+    g.add_argument("--ctx-start", type=int, default=2048, help="first context size measured, in tokens (default 2048)")
+    g.add_argument("--ctx-max", type=int, default=65536,
+                   help="last context size measured, in tokens (default 65536; capped at the model's context)")
     g.add_argument("--step-incr", type=int, default=None, help="add this many tokens per row (default 2048)")
     g.add_argument("--step-mul", type=float, default=None, help="multiply the frontier by this per row")
-    g.add_argument("--gen-tokens", type=int, default=128, help="greedy tokens per row (EOS suppressed)")
-    g.add_argument("--repeat", type=int, default=1, help="measure every row N times: mean ± std")
+    g.add_argument("--gen-tokens", type=int, default=128, help="greedy tokens per row, EOS suppressed (default 128)")
+    g.add_argument("--repeat", type=int, default=1, help="measure every row N times: mean ± std (default 1)")
     g.add_argument("--mtp", metavar="MTP.gguf", default=None,
                    help="the model's MTP draft block: also decode each probe speculatively (identity-checked) and "
                         "report acceptance, tokens per round and the speed-up over plain decoding (docs/spec.md)")
@@ -46,21 +48,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also time a fresh prompt of each of these token counts in one step (prefill tokens/s): "
                         "'auto' = 2048,12500,65536 on cuda (skipped with a one-line reason elsewhere), 'none', or a "
                         "comma-separated list")
-    g.add_argument("--format", choices=["csv", "md", "json"], default="md")
+    g.add_argument("--format", choices=["csv", "md", "json"], default="md", help="table format (default md)")
     g.add_argument("--out", help="write the table here as well as to stdout")
-    g.add_argument("--plot", help="PNG of tokens/s vs context (needs matplotlib)")
+    g.add_argument("--plot", metavar="PNG", help="PNG of tokens/s vs context (needs matplotlib)")
     s = p.add_argument_group("serve")
-    s.add_argument("--url", default="http://127.0.0.1:8000")
+    s.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default http://127.0.0.1:8000)")
     s.add_argument("--served-model", dest="served_model", default=None,
                    help="model id to request (default: the first of /v1/models)")
     s.add_argument("--concurrency", default="1",
-                   help="requests in flight; a comma-separated list (1,4,8) runs each level and compares them")
-    s.add_argument("--requests", type=int, default=8)
-    s.add_argument("--input-len", type=int, default=128, help="approximate prompt tokens per request")
-    s.add_argument("--output-len", type=int, default=32, help="max_tokens per request")
+                   help="requests in flight; a comma-separated list (1,4,8) runs each level and compares them (default 1)")
+    s.add_argument("--requests", type=int, default=8, help="requests per concurrency level (default 8)")
+    s.add_argument("--input-len", type=int, default=128, help="approximate prompt tokens per request (default 128)")
+    s.add_argument("--output-len", type=int, default=32, help="max_tokens per request (default 32)")
     s.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second (default: all at once)")
-    s.add_argument("--api-key", default=None)
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--api-key", default=None, help="the server's API key, if it was started with one")
+    s.add_argument("--seed", type=int, default=0, help="seed of the generated prompts (default 0)")
     s.add_argument("--ignore-eos", action="store_true", help="send ignore_eos so every request generates output-len")
     s.add_argument("--json", action="store_true", help="print the summary as JSON")
 
@@ -100,8 +102,17 @@ def run(args: argparse.Namespace) -> int:
     from ds4py.model import open_model
     from ds4py.tokenizer import Tokenizer
 
+    if args.plot:                  # before the sweep, not after it
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise Ds4Error("--plot needs matplotlib (python3 -m pip install matplotlib); checked before the sweep "
+                           "so that no run is wasted") from None
     if not args.model_path:
-        raise Ds4Error("the sweep needs -m MODEL.gguf")
+        from ds4py.cli.serve import ensure_demo_model
+
+        args.model_path = str(ensure_demo_model())
+        print(f"note: no -m given: benchmarking the demo model (random weights) {args.model_path}", file=sys.stderr)
     bw = None
     if args.bandwidth == "auto":
         if args.backend == "cuda":

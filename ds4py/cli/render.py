@@ -6,7 +6,8 @@ import argparse
 import sys
 
 NAME = "render"
-HELP = "render a chat conversation ({messages, options} JSON on stdin) to the exact DeepSeek V4 prompt"
+HELP = ("render a chat conversation ({messages, options} JSON on stdin) to the exact DeepSeek V4 prompt; thinking mode "
+        "unless options.thinking_mode is \"chat\" (as run)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
     fmt = chat_format(variant or "v4")
     render, encode_prompt = fmt.render, fmt.encode_prompt
     messages, options = _read_case(sys.stdin.buffer.read())
+    # the same default as `run` and the OpenAI APIs: thinking mode, unless the case's options say otherwise
+    options = {"thinking_mode": "thinking", **(options or {})}
     if not args.ids:
         if args.plain_content or args.model_path or args.tokenizer:
             raise ConfigError("--plain-content, -m and --tokenizer only apply with --ids")

@@ -20,10 +20,14 @@ NAME = "run"
 HELP = "generate one answer to a prompt (streamed; reasoning shown separately)"
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
+DEFAULT_MAX_TOKENS = 4096
+DEMO_MAX_TOKENS = 256           # = serve's cap for the demo model (ds4py.cli.serve.DEMO_MAX_TOKENS)
 
 
 def add_common_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-m", "--model", required=True, help="GGUF file")
+    p.add_argument("-m", "--model", default=None,
+                   help="GGUF file (default: the random-weight demo model that serve uses, generated once under "
+                        "~/.cache/ds4py)")
     p.add_argument("--backend", choices=BACKENDS, default="ref",
                    help="engine backend: ref (numpy, default), cuda (GPU), cuda-emu (the CUDA engine on the CPU "
                         "emulator: slow, for tests), auto (cuda where a GPU can run the model, else ref)")
@@ -40,13 +44,15 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
                       help="thinking with DeepSeek's maximum reasoning-effort instruction")
     p.set_defaults(thinking="on")
     g = p.add_argument_group("sampling (DeepSeek V4 recommends temperature 1, top-p 1)")
-    g.add_argument("--temp", type=float, default=1.0, help="temperature; 0 = greedy (default 1.0)")
+    g.add_argument("--temp", "--temperature", dest="temp", type=float, default=1.0,
+                   help="temperature; 0 = greedy (default 1.0)")
     g.add_argument("--top-k", type=int, default=0, help="keep the K most probable tokens; 0 = off")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus mass; 1 = off")
     g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below M x the top probability; 0 = off")
     g.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
-    g.add_argument("-n", "--max-tokens", type=int, default=4096,
-                   help="most tokens per answer, reasoning included (default 4096; 0 = until EOS or context full)")
+    g.add_argument("-n", "--max-tokens", type=int, default=None,
+                   help=f"most tokens per answer, reasoning included: >= 0, 0 = until EOS or the context is full "
+                        f"(default {DEFAULT_MAX_TOKENS}; {DEMO_MAX_TOKENS} for the demo model, which never stops)")
     add_spec_arguments(p)
     p.add_argument("--color", choices=["auto", "always", "never"], default="auto",
                    help="dim reasoning with ANSI colour (auto: when stdout is a terminal)")
@@ -80,9 +86,14 @@ def sampling_params(args):
     from ds4py.errors import Ds4Error
     from ds4py.sampling import SamplingParams
 
+    n = args.max_tokens
+    if n is None:
+        n = DEMO_MAX_TOKENS if args.model is None else DEFAULT_MAX_TOKENS
+    if n < 0:
+        raise Ds4Error(f"-n/--max-tokens must be >= 0 (0 = until EOS or the context is full), got {n}")
     try:
         return SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                              seed=args.seed, max_tokens=args.max_tokens or None)
+                              seed=args.seed, max_tokens=n or None)
     except ValueError as e:
         raise Ds4Error(str(e)) from None
 
@@ -98,8 +109,17 @@ def open_session(args):
     from ds4py.session import Session
     from ds4py.tokenizer import Tokenizer
 
+    from ds4py.progress import Waiting
+
+    if args.model is None:
+        from ds4py.cli.serve import ensure_demo_model
+
+        args.model = str(ensure_demo_model())
+        print("note: no -m given: the demo model (tiny, RANDOM WEIGHTS: its output is noise; -m MODEL.gguf for a "
+              "real model)", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    model = open_model_for_generation(args)
+    with Waiting(f"loading {args.model}"):
+        model = open_model_for_generation(args)
     base = getattr(model, "model", model)                   # the main model under a SpecModel
     tok = Tokenizer.from_gguf(getattr(base, "gguf", args.model))
     session = Session(model, tok, ctx_size=args.ctx)
@@ -202,6 +222,7 @@ def feed(printer: Printer, events) -> None:
 def stream_answer(session, prompt_ids, params, thinking: str, printer: Printer, verbose: bool,
                   cancelled=None):
     """Generate, parse and print one answer. Returns the DoneEvent."""
+    from ds4py.progress import Waiting
     from ds4py.session import DoneEvent
 
     parser = session_chat(session).parser(thinking != "off")
@@ -210,15 +231,18 @@ def stream_answer(session, prompt_ids, params, thinking: str, printer: Printer, 
     t0 = time.perf_counter()
     t_first = None
     done = None
+    waiting = Waiting(f"reading the prompt ({len(prompt_ids)} tokens)")
     try:
-        for ev in session.generate(prompt_ids, params, cancelled):
-            if isinstance(ev, DoneEvent):
-                done = ev
-                break
-            if t_first is None:
-                t_first = time.perf_counter()
-            # The session never spells EOS in the text; the parser wants it to know the turn is complete.
-            feed(printer, parser.feed(ev.text + (eos_text if ev.token_id == eos else "")))
+        with waiting:
+            for ev in session.generate(prompt_ids, params, cancelled):
+                waiting.done()
+                if isinstance(ev, DoneEvent):
+                    done = ev
+                    break
+                if t_first is None:
+                    t_first = time.perf_counter()
+                # The session never spells EOS in the text; the parser wants it to know the turn is complete.
+                feed(printer, parser.feed(ev.text + (eos_text if ev.token_id == eos else "")))
         feed(printer, parser.finish())
     except BaseException:
         printer.abort()

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -180,6 +182,8 @@ def run(args) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.ctx < 2:
         raise Ds4Error(f"--ctx must be at least 2, got {args.ctx}")
+    if not 0 <= args.port <= 65535:
+        raise Ds4Error(f"--port must be between 0 and 65535 (0 picks a free port), got {args.port}")
     if args.max_tokens is not None and args.max_tokens < 1:
         raise Ds4Error(f"--max-tokens must be at least 1, got {args.max_tokens}")
     if args.max_queue < 1 or args.max_body_mb <= 0:
@@ -257,6 +261,15 @@ def run(args) -> int:
     if key_source == "--api-key":
         print("ds4py serve: note: a key given with --api-key is visible to other users in the process list; "
               "--api-key-file or $DS4PY_API_KEY keep it out", file=sys.stderr, flush=True)
-    state.load_in_background(load)
+    loader = state.load_in_background(load)
+
+    def stop_if_load_failed():
+        # nothing can be served: say why and exit non-zero (an embedding ServerState keeps its 503s instead)
+        loader.join()
+        if state.load_error is not None:
+            os.kill(os.getpid(), signal.SIGTERM)
+    threading.Thread(target=stop_if_load_failed, name="ds4py-load-watch", daemon=True).start()
     run_server(state, sock)
+    if state.load_error is not None:
+        raise Ds4Error(f"the model failed to load: {state.load_error}")
     return 0

@@ -24,12 +24,14 @@ from dataclasses import dataclass, field
 
 import orjson
 from aiohttp import web
+from aiohttp.abc import AbstractAccessLogger
 from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
 from . import anthropic, openai, page, responses
 from .metrics import Metrics
-from .protocol import MODEL_IDS, NONTHINKING_ALIASES, THINKING_ALIASES, ApiError, Done, Result, Started
+from .protocol import (MODEL_IDS, NONTHINKING_ALIASES, THINKING_ALIASES, ApiError, Done, Reasoning, Result, Started,
+                       Text, ToolCallOut)
 from .worker import Engine, Job, Worker
 
 log = logging.getLogger("ds4py.server")
@@ -110,6 +112,7 @@ class ServerState:
 
 
 STATE = web.AppKey("state", ServerState)
+JOB = "ds4py.job"          # request[JOB]: the generation a request ran (AccessLogger)
 
 
 # ---- middleware ------------------------------------------------------------------------------------------
@@ -356,6 +359,10 @@ def _model_entry(st: ServerState, mid: str) -> dict:
         e["description"] = "alias: thinking disabled"
     elif mid in THINKING_ALIASES:
         e["description"] = "alias: thinking enabled"
+    else:      # a small max_tokens may be spent on reasoning alone: say where the default is and how to switch it
+        e["description"] = ("thinking on by default on the OpenAI APIs (the reasoning comes first, in "
+                            "reasoning_content; a small max_tokens may leave content empty), off on /v1/messages; "
+                            "reasoning_effort 'none' or the model id deepseek-chat turn it off")
     if cfg.model_note:
         e["description"] = (e.get("description", "") + "; " if "description" in e else "") + cfg.model_note
     return e
@@ -396,10 +403,17 @@ async def _prepare(request: web.Request, parse, check_fits: bool = True) -> tupl
         req.max_tokens = st.config.max_tokens
     engine = st.ready_engine()
 
+    limit = st.config.model_context
+    if req.max_tokens is not None and limit and req.max_tokens > limit:
+        raise ApiError(400, f"max_tokens is {req.max_tokens}, more than the model's whole context of {limit} tokens "
+                            f"(prompt and answer together); send at most {limit}", param="max_tokens")
+
     def render():
         ids = engine.prompt_ids(req)
         if check_fits:
             engine.check_fits(ids)
+            if req.max_tokens is not None:       # beyond what the context has left after the prompt: clamped
+                req.max_tokens = max(1, min(req.max_tokens, engine.ctx_size - len(ids)))
         return ids
     try:
         ids = await asyncio.get_running_loop().run_in_executor(st.pool, render)
@@ -414,9 +428,13 @@ SHUTTING_DOWN = "the server is shutting down; this request was stopped before it
 def _next_event(job: Job, ev):
     """A job's event as the handler passes it on. A live handler sees a cancelled job only when the server
     stopped it (a client that goes away takes its handler with it): that is an error, not a finished answer."""
+    if job.t_first is None and isinstance(ev, (Reasoning, Text, ToolCallOut)):
+        job.t_first = time.monotonic()
     if isinstance(ev, Done) and ev.finish_reason == "cancelled":
-        return Done("error", ev.prompt_tokens, ev.cached_tokens, ev.completion_tokens, ev.reasoning_tokens,
-                    error=SHUTTING_DOWN)
+        ev = Done("error", ev.prompt_tokens, ev.cached_tokens, ev.completion_tokens, ev.reasoning_tokens,
+                  error=SHUTTING_DOWN)
+    if isinstance(ev, Done):
+        job.done = ev
     return ev
 
 
@@ -424,6 +442,7 @@ def generation_handler(parse, encoder_cls, id_prefix: str):
     async def handle(request: web.Request) -> web.StreamResponse:
         st, req, ids = await _prepare(request, parse)
         job = Job(req, ids, asyncio.get_running_loop(), id_prefix)
+        request[JOB] = job                         # for the access log's token counts and speeds
         st.worker.submit(job)
         enc = encoder_cls(req, secrets.token_hex(12), int(time.time()))
         try:
@@ -550,6 +569,26 @@ class _Handler(RequestHandler):
         super().log_exception(*args, **kw)
 
 
+class AccessLogger(AbstractAccessLogger):
+    """serve -v: one line per request; a generation adds its token counts and speeds."""
+
+    def log(self, request, response, time_s: float) -> None:
+        line = (f'{request.remote} "{request.method} {request.path_qs[:200]} HTTP/{request.version.major}.'
+                f'{request.version.minor}" {response.status} {response.body_length} B {time_s:.3f} s')
+        job = request.get(JOB)
+        d = job.done if job is not None else None
+        if d is not None:
+            line += (f"; prompt {d.prompt_tokens} tokens ({d.cached_tokens} cached), generated {d.completion_tokens}"
+                     f"{f' ({d.reasoning_tokens} reasoning)' if d.reasoning_tokens else ''}, finish {d.finish_reason}")
+            if job.t_first is not None:
+                end = time.monotonic()              # called as the answer's last byte went out
+                rate = (d.completion_tokens - 1) / (end - job.t_first) if d.completion_tokens > 1 and \
+                    end > job.t_first else None
+                line += f"; first token {job.t_first - job.t_arrival:.2f} s"
+                line += f", {rate:.1f} tok/s" if rate is not None else ""
+        self.logger.info(line)
+
+
 class _Server(web.Server):
     def __call__(self) -> RequestHandler:
         return _Handler(self, loop=self._loop, **self._kwargs)
@@ -577,6 +616,7 @@ async def _start(state: ServerState, sock: socket.socket) -> web.AppRunner:
     # decoded), the rest is read and dropped for at most this long before closing, so that the client sees the
     # answer instead of a connection reset
     runner = _Runner(make_app(state), state.metrics, handler_cancellation=True, access_log=access_log,
+                     access_log_class=AccessLogger,
                      shutdown_timeout=1.0, keepalive_timeout=cfg.header_timeout, lingering_time=2.0)
     await runner.setup()
     await web.SockSite(runner, sock).start()

@@ -42,6 +42,8 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
     t_arrival: float = field(default_factory=time.monotonic)
+    t_first: float | None = None          # when the handler saw the first token (the access log's speeds)
+    done: Done | None = None              # the final event, as the handler saw it
 
     def emit(self, ev) -> None:
         try:
@@ -257,6 +259,8 @@ class JobOutput:
         if self.parser is not None:
             tail = self.parser.feed(EOS_TEXT) if done.finish_reason == "stop" and done.stop_string is None else []
             for out in tail + self.parser.finish():
+                if done.finish_reason == "length" and type(out).__name__ == "ParseIssue":
+                    continue      # a turn cut off by max_tokens or the context is not malformed DSML
                 self._emit(out)
         m.add(prompt_tokens=done.prompt_tokens, cached_prompt_tokens=done.cached_tokens)
         job.emit(Done(done.finish_reason, done.prompt_tokens, done.cached_tokens, done.completion_tokens,
