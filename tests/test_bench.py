@@ -166,11 +166,38 @@ def test_serve_mode_concurrency_sweep_against_sessions(golden, tmp_path):
 
 
 def test_serve_mode_counts_failures(tmp_path):
-    """A server that is not there: every request fails, exit status 1, errors named."""
-    port = free_port()
-    r = subprocess.run(
-        [sys.executable, "-m", "ds4py", "bench", "serve", "--url", f"http://127.0.0.1:{port}",
-         "--served-model", "x", "--requests", "2", "--json"], capture_output=True, text=True, timeout=120)
+    """A server that fails every generation: every request counted failed, exit status 1, errors named. A server
+    that is not there at all is one sentence (exit 2), not N failures."""
+    import http.server
+    import threading
+
+    class Failing(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(b'{"data": [{"id": "x"}]}')
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_response(503)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(b'{"error": {"message": "the model is still loading"}}')
+
+        def log_message(self, *a):
+            pass
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Failing)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        r = subprocess.run(
+            [sys.executable, "-m", "ds4py", "bench", "serve", "--url", f"http://127.0.0.1:{srv.server_port}",
+             "--requests", "2", "--json"], capture_output=True, text=True, timeout=120)
+    finally:
+        srv.shutdown()
     assert r.returncode == 1, r.stderr
     s = json.loads(r.stdout)
     assert s["successful_requests"] == 0 and s["failed_requests"] == 2 and s["errors"]
+    r = subprocess.run([sys.executable, "-m", "ds4py", "bench", "serve", "--url", f"http://127.0.0.1:{free_port()}",
+                        "--served-model", "x", "--requests", "2"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "cannot reach the server" in r.stderr and "Traceback" not in r.stderr

@@ -175,10 +175,23 @@ def test_sharded_checkpoint_gives_identical_file(golden, tmp_path, converted):
         assert np.array_equal(a.tensors[n].raw_bytes(), b.tensors[n].raw_bytes()), n
 
 
-def test_progress_goes_to_stderr(golden, tmp_path, capsys):
+def test_progress_goes_to_stderr(golden, tmp_path, capsys, monkeypatch):
+    import io
+    import sys
+
     convert_checkpoint(str(golden / "v4-tiny"), str(tmp_path / "p.gguf"), dense="f32")
-    cap = capsys.readouterr()
-    assert cap.out == "" and "[ 212/212]" in cap.err and "blk.6.ffn_down_shexp.weight" in cap.err
+    cap = capsys.readouterr()            # not a terminal: no bar, one summary line
+    assert cap.out == "" and cap.err == f"wrote {tmp_path / 'p.gguf'}: 212 tensors, 12.4 MiB in " + \
+        cap.err.split(" in ")[-1] and cap.err.endswith(" s\n")
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+    monkeypatch.setattr(sys, "stderr", Tty())
+    convert_checkpoint(str(golden / "v4-tiny"), str(tmp_path / "q.gguf"), dense="f32")
+    err = sys.stderr.getvalue()          # a terminal: one bar rewritten in place, then the summary
+    assert "\r" in err and "100% [" in err and "212/212" in err and "\n" not in err.rsplit("\r", 1)[0]
+    assert err.rstrip("\n").rsplit("\r", 1)[-1].startswith(f"wrote {tmp_path / 'q.gguf'}: 212 tensors")
 
 
 def _fails(src, out, match, **kw):
