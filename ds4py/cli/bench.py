@@ -26,10 +26,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_cpu_arguments(g)
     add_engram_dir(g)
     g.add_argument("--prompt-file", help="text walked to every frontier (default: bundled public-domain book)")
-    g.add_argument("--ctx-start", type=int, default=2048, help="first context size measured, in tokens (default 2048)")
-    g.add_argument("--ctx-max", type=int, default=65536,
-                   help="last context size measured, in tokens (default 65536; capped at the model's context)")
-    g.add_argument("--step-incr", type=int, default=None, help="add this many tokens per row (default 2048)")
+    g.add_argument("--ctx-start", type=int, default=None,
+                   help="first context size measured, in tokens (default 2048; 256 on the demo model)")
+    g.add_argument("--ctx-max", type=int, default=None,
+                   help="last context size measured, in tokens (default 65536; 1024 on the demo model)")
+    g.add_argument("--step-incr", type=int, default=None,
+                   help="add this many tokens per row (default 2048; 256 on the demo model)")
     g.add_argument("--step-mul", type=float, default=None, help="multiply the frontier by this per row")
     g.add_argument("--gen-tokens", type=int, default=128, help="greedy tokens per row, EOS suppressed (default 128)")
     g.add_argument("--repeat", type=int, default=1, help="measure every row N times: mean ± std (default 1)")
@@ -108,7 +110,10 @@ def run(args: argparse.Namespace) -> int:
         except ImportError:
             raise Ds4Error("--plot needs matplotlib (python3 -m pip install matplotlib); checked before the sweep "
                            "so that no run is wasted") from None
-    if not args.model_path:
+    demo = not args.model_path            # smaller defaults: a sweep the numpy reference ends in minutes, not hours
+    args.ctx_start = args.ctx_start if args.ctx_start is not None else (256 if demo else 2048)
+    args.ctx_max = args.ctx_max if args.ctx_max is not None else (1024 if demo else 65536)
+    if demo:
         from ds4py.cli.serve import ensure_demo_model
 
         args.model_path = str(ensure_demo_model())
@@ -128,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
         except ValueError:
             raise Ds4Error(f"--bandwidth must be a number of GB/s or 'auto' (got {args.bandwidth!r})") from None
 
-    step_incr = args.step_incr if (args.step_incr or args.step_mul) else 2048
+    step_incr = args.step_incr if (args.step_incr or args.step_mul) else (256 if demo else 2048)
     points = bench.frontiers(args.ctx_start, args.ctx_max, step_incr if not args.step_mul else None, args.step_mul)
     t0 = time.perf_counter()
     model = open_model(args.model_path, backend=args.backend, **model_kwargs(args))

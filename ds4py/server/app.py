@@ -112,7 +112,8 @@ class ServerState:
 
 
 STATE = web.AppKey("state", ServerState)
-JOB = "ds4py.job"          # request[JOB]: the generation a request ran (AccessLogger)
+# request[JOB]: the generation a request ran (AccessLogger); aiohttp >= 3.12 wants typed request keys
+JOB = web.RequestKey("job", Job) if hasattr(web, "RequestKey") else "ds4py.job"
 
 
 # ---- middleware ------------------------------------------------------------------------------------------
