@@ -138,6 +138,17 @@ class ModelBase(ABC):
             raise Ds4Error(f"{self.path}: this model has no DSpark draft, so it has no draft taps")
         return self._step_taps(list(states), arrays, bool(all_logits))
 
+    def open_dspark(self):
+        """V4.1's DSpark draft of this model (its dspark.* tensors; ds4py.ref.dspark is the reference): new_state(),
+        feed(states, taps), block(state, token), greedy(block, token), save_state / load_state, call_bytes()."""
+        if not self.config.has_dspark:
+            raise Ds4Error(f"{self.path}: this model has no DSpark draft (no dspark.* tensors)")
+        return self._open_dspark()
+
+    def _open_dspark(self):
+        raise Ds4Error(f"the {self.backend} backend cannot run V4.1's DSpark draft yet; decode without speculation "
+                       "(--no-spec) or use --backend ref")
+
     def prefill(self, state: State, ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
         return self.step([state], [ids], all_logits)[0]
 

@@ -153,6 +153,11 @@ class RefModel(ModelBase):
                     taps[i].append(tap[j])
         return [np.concatenate(o) if all_logits else o[-1] for o in out]
 
+    def _open_dspark(self):
+        from ds4py.ref.dspark import RefDSpark
+
+        return RefDSpark(self)
+
     def _export(self, state: RefState) -> dict[str, np.ndarray]:
         return state.export()
 
