@@ -118,10 +118,13 @@ class RefDSpark:
             seqs.append((st, np.arange(n0 + len(tp) - keep, n0 + len(tp)), slice(at, at + keep), len(tp)))
             at += keep
         seg = [s[2] for s in seqs]
-        main_x = ops.rmsnorm(w.linear(D.main_proj, np.concatenate(rows), seg), w.get(D.main_norm), cfg.norm_eps)
         pos = np.concatenate([s[1] for s in seqs])
-        for s, L in enumerate(D.stages):
-            k = self._kv(L.attn, main_x, pos, s, seg)
+        # row by row: a ring row is the same bits whether its position came alone (a decode step), in a prompt
+        # or among a round's accepted rows, so drafts never depend on how the main positions were chunked
+        with ops.row_stable(True):
+            main_x = ops.rmsnorm(w.linear(D.main_proj, np.concatenate(rows), seg), w.get(D.main_norm), cfg.norm_eps)
+            ks = [self._kv(L.attn, main_x, pos, s, seg) for s, L in enumerate(D.stages)]
+        for s, k in enumerate(ks):
             for st, p, r, _ in seqs:
                 ring = st.ring(s, "win")
                 ring[p % ring.shape[0]] = k[r]

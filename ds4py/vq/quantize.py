@@ -286,8 +286,10 @@ def _expert_layer(name: str, n_layers: int) -> tuple[int, str] | None:
     return None
 
 
-def _label(job: "LayerJob") -> str:
-    return f"layer {job.layer:3d}" if job.block.startswith("blk.") else f"{job.block:>9s}"
+def _label(job: "LayerJob", aligned: bool = True) -> str:
+    if job.block.startswith("blk."):
+        return f"layer {job.layer:3d}" if aligned else f"layer {job.layer}"
+    return f"{job.block:>9s}" if aligned else job.block
 
 
 def quantize_vq(src: str, out: str, opts: Options, progress: bool = True) -> dict[str, Any]:
@@ -317,7 +319,7 @@ def quantize_vq(src: str, out: str, opts: Options, progress: bool = True) -> dic
         K = 1 << job.bits
         per = job.n_vectors // K
         if per < opts.min_pool:
-            raise QuantizeError(f"{_label(job).strip()} has {job.n_vectors:,} vectors for {K:,} codewords ({job.bits} bits): "
+            raise QuantizeError(f"{_label(job, False)} has {job.n_vectors:,} vectors for {K:,} codewords ({job.bits} bits): "
                                 f"{per:,} per codeword, fewer than --min-pool {opts.min_pool:,}; use fewer bits "
                                 f"or a smaller --min-pool")
 

@@ -1,0 +1,181 @@
+"""Speculative decoding with V4.1's DSpark draft (ds4py/dspark.py) on the reference backend, golden
+v41-tiny-dspark (DeepSeek's official weights layout, random values: the real draft accepts at chance level).
+
+- greedy is byte-identical to plain greedy decoding for every k and for the scheduler, short and long prompts;
+- an oracle draft (the true continuation, wrong at chosen positions) is accepted as far as it is right, the
+  rings afterwards are bit for bit the rings of plain decoding (one write per accepted position), and stopping
+  inside a round leaves the plain state;
+- the real (garbage) draft drives k to 0: main-model rows per generated token within 1.05x plain decoding's;
+- the pair (main state + rings) saves and loads; rejection sampling keeps the plain distribution.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from ds4py.dspark import DSparkSpec, DSparkState
+from ds4py.errors import Ds4Error
+from ds4py.ref.dspark import DraftBlock
+from ds4py.ref.engine import RefModel
+from ds4py.sampling import SamplingParams
+from ds4py.session import Session, TokenEvent
+from ds4py.spec import speculative
+from spec_fakes import NullTokenizer
+
+PROMPTS = [[7, 301, 12], list(range(40, 80))]       # short, and longer than the 16-row window
+N = 24
+
+
+@pytest.fixture(scope="module")
+def model(dspark_gguf):
+    m = RefModel(dspark_gguf)
+    m.rows = 0
+    step, taps = m._step, m._step_taps
+
+    def count(fn):
+        def run(states, chunks, all_logits):
+            m.rows += sum(len(c) for c in chunks)
+            return fn(states, chunks, all_logits)
+        return run
+    m._step, m._step_taps = count(step), count(taps)       # main-model rows, whichever entry point
+    return m
+
+
+def _tokens(session, prompt, n=N, **kw):
+    prm = SamplingParams(**{"temperature": 0.0, "ignore_eos": True, "max_tokens": n, **kw})
+    return [e.token_id for e in session.generate(prompt, prm) if isinstance(e, TokenEvent)]
+
+
+@pytest.fixture(scope="module")
+def plain(model):
+    return [_tokens(Session(model, NullTokenizer(), 256), p) for p in PROMPTS]
+
+
+class OracleDSpark:
+    """The real draft's rings, but a block that proposes `truth` (confidence +8), wrong where asked."""
+
+    def __init__(self, draft, truth, wrong=()):
+        self.d, self.truth, self.wrong = draft, truth, set(wrong)
+        self.block_size, self.fingerprint = draft.block_size, draft.fingerprint
+
+    def __getattr__(self, name):          # new_state, feed, save_state, load_state, call_bytes: the real ones
+        return getattr(self.d, name)
+
+    def block(self, state, token):
+        blk = self.d.block(state, token)
+        n, V, Bn = state.n_tokens, blk.base.shape[1], blk.size
+        base = np.full((Bn, V), -30.0, np.float32)
+        for i in range(Bn):
+            p = n + 1 + i                      # block position i predicts the token at n + 1 + i
+            if p < len(self.truth):
+                base[i, (self.truth[p] + (p in self.wrong)) % V] = 30.0
+        return DraftBlock(base, blk.hidden, blk.embed, np.zeros_like(blk.head), np.zeros_like(blk.confidence_w))
+
+
+def test_speculative_picks_the_dspark_draft_by_default(model):
+    spec = speculative(model)
+    assert isinstance(spec, DSparkSpec) and spec.k_max == 5
+    assert speculative(model, enabled=False) is model
+    with pytest.raises(Ds4Error, match="drop --mtp"):
+        speculative(model, "x.mtp.gguf")
+
+
+@pytest.mark.parametrize("k", [None, 0, 1, 2, 5])
+def test_greedy_is_byte_identical_for_every_k(model, plain, k):
+    for pi, prompt in enumerate(PROMPTS):
+        spec = DSparkSpec(model, model.open_dspark(), fixed_k=k)
+        assert _tokens(Session(spec, NullTokenizer(), 256), prompt) == plain[pi], f"prompt {pi}, k {k}"
+        if k:
+            st = spec.stats                    # (the last rounds draft fewer: the answer's end)
+            assert k * (st.rounds - 2) <= st.drafted <= k * st.rounds and st.rounds > 0
+
+
+@pytest.mark.parametrize("k", [2, 5])
+def test_oracle_drafts_are_accepted_and_the_rings_stay_plain(model, plain, k):
+    prompt = PROMPTS[1]
+    truth = prompt + plain[1]
+    wrong = {len(prompt) + j for j in (4, 11, 17)}
+    spec = DSparkSpec(model, OracleDSpark(model.open_dspark(), truth, wrong), fixed_k=k)
+    s = Session(spec, NullTokenizer(), 256)
+    assert _tokens(s, prompt) == plain[1]
+    st = spec.stats
+    assert 0 < st.accepted < st.drafted and st.tokens_per_round > 1.5
+    ref = DSparkSpec(model, model.open_dspark(), fixed_k=0)
+    r = Session(ref, NullTokenizer(), 256)
+    _tokens(r, prompt)
+    a, b = s.state, r.state
+    assert a.n_tokens == b.n_tokens == a.draft.n_tokens == len(truth) - 1
+    for key in a.draft.arrays:         # the rings hold exactly the main positions, written once each
+        W = a.draft.arrays[key].shape[0]
+        kept = np.arange(a.n_tokens - W + 4, a.n_tokens) % W
+        assert np.array_equal(a.draft.arrays[key][kept], b.draft.arrays[key][kept]), key
+    d = spec.draft
+    assert np.array_equal(d.d.block(a.draft, 5).base, d.d.block(b.draft, 5).base)
+
+
+def test_an_oracle_is_accepted_fully_and_stops_inside_a_round(model, plain):
+    prompt, cont = PROMPTS[0], plain[0]
+    truth = prompt + cont
+    spec = DSparkSpec(model, OracleDSpark(model.open_dspark(), truth), fixed_k=5)
+    s = Session(spec, NullTokenizer(), 256)
+    assert _tokens(s, prompt, n=20) == cont[:20]
+    assert spec.stats.accepted == spec.stats.drafted and spec.stats.tokens_per_round > 5
+    assert s.state.n_tokens == s.state.draft.n_tokens == len(prompt) + 19
+    # the second turn continues as plain decoding would (the state is the plain one)
+    assert _tokens(s, truth[:len(prompt) + 20], n=4) == cont[20:24]
+
+
+def test_the_real_draft_drives_k_to_zero(model):
+    """Random weights: the draft never hits; the scheduler calibrates its confidence to zero after the first call:
+    main-model rows per generated token within 1.05x of plain decoding's (counted)."""
+    n = 120
+    spec = speculative(model)
+    s = Session(spec, NullTokenizer(), 256)
+    model.rows = 0
+    toks = _tokens(s, PROMPTS[0], n=n)
+    spec_rows = model.rows - len(PROMPTS[0])
+    plain_rows = n - 1                   # plain decoding feeds every generated token but the last
+    assert len(toks) == n and spec_rows <= 1.05 * plain_rows, (spec_rows, spec.stats.summary())
+    assert spec.stats.accepted == 0 and spec.stats.draft_steps >= 1
+
+
+def test_the_pair_saves_and_loads(model):
+    spec = DSparkSpec(model, model.open_dspark(), fixed_k=3)
+    s = Session(spec, NullTokenizer(), 256)
+    _tokens(s, PROMPTS[1], n=6)
+    st = s.state
+    blob = spec.save_state(st)
+    back = spec.load_state(blob)
+    assert isinstance(back, DSparkState) and back.n_tokens == st.n_tokens == back.draft.n_tokens
+    a, b = st.copy(), back
+    assert np.array_equal(spec.step([a], [[9]])[0], spec.step([b], [[9]])[0])
+    d = spec.draft
+    assert np.array_equal(d.block(a.draft, 4).base, d.block(b.draft, 4).base)
+    with pytest.raises(Ds4Error, match="main model alone"):
+        spec.load_state(model.save_state(st.main))
+    with pytest.raises(Ds4Error, match="corrupt"):
+        spec.load_state(blob[:-5] + bytes([blob[-5] ^ 1]) + blob[-4:])
+    with pytest.raises(Ds4Error, match="earliest"):
+        st.truncate(st.rollback_floor - 1)
+    st.truncate(st.n_tokens - 2)
+    assert st.draft.n_tokens == st.main.n_tokens
+
+
+def test_sampled_rounds_keep_the_plain_distribution(model):
+    """Temperature 1 on a 3-token continuation, the draft's own distribution (its real logits) drafting k = 2:
+    the empirical distribution of the first two tokens equals plain sampling's (chi-square, fixed seeds)."""
+    prompt, runs = PROMPTS[0], 400
+    from collections import Counter
+
+    def sample(m, seed):
+        return tuple(_tokens(Session(m, NullTokenizer(), 64), prompt, n=2, temperature=1.0, top_k=3, seed=seed))
+    spec = DSparkSpec(model, OracleDSpark(model.open_dspark(), [0] * 64), fixed_k=2)  # drafts token 0 sharply
+    got = Counter(sample(spec, 10_000 + i) for i in range(runs))
+    want = Counter(sample(model, 20_000 + i) for i in range(runs))
+    keys = set(got) | set(want)
+    chi = sum((got[k] - want[k]) ** 2 / (got[k] + want[k]) for k in keys)
+    assert chi < 2 * len(keys) + 20, (chi, len(keys))
+    assert spec.stats.rounds > 0
