@@ -307,7 +307,7 @@ class DSparkRequest:
             sched.costs.observe_plain(timing["total"])
             sched.costs.observe_verify(1, timing["main"])
             st.plain_steps = 1
-            return self._done(Round([sampler.sample(self._filtered(logits))], logits, st))
+            return self._done(Round([self._sample(logits, sampler)], logits, st))
         t0 = time.perf_counter()
         blk = sp.draft.block(state.draft, token)
         st.draft_steps = 1
@@ -340,7 +340,7 @@ class DSparkRequest:
         if k == 0:
             sp.draft.feed([state.draft], [H[:1]])
             st.plain_steps = 1
-            return self._done(Round([sampler.sample(Pf[0])], P[0], st))
+            return self._done(Round([self._sample(P[0], sampler)], P[0], st))
         if greedy:
             a, nxt = accept_greedy(Pf, drafts, sampler.sample)
         else:
@@ -355,6 +355,9 @@ class DSparkRequest:
         self.scheduler.costs.observe_plain(seconds)
         self.scheduler.costs.observe_verify(1, seconds)
         self._done(Round([], np.zeros(0, F32), SpecStats(plain_steps=1)))
+
+    def _sample(self, logits: np.ndarray, sampler: Sampler) -> int:
+        return sampler.sample(self._filtered(logits))
 
     def _done(self, r: Round) -> Round:
         self.stats.add(r.stats)

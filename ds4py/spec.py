@@ -408,9 +408,16 @@ class SpecStats:
     def tokens_per_round(self) -> float:
         return self.spec_tokens / self.rounds if self.rounds else 0.0
 
+    @property
+    def mean_k(self) -> float:
+        """The draft length the scheduler chose, per decode step (a plain step counts as k = 0)."""
+        steps = self.rounds + self.plain_steps
+        return self.drafted / steps if steps else 0.0
+
     def summary(self) -> str:
         return (f"spec: {self.rounds} rounds, {self.accepted}/{self.drafted} drafts accepted "
-                f"({self.acceptance:.0%}), {self.tokens_per_round:.2f} tokens/round, {self.plain_steps} plain steps")
+                f"({self.acceptance:.0%}), {self.tokens_per_round:.2f} tokens/round, {self.plain_steps} plain steps, "
+                f"mean k {self.mean_k:.2f}")
 
 
 @dataclass

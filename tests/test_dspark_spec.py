@@ -219,3 +219,25 @@ def test_sampled_rounds_give_the_plain_sequence_distribution(k, params):
     keys = sorted(exact)
     obs = np.array([counts.get(s, 0) for s in keys], float)
     assert chi_square_p(obs, N * np.array([exact[s] for s in keys])) > 1e-3
+
+
+def test_the_disk_cache_keeps_the_pair(model, plain, tmp_path):
+    """--kv-disk-dir with DSpark: the paired state's checkpoints (cold, shutdown) load into a new session and
+    continue as plain decoding; the main model alone does not see them (another fingerprint)."""
+    from ds4py.kvcache import DiskCache, KVCachePolicy
+
+    policy = KVCachePolicy(min_tokens=16, trim_tokens=4, align_tokens=16, continued_interval=32)
+
+    def disk(m):
+        return DiskCache(tmp_path, 64.0, m, policy=policy, asynchronous=False)
+    prompt = PROMPTS[1]
+    s = Session(speculative(model), NullTokenizer(), 256, disk=disk(speculative(model)))
+    assert _tokens(s, prompt) == plain[1]
+    assert [e.reason for e in s.disk.entries()] == ["cold"]
+    s.close()
+    again = Session(speculative(model), NullTokenizer(), 256, disk=disk(speculative(model)))
+    follow = prompt + plain[1][:-1] + [7, 8]
+    want = _tokens(Session(model, NullTokenizer(), 256), follow, n=6)
+    assert _tokens(again, follow, n=6) == want
+    assert again.last_source == "disk" and again.last_cached == len(prompt) + len(plain[1]) - 1
+    assert disk(model).best(prompt) is None
