@@ -241,3 +241,59 @@ def test_the_disk_cache_keeps_the_pair(model, plain, tmp_path):
     assert _tokens(again, follow, n=6) == want
     assert again.last_source == "disk" and again.last_cached == len(prompt) + len(plain[1]) - 1
     assert disk(model).best(prompt) is None
+
+
+class TableDSpark(OracleDSpark):
+    """An oracle over several sequences (serve --sessions N): after token prev at position p it proposes what some
+    truth continues (p, prev) with."""
+
+    def __init__(self, draft, truths):
+        super().__init__(draft, [])
+        self.table = {(j, t[j]): t[j + 1] for t in truths for j in range(len(t) - 1)}
+
+    def block(self, state, token):
+        n, V, table = state.n_tokens, self.d.main_config.vocab_size, self.table
+
+        def position(i, prev):
+            lg = np.full(V, -30.0, np.float32)
+            lg[table.get((n + i, int(prev)), 0)] = 30.0
+            return lg, 8.0
+        return SimpleNamespace(size=self.block_size, position=position)
+
+
+def test_rounds_of_several_sessions_equal_plain_answers(model, monkeypatch):
+    """serve --sessions 3: each request's draft call, one verify step for several sessions' rows, greedy answers
+    equal to plain sequential ones (oracle drafts: long accepted runs; the real draft: rejections)."""
+    from contextlib import contextmanager
+
+    from ds4py.server import runner
+    from ds4py.server.pool import SessionPool
+    from ds4py.server.worker import Engine
+    from test_sessions import BackgroundServer, ServerConfig, ServerState, completion, concurrently, post
+    from test_spec_sessions import IdsTokenizer
+
+    @contextmanager
+    def serving(m):
+        state = ServerState(ServerConfig(max_queue=16))
+        state.set_engine(Engine(SessionPool(m, IdsTokenizer(), 3, 256), IdsTokenizer()))
+        with BackgroundServer(state) as srv:
+            yield srv
+    seen: list[list[int]] = []
+    real = runner.ModelRunner.verify
+
+    def verify(self, states, chunks):
+        seen.append([len(c) for c in chunks])
+        return real(self, states, chunks)
+    monkeypatch.setattr(runner.ModelRunner, "verify", verify)
+    prompts = [[5 + i, 40 + 3 * i, 7, 200 - i] for i in range(3)]
+    with serving(model) as srv:
+        plain = [post(srv, completion(p, n=10))["choices"][0]["text"] for p in prompts]
+    ids = [[int(x) for x in t.strip("<>").split("><")] for t in plain]
+    oracle = TableDSpark(model.open_dspark(), [p + t for p, t in zip(prompts, ids)])
+    for draft in (oracle, model.open_dspark()):
+        spec = DSparkSpec(model, draft, fixed_k=3)
+        with serving(spec) as srv:
+            got = concurrently(lambda p: post(srv, completion(p, n=10)), prompts)
+        assert [g["choices"][0]["text"] for g in got] == plain
+        assert spec.stats.rounds > 0 and (spec.stats.accepted > 0) == (draft is oracle)
+    assert any(len(v) >= 2 for v in seen), seen
