@@ -126,7 +126,9 @@ class ConfidenceScheduler:
     """k per round from the draft's confidence (module docstring). Decisions, each before the token it concerns is
     drawn: call the draft at all (an optimistic first-position rate, UCB1, against a plain step: a request whose
     drafts keep failing probes O(log n) calls); with c_{j−1} known, include position j while it raises
-    E(j) / (c_draft + v(1 + j)). fixed_k: k = fixed_k every round (benchmarks, tests)."""
+    E(j) / (c_draft + v(1 + j)): the survival never grows with j and v is linear, so the first position that does
+    not raise the rate ends the argmax (the rate after it is a mediant of the rate before and a_j / c_tok).
+    fixed_k: k = fixed_k every round (benchmarks, tests)."""
 
     def __init__(self, costs, k_max: int, fixed_k: int | None = None):
         self.costs, self.k_max, self.fixed_k = costs, k_max, fixed_k

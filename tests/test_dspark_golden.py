@@ -181,3 +181,17 @@ def test_draft_errors(models, dspark_gguf, golden, tmp_path):
     r = ds4py("score", "-m", dspark_gguf, "--ids", tmp_path / "ids.npy", "--split", 4, "--out", tmp_path / "l.npy",
               "--draft-out", tmp_path / "d.npz", "--mtp-out", tmp_path / "m.npy", check=False)
     assert r.returncode != 0 and "do not go together" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_stale_ring_is_caught(models, gold):
+    """Negative control: a call whose position t never reached the rings (what the official code's one write
+    per call leaves after a step that fed several tokens) misses the official logits by far more than TOL."""
+    s, m = _sfx(False), models[False]
+    draft = m.open_dspark()
+    P, taps = int(gold["a_P"]), _taps(gold, "a", s)
+    st = draft.new_state()
+    draft.feed([st], [taps[:P]])
+    draft.feed([st], [np.zeros((1, taps.shape[1]), np.float32)])        # position P fed with another row
+    tok = int(gold[f"a_draft_input_ids{s}"][0])
+    _, lg, _ = draft.greedy(draft.block(st, tok), tok, ids=gold[f"a_draft_output_ids{s}"][0])
+    assert np.abs(lg - gold[f"a_draft_logits{s}"][0]).max() > 100 * TOL
