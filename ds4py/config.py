@@ -436,9 +436,9 @@ class ModelConfig:
         window ring only (ratio 0, base-theta RoPE, no Engram / compressor / indexer) with their own small MoE;
         their weights are ds4py.schema's DSPARK_STAGE_TENSORS, their rings kv.state_layout of it."""
         S = self.dspark_stages
-        return replace(self, n_layers=S, compress_ratios=(0,) * S, hash_layers=0, swiglu_clamp=self.swiglu_clamp[-1:] * S,
-                       n_experts=self.dspark_experts, n_experts_used=self.dspark_experts_used, kv_source_layers=(),
-                       index_source_layers=(), candidate_source_layer=-1, engram_layers=(), engram_rows=(),
+        return replace(self, n_layers=S, compress_ratios=(0,) * S, hash_layers=0,
+                       swiglu_clamp=self.swiglu_clamp[-1:] * S, n_experts=self.dspark_experts,
+                       n_experts_used=self.dspark_experts_used, kv_source_layers=(), index_source_layers=(), candidate_source_layer=-1, engram_layers=(), engram_rows=(),
                        dspark_stages=0, dspark_targets=())
 
     def mtp_block(self) -> "ModelConfig":

@@ -2,7 +2,7 @@
 the official code computes").
 
     draft = RefDSpark(model)                      # model: a RefModel of a V4.1 GGUF holding the dspark.* tensors
-    ds = draft.new_state()                        # one window ring per stage: kv.state_layout(cfg.dspark_block_config())
+    ds = draft.new_state()                        # a window ring per stage: state_layout(cfg.dspark_block_config())
     logits, taps = model.step_taps([s], [ids])    # the main step also gives the taps of its rows (no second pass)
     draft.feed([ds], [taps])                      # one ring write per main position
     blk = draft.block(ds, token)                  # one call: B block positions after the state's last position

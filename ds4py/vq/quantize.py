@@ -319,8 +319,8 @@ def quantize_vq(src: str, out: str, opts: Options, progress: bool = True) -> dic
         K = 1 << job.bits
         per = job.n_vectors // K
         if per < opts.min_pool:
-            raise QuantizeError(f"{_label(job, False)} has {job.n_vectors:,} vectors for {K:,} codewords ({job.bits} bits): "
-                                f"{per:,} per codeword, fewer than --min-pool {opts.min_pool:,}; use fewer bits "
+            raise QuantizeError(f"{_label(job, False)} has {job.n_vectors:,} vectors for {K:,} codewords "
+                                f"({job.bits} bits): {per:,} per codeword, fewer than --min-pool {opts.min_pool:,}; use fewer bits "
                                 f"or a smaller --min-pool")
 
     plans: list[TensorPlan] = []
@@ -356,8 +356,8 @@ def quantize_vq(src: str, out: str, opts: Options, progress: bool = True) -> dic
             w.write(vq.header_name(job.block), vq.Header(job.bits).pack())
             w.write(vq.codebook_name(job.block), job.codebook)
             assign_layer(job, opts, prog, w.write)
-            r = dict(layer=job.layer, block=job.block, bits=job.bits, vectors=job.n_vectors, seconds=time.perf_counter() - t0,
-                     **job.report)
+            r = dict(layer=job.layer, block=job.block, bits=job.bits, vectors=job.n_vectors,
+                     seconds=time.perf_counter() - t0, **job.report)
             layers.append(r)
             mat = " ".join(f"{m} {e:.4f}" for m, e in r["rel_err_matrix"].items())
             prog.line(f"{_label(job)}: {job.bits} bits, rel. error {r['rel_err']:.4f} ({mat}), "
