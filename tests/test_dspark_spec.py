@@ -297,3 +297,20 @@ def test_rounds_of_several_sessions_equal_plain_answers(model, monkeypatch):
         assert [g["choices"][0]["text"] for g in got] == plain
         assert spec.stats.rounds > 0 and (spec.stats.accepted > 0) == (draft is oracle)
     assert any(len(v) >= 2 for v in seen), seen
+
+
+def test_seeded_sampled_requests_reproduce():
+    """A seeded sampled request's schedule uses the files' bytes, not the clock: the same seed gives the same
+    tokens in a fresh session and after other requests, another seed other tokens."""
+    target = TapMarkov(vocab=8, period=5, seed=3)
+    spec = DSparkSpec(target, MarkovDSpark(target, 0.5, seed=4, block=4))
+    spec.byte_costs = lambda: ByteCosts(main_bytes=1000, routed_bytes=100, draft_bytes=150, head_bytes=150)
+
+    def gen(session, seed):
+        prm = SamplingParams(temperature=1.0, seed=seed, max_tokens=40, ignore_eos=True)
+        return [e.token_id for e in session.generate([1, 2, 3], prm) if isinstance(e, TokenEvent)]
+    a = gen(Session(spec, NullTokenizer(), 512), 5)
+    s = Session(spec, NullTokenizer(), 512)
+    gen(s, 6)
+    assert gen(s, 5) == a and gen(Session(spec, NullTokenizer(), 512), 6) != a
+    assert spec.stats.rounds > 0 and spec.stats.accepted > 0
