@@ -32,7 +32,6 @@ from typing import Sequence
 
 import numpy as np
 
-from ds4py import schema
 from ds4py.errors import Ds4Error
 from ds4py.sampling import Sampler, SamplingParams, softmax
 from ds4py.spec import (ByteCosts, Draft, MeasuredCosts, Round, SpecStats, accept_greedy, accept_sampled,
@@ -248,13 +247,8 @@ class DSparkSpec:
         """The deterministic cost model from the file's bytes: a verify of r rows reads the backbone once and r
         rows' routed experts; a draft call reads the draft (call_bytes); a plain step the backbone."""
         if self._byte_costs is None:
-            m, cfg = self.model, self.config
-            routed = 0
-            for e in schema.entries(cfg):
-                if e.spec.field.startswith("ffn.experts."):
-                    routed += m.gguf.tensor(e.name).nbytes * cfg.n_experts_used // cfg.n_experts
-            draft = int(self.draft.call_bytes())
-            self._byte_costs = ByteCosts(int(m.weight_bytes_per_token()), routed, draft, draft)
+            routed, draft = self.draft.routed_bytes_per_row(), self.draft.call_bytes()
+            self._byte_costs = ByteCosts(int(self.model.weight_bytes_per_token()), int(routed), int(draft), int(draft))
         return self._byte_costs
 
 

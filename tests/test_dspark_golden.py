@@ -163,7 +163,7 @@ def test_score_draft_out_end_to_end(dspark_gguf, gold, tmp_path, case, fq):
         assert np.array_equal(got["output_ids"], gold[f"{case}_draft_output_ids{s}"])
 
 
-def test_draft_errors(models, dspark_gguf, golden, tmp_path):
+def test_draft_errors(models, dspark_gguf, v41_gguf, tmp_path):
     m = models[False]
     draft = m.open_dspark()
     st = draft.new_state()
@@ -181,6 +181,10 @@ def test_draft_errors(models, dspark_gguf, golden, tmp_path):
     r = ds4py("score", "-m", dspark_gguf, "--ids", tmp_path / "ids.npy", "--split", 4, "--out", tmp_path / "l.npy",
               "--draft-out", tmp_path / "d.npz", "--mtp-out", tmp_path / "m.npy", check=False)
     assert r.returncode != 0 and "do not go together" in r.stderr and "Traceback" not in r.stderr
+    r = ds4py("score", "-m", v41_gguf, "--ids", tmp_path / "ids.npy", "--split", 4, "--out", tmp_path / "l.npy",
+              "--draft-out", tmp_path / "d.npz", check=False)
+    assert r.returncode != 0 and "no DSpark draft" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "d.npz").exists()
 
 
 def test_a_stale_ring_is_caught(models, gold):

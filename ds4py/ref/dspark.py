@@ -212,6 +212,12 @@ class RefDSpark:
         n_tokens, n_written, arrays = kv.decode_state(data, self.fingerprint, self.numerics.to_dict(), self.layout)
         return RefState.from_parts(self.layout, n_tokens, n_written, arrays)
 
+    def routed_bytes_per_row(self) -> int:
+        """Bytes of routed experts one more main-model verify row reads (n_experts_used per backbone layer)."""
+        mc, f = self.main_config, self.model.gguf
+        return sum(f.tensor(e.name).nbytes * mc.n_experts_used // mc.n_experts for e in schema.entries(mc)
+                   if e.spec.field.startswith("ffn.experts."))
+
     def call_bytes(self) -> int:
         """Bytes one draft call reads: the stages' dense tensors, the routed experts B rows pick (at most all of
         them), the shared head and B embedding rows; a ring feed reads main_proj and the stages' wkv."""
