@@ -23,6 +23,8 @@ tokens checked equal to the plain probe's (greedy identity), and four more colum
   spec_speedup            spec_tps / gen_tps: measured in the same run, on the same state
   spec_acceptance         accepted / verified drafts
   spec_tokens_per_round   tokens per verify round (accepted + 1)
+  spec_mean_k             the draft length the scheduler chose per decode step (plain steps count as 0)
+A V4.1 file with its DSpark draft speculates the same way (ds4py.dspark), without --mtp.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ COLUMNS = [
     "ctx_tokens", "prefill_tokens", "prefill_tps", "gen_tokens", "gen_tps",
     "kv_bytes", "weight_bytes_per_token", "effective_gbps", "pct_of_roofline",
 ]
-SPEC_COLUMNS = ["spec_tps", "spec_speedup", "spec_acceptance", "spec_tokens_per_round"]
+SPEC_COLUMNS = ["spec_tps", "spec_speedup", "spec_acceptance", "spec_tokens_per_round", "spec_mean_k"]
 
 
 @dataclass
@@ -68,6 +70,7 @@ class Row:
     spec_speedup: float | None = None
     spec_acceptance: float | None = None
     spec_tokens_per_round: float | None = None
+    spec_mean_k: float | None = None
 
 
 @dataclass
@@ -319,7 +322,7 @@ def _run_spec_sweep(model, spec, tokens, points, gen_tokens, repeat, bandwidth_g
             pct_of_roofline=(100.0 * eff / bandwidth_gbps) if bandwidth_gbps else None,
             gen_tps_std=statistics.pstdev(g_tps) if repeat > 1 else 0.0,
             spec_tps=spec_mean, spec_speedup=spec_mean / gen_mean, spec_acceptance=stats.acceptance,
-            spec_tokens_per_round=stats.tokens_per_round))
+            spec_tokens_per_round=stats.tokens_per_round, spec_mean_k=stats.mean_k))
         if progress:
             progress(f"ctx {frontier}: prefill {rows[-1].prefill_tps:.1f} tok/s, gen {gen_mean:.2f} tok/s, "
                      f"speculative {spec_mean:.2f} tok/s (x{spec_mean / gen_mean:.2f}; {stats.summary()})")

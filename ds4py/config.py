@@ -106,6 +106,9 @@ META_KINDS_V41 = {
     "engram.layer_ids": "ints", "engram.table_rows": "ints", "engram.max_ngram_size": "int",
     "engram.head_count": "int", "engram.key_length": "int", "engram.bucket_base": "int",
     "engram.pad_token_id": "int", "engram.compressed_vocab_size": "int",
+    "dspark.stage_count": "int", "dspark.block_size": "int", "dspark.noise_token_id": "int",
+    "dspark.target_layers": "ints", "dspark.markov_rank": "int", "dspark.expert_count": "int",
+    "dspark.expert_used_count": "int",
 }
 _KIND_NAMES = {"int": "an integer", "float": "a number", "bool": "a boolean", "ints": "an array of integers",
                "floats": "an array of numbers"}
@@ -210,6 +213,14 @@ class ModelConfig:
     engram_bucket_base: int = 0                  # the official engram_vocab_size: bucket primes start above it
     engram_pad_id: int = 2                       # the token whose compressed id fills missing history
     engram_compressed_vocab: int = 0             # size of the compressed token map (checked against the vocab)
+    # ---- V4.1's DSpark draft (MODEL.md §3; docs/dspark.md); 0 stages: the file has no draft -------------
+    dspark_stages: int = 0                       # draft stages (V4.1 blocks after the backbone)
+    dspark_block: int = 0                        # positions one draft call proposes (B)
+    dspark_noise_id: int = 0                     # the token filling block positions 1..B-1
+    dspark_targets: tuple[int, ...] = ()         # layers whose input HC state (mean over copies) the draft reads
+    dspark_rank: int = 0                         # the Markov bigram head's rank r
+    dspark_experts: int = 0                      # routed experts per stage
+    dspark_experts_used: int = 0
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     # ---- derived sizes (the names the weight schema and the state layout use) -------------------------
@@ -407,6 +418,28 @@ class ModelConfig:
 
     def roles(self, layer: int) -> "LayerRoles":
         return self._roles[layer]
+
+    @property
+    def has_dspark(self) -> bool:
+        return self.dspark_stages > 0
+
+    @property
+    def dspark_tap_dim(self) -> int:         # the draft's input: the target layers' taps, concatenated
+        return len(self.dspark_targets) * self.dim
+
+    @property
+    def dspark_conf_dim(self) -> int:        # the confidence head's input: [pre-norm hidden, Markov embedding]
+        return self.dim + self.dspark_rank
+
+    def dspark_block_config(self) -> "ModelConfig":
+        """The DSpark stages as a model of their own (MODEL.md §3): dspark_stages V4.1 blocks that attend to their
+        window ring only (ratio 0, base-theta RoPE, no Engram / compressor / indexer) with their own small MoE;
+        their weights are ds4py.schema's DSPARK_STAGE_TENSORS, their rings kv.state_layout of it."""
+        S = self.dspark_stages
+        return replace(self, n_layers=S, compress_ratios=(0,) * S, hash_layers=0,
+                       swiglu_clamp=self.swiglu_clamp[-1:] * S, n_experts=self.dspark_experts,
+                       n_experts_used=self.dspark_experts_used, kv_source_layers=(), index_source_layers=(), candidate_source_layer=-1, engram_layers=(), engram_rows=(),
+                       dspark_stages=0, dspark_targets=())
 
     def mtp_block(self) -> "ModelConfig":
         """The MTP draft block's config (MODEL.md §2.5): one layer of this model's shapes that attends to its
@@ -638,12 +671,30 @@ class ModelConfig:
                     f"{e.engram_bucket_base} is out of range")
             if any(not 1 <= r < 1 << 40 for r in e.engram_rows):
                 bad(f"engram.table_rows {list(e.engram_rows)} are out of range")
+        if self.dspark_stages:
+            self._check_dspark(bad)
+
+    def _check_dspark(self, bad) -> None:
+        """The DSpark draft's metadata (docs/dspark.md): stages, block, target layers, Markov rank, its MoE."""
+        if not 1 <= self.dspark_stages <= 64:
+            bad(f"dspark.stage_count {self.dspark_stages} is outside 1..64")
+        if not 1 <= self.dspark_block <= 64:
+            bad(f"dspark.block_size {self.dspark_block} is outside 1..64")
+        if not 0 <= self.dspark_noise_id < self.vocab_size:
+            bad(f"dspark.noise_token_id {self.dspark_noise_id} is outside the vocabulary (0..{self.vocab_size - 1})")
+        t = self.dspark_targets
+        if not t or len(set(t)) != len(t) or any(not 0 <= x < self.n_layers for x in t) or list(t) != sorted(t):
+            bad(f"dspark.target_layers {list(t)} must be distinct layers below block_count {self.n_layers}, ascending")
+        if not 1 <= self.dspark_rank <= 1 << 14:
+            bad(f"dspark.markov_rank {self.dspark_rank} is outside 1..16384")
+        if not 0 < self.dspark_experts_used <= self.dspark_experts <= 1 << 16:
+            bad(f"dspark expert counts {self.dspark_experts_used} of {self.dspark_experts} are out of range")
 
     def expected_tensors(self) -> dict[str, tuple[tuple[int, ...], tuple]]:
         """Every tensor the forward reads: name -> (numpy-order shape, allowed types), from ds4py.schema."""
-        from ds4py.schema import expected_tensors
+        from ds4py.schema import expected_dspark_tensors, expected_tensors
 
-        return expected_tensors(self)
+        return expected_tensors(self) | (expected_dspark_tensors(self) if self.has_dspark else {})
 
     def check_tensors(self, f) -> None:
         """Raise GGUFError naming the first tensor that is missing or has the wrong shape / type."""
@@ -680,4 +731,11 @@ def _v41_fields(m) -> dict[str, Any]:
         engram_bucket_base=int(m("engram.bucket_base", 0)),
         engram_pad_id=int(m("engram.pad_token_id", 2)),
         engram_compressed_vocab=int(m("engram.compressed_vocab_size", 0)),
+        dspark_stages=int(m("dspark.stage_count", 0)),
+        dspark_block=int(m("dspark.block_size", 0)),
+        dspark_noise_id=int(m("dspark.noise_token_id", 0)),
+        dspark_targets=tuple(int(v) for v in m("dspark.target_layers", [])),
+        dspark_rank=int(m("dspark.markov_rank", 0)),
+        dspark_experts=int(m("dspark.expert_count", 0)),
+        dspark_experts_used=int(m("dspark.expert_used_count", 0)),
     )

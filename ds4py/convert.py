@@ -217,6 +217,11 @@ def ds4_layout(s: ModelConfig) -> list[Spec]:
     return [Spec(e.name, e.shape, e.spec.slot, e.src) for e in schema.entries(s)]
 
 
+def dspark_layout(s: ModelConfig) -> list[Spec]:
+    """V4.1's DSpark draft, written after the backbone into the same GGUF (docs/dspark.md); [] without one."""
+    return [Spec(e.name, e.shape, e.spec.slot, e.src) for e in schema.dspark_entries(s)] if s.has_dspark else []
+
+
 def mtp_layout(s: ModelConfig) -> list[Spec]:
     """Every tensor of the MTP draft GGUF (ds4's `mtp.0.*` file) of the model `s`, from the weight schema."""
     return [Spec(e.name, e.shape, e.spec.slot, e.src) for e in schema.mtp_entries(s)]
@@ -746,7 +751,8 @@ def convert_checkpoint(src: str, out: str, experts: str = "mxfp4", dense: str = 
     config = _read_json(cfg_path, "config.json")
     shape = shape_from_config(config)
     if mtp is not None and shape.is_v41:
-        raise ConvertError(f"--mtp {mtp}: writing a V4.1 MTP draft file is not supported (V4 Flash only)")
+        raise ConvertError(f"--mtp {mtp}: a V4.1 checkpoint's draft (DSpark) is written into the V4.1 GGUF "
+                           "itself; drop --mtp")
     ck = Checkpoint(src)
     ck.fp8_block = 32 if shape.is_v41 else 128
     if not shape.is_v41 and any(".engram." in n or n.startswith("dspark") for n in ck.entries):
@@ -761,8 +767,15 @@ def convert_checkpoint(src: str, out: str, experts: str = "mxfp4", dense: str = 
         raise ConvertError(f"{src}: no tokenizer.json, and run, chat and serve need the tokenizer inside the GGUF; "
                            f"give --tokenizer PATH/tokenizer.json, or --no-tokenizer to write the weights alone")
 
+    draft_note = []
+    if shape.has_dspark and schema.DSPARK_HEAD_TENSORS[0].src not in ck:
+        from ds4py import convert_v41
+
+        shape = convert_v41.without_draft(shape)
+        draft_note = ["note: config.json declares a DSpark draft but the checkpoint has none (no mtp.0.main_proj): "
+                      "the GGUF has no draft"]
     conv = _Converter(ck, shape, experts, dense, progress)
-    tensors = conv.plan(ds4_layout(shape))
+    tensors = conv.plan(ds4_layout(shape) + dspark_layout(shape))
     mtp_tensors = []
     if mtp is not None:
         if not any(n.startswith(schema.MTP_PREFIX) for n in ck.entries):
@@ -772,7 +785,7 @@ def convert_checkpoint(src: str, out: str, experts: str = "mxfp4", dense: str = 
             raise ConvertError(f"config.json: the MTP block's compress ratio is {ratio}; the V4 Flash MTP block "
                                "(and ds4's MTP file) attends to its window only (ratio 0)")
         mtp_tensors = conv.plan(mtp_layout(shape))
-    layouts = ds4_layout(shape) + (mtp_layout(shape) if mtp is not None else [])
+    layouts = ds4_layout(shape) + dspark_layout(shape) + (mtp_layout(shape) if mtp is not None else [])
     used = {n for sp in layouts for n in (sp.src if isinstance(sp.src, list) else [sp.src])}
     used |= {scale_name(n) for n in used if n.endswith(".weight")}
     skipped = [n for n in ck.entries if n not in used]
@@ -795,7 +808,7 @@ def convert_checkpoint(src: str, out: str, experts: str = "mxfp4", dense: str = 
         raise ConvertError(f"{src}: tensor {other[0]!r} is not part of the {'V4.1' if shape.is_v41 else 'V4'} Flash "
                            f"layout ({len(other)} unexpected tensors in all)")
     conv.flush_notes()
-    for note in notes:
+    for note in draft_note + notes:
         conv.log(note)
     name = os.path.basename(os.path.normpath(src)) or shape.arch
     write_gguf(out, name, meta, tok, tensors, progress, after_tensor=ck.release, arch=shape.arch)

@@ -23,6 +23,12 @@ V41_FIELDS = {
     "engram_n_heads": "engram_heads", "engram_head_dim": "engram_head_dim", "engram_vocab_size": "engram_bucket_base",
     "engram_pad_id": "engram_pad_id", "engram_compressed_vocab_size": "engram_compressed_vocab",
 }
+# the DSpark draft's ModelArgs (docs/dspark.md); n_mtp_layers is its stage count when dspark_block_size is set
+DSPARK_FIELDS = {
+    "dspark_block_size": "dspark_block", "dspark_noise_token_id": "dspark_noise_id",
+    "dspark_target_layer_ids": "dspark_targets", "dspark_markov_rank": "dspark_rank",
+    "dspark_n_routed_experts": "dspark_experts", "dspark_n_activated_experts": "dspark_experts_used",
+}
 # HF text_config names -> official ModelArgs names (besides ds4py.convert.CONFIG_ALIASES)
 V41_ALIASES = {
     "kv_source_layer_ids": "kv_source_layers", "index_source_layer_ids": "index_source_layers",
@@ -32,13 +38,16 @@ V41_ALIASES = {
 # keys whose presence marks a V4.1 config
 V41_MARKERS = ("kv_source_layers", "index_source_layers", "engram_layer_ids", "candidate_source_layer",
                "kv_source_layer_ids", "index_source_layer_ids", "candidate_source_layer_id")
-LIST_FIELDS = ("kv_source_layers", "index_source_layers", "engram_layer_ids", "engram_num_embeddings")
+LIST_FIELDS = ("kv_source_layers", "index_source_layers", "engram_layer_ids", "engram_num_embeddings",
+               "dspark_target_layer_ids")
 INT_FIELDS = ("candidate_source_layer", "candidate_topk_blocks", "candidate_block_size", "engram_max_ngram_size",
-              "engram_n_heads", "engram_head_dim", "engram_vocab_size", "engram_pad_id", "engram_compressed_vocab_size")
+              "engram_n_heads", "engram_head_dim", "engram_vocab_size", "engram_pad_id", "engram_compressed_vocab_size",
+              "dspark_block_size", "dspark_noise_token_id", "dspark_markov_rank", "dspark_n_routed_experts",
+              "dspark_n_activated_experts")
 
 # checkpoint tensors V4.1 keeps out of the GGUF, by prefix: (prefix, why)
 NOT_CONVERTED = (
-    ("mtp.", "DSpark draft stages (not supported yet)"),
+    ("mtp.", "DSpark draft stages (the config declares no DSpark draft: no dspark_block_size / n_mtp_layers)"),
     ("vision.", "vision tower (text only)"),
     ("aligner.", "vision aligner (text only)"),
     ("image_", "image span embeddings (text only)"),
@@ -74,6 +83,7 @@ def shape_from_config(cfg: dict[str, Any]) -> ModelConfig:
         raise ConvertError("config.json: V4.1 has no hash-routed layers, but n_hash_layers is set")
     fields = {OFFICIAL_FIELDS[k]: v for k, v in c.items() if k in OFFICIAL_FIELDS and k != "n_hash_layers"}
     fields |= {V41_FIELDS[k]: v for k, v in c.items() if k in V41_FIELDS}
+    fields |= dspark_fields(c)
     n = int(fields["n_layers"])
     if len(fields["compress_ratios"]) < n:
         raise ConvertError(f"config: compress_ratios has {len(fields['compress_ratios'])} entries for {n} layers")
@@ -95,6 +105,38 @@ def shape_from_config(cfg: dict[str, Any]) -> ModelConfig:
     return shape
 
 
+def dspark_fields(c: dict[str, Any]) -> dict[str, Any]:
+    """The DSpark draft's ModelConfig fields from the official args (none when the config declares no draft);
+    its MoE defaults to the backbone's, as the official get_moe_config does."""
+    from ds4py.convert import ConvertError
+
+    stages = int(c.get("n_mtp_layers", 0) or 0)
+    if "dspark_block_size" not in c or stages == 0:
+        return {}
+    out = {DSPARK_FIELDS[k]: v for k, v in c.items() if k in DSPARK_FIELDS}
+    out["dspark_stages"] = stages
+    out["dspark_targets"] = tuple(sorted(int(x) for x in out.get("dspark_targets", ())))  # official: layer order
+    out.setdefault("dspark_experts", c.get("n_routed_experts", 0))
+    out.setdefault("dspark_experts_used", c.get("n_activated_experts", 0))
+    ratios = c.get("compress_ratios") or []
+    n = int(c["n_layers"])
+    if len(ratios) > n and any(int(r) for r in ratios[n:]):
+        raise ConvertError(f"config.json: the DSpark stages' compress ratios are {ratios[n:]}; they attend to their "
+                           "window only (ratio 0)")
+    missing = [k for k in ("dspark_noise_token_id", "dspark_target_layer_ids", "dspark_markov_rank") if k not in c]
+    if missing:
+        raise ConvertError(f"config.json declares a DSpark draft but lacks {', '.join(missing)}")
+    return out
+
+
+def without_draft(s: ModelConfig) -> ModelConfig:
+    """The config with no DSpark draft (a checkpoint whose config declares one but holds no mtp.* tensors)."""
+    import dataclasses
+
+    return dataclasses.replace(s, dspark_stages=0, dspark_block=0, dspark_noise_id=0, dspark_targets=(),
+                               dspark_rank=0, dspark_experts=0, dspark_experts_used=0)
+
+
 def gguf_metadata(s: ModelConfig, base: list[tuple[str, str, Any]], source_dir: str,
                   digests: list[str]) -> list[tuple[str, str, Any]]:
     """The `deepseek41.*` keys: V4's (renamed; no hash layers) plus the V4.1 ones (docs/v41.md)."""
@@ -108,6 +150,16 @@ def gguf_metadata(s: ModelConfig, base: list[tuple[str, str, Any]], source_dir: 
         (A + "attention.indexer.candidate_block_size", "u32", s.candidate_block_size),
         (A + "expert_gating_temperature", "f32", s.gate_temp),
     ]
+    if s.has_dspark:
+        out += [
+            (A + "dspark.stage_count", "u32", s.dspark_stages),
+            (A + "dspark.block_size", "u32", s.dspark_block),
+            (A + "dspark.noise_token_id", "u32", s.dspark_noise_id),
+            (A + "dspark.target_layers", "i32[]", list(s.dspark_targets)),
+            (A + "dspark.markov_rank", "u32", s.dspark_rank),
+            (A + "dspark.expert_count", "u32", s.dspark_experts),
+            (A + "dspark.expert_used_count", "u32", s.dspark_experts_used),
+        ]
     if s.engram_layers:
         out += [
             (A + "engram.layer_ids", "i32[]", list(s.engram_layers)),

@@ -128,6 +128,27 @@ class ModelBase(ABC):
         arrays = self.check_step(states, chunks)
         return self._step_hidden(list(states), arrays, bool(all_logits))
 
+    def step_taps(self, states: Sequence[State], chunks: Sequence[Sequence[int]],
+                  all_logits: bool = False) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """step, and per sequence V4.1's DSpark taps of every row, [len(chunk), n_targets·dim]: the mean over the
+        hc copies of each `config.dspark_targets` layer's input state, which the DSpark draft reads (MODEL.md §3).
+        Same logits, same state as step."""
+        arrays = self.check_step(states, chunks)
+        if not self.config.has_dspark:
+            raise Ds4Error(f"{self.path}: this model has no DSpark draft, so it has no draft taps")
+        return self._step_taps(list(states), arrays, bool(all_logits))
+
+    def open_dspark(self):
+        """V4.1's DSpark draft of this model (its dspark.* tensors; ds4py.ref.dspark is the reference): new_state(),
+        feed(states, taps), block(state, token), greedy(block, token), save_state / load_state, call_bytes()."""
+        if not self.config.has_dspark:
+            raise Ds4Error(f"{self.path}: this model has no DSpark draft (no dspark.* tensors)")
+        return self._open_dspark()
+
+    def _open_dspark(self):
+        raise Ds4Error(f"the {self.backend} backend cannot run V4.1's DSpark draft yet; decode without speculation "
+                       "(--no-spec) or use --backend ref")
+
     def prefill(self, state: State, ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
         return self.step([state], [ids], all_logits)[0]
 
@@ -189,6 +210,11 @@ class ModelBase(ABC):
                      all_logits: bool) -> tuple[list[np.ndarray], list[np.ndarray]]:
         raise Ds4Error(f"the {self.backend} backend does not expose the final hyper-connection state, which the "
                        "MTP draft block needs; decode without speculation (--no-spec) or use --backend ref")
+
+    def _step_taps(self, states: list, chunks: list[np.ndarray],
+                   all_logits: bool) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        raise Ds4Error(f"the {self.backend} backend cannot run V4.1's DSpark draft yet (its taps of the target "
+                       "layers); decode without speculation (--no-spec) or use --backend ref")
 
     @abstractmethod
     def _export(self, state) -> dict[str, np.ndarray]: ...

@@ -12,6 +12,12 @@ Everything else derives from this table:
 so the forward never assembles a weight name from strings: it reads `layer.attn.comp.kv`.
 Order is ds4's file order (the golden ds4-tiny GGUF's), which `entries` preserves.
 
+V4.1's DSpark draft (MODEL.md §3, docs/dspark.md) lives in the V4.1 GGUF itself, after the backbone: its head
+tensors `dspark.{main_proj,main_norm,output_norm,markov_embd,markov_head,confidence}` (DSPARK_HEAD_TENSORS) and
+one V4.1 block per stage under the layer tensors' names with `blk.{l}.` replaced by `dspark.{s}.` (the stages as
+the layers of `ModelConfig.dspark_block_config()`); it shares the main embedding and head. `dspark_entries` /
+`expected_dspark_tensors` / `bind_dspark` are its three views.
+
 The MTP draft block (MODEL.md §2.5) lives in a GGUF of its own in ds4's layout, so ds4's published MTP file
 loads unchanged: `mtp.0.{e_proj,h_proj,enorm,hnorm,norm,hc_head_*}` plus one block under the layer tensors'
 names with `blk.{l}.` replaced by `mtp.0.` (ds4.c `mtp_weights_bind`), declared here as MTP_TENSORS; it shares
@@ -155,6 +161,24 @@ MTP_BLOCK_TENSORS = tuple(replace(sp, name=sp.name.replace("blk.{l}.", MTP_PREFI
                                   src=sp.src.replace("layers.{l}.", MTP_PREFIX)) for sp in LAYER_TENSORS)
 
 
+# The DSpark draft (V4.1): the head tensors (stage 0's main_proj / main_norm, the last stage's norm, Markov head and
+# confidence head; "{last}" is the last stage), then each stage's block of LAYER_TENSORS under `dspark.{s}.`.
+DSPARK_PREFIX = "dspark."
+DSPARK_HEAD_TENSORS = (
+    _model("dspark.main_proj.weight", ("dim", "dspark_tap_dim"), M, "q8", "main_proj", "mtp.0.main_proj.weight"),
+    _model("dspark.main_norm.weight", ("dim",), F, "f32", "main_norm", "mtp.0.main_norm.weight"),
+    _model("dspark.output_norm.weight", ("dim",), F, "f32", "norm", "mtp.{last}.norm.weight"),
+    _model("dspark.markov_embd.weight", ("vocab_size", "dspark_rank"), M, "f16", "markov_embed",
+           "mtp.{last}.markov_head.embed.weight"),
+    _model("dspark.markov_head.weight", ("vocab_size", "dspark_rank"), M, "f16", "markov_head",
+           "mtp.{last}.markov_head.head.weight"),
+    _model("dspark.confidence.weight", (1, "dspark_conf_dim"), F + M, "f32", "confidence",
+           "mtp.{last}.confidence_head.proj.weight"),
+)
+DSPARK_STAGE_TENSORS = tuple(replace(sp, name=sp.name.replace("blk.{l}.", DSPARK_PREFIX + "{l}."),
+                                     src=sp.src.replace("layers.{l}.", "mtp.{l}.")) for sp in LAYER_TENSORS)
+
+
 @dataclass(frozen=True)
 class Entry:
     """One tensor of one model: its spec, layer (None: model-level), GGUF name, shape and official source(s)."""
@@ -199,6 +223,22 @@ def mtp_entries(cfg: ModelConfig) -> Iterator[Entry]:
 
 def expected_mtp_tensors(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple]]:
     return {e.name: (e.shape, e.spec.types) for e in mtp_entries(cfg)}
+
+
+def dspark_entries(cfg: ModelConfig) -> Iterator[Entry]:
+    """Every tensor of the DSpark draft of the V4.1 model `cfg` (the main config): head tensors, then the stages."""
+    last = str(cfg.dspark_stages - 1)
+    for sp in DSPARK_HEAD_TENSORS:
+        yield Entry(replace(sp, src=sp.src.replace("{last}", last)), None, sp.name, sp.dims(cfg))
+    blk = cfg.dspark_block_config()
+    for s in range(blk.n_layers):
+        for sp in DSPARK_STAGE_TENSORS:
+            if sp.present(blk, s):
+                yield Entry(sp, s, sp.name.replace("{l}", str(s)), sp.dims(blk, s))
+
+
+def expected_dspark_tensors(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple]]:
+    return {e.name: (e.shape, e.spec.types) for e in dspark_entries(cfg)}
 
 
 # ---- the typed binding -----------------------------------------------------------------------------------
@@ -295,6 +335,18 @@ class MtpWeights(Generic[T]):
     block: LayerWeights[T]
 
 
+@dataclass(frozen=True)
+class DSparkWeights(Generic[T]):
+    """The DSpark draft (MODEL.md §3); the embedding and the head are the main model's."""
+    main_proj: T                 # [D, n_targets·D]: the taps -> main_x
+    main_norm: T
+    norm: T                      # the last stage's norm before the shared head
+    markov_embed: T              # [V, r]
+    markov_head: T               # [V, r]: bias = markov_head @ markov_embed[token]
+    confidence: T                # [1, D + r]
+    stages: tuple[LayerWeights[T], ...] = ()
+
+
 # field name -> the dataclass a group of dotted paths builds
 _GROUPS = {"hc_attn": HcWeights, "hc_ffn": HcWeights, "hc_head": HcWeights, "attn": AttentionWeights,
            "comp": CompressorWeights, "index": IndexerWeights, "ffn": FfnWeights, "experts": SwigluWeights,
@@ -325,3 +377,12 @@ def bind(cfg: ModelConfig, resolve: Callable[[str], T]) -> ModelWeights[T]:
 def bind_mtp(cfg: ModelConfig, resolve: Callable[[str], T]) -> MtpWeights[T]:
     """The MTP draft block's typed binding (`resolve` over the MTP file's tensors); `cfg` is the main config."""
     return _build(MtpWeights, {e.spec.field: resolve(e.name) for e in mtp_entries(cfg)})
+
+
+def bind_dspark(cfg: ModelConfig, resolve: Callable[[str], T]) -> DSparkWeights[T]:
+    """The DSpark draft's typed binding (`resolve` over the V4.1 file's tensors); `cfg` is the main config."""
+    top: dict[str, T] = {}
+    per_stage: list[dict[str, T]] = [{} for _ in range(cfg.dspark_stages)]
+    for e in dspark_entries(cfg):
+        (top if e.layer is None else per_stage[e.layer])[e.spec.field] = resolve(e.name)
+    return replace(_build(DSparkWeights, top), stages=tuple(_build(LayerWeights, d) for d in per_stage))

@@ -408,9 +408,16 @@ class SpecStats:
     def tokens_per_round(self) -> float:
         return self.spec_tokens / self.rounds if self.rounds else 0.0
 
+    @property
+    def mean_k(self) -> float:
+        """The draft length the scheduler chose, per decode step (a plain step counts as k = 0)."""
+        steps = self.rounds + self.plain_steps
+        return self.drafted / steps if steps else 0.0
+
     def summary(self) -> str:
         return (f"spec: {self.rounds} rounds, {self.accepted}/{self.drafted} drafts accepted "
-                f"({self.acceptance:.0%}), {self.tokens_per_round:.2f} tokens/round, {self.plain_steps} plain steps")
+                f"({self.acceptance:.0%}), {self.tokens_per_round:.2f} tokens/round, {self.plain_steps} plain steps, "
+                f"mean k {self.mean_k:.2f}")
 
 
 @dataclass
@@ -509,6 +516,11 @@ class SpecModel:
         if timing is not None:
             timing["main"], timing["total"] = t1 - t0, time.perf_counter() - t0
         return logits
+
+    def verify(self, states: Sequence[SpecState], chunks: Sequence[Sequence[int]]):
+        """A round's main step of each state's [token, d_1..d_k]: (all rows' logits, their final hidden states),
+        which finish() takes (the server's batched verify step)."""
+        return self.model.step_hidden(self._check(states), chunks, all_logits=True)
 
     def prefill(self, state: SpecState, ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
         return self.step([state], [ids], all_logits)[0]
@@ -692,10 +704,18 @@ def has_mtp_tensors(model) -> bool:
 
 
 def speculative(model, mtp_path: str | None = None, enabled: bool = True, fixed_k: int | None = None):
-    """`model` wrapped for speculative decoding when it is on and the model has an MTP block (the --mtp file,
-    or mtp.0.* tensors in its own GGUF); otherwise `model` itself. On by default: --no-spec sets enabled=False."""
+    """`model` wrapped for speculative decoding when it is on and the model has a draft: V4.1's DSpark draft in its
+    file (ds4py.dspark.DSparkSpec), or V4's MTP block (the --mtp file, or mtp.0.* tensors in its own GGUF);
+    otherwise `model` itself. On by default: --no-spec sets enabled=False."""
     from ds4py.model import open_mtp
 
+    if enabled and model.config.has_dspark:       # V4.1: its DSpark draft, in the model file (ds4py.dspark)
+        if mtp_path is not None:
+            raise Ds4Error(f"--mtp {mtp_path}: this V4.1 model drafts with its own DSpark draft (in the model file); "
+                           "drop --mtp")
+        from ds4py.dspark import DSparkSpec
+
+        return DSparkSpec(model, model.open_dspark(), fixed_k)
     if not enabled or (mtp_path is None and not has_mtp_tensors(model)):
         return model
     return SpecModel(model, open_mtp(model, mtp_path), fixed_k)

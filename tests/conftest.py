@@ -64,6 +64,18 @@ def v41_gguf(golden, tmp_path_factory) -> str:
     return str(d / "v41-tiny-f32.gguf")
 
 
+@pytest.fixture(scope="session")
+def dspark_gguf(golden, tmp_path_factory) -> str:
+    """The official v41-tiny-dspark checkpoint (V4.1 with its DSpark draft) converted losslessly into one GGUF
+    (backbone and draft; dense F32, experts MXFP4), once per session; Engram tables stay in the golden folder."""
+    from ds4py.convert import convert_checkpoint
+
+    d = tmp_path_factory.mktemp("v41dspark")
+    convert_checkpoint(str(golden / "v41-tiny-dspark"), str(d / "v41-tiny-dspark-f32.gguf"), experts="mxfp4",
+                       dense="f32", tokenizer=stub_tokenizer_json(d / "tokenizer.json"), progress=False)
+    return str(d / "v41-tiny-dspark-f32.gguf")
+
+
 # ---- emulator kernel coverage: what the tests really launch (tests/test_cu_emu_kernels.py checks it) -----------
 
 _LAUNCHED_KERNELS: dict[str, set[str]] = {}      # kernel name -> the test files that ran it on the emulator

@@ -149,14 +149,16 @@ def run(args: argparse.Namespace) -> int:
 
     for k, v in startup.items():
         print(f"startup {k}: {v:.3f}" if isinstance(v, float) else f"startup {k}: {v}", file=sys.stderr)
-    from ds4py.spec import SpecModel, speculative
+    from ds4py.dspark import DSparkSpec
+    from ds4py.spec import speculative
 
     spec = speculative(model, args.mtp)
     rows = bench.run_sweep(model, tokens, points, args.gen_tokens, repeat=args.repeat, bandwidth_gbps=bw,
                            eos=tok.eos_id, progress=lambda m: print(m, file=sys.stderr),
-                           spec=spec if isinstance(spec, SpecModel) else None)
+                           spec=spec if spec is not model else None)
     info = {"model": args.model_path, "backend": args.backend, **model_kwargs(args), "gen_tokens": args.gen_tokens,
-            "repeat": args.repeat, "bandwidth_gbps": bw, "mtp": getattr(getattr(spec, "mtp", None), "path", None)}
+            "repeat": args.repeat, "bandwidth_gbps": bw, "mtp": getattr(getattr(spec, "mtp", None), "path", None),
+            "draft": None if spec is model else "dspark" if isinstance(spec, DSparkSpec) else "mtp"}
     dev = bench.device_step_stats(model)
     if dev is not None:
         info.update(dev)

@@ -25,6 +25,7 @@ V41_KEYS = [  # V4.1 only (docs/v41.md)
     ("candidate blocks x size", None), ("gate temperature", "expert_gating_temperature"),
     ("Engram layers", "engram.layer_ids"), ("Engram table rows", "engram.table_rows"),
     ("Engram n-gram / heads / row", None), ("Engram tables folder", "engram.source_dir"),
+    ("DSpark stages x block", None), ("DSpark target layers", "dspark.target_layers"),
 ]
 
 
@@ -67,6 +68,9 @@ def run(args: argparse.Namespace) -> int:
                                        f" / {m('attention.indexer.top_k')}",
         "candidate blocks x size": f"{m('attention.indexer.candidate_top_k')} x "
                                    f"{m('attention.indexer.candidate_block_size')}",
+        "DSpark stages x block": (f"{m('dspark.stage_count')} x {m('dspark.block_size')} (rank "
+                                  f"{m('dspark.markov_rank')}, experts {m('dspark.expert_used_count')} of "
+                                  f"{m('dspark.expert_count')})" if f.has(A + "dspark.stage_count") else "none"),
         "Engram n-gram / heads / row": f"{m('engram.max_ngram_size')} / {m('engram.head_count')} / "
                                        f"{m('engram.key_length')}",
     }

@@ -5,6 +5,10 @@ ids[P−1+j]. The format of the golden `decode_logits` arrays, so engines can be
 With --mtp-out, also the MTP draft block's logits, float32 [T − 1, vocab]: row j from the main model's final
 hyper-connection state h_j and token j+1 (it predicts token j+2), positions < P on the prefill path (one MTP
 step over the prompt), the rest one MTP step per decoded token: the golden v4-tiny-mtp driver.
+With --draft-out FILE.npz (a V4.1 file holding its DSpark draft), also one teacher-forced draft call per position
+t = P .. T−2 after the main step of t (block token 0 = ids[t+1]; the golden v41-tiny-dspark driver): arrays
+positions int64 [n], input_ids int64 [n], output_ids int64 [n, B+1] (the greedy chain), logits float32 [n, B, V]
+(Markov bias included), confidence float32 [n, B] (the raw score).
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the model's MTP draft block (default: the mtp.0.* tensors of the model file, if any)")
     p.add_argument("--mtp-out", metavar="X.npy", default=None,
                    help="also write the MTP draft logits, float32 [T-1, vocab] (row j: from h_j and token j+1)")
+    p.add_argument("--draft-out", metavar="X.npz", default=None,
+                   help="V4.1 with its DSpark draft: also write the draft calls t = P..T-2 (teacher-forced: block "
+                        "token 0 = ids[t+1]): positions, input_ids, output_ids, logits, confidence")
     p.add_argument("--act-quant", action="store_true",
                    help="ds4's numerics: round activations like its CPU path (Q8_0/Q8_K) before quantised "
                         "matmuls and store KV as F16")
@@ -63,11 +70,14 @@ def run(args: argparse.Namespace) -> int:
     from ds4py.model import Numerics, open_model
 
     ids = load_ids(args.ids)
-    for flag, path in (("--out", args.out), ("--mtp-out", args.mtp_out)):
+    for flag, path in (("--out", args.out), ("--mtp-out", args.mtp_out), ("--draft-out", args.draft_out)):
         if path is not None:
             _check_out(flag, path)
     if args.mtp is not None and args.mtp_out is None:
         raise Ds4Error("--mtp needs --mtp-out X.npy (where to write the draft logits)")
+    if args.draft_out is not None and args.mtp_out is not None:
+        raise Ds4Error("--draft-out (V4.1's DSpark draft, in the model file) and --mtp-out (V4's MTP block) do not "
+                       "go together")
     T, P = len(ids), args.split
     if not 1 <= P <= T:
         raise Ds4Error(f"--split {P} is out of range: it must be between 1 and the number of ids ({T})")
@@ -78,7 +88,12 @@ def run(args: argparse.Namespace) -> int:
     if bad.any():
         i = int(np.argmax(bad))
         raise Ds4Error(f"{args.ids}: token id {int(ids[i])} at index {i} is outside the vocabulary (0..{V - 1})")
-    if args.mtp_out is None:
+    if args.draft_out is not None:
+        rows, arrays = _score_with_draft(model, model.open_dspark(), ids, P)
+        _save_npz(args.draft_out, arrays)
+        print(f"wrote {args.draft_out}: {len(arrays['positions'])} DSpark draft calls, logits "
+              f"{list(arrays['logits'].shape)}")
+    elif args.mtp_out is None:
         state = model.new_state()
         rows = model.step([state], [ids[:P]])
         for tok in ids[P:]:
@@ -113,6 +128,50 @@ def _score_with_mtp(model, mtp, ids, P: int):
         if t + 1 < T:
             draft.append(mtp.step([ds], [h], [ids[t + 1:t + 2]], all_logits=True)[0][0])
     return rows, np.concatenate(draft).astype(np.float32)
+
+
+def _score_with_draft(model, draft, ids, P: int):
+    """Main logits as without --draft-out, and one teacher-forced DSpark call per position t = P..T-2."""
+    import numpy as np
+
+    T, cfg = len(ids), model.config
+    state, ds = model.new_state(), draft.new_state()
+    (last,), (taps,) = model.step_taps([state], [ids[:P]])
+    draft.feed([ds], [taps])
+    rows = [last]
+    out = {"positions": [], "input_ids": [], "output_ids": [], "logits": [], "confidence": []}
+    for t in range(P, T):
+        (lg,), (taps,) = model.step_taps([state], [ids[t:t + 1]])
+        rows.append(lg)
+        draft.feed([ds], [taps])
+        if t + 1 < T:
+            tok = int(ids[t + 1])
+            o, dl, c = draft.greedy(draft.block(ds, tok), tok)
+            for k, v in zip(out, (t, tok, o, dl, c)):
+                out[k].append(v)
+    B, V = cfg.dspark_block, cfg.vocab_size
+    shapes = {"positions": (0,), "input_ids": (0,), "output_ids": (0, B + 1), "logits": (0, B, V),
+              "confidence": (0, B)}
+    dtypes = {"positions": np.int64, "input_ids": np.int64, "output_ids": np.int64, "logits": np.float32,
+              "confidence": np.float32}
+    arrays = {k: (np.array(v, dtypes[k]) if v else np.zeros(shapes[k], dtypes[k])) for k, v in out.items()}
+    return rows, arrays
+
+
+def _save_npz(path: str, arrays: dict) -> None:
+    """np.savez under exactly the given name, written whole or not at all."""
+    import os
+
+    import numpy as np
+
+    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as fh:
+            np.savez(fh, **arrays)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def _check_out(flag: str, path: str) -> None:

@@ -46,16 +46,27 @@ E4M3_MAX = float(_POS[-1])                     # 448
 
 
 # ---------------------------------------------------------------------------------------------- names
-def header_name(layer: int) -> str:
-    return f"blk.{layer}.ffn_vq.header"
+# A block is a backbone layer (an int: "blk.L") or any other block prefix of the file ("dspark.S": V4.1's draft
+# stages); each block with VQ experts has its own header and codebook under that prefix.
+def block_prefix(layer: int | str) -> str:
+    return layer if isinstance(layer, str) else f"blk.{layer}"
 
 
-def codebook_name(layer: int) -> str:
-    return f"blk.{layer}.ffn_vq.codebook"
+def block_of(name: str) -> str:
+    """The block prefix of a routed-expert tensor name: "blk.3.ffn_up_exps.weight" -> "blk.3"."""
+    return ".".join(name.split(".")[:2])
 
 
-def payload_name(layer: int, m: str) -> str:
-    return f"blk.{layer}.ffn_{m}_exps.weight"
+def header_name(layer: int | str) -> str:
+    return f"{block_prefix(layer)}.ffn_vq.header"
+
+
+def codebook_name(layer: int | str) -> str:
+    return f"{block_prefix(layer)}.ffn_vq.codebook"
+
+
+def payload_name(layer: int | str, m: str) -> str:
+    return f"{block_prefix(layer)}.ffn_{m}_exps.weight"
 
 
 def gain_name(payload: str) -> str:
@@ -201,7 +212,7 @@ class Layer:
     codebook: np.ndarray            # float32 [K, 8], decoded E4M3
 
 
-def read_layer(f, layer: int) -> Layer:
+def read_layer(f, layer: int | str) -> Layer:
     """Parse and check layer `layer`'s header and codebook (GGUFError naming the tensor on any problem)."""
     hname, cname = header_name(layer), codebook_name(layer)
     where = f"{f.path}: {hname}"
@@ -221,8 +232,7 @@ def read_layer(f, layer: int) -> Layer:
 def check_expert(f, name: str, shape: tuple[int, ...]) -> Layer:
     """Check a VQ routed-expert tensor against its logical numpy-order shape (X, rows, cols)."""
     X, rows, cols = shape
-    layer = int(name.split(".")[1])
-    lay = read_layer(f, layer)
+    lay = read_layer(f, block_of(name))
     bits = lay.header.bits
     if cols % ROW_QUANTUM:
         raise GGUFError(f"{f.path}: {name}: VQ rows must be a multiple of {ROW_QUANTUM} weights, the model's are {cols}")
@@ -241,16 +251,17 @@ class VQExperts:
 
     def __init__(self, f):
         self.f = f
-        self._layers: dict[int, Layer] = {}
+        self._layers: dict[str, Layer] = {}
         self._scales: dict[str, list[np.ndarray]] = {}
 
-    def layer(self, layer: int) -> Layer:
-        if layer not in self._layers:
-            self._layers[layer] = read_layer(self.f, layer)
-        return self._layers[layer]
+    def layer(self, layer: int | str) -> Layer:
+        key = block_prefix(layer)
+        if key not in self._layers:
+            self._layers[key] = read_layer(self.f, key)
+        return self._layers[key]
 
     def bits(self, name: str) -> int:
-        return self.layer(int(name.split(".")[1])).header.bits
+        return self.layer(block_of(name)).header.bits
 
     def scale_rows(self, name: str, scale: np.ndarray) -> None:
         """Multiply the row gains of expert tensor `name` by scale [X, rows] (applied in call order:
@@ -270,7 +281,7 @@ class VQExperts:
 
     def expert(self, name: str, e: int) -> np.ndarray:
         """Expert e's float32 [out, in] matrix."""
-        lay = self.layer(int(name.split(".")[1]))
+        lay = self.layer(block_of(name))
         bits = lay.header.bits
         stream = self.f.tensor(name).raw_bytes()[e]
         hi = self.f.tensor(hi_name(name)).raw_bytes()[e] if bits == 13 else None
@@ -281,9 +292,9 @@ def tensor_roles(f) -> dict[str, tuple[str, int]]:
     """For `inspect`: every VQ tensor -> (label like 'VQ8x12', logical weights it holds; 0 for overhead)."""
     out: dict[str, tuple[str, int]] = {}
     for name, t in f.tensors.items():
-        if not (name.startswith("blk.") and name.endswith(".ffn_vq.header")) or t.qtype != Q.I8:
+        if not name.endswith(".ffn_vq.header") or t.qtype != Q.I8:
             continue
-        layer = int(name.split(".")[1])
+        layer = block_of(name)
         try:
             bits = Header.parse(t.raw, f"{f.path}: {name}").bits
         except GGUFError:

@@ -117,8 +117,14 @@ class RefModel(ModelBase):
         logits = self._run(states, chunks, all_logits, hidden)
         return logits, [np.concatenate(h) for h in hidden]
 
+    def _step_taps(self, states: list[RefState], chunks: list[np.ndarray],
+                   all_logits: bool) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        taps: list[list[np.ndarray]] = [[] for _ in states]
+        logits = self._run(states, chunks, all_logits, None, taps)
+        return logits, [np.concatenate(t) for t in taps]
+
     def _run(self, states: list[RefState], chunks: list[np.ndarray], all_logits: bool,
-             hidden: list[list[np.ndarray]] | None) -> list[np.ndarray]:
+             hidden: list[list[np.ndarray]] | None, taps: list[list[np.ndarray]] | None = None) -> list[np.ndarray]:
         # at most max_chunk rows per forward pass (bounds the activations, e.g. [rows, H, head_dim] queries, on
         # the full-size model): a long chunk continues in the next pass, which is the same math. A chunk is cut
         # into pieces of max_chunk from its own start, whatever else the step holds, and a pass takes whole
@@ -135,14 +141,22 @@ class RefModel(ModelBase):
                     done[i] += take
                     budget -= take
             hid = None if hidden is None else []
+            tap = None if taps is None else []
             res = forward(self.weights, self.binding, self.config, self.numerics, [states[i] for i in picked],
                           parts, all_logits, extra=self.v41, hidden=hid,
-                          row_stable=max(map(len, parts)) <= self.stable_rows)
+                          row_stable=max(map(len, parts)) <= self.stable_rows, taps=tap)
             for j, (i, r) in enumerate(zip(picked, res)):
                 out[i].append(r)
                 if hid is not None:
                     hidden[i].append(hid[j])
+                if tap is not None:
+                    taps[i].append(tap[j])
         return [np.concatenate(o) if all_logits else o[-1] for o in out]
+
+    def _open_dspark(self):
+        from ds4py.ref.dspark import RefDSpark
+
+        return RefDSpark(self)
 
     def _export(self, state: RefState) -> dict[str, np.ndarray]:
         return state.export()
@@ -176,7 +190,7 @@ class RefModel(ModelBase):
         per_expert = experts | {vq.gain_name(n) for n in experts} | {vq.hi_name(n) for n in experts}
         total = 0
         for name, t in self.gguf.tensors.items():
-            if name.startswith(schema.MTP_PREFIX):         # an MTP block kept in the same file: not read by a step
+            if name.startswith((schema.MTP_PREFIX, schema.DSPARK_PREFIX)):   # a draft in the same file: not read
                 continue
             if name == embed:
                 total += t.nbytes // t.shape[0]

@@ -417,14 +417,17 @@ class HcLag:
 
 def block(w, cfg, nx: Numerics, ro: LayerRoles, L: LayerWeights, X: np.ndarray, ids: np.ndarray, pos: np.ndarray,
           seqs: list[Seq], trace: Trace | None, lag: HcLag | None = None,
-          publishers: "v41.KeyPublishers | None" = None) -> np.ndarray:
+          publishers: "v41.KeyPublishers | None" = None, attend_fn=None) -> np.ndarray:
+    """One block (mHC, attention, MoE). attend_fn(x) -> [T, D], when given, replaces the attention (V4.1's DSpark
+    stages attend to their own ring and block: ds4py.ref.dspark)."""
     hc_args = (cfg.norm_eps, cfg.hc_eps, cfg.sinkhorn_iters, [s.rows for s in seqs])
 
     pre, post, comb = ops.hc_coeffs(X, w.get(L.hc_attn.fn), w.get(L.hc_attn.scale), w.get(L.hc_attn.base), *hc_args)
     x = ops.rmsnorm(ops.hc_collapse(X, pre if lag is None else lag.pre), w.get(L.attn_norm), cfg.norm_eps)
     if trace is not None:
         trace.attn_in[ro.layer] = x
-    X = ops.hc_post(attention(w, cfg, nx, ro, L.attn, x, pos, seqs, trace, publishers), X, post, comb)
+    a = attention(w, cfg, nx, ro, L.attn, x, pos, seqs, trace, publishers) if attend_fn is None else attend_fn(x)
+    X = ops.hc_post(a, X, post, comb)
 
     attn_pre = pre
     pre, post, comb = ops.hc_coeffs(X, w.get(L.hc_ffn.fn), w.get(L.hc_ffn.scale), w.get(L.hc_ffn.base), *hc_args)
@@ -440,18 +443,21 @@ def block(w, cfg, nx: Numerics, ro: LayerRoles, L: LayerWeights, X: np.ndarray, 
 
 def forward(w, B: ModelWeights, cfg, nx: Numerics, states: list[RefState], chunks: list[np.ndarray],
             all_logits: bool, trace: Trace | None = None, extra: V41Step | None = None,
-            hidden: list | None = None, row_stable: bool = False) -> list[np.ndarray]:
+            hidden: list | None = None, row_stable: bool = False, taps: list | None = None) -> list[np.ndarray]:
     """Run each chunk at positions state.n_tokens.. of its state and advance the states. Returns per sequence
     logits [T, vocab] (all_logits) or [vocab] (its last position). `extra`: what V4.1 needs besides weights.
     `hidden`, when given, receives per sequence the final hyper-connection state of every row, [T, hc, dim] (the
-    head's input: the MTP block's h_j). row_stable: every row bit-identical to the same row stepped alone
-    (ops.row_stable; speculative decoding's verify rows, docs/spec.md)."""
+    head's input: the MTP block's h_j); `taps` receives per sequence V4.1's DSpark taps, [T, n_targets·dim]: the
+    mean over the hc copies of each target layer's input state (after its Engram), in layer order.
+    row_stable: every row bit-identical to the same row stepped alone (ops.row_stable; speculative decoding's
+    verify rows, docs/spec.md)."""
     with ops.row_stable(row_stable):
-        return _forward(w, B, cfg, nx, states, chunks, all_logits, trace, extra, hidden)
+        return _forward(w, B, cfg, nx, states, chunks, all_logits, trace, extra, hidden, taps)
 
 
 def _forward(w, B: ModelWeights, cfg, nx: Numerics, states: list[RefState], chunks: list[np.ndarray],
-             all_logits: bool, trace: Trace | None, extra: V41Step | None, hidden: list | None) -> list[np.ndarray]:
+             all_logits: bool, trace: Trace | None, extra: V41Step | None, hidden: list | None,
+             taps: list | None = None) -> list[np.ndarray]:
     seqs, at = [], 0
     for st, c in zip(states, chunks):
         seqs.append(Seq(st, slice(at, at + len(c)), np.arange(st.n_tokens, st.n_tokens + len(c))))
@@ -471,6 +477,7 @@ def _forward(w, B: ModelWeights, cfg, nx: Numerics, states: list[RefState], chun
     lag = HcLag(len(ids), cfg.hc_mult) if cfg.lagged_hc else None
     if trace is not None:
         trace.hc.append(X)
+    tapped: list[np.ndarray] = []
     for il, L in enumerate(B.layers):
         ro = cfg.roles(il)
         if ro.engram >= 0:
@@ -478,6 +485,8 @@ def _forward(w, B: ModelWeights, cfg, nx: Numerics, states: list[RefState], chun
                            [s.rows for s in seqs])
             if trace is not None:
                 trace.engram_out[il] = X
+        if taps is not None and il in cfg.dspark_targets:
+            tapped.append(X.mean(axis=1))
         w.entering_layer(il)                                  # paging hint (the memory-budget mode)
         X = block(w, cfg, nx, ro, L, X, ids, pos, seqs, trace, lag, publishers)
         if trace is not None:
@@ -488,6 +497,9 @@ def _forward(w, B: ModelWeights, cfg, nx: Numerics, states: list[RefState], chun
         s.state.end_step(len(s.pos))
     if hidden is not None:
         hidden.extend(X[s.rows] for s in seqs)
+    if taps is not None:
+        T = np.concatenate(tapped, axis=1)
+        taps.extend(T[s.rows] for s in seqs)
     last = [s.rows.stop - 1 for s in seqs]
     seg = [s.rows for s in seqs]
     if not all_logits:

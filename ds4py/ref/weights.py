@@ -26,6 +26,7 @@ from gguf import GGMLQuantizationType as Q
 from ds4py.errors import Ds4Error
 from ds4py.gguf import TensorInfo
 from ds4py.quant import dequantize, dot
+from ds4py.quant import vq
 from ds4py.quant.vq import VQExperts, hi_name as vq_hi_name
 from ds4py.ref.fused import Runner
 from ds4py.ref.ops import mm, per_row, q8_0_round, q8_k_round
@@ -232,7 +233,7 @@ class Weights:
         x = self.act(t, x)
         if ("expert", t.name, int(e)) not in self._cache and self._fuse(t, x):
             if t.qtype == Q.I8:                                   # VQ-8 index stream
-                lay = self.vq.layer(int(t.name.split(".")[1]))
+                lay = self.vq.layer(vq.block_of(t.name))
                 hi = self.f.tensor(vq_hi_name(t.name)).raw_bytes()[e] if lay.header.bits == 13 else None
                 return per_row(lambda r: self.runner.vq_matmul(t.raw_bytes()[e], hi, self.vq.gains(t.name, e), lay, r),
                                x, seg)

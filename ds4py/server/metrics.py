@@ -144,6 +144,9 @@ class Metrics:
                  round(self.spec_accepted / self.spec_drafted, 6) if self.spec_drafted else 0),
                 ("ds4py_spec_tokens_per_round", "Tokens per speculative round since start.",
                  round(self.spec_tokens / self.spec_rounds, 6) if self.spec_rounds else 0),
+                ("ds4py_spec_mean_k", "Mean draft length the scheduler chose per decode step (plain steps: 0).",
+                 round(self.spec_drafted / (self.spec_rounds + self.spec_plain_steps), 6)
+                 if self.spec_rounds + self.spec_plain_steps else 0),
             ):
                 out += [f"# HELP {name} {help_}", f"# TYPE {name} gauge", f"{name} {value}"]
             for name, help_, h in (

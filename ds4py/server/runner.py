@@ -26,9 +26,9 @@ class ModelRunner:
         return out
 
     def verify(self, states: Sequence, chunks: Sequence[Sequence[int]]) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """Speculative verify rows of several sessions in one main step (ds4py.spec: the main states of their
-        SpecStates, every row's logits and final hidden state)."""
+        """Speculative verify rows of several sessions in one main step (the speculative model's verify: every
+        row's logits and what its rounds' finish reads: MTP final hidden states, DSpark draft taps)."""
         t0 = time.perf_counter()
-        out = self.model.model.step_hidden([s.main for s in states], [list(c) for c in chunks], all_logits=True)
+        out = self.model.verify(list(states), [list(c) for c in chunks])
         self.metrics.observe_step(len(states), sum(len(c) for c in chunks), time.perf_counter() - t0)
         return out

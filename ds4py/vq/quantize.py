@@ -146,9 +146,10 @@ def pool_stride(total: int, target: int, groups: list[int]) -> int:
 # ----------------------------------------------------------------------------------------------- one layer
 @dataclass
 class LayerJob:
-    layer: int
+    layer: int                              # backbone layer; DSpark stage s: n_layers + s (as the official ids)
     bits: int
     tensors: dict[str, Any]                 # matrix -> source TensorInfo
+    block: str = ""                         # the tensors' block prefix: "blk.L" or "dspark.S" (ds4py.quant.vq)
     gains: dict[str, np.ndarray] = field(default_factory=dict)     # matrix -> f16 [X, rows]
     codebook: np.ndarray | None = None      # E4M3 codes [K, 8]
     report: dict[str, Any] = field(default_factory=dict)
@@ -167,7 +168,7 @@ def train_layer(job: LayerJob, opts: Options, prog: Progress) -> None:
     stride = pool_stride(total, target, groups)
     pool, base = [], 0
     t0 = time.perf_counter()
-    label = f"layer {job.layer:3d} gains+pool"
+    label = f"{_label(job)} gains+pool"
     steps = sum(t.shape[0] for t in job.tensors.values())
     step = 0
     for m, t in job.tensors.items():
@@ -190,7 +191,7 @@ def train_layer(job: LayerJob, opts: Options, prog: Progress) -> None:
 
     def report(r: int, err: float) -> None:                 # the pool's relative error before round r's update
         errs.append(err / energy if energy else 0.0)
-        prog.bar(f"layer {job.layer:3d} lloyd", r + 1, opts.rounds, f"pool rel. error {errs[-1]:.4f}")
+        prog.bar(f"{_label(job)} lloyd", r + 1, opts.rounds, f"pool rel. error {errs[-1]:.4f}")
 
     t1 = time.perf_counter()
     c = opts.codebook(pool, K) if opts.codebook else kmeans.lloyd(pool, K, opts.rounds, opts.workers, report)
@@ -209,7 +210,7 @@ def assign_layer(job: LayerJob, opts: Options, prog: Progress, write: Callable[[
     per_matrix = {}
     for m, t in job.tensors.items():
         X, rows, cols = t.shape
-        name = vq.payload_name(job.layer, m)
+        name = vq.payload_name(job.block, m)
         hi_plane = np.empty((X, rows, cols // vq.ROW_QUANTUM), np.uint8) if job.bits == 13 else None
         err = energy = 0.0
         for e in range(X):
@@ -228,7 +229,7 @@ def assign_layer(job: LayerJob, opts: Options, prog: Progress, write: Callable[[
             d = (w - back).astype(np.float64)
             err += float((d * d).sum())
             energy += float((w.astype(np.float64) ** 2).sum())
-            prog.bar(f"layer {job.layer:3d} assign {m:<4s}", e + 1, X)
+            prog.bar(f"{_label(job)} assign {m:<4s}", e + 1, X)
         if hi_plane is not None:
             write(vq.hi_name(name), hi_plane)
         write(vq.gain_name(name), job.gains[m])
@@ -241,7 +242,7 @@ def assign_layer(job: LayerJob, opts: Options, prog: Progress, write: Callable[[
 
 
 # ----------------------------------------------------------------------------------------------- the file
-def _plan_layer(layer: int, bits: int, tensors: dict[str, Any]) -> list[TensorPlan]:
+def _plan_layer(layer: str, bits: int, tensors: dict[str, Any]) -> list[TensorPlan]:
     K = 1 << bits
     out = [TensorPlan(vq.header_name(layer), (vq.HEADER_BYTES,), Q.I8, vq.HEADER_BYTES),
            TensorPlan(vq.codebook_name(layer), (K, vq.GROUP), Q.I8, K * vq.GROUP)]
@@ -274,14 +275,21 @@ def _write_dense(w: StreamWriter, t, qt: Q) -> None:
         w.write(t.name, quant.quantize(source_rows(t, slice(a, b), (b - a, cols)), qt))
 
 
-def _expert_layer(name: str) -> tuple[int, str] | None:
-    """(layer, matrix) of a routed-expert tensor name, else None."""
+def _expert_layer(name: str, n_layers: int) -> tuple[int, str] | None:
+    """(layer, matrix) of a routed-expert tensor name, else None: a backbone layer's ("blk.L"), or a DSpark draft
+    stage's ("dspark.S", numbered n_layers + S as the official code numbers its stages)."""
     parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[3] == "weight":
+    if len(parts) == 4 and parts[0] in ("blk", "dspark") and parts[1].isdigit() and parts[3] == "weight":
         for m in vq.MATRICES:
             if parts[2] == f"ffn_{m}_exps":
-                return int(parts[1]), m
+                return int(parts[1]) + (n_layers if parts[0] == "dspark" else 0), m
     return None
+
+
+def _label(job: "LayerJob", aligned: bool = True) -> str:
+    if job.block.startswith("blk."):
+        return f"layer {job.layer:3d}" if aligned else f"layer {job.layer}"
+    return f"{job.block:>9s}" if aligned else job.block
 
 
 def quantize_vq(src: str, out: str, opts: Options, progress: bool = True) -> dict[str, Any]:
@@ -298,7 +306,7 @@ def quantize_vq(src: str, out: str, opts: Options, progress: bool = True) -> dic
 
     jobs: dict[int, LayerJob] = {}
     for name, t in f.tensors.items():
-        hit = _expert_layer(name)
+        hit = _expert_layer(name, cfg.n_layers)
         if hit is None:
             continue
         layer, m = hit
@@ -306,23 +314,23 @@ def quantize_vq(src: str, out: str, opts: Options, progress: bool = True) -> dic
             raise QuantizeError(f"{src}: {name} is already VQ-8; quantise from the original experts")
         if t.shape[2] % vq.ROW_QUANTUM:
             raise QuantizeError(f"{src}: {name} rows are {t.shape[2]} weights, not a multiple of {vq.ROW_QUANTUM}")
-        jobs.setdefault(layer, LayerJob(layer, opts.layer_bits(layer), {})).tensors[m] = t
+        jobs.setdefault(layer, LayerJob(layer, opts.layer_bits(layer), {}, vq.block_of(name))).tensors[m] = t
     for job in jobs.values():                                # refuse a thin pool before any work
         K = 1 << job.bits
         per = job.n_vectors // K
         if per < opts.min_pool:
-            raise QuantizeError(f"layer {job.layer} has {job.n_vectors:,} vectors for {K:,} codewords ({job.bits} bits): "
-                                f"{per:,} per codeword, fewer than --min-pool {opts.min_pool:,}; use fewer bits "
+            raise QuantizeError(f"{_label(job, False)} has {job.n_vectors:,} vectors for {K:,} codewords "
+                                f"({job.bits} bits): {per:,} per codeword, fewer than --min-pool {opts.min_pool:,}; use fewer bits "
                                 f"or a smaller --min-pool")
 
     plans: list[TensorPlan] = []
     order: list[tuple[str, Any]] = []                        # ("dense", TensorInfo) | ("layer", LayerJob)
     for name, t in f.tensors.items():
-        hit = _expert_layer(name)
+        hit = _expert_layer(name, cfg.n_layers)
         if hit is not None:
             job = jobs[hit[0]]
             if hit[1] == next(iter(job.tensors)):
-                plans += _plan_layer(job.layer, job.bits, job.tensors)
+                plans += _plan_layer(job.block, job.bits, job.tensors)
                 order.append(("layer", job))
             continue
         qt = _dense_type(name, t, opts.dense)
@@ -345,14 +353,14 @@ def quantize_vq(src: str, out: str, opts: Options, progress: bool = True) -> dic
             job = item
             t0 = time.perf_counter()
             train_layer(job, opts, prog)
-            w.write(vq.header_name(job.layer), vq.Header(job.bits).pack())
-            w.write(vq.codebook_name(job.layer), job.codebook)
+            w.write(vq.header_name(job.block), vq.Header(job.bits).pack())
+            w.write(vq.codebook_name(job.block), job.codebook)
             assign_layer(job, opts, prog, w.write)
-            r = dict(layer=job.layer, bits=job.bits, vectors=job.n_vectors, seconds=time.perf_counter() - t0,
-                     **job.report)
+            r = dict(layer=job.layer, block=job.block, bits=job.bits, vectors=job.n_vectors,
+                     seconds=time.perf_counter() - t0, **job.report)
             layers.append(r)
             mat = " ".join(f"{m} {e:.4f}" for m, e in r["rel_err_matrix"].items())
-            prog.line(f"layer {job.layer:3d}: {job.bits} bits, rel. error {r['rel_err']:.4f} ({mat}), "
+            prog.line(f"{_label(job)}: {job.bits} bits, rel. error {r['rel_err']:.4f} ({mat}), "
                       f"{job.n_vectors:,} vectors, pool {r['pool']:,}, {r['seconds']:.1f} s, "
                       f"{r['vectors_per_s'] / 1e3:,.0f}k vectors/s")
             job.gains.clear()

@@ -1,0 +1,233 @@
+"""V4.1 Flash's DSpark draft on the reference backend (MODEL.md §3; golden v41-tiny-dspark README, "DSpark: what
+the official code computes").
+
+    draft = RefDSpark(model)                      # model: a RefModel of a V4.1 GGUF holding the dspark.* tensors
+    ds = draft.new_state()                        # a window ring per stage: state_layout(cfg.dspark_block_config())
+    logits, taps = model.step_taps([s], [ids])    # the main step also gives the taps of its rows (no second pass)
+    draft.feed([ds], [taps])                      # one ring write per main position
+    blk = draft.block(ds, token)                  # one call: B block positions after the state's last position
+    ids, logits, conf = draft.greedy(blk, token)  # or blk.position(i, prev) per position (sampled drafts)
+
+The math, at main position t = ds.n_tokens − 1 with `token` the token at t + 1 (block token 0):
+
+    main_x(p) = RMSNorm(main_proj · taps(p); main_norm)                       (every fed position p)
+    ring_s(p) = FP8QDQ(RoPE_p(RMSNorm(wkv_s · main_x(p); kv_norm_s)))         (stage s, kept for the window)
+    X = embed([token, noise × (B − 1)]) on the hc copies, at positions t + 1 .. t + B; pre = one-hot
+    per stage: a V4.1 block (lagged mHC, its own MoE) whose attention is every block query against the ring's
+               positions t − W + 1 .. t and all B block keys FP8QDQ(RoPE(RMSNorm(wkv_s · x; kv_norm_s))), with sink
+    h = hc_collapse(X, pre); base = head · RMSNorm(h; norm)                   (the main model's head)
+    logits_i = base_i + markov_head · markov_embed[out_i]; out_{i+1} = sample(logits_i); out_0 = token
+    confidence_i = confidence · [h_i, markov_embed[out_i]]                    (raw score, pre-norm h)
+
+The ring holds main positions only (never drafts); a state's truncate / copy / save / load are RefState's. What the
+official code leaves out (its README): it never drafts right after the prompt (prefill only seeds) and writes one
+ring row per call; here every fed main position is written (`feed`), so a call right after the prompt, or after a
+round that accepted several tokens, sees exactly the rows a one-token-per-step official run would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Sequence
+
+import numpy as np
+
+from ds4py import kv, schema
+from ds4py.errors import Ds4Error
+from ds4py.kv import state_layout
+from ds4py.quant import vq
+from ds4py.ref import ops
+from ds4py.ref.forward import HcLag, Seq, block, kv_store
+from ds4py.ref.state import RefState
+
+F32 = np.float32
+
+
+@dataclass
+class DraftBlock:
+    """One draft call's block: what does not depend on the drafted tokens (the base logits and the last stage's
+    pre-norm hidden state), and the Markov / confidence head that does."""
+    base: np.ndarray             # [B, V] head logits before the Markov bias
+    hidden: np.ndarray           # [B, D] h = hc_collapse(X, pre), the confidence head's input
+    embed: np.ndarray            # [V, r] markov_embed
+    head: np.ndarray             # [V, r] markov_head
+    confidence_w: np.ndarray     # [D + r]
+
+    @property
+    def size(self) -> int:
+        return self.base.shape[0]
+
+    def position(self, i: int, prev: int) -> tuple[np.ndarray, float]:
+        """(logits of block position i [V]: the draft distribution of the token at t + 2 + i, given out_i =
+        `prev`, the raw confidence score c_i)."""
+        e = self.embed[int(prev)]
+        logits = self.base[i] + self.head @ e
+        conf = float(np.dot(self.confidence_w[:self.hidden.shape[1]], self.hidden[i])
+                     + np.dot(self.confidence_w[self.hidden.shape[1]:], e))
+        return logits.astype(F32), conf
+
+
+class RefDSpark:
+    """The DSpark draft of a RefModel (numpy, fp32; the main model's numerics, so --no-fake-quant also turns off the
+    draft's FP8 quant-dequant)."""
+
+    backend = "ref"
+
+    def __init__(self, model):
+        cfg = model.config
+        if not cfg.has_dspark:
+            raise Ds4Error(f"{model.path}: this model has no DSpark draft (no dspark.* tensors; convert a V4.1 "
+                           "checkpoint whose config declares one)")
+        self.model, self.main_config = model, cfg
+        self.config = cfg.dspark_block_config()
+        self.numerics = model.numerics
+        self.weights = model.weights                       # the same file: one dequant cache
+        self.binding = schema.bind_dspark(cfg, model.gguf.tensor)
+        self.rollback_horizon = model.rollback_horizon
+        self.layout = state_layout(self.config, model.rollback_horizon)
+        self.block_size = cfg.dspark_block
+        self.fingerprint = model.fingerprint
+
+    def new_state(self) -> RefState:
+        return RefState(self.layout)
+
+    def owns(self, state) -> bool:
+        return isinstance(state, RefState) and state.layout == self.layout
+
+    # ---- the rings ----------------------------------------------------------------------------------------
+    def feed(self, states: Sequence[RefState], taps: Sequence[np.ndarray]) -> None:
+        """Write each state's rings for the main positions state.n_tokens .. + len(taps[i]) − 1 (taps[i]: their
+        [T, n_targets·D] taps from model.step_taps) and advance it. Only the rows a ring keeps are computed."""
+        cfg, w, D = self.config, self.weights, self.binding
+        if len(states) != len(taps) or not states:
+            raise Ds4Error("a DSpark feed takes one taps array per state")
+        rows, seqs, at = [], [], 0
+        for st, tp in zip(states, taps):
+            if not self.owns(st):
+                raise Ds4Error("a DSpark feed needs states from this draft's new_state()")
+            tp = np.asarray(tp, F32)
+            if tp.ndim != 2 or tp.shape[1] != self.main_config.dspark_tap_dim or not len(tp):
+                raise Ds4Error(f"DSpark taps must be [T, {self.main_config.dspark_tap_dim}], got {list(tp.shape)}")
+            n0 = st.n_tokens
+            if n0 + len(tp) > self.main_config.context_length:
+                raise Ds4Error(f"{n0} + {len(tp)} DSpark ring positions exceed the context length "
+                               f"{self.main_config.context_length}")
+            keep = min(len(tp), self.layout.parts[0].capacity)
+            rows.append(tp[len(tp) - keep:])
+            seqs.append((st, np.arange(n0 + len(tp) - keep, n0 + len(tp)), slice(at, at + keep), len(tp)))
+            at += keep
+        seg = [s[2] for s in seqs]
+        pos = np.concatenate([s[1] for s in seqs])
+        # row by row: a ring row is the same bits whether its position came alone (a decode step), in a prompt
+        # or among a round's accepted rows, so drafts never depend on how the main positions were chunked
+        with ops.row_stable(True):
+            main_x = ops.rmsnorm(w.linear(D.main_proj, np.concatenate(rows), seg), w.get(D.main_norm), cfg.norm_eps)
+            ks = [self._kv(L.attn, main_x, pos, s, seg) for s, L in enumerate(D.stages)]
+        for s, k in enumerate(ks):
+            for st, p, r, _ in seqs:
+                ring = st.ring(s, "win")
+                ring[p % ring.shape[0]] = k[r]
+        for st, _, _, n in seqs:             # (rows written above: nothing can fail between them and this)
+            st.begin_step(n)
+            st.end_step(n)
+
+    def _kv(self, A, x: np.ndarray, pos: np.ndarray, stage: int, seg=None) -> np.ndarray:
+        """K = V rows of a stage: RMSNorm(wkv x; kv_norm), RoPE at pos (base theta), FP8 quant-dequant, storage."""
+        cfg, w, nx = self.config, self.weights, self.numerics
+        k = ops.rmsnorm(w.linear(A.kv, x, seg), w.get(A.kv_norm), cfg.norm_eps)
+        k = ops.rope_tail(k, pos, ops.layer_rope_freqs(cfg, stage))
+        if nx.fake_quant:
+            d, blk = cfg.kv_fp8
+            k[:, :d] = ops.fp8_fake_quant(k[:, :d], blk)
+        return kv_store(k, nx)
+
+    # ---- one draft call -------------------------------------------------------------------------------------
+    def block(self, state: RefState, token: int) -> DraftBlock:
+        """The block after the state's last fed position t (block token 0 = `token`, the token at t + 1)."""
+        if not self.owns(state):
+            raise Ds4Error("a DSpark draft call needs a state from this draft's new_state()")
+        cfg, mc, w, D = self.config, self.main_config, self.weights, self.binding
+        t, Bn = state.n_tokens - 1, self.block_size
+        if t < 0:
+            raise Ds4Error("a DSpark draft call needs at least one fed main position")
+        if isinstance(token, bool) or not 0 <= int(token) < mc.vocab_size:
+            raise Ds4Error(f"DSpark block token {token!r} is outside the vocabulary (0..{mc.vocab_size - 1})")
+        ids = np.array([int(token)] + [mc.dspark_noise_id] * (Bn - 1), np.int64)
+        pos = np.arange(t + 1, t + 1 + Bn)
+        mw, MB = self.model.weights, self.model.binding
+        X = np.repeat(mw.rows(MB.embed, ids)[:, None, :], cfg.hc_mult, axis=1)
+        lag = HcLag(Bn, cfg.hc_mult)
+        seqs = [Seq(state, slice(0, Bn), pos)]
+        with ops.row_stable(False):          # a draft's bits change speed only (greedy) or are fixed by the seed
+            for s, L in enumerate(D.stages):
+                X = block(w, cfg, self.numerics, cfg.roles(s), L, X, ids, pos, seqs, None, lag,
+                          attend_fn=partial(self._attend, state, s, L.attn, pos))
+            h = ops.hc_collapse(X, lag.pre)
+            base = mw.linear(MB.head, ops.rmsnorm(h, w.get(D.norm), cfg.norm_eps))
+        return DraftBlock(base, h, w.get(D.markov_embed), w.get(D.markov_head), w.get(D.confidence).reshape(-1))
+
+    def _attend(self, state: RefState, s: int, A, pos: np.ndarray, x: np.ndarray) -> np.ndarray:
+        """DSpark attention of stage s: every block query sees the ring's main positions t − W + 1 .. t and all
+        block keys (no mask inside the block); one K = V head, sink, inverse RoPE, grouped output."""
+        cfg, w = self.config, self.weights
+        Bn, H, hd = x.shape[0], cfg.n_heads, cfg.head_dim
+        freqs = ops.layer_rope_freqs(cfg, s)
+        qr = ops.rmsnorm(w.linear(A.q_a, x), w.get(A.q_a_norm), cfg.norm_eps)
+        q = w.linear(A.q_b, qr).reshape(Bn, H, hd)
+        if cfg.q_head_norm:
+            q = ops.rmsnorm(q, None, cfg.norm_eps)
+        q = ops.rope_tail(q, pos, freqs)
+        ring = state.ring(s, "win")
+        t = int(pos[0]) - 1
+        old = np.arange(max(0, t - cfg.window + 1), t + 1)
+        keys = np.concatenate([ring[old % ring.shape[0]], self._kv(A, x, pos, s)])
+        o = ops.attention_with_sink(q, keys, np.ones((Bn, len(keys)), bool), w.get(A.sinks), hd ** -0.5)
+        o = ops.rope_tail(o, pos, freqs, inverse=True)
+        u = w.grouped_linear(A.out_a, o.reshape(Bn, cfg.o_groups, -1))
+        return w.linear(A.out_b, u.reshape(Bn, -1))
+
+    def greedy(self, blk: DraftBlock, token: int, ids: Sequence[int] | None = None
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The greedy chain of a block (the official driver at temperature 0): out [B + 1] = [token, d_1..d_B],
+        logits [B, V] (Markov bias included), confidence [B]. `ids`, when given, are the out_i the Markov bias
+        and the confidence read instead of the chain's own (a teacher, to compare position by position)."""
+        out, logits, conf = [int(token)], [], []
+        for i in range(blk.size):
+            lg, c = blk.position(i, out[i] if ids is None else ids[i])
+            logits.append(lg)
+            conf.append(c)
+            out.append(int(np.argmax(lg)))
+        return np.array(out, np.int64), np.stack(logits).astype(F32), np.array(conf, F32)
+
+    # ---- state on disk, costs -------------------------------------------------------------------------------
+    def save_state(self, state: RefState) -> bytes:
+        """The rings as a DS4PYKV blob under the model's fingerprint (the speculative pair adds the main state)."""
+        if not self.owns(state):
+            raise Ds4Error("save_state needs a state from this DSpark draft's new_state()")
+        return kv.encode_state(self.fingerprint, self.numerics.to_dict(), self.layout, state.n_tokens,
+                               state.n_written, state.export(), self.backend)
+
+    def load_state(self, data: bytes) -> RefState:
+        n_tokens, n_written, arrays = kv.decode_state(data, self.fingerprint, self.numerics.to_dict(), self.layout)
+        return RefState.from_parts(self.layout, n_tokens, n_written, arrays)
+
+    def routed_bytes_per_row(self) -> int:
+        """Bytes of routed experts one more main-model verify row reads (n_experts_used per backbone layer)."""
+        mc, f = self.main_config, self.model.gguf
+        return sum(f.tensor(e.name).nbytes * mc.n_experts_used // mc.n_experts for e in schema.entries(mc)
+                   if e.spec.field.startswith("ffn.experts."))
+
+    def call_bytes(self) -> int:
+        """Bytes one draft call reads: the stages' dense tensors, the routed experts B rows pick (at most all of
+        them), the shared head and B embedding rows; a ring feed reads main_proj and the stages' wkv."""
+        mc, f = self.main_config, self.model.gguf
+        per_row = min(mc.dspark_experts, self.block_size * mc.dspark_experts_used)
+        experts = {e.name for e in schema.dspark_entries(mc) if e.spec.field.startswith("ffn.experts.")}
+        experts |= {vq.gain_name(n) for n in experts} | {vq.hi_name(n) for n in experts}
+        total = 0
+        for name, t in f.tensors.items():
+            if name.startswith(schema.DSPARK_PREFIX):
+                total += t.nbytes * per_row // mc.dspark_experts if name in experts else t.nbytes
+        head, embed = self.model.binding.head, self.model.binding.embed
+        return total + head.nbytes + self.block_size * embed.nbytes // embed.shape[0]
