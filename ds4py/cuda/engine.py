@@ -27,9 +27,8 @@ import numpy as np
 
 from ds4py import schema
 from ds4py.config import ModelConfig
-from ds4py.cuda import decode, synth
-from ds4py.cuda import prefill as pf
-from ds4py.cuda import rows as multirow
+from ds4py.cuda import layer, synth
+from ds4py.cuda.layer import BLOCK, DECODE, MAX_ROWS, ROWS, Recording, RowSet
 from ds4py.cuda.compiler import model_defines
 from ds4py.cuda.graph import StepGraph
 from ds4py.cuda.kvstate import CudaState, DeviceStore
@@ -60,7 +59,7 @@ class StepRun:
     """One recorded step (a body or a head): captured into a graph and replayed, or launched directly each time
     (graphs=False). `launches` counts the kernels of one run."""
 
-    def __init__(self, model: "CudaModel", record: Callable[[decode.Launcher], None], tag: tuple,
+    def __init__(self, model: "CudaModel", record: Callable[[layer.Launcher], None], tag: tuple,
                  slot: DeviceArray | None = None):
         self.model, self._record, self.tag = model, record, tag
         self.slot = model.slot if slot is None else slot
@@ -71,9 +70,9 @@ class StepRun:
         self.graph = StepGraph(rt, self._capture, self.slot, model.w.arena) if model.graphs else None
 
     def _capture(self) -> None:
-        L = decode.Launcher(self.model.rt, self.model.pdl)
-        self._record(L)
-        self.launches, self.side_launches = L.launches, L.side_launches
+        ls = layer.Launcher(self.model.rt, self.model.pdl)
+        self._record(ls)
+        self.launches, self.side_launches = ls.launches, ls.side_launches
 
     def run(self, values: Sequence[int]) -> None:
         if self.graph is not None:
@@ -86,9 +85,9 @@ class StepRun:
     def count(self) -> tuple[int, int]:
         """(kernels, of which on the side stream) one run launches: the recording against a runtime that only
         counts (no capture, no launch)."""
-        L = decode.Launcher(_CountingRuntime(self.model.rt), self.model.pdl)
-        self._record(L)
-        return L.launches, L.side_launches
+        ls = layer.Launcher(_CountingRuntime(self.model.rt), self.model.pdl)
+        self._record(ls)
+        return ls.launches, ls.side_launches
 
     @property
     def captures(self) -> int:
@@ -179,7 +178,7 @@ class CudaModel(ModelBase):
 
     backend = "cuda"
     state_type = CudaState
-    stable_rows = multirow.MAX_ROWS     # a verify of 1 + k <= 16 rows is one multi-row step (spec: k <= 15)
+    stable_rows = MAX_ROWS     # a verify of 1 + k <= 16 rows is one multi-row step (spec: k <= 15)
 
     def __init__(self, path: str, numerics: Numerics | None = None,
                  rollback_horizon: int = DEFAULT_ROLLBACK_HORIZON, runtime: Any = None, emulate: bool = False,
@@ -244,7 +243,7 @@ class CudaModel(ModelBase):
         self.backend = "cuda-emu" if self.emulated else "cuda"
         self.pdl, self.graphs = bool(pdl), bool(graphs)
         self.min_bucket = MIN_BUCKET
-        ws0 = decode.workspace_bytes(decode.workspace_shapes(cfg, bucket_for(1, cfg.context_length)))
+        ws0 = layer.workspace_bytes(layer.workspace_shapes(cfg, bucket_for(1, cfg.context_length)))
         t1 = time.perf_counter()
         self.w = load(self.rt, ws0)
         self.rt.synchronize()
@@ -254,17 +253,17 @@ class CudaModel(ModelBase):
         self._misc.zero(self.rt.main)
         self.slot = self._misc.array(0, (2,), np.int32)            # [pos, token]
         self.ticket = self._misc.array(16, (1,), np.uint32)        # hc_mix's (zero between launches)
-        self.ws: decode.Workspace | None = None
+        self.ws: layer.Workspace | None = None
         self._heads: OrderedDict[Any, StepRun] = OrderedDict()
-        self.multirow = True                                       # several rows per step through cuda/rows.py
-        self.rows_ws: multirow.RowsWorkspace | None = None
+        self.multirow = True                                       # several rows per step as one ROWS row set
+        self.rows_ws: layer.Workspace | None = None
         self._rows_runs: OrderedDict[Any, StepRun] = OrderedDict()
-        self.prefill_blocks = True                                 # long chunks through cuda/prefill.py
-        self.prefill_block = pf.MAX_BLOCK                          # tokens per prefill block (<= pf.MAX_BLOCK)
+        self.prefill_blocks = True                                 # long chunks as BLOCK row sets
+        self.prefill_block = layer.MAX_BLOCK                       # tokens per prefill block (<= MAX_BLOCK)
         self.prefill_mma = True                                    # prefill dense products on tensor cores
         self.prefill_x_pieces = 3                                  # ... x as 3 bf16 pieces: exact (1: bf16 x)
         self.prefill_expert_mma = False                            # the experts too (bf16 x, h: less exact)
-        self.prefill_ws: pf.PrefillWorkspace | None = None
+        self.prefill_ws: layer.Workspace | None = None
         self.last_generate: dict[str, float] = {}
         self.startup = {"weights_upload_s": time.perf_counter() - t1, "model_open_s": time.perf_counter() - t0,
                         "weights_gb": (self.w.file_bytes + self.w.extra_bytes) / 1e9}
@@ -327,43 +326,46 @@ class CudaModel(ModelBase):
         return out
 
     def _prefill(self, st: CudaState, ids: np.ndarray, all_logits: bool, hidden: bool = False) -> Any:
-        """A chunk longer than the rollback horizon + 1 (a prompt): prefill blocks of up to pf.MAX_BLOCK tokens,
-        each one launch sequence over its rows (cuda/prefill.py), launched directly (no graph); the head runs for
-        the rows asked for. The state ends as position-by-position steps leave it. hidden: (logits, every
-        position's final residual [T, hc, D]) for the MTP block, the same rows plain decoding computes."""
+        """A chunk longer than the rollback horizon + 1 (a prompt): BLOCK row sets of up to MAX_BLOCK tokens,
+        each one launch sequence over its rows, launched directly (no graph); the head runs for the rows asked
+        for. The state ends as position-by-position steps leave it. hidden: (logits, every position's final
+        residual [T, hc, D]) for the MTP block, the same rows plain decoding computes."""
         cfg, rt = self.config, self.rt
         n0, T = st.n_tokens, len(ids)
         bucket = bucket_for(n0 + T, cfg.context_length, self.min_bucket)
-        blk = max(1, min(int(self.prefill_block), pf.MAX_BLOCK))
-        rows = pf.block_rows(min(T, blk))
+        blk = max(1, min(int(self.prefill_block), layer.MAX_BLOCK))
+        rows = layer.block_rows(min(T, blk))
         ws = self.prefill_ws
         if ws is None or ws.bucket < bucket or ws.rows < rows:
             rt.synchronize()
             if ws is not None:
                 self.store.retire([ws.block])
-            ws = self.prefill_ws = pf.make_prefill_workspace(
-                self.store, rt, cfg, max(bucket, ws.bucket if ws else 0), max(rows, ws.rows if ws else 0))
+            ws = self.prefill_ws = layer.make_workspace(
+                cfg, max(bucket, ws.bucket if ws else 0), max(rows, ws.rows if ws else 0), BLOCK, store=self.store,
+                rt=rt)
         st.ensure_rows(bucket)
         st.begin_step(T)
         out: list[np.ndarray] = []
         H = np.empty((T, cfg.hc_mult, cfg.dim), np.float32) if hidden else None
+        B = self.w.binding
         for a in range(0, T, blk):
             Tb = min(blk, T - a)
-            ws.pos.view(0, Tb).upload(np.arange(n0 + a, n0 + a + Tb, dtype=np.int32), rt.main)
-            ws.tokens.view(0, Tb).upload(np.ascontiguousarray(ids[a:a + Tb], np.int32), rt.main)
+            ws.slot.view(0, Tb).upload(np.arange(n0 + a, n0 + a + Tb, dtype=np.int32), rt.main)
+            ws.slot.view(4 * ws.rows, Tb).upload(np.ascontiguousarray(ids[a:a + Tb], np.int32), rt.main)
             st.device_hw = max(st.device_hw, n0 + a + Tb)
-            ctx = pf.PrefillContext(cfg, self.numerics, self.w, ws, dict(st.arrays), bucket, Tb,
-                                    mma=self.prefill_mma, x_pieces=self.prefill_x_pieces,
-                                    expert_mma=self.prefill_expert_mma)
-            L = decode.Launcher(rt, self.pdl)
-            pf.record_prefill(L, ctx)
+            rec = Recording(cfg, self.numerics, self.w.freqs, ws, RowSet(BLOCK, [dict(st.arrays)], [bucket], Tb,
+                                                                         ws.slot, cap=ws.rows),
+                            ws.tickets, mma=self.prefill_mma, x_pieces=self.prefill_x_pieces,
+                            expert_mma=self.prefill_expert_mma)
+            ls = layer.Launcher(rt, self.pdl)
+            layer.record_body(ls, rec, B)
+            X = layer.final_residual(rec)
             if hidden:
-                X = pf.final_residual(ctx).view(0, (Tb, cfg.hc_mult, cfg.dim))
-                H[a:a + Tb] = X.download()
-            heads = range(0, Tb, pf.HEAD_ROWS) if all_logits else ([Tb - 1] if a + Tb == T else [])
+                H[a:a + Tb] = X.view(0, (Tb, cfg.hc_mult, cfg.dim)).download()
+            heads = range(0, Tb, layer.HEAD_ROWS) if all_logits else ([Tb - 1] if a + Tb == T else [])
             for r0 in heads:
-                n = min(pf.HEAD_ROWS, Tb - r0)
-                pf.record_head_rows(L, ctx, r0, n)
+                n = min(layer.HEAD_ROWS, Tb - r0)
+                layer.record_head(ls, rec, X, n, B.hc_head, B.output_norm, B.head, r0=r0)
                 out.append(ws.logits.view(0, (n, cfg.vocab_size)).download())
         st.end_step(T)
         logits = np.concatenate(out) if all_logits else out[-1][-1].copy()
@@ -375,7 +377,7 @@ class CudaModel(ModelBase):
         plan = [(st, st.n_tokens + i, int(t)) for st, ids in zip(states, chunks) for i, t in enumerate(ids)]
         run = self._rows_run(plan)
         R = len(plan)
-        values = [pos for _, pos, _ in plan] + [0] * (multirow.MAX_ROWS - R) + [tok for _, _, tok in plan]
+        values = [pos for _, pos, _ in plan] + [0] * (MAX_ROWS - R) + [tok for _, _, tok in plan]
         for st, ids in zip(states, chunks):
             st.begin_step(len(ids))
             st.device_hw = max(st.device_hw, st.n_tokens + len(ids))
@@ -421,7 +423,7 @@ class CudaModel(ModelBase):
 
     def _takes_rows(self, chunks: list[np.ndarray]) -> bool:
         """Whether a step of these chunks runs as one multi-row step (cuda/rows.py)."""
-        return self.multirow and 2 <= sum(len(c) for c in chunks) <= multirow.MAX_ROWS \
+        return self.multirow and 2 <= sum(len(c) for c in chunks) <= MAX_ROWS \
             and all(len(c) <= self.rollback_horizon + 1 for c in chunks)
 
     def _splits(self, chunks: list[np.ndarray]) -> bool:
@@ -432,7 +434,7 @@ class CudaModel(ModelBase):
         return sum(len(c) for c in chunks if len(c) <= self._short_rows()) >= 2
 
     def _short_rows(self) -> int:
-        return min(self.rollback_horizon + 1, multirow.MAX_ROWS)
+        return min(self.rollback_horizon + 1, MAX_ROWS)
 
     def _step_split(self, states: list[CudaState], chunks: list[np.ndarray], all_logits: bool,
                     hidden: bool = False) -> Any:
@@ -456,7 +458,7 @@ class CudaModel(ModelBase):
             if len(c) > self._short_rows():
                 put([i], step([states[i]], [c], all_logits))
                 continue
-            if sum(len(chunks[j]) for j in group) + len(c) > multirow.MAX_ROWS:
+            if sum(len(chunks[j]) for j in group) + len(c) > MAX_ROWS:
                 flush()
             group.append(i)
         flush()
@@ -468,7 +470,7 @@ class CudaModel(ModelBase):
         body = self._body(st, n0 + T - 1)
         head = self._head(None)
         body = self._body(st, n0 + T - 1)
-        X = decode.final_residual(self._context())
+        X = layer.final_residual(self._context(st, body.tag[0]))
         st.begin_step(T)
         rows, hidden = [], np.empty((T, self.config.hc_mult, self.config.dim), np.float32)
         for i, tok in enumerate(ids):
@@ -497,7 +499,8 @@ class CudaModel(ModelBase):
             if self.rows_ws is not None:                # its graphs point into the old block: drop them
                 self.store.retire([self.rows_ws.block, *self._rows_runs.values()])
                 self._rows_runs.clear()
-            self.rows_ws = multirow.make_rows_workspace(self.store, self.rt, self.config, top, version)
+            self.rows_ws = layer.make_workspace(self.config, top, MAX_ROWS, ROWS, version, store=self.store,
+                                                rt=self.rt)
         per_state: dict[int, int] = {}
         for (st, _, _), b in zip(plan, buckets):
             per_state[id(st)] = max(per_state.get(id(st), 0), b)
@@ -510,9 +513,16 @@ class CudaModel(ModelBase):
         if run is not None:
             self._rows_runs.move_to_end(key)
             return run
-        ctx = multirow.RowsContext(self.config, self.numerics, self.w, ws, [dict(st.arrays) for st, _, _ in plan],
-                               buckets)
-        run = StepRun(self, lambda L: multirow.record_rows(L, ctx), key, slot=ws.slot)
+        rec = Recording(self.config, self.numerics, self.w.freqs, ws,
+                        RowSet(ROWS, [dict(st.arrays) for st, _, _ in plan], buckets, len(plan), ws.slot, cap=MAX_ROWS),
+                        ws.tickets)
+        B = self.w.binding
+
+        def record(ls: layer.Launcher) -> None:
+            layer.record_body(ls, rec, B)
+            layer.record_head(ls, rec, layer.final_residual(rec), rec.R, B.hc_head, B.output_norm, B.head)
+
+        run = StepRun(self, record, key, slot=ws.slot)
         self._rows_runs[key] = run
         while len(self._rows_runs) > ROWS_GRAPHS:
             self.store.retire([self._rows_runs.popitem(last=False)[1]])
@@ -549,15 +559,18 @@ class CudaModel(ModelBase):
         return total
 
     # ---- graphs -------------------------------------------------------------------------------------------------
-    def _workspace(self, bucket: int) -> decode.Workspace:
+    def _workspace(self, bucket: int) -> layer.Workspace:
         if self.ws is None or self.ws.bucket < bucket:
             self.rt.synchronize()                       # the old scratch may be freed: nothing may still use it
             version = 0 if self.ws is None else self.ws.version + 1
-            self.ws = decode.make_workspace(self.w.arena, self.config, bucket, version)
+            self.ws = layer.make_workspace(self.config, bucket, 1, DECODE, version, arena=self.w.arena)
         return self.ws
 
-    def _context(self) -> decode.StepContext:
-        return decode.StepContext(self.config, self.numerics, self.w, self.ws, self.slot, self.ticket)
+    def _context(self, st: CudaState | None, bucket: int) -> Recording:
+        """The DECODE recording of `st` (None: the head, which reads no state) in context bucket `bucket`."""
+        parts = [dict(st.arrays)] if st is not None else []
+        rows = RowSet(DECODE, parts, [bucket], 1, self.slot)
+        return Recording(self.config, self.numerics, self.w.freqs, self.ws, rows, self.ticket)
 
     def _body(self, st: CudaState, pos: int) -> StepRun:
         """The state's decode graph for position `pos` (captured for the bucket holding it)."""
@@ -571,8 +584,8 @@ class CudaModel(ModelBase):
         st.ensure_rows(bucket)
         if run is not None:
             self.store.retire([run])
-        parts, ctx = dict(st.arrays), self._context()
-        run = StepRun(self, lambda L: decode.record_body(L, ctx, parts, bucket), (bucket, st.generation, ws.version))
+        rec, B = self._context(st, bucket), self.w.binding
+        run = StepRun(self, lambda ls: layer.record_body(ls, rec, B), (bucket, st.generation, ws.version))
         st.graph[0] = run
         return run
 
@@ -585,8 +598,14 @@ class CudaModel(ModelBase):
             return run
         if run is not None:
             self.store.retire([self._heads.pop(sampling)])
-        ctx = self._context()
-        run = StepRun(self, lambda L: decode.record_head(L, ctx, sampling), (ws.version,))
+        rec, B = self._context(None, ws.bucket), self.w.binding
+
+        def record(ls: layer.Launcher) -> None:
+            layer.record_head(ls, rec, layer.final_residual(rec), 1, B.hc_head, B.output_norm, B.head)
+            if sampling is not None:
+                layer.record_sample(ls, rec, sampling)
+
+        run = StepRun(self, record, (ws.version,))
         self._heads[sampling] = run
         while len(self._heads) > HEAD_GRAPHS:
             self.store.retire([self._heads.popitem(last=False)[1]])
