@@ -156,7 +156,7 @@ def test_full_size_rows_step_on_the_stand_in_driver(rt, standin):  # noqa: F811
     new = captures(standin)[before:]
     assert len(new) == 1 and not SYNC_CALLS & set(new[0])
     one = m.launches_per_step(sts[0])["total"]
-    n = m._rows_run([(st, st.n_tokens, 1) for st in sts]).count()[0]
+    n = m._rows_run([(st, st.n_tokens, 1) for st in sts])[0].count()[0]
     print(f"V4 Flash 8 rows: {n} launches per step (8 single steps: {8 * one})")
     assert n < 8 * one / 2
     for R in (1, 8, 16):

@@ -43,7 +43,7 @@ import numpy as np
 from ds4py.cuda import kernels, ops
 from ds4py.cuda.kernels import BLOCK, DECODE, ROWS, Launcher
 from ds4py.cuda.memory import Arena, DeviceArray, align_up
-from ds4py.cuda.model_weights import DevTensor
+from ds4py.cuda.device_weights import DevTensor
 from ds4py.cuda.ops import attention as ops_attn
 from ds4py.cuda.ops import moe_prefill as ops_moep
 from ds4py.cuda.ops.mhc import mix_partial_floats, mix_record

@@ -34,7 +34,7 @@ from ds4py.cuda.kernels import gemvs
 from ds4py.cuda.kvstate import CudaState
 from ds4py.cuda.layer import MAX_ROWS, ROWS, Launcher, Recording, RowSet
 from ds4py.cuda.memory import align_up
-from ds4py.cuda.model_weights import DevTensor, conversion
+from ds4py.cuda.device_weights import DevTensor, conversion
 from ds4py.errors import Ds4Error
 from ds4py.fingerprint import file_fingerprint
 from ds4py.gguf import GGUFFile
