@@ -60,14 +60,21 @@ class StepRun:
     (graphs=False). `launches` counts the kernels of one run."""
 
     def __init__(self, model: "CudaModel", record: Callable[[layer.Launcher], None], tag: tuple,
-                 slot: DeviceArray | None = None):
+                 slot: DeviceArray | None = None, graph: bool = True):
+        """graph=False: direct launches until use_graph() (a row set seen once is not worth a capture)."""
         self.model, self._record, self.tag = model, record, tag
         self.slot = model.slot if slot is None else slot
         self.mode = (model.pdl, model.graphs)
         self.launches = 0
         self.side_launches = 0
-        rt = model.rt
-        self.graph = StepGraph(rt, self._capture, self.slot, model.w.arena) if model.graphs else None
+        self.graph: StepGraph | None = None
+        if graph:
+            self.use_graph()
+
+    def use_graph(self) -> None:
+        """Capture on the next run and replay from then on (when the model runs with graphs)."""
+        if self.graph is None and self.mode[1]:
+            self.graph = StepGraph(self.model.rt, self._capture, self.slot, self.model.w.arena)
 
     def _capture(self) -> None:
         ls = layer.Launcher(self.model.rt, self.model.pdl)
@@ -479,7 +486,9 @@ class CudaModel(ModelBase):
         """The ROWS graph for these rows, captured on first use, and the order its rows run in (rows[order[j]] is
         its row j). The graph is keyed by what it baked in: each row's state arrays and context bucket, in a
         canonical order (rows grouped by state, states by address; a state's rows keep their position order), so
-        the same states in another order or grouping of the scheduler's replay one graph."""
+        the same states in another order or grouping of the scheduler's replay one graph. A row set's first step
+        launches directly; it is captured when it comes again (one-off batches, such as a prompt chunk beside
+        decode rows, cost no capture)."""
         buckets = [self._row_bucket(st, pos) for st, pos, _ in plan]
         top = max(buckets)
         if self.rows_ws is None or self.rows_ws.bucket < top:
@@ -501,8 +510,9 @@ class CudaModel(ModelBase):
         key = (ws.version, self.pdl, self.graphs, tuple(
             (b, tuple((a.ptr, a.shape[0]) for a in st.arrays.values())) for (st, _, _), b in zip(plan, buckets)))
         run = self._rows_runs.get(key)
-        if run is not None:
+        if run is not None:                             # seen before: worth a graph from now on
             self._rows_runs.move_to_end(key)
+            run.use_graph()
             return run, order
         rec = Recording(self.config, self.numerics, self.w.freqs, ws,
                         RowSet(ROWS, [dict(st.arrays) for st, _, _ in plan], buckets, len(plan), ws.slot, cap=MAX_ROWS),
@@ -513,7 +523,7 @@ class CudaModel(ModelBase):
             layer.record_body(ls, rec, B)
             layer.record_head(ls, rec, layer.final_residual(rec), rec.R, B.hc_head, B.output_norm, B.head)
 
-        run = StepRun(self, record, key, slot=ws.slot)
+        run = StepRun(self, record, key, slot=ws.slot, graph=False)     # its first run: direct launches
         self._rows_runs[key] = run
         while len(self._rows_runs) > ROWS_GRAPHS:
             self.store.retire([self._rows_runs.popitem(last=False)[1]])

@@ -55,7 +55,7 @@ HEAD_ROWS = 16            # rows per head pass of a block (all_logits runs the h
 
 __all__ = ["BLOCK", "DECODE", "HEAD_ROWS", "Launcher", "MAX_BLOCK", "MAX_ROWS", "ROWS", "Recording", "RowSet",
            "Workspace", "attn_plans", "block_rows", "final_residual", "index_keys", "make_workspace", "record_body",
-           "record_head", "record_layer", "workspace_bytes", "workspace_shapes"]
+           "record_head", "record_layer", "record_sample", "workspace_bytes", "workspace_shapes"]
 
 
 # ---- the workspace: one declaration, sized by the row set ---------------------------------------------------
