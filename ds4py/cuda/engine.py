@@ -363,7 +363,7 @@ class CudaModel(ModelBase):
             else:
                 i = idx[0]
                 run = self._prefill if mode == BLOCK else self._positions
-                got = run(states[i], np.asarray(chunks[i]), all_logits, hidden)
+                got = run(states[i], np.asarray(chunks[i]), all_logits, hidden=hidden)
                 lg, hs = ([got[0]], [got[1]]) if hidden else ([got], [None])
             for j, i in enumerate(idx):
                 logits[i], resid[i] = lg[j], hs[j]
