@@ -189,7 +189,7 @@ __device__ __forceinline__ int moe_unique_id(const int* ids, int n, int n_expert
     return *pick;
 }
 
-// Several rows (issue 17): the pairs p = (row n, slot s), p = n * k + s, of ids [nx * k] (null: pair p is expert
+// Several rows: the pairs p = (row n, slot s), p = n * k + s, of ids [nx * k] (null: pair p is expert
 // p % k) grouped by expert: block (x, u) stages rows [r0, r0 + rows_per_block) of the u-th distinct expert's gate
 // and up once, then runs every pair that chose it (ascending p) with x + n * x_stride, writing h[p]. A bad id's
 // pairs get NaN rows (nothing read). The stage stays while the pairs run: red sits after it.
@@ -324,7 +324,7 @@ __device__ __forceinline__ void moe_dequant_impl(const uint64_t* grid, const uin
 }
 
 
-// ---- entry points, one per format ---------------------------------------------------------------------------
+// ---- entry points: one of each per format of MOE_FORMATS (moe_formats.cuh) -------------------------------------
 // Common contracts. Wg / Wu [n_experts, ff, dim] and W [n_experts, dim, ff]: the raw GGUF bytes of a stacked expert
 // tensor (or of one shared-expert matrix with n_experts = 1); cols % 256 == 0 for IQ2_XXS / Q2_K / Q4_K, % 32
 // otherwise; x, h, add 16-byte aligned. ids [n_slots] int32 (null: slot s is expert s); an id outside
@@ -336,349 +336,82 @@ __device__ __forceinline__ void moe_dequant_impl(const uint64_t* grid, const uin
 
 // h[s, r] for rows r of expert ids[s]. Launch: grid (ceil(ff / rows_per_block), n_slots), block (32 * ceil(G * RL /
 // 32)), dynamic shared memory moe_smem_bytes.
-extern "C" __global__ void moe_gate_up_iq2_xxs(const uint8_t* Wg, const uint8_t* Wu, const float* x, const int* ids,
-                                    const float* route_w, float* h, int n_experts, int ff, int dim,
-                                    int rows_per_block, float clamp) {
-    extern __shared__ __align__(16) uint8_t moe_smem[];
-    __shared__ uint64_t grid_s[256];
-    pdl_wait();
-    pdl_launch_dependents();
-    moe_load_grid(grid_s);
-    moe_gate_up_impl<FMT_IQ2_XXS>(moe_smem, grid_s, Wg, Wu, x, ids, route_w, h, n_experts, ff, dim, rows_per_block,
-                                clamp);
+#define MOE_GATE_UP(name, F, QK, NB, TABLE) \
+extern "C" __global__ void moe_gate_up_##name(const uint8_t* Wg, const uint8_t* Wu, const float* x, const int* ids, \
+                                              const float* route_w, float* h, int n_experts, int ff, int dim, \
+                                              int rows_per_block, float clamp) { \
+    extern __shared__ __align__(16) uint8_t moe_smem[]; \
+    __shared__ uint64_t grid_s[TABLE ? 256 : 1]; \
+    pdl_wait(); \
+    pdl_launch_dependents(); \
+    if (TABLE) moe_load_grid(grid_s); \
+    moe_gate_up_impl<F>(moe_smem, TABLE ? grid_s : nullptr, Wg, Wu, x, ids, route_w, h, n_experts, ff, dim, \
+                        rows_per_block, clamp); \
 }
 
 // y or X' rows [r0, r0 + rows_per_block) summed over the n_slots experts. Launch: grid (ceil(dim / rows_per_block)),
 // block (32 * ceil(G * RL / 32)), dynamic shared memory moe_smem_bytes.
-extern "C" __global__ void moe_down_iq2_xxs(const uint8_t* W, const int* ids, const float* h, const float* add,
-                                 const float* hc_post, const float* hc_comb, const float* hc_x, float* out,
-                                 int n_slots, int n_experts, int dim, int ff, int rows_per_block, int hc) {
-    extern __shared__ __align__(16) uint8_t moe_smem[];
-    __shared__ uint64_t grid_s[256];
-    pdl_wait();
-    pdl_launch_dependents();
-    moe_load_grid(grid_s);
-    moe_down_impl<FMT_IQ2_XXS>(moe_smem, grid_s, W, ids, h, add, hc_post, hc_comb, hc_x, out, n_slots, n_experts,
-                             dim, ff, rows_per_block, hc);
+#define MOE_DOWN(name, F, QK, NB, TABLE) \
+extern "C" __global__ void moe_down_##name(const uint8_t* W, const int* ids, const float* h, const float* add, \
+                                           const float* hc_post, const float* hc_comb, const float* hc_x, \
+                                           float* out, int n_slots, int n_experts, int dim, int ff, \
+                                           int rows_per_block, int hc) { \
+    extern __shared__ __align__(16) uint8_t moe_smem[]; \
+    __shared__ uint64_t grid_s[TABLE ? 256 : 1]; \
+    pdl_wait(); \
+    pdl_launch_dependents(); \
+    if (TABLE) moe_load_grid(grid_s); \
+    moe_down_impl<F>(moe_smem, TABLE ? grid_s : nullptr, W, ids, h, add, hc_post, hc_comb, hc_x, out, n_slots, \
+                     n_experts, dim, ff, rows_per_block, hc); \
 }
 
 // out[32g + j] = value j of column group g (n_groups groups of 32 from the start of W). Launch: grid
 // (ceil(n_groups / 256)), block (256).
-extern "C" __global__ void moe_dequant_iq2_xxs(const uint8_t* W, float* out, int n_groups) {
-    pdl_wait();
-    pdl_launch_dependents();
-    moe_dequant_impl<FMT_IQ2_XXS>(moe_iq2xxs_grid, W, out, n_groups);
+#define MOE_DEQUANT(name, F, QK, NB, TABLE) \
+extern "C" __global__ void moe_dequant_##name(const uint8_t* W, float* out, int n_groups) { \
+    pdl_wait(); \
+    pdl_launch_dependents(); \
+    moe_dequant_impl<F>(TABLE ? moe_iq2xxs_grid : nullptr, W, out, n_groups); \
 }
 
-// h[s, r] for rows r of expert ids[s]. Launch: grid (ceil(ff / rows_per_block), n_slots), block (32 * ceil(G * RL /
-// 32)), dynamic shared memory moe_smem_bytes.
-extern "C" __global__ void moe_gate_up_q2_k(const uint8_t* Wg, const uint8_t* Wu, const float* x, const int* ids,
-                                    const float* route_w, float* h, int n_experts, int ff, int dim,
-                                    int rows_per_block, float clamp) {
-    extern __shared__ __align__(16) uint8_t moe_smem[];
-    pdl_wait();
-    pdl_launch_dependents();
-    moe_gate_up_impl<FMT_Q2_K>(moe_smem, nullptr, Wg, Wu, x, ids, route_w, h, n_experts, ff, dim, rows_per_block,
-                                clamp);
-}
+MOE_FORMATS(MOE_GATE_UP)
+MOE_FORMATS(MOE_DOWN)
+MOE_FORMATS(MOE_DEQUANT)
 
-// y or X' rows [r0, r0 + rows_per_block) summed over the n_slots experts. Launch: grid (ceil(dim / rows_per_block)),
-// block (32 * ceil(G * RL / 32)), dynamic shared memory moe_smem_bytes.
-extern "C" __global__ void moe_down_q2_k(const uint8_t* W, const int* ids, const float* h, const float* add,
-                                 const float* hc_post, const float* hc_comb, const float* hc_x, float* out,
-                                 int n_slots, int n_experts, int dim, int ff, int rows_per_block, int hc) {
-    extern __shared__ __align__(16) uint8_t moe_smem[];
-    pdl_wait();
-    pdl_launch_dependents();
-    moe_down_impl<FMT_Q2_K>(moe_smem, nullptr, W, ids, h, add, hc_post, hc_comb, hc_x, out, n_slots, n_experts,
-                          dim, ff, rows_per_block, hc);
-}
-
-// out[32g + j] = value j of column group g (n_groups groups of 32 from the start of W). Launch: grid
-// (ceil(n_groups / 256)), block (256).
-extern "C" __global__ void moe_dequant_q2_k(const uint8_t* W, float* out, int n_groups) {
-    pdl_wait();
-    pdl_launch_dependents();
-    moe_dequant_impl<FMT_Q2_K>(nullptr, W, out, n_groups);
-}
-
-// h[s, r] for rows r of expert ids[s]. Launch: grid (ceil(ff / rows_per_block), n_slots), block (32 * ceil(G * RL /
-// 32)), dynamic shared memory moe_smem_bytes.
-extern "C" __global__ void moe_gate_up_q4_k(const uint8_t* Wg, const uint8_t* Wu, const float* x, const int* ids,
-                                    const float* route_w, float* h, int n_experts, int ff, int dim,
-                                    int rows_per_block, float clamp) {
-    extern __shared__ __align__(16) uint8_t moe_smem[];
-    pdl_wait();
-    pdl_launch_dependents();
-    moe_gate_up_impl<FMT_Q4_K>(moe_smem, nullptr, Wg, Wu, x, ids, route_w, h, n_experts, ff, dim, rows_per_block,
-                                clamp);
-}
-
-// y or X' rows [r0, r0 + rows_per_block) summed over the n_slots experts. Launch: grid (ceil(dim / rows_per_block)),
-// block (32 * ceil(G * RL / 32)), dynamic shared memory moe_smem_bytes.
-extern "C" __global__ void moe_down_q4_k(const uint8_t* W, const int* ids, const float* h, const float* add,
-                                 const float* hc_post, const float* hc_comb, const float* hc_x, float* out,
-                                 int n_slots, int n_experts, int dim, int ff, int rows_per_block, int hc) {
-    extern __shared__ __align__(16) uint8_t moe_smem[];
-    pdl_wait();
-    pdl_launch_dependents();
-    moe_down_impl<FMT_Q4_K>(moe_smem, nullptr, W, ids, h, add, hc_post, hc_comb, hc_x, out, n_slots, n_experts,
-                          dim, ff, rows_per_block, hc);
-}
-
-// out[32g + j] = value j of column group g (n_groups groups of 32 from the start of W). Launch: grid
-// (ceil(n_groups / 256)), block (256).
-extern "C" __global__ void moe_dequant_q4_k(const uint8_t* W, float* out, int n_groups) {
-    pdl_wait();
-    pdl_launch_dependents();
-    moe_dequant_impl<FMT_Q4_K>(nullptr, W, out, n_groups);
-}
-
-// h[s, r] for rows r of expert ids[s]. Launch: grid (ceil(ff / rows_per_block), n_slots), block (32 * ceil(G * RL /
-// 32)), dynamic shared memory moe_smem_bytes.
-extern "C" __global__ void moe_gate_up_mxfp4(const uint8_t* Wg, const uint8_t* Wu, const float* x, const int* ids,
-                                    const float* route_w, float* h, int n_experts, int ff, int dim,
-                                    int rows_per_block, float clamp) {
-    extern __shared__ __align__(16) uint8_t moe_smem[];
-    pdl_wait();
-    pdl_launch_dependents();
-    moe_gate_up_impl<FMT_MXFP4>(moe_smem, nullptr, Wg, Wu, x, ids, route_w, h, n_experts, ff, dim, rows_per_block,
-                                clamp);
-}
-
-// y or X' rows [r0, r0 + rows_per_block) summed over the n_slots experts. Launch: grid (ceil(dim / rows_per_block)),
-// block (32 * ceil(G * RL / 32)), dynamic shared memory moe_smem_bytes.
-extern "C" __global__ void moe_down_mxfp4(const uint8_t* W, const int* ids, const float* h, const float* add,
-                                 const float* hc_post, const float* hc_comb, const float* hc_x, float* out,
-                                 int n_slots, int n_experts, int dim, int ff, int rows_per_block, int hc) {
-    extern __shared__ __align__(16) uint8_t moe_smem[];
-    pdl_wait();
-    pdl_launch_dependents();
-    moe_down_impl<FMT_MXFP4>(moe_smem, nullptr, W, ids, h, add, hc_post, hc_comb, hc_x, out, n_slots, n_experts,
-                           dim, ff, rows_per_block, hc);
-}
-
-// out[32g + j] = value j of column group g (n_groups groups of 32 from the start of W). Launch: grid
-// (ceil(n_groups / 256)), block (256).
-extern "C" __global__ void moe_dequant_mxfp4(const uint8_t* W, float* out, int n_groups) {
-    pdl_wait();
-    pdl_launch_dependents();
-    moe_dequant_impl<FMT_MXFP4>(nullptr, W, out, n_groups);
-}
-
-// h[s, r] for rows r of expert ids[s]. Launch: grid (ceil(ff / rows_per_block), n_slots), block (32 * ceil(G * RL /
-// 32)), dynamic shared memory moe_smem_bytes.
-extern "C" __global__ void moe_gate_up_q8_0(const uint8_t* Wg, const uint8_t* Wu, const float* x, const int* ids,
-                                    const float* route_w, float* h, int n_experts, int ff, int dim,
-                                    int rows_per_block, float clamp) {
-    extern __shared__ __align__(16) uint8_t moe_smem[];
-    pdl_wait();
-    pdl_launch_dependents();
-    moe_gate_up_impl<FMT_Q8_0>(moe_smem, nullptr, Wg, Wu, x, ids, route_w, h, n_experts, ff, dim, rows_per_block,
-                                clamp);
-}
-
-// y or X' rows [r0, r0 + rows_per_block) summed over the n_slots experts. Launch: grid (ceil(dim / rows_per_block)),
-// block (32 * ceil(G * RL / 32)), dynamic shared memory moe_smem_bytes.
-extern "C" __global__ void moe_down_q8_0(const uint8_t* W, const int* ids, const float* h, const float* add,
-                                 const float* hc_post, const float* hc_comb, const float* hc_x, float* out,
-                                 int n_slots, int n_experts, int dim, int ff, int rows_per_block, int hc) {
-    extern __shared__ __align__(16) uint8_t moe_smem[];
-    pdl_wait();
-    pdl_launch_dependents();
-    moe_down_impl<FMT_Q8_0>(moe_smem, nullptr, W, ids, h, add, hc_post, hc_comb, hc_x, out, n_slots, n_experts,
-                          dim, ff, rows_per_block, hc);
-}
-
-// out[32g + j] = value j of column group g (n_groups groups of 32 from the start of W). Launch: grid
-// (ceil(n_groups / 256)), block (256).
-extern "C" __global__ void moe_dequant_q8_0(const uint8_t* W, float* out, int n_groups) {
-    pdl_wait();
-    pdl_launch_dependents();
-    moe_dequant_impl<FMT_Q8_0>(nullptr, W, out, n_groups);
-}
-
-// h[s, r] for rows r of expert ids[s]. Launch: grid (ceil(ff / rows_per_block), n_slots), block (32 * ceil(G * RL /
-// 32)), dynamic shared memory moe_smem_bytes.
-extern "C" __global__ void moe_gate_up_f16(const uint8_t* Wg, const uint8_t* Wu, const float* x, const int* ids,
-                                    const float* route_w, float* h, int n_experts, int ff, int dim,
-                                    int rows_per_block, float clamp) {
-    extern __shared__ __align__(16) uint8_t moe_smem[];
-    pdl_wait();
-    pdl_launch_dependents();
-    moe_gate_up_impl<FMT_F16>(moe_smem, nullptr, Wg, Wu, x, ids, route_w, h, n_experts, ff, dim, rows_per_block,
-                                clamp);
-}
-
-// y or X' rows [r0, r0 + rows_per_block) summed over the n_slots experts. Launch: grid (ceil(dim / rows_per_block)),
-// block (32 * ceil(G * RL / 32)), dynamic shared memory moe_smem_bytes.
-extern "C" __global__ void moe_down_f16(const uint8_t* W, const int* ids, const float* h, const float* add,
-                                 const float* hc_post, const float* hc_comb, const float* hc_x, float* out,
-                                 int n_slots, int n_experts, int dim, int ff, int rows_per_block, int hc) {
-    extern __shared__ __align__(16) uint8_t moe_smem[];
-    pdl_wait();
-    pdl_launch_dependents();
-    moe_down_impl<FMT_F16>(moe_smem, nullptr, W, ids, h, add, hc_post, hc_comb, hc_x, out, n_slots, n_experts,
-                         dim, ff, rows_per_block, hc);
-}
-
-// out[32g + j] = value j of column group g (n_groups groups of 32 from the start of W). Launch: grid
-// (ceil(n_groups / 256)), block (256).
-extern "C" __global__ void moe_dequant_f16(const uint8_t* W, float* out, int n_groups) {
-    pdl_wait();
-    pdl_launch_dependents();
-    moe_dequant_impl<FMT_F16>(nullptr, W, out, n_groups);
-}
-
-// ---- several rows (issue 17): the grouped gate + up and the per-row down, one launch each -------------------
+// ---- several rows: the grouped gate + up and the per-row down, one launch each -------------------
 // moe_gate_up_rows_<fmt>: grid (ceil(ff / rows_per_block), distinct experts at most: min(n_pairs, n_experts) or k
 // with ids null), smem moe_smem_bytes with the stage and the partial sums side by side. moe_down_rows_<fmt>:
 // grid (ceil(dim / rows_per_block), rows), smem as moe_down_<fmt>.
 
 // Grouped gate + up of nx rows. Launch: grid (ceil(ff / rows_per_block), distinct experts at most), smem moe_rows_plan.
-extern "C" __global__ void moe_gate_up_rows_iq2_xxs(const uint8_t* Wg, const uint8_t* Wu, const float* x, const int* ids,
-                                    const float* route_w, float* h, int n_experts, int ff, int dim,
-                                    int rows_per_block, float clamp, int n_pairs, int k,
-                                    int x_stride) {
-    extern __shared__ __align__(16) uint8_t moe_smem[];
-    __shared__ int pick;
-    __shared__ uint64_t grid_s[256];
-    pdl_wait();
-    pdl_launch_dependents();
-    moe_load_grid(grid_s);
-    moe_gate_up_rows_impl<FMT_IQ2_XXS>(moe_smem, grid_s, Wg, Wu, x, ids, route_w, h, n_experts, ff, dim, rows_per_block,
-                                    clamp, n_pairs, k, x_stride, &pick);
+#define MOE_GATE_UP_ROWS(name, F, QK, NB, TABLE) \
+extern "C" __global__ void moe_gate_up_rows_##name(const uint8_t* Wg, const uint8_t* Wu, const float* x, \
+                                                   const int* ids, const float* route_w, float* h, int n_experts, \
+                                                   int ff, int dim, int rows_per_block, float clamp, int n_pairs, \
+                                                   int k, int x_stride) { \
+    extern __shared__ __align__(16) uint8_t moe_smem[]; \
+    __shared__ int pick; \
+    __shared__ uint64_t grid_s[TABLE ? 256 : 1]; \
+    pdl_wait(); \
+    pdl_launch_dependents(); \
+    if (TABLE) moe_load_grid(grid_s); \
+    moe_gate_up_rows_impl<F>(moe_smem, TABLE ? grid_s : nullptr, Wg, Wu, x, ids, route_w, h, n_experts, ff, dim, \
+                             rows_per_block, clamp, n_pairs, k, x_stride, &pick); \
 }
 
 // Per-row down of nx rows. Launch: grid (ceil(dim / rows_per_block), nx), smem as moe_down.
-extern "C" __global__ void moe_down_rows_iq2_xxs(const uint8_t* W, const int* ids, const float* h, const float* add,
-                                 const float* mix, const float* hc_x, float* out, int n_slots, int n_experts,
-                                 int dim, int ff, int rows_per_block, int hc) {
-    extern __shared__ __align__(16) uint8_t moe_smem[];
-    __shared__ uint64_t grid_s[256];
-    pdl_wait();
-    pdl_launch_dependents();
-    moe_load_grid(grid_s);
-    moe_down_rows_impl<FMT_IQ2_XXS>(moe_smem, grid_s, W, ids, h, add, mix, hc_x, out, n_slots, n_experts,
-                             dim, ff, rows_per_block, hc);
+#define MOE_DOWN_ROWS(name, F, QK, NB, TABLE) \
+extern "C" __global__ void moe_down_rows_##name(const uint8_t* W, const int* ids, const float* h, const float* add, \
+                                                const float* mix, const float* hc_x, float* out, int n_slots, \
+                                                int n_experts, int dim, int ff, int rows_per_block, int hc) { \
+    extern __shared__ __align__(16) uint8_t moe_smem[]; \
+    __shared__ uint64_t grid_s[TABLE ? 256 : 1]; \
+    pdl_wait(); \
+    pdl_launch_dependents(); \
+    if (TABLE) moe_load_grid(grid_s); \
+    moe_down_rows_impl<F>(moe_smem, TABLE ? grid_s : nullptr, W, ids, h, add, mix, hc_x, out, n_slots, n_experts, \
+                          dim, ff, rows_per_block, hc); \
 }
 
-// Grouped gate + up of nx rows. Launch: grid (ceil(ff / rows_per_block), distinct experts at most), smem moe_rows_plan.
-extern "C" __global__ void moe_gate_up_rows_q2_k(const uint8_t* Wg, const uint8_t* Wu, const float* x, const int* ids,
-                                    const float* route_w, float* h, int n_experts, int ff, int dim,
-                                    int rows_per_block, float clamp, int n_pairs, int k,
-                                    int x_stride) {
-    extern __shared__ __align__(16) uint8_t moe_smem[];
-    __shared__ int pick;
-    pdl_wait();
-    pdl_launch_dependents();
-    moe_gate_up_rows_impl<FMT_Q2_K>(moe_smem, nullptr, Wg, Wu, x, ids, route_w, h, n_experts, ff, dim, rows_per_block,
-                                    clamp, n_pairs, k, x_stride, &pick);
-}
-
-// Per-row down of nx rows. Launch: grid (ceil(dim / rows_per_block), nx), smem as moe_down.
-extern "C" __global__ void moe_down_rows_q2_k(const uint8_t* W, const int* ids, const float* h, const float* add,
-                                 const float* mix, const float* hc_x, float* out, int n_slots, int n_experts,
-                                 int dim, int ff, int rows_per_block, int hc) {
-    extern __shared__ __align__(16) uint8_t moe_smem[];
-    pdl_wait();
-    pdl_launch_dependents();
-    moe_down_rows_impl<FMT_Q2_K>(moe_smem, nullptr, W, ids, h, add, mix, hc_x, out, n_slots, n_experts,
-                          dim, ff, rows_per_block, hc);
-}
-
-// Grouped gate + up of nx rows. Launch: grid (ceil(ff / rows_per_block), distinct experts at most), smem moe_rows_plan.
-extern "C" __global__ void moe_gate_up_rows_q4_k(const uint8_t* Wg, const uint8_t* Wu, const float* x, const int* ids,
-                                    const float* route_w, float* h, int n_experts, int ff, int dim,
-                                    int rows_per_block, float clamp, int n_pairs, int k,
-                                    int x_stride) {
-    extern __shared__ __align__(16) uint8_t moe_smem[];
-    __shared__ int pick;
-    pdl_wait();
-    pdl_launch_dependents();
-    moe_gate_up_rows_impl<FMT_Q4_K>(moe_smem, nullptr, Wg, Wu, x, ids, route_w, h, n_experts, ff, dim, rows_per_block,
-                                    clamp, n_pairs, k, x_stride, &pick);
-}
-
-// Per-row down of nx rows. Launch: grid (ceil(dim / rows_per_block), nx), smem as moe_down.
-extern "C" __global__ void moe_down_rows_q4_k(const uint8_t* W, const int* ids, const float* h, const float* add,
-                                 const float* mix, const float* hc_x, float* out, int n_slots, int n_experts,
-                                 int dim, int ff, int rows_per_block, int hc) {
-    extern __shared__ __align__(16) uint8_t moe_smem[];
-    pdl_wait();
-    pdl_launch_dependents();
-    moe_down_rows_impl<FMT_Q4_K>(moe_smem, nullptr, W, ids, h, add, mix, hc_x, out, n_slots, n_experts,
-                          dim, ff, rows_per_block, hc);
-}
-
-// Grouped gate + up of nx rows. Launch: grid (ceil(ff / rows_per_block), distinct experts at most), smem moe_rows_plan.
-extern "C" __global__ void moe_gate_up_rows_mxfp4(const uint8_t* Wg, const uint8_t* Wu, const float* x, const int* ids,
-                                    const float* route_w, float* h, int n_experts, int ff, int dim,
-                                    int rows_per_block, float clamp, int n_pairs, int k,
-                                    int x_stride) {
-    extern __shared__ __align__(16) uint8_t moe_smem[];
-    __shared__ int pick;
-    pdl_wait();
-    pdl_launch_dependents();
-    moe_gate_up_rows_impl<FMT_MXFP4>(moe_smem, nullptr, Wg, Wu, x, ids, route_w, h, n_experts, ff, dim, rows_per_block,
-                                    clamp, n_pairs, k, x_stride, &pick);
-}
-
-// Per-row down of nx rows. Launch: grid (ceil(dim / rows_per_block), nx), smem as moe_down.
-extern "C" __global__ void moe_down_rows_mxfp4(const uint8_t* W, const int* ids, const float* h, const float* add,
-                                 const float* mix, const float* hc_x, float* out, int n_slots, int n_experts,
-                                 int dim, int ff, int rows_per_block, int hc) {
-    extern __shared__ __align__(16) uint8_t moe_smem[];
-    pdl_wait();
-    pdl_launch_dependents();
-    moe_down_rows_impl<FMT_MXFP4>(moe_smem, nullptr, W, ids, h, add, mix, hc_x, out, n_slots, n_experts,
-                           dim, ff, rows_per_block, hc);
-}
-
-// Grouped gate + up of nx rows. Launch: grid (ceil(ff / rows_per_block), distinct experts at most), smem moe_rows_plan.
-extern "C" __global__ void moe_gate_up_rows_q8_0(const uint8_t* Wg, const uint8_t* Wu, const float* x, const int* ids,
-                                    const float* route_w, float* h, int n_experts, int ff, int dim,
-                                    int rows_per_block, float clamp, int n_pairs, int k,
-                                    int x_stride) {
-    extern __shared__ __align__(16) uint8_t moe_smem[];
-    __shared__ int pick;
-    pdl_wait();
-    pdl_launch_dependents();
-    moe_gate_up_rows_impl<FMT_Q8_0>(moe_smem, nullptr, Wg, Wu, x, ids, route_w, h, n_experts, ff, dim, rows_per_block,
-                                    clamp, n_pairs, k, x_stride, &pick);
-}
-
-// Per-row down of nx rows. Launch: grid (ceil(dim / rows_per_block), nx), smem as moe_down.
-extern "C" __global__ void moe_down_rows_q8_0(const uint8_t* W, const int* ids, const float* h, const float* add,
-                                 const float* mix, const float* hc_x, float* out, int n_slots, int n_experts,
-                                 int dim, int ff, int rows_per_block, int hc) {
-    extern __shared__ __align__(16) uint8_t moe_smem[];
-    pdl_wait();
-    pdl_launch_dependents();
-    moe_down_rows_impl<FMT_Q8_0>(moe_smem, nullptr, W, ids, h, add, mix, hc_x, out, n_slots, n_experts,
-                          dim, ff, rows_per_block, hc);
-}
-
-// Grouped gate + up of nx rows. Launch: grid (ceil(ff / rows_per_block), distinct experts at most), smem moe_rows_plan.
-extern "C" __global__ void moe_gate_up_rows_f16(const uint8_t* Wg, const uint8_t* Wu, const float* x, const int* ids,
-                                    const float* route_w, float* h, int n_experts, int ff, int dim,
-                                    int rows_per_block, float clamp, int n_pairs, int k,
-                                    int x_stride) {
-    extern __shared__ __align__(16) uint8_t moe_smem[];
-    __shared__ int pick;
-    pdl_wait();
-    pdl_launch_dependents();
-    moe_gate_up_rows_impl<FMT_F16>(moe_smem, nullptr, Wg, Wu, x, ids, route_w, h, n_experts, ff, dim, rows_per_block,
-                                    clamp, n_pairs, k, x_stride, &pick);
-}
-
-// Per-row down of nx rows. Launch: grid (ceil(dim / rows_per_block), nx), smem as moe_down.
-extern "C" __global__ void moe_down_rows_f16(const uint8_t* W, const int* ids, const float* h, const float* add,
-                                 const float* mix, const float* hc_x, float* out, int n_slots, int n_experts,
-                                 int dim, int ff, int rows_per_block, int hc) {
-    extern __shared__ __align__(16) uint8_t moe_smem[];
-    pdl_wait();
-    pdl_launch_dependents();
-    moe_down_rows_impl<FMT_F16>(moe_smem, nullptr, W, ids, h, add, mix, hc_x, out, n_slots, n_experts,
-                         dim, ff, rows_per_block, hc);
-}
+MOE_FORMATS(MOE_GATE_UP_ROWS)
+MOE_FORMATS(MOE_DOWN_ROWS)

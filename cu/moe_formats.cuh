@@ -12,6 +12,19 @@
 #define FMT_Q8_0 4
 #define FMT_F16 5
 
+// The expert weight formats, one entry each: X(kernel suffix, FMT_ id, weights per block, bytes per block,
+// table), table = 1 when the decoder reads the IQ2 grid (staged in shared memory per block). Every expert entry
+// point of experts.cu and moe_prefill.cu is generated from this list (MOE_FORMATS(template)), and the host reads
+// it too (ds4py/cuda/signature.py expands the entry points, ds4py/cuda/ops/experts.py's FORMATS is this list):
+// a new format is one entry here plus its decoder below.
+#define MOE_FORMATS(X) \
+    X(iq2_xxs, FMT_IQ2_XXS, 256, 66, 1) \
+    X(q2_k, FMT_Q2_K, 256, 84, 0) \
+    X(q4_k, FMT_Q4_K, 256, 144, 0) \
+    X(mxfp4, FMT_MXFP4, 32, 17, 0) \
+    X(q8_0, FMT_Q8_0, 32, 34, 0) \
+    X(f16, FMT_F16, 32, 64, 0)
+
 // llama.cpp's iq2xxs_grid: 8 magnitudes (bytes 0x08, 0x19, 0x2b) per entry, byte j = weight j.
 __device__ const uint64_t moe_iq2xxs_grid[256] = {
     0x0808080808080808ull, 0x080808080808082bull, 0x0808080808081919ull, 0x0808080808082b08ull,

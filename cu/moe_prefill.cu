@@ -1,4 +1,4 @@
-// Routed experts of V4 Flash for a block of T tokens (prefill, issue 17), grouped by expert on tensor cores:
+// Routed experts of V4 Flash for a block of T tokens (prefill), grouped by expert on tensor cores:
 //   moe_prefill_route          count the (token, slot) pairs per expert, exclusive scan, scatter the pairs into
 //                              expert-sorted order (within an expert by pair index p = t*k + s: deterministic),
 //                              and list the work items: (expert, first sorted row) per MOEP_BM rows of an expert;
@@ -394,134 +394,43 @@ extern "C" __global__ void moe_prefill_combine(const float* Yp, const int* pos, 
     y[(size_t)t * ldy + n] = s;
 }
 
-// ---- entry points, one pair per format -------------------------------------------------------------------------
+// ---- entry points: one pair per format of MOE_FORMATS (moe_formats.cuh) ----------------------------------------
 // Common contracts. Wg / Wu [n_experts, ff, dim], W [n_experts, dim, ff]: the stacked expert tensors' raw GGUF
 // bytes; dim and ff multiples of 256 for IQ2_XXS / Q2_K / Q4_K, of 32 otherwise (and of 32 always). x [T, ldx]
 // float32 (16-byte aligned, ldx % 4 == 0), route_w [T*k] (null: 1), H [P, ff] and Yp [P, dim] float32 in sorted
 // order; sorted / tile_* / offsets / info from moe_prefill_route. clamp <= 0: no clamp.
 
-// Gate + up + SwiGLU per work item (iq2_xxs). Launch: grid (ceil(ff / MOEP_BN), max_tiles), block MOEP_THREADS.
-extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_gate_up_iq2_xxs(const uint8_t* Wg,
-        const uint8_t* Wu, const float* x, const float* route_w, const int* sorted, const int* tile_bucket,
-        const int* tile_row, const int* offsets, const int* info, float* H, int n_experts, int ff, int dim, int k,
-        int ldx, float clamp) {
-    __shared__ uint64_t grid_s[256];
-    pdl_wait();
-    pdl_launch_dependents();
-    moe_load_grid(grid_s);
-    __syncthreads();
-    moep_gate_up<FMT_IQ2_XXS>(grid_s, Wg, Wu, x, ldx, route_w, sorted, tile_bucket, tile_row, offsets, info, H, n_experts,
-                         ff, dim, k, clamp);
+// Gate + up + SwiGLU per work item. Launch: grid (ceil(ff / MOEP_BN), max_tiles), block MOEP_THREADS.
+#define MOEP_GATE_UP(name, F, QK, NB, TABLE) \
+extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_gate_up_##name(const uint8_t* Wg, \
+        const uint8_t* Wu, const float* x, const float* route_w, const int* sorted, const int* tile_bucket, \
+        const int* tile_row, const int* offsets, const int* info, float* H, int n_experts, int ff, int dim, int k, \
+        int ldx, float clamp) { \
+    __shared__ uint64_t grid_s[TABLE ? 256 : 1]; \
+    pdl_wait(); \
+    pdl_launch_dependents(); \
+    if (TABLE) { \
+        moe_load_grid(grid_s); \
+        __syncthreads(); \
+    } \
+    moep_gate_up<F>(TABLE ? grid_s : nullptr, Wg, Wu, x, ldx, route_w, sorted, tile_bucket, tile_row, offsets, info, \
+                    H, n_experts, ff, dim, k, clamp); \
 }
 
-// Down per work item (iq2_xxs). Launch: grid (ceil(dim / MOEP_BN), max_tiles), block MOEP_THREADS.
-extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_down_iq2_xxs(const uint8_t* W, const float* H,
-        const int* tile_bucket, const int* tile_row, const int* offsets, const int* info, float* Yp, int n_experts,
-        int dim, int ff) {
-    __shared__ uint64_t grid_s[256];
-    pdl_wait();
-    pdl_launch_dependents();
-    moe_load_grid(grid_s);
-    __syncthreads();
-    moep_down<FMT_IQ2_XXS>(grid_s, W, H, tile_bucket, tile_row, offsets, info, Yp, n_experts, dim, ff);
+// Down per work item. Launch: grid (ceil(dim / MOEP_BN), max_tiles), block MOEP_THREADS.
+#define MOEP_DOWN(name, F, QK, NB, TABLE) \
+extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_down_##name(const uint8_t* W, \
+        const float* H, const int* tile_bucket, const int* tile_row, const int* offsets, const int* info, \
+        float* Yp, int n_experts, int dim, int ff) { \
+    __shared__ uint64_t grid_s[TABLE ? 256 : 1]; \
+    pdl_wait(); \
+    pdl_launch_dependents(); \
+    if (TABLE) { \
+        moe_load_grid(grid_s); \
+        __syncthreads(); \
+    } \
+    moep_down<F>(TABLE ? grid_s : nullptr, W, H, tile_bucket, tile_row, offsets, info, Yp, n_experts, dim, ff); \
 }
 
-// Gate + up + SwiGLU per work item (q2_k). Launch: grid (ceil(ff / MOEP_BN), max_tiles), block MOEP_THREADS.
-extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_gate_up_q2_k(const uint8_t* Wg,
-        const uint8_t* Wu, const float* x, const float* route_w, const int* sorted, const int* tile_bucket,
-        const int* tile_row, const int* offsets, const int* info, float* H, int n_experts, int ff, int dim, int k,
-        int ldx, float clamp) {
-    pdl_wait();
-    pdl_launch_dependents();
-    moep_gate_up<FMT_Q2_K>(nullptr, Wg, Wu, x, ldx, route_w, sorted, tile_bucket, tile_row, offsets, info, H, n_experts,
-                         ff, dim, k, clamp);
-}
-
-// Down per work item (q2_k). Launch: grid (ceil(dim / MOEP_BN), max_tiles), block MOEP_THREADS.
-extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_down_q2_k(const uint8_t* W, const float* H,
-        const int* tile_bucket, const int* tile_row, const int* offsets, const int* info, float* Yp, int n_experts,
-        int dim, int ff) {
-    pdl_wait();
-    pdl_launch_dependents();
-    moep_down<FMT_Q2_K>(nullptr, W, H, tile_bucket, tile_row, offsets, info, Yp, n_experts, dim, ff);
-}
-
-// Gate + up + SwiGLU per work item (q4_k). Launch: grid (ceil(ff / MOEP_BN), max_tiles), block MOEP_THREADS.
-extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_gate_up_q4_k(const uint8_t* Wg,
-        const uint8_t* Wu, const float* x, const float* route_w, const int* sorted, const int* tile_bucket,
-        const int* tile_row, const int* offsets, const int* info, float* H, int n_experts, int ff, int dim, int k,
-        int ldx, float clamp) {
-    pdl_wait();
-    pdl_launch_dependents();
-    moep_gate_up<FMT_Q4_K>(nullptr, Wg, Wu, x, ldx, route_w, sorted, tile_bucket, tile_row, offsets, info, H, n_experts,
-                         ff, dim, k, clamp);
-}
-
-// Down per work item (q4_k). Launch: grid (ceil(dim / MOEP_BN), max_tiles), block MOEP_THREADS.
-extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_down_q4_k(const uint8_t* W, const float* H,
-        const int* tile_bucket, const int* tile_row, const int* offsets, const int* info, float* Yp, int n_experts,
-        int dim, int ff) {
-    pdl_wait();
-    pdl_launch_dependents();
-    moep_down<FMT_Q4_K>(nullptr, W, H, tile_bucket, tile_row, offsets, info, Yp, n_experts, dim, ff);
-}
-
-// Gate + up + SwiGLU per work item (mxfp4). Launch: grid (ceil(ff / MOEP_BN), max_tiles), block MOEP_THREADS.
-extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_gate_up_mxfp4(const uint8_t* Wg,
-        const uint8_t* Wu, const float* x, const float* route_w, const int* sorted, const int* tile_bucket,
-        const int* tile_row, const int* offsets, const int* info, float* H, int n_experts, int ff, int dim, int k,
-        int ldx, float clamp) {
-    pdl_wait();
-    pdl_launch_dependents();
-    moep_gate_up<FMT_MXFP4>(nullptr, Wg, Wu, x, ldx, route_w, sorted, tile_bucket, tile_row, offsets, info, H, n_experts,
-                         ff, dim, k, clamp);
-}
-
-// Down per work item (mxfp4). Launch: grid (ceil(dim / MOEP_BN), max_tiles), block MOEP_THREADS.
-extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_down_mxfp4(const uint8_t* W, const float* H,
-        const int* tile_bucket, const int* tile_row, const int* offsets, const int* info, float* Yp, int n_experts,
-        int dim, int ff) {
-    pdl_wait();
-    pdl_launch_dependents();
-    moep_down<FMT_MXFP4>(nullptr, W, H, tile_bucket, tile_row, offsets, info, Yp, n_experts, dim, ff);
-}
-
-// Gate + up + SwiGLU per work item (q8_0). Launch: grid (ceil(ff / MOEP_BN), max_tiles), block MOEP_THREADS.
-extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_gate_up_q8_0(const uint8_t* Wg,
-        const uint8_t* Wu, const float* x, const float* route_w, const int* sorted, const int* tile_bucket,
-        const int* tile_row, const int* offsets, const int* info, float* H, int n_experts, int ff, int dim, int k,
-        int ldx, float clamp) {
-    pdl_wait();
-    pdl_launch_dependents();
-    moep_gate_up<FMT_Q8_0>(nullptr, Wg, Wu, x, ldx, route_w, sorted, tile_bucket, tile_row, offsets, info, H, n_experts,
-                         ff, dim, k, clamp);
-}
-
-// Down per work item (q8_0). Launch: grid (ceil(dim / MOEP_BN), max_tiles), block MOEP_THREADS.
-extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_down_q8_0(const uint8_t* W, const float* H,
-        const int* tile_bucket, const int* tile_row, const int* offsets, const int* info, float* Yp, int n_experts,
-        int dim, int ff) {
-    pdl_wait();
-    pdl_launch_dependents();
-    moep_down<FMT_Q8_0>(nullptr, W, H, tile_bucket, tile_row, offsets, info, Yp, n_experts, dim, ff);
-}
-
-// Gate + up + SwiGLU per work item (f16). Launch: grid (ceil(ff / MOEP_BN), max_tiles), block MOEP_THREADS.
-extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_gate_up_f16(const uint8_t* Wg,
-        const uint8_t* Wu, const float* x, const float* route_w, const int* sorted, const int* tile_bucket,
-        const int* tile_row, const int* offsets, const int* info, float* H, int n_experts, int ff, int dim, int k,
-        int ldx, float clamp) {
-    pdl_wait();
-    pdl_launch_dependents();
-    moep_gate_up<FMT_F16>(nullptr, Wg, Wu, x, ldx, route_w, sorted, tile_bucket, tile_row, offsets, info, H, n_experts,
-                         ff, dim, k, clamp);
-}
-
-// Down per work item (f16). Launch: grid (ceil(dim / MOEP_BN), max_tiles), block MOEP_THREADS.
-extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_down_f16(const uint8_t* W, const float* H,
-        const int* tile_bucket, const int* tile_row, const int* offsets, const int* info, float* Yp, int n_experts,
-        int dim, int ff) {
-    pdl_wait();
-    pdl_launch_dependents();
-    moep_down<FMT_F16>(nullptr, W, H, tile_bucket, tile_row, offsets, info, Yp, n_experts, dim, ff);
-}
+MOE_FORMATS(MOEP_GATE_UP)
+MOE_FORMATS(MOEP_DOWN)

@@ -13,7 +13,7 @@ import pytest
 from session_jobs import NVRTC_ARCHS
 
 from ds4py.cuda import compiler
-from ds4py.cuda.signature import parse_kernels, strip_comments
+from ds4py.cuda.signature import expand_lists, parse_kernels, strip_comments
 
 REPO = Path(__file__).resolve().parents[1]
 CU = REPO / "cu"
@@ -183,6 +183,8 @@ def test_kernel_conventions():
             assert inc in allowed, f"{path.name} includes <{inc}>"
         if path.suffix == ".cu":
             assert '#include "portable.cuh"' in text
+            text = expand_lists(text)                   # entry points generated from a list: one per entry
+            code = strip_comments(text)
             kernels = parse_kernels(text)
             assert kernels, f"{path.name} defines no kernel"
             assert len(re.findall(r"__global__", code)) == len(kernels), f"{path.name}: a kernel is not extern \"C\""
@@ -272,7 +274,7 @@ def test_every_kernel_waits_for_its_predecessor():
     before it at run time."""
     headers = "\n".join(strip_comments(h.read_text()) for h in sorted(CU.glob("*.cuh")))
     for src in sorted(CU.glob("*.cu")):
-        text = strip_comments(src.read_text())
+        text = strip_comments(expand_lists(src.read_text()))
         funcs = _functions(headers + "\n" + text)
         macros = dict(re.findall(r"#define (\w+)(?:\([^)]*\))?((?:.*\\\n)*.*)", text))
 

@@ -133,3 +133,28 @@ def test_geometry_checks():
                                     (1, (1, 2, 3, 4), 0, "1 to 3")]:
         with pytest.raises(KernelArgumentError, match=frag):
             check_geometry("k", grid, block, smem, 1024, 48 * 1024)
+
+
+def test_entry_points_come_from_one_format_list():
+    """MOE_FORMATS (cu/moe_formats.cuh) is the one list of expert formats: every entry point of experts.cu and
+    moe_prefill.cu is generated from it, and the host's FORMATS is it, so a new format is one entry (plus its
+    decoder)."""
+    from ds4py.cuda.ops.experts import FORMATS
+    from ds4py.cuda.signature import CU_DIR, expand_lists, list_of
+
+    entries = list_of("MOE_FORMATS", (CU_DIR / "moe_formats.cuh").read_text())
+    assert [FORMATS[q][0] for q in FORMATS] == [e[0] for e in entries]
+    kernels = {**parse_kernels((CU_DIR / "experts.cu").read_text()),
+               **parse_kernels((CU_DIR / "moe_prefill.cu").read_text())}
+    for name, *_ in entries:
+        for kind in ("moe_gate_up", "moe_down", "moe_dequant", "moe_gate_up_rows", "moe_down_rows",
+                     "moe_prefill_gate_up", "moe_prefill_down"):
+            assert f"{kind}_{name}" in kernels
+    assert kernels["moe_gate_up_q8_0"] == kernels["moe_gate_up_f16"]
+
+    src = ('#define FMTS(X) \\\n    X(aa, 1, 7) \\\n    X(bb, 2, 9)\n\n// Launch: one block\n'
+           '#define ENTRY(name, F, N) \\\nextern "C" __global__ void k_##name(const float* x, int n) { \\\n'
+           '    body<F>(x, n, N); \\\n}\n\nFMTS(ENTRY)\n')
+    out = expand_lists(src)
+    assert set(parse_kernels(src)) == {"k_aa", "k_bb"} and "body<2>(x, n, 9);" in out
+    assert out.count('// Launch: one block\nextern "C"') == 2 and out.count("__global__") == 2

@@ -4,8 +4,8 @@
     ds = mtp.new_state()                            # a CudaState of kv.state_layout(cfg.mtp_block()): one window ring
     logits, out = mtp.step([ds], [H], [next_ids], all_logits=True)     # RefMtp's interface
 
-A step is the multi-row launch sequence of ds4py/cuda/rows.py for the block's one layer (the same attention and
-MoE recordings, against the MTP state), with the block's prologue and head:
+A step is a ROWS row set of ds4py/cuda/layer.py through the block's one layer (the main model's layer recorder,
+against the MTP state), with the block's prologue and head:
 
     X   = e_proj(RMSNorm(embed(next_id); enorm)) in every hc copy  +  h_proj(RMSNorm(h_j; hnorm)) per copy
     X'  = the block (ratio 0: window only, base-theta RoPE, score-routed)
@@ -14,7 +14,8 @@ MoE recordings, against the MTP state), with the block's prologue and head:
 The prologue is two GEMV passes over the R * hc copy rows (the embedding written hc times by the embedding kernel,
 e_proj with the enorm prologue into the residual, then h_proj with the hnorm prologue added on top), so no kernel
 is new. Rows come in steps of at most MAX_ROWS (a long catch-up after a prefill is several steps); each step is one
-graph replay per (rows' states, row count, with or without the head). The hidden states h_j arrive from the host
+graph replay per (rows' states, row count, with or without the head), captured when it comes a second time (the
+first run launches directly). The hidden states h_j arrive from the host
 (the main model's step_hidden downloads them) and go up into a workspace buffer before the replay; the block's
 output states come back down (a chained draft feeds its last row back in).
 """
@@ -22,20 +23,19 @@ output states come back down (a chained draft feeds its last row back in).
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Sequence
 
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from ds4py import schema
-from ds4py.cuda import ops
-from ds4py.cuda import rows as multirow
-from ds4py.cuda.decode import F32, Launcher, attn_plans
+from ds4py.cuda import layer, ops
+from ds4py.cuda.kernels import gemvs
 from ds4py.cuda.kvstate import CudaState
+from ds4py.cuda.layer import MAX_ROWS, ROWS, Launcher, Recording, RowSet
 from ds4py.cuda.memory import align_up
-from ds4py.cuda.model_weights import DevTensor, conversion
-from ds4py.cuda.rows import MAX_ROWS, RowsContext, RowsWorkspace, gemvs_rows
+from ds4py.cuda.device_weights import DevTensor, conversion
 from ds4py.errors import Ds4Error
 from ds4py.fingerprint import file_fingerprint
 from ds4py.gguf import GGUFFile
@@ -47,12 +47,6 @@ from ds4py.ref.mtp import check_mtp_file, check_step_inputs
 
 RUNS = 16                    # MTP step graphs kept (per rows' states, row count and head)
 _PLAIN = {QT.F32: np.float32, QT.F16: np.float16, QT.I32: np.int32}
-
-
-@dataclass
-class _Freqs:
-    """What rows._attention reads of the model weights: the RoPE table per layer (the block's one)."""
-    freqs: list
 
 
 def _upload(rt: Any, store: Any, gguf, cfg) -> tuple[Any, dict[str, DevTensor], Any]:
@@ -87,13 +81,6 @@ def _upload(rt: Any, store: Any, gguf, cfg) -> tuple[Any, dict[str, DevTensor], 
     return blk, tensors, fr
 
 
-def mtp_shapes(cfg, bucket: int) -> dict:
-    """The multi-row workspace of the block's config, plus the hidden-state input rows [MAX_ROWS, hc, D]."""
-    shapes = dict(multirow.rows_shapes(cfg, bucket))
-    shapes["h_in"] = ((MAX_ROWS, cfg.hc_mult, cfg.dim), F32)
-    return shapes
-
-
 class CudaMtp:
     """The MTP draft block of a CudaModel, on the same device, runtime and state store."""
 
@@ -120,18 +107,12 @@ class CudaMtp:
                 raise UnsupportedByBackend(f"the MTP block's {what} experts' gate ({sw.gate.qtype.name}) and up "
                                            f"({sw.up.qtype.name}) differ in type; the CUDA kernel reads both in "
                                            f"one format")
-        self._w = _Freqs([freqs])
-        # a ratio-0 layer attends to its window only: one plan (and one workspace) serves every position
+        self._freqs = [freqs]
+        # a ratio-0 layer attends to its window only: one plan (and one workspace) serves every position; the
+        # workspace is the ROWS declaration of the block's config plus the hidden-state input rows
         self.bucket = model.min_bucket
-        shapes = mtp_shapes(self.config, self.bucket)
-        offs, at = {}, 0
-        for name, (s, dt) in shapes.items():
-            offs[name] = at
-            at += align_up(int(np.prod(s)) * dt.itemsize)
-        self._ws_block = self.store.block(at)
-        self._ws_block.zero(self.rt.main)
-        self.ws = RowsWorkspace(self.bucket, 0, self._ws_block,
-                                {n: self._ws_block.array(offs[n], s, dt) for n, (s, dt) in shapes.items()})
+        self.ws = layer.make_workspace(self.config, self.bucket, MAX_ROWS, ROWS, store=self.store, rt=self.rt,
+                                       hidden_in=True)
         self._runs: OrderedDict[Any, Any] = OrderedDict()
 
     # ---- the interface RefMtp has ------------------------------------------------------------------------------
@@ -217,39 +198,33 @@ class CudaMtp:
         m = self.model
         key = (m.pdl, m.graphs, head, tuple(tuple((a.ptr, a.shape[0]) for a in st.arrays.values()) for st in states))
         run = self._runs.get(key)
-        if run is not None:
+        if run is not None:                     # seen before: captured on this run (a one-off catch-up is not)
             self._runs.move_to_end(key)
+            run.use_graph()
             return run
-        ctx = RowsContext(self.config, self.numerics, self._w, self.ws, [dict(st.arrays) for st in states],
-                          [self.bucket] * len(states))
-        run = StepRun(m, lambda L: record_mtp(L, ctx, self.binding, m.w.binding, head), key, slot=self.ws.slot)
+        rows = RowSet(ROWS, [dict(st.arrays) for st in states], [self.bucket] * len(states), len(states), self.ws.slot,
+                      cap=MAX_ROWS)
+        rec = Recording(self.config, self.numerics, self._freqs, self.ws, rows, self.ws.tickets)
+        run = StepRun(m, lambda ls: record_mtp(ls, rec, self.binding, m.w.binding, head), key, slot=self.ws.slot,
+                      graph=False)
         self._runs[key] = run
         while len(self._runs) > RUNS:
             self.store.retire([self._runs.popitem(last=False)[1]])
         return run
 
     def close(self) -> None:
-        self.store.retire(list(self._runs.values()) + [self._ws_block, self._block])
+        self.store.retire(list(self._runs.values()) + [self.ws.block, self._block])
         self._runs.clear()
         self.store.reclaim()
 
 
-def record_mtp(L: Launcher, c: RowsContext, M, B, head: bool) -> None:
-    """One MTP step of c.R rows: prologue into X0, the block (X0 -> X1), and the head into ws.logits."""
-    cfg, ws, R = c.cfg, c.ws, c.R
+def record_mtp(ls: Launcher, rec: Recording, M: Any, B: Any, head: bool) -> None:
+    """One MTP step of rec.R rows: prologue into X0, the block's layer (X0 -> X1), and the head into ws.logits."""
+    cfg, ws, R = rec.cfg, rec.ws, rec.R
     hc, D, eps = cfg.hc_mult, cfg.dim, cfg.norm_eps
-    ops.embed(L, B.embed.array, c.tokens, ws.X1, R, copies=hc, **L.main())
-    gemvs_rows(L, [(M.e_proj, ws.X0, D)], ws.X1, D, R * hc, L.main, norm=(M.enorm.array, eps))
-    gemvs_rows(L, [(M.h_proj, ws.X0, D)], ws.h_in, D, R * hc, lambda: {**L.main(), "add": True},
-               norm=(M.hnorm.array, eps))
-    ro = cfg.roles(0)
-    plans = attn_plans(cfg, c.buckets[0])
-    multirow._attention(L, c, 0, ro, M.block, ws.X0, [plans[0]] * R)
-    multirow._moe(L, c, 0, ro, M.block, ws.X0, ws.X1)
-    if not head:
-        return
-    H = M.hc_head
-    ops.hc_mix(L, H.fn.array, ws.X1, R, D, H.scale.array, H.base.array, ws.mix_partial, ws.tickets, ws.mix_head,
-               eps, cfg.hc_eps, cfg.sinkhorn_iters, hc, **L.main())
-    ops.hc_collapse_norm(L, ws.X1, ws.mix_head, R, D, M.norm.array, eps, ws.x_head, hc, **L.main())
-    gemvs_rows(L, [(B.head, ws.logits, cfg.vocab_size)], ws.x_head, D, R, L.main)
+    ops.embed(ls, B.embed.array, rec.rows.tokens, ws.X1, R, copies=hc, **ls.main())
+    gemvs(ls, [(M.e_proj, ws.X0, D)], ws.X1, D, R * hc, ls.main, norm=(M.enorm.array, eps))
+    gemvs(ls, [(M.h_proj, ws.X0, D)], ws.h_in, D, R * hc, ls.main, norm=(M.hnorm.array, eps), add=True)
+    layer.record_layer(ls, rec, 0, M.block, ws.X0, ws.X1)
+    if head:
+        layer.record_head(ls, rec, ws.X1, R, M.hc_head, M.norm, B.head)

@@ -4,12 +4,19 @@ Every kernel is written `extern "C" __global__ void name(<plain params>)`; this 
 each parameter's name and C type. The CPU emulator (ds4py/cuda/emu.py) reuses `parse_kernels`.
 
     parse_kernels(src) -> {"gemv_f16": [Param("W", "__half", is_pointer=True, is_const=True), ...], ...}
+
+Entry points generated from a list (one kernel per weight format) are expanded first, as the C preprocessor does
+it: a list macro `#define MOE_FORMATS(X) X(a, ...) X(b, ...)` (in the source or a header it includes from cu/),
+a template `#define ENTRY(name, ...) extern "C" __global__ void k_##name(...) { ... }` and its use
+`MOE_FORMATS(ENTRY)` at the start of a line become one kernel per entry (expand_lists).
 """
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -110,9 +117,82 @@ def parse_param(text: str, kernel: str) -> Param:
     return Param(name, ctype, is_pointer, is_const)
 
 
+CU_DIR = Path(os.environ.get("DS4PY_CU_DIR") or Path(__file__).resolve().parents[2] / "cu")
+_LIST_DEF = re.compile(r"^#define\s+(\w+)\(X\)((?:[^\n]*\\\n)*[^\n]*)", re.M)
+_MACRO_DEF = re.compile(r"^#define\s+(\w+)\(([^)]*)\)((?:[^\n]*\\\n)*[^\n]*)", re.M)
+_INCLUDE = re.compile(r'^#include\s+"([^"]+)"', re.M)
+
+
+def format_lists(text: str) -> dict[str, list[list[str]]]:
+    """The list macros of a (comment-free) text: name -> the argument lists of its X(...) entries."""
+    out = {}
+    for m in _LIST_DEF.finditer(text):
+        body = m.group(2).replace("\\\n", " ")
+        out[m.group(1)] = [[a.strip() for a in e.split(",")] for e in re.findall(r"\bX\(([^)]*)\)", body)]
+    return out
+
+
+def list_of(name: str, text: str) -> list[list[str]]:
+    """The entries of list macro `name` in cu/`text` or a header it includes (e.g. MOE_FORMATS)."""
+    lists = _lists(text)
+    if name not in lists:
+        raise KernelSignatureError(f"no list macro {name}")
+    return lists[name]
+
+
+def _lists(text: str, seen: set | None = None) -> dict[str, list[list[str]]]:
+    seen = set() if seen is None else seen
+    code = strip_comments(text)
+    out: dict[str, list[list[str]]] = {}
+    for inc in _INCLUDE.findall(code):
+        path = CU_DIR / inc
+        if inc not in seen and path.is_file():
+            seen.add(inc)
+            out.update(_lists(path.read_text(), seen))
+    out.update(format_lists(code))
+    return out
+
+
+def _substitute(body: str, params: list[str], args: list[str]) -> str:
+    for p, a in zip(params, args):
+        body = re.sub(rf"\s*##\s*{p}\b|\b{p}\s*##\s*", a, body)
+        body = re.sub(rf"(?<![\w#]){p}\b", a, body)
+    return body
+
+
+def expand_lists(source_text: str) -> str:
+    """The source with every `LIST(TEMPLATE)` line replaced by the template expanded once per entry of the list,
+    each expansion preceded by the comment block above the template's #define (its contract and Launch: line),
+    and the templates' #defines removed."""
+    lists = _lists(source_text)
+    if not lists:
+        return source_text
+    templates = {}
+    for m in _MACRO_DEF.finditer(source_text):
+        if m.group(1) in lists:
+            continue
+        before = source_text[: m.start()].rstrip("\n")
+        cut = before.rfind("\n\n")
+        comment = before[cut + 2 if cut >= 0 else 0:]
+        comment = comment if comment.lstrip().startswith("//") else ""
+        params = [p.strip() for p in m.group(2).split(",")]
+        templates[m.group(1)] = (comment, params, m.group(3).replace("\\\n", "\n"))
+
+    def use(m: re.Match) -> str:
+        lst, tmpl = m.group(1), m.group(2)
+        if lst not in lists or tmpl not in templates:
+            return m.group(0)
+        comment, params, body = templates[tmpl]
+        return "\n\n".join(f"{comment}\n{_substitute(body, params, args).strip()}" for args in lists[lst])
+
+    out = re.sub(r"^(\w+)\((\w+)\)\s*$", use, source_text, flags=re.M)
+    return _MACRO_DEF.sub(lambda m: "" if m.group(1) in templates else m.group(0), out)   # the templates themselves
+
+
 def parse_kernels(source_text: str) -> dict[str, list[Param]]:
-    """All `extern "C" __global__` kernels in a .cu source, in order, with their parameters."""
-    src = strip_comments(source_text)
+    """All `extern "C" __global__` kernels in a .cu source, in order, with their parameters (those generated
+    from a list macro included)."""
+    src = strip_comments(expand_lists(source_text))
     kernels: dict[str, list[Param]] = {}
     for m in _KERNEL_RE.finditer(src):
         name, plist = m.group(1), m.group(2).strip()

@@ -15,20 +15,24 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from ds4py.cuda.ops.attention import aligned, dtype_is, need
+from ds4py.cuda.signature import CU_DIR, list_of
 
 MOE_RPT = 8                    # rows per thread (accumulators per matrix)
 DEFINES = {"MOE_RPT": MOE_RPT}                                                     # -D values of cu/experts.cu
 SMEM_BUDGET = 48 * 1024        # staged rows per block: no opt-in, several blocks per SM
 
-# qtype -> (kernel suffix, weights per block, bytes per block); = MoeFmt<F> in cu/experts.cu
-FORMATS = {
-    QT.IQ2_XXS: ("iq2_xxs", 256, 66),
-    QT.Q2_K: ("q2_k", 256, 84),
-    QT.Q4_K: ("q4_k", 256, 144),
-    QT.MXFP4: ("mxfp4", 32, 17),
-    QT.Q8_0: ("q8_0", 32, 34),
-    QT.F16: ("f16", 32, 64),
-}
+
+
+def _formats() -> dict[QT, tuple[str, int, int]]:
+    """qtype -> (kernel suffix, weights per block, bytes per block): the MOE_FORMATS list of cu/moe_formats.cuh,
+    the one the kernels' entry points are generated from."""
+    out = {}
+    for name, _fmt_id, qk, nb, _table in list_of("MOE_FORMATS", (CU_DIR / "moe_formats.cuh").read_text()):
+        out[QT[name.upper()]] = (name, int(qk), int(nb))
+    return out
+
+
+FORMATS = _formats()
 
 
 def _fmt(qtype: int) -> tuple[str, int, int]:
@@ -134,7 +138,7 @@ def moe_dequant(rt: Any, qtype: int, W: Any, out: Any, n_values: int, stream: An
     rt.launch(f"moe_dequant_{name}", -(-n_groups // 256), 256, W, out, n_groups, stream=stream, pdl=pdl)
 
 
-# ---- several rows (issue 17): experts grouped over the rows' choices -------------------------------------------
+# ---- several rows: experts grouped over the rows' choices -------------------------------------------
 MAX_PAIRS = 1024               # (row, slot) pairs of one grouped launch (moe_unique_id's bound)
 
 

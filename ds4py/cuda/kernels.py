@@ -1,0 +1,451 @@
+"""The operations of the layer schedule (ds4py/cuda/layer.py) that differ by mode, and the table that picks their
+kernels: (operation, weight format, mode) -> a function (ls, rec, ...).
+
+    kernels.of(DECODE).dense(ls, rec, mats, x, cols, ls.main)          # an operation whose kernel depends on mode
+    kernels.pick("shared_gate_up", S.gate.qtype, ROWS)(ls, rec, S, clamp, stream)   # ... and on a weight format
+
+Modes: DECODE (one row, the single-row kernels), ROWS (up to 16 rows of any states: the `_rows` GEMVs, experts
+grouped by distinct expert, what reads a state once per row), BLOCK (the rows of one sequence: tensor-core GEMMs,
+block compressors, indexer and attention over all rows). A row of ROWS is bit-identical to its DECODE step: the
+`_rows` GEMVs are the same template with more accumulator sets, the grouped gate + up runs each (row, slot) pair
+through the same device function, and each row's attention plan is the one its own context bucket gives. BLOCK
+differs from DECODE in summation order only (docs/cuda.md "Prefill").
+
+Weight formats: "dense" (what the GEMVs and GEMMs read: Q8_0 / F16 / F32) or "experts" (the expert formats of
+cu/moe_formats.cuh's MOE_FORMATS list: a new one needs its decoder there, no entry here).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any, Callable
+
+from ds4py.cuda import ops
+from ds4py.cuda.memory import DeviceArray
+from ds4py.cuda.device_weights import GEMV_TYPES, DevTensor
+from ds4py.cuda.ops import attention as ops_attn
+from ds4py.cuda.ops import compressor as ops_comp
+from ds4py.cuda.ops import experts as ops_moe
+from ds4py.cuda.ops import gemm as ops_gemm
+from ds4py.cuda.ops import indexer as ops_idx
+from ds4py.cuda.ops import moe_prefill as ops_moep
+from ds4py.cuda.ops import prefill_attn as ops_pfa
+from ds4py.cuda.ops import router as ops_route
+from ds4py.cuda.ops import topk as ops_topk
+from ds4py.cuda.ops.gemv import GEMV_MAX_X, MAX_MATS
+from ds4py.cuda.ops.mhc import mix_record
+from ds4py.cuda.ops.rmsnorm import rmsnorm
+from ds4py.cuda.twins.indexer import weight_scale
+
+DECODE, ROWS, BLOCK = "decode", "rows", "block"
+
+
+# ---- launches: streams, PDL, counting ------------------------------------------------------------------------
+class Launcher:
+    """The runtime as the record functions see it: counts kernel launches and picks each launch's stream and PDL
+    flag (no PDL on the first launch after a fork / join on that stream: its other dependency is an event)."""
+
+    def __init__(self, rt: Any, pdl: bool):
+        self.rt, self.pdl = rt, pdl
+        self.device = rt.device
+        self.launches = 0
+        self.side_launches = 0
+        self._fresh = {id(rt.main): True, id(rt.side): True}
+
+    # ops.* call rt.launch(...) and read rt.device: this object stands in for the runtime there
+    def launch(self, name: str, grid: Any, block: Any, *args: Any, smem: int = 0, stream: Any = None,
+               pdl: bool = False) -> None:
+        self.launches += 1
+        self.side_launches += stream is self.rt.side
+        self.rt.launch(name, grid, block, *args, smem=smem, stream=stream, pdl=pdl)
+
+    def on(self, stream: Any) -> dict:
+        """stream= / pdl= for the next op on `stream` (main or side)."""
+        fresh = self._fresh[id(stream)]
+        self._fresh[id(stream)] = False
+        return {"stream": stream, "pdl": self.pdl and not fresh}
+
+    def main(self) -> dict:
+        return self.on(self.rt.main)
+
+    def side(self) -> dict:
+        return self.on(self.rt.side)
+
+    def fork(self) -> None:
+        self.rt.fork()
+        self._fresh[id(self.rt.side)] = True
+
+    def join(self) -> None:
+        self.rt.join()
+        self._fresh[id(self.rt.main)] = True
+
+
+# ---- views ---------------------------------------------------------------------------------------------------
+def row(a: DeviceArray, n: int, width: int) -> DeviceArray:
+    """Row n of a buffer used as [R, width] (width: this use's row length, not the buffer's widest)."""
+    return a.view(4 * n * width, width)
+
+
+def rows_of(a: DeviceArray, n0: int, n: int, width: int) -> DeviceArray:
+    """Rows n0 .. n0 + n of a buffer used as [R, width]."""
+    return a.view(4 * n0 * width, n * width)
+
+
+# ---- dense products ------------------------------------------------------------------------------------------
+def gemvs(ls: Any, mats: list[tuple[DevTensor, DeviceArray, int]], x: DeviceArray, cols: int, n: int, stream: Callable,
+          norm=None, x_group_rows: int = 0, x_stride: int | None = None, add: bool = False) -> None:
+    """y_m[r] = W_m x[r] for n activation rows x[r] = x + r * x_stride into y_m + r * rows_m, matrices sharing x:
+    one launch per weight type, up to 4 matrices and GEMV_MAX_X rows each (one row: the single-row kernel)."""
+    stride = x_stride if x_stride is not None else cols
+    by_type: dict[Any, list] = {}
+    for t, y, rows in mats:
+        by_type.setdefault(t.qtype, []).append((t.array, y, rows))
+    for group in by_type.values():
+        for i in range(0, len(group), MAX_MATS):
+            for r0 in range(0, n, GEMV_MAX_X):
+                k = min(GEMV_MAX_X, n - r0)
+                outs = [(W, rows_of(y, r0, k, rows), rows) for W, y, rows in group[i:i + MAX_MATS]]
+                ops.gemv(ls, outs, rows_of(x, r0, k, stride), cols, norm=norm, x_group_rows=x_group_rows, nx=k,
+                         x_stride=stride, add=add, **stream())
+
+
+def dense_gemv(ls: Any, rec: Any, mats: list, x: DeviceArray, cols: int, stream: Callable, norm=None,
+               x_group_rows: int = 0, x_stride: int | None = None, n: int | None = None, add: bool = False) -> None:
+    gemvs(ls, mats, x, cols, rec.R if n is None else n, stream, norm, x_group_rows, x_stride, add)
+
+
+def mma_ok(W: DevTensor) -> bool:
+    return W.qtype in GEMV_TYPES            # the GEMM reads what the GEMVs read (Q8_0 / F16 / F32)
+
+
+def dense_block(ls: Any, rec: Any, mats: list, x: DeviceArray, cols: int, stream: Callable, norm=None,
+                x_group_rows: int = 0, x_stride: int | None = None, n: int | None = None, add: bool = False) -> None:
+    """y_m[t] = W_m x[t] for the block's rows on tensor cores (norm = (w, eps): x[t] RMS-normalised first), or the
+    `_rows` GEMVs when the block runs without tensor cores or a matrix's type has no GEMM."""
+    T = rec.R if n is None else n
+    if add or not rec.mma or not all(mma_ok(W) for W, _, _ in mats):
+        gemvs(ls, mats, x, cols, T, ls.main, norm=norm, x_group_rows=x_group_rows, x_stride=x_stride, add=add)
+        return
+    if norm is not None:
+        xn = rec.ws.qa_n.view(0, T * cols)
+        rmsnorm(ls, x.view(0, T * cols), norm[0], xn, cols, norm[1], **ls.main())
+        x = xn
+    gemm(ls, rec, mats, x, cols, T, x_group_rows, x_stride)
+
+
+def gemm(ls: Any, rec: Any, mats: list, x: DeviceArray, cols: int, T: int, x_group_rows: int = 0,
+         x_stride: int | None = None) -> None:
+    """y = W x on tensor cores, x as rec.x_pieces bf16 pieces accumulated (hi first): the weights are exact in the
+    GEMM (Q8_0 codes and scale, F16 / F32 as bf16 pieces), so with three pieces the product sees x exactly and
+    differs from the fp32 GEMV by the summation order only."""
+    groups = -(-mats[0][2] // x_group_rows) if x_group_rows else 1
+    ld = x_stride if x_stride is not None else cols * groups
+    n = (T - 1) * ld + cols * groups
+    if rec.x_pieces <= 1:
+        xs = [x]
+    else:
+        xs = [rec.ws.a[f"xp{i}"].view(0, n) for i in range(min(3, rec.x_pieces))]
+        ops_pfa.split_bf16(ls, x.view(0, n), xs, n, **ls.main())
+    for W, y, rows in mats:
+        for i, xi in enumerate(xs):
+            ops_gemm.gemm(ls, W, xi, y, T, rows, cols, accumulate=i > 0, x_group_rows=x_group_rows, ldx=ld,
+                          **ls.main())
+
+
+def gemv_hc_post(ls: Any, rec: Any, W: DevTensor, u: DeviceArray, X: DeviceArray, mix: DeviceArray,
+                 cols: int) -> None:
+    """X[r] <- post_k (W u[r]) + sum_j C[j,k] X[r, j]: the output projection into the residual, GEMV_MAX_X rows
+    per launch."""
+    cfg = rec.cfg
+    hc, D, mrec = cfg.hc_mult, cfg.dim, mix_record(cfg.hc_mult)
+    for r0 in range(0, rec.R, GEMV_MAX_X):
+        k = min(GEMV_MAX_X, rec.R - r0)
+        ops.gemv_hc_post(ls, W.array, rows_of(u, r0, k, cols), rows_of(X, r0, k, hc * D), rows_of(mix, r0, k, mrec),
+                         D, cols, hc=hc, nx=k, **ls.main())
+
+
+def block_hc_post(ls: Any, rec: Any, W: DevTensor, u: DeviceArray, X: DeviceArray, mix: DeviceArray,
+                  cols: int) -> None:
+    if rec.mma and mma_ok(W):
+        f = rec.ws.f
+        gemm(ls, rec, [(W, f, rec.cfg.dim)], u, cols, rec.R)
+        ops.hc_post(ls, f, mix, X, rec.R, rec.cfg.dim, rec.cfg.hc_mult, **ls.main())
+    else:
+        gemv_hc_post(ls, rec, W, u, X, mix, cols)
+
+
+# ---- what reads a state: once per row (DECODE, ROWS), once for the block (BLOCK) -------------------------------
+def _fq(rec: Any) -> tuple[bool, bool]:
+    return rec.numerics.fake_quant, rec.numerics.kv_dtype == "f16"
+
+
+def kv_store_rows(ls: Any, rec: Any, il: int, A: Any, stream: Callable) -> None:
+    """Each row's kv row, normalised and roped, into its state's window ring."""
+    cfg, rows, (fq, f16) = rec.cfg, rec.rows, _fq(rec)
+    for n in range(rec.R):
+        ops_attn.kv_store(ls, row(rec.ws.kv, n, cfg.head_dim), A.kv_norm.array, rec.freqs[il], rows.pos(n),
+                          rows.state(n)[f"{il}.win"], cfg.head_dim, cfg.rope_dim, cfg.norm_eps, fq, f16, **stream())
+
+
+def kv_store_block(ls: Any, rec: Any, il: int, A: Any, stream: Callable) -> None:
+    """The block's kv rows into the block buffer kvb (the ring gets them after attention, attend_block)."""
+    cfg, (fq, f16) = rec.cfg, _fq(rec)
+    ops_pfa.kv_rows(ls, rec.ws.kv, A.kv_norm.array, rec.freqs[il], rec.rows.positions, rec.ws.kvb, rec.R,
+                    cfg.head_dim, cfg.rope_dim, cfg.norm_eps, fq, f16, **ls.main())
+
+
+def _compressor(rec: Any, il: int, ro: Any, which: str) -> tuple:
+    """(input width, ratio, overlap, head dim, rows array, kv / score inputs, is the indexer's) of a compressor."""
+    cfg, ws = rec.cfg, rec.ws
+    if which == "comp":
+        return (cfg.comp_width(il), ro.ratio, bool(ro.overlap), cfg.head_dim, "comp_kv", "comp_score", "comp_rows",
+                ws.ckv, ws.csc, False)
+    return (cfg.index_comp_width(il), ro.index_ratio, bool(ro.index_overlap), cfg.index_head_dim, "idx_kv",
+            "idx_score", "idx_keys", ws.ikv, ws.isc, True)
+
+
+def compress_rows(ls: Any, rec: Any, il: int, ro: Any, C: Any, which: str, stream: Callable) -> None:
+    """Each row's compressor update (and emission when its group completes) in its state."""
+    cfg, rows, (fq, f16) = rec.cfg, rec.rows, _fq(rec)
+    w, ratio, overlap, hd, kv, score, out, x_kv, x_sc, idx = _compressor(rec, il, ro, which)
+    for n in range(rec.R):
+        p = rows.state(n)
+        ops_comp.compressor_decode(ls, row(x_kv, n, w), row(x_sc, n, w), C.ape.array, C.norm.array, rec.freqs[il],
+                                   rows.pos(n), p[f"{il}.{kv}"], p[f"{il}.{score}"], p[f"{il}.{out}"], ratio, overlap,
+                                   hd, cfg.rope_dim, cfg.norm_eps, idx, fq, f16, **stream())
+
+
+def compress_block(ls: Any, rec: Any, il: int, ro: Any, C: Any, which: str, stream: Callable) -> None:
+    """Every group the block completes, pooled in parallel, then the block's tail into the compressor's rings."""
+    cfg, T, (fq, f16) = rec.cfg, rec.R, _fq(rec)
+    w, ratio, overlap, hd, kv, score, out, x_kv, x_sc, idx = _compressor(rec, il, ro, which)
+    p = rec.rows.state(0)
+    ops_comp.compressor_prefill(ls, x_kv.view(0, T * w), x_sc.view(0, T * w), T, C.ape.array, C.norm.array,
+                                rec.freqs[il], rec.rows.positions, p[f"{il}.{kv}"], p[f"{il}.{score}"],
+                                p[f"{il}.{out}"], ratio, overlap, hd, cfg.rope_dim, cfg.norm_eps, idx, fq, f16,
+                                **ls.main())
+
+
+def index_queries_rows(ls: Any, rec: Any, il: int) -> None:
+    cfg, iqd = rec.cfg, rec.cfg.index_heads * rec.cfg.index_head_dim
+    for n in range(rec.R):
+        ops_idx.indexer_q_prep(ls, row(rec.ws.iq_raw, n, cfg.index_q_dim), rec.freqs[il], rec.rows.pos(n),
+                               row(rec.ws.iq, n, iqd), cfg.index_heads, cfg.index_head_dim, cfg.rope_dim,
+                               rec.numerics.fake_quant, **ls.main())
+
+
+def index_queries_block(ls: Any, rec: Any, il: int) -> None:
+    cfg = rec.cfg
+    ops_idx.indexer_q_prep_rows(ls, rec.ws.iq_raw, rec.freqs[il], rec.rows.positions, rec.ws.iq, cfg.index_heads,
+                                cfg.index_head_dim, cfg.rope_dim, rec.R, rec.numerics.fake_quant, **ls.main())
+
+
+def attend_rows(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
+    """Each row: the indexer's scores and top-k over its state's keys (indexer layers), then split-key attention
+    over its window, compressed rows and the sink, with its own context bucket's plan."""
+    cfg, ws, rows = rec.cfg, rec.ws, rec.rows
+    hd, iqd = cfg.head_dim, cfg.index_heads * cfg.index_head_dim
+    for n in range(rec.R):
+        p, pos, plan = rows.state(n), rows.pos(n), rec.plan(n, il)
+        comp = p[f"{ro.kv_source}.comp_rows"] if ro.compressed else None
+        sel = None
+        if ro.indexer:
+            n_keys = rows.buckets[n] // ro.index_ratio
+            ops_idx.indexer_scores(ls, row(ws.iq, n, iqd), row(ws.iw, n, cfg.index_heads),
+                                   weight_scale(cfg.index_head_dim, cfg.index_heads), p[f"{il}.idx_keys"], pos,
+                                   ws.scores.view(0, n_keys), cfg.index_heads, cfg.index_head_dim, n_keys,
+                                   ro.index_ratio, **ls.main())
+            ops_topk.topk(ls, ws.scores.view(0, n_keys), cfg.index_topk, ws.sel, pos_slot=pos, ratio=ro.index_ratio,
+                          **ls.main())
+            sel = ws.sel
+        ops_attn.decode_attention(ls, plan, row(ws.q, n, cfg.q_dim), rec.freqs[il], pos, p[f"{il}.win"], cfg.window,
+                                  comp, ro.ratio, sel, cfg.index_topk, A.sinks.array,
+                                  ws.part_o.view(0, plan.part_o_shape), ws.part_ml.view(0, plan.part_ml_shape),
+                                  row(ws.o, n, cfg.q_dim), cfg.rope_dim, cfg.norm_eps, hd ** -0.5, **ls.main())
+
+
+def attend_block(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
+    """The indexer's scores and per-query top-k for every row, attention for every query row (its window rows:
+    the ring before the block, kvb inside it), and only then the block's last window rows into the ring, so no
+    query reads a slot a later row of the block overwrote."""
+    cfg, ws, T = rec.cfg, rec.ws, rec.R
+    p, pos = rec.rows.state(0), rec.rows.positions
+    comp = p[f"{ro.kv_source}.comp_rows"] if ro.compressed else None
+    sel = None
+    if ro.indexer:
+        ih, ihd = cfg.index_heads, cfg.index_head_dim
+        n_keys = rec.rows.buckets[0] // ro.index_ratio
+        stride = int(ws.scores.shape[1])
+        ops_idx.indexer_scores_rows(ls, ws.iq, ws.iw, weight_scale(ihd, ih), p[f"{il}.idx_keys"], pos, ws.scores,
+                                    stride, ih, ihd, n_keys, T, ro.index_ratio, **ls.main())
+        ops_topk.topk_rows(ls, ws.scores, stride, cfg.index_topk, ws.sel, pos, T, ro.index_ratio, **ls.main())
+        sel = ws.sel
+    ops_pfa.prefill_attention(ls, ws.q, rec.freqs[il], pos, p[f"{il}.win"], ws.kvb, cfg.window, comp, ro.ratio, sel,
+                              cfg.index_topk, A.sinks.array, ws.o, T, cfg.n_heads, cfg.rope_dim, cfg.norm_eps,
+                              cfg.head_dim ** -0.5, **ls.main())
+    ops_pfa.ring_store(ls, ws.kvb, T, pos, p[f"{il}.win"], **ls.main())
+
+
+def route_rows(ls: Any, rec: Any, ro: Any, Fw: Any) -> None:
+    cfg, ws, k, NX = rec.cfg, rec.ws, rec.cfg.n_experts_used, rec.cfg.n_experts
+    for n in range(rec.R):
+        ops_route.moe_route(ls, row(ws.router, n, NX), None if ro.hash_routing else Fw.route_bias.array,
+                            Fw.tid2eid.array if ro.hash_routing else None, rec.rows.token(n), row(ws.ids, n, k),
+                            row(ws.wts, n, k), NX, k, cfg.route_scale, cfg.route_norm, **ls.main())
+
+
+def route_block(ls: Any, rec: Any, ro: Any, Fw: Any) -> None:
+    cfg, ws = rec.cfg, rec.ws
+    ops_route.moe_route_rows(ls, ws.router, None if ro.hash_routing else Fw.route_bias.array,
+                             Fw.tid2eid.array if ro.hash_routing else None, rec.rows.tokens, ws.ids, ws.wts,
+                             cfg.n_experts, cfg.n_experts_used, rec.R, cfg.route_scale, cfg.route_norm, **ls.main())
+
+
+# ---- experts ---------------------------------------------------------------------------------------------------
+def shared_gate_up_gemv(ls: Any, rec: Any, S: Any, clamp: float, stream: Callable) -> None:
+    """h_shared[r] = silu(min(gate x[r], c)) * clamp(up x[r], c): fused GEMVs (BLOCK with tensor cores: two GEMMs
+    and the SwiGLU)."""
+    ws, D, sff = rec.ws, rec.cfg.dim, rec.cfg.shared_ff
+    if rec.mode == BLOCK and rec.mma and mma_ok(S.gate) and mma_ok(S.up):
+        gemm(ls, rec, [(S.gate, ws.hs_g, sff), (S.up, ws.hs_u, sff)], ws.x_ffn, D, rec.R)
+        ops_pfa.swiglu(ls, ws.hs_g, ws.hs_u, ws.h_shared, rec.R * sff, clamp, **ls.main())
+        return
+    for r0 in range(0, rec.R, GEMV_MAX_X):
+        k = min(GEMV_MAX_X, rec.R - r0)
+        ops.gemv_swiglu(ls, S.gate.array, S.up.array, rows_of(ws.x_ffn, r0, k, D), rows_of(ws.h_shared, r0, k, sff),
+                        sff, D, clamp=clamp, nx=k, **stream())
+
+
+def shared_gate_up_expert(ls: Any, rec: Any, S: Any, clamp: float, stream: Callable) -> None:
+    ws, D, sff = rec.ws, rec.cfg.dim, rec.cfg.shared_ff
+    ops_moe.moe_gate_up(ls, S.gate.qtype, S.gate.array, S.up.array, ws.x_ffn, None, None, ws.h_shared, 1, sff, D, 1,
+                        clamp, **stream())
+
+
+def shared_gate_up_expert_rows(ls: Any, rec: Any, S: Any, clamp: float, stream: Callable) -> None:
+    ws, D, sff = rec.ws, rec.cfg.dim, rec.cfg.shared_ff
+    step = ops_moe.MAX_PAIRS
+    for r0 in range(0, rec.R, step):
+        k = min(step, rec.R - r0)
+        ops_moe.moe_gate_up_rows(ls, S.gate.qtype, S.gate.array, S.up.array, rows_of(ws.x_ffn, r0, k, D), None, None,
+                                 rows_of(ws.h_shared, r0, k, sff), 1, sff, D, 1, k, clamp, **stream())
+
+
+def shared_down_dense(ls: Any, rec: Any, S: Any, stream: Callable) -> None:
+    of(rec.mode).dense(ls, rec, [(S.down, rec.ws.y_shared, rec.cfg.dim)], rec.ws.h_shared, rec.cfg.shared_ff, stream)
+
+
+def shared_down_expert(ls: Any, rec: Any, S: Any, stream: Callable) -> None:
+    ws, cfg = rec.ws, rec.cfg
+    ops_moe.moe_down(ls, S.down.qtype, S.down.array, None, ws.h_shared, ws.y_shared, 1, cfg.dim, cfg.shared_ff, 1,
+                     **stream())
+
+
+def shared_down_expert_rows(ls: Any, rec: Any, S: Any, stream: Callable) -> None:
+    ws, cfg = rec.ws, rec.cfg
+    ops_moe.moe_down_rows(ls, S.down.qtype, S.down.array, None, ws.h_shared, ws.y_shared, 1, cfg.dim, cfg.shared_ff,
+                          1, rec.R, **stream())
+
+
+def experts_gate_up_one(ls: Any, rec: Any, E: Any, clamp: float) -> None:
+    cfg, ws = rec.cfg, rec.ws
+    ops_moe.moe_gate_up(ls, E.gate.qtype, E.gate.array, E.up.array, ws.x_ffn, ws.ids, ws.wts, ws.h, cfg.n_experts,
+                        cfg.expert_ff, cfg.dim, cfg.n_experts_used, clamp, **ls.main())
+
+
+def experts_down_one(ls: Any, rec: Any, E: Any, X: DeviceArray, X_out: DeviceArray) -> DeviceArray:
+    cfg, ws, hc = rec.cfg, rec.ws, rec.cfg.hc_mult
+    mix = ws.mix_ffn
+    ops_moe.moe_down(ls, E.down.qtype, E.down.array, ws.ids, ws.h, X_out, cfg.n_experts, cfg.dim, cfg.expert_ff,
+                     cfg.n_experts_used, add=ws.y_shared, hc_post=mix.view(4 * hc, hc),
+                     hc_comb=mix.view(8 * hc, hc * hc), hc_x=X, **ls.main())
+    return X_out
+
+
+def experts_gate_up_rows(ls: Any, rec: Any, E: Any, clamp: float) -> None:
+    """The rows' routed gate + up grouped by distinct expert: each expert's rows read once for every (row, slot)
+    pair that chose it (at most MAX_PAIRS pairs per launch)."""
+    cfg, ws, k, ff, D = rec.cfg, rec.ws, rec.cfg.n_experts_used, rec.cfg.expert_ff, rec.cfg.dim
+    step = max(1, ops_moe.MAX_PAIRS // k)
+    for r0 in range(0, rec.R, step):
+        n = min(step, rec.R - r0)
+        ops_moe.moe_gate_up_rows(ls, E.gate.qtype, E.gate.array, E.up.array, rows_of(ws.x_ffn, r0, n, D),
+                                 ws.ids.view(4 * r0 * k, n * k), ws.wts.view(4 * r0 * k, n * k),
+                                 ws.h.view(4 * r0 * k * ff, n * k * ff), cfg.n_experts, ff, D, k, n, clamp,
+                                 **ls.main())
+
+
+def experts_down_rows(ls: Any, rec: Any, E: Any, X: DeviceArray, X_out: DeviceArray) -> DeviceArray:
+    cfg, ws = rec.cfg, rec.ws
+    ops_moe.moe_down_rows(ls, E.down.qtype, E.down.array, ws.ids, ws.h, X_out, cfg.n_experts, cfg.dim, cfg.expert_ff,
+                          cfg.n_experts_used, rec.R, add=ws.y_shared, mix=ws.mix_ffn, hc=cfg.hc_mult, hc_x=X,
+                          **ls.main())
+    return X_out
+
+
+def experts_gate_up_block(ls: Any, rec: Any, E: Any, clamp: float) -> None:
+    """The exact grouped rows kernels, or (expert_mma) the whole routed MoE on tensor cores into ws.f."""
+    if not rec.expert_mma:
+        experts_gate_up_rows(ls, rec, E, clamp)
+        return
+    cfg, ws = rec.cfg, rec.ws
+    ops_moep.moe_prefill(ls, (E.gate.qtype, E.gate.array), (E.up.qtype, E.up.array), (E.down.qtype, E.down.array),
+                         ws.x_ffn, ws.ids, ws.wts, ws.f, rec.R, cfg.n_experts_used, cfg.n_experts, cfg.expert_ff,
+                         cfg.dim, clamp, rec.moe_bufs(), add=ws.y_shared, **ls.main())
+
+
+def experts_down_block(ls: Any, rec: Any, E: Any, X: DeviceArray, X_out: DeviceArray) -> DeviceArray:
+    if not rec.expert_mma:
+        return experts_down_rows(ls, rec, E, X, X_out)
+    cfg = rec.cfg
+    ops.hc_post(ls, rec.ws.f, rec.ws.mix_ffn, X, rec.R, cfg.dim, cfg.hc_mult, **ls.main())
+    return X                        # the residual updated in place
+
+
+# ---- the table -------------------------------------------------------------------------------------------------
+_BY_MODE = {
+    DECODE: SimpleNamespace(dense=dense_gemv, dense_hc_post=gemv_hc_post, kv_store=kv_store_rows,
+                            compress=compress_rows, index_queries=index_queries_rows, attend=attend_rows,
+                            route=route_rows, experts_gate_up=experts_gate_up_one, experts_down=experts_down_one),
+    ROWS: SimpleNamespace(dense=dense_gemv, dense_hc_post=gemv_hc_post, kv_store=kv_store_rows,
+                          compress=compress_rows, index_queries=index_queries_rows, attend=attend_rows,
+                          route=route_rows, experts_gate_up=experts_gate_up_rows, experts_down=experts_down_rows),
+    BLOCK: SimpleNamespace(dense=dense_block, dense_hc_post=block_hc_post, kv_store=kv_store_block,
+                           compress=compress_block, index_queries=index_queries_block, attend=attend_block,
+                           route=route_block, experts_gate_up=experts_gate_up_block, experts_down=experts_down_block),
+}
+
+# (operation, weight format, mode) -> kernel, for the operations whose kernel also follows a weight's format
+KERNELS: dict[tuple[str, str, str], Callable] = {
+    ("shared_gate_up", "dense", DECODE): shared_gate_up_gemv,
+    ("shared_gate_up", "dense", ROWS): shared_gate_up_gemv,
+    ("shared_gate_up", "dense", BLOCK): shared_gate_up_gemv,
+    ("shared_gate_up", "experts", DECODE): shared_gate_up_expert,
+    ("shared_gate_up", "experts", ROWS): shared_gate_up_expert_rows,
+    ("shared_gate_up", "experts", BLOCK): shared_gate_up_expert_rows,
+    ("shared_down", "dense", DECODE): shared_down_dense,
+    ("shared_down", "dense", ROWS): shared_down_dense,
+    ("shared_down", "dense", BLOCK): shared_down_dense,
+    ("shared_down", "experts", DECODE): shared_down_expert,
+    ("shared_down", "experts", ROWS): shared_down_expert_rows,
+    ("shared_down", "experts", BLOCK): shared_down_expert_rows,
+}
+for _mode, _ops in _BY_MODE.items():
+    for _op, _fn in vars(_ops).items():
+        KERNELS[(_op, "*", _mode)] = _fn
+
+
+def weight_format(qtype: Any) -> str:
+    """"dense" for what the GEMVs / GEMMs read (Q8_0, F16, F32), "experts" for the expert formats."""
+    return "dense" if qtype in GEMV_TYPES else "experts"
+
+
+def pick(op: str, qtype: Any, mode: str) -> Callable:
+    """The kernel of `op` for weights of `qtype` (None: any) in `mode`."""
+    fn = KERNELS.get((op, weight_format(qtype), mode)) if qtype is not None else None
+    return fn if fn is not None else KERNELS[(op, "*", mode)]
+
+
+def of(mode: str) -> SimpleNamespace:
+    """The format-independent operations of `mode` (dense, kv_store, compress, attend, route, experts_*, ...)."""
+    return _BY_MODE[mode]
