@@ -11,7 +11,7 @@ block compressors, indexer and attention over all rows). A row of ROWS is bit-id
 through the same device function, and each row's attention plan is the one its own context bucket gives. BLOCK
 differs from DECODE in summation order only (docs/cuda.md "Prefill").
 
-Weight formats: "dense" (what the GEMVs and GEMMs read: Q8_0 / F16 / F32) or "experts" (the expert formats of
+Weight formats: "dense" (what the GEMVs and GEMMs read: Q8_0 / F16 / F32 / Q4_K) or "experts" (the expert formats of
 cu/moe_formats.cuh's MOE_FORMATS list: a new one needs its decoder there, no entry here).
 """
 
@@ -115,7 +115,7 @@ def dense_gemv(ls: Any, rec: Any, mats: list, x: DeviceArray, cols: int, stream:
 
 
 def mma_ok(W: DevTensor) -> bool:
-    return W.qtype in GEMV_TYPES            # the GEMM reads what the GEMVs read (Q8_0 / F16 / F32)
+    return W.qtype in GEMV_TYPES            # the GEMM reads what the GEMVs read (Q8_0 / F16 / F32 / Q4_K)
 
 
 def dense_block(ls: Any, rec: Any, mats: list, x: DeviceArray, cols: int, stream: Callable, norm=None,
@@ -436,7 +436,7 @@ for _mode, _ops in _BY_MODE.items():
 
 
 def weight_format(qtype: Any) -> str:
-    """"dense" for what the GEMVs / GEMMs read (Q8_0, F16, F32), "experts" for the expert formats."""
+    """"dense" for what the GEMVs / GEMMs read (Q8_0, F16, F32, Q4_K), "experts" for the expert formats."""
     return "dense" if qtype in GEMV_TYPES else "experts"
 
 

@@ -1,5 +1,5 @@
 """A GGUF's weights on the device for the CUDA engine: the tensor data uploaded once, in the file's own formats
-(Q8_0 / F16 / F32 GEMV matrices, IQ2_XXS / Q2_K / Q4_K / MXFP4 / Q8_0 / F16 experts: no dequantised copy), and
+(Q8_0 / F16 / F32 / Q4_K GEMV matrices, IQ2_XXS / Q2_K / Q4_K / MXFP4 / Q8_0 / F16 experts: no dequantised copy), and
 the typed per-layer binding (ds4py.schema.bind) resolved to device tensors.
 
 Only small vectors the kernels read as float32 (norms, hc scale / base, sinks, the router bias; BF16 hc `fn`
@@ -24,7 +24,7 @@ from ds4py.model import UnsupportedByBackend
 from ds4py.quant import vq
 from ds4py.ref import ops as ref_ops
 
-GEMV_TYPES = (QT.Q8_0, QT.F16, QT.F32)          # cu/gemv.cu
+GEMV_TYPES = (QT.Q8_0, QT.F16, QT.F32, QT.Q4_K)  # cu/gemv.cu, cu/gemm.cu
 EMBED_TYPES = (QT.F16, QT.F32)                  # cu/embed.cu
 HALF_OR_F32 = (QT.F16, QT.F32)                  # hc fn (cu/mhc.cu), compressor ape (cu/compressor.cu)
 
