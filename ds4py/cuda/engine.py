@@ -33,6 +33,7 @@ from ds4py.cuda.compiler import model_defines
 from ds4py.cuda.graph import StepGraph
 from ds4py.cuda.kvstate import CudaState, DeviceStore
 from ds4py.cuda.memory import DeviceArray
+from ds4py.cuda.ops import experts as ops_moe
 from ds4py.cuda.model_weights import DeviceWeights
 from ds4py.cuda.model_weights import load as load_weights
 from ds4py.errors import ContextLengthError, Ds4Error
@@ -263,6 +264,8 @@ class CudaModel(ModelBase):
         self.prefill_mma = True                                    # prefill dense products on tensor cores
         self.prefill_x_pieces = 3                                  # ... x as 3 bf16 pieces: exact (1: bf16 x)
         self.prefill_expert_mma = False                            # the experts too (bf16 x, h: less exact)
+        # VQ-8 experts run the exact grouped rows kernels in prefill too (cu/moe_prefill.cu has no VQ format)
+        self.vq_experts = any(L.ffn.experts.gate.fmt is not None for L in self.w.binding.layers)
         self.prefill_ws: layer.Workspace | None = None
         self.last_generate: dict[str, float] = {}
         self.startup = {"weights_upload_s": time.perf_counter() - t1, "model_open_s": time.perf_counter() - t0,
@@ -271,8 +274,8 @@ class CudaModel(ModelBase):
     def _check_config(self) -> None:
         cfg = self.config
         if cfg.is_v41:
-            raise UnsupportedByBackend("the CUDA engine runs V4 Flash only (no V4.1 Engram, candidate selection or "
-                                       "VQ-8 kernels yet); use --backend ref")
+            raise UnsupportedByBackend("the CUDA engine runs V4 Flash only (no V4.1 layer roles, Engram or candidate "
+                                       "selection yet); use --backend ref")
         for il in range(cfg.n_layers):
             if cfg.is_compressed(il) and cfg.kv_source(il) != il:
                 raise UnsupportedByBackend(f"layer {il} reads compressed rows of layer {cfg.kv_source(il)}, which "
@@ -356,7 +359,7 @@ class CudaModel(ModelBase):
             rec = Recording(cfg, self.numerics, self.w.freqs, ws, RowSet(BLOCK, [dict(st.arrays)], [bucket], Tb,
                                                                          ws.slot, cap=ws.rows),
                             ws.tickets, mma=self.prefill_mma, x_pieces=self.prefill_x_pieces,
-                            expert_mma=self.prefill_expert_mma)
+                            expert_mma=self.prefill_expert_mma and not self.vq_experts)
             ls = layer.Launcher(rt, self.pdl)
             layer.record_body(ls, rec, B)
             X = layer.final_residual(rec)
@@ -552,8 +555,9 @@ class CudaModel(ModelBase):
             t = synth._lookup(self.w.binding, e)
             if e.spec.field == "embed":
                 total += t.array.nbytes // t.shape[0]
-            elif e.spec.field.startswith("ffn.experts."):
-                total += t.array.nbytes * cfg.n_experts_used // cfg.n_experts
+            elif e.spec.field.startswith("ffn.experts."):              # VQ-8: the codebook is read by every block
+                cb = ops_moe.codebook_bytes(t.kernel_format)
+                total += cb + (t.array.nbytes - cb) * cfg.n_experts_used // cfg.n_experts
             else:
                 total += t.array.nbytes
         return total
