@@ -42,6 +42,7 @@ from ds4py.gguf import GGUFFile
 from ds4py.kv import state_layout
 from ds4py.model import DEFAULT_ROLLBACK_HORIZON, ModelBase, Numerics, UnsupportedByBackend
 from ds4py.sampling import InvalidLogits, SamplingParams
+from ds4py.vq.sidecar import Stack
 
 MIN_BUCKET = 256            # smallest context bucket (positions); buckets double up to the context length
 HEAD_GRAPHS = 8             # head graphs kept (one per sampling setting; least recently used dropped)
@@ -187,13 +188,11 @@ class CudaModel(ModelBase):
                  posttrain: Any = None, engram_dir: str | None = None, official_decode_bug: bool = False):
         """runtime: a Runtime / EmuRuntime to use (default: a new one: the GPU, or the emulator with emulate).
         pdl / graphs: programmatic dependent launches and graph replay (both on by default; off for the
-        bit-identity tests and the bench's comparison). sidecar / posttrain / engram_dir / official_decode_bug:
-        the reference backend's options (docs/vq.md, docs/v41.md), which this engine refuses in one sentence
-        (UnsupportedByBackend: `--backend auto` then opens the reference); engram_dir is ignored for V4."""
+        bit-identity tests and the bench's comparison). sidecar / posttrain: a domain sidecar and post-training
+        file (docs/vq.md), folded at load as the reference folds them. engram_dir / official_decode_bug: V4.1
+        options (docs/v41.md), which this engine refuses in one sentence (UnsupportedByBackend: `--backend auto`
+        then opens the reference); engram_dir is ignored for V4."""
         t0 = time.perf_counter()
-        if sidecar is not None or posttrain is not None:
-            raise UnsupportedByBackend("the CUDA engine does not apply domain sidecars or post-training files yet; "
-                                       "use --backend ref")
         self.path = str(path)
         self.gguf = GGUFFile(self.path)
         cfg = ModelConfig.from_gguf(self.gguf)
@@ -202,9 +201,21 @@ class CudaModel(ModelBase):
         header = min(t.offset for t in self.gguf.tensors.values())
         if progress is None:
             progress = not emulate and runtime is None
-        self._setup(cfg, numerics, rollback_horizon, runtime, emulate, pdl, graphs, bool(progress),
-                    file_fingerprint(self.path, head_bytes=header),
-                    lambda rt, ws0: load_weights(rt, self.gguf, cfg, ws0, progress=bool(progress)), t0)
+        fingerprint = file_fingerprint(self.path, head_bytes=header)
+        # a domain sidecar / post-training stack (docs/vq.md), folded at load as the reference folds it: its gain
+        # scales into the VQ row gains of the device copy, its router biases in place of the file's; a stale or
+        # mismatched pair is refused here in one sentence (Stack.open); the model's fingerprint becomes the stack's
+        self.stack = Stack.open(cfg, self.gguf, fingerprint, sidecar, posttrain)
+        row_scales: dict[str, list[np.ndarray]] = {}
+        biases: dict[str, np.ndarray] = {}
+        if self.stack is not None:
+            for name, sc in self.stack.row_scales():
+                row_scales.setdefault(name, []).append(sc)
+            biases = self.stack.biases()
+            fingerprint = self.stack.fingerprint
+        self._setup(cfg, numerics, rollback_horizon, runtime, emulate, pdl, graphs, bool(progress), fingerprint,
+                    lambda rt, ws0: load_weights(rt, self.gguf, cfg, ws0, progress=bool(progress),
+                                                 row_scales=row_scales, replace=biases), t0)
 
     @classmethod
     def synthetic(cls, cfg: ModelConfig, seed: int = 0, experts: tuple = synth.Q2_EXPERTS,

@@ -124,12 +124,16 @@ class DeviceWeights:
 
 
 def load(rt: Any, gguf, cfg, scratch_bytes: int, progress: bool = False,
-         row_scales: dict[str, list[np.ndarray]] | None = None) -> DeviceWeights:
+         row_scales: dict[str, list[np.ndarray]] | None = None,
+         replace: dict[str, np.ndarray] | None = None) -> DeviceWeights:
     """Upload every tensor the schema names, check every type, bind the schema to the device tensors. VQ-8
     experts get a repacked device copy (ds4py/cuda/vq_layout.py) with their row gains times row_scales[name]
-    (a sidecar stack's, in order)."""
+    (a sidecar stack's, in order); replace: float32 vectors uploaded instead of the file's (a stack's effective
+    router biases)."""
     entries = list(schema.entries(cfg))
     converted = {e.name: a for e in entries if (a := conversion(gguf, e)) is not None}
+    for name, a in (replace or {}).items():
+        converted[name] = np.ascontiguousarray(a, np.float32)
     vq_plans = {e.name: vq_layout.plan(gguf, e.name) for e in entries
                 if role(e.spec.field) == "experts" and vq.is_vq(gguf, e.name)}
     tables = rope_tables(cfg)
