@@ -33,6 +33,7 @@ from ds4py.cuda.compiler import model_defines
 from ds4py.cuda.graph import StepGraph
 from ds4py.cuda.kvstate import CudaState, DeviceStore
 from ds4py.cuda.memory import DeviceArray
+from ds4py.cuda.memory_plan import DEFAULT_CTX, MemoryPlan, kv_bytes
 from ds4py.cuda.ops import experts as ops_moe
 from ds4py.cuda.model_weights import DeviceWeights
 from ds4py.cuda.model_weights import load as load_weights
@@ -185,13 +186,16 @@ class CudaModel(ModelBase):
     def __init__(self, path: str, numerics: Numerics | None = None,
                  rollback_horizon: int = DEFAULT_ROLLBACK_HORIZON, runtime: Any = None, emulate: bool = False,
                  pdl: bool = True, graphs: bool = True, progress: bool | None = None, sidecar: Any = None,
-                 posttrain: Any = None, engram_dir: str | None = None, official_decode_bug: bool = False):
+                 posttrain: Any = None, engram_dir: str | None = None, official_decode_bug: bool = False,
+                 ctx: int | None = None):
         """runtime: a Runtime / EmuRuntime to use (default: a new one: the GPU, or the emulator with emulate).
         pdl / graphs: programmatic dependent launches and graph replay (both on by default; off for the
         bit-identity tests and the bench's comparison). sidecar / posttrain: a domain sidecar and post-training
         file (docs/vq.md), folded at load as the reference folds them. engram_dir / official_decode_bug: V4.1
         options (docs/v41.md), which this engine refuses in one sentence (UnsupportedByBackend: `--backend auto`
-        then opens the reference); engram_dir is ignored for V4."""
+        then opens the reference); engram_dir is ignored for V4. ctx: the context one sequence is planned for
+        (default memory_plan.DEFAULT_CTX, at most the model's): the load prints the memory plan in one line and
+        refuses a model that does not fit (UnsupportedByBackend) before uploading anything."""
         t0 = time.perf_counter()
         self.path = str(path)
         self.gguf = GGUFFile(self.path)
@@ -213,9 +217,25 @@ class CudaModel(ModelBase):
                 row_scales.setdefault(name, []).append(sc)
             biases = self.stack.biases()
             fingerprint = self.stack.fingerprint
+        if ctx is not None and (not isinstance(ctx, int) or ctx < 1):
+            raise Ds4Error(f"ctx must be a positive number of tokens, got {ctx!r}")
+        plan_ctx = min(ctx or DEFAULT_CTX, cfg.context_length)
+
+        def check(rt: Any, weights: int) -> None:
+            """The memory plan, before the upload: one line, and a refusal when it does not fit."""
+            bucket = bucket_for(plan_ctx, cfg.context_length)
+            scratch = sum(layer.workspace_bytes(layer.workspace_shapes(cfg, bucket, rows, mode)) for rows, mode in
+                          ((1, DECODE), (MAX_ROWS, ROWS), (layer.MAX_BLOCK, BLOCK)))
+            self.memory_plan = MemoryPlan(weights, kv_bytes(self.layout, plan_ctx), plan_ctx, scratch,
+                                          rt.free_bytes())
+            if progress:
+                print(f"ds4py: {self.memory_plan.line()}", file=sys.stderr, flush=True)
+            self.memory_plan.check()
+
         self._setup(cfg, numerics, rollback_horizon, runtime, emulate, pdl, graphs, bool(progress), fingerprint,
                     lambda rt, ws0: load_weights(rt, self.gguf, cfg, ws0, progress=bool(progress),
-                                                 row_scales=row_scales, replace=biases), t0)
+                                                 row_scales=row_scales, replace=biases,
+                                                 plan=lambda n: check(rt, n)), t0)
 
     @classmethod
     def synthetic(cls, cfg: ModelConfig, seed: int = 0, experts: tuple = synth.Q2_EXPERTS,

@@ -125,11 +125,11 @@ class DeviceWeights:
 
 def load(rt: Any, gguf, cfg, scratch_bytes: int, progress: bool = False,
          row_scales: dict[str, list[np.ndarray]] | None = None,
-         replace: dict[str, np.ndarray] | None = None) -> DeviceWeights:
+         replace: dict[str, np.ndarray] | None = None, plan: Any = None) -> DeviceWeights:
     """Upload every tensor the schema names, check every type, bind the schema to the device tensors. VQ-8
     experts get a repacked device copy (ds4py/cuda/vq_layout.py) with their row gains times row_scales[name]
     (a sidecar stack's, in order); replace: float32 vectors uploaded instead of the file's (a stack's effective
-    router biases)."""
+    router biases); plan(weight bytes): called before the arena is allocated (the engine's memory plan)."""
     entries = list(schema.entries(cfg))
     converted = {e.name: a for e in entries if (a := conversion(gguf, e)) is not None}
     for name, a in (replace or {}).items():
@@ -143,6 +143,8 @@ def load(rt: Any, gguf, cfg, scratch_bytes: int, progress: bool = False,
     extra = sum(align_up(a.nbytes) for a in list(converted.values()) + list(distinct.values())) + ALIGN
     extra += sum(align_up(n) for _, n in vq_plans.values())
     start, end = data_span(gguf)
+    if plan is not None:
+        plan((end - start) + extra)             # the memory plan: may refuse before anything is allocated
     arena = rt.arena(weights_bytes=(end - start) + extra, scratch_bytes=scratch_bytes)
     uploader = rt.uploader()
     try:
