@@ -189,7 +189,7 @@ __device__ __forceinline__ int moe_unique_id(const int* ids, int n, int n_expert
     return *pick;
 }
 
-// Several rows (issue 17): the pairs p = (row n, slot s), p = n * k + s, of ids [nx * k] (null: pair p is expert
+// Several rows: the pairs p = (row n, slot s), p = n * k + s, of ids [nx * k] (null: pair p is expert
 // p % k) grouped by expert: block (x, u) stages rows [r0, r0 + rows_per_block) of the u-th distinct expert's gate
 // and up once, then runs every pair that chose it (ascending p) with x + n * x_stride, writing h[p]. A bad id's
 // pairs get NaN rows (nothing read). The stage stays while the pairs run: red sits after it.

@@ -1,6 +1,6 @@
 // Prefill GEMM on tensor cores: Y[T x N] = X[T x K] . W^T (or Y +=), for a block of T tokens (up to a few
 // thousand) and a dense weight W [N rows, K] straight from the GGUF (Q8_0, F16, F32, Q4_K), fp32 activations in and
-// fp32 results out. issue 17; the decode path's GEMV is gemv.cu.
+// fp32 results out. The decode path's GEMV is gemv.cu.
 //
 // Numerics. Activations are rounded to bf16 (round to nearest even) when staged; the weights stay exact:
 //   Q8_0  the int8 codes q are bf16 integers (exact); each 32-column block's partial sum P = sum_k x_k q_k is

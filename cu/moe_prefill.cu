@@ -1,4 +1,4 @@
-// Routed experts of V4 Flash for a block of T tokens (prefill, issue 17), grouped by expert on tensor cores:
+// Routed experts of V4 Flash for a block of T tokens (prefill), grouped by expert on tensor cores:
 //   moe_prefill_route          count the (token, slot) pairs per expert, exclusive scan, scatter the pairs into
 //                              expert-sorted order (within an expert by pair index p = t*k + s: deterministic),
 //                              and list the work items: (expert, first sorted row) per MOEP_BM rows of an expert;

@@ -476,7 +476,7 @@ def test_arena_grows_by_doubling_only_between_steps():
 def test_upload_gguf_places_every_tensor(standin, golden):
     """The tiny model's whole tensor span goes up in chunks; each tensor is a view at its own offset."""
     from ds4py.cuda.memory import Arena, WeightUploader
-    from ds4py.cuda.weights import data_span, upload_gguf, weights_bytes
+    from ds4py.cuda.gguf_upload import data_span, upload_gguf, weights_bytes
     from ds4py.gguf import GGUFFile
 
     g = GGUFFile(golden / "ds4-tiny" / "tiny.gguf")

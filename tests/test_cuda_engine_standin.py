@@ -89,3 +89,45 @@ def test_full_size_synthetic_model_launch_budget(rt, standin):  # noqa: F811
           f"read per token")
     assert 9.0e9 < m.weight_bytes_per_token() < 10.5e9      # the issue's 9.55 GB per token of the q2 file
     assert np.isfinite(m.startup["weights_gb"])
+
+
+def test_every_mode_records_through_the_one_layer_schedule(rt, standin, golden, monkeypatch):  # noqa: F811
+    """DECODE, ROWS and BLOCK row sets all record each layer through layer.record_layer (the one schedule), and
+    their launches per step are those of the three schedules it replaced (ds4-tiny: 87 per decode step, 108 /
+    240 / 453 at 2 / 8 / 16 rows, 232 for a 40-token prompt block with its head, 233 on the GEMV path)."""
+    from ds4py.cuda import layer
+    from ds4py.cuda.engine import CudaModel
+
+    m = CudaModel(str(golden / "ds4-tiny" / "tiny.gguf"), runtime=rt, progress=False)
+    modes: list[str] = []
+    real = layer.record_layer
+    monkeypatch.setattr(layer, "record_layer", lambda ls, rec, *a: modes.append(rec.mode) or real(ls, rec, *a))
+    assert m.launches_per_step()["total"] == 87
+    assert [m.launches_per_rows_step(R)["total"] for R in (2, 8, 16)] == [108, 240, 453]
+
+    def launched(prompt_mma: bool) -> int:
+        m.prefill_mma = prompt_mma
+        before = sum(1 for c, _ in standin.calls if c == "cuLaunchKernelEx")
+        m.step([m.new_state()], [list(range(3, 43))])
+        return sum(1 for c, _ in standin.calls if c == "cuLaunchKernelEx") - before
+
+    assert (launched(True), launched(False)) == (232, 233)
+    L = m.config.n_layers
+    assert modes == [layer.DECODE] * L + [layer.ROWS] * 3 * L + [layer.BLOCK] * 2 * L
+
+
+def test_the_planner_packs_short_chunks_and_steps_prompts_alone(rt, standin, golden):  # noqa: F811
+    from ds4py.cuda.engine import CudaModel
+    from ds4py.cuda.layer import BLOCK, DECODE, ROWS
+
+    m = CudaModel(str(golden / "ds4-tiny" / "tiny.gguf"), runtime=rt, progress=False)
+    h = m.rollback_horizon + 1
+    one, prompt = [1], [1] * (h + 1)
+    assert m.plan([one]) == [(DECODE, [0])]
+    assert m.plan([one, one, [1] * 3]) == [(ROWS, [0, 1, 2])]
+    assert m.plan([one, prompt, one]) == [(BLOCK, [1]), (ROWS, [0, 2])]
+    assert m.plan([prompt, one]) == [(BLOCK, [0]), (DECODE, [1])]
+    assert m.plan([one] * 20) == [(ROWS, list(range(16))), (ROWS, [16, 17, 18, 19])]
+    assert m.plan([one] * 17) == [(ROWS, list(range(16))), (DECODE, [16])]
+    m.multirow = False
+    assert m.plan([one, one]) == [(DECODE, [0]), (DECODE, [1])]

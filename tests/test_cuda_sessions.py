@@ -43,14 +43,19 @@ def tok():
 def test_concurrent_greedy_answers_on_cuda_equal_sequential_ones(cuda, tok):
     prompts = [np.random.default_rng(30 + i).integers(3, 256, 3 + 10 * i).tolist() for i in range(3)]
     rows: list[tuple[int, int]] = []                 # (states, rows) of every multi-row step
-    real, real_split = cuda._step_rows, cuda._step_split
-    splits: list[list[int]] = []
+    real, real_plan = cuda._step_rows, cuda.plan
+    splits: list[list[int]] = []                     # the chunks of every step planned as several row sets
 
     def spy(states, chunks, all_logits):
         rows.append((len(states), sum(len(c) for c in chunks)))
         return real(states, chunks, all_logits)
-    cuda._step_rows = spy
-    cuda._step_split = lambda st, ch, al, **kw: splits.append([len(c) for c in ch]) or real_split(st, ch, al, **kw)
+
+    def plan(chunks):
+        out = real_plan(chunks)
+        if len(out) > 1 and any(len(idx) > 1 for _, idx in out):
+            splits.append([len(c) for c in chunks])
+        return out
+    cuda._step_rows, cuda.plan = spy, plan
     try:
         with serving(cuda, tok, n=3, prefill_chunk=16) as srv:
             alone = [post(srv, completion(p, n=4)) for p in prompts]
@@ -59,7 +64,7 @@ def test_concurrent_greedy_answers_on_cuda_equal_sequential_ones(cuda, tok):
         with serving(cuda, tok, n=3, prefill_chunk=16) as srv:
             together = concurrently(lambda p: post(srv, completion(p, n=4)), prompts)
     finally:
-        del cuda._step_rows, cuda._step_split
+        del cuda._step_rows, cuda.plan
     for a, b in zip(alone, together):
         assert a["choices"][0]["text"] == b["choices"][0]["text"]
         assert b["usage"]["completion_tokens"] == 4 and a["choices"][0]["text"].count("<") == 4

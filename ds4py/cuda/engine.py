@@ -5,12 +5,12 @@
     for tok in model.generate(state, first, params, 64):  # device-side sampling, 4 bytes read per token
         ...
 
-Weights stay in their GGUF formats in the arena (ds4py/cuda/model_weights.py); a sequence's KV state is the
-declared layout in device memory (ds4py/cuda/kvstate.py); a decode step is one launch sequence
-(ds4py/cuda/decode.py) captured once per state and context bucket into a graph and replayed per token, with
-the position and the token in a device slot. A chunk longer than the rollback horizon + 1 (a prompt) runs in
-prefill blocks of up to 2,048 tokens (ds4py/cuda/prefill.py, direct launches); 2 to 16 rows in all go through
-one multi-row graph (ds4py/cuda/rows.py); other short chunks replay the decode graph per position.
+Weights stay in their GGUF formats in the arena (ds4py/cuda/device_weights.py); a sequence's KV state is the
+declared layout in device memory (ds4py/cuda/kvstate.py). A step is planned as row sets (CudaModel.plan), each
+recorded by the one layer schedule (ds4py/cuda/layer.py): a DECODE row captured once per state and context bucket
+into a graph and replayed per token, with the position and the token in a device slot; 2 to 16 short rows in all
+as one ROWS graph; a chunk longer than the rollback horizon + 1 (a prompt) in BLOCK row sets of up to 2,048
+tokens (direct launches).
 Numerics: fp32 activations and accumulation, the model's FP8 / FP4 fake-quant (Numerics.fake_quant) and F16 KV
 storage (kv_dtype "f16") as the reference computes them; ds4's int8 activations (act_quant) are refused.
 """
@@ -33,10 +33,10 @@ from ds4py.cuda.compiler import model_defines
 from ds4py.cuda.graph import StepGraph
 from ds4py.cuda.kvstate import CudaState, DeviceStore
 from ds4py.cuda.memory import DeviceArray
+from ds4py.cuda.device_weights import DeviceWeights
+from ds4py.cuda.device_weights import load as load_weights
 from ds4py.cuda.memory_plan import DEFAULT_CTX, MemoryPlan, kv_bytes
 from ds4py.cuda.ops import experts as ops_moe
-from ds4py.cuda.model_weights import DeviceWeights
-from ds4py.cuda.model_weights import load as load_weights
 from ds4py.errors import ContextLengthError, Ds4Error
 from ds4py.fingerprint import file_fingerprint
 from ds4py.gguf import GGUFFile
@@ -47,7 +47,7 @@ from ds4py.vq.sidecar import Stack
 
 MIN_BUCKET = 256            # smallest context bucket (positions); buckets double up to the context length
 HEAD_GRAPHS = 8             # head graphs kept (one per sampling setting; least recently used dropped)
-ROWS_GRAPHS = 8             # multi-row step graphs kept (one per set of rows' states, buckets and row count)
+ROWS_GRAPHS = 32            # ROWS step graphs kept (one per set of rows' states and buckets, least recently used dropped)
 
 
 def bucket_for(n_positions: int, context_length: int, min_bucket: int = MIN_BUCKET) -> int:
@@ -63,14 +63,21 @@ class StepRun:
     (graphs=False). `launches` counts the kernels of one run."""
 
     def __init__(self, model: "CudaModel", record: Callable[[layer.Launcher], None], tag: tuple,
-                 slot: DeviceArray | None = None):
+                 slot: DeviceArray | None = None, graph: bool = True):
+        """graph=False: direct launches until use_graph() (a row set seen once is not worth a capture)."""
         self.model, self._record, self.tag = model, record, tag
         self.slot = model.slot if slot is None else slot
         self.mode = (model.pdl, model.graphs)
         self.launches = 0
         self.side_launches = 0
-        rt = model.rt
-        self.graph = StepGraph(rt, self._capture, self.slot, model.w.arena) if model.graphs else None
+        self.graph: StepGraph | None = None
+        if graph:
+            self.use_graph()
+
+    def use_graph(self) -> None:
+        """Capture on the next run and replay from then on (when the model runs with graphs)."""
+        if self.graph is None and self.mode[1]:
+            self.graph = StepGraph(self.model.rt, self._capture, self.slot, self.model.w.arena)
 
     def _capture(self) -> None:
         ls = layer.Launcher(self.model.rt, self.model.pdl)
@@ -313,8 +320,8 @@ class CudaModel(ModelBase):
                                            f"the CUDA engine does not support yet (V4.1); use --backend ref")
 
     def _check_weights(self) -> None:
-        for il, L in enumerate(self.w.binding.layers):
-            for what, sw in (("routed", L.ffn.experts), ("shared", L.ffn.shared)):
+        for il, lw in enumerate(self.w.binding.layers):
+            for what, sw in (("routed", lw.ffn.experts), ("shared", lw.ffn.shared)):
                 if sw.gate.qtype != sw.up.qtype:
                     raise UnsupportedByBackend(f"layer {il}: the {what} experts' gate ({sw.gate.qtype.name}) and up "
                                                f"({sw.up.qtype.name}) differ in type; the CUDA kernel reads both "
@@ -332,32 +339,92 @@ class CudaModel(ModelBase):
         if state.store is not self.store:
             raise Ds4Error(f"{what} belongs to another CUDA model")
 
-    def _step(self, states: list[CudaState], chunks: list[np.ndarray], all_logits: bool) -> list[np.ndarray]:
-        self.store.reclaim()
-        if self._takes_rows(chunks):
-            return self._step_rows(states, chunks, all_logits)
-        if self._splits(chunks):
-            return self._step_split(states, chunks, all_logits)
-        out = []
-        for st, ids in zip(states, chunks):
-            n0, T = st.n_tokens, len(ids)
-            if self.prefill_blocks and T > self.rollback_horizon + 1:
-                out.append(self._prefill(st, np.asarray(ids), all_logits))
+    # ---- the planner: one step = row sets, run in order -----------------------------------------------------------
+    def plan(self, chunks: Sequence[Sequence[int]]) -> list[tuple[str, list[int]]]:
+        """The row sets a step of these chunks runs as, in order: (mode, the indices of the chunks it holds).
+
+        ROWS: short chunks (at most rollback horizon + 1 positions; a decode row, a verify) packed in order into
+        multi-row steps of 2 to MAX_ROWS rows; BLOCK: a prompt (a chunk longer than the rollback horizon + 1) in
+        prefill blocks; DECODE: a chunk on its own, position by position through its state's decode graph (one
+        row; or a short chunk with multirow off). Sequences are independent, so the grouping changes no row's
+        bits: every row is bit-identical to its single-row step."""
+        lens = [len(c) for c in chunks]
+        limit = self.rollback_horizon + 1
+        if self.multirow and 2 <= sum(lens) <= MAX_ROWS and all(n <= limit for n in lens):
+            return [(ROWS, list(range(len(lens))))]
+        alone = lambda i: (BLOCK if self.prefill_blocks and lens[i] > limit else DECODE, [i])  # noqa: E731
+        short = min(limit, MAX_ROWS)
+        if not self.multirow or len(lens) < 2 or sum(n for n in lens if n <= short) < 2:
+            return [alone(i) for i in range(len(lens))]
+        out: list[tuple[str, list[int]]] = []
+        group: list[int] = []
+
+        def flush() -> None:
+            if group:
+                out.append((ROWS, list(group)) if sum(lens[i] for i in group) >= 2 else alone(group[0]))
+                group.clear()
+
+        for i, n in enumerate(lens):
+            if n > short:
+                out.append(alone(i))
                 continue
-            body = self._body(st, n0 + T - 1)           # rows grown and graph captured before anything is written
-            head = self._head(None)
-            body = self._body(st, n0 + T - 1)           # (the head may have grown the workspace)
-            st.begin_step(T)
-            rows = []
-            for i, tok in enumerate(ids):
-                st.device_hw = max(st.device_hw, n0 + i + 1)
-                body.run([n0 + i, int(tok)])
-                if all_logits or i == T - 1:
-                    head.run(())
-                    rows.append(self.ws.logits.download())
-            st.end_step(T)
-            out.append(np.stack(rows) if all_logits else rows[-1])
+            if sum(lens[j] for j in group) + n > MAX_ROWS:
+                flush()
+            group.append(i)
+        flush()
         return out
+
+    def _step(self, states: list[CudaState], chunks: list[np.ndarray], all_logits: bool) -> list[np.ndarray]:
+        return self._run(states, chunks, all_logits, hidden=False)[0]
+
+    def _step_hidden(self, states: list[CudaState], chunks: list[np.ndarray],
+                     all_logits: bool) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """step, and each row's final residual X [hc, D] (the head's input h_j, the MTP block's input): the same
+        row sets as step, their residuals read back."""
+        return self._run(states, chunks, all_logits, hidden=True)
+
+    def _run(self, states: list[CudaState], chunks: list[np.ndarray], all_logits: bool,
+             hidden: bool) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """The planned row sets of a step: (logits per chunk, final residuals per chunk [T, hc, D] with hidden)."""
+        self.store.reclaim()
+        logits: list[Any] = [None] * len(states)
+        resid: list[Any] = [None] * len(states)
+        for mode, idx in self.plan(chunks):
+            if mode == ROWS:
+                sts, chs = [states[i] for i in idx], [chunks[i] for i in idx]
+                lg = self._step_rows(sts, chs, all_logits)
+                hs = self._rows_hidden(chs) if hidden else [None] * len(idx)
+            else:
+                i = idx[0]
+                run = self._prefill if mode == BLOCK else self._positions
+                got = run(states[i], np.asarray(chunks[i]), all_logits, hidden=hidden)
+                lg, hs = ([got[0]], [got[1]]) if hidden else ([got], [None])
+            for j, i in enumerate(idx):
+                logits[i], resid[i] = lg[j], hs[j]
+        return logits, resid
+
+    def _positions(self, st: CudaState, ids: np.ndarray, all_logits: bool, hidden: bool = False) -> Any:
+        """One state's chunk position by position through its decode graph (DECODE); hidden: (logits, every
+        position's final residual [T, hc, D])."""
+        n0, T = st.n_tokens, len(ids)
+        body = self._body(st, n0 + T - 1)           # rows grown and graph captured before anything is written
+        head = self._head(None)
+        body = self._body(st, n0 + T - 1)           # (the head may have grown the workspace)
+        X = layer.final_residual(self._context(st, body.tag[0]))
+        H = np.empty((T, self.config.hc_mult, self.config.dim), np.float32) if hidden else None
+        st.begin_step(T)
+        rows = []
+        for i, tok in enumerate(ids):
+            st.device_hw = max(st.device_hw, n0 + i + 1)
+            body.run([n0 + i, int(tok)])
+            if hidden:
+                H[i] = X.download().reshape(H.shape[1:])
+            if all_logits or i == T - 1:
+                head.run(())
+                rows.append(self.ws.logits.download())
+        st.end_step(T)
+        logits = np.stack(rows) if all_logits else rows[-1]
+        return (logits, H) if hidden else logits
 
     def _prefill(self, st: CudaState, ids: np.ndarray, all_logits: bool, hidden: bool = False) -> Any:
         """A chunk longer than the rollback horizon + 1 (a prompt): BLOCK row sets of up to MAX_BLOCK tokens,
@@ -406,17 +473,21 @@ class CudaModel(ModelBase):
         return (logits, H) if hidden else logits
 
     def _step_rows(self, states: list[CudaState], chunks: list[np.ndarray], all_logits: bool) -> list[np.ndarray]:
-        """One multi-row step (cuda/rows.py): every chunk's positions as rows of one graph replay; each row's
-        logits bit-identical to stepping its state position by position."""
+        """One ROWS step: every chunk's positions as rows of one graph replay; each row's logits bit-identical to
+        stepping its state position by position."""
         plan = [(st, st.n_tokens + i, int(t)) for st, ids in zip(states, chunks) for i, t in enumerate(ids)]
-        run = self._rows_run(plan)
+        run, order = self._rows_run(plan)
         R = len(plan)
-        values = [pos for _, pos, _ in plan] + [0] * (MAX_ROWS - R) + [tok for _, _, tok in plan]
+        rows = [plan[r] for r in order]
+        values = [pos for _, pos, _ in rows] + [0] * (MAX_ROWS - R) + [tok for _, _, tok in rows]
         for st, ids in zip(states, chunks):
             st.begin_step(len(ids))
             st.device_hw = max(st.device_hw, st.n_tokens + len(ids))
         run.run(values)
-        logits = self.rows_ws.logits.view(0, (R, self.config.vocab_size)).download()
+        self._rows_order = order
+        got = self.rows_ws.logits.view(0, (R, self.config.vocab_size)).download()
+        logits = np.empty_like(got)
+        logits[order] = got                                # back into the caller's row order
         out, at = [], 0
         for st, ids in zip(states, chunks):
             T = len(ids)
@@ -425,97 +496,19 @@ class CudaModel(ModelBase):
             at += T
         return out
 
-    # ---- speculative decoding: the final hyper-connection states (the MTP block's input, ds4py/cuda/mtp.py) ------
-    def _step_hidden(self, states: list[CudaState], chunks: list[np.ndarray],
-                     all_logits: bool) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """step, and each row's final residual X [hc, D] (the head's input h_j). A step the multi-row path takes
-        (a verify of 1 + k rows, batched decode rows) reads them from its workspace; a prompt longer than the
-        rollback horizon + 1 runs as plain decoding runs it (prefill blocks, _prefill), its rows' X read back;
-        any other chunk is stepped position by position through the decode graph, each position's X read back."""
-        self.store.reclaim()
-        if not self._takes_rows(chunks) and self._splits(chunks):
-            return self._step_split(states, chunks, all_logits, hidden=True)
-        if self._takes_rows(chunks):
-            logits = self._step_rows(states, chunks, all_logits)
-            X = self.rows_ws.X0 if self.config.n_layers % 2 == 0 else self.rows_ws.X1
-            hc, D = self.config.hc_mult, self.config.dim
-            H = X.view(0, (sum(len(c) for c in chunks), hc, D)).download()
-            at, hidden = 0, []
-            for c in chunks:
-                hidden.append(H[at:at + len(c)].copy())
-                at += len(c)
-            return logits, hidden
-        logits, hidden = [], []
-        for st, ids in zip(states, chunks):
-            if self.prefill_blocks and len(ids) > self.rollback_horizon + 1:   # a prompt: as plain decoding runs it
-                lg, h = self._prefill(st, np.asarray(ids), all_logits, hidden=True)
-            else:
-                lg, h = self._positions_hidden(st, ids, all_logits)
-            logits.append(lg)
-            hidden.append(h)
-        return logits, hidden
-
-    def _takes_rows(self, chunks: list[np.ndarray]) -> bool:
-        """Whether a step of these chunks runs as one multi-row step (cuda/rows.py)."""
-        return self.multirow and 2 <= sum(len(c) for c in chunks) <= MAX_ROWS \
-            and all(len(c) <= self.rollback_horizon + 1 for c in chunks)
-
-    def _splits(self, chunks: list[np.ndarray]) -> bool:
-        """A step of several sequences that is not one multi-row step as a whole (a prompt chunk beside decode
-        rows, or more than MAX_ROWS rows): its short chunks still go through multi-row steps (_step_split)."""
-        if not self.multirow or len(chunks) < 2:
-            return False
-        return sum(len(c) for c in chunks if len(c) <= self._short_rows()) >= 2
-
-    def _short_rows(self) -> int:
-        return min(self.rollback_horizon + 1, MAX_ROWS)
-
-    def _step_split(self, states: list[CudaState], chunks: list[np.ndarray], all_logits: bool,
-                    hidden: bool = False) -> Any:
-        """Short chunks (decode rows, verifies) packed in order into multi-row steps of at most MAX_ROWS rows;
-        each long chunk (a prompt) stepped on its own. Sequences are independent, so the grouping changes no
-        row's bits (each row is bit-identical to its single-row step). hidden: step_hidden's (logits, hidden)."""
-        step = self._step_hidden if hidden else self._step
-        out: list[Any] = [None] * len(states)
-        group: list[int] = []
-
-        def put(idx: list[int], got: Any) -> None:
-            for j, i in enumerate(idx):
-                out[i] = (got[0][j], got[1][j]) if hidden else got[j]
-
-        def flush() -> None:
-            if group:
-                put(group, step([states[i] for i in group], [chunks[i] for i in group], all_logits))
-                group.clear()
-
-        for i, c in enumerate(chunks):
-            if len(c) > self._short_rows():
-                put([i], step([states[i]], [c], all_logits))
-                continue
-            if sum(len(chunks[j]) for j in group) + len(c) > MAX_ROWS:
-                flush()
-            group.append(i)
-        flush()
-        return ([o[0] for o in out], [o[1] for o in out]) if hidden else out
-
-    def _positions_hidden(self, st: CudaState, ids: np.ndarray, all_logits: bool) -> tuple[np.ndarray, np.ndarray]:
-        """One state's chunk position by position (the decode graph), with every position's final residual."""
-        n0, T = st.n_tokens, len(ids)
-        body = self._body(st, n0 + T - 1)
-        head = self._head(None)
-        body = self._body(st, n0 + T - 1)
-        X = layer.final_residual(self._context(st, body.tag[0]))
-        st.begin_step(T)
-        rows, hidden = [], np.empty((T, self.config.hc_mult, self.config.dim), np.float32)
-        for i, tok in enumerate(ids):
-            st.device_hw = max(st.device_hw, n0 + i + 1)
-            body.run([n0 + i, int(tok)])
-            hidden[i] = X.download().reshape(hidden.shape[1:])
-            if all_logits or i == T - 1:
-                head.run(())
-                rows.append(self.ws.logits.download())
-        st.end_step(T)
-        return (np.stack(rows) if all_logits else rows[-1]), hidden
+    def _rows_hidden(self, chunks: list[np.ndarray]) -> list[np.ndarray]:
+        """The final residuals [T, hc, D] per chunk of the last ROWS step (in the caller's row order)."""
+        cfg = self.config
+        X = self.rows_ws.X0 if cfg.n_layers % 2 == 0 else self.rows_ws.X1
+        R = sum(len(c) for c in chunks)
+        got = X.view(0, (R, cfg.hc_mult, cfg.dim)).download()
+        H = np.empty_like(got)
+        H[self._rows_order] = got
+        out, at = [], 0
+        for c in chunks:
+            out.append(H[at:at + len(c)].copy())
+            at += len(c)
+        return out
 
     def _row_bucket(self, st: CudaState, pos: int) -> int:
         """The context bucket a single-row step of `st` at `pos` runs in (its attention plan): a row keeps it."""
@@ -523,8 +516,13 @@ class CudaModel(ModelBase):
         run = st.graph[0]
         return max(need, run.tag[0]) if run is not None else need
 
-    def _rows_run(self, plan: list[tuple[CudaState, int, int]]) -> StepRun:
-        """The multi-row graph for these rows (their states' arrays, buckets and count), captured on first use."""
+    def _rows_run(self, plan: list[tuple[CudaState, int, int]]) -> tuple[StepRun, list[int]]:
+        """The ROWS graph for these rows, captured on first use, and the order its rows run in (rows[order[j]] is
+        its row j). The graph is keyed by what it baked in: each row's state arrays and context bucket, in a
+        canonical order (rows grouped by state, states by address; a state's rows keep their position order), so
+        the same states in another order or grouping of the scheduler's replay one graph. A row set's first step
+        launches directly; it is captured when it comes again (one-off batches, such as a prompt chunk beside
+        decode rows, cost no capture)."""
         buckets = [self._row_bucket(st, pos) for st, pos, _ in plan]
         top = max(buckets)
         if self.rows_ws is None or self.rows_ws.bucket < top:
@@ -540,13 +538,16 @@ class CudaModel(ModelBase):
             per_state[id(st)] = max(per_state.get(id(st), 0), b)
         for st, _, _ in plan:
             st.ensure_rows(per_state[id(st)])
+        order = sorted(range(len(plan)), key=lambda r: min(a.ptr for a in plan[r][0].arrays.values()))
+        plan, buckets = [plan[r] for r in order], [buckets[r] for r in order]
         ws = self.rows_ws
         key = (ws.version, self.pdl, self.graphs, tuple(
             (b, tuple((a.ptr, a.shape[0]) for a in st.arrays.values())) for (st, _, _), b in zip(plan, buckets)))
         run = self._rows_runs.get(key)
-        if run is not None:
+        if run is not None:                             # seen before: worth a graph from now on
             self._rows_runs.move_to_end(key)
-            return run
+            run.use_graph()
+            return run, order
         rec = Recording(self.config, self.numerics, self.w.freqs, ws,
                         RowSet(ROWS, [dict(st.arrays) for st, _, _ in plan], buckets, len(plan), ws.slot, cap=MAX_ROWS),
                         ws.tickets)
@@ -556,16 +557,16 @@ class CudaModel(ModelBase):
             layer.record_body(ls, rec, B)
             layer.record_head(ls, rec, layer.final_residual(rec), rec.R, B.hc_head, B.output_norm, B.head)
 
-        run = StepRun(self, record, key, slot=ws.slot)
+        run = StepRun(self, record, key, slot=ws.slot, graph=False)     # its first run: direct launches
         self._rows_runs[key] = run
         while len(self._rows_runs) > ROWS_GRAPHS:
             self.store.retire([self._rows_runs.popitem(last=False)[1]])
-        return run
+        return run, order
 
     def launches_per_rows_step(self, n_rows: int) -> dict[str, int]:
         """Kernels of one multi-row step of n_rows fresh sequences (one row each)."""
         sts = [self.new_state() for _ in range(n_rows)]
-        run = self._rows_run([(st, 0, 0) for st in sts])
+        run, _ = self._rows_run([(st, 0, 0) for st in sts])
         n, side = run.count()
         return {"rows": n_rows, "total": n, "side_stream": side}
 

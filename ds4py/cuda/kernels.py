@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from ds4py.cuda import ops
 from ds4py.cuda.memory import DeviceArray
-from ds4py.cuda.model_weights import GEMV_TYPES, DevTensor
+from ds4py.cuda.device_weights import GEMV_TYPES, DevTensor
 from ds4py.cuda.ops import attention as ops_attn
 from ds4py.cuda.ops import compressor as ops_comp
 from ds4py.cuda.ops import experts as ops_moe

@@ -43,7 +43,7 @@ import numpy as np
 from ds4py.cuda import kernels, ops
 from ds4py.cuda.kernels import BLOCK, DECODE, ROWS, Launcher
 from ds4py.cuda.memory import Arena, DeviceArray, align_up
-from ds4py.cuda.model_weights import DevTensor
+from ds4py.cuda.device_weights import DevTensor
 from ds4py.cuda.ops import attention as ops_attn
 from ds4py.cuda.ops import moe_prefill as ops_moep
 from ds4py.cuda.ops.mhc import mix_partial_floats, mix_record
@@ -55,7 +55,7 @@ HEAD_ROWS = 16            # rows per head pass of a block (all_logits runs the h
 
 __all__ = ["BLOCK", "DECODE", "HEAD_ROWS", "Launcher", "MAX_BLOCK", "MAX_ROWS", "ROWS", "Recording", "RowSet",
            "Workspace", "attn_plans", "block_rows", "final_residual", "index_keys", "make_workspace", "record_body",
-           "record_head", "record_layer", "workspace_bytes", "workspace_shapes"]
+           "record_head", "record_layer", "record_sample", "workspace_bytes", "workspace_shapes"]
 
 
 # ---- the workspace: one declaration, sized by the row set ---------------------------------------------------

@@ -14,7 +14,8 @@ against the MTP state), with the block's prologue and head:
 The prologue is two GEMV passes over the R * hc copy rows (the embedding written hc times by the embedding kernel,
 e_proj with the enorm prologue into the residual, then h_proj with the hnorm prologue added on top), so no kernel
 is new. Rows come in steps of at most MAX_ROWS (a long catch-up after a prefill is several steps); each step is one
-graph replay per (rows' states, row count, with or without the head). The hidden states h_j arrive from the host
+graph replay per (rows' states, row count, with or without the head), captured when it comes a second time (the
+first run launches directly). The hidden states h_j arrive from the host
 (the main model's step_hidden downloads them) and go up into a workspace buffer before the replay; the block's
 output states come back down (a chained draft feeds its last row back in).
 """
@@ -34,7 +35,7 @@ from ds4py.cuda.kernels import gemvs
 from ds4py.cuda.kvstate import CudaState
 from ds4py.cuda.layer import MAX_ROWS, ROWS, Launcher, Recording, RowSet
 from ds4py.cuda.memory import align_up
-from ds4py.cuda.model_weights import DevTensor, conversion
+from ds4py.cuda.device_weights import DevTensor, conversion
 from ds4py.errors import Ds4Error
 from ds4py.fingerprint import file_fingerprint
 from ds4py.gguf import GGUFFile
@@ -198,13 +199,15 @@ class CudaMtp:
         m = self.model
         key = (m.pdl, m.graphs, head, tuple(tuple((a.ptr, a.shape[0]) for a in st.arrays.values()) for st in states))
         run = self._runs.get(key)
-        if run is not None:
+        if run is not None:                     # seen before: captured on this run (a one-off catch-up is not)
             self._runs.move_to_end(key)
+            run.use_graph()
             return run
         rows = RowSet(ROWS, [dict(st.arrays) for st in states], [self.bucket] * len(states), len(states), self.ws.slot,
                       cap=MAX_ROWS)
         rec = Recording(self.config, self.numerics, self._freqs, self.ws, rows, self.ws.tickets)
-        run = StepRun(m, lambda ls: record_mtp(ls, rec, self.binding, m.w.binding, head), key, slot=self.ws.slot)
+        run = StepRun(m, lambda ls: record_mtp(ls, rec, self.binding, m.w.binding, head), key, slot=self.ws.slot,
+                      graph=False)
         self._runs[key] = run
         while len(self._runs) > RUNS:
             self.store.retire([self._runs.popitem(last=False)[1]])

@@ -21,7 +21,7 @@ from gguf import GGMLQuantizationType as QT
 
 from ds4py import quant, schema
 from ds4py.cuda.memory import DeviceArray, align_up
-from ds4py.cuda.model_weights import DevTensor, DeviceWeights, role, rope_tables
+from ds4py.cuda.device_weights import DevTensor, DeviceWeights, role, rope_tables
 from ds4py.cuda.ops import fill
 
 SLOT_TYPES = {"q8": QT.Q8_0, "f16": QT.F16, "f32": QT.F32, "i32": QT.I32}

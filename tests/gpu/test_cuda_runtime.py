@@ -179,7 +179,7 @@ def test_tiny_gguf_head_on_device(rt, arena, tiny_gguf):
     """Real tensors: the tiny model uploaded in one stream; embed -> output_norm -> Q8_0 head -> argmax, and an
     F16 GEMV on output_hc_fn, each against the twins on the file's own bytes."""
     pytest.importorskip("gguf")
-    from ds4py.cuda.weights import upload_gguf
+    from ds4py.cuda.gguf_upload import upload_gguf
     from ds4py.gguf import GGUFFile
 
     g = GGUFFile(tiny_gguf)

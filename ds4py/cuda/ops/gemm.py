@@ -49,7 +49,7 @@ def gemm(rt: Any, W: Any, x: Any, y: Any, T: int, N: int, K: int, accumulate: bo
     [g*x_group_rows, (g+1)*x_group_rows) read x[t, g*K:(g+1)*K] (the grouped wo_a). precise_x: x as two bf16
     pieces (relative error 2^-17 instead of 2^-9, twice the tensor work: for the router, whose top-k a bf16 x
     could reorder). One launch."""
-    if hasattr(W, "qtype") and hasattr(W, "array"):                  # a DevTensor (model_weights): its device array
+    if hasattr(W, "qtype") and hasattr(W, "array"):                  # a DevTensor (device_weights): its device array
         W = W.array
     qtype = weight_type(W, N, K)
     need(isinstance(T, (int, np.integer)) and 1 <= T <= MAX_T, f"gemm: T must be 1..{MAX_T}, got {T}")

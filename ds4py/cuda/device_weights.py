@@ -19,7 +19,7 @@ from ds4py import schema
 from ds4py.cuda import vq_layout
 from ds4py.cuda.memory import ALIGN, Arena, DeviceArray, align_up
 from ds4py.cuda.ops.experts import FORMATS as EXPERT_FORMATS
-from ds4py.cuda.weights import data_span, upload_gguf
+from ds4py.cuda.gguf_upload import data_span, upload_gguf
 from ds4py.errors import Ds4Error
 from ds4py.model import UnsupportedByBackend
 from ds4py.quant import vq
