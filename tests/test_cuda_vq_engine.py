@@ -153,3 +153,25 @@ def test_a_stale_pair_is_refused_in_one_sentence(vq_gguf):
     with pytest.raises(fmt.SidecarError, match="was solved against another sidecar") as e:
         open_model(vq_gguf, backend="cuda-emu", sidecar=other, posttrain=pt)
     assert "\n" not in str(e.value)
+
+
+def test_the_seeds_bytes_per_token_are_counted_as_the_engine_counts_them(tmp_path):
+    """memory_plan.seed_bytes_per_token (no file) = the engine's weight_bytes_per_token() on a file made that way
+    (make-tiny -> quantize-vq --dense q4_k at the seed's widths); then the count at V4 Flash's shapes."""
+    from ds4py.config import ModelConfig
+    from ds4py.cuda.memory_plan import seed_bytes_per_token
+    from ds4py.tiny import make_tiny
+    from ds4py.vq.quantize import Options, quantize_vq
+
+    shape = dict(SHAPE, dim=512)
+    src, out = tmp_path / "src.gguf", tmp_path / "seed.gguf"
+    make_tiny(str(src), seed=8, experts="mxfp4", **shape)
+    quantize_vq(str(src), str(out), Options(**SEED_WIDTHS, dense="q4_k"), progress=False)
+    m = open_model(str(out), backend="cuda-emu")
+    assert any(t.qtype.name == "Q4_K" for t in GGUFFile(str(out)).tensors.values())
+    assert m.weight_bytes_per_token() == seed_bytes_per_token(m.config, shallow_layers=1)
+    full = seed_bytes_per_token(ModelConfig.v4_flash(n_layers=43, dim=4096, vocab_size=129280, n_heads=64,
+                                                     compress_ratios=[0, 0] + [4, 128] * 20 + [4]))
+    print(f"V4 Flash, the seed's layout (VQ-8 13-bit x 14 layers, 12-bit the rest, q4_K dense): "
+          f"{full / 1e9:.2f} GB per token")
+    assert 3e9 < full < 9e9
