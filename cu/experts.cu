@@ -110,8 +110,8 @@ __device__ __forceinline__ void moe_gate_up_pair(const uint64_t* grid, const uin
         const int r = rl + RL * i;
         ag[i] = au[i] = 0.0f;
         if (worker && r < nr) {
-            ag[i] = MoeFmt<F>::dot(sg + (size_t)r * rb, grp, xv, xs, grid);
-            au[i] = MoeFmt<F>::dot(su + (size_t)r * rb, grp, xv, xs, grid);
+            ag[i] = MoeFmt<F>::dot(sg + (size_t)r * rb, grp, xv, xs, grid) * MoeRow<F>::scale(sg + (size_t)r * rb, dim);
+            au[i] = MoeFmt<F>::dot(su + (size_t)r * rb, grp, xv, xs, grid) * MoeRow<F>::scale(su + (size_t)r * rb, dim);
         }
     }
     __syncthreads();                                              // the stage is read (when red aliases it)
@@ -266,7 +266,8 @@ __device__ __forceinline__ void moe_down_impl(uint8_t* smem, const uint64_t* gri
 #pragma unroll
         for (int i = 0; i < MOE_RPT; ++i) {
             const int r = rl + RL * i;
-            if (r < nr) acc[i] += MoeFmt<F>::dot(st + (size_t)r * rb, grp, hv, hs, grid);
+            if (r < nr) acc[i] += MoeFmt<F>::dot(st + (size_t)r * rb, grp, hv, hs, grid) *
+                                  MoeRow<F>::scale(st + (size_t)r * rb, ff);
         }
     }
     __syncthreads();
@@ -415,3 +416,75 @@ extern "C" __global__ void moe_down_rows_##name(const uint8_t* W, const int* ids
 
 MOE_FORMATS(MOE_GATE_UP_ROWS)
 MOE_FORMATS(MOE_DOWN_ROWS)
+
+// ---- VQ-8 (MOE_VQ_FORMATS): the same four kernels; each matrix's device copy starts with the layer's codebook
+// (KC codewords x 8 E4M3 bytes), copied into the first KC * 8 bytes of the dynamic shared memory (the stage
+// follows it; ds4py/cuda/ops/experts.py adds them to moe_smem_bytes). A group's dot reads its 4 codewords from
+// there; the row gain scales each group's sum (MoeRow).
+__device__ __forceinline__ const uint64_t* moe_load_codebook(uint8_t* smem, const uint8_t* W, int kc) {
+    uint64_t* cb = reinterpret_cast<uint64_t*>(smem);
+    const uint64_t* src = reinterpret_cast<const uint64_t*>(W);
+    for (int i = threadIdx.x; i < kc; i += blockDim.x) cb[i] = src[i];     // visible after the stage's barrier
+    return cb;
+}
+
+// As moe_gate_up_<fmt>, Wg / Wu the VQ device copies. Launch: as moe_gate_up_<fmt>, dynamic shared memory
+// KC * 8 + moe_smem_bytes.
+#define MOE_VQ_GATE_UP(name, F, QK, NB, KC) \
+extern "C" __global__ void moe_gate_up_##name(const uint8_t* Wg, const uint8_t* Wu, const float* x, const int* ids, \
+                                              const float* route_w, float* h, int n_experts, int ff, int dim, \
+                                              int rows_per_block, float clamp) { \
+    extern __shared__ __align__(16) uint8_t moe_smem[]; \
+    const uint64_t* cb = moe_load_codebook(moe_smem, Wg, KC); \
+    pdl_wait(); \
+    pdl_launch_dependents(); \
+    moe_gate_up_impl<F>(moe_smem + 8 * KC, cb, Wg + 8 * KC, Wu + 8 * KC, x, ids, route_w, h, n_experts, ff, dim, \
+                        rows_per_block, clamp); \
+}
+
+// As moe_down_<fmt>, W the VQ device copy. Launch: as moe_down_<fmt>, dynamic shared memory KC * 8 + moe_smem_bytes.
+#define MOE_VQ_DOWN(name, F, QK, NB, KC) \
+extern "C" __global__ void moe_down_##name(const uint8_t* W, const int* ids, const float* h, const float* add, \
+                                           const float* hc_post, const float* hc_comb, const float* hc_x, \
+                                           float* out, int n_slots, int n_experts, int dim, int ff, \
+                                           int rows_per_block, int hc) { \
+    extern __shared__ __align__(16) uint8_t moe_smem[]; \
+    const uint64_t* cb = moe_load_codebook(moe_smem, W, KC); \
+    pdl_wait(); \
+    pdl_launch_dependents(); \
+    moe_down_impl<F>(moe_smem + 8 * KC, cb, W + 8 * KC, ids, h, add, hc_post, hc_comb, hc_x, out, n_slots, \
+                     n_experts, dim, ff, rows_per_block, hc); \
+}
+
+// As moe_gate_up_rows_<fmt>. Launch: as moe_gate_up_rows_<fmt>, dynamic shared memory KC * 8 + moe_rows_plan.
+#define MOE_VQ_GATE_UP_ROWS(name, F, QK, NB, KC) \
+extern "C" __global__ void moe_gate_up_rows_##name(const uint8_t* Wg, const uint8_t* Wu, const float* x, \
+                                                   const int* ids, const float* route_w, float* h, int n_experts, \
+                                                   int ff, int dim, int rows_per_block, float clamp, int n_pairs, \
+                                                   int k, int x_stride) { \
+    extern __shared__ __align__(16) uint8_t moe_smem[]; \
+    __shared__ int pick; \
+    const uint64_t* cb = moe_load_codebook(moe_smem, Wg, KC); \
+    pdl_wait(); \
+    pdl_launch_dependents(); \
+    moe_gate_up_rows_impl<F>(moe_smem + 8 * KC, cb, Wg + 8 * KC, Wu + 8 * KC, x, ids, route_w, h, n_experts, ff, \
+                             dim, rows_per_block, clamp, n_pairs, k, x_stride, &pick); \
+}
+
+// As moe_down_rows_<fmt>. Launch: as moe_down_rows_<fmt>, dynamic shared memory KC * 8 + that of moe_down.
+#define MOE_VQ_DOWN_ROWS(name, F, QK, NB, KC) \
+extern "C" __global__ void moe_down_rows_##name(const uint8_t* W, const int* ids, const float* h, const float* add, \
+                                                const float* mix, const float* hc_x, float* out, int n_slots, \
+                                                int n_experts, int dim, int ff, int rows_per_block, int hc) { \
+    extern __shared__ __align__(16) uint8_t moe_smem[]; \
+    const uint64_t* cb = moe_load_codebook(moe_smem, W, KC); \
+    pdl_wait(); \
+    pdl_launch_dependents(); \
+    moe_down_rows_impl<F>(moe_smem + 8 * KC, cb, W + 8 * KC, ids, h, add, mix, hc_x, out, n_slots, n_experts, \
+                          dim, ff, rows_per_block, hc); \
+}
+
+MOE_VQ_FORMATS(MOE_VQ_GATE_UP)
+MOE_VQ_FORMATS(MOE_VQ_DOWN)
+MOE_VQ_FORMATS(MOE_VQ_GATE_UP_ROWS)
+MOE_VQ_FORMATS(MOE_VQ_DOWN_ROWS)

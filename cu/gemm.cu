@@ -1,5 +1,5 @@
 // Prefill GEMM on tensor cores: Y[T x N] = X[T x K] . W^T (or Y +=), for a block of T tokens (up to a few
-// thousand) and a dense weight W [N rows, K] straight from the GGUF (Q8_0, F16, F32), fp32 activations in and
+// thousand) and a dense weight W [N rows, K] straight from the GGUF (Q8_0, F16, F32, Q4_K), fp32 activations in and
 // fp32 results out. The decode path's GEMV is gemv.cu.
 //
 // Numerics. Activations are rounded to bf16 (round to nearest even) when staged; the weights stay exact:
@@ -7,7 +7,8 @@
 //         accumulated by the tensor cores in fp32 from zero, then acc += d * P (fp32) - one scale per block and row;
 //   F16   w = hi + lo with hi = bf16(w), lo = bf16(w - hi) (exact: the remainder has at most 4 significant bits);
 //         two mma per step into the same accumulators;
-//   F32   w = hi + mid + lo, three bf16 pieces (exact for normal values), three mma per step.
+//   F32   w = hi + mid + lo, three bf16 pieces (exact for normal values), three mma per step;
+//   Q4_K  the exact fp32 values q * fl(d * sc) - fl(dmin * m) of ds4py.quant's decode, as F32.
 // So the product differs from an exact one only by the bf16 rounding of x (relative 2^-9 per element) and fp32
 // accumulation; with GEMM_X_SPLIT x goes in as hi = bf16(x) plus lo = bf16(x - hi) (relative 2^-17, for the
 // matrices whose outputs are compared or selected on - the router), at twice the tensor work.
@@ -25,6 +26,7 @@
 #include "types.cuh"
 #include "portable.cuh"
 #include "mma_tile.cuh"
+#include "moe_formats.cuh"
 
 #ifndef GEMM_BM
 #error "GEMM_BM comes from ds4py/cuda/ops/gemm.py (DEFINES)"
@@ -56,6 +58,8 @@ static_assert(GEMM_BN * 2 == GEMM_THREADS, "each thread stages 16 weights of one
 #define GEMM_FMT_Q8_0 0
 #define GEMM_FMT_F16 1
 #define GEMM_FMT_F32 2
+#define GEMM_FMT_Q4_K 3
+#define GEMM_Q4K_BYTES 144
 
 // The weight formats: Raw = one thread's 16 weights of one row for one k-tile (loaded into registers ahead),
 // stage() writes them as bf16 pieces (and, Q8_0, the row's block scale).
@@ -144,6 +148,44 @@ template <> struct GemmFmt<GEMM_FMT_Q8_0> {
     }
 };
 
+// Q4_K: 144-byte blocks of 256 columns (moe_formats.cuh). A thread's 16 weights are half of one 32-column
+// sub-block: 16 nibble bytes (one 16-byte load) and the sub-block's scale and min. Staged as their exact fp32 values
+// (q * fl(d * sc) - fl(dmin * m), as ds4py.quant decodes them) in three bf16 pieces, as F32.
+template <> struct GemmFmt<GEMM_FMT_Q4_K> {
+    static constexpr int NP = 3;
+    static constexpr bool SCALED = false;
+    struct Raw { uint4 q; float dl, ml; int sh; };
+    __device__ static __forceinline__ void load(const void* W, int n, int ncols, int K, int k, Raw& r) {
+        if (n >= ncols) {
+            r.q = make_uint4(0u, 0u, 0u, 0u);
+            r.dl = r.ml = 0.0f;
+            r.sh = 0;
+            return;
+        }
+        const uint8_t* b = reinterpret_cast<const uint8_t*>(W) + ((size_t)n * (K / 256) + k / 256) * GEMM_Q4K_BYTES;
+        const int gi = (k >> 5) & 7;
+        unsigned sc, mn;
+        MoeFmt<FMT_Q4_K>::scales(b, gi, sc, mn);
+        r.dl = __fmul_rn(moe_f16(b), moe_u2f(sc));
+        r.ml = __fmul_rn(moe_f16(b + 2), moe_u2f(mn));
+        r.sh = 4 * (gi & 1);
+        r.q = *reinterpret_cast<const uint4*>(b + 16 + 32 * (gi >> 1) + (k & 16));
+    }
+    __device__ static __forceinline__ void stage(const Raw& r, uint16_t* dst, int piece, float*, bool) {
+        const unsigned w[4] = {r.q.x, r.q.y, r.q.z, r.q.w};
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            float v[8];
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                const unsigned q = (w[2 * i + (j >> 2)] >> (8 * (j & 3) + r.sh)) & 15u;
+                v[j] = __fsub_rn(__fmul_rn(moe_u2f(q), r.dl), r.ml);
+            }
+            tile_split8<NP>(v, dst + 8 * i, piece);
+        }
+    }
+};
+
 template <int F>
 __device__ __forceinline__ void gemm_impl(const void* W, const float* X, float* Y, int T, int N, int K, int ldx,
                                           int ldy, int x_group_rows, int flags) {
@@ -163,6 +205,7 @@ __device__ __forceinline__ void gemm_impl(const void* W, const float* X, float* 
         X += (size_t)blockIdx.z * K;
         Y += nb;
         if (F == GEMM_FMT_Q8_0) W = reinterpret_cast<const uint8_t*>(W) + (size_t)nb * (K / 32) * GEMM_Q8_BYTES;
+        else if (F == GEMM_FMT_Q4_K) W = reinterpret_cast<const uint8_t*>(W) + (size_t)nb * (K / 256) * GEMM_Q4K_BYTES;
         else if (F == GEMM_FMT_F16) W = reinterpret_cast<const __half*>(W) + (size_t)nb * K;
         else W = reinterpret_cast<const float*>(W) + (size_t)nb * K;
     }
@@ -264,6 +307,12 @@ extern "C" __global__ __launch_bounds__(GEMM_THREADS) void gemm_f16(const __half
 extern "C" __global__ __launch_bounds__(GEMM_THREADS) void gemm_f32(const float* W, const float* X, float* Y,
         int T, int N, int K, int ldx, int ldy, int x_group_rows, int flags) {
     gemm_impl<GEMM_FMT_F32>(W, X, Y, T, N, K, ldx, ldy, x_group_rows, flags);
+}
+
+// As gemm_q8_0 for Q4_K weights. Launch: as gemm_q8_0. K % 256 == 0; W, X 16-byte aligned, ldx % 4 == 0.
+extern "C" __global__ __launch_bounds__(GEMM_THREADS) void gemm_q4_k(const uint8_t* W, const float* X, float* Y,
+        int T, int N, int K, int ldx, int ldy, int x_group_rows, int flags) {
+    gemm_impl<GEMM_FMT_Q4_K>(W, X, Y, T, N, K, ldx, ldy, x_group_rows, flags);
 }
 
 // ---- one mma tile from per-lane fragments (ds4py/cuda/twins/mma.py packs them): the fragment-layout check ----

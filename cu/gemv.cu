@@ -33,6 +33,7 @@
 #include "types.cuh"
 #include "portable.cuh"
 #include "reduce.cuh"
+#include "moe_formats.cuh"
 
 #ifndef GEMV_ROWS
 #error "GEMV_ROWS comes from ds4py/cuda/ops/gemv.py (DEFINES)"
@@ -217,6 +218,35 @@ __device__ __forceinline__ void load_w8(const float* row, int v, float wf[8]) {
     wf[0] = a.x; wf[1] = a.y; wf[2] = a.z; wf[3] = a.w; wf[4] = b.x; wf[5] = b.y; wf[6] = b.z; wf[7] = b.w;
 }
 
+// Q4_K (144-byte blocks of 256 columns: f16 d, f16 dmin, 12 bytes of 6-bit scales / mins, 128 bytes of nibbles;
+// moe_formats.cuh): W[8v .. 8v+8) of one row, exact as ds4py.quant decodes them (q * fl(d * sc) - fl(dmin * m),
+// explicit _rn operations). Piece v lies in block v / 32, sub-block (v / 4) % 8, and its 8 nibbles are 8
+// consecutive bytes of that sub-block pair's 32 (low nibbles: the even sub-block) - one 8-byte load. A warp's 32
+// lanes cover one whole block of each slot's row per step (144 contiguous bytes).
+struct Q4K {};
+__device__ __forceinline__ void load_w8(const Q4K* row, int v, float wf[8]) {
+    const uint8_t* b = reinterpret_cast<const uint8_t*>(row) + (size_t)(v >> 5) * 144;
+    const int gi = (v >> 2) & 7;
+    unsigned sc, mn;
+    MoeFmt<FMT_Q4_K>::scales(b, gi, sc, mn);
+    const float dl = __fmul_rn(moe_f16(b), moe_u2f(sc)), ml = __fmul_rn(moe_f16(b + 2), moe_u2f(mn));
+    const uint2 q = *reinterpret_cast<const uint2*>(b + 16 + 32 * (gi >> 1) + 8 * (v & 3));
+    const int sh = 4 * (gi & 1);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        wf[i] = __fsub_rn(__fmul_rn(moe_u2f((q.x >> (8 * i + sh)) & 15u), dl), ml);
+        wf[4 + i] = __fsub_rn(__fmul_rn(moe_u2f((q.y >> (8 * i + sh)) & 15u), dl), ml);
+    }
+}
+
+// Where a row of W [rows, cols] starts: cols values (F16 / F32), cols / 256 Q4_K blocks.
+template <class T> __device__ __forceinline__ const T* row_start(const void* W, int row, int cols) {
+    return reinterpret_cast<const T*>(W) + (size_t)row * cols;
+}
+template <> __device__ __forceinline__ const Q4K* row_start<Q4K>(const void* W, int row, int cols) {
+    return reinterpret_cast<const Q4K*>(reinterpret_cast<const uint8_t*>(W) + (size_t)row * (cols >> 8) * 144);
+}
+
 // sum_i wf[i] * xs[i], i ascending.
 __device__ __forceinline__ float dot8(const float wf[8], const float* xs) {
     float s = 0.0f;
@@ -225,7 +255,7 @@ __device__ __forceinline__ float dot8(const float wf[8], const float* xs) {
     return s;
 }
 
-// T = __half or float; 8 columns per lane step; NB accumulator sets (activation rows n < j.nx <= NB).
+// T = __half, float or Q4K; 8 columns per lane step; NB accumulator sets (activation rows n < j.nx <= NB).
 template <class T, int NB>
 __device__ __forceinline__ void gemv_direct(const GemvJob& j) {
     pdl_wait();
@@ -247,7 +277,7 @@ __device__ __forceinline__ void gemv_direct(const GemvJob& j) {
         for (int s = 0; s < GEMV_ROWS; s++) {
             int m, row;
             slot_row(j, g, s, m, row);
-            wr[s] = row >= 0 ? reinterpret_cast<const T*>(JOB_W(j, m)) + (size_t)row * j.cols : nullptr;
+            wr[s] = row >= 0 ? row_start<T>(JOB_W(j, m), row, j.cols) : nullptr;
 #pragma unroll
             for (int n = 0; n < NB; n++) acc[n][s] = 0.0f;
         }
@@ -601,4 +631,57 @@ extern "C" __global__ void gemv_f32_swiglu_rows(const float* Wg, const float* Wu
     GEMV_SWIGLU_BODY
     j.nx = nx; j.x_stride = x_stride;
     gemv_direct<float, GEMV_MAX_X>(j);
+}
+
+// ---- Q4_K: the direct path with a Q4_K piece decoder (load_w8(const Q4K*, ...)) ----
+// As gemv_f32 for Q4_K weights (cols % 256 == 0, W 16-byte aligned). Launch: as gemv_f32.
+extern "C" __global__ void gemv_q4_k(const uint8_t* W0, const uint8_t* W1, const uint8_t* W2, const uint8_t* W3,
+                                    int rows0, int rows1, int rows2, int rows3, float* y0, float* y1, float* y2,
+                                    float* y3, const float* x, int cols, int x_group_rows, const float* norm_w,
+                                    float norm_eps, int flags) {
+    GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3)
+    gemv_direct<Q4K, 1>(j);
+}
+
+// As gemv_f32_hc_post for Q4_K weights (cols % 256 == 0, W 16-byte aligned). Launch: as gemv_f32_hc_post.
+extern "C" __global__ void gemv_q4_k_hc_post(const uint8_t* W, int rows, const float* x, int cols, int x_group_rows,
+                                            const float* norm_w, float norm_eps, int flags, const float* mix,
+                                            float* X) {
+    GEMV_HC_POST_BODY
+    gemv_direct<Q4K, 1>(j);
+}
+
+// As gemv_f32_swiglu for Q4_K weights (cols % 256 == 0, W 16-byte aligned). Launch: as gemv_f32_swiglu.
+extern "C" __global__ void gemv_q4_k_swiglu(const uint8_t* Wg, const uint8_t* Wu, int rows, float* y, const float* x,
+                                           int cols, const float* norm_w, float norm_eps, int flags, float clamp) {
+    GEMV_SWIGLU_BODY
+    gemv_direct<Q4K, 1>(j);
+}
+
+// As gemv_f32_rows for Q4_K weights (cols % 256 == 0, W 16-byte aligned). Launch: as gemv_f32_rows.
+extern "C" __global__ void gemv_q4_k_rows(const uint8_t* W0, const uint8_t* W1, const uint8_t* W2, const uint8_t* W3,
+                                    int rows0, int rows1, int rows2, int rows3, float* y0, float* y1, float* y2,
+                                    float* y3, const float* x, int cols, int x_group_rows, const float* norm_w,
+                                    float norm_eps, int flags, int nx, int x_stride) {
+    GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3)
+    j.nx = nx; j.x_stride = x_stride;
+    gemv_direct<Q4K, GEMV_MAX_X>(j);
+}
+
+// As gemv_f32_hc_post_rows for Q4_K weights (cols % 256 == 0, W 16-byte aligned). Launch: as gemv_f32_hc_post_rows.
+extern "C" __global__ void gemv_q4_k_hc_post_rows(const uint8_t* W, int rows, const float* x, int cols, int x_group_rows,
+                                            const float* norm_w, float norm_eps, int flags, const float* mix,
+                                            float* X, int nx, int x_stride) {
+    GEMV_HC_POST_BODY
+    j.nx = nx; j.x_stride = x_stride;
+    gemv_direct<Q4K, GEMV_MAX_X>(j);
+}
+
+// As gemv_f32_swiglu_rows for Q4_K weights (cols % 256 == 0, W 16-byte aligned). Launch: as gemv_f32_swiglu_rows.
+extern "C" __global__ void gemv_q4_k_swiglu_rows(const uint8_t* Wg, const uint8_t* Wu, int rows, float* y, const float* x,
+                                           int cols, const float* norm_w, float norm_eps, int flags, float clamp, int nx,
+                                           int x_stride) {
+    GEMV_SWIGLU_BODY
+    j.nx = nx; j.x_stride = x_stride;
+    gemv_direct<Q4K, GEMV_MAX_X>(j);
 }

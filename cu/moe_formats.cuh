@@ -11,6 +11,8 @@
 #define FMT_MXFP4 3
 #define FMT_Q8_0 4
 #define FMT_F16 5
+#define FMT_VQ12 6
+#define FMT_VQ13 7
 
 // The expert weight formats, one entry each: X(kernel suffix, FMT_ id, weights per block, bytes per block,
 // table), table = 1 when the decoder reads the IQ2 grid (staged in shared memory per block). Every expert entry
@@ -24,6 +26,14 @@
     X(mxfp4, FMT_MXFP4, 32, 17, 0) \
     X(q8_0, FMT_Q8_0, 32, 34, 0) \
     X(f16, FMT_F16, 32, 64, 0)
+
+// VQ-8 routed experts (ds4py/quant/vq.py, docs/vq.md) in their device layout (ds4py/cuda/vq_layout.py: the file's
+// streams, hi planes and gains repacked at upload, the file unchanged): X(suffix, FMT_ id, weights per block, bytes
+// per block, codewords). Only experts.cu reads them (decode and the grouped rows kernels, which the default prefill
+// uses too); the codebook travels at the head of each matrix's device copy.
+#define MOE_VQ_FORMATS(X) \
+    X(vq12, FMT_VQ12, 64, 12, 4096) \
+    X(vq13, FMT_VQ13, 64, 13, 8192)
 
 // llama.cpp's iq2xxs_grid: 8 magnitudes (bytes 0x08, 0x19, 0x2b) per entry, byte j = weight j.
 __device__ const uint64_t moe_iq2xxs_grid[256] = {
@@ -448,9 +458,72 @@ template <> struct MoeFmt<FMT_F16> {
     }
 };
 
-template <int F> __device__ __forceinline__ int moe_row_bytes(int cols) {
-    return cols / MoeFmt<F>::QK * MoeFmt<F>::BYTES;
-}
+// VQ-8, device layout of one row of `cols` weights: per run of 8 indices (64 weights) its 12 stream bytes (the
+// file's LSB-first 12-bit fields, unchanged), at 13 bits followed by the run's hi byte (bit 12 of its 8 indices,
+// the file's hi plane); then, 4-byte aligned, the row's effective gain as f32 (the file's f16 gain, times any sidecar scales); the
+// row padded to 16 bytes. The matrix starts with the layer's codebook (K codewords x 8 E4M3 bytes), then the
+// rows. w[8j + i] = g * C[idx_j][i] exactly (fl32(g * c): E4M3 x f16 fits f32); dot() returns g * sum(c x).
+template <int BITS> struct MoeVq {
+    static constexpr int QK = 64, BYTES = BITS == 13 ? 13 : 12, K = 1 << BITS;
+    static constexpr int CODES = MOE_CODES_SCALED;
+    __device__ static __forceinline__ int gain_at(int cols) { return ((cols / 64) * BYTES + 3) & ~3; }
+    __device__ static __forceinline__ int row_bytes(int cols) { return (gain_at(cols) + 4 + 15) & ~15; }
+    // the 4 indices of column group grp (32 weights) of the row at base
+    __device__ static __forceinline__ void indices(const uint8_t* base, int grp, unsigned* idx) {
+        const uint8_t* b = base + (size_t)(grp >> 1) * BYTES + 6 * (grp & 1);
+        const unsigned lo = b[0] | ((unsigned)b[1] << 8) | ((unsigned)b[2] << 16);
+        const unsigned hi = b[3] | ((unsigned)b[4] << 8) | ((unsigned)b[5] << 16);
+        idx[0] = lo & 4095u;
+        idx[1] = lo >> 12;
+        idx[2] = hi & 4095u;
+        idx[3] = hi >> 12;
+        if (BITS == 13) {
+            const unsigned h = (base[(size_t)(grp >> 1) * BYTES + 12] >> (4 * (grp & 1))) & 15u;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) idx[i] |= ((h >> i) & 1u) << 12;
+        }
+    }
+    __device__ static __forceinline__ float gain(const uint8_t* base, int cols) {
+        return *reinterpret_cast<const float*>(base + gain_at(cols));
+    }
+    // sum over the group of c_j x_j (the codewords from the shared-memory codebook cb, 8 bytes each), unscaled
+    __device__ static __forceinline__ float dot(const uint8_t* base, int grp, const float* x, const float*,
+                                                const uint64_t* cb) {
+        unsigned idx[4];
+        indices(base, grp, idx);
+        float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const uint64_t c = cb[idx[i]];
+#pragma unroll
+            for (int j = 0; j < 8; j += 2) {
+                const float2 v = __half22float2(fp8x2_e4m3_to_half2((unsigned short)(c >> (8 * j))));
+                s0 = fmaf(v.x, x[8 * i + j], s0);
+                s1 = fmaf(v.y, x[8 * i + j + 1], s1);
+            }
+        }
+        return s0 + s1;
+    }
+};
+template <> struct MoeFmt<FMT_VQ12> : MoeVq<12> {};
+template <> struct MoeFmt<FMT_VQ13> : MoeVq<13> {};
+
+// A format's per-row scale applied to the sum of its groups' dots (VQ: the row gain; 1 for the ggml formats, whose
+// scales are inside dot) and its row bytes.
+template <int F> struct MoeRow {
+    __device__ static __forceinline__ int bytes(int cols) { return cols / MoeFmt<F>::QK * MoeFmt<F>::BYTES; }
+    __device__ static __forceinline__ float scale(const uint8_t*, int) { return 1.0f; }
+};
+template <> struct MoeRow<FMT_VQ12> {
+    __device__ static __forceinline__ int bytes(int cols) { return MoeVq<12>::row_bytes(cols); }
+    __device__ static __forceinline__ float scale(const uint8_t* base, int cols) { return MoeVq<12>::gain(base, cols); }
+};
+template <> struct MoeRow<FMT_VQ13> {
+    __device__ static __forceinline__ int bytes(int cols) { return MoeVq<13>::row_bytes(cols); }
+    __device__ static __forceinline__ float scale(const uint8_t* base, int cols) { return MoeVq<13>::gain(base, cols); }
+};
+
+template <int F> __device__ __forceinline__ int moe_row_bytes(int cols) { return MoeRow<F>::bytes(cols); }
 
 // The IQ2_XXS grid into shared memory (a block-wide copy; __syncthreads before use).
 __device__ __forceinline__ void moe_load_grid(uint64_t* grid_s) {

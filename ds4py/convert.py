@@ -5,10 +5,11 @@ built from its official source(s), written, and dropped, so peak memory is about
 row chunk of float32 work space. The output goes to a temporary file that is renamed only on success.
 
 Types written (`dense` = the FP8 linears' mode; F16/F32 "slots" are the tensors ds4 keeps unquantised):
-    slot        q8_0 (default)           f16 (lossless)                   f32 (lossless)
-    Q8 linear   Q8_0 (lossy, ~0.4%)      F16 if every value is exact, else F32    F32
-    F16 slot    F16 (rounded)            F16 if every value is exact, else F32    F32
-    F32 slot    F32                      F32                              F32
+    slot        q8_0 (default)           q4_k (the VQ seed's dense)          f16 (lossless)                   f32 (lossless)
+    Q8 linear   Q8_0 (lossy, ~0.4%)      Q4_K (lossy; Q8_0 where a row is    F16 if every value is exact, else F32    F32
+                                         not a multiple of 256 wide)
+    F16 slot    F16 (rounded)            F16 (rounded)                       F16 if every value is exact, else F32    F32
+    F32 slot    F32                      F32                                 F32                              F32
     experts     --experts mxfp4 (lossless repack of FP4+e8m0) | q4_k | q2_k (lossy)
 """
 
@@ -41,7 +42,7 @@ class ConvertError(Ds4Error):
 
 ARCH = "deepseek4"
 EXPERT_TYPES = {"mxfp4": QT.MXFP4, "q4_k": QT.Q4_K, "q2_k": QT.Q2_K}
-DENSE_MODES = ("q8_0", "f16", "f32")
+DENSE_MODES = ("q8_0", "q4_k", "f16", "f32")
 ROW_CHUNK = 2048          # rows converted at a time (a multiple of every FP8 tile size)
 
 
@@ -650,8 +651,10 @@ class _Converter:
     def slot_type(self, sp: Spec) -> QT:
         if sp.slot == "f32" or self.dense == "f32":
             return QT.F32
-        if self.dense == "q8_0":
-            if sp.slot == "q8" and sp.shape[-1] % 32 == 0:
+        if self.dense in ("q8_0", "q4_k"):
+            if self.dense == "q4_k" and sp.slot == "q8" and sp.shape[-1] % 256 == 0:
+                return QT.Q4_K
+            if sp.slot == "q8" and sp.shape[-1] % 32 == 0:      # q4_k: rows narrower than a 256 block, as llama.cpp
                 return QT.Q8_0
             return QT.F16
         nrows = sp.shape[0] if len(sp.shape) > 1 else 1

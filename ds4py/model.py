@@ -251,7 +251,11 @@ def open_model(path: str, backend: str = "ref", **kwargs) -> Model:
     """Open a GGUF with the named backend (kwargs: numerics=Numerics(...), rollback_horizon=...):
     ref (numpy), cuda (the GPU), cuda-emu (the CUDA engine on the CPU emulator: slow, for tests), auto (cuda
     where a GPU is present and can run the model, else ref, saying why in one line on stderr).
+    ctx: the context in tokens one sequence needs: the CUDA engine plans its device memory for it at load (one
+    line, a refusal up front when it does not fit, docs/cuda.md "Memory"); the reference grows its state as it
+    goes and needs no plan.
     Raises ds4py.errors.Ds4Error subclasses with a clear sentence."""
+    ctx = kwargs.pop("ctx", None)
     if backend == "ref":
         from ds4py.ref.engine import RefModel
 
@@ -259,13 +263,13 @@ def open_model(path: str, backend: str = "ref", **kwargs) -> Model:
     if backend in ("cuda", "cuda-emu"):
         from ds4py.cuda.engine import CudaModel   # importing it never touches the driver
 
-        return CudaModel(path, emulate=backend == "cuda-emu", **kwargs)
+        return CudaModel(path, emulate=backend == "cuda-emu", ctx=ctx, **kwargs)
     if backend == "auto":
-        return _open_auto(path, **kwargs)
+        return _open_auto(path, ctx, **kwargs)
     raise Ds4Error(f"unknown backend {backend!r} (choose one of {', '.join(BACKENDS)})")
 
 
-def _open_auto(path: str, **kwargs) -> Model:
+def _open_auto(path: str, ctx: int | None = None, **kwargs) -> Model:
     import sys
 
     from ds4py.errors import CudaUnavailableError
@@ -276,7 +280,7 @@ def _open_auto(path: str, **kwargs) -> Model:
         driver.api()
         from ds4py.cuda.engine import CudaModel
 
-        return CudaModel(path, **kwargs)
+        return CudaModel(path, ctx=ctx, **kwargs)
     except (CudaUnavailableError, UnsupportedByBackend) as e:
         why = str(e).rstrip(".")
     print(f"ds4py: backend auto: {why}; using the reference backend (ref)", file=sys.stderr, flush=True)

@@ -68,7 +68,8 @@ GEMV_KINDS = ("F32", "F16", "Q8_0")
 
 
 def gemv_weights(r: np.random.Generator, kind: str, rows: int, cols: int, scale: float = 1.0) -> np.ndarray:
-    """A random [rows, cols] matrix as the GEMV kernels take it: F32, F16, or Q8_0 blocks (one row of bytes each)."""
+    """A random [rows, cols] matrix as the GEMV kernels take it: F32, F16, or Q8_0 / Q4_K blocks (one row of bytes
+    each; Q4_K: cols % 256 == 0)."""
     from ds4py.cuda import twins
 
     Wf = (r.standard_normal((rows, cols)) * scale).astype(np.float32)
@@ -76,4 +77,7 @@ def gemv_weights(r: np.random.Generator, kind: str, rows: int, cols: int, scale:
         return Wf
     if kind == "F16":
         return Wf.astype(np.float16)
+    if kind == "Q4_K":
+        from ds4py.quant import kquants
+        return kquants.quant_q4_k(Wf.reshape(-1, 256)).reshape(rows, -1)
     return twins.quant_q8_0(Wf).reshape(rows, -1)

@@ -102,6 +102,27 @@ def test_lossless_modes_are_exact(golden, converted, dense):
         assert f.tensor("blk.0.attn_q_a.weight").qtype == QT.F16   # FP8 x 2^k fits F16 exactly here
 
 
+def test_q4_k_dense(golden, tmp_path):
+    """--dense q4_k: the Q8 linears whose rows are a multiple of 256 wide in Q4_K (ds4py.quant's quantiser on the
+    official values), the narrower ones in Q8_0, the F16 slots as q8_0 mode writes them."""
+    out = tmp_path / "q4k.gguf"
+    convert_checkpoint(str(golden / "v4-tiny"), str(out), dense="q4_k", progress=False)
+    ck = Checkpoint(str(golden / "v4-tiny"))
+    shape = shape_from_config(json.loads((golden / "v4-tiny" / "config.json").read_text()))
+    f = GGUFFile(str(out))
+    seen = set()
+    for sp in ds4_layout(shape):
+        if sp.slot != "q8":
+            continue
+        t = f.tensor(sp.name, shape=sp.shape)
+        want = QT.Q4_K if sp.shape[-1] % 256 == 0 else QT.Q8_0
+        assert t.qtype == want, sp.name
+        seen.add(want)
+        assert np.array_equal(t.raw_bytes().reshape(-1), quant.quantize(reference(ck, sp), want).reshape(-1)), sp.name
+    assert seen == {QT.Q4_K, QT.Q8_0}
+    assert f.tensor("blk.0.attn_q_a.weight").qtype == QT.Q4_K
+
+
 def test_metadata_matches_config(golden, converted):
     cfg = json.loads((golden / "v4-tiny" / "config.json").read_text())
     f = GGUFFile(converted["q8_0"])

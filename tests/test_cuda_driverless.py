@@ -193,6 +193,8 @@ class StandInDriver:
             "cuGraphInstantiate": d.CUgraphExec(), "cuEventElapsedTime": 1.0,
             "cuGetErrorName": b"CUDA_ERROR_STANDIN",
         }
+        if name == "cuMemGetInfo":
+            return ok, 140 << 30, 141 << 30
         if name == "cuDeviceGetAttribute":
             return ok, attrs[args[0]]
         if name == "cuFuncGetAttribute":   # 1024 threads, 64 bytes of static shared memory

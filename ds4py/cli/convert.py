@@ -13,8 +13,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", metavar="OUT.gguf", help="output file (written to a temporary file, renamed at the end)")
     p.add_argument("--experts", choices=["mxfp4", "q4_k", "q2_k"], default="mxfp4",
                    help="routed experts: mxfp4 = lossless repack of the official FP4 (default); q4_k / q2_k = smaller, lossy")
-    p.add_argument("--dense", choices=["q8_0", "f16", "f32"], default="q8_0",
-                   help="dense FP8 linears and head: q8_0 (default, lossy) | f16 (lossless, F32 where F16 is not exact) | f32")
+    p.add_argument("--dense", choices=["q8_0", "q4_k", "f16", "f32"], default="q8_0",
+                   help="dense FP8 linears and head: q8_0 (default, lossy) | q4_k (smaller, lossy; Q8_0 where a row "
+                        "is not a multiple of 256 wide) | f16 (lossless, F32 where F16 is not exact) | f32")
     p.add_argument("--tokenizer", metavar="TOKENIZER_JSON",
                    help="HF tokenizer.json to embed (default: SRC_DIR/tokenizer.json when present)")
     p.add_argument("--mtp", metavar="OUT_MTP.gguf",

@@ -73,7 +73,7 @@ def open_model_for_generation(args):
     from ds4py.model import open_model
     from ds4py.spec import speculative
 
-    model = open_model(args.model, backend=args.backend, **model_kwargs(args))
+    model = open_model(args.model, backend=args.backend, ctx=args.ctx, **model_kwargs(args))
     return speculative(model, args.mtp, enabled=not args.no_spec)
 
 

@@ -126,7 +126,7 @@ def make_engine(model_path: str, backend: str, ctx: int, tool_memory, mtp: str |
     from ds4py.spec import speculative
     from ds4py.tokenizer import Tokenizer
 
-    base = open_model(model_path, backend=backend, **model_options)   # engram_dir= / sidecar= / posttrain=
+    base = open_model(model_path, backend=backend, ctx=ctx, **model_options)   # engram_dir= / sidecar= / posttrain=
     model = speculative(base, mtp, enabled=spec)     # with --sessions N: rounds of several sessions, one verify step
     # a speculative model saves the paired main + MTP state (spec.encode_pair) under the pair's fingerprint
     tok = Tokenizer.from_gguf(getattr(base, "gguf", model_path))

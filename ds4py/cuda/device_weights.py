@@ -1,5 +1,5 @@
 """A GGUF's weights on the device for the CUDA engine: the tensor data uploaded once, in the file's own formats
-(Q8_0 / F16 / F32 GEMV matrices, IQ2_XXS / Q2_K / Q4_K / MXFP4 / Q8_0 / F16 experts: no dequantised copy), and
+(Q8_0 / F16 / F32 / Q4_K GEMV matrices, IQ2_XXS / Q2_K / Q4_K / MXFP4 / Q8_0 / F16 experts: no dequantised copy), and
 the typed per-layer binding (ds4py.schema.bind) resolved to device tensors.
 
 Only small vectors the kernels read as float32 (norms, hc scale / base, sinks, the router bias; BF16 hc `fn`
@@ -16,6 +16,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from ds4py import schema
+from ds4py.cuda import vq_layout
 from ds4py.cuda.memory import ALIGN, Arena, DeviceArray, align_up
 from ds4py.cuda.ops.experts import FORMATS as EXPERT_FORMATS
 from ds4py.cuda.gguf_upload import data_span, upload_gguf
@@ -24,7 +25,7 @@ from ds4py.model import UnsupportedByBackend
 from ds4py.quant import vq
 from ds4py.ref import ops as ref_ops
 
-GEMV_TYPES = (QT.Q8_0, QT.F16, QT.F32)          # cu/gemv.cu
+GEMV_TYPES = (QT.Q8_0, QT.F16, QT.F32, QT.Q4_K)  # cu/gemv.cu, cu/gemm.cu
 EMBED_TYPES = (QT.F16, QT.F32)                  # cu/embed.cu
 HALF_OR_F32 = (QT.F16, QT.F32)                  # hc fn (cu/mhc.cu), compressor ape (cu/compressor.cu)
 
@@ -36,6 +37,12 @@ class DevTensor:
     qtype: QT
     shape: tuple[int, ...]
     array: DeviceArray
+    fmt: str | None = None                  # VQ-8 experts: the kernel format of the device copy ("vq12", "vq13")
+
+    @property
+    def kernel_format(self) -> Any:
+        """What the expert kernels are picked by: the VQ-8 format, else the GGML type."""
+        return self.fmt if self.fmt is not None else self.qtype
 
 
 def role(field: str) -> str:
@@ -85,7 +92,7 @@ def conversion(gguf, e: schema.Entry) -> np.ndarray | None:
         raise _refuse(e.name, qt, "a GEMV matrix", GEMV_TYPES)
     if kind == "experts":
         if qt == QT.I8 and vq.is_vq(gguf, e.name):
-            raise UnsupportedByBackend(f"{e.name} holds VQ-8 experts, which have no CUDA kernel yet; use --backend ref")
+            return None                         # repacked at upload (vq_layout), see load()
         if qt not in EXPERT_FORMATS:
             raise _refuse(e.name, qt, "routed experts", tuple(EXPERT_FORMATS))
     if kind == "shared" and qt not in GEMV_TYPES and qt not in EXPERT_FORMATS:
@@ -116,16 +123,28 @@ class DeviceWeights:
     extra_bytes: int                        # converted small tensors and RoPE tables
 
 
-def load(rt: Any, gguf, cfg, scratch_bytes: int, progress: bool = False) -> DeviceWeights:
-    """Upload every tensor the schema names, check every type, bind the schema to the device tensors."""
+def load(rt: Any, gguf, cfg, scratch_bytes: int, progress: bool = False,
+         row_scales: dict[str, list[np.ndarray]] | None = None,
+         replace: dict[str, np.ndarray] | None = None, plan: Any = None) -> DeviceWeights:
+    """Upload every tensor the schema names, check every type, bind the schema to the device tensors. VQ-8
+    experts get a repacked device copy (ds4py/cuda/vq_layout.py) with their row gains times row_scales[name]
+    (a sidecar stack's, in order); replace: float32 vectors uploaded instead of the file's (a stack's effective
+    router biases); plan(weight bytes): called before the arena is allocated (the engine's memory plan)."""
     entries = list(schema.entries(cfg))
     converted = {e.name: a for e in entries if (a := conversion(gguf, e)) is not None}
+    for name, a in (replace or {}).items():
+        converted[name] = np.ascontiguousarray(a, np.float32)
+    vq_plans = {e.name: vq_layout.plan(gguf, e.name) for e in entries
+                if role(e.spec.field) == "experts" and vq.is_vq(gguf, e.name)}
     tables = rope_tables(cfg)
     distinct: dict[bytes, np.ndarray] = {}
     for a in tables.values():
         distinct.setdefault(a.tobytes(), a)
     extra = sum(align_up(a.nbytes) for a in list(converted.values()) + list(distinct.values())) + ALIGN
+    extra += sum(align_up(n) for _, n in vq_plans.values())
     start, end = data_span(gguf)
+    if plan is not None:
+        plan((end - start) + extra)             # the memory plan: may refuse before anything is allocated
     arena = rt.arena(weights_bytes=(end - start) + extra, scratch_bytes=scratch_bytes)
     uploader = rt.uploader()
     try:
@@ -141,7 +160,10 @@ def load(rt: Any, gguf, cfg, scratch_bytes: int, progress: bool = False) -> Devi
     tensors: dict[str, DevTensor] = {}
     for e in entries:
         t = gguf.tensor(e.name)
-        if e.name in converted:
+        if e.name in vq_plans:                  # one matrix repacked at a time: no whole-model host copy
+            fmt, a = vq_layout.from_file(gguf, e.name, (row_scales or {}).get(e.name))
+            tensors[e.name] = DevTensor(e.name, QT.I8, tuple(t.shape), put(a), fmt)
+        elif e.name in converted:
             a = converted[e.name]
             tensors[e.name] = DevTensor(e.name, QT.I32 if a.dtype == np.int32 else QT.F32, tuple(a.shape), put(a))
         else:

@@ -438,6 +438,10 @@ class EmuRuntime:
                                    f"(write step values to a device slot instead)")
         self._flush_side()
 
+    def free_bytes(self) -> int:
+        """The emulated device's memory (EmuDevice.total_mem): host memory is what really limits the emulator."""
+        return int(self.device.total_mem)
+
     def synchronize(self) -> None:
         self._host_access("synchronize()")
 

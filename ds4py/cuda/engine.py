@@ -35,12 +35,15 @@ from ds4py.cuda.kvstate import CudaState, DeviceStore
 from ds4py.cuda.memory import DeviceArray
 from ds4py.cuda.device_weights import DeviceWeights
 from ds4py.cuda.device_weights import load as load_weights
+from ds4py.cuda.memory_plan import DEFAULT_CTX, MemoryPlan, kv_bytes
+from ds4py.cuda.ops import experts as ops_moe
 from ds4py.errors import ContextLengthError, Ds4Error
 from ds4py.fingerprint import file_fingerprint
 from ds4py.gguf import GGUFFile
 from ds4py.kv import state_layout
 from ds4py.model import DEFAULT_ROLLBACK_HORIZON, ModelBase, Numerics, UnsupportedByBackend
 from ds4py.sampling import InvalidLogits, SamplingParams
+from ds4py.vq.sidecar import Stack
 
 MIN_BUCKET = 256            # smallest context bucket (positions); buckets double up to the context length
 HEAD_GRAPHS = 8             # head graphs kept (one per sampling setting; least recently used dropped)
@@ -190,16 +193,17 @@ class CudaModel(ModelBase):
     def __init__(self, path: str, numerics: Numerics | None = None,
                  rollback_horizon: int = DEFAULT_ROLLBACK_HORIZON, runtime: Any = None, emulate: bool = False,
                  pdl: bool = True, graphs: bool = True, progress: bool | None = None, sidecar: Any = None,
-                 posttrain: Any = None, engram_dir: str | None = None, official_decode_bug: bool = False):
+                 posttrain: Any = None, engram_dir: str | None = None, official_decode_bug: bool = False,
+                 ctx: int | None = None):
         """runtime: a Runtime / EmuRuntime to use (default: a new one: the GPU, or the emulator with emulate).
         pdl / graphs: programmatic dependent launches and graph replay (both on by default; off for the
-        bit-identity tests and the bench's comparison). sidecar / posttrain / engram_dir / official_decode_bug:
-        the reference backend's options (docs/vq.md, docs/v41.md), which this engine refuses in one sentence
-        (UnsupportedByBackend: `--backend auto` then opens the reference); engram_dir is ignored for V4."""
+        bit-identity tests and the bench's comparison). sidecar / posttrain: a domain sidecar and post-training
+        file (docs/vq.md), folded at load as the reference folds them. engram_dir / official_decode_bug: V4.1
+        options (docs/v41.md), which this engine refuses in one sentence (UnsupportedByBackend: `--backend auto`
+        then opens the reference); engram_dir is ignored for V4. ctx: the context one sequence is planned for
+        (default memory_plan.DEFAULT_CTX, at most the model's): the load prints the memory plan in one line and
+        refuses a model that does not fit (UnsupportedByBackend) before uploading anything."""
         t0 = time.perf_counter()
-        if sidecar is not None or posttrain is not None:
-            raise UnsupportedByBackend("the CUDA engine does not apply domain sidecars or post-training files yet; "
-                                       "use --backend ref")
         self.path = str(path)
         self.gguf = GGUFFile(self.path)
         cfg = ModelConfig.from_gguf(self.gguf)
@@ -208,9 +212,37 @@ class CudaModel(ModelBase):
         header = min(t.offset for t in self.gguf.tensors.values())
         if progress is None:
             progress = not emulate and runtime is None
-        self._setup(cfg, numerics, rollback_horizon, runtime, emulate, pdl, graphs, bool(progress),
-                    file_fingerprint(self.path, head_bytes=header),
-                    lambda rt, ws0: load_weights(rt, self.gguf, cfg, ws0, progress=bool(progress)), t0)
+        fingerprint = file_fingerprint(self.path, head_bytes=header)
+        # a domain sidecar / post-training stack (docs/vq.md), folded at load as the reference folds it: its gain
+        # scales into the VQ row gains of the device copy, its router biases in place of the file's; a stale or
+        # mismatched pair is refused here in one sentence (Stack.open); the model's fingerprint becomes the stack's
+        self.stack = Stack.open(cfg, self.gguf, fingerprint, sidecar, posttrain)
+        row_scales: dict[str, list[np.ndarray]] = {}
+        biases: dict[str, np.ndarray] = {}
+        if self.stack is not None:
+            for name, sc in self.stack.row_scales():
+                row_scales.setdefault(name, []).append(sc)
+            biases = self.stack.biases()
+            fingerprint = self.stack.fingerprint
+        if ctx is not None and (not isinstance(ctx, int) or ctx < 1):
+            raise Ds4Error(f"ctx must be a positive number of tokens, got {ctx!r}")
+        plan_ctx = min(ctx or DEFAULT_CTX, cfg.context_length)
+
+        def check(rt: Any, weights: int) -> None:
+            """The memory plan, before the upload: one line, and a refusal when it does not fit."""
+            bucket = bucket_for(plan_ctx, cfg.context_length)
+            scratch = sum(layer.workspace_bytes(layer.workspace_shapes(cfg, bucket, rows, mode)) for rows, mode in
+                          ((1, DECODE), (MAX_ROWS, ROWS), (layer.MAX_BLOCK, BLOCK)))
+            self.memory_plan = MemoryPlan(weights, kv_bytes(self.layout, plan_ctx), plan_ctx, scratch,
+                                          rt.free_bytes())
+            if progress:
+                print(f"ds4py: {self.memory_plan.line()}", file=sys.stderr, flush=True)
+            self.memory_plan.check()
+
+        self._setup(cfg, numerics, rollback_horizon, runtime, emulate, pdl, graphs, bool(progress), fingerprint,
+                    lambda rt, ws0: load_weights(rt, self.gguf, cfg, ws0, progress=bool(progress),
+                                                 row_scales=row_scales, replace=biases,
+                                                 plan=lambda n: check(rt, n)), t0)
 
     @classmethod
     def synthetic(cls, cfg: ModelConfig, seed: int = 0, experts: tuple = synth.Q2_EXPERTS,
@@ -270,6 +302,8 @@ class CudaModel(ModelBase):
         self.prefill_mma = True                                    # prefill dense products on tensor cores
         self.prefill_x_pieces = 3                                  # ... x as 3 bf16 pieces: exact (1: bf16 x)
         self.prefill_expert_mma = False                            # the experts too (bf16 x, h: less exact)
+        # VQ-8 experts run the exact grouped rows kernels in prefill too (cu/moe_prefill.cu has no VQ format)
+        self.vq_experts = any(L.ffn.experts.gate.fmt is not None for L in self.w.binding.layers)
         self.prefill_ws: layer.Workspace | None = None
         self.last_generate: dict[str, float] = {}
         self.startup = {"weights_upload_s": time.perf_counter() - t1, "model_open_s": time.perf_counter() - t0,
@@ -278,8 +312,8 @@ class CudaModel(ModelBase):
     def _check_config(self) -> None:
         cfg = self.config
         if cfg.is_v41:
-            raise UnsupportedByBackend("the CUDA engine runs V4 Flash only (no V4.1 Engram, candidate selection or "
-                                       "VQ-8 kernels yet); use --backend ref")
+            raise UnsupportedByBackend("the CUDA engine runs V4 Flash only (no V4.1 layer roles, Engram or candidate "
+                                       "selection yet); use --backend ref")
         for il in range(cfg.n_layers):
             if cfg.is_compressed(il) and cfg.kv_source(il) != il:
                 raise UnsupportedByBackend(f"layer {il} reads compressed rows of layer {cfg.kv_source(il)}, which "
@@ -423,7 +457,7 @@ class CudaModel(ModelBase):
             rec = Recording(cfg, self.numerics, self.w.freqs, ws, RowSet(BLOCK, [dict(st.arrays)], [bucket], Tb,
                                                                          ws.slot, cap=ws.rows),
                             ws.tickets, mma=self.prefill_mma, x_pieces=self.prefill_x_pieces,
-                            expert_mma=self.prefill_expert_mma)
+                            expert_mma=self.prefill_expert_mma and not self.vq_experts)
             ls = layer.Launcher(rt, self.pdl)
             layer.record_body(ls, rec, B)
             X = layer.final_residual(rec)
@@ -553,8 +587,9 @@ class CudaModel(ModelBase):
             t = synth._lookup(self.w.binding, e)
             if e.spec.field == "embed":
                 total += t.array.nbytes // t.shape[0]
-            elif e.spec.field.startswith("ffn.experts."):
-                total += t.array.nbytes * cfg.n_experts_used // cfg.n_experts
+            elif e.spec.field.startswith("ffn.experts."):              # VQ-8: the codebook is read by every block
+                cb = ops_moe.codebook_bytes(t.kernel_format)
+                total += cb + (t.array.nbytes - cb) * cfg.n_experts_used // cfg.n_experts
             else:
                 total += t.array.nbytes
         return total

@@ -11,7 +11,7 @@ block compressors, indexer and attention over all rows). A row of ROWS is bit-id
 through the same device function, and each row's attention plan is the one its own context bucket gives. BLOCK
 differs from DECODE in summation order only (docs/cuda.md "Prefill").
 
-Weight formats: "dense" (what the GEMVs and GEMMs read: Q8_0 / F16 / F32) or "experts" (the expert formats of
+Weight formats: "dense" (what the GEMVs and GEMMs read: Q8_0 / F16 / F32 / Q4_K) or "experts" (the expert formats of
 cu/moe_formats.cuh's MOE_FORMATS list: a new one needs its decoder there, no entry here).
 """
 
@@ -115,7 +115,7 @@ def dense_gemv(ls: Any, rec: Any, mats: list, x: DeviceArray, cols: int, stream:
 
 
 def mma_ok(W: DevTensor) -> bool:
-    return W.qtype in GEMV_TYPES            # the GEMM reads what the GEMVs read (Q8_0 / F16 / F32)
+    return W.qtype in GEMV_TYPES            # the GEMM reads what the GEMVs read (Q8_0 / F16 / F32 / Q4_K)
 
 
 def dense_block(ls: Any, rec: Any, mats: list, x: DeviceArray, cols: int, stream: Callable, norm=None,
@@ -349,14 +349,14 @@ def shared_down_expert_rows(ls: Any, rec: Any, S: Any, stream: Callable) -> None
 
 def experts_gate_up_one(ls: Any, rec: Any, E: Any, clamp: float) -> None:
     cfg, ws = rec.cfg, rec.ws
-    ops_moe.moe_gate_up(ls, E.gate.qtype, E.gate.array, E.up.array, ws.x_ffn, ws.ids, ws.wts, ws.h, cfg.n_experts,
+    ops_moe.moe_gate_up(ls, E.gate.kernel_format, E.gate.array, E.up.array, ws.x_ffn, ws.ids, ws.wts, ws.h, cfg.n_experts,
                         cfg.expert_ff, cfg.dim, cfg.n_experts_used, clamp, **ls.main())
 
 
 def experts_down_one(ls: Any, rec: Any, E: Any, X: DeviceArray, X_out: DeviceArray) -> DeviceArray:
     cfg, ws, hc = rec.cfg, rec.ws, rec.cfg.hc_mult
     mix = ws.mix_ffn
-    ops_moe.moe_down(ls, E.down.qtype, E.down.array, ws.ids, ws.h, X_out, cfg.n_experts, cfg.dim, cfg.expert_ff,
+    ops_moe.moe_down(ls, E.down.kernel_format, E.down.array, ws.ids, ws.h, X_out, cfg.n_experts, cfg.dim, cfg.expert_ff,
                      cfg.n_experts_used, add=ws.y_shared, hc_post=mix.view(4 * hc, hc),
                      hc_comb=mix.view(8 * hc, hc * hc), hc_x=X, **ls.main())
     return X_out
@@ -369,7 +369,7 @@ def experts_gate_up_rows(ls: Any, rec: Any, E: Any, clamp: float) -> None:
     step = max(1, ops_moe.MAX_PAIRS // k)
     for r0 in range(0, rec.R, step):
         n = min(step, rec.R - r0)
-        ops_moe.moe_gate_up_rows(ls, E.gate.qtype, E.gate.array, E.up.array, rows_of(ws.x_ffn, r0, n, D),
+        ops_moe.moe_gate_up_rows(ls, E.gate.kernel_format, E.gate.array, E.up.array, rows_of(ws.x_ffn, r0, n, D),
                                  ws.ids.view(4 * r0 * k, n * k), ws.wts.view(4 * r0 * k, n * k),
                                  ws.h.view(4 * r0 * k * ff, n * k * ff), cfg.n_experts, ff, D, k, n, clamp,
                                  **ls.main())
@@ -377,7 +377,7 @@ def experts_gate_up_rows(ls: Any, rec: Any, E: Any, clamp: float) -> None:
 
 def experts_down_rows(ls: Any, rec: Any, E: Any, X: DeviceArray, X_out: DeviceArray) -> DeviceArray:
     cfg, ws = rec.cfg, rec.ws
-    ops_moe.moe_down_rows(ls, E.down.qtype, E.down.array, ws.ids, ws.h, X_out, cfg.n_experts, cfg.dim, cfg.expert_ff,
+    ops_moe.moe_down_rows(ls, E.down.kernel_format, E.down.array, ws.ids, ws.h, X_out, cfg.n_experts, cfg.dim, cfg.expert_ff,
                           cfg.n_experts_used, rec.R, add=ws.y_shared, mix=ws.mix_ffn, hc=cfg.hc_mult, hc_x=X,
                           **ls.main())
     return X_out
@@ -385,7 +385,7 @@ def experts_down_rows(ls: Any, rec: Any, E: Any, X: DeviceArray, X_out: DeviceAr
 
 def experts_gate_up_block(ls: Any, rec: Any, E: Any, clamp: float) -> None:
     """The exact grouped rows kernels, or (expert_mma) the whole routed MoE on tensor cores into ws.f."""
-    if not rec.expert_mma:
+    if not expert_mma(rec, E):
         experts_gate_up_rows(ls, rec, E, clamp)
         return
     cfg, ws = rec.cfg, rec.ws
@@ -394,8 +394,14 @@ def experts_gate_up_block(ls: Any, rec: Any, E: Any, clamp: float) -> None:
                          cfg.dim, clamp, rec.moe_bufs(), add=ws.y_shared, **ls.main())
 
 
+def expert_mma(rec: Any, E: Any) -> bool:
+    """The routed MoE of a block on tensor cores (cu/moe_prefill.cu; the engine never asks for it on VQ-8 experts,
+    which run the exact grouped rows kernels)."""
+    return rec.expert_mma
+
+
 def experts_down_block(ls: Any, rec: Any, E: Any, X: DeviceArray, X_out: DeviceArray) -> DeviceArray:
-    if not rec.expert_mma:
+    if not expert_mma(rec, E):
         return experts_down_rows(ls, rec, E, X, X_out)
     cfg = rec.cfg
     ops.hc_post(ls, rec.ws.f, rec.ws.mix_ffn, X, rec.R, cfg.dim, cfg.hc_mult, **ls.main())
@@ -436,7 +442,7 @@ for _mode, _ops in _BY_MODE.items():
 
 
 def weight_format(qtype: Any) -> str:
-    """"dense" for what the GEMVs / GEMMs read (Q8_0, F16, F32), "experts" for the expert formats."""
+    """"dense" for what the GEMVs / GEMMs read (Q8_0, F16, F32, Q4_K), "experts" for the expert formats."""
     return "dense" if qtype in GEMV_TYPES else "experts"
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -351,16 +352,48 @@ class WeightUploader(Uploader):
 
     def upload(self, src: np.ndarray, dst: DeviceArray | int, progress: bool = True, label: str = "weights") -> float:
         """Copy all of `src` (any array; its raw bytes) to dst. Returns GB/s. Blocks until the copy is done."""
-        self.bind()
         raw, dst_ptr = self.target(src, dst, label)
+
+        def fill(buf: np.ndarray, off: int, n: int) -> None:
+            buf[:n] = raw[off: off + n]                          # reads the source (page faults on an mmap)
+
+        return self._stream(fill, raw.nbytes, dst_ptr, progress, label)
+
+    def upload_file(self, path: str, offset: int, nbytes: int, dst: DeviceArray | int, progress: bool = True) -> float:
+        """Upload bytes [offset, offset + nbytes) of a file: read straight into the pinned chunks (os.preadv, no
+        memory map), each chunk's pages dropped from the page cache once read (POSIX_FADV_DONTNEED), so the
+        weights are never held twice - on the device and in the page cache, which on an integrated GPU (GB10)
+        are the same memory. Reading is sequential, so the kernel's read-ahead keeps the disk busy."""
+        if isinstance(dst, DeviceArray) and dst.nbytes < nbytes:
+            raise ArenaError(f"{path}: {nbytes} bytes do not fit the {dst.nbytes}-byte device buffer")
+        dst_ptr = dst.ptr if isinstance(dst, DeviceArray) else int(dst)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            def fill(buf: np.ndarray, off: int, n: int) -> None:
+                got = 0
+                while got < n:
+                    k = os.preadv(fd, [memoryview(buf[got:n])], offset + off + got)
+                    if k <= 0:
+                        raise ArenaError(f"{path}: the file ended at byte {offset + off + got} while uploading")
+                    got += k
+                if hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(fd, offset + off, n, os.POSIX_FADV_DONTNEED)
+
+            return self._stream(fill, nbytes, dst_ptr, progress, path)
+        finally:
+            os.close(fd)
+
+    def _stream(self, fill: Callable[[np.ndarray, int, int], None], total: int, dst_ptr: int, progress: bool,
+                label: str) -> float:
+        """Fill the two pinned chunks in turn (fill(buffer, offset, n)) while the copy stream drains the other."""
+        self.bind()
         pending = [False, False]
         t0 = last = time.perf_counter()
-        total = raw.nbytes
         for i, (off, n) in enumerate(plan_chunks(total, self.chunk_bytes)):
             slot = i % 2
             if pending[slot]:
                 call("cuEventSynchronize", self.events[slot])   # the DMA engine is done with this buffer
-            self.buffers[slot].array[:n] = raw[off: off + n]     # reads the file (page faults on an mmap)
+            fill(self.buffers[slot].array, off, n)
             call("cuMemcpyHtoDAsync", dst_ptr + off, self.buffers[slot].ptr, n, self.stream)
             call("cuEventRecord", self.events[slot], self.stream)
             pending[slot] = True

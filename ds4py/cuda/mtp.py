@@ -56,7 +56,8 @@ def _upload(rt: Any, store: Any, gguf, cfg) -> tuple[Any, dict[str, DevTensor], 
     for e in schema.mtp_entries(cfg):
         t = gguf.tensor(e.name)
         if e.spec.field.startswith("block.ffn.experts.") and vq.is_vq(gguf, e.name):
-            raise UnsupportedByBackend(f"{e.name} holds VQ-8 experts, which have no CUDA kernel yet; use --backend ref")
+            raise UnsupportedByBackend(f"{e.name}: an MTP file with VQ-8 experts is not read by the CUDA engine yet "
+                                       f"(a VQ-8 main model is); use --backend ref")
         conv = conversion(gguf, replace(e, spec=replace(e.spec, field=e.spec.field.removeprefix("block."))))
         if conv is not None:
             host[e.name] = (QT.I32 if conv.dtype == np.int32 else QT.F32, tuple(conv.shape), conv)

@@ -54,6 +54,12 @@ class Runtime:
         call("cuCtxSetCurrent", self.device.context)
         self._bound.ok = True
 
+    def free_bytes(self) -> int:
+        """Device memory free now (cuMemGetInfo): what a model's memory plan is checked against."""
+        self.bind_thread()
+        free, _total = call("cuMemGetInfo")
+        return int(free)
+
     def launch(self, name: str, grid: Any, block: Any, *args: Any, smem: int = 0, stream: Any = None,
                pdl: bool = False) -> None:
         self.bind_thread()

@@ -1,5 +1,6 @@
 """Host wrappers of cu/experts.cu: routed / shared expert gate+up+SwiGLU, down (+ add, + hc_post), and exact
-dequantisation, for every expert weight format. Launch geometry and shared memory are computed here.
+dequantisation, for every expert weight format: the ggml ones (keyed by GGML type) and VQ-8 ("vq12", "vq13": the
+device layout of ds4py/cuda/vq_layout.py, codebook at the head of each matrix; no moe_dequant). Launch geometry and shared memory are computed here.
 
 A decode MoE sub-layer is (the shared expert may run on the side stream, between rt.fork() and rt.join()):
     moe_gate_up(shared, ids=None, n_slots=1) -> h_sh;  moe_down(shared, ids=None, n_slots=1) -> y_sh
@@ -32,19 +33,48 @@ def _formats() -> dict[QT, tuple[str, int, int]]:
     return out
 
 
+def _vq_formats() -> dict[str, tuple[int, int, int]]:
+    """VQ-8 format key ("vq12", "vq13": the kernel suffix) -> (weights per run, bytes per run, codewords): the
+    MOE_VQ_FORMATS list of cu/moe_formats.cuh (experts.cu's VQ entry points)."""
+    return {name: (int(qk), int(nb), int(kc))
+            for name, _fmt_id, qk, nb, kc in list_of("MOE_VQ_FORMATS", (CU_DIR / "moe_formats.cuh").read_text())}
+
+
 FORMATS = _formats()
+VQ_FORMATS = _vq_formats()
 
 
-def _fmt(qtype: int) -> tuple[str, int, int]:
+def vq_format(bits: int) -> str | None:
+    """The VQ-8 kernel format of a layer of `bits`-bit indices (None: no kernel reads that width)."""
+    key = f"vq{bits}"
+    return key if key in VQ_FORMATS else None
+
+
+def _fmt(qtype: Any) -> tuple[str, int, int]:
+    if isinstance(qtype, str):
+        need(qtype in VQ_FORMATS, f"experts: no VQ-8 kernel format {qtype!r} (supported: {', '.join(VQ_FORMATS)})")
+        qk, nb, _ = VQ_FORMATS[qtype]
+        return qtype, qk, nb
     qt = QT(int(qtype)) if int(qtype) in QT._value2member_map_ else None
     need(qt in FORMATS, f"experts: weight type {qt.name if qt is not None else qtype} has no kernel (supported: "
          f"{', '.join(q.name for q in FORMATS)})")
     return FORMATS[qt]
 
 
-def row_bytes(qtype: int, cols: int) -> int:
-    _, qk, nb = _fmt(qtype)
-    need(cols % qk == 0 and cols % 32 == 0, f"experts: a row of {cols} is not whole {QT(int(qtype)).name} blocks")
+def _label(qtype: Any) -> str:
+    return qtype if isinstance(qtype, str) else QT(int(qtype)).name
+
+
+def codebook_bytes(qtype: Any) -> int:
+    """Bytes of the codebook at the head of a VQ-8 matrix's device copy (0 for the ggml formats)."""
+    return 8 * VQ_FORMATS[qtype][2] if isinstance(qtype, str) else 0
+
+
+def row_bytes(qtype: Any, cols: int) -> int:
+    name, qk, nb = _fmt(qtype)
+    need(cols % qk == 0 and cols % 32 == 0, f"experts: a row of {cols} is not whole {_label(qtype)} blocks")
+    if isinstance(qtype, str):                 # VQ: the runs, then the f32 gain 4-byte aligned, padded to 16
+        return ((cols // qk * nb + 3) // 4 * 4 + 4 + 15) // 16 * 16
     return cols // qk * nb
 
 
@@ -79,10 +109,11 @@ def moe_plan(qtype: int, cols: int, rows: int, spans: int, sums: int, rows_per_b
     return MoePlan(threads, RL, rows_per_block, max(stage, partial))
 
 
-def _check_weights(where: str, W: Any, qtype: int, n_experts: int, rows: int, cols: int) -> None:
+def _check_weights(where: str, W: Any, qtype: Any, n_experts: int, rows: int, cols: int) -> None:
     need(dtype_is(W, np.uint8), f"{where}: weights must be the raw GGUF bytes (uint8)")
-    need(W.nbytes == n_experts * rows * row_bytes(qtype, cols), f"{where}: {W.nbytes} weight bytes for {n_experts} "
-         f"experts of [{rows}, {cols}] {QT(int(qtype)).name} ({n_experts * rows * row_bytes(qtype, cols)} expected)")
+    want = codebook_bytes(qtype) + n_experts * rows * row_bytes(qtype, cols)
+    need(W.nbytes == want, f"{where}: {W.nbytes} weight bytes for {n_experts} experts of [{rows}, {cols}] "
+         f"{_label(qtype)} ({want} expected)")
 
 
 def moe_gate_up(rt: Any, qtype: int, Wg: Any, Wu: Any, x: Any, ids: Any, route_w: Any, h: Any, n_experts: int,
@@ -99,7 +130,7 @@ def moe_gate_up(rt: Any, qtype: int, Wg: Any, Wu: Any, x: Any, ids: Any, route_w
     need(aligned(16, x, h), "moe_gate_up: x and h must be 16-byte aligned")
     plan = moe_plan(qtype, dim, ff, 2, 2, rows_per_block)
     rt.launch(f"moe_gate_up_{name}", (-(-ff // plan.rows_per_block), n_slots), plan.threads, Wg, Wu, x, ids, route_w,
-              h, int(n_experts), int(ff), int(dim), plan.rows_per_block, float(clamp), smem=plan.smem, stream=stream,
+              h, int(n_experts), int(ff), int(dim), plan.rows_per_block, float(clamp), smem=plan.smem + codebook_bytes(qtype), stream=stream,
               pdl=pdl)
     return plan
 
@@ -124,7 +155,7 @@ def moe_down(rt: Any, qtype: int, W: Any, ids: Any, h: Any, out: Any, n_experts:
     need(aligned(16, h), "moe_down: h must be 16-byte aligned")
     plan = moe_plan(qtype, ff, dim, n_slots, 1, rows_per_block)
     rt.launch(f"moe_down_{name}", -(-dim // plan.rows_per_block), plan.threads, W, ids, h, add, hc_post, hc_comb,
-              hc_x, out, int(n_slots), int(n_experts), int(dim), int(ff), plan.rows_per_block, hc, smem=plan.smem,
+              hc_x, out, int(n_slots), int(n_experts), int(dim), int(ff), plan.rows_per_block, hc, smem=plan.smem + codebook_bytes(qtype),
               stream=stream, pdl=pdl)
     return plan
 
@@ -181,7 +212,7 @@ def moe_gate_up_rows(rt: Any, qtype: int, Wg: Any, Wu: Any, x: Any, ids: Any, ro
     groups = k if ids is None else min(n_pairs, n_experts + 1)      # + 1: a bad id is a group of its own
     rt.launch(f"moe_gate_up_rows_{name}", (-(-ff // plan.rows_per_block), groups), plan.threads, Wg, Wu, x, ids,
               route_w, h, int(n_experts), int(ff), int(dim), plan.rows_per_block, float(clamp), int(n_pairs), int(k),
-              stride, smem=plan.smem, stream=stream, pdl=pdl)
+              stride, smem=plan.smem + codebook_bytes(qtype), stream=stream, pdl=pdl)
     return plan
 
 
@@ -207,5 +238,5 @@ def moe_down_rows(rt: Any, qtype: int, W: Any, ids: Any, h: Any, out: Any, n_exp
     plan = moe_plan(qtype, ff, dim, n_slots, 1, rows_per_block)
     rt.launch(f"moe_down_rows_{name}", (-(-dim // plan.rows_per_block), nx), plan.threads, W, ids, h, add, mix, hc_x,
               out, int(n_slots), int(n_experts), int(dim), int(ff), plan.rows_per_block, int(hc) if mix is not None
-              else 0, smem=plan.smem, stream=stream, pdl=pdl)
+              else 0, smem=plan.smem + codebook_bytes(qtype), stream=stream, pdl=pdl)
     return plan

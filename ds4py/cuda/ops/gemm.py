@@ -1,14 +1,14 @@
 """Host side of cu/gemm.cu: the prefill GEMM on tensor cores (bf16 mma.sync, fp32 accumulate) for the dense
-weights (Q8_0 / F16 / F32, as the GEMVs read them).
+weights (Q8_0 / F16 / F32 / Q4_K, as the GEMVs read them).
 
     gemm(rt, W, x, y, T, N, K)                        # y[T, N] = x[T, K] @ W[N, K]^T
     gemm(rt, W, x, y, T, N, K, accumulate=True)       # y += ...
     gemm(rt, W_o_a, o, u, T, 8192, 4096, x_group_rows=1024)   # grouped wo_a: feature block g reads x[:, g*K:]
 
 W is a DeviceArray (or a DevTensor: its .array) typed as for ops.gemv: float32 -> F32, float16 -> F16, uint8
-bytes -> Q8_0 ([N, K/32*34]). x: float32 [T, ldx] (ldx >= K * groups, a multiple of 4, default K * groups), y:
+bytes -> Q8_0 ([N, K/32*34]) or Q4_K ([N, K/256*144]). x: float32 [T, ldx] (ldx >= K * groups, a multiple of 4, default K * groups), y:
 float32 [T, ldy] (default N). Numerics (cu/gemm.cu): x rounded to bf16 (or, precise_x, two bf16 pieces), weights exact (Q8_0 codes + per-block
-scale, F16 as two bf16 pieces, F32 as three), fp32 accumulation in a fixed k order: a row's result does not depend
+scale, F16 as two bf16 pieces, F32 and Q4_K's exact values as three), fp32 accumulation in a fixed k order: a row's result does not depend
 on T or on the other rows (twin: ds4py/cuda/twins/gemm.py).
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ds4py.cuda.ops.core import aligned, ceil_div, is_dtype, need
-from ds4py.cuda.ops.gemv import Q8_0_BLOCK_BYTES, weight_type
+from ds4py.cuda.ops.gemv import COL_MULTIPLE, byte_rows, weight_type
 from ds4py.errors import Ds4Error
 
 DEFINES = {
@@ -31,8 +31,8 @@ DEFINES = {
 BM, BN, BK = DEFINES["GEMM_BM"], DEFINES["GEMM_BN"], 32
 THREADS = 32 * DEFINES["GEMM_WARPS_M"] * DEFINES["GEMM_WARPS_N"]
 MAX_T = 65535 * BM               # grid.y limit
-_KERNEL = {"Q8_0": "gemm_q8_0", "F16": "gemm_f16", "F32": "gemm_f32"}
-PIECES = {"Q8_0": 1, "F16": 2, "F32": 3}     # bf16 mma per k16 step and tile: the tensor-core cost factor
+_KERNEL = {"Q8_0": "gemm_q8_0", "F16": "gemm_f16", "F32": "gemm_f32", "Q4_K": "gemm_q4_k"}
+PIECES = {"Q8_0": 1, "F16": 2, "F32": 3, "Q4_K": 3}     # bf16 mma per k16 step and tile: the tensor-core cost factor
 ACCUMULATE, X_SPLIT = 1, 2                   # flags (GEMM_ACCUMULATE, GEMM_X_SPLIT)
 
 
@@ -51,11 +51,10 @@ def gemm(rt: Any, W: Any, x: Any, y: Any, T: int, N: int, K: int, accumulate: bo
     could reorder). One launch."""
     if hasattr(W, "qtype") and hasattr(W, "array"):                  # a DevTensor (device_weights): its device array
         W = W.array
-    qtype = weight_type(W)
+    qtype = weight_type(W, N, K)
     need(isinstance(T, (int, np.integer)) and 1 <= T <= MAX_T, f"gemm: T must be 1..{MAX_T}, got {T}")
     need(N >= 1 and K >= 1, f"gemm: N and K must be >= 1, got {N}, {K}")
-    need(K % (32 if qtype == "Q8_0" else 8) == 0,
-         f"gemm: K ({K}) must be a multiple of {32 if qtype == 'Q8_0' else 8} for {qtype}")
+    need(K % COL_MULTIPLE[qtype] == 0, f"gemm: K ({K}) must be a multiple of {COL_MULTIPLE[qtype]} for {qtype}")
     need(x_group_rows >= 0, f"gemm: x_group_rows must be >= 0, got {x_group_rows}")
     groups = ceil_div(N, x_group_rows) if x_group_rows else 1
     need(groups <= 65535, f"gemm: {groups} input groups exceed the grid")
@@ -64,9 +63,11 @@ def gemm(rt: Any, W: Any, x: Any, y: Any, T: int, N: int, K: int, accumulate: bo
     need(ldx >= K * groups and ldx % 4 == 0, f"gemm: ldx ({ldx}) must be a multiple of 4 and >= {K * groups}")
     need(ldy >= N, f"gemm: ldy ({ldy}) must be >= N ({N})")
     if qtype == "Q8_0":
-        need(W.nbytes == N * (K // 32) * Q8_0_BLOCK_BYTES,
-             f"gemm: W holds {W.nbytes} bytes, not {N} x {K} Q8_0 ({N * (K // 32) * Q8_0_BLOCK_BYTES})")
+        need(W.nbytes == byte_rows(qtype, N, K),
+             f"gemm: W holds {W.nbytes} bytes, not {N} x {K} Q8_0 ({byte_rows(qtype, N, K)})")
         need(W.ptr % 2 == 0, "gemm: Q8_0 weights must be 2-byte aligned")
+    elif qtype == "Q4_K":
+        need(aligned(16, W), "gemm: Q4_K weights must be 16-byte aligned")
     else:
         need(W.size == N * K, f"gemm: W has {W.size} values, not {N} x {K}")
         need(aligned(16, W), f"gemm: {qtype} weights must be 16-byte aligned")

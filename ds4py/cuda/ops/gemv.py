@@ -1,4 +1,4 @@
-"""Host side of cu/gemv.cu: decode GEMVs on F32 / F16 / Q8_0 weights straight from the GGUF.
+"""Host side of cu/gemv.cu: decode GEMVs on F32 / F16 / Q8_0 / Q4_K weights straight from the GGUF.
 
     gemv(rt, [(W_q_a, q, 1024), (W_kv, kv, 512)], x, cols=4096)          # two matrices, one launch, one x
     gemv(rt, [(W_q_b, qb, 32768)], qr, 1024, norm=(q_a_norm, eps))       # RMSNorm prologue on x
@@ -7,7 +7,8 @@
     gemv_swiglu(rt, W_gate, W_up, x, mid, 2048, 4096, clamp=10.0)         # shared expert gate + up
     gemv(rt, [(W_q_a, q, 1024)], x, 4096, nx=8)                         # 8 activation rows x[n], y[n]: W read once
 
-The weight type follows the array: float32 -> F32, float16 -> F16, uint8 bytes -> Q8_0 ([rows, cols/32*34]).
+The weight type follows the array: float32 -> F32, float16 -> F16, uint8 bytes -> Q8_0 ([rows, cols/32*34]) or
+Q4_K ([rows, cols/256*144]: told apart by the byte count, weight_type).
 Launch geometry: warps of 32 lanes, 4 rows (slots) per warp step, grid-stride over row groups, the grid capped
 at what the device holds at once. Results do not depend on the geometry (see cu/gemv.cu).
 """
@@ -31,34 +32,47 @@ DEFINES = {
 GEMV_MAX_X = DEFINES["GEMV_MAX_X"]
 GEMV_ROWS = DEFINES["GEMV_ROWS"]
 Q8_0_BLOCK_BYTES = 34
+Q4_K_BLOCK_BYTES = 144                                    # 256 columns: f16 d, f16 dmin, 12 scale bytes, 128 nibbles
 Q8_PIECE_BYTES = DEFINES["Q8_CHUNK_BLOCKS"] * Q8_0_BLOCK_BYTES + 16
 Q8_WARP_SMEM = 2 * GEMV_ROWS * Q8_PIECE_BYTES           # double-buffered pieces of 4 rows, per warp
 MAX_MATS = 4
 NORM, ADD = 1, 2                                          # flags (GEMV_NORM, GEMV_ADD)
-DEFAULT_WARPS = {"Q8_0": 4, "F16": 8, "F32": 8}
-_KERNEL = {"Q8_0": "gemv_q8_0", "F16": "gemv_f16", "F32": "gemv_f32"}
+DEFAULT_WARPS = {"Q8_0": 4, "F16": 8, "F32": 8, "Q4_K": 8}
+_KERNEL = {"Q8_0": "gemv_q8_0", "F16": "gemv_f16", "F32": "gemv_f32", "Q4_K": "gemv_q4_k"}
+COL_MULTIPLE = {"Q8_0": 32, "Q4_K": 256, "F16": 8, "F32": 8}
 
 
-def weight_type(W: DeviceArray) -> str:
-    """The GGML type a GEMV weight array holds, from its dtype."""
+def byte_rows(qtype: str, rows: int, cols: int) -> int:
+    """Bytes of a [rows, cols] matrix of a block format (Q8_0, Q4_K)."""
+    return rows * (cols // 32) * Q8_0_BLOCK_BYTES if qtype == "Q8_0" else rows * (cols // 256) * Q4_K_BLOCK_BYTES
+
+
+def weight_type(W: DeviceArray, rows: int | None = None, cols: int | None = None) -> str:
+    """The GGML type a GEMV weight array holds: float32 -> F32, float16 -> F16, uint8 bytes -> Q8_0, or Q4_K
+    when the bytes are those of [rows, cols] in Q4_K (the two sizes never coincide: 34/32 vs 144/256 bytes per
+    value)."""
     dt = np.dtype(W.dtype)
     if dt == np.float32:
         return "F32"
     if dt == np.float16:
         return "F16"
     if dt == np.uint8:
+        if rows is not None and cols is not None and cols % 256 == 0 and W.nbytes == byte_rows("Q4_K", rows, cols):
+            return "Q4_K"
         return "Q8_0"
-    raise Ds4Error(f"a GEMV weight must be float32, float16 or Q8_0 bytes (uint8), not {dt}")
+    raise Ds4Error(f"a GEMV weight must be float32, float16 or Q8_0 / Q4_K bytes (uint8), not {dt}")
 
 
 def _check_matrix(what: str, W: DeviceArray, rows: int, cols: int, qtype: str) -> None:
-    need(weight_type(W) == qtype, f"{what}: all matrices of one launch have the same type ({qtype}), "
-                                  f"got {weight_type(W)}")
+    need(weight_type(W, rows, cols) == qtype, f"{what}: all matrices of one launch have the same type ({qtype}), "
+                                              f"got {weight_type(W, rows, cols)}")
     need(rows >= 1, f"{what}: rows must be >= 1, got {rows}")
     if qtype == "Q8_0":
-        need(W.nbytes == rows * (cols // 32) * Q8_0_BLOCK_BYTES,
-             f"{what}: W holds {W.nbytes} bytes, not {rows} x {cols} Q8_0 ({rows * (cols // 32) * 34})")
+        need(W.nbytes == byte_rows(qtype, rows, cols),
+             f"{what}: W holds {W.nbytes} bytes, not {rows} x {cols} Q8_0 ({byte_rows(qtype, rows, cols)})")
         need(W.ptr % 2 == 0, f"{what}: Q8_0 weights must be 2-byte aligned")
+    elif qtype == "Q4_K":
+        need(aligned(16, W), f"{what}: Q4_K weights must be 16-byte aligned")
     else:
         need(W.size == rows * cols, f"{what}: W has {W.size} values, not {rows} x {cols}")
         need(aligned(16, W), f"{what}: {qtype} weights must be 16-byte aligned")
@@ -67,8 +81,7 @@ def _check_matrix(what: str, W: DeviceArray, rows: int, cols: int, qtype: str) -
 def _check_common(what: str, qtype: str, x: DeviceArray, cols: int, x_groups: int,
                   norm: tuple[DeviceArray | None, float] | None, nx: int = 1,
                   x_stride: int = 0) -> tuple[DeviceArray | None, float, int]:
-    need(cols % (32 if qtype == "Q8_0" else 8) == 0,
-         f"{what}: cols ({cols}) must be a multiple of {32 if qtype == 'Q8_0' else 8} for {qtype}")
+    need(cols % COL_MULTIPLE[qtype] == 0, f"{what}: cols ({cols}) must be a multiple of {COL_MULTIPLE[qtype]} for {qtype}")
     nvals = (nx - 1) * x_stride + cols * max(x_groups, 1)
     need(is_dtype(x, np.float32) and x.size >= nvals, f"{what}: x must be float32 with {nvals} values")
     need(aligned(16, x), f"{what}: x must be 16-byte aligned")
@@ -113,7 +126,7 @@ def gemv(rt: Any, outs: Sequence[tuple[DeviceArray, DeviceArray, int]], x: Devic
     row n's bits the same as alone (nx = 1)."""
     need(1 <= len(outs) <= MAX_MATS, f"gemv: 1 to {MAX_MATS} matrices per launch, got {len(outs)}")
     _rows("gemv", nx, None, 0)
-    qtype = weight_type(outs[0][0])
+    qtype = weight_type(outs[0][0], outs[0][2], cols)
     groups = 0
     for i, (W, y, rows) in enumerate(outs):
         _check_matrix(f"gemv matrix {i}", W, rows, cols, qtype)
@@ -141,8 +154,7 @@ def gemv_hc_post(rt: Any, W: DeviceArray, x: DeviceArray, X: DeviceArray, mix: D
     """f = W @ x (W [rows=D, cols]), then X [hc, D] <- post_k f + sum_j C[j,k] X_j in place; mix holds
     [pre(hc), post(hc), comb(hc*hc)] (cu/mhc.cu's hc_mix output for this sub-layer). nx > 1: rows n of x
     (x_stride apart), of X [nx, hc, D] and of mix [nx, (2+hc)*hc]."""
-    qtype = weight_type(W)
-    need(qtype in _KERNEL, f"gemv_hc_post: Q8_0, F16 or F32 weights, got {qtype}")
+    qtype = weight_type(W, rows, cols)
     _check_matrix("gemv_hc_post", W, rows, cols, qtype)
     need(is_dtype(X, np.float32) and X.size == nx * hc * rows,
          f"gemv_hc_post: X must be float32 [{nx}, {hc}, {rows}]" if nx > 1 else
@@ -164,8 +176,7 @@ def gemv_swiglu(rt: Any, Wg: DeviceArray, Wu: DeviceArray, x: DeviceArray, y: De
                 nx: int = 1, x_stride: int | None = None) -> None:
     """y = silu(min(Wg x, clamp)) * clamp(Wu x, -clamp, clamp) (clamp <= 0: no clamp); Wg, Wu [rows, cols].
     nx > 1: rows n of x (x_stride apart) into y[n*rows:]."""
-    qtype = weight_type(Wg)
-    need(qtype in _KERNEL, f"gemv_swiglu: Q8_0, F16 or F32 weights, got {qtype}")
+    qtype = weight_type(Wg, rows, cols)
     _check_matrix("gemv_swiglu gate", Wg, rows, cols, qtype)
     _check_matrix("gemv_swiglu up", Wu, rows, cols, qtype)
     need(is_dtype(y, np.float32) and y.size >= nx * rows,

@@ -31,8 +31,12 @@ def q8_0_matrix(raw: np.ndarray, rows: int, cols: int) -> np.ndarray:
 
 
 def weight_values(W: np.ndarray, rows: int, cols: int) -> np.ndarray:
-    """A GEMV weight as the kernel reads it -> float64 [rows, cols]: F32, F16, or Q8_0 bytes (uint8)."""
+    """A GEMV weight as the kernel reads it -> float64 [rows, cols]: F32, F16, or Q8_0 / Q4_K bytes (uint8, told
+    apart by their size)."""
     W = np.asarray(W)
+    if W.dtype == np.uint8 and cols % 256 == 0 and W.size == rows * cols // 256 * 144:      # Q4_K
+        from ds4py.quant import kquants
+        return kquants.dequant_q4_k(np.ascontiguousarray(W).reshape(-1)).reshape(rows, cols).astype(np.float64)
     if W.dtype == np.uint8:
         return q8_0_matrix(W, rows, cols).astype(np.float64)
     return W.astype(np.float64).reshape(rows, cols)

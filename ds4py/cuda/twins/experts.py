@@ -56,3 +56,15 @@ def down(W: np.ndarray, ids: np.ndarray | None, h: np.ndarray, n_slots: int, add
     out = ops.hc_post(y[None], X, hc_post.reshape(1, hc).astype(F32), hc_comb.reshape(1, hc, hc).astype(F32))[0]
     mag_out = np.abs(hc_post)[:, None] * mag[None] + np.abs(hc_comb.reshape(hc, hc)).T @ np.abs(X[0]) + np.abs(out)
     return out, mag_out
+
+
+def vq_dequant(codes: np.ndarray, stream: np.ndarray, hi: np.ndarray | None, gains: np.ndarray,
+               bits: int) -> np.ndarray:
+    """VQ-8 experts [X, rows, cols] as the reference decodes them (ds4py.quant.vq.decode_rows: fl32(g * c)), from
+    the codebook's E4M3 bytes [K, 8], the index stream [X, rows, nb], the hi plane (13 bits) and gains [X, rows]."""
+    from ds4py.quant import vq
+
+    cb = vq.E4M3_F32[np.asarray(codes).view(np.uint8)].astype(F32)
+    X = stream.shape[0]
+    return np.stack([vq.decode_rows(stream[e], None if hi is None else hi[e], np.asarray(gains[e], F32), cb, bits)
+                     for e in range(X)])

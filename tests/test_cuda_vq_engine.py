@@ -1,0 +1,177 @@
+"""VQ-8 experts through the CUDA engine on the CPU emulator: a v4-tiny-shaped random model with 256-wide experts
+(make-tiny, MXFP4 experts, a random MTP block; v4-tiny's own 96-wide experts are not whole 64-weight VQ runs)
+quantised by `quantize-vq` with the seed's widths (layer 0 at 13 bits in the 12 + 1 layout, the rest at 12) on
+cuda-emu against the reference on the same file (prefill blocks through the grouped rows kernels, then decode):
+same top-1 everywhere, fp32 noise; a multi-row step's rows bit-identical to single steps; and speculative decoding with the V4 MTP block on the VQ-8
+main file gives plain greedy decoding's tokens. Budget: quantising ~20 s, ~0.15 s of emulator per token."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cuda_engine_checks import V4_TINY, compare, ids_for, run
+from ds4py.cuda import emu
+from ds4py.gguf import GGUFFile
+from ds4py.model import Numerics, open_model, open_mtp
+from ds4py.quant import vq
+from ds4py.ref.engine import RefModel
+from ds4py.sampling import SamplingParams
+from ds4py.session import Session, TokenEvent
+from ds4py.spec import SpecModel
+from spec_fakes import NullTokenizer
+
+pytestmark = pytest.mark.skipif(emu.compiler() is None, reason="the CUDA emulator needs g++")
+# the seed's widths on a tiny pool (98,304 vectors a layer): a thin codebook, fast Lloyd
+SEED_WIDTHS = dict(bits=12, bits_shallow=13, shallow_layers=1, min_pool=5, train_per_code=5, rounds=1)
+
+
+SHAPE = dict(V4_TINY, n_layers=3, compress_ratios=[0, 4, 128], hash_layers=1, expert_ff=256, n_experts=4,
+             n_experts_used=2, vocab_size=320)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> tuple[str, str]:
+    """(VQ-8 main GGUF, its MTP GGUF)."""
+    from ds4py.tiny import make_tiny
+    from ds4py.vq.quantize import Options, quantize_vq
+
+    d = tmp_path_factory.mktemp("vqcuda")
+    src, out, mtp = d / "src.gguf", d / "vq.gguf", d / "vq.mtp.gguf"
+    make_tiny(str(src), seed=7, experts="mxfp4", mtp=str(mtp), **SHAPE)
+    quantize_vq(str(src), str(out), Options(**SEED_WIDTHS), progress=False)
+    return str(out), str(mtp)
+
+
+@pytest.fixture(scope="module")
+def vq_gguf(files) -> str:
+    return files[0]
+
+
+@pytest.fixture(scope="module")
+def vqm(vq_gguf):
+    return open_model(vq_gguf, backend="cuda-emu")
+
+
+def test_the_file_has_the_seeds_widths(vq_gguf):
+    f = GGUFFile(vq_gguf)
+    assert vq.read_layer(f, 0).header.bits == 13 and vq.read_layer(f, 2).header.bits == 12
+    assert vq.is_vq(f, "blk.0.ffn_down_exps.weight") and vq.hi_name("blk.0.ffn_down_exps.weight") in f.tensors
+
+
+def test_vq_experts_match_the_reference(vq_gguf):
+    """Without the model's FP8 / FP4 fake-quant (whose grid a value within rounding of a step may cross, as on
+    every backend pair), so what differs is the kernels' fp32 summation order only: every position's logits within
+    1e-4 of the largest, same top-1."""
+    nx = Numerics(fake_quant=False)
+    ids = ids_for(256, 40, seed=5)
+    got = run(open_model(vq_gguf, backend="cuda-emu", numerics=nx), ids, 32)
+    want = run(RefModel(vq_gguf, numerics=nx), ids, 32)
+    a = compare(got, want)
+    rel = (np.abs(got.astype(np.float64) - want).max(1) / np.abs(want).max(1)).max()
+    print(f"VQ-8 (13/12-bit), cuda-emu vs ref, no fake-quant (prefill 32, decode 8): {a}; max relative {rel:.1e}")
+    assert a.top1 == 1.0, a
+    assert rel <= 1e-4 and a.median_rel <= 1e-5, a
+
+
+def test_rows_are_bit_identical_to_single_steps(vqm):
+    V = vqm.config.vocab_size
+    prompts = [ids_for(V, n, seed=80 + n) for n in (4, 7)]
+    nxt = ids_for(V, 2, seed=89)
+    states, twins = [], []
+    for p in prompts:
+        a, b = vqm.new_state(), vqm.new_state()
+        vqm.step([a], [p])
+        vqm.step([b], [p])
+        states.append(a)
+        twins.append(b)
+    got = vqm.step(states, [[int(t)] for t in nxt])
+    vqm.multirow = False
+    try:
+        for j, b in enumerate(twins):
+            assert got[j].tobytes() == vqm.step([b], [[int(nxt[j])]])[0].tobytes(), f"row {j}: batched != alone"
+    finally:
+        vqm.multirow = True
+
+
+def _tokens(model, prompt, n=10):
+    s = Session(model, NullTokenizer(), 1024)
+    prm = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n)
+    return [e.token_id for e in s.generate(prompt, prm) if isinstance(e, TokenEvent)]
+
+
+def test_speculation_with_the_v4_mtp_block_on_a_vq_file(vqm, files):
+    prompt = [0, 17, 42, 99, 3]
+    want = _tokens(vqm, prompt)
+    spec = SpecModel(vqm, open_mtp(vqm, files[1]), fixed_k=3)
+    assert _tokens(spec, prompt) == want
+    assert spec.stats.drafted >= 1
+
+
+def _stack(vq_gguf):
+    """A sidecar (gains on layer 2, a router bias on layer 1) and a post-training file stacked on it (gains on
+    layer 1, a bias on layer 2), in memory as the fitters write them."""
+    from ds4py.vq import sidecar as fmt
+
+    base = RefModel(vq_gguf)
+    cfg, r = base.config, np.random.default_rng(9)
+    X, D = cfg.n_experts, cfg.dim
+    shape = {"n_layers": cfg.n_layers, "n_experts": X, "dim": D}
+    on = {"kind": "base", "fingerprint": base.fingerprint, "base_fingerprint": base.fingerprint}
+    sc = fmt.Sidecar("sidecar", on, shape, {
+        2: fmt.LayerEdit(gain_blocks=fmt.fp4_project(r.standard_normal((X, D)) * 0.3)),
+        1: fmt.LayerEdit(bias=(r.standard_normal(X) * 0.5).astype(np.float32))})
+    pt_on = {"kind": "sidecar", "fingerprint": sc.fingerprint, "base_fingerprint": base.fingerprint}
+    pt = fmt.Sidecar("posttrain", pt_on, shape, {
+        1: fmt.LayerEdit(gain_blocks=fmt.fp4_project(r.standard_normal((X, D)) * 0.2)),
+        2: fmt.LayerEdit(bias=(r.standard_normal(X) * 0.5).astype(np.float32))})
+    return base, sc, pt
+
+
+def test_a_sidecar_and_post_training_stack_matches_the_reference(vq_gguf):
+    base, sc, pt = _stack(vq_gguf)
+    nx = Numerics(fake_quant=False)
+    ids = ids_for(256, 24, seed=6)
+    m = open_model(vq_gguf, backend="cuda-emu", numerics=nx, sidecar=sc, posttrain=pt)
+    ref = RefModel(vq_gguf, numerics=nx, sidecar=sc, posttrain=pt)
+    assert m.fingerprint == ref.fingerprint != base.fingerprint
+    got, want = run(m, ids, 16), run(ref, ids, 16)
+    a = compare(got, want)
+    rel = (np.abs(got.astype(np.float64) - want).max(1) / np.abs(want).max(1)).max()
+    print(f"VQ-8 + sidecar + post-training, cuda-emu vs ref (prefill 16, decode 8): {a}; max relative {rel:.1e}")
+    assert a.top1 == 1.0 and rel <= 1e-4, a
+    plain = run(RefModel(vq_gguf, numerics=nx), ids, 16)
+    assert np.abs(plain - want).max() > 100 * np.abs(got - want).max()          # the stack changes the logits
+
+
+def test_a_stale_pair_is_refused_in_one_sentence(vq_gguf):
+    from ds4py.vq import sidecar as fmt
+
+    _, sc, pt = _stack(vq_gguf)
+    other = fmt.Sidecar("sidecar", sc.stacks_on, sc.shape, {2: fmt.LayerEdit(bias=np.ones(sc.shape["n_experts"],
+                                                                                            np.float32))})
+    with pytest.raises(fmt.SidecarError, match="was solved against another sidecar") as e:
+        open_model(vq_gguf, backend="cuda-emu", sidecar=other, posttrain=pt)
+    assert "\n" not in str(e.value)
+
+
+def test_the_seeds_bytes_per_token_are_counted_as_the_engine_counts_them(tmp_path):
+    """memory_plan.seed_bytes_per_token (no file) = the engine's weight_bytes_per_token() on a file made that way
+    (make-tiny -> quantize-vq --dense q4_k at the seed's widths); then the count at V4 Flash's shapes."""
+    from ds4py.config import ModelConfig
+    from ds4py.cuda.memory_plan import seed_bytes_per_token
+    from ds4py.tiny import make_tiny
+    from ds4py.vq.quantize import Options, quantize_vq
+
+    shape = dict(SHAPE, dim=512)
+    src, out = tmp_path / "src.gguf", tmp_path / "seed.gguf"
+    make_tiny(str(src), seed=8, experts="mxfp4", **shape)
+    quantize_vq(str(src), str(out), Options(**SEED_WIDTHS, dense="q4_k"), progress=False)
+    m = open_model(str(out), backend="cuda-emu")
+    assert any(t.qtype.name == "Q4_K" for t in GGUFFile(str(out)).tensors.values())
+    assert m.weight_bytes_per_token() == seed_bytes_per_token(m.config, shallow_layers=1)
+    full = seed_bytes_per_token(ModelConfig.v4_flash(n_layers=43, dim=4096, vocab_size=129280, n_heads=64,
+                                                     compress_ratios=[0, 0] + [4, 128] * 20 + [4]))
+    print(f"V4 Flash, the seed's layout (VQ-8 13-bit x 14 layers, 12-bit the rest, q4_K dense): "
+          f"{full / 1e9:.2f} GB per token")
+    assert 3e9 < full < 9e9
