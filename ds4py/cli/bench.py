@@ -139,7 +139,8 @@ def run(args: argparse.Namespace) -> int:
     rows = bench.run_sweep(model, tokens, points, args.gen_tokens, repeat=args.repeat, bandwidth_gbps=bw,
                            eos=tok.eos_id, progress=lambda m: print(m, file=sys.stderr),
                            spec=spec if isinstance(spec, SpecModel) else None)
-    info = {"model": args.model_path, "backend": args.backend, **model_kwargs(args), "gen_tokens": args.gen_tokens,
+    info = {"model": args.model_path, "backend": args.backend, **model_kwargs(args), "kernels_used": model.kernels_label,
+            "gen_tokens": args.gen_tokens,
             "repeat": args.repeat, "bandwidth_gbps": bw, "mtp": getattr(getattr(spec, "mtp", None), "path", None)}
     dev = bench.device_step_stats(model)
     if dev is not None:
@@ -158,6 +159,9 @@ def run(args: argparse.Namespace) -> int:
     info["prefill"] = pf_rows
     result = bench.SweepResult(rows, startup=startup, info=info)
     text = bench.format_rows(result, args.format)
+    print(f"kernels: {model.kernels_label}", file=sys.stderr)
+    if args.format == "md":
+        text = f"ds4py bench: backend {model.backend}, kernels {model.kernels_label}\n\n" + text
     if pf_rows and args.format == "md":
         text += "\n" + bench.format_prefill(pf_rows)
     sys.stdout.write(text)
