@@ -42,9 +42,14 @@ def _load():
     if "mod" in _state or "error" in _state:
         return _state.get("mod")
     os.environ.setdefault("NUMBA_CACHE_DIR", cache_dir())
+    # numba's own thread pool (workqueue): its idle workers sleep, where OpenMP's spin for milliseconds after
+    # every parallel region: with ~150 short kernels per decode token that spinning doubled the CPU time per
+    # token (1.4 s vs 0.75 s measured at 2 threads on a 4-layer real-width file). Not re-entrant: _lock.
+    os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")
     try:
         import numba
-        if numba.config.CACHE_DIR != os.environ["NUMBA_CACHE_DIR"]:      # numba imported before us: re-read env
+        if (numba.config.CACHE_DIR != os.environ["NUMBA_CACHE_DIR"]
+                or numba.config.THREADING_LAYER != os.environ["NUMBA_THREADING_LAYER"]):   # imported before us
             numba.core.config.reload_config()
         from ds4py.quant import iq2, jit_kernels, mxfp4
     except Exception as e:                                             # missing, or broken (llvmlite mismatch)
