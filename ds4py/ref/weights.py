@@ -9,8 +9,8 @@ The GGUF stays memory-mapped. Kernel sets sit behind one interface (`linear`, `g
   re-dequantises. Routed experts are dequantised one expert at a time (only the experts a token was routed
   to); the embedding reads only the rows of the given ids; matrices too big for the cache (the 129280-row head)
   are streamed through in row chunks.
-* "fused" (the fast CPU path): a step of at most FUSED_MAX_ROWS rows (decode, a short verify) multiplies x
-  with each matrix block by block straight from its stored bytes (ds4py.quant.dot, ds4py.ref.fused: no
+* "fused" (numpy decode kernels): a sequence's chunk of at most FUSED_MAX_ROWS rows (decode, a short verify;
+  every row in row-stable mode) multiplies x with each matrix block by block straight from its stored bytes (ds4py.quant.dot, ds4py.ref.fused: no
   float32 copy of a matrix beyond a cache-sized scratch per thread, a small thread pool over row blocks).
   Longer steps (prefill) dequantise as "dequant" does, in row chunks bounded by the memory budget. Results
   equal "dequant" up to float32 summation order (tests/test_fused.py).
@@ -31,6 +31,7 @@ from ds4py.gguf import TensorInfo
 from ds4py.quant import dequantize, dot, jit
 from ds4py.quant.vq import VQExperts, hi_name as vq_hi_name
 from ds4py.ref.fused import Runner
+from ds4py.ref import ops
 from ds4py.ref.ops import mm, per_row, q8_0_round, q8_k_round
 
 F32 = np.float32
@@ -200,12 +201,25 @@ class Weights:
         return x
 
     # ---- matmuls -----------------------------------------------------------------------------------------
-    def _fuse(self, t: TensorInfo, x: np.ndarray) -> bool:
-        """Whether this product takes the fused kernels (few rows, a format they cover)."""
-        return self.runner is not None and x.shape[0] <= FUSED_MAX_ROWS and (dot.supported(t.qtype) or t.qtype == Q.I8)
+    def _fuse(self, t: TensorInfo) -> bool:
+        """Whether this matrix's few-row products take the decode kernels (a format they cover)."""
+        return self.runner is not None and (dot.supported(t.qtype) or t.qtype == Q.I8)
+
+    def _split(self, x: np.ndarray, seg: list[slice] | None, fast, slow) -> np.ndarray:
+        """One product over token rows, the kernels chosen per sequence by its own rows only (never by what else
+        the step holds, nor by what a cache happens to hold: batch invariance, and the same result whatever ran
+        before): a sequence of at most FUSED_MAX_ROWS rows (decode, a short verify), and every row in row-stable
+        mode, goes through fast(x, segs) (the decode kernels), a longer one (prefill) through slow(x, segs)."""
+        segs = seg if seg is not None and len(seg) > 1 else [slice(0, x.shape[0])]
+        take = [ops.is_row_stable() or s.stop - s.start <= FUSED_MAX_ROWS for s in segs]
+        if all(take):
+            return fast(x, seg)
+        if not any(take):
+            return slow(x, seg)
+        return np.concatenate([fast(x[s], None) if k else slow(x[s], None) for s, k in zip(segs, take)])
 
     def _fused(self, t: TensorInfo, raw: np.ndarray, x: np.ndarray, key, seg: list[slice] | None = None) -> np.ndarray:
-        """x @ W.T from W's stored rows `raw` (uint8 [rows, row_nbytes]) through the fused kernels; `key` names
+        """x @ W.T from W's stored rows `raw` (uint8 [rows, row_nbytes]) through the decode kernels; `key` names
         the rows (the tensor, or one group of it) for the once-only inf / NaN check of their f16 scales (None:
         checked block by block).
         Row by row in row-stable mode, else per sequence (seg), like every other product over token rows; the
@@ -233,9 +247,13 @@ class Weights:
         """x @ W.T for a [out, in] matrix W, one product per sequence's rows `seg` (ops.mm: batch
         invariance); a matrix larger than the cache is streamed in row chunks."""
         x = self.act(t, x)
+        if self._fuse(t):
+            return self._split(x, seg, lambda r, sg: self._fused(t, t.raw_bytes(), r, t.name, sg),
+                               lambda r, sg: self._dequant_linear(t, r, sg))
+        return self._dequant_linear(t, x, seg)
+
+    def _dequant_linear(self, t: TensorInfo, x: np.ndarray, seg: list[slice] | None) -> np.ndarray:
         out_rows, ncols = t.shape
-        if ("all", t.name) not in self._cache and self._fuse(t, x):
-            return self._fused(t, t.raw_bytes(), x, t.name, seg)
         if ("all", t.name) in self._cache or out_rows * ncols * 4 <= self.cache_bytes:
             return mm(x, self.get(t).T, seg)
         raw = t.raw if t.qtype in (Q.F32, Q.F16) else t.raw_bytes()
@@ -250,30 +268,42 @@ class Weights:
     def grouped_linear(self, t: TensorInfo, x: np.ndarray, seg: list[slice] | None = None) -> np.ndarray:
         """The grouped projection u_g = W_g @ x_g for x [T, G, in_g] and W [G*rank, in_g] (rows g*rank.. = W_g):
         [T, G, rank]."""
-        T, G, _ = x.shape
         x = self.act(t, x)
+        if self._fuse(t):
+            return self._split(x, seg, lambda r, sg: self._fused_grouped(t, r, sg),
+                               lambda r, sg: self._dequant_grouped(t, r, sg))
+        return self._dequant_grouped(t, x, seg)
+
+    def _fused_grouped(self, t: TensorInfo, x: np.ndarray, seg: list[slice] | None) -> np.ndarray:
+        T, G, _ = x.shape
         rank = t.shape[0] // G
-        if ("all", t.name) not in self._cache and self._fuse(t, x[:, 0]):
-            raw = np.asarray(t.raw_bytes())
-            u = np.empty((T, G, rank), F32)
-            for g in range(G):
-                u[:, g] = self._fused(t, raw[g * rank:(g + 1) * rank], np.ascontiguousarray(x[:, g]), (t.name, g),
-                                      seg)
-            return u
-        w = self.get(t).reshape(G, rank, -1)
+        raw = np.asarray(t.raw_bytes())
+        u = np.empty((T, G, rank), F32)
+        for g in range(G):
+            u[:, g] = self._fused(t, raw[g * rank:(g + 1) * rank], np.ascontiguousarray(x[:, g]), (t.name, g), seg)
+        return u
+
+    def _dequant_grouped(self, t: TensorInfo, x: np.ndarray, seg: list[slice] | None) -> np.ndarray:
+        G = x.shape[1]
+        w = self.get(t).reshape(G, t.shape[0] // G, -1)
         wT = w.transpose(0, 2, 1)
         return per_row(lambda r: (r.transpose(1, 0, 2) @ wT).transpose(1, 0, 2), x, seg)
 
     def expert_linear(self, t: TensorInfo, e: int, x: np.ndarray, seg: list[slice] | None = None) -> np.ndarray:
-        """x @ W_e.T for routed expert e of a stacked [X, out, in] expert tensor."""
+        """x @ W_e.T for routed expert e of a stacked [X, out, in] expert tensor (seg: the rows of each sequence
+        among x's, which are the rows routed to e)."""
         x = self.act(t, x)
-        if ("expert", t.name, int(e)) not in self._cache and self._fuse(t, x):
-            if t.qtype == Q.I8:                                   # VQ-8 index stream
-                lay = self.vq.layer(int(t.name.split(".")[1]))
-                hi = self.f.tensor(vq_hi_name(t.name)).raw_bytes()[e] if lay.header.bits == 13 else None
-                gains = self.vq.gains(t.name, e)
-                if self.runner.compiled:                          # every row on its own: one call
-                    return self.runner.vq_matmul(t.raw_bytes()[e], hi, gains, lay, x)
-                return per_row(lambda r: self.runner.vq_matmul(t.raw_bytes()[e], hi, gains, lay, r), x, seg)
-            return self._fused(t, t.raw_bytes()[e], x, None, seg)
+        if self._fuse(t):
+            return self._split(x, seg, lambda r, sg: self._fused_expert(t, e, r, sg),
+                               lambda r, sg: mm(r, self.expert(t, e).T, sg))
         return mm(x, self.expert(t, e).T, seg)
+
+    def _fused_expert(self, t: TensorInfo, e: int, x: np.ndarray, seg: list[slice] | None) -> np.ndarray:
+        if t.qtype == Q.I8:                                   # VQ-8 index stream
+            lay = self.vq.layer(int(t.name.split(".")[1]))
+            hi = self.f.tensor(vq_hi_name(t.name)).raw_bytes()[e] if lay.header.bits == 13 else None
+            gains = self.vq.gains(t.name, e)
+            if self.runner.compiled:                          # every row on its own: one call
+                return self.runner.vq_matmul(t.raw_bytes()[e], hi, gains, lay, x)
+            return per_row(lambda r: self.runner.vq_matmul(t.raw_bytes()[e], hi, gains, lay, r), x, seg)
+        return self._fused(t, t.raw_bytes()[e], x, None, seg)
