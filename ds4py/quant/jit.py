@@ -30,6 +30,7 @@ PROGRESS_AFTER_S = 3.0
 
 _state: dict = {}
 _lock = threading.Lock()          # numba's workqueue threading layer must not be entered by two threads at once
+_init_lock = threading.Lock()
 _announced: set[str] = set()
 
 
@@ -41,6 +42,13 @@ def _load():
     """The kernel module and the tables it reads, or the reason numba is unusable (once per process)."""
     if "mod" in _state or "error" in _state:
         return _state.get("mod")
+    with _init_lock:
+        if "mod" in _state or "error" in _state:
+            return _state.get("mod")
+        return _import()
+
+
+def _import():
     os.environ.setdefault("NUMBA_CACHE_DIR", cache_dir())
     # numba's own thread pool (workqueue): its idle workers sleep, where OpenMP's spin for milliseconds after
     # every parallel region: with ~150 short kernels per decode token that spinning doubled the CPU time per
@@ -99,11 +107,13 @@ def _call(name: str, fn, args: tuple, threads: int) -> None:
     timer = None
     if name not in _announced:              # first call in this process: a compile (or a cache load) may follow
         _announced.add(name)
-        line = (f"ds4py: compiling the CPU kernel {name} (first use: seconds; then cached under {cache_dir()})")
         if not _cached(fn):
-            print(line, file=sys.stderr, flush=True)
-        else:                                # cached, but stale or for another CPU: say so if it takes long
-            timer = threading.Timer(PROGRESS_AFTER_S, lambda: print(line, file=sys.stderr, flush=True))
+            print(f"ds4py: compiling the CPU kernel {name} (first use: seconds; then cached under {cache_dir()})",
+                  file=sys.stderr, flush=True)
+        else:                                # cached, but maybe stale (source changed) or for another CPU
+            late = (f"ds4py: the first call of the CPU kernel {name} is taking a while (recompiling a stale entry "
+                    f"of {cache_dir()}, or reading its first weights from disk)")
+            timer = threading.Timer(PROGRESS_AFTER_S, lambda: print(late, file=sys.stderr, flush=True))
             timer.daemon = True
             timer.start()
     try:
