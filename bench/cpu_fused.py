@@ -1,6 +1,6 @@
 """Decode on the numpy backend: the fused kernels against the dequantise path, with the memory they keep.
 
-    python bench/cpu_fused.py -m MODEL.gguf [-m ...] [--kernels dequant,fused] [--threads 2] [--steps 4]
+    python bench/cpu_fused.py -m MODEL.gguf [-m ...] [--kernels dequant,fused,jit] [--threads 2] [--steps 4]
                               [--mem-budget-mb 1024] [--cold] [--json OUT.json]
     python bench/cpu_fused.py --tiny        # the golden ds4-tiny model and a make-tiny file (q4_k experts)
 
@@ -92,7 +92,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("-m", "--model", action="append", default=[])
     p.add_argument("--tiny", action="store_true", help="also the golden ds4-tiny model and a make-tiny q4_k file")
-    p.add_argument("--kernels", default="dequant,fused")
+    p.add_argument("--kernels", default="dequant,fused,jit")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--mem-budget-mb", type=float, default=None)

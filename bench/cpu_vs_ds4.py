@@ -1,13 +1,14 @@
-"""CPU decode side by side: ds4py's fused numpy kernels against ds4's C CPU path, on the same GGUF, interleaved.
+"""CPU decode side by side: ds4py's reference backend (default kernels: compiled) against ds4's C CPU path, on
+the same GGUF, interleaved.
 
     python bench/cpu_vs_ds4.py --ds4 PATH/ds4-bench -m MODEL.gguf [--threads 2] [--ctx 16] [--gen 8]
-                               [--rounds 3] [--prompt-file TEXT] [--json OUT.json]
+                               [--rounds 3] [--kernels auto|jit|fused|dequant] [--prompt-file TEXT] [--json OUT.json]
 
 Both engines read the same file, tokenize the same text (byte-level BPE from the file's own vocabulary; the
 token counts are compared once), prefill its first --ctx tokens, then decode --gen tokens greedily (argmax,
 EOS excluded), at the same thread count. ds4 runs as `ds4-bench --cpu -t T --prompt-file F --ctx-start N
 --ctx-max N --gen-tokens G` (its own timer around the decode loop); ds4py in a child process of this script
-(RefModel, --kernels fused, its own timer around the same loop). Each round runs both, the order alternating
+(RefModel with --kernels, default auto, its own timer around the same loop; it reports the kernels that ran). Each round runs both, the order alternating
 (A/B, B/A, ...), so a load change on a shared machine hits both; the summary gives min and median over rounds.
 Per run: decode s/token (wall), decode CPU s/token (all threads; ds4py: process time around its loop; ds4:
 the run's CPU minus that of the same run with one decoded token, over the difference in tokens), prefill
@@ -54,7 +55,7 @@ def child(a: argparse.Namespace) -> dict:
     from ds4py.tokenizer import Tokenizer
 
     text = open(a.prompt_file, encoding="utf-8").read()
-    m = RefModel(a.model, kernels="fused", threads=a.threads, mem_budget_mb=a.mem_budget_mb)
+    m = RefModel(a.model, kernels=a.kernels, threads=a.threads, mem_budget_mb=a.mem_budget_mb)
     ids = Tokenizer.from_gguf(m.gguf).encode(text)
     eos = m.config.eos_id
     st = m.new_state()
@@ -70,7 +71,7 @@ def child(a: argparse.Namespace) -> dict:
         logits = m.decode(st, tok)
     t2, c2 = time.perf_counter(), time.process_time()
     return {"prompt_tokens": len(ids), "prefill_tps": a.ctx / (t1 - t0), "decode_s": (t2 - t1) / a.gen,
-            "decode_cpu_s": (c2 - c1) / a.gen, "generated": gen}
+            "decode_cpu_s": (c2 - c1) / a.gen, "generated": gen, "kernels": m.kernels_label}
 
 
 def wait_child(cmd: list[str], env: dict | None = None) -> tuple[str, str, dict]:
@@ -106,7 +107,7 @@ def run_ds4(a: argparse.Namespace, tmp: str, gen: int | None = None) -> dict:
 
 def run_ds4py(a: argparse.Namespace) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "-m", a.model, "--threads", str(a.threads),
-           "--ctx", str(a.ctx), "--gen", str(a.gen), "--prompt-file", a.prompt_file]
+           "--ctx", str(a.ctx), "--gen", str(a.gen), "--prompt-file", a.prompt_file, "--kernels", a.kernels]
     if a.mem_budget_mb is not None:
         cmd += ["--mem-budget-mb", str(a.mem_budget_mb)]
     so, _, ru = wait_child(cmd, {**os.environ, "PYTHONPATH": REPO})
@@ -133,6 +134,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--prompt-file")
     p.add_argument("--mem-budget-mb", type=float, default=None)
+    p.add_argument("--kernels", default="auto", help="ds4py's kernel set (default auto: compiled where numba imports)")
     p.add_argument("--json", metavar="OUT.json")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -145,7 +147,7 @@ def main() -> int:
         if a.prompt_file is None:
             a.prompt_file = os.path.join(tmp, "prompt.txt")
             with open(a.prompt_file, "w") as f:
-                f.write(default_text())
+                f.write(default_text(max(400, a.ctx // 2 + 100)))     # ~2.3 tokens a word
         n_ds4 = ds4_token_count(a)
         rows = []
         for r in range(a.rounds):
@@ -170,6 +172,8 @@ def main() -> int:
     summary["ratio_min"] = summary["ds4py"]["decode_s_min"] / summary["ds4"]["decode_s_min"]
     cp, cd = summary["ds4py"]["decode_cpu_s_median"], summary["ds4"]["decode_cpu_s_median"]
     summary["cpu_ratio_median"] = cp / cd if cp and cd else None
+    summary["ds4py_kernels"] = next(r.get("kernels") for r in rows if r["engine"] == "ds4py")
+    print(f"ds4py kernels: {summary['ds4py_kernels']}")
     print(f"prompt tokens: ds4 {n_ds4}, ds4py {n_py}" + ("" if n_ds4 == n_py else "  (DIFFERENT tokenizations)"))
     for eng in ("ds4", "ds4py"):
         s = summary[eng]

@@ -113,6 +113,12 @@ class ModelBase(ABC):
     backend = "?"
     state_type: type = object
 
+    @property
+    def kernels_label(self) -> str:
+        """What computes the products, in words (bench's table header and JSON): the backend's name unless the
+        backend says more (the reference: oracle / numpy fused / compiled, and its threads)."""
+        return self.backend
+
     # ---- the contract --------------------------------------------------------------------------------------
     def step(self, states: Sequence[State], chunks: Sequence[Sequence[int]],
              all_logits: bool = False) -> list[np.ndarray]:

@@ -74,6 +74,22 @@ def test_sweep_json_format(golden, tmp_path):
     assert [row["ctx_tokens"] for row in data["rows"]] == [16, 32]
     assert data["startup"]["model_open_s"] > 0
     assert data["rows"][0]["pct_of_roofline"] is None
+    # which kernels ran: the default ones (compiled where numba imports, else the numpy fused ones)
+    from ds4py.quant import jit
+
+    want = "compiled (numba)" if jit.available() else "numpy fused"
+    assert data["info"]["kernels_used"].startswith(want) and f"kernels: {want}" in r.stderr
+
+
+def test_sweep_md_header_names_the_kernels(golden, tmp_path):
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("Numbers 12345 and words. " * 20)
+    r = subprocess.run(
+        [sys.executable, "-m", "ds4py", "bench", "-m", str(golden / "ds4-tiny" / "tiny.gguf"), "--prompt-file",
+         str(prompt), "--ctx-start", "8", "--ctx-max", "8", "--gen-tokens", "1", "--format", "md", "--kernels",
+         "dequant"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[0] == "ds4py bench: backend ref, kernels oracle (dequantise + BLAS)"
 
 
 @pytest.mark.parametrize("horizon", [16, 2], ids=["truncate", "copy"])

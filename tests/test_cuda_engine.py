@@ -36,7 +36,7 @@ def v4(v4_gguf):
 
 @pytest.fixture(scope="module")
 def v4_ref(v4_gguf):
-    return RefModel(v4_gguf)
+    return RefModel(v4_gguf, kernels="dequant")
 
 
 @pytest.fixture(scope="module")
@@ -52,14 +52,14 @@ def test_v4_tiny_matches_the_reference(v4, v4_ref):
 
 
 def test_ds4_tiny_matches_the_reference(ds4_gguf):
-    m, ref = open_model(ds4_gguf, backend="cuda-emu"), RefModel(ds4_gguf)
+    m, ref = open_model(ds4_gguf, backend="cuda-emu"), RefModel(ds4_gguf, kernels="dequant")
     ids = ids_for(512, 32)
     check(compare(run(m, ids, 20), run(ref, ids, 20)), "ds4-tiny cuda-emu vs ref (prefill 20, decode 12)")
 
 
 def test_f16_kv_without_fake_quant_matches_the_reference(v4_gguf):
     nx = Numerics(fake_quant=False, kv_dtype="f16")
-    m, ref = open_model(v4_gguf, backend="cuda-emu", numerics=nx), RefModel(v4_gguf, numerics=nx)
+    m, ref = open_model(v4_gguf, backend="cuda-emu", numerics=nx), RefModel(v4_gguf, numerics=nx, kernels="dequant")
     ids = ids_for(256, 24, seed=3)
     check(compare(run(m, ids, 16), run(ref, ids, 16)), "v4-tiny f16 KV, no fake-quant")
 

@@ -52,7 +52,7 @@ def test_synthetic_weights_are_a_model_the_reference_runs(tmp_path, experts):
     tensors = [OutTensor(e.name, e.shape, host[e.name][0], (lambda a=host[e.name][1]: a)) for e in schema.entries(cfg)]
     path = str(tmp_path / "synthetic.gguf")
     write_gguf(path, "synthetic", gguf_metadata(cfg), tiny_tokenizer(cfg.vocab_size), tensors, progress=False)
-    ref = RefModel(path)
+    ref = RefModel(path, kernels="dequant")
     ids = ids_for(cfg.vocab_size, 12, seed=1)
     got = m.step([m.new_state()], [ids], all_logits=True)[0]
     want = ref.step([ref.new_state()], [ids], all_logits=True)[0]
@@ -94,6 +94,10 @@ def test_backend_selection(golden):
     assert len(lines) == 1 and "backend auto" in lines[0] and "using the reference backend" in lines[0], r.stderr
 
 
+# the reference side of a CUDA-vs-reference comparison runs the oracle kernels
+PIN = {"ref": ["--kernels", "dequant"], "cuda-emu": []}
+
+
 def test_score_runs_on_cuda_emu(golden, tmp_path):
     ids = tmp_path / "ids.npy"
     np.save(ids, ids_for(512, 5, seed=2))
@@ -101,7 +105,8 @@ def test_score_runs_on_cuda_emu(golden, tmp_path):
     for backend in ("cuda-emu", "ref"):
         out = tmp_path / f"{backend}.npy"
         r = subprocess.run([sys.executable, "-m", "ds4py", "score", "-m", str(golden / "ds4-tiny" / "tiny.gguf"),
-                            "--ids", str(ids), "--split", "3", "--out", str(out), "--backend", backend], cwd=REPO,
+                            "--ids", str(ids), "--split", "3", "--out", str(out), "--backend", backend, *PIN[backend]],
+                           cwd=REPO,
                            capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
         assert r.returncode == 0, r.stderr
         outs[backend] = np.load(out)
@@ -121,7 +126,7 @@ def test_run_on_cuda_emu_streams_the_reference_answer(golden):
     outs = {}
     for backend in ("cuda-emu", "ref"):
         r = _cli("run", "-m", model, "-p", "hello there", "--nothink", "--temp", "0", "-n", "6", "--color", "never",
-                 "--backend", backend)
+                 "--backend", backend, *PIN[backend])
         assert r.returncode == 0, r.stderr
         outs[backend] = r.stdout
     assert outs["ref"].strip() and outs["cuda-emu"] == outs["ref"]
@@ -158,7 +163,8 @@ def test_serve_on_cuda_emu_answers_as_the_reference(golden):
 
     texts = {}
     for backend in ("cuda-emu", "ref"):
-        proc, base = start_serve(["-m", str(golden / "ds4-tiny" / "tiny.gguf"), "--ctx", "256", "--backend", backend],
+        proc, base = start_serve(["-m", str(golden / "ds4-tiny" / "tiny.gguf"), "--ctx", "256", "--backend", backend,
+                                  *PIN[backend]],
                                  ready_s=180, stdout=subprocess.DEVNULL)
         try:
             c = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=300)

@@ -48,7 +48,7 @@ def synthetic(tmp_path, shape: dict, experts: str, seed: int):
     tensors = [OutTensor(e.name, e.shape, host[e.name][0], (lambda a=host[e.name][1]: a)) for e in schema.entries(cfg)]
     path = str(tmp_path / f"synthetic-{seed}.gguf")
     write_gguf(path, "synthetic", gguf_metadata(cfg), tiny_tokenizer(cfg.vocab_size), tensors, progress=False)
-    return m, RefModel(path)
+    return m, RefModel(path, kernels="dequant")
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ def test_v4_tiny_prefill_in_two_blocks_matches_the_reference(v4_gguf):
     from ds4py.ref.engine import RefModel
 
     nx = Numerics(fake_quant=False)
-    m, ref = open_model(v4_gguf, backend="cuda-emu", numerics=nx), RefModel(v4_gguf, numerics=nx)
+    m, ref = open_model(v4_gguf, backend="cuda-emu", numerics=nx), RefModel(v4_gguf, numerics=nx, kernels="dequant")
     m.prefill_block = 72
     ids = ids_for(256, 132, seed=21)
     check(compare(run(m, ids, 130), run(ref, ids, 130)), "v4-tiny prefill 130 in blocks of 72, decode 2")
@@ -75,7 +75,7 @@ def test_ds4_tiny_prefill_in_two_blocks_matches_the_reference(golden):
     from ds4py.ref.engine import RefModel
 
     path = str(golden / "ds4-tiny" / "tiny.gguf")
-    m, ref = open_model(path, backend="cuda-emu"), RefModel(path)
+    m, ref = open_model(path, backend="cuda-emu"), RefModel(path, kernels="dequant")
     m.prefill_block, m.prefill_mma = 9, False             # the GEMV products (the emulated GEMM is slow here)
     ids = ids_for(512, 19, seed=4)
     check(compare(run(m, ids, 18), run(ref, ids, 18)), "ds4-tiny prefill 18 in blocks of 9, decode 1")

@@ -112,10 +112,16 @@ def test_passes_of_a_long_chunk_do_not_depend_on_its_neighbours(ds4_gguf, ds4_id
     np.testing.assert_array_equal(got_short[0], want_short)
 
 
-def test_a_batched_decode_reads_each_weight_once(ds4_gguf, ds4_ids, monkeypatch):
+@pytest.mark.parametrize("kernels", ["dequant", "jit"])
+def test_a_batched_decode_reads_each_weight_once(ds4_gguf, ds4_ids, monkeypatch, kernels):
     """With the cache off every use dequantises again: a step of 4 decodes dequantises each dense matrix as
-    often as a step of one, and each routed expert once for all the sequences routed to it."""
-    model = RefModel(ds4_gguf, numerics=FP32, cache_bytes=0)
+    often as a step of one, and each routed expert once for all the sequences routed to it. The compiled decode
+    kernels likewise read each matrix once per step (one call for every row of it)."""
+    from ds4py.quant import jit
+
+    if kernels == "jit" and not jit.available():
+        pytest.skip(f"numba unavailable: {jit.unavailable_reason()}")
+    model = RefModel(ds4_gguf, numerics=FP32, cache_bytes=0, kernels=kernels)
     states = []
     for o in (0, 50, 100, 150):
         st = model.new_state()
@@ -129,13 +135,22 @@ def test_a_batched_decode_reads_each_weight_once(ds4_gguf, ds4_ids, monkeypatch)
         for il in range(model.config.n_layers):
             routed[il] |= set(tr.experts[il].ravel().tolist())
     seen = Counter()
-    real = ref_weights._dequant_rows
+    if kernels == "dequant":
+        real = ref_weights._dequant_rows
 
-    def spy(t, raw, shape):
-        seen[t.name] += 1
-        return real(t, raw, shape)
+        def spy(t, raw, shape):
+            seen[t.name] += 1
+            return real(t, raw, shape)
 
-    monkeypatch.setattr(ref_weights, "_dequant_rows", spy)
+        monkeypatch.setattr(ref_weights, "_dequant_rows", spy)
+    else:
+        real_rows = ref_weights.Weights._fused_rows
+
+        def spy_rows(self, t, raw, x, key):
+            seen[t.name] += 1
+            return real_rows(self, t, raw, x, key)
+
+        monkeypatch.setattr(ref_weights.Weights, "_fused_rows", spy_rows)
     model.step([states[0].copy()], [toks[0]])
     one = {k: v for k, v in seen.items() if "_exps." not in k}
     seen.clear()

@@ -150,7 +150,7 @@ def test_a_decoded_model_is_the_same_with_fused_kernels(model, request):
 
 def test_cli_kernels_flag_scores_like_the_oracle_and_is_refused_elsewhere(tiny_iq2, tmp_path):
     """score --kernels fused --threads 2 (6 ids: one step of <= 8 rows takes the fused kernels) agrees with the
-    default dequant path; the CPU flags with another backend, or --threads 0, are one-sentence errors."""
+    dequant oracle; the CPU flags with another backend, or --threads 0, are one-sentence errors."""
     import os
     import subprocess
     import sys
@@ -163,7 +163,7 @@ def test_cli_kernels_flag_scores_like_the_oracle_and_is_refused_elsewhere(tiny_i
         return subprocess.run([sys.executable, "-m", "ds4py", "score", "-m", tiny_iq2, "--ids", str(tmp_path / "ids.npy"),
                                "--split", "1", "--out", str(tmp_path / out), *extra], capture_output=True, text=True,
                               env=env, timeout=300)
-    r = score(out="dequant.npy")
+    r = score("--kernels", "dequant", out="dequant.npy")
     assert r.returncode == 0, r.stderr
     r = score("--kernels", "fused", "--threads", "2", out="fused.npy")
     assert r.returncode == 0, r.stderr

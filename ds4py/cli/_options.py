@@ -35,11 +35,13 @@ def model_kwargs(args: argparse.Namespace) -> dict:
 
 
 def add_cpu_arguments(p) -> None:
-    p.add_argument("--kernels", choices=["dequant", "fused"], default=None,
-                   help="reference backend: 'fused' decodes straight from the stored bytes (no float32 matrices; "
-                        "steps of up to 8 rows), 'dequant' dequantises per use (default: $DS4PY_KERNELS, else dequant)")
+    p.add_argument("--kernels", choices=["auto", "dequant", "fused", "jit"], default=None,
+                   help="reference backend: 'jit' decodes straight from the stored bytes with compiled (numba) "
+                        "kernels, 'fused' the same with numpy kernels (steps of up to 8 rows; no float32 matrices), "
+                        "'dequant' dequantises per use (the oracle); 'auto' = jit where numba imports, else fused "
+                        "(default: $DS4PY_KERNELS, else auto)")
     p.add_argument("--threads", type=int, default=None, metavar="N",
-                   help="reference backend: worker threads of the fused kernels (default: the CPU count)")
+                   help="reference backend: worker threads of the decode kernels (default: the CPU count)")
     p.add_argument("--mem-budget-mb", type=float, default=None, metavar="MB",
                    help="reference backend: bound the dequantised-weight cache and streamed chunks (a model larger "
                         "than RAM runs from the mapped file)")

@@ -156,8 +156,9 @@ def run(args: argparse.Namespace) -> int:
     rows = bench.run_sweep(model, tokens, points, args.gen_tokens, repeat=args.repeat, bandwidth_gbps=bw,
                            eos=tok.eos_id, progress=lambda m: print(m, file=sys.stderr),
                            spec=spec if spec is not model else None)
-    info = {"model": args.model_path, "backend": args.backend, **model_kwargs(args), "gen_tokens": args.gen_tokens,
-            "repeat": args.repeat, "bandwidth_gbps": bw, "mtp": getattr(getattr(spec, "mtp", None), "path", None),
+    info = {"model": args.model_path, "backend": args.backend, **model_kwargs(args), "kernels_used": model.kernels_label,
+            "gen_tokens": args.gen_tokens, "repeat": args.repeat, "bandwidth_gbps": bw,
+            "mtp": getattr(getattr(spec, "mtp", None), "path", None),
             "draft": None if spec is model else "dspark" if isinstance(spec, DSparkSpec) else "mtp"}
     dev = bench.device_step_stats(model)
     if dev is not None:
@@ -176,6 +177,9 @@ def run(args: argparse.Namespace) -> int:
     info["prefill"] = pf_rows
     result = bench.SweepResult(rows, startup=startup, info=info)
     text = bench.format_rows(result, args.format)
+    print(f"kernels: {model.kernels_label}", file=sys.stderr)
+    if args.format == "md":
+        text = f"ds4py bench: backend {model.backend}, kernels {model.kernels_label}\n\n" + text
     if pf_rows and args.format == "md":
         text += "\n" + bench.format_prefill(pf_rows)
     sys.stdout.write(text)

@@ -17,7 +17,7 @@ from ds4py.model import DEFAULT_ROLLBACK_HORIZON, ModelBase, Numerics
 from ds4py.quant import vq
 from ds4py.ref.forward import Trace, V41Step, forward
 from ds4py.ref.state import RefState
-from ds4py.ref.weights import DEFAULT_CACHE_BYTES, Weights
+from ds4py.ref.weights import DEFAULT_CACHE_BYTES, KERNEL_LABELS, Weights
 from ds4py.vq.sidecar import mount
 
 
@@ -48,8 +48,9 @@ class RefModel(ModelBase):
                  mem_budget_mb: float | None = None, madvise: bool | None = None):
         """engram_dir: V4.1 only, the folder with the official shards that hold the Engram tables (default: the
         one the converter recorded). official_decode_bug: V4.1 only, reproduce the official code's decode-time
-        index-key bug instead of the fixed behaviour (for comparison; docs/v41.md). kernels: "dequant" (the
-        oracle) or "fused" (default: $DS4PY_KERNELS, else dequant), threads: the fused kernels' workers,
+        index-key bug instead of the fixed behaviour (for comparison; docs/v41.md). kernels: "auto" (the
+        default, else $DS4PY_KERNELS: "jit" where numba imports, else "fused"), "jit" (compiled), "fused" (numpy)
+        or "dequant" (the oracle); `kernels` then holds the set in use. threads: the decode kernels' workers,
         mem_budget_mb: bounds the dequant cache and streamed chunks (memory_plan); madvise: paging hints on the
         mapped file (random for the routed experts, will-need one layer ahead and for the routed experts;
         default: $DS4PY_MADVISE=1 / 0 if set, else on exactly when a memory budget is given)."""
@@ -60,7 +61,7 @@ class RefModel(ModelBase):
         self.gguf = GGUFFile(self.path)
         self.config = ModelConfig.from_gguf(self.gguf)
         self.numerics = numerics
-        kernels = os.environ.get("DS4PY_KERNELS", "dequant") if kernels is None else kernels
+        kernels = os.environ.get("DS4PY_KERNELS", "auto") if kernels is None else kernels
         cache_bytes, stream_bytes = memory_plan(cache_bytes, mem_budget_mb)
         self.mem_budget_mb = mem_budget_mb
         if madvise is None:
@@ -68,6 +69,7 @@ class RefModel(ModelBase):
             madvise = env == "1" if env in ("0", "1") else mem_budget_mb is not None
         self.weights = Weights(self.gguf, cache_bytes, numerics.act_quant, kernels, threads, stream_bytes,
                                advise=bool(madvise))
+        self.kernels = self.weights.kernels                  # the set in use ("auto" resolved)
         self.layout = state_layout(self.config, rollback_horizon)
         self.rollback_horizon = rollback_horizon
         header = min(t.offset for t in self.gguf.tensors.values())       # the whole GGUF header
@@ -98,6 +100,12 @@ class RefModel(ModelBase):
             folder = engram_dir if engram_dir is not None else self.gguf.meta(dir_key, None)
             step.tables = engram.EngramTables.open(cfg, folder, self.gguf.meta(digest_key, None), self.path)
         return step
+
+    @property
+    def kernels_label(self) -> str:
+        label = KERNEL_LABELS[self.kernels]
+        runner = self.weights.runner
+        return label if runner is None else f"{label}, {runner.threads} thread{'s' if runner.threads > 1 else ''}"
 
     def new_state(self) -> RefState:
         return RefState(self.layout)

@@ -8,6 +8,9 @@ workers run in parallel; what stays serial is the Python between kernel calls (a
 
 VQ-8 experts (ds4py.quant.vq) go through the same runner: a block's indices are unpacked and gathered from the
 float32 codebook into the scratch, multiplied by x, then scaled by the row gains.
+
+compiled=True: the formats ds4py.quant.jit covers run its numba kernels instead (their own threads, the same
+count; rows split evenly, each row computed by one thread), the others the numpy kernels above.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Callable
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
-from ds4py.quant import dot, vq
+from ds4py.quant import dot, jit, vq
 
 F32 = np.float32
 BLOCK_ELEMS = 1 << 17          # weights per block: the float32 scratch of one block is 512 KiB (L2 is 1 MiB here)
@@ -44,8 +47,9 @@ def default_threads() -> int:
 class Runner:
     """Runs row-block kernels over `threads` workers (the calling thread included)."""
 
-    def __init__(self, threads: int | None = None):
+    def __init__(self, threads: int | None = None, compiled: bool = False):
         self.threads = default_threads() if threads is None else max(1, int(threads))
+        self.compiled = compiled
         self._pool = ThreadPoolExecutor(self.threads - 1, "ds4py-fused") if self.threads > 1 else None
         self._local = threading.local()
         self._scratches: list[dot.Scratch] = []
@@ -98,8 +102,10 @@ class Runner:
     def matmul(self, qtype, raw: np.ndarray, x: np.ndarray, n_cols: int, finite: bool = False) -> np.ndarray:
         """x [T, n_cols] @ W.T for a stored matrix W: raw uint8 [rows, row_nbytes] in GGUF layout (finite: its
         f16 scales are known to hold no inf / NaN, dot.scales_finite)."""
-        prep = dot.prepare(qtype, x)
         raw = np.asarray(raw)                  # a plain view: slicing a np.memmap runs Python for every block
+        if self.compiled and jit.supported(qtype):
+            return jit.matmul(qtype, raw, x, self._jit_threads(raw.shape[0] * n_cols))
+        prep = dot.prepare(qtype, x)
         qt = int(qtype)
         return self.rows(raw.shape[0], n_cols, x.shape[0],
                          lambda a, b, scr: dot.dot_rows(qt, raw[a:b], prep, scr, finite),
@@ -112,6 +118,8 @@ class Runner:
         n_cols = stream.shape[1] // vq.stream_bits(bits) * vq.ROW_QUANTUM
         x = np.ascontiguousarray(x, dtype=F32)
         stream, hi = np.asarray(stream), None if hi is None else np.asarray(hi)
+        if self.compiled:
+            return jit.vq_matmul(stream, hi, gains, layer.codebook, bits, x, self._jit_threads(stream.shape[0] * n_cols))
 
         def block(a: int, b: int, scr: dot.Scratch) -> np.ndarray:
             idx = vq.unpack_indices(stream[a:b], None if hi is None else hi[a:b], bits)
@@ -120,6 +128,10 @@ class Runner:
             return (x @ w.reshape(b - a, n_cols).T) * gains[a:b]
 
         return self.rows(stream.shape[0], n_cols, x.shape[0], block)
+
+    def _jit_threads(self, weights: int) -> int:
+        """Threads for one compiled product: all of them, except for matrices too small to split."""
+        return self.threads if weights >= MIN_SPLIT_ELEMS else 1
 
     def close(self) -> None:
         if self._pool is not None:

@@ -1,19 +1,22 @@
 """Memory-mapped weights, dequantised to float32 on use, or multiplied straight from their stored bytes.
 
-The GGUF stays memory-mapped. Two kernel sets sit behind one interface (`linear`, `grouped_linear`,
-`expert_linear`, `rows`, `get`):
+The GGUF stays memory-mapped. Kernel sets sit behind one interface (`linear`, `grouped_linear`,
+`expert_linear`, `rows`, `get`); "auto" (the default) picks "jit" where numba imports, else "fused":
 
-* "dequant" (the oracle, the default): a matrix is dequantised when a forward step needs it. A small LRU cache
+* "dequant" (the oracle): a matrix is dequantised when a forward step needs it. A small LRU cache
   (default 512 MiB of float32) keeps recently used dequantised matrices: on the tiny models everything fits
   and decode does not re-dequantise; on the full model the cache holds a few layers and the reference simply
   re-dequantises. Routed experts are dequantised one expert at a time (only the experts a token was routed
   to); the embedding reads only the rows of the given ids; matrices too big for the cache (the 129280-row head)
   are streamed through in row chunks.
-* "fused" (the fast CPU path): a step of at most FUSED_MAX_ROWS rows (decode, a short verify) multiplies x
-  with each matrix block by block straight from its stored bytes (ds4py.quant.dot, ds4py.ref.fused: no
+* "fused" (numpy decode kernels): a sequence's chunk of at most FUSED_MAX_ROWS rows (decode, a short verify;
+  every row in row-stable mode) multiplies x with each matrix block by block straight from its stored bytes (ds4py.quant.dot, ds4py.ref.fused: no
   float32 copy of a matrix beyond a cache-sized scratch per thread, a small thread pool over row blocks).
   Longer steps (prefill) dequantise as "dequant" does, in row chunks bounded by the memory budget. Results
   equal "dequant" up to float32 summation order (tests/test_fused.py).
+* "jit" (the compiled CPU path): "fused" with the numba kernels of ds4py.quant.jit for every format they cover
+  (the numpy kernels for the rest). They compute each output row alone, so a step's rows go through in one
+  call (the weights read once per step) and each row still equals itself stepped alone (tests/test_jit.py).
 """
 
 from __future__ import annotations
@@ -25,16 +28,17 @@ from gguf import GGMLQuantizationType as Q
 
 from ds4py.errors import Ds4Error
 from ds4py.gguf import TensorInfo
-from ds4py.quant import dequantize, dot
+from ds4py.quant import dequantize, dot, jit
 from ds4py.quant import vq
 from ds4py.quant.vq import VQExperts, hi_name as vq_hi_name
 from ds4py.ref.fused import Runner
+from ds4py.ref import ops
 from ds4py.ref.ops import mm, per_row, q8_0_round, q8_k_round
 
 F32 = np.float32
 DEFAULT_CACHE_BYTES = 512 << 20
 STREAM_ROWS = 8192
-KERNELS = ("dequant", "fused")
+KERNELS = ("auto", "dequant", "fused", "jit")
 FUSED_MAX_ROWS = 8           # steps of up to this many rows use the fused kernels (decode, a short verify)
 # ggml's CPU dot products quantise the activation side to Q8_0 (Q8_0 / MXFP4 weights) or Q8_K (K / IQ quants)
 Q8_0_ACT = (Q.Q8_0, Q.MXFP4)
@@ -48,6 +52,36 @@ def _dequant_rows(t, raw_rows: np.ndarray, shape: tuple[int, ...]) -> np.ndarray
     return dequantize(np.ascontiguousarray(raw_rows).view(np.uint8), t.qtype, shape)
 
 
+def resolve_kernels(kernels: str) -> str:
+    """The kernel set a request names: auto -> jit where numba imports, else fused (saying so once on stderr);
+    jit without numba is refused in one sentence."""
+    if kernels not in KERNELS:
+        raise Ds4Error(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
+    if kernels in ("auto", "jit") and not jit.available():
+        why = jit.unavailable_reason()
+        if kernels == "jit":
+            raise Ds4Error(f"--kernels jit needs numba, which does not import here ({why}); "
+                           f"install it (python3 -m pip install numba) or use --kernels fused")
+        _note_once(f"ds4py: numba does not import ({why}); the CPU decode uses the numpy fused kernels")
+        return "fused"
+    return "jit" if kernels == "auto" else kernels
+
+
+_NOTED: set[str] = set()
+
+
+def _note_once(line: str) -> None:
+    import sys
+
+    if line not in _NOTED:
+        _NOTED.add(line)
+        print(line, file=sys.stderr, flush=True)
+
+
+# what `bench` and logs call each kernel set
+KERNEL_LABELS = {"dequant": "oracle (dequantise + BLAS)", "fused": "numpy fused", "jit": "compiled (numba)"}
+
+
 class Weights:
     """The GGUF's tensors for the forward: every method takes a tensor handle from the typed binding
     (ds4py.schema.bind over GGUFFile.tensor: a TensorInfo), never a name assembled in the math."""
@@ -55,8 +89,7 @@ class Weights:
     def __init__(self, gguf, cache_bytes: int = DEFAULT_CACHE_BYTES, act_quant: bool = False,
                  kernels: str = "dequant", threads: int | None = None, stream_bytes: int | None = None,
                  advise: bool = False):
-        if kernels not in KERNELS:
-            raise Ds4Error(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
+        kernels = resolve_kernels(kernels)
         self.f = gguf
         self.act_quant = act_quant         # emulate ds4 / ggml activation rounding before quantised matmuls
         self.cache_bytes = cache_bytes
@@ -66,7 +99,7 @@ class Weights:
         self._cache: OrderedDict[tuple, np.ndarray] = OrderedDict()
         self._cached = 0
         self.vq = VQExperts(gguf)          # decodes VQ-8 experts; its row gains can be rescaled at load
-        self.runner = Runner(threads) if kernels == "fused" else None
+        self.runner = Runner(threads, compiled=kernels == "jit") if kernels != "dequant" else None
         self._finite: dict = {}            # matrix or (matrix, expert) -> its f16 scales hold no inf / NaN
         self._layer_spans: dict[int, list[tuple[int, int]]] | None = self._advise_init() if advise else None
 
@@ -169,21 +202,39 @@ class Weights:
         return x
 
     # ---- matmuls -----------------------------------------------------------------------------------------
-    def _fuse(self, t: TensorInfo, x: np.ndarray) -> bool:
-        """Whether this product takes the fused kernels (few rows, a format they cover)."""
-        return self.runner is not None and x.shape[0] <= FUSED_MAX_ROWS and (dot.supported(t.qtype) or t.qtype == Q.I8)
+    def _fuse(self, t: TensorInfo) -> bool:
+        """Whether this matrix's few-row products take the decode kernels (a format they cover)."""
+        return self.runner is not None and (dot.supported(t.qtype) or t.qtype == Q.I8)
+
+    def _split(self, x: np.ndarray, seg: list[slice] | None, fast, slow) -> np.ndarray:
+        """One product over token rows, the kernels chosen per sequence by its own rows only (never by what else
+        the step holds, nor by what a cache happens to hold: batch invariance, and the same result whatever ran
+        before): a sequence of at most FUSED_MAX_ROWS rows (decode, a short verify), and every row in row-stable
+        mode, goes through fast(x, segs) (the decode kernels), a longer one (prefill) through slow(x, segs)."""
+        segs = seg if seg is not None and len(seg) > 1 else [slice(0, x.shape[0])]
+        take = [ops.is_row_stable() or s.stop - s.start <= FUSED_MAX_ROWS for s in segs]
+        if all(take):
+            return fast(x, seg)
+        if not any(take):
+            return slow(x, seg)
+        return np.concatenate([fast(x[s], None) if k else slow(x[s], None) for s, k in zip(segs, take)])
 
     def _fused(self, t: TensorInfo, raw: np.ndarray, x: np.ndarray, key, seg: list[slice] | None = None) -> np.ndarray:
-        """x @ W.T from W's stored rows `raw` (uint8 [rows, row_nbytes]) through the fused kernels; `key` names
+        """x @ W.T from W's stored rows `raw` (uint8 [rows, row_nbytes]) through the decode kernels; `key` names
         the rows (the tensor, or one group of it) for the once-only inf / NaN check of their f16 scales (None:
         checked block by block).
-        Row by row in row-stable mode, else per sequence (seg), like every other product over token rows."""
+        Row by row in row-stable mode, else per sequence (seg), like every other product over token rows; the
+        compiled kernels compute every row on its own already, so all rows go in one call."""
         raw = np.asarray(raw)
+        if self.runner.compiled and jit.supported(t.qtype):
+            return self._fused_rows(t, raw, x, key)
         return per_row(lambda r: self._fused_rows(t, raw, r, key), x, seg)
 
     def _fused_rows(self, t: TensorInfo, raw: np.ndarray, x: np.ndarray, key) -> np.ndarray:
         if t.qtype == Q.F32:                                 # nothing to decode: BLAS on the mapped rows
             return np.ascontiguousarray(x, dtype=F32) @ raw.view(F32).T
+        if self.runner.compiled and jit.supported(t.qtype):  # inf / NaN scales: exact through the f16 table
+            return self.runner.matmul(t.qtype, raw, x, t.shape[-1])
         # key None (a routed expert: a new one nearly every token): each block checks its own scales, cheaper
         # than a pass over the whole expert before the product reads it
         finite = False if key is None else self._finite.get(key)
@@ -197,9 +248,13 @@ class Weights:
         """x @ W.T for a [out, in] matrix W, one product per sequence's rows `seg` (ops.mm: batch
         invariance); a matrix larger than the cache is streamed in row chunks."""
         x = self.act(t, x)
+        if self._fuse(t):
+            return self._split(x, seg, lambda r, sg: self._fused(t, t.raw_bytes(), r, t.name, sg),
+                               lambda r, sg: self._dequant_linear(t, r, sg))
+        return self._dequant_linear(t, x, seg)
+
+    def _dequant_linear(self, t: TensorInfo, x: np.ndarray, seg: list[slice] | None) -> np.ndarray:
         out_rows, ncols = t.shape
-        if ("all", t.name) not in self._cache and self._fuse(t, x):
-            return self._fused(t, t.raw_bytes(), x, t.name, seg)
         if ("all", t.name) in self._cache or out_rows * ncols * 4 <= self.cache_bytes:
             return mm(x, self.get(t).T, seg)
         raw = t.raw if t.qtype in (Q.F32, Q.F16) else t.raw_bytes()
@@ -214,28 +269,42 @@ class Weights:
     def grouped_linear(self, t: TensorInfo, x: np.ndarray, seg: list[slice] | None = None) -> np.ndarray:
         """The grouped projection u_g = W_g @ x_g for x [T, G, in_g] and W [G*rank, in_g] (rows g*rank.. = W_g):
         [T, G, rank]."""
-        T, G, _ = x.shape
         x = self.act(t, x)
+        if self._fuse(t):
+            return self._split(x, seg, lambda r, sg: self._fused_grouped(t, r, sg),
+                               lambda r, sg: self._dequant_grouped(t, r, sg))
+        return self._dequant_grouped(t, x, seg)
+
+    def _fused_grouped(self, t: TensorInfo, x: np.ndarray, seg: list[slice] | None) -> np.ndarray:
+        T, G, _ = x.shape
         rank = t.shape[0] // G
-        if ("all", t.name) not in self._cache and self._fuse(t, x[:, 0]):
-            raw = np.asarray(t.raw_bytes())
-            u = np.empty((T, G, rank), F32)
-            for g in range(G):
-                u[:, g] = self._fused(t, raw[g * rank:(g + 1) * rank], np.ascontiguousarray(x[:, g]), (t.name, g),
-                                      seg)
-            return u
-        w = self.get(t).reshape(G, rank, -1)
+        raw = np.asarray(t.raw_bytes())
+        u = np.empty((T, G, rank), F32)
+        for g in range(G):
+            u[:, g] = self._fused(t, raw[g * rank:(g + 1) * rank], np.ascontiguousarray(x[:, g]), (t.name, g), seg)
+        return u
+
+    def _dequant_grouped(self, t: TensorInfo, x: np.ndarray, seg: list[slice] | None) -> np.ndarray:
+        G = x.shape[1]
+        w = self.get(t).reshape(G, t.shape[0] // G, -1)
         wT = w.transpose(0, 2, 1)
         return per_row(lambda r: (r.transpose(1, 0, 2) @ wT).transpose(1, 0, 2), x, seg)
 
     def expert_linear(self, t: TensorInfo, e: int, x: np.ndarray, seg: list[slice] | None = None) -> np.ndarray:
-        """x @ W_e.T for routed expert e of a stacked [X, out, in] expert tensor."""
+        """x @ W_e.T for routed expert e of a stacked [X, out, in] expert tensor (seg: the rows of each sequence
+        among x's, which are the rows routed to e)."""
         x = self.act(t, x)
-        if ("expert", t.name, int(e)) not in self._cache and self._fuse(t, x):
-            if t.qtype == Q.I8:                                   # VQ-8 index stream
-                lay = self.vq.layer(vq.block_of(t.name))
-                hi = self.f.tensor(vq_hi_name(t.name)).raw_bytes()[e] if lay.header.bits == 13 else None
-                return per_row(lambda r: self.runner.vq_matmul(t.raw_bytes()[e], hi, self.vq.gains(t.name, e), lay, r),
-                               x, seg)
-            return self._fused(t, t.raw_bytes()[e], x, None, seg)
+        if self._fuse(t):
+            return self._split(x, seg, lambda r, sg: self._fused_expert(t, e, r, sg),
+                               lambda r, sg: mm(r, self.expert(t, e).T, sg))
         return mm(x, self.expert(t, e).T, seg)
+
+    def _fused_expert(self, t: TensorInfo, e: int, x: np.ndarray, seg: list[slice] | None) -> np.ndarray:
+        if t.qtype == Q.I8:                                   # VQ-8 index stream
+            lay = self.vq.layer(vq.block_of(t.name))
+            hi = self.f.tensor(vq_hi_name(t.name)).raw_bytes()[e] if lay.header.bits == 13 else None
+            gains = self.vq.gains(t.name, e)
+            if self.runner.compiled:                          # every row on its own: one call
+                return self.runner.vq_matmul(t.raw_bytes()[e], hi, gains, lay, x)
+            return per_row(lambda r: self.runner.vq_matmul(t.raw_bytes()[e], hi, gains, lay, r), x, seg)
+        return self._fused(t, t.raw_bytes()[e], x, None, seg)

@@ -1,0 +1,177 @@
+"""Compiled CPU kernels (numba) for the decode products, behind one small interface.
+
+    if jit.available():
+        y = jit.matmul(qtype, raw, x, threads)        # raw uint8 [R, row_nbytes] (GGUF rows), x [T, C] -> [T, R]
+
+numba is a runtime dependency, yet an environment may lack it (or have one that fails to import): `available()`
+says so once, with the reason, and the caller falls back to the numpy fused kernels (ds4py.quant.dot).
+
+The kernels (ds4py.quant.jit_kernels) are compiled on first use and cached on disk: under $NUMBA_CACHE_DIR when
+set, else ~/.cache/ds4py/numba (numba's default, a __pycache__ beside the source, is not writable when the
+package is installed read-only, and one shared folder lets every test process reuse one compile). A first
+compile takes seconds per kernel: a line on stderr says so first (or, when the cache has an entry that turns
+out stale, once the call has taken a few seconds).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+
+F32 = np.float32
+FORMATS = (Q.Q8_0, Q.F16, Q.IQ2_XXS, Q.Q2_K, Q.Q4_K, Q.MXFP4)
+_INTS = {int(q) for q in FORMATS}
+PROGRESS_AFTER_S = 3.0
+
+_state: dict = {}
+_lock = threading.Lock()          # numba's workqueue threading layer must not be entered by two threads at once
+_init_lock = threading.Lock()
+_announced: set[str] = set()
+
+
+def cache_dir() -> str:
+    return os.environ.get("NUMBA_CACHE_DIR") or str(Path.home() / ".cache" / "ds4py" / "numba")
+
+
+def _load():
+    """The kernel module and the tables it reads, or the reason numba is unusable (once per process)."""
+    if "mod" in _state or "error" in _state:
+        return _state.get("mod")
+    with _init_lock:
+        if "mod" in _state or "error" in _state:
+            return _state.get("mod")
+        return _import()
+
+
+def _import():
+    os.environ.setdefault("NUMBA_CACHE_DIR", cache_dir())
+    # numba's own thread pool (workqueue): its idle workers sleep, where OpenMP's spin for milliseconds after
+    # every parallel region: with ~150 short kernels per decode token that spinning doubled the CPU time per
+    # token (1.4 s vs 0.75 s measured at 2 threads on a 4-layer real-width file). Not re-entrant: _lock.
+    os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")
+    try:
+        import numba
+        if (numba.config.CACHE_DIR != os.environ["NUMBA_CACHE_DIR"]
+                or numba.config.THREADING_LAYER != os.environ["NUMBA_THREADING_LAYER"]):   # imported before us
+            numba.core.config.reload_config()
+        from ds4py.quant import iq2, jit_kernels, mxfp4
+    except Exception as e:                                             # missing, or broken (llvmlite mismatch)
+        _state["error"] = f"{type(e).__name__}: {e}".splitlines()[0]
+        return None
+    _state["numba"] = numba
+    _state["f16"] = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(F32)
+    _state["grid"] = np.ascontiguousarray(iq2.GRID, dtype=F32)
+    _state["signs"] = np.ascontiguousarray(iq2.SIGNS, dtype=F32)
+    _state["e8m0"] = mxfp4.e8m0_half(np.arange(256)).astype(F32)
+    _state["kvalues"] = mxfp4.KVALUES.astype(F32)
+    _state["mod"] = jit_kernels
+    return jit_kernels
+
+
+def available() -> bool:
+    return _load() is not None
+
+
+def unavailable_reason() -> str | None:
+    _load()
+    return _state.get("error")
+
+
+def supported(qtype) -> bool:
+    return int(qtype) in _INTS
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    """A read-only view: the mapped file's rows are read-only, so every caller gets the same compiled variant."""
+    if a.flags.writeable:
+        a = a.view()
+        a.flags.writeable = False
+    return a
+
+
+def _cached(fn) -> bool:
+    """Whether numba's disk cache holds an index for this kernel (then a call loads it instead of compiling)."""
+    try:
+        return os.path.exists(fn._cache._cache_file._index_path)
+    except AttributeError:                  # numba's internals moved: the timer below still speaks up
+        return False
+
+
+def _call(name: str, fn, args: tuple, threads: int) -> None:
+    numba = _state["numba"]
+    timer = None
+    if name not in _announced:              # first call in this process: a compile (or a cache load) may follow
+        _announced.add(name)
+        if not _cached(fn):
+            print(f"ds4py: compiling the CPU kernel {name} (first use: seconds; then cached under {cache_dir()})",
+                  file=sys.stderr, flush=True)
+        else:                                # cached, but maybe stale (source changed) or for another CPU
+            late = (f"ds4py: the first call of the CPU kernel {name} is taking a while (recompiling a stale entry "
+                    f"of {cache_dir()}, or reading its first weights from disk)")
+            timer = threading.Timer(PROGRESS_AFTER_S, lambda: print(late, file=sys.stderr, flush=True))
+            timer.daemon = True
+            timer.start()
+    try:
+        with _lock:
+            numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
+            fn(*args)
+    finally:
+        if timer is not None:
+            timer.cancel()
+
+
+def matmul(qtype, raw: np.ndarray, x: np.ndarray, threads: int = 1) -> np.ndarray:
+    """x @ W.T for stored GGUF rows raw (uint8 [R, row_nbytes]) of a format in FORMATS -> float32 [T, R]."""
+    k = _load()
+    qt = int(qtype)
+    raw = _readonly(np.ascontiguousarray(raw).view(np.uint8))
+    x = np.ascontiguousarray(x, dtype=F32)
+    R, (T, C) = raw.shape[0], x.shape
+    y = np.empty((T, R), F32)
+    parts = max(1, min(threads, R))
+    f16 = _state["f16"]
+    if qt == Q.Q8_0:
+        r3 = raw.reshape(R, C // 32, 34)
+        _call("q8_0", k.q8_0, (r3, r3.view(np.int8), x.reshape(T, C // 32, 32), y, f16, parts), threads)
+    elif qt == Q.F16:
+        _call("f16", k.f16_rows, (raw.view(np.uint16).reshape(R, C // 64, 64), x.reshape(T, C // 64, 64), y, f16,
+                                  parts), threads)
+    elif qt == Q.IQ2_XXS:
+        _call("iq2_xxs", k.iq2_xxs, (raw.reshape(R, C // 256, 66), x.reshape(T, C // 32, 32), y, f16,
+                                     _state["grid"], _state["signs"], parts), threads)
+    elif qt == Q.Q2_K:
+        xs = np.ascontiguousarray(x.reshape(T, C // 16, 16).sum(2, dtype=F32))
+        _call("q2_k", k.q2_k, (raw.reshape(R, C // 256, 84), x.reshape(T, C // 32, 32), xs, y, f16, parts), threads)
+    elif qt == Q.Q4_K:
+        xs = np.ascontiguousarray(x.reshape(T, C // 32, 32).sum(2, dtype=F32))
+        _call("q4_k", k.q4_k, (raw.reshape(R, C // 256, 144), x.reshape(T, C // 64, 64), xs, y, f16, parts), threads)
+    elif qt == Q.MXFP4:
+        _call("mxfp4", k.mxfp4, (raw.reshape(R, C // 32, 17), x.reshape(T, C // 32, 32), y, _state["e8m0"],
+                                 _state["kvalues"], parts), threads)
+    else:
+        raise ValueError(f"no compiled kernel for format {qt}")
+    return y
+
+
+def vq_matmul(stream: np.ndarray, hi: np.ndarray | None, gains: np.ndarray, codebook: np.ndarray, bits: int,
+              x: np.ndarray, threads: int = 1) -> np.ndarray:
+    """x @ W.T for one VQ-8 matrix (ds4py.quant.vq): stream uint8 [R, row_bytes] (+ hi [R, C/64] at 13 bits),
+    gains float32 [R], codebook float32 [K, 8] -> float32 [T, R]."""
+    from ds4py.quant import vq
+
+    k = _load()
+    stream = _readonly(np.ascontiguousarray(stream).view(np.uint8))
+    R = stream.shape[0]
+    hi = np.zeros((R, 0), np.uint8) if hi is None else np.ascontiguousarray(hi).view(np.uint8)
+    x = np.ascontiguousarray(x, dtype=F32)
+    T, C = x.shape
+    y = np.empty((T, R), F32)
+    args = (stream, _readonly(hi), _readonly(np.ascontiguousarray(gains, dtype=F32)),
+            _readonly(np.ascontiguousarray(codebook, dtype=F32)), x.reshape(T, C // 64, 64), y, vq.stream_bits(bits), max(1, min(threads, R)))
+    _call("vq8", k.vq8, args, threads)
+    return y
