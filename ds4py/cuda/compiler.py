@@ -29,7 +29,12 @@ from ds4py.cuda.signature import Param, parse_kernels
 from ds4py.errors import CudaUnavailableError, Ds4Error
 
 CU_DIR = Path(os.environ.get("DS4PY_CU_DIR") or Path(__file__).resolve().parents[2] / "cu")
-BASE_OPTIONS = ("-std=c++17", "-lineinfo", "--ptxas-options=-v")
+# --fmad=false: no multiply-add contraction, as the emulator's g++ build (-ffp-contract=off). The bit-identity
+# properties (a multi-row step's rows = single steps, speculative greedy = plain greedy) need the two kernels of
+# each pair to round alike; with contraction each instantiation's own schedule decides where a*b + c becomes one
+# rounding, so rows could differ from single steps on the GPU while the emulator says they are equal. Kernels
+# that want a fused multiply-add write fmaf() / __fmaf_rn(), which both worlds compute exactly (docs/cuda-emu.md).
+BASE_OPTIONS = ("-std=c++17", "-lineinfo", "--ptxas-options=-v", "--fmad=false")
 CACHE_FORMAT = b"ds4py-cubin-v2"
 
 # Per-model shape constants a kernel may need at compile time (register / shared-memory array sizes), with the
