@@ -307,6 +307,7 @@ class EmuRuntime:
         self._capture: list[tuple[Any, Any]] | None = None
         self._forked = False
         self.launches = 0                   # kernels run so far (replays included)
+        self.launch_counts: dict[str, int] = {}      # per kernel name (the checkers' coverage report)
         self.capturing = False
 
     def _registry(self) -> "EmuKernels":
@@ -398,6 +399,7 @@ class EmuRuntime:
 
     def _run_launch(self, op: _Launch) -> None:
         k = op.kernel
+        self.launch_counts[k.name] = self.launch_counts.get(k.name, 0) + 1
         mod = self.module(k.module)
         staging = emu.Staging(k.name)
         staged: list[tuple[int, int, emu.Staged]] = []
