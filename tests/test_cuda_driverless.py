@@ -543,6 +543,28 @@ def test_uploads_and_fork_join_bind_the_context_on_other_threads(rt, standin):
     assert len(sets) == 1 and sets[0][0] == rt.device.context
 
 
+def test_timer_and_token_reader_bind_the_context_on_other_threads(rt, standin):
+    """An EventTimer or a TokenReader made on one thread and used on another (the server's engine worker) make
+    the context current there before their first driver call."""
+    from ds4py.cuda.engine import TokenReader
+
+    timer, reader = rt.timer(), TokenReader(rt)
+    arena = rt.arena(1 << 20, 1 << 20)
+    arena.begin_step()
+    src = arena.scratch(1, np.int32)
+
+    def worker():
+        timer.start()
+        timer.stop()
+        i = reader.enqueue(src)
+        reader.wait(i)
+        reader.close()
+        timer.close()
+
+    sets = context_sets_in_a_thread(rt, standin, worker)
+    assert len(sets) == 1 and sets[0][0] == rt.device.context
+
+
 def test_async_upload_keeps_its_host_buffer_until_done(rt, standin):
     import gc
     import weakref
