@@ -112,7 +112,9 @@ classify() {
   elif [ "$rc" = 99 ]; then
     status=failed; reason="compute-sanitizer reported errors"
   else
-    status=failed; reason="$(grep -E "Error|error|FAILED|Traceback" "$log" | tail -1 | cut -c1-200)"
+    status=failed
+    reason="$(grep -E "Error|error|ERROR|FAILED|failed|missing" "$log" | tail -1 | cut -c1-200)"
+    [ -z "$reason" ] && reason="$(grep -v '^\s*$' "$log" | tail -1 | cut -c1-200)"
   fi
   printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$status" "$rc" "$secs" "$limit" "$reason" >> "$STEPS_TSV"
   echo "-- $name: $status ($secs s)"
