@@ -14,7 +14,7 @@ from dataclasses import fields as dataclass_fields
 from functools import cached_property
 from typing import Any
 
-from gguf import GGMLQuantizationType as Q
+from ds4py.ggml_types import GGMLQuantizationType as Q
 
 from ds4py.errors import ConfigError, GGUFError
 from ds4py.quant import BLOCK as QUANT_BLOCK

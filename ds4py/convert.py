@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
-from gguf import GGMLQuantizationType as QT
+from ds4py.ggml_types import GGMLQuantizationType as QT
 
 from ds4py import checksum, quant, schema
 from ds4py.config import ModelConfig

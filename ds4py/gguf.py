@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from ds4py.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ds4py.errors import GGUFError
 

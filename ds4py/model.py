@@ -281,12 +281,13 @@ def _open_auto(path: str, ctx: int | None = None, **kwargs) -> Model:
     from ds4py.errors import CudaUnavailableError
 
     try:
-        from ds4py.cuda import driver
+        from ds4py.cuda.probe import auto_choice
 
-        driver.api()
-        from ds4py.cuda.engine import CudaModel
+        pick, why = auto_choice(path)        # a device, a driver that fits, and free memory for this model
+        if pick == "cuda":
+            from ds4py.cuda.engine import CudaModel
 
-        return CudaModel(path, ctx=ctx, **kwargs)
+            return CudaModel(path, ctx=ctx, **kwargs)
     except (CudaUnavailableError, UnsupportedByBackend) as e:
         why = str(e).rstrip(".")
     print(f"ds4py: backend auto: {why}; using the reference backend (ref)", file=sys.stderr, flush=True)

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 import regex
-from gguf import GGMLQuantizationType as QT
+from ds4py.ggml_types import GGMLQuantizationType as QT
 
 from ds4py import quant
 from ds4py.config import V4_FLASH, ModelConfig

@@ -14,7 +14,7 @@ Never a scan of the whole file (80 GB): only
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGMLQuantizationType as Q
+from ds4py.ggml_types import GGMLQuantizationType as Q
 
 from ds4py import checksum
 from ds4py.errors import GGUFError

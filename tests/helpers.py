@@ -12,6 +12,9 @@ import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+# The golden data: ../shared/golden beside the repository, or DS4PY_GOLDEN (the subset that travels to a GPU
+# machine, made by bench/device_wheels.sh; there a missing part skips the tests that need it).
+GOLDEN = Path(os.environ.get("DS4PY_GOLDEN") or REPO.parent / "shared" / "golden")
 
 
 def free_port() -> int:

@@ -174,7 +174,8 @@ class StandInDriver:
         a = d.CUdevice_attribute
         attrs = {a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: 9, a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: 0,
                  a.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: 132, a.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE: 50 << 20,
-                 a.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN: 232448}
+                 a.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN: 232448,
+                 a.CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR: 2048}
         if name == "cuMemAlloc":
             ptr = self.next_dev_ptr
             self.next_dev_ptr += (args[0] + (1 << 20)) // (1 << 20) * (1 << 20)
@@ -351,11 +352,11 @@ def test_graph_replay_never_recaptures_until_scratch_moves(rt, standin):
         g.replay([tok, 0])
     names = standin.names()
     assert g.captures == 1 and names.count("cuStreamBeginCapture") == 1 and names.count("cuGraphLaunch") == 3
-    memsets = [args for n, args in standin.calls if n == "cuMemsetD32Async"]
-    assert [m[1] for m in memsets[0::2]] == [3, 5, 7] and all(m[0] == slot.ptr for m in memsets[0::2])
-    # the slot write precedes each graph launch on the main stream
+    # one copy of the step's values per replay, right before each graph launch on the main stream
     i = names.index("cuGraphLaunch")
-    assert names[i - 2: i] == ["cuMemsetD32Async", "cuMemsetD32Async"]
+    assert names[i - 1] == "cuMemcpyHtoDAsync" and "cuMemsetD32Async" not in names[i - 3: i]
+    copies = [args for n, args in standin.calls if n == "cuMemcpyHtoDAsync" and int(args[0]) == slot.ptr]
+    assert [a[2] for a in copies] == [8, 8, 8]
     # scratch growth moves the buffers: the next replay captures again
     assert arena.begin_step(1 << 16)
     g.replay([9, 1])
@@ -539,6 +540,28 @@ def test_uploads_and_fork_join_bind_the_context_on_other_threads(rt, standin):
         x.download()
         rt.fork()
         rt.join()
+
+    sets = context_sets_in_a_thread(rt, standin, worker)
+    assert len(sets) == 1 and sets[0][0] == rt.device.context
+
+
+def test_timer_and_token_reader_bind_the_context_on_other_threads(rt, standin):
+    """An EventTimer or a TokenReader made on one thread and used on another (the server's engine worker) make
+    the context current there before their first driver call."""
+    from ds4py.cuda.engine import TokenReader
+
+    timer, reader = rt.timer(), TokenReader(rt)
+    arena = rt.arena(1 << 20, 1 << 20)
+    arena.begin_step()
+    src = arena.scratch(1, np.int32)
+
+    def worker():
+        timer.start()
+        timer.stop()
+        i = reader.enqueue(src)
+        reader.wait(i)
+        reader.close()
+        timer.close()
 
     sets = context_sets_in_a_thread(rt, standin, worker)
     assert len(sets) == 1 and sets[0][0] == rt.device.context

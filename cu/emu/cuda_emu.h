@@ -108,8 +108,10 @@ inline int __isGlobal(const void*) { return 1; }
 #define __brkpt() ::__emu::fail("__brkpt() called")
 
 // ---- atomics: a fiber is never interrupted between its own instructions, so a plain read-modify-write is atomic
+// (The race build records each as one atomic access: two atomics to one address are no race.)
 #define EMU_ATOMIC(name, expr) \
-    template <class T, class U> inline T name(T* p, U v_) { const T v = (T)v_; T old = *p; *p = (expr); return old; }
+    template <class T, class U> EMU_NO_TSAN inline T name(T* p, U v_) { \
+        EMU_RACE(::__emu::race::access(p, sizeof(T), 1, 1);) const T v = (T)v_; T old = *p; *p = (expr); return old; }
 EMU_ATOMIC(atomicAdd, old + v)
 EMU_ATOMIC(atomicSub, old - v)
 EMU_ATOMIC(atomicExch, v)
@@ -118,9 +120,10 @@ EMU_ATOMIC(atomicMin, v < old ? v : old)
 EMU_ATOMIC(atomicAnd, old & v)
 EMU_ATOMIC(atomicOr, old | v)
 EMU_ATOMIC(atomicXor, old ^ v)
-inline unsigned atomicInc(unsigned* p, unsigned lim) { unsigned o = *p; *p = o >= lim ? 0 : o + 1; return o; }
-inline unsigned atomicDec(unsigned* p, unsigned lim) { unsigned o = *p; *p = (o == 0 || o > lim) ? lim : o - 1; return o; }
-template <class T, class U, class V> inline T atomicCAS(T* p, U cmp, V val) {
+EMU_NO_TSAN inline unsigned atomicInc(unsigned* p, unsigned lim) { EMU_RACE(::__emu::race::access(p, 4, 1, 1);) unsigned o = *p; *p = o >= lim ? 0 : o + 1; return o; }
+EMU_NO_TSAN inline unsigned atomicDec(unsigned* p, unsigned lim) { EMU_RACE(::__emu::race::access(p, 4, 1, 1);) unsigned o = *p; *p = (o == 0 || o > lim) ? lim : o - 1; return o; }
+template <class T, class U, class V> EMU_NO_TSAN inline T atomicCAS(T* p, U cmp, V val) {
+    EMU_RACE(::__emu::race::access(p, sizeof(T), 1, 1);)
     T old = *p;
     if (old == (T)cmp) *p = (T)val;
     return old;
@@ -253,3 +256,7 @@ EMU_API void* emu_fault_address() { return __emu::L.fault_addr; }
 EMU_API size_t emu_static_smem_bytes() {
     return __start_emu_shared && __stop_emu_shared ? (size_t)(__stop_emu_shared - __start_emu_shared) : 0;
 }
+
+#if defined(DS4_EMU_RACE) || defined(DS4_EMU_ASAN)
+#include "emu_check.h"
+#endif

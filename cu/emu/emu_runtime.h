@@ -3,7 +3,37 @@
 // to the next runnable fiber. See cu/README.md for what this can and cannot show.
 #pragma once
 
+// The checker builds (ds4py/cuda/emu.py, DS4PY_EMU_CHECK): DS4_EMU_RACE instruments every memory access
+// (g++ -fsanitize=thread, with the hooks in emu_check.h instead of TSan's runtime) to find shared-memory races;
+// DS4_EMU_ASAN is the AddressSanitizer + UBSan build. The hooks below are no-ops in the plain build.
+#if defined(DS4_EMU_RACE)
+#define EMU_RACE(...) __VA_ARGS__
+#define EMU_NO_TSAN __attribute__((no_sanitize_thread))
+#else
+#define EMU_RACE(...)
+#define EMU_NO_TSAN
+#endif
+#if defined(DS4_EMU_ASAN)
+#include <sanitizer/asan_interface.h>
+#define EMU_ASAN(...) __VA_ARGS__
+#define EMU_NO_ASAN __attribute__((no_sanitize_address))
+#else
+#define EMU_ASAN(...)
+#define EMU_NO_ASAN
+#endif
+
 namespace __emu {
+#if defined(DS4_EMU_RACE)
+namespace race {
+inline void block_start();
+inline void barrier();
+inline void warp_sync(int warp);
+inline void access(const void* p, size_t n, int write, int atomic);
+}  // namespace race
+#endif
+#if defined(DS4_EMU_ASAN)
+inline void asan_dyn_smem(unsigned char* p, size_t bytes);
+#endif
 
 enum : int { kWarp = 32, kMaxThreads = 1024, kStackBytes = 64 * 1024, kMaxDynSmem = 227 * 1024 };
 enum State : int { READY, AT_BARRIER, AT_WARP, DONE };
@@ -114,6 +144,7 @@ struct Warp {
 };
 
 struct Launch {
+    const char* kernel;              // its name (set by the generated launcher; for the checkers' reports)
     void (*thunk)(void* fn, void** args);
     void* fn;
     void** args;
@@ -208,7 +239,10 @@ inline void yield_to_scheduler(Fiber* f) {
 }
 
 // ---- cp.async: copies are held per thread and land at the matching wait ------------------------------------
-inline void run_copy(const PendingCopy& c) { memcpy(c.dst, c.src, c.bytes); }
+inline void run_copy(const PendingCopy& c) {
+    EMU_RACE(race::access(c.src, c.bytes, 0, 0); race::access(c.dst, c.bytes, 1, 0);)   // by the waiting thread
+    memcpy(c.dst, c.src, c.bytes);
+}
 
 inline void cp_async(void* dst, const void* src, int bytes) {
     Fiber* f = L.cur;
@@ -245,6 +279,7 @@ inline void release_barrier(int mode) {
         if (L.fibers[i].state == AT_BARRIER) { L.fibers[i].state = READY; L.fibers[i].bar_result = r; }
     L.bar_count = 0;
     L.bar_pred = 0;
+    EMU_RACE(race::barrier();)
 }
 
 inline int barrier(Site site, int mode, int pred) {
@@ -361,7 +396,7 @@ inline void combine_ballot(Fiber* lanes, unsigned mask) {
     for (unsigned m = mask; m; m &= m - 1) if (lanes[__builtin_ctz(m)].in[0]) b |= m & -m;
     for (unsigned m = mask; m; m &= m - 1) lanes[__builtin_ctz(m)].out[0] = b;
 }
-inline void combine_sync(Fiber*, unsigned) {}
+inline void combine_sync(Fiber* lanes, unsigned) { EMU_RACE(race::warp_sync(lanes[0].warp);) (void)lanes; }
 inline void combine_match_any(Fiber* lanes, unsigned mask) {
     for (unsigned m = mask; m; m &= m - 1) {
         Fiber& f = lanes[__builtin_ctz(m)];
@@ -596,6 +631,17 @@ inline void make_order(int* idx, int n, int order) {
         for (int i = n - 1; i > 0; i--) { int j = (int)(next_random() % (uint64_t)(i + 1)); int t = idx[i]; idx[i] = idx[j]; idx[j] = t; }
 }
 
+// Static __shared__ starts as all-ones bytes too. A volatile byte loop, not memset: the AddressSanitizer build
+// puts redzones between the section's variables (-fsanitize-sections), which its memset would report.
+EMU_NO_ASAN EMU_NO_TSAN inline void poison_static_smem() {
+    if (!__start_emu_shared || !__stop_emu_shared) return;
+#if defined(DS4_EMU_ASAN)
+    for (volatile char* q = __start_emu_shared; q < __stop_emu_shared; q++) *q = (char)0xff;
+#else
+    memset(__start_emu_shared, 0xff, __stop_emu_shared - __start_emu_shared);
+#endif
+}
+
 inline bool run_block(uint3 b, int order) {
     L.block_idx = b;
     blockIdx = b;
@@ -624,7 +670,8 @@ inline bool run_block(uint3 b, int order) {
     L.bar_count = L.bar_pred = 0;
     // Shared memory starts as garbage on the GPU; all-ones bytes (NaN, -1) make reads before writes visible.
     memset(dyn_smem_ptr, 0xff, L.dyn_smem);
-    if (__start_emu_shared && __stop_emu_shared) memset(__start_emu_shared, 0xff, __stop_emu_shared - __start_emu_shared);
+    poison_static_smem();
+    EMU_RACE(race::block_start();)
     static int idx[kMaxThreads];
     L.order = idx;
     while (L.live > 0) {
@@ -681,6 +728,7 @@ inline int launch(void (*thunk)(void*, void**), void* fn, const unsigned* grid, 
     }
     if (!ensure_stacks()) { snprintf(L.msg, sizeof L.msg, "cannot map fiber stacks"); return BAD_LAUNCH; }
     dyn_smem_ptr = static_dyn ? __emu_dyn_smem : dyn_smem_area(dyn_smem);
+    EMU_ASAN(if (!static_dyn && dyn_smem_ptr) asan_dyn_smem(dyn_smem_ptr, dyn_smem);)
     if (!dyn_smem_ptr) { snprintf(L.msg, sizeof L.msg, "cannot map dynamic shared memory"); return BAD_LAUNCH; }
     static Fiber fibers[kMaxThreads];
     L.fibers = fibers;
@@ -748,6 +796,8 @@ inline int launch(void (*thunk)(void*, void**), void* fn, const unsigned* grid, 
                  where);
         result = FAULT;
     }
+    // A failed launch leaves its fibers' frames (and their AddressSanitizer redzones) on the stacks.
+    EMU_ASAN(if (result != OK) ASAN_UNPOISON_MEMORY_REGION(stack_pool, (kStackBytes + page_bytes) * nthreads);)
     sigaction(SIGSEGV, &L.old_segv, nullptr);
     sigaction(SIGBUS, &L.old_bus, nullptr);
     sigaction(SIGFPE, &L.old_fpe, nullptr);

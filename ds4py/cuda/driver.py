@@ -81,6 +81,7 @@ class Device:
     l2_bytes: int
     smem_per_block_optin: int
     total_mem: int
+    threads_per_sm: int = 2048      # 1,536 on GB10 (sm_121) and other consumer Blackwell/Ada parts
 
     @property
     def arch(self) -> str:
@@ -106,6 +107,7 @@ class Device:
             l2_bytes=attr(a.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE),
             smem_per_block_optin=attr(a.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN),
             total_mem=int(call("cuDeviceTotalMem", dev)),
+            threads_per_sm=attr(a.CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR),
         )
 
     def close(self) -> None:

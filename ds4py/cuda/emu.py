@@ -36,7 +36,19 @@ CU_DIR = Path(__file__).resolve().parents[2] / "cu"
 EMU_DIR = CU_DIR / "emu"
 FLAGS = ("-std=c++17", "-O2", "-g0", "-fPIC", "-shared", "-fvisibility=hidden", "-fno-strict-aliasing",
          "-ffp-contract=off", "-Wl,-Bsymbolic", "-DDS4_EMU=1")
-GENERATOR_VERSION = "ds4py-emu-v2"
+GENERATOR_VERSION = "ds4py-emu-v3"
+# The checker builds (docs/cuda-emu.md "Checker builds"), chosen with DS4PY_EMU_CHECK=race,asan (or `check=`):
+# race: every access instrumented (-fsanitize=thread, routed to cu/emu/emu_check.h's shared-memory race detector,
+#   no TSan runtime: compiled, then linked without it);
+# asan: AddressSanitizer + UndefinedBehaviorSanitizer (global memory, the stacks, static __shared__ with redzones,
+#   dynamic shared memory poisoned outside the launch's bytes); the process must load libasan first
+#   (python -m ds4py.cuda.emu_check does that).
+CHECKS = {
+    "race": ("-fsanitize=thread", "--param=tsan-instrument-func-entry-exit=0", "-DDS4_EMU_RACE=1"),
+    "asan": ("-fsanitize=address,undefined", "-fsanitize-sections=emu_shared", "-fno-sanitize-recover=undefined",
+             "-fno-omit-frame-pointer", "-DDS4_EMU_ASAN=1"),
+}
+LINK_CHECKS = {"race": (), "asan": ("-fsanitize=address,undefined",)}
 ORDERS = {"forward": 0, "reverse": 1, "random": 2}
 
 _loaded: dict[tuple[str, tuple[str, ...]], "EmuModule"] = {}
@@ -56,6 +68,27 @@ class EmuKernelError(EmuError):
 
 def cache_dir() -> Path:
     return compiler_cache_dir() / "emu"
+
+
+def checks(check: str | Sequence[str] | None = None) -> tuple[str, ...]:
+    """The checker modes of a build: `check` ("race", "asan", "race,asan" or a sequence), else DS4PY_EMU_CHECK."""
+    if check is None:
+        check = os.environ.get("DS4PY_EMU_CHECK", "")
+    names = [c.strip() for c in (check.split(",") if isinstance(check, str) else check) if c.strip()]
+    bad = [c for c in names if c not in CHECKS]
+    if bad:
+        raise EmuError(f"unknown emulator check {bad[0]!r} (DS4PY_EMU_CHECK takes {', '.join(CHECKS)})")
+    if "race" in names and "asan" in names:
+        raise EmuError("the race and asan checks are separate builds: run one, then the other")
+    return tuple(sorted(set(names)))
+
+
+def asan_loaded() -> bool:
+    """Whether this process runs with the AddressSanitizer runtime (LD_PRELOAD), which an asan build needs."""
+    try:
+        return "libasan" in Path("/proc/self/maps").read_text()
+    except OSError:
+        return False
 
 
 def compiler() -> str | None:
@@ -106,8 +139,8 @@ def generate(source: Path, src: str, kernels: dict[str, list[Param]]) -> str:
     static = "true" if file_scope else "false"
     for k in kernels:
         out.append(f"EMU_API int emu_launch_{k}(const unsigned* g, const unsigned* b, size_t smem, void** args, "
-                   f"int order, uint64_t seed) {{ return ::__emu::launch_kernel({k}, g, b, smem, args, order, seed, "
-                   f"{static}); }}")
+                   f"int order, uint64_t seed) {{ ::__emu::L.kernel = \"{k}\"; return ::__emu::launch_kernel({k}, g, "
+                   f"b, smem, args, order, seed, {static}); }}")
     return "\n".join(out) + "\n"
 
 
@@ -143,9 +176,11 @@ def _compiler_version(cxx: str) -> str:
 
 
 def build(source: Path, extra_flags: Sequence[str] = (),
-          progress: Callable[[str], None] | None = None) -> tuple[Path, dict[str, list[Param]]]:
+          progress: Callable[[str], None] | None = None,
+          check: str | Sequence[str] | None = None) -> tuple[Path, dict[str, list[Param]]]:
     """Compile `source` for the emulator (or find it in the cache). Returns the .so path and the kernels.
-    progress: told about a build that really runs g++ (about a second per file)."""
+    progress: told about a build that really runs g++ (about a second per file). check: the checker builds
+    (see CHECKS; default DS4PY_EMU_CHECK)."""
     source = Path(source).resolve()
     if not source.is_file():
         raise EmuError(f"kernel source {source} does not exist")
@@ -157,19 +192,21 @@ def build(source: Path, extra_flags: Sequence[str] = (),
     if not kernels:
         raise EmuError(f'{source.name} declares no extern "C" __global__ kernels')
     unit = generate(source, src, kernels)
+    modes = checks(check)
+    extra_flags = (*[f for m in modes for f in CHECKS[m]], *extra_flags)
     h = hashlib.sha256(f"{GENERATOR_VERSION}|{_compiler_version(cxx)}|{' '.join((*FLAGS, *extra_flags))}|".encode())
     h.update(unit.encode())
     for f in _header_files(source):
         h.update(f.name.encode() + b"\0" + f.read_bytes())
     key = h.hexdigest()[:24]
-    out = cache_dir() / f"{source.stem}-{key}.so"
+    out = cache_dir() / f"{source.stem}{''.join('-' + m for m in modes)}-{key}.so"
     if out.is_file():
         return out, kernels
     out.parent.mkdir(parents=True, exist_ok=True)
     with _build_lock(out):
         if out.is_file():          # another process (or thread) built it while this one waited
             return out, kernels
-        _compile(cxx, source, unit, extra_flags, out, progress)
+        _compile(cxx, source, unit, extra_flags, out, progress, modes)
     return out, kernels
 
 
@@ -186,23 +223,30 @@ def _build_lock(out: Path):
 
 
 def _compile(cxx: str, source: Path, unit: str, extra_flags: Sequence[str], out: Path,
-             progress: Callable[[str], None] | None) -> None:
+             progress: Callable[[str], None] | None, modes: Sequence[str] = ()) -> None:
     tmp_src = out.with_name(f".{out.stem}.{os.getpid()}.cpp")
     tmp_so = out.with_name(f".{out.stem}.{os.getpid()}.so")
+    tmp_obj = out.with_name(f".{out.stem}.{os.getpid()}.o")
     tmp_src.write_text(unit)
     t0 = time.perf_counter()
     cmd = [cxx, *FLAGS, *extra_flags, f"-I{EMU_DIR / 'include'}", f"-I{source.parent}", f"-I{CU_DIR}",
-           "-include", str(EMU_DIR / "cuda_emu.h"), "-x", "c++", str(tmp_src), "-o", str(tmp_so)]
+           "-include", str(EMU_DIR / "cuda_emu.h"), "-x", "c++", str(tmp_src)]
+    # the race build links without the sanitizer (its hooks are in the library itself, no TSan runtime)
+    steps = ([cmd + ["-c", "-o", str(tmp_obj)],
+              [cxx, "-shared", "-fPIC", "-Wl,-Bsymbolic", str(tmp_obj), "-o", str(tmp_so)]]
+             if "race" in modes else [cmd + ["-o", str(tmp_so)]])
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode != 0:
-            raise EmuCompileError(f"the emulator could not compile {source.name}:\n{r.stderr.strip()}")
+        for c in steps:
+            r = subprocess.run(c, capture_output=True, text=True)
+            if r.returncode != 0:
+                raise EmuCompileError(f"the emulator could not compile {source.name}:\n{r.stderr.strip()}")
         os.replace(tmp_so, out)
         if progress is not None:
             progress(f"ds4py: emulator built {source.name} in {time.perf_counter() - t0:.1f} s")
     finally:
         tmp_src.unlink(missing_ok=True)
         tmp_so.unlink(missing_ok=True)
+        tmp_obj.unlink(missing_ok=True)
 
 
 # ---- guarded host buffers ------------------------------------------------------------------------------------
@@ -406,10 +450,14 @@ class EmuModule:
     EmuRuntime runs them on its host arena through `run`)."""
 
     def __init__(self, source: str | Path, extra_flags: Sequence[str] = (),
-                 progress: Callable[[str], None] | None = None):
+                 progress: Callable[[str], None] | None = None, check: str | Sequence[str] | None = None):
         self.source = Path(source).resolve()
         self.extra_flags = tuple(extra_flags)
-        self.path, self.kernels = build(self.source, self.extra_flags, progress)
+        self.checks = checks(check)
+        if "asan" in self.checks and not asan_loaded():
+            raise EmuError("the asan emulator build needs the AddressSanitizer runtime loaded first: run it through "
+                           "python -m ds4py.cuda.emu_check asan (it sets LD_PRELOAD)")
+        self.path, self.kernels = build(self.source, self.extra_flags, progress, self.checks)
         self.max_threads = launch_bounds(self.source.read_text())
         self._lib = ctypes.CDLL(str(self.path))
         lib = self._lib
@@ -417,12 +465,37 @@ class EmuModule:
         lib.emu_fault_address.restype = ctypes.c_void_p
         lib.emu_static_smem_bytes.restype = ctypes.c_size_t
         lib.emu_pdl_check.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+        self._poison = None
+        if "asan" in self.checks:
+            lib.emu_asan_poison.argtypes = lib.emu_asan_unpoison.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+            self._poison = (lib.emu_asan_poison, lib.emu_asan_unpoison)
         self._launchers = {}
         for k in self.kernels:
             fn = getattr(lib, f"emu_launch_{k}")
             fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_int,
                            ctypes.c_uint64]
             self._launchers[k] = fn
+
+    def _name_static_shared(self, msg: str) -> str:
+        """Name the static __shared__ variable a race report's address falls in (from the library's symbols)."""
+        m = re.search(r"\(address (0x[0-9a-f]+)\)", msg)
+        nm = shutil.which("nm")
+        if not m or not nm:
+            return msg
+        r = subprocess.run([nm, "-C", "-S", "--defined-only", str(self.path)], capture_output=True, text=True)
+        syms = {}
+        for line in r.stdout.splitlines():
+            parts = line.split(maxsplit=3)
+            if len(parts) == 4 and all(c in "0123456789abcdef" for c in parts[0] + parts[1]):
+                syms[parts[3]] = (int(parts[0], 16), int(parts[1], 16))
+        if "emu_message" not in syms:
+            return msg
+        base = ctypes.cast(self._lib.emu_message, ctypes.c_void_p).value - syms["emu_message"][0]
+        addr = int(m.group(1), 16) - base
+        for sym, (at, size) in syms.items():
+            if at <= addr < at + size:
+                return msg.replace(m.group(0), f"({m.group(0)[1:-1]}: byte {addr - at} of {sym}, {size} bytes)")
+        return msg
 
     @property
     def static_smem_bytes(self) -> int:
@@ -451,10 +524,17 @@ class EmuModule:
             starts = (ctypes.c_void_p * max(1, len(watched)))(*[b.start for b in watched])
             lens = (ctypes.c_size_t * max(1, len(watched)))(*[b.body for b in watched])
             self._lib.emu_pdl_check(len(watched), starts, lens)
+        bufs = [g.buf for g in staging.groups if g.buf is not None] if self._poison else []
+        for b in bufs:              # the asan build: every byte of an argument's buffer outside the argument
+            pre, post = b.ptr - b.start, b.start + b.body - (b.ptr + b.nbytes)
+            self._poison[0](b.start, pre)
+            self._poison[0](b.ptr + b.nbytes, post)
         try:
             rc = self._launchers[name]((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), int(shared_mem),
                                        params_address, ORDERS[order], int(seed) & (2**64 - 1))
         finally:
+            for b in bufs:
+                self._poison[1](b.start, b.body)
             if pdl_check:
                 self._lib.emu_pdl_check(-1, None, None)
                 for b in watched:                          # the launch may have left them read-only
@@ -463,6 +543,8 @@ class EmuModule:
             msg = self._lib.emu_message().decode(errors="replace")
             if rc == 2:
                 msg = staging.describe_fault(msg, self._lib.emu_fault_address() or 0)
+            if "static __shared__ byte" in msg:
+                msg = self._name_static_shared(msg)
             raise EmuKernelError(f"{name}: {msg}")
 
     def launch(self, name: str, grid: int | Sequence[int], block: int | Sequence[int], args: Sequence[Any],
@@ -503,7 +585,7 @@ def load(source: str | Path, extra_flags: Sequence[str] = (),
     """EmuModule for `source` (and flags, e.g. -D defines), shared within the process (rebuilt when the source or
     headers change)."""
     source = Path(source).resolve()
-    key = (str(source), tuple(extra_flags))
+    key = (str(source), tuple(extra_flags), checks())
     mod = _loaded.get(key)
     if mod is None or build(source, extra_flags)[0] != mod.path:
         mod = _loaded[key] = EmuModule(source, extra_flags, progress)

@@ -62,6 +62,7 @@ class EmuDevice:
     smem_per_block_optin: int = 232448
     total_mem: int = 1 << 40
     ordinal: int = 0
+    threads_per_sm: int = 2048
 
     @property
     def arch(self) -> str:
@@ -174,6 +175,11 @@ class EmuMemory:
         ctypes.memmove(dst, host.ctypes.data, host.nbytes)
         self.invalidate(dst, host.nbytes)
 
+    def upload_staged(self, dst: int, host: np.ndarray, stream: Any) -> None:
+        self.rt._host_access("an upload from pageable host memory")     # a capture refuses it on a GPU too
+        self._check_range(dst, host.nbytes, "upload")
+        self.rt._issue(stream, _Upload(dst, bytes(host.tobytes())))
+
     def download(self, out: np.ndarray, src: int, stream: Any = None) -> None:
         self.rt._host_access("a download")
         self._check_range(src, out.nbytes, "download")
@@ -209,6 +215,12 @@ class _Memset:
     dst: int
     value: int
     count: int
+
+
+@dataclass
+class _Upload:
+    dst: int
+    data: bytes
 
 
 @dataclass
@@ -295,6 +307,7 @@ class EmuRuntime:
         self._capture: list[tuple[Any, Any]] | None = None
         self._forked = False
         self.launches = 0                   # kernels run so far (replays included)
+        self.launch_counts: dict[str, int] = {}      # per kernel name (the checkers' coverage report)
         self.capturing = False
 
     def _registry(self) -> "EmuKernels":
@@ -380,9 +393,13 @@ class EmuRuntime:
         elif isinstance(op, _Copy):
             ctypes.memmove(op.dst, op.src, op.nbytes)
             self.memory.invalidate(op.dst, op.nbytes)
+        elif isinstance(op, _Upload):
+            ctypes.memmove(op.dst, op.data, len(op.data))
+            self.memory.invalidate(op.dst, len(op.data))
 
     def _run_launch(self, op: _Launch) -> None:
         k = op.kernel
+        self.launch_counts[k.name] = self.launch_counts.get(k.name, 0) + 1
         mod = self.module(k.module)
         staging = emu.Staging(k.name)
         staged: list[tuple[int, int, emu.Staged]] = []

@@ -37,6 +37,7 @@ from ds4py.cuda.device_weights import DeviceWeights
 from ds4py.cuda.device_weights import load as load_weights
 from ds4py.cuda.memory_plan import DEFAULT_CTX, MemoryPlan, kv_bytes
 from ds4py.cuda.ops import experts as ops_moe
+from ds4py.cuda.gguf_upload import check_alignment
 from ds4py.errors import ContextLengthError, Ds4Error
 from ds4py.fingerprint import file_fingerprint
 from ds4py.gguf import GGUFFile
@@ -150,6 +151,7 @@ class TokenReader:
             self._values[i] = int(src.download()[0])
             return i
         k = i % self.depth
+        self.rt.bind_thread()                # the server's engine thread may not be the creator
         self._call("cuMemcpyDtoHAsync", self._pinned.ptr + 4 * k, src.ptr, 4, self.rt.main)
         self._call("cuEventRecord", self._events[k], self.rt.main)
         return i
@@ -160,11 +162,13 @@ class TokenReader:
         if self.n - i > self.depth:
             raise Ds4Error("token readback overrun (more steps in flight than the reader holds)")
         k = i % self.depth
+        self.rt.bind_thread()
         self._call("cuEventSynchronize", self._events[k])
         return int(self._pinned.array[4 * k: 4 * k + 4].view(np.int32)[0])
 
     def close(self) -> None:
         if self.gpu:
+            self.rt.bind_thread()
             for e in self._events:
                 self._call("cuEventDestroy", e)
             self._pinned.free()
@@ -206,6 +210,7 @@ class CudaModel(ModelBase):
         t0 = time.perf_counter()
         self.path = str(path)
         self.gguf = GGUFFile(self.path)
+        check_alignment(self.gguf)          # before any device memory is taken
         cfg = ModelConfig.from_gguf(self.gguf)
         if official_decode_bug:
             raise UnsupportedByBackend("official_decode_bug is a V4.1 option; the CUDA engine runs V4 Flash only")

@@ -13,6 +13,7 @@ import numpy as np
 
 from ds4py.cuda.memory import Arena, DeviceArray, WeightUploader
 from ds4py.errors import GGUFError
+from ds4py.model import UnsupportedByBackend
 
 _PLAIN = {"F32": np.float32, "F16": np.float16, "I32": np.int32, "I8": np.int8, "I16": np.int16}
 
@@ -33,6 +34,19 @@ def data_span(gguf) -> tuple[int, int]:
     return min(t.offset for t in ts), max(t.offset + t.nbytes for t in ts)
 
 
+VECTOR_ALIGN = 16       # the kernels read weights (F16, F32, Q2_K, Q4_K, ...) with 16-byte vector loads
+
+
+def check_alignment(gguf) -> None:
+    """A device tensor sits at its file offset from the (256-byte aligned) start of the data span, so the file's
+    alignment is the tensors' alignment on the device: it must allow 16-byte loads."""
+    align = int(gguf.meta("general.alignment", 32))
+    if align % VECTOR_ALIGN:
+        raise UnsupportedByBackend(f"{gguf.path}: general.alignment is {align}; the CUDA backend needs a multiple of "
+                        f"{VECTOR_ALIGN} (its kernels load weights 16 bytes at a time), so re-write the file with "
+                        f"the default alignment 32 or use --backend ref")
+
+
 def weights_bytes(gguf) -> int:
     start, end = data_span(gguf)
     return end - start
@@ -40,6 +54,7 @@ def weights_bytes(gguf) -> int:
 
 def upload_gguf(gguf, arena: Arena, uploader: WeightUploader, progress: bool = True) -> dict[str, DeviceTensor]:
     """Stream every tensor of an open ds4py.gguf.GGUFFile into the arena; returns the device views by name."""
+    check_alignment(gguf)
     start, end = data_span(gguf)
     blob = arena.weights(end - start, np.uint8)
     uploader.upload_file(gguf.path, start, end - start, blob, progress=progress)

@@ -2,8 +2,9 @@
 
 A step's launches (main stream, plus side-stream work forked and joined with events) are captured into a graph
 and instantiated once. What changes from step to step (token id, position, ...) lives in a small device slot of
-int32 values that the captured kernels read; `replay(values)` writes the slot with a 32-bit memset on the main
-stream (a launch parameter, so no host buffer can be overwritten under a pending copy) and launches the graph.
+int32 values that the captured kernels read; `replay(values)` writes the slot on the main
+stream (one asynchronous copy from a fresh pageable array, which the driver stages before the call returns, so
+no host buffer can be overwritten under a pending copy) and launches the graph.
 Replay never re-captures, except when the arena's scratch has moved (its generation changed): the graph holds
 raw pointers, so it is captured again.
 
@@ -70,8 +71,8 @@ class StepGraph:
             if not -2**31 <= v < 2**31:
                 raise Ds4Error(f"step value {v} does not fit in int32")
             words.append(v)
-        for i, v in enumerate(words):
-            self.slot.memory.memset_d32(self.slot.ptr + 4 * i, v, 1, self.rt.main)
+        if words:       # one copy of all values, queued on the main stream (staged by the driver at once)
+            self.slot.memory.upload_staged(self.slot.ptr, np.asarray(words, np.int32), self.rt.main)
 
     def replay(self, values: Sequence[int] = ()) -> None:
         """Write the step values, then launch the graph on the main stream (capturing first if needed)."""

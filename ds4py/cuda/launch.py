@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 from ds4py.cuda.args import KernelArgumentError, pack_args
 from ds4py.cuda.compiler import CU_DIR, CompiledModule, KernelResources, check_driver_version, compile_all
-from ds4py.cuda.driver import api, call
+from ds4py.cuda.driver import CudaError, api, call
 from ds4py.cuda.signature import Param
 
 STATIC_SMEM_LIMIT = 48 * 1024   # dynamic shared memory above this needs cuFuncSetAttribute
@@ -131,7 +131,12 @@ def launch(kernel: Kernel, grid: Dim, block: Dim, args: Sequence[Any], stream: A
         cfg.numAttrs = 1
     else:
         cfg.numAttrs = 0
-    call("cuLaunchKernelEx", cfg, kernel.func, packed.address, 0)
+    try:
+        call("cuLaunchKernelEx", cfg, kernel.func, packed.address, 0)
+    except CudaError as e:
+        # With CUDA_LAUNCH_BLOCKING=1 (the device check's rerun of a file that lost its context) a kernel's own
+        # fault is returned here, so the message names the kernel that faulted; otherwise a launch error.
+        raise CudaError(f"{kernel.name} ({kernel.module}.cu, grid {g}, block {b}, {smem} B shared): {e}") from None
     del packed   # the driver copied the parameters at launch
 
 

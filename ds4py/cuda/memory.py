@@ -88,6 +88,13 @@ class DriverMemory:
         call("cuEventRecord", event, stream)
         self._pending.append((event, host))
 
+    def upload_staged(self, dst: int, host: np.ndarray, stream: Any) -> None:
+        """A small upload queued on `stream` whose host array may be reused at once: from pageable memory (a
+        fresh numpy array) the driver copies the bytes into its staging buffer before cuMemcpyHtoDAsync returns
+        (CUDA's documented behaviour), so no event has to keep the array alive. Never pass pinned memory."""
+        self.bind()
+        call("cuMemcpyHtoDAsync", dst, host.ctypes.data, host.nbytes, stream)
+
     def download(self, out: np.ndarray, src: int, stream: Any = None) -> None:
         self.bind()
         if stream is not None:

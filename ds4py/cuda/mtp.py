@@ -27,7 +27,7 @@ from dataclasses import replace
 from typing import Any, Sequence
 
 import numpy as np
-from gguf import GGMLQuantizationType as QT
+from ds4py.ggml_types import GGMLQuantizationType as QT
 
 from ds4py import schema
 from ds4py.cuda import layer, ops

@@ -132,7 +132,7 @@ class Runtime:
         call("cuGraphDestroy", graph[0])
 
     def timer(self) -> "EventTimer":
-        return EventTimer(self.main)
+        return EventTimer(self.main, bind=self.bind_thread)
 
     def close(self) -> None:
         self.synchronize()
@@ -147,19 +147,26 @@ class Runtime:
 class EventTimer:
     """GPU time between start() and stop() on one stream, in milliseconds (cuEventElapsedTime)."""
 
-    def __init__(self, stream: Any):
+    def __init__(self, stream: Any, bind: Callable[[], None] | None = None):
+        """bind: makes the stream's context current on the calling thread (Runtime.bind_thread): a timer
+        created on one thread may be started or read on another."""
         self.stream = stream
+        self.bind = bind or (lambda: None)
+        self.bind()
         self.begin = call("cuEventCreate", 0)
         self.end = call("cuEventCreate", 0)
 
     def start(self) -> None:
+        self.bind()
         call("cuEventRecord", self.begin, self.stream)
 
     def stop(self) -> float:
+        self.bind()
         call("cuEventRecord", self.end, self.stream)
         call("cuEventSynchronize", self.end)
         return float(call("cuEventElapsedTime", self.begin, self.end))
 
     def close(self) -> None:
+        self.bind()
         call("cuEventDestroy", self.begin)
         call("cuEventDestroy", self.end)

@@ -17,7 +17,7 @@ import math
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType as QT
+from ds4py.ggml_types import GGMLQuantizationType as QT
 
 from ds4py import quant, schema
 from ds4py.cuda.memory import DeviceArray, align_up

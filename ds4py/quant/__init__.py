@@ -16,7 +16,7 @@ once (no per-block Python loops); results are bit-identical to ggml's reference 
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGMLQuantizationType as QT
+from ds4py.ggml_types import GGMLQuantizationType as QT
 
 from ds4py.quant import iq2, kquants, mxfp4, simple
 from ds4py.quant.official import dequant_fp4, dequant_fp8, e4m3_to_f32, e8m0_to_f32, fp8_block_size

@@ -21,7 +21,7 @@ buffers (one per thread), `prepare(qtype, x)` the activation-side arrays (shared
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGMLQuantizationType as Q
+from ds4py.ggml_types import GGMLQuantizationType as Q
 
 from ds4py.quant import iq2, kquants, mxfp4
 

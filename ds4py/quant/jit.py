@@ -21,7 +21,7 @@ import threading
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType as Q
+from ds4py.ggml_types import GGMLQuantizationType as Q
 
 F32 = np.float32
 FORMATS = (Q.Q8_0, Q.F16, Q.IQ2_XXS, Q.Q2_K, Q.Q4_K, Q.MXFP4)

@@ -23,7 +23,7 @@ import struct
 from dataclasses import dataclass
 
 import numpy as np
-from gguf import GGMLQuantizationType as Q
+from ds4py.ggml_types import GGMLQuantizationType as Q
 
 from ds4py.errors import GGUFError
 from ds4py.quant.official import E4M3

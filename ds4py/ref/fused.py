@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import numpy as np
-from gguf import GGMLQuantizationType as Q
+from ds4py.ggml_types import GGMLQuantizationType as Q
 
 from ds4py.quant import dot, jit, vq
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import numpy as np
-from gguf import GGMLQuantizationType as Q
+from ds4py.ggml_types import GGMLQuantizationType as Q
 
 from ds4py.errors import Ds4Error
 from ds4py.gguf import TensorInfo

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
-from gguf import GGMLQuantizationType as Q
+from ds4py.ggml_types import GGMLQuantizationType as Q
 
 from ds4py import quant
 from ds4py.config import ModelConfig

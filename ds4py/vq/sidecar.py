@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
-from gguf import GGMLQuantizationType as Q
+from ds4py.ggml_types import GGMLQuantizationType as Q
 
 from ds4py.errors import Ds4Error
 from ds4py.gguf import TensorInfo

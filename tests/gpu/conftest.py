@@ -18,6 +18,35 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "real_size: V4 Flash shapes; skipped when the GPU tests run on the emulator")
 
 
+# Errors after which a CUDA context is unusable for the rest of the process ("sticky"): every later launch fails
+# with the same error, so the tests after the first one would only repeat it. The device check runs each file in
+# its own process and, when one of these shows up, reruns that file with CUDA_LAUNCH_BLOCKING=1 so that the
+# faulting launch itself raises, naming its kernel (ds4py/cuda/launch.py).
+STICKY = ("CUDA_ERROR_ILLEGAL_ADDRESS", "CUDA_ERROR_MISALIGNED_ADDRESS", "CUDA_ERROR_LAUNCH_FAILED",
+          "CUDA_ERROR_ILLEGAL_INSTRUCTION", "CUDA_ERROR_HARDWARE_STACK_ERROR", "CUDA_ERROR_INVALID_PC",
+          "CUDA_ERROR_INVALID_ADDRESS_SPACE", "CUDA_ERROR_LAUNCH_TIMEOUT", "CUDA_ERROR_ASSERT",
+          "CUDA_ERROR_CONTEXT_IS_DESTROYED")
+_context_lost: list[str] = []          # "test id (error)" of the first test that lost the context
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.failed and not ON_EMULATOR and not _context_lost:
+        text = str(rep.longrepr)
+        hit = next((s for s in STICKY if s in text), None)
+        if hit is not None:
+            _context_lost.append(f"{item.nodeid} ({hit})")
+
+
+@pytest.fixture(autouse=True)
+def _cuda_context_alive(request):
+    """After a sticky CUDA error, skip the rest of this process's GPU tests, naming where the context was lost."""
+    if _context_lost and "tests/gpu/" in str(request.node.fspath).replace("\\", "/"):
+        pytest.skip(f"CUDA context lost in {_context_lost[0]}: no more GPU work can run in this process")
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if "tests/gpu/" in str(item.fspath).replace("\\", "/"):
@@ -60,11 +89,11 @@ def put(arena):
 
 @pytest.fixture(scope="session")
 def tiny_gguf():
-    """The golden tiny model (../shared/golden beside the repo, as tests/conftest.py finds it). A device machine
-    gets only the repository, so there it is skipped rather than failed."""
-    from pathlib import Path
+    """The golden tiny model (../shared/golden beside the repo, or DS4PY_GOLDEN: the subset that travels to a GPU
+    machine, as tests/conftest.py finds it). Skipped, with the path, where it is missing."""
+    from helpers import GOLDEN
 
-    path = Path(__file__).resolve().parents[2].parent / "shared" / "golden" / "ds4-tiny" / "tiny.gguf"
+    path = GOLDEN / "ds4-tiny" / "tiny.gguf"
     if not path.is_file():
         pytest.skip(f"golden tiny model not found at {path}")
     return path

@@ -18,7 +18,7 @@ import pytest
 from cuda_engine_checks import DS4_TINY, V4_TINY, check, compare, ids_for, run
 from gpu_sizes import ON_EMULATOR, shrink
 
-GOLDEN = Path(__file__).resolve().parents[2].parent / "shared" / "golden"
+from helpers import GOLDEN  # ../shared/golden, or DS4PY_GOLDEN on a GPU machine
 RESULTS: dict[str, str] = {}
 
 

@@ -32,9 +32,10 @@ def is_dtype(a: DeviceArray | None, dtype: Any) -> bool:
 
 def blocks_that_fit(rt: Any, threads: int, smem_per_block: int, cap_per_sm: int = 32) -> int:
     """Blocks of `threads` threads and `smem_per_block` bytes that the whole device holds at once (an upper bound
-    for a grid-stride launch: more blocks only queue behind the first wave)."""
+    for a grid-stride launch: more blocks only queue behind the first wave). Threads per SM come from the device
+    (2,048 on H100 / H200, 1,536 on GB10)."""
     dev = rt.device
-    per_sm = min(cap_per_sm, max(1, 2048 // threads))
+    per_sm = min(cap_per_sm, max(1, dev.threads_per_sm // threads))
     if smem_per_block:
         per_sm = min(per_sm, max(1, dev.smem_per_block_optin // smem_per_block))
     return dev.sm_count * per_sm

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType as QT
+from ds4py.ggml_types import GGMLQuantizationType as QT
 
 from ds4py.cuda.ops.attention import aligned, dtype_is, need
 from ds4py.cuda.signature import CU_DIR, list_of

@@ -83,7 +83,7 @@ class MoePrefillBuffers:
 
 
 def _name(qtype: int, where: str) -> str:
-    from gguf import GGMLQuantizationType as QT
+    from ds4py.ggml_types import GGMLQuantizationType as QT
 
     qt = QT(int(qtype)) if int(qtype) in QT._value2member_map_ else None
     need(qt in FORMATS, f"{where}: weight type {qt.name if qt is not None else qtype} has no kernel (supported: "
