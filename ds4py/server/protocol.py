@@ -69,6 +69,7 @@ class GenRequest:
     include_usage: bool = False
     continue_final: bool = False              # the prompt ends inside the last assistant message (prefill)
     extra: dict[str, Any] = field(default_factory=dict)   # API-specific bits the encoder echoes back
+    session_key: str | None = None            # the conversation it belongs to (server.affinity.session_key)
 
 
 # ---- engine output events -------------------------------------------------------------------------------
