@@ -76,8 +76,8 @@ class SessionPool:
             score = n - lost
             if score > best_score or (score == best_score and best is not None and self._used[i] > self._used[best]):
                 best, best_score = i, score
-        on_disk = self.disk.best(prompt) if self.disk is not None else None
-        if best is not None and best_score >= (on_disk.n_tokens if on_disk is not None else 0):
+        on_disk = self.disk.reuse(prompt) if self.disk is not None else None
+        if best is not None and best_score >= (on_disk[1] if on_disk is not None else 0):
             return best
         empty = [i for i in idle if not self.sessions[i].histories()]
         return empty[0] if empty else min(idle, key=lambda i: self._used[i])
