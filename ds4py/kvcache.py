@@ -227,6 +227,7 @@ class DiskCache:
         self._lock = threading.Lock()
         self._entries: dict[str, Entry] = {}
         self._pending: set[str] = set()
+        self._ignored: set[str] = set()          # file names already logged as unusable
         self._scan()
         self._queue: queue.Queue | None = None
         if asynchronous:
@@ -241,29 +242,58 @@ class DiskCache:
                 tmp.unlink()
             except OSError:
                 pass
+        self._dir_mtime = self._mtime()
         for path in sorted(self.dir.glob("*" + SUFFIX)):
-            try:
-                header, tokens = read_header(path)
-                if header.get("model") != self.fingerprint:
-                    raise Ds4Error("written for another model file")
-                if header.get("numerics") != self.numerics:
-                    raise Ds4Error(f"written with other numerics ({header.get('numerics')})")
-                if int(header.get("vocab", -1)) != self.vocab or (tokens >= self.vocab).any():
-                    raise Ds4Error("token ids outside this model's vocabulary")
-                st = path.stat()
-            except (Ds4Error, OSError) as e:
-                log.warning("kv cache: ignoring %s: %s", path.name, e)
-                continue
-            key = path.name[:-len(SUFFIX)]
-            floor = header.get("floor")
-            floor = floor if isinstance(floor, int) and 0 <= floor <= len(tokens) else None
-            self._entries[key] = Entry(key, path, tokens, bool(header.get("has_logits")), st.st_size,
-                                       str(header.get("reason")), float(header.get("created", st.st_mtime)),
-                                       st.st_mtime, floor)
+            self._index(path)
         if self._entries:
             log.info("kv cache: %d checkpoints (%.1f MB) in %s", len(self._entries), self.nbytes() / 2**20, self.dir)
         with self._lock:
             self._evict_to(self.space)
+
+    def _index(self, path: Path) -> None:
+        """Add one checkpoint file to the index; one of another model, numerics or format is ignored with one
+        log line (once per file)."""
+        try:
+            header, tokens = read_header(path)
+            if header.get("model") != self.fingerprint:
+                raise Ds4Error("written for another model file")
+            if header.get("numerics") != self.numerics:
+                raise Ds4Error(f"written with other numerics ({header.get('numerics')})")
+            if int(header.get("vocab", -1)) != self.vocab or (tokens >= self.vocab).any():
+                raise Ds4Error("token ids outside this model's vocabulary")
+            st = path.stat()
+        except (Ds4Error, OSError) as e:
+            if path.name not in self._ignored:
+                self._ignored.add(path.name)
+                log.warning("kv cache: ignoring %s: %s", path.name, e)
+            return
+        key = path.name[:-len(SUFFIX)]
+        floor = header.get("floor")
+        floor = floor if isinstance(floor, int) and 0 <= floor <= len(tokens) else None
+        entry = Entry(key, path, tokens, bool(header.get("has_logits")), st.st_size, str(header.get("reason")),
+                      float(header.get("created", st.st_mtime)), st.st_mtime, floor)
+        with self._lock:
+            self._entries.setdefault(key, entry)
+
+    def _mtime(self) -> int:
+        try:
+            return self.dir.stat().st_mtime_ns
+        except OSError:
+            return -1
+
+    def refresh(self) -> None:
+        """Index the checkpoints that other processes wrote into the folder since the last look (replicas that
+        share one --kv-disk-dir: a conversation that moves to another replica finds its checkpoints there). A
+        file created, renamed or deleted changes the folder's mtime: nothing is read while it stays the same."""
+        m = self._mtime()
+        if m == self._dir_mtime:
+            return
+        self._dir_mtime = m
+        with self._lock:
+            known = set(self._entries) | self._pending
+        for path in self.dir.glob("*" + SUFFIX):
+            if path.name[:-len(SUFFIX)] not in known and path.name not in self._ignored:
+                self._index(path)
 
     # ---- queries (engine thread) ---------------------------------------------------------------------------
     def nbytes(self) -> int:
@@ -285,6 +315,7 @@ class DiskCache:
     def best(self, prompt: Sequence[int]) -> Entry | None:
         """The longest checkpoint whose tokens are a prefix of the prompt (one equal to the whole prompt only
         when it has its logits: the next token is sampled from them)."""
+        self.refresh()
         p = np.asarray(prompt, dtype=np.int64)
         best = None
         for e in self.entries():
@@ -298,6 +329,7 @@ class DiskCache:
         """(checkpoint, tokens it serves) of the one that serves most of the prompt (Entry.reach): a prefix of
         it, or one that runs past the shared prefix by no more than its state's rollback horizon (an edited or
         re-rendered last answer after a restart): loaded, it is truncated to the shared prefix. None: no use."""
+        self.refresh()
         p = np.asarray(prompt, dtype=np.int64)
         best, best_n = None, 0
         for e in self.entries():
@@ -343,6 +375,7 @@ class DiskCache:
     def discard(self, entry: Entry, why: str) -> None:
         """Stop using a checkpoint that failed to load (its file stays where it is unless it is ours and bad)."""
         log.warning("kv cache: ignoring %s: %s", entry.path.name, why)
+        self._ignored.add(entry.path.name)       # not indexed again by refresh()
         with self._lock:
             self._entries.pop(entry.key, None)
             self.stats.load_failures += 1

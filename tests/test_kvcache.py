@@ -294,3 +294,19 @@ def test_a_checkpoint_past_the_shared_prefix_is_truncated(tmp_path, model, tok, 
     d = disk(tmp_path / "old", model)
     d.save("shutdown", shutdown.tokens.tolist(), model.save_state(model.new_state()), None)
     assert d.reuse(edited) is None and d.entries()[0].floor is None
+
+
+def test_replicas_sharing_a_folder_see_each_others_checkpoints(tmp_path, model, tok, prompt):
+    """Two servers on one --kv-disk-dir: a checkpoint one of them writes is found by the other's next lookup
+    (the folder's mtime changed), so a conversation that moves replica resumes from it."""
+    a, b = disk(tmp_path, model), disk(tmp_path, model)
+    assert len(b) == 0
+    s = Session(model, tok, 1024, disk=a)
+    answer(s, prompt)                                  # the cold checkpoint, 96 tokens, written by `a`
+    moved = Session(model, tok, 1024, disk=b)
+    answer(moved, prompt + [1, 2, 3])
+    assert moved.last_source == "disk" and moved.last_cached == 96 and len(b) == 1
+    (tmp_path / "junk.kv").write_bytes(b"not a checkpoint")
+    b.reuse(prompt)
+    b.reuse(prompt + [4])                              # logged once, then skipped
+    assert len(b) == 1 and b._ignored == {"junk.kv"}
