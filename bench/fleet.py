@@ -6,8 +6,8 @@ sglang-router from PyPI), several multi-turn conversations at once, and one repl
     python bench/fleet.py --no-kill --json out.json
 
 Every process listens on a free 127.0.0.1 port; nothing else is contacted. Each conversation sends its turns
-with `X-Session-ID: conv-<i>` (what the router's consistent hash reads first, and the replica's session
-affinity) and a system prompt long enough (~700 tokens) for a cold disk checkpoint. After turn --kill-turn of
+with `X-Session-ID: conv-<i>` (what vllm-router's consistent hash reads first, and the replica's session
+affinity) and `X-SMG-Routing-Key` (what sglang-router's manual policy reads) and a system prompt long enough (~700 tokens) for a cold disk checkpoint. After turn --kill-turn of
 every conversation, the next turns start and the replica that holds the first conversation is SIGKILLed while
 its requests run. A failed turn is retried by its conversation (up to 4 times, as a client would); the report
 says which requests failed, where each turn ran and what it reused:
@@ -206,7 +206,8 @@ class Conversation(threading.Thread):
         t0 = time.monotonic()
         rec = {"turn": turn, "attempt": attempt, "t0": t0}
         req = urllib.request.Request(self.fleet.url + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json", "X-Session-ID": self.key})
+                                     headers={"Content-Type": "application/json", "X-Session-ID": self.key,
+                                              "X-SMG-Routing-Key": self.key})
         try:
             with urllib.request.urlopen(req, timeout=self.args.request_timeout) as r:
                 rec.update(status=200, replica=r.headers.get("x-replica-id"))
@@ -343,7 +344,9 @@ def check(convs: list[Conversation], victim: str | None, killed_at: float | None
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--router", choices=("vllm", "sglang"), default="vllm")
-    p.add_argument("--policy", default="consistent_hash", help="router policy (default consistent_hash)")
+    p.add_argument("--policy", default=None,
+                   help="router policy (default: consistent_hash for vllm-router, manual for sglang-router: both "
+                        "keep a session id on its replica)")
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--sessions", type=int, default=2, help="--sessions of each replica (default 2)")
     p.add_argument("--conversations", type=int, default=4)
@@ -367,6 +370,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keep", action="store_true", help="keep the work folder (logs, disk caches)")
     p.add_argument("--json", default=None, help="write the report here")
     args = p.parse_args(argv)
+    args.policy = args.policy or {"vllm": "consistent_hash", "sglang": "manual"}[args.router]
     if args.kill and not 0 <= args.kill_turn < args.turns - 1:
         p.error("--kill-turn must leave at least one turn after it")
     return args
