@@ -128,6 +128,10 @@ def test_vllm_metrics_readiness_and_replica_id(model_tok):
         assert types["vllm:lora_requests_info"] == "gauge"
         assert 'vllm:lora_requests_info{max_lora="0",running_lora_adapters="",waiting_lora_adapters=""}' in m
         assert m['ds4py_replica_info{replica_id="r-7"}'] == 1
+        # `bench serve` counts the answers of each replica (pointed at a router, one line per replica)
+        from ds4py.bench_serve import format_summary, run_serve_bench
+        summary = run_serve_bench(srv.base_url, concurrency=2, requests=3, input_len=8, output_len=2)
+        assert summary["per_replica"] == {"r-7": 3} and "replica r-7:" in format_summary(summary)
         # draining (SIGTERM): not ready, still alive, new requests refused with 503
         state.draining = True
         st, _, body = get(srv.base_url + "/health")
