@@ -302,3 +302,15 @@ def test_session_affinity_with_one_session(model_tok):
                      {"role": "user", "content": "next"}]
         wait_idle(state)
         assert state.metrics.affinity == {"hit": 1, "fallback": 1, "none": 0}
+
+
+def test_unknown_field_names_are_remembered_within_a_bound(monkeypatch):
+    """A long-lived replica: a client sending a new unknown field name on every request does not grow the
+    server's memory (the names logged once are bounded)."""
+    from ds4py.server import protocol
+
+    monkeypatch.setattr(protocol, "_warned", set())
+    monkeypatch.setattr(protocol, "MAX_WARNED", 8)
+    for i in range(100):
+        protocol.note_unknown({f"x_{i}": 1}, frozenset(), "/v1/chat/completions")
+    assert len(protocol._warned) == 8
