@@ -30,8 +30,8 @@ from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 from . import anthropic, openai, responses
 from .affinity import session_key
 from .metrics import Metrics
-from .sse import keepalive_event, next_or_keepalive
 from .protocol import MODEL_IDS, NONTHINKING_ALIASES, THINKING_ALIASES, ApiError, Done, Result, Started
+from .sse import keepalive_event, next_or_keepalive
 from .worker import Engine, Job, Worker
 
 log = logging.getLogger("ds4py.server")
