@@ -1,5 +1,5 @@
 """The fleet recipe of docs/deploy.md, run small: two `ds4py serve` replicas (demo model) behind vllm-router
-(PyPI, in the test extra) with its consistent hash on X-Session-ID, three streamed conversations of three turns,
+(PyPI, in the test extra) with its consistent hash on X-Session-ID, three streamed conversations of four turns,
 and one replica SIGKILLed while its requests run (bench/fleet.py does the work; loopback only, bounded)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import fleet  # noqa: E402
 def test_replicas_behind_vllm_router_keep_sessions_and_survive_a_kill(capsys):
     if fleet.router_command("vllm") is None:
         pytest.skip("vllm-router is not installed (it is in the test extra: pip install -e '.[test]')")
-    args = ["--conversations", "3", "--turns", "3", "--max-tokens", "2", "--system-repeat", "1",
+    args = ["--conversations", "3", "--turns", "4", "--max-tokens", "2", "--system-repeat", "1",
             "--time-limit", "400"]
     report = fleet.run(fleet.parse_args(args))
     assert report["answered"], report                            # every turn answered (a failed one retried)

@@ -154,13 +154,13 @@ class Engine:
     def run(self, job: Job) -> None:
         """One job on the single session, to its end (the Worker's loop without --sessions)."""
         histories = self.histories()
+        # the session is not thread-safe: even this look-up happens here, on the engine thread
+        cached = int(self.session.prompt_cache_tokens(job.ids))
         # one resident session: a session id "hits" when its conversation is the one held here
-        _, how = self.affinity.choose(job.session_key, lambda i: True,
-                                      lambda i: self.session.reuse(job.ids, disk=False)[0] > 0, lambda: 0)
+        _, how = self.affinity.choose(job.session_key, lambda i: True, lambda i: cached > 0, lambda: 0)
         self.affinity.bind(job.session_key, 0)
         self.metrics.observe_affinity(how)
-        # the session is not thread-safe: even this look-up happens here, on the engine thread
-        job.emit(Started(len(job.ids), int(self.session.prompt_cache_tokens(job.ids))))
+        job.emit(Started(len(job.ids), cached))
         out = JobOutput(self, job)
         gen = self.session.generate(job.ids, self.sampling_params(job.req), cancelled=job.cancel.is_set)
         done, reported = None, False
