@@ -314,3 +314,26 @@ def test_unknown_field_names_are_remembered_within_a_bound(monkeypatch):
     for i in range(100):
         protocol.note_unknown({f"x_{i}": 1}, frozenset(), "/v1/chat/completions")
     assert len(protocol._warned) == 8
+
+
+def test_serve_replica_options_are_checked():
+    from test_serve_cli import serve_fails
+
+    assert "--replica-id must be 1 to 128 printable ASCII" in serve_fails(["--replica-id", "two words"])
+    assert "--replica-id must be" in serve_fails(["--replica-id", ""])
+    assert "--sse-keepalive must be >= 0" in serve_fails(["--sse-keepalive", "-1"])
+
+
+def test_serve_replica_id_in_the_log_and_header(tiny):
+    import signal as sig
+
+    from helpers import start_serve
+
+    proc, base = start_serve(["-m", str(tiny), "--ctx", "256", "--replica-id", "box-1", "-v"])
+    try:
+        st, hd, _ = get(base + "/livez")
+        assert st == 200 and hd["X-Replica-Id"] == "box-1"
+    finally:
+        proc.send_signal(sig.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    assert "[box-1] " in err and "ds4py serve [box-1]: listening" in err
