@@ -378,6 +378,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # a SIGTERM (timeout, Ctrl-C of a wrapper) unwinds through the `finally` that stops the child servers
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     report = run(args)
     text = json.dumps(report, indent=2)
     print(text)

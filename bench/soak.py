@@ -108,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     port = free_port()
+    # a SIGTERM (timeout, Ctrl-C of a wrapper) unwinds through the `finally` that stops the child servers
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     cmd = [sys.executable, "-m", "ds4py", "serve", "-m", args.model, "--port", str(port), "--ctx", "1024",
            "--sessions", str(args.sessions), "--max-queue", str(args.concurrency * 2)]
     proc = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(REPO)})
