@@ -39,6 +39,7 @@ class RequestResult:
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
     error: str = ""
+    replica: str | None = None      # X-Replica-Id of the answer (serve --replica-id; through a router)
 
 
 def make_prompt(words: list[str], approx_tokens: int, rng: random.Random) -> str:
@@ -60,6 +61,7 @@ async def _one_request(session, url: str, headers: dict, body: dict, timeout: fl
     try:
         async with session.post(url, data=orjson.dumps(body), headers=headers,
                                 timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            res.replica = resp.headers.get("X-Replica-Id")
             if resp.status != 200:
                 res.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return res
@@ -176,6 +178,7 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
         "tpot_ms": _stats(tpot),
         "itl_ms": _stats([x for r in ok for x in r.itl]),
         "e2e_ms": _stats([r.e2e for r in ok]),
+        "per_replica": {k: sum(r.replica == k for r in ok) for k in sorted({r.replica for r in ok if r.replica})},
     }
 
 
@@ -196,6 +199,8 @@ def format_summary(s: dict) -> str:
         lines.append(f"{name:-^50}")
         for stat in ("mean", "p50", "p90", "p99"):
             lines.append(f"{(stat.capitalize() if stat == 'mean' else stat.upper()) + ' (ms):':<40}{s[key][stat]:>10.2f}")
+    for rid, n in s.get("per_replica", {}).items():
+        lines.append(f"{'Requests answered by replica ' + rid + ':':<40}{n:>10}")
     for e in s["errors"]:
         lines.append(f"error: {e}")
     lines.append("=" * 50)

@@ -3,6 +3,7 @@ prefix survives a switch of conversation and a restart of the server (seed 002's
 
     disk = DiskCache("/tmp/ds4py-kv", space_mb=8192, model=model)
     entry = disk.best(prompt_ids)                 # the longest checkpoint whose tokens are a prefix of the prompt
+    entry, n = disk.reuse(prompt_ids)             # or one past the shared prefix within its rollback horizon
     tokens, blob, logits = disk.load(entry)       # the state is model.load_state(blob)
     disk.save("cold", tokens, model.save_state(state), logits)
 
@@ -16,7 +17,7 @@ File `<hash>.kv` (the hash: BLAKE2b-160 of the model fingerprint, the numerics a
 | bytes | content |
 |---|---|
 | 0–7, 8–11, 12–15, 16–23 | magic `DS4PYKVC`, u32 version (1), u32 header length, u64 total length |
-| 24… | header JSON: model fingerprint, numerics, reason, created (Unix s), n_tokens, vocab, offsets and lengths |
+| 24… | header JSON: model fingerprint, numerics, reason, created (Unix s), n_tokens, vocab, the state's rollback floor, offsets and lengths |
 | 8-aligned | u32 token ids; f32 logits (vocab of them, when present); the state blob |
 | last 4 | CRC-32 of every byte before it |
 
@@ -96,10 +97,24 @@ class Entry:
     reason: str
     created: float
     last_used: float
+    floor: int | None = None      # the state's rollback floor (None: unknown, serves exact prefixes only)
 
     @property
     def n_tokens(self) -> int:
         return int(self.tokens.shape[0])
+
+    def reach(self, prompt: np.ndarray) -> int:
+        """How many of the prompt's tokens this checkpoint serves: all of its tokens when they are a prefix of
+        the prompt (all of the prompt only with its logits), else the shared prefix when the state can be
+        truncated to it (at least its rollback floor, and one prompt token left to step); 0 otherwise."""
+        n = self.n_tokens
+        m = min(n, len(prompt))
+        differ = np.flatnonzero(self.tokens[:m] != prompt[:m])
+        c = int(differ[0]) if differ.size else m
+        if c == n and (n < len(prompt) or self.has_logits):
+            return n
+        r = min(c, len(prompt) - 1)
+        return r if self.floor is not None and r > 0 and r >= self.floor else 0
 
 
 @dataclass
@@ -129,12 +144,14 @@ def _align8(n: int) -> int:
 
 
 def encode_checkpoint(model_fp: str, numerics: dict, vocab: int, reason: str, tokens: Sequence[int], blob: bytes,
-                      logits: np.ndarray | None, created: float | None = None) -> bytes:
+                      logits: np.ndarray | None, created: float | None = None, floor: int | None = None) -> bytes:
     toks = np.asarray(tokens, dtype="<u4").tobytes()
     lg = b"" if logits is None else np.asarray(logits, dtype="<f4").reshape(vocab).tobytes()
     header = {"model": model_fp, "numerics": numerics, "reason": reason,
               "created": round(time.time() if created is None else created, 3),
               "n_tokens": len(tokens), "vocab": vocab, "has_logits": logits is not None}
+    if floor is not None:
+        header["floor"] = int(floor)
     # the offsets depend on the header's length, which depends on the offsets: iterate to the fixed point
     t_off = -1
     while True:
@@ -210,6 +227,7 @@ class DiskCache:
         self._lock = threading.Lock()
         self._entries: dict[str, Entry] = {}
         self._pending: set[str] = set()
+        self._ignored: set[str] = set()          # file names already logged as unusable
         self._scan()
         self._queue: queue.Queue | None = None
         if asynchronous:
@@ -224,27 +242,58 @@ class DiskCache:
                 tmp.unlink()
             except OSError:
                 pass
+        self._dir_mtime = self._mtime()
         for path in sorted(self.dir.glob("*" + SUFFIX)):
-            try:
-                header, tokens = read_header(path)
-                if header.get("model") != self.fingerprint:
-                    raise Ds4Error("written for another model file")
-                if header.get("numerics") != self.numerics:
-                    raise Ds4Error(f"written with other numerics ({header.get('numerics')})")
-                if int(header.get("vocab", -1)) != self.vocab or (tokens >= self.vocab).any():
-                    raise Ds4Error("token ids outside this model's vocabulary")
-                st = path.stat()
-            except (Ds4Error, OSError) as e:
-                log.warning("kv cache: ignoring %s: %s", path.name, e)
-                continue
-            key = path.name[:-len(SUFFIX)]
-            self._entries[key] = Entry(key, path, tokens, bool(header.get("has_logits")), st.st_size,
-                                       str(header.get("reason")), float(header.get("created", st.st_mtime)),
-                                       st.st_mtime)
+            self._index(path)
         if self._entries:
             log.info("kv cache: %d checkpoints (%.1f MB) in %s", len(self._entries), self.nbytes() / 2**20, self.dir)
         with self._lock:
             self._evict_to(self.space)
+
+    def _index(self, path: Path) -> None:
+        """Add one checkpoint file to the index; one of another model, numerics or format is ignored with one
+        log line (once per file)."""
+        try:
+            header, tokens = read_header(path)
+            if header.get("model") != self.fingerprint:
+                raise Ds4Error("written for another model file")
+            if header.get("numerics") != self.numerics:
+                raise Ds4Error(f"written with other numerics ({header.get('numerics')})")
+            if int(header.get("vocab", -1)) != self.vocab or (tokens >= self.vocab).any():
+                raise Ds4Error("token ids outside this model's vocabulary")
+            st = path.stat()
+        except (Ds4Error, OSError) as e:
+            if path.name not in self._ignored:
+                self._ignored.add(path.name)
+                log.warning("kv cache: ignoring %s: %s", path.name, e)
+            return
+        key = path.name[:-len(SUFFIX)]
+        floor = header.get("floor")
+        floor = floor if isinstance(floor, int) and 0 <= floor <= len(tokens) else None
+        entry = Entry(key, path, tokens, bool(header.get("has_logits")), st.st_size, str(header.get("reason")),
+                      float(header.get("created", st.st_mtime)), st.st_mtime, floor)
+        with self._lock:
+            self._entries.setdefault(key, entry)
+
+    def _mtime(self) -> int:
+        try:
+            return self.dir.stat().st_mtime_ns
+        except OSError:
+            return -1
+
+    def refresh(self) -> None:
+        """Index the checkpoints that other processes wrote into the folder since the last look (replicas that
+        share one --kv-disk-dir: a conversation that moves to another replica finds its checkpoints there). A
+        file created, renamed or deleted changes the folder's mtime: nothing is read while it stays the same."""
+        m = self._mtime()
+        if m == self._dir_mtime:
+            return
+        self._dir_mtime = m
+        with self._lock:
+            known = set(self._entries) | self._pending
+        for path in self.dir.glob("*" + SUFFIX):
+            if path.name[:-len(SUFFIX)] not in known and path.name not in self._ignored:
+                self._index(path)
 
     # ---- queries (engine thread) ---------------------------------------------------------------------------
     def nbytes(self) -> int:
@@ -266,6 +315,7 @@ class DiskCache:
     def best(self, prompt: Sequence[int]) -> Entry | None:
         """The longest checkpoint whose tokens are a prefix of the prompt (one equal to the whole prompt only
         when it has its logits: the next token is sampled from them)."""
+        self.refresh()
         p = np.asarray(prompt, dtype=np.int64)
         best = None
         for e in self.entries():
@@ -274,6 +324,19 @@ class DiskCache:
                     and np.array_equal(e.tokens, p[:n]):
                 best = e
         return best
+
+    def reuse(self, prompt: Sequence[int]) -> tuple[Entry, int] | None:
+        """(checkpoint, tokens it serves) of the one that serves most of the prompt (Entry.reach): a prefix of
+        it, or one that runs past the shared prefix by no more than its state's rollback horizon (an edited or
+        re-rendered last answer after a restart): loaded, it is truncated to the shared prefix. None: no use."""
+        self.refresh()
+        p = np.asarray(prompt, dtype=np.int64)
+        best, best_n = None, 0
+        for e in self.entries():
+            n = e.reach(p)
+            if n > best_n or (n == best_n and n > 0 and e.n_tokens == n and best.n_tokens != n):
+                best, best_n = e, n                # a tie: the exact prefix, no truncation
+        return (best, best_n) if best is not None else None
 
     def load(self, entry: Entry) -> tuple[list[int], bytes, np.ndarray | None] | None:
         """(tokens, state blob, logits), or None (logged, and the entry dropped) when the file is gone, truncated
@@ -312,13 +375,14 @@ class DiskCache:
     def discard(self, entry: Entry, why: str) -> None:
         """Stop using a checkpoint that failed to load (its file stays where it is unless it is ours and bad)."""
         log.warning("kv cache: ignoring %s: %s", entry.path.name, why)
+        self._ignored.add(entry.path.name)       # not indexed again by refresh()
         with self._lock:
             self._entries.pop(entry.key, None)
             self.stats.load_failures += 1
 
     # ---- writes ----------------------------------------------------------------------------------------------
     def save(self, reason: str, tokens: Sequence[int], blob: bytes, logits: np.ndarray | None,
-             block: bool = False) -> bool:
+             block: bool = False, floor: int | None = None) -> bool:
         """Write a checkpoint (on the writer thread unless the cache is synchronous). False when it was skipped:
         already there, the writer is busy (block=False) or it is larger than the whole space."""
         if reason not in REASONS:
@@ -329,7 +393,7 @@ class DiskCache:
             if key in self._entries or key in self._pending:
                 return False
             self._pending.add(key)
-        item = (key, reason, tokens, blob, None if logits is None else np.array(logits, np.float32))
+        item = (key, reason, tokens, blob, None if logits is None else np.array(logits, np.float32), floor)
         if self._queue is None:
             self._write(*item)
             return True
@@ -367,11 +431,13 @@ class DiskCache:
             finally:
                 self._queue.task_done()
 
-    def _write(self, key: str, reason: str, tokens: list[int], blob: bytes, logits: np.ndarray | None) -> None:
+    def _write(self, key: str, reason: str, tokens: list[int], blob: bytes, logits: np.ndarray | None,
+               floor: int | None = None) -> None:
         path = self.dir / (key + SUFFIX)
         tmp = self.dir / f".{key}{SUFFIX}.tmp{os.getpid()}"
         try:
-            data = encode_checkpoint(self.fingerprint, self.numerics, self.vocab, reason, tokens, blob, logits)
+            data = encode_checkpoint(self.fingerprint, self.numerics, self.vocab, reason, tokens, blob, logits,
+                                     floor=floor)
             if len(data) > self.space:
                 log.info("kv cache: %s checkpoint of %d tokens (%.1f MB) exceeds --kv-disk-space-mb; not written",
                          reason, len(tokens), len(data) / 2**20)
@@ -388,7 +454,7 @@ class DiskCache:
             now = time.time()
             with self._lock:
                 self._entries[key] = Entry(key, path, np.asarray(tokens, np.int64), logits is not None, len(data),
-                                           reason, now, now)
+                                           reason, now, now, floor)
                 self.stats.writes[reason] += 1
                 self.stats.written_bytes += len(data)
                 self._evict_to(self.space)

@@ -231,9 +231,9 @@ class Session:
                 if r > best and r >= snap.state.rollback_floor:
                     best, src = r, snap
         if disk and self.disk is not None:
-            entry = self.disk.best(prompt)
-            if entry is not None and entry.n_tokens > best:
-                best, src = entry.n_tokens, entry
+            found = self.disk.reuse(prompt)        # a prefix checkpoint, or one truncated to the shared prefix
+            if found is not None and found[1] > best:
+                best, src = found[1], found[0]
         return best, src
 
     def _take_snapshot(self) -> None:
@@ -254,7 +254,8 @@ class Session:
         if self.disk is None or not self._live_is_consistent() or len(self.tokens) < self.disk.policy.min_tokens \
                 or self.disk.has(self.tokens):
             return False
-        if self.disk.save(reason, self.tokens, self.model.save_state(self.state), self._logits, block=block):
+        if self.disk.save(reason, self.tokens, self.model.save_state(self.state), self._logits, block=block,
+                          floor=self.state.rollback_floor):
             self.stats.checkpoints += 1
             return True
         return False
@@ -352,7 +353,7 @@ class Session:
             elif src is None:
                 self.state, self.tokens, self._logits = self.model.new_state(), [], None
                 self.last_source = "none"
-            elif not self._restore_checkpoint(src):
+            elif not self._restore_checkpoint(src, cached):
                 continue                           # unreadable: dropped from the disk cache, look again
             break
         self.stats.requests += 1
@@ -375,13 +376,19 @@ class Session:
         self._plan = tuple(sorted(x for x in splits if x > cached))
         return cached
 
-    def _restore_checkpoint(self, entry) -> bool:
+    def _restore_checkpoint(self, entry, n: int) -> bool:
+        """Load a checkpoint and keep its first n tokens (fewer than it holds: it ran past the prompt's shared
+        prefix, within its rollback horizon)."""
         loaded = self.disk.load(entry)
         if loaded is None:
             return False
         tokens, blob, logits = loaded
         try:
             state = self.model.load_state(blob)
+            if n < len(tokens):
+                state.truncate(n)                  # raises below the floor: the header lied, the file is bad
+                tokens, logits = tokens[:n], None
+                self.stats.truncations += 1
         except Ds4Error as e:
             self.disk.discard(entry, str(e))
             return False

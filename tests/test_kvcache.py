@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -62,13 +63,18 @@ def test_a_checkpoint_survives_a_restart_and_continues_exactly(tmp_path, model, 
     assert done.cached_tokens == 0
     # cold: trim 4, aligned to 32 -> the first 96 prompt tokens, written before generation
     assert [(e.n_tokens, e.reason) for e in s.disk.entries()] == [(96, "cold")]
+    shutil.copytree(tmp_path, tmp_path / "cold-only")
     s.close()                                          # shutdown: the live state, prompt + answer[:-1]
     assert sorted(e.reason for e in s.disk.entries()) == ["cold", "shutdown"]
 
-    again = Session(model, tok, 1024, disk=disk(tmp_path, model))     # a restart: a new index from the files
+    again = Session(model, tok, 1024, disk=disk(tmp_path / "cold-only", model))   # a restart: a new index
     got, done = answer(again, prompt)
     assert again.last_source == "disk" and done.cached_tokens == 96
     assert got == want                                 # the same chunks after the checkpoint: the same bits
+    # with the shutdown checkpoint there (prompt + answer[:-1]), it serves all but the prompt's last token
+    # (truncated within its rollback horizon), more than the cold one
+    restarted = Session(model, tok, 1024, disk=disk(tmp_path, model))
+    assert answer(restarted, prompt)[1].cached_tokens == len(prompt) - 1 and restarted.last_source == "disk"
     follow = prompt + want[:-1] + [7, 8, 9]            # the conversation goes on: the shutdown checkpoint
     third = Session(model, tok, 1024, disk=disk(tmp_path, model))
     answer(third, follow)
@@ -252,8 +258,55 @@ def test_serve_restart_reuses_the_disk_cache(golden, tmp_path, sessions):
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     names = sorted(p.name for p in (tmp_path / "kv").iterdir())
     assert len([n for n in names if n.endswith(".kv")]) == 2 and "tool-memory.jsonl" in names   # cold + shutdown
+    # the shutdown checkpoint (prompt + 7 answer tokens) would serve 599 tokens, truncated: leave only the cold one
+    from ds4py.kvcache import read_header
+    for f in (tmp_path / "kv").glob("*.kv"):
+        if read_header(f)[0]["reason"] == "shutdown":
+            f.unlink()
     second, metrics = once()
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 512
     assert "ds4py_kv_disk_hits_total 1" in metrics and 'ds4py_kv_cache_source_total{source="disk"} 1' in metrics
     if sessions > 1:
         assert second["choices"][0]["text"] == first["choices"][0]["text"]
+
+
+def test_a_checkpoint_past_the_shared_prefix_is_truncated(tmp_path, model, tok, prompt):
+    """After a restart, a client that sends back its last answer edited (or re-rendered) diverges inside the
+    shutdown checkpoint: one that runs past the shared prefix by at most the rollback horizon is loaded and
+    truncated to it, instead of falling back to the cold checkpoint."""
+    s = Session(model, tok, 1024, disk=disk(tmp_path, model))
+    want, _ = answer(s, prompt, SamplingParams(temperature=0, max_tokens=12))
+    s.close()
+    shutdown = [e for e in s.disk.entries() if e.reason == "shutdown"][0]
+    assert shutdown.n_tokens == len(prompt) + 11 and shutdown.floor == shutdown.n_tokens - model.rollback_horizon
+    edited = prompt + want[:4] + [(want[4] + 1) % 512] + [9, 9, 9]        # the answer changed at its 5th token
+    again = Session(model, tok, 1024, disk=disk(tmp_path, model))
+    got, done = answer(again, edited)
+    assert again.last_source == "disk" and done.cached_tokens == len(prompt) + 4 and again.stats.truncations == 1
+    cold = Session(model, tok, 1024)
+    assert answer(cold, edited)[0][:1] == got[:1]                          # the truncated state is the prefix's
+    # past the horizon: the edit is too far back, the cold checkpoint (96 tokens) serves
+    far = prompt[:100] + [(prompt[100] + 1) % 512] + prompt[101:]
+    third = Session(model, tok, 1024, disk=disk(tmp_path, model))
+    answer(third, far)
+    assert third.last_source == "disk" and third.last_cached == 96
+    # a checkpoint written without its floor (an older file) serves exact prefixes only
+    d = disk(tmp_path / "old", model)
+    d.save("shutdown", shutdown.tokens.tolist(), model.save_state(model.new_state()), None)
+    assert d.reuse(edited) is None and d.entries()[0].floor is None
+
+
+def test_replicas_sharing_a_folder_see_each_others_checkpoints(tmp_path, model, tok, prompt):
+    """Two servers on one --kv-disk-dir: a checkpoint one of them writes is found by the other's next lookup
+    (the folder's mtime changed), so a conversation that moves replica resumes from it."""
+    a, b = disk(tmp_path, model), disk(tmp_path, model)
+    assert len(b) == 0
+    s = Session(model, tok, 1024, disk=a)
+    answer(s, prompt)                                  # the cold checkpoint, 96 tokens, written by `a`
+    moved = Session(model, tok, 1024, disk=b)
+    answer(moved, prompt + [1, 2, 3])
+    assert moved.last_source == "disk" and moved.last_cached == 96 and len(b) == 1
+    (tmp_path / "junk.kv").write_bytes(b"not a checkpoint")
+    b.reuse(prompt)
+    b.reuse(prompt + [4])                              # logged once, then skipped
+    assert len(b) == 1 and b._ignored == {"junk.kv"}

@@ -78,7 +78,9 @@ def test_disk_cache_with_speculation_cold_and_continued(tmp_path, ref):
     s.close()                                            # shutdown: the live paired state
     again = Session(SpecModel(m, mtp), NullTokenizer(), 1024, disk=_disk(tmp_path, SpecModel(m, mtp)))
     assert _answer(again, prompt) == plain
-    assert again.last_source == "disk" and again.last_cached == 32
+    # the shutdown checkpoint (prompt + answer[:-1]) runs past the prompt by less than the rollback horizon: it is
+    # loaded and truncated (the paired state too), serving all but the prompt's last token
+    assert again.last_source == "disk" and again.last_cached == len(prompt) - 1
     follow = prompt + plain[:-1] + [7, 8]                # the conversation goes on from the shutdown checkpoint
     third = Session(SpecModel(m, mtp), NullTokenizer(), 1024, disk=_disk(tmp_path, SpecModel(m, mtp)))
     want = _answer(Session(m, NullTokenizer(), 1024), follow)

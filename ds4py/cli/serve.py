@@ -73,6 +73,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-disk-space-mb", type=float, default=None, metavar="MB",
                    help="bound on the checkpoints in --kv-disk-dir; least recently used ones are deleted "
                         "(default 8192)")
+    p.add_argument("--replica-id", default=None, metavar="ID",
+                   help="name of this replica behind a router: sent as the X-Replica-Id response header, in "
+                        "/metrics (ds4py_replica_info) and in every log line")
+    p.add_argument("--sse-keepalive", type=float, default=10.0, metavar="S",
+                   help="send a keep-alive event on a stream that has been silent for S seconds (a long prefill), "
+                        "so that idle timeouts of clients and routers keep it (default 10; 0: never)")
     p.add_argument("--tool-memory-max-ids", type=int, default=100_000,
                    help="tool-call ids remembered for exact DSML replay (default 100000)")
     p.add_argument("--disable-exact-dsml-tool-replay", action="store_true",
@@ -178,8 +184,15 @@ def run(args) -> int:
     from ds4py.server.protocol import MODEL_IDS
     from ds4py.server.toolmemory import ToolMemory
 
+    replica = args.replica_id
+    if replica is not None and not (0 < len(replica) <= 128 and all("!" <= c <= "~" for c in replica)):
+        raise Ds4Error("--replica-id must be 1 to 128 printable ASCII characters without spaces (it is sent in an "
+                       "HTTP header)")
+    if not args.sse_keepalive >= 0:
+        raise Ds4Error(f"--sse-keepalive must be >= 0 seconds, got {args.sse_keepalive}")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+                        format="%(asctime)s " + (f"[{replica}] " if replica else "") +
+                               "%(name)s %(levelname)s %(message)s")
     if args.ctx < 2:
         raise Ds4Error(f"--ctx must be at least 2, got {args.ctx}")
     if not 0 <= args.port <= 65535:
@@ -205,7 +218,8 @@ def run(args) -> int:
                           cors=[o.strip() for o in (args.cors or "").split(",") if o.strip()],
                           max_body_mb=args.max_body_mb, max_queue=args.max_queue, access_log=args.verbose,
                           allowed_hosts=hosts, header_timeout=args.header_timeout, body_timeout=args.body_timeout,
-                          max_tokens=args.max_tokens, backend=args.backend)
+                          max_tokens=args.max_tokens, backend=args.backend, replica_id=replica,
+                          sse_keepalive=args.sse_keepalive)
     if demo:
         config.max_tokens = args.max_tokens or DEMO_MAX_TOKENS
         config.model_ids = ("ds4py-demo",) + MODEL_IDS
@@ -248,7 +262,7 @@ def run(args) -> int:
 
     what = "the DEMO model (tiny, RANDOM WEIGHTS: output is noise; pass -m MODEL.gguf for a real model)" if demo \
         else args.model
-    print(f"ds4py serve: listening on http://{args.host}:{sock.getsockname()[1]} with {what}; "
+    print(f"ds4py serve{f' [{replica}]' if replica else ''}: listening on http://{args.host}:{sock.getsockname()[1]} with {what}; "
           f"backend {args.backend}, context {args.ctx}"
           f"{f', {args.sessions} sessions' if args.sessions > 1 else ''}"
           f"{f', disk KV cache {args.kv_disk_dir} ({disk_mb:g} MB)' if args.kv_disk_dir else ''}"

@@ -29,9 +29,11 @@ from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
 from . import anthropic, openai, page, responses
+from .affinity import session_key
 from .metrics import Metrics
 from .protocol import (MODEL_IDS, NONTHINKING_ALIASES, THINKING_ALIASES, ApiError, Done, Reasoning, Result, Started,
                        Text, ToolCallOut)
+from .sse import keepalive_event, next_or_keepalive
 from .worker import Engine, Job, Worker
 
 log = logging.getLogger("ds4py.server")
@@ -57,6 +59,8 @@ class ServerConfig:
     max_tokens: int | None = None      # generation limit for requests that send none (serve --max-tokens)
     backend: str | None = None         # shown by `GET /` (the chat page's header); set once the model is loaded
     model_context: int | None = None   # the model's own context length: a max_tokens beyond it is a 400
+    replica_id: str | None = None      # serve --replica-id: the X-Replica-Id header, /metrics and the log
+    sse_keepalive: float = 10.0        # seconds of silence on an SSE stream before a keep-alive event (0: never)
 
 
 class ServerState:
@@ -68,6 +72,9 @@ class ServerState:
         self.load_error: str | None = None
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="ds4py-render")
         self.started = int(time.time())
+        self.draining = False              # SIGTERM received: not ready (/health 503), new requests refused
+        self.metrics.model_name = config.model_ids[0]
+        self.metrics.replica_id = config.replica_id
 
     @property
     def served_ids(self) -> tuple[str, ...]:
@@ -75,6 +82,8 @@ class ServerState:
 
     def set_engine(self, engine: Engine) -> None:
         engine.metrics = self.metrics
+        n_sessions = len(engine.pool) if engine.pool is not None else 1
+        self.metrics.kv_capacity_tokens = engine.ctx_size * n_sessions
         self.worker = Worker(engine, self.config.max_queue)
         self.engine = engine
 
@@ -94,6 +103,9 @@ class ServerState:
         return t
 
     def ready_engine(self) -> Engine:
+        if self.draining:
+            raise ApiError(503, "the server is shutting down; send the request to another replica or retry later",
+                           kind="service_unavailable", headers={"Retry-After": "5"})
         if self.engine is None:
             msg = f"the model failed to load: {self.load_error}" if self.load_error else "the model is still loading"
             raise ApiError(503, msg, kind="service_unavailable", headers={"Retry-After": "5"})
@@ -257,7 +269,7 @@ async def middleware(request: web.Request, handler):
                 "Access-Control-Max-Age": "600"})
         return resp
     try:
-        if cfg.api_key and request.path != "/health" and not page.is_public(request):
+        if cfg.api_key and request.path not in ("/health", "/livez") and not page.is_public(request):
             _check_auth(request, cfg.api_key)
         resp = await handler(request)
     except ApiError as e:
@@ -325,13 +337,22 @@ async def read_json(request: web.Request) -> dict:
 
 
 async def health(request: web.Request) -> web.Response:
+    """Readiness: 200 only while requests can be served (not while loading, broken or draining)."""
     st = request.app[STATE]
+    if st.draining:
+        return web.json_response({"status": "draining"}, status=503)
     if st.engine is not None and not st.engine.broken:
         return web.json_response({"status": "ok"})
     if st.engine is not None:
         return web.json_response({"status": "error", "error": st.engine.broken}, status=503)
     status = "error" if st.load_error else "loading"
     return web.json_response({"status": status, "error": st.load_error}, status=503)
+
+
+async def livez(request: web.Request) -> web.Response:
+    """Liveness: the process and its event loop answer (loading, draining or a broken model are alive: a restart
+    of a loading server only restarts the load)."""
+    return web.json_response({"status": "alive"})
 
 
 async def root(request: web.Request) -> web.Response:
@@ -400,6 +421,7 @@ async def _prepare(request: web.Request, parse, check_fits: bool = True) -> tupl
     st = request.app[STATE]
     body = await read_json(request)
     req = parse(body, st.served_ids)
+    req.session_key = session_key(request.headers, body)
     if req.max_tokens is None:
         req.max_tokens = st.config.max_tokens
     engine = st.ready_engine()
@@ -442,7 +464,7 @@ def _next_event(job: Job, ev):
 def generation_handler(parse, encoder_cls, id_prefix: str):
     async def handle(request: web.Request) -> web.StreamResponse:
         st, req, ids = await _prepare(request, parse)
-        job = Job(req, ids, asyncio.get_running_loop(), id_prefix)
+        job = Job(req, ids, asyncio.get_running_loop(), id_prefix, session_key=req.session_key)
         request[JOB] = job                         # for the access log's token counts and speeds
         st.worker.submit(job)
         enc = encoder_cls(req, secrets.token_hex(12), int(time.time()))
@@ -476,8 +498,10 @@ async def _stream(request: web.Request, job: Job, enc, started: Started) -> web.
         if first:
             await resp.write(first)
         done = False
+        keepalive = keepalive_event(request.path)
         while not done:
-            ev = _next_event(job, await job.events.get())
+            ev = _next_event(job, await next_or_keepalive(job.events, request.app[STATE].config.sse_keepalive,
+                                                          resp, keepalive))
             buf = enc.event(ev)
             done = isinstance(ev, Done)
             while not done and not job.events.empty():      # batch what piled up into one write
@@ -499,13 +523,20 @@ async def count_tokens(request: web.Request) -> web.Response:
     return web.json_response({"input_tokens": len(ids)})
 
 
+async def _replica_header(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers["X-Replica-Id"] = request.app[STATE].config.replica_id
+
+
 def make_app(state: ServerState) -> web.Application:
     app = web.Application(middlewares=[middleware], client_max_size=int(state.config.max_body_mb * 1024 * 1024))
     app[STATE] = state
+    if state.config.replica_id is not None:
+        app.on_response_prepare.append(_replica_header)
     r = app.router
     r.add_get("/", root)
     page.add_routes(r)
     r.add_get("/health", health)
+    r.add_get("/livez", livez)
     r.add_get("/metrics", metrics)
     r.add_get("/v1/models", list_models)
     r.add_get("/v1/models/{id}", get_model)
@@ -641,6 +672,7 @@ def run_server(state: ServerState, sock: socket.socket) -> None:
 
         def on_signal():
             signals[0] += 1
+            state.draining = True          # /health answers 503 from now on: a router stops sending here
             stop.set()
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:

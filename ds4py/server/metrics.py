@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+import time
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -14,6 +15,15 @@ BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
 REUSE_SOURCES = ("live", "rollback", "snapshot", "disk", "none")
+AFFINITY_RESULTS = ("hit", "fallback", "none")
+# vLLM's own buckets (vllm/v1/metrics/loggers.py), so that dashboards and routers built for vLLM read ours alike
+VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+VLLM_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                    40.0, 80.0)
+VLLM_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                    480.0, 960.0, 1920.0, 7680.0)
+VLLM_FINISH_REASONS = ("stop", "length", "abort")
 REUSE_RESULTS = ("hit", "miss", "cold")
 
 
@@ -29,14 +39,16 @@ class Histogram:
         self.sum += v
         self.count += 1
 
-    def lines(self, name: str) -> list[str]:
+    def lines(self, name: str, labels: str = "") -> list[str]:
+        """labels: extra label pairs, e.g. 'model_name="x"' (put before le, as prometheus_client does)."""
+        lab, pre = (f"{{{labels}}}" if labels else ""), (labels + "," if labels else "")
         out, cum = [], 0
         for le, c in zip(self.buckets, self.counts):
             cum += c
-            out.append(f'{name}_bucket{{le="{le}"}} {cum}')
-        out.append(f'{name}_bucket{{le="+Inf"}} {self.count}')
-        out.append(f"{name}_sum {self.sum:.6f}")
-        out.append(f"{name}_count {self.count}")
+            out.append(f'{name}_bucket{{{pre}le="{le}"}} {cum}')
+        out.append(f'{name}_bucket{{{pre}le="+Inf"}} {self.count}')
+        out.append(f"{name}_sum{lab} {self.sum:.6f}")
+        out.append(f"{name}_count{lab} {self.count}")
         return out
 
 
@@ -69,6 +81,17 @@ class Metrics:
         self.last_divergence = 0
         self.sessions: list[tuple[int, int, bool]] = []    # per resident session: (tokens, bytes, active)
         self.disk: dict[str, float] | None = None
+        # session affinity (X-Session-ID and the agents' own session headers): hit = the request ran in its
+        # session's resident state, fallback = it carried a session id but the prefix match chose, none = no id
+        self.affinity = dict.fromkeys(AFFINITY_RESULTS, 0)
+        # the vLLM-compatible names (docs/server.md "/metrics"): label values and the KV capacity they need
+        self.model_name = "ds4py"
+        self.replica_id: str | None = None
+        self.kv_capacity_tokens = 0                        # sessions x context: what kv_cache_usage_perc divides by
+        self.vllm_ttft = Histogram(VLLM_TTFT_BUCKETS)
+        self.vllm_itl = Histogram(VLLM_ITL_BUCKETS)
+        self.vllm_e2e = Histogram(VLLM_E2E_BUCKETS)
+        self.finished = dict.fromkeys(VLLM_FINISH_REASONS, 0)
 
     def request_done(self, endpoint: str, status: int) -> None:
         with self._lock:
@@ -83,10 +106,24 @@ class Metrics:
     def observe_ttft(self, seconds: float) -> None:
         with self._lock:
             self.ttft.observe(seconds)
+            self.vllm_ttft.observe(seconds)
 
     def observe_itl(self, seconds: float) -> None:
         with self._lock:
             self.itl.observe(seconds)
+            self.vllm_itl.observe(seconds)
+
+    def observe_finished(self, seconds: float, finish_reason: str) -> None:
+        """A request that was generated has ended: arrival to its last token, and why (vLLM's reasons: stop,
+        length, abort; an error or a cancellation is an abort)."""
+        reason = finish_reason if finish_reason in ("stop", "length") else "abort"
+        with self._lock:
+            self.vllm_e2e.observe(seconds)
+            self.finished[reason] += 1
+
+    def observe_affinity(self, result: str) -> None:
+        with self._lock:
+            self.affinity[result] += 1
 
     def observe_step(self, sequences: int, rows: int, seconds: float) -> None:
         with self._lock:
@@ -205,4 +242,56 @@ class Metrics:
                         "# TYPE ds4py_kv_disk_writes_total counter"]
                 out += [f'ds4py_kv_disk_writes_total{{reason="{k[7:]}"}} {v}' for k, v in d.items()
                         if k.startswith("writes_")]
+            out += ["# HELP ds4py_session_affinity_total Requests by session affinity: hit (ran in the resident "
+                    "session of its session id), fallback (carried a session id, the prefix match chose), none "
+                    "(no session id: the prefix match chose).", "# TYPE ds4py_session_affinity_total counter"]
+            out += [f'ds4py_session_affinity_total{{result="{k}"}} {v}' for k, v in self.affinity.items()]
+            if self.replica_id is not None:
+                out += ["# HELP ds4py_replica_info The replica id this server was started with (serve --replica-id).",
+                        "# TYPE ds4py_replica_info gauge", f'ds4py_replica_info{{replica_id="{_esc(self.replica_id)}"}} 1']
+            out += self._vllm_lines()
             return "\n".join(out) + "\n"
+
+    def _vllm_lines(self) -> list[str]:
+        """The vLLM names, types, units and labels that routers (vllm-router, sglang-router) and Kubernetes'
+        inference gateway (its endpoint picker) read; same meaning as in vLLM's v1 engine. Lock held."""
+        lab = f'model_name="{_esc(self.model_name)}",engine="0"'
+        used = sum(r[0] for r in self.sessions)
+        usage = round(min(1.0, used / self.kv_capacity_tokens), 6) if self.kv_capacity_tokens else 0.0
+        out = []
+        for name, kind, help_, value in (
+            ("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", self.running),
+            ("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", self.queue_depth),
+            ("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", usage),
+            ("vllm:gpu_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage. DEPRECATED: Use "
+             "vllm:kv_cache_usage_perc instead.", usage),
+            ("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.", self.prompt_tokens),
+            ("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.",
+             self.generated_tokens),
+            ("vllm:prefix_cache_queries_total", "counter", "Prefix cache queries, in terms of number of queried "
+             "tokens.", self.prompt_tokens),
+            ("vllm:prefix_cache_hits_total", "counter", "Prefix cache hits, in terms of number of cached tokens.",
+             self.cached_prompt_tokens),
+        ):
+            out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name}{{{lab}}} {float(value)}"]
+        out += ["# HELP vllm:request_success_total Count of successfully processed requests.",
+                "# TYPE vllm:request_success_total counter"]
+        out += [f'vllm:request_success_total{{{lab},finished_reason="{k}"}} {float(v)}'
+                for k, v in self.finished.items()]
+        for name, help_, h in (
+            ("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", self.vllm_ttft),
+            ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", self.vllm_itl),
+            ("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", self.vllm_e2e),
+        ):
+            out += [f"# HELP {name} {help_}", f"# TYPE {name} histogram"] + h.lines(name, lab)
+        # no adapters: the gateway reads this gauge's labels (empty adapter lists) and takes its value as the
+        # time of the sample, as vLLM's set_to_current_time() does
+        out += ["# HELP vllm:lora_requests_info Running stats on lora requests.", "# TYPE vllm:lora_requests_info gauge",
+                f'vllm:lora_requests_info{{max_lora="0",running_lora_adapters="",waiting_lora_adapters=""}} '
+                f"{time.time():.3f}"]
+        return out
+
+
+def _esc(value: str) -> str:
+    """A Prometheus label value: backslash, double quote and newline escaped."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

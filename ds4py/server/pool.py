@@ -19,6 +19,8 @@ from typing import Sequence
 from ds4py.errors import Ds4Error
 from ds4py.session import Session, common_prefix
 
+from .affinity import Affinity
+
 DEFAULT_SNAPSHOTS = 2        # per resident session: the last two prompts' snapshot points
 DEFAULT_PREFILL_CHUNK = 128  # prompt tokens per scheduler step (and the chunk grid of every prompt)
 
@@ -38,16 +40,32 @@ class SessionPool:
         self.busy = [False] * n
         self._clock = itertools.count(1)
         self._used = [0] * n             # when each session was last acquired (0: never)
+        self.affinity = Affinity()       # session key -> the session that ran it last
+        self.last_route = "none"         # how route() chose: "hit" (the key's session), "fallback", "none"
 
     def __len__(self) -> int:
         return len(self.sessions)
 
-    def route(self, prompt: Sequence[int]) -> int | None:
-        """The session a prompt should run in, or None when every session is busy. Pure."""
+    def route(self, prompt: Sequence[int], key: str | None = None) -> int | None:
+        """The session a prompt should run in, or None when every session is busy. Pure. With a session key
+        (server.affinity) its own session comes first: `last_route` says whether it did ("hit")."""
+        prompt = list(prompt)
+
+        def by_prefix() -> int | None:
+            slot = self._route_by_prefix(prompt)
+            if key is not None and slot is not None and self.affinity.owner(slot) not in (None, key):
+                empty = [i for i, b in enumerate(self.busy) if not b and not self.sessions[i].histories()]
+                if empty:               # another conversation's session: not while an empty one is idle
+                    return empty[0]
+            return slot
+        slot, self.last_route = self.affinity.choose(
+            key, lambda i: not self.busy[i], lambda i: self.sessions[i].reuse(prompt, disk=False)[0] > 0, by_prefix)
+        return slot
+
+    def _route_by_prefix(self, prompt: list[int]) -> int | None:
         idle = [i for i, b in enumerate(self.busy) if not b]
         if not idle:
             return None
-        prompt = list(prompt)
         best, best_score = None, 0
         for i in idle:
             s = self.sessions[i]
@@ -58,14 +76,15 @@ class SessionPool:
             score = n - lost
             if score > best_score or (score == best_score and best is not None and self._used[i] > self._used[best]):
                 best, best_score = i, score
-        on_disk = self.disk.best(prompt) if self.disk is not None else None
-        if best is not None and best_score >= (on_disk.n_tokens if on_disk is not None else 0):
+        on_disk = self.disk.reuse(prompt) if self.disk is not None else None
+        if best is not None and best_score >= (on_disk[1] if on_disk is not None else 0):
             return best
         empty = [i for i in idle if not self.sessions[i].histories()]
         return empty[0] if empty else min(idle, key=lambda i: self._used[i])
 
-    def acquire(self, i: int) -> Session:
+    def acquire(self, i: int, key: str | None = None) -> Session:
         assert not self.busy[i], f"session {i} is busy"
+        self.affinity.bind(key, i)
         self.busy[i] = True
         self._used[i] = next(self._clock)
         return self.sessions[i]

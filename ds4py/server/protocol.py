@@ -69,6 +69,7 @@ class GenRequest:
     include_usage: bool = False
     continue_final: bool = False              # the prompt ends inside the last assistant message (prefill)
     extra: dict[str, Any] = field(default_factory=dict)   # API-specific bits the encoder echoes back
+    session_key: str | None = None            # the conversation it belongs to (server.affinity.session_key)
 
 
 # ---- engine output events -------------------------------------------------------------------------------
@@ -176,15 +177,17 @@ def get_stop(body: dict, key: str, *, list_only: bool = False) -> list[str]:
 
 
 _warned: set[tuple[str, str]] = set()
+MAX_WARNED = 1024        # names remembered: a client inventing a new field name per request must not grow memory
 
 
 def note_unknown(body: dict, known: frozenset[str], api: str) -> None:
     """Fields we do not know are logged (once per name), not silently dropped: clients add new fields often,
     and refusing them would break unmodified clients; every field known to change the answer is handled."""
     for key in body.keys() - known:
-        if (api, key) not in _warned:
+        if (api, key) not in _warned and len(_warned) < MAX_WARNED:
             _warned.add((api, key))
-            log.warning("%s: ignoring unknown request field %r", api, key)
+            log.warning("%s: ignoring unknown request field %r%s", api, key,
+                        "; further new names are not logged" if len(_warned) == MAX_WARNED else "")
 
 
 def reject_if(body: dict, key: str, allowed=(None,), why: str = "is not supported by this server") -> None:

@@ -84,11 +84,12 @@ class Scheduler:
                 self.worker.pop()
                 job.emit(Done("error", len(job.ids), error=self.engine.broken))
                 continue
-            slot = self.pool.route(job.ids)
+            slot = self.pool.route(job.ids, job.session_key)
             if slot is None:
                 return                            # every session is busy: it waits, in order
             self.worker.pop()
-            session = self.pool.acquire(slot)
+            m.observe_affinity(self.pool.last_route)
+            session = self.pool.acquire(slot, job.session_key)
             try:
                 self._start(job, slot, session)
             except Exception as e:  # a bug or a backend failure (a bad disk checkpoint is handled inside)

@@ -23,6 +23,7 @@ from ds4py.sampling import InvalidLogits
 
 from ds4py.session import common_prefix
 
+from .affinity import Affinity
 from .metrics import Metrics
 from .protocol import MID_SYSTEM, ApiError, Done, GenRequest, Reasoning, Started, Text, ToolCallOut
 from .toolmemory import StoredCall, ToolMemory
@@ -44,6 +45,7 @@ class Job:
     t_arrival: float = field(default_factory=time.monotonic)
     t_first: float | None = None          # when the handler saw the first token (the access log's speeds)
     done: Done | None = None              # the final event, as the handler saw it
+    session_key: str | None = None         # its conversation (server.affinity): routed to that session first
 
     def emit(self, ev) -> None:
         try:
@@ -79,6 +81,7 @@ class Engine:
         # the chat format renders a system message after the first turn itself (V4.1's <｜System｜>); V4 gets
         # such messages as user text (protocol.place_system)
         self.native_mid_system = native_mid_system
+        self.affinity = self.pool.affinity if self.pool is not None else Affinity()
 
     @property
     def disk(self):
@@ -154,7 +157,12 @@ class Engine:
         """One job on the single session, to its end (the Worker's loop without --sessions)."""
         histories = self.histories()
         # the session is not thread-safe: even this look-up happens here, on the engine thread
-        job.emit(Started(len(job.ids), int(self.session.prompt_cache_tokens(job.ids))))
+        cached = int(self.session.prompt_cache_tokens(job.ids))
+        # one resident session: a session id "hits" when its conversation is the one held here
+        _, how = self.affinity.choose(job.session_key, lambda i: True, lambda i: cached > 0, lambda: 0)
+        self.affinity.bind(job.session_key, 0)
+        self.metrics.observe_affinity(how)
+        job.emit(Started(len(job.ids), cached))
         out = JobOutput(self, job)
         gen = self.session.generate(job.ids, self.sampling_params(job.req), cancelled=job.cancel.is_set)
         done, reported = None, False
@@ -252,6 +260,8 @@ class JobOutput:
     def finish(self, done) -> None:
         """done: the session's DoneEvent, or None when the generation stopped without one."""
         job, m = self.job, self.m
+        m.observe_finished(time.monotonic() - job.t_arrival,
+                           "abort" if done is None or job.cancel.is_set() else done.finish_reason)
         if done is None or done.finish_reason == "cancelled" or job.cancel.is_set():
             m.add(cancelled=1)
             job.emit(Done("cancelled", len(job.ids), 0, self.n_tokens, self.n_reasoning))
