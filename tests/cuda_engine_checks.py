@@ -12,6 +12,14 @@ TOP1 = 0.97              # positions whose argmax agrees
 ROW_REL = 1e-3           # a position agrees when max |d logit| <= ROW_REL * max |ref logit| ...
 ROW_SHARE = 0.97         # ... at this share of the positions (a fake-quant rounding flip may move a few)
 MEDIAN_REL = 1e-4        # and the median position is far closer (fp32 summation order only)
+# With the FP8 fake-quant on, a KV value that lands within fp32 noise of an e4m3 rounding tie rounds one way in
+# one backend and the other way in the other (which way depends on the BLAS kernel's summation order). Every later
+# position attends that row, so one flip moves the median position: ds4-tiny on an AVX512 CPU (OpenBLAS's SkylakeX
+# kernel) flips one value at layer 1, position 0, 3e-6 from the tie (median 3.2e-4, worst row 1.5e-3); with the
+# Haswell kernel it flips another at layer 3, 7.5e-7 from its tie (median 1.3e-4); without fake-quant the same run
+# agrees at 8e-7. Such a model's fake-quant run checks the argmax and a bound a few flips stay under (a missing
+# fake-quant is at 7e-2), and the fp32-noise bounds above on the same model without fake-quant.
+FLIP_ROW_REL = 5e-3      # max over positions of max |d logit| / max |ref logit| when near-tie flips are allowed
 
 
 @dataclass
@@ -21,10 +29,12 @@ class Agreement:
     max_abs: float           # largest |d logit|
     median_rel: float        # median over positions of max |d| / max |ref|
     within: float            # share of positions with max |d| <= ROW_REL * max |ref|
+    max_rel: float = 0.0     # largest max |d| / max |ref| over positions
 
     def __str__(self) -> str:
         return (f"{self.positions} positions: top-1 {100 * self.top1:.1f}%, max |dlogit| {self.max_abs:.2e}, "
-                f"median relative {self.median_rel:.1e}, {100 * self.within:.1f}% within {ROW_REL:g}")
+                f"median relative {self.median_rel:.1e}, {100 * self.within:.1f}% within {ROW_REL:g}, "
+                f"worst relative {self.max_rel:.1e}")
 
 
 def run(model, ids: np.ndarray, prefill: int) -> np.ndarray:
@@ -39,7 +49,7 @@ def compare(got: np.ndarray, want: np.ndarray) -> Agreement:
     d = np.abs(got.astype(np.float64) - want).max(1)
     rel = d / np.abs(want).max(1)
     return Agreement(len(d), float((got.argmax(1) == want.argmax(1)).mean()), float(d.max()),
-                     float(np.median(rel)), float((rel <= ROW_REL).mean()))
+                     float(np.median(rel)), float((rel <= ROW_REL).mean()), float(rel.max()))
 
 
 def check(a: Agreement, what: str) -> None:
@@ -47,6 +57,13 @@ def check(a: Agreement, what: str) -> None:
     assert a.top1 >= TOP1, f"{what}: top-1 agrees at only {100 * a.top1:.1f}% of positions ({a})"
     assert a.within >= ROW_SHARE, f"{what}: logits off at too many positions ({a})"
     assert a.median_rel <= MEDIAN_REL, f"{what}: logits off beyond fp32 rounding ({a})"
+
+
+def check_allowing_flips(a: Agreement, what: str) -> None:
+    """check() for a run whose FP8 fake-quant may round a near-tie value the other way (see FLIP_ROW_REL)."""
+    print(f"{what}: {a}")
+    assert a.top1 >= TOP1, f"{what}: top-1 agrees at only {100 * a.top1:.1f}% of positions ({a})"
+    assert a.max_rel <= FLIP_ROW_REL, f"{what}: logits off beyond a rounding flip ({a})"
 
 
 def ids_for(vocab: int, n: int, seed: int = 11) -> np.ndarray:

@@ -48,7 +48,9 @@ def test_auto_falls_back_with_the_reason(standin, golden, monkeypatch, capsys): 
         pytest.skip(f"the stand-in runtime did not start: {e}")
     err = capsys.readouterr().err
     assert m.backend == "ref"
-    assert "backend auto: the model does not fit the GPU" in err and "using the reference backend" in err
+    # the probe (ds4py.cuda.probe) sees the free memory before the engine's own memory plan is made
+    assert "backend auto: the GPU has 0.0 GiB free of 141.0 GiB and this model needs about" in err
+    assert "using the reference backend" in err
 
 
 def test_the_upload_drops_the_files_pages(rt, tmp_path, monkeypatch):  # noqa: F811

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cuda_engine_checks import DS4_TINY, V4_TINY, check, compare, ids_for, run
+from cuda_engine_checks import DS4_TINY, V4_TINY, check, check_allowing_flips, compare, ids_for, run
 from gpu_sizes import ON_EMULATOR, shrink
 
 from helpers import GOLDEN  # ../shared/golden, or DS4PY_GOLDEN on a GPU machine
@@ -65,7 +65,8 @@ def test_tiny_models_match_the_reference(models, rt):
         ids = ids_for(m.config.vocab_size, n)
         a = compare(run(m, ids, 2 * n // 3), run(ref, ids, 2 * n // 3))
         RESULTS[name] = str(a)
-        check(a, f"{name} on {m.rt.device.name}")
+        # ds4-tiny's FP8 KV fake-quant may round a near-tie value the other way (cuda_engine_checks.FLIP_ROW_REL)
+        (check_allowing_flips if name.startswith("ds4-tiny") else check)(a, f"{name} on {m.rt.device.name}")
         m.close()
 
 
