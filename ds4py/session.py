@@ -149,7 +149,7 @@ class Completion:
 class Session:
     def __init__(self, model, tokenizer, ctx_size: int | None = None, max_snapshots: int = 4,
                  prefill_chunk: int = 2048, disk=None):
-        model_ctx = int(getattr(model.config, "context_length", 0) or 0)
+        model_ctx = int(model.config.context_length)
         if ctx_size is None:
             ctx_size = model_ctx
         if ctx_size < 2:
@@ -471,10 +471,10 @@ class Session:
     # ---- the speculative-decoding hook (ds4py.spec, docs/spec.md): the only place generation knows of it ----
 
     def _speculation(self, params: SamplingParams):
-        """A model with `new_request` (ds4py.spec.SpecModel) decodes in speculative rounds; others one token a
-        step. `spec_stats` is the running request's speculation statistics (None without speculation)."""
-        new = getattr(self.model, "new_request", None)
-        spec = None if new is None else new(params)
+        """A model whose `new_request` gives a round runner (ds4py.spec.SpecModel) decodes in speculative rounds;
+        others (new_request gives None) one token a step. `spec_stats` is the running request's speculation
+        statistics (None without speculation)."""
+        spec = self.model.new_request(params)
         self.spec_stats = None if spec is None else spec.stats
         return spec
 

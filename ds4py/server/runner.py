@@ -29,6 +29,6 @@ class ModelRunner:
         """Speculative verify rows of several sessions in one main step (ds4py.spec: the main states of their
         SpecStates, every row's logits and final hidden state)."""
         t0 = time.perf_counter()
-        out = self.model.model.step_hidden([s.main for s in states], [list(c) for c in chunks], all_logits=True)
+        out = self.model.verify(list(states), chunks)
         self.metrics.observe_step(len(states), sum(len(c) for c in chunks), time.perf_counter() - t0)
         return out

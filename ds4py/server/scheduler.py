@@ -105,8 +105,7 @@ class Scheduler:
         engine.report_reuse(prompt, cached, session.last_source, histories)
         job.emit(Started(len(prompt), cached))
         comp = Completion(engine.tokenizer, engine.sampling_params(job.req), len(prompt), cached, session.ctx_size)
-        new_request = getattr(self.pool.model, "new_request", None)
-        spec = new_request(comp.sampler.params) if new_request is not None else None
+        spec = self.pool.model.new_request(comp.sampler.params)      # None: plain decoding
         r = _Request(job, slot, session, prompt, JobOutput(engine, job), comp, spec)
         self.running.append(r)
         self.engine.metrics.running = len(self.running)

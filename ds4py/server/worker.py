@@ -82,6 +82,11 @@ class Engine:
     def disk(self):
         return (self.pool or self.session).disk
 
+    @property
+    def model(self):
+        """The model the sessions step (a SpecModel when decoding speculatively)."""
+        return (self.pool or self.session).model
+
     # ---- rendering (called from a thread pool, never on the event loop) ----------------------------------
 
     def prompt_ids(self, req: GenRequest) -> list[int]:
