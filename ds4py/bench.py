@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import io
 import json
-import math
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -39,7 +38,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ds4py.errors import Ds4Error
-from ds4py.model import device_generation
+from ds4py.model import device_generation, host_copy_bandwidth_gbps  # noqa: F401 (the bench's API)
 from ds4py.sampling import SamplingParams
 
 DEFAULT_PROMPT = Path(__file__).parent / "data" / "bench_prompt.txt"
@@ -325,18 +324,6 @@ def _run_spec_sweep(model, spec, tokens, points, gen_tokens, repeat, bandwidth_g
             progress(f"ctx {frontier}: prefill {rows[-1].prefill_tps:.1f} tok/s, gen {gen_mean:.2f} tok/s, "
                      f"speculative {spec_mean:.2f} tok/s (x{spec_mean / gen_mean:.2f}; {stats.summary()})")
     return rows
-
-
-def host_copy_bandwidth_gbps(nbytes: int = 256 << 20, reps: int = 5) -> float:
-    """Best-of-N numpy memcpy bandwidth (read + write bytes): the CPU backend's roofline."""
-    a = np.ones(nbytes // 8, dtype=np.float64)
-    b = np.empty_like(a)
-    best = math.inf
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        np.copyto(b, a)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * a.nbytes / best / 1e9
 
 
 # ---- output ---------------------------------------------------------------------------------------------

@@ -18,6 +18,8 @@ Backends never change the math of MODEL.md: the numpy reference (ds4py.ref) is t
 
 from __future__ import annotations
 
+import math
+import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
 from types import MappingProxyType
@@ -237,8 +239,6 @@ class ModelBase(ABC):
     def copy_bandwidth_gbps(self) -> float:
         """Measured copy bandwidth (read + write) of the memory the weights are read from: the bench's roofline.
         Here the host's (numpy memcpy)."""
-        from ds4py.bench import host_copy_bandwidth_gbps
-
         return host_copy_bandwidth_gbps()
 
     def decode(self, state: State, token: int) -> np.ndarray:
@@ -432,6 +432,18 @@ def check_mtp_file(f: Any, cfg: Any) -> None:
             vq.check_expert(f, name, shape)
         else:
             f.tensor(name, types=types, shape=shape)
+
+
+def host_copy_bandwidth_gbps(nbytes: int = 256 << 20, reps: int = 5) -> float:
+    """Best-of-N numpy memcpy bandwidth (read + write bytes): the CPU backend's roofline."""
+    a = np.ones(nbytes // 8, dtype=np.float64)
+    b = np.empty_like(a)
+    best = math.inf
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        np.copyto(b, a)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * a.nbytes / best / 1e9
 
 
 BACKENDS = ("ref", "cuda", "cuda-emu", "auto")

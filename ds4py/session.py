@@ -13,10 +13,10 @@ that is a prefix of the new prompt. A snapshot is taken just before the *last* p
 a thinking-mode chat re-renders the previous turn as `<｜Assistant｜></think>answer` where the prompt ended in
 `<｜Assistant｜><think>`, so the next prompt diverges exactly at that last token (usually further back than
 the horizon), and a repeated prompt (retry, regenerate) reuses all but one token. With a disk KV cache
-(ds4py.kvcache) its checkpoints are one more source. Whatever the source, the longest reuse wins; the live
+(ds4py.disk_cache) its checkpoints are one more source. Whatever the source, the longest reuse wins; the live
 state wins ties (no copy), then snapshots, then the disk.
 
-Checkpoints (disk cache only; the policy is kvcache.KVCachePolicy): *cold* when a long prompt that started from
+Checkpoints (disk cache only; the policy is disk_cache.KVCachePolicy): *cold* when a long prompt that started from
 nothing reaches its cold point (a chunk boundary a little before its end), *continued* whenever the state
 reaches a multiple of the policy's interval, *evict* before an unrelated prompt replaces the live state, and
 *shutdown* from close(). Prefill chunks end at those points, so the state is saved exactly there.
@@ -164,7 +164,7 @@ class Session:
         # cancellation is checked between chunks of a long prefill. An int is a fixed chunk; an object with
         # next_len() and record(n_tokens, seconds) sizes each chunk (the server's PrefillPacer bounds its time)
         self.prefill_chunk = prefill_chunk
-        self.disk = disk                           # a kvcache.DiskCache shared by the sessions of a server, or None
+        self.disk = disk                           # a disk_cache.DiskCache shared by the sessions of a server, or None
         self.stats = SessionStats()
         self.last_source = "none"                  # where the last prompt's reused tokens came from (SOURCES)
         self.last_cached = 0                       # and how many

@@ -110,7 +110,7 @@ def make_engine(model_path: str, backend: str, ctx: int, tool_memory, mtp: str |
                 sessions: int = 1, kv_disk_dir: str | None = None, kv_disk_space_mb: float = DEFAULT_KV_DISK_MB,
                 **model_options):
     from ds4py.chat import chat_format
-    from ds4py.kvcache import DiskCache
+    from ds4py.disk_cache import DiskCache
     from ds4py.model import open_model
     from ds4py.server.pool import SessionPool
     from ds4py.server.worker import Engine, PrefillPacer
