@@ -27,10 +27,11 @@ token, EOS included, yields one TokenEvent (completion_tokens == number of Token
 its spelling, only text still held back. Text is a UTF-8-safe delta; text that could still become one of the
 stop strings is held back until it cannot, and the stop string itself is never emitted (`Completion`).
 
-Two drivers. `generate()` runs one request to its end, calling the model itself (run, chat, `serve` with one
-session; the loop is `_generate`). The server's batch scheduler (ds4py/server/scheduler.py) drives several
+Two drivers. `generate()` runs one request to its end, calling the model itself (run, chat; the loop is
+`_generate`). The server's scheduler (ds4py/server/scheduler.py, whatever `serve --sessions` is) drives its
 sessions through the same steps instead: `start(prompt)`, `next_chunk(...)` and `advance(ids, logits)` around
-its own batched model.step, and a `Completion` per request.
+its own batched model.step (or `fed(token)` under a device-side generation), a `Completion` per request, and
+`end(done)` when the request is over.
 
 Not thread-safe: one request at a time per session (the server serialises requests).
 """
@@ -39,7 +40,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator, Literal, Sequence
 
 import numpy as np
@@ -86,6 +87,7 @@ class SessionStats:
     spec_accepted: int = 0
     disk_restored: int = 0       # checkpoints loaded from the disk cache
     checkpoints: int = 0         # checkpoints handed to the disk cache
+    finished: dict = field(default_factory=dict)   # finish reason -> answers that ended so (end())
 
 
 @dataclass(eq=False)          # compared by identity (list.index), never by its arrays
@@ -307,6 +309,18 @@ class Session:
 
     def drop_live(self) -> None:
         self.state, self.tokens, self._logits = None, [], None
+
+    def fed(self, token: int) -> None:
+        """A device-side generation (ds4py.model.device_generation) fed `token` to the live state: recorded,
+        without logits (the host never saw them)."""
+        self.tokens.append(int(token))
+        self._logits = None
+        self.stats.decoded_tokens += 1
+
+    def end(self, done: DoneEvent | None) -> None:
+        """The request that ran here ended (its DoneEvent; None when it failed): counted by finish reason."""
+        reason = "error" if done is None else done.finish_reason
+        self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
 
 
     # ---- one prompt, step by step -------------------------------------------------------------------------
@@ -545,9 +559,7 @@ class Session:
         inner = gen(self.state, last, params, limit - 1)
         try:
             for t in inner:                        # t arrives once `last` has been fed
-                self.tokens.append(last)
-                self._logits = None
-                self.stats.decoded_tokens += 1
+                self.fed(last)
                 last = t
                 yield t
         except GeneratorExit:

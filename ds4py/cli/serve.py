@@ -126,11 +126,12 @@ def make_engine(model_path: str, backend: str, ctx: int, tool_memory, mtp: str |
     disk = DiskCache(kv_disk_dir, kv_disk_space_mb, model) if kv_disk_dir else None
     fmt = chat_format(model.config.variant)                          # the V4 or V4.1 chat format
     fmt_args = dict(encode_prompt=fmt.encode_prompt, parser_factory=fmt.parser, native_mid_system=fmt.name == "v41")
-    if sessions > 1:         # batched steps of several sequences (speculative rounds verified together)
-        return Engine(SessionPool(model, tok, sessions, ctx, disk=disk), tok, tool_memory=tool_memory, **fmt_args)
-    # prefill in chunks of about a quarter second: a client that goes away mid-prompt frees the engine soon
-    session = Session(model, tok, ctx_size=ctx, prefill_chunk=PrefillPacer(), disk=disk)
-    return Engine(session, tok, tool_memory=tool_memory, **fmt_args)
+    # one driver (server/scheduler.py) whatever the count: several sessions batch their steps (speculative rounds
+    # verified together) on a fixed chunk grid; one session prefills in chunks of about a quarter second, so
+    # that a client who goes away mid-prompt frees the engine soon
+    pool = SessionPool(model, tok, sessions, ctx, disk=disk) if sessions > 1 else \
+        SessionPool.of(Session(model, tok, ctx_size=ctx, prefill_chunk=PrefillPacer(), disk=disk))
+    return Engine(pool, tok, tool_memory=tool_memory, **fmt_args)
 
 
 def api_key(args) -> tuple[str | None, str]:
