@@ -61,6 +61,11 @@ class _Request:
     spec: Any = None           # its ds4py.spec.SpecRequest when the model decodes speculatively
     gen: Any = None            # its device-side generation while it decodes alone on such a backend
 
+    @property
+    def decoding(self) -> bool:
+        """Past its prompt: a token was sampled, the next step feeds it (a decode row or a round)."""
+        return self.comp.n > 0
+
 
 class Scheduler:
     def __init__(self, engine: Engine, worker: Worker):
@@ -134,7 +139,7 @@ class Scheduler:
     def _alone(self, r: _Request) -> bool:
         """r may decode by device-side generation: it is the only request running and decodes plainly (greedy
         with several sessions: its tokens then do not depend on whether a neighbour came)."""
-        return self.device_generation is not None and r.spec is None and r.session.ready \
+        return self.device_generation is not None and r.spec is None and r.decoding \
             and len(self.running) == 1 and (len(self.pool) == 1 or r.comp.sampler.params.greedy)
 
     def _device_step(self, r: _Request) -> None:
@@ -176,7 +181,7 @@ class Scheduler:
         verify: list[tuple[_Request, Any]] = []                   # (request, its round's Draft)
         try:
             for r in self.running:
-                if r.session.ready:
+                if r.decoding:
                     plan = None if r.spec is None else r.spec.draft(
                         r.session.state, r.comp.last, r.comp.sampler, r.comp.limit - r.comp.n, step_plain=False)
                     if plan is None:
@@ -184,10 +189,10 @@ class Scheduler:
                     else:
                         verify.append((r, plan))
         except Exception as e:  # an MTP step failed: its state may be half-advanced
-            self._fail([r for r in self.running if r.session.ready], e)
+            self._fail([r for r in self.running if r.decoding], e)
             return
         for r in self.running:
-            if not r.session.ready:
+            if not r.decoding:
                 ids = r.session.next_chunk(r.prompt, chunk, aligned=not self.paced)
                 if ids is None:
                     continue
