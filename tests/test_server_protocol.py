@@ -941,3 +941,19 @@ def test_v41_format_gets_mid_conversation_system_messages_back(tok):
                   {"role": "user", "content": "Agents: a, b."}]
     assert v41 == [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"},
                    {"role": "system", "content": "Agents: a, b."}]
+
+
+def test_an_engine_thread_that_failed_answers_503(tok):
+    """A bug that ends the engine thread (here: a model without the contract's declarations) turns every later
+    request into a one-sentence 503, never a request waiting forever."""
+    class Undeclared:
+        config = SimpleNamespace(vocab_size=tok.vocab_size, context_length=64)
+
+        def new_state(self):
+            return CounterState(16)
+    state = ServerState(ServerConfig())
+    state.set_engine(Engine(Session(Undeclared(), tok, 64), tok))
+    with BackgroundServer(state) as srv:
+        assert state.worker.join(10)
+        r = post(srv.base_url + "/v1/completions", json_body={"prompt": "hi", "max_tokens": 2}, timeout=10)
+        assert r.status_code == 503 and "engine stopped" in r.json()["error"]["message"]

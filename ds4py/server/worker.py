@@ -300,11 +300,15 @@ class Worker:
         self._pending: collections.deque[Job] = collections.deque()
         self._cv = threading.Condition()
         self._closed = False
+        self._stopped = ""                       # why the engine thread ended on its own (a bug), if it did
         self._thread = threading.Thread(target=self._main, name="ds4py-engine", daemon=True)
         self._thread.start()
 
     def submit(self, job: Job) -> None:
         with self._cv:
+            if self._stopped and not self._closed:
+                raise ApiError(503, f"the engine stopped ({self._stopped}); restart the server",
+                               kind="api_error", code="engine_stopped")
             if len(self._pending) >= self.max_queue:
                 retry = max(1, len(self._pending) // 2)
                 raise QueueFull(429, f"the server is busy: {len(self._pending)} requests are waiting "
@@ -354,6 +358,9 @@ class Worker:
 
         try:
             Scheduler(self.engine, self).run()
+        except Exception as e:  # a bug: say so on every later request instead of letting them wait forever
+            log.exception("the engine thread failed")
+            self._stopped = f"{type(e).__name__}: {e}"
         finally:
             with self._cv:
                 for job in self._pending:
