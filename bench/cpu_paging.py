@@ -1,4 +1,4 @@
-"""Decode a GGUF whose file is larger than the memory the process may hold (issue 14): either inside a memory
+"""Decode a GGUF whose file is larger than the memory the process may hold: either inside a memory
 cgroup whose limit is below the file size (Linux cgroup v1 or v2, as root), or, with --limit-mb 0, a file larger
 than the machine's RAM with no limit at all. Its pages are demand-paged from the mapped file and dropped again
 under pressure. Prints one JSON line: file size, limit, first-token (prefill) and per-token wall times, tokens/s,

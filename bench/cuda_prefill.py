@@ -40,7 +40,7 @@ def main() -> int:
     cfg = ModelConfig.v4_flash(**(EMU_SHAPES if a.emu else V4_FLASH_Q2))
     t0 = time.perf_counter()
     model = CudaModel.synthetic(cfg, seed=1, emulate=a.emu)
-    out = {"device": getattr(model.rt.device, "name", "?"), "layers": cfg.n_layers, "emulated": a.emu,
+    out = {"device": model.rt.device.name, "layers": cfg.n_layers, "emulated": a.emu,
            "weights_gb": model.startup["weights_gb"], "fill_s": time.perf_counter() - t0, "modes": {}}
     print(f"synthetic {cfg.n_layers}-layer model: {out['weights_gb']:.1f} GB of weights written in "
           f"{out['fill_s']:.1f} s", flush=True)

@@ -44,6 +44,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from ds4py.model import Capabilities  # noqa: E402
+
 MODEL = "deepseek-v4-flash"
 WRONG_VALUES = [None, True, False, 0, -1, 1.5, 1e-320, 10 ** 30, "", "x", [], [1], ["x"], {}, {"a": 1},
                 {"type": 5}, [{"type": "text", "text": 7}]]
@@ -375,6 +377,10 @@ class FastState:
 class FastModel:
     """Random logits, a function of the position: the Session, sampler and tokenizer around it are real."""
     backend, path = "fake", "fuzz"
+    capabilities = Capabilities()                 # host steps only (ds4py.model's declared capabilities)
+
+    def new_request(self, params, suppress=()):
+        return None                               # plain decoding: no speculative rounds
 
     def __init__(self, vocab_size: int, eos: int, ctx: int = 4096):
         self.config = SimpleNamespace(vocab_size=vocab_size, context_length=ctx)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import io
 import json
-import math
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -41,7 +40,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ds4py.errors import Ds4Error
-from ds4py.model import device_generation
+from ds4py.model import device_generation, host_copy_bandwidth_gbps  # noqa: F401 (the bench's API)
 from ds4py.sampling import SamplingParams
 
 DEFAULT_PROMPT = Path(__file__).parent / "data" / "bench_prompt.txt"
@@ -151,17 +150,18 @@ def device_step_stats(model, state=None, steps: int = 32) -> dict[str, float | i
     """For a backend with device-side decode graphs: launches per decode step and the host time per replayed
     step (the Python work of issuing one step: slot write, graph launches, the token's async read), from a
     greedy generation of `steps` tokens. None for other backends."""
-    if not hasattr(model, "launches_per_step") or device_generation(model) is None:
+    caps = model.capabilities
+    if not (caps.launch_counts and caps.device_generation):
         return None
     st = state if state is not None else model.new_state()
     n = model.launches_per_step(st)
-    steps = min(4 if getattr(model, "emulated", False) else steps, model.config.context_length - st.n_tokens)
+    steps = min(4 if caps.emulated else steps, model.config.context_length - st.n_tokens)
     for _ in model.generate(st, 1, SamplingParams(temperature=0), steps):
         pass
     g = model.last_generate
     return {"launches_per_step": n["total"], "launches_body": n["body"], "launches_head": n["head"],
             "launches_side_stream": n["side_stream"], "host_us_per_step": 1e6 * g["host_s"] / max(g["steps"], 1),
-            "gen_tps": g["tokens"] / max(g["wall_s"], 1e-9), "emulated": bool(getattr(model, "emulated", False))}
+            "gen_tps": g["tokens"] / max(g["wall_s"], 1e-9), "emulated": caps.emulated}
 
 
 VERIFY_K = (1, 2, 3, 4, 5)
@@ -175,7 +175,7 @@ def multirow_stats(model, verify_k: Sequence[int] = VERIFY_K, batch_rows: Sequen
     row each). Every timed step is a model.step with the host reading its logits (what a verify and the
     server's batched decode do), after one warm-up step (graph capture); the states are rolled back after each
     step (truncate), so every sample sees the same context. Median of `reps`. None for other backends."""
-    if not hasattr(model, "_step_rows"):
+    if not model.capabilities.multirow:
         return None
     V = model.config.vocab_size
     base = model.new_state()
@@ -194,7 +194,7 @@ def multirow_stats(model, verify_k: Sequence[int] = VERIFY_K, batch_rows: Sequen
         return statistics.median(out)
 
     decode = timed([base], [[3]])
-    res: dict = {"emulated": bool(getattr(model, "emulated", False)), "context": n, "reps": reps,
+    res: dict = {"emulated": model.capabilities.emulated, "context": n, "reps": reps,
                  "decode_step_ms": 1e3 * decode, "verify": [], "batched": []}
     for k in verify_k:
         t = timed([base], [[int(3 + j) % V for j in range(k + 1)]], all_logits=True)
@@ -329,18 +329,6 @@ def _run_spec_sweep(model, spec, tokens, points, gen_tokens, repeat, bandwidth_g
     return rows
 
 
-def host_copy_bandwidth_gbps(nbytes: int = 256 << 20, reps: int = 5) -> float:
-    """Best-of-N numpy memcpy bandwidth (read + write bytes): the CPU backend's roofline."""
-    a = np.ones(nbytes // 8, dtype=np.float64)
-    b = np.empty_like(a)
-    best = math.inf
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        np.copyto(b, a)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * a.nbytes / best / 1e9
-
-
 # ---- output ---------------------------------------------------------------------------------------------
 
 def _fmt(v, repeat_std: float | None = None) -> str:
@@ -400,23 +388,24 @@ def plot_rows(rows: list[Row], path: str, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-# ---- prefill rows (issue 17): a fresh state's prompt of N tokens in one step ---------------------------------------
+# ---- prefill rows: a fresh state's prompt of N tokens in one step ---------------------------------------
 PREFILL_SIZES = (2048, 12500, 65536)
 
 
-def prefill_sizes(spec: str, backend: str) -> tuple[tuple[int, ...], str | None]:
-    """(sizes, note) for --prefill-sizes: 'auto' = 2k / 12.5k / 64k on cuda, none (with a one-line reason)
-    elsewhere; 'none'; or a comma-separated list of token counts (any backend)."""
+def prefill_sizes(spec: str, model) -> tuple[tuple[int, ...], str | None]:
+    """(sizes, note) for --prefill-sizes: 'auto' = 2k / 12.5k / 64k on a backend with block prefill on its device,
+    none (with a one-line reason) elsewhere; 'none'; or a comma-separated list of token counts (any backend)."""
     if spec == "none":
         return (), None
     if spec == "auto":
-        if backend == "cuda":
+        caps = model.capabilities
+        if caps.block_prefill and not caps.emulated:
             return PREFILL_SIZES, None
-        if backend == "cuda-emu":
+        if caps.block_prefill:
             return (), ("prefill rows skipped: the emulator's CPU time means nothing at 2k / 12.5k / 64k tokens "
                         "(give --prefill-sizes for a tiny one)")
-        return (), (f"prefill rows skipped: block prefill is the cuda backend's (the {backend} backend's prefill "
-                    f"speed is the sweep's prefill_tps column)")
+        return (), (f"prefill rows skipped: block prefill is the cuda backend's (the {model.backend} backend's "
+                    f"prefill speed is the sweep's prefill_tps column)")
     try:
         sizes = tuple(int(s) for s in spec.split(",") if s.strip())
     except ValueError:

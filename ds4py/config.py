@@ -24,11 +24,8 @@ ARCH_V41 = "deepseek41"                  # V4.1 Flash GGUFs (docs/v41.md)
 VARIANTS = {ARCH: "v4", ARCH_V41: "v41"}  # general.architecture -> ModelConfig.variant
 ARCH_OF = {v: a for a, v in VARIANTS.items()}
 
-# Types a weight matrix may be stored in: whatever ds4py.quant decodes (ds4 files use F16/Q8_0/IQ2_XXS/Q2_K/Q4_K;
-# our converter adds MXFP4/F32).
-MATRIX_TYPES = tuple(QUANT_BLOCK)
-FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)     # norms, hc parameters, sinks, biases, ape, compressor/indexer linears
-INT_TYPES = (Q.I32, Q.I64, Q.I16)        # tid2eid
+# the types a tensor may be stored in live beside the decoders (ds4py.quant), so that ds4py.schema needs no config
+from ds4py.quant import FLOAT_TYPES, INT_TYPES, MATRIX_TYPES  # noqa: E402,F401
 
 # V4 Flash's ratio roles (MODEL.md §2.3), used only by the predicates below
 V4_OVERLAP_RATIO = 4                     # the overlapping compressor

@@ -11,10 +11,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ds4py import engram
+from ds4py.checkpoint import OFFICIAL_FIELDS, ConvertError, official_config
 from ds4py.config import ARCH_V41, ModelConfig
 from ds4py.errors import ConfigError
 
-# official ModelArgs name -> ModelConfig field (V4.1 adds these to ds4py.convert.OFFICIAL_FIELDS)
+# official ModelArgs name -> ModelConfig field (V4.1 adds these to ds4py.checkpoint.OFFICIAL_FIELDS)
 V41_FIELDS = {
     "kv_source_layers": "kv_source_layers", "index_source_layers": "index_source_layers",
     "candidate_source_layer": "candidate_source_layer", "candidate_topk_blocks": "candidate_topk_blocks",
@@ -30,6 +32,7 @@ DSPARK_FIELDS = {
     "dspark_n_routed_experts": "dspark_experts", "dspark_n_activated_experts": "dspark_experts_used",
 }
 # HF text_config names -> official ModelArgs names (besides ds4py.convert.CONFIG_ALIASES)
+# HF text_config names -> official ModelArgs names (besides ds4py.checkpoint.CONFIG_ALIASES)
 V41_ALIASES = {
     "kv_source_layer_ids": "kv_source_layers", "index_source_layer_ids": "index_source_layers",
     "candidate_source_layer_id": "candidate_source_layer", "engram_pad_token_id": "engram_pad_id",
@@ -63,8 +66,6 @@ def is_v41_config(cfg: dict) -> bool:
 
 def shape_from_config(cfg: dict[str, Any]) -> ModelConfig:
     """A V4.1 config.json (ModelArgs or HF style) -> the ModelConfig the GGUF describes."""
-    from ds4py.convert import OFFICIAL_FIELDS, ConvertError, official_config
-
     if isinstance(cfg.get("text_config"), dict):            # HF: {"architectures", "text_config", "vision_config"}
         cfg = cfg["text_config"]
     c = official_config(cfg, ("n_layers", "dim", "vocab_size", "n_heads", "compress_ratios"), V41_ALIASES)
@@ -179,9 +180,6 @@ def gguf_metadata(s: ModelConfig, base: list[tuple[str, str, Any]], source_dir: 
 def engram_digests(ck, s: ModelConfig) -> list[str]:
     """Per Engram layer, the digest of its table in the checkpoint (checked at load: ds4py.engram), after
     checking the tables' dtypes and shapes; the tables themselves are not converted."""
-    from ds4py import engram
-    from ds4py.convert import ConvertError
-
     out = []
     for e, layer in enumerate(s.engram_layers):
         wn, sn = engram.table_names(layer)
@@ -199,8 +197,6 @@ def engram_digests(ck, s: ModelConfig) -> list[str]:
 
 def skipped(names: list[str], s: ModelConfig) -> tuple[list[str], list[str]]:
     """(notes about the checkpoint tensors left out on purpose, the unexpected rest)."""
-    from ds4py import engram
-
     tables = {n for layer in s.engram_layers for n in engram.table_names(layer)}
     notes, other = [], []
     groups: dict[str, int] = {}

@@ -33,6 +33,7 @@ from typing import Sequence
 import numpy as np
 
 from ds4py.errors import Ds4Error
+from ds4py.model import Capabilities
 from ds4py.sampling import Sampler, SamplingParams, softmax
 from ds4py.spec import (ByteCosts, Draft, MeasuredCosts, Round, SpecStats, accept_greedy, accept_sampled,
                         decode_pair, encode_pair, pair_fingerprint)
@@ -183,7 +184,11 @@ class DSparkSpec:
             raise Ds4Error(f"a fixed draft length must be an integer >= 0, got {fixed_k!r}")
         self.model, self.draft, self.fixed_k = model, draft, fixed_k
         self.config, self.backend, self.numerics = model.config, model.backend, model.numerics
-        self.path, self.layout = model.path, model.layout
+        self.path, self.layout, self.gguf, self.stack = model.path, model.layout, model.gguf, model.stack
+        self.startup = model.startup
+        # steps here are host steps with host sampling (no device-side generation, nothing to count)
+        self.capabilities = Capabilities(emulated=model.capabilities.emulated)
+        self.stable_rows = model.stable_rows
         self.base_fingerprint = model.fingerprint
         self.fingerprint = pair_fingerprint(model.fingerprint, "dspark:" + draft.fingerprint)
         self.rollback_horizon = R = model.rollback_horizon
@@ -226,6 +231,12 @@ class DSparkSpec:
 
     def weight_bytes_per_token(self) -> int:
         return self.model.weight_bytes_per_token()
+
+    def weight_bytes(self):
+        return self.model.weight_bytes()
+
+    def has_mtp_block(self) -> bool:
+        return False                     # its draft is DSpark's, in the model file (not V4's MTP block)
 
     def save_state(self, state: DSparkState) -> bytes:
         self._mains([state])

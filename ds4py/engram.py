@@ -31,6 +31,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ds4py.checkpoint import ConvertError, read_safetensors_header
 from ds4py.errors import Ds4Error
 
 
@@ -229,8 +230,6 @@ class _Table:
 
 def _locate(folder: Path, names: list[str]) -> dict[str, str]:
     """tensor name -> shard path, from model.safetensors.index.json or else every *.safetensors header."""
-    from ds4py.convert import read_safetensors_header
-
     index = folder / "model.safetensors.index.json"
     found: dict[str, str] = {}
     if index.is_file():
@@ -266,8 +265,6 @@ class EngramTables:
              where: str = "model") -> "EngramTables":
         """Check and map every Engram table of cfg in `folder`; EngramError (one sentence) when a shard or a table
         is missing, has another dtype or shape, or differs from the one the GGUF was converted with (digests)."""
-        from ds4py.convert import ConvertError, read_safetensors_header
-
         names = [n for layer in cfg.engram_layers for n in table_names(layer)]
         if folder is None or not str(folder):
             raise EngramError(f"{where}: this V4.1 model reads its Engram tables ({names[0]}, ...) from the official "

@@ -18,8 +18,11 @@ Backends never change the math of MODEL.md: the numpy reference (ds4py.ref) is t
 
 from __future__ import annotations
 
+import math
+import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
+from types import MappingProxyType
 from typing import Any, Protocol, Sequence, runtime_checkable
 
 import numpy as np
@@ -77,24 +80,90 @@ class State(Protocol):
     def nbytes(self) -> int: ...
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend offers beyond the core contract (docs/engine.md "Capabilities"). Callers test these flags;
+    they never probe a model's attributes. A method whose flag is off raises Ds4Error in one sentence."""
+    speculation: bool = False         # open_mtp(): an MTP draft block on this backend, fed by step_hidden
+    device_generation: bool = False   # generate(): sampling on the device, a few bytes read back per token
+    launch_counts: bool = False       # launches_per_step() / launches_per_rows_step(): kernels per step
+    multirow: bool = False            # several rows (sequences, a verify) in one device step: bench --verify-k
+    block_prefill: bool = False       # a prompt in device blocks of up to thousands of tokens: bench --prefill-sizes
+    emulated: bool = False            # runs on a CPU emulator of its device: its timings are CPU time
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    """Bytes of weights a step reads, by part (the bench's roofline, speculation's deterministic cost model)."""
+    decode: int        # one decode step: every tensor, one embedding row, n_experts_used of n_experts experts
+    routed: int        # of those, the routed experts': what each further row of a verify adds (no sharing)
+    head: int          # the output head (a draft step reads it too)
+
+
 @runtime_checkable
 class Model(Protocol):
     config: Any              # ds4py.config.ModelConfig
     path: str
-    backend: str             # "ref" | "cuda" | "cuda-emu"
+    backend: str             # "ref" | "cuda" | "cuda-emu": informational (recorded in blobs, printed), never branched on
     numerics: Numerics
     rollback_horizon: int
     fingerprint: str         # ds4py.fingerprint.file_fingerprint of the model file
     layout: kv.StateLayout
+    capabilities: Capabilities
+    stable_rows: int         # steps whose chunks all have at most this many rows are row-stable
+    gguf: Any                # the opened ds4py.gguf.GGUFFile (its metadata: tokenizer, MTP tensors), None if synthetic
+    stack: Any               # the sidecar / post-training stack mounted on the weights (docs/vq.md), or None
+    startup: dict            # load-time figures for the bench (seconds, GB), possibly empty
 
     def new_state(self) -> State: ...
 
     def step(self, states: Sequence[State], chunks: Sequence[Sequence[int]],
              all_logits: bool = False) -> list[np.ndarray]: ...
 
+    def step_hidden(self, states: Sequence[State], chunks: Sequence[Sequence[int]],
+                    all_logits: bool = False) -> tuple[list[np.ndarray], list[np.ndarray]]: ...
+
     def prefill(self, state: State, ids: Sequence[int], all_logits: bool = False) -> np.ndarray: ...
 
     def decode(self, state: State, token: int) -> np.ndarray: ...
+
+    def save_state(self, state: State) -> bytes: ...
+
+    def load_state(self, data: bytes) -> State: ...
+
+    def weight_bytes_per_token(self) -> int: ...
+
+    def weight_bytes(self) -> WeightBytes: ...
+
+    def has_mtp_block(self) -> bool: ...
+
+    def open_mtp(self, path: str | None = None) -> "Mtp": ...
+
+    def new_request(self, params: Any, suppress: Sequence[int] = ()) -> Any: ...
+
+    def generate(self, state: State, token: int, params: Any, max_tokens: int) -> Any: ...
+
+    def launches_per_step(self, state: State | None = None) -> dict[str, int]: ...
+
+    def launches_per_rows_step(self, n_rows: int) -> dict[str, int]: ...
+
+    def copy_bandwidth_gbps(self) -> float: ...
+
+
+@runtime_checkable
+class Mtp(Protocol):
+    """The MTP draft block of a main model (MODEL.md §2.5; docs/engine.md "The MTP draft block")."""
+    config: Any              # the block's one-layer config (cfg.mtp_block())
+    path: str
+    backend: str
+    fingerprint: str         # of the MTP file (SpecModel's pair fingerprint mixes it with the main one)
+    rollback_horizon: int
+    layout: kv.StateLayout
+
+    def new_state(self) -> State: ...
+
+    def step(self, states: Sequence[State], hidden: Sequence[np.ndarray], next_ids: Sequence[Sequence[int]],
+             all_logits: bool = False, logits: bool = True) -> tuple[list[np.ndarray], list[np.ndarray]]: ...
 
     def save_state(self, state: State) -> bytes: ...
 
@@ -112,6 +181,11 @@ class ModelBase(ABC):
 
     backend = "?"
     state_type: type = object
+    capabilities = Capabilities()
+    stable_rows = 1          # a step of one-row chunks is row-stable by definition; backends declare more
+    gguf: Any = None
+    stack: Any = None
+    startup: dict = MappingProxyType({})      # type: ignore[assignment]  (read-only; backends set their own)
 
     @property
     def kernels_label(self) -> str:
@@ -157,6 +231,42 @@ class ModelBase(ABC):
 
     def prefill(self, state: State, ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
         return self.step([state], [ids], all_logits)[0]
+
+    def weight_bytes_per_token(self) -> int:
+        return self.weight_bytes().decode
+
+    def has_mtp_block(self) -> bool:
+        """The model's own GGUF holds an MTP draft block (mtp.0.* tensors): open_mtp() needs no file."""
+        from ds4py import schema
+
+        return self.gguf is not None and schema.MTP_PREFIX + "e_proj.weight" in self.gguf
+
+    def open_mtp(self, path: str | None = None) -> "Mtp":
+        """The MTP draft block (MODEL.md §2.5) from its MTP GGUF (`path`; None: the model's own GGUF holds the
+        mtp.0.* tensors), on this backend (capabilities.speculation)."""
+        raise Ds4Error(f"the {self.backend} backend cannot run the MTP draft block; decode without speculation "
+                       f"(--no-spec) or use --backend ref")
+
+    def new_request(self, params: Any, suppress: Sequence[int] = ()) -> Any:
+        """The per-request driver of speculative rounds (ds4py.spec.SpecModel's); None: decode one token a step."""
+        return None
+
+    def generate(self, state: State, token: int, params: Any, max_tokens: int) -> Any:
+        """Device-side generation (capabilities.device_generation; docs/engine.md "Device-side generation")."""
+        raise Ds4Error(f"the {self.backend} backend has no device-side generation; step() and sample on the host")
+
+    def launches_per_step(self, state: State | None = None) -> dict[str, int]:
+        """Kernels of one decode step: body, head, total, side_stream (capabilities.launch_counts)."""
+        raise Ds4Error(f"the {self.backend} backend launches no kernels to count")
+
+    def launches_per_rows_step(self, n_rows: int) -> dict[str, int]:
+        """Kernels of one multi-row step of n_rows fresh sequences (capabilities.launch_counts)."""
+        raise Ds4Error(f"the {self.backend} backend launches no kernels to count")
+
+    def copy_bandwidth_gbps(self) -> float:
+        """Measured copy bandwidth (read + write) of the memory the weights are read from: the bench's roofline.
+        Here the host's (numpy memcpy)."""
+        return host_copy_bandwidth_gbps()
 
     def decode(self, state: State, token: int) -> np.ndarray:
         return self.step([state], [[token]])[0]
@@ -228,6 +338,145 @@ class ModelBase(ABC):
     @abstractmethod
     def _import(self, n_tokens: int, n_written: int, arrays: dict[str, np.ndarray]): ...
 
+    @abstractmethod
+    def weight_bytes(self) -> WeightBytes: ...
+
+
+class MtpBase(ABC):
+    """What every backend's MTP draft block shares: opening and checking its file, checking a step's arguments
+    (one sentence per problem), save_state / load_state of its one-layer state (a DS4PYKV blob under the MTP
+    file's fingerprint, which ds4py.spec pairs with the main model's).
+
+    A backend calls `MtpBase.__init__(self, model, path)` and implements new_state, `owns(state)`,
+    `_step(states, hidden, next_ids, all_logits, logits)` (checked inputs: float32 [T, hc, dim] and int64 [T]),
+    `_export(state)`, `_import(n_tokens, n_written, arrays)` and weight_bytes_per_token."""
+
+    def __init__(self, model: Any, path: str | None = None):
+        from ds4py.fingerprint import file_fingerprint
+        from ds4py.gguf import GGUFFile
+
+        if model.gguf is None and path is None:
+            raise Ds4Error("a model without a GGUF file (synthetic) has no MTP block; pass the MTP GGUF")
+        self.model = model
+        self.backend = model.backend
+        self.main_config = model.config
+        self.config = model.config.mtp_block()
+        self.path = model.path if path is None else str(path)
+        self.gguf = model.gguf if path is None else GGUFFile(self.path)
+        check_mtp_file(self.gguf, model.config)
+        self.numerics = model.numerics
+        self.rollback_horizon = model.rollback_horizon
+        self.layout = kv.state_layout(self.config, model.rollback_horizon)
+        header = min(t.offset for t in self.gguf.tensors.values())
+        self.fingerprint = file_fingerprint(self.path, head_bytes=header)
+
+    def step(self, states: Sequence[State], hidden: Sequence[np.ndarray], next_ids: Sequence[Sequence[int]],
+             all_logits: bool = False, logits: bool = True) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Advance each state by its rows (hidden[i] [T, hc, dim], next_ids[i] [T]): (logits per sequence,
+        [vocab] or [T, vocab] with all_logits; [] when logits=False), block output states [T, hc, dim]."""
+        hs, ids = self.check_step(states, hidden, next_ids)
+        return self._step(list(states), hs, ids, bool(all_logits), bool(logits))
+
+    def check_step(self, states, hidden, next_ids) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """An MTP step's arguments checked and normalised: the hidden states as float32 [n, hc, D], the ids as
+        int64."""
+        cfg = self.main_config
+        if isinstance(states, (str, bytes)) or not isinstance(states, Sequence) \
+                or not (len(states) == len(hidden) == len(next_ids)) or not states:
+            raise Ds4Error("an MTP step takes one hidden-state array and one id chunk per state")
+        if len({id(s) for s in states}) != len(states):
+            raise Ds4Error("the same MTP state appears twice in one step")
+        hs, ids = [], []
+        for st, h, c in zip(states, hidden, next_ids):
+            if not self.owns(st):
+                raise Ds4Error("an MTP step needs states from this MTP block's new_state()")
+            h = np.asarray(h, dtype=np.float32)
+            c = np.asarray(c)
+            if c.ndim != 1 or c.size == 0 or not np.issubdtype(c.dtype, np.integer):
+                raise Ds4Error("MTP next-token ids must be a non-empty 1-D integer sequence")
+            if h.shape != (c.size, cfg.hc_mult, cfg.dim):
+                raise Ds4Error(f"MTP hidden states must be [{c.size}, {cfg.hc_mult}, {cfg.dim}] (one final "
+                               f"hyper-connection state per next token), got {list(h.shape)}")
+            if ((c < 0) | (c >= cfg.vocab_size)).any():
+                raise Ds4Error(f"an MTP next-token id is outside the vocabulary (0..{cfg.vocab_size - 1})")
+            if st.n_tokens + c.size > cfg.context_length:
+                raise ContextLengthError(f"{st.n_tokens} + {c.size} MTP positions exceed the context length "
+                                         f"{cfg.context_length}")
+            hs.append(h)
+            ids.append(c.astype(np.int64))
+        return hs, ids
+
+    def save_state(self, state: State) -> bytes:
+        """The MTP state as a DS4PYKV blob under the MTP file's fingerprint (SpecModel pairs it with the main one)."""
+        if not self.owns(state):
+            raise Ds4Error("save_state needs a state from this MTP block's new_state()")
+        return kv.encode_state(self.fingerprint, self.numerics.to_dict(), self.layout, state.n_tokens,
+                               state.n_written, self._export(state), self.backend)
+
+    def load_state(self, data: bytes) -> State:
+        n_tokens, n_written, arrays = kv.decode_state(data, self.fingerprint, self.numerics.to_dict(), self.layout)
+        return self._import(n_tokens, n_written, arrays)
+
+    @abstractmethod
+    def new_state(self) -> State: ...
+
+    @abstractmethod
+    def owns(self, state: Any) -> bool:
+        """The state is one of this block's (its layout, its device)."""
+
+    @abstractmethod
+    def _step(self, states: list, hidden: list[np.ndarray], next_ids: list[np.ndarray], all_logits: bool,
+              logits: bool) -> tuple[list[np.ndarray], list[np.ndarray]]: ...
+
+    @abstractmethod
+    def _export(self, state) -> dict[str, np.ndarray]: ...
+
+    @abstractmethod
+    def _import(self, n_tokens: int, n_written: int, arrays: dict[str, np.ndarray]) -> State: ...
+
+    @abstractmethod
+    def weight_bytes_per_token(self) -> int: ...
+
+
+# metadata an MTP file may carry (ours do, as ds4's converter may not): when present it must match the main model
+MTP_SHAPE_KEYS = {"embedding_length": "dim", "vocab_size": "vocab_size", "attention.head_count": "n_heads",
+                  "attention.key_length": "head_dim", "hyper_connection.count": "hc_mult",
+                  "expert_count": "n_experts", "expert_feed_forward_length": "expert_ff",
+                  "attention.sliding_window": "window"}
+
+
+def check_mtp_file(f: Any, cfg: Any) -> None:
+    """GGUFError / Ds4Error naming the first thing that makes GGUF `f` not an MTP file of the model `cfg`."""
+    from ds4py import schema
+    from ds4py.errors import GGUFError
+    from ds4py.quant import vq
+
+    for key, field in MTP_SHAPE_KEYS.items():
+        v = f.meta(f"deepseek4.{key}", None)
+        if v is not None and v != getattr(cfg, field):
+            raise Ds4Error(f"{f.path}: this MTP file is for another model (deepseek4.{key} is {v}, the main model's "
+                           f"{field} is {getattr(cfg, field)})")
+    if schema.MTP_PREFIX + "e_proj.weight" not in f:
+        raise GGUFError(f"{f.path}: not an MTP draft file (no {schema.MTP_PREFIX}* tensors; convert the checkpoint "
+                        "with --mtp OUT_MTP.gguf, or use ds4's MTP GGUF)")
+    for name, (shape, types) in schema.expected_mtp_tensors(cfg).items():
+        if name.endswith("_exps.weight") and vq.is_vq(f, name):
+            vq.check_expert(f, name, shape)
+        else:
+            f.tensor(name, types=types, shape=shape)
+
+
+def host_copy_bandwidth_gbps(nbytes: int = 256 << 20, reps: int = 5) -> float:
+    """Best-of-N numpy memcpy bandwidth (read + write bytes): the CPU backend's roofline."""
+    a = np.ones(nbytes // 8, dtype=np.float64)
+    b = np.empty_like(a)
+    best = math.inf
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        np.copyto(b, a)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * a.nbytes / best / 1e9
+
 
 BACKENDS = ("ref", "cuda", "cuda-emu", "auto")
 
@@ -237,20 +486,40 @@ class UnsupportedByBackend(Ds4Error):
     CUDA, ...); `--backend auto` then falls back to the reference."""
 
 
-def open_mtp(model, path: str | None = None):
-    """The MTP draft block of `model` (MODEL.md §2.5) from its MTP GGUF (`path`; None: the model's own GGUF
-    holds the mtp.0.* tensors). Its interface: new_state(), step(states, hidden, next_ids, all_logits, logits),
-    rollback_horizon (docs/engine.md "The MTP draft block")."""
-    if model.backend == "ref":
-        from ds4py.ref.mtp import RefMtp
+def open_mtp(model: Model, path: str | None = None) -> Mtp:
+    """model.open_mtp(path): the MTP draft block of `model` on its own backend."""
+    return model.open_mtp(path)
 
-        return RefMtp(model, path)
-    if model.backend in ("cuda", "cuda-emu"):
-        from ds4py.cuda.mtp import CudaMtp
 
-        return CudaMtp(model, path)
-    raise Ds4Error(f"the {model.backend} backend cannot run the MTP draft block yet (it needs the verify batch's "
-                   f"kernels, issue 17); use --backend ref for speculative decoding, or --no-spec")
+def _open_ref(path: str, ctx: int | None = None, **kwargs) -> Model:
+    from ds4py.ref.engine import RefModel          # it grows its state as it goes: ctx needs no plan
+
+    return RefModel(path, **kwargs)
+
+
+def _open_cuda(path: str, emulate: bool, ctx: int | None = None, **kwargs) -> Model:
+    from ds4py.cuda.engine import CudaModel   # importing it never touches the driver
+
+    return CudaModel(path, emulate=emulate, ctx=ctx, **kwargs)
+
+
+# backend name -> how to open a model with it (the one place a backend's name chooses code)
+_OPENERS = {
+    "ref": _open_ref,
+    "cuda": lambda path, **kw: _open_cuda(path, False, **kw),
+    "cuda-emu": lambda path, **kw: _open_cuda(path, True, **kw),
+    "auto": lambda path, **kw: _open_auto(path, **kw),
+}
+
+
+# constructor options only some backends take (the reference's CPU kernels and memory budget)
+_BACKEND_OPTIONS = {"ref": frozenset({"kernels", "threads", "mem_budget_mb", "cache_bytes", "madvise"})}
+
+
+def backend_options(backend: str) -> frozenset:
+    """The backend-specific keyword arguments open_model(backend=...) accepts (beyond numerics,
+    rollback_horizon and the V4.1 / sidecar options every backend takes or refuses in one sentence)."""
+    return _BACKEND_OPTIONS.get(backend, frozenset())
 
 
 def open_model(path: str, backend: str = "ref", **kwargs) -> Model:
@@ -261,18 +530,10 @@ def open_model(path: str, backend: str = "ref", **kwargs) -> Model:
     line, a refusal up front when it does not fit, docs/cuda.md "Memory"); the reference grows its state as it
     goes and needs no plan.
     Raises ds4py.errors.Ds4Error subclasses with a clear sentence."""
-    ctx = kwargs.pop("ctx", None)
-    if backend == "ref":
-        from ds4py.ref.engine import RefModel
-
-        return RefModel(path, **kwargs)
-    if backend in ("cuda", "cuda-emu"):
-        from ds4py.cuda.engine import CudaModel   # importing it never touches the driver
-
-        return CudaModel(path, emulate=backend == "cuda-emu", ctx=ctx, **kwargs)
-    if backend == "auto":
-        return _open_auto(path, ctx, **kwargs)
-    raise Ds4Error(f"unknown backend {backend!r} (choose one of {', '.join(BACKENDS)})")
+    opener = _OPENERS.get(backend) if isinstance(backend, str) else None
+    if opener is None:
+        raise Ds4Error(f"unknown backend {backend!r} (choose one of {', '.join(BACKENDS)})")
+    return opener(path, **kwargs)
 
 
 def _open_auto(path: str, ctx: int | None = None, **kwargs) -> Model:
@@ -296,24 +557,13 @@ def _open_auto(path: str, ctx: int | None = None, **kwargs) -> Model:
     return RefModel(path, **kwargs)
 
 
-# ---- optional capability: generation on the backend's device ---------------------------------------------------
-@runtime_checkable
-class DeviceGeneration(Protocol):
-    """A backend that samples on its device and feeds each token to the next step itself, so the host reads a
-    few bytes per token instead of the logits (the CUDA engine). Callers that need no host logits (the session's
-    generation loop) use it when present (`device_generation(model)`); everything else uses step().
-
-    generate(state, token, params, max_tokens) checks its arguments when called (Ds4Error / ContextLengthError)
-    and returns an iterator: it feeds `token` at the state's next position and yields up to max_tokens sampled
-    tokens (ds4py.sampling's rules: temperature, top-k, top-p, min-p; greedy is exact argmax, lowest id on ties;
-    the draws are the device's own seeded stream, not numpy's). Closing it (or exhausting it) after k tokens
-    leaves the state having consumed `token` and the first k - 1 (the last sampled token is not fed), exactly as
-    the same tokens fed by step() would; no other call may use the state until then. Logits that are no
-    distribution raise ds4py.sampling.InvalidLogits."""
-
-    def generate(self, state: State, token: int, params: Any, max_tokens: int) -> Any: ...
-
-
-def device_generation(model: Any):
-    """model.generate when the backend offers device-side generation, else None."""
-    return model.generate if isinstance(model, DeviceGeneration) else None
+def device_generation(model: Model):
+    """model.generate when the backend declares device-side generation (capabilities.device_generation), else
+    None. generate(state, token, params, max_tokens) checks its arguments when called (Ds4Error /
+    ContextLengthError) and returns an iterator: it feeds `token` at the state's next position and yields up to
+    max_tokens sampled tokens (ds4py.sampling's rules; greedy is exact argmax, lowest id on ties; the draws are the
+    device's own seeded stream, not numpy's). Closing it (or exhausting it) after k tokens leaves the state having
+    consumed `token` and the first k - 1 (the last sampled token is not fed), exactly as the same tokens fed by
+    step() would; no other call may use the state until then. Logits that are no distribution raise
+    ds4py.sampling.InvalidLogits."""
+    return model.generate if model.capabilities.device_generation else None

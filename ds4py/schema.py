@@ -27,12 +27,14 @@ the main file's embedding and head. `mtp_entries` / `expected_mtp_tensors` / `bi
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Callable, Generic, Iterator, TypeVar
+from typing import TYPE_CHECKING, Callable, Generic, Iterator, TypeVar
 
-from ds4py.config import FLOAT_TYPES as F
-from ds4py.config import INT_TYPES as I
-from ds4py.config import MATRIX_TYPES as M
-from ds4py.config import ModelConfig
+from ds4py.quant import FLOAT_TYPES as F
+from ds4py.quant import INT_TYPES as I
+from ds4py.quant import MATRIX_TYPES as M
+
+if TYPE_CHECKING:                 # the config is read, never imported: ds4py.config imports this module
+    from ds4py.config import ModelConfig
 
 T = TypeVar("T")                 # a backend's tensor handle (ref: the GGUF TensorInfo; cuda: a device array)
 

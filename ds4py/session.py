@@ -13,10 +13,10 @@ that is a prefix of the new prompt. A snapshot is taken just before the *last* p
 a thinking-mode chat re-renders the previous turn as `<｜Assistant｜></think>answer` where the prompt ended in
 `<｜Assistant｜><think>`, so the next prompt diverges exactly at that last token (usually further back than
 the horizon), and a repeated prompt (retry, regenerate) reuses all but one token. With a disk KV cache
-(ds4py.kvcache) its checkpoints are one more source. Whatever the source, the longest reuse wins; the live
+(ds4py.disk_cache) its checkpoints are one more source. Whatever the source, the longest reuse wins; the live
 state wins ties (no copy), then snapshots, then the disk.
 
-Checkpoints (disk cache only; the policy is kvcache.KVCachePolicy): *cold* when a long prompt that started from
+Checkpoints (disk cache only; the policy is disk_cache.KVCachePolicy): *cold* when a long prompt that started from
 nothing reaches its cold point (a chunk boundary a little before its end), *continued* whenever the state
 reaches a multiple of the policy's interval, *evict* before an unrelated prompt replaces the live state, and
 *shutdown* from close(). Prefill chunks end at those points, so the state is saved exactly there.
@@ -27,10 +27,11 @@ token, EOS included, yields one TokenEvent (completion_tokens == number of Token
 its spelling, only text still held back. Text is a UTF-8-safe delta; text that could still become one of the
 stop strings is held back until it cannot, and the stop string itself is never emitted (`Completion`).
 
-Two drivers. `generate()` runs one request to its end, calling the model itself (run, chat, `serve` with one
-session; the loop is `_generate`). The server's batch scheduler (ds4py/server/scheduler.py) drives several
+Two drivers. `generate()` runs one request to its end, calling the model itself (run, chat; the loop is
+`_generate`). The server's scheduler (ds4py/server/scheduler.py, whatever `serve --sessions` is) drives its
 sessions through the same steps instead: `start(prompt)`, `next_chunk(...)` and `advance(ids, logits)` around
-its own batched model.step, and a `Completion` per request.
+its own batched model.step (or `fed(token)` under a device-side generation), a `Completion` per request, and
+`end(done)` when the request is over.
 
 Not thread-safe: one request at a time per session (the server serialises requests).
 """
@@ -39,7 +40,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator, Literal, Sequence
 
 import numpy as np
@@ -86,6 +87,7 @@ class SessionStats:
     spec_accepted: int = 0
     disk_restored: int = 0       # checkpoints loaded from the disk cache
     checkpoints: int = 0         # checkpoints handed to the disk cache
+    finished: dict = field(default_factory=dict)   # finish reason -> answers that ended so (end())
 
 
 @dataclass(eq=False)          # compared by identity (list.index), never by its arrays
@@ -149,7 +151,7 @@ class Completion:
 class Session:
     def __init__(self, model, tokenizer, ctx_size: int | None = None, max_snapshots: int = 4,
                  prefill_chunk: int = 2048, disk=None):
-        model_ctx = int(getattr(model.config, "context_length", 0) or 0)
+        model_ctx = int(model.config.context_length)
         if ctx_size is None:
             ctx_size = model_ctx
         if ctx_size < 2:
@@ -164,7 +166,7 @@ class Session:
         # cancellation is checked between chunks of a long prefill. An int is a fixed chunk; an object with
         # next_len() and record(n_tokens, seconds) sizes each chunk (the server's PrefillPacer bounds its time)
         self.prefill_chunk = prefill_chunk
-        self.disk = disk                           # a kvcache.DiskCache shared by the sessions of a server, or None
+        self.disk = disk                           # a disk_cache.DiskCache shared by the sessions of a server, or None
         self.stats = SessionStats()
         self.last_source = "none"                  # where the last prompt's reused tokens came from (SOURCES)
         self.last_cached = 0                       # and how many
@@ -308,6 +310,18 @@ class Session:
 
     def drop_live(self) -> None:
         self.state, self.tokens, self._logits = None, [], None
+
+    def fed(self, token: int) -> None:
+        """A device-side generation (ds4py.model.device_generation) fed `token` to the live state: recorded,
+        without logits (the host never saw them)."""
+        self.tokens.append(int(token))
+        self._logits = None
+        self.stats.decoded_tokens += 1
+
+    def end(self, done: DoneEvent | None) -> None:
+        """The request that ran here ended (its DoneEvent; None when it failed): counted by finish reason."""
+        reason = "error" if done is None else done.finish_reason
+        self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
 
 
     # ---- one prompt, step by step -------------------------------------------------------------------------
@@ -478,10 +492,10 @@ class Session:
     # ---- the speculative-decoding hook (ds4py.spec, docs/spec.md): the only place generation knows of it ----
 
     def _speculation(self, params: SamplingParams):
-        """A model with `new_request` (ds4py.spec.SpecModel) decodes in speculative rounds; others one token a
-        step. `spec_stats` is the running request's speculation statistics (None without speculation)."""
-        new = getattr(self.model, "new_request", None)
-        spec = None if new is None else new(params)
+        """A model whose `new_request` gives a round runner (ds4py.spec.SpecModel) decodes in speculative rounds;
+        others (new_request gives None) one token a step. `spec_stats` is the running request's speculation
+        statistics (None without speculation)."""
+        spec = self.model.new_request(params)
         self.spec_stats = None if spec is None else spec.stats
         return spec
 
@@ -552,9 +566,7 @@ class Session:
         inner = gen(self.state, last, params, limit - 1)
         try:
             for t in inner:                        # t arrives once `last` has been fed
-                self.tokens.append(last)
-                self._logits = None
-                self.stats.decoded_tokens += 1
+                self.fed(last)
                 last = t
                 yield t
         except GeneratorExit:

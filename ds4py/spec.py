@@ -35,8 +35,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ds4py import schema
 from ds4py.errors import Ds4Error
+from ds4py.model import Capabilities
 from ds4py.sampling import Sampler, SamplingParams, softmax
 
 F32 = np.float32
@@ -452,17 +452,20 @@ class SpecModel:
         if fixed_k is not None and (isinstance(fixed_k, bool) or not isinstance(fixed_k, int) or fixed_k < 0):
             raise Ds4Error(f"a fixed draft length must be an integer >= 0, got {fixed_k!r}")
         self.fixed_k = fixed_k
-        if not callable(getattr(model, "step_hidden", None)):
-            raise Ds4Error(f"the {getattr(model, 'backend', '?')} backend cannot decode speculatively (no "
-                           "step_hidden); use --no-spec")
+        if not model.capabilities.speculation:
+            raise Ds4Error(f"the {model.backend} backend cannot decode speculatively; use --no-spec")
         self.model, self.mtp = model, mtp
         self.config, self.backend, self.numerics = model.config, model.backend, model.numerics
-        self.path, self.layout = model.path, model.layout
+        self.path, self.layout, self.gguf, self.stack = model.path, model.layout, model.gguf, model.stack
+        self.startup = model.startup
+        # steps here are host steps with host sampling (no device-side generation, nothing to count)
+        self.capabilities = Capabilities(emulated=model.capabilities.emulated)
         self.base_fingerprint = model.fingerprint
-        self.fingerprint = pair_fingerprint(model.fingerprint, getattr(mtp, "fingerprint", ""))
+        self.fingerprint = pair_fingerprint(model.fingerprint, mtp.fingerprint)
         self.rollback_horizon = R = model.rollback_horizon
+        self.stable_rows = model.stable_rows
         # verify rows k + 1 row-stable and within the rollback horizon; the MTP chain (k − 1 rows) within its own
-        self.k_max = max(0, min(R, getattr(model, "stable_rows", R + 1) - 1, mtp.rollback_horizon + 1))
+        self.k_max = max(0, min(R, model.stable_rows - 1, mtp.rollback_horizon + 1))
         self.capacity = R + 2                       # ring: positions n−1..n+k of a round, and R of rollback
         self.stats = SpecStats()                    # every request's, summed
 
@@ -474,11 +477,15 @@ class SpecModel:
     def weight_bytes_per_token(self) -> int:
         return self.model.weight_bytes_per_token()
 
+    def weight_bytes(self):
+        return self.model.weight_bytes()
+
+    def has_mtp_block(self) -> bool:
+        return True
+
     def save_state(self, state: SpecState) -> bytes:
         """The paired state as one blob (format: encode_pair)."""
         self._check([state])
-        if not callable(getattr(self.mtp, "save_state", None)):
-            raise Ds4Error("this MTP draft block cannot save its state")
         return encode_pair(self.fingerprint, self.model.save_state(state.main), self.mtp.save_state(state.draft),
                            state.h, state.ids)
 
@@ -517,10 +524,11 @@ class SpecModel:
             timing["main"], timing["total"] = t1 - t0, time.perf_counter() - t0
         return logits
 
-    def verify(self, states: Sequence[SpecState], chunks: Sequence[Sequence[int]]):
-        """A round's main step of each state's [token, d_1..d_k]: (all rows' logits, their final hidden states),
-        which finish() takes (the server's batched verify step)."""
-        return self.model.step_hidden(self._check(states), chunks, all_logits=True)
+    def verify(self, states: Sequence[SpecState], chunks: Sequence[Sequence[int]]) -> tuple[list[np.ndarray],
+                                                                                        list[np.ndarray]]:
+        """The verify rows of one or several rounds in one main step: every row's logits and final hidden state
+        (the main states only: finish() stores the rows the round keeps)."""
+        return self.model.step_hidden(self._check(states), [list(c) for c in chunks], all_logits=True)
 
     def prefill(self, state: SpecState, ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
         return self.step([state], [ids], all_logits)[0]
@@ -558,21 +566,10 @@ class SpecModel:
         return SpecRequest(self, params, suppress)
 
     def byte_costs(self) -> ByteCosts:
-        """The deterministic cost model (ByteCosts) from the files' bytes."""
-        m = self.model
-        main = int(m.weight_bytes_per_token())
-        draft = int(self.mtp.weight_bytes_per_token())
-        routed, head = 0, 0
-        gguf, binding = getattr(m, "gguf", None), getattr(m, "binding", None)
-        if gguf is not None and binding is not None:
-            cfg = self.config
-            for e in schema.entries(cfg):
-                if e.spec.field.startswith("ffn.experts."):
-                    routed += gguf.tensor(e.name).nbytes * cfg.n_experts_used // cfg.n_experts
-            head = int(binding.head.nbytes)
-        else:
-            routed = main                          # unknown: every verify row costs a whole step
-        return ByteCosts(main, routed, draft, head)
+        """The deterministic cost model (ByteCosts) from the bytes each part of the pair reads
+        (Model.weight_bytes: the same figures on every backend)."""
+        w = self.model.weight_bytes()
+        return ByteCosts(int(w.decode), int(w.routed), int(self.mtp.weight_bytes_per_token()), int(w.head))
 
 
 class SpecRequest:
@@ -605,7 +602,7 @@ class SpecRequest:
         if isinstance(plan, Round):
             return plan
         t0 = time.perf_counter()
-        (P,), (H,) = self.spec.model.step_hidden([state.main], [plan.chunk], all_logits=True)
+        (P,), (H,) = self.spec.verify([state], [plan.chunk])
         self.scheduler.costs.observe_verify(len(plan.chunk), time.perf_counter() - t0)
         return self.finish(state, plan, P, H, sampler)
 
@@ -697,18 +694,11 @@ class SpecRequest:
         return r
 
 
-def has_mtp_tensors(model) -> bool:
-    """The model's own GGUF holds an MTP block (mtp.0.* tensors)."""
-    gguf = getattr(model, "gguf", None)
-    return gguf is not None and schema.MTP_PREFIX + "e_proj.weight" in gguf
-
-
 def speculative(model, mtp_path: str | None = None, enabled: bool = True, fixed_k: int | None = None):
     """`model` wrapped for speculative decoding when it is on and the model has a draft: V4.1's DSpark draft in its
     file (ds4py.dspark.DSparkSpec), or V4's MTP block (the --mtp file, or mtp.0.* tensors in its own GGUF);
-    otherwise `model` itself. On by default: --no-spec sets enabled=False."""
-    from ds4py.model import open_mtp
-
+    otherwise `model` itself. On by default: --no-spec sets enabled=False. A backend without speculation
+    (capabilities) decodes plainly unless an --mtp file asks for it (refused)."""
     if enabled and model.config.has_dspark:       # V4.1: its DSpark draft, in the model file (ds4py.dspark)
         if mtp_path is not None:
             raise Ds4Error(f"--mtp {mtp_path}: this V4.1 model drafts with its own DSpark draft (in the model file); "
@@ -716,6 +706,6 @@ def speculative(model, mtp_path: str | None = None, enabled: bool = True, fixed_
         from ds4py.dspark import DSparkSpec
 
         return DSparkSpec(model, model.open_dspark(), fixed_k)
-    if not enabled or (mtp_path is None and not has_mtp_tensors(model)):
+    if not enabled or (mtp_path is None and not (model.capabilities.speculation and model.has_mtp_block())):
         return model
-    return SpecModel(model, open_mtp(model, mtp_path), fixed_k)
+    return SpecModel(model, model.open_mtp(mtp_path), fixed_k)

@@ -12,7 +12,6 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
-import session_jobs  # noqa: E402
 from helpers import GOLDEN, stub_tokenizer_json  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -77,14 +76,23 @@ def dspark_gguf(golden, tmp_path_factory) -> str:
     return str(d / "v41-tiny-dspark-f32.gguf")
 
 
-# ---- emulator kernel coverage: what the tests really launch (tests/test_cu_emu_kernels.py checks it) -----------
+# ---- emulator kernel coverage over the run (tests/kernel_coverage.py) ------------------------------------------
 
 _LAUNCHED_KERNELS: dict[str, set[str]] = {}      # kernel name -> the test files that ran it on the emulator
 _CURRENT_FILE: list[str] = [""]
+_RUN = {"deselected": 0, "items": []}
 
 
 def pytest_runtest_setup(item):
     _CURRENT_FILE[0] = Path(str(item.path)).name
+
+
+def pytest_deselected(items):
+    _RUN["deselected"] += len(items)
+
+
+def pytest_collection_finish(session):
+    _RUN["items"] = list(session.items)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -112,82 +120,69 @@ def emulator_launches() -> dict[str, set[str]]:
     return _LAUNCHED_KERNELS
 
 
-def _jobs_needed(item) -> list[str]:
-    return [n for n in session_jobs.JOBS if f"job_{n}" in getattr(item, "fixturenames", ())]
+def _coverage(session) -> tuple[str, list[str] | None]:
+    """(what the summary says, the kernels no twin test launched, or None when this run does not measure it)."""
+    import kernel_coverage as kc
+    from ds4py.cuda import emu
+
+    why = kc.whole_run(session.config, _RUN["items"])
+    if why is None and _RUN["deselected"]:
+        why = f"{_RUN['deselected']} tests were deselected"
+    if why is None and (session.shouldstop or session.shouldfail):
+        why = "the run stopped early"
+    if why is None and emu.compiler() is None:
+        why = "the CUDA emulator needs g++, which this machine lacks"
+    if why is not None:
+        return f"not measured: {why}", None
+    missing = kc.missing_kernels(_LAUNCHED_KERNELS)
+    n = len(kc.kernels())
+    if missing:
+        return f"FAILED: {len(missing)} of {n} kernels launched by no twin test: {', '.join(missing)}", missing
+    return f"all {n} kernels of cu/*.cu launched by their twin tests", missing
 
 
-def _waits_for(item) -> int:
-    """0: waits for no background job; else 1 + the position in JOBS of the last job it waits for (the stand-in
-    driver's tests wait for the NVRTC job's cache through standin_cache)."""
-    names = getattr(item, "fixturenames", ())
-    needed = _jobs_needed(item) + (["nvrtc_kernels"] if "standin_cache" in names else [])
-    return 1 + max(list(session_jobs.JOBS).index(n) for n in needed) if needed else 0
+def pytest_sessionfinish(session, exitstatus):
+    """A run of the whole suite fails when a kernel went untested on the emulator (a kernel landed without a test,
+    or a test stopped launching it): checked once every test has run, whatever order they ran in."""
+    text, missing = _coverage(session)
+    session.config.stash[_COVERAGE] = text
+    if missing and exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
-def pytest_collection_modifyitems(session, config, items):
-    # tests waiting for a background job (tests/session_jobs.py) run after the others, in the order the jobs
-    # finish, so each job has had the second core meanwhile; the coverage check reads what the other tests
-    # launched: it runs after all of them
-    last = [i for i in items if i.name == "test_every_kernel_is_covered"]
-    rest = [i for i in items if i not in last]
-    items[:] = sorted(rest, key=_waits_for) + last          # a stable sort: each group keeps its order
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    text = config.stash.get(_COVERAGE, None)
+    if text is not None:
+        terminalreporter.write_sep("-", "emulator kernel coverage")
+        terminalreporter.write_line(text)
 
 
-# ---- background jobs (tests/session_jobs.py): started as the session begins, waited for by job_* fixtures ---------
+_COVERAGE = pytest.StashKey[str]()
 
-@pytest.fixture(scope="session", autouse=True)
-def _session_jobs(request, tmp_path_factory):
-    items = request.session.items
-    needed = {n for item in items for n in _jobs_needed(item)}
-    files = {Path(str(item.path)).name for item in items}
-    needed |= {n for n, prefixes in session_jobs.WARMUPS.items()
-               if sum(f.startswith(prefixes) for f in files) >= session_jobs.WARMUP_FILES}
-    workdir = lambda name: tmp_path_factory.mktemp(f"job-{name}")   # noqa: E731
-    request.config.stash[_JOB_WORKDIR] = workdir
-    if needed and not request.config.option.collectonly:
-        session_jobs.start(sorted(needed), workdir)
+
+# ---- NVRTC builds of every kernel (tests/nvrtc_build.py), once per run, when a test asks ------------------------
+
+@pytest.fixture(scope="session")
+def nvrtc_kernels(tmp_path_factory) -> dict:
+    """{"cache": a fresh cache folder, "compiled": {arch: {stem: CompiledModule}}}: every cu/*.cu compiled by NVRTC
+    for sm_121, sm_90 and sm_90a into that cache (raises NvrtcUnavailableError without NVRTC)."""
+    from ds4py.cuda import compiler
+    from nvrtc_build import nvrtc_kernels as build
+
     try:
-        yield
-    finally:
-        session_jobs.stop()
-
-
-_JOB_WORKDIR = pytest.StashKey()
-
-
-def _waiter(request, name: str):
-    """What a job_* fixture gives: call it to wait for the job's result (its exception raises in the caller)."""
-    workdir = request.config.stash[_JOB_WORKDIR]
-    return lambda: session_jobs.result(name, workdir)
-
-
-@pytest.fixture(scope="session")
-def job_nvrtc_kernels(request, _session_jobs):
-    """() -> {"cache": a fresh cache folder, "compiled": {arch: {stem: CompiledModule}}}: every cu/*.cu compiled by
-    NVRTC for sm_121, sm_90 and sm_90a into that cache, once per session (raises NvrtcUnavailableError without it)."""
-    return _waiter(request, "nvrtc_kernels")
-
-
-@pytest.fixture(scope="session")
-def job_blas_rerun(request, _session_jobs):
-    """() -> what tests/test_blas_kernels.py's blas_rerun_job returns."""
-    return _waiter(request, "blas_rerun")
-
-
-@pytest.fixture(scope="session")
-def job_gpu_tests_on_emulator(request, _session_jobs):
-    """() -> what tests/test_cuda_gpu_tests_on_emulator.py's gpu_tests_job returns."""
-    return _waiter(request, "gpu_tests_on_emulator")
+        return build(tmp_path_factory.mktemp("nvrtc"))
+    except compiler.NvrtcUnavailableError as e:
+        pytest.skip(f"NVRTC cannot load: {e}")
 
 
 @pytest.fixture(scope="session")
 def standin_cache(request, tmp_path_factory) -> Path:
-    """The kernel cache of the stand-in driver's Runtime (tests/test_cuda_driverless.py). When this session runs
-    tests/test_cuda_compile.py, its NVRTC job builds every kernel for sm_90 (the stand-in's arch) with the same
-    options: that cache is reused, after the job, instead of compiling the same cubins a second time."""
-    if session_jobs.scheduled("nvrtc_kernels"):
+    """The kernel cache of the stand-in driver's Runtime (tests/test_cuda_driverless.py). When this run also runs
+    tests/test_cuda_compile.py, its NVRTC build holds every kernel for sm_90 (the stand-in's arch) with the same
+    options: that cache is reused instead of compiling the same cubins a second time."""
+    if any("nvrtc_kernels" in getattr(i, "fixturenames", ()) for i in request.session.items):
         try:
-            return _waiter(request, "nvrtc_kernels")()["cache"]
-        except Exception:       # no NVRTC (the rt fixture skips) or a compile error (Runtime reports it again)
-            pass
+            return request.getfixturevalue("nvrtc_kernels")["cache"]
+        except (Exception, pytest.skip.Exception):   # no NVRTC (the rt fixture skips) or a compile error
+            pass                                        # (the Runtime reports it again)
     return tmp_path_factory.getbasetemp() / "standin-cache"

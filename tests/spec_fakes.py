@@ -15,6 +15,19 @@ import numpy as np
 
 from ds4py.errors import Ds4Error
 from ds4py.kv import StateLayout, StateCounters
+from ds4py.model import Capabilities, WeightBytes
+
+
+class FakeContract:
+    """The declared parts of ds4py.model.Model a fake does not otherwise need (no capabilities, no speculation
+    driver, no file): what the session, the server and SpecModel read."""
+    capabilities = Capabilities()
+    stable_rows = 1
+    gguf = stack = None
+    startup: dict = {}
+
+    def new_request(self, params, suppress=()):
+        return None
 
 
 class CounterState(StateCounters):
@@ -32,10 +45,11 @@ class CounterState(StateCounters):
         return 16
 
 
-class MarkovModel:
+class MarkovModel(FakeContract):
     """Target: the logits after token t at position p are table[p % period, t]. hidden row = (position, token)."""
 
     backend = "fake"
+    capabilities = Capabilities(speculation=True)
 
     def __init__(self, vocab: int = 4, period: int = 3, seed: int = 0, horizon: int = 16, ctx: int = 512):
         self.table = np.random.default_rng(seed).normal(0, 1.2, (period, vocab, vocab)).astype(np.float32)
@@ -71,6 +85,9 @@ class MarkovModel:
     def weight_bytes_per_token(self) -> int:
         return 1000
 
+    def weight_bytes(self) -> WeightBytes:
+        return WeightBytes(1000, 1000, 0)          # every verify row priced as a whole step
+
     def sequence_distribution(self, sampler, prompt: list[int], length: int) -> dict[tuple, float]:
         """The exact probability of every continuation of `length` tokens under plain sampling with `sampler`'s
         truncation rules (its `distribution`)."""
@@ -92,7 +109,7 @@ class MarkovDraft:
     def __init__(self, target: MarkovModel, distortion: float = 1.0, seed: int = 1, horizon: int = 16):
         rng = np.random.default_rng(seed)
         self.table = target.table + rng.normal(0, distortion, target.table.shape).astype(np.float32)
-        self.rollback_horizon = horizon
+        self.rollback_horizon, self.fingerprint, self.path = horizon, "markov-draft", "<markov-draft>"
         self.rows_stepped: list[int] = []
 
     def new_state(self) -> CounterState:
@@ -122,6 +139,7 @@ class OracleDraft:
 
     def __init__(self, truth: list[int], vocab: int, wrong: set[int] = frozenset(), horizon: int = 16):
         self.truth, self.vocab, self.wrong, self.rollback_horizon = list(truth), vocab, set(wrong), horizon
+        self.fingerprint, self.path = "oracle-draft", "<oracle-draft>"
 
     def new_state(self) -> CounterState:
         return CounterState(self.rollback_horizon)

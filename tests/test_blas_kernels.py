@@ -58,9 +58,8 @@ def _has_avx2() -> bool:
         return False
 
 
-def blas_rerun_job(work: Path) -> dict:
-    """The re-run (a background session job, tests/session_jobs.py: it runs on the second core while the suite
-    goes on): skips where no other OpenBLAS kernel can be chosen, else runs GOLDEN_TESTS under it."""
+def test_golden_reference_tests_hold_under_another_blas_kernel():
+    """Skips where no other OpenBLAS kernel can be chosen, else runs GOLDEN_TESTS under it in a child process."""
     if os.environ.get(RERUN):
         pytest.skip("this is the re-run itself")
     if platform.machine().lower() not in ("x86_64", "amd64"):
@@ -74,17 +73,7 @@ def blas_rerun_job(work: Path) -> dict:
     env = {"OPENBLAS_CORETYPE": other, RERUN: "1", "PYTHONPATH": str(REPO), "DS4PY_KERNELS": "dequant"}
     got = blas_core(env)
     assert got and got != here, f"OPENBLAS_CORETYPE={other} did not change the kernel (still {got!r})"
-    from session_jobs import run_process
-
-    r = run_process([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", SKIP, *GOLDEN_TESTS],
-                    cwd=REPO, timeout=1200, env={**os.environ, **env})
-    return {"here": here, "other": other, "got": got, "run": r}
-
-
-def test_golden_reference_tests_hold_under_another_blas_kernel(job_blas_rerun):
-    if os.environ.get(RERUN):
-        pytest.skip("this is the re-run itself")
-    job = job_blas_rerun()
-    r, got, other, here = job["run"], job["got"], job["other"], job["here"]
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", SKIP, *GOLDEN_TESTS],
+                       cwd=REPO, timeout=1200, env={**os.environ, **env}, capture_output=True, text=True)
     assert r.returncode == 0, (f"golden reference tests fail under OpenBLAS kernel {got} "
                                f"(OPENBLAS_CORETYPE={other}; this process runs {here}):\n{r.stdout[-6000:]}")

@@ -318,7 +318,9 @@ def test_a_model_that_turns_out_broken_while_serving_is_reported_on_health(golde
         def nbytes(self):
             return 0
 
-    class NaNModel:
+    from spec_fakes import FakeContract
+
+    class NaNModel(FakeContract):
         config = SimpleNamespace(vocab_size=tok.vocab_size, context_length=512)
 
         def new_state(self):

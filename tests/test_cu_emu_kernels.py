@@ -1,46 +1,38 @@
 """Every kernel in cu/*.cu has an emulator test against its numpy twin (ds4py/cuda/twins/): the tests live in
 tests/test_cu_emu_<stage>.py. Coverage is what those tests really launch (tests/conftest.py records every
 kernel the emulator runs, and in which test file), not a hand-kept list: a kernel lands without a test, or a
-test stops launching it, and test_every_kernel_is_covered fails."""
+test stops launching it, and a run of the whole suite fails at its end (conftest's pytest_sessionfinish, with
+tests/kernel_coverage.py). Here: the check itself."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
-import pytest
-
-from cu_fixtures import requires_emulator
-from ds4py.cuda import emu
-from ds4py.cuda.signature import parse_kernels
+import kernel_coverage
+from kernel_coverage import missing_kernels, whole_run
 
 HERE = Path(__file__).resolve().parent
 
 
-def missing_kernels(launches: dict[str, set[str]]) -> list[str]:
-    """Kernels of cu/*.cu that no test file comparing against the numpy twins launched on the emulator."""
-    twin_tests = {p.name for p in HERE.glob("test_cu_emu_*.py") if "twins" in p.read_text()}
-    kernels = {k for f in sorted(emu.CU_DIR.glob("*.cu")) for k in parse_kernels(f.read_text())}
-    return sorted(k for k in kernels if not launches.get(k, set()) & twin_tests)
-
-
-@requires_emulator
-def test_every_kernel_is_covered(request, emulator_launches):
-    """Runs last (tests/conftest.py orders it), over a run that includes every tests/test_cu_emu_*.py file."""
-    cfg = request.config
-    ran = {Path(str(i.path)).name for i in request.session.items}
-    stage_files = {p.name for p in HERE.glob("test_cu_emu_*.py")} - {Path(__file__).name}
-    if cfg.option.keyword or cfg.option.markexpr or any("::" in a for a in cfg.args) or not stage_files <= ran:
-        pytest.skip("kernel coverage is measured over a run of every tests/test_cu_emu_*.py file "
-                    "(no -k, -m or test ids)")
-    assert emulator_launches, "no kernel ran on the emulator in this session"
-    missing = missing_kernels(emulator_launches)
-    assert not missing, f"kernels no twin test launched on the emulator: {', '.join(missing)}"
-
-
 def test_the_coverage_check_sees_a_kernel_nobody_launches():
-    kernels = {k for f in sorted(emu.CU_DIR.glob("*.cu")) for k in parse_kernels(f.read_text())}
-    assert missing_kernels({}) == sorted(kernels)
+    kernels = kernel_coverage.kernels()
+    assert kernels and missing_kernels({}) == sorted(kernels)
     everywhere = {k: {"test_cu_emu_gemv.py"} for k in kernels}
     assert missing_kernels(everywhere) == []
     one = sorted(kernels)[0]
     assert missing_kernels({**everywhere, one: {"test_cu_emu_portable.py"}}) == [one]   # not a twin test
+
+
+def test_coverage_is_measured_over_whole_runs_only():
+    files = sorted(HERE.glob("test_*.py"))
+    items = [SimpleNamespace(path=f) for f in files]
+
+    def config(keyword="", markexpr="", args=("tests",)):
+        return SimpleNamespace(option=SimpleNamespace(keyword=keyword, markexpr=markexpr), args=list(args))
+    assert whole_run(config(), items) is None
+    assert "selects" in whole_run(config(keyword="gemv"), items)
+    assert "selects" in whole_run(config(markexpr="not slow"), items)
+    assert "selects" in whole_run(config(args=("tests/test_cu_emu_gemv.py::test_x",)), items)
+    some = [i for i in items if i.path.name != "test_cu_emu_gemv.py"]
+    assert "every tests/test_cu_emu_" in whole_run(config(), some)

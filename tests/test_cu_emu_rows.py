@@ -1,4 +1,4 @@
-"""Multi-row kernels (issue 17 items 2-3) on the CPU emulator: the `_rows` GEMVs read each weight once for nx
+"""Multi-row kernels on the CPU emulator: the `_rows` GEMVs read each weight once for nx
 activation rows, and row n of a multi-row launch is bit-identical to a single-row launch on x[n] (batch
 invariance), for every weight type, several matrices, the RMSNorm prologue, input groups, the hc_post and SwiGLU
 epilogues; and close to the numpy twin. tests/gpu/test_gpu_rows.py runs the same functions on a GPU."""

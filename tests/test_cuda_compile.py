@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from session_jobs import NVRTC_ARCHS
+from nvrtc_build import NVRTC_ARCHS
 
 from ds4py.cuda import compiler
 from ds4py.cuda.signature import expand_lists, parse_kernels, strip_comments
 
 REPO = Path(__file__).resolve().parents[1]
 CU = REPO / "cu"
-ARCHS = NVRTC_ARCHS          # ("sm_121", "sm_90", "sm_90a"): what the session job compiles
+ARCHS = NVRTC_ARCHS          # ("sm_121", "sm_90", "sm_90a"): what the nvrtc_kernels fixture compiles
 
 
 def _nvrtc_or_skip() -> None:
@@ -28,14 +28,10 @@ def _nvrtc_or_skip() -> None:
 
 
 @pytest.fixture(scope="session")
-def nvrtc_job(job_nvrtc_kernels) -> dict:
-    """Every kernel file for every arch (ARCHS), compiled once per session into a fresh cache by compile_all: in a
-    background job (tests/session_jobs.py) that runs while the other tests do; these tests wait for it."""
-    _nvrtc_or_skip()
-    try:
-        return job_nvrtc_kernels()
-    except compiler.NvrtcUnavailableError as e:
-        pytest.skip(f"NVRTC cannot load: {e}")
+def nvrtc_job(nvrtc_kernels) -> dict:
+    """Every kernel file for every arch (ARCHS), compiled once per run into a fresh cache by compile_all (the
+    session fixture nvrtc_kernels of tests/conftest.py, in a child process; it skips without NVRTC)."""
+    return nvrtc_kernels
 
 
 @pytest.fixture(scope="session")

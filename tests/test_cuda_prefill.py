@@ -147,14 +147,23 @@ def test_bench_prefill_rows(model_a):
     from ds4py import bench
     from ds4py.errors import Ds4Error
 
-    assert bench.prefill_sizes("auto", "cuda") == (bench.PREFILL_SIZES, None)
-    for backend in ("ref", "cuda-emu"):
-        sizes, note = bench.prefill_sizes("auto", backend)
+    from types import SimpleNamespace
+
+    from ds4py.model import Capabilities
+
+    def backend(name, **caps):
+        return SimpleNamespace(backend=name, capabilities=Capabilities(**caps))
+    gpu = backend("cuda", block_prefill=True)
+    assert bench.prefill_sizes("auto", gpu) == (bench.PREFILL_SIZES, None)
+    for other in (backend("ref"), backend("cuda-emu", block_prefill=True, emulated=True)):
+        sizes, note = bench.prefill_sizes("auto", other)
         assert sizes == () and note.startswith("prefill rows skipped") and "\n" not in note
-    assert bench.prefill_sizes("20,30", "ref") == ((20, 30), None) and bench.prefill_sizes("none", "cuda") == ((), None)
+    assert bench.prefill_sizes("20,30", backend("ref")) == ((20, 30), None)
+    assert bench.prefill_sizes("none", gpu) == ((), None)
     with pytest.raises(Ds4Error, match="prefill-sizes"):
-        bench.prefill_sizes("2k", "cuda")
+        bench.prefill_sizes("2k", gpu)
     m, _ = model_a
+    assert bench.prefill_sizes("auto", m)[0] == ()           # the emulator: skipped
     seen = []
     rows = bench.prefill_rates(m, list(range(2, 40)), [18, 2 ** 21], progress=seen.append)
     assert rows[0]["tokens"] == 18 and rows[0]["tokens_per_s"] > 0 and rows[0]["seconds"] > 0

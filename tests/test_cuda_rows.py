@@ -1,4 +1,4 @@
-"""Multi-row steps of the CUDA engine (issue 17 items 2-3) on the CPU emulator, v4-tiny (dense F32, MXFP4
+"""Multi-row steps of the CUDA engine on the CPU emulator, v4-tiny (dense F32, MXFP4
 experts; window 16, ratio-4 layers with the indexer, ratio-128 layers):
 
 - several sequences decoding one token each in one `model.step`: each row's logits bit-identical to the same

@@ -92,3 +92,26 @@ def test_speculative_rounds_of_several_sessions_on_cuda(cuda, tok, monkeypatch):
     assert [g["choices"][0]["text"] for g in got] == plain
     assert any(len(v) >= 2 and sum(v) <= 16 for v in seen), seen      # one multi-row verify of several sessions
     assert spec.stats.accepted > 0
+
+
+def test_a_request_decoding_alone_decodes_on_the_device(cuda, tok):
+    """The scheduler (one driver, whatever --sessions is) runs a request that decodes alone as the backend's
+    device-side generation (4 bytes read back per token): with one session, and a greedy request alone among
+    several; its tokens are those of greedy host steps."""
+    prompt = np.random.default_rng(50).integers(3, 256, 7).tolist()
+    st = cuda.new_state()
+    lg, want = cuda.step([st], [prompt])[0], []
+    for _ in range(5):
+        want.append(int(np.argmax(lg)))
+        lg = cuda.step([st], [[want[-1]]])[0]
+    calls: list[int] = []
+    real = cuda.generate
+    cuda.generate = lambda state, token, params, n: calls.append(n) or real(state, token, params, n)
+    try:
+        for n in (1, 3):
+            with serving(cuda, tok, n=n) as srv:
+                got = post(srv, completion(prompt, n=5))
+            assert got["choices"][0]["text"] == "".join(f"<{t}>" for t in want)
+    finally:
+        del cuda.generate
+    assert calls == [4, 4]                      # the first token comes from the prompt's logits, 4 from the device

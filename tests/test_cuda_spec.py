@@ -154,3 +154,18 @@ def test_paired_cuda_state_rollback(cuda):
     st.truncate(20)
     assert st.n_tokens == 20 and st.draft.n_tokens == 19
     assert snap.n_tokens == 25 and snap.draft.n_tokens == 21
+
+
+def test_cuda_cost_model_has_the_references_numbers(v4_mtp_gguf, cuda):
+    """The deterministic cost model of a seeded sampled request (SpecModel.byte_costs, from Model.weight_bytes)
+    prices a CUDA verify exactly as the reference does: its k, and so its text, does not depend on the backend."""
+    from ds4py.model import WeightBytes
+
+    m, mtp = cuda
+    ref = RefModel(v4_mtp_gguf[0])
+    wc, wr = m.weight_bytes(), ref.weight_bytes()
+    assert isinstance(wc, WeightBytes) and wc == wr
+    assert 0 < wr.routed < wr.decode and 0 < wr.head < wr.decode          # a verify row is not a whole step
+    c, r = SpecModel(m, mtp).byte_costs(), SpecModel(ref, open_mtp(ref, v4_mtp_gguf[1])).byte_costs()
+    assert (c.main, c.routed, c.draft_b, c.head) == (r.main, r.routed, r.draft_b, r.head)
+    assert [c.verify(n) for n in (1, 2, 5)] == [r.verify(n) for n in (1, 2, 5)] and c.plain() == r.plain()

@@ -1,6 +1,10 @@
-"""The engine contract (ds4py.model) on the reference backend: batched steps equal separate calls, truncate is
-exact (across compressor group boundaries of every ratio and the window ring's edge), saved states continue
-exactly and bad blobs are refused, the declared state layout follows the config's predicates."""
+"""The engine contract (ds4py.model): batched steps equal separate calls, truncate is exact (across compressor
+group boundaries of every ratio and the window ring's edge), saved states continue exactly and bad blobs are
+refused, bad steps change no state, the declared state layout follows the config's predicates.
+
+The first section runs on every backend (`backend` parameter: ref, and the CUDA engine on the CPU emulator,
+cuda-emu, kept cheap: golden v4-tiny, a few dozen tokens); the rest are the reference's deeper checks (long
+prompts, every ratio's boundaries, dequantisation counts)."""
 
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ from ds4py.config import ModelConfig
 from ds4py.errors import ContextLengthError, Ds4Error
 from ds4py.fingerprint import file_fingerprint
 from ds4py.kv import RING, ROWS, state_layout
-from ds4py.model import Numerics
+from ds4py.model import Capabilities, Numerics, WeightBytes, open_model
 from ds4py.ref.engine import RefModel
 from ds4py.tiny import make_tiny
 
@@ -36,6 +40,136 @@ def v4_ids(golden):
 @pytest.fixture(scope="module")
 def ds4_ids(golden):
     return np.load(golden / "ds4-tiny" / "cases.npz")["rand_300_p200/ids"]
+
+
+# ---- the contract on every backend ------------------------------------------------------------------------------
+def _emulator_missing() -> str | None:
+    from ds4py.cuda import emu
+
+    return None if emu.compiler() is not None else "the CUDA emulator (cuda-emu) needs g++"
+
+
+BACKENDS = [pytest.param("ref"),
+            pytest.param("cuda-emu", marks=pytest.mark.skipif(_emulator_missing() is not None,
+                                                               reason=str(_emulator_missing())))]
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def backend(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def contract_model(backend, v4_gguf):
+    """golden v4-tiny (window 16, ratios 0,0,4,128,4,128,4) opened with `backend`, default numerics."""
+    return open_model(v4_gguf, backend=backend)
+
+
+def test_every_backend_declares_the_contract(contract_model):
+    m = contract_model
+    assert isinstance(m.capabilities, Capabilities) and m.stable_rows >= 1
+    w = m.weight_bytes()
+    assert isinstance(w, WeightBytes) and w.decode == m.weight_bytes_per_token() and 0 < w.routed < w.decode
+    assert m.gguf is not None and m.has_mtp_block() is False       # v4-tiny's file holds no mtp.0.* tensors
+    assert m.new_request(None) is None                             # a backend decodes plainly; SpecModel speculates
+
+
+def test_batched_step_equals_separate_calls_on_every_backend(contract_model, v4_ids):
+    """Three prompts of different lengths in one step, then their decode rows together, with a fourth prompt
+    joining the second decode step: every sequence's logits equal its separate calls bit for bit."""
+    m, ids = contract_model, v4_ids
+    seqs, P, D = [ids[0:], ids[40:], ids[90:]], [9, 5, 1], 2
+    want = separate(m, seqs, P, D)
+    late, late_p = ids[200:], 6
+    want_late = m.prefill(m.new_state(), late[:late_p])
+    states = [m.new_state() for _ in seqs]
+    got = [[r] for r in m.step(states, [s[:p] for s, p in zip(seqs, P)])]
+    late_state = m.new_state()
+    for j in range(D):
+        sts, chunks = states, [[int(s[p + j])] for s, p in zip(seqs, P)]
+        if j == 1:
+            sts, chunks = states + [late_state], chunks + [late[:late_p]]
+        res = m.step(sts, chunks)
+        for i in range(len(seqs)):
+            got[i].append(res[i])
+        if j == 1:
+            np.testing.assert_array_equal(res[-1], want_late)
+    for i in range(len(seqs)):
+        np.testing.assert_array_equal(np.array(got[i]), np.array(want[i]), err_msg=f"sequence {i}")
+        assert states[i].n_tokens == P[i] + D
+    rows = m.step([m.new_state(), m.new_state()], [seqs[0][:4], seqs[1][:2]], all_logits=True)
+    assert [r.shape for r in rows] == [(4, m.config.vocab_size), (2, m.config.vocab_size)]
+
+
+def test_truncate_then_redecode_is_exact_on_every_backend(contract_model, v4_ids):
+    """Decode across ratio-4 group ends and the window ring's wrap (16 + R = 32 slots), roll back within the
+    horizon, decode again: bit-identical logits; truncate changes only the counters; below the floor refused."""
+    m, ids = contract_model, v4_ids
+    P, end = 26, 34
+    st = m.new_state()
+    m.prefill(st, ids[:P])
+    first = decode_all(m, st, ids[P:end])
+    assert st.rollback_floor == end - m.rollback_horizon
+    for n in (end - 6, end - 1):
+        again = st.copy()
+        again.truncate(n)
+        for k, got in enumerate(decode_all(m, again, ids[n:end])):
+            np.testing.assert_array_equal(got, first[n - P + k], err_msg=f"truncate({n}), position {n + k}")
+    with pytest.raises(Ds4Error, match="earliest"):
+        st.truncate(st.rollback_floor - 1)
+    st.truncate(end - 2)
+    assert (st.n_tokens, st.n_written) == (end - 2, end)
+
+
+def test_save_load_and_bad_blobs_on_every_backend(contract_model, v4_gguf, v4_ids):
+    m, ids = contract_model, v4_ids
+    st = m.new_state()
+    m.prefill(st, ids[:30])
+    decode_all(m, st, ids[30:34])
+    st.truncate(32)                                             # n_written 34 > n_tokens 32: the blob keeps both
+    blob = m.save_state(st)
+    loaded = m.load_state(blob)
+    assert (loaded.n_tokens, loaded.n_written) == (32, 34) and m.save_state(loaded) == blob
+    np.testing.assert_array_equal(np.array(decode_all(m, loaded, ids[32:35])),
+                                  np.array(decode_all(m, st.copy(), ids[32:35])))
+    for bad, match in ((blob[:len(blob) // 2], "truncated"), (blob[:20] + bytes([blob[20] ^ 1]) + blob[21:],
+                                                                "corrupted|truncated or padded"),
+                       ("a string", "is bytes")):
+        with pytest.raises(Ds4Error, match=match):
+            m.load_state(bad)
+    with pytest.raises(Ds4Error, match="other numerics"):
+        RefModel(v4_gguf, numerics=FP32).load_state(blob)
+    with pytest.raises(Ds4Error, match="layout differs"):
+        RefModel(v4_gguf, rollback_horizon=4).load_state(blob)
+    ref = RefModel(v4_gguf)                                      # the blob is backend-neutral
+    moved = ref.load_state(blob)
+    assert (moved.n_tokens, moved.n_written) == (32, 34)
+    assert int(np.argmax(ref.decode(moved, int(ids[32])))) == int(np.argmax(m.decode(m.load_state(blob),
+                                                                                    int(ids[32]))))
+
+
+def test_bad_steps_are_refused_and_change_no_state_on_every_backend(contract_model):
+    m = contract_model
+    a, b = m.new_state(), m.new_state()
+    m.prefill(a, [0, 5, 6])
+    V = m.config.vocab_size
+    cases = [(([a, b], [[1]]), "one chunk per state"), (([a, a], [[1], [2]]), "same state appears twice"),
+             (([a, b], [[1], [2, V]]), f"sequence 1: token id {V} at index 1 is outside the vocabulary"),
+             (([a, b], [[1], []]), "sequence 1: token ids must be a non-empty"),
+             (([a], [[1.5]]), "integers"), (([object()], [[1]]), "expected a "), (([], []), "at least one state"),
+             (([a, b], [[1] * (m.config.context_length - 2), [3]]), "sequence 0: 3 \\+ ")]
+    for (states, chunks), match in cases:
+        with pytest.raises(Ds4Error, match=match):
+            m.step(states, chunks)
+    assert (a.n_tokens, b.n_tokens) == (3, 0)
+    with pytest.raises(Ds4Error, match="expected a "):
+        m.save_state("state")
+    if not m.capabilities.device_generation:
+        with pytest.raises(Ds4Error, match="no device-side generation"):
+            m.generate(a, 1, None, 1)
+    if not m.capabilities.launch_counts:
+        with pytest.raises(Ds4Error, match="no kernels"):
+            m.launches_per_step()
 
 
 def separate(model, ids_list, n_prompt, n_decode):

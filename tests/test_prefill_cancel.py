@@ -16,6 +16,7 @@ from ds4py.server.app import BackgroundServer, ServerConfig, ServerState
 from ds4py.server.worker import Engine, PrefillPacer
 from ds4py.session import Session
 from ds4py.tokenizer import Tokenizer
+from spec_fakes import FakeContract
 
 
 class _State:
@@ -33,7 +34,7 @@ class _State:
         return 8
 
 
-class SlowModel:
+class SlowModel(FakeContract):
     """A model whose prompt steps cost `per_token` seconds per token and cannot be interrupted inside a call."""
     backend, path = "fake", "slow"
 

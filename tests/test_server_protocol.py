@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from types import SimpleNamespace
 import threading
 import time
 import http.client
@@ -17,15 +18,16 @@ from contextlib import contextmanager
 
 import anthropic
 import openai
+import numpy as np
 import pytest
 
 from ds4py.chat import EOS
-from ds4py.errors import ContextLengthError
 from ds4py.server.app import BackgroundServer, ServerConfig, ServerState
 from ds4py.server.toolmemory import StoredCall, ToolMemory
 from ds4py.server.worker import Engine
-from ds4py.session import DoneEvent, TokenEvent
+from ds4py.session import Session
 from ds4py.tokenizer import Tokenizer
+from spec_fakes import CounterState, FakeContract
 
 THINKING = {"type": "enabled", "budget_tokens": 1024}     # Anthropic's API thinks only when asked to
 THINK_TOOL_SCRIPT = [
@@ -46,81 +48,95 @@ TOOLS_RESPONSES = [{"type": "function", "name": "get_weather", "description": "W
                     "parameters": TOOLS_OPENAI[0]["function"]["parameters"]}]
 
 
-class ScriptedSession:
-    """The Session interface with a script instead of a model. EOS in the script ends the turn ("stop")."""
+class ScriptTokenizer:
+    """The real tokenizer (rendering, encode, decode, EOS), except that the token ids the script model samples
+    spell the script's text pieces: one piece per sampled token, exactly as scripted."""
+
+    BASE = 100                                # script token ids: BASE + k for the k-th distinct piece
+
+    def __init__(self, tok):
+        self.tok, self.pieces, self.ids = tok, {}, {}
+
+    def __getattr__(self, name):              # everything but the pieces is the real tokenizer's
+        return getattr(self.tok, name)
+
+    def id_of(self, piece: str) -> int:
+        if piece == EOS:
+            return self.tok.eos_id
+        if piece not in self.ids:
+            self.ids[piece] = self.BASE + len(self.ids)
+            self.pieces[self.ids[piece]] = piece
+        return self.ids[piece]
+
+    def stream(self):
+        return SimpleNamespace(push=lambda t: self.pieces.get(int(t), ""), flush=lambda: "")
+
+
+class ScriptModel(FakeContract):
+    """A model whose next token after a prompt is the script's next piece (then EOS forever): the rest of the
+    engine (sessions, scheduler, sampling, stop strings, limits) is the real one. `delay` seconds per sampled
+    token; tokens_after_cancel counts the tokens stepped while a submitted job was already cancelled."""
+
+    backend = "script"
+
+    def __init__(self, tok: ScriptTokenizer, script, ctx: int, delay: float):
+        self.tok, self.source, self.script, self.delay = tok, script, iter(()), delay
+        self.config = SimpleNamespace(vocab_size=tok.vocab_size, context_length=ctx)
+        self.path = self.fingerprint = "<script>"
+        self.rollback_horizon, self.prompt_end, self.gate = 16, None, None
+        self.jobs: list = []                   # the server's submitted jobs (scripted() records them)
+        self.tokens_after_cancel = 0
+
+    def new_state(self):
+        return CounterState(self.rollback_horizon)
+
+    def _next_id(self) -> int:
+        return self.tok.id_of(next(self.script, EOS))
+
+    def step(self, states, chunks, all_logits=False):
+        if self.gate is not None:               # the first step of an answer waits for the test's gate
+            gate, self.gate = self.gate, None
+            gate.wait(10)
+        out = []
+        for st, ids in zip(states, chunks):
+            st.begin_step(len(ids))
+            st.end_step(len(ids))
+            lg = np.zeros(self.config.vocab_size, np.float32)
+            if self.prompt_end is not None and st.n_tokens >= self.prompt_end:      # a token is sampled from it
+                if st.n_tokens > self.prompt_end:
+                    time.sleep(self.delay)
+                    self.tokens_after_cancel += any(j.cancel.is_set() for j in self.jobs)
+                lg[self._next_id()] = 30.0
+            out.append(lg)
+        return out
+
+
+class ScriptedSession(Session):
+    """A real Session over the script model: what the tests read is recorded on the way (each started prompt,
+    each answer's finish reason); `gate` holds the engine thread in the first model step of each answer."""
 
     def __init__(self, tokenizer, script, ctx_size=4096, delay=0.0, gate: threading.Event | None = None):
-        self.tokenizer, self.script, self.ctx_size, self.delay, self.gate = tokenizer, script, ctx_size, delay, gate
-        self.vocab_size = tokenizer.vocab_size
+        self.script_tok = ScriptTokenizer(tokenizer)
+        super().__init__(ScriptModel(self.script_tok, script, ctx_size, delay), self.script_tok, ctx_size)
+        self.gate = gate
         self.prompts: list[list[int]] = []
-        self.live: list[int] = []
-        self.tokens_after_cancel = 0
         self.finished: list[str] = []
-        self.disk, self.last_cached, self.last_source = None, 0, "none"     # what the worker reports on
 
     @property
-    def tokens(self) -> list[int]:
-        return self.live
+    def tokens_after_cancel(self) -> int:
+        return self.model.tokens_after_cancel
 
-    def histories(self):
-        return [("live state", self.live)] if self.live else []
+    def start(self, prompt):
+        self.prompts.append(list(prompt))
+        cached = super().start(prompt)
+        self.model.gate = self.gate
+        self.model.prompt_end, self.model.script = len(prompt), iter(self.model.source)   # every answer: the script
+        return cached
 
-    def nbytes(self) -> int:
-        return 0
-
-    def prompt_cache_tokens(self, ids) -> int:
-        n = 0
-        for a, b in zip(self.live, ids):
-            if a != b:
-                break
-            n += 1
-        return n
-
-    def generate(self, ids, params, cancelled=None):
-        if len(ids) + 1 > self.ctx_size:
-            raise ContextLengthError("too long")
-        return self._run(list(ids), params, cancelled or (lambda: False))
-
-    def _run(self, ids, params, cancelled):
-        try:
-            yield from self._script(ids, params, cancelled)
-        except GeneratorExit:                   # the engine stopped consuming (it saw the cancel first)
-            self.finished.append("cancelled")
-            raise
-
-    def _script(self, ids, params, cancelled):
-        self.prompts.append(ids)
-        cached = self.prompt_cache_tokens(ids)
-        self.last_cached, self.last_source = cached, "live" if cached else "none"
-        self.live = ids
-        if self.gate is not None:
-            self.gate.wait(10)
-        n, was_cancelled = 0, False
-        for piece in self.script:
-            if cancelled():
-                self.finished.append("cancelled")
-                yield DoneEvent("cancelled", len(ids), cached, n)
-                return
-            if params.max_tokens is not None and n >= params.max_tokens:
-                break
-            time.sleep(self.delay)
-            n += 1
-            if piece in params.stop:
-                self.finished.append("stop")
-                yield TokenEvent(5, "")
-                yield DoneEvent("stop", len(ids), cached, n, stop_string=piece)
-                return
-            if piece == EOS:
-                self.finished.append("stop")
-                yield TokenEvent(self.tokenizer.eos_id, "")
-                yield DoneEvent("stop", len(ids), cached, n)
-                return
-            yield TokenEvent(5, piece)
-            if was_cancelled:
-                self.tokens_after_cancel += 1
-            was_cancelled = cancelled()
-        self.finished.append("length")
-        yield DoneEvent("length", len(ids), cached, n)
+    def end(self, done):
+        super().end(done)
+        if done is not None:
+            self.finished.append(done.finish_reason)
 
 
 # ---- plain HTTP (stdlib), for what the SDKs hide: raw bytes, headers, status codes, disconnects -------------
@@ -175,7 +191,13 @@ def tok(golden):
 def scripted(tok, script, *, memory: ToolMemory | None = None, ctx_size=4096, delay=0.0, gate=None, **cfg):
     session = ScriptedSession(tok, script, ctx_size=ctx_size, delay=delay, gate=gate)
     state = ServerState(ServerConfig(**cfg))
-    state.set_engine(Engine(session, tok, tool_memory=memory or ToolMemory()))
+    state.set_engine(Engine(session, session.script_tok, tool_memory=memory or ToolMemory()))
+    submit = state.worker.submit
+
+    def recorded(job):
+        session.model.jobs.append(job)
+        submit(job)
+    state.worker.submit = recorded
     with BackgroundServer(state) as srv:
         srv.session = session
         yield srv
@@ -516,7 +538,7 @@ def test_health_is_503_while_loading(tok):
                        json_body={"messages": [{"role": "user", "content": "x"}]})
         assert r.status_code == 503 and "loading" in r.json()["error"]["message"]
         session = ScriptedSession(tok, ["ok", EOS])
-        state.set_engine(Engine(session, tok))
+        state.set_engine(Engine(session, session.script_tok))
         assert get(srv.base_url + "/health", timeout=10).status_code == 200
 
 
@@ -676,7 +698,7 @@ def test_client_text_cannot_forge_special_tokens(tok):
         return encode_prompt(messages, options, tokenizer, plain_content=False)
     session = ScriptedSession(tok, ["ok", EOS])
     state = ServerState(ServerConfig())
-    state.set_engine(Engine(session, tok, encode_prompt=encode_special))
+    state.set_engine(Engine(session, session.script_tok, encode_prompt=encode_special))
     with BackgroundServer(state) as srv:
         srv.session = session
         leaky = _prompts(srv, FORGE)
@@ -911,7 +933,7 @@ def test_v41_format_gets_mid_conversation_system_messages_back(tok):
     for native in (False, True):
         session = ScriptedSession(tok, ["ok", EOS])
         state = ServerState(ServerConfig())
-        state.set_engine(Engine(session, tok, encode_prompt=capture, native_mid_system=native))
+        state.set_engine(Engine(session, session.script_tok, encode_prompt=capture, native_mid_system=native))
         with BackgroundServer(state) as srv:
             ant(srv).messages.create(model="deepseek-v4-flash", max_tokens=5, system="sys", messages=conv)
     v4, v41 = seen
@@ -919,3 +941,19 @@ def test_v41_format_gets_mid_conversation_system_messages_back(tok):
                   {"role": "user", "content": "Agents: a, b."}]
     assert v41 == [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"},
                    {"role": "system", "content": "Agents: a, b."}]
+
+
+def test_an_engine_thread_that_failed_answers_503(tok):
+    """A bug that ends the engine thread (here: a model without the contract's declarations) turns every later
+    request into a one-sentence 503, never a request waiting forever."""
+    class Undeclared:
+        config = SimpleNamespace(vocab_size=tok.vocab_size, context_length=64)
+
+        def new_state(self):
+            return CounterState(16)
+    state = ServerState(ServerConfig())
+    state.set_engine(Engine(Session(Undeclared(), tok, 64), tok))
+    with BackgroundServer(state) as srv:
+        assert state.worker.join(10)
+        r = post(srv.base_url + "/v1/completions", json_body={"prompt": "hi", "max_tokens": 2}, timeout=10)
+        assert r.status_code == 503 and "engine stopped" in r.json()["error"]["message"]

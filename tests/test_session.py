@@ -14,6 +14,7 @@ from ds4py.errors import ContextLengthError, Ds4Error
 from ds4py.sampling import SamplingParams
 from ds4py.session import DoneEvent, Session, TokenEvent
 from ds4py.tokenizer import Tokenizer
+from spec_fakes import FakeContract
 
 V = 512
 GREEDY = dict(temperature=0.0)
@@ -44,7 +45,7 @@ class FakeState:
         return 8 * len(self.history)
 
 
-class FakeModel:
+class FakeModel(FakeContract):
     """Logits are a pseudo-random function of the entire history, so a wrongly reused or half-restored state
     gives different tokens. `script` forces the tokens that follow a given prefix length (to spell text)."""
 

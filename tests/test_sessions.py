@@ -15,7 +15,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from ds4py.kvcache import DiskCache, KVCachePolicy
+from ds4py.disk_cache import DiskCache, KVCachePolicy
 from ds4py.model import open_model
 from ds4py.server import runner
 from ds4py.server.app import BackgroundServer, ServerConfig, ServerState

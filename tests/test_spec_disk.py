@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ds4py.errors import Ds4Error
-from ds4py.kvcache import DiskCache, KVCachePolicy
+from ds4py.disk_cache import DiskCache, KVCachePolicy
 from ds4py.model import Numerics, open_model, open_mtp
 from ds4py.sampling import SamplingParams
 from ds4py.session import Session, TokenEvent

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from ds4py.errors import Ds4Error
+from ds4py.model import backend_options
 
 CPU_OPTIONS = ("kernels", "threads", "mem_budget_mb")
 
@@ -26,9 +27,9 @@ def model_kwargs(args: argparse.Namespace) -> dict:
            if getattr(args, k, None) is not None}
     if out.get("threads") is not None and out["threads"] < 1:
         raise Ds4Error(f"--threads must be at least 1, got {out['threads']}")
-    cpu = [k for k in CPU_OPTIONS if k in out]
     backend = getattr(args, "backend", "ref")
-    if cpu and backend != "ref":
+    cpu = [k for k in CPU_OPTIONS if k in out and k not in backend_options(backend)]
+    if cpu:
         flags = ", ".join("--" + k.replace("_", "-") for k in cpu)
         raise Ds4Error(f"{flags} apply to the reference backend only, not --backend {backend}")
     return out
@@ -56,5 +57,4 @@ def add_stack_arguments(p: argparse.ArgumentParser) -> None:
 
 def describe(model) -> str:
     """' + sidecar DIR (gains on 3 layers, router bias on 1)' or ''."""
-    stack = getattr(model, "stack", None)
-    return f" + {stack.describe()}" if stack is not None else ""
+    return f" + {model.stack.describe()}" if model.stack is not None else ""

@@ -119,15 +119,7 @@ def run(args: argparse.Namespace) -> int:
         args.model_path = str(ensure_demo_model())
         print(f"note: no -m given: benchmarking the demo model (random weights) {args.model_path}", file=sys.stderr)
     bw = None
-    if args.bandwidth == "auto":
-        if args.backend == "cuda":
-            from ds4py.cuda.probe import device_copy_bandwidth_gbps
-
-            bw = device_copy_bandwidth_gbps()
-        else:
-            bw = bench.host_copy_bandwidth_gbps()
-        print(f"bandwidth (measured copy): {bw:.1f} GB/s", file=sys.stderr)
-    elif args.bandwidth is not None:
+    if args.bandwidth not in (None, "auto"):
         try:
             bw = float(args.bandwidth)
         except ValueError:
@@ -138,9 +130,12 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     model = open_model(args.model_path, backend=args.backend, **model_kwargs(args))
     startup = {"model_open_s": time.perf_counter() - t0}
-    startup.update(getattr(model, "startup", {}) or {})
+    startup.update(model.startup)
+    if args.bandwidth == "auto":
+        bw = model.copy_bandwidth_gbps()
+        print(f"bandwidth (measured copy): {bw:.1f} GB/s", file=sys.stderr)
     tok = Tokenizer.from_gguf(args.model_path)
-    pf_sizes, pf_note = bench.prefill_sizes(args.prefill_sizes, args.backend)
+    pf_sizes, pf_note = bench.prefill_sizes(args.prefill_sizes, model)
     tokens, cycles = bench.prompt_tokens(lambda t: tok.encode(t), _prompt_text(args.prompt_file),
                                          max([points[-1], *pf_sizes]))
     if cycles:
@@ -150,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     for k, v in startup.items():
         print(f"startup {k}: {v:.3f}" if isinstance(v, float) else f"startup {k}: {v}", file=sys.stderr)
     from ds4py.dspark import DSparkSpec
-    from ds4py.spec import speculative
+    from ds4py.spec import SpecModel, speculative
 
     spec = speculative(model, args.mtp)
     rows = bench.run_sweep(model, tokens, points, args.gen_tokens, repeat=args.repeat, bandwidth_gbps=bw,
@@ -158,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
                            spec=spec if spec is not model else None)
     info = {"model": args.model_path, "backend": args.backend, **model_kwargs(args), "kernels_used": model.kernels_label,
             "gen_tokens": args.gen_tokens, "repeat": args.repeat, "bandwidth_gbps": bw,
-            "mtp": getattr(getattr(spec, "mtp", None), "path", None),
+            "mtp": spec.mtp.path if isinstance(spec, SpecModel) else None,
             "draft": None if spec is model else "dspark" if isinstance(spec, DSparkSpec) else "mtp"}
     dev = bench.device_step_stats(model)
     if dev is not None:
@@ -205,12 +200,12 @@ def _ints(text: str | None, what: str) -> tuple[int, ...]:
 
 def _multirow(args, model, bench):
     """bench.multirow_stats on a CUDA backend (the GPU by default, the emulator when asked), printed and returned."""
-    if not hasattr(model, "_step_rows"):
+    if not model.capabilities.multirow:
         if args.verify_k or args.batch_rows:
             print(f"note: --verify-k / --batch-rows time the CUDA engine's multi-row steps; the {model.backend} "
                   "backend has none, so they are skipped", file=sys.stderr)
         return None
-    emulated = bool(getattr(model, "emulated", False))
+    emulated = model.capabilities.emulated
     ks = _ints(args.verify_k if args.verify_k is not None else ("" if emulated else "1,2,3,4,5"), "--verify-k")
     bs = _ints(args.batch_rows if args.batch_rows is not None else ("" if emulated else "1,2,4,8,16"), "--batch-rows")
     if any(k + 1 > 16 for k in ks):

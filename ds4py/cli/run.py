@@ -118,14 +118,15 @@ def open_session(args):
         print("note: no -m given: the demo model (tiny, RANDOM WEIGHTS: its output is noise; -m MODEL.gguf for a "
               "real model)", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
+    from ds4py.spec import SpecModel
+
     with Waiting(f"loading {args.model}"):
         model = open_model_for_generation(args)
-    base = getattr(model, "model", model)                   # the main model under a SpecModel
-    tok = Tokenizer.from_gguf(getattr(base, "gguf", args.model))
+    tok = Tokenizer.from_gguf(model.gguf if model.gguf is not None else args.model)
     session = Session(model, tok, ctx_size=args.ctx)
     if args.verbose:
-        spec = getattr(model, "mtp", None)
-        print(f"[loaded {args.model}{describe(base)} ({args.backend}) in {time.perf_counter() - t0:.2f} s; "
+        spec = model.mtp if isinstance(model, SpecModel) else None
+        print(f"[loaded {args.model}{describe(model)} ({args.backend}) in {time.perf_counter() - t0:.2f} s; "
               f"context {session.ctx_size} tokens"
               f"{f'; speculative decoding with {spec.path}' if spec is not None else ''}]", file=sys.stderr, flush=True)
     return session
@@ -135,7 +136,7 @@ def session_chat(session):
     """The chat format of the session's model (V4 or V4.1: ds4py.chat.chat_format)."""
     from ds4py.chat import chat_format
 
-    return chat_format(getattr(session.model.config, "variant", "v4"))
+    return chat_format(session.model.config.variant)
 
 
 def use_color(args, stream=sys.stdout) -> bool:

@@ -124,7 +124,7 @@ def make_engine(model_path: str, backend: str, ctx: int, tool_memory, mtp: str |
                 sessions: int = 1, kv_disk_dir: str | None = None, kv_disk_space_mb: float = DEFAULT_KV_DISK_MB,
                 **model_options):
     from ds4py.chat import chat_format
-    from ds4py.kvcache import DiskCache
+    from ds4py.disk_cache import DiskCache
     from ds4py.model import open_model
     from ds4py.server.pool import SessionPool
     from ds4py.server.worker import Engine, PrefillPacer
@@ -135,17 +135,17 @@ def make_engine(model_path: str, backend: str, ctx: int, tool_memory, mtp: str |
     base = open_model(model_path, backend=backend, ctx=ctx, **model_options)   # engram_dir= / sidecar= / posttrain=
     model = speculative(base, mtp, enabled=spec)     # with --sessions N: rounds of several sessions, one verify step
     # a speculative model saves the paired main + MTP state (spec.encode_pair) under the pair's fingerprint
-    tok = Tokenizer.from_gguf(getattr(base, "gguf", model_path))
-    model_ctx = int(getattr(model.config, "context_length", 0) or 0)
-    ctx = min(ctx, model_ctx) if model_ctx else ctx
+    tok = Tokenizer.from_gguf(base.gguf if base.gguf is not None else model_path)
+    ctx = min(ctx, int(model.config.context_length))
     disk = DiskCache(kv_disk_dir, kv_disk_space_mb, model) if kv_disk_dir else None
-    fmt = chat_format(getattr(model.config, "variant", "v4"))       # the V4 or V4.1 chat format
+    fmt = chat_format(model.config.variant)                          # the V4 or V4.1 chat format
     fmt_args = dict(encode_prompt=fmt.encode_prompt, parser_factory=fmt.parser, native_mid_system=fmt.name == "v41")
-    if sessions > 1:         # batched steps of several sequences (speculative rounds verified together)
-        return Engine(SessionPool(model, tok, sessions, ctx, disk=disk), tok, tool_memory=tool_memory, **fmt_args)
-    # prefill in chunks of about a quarter second: a client that goes away mid-prompt frees the engine soon
-    session = Session(model, tok, ctx_size=ctx, prefill_chunk=PrefillPacer(), disk=disk)
-    return Engine(session, tok, tool_memory=tool_memory, **fmt_args)
+    # one driver (server/scheduler.py) whatever the count: several sessions batch their steps (speculative rounds
+    # verified together) on a fixed chunk grid; one session prefills in chunks of about a quarter second, so
+    # that a client who goes away mid-prompt frees the engine soon
+    pool = SessionPool(model, tok, sessions, ctx, disk=disk) if sessions > 1 else \
+        SessionPool.of(Session(model, tok, ctx_size=ctx, prefill_chunk=PrefillPacer(), disk=disk))
+    return Engine(pool, tok, tool_memory=tool_memory, **fmt_args)
 
 
 def api_key(args) -> tuple[str | None, str]:
@@ -249,13 +249,14 @@ def run(args) -> int:
     memory = ToolMemory(args.tool_memory_max_ids, enabled=not args.disable_exact_dsml_tool_replay, journal=journal)
 
     def load():
+        from ds4py.spec import SpecModel
+
         t0 = time.perf_counter()
         path = str(ensure_demo_model()) if demo else args.model
         engine = make_engine(path, args.backend, args.ctx, memory, args.mtp, not args.no_spec, args.sessions,
                              args.kv_disk_dir, disk_mb, **model_kwargs(args))
-        mtp = getattr(getattr(engine.session, "model", None), "mtp", None)
-        model = (engine.pool or engine.session).model
-        config.backend, config.model_context = model.backend, int(model.config.context_length)
+        mtp = engine.model.mtp if isinstance(engine.model, SpecModel) else None
+        config.backend, config.model_context = engine.model.backend, int(engine.model.config.context_length)
         print(f"ds4py serve: model ready in {time.perf_counter() - t0:.1f} s (context {engine.ctx_size} tokens"
               f"{f'; speculative decoding with {mtp.path}' if mtp is not None else ''})", file=sys.stderr, flush=True)
         return engine

@@ -42,7 +42,8 @@ from ds4py.errors import ContextLengthError, Ds4Error
 from ds4py.fingerprint import file_fingerprint
 from ds4py.gguf import GGUFFile
 from ds4py.kv import state_layout
-from ds4py.model import DEFAULT_ROLLBACK_HORIZON, ModelBase, Numerics, UnsupportedByBackend
+from ds4py.model import (DEFAULT_ROLLBACK_HORIZON, Capabilities, ModelBase, Numerics, UnsupportedByBackend,
+                         WeightBytes)
 from ds4py.sampling import InvalidLogits, SamplingParams
 from ds4py.vq.sidecar import Stack
 
@@ -285,6 +286,8 @@ class CudaModel(ModelBase):
 
         self.emulated = isinstance(self.rt, EmuRuntime)
         self.backend = "cuda-emu" if self.emulated else "cuda"
+        self.capabilities = Capabilities(speculation=True, device_generation=True, launch_counts=True,
+                                         multirow=True, block_prefill=True, emulated=self.emulated)
         self.pdl, self.graphs = bool(pdl), bool(graphs)
         self.min_bucket = MIN_BUCKET
         ws0 = layer.workspace_bytes(layer.workspace_shapes(cfg, bucket_for(1, cfg.context_length)))
@@ -598,6 +601,28 @@ class CudaModel(ModelBase):
             else:
                 total += t.array.nbytes
         return total
+
+    def weight_bytes(self) -> WeightBytes:
+        """decode = weight_bytes_per_token(); routed: the routed experts' bytes (n_experts_used of n_experts);
+        head: the output head's (the same figures as the reference's: the tensors keep their GGUF formats)."""
+        cfg, B, routed = self.config, self.w.binding, 0
+        for e in schema.entries(cfg):
+            if e.spec.field.startswith("ffn.experts."):
+                routed += synth._lookup(B, e).array.nbytes * cfg.n_experts_used // cfg.n_experts
+        return WeightBytes(self.weight_bytes_per_token(), routed, int(B.head.array.nbytes))
+
+    def open_mtp(self, path: str | None = None):
+        from ds4py.cuda.mtp import CudaMtp
+
+        return CudaMtp(self, path)
+
+    def copy_bandwidth_gbps(self) -> float:
+        """Device-to-device copy bandwidth (on the emulator: the host's, which is what it reads)."""
+        if self.emulated:
+            return super().copy_bandwidth_gbps()
+        from ds4py.cuda.probe import device_copy_bandwidth_gbps
+
+        return device_copy_bandwidth_gbps(self.rt)
 
     # ---- graphs -------------------------------------------------------------------------------------------------
     def _workspace(self, bucket: int) -> layer.Workspace:

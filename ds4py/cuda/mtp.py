@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 from ds4py.ggml_types import GGMLQuantizationType as QT
@@ -36,14 +36,9 @@ from ds4py.cuda.kvstate import CudaState
 from ds4py.cuda.layer import MAX_ROWS, ROWS, Launcher, Recording, RowSet
 from ds4py.cuda.memory import align_up
 from ds4py.cuda.device_weights import DevTensor, conversion
-from ds4py.errors import Ds4Error
-from ds4py.fingerprint import file_fingerprint
-from ds4py.gguf import GGUFFile
-from ds4py.kv import state_layout
-from ds4py.model import UnsupportedByBackend
+from ds4py.model import MtpBase, UnsupportedByBackend
 from ds4py.quant import vq
 from ds4py.ref import ops as ref_ops
-from ds4py.ref.mtp import check_mtp_file, check_step_inputs
 
 RUNS = 16                    # MTP step graphs kept (per rows' states, row count and head)
 _PLAIN = {QT.F32: np.float32, QT.F16: np.float16, QT.I32: np.int32}
@@ -82,24 +77,12 @@ def _upload(rt: Any, store: Any, gguf, cfg) -> tuple[Any, dict[str, DevTensor], 
     return blk, tensors, fr
 
 
-class CudaMtp:
+class CudaMtp(MtpBase):
     """The MTP draft block of a CudaModel, on the same device, runtime and state store."""
 
     def __init__(self, model, path: str | None = None):
-        if model.gguf is None and path is None:
-            raise Ds4Error("a synthetic CUDA model has no MTP block; pass the MTP GGUF")
-        self.model = model
-        self.backend = model.backend
-        self.main_config = cfg = model.config
-        self.config = cfg.mtp_block()
-        self.path = model.path if path is None else str(path)
-        self.gguf = model.gguf if path is None else GGUFFile(self.path)
-        check_mtp_file(self.gguf, cfg)
-        self.numerics = model.numerics
-        self.rollback_horizon = model.rollback_horizon
-        self.layout = state_layout(self.config, model.rollback_horizon)
-        header = min(t.offset for t in self.gguf.tensors.values())
-        self.fingerprint = file_fingerprint(self.path, head_bytes=header)
+        super().__init__(model, path)           # the file, its checks, the layout and the fingerprint
+        cfg = model.config
         self.rt, self.store = model.rt, model.store
         self._block, tensors, freqs = _upload(self.rt, self.store, self.gguf, cfg)
         self.binding = schema.bind_mtp(cfg, tensors.__getitem__)
@@ -121,11 +104,12 @@ class CudaMtp:
         self.store.reclaim()
         return CudaState(self.layout, self.store)
 
-    def step(self, states: Sequence[CudaState], hidden: Sequence[np.ndarray], next_ids: Sequence[Sequence[int]],
-             all_logits: bool = False, logits: bool = True) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """Advance each state by its rows (hidden[i] [T, hc, dim], next_ids[i] [T]): (logits per sequence,
-        [vocab] or [T, vocab] with all_logits; [] when logits=False), block output states [T, hc, dim]."""
-        hs, ids = self._check(states, hidden, next_ids)
+    def owns(self, state) -> bool:
+        return isinstance(state, CudaState) and state.layout == self.layout and state.store is self.store
+
+    def _step(self, states: list[CudaState], hs: list[np.ndarray], ids: list[np.ndarray], all_logits: bool,
+              logits: bool) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """MtpBase.step after its checks (hs: float32 [T, hc, dim], ids: int64 [T] per state)."""
         self.store.reclaim()
         plan = [(i, j) for i, c in enumerate(ids) for j in range(len(c))]
         n0 = [st.n_tokens for st in states]
@@ -159,22 +143,10 @@ class CudaMtp:
             return [], out_h
         return [o if all_logits else o[0] for o in out_l], out_h
 
-    def _check(self, states, hidden, next_ids) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        mine = lambda st: isinstance(st, CudaState) and st.layout == self.layout and st.store is self.store  # noqa: E731
-        return check_step_inputs(self.main_config, states, hidden, next_ids, mine)
+    def _export(self, state: CudaState) -> dict[str, np.ndarray]:
+        return state.export()
 
-    def save_state(self, state: CudaState) -> bytes:
-        from ds4py import kv
-
-        if not isinstance(state, CudaState) or state.layout != self.layout:
-            raise Ds4Error("save_state needs a state from this MTP block's new_state()")
-        return kv.encode_state(self.fingerprint, self.numerics.to_dict(), self.layout, state.n_tokens,
-                               state.n_written, state.export(), self.backend)
-
-    def load_state(self, data: bytes) -> CudaState:
-        from ds4py import kv
-
-        n_tokens, n_written, arrays = kv.decode_state(data, self.fingerprint, self.numerics.to_dict(), self.layout)
+    def _import(self, n_tokens: int, n_written: int, arrays: dict[str, np.ndarray]) -> CudaState:
         st = self.new_state()
         st.n_tokens, st.n_written = n_tokens, n_written
         st.load(arrays)

@@ -21,7 +21,7 @@ from ds4py.ggml_types import GGMLQuantizationType as QT
 from ds4py.quant import iq2, kquants, mxfp4, simple
 from ds4py.quant.official import dequant_fp4, dequant_fp8, e4m3_to_f32, e8m0_to_f32, fp8_block_size
 
-__all__ = ["dequantize", "row_nbytes", "quantize", "BLOCK", "dequant_fp8", "dequant_fp4", "e4m3_to_f32",
+__all__ = ["dequantize", "row_nbytes", "quantize", "BLOCK", "MATRIX_TYPES", "FLOAT_TYPES", "INT_TYPES", "dequant_fp8", "dequant_fp4", "e4m3_to_f32",
            "e8m0_to_f32", "fp8_block_size", "mxfp4_from_official"]
 
 mxfp4_from_official = mxfp4.mxfp4_from_official
@@ -37,6 +37,12 @@ BLOCK = {
     QT.IQ2_XXS: (256, iq2.IQ2_XXS_BYTES, iq2.dequant_iq2_xxs),
     QT.MXFP4: (32, mxfp4.MXFP4_BYTES, mxfp4.dequant_mxfp4),
 }
+
+# The types a model's tensors may be stored in (ds4py.schema declares each tensor's from these). A weight matrix:
+# whatever this package decodes (ds4 files use F16/Q8_0/IQ2_XXS/Q2_K/Q4_K; our converter adds MXFP4/F32).
+MATRIX_TYPES = tuple(BLOCK)
+FLOAT_TYPES = (QT.F32, QT.F16, QT.BF16)   # norms, hc parameters, sinks, biases, ape, compressor/indexer linears
+INT_TYPES = (QT.I32, QT.I64, QT.I16)      # tid2eid
 
 
 def _qtype(qtype: int) -> QT:

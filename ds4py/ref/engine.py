@@ -13,12 +13,12 @@ from ds4py.errors import Ds4Error
 from ds4py.fingerprint import file_fingerprint
 from ds4py.gguf import GGUFFile
 from ds4py.kv import state_layout
-from ds4py.model import DEFAULT_ROLLBACK_HORIZON, ModelBase, Numerics
+from ds4py.model import DEFAULT_ROLLBACK_HORIZON, Capabilities, ModelBase, Numerics, WeightBytes
 from ds4py.quant import vq
 from ds4py.ref.forward import Trace, V41Step, forward
 from ds4py.ref.state import RefState
 from ds4py.ref.weights import DEFAULT_CACHE_BYTES, KERNEL_LABELS, Weights
-from ds4py.vq.sidecar import mount
+from ds4py.vq.sidecar import Stack
 
 
 def memory_plan(cache_bytes: int | None, mem_budget_mb: float | None) -> tuple[int, int | None]:
@@ -39,6 +39,7 @@ class RefModel(ModelBase):
 
     backend = "ref"
     state_type = RefState
+    capabilities = Capabilities(speculation=True)
     max_chunk = 1024        # rows per forward pass, all sequences of a step together (without a trace)
 
     def __init__(self, path: str, numerics: Numerics | None = None,
@@ -76,7 +77,10 @@ class RefModel(ModelBase):
         self.fingerprint = self.base_fingerprint = file_fingerprint(self.path, head_bytes=header)
         # a domain sidecar / post-training file (docs/vq.md): gains folded into the VQ row gains, router biases
         # bound in place of the file's; the model's fingerprint becomes the stack's
-        self.stack = mount(self, sidecar, posttrain)
+        self.stack = Stack.open(self.config, self.gguf, self.fingerprint, sidecar, posttrain)
+        if self.stack is not None:             # decoded experts are not cached yet: fold the gains in now
+            for name, scale in self.stack.row_scales():
+                self.weights.vq.scale_rows(name, scale)
         self.binding = schema.bind(self.config, self.stack.resolver(self.gguf.tensor) if self.stack
                                    else self.gguf.tensor)
         if self.stack:
@@ -109,6 +113,11 @@ class RefModel(ModelBase):
 
     def new_state(self) -> RefState:
         return RefState(self.layout)
+
+    def open_mtp(self, path: str | None = None):
+        from ds4py.ref.mtp import RefMtp
+
+        return RefMtp(self, path)
 
     @property
     def stable_rows(self) -> int:
@@ -207,3 +216,12 @@ class RefModel(ModelBase):
             else:
                 total += t.nbytes
         return total
+
+    def weight_bytes(self) -> WeightBytes:
+        """decode = weight_bytes_per_token(); routed: the routed experts' GGUF bytes (n_experts_used of
+        n_experts); head: the output head's."""
+        cfg, routed = self.config, 0
+        for e in schema.entries(cfg):
+            if e.spec.field.startswith("ffn.experts."):
+                routed += self.gguf.tensor(e.name).nbytes * cfg.n_experts_used // cfg.n_experts
+        return WeightBytes(self.weight_bytes_per_token(), routed, int(self.binding.head.nbytes))

@@ -19,15 +19,10 @@ head are the main model's. The block is ds4py.ref.forward.block, the same code a
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import numpy as np
 
-from ds4py import kv, schema
-from ds4py.errors import ContextLengthError, Ds4Error, GGUFError
-from ds4py.fingerprint import file_fingerprint
-from ds4py.gguf import GGUFFile
-from ds4py.kv import state_layout
+from ds4py import schema
+from ds4py.model import MtpBase
 from ds4py.quant import vq
 from ds4py.ref import ops
 from ds4py.ref.forward import Seq, block
@@ -35,58 +30,24 @@ from ds4py.ref.state import RefState
 from ds4py.ref.weights import DEFAULT_CACHE_BYTES, Weights
 
 F32 = np.float32
-# metadata an MTP file may carry (ours do, as ds4's converter may not): when present it must match the main model
-SHAPE_KEYS = {"embedding_length": "dim", "vocab_size": "vocab_size", "attention.head_count": "n_heads",
-              "attention.key_length": "head_dim", "hyper_connection.count": "hc_mult",
-              "expert_count": "n_experts", "expert_feed_forward_length": "expert_ff",
-              "attention.sliding_window": "window"}
 
 
-def check_mtp_file(f: GGUFFile, cfg) -> None:
-    """GGUFError / Ds4Error naming the first thing that makes `f` not an MTP file of the model `cfg`."""
-    for key, field in SHAPE_KEYS.items():
-        v = f.meta(f"deepseek4.{key}", None)
-        if v is not None and v != getattr(cfg, field):
-            raise Ds4Error(f"{f.path}: this MTP file is for another model (deepseek4.{key} is {v}, the main model's "
-                           f"{field} is {getattr(cfg, field)})")
-    if schema.MTP_PREFIX + "e_proj.weight" not in f:
-        raise GGUFError(f"{f.path}: not an MTP draft file (no {schema.MTP_PREFIX}* tensors; convert the checkpoint "
-                        "with --mtp OUT_MTP.gguf, or use ds4's MTP GGUF)")
-    for name, (shape, types) in schema.expected_mtp_tensors(cfg).items():
-        if name.endswith("_exps.weight") and vq.is_vq(f, name):
-            vq.check_expert(f, name, shape)
-        else:
-            f.tensor(name, types=types, shape=shape)
-
-
-class RefMtp:
+class RefMtp(MtpBase):
     """The MTP draft block of a RefModel (numpy, fp32; the main model's numerics)."""
 
-    backend = "ref"
-
     def __init__(self, model, path: str | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES):
-        self.model = model
-        self.main_config = model.config
-        self.config = model.config.mtp_block()
-        self.path = model.path if path is None else str(path)
-        self.gguf = model.gguf if path is None else GGUFFile(self.path)
-        check_mtp_file(self.gguf, model.config)
-        self.numerics = model.numerics
+        super().__init__(model, path)
         self.weights = model.weights if path is None else Weights(self.gguf, cache_bytes, model.numerics.act_quant)
         self.binding = schema.bind_mtp(model.config, self.gguf.tensor)
-        self.rollback_horizon = model.rollback_horizon
-        self.layout = state_layout(self.config, model.rollback_horizon)
-        header = min(t.offset for t in self.gguf.tensors.values())
-        self.fingerprint = file_fingerprint(self.path, head_bytes=header)
 
     def new_state(self) -> RefState:
         return RefState(self.layout)
 
-    def step(self, states: Sequence[RefState], hidden: Sequence[np.ndarray], next_ids: Sequence[Sequence[int]],
-             all_logits: bool = False, logits: bool = True) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """Advance each state by its rows (hidden[i] [T, hc, dim], next_ids[i] [T]): (logits per sequence,
-        [vocab] or [T, vocab] with all_logits; [] when logits=False), block output states [T, hc, dim]."""
-        hs, ids = self._check(states, hidden, next_ids)
+    def owns(self, state) -> bool:
+        return isinstance(state, RefState) and state.layout == self.layout
+
+    def _step(self, states: list[RefState], hs: list[np.ndarray], ids: list[np.ndarray], all_logits: bool,
+              logits: bool) -> tuple[list[np.ndarray], list[np.ndarray]]:
         m = self.model
         out_logits: list[list[np.ndarray]] = [[] for _ in states]
         out_hidden: list[list[np.ndarray]] = [[] for _ in states]
@@ -114,10 +75,6 @@ class RefMtp:
         if not logits:
             return [], hid
         return [np.concatenate(o) if all_logits else o[-1] for o in out_logits], hid
-
-    def _check(self, states, hidden, next_ids) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        return check_step_inputs(self.main_config, states, hidden, next_ids,
-                                 lambda st: isinstance(st, RefState) and st.layout == self.layout)
 
     def _forward(self, states: list[RefState], hidden: list[np.ndarray], next_ids: list[np.ndarray],
                  all_logits: bool, logits: bool, last: list[bool]) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -153,15 +110,10 @@ class RefMtp:
             at += n
         return res, out
 
-    def save_state(self, state: RefState) -> bytes:
-        """The MTP state as a DS4PYKV blob under the MTP file's fingerprint (SpecModel pairs it with the main one)."""
-        if not isinstance(state, RefState) or state.layout != self.layout:
-            raise Ds4Error("save_state needs a state from this MTP block's new_state()")
-        return kv.encode_state(self.fingerprint, self.numerics.to_dict(), self.layout, state.n_tokens,
-                               state.n_written, state.export(), self.backend)
+    def _export(self, state: RefState) -> dict[str, np.ndarray]:
+        return state.export()
 
-    def load_state(self, data: bytes) -> RefState:
-        n_tokens, n_written, arrays = kv.decode_state(data, self.fingerprint, self.numerics.to_dict(), self.layout)
+    def _import(self, n_tokens: int, n_written: int, arrays: dict[str, np.ndarray]) -> RefState:
         return RefState.from_parts(self.layout, n_tokens, n_written, arrays)
 
     def weight_bytes_per_token(self) -> int:
@@ -178,31 +130,3 @@ class RefMtp:
             total += t.nbytes * cfg.n_experts_used // cfg.n_experts if name in per_expert else t.nbytes
         head, embed = self.model.binding.head, self.model.binding.embed
         return total + head.nbytes + embed.nbytes // embed.shape[0]
-
-
-def check_step_inputs(cfg, states, hidden, next_ids, owns) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """An MTP step's arguments checked (one sentence per problem) and normalised: the hidden states as float32
-    [n, hc, D], the ids as int64; owns(state) says whether a state is this MTP block's (both backends use it)."""
-    if not (len(states) == len(hidden) == len(next_ids)) or not states:
-        raise Ds4Error("an MTP step takes one hidden-state array and one id chunk per state")
-    if len({id(s) for s in states}) != len(states):
-        raise Ds4Error("the same MTP state appears twice in one step")
-    hs, ids = [], []
-    for st, h, c in zip(states, hidden, next_ids):
-        if not owns(st):
-            raise Ds4Error("an MTP step needs states from this MTP block's new_state()")
-        h = np.asarray(h, dtype=np.float32)
-        c = np.asarray(c)
-        if c.ndim != 1 or c.size == 0 or not np.issubdtype(c.dtype, np.integer):
-            raise Ds4Error("MTP next-token ids must be a non-empty 1-D integer sequence")
-        if h.shape != (c.size, cfg.hc_mult, cfg.dim):
-            raise Ds4Error(f"MTP hidden states must be [{c.size}, {cfg.hc_mult}, {cfg.dim}] (one final "
-                           f"hyper-connection state per next token), got {list(h.shape)}")
-        if ((c < 0) | (c >= cfg.vocab_size)).any():
-            raise Ds4Error(f"an MTP next-token id is outside the vocabulary (0..{cfg.vocab_size - 1})")
-        if st.n_tokens + c.size > cfg.context_length:
-            raise ContextLengthError(f"{st.n_tokens} + {c.size} MTP positions exceed the context length "
-                                     f"{cfg.context_length}")
-        hs.append(h)
-        ids.append(c.astype(np.int64))
-    return hs, ids

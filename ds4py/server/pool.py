@@ -1,4 +1,4 @@
-"""The resident sessions of `serve --sessions N`: N Sessions (each one live KV state of the engine contract and a
+"""The resident sessions of `serve` (`--sessions N`, default 1): N Sessions (each one live KV state of the engine contract and a
 few snapshots) over one model, sharing one disk KV cache, and which of them a new request goes to.
 
 Routing. A request goes to the idle session that serves the most of its prompt from its own history (its live
@@ -26,15 +26,23 @@ DEFAULT_PREFILL_CHUNK = 128  # prompt tokens per scheduler step (and the chunk g
 
 
 class SessionPool:
+    """prefill_chunk: the prompt tokens one scheduler step may prefill. An int is a fixed grid (a prompt's chunk
+    boundaries are multiples of it, never where the load cut them: what keeps greedy answers of concurrent
+    requests equal to sequential ones); an object with next_len() and record(n_tokens, seconds) (the server's
+    PrefillPacer, with one session) sizes each step's chunk to a time instead."""
+
     def __init__(self, model, tokenizer, n: int, ctx_size: int | None = None, max_snapshots: int = DEFAULT_SNAPSHOTS,
-                 disk=None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
-        if not isinstance(n, int) or n < 1:
+                 disk=None, prefill_chunk=DEFAULT_PREFILL_CHUNK, sessions: Sequence[Session] | None = None):
+        if sessions is None and (not isinstance(n, int) or n < 1):
             raise Ds4Error(f"--sessions must be an integer >= 1, got {n!r}")
-        if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+        if isinstance(prefill_chunk, bool) or (isinstance(prefill_chunk, int) and prefill_chunk < 1) \
+                or not isinstance(prefill_chunk, int) and not callable(getattr(prefill_chunk, "next_len", None)):
             raise Ds4Error(f"the prefill chunk must be an integer >= 1 token, got {prefill_chunk!r}")
         self.model, self.tokenizer, self.disk = model, tokenizer, disk
         self.prefill_chunk = prefill_chunk
-        self.sessions = [Session(model, tokenizer, ctx_size, max_snapshots=max_snapshots, disk=disk) for _ in range(n)]
+        self.sessions = list(sessions) if sessions is not None else \
+            [Session(model, tokenizer, ctx_size, max_snapshots=max_snapshots, disk=disk) for _ in range(n)]
+        n = len(self.sessions)
         self.ctx_size = self.sessions[0].ctx_size
         self.vocab_size = self.sessions[0].vocab_size
         self.busy = [False] * n
@@ -42,6 +50,12 @@ class SessionPool:
         self._used = [0] * n             # when each session was last acquired (0: never)
         self.affinity = Affinity()       # session key -> the session that ran it last
         self.last_route = "none"         # how route() chose: "hit" (the key's session), "fallback", "none"
+
+    @classmethod
+    def of(cls, session: Session) -> "SessionPool":
+        """A pool of one existing session (its model, tokenizer, disk cache and prefill chunking)."""
+        return cls(session.model, session.tokenizer, 1, disk=session.disk, prefill_chunk=session.prefill_chunk,
+                   sessions=[session])
 
     def __len__(self) -> int:
         return len(self.sessions)

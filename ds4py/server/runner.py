@@ -29,6 +29,6 @@ class ModelRunner:
         """Speculative verify rows of several sessions in one main step (the speculative model's verify: every
         row's logits and what its rounds' finish reads: MTP final hidden states, DSpark draft taps)."""
         t0 = time.perf_counter()
-        out = self.model.verify(list(states), [list(c) for c in chunks])
+        out = self.model.verify(list(states), chunks)
         self.metrics.observe_step(len(states), sum(len(c) for c in chunks), time.perf_counter() - t0)
         return out

@@ -1,4 +1,5 @@
-"""The batch scheduler of `serve --sessions N` (nano-vllm's split: this module decides, runner.py runs).
+"""The serving driver of `serve`, whatever `--sessions N` is (one session is N = 1): nano-vllm's split, this
+module decides, runner.py runs. Speculation, prefix reuse, disk checkpoints and cancellation are driven here only.
 
 One loop on the engine thread. Each turn it
 1. drops the requests whose client went away (their session keeps what it consumed) and admits waiting ones,
@@ -16,6 +17,14 @@ step (k = 0 chosen before drafting) and prompt chunks go through the batched ste
 are pushed one by one: an answer that ends inside a round un-feeds the rest (exact rollback). Greedy tokens
 are plain decoding's for every k and every neighbour (row stability and batch invariance).
 
+A request decoding alone (the only one running: always so with one session; greedy ones with several, whose
+tokens are the same either way) decodes by the backend's device-side generation when it has one
+(ds4py.model.device_generation: 4 bytes read back per token instead of the logits); the generation is closed,
+leaving the state exactly where host steps would, as soon as another request runs beside it.
+
+Prefill chunks: a fixed grid (pool.prefill_chunk an int) with several sessions; with one, a PrefillPacer sizes
+each step's chunk to about a quarter second, so that a client who leaves mid-prompt frees the engine soon.
+
 So a long prompt never stalls the active streams: they get a token every step, and a step holds at most one
 prefill chunk's worth of prompt. A prompt's chunks end at fixed multiples of the chunk (and at the
 session's split points: the snapshot before its last token, disk checkpoints), never where the load happened to
@@ -30,6 +39,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from ds4py.model import device_generation
 from ds4py.sampling import InvalidLogits
 from ds4py.session import Completion, Session
 
@@ -49,13 +59,21 @@ class _Request:
     out: JobOutput
     comp: Completion
     spec: Any = None           # its ds4py.spec.SpecRequest when the model decodes speculatively
+    gen: Any = None            # its device-side generation while it decodes alone on such a backend
+
+    @property
+    def decoding(self) -> bool:
+        """Past its prompt: a token was sampled, the next step feeds it (a decode row or a round)."""
+        return self.comp.n > 0
 
 
 class Scheduler:
     def __init__(self, engine: Engine, worker: Worker):
         self.engine, self.worker, self.pool = engine, worker, engine.pool
         self.prefill_chunk = self.pool.prefill_chunk
+        self.paced = not isinstance(self.prefill_chunk, int)
         self.runner = ModelRunner(self.pool.model, engine.metrics)
+        self.device_generation = device_generation(self.pool.model)
         self.running: list[_Request] = []
 
     def run(self) -> None:
@@ -106,8 +124,7 @@ class Scheduler:
         engine.report_reuse(prompt, cached, session.last_source, histories)
         job.emit(Started(len(prompt), cached))
         comp = Completion(engine.tokenizer, engine.sampling_params(job.req), len(prompt), cached, session.ctx_size)
-        new_request = getattr(self.pool.model, "new_request", None)
-        spec = new_request(comp.sampler.params) if new_request is not None else None
+        spec = self.pool.model.new_request(comp.sampler.params)      # None: plain decoding
         r = _Request(job, slot, session, prompt, JobOutput(engine, job), comp, spec)
         self.running.append(r)
         self.engine.metrics.running = len(self.running)
@@ -120,13 +137,52 @@ class Scheduler:
             if r.job.cancel.is_set():
                 self._finish(r, r.comp.cancel())
 
+    def _alone(self, r: _Request) -> bool:
+        """r may decode by device-side generation: it is the only request running and decodes plainly (greedy
+        with several sessions: its tokens then do not depend on whether a neighbour came)."""
+        return self.device_generation is not None and r.spec is None and r.decoding \
+            and len(self.running) == 1 and (len(self.pool) == 1 or r.comp.sampler.params.greedy)
+
+    def _device_step(self, r: _Request) -> None:
+        """One token of r's device-side generation (started when r came to decode alone)."""
+        try:
+            if r.gen is None:
+                r.gen = self.device_generation(r.session.state, r.comp.last, r.comp.sampler.params,
+                                               r.comp.limit - r.comp.n)
+            t = next(r.gen)
+        except InvalidLogits as e:
+            self._close_generation(r)
+            self.engine.set_broken(e)
+            self._finish(r, None, error=self.engine.broken)
+            return
+        except Exception as e:  # the state may be half-advanced: it is not reused
+            self._fail([r], e)
+            return
+        r.session.fed(r.comp.last)              # t arrives once the last token has been fed
+        r.out.token(r.comp.push(t))
+        if r.comp.done is not None:
+            self._finish(r, r.comp.done)
+
+    def _close_generation(self, r: _Request) -> None:
+        """End r's device-side generation: the state then holds every token it yielded but the last."""
+        gen, r.gen = r.gen, None
+        if gen is not None:
+            gen.close()
+
     def _step(self) -> None:
+        for r in self.running:
+            if r.gen is not None and not self._alone(r):
+                self._close_generation(r)       # a neighbour came: back to host steps
+        if len(self.running) == 1 and self._alone(self.running[0]):
+            self._device_step(self.running[0])
+            return
         rows: list[tuple[_Request, list[int], bool]] = []        # (request, chunk, is a decode row)
-        budget = self.prefill_chunk
+        chunk = self.prefill_chunk.next_len() if self.paced else self.prefill_chunk
+        budget = chunk
         verify: list[tuple[_Request, Any]] = []                   # (request, its round's Draft)
         try:
             for r in self.running:
-                if r.session.ready:
+                if r.decoding:
                     plan = None if r.spec is None else r.spec.draft(
                         r.session.state, r.comp.last, r.comp.sampler, r.comp.limit - r.comp.n, step_plain=False)
                     if plan is None:
@@ -134,14 +190,14 @@ class Scheduler:
                     else:
                         verify.append((r, plan))
         except Exception as e:  # an MTP step failed: its state may be half-advanced
-            self._fail([r for r in self.running if r.session.ready], e)
+            self._fail([r for r in self.running if r.decoding], e)
             return
         for r in self.running:
-            if not r.session.ready:
-                ids = r.session.next_chunk(r.prompt, self.prefill_chunk, aligned=True)
+            if not r.decoding:
+                ids = r.session.next_chunk(r.prompt, chunk, aligned=not self.paced)
                 if ids is None:
                     continue
-                if len(ids) > budget and budget < self.prefill_chunk:
+                if len(ids) > budget and budget < chunk:
                     break                         # oldest first: a later prompt never overtakes this one
                 rows.append((r, ids, False))
                 budget -= len(ids)
@@ -157,6 +213,9 @@ class Scheduler:
         except Exception as e:  # every state of the step may be half-advanced: none is reused
             self._fail([r for r, _, _ in rows] + [r for r, _ in verify], e)
             return
+        prompt_tokens = sum(len(ids) for _, ids, decoded in rows if not decoded)
+        if self.paced and prompt_tokens:
+            self.prefill_chunk.record(prompt_tokens, seconds)
         for (r, ids, decoded), lg in zip(rows, logits):
             r.session.advance(ids, lg, decoded=decoded)
             if decoded and r.spec is not None:
@@ -171,6 +230,7 @@ class Scheduler:
     def _fail(self, requests: list[_Request], e: Exception) -> None:
         log.exception("a model step failed")
         for r in requests:
+            self._close_generation(r)
             r.session.drop_live()
             self._finish(r, None, error=f"generation failed: {type(e).__name__}: {e}")
 
@@ -208,7 +268,9 @@ class Scheduler:
     def _finish(self, r: _Request, done, error: str | None = None) -> None:
         if r not in self.running:
             return
+        self._close_generation(r)
         self.running.remove(r)
+        r.session.end(None if error is not None else done)
         self.pool.release(r.slot)
         if r.spec is not None:                   # speculation's share of the request: /metrics
             st = r.spec.stats

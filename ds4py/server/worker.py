@@ -3,10 +3,11 @@ and a bounded FIFO queue in front of it.
 
 The event loop never runs model code. A request handler renders its prompt in a thread pool, puts a `Job` on
 the queue and awaits the job's asyncio.Queue; the worker thread runs the jobs and posts `Reasoning` / `Text` /
-`ToolCallOut` / `Done` events back with call_soon_threadsafe (`JobOutput`). With one session it runs one job
-at a time (`Engine.run`); with `serve --sessions N` the Scheduler (scheduler.py) runs up to N together, their
-decode rows in one batched model step. A handler whose client goes away sets `job.cancel`; the engine checks it
-before every token and between prefill chunks.
+`ToolCallOut` / `Done` events back with call_soon_threadsafe (`JobOutput`). The thread runs the Scheduler
+(scheduler.py), the one serving driver, over the engine's SessionPool: one session runs one job at a time,
+`serve --sessions N` up to N together, their decode rows in one batched model step. A handler whose client goes
+away sets `job.cancel`; the scheduler checks it before every step (so within one token) and between prefill
+chunks.
 """
 
 from __future__ import annotations
@@ -19,13 +20,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ds4py.sampling import InvalidLogits
-
 from ds4py.session import common_prefix
 
 from .affinity import Affinity
 from .metrics import Metrics
-from .protocol import MID_SYSTEM, ApiError, Done, GenRequest, Reasoning, Started, Text, ToolCallOut
+from .protocol import MID_SYSTEM, ApiError, Done, GenRequest, Reasoning, Text, ToolCallOut
 from .toolmemory import StoredCall, ToolMemory
 
 log = logging.getLogger("ds4py.server")
@@ -57,19 +56,18 @@ class Job:
 class Engine:
     """Everything between a GenRequest and its events: rendering, tokenizing, sampling, DSML parsing.
 
-    `sessions` is one Session (one request at a time; `run` drives it) or a SessionPool (`serve --sessions N`:
-    the Scheduler batches the requests of several sessions)."""
+    `sessions` is a SessionPool (`serve --sessions N`), or one Session (a pool of one: SessionPool.of); the
+    Scheduler drives it either way."""
 
     def __init__(self, sessions, tokenizer, *, metrics: Metrics | None = None, tool_memory: ToolMemory | None = None,
                  encode_prompt: Callable | None = None, parser_factory: Callable | None = None,
                  native_mid_system: bool = False):
         from ds4py.server.pool import SessionPool
 
-        self.pool = sessions if isinstance(sessions, SessionPool) else None
-        self.session = None if self.pool is not None else sessions
+        self.pool = sessions if isinstance(sessions, SessionPool) else SessionPool.of(sessions)
         self.tokenizer = tokenizer
         self.ctx_size = int(sessions.ctx_size)
-        self.vocab_size = getattr(sessions, "vocab_size", None)
+        self.vocab_size = self.pool.vocab_size
         self.broken: str | None = None          # set when the model proved broken while serving (see Worker)
         self.metrics = metrics or Metrics()
         self.tool_memory = tool_memory or ToolMemory()
@@ -85,7 +83,17 @@ class Engine:
 
     @property
     def disk(self):
-        return (self.pool or self.session).disk
+        return self.pool.disk
+
+    @property
+    def model(self):
+        """The model the sessions step (a SpecModel when decoding speculatively)."""
+        return self.pool.model
+
+    @property
+    def session(self):
+        """The one session of a one-session server (None with several)."""
+        return self.pool.sessions[0] if len(self.pool) == 1 else None
 
     # ---- rendering (called from a thread pool, never on the event loop) ----------------------------------
 
@@ -125,7 +133,7 @@ class Engine:
 
     def histories(self) -> list[tuple[str, object]]:
         """Every token history a prompt could have been served from (the miss report's candidates)."""
-        out = self.pool.histories() if self.pool is not None else list(self.session.histories())
+        out = self.pool.histories() if len(self.pool) > 1 else list(self.pool.sessions[0].histories())
         if self.disk is not None:
             out += [(f"disk checkpoint {e.key[:12]} ({e.reason})", e.tokens) for e in self.disk.entries()]
         return out
@@ -153,36 +161,6 @@ class Engine:
                      what, len(cand), k, text(prompt, k - 16, k), text(cand, k, k + 16), text(prompt, k, k + 16),
                      cached, len(prompt) - cached)
 
-    def run(self, job: Job) -> None:
-        """One job on the single session, to its end (the Worker's loop without --sessions)."""
-        histories = self.histories()
-        # the session is not thread-safe: even this look-up happens here, on the engine thread
-        cached = int(self.session.prompt_cache_tokens(job.ids))
-        # one resident session: a session id "hits" when its conversation is the one held here
-        _, how = self.affinity.choose(job.session_key, lambda i: True, lambda i: cached > 0, lambda: 0)
-        self.affinity.bind(job.session_key, 0)
-        self.metrics.observe_affinity(how)
-        job.emit(Started(len(job.ids), cached))
-        out = JobOutput(self, job)
-        gen = self.session.generate(job.ids, self.sampling_params(job.req), cancelled=job.cancel.is_set)
-        done, reported = None, False
-        try:
-            for ev in gen:
-                if not reported:       # the session has started the prompt: its reuse is known
-                    self.report_reuse(job.ids, self.session.last_cached, self.session.last_source, histories)
-                    reported = True
-                if hasattr(ev, "finish_reason"):
-                    done = ev
-                    break
-                out.token(ev)
-                if job.cancel.is_set():
-                    break
-        finally:
-            gen.close()
-            self.publish()
-        self._spec_report(done)
-        out.finish(done)
-
     def set_broken(self, e: Exception) -> None:
         # a correct model never gives non-finite logits for valid token ids: the weights are broken in a way the
         # load-time checks did not sample. Say so on /health and on every request, not a 500 each.
@@ -192,9 +170,7 @@ class Engine:
 
     def publish(self) -> None:
         """Hand the sessions' occupancy and the disk cache's figures to /metrics (engine thread)."""
-        sessions = self.pool.sessions if self.pool is not None else [self.session]
-        busy = self.pool.busy if self.pool is not None else [False]
-        self.metrics.set_sessions([(len(s.tokens), s.nbytes(), b) for s, b in zip(sessions, busy)])
+        self.metrics.set_sessions([(len(s.tokens), s.nbytes(), b) for s, b in zip(self.pool.sessions, self.pool.busy)])
         if self.disk is not None:
             self.metrics.set_disk(self.disk)
 
@@ -202,22 +178,12 @@ class Engine:
         """The server stops: checkpoint every live state to the disk cache (engine thread, or after it ended)."""
         if self.disk is None:
             return
-        for s in (self.pool.sessions if self.pool is not None else [self.session]):
+        for s in self.pool.sessions:
             try:
                 s.close()
             except Exception:  # one bad state must not stop the others' checkpoints
                 log.exception("kv cache: shutdown checkpoint failed")
         self.disk.close()
-
-    def _spec_report(self, done) -> None:
-        """Speculative decoding's share of the request (ds4py.spec): /metrics counters and the request log."""
-        st = getattr(self.session, "spec_stats", None)
-        if st is None:
-            return
-        self.metrics.add(spec_rounds=st.rounds, spec_drafted=st.drafted, spec_accepted=st.accepted,
-                         spec_tokens=st.spec_tokens, spec_plain_steps=st.plain_steps)
-        log.info("request done (%s, %s tokens); %s", getattr(done, "finish_reason", "interrupted"),
-                 getattr(done, "completion_tokens", "?"), st.summary())
 
 
 class JobOutput:
@@ -335,20 +301,23 @@ class QueueFull(ApiError):
 
 
 class Worker:
-    """One engine thread and a bounded FIFO of waiting jobs (running jobs are not counted). With one session the
-    thread runs the jobs one at a time (Engine.run); with a SessionPool the Scheduler runs up to N at once."""
+    """One engine thread and a bounded FIFO of waiting jobs (running jobs are not counted); the thread runs the
+    Scheduler over the engine's sessions (one job at a time with one session, up to N with N)."""
 
     def __init__(self, engine: Engine, max_queue: int = 64):
         self.engine, self.max_queue = engine, max_queue
         self._pending: collections.deque[Job] = collections.deque()
         self._cv = threading.Condition()
         self._closed = False
-        self._current: Job | None = None        # the job Engine.run is running (one session)
+        self._stopped = ""                       # why the engine thread ended on its own (a bug), if it did
         self._thread = threading.Thread(target=self._main, name="ds4py-engine", daemon=True)
         self._thread.start()
 
     def submit(self, job: Job) -> None:
         with self._cv:
+            if self._stopped and not self._closed:
+                raise ApiError(503, f"the engine stopped ({self._stopped}); restart the server",
+                               kind="api_error", code="engine_stopped")
             if len(self._pending) >= self.max_queue:
                 retry = max(1, len(self._pending) // 2)
                 raise QueueFull(429, f"the server is busy: {len(self._pending)} requests are waiting "
@@ -365,8 +334,6 @@ class Worker:
             self._closed = True
             for job in self._pending:
                 job.cancel.set()
-            if self._current is not None:
-                self._current.cancel.set()
             self._cv.notify_all()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
@@ -396,12 +363,13 @@ class Worker:
             return job
 
     def _main(self) -> None:
+        from .scheduler import Scheduler      # (it imports this module's Engine, Job and JobOutput)
+
         try:
-            if self.engine.pool is not None:
-                from .scheduler import Scheduler
-                Scheduler(self.engine, self).run()
-            else:
-                self._loop()
+            Scheduler(self.engine, self).run()
+        except Exception as e:  # a bug: say so on every later request instead of letting them wait forever
+            log.exception("the engine thread failed")
+            self._stopped = f"{type(e).__name__}: {e}"
         finally:
             with self._cv:
                 for job in self._pending:
@@ -415,27 +383,3 @@ class Worker:
         """Wait for the engine thread to finish (after close()); True when it did within the timeout."""
         self._thread.join(timeout)
         return not self._thread.is_alive()
-
-    def _loop(self) -> None:
-        m = self.engine.metrics
-        while self.wait():
-            with self._cv:
-                job = self._current = self.pop()
-                if self._closed:
-                    job.cancel.set()
-            if job.cancel.is_set():
-                m.add(cancelled=1)
-                job.emit(Done("cancelled", len(job.ids)))
-                continue
-            m.running = 1
-            try:
-                self.engine.run(job)
-            except InvalidLogits as e:
-                self.engine.set_broken(e)
-                job.emit(Done("error", len(job.ids), error=self.engine.broken))
-            except Exception as e:  # a bug or a backend failure: fail this request, keep serving
-                log.exception("generation failed")
-                job.emit(Done("error", len(job.ids), error=f"generation failed: {type(e).__name__}: {e}"))
-            finally:
-                m.running = 0
-                self._current = None

@@ -439,16 +439,6 @@ class Stack:
         return "; ".join(f"{sc.kind} {sc.path or '(in memory)'} ({sc.summary()})" for sc in self._stacked())
 
 
-def mount(model, sidecar=None, posttrain=None) -> "Stack | None":
-    """The reference backend's load hook: check the stack, fold the gains into the VQ row gains (decoded experts
-    are not cached yet) and return it (None without files). The caller binds with `stack.resolver`."""
-    stack = Stack.open(model.config, model.gguf, model.fingerprint, sidecar, posttrain)
-    if stack is not None:
-        for name, s in stack.row_scales():
-            model.weights.vq.scale_rows(name, s)
-    return stack
-
-
 def check_files(model_path: str, sidecar=None, posttrain=None) -> "Stack | None":
     """Open just enough of a model to check a stack against it (serve refuses a bad pair before listening)."""
     from ds4py.config import ModelConfig

@@ -1,4 +1,4 @@
-"""The tensor-core prefill kernels on a GPU (issue 17 item 1; skipped without one): the emulator tests of cu/gemm.cu
+"""The tensor-core prefill kernels on a GPU (skipped without one): the emulator tests of cu/gemm.cu
 and cu/moe_prefill.cu again on the hardware (the PTX mma path: fragment layout within 1e-5 of the twin's exact
 sum, the GEMM and the grouped MoE within the same scaled tolerances, rows independent of T), then V4 Flash sizes:
 the Q8_0 / F16 GEMM at T = 2048 x 4096 x 4096 and the grouped MoE of 2048 tokens (k = 6 of 16 experts, IQ2_XXS

@@ -1,4 +1,4 @@
-"""Multi-row steps on a GPU (issue 17 items 2-3): the emulator's multi-row kernel tests again on the hardware
+"""Multi-row steps on a GPU: the emulator's multi-row kernel tests again on the hardware
 (where FMA contraction and real concurrency could break batch invariance if a row's arithmetic depended on the
 launch), the Q8_0 `_rows` GEMV at the V4 Flash q_b shape bit-identical to single-row launches, and the engine's
 multi-row step (several sequences, a verify chunk) bit-identical to single steps on the tiny models."""

@@ -48,7 +48,7 @@ import numpy as np
 
 from ds4py.errors import Ds4Error
 
-log = logging.getLogger("ds4py.kvcache")
+log = logging.getLogger("ds4py.disk_cache")
 
 MAGIC = b"DS4PYKVC"
 VERSION = 1

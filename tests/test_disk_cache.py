@@ -1,4 +1,4 @@
-"""The disk KV cache (ds4py/kvcache.py) and the session's checkpoints on the reference model (ds4-tiny): a
+"""The disk KV cache (ds4py/disk_cache.py) and the session's checkpoints on the reference model (ds4-tiny): a
 checkpoint continues exactly after a restart, the four moments write what they should, the space bound deletes
 the least recently used, bad files are ignored with a log line, writes are atomic, and the tool-call replay
 journal survives a restart."""
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from ds4py.errors import Ds4Error
-from ds4py.kvcache import DiskCache, KVCachePolicy, encode_checkpoint, prefix_key
+from ds4py.disk_cache import DiskCache, KVCachePolicy, encode_checkpoint, prefix_key
 from ds4py.model import open_model
 from ds4py.sampling import SamplingParams
 from ds4py.server.toolmemory import StoredCall, ToolMemory
@@ -153,7 +153,7 @@ def test_bad_files_are_ignored_with_a_log_line(tmp_path, model, golden, prompt, 
                                 other.save_state(other.new_state()), None)
     (tmp_path / (prefix_key("0" * 32, {}, prompt[:70]) + ".kv")).write_bytes(foreign)
     (tmp_path / ".dead.kv.tmp123").write_bytes(b"half")             # a crash mid-write: never renamed
-    with caplog.at_level(logging.WARNING, logger="ds4py.kvcache"):
+    with caplog.at_level(logging.WARNING, logger="ds4py.disk_cache"):
         d = disk(tmp_path, model)
         assert sorted(e.n_tokens for e in d.entries()) == [50, 60]
         assert d.load(d.best(prompt[:55])) is None                 # the flipped bit
@@ -173,7 +173,7 @@ def test_a_state_the_model_refuses_is_ignored(tmp_path, model, tok, golden, prom
     d = disk(tmp_path, model)
     d.save("cold", prompt[:40], other.save_state(other.new_state()), None)     # another layout, same file
     s = Session(model, tok, 1024, disk=d)
-    with caplog.at_level(logging.WARNING, logger="ds4py.kvcache"):
+    with caplog.at_level(logging.WARNING, logger="ds4py.disk_cache"):
         _, done = answer(s, prompt[:50])
     assert done.cached_tokens == 0 and s.last_source == "none" and not d.has(prompt[:40])
     assert "layout" in caplog.text

@@ -1,0 +1,171 @@
+"""Callers use only what docs/engine.md declares: outside the backends (ds4py/ref/, ds4py/cuda/) no code probes a
+model's attributes (getattr / hasattr on a model object) or branches on a backend's name. An AST scan of the
+package and the bench scripts; the checks are tested on snippets first, so that the scan can fail."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BACKENDS = ("ds4py/ref/", "ds4py/cuda/")
+BACKEND_NAMES = {"ref", "cuda", "cuda-emu"}       # ("auto" is a value of many options)
+BACKEND_CLASSES = {"RefModel", "CudaModel", "RefMtp", "CudaMtp", "RefState", "CudaState", "EmuRuntime", "Runtime"}
+# names that hold a model (a backend's Model, a SpecModel, an MTP block) in the callers
+MODELISH = {"model", "base", "spec", "mtp", "main", "draft", "tm", "bm", "teacher", "student"}
+
+
+def _chain(node: ast.AST) -> list[str]:
+    """The names along an attribute chain: self.pool.model -> [self, pool, model]; anything else -> []."""
+    out = []
+    while isinstance(node, ast.Attribute):
+        out.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        out.append(node.id)
+    return out[::-1]
+
+
+def _modelish(node: ast.AST) -> bool:
+    return any(n in MODELISH or n.endswith("_model") for n in _chain(node))
+
+
+def _backend_constant(node: ast.AST) -> bool:
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, str) and node.value in BACKEND_NAMES
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(_backend_constant(e) for e in node.elts)
+    return False
+
+
+def violations(source: str, where: str = "<snippet>") -> list[str]:
+    """Each probe of a model's attributes and each branch on a backend's name in `source`, as 'where:line: what'."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.args:
+            fn, obj = node.func.id, node.args[0]
+            if fn == "hasattr" and _modelish(obj):
+                out.append(f"{where}:{node.lineno}: hasattr({ast.unparse(obj)}, ...)")
+            # getattr with a literal name or a default is a probe; getattr(cfg, field) over a field list is not
+            elif fn == "getattr" and _modelish(obj) and (len(node.args) > 2 or isinstance(node.args[1], ast.Constant)):
+                out.append(f"{where}:{node.lineno}: getattr({ast.unparse(obj)}, {ast.unparse(node.args[1])}, ...)")
+            elif fn == "isinstance" and len(node.args) == 2 and set(_names(node.args[1])) & BACKEND_CLASSES:
+                out.append(f"{where}:{node.lineno}: isinstance(..., {ast.unparse(node.args[1])})")
+        elif isinstance(node, ast.Compare) and any(_backend_constant(x) for x in [node.left, *node.comparators]):
+            out.append(f"{where}:{node.lineno}: {ast.unparse(node)}")
+    return out
+
+
+def _names(node: ast.AST) -> list[str]:
+    if isinstance(node, ast.Tuple):
+        return [n for e in node.elts for n in _names(e)]
+    chain = _chain(node)
+    return chain[-1:] if chain else []
+
+
+def caller_files() -> list[Path]:
+    files = sorted((REPO / "ds4py").rglob("*.py")) + sorted((REPO / "bench").glob("*.py"))
+    return [f for f in files if not f.relative_to(REPO).as_posix().startswith(BACKENDS)]
+
+
+def test_the_scan_sees_probes_and_backend_branches():
+    bad = [
+        'getattr(model, "stable_rows", 17)', 'hasattr(self.pool.model, "new_request")',
+        'getattr(base, "gguf", path)', 'getattr(getattr(spec, "mtp", None), "path", None)',
+        'callable(getattr(model, "step_hidden", None))', 'getattr(self.model.model, "binding")',
+        'if args.backend == "cuda": pass', 'x = model.backend in ("cuda", "cuda-emu")',
+        'if backend != "ref": pass', 'isinstance(model, CudaModel)', 'isinstance(m, (RefModel, SpecModel))',
+    ]
+    for src in bad:
+        assert violations(src), f"the scan misses {src!r}"
+    good = [
+        'getattr(self, name)', 'getattr(cfg, field)', 'getattr(tm.config, what) != getattr(cfg, what)',
+        'getattr(args, "backend", "ref")', 'getattr(e, "strerror", None)', 'hasattr(ev, "finish_reason")',
+        'model.capabilities.speculation', 'hasattr(m, "madvise")', 'kind in (None, "auto")', 'backend = "ref"', 'p.add_argument("--backend", default="ref")',
+        'isinstance(model, SpecModel)', 'x == "reference"',
+    ]
+    for src in good:
+        assert not violations(src), f"the scan flags {src!r}: {violations(src)}"
+
+
+def test_no_caller_probes_a_model_or_branches_on_a_backend():
+    files = caller_files()
+    assert any(f.name == "session.py" for f in files) and any("server" in f.parts for f in files)
+    found = [v for f in files for v in violations(f.read_text(), f.relative_to(REPO).as_posix())]
+    assert not found, ("callers must use only what docs/engine.md declares (Model, Capabilities), not probe "
+                       "models or branch on backend names:\n" + "\n".join(found))
+
+
+# ---- import cycles -------------------------------------------------------------------------------------------------
+def import_graph() -> dict[str, set[str]]:
+    """ds4py module -> the ds4py modules it imports (at the top or inside functions; not under TYPE_CHECKING)."""
+    mods = {}
+    for f in (REPO / "ds4py").rglob("*.py"):
+        parts = f.relative_to(REPO).with_suffix("").parts
+        mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for m, f in mods.items():
+        pkg = m if f.name == "__init__.py" else m.rsplit(".", 1)[0]
+        tree = ast.parse(f.read_text())
+        typing_only = {id(n) for t in ast.walk(tree) if isinstance(t, ast.If) and "TYPE_CHECKING" in ast.unparse(t.test)
+                       for n in ast.walk(t)}
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.Import):
+                graph[m] |= {a.name for a in node.names if a.name in mods}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = pkg.split(".")[:len(pkg.split(".")) - node.level + 1]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                graph[m] |= {x for x in [base] + [f"{base}.{a.name}" for a in node.names] if x in mods}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack, on, out = [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = set()
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.add(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(comp)
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles_but_the_backend_table():
+    """The only cycles: open_model's table (ds4py.model opens the backends, which implement ds4py.model) and the
+    engine thread starting the scheduler (worker.Worker runs scheduler.Scheduler, which uses the worker's Engine,
+    Job and JobOutput). config / schema and convert / convert_v41 / engram are acyclic (ds4py.checkpoint below)."""
+    assert cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [{"a", "b"}]           # the check can fail
+
+    def allowed(comp: set[str]) -> bool:
+        backends = all(m == "ds4py.model" or m.startswith(("ds4py.ref.", "ds4py.cuda.")) for m in comp)
+        return backends or comp == {"ds4py.server.scheduler", "ds4py.server.worker"}
+    bad = [sorted(c) for c in cycles(import_graph()) if not allowed(c)]
+    assert not bad, f"import cycles: {bad}"
+    graph = import_graph()
+    assert "ds4py.schema" in graph["ds4py.config"] and "ds4py.config" not in graph["ds4py.schema"]
+    assert "ds4py.convert" not in graph["ds4py.engram"] | graph["ds4py.convert_v41"]
