@@ -259,7 +259,7 @@ def test_serve_restart_reuses_the_disk_cache(golden, tmp_path, sessions):
     names = sorted(p.name for p in (tmp_path / "kv").iterdir())
     assert len([n for n in names if n.endswith(".kv")]) == 2 and "tool-memory.jsonl" in names   # cold + shutdown
     # the shutdown checkpoint (prompt + 7 answer tokens) would serve 599 tokens, truncated: leave only the cold one
-    from ds4py.kvcache import read_header
+    from ds4py.disk_cache import read_header
     for f in (tmp_path / "kv").glob("*.kv"):
         if read_header(f)[0]["reason"] == "shutdown":
             f.unlink()

@@ -224,7 +224,7 @@ def test_sampled_rounds_give_the_plain_sequence_distribution(k, params):
 def test_the_disk_cache_keeps_the_pair(model, plain, tmp_path):
     """--kv-disk-dir with DSpark: the paired state's checkpoints (cold, shutdown) load into a new session and
     continue as plain decoding; the main model alone does not see them (another fingerprint)."""
-    from ds4py.kvcache import DiskCache, KVCachePolicy
+    from ds4py.disk_cache import DiskCache, KVCachePolicy
 
     policy = KVCachePolicy(min_tokens=16, trim_tokens=4, align_tokens=16, continued_interval=32)
 
