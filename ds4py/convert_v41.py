@@ -109,7 +109,7 @@ def shape_from_config(cfg: dict[str, Any]) -> ModelConfig:
 def dspark_fields(c: dict[str, Any]) -> dict[str, Any]:
     """The DSpark draft's ModelConfig fields from the official args (none when the config declares no draft);
     its MoE defaults to the backbone's, as the official get_moe_config does."""
-    from ds4py.convert import ConvertError
+    from ds4py.checkpoint import ConvertError
 
     stages = int(c.get("n_mtp_layers", 0) or 0)
     if "dspark_block_size" not in c or stages == 0:

@@ -2,7 +2,7 @@
 step verifies 1 + k rows, the agreeing prefix is kept; the same session / server interface as ds4py.spec's MTP
 speculation (SpecModel / SpecRequest), and the same acceptance rules.
 
-    spec = DSparkSpec(model, model.open_dspark())   # ds4py.spec.speculative does this for a V4.1 file with a draft
+    spec = DSparkSpec(model, model.open_dspark())   # ds4py.drafts.speculative does this for a V4.1 file with a draft
     session = Session(spec, tokenizer)              # generate() runs rounds through spec.new_request
 
 A round at main position n (the state holds n tokens; `token` was sampled last and is not fed yet):

@@ -545,10 +545,9 @@ def _open_auto(path: str, ctx: int | None = None, **kwargs) -> Model:
         from ds4py.cuda.probe import auto_choice
 
         pick, why = auto_choice(path)        # a device, a driver that fits, and free memory for this model
-        if pick == "cuda":
-            from ds4py.cuda.engine import CudaModel
-
-            return CudaModel(path, ctx=ctx, **kwargs)
+        opener = _OPENERS[pick]
+        if opener is not _open_ref:
+            return opener(path, ctx=ctx, **kwargs)
     except (CudaUnavailableError, UnsupportedByBackend) as e:
         why = str(e).rstrip(".")
     print(f"ds4py: backend auto: {why}; using the reference backend (ref)", file=sys.stderr, flush=True)

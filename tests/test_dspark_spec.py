@@ -22,7 +22,8 @@ from ds4py.ref.dspark import DraftBlock
 from ds4py.ref.engine import RefModel
 from ds4py.sampling import Sampler, SamplingParams
 from ds4py.session import Session, TokenEvent
-from ds4py.spec import ByteCosts, speculative
+from ds4py.drafts import speculative
+from ds4py.spec import ByteCosts
 from spec_fakes import CounterState, MarkovModel, NullTokenizer, chi_square_p
 
 PROMPTS = [[7, 301, 12], list(range(40, 80))]       # short, and longer than the 16-row window

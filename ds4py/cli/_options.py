@@ -58,3 +58,12 @@ def add_stack_arguments(p: argparse.ArgumentParser) -> None:
 def describe(model) -> str:
     """' + sidecar DIR (gains on 3 layers, router bias on 1)' or ''."""
     return f" + {model.stack.describe()}" if model.stack is not None else ""
+
+
+def add_spec_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculative decoding (docs/spec.md)")
+    g.add_argument("--mtp", metavar="MTP.gguf", default=None,
+                   help="the model's MTP draft block (ds4's MTP GGUF, or convert --mtp): decode speculatively, "
+                        "same tokens (greedy) or same distribution (sampled), faster when drafts are accepted")
+    g.add_argument("--no-spec", action="store_true",
+                   help="decode one token a step even when the model has an MTP block")

@@ -145,7 +145,8 @@ def run(args: argparse.Namespace) -> int:
     for k, v in startup.items():
         print(f"startup {k}: {v:.3f}" if isinstance(v, float) else f"startup {k}: {v}", file=sys.stderr)
     from ds4py.dspark import DSparkSpec
-    from ds4py.spec import SpecModel, speculative
+    from ds4py.drafts import speculative
+    from ds4py.spec import SpecModel
 
     spec = speculative(model, args.mtp)
     rows = bench.run_sweep(model, tokens, points, args.gen_tokens, repeat=args.repeat, bandwidth_gbps=bw,

@@ -13,7 +13,7 @@ import sys
 import time
 
 from ds4py.cli import BACKENDS
-from ds4py.cli._options import (add_cpu_arguments, add_engram_dir, add_stack_arguments, describe,
+from ds4py.cli._options import (add_cpu_arguments, add_spec_arguments, add_engram_dir, add_stack_arguments, describe,
                                 model_kwargs)
 
 NAME = "run"
@@ -59,19 +59,10 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-v", "--verbose", action="store_true", help="print token counts and speeds to stderr")
 
 
-def add_spec_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("speculative decoding (docs/spec.md)")
-    g.add_argument("--mtp", metavar="MTP.gguf", default=None,
-                   help="the model's MTP draft block (ds4's MTP GGUF, or convert --mtp): decode speculatively, "
-                        "same tokens (greedy) or same distribution (sampled), faster when drafts are accepted")
-    g.add_argument("--no-spec", action="store_true",
-                   help="decode one token a step even when the model has an MTP block")
-
-
 def open_model_for_generation(args):
     """open_model, wrapped for speculative decoding when the model has an MTP block and --no-spec is not given."""
     from ds4py.model import open_model
-    from ds4py.spec import speculative
+    from ds4py.drafts import speculative
 
     model = open_model(args.model, backend=args.backend, ctx=args.ctx, **model_kwargs(args))
     return speculative(model, args.mtp, enabled=not args.no_spec)

@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 
 from ds4py.cli import BACKENDS
-from ds4py.cli._options import add_cpu_arguments, add_engram_dir, add_stack_arguments, model_kwargs
+from ds4py.cli._options import (add_cpu_arguments, add_engram_dir, add_spec_arguments, add_stack_arguments,
+                                model_kwargs)
 
 NAME = "serve"
 HELP = "OpenAI / Anthropic compatible HTTP server (chat, completions, responses, messages)"
@@ -83,7 +84,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tool-call ids remembered for exact DSML replay (default 100000)")
     p.add_argument("--disable-exact-dsml-tool-replay", action="store_true",
                    help="re-render tool calls from the client's JSON instead of the sampled DSML")
-    from ds4py.cli.run import add_spec_arguments
 
     add_spec_arguments(p)
     p.add_argument("-v", "--verbose", action="store_true",
@@ -129,7 +129,7 @@ def make_engine(model_path: str, backend: str, ctx: int, tool_memory, mtp: str |
     from ds4py.server.pool import SessionPool
     from ds4py.server.worker import Engine, PrefillPacer
     from ds4py.session import Session
-    from ds4py.spec import speculative
+    from ds4py.drafts import speculative
     from ds4py.tokenizer import Tokenizer
 
     base = open_model(model_path, backend=backend, ctx=ctx, **model_options)   # engram_dir= / sidecar= / posttrain=
