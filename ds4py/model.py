@@ -529,15 +529,7 @@ def open_model(path: str, backend: str = "ref", **kwargs) -> Model:
     ctx: the context in tokens one sequence needs: the CUDA engine plans its device memory for it at load (one
     line, a refusal up front when it does not fit, docs/cuda.md "Memory"); the reference grows its state as it
     goes and needs no plan.
-    Raises ds4py.errors.Ds4Error subclasses with a clear sentence.
-    Tests only: with $DS4PY_SCRIPTED_MODEL set, whatever the backend, the scripted model of ds4py.testing.scripted
-    (the GGUF's tokenizer and config, replies from the script), announced on stderr."""
-    import os
-
-    if os.environ.get("DS4PY_SCRIPTED_MODEL"):
-        from ds4py.testing.scripted import open_scripted
-
-        return open_scripted(path, os.environ["DS4PY_SCRIPTED_MODEL"], **kwargs)
+    Raises ds4py.errors.Ds4Error subclasses with a clear sentence."""
     opener = _OPENERS.get(backend) if isinstance(backend, str) else None
     if opener is None:
         raise Ds4Error(f"unknown backend {backend!r} (choose one of {', '.join(BACKENDS)})")
