@@ -130,3 +130,39 @@ def test_codex_runs_the_command_and_answers(scripted_server):
     called = [i for i in rules if i in (2, 3)]
     assert called and 0 in rules and rules.index(called[0]) < rules.index(0), rules
     assert "cat notes.txt" in r.stderr, r.stderr[-2000:]            # codex logs the command it ran
+
+
+def test_scripted_model_keeps_the_engine_contract(tmp_path):
+    """No clients needed: the scripted model's greedy stream is the rule's reply then EOS, and its state saves,
+    loads and truncates like any backend's (the server's prefix cache and disk cache rely on it)."""
+    import numpy as np
+
+    from ds4py.chat.template import ASSISTANT, EOS
+    from ds4py.cli.serve import ensure_demo_model
+    from ds4py.testing.scripted import NO_MATCH, ScriptedModel
+
+    m = ScriptedModel(str(ensure_demo_model()), {"rules": [{"contains": ["ping"], "content": "pong!"}]})
+    tok = m.tokenizer
+
+    def greedy(prompt: str, n: int = 12) -> str:
+        st = m.new_state()
+        logits, out = m.prefill(st, tok.encode(prompt, special=True)), []
+        for _ in range(n):
+            t = int(np.argmax(logits))
+            out.append(t)
+            if tok.decode([t]) == EOS:
+                break
+            logits = m.decode(st, t)
+        return tok.decode(out)
+
+    assert greedy(f"ping{ASSISTANT}") == "pong!" + EOS
+    assert greedy(f"hello{ASSISTANT}", 40) == NO_MATCH + EOS
+    reply = tok.encode("pong!", special=True)
+    ids = tok.encode(f"ping{ASSISTANT}", special=True) + reply[:-1]     # all of the reply but its last token
+    st = m.new_state()
+    m.prefill(st, ids)
+    back = m.load_state(m.save_state(st))                              # continues exactly like the original
+    assert back.n_tokens == len(ids) and int(np.argmax(m.decode(back, reply[-1]))) == tok.encode(EOS, special=True)[0]
+    assert int(np.argmax(m.decode(st.copy(), reply[-1]))) == tok.encode(EOS, special=True)[0]
+    st.truncate(len(ids) - 2)                                   # roll back two tokens: the same script again
+    assert int(np.argmax(m.decode(st, ids[-2]))) == ids[-1]
