@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 from typing import Any, Sequence
 
@@ -77,7 +76,6 @@ class ScriptedModel(ModelBase):
         self.assistant = self.tokenizer.encode(ASSISTANT, special=True)
         self.think_marks = {self.tokenizer.encode(m, special=True)[0]: m for m in (THINK, END_THINK)}
         self._replies: dict[bytes, list[int]] = {}
-        self.matched: list[int] = []          # rule index per reply chosen (for in-process tests)
 
     # ---- the contract -----------------------------------------------------------------------------------------
     def new_state(self) -> ScriptedState:
@@ -129,7 +127,6 @@ class ScriptedModel(ModelBase):
         if key not in self._replies:
             text = self.tokenizer.decode(prompt.tolist())
             index, body = self._choose(text)
-            self.matched.append(index)
             ids = self.tokenizer.encode((END_THINK if thinking else "") + body, special=True)
             self._replies[key] = ids + self.eos
             print(f"ds4py scripted model: rule {index} -> {body[:80]!r}", file=sys.stderr, flush=True)
@@ -175,7 +172,3 @@ def open_scripted(path: str, script_path: str, **kwargs: Any) -> ScriptedModel:
     print(f"ds4py: {ENV} is set: serving a scripted test model (replies from {script_path}), not {path}'s weights",
           file=sys.stderr, flush=True)
     return ScriptedModel(path, script, **{k: v for k, v in kwargs.items() if k == "rollback_horizon"})
-
-
-def scripted_from_env() -> str | None:
-    return os.environ.get(ENV) or None
