@@ -3,7 +3,8 @@
 # unless MODEL is set). Needs node/npm (the clients are installed into a scratch folder, nothing global) and
 # writes their outputs to $OUT (default: a fresh temporary folder). A random-weight demo model never emits
 # EOS, so each turn ends at the token cap (CLAUDE_CODE_MAX_OUTPUT_TOKENS / serve --max-tokens): both clients
-# then report "max output tokens" - the request, the stream and the turn completed.
+# then report "max output tokens" - the request, the stream and the turn completed. bench/agents_load.py runs
+# both through vllm-router and under load, and through the scripted tool loop (tests/test_agents_loop.py).
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$(mktemp -d)}

@@ -132,7 +132,13 @@ def make_engine(model_path: str, backend: str, ctx: int, tool_memory, mtp: str |
     from ds4py.drafts import speculative
     from ds4py.tokenizer import Tokenizer
 
-    base = open_model(model_path, backend=backend, ctx=ctx, **model_options)   # engram_dir= / sidecar= / posttrain=
+    script = os.environ.get("DS4PY_SCRIPTED_MODEL")    # tests only (ds4py/testing/scripted.py); announced on stderr
+    if script:
+        from ds4py.testing.scripted import open_scripted
+
+        base = open_scripted(model_path, script, **model_options)
+    else:
+        base = open_model(model_path, backend=backend, ctx=ctx, **model_options)  # engram_dir= / sidecar= / posttrain=
     model = speculative(base, mtp, enabled=spec)     # with --sessions N: rounds of several sessions, one verify step
     # a speculative model saves the paired main + MTP state (spec.encode_pair) under the pair's fingerprint
     tok = Tokenizer.from_gguf(base.gguf if base.gguf is not None else model_path)
