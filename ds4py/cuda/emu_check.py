@@ -92,6 +92,10 @@ def workload(path: str, rt: Any) -> None:
 SYNTH_EXPERTS = (("Q4_K", "Q4_K"), ("Q8_0", "Q8_0"), ("Q2_K", "IQ2_XXS"))
 # Kernels no engine path reaches on these models, and why (the CI test fails when another one joins them).
 UNREACHED = {
+    **{f"gemv_q4_k{v}": "q4_K dense weights: the checker's models carry no q4_K file yet (tests/test_cu_emu_q4k.py "
+                        "runs them against their twin)" for v in ("", "_rows", "_hc_post", "_hc_post_rows", "_swiglu",
+                                                                 "_swiglu_rows")},
+    "gemm_q4_k": "q4_K dense weights: the checker's models carry no q4_K file yet (tests/test_cu_emu_q4k.py)",
     **{f"moe_{k}_vq{b}": "VQ-8 experts: the checker's models carry no VQ-8 file yet (tests/test_cu_emu_vq.py runs them "
                          "against their twin)" for k in ("gate_up", "gate_up_rows", "down", "down_rows") for b in (12, 13)},
     "argmax_f32": "the device argmax of the benches and tests; the engine's greedy pick runs in cu/sample.cu",
