@@ -34,8 +34,8 @@ import numpy as np
 
 from ds4py.errors import Ds4Error
 from ds4py.model import Capabilities
-from ds4py.sampling import Sampler, SamplingParams, softmax
-from ds4py.spec import (ByteCosts, Draft, MeasuredCosts, Round, SpecStats, accept_greedy, accept_sampled,
+from ds4py.sampling import Sampler, SamplingParams
+from ds4py.spec import (ByteCosts, Draft, MeasuredCosts, RequestRounds, Round, SpecStats,
                         decode_pair, encode_pair, pair_fingerprint)
 
 F32 = np.float32
@@ -263,39 +263,14 @@ class DSparkSpec:
         return self._byte_costs
 
 
-class DSparkRequest:
-    """One request's DSpark rounds: its scheduler (costs, calibration) and statistics; the interface of
-    ds4py.spec.SpecRequest (round, draft / finish around a verify, plain_step)."""
+class DSparkRequest(RequestRounds):
+    """One request's DSpark rounds: the confidence scheduler (costs, calibration) and statistics; the interface
+    of ds4py.spec.SpecRequest (round, draft / finish around a verify, plain_step)."""
 
     def __init__(self, spec: DSparkSpec, params: SamplingParams, suppress: Sequence[int] = ()):
-        self.spec, self.params = spec, params
         seeded_sampled = not params.greedy and params.seed is not None
         costs = spec.byte_costs() if seeded_sampled else DraftCosts(MeasuredCosts(), spec.byte_costs())
-        self.scheduler = ConfidenceScheduler(costs, spec.k_max, spec.fixed_k)
-        self.suppress = np.asarray(list(suppress), np.int64)
-        self.stats = SpecStats()
-
-    def _filtered(self, logits: np.ndarray) -> np.ndarray:
-        if not self.suppress.size:
-            return logits
-        out = np.array(logits, copy=True)
-        out[..., self.suppress] = -np.inf
-        return out
-
-    def _q(self, logits: np.ndarray, sampler: Sampler) -> np.ndarray:
-        """The draft's distribution under the request's sampling rules (greedy: the temperature-1 softmax)."""
-        lg = self._filtered(logits)
-        return softmax(lg) if sampler.params.greedy else sampler.distribution(lg)
-
-    def round(self, state: DSparkState, token: int, sampler: Sampler, remaining: int) -> Round:
-        """Feed `token` and produce up to `remaining` tokens (at least one)."""
-        plan = self.draft(state, token, sampler, remaining)
-        if isinstance(plan, Round):
-            return plan
-        t0 = time.perf_counter()
-        (P,), (H,) = self.spec.verify([state], [plan.chunk])
-        self.scheduler.costs.observe_verify(len(plan.chunk), time.perf_counter() - t0)
-        return self.finish(state, plan, P, H, sampler)
+        super().__init__(spec, params, ConfidenceScheduler(costs, spec.k_max, spec.fixed_k), suppress)
 
     def draft(self, state: DSparkState, token: int, sampler: Sampler, remaining: int,
               step_plain: bool = True) -> "Round | DSparkDraft | None":
@@ -307,21 +282,14 @@ class DSparkRequest:
         n = state.n_tokens
         k_max = min(sp.k_max, remaining - 1, cfg.context_length - n - 1)
         if n < 1 or not sched.should_draft(k_max):
-            if not step_plain:
-                return None
-            timing: dict = {}
-            logits = sp.step([state], [[token]], timing=timing)[0]
-            sched.costs.observe_plain(timing["total"])
-            sched.costs.observe_verify(1, timing["main"])
-            st.plain_steps = 1
-            return self._done(Round([self._sample(logits, sampler)], logits, st))
+            return self._plain_round(state, token, sampler) if step_plain else None
         t0 = time.perf_counter()
         blk = sp.draft.block(state.draft, token)
         st.draft_steps = 1
         drafts, qs, sigmas, prev, q1, sigma0 = [], [], [], int(token), None, 0.0
         for i in range(blk.size):
             logits, c = blk.position(i, prev)
-            q = self._q(logits, sampler)
+            q = self._draft_distribution(logits, sampler)
             if i == 0:
                 q1, sigma0 = q, sigmoid(c)
             sigmas.append(sigmoid(c))
@@ -336,37 +304,7 @@ class DSparkRequest:
     def finish(self, state: DSparkState, plan: DSparkDraft, P: np.ndarray, H: np.ndarray,
                sampler: Sampler) -> Round:
         """Phases 3 and 4, after the verify step of plan.chunk gave its logits P and draft taps H."""
-        sp, sched, st = self.spec, self.scheduler, plan.stats
-        n, drafts, k = plan.n, plan.drafts, len(plan.drafts)
-        Pf = self._filtered(P)
-        greedy = sampler.params.greedy
-        p = [sampler.distribution(row) for row in (Pf[:1] if greedy else Pf)]
-        q1 = plan.q1
-        first = float(np.argmax(p[0]) == np.argmax(q1)) if greedy else float(np.minimum(p[0], q1).sum())
-        sched.record(first, plan.sigma0)
-        if k == 0:
-            sp.draft.feed([state.draft], [H[:1]])
-            st.plain_steps = 1
-            return self._done(Round([self._sample(P[0], sampler)], P[0], st))
-        if greedy:
-            a, nxt = accept_greedy(Pf, drafts, sampler.sample)
-        else:
-            a, nxt, _ = accept_sampled(p, plan.qs, drafts, sampler)
-        state.main.truncate(n + 1 + a)
-        sp.draft.feed([state.draft], [H[:a + 1]])              # one ring write per accepted main position
-        st.rounds, st.drafted, st.accepted, st.spec_tokens = 1, k, a, a + 1
-        return self._done(Round(drafts[:a] + [nxt], P[a], st))
+        return self._settle(state, plan, P, H, sampler, plan.sigma0)
 
-    def plain_step(self, seconds: float) -> None:
-        """A plain step the caller ran (draft(..., step_plain=False) gave None) and how long it took."""
-        self.scheduler.costs.observe_plain(seconds)
-        self.scheduler.costs.observe_verify(1, seconds)
-        self._done(Round([], np.zeros(0, F32), SpecStats(plain_steps=1)))
-
-    def _sample(self, logits: np.ndarray, sampler: Sampler) -> int:
-        return sampler.sample(self._filtered(logits))
-
-    def _done(self, r: Round) -> Round:
-        self.stats.add(r.stats)
-        self.spec.stats.add(r.stats)
-        return r
+    def _accepted(self, state: DSparkState, plan: DSparkDraft, H: np.ndarray, a: int) -> None:
+        self.spec.draft.feed([state.draft], [H[:a + 1]])       # one ring write per accepted main position

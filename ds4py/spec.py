@@ -572,14 +572,13 @@ class SpecModel:
         return ByteCosts(int(w.decode), int(w.routed), int(self.mtp.weight_bytes_per_token()), int(w.head))
 
 
-class SpecRequest:
-    """One request's speculative rounds: its scheduler (costs, calibration) and statistics."""
+class RequestRounds:
+    """What a request's speculative rounds share whatever the draft (the MTP block here, DSpark in ds4py.dspark):
+    the request's suppressed tokens, the plain round, acceptance after a verify, and the statistics. A subclass
+    gives `scheduler`, `draft` (phase 1) and `_accepted` (what the draft keeps of the accepted rows)."""
 
-    def __init__(self, spec: SpecModel, params: SamplingParams, suppress: Sequence[int] = ()):
-        self.spec, self.params = spec, params
-        seeded_sampled = not params.greedy and params.seed is not None
-        self.scheduler = Scheduler(spec.byte_costs() if seeded_sampled else MeasuredCosts(), spec.k_max,
-                                   spec.fixed_k)
+    def __init__(self, spec, params: SamplingParams, scheduler, suppress: Sequence[int] = ()):
+        self.spec, self.params, self.scheduler = spec, params, scheduler
         self.suppress = np.asarray(list(suppress), np.int64)
         self.stats = SpecStats()
 
@@ -596,7 +595,7 @@ class SpecRequest:
         lg = self._filtered(logits)
         return softmax(lg) if sampler.params.greedy else sampler.distribution(lg)
 
-    def round(self, state: SpecState, token: int, sampler: Sampler, remaining: int) -> Round:
+    def round(self, state, token: int, sampler: Sampler, remaining: int) -> Round:
         """Feed `token` and produce up to `remaining` tokens (at least one). See the module docstring."""
         plan = self.draft(state, token, sampler, remaining)
         if isinstance(plan, Round):
@@ -605,6 +604,65 @@ class SpecRequest:
         (P,), (H,) = self.spec.verify([state], [plan.chunk])
         self.scheduler.costs.observe_verify(len(plan.chunk), time.perf_counter() - t0)
         return self.finish(state, plan, P, H, sampler)
+
+    def _plain_round(self, state, token: int, sampler: Sampler) -> Round:
+        """A round without drafts: one plain step of `token`, timed for the scheduler's costs."""
+        timing: dict = {}
+        logits = self.spec.step([state], [[token]], timing=timing)[0]
+        self.scheduler.costs.observe_plain(timing["total"])
+        self.scheduler.costs.observe_verify(1, timing["main"])
+        return self._done(Round([self._sample(logits, sampler)], logits, SpecStats(plain_steps=1)))
+
+    def _settle(self, state, plan: "Draft", P: np.ndarray, H: np.ndarray, sampler: Sampler,
+                sigma0: float) -> Round:
+        """Phases 3 and 4 after the verify of plan.chunk gave logits P and rows H: calibrate on the first
+        position (known from row 0 even when k = 0; sigma0 is the draft's confidence there), accept the agreeing
+        prefix, roll back the rejected rows."""
+        st, drafts, k = plan.stats, plan.drafts, len(plan.drafts)
+        Pf = self._filtered(P)
+        greedy = sampler.params.greedy
+        p = [sampler.distribution(row) for row in (Pf[:1] if greedy else Pf)]
+        q1 = plan.q1
+        first = float(np.argmax(p[0]) == np.argmax(q1)) if greedy else float(np.minimum(p[0], q1).sum())
+        self.scheduler.record(first, sigma0)
+        if k == 0:
+            self._accepted(state, plan, H, 0)
+            st.plain_steps = 1
+            return self._done(Round([self._sample(P[0], sampler)], P[0], st))
+        if greedy:
+            a, nxt = accept_greedy(Pf, drafts, sampler.sample)
+        else:
+            a, nxt, _ = accept_sampled(p, plan.qs, drafts, sampler)
+        state.main.truncate(plan.n + 1 + a)
+        self._accepted(state, plan, H, a)
+        st.rounds, st.drafted, st.accepted, st.spec_tokens = 1, k, a, a + 1
+        return self._done(Round(drafts[:a] + [nxt], P[a], st))
+
+    def _accepted(self, state, plan: "Draft", H: np.ndarray, a: int) -> None:
+        """What the draft keeps after a round that accepted `a` drafts (rows H[:a + 1] are the true ones)."""
+
+    def plain_step(self, seconds: float) -> None:
+        """A plain step the caller ran (draft(..., step_plain=False) gave None) and how long it took."""
+        self.scheduler.costs.observe_plain(seconds)
+        self.scheduler.costs.observe_verify(1, seconds)
+        self._done(Round([], np.zeros(0, F32), SpecStats(plain_steps=1)))
+
+    def _sample(self, logits: np.ndarray, sampler: Sampler) -> int:
+        return sampler.sample(self._filtered(logits))
+
+    def _done(self, r: Round) -> Round:
+        self.stats.add(r.stats)
+        self.spec.stats.add(r.stats)
+        return r
+
+
+class SpecRequest(RequestRounds):
+    """One request's speculative rounds with the MTP block: its scheduler (costs, calibration) and statistics."""
+
+    def __init__(self, spec: SpecModel, params: SamplingParams, suppress: Sequence[int] = ()):
+        seeded_sampled = not params.greedy and params.seed is not None
+        super().__init__(spec, params, Scheduler(spec.byte_costs() if seeded_sampled else MeasuredCosts(),
+                                                 spec.k_max, spec.fixed_k), suppress)
 
     def draft(self, state: SpecState, token: int, sampler: Sampler, remaining: int,
               step_plain: bool = True) -> "Round | Draft | None":
@@ -617,14 +675,7 @@ class SpecRequest:
         n = state.n_tokens
         k_max = min(sp.k_max, remaining - 1, cfg.context_length - n - 1)
         if n < 1 or not sched.should_draft(k_max):
-            if not step_plain:
-                return None
-            timing: dict = {}
-            logits = sp.step([state], [[token]], timing=timing)[0]
-            sched.costs.observe_plain(timing["total"])
-            sched.costs.observe_verify(1, timing["main"])
-            st.plain_steps = 1
-            return self._done(Round([self._sample(logits, sampler)], logits, st))
+            return self._plain_round(state, token, sampler) if step_plain else None
 
         # 1. draft: the pending true rows up to position n − 1 (with `token`), then chained rows
         t0 = time.perf_counter()
@@ -654,42 +705,7 @@ class SpecRequest:
         return Draft(np.asarray([token] + drafts, np.int64), drafts, qs, q1, n, st)
 
     def finish(self, state: SpecState, plan: "Draft", P: np.ndarray, H: np.ndarray, sampler: Sampler) -> Round:
-        """Phases 3 and 4 of a round, after the verify step of plan.chunk gave its logits P and hidden states H:
-        accept the agreeing prefix, roll back the rejected rows."""
-        sp, sched, st = self.spec, self.scheduler, plan.stats
-        n, drafts, k = plan.n, plan.drafts, len(plan.drafts)
-        sp._store(state, n, plan.chunk, H)
-        Pf = self._filtered(P)
-        greedy = sampler.params.greedy
-        p = [sampler.distribution(row) for row in (Pf[:1] if greedy else Pf)]
-        # the first position's acceptance, known from row 0 even when it is not verified (k = 0): calibration
-        q1 = plan.q1
-        first = float(np.argmax(p[0]) == np.argmax(q1)) if greedy else float(np.minimum(p[0], q1).sum())
-        sched.record(first, float(q1.max()))
-        if k == 0:
-            st.plain_steps = 1
-            return self._done(Round([self._sample(P[0], sampler)], P[0], st))
-
-        # 3. accept the agreeing prefix, 4. roll back the rejected rows
-        if greedy:
-            a, nxt = accept_greedy(Pf, drafts, sampler.sample)
-        else:
-            a, nxt, _ = accept_sampled(p, plan.qs, drafts, sampler)
-        state.main.truncate(n + 1 + a)
-        st.rounds, st.drafted, st.accepted, st.spec_tokens = 1, k, a, a + 1
-        return self._done(Round(drafts[:a] + [nxt], P[a], st))
-
-    def plain_step(self, seconds: float) -> None:
-        """A plain step the caller ran (draft(..., step_plain=False) gave None) and how long it took."""
-        self.scheduler.costs.observe_plain(seconds)
-        self.scheduler.costs.observe_verify(1, seconds)
-        self._done(Round([], np.zeros(0, F32), SpecStats(plain_steps=1)))
-
-    def _sample(self, logits: np.ndarray, sampler: Sampler) -> int:
-        return sampler.sample(self._filtered(logits))
-
-    def _done(self, r: Round) -> Round:
-        self.stats.add(r.stats)
-        self.spec.stats.add(r.stats)
-        return r
+        """Phases 3 and 4 of a round, after the verify step of plan.chunk gave its logits P and hidden states H."""
+        self.spec._store(state, plan.n, plan.chunk, H)
+        return self._settle(state, plan, P, H, sampler, float(plan.q1.max()))
 
