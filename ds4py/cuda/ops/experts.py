@@ -70,16 +70,36 @@ def codebook_bytes(qtype: Any) -> int:
     return 8 * VQ_FORMATS[qtype][2] if isinstance(qtype, str) else 0
 
 
+VQ_LINE = 128                  # a VQ-8 stream row is whole 128-byte lines (a 256-index block: three of them)
+
+
+def vq_row_parts(qtype: str, cols: int) -> tuple[int, int]:
+    """(stream bytes, hi bytes) of one row of a VQ-8 device copy (moe_formats.cuh MoeVq): the 12-bit stream padded
+    to whole 128-byte lines, the 13th-bit plane (13-bit layers; 0 otherwise) padded to 16 bytes."""
+    qk, nb, _ = VQ_FORMATS[qtype]
+    runs = cols // qk
+    return -(-runs * 12 // VQ_LINE) * VQ_LINE, (-(-runs // 16) * 16 if nb == 13 else 0)
+
+
 def row_bytes(qtype: Any, cols: int) -> int:
+    """Device bytes per row: the ggml blocks; VQ-8: stream + hi plane + the f32 gain (three regions of the matrix)."""
     name, qk, nb = _fmt(qtype)
     need(cols % qk == 0 and cols % 32 == 0, f"experts: a row of {cols} is not whole {_label(qtype)} blocks")
-    if isinstance(qtype, str):                 # VQ: the runs, then the f32 gain 4-byte aligned, padded to 16
-        return ((cols // qk * nb + 3) // 4 * 4 + 4 + 15) // 16 * 16
+    if isinstance(qtype, str):
+        return sum(vq_row_parts(qtype, cols)) + 4
     return cols // qk * nb
 
 
 def room(n: int) -> int:
     return (n + 31) & ~15
+
+
+def stage_bytes(qtype: Any, nr: int, cols: int) -> int:
+    """Shared bytes of nr staged rows (experts.cu MoeStage::room): one span, VQ-8 three (stream, hi, gains)."""
+    if isinstance(qtype, str):
+        sb, hb = vq_row_parts(qtype, cols)
+        return room(nr * sb) + (room(nr * hb) if hb else 0) + room(4 * nr)
+    return room(nr * row_bytes(qtype, cols))
 
 
 @dataclass(frozen=True)
@@ -95,16 +115,16 @@ def moe_plan(qtype: int, cols: int, rows: int, spans: int, sums: int, rows_per_b
              budget: int = SMEM_BUDGET) -> MoePlan:
     """spans: row spans staged per block (2 for gate+up, n_slots for down); sums: partial-sum rows per block row
     (2 for gate+up, 1 for down). Rows per block: as many as fit `budget`, at most MOE_RPT per row lane."""
-    rb = row_bytes(qtype, cols)
+    row_bytes(qtype, cols)                      # refuses a row that is not whole blocks
     G = cols // 32
     need(G <= 1024, f"experts: {cols} columns exceed the kernel's 1024 column groups")
     RL = max(1, 256 // G)
     threads = 32 * -(-(G * RL) // 32)
     if rows_per_block is None:
-        rows_per_block = max(1, min(MOE_RPT * RL, budget // (spans * room(rb)), rows))
+        rows_per_block = max(1, min(MOE_RPT * RL, budget // (spans * stage_bytes(qtype, 1, cols)), rows))
     need(1 <= rows_per_block <= MOE_RPT * RL, f"experts: {rows_per_block} rows per block exceed {MOE_RPT} per "
          f"row lane x {RL} lanes")
-    stage = spans * room(rows_per_block * rb)
+    stage = spans * stage_bytes(qtype, rows_per_block, cols)
     partial = 4 * sums * rows_per_block * (G + 1)
     return MoePlan(threads, RL, rows_per_block, max(stage, partial))
 
@@ -178,16 +198,16 @@ def moe_rows_plan(qtype: int, dim: int, ff: int, rows_per_block: int | None = No
     """The grouped gate + up keeps its stage while it runs every pair of its expert, so the partial sums sit
     beside it: as many rows per block as fit stage + partials in `budget` (the thread layout, and so every
     pair's bits, are those of moe_gate_up)."""
-    rb, G = row_bytes(qtype, dim), dim // 32
+    G = dim // 32
     one = moe_plan(qtype, dim, ff, 2, 2, 1)
     if rows_per_block is None:
         rows_per_block = MOE_RPT * one.row_lanes
-        while rows_per_block > 1 and 2 * room(rows_per_block * rb) + 8 * rows_per_block * (G + 1) > budget:
+        while rows_per_block > 1 and 2 * stage_bytes(qtype, rows_per_block, dim) + 8 * rows_per_block * (G + 1) > budget:
             rows_per_block -= 1
         rows_per_block = min(rows_per_block, ff)
     plan = moe_plan(qtype, dim, ff, 2, 2, rows_per_block)
     return MoePlan(plan.threads, plan.row_lanes, rows_per_block,
-                   2 * room(rows_per_block * rb) + 8 * rows_per_block * (G + 1))
+                   2 * stage_bytes(qtype, rows_per_block, dim) + 8 * rows_per_block * (G + 1))
 
 
 def moe_gate_up_rows(rt: Any, qtype: int, Wg: Any, Wu: Any, x: Any, ids: Any, route_w: Any, h: Any,
