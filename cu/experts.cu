@@ -55,15 +55,16 @@ struct MoeSpan {
     int rb, hb;
 };
 
-// How a format's rows are staged and read. room: shared bytes for nr staged rows; stage: rows [row0, row0 + nr) of
-// a matrix of n_rows rows at W (copy false: only the span where an earlier stage of the same rows put them);
-// dot: the scaled dot of column group grp of staged row r. The ggml formats: the rows are one contiguous span.
+// How a format's rows are staged and read. room: shared bytes for nr staged rows; stage: rows [r0, r0 + nr) of
+// expert e of a matrix of n_experts x rows (copy false: only the span where an earlier stage of the same rows put
+// them); dot: the scaled dot of column group grp of staged row r. The ggml formats: the rows are one contiguous
+// span.
 template <int F> struct MoeStage {
     __device__ static __forceinline__ int room(int nr, int cols) { return moe_room(nr * MoeRow<F>::bytes(cols)); }
-    __device__ static __forceinline__ MoeSpan stage(uint8_t* dst, const uint8_t* W, size_t row0, int nr, size_t,
-                                                    int cols, bool copy) {
+    __device__ static __forceinline__ MoeSpan stage(uint8_t* dst, const uint8_t* W, int e, int r0, int nr, int,
+                                                    int rows, int cols, bool copy) {
         const int rb = MoeRow<F>::bytes(cols);
-        const uint8_t* src = W + row0 * rb;
+        const uint8_t* src = W + ((size_t)e * rows + r0) * rb;
         const uint8_t* p = copy ? moe_stage(dst, src, nr * rb) : dst + ((size_t)src & 15);
         return MoeSpan{p, nullptr, nullptr, rb, 0};
     }
@@ -81,10 +82,12 @@ template <int BITS> struct MoeStageVq {
         return moe_room(nr * V::stream_bytes(cols)) + (BITS == 13 ? moe_room(nr * V::hi_bytes(cols)) : 0) +
                moe_room(4 * nr);
     }
-    __device__ static __forceinline__ MoeSpan stage(uint8_t* dst, const uint8_t* W, size_t row0, int nr,
-                                                    size_t n_rows, int cols, bool copy) {
+    __device__ static __forceinline__ MoeSpan stage(uint8_t* dst, const uint8_t* W, int e, int r0, int nr,
+                                                    int n_experts, int rows, int cols, bool copy) {
         const int sb = V::stream_bytes(cols), hb = V::hi_bytes(cols);
-        const uint8_t* src[3] = {W + row0 * sb, W + n_rows * sb + row0 * hb, W + n_rows * (sb + hb) + row0 * 4};
+        const size_t es = V::expert_bytes(rows, cols), row = (size_t)e * rows + r0, all = (size_t)n_experts * rows;
+        const uint8_t* hi = W + (size_t)n_experts * es;
+        const uint8_t* src[3] = {W + (size_t)e * es + (size_t)r0 * sb, hi + row * hb, hi + all * hb + row * 4};
         const int n[3] = {nr * sb, nr * hb, 4 * nr};
         const uint8_t* at[3] = {nullptr, nullptr, nullptr};
         for (int i = 0; i < 3; ++i) {
@@ -210,9 +213,8 @@ __device__ __forceinline__ void moe_gate_up_impl(uint8_t* smem, const uint64_t* 
         return;
     }
     const int room = MoeStage<F>::room(nr, dim);
-    const size_t row0 = (size_t)e * ff + r0, n_rows = (size_t)n_experts * ff;
-    const MoeSpan sg = MoeStage<F>::stage(smem, Wg, row0, nr, n_rows, dim, true);
-    const MoeSpan su = MoeStage<F>::stage(smem + room, Wu, row0, nr, n_rows, dim, true);
+    const MoeSpan sg = MoeStage<F>::stage(smem, Wg, e, r0, nr, n_experts, ff, dim, true);
+    const MoeSpan su = MoeStage<F>::stage(smem + room, Wu, e, r0, nr, n_experts, ff, dim, true);
     cp_async_commit();
     cp_async_wait_all();
     __syncthreads();
@@ -275,9 +277,8 @@ __device__ __forceinline__ void moe_gate_up_rows_impl(uint8_t* smem, const uint6
         return;
     }
     const int room = MoeStage<F>::room(nr, dim);
-    const size_t row0 = (size_t)e * ff + r0, n_rows = (size_t)n_experts * ff;
-    const MoeSpan sg = MoeStage<F>::stage(smem, Wg, row0, nr, n_rows, dim, true);
-    const MoeSpan su = MoeStage<F>::stage(smem + room, Wu, row0, nr, n_rows, dim, true);
+    const MoeSpan sg = MoeStage<F>::stage(smem, Wg, e, r0, nr, n_experts, ff, dim, true);
+    const MoeSpan su = MoeStage<F>::stage(smem + room, Wu, e, r0, nr, n_experts, ff, dim, true);
     cp_async_commit();
     cp_async_wait_all();
     __syncthreads();
@@ -301,12 +302,11 @@ __device__ __forceinline__ void moe_down_impl(uint8_t* smem, const uint64_t* gri
     const int r0 = blockIdx.x * rows_per_block, nr = min(rows_per_block, dim - r0);
     if (nr <= 0) return;                                          // block-uniform
     const int room = MoeStage<F>::room(nr, ff);
-    const size_t n_rows = (size_t)n_experts * dim;
     bool bad = false;
     for (int s = 0; s < n_slots; ++s) {
         const int e = ids ? ids[s] : s;
         if (e < 0 || e >= n_experts) bad = true;
-        else MoeStage<F>::stage(smem + s * room, W, (size_t)e * dim + r0, nr, n_rows, ff, true);
+        else MoeStage<F>::stage(smem + s * room, W, e, r0, nr, n_experts, dim, ff, true);
     }
     cp_async_commit();
     cp_async_wait_all();
@@ -318,7 +318,7 @@ __device__ __forceinline__ void moe_down_impl(uint8_t* smem, const uint64_t* gri
     for (int s = 0; s < n_slots; ++s) {                            // experts in slot order: a fixed sum
         const int e = ids ? ids[s] : s;
         if (!worker || e < 0 || e >= n_experts) continue;
-        const MoeSpan st = MoeStage<F>::stage(smem + s * room, W, (size_t)e * dim + r0, nr, n_rows, ff, false);
+        const MoeSpan st = MoeStage<F>::stage(smem + s * room, W, e, r0, nr, n_experts, dim, ff, false);
         float hv[32], hs[2];
         moe_load_x(h + (size_t)s * ff + 32 * grp, hv);
         moe_half_sums(hv, hs);

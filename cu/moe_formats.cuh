@@ -458,18 +458,23 @@ template <> struct MoeFmt<FMT_F16> {
     }
 };
 
-// VQ-8 in its device layout (ds4py/cuda/vq_layout.py): a matrix of R rows x cols is [codebook: K codewords x 8
-// E4M3 bytes] [R stream rows] [R hi rows (13 bits)] [R f32 gains]. A stream row is the file's LSB-first 12-bit
-// fields unchanged (12 bytes per run of 8 indices = 64 weights), padded to a multiple of 128 bytes, so at a
-// 128-byte aligned matrix every 256-index block (384 bytes) is three whole 128-byte lines; a hi row is bit 12 of
-// the row's indices (one byte per run, the file's hi plane), padded to 16 bytes; the gain is the row's effective
-// one (the file's f16 gain times any sidecar scales). w[8j + i] = g * C[idx_j][i] exactly (fl32(g * c): E4M3 x f16
-// fits f32); the staged rows are read through MoeSpan (experts.cu).
+// VQ-8 in its device layout (ds4py/cuda/vq_layout.py): a matrix of X experts x rows x cols is [codebook: K
+// codewords x 8 E4M3 bytes] [X expert streams] [X * rows hi rows (13 bits)] [X * rows f32 gains]. An expert's
+// stream is its rows' 12-bit fields back to back, unchanged from the file (12 bytes per run of 8 indices = 64
+// weights), padded to a multiple of 128 bytes, so with the matrix 128-byte aligned every expert's stream starts on
+// a line and every 256-index block of it (384 bytes) is three whole 128-byte lines; a hi row is bit 12 of the
+// row's indices (one byte per run, the file's hi plane); the gain is the row's effective one (the file's f16 gain
+// times any sidecar scales). w[8j + i] = g * C[idx_j][i] exactly (fl32(g * c): E4M3 x f16 fits f32); the staged
+// rows are read through MoeSpan (experts.cu).
 template <int BITS> struct MoeVq {
     static constexpr int QK = 64, BYTES = 12, K = 1 << BITS;
     static constexpr int CODES = MOE_CODES_SCALED;
-    __device__ static __forceinline__ int stream_bytes(int cols) { return ((cols / 64) * 12 + 127) & ~127; }
-    __device__ static __forceinline__ int hi_bytes(int cols) { return BITS == 13 ? ((cols / 64) + 15) & ~15 : 0; }
+    __device__ static __forceinline__ int stream_bytes(int cols) { return (cols / 64) * 12; }
+    __device__ static __forceinline__ int hi_bytes(int cols) { return BITS == 13 ? cols / 64 : 0; }
+    // bytes of one expert's stream: its rows back to back, padded to whole 128-byte lines
+    __device__ static __forceinline__ size_t expert_bytes(int rows, int cols) {
+        return ((size_t)rows * stream_bytes(cols) + 127) & ~(size_t)127;
+    }
     // the 4 indices of column group grp (32 weights) of the stream row s (hi row h at 13 bits)
     __device__ static __forceinline__ void indices(const uint8_t* s, const uint8_t* h, int grp, unsigned* idx) {
         const uint8_t* b = s + (size_t)(grp >> 1) * 12 + 6 * (grp & 1);

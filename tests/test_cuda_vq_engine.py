@@ -65,7 +65,7 @@ def test_the_device_holds_one_aligned_copy_of_the_vq_bytes(vqm, vq_gguf):
     codebooks) are not uploaded beside it, and the weights region holds exactly the counted bytes."""
     from ds4py import schema
     from ds4py.cuda import synth, vq_layout
-    from ds4py.cuda.ops.experts import vq_row_parts
+    from ds4py.cuda.ops.experts import vq_expert_bytes, vq_row_parts
 
     f, w = GGUFFile(vq_gguf), vqm.w
     vq_names = set()
@@ -81,8 +81,11 @@ def test_the_device_holds_one_aligned_copy_of_the_vq_bytes(vqm, vq_gguf):
     vq_file = sum(f.tensors[n].nbytes for n in vq_names if n in f.tensors)
     assert w.file_bytes <= span - vq_file + 256 * len(f.tensors)
     assert w.arena.weights_region.used <= w.file_bytes + w.extra_bytes
-    # V4 Flash's rows: a 2,048- or 4,096-wide stream row is whole 256-index blocks, three 128-byte lines each
+    # an expert's stream starts on a line, rows back to back: at V4 / V4.1 Flash's shapes no padding is needed
+    # (the streams are whole 384-byte blocks), so the device streams are the file's bytes exactly
     assert vq_row_parts("vq12", 4096) == (768, 0) and vq_row_parts("vq13", 2048) == (384, 32)
+    for rows, cols in ((2048, 4096), (4096, 2048), (2304, 5120), (5120, 2304)):
+        assert vq_expert_bytes("vq12", rows, cols) == rows * cols // 64 * 12 and (rows * cols // 8) % 256 == 0
 
 
 def test_vq_experts_match_the_reference(vq_gguf):

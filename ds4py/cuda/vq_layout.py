@@ -1,22 +1,22 @@
 """VQ-8 routed experts (ds4py/quant/vq.py, docs/vq.md) as cu/experts.cu's VQ kernels read them: one device copy per
-matrix of R = experts x rows rows, laid out at upload (the file unchanged):
+matrix of X experts x rows, laid out at upload (the file unchanged):
 
-    [codebook: K codewords x 8 E4M3 bytes] [R stream rows] [R hi rows: 13-bit layers] [R f32 gains]
+    [codebook: K codewords x 8 E4M3 bytes] [X expert streams] [X * rows hi rows: 13-bit layers] [X * rows f32 gains]
 
-A stream row is the file's 12-bit fields unchanged, padded to whole 128-byte lines: with the matrix 128-byte aligned
-(the arena aligns to 256, the codebook is 32 or 64 KiB) every 256-index block of a row (384 bytes, 2,048 weights) is
-three whole lines, so a row of V4 Flash (4,096 or 2,048 columns) is read with no partial line. A hi row is the
-file's hi plane row (bit 12 of 8 indices per byte) padded to 16 bytes; the gains are the effective ones: the file's
-f16 gain times any sidecar / post-training scales, multiplied in float32 in the reference's order (VQExperts.gains).
-The kernels stage a block's rows of each region as one span each; the codebook rides at the head of each matrix
-(copied into shared memory by every block).
+An expert's stream is its rows' 12-bit fields back to back, as in the file, padded to whole 128-byte lines: with
+the matrix 128-byte aligned (the arena aligns to 256, the codebook is 32 or 64 KiB) every expert's stream starts on
+a line and every 256-index block of it (384 bytes, 2,048 weights) is three whole lines - for any row width (V4.1's
+2,304-wide down rows are 432 bytes: blocks cross rows, not lines). The hi rows are the file's hi plane (bit 12 of 8
+indices per byte); the gains are the effective ones: the file's f16 gain times any sidecar / post-training scales,
+multiplied in float32 in the reference's order (VQExperts.gains). The kernels stage a block's rows of each region
+as one span each; the codebook rides at the head of each matrix (copied into shared memory by every block).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ds4py.cuda.ops.experts import VQ_FORMATS, codebook_bytes, row_bytes, vq_format, vq_row_parts
+from ds4py.cuda.ops.experts import VQ_FORMATS, matrix_bytes, vq_expert_bytes, vq_format, vq_row_parts
 from ds4py.model import UnsupportedByBackend
 from ds4py.quant import vq
 
@@ -32,7 +32,7 @@ def kernel_format(bits: int, where: str) -> str:
 
 
 def device_bytes(fmt: str, X: int, rows: int, cols: int) -> int:
-    return codebook_bytes(fmt) + X * rows * row_bytes(fmt, cols)
+    return matrix_bytes(fmt, X, rows, cols)
 
 
 def pack(fmt: str, codes: np.ndarray, stream: np.ndarray, hi: np.ndarray | None, gains: np.ndarray,
@@ -41,16 +41,13 @@ def pack(fmt: str, codes: np.ndarray, stream: np.ndarray, hi: np.ndarray | None,
     cols/64*12], hi [X, rows, cols/64] (13-bit layers) or None, gains float32 [X, rows] (effective)."""
     qk, nb, kc = VQ_FORMATS[fmt]
     X, rows = gains.shape
-    R, n_runs = X * rows, cols // qk
-    sb, hb = vq_row_parts(fmt, cols)
-    streams = np.zeros((R, sb), np.uint8)
-    streams[:, :n_runs * 12] = np.asarray(stream).view(np.uint8).reshape(R, n_runs * 12)
+    sb, _ = vq_row_parts(fmt, cols)
+    streams = np.zeros((X, vq_expert_bytes(fmt, rows, cols)), np.uint8)
+    streams[:, :rows * sb] = np.asarray(stream).view(np.uint8).reshape(X, rows * sb)
     parts = [np.zeros(kc * 8, np.uint8), streams.reshape(-1)]
     parts[0][:np.asarray(codes).size] = np.asarray(codes).view(np.uint8).reshape(-1)
     if nb == 13:
-        his = np.zeros((R, hb), np.uint8)
-        his[:, :n_runs] = np.asarray(hi).view(np.uint8).reshape(R, n_runs)
-        parts.append(his.reshape(-1))
+        parts.append(np.ascontiguousarray(hi, np.uint8).reshape(-1))
     parts.append(np.ascontiguousarray(gains, np.float32).reshape(-1).view(np.uint8))
     return np.concatenate(parts)
 

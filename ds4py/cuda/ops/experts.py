@@ -70,24 +70,40 @@ def codebook_bytes(qtype: Any) -> int:
     return 8 * VQ_FORMATS[qtype][2] if isinstance(qtype, str) else 0
 
 
-VQ_LINE = 128                  # a VQ-8 stream row is whole 128-byte lines (a 256-index block: three of them)
+VQ_LINE = 128                  # each expert's VQ-8 stream starts on a 128-byte line (a 256-index block: three lines)
 
 
 def vq_row_parts(qtype: str, cols: int) -> tuple[int, int]:
-    """(stream bytes, hi bytes) of one row of a VQ-8 device copy (moe_formats.cuh MoeVq): the 12-bit stream padded
-    to whole 128-byte lines, the 13th-bit plane (13-bit layers; 0 otherwise) padded to 16 bytes."""
+    """(stream bytes, hi bytes) of one row of a VQ-8 matrix (moe_formats.cuh MoeVq): 12 bytes and, at 13 bits, one
+    hi byte per run of 8 indices, as in the file."""
     qk, nb, _ = VQ_FORMATS[qtype]
     runs = cols // qk
-    return -(-runs * 12 // VQ_LINE) * VQ_LINE, (-(-runs // 16) * 16 if nb == 13 else 0)
+    return runs * 12, (runs if nb == 13 else 0)
+
+
+def vq_expert_bytes(qtype: str, rows: int, cols: int) -> int:
+    """Bytes of one expert's stream in the device copy: its rows back to back, padded to whole 128-byte lines."""
+    return -(-rows * vq_row_parts(qtype, cols)[0] // VQ_LINE) * VQ_LINE
 
 
 def row_bytes(qtype: Any, cols: int) -> int:
-    """Device bytes per row: the ggml blocks; VQ-8: stream + hi plane + the f32 gain (three regions of the matrix)."""
+    """Bytes per row: the ggml blocks; VQ-8: stream + hi plane + the f32 gain (not counting an expert's stream
+    padding to a whole line: matrix_bytes)."""
     name, qk, nb = _fmt(qtype)
     need(cols % qk == 0 and cols % 32 == 0, f"experts: a row of {cols} is not whole {_label(qtype)} blocks")
     if isinstance(qtype, str):
         return sum(vq_row_parts(qtype, cols)) + 4
     return cols // qk * nb
+
+
+def matrix_bytes(qtype: Any, n_experts: int, rows: int, cols: int) -> int:
+    """Device bytes of a stacked expert tensor [n_experts, rows, cols]: the ggml formats' rows; VQ-8: the codebook,
+    the experts' line-padded streams, the hi rows and the f32 gains (ds4py/cuda/vq_layout.py)."""
+    rb = row_bytes(qtype, cols)
+    if isinstance(qtype, str):
+        return (codebook_bytes(qtype) + n_experts * vq_expert_bytes(qtype, rows, cols)
+                + n_experts * rows * (vq_row_parts(qtype, cols)[1] + 4))
+    return n_experts * rows * rb
 
 
 def room(n: int) -> int:
@@ -131,7 +147,7 @@ def moe_plan(qtype: int, cols: int, rows: int, spans: int, sums: int, rows_per_b
 
 def _check_weights(where: str, W: Any, qtype: Any, n_experts: int, rows: int, cols: int) -> None:
     need(dtype_is(W, np.uint8), f"{where}: weights must be the raw GGUF bytes (uint8)")
-    want = codebook_bytes(qtype) + n_experts * rows * row_bytes(qtype, cols)
+    want = matrix_bytes(qtype, n_experts, rows, cols)
     need(W.nbytes == want, f"{where}: {W.nbytes} weight bytes for {n_experts} experts of [{rows}, {cols}] "
          f"{_label(qtype)} ({want} expected)")
 
