@@ -145,6 +145,19 @@ def test_speculation_with_the_v4_mtp_block_on_a_vq_file(vqm, files, which):
     assert spec.stats.drafted >= 1
 
 
+def test_the_vq_mtp_block_matches_the_reference(vqm, files):
+    """The VQ-8 MTP block's logits on cuda-emu = the reference's on the same file, to fp32 noise."""
+    ref = RefModel(files[0])
+    cm, rm = open_mtp(vqm, files[2]), open_mtp(ref, files[2])
+    cfg = vqm.config
+    H = np.random.default_rng(1).standard_normal((3, cfg.hc_mult, cfg.dim)).astype(np.float32)
+    lc, hc = cm.step([cm.new_state()], [H], [[5, 7, 9]], all_logits=True)
+    lr, hr = rm.step([rm.new_state()], [H], [[5, 7, 9]], all_logits=True)
+    rel = float(np.abs(lc[0] - lr[0]).max() / np.abs(lr[0]).max())
+    print(f"VQ-8 MTP block, cuda-emu vs ref (3 rows): max relative {rel:.1e}")
+    assert rel <= 1e-4 and (lc[0].argmax(1) == lr[0].argmax(1)).all()
+
+
 def _stack(vq_gguf):
     """A sidecar (gains on layer 2, a router bias on layer 1) and a post-training file stacked on it (gains on
     layer 1, a bias on layer 2), in memory as the fitters write them."""
