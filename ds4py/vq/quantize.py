@@ -22,12 +22,11 @@ from typing import Any, Callable
 import numpy as np
 from ds4py.ggml_types import GGMLQuantizationType as Q
 
-from ds4py import quant
+from ds4py import quant, schema
 from ds4py.config import ModelConfig
 from ds4py.errors import Ds4Error
 from ds4py.gguf import GGUFFile, row_nbytes
 from ds4py.quant import vq
-from ds4py.schema import MTP_PREFIX
 from ds4py.vq import kmeans
 from ds4py.vq.writer import StreamWriter, TensorPlan, kv_record, kv_records
 
@@ -301,12 +300,12 @@ def quantize_vq(src: str, out: str, opts: Options, progress: bool = True) -> dic
     from ds4py.convert import output_paths
 
     f = GGUFFile(src)
-    mtp_file = MTP_PREFIX + "e_proj.weight" in f and "token_embd.weight" not in f     # ds4's separate MTP GGUF
+    mtp_file = schema.MTP_PREFIX + "e_proj.weight" in f and "token_embd.weight" not in f     # ds4's separate MTP GGUF
     cfg = ModelConfig.from_gguf(f, validate=not mtp_file)
-    if mtp_file:
-        from ds4py.model import check_mtp_file
-
-        check_mtp_file(f, cfg)
+    if mtp_file:                  # the block's tensors as the MTP loader wants them (its experts: checked below)
+        for name, (shape, types) in schema.expected_mtp_tensors(cfg).items():
+            if not name.endswith("_exps.weight"):
+                f.tensor(name, types=types, shape=shape)
     opts.check(cfg.n_layers)
     out, tmp = output_paths(out)
     if os.path.abspath(src) == out:
