@@ -46,6 +46,65 @@ __device__ __forceinline__ const uint8_t* moe_stage(uint8_t* dst, const uint8_t*
 
 __device__ __forceinline__ int moe_room(int n) { return (n + 31) & ~15; }      // n + 16, rounded up to 16
 
+// A staged span of nr consecutive rows of one matrix in shared memory: row r at rows + r * rb; VQ-8 also its hi
+// rows at hi + r * hb (13 bits) and its gains at gain[r].
+struct MoeSpan {
+    const uint8_t* rows;
+    const uint8_t* hi;
+    const float* gain;
+    int rb, hb;
+};
+
+// How a format's rows are staged and read. room: shared bytes for nr staged rows; stage: rows [r0, r0 + nr) of
+// expert e of a matrix of n_experts x rows (copy false: only the span where an earlier stage of the same rows put
+// them); dot: the scaled dot of column group grp of staged row r. The ggml formats: the rows are one contiguous
+// span.
+template <int F> struct MoeStage {
+    __device__ static __forceinline__ int room(int nr, int cols) { return moe_room(nr * MoeRow<F>::bytes(cols)); }
+    __device__ static __forceinline__ MoeSpan stage(uint8_t* dst, const uint8_t* W, int e, int r0, int nr, int,
+                                                    int rows, int cols, bool copy) {
+        const int rb = MoeRow<F>::bytes(cols);
+        const uint8_t* src = W + ((size_t)e * rows + r0) * rb;
+        const uint8_t* p = copy ? moe_stage(dst, src, nr * rb) : dst + ((size_t)src & 15);
+        return MoeSpan{p, nullptr, nullptr, rb, 0};
+    }
+    __device__ static __forceinline__ float dot(const MoeSpan& s, int r, int grp, const float* x, const float* xs,
+                                                const uint64_t* grid) {
+        return MoeFmt<F>::dot(s.rows + (size_t)r * s.rb, grp, x, xs, grid);
+    }
+};
+
+// VQ-8 (moe_formats.cuh MoeVq): the stream rows, hi rows and gains are three spans, each staged at once; `grid` is
+// the shared-memory codebook.
+template <int BITS> struct MoeStageVq {
+    using V = MoeVq<BITS>;
+    __device__ static __forceinline__ int room(int nr, int cols) {
+        return moe_room(nr * V::stream_bytes(cols)) + (BITS == 13 ? moe_room(nr * V::hi_bytes(cols)) : 0) +
+               moe_room(4 * nr);
+    }
+    __device__ static __forceinline__ MoeSpan stage(uint8_t* dst, const uint8_t* W, int e, int r0, int nr,
+                                                    int n_experts, int rows, int cols, bool copy) {
+        const int sb = V::stream_bytes(cols), hb = V::hi_bytes(cols);
+        const size_t es = V::expert_bytes(rows, cols), row = (size_t)e * rows + r0, all = (size_t)n_experts * rows;
+        const uint8_t* hi = W + (size_t)n_experts * es;
+        const uint8_t* src[3] = {W + (size_t)e * es + (size_t)r0 * sb, hi + row * hb, hi + all * hb + row * 4};
+        const int n[3] = {nr * sb, nr * hb, 4 * nr};
+        const uint8_t* at[3] = {nullptr, nullptr, nullptr};
+        for (int i = 0; i < 3; ++i) {
+            if (n[i] == 0) continue;
+            at[i] = copy ? moe_stage(dst, src[i], n[i]) : dst + ((size_t)src[i] & 15);
+            dst += moe_room(n[i]);
+        }
+        return MoeSpan{at[0], at[1], reinterpret_cast<const float*>(at[2]), sb, hb};
+    }
+    __device__ static __forceinline__ float dot(const MoeSpan& s, int r, int grp, const float* x, const float*,
+                                                const uint64_t* cb) {
+        return V::dot(s.rows + (size_t)r * s.rb, s.hi + (size_t)r * s.hb, grp, x, cb) * s.gain[r];
+    }
+};
+template <> struct MoeStage<FMT_VQ12> : MoeStageVq<12> {};
+template <> struct MoeStage<FMT_VQ13> : MoeStageVq<13> {};
+
 __device__ __forceinline__ void moe_load_x(const float* x, float* xv) {
     const float4* p = reinterpret_cast<const float4*>(x);
 #pragma unroll
@@ -93,8 +152,8 @@ __device__ __forceinline__ void moe_row_sums(const float* red, float* tot, int n
 // on which other pairs share its block or launch. red: partial-sum room (may alias the stage: a barrier comes
 // before it is written).
 template <int F>
-__device__ __forceinline__ void moe_gate_up_pair(const uint64_t* grid, const uint8_t* sg, const uint8_t* su,
-                                                 int rb, int nr, const float* x, float rw, float* hout, float clamp,
+__device__ __forceinline__ void moe_gate_up_pair(const uint64_t* grid, const MoeSpan& sg, const MoeSpan& su,
+                                                 int nr, const float* x, float rw, float* hout, float clamp,
                                                  float* red, int dim) {
     const int G = dim / 32, RL = blockDim.x / G, tid = threadIdx.x;
     const int grp = tid % G, rl = tid / G;
@@ -110,8 +169,8 @@ __device__ __forceinline__ void moe_gate_up_pair(const uint64_t* grid, const uin
         const int r = rl + RL * i;
         ag[i] = au[i] = 0.0f;
         if (worker && r < nr) {
-            ag[i] = MoeFmt<F>::dot(sg + (size_t)r * rb, grp, xv, xs, grid) * MoeRow<F>::scale(sg + (size_t)r * rb, dim);
-            au[i] = MoeFmt<F>::dot(su + (size_t)r * rb, grp, xv, xs, grid) * MoeRow<F>::scale(su + (size_t)r * rb, dim);
+            ag[i] = MoeStage<F>::dot(sg, r, grp, xv, xs, grid);
+            au[i] = MoeStage<F>::dot(su, r, grp, xv, xs, grid);
         }
     }
     __syncthreads();                                              // the stage is read (when red aliases it)
@@ -153,13 +212,13 @@ __device__ __forceinline__ void moe_gate_up_impl(uint8_t* smem, const uint64_t* 
         for (int i = tid; i < nr; i += blockDim.x) hout[i] = __int_as_float(0x7fc00000);
         return;
     }
-    const int rb = moe_row_bytes<F>(dim), span = nr * rb;
-    const uint8_t* sg = moe_stage(smem, Wg + ((size_t)e * ff + r0) * rb, span);
-    const uint8_t* su = moe_stage(smem + moe_room(span), Wu + ((size_t)e * ff + r0) * rb, span);
+    const int room = MoeStage<F>::room(nr, dim);
+    const MoeSpan sg = MoeStage<F>::stage(smem, Wg, e, r0, nr, n_experts, ff, dim, true);
+    const MoeSpan su = MoeStage<F>::stage(smem + room, Wu, e, r0, nr, n_experts, ff, dim, true);
     cp_async_commit();
     cp_async_wait_all();
     __syncthreads();
-    moe_gate_up_pair<F>(grid, sg, su, rb, nr, x, rw, hout, clamp, reinterpret_cast<float*>(smem), dim);
+    moe_gate_up_pair<F>(grid, sg, su, nr, x, rw, hout, clamp, reinterpret_cast<float*>(smem), dim);
 }
 
 // An expert id, every id outside [0, n_experts) as -1 (so the distinct ids are at most n_experts + 1).
@@ -217,16 +276,16 @@ __device__ __forceinline__ void moe_gate_up_rows_impl(uint8_t* smem, const uint6
                 for (int i = tid; i < nr; i += blockDim.x) h[(size_t)p * ff + r0 + i] = __int_as_float(0x7fc00000);
         return;
     }
-    const int rb = moe_row_bytes<F>(dim), span = nr * rb;
-    const uint8_t* sg = moe_stage(smem, Wg + ((size_t)e * ff + r0) * rb, span);
-    const uint8_t* su = moe_stage(smem + moe_room(span), Wu + ((size_t)e * ff + r0) * rb, span);
+    const int room = MoeStage<F>::room(nr, dim);
+    const MoeSpan sg = MoeStage<F>::stage(smem, Wg, e, r0, nr, n_experts, ff, dim, true);
+    const MoeSpan su = MoeStage<F>::stage(smem + room, Wu, e, r0, nr, n_experts, ff, dim, true);
     cp_async_commit();
     cp_async_wait_all();
     __syncthreads();
-    float* red = reinterpret_cast<float*>(smem + 2 * moe_room(span));
+    float* red = reinterpret_cast<float*>(smem + 2 * room);
     for (int p = 0; p < n_pairs; ++p) {                           // block-uniform loop
         if (moe_canon(ids ? ids[p] : p % k, n_experts) != e) continue;
-        moe_gate_up_pair<F>(grid, sg, su, rb, nr, x + (size_t)(p / k) * x_stride, route_w ? route_w[p] : 1.0f,
+        moe_gate_up_pair<F>(grid, sg, su, nr, x + (size_t)(p / k) * x_stride, route_w ? route_w[p] : 1.0f,
                             h + (size_t)p * ff + r0, clamp, red, dim);
     }
 }
@@ -242,12 +301,12 @@ __device__ __forceinline__ void moe_down_impl(uint8_t* smem, const uint64_t* gri
     const bool worker = rl < RL;
     const int r0 = blockIdx.x * rows_per_block, nr = min(rows_per_block, dim - r0);
     if (nr <= 0) return;                                          // block-uniform
-    const int rb = moe_row_bytes<F>(ff), span = nr * rb, room = moe_room(span);
+    const int room = MoeStage<F>::room(nr, ff);
     bool bad = false;
     for (int s = 0; s < n_slots; ++s) {
         const int e = ids ? ids[s] : s;
         if (e < 0 || e >= n_experts) bad = true;
-        else moe_stage(smem + s * room, W + ((size_t)e * dim + r0) * rb, span);
+        else MoeStage<F>::stage(smem + s * room, W, e, r0, nr, n_experts, dim, ff, true);
     }
     cp_async_commit();
     cp_async_wait_all();
@@ -259,15 +318,14 @@ __device__ __forceinline__ void moe_down_impl(uint8_t* smem, const uint64_t* gri
     for (int s = 0; s < n_slots; ++s) {                            // experts in slot order: a fixed sum
         const int e = ids ? ids[s] : s;
         if (!worker || e < 0 || e >= n_experts) continue;
-        const uint8_t* st = smem + s * room + ((size_t)(W + ((size_t)e * dim + r0) * rb) & 15);
+        const MoeSpan st = MoeStage<F>::stage(smem + s * room, W, e, r0, nr, n_experts, dim, ff, false);
         float hv[32], hs[2];
         moe_load_x(h + (size_t)s * ff + 32 * grp, hv);
         moe_half_sums(hv, hs);
 #pragma unroll
         for (int i = 0; i < MOE_RPT; ++i) {
             const int r = rl + RL * i;
-            if (r < nr) acc[i] += MoeFmt<F>::dot(st + (size_t)r * rb, grp, hv, hs, grid) *
-                                  MoeRow<F>::scale(st + (size_t)r * rb, ff);
+            if (r < nr) acc[i] += MoeStage<F>::dot(st, r, grp, hv, hs, grid);
         }
     }
     __syncthreads();
@@ -420,7 +478,7 @@ MOE_FORMATS(MOE_DOWN_ROWS)
 // ---- VQ-8 (MOE_VQ_FORMATS): the same four kernels; each matrix's device copy starts with the layer's codebook
 // (KC codewords x 8 E4M3 bytes), copied into the first KC * 8 bytes of the dynamic shared memory (the stage
 // follows it; ds4py/cuda/ops/experts.py adds them to moe_smem_bytes). A group's dot reads its 4 codewords from
-// there; the row gain scales each group's sum (MoeRow).
+// there; the row gain scales each group's sum (MoeStageVq).
 __device__ __forceinline__ const uint64_t* moe_load_codebook(uint8_t* smem, const uint8_t* W, int kc) {
     uint64_t* cb = reinterpret_cast<uint64_t*>(smem);
     const uint64_t* src = reinterpret_cast<const uint64_t*>(W);

@@ -458,19 +458,26 @@ template <> struct MoeFmt<FMT_F16> {
     }
 };
 
-// VQ-8, device layout of one row of `cols` weights: per run of 8 indices (64 weights) its 12 stream bytes (the
-// file's LSB-first 12-bit fields, unchanged), at 13 bits followed by the run's hi byte (bit 12 of its 8 indices,
-// the file's hi plane); then, 4-byte aligned, the row's effective gain as f32 (the file's f16 gain, times any sidecar scales); the
-// row padded to 16 bytes. The matrix starts with the layer's codebook (K codewords x 8 E4M3 bytes), then the
-// rows. w[8j + i] = g * C[idx_j][i] exactly (fl32(g * c): E4M3 x f16 fits f32); dot() returns g * sum(c x).
+// VQ-8 in its device layout (ds4py/cuda/vq_layout.py): a matrix of X experts x rows x cols is [codebook: K
+// codewords x 8 E4M3 bytes] [X expert streams] [X * rows hi rows (13 bits)] [X * rows f32 gains]. An expert's
+// stream is its rows' 12-bit fields back to back, unchanged from the file (12 bytes per run of 8 indices = 64
+// weights), padded to a multiple of 128 bytes, so with the matrix 128-byte aligned every expert's stream starts on
+// a line and every 256-index block of it (384 bytes) is three whole 128-byte lines; a hi row is bit 12 of the
+// row's indices (one byte per run, the file's hi plane); the gain is the row's effective one (the file's f16 gain
+// times any sidecar scales). w[8j + i] = g * C[idx_j][i] exactly (fl32(g * c): E4M3 x f16 fits f32); the staged
+// rows are read through MoeSpan (experts.cu).
 template <int BITS> struct MoeVq {
-    static constexpr int QK = 64, BYTES = BITS == 13 ? 13 : 12, K = 1 << BITS;
+    static constexpr int QK = 64, BYTES = 12, K = 1 << BITS;
     static constexpr int CODES = MOE_CODES_SCALED;
-    __device__ static __forceinline__ int gain_at(int cols) { return ((cols / 64) * BYTES + 3) & ~3; }
-    __device__ static __forceinline__ int row_bytes(int cols) { return (gain_at(cols) + 4 + 15) & ~15; }
-    // the 4 indices of column group grp (32 weights) of the row at base
-    __device__ static __forceinline__ void indices(const uint8_t* base, int grp, unsigned* idx) {
-        const uint8_t* b = base + (size_t)(grp >> 1) * BYTES + 6 * (grp & 1);
+    __device__ static __forceinline__ int stream_bytes(int cols) { return (cols / 64) * 12; }
+    __device__ static __forceinline__ int hi_bytes(int cols) { return BITS == 13 ? cols / 64 : 0; }
+    // bytes of one expert's stream: its rows back to back, padded to whole 128-byte lines
+    __device__ static __forceinline__ size_t expert_bytes(int rows, int cols) {
+        return ((size_t)rows * stream_bytes(cols) + 127) & ~(size_t)127;
+    }
+    // the 4 indices of column group grp (32 weights) of the stream row s (hi row h at 13 bits)
+    __device__ static __forceinline__ void indices(const uint8_t* s, const uint8_t* h, int grp, unsigned* idx) {
+        const uint8_t* b = s + (size_t)(grp >> 1) * 12 + 6 * (grp & 1);
         const unsigned lo = b[0] | ((unsigned)b[1] << 8) | ((unsigned)b[2] << 16);
         const unsigned hi = b[3] | ((unsigned)b[4] << 8) | ((unsigned)b[5] << 16);
         idx[0] = lo & 4095u;
@@ -478,19 +485,16 @@ template <int BITS> struct MoeVq {
         idx[2] = hi & 4095u;
         idx[3] = hi >> 12;
         if (BITS == 13) {
-            const unsigned h = (base[(size_t)(grp >> 1) * BYTES + 12] >> (4 * (grp & 1))) & 15u;
+            const unsigned t = (h[grp >> 1] >> (4 * (grp & 1))) & 15u;
 #pragma unroll
-            for (int i = 0; i < 4; ++i) idx[i] |= ((h >> i) & 1u) << 12;
+            for (int i = 0; i < 4; ++i) idx[i] |= ((t >> i) & 1u) << 12;
         }
     }
-    __device__ static __forceinline__ float gain(const uint8_t* base, int cols) {
-        return *reinterpret_cast<const float*>(base + gain_at(cols));
-    }
     // sum over the group of c_j x_j (the codewords from the shared-memory codebook cb, 8 bytes each), unscaled
-    __device__ static __forceinline__ float dot(const uint8_t* base, int grp, const float* x, const float*,
+    __device__ static __forceinline__ float dot(const uint8_t* s, const uint8_t* h, int grp, const float* x,
                                                 const uint64_t* cb) {
         unsigned idx[4];
-        indices(base, grp, idx);
+        indices(s, h, grp, idx);
         float s0 = 0.0f, s1 = 0.0f;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -505,22 +509,10 @@ template <int BITS> struct MoeVq {
         return s0 + s1;
     }
 };
-template <> struct MoeFmt<FMT_VQ12> : MoeVq<12> {};
-template <> struct MoeFmt<FMT_VQ13> : MoeVq<13> {};
 
-// A format's per-row scale applied to the sum of its groups' dots (VQ: the row gain; 1 for the ggml formats, whose
-// scales are inside dot) and its row bytes.
+// A ggml format's row bytes (its blocks back to back).
 template <int F> struct MoeRow {
     __device__ static __forceinline__ int bytes(int cols) { return cols / MoeFmt<F>::QK * MoeFmt<F>::BYTES; }
-    __device__ static __forceinline__ float scale(const uint8_t*, int) { return 1.0f; }
-};
-template <> struct MoeRow<FMT_VQ12> {
-    __device__ static __forceinline__ int bytes(int cols) { return MoeVq<12>::row_bytes(cols); }
-    __device__ static __forceinline__ float scale(const uint8_t* base, int cols) { return MoeVq<12>::gain(base, cols); }
-};
-template <> struct MoeRow<FMT_VQ13> {
-    __device__ static __forceinline__ int bytes(int cols) { return MoeVq<13>::row_bytes(cols); }
-    __device__ static __forceinline__ float scale(const uint8_t* base, int cols) { return MoeVq<13>::gain(base, cols); }
 };
 
 template <int F> __device__ __forceinline__ int moe_row_bytes(int cols) { return MoeRow<F>::bytes(cols); }

@@ -3,7 +3,7 @@
 quantised by `quantize-vq` with the seed's widths (layer 0 at 13 bits in the 12 + 1 layout, the rest at 12) on
 cuda-emu against the reference on the same file (prefill blocks through the grouped rows kernels, then decode):
 same top-1 everywhere, fp32 noise; a multi-row step's rows bit-identical to single steps; and speculative decoding with the V4 MTP block on the VQ-8
-main file gives plain greedy decoding's tokens. Budget: quantising ~20 s, ~0.15 s of emulator per token."""
+main file gives plain greedy decoding's tokens, with the MTP file's experts as made and VQ-8 quantised. Budget: quantising ~20 s, ~0.15 s of emulator per token."""
 
 from __future__ import annotations
 
@@ -31,16 +31,17 @@ SHAPE = dict(V4_TINY, n_layers=3, compress_ratios=[0, 4, 128], hash_layers=1, ex
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory) -> tuple[str, str]:
-    """(VQ-8 main GGUF, its MTP GGUF)."""
+def files(tmp_path_factory) -> tuple[str, str, str]:
+    """(VQ-8 main GGUF, its MTP GGUF (MXFP4 experts), that MTP GGUF through quantize-vq)."""
     from ds4py.tiny import make_tiny
     from ds4py.vq.quantize import Options, quantize_vq
 
     d = tmp_path_factory.mktemp("vqcuda")
-    src, out, mtp = d / "src.gguf", d / "vq.gguf", d / "vq.mtp.gguf"
+    src, out, mtp, mtp_vq = d / "src.gguf", d / "vq.gguf", d / "vq.mtp.gguf", d / "vq.mtp.vq.gguf"
     make_tiny(str(src), seed=7, experts="mxfp4", mtp=str(mtp), **SHAPE)
     quantize_vq(str(src), str(out), Options(**SEED_WIDTHS), progress=False)
-    return str(out), str(mtp)
+    quantize_vq(str(mtp), str(mtp_vq), Options(**SEED_WIDTHS), progress=False)
+    return str(out), str(mtp), str(mtp_vq)
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +58,34 @@ def test_the_file_has_the_seeds_widths(vq_gguf):
     f = GGUFFile(vq_gguf)
     assert vq.read_layer(f, 0).header.bits == 13 and vq.read_layer(f, 2).header.bits == 12
     assert vq.is_vq(f, "blk.0.ffn_down_exps.weight") and vq.hi_name("blk.0.ffn_down_exps.weight") in f.tensors
+
+
+def test_the_device_holds_one_aligned_copy_of_the_vq_bytes(vqm, vq_gguf):
+    """Each VQ matrix is one re-laid copy, 128-byte aligned; the file's VQ tensors (streams, hi planes, gains,
+    codebooks) are not uploaded beside it, and the weights region holds exactly the counted bytes."""
+    from ds4py import schema
+    from ds4py.cuda import synth, vq_layout
+    from ds4py.cuda.ops.experts import vq_expert_bytes, vq_row_parts
+
+    f, w = GGUFFile(vq_gguf), vqm.w
+    vq_names = set()
+    for e in schema.entries(vqm.config):
+        if not e.spec.field.startswith("ffn.experts."):
+            continue
+        t = synth._lookup(w.binding, e)
+        X, rows, nb = f.tensors[e.name].shape
+        fmt, nbytes = vq_layout.plan(f, e.name)
+        assert t.kernel_format == fmt and t.array.nbytes == nbytes and t.array.ptr % 128 == 0, e.name
+        vq_names |= {e.name, vq.gain_name(e.name), vq.hi_name(e.name), vq.codebook_name(e.layer)}
+    span = sum(t.nbytes for t in f.tensors.values())
+    vq_file = sum(f.tensors[n].nbytes for n in vq_names if n in f.tensors)
+    assert w.file_bytes <= span - vq_file + 256 * len(f.tensors)
+    assert w.arena.weights_region.used <= w.file_bytes + w.extra_bytes
+    # an expert's stream starts on a line, rows back to back: at V4 / V4.1 Flash's shapes no padding is needed
+    # (the streams are whole 384-byte blocks), so the device streams are the file's bytes exactly
+    assert vq_row_parts("vq12", 4096) == (768, 0) and vq_row_parts("vq13", 2048) == (384, 32)
+    for rows, cols in ((2048, 4096), (4096, 2048), (2304, 5120), (5120, 2304)):
+        assert vq_expert_bytes("vq12", rows, cols) == rows * cols // 64 * 12 and (rows * cols // 8) % 256 == 0
 
 
 def test_vq_experts_match_the_reference(vq_gguf):
@@ -100,12 +129,33 @@ def _tokens(model, prompt, n=10):
     return [e.token_id for e in s.generate(prompt, prm) if isinstance(e, TokenEvent)]
 
 
-def test_speculation_with_the_v4_mtp_block_on_a_vq_file(vqm, files):
+@pytest.mark.parametrize("which", ["mtp-mxfp4", "mtp-vq"])
+def test_speculation_with_the_v4_mtp_block_on_a_vq_file(vqm, files, which):
+    """Greedy speculative decoding = plain greedy, token for token, with the MTP block's experts as made and
+    with them through quantize-vq too (the draft block at --bits: 12)."""
+    path = files[1] if which == "mtp-mxfp4" else files[2]
+    f = GGUFFile(path)
+    assert vq.is_vq(f, "mtp.0.ffn_up_exps.weight") == (which == "mtp-vq")
+    if which == "mtp-vq":
+        assert vq.read_layer(f, "mtp.0").header.bits == 12
     prompt = [0, 17, 42, 99, 3]
     want = _tokens(vqm, prompt)
-    spec = SpecModel(vqm, open_mtp(vqm, files[1]), fixed_k=3)
+    spec = SpecModel(vqm, open_mtp(vqm, path), fixed_k=3)
     assert _tokens(spec, prompt) == want
     assert spec.stats.drafted >= 1
+
+
+def test_the_vq_mtp_block_matches_the_reference(vqm, files):
+    """The VQ-8 MTP block's logits on cuda-emu = the reference's on the same file, to fp32 noise."""
+    ref = RefModel(files[0])
+    cm, rm = open_mtp(vqm, files[2]), open_mtp(ref, files[2])
+    cfg = vqm.config
+    H = np.random.default_rng(1).standard_normal((3, cfg.hc_mult, cfg.dim)).astype(np.float32)
+    lc, hc = cm.step([cm.new_state()], [H], [[5, 7, 9]], all_logits=True)
+    lr, hr = rm.step([rm.new_state()], [H], [[5, 7, 9]], all_logits=True)
+    rel = float(np.abs(lc[0] - lr[0]).max() / np.abs(lr[0]).max())
+    print(f"VQ-8 MTP block, cuda-emu vs ref (3 rows): max relative {rel:.1e}")
+    assert rel <= 1e-4 and (lc[0].argmax(1) == lr[0].argmax(1)).all()
 
 
 def _stack(vq_gguf):

@@ -175,7 +175,8 @@ def run(args: argparse.Namespace) -> int:
     text = bench.format_rows(result, args.format)
     print(f"kernels: {model.kernels_label}", file=sys.stderr)
     if args.format == "md":
-        text = f"ds4py bench: backend {model.backend}, kernels {model.kernels_label}\n\n" + text
+        label = " (emulated: CPU time on the CUDA emulator, not a GPU number)" if model.capabilities.emulated else ""
+        text = f"ds4py bench: backend {model.backend}, kernels {model.kernels_label}{label}\n\n" + text
     if pf_rows and args.format == "md":
         text += "\n" + bench.format_prefill(pf_rows)
     sys.stdout.write(text)

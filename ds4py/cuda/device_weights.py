@@ -1,5 +1,6 @@
 """A GGUF's weights on the device for the CUDA engine: the tensor data uploaded once, in the file's own formats
-(Q8_0 / F16 / F32 / Q4_K GEMV matrices, IQ2_XXS / Q2_K / Q4_K / MXFP4 / Q8_0 / F16 experts: no dequantised copy), and
+(Q8_0 / F16 / F32 / Q4_K GEMV matrices, IQ2_XXS / Q2_K / Q4_K / MXFP4 / Q8_0 / F16 experts: no dequantised copy; VQ-8
+experts re-laid once, ds4py/cuda/vq_layout.py, their file bytes not uploaded), and
 the typed per-layer binding (ds4py.schema.bind) resolved to device tensors.
 
 Only small vectors the kernels read as float32 (norms, hc scale / base, sinks, the router bias; BF16 hc `fn`
@@ -19,7 +20,7 @@ from ds4py import schema
 from ds4py.cuda import vq_layout
 from ds4py.cuda.memory import ALIGN, Arena, DeviceArray, align_up
 from ds4py.cuda.ops.experts import FORMATS as EXPERT_FORMATS
-from ds4py.cuda.gguf_upload import data_span, upload_gguf
+from ds4py.cuda.gguf_upload import upload_gguf, weights_bytes
 from ds4py.errors import Ds4Error
 from ds4py.model import UnsupportedByBackend
 from ds4py.quant import vq
@@ -119,8 +120,8 @@ class DeviceWeights:
     arena: Arena
     binding: schema.ModelWeights            # of DevTensor
     freqs: list[DeviceArray]                # per layer
-    file_bytes: int                         # the GGUF's tensor data (uploaded as it is)
-    extra_bytes: int                        # converted small tensors and RoPE tables
+    file_bytes: int                         # the GGUF's tensor data uploaded as it is (arena bytes of its runs)
+    extra_bytes: int                        # converted small tensors, RoPE tables, VQ-8 device copies
 
 
 def load(rt: Any, gguf, cfg, scratch_bytes: int, progress: bool = False,
@@ -142,13 +143,17 @@ def load(rt: Any, gguf, cfg, scratch_bytes: int, progress: bool = False,
         distinct.setdefault(a.tobytes(), a)
     extra = sum(align_up(a.nbytes) for a in list(converted.values()) + list(distinct.values())) + ALIGN
     extra += sum(align_up(n) for _, n in vq_plans.values())
-    start, end = data_span(gguf)
+    # the file's bytes go up only for the tensors read as they are: not the VQ-8 experts' streams, hi planes,
+    # gains and codebooks (their re-laid copy holds them), the converted vectors, nor tensors the schema does not
+    # bind (an MTP block in the same file is uploaded by CudaMtp)
+    keep = {e.name for e in entries if e.name not in converted and e.name not in vq_plans}
+    file_bytes = weights_bytes(gguf, keep)
     if plan is not None:
-        plan((end - start) + extra)             # the memory plan: may refuse before anything is allocated
-    arena = rt.arena(weights_bytes=(end - start) + extra, scratch_bytes=scratch_bytes)
+        plan(file_bytes + extra)                # the memory plan: may refuse before anything is allocated
+    arena = rt.arena(weights_bytes=file_bytes + extra, scratch_bytes=scratch_bytes)
     uploader = rt.uploader()
     try:
-        on_device = upload_gguf(gguf, arena, uploader, progress=progress)
+        on_device = upload_gguf(gguf, arena, uploader, progress=progress, keep=keep)
     finally:
         uploader.close()
 
@@ -172,4 +177,4 @@ def load(rt: Any, gguf, cfg, scratch_bytes: int, progress: bool = False,
     by_bytes = {k: put(a) for k, a in distinct.items()}
     freqs = [by_bytes[tables[il].tobytes()] for il in range(cfg.n_layers)]
     binding = schema.bind(cfg, tensors.__getitem__)
-    return DeviceWeights(arena, binding, freqs, end - start, extra)
+    return DeviceWeights(arena, binding, freqs, file_bytes, extra)

@@ -4,7 +4,8 @@
 
 race: the shared-memory race detector (every access instrumented); asan: AddressSanitizer + UBSan (this command
 re-runs itself with the sanitizer runtime preloaded). The workload, on each golden tiny model (default: ds4-tiny,
-and v4-tiny converted from its checkpoint when the golden data is here): a prompt through the prefill blocks
+and v4-tiny converted from its checkpoint when the golden data is here) and a random model in the seed's layout
+(VQ-8 experts at 13 and 12 bits, q4_K dense weights; quantize-vq): a prompt through the prefill blocks
 with the experts in fp32, another with them on tensor cores, greedy decode steps through the step graph, a
 multi-row step of two sequences, device-side sampling, and synthetic models in the other expert formats (their
 weights written by the fill kernels). Every kernel of cu/*.cu must have run, except the few no engine path
@@ -60,6 +61,27 @@ def golden_models(tmp: str) -> list[str]:
 
         out.append(os.path.join(tmp, "tiny.gguf"))
         make_tiny(out[-1], seed=1)
+    out.append(vq_q4k_model(tmp))
+    return out
+
+
+# A random model in the seed's layout: make-tiny -> quantize-vq with VQ-8 experts (layer 0 at 13 bits, the rest at
+# 12) and q4_K dense weights (rows of 256: dim, expert_ff and the output projection's 256); two experts a layer and a
+# thin codebook pool keep quantising short.
+VQ_SHAPE = dict(n_layers=2, dim=256, vocab_size=320, n_heads=4, head_dim=96, rope_dim=32, q_lora_rank=64,
+                o_groups=2, o_lora_rank=128, window=16, compress_ratios=[0, 4], n_experts=2, n_experts_used=2,
+                expert_ff=256, index_heads=16, index_head_dim=64, index_topk=8, hash_layers=1, rope_orig_ctx=64,
+                context_length=1024)
+
+
+def vq_q4k_model(tmp: str) -> str:
+    from ds4py.tiny import make_tiny
+    from ds4py.vq.quantize import Options, quantize_vq
+
+    src, out = os.path.join(tmp, "vq-src.gguf"), os.path.join(tmp, "vq-q4k.gguf")
+    make_tiny(src, seed=3, experts="mxfp4", **VQ_SHAPE)
+    quantize_vq(src, out, Options(bits=12, bits_shallow=13, shallow_layers=1, dense="q4_k", min_pool=5,
+                                  train_per_code=5, rounds=1), progress=False)
     return out
 
 
@@ -92,12 +114,6 @@ def workload(path: str, rt: Any) -> None:
 SYNTH_EXPERTS = (("Q4_K", "Q4_K"), ("Q8_0", "Q8_0"), ("Q2_K", "IQ2_XXS"))
 # Kernels no engine path reaches on these models, and why (the CI test fails when another one joins them).
 UNREACHED = {
-    **{f"gemv_q4_k{v}": "q4_K dense weights: the checker's models carry no q4_K file yet (tests/test_cu_emu_q4k.py "
-                        "runs them against their twin)" for v in ("", "_rows", "_hc_post", "_hc_post_rows", "_swiglu",
-                                                                 "_swiglu_rows")},
-    "gemm_q4_k": "q4_K dense weights: the checker's models carry no q4_K file yet (tests/test_cu_emu_q4k.py)",
-    **{f"moe_{k}_vq{b}": "VQ-8 experts: the checker's models carry no VQ-8 file yet (tests/test_cu_emu_vq.py runs them "
-                         "against their twin)" for k in ("gate_up", "gate_up_rows", "down", "down_rows") for b in (12, 13)},
     "argmax_f32": "the device argmax of the benches and tests; the engine's greedy pick runs in cu/sample.cu",
     "gemm_mma_tile_bf16": "a probe of the mma fragment layout (tests, tests/gpu), not an engine kernel",
     "gemm_mma_tile_f16": "a probe of the mma fragment layout (tests, tests/gpu), not an engine kernel",

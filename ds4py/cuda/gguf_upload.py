@@ -1,8 +1,12 @@
-"""A GGUF's tensors on the device: the whole tensor-data span streamed into the arena's weights region at once.
+"""A GGUF's tensors on the device: the tensor data streamed into the arena's weights region in as few spans as the
+kept tensors allow.
 
-GGUF stores every tensor in one contiguous data section, each aligned (general.alignment, 32 by default), so
-one chunked upload of that span (memory-mapped, two pinned chunks) places every tensor; each then is a view at
-its offset. The arena's weights region is sized from the span (`weights_bytes`).
+GGUF stores every tensor in one contiguous data section, each aligned (general.alignment, 32 by default), so a
+chunked upload of a run of consecutive tensors (read straight into two pinned chunks) places each of them; each
+then is a view at its offset inside its run. The tensors the device does not read as they are in the file (VQ-8
+experts, which get a re-laid copy; small vectors converted to float32; another model's block) are left out: the
+data is cut into runs at them, so no byte is held on the device twice. The arena's weights region is sized from
+the runs (`weights_bytes`).
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ds4py.cuda.memory import Arena, DeviceArray, WeightUploader
+from ds4py.cuda.memory import Arena, DeviceArray, WeightUploader, align_up
 from ds4py.errors import GGUFError
 from ds4py.model import UnsupportedByBackend
 
@@ -47,29 +51,51 @@ def check_alignment(gguf) -> None:
                         f"the default alignment 32 or use --backend ref")
 
 
-def weights_bytes(gguf) -> int:
-    start, end = data_span(gguf)
-    return end - start
-
-
-def upload_gguf(gguf, arena: Arena, uploader: WeightUploader, progress: bool = True) -> dict[str, DeviceTensor]:
-    """Stream every tensor of an open ds4py.gguf.GGUFFile into the arena; returns the device views by name."""
-    check_alignment(gguf)
-    start, end = data_span(gguf)
-    blob = arena.weights(end - start, np.uint8)
-    uploader.upload_file(gguf.path, start, end - start, blob, progress=progress)
-    out: dict[str, DeviceTensor] = {}
-    for t in gguf.tensors.values():
-        rel = t.offset - start
-        qname = t.qtype.name
-        if qname in _PLAIN:
-            dtype, shape = np.dtype(_PLAIN[qname]), t.shape
+def runs(gguf, keep=None) -> list[tuple[int, int, list]]:
+    """The kept tensors (keep: names; None: all) as runs of consecutive tensors of the file: (first byte, end,
+    tensors) each, cut where a tensor left out lies between them."""
+    out: list[tuple[int, int, list]] = []
+    cut = True
+    for t in sorted(gguf.tensors.values(), key=lambda t: t.offset):
+        if keep is not None and t.name not in keep:
+            cut = True
+            continue
+        if cut or not out:
+            out.append((t.offset, t.offset + t.nbytes, [t]))
         else:
-            dtype, shape = np.dtype(np.uint8), tuple(t.raw_bytes().shape)
-        if rel % 16 and qname in ("F32", "F16"):
-            raise GGUFError(f"{gguf.path}: tensor {t.name!r} is not 16-byte aligned in the file")
-        arr = blob.view(rel, shape, dtype)
-        if arr.nbytes != t.nbytes:
-            raise GGUFError(f"{gguf.path}: tensor {t.name!r} holds {t.nbytes} bytes, expected {arr.nbytes}")
-        out[t.name] = DeviceTensor(t.name, qname, t.shape, arr)
+            a, b, ts = out[-1]
+            out[-1] = (a, max(b, t.offset + t.nbytes), ts + [t])
+        cut = False
+    return out
+
+
+def weights_bytes(gguf, keep=None) -> int:
+    """Arena bytes of the kept tensors' runs (each run starts ALIGN-aligned)."""
+    return sum(align_up(b - a) for a, b, _ in runs(gguf, keep))
+
+
+def upload_gguf(gguf, arena: Arena, uploader: WeightUploader, progress: bool = True,
+                keep=None) -> dict[str, DeviceTensor]:
+    """Stream the kept tensors (keep: names; None: every tensor) of an open ds4py.gguf.GGUFFile into the arena;
+    returns the device views by name."""
+    check_alignment(gguf)
+    if not gguf.tensors:
+        raise GGUFError(f"{gguf.path}: has no tensors")
+    out: dict[str, DeviceTensor] = {}
+    for start, end, ts in runs(gguf, keep):
+        blob = arena.weights(end - start, np.uint8)
+        uploader.upload_file(gguf.path, start, end - start, blob, progress=progress)
+        for t in ts:
+            rel = t.offset - start
+            qname = t.qtype.name
+            if qname in _PLAIN:
+                dtype, shape = np.dtype(_PLAIN[qname]), t.shape
+            else:
+                dtype, shape = np.dtype(np.uint8), tuple(t.raw_bytes().shape)
+            if rel % 16 and qname in ("F32", "F16"):
+                raise GGUFError(f"{gguf.path}: tensor {t.name!r} is not 16-byte aligned in the file")
+            arr = blob.view(rel, shape, dtype)
+            if arr.nbytes != t.nbytes:
+                raise GGUFError(f"{gguf.path}: tensor {t.name!r} holds {t.nbytes} bytes, expected {arr.nbytes}")
+            out[t.name] = DeviceTensor(t.name, qname, t.shape, arr)
     return out

@@ -57,7 +57,7 @@ def seed_bytes_per_token(cfg, bits: int = 12, bits_shallow: int = 13, shallow_la
     bits_shallow bits for the first shallow_layers layers and `bits` for the rest, in the engine's device layout
     (ds4py/cuda/vq_layout.py: each matrix's codebook once, k of n_experts experts' rows)."""
     from ds4py import schema
-    from ds4py.cuda.ops.experts import codebook_bytes, row_bytes
+    from ds4py.cuda.ops.experts import codebook_bytes, matrix_bytes
     from ds4py.vq.quantize import Q4K_SUFFIXES
 
     total = 0
@@ -68,7 +68,8 @@ def seed_bytes_per_token(cfg, bits: int = 12, bits_shallow: int = 13, shallow_la
             X, rows, cols = shape
             il = int(e.name.split(".")[1])
             fmt = f"vq{bits_shallow if il < shallow_layers else bits}"
-            total += codebook_bytes(fmt) + cfg.n_experts_used * rows * row_bytes(fmt, cols)
+            cb = codebook_bytes(fmt)
+            total += cb + (matrix_bytes(fmt, X, rows, cols) - cb) // X * cfg.n_experts_used
             continue
         if slot == "q8":
             cols = shape[-1]

@@ -30,7 +30,8 @@ import numpy as np
 from ds4py.ggml_types import GGMLQuantizationType as QT
 
 from ds4py import schema
-from ds4py.cuda import layer, ops
+from ds4py.cuda import layer, ops, vq_layout
+from ds4py.cuda.ops import experts as ops_moe
 from ds4py.cuda.kernels import gemvs
 from ds4py.cuda.kvstate import CudaState
 from ds4py.cuda.layer import MAX_ROWS, ROWS, Launcher, Recording, RowSet
@@ -47,30 +48,31 @@ _PLAIN = {QT.F32: np.float32, QT.F16: np.float16, QT.I32: np.int32}
 def _upload(rt: Any, store: Any, gguf, cfg) -> tuple[Any, dict[str, DevTensor], Any]:
     """Every mtp.0.* tensor of `gguf` in one device block (the file's formats; small vectors converted as the
     main model's are), and the block's RoPE table. Refuses a type no kernel reads, as the main load does."""
-    host: dict[str, tuple[QT, tuple, np.ndarray]] = {}
+    host: dict[str, tuple[QT, tuple, np.ndarray, str | None]] = {}
     for e in schema.mtp_entries(cfg):
         t = gguf.tensor(e.name)
         if e.spec.field.startswith("block.ffn.experts.") and vq.is_vq(gguf, e.name):
-            raise UnsupportedByBackend(f"{e.name}: an MTP file with VQ-8 experts is not read by the CUDA engine yet "
-                                       f"(a VQ-8 main model is); use --backend ref")
+            fmt, a = vq_layout.from_file(gguf, e.name)          # the main model's device layout, as main layers
+            host[e.name] = (QT.I8, tuple(t.shape), a, fmt)
+            continue
         conv = conversion(gguf, replace(e, spec=replace(e.spec, field=e.spec.field.removeprefix("block."))))
         if conv is not None:
-            host[e.name] = (QT.I32 if conv.dtype == np.int32 else QT.F32, tuple(conv.shape), conv)
+            host[e.name] = (QT.I32 if conv.dtype == np.int32 else QT.F32, tuple(conv.shape), conv, None)
         else:
             qt = QT(int(t.qtype))
             a = np.asarray(t.raw, _PLAIN[qt]) if qt in _PLAIN else t.raw_bytes()     # as upload_gguf views them
-            host[e.name] = (qt, tuple(t.shape), a)
+            host[e.name] = (qt, tuple(t.shape), a, None)
     freqs = np.ascontiguousarray(ref_ops.layer_rope_freqs(cfg.mtp_block(), 0), np.float32)
     offs, at = {}, 0
-    for name, (_, _, a) in host.items():
+    for name, (_, _, a, _) in host.items():
         offs[name] = at
         at += align_up(a.nbytes)
     blk = store.block(at + align_up(freqs.nbytes))
     tensors = {}
-    for name, (qt, shape, a) in host.items():
+    for name, (qt, shape, a, fmt) in host.items():
         d = blk.array(offs[name], a.shape, a.dtype)
         d.upload(np.ascontiguousarray(a))
-        tensors[name] = DevTensor(name, qt, shape, d)
+        tensors[name] = DevTensor(name, qt, shape, d, fmt)
     fr = blk.array(at, freqs.shape, np.float32)
     fr.upload(freqs)
     rt.synchronize()
@@ -85,9 +87,10 @@ class CudaMtp(MtpBase):
         cfg = model.config
         self.rt, self.store = model.rt, model.store
         self._block, tensors, freqs = _upload(self.rt, self.store, self.gguf, cfg)
+        self._tensors = tensors
         self.binding = schema.bind_mtp(cfg, tensors.__getitem__)
         for what, sw in (("routed", self.binding.block.ffn.experts), ("shared", self.binding.block.ffn.shared)):
-            if sw.gate.qtype != sw.up.qtype:
+            if sw.gate.kernel_format != sw.up.kernel_format:
                 raise UnsupportedByBackend(f"the MTP block's {what} experts' gate ({sw.gate.qtype.name}) and up "
                                            f"({sw.up.qtype.name}) differ in type; the CUDA kernel reads both in "
                                            f"one format")
@@ -158,9 +161,12 @@ class CudaMtp(MtpBase):
         cfg = self.main_config
         total = 0
         for e in schema.mtp_entries(cfg):
-            t = self.gguf.tensor(e.name)
-            total += t.nbytes * cfg.n_experts_used // cfg.n_experts if e.spec.field.startswith(
-                "block.ffn.experts.") else t.nbytes
+            t = self._tensors[e.name]
+            if e.spec.field.startswith("block.ffn.experts."):          # VQ-8: the codebook is read by every block
+                cb = ops_moe.codebook_bytes(t.kernel_format)
+                total += cb + (t.array.nbytes - cb) * cfg.n_experts_used // cfg.n_experts
+            else:
+                total += t.array.nbytes
         B = self.model.w.binding
         return total + B.head.array.nbytes + B.embed.array.nbytes // B.embed.shape[0]
 

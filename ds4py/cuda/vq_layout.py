@@ -1,20 +1,22 @@
 """VQ-8 routed experts (ds4py/quant/vq.py, docs/vq.md) as cu/experts.cu's VQ kernels read them: one device copy per
-matrix, repacked at upload (the file unchanged):
+matrix of X experts x rows, laid out at upload (the file unchanged):
 
-    [codebook: K codewords x 8 E4M3 bytes] [row 0] [row 1] ...      rows in the file's order (expert, row)
-    row = per run of 8 indices its 12 stream bytes (+ the run's hi byte at 13 bits), the f32 row gain 4-byte
-          aligned after them, zero padding to 16 bytes
+    [codebook: K codewords x 8 E4M3 bytes] [X expert streams] [X * rows hi rows: 13-bit layers] [X * rows f32 gains]
 
-so a row's stream, top bits and gain are one contiguous span the kernel stages at once, and the codebook rides at
-the head of each matrix (copied into shared memory by every block). The gain is the effective one: the file's f16
-gain times any sidecar / post-training scales, multiplied in float32 in the reference's order (VQExperts.gains).
+An expert's stream is its rows' 12-bit fields back to back, as in the file, padded to whole 128-byte lines: with
+the matrix 128-byte aligned (the arena aligns to 256, the codebook is 32 or 64 KiB) every expert's stream starts on
+a line and every 256-index block of it (384 bytes, 2,048 weights) is three whole lines - for any row width (V4.1's
+2,304-wide down rows are 432 bytes: blocks cross rows, not lines). The hi rows are the file's hi plane (bit 12 of 8
+indices per byte); the gains are the effective ones: the file's f16 gain times any sidecar / post-training scales,
+multiplied in float32 in the reference's order (VQExperts.gains). The kernels stage a block's rows of each region
+as one span each; the codebook rides at the head of each matrix (copied into shared memory by every block).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ds4py.cuda.ops.experts import VQ_FORMATS, codebook_bytes, row_bytes, vq_format
+from ds4py.cuda.ops.experts import VQ_FORMATS, matrix_bytes, vq_expert_bytes, vq_format, vq_row_parts
 from ds4py.model import UnsupportedByBackend
 from ds4py.quant import vq
 
@@ -30,7 +32,7 @@ def kernel_format(bits: int, where: str) -> str:
 
 
 def device_bytes(fmt: str, X: int, rows: int, cols: int) -> int:
-    return codebook_bytes(fmt) + X * rows * row_bytes(fmt, cols)
+    return matrix_bytes(fmt, X, rows, cols)
 
 
 def pack(fmt: str, codes: np.ndarray, stream: np.ndarray, hi: np.ndarray | None, gains: np.ndarray,
@@ -39,30 +41,27 @@ def pack(fmt: str, codes: np.ndarray, stream: np.ndarray, hi: np.ndarray | None,
     cols/64*12], hi [X, rows, cols/64] (13-bit layers) or None, gains float32 [X, rows] (effective)."""
     qk, nb, kc = VQ_FORMATS[fmt]
     X, rows = gains.shape
-    n_runs = cols // qk
-    runs = np.asarray(stream).view(np.uint8).reshape(X * rows, n_runs, 12)
+    sb, _ = vq_row_parts(fmt, cols)
+    streams = np.zeros((X, vq_expert_bytes(fmt, rows, cols)), np.uint8)
+    streams[:, :rows * sb] = np.asarray(stream).view(np.uint8).reshape(X, rows * sb)
+    parts = [np.zeros(kc * 8, np.uint8), streams.reshape(-1)]
+    parts[0][:np.asarray(codes).size] = np.asarray(codes).view(np.uint8).reshape(-1)
     if nb == 13:
-        runs = np.concatenate([runs, np.asarray(hi).view(np.uint8).reshape(X * rows, n_runs, 1)], axis=2)
-    rb = row_bytes(fmt, cols)
-    at = (n_runs * nb + 3) // 4 * 4
-    body = np.zeros((X * rows, rb), np.uint8)
-    body[:, :n_runs * nb] = runs.reshape(X * rows, n_runs * nb)
-    body[:, at:at + 4] = np.ascontiguousarray(gains, np.float32).reshape(X * rows, 1).view(np.uint8)
-    cb = np.zeros(kc * 8, np.uint8)
-    c = np.asarray(codes).view(np.uint8).reshape(-1)
-    cb[:c.size] = c
-    return np.concatenate([cb, body.reshape(-1)])
+        parts.append(np.ascontiguousarray(hi, np.uint8).reshape(-1))
+    parts.append(np.ascontiguousarray(gains, np.float32).reshape(-1).view(np.uint8))
+    return np.concatenate(parts)
 
 
 def from_file(gguf, name: str, row_scales=None) -> tuple[str, np.ndarray]:
     """(format, device copy) of VQ expert tensor `name` of an open GGUF (checked as the reference checks it);
     row_scales: float32 [X, rows] arrays multiplied into the gains in order (sidecars)."""
     X, rows, nb = gguf.tensors[name].shape
-    bits = vq.read_layer(gguf, int(name.split(".")[1])).header.bits
+    block = vq.block_of(name)                   # "blk.L", or an MTP block's "mtp.0"
+    bits = vq.read_layer(gguf, block).header.bits
     cols = nb // vq.stream_bits(bits) * vq.ROW_QUANTUM
     vq.check_expert(gguf, name, (X, rows, cols))
     fmt = kernel_format(bits, name)
-    codes = np.asarray(gguf.tensor(vq.codebook_name(int(name.split(".")[1]))).raw).view(np.uint8)
+    codes = np.asarray(gguf.tensor(vq.codebook_name(block)).raw).view(np.uint8)
     hi = gguf.tensor(vq.hi_name(name)).raw_bytes() if bits == 13 else None
     g = np.asarray(gguf.tensor(vq.gain_name(name)).raw).astype(np.float32)
     for s in row_scales or ():
@@ -73,6 +72,6 @@ def from_file(gguf, name: str, row_scales=None) -> tuple[str, np.ndarray]:
 def plan(gguf, name: str) -> tuple[str, int]:
     """(format, device bytes) of VQ expert tensor `name`, from the shapes alone (the arena is sized first)."""
     X, rows, nb = gguf.tensors[name].shape
-    bits = vq.read_layer(gguf, int(name.split(".")[1])).header.bits
+    bits = vq.read_layer(gguf, vq.block_of(name)).header.bits
     fmt = kernel_format(bits, name)
     return fmt, device_bytes(fmt, X, rows, nb // vq.stream_bits(bits) * vq.ROW_QUANTUM)

@@ -1,4 +1,5 @@
-"""`quantize-vq`: a ds4-layout GGUF whose routed experts are in any format -> the same model with VQ-8 experts.
+"""`quantize-vq`: a ds4-layout GGUF whose routed experts are in any format -> the same model with VQ-8 experts (the
+backbone layers', a DSpark draft's and a V4 MTP block's, in the model file or ds4's separate MTP file).
 
 Per layer (one layer's experts in flight at a time; the output is written as it is produced):
   1. every expert row of gate, up and down is dequantised, its gain g = f16(RMS(row)) and its vectors w/g
@@ -21,7 +22,7 @@ from typing import Any, Callable
 import numpy as np
 from ds4py.ggml_types import GGMLQuantizationType as Q
 
-from ds4py import quant
+from ds4py import quant, schema
 from ds4py.config import ModelConfig
 from ds4py.errors import Ds4Error
 from ds4py.gguf import GGUFFile, row_nbytes
@@ -276,13 +277,15 @@ def _write_dense(w: StreamWriter, t, qt: Q) -> None:
 
 
 def _expert_layer(name: str, n_layers: int) -> tuple[int, str] | None:
-    """(layer, matrix) of a routed-expert tensor name, else None: a backbone layer's ("blk.L"), or a DSpark draft
-    stage's ("dspark.S", numbered n_layers + S as the official code numbers its stages)."""
+    """(layer, matrix) of a routed-expert tensor name, else None: a backbone layer's ("blk.L"), a DSpark draft
+    stage's ("dspark.S") or a V4 MTP block's ("mtp.S", in the model file or ds4's separate MTP file); the draft
+    blocks are numbered n_layers + S as the official code numbers them (so they take --bits, not the shallow
+    width)."""
     parts = name.split(".")
-    if len(parts) == 4 and parts[0] in ("blk", "dspark") and parts[1].isdigit() and parts[3] == "weight":
+    if len(parts) == 4 and parts[0] in ("blk", "dspark", "mtp") and parts[1].isdigit() and parts[3] == "weight":
         for m in vq.MATRICES:
             if parts[2] == f"ffn_{m}_exps":
-                return int(parts[1]) + (n_layers if parts[0] == "dspark" else 0), m
+                return int(parts[1]) + (0 if parts[0] == "blk" else n_layers), m
     return None
 
 
@@ -297,14 +300,19 @@ def quantize_vq(src: str, out: str, opts: Options, progress: bool = True) -> dic
     from ds4py.convert import output_paths
 
     f = GGUFFile(src)
-    cfg = ModelConfig.from_gguf(f)
+    mtp_file = schema.MTP_PREFIX + "e_proj.weight" in f and "token_embd.weight" not in f     # ds4's separate MTP GGUF
+    cfg = ModelConfig.from_gguf(f, validate=not mtp_file)
+    if mtp_file:                  # the block's tensors as the MTP loader wants them (its experts: checked below)
+        for name, (shape, types) in schema.expected_mtp_tensors(cfg).items():
+            if not name.endswith("_exps.weight"):
+                f.tensor(name, types=types, shape=shape)
     opts.check(cfg.n_layers)
     out, tmp = output_paths(out)
     if os.path.abspath(src) == out:
         raise QuantizeError(f"{out}: the output would overwrite the source model")
     prog = Progress(progress)
 
-    jobs: dict[int, LayerJob] = {}
+    jobs: dict[str, LayerJob] = {}                           # by block prefix
     for name, t in f.tensors.items():
         hit = _expert_layer(name, cfg.n_layers)
         if hit is None:
@@ -314,7 +322,8 @@ def quantize_vq(src: str, out: str, opts: Options, progress: bool = True) -> dic
             raise QuantizeError(f"{src}: {name} is already VQ-8; quantise from the original experts")
         if t.shape[2] % vq.ROW_QUANTUM:
             raise QuantizeError(f"{src}: {name} rows are {t.shape[2]} weights, not a multiple of {vq.ROW_QUANTUM}")
-        jobs.setdefault(layer, LayerJob(layer, opts.layer_bits(layer), {}, vq.block_of(name))).tensors[m] = t
+        block = vq.block_of(name)
+        jobs.setdefault(block, LayerJob(layer, opts.layer_bits(layer), {}, block)).tensors[m] = t
     for job in jobs.values():                                # refuse a thin pool before any work
         K = 1 << job.bits
         per = job.n_vectors // K
@@ -328,7 +337,7 @@ def quantize_vq(src: str, out: str, opts: Options, progress: bool = True) -> dic
     for name, t in f.tensors.items():
         hit = _expert_layer(name, cfg.n_layers)
         if hit is not None:
-            job = jobs[hit[0]]
+            job = jobs[vq.block_of(name)]
             if hit[1] == next(iter(job.tensors)):
                 plans += _plan_layer(job.block, job.bits, job.tensors)
                 order.append(("layer", job))

@@ -70,16 +70,52 @@ def codebook_bytes(qtype: Any) -> int:
     return 8 * VQ_FORMATS[qtype][2] if isinstance(qtype, str) else 0
 
 
+VQ_LINE = 128                  # each expert's VQ-8 stream starts on a 128-byte line (a 256-index block: three lines)
+
+
+def vq_row_parts(qtype: str, cols: int) -> tuple[int, int]:
+    """(stream bytes, hi bytes) of one row of a VQ-8 matrix (moe_formats.cuh MoeVq): 12 bytes and, at 13 bits, one
+    hi byte per run of 8 indices, as in the file."""
+    qk, nb, _ = VQ_FORMATS[qtype]
+    runs = cols // qk
+    return runs * 12, (runs if nb == 13 else 0)
+
+
+def vq_expert_bytes(qtype: str, rows: int, cols: int) -> int:
+    """Bytes of one expert's stream in the device copy: its rows back to back, padded to whole 128-byte lines."""
+    return -(-rows * vq_row_parts(qtype, cols)[0] // VQ_LINE) * VQ_LINE
+
+
 def row_bytes(qtype: Any, cols: int) -> int:
+    """Bytes per row: the ggml blocks; VQ-8: stream + hi plane + the f32 gain (not counting an expert's stream
+    padding to a whole line: matrix_bytes)."""
     name, qk, nb = _fmt(qtype)
     need(cols % qk == 0 and cols % 32 == 0, f"experts: a row of {cols} is not whole {_label(qtype)} blocks")
-    if isinstance(qtype, str):                 # VQ: the runs, then the f32 gain 4-byte aligned, padded to 16
-        return ((cols // qk * nb + 3) // 4 * 4 + 4 + 15) // 16 * 16
+    if isinstance(qtype, str):
+        return sum(vq_row_parts(qtype, cols)) + 4
     return cols // qk * nb
+
+
+def matrix_bytes(qtype: Any, n_experts: int, rows: int, cols: int) -> int:
+    """Device bytes of a stacked expert tensor [n_experts, rows, cols]: the ggml formats' rows; VQ-8: the codebook,
+    the experts' line-padded streams, the hi rows and the f32 gains (ds4py/cuda/vq_layout.py)."""
+    rb = row_bytes(qtype, cols)
+    if isinstance(qtype, str):
+        return (codebook_bytes(qtype) + n_experts * vq_expert_bytes(qtype, rows, cols)
+                + n_experts * rows * (vq_row_parts(qtype, cols)[1] + 4))
+    return n_experts * rows * rb
 
 
 def room(n: int) -> int:
     return (n + 31) & ~15
+
+
+def stage_bytes(qtype: Any, nr: int, cols: int) -> int:
+    """Shared bytes of nr staged rows (experts.cu MoeStage::room): one span, VQ-8 three (stream, hi, gains)."""
+    if isinstance(qtype, str):
+        sb, hb = vq_row_parts(qtype, cols)
+        return room(nr * sb) + (room(nr * hb) if hb else 0) + room(4 * nr)
+    return room(nr * row_bytes(qtype, cols))
 
 
 @dataclass(frozen=True)
@@ -95,23 +131,23 @@ def moe_plan(qtype: int, cols: int, rows: int, spans: int, sums: int, rows_per_b
              budget: int = SMEM_BUDGET) -> MoePlan:
     """spans: row spans staged per block (2 for gate+up, n_slots for down); sums: partial-sum rows per block row
     (2 for gate+up, 1 for down). Rows per block: as many as fit `budget`, at most MOE_RPT per row lane."""
-    rb = row_bytes(qtype, cols)
+    row_bytes(qtype, cols)                      # refuses a row that is not whole blocks
     G = cols // 32
     need(G <= 1024, f"experts: {cols} columns exceed the kernel's 1024 column groups")
     RL = max(1, 256 // G)
     threads = 32 * -(-(G * RL) // 32)
     if rows_per_block is None:
-        rows_per_block = max(1, min(MOE_RPT * RL, budget // (spans * room(rb)), rows))
+        rows_per_block = max(1, min(MOE_RPT * RL, budget // (spans * stage_bytes(qtype, 1, cols)), rows))
     need(1 <= rows_per_block <= MOE_RPT * RL, f"experts: {rows_per_block} rows per block exceed {MOE_RPT} per "
          f"row lane x {RL} lanes")
-    stage = spans * room(rows_per_block * rb)
+    stage = spans * stage_bytes(qtype, rows_per_block, cols)
     partial = 4 * sums * rows_per_block * (G + 1)
     return MoePlan(threads, RL, rows_per_block, max(stage, partial))
 
 
 def _check_weights(where: str, W: Any, qtype: Any, n_experts: int, rows: int, cols: int) -> None:
     need(dtype_is(W, np.uint8), f"{where}: weights must be the raw GGUF bytes (uint8)")
-    want = codebook_bytes(qtype) + n_experts * rows * row_bytes(qtype, cols)
+    want = matrix_bytes(qtype, n_experts, rows, cols)
     need(W.nbytes == want, f"{where}: {W.nbytes} weight bytes for {n_experts} experts of [{rows}, {cols}] "
          f"{_label(qtype)} ({want} expected)")
 
@@ -178,16 +214,16 @@ def moe_rows_plan(qtype: int, dim: int, ff: int, rows_per_block: int | None = No
     """The grouped gate + up keeps its stage while it runs every pair of its expert, so the partial sums sit
     beside it: as many rows per block as fit stage + partials in `budget` (the thread layout, and so every
     pair's bits, are those of moe_gate_up)."""
-    rb, G = row_bytes(qtype, dim), dim // 32
+    G = dim // 32
     one = moe_plan(qtype, dim, ff, 2, 2, 1)
     if rows_per_block is None:
         rows_per_block = MOE_RPT * one.row_lanes
-        while rows_per_block > 1 and 2 * room(rows_per_block * rb) + 8 * rows_per_block * (G + 1) > budget:
+        while rows_per_block > 1 and 2 * stage_bytes(qtype, rows_per_block, dim) + 8 * rows_per_block * (G + 1) > budget:
             rows_per_block -= 1
         rows_per_block = min(rows_per_block, ff)
     plan = moe_plan(qtype, dim, ff, 2, 2, rows_per_block)
     return MoePlan(plan.threads, plan.row_lanes, rows_per_block,
-                   2 * room(rows_per_block * rb) + 8 * rows_per_block * (G + 1))
+                   2 * stage_bytes(qtype, rows_per_block, dim) + 8 * rows_per_block * (G + 1))
 
 
 def moe_gate_up_rows(rt: Any, qtype: int, Wg: Any, Wu: Any, x: Any, ids: Any, route_w: Any, h: Any,
