@@ -11,6 +11,8 @@
 //   v41_index_keys      an owner's indexer keys from wk . latent: RMSNorm(k_norm), RoPE at g*r, FP4 -> keys[g]
 //   v41_candidates      the candidate source's blocks (best row per block, the newest block pinned, the top n kept)
 //                       -> cand[0..n) (1 inside), or (mask) scores outside cand set to -inf
+//   v41_engram_rows     Engram's table rows as staged (FP8 e4m3 codes + one e8m0 scale per 32) -> f32, rounded to
+//                       bf16 as the official lookup returns them
 //   v41_engram          Engram's gate: X[t, j] += sigmoid(signed sqrt(dot_j)) * value[t] (in place)
 // Layout of the row kernels: thread t holds the pair of dims (2t, 2t+1) (attention.cuh's convention), so 8 lanes
 // hold an NVFP4 block of 16, 16 lanes an FP8 / FP4 block of 32.
@@ -245,4 +247,19 @@ extern "C" __global__ void v41_engram(float* X, const float* kv, const float* we
     const float gate = 1.0f / (1.0f + expf(-copysignf(sqrtf(fmaxf(fabsf(dot), 1e-6f)), dot)));
     __syncthreads();                                     // every thread has read x before any writes it
     for (int i = threadIdx.x; i < D; i += blockDim.x) x[i] += gate * value[i];
+}
+
+// Launch: grid (any), block (any multiple of 32). codes [n], scales [n / 32] (e8m0: 2^(s - 127), 255 NaN) ->
+// rows [n] = bf16(e4m3(code) * scale) (round to nearest even; engram._bf16).
+extern "C" __global__ void v41_engram_rows(const unsigned char* codes, const unsigned char* scales, float* rows,
+                                           int n) {
+    pdl_wait();
+    pdl_launch_dependents();
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        const unsigned s = scales[i / 32];
+        const float scale = s == 255u ? __int_as_float(0x7fc00000)
+                                      : (s == 0u ? __uint_as_float(0x00400000u) : __uint_as_float(s << 23));
+        const unsigned u = __float_as_uint(fp8_e4m3_to_float(codes[i]) * scale);
+        rows[i] = __uint_as_float((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);
+    }
 }

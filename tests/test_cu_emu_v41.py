@@ -148,3 +148,14 @@ def test_engram(kdev):
     dX = dev.var(X)
     ops_v41.engram(dev.rt, dX, dev.const(kv), dev.const(weight), T, hc, D, EPS)
     close(dX.download(), twin.engram(X, kv, weight, EPS), "engram")
+
+
+def test_engram_rows(kdev):
+    """Every e4m3 code with scales over the e8m0 range (0 and 255 included): the reference's rows exactly."""
+    r, dev = rng(5), kdev("random", 5)
+    codes = np.arange(256 * 4, dtype=np.int64).astype(np.uint8).reshape(4, 256)
+    scales = r.integers(100, 150, (4, 8)).astype(np.uint8)
+    scales[0, 0], scales[0, 1] = 0, 255
+    rows = dev.var(np.zeros((4, 256), F32))
+    ops_v41.engram_rows(dev.rt, dev.const(codes), dev.const(scales), rows, 4 * 256)
+    np.testing.assert_array_equal(rows.download(), twin.engram_rows(codes, scales))

@@ -98,6 +98,10 @@ UNREACHED = {
     "gemm_q4_k": "q4_K dense weights: the checker's models carry no q4_K file yet (tests/test_cu_emu_q4k.py)",
     **{f"moe_{k}_vq{b}": "VQ-8 experts: the checker's models carry no VQ-8 file yet (tests/test_cu_emu_vq.py runs them "
                          "against their twin)" for k in ("gate_up", "gate_up_rows", "down", "down_rows") for b in (12, 13)},
+    **{f"v41_{k}": "V4.1 roles: the checker's models carry no V4.1 file yet (tests/test_cu_emu_v41.py runs them "
+                   "against their twin, tests/test_cuda_v41.py through the engine)"
+       for k in ("kv_rows", "index_q", "compress", "comp_ring_store", "index_keys", "candidates", "engram_rows",
+                 "engram")},
     "argmax_f32": "the device argmax of the benches and tests; the engine's greedy pick runs in cu/sample.cu",
     "gemm_mma_tile_bf16": "a probe of the mma fragment layout (tests, tests/gpu), not an engine kernel",
     "gemm_mma_tile_f16": "a probe of the mma fragment layout (tests, tests/gpu), not an engine kernel",

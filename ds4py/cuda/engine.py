@@ -378,7 +378,7 @@ class CudaModel(ModelBase):
     def _stage_engram(self, ws: layer.Workspace, chunks: list[tuple[CudaState, int, Sequence[int]]]) -> None:
         """Engram's rows of these (state, first position, tokens) chunks, in row order, into ws's input slot."""
         if self.engram is not None:
-            self.engram.stage(self.rt, ws.engram_rows, self.engram.advance(self.rt, chunks))
+            self.engram.stage(self.rt, ws.engram_codes, ws.engram_scales, self.engram.advance(self.rt, chunks))
 
     def _check_weights(self) -> None:
         for il, lw in enumerate(self.w.binding.layers):

@@ -1,13 +1,13 @@
 """Engram's step input on CUDA (docs/cuda.md "V4.1"): the hash ids of every row of a row set and their table rows,
-staged on the host and copied into the workspace's `engram_rows` slot before the step runs, so a captured graph
-replays unchanged (the rows are an input, like the [pos, token] slot).
+gathered on the host as stored (FP8 codes and e8m0 scales) and copied into the workspace's `engram_codes` /
+`engram_scales` slots before the step runs, so a captured graph replays unchanged (the rows are an input, like the
+[pos, token] slot); the graph dequantises them (cu/v41.cu v41_engram_rows) and runs the projection.
 
     feed = EngramFeed(cfg, hasher, tables)
     ids = feed.advance(chunks)            # per (state, first position, tokens): hash ids; the states' rings advanced
-    feed.stage(rt, ws.engram_rows, ids)   # the rows of every id into the slot [engram layers, row capacity, width]
+    feed.stage(rt, ws.engram_codes, ws.engram_scales, ids)   # the rows of every id into the slots
 
-The tables stay memory-mapped in the official shards (ds4py.engram.EngramTables reads only the rows the ids name,
-dequantised as the official lookup: e4m3 · 2^(s-127) in bf16). The hash runs on the host (ds4py.engram.NgramHasher:
+The tables stay memory-mapped in the official shards (ds4py.engram.EngramTables reads only the rows the ids name). The hash runs on the host (ds4py.engram.NgramHasher:
 int64 products, XOR, modulo primes) from the state's `ngram_ids` ring, which lives on the device with the rest of
 the state (so copy, save, load and truncate cover it): each chunk reads the ring's last max_ngram - 1 tokens and
 writes its own tail back, exactly as the reference's NgramIds does.
@@ -44,11 +44,13 @@ class EngramFeed:
             ring_dev.upload(ring.reshape(ring_dev.shape).astype(np.int32), rt.main)
         return out
 
-    def stage(self, rt: Any, slot: DeviceArray, ids: Sequence[np.ndarray]) -> None:
-        """The table rows of the rows' ids [R, engram layers, cols] (in row order) into slot [layers, cap, width]."""
+    def stage(self, rt: Any, codes: DeviceArray, scales: DeviceArray, ids: Sequence[np.ndarray]) -> None:
+        """The rows' ids [R, engram layers, cols] (in row order): their table rows as stored (e4m3 codes, e8m0
+        scales; (max_ngram - 1) · heads rows of 33 bytes per 32 values) into the slots [layers, cap, ...]."""
         all_ids = np.concatenate(ids) if len(ids) > 1 else ids[0]
-        n_layers, cap, width = slot.shape
+        n_layers, cap, width = codes.shape
         R = all_ids.shape[0]
-        for e in range(n_layers):          # a fresh array per copy: the queued copy may still read the last one
-            rows = np.ascontiguousarray(self.tables.rows(e, all_ids[:, e]), np.float32)
-            slot.view(4 * e * cap * width, (R, width)).upload(rows, rt.main)
+        for e in range(n_layers):          # fresh arrays per copy: a queued copy may still read the last ones
+            c, s = self.tables.codes(e, all_ids[:, e])
+            codes.view(e * cap * width, (R, width)).upload(np.ascontiguousarray(c), rt.main)
+            scales.view(e * cap * (width // 32), (R, width // 32)).upload(np.ascontiguousarray(s), rt.main)

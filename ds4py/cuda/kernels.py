@@ -513,11 +513,13 @@ def v41_attend_block(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
 
 
 def v41_engram(ls: Any, rec: Any, e: int, E: Any, X: DeviceArray) -> None:
-    """Engram e before its block: kv = wkv . the rows' table rows (the step's input, staged by the host), then the
-    gate into every hc copy of X in place."""
+    """Engram e before its block: the rows' table rows (the step's input: FP8 codes and scales staged by the host)
+    dequantised, kv = wkv . rows, then the gate into every hc copy of X in place."""
     cfg, ws, R = rec.cfg, rec.ws, rec.R
-    width, cap = cfg.engram_cols * cfg.engram_head_dim, max(1, rec.rows.cap)
+    width, cap = cfg.engram_in_dim, max(1, rec.rows.cap)
     rows_in = ws.engram_rows.view(4 * e * cap * width, R * width)
+    ops_v41.engram_rows(ls, ws.engram_codes.view(e * cap * width, R * width),
+                        ws.engram_scales.view(e * cap * width // 32, R * width // 32), rows_in, R * width, **ls.main())
     of(rec.mode).dense(ls, rec, [(E.kv, ws.ekv, (cfg.hc_mult + 1) * cfg.dim)], rows_in, width, ls.main)
     ops_v41.engram(ls, X, ws.ekv, rec.engram_weights[e], R, cfg.hc_mult, cfg.dim, cfg.norm_eps, **ls.main())
 

@@ -48,7 +48,7 @@ from ds4py.cuda.ops import attention as ops_attn
 from ds4py.cuda.ops import moe_prefill as ops_moep
 from ds4py.cuda.ops.mhc import mix_partial_floats, mix_record
 
-F32, I32, U32 = np.dtype(np.float32), np.dtype(np.int32), np.dtype(np.uint32)
+F32, I32, U32, U8 = np.dtype(np.float32), np.dtype(np.int32), np.dtype(np.uint32), np.dtype(np.uint8)
 MAX_ROWS = 16             # rows of one ROWS step (a verify of 1 + k <= 16 rows is one step)
 MAX_BLOCK = 2048          # rows of one BLOCK (prefill) step
 HEAD_ROWS = 16            # rows per head pass of a block (all_logits runs the head in passes of this many rows)
@@ -146,15 +146,18 @@ def workspace_shapes(cfg, bucket: int, rows: int = 1, mode: str = DECODE, hidden
 
 def v41_shapes(cfg, rows: int, mode: str, lead: tuple, n_keys: int) -> Shapes:
     """V4.1's extra buffers: the compressor latent and the key owner's wk . latent, the candidate rows (per row:
-    they live from the candidate source to the indexers after it), Engram's table rows (the step's input, staged by
-    the host: [engram layers, rows, cols * row]) and its wkv output. A row's top-k is per row too (the later layers
+    they live from the candidate source to the indexers after it), Engram's table rows as stored (the step's input,
+    FP8 codes and e8m0 scales staged by the host: [engram layers, rows, ...]), dequantised, and its wkv output. A row's top-k is per row too (the later layers
     reuse their index source's)."""
     out: Shapes = {"clat": (lead + (cfg.head_dim,), F32), "ik": (lead + (cfg.index_head_dim,), F32),
                    "cand": (lead + (n_keys,), I32)}
     if mode == ROWS:
         out["sel"] = ((rows, max(1, cfg.index_topk)), I32)
     if cfg.engram_layers:
-        out["engram_rows"] = ((len(cfg.engram_layers), rows, cfg.engram_in_dim), F32)
+        nE, width = len(cfg.engram_layers), cfg.engram_in_dim
+        out["engram_codes"] = ((nE, rows, width), U8)
+        out["engram_scales"] = ((nE, rows, width // 32), U8)
+        out["engram_rows"] = ((nE, rows, width), F32)
         out["ekv"] = (lead + (cfg.engram_kv_dim,), F32)
     return out
 

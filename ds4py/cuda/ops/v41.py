@@ -122,3 +122,13 @@ def engram(rt: Any, X: Any, kv: Any, weight: Any, n_rows: int, hc: int, D: int, 
          f"v41_engram: X, kv or weight do not match [{n_rows}, {hc}, {D}]")
     need(_f32(X, kv, weight), "v41_engram: float32 arrays expected")
     rt.launch("v41_engram", (n_rows, hc), V41_THREADS, X, kv, weight, D, float(eps), stream=stream, pdl=pdl)
+
+
+def engram_rows(rt: Any, codes: Any, scales: Any, rows: Any, n: int, stream: Any = None, pdl: bool = False) -> None:
+    """rows [n] = bf16(e4m3(codes) * 2^(scales - 127)), one e8m0 scale per 32 codes (Engram's staged table rows)."""
+    need(n % 32 == 0 and codes.size >= n and scales.size >= n // 32 and rows.size >= n,
+         f"v41_engram_rows: {n} codes (whole groups of 32), their scales and rows expected")
+    need(is_dtype(codes, np.uint8) and is_dtype(scales, np.uint8) and is_dtype(rows, np.float32),
+         "v41_engram_rows: uint8 codes and scales, float32 rows expected")
+    rt.launch("v41_engram_rows", max(1, min(64, -(-n // V41_THREADS))), V41_THREADS, codes, scales, rows, int(n),
+              stream=stream, pdl=pdl)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ds4py import engram as engram_tables
 from ds4py.ref import ops, v41
 
 F32 = np.float32
@@ -55,3 +56,8 @@ def engram(X: np.ndarray, kv: np.ndarray, weight: np.ndarray, eps: float) -> np.
     dot = (X * weight * key).sum(-1) * rstd * F32(D ** -0.5)
     gate = ops.sigmoid(np.copysign(np.sqrt(np.maximum(np.abs(dot), F32(1e-6))), dot))
     return X + gate[:, :, None] * value[:, None, :]
+
+
+def engram_rows(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """Engram table rows from their stored codes [T, n] and scales [T, n / 32] (the reference's dequantisation)."""
+    return engram_tables.dequantise_rows(codes, scales)
