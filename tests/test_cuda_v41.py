@@ -145,3 +145,16 @@ def test_refusals(v41_gguf, cuda):
     with pytest.raises(UnsupportedByBackend, match="Engram"):
         cuda.generate(cuda.new_state(), 1, SamplingParams(temperature=0), 2)
     assert not cuda.capabilities.device_generation
+
+
+def test_engram_hash_ids_equal_the_official(cuda, gold):
+    """The ids the CUDA engine's Engram feed computes from the device state's n-gram ring, a token at a time and
+    as one chunk, equal the official run's (case c: 200 positions, the ring wraps)."""
+    ids, P = gold["c_ids"], int(gold["c_P"])
+    want = np.concatenate([gold["c_prefill_hash_ids"], gold["c_decode_hash_ids"]])
+    st = cuda.new_state()
+    got = np.concatenate([cuda.engram.advance(cuda.rt, [(st, p, [int(t)])])[0] for p, t in enumerate(ids)])
+    assert np.array_equal(got, want)
+    st = cuda.new_state()
+    chunked = cuda.engram.advance(cuda.rt, [(st, 0, ids[:P])])[0]
+    assert np.array_equal(chunked, want[:P])
