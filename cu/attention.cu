@@ -1,7 +1,8 @@
 // Decode attention of V4 Flash (MODEL.md §2.3, ds4py/ref/forward.attention for one token):
 //   attn_kv_store        kv = RMSNorm(wkv x; kv_norm), RoPE, FP8 fake-quant of the non-rope dims -> window ring
-//   attn_decode_partial  per head: q RMS (no weight; q_norm 0, V4.1: none) + RoPE; scores against window rows + compressed rows, one
-//                        chunk of keys per block (flash-decoding partials: max, sum, unnormalised weighted V)
+//   attn_decode_partial  per head: q RMS (no weight; q_norm 0, V4.1: none) + RoPE; scores against window rows +
+//                        compressed rows, one chunk of keys per block (flash-decoding partials: max, sum,
+//                        unnormalised weighted V)
 //   attn_decode_combine  merges the chunks with the sink in the denominator, then the inverse RoPE
 // The key set of a decode step at position pos (read from the device slot, so a graph replays unchanged):
 //   window rows of positions max(0, pos-W+1) .. pos (ring slot = p % ring), then the compressed rows:

@@ -4,13 +4,14 @@ gathered on the host as stored (FP8 codes and e8m0 scales) and copied into the w
 [pos, token] slot); the graph dequantises them (cu/v41.cu v41_engram_rows) and runs the projection.
 
     feed = EngramFeed(cfg, hasher, tables)
-    ids = feed.advance(chunks)            # per (state, first position, tokens): hash ids; the states' rings advanced
+    ids = feed.advance(rt, chunks)        # per (state, first position, tokens): hash ids; the states' rings advanced
     feed.stage(rt, ws.engram_codes, ws.engram_scales, ids)   # the rows of every id into the slots
 
-The tables stay memory-mapped in the official shards (ds4py.engram.EngramTables reads only the rows the ids name). The hash runs on the host (ds4py.engram.NgramHasher:
-int64 products, XOR, modulo primes) from the state's `ngram_ids` ring, which lives on the device with the rest of
-the state (so copy, save, load and truncate cover it): each chunk reads the ring's last max_ngram - 1 tokens and
-writes its own tail back, exactly as the reference's NgramIds does.
+The tables stay memory-mapped in the official shards (ds4py.engram.EngramTables reads only the rows the ids
+name). The hash runs on the host (ds4py.engram.NgramHasher: int64 products, XOR, modulo primes) from the state's
+`ngram_ids` ring, which lives on the device with the rest of the state (so copy, save, load and truncate cover
+it): each chunk reads the ring's last max_ngram - 1 tokens and writes its own tail back, exactly as the
+reference's NgramIds does.
 """
 
 from __future__ import annotations

@@ -147,8 +147,8 @@ def workspace_shapes(cfg, bucket: int, rows: int = 1, mode: str = DECODE, hidden
 def v41_shapes(cfg, rows: int, mode: str, lead: tuple, n_keys: int) -> Shapes:
     """V4.1's extra buffers: the compressor latent and the key owner's wk . latent, the candidate rows (per row:
     they live from the candidate source to the indexers after it), Engram's table rows as stored (the step's input,
-    FP8 codes and e8m0 scales staged by the host: [engram layers, rows, ...]), dequantised, and its wkv output. A row's top-k is per row too (the later layers
-    reuse their index source's)."""
+    FP8 codes and e8m0 scales staged by the host: [engram layers, rows, ...]), dequantised, and its wkv output. A
+    row's top-k is per row too (the later layers reuse their index source's)."""
     out: Shapes = {"clat": (lead + (cfg.head_dim,), F32), "ik": (lead + (cfg.index_head_dim,), F32),
                    "cand": (lead + (n_keys,), I32)}
     if mode == ROWS:
