@@ -61,11 +61,12 @@ __all__ = ["BLOCK", "DECODE", "HEAD_ROWS", "Launcher", "MAX_BLOCK", "MAX_ROWS", 
 # ---- the workspace: one declaration, sized by the row set ---------------------------------------------------
 def bucket_keys(cfg, ro, bucket: int) -> int:
     """Keys a decode query of this layer attends to at most, below position `bucket`: its window plus the
-    compressed rows it can see (all of them, or the indexer's top-k)."""
+    compressed rows it can see (all of them, or its index source's top-k: its own indexer's, or V4.1's latest
+    index source's)."""
     if not ro.compressed:
         return cfg.window
     n = bucket // ro.ratio
-    return cfg.window + (min(n, cfg.index_topk) if ro.indexer else n)
+    return cfg.window + (min(n, cfg.index_topk) if ro.indexer or ro.index_source >= 0 else n)
 
 
 def attn_plans(cfg, bucket: int) -> list[ops_attn.AttnPlan]:
