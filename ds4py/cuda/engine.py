@@ -1,4 +1,4 @@
-"""CudaModel: V4 Flash on the GPU (or, `--backend cuda-emu`, on the CPU emulator of the same kernels).
+"""CudaModel: V4 / V4.1 Flash on the GPU (or, `--backend cuda-emu`, on the CPU emulator of the same kernels).
 
     model = CudaModel("model.gguf")                       # Runtime() on the first GPU; emulate=True: EmuRuntime
     logits = model.step([state], [ids])[0]                # the engine contract (ds4py.model, docs/engine.md)
