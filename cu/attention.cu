@@ -1,7 +1,8 @@
 // Decode attention of V4 Flash (MODEL.md §2.3, ds4py/ref/forward.attention for one token):
 //   attn_kv_store        kv = RMSNorm(wkv x; kv_norm), RoPE, FP8 fake-quant of the non-rope dims -> window ring
-//   attn_decode_partial  per head: q RMS (no weight) + RoPE; scores against window rows + compressed rows, one
-//                        chunk of keys per block (flash-decoding partials: max, sum, unnormalised weighted V)
+//   attn_decode_partial  per head: q RMS (no weight; q_norm 0, V4.1: none) + RoPE; scores against window rows +
+//                        compressed rows, one chunk of keys per block (flash-decoding partials: max, sum,
+//                        unnormalised weighted V)
 //   attn_decode_combine  merges the chunks with the sink in the denominator, then the inverse RoPE
 // The key set of a decode step at position pos (read from the device slot, so a graph replays unchanged):
 //   window rows of positions max(0, pos-W+1) .. pos (ring slot = p % ring), then the compressed rows:
@@ -80,7 +81,7 @@ extern "C" __global__ void attn_decode_partial(const float* q_raw, const float* 
                                                const float* win, int ring, int window, const float* comp, int ratio,
                                                const int* sel, int topk, float* part_o, float* part_ml,
                                                int n_heads, int hd, int rd, int keys_per_split, float eps,
-                                               float scale) {
+                                               float scale, int q_norm) {
     extern __shared__ __align__(16) float attn_smem[];
     __shared__ float2 rope_cs[ATTN_MAX_HD / 2];                           // (cos, sin) of pos * freqs[i]
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -124,7 +125,7 @@ extern "C" __global__ void attn_decode_partial(const float* q_raw, const float* 
                 const float2 v = qr[p];
                 ss += v.x * v.x + v.y * v.y;
             }
-            const float r = rsqrtf(warp_sum(ss) / (float)hd + eps);
+            const float r = q_norm ? rsqrtf(warp_sum(ss) / (float)hd + eps) : 1.0f;   // V4.1: no q norm
             for (int p = lane; p < half; p += 32) {
                 float2 v = qr[p];
                 v = make_float2(v.x * r, v.y * r);

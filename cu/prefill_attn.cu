@@ -96,7 +96,7 @@ struct PfaKeys {
 extern "C" __global__ void attn_prefill(const float* q_raw, const float* freqs, const int* pos, const float* ring,
                                         int ring_rows, const float* blk, int window, const float* comp, int ratio,
                                         const int* sel, int topk, const float* sinks, float* out, int n_heads, int hd,
-                                        int rd, float eps, float scale) {
+                                        int rd, float eps, float scale, int q_norm) {
     extern __shared__ __align__(16) float pfa_smem[];
     __shared__ float2 rope_cs[PFA_MAX_HD / 2];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -140,7 +140,7 @@ extern "C" __global__ void attn_prefill(const float* q_raw, const float* freqs, 
                 const float2 v = qr[pp];
                 ss += v.x * v.x + v.y * v.y;
             }
-            const float r = rsqrtf(warp_sum(ss) / (float)hd + eps);
+            const float r = q_norm ? rsqrtf(warp_sum(ss) / (float)hd + eps) : 1.0f;   // V4.1: no q norm
             for (int pp = lane; pp < half; pp += 32) {
                 float2 v = qr[pp];
                 v = make_float2(v.x * r, v.y * r);

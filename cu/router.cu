@@ -1,7 +1,8 @@
 // MoE routing of one token (MODEL.md §2.4, ds4py/ref/forward.route): s = sqrt(softplus(logits)) from the
 // ffn_gate_inp GEMV; the experts are the top k of s + bias (the bias picks, never weighs), or tid2eid[token] on
 // the hash-routed layers (token id read from the device, so the graph needs no host value); weights s[id] /
-// sum s[id] * route_scale (route_norm) or s[id] * route_scale. One warp, no shared memory, no atomics.
+// sum s[id] * route_scale (route_norm) or s[id] * route_scale. V4.1: the logits divided by gate_temp first, the sum
+// plus norm_eps (1e-20; V4: 1 and 0, which change no bit). One warp, no shared memory, no atomics.
 #include "types.cuh"
 #include "portable.cuh"
 #include "reduce.cuh"
@@ -20,14 +21,14 @@ __device__ __forceinline__ float route_score(float x) {     // sqrt(logaddexp(0,
 // One token's routing by one warp (every lane calls it).
 __device__ __forceinline__ void route_one(const float* logits, const float* bias, const int* tid2eid,
                                           const int* token, int n_experts, int k, int vocab, float route_scale,
-                                          int route_norm, int* ids, float* weights) {
+                                          int route_norm, float gate_temp, float norm_eps, int* ids, float* weights) {
     const int lane = threadIdx.x;
     const float nan = __int_as_float(0x7fc00000);
     float s[ROUTE_PER_LANE], b[ROUTE_PER_LANE];
 #pragma unroll
     for (int i = 0; i < ROUTE_PER_LANE; ++i) {
         const int e = lane + 32 * i;
-        s[i] = e < n_experts ? route_score(logits[e]) : 0.0f;
+        s[i] = e < n_experts ? route_score(logits[e] / gate_temp) : 0.0f;
         b[i] = e < n_experts ? (bias ? s[i] + bias[e] : s[i]) : -__int_as_float(0x7f800000);
     }
     int my_id = -1;                                      // lane j < k ends with the j-th expert
@@ -38,7 +39,7 @@ __device__ __forceinline__ void route_one(const float* logits, const float* bias
             const int e = (tok >= 0 && tok < vocab) ? tid2eid[(size_t)tok * k + lane] : -1;
             if (e >= 0 && e < n_experts) {
                 my_id = e;
-                const float se = route_score(logits[e]);
+                const float se = route_score(logits[e] / gate_temp);
                 my_s = se;
             }
         }
@@ -67,14 +68,14 @@ __device__ __forceinline__ void route_one(const float* logits, const float* bias
             if (bi != 0x7fffffff && (bi & 31) == lane) taken |= 1u << (bi >> 5);
             if (lane == j && bi != 0x7fffffff) my_id = bi;
         }
-        if (lane < k && my_id >= 0) my_s = route_score(logits[my_id]);
+        if (lane < k && my_id >= 0) my_s = route_score(logits[my_id] / gate_temp);
     }
     // sum over the k picks in order (numpy's sequential sum of a short row)
     float sum = 0.0f;
     for (int j = 0; j < k; ++j) sum += __shfl_sync(DS4_FULL_MASK, my_s, j);
     if (lane < k) {
         ids[lane] = my_id;
-        weights[lane] = (route_norm ? my_s / sum : my_s) * route_scale;
+        weights[lane] = (route_norm ? my_s / (sum + norm_eps) : my_s) * route_scale;
     }
 }
 
@@ -84,21 +85,22 @@ __device__ __forceinline__ void route_one(const float* logits, const float* bias
 // lower expert index (numpy's stable argsort), NaN scores are never picked before numbers.
 // Launch: grid (1), block (32).
 extern "C" __global__ void moe_route(const float* logits, const float* bias, const int* tid2eid, const int* token,
-                                     int n_experts, int k, int vocab, float route_scale, int route_norm, int* ids,
-                                     float* weights) {
+                                     int n_experts, int k, int vocab, float route_scale, int route_norm,
+                                     float gate_temp, float norm_eps, int* ids, float* weights) {
     pdl_wait();
     pdl_launch_dependents();
-    route_one(logits, bias, tid2eid, token, n_experts, k, vocab, route_scale, route_norm, ids, weights);
+    route_one(logits, bias, tid2eid, token, n_experts, k, vocab, route_scale, route_norm, gate_temp, norm_eps, ids,
+              weights);
 }
 
 // Prefill: moe_route of T tokens, row r: logits [T, n_experts], token [T], ids / weights [T, k].
 // Launch: grid (T), block (32).
 extern "C" __global__ void moe_route_rows(const float* logits, const float* bias, const int* tid2eid,
                                           const int* token, int n_experts, int k, int vocab, float route_scale,
-                                          int route_norm, int* ids, float* weights) {
+                                          int route_norm, float gate_temp, float norm_eps, int* ids, float* weights) {
     pdl_wait();
     pdl_launch_dependents();
     const size_t r = blockIdx.x;
     route_one(logits + r * n_experts, bias, tid2eid, token + r, n_experts, k, vocab, route_scale, route_norm,
-              ids + r * k, weights + r * k);
+              gate_temp, norm_eps, ids + r * k, weights + r * k);
 }

@@ -220,6 +220,15 @@ def _bf16(x: np.ndarray) -> np.ndarray:
     return r.view(np.float32)
 
 
+def dequantise_rows(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """Table rows from their codes [T, n] and scales [T, n / 32]: e4m3 · 2^(s-127), rounded to bf16 (float32)."""
+    from ds4py.quant.official import E4M3, E8M0
+
+    T = codes.shape[0]
+    vals = E4M3[codes].reshape(T, -1, 32) * E8M0[scales][:, :, None]
+    return _bf16(np.ascontiguousarray(vals, np.float32)).reshape(T, -1)
+
+
 @dataclass
 class _Table:
     layer: int
@@ -306,18 +315,18 @@ class EngramTables:
             tables.append(_Table(layer, found[wn], arrays[0], arrays[1]))
         return cls(tables, cfg.engram_head_dim)
 
+    def codes(self, e: int, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The rows `ids` [T, cols] of table e as stored: (e4m3 codes [T, cols · row width], e8m0 scales
+        [T, cols · row width / 32]) uint8, read from the memory-mapped shard (only these rows)."""
+        t = self.tables[e]
+        flat = np.asarray(ids, np.int64).reshape(-1)
+        self.rows_read += len(flat)
+        return t.weight[flat].reshape(len(ids), -1), t.scale[flat].reshape(len(ids), -1)
+
     def rows(self, e: int, ids: np.ndarray) -> np.ndarray:
         """The rows `ids` [T, cols] of table e, dequantised (e4m3 · 2^(s-127), rounded to bf16 as the official
         lookup returns them) and flattened per position: [T, cols · row width] float32."""
-        from ds4py.quant.official import E4M3, E8M0
-
-        t = self.tables[e]
-        flat = np.asarray(ids, np.int64).reshape(-1)
-        q = t.weight[flat]                       # reads only these rows of the memory-mapped shard
-        s = t.scale[flat]
-        self.rows_read += len(flat)
-        vals = E4M3[q].reshape(len(flat), -1, 32) * E8M0[s][:, :, None]
-        return _bf16(np.ascontiguousarray(vals, np.float32)).reshape(len(ids), -1)
+        return dequantise_rows(*self.codes(e, ids))
 
 
 # ---- GGUF metadata the converter writes and the loader reads ------------------------------------------------

@@ -133,6 +133,30 @@ def test_decode_attention(kdev, case, order):
     assert np.all(part_ml[:, empty, 0] == -np.inf) and np.all(part_ml[:, empty, 1] == 0)
 
 
+def test_decode_attention_without_q_norm(kdev):
+    """V4.1's queries have no per-head RMS (q_norm=False): the twin without it, over window + selected rows."""
+    hd, rd, H, window, ring, ratio, pos, topk = 64, 16, 4, 16, 32, 2, 40, 8
+    r = rng(hd, H, pos, 41)
+    q_raw = (r.standard_normal((H, hd)) * 0.3).astype(np.float32)
+    win = r.standard_normal((ring, hd)).astype(np.float32)
+    comp = r.standard_normal((24, hd)).astype(np.float32)
+    sel = np.sort(r.choice((pos + 1) // ratio, topk, replace=False)).astype(np.int32)
+    sinks = r.standard_normal(H).astype(np.float32)
+    freqs = yarn_freqs(rd)
+    n_keys = window + topk
+    plan = ops_attn.attn_plan(H, hd, n_keys)
+    dev = kdev("random", pos)
+    d_out = dev.var(np.full((H, hd), np.nan, np.float32))
+    ops_attn.decode_attention(dev.rt, plan, dev.const(q_raw), dev.const(freqs), dev.const(np.array([pos], np.int32)),
+                              dev.const(win), window, dev.const(comp), ratio, dev.const(sel), topk, dev.const(sinks),
+                              dev.var(np.zeros(plan.part_o_shape, np.float32)),
+                              dev.var(np.zeros(plan.part_ml_shape, np.float32)), d_out, rd, EPS, hd ** -0.5,
+                              q_norm=False)
+    keys = twin.decode_keys(win, ring, window, pos, comp, ratio, sel, topk)
+    want, mag = twin.decode_attention(q_raw, keys, sinks, freqs, pos, H, rd, EPS, hd ** -0.5, q_norm=False)
+    assert_close_scaled(d_out.download(), want, mag, n_keys + hd, "attention without q norm")
+
+
 def test_attention_is_bit_identical_across_thread_orders(kdev):
     hd, rd, H, window, ring, ratio, pos, topk, warps, extra, target = ATTN_CASES[0]
     r = rng(99)

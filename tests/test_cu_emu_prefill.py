@@ -131,6 +131,22 @@ def test_prefill_attention(kdev, case, order):
     assert_close_scaled(out, want, mag, max(counts) + hd, f"prefill attention {case}")
 
 
+def test_prefill_attention_without_q_norm(kdev):
+    """V4.1's queries have no per-head RMS (q_norm=False): the twin without it."""
+    case = (64, 16, 4, 16, 32, 4, 30, 6, 8, 2)
+    hd, rd, H, window, ring, ratio, p0, T, topk, warps = case
+    pos, q_raw, ring_a, blk, comp, sel, sinks, freqs = _case(case, 41)
+    q_raw = q_raw * np.float32(0.2)
+    dev = kdev("random", T)
+    d_out = dev.var(np.full((T, H, hd), np.nan, np.float32))
+    ops_pfa.prefill_attention(dev.rt, dev.const(q_raw), dev.const(freqs), dev.const(pos), dev.const(ring_a),
+                              dev.const(blk), window, dev.const(comp), ratio, dev.const(sel), topk, dev.const(sinks),
+                              d_out, T, H, rd, EPS, hd ** -0.5, warps=warps, q_norm=False)
+    want, mag, counts = twin.prefill_attention(q_raw, ring_a, blk, pos, window, comp, ratio, sel, topk, sinks, freqs,
+                                               H, rd, EPS, hd ** -0.5, q_norm=False)
+    assert_close_scaled(d_out.download(), want, mag, max(counts) + hd, "prefill attention without q norm")
+
+
 def test_prefill_attention_is_bit_identical_across_thread_orders(kdev):
     case = CASES[0]
     arrays = _case(case, 7)

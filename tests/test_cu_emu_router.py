@@ -79,3 +79,18 @@ def test_route_wrapper_rejects_bad_shapes():
     with pytest.raises(Ds4Error, match="tid2eid"):
         ops_route.moe_route(rt, z(8, np.float32), None, z((5, 4), np.int32), z(1, np.int32), z(6, np.int32),
                             z(6, np.float32), 8, 6, 1.5)
+
+
+@pytest.mark.parametrize("temp,eps", [(1.7, 1e-20), (1.0, 1e-20)])
+def test_route_gate_temperature(kdev, temp, eps):
+    """V4.1: logits / gate_temp, weights / (sum + 1e-20): the twin's ids and weights, exactly."""
+    r = np.random.default_rng([41, int(temp * 10)])
+    logits = (r.standard_normal(16) * 3).astype(np.float32)
+    bias = (r.standard_normal(16) * 0.5).astype(np.float32)
+    dev = kdev("random", 1)
+    ids, w = dev.var(np.full(4, -9, np.int32)), dev.var(np.full(4, np.nan, np.float32))
+    ops_route.moe_route(dev.rt, dev.const(logits), dev.const(bias), None, None, ids, w, 16, 4, 1.5, True,
+                        gate_temp=temp, norm_eps=eps)
+    want_ids, want_w = twin.route(logits, bias, None, 0, 4, 1.5, True, temp, eps)
+    np.testing.assert_array_equal(ids.download(), want_ids)
+    np.testing.assert_array_equal(w.download(), want_w)

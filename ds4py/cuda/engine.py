@@ -1,4 +1,4 @@
-"""CudaModel: V4 Flash on the GPU (or, `--backend cuda-emu`, on the CPU emulator of the same kernels).
+"""CudaModel: V4 / V4.1 Flash on the GPU (or, `--backend cuda-emu`, on the CPU emulator of the same kernels).
 
     model = CudaModel("model.gguf")                       # Runtime() on the first GPU; emulate=True: EmuRuntime
     logits = model.step([state], [ids])[0]                # the engine contract (ds4py.model, docs/engine.md)
@@ -35,6 +35,7 @@ from ds4py.cuda.kvstate import CudaState, DeviceStore
 from ds4py.cuda.memory import DeviceArray
 from ds4py.cuda.device_weights import DeviceWeights
 from ds4py.cuda.device_weights import load as load_weights
+from ds4py.cuda.engram_feed import EngramFeed
 from ds4py.cuda.memory_plan import DEFAULT_CTX, MemoryPlan, kv_bytes
 from ds4py.cuda.ops import experts as ops_moe
 from ds4py.cuda.gguf_upload import check_alignment
@@ -203,9 +204,10 @@ class CudaModel(ModelBase):
         """runtime: a Runtime / EmuRuntime to use (default: a new one: the GPU, or the emulator with emulate).
         pdl / graphs: programmatic dependent launches and graph replay (both on by default; off for the
         bit-identity tests and the bench's comparison). sidecar / posttrain: a domain sidecar and post-training
-        file (docs/vq.md), folded at load as the reference folds them. engram_dir / official_decode_bug: V4.1
-        options (docs/v41.md), which this engine refuses in one sentence (UnsupportedByBackend: `--backend auto`
-        then opens the reference); engram_dir is ignored for V4. ctx: the context one sequence is planned for
+        file (docs/vq.md), folded at load as the reference folds them. engram_dir: V4.1's Engram tables (the folder
+        with the official shards; default: the one convert recorded; ignored for V4). official_decode_bug: the
+        reference's reproduction of the official decode, which this engine refuses in one sentence
+        (UnsupportedByBackend: `--backend auto` then opens the reference). ctx: the context one sequence is planned for
         (default memory_plan.DEFAULT_CTX, at most the model's): the load prints the memory plan in one line and
         refuses a model that does not fit (UnsupportedByBackend) before uploading anything."""
         t0 = time.perf_counter()
@@ -214,7 +216,8 @@ class CudaModel(ModelBase):
         check_alignment(self.gguf)          # before any device memory is taken
         cfg = ModelConfig.from_gguf(self.gguf)
         if official_decode_bug:
-            raise UnsupportedByBackend("official_decode_bug is a V4.1 option; the CUDA engine runs V4 Flash only")
+            raise UnsupportedByBackend("the CUDA engine runs the fixed V4.1 decode only; the official decode bug is "
+                                       "reproduced on --backend ref")
         header = min(t.offset for t in self.gguf.tensors.values())
         if progress is None:
             progress = not emulate and runtime is None
@@ -245,10 +248,28 @@ class CudaModel(ModelBase):
                 print(f"ds4py: {self.memory_plan.line()}", file=sys.stderr, flush=True)
             self.memory_plan.check()
 
+        self.engram = self._engram_feed(cfg, engram_dir)
         self._setup(cfg, numerics, rollback_horizon, runtime, emulate, pdl, graphs, bool(progress), fingerprint,
                     lambda rt, ws0: load_weights(rt, self.gguf, cfg, ws0, progress=bool(progress),
                                                  row_scales=row_scales, replace=biases,
                                                  plan=lambda n: check(rt, n)), t0)
+
+    def _engram_feed(self, cfg: ModelConfig, engram_dir: str | None) -> EngramFeed | None:
+        """V4.1's Engram: the hasher and the memory-mapped tables (refused in one sentence, as on the reference,
+        when the folder or a table is missing or not the converted one)."""
+        if not cfg.is_v41:
+            if engram_dir is not None:
+                raise Ds4Error(f"{self.path}: --engram-dir applies to V4.1 models only")
+            return None
+        if not cfg.engram_layers:
+            return None
+        from ds4py import engram
+
+        hasher = engram.NgramHasher(cfg, *engram.gguf_vocabulary(self.gguf), self.path)
+        dir_key, digest_key = engram.meta_keys(cfg.arch)
+        folder = engram_dir if engram_dir is not None else self.gguf.meta(dir_key, None)
+        return EngramFeed(cfg, hasher, engram.EngramTables.open(cfg, folder, self.gguf.meta(digest_key, None),
+                                                                self.path))
 
     @classmethod
     def synthetic(cls, cfg: ModelConfig, seed: int = 0, experts: tuple = synth.Q2_EXPERTS,
@@ -258,6 +279,9 @@ class CudaModel(ModelBase):
         device check's full-size decode step, without a file."""
         self = cls.__new__(cls)
         self.path, self.gguf = f"synthetic:{cfg.n_layers} layers", None
+        if cfg.is_v41:
+            raise UnsupportedByBackend("the synthetic device-check model is V4 Flash only (V4.1 runs from a file)")
+        self.engram = None
         self._setup(cfg, numerics, rollback_horizon, runtime, emulate, pdl, graphs, False,
                     synth.fingerprint(cfg, experts, seed),
                     lambda rt, ws0: synth.load(rt, cfg, ws0, seed, experts), time.perf_counter())
@@ -286,7 +310,9 @@ class CudaModel(ModelBase):
 
         self.emulated = isinstance(self.rt, EmuRuntime)
         self.backend = "cuda-emu" if self.emulated else "cuda"
-        self.capabilities = Capabilities(speculation=True, device_generation=True, launch_counts=True,
+        # device-side generation feeds each sampled token to the next step on the device; Engram's rows are
+        # gathered on the host from that token, so an Engram model samples on the host (step by step)
+        self.capabilities = Capabilities(speculation=True, device_generation=self.engram is None, launch_counts=True,
                                          multirow=True, block_prefill=True, emulated=self.emulated)
         self.pdl, self.graphs = bool(pdl), bool(graphs)
         self.min_bucket = MIN_BUCKET
@@ -300,6 +326,7 @@ class CudaModel(ModelBase):
         self._misc.zero(self.rt.main)
         self.slot = self._misc.array(0, (2,), np.int32)            # [pos, token]
         self.ticket = self._misc.array(16, (1,), np.uint32)        # hc_mix's (zero between launches)
+        self._v41_inputs(cfg)
         self.ws: layer.Workspace | None = None
         self._heads: OrderedDict[Any, StepRun] = OrderedDict()
         self.multirow = True                                       # several rows per step as one ROWS row set
@@ -319,13 +346,39 @@ class CudaModel(ModelBase):
 
     def _check_config(self) -> None:
         cfg = self.config
-        if cfg.is_v41:
-            raise UnsupportedByBackend("the CUDA engine runs V4 Flash only (no V4.1 layer roles, Engram or candidate "
-                                       "selection yet); use --backend ref")
-        for il in range(cfg.n_layers):
-            if cfg.is_compressed(il) and cfg.kv_source(il) != il:
-                raise UnsupportedByBackend(f"layer {il} reads compressed rows of layer {cfg.kv_source(il)}, which "
-                                           f"the CUDA engine does not support yet (V4.1); use --backend ref")
+        if not cfg.is_v41:
+            for il in range(cfg.n_layers):
+                if cfg.is_compressed(il) and cfg.kv_source(il) != il:
+                    raise UnsupportedByBackend(f"layer {il} reads compressed rows of layer {cfg.kv_source(il)}, "
+                                               f"which a V4 model cannot do; use --backend ref")
+
+    def _v41_inputs(self, cfg: ModelConfig) -> None:
+        """V4.1's constant step inputs on the device: the first block's one-hot pre-mix and each Engram's q_w * k_w
+        (multiplied as the reference does, in fp32)."""
+        self._onehot, self._engram_w, self._v41_block = None, {}, None
+        if not cfg.is_v41:
+            return
+        hc, D = cfg.hc_mult, cfg.dim
+        self._v41_block = self.store.block(4 * hc + sum(4 * hc * D for _ in cfg.engram_layers) + 256)
+        self._onehot = self._v41_block.array(0, (hc,), np.float32)
+        self._onehot.upload(np.eye(1, hc, dtype=np.float32)[0], self.rt.main)
+        at = 256
+        for il, L in enumerate(self.w.binding.layers):
+            e = cfg.roles(il).engram
+            if e >= 0:
+                q, k = (L.engram.q.array.download(), L.engram.k.array.download())
+                self._engram_w[e] = self._v41_block.array(at, (hc, D), np.float32)
+                self._engram_w[e].upload((q.astype(np.float32) * k.astype(np.float32)).reshape(hc, D), self.rt.main)
+                at += 4 * hc * D
+
+    def _recording(self, ws: layer.Workspace, rows: RowSet, tickets: DeviceArray, **kw: Any) -> Recording:
+        return Recording(self.config, self.numerics, self.w.freqs, ws, rows, tickets, onehot=self._onehot,
+                         engram_weights=self._engram_w, **kw)
+
+    def _stage_engram(self, ws: layer.Workspace, chunks: list[tuple[CudaState, int, Sequence[int]]]) -> None:
+        """Engram's rows of these (state, first position, tokens) chunks, in row order, into ws's input slot."""
+        if self.engram is not None:
+            self.engram.stage(self.rt, ws.engram_codes, ws.engram_scales, self.engram.advance(self.rt, chunks))
 
     def _check_weights(self) -> None:
         for il, lw in enumerate(self.w.binding.layers):
@@ -424,6 +477,7 @@ class CudaModel(ModelBase):
         rows = []
         for i, tok in enumerate(ids):
             st.device_hw = max(st.device_hw, n0 + i + 1)
+            self._stage_engram(self.ws, [(st, n0 + i, [int(tok)])])
             body.run([n0 + i, int(tok)])
             if hidden:
                 H[i] = X.download().reshape(H.shape[1:])
@@ -462,10 +516,10 @@ class CudaModel(ModelBase):
             ws.slot.view(0, Tb).upload(np.arange(n0 + a, n0 + a + Tb, dtype=np.int32), rt.main)
             ws.slot.view(4 * ws.rows, Tb).upload(np.ascontiguousarray(ids[a:a + Tb], np.int32), rt.main)
             st.device_hw = max(st.device_hw, n0 + a + Tb)
-            rec = Recording(cfg, self.numerics, self.w.freqs, ws, RowSet(BLOCK, [dict(st.arrays)], [bucket], Tb,
-                                                                         ws.slot, cap=ws.rows),
-                            ws.tickets, mma=self.prefill_mma, x_pieces=self.prefill_x_pieces,
-                            expert_mma=self.prefill_expert_mma and not self.vq_experts)
+            self._stage_engram(ws, [(st, n0 + a, ids[a:a + Tb])])
+            rec = self._recording(ws, RowSet(BLOCK, [dict(st.arrays)], [bucket], Tb, ws.slot, cap=ws.rows),
+                                  ws.tickets, mma=self.prefill_mma, x_pieces=self.prefill_x_pieces,
+                                  expert_mma=self.prefill_expert_mma and not self.vq_experts)
             ls = layer.Launcher(rt, self.pdl)
             layer.record_body(ls, rec, B)
             X = layer.final_residual(rec)
@@ -488,6 +542,8 @@ class CudaModel(ModelBase):
         R = len(plan)
         rows = [plan[r] for r in order]
         values = [pos for _, pos, _ in rows] + [0] * (MAX_ROWS - R) + [tok for _, _, tok in rows]
+        if self.engram is not None:
+            self._stage_engram(self.rows_ws, [(st, pos, [tok]) for st, pos, tok in rows])
         for st, ids in zip(states, chunks):
             st.begin_step(len(ids))
             st.device_hw = max(st.device_hw, st.n_tokens + len(ids))
@@ -556,9 +612,8 @@ class CudaModel(ModelBase):
             self._rows_runs.move_to_end(key)
             run.use_graph()
             return run, order
-        rec = Recording(self.config, self.numerics, self.w.freqs, ws,
-                        RowSet(ROWS, [dict(st.arrays) for st, _, _ in plan], buckets, len(plan), ws.slot, cap=MAX_ROWS),
-                        ws.tickets)
+        rec = self._recording(ws, RowSet(ROWS, [dict(st.arrays) for st, _, _ in plan], buckets, len(plan), ws.slot,
+                                         cap=MAX_ROWS), ws.tickets)
         B = self.w.binding
 
         def record(ls: layer.Launcher) -> None:
@@ -636,7 +691,7 @@ class CudaModel(ModelBase):
         """The DECODE recording of `st` (None: the head, which reads no state) in context bucket `bucket`."""
         parts = [dict(st.arrays)] if st is not None else []
         rows = RowSet(DECODE, parts, [bucket], 1, self.slot)
-        return Recording(self.config, self.numerics, self.w.freqs, self.ws, rows, self.ticket)
+        return self._recording(self.ws, rows, self.ticket)
 
     def _body(self, st: CudaState, pos: int) -> StepRun:
         """The state's decode graph for position `pos` (captured for the bucket holding it)."""
@@ -697,6 +752,9 @@ class CudaModel(ModelBase):
         iterator ends or is closed after yielding k tokens, the state has consumed `token` and the first k - 1 of
         them (the last sampled token is not fed). Checks run now; the work starts on the first next()."""
         self.check_state(state)
+        if self.engram is not None:
+            raise UnsupportedByBackend("device-side generation feeds sampled tokens without the host, and Engram's "
+                                       "rows are gathered on the host: sample with step() on this model")
         if isinstance(token, bool) or not isinstance(token, (int, np.integer)) \
                 or not 0 <= int(token) < self.config.vocab_size:
             raise Ds4Error(f"token {token!r} is outside the vocabulary (0..{self.config.vocab_size - 1})")

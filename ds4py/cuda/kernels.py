@@ -32,6 +32,7 @@ from ds4py.cuda.ops import moe_prefill as ops_moep
 from ds4py.cuda.ops import prefill_attn as ops_pfa
 from ds4py.cuda.ops import router as ops_route
 from ds4py.cuda.ops import topk as ops_topk
+from ds4py.cuda.ops import v41 as ops_v41
 from ds4py.cuda.ops.gemv import GEMV_MAX_X, MAX_MATS
 from ds4py.cuda.ops.mhc import mix_record
 from ds4py.cuda.ops.rmsnorm import rmsnorm
@@ -291,14 +292,16 @@ def route_rows(ls: Any, rec: Any, ro: Any, Fw: Any) -> None:
     for n in range(rec.R):
         ops_route.moe_route(ls, row(ws.router, n, NX), None if ro.hash_routing else Fw.route_bias.array,
                             Fw.tid2eid.array if ro.hash_routing else None, rec.rows.token(n), row(ws.ids, n, k),
-                            row(ws.wts, n, k), NX, k, cfg.route_scale, cfg.route_norm, **ls.main())
+                            row(ws.wts, n, k), NX, k, cfg.route_scale, cfg.route_normalises, **ls.main(),
+                            gate_temp=cfg.gate_temp, norm_eps=cfg.route_norm_eps)
 
 
 def route_block(ls: Any, rec: Any, ro: Any, Fw: Any) -> None:
     cfg, ws = rec.cfg, rec.ws
     ops_route.moe_route_rows(ls, ws.router, None if ro.hash_routing else Fw.route_bias.array,
                              Fw.tid2eid.array if ro.hash_routing else None, rec.rows.tokens, ws.ids, ws.wts,
-                             cfg.n_experts, cfg.n_experts_used, rec.R, cfg.route_scale, cfg.route_norm, **ls.main())
+                             cfg.n_experts, cfg.n_experts_used, rec.R, cfg.route_scale, cfg.route_normalises,
+                             **ls.main(), gate_temp=cfg.gate_temp, norm_eps=cfg.route_norm_eps)
 
 
 # ---- experts ---------------------------------------------------------------------------------------------------
@@ -408,6 +411,119 @@ def experts_down_block(ls: Any, rec: Any, E: Any, X: DeviceArray, X_out: DeviceA
     return X                        # the residual updated in place
 
 
+# ---- V4.1's layer roles (MODEL.md §3; ref/forward.py with ref/v41.py): the same schedule, these operations ---------
+def v41_kv_store_rows(ls: Any, rec: Any, il: int, A: Any, stream: Callable) -> None:
+    """Each row's kv row (FP8 over the whole row in blocks of 32) into its state's window ring."""
+    cfg, rows, (fq, f16) = rec.cfg, rec.rows, _fq(rec)
+    for n in range(rec.R):
+        ops_v41.kv_rows(ls, row(rec.ws.kv, n, cfg.head_dim), A.kv_norm.array, rec.freqs[il], rows.pos(n),
+                        rows.state(n)[f"{il}.win"], 1, cfg.head_dim, cfg.rope_dim, cfg.norm_eps, fq, f16, **stream())
+
+
+def v41_kv_store_block(ls: Any, rec: Any, il: int, A: Any, stream: Callable) -> None:
+    cfg, (fq, f16) = rec.cfg, _fq(rec)
+    ops_v41.kv_rows(ls, rec.ws.kv, A.kv_norm.array, rec.freqs[il], rec.rows.positions, rec.ws.kvb, rec.R,
+                    cfg.head_dim, cfg.rope_dim, cfg.norm_eps, fq, f16, ring=False, **ls.main())
+
+
+def _v41_compress(ls: Any, rec: Any, il: int, ro: Any, A: Any, stream: Callable, parts: list) -> None:
+    """parts: (state arrays, positions, first row, rows) per launch: one per row (DECODE, ROWS) or the block."""
+    cfg, ws, (fq, f16) = rec.cfg, rec.ws, _fq(rec)
+    C, hd, ihd = A.comp, cfg.head_dim, cfg.index_head_dim
+    for p, pos, r0, n in parts:
+        rings = (p[f"{il}.comp_kv"], p[f"{il}.comp_score"]) if ro.gated else (None, None)
+        kv, sc = rows_of(ws.ckv, r0, n, hd), rows_of(ws.csc, r0, n, hd) if ro.gated else None
+        lat = rows_of(ws.clat, r0, n, hd) if ro.owns_index_keys else None
+        ops_v41.compress(ls, kv, sc, *rings, C.norm.array, rec.freqs[il], pos, p[f"{il}.comp_rows"], lat, n, ro.ratio,
+                         hd, cfg.rope_dim, cfg.norm_eps, fq, f16, **stream())
+        if ro.gated:
+            ops_v41.comp_ring_store(ls, kv, sc, pos, *rings, n, hd, **stream())
+    if not ro.owns_index_keys:
+        return
+    of(rec.mode).dense(ls, rec, [(A.index.k, ws.ik, ihd)], ws.clat, hd, stream)     # wk . latent, every row
+    for p, pos, r0, n in parts:
+        ops_v41.index_keys(ls, rows_of(ws.ik, r0, n, ihd), A.index.k_norm.array, rec.freqs[il], pos,
+                           p[f"{il}.idx_keys"], n, ro.ratio, ihd, cfg.rope_dim, cfg.norm_eps, fq, f16, **stream())
+
+
+def v41_compress_rows(ls: Any, rec: Any, il: int, ro: Any, A: Any, stream: Callable) -> None:
+    _v41_compress(ls, rec, il, ro, A, stream, [(rec.rows.state(n), rec.rows.pos(n), n, 1) for n in range(rec.R)])
+
+
+def v41_compress_block(ls: Any, rec: Any, il: int, ro: Any, A: Any, stream: Callable) -> None:
+    _v41_compress(ls, rec, il, ro, A, stream, [(rec.rows.state(0), rec.rows.positions, 0, rec.R)])
+
+
+def v41_index_queries(ls: Any, rec: Any, il: int) -> None:
+    """Every row's indexer query at once (RoPE + FP4; each row's values do not depend on the others)."""
+    cfg = rec.cfg
+    ops_v41.index_q(ls, rec.ws.iq_raw, rec.freqs[il], rec.rows.positions, rec.ws.iq, rec.R, cfg.index_heads,
+                    cfg.index_head_dim, cfg.rope_dim, rec.numerics.fake_quant, **ls.main())
+
+
+def _v41_select(ls: Any, rec: Any, ro: Any, scores: Any, cand: Any, pos: Any, n: int, stride: int) -> None:
+    """The candidate source's blocks from its scores, or an indexer after it masked to them."""
+    cfg = rec.cfg
+    if ro.candidate_source or ro.uses_candidates:
+        ops_v41.candidates(ls, scores, cand, pos, n, stride, ro.index_ratio, cfg.candidate_topk_blocks,
+                           cfg.candidate_block_size, ro.uses_candidates, **ls.main())
+
+
+def v41_attend_rows(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
+    """Each row: an index source scores its key owner's rows (the candidate source publishes its blocks, the
+    indexers after it score inside them) and keeps the top-k in the row's sel; a compressed layer attends to its kv
+    source's rows through the latest index source's sel (written earlier in this step); no per-head q norm."""
+    cfg, ws, rows = rec.cfg, rec.ws, rec.rows
+    hd, iqd, k = cfg.head_dim, cfg.index_heads * cfg.index_head_dim, cfg.index_topk
+    for n in range(rec.R):
+        p, pos, plan = rows.state(n), rows.pos(n), rec.plan(n, il)
+        comp, sel = (p[f"{ro.kv_source}.comp_rows"], row(ws.sel, n, k)) if ro.compressed else (None, None)
+        if ro.indexer:
+            n_keys = rows.buckets[n] // ro.index_ratio
+            scores, cand = ws.scores.view(0, n_keys), row(ws.cand, n, n_keys)
+            ops_idx.indexer_scores(ls, row(ws.iq, n, iqd), row(ws.iw, n, cfg.index_heads),
+                                   weight_scale(cfg.index_head_dim, cfg.index_heads), p[f"{ro.index_keys}.idx_keys"],
+                                   pos, scores, cfg.index_heads, cfg.index_head_dim, n_keys, ro.index_ratio,
+                                   **ls.main())
+            _v41_select(ls, rec, ro, scores, cand, pos, 1, n_keys)
+            ops_topk.topk(ls, scores, k, sel, pos_slot=pos, ratio=ro.index_ratio, **ls.main())
+        ops_attn.decode_attention(ls, plan, row(ws.q, n, cfg.q_dim), rec.freqs[il], pos, p[f"{il}.win"], cfg.window,
+                                  comp, ro.ratio, sel, k, A.sinks.array, ws.part_o.view(0, plan.part_o_shape),
+                                  ws.part_ml.view(0, plan.part_ml_shape), row(ws.o, n, cfg.q_dim), cfg.rope_dim,
+                                  cfg.norm_eps, hd ** -0.5, **ls.main(), q_norm=False)
+
+
+def v41_attend_block(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
+    """attend_block's order with V4.1's roles: scores of every row, candidates, top-k, attention, ring store."""
+    cfg, ws, T = rec.cfg, rec.ws, rec.R
+    p, pos = rec.rows.state(0), rec.rows.positions
+    comp, sel = (p[f"{ro.kv_source}.comp_rows"], ws.sel) if ro.compressed else (None, None)
+    if ro.indexer:
+        ih, ihd = cfg.index_heads, cfg.index_head_dim
+        n_keys = rec.rows.buckets[0] // ro.index_ratio
+        stride = int(ws.scores.shape[1])
+        ops_idx.indexer_scores_rows(ls, ws.iq, ws.iw, weight_scale(ihd, ih), p[f"{ro.index_keys}.idx_keys"], pos,
+                                    ws.scores, stride, ih, ihd, n_keys, T, ro.index_ratio, **ls.main())
+        _v41_select(ls, rec, ro, ws.scores, ws.cand, pos, T, stride)
+        ops_topk.topk_rows(ls, ws.scores, stride, cfg.index_topk, ws.sel, pos, T, ro.index_ratio, **ls.main())
+    ops_pfa.prefill_attention(ls, ws.q, rec.freqs[il], pos, p[f"{il}.win"], ws.kvb, cfg.window, comp, ro.ratio, sel,
+                              cfg.index_topk, A.sinks.array, ws.o, T, cfg.n_heads, cfg.rope_dim, cfg.norm_eps,
+                              cfg.head_dim ** -0.5, **ls.main(), q_norm=False)
+    ops_pfa.ring_store(ls, ws.kvb, T, pos, p[f"{il}.win"], **ls.main())
+
+
+def v41_engram(ls: Any, rec: Any, e: int, E: Any, X: DeviceArray) -> None:
+    """Engram e before its block: the rows' table rows (the step's input: FP8 codes and scales staged by the host)
+    dequantised, kv = wkv . rows, then the gate into every hc copy of X in place."""
+    cfg, ws, R = rec.cfg, rec.ws, rec.R
+    width, cap = cfg.engram_in_dim, max(1, rec.rows.cap)
+    rows_in = ws.engram_rows.view(4 * e * cap * width, R * width)
+    ops_v41.engram_rows(ls, ws.engram_codes.view(e * cap * width, R * width),
+                        ws.engram_scales.view(e * cap * width // 32, R * width // 32), rows_in, R * width, **ls.main())
+    of(rec.mode).dense(ls, rec, [(E.kv, ws.ekv, (cfg.hc_mult + 1) * cfg.dim)], rows_in, width, ls.main)
+    ops_v41.engram(ls, X, ws.ekv, rec.engram_weights[e], R, cfg.hc_mult, cfg.dim, cfg.norm_eps, **ls.main())
+
+
 # ---- the table -------------------------------------------------------------------------------------------------
 _BY_MODE = {
     DECODE: SimpleNamespace(dense=dense_gemv, dense_hc_post=gemv_hc_post, kv_store=kv_store_rows,
@@ -436,6 +552,16 @@ KERNELS: dict[tuple[str, str, str], Callable] = {
     ("shared_down", "experts", ROWS): shared_down_expert_rows,
     ("shared_down", "experts", BLOCK): shared_down_expert_rows,
 }
+# V4.1 (cfg.is_v41): the operations whose math differs; the rest are V4's
+_V41_BY_MODE = {
+    DECODE: dict(kv_store=v41_kv_store_rows, compress=v41_compress_rows, index_queries=v41_index_queries,
+                 attend=v41_attend_rows, engram=v41_engram),
+    ROWS: dict(kv_store=v41_kv_store_rows, compress=v41_compress_rows, index_queries=v41_index_queries,
+               attend=v41_attend_rows, engram=v41_engram),
+    BLOCK: dict(kv_store=v41_kv_store_block, compress=v41_compress_block, index_queries=v41_index_queries,
+                attend=v41_attend_block, engram=v41_engram),
+}
+_V41 = {mode: SimpleNamespace(**{**vars(_BY_MODE[mode]), **ops}) for mode, ops in _V41_BY_MODE.items()}
 for _mode, _ops in _BY_MODE.items():
     for _op, _fn in vars(_ops).items():
         KERNELS[(_op, "*", _mode)] = _fn
@@ -452,6 +578,7 @@ def pick(op: str, qtype: Any, mode: str) -> Callable:
     return fn if fn is not None else KERNELS[(op, "*", mode)]
 
 
-def of(mode: str) -> SimpleNamespace:
-    """The format-independent operations of `mode` (dense, kv_store, compress, attend, route, experts_*, ...)."""
-    return _BY_MODE[mode]
+def of(mode: str, v41: bool = False) -> SimpleNamespace:
+    """The format-independent operations of `mode` (dense, kv_store, compress, attend, route, experts_*, ...);
+    v41: V4.1's (its kv row, compressors, indexer queries, selection and attention, Engram)."""
+    return _V41[mode] if v41 else _BY_MODE[mode]

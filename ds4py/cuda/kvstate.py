@@ -82,7 +82,7 @@ class CudaState(StateCounters):
         self._rows: dict[str, DeviceBlock | None] = {}
         for p in layout.parts:
             if p.kind == RING:
-                self.arrays[p.key] = self._rings.array(offs[p.key], (p.capacity, p.width))
+                self.arrays[p.key] = self._rings.array(offs[p.key], (p.capacity, p.width), p.dtype)
             else:
                 self._rows[p.key] = None
                 self.arrays[p.key] = DeviceArray(self._rings.ptr, (0, p.width), F32, False, rt.memory)
@@ -161,14 +161,14 @@ class CudaState(StateCounters):
         for p in self.layout.parts:
             n = p.rows_for(self.n_tokens)
             a = self.arrays[p.key]
-            out[p.key] = a.view(0, (n, p.width)).download() if n else np.zeros((0, p.width), F32)
+            out[p.key] = a.view(0, (n, p.width)).download() if n else np.zeros((0, p.width), p.dtype)
         return out
 
     def load(self, arrays: dict[str, np.ndarray]) -> None:
         """Fill the parts from host arrays (ring: all slots; rows part: its first rows)."""
         self.ensure_rows(self.n_tokens)
         for p in self.layout.parts:
-            a = np.ascontiguousarray(arrays[p.key], F32)
+            a = np.ascontiguousarray(arrays[p.key], p.dtype)     # float32, or int32 (V4.1's n-gram ring)
             if a.shape[0]:
                 self.arrays[p.key].view(0, a.shape).upload(a)
 

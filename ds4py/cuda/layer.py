@@ -48,7 +48,7 @@ from ds4py.cuda.ops import attention as ops_attn
 from ds4py.cuda.ops import moe_prefill as ops_moep
 from ds4py.cuda.ops.mhc import mix_partial_floats, mix_record
 
-F32, I32, U32 = np.dtype(np.float32), np.dtype(np.int32), np.dtype(np.uint32)
+F32, I32, U32, U8 = np.dtype(np.float32), np.dtype(np.int32), np.dtype(np.uint32), np.dtype(np.uint8)
 MAX_ROWS = 16             # rows of one ROWS step (a verify of 1 + k <= 16 rows is one step)
 MAX_BLOCK = 2048          # rows of one BLOCK (prefill) step
 HEAD_ROWS = 16            # rows per head pass of a block (all_logits runs the head in passes of this many rows)
@@ -61,11 +61,12 @@ __all__ = ["BLOCK", "DECODE", "HEAD_ROWS", "Launcher", "MAX_BLOCK", "MAX_ROWS", 
 # ---- the workspace: one declaration, sized by the row set ---------------------------------------------------
 def bucket_keys(cfg, ro, bucket: int) -> int:
     """Keys a decode query of this layer attends to at most, below position `bucket`: its window plus the
-    compressed rows it can see (all of them, or the indexer's top-k)."""
+    compressed rows it can see (all of them, or its index source's top-k: its own indexer's, or V4.1's latest
+    index source's)."""
     if not ro.compressed:
         return cfg.window
     n = bucket // ro.ratio
-    return cfg.window + (min(n, cfg.index_topk) if ro.indexer else n)
+    return cfg.window + (min(n, cfg.index_topk) if ro.indexer or ro.index_source >= 0 else n)
 
 
 def attn_plans(cfg, bucket: int) -> list[ops_attn.AttnPlan]:
@@ -97,7 +98,8 @@ def workspace_shapes(cfg, bucket: int, rows: int = 1, mode: str = DECODE, hidden
     over all rows at once. hidden_in: the MTP block's input states [rows, hc, D]."""
     hc, D, k, ih = cfg.hc_mult, cfg.dim, cfg.n_experts_used, cfg.index_heads
     comp_w = max([cfg.comp_width(il) for il in range(cfg.n_layers) if cfg.roles(il).compressor], default=2)
-    idx_w = max([cfg.index_comp_width(il) for il in range(cfg.n_layers) if cfg.roles(il).indexer], default=2)
+    idx_w = max([cfg.index_comp_width(il) for il in range(cfg.n_layers) if cfg.roles(il).indexer
+                 and not cfg.is_v41], default=2)
     mrec, n_keys = mix_record(hc), max(1, index_keys(cfg, bucket))
     lead = () if mode == DECODE else (rows,)
     head = () if mode == DECODE else (min(rows, HEAD_ROWS) if mode == BLOCK else rows,)
@@ -136,9 +138,29 @@ def workspace_shapes(cfg, bucket: int, rows: int = 1, mode: str = DECODE, hidden
         shapes["sel"] = ((cfg.index_topk,), I32)
         shapes["part_o"] = ((max(int(np.prod(p.part_o_shape)) for p in plans),), F32)
         shapes["part_ml"] = ((max(int(np.prod(p.part_ml_shape)) for p in plans),), F32)
+    if cfg.is_v41:
+        shapes.update(v41_shapes(cfg, rows, mode, lead, n_keys))
     if hidden_in:
         shapes["h_in"] = ((rows, hc, D), F32)
     return shapes
+
+
+def v41_shapes(cfg, rows: int, mode: str, lead: tuple, n_keys: int) -> Shapes:
+    """V4.1's extra buffers: the compressor latent and the key owner's wk . latent, the candidate rows (per row:
+    they live from the candidate source to the indexers after it), Engram's table rows as stored (the step's input,
+    FP8 codes and e8m0 scales staged by the host: [engram layers, rows, ...]), dequantised, and its wkv output. A
+    row's top-k is per row too (the later layers reuse their index source's)."""
+    out: Shapes = {"clat": (lead + (cfg.head_dim,), F32), "ik": (lead + (cfg.index_head_dim,), F32),
+                   "cand": (lead + (n_keys,), I32)}
+    if mode == ROWS:
+        out["sel"] = ((rows, max(1, cfg.index_topk)), I32)
+    if cfg.engram_layers:
+        nE, width = len(cfg.engram_layers), cfg.engram_in_dim
+        out["engram_codes"] = ((nE, rows, width), U8)
+        out["engram_scales"] = ((nE, rows, width // 32), U8)
+        out["engram_rows"] = ((nE, rows, width), F32)
+        out["ekv"] = (lead + (cfg.engram_kv_dim,), F32)
+    return out
 
 
 def workspace_bytes(shapes: Shapes) -> int:
@@ -225,6 +247,8 @@ class Recording:
     ws: Workspace
     rows: RowSet
     tickets: DeviceArray
+    onehot: DeviceArray | None = None   # V4.1: the first block's pre-mix [1, 0, .., 0] (read with stride 0)
+    engram_weights: dict = field(default_factory=dict)   # V4.1: Engram e's q_w * k_w [hc, D]
     mma: bool = True                # BLOCK: dense products on tensor cores (cu/gemm.cu), else the `_rows` GEMVs
     x_pieces: int = 3               # ... with x as this many bf16 pieces (1: x rounded to bf16; 3: x exact)
     expert_mma: bool = False        # BLOCK: the experts on tensor cores too (cu/moe_prefill.cu: x, h in bf16)
@@ -257,6 +281,10 @@ class Recording:
         """The stream the KV branch and the shared expert run on (BLOCK: main)."""
         return ls.main if self.mode == BLOCK else ls.side
 
+    def ops(self):
+        """This recording's operations table (kernels.py; V4.1 has its own roles)."""
+        return kernels.of(self.mode, self.cfg.is_v41)
+
     def moe_bufs(self) -> "ops_moep.MoePrefillBuffers":
         return ops_moep.MoePrefillBuffers(**{n: self.ws.a[f"moe.{n}"] for n in
                                              ops_moep.MoePrefillBuffers.shapes(1, 1, 1, 32, 32)})
@@ -275,6 +303,9 @@ def record_body(ls: Launcher, rec: Recording, B: Any) -> None:
     ops.embed(ls, B.embed.array, rec.rows.tokens, ws.X0, rec.R, copies=cfg.hc_mult, **ls.main())
     X, other = ws.X0, ws.X1
     for il, lw in enumerate(B.layers):
+        e = cfg.roles(il).engram
+        if e >= 0:                                   # V4.1: Engram before its block
+            rec.ops().engram(ls, rec, e, lw.engram, X)
         Y = record_layer(ls, rec, il, lw, X, other)
         if Y is not X:
             X, other = Y, X
@@ -289,18 +320,32 @@ def record_layer(ls: Launcher, rec: Recording, il: int, lw: Any, X: DeviceArray,
 
 
 def hc_pre(ls: Launcher, rec: Recording, hw: Any, norm: DevTensor, X: DeviceArray, mix: DeviceArray, x: DeviceArray,
-           n: int | None = None) -> None:
-    """A sub-layer's input: the mHC mix (pre, post, Sinkhorn C) of X, then RMSNorm(sum_j pre_j X_j)."""
+           n: int | None = None, pre: tuple[DeviceArray, int] | None = None) -> None:
+    """A sub-layer's input: the mHC mix (pre, post, Sinkhorn C) of X, then RMSNorm(sum_j pre_j X_j) with this mix's
+    pre, or (V4.1's lagged mHC) pre = (the earlier sub-layer's mix records, their stride)."""
     cfg, n = rec.cfg, rec.R if n is None else n
     ops.hc_mix(ls, hw.fn.array, X, n, cfg.dim, hw.scale.array, hw.base.array, rec.ws.mix_partial, rec.tickets, mix,
                cfg.norm_eps, cfg.hc_eps, cfg.sinkhorn_iters, cfg.hc_mult, **ls.main())
-    ops.hc_collapse_norm(ls, X, mix, n, cfg.dim, norm.array, cfg.norm_eps, x, cfg.hc_mult, **ls.main())
+    src, stride = pre if pre is not None else (mix, None)
+    ops.hc_collapse_norm(ls, X, src, n, cfg.dim, norm.array, cfg.norm_eps, x, cfg.hc_mult, **ls.main(),
+                         mix_stride=stride)
+
+
+def lagged_pre(rec: Recording, il: int, sub: str) -> tuple[DeviceArray, int] | None:
+    """V4.1's lagged mHC: the attention collapses with the incoming pre-mix (the previous block's FFN mix, still in
+    mix_ffn; layer 0: one-hot), the FFN with this block's attention mix. None for V4."""
+    if not rec.cfg.lagged_hc:
+        return None
+    mrec = mix_record(rec.cfg.hc_mult)
+    if sub == "ffn":
+        return rec.ws.mix_attn, mrec
+    return (rec.onehot, 0) if il == 0 else (rec.ws.mix_ffn, mrec)
 
 
 def attention(ls: Launcher, rec: Recording, il: int, ro: Any, lw: Any, X: DeviceArray) -> None:
-    cfg, ws, A, K = rec.cfg, rec.ws, lw.attn, kernels.of(rec.mode)
+    cfg, ws, A, K = rec.cfg, rec.ws, lw.attn, rec.ops()
     D, eps = cfg.dim, cfg.norm_eps
-    hc_pre(ls, rec, lw.hc_attn, lw.attn_norm, X, ws.mix_attn, ws.x_attn)
+    hc_pre(ls, rec, lw.hc_attn, lw.attn_norm, X, ws.mix_attn, ws.x_attn, pre=lagged_pre(rec, il, "attn"))
 
     # the KV branch: the kv row(s), the compressors' inputs and emissions (side stream but in BLOCK)
     rec.fork(ls)
@@ -308,16 +353,22 @@ def attention(ls: Launcher, rec: Recording, il: int, ro: Any, lw: Any, X: Device
     mats = [(A.kv, ws.kv, cfg.head_dim)]
     if ro.compressor:
         w2 = cfg.comp_width(il)
-        mats += [(A.comp.kv, ws.ckv, w2), (A.comp.gate, ws.csc, w2)]
-    if ro.indexer:
+        mats += [(A.comp.kv, ws.ckv, w2)] + ([(A.comp.gate, ws.csc, w2)] if ro.gated else [])
+    if ro.indexer and A.index.comp is not None:
         wi = cfg.index_comp_width(il)
-        mats += [(A.index.comp.kv, ws.ikv, wi), (A.index.comp.gate, ws.isc, wi), (A.index.proj, ws.iw, cfg.index_heads)]
+        mats += [(A.index.comp.kv, ws.ikv, wi), (A.index.comp.gate, ws.isc, wi)]
+    if ro.indexer:
+        mats.append((A.index.proj, ws.iw, cfg.index_heads))
     K.dense(ls, rec, mats, ws.x_attn, D, side)
     K.kv_store(ls, rec, il, A, side)
-    if ro.compressor:
-        K.compress(ls, rec, il, ro, A.comp, "comp", side)
-    if ro.indexer:
-        K.compress(ls, rec, il, ro, A.index.comp, "idx", side)
+    if cfg.is_v41:                           # a kv source's compressor (and its indexer keys, key owners)
+        if ro.compressor:
+            K.compress(ls, rec, il, ro, A, side)
+    else:
+        if ro.compressor:
+            K.compress(ls, rec, il, ro, A.comp, "comp", side)
+        if ro.indexer:
+            K.compress(ls, rec, il, ro, A.index.comp, "idx", side)
 
     # the queries (main stream)
     K.dense(ls, rec, [(A.q_a, ws.qa, cfg.q_lora_rank)], ws.x_attn, D, ls.main)
@@ -337,9 +388,9 @@ def attention(ls: Launcher, rec: Recording, il: int, ro: Any, lw: Any, X: Device
 
 
 def moe(ls: Launcher, rec: Recording, il: int, ro: Any, lw: Any, X: DeviceArray, X_out: DeviceArray) -> DeviceArray:
-    cfg, ws, Fw, K = rec.cfg, rec.ws, lw.ffn, kernels.of(rec.mode)
+    cfg, ws, Fw, K = rec.cfg, rec.ws, lw.ffn, rec.ops()
     D, clamp = cfg.dim, cfg.swiglu_clamp[il]
-    hc_pre(ls, rec, lw.hc_ffn, lw.ffn_norm, X, ws.mix_ffn, ws.x_ffn)
+    hc_pre(ls, rec, lw.hc_ffn, lw.ffn_norm, X, ws.mix_ffn, ws.x_ffn, pre=lagged_pre(rec, il, "ffn"))
 
     # the shared expert (side stream but in BLOCK)
     rec.fork(ls)
@@ -359,13 +410,18 @@ def moe(ls: Launcher, rec: Recording, il: int, ro: Any, lw: Any, X: DeviceArray,
 
 def record_head(ls: Launcher, rec: Recording, X: DeviceArray, n: int, H: Any, norm: DevTensor, head: DevTensor,
                 r0: int = 0) -> None:
-    """ws.logits[:n] = head(RMSNorm(hc_head(X[r0 .. r0 + n)); norm)) (H: the hc head's weights)."""
+    """ws.logits[:n] = head(RMSNorm(hc_head(X[r0 .. r0 + n)); norm)) (H: the hc head's weights; V4.1, H None: the
+    copies collapse with the last FFN's pre-mix, still in mix_ffn)."""
     cfg, ws = rec.cfg, rec.ws
-    hc, D = cfg.hc_mult, cfg.dim
+    hc, D, mrec = cfg.hc_mult, cfg.dim, mix_record(cfg.hc_mult)
     Xr = X.view(4 * r0 * hc * D, (n, hc, D)) if rec.mode == BLOCK else X
-    ops.hc_mix(ls, H.fn.array, Xr, n, D, H.scale.array, H.base.array, ws.mix_partial, rec.tickets, ws.mix_head,
-               cfg.norm_eps, cfg.hc_eps, cfg.sinkhorn_iters, hc, **ls.main())
-    ops.hc_collapse_norm(ls, Xr, ws.mix_head, n, D, norm.array, cfg.norm_eps, ws.x_head, hc, **ls.main())
+    if H is None:
+        mix = ws.mix_ffn.view(4 * r0 * mrec, n * mrec) if rec.mode == BLOCK else ws.mix_ffn
+    else:
+        mix = ws.mix_head
+        ops.hc_mix(ls, H.fn.array, Xr, n, D, H.scale.array, H.base.array, ws.mix_partial, rec.tickets, mix,
+                   cfg.norm_eps, cfg.hc_eps, cfg.sinkhorn_iters, hc, **ls.main())
+    ops.hc_collapse_norm(ls, Xr, mix, n, D, norm.array, cfg.norm_eps, ws.x_head, hc, **ls.main())
     kernels.of(rec.mode).dense(ls, rec, [(head, ws.logits, cfg.vocab_size)], ws.x_head, D, ls.main, n=n)
 
 

@@ -100,8 +100,10 @@ def attn_plan(n_heads: int, hd: int, max_keys: int, warps: int = 2, target_block
 
 def decode_attention(rt: Any, plan: AttnPlan, q_raw: Any, freqs: Any, pos_slot: Any, win: Any, window: int,
                      comp: Any, ratio: int, sel: Any, topk: int, sinks: Any, part_o: Any, part_ml: Any, out: Any,
-                     rd: int, eps: float, scale: float, stream: Any = None, pdl: bool = False) -> None:
-    """out [H, hd] = attention of the decode query over window + compressed rows (two launches).
+                     rd: int, eps: float, scale: float, stream: Any = None, pdl: bool = False,
+                     q_norm: bool = True) -> None:
+    """out [H, hd] = attention of the decode query over window + compressed rows (two launches). q_norm: the
+    per-head RMS of the query (V4; V4.1 has none).
 
     The key count at the step's position must not exceed the plan's capacity: min(pos+1, window) + the visible
     compressed rows (ratio 128, sel None) or min(visible, topk) (ratio 4, sel = the indexer's indices)."""
@@ -120,6 +122,6 @@ def decode_attention(rt: Any, plan: AttnPlan, q_raw: Any, freqs: Any, pos_slot: 
     comp_arg = comp if comp is not None else win          # never read when ratio == 0
     rt.launch("attn_decode_partial", (plan.splits, plan.head_groups), 32 * plan.warps, q_raw, freqs, pos_slot, win,
               int(win.shape[0]), int(window), comp_arg, int(ratio), sel, int(topk), part_o, part_ml, H, hd, rd,
-              plan.keys_per_split, float(eps), float(scale), smem=plan.smem, stream=stream, pdl=pdl)
+              plan.keys_per_split, float(eps), float(scale), int(q_norm), smem=plan.smem, stream=stream, pdl=pdl)
     rt.launch("attn_decode_combine", H, pair_threads(hd), part_o, part_ml, sinks, freqs, pos_slot, out, hd, rd,
               plan.splits, stream=stream, pdl=pdl)

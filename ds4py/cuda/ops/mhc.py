@@ -53,15 +53,18 @@ def hc_mix(rt: Any, fn: DeviceArray, X: DeviceArray, n_tok: int, D: int, scale: 
 
 def hc_collapse_norm(rt: Any, X: DeviceArray, mix: DeviceArray, n_tok: int, D: int, w: DeviceArray | None,
                      eps: float, y: DeviceArray, hc: int = 4, threads: int = 256, stream: Any = None,
-                     pdl: bool = False) -> None:
+                     pdl: bool = False, mix_stride: int | None = None) -> None:
     """y[t] = RMSNorm(sum_j pre_j X[t, j]; w) with pre from mix (w None: no weight) - a sub-layer's input, or
-    the head's (mix from hc_mix on output_hc_fn, w = output_norm)."""
+    the head's (mix from hc_mix on output_hc_fn, w = output_norm). mix_stride: floats from one token's record to
+    the next (default mix_record(hc); 0: every token reads one record, V4.1's one-hot first pre-mix)."""
+    stride = mix_record(hc) if mix_stride is None else int(mix_stride)
     need(is_dtype(X, np.float32) and X.size >= n_tok * hc * D, "hc_collapse_norm: X must be float32 [T, hc, D]")
-    need(is_dtype(mix, np.float32) and mix.size >= n_tok * mix_record(hc), "hc_collapse_norm: mix too small")
+    need(stride >= 0 and is_dtype(mix, np.float32) and mix.size >= (n_tok - 1) * stride + hc,
+         "hc_collapse_norm: mix too small")
     need(w is None or (is_dtype(w, np.float32) and w.size == D), f"hc_collapse_norm: w must be {D} float32")
     need(is_dtype(y, np.float32) and y.size >= n_tok * D, "hc_collapse_norm: y too small")
     need(threads % 32 == 0 and 32 <= threads <= 1024, "hc_collapse_norm: threads a multiple of 32 up to 1024")
-    rt.launch("hc_collapse_norm", n_tok, threads, X, mix, mix_record(hc), D, w, float(eps), y, stream=stream, pdl=pdl)
+    rt.launch("hc_collapse_norm", n_tok, threads, X, mix, stride, D, w, float(eps), y, stream=stream, pdl=pdl)
 
 
 def hc_post(rt: Any, f: DeviceArray, mix: DeviceArray, X: DeviceArray, n_tok: int, D: int, hc: int = 4,

@@ -56,9 +56,11 @@ def prefill_warps(n_heads: int, warps: int = 4) -> int:
 
 def prefill_attention(rt: Any, q_raw: Any, freqs: Any, pos: Any, ring: Any, blk: Any, window: int, comp: Any,
                       ratio: int, sel: Any, topk: int, sinks: Any, out: Any, n_rows: int, n_heads: int, rd: int,
-                      eps: float, scale: float, warps: int = 4, stream: Any = None, pdl: bool = False) -> None:
+                      eps: float, scale: float, warps: int = 4, stream: Any = None, pdl: bool = False,
+                      q_norm: bool = True) -> None:
     """out [T, H, hd] = attention of each query row of the block over its window (ring before the block, blk
-    inside it) + compressed rows (all visible, or sel [T, topk]) + sink; one launch."""
+    inside it) + compressed rows (all visible, or sel [T, topk]) + sink; one launch. q_norm: the per-head RMS of
+    the queries (V4; V4.1 has none)."""
     hd = int(ring.shape[1]) if len(ring.shape) == 2 else 0
     need(hd % 8 == 0 and 0 < hd <= PFA_MAX_HD, f"prefill attention: head dim {hd} must be a multiple of 8 up to "
          f"{PFA_MAX_HD}")
@@ -77,7 +79,7 @@ def prefill_attention(rt: Any, q_raw: Any, freqs: Any, pos: Any, ring: Any, blk:
     groups = -(-n_heads // (PFA_HPW * w))
     rt.launch("attn_prefill", (groups, int(n_rows)), 32 * w, q_raw, freqs, pos, ring, int(ring.shape[0]), blk,
               int(window), comp if comp is not None else ring, int(ratio), sel, int(topk), sinks, out, int(n_heads),
-              hd, int(rd), float(eps), float(scale), smem=attn_smem(hd, w), stream=stream, pdl=pdl)
+              hd, int(rd), float(eps), float(scale), int(q_norm), smem=attn_smem(hd, w), stream=stream, pdl=pdl)
 
 
 def swiglu(rt: Any, g: Any, u: Any, h: Any, n: int, clamp: float, stream: Any = None, pdl: bool = False) -> None:

@@ -15,9 +15,11 @@ DEFINES = {"ROUTE_PER_LANE": ROUTE_PER_LANE}                                    
 
 
 def moe_route(rt: Any, logits: Any, bias: Any, tid2eid: Any, token: Any, ids: Any, weights: Any, n_experts: int,
-              k: int, route_scale: float, route_norm: bool = True, stream: Any = None, pdl: bool = False) -> None:
+              k: int, route_scale: float, route_norm: bool = True, stream: Any = None, pdl: bool = False,
+              gate_temp: float = 1.0, norm_eps: float = 0.0) -> None:
     """ids / weights [k] of the token: top-k of sqrt(softplus(logits)) + bias, or tid2eid[token] (hash layers,
-    token = the device token id; then bias is unused)."""
+    token = the device token id; then bias is unused). gate_temp / norm_eps: V4.1's logits / gate_temp and weights /
+    (sum + norm_eps)."""
     need(1 <= n_experts <= ROUTE_MAX_EXPERTS and 1 <= k <= min(ROUTE_MAX_K, n_experts),
          f"moe_route: {k} of {n_experts} experts (at most {ROUTE_MAX_K} of {ROUTE_MAX_EXPERTS})")
     need(logits.size == n_experts and (bias is None or bias.size == n_experts), "moe_route: logits / bias size")
@@ -28,13 +30,14 @@ def moe_route(rt: Any, logits: Any, bias: Any, tid2eid: Any, token: Any, ids: An
         need(len(tid2eid.shape) == 2 and tid2eid.shape[1] == k and dtype_is(tid2eid, np.int32) and token is not None,
              f"moe_route: tid2eid must be int32 [vocab, {k}] with a device token id")
         vocab = int(tid2eid.shape[0])
+    need(gate_temp > 0 and norm_eps >= 0, f"moe_route: gate temperature {gate_temp} must be > 0, eps {norm_eps} >= 0")
     rt.launch("moe_route", 1, 32, logits, bias, tid2eid, token, int(n_experts), int(k), vocab, float(route_scale),
-              int(route_norm), ids, weights, stream=stream, pdl=pdl)
+              int(route_norm), float(gate_temp), float(norm_eps), ids, weights, stream=stream, pdl=pdl)
 
 
 def moe_route_rows(rt: Any, logits: Any, bias: Any, tid2eid: Any, tokens: Any, ids: Any, weights: Any,
                    n_experts: int, k: int, n_rows: int, route_scale: float, route_norm: bool = True,
-                   stream: Any = None, pdl: bool = False) -> None:
+                   stream: Any = None, pdl: bool = False, gate_temp: float = 1.0, norm_eps: float = 0.0) -> None:
     """moe_route of n_rows tokens (prefill): logits [n_rows, n_experts], tokens [n_rows] int32 (read on hash
     layers), ids / weights [n_rows, k]; row r bit-identical to a one-token moe_route."""
     need(1 <= n_experts <= ROUTE_MAX_EXPERTS and 1 <= k <= min(ROUTE_MAX_K, n_experts) and n_rows >= 1,
@@ -50,4 +53,5 @@ def moe_route_rows(rt: Any, logits: Any, bias: Any, tid2eid: Any, tokens: Any, i
              f"moe_route_rows: tid2eid must be int32 [vocab, {k}] with int32 device token ids")
         vocab = int(tid2eid.shape[0])
     rt.launch("moe_route_rows", int(n_rows), 32, logits, bias, tid2eid, tokens, int(n_experts), int(k), vocab,
-              float(route_scale), int(route_norm), ids, weights, stream=stream, pdl=pdl)
+              float(route_scale), int(route_norm), float(gate_temp), float(norm_eps), ids, weights, stream=stream,
+              pdl=pdl)

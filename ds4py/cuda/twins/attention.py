@@ -60,11 +60,14 @@ def decode_keys(win: np.ndarray, ring: int, window: int, pos: int, comp: np.ndar
 
 
 def decode_attention(q_raw: np.ndarray, keys: np.ndarray, sinks: np.ndarray, freqs: np.ndarray, pos: int,
-                     n_heads: int, rd: int, eps: float, scale: float) -> tuple[np.ndarray, np.ndarray]:
-    """(out [H, hd], magnitude): per-head RMS + RoPE of q, attention with sink over `keys`, inverse RoPE."""
+                     n_heads: int, rd: int, eps: float, scale: float,
+                     q_norm: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """(out [H, hd], magnitude): per-head RMS (q_norm; V4.1 has none) + RoPE of q, attention with sink over
+    `keys`, inverse RoPE."""
     hd = keys.shape[1]
     p = np.array([pos])
-    q = ops.rope_tail(ops.rmsnorm(q_raw.reshape(1, n_heads, hd).astype(F32), None, eps), p, freqs)
+    q = q_raw.reshape(1, n_heads, hd).astype(F32)
+    q = ops.rope_tail(ops.rmsnorm(q, None, eps) if q_norm else q, p, freqs)
     mask = np.ones((1, keys.shape[0]), bool)
     o = ops.attention_with_sink(q, keys, mask, sinks.astype(F32), scale)
     out = ops.rope_tail(o, p, freqs, inverse=True)[0]

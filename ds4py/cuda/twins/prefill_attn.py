@@ -44,13 +44,14 @@ def query_keys(ring: np.ndarray, blk: np.ndarray, p0: int, p: int, window: int, 
 
 def prefill_attention(q_raw: np.ndarray, ring: np.ndarray, blk: np.ndarray, pos: np.ndarray, window: int,
                       comp: np.ndarray | None, ratio: int, sel: np.ndarray | None, topk: int, sinks: np.ndarray,
-                      freqs: np.ndarray, n_heads: int, rd: int, eps: float,
-                      scale: float) -> tuple[np.ndarray, np.ndarray, list[int]]:
-    """(out [T, H, hd], magnitude, keys per query): each query's decode attention twin over its own keys."""
+                      freqs: np.ndarray, n_heads: int, rd: int, eps: float, scale: float,
+                      q_norm: bool = True) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """(out [T, H, hd], magnitude, keys per query): each query's decode attention twin over its own keys (q_norm:
+    the per-head RMS of the queries; V4.1 has none)."""
     outs, mags, counts = [], [], []
     for t, p in enumerate(pos):
         keys = query_keys(ring, blk, int(pos[0]), int(p), window, comp, ratio, None if sel is None else sel[t], topk)
-        o, m = dec.decode_attention(q_raw[t], keys, sinks, freqs, int(p), n_heads, rd, eps, scale)
+        o, m = dec.decode_attention(q_raw[t], keys, sinks, freqs, int(p), n_heads, rd, eps, scale, q_norm)
         outs.append(o)
         mags.append(m)
         counts.append(keys.shape[0])
