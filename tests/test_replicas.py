@@ -213,6 +213,24 @@ def test_keepalive_is_accepted_by_the_sdks(slow_srv):
     assert kinds[0] == "message_start" and final.stop_reason == "max_tokens"
 
 
+def test_keepalive_with_thinking_is_an_event_the_sdks_pass_on(slow_srv):
+    """With thinking on the keep-alive is an empty thinking delta in the already opened reasoning block, not a
+    ping: the SDKs drop pings before their caller, and Claude Code aborts a stream without events after 300 s."""
+    body = {"model": "deepseek-v4-flash", "max_tokens": 2, "thinking": {"type": "adaptive"},
+            "messages": [{"role": "user", "content": "think " + LONG}]}
+    data = raw_stream(slow_srv, "/v1/messages", body)
+    assert b"ping" not in data
+    start = data.index(b'"content_block":{"type":"thinking","thinking":"","signature":""}')
+    empty = b'"delta":{"type":"thinking_delta","thinking":""}'
+    assert data.count(empty) >= 2 and data.index(b"event: message_start") < start < data.index(empty)
+    ant = anthropic.Anthropic(base_url=slow_srv.base_url, api_key="none", max_retries=0, timeout=60)
+    with ant.messages.stream(**{**body, "messages": [{"role": "user", "content": "think sdk " + LONG}]}) as s:
+        seen = [ev.type for ev in s]
+        final = s.get_final_message()
+    assert seen[:2] == ["message_start", "content_block_start"] and seen.count("thinking") >= 2, seen  # passed on
+    assert final.content[0].type == "thinking" and final.stop_reason == "max_tokens"
+
+
 # ---- session affinity ------------------------------------------------------------------------------------------
 
 def test_session_key_sources():
