@@ -229,6 +229,10 @@ def test_keepalive_with_thinking_is_an_event_the_sdks_pass_on(slow_srv):
         final = s.get_final_message()
     assert seen[:2] == ["message_start", "content_block_start"] and seen.count("thinking") >= 2, seen  # passed on
     assert final.content[0].type == "thinking" and final.stop_reason == "max_tokens"
+    # continuing a prefilled assistant message: its text goes on, no reasoning block to open: pings
+    data = raw_stream(slow_srv, "/v1/messages", {**body, "messages": [{"role": "user", "content": "go on " + LONG},
+                                                                      {"role": "assistant", "content": "Sure,"}]})
+    assert data.count(b"event: ping") >= 2 and b'"type":"thinking"' not in data
 
 
 # ---- session affinity ------------------------------------------------------------------------------------------

@@ -236,9 +236,10 @@ class MessagesEncoder:
         """What a silent stream sends (a long prefill). Anthropic's `ping` in general; but the SDKs drop pings
         before their caller sees them, so a client that times out a stream with no events (Claude Code aborts after
         300 s: CLAUDE_STREAM_IDLE_TIMEOUT_MS, which cannot go lower) drops a prefill that runs longer. With thinking
-        on, the answer's first block is its reasoning (the prompt ends in `<think>`): that block is opened now and
-        each keep-alive is an empty thinking delta, an event the SDKs pass on and accumulate to nothing."""
-        if self.req.thinking and self.index == -1:
+        on, the answer's first block is its reasoning (the prompt ends in `<think>`; not when it continues a
+        prefilled assistant message): that block is opened now and each keep-alive is an empty thinking delta, an
+        event the SDKs pass on and accumulate to nothing."""
+        if self.req.thinking and not self.req.continue_final and self.index == -1:
             return self._delta("thinking", "")
         if self.open == "thinking":
             return sse({"type": "content_block_delta", "index": self.index,
