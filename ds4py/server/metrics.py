@@ -249,7 +249,8 @@ class Metrics:
             out += [f'ds4py_session_affinity_total{{result="{k}"}} {v}' for k, v in self.affinity.items()]
             out += ["# HELP ds4py_session_displaced_total Requests with a session id that took the resident session "
                     "of another session id's conversation (more conversations than --sessions on this replica).",
-                    "# TYPE ds4py_session_displaced_total counter", f"ds4py_session_displaced_total {self.session_displaced}"]
+                    "# TYPE ds4py_session_displaced_total counter",
+                    f"ds4py_session_displaced_total {self.session_displaced}"]
             if self.replica_id is not None:
                 out += ["# HELP ds4py_replica_info The replica id this server was started with (serve --replica-id).",
                         "# TYPE ds4py_replica_info gauge", f'ds4py_replica_info{{replica_id="{_esc(self.replica_id)}"}} 1']
