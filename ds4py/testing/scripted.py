@@ -33,6 +33,7 @@ from ds4py.model import Capabilities, ModelBase, Numerics, WeightBytes
 
 ENV = "DS4PY_SCRIPTED_MODEL"
 NO_MATCH = "(no scripted rule matched)"
+MAX_REPLIES = 1024         # prompts whose chosen reply is remembered (one per prompt being answered is needed)
 _IDS = StatePart(0, "ids", ROWS, 1, 0, 1, "<i4")
 
 
@@ -139,6 +140,8 @@ class ScriptedModel(ModelBase):
             text = self.tokenizer.decode(prompt.tolist())
             index, body = self._choose(text)
             ids = self.tokenizer.encode((END_THINK if thinking else "") + body, special=True)
+            if len(self._replies) >= MAX_REPLIES:         # a long-lived server (bench/soak.py): the oldest goes
+                del self._replies[next(iter(self._replies))]
             self._replies[key] = ids + self.eos
             print(f"ds4py scripted model: rule {index} -> {body[:80]!r}", file=sys.stderr, flush=True)
         return self._replies[key]
