@@ -16,7 +16,10 @@ says which requests failed, where each turn ran and what it reused:
   its new replica after it), >= 95% wanted;
 - cached: prompt tokens served from cache on later turns (per-request usage), and on the first turn after a
   move: cold (--disk own / none), or from the dead replica's checkpoints (--disk shared);
-- failures: only requests in flight on the killed replica may fail.
+- failures: only requests in flight on the killed replica may fail;
+- displaced: per surviving replica, the turns that took another conversation's resident session
+  (`ds4py_session_displaced_total`): more conversations than --sessions on it, whose later turns then re-prefill
+  what no snapshot or disk checkpoint (prompts of 512 tokens or more) holds.
 It also counts the requests each replica served (X-Replica-Id), like `bench serve --base-url <router>`.
 """
 
@@ -242,6 +245,18 @@ def read_stream(r) -> dict:
     raise ValueError("the stream ended without data: [DONE]")
 
 
+def metric_sum(url: str, name: str) -> float | None:
+    """The sum of one metric's samples on a replica (None when it does not answer)."""
+    try:
+        st, _, data = http("GET", url + "/metrics", timeout=5)
+    except OSError:
+        return None
+    if st != 200:
+        return None
+    return sum(float(line.rsplit(" ", 1)[1]) for line in data.decode().splitlines()
+               if line.startswith((name + " ", name + "{")))
+
+
 def running_on(url: str) -> float:
     """vllm:num_requests_running + waiting of a replica (0 when it does not answer)."""
     try:
@@ -285,6 +300,9 @@ def run(args) -> dict:
         for c in convs:
             c.join(max(1.0, deadline - time.monotonic()))
         report.update(check(convs, victim, killed_at, args))
+        # conversations that took another one's resident session (more of them than --sessions on a replica)
+        report["displaced"] = {rid: metric_sum(url, "ds4py_session_displaced_total")
+                               for rid, (proc, url) in fleet.replicas.items() if proc.poll() is None}
     finally:
         fleet.stop()
         report["wall_s"] = round(time.monotonic() - t_start, 1)

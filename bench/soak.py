@@ -4,6 +4,8 @@ after every round, once it is idle.
 
     python bench/soak.py                                   # ds4-tiny golden model, 8 rounds of 250 requests
     python bench/soak.py -m model.gguf --rounds 20 --requests 500 --concurrency 64 --json out.json
+    DS4PY_SCRIPTED_MODEL=script.json python bench/soak.py --rounds 20 --requests 500   # no forward pass: the
+                                           # server's own per-request structures at scale (script {"rules": []})
 
 Every request is distinct (its own conversation id, a varying prompt, a fresh session header, an unknown field
 name, a tool call id to replay), so whatever the server keeps per request, per header or per field would show.

@@ -166,3 +166,40 @@ def test_scripted_model_keeps_the_engine_contract(tmp_path):
     assert int(np.argmax(m.decode(st.copy(), reply[-1]))) == tok.encode(EOS, special=True)[0]
     st.truncate(len(ids) - 2)                                   # roll back two tokens: the same script again
     assert int(np.argmax(m.decode(st, ids[-2]))) == ids[-1]
+
+
+def test_scripted_model_remembers_a_bounded_number_of_replies(monkeypatch):
+    """A long-lived scripted server (bench/soak.py) keeps at most MAX_REPLIES prompts' replies."""
+    import numpy as np
+
+    from ds4py.cli.serve import ensure_demo_model
+    from ds4py.testing import scripted
+
+    monkeypatch.setattr(scripted, "MAX_REPLIES", 3)
+    m = scripted.ScriptedModel(str(ensure_demo_model()), {"rules": [{"contains": ["7"], "content": "seven"}]})
+    for i in range(10):
+        m._reply(np.asarray(m.tokenizer.encode(f"prompt {i}", special=True), np.int32), thinking=False)
+    assert len(m._replies) == 3
+    last = np.asarray(m.tokenizer.encode("prompt 7", special=True), np.int32)
+    assert m._reply(last, thinking=False) == m.tokenizer.encode("seven", special=True) + m.eos
+
+
+def test_scripted_model_prefill_delay():
+    """`prefill_seconds_per_token` slows prompt steps only (the decode of one token is not delayed); checked."""
+    import time
+
+    from ds4py.cli.serve import ensure_demo_model
+    from ds4py.errors import Ds4Error
+    from ds4py.testing.scripted import ScriptedModel
+
+    m = ScriptedModel(str(ensure_demo_model()), {"rules": [], "prefill_seconds_per_token": 0.02})
+    st = m.new_state()
+    t0 = time.perf_counter()
+    m.prefill(st, m.tokenizer.encode("word " * 30, special=True))
+    assert time.perf_counter() - t0 >= 0.02 * st.n_tokens
+    t0 = time.perf_counter()
+    m.decode(st, 5)
+    assert time.perf_counter() - t0 < 0.02 * st.n_tokens
+    for bad in (-1, "1", True, 11):
+        with pytest.raises(Ds4Error, match="prefill_seconds_per_token"):
+            ScriptedModel(str(ensure_demo_model()), {"rules": [], "prefill_seconds_per_token": bad})

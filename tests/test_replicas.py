@@ -213,6 +213,28 @@ def test_keepalive_is_accepted_by_the_sdks(slow_srv):
     assert kinds[0] == "message_start" and final.stop_reason == "max_tokens"
 
 
+def test_keepalive_with_thinking_is_an_event_the_sdks_pass_on(slow_srv):
+    """With thinking on the keep-alive is an empty thinking delta in the already opened reasoning block, not a
+    ping: the SDKs drop pings before their caller, and Claude Code aborts a stream without events after 300 s."""
+    body = {"model": "deepseek-v4-flash", "max_tokens": 2, "thinking": {"type": "adaptive"},
+            "messages": [{"role": "user", "content": "think " + LONG}]}
+    data = raw_stream(slow_srv, "/v1/messages", body)
+    assert b"ping" not in data
+    start = data.index(b'"content_block":{"type":"thinking","thinking":"","signature":""}')
+    empty = b'"delta":{"type":"thinking_delta","thinking":""}'
+    assert data.count(empty) >= 2 and data.index(b"event: message_start") < start < data.index(empty)
+    ant = anthropic.Anthropic(base_url=slow_srv.base_url, api_key="none", max_retries=0, timeout=60)
+    with ant.messages.stream(**{**body, "messages": [{"role": "user", "content": "think sdk " + LONG}]}) as s:
+        seen = [ev.type for ev in s]
+        final = s.get_final_message()
+    assert seen[:2] == ["message_start", "content_block_start"] and seen.count("thinking") >= 2, seen  # passed on
+    assert final.content[0].type == "thinking" and final.stop_reason == "max_tokens"
+    # continuing a prefilled assistant message: its text goes on, no reasoning block to open: pings
+    data = raw_stream(slow_srv, "/v1/messages", {**body, "messages": [{"role": "user", "content": "go on " + LONG},
+                                                                      {"role": "assistant", "content": "Sure,"}]})
+    assert data.count(b"event: ping") >= 2 and b'"type":"thinking"' not in data
+
+
 # ---- session affinity ------------------------------------------------------------------------------------------
 
 def test_session_key_sources():
@@ -241,9 +263,9 @@ def test_affinity_choice_and_bound():
     assert a.choose("k", lambda i: True, lambda i: True, lambda: 1) == (0, "hit")
     assert a.choose("k", lambda i: False, lambda i: True, lambda: 1) == (1, "fallback")    # its session is busy
     assert a.choose("k", lambda i: True, lambda i: False, lambda: 1) == (1, "fallback")    # serves nothing
-    a.bind("j", 1)
+    assert a.bind("j", 1) is None and a.bind("j", 1) is None
     assert a.owner(1) == "j" and a.owner(0) == "k"
-    a.bind("l", 1)                       # l's conversation replaced j's in slot 1
+    assert a.bind("l", 1) == "j"         # l's conversation replaced (displaced) j's in slot 1
     assert a.slot_of("j") is None and a.owner(1) == "l" and a.slot_of("k") == 0
     a.bind("m", 2)
     assert len(a) == 2 and a.slot_of("k") is None and a.owner(0) is None                   # least recent dropped
@@ -286,6 +308,62 @@ def test_session_affinity_in_a_pool(model_tok):
         assert m['ds4py_session_affinity_total{result="hit"}'] == 4           # turns 2 and 3 of both
         assert m['ds4py_session_affinity_total{result="fallback"}'] == 3      # two first turns, the side request
         assert m['ds4py_session_affinity_total{result="none"}'] == 1
+
+
+def _conversation_turns(base_url: str, key: str, turns: int, out: list) -> None:
+    """One conversation of `turns` streamed chat turns with X-Session-ID; appends each turn's usage to out."""
+    msgs = [{"role": "system", "content": f"Project {key}: keep answers short."},
+            {"role": "user", "content": f"{key}: start"}]
+    for turn in range(turns):
+        st, hd, body = post(base_url + "/v1/chat/completions",
+                            {"model": "deepseek-v4-flash", "messages": msgs, "max_tokens": 2, "temperature": 0,
+                             "stream": True, "stream_options": {"include_usage": True}},
+                            {"X-Session-ID": key})
+        assert st == 200, body
+        events = [json.loads(line[6:]) for line in body.decode().splitlines()
+                  if line.startswith("data: {")]
+        text = "".join(c["delta"].get("content") or "" for e in events for c in e.get("choices", []))
+        out.append((turn, events[-1]["usage"]))
+        msgs += [{"role": "assistant", "content": text or "x"}, {"role": "user", "content": f"{key}: step {turn}"}]
+
+
+def test_concurrent_conversations_keep_their_sessions(model_tok):
+    """As many conversations as sessions, their turns sent at once (a replica behind a router): every later turn
+    reuses at least its previous prompt (less its last token: the snapshot point), none displaces another."""
+    model, tok = model_tok
+    state = ServerState(ServerConfig())
+    state.set_engine(Engine(SessionPool(model, tok, 3, CTX), tok))
+    with BackgroundServer(state) as srv:
+        usage = {k: [] for k in ("conv-a", "conv-b", "conv-c")}
+        threads = [threading.Thread(target=_conversation_turns, args=(srv.base_url, k, 3, u)) for k, u in usage.items()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert all(len(u) == 3 for u in usage.values()), usage
+        for u in usage.values():
+            for (_, prev), (_, cur) in zip(u, u[1:]):
+                assert cur["prompt_tokens_details"]["cached_tokens"] >= prev["prompt_tokens"] - 1, u
+        wait_idle(state)
+        m, _ = parse_metrics(get(srv.base_url + "/metrics")[2].decode())
+        assert m["ds4py_session_displaced_total"] == 0
+        assert m['ds4py_session_affinity_total{result="hit"}'] == 6
+
+
+def test_more_conversations_than_sessions_are_displaced_and_counted(model_tok, caplog):
+    """Three conversations taking turns over two sessions: a turn that finds its session taken over displaces
+    the least recently used conversation; /metrics and the log say so (the capacity a replica lacks)."""
+    model, tok = model_tok
+    state = ServerState(ServerConfig())
+    state.set_engine(Engine(SessionPool(model, tok, 2, CTX), tok))
+    with BackgroundServer(state) as srv, caplog.at_level("INFO", logger="ds4py.server"):
+        for key in ("conv-a", "conv-b", "conv-c"):
+            _conversation_turns(srv.base_url, key, 1, [])
+        wait_idle(state)
+        m, _ = parse_metrics(get(srv.base_url + "/metrics")[2].decode())
+    assert m["ds4py_session_displaced_total"] == 1          # conv-c took conv-a's session (least recently used)
+    assert state.engine.pool.affinity.slot_of("conv-a") is None
+    assert any("'conv-c' displaces 'conv-a'" in r.getMessage() for r in caplog.records)
 
 
 def test_session_affinity_with_one_session(model_tok):

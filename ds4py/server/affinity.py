@@ -15,6 +15,13 @@ request of the same agent with an unrelated prompt does not evict the conversati
 decides, and the key moves to the session the request ran in. That choice does not take a session that holds
 another key's conversation while an empty session is idle (two agents with the same system prompt share a
 prefix that a short history could be rolled back to).
+
+Capacity. A replica keeps at most --sessions conversations resident. When more keys take turns (a router's hash
+put them together, or a dead replica's conversations moved in), each turn that finds no idle session of its own
+takes the least recently used one and *displaces* its key: that conversation's next turn re-prefills what no
+snapshot or disk checkpoint (prompts of 512 tokens or more) still holds, and in a round-robin of turns the
+displacements chain (every turn cold). The scheduler logs and counts each displacement
+(`ds4py_session_displaced_total`), so a replica short of sessions says so.
 """
 
 from __future__ import annotations
@@ -90,13 +97,16 @@ class Affinity:
             return slot, "hit"
         return by_prefix(), ("none" if key is None else "fallback")
 
-    def bind(self, key: str | None, slot: int) -> None:
-        """The request with this key runs in `slot`: later ones of its session look there first."""
+    def bind(self, key: str | None, slot: int) -> str | None:
+        """The request with this key runs in `slot`: later ones of its session look there first. Returns the key
+        whose conversation `slot` held until now and loses (displaced), or None."""
         if key is None:
-            return
+            return None
         old = self._owner.get(slot)
+        displaced = None
         if old is not None and old != key and self._slots.get(old) == slot:
             del self._slots[old]                 # its conversation is replaced there: no affinity left
+            displaced = old
         self._owner[slot] = key
         self._slots[key] = slot
         self._slots.move_to_end(key)
@@ -104,3 +114,4 @@ class Affinity:
             k, s = self._slots.popitem(last=False)
             if self._owner.get(s) == k:
                 del self._owner[s]
+        return displaced

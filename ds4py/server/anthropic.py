@@ -18,6 +18,9 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
 
 
+ANTHROPIC_PING = b'event: ping\ndata: {"type": "ping"}\n\n'
+
+
 def error_body(err: ApiError) -> dict:
     return {"type": "error", "error": {"type": ERROR_TYPES.get(err.status, "api_error"), "message": err.message}}
 
@@ -228,6 +231,20 @@ class MessagesEncoder:
         delta = {"type": "thinking_delta", "thinking": text} if kind == "thinking" else \
             {"type": "text_delta", "text": text}
         return out + sse({"type": "content_block_delta", "index": self.index, "delta": delta}, "content_block_delta")
+
+    def keepalive(self) -> bytes:
+        """What a silent stream sends (a long prefill). Anthropic's `ping` in general; but the SDKs drop pings
+        before their caller sees them, so a client that times out a stream with no events (Claude Code aborts after
+        300 s: CLAUDE_STREAM_IDLE_TIMEOUT_MS, which cannot go lower) drops a prefill that runs longer. With thinking
+        on, the answer's first block is its reasoning (the prompt ends in `<think>`; not when it continues a
+        prefilled assistant message): that block is opened now and each keep-alive is an empty thinking delta, an
+        event the SDKs pass on and accumulate to nothing."""
+        if self.req.thinking and not self.req.continue_final and self.index == -1:
+            return self._delta("thinking", "")
+        if self.open == "thinking":
+            return sse({"type": "content_block_delta", "index": self.index,
+                        "delta": {"type": "thinking_delta", "thinking": ""}}, "content_block_delta")
+        return ANTHROPIC_PING
 
     def event(self, ev) -> bytes:
         if isinstance(ev, Reasoning):

@@ -498,7 +498,8 @@ async def _stream(request: web.Request, job: Job, enc, started: Started) -> web.
         if first:
             await resp.write(first)
         done = False
-        keepalive = keepalive_event(request.path)
+        default = keepalive_event(request.path)
+        keepalive = enc.keepalive if isinstance(enc, anthropic.MessagesEncoder) else lambda: default
         while not done:
             ev = _next_event(job, await next_or_keepalive(job.events, request.app[STATE].config.sse_keepalive,
                                                           resp, keepalive))

@@ -84,6 +84,7 @@ class Metrics:
         # session affinity (X-Session-ID and the agents' own session headers): hit = the request ran in its
         # session's resident state, fallback = it carried a session id but the prefix match chose, none = no id
         self.affinity = dict.fromkeys(AFFINITY_RESULTS, 0)
+        self.session_displaced = 0       # a keyed request took the session of another key's conversation
         # the vLLM-compatible names (docs/server.md "/metrics"): label values and the KV capacity they need
         self.model_name = "ds4py"
         self.replica_id: str | None = None
@@ -246,6 +247,10 @@ class Metrics:
                     "session of its session id), fallback (carried a session id, the prefix match chose), none "
                     "(no session id: the prefix match chose).", "# TYPE ds4py_session_affinity_total counter"]
             out += [f'ds4py_session_affinity_total{{result="{k}"}} {v}' for k, v in self.affinity.items()]
+            out += ["# HELP ds4py_session_displaced_total Requests with a session id that took the resident session "
+                    "of another session id's conversation (more conversations than --sessions on this replica).",
+                    "# TYPE ds4py_session_displaced_total counter",
+                    f"ds4py_session_displaced_total {self.session_displaced}"]
             if self.replica_id is not None:
                 out += ["# HELP ds4py_replica_info The replica id this server was started with (serve --replica-id).",
                         "# TYPE ds4py_replica_info gauge", f'ds4py_replica_info{{replica_id="{_esc(self.replica_id)}"}} 1']

@@ -50,6 +50,7 @@ class SessionPool:
         self._used = [0] * n             # when each session was last acquired (0: never)
         self.affinity = Affinity()       # session key -> the session that ran it last
         self.last_route = "none"         # how route() chose: "hit" (the key's session), "fallback", "none"
+        self.last_displaced: str | None = None   # the key whose conversation the last acquire() took over
 
     @classmethod
     def of(cls, session: Session) -> "SessionPool":
@@ -98,7 +99,7 @@ class SessionPool:
 
     def acquire(self, i: int, key: str | None = None) -> Session:
         assert not self.busy[i], f"session {i} is busy"
-        self.affinity.bind(key, i)
+        self.last_displaced = self.affinity.bind(key, i)
         self.busy[i] = True
         self._used[i] = next(self._clock)
         return self.sessions[i]

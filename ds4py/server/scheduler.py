@@ -108,6 +108,12 @@ class Scheduler:
             self.worker.pop()
             m.observe_affinity(self.pool.last_route)
             session = self.pool.acquire(slot, job.session_key)
+            if self.pool.last_displaced is not None:
+                m.add(session_displaced=1)
+                log.info("session %d: conversation %r displaces %r (each of the %d sessions holds a conversation: "
+                         "its next turn re-prefills what no snapshot or disk checkpoint holds; more --sessions keep "
+                         "more conversations resident)", slot, job.session_key[:64], self.pool.last_displaced[:64],
+                         len(self.pool))
             try:
                 self._start(job, slot, session)
             except Exception as e:  # a bug or a backend failure (a bad disk checkpoint is handled inside)

@@ -2,13 +2,16 @@
 minutes on a CPU) sends nothing for a long time, and clients and routers with idle timeouts drop such a stream.
 While a stream waits for its next engine event longer than the interval, one keep-alive goes out: Anthropic's
 own `ping` event on /v1/messages (its SDKs skip it), an SSE comment line elsewhere (the SSE format says clients
-ignore lines starting with ':'). Both are events a strict client accepts."""
+ignore lines starting with ':'). Both are events a strict client accepts. /v1/messages with thinking on sends
+empty thinking deltas instead (anthropic.MessagesEncoder.keepalive: Claude Code's own idle timeout never sees a
+ping)."""
 
 from __future__ import annotations
 
 import asyncio
+from typing import Callable
 
-ANTHROPIC_PING = b'event: ping\ndata: {"type": "ping"}\n\n'
+from .anthropic import ANTHROPIC_PING
 SSE_COMMENT = b": keep-alive\n\n"
 
 
@@ -16,8 +19,8 @@ def keepalive_event(path: str) -> bytes:
     return ANTHROPIC_PING if path.startswith("/v1/messages") else SSE_COMMENT
 
 
-async def next_or_keepalive(events: asyncio.Queue, interval: float, resp, keepalive: bytes):
-    """The queue's next item; every `interval` seconds without one, `keepalive` is written to `resp` first
+async def next_or_keepalive(events: asyncio.Queue, interval: float, resp, keepalive: Callable[[], bytes]):
+    """The queue's next item; every `interval` seconds without one, `keepalive()` is written to `resp` first
     (interval <= 0: just wait)."""
     if interval <= 0:
         return await events.get()
@@ -29,7 +32,7 @@ async def next_or_keepalive(events: asyncio.Queue, interval: float, resp, keepal
             done, _ = await asyncio.wait({get}, timeout=interval)
             if done:
                 return get.result()
-            await resp.write(keepalive)
+            await resp.write(keepalive())
     finally:
         if not get.done():
             get.cancel()

@@ -11,7 +11,9 @@ Script: {"rules": [{"contains": ["text", ...], "content": "answer text", "tool_c
 "arguments": {...}}]}, ...]}. A rule matches when every `contains` string occurs in the prompt text (everything
 before the assistant turn being generated); the first match wins; no match: the reply "(no scripted rule
 matched)". `content` and `tool_calls` are both optional; the tool calls are rendered with the chat format's own
-DSML renderer, exactly the text the server parses from generated tokens.
+DSML renderer, exactly the text the server parses from generated tokens. `"prefill_seconds_per_token": S`
+(optional, default 0) makes every prompt step of more than one token sleep S seconds per token: a prefill as long
+as a CPU's, without its work, for the clients' idle timeouts (bench/README.md, "The real agents under load").
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+import time
 from typing import Any, Sequence
 
 import numpy as np
@@ -30,6 +33,7 @@ from ds4py.model import Capabilities, ModelBase, Numerics, WeightBytes
 
 ENV = "DS4PY_SCRIPTED_MODEL"
 NO_MATCH = "(no scripted rule matched)"
+MAX_REPLIES = 1024         # prompts whose chosen reply is remembered (one per prompt being answered is needed)
 _IDS = StatePart(0, "ids", ROWS, 1, 0, 1, "<i4")
 
 
@@ -72,6 +76,11 @@ class ScriptedModel(ModelBase):
         self.tokenizer = Tokenizer.from_gguf(self.gguf)
         self.format = chat_format(self.config.variant)
         self.rules = _check_rules(script)
+        self.prefill_s = script.get("prefill_seconds_per_token", 0)
+        if isinstance(self.prefill_s, bool) or not isinstance(self.prefill_s, (int, float)) \
+                or not 0 <= self.prefill_s <= 10:
+            raise Ds4Error(f"the script's prefill_seconds_per_token must be a number from 0 to 10, got "
+                           f"{self.prefill_s!r}")
         self.eos = self.tokenizer.encode(EOS, special=True)
         self.assistant = self.tokenizer.encode(ASSISTANT, special=True)
         self.think_marks = {self.tokenizer.encode(m, special=True)[0]: m for m in (THINK, END_THINK)}
@@ -82,6 +91,9 @@ class ScriptedModel(ModelBase):
         return ScriptedState(self.layout)
 
     def _step(self, states: list, chunks: list[np.ndarray], all_logits: bool) -> list[np.ndarray]:
+        prompt_tokens = sum(len(c) for c in chunks if len(c) > 1)
+        if self.prefill_s and prompt_tokens:
+            time.sleep(self.prefill_s * prompt_tokens)
         out = []
         for state, chunk in zip(states, chunks):
             state.begin_step(len(chunk))
@@ -128,6 +140,8 @@ class ScriptedModel(ModelBase):
             text = self.tokenizer.decode(prompt.tolist())
             index, body = self._choose(text)
             ids = self.tokenizer.encode((END_THINK if thinking else "") + body, special=True)
+            if len(self._replies) >= MAX_REPLIES:         # a long-lived server (bench/soak.py): the oldest goes
+                del self._replies[next(iter(self._replies))]
             self._replies[key] = ids + self.eos
             print(f"ds4py scripted model: rule {index} -> {body[:80]!r}", file=sys.stderr, flush=True)
         return self._replies[key]
