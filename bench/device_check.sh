@@ -183,16 +183,18 @@ run_step doctor doctor 25 "$PY" -m ds4py doctor --json "$SCRATCH/doctor.json"
 ARCH=$("$PY" -c "import json; print(json.load(open('$SCRATCH/doctor.json'))['nvrtc']['arch'])" 2>/dev/null || echo sm_90)
 run_step build build "$BUILD_LIMIT" "$PY" -m ds4py.cuda.compiler --json "$SCRATCH/ptxas.json" "$ARCH"
 
+# one process on the one GPU: -o addopts= drops pyproject's `-n auto` (the machine has no pytest-xdist)
 # name:limit of each GPU test file, most basic first (the runtime and the core kernels before the engine)
 TESTS="tests/gpu/test_cuda_runtime.py:20 tests/gpu/test_kernels_core.py:20 tests/gpu/test_cuda_attn_moe.py:15
 tests/gpu/test_gpu_mma.py:15 tests/gpu/test_gpu_rows.py:15 tests/gpu/test_gpu_engine.py:30 tests/gpu/test_gpu_spec.py:10
 tests/test_cu_emu_gpu.py:10"
 for entry in $TESTS; do
   f=${entry%%:*}; limit=${entry##*:}; name=$(basename "$f" .py)
-  run_step "$name" tests "$limit" "$PY" -m pytest "$f" -q -rs -p no:cacheprovider --junitxml="$SCRATCH/$name.xml"
+  run_step "$name" tests "$limit" "$PY" -m pytest "$f" -q -rs -o addopts= -p no:cacheprovider \
+    --junitxml="$SCRATCH/$name.xml"
   if grep -Eq "$STICKY" "$SCRATCH/logs/$name.txt" 2>/dev/null; then
     run_step "${name}_blocking" tests "$limit" env CUDA_LAUNCH_BLOCKING=1 "$PY" -m pytest "$f" -q -rs -x \
-      -p no:cacheprovider --junitxml="$SCRATCH/${name}_blocking.xml"
+      -o addopts= -p no:cacheprovider --junitxml="$SCRATCH/${name}_blocking.xml"
   fi
 done
 

@@ -76,11 +76,71 @@ def dspark_gguf(golden, tmp_path_factory) -> str:
     return str(d / "v41-tiny-dspark-f32.gguf")
 
 
+# ---- pytest-xdist: how many workers, which tests share one ------------------------------------------------------
+# pyproject's addopts runs the suite with `-n auto --dist loadgroup`; `-n 0` runs it in this one process.
+
+MAX_WORKERS = 8      # each worker holds its own emulated models (~1-2 GB at its peak)
+# the work units that take minutes (xdist_group names, test file names), sent out first: started last, one of them
+# would run on alone while the other workers have nothing left
+FIRST_UNITS = ("nvrtc",)
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_auto_num_workers(config) -> int:
+    """-n auto: one worker per CPU this process may run on (xdist's own count takes physical cores when psutil is
+    there: 1 on a 2-vCPU machine), at most MAX_WORKERS; PYTEST_XDIST_AUTO_NUM_WORKERS still decides when set."""
+    env = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS")
+    if env:
+        return int(env)
+    return max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
+                      MAX_WORKERS))
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadgroup, by file: every test file is one unit of work (its module fixtures are built once, on one
+    worker), and the files marked with one xdist_group (they share a session fixture, e.g. the NVRTC build) go to
+    one worker together. Units go out in collection order, FIRST_UNITS first (pytest_collection_modifyitems)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    config.option.loadscopereorder = False     # xdist's order (most tests first) would undo FIRST_UNITS
+
+    class FileOrGroupScheduling(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return super()._split_scope(nodeid).split("::", 1)[0]   # a group's name, or the test's file
+
+    return FileOrGroupScheduling(config, log)
+
+
+def _unit(item) -> str:
+    group = item.get_closest_marker("xdist_group")
+    return group.args[0] if group is not None and group.args else Path(str(item.path)).name
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """xdist workers: FIRST_UNITS' tests first, the rest in their order (every worker sorts alike: the controller
+    checks that all collected the same list)."""
+    if _is_xdist_worker(config):
+        items.sort(key=lambda item: FIRST_UNITS.index(u) if (u := _unit(item)) in FIRST_UNITS else len(FIRST_UNITS))
+
+
 # ---- emulator kernel coverage over the run (tests/kernel_coverage.py) ------------------------------------------
+# Under pytest-xdist (the default, pyproject's addopts) every worker records the launches of the tests it ran and
+# hands them to the controller at its end (workeroutput); the controller checks the union. With -n 0 this one
+# process records and checks.
 
 _LAUNCHED_KERNELS: dict[str, set[str]] = {}      # kernel name -> the test files that ran it on the emulator
 _CURRENT_FILE: list[str] = [""]
-_RUN = {"deselected": 0, "items": []}
+# what this run collected and deselected, and why its launches are incomplete (a worker that died, a stopped run)
+_RUN: dict = {"deselected": 0, "files": set(), "incomplete": []}
+_COVERAGE_OUT = "ds4py_kernel_coverage"            # the key of a worker's launches in its workeroutput
+
+
+def _is_xdist_worker(config) -> bool:
+    return hasattr(config, "workerinput")
 
 
 def pytest_runtest_setup(item):
@@ -92,7 +152,7 @@ def pytest_deselected(items):
 
 
 def pytest_collection_finish(session):
-    _RUN["items"] = list(session.items)
+    _RUN["files"] = {Path(str(i.path)).name for i in session.items}
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -120,16 +180,32 @@ def emulator_launches() -> dict[str, set[str]]:
     return _LAUNCHED_KERNELS
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """xdist controller: a worker finished (or died); take its launches and what it collected."""
+    out = getattr(node, "workeroutput", None) or {}
+    got = out.get(_COVERAGE_OUT)
+    if error is not None or got is None:
+        _RUN["incomplete"].append(f"worker {node.gateway.id} died")
+        return
+    for kernel, files in got["launches"].items():
+        _LAUNCHED_KERNELS.setdefault(kernel, set()).update(files)
+    _RUN["files"] |= set(got["files"])
+    _RUN["deselected"] = max(_RUN["deselected"], got["deselected"])   # every worker deselects the same tests
+    if got["stopped"]:
+        _RUN["incomplete"].append("the run stopped early")
+
+
 def _coverage(session) -> tuple[str, list[str] | None]:
     """(what the summary says, the kernels no twin test launched, or None when this run does not measure it)."""
     import kernel_coverage as kc
     from ds4py.cuda import emu
 
-    why = kc.whole_run(session.config, _RUN["items"])
+    why = kc.whole_run(session.config, _RUN["files"])
     if why is None and _RUN["deselected"]:
         why = f"{_RUN['deselected']} tests were deselected"
-    if why is None and (session.shouldstop or session.shouldfail):
-        why = "the run stopped early"
+    if why is None and (session.shouldstop or session.shouldfail or _RUN["incomplete"]):
+        why = (_RUN["incomplete"] or ["the run stopped early"])[0]
     if why is None and emu.compiler() is None:
         why = "the CUDA emulator needs g++, which this machine lacks"
     if why is not None:
@@ -143,7 +219,13 @@ def _coverage(session) -> tuple[str, list[str] | None]:
 
 def pytest_sessionfinish(session, exitstatus):
     """A run of the whole suite fails when a kernel went untested on the emulator (a kernel landed without a test,
-    or a test stopped launching it): checked once every test has run, whatever order they ran in."""
+    or a test stopped launching it): checked once every test has run, whatever order they ran in (under xdist: by
+    the controller, over every worker's launches)."""
+    if _is_xdist_worker(session.config):
+        session.config.workeroutput[_COVERAGE_OUT] = {
+            "launches": {k: sorted(v) for k, v in _LAUNCHED_KERNELS.items()}, "files": sorted(_RUN["files"]),
+            "deselected": _RUN["deselected"], "stopped": bool(session.shouldstop or session.shouldfail)}
+        return
     text, missing = _coverage(session)
     session.config.stash[_COVERAGE] = text
     if missing and exitstatus == pytest.ExitCode.OK:

@@ -1,8 +1,8 @@
 """Emulator kernel coverage over a test run: which kernels of cu/*.cu the CPU emulator really ran, and from which
 test file (tests/conftest.py records every launch, graph replays included). At the end of a run that includes
 every tests/test_cu_emu_*.py file unfiltered, a kernel that no twin test (a test_cu_emu_* file comparing against
-ds4py/cuda/twins) launched fails the run (conftest's pytest_sessionfinish); the terminal summary says what was
-measured."""
+ds4py/cuda/twins) launched fails the run (conftest's pytest_sessionfinish; under pytest-xdist the controller's, over
+every worker's launches); the terminal summary says what was measured."""
 
 from __future__ import annotations
 
@@ -28,14 +28,13 @@ def missing_kernels(launches: dict[str, set[str]]) -> list[str]:
     return sorted(k for k in kernels() if not launches.get(k, set()) & twins)
 
 
-def whole_run(config, items) -> str | None:
-    """None when the run measures coverage (every test_cu_emu_*.py file selected, no -k / -m / test ids), else why
-    it does not."""
+def whole_run(config, files: set[str]) -> str | None:
+    """None when the run measures coverage (every test_cu_emu_*.py file among the collected test files' names, no
+    -k / -m / test ids), else why it does not."""
     opt = config.option
     if opt.keyword or opt.markexpr or any("::" in a for a in config.args):
         return "the run selects tests (-k, -m or test ids)"
-    ran = {Path(str(i.path)).name for i in items}
     stage_files = {p.name for p in HERE.glob("test_cu_emu_*.py")}
-    if not stage_files <= ran:
+    if not stage_files <= set(files):
         return "the run does not include every tests/test_cu_emu_*.py file"
     return None

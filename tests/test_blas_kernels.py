@@ -73,7 +73,7 @@ def test_golden_reference_tests_hold_under_another_blas_kernel():
     env = {"OPENBLAS_CORETYPE": other, RERUN: "1", "PYTHONPATH": str(REPO), "DS4PY_KERNELS": "dequant"}
     got = blas_core(env)
     assert got and got != here, f"OPENBLAS_CORETYPE={other} did not change the kernel (still {got!r})"
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", SKIP, *GOLDEN_TESTS],
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-k", SKIP, *GOLDEN_TESTS],
                        cwd=REPO, timeout=1200, env={**os.environ, **env}, capture_output=True, text=True)
     assert r.returncode == 0, (f"golden reference tests fail under OpenBLAS kernel {got} "
                                f"(OPENBLAS_CORETYPE={other}; this process runs {here}):\n{r.stdout[-6000:]}")

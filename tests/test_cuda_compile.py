@@ -19,6 +19,10 @@ REPO = Path(__file__).resolve().parents[1]
 CU = REPO / "cu"
 ARCHS = NVRTC_ARCHS          # ("sm_121", "sm_90", "sm_90a"): what the nvrtc_kernels fixture compiles
 
+# under pytest-xdist on the worker that also runs tests/test_cuda_driverless.py: the NVRTC build of every kernel
+# (conftest's nvrtc_kernels, minutes) is made once and shared (conftest's standin_cache)
+pytestmark = pytest.mark.xdist_group("nvrtc")
+
 
 def _nvrtc_or_skip() -> None:
     try:

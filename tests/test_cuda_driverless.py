@@ -45,6 +45,11 @@ else:
 """
 
 
+# under pytest-xdist on the worker that also runs tests/test_cuda_compile.py: the NVRTC build of every kernel
+# (conftest's nvrtc_kernels, minutes) is made once and shared (conftest's standin_cache)
+pytestmark = pytest.mark.xdist_group("nvrtc")
+
+
 def _run(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
                           env={**os.environ, **(env or {})})

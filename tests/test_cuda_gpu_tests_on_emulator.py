@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.mark.skipif(emu.compiler() is None, reason="the CUDA emulator needs g++")
 def test_gpu_tests_pass_on_the_emulator():
     env = {**os.environ, "DS4PY_GPU_TESTS_ON_EMULATOR": "1", "PYTHONPATH": str(REPO)}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu"], cwd=REPO,
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "tests/gpu"], cwd=REPO,
                        env=env, timeout=600, capture_output=True, text=True)
     tail = r.stdout[-3000:] + r.stderr[-2000:]
     assert r.returncode == 0, tail

@@ -7,6 +7,8 @@ still plain decoding's."""
 
 from __future__ import annotations
 
+import threading
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -15,7 +17,7 @@ import pytest
 from ds4py.cuda import emu
 from ds4py.model import open_model
 from spec_fakes import NullTokenizer
-from test_sessions import completion, concurrently, post, serving
+from test_sessions import completion, concurrently, metrics, post, serving
 
 pytestmark = pytest.mark.skipif(emu.compiler() is None, reason="the CUDA emulator needs g++")
 
@@ -40,9 +42,21 @@ def tok():
     return IdsTokenizer()
 
 
-@pytest.mark.xfail(strict=False, reason="timing-dependent: which requests share a step depends on arrival; failed "
-                   "on the previous main too under load (see the stop note)")
-def test_concurrent_greedy_answers_on_cuda_equal_sequential_ones(cuda, tok):
+def wait_queued(srv, n: int, timeout: float = 60) -> None:
+    """Until n requests wait for the engine (its /metrics queue depth)."""
+    deadline = time.monotonic() + timeout
+    while metrics(srv)["ds4py_queue_depth"] < n:
+        assert time.monotonic() < deadline, f"fewer than {n} requests queued after {timeout} s"
+        time.sleep(0.01)
+
+
+def test_concurrent_greedy_answers_on_cuda_equal_sequential_ones(cuda, tok, monkeypatch):
+    """Three prompts (3, 13 and 23 tokens; chunks of 16) alone, then together: the same answers. Together, the
+    engine's first admission waits until all three are queued, in order, so the steps are the same on every run
+    (which requests share a step would otherwise depend on when each arrived): [3, 13] of prompt, two decode
+    rows beside the last prompt's chunk of 16 (and of 7), then three decode rows."""
+    from ds4py.server import scheduler
+
     prompts = [np.random.default_rng(30 + i).integers(3, 256, 3 + 10 * i).tolist() for i in range(3)]
     rows: list[tuple[int, int]] = []                 # (states, rows) of every multi-row step
     real, real_plan = cuda._step_rows, cuda.plan
@@ -63,8 +77,24 @@ def test_concurrent_greedy_answers_on_cuda_equal_sequential_ones(cuda, tok):
             alone = [post(srv, completion(p, n=4)) for p in prompts]
         batched_alone = [r for r in rows if r[0] > 1]
         rows.clear()
+        queued, real_admit = threading.Event(), scheduler.Scheduler._admit
+
+        def admit(self):
+            queued.wait(120)                         # the engine thread admits nothing before all three wait
+            real_admit(self)
+        monkeypatch.setattr(scheduler.Scheduler, "_admit", admit)
+        together: list = [None] * len(prompts)
         with serving(cuda, tok, n=3, prefill_chunk=16) as srv:
-            together = concurrently(lambda p: post(srv, completion(p, n=4)), prompts)
+            threads = [threading.Thread(target=lambda i=i: together.__setitem__(i, post(srv, completion(
+                prompts[i], n=4)))) for i in range(len(prompts))]
+            try:
+                for i, t in enumerate(threads):
+                    t.start()
+                    wait_queued(srv, i + 1)          # the next request arrives after this one, in this order
+            finally:
+                queued.set()
+            for t in threads:
+                t.join(300)
     finally:
         del cuda._step_rows, cuda.plan
     for a, b in zip(alone, together):
