@@ -247,7 +247,8 @@ _COVERAGE = pytest.StashKey[str]()
 @pytest.fixture(scope="session")
 def nvrtc_kernels(tmp_path_factory) -> dict:
     """{"cache": a fresh cache folder, "compiled": {arch: {stem: CompiledModule}}}: every cu/*.cu compiled by NVRTC
-    for sm_121, sm_90 and sm_90a into that cache (raises NvrtcUnavailableError without NVRTC)."""
+    for sm_121 and sm_90 (sm_90a for the arch-specific sources) into that cache (raises NvrtcUnavailableError
+    without NVRTC)."""
     from ds4py.cuda import compiler
     from nvrtc_build import nvrtc_kernels as build
 

@@ -1,6 +1,6 @@
-"""NVRTC compiles every cu/*.cu for sm_121 (DGX Spark), sm_90 and sm_90a (Hopper) without a GPU; the ptxas report
-shows no spills; the disk cache hits, misses when a byte of a source, a header or a -D define changes, and works
-without NVRTC; errors carry file:line; geometry constants come from one table; every kernel waits (pdl_wait)."""
+"""NVRTC compiles every cu/*.cu for sm_121 (DGX Spark) and sm_90 (Hopper; sm_90a for a source marked arch-specific)
+without a GPU; the ptxas report shows no spills; the disk cache hits, misses when a byte of a source, a header or a
+-D define changes, and works without NVRTC; errors carry file:line; geometry constants come from one table; every kernel waits (pdl_wait)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from ds4py.cuda.signature import expand_lists, parse_kernels, strip_comments
 
 REPO = Path(__file__).resolve().parents[1]
 CU = REPO / "cu"
-ARCHS = NVRTC_ARCHS          # ("sm_121", "sm_90", "sm_90a"): what the nvrtc_kernels fixture compiles
+ARCHS = NVRTC_ARCHS          # ("sm_121", "sm_90"): what the nvrtc_kernels fixture compiles
 
 # under pytest-xdist on the worker that also runs tests/test_cuda_driverless.py: the NVRTC build of every kernel
 # (conftest's nvrtc_kernels, minutes) is made once and shared (conftest's standin_cache)
