@@ -1,6 +1,7 @@
 """NVRTC compiles every cu/*.cu for sm_121 (DGX Spark) and sm_90 (Hopper; sm_90a for a source marked arch-specific)
 without a GPU; the ptxas report shows no spills; the disk cache hits, misses when a byte of a source, a header or a
--D define changes, and works without NVRTC; errors carry file:line; geometry constants come from one table; every kernel waits (pdl_wait)."""
+-D define changes, and works without NVRTC; errors carry file:line; geometry constants come from one table; every
+kernel waits (pdl_wait)."""
 
 from __future__ import annotations
 
