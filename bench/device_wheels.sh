@@ -2,7 +2,8 @@
 # Fill .device/ — what travels with the device check besides the repository (`carry: [".device"]`):
 #   .device/wheels   the packages the GPU machine's Python 3.12 lacks (bench/device_carry.txt), as wheels
 #   .device/golden   the golden data the GPU tests read: ds4-tiny's GGUF, the v4-tiny and v4-tiny-mtp checkpoints,
-#                    and of v4-tiny-mtp/cases.npz only the four arrays tests/gpu/test_gpu_spec.py reads
+#                    and of v4-tiny-mtp/cases.npz only the four arrays tests/gpu/test_gpu_spec.py reads; v41-tiny's
+#                    checkpoint (its Engram tables inside) and the cases.npz arrays tests/gpu/test_gpu_v41.py reads
 #
 #   bash bench/device_wheels.sh                 (network to PyPI; golden from ../shared/golden or $DS4PY_GOLDEN_SRC)
 #   bash bench/device_wheels.sh --env [DIR]     also the GPU machine's own packages (bench/device_packages.txt) for
@@ -47,9 +48,9 @@ echo "wheels: $(ls "$CARRY/wheels" | tr '\n' ' ')"
 SRC="${DS4PY_GOLDEN_SRC:-$REPO/../shared/golden}"
 if [ -d "$SRC" ]; then
   G="$CARRY/golden"
-  rm -rf "$G"; mkdir -p "$G/ds4-tiny" "$G/v4-tiny" "$G/v4-tiny-mtp"
+  rm -rf "$G"; mkdir -p "$G/ds4-tiny" "$G/v4-tiny" "$G/v4-tiny-mtp" "$G/v41-tiny"
   cp "$SRC/ds4-tiny/tiny.gguf" "$G/ds4-tiny/"
-  for d in v4-tiny v4-tiny-mtp; do
+  for d in v4-tiny v4-tiny-mtp v41-tiny; do
     cp "$SRC/$d/config.json" "$SRC/$d/model.safetensors" "$G/$d/"
     [ -f "$SRC/$d/config_checkpoint.json" ] && cp "$SRC/$d/config_checkpoint.json" "$G/$d/"
   done
@@ -58,6 +59,14 @@ if [ -d "$SRC" ]; then
 import sys
 import numpy as np
 keys = ("a_ids", "a_P", "a_main_hc_state", "a_mtp_prefill_logits")   # what tests/gpu/test_gpu_spec.py reads
+g = np.load(sys.argv[1])
+np.savez(sys.argv[2], **{k: g[k] for k in keys})
+PY
+  python3 - "$SRC/v41-tiny/cases.npz" "$G/v41-tiny/cases.npz" <<'PY'
+import sys
+import numpy as np
+keys = ("a_ids", "a_P", "a_prefill_last_logits_fp32_fixed", "a_decode_logits_fp32_fixed", "b_ids",
+        "b_prefill_last_logits_fp32_fixed", "b_decode_logits_fp32_fixed", "c_ids")   # tests/gpu/test_gpu_v41.py
 g = np.load(sys.argv[1])
 np.savez(sys.argv[2], **{k: g[k] for k in keys})
 PY
