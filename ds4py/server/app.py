@@ -33,7 +33,7 @@ from .affinity import session_key
 from .metrics import Metrics
 from .protocol import (MODEL_IDS, NONTHINKING_ALIASES, THINKING_ALIASES, ApiError, Done, Reasoning, Result, Started,
                        Text, ToolCallOut)
-from .sse import keepalive_event, next_or_keepalive
+from .sse import next_or_keepalive
 from .worker import Engine, Job, Worker
 
 log = logging.getLogger("ds4py.server")
@@ -498,11 +498,9 @@ async def _stream(request: web.Request, job: Job, enc, started: Started) -> web.
         if first:
             await resp.write(first)
         done = False
-        default = keepalive_event(request.path)
-        keepalive = enc.keepalive if isinstance(enc, anthropic.MessagesEncoder) else lambda: default
         while not done:
             ev = _next_event(job, await next_or_keepalive(job.events, request.app[STATE].config.sse_keepalive,
-                                                          resp, keepalive))
+                                                          resp, enc.keepalive))
             buf = enc.event(ev)
             done = isinstance(ev, Done)
             while not done and not job.events.empty():      # batch what piled up into one write

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+from .sse import SSE_COMMENT
 from .protocol import (
     Started,
     ApiError, Done, GenRequest, Reasoning, Result, Text, ToolCallOut, apply_sampling, attach_to_system, bad,
@@ -219,6 +220,10 @@ class ChatEncoder:
         self.id = "chatcmpl-" + rid
         self.n_calls = 0
 
+    def keepalive(self) -> bytes:
+        """What a silent stream sends (a long prefill): an SSE comment line, which clients ignore."""
+        return SSE_COMMENT
+
     def _chunk(self, delta: dict, finish=None) -> bytes:
         return sse({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
                     "model": self.req.model, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
@@ -258,6 +263,10 @@ class CompletionEncoder:
     def __init__(self, req: GenRequest, rid: str, created: int):
         self.req, self.created = req, created
         self.id = "cmpl-" + rid
+
+    def keepalive(self) -> bytes:
+        """What a silent stream sends (a long prefill): an SSE comment line, which clients ignore."""
+        return SSE_COMMENT
 
     def _chunk(self, text: str, finish=None) -> bytes:
         return sse({"id": self.id, "object": "text_completion", "created": self.created, "model": self.req.model,

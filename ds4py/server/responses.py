@@ -13,6 +13,7 @@ import logging
 import secrets
 
 from .openai import error_body  # noqa: F401  (same error JSON as the other OpenAI endpoints)
+from .sse import SSE_COMMENT
 from .protocol import (
     Started,
     Done, GenRequest, Reasoning, Result, Text, ToolCallOut, apply_sampling, attach_to_system, bad,
@@ -271,6 +272,10 @@ class ResponsesEncoder:
         self._summarize = req.extra.get("summary") is not None
         self._namespaces = {t.get("name") for t in req.extra.get("tools", ())
                             if isinstance(t, dict) and t.get("type") == "namespace"}
+
+    def keepalive(self) -> bytes:
+        """What a silent stream sends (a long prefill): an SSE comment line, which clients ignore."""
+        return SSE_COMMENT
 
     # --- the response object
     def _response(self, status: str, done: Done | None = None, error: str | None = None) -> dict:

@@ -2,21 +2,16 @@
 minutes on a CPU) sends nothing for a long time, and clients and routers with idle timeouts drop such a stream.
 While a stream waits for its next engine event longer than the interval, one keep-alive goes out: Anthropic's
 own `ping` event on /v1/messages (its SDKs skip it), an SSE comment line elsewhere (the SSE format says clients
-ignore lines starting with ':'). Both are events a strict client accepts. /v1/messages with thinking on sends
-empty thinking deltas instead (anthropic.MessagesEncoder.keepalive: Claude Code's own idle timeout never sees a
-ping)."""
+ignore lines starting with ':'); each stream's encoder says which (its `keepalive()`). Both are events a strict
+client accepts. /v1/messages with thinking on sends empty thinking deltas instead (anthropic.MessagesEncoder.keepalive:
+Claude Code's own idle timeout never sees a ping)."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Callable
 
-from .anthropic import ANTHROPIC_PING
 SSE_COMMENT = b": keep-alive\n\n"
-
-
-def keepalive_event(path: str) -> bytes:
-    return ANTHROPIC_PING if path.startswith("/v1/messages") else SSE_COMMENT
 
 
 async def next_or_keepalive(events: asyncio.Queue, interval: float, resp, keepalive: Callable[[], bytes]):
