@@ -5,7 +5,7 @@
 //   attn_prefill        per (head group, query row): one pass over the query's keys with a running softmax (max,
 //                       sum, weighted V in fp32), the sink in the denominator, then the inverse RoPE -> out [T, H, hd]
 //   prefill_ring_store  the block's last min(T, ring) kv rows into the window ring (after every query read it)
-// The keys of query t at p = pos[t]: the window positions max(0, p-W+1) .. p - those before the block from the ring
+// The keys of query t at p = pos[t] (block_keys: see attn_prefill): the window positions max(0, p-W+1) .. p - those before the block from the ring
 // (slot position % ring, still holding them: the ring is written only after the attention), those inside it from
 // blk - then the compressed rows: all (p+1)/ratio visible ones (ratio 128) or the indexer's selection
 // sel[t, 0 .. min(topk, visible)) (ratio 4). Keys in a fixed order (window oldest first, then compressed), so the
@@ -89,6 +89,9 @@ struct PfaKeys {
 // (ring [ring_rows, hd] the state's window ring, blk [T, hd] from prefill_kv_rows, comp [rows, hd], sel [T, topk] or
 // null, ratio 0: window only); out [T, H, hd] = attention with sink, then the inverse RoPE on the last rd dims.
 // Needs hd % 8 == 0, hd <= PFA_MAX_HD, hd - rd even; ring, blk, comp, q_raw 16-byte aligned.
+// block_keys > 0 (V4.1's DSpark draft, pos[0] = t + 1): every query row instead sees the ring's positions
+// max(0, t - window + 1) .. t, then blk's first block_keys rows (the whole block, no causal mask; ratio, comp and
+// sel unused).
 // Launch: grid (ceil(H / (PFA_HPW * warps)), T), block (32 * warps), dynamic shared memory
 //   (PFA_TILE * (hd + 4) + warps * PFA_HPW * (hd + PFA_TILE)) * 4 bytes. Block (y, t): query row t, heads
 //   (y * warps + warp) * PFA_HPW + 0..PFA_HPW-1; lanes split a tile's keys (lane & 15 = key, lane >> 4 = half of the
@@ -96,7 +99,7 @@ struct PfaKeys {
 extern "C" __global__ void attn_prefill(const float* q_raw, const float* freqs, const int* pos, const float* ring,
                                         int ring_rows, const float* blk, int window, const float* comp, int ratio,
                                         const int* sel, int topk, const float* sinks, float* out, int n_heads, int hd,
-                                        int rd, float eps, float scale, int q_norm) {
+                                        int rd, float eps, float scale, int q_norm, int block_keys) {
     extern __shared__ __align__(16) float pfa_smem[];
     __shared__ float2 rope_cs[PFA_MAX_HD / 2];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -118,8 +121,14 @@ extern "C" __global__ void attn_prefill(const float* q_raw, const float* freqs, 
     keys.n_win = min(p + 1, window);
     keys.first_pos = p + 1 - keys.n_win;
     keys.p0 = pos[0];
-    int n_comp = ratio > 0 ? (p + 1) / ratio : 0;
-    if (sel) n_comp = min(n_comp, topk);
+    if (block_keys > 0) {        // DSpark: the ring's positions before the block, then all block keys (no mask)
+        keys.n_win = min(keys.p0, window);
+        keys.first_pos = keys.p0 - keys.n_win;
+        keys.comp = blk;
+        keys.sel = nullptr;
+    }
+    int n_comp = block_keys > 0 ? block_keys : ratio > 0 ? (p + 1) / ratio : 0;
+    if (keys.sel) n_comp = min(n_comp, topk);
     const int n_keys = keys.n_win + n_comp;
     const int h0 = (blockIdx.x * warps + warp) * PFA_HPW;
     for (int i = threadIdx.x; i < rd / 2; i += blockDim.x) {

@@ -57,10 +57,11 @@ def prefill_warps(n_heads: int, warps: int = 4) -> int:
 def prefill_attention(rt: Any, q_raw: Any, freqs: Any, pos: Any, ring: Any, blk: Any, window: int, comp: Any,
                       ratio: int, sel: Any, topk: int, sinks: Any, out: Any, n_rows: int, n_heads: int, rd: int,
                       eps: float, scale: float, warps: int = 4, stream: Any = None, pdl: bool = False,
-                      q_norm: bool = True) -> None:
+                      q_norm: bool = True, block_keys: bool = False) -> None:
     """out [T, H, hd] = attention of each query row of the block over its window (ring before the block, blk
     inside it) + compressed rows (all visible, or sel [T, topk]) + sink; one launch. q_norm: the per-head RMS of
-    the queries (V4; V4.1 has none)."""
+    the queries (V4; V4.1 has none). block_keys (V4.1's DSpark draft): every query row sees the ring's window
+    before the block (positions pos[0] - window .. pos[0] - 1, from 0) and all T block rows (ratio 0, no sel)."""
     hd = int(ring.shape[1]) if len(ring.shape) == 2 else 0
     need(hd % 8 == 0 and 0 < hd <= PFA_MAX_HD, f"prefill attention: head dim {hd} must be a multiple of 8 up to "
          f"{PFA_MAX_HD}")
@@ -72,6 +73,7 @@ def prefill_attention(rt: Any, q_raw: Any, freqs: Any, pos: Any, ring: Any, blk:
          "prefill attention: a compressed layer needs its compressed rows [n, hd]")
     need(sel is None or (ratio > 0 and dtype_is(sel, np.int32) and topk >= 1 and sel.size >= n_rows * topk),
          "prefill attention: sel must be int32 [rows, topk]")
+    need(not block_keys or (ratio == 0 and sel is None), "prefill attention: block keys take no compressed rows")
     need(freqs.size == rd // 2 and (hd - rd) % 2 == 0 and sinks.size == n_heads,
          "prefill attention: freqs or sinks mismatch")
     need(aligned(16, q_raw, ring, blk, comp, out), "prefill attention: q, ring, rows and out must be 16-byte aligned")
@@ -79,7 +81,8 @@ def prefill_attention(rt: Any, q_raw: Any, freqs: Any, pos: Any, ring: Any, blk:
     groups = -(-n_heads // (PFA_HPW * w))
     rt.launch("attn_prefill", (groups, int(n_rows)), 32 * w, q_raw, freqs, pos, ring, int(ring.shape[0]), blk,
               int(window), comp if comp is not None else ring, int(ratio), sel, int(topk), sinks, out, int(n_heads),
-              hd, int(rd), float(eps), float(scale), int(q_norm), smem=attn_smem(hd, w), stream=stream, pdl=pdl)
+              hd, int(rd), float(eps), float(scale), int(q_norm), int(n_rows) if block_keys else 0,
+              smem=attn_smem(hd, w), stream=stream, pdl=pdl)
 
 
 def swiglu(rt: Any, g: Any, u: Any, h: Any, n: int, clamp: float, stream: Any = None, pdl: bool = False) -> None:

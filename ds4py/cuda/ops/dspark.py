@@ -1,0 +1,26 @@
+"""Launch wrapper of cu/dspark.cu: the weighted sum over the hc copies that V4.1's DSpark draft reads (its taps, the
+mean over the copies of a target layer's input state; its pre-norm hidden, the last FFN pre-mix's collapse)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ds4py.cuda.ops.core import is_dtype, need
+
+HC_SUM_THREADS = 128
+
+
+def hc_sum(rt: Any, X: Any, mix: Any | None, n_tok: int, D: int, scale: float, y: Any, y_stride: int | None = None,
+           hc: int = 4, mix_stride: int = 0, stream: Any = None, pdl: bool = False) -> None:
+    """y[t * y_stride : + D] = scale * sum_j w_j X[t, j] for n_tok rows of X [T, hc, D]; w_j = mix[t * mix_stride
+    + j] (mix None: 1 each, so scale 1 / hc gives the mean over the copies)."""
+    ys = D if y_stride is None else int(y_stride)
+    need(n_tok >= 1 and D >= 1 and ys >= D, f"dspark_hc_sum: {n_tok} rows of {D} values, row stride {ys}")
+    need(is_dtype(X, np.float32) and X.size >= n_tok * hc * D, f"dspark_hc_sum: X must be float32 [{n_tok}, {hc}, {D}]")
+    need(mix is None or (is_dtype(mix, np.float32) and mix_stride >= 0 and mix.size >= (n_tok - 1) * mix_stride + hc),
+         "dspark_hc_sum: mix too small")
+    need(is_dtype(y, np.float32) and y.size >= (n_tok - 1) * ys + D, "dspark_hc_sum: y too small")
+    rt.launch("dspark_hc_sum", (-(-int(D) // HC_SUM_THREADS), int(n_tok)), HC_SUM_THREADS, X, mix, int(mix_stride),
+              int(D), float(scale), y, ys, stream=stream, pdl=pdl)
