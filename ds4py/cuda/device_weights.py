@@ -10,7 +10,7 @@ A tensor type no kernel reads is refused at load, with one sentence naming it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -178,3 +178,51 @@ def load(rt: Any, gguf, cfg, scratch_bytes: int, progress: bool = False,
     freqs = [by_bytes[tables[il].tobytes()] for il in range(cfg.n_layers)]
     binding = schema.bind(cfg, tensors.__getitem__)
     return DeviceWeights(arena, binding, freqs, file_bytes, extra)
+
+
+def upload_entries(rt: Any, store: Any, gguf, entries: list, field: Any = None,
+                   extra: tuple[np.ndarray, ...] = ()) -> tuple[Any, dict[str, DevTensor], list[DeviceArray]]:
+    """A draft's tensors (`entries` of `gguf`: the MTP block's, DSpark's) in one device block of `store`, in the
+    file's formats as `load` uploads the main model's (VQ-8 experts re-laid, small vectors converted), plus the
+    float32 arrays `extra` (RoPE tables) after them. field(entry): the binding field the roles are read from
+    (default the entry's). Refuses a type no kernel reads, as the main load does. -> (block, tensors by name,
+    extra device arrays)."""
+    host: dict[str, tuple[QT, tuple, np.ndarray, str | None]] = {}
+    for e in entries:
+        t = gguf.tensor(e.name)
+        f = field(e) if field is not None else e.spec.field
+        if f.startswith("ffn.experts.") and vq.is_vq(gguf, e.name):
+            fmt, a = vq_layout.from_file(gguf, e.name)          # the main model's device layout, as main layers
+            host[e.name] = (QT.I8, tuple(t.shape), a, fmt)
+            continue
+        conv = conversion(gguf, e if f == e.spec.field else replace(e, spec=replace(e.spec, field=f)))
+        if conv is not None:
+            host[e.name] = (QT.I32 if conv.dtype == np.int32 else QT.F32, tuple(conv.shape), conv, None)
+        else:
+            qt = QT(int(t.qtype))
+            a = np.asarray(t.raw, _PLAIN[qt]) if qt in _PLAIN else t.raw_bytes()     # as upload_gguf views them
+            host[e.name] = (qt, tuple(t.shape), a, None)
+    offs, at = {}, 0
+    for name, (_, _, a, _) in host.items():
+        offs[name] = at
+        at += align_up(a.nbytes)
+    ex_offs = []
+    for a in extra:
+        ex_offs.append(at)
+        at += align_up(a.nbytes)
+    blk = store.block(max(at, ALIGN))
+    tensors = {}
+    for name, (qt, shape, a, fmt) in host.items():
+        d = blk.array(offs[name], a.shape, a.dtype)
+        d.upload(np.ascontiguousarray(a))
+        tensors[name] = DevTensor(name, qt, shape, d, fmt)
+    arrays = []
+    for a, o in zip(extra, ex_offs):
+        d = blk.array(o, a.shape, np.float32)
+        d.upload(np.ascontiguousarray(a, np.float32))
+        arrays.append(d)
+    rt.synchronize()
+    return blk, tensors, arrays
+
+
+_PLAIN = {QT.F32: np.float32, QT.F16: np.float16, QT.I32: np.int32}

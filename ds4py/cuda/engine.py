@@ -436,63 +436,82 @@ class CudaModel(ModelBase):
         return out
 
     def _step(self, states: list[CudaState], chunks: list[np.ndarray], all_logits: bool) -> list[np.ndarray]:
-        return self._run(states, chunks, all_logits, hidden=False)[0]
+        return self._run(states, chunks, all_logits, None)[0]
 
     def _step_hidden(self, states: list[CudaState], chunks: list[np.ndarray],
                      all_logits: bool) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """step, and each row's final residual X [hc, D] (the head's input h_j, the MTP block's input): the same
         row sets as step, their residuals read back."""
-        return self._run(states, chunks, all_logits, hidden=True)
+        return self._run(states, chunks, all_logits, "hidden")
+
+    def _step_taps(self, states: list[CudaState], chunks: list[np.ndarray],
+                   all_logits: bool) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """step, and each row's DSpark taps [n_targets * D] (V4.1's draft input): the same row sets as step with
+        the tap kernel recorded after each target layer's Engram (layer.record_tap), the taps read back. Its row
+        sets are graphs of their own (a plain step's keep their launches)."""
+        return self._run(states, chunks, all_logits, "taps")
+
+    def _open_dspark(self):
+        from ds4py.cuda.dspark import CudaDSpark
+
+        return CudaDSpark(self)
 
     def _run(self, states: list[CudaState], chunks: list[np.ndarray], all_logits: bool,
-             hidden: bool) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """The planned row sets of a step: (logits per chunk, final residuals per chunk [T, hc, D] with hidden)."""
+             extra: str | None) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """The planned row sets of a step: (logits per chunk, per chunk its rows' final residuals [T, hc, D] with
+        extra "hidden", their DSpark taps [T, n_targets * D] with "taps")."""
         self.store.reclaim()
         logits: list[Any] = [None] * len(states)
-        resid: list[Any] = [None] * len(states)
+        rows: list[Any] = [None] * len(states)
         for mode, idx in self.plan(chunks):
             if mode == ROWS:
                 sts, chs = [states[i] for i in idx], [chunks[i] for i in idx]
-                lg = self._step_rows(sts, chs, all_logits)
-                hs = self._rows_hidden(chs) if hidden else [None] * len(idx)
+                lg = self._step_rows(sts, chs, all_logits, taps=extra == "taps")
+                hs = self._rows_extra(chs, extra) if extra else [None] * len(idx)
             else:
                 i = idx[0]
                 run = self._prefill if mode == BLOCK else self._positions
-                got = run(states[i], np.asarray(chunks[i]), all_logits, hidden=hidden)
-                lg, hs = ([got[0]], [got[1]]) if hidden else ([got], [None])
+                got = run(states[i], np.asarray(chunks[i]), all_logits, extra=extra)
+                lg, hs = ([got[0]], [got[1]]) if extra else ([got], [None])
             for j, i in enumerate(idx):
-                logits[i], resid[i] = lg[j], hs[j]
-        return logits, resid
+                logits[i], rows[i] = lg[j], hs[j]
+        return logits, rows
 
-    def _positions(self, st: CudaState, ids: np.ndarray, all_logits: bool, hidden: bool = False) -> Any:
-        """One state's chunk position by position through its decode graph (DECODE); hidden: (logits, every
-        position's final residual [T, hc, D])."""
+    def _positions(self, st: CudaState, ids: np.ndarray, all_logits: bool, extra: str | None = None) -> Any:
+        """One state's chunk position by position through its decode graph (DECODE); extra "hidden" / "taps":
+        (logits, every position's final residual [T, hc, D] / DSpark taps [T, n_targets * D])."""
         n0, T = st.n_tokens, len(ids)
-        body = self._body(st, n0 + T - 1)           # rows grown and graph captured before anything is written
+        taps = extra == "taps"
+        body = self._body(st, n0 + T - 1, taps)     # rows grown and graph captured before anything is written
         head = self._head(None)
-        body = self._body(st, n0 + T - 1)           # (the head may have grown the workspace)
-        X = layer.final_residual(self._context(st, body.tag[0]))
-        H = np.empty((T, self.config.hc_mult, self.config.dim), np.float32) if hidden else None
+        body = self._body(st, n0 + T - 1, taps)     # (the head may have grown the workspace)
+        X = self.ws.taps if taps else layer.final_residual(self._context(st, body.tag[0]))
+        H = np.empty((T,) + self._extra_shape(extra), np.float32) if extra else None
         st.begin_step(T)
         rows = []
         for i, tok in enumerate(ids):
             st.device_hw = max(st.device_hw, n0 + i + 1)
             self._stage_engram(self.ws, [(st, n0 + i, [int(tok)])])
             body.run([n0 + i, int(tok)])
-            if hidden:
+            if extra:
                 H[i] = X.download().reshape(H.shape[1:])
             if all_logits or i == T - 1:
                 head.run(())
                 rows.append(self.ws.logits.download())
         st.end_step(T)
         logits = np.stack(rows) if all_logits else rows[-1]
-        return (logits, H) if hidden else logits
+        return (logits, H) if extra else logits
 
-    def _prefill(self, st: CudaState, ids: np.ndarray, all_logits: bool, hidden: bool = False) -> Any:
+    def _extra_shape(self, extra: str) -> tuple[int, ...]:
+        cfg = self.config
+        return (cfg.dspark_tap_dim,) if extra == "taps" else (cfg.hc_mult, cfg.dim)
+
+    def _prefill(self, st: CudaState, ids: np.ndarray, all_logits: bool, extra: str | None = None) -> Any:
         """A chunk longer than the rollback horizon + 1 (a prompt): BLOCK row sets of up to MAX_BLOCK tokens,
         each one launch sequence over its rows, launched directly (no graph); the head runs for the rows asked
-        for. The state ends as position-by-position steps leave it. hidden: (logits, every position's final
-        residual [T, hc, D]) for the MTP block, the same rows plain decoding computes."""
+        for. The state ends as position-by-position steps leave it. extra "hidden": (logits, every position's final
+        residual [T, hc, D]) for the MTP block, the same rows plain decoding computes; "taps": their DSpark taps
+        [T, n_targets * D]."""
         cfg, rt = self.config, self.rt
         n0, T = st.n_tokens, len(ids)
         bucket = bucket_for(n0 + T, cfg.context_length, self.min_bucket)
@@ -509,7 +528,7 @@ class CudaModel(ModelBase):
         st.ensure_rows(bucket)
         st.begin_step(T)
         out: list[np.ndarray] = []
-        H = np.empty((T, cfg.hc_mult, cfg.dim), np.float32) if hidden else None
+        H = np.empty((T,) + self._extra_shape(extra), np.float32) if extra else None
         B = self.w.binding
         for a in range(0, T, blk):
             Tb = min(blk, T - a)
@@ -519,12 +538,14 @@ class CudaModel(ModelBase):
             self._stage_engram(ws, [(st, n0 + a, ids[a:a + Tb])])
             rec = self._recording(ws, RowSet(BLOCK, [dict(st.arrays)], [bucket], Tb, ws.slot, cap=ws.rows),
                                   ws.tickets, mma=self.prefill_mma, x_pieces=self.prefill_x_pieces,
-                                  expert_mma=self.prefill_expert_mma and not self.vq_experts)
+                                  expert_mma=self.prefill_expert_mma and not self.vq_experts,
+                                  taps=ws.taps if extra == "taps" else None)
             ls = layer.Launcher(rt, self.pdl)
             layer.record_body(ls, rec, B)
             X = layer.final_residual(rec)
-            if hidden:
-                H[a:a + Tb] = X.view(0, (Tb, cfg.hc_mult, cfg.dim)).download()
+            if extra:
+                src = ws.taps if extra == "taps" else X
+                H[a:a + Tb] = src.view(0, (Tb,) + H.shape[1:]).download()
             heads = range(0, Tb, layer.HEAD_ROWS) if all_logits else ([Tb - 1] if a + Tb == T else [])
             for r0 in heads:
                 n = min(layer.HEAD_ROWS, Tb - r0)
@@ -532,13 +553,14 @@ class CudaModel(ModelBase):
                 out.append(ws.logits.view(0, (n, cfg.vocab_size)).download())
         st.end_step(T)
         logits = np.concatenate(out) if all_logits else out[-1][-1].copy()
-        return (logits, H) if hidden else logits
+        return (logits, H) if extra else logits
 
-    def _step_rows(self, states: list[CudaState], chunks: list[np.ndarray], all_logits: bool) -> list[np.ndarray]:
+    def _step_rows(self, states: list[CudaState], chunks: list[np.ndarray], all_logits: bool,
+                   taps: bool = False) -> list[np.ndarray]:
         """One ROWS step: every chunk's positions as rows of one graph replay; each row's logits bit-identical to
-        stepping its state position by position."""
+        stepping its state position by position (taps: the graph that also writes the rows' DSpark taps)."""
         plan = [(st, st.n_tokens + i, int(t)) for st, ids in zip(states, chunks) for i, t in enumerate(ids)]
-        run, order = self._rows_run(plan)
+        run, order = self._rows_run(plan, taps)
         R = len(plan)
         rows = [plan[r] for r in order]
         values = [pos for _, pos, _ in rows] + [0] * (MAX_ROWS - R) + [tok for _, _, tok in rows]
@@ -560,12 +582,13 @@ class CudaModel(ModelBase):
             at += T
         return out
 
-    def _rows_hidden(self, chunks: list[np.ndarray]) -> list[np.ndarray]:
-        """The final residuals [T, hc, D] per chunk of the last ROWS step (in the caller's row order)."""
+    def _rows_extra(self, chunks: list[np.ndarray], extra: str) -> list[np.ndarray]:
+        """The final residuals [T, hc, D] ("hidden") or DSpark taps [T, n_targets * D] ("taps") per chunk of the
+        last ROWS step (in the caller's row order)."""
         cfg = self.config
-        X = self.rows_ws.X0 if cfg.n_layers % 2 == 0 else self.rows_ws.X1
+        X = self.rows_ws.taps if extra == "taps" else self.rows_ws.X0 if cfg.n_layers % 2 == 0 else self.rows_ws.X1
         R = sum(len(c) for c in chunks)
-        got = X.view(0, (R, cfg.hc_mult, cfg.dim)).download()
+        got = X.view(0, (R,) + self._extra_shape(extra)).download()
         H = np.empty_like(got)
         H[self._rows_order] = got
         out, at = [], 0
@@ -580,7 +603,7 @@ class CudaModel(ModelBase):
         run = st.graph[0]
         return max(need, run.tag[0]) if run is not None else need
 
-    def _rows_run(self, plan: list[tuple[CudaState, int, int]]) -> tuple[StepRun, list[int]]:
+    def _rows_run(self, plan: list[tuple[CudaState, int, int]], taps: bool = False) -> tuple[StepRun, list[int]]:
         """The ROWS graph for these rows, captured on first use, and the order its rows run in (rows[order[j]] is
         its row j). The graph is keyed by what it baked in: each row's state arrays and context bucket, in a
         canonical order (rows grouped by state, states by address; a state's rows keep their position order), so
@@ -605,7 +628,7 @@ class CudaModel(ModelBase):
         order = sorted(range(len(plan)), key=lambda r: min(a.ptr for a in plan[r][0].arrays.values()))
         plan, buckets = [plan[r] for r in order], [buckets[r] for r in order]
         ws = self.rows_ws
-        key = (ws.version, self.pdl, self.graphs, tuple(
+        key = (ws.version, self.pdl, self.graphs, taps, tuple(
             (b, tuple((a.ptr, a.shape[0]) for a in st.arrays.values())) for (st, _, _), b in zip(plan, buckets)))
         run = self._rows_runs.get(key)
         if run is not None:                             # seen before: worth a graph from now on
@@ -613,7 +636,7 @@ class CudaModel(ModelBase):
             run.use_graph()
             return run, order
         rec = self._recording(ws, RowSet(ROWS, [dict(st.arrays) for st, _, _ in plan], buckets, len(plan), ws.slot,
-                                         cap=MAX_ROWS), ws.tickets)
+                                         cap=MAX_ROWS), ws.tickets, taps=ws.taps if taps else None)
         B = self.w.binding
 
         def record(ls: layer.Launcher) -> None:
@@ -687,26 +710,28 @@ class CudaModel(ModelBase):
             self.ws = layer.make_workspace(self.config, bucket, 1, DECODE, version, arena=self.w.arena)
         return self.ws
 
-    def _context(self, st: CudaState | None, bucket: int) -> Recording:
-        """The DECODE recording of `st` (None: the head, which reads no state) in context bucket `bucket`."""
+    def _context(self, st: CudaState | None, bucket: int, taps: bool = False) -> Recording:
+        """The DECODE recording of `st` (None: the head, which reads no state) in context bucket `bucket` (taps:
+        with the DSpark taps)."""
         parts = [dict(st.arrays)] if st is not None else []
         rows = RowSet(DECODE, parts, [bucket], 1, self.slot)
-        return self._recording(self.ws, rows, self.ticket)
+        return self._recording(self.ws, rows, self.ticket, taps=self.ws.taps if taps else None)
 
-    def _body(self, st: CudaState, pos: int) -> StepRun:
-        """The state's decode graph for position `pos` (captured for the bucket holding it)."""
+    def _body(self, st: CudaState, pos: int, taps: bool = False) -> StepRun:
+        """The state's decode graph for position `pos` (captured for the bucket holding it; taps: the graph that
+        also writes the row's DSpark taps, which replaces a plain one and is replaced by it)."""
         need = bucket_for(pos + 1, self.config.context_length, self.min_bucket)
         run = st.graph[0]
         if run is not None and run.tag[0] >= need and run.tag[1] == st.generation and self.ws is not None \
-                and run.tag[2] == self.ws.version and run.mode == (self.pdl, self.graphs):
+                and run.tag[2] == self.ws.version and run.tag[3] == taps and run.mode == (self.pdl, self.graphs):
             return run
         bucket = max(need, run.tag[0]) if run is not None else need
         ws = self._workspace(bucket)
         st.ensure_rows(bucket)
         if run is not None:
             self.store.retire([run])
-        rec, B = self._context(st, bucket), self.w.binding
-        run = StepRun(self, lambda ls: layer.record_body(ls, rec, B), (bucket, st.generation, ws.version))
+        rec, B = self._context(st, bucket, taps), self.w.binding
+        run = StepRun(self, lambda ls: layer.record_body(ls, rec, B), (bucket, st.generation, ws.version, taps))
         st.graph[0] = run
         return run
 

@@ -45,6 +45,7 @@ from ds4py.cuda.kernels import BLOCK, DECODE, ROWS, Launcher
 from ds4py.cuda.memory import Arena, DeviceArray, align_up
 from ds4py.cuda.device_weights import DevTensor
 from ds4py.cuda.ops import attention as ops_attn
+from ds4py.cuda.ops import dspark as ops_dspark
 from ds4py.cuda.ops import moe_prefill as ops_moep
 from ds4py.cuda.ops.mhc import mix_partial_floats, mix_record
 
@@ -142,6 +143,8 @@ def workspace_shapes(cfg, bucket: int, rows: int = 1, mode: str = DECODE, hidden
         shapes.update(v41_shapes(cfg, rows, mode, lead, n_keys))
     if hidden_in:
         shapes["h_in"] = ((rows, hc, D), F32)
+    if cfg.dspark_targets:              # V4.1 with its DSpark draft: the rows' taps (recorded only when asked for)
+        shapes["taps"] = (lead + (cfg.dspark_tap_dim,), F32)
     return shapes
 
 
@@ -252,6 +255,8 @@ class Recording:
     mma: bool = True                # BLOCK: dense products on tensor cores (cu/gemm.cu), else the `_rows` GEMVs
     x_pieces: int = 3               # ... with x as this many bf16 pieces (1: x rounded to bf16; 3: x exact)
     expert_mma: bool = False        # BLOCK: the experts on tensor cores too (cu/moe_prefill.cu: x, h in bf16)
+    taps: DeviceArray | None = None  # V4.1's DSpark taps of the rows [R, n_targets * D] (None: not recorded)
+    table: Any = None               # the operations table in place of kernels.of(mode, v41) (the DSpark block's)
     _plans: dict = field(default_factory=dict)
 
     @property
@@ -282,8 +287,8 @@ class Recording:
         return ls.main if self.mode == BLOCK else ls.side
 
     def ops(self):
-        """This recording's operations table (kernels.py; V4.1 has its own roles)."""
-        return kernels.of(self.mode, self.cfg.is_v41)
+        """This recording's operations table (kernels.py; V4.1 has its own roles; a recording may bring its own)."""
+        return self.table if self.table is not None else kernels.of(self.mode, self.cfg.is_v41)
 
     def moe_bufs(self) -> "ops_moep.MoePrefillBuffers":
         return ops_moep.MoePrefillBuffers(**{n: self.ws.a[f"moe.{n}"] for n in
@@ -306,9 +311,20 @@ def record_body(ls: Launcher, rec: Recording, B: Any) -> None:
         e = cfg.roles(il).engram
         if e >= 0:                                   # V4.1: Engram before its block
             rec.ops().engram(ls, rec, e, lw.engram, X)
+        if rec.taps is not None and il in cfg.dspark_targets:
+            record_tap(ls, rec, il, X)
         Y = record_layer(ls, rec, il, lw, X, other)
         if Y is not X:
             X, other = Y, X
+
+
+def record_tap(ls: Launcher, rec: Recording, il: int, X: DeviceArray) -> None:
+    """V4.1's DSpark tap of target layer il: the mean over the hc copies of its input state (after its Engram),
+    into the rows' taps at the target's place in layer order (ref/forward.py's X.mean(1), concatenated)."""
+    cfg, D, R = rec.cfg, rec.cfg.dim, rec.R
+    k, width = sorted(cfg.dspark_targets).index(il), cfg.dspark_tap_dim
+    ops_dspark.hc_sum(ls, X, None, R, D, 1.0 / cfg.hc_mult, rec.taps.view(4 * k * D, (R - 1) * width + D),
+                      y_stride=width, hc=cfg.hc_mult, **ls.main())
 
 
 def record_layer(ls: Launcher, rec: Recording, il: int, lw: Any, X: DeviceArray, X_out: DeviceArray) -> DeviceArray:

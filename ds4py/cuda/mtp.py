@@ -23,59 +23,29 @@ output states come back down (a chained draft feeds its last row back in).
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
-from ds4py.ggml_types import GGMLQuantizationType as QT
 
 from ds4py import schema
-from ds4py.cuda import layer, ops, vq_layout
+from ds4py.cuda import layer, ops
 from ds4py.cuda.ops import experts as ops_moe
 from ds4py.cuda.kernels import gemvs
 from ds4py.cuda.kvstate import CudaState
 from ds4py.cuda.layer import MAX_ROWS, ROWS, Launcher, Recording, RowSet
-from ds4py.cuda.memory import align_up
-from ds4py.cuda.device_weights import DevTensor, conversion
+from ds4py.cuda.device_weights import DevTensor, upload_entries
 from ds4py.model import MtpBase, UnsupportedByBackend
-from ds4py.quant import vq
 from ds4py.ref import ops as ref_ops
 
 RUNS = 16                    # MTP step graphs kept (per rows' states, row count and head)
-_PLAIN = {QT.F32: np.float32, QT.F16: np.float16, QT.I32: np.int32}
 
 
 def _upload(rt: Any, store: Any, gguf, cfg) -> tuple[Any, dict[str, DevTensor], Any]:
-    """Every mtp.0.* tensor of `gguf` in one device block (the file's formats; small vectors converted as the
-    main model's are), and the block's RoPE table. Refuses a type no kernel reads, as the main load does."""
-    host: dict[str, tuple[QT, tuple, np.ndarray, str | None]] = {}
-    for e in schema.mtp_entries(cfg):
-        t = gguf.tensor(e.name)
-        if e.spec.field.startswith("block.ffn.experts.") and vq.is_vq(gguf, e.name):
-            fmt, a = vq_layout.from_file(gguf, e.name)          # the main model's device layout, as main layers
-            host[e.name] = (QT.I8, tuple(t.shape), a, fmt)
-            continue
-        conv = conversion(gguf, replace(e, spec=replace(e.spec, field=e.spec.field.removeprefix("block."))))
-        if conv is not None:
-            host[e.name] = (QT.I32 if conv.dtype == np.int32 else QT.F32, tuple(conv.shape), conv, None)
-        else:
-            qt = QT(int(t.qtype))
-            a = np.asarray(t.raw, _PLAIN[qt]) if qt in _PLAIN else t.raw_bytes()     # as upload_gguf views them
-            host[e.name] = (qt, tuple(t.shape), a, None)
+    """Every mtp.0.* tensor of `gguf` in one device block (device_weights.upload_entries: the file's formats, small
+    vectors converted as the main model's are), and the block's RoPE table."""
     freqs = np.ascontiguousarray(ref_ops.layer_rope_freqs(cfg.mtp_block(), 0), np.float32)
-    offs, at = {}, 0
-    for name, (_, _, a, _) in host.items():
-        offs[name] = at
-        at += align_up(a.nbytes)
-    blk = store.block(at + align_up(freqs.nbytes))
-    tensors = {}
-    for name, (qt, shape, a, fmt) in host.items():
-        d = blk.array(offs[name], a.shape, a.dtype)
-        d.upload(np.ascontiguousarray(a))
-        tensors[name] = DevTensor(name, qt, shape, d, fmt)
-    fr = blk.array(at, freqs.shape, np.float32)
-    fr.upload(freqs)
-    rt.synchronize()
+    blk, tensors, (fr,) = upload_entries(rt, store, gguf, list(schema.mtp_entries(cfg)),
+                                         lambda e: e.spec.field.removeprefix("block."), (freqs,))
     return blk, tensors, fr
 
 

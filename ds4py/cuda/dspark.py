@@ -1,0 +1,266 @@
+"""V4.1's DSpark draft on the CUDA engine (MODEL.md §3, docs/dspark.md "On CUDA"; ds4py/ref/dspark.py is the same
+math on the host, and the interface).
+
+    draft = CudaDSpark(model)                     # model: a CudaModel of a V4.1 GGUF holding the dspark.* tensors
+    ds = draft.new_state()                        # a CudaState of kv.state_layout(cfg.dspark_block_config())
+    logits, taps = model.step_taps([s], [ids])    # the taps come from the main step's own row sets
+    draft.feed([ds], [taps])                      # one ring write per main position (device)
+    blk = draft.block(ds, token)                  # base logits and hidden of the B block positions (device)
+    ids, logits, conf = draft.greedy(blk, token)  # the Markov bias and confidence chain (host, as the reference's)
+
+The draft's tensors go up in their file formats in one block of the state store (device_weights.upload_entries,
+as the MTP block's: VQ-8 experts re-laid); its rings are a CudaState in device memory, so truncate / copy and the
+state blob are the engine's (a ring saved on cuda-emu loads on ref and back: one layout, one fingerprint).
+
+feed: the taps rows go up, then main_x = RMSNorm(main_proj · taps; main_norm) is the stages' wkv GEMV prologue
+(one launch for all stages), and cu/v41.cu's kv row kernel writes RMSNorm + RoPE + FP8 + storage into each ring
+slot; the `_rows` GEMVs give every row the bits of a single-row product, so a ring row never depends on how the main
+positions were chunked (direct launches: a feed is 2 + S kernels).
+
+block: one BLOCK recording of the main layer recorder over B rows at positions t + 1 .. t + B (tokens [token,
+noise ..]) through the S stages against the rings, dense products on the exact `_rows` GEMVs (mma off), with the
+DSpark attention in place of the block attention: cu/prefill_attn.cu's attn_prefill with block_keys (every block
+query sees the ring's positions t − W + 1 .. t and all B block keys, sink, inverse RoPE); the block keys stay in
+the workspace (never in the ring). Then h = Σ pre_j X_j (cu/dspark.cu), the draft's output norm and the main
+model's head into [B, V] base logits. One graph per ring state, captured when it comes a second time (the first
+call launches directly). The Markov bias, the confidence and the greedy chain run on the host from base and h
+(DraftBlock.position, the reference's code): B rank-r products over the vocabulary, reading 2·V·r values.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from types import SimpleNamespace
+from typing import Any, Sequence
+
+import numpy as np
+
+from ds4py import kv, schema
+from ds4py.cuda import kernels, layer, ops
+from ds4py.cuda.device_weights import _float, upload_entries
+from ds4py.cuda.kernels import BLOCK, gemvs
+from ds4py.cuda.kvstate import CudaState
+from ds4py.cuda.layer import Launcher, Recording, RowSet
+from ds4py.cuda.memory import align_up
+from ds4py.cuda.ops import dspark as ops_dspark
+from ds4py.cuda.ops import prefill_attn as ops_pfa
+from ds4py.cuda.ops import v41 as ops_v41
+from ds4py.cuda.ops.mhc import mix_record
+from ds4py.errors import Ds4Error
+from ds4py.kv import state_layout
+from ds4py.model import UnsupportedByBackend
+from ds4py.quant import vq
+from ds4py.ref import ops as ref_ops
+from ds4py.ref.dspark import DraftBlock, RefDSpark
+
+F32 = np.float32
+RUNS = 8                     # block graphs kept (one per ring state; least recently used dropped)
+
+
+def dspark_attend(ls: Launcher, rec: Recording, il: int, ro: Any, A: Any) -> None:
+    """Stage il's DSpark attention: every block query against the ring's window before the block and all block
+    keys (ws.kvb, from the V4.1 kv row kernel); nothing is stored into the ring."""
+    cfg, ws = rec.cfg, rec.ws
+    ops_pfa.prefill_attention(ls, ws.q, rec.freqs[il], rec.rows.positions, rec.rows.state(0)[f"{il}.win"], ws.kvb,
+                              cfg.window, None, 0, None, 0, A.sinks.array, ws.o, rec.R, cfg.n_heads, cfg.rope_dim,
+                              cfg.norm_eps, cfg.head_dim ** -0.5, **ls.main(), q_norm=bool(cfg.q_head_norm),
+                              block_keys=True)
+
+
+# the block's operations: V4.1's BLOCK table (kv rows into ws.kvb, row-grouped experts) with the DSpark attention
+TABLE = SimpleNamespace(**{**vars(kernels.of(BLOCK, True)), "attend": dspark_attend})
+
+
+class CudaDSpark:
+    """The DSpark draft of a CudaModel, on the same device, runtime and state store (RefDSpark's interface)."""
+
+    def __init__(self, model):
+        mc = model.config
+        if not mc.has_dspark:
+            raise Ds4Error(f"{model.path}: this model has no DSpark draft (no dspark.* tensors; convert a V4.1 "
+                           "checkpoint whose config declares one)")
+        self.model, self.main_config = model, mc
+        self.config = cfg = mc.dspark_block_config()
+        self.backend, self.numerics, self.fingerprint = model.backend, model.numerics, model.fingerprint
+        self.rt, self.store = model.rt, model.store
+        self.rollback_horizon = model.rollback_horizon
+        self.layout = state_layout(cfg, model.rollback_horizon)
+        self.block_size = B = mc.dspark_block
+        S, gguf = cfg.n_layers, model.gguf
+        freqs = tuple(np.ascontiguousarray(ref_ops.layer_rope_freqs(cfg, s), F32) for s in range(S))
+        self._block, self._tensors, self._freqs = upload_entries(self.rt, self.store, gguf,
+                                                                 list(schema.dspark_entries(mc)), extra=freqs)
+        self.binding = D = schema.bind_dspark(mc, self._tensors.__getitem__)
+        for s, L in enumerate(D.stages):
+            for what, sw in (("routed", L.ffn.experts), ("shared", L.ffn.shared)):
+                if sw.gate.kernel_format != sw.up.kernel_format:
+                    raise UnsupportedByBackend(f"DSpark stage {s}: the {what} experts' gate ({sw.gate.qtype.name}) and "
+                                               f"up ({sw.up.qtype.name}) differ in type; the CUDA kernel reads both "
+                                               f"in one format")
+        # the Markov / confidence head runs on the host (DraftBlock): its three small tensors as float32
+        host = {f: np.asarray(_float(gguf, gguf.tensor(e.name)), F32).reshape(e.shape)
+                for e in schema.dspark_entries(mc) if (f := e.spec.field) in ("markov_embed", "markov_head",
+                                                                                "confidence")}
+        self._markov = (host["markov_embed"], host["markov_head"], host["confidence"].reshape(-1))
+        # the block's workspace (BLOCK declaration of B rows) and the feed's buffers (one ring's rows at most)
+        self.ws = layer.make_workspace(cfg, model.min_bucket, B, BLOCK, store=self.store, rt=self.rt)
+        self.feed_rows = F = self.layout.parts[0].capacity
+        shapes = {"taps": ((F, mc.dspark_tap_dim), F32), "main_x": ((F, cfg.dim), F32),
+                  "pos": ((F,), np.int32), "hidden": ((B, cfg.dim), F32),
+                  **{f"kv{s}": ((F, cfg.head_dim), F32) for s in range(S)}}
+        offs, at = {}, 0
+        for name, (shape, dt) in shapes.items():
+            offs[name] = at
+            at += align_up(int(np.prod(shape)) * np.dtype(dt).itemsize)
+        self._bufs_block = self.store.block(at)
+        self._bufs_block.zero(self.rt.main)
+        self.bufs = {n: self._bufs_block.array(offs[n], s, dt) for n, (s, dt) in shapes.items()}
+        self._runs: OrderedDict[Any, Any] = OrderedDict()
+
+    # ---- states ---------------------------------------------------------------------------------------------
+    def new_state(self) -> CudaState:
+        self.store.reclaim()
+        return CudaState(self.layout, self.store)
+
+    def owns(self, state) -> bool:
+        return isinstance(state, CudaState) and state.layout == self.layout and state.store is self.store
+
+    # ---- the rings ----------------------------------------------------------------------------------------
+    def feed(self, states: Sequence[CudaState], taps: Sequence[np.ndarray]) -> None:
+        """Write each state's rings for the main positions state.n_tokens .. + len(taps[i]) − 1 (taps[i]: their
+        [T, n_targets·D] taps from model.step_taps) and advance it. Only the rows a ring keeps are computed."""
+        mc = self.main_config
+        if len(states) != len(taps) or not states:
+            raise Ds4Error("a DSpark feed takes one taps array per state")
+        work = []
+        for st, tp in zip(states, taps):
+            if not self.owns(st):
+                raise Ds4Error("a DSpark feed needs states from this draft's new_state()")
+            tp = np.asarray(tp, F32)
+            if tp.ndim != 2 or tp.shape[1] != mc.dspark_tap_dim or not len(tp):
+                raise Ds4Error(f"DSpark taps must be [T, {mc.dspark_tap_dim}], got {list(tp.shape)}")
+            if st.n_tokens + len(tp) > mc.context_length:
+                raise Ds4Error(f"{st.n_tokens} + {len(tp)} DSpark ring positions exceed the context length "
+                               f"{mc.context_length}")
+            keep = min(len(tp), self.feed_rows)
+            work.append((st, tp[len(tp) - keep:], st.n_tokens + len(tp) - keep, len(tp)))
+        self.store.reclaim()
+        for st, rows, p0, _ in work:
+            self._write_rings(st, rows, p0)
+        for st, _, _, n in work:             # (rows written above: nothing can fail between them and this)
+            st.begin_step(n)
+            st.end_step(n)
+
+    def _write_rings(self, st: CudaState, rows: np.ndarray, p0: int) -> None:
+        """The ring rows of positions p0 .. p0 + len(rows) − 1 of every stage (len(rows) <= feed_rows)."""
+        cfg, D, b, n = self.config, self.binding, self.bufs, len(rows)
+        fq, f16 = self.numerics.fake_quant, self.numerics.kv_dtype == "f16"
+        self.rt.synchronize()                # the previous feed may still read the buffers
+        b["taps"].view(0, rows.shape).upload(np.ascontiguousarray(rows), self.rt.main)
+        b["pos"].view(0, n).upload(np.arange(p0, p0 + n, dtype=np.int32), self.rt.main)
+        ls = Launcher(self.rt, self.model.pdl)
+        gemvs(ls, [(D.main_proj, b["main_x"], cfg.dim)], b["taps"], self.main_config.dspark_tap_dim, n, ls.main)
+        gemvs(ls, [(L.attn.kv, b[f"kv{s}"], cfg.head_dim) for s, L in enumerate(D.stages)], b["main_x"], cfg.dim, n,
+              ls.main, norm=(D.main_norm.array, cfg.norm_eps))
+        for s, L in enumerate(D.stages):
+            ops_v41.kv_rows(ls, b[f"kv{s}"], L.attn.kv_norm.array, self._freqs[s], b["pos"], st.arrays[f"{s}.win"], n,
+                            cfg.head_dim, cfg.rope_dim, cfg.norm_eps, fq, f16, **ls.main())
+
+    # ---- one draft call -------------------------------------------------------------------------------------
+    def block(self, state: CudaState, token: int) -> DraftBlock:
+        """The block after the state's last fed position t (block token 0 = `token`, the token at t + 1)."""
+        if not self.owns(state):
+            raise Ds4Error("a DSpark draft call needs a state from this draft's new_state()")
+        mc, B = self.main_config, self.block_size
+        t = state.n_tokens - 1
+        if t < 0:
+            raise Ds4Error("a DSpark draft call needs at least one fed main position")
+        if isinstance(token, bool) or not 0 <= int(token) < mc.vocab_size:
+            raise Ds4Error(f"DSpark block token {token!r} is outside the vocabulary (0..{mc.vocab_size - 1})")
+        self.store.reclaim()
+        run = self._run(state)
+        self.rt.synchronize()                # the previous call's outputs are read; its inputs may be rewritten
+        run.run(list(range(t + 1, t + 1 + B)) + [int(token)] + [mc.dspark_noise_id] * (B - 1))
+        base = self.ws.logits.view(0, (B, mc.vocab_size)).download()
+        hidden = self.bufs["hidden"].download()
+        return DraftBlock(base, hidden, *self._markov)
+
+    greedy = RefDSpark.greedy            # the chain over DraftBlock.position: the reference's, on the host
+
+    def _run(self, state: CudaState):
+        from ds4py.cuda.engine import StepRun
+
+        m = self.model
+        key = (m.pdl, m.graphs, tuple((a.ptr, a.shape[0]) for a in state.arrays.values()))
+        run = self._runs.get(key)
+        if run is not None:                  # seen before: captured on this run
+            self._runs.move_to_end(key)
+            run.use_graph()
+            return run
+        ws = self.ws
+        rows = RowSet(BLOCK, [dict(state.arrays)], [ws.bucket], self.block_size, ws.slot, cap=ws.rows)
+        rec = Recording(self.config, self.numerics, self._freqs, ws, rows, ws.tickets, onehot=m._onehot, mma=False,
+                        table=TABLE)
+        run = StepRun(m, lambda ls: record_block(ls, rec, self.binding, m.w.binding, self.bufs["hidden"]), key,
+                      slot=ws.slot, graph=False)
+        self._runs[key] = run
+        while len(self._runs) > RUNS:
+            self.store.retire([self._runs.popitem(last=False)[1]])
+        return run
+
+    def launches_per_call(self) -> int:
+        """Kernels of one draft call (a fresh state's block recording, counted)."""
+        return self._run(self.new_state()).count()[0]
+
+    # ---- state on disk, costs -------------------------------------------------------------------------------
+    def save_state(self, state: CudaState) -> bytes:
+        """The rings as a DS4PYKV blob under the model's fingerprint (the speculative pair adds the main state)."""
+        if not self.owns(state):
+            raise Ds4Error("save_state needs a state from this DSpark draft's new_state()")
+        return kv.encode_state(self.fingerprint, self.numerics.to_dict(), self.layout, state.n_tokens,
+                               state.n_written, state.export(), self.backend)
+
+    def load_state(self, data: bytes) -> CudaState:
+        n_tokens, n_written, arrays = kv.decode_state(data, self.fingerprint, self.numerics.to_dict(), self.layout)
+        st = self.new_state()
+        st.n_tokens, st.n_written = n_tokens, n_written
+        st.load(arrays)
+        return st
+
+    def routed_bytes_per_row(self) -> int:
+        """Bytes of routed experts one more main-model verify row reads (the file's, as the reference's)."""
+        return RefDSpark.routed_bytes_per_row(self)
+
+    def call_bytes(self) -> int:
+        """Bytes one draft call reads (the file's, as the reference's: the stages' dense tensors, the routed experts
+        B rows pick, the shared head and B embedding rows)."""
+        mc, f = self.main_config, self.model.gguf
+        per_row = min(mc.dspark_experts, self.block_size * mc.dspark_experts_used)
+        experts = {e.name for e in schema.dspark_entries(mc) if e.spec.field.startswith("ffn.experts.")}
+        experts |= {vq.gain_name(n) for n in experts} | {vq.hi_name(n) for n in experts}
+        total = sum(t.nbytes * per_row // mc.dspark_experts if name in experts else t.nbytes
+                    for name, t in f.tensors.items() if name.startswith(schema.DSPARK_PREFIX))
+        names = {e.spec.field: e.name for e in schema.entries(mc) if e.spec.field in ("head", "embed")}
+        head, embed = f.tensor(names["head"]), f.tensor(names["embed"])
+        return total + head.nbytes + self.block_size * embed.nbytes // embed.shape[0]
+
+    def close(self) -> None:
+        self.store.retire(list(self._runs.values()) + [self.ws.block, self._bufs_block, self._block])
+        self._runs.clear()
+        self.store.reclaim()
+
+
+def record_block(ls: Launcher, rec: Recording, D: Any, MB: Any, hidden: Any) -> None:
+    """One draft call of rec.R block rows: the main embedding on the hc copies, the S stages (V4.1 blocks, lagged
+    mHC from the one-hot pre-mix, the DSpark attention), h = Σ pre_j X_j into `hidden`, then the draft's norm and
+    the main head into ws.logits."""
+    cfg, ws, R = rec.cfg, rec.ws, rec.R
+    hc, Dm = cfg.hc_mult, cfg.dim
+    ops.embed(ls, MB.embed.array, rec.rows.tokens, ws.X0, R, copies=hc, **ls.main())
+    X, other = ws.X0, ws.X1
+    for s, L in enumerate(D.stages):
+        Y = layer.record_layer(ls, rec, s, L, X, other)
+        if Y is not X:
+            X, other = Y, X
+    ops_dspark.hc_sum(ls, X, ws.mix_ffn, R, Dm, 1.0, hidden, hc=hc, mix_stride=mix_record(hc), **ls.main())
+    layer.record_head(ls, rec, X, R, None, D.norm, MB.head)
