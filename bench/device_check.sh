@@ -16,8 +16,8 @@
 #   build 32      every kernel for this GPU's arch (NVRTC, files in parallel), ptxas report
 #   tests         each tests/gpu/test_*.py and tests/test_cu_emu_gpu.py in its own process, with its own limit;
 #                 a file that loses its CUDA context is rerun once with CUDA_LAUNCH_BLOCKING=1 (names the kernel)
-#   bench         cuda_decode 17, cuda_prefill 18, gemv_bandwidth 10, attn_moe 8
-#   sanitizer     compute-sanitizer memcheck 25, racecheck 25, synccheck 15 over one tiny-model prefill block and
+#   bench         cuda_decode 17, cuda_prefill 13, gemv_bandwidth 10, attn_moe 8
+#   sanitizer     compute-sanitizer memcheck 25, racecheck 25, synccheck 10 over one tiny-model prefill block and
 #                 two decode steps (bench/sanitize_tiny.py)
 # Results: a scratch folder (DS4PY_CHECK_SCRATCH, default /tmp/ds4py-check) with every log and JSON; $OUT gets
 # summary.json (every step and every test with its status, every bench's numbers) and results.tar.gz (the scratch
@@ -187,7 +187,7 @@ run_step build build "$BUILD_LIMIT" "$PY" -m ds4py.cuda.compiler --json "$SCRATC
 # name:limit of each GPU test file, most basic first (the runtime and the core kernels before the engine)
 TESTS="tests/gpu/test_cuda_runtime.py:20 tests/gpu/test_kernels_core.py:20 tests/gpu/test_cuda_attn_moe.py:15
 tests/gpu/test_gpu_mma.py:15 tests/gpu/test_gpu_rows.py:15 tests/gpu/test_gpu_engine.py:30 tests/gpu/test_gpu_spec.py:10
-tests/gpu/test_gpu_v41.py:10 tests/test_cu_emu_gpu.py:10"
+tests/gpu/test_gpu_v41.py:10 tests/gpu/test_gpu_dspark.py:10 tests/test_cu_emu_gpu.py:10"
 for entry in $TESTS; do
   f=${entry%%:*}; limit=${entry##*:}; name=$(basename "$f" .py)
   run_step "$name" tests "$limit" "$PY" -m pytest "$f" -q -rs -o addopts= -p no:cacheprovider \
@@ -199,12 +199,12 @@ for entry in $TESTS; do
 done
 
 run_step cuda_decode bench 17 "$PY" bench/cuda_decode.py --tokens 32 --rows --json "$SCRATCH/cuda_decode.json"
-run_step cuda_prefill bench 18 "$PY" bench/cuda_prefill.py --json "$SCRATCH/cuda_prefill.json"
+run_step cuda_prefill bench 13 "$PY" bench/cuda_prefill.py --json "$SCRATCH/cuda_prefill.json"
 run_step gemv_bandwidth bench 10 "$PY" bench/gemv_bandwidth.py --json "$SCRATCH/gemv_bandwidth.json"
 run_step attn_moe bench 8 "$PY" bench/attn_moe_bandwidth.py --json "$SCRATCH/attn_moe_bandwidth.json"
 
 SAN="$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)"
-for entry in memcheck:25 racecheck:25 synccheck:15; do
+for entry in memcheck:25 racecheck:25 synccheck:10; do
   tool=${entry%%:*}; limit=${entry##*:}
   if [ -n "$SAN" ] || [ "$PLAN" = 1 ]; then
     run_step "$tool" sanitizer "$limit" "$SAN" --tool "$tool" --error-exitcode 99 --print-limit 20 \

@@ -3,7 +3,8 @@
 #   .device/wheels   the packages the GPU machine's Python 3.12 lacks (bench/device_carry.txt), as wheels
 #   .device/golden   the golden data the GPU tests read: ds4-tiny's GGUF, the v4-tiny and v4-tiny-mtp checkpoints,
 #                    and of v4-tiny-mtp/cases.npz only the four arrays tests/gpu/test_gpu_spec.py reads; v41-tiny's
-#                    checkpoint (its Engram tables inside) and the cases.npz arrays tests/gpu/test_gpu_v41.py reads
+#                    checkpoint (its Engram tables inside) and the cases.npz arrays tests/gpu/test_gpu_v41.py reads;
+#                    v41-tiny-dspark's checkpoint and the case-a arrays tests/gpu/test_gpu_dspark.py reads
 #
 #   bash bench/device_wheels.sh                 (network to PyPI; golden from ../shared/golden or $DS4PY_GOLDEN_SRC)
 #   bash bench/device_wheels.sh --env [DIR]     also the GPU machine's own packages (bench/device_packages.txt) for
@@ -48,9 +49,9 @@ echo "wheels: $(ls "$CARRY/wheels" | tr '\n' ' ')"
 SRC="${DS4PY_GOLDEN_SRC:-$REPO/../shared/golden}"
 if [ -d "$SRC" ]; then
   G="$CARRY/golden"
-  rm -rf "$G"; mkdir -p "$G/ds4-tiny" "$G/v4-tiny" "$G/v4-tiny-mtp" "$G/v41-tiny"
+  rm -rf "$G"; mkdir -p "$G/ds4-tiny" "$G/v4-tiny" "$G/v4-tiny-mtp" "$G/v41-tiny" "$G/v41-tiny-dspark"
   cp "$SRC/ds4-tiny/tiny.gguf" "$G/ds4-tiny/"
-  for d in v4-tiny v4-tiny-mtp v41-tiny; do
+  for d in v4-tiny v4-tiny-mtp v41-tiny v41-tiny-dspark; do
     cp "$SRC/$d/config.json" "$SRC/$d/model.safetensors" "$G/$d/"
     [ -f "$SRC/$d/config_checkpoint.json" ] && cp "$SRC/$d/config_checkpoint.json" "$G/$d/"
   done
@@ -67,6 +68,15 @@ import sys
 import numpy as np
 keys = ("a_ids", "a_P", "a_prefill_last_logits_fp32_fixed", "a_decode_logits_fp32_fixed", "b_ids",
         "b_prefill_last_logits_fp32_fixed", "b_decode_logits_fp32_fixed", "c_ids")   # tests/gpu/test_gpu_v41.py
+g = np.load(sys.argv[1])
+np.savez(sys.argv[2], **{k: g[k] for k in keys})
+PY
+  python3 - "$SRC/v41-tiny-dspark/cases.npz" "$G/v41-tiny-dspark/cases.npz" <<'PY'
+import sys
+import numpy as np
+s = "_fp32_fixed_noquant"                  # what tests/gpu/test_gpu_dspark.py reads (0.35 MB)
+keys = ("a_ids", "a_P", "a_main_hidden_start", "a_main_hidden" + s, "a_draft_positions", "a_draft_input_ids" + s,
+        "a_draft_output_ids" + s, "a_draft_logits" + s, "a_draft_confidence" + s)
 g = np.load(sys.argv[1])
 np.savez(sys.argv[2], **{k: g[k] for k in keys})
 PY

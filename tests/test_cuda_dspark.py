@@ -32,6 +32,7 @@ from ds4py.ref.engine import RefModel
 from ds4py.sampling import SamplingParams
 from ds4py.session import Session, TokenEvent
 from spec_fakes import NullTokenizer
+from test_dspark_cli import _cli, chat_model  # noqa: F401  (the fixture: the draft file with a real vocabulary)
 
 pytestmark = pytest.mark.skipif(emu.compiler() is None, reason="the CUDA emulator needs g++")
 TOL = 1e-4                          # tests/test_dspark_golden.py's noquant tolerance
@@ -240,3 +241,13 @@ def test_score_draft_out_on_cuda_emu(dspark_gguf, gold, tmp_path):
                    np.abs(got["confidence"] - gold[f"{c}_draft_confidence{s}"][:n]).max(1))
     assert d.max() <= TOL
     assert np.array_equal(got["output_ids"], gold[f"{c}_draft_output_ids{s}"][:n])
+
+
+def test_run_on_cuda_emu_speculates_by_default_with_the_plain_answer(chat_model):
+    """`run --backend cuda-emu` with a DSpark V4.1 file speculates (no --no-spec needed) and answers as --no-spec."""
+    args = ("run", "-m", chat_model, "--backend", "cuda-emu", "-p", "Hello there", "--nothink", "-n", "8", "--temp",
+            "0", "-v")
+    spec, plain = _cli(*args), _cli(*args, "--no-spec")
+    assert spec.returncode == 0 and plain.returncode == 0, spec.stderr[-3000:] + plain.stderr[-3000:]
+    assert spec.stdout == plain.stdout
+    assert "[spec:" in spec.stderr and "[spec:" not in plain.stderr
