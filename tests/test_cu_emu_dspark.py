@@ -1,6 +1,6 @@
 """V4.1's DSpark kernels under the CPU emulator against their numpy twins (ds4py/cuda/twins/dspark.py): the sum
 over the hc copies (the draft taps: the plain mean, written at a target's column offset; the block's pre-norm
-hidden: the FFN pre-mix's collapse), bit for bit; and cu/prefill_attn.cu's block-keys attention (every block query
+hidden: the FFN pre-mix's collapse) and the greedy chain's add, bit for bit; and cu/prefill_attn.cu's block-keys attention (every block query
 against the ring's window before the block and all block keys, no mask, sink, inverse RoPE), forward, reverse and
 random thread order."""
 
@@ -54,6 +54,16 @@ def test_hidden_is_the_pre_mix_collapse(kdev, order):
     d_y = dev.var(np.full((T, D), np.nan, np.float32))
     ops_dspark.hc_sum(dev.rt, dev.const(X), dev.const(mix), T, D, 1.0, d_y, hc=hc, mix_stride=stride)
     np.testing.assert_array_equal(d_y.download(), twin.hc_sum(X, mix[:, :hc], 1.0))
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_add(kdev, order):
+    r = rng(3)
+    a, b = (r.standard_normal(1000).astype(np.float32) for _ in range(2))
+    dev = kdev(order, 1)
+    out = dev.var(np.full(1000, np.nan, np.float32))
+    ops_dspark.add(dev.rt, dev.const(a), dev.const(b), out, 1000)
+    np.testing.assert_array_equal(out.download(), twin.add(a, b))
 
 
 # hd, rd, heads, window, ring, t (the block's last main position), B, warps

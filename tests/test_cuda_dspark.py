@@ -28,6 +28,7 @@ from ds4py.drafts import speculative
 from ds4py.dspark import DSparkSpec
 from ds4py.errors import Ds4Error
 from ds4py.model import Numerics, open_model
+from ds4py.ref.dspark import DraftBlock, RefDSpark
 from ds4py.ref.engine import RefModel
 from ds4py.sampling import SamplingParams
 from ds4py.session import Session, TokenEvent
@@ -107,6 +108,26 @@ def test_isolated_draft_matches_official_and_reference(cudas, refs, gold, c, fq,
     ring, ring_r = st.export(), st_ref.export()
     assert set(ring) == set(ring_r) and all(np.abs(ring[k] - ring_r[k]).max() <= 0.1 if fq else
                                             np.abs(ring[k] - ring_r[k]).max() <= FP32_NOISE for k in ring)
+
+
+def test_the_device_chain_equals_the_host_chain(cudas, gold):
+    """The greedy chain computed on the device (Markov bias GEMV, add, argmax, confidence GEMV) equals
+    DraftBlock.position's host computation from the same base and h (fp32 noise; the very ids); a prev off the
+    chain is computed on the host."""
+    draft = cudas[True].open_dspark()
+    st = draft.new_state()
+    draft.feed([st], [_taps(gold, "c", _sfx(True))[:12]])
+    for tok in (5, 77, 300):
+        blk = draft.block(st, tok)
+        ids, lg, cf = draft.greedy(blk, tok)
+        host = DraftBlock(blk.base, blk.hidden, blk.embed, blk.head, blk.confidence_w)
+        ids_h, lg_h, cf_h = RefDSpark.greedy(None, host, tok)
+        assert np.array_equal(ids, ids_h) and ids[0] == tok and len(ids) == draft.block_size + 1
+        assert np.abs(lg - lg_h).max() <= FP32_NOISE and np.abs(cf - cf_h).max() <= FP32_NOISE
+        off = (int(ids[2]) + 1) % lg.shape[1]                  # a prev off the chain: the host's row
+        got, c = blk.position(1, off)
+        want, c_h = host.position(1, off)
+        assert np.array_equal(got, want) and c == c_h
 
 
 def test_block_keys_never_reach_the_ring(cudas, gold):

@@ -22,14 +22,22 @@ noise ..]) through the S stages against the rings, dense products on the exact `
 DSpark attention in place of the block attention: cu/prefill_attn.cu's attn_prefill with block_keys (every block
 query sees the ring's positions t − W + 1 .. t and all B block keys, sink, inverse RoPE); the block keys stay in
 the workspace (never in the ring). Then h = Σ pre_j X_j (cu/dspark.cu), the draft's output norm and the main
-model's head into [B, V] base logits. One graph per ring state, captured when it comes a second time (the first
-call launches directly). The Markov bias, the confidence and the greedy chain run on the host from base and h
-(DraftBlock.position, the reference's code): B rank-r products over the vocabulary, reading 2·V·r values.
+model's head into [B, V] base logits. Then the greedy chain, in the same recording: per position i, e_i =
+markov_embed[out_i] (the embedding kernel; out_0 = token), the Markov bias markov_head · e_i (a GEMV), logits_i =
+base_i + bias (cu/dspark.cu) and out_{i+1} = argmax (cu/argmax.cu, into a device slot the next position's embedding
+reads); then every confidence c_i = confidence · [h_i, e_i] in one GEMV (h_i and e_i side by side in one row). One
+graph per ring state, captured when it comes a second time (the first call launches directly); what comes back:
+base and chain logits [B, V], h [B, D], the chain's ids and confidences.
+
+ChainBlock.position(i, prev) returns the chain's row when prev is the chain's out_i (greedy drafts, and a sampled
+draft while it agrees with the argmax); another prev (a sampled draft that left the chain, a teacher) is computed on
+the host from base and h as the reference does (DraftBlock.position; the Markov tables then read once to the host).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from functools import cached_property
 from types import SimpleNamespace
 from typing import Any, Sequence
 
@@ -43,6 +51,7 @@ from ds4py.cuda.kvstate import CudaState
 from ds4py.cuda.layer import Launcher, Recording, RowSet
 from ds4py.cuda.memory import align_up
 from ds4py.cuda.ops import dspark as ops_dspark
+from ds4py.cuda.ops.argmax import argmax_parts
 from ds4py.cuda.ops import prefill_attn as ops_pfa
 from ds4py.cuda.ops import v41 as ops_v41
 from ds4py.cuda.ops.mhc import mix_record
@@ -97,16 +106,17 @@ class CudaDSpark:
                     raise UnsupportedByBackend(f"DSpark stage {s}: the {what} experts' gate ({sw.gate.qtype.name}) and "
                                                f"up ({sw.up.qtype.name}) differ in type; the CUDA kernel reads both "
                                                f"in one format")
-        # the Markov / confidence head runs on the host (DraftBlock): its three small tensors as float32
-        host = {f: np.asarray(_float(gguf, gguf.tensor(e.name)), F32).reshape(e.shape)
-                for e in schema.dspark_entries(mc) if (f := e.spec.field) in ("markov_embed", "markov_head",
-                                                                                "confidence")}
-        self._markov = (host["markov_embed"], host["markov_head"], host["confidence"].reshape(-1))
-        # the block's workspace (BLOCK declaration of B rows) and the feed's buffers (one ring's rows at most)
+        self._host = HostMarkov(gguf, mc)       # the Markov / confidence tables on the host, read when first needed
+        # the block's workspace (BLOCK declaration of B rows), the feed's buffers (one ring's rows at most) and the
+        # chain's: [h_i | e_i] rows, the bias, the chain's logits, ids and confidences, the argmax partials
         self.ws = layer.make_workspace(cfg, model.min_bucket, B, BLOCK, store=self.store, rt=self.rt)
         self.feed_rows = F = self.layout.parts[0].capacity
+        parts = argmax_parts(self.rt, mc.vocab_size)
         shapes = {"taps": ((F, mc.dspark_tap_dim), F32), "main_x": ((F, cfg.dim), F32),
-                  "pos": ((F,), np.int32), "hidden": ((B, cfg.dim), F32),
+                  "pos": ((F,), np.int32), "chain_x": ((B, mc.dspark_conf_dim), F32),
+                  "bias": ((mc.vocab_size,), F32), "chain_logits": ((B, mc.vocab_size), F32),
+                  "chain_ids": ((B,), np.int32), "conf": ((B,), F32), "part_val": ((parts,), F32),
+                  "part_idx": ((parts,), np.int32), "ticket": ((1,), np.uint32),
                   **{f"kv{s}": ((F, cfg.head_dim), F32) for s in range(S)}}
         offs, at = {}, 0
         for name, (shape, dt) in shapes.items():
@@ -167,7 +177,7 @@ class CudaDSpark:
                             cfg.head_dim, cfg.rope_dim, cfg.norm_eps, fq, f16, **ls.main())
 
     # ---- one draft call -------------------------------------------------------------------------------------
-    def block(self, state: CudaState, token: int) -> DraftBlock:
+    def block(self, state: CudaState, token: int) -> "ChainBlock":
         """The block after the state's last fed position t (block token 0 = `token`, the token at t + 1)."""
         if not self.owns(state):
             raise Ds4Error("a DSpark draft call needs a state from this draft's new_state()")
@@ -181,11 +191,19 @@ class CudaDSpark:
         run = self._run(state)
         self.rt.synchronize()                # the previous call's outputs are read; its inputs may be rewritten
         run.run(list(range(t + 1, t + 1 + B)) + [int(token)] + [mc.dspark_noise_id] * (B - 1))
+        b = self.bufs
         base = self.ws.logits.view(0, (B, mc.vocab_size)).download()
-        hidden = self.bufs["hidden"].download()
-        return DraftBlock(base, hidden, *self._markov)
+        hidden = b["chain_x"].download()[:, :mc.dim].copy()
+        ids = np.concatenate([[int(token)], b["chain_ids"].download()]).astype(np.int64)
+        return ChainBlock(base, hidden, self._host, ids, b["chain_logits"].download(), b["conf"].download())
 
-    greedy = RefDSpark.greedy            # the chain over DraftBlock.position: the reference's, on the host
+    def greedy(self, blk: DraftBlock, token: int, ids: Sequence[int] | None = None
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """RefDSpark.greedy: out [B + 1], logits [B, V], confidence [B]; the device's chain as it is when no
+        teacher `ids` are given."""
+        if ids is None and isinstance(blk, ChainBlock) and int(blk.chain_ids[0]) == int(token):
+            return blk.chain_ids.copy(), blk.chain_logits.copy(), blk.chain_conf.copy()
+        return RefDSpark.greedy(self, blk, token, ids)
 
     def _run(self, state: CudaState):
         from ds4py.cuda.engine import StepRun
@@ -201,8 +219,13 @@ class CudaDSpark:
         rows = RowSet(BLOCK, [dict(state.arrays)], [ws.bucket], self.block_size, ws.slot, cap=ws.rows)
         rec = Recording(self.config, self.numerics, self._freqs, ws, rows, ws.tickets, onehot=m._onehot, mma=False,
                         table=TABLE)
-        run = StepRun(m, lambda ls: record_block(ls, rec, self.binding, m.w.binding, self.bufs["hidden"]), key,
-                      slot=ws.slot, graph=False)
+        D, b, MB = self.binding, self.bufs, m.w.binding
+
+        def record(ls: Launcher) -> None:
+            record_block(ls, rec, D, MB, b["chain_x"])
+            record_chain(ls, rec, D, b, self.main_config.dspark_rank)
+
+        run = StepRun(m, record, key, slot=ws.slot, graph=False)
         self._runs[key] = run
         while len(self._runs) > RUNS:
             self.store.retire([self._runs.popitem(last=False)[1]])
@@ -252,8 +275,8 @@ class CudaDSpark:
 
 def record_block(ls: Launcher, rec: Recording, D: Any, MB: Any, hidden: Any) -> None:
     """One draft call of rec.R block rows: the main embedding on the hc copies, the S stages (V4.1 blocks, lagged
-    mHC from the one-hot pre-mix, the DSpark attention), h = Σ pre_j X_j into `hidden`, then the draft's norm and
-    the main head into ws.logits."""
+    mHC from the one-hot pre-mix, the DSpark attention), h = Σ pre_j X_j into the rows of `hidden` ([R, D + r]:
+    h_i first), then the draft's norm and the main head into ws.logits (the base logits)."""
     cfg, ws, R = rec.cfg, rec.ws, rec.R
     hc, Dm = cfg.hc_mult, cfg.dim
     ops.embed(ls, MB.embed.array, rec.rows.tokens, ws.X0, R, copies=hc, **ls.main())
@@ -262,5 +285,70 @@ def record_block(ls: Launcher, rec: Recording, D: Any, MB: Any, hidden: Any) -> 
         Y = layer.record_layer(ls, rec, s, L, X, other)
         if Y is not X:
             X, other = Y, X
-    ops_dspark.hc_sum(ls, X, ws.mix_ffn, R, Dm, 1.0, hidden, hc=hc, mix_stride=mix_record(hc), **ls.main())
+    ops_dspark.hc_sum(ls, X, ws.mix_ffn, R, Dm, 1.0, hidden, y_stride=int(hidden.shape[-1]), hc=hc,
+                      mix_stride=mix_record(hc), **ls.main())
     layer.record_head(ls, rec, X, R, None, D.norm, MB.head)
+
+
+def record_chain(ls: Launcher, rec: Recording, D: Any, b: dict, r: int) -> None:
+    """The greedy chain after record_block: per block position i, e_i = markov_embed[out_i] into the tail of row i
+    of b["chain_x"] (out_0: the slot's token 0, out_{i>0}: b["chain_ids"][i - 1]), logits_i = base_i + markov_head ·
+    e_i into b["chain_logits"], out_{i+1} = argmax into b["chain_ids"][i]; then conf = confidence · [h_i, e_i]."""
+    cfg, ws, R = rec.cfg, rec.ws, rec.R
+    V, Dm = cfg.vocab_size, cfg.dim
+    w = Dm + r
+    for i in range(R):
+        tok = rec.rows.token(0) if i == 0 else b["chain_ids"].view(4 * (i - 1), 1)
+        e = b["chain_x"].view(4 * (i * w + Dm), r)
+        ops.embed(ls, D.markov_embed.array, tok, e, 1, **ls.main())
+        gemvs(ls, [(D.markov_head, b["bias"], V)], e, r, 1, ls.main)
+        row = b["chain_logits"].view(4 * i * V, V)
+        ops_dspark.add(ls, ws.logits.view(4 * i * V, V), b["bias"], row, V, **ls.main())
+        ops.argmax(ls, row, V, b["part_val"], b["part_idx"], b["ticket"], b["chain_ids"].view(4 * i, 1), **ls.main())
+    gemvs(ls, [(D.confidence, b["conf"], 1)], b["chain_x"], w, R, ls.main)
+
+
+class HostMarkov:
+    """The Markov and confidence tables as float32 on the host (DraftBlock.position off the device chain), read
+    from the file the first time one is needed."""
+
+    def __init__(self, gguf: Any, mc: Any):
+        self._names = {e.spec.field: (e.name, e.shape) for e in schema.dspark_entries(mc)
+                       if e.spec.field in ("markov_embed", "markov_head", "confidence")}
+        self._gguf = gguf
+
+    def _read(self, field: str) -> np.ndarray:
+        name, shape = self._names[field]
+        return np.asarray(_float(self._gguf, self._gguf.tensor(name)), F32).reshape(shape)
+
+    @cached_property
+    def embed(self) -> np.ndarray:
+        return self._read("markov_embed")
+
+    @cached_property
+    def head(self) -> np.ndarray:
+        return self._read("markov_head")
+
+    @cached_property
+    def confidence_w(self) -> np.ndarray:
+        return self._read("confidence").reshape(-1)
+
+
+class ChainBlock(DraftBlock):
+    """A CUDA draft call's block: base [B, V] and h [B, D] as DraftBlock's, the device's greedy chain (chain_ids
+    [B + 1] = [token, d_1..d_B], its logits [B, V] and confidences [B]); position(i, prev) is the chain's row when
+    prev is its out_i, else the reference's host computation."""
+
+    def __init__(self, base: np.ndarray, hidden: np.ndarray, host: HostMarkov, chain_ids: np.ndarray,
+                 chain_logits: np.ndarray, chain_conf: np.ndarray):
+        self.base, self.hidden, self._host = base, hidden, host
+        self.chain_ids, self.chain_logits, self.chain_conf = chain_ids, chain_logits, chain_conf
+
+    embed = property(lambda self: self._host.embed)
+    head = property(lambda self: self._host.head)
+    confidence_w = property(lambda self: self._host.confidence_w)
+
+    def position(self, i: int, prev: int) -> tuple[np.ndarray, float]:
+        if int(prev) == int(self.chain_ids[i]):
+            return self.chain_logits[i].copy(), float(self.chain_conf[i])
+        return DraftBlock.position(self, i, prev)

@@ -118,9 +118,9 @@ UNREACHED = {
                    "against their twin, tests/test_cuda_v41.py through the engine)"
        for k in ("kv_rows", "index_q", "compress", "comp_ring_store", "index_keys", "candidates", "engram_rows",
                  "engram")},
-    "dspark_hc_sum": "V4.1's DSpark draft (its taps and block hidden): the checker's models carry no V4.1 file "
-                     "(tests/test_cu_emu_dspark.py runs it against its twin, tests/test_cuda_dspark.py through the "
-                     "engine)",
+    **{k: "V4.1's DSpark draft (its taps, block hidden, greedy chain): the checker's models carry no V4.1 file "
+          "(tests/test_cu_emu_dspark.py runs it against its twin, tests/test_cuda_dspark.py through the engine)"
+       for k in ("dspark_hc_sum", "dspark_add")},
     "argmax_f32": "the device argmax of the benches and tests; the engine's greedy pick runs in cu/sample.cu",
     "gemm_mma_tile_bf16": "a probe of the mma fragment layout (tests, tests/gpu), not an engine kernel",
     "gemm_mma_tile_f16": "a probe of the mma fragment layout (tests, tests/gpu), not an engine kernel",

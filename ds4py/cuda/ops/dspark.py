@@ -1,5 +1,6 @@
-"""Launch wrapper of cu/dspark.cu: the weighted sum over the hc copies that V4.1's DSpark draft reads (its taps, the
-mean over the copies of a target layer's input state; its pre-norm hidden, the last FFN pre-mix's collapse)."""
+"""Launch wrappers of cu/dspark.cu: the weighted sum over the hc copies that V4.1's DSpark draft reads (its taps, the
+mean over the copies of a target layer's input state; its pre-norm hidden, the last FFN pre-mix's collapse), and
+the elementwise add of its greedy chain (a position's base logits plus its Markov bias)."""
 
 from __future__ import annotations
 
@@ -24,3 +25,10 @@ def hc_sum(rt: Any, X: Any, mix: Any | None, n_tok: int, D: int, scale: float, y
     need(is_dtype(y, np.float32) and y.size >= (n_tok - 1) * ys + D, "dspark_hc_sum: y too small")
     rt.launch("dspark_hc_sum", (-(-int(D) // HC_SUM_THREADS), int(n_tok)), HC_SUM_THREADS, X, mix, int(mix_stride),
               int(D), float(scale), y, ys, stream=stream, pdl=pdl)
+
+
+def add(rt: Any, a: Any, b: Any, out: Any, n: int, stream: Any = None, pdl: bool = False) -> None:
+    """out[:n] = a[:n] + b[:n] (float32)."""
+    need(n >= 1 and all(is_dtype(x, np.float32) and x.size >= n for x in (a, b, out)),
+         f"dspark_add: float32 arrays of {n} values")
+    rt.launch("dspark_add", -(-int(n) // HC_SUM_THREADS), HC_SUM_THREADS, a, b, out, int(n), stream=stream, pdl=pdl)

@@ -20,6 +20,11 @@ def hc_sum(X: np.ndarray, mix: np.ndarray | None, scale: float) -> np.ndarray:
     return (ops.hc_collapse(X, np.asarray(mix, F32)) * F32(scale)).astype(F32)
 
 
+def add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """A block position's logits: its base logits plus its Markov bias (ref/dspark.py's DraftBlock.position)."""
+    return (np.asarray(a, F32) + np.asarray(b, F32)).astype(F32)
+
+
 def block_keys(ring: np.ndarray, blk: np.ndarray, t: int, window: int) -> np.ndarray:
     """Every block query's keys (ref/dspark.py's _attend): the ring's positions max(0, t - W + 1) .. t (slot
     position % ring rows), then all block rows."""
