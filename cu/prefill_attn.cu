@@ -5,11 +5,12 @@
 //   attn_prefill        per (head group, query row): one pass over the query's keys with a running softmax (max,
 //                       sum, weighted V in fp32), the sink in the denominator, then the inverse RoPE -> out [T, H, hd]
 //   prefill_ring_store  the block's last min(T, ring) kv rows into the window ring (after every query read it)
-// The keys of query t at p = pos[t] (block_keys: see attn_prefill): the window positions max(0, p-W+1) .. p - those before the block from the ring
-// (slot position % ring, still holding them: the ring is written only after the attention), those inside it from
-// blk - then the compressed rows: all (p+1)/ratio visible ones (ratio 128) or the indexer's selection
-// sel[t, 0 .. min(topk, visible)) (ratio 4). Keys in a fixed order (window oldest first, then compressed), so the
-// result is deterministic; K = V = the same row, so one staged row serves every head of the block for both products.
+// The keys of query t at p = pos[t] (block_keys: see attn_prefill): the window positions max(0, p-W+1) .. p -
+// those before the block from the ring (slot position % ring, still holding them: the ring is written only after
+// the attention), those inside it from blk - then the compressed rows: all (p+1)/ratio visible ones (ratio 128) or
+// the indexer's selection sel[t, 0 .. min(topk, visible)) (ratio 4). Keys in a fixed order (window oldest first, then
+// compressed), so the result is deterministic; K = V = the same row, so one staged row serves every head of the
+// block for both products.
 #include <cuda_fp16.h>
 #include "types.cuh"
 #include "portable.cuh"

@@ -1,8 +1,8 @@
 """V4.1's DSpark kernels under the CPU emulator against their numpy twins (ds4py/cuda/twins/dspark.py): the sum
 over the hc copies (the draft taps: the plain mean, written at a target's column offset; the block's pre-norm
-hidden: the FFN pre-mix's collapse) and the greedy chain's add, bit for bit; and cu/prefill_attn.cu's block-keys attention (every block query
-against the ring's window before the block and all block keys, no mask, sink, inverse RoPE), forward, reverse and
-random thread order."""
+hidden: the FFN pre-mix's collapse) and the greedy chain's add, bit for bit; and cu/prefill_attn.cu's block-keys
+attention (every block query against the ring's window before the block and all block keys, no mask, sink,
+inverse RoPE), forward, reverse and random thread order."""
 
 from __future__ import annotations
 
@@ -37,8 +37,8 @@ def test_taps_are_the_mean_over_the_copies_at_their_column_offset(kdev, order):
     X = [(r.standard_normal((T, hc, D)) * 3).astype(np.float32) for _ in range(n_targets)]
     d_taps = dev.var(np.full((T, n_targets * D), np.nan, np.float32))
     for k, x in enumerate(X):
-        ops_dspark.hc_sum(dev.rt, dev.const(x), None, T, D, 1.0 / hc, d_taps.view(4 * k * D, (T - 1) * n_targets * D + D),
-                          y_stride=n_targets * D, hc=hc)
+        y = d_taps.view(4 * k * D, (T - 1) * n_targets * D + D)         # target k's columns of every row
+        ops_dspark.hc_sum(dev.rt, dev.const(x), None, T, D, 1.0 / hc, y, y_stride=n_targets * D, hc=hc)
     want = np.concatenate([twin.hc_sum(x, None, 1.0 / hc) for x in X], axis=1)
     np.testing.assert_array_equal(d_taps.download(), want)
     np.testing.assert_array_equal(want, np.concatenate([x.mean(axis=1) for x in X], axis=1))   # the reference's

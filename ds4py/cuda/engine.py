@@ -466,22 +466,25 @@ class CudaModel(ModelBase):
         for mode, idx in self.plan(chunks):
             if mode == ROWS:
                 sts, chs = [states[i] for i in idx], [chunks[i] for i in idx]
-                lg = self._step_rows(sts, chs, all_logits, taps=extra == "taps")
+                # (a plain or hidden step calls the row-set runners as before taps existed: tests spy on them)
+                lg = self._step_rows(sts, chs, all_logits, *([True] if extra == "taps" else []))
                 hs = self._rows_extra(chs, extra) if extra else [None] * len(idx)
             else:
                 i = idx[0]
                 run = self._prefill if mode == BLOCK else self._positions
-                got = run(states[i], np.asarray(chunks[i]), all_logits, extra=extra)
+                got = run(states[i], np.asarray(chunks[i]), all_logits, hidden=extra == "hidden",
+                          **({"taps": True} if extra == "taps" else {}))
                 lg, hs = ([got[0]], [got[1]]) if extra else ([got], [None])
             for j, i in enumerate(idx):
                 logits[i], rows[i] = lg[j], hs[j]
         return logits, rows
 
-    def _positions(self, st: CudaState, ids: np.ndarray, all_logits: bool, extra: str | None = None) -> Any:
-        """One state's chunk position by position through its decode graph (DECODE); extra "hidden" / "taps":
-        (logits, every position's final residual [T, hc, D] / DSpark taps [T, n_targets * D])."""
+    def _positions(self, st: CudaState, ids: np.ndarray, all_logits: bool, hidden: bool = False,
+                   taps: bool = False) -> Any:
+        """One state's chunk position by position through its decode graph (DECODE); hidden / taps: (logits, every
+        position's final residual [T, hc, D] / DSpark taps [T, n_targets * D])."""
         n0, T = st.n_tokens, len(ids)
-        taps = extra == "taps"
+        extra = "taps" if taps else "hidden" if hidden else None
         body = self._body(st, n0 + T - 1, taps)     # rows grown and graph captured before anything is written
         head = self._head(None)
         body = self._body(st, n0 + T - 1, taps)     # (the head may have grown the workspace)
@@ -506,13 +509,15 @@ class CudaModel(ModelBase):
         cfg = self.config
         return (cfg.dspark_tap_dim,) if extra == "taps" else (cfg.hc_mult, cfg.dim)
 
-    def _prefill(self, st: CudaState, ids: np.ndarray, all_logits: bool, extra: str | None = None) -> Any:
+    def _prefill(self, st: CudaState, ids: np.ndarray, all_logits: bool, hidden: bool = False,
+                 taps: bool = False) -> Any:
         """A chunk longer than the rollback horizon + 1 (a prompt): BLOCK row sets of up to MAX_BLOCK tokens,
         each one launch sequence over its rows, launched directly (no graph); the head runs for the rows asked
-        for. The state ends as position-by-position steps leave it. extra "hidden": (logits, every position's final
-        residual [T, hc, D]) for the MTP block, the same rows plain decoding computes; "taps": their DSpark taps
+        for. The state ends as position-by-position steps leave it. hidden: (logits, every position's final
+        residual [T, hc, D]) for the MTP block, the same rows plain decoding computes; taps: their DSpark taps
         [T, n_targets * D]."""
         cfg, rt = self.config, self.rt
+        extra = "taps" if taps else "hidden" if hidden else None
         n0, T = st.n_tokens, len(ids)
         bucket = bucket_for(n0 + T, cfg.context_length, self.min_bucket)
         blk = max(1, min(int(self.prefill_block), layer.MAX_BLOCK))

@@ -15,6 +15,10 @@ A row set is one of three modes (kernels.py picks each mode-dependent operation'
 - BLOCK: the rows of one sequence at consecutive positions (a prefill block of up to MAX_BLOCK tokens): dense
   products on tensor cores, block compressors, indexer and attention over all rows, experts grouped by expert.
 
+A recording may carry V4.1's DSpark taps buffer (Recording.taps: record_body then writes the mean over the hc copies
+of each target layer's input state, after its Engram; a plain step's recording has none and launches nothing for
+it) and its own operations table (Recording.table: the DSpark draft's block, ds4py/cuda/dspark.py).
+
 Every row's position and token are read on the device from the row set's int32 slot [pos_0 .. pos_{cap-1} |
 tok_0 .. tok_{cap-1}] (DECODE: the model's [pos, token]), so a graph replays for any positions. Only the key
 capacity of each row's context bucket is fixed at recording (attention plans, indexer score count).
