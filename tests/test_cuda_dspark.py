@@ -130,6 +130,20 @@ def test_the_device_chain_equals_the_host_chain(cudas, gold):
         assert np.array_equal(got, want) and c == c_h
 
 
+def test_ring_rows_do_not_depend_on_the_chunking(cudas, gold):
+    """A ring row has the same bits whether its position came in a prompt, among a round's rows or alone."""
+    draft = cudas[True].open_dspark()
+    taps = _taps(gold, "c", _sfx(True))[:12]
+    whole, parts, single = draft.new_state(), draft.new_state(), draft.new_state()
+    draft.feed([whole], [taps])
+    draft.feed([parts], [taps[:5]])
+    draft.feed([parts], [taps[5:]])
+    for t in range(12):
+        draft.feed([single], [taps[t:t + 1]])
+    a, b, c = whole.export(), parts.export(), single.export()
+    assert all(np.array_equal(a[k], b[k]) and np.array_equal(a[k], c[k]) for k in a)
+
+
 def test_block_keys_never_reach_the_ring(cudas, gold):
     """A draft call writes nothing into the rings: two calls with other tokens leave them bit for bit."""
     draft = cudas[False].open_dspark()
