@@ -286,3 +286,23 @@ def test_run_on_cuda_emu_speculates_by_default_with_the_plain_answer(chat_model)
     assert spec.returncode == 0 and plain.returncode == 0, spec.stderr[-3000:] + plain.stderr[-3000:]
     assert spec.stdout == plain.stdout
     assert "[spec:" in spec.stderr and "[spec:" not in plain.stderr
+
+
+def test_a_vq8_draft_matches_the_reference(dspark_gguf, tmp_path):
+    """quantize-vq takes the stages' routed experts to VQ-8 (12 / 13 bits, the widths the CUDA kernels read): the
+    draft's upload re-lays them as the main layers' (vq12 / vq13), and a call equals the reference's on that file."""
+    from ds4py.vq.quantize import Options, quantize_vq
+
+    out = str(tmp_path / "vq.gguf")
+    quantize_vq(dspark_gguf, out, Options(bits=12, bits_shallow=13, shallow_layers=1, min_pool=5, train_per_code=5,
+                                          rounds=1), progress=False)
+    got, nx = [], Numerics(fake_quant=False)       # (with FP8 on, a flip of one quant step moves a call by ~1e-3)
+    for m in (open_model(out, backend="cuda-emu", numerics=nx), RefModel(out, numerics=nx)):
+        draft, st = m.open_dspark(), m.new_state()
+        ds = draft.new_state()
+        (_,), (taps,) = m.step_taps([st], [list(range(20))])
+        draft.feed([ds], [taps])
+        got.append((draft, draft.block(ds, 7)))
+    (dc, bc), (_, br) = got
+    assert {L.ffn.experts.gate.fmt for L in dc.binding.stages} == {"vq12"}
+    assert np.abs(bc.base - br.base).max() <= FP32_NOISE and np.abs(bc.hidden - br.hidden).max() <= FP32_NOISE
