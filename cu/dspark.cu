@@ -13,7 +13,7 @@
 #include "portable.cuh"
 
 #ifndef DS4_HC
-#error "DS4_HC comes from ds4py/cuda/compiler.py (model defines)"
+#error "DS4_HC comes from the model defines of ds4py/cuda/compiler.py"
 #endif
 
 // X [T, HC, D], mix [T, mix_stride] (or null), y row t at y + t * y_stride (D values).
