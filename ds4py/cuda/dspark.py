@@ -45,7 +45,7 @@ import numpy as np
 
 from ds4py import kv, schema
 from ds4py.cuda import kernels, layer, ops
-from ds4py.cuda.device_weights import _float, upload_entries
+from ds4py.cuda.device_weights import EMBED_TYPES, _float, upload_entries
 from ds4py.cuda.kernels import BLOCK, gemvs
 from ds4py.cuda.kvstate import CudaState
 from ds4py.cuda.layer import Launcher, Recording, RowSet
@@ -106,6 +106,10 @@ class CudaDSpark:
                     raise UnsupportedByBackend(f"DSpark stage {s}: the {what} experts' gate ({sw.gate.qtype.name}) and "
                                                f"up ({sw.up.qtype.name}) differ in type; the CUDA kernel reads both "
                                                f"in one format")
+        if D.markov_embed.qtype not in EMBED_TYPES:     # the chain reads its rows with the embedding kernel
+            raise UnsupportedByBackend(f"dspark.markov_embd is {D.markov_embed.qtype.name}; the CUDA backend reads "
+                                       f"it as an embedding table ({', '.join(t.name for t in EMBED_TYPES)}); use "
+                                       "--backend ref")
         self._host = HostMarkov(gguf, mc)       # the Markov / confidence tables on the host, read when first needed
         # the block's workspace (BLOCK declaration of B rows), the feed's buffers (one ring's rows at most) and the
         # chain's: [h_i | e_i] rows, the bias, the chain's logits, ids and confidences, the argmax partials
