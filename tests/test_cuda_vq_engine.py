@@ -1,8 +1,8 @@
 """VQ-8 experts through the CUDA engine on the CPU emulator: a v4-tiny-shaped random model with 256-wide experts
 (make-tiny, MXFP4 experts, a random MTP block; v4-tiny's own 96-wide experts are not whole 64-weight VQ runs)
 quantised by `quantize-vq` with the seed's widths (layer 0 at 13 bits in the 12 + 1 layout, the rest at 12) on
-cuda-emu against the reference on the same file (prefill blocks through the grouped rows kernels, then decode):
-same top-1 everywhere, fp32 noise; a multi-row step's rows bit-identical to single steps; and speculative decoding with the V4 MTP block on the VQ-8
+cuda-emu against the reference on the same file (prefill blocks with the experts on tensor cores, cu/moe_prefill.cu's
+VQ kernels, and through the grouped rows kernels; then decode): same top-1 everywhere, fp32 noise; a multi-row step's rows bit-identical to single steps; and speculative decoding with the V4 MTP block on the VQ-8
 main file gives plain greedy decoding's tokens, with the MTP file's experts as made and VQ-8 quantised. Budget: quantising ~20 s, ~0.15 s of emulator per token."""
 
 from __future__ import annotations
@@ -91,16 +91,26 @@ def test_the_device_holds_one_aligned_copy_of_the_vq_bytes(vqm, vq_gguf):
 def test_vq_experts_match_the_reference(vq_gguf):
     """Without the model's FP8 / FP4 fake-quant (whose grid a value within rounding of a step may cross, as on
     every backend pair), so what differs is the kernels' fp32 summation order only: every position's logits within
-    1e-4 of the largest, same top-1."""
+    1e-4 of the largest, same top-1 - with the prefill block's experts on tensor cores (the default: x and h as
+    three bf16 pieces; the prefill kernels of both widths ran, no rows kernel) and through the rows kernels."""
     nx = Numerics(fake_quant=False)
     ids = ids_for(256, 40, seed=5)
-    got = run(open_model(vq_gguf, backend="cuda-emu", numerics=nx), ids, 32)
     want = run(RefModel(vq_gguf, numerics=nx), ids, 32)
-    a = compare(got, want)
-    rel = (np.abs(got.astype(np.float64) - want).max(1) / np.abs(want).max(1)).max()
-    print(f"VQ-8 (13/12-bit), cuda-emu vs ref, no fake-quant (prefill 32, decode 8): {a}; max relative {rel:.1e}")
-    assert a.top1 == 1.0, a
-    assert rel <= 1e-4 and a.median_rel <= 1e-5, a
+    m = open_model(vq_gguf, backend="cuda-emu", numerics=nx)
+    for mma in (True, False):
+        m.rt.launch_counts.clear()
+        m.prefill_vq_expert_mma = mma
+        got = run(m, ids, 32)
+        ran = {k for k, n in m.rt.launch_counts.items() if n}
+        prefill = {f"moe_prefill_{s}_vq{b}" for s in ("gate_up", "down") for b in (12, 13)}
+        rows = {f"moe_{s}_rows_vq{b}" for s in ("gate_up", "down") for b in (12, 13)}
+        assert (prefill <= ran, rows <= ran) == (mma, not mma), sorted(ran)
+        a = compare(got, want)
+        rel = (np.abs(got.astype(np.float64) - want).max(1) / np.abs(want).max(1)).max()
+        print(f"VQ-8 (13/12-bit), cuda-emu vs ref, no fake-quant (prefill 32, decode 8), experts "
+              f"{'on tensor cores' if mma else 'rows kernels'}: {a}; max relative {rel:.1e}")
+        assert a.top1 == 1.0, a
+        assert rel <= 1e-4 and a.median_rel <= 1e-5, a
 
 
 def test_rows_are_bit_identical_to_single_steps(vqm):

@@ -337,8 +337,10 @@ class CudaModel(ModelBase):
         self.prefill_mma = True                                    # prefill dense products on tensor cores
         self.prefill_x_pieces = 3                                  # ... x as 3 bf16 pieces: exact (1: bf16 x)
         self.prefill_expert_mma = False                            # the experts too (bf16 x, h: less exact)
-        # VQ-8 experts run the exact grouped rows kernels in prefill too (cu/moe_prefill.cu has no VQ format)
+        # VQ-8 experts (every layer of a VQ file) take their own option: cu/moe_prefill.cu's VQ kernels keep x and h
+        # exact (three bf16 pieces), so on tensor cores by default (False: the exact grouped rows kernels)
         self.vq_experts = any(L.ffn.experts.gate.fmt is not None for L in self.w.binding.layers)
+        self.prefill_vq_expert_mma = True
         self.prefill_ws: layer.Workspace | None = None
         self.last_generate: dict[str, float] = {}
         self.startup = {"weights_upload_s": time.perf_counter() - t1, "model_open_s": time.perf_counter() - t0,
@@ -519,7 +521,8 @@ class CudaModel(ModelBase):
             self._stage_engram(ws, [(st, n0 + a, ids[a:a + Tb])])
             rec = self._recording(ws, RowSet(BLOCK, [dict(st.arrays)], [bucket], Tb, ws.slot, cap=ws.rows),
                                   ws.tickets, mma=self.prefill_mma, x_pieces=self.prefill_x_pieces,
-                                  expert_mma=self.prefill_expert_mma and not self.vq_experts)
+                                  expert_mma=self.prefill_vq_expert_mma if self.vq_experts else
+                                  self.prefill_expert_mma)
             ls = layer.Launcher(rt, self.pdl)
             layer.record_body(ls, rec, B)
             X = layer.final_residual(rec)
