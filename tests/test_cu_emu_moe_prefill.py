@@ -301,8 +301,9 @@ def test_vq_whole_moe_against_twin_and_reference(kdev, case, order):
     ref = _reference_moe(Wg, Wu, Wd, x[good], ids[good], wts[good], clamp, add[good])
     e_twin = (np.abs(got[good] - want[good]) / mag[good]).max()
     e_ref = (np.abs(got[good] - ref) / mag[good]).max()
-    print(f"\nvq{bits} {how}: |kernel - twin| / mag max {e_twin:.2e}; |kernel - reference| / mag max {e_ref:.2e} "
-          f"(fp32 eps {np.finfo(np.float32).eps:.2e})")
+    r_ref = np.abs(got[good] - ref).max() / np.abs(ref).max()
+    print(f"\nvq{bits} {how}: |kernel - twin| / mag max {e_twin:.2e}; |kernel - reference| / mag max {e_ref:.2e}, "
+          f"/ max |y| {r_ref:.2e} (fp32 eps {np.finfo(np.float32).eps:.2e})")
     n = dim + ff
     assert_close_scaled(got[good], want[good], mag[good], n, f"vq{bits} whole vs twin")
     assert_close_scaled(got[good], ref, mag[good], n, f"vq{bits} whole vs reference")
