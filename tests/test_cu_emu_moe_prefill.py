@@ -52,7 +52,7 @@ def ids_case(name: str, r, T: int, k: int, E: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("case", [("random", 37, 6, 8), ("skew", 150, 2, 5), ("one", 70, 3, 4), ("bad", 20, 4, 6),
-                                  ("random", 400, 6, 256)], ids=lambda c: f"{c[0]}-T{c[1]}-k{c[2]}-E{c[3]}")
+                                  ("random", 400, 6, 256), ("skew", 300, 6, 384)], ids=lambda c: f"{c[0]}-T{c[1]}-k{c[2]}-E{c[3]}")
 @pytest.mark.parametrize("order", ORDERS)
 def test_route_is_exact(kdev, case, order):
     name, T, k, E = case
@@ -173,8 +173,8 @@ def test_wrappers_reject_bad_input(kdev):
     dev = kdev()
     z = np.zeros
     bufs = bufs_on(dev, 4, 2, 3, 32, 32)
-    with pytest.raises(Ds4Error, match="1 to 256 experts"):
-        ops_mp.moe_prefill_route(dev.rt, dev.const(z((4, 2), np.int32)), bufs, 4, 2, 300)
+    with pytest.raises(Ds4Error, match="1 to 512 experts"):
+        ops_mp.moe_prefill_route(dev.rt, dev.const(z((4, 2), np.int32)), bufs, 4, 2, 600)
     with pytest.raises(Ds4Error, match="ids must be int32"):
         ops_mp.moe_prefill_route(dev.rt, dev.const(z((4, 2), np.int64)), bufs, 4, 2, 3)
     with pytest.raises(Ds4Error, match="has no kernel"):

@@ -340,7 +340,7 @@ class CudaModel(ModelBase):
         self.prefill_expert_mma = False                            # the experts too (bf16 x, h: less exact)
         # VQ-8 experts (every layer of a VQ file) take their own option: cu/moe_prefill.cu's VQ kernels keep x and h
         # exact (three bf16 pieces), so on tensor cores by default (False: the exact grouped rows kernels). Either
-        # option holds only up to the route kernel's MAX_EXPERTS (256: V4 Flash; V4.1's 384 take the rows kernels)
+        # option holds up to the route kernel's MAX_EXPERTS (512; V4 Flash 256, V4.1 384), past it the rows kernels
         self.vq_experts = any(L.ffn.experts.gate.fmt is not None for L in self.w.binding.layers)
         self.prefill_vq_expert_mma = True
         self.prefill_ws: layer.Workspace | None = None

@@ -35,13 +35,15 @@ DEFINES = {
     "MOEP_WARPS_M": 2,            # warps along the routed rows (32 each): MOEP_BM = 64 rows per work item
     "MOEP_WARPS_N": 2,            # warps along the features (32 each): MOEP_BN = 64 features per block (2: the A
                                   # staging has two threads per row, one per 16 columns)
-    "MOEP_MAX_EXPERTS": 256,      # routed experts the route kernel's shared counters hold (V4 Flash: 256)
+    "MOEP_MAX_EXPERTS": 512,      # routed experts the route kernel's shared counters hold (V4 Flash 256, V4.1 384)
+    "MOEP_ROUTE_WARPS": 16,       # the route kernel's warps, each counting a chunk of the pairs per expert (16 x 513
+                                  # counters: 33 KB of static shared memory)
 }
 BM = 32 * DEFINES["MOEP_WARPS_M"]
 BN = 32 * DEFINES["MOEP_WARPS_N"]
 THREADS = 32 * DEFINES["MOEP_WARPS_M"] * DEFINES["MOEP_WARPS_N"]
 MAX_EXPERTS = DEFINES["MOEP_MAX_EXPERTS"]
-ROUTE_THREADS = 1024
+ROUTE_THREADS = 32 * DEFINES["MOEP_ROUTE_WARPS"]
 
 
 def max_tiles(n_pairs: int, n_experts: int) -> int:
