@@ -46,6 +46,7 @@
 #define MOEP_BK 32
 #define MOEP_LDS (MOEP_BK + 8)
 #define MOEP_THREADS (32 * MOEP_WARPS_M * MOEP_WARPS_N)
+#define MOEP_ROUTE_THREADS (32 * MOEP_ROUTE_WARPS)
 #define MOEP_MT 2
 #define MOEP_NT 4
 static_assert(MOEP_THREADS % MOEP_BM == 0, "every tile row has the same number of staging threads");
@@ -60,7 +61,6 @@ __device__ __forceinline__ int moep_bucket(int id, int n_experts) { return id >=
 // each sorted row), pos [P] (sorted row of each pair), the work items tile_bucket / tile_row [max_tiles] (bucket,
 // first sorted row), info[0] = number of work items. n_experts <= MOEP_MAX_EXPERTS. Launch: grid 1, block
 // 32 * MOEP_ROUTE_WARPS (the counters, ROUTE_WARPS x (MAX_EXPERTS + 1) ints, stay in static shared memory).
-#define MOEP_ROUTE_THREADS (32 * MOEP_ROUTE_WARPS)
 extern "C" __global__ __launch_bounds__(MOEP_ROUTE_THREADS) void moe_prefill_route(const int* ids, int* offsets, int* sorted,
         int* pos, int* tile_bucket, int* tile_row, int* info, int n_pairs, int n_experts, int max_tiles) {
     __shared__ int cnt[MOEP_ROUTE_WARPS][MOEP_MAX_EXPERTS + 1];
