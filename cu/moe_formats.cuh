@@ -29,8 +29,8 @@
 
 // VQ-8 routed experts (ds4py/quant/vq.py, docs/vq.md) in their device layout (ds4py/cuda/vq_layout.py: the file's
 // streams, hi planes and gains repacked at upload, the file unchanged): X(suffix, FMT_ id, weights per block, bytes
-// per block, codewords). Only experts.cu reads them (decode and the grouped rows kernels, which the default prefill
-// uses too); the codebook travels at the head of each matrix's device copy.
+// per block, codewords). experts.cu reads them (decode and the grouped rows kernels) and moe_prefill.cu (the
+// prefill blocks on tensor cores); the codebook travels at the head of each matrix's device copy.
 #define MOE_VQ_FORMATS(X) \
     X(vq12, FMT_VQ12, 64, 12, 4096) \
     X(vq13, FMT_VQ13, 64, 13, 8192)

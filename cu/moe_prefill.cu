@@ -15,6 +15,12 @@
 // scale and min are applied in fp32 (acc += s * P - m * sum(x of the group)), F16 as two bf16 pieces. Products
 // accumulate in fp32 over k tiles of 32 in increasing order; SwiGLU in fp32 as experts.cu. A pair's result
 // depends only on its own x row and expert (not on which rows share its tile).
+// VQ-8 (MOE_VQ_FORMATS): the weight fl32(g * c) is staged as its E4M3 codeword c (exact in bf16) and the row gain
+// g is the group's scale (acc += g * P), and x and H go in as three bf16 pieces (hi + mid + lo = the fp32 value:
+// three mma per step into the same P), so the products see the exact fp32 operands and the result differs from
+// the fp32 reference by the summation order only (fp32 noise), as the decode and rows kernels of experts.cu. The
+// layer's codebook (32 / 64 KiB, at the head of each matrix's device copy) is copied into the dynamic shared
+// memory of every block.
 #include <cuda_fp16.h>
 #include "types.cuh"
 #include "portable.cuh"
@@ -31,13 +37,16 @@
 #ifndef MOEP_MAX_EXPERTS
 #error "MOEP_MAX_EXPERTS comes from ds4py/cuda/ops/moe_prefill.py (DEFINES)"
 #endif
+#ifndef MOEP_ROUTE_WARPS
+#error "MOEP_ROUTE_WARPS comes from ds4py/cuda/ops/moe_prefill.py (DEFINES)"
+#endif
 
 #define MOEP_BM (32 * MOEP_WARPS_M)
 #define MOEP_BN (32 * MOEP_WARPS_N)
 #define MOEP_BK 32
 #define MOEP_LDS (MOEP_BK + 8)
 #define MOEP_THREADS (32 * MOEP_WARPS_M * MOEP_WARPS_N)
-#define MOEP_ROUTE_WARPS 32
+#define MOEP_ROUTE_THREADS (32 * MOEP_ROUTE_WARPS)
 #define MOEP_MT 2
 #define MOEP_NT 4
 static_assert(MOEP_THREADS % MOEP_BM == 0, "every tile row has the same number of staging threads");
@@ -50,8 +59,9 @@ __device__ __forceinline__ int moep_bucket(int id, int n_experts) { return id >=
 // one goes. The lanes of one 32-pair step with the same bucket find each other with __match_any_sync.
 // Outputs: offsets [n_experts + 2] (bucket b's sorted rows are [offsets[b], offsets[b+1])), sorted [P] (pair of
 // each sorted row), pos [P] (sorted row of each pair), the work items tile_bucket / tile_row [max_tiles] (bucket,
-// first sorted row), info[0] = number of work items. n_experts <= MOEP_MAX_EXPERTS. Launch: grid 1, block 1024.
-extern "C" __global__ __launch_bounds__(1024) void moe_prefill_route(const int* ids, int* offsets, int* sorted,
+// first sorted row), info[0] = number of work items. n_experts <= MOEP_MAX_EXPERTS. Launch: grid 1, block
+// 32 * MOEP_ROUTE_WARPS (the counters, ROUTE_WARPS x (MAX_EXPERTS + 1) ints, stay in static shared memory).
+extern "C" __global__ __launch_bounds__(MOEP_ROUTE_THREADS) void moe_prefill_route(const int* ids, int* offsets, int* sorted,
         int* pos, int* tile_bucket, int* tile_row, int* info, int n_pairs, int n_experts, int max_tiles) {
     __shared__ int cnt[MOEP_ROUTE_WARPS][MOEP_MAX_EXPERTS + 1];
     __shared__ int start[MOEP_MAX_EXPERTS + 2], tstart[MOEP_MAX_EXPERTS + 2];
@@ -154,10 +164,30 @@ __device__ __forceinline__ bool moep_item(const int* tile_bucket, const int* til
     return true;
 }
 
-// Stage the tile's A rows (k columns [k, k + 32) of MOEP_BM rows from arow, zeros for a missing row) as bf16, and
-// sx[h * BM + r] = the fp32 sum of row r's 16 bf16 values of half h (the K-quants' mins multiply it).
-// Thread -> (row tid % BM, half tid / BM).
+// A format's decomposition for the tensor cores (T: moe_formats.cuh's MoeFmt<F>, or MoeVq<bits> for VQ-8) and the
+// bf16 pieces its activations go in as (XP: 1, x and H rounded to bf16; 3, exact).
+template <int F> struct MoepF {
+    using T = MoeFmt<F>;
+    static constexpr int XP = 1;
+    static constexpr bool VQ = false;
+};
+template <> struct MoepF<FMT_VQ12> {
+    using T = MoeVq<12>;
+    static constexpr int XP = 3;
+    static constexpr bool VQ = true;
+};
+template <> struct MoepF<FMT_VQ13> {
+    using T = MoeVq<13>;
+    static constexpr int XP = 3;
+    static constexpr bool VQ = true;
+};
+#define MOEP_APIECE (MOEP_BM * MOEP_LDS)
+
+// Stage the tile's A rows (k columns [k, k + 32) of MOEP_BM rows from arow, zeros for a missing row) as XP bf16
+// pieces (piece p at as + p * MOEP_APIECE; XP = 1: the values rounded to bf16), and sx[h * BM + r] = the fp32 sum
+// of row r's 16 staged values of half h (the K-quants' mins multiply it). Thread -> (row tid % BM, half tid / BM).
 static_assert(MOEP_THREADS == 2 * MOEP_BM, "two threads, one per 16 columns, stage each A row");
+template <int XP>
 __device__ __forceinline__ void moep_stage_a(uint16_t* as, float* sx, const float* arow, bool valid, int k) {
     const int r = threadIdx.x % MOEP_BM, h = threadIdx.x / MOEP_BM;
     float sum = 0.0f;
@@ -172,25 +202,71 @@ __device__ __forceinline__ void moep_stage_a(uint16_t* as, float* sx, const floa
 #pragma unroll
             for (int i = 0; i < 8; i++) v[i] = 0.0f;
         }
+        if constexpr (XP == 1) {
 #pragma unroll
-        for (int i = 0; i < 8; i++) sum += tile_bf16_value(tile_bf16(v[i]));
-        tile_store8(as + r * MOEP_LDS + 16 * h + c, v);
+            for (int i = 0; i < 8; i++) sum += tile_bf16_value(tile_bf16(v[i]));
+            tile_store8(as + r * MOEP_LDS + 16 * h + c, v);
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; i++) sum += v[i];
+            tile_split8<XP>(v, as + r * MOEP_LDS + 16 * h + c, MOEP_APIECE);
+        }
     }
     sx[h * MOEP_BM + r] = sum;
 }
 
 // Weight pieces per matrix in shared memory: the codes (one piece), or for F16 the values as two bf16 pieces.
 template <int F> struct MoepW {
-    static constexpr int NP = MoeFmt<F>::CODES == MOE_CODES_NONE ? 2 : 1;
+    static constexpr int NP = MoepF<F>::T::CODES == MOE_CODES_NONE ? 2 : 1;
 };
 #define MOEP_PIECE (MOEP_BN * MOEP_LDS)
 
+// VQ-8: column group kg (4 indices) of row `row` of expert e of a device copy past its codebook (moe_formats.cuh
+// MoeVq: the streams, hi rows and gains of n_experts x rows), as its 32 codeword values (exact in bf16) and the row
+// gain as the scale of both halves; cb: the shared-memory codebook. The gain is read byte by byte: the gains
+// follow the hi rows, 4-byte aligned only when n_experts * rows * cols / 64 is a multiple of 4.
+template <int BITS>
+__device__ __forceinline__ void moep_stage_vq(uint16_t* dst, float* sc, float* mn, const uint8_t* W, int e, int row,
+                                              int n_experts, int rows, int cols, int kg, const uint64_t* cb) {
+    using V = MoeVq<BITS>;
+    unsigned idx[4] = {0u, 0u, 0u, 0u};
+    float g = 0.0f;
+    const bool valid = row < rows;
+    if (valid) {
+        const size_t es = V::expert_bytes(rows, cols), r = (size_t)e * rows + row;
+        const int hb = V::hi_bytes(cols);
+        const uint8_t* hi = W + (size_t)n_experts * es;
+        const uint8_t* gp = hi + (size_t)n_experts * rows * hb + 4 * r;
+        g = __uint_as_float(gp[0] | ((unsigned)gp[1] << 8) | ((unsigned)gp[2] << 16) | ((unsigned)gp[3] << 24));
+        V::indices(W + (size_t)e * es + (size_t)row * V::stream_bytes(cols), hi + r * hb, kg, idx);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const uint64_t c = valid ? cb[idx[i]] : 0ull;
+        float v[8];
+#pragma unroll
+        for (int j = 0; j < 8; j += 2) {
+            const float2 f = __half22float2(fp8x2_e4m3_to_half2((unsigned short)(c >> (8 * j))));
+            v[j] = f.x;
+            v[j + 1] = f.y;
+        }
+        tile_store8(dst + 8 * i, v);
+    }
+    sc[0] = sc[MOEP_BN] = g;
+    mn[0] = mn[MOEP_BN] = 0.0f;
+}
+
 // Column group kg of weight row `row` (of `rows`) of W [n_experts][rows][cols], expert e, into the shared tile:
 // its codes (exact bf16) and per half its scale sc[h * BN] and min mn[h * BN] (dst / sc / mn point at the row),
-// or for F16 its exact values as two bf16 pieces. Zeros past the last row.
+// or for F16 its exact values as two bf16 pieces. Zeros past the last row. grid: the IQ2_XXS grid, or VQ-8's
+// codebook.
 template <int F>
 __device__ __forceinline__ void moep_stage_w(uint16_t* dst, float* sc, float* mn, const uint8_t* W, int e, int row,
-                                             int rows, int cols, int kg, const uint64_t* grid) {
+                                             int n_experts, int rows, int cols, int kg, const uint64_t* grid) {
+    if constexpr (MoepF<F>::VQ) {
+        moep_stage_vq<F == FMT_VQ13 ? 13 : 12>(dst, sc, mn, W, e, row, n_experts, rows, cols, kg, grid);
+        return;
+    } else {
     float s[2] = {0.0f, 0.0f}, o[2] = {0.0f, 0.0f};
     if constexpr (F == FMT_IQ2_XXS) {            // 8 codes at a time (fewer live registers beside the accumulators)
         unsigned a0 = 0u, a1 = 0u;
@@ -232,17 +308,50 @@ __device__ __forceinline__ void moep_stage_w(uint16_t* dst, float* sc, float* mn
         mn[0] = o[0];
         mn[MOEP_BN] = o[1];
     }
+    }
 }
 
-// acc += this k tile's A (the warp's rows) x the staged weights (the warp's columns) of one matrix, in the
-// format's decomposition: codes P = A c (tensor cores, from zero), then acc += s P - o sx per scale group.
+// acc += sum over the XP pieces of A (hi first, MOEP_APIECE apart) of A_p B^T over BK columns: tile_mma with each
+// k16 step's B fragments loaded once for all the pieces (fewer live registers and shared loads than XP calls).
+template <int XP, int BK>
+__device__ __forceinline__ void moep_mma(float (&acc)[MOEP_MT][MOEP_NT][4], const uint16_t* As, const uint16_t* Bs) {
+    if constexpr (XP == 1) {
+        tile_mma<MOEP_MT, MOEP_NT, BK, MOEP_LDS>(acc, As, Bs);
+    } else {
+        const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+        for (int ks = 0; ks < BK; ks += 16) {
+            unsigned b[MOEP_NT][2];
+#pragma unroll
+            for (int nt = 0; nt < MOEP_NT; nt++) {
+                const uint16_t* q = Bs + (nt * 8 + g) * MOEP_LDS + ks + 2 * t;
+                b[nt][0] = tile_ld32(q);
+                b[nt][1] = tile_ld32(q + 8);
+            }
+#pragma unroll
+            for (int p = 0; p < XP; p++)
+#pragma unroll
+                for (int mt = 0; mt < MOEP_MT; mt++) {
+                    const uint16_t* ap = As + p * MOEP_APIECE + (mt * 16 + g) * MOEP_LDS + ks + 2 * t;
+                    const unsigned a[4] = {tile_ld32(ap), tile_ld32(ap + 8 * MOEP_LDS), tile_ld32(ap + 8),
+                                           tile_ld32(ap + 8 * MOEP_LDS + 8)};
+#pragma unroll
+                    for (int nt = 0; nt < MOEP_NT; nt++) mma_m16n8k16_bf16_f32(acc[mt][nt], a, b[nt]);
+                }
+        }
+    }
+}
+
+// acc += this k tile's A (the warp's rows, XP pieces) x the staged weights (the warp's columns) of one matrix, in
+// the format's decomposition: codes P = A c (tensor cores, from zero; the A pieces hi first), then acc += s P - o sx
+// per scale group.
 template <int F>
 __device__ __forceinline__ void moep_tile(float (&acc)[MOEP_MT][MOEP_NT][4], const uint16_t* a, const uint16_t* b,
                                           const float* sc, const float* mn, const float* sx, int wm, int wn) {
-    constexpr int KIND = MoeFmt<F>::CODES;
+    constexpr int KIND = MoepF<F>::T::CODES, XP = MoepF<F>::XP;
     if constexpr (KIND == MOE_CODES_NONE) {
-        tile_mma<MOEP_MT, MOEP_NT, MOEP_BK, MOEP_LDS>(acc, a, b);
-        tile_mma<MOEP_MT, MOEP_NT, MOEP_BK, MOEP_LDS>(acc, a, b + MOEP_PIECE);
+        moep_mma<XP, MOEP_BK>(acc, a, b);
+        moep_mma<XP, MOEP_BK>(acc, a, b + MOEP_PIECE);
     } else {
         const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
         constexpr int HALVES = KIND == MOE_CODES_AFFINE16 ? 2 : 1;
@@ -250,8 +359,8 @@ __device__ __forceinline__ void moep_tile(float (&acc)[MOEP_MT][MOEP_NT][4], con
         for (int h = 0; h < HALVES; h++) {
             float P[MOEP_MT][MOEP_NT][4];
             tile_zero(P);
-            if constexpr (HALVES == 2) tile_mma<MOEP_MT, MOEP_NT, 16, MOEP_LDS>(P, a + 16 * h, b + 16 * h);
-            else tile_mma<MOEP_MT, MOEP_NT, MOEP_BK, MOEP_LDS>(P, a, b);
+            if constexpr (HALVES == 2) moep_mma<XP, 16>(P, a + 16 * h, b + 16 * h);
+            else moep_mma<XP, MOEP_BK>(P, a, b);
 #pragma unroll
             for (int nt = 0; nt < MOEP_NT; nt++) {
                 const int n = wn * 32 + nt * 8 + 2 * t;
@@ -284,8 +393,8 @@ __device__ __forceinline__ void moep_gate_up(const uint64_t* grid, const uint8_t
         const float* x, int ldx, const float* route_w, const int* sorted, const int* tile_bucket,
         const int* tile_row, const int* offsets, const int* info, float* H, int n_experts, int ff, int dim, int k,
         float clamp) {
-    constexpr int NP = MoepW<F>::NP;
-    __shared__ __align__(16) uint16_t as[MOEP_BM * MOEP_LDS];
+    constexpr int NP = MoepW<F>::NP, XP = MoepF<F>::XP;
+    __shared__ __align__(16) uint16_t as[XP * MOEP_APIECE];
     __shared__ __align__(16) uint16_t ws[2 * NP * MOEP_PIECE];
     __shared__ float wsc[2 * 2 * MOEP_BN], wmn[2 * 2 * MOEP_BN], sx[2 * MOEP_BM];
     int b, r0, r1;
@@ -302,11 +411,11 @@ __device__ __forceinline__ void moep_gate_up(const uint64_t* grid, const uint8_t
         tile_zero(accu);
         for (int kt = 0; kt < dim / MOEP_BK; kt++) {
             __syncthreads();
-            moep_stage_a(as, sx, arow, avalid, kt * MOEP_BK);
+            moep_stage_a<XP>(as, sx, arow, avalid, kt * MOEP_BK);
             for (int j = tid; j < 2 * MOEP_BN; j += MOEP_THREADS) {
                 const int mat = j / MOEP_BN, r = j % MOEP_BN;
                 moep_stage_w<F>(ws + mat * NP * MOEP_PIECE + r * MOEP_LDS, wsc + mat * 2 * MOEP_BN + r,
-                                wmn + mat * 2 * MOEP_BN + r, mat ? Wu : Wg, b, n0 + r, ff, dim, kt, grid);
+                                wmn + mat * 2 * MOEP_BN + r, mat ? Wu : Wg, b, n0 + r, n_experts, ff, dim, kt, grid);
             }
             __syncthreads();
             const uint16_t* a = as + wm * 32 * MOEP_LDS;
@@ -344,8 +453,8 @@ template <int F>
 __device__ __forceinline__ void moep_down(const uint64_t* grid, const uint8_t* W, const float* H,
         const int* tile_bucket, const int* tile_row, const int* offsets, const int* info, float* Yp, int n_experts,
         int dim, int ff) {
-    constexpr int NP = MoepW<F>::NP;
-    __shared__ __align__(16) uint16_t as[MOEP_BM * MOEP_LDS];
+    constexpr int NP = MoepW<F>::NP, XP = MoepF<F>::XP;
+    __shared__ __align__(16) uint16_t as[XP * MOEP_APIECE];
     __shared__ __align__(16) uint16_t ws[NP * MOEP_PIECE];
     __shared__ float wsc[2 * MOEP_BN], wmn[2 * MOEP_BN], sx[2 * MOEP_BM];
     int b, r0, r1;
@@ -361,9 +470,9 @@ __device__ __forceinline__ void moep_down(const uint64_t* grid, const uint8_t* W
         const float* arow = H + (size_t)(avalid ? ar : 0) * ff;
         for (int kt = 0; kt < ff / MOEP_BK; kt++) {
             __syncthreads();
-            moep_stage_a(as, sx, arow, avalid, kt * MOEP_BK);
+            moep_stage_a<XP>(as, sx, arow, avalid, kt * MOEP_BK);
             for (int j = tid; j < MOEP_BN; j += MOEP_THREADS)
-                moep_stage_w<F>(ws + j * MOEP_LDS, wsc + j, wmn + j, W, b, n0 + j, dim, ff, kt, grid);
+                moep_stage_w<F>(ws + j * MOEP_LDS, wsc + j, wmn + j, W, b, n0 + j, n_experts, dim, ff, kt, grid);
             __syncthreads();
             moep_tile<F>(acc, as + wm * 32 * MOEP_LDS, ws + wn * 32 * MOEP_LDS, wsc, wmn, sx, wm, wn);
         }
@@ -434,3 +543,44 @@ extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_down_##na
 
 MOE_FORMATS(MOEP_GATE_UP)
 MOE_FORMATS(MOEP_DOWN)
+
+// ---- VQ-8 entry points: one pair per format of MOE_VQ_FORMATS --------------------------------------------------
+// As the pair above with Wg / Wu / W the VQ device copies (ds4py/cuda/vq_layout.py: the layer's codebook of KC
+// codewords x 8 E4M3 bytes at the head of each, the same in all three); dim and ff multiples of 64. The codebook is
+// copied into the dynamic shared memory (KC * 8 bytes, before pdl_wait: the weights do not depend on the previous
+// kernel), visible after the first k tile's barrier.
+__device__ __forceinline__ const uint64_t* moep_load_codebook(uint8_t* smem, const uint8_t* W, int kc) {
+    uint64_t* cb = reinterpret_cast<uint64_t*>(smem);
+    const uint64_t* src = reinterpret_cast<const uint64_t*>(W);
+    for (int i = threadIdx.x; i < kc; i += blockDim.x) cb[i] = src[i];
+    return cb;
+}
+
+// Launch: grid (ceil(ff / MOEP_BN), max_tiles), block MOEP_THREADS, dynamic shared memory KC * 8.
+#define MOEP_VQ_GATE_UP(name, F, QK, NB, KC) \
+extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_gate_up_##name(const uint8_t* Wg, \
+        const uint8_t* Wu, const float* x, const float* route_w, const int* sorted, const int* tile_bucket, \
+        const int* tile_row, const int* offsets, const int* info, float* H, int n_experts, int ff, int dim, int k, \
+        int ldx, float clamp) { \
+    extern __shared__ __align__(16) uint8_t moep_smem[]; \
+    const uint64_t* cb = moep_load_codebook(moep_smem, Wg, KC); \
+    pdl_wait(); \
+    pdl_launch_dependents(); \
+    moep_gate_up<F>(cb, Wg + 8 * KC, Wu + 8 * KC, x, ldx, route_w, sorted, tile_bucket, tile_row, offsets, info, H, \
+                    n_experts, ff, dim, k, clamp); \
+}
+
+// Launch: grid (ceil(dim / MOEP_BN), max_tiles), block MOEP_THREADS, dynamic shared memory KC * 8.
+#define MOEP_VQ_DOWN(name, F, QK, NB, KC) \
+extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_down_##name(const uint8_t* W, \
+        const float* H, const int* tile_bucket, const int* tile_row, const int* offsets, const int* info, \
+        float* Yp, int n_experts, int dim, int ff) { \
+    extern __shared__ __align__(16) uint8_t moep_smem[]; \
+    const uint64_t* cb = moep_load_codebook(moep_smem, W, KC); \
+    pdl_wait(); \
+    pdl_launch_dependents(); \
+    moep_down<F>(cb, W + 8 * KC, H, tile_bucket, tile_row, offsets, info, Yp, n_experts, dim, ff); \
+}
+
+MOE_VQ_FORMATS(MOEP_VQ_GATE_UP)
+MOE_VQ_FORMATS(MOEP_VQ_DOWN)

@@ -2,7 +2,8 @@
 scan / scatter and work items exact (skew, an expert with no tokens, one with all of them, bad ids; every thread
 order), the grouped gate + up and down of every expert format against the twin stage by stage, and the whole
 grouped MoE against the twin and against the reference MoE (ref.ops.swiglu, fp32 throughout) within bf16-level
-tolerances scaled by the magnitude."""
+tolerances scaled by the magnitude; VQ-8 experts (12 and 12 + 1 bits, the device layout of ds4py/cuda/vq_layout.py,
+effective float32 gains) stage by stage and whole within fp32 tolerances (x and H go in as three bf16 pieces: exact)."""
 
 from __future__ import annotations
 
@@ -11,14 +12,17 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from cu_fixtures import requires_emulator
+from ds4py.cuda import vq_layout
 from ds4py.cuda.ops import moe_prefill as ops_mp
 from ds4py.cuda.twins import experts as twin_experts
 from ds4py.cuda.twins import moe_prefill as twin
 from ds4py.cuda.twins.core import assert_close_scaled
 from ds4py.errors import Ds4Error
+from ds4py.quant import vq
 from ds4py.ref import ops as ref_ops
 from tests.cu_emu_device import devices
 from tests.test_cu_emu_experts import expert_tensor
+from tests.test_cu_emu_vq import codebook
 
 pytestmark = requires_emulator
 kdev = pytest.fixture(devices, name="kdev")
@@ -48,7 +52,7 @@ def ids_case(name: str, r, T: int, k: int, E: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("case", [("random", 37, 6, 8), ("skew", 150, 2, 5), ("one", 70, 3, 4), ("bad", 20, 4, 6),
-                                  ("random", 400, 6, 256)], ids=lambda c: f"{c[0]}-T{c[1]}-k{c[2]}-E{c[3]}")
+                                  ("random", 400, 6, 256), ("skew", 300, 6, 384)], ids=lambda c: f"{c[0]}-T{c[1]}-k{c[2]}-E{c[3]}")
 @pytest.mark.parametrize("order", ORDERS)
 def test_route_is_exact(kdev, case, order):
     name, T, k, E = case
@@ -169,8 +173,8 @@ def test_wrappers_reject_bad_input(kdev):
     dev = kdev()
     z = np.zeros
     bufs = bufs_on(dev, 4, 2, 3, 32, 32)
-    with pytest.raises(Ds4Error, match="1 to 256 experts"):
-        ops_mp.moe_prefill_route(dev.rt, dev.const(z((4, 2), np.int32)), bufs, 4, 2, 300)
+    with pytest.raises(Ds4Error, match="1 to 512 experts"):
+        ops_mp.moe_prefill_route(dev.rt, dev.const(z((4, 2), np.int32)), bufs, 4, 2, 600)
     with pytest.raises(Ds4Error, match="ids must be int32"):
         ops_mp.moe_prefill_route(dev.rt, dev.const(z((4, 2), np.int64)), bufs, 4, 2, 3)
     with pytest.raises(Ds4Error, match="has no kernel"):
@@ -204,3 +208,116 @@ def test_shared_expert_as_one_expert_for_every_token(kdev):
     want, mag = twin.moe(Wg, Wu, Wd, x, ids, None, 10.0, ops_mp.BM, ops_mp.max_tiles(T, 1))
     ref = _reference_moe(Wg, Wu, Wd, x, ids, np.ones((T, 1), np.float32), 10.0, 0)
     assert (np.abs(got - want) <= 2 ** -8 * mag).all() and (np.abs(got - ref) <= 2 ** -7 * mag).all()
+
+
+# ---- VQ-8 ---------------------------------------------------------------------------------------------------------
+def vq_experts(r, bits: int, cb: np.ndarray, E: int, rows: int, cols: int):
+    """(format, device copy, dequantised float32 [E, rows, cols]) of random indices over codebook cb, with effective
+    gains as a sidecar leaves them (an f16 gain times a float32 scale: fl32(g * c) is rounded, not exact)."""
+    idx = r.integers(0, 1 << bits, (E, rows, cols // 8))
+    idx[0, 0, :4] = (1 << bits) - 1                       # the last codeword (bit 12 set at 13 bits)
+    stream, hi = vq.pack_indices(idx, bits)
+    g16 = (r.random((E, rows)) * 0.05 + 0.01).astype(np.float16).astype(np.float32)
+    gains = g16 * (r.random((E, rows)) + 0.5).astype(np.float32)
+    gains[0, 1] = 0.0
+    fmt = vq_layout.kernel_format(bits, "test")
+    return fmt, vq_layout.pack(fmt, cb, stream, hi, gains, cols), twin_experts.vq_dequant(cb, stream, hi, gains, bits)
+
+
+@pytest.mark.parametrize("bits,ids_how", [(12, "skew"), (13, "bad")])
+def test_vq_gate_up_stage(kdev, bits, ids_how):
+    T, k, E, dim, ff = 70 if ids_how == "skew" else 30, 3, 4, 128, 96     # ff: a partial 64-wide feature tile
+    r = rng(6, bits)
+    cb = codebook(r, bits)
+    fmt, dg, Wg = vq_experts(r, bits, cb, E, ff, dim)
+    _, du, Wu = vq_experts(r, bits, cb, E, ff, dim)
+    x = (r.standard_normal((T, dim)) * 2).astype(np.float32)
+    ids = ids_case(ids_how, r, T, k, E)
+    wts = (r.random((T, k)) + 0.2).astype(np.float32)
+    dev = kdev()
+    bufs = bufs_on(dev, T, k, E, ff, dim)
+    ops_mp.moe_prefill_route(dev.rt, dev.const(ids), bufs, T, k, E)
+    ops_mp.moe_prefill_gate_up(dev.rt, fmt, dev.const(dg), dev.const(du), dev.const(x), dev.const(wts), bufs, T, k,
+                               E, ff, dim, 0.5)
+    rt_ = twin.route(ids, E, ops_mp.BM, ops_mp.max_tiles(T * k, E))
+    want, mag = twin.gate_up(Wg, Wu, x, wts, rt_, k, 0.5, exact=True)
+    got = bufs.H.download()
+    bad = np.isnan(want).all(1)
+    assert bad.any() == (ids_how == "bad") and np.isnan(got[bad]).all()
+    assert_close_scaled(got[~bad], want[~bad], mag[~bad], dim, f"vq{bits} gate_up")
+    if ids_how == "skew":
+        assert (rt_["tile_bucket"] == 0).sum() == 2             # expert 0's 70 rows: two work items
+
+
+@pytest.mark.parametrize("bits,dim", [(12, 64), (13, 67)])   # 13 bits, 3 x 67 rows: the gains 2-byte aligned
+def test_vq_down_stage(kdev, bits, dim):
+    T, k, E, ff = 25, 2, 3, 128
+    r = rng(7, bits)
+    cb = codebook(r, bits)
+    fmt, dd, Wd = vq_experts(r, bits, cb, E, dim, ff)
+    ids = ids_case("random", r, T, k, E)
+    H = r.standard_normal((T * k, ff)).astype(np.float32)
+    dev = kdev()
+    bufs = bufs_on(dev, T, k, E, ff, dim)
+    bufs.H.upload(H)
+    ops_mp.moe_prefill_route(dev.rt, dev.const(ids), bufs, T, k, E)
+    ops_mp.moe_prefill_down(dev.rt, fmt, dev.const(dd), bufs, T, k, E, ff, dim)
+    want, mag = twin.down(Wd, H, twin.route(ids, E, ops_mp.BM, ops_mp.max_tiles(T * k, E)), exact=True)
+    assert_close_scaled(bufs.Yp.download(), want, mag, ff, f"vq{bits} down")
+    # the twin's exact H is the point: rounded to bf16 it is off by far more than the tolerance
+    coarse, _ = twin.down(Wd, H, twin.route(ids, E, ops_mp.BM, ops_mp.max_tiles(T * k, E)))
+    assert np.abs(coarse - want).max() > 1e3 * np.finfo(np.float32).eps * np.abs(want).max()
+
+
+# bits, dim, ff, T, k, E, ids
+VQ_WHOLE = [(12, 128, 128, 70, 2, 3, "skew"), (13, 64, 192, 21, 3, 4, "bad")]
+
+
+@pytest.mark.parametrize("case", VQ_WHOLE, ids=lambda c: f"vq{c[0]}-{c[6]}")
+@pytest.mark.parametrize("order", ("forward", "random"))
+def test_vq_whole_moe_against_twin_and_reference(kdev, case, order):
+    """Kernel vs twin vs the reference MoE (ref.ops.swiglu on the reference's decode), all within fp32 noise of the
+    magnitude; the bad ids' tokens come out NaN."""
+    bits, dim, ff, T, k, E, how = case
+    r = rng(8, bits)
+    cb = codebook(r, bits)
+    fmt, dg, Wg = vq_experts(r, bits, cb, E, ff, dim)
+    _, du, Wu = vq_experts(r, bits, cb, E, ff, dim)
+    _, dd, Wd = vq_experts(r, bits, cb, E, dim, ff)
+    x = r.standard_normal((T, dim)).astype(np.float32)
+    ids = ids_case(how, r, T, k, E)
+    wts = (r.random((T, k)) + 0.2).astype(np.float32)
+    add = r.standard_normal((T, dim)).astype(np.float32)
+    clamp = 0.4
+    dev = kdev(order, T)
+    bufs = bufs_on(dev, T, k, E, ff, dim)
+    y = dev.var(np.full((T, dim), np.nan, np.float32))
+    ops_mp.moe_prefill(dev.rt, (fmt, dev.const(dg)), (fmt, dev.const(du)), (fmt, dev.const(dd)), dev.const(x),
+                       dev.const(ids), dev.const(wts), y, T, k, E, ff, dim, clamp, bufs, add=dev.const(add))
+    got = y.download().astype(np.float64)
+    want, mag = twin.moe(Wg, Wu, Wd, x, ids, wts, clamp, ops_mp.BM, ops_mp.max_tiles(T * k, E), add, exact=True)
+    good = ((ids >= 0) & (ids < E)).all(1)
+    assert np.isnan(got[~good]).all() and np.isfinite(got[good]).all() and good.sum() >= T - 3
+    ref = _reference_moe(Wg, Wu, Wd, x[good], ids[good], wts[good], clamp, add[good])
+    e_twin = (np.abs(got[good] - want[good]) / mag[good]).max()
+    e_ref = (np.abs(got[good] - ref) / mag[good]).max()
+    r_ref = np.abs(got[good] - ref).max() / np.abs(ref).max()
+    print(f"\nvq{bits} {how}: |kernel - twin| / mag max {e_twin:.2e}; |kernel - reference| / mag max {e_ref:.2e}, "
+          f"/ max |y| {r_ref:.2e} (fp32 eps {np.finfo(np.float32).eps:.2e})")
+    n = dim + ff
+    assert_close_scaled(got[good], want[good], mag[good], n, f"vq{bits} whole vs twin")
+    assert_close_scaled(got[good], ref, mag[good], n, f"vq{bits} whole vs reference")
+
+
+def test_vq_wrappers_reject_bad_input(kdev):
+    dev = kdev()
+    bufs = bufs_on(dev, 4, 2, 3, 64, 64)
+    with pytest.raises(Ds4Error, match="no VQ-8 kernel format 'vq8'"):
+        ops_mp.moe_prefill_down(dev.rt, "vq8", dev.const(np.zeros(10, np.uint8)), bufs, 4, 2, 3, 64, 64)
+    with pytest.raises(Ds4Error, match="not whole vq12 blocks"):
+        ops_mp.moe_prefill_down(dev.rt, "vq12", dev.const(np.zeros(10, np.uint8)), bufs, 4, 2, 3, 96, 64)
+    with pytest.raises(Ds4Error, match="weight bytes"):
+        ops_mp.moe_prefill_down(dev.rt, "vq13", dev.const(np.zeros(10, np.uint8)), bufs, 4, 2, 3, 64, 64)
+    with pytest.raises(Ds4Error, match="same weight type"):
+        ops_mp.moe_prefill(dev.rt, ("vq12", None), ("vq13", None), ("vq12", None), None, None, None, None, 4, 2, 3,
+                           64, 64, 0.0, bufs)

@@ -1,9 +1,10 @@
 """VQ-8 experts through the CUDA engine on the CPU emulator: a v4-tiny-shaped random model with 256-wide experts
 (make-tiny, MXFP4 experts, a random MTP block; v4-tiny's own 96-wide experts are not whole 64-weight VQ runs)
 quantised by `quantize-vq` with the seed's widths (layer 0 at 13 bits in the 12 + 1 layout, the rest at 12) on
-cuda-emu against the reference on the same file (prefill blocks through the grouped rows kernels, then decode):
-same top-1 everywhere, fp32 noise; a multi-row step's rows bit-identical to single steps; and speculative decoding with the V4 MTP block on the VQ-8
-main file gives plain greedy decoding's tokens, with the MTP file's experts as made and VQ-8 quantised. Budget: quantising ~20 s, ~0.15 s of emulator per token."""
+cuda-emu against the reference on the same file (prefill blocks with the experts on tensor cores, cu/moe_prefill.cu's
+VQ kernels, and through the grouped rows kernels; then decode): same top-1 everywhere, fp32 noise; a multi-row step's rows bit-identical to single steps; and speculative decoding with the V4 MTP block on the VQ-8
+main file gives plain greedy decoding's tokens, with the MTP file's experts as made and VQ-8 quantised; and a V4.1
+VQ-8 file (the golden v41-tiny at 12 bits) = the reference, its prefill experts on tensor cores. Budget: quantising ~20 s, ~0.15 s of emulator per token."""
 
 from __future__ import annotations
 
@@ -91,16 +92,26 @@ def test_the_device_holds_one_aligned_copy_of_the_vq_bytes(vqm, vq_gguf):
 def test_vq_experts_match_the_reference(vq_gguf):
     """Without the model's FP8 / FP4 fake-quant (whose grid a value within rounding of a step may cross, as on
     every backend pair), so what differs is the kernels' fp32 summation order only: every position's logits within
-    1e-4 of the largest, same top-1."""
+    1e-4 of the largest, same top-1 - with the prefill block's experts on tensor cores (the default: x and h as
+    three bf16 pieces; the prefill kernels of both widths ran, no rows kernel) and through the rows kernels."""
     nx = Numerics(fake_quant=False)
     ids = ids_for(256, 40, seed=5)
-    got = run(open_model(vq_gguf, backend="cuda-emu", numerics=nx), ids, 32)
     want = run(RefModel(vq_gguf, numerics=nx), ids, 32)
-    a = compare(got, want)
-    rel = (np.abs(got.astype(np.float64) - want).max(1) / np.abs(want).max(1)).max()
-    print(f"VQ-8 (13/12-bit), cuda-emu vs ref, no fake-quant (prefill 32, decode 8): {a}; max relative {rel:.1e}")
-    assert a.top1 == 1.0, a
-    assert rel <= 1e-4 and a.median_rel <= 1e-5, a
+    m = open_model(vq_gguf, backend="cuda-emu", numerics=nx)
+    for mma in (True, False):
+        m.rt.launch_counts.clear()
+        m.prefill_vq_expert_mma = mma
+        got = run(m, ids, 32)
+        ran = {k for k, n in m.rt.launch_counts.items() if n}
+        prefill = {f"moe_prefill_{s}_vq{b}" for s in ("gate_up", "down") for b in (12, 13)}
+        rows = {f"moe_{s}_rows_vq{b}" for s in ("gate_up", "down") for b in (12, 13)}
+        assert (prefill <= ran, rows <= ran) == (mma, not mma), sorted(ran)
+        a = compare(got, want)
+        rel = (np.abs(got.astype(np.float64) - want).max(1) / np.abs(want).max(1)).max()
+        print(f"VQ-8 (13/12-bit), cuda-emu vs ref, no fake-quant (prefill 32, decode 8), experts "
+              f"{'on tensor cores' if mma else 'rows kernels'}: {a}; max relative {rel:.1e}")
+        assert a.top1 == 1.0, a
+        assert rel <= 1e-4 and a.median_rel <= 1e-5, a
 
 
 def test_rows_are_bit_identical_to_single_steps(vqm):
@@ -225,3 +236,24 @@ def test_the_seeds_bytes_per_token_are_counted_as_the_engine_counts_them(tmp_pat
     print(f"V4 Flash, the seed's layout (VQ-8 13-bit x 14 layers, 12-bit the rest, q4_K dense): "
           f"{full / 1e9:.2f} GB per token")
     assert 3e9 < full < 9e9
+
+
+def test_a_v41_vq_file_matches_the_reference(v41_gguf, tmp_path):
+    """V4.1 (the golden v41-tiny, dim 256 and 128-wide experts: whole VQ runs) through quantize-vq at 12 bits (a
+    thin codebook, no Lloyd round: ~10 s), without fake-quant: cuda-emu = the reference, the prefill block's experts
+    on tensor cores (the default), then decode."""
+    from ds4py.vq.quantize import Options, quantize_vq
+
+    out = tmp_path / "v41-vq.gguf"
+    quantize_vq(v41_gguf, str(out), Options(bits=12, min_pool=5, train_per_code=5, rounds=0), progress=False)
+    nx = Numerics(fake_quant=False)
+    ids = ids_for(512, 40, seed=5)
+    m = open_model(str(out), backend="cuda-emu", numerics=nx)
+    assert m.config.is_v41 and m.prefill_vq_expert_mma
+    got = run(m, ids, 32)
+    assert {"moe_prefill_gate_up_vq12", "moe_prefill_down_vq12"} <= {k for k, n in m.rt.launch_counts.items() if n}
+    want = run(RefModel(str(out), numerics=nx), ids, 32)
+    a = compare(got, want)
+    rel = (np.abs(got.astype(np.float64) - want).max(1) / np.abs(want).max(1)).max()
+    print(f"V4.1 VQ-8 (12-bit), cuda-emu vs ref, no fake-quant (prefill 32, decode 8): {a}; max relative {rel:.1e}")
+    assert a.top1 == 1.0 and rel <= 1e-4 and a.median_rel <= 1e-5, a

@@ -6,7 +6,7 @@ race: the shared-memory race detector (every access instrumented); asan: Address
 re-runs itself with the sanitizer runtime preloaded). The workload, on each golden tiny model (default: ds4-tiny,
 and v4-tiny converted from its checkpoint when the golden data is here) and a random model in the seed's layout
 (VQ-8 experts at 13 and 12 bits, q4_K dense weights; quantize-vq): a prompt through the prefill blocks
-with the experts in fp32, another with them on tensor cores, greedy decode steps through the step graph, a
+with the experts in fp32 (the grouped rows kernels), another with them on tensor cores (VQ-8 too), greedy decode steps through the step graph, a
 multi-row step of two sequences, device-side sampling, and synthetic models in the other expert formats (their
 weights written by the fill kernels). Every kernel of cu/*.cu must have run, except the few no engine path
 reaches (UNREACHED, each with its reason); another one is reported as not covered and fails the run. Exit 0 when
@@ -96,8 +96,9 @@ def workload(path: str, rt: Any) -> None:
     rng = np.random.default_rng(2)
     prompt = [int(x) for x in rng.integers(0, m.config.vocab_size, m.rollback_horizon + 4)]
     a = m.new_state()
+    m.prefill_vq_expert_mma = False
     logits = m.step([a], [prompt])[0]                              # prefill blocks, experts in fp32
-    m.prefill_expert_mma = True
+    m.prefill_expert_mma = m.prefill_vq_expert_mma = True
     b = m.new_state()
     m.step([b], [prompt[: m.rollback_horizon + 2]])                # prefill blocks, experts on tensor cores
     m.prefill_expert_mma = False

@@ -38,6 +38,7 @@ from ds4py.cuda.device_weights import load as load_weights
 from ds4py.cuda.engram_feed import EngramFeed
 from ds4py.cuda.memory_plan import DEFAULT_CTX, MemoryPlan, kv_bytes
 from ds4py.cuda.ops import experts as ops_moe
+from ds4py.cuda.ops import moe_prefill as ops_moep
 from ds4py.cuda.gguf_upload import check_alignment
 from ds4py.errors import ContextLengthError, Ds4Error
 from ds4py.fingerprint import file_fingerprint
@@ -337,8 +338,11 @@ class CudaModel(ModelBase):
         self.prefill_mma = True                                    # prefill dense products on tensor cores
         self.prefill_x_pieces = 3                                  # ... x as 3 bf16 pieces: exact (1: bf16 x)
         self.prefill_expert_mma = False                            # the experts too (bf16 x, h: less exact)
-        # VQ-8 experts run the exact grouped rows kernels in prefill too (cu/moe_prefill.cu has no VQ format)
+        # VQ-8 experts (every layer of a VQ file) take their own option: cu/moe_prefill.cu's VQ kernels keep x and h
+        # exact (three bf16 pieces), so on tensor cores by default (False: the exact grouped rows kernels). Either
+        # option holds up to the route kernel's MAX_EXPERTS (512; V4 Flash 256, V4.1 384), past it the rows kernels
         self.vq_experts = any(L.ffn.experts.gate.fmt is not None for L in self.w.binding.layers)
+        self.prefill_vq_expert_mma = True
         self.prefill_ws: layer.Workspace | None = None
         self.last_generate: dict[str, float] = {}
         self.startup = {"weights_upload_s": time.perf_counter() - t1, "model_open_s": time.perf_counter() - t0,
@@ -522,6 +526,8 @@ class CudaModel(ModelBase):
         bucket = bucket_for(n0 + T, cfg.context_length, self.min_bucket)
         blk = max(1, min(int(self.prefill_block), layer.MAX_BLOCK))
         rows = layer.block_rows(min(T, blk))
+        expert_mma = ((self.prefill_vq_expert_mma if self.vq_experts else self.prefill_expert_mma)
+                      and cfg.n_experts <= ops_moep.MAX_EXPERTS)
         ws = self.prefill_ws
         if ws is None or ws.bucket < bucket or ws.rows < rows:
             rt.synchronize()
@@ -543,7 +549,7 @@ class CudaModel(ModelBase):
             self._stage_engram(ws, [(st, n0 + a, ids[a:a + Tb])])
             rec = self._recording(ws, RowSet(BLOCK, [dict(st.arrays)], [bucket], Tb, ws.slot, cap=ws.rows),
                                   ws.tickets, mma=self.prefill_mma, x_pieces=self.prefill_x_pieces,
-                                  expert_mma=self.prefill_expert_mma and not self.vq_experts,
+                                  expert_mma=expert_mma,
                                   taps=ws.taps if extra == "taps" else None)
             ls = layer.Launcher(rt, self.pdl)
             layer.record_body(ls, rec, B)

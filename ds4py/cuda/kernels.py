@@ -392,14 +392,15 @@ def experts_gate_up_block(ls: Any, rec: Any, E: Any, clamp: float) -> None:
         experts_gate_up_rows(ls, rec, E, clamp)
         return
     cfg, ws = rec.cfg, rec.ws
-    ops_moep.moe_prefill(ls, (E.gate.qtype, E.gate.array), (E.up.qtype, E.up.array), (E.down.qtype, E.down.array),
+    ops_moep.moe_prefill(ls, (E.gate.kernel_format, E.gate.array), (E.up.kernel_format, E.up.array),
+                         (E.down.kernel_format, E.down.array),
                          ws.x_ffn, ws.ids, ws.wts, ws.f, rec.R, cfg.n_experts_used, cfg.n_experts, cfg.expert_ff,
                          cfg.dim, clamp, rec.moe_bufs(), add=ws.y_shared, **ls.main())
 
 
 def expert_mma(rec: Any, E: Any) -> bool:
-    """The routed MoE of a block on tensor cores (cu/moe_prefill.cu; the engine never asks for it on VQ-8 experts,
-    which run the exact grouped rows kernels)."""
+    """The routed MoE of a block on tensor cores (cu/moe_prefill.cu): the engine's prefill_expert_mma for GGML-format
+    experts (x and h in bf16), prefill_vq_expert_mma (default on: x and h exact) for a VQ-8 file's."""
     return rec.expert_mma
 
 

@@ -258,7 +258,7 @@ class Recording:
     engram_weights: dict = field(default_factory=dict)   # V4.1: Engram e's q_w * k_w [hc, D]
     mma: bool = True                # BLOCK: dense products on tensor cores (cu/gemm.cu), else the `_rows` GEMVs
     x_pieces: int = 3               # ... with x as this many bf16 pieces (1: x rounded to bf16; 3: x exact)
-    expert_mma: bool = False        # BLOCK: the experts on tensor cores too (cu/moe_prefill.cu: x, h in bf16)
+    expert_mma: bool = False        # BLOCK: the experts on tensor cores too (cu/moe_prefill.cu: x, h in bf16; VQ-8: exact)
     taps: DeviceArray | None = None  # V4.1's DSpark taps of the rows [R, n_targets * D] (None: not recorded)
     table: Any = None               # the operations table in place of kernels.of(mode, v41) (the DSpark block's)
     _plans: dict = field(default_factory=dict)

@@ -1,6 +1,7 @@
 """The tensor-core prefill kernels on a GPU (skipped without one): the emulator tests of cu/gemm.cu
 and cu/moe_prefill.cu again on the hardware (the PTX mma path: fragment layout within 1e-5 of the twin's exact
-sum, the GEMM and the grouped MoE within the same scaled tolerances, rows independent of T), then V4 Flash sizes:
+sum, the GEMM and the grouped MoE within the same scaled tolerances, rows independent of T; the VQ-8 grouped MoE's
+stages and whole within fp32 tolerances at 12 and 12 + 1 bits), then V4 Flash sizes:
 the Q8_0 / F16 GEMM at T = 2048 x 4096 x 4096 and the grouped MoE of 2048 tokens (k = 6 of 16 experts, IQ2_XXS
 gate / up 2048 x 4096, Q2_K down) against the twins on sample rows, bit-identical on a second run, timed."""
 
@@ -22,7 +23,9 @@ from tests.cu_emu_device import KernelDevice
 from tests.test_cu_emu_experts import expert_tensor
 from test_cu_emu_gemm import (test_gemm_against_the_twin, test_gemm_rows_do_not_depend_on_T_or_neighbours,  # noqa: F401
                               test_mma_fragment_layout_matches_the_twin, test_tensor_core_path_vs_scalar_fp32)
-from test_cu_emu_moe_prefill import test_route_is_exact, test_whole_moe_against_twin_and_reference  # noqa: F401
+from test_cu_emu_moe_prefill import (test_route_is_exact, test_vq_down_stage, test_vq_gate_up_stage,  # noqa: F401
+                                     test_vq_whole_moe_against_twin_and_reference,
+                                     test_whole_moe_against_twin_and_reference)
 
 pytestmark = pytest.mark.gpu
 

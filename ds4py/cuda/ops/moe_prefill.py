@@ -12,7 +12,10 @@ too (moe_prefill_route, _gate_up, _down, _combine) for tests and for callers tha
 
 Numerics: x and the SwiGLU output are rounded to bf16 before their products, the expert weights stay exact (their
 integer codes on the tensor cores, scales and mins in fp32); fp32 accumulation in a fixed order; the combine sums
-the k slots in slot order (twin: ds4py/cuda/twins/moe_prefill.py).
+the k slots in slot order (twin: ds4py/cuda/twins/moe_prefill.py). VQ-8 experts (weight type "vq12" / "vq13", the
+device copies of ds4py/cuda/vq_layout.py) keep x and the SwiGLU output exact too (three bf16 pieces, x_pieces()):
+E4M3 codewords on the tensor cores, the row gain in fp32, so the result is the fp32 reference's up to summation
+order.
 
 The shared expert of a prefill block runs through the same kernels as one expert chosen by every token:
 n_experts = 1, k = 1, ids all 0, wts None (its Q8_0 / F16 gate, up and down are expert formats too).
@@ -26,19 +29,21 @@ from typing import Any, Callable
 import numpy as np
 
 from ds4py.cuda.ops.core import aligned, ceil_div, is_dtype, need
-from ds4py.cuda.ops.experts import FORMATS, row_bytes
+from ds4py.cuda.ops.experts import FORMATS, VQ_FORMATS, codebook_bytes, matrix_bytes
 
 DEFINES = {
     "MOEP_WARPS_M": 2,            # warps along the routed rows (32 each): MOEP_BM = 64 rows per work item
     "MOEP_WARPS_N": 2,            # warps along the features (32 each): MOEP_BN = 64 features per block (2: the A
                                   # staging has two threads per row, one per 16 columns)
-    "MOEP_MAX_EXPERTS": 256,      # routed experts the route kernel's shared counters hold (V4 Flash: 256)
+    "MOEP_MAX_EXPERTS": 512,      # routed experts the route kernel's shared counters hold (V4 Flash 256, V4.1 384)
+    "MOEP_ROUTE_WARPS": 16,       # the route kernel's warps, each counting a chunk of the pairs per expert (16 x 513
+                                  # counters: 33 KB of static shared memory)
 }
 BM = 32 * DEFINES["MOEP_WARPS_M"]
 BN = 32 * DEFINES["MOEP_WARPS_N"]
 THREADS = 32 * DEFINES["MOEP_WARPS_M"] * DEFINES["MOEP_WARPS_N"]
 MAX_EXPERTS = DEFINES["MOEP_MAX_EXPERTS"]
-ROUTE_THREADS = 1024
+ROUTE_THREADS = 32 * DEFINES["MOEP_ROUTE_WARPS"]
 
 
 def max_tiles(n_pairs: int, n_experts: int) -> int:
@@ -82,20 +87,31 @@ class MoePrefillBuffers:
         need(aligned(16, self.H, self.Yp), "moe_prefill: H and Yp must be 16-byte aligned")
 
 
-def _name(qtype: int, where: str) -> str:
+def _name(qtype: int | str, where: str) -> str:
+    """The kernel suffix of a weight type: a GGML type with a MOE_FORMATS entry, or a VQ-8 format key."""
     from ds4py.ggml_types import GGMLQuantizationType as QT
 
+    if isinstance(qtype, str):
+        need(qtype in VQ_FORMATS, f"{where}: no VQ-8 kernel format {qtype!r} (supported: {', '.join(VQ_FORMATS)})")
+        return qtype
     qt = QT(int(qtype)) if int(qtype) in QT._value2member_map_ else None
     need(qt in FORMATS, f"{where}: weight type {qt.name if qt is not None else qtype} has no kernel (supported: "
-         f"{', '.join(q.name for q in FORMATS)})")
+         f"{', '.join(q.name for q in FORMATS)}, {', '.join(VQ_FORMATS)})")
     return FORMATS[qt][0]
 
 
-def _check_w(where: str, qtype: int, W: Any, n_experts: int, rows: int, cols: int) -> None:
+def x_pieces(qtype: int | str) -> int:
+    """The bf16 pieces x and H go into the tensor cores as (moe_prefill.cu MoepF::XP): 3 (exact) for VQ-8, 1
+    (rounded to bf16) for the GGML formats."""
+    return 3 if isinstance(qtype, str) else 1
+
+
+def _check_w(where: str, qtype: int | str, W: Any, n_experts: int, rows: int, cols: int) -> None:
     need(cols % 32 == 0, f"{where}: {cols} columns are not a multiple of 32")
-    need(is_dtype(W, np.uint8), f"{where}: weights must be the raw GGUF bytes (uint8)")
-    need(W.nbytes == n_experts * rows * row_bytes(qtype, cols), f"{where}: {W.nbytes} weight bytes for {n_experts} "
-         f"experts of [{rows}, {cols}] ({n_experts * rows * row_bytes(qtype, cols)} expected)")
+    need(is_dtype(W, np.uint8), f"{where}: weights must be the raw GGUF bytes or a VQ-8 device copy (uint8)")
+    want = matrix_bytes(qtype, n_experts, rows, cols)
+    need(W.nbytes == want, f"{where}: {W.nbytes} weight bytes for {n_experts} experts of [{rows}, {cols}] ({want} "
+         "expected)")
 
 
 def moe_prefill_route(rt: Any, ids: Any, bufs: MoePrefillBuffers, T: int, k: int, n_experts: int,
@@ -128,7 +144,7 @@ def moe_prefill_gate_up(rt: Any, qtype: int, Wg: Any, Wu: Any, x: Any, wts: Any,
     bufs.check(T, k, n_experts, ff, dim)
     rt.launch(f"moe_prefill_gate_up_{name}", (ceil_div(ff, BN), max_tiles(T * k, n_experts)), THREADS, Wg, Wu, x,
               wts, bufs.sorted, bufs.tile_bucket, bufs.tile_row, bufs.offsets, bufs.info, bufs.H, int(n_experts),
-              int(ff), int(dim), int(k), ldx, float(clamp), stream=stream, pdl=pdl)
+              int(ff), int(dim), int(k), ldx, float(clamp), smem=codebook_bytes(qtype), stream=stream, pdl=pdl)
 
 
 def moe_prefill_down(rt: Any, qtype: int, W: Any, bufs: MoePrefillBuffers, T: int, k: int, n_experts: int, ff: int,
@@ -139,7 +155,7 @@ def moe_prefill_down(rt: Any, qtype: int, W: Any, bufs: MoePrefillBuffers, T: in
     bufs.check(T, k, n_experts, ff, dim)
     rt.launch(f"moe_prefill_down_{name}", (ceil_div(dim, BN), max_tiles(T * k, n_experts)), THREADS, W, bufs.H,
               bufs.tile_bucket, bufs.tile_row, bufs.offsets, bufs.info, bufs.Yp, int(n_experts), int(dim), int(ff),
-              stream=stream, pdl=pdl)
+              smem=codebook_bytes(qtype), stream=stream, pdl=pdl)
 
 
 def moe_prefill_combine(rt: Any, bufs: MoePrefillBuffers, y: Any, T: int, k: int, dim: int, add: Any = None,
@@ -158,9 +174,10 @@ def moe_prefill(rt: Any, gate: tuple[int, Any], up: tuple[int, Any], down: tuple
                 wts: Any, y: Any, T: int, k: int, n_experts: int, ff: int, dim: int, clamp: float,
                 bufs: MoePrefillBuffers, add: Any = None, ldx: int | None = None, ldy: int | None = None,
                 stream: Any = None, pdl: bool = False) -> None:
-    """The whole routed MoE of T tokens: gate / up / down = (qtype, raw bytes) of the stacked expert tensors
-    (gate and up of one type). See the module docstring."""
-    need(int(gate[0]) == int(up[0]), "moe_prefill: gate and up must have the same weight type")
+    """The whole routed MoE of T tokens: gate / up / down = (qtype, raw bytes) of the stacked expert tensors, or
+    (VQ-8 format, device copy) (gate and up of one type). See the module docstring."""
+    key = lambda q: q if isinstance(q, str) else int(q)           # noqa: E731
+    need(key(gate[0]) == key(up[0]), "moe_prefill: gate and up must have the same weight type")
     moe_prefill_route(rt, ids, bufs, T, k, n_experts, stream=stream, pdl=pdl)
     moe_prefill_gate_up(rt, gate[0], gate[1], up[1], x, wts, bufs, T, k, n_experts, ff, dim, clamp, ldx,
                         stream=stream, pdl=pdl)

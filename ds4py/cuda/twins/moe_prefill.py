@@ -7,7 +7,11 @@ What the kernels do differently: fp32 accumulation (per scale group from zero, t
 fp32: w = s c - m is summed as s * sum(x c) - m * sum(x), equal to the exact values' sum up to fp32 rounding). Because H is rounded to bf16 before the down, a kernel H
 that differs from the twin's in the last fp32 bit can land on the neighbouring bf16 value, so the down and the
 whole MoE are compared within a bf16-level tolerance (2^-8 of the magnitude); each GEMM stage on its own
-(down fed the kernel's H) within the fp32 one."""
+(down fed the kernel's H) within the fp32 one.
+
+VQ-8 (exact=True: the kernels' three bf16 pieces of x and H): nothing rounded to bf16, so every stage and the whole
+MoE are the fp32 reference up to summation order (the weights are the reference's fl32(g * c); the kernels sum
+g * sum(c x) per k tile, equal to sum(fl32(g c) x) up to fp32 rounding)."""
 
 from __future__ import annotations
 
@@ -43,14 +47,21 @@ def _bucket_of_rows(offsets: np.ndarray) -> np.ndarray:
     return np.repeat(np.arange(offsets.size - 1), np.diff(offsets))
 
 
+def _operand(a: np.ndarray, exact: bool) -> np.ndarray:
+    """An activation as the tensor cores see it: rounded to bf16, or (exact: three bf16 pieces) as it is."""
+    a = np.asarray(a, F32)
+    return (a if exact else bf16_round(a)).astype(np.float64)
+
+
 def gate_up(Wg: np.ndarray, Wu: np.ndarray, x: np.ndarray, wts: np.ndarray | None, r: dict, k: int,
-            clamp: float) -> tuple[np.ndarray, np.ndarray]:
-    """(H [P, ff] in sorted order, magnitude). Wg / Wu: dequantised [E, ff, dim]; NaN rows for the bad bucket."""
+            clamp: float, exact: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(H [P, ff] in sorted order, magnitude). Wg / Wu: dequantised [E, ff, dim]; NaN rows for the bad bucket;
+    exact: x as it is (VQ-8), else rounded to bf16."""
     E, ff, dim = Wg.shape
     P = r["sorted"].size
     tok = r["sorted"] // k
     rows = _bucket_of_rows(r["offsets"])
-    xb = bf16_round(np.asarray(x, F32)[:, :dim]).astype(np.float64)
+    xb = _operand(np.asarray(x, F32)[:, :dim], exact)
     H = np.full((P, ff), np.nan, F32)
     mag = np.zeros((P, ff))
     w = np.ones(P, F32) if wts is None else np.asarray(wts, F32).reshape(-1)[r["sorted"]]
@@ -71,11 +82,11 @@ def gate_up(Wg: np.ndarray, Wu: np.ndarray, x: np.ndarray, wts: np.ndarray | Non
     return H, mag
 
 
-def down(W: np.ndarray, H: np.ndarray, r: dict) -> tuple[np.ndarray, np.ndarray]:
-    """(Yp [P, dim] in sorted order, magnitude): bf16(H) @ W[e]^T per row. W: dequantised [E, dim, ff]."""
+def down(W: np.ndarray, H: np.ndarray, r: dict, exact: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(Yp [P, dim] in sorted order, magnitude): bf16(H) (exact: H) @ W[e]^T per row. W: dequantised [E, dim, ff]."""
     E, dim, ff = W.shape
     rows = _bucket_of_rows(r["offsets"])
-    Hb = bf16_round(np.asarray(H, F32)).astype(np.float64)
+    Hb = _operand(H, exact)
     Yp = np.full((H.shape[0], dim), np.nan, F32)
     mag = np.zeros((H.shape[0], dim))
     for e in range(E):
@@ -99,12 +110,13 @@ def combine(Yp: np.ndarray, r: dict, T: int, k: int, add: np.ndarray | None = No
 
 
 def moe(Wg: np.ndarray, Wu: np.ndarray, Wd: np.ndarray, x: np.ndarray, ids: np.ndarray, wts: np.ndarray | None,
-        clamp: float, bm: int, max_tiles: int, add: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(y [T, dim], magnitude): the whole grouped MoE with the kernels' roundings."""
+        clamp: float, bm: int, max_tiles: int, add: np.ndarray | None = None,
+        exact: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(y [T, dim], magnitude): the whole grouped MoE with the kernels' roundings (exact: VQ-8's, none)."""
     T, k = np.asarray(ids).reshape(x.shape[0], -1).shape
     r = route(ids, Wg.shape[0], bm, max_tiles)
-    H, hmag = gate_up(Wg, Wu, x, wts, r, k, clamp)
-    Yp, _ = down(Wd, H, r)
+    H, hmag = gate_up(Wg, Wu, x, wts, r, k, clamp, exact)
+    Yp, _ = down(Wd, H, r, exact)
     rows = _bucket_of_rows(r["offsets"])
     dmag = np.zeros_like(Yp, dtype=np.float64)
     for e in range(Wg.shape[0]):
