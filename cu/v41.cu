@@ -11,6 +11,8 @@
 //   v41_index_keys      an owner's indexer keys from wk . latent: RMSNorm(k_norm), RoPE at g*r, FP4 -> keys[g]
 //   v41_candidates      the candidate source's blocks (best row per block, the newest block pinned, the top n kept)
 //                       -> cand[0..n) (1 inside), or (mask) scores outside cand set to -inf
+//   v41_drop_masked     after the top-k of masked scores: a pick whose score is -inf (outside the candidates, taken
+//                       only when they hold fewer rows than k) becomes -1, which the attention kernels skip
 //   v41_engram_rows     Engram's table rows as staged (FP8 e4m3 codes + one e8m0 scale per 32) -> f32, rounded to
 //                       bf16 as the official lookup returns them
 //   v41_engram          Engram's gate: X[t, j] += sigmoid(signed sqrt(dot_j)) * value[t] (in place)
@@ -217,6 +219,19 @@ extern "C" __global__ void v41_candidates(float* scores, int* cand, const int* p
         const int keep = mine > V41_NEG_INF && rank < n_blocks;
         for (int i = b * block; i < min(n, (b + 1) * block); ++i) c[i] = keep;
     }
+}
+
+// Launch: grid (n_rows), block (32). scores [n_rows, stride], sel [n_rows, k] (topk's picks: the first
+// min(k, (pos[r] + 1) / ratio) of each row are read): sel[r, c] = -1 where scores[r, sel[r, c]] is -inf.
+extern "C" __global__ void v41_drop_masked(const float* scores, int* sel, const int* pos, int stride, int ratio,
+                                           int k) {
+    pdl_wait();
+    pdl_launch_dependents();
+    const int r = blockIdx.x, n = min(k, (pos[r] + 1) / ratio);
+    const float* s = scores + (size_t)r * stride;
+    int* c = sel + (size_t)r * k;
+    for (int i = threadIdx.x; i < n; i += blockDim.x)
+        if (s[c[i]] == V41_NEG_INF) c[i] = -1;
 }
 
 // Launch: grid (n_rows, hc), block (256). X [n_rows, hc, D] in place; kv [n_rows, (hc + 1) * D] = wkv . rows:

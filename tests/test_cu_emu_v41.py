@@ -139,6 +139,24 @@ def test_candidates_and_mask(kdev):
         assert np.array_equal(d_s.download()[:n], want.astype(F32))
 
 
+def test_drop_masked(kdev):
+    """After the top-k of masked scores: the picks at -inf (fewer candidate rows than k) become -1, others kept;
+    rows read only up to min(k, visible)."""
+    r, dev = rng(6), kdev("random", 6)
+    stride, k, n_rows = 24, 8, 3
+    pos = np.array([2, 11, 23], np.int32)
+    scores = r.standard_normal((n_rows, stride)).astype(F32)
+    scores[:, ::3] = -np.inf
+    sel = np.stack([np.sort(r.choice(p + 1, min(k, p + 1), replace=False)).tolist() + [99] * (k - min(k, p + 1))
+                    for p in pos]).astype(np.int32)
+    d_sel = dev.var(sel)
+    ops_v41.drop_masked(dev.rt, dev.const(scores), d_sel, dev.const(pos), n_rows, stride, 1, k)
+    got = d_sel.download()
+    for i, p in enumerate(pos):
+        assert np.array_equal(got[i], twin.drop_masked(scores[i], sel[i], int(p), 1, k)), f"row {i}"
+    assert (got == -1).any() and (got >= 0).any() and (got[0, 3:] == 99).all()
+
+
 def test_engram(kdev):
     r, dev = rng(4), kdev("random", 4)
     T, hc, D = 2, 4, 256

@@ -219,3 +219,42 @@ def test_official_decode_bug_copy_and_load_start_fixed(v41_gguf, gold, bug_a, re
         if i == 0:
             assert np.abs(a - fixed0).max() <= FP32_NOISE, "a copied state's first step is not the fixed decode's"
             assert np.abs(a - original).max() > 0.05, "the original state's record changed nothing"
+
+
+@pytest.fixture(scope="module")
+def few_candidates(golden, tmp_path_factory):
+    """v41-tiny with candidate_topk_blocks 1: the candidate blocks hold 4 rows, fewer than index_topk 8, so the
+    top-k of layer 5 (masked to them) has picks outside them from position 4 on."""
+    import json
+    import os
+
+    from helpers import stub_tokenizer_json
+    from ds4py.convert import convert_checkpoint
+
+    src, d = golden / "v41-tiny", tmp_path_factory.mktemp("v41few")
+    ckpt = d / "ckpt"
+    ckpt.mkdir()
+    for f in src.iterdir():
+        if f.name != "config.json":
+            os.symlink(f, ckpt / f.name)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["candidate_topk_blocks"] = 1
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    convert_checkpoint(str(ckpt), str(d / "few.gguf"), experts="mxfp4", dense="f32",
+                       tokenizer=stub_tokenizer_json(d / "tokenizer.json"), progress=False)
+    return str(d / "few.gguf")
+
+
+def test_fewer_candidates_than_topk(few_candidates, gold):
+    """With fewer candidate rows than index_topk, the device top-k's picks outside the candidates are dropped
+    (v41_drop_masked; the attention skips them): decode and a prefill block = the reference (fp32 noise;
+    without the drop they differ by 0.3-0.9 from position 4 on)."""
+    m, r = open_model(few_candidates, backend="cuda-emu"), RefModel(few_candidates)
+    assert m.config.candidate_topk_blocks * m.config.candidate_block_size < m.config.index_topk
+    ids = gold["a_ids"][:20]
+    sm, sr = m.new_state(), r.new_state()
+    got = np.stack([m.step([sm], [[int(t)]])[0] for t in ids])
+    want = np.stack([r.step([sr], [[int(t)]])[0] for t in ids])
+    assert np.abs(got - want).max() <= FP32_NOISE, f"decode: {np.abs(got - want).max(-1)}"
+    block = m.step([m.new_state()], [ids])[0]
+    assert np.abs(block - want[-1]).max() <= FP32_NOISE, f"prefill block: {np.abs(block - want[-1]).max():.2e}"
