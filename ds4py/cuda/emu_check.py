@@ -4,10 +4,11 @@
 
 race: the shared-memory race detector (every access instrumented); asan: AddressSanitizer + UBSan (this command
 re-runs itself with the sanitizer runtime preloaded). The workload, on each golden tiny model (default: ds4-tiny,
-and v4-tiny and v41-tiny converted from their checkpoints when the golden data is here) and a random model in the seed's layout
-(VQ-8 experts at 13 and 12 bits, q4_K dense weights; quantize-vq): a prompt through the prefill blocks
-with the experts in fp32, another with them on tensor cores, greedy decode steps through the step graph, a
-multi-row step of two sequences, device-side sampling, and synthetic models in the other expert formats (their
+and v4-tiny and v41-tiny converted from their checkpoints when the golden data is here) and a random model in
+the seed's layout (VQ-8 experts at 13 and 12 bits, q4_K dense weights; quantize-vq): a prompt through the prefill
+blocks with the experts in fp32, another with them on tensor cores, greedy decode steps through the step graph,
+a multi-row step of two sequences, device-side sampling (v41-tiny: none of the tensor-core prompt and sampling),
+and synthetic models in the other expert formats (their
 weights written by the fill kernels). Every kernel of cu/*.cu must have run, except the few no engine path
 reaches (UNREACHED, each with its reason); another one is reported as not covered and fails the run. Exit 0 when
 no checker reported anything and everything was covered.

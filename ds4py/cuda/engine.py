@@ -317,7 +317,8 @@ class CudaModel(ModelBase):
         self.backend = "cuda-emu" if self.emulated else "cuda"
         # device-side generation feeds each sampled token to the next step on the device; Engram's rows are
         # gathered on the host from that token, so an Engram model samples on the host (step by step)
-        self.capabilities = Capabilities(speculation=True, device_generation=self.engram is None and self._publishers is None,
+        self.capabilities = Capabilities(speculation=True,
+                                         device_generation=self.engram is None and self._publishers is None,
                                          launch_counts=True,
                                          multirow=True, block_prefill=True, emulated=self.emulated)
         self.pdl, self.graphs = bool(pdl), bool(graphs)
