@@ -6,7 +6,8 @@
 //   attn_decode_combine  merges the chunks with the sink in the denominator, then the inverse RoPE
 // The key set of a decode step at position pos (read from the device slot, so a graph replays unchanged):
 //   window rows of positions max(0, pos-W+1) .. pos (ring slot = p % ring), then the compressed rows:
-//   all (pos+1)/ratio visible rows (ratio 128), or the indexer's selection sel[0 .. min(topk, visible)) (ratio 4).
+//   all (pos+1)/ratio visible rows (ratio 128), or the indexer's selection sel[0 .. min(topk, visible)) (ratio 4);
+//   a selection entry -1 (V4.1: a pick outside the candidate blocks, v41_drop_masked) is no key.
 // K = V = the same 512-vector, so one staged row serves every head of the block for both products.
 #include "types.cuh"
 #include "portable.cuh"
@@ -38,8 +39,10 @@ struct AttnKeys {
     __device__ __forceinline__ const float* row(int j) const {
         if (j < n_win) return win + (size_t)((first_pos + j) % ring) * hd;
         const int c = j - n_win;
-        return comp + (size_t)(sel ? sel[c] : c) * hd;
+        return comp + (size_t)(sel ? max(sel[c], 0) : c) * hd;      // a dropped pick (-1) stages row 0, unused
     }
+
+    __device__ __forceinline__ bool live(int j) const { return j < n_win || !sel || sel[j - n_win] >= 0; }
 };
 
 // kv_raw [hd] (the wkv GEMV output) -> RMSNorm with norm_w -> RoPE on the last rd dims at pos -> FP8 e4m3
@@ -161,7 +164,7 @@ extern "C" __global__ void attn_decode_partial(const float* q_raw, const float* 
         // q.k: lane (kl, kh) sums its half of the dims for key kl, then the two halves are added.
         float s[ATTN_HPW];
         attn_half_scores<ATTN_HPW>(s, ktile, qs, kl, kh, hd, stride);
-        const bool valid = base + kl < k1;
+        const bool valid = base + kl < k1 && keys.live(base + kl);
 #pragma unroll
         for (int i = 0; i < ATTN_HPW; ++i) {
             s[i] += __shfl_xor_sync(DS4_FULL_MASK, s[i], 16);
@@ -171,8 +174,9 @@ extern "C" __global__ void attn_decode_partial(const float* q_raw, const float* 
 #pragma unroll
             for (int off = 8; off > 0; off >>= 1) mt = fmaxf(mt, __shfl_xor_sync(DS4_FULL_MASK, mt, off));
             const float mn = fmaxf(m_run[i], mt);
-            const float corr = expf(m_run[i] - mn);   // 0 on the first tile (m_run = -inf)
-            const float p = expf(s[i] - mn);          // 0 for rows past the end
+            // 0 on the first tile (m_run = -inf); a tile of dropped picks only (V4.1) keeps mn at -inf: no NaN
+            const float corr = mn == ATTN_NEG_INF ? 1.0f : expf(m_run[i] - mn);
+            const float p = mn == ATTN_NEG_INF ? 0.0f : expf(s[i] - mn);          // 0 for rows past the end
             float lt = p;
 #pragma unroll
             for (int off = 8; off > 0; off >>= 1) lt += __shfl_xor_sync(DS4_FULL_MASK, lt, off);

@@ -82,8 +82,11 @@ struct PfaKeys {
             return q >= p0 ? blk + (size_t)(q - p0) * hd : ring + (size_t)(q % ring_rows) * hd;
         }
         const int c = j - n_win;
-        return comp + (size_t)(sel ? sel[c] : c) * hd;
+        return comp + (size_t)(sel ? max(sel[c], 0) : c) * hd;      // a dropped pick (-1) stages row 0, unused
     }
+
+    // a selection entry -1 (V4.1: a pick outside the candidate blocks, v41_drop_masked) is no key
+    __device__ __forceinline__ bool live(int j) const { return j < n_win || !sel || sel[j - n_win] >= 0; }
 };
 
 // q_raw [T, H, hd] (the wq_b GEMV rows): per head RMS (no weight), RoPE at pos[t], times `scale`; keys as above
@@ -185,7 +188,7 @@ extern "C" __global__ void attn_prefill(const float* q_raw, const float* freqs, 
 
         float s[PFA_HPW];
         attn_half_scores<PFA_HPW>(s, ktile, qs, kl, kh, hd, stride);
-        const bool valid = base + kl < n_keys;
+        const bool valid = base + kl < n_keys && keys.live(base + kl);
 #pragma unroll
         for (int i = 0; i < PFA_HPW; ++i) {
             s[i] += __shfl_xor_sync(DS4_FULL_MASK, s[i], 16);

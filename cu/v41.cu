@@ -9,8 +9,11 @@
 //                       pre-RoPE latent out (index-key owners) and RoPE at g*r + NVFP4-like fake-quant -> rows[g]
 //   v41_comp_ring_store the compressor's inputs into its rings (after v41_compress: a block pools first)
 //   v41_index_keys      an owner's indexer keys from wk . latent: RMSNorm(k_norm), RoPE at g*r, FP4 -> keys[g]
-//   v41_candidates      the candidate source's blocks (best row per block, the newest block pinned, the top n kept)
+//   v41_candidates      the candidate source's blocks (best row per block, the newest block pinned, the top n kept
+//                       by radix select over the block scores: O(visible rows) per pass)
 //                       -> cand[0..n) (1 inside), or (mask) scores outside cand set to -inf
+//   v41_drop_masked     after the top-k of masked scores: a pick whose score is -inf (outside the candidates, taken
+//                       only when they hold fewer rows than k) becomes -1, which the attention kernels skip
 //   v41_engram_rows     Engram's table rows as staged (FP8 e4m3 codes + one e8m0 scale per 32) -> f32, rounded to
 //                       bf16 as the official lookup returns them
 //   v41_engram          Engram's gate: X[t, j] += sigmoid(signed sqrt(dot_j)) * value[t] (in place)
@@ -183,40 +186,120 @@ extern "C" __global__ void v41_index_keys(const float* k_raw, const float* k_nor
     if (live && g < keys_cap) reinterpret_cast<float2*>(keys + (size_t)g * ihd)[t] = v;
 }
 
+// Larger float -> larger unsigned key (cu/topk.cu's topk_key: negative floats have their bits flipped).
+__device__ __forceinline__ unsigned v41_order_key(float f) {
+    const unsigned u = __float_as_uint(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Exclusive prefix sum of v over the block (blockDim.x a multiple of 32), *total the block's sum (cu/topk.cu's
+// topk_block_scan). `wsum` is a __shared__ int[32] owned by the caller.
+__device__ __forceinline__ int v41_block_scan(int v, int* wsum, int* total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    int x = v;
+    for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(DS4_FULL_MASK, x, o);
+        if (lane >= o) x += y;
+    }
+    __syncthreads();                                  // wsum may still be read by the previous call
+    if (lane == 31) wsum[warp] = x;
+    __syncthreads();
+    int w = lane < nw ? wsum[lane] : 0;
+    for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(DS4_FULL_MASK, w, o);
+        if (lane >= o) w += y;
+    }
+    const int before = __shfl_sync(DS4_FULL_MASK, w, (warp + 31) & 31);   // inclusive sum of the warps before
+    *total = __shfl_sync(DS4_FULL_MASK, w, nw - 1);
+    return (warp ? before : 0) + x - v;
+}
+
+// Block k's score: its best visible row, +inf for the block holding the newest row (`last`).
+__device__ __forceinline__ float v41_block_score(const float* s, int k, int n, int block, int last) {
+    if (k == last) return V41_POS_INF;
+    float m = V41_NEG_INF;
+    for (int i = k * block; i < min(n, (k + 1) * block); ++i) m = fmaxf(m, s[i]);
+    return m;
+}
+
 // Launch: grid (n_rows), block (256). scores [n_rows, stride] (row r at pos[r]: (pos+1)/ratio visible rows).
 // mask == 0 (the candidate source): cand[r, i] = 1 for the rows of the n_blocks best blocks of `block` rows (a
-// block scored by its best visible row; the block holding the newest row always kept), else 0. mask == 1 (an
-// indexer after it): scores[r, i] = -inf where cand[r, i] == 0.
+// block scored by its best visible row; the block holding the newest row always kept; ties: the lower block
+// first), else 0. mask == 1 (an indexer after it): scores[r, i] = -inf where cand[r, i] == 0.
+// The n_blocks-th best block score T is found by radix select (four passes of 8-bit histograms over the blocks'
+// order-preserving keys, each block's score recomputed from its rows: O(visible rows) a pass, no scratch), then
+// one pass in block order keeps the blocks above T and the first of those at T, as cu/topk.cu selects rows.
 extern "C" __global__ void v41_candidates(float* scores, int* cand, const int* pos, int stride, int ratio,
                                           int n_blocks, int block, int mask) {
+    __shared__ int hist[256];
+    __shared__ int wsum[32];
+    __shared__ unsigned s_prefix;
+    __shared__ int s_remaining;
     pdl_wait();
     pdl_launch_dependents();
-    const int r = blockIdx.x, n = (pos[r] + 1) / ratio;
+    const int r = blockIdx.x, n = (pos[r] + 1) / ratio, tid = threadIdx.x, bd = blockDim.x;
     float* s = scores + (size_t)r * stride;
     int* c = cand + (size_t)r * stride;
     if (mask) {
-        for (int i = threadIdx.x; i < n; i += blockDim.x)
+        for (int i = tid; i < n; i += bd)
             if (!c[i]) s[i] = V41_NEG_INF;
         return;
     }
     const int nb = (n + block - 1) / block, last = n > 0 ? (n - 1) / block : -1;
-    for (int b = threadIdx.x; b < nb; b += blockDim.x) {
-        // this block's score, then its rank among all blocks (ties: the lower block first)
-        auto best = [&](int k) {
-            if (k == last) return V41_POS_INF;
-            float m = V41_NEG_INF;
-            for (int i = k * block; i < min(n, (k + 1) * block); ++i) m = fmaxf(m, s[i]);
-            return m;
-        };
-        const float mine = best(b);
-        int rank = 0;
-        for (int k = 0; k < nb; ++k) {
-            const float o = best(k);
-            rank += o > mine || (o == mine && k < b);
+    const bool take_all = nb <= n_blocks;            // every block with a visible score is kept
+    unsigned prefix = 0u, digits = 0u;
+    int remaining = n_blocks;                        // blocks still to take at or below the current prefix
+    for (int shift = 24; shift >= 0 && !take_all; shift -= 8) {
+        for (int i = tid; i < 256; i += bd) hist[i] = 0;
+        __syncthreads();
+        for (int b = tid; b < nb; b += bd) {
+            const unsigned key = v41_order_key(v41_block_score(s, b, n, block, last));
+            if ((key & digits) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1);
         }
-        const int keep = mine > V41_NEG_INF && rank < n_blocks;
-        for (int i = b * block; i < min(n, (b + 1) * block); ++i) c[i] = keep;
+        __syncthreads();
+        if (tid == 0) {                              // the digit holding the remaining-th largest key
+            int acc = 0;
+            for (int d = 255; d >= 0; --d) {
+                if (acc + hist[d] >= remaining) {
+                    s_prefix = prefix | ((unsigned)d << shift);
+                    s_remaining = remaining - acc;
+                    break;
+                }
+                acc += hist[d];
+            }
+        }
+        __syncthreads();
+        prefix = s_prefix;
+        remaining = s_remaining;
+        digits |= 255u << shift;
     }
+    int eq_before = 0;
+    for (int base = 0; base < nb; base += bd) {      // uniform trip count: every thread runs every scan
+        const int b = base + tid;
+        const float mine = b < nb ? v41_block_score(s, b, n, block, last) : V41_NEG_INF;
+        const unsigned key = v41_order_key(mine);
+        const int eq = !take_all && b < nb && key == prefix;
+        int total;
+        const int e_ex = eq_before + v41_block_scan(eq, wsum, &total);
+        eq_before += total;
+        if (b < nb) {
+            const int keep = mine > V41_NEG_INF && (take_all || key > prefix || (eq && e_ex < remaining));
+            for (int i = b * block; i < min(n, (b + 1) * block); ++i) c[i] = keep;
+        }
+    }
+}
+
+// Launch: grid (n_rows), block (32). scores [n_rows, stride], sel [n_rows, k] (topk's picks: the first
+// min(k, (pos[r] + 1) / ratio) of each row are read): sel[r, c] = -1 where scores[r, sel[r, c]] is -inf.
+extern "C" __global__ void v41_drop_masked(const float* scores, int* sel, const int* pos, int stride, int ratio,
+                                           int k) {
+    pdl_wait();
+    pdl_launch_dependents();
+    const int r = blockIdx.x, n = min(k, (pos[r] + 1) / ratio);
+    const float* s = scores + (size_t)r * stride;
+    int* c = sel + (size_t)r * k;
+    for (int i = threadIdx.x; i < n; i += blockDim.x)
+        if (s[c[i]] == V41_NEG_INF) c[i] = -1;
 }
 
 // Launch: grid (n_rows, hc), block (256). X [n_rows, hc, D] in place; kv [n_rows, (hc + 1) * D] = wkv . rows:

@@ -157,6 +157,35 @@ def test_decode_attention_without_q_norm(kdev):
     assert_close_scaled(d_out.download(), want, mag, n_keys + hd, "attention without q norm")
 
 
+def test_decode_attention_skips_dropped_picks(kdev):
+    """V4.1's dropped picks (sel -1: outside the candidate blocks, v41_drop_masked) are no keys: the twin over the
+    others; with one tile per split the last splits hold dropped picks only (no NaN, an empty split)."""
+    hd, rd, H, window, ring, ratio, pos, topk = 64, 16, 4, 16, 32, 1, 60, 48
+    r = rng(hd, H, pos, 43)
+    q_raw = (r.standard_normal((H, hd)) * 0.3).astype(np.float32)
+    win = r.standard_normal((ring, hd)).astype(np.float32)
+    comp = r.standard_normal((64, hd)).astype(np.float32)
+    sel = np.sort(r.choice(pos + 1, topk, replace=False)).astype(np.int32)
+    sel[[1, 5]] = -1
+    sel[16:] = -1                                    # keys 32 .. 63: two whole tiles of dropped picks
+    sinks = r.standard_normal(H).astype(np.float32)
+    freqs = yarn_freqs(rd)
+    plan = ops_attn.attn_plan(H, hd, window + topk, min_tiles=1)
+    assert plan.keys_per_split == 16 and plan.splits == 4
+    dev = kdev("random", pos)
+    d_out = dev.var(np.full((H, hd), np.nan, np.float32))
+    d_ml = dev.var(np.zeros(plan.part_ml_shape, np.float32))
+    ops_attn.decode_attention(dev.rt, plan, dev.const(q_raw), dev.const(freqs), dev.const(np.array([pos], np.int32)),
+                              dev.const(win), window, dev.const(comp), ratio, dev.const(sel), topk, dev.const(sinks),
+                              dev.var(np.zeros(plan.part_o_shape, np.float32)), d_ml, d_out, rd, EPS, hd ** -0.5,
+                              q_norm=False)
+    keys = twin.decode_keys(win, ring, window, pos, comp, ratio, sel, topk)
+    assert keys.shape[0] == window + 14
+    want, mag = twin.decode_attention(q_raw, keys, sinks, freqs, pos, H, rd, EPS, hd ** -0.5, q_norm=False)
+    assert_close_scaled(d_out.download(), want, mag, keys.shape[0] + hd, "attention with dropped picks")
+    assert np.all(d_ml.download()[:, 2:, 0] == -np.inf)
+
+
 def test_attention_is_bit_identical_across_thread_orders(kdev):
     hd, rd, H, window, ring, ratio, pos, topk, warps, extra, target = ATTN_CASES[0]
     r = rng(99)

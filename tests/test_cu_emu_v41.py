@@ -139,6 +139,58 @@ def test_candidates_and_mask(kdev):
         assert np.array_equal(d_s.download()[:n], want.astype(F32))
 
 
+def _stable_candidates(scores: np.ndarray, p: int, n_blocks: int, block: int) -> np.ndarray:
+    """The kernel's tie rule spelled out: the n_blocks best blocks by (score desc, block asc), newest pinned."""
+    n = p + 1
+    nb = -(-n // block)
+    bs = np.full(nb * block, -np.inf, F32)
+    bs[:n] = scores[:n]
+    bs = bs.reshape(nb, block).max(-1)
+    bs[(n - 1) // block] = np.inf
+    keep = np.zeros(nb, bool)
+    keep[np.argsort(-bs, kind="stable")[:n_blocks]] = True
+    return np.repeat(keep, block)[:n].astype(np.int32)
+
+
+def test_candidates_over_thousands_of_blocks(kdev):
+    """The radix select over block scores at a long context (3,000 blocks of 4 rows, two rows as in a prefill
+    block) = the twin; with many ties (scores in 3 values) the lower block wins, as spelled out."""
+    r, dev = rng(7), kdev("random", 7)
+    stride, block, nb = 12000, 4, 8
+    pos = np.array([11999, 7001], np.int32)
+    scores = r.standard_normal((2, stride)).astype(F32)
+    tied = np.round(scores * 0.6).clip(-1, 1).astype(F32)
+    for what, sc in (("random", scores), ("tied", tied)):
+        cand = dev.var(np.full((2, stride), -7, np.int32))
+        ops_v41.candidates(dev.rt, dev.var(sc), cand, dev.const(pos), 2, stride, 1, nb, block, False)
+        got = cand.download()
+        for i, p in enumerate(pos):
+            n = int(p) + 1
+            want = _stable_candidates(sc[i], int(p), nb, block)
+            assert np.array_equal(got[i, :n], want), f"{what} row {i}"
+            if what == "random":
+                assert np.array_equal(want, twin.candidates(sc[i], int(p), 1, nb, block))
+            assert len(np.unique(np.nonzero(got[i, :n])[0] // block)) == nb and (got[i, n:] == -7).all()
+
+
+def test_drop_masked(kdev):
+    """After the top-k of masked scores: the picks at -inf (fewer candidate rows than k) become -1, others kept;
+    rows read only up to min(k, visible)."""
+    r, dev = rng(6), kdev("random", 6)
+    stride, k, n_rows = 24, 8, 3
+    pos = np.array([2, 11, 23], np.int32)
+    scores = r.standard_normal((n_rows, stride)).astype(F32)
+    scores[:, ::3] = -np.inf
+    sel = np.stack([np.sort(r.choice(p + 1, min(k, p + 1), replace=False)).tolist() + [99] * (k - min(k, p + 1))
+                    for p in pos]).astype(np.int32)
+    d_sel = dev.var(sel)
+    ops_v41.drop_masked(dev.rt, dev.const(scores), d_sel, dev.const(pos), n_rows, stride, 1, k)
+    got = d_sel.download()
+    for i, p in enumerate(pos):
+        assert np.array_equal(got[i], twin.drop_masked(scores[i], sel[i], int(p), 1, k)), f"row {i}"
+    assert (got == -1).any() and (got >= 0).any() and (got[0, 3:] == 99).all()
+
+
 def test_engram(kdev):
     r, dev = rng(4), kdev("random", 4)
     T, hc, D = 2, 4, 256

@@ -113,7 +113,7 @@ def test_asan_build_reports_planted_overruns_and_undefined_behaviour():
         "(python -m ds4py.cuda.emu_check asan by hand)"))),
 ])
 def test_every_engine_kernel_under_the_checkers(mode, tmp_path, golden):
-    """The CUDA engine's paths on ds4-tiny, v4-tiny and a VQ-8 + q4_K model (emu_check.vq_q4k_model) plus
+    """The CUDA engine's paths on ds4-tiny, v4-tiny, v41-tiny and a VQ-8 + q4_K model (emu_check.vq_q4k_model) plus
     synthetic models in the other expert formats, under the race detector and under ASan + UBSan: nothing
     reported, and every kernel of cu/*.cu launched except the documented few no engine path reaches
     (emu_check.UNREACHED)."""
@@ -123,5 +123,5 @@ def test_every_engine_kernel_under_the_checkers(mode, tmp_path, golden):
                        env=env, capture_output=True, text=True, timeout=1500)
     res = json.loads(out.read_text())
     assert r.returncode == 0 and res["ok"], (r.stdout[-2000:], r.stderr[-3000:])
-    assert len(res["models"]) == 3 and not res["not_covered"], res
+    assert len(res["models"]) == 4 and not res["not_covered"], res
     print(f"{mode}: {len(res['launches'])} kernels, {sum(res['launches'].values())} launches, {res['seconds']} s")

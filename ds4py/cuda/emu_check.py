@@ -4,10 +4,11 @@
 
 race: the shared-memory race detector (every access instrumented); asan: AddressSanitizer + UBSan (this command
 re-runs itself with the sanitizer runtime preloaded). The workload, on each golden tiny model (default: ds4-tiny,
-and v4-tiny converted from its checkpoint when the golden data is here) and a random model in the seed's layout
-(VQ-8 experts at 13 and 12 bits, q4_K dense weights; quantize-vq): a prompt through the prefill blocks
-with the experts in fp32 (the grouped rows kernels), another with them on tensor cores (VQ-8 too), greedy decode steps through the step graph, a
-multi-row step of two sequences, device-side sampling, and synthetic models in the other expert formats (their
+and v4-tiny and v41-tiny converted from their checkpoints when the golden data is here) and a random model in
+the seed's layout (VQ-8 experts at 13 and 12 bits, q4_K dense weights; quantize-vq): a prompt through the prefill
+blocks with the experts in fp32 (the grouped rows kernels), another with them on tensor cores (VQ-8 too), greedy
+decode steps through the step graph, a multi-row step of two sequences, device-side sampling (v41-tiny: none of
+the tensor-core prompt and sampling), and synthetic models in the other expert formats (their
 weights written by the fill kernels). Every kernel of cu/*.cu must have run, except the few no engine path
 reaches (UNREACHED, each with its reason); another one is reported as not covered and fails the run. Exit 0 when
 no checker reported anything and everything was covered.
@@ -56,6 +57,8 @@ def golden_models(tmp: str) -> list[str]:
         path = os.path.join(tmp, "v4-tiny.gguf")
         convert_checkpoint(str(golden / "v4-tiny"), path, experts="mxfp4", dense="f32", progress=False)
         out.append(path)
+    if (golden / "v41-tiny" / "model.safetensors").is_file():
+        out.append(v41_tiny_model(golden / "v41-tiny", tmp))
     if not out:
         from ds4py.tiny import make_tiny
 
@@ -85,6 +88,18 @@ def vq_q4k_model(tmp: str) -> str:
     return out
 
 
+def v41_tiny_model(src: Path, tmp: str) -> str:
+    """The golden v41-tiny checkpoint converted as tests/conftest.py does, with the golden run's vocabulary (the
+    StubTokenizer's strings, tests/helpers.stub_tokenizer_json); its Engram tables stay in the golden folder."""
+    from ds4py.convert import convert_checkpoint
+
+    vocab = {(f"w{i // 2}" if i % 2 == 0 else f"\u0120W{i // 2}"): i for i in range(512)}
+    tok, path = os.path.join(tmp, "v41-tokenizer.json"), os.path.join(tmp, "v41-tiny.gguf")
+    Path(tok).write_text(json.dumps({"model": {"type": "BPE", "vocab": vocab, "merges": []}, "added_tokens": []}))
+    convert_checkpoint(str(src), path, experts="mxfp4", dense="f32", tokenizer=tok, progress=False)
+    return path
+
+
 def workload(path: str, rt: Any) -> None:
     """One model through every path of the engine, on the runtime `rt` (shared: one build of each library)."""
     import numpy as np
@@ -98,14 +113,19 @@ def workload(path: str, rt: Any) -> None:
     a = m.new_state()
     m.prefill_vq_expert_mma = False
     logits = m.step([a], [prompt])[0]                              # prefill blocks, experts in fp32
-    m.prefill_expert_mma = m.prefill_vq_expert_mma = True
     b = m.new_state()
-    m.step([b], [prompt[: m.rollback_horizon + 2]])                # prefill blocks, experts on tensor cores
-    m.prefill_expert_mma = False
+    if m.config.is_v41:                  # its own kernels are the point (the tensor-core experts run on the others)
+        m.step([b], [prompt[:2]])
+    else:
+        m.prefill_expert_mma = m.prefill_vq_expert_mma = True
+        m.step([b], [prompt[: m.rollback_horizon + 2]])            # prefill blocks, experts on tensor cores
+        m.prefill_expert_mma = False
     tok = int(np.argmax(logits))
     la = m.step([a], [[tok]])[0]                                   # one decode step: the step graph
     m.step([a, b], [[int(np.argmax(la))], [tok]])                  # two sequences in one multi-row step
     m.step([a], [[1, 2, 3]], all_logits=True)                      # a verify chunk of three rows
+    if not m.capabilities.device_generation:                       # V4.1 with Engram: host sampling only
+        return
     for _ in m.generate(a, tok, SamplingParams(temperature=0.8, top_p=0.9, seed=3), 2):   # device sampling
         pass
 
@@ -115,11 +135,7 @@ def workload(path: str, rt: Any) -> None:
 SYNTH_EXPERTS = (("Q4_K", "Q4_K"), ("Q8_0", "Q8_0"), ("Q2_K", "IQ2_XXS"))
 # Kernels no engine path reaches on these models, and why (the CI test fails when another one joins them).
 UNREACHED = {
-    **{f"v41_{k}": "V4.1 roles: the checker's models carry no V4.1 file yet (tests/test_cu_emu_v41.py runs them "
-                   "against their twin, tests/test_cuda_v41.py through the engine)"
-       for k in ("kv_rows", "index_q", "compress", "comp_ring_store", "index_keys", "candidates", "engram_rows",
-                 "engram")},
-    **{k: "V4.1's DSpark draft (its taps, block hidden, greedy chain): the checker's models carry no V4.1 file "
+    **{k: "V4.1's DSpark draft (its taps, block hidden, greedy chain): the checker's models carry no DSpark draft "
           "(tests/test_cu_emu_dspark.py runs it against its twin, tests/test_cuda_dspark.py through the engine)"
        for k in ("dspark_hc_sum", "dspark_add")},
     "argmax_f32": "the device argmax of the benches and tests; the engine's greedy pick runs in cu/sample.cu",

@@ -21,6 +21,7 @@ import os
 import sys
 import time
 from collections import OrderedDict
+from types import SimpleNamespace
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -206,9 +207,9 @@ class CudaModel(ModelBase):
         pdl / graphs: programmatic dependent launches and graph replay (both on by default; off for the
         bit-identity tests and the bench's comparison). sidecar / posttrain: a domain sidecar and post-training
         file (docs/vq.md), folded at load as the reference folds them. engram_dir: V4.1's Engram tables (the folder
-        with the official shards; default: the one convert recorded; ignored for V4). official_decode_bug: the
-        reference's reproduction of the official decode, which this engine refuses in one sentence
-        (UnsupportedByBackend: `--backend auto` then opens the reference). ctx: the context one sequence is planned for
+        with the official shards; default: the one convert recorded; ignored for V4). official_decode_bug: V4.1
+        only, the official decode's index-key bug as the reference reproduces it (for comparison; _key_layers).
+        ctx: the context one sequence is planned for
         (default memory_plan.DEFAULT_CTX, at most the model's): the load prints the memory plan in one line and
         refuses a model that does not fit (UnsupportedByBackend) before uploading anything."""
         t0 = time.perf_counter()
@@ -216,9 +217,13 @@ class CudaModel(ModelBase):
         self.gguf = GGUFFile(self.path)
         check_alignment(self.gguf)          # before any device memory is taken
         cfg = ModelConfig.from_gguf(self.gguf)
+        if official_decode_bug and not cfg.is_v41:
+            raise Ds4Error(f"{self.path}: the official decode bug applies to V4.1 models only")
+        self._publishers = None
         if official_decode_bug:
-            raise UnsupportedByBackend("the CUDA engine runs the fixed V4.1 decode only; the official decode bug is "
-                                       "reproduced on --backend ref")
+            from ds4py.ref.v41 import KeyPublishers
+
+            self._publishers = KeyPublishers()
         header = min(t.offset for t in self.gguf.tensors.values())
         if progress is None:
             progress = not emulate and runtime is None
@@ -282,7 +287,7 @@ class CudaModel(ModelBase):
         self.path, self.gguf = f"synthetic:{cfg.n_layers} layers", None
         if cfg.is_v41:
             raise UnsupportedByBackend("the synthetic device-check model is V4 Flash only (V4.1 runs from a file)")
-        self.engram = None
+        self.engram, self._publishers = None, None
         self._setup(cfg, numerics, rollback_horizon, runtime, emulate, pdl, graphs, False,
                     synth.fingerprint(cfg, experts, seed),
                     lambda rt, ws0: synth.load(rt, cfg, ws0, seed, experts), time.perf_counter())
@@ -313,7 +318,9 @@ class CudaModel(ModelBase):
         self.backend = "cuda-emu" if self.emulated else "cuda"
         # device-side generation feeds each sampled token to the next step on the device; Engram's rows are
         # gathered on the host from that token, so an Engram model samples on the host (step by step)
-        self.capabilities = Capabilities(speculation=True, device_generation=self.engram is None, launch_counts=True,
+        self.capabilities = Capabilities(speculation=True,
+                                         device_generation=self.engram is None and self._publishers is None,
+                                         launch_counts=True,
                                          multirow=True, block_prefill=True, emulated=self.emulated)
         self.pdl, self.graphs = bool(pdl), bool(graphs)
         self.min_bucket = MIN_BUCKET
@@ -489,9 +496,10 @@ class CudaModel(ModelBase):
         position's final residual [T, hc, D] / DSpark taps [T, n_targets * D])."""
         n0, T = st.n_tokens, len(ids)
         extra = "taps" if taps else "hidden" if hidden else None
-        body = self._body(st, n0 + T - 1, taps)     # rows grown and graph captured before anything is written
+        keys = self._key_layers(st, n0, T)
+        body = self._body(st, n0 + T - 1, keys, taps)     # rows grown and graph captured before anything is written
         head = self._head(None)
-        body = self._body(st, n0 + T - 1, taps)     # (the head may have grown the workspace)
+        body = self._body(st, n0 + T - 1, keys, taps)     # (the head may have grown the workspace)
         X = self.ws.taps if taps else layer.final_residual(self._context(st, body.tag[0]))
         H = np.empty((T,) + self._extra_shape(extra), np.float32) if extra else None
         st.begin_step(T)
@@ -537,6 +545,7 @@ class CudaModel(ModelBase):
                 cfg, max(bucket, ws.bucket if ws else 0), max(rows, ws.rows if ws else 0), BLOCK, store=self.store,
                 rt=rt)
         st.ensure_rows(bucket)
+        keys = self._key_layers(st, n0, T)
         st.begin_step(T)
         out: list[np.ndarray] = []
         H = np.empty((T,) + self._extra_shape(extra), np.float32) if extra else None
@@ -547,7 +556,8 @@ class CudaModel(ModelBase):
             ws.slot.view(4 * ws.rows, Tb).upload(np.ascontiguousarray(ids[a:a + Tb], np.int32), rt.main)
             st.device_hw = max(st.device_hw, n0 + a + Tb)
             self._stage_engram(ws, [(st, n0 + a, ids[a:a + Tb])])
-            rec = self._recording(ws, RowSet(BLOCK, [dict(st.arrays)], [bucket], Tb, ws.slot, cap=ws.rows),
+            rec = self._recording(ws, RowSet(BLOCK, [dict(st.arrays)], [bucket], Tb, ws.slot, cap=ws.rows,
+                                             keys=None if keys is None else [keys]),
                                   ws.tickets, mma=self.prefill_mma, x_pieces=self.prefill_x_pieces,
                                   expert_mma=expert_mma,
                                   taps=ws.taps if extra == "taps" else None)
@@ -571,7 +581,8 @@ class CudaModel(ModelBase):
         """One ROWS step: every chunk's positions as rows of one graph replay; each row's logits bit-identical to
         stepping its state position by position (taps: the graph that also writes the rows' DSpark taps)."""
         plan = [(st, st.n_tokens + i, int(t)) for st, ids in zip(states, chunks) for i, t in enumerate(ids)]
-        run, order = self._rows_run(plan, taps)
+        keys = {id(st): self._key_layers(st, st.n_tokens, len(ids)) for st, ids in zip(states, chunks)}
+        run, order = self._rows_run(plan, keys if self._publishers is not None else None, taps)
         R = len(plan)
         rows = [plan[r] for r in order]
         values = [pos for _, pos, _ in rows] + [0] * (MAX_ROWS - R) + [tok for _, _, tok in rows]
@@ -611,16 +622,16 @@ class CudaModel(ModelBase):
     def _row_bucket(self, st: CudaState, pos: int) -> int:
         """The context bucket a single-row step of `st` at `pos` runs in (its attention plan): a row keeps it."""
         need = bucket_for(pos + 1, self.config.context_length, self.min_bucket)
-        run = st.graph[0]
-        return max(need, run.tag[0]) if run is not None else need
+        return max([need] + [run.tag[0] for run in st.graph if run is not None])
 
-    def _rows_run(self, plan: list[tuple[CudaState, int, int]], taps: bool = False) -> tuple[StepRun, list[int]]:
+    def _rows_run(self, plan: list[tuple[CudaState, int, int]], keys: dict[int, dict[int, int]] | None = None,
+                  taps: bool = False) -> tuple[StepRun, list[int]]:
         """The ROWS graph for these rows, captured on first use, and the order its rows run in (rows[order[j]] is
         its row j). The graph is keyed by what it baked in: each row's state arrays and context bucket, in a
         canonical order (rows grouped by state, states by address; a state's rows keep their position order), so
         the same states in another order or grouping of the scheduler's replay one graph. A row set's first step
         launches directly; it is captured when it comes again (one-off batches, such as a prompt chunk beside
-        decode rows, cost no capture)."""
+        decode rows, cost no capture). keys: per state (by id) its _key_layers (the official decode bug), in the key."""
         buckets = [self._row_bucket(st, pos) for st, pos, _ in plan]
         top = max(buckets)
         if self.rows_ws is None or self.rows_ws.bucket < top:
@@ -639,15 +650,17 @@ class CudaModel(ModelBase):
         order = sorted(range(len(plan)), key=lambda r: min(a.ptr for a in plan[r][0].arrays.values()))
         plan, buckets = [plan[r] for r in order], [buckets[r] for r in order]
         ws = self.rows_ws
+        row_keys = None if keys is None else [keys[id(st)] for st, _, _ in plan]
         key = (ws.version, self.pdl, self.graphs, taps, tuple(
-            (b, tuple((a.ptr, a.shape[0]) for a in st.arrays.values())) for (st, _, _), b in zip(plan, buckets)))
+            (b, tuple((a.ptr, a.shape[0]) for a in st.arrays.values())) for (st, _, _), b in zip(plan, buckets)),
+            None if row_keys is None else tuple(tuple(sorted(k.items())) for k in row_keys))
         run = self._rows_runs.get(key)
         if run is not None:                             # seen before: worth a graph from now on
             self._rows_runs.move_to_end(key)
             run.use_graph()
             return run, order
         rec = self._recording(ws, RowSet(ROWS, [dict(st.arrays) for st, _, _ in plan], buckets, len(plan), ws.slot,
-                                         cap=MAX_ROWS), ws.tickets, taps=ws.taps if taps else None)
+                                         cap=MAX_ROWS, keys=row_keys), ws.tickets, taps=ws.taps if taps else None)
         B = self.w.binding
 
         def record(ls: layer.Launcher) -> None:
@@ -721,29 +734,56 @@ class CudaModel(ModelBase):
             self.ws = layer.make_workspace(self.config, bucket, 1, DECODE, version, arena=self.w.arena)
         return self.ws
 
-    def _context(self, st: CudaState | None, bucket: int, taps: bool = False) -> Recording:
-        """The DECODE recording of `st` (None: the head, which reads no state) in context bucket `bucket` (taps:
-        with the DSpark taps)."""
+    def _context(self, st: CudaState | None, bucket: int, keys: dict[int, int] | None = None,
+                 taps: bool = False) -> Recording:
+        """The DECODE recording of `st` (None: the head, which reads no state) in context bucket `bucket` (keys: the
+        official decode bug's _key_layers; taps: with the DSpark taps)."""
         parts = [dict(st.arrays)] if st is not None else []
-        rows = RowSet(DECODE, parts, [bucket], 1, self.slot)
+        rows = RowSet(DECODE, parts, [bucket], 1, self.slot, keys=None if keys is None else [keys])
         return self._recording(self.ws, rows, self.ticket, taps=self.ws.taps if taps else None)
 
-    def _body(self, st: CudaState, pos: int, taps: bool = False) -> StepRun:
-        """The state's decode graph for position `pos` (captured for the bucket holding it; taps: the graph that
-        also writes the row's DSpark taps, which replaces a plain one and is replaced by it)."""
+    def _key_layers(self, st: CudaState, p0: int, T: int) -> dict[int, int] | None:
+        """The official decode bug (None without it): for a chunk of T positions from p0, the layer whose indexer
+        keys each indexer scores, as the reference's v41.KeyPublishers chooses them (a key owner publishes when
+        its compressor emits a row in the chunk; an indexer scores the last publisher's keys), and the state's
+        record of the last publisher updated. The record lives on the host per state object (a copied or loaded
+        state has none: it starts from the fixed behaviour, as on the reference); the choice is baked into the
+        step's graph, one captured variant per choice (_body, _rows_run)."""
+        if self._publishers is None:
+            return None
+        seq = SimpleNamespace(state=st, key_pub=-1)
+        self._publishers.begin([seq])
+        keys = {}
+        for il in range(self.config.n_layers):
+            ro = self.config.roles(il)
+            if ro.compressed and ro.indexer:
+                emitted = ro.compressor and (p0 + T) // ro.ratio > p0 // ro.ratio
+                keys[il] = self._publishers.keys_layer(seq, ro, emitted)
+        self._publishers.end([seq])
+        return keys
+
+    def _body(self, st: CudaState, pos: int, keys: dict[int, int] | None = None, taps: bool = False) -> StepRun:
+        """The state's decode graph for position `pos` (captured for the bucket holding it); keys: the step's
+        _key_layers (the official decode bug); taps: the graph that also writes the row's DSpark taps. st.graph
+        holds one graph per (key choice, taps) used."""
         need = bucket_for(pos + 1, self.config.context_length, self.min_bucket)
-        run = st.graph[0]
+        choice = (() if keys is None else tuple(sorted(keys.items())), bool(taps))
+        run = next((r for r in st.graph if r is not None and r.tag[3] == choice), None)
         if run is not None and run.tag[0] >= need and run.tag[1] == st.generation and self.ws is not None \
-                and run.tag[2] == self.ws.version and run.tag[3] == taps and run.mode == (self.pdl, self.graphs):
+                and run.tag[2] == self.ws.version and run.mode == (self.pdl, self.graphs):
             return run
-        bucket = max(need, run.tag[0]) if run is not None else need
+        bucket = self._row_bucket(st, pos)
         ws = self._workspace(bucket)
         st.ensure_rows(bucket)
         if run is not None:
             self.store.retire([run])
-        rec, B = self._context(st, bucket, taps), self.w.binding
-        run = StepRun(self, lambda ls: layer.record_body(ls, rec, B), (bucket, st.generation, ws.version, taps))
-        st.graph[0] = run
+            st.graph.remove(run)
+        rec, B = self._context(st, bucket, keys, taps), self.w.binding
+        run = StepRun(self, lambda ls: layer.record_body(ls, rec, B), (bucket, st.generation, ws.version, choice))
+        if st.graph == [None]:
+            st.graph[0] = run
+        else:
+            st.graph.append(run)
         return run
 
     def _head(self, sampling: tuple | None) -> StepRun:
@@ -788,6 +828,9 @@ class CudaModel(ModelBase):
         iterator ends or is closed after yielding k tokens, the state has consumed `token` and the first k - 1 of
         them (the last sampled token is not fed). Checks run now; the work starts on the first next()."""
         self.check_state(state)
+        if self._publishers is not None:
+            raise UnsupportedByBackend("device-side generation bakes one index-key choice into its graph, and the "
+                                       "official decode bug changes it per step: sample with step() on this model")
         if self.engram is not None:
             raise UnsupportedByBackend("device-side generation feeds sampled tokens without the host, and Engram's "
                                        "rows are gathered on the host: sample with step() on this model")

@@ -483,11 +483,13 @@ def v41_attend_rows(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
             n_keys = rows.buckets[n] // ro.index_ratio
             scores, cand = ws.scores.view(0, n_keys), row(ws.cand, n, n_keys)
             ops_idx.indexer_scores(ls, row(ws.iq, n, iqd), row(ws.iw, n, cfg.index_heads),
-                                   weight_scale(cfg.index_head_dim, cfg.index_heads), p[f"{ro.index_keys}.idx_keys"],
-                                   pos, scores, cfg.index_heads, cfg.index_head_dim, n_keys, ro.index_ratio,
-                                   **ls.main())
+                                   weight_scale(cfg.index_head_dim, cfg.index_heads),
+                                   rows.index_keys(n, il, ro, n_keys), pos, scores, cfg.index_heads,
+                                   cfg.index_head_dim, n_keys, ro.index_ratio, **ls.main())
             _v41_select(ls, rec, ro, scores, cand, pos, 1, n_keys)
             ops_topk.topk(ls, scores, k, sel, pos_slot=pos, ratio=ro.index_ratio, **ls.main())
+            if ro.uses_candidates:             # fewer candidate rows than k: the picks outside them are dropped
+                ops_v41.drop_masked(ls, scores, sel, pos, 1, n_keys, ro.index_ratio, k, **ls.main())
         ops_attn.decode_attention(ls, plan, row(ws.q, n, cfg.q_dim), rec.freqs[il], pos, p[f"{il}.win"], cfg.window,
                                   comp, ro.ratio, sel, k, A.sinks.array, ws.part_o.view(0, plan.part_o_shape),
                                   ws.part_ml.view(0, plan.part_ml_shape), row(ws.o, n, cfg.q_dim), cfg.rope_dim,
@@ -503,10 +505,12 @@ def v41_attend_block(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
         ih, ihd = cfg.index_heads, cfg.index_head_dim
         n_keys = rec.rows.buckets[0] // ro.index_ratio
         stride = int(ws.scores.shape[1])
-        ops_idx.indexer_scores_rows(ls, ws.iq, ws.iw, weight_scale(ihd, ih), p[f"{ro.index_keys}.idx_keys"], pos,
-                                    ws.scores, stride, ih, ihd, n_keys, T, ro.index_ratio, **ls.main())
+        ops_idx.indexer_scores_rows(ls, ws.iq, ws.iw, weight_scale(ihd, ih), rec.rows.index_keys(0, il, ro, n_keys),
+                                    pos, ws.scores, stride, ih, ihd, n_keys, T, ro.index_ratio, **ls.main())
         _v41_select(ls, rec, ro, ws.scores, ws.cand, pos, T, stride)
         ops_topk.topk_rows(ls, ws.scores, stride, cfg.index_topk, ws.sel, pos, T, ro.index_ratio, **ls.main())
+        if ro.uses_candidates:
+            ops_v41.drop_masked(ls, ws.scores, ws.sel, pos, T, stride, ro.index_ratio, cfg.index_topk, **ls.main())
     ops_pfa.prefill_attention(ls, ws.q, rec.freqs[il], pos, p[f"{il}.win"], ws.kvb, cfg.window, comp, ro.ratio, sel,
                               cfg.index_topk, A.sinks.array, ws.o, T, cfg.n_heads, cfg.rope_dim, cfg.norm_eps,
                               cfg.head_dim ** -0.5, **ls.main(), q_norm=False)

@@ -87,7 +87,8 @@ class CudaState(StateCounters):
                 self._rows[p.key] = None
                 self.arrays[p.key] = DeviceArray(self._rings.ptr, (0, p.width), F32, False, rt.memory)
         self.generation = 0                      # bumped whenever a part moves (graphs hold its pointers)
-        self.graph: list = [None]                # the engine's decode graph of this state: [entry or None]
+        self.graph: list = [None]                # the engine's decode graphs of this state: [entry or None] (one
+                                                 # per index-key choice with the official decode bug)
         self.busy = False                        # a generate() iterator is running on this state
         self.device_hw = 0                       # positions whose rows the device has written (generate runs one
                                                  # step ahead of n_tokens: its rows count when a part grows)
@@ -174,4 +175,4 @@ class CudaState(StateCounters):
 
 
 def _release(store: DeviceStore, blocks: list, graph: list) -> None:
-    store.retire(list(blocks) + ([graph[0]] if graph[0] is not None else []))
+    store.retire(list(blocks) + [run for run in graph if run is not None])

@@ -51,6 +51,7 @@ from ds4py.cuda.device_weights import DevTensor
 from ds4py.cuda.ops import attention as ops_attn
 from ds4py.cuda.ops import dspark as ops_dspark
 from ds4py.cuda.ops import moe_prefill as ops_moep
+from ds4py.errors import Ds4Error
 from ds4py.cuda.ops.mhc import mix_partial_floats, mix_record
 
 F32, I32, U32, U8 = np.dtype(np.float32), np.dtype(np.int32), np.dtype(np.uint32), np.dtype(np.uint8)
@@ -222,6 +223,8 @@ class RowSet:
     R: int
     slot: DeviceArray              # int32 [cap positions | cap tokens]
     cap: int = 0                   # the slot's row capacity (0: R)
+    keys: list | None = None       # per part: {indexer layer: the layer whose keys it scores} (the official decode
+                                   # bug, engine._key_layers; None: each scores its key owner's)
 
     def __post_init__(self) -> None:
         self.cap = self.cap or self.R
@@ -242,6 +245,16 @@ class RowSet:
 
     def state(self, n: int) -> dict[str, DeviceArray]:
         return self.parts[0 if self.mode == BLOCK else n]
+
+    def index_keys(self, n: int, il: int, ro: Any, n_keys: int) -> DeviceArray:
+        """The indexer keys row n's indexer at layer il scores (n_keys rows of them): its key owner's, or with the
+        official decode bug the layer the engine chose for this step."""
+        src = ro.index_keys if self.keys is None else self.keys[0 if self.mode == BLOCK else n].get(il, ro.index_keys)
+        keys = self.state(n)[f"{src}.idx_keys"]
+        if keys.shape[0] < n_keys:
+            raise Ds4Error(f"the official decode bug would have layer {il} score {n_keys} keys of layer {src}, which "
+                           f"holds {keys.shape[0]}")
+        return keys
 
 
 @dataclass

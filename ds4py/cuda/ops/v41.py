@@ -115,6 +115,19 @@ def candidates(rt: Any, scores: Any, cand: Any, pos: Any, n_rows: int, stride: i
               int(block), int(mask), stream=stream, pdl=pdl)
 
 
+def drop_masked(rt: Any, scores: Any, sel: Any, pos: Any, n_rows: int, stride: int, ratio: int, k: int,
+                stream: Any = None, pdl: bool = False) -> None:
+    """sel[r, c] <- -1 for the picks of the top-k of masked scores that lie outside the candidates (score -inf):
+    the attention kernels skip them, as the reference keeps only finite picks. sel [n_rows, k] int32."""
+    need(k >= 1 and ratio >= 1, "v41_drop_masked: k and ratio must be >= 1")
+    need(scores.size >= n_rows * stride and sel.size >= n_rows * k and pos.size >= n_rows,
+         f"v41_drop_masked: scores / sel are not [{n_rows}, {stride}] / [{n_rows}, {k}]")
+    need(is_dtype(scores, np.float32) and is_dtype(sel, np.int32) and is_dtype(pos, np.int32),
+         "v41_drop_masked: float32 scores, int32 picks and positions expected")
+    rt.launch("v41_drop_masked", n_rows, 32, scores, sel, pos, int(stride), int(ratio), int(k), stream=stream,
+              pdl=pdl)
+
+
 def engram(rt: Any, X: Any, kv: Any, weight: Any, n_rows: int, hc: int, D: int, eps: float, stream: Any = None,
            pdl: bool = False) -> None:
     """X [n_rows, hc, D] += Engram's gated value (kv [n_rows, (hc + 1) D] = wkv . rows; weight = q_w * k_w)."""

@@ -48,12 +48,14 @@ def window_keys(win: np.ndarray, ring: int, window: int, pos: int) -> np.ndarray
 
 def decode_keys(win: np.ndarray, ring: int, window: int, pos: int, comp: np.ndarray | None, ratio: int,
                 sel: np.ndarray | None, topk: int) -> np.ndarray:
-    """Window rows then compressed rows (all visible, or the selected ones), as attn_decode_partial reads them."""
+    """Window rows then compressed rows (all visible, or the selected ones; a selection entry -1, V4.1's dropped
+    pick, is no key), as attn_decode_partial reads them."""
     keys = [window_keys(win, ring, window, pos)]
     if ratio:
         n = (pos + 1) // ratio
         if sel is not None:
-            keys.append(comp[np.asarray(sel[: min(n, topk)], np.int64)])
+            picks = np.asarray(sel[: min(n, topk)], np.int64)
+            keys.append(comp[picks[picks >= 0]])
         else:
             keys.append(comp[:n])
     return np.concatenate(keys).astype(F32)

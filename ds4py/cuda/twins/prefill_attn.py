@@ -36,7 +36,8 @@ def query_keys(ring: np.ndarray, blk: np.ndarray, p0: int, p: int, window: int, 
     if ratio:
         n = (p + 1) // ratio
         if sel_row is not None:
-            keys.append(comp[np.asarray(sel_row[: min(n, topk)], np.int64)])
+            picks = np.asarray(sel_row[: min(n, topk)], np.int64)
+            keys.append(comp[picks[picks >= 0]])           # -1: V4.1's dropped pick, no key
         elif n:
             keys.append(comp[:n])
     return np.concatenate(keys).astype(F32)

@@ -48,6 +48,15 @@ def candidates(scores: np.ndarray, pos: int, ratio: int, n_blocks: int, block: i
     return v41.candidate_blocks(scores[None, :n], np.array([pos]), ratio, n_blocks, block)[0].astype(np.int32)
 
 
+def drop_masked(scores: np.ndarray, sel: np.ndarray, pos: int, ratio: int, k: int) -> np.ndarray:
+    """int32 [k]: the picks sel of one row with those at a -inf score (outside the candidates) set to -1; the
+    first min(k, visible) are read, the rest kept (ref/forward.topk_mask keeps only finite picks)."""
+    out = np.array(sel, np.int32)
+    n = min(k, (pos + 1) // ratio)
+    out[:n] = np.where(np.isneginf(scores[out[:n]]), -1, out[:n])
+    return out
+
+
 def engram(X: np.ndarray, kv: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """ref/v41.engram's update of X [T, hc, D] from kv = wkv . rows [T, (hc + 1) D] and weight = q_w * k_w."""
     T, hc, D = X.shape
