@@ -323,6 +323,15 @@ class EngramTables:
         self.rows_read += len(flat)
         return t.weight[flat].reshape(len(ids), -1), t.scale[flat].reshape(len(ids), -1)
 
+    def codes_into(self, e: int, ids: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> None:
+        """codes(e, ids) written into codes [T, cols · row width] and scales [T, cols · row width / 32] (e.g.
+        pinned staging) without an intermediate copy."""
+        t = self.tables[e]
+        flat = np.asarray(ids, np.int64).reshape(-1)
+        self.rows_read += len(flat)
+        np.take(t.weight, flat, axis=0, out=codes.reshape(len(flat), -1))
+        np.take(t.scale, flat, axis=0, out=scales.reshape(len(flat), -1))
+
     def rows(self, e: int, ids: np.ndarray) -> np.ndarray:
         """The rows `ids` [T, cols] of table e, dequantised (e4m3 · 2^(s-127), rounded to bf16 as the official
         lookup returns them) and flattened per position: [T, cols · row width] float32."""

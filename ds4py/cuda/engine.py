@@ -375,10 +375,12 @@ class CudaModel(ModelBase):
         return Recording(self.config, self.numerics, self.w.freqs, ws, rows, tickets, onehot=self._onehot,
                          engram_weights=self._engram_w, **kw)
 
-    def _stage_engram(self, ws: layer.Workspace, chunks: list[tuple[CudaState, int, Sequence[int]]]) -> None:
-        """Engram's rows of these (state, first position, tokens) chunks, in row order, into ws's input slot."""
+    def _stage_engram(self, ws: layer.Workspace, chunks: list[tuple[CudaState, int, Sequence[int]]],
+                      upcoming: list[tuple[CudaState, int, Sequence[int]]] | None = None) -> None:
+        """Engram's rows of these (state, first position, tokens) chunks, in row order, into ws's input slot;
+        upcoming: the next step's chunks when already known (gathered on a worker meanwhile)."""
         if self.engram is not None:
-            self.engram.stage(self.rt, ws.engram_codes, ws.engram_scales, self.engram.advance(self.rt, chunks))
+            self.engram.stage_chunks(self.rt, ws.engram_codes, ws.engram_scales, chunks, upcoming)
 
     def _check_weights(self) -> None:
         for il, lw in enumerate(self.w.binding.layers):
@@ -516,7 +518,9 @@ class CudaModel(ModelBase):
             ws.slot.view(0, Tb).upload(np.arange(n0 + a, n0 + a + Tb, dtype=np.int32), rt.main)
             ws.slot.view(4 * ws.rows, Tb).upload(np.ascontiguousarray(ids[a:a + Tb], np.int32), rt.main)
             st.device_hw = max(st.device_hw, n0 + a + Tb)
-            self._stage_engram(ws, [(st, n0 + a, ids[a:a + Tb])])
+            nb = a + Tb                             # the next block's rows are known: gathered while this one runs
+            self._stage_engram(ws, [(st, n0 + a, ids[a:a + Tb])],
+                               [(st, n0 + nb, ids[nb:nb + blk])] if nb < T else None)
             rec = self._recording(ws, RowSet(BLOCK, [dict(st.arrays)], [bucket], Tb, ws.slot, cap=ws.rows),
                                   ws.tickets, mma=self.prefill_mma, x_pieces=self.prefill_x_pieces,
                                   expert_mma=self.prefill_expert_mma and not self.vq_experts)
