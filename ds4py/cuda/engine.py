@@ -274,17 +274,24 @@ class CudaModel(ModelBase):
     @classmethod
     def synthetic(cls, cfg: ModelConfig, seed: int = 0, experts: tuple = synth.Q2_EXPERTS,
                   numerics: Numerics | None = None, rollback_horizon: int = DEFAULT_ROLLBACK_HORIZON,
-                  runtime: Any = None, emulate: bool = False, pdl: bool = True, graphs: bool = True) -> "CudaModel":
+                  runtime: Any = None, emulate: bool = False, pdl: bool = True, graphs: bool = True,
+                  vq: "synth.VqWidths | None" = None, dense: str | None = None,
+                  engram_table: tuple[str, int] | None = None) -> "CudaModel":
         """A model of `cfg`'s shapes with random weights written on the device (ds4py/cuda/synth.py): the
-        device check's full-size decode step, without a file."""
+        device check's full-size decode step, without a file. vq / dense: VQ-8 experts and Q4_K dense (the seed's
+        layout); engram_table: (path, rows) of synth.write_engram_table's file, which a V4.1 config's Engram
+        reads (required for one)."""
         self = cls.__new__(cls)
         self.path, self.gguf = f"synthetic:{cfg.n_layers} layers", None
-        if cfg.is_v41:
-            raise UnsupportedByBackend("the synthetic device-check model is V4 Flash only (V4.1 runs from a file)")
         self.engram = None
+        if cfg.engram_layers:
+            if engram_table is None:
+                raise UnsupportedByBackend("a synthetic V4.1 model reads Engram from a synthetic table: pass "
+                                           "engram_table=(path, rows) of synth.write_engram_table")
+            self.engram = synth.engram_feed(cfg, *engram_table, seed=seed)
         self._setup(cfg, numerics, rollback_horizon, runtime, emulate, pdl, graphs, False,
-                    synth.fingerprint(cfg, experts, seed),
-                    lambda rt, ws0: synth.load(rt, cfg, ws0, seed, experts), time.perf_counter())
+                    synth.fingerprint(cfg, experts, seed, vq, dense),
+                    lambda rt, ws0: synth.load(rt, cfg, ws0, seed, experts, vq, dense), time.perf_counter())
         return self
 
     def _setup(self, cfg: ModelConfig, numerics: Numerics | None, rollback_horizon: int, runtime: Any,
