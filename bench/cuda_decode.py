@@ -50,6 +50,10 @@ EMU_V41 = dict(n_layers=6, dim=256, vocab_size=512, context_length=256, n_heads=
                engram_compressed_vocab=256)
 
 
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.2f} MB"
+
+
 def measure_host(model, mode: tuple[bool, bool], prompt: list[int], tokens: int) -> dict:
     """measure() for a model that samples on the host (Engram): greedy step() by step(), argmax on the host."""
     model.set_launch_mode(*mode)
@@ -128,8 +132,9 @@ def main() -> int:
            "weight_bytes_per_token": model.weight_bytes_per_token(), "tokens": tokens, "modes": {}}
     if a.v41:
         out["engram_table"] = {"path": table, "rows": rows, "bytes": os.path.getsize(table), "write_s": table_s}
-    print(f"synthetic {cfg.n_layers}-layer {out['model']} model: {out['weights_gb']:.1f} GB of weights written on the device in "
-          f"{out['fill_s']:.1f} s; a decode step reads {out['weight_bytes_per_token'] / 1e9:.2f} GB", flush=True)
+    print(f"synthetic {cfg.n_layers}-layer {out['model']} model: {_size(out['weights_gb'] * 1e9)} of weights written "
+          f"on the device in {out['fill_s']:.1f} s; a decode step reads {_size(out['weight_bytes_per_token'])}",
+          flush=True)
     if not a.emu:
         from ds4py.cuda.probe import device_copy_bandwidth_gbps
 
@@ -141,7 +146,7 @@ def main() -> int:
         if "copy_gbps" in out:
             r["pct_of_copy_roofline"] = 100 * out["weight_bytes_per_token"] * r["tokens_per_s"] / 1e9 / out["copy_gbps"]
         out["modes"][name] = r
-        extra = f", {r['gbps']:.1f} GB/s of weights"
+        extra = f", {r['gbps']:.3g} GB/s of weights"
         extra += f", {r['pct_of_copy_roofline']:.0f}% of copy bandwidth" if "pct_of_copy_roofline" in r else ""
         if "engram_bytes_per_token" in r:
             extra += (f"; Engram {r['engram_bytes_per_token']:.0f} B/token, hash {r['engram_hash_ms_per_token']:.3f} + "
@@ -160,6 +165,9 @@ def main() -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
+    if a.v41 and a.engram_table is None:           # our temporary table (the memory map keeps it readable until exit)
+        os.remove(table)
+        os.rmdir(os.path.dirname(table))
     return 0
 
 
