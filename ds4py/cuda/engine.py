@@ -843,5 +843,7 @@ class CudaModel(ModelBase):
             self.prefill_ws = None
         self.store.retire([self._misc])
         self.store.reclaim()
+        if self.engram is not None:                 # its worker thread and pinned staging
+            self.engram.close(self.rt.memory)
         self.rt.synchronize()
         self.w.arena.close()

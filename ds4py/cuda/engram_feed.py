@@ -186,10 +186,17 @@ class EngramFeed:
         self._copy(rt, stage, buf, R, codes, scales)
         self._turn ^= 1
 
-    def close(self) -> None:
+    def close(self, memory: Any = None) -> None:
+        """Stop the worker; with the runtime's memory, also free the staging once its copies have run."""
         if self._pending is not None:
             self._pending[1].result()
             self._pending = None
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
+        if memory is not None:
+            for st in self._stages:
+                memory.fence_wait(st.fence)
+                if st.buf is not None:
+                    st.buf.free()
+                st.buf, st.fence = None, None
