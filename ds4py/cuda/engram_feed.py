@@ -177,15 +177,6 @@ class EngramFeed:
             stage.fence = rt.memory.upload_pinned(scales.ptr + e * cap * (W // 32), src + e * R * (W // 32),
                                                   R * (W // 32), rt.main, fence=e == E - 1)
 
-    def stage(self, rt: Any, codes: DeviceArray, scales: DeviceArray, ids: Sequence[np.ndarray]) -> None:
-        """Rows of already-hashed ids [R, engram layers, cols] (in row order) into the slots."""
-        stage = self._stages[self._turn]
-        R = sum(len(i) for i in ids)
-        buf = stage.ready(rt.memory, self.n_layers * R * (self.width + self.width // 32))
-        self._gather(list(ids), buf)
-        self._copy(rt, stage, buf, R, codes, scales)
-        self._turn ^= 1
-
     def close(self, memory: Any = None) -> None:
         """Stop the worker; with the runtime's memory, also free the staging once its copies have run."""
         if self._pending is not None:

@@ -9,8 +9,9 @@ them through raw pointers, so a growth moves the part and bumps the state's `gen
 capture the state's decode graph again. V4.1's n-gram ring (the one int32 ring) also has a host mirror,
 `host_rings`, which the Engram feed hashes from and writes first (so a step never downloads the ring): copy()
 copies it, load() fills it from the same arrays as the device, truncate() touches neither (the ring is indexed by
-position modulo its capacity, as on the device); the device ring stays the saved, exported one. A dropped state's memory (and its graph) goes back to the DeviceStore,
-which releases it once the device is idle and no graph is being captured (`reclaim`).
+position modulo its capacity, as on the device); the device ring stays the saved, exported one. A dropped state's
+memory (and its graph) goes back to the DeviceStore, which releases it once the device is idle and no graph is
+being captured (`reclaim`).
 """
 
 from __future__ import annotations
