@@ -109,3 +109,21 @@ def test_staged_slots_hold_the_rows_as_stored(cuda, gold):
     want = feed.hasher.ids(np.zeros(0, np.int64), np.asarray(ids, np.int64), 0)
     assert np.array_equal(want[9:], hashed[0]), "the hash after a discarded prefetch differs from one pass"
     assert np.array_equal(st.host_rings[feed.ring_name], st.arrays[feed.ring_name].download())
+
+
+def test_a_short_chunk_prefetches_each_next_position(cuda, gold):
+    """A short chunk stepped position by position (DECODE, multi-row steps off): each next position's rows are
+    gathered on the worker while the current one runs; the logits and the ring are those of single steps."""
+    ids = [int(t) for t in gold["c_ids"][:6]]
+    one, chunked = cuda.new_state(), cuda.new_state()
+    single = [cuda.step([one], [[t]])[0] for t in ids][-1]
+    before = cuda.engram.stats["prefetched"]
+    cuda.multirow, keep = False, cuda.multirow
+    try:
+        got = cuda.step([chunked], [ids])[0]
+    finally:
+        cuda.multirow = keep
+    assert cuda.engram.stats["prefetched"] - before == len(ids) - 1
+    assert np.array_equal(got, single)
+    _mirror_is_device(cuda, chunked)
+    assert np.array_equal(chunked.host_rings[cuda.engram.ring_name], one.host_rings[cuda.engram.ring_name])

@@ -486,7 +486,8 @@ class CudaModel(ModelBase):
         rows = []
         for i, tok in enumerate(ids):
             st.device_hw = max(st.device_hw, n0 + i + 1)
-            self._stage_engram(self.ws, [(st, n0 + i, [int(tok)])])
+            self._stage_engram(self.ws, [(st, n0 + i, [int(tok)])],    # the chunk's next token is known
+                               [(st, n0 + i + 1, [int(ids[i + 1])])] if i + 1 < T else None)
             body.run([n0 + i, int(tok)])
             if hidden:
                 H[i] = X.download().reshape(H.shape[1:])
