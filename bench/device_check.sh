@@ -9,14 +9,16 @@
 #
 # Before the call, bench/device_wheels.sh fills .device/ (carried with the call): wheels for what the machine's
 # Python lacks (bench/device_carry.txt) and the golden subset the GPU tests read. Steps, most valuable first, each
-# with its own time limit (seconds; they add up to the budget, DS4PY_CHECK_BUDGET_S, default 330, and each is also
-# cut to what is left of it, so the script ends inside 6 minutes; --plan prints them):
+# with its own time limit (seconds; they add up to the budget, DS4PY_CHECK_BUDGET_S, default 380, and each is also
+# cut to what is left of it, so the script ends inside 7 minutes; --plan prints them):
 #   setup 15      carried wheels installed; every package the GPU path imports checked (one line names a missing one)
 #   doctor 20     python -m ds4py doctor --json: driver, NVRTC, device, smoke kernel, bandwidth, auto's choice
 #   build 32      every kernel for this GPU's arch (NVRTC, files in parallel), ptxas report
 #   tests         each tests/gpu/test_*.py and tests/test_cu_emu_gpu.py in its own process, with its own limit;
 #                 a file that loses its CUDA context is rerun once with CUDA_LAUNCH_BLOCKING=1 (names the kernel)
-#   bench         cuda_decode 17, cuda_prefill 13, gemv_bandwidth 10, attn_moe 8
+#   bench         cuda_decode 17, cuda_decode_v41 35 (a full-size V4.1 Flash, VQ-8 + Q4_K, ~112 GB synthesised on
+#                 the device, Engram from a 138 MB synthetic table written to the scratch folder: tokens/s, bytes
+#                 per token, GB/s), cuda_prefill 13, gemv_bandwidth 10, attn_moe 8
 #   sanitizer     compute-sanitizer memcheck 25, racecheck 25, synccheck 10 over one tiny-model prefill block and
 #                 two decode steps (bench/sanitize_tiny.py)
 # Results: a scratch folder (DS4PY_CHECK_SCRATCH, default /tmp/ds4py-check) with every log and JSON; $OUT gets
@@ -41,7 +43,7 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-BUDGET="${DS4PY_CHECK_BUDGET_S:-330}"
+BUDGET="${DS4PY_CHECK_BUDGET_S:-380}"
 [ -n "$ONLY" ] && BUDGET="${DS4PY_CHECK_BUDGET_S:-170}"       # a rerun of chosen steps: inside 3 minutes
 BUILD_LIMIT=32                 # 16 files in parallel on the GPU machine's 16 cores
 if [ "$DRY" = 1 ]; then        # a 2-core machine builds them one after another: the step is proven, not timed
@@ -187,7 +189,7 @@ run_step build build "$BUILD_LIMIT" "$PY" -m ds4py.cuda.compiler --json "$SCRATC
 # name:limit of each GPU test file, most basic first (the runtime and the core kernels before the engine)
 TESTS="tests/gpu/test_cuda_runtime.py:20 tests/gpu/test_kernels_core.py:20 tests/gpu/test_cuda_attn_moe.py:15
 tests/gpu/test_gpu_mma.py:15 tests/gpu/test_gpu_rows.py:15 tests/gpu/test_gpu_engine.py:30 tests/gpu/test_gpu_spec.py:10
-tests/gpu/test_gpu_v41.py:10 tests/gpu/test_gpu_dspark.py:10 tests/test_cu_emu_gpu.py:10"
+tests/gpu/test_gpu_v41.py:10 tests/gpu/test_gpu_dspark.py:10 tests/gpu/test_gpu_vq.py:15 tests/test_cu_emu_gpu.py:10"
 for entry in $TESTS; do
   f=${entry%%:*}; limit=${entry##*:}; name=$(basename "$f" .py)
   run_step "$name" tests "$limit" "$PY" -m pytest "$f" -q -rs -o addopts= -p no:cacheprovider \
@@ -199,6 +201,9 @@ for entry in $TESTS; do
 done
 
 run_step cuda_decode bench 17 "$PY" bench/cuda_decode.py --tokens 32 --rows --json "$SCRATCH/cuda_decode.json"
+run_step cuda_decode_v41 bench 35 "$PY" bench/cuda_decode.py --v41 --tokens 16 --prompt 8 \
+  --engram-table "$SCRATCH/engram-table.bin" --json "$SCRATCH/cuda_decode_v41.json"
+rm -f "$SCRATCH/engram-table.bin"                         # 138 MB: kept out of the archive
 run_step cuda_prefill bench 13 "$PY" bench/cuda_prefill.py --json "$SCRATCH/cuda_prefill.json"
 run_step gemv_bandwidth bench 10 "$PY" bench/gemv_bandwidth.py --json "$SCRATCH/gemv_bandwidth.json"
 run_step attn_moe bench 8 "$PY" bench/attn_moe_bandwidth.py --json "$SCRATCH/attn_moe_bandwidth.json"

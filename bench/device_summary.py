@@ -21,8 +21,8 @@ from pathlib import Path
 
 MAX_FILES, MAX_DEPTH, MAX_BYTES = 8, 2, 16 << 20
 NAME = re.compile(r"^[A-Za-z0-9._-]+$")
-BENCHES = ("doctor", "cuda_decode", "cuda_prefill", "gemv_bandwidth", "attn_moe_bandwidth", "ptxas", "engine_e2e",
-           "versions")
+BENCHES = ("doctor", "cuda_decode", "cuda_decode_v41", "cuda_prefill", "gemv_bandwidth", "attn_moe_bandwidth", "ptxas",
+           "engine_e2e", "versions")
 EXCLUDE = ("cache", "site", "venv")
 GOOD_DRY = {"ok", "no_gpu", "not_installed"}
 

@@ -156,10 +156,22 @@ class NgramHasher:
                               f"compressed token map is built from it; convert it with its tokenizer.json")
         if len(tokens) != cfg.vocab_size:
             raise EngramError(f"{where}: the vocabulary has {len(tokens)} tokens, the model {cfg.vocab_size} rows")
-        self.token_map, n = compressed_token_map(tokens, added)
+        token_map, n = compressed_token_map(tokens, added)
         if n != cfg.engram_compressed_vocab:
             raise EngramError(f"{where}: the vocabulary compresses to {n} Engram ids, but the model was trained with "
                               f"{cfg.engram_compressed_vocab} (another tokenizer?); its n-gram hashes would be wrong")
+        self._setup(cfg, token_map, n, where)
+
+    @classmethod
+    def from_token_map(cls, cfg, token_map: np.ndarray, where: str = "model") -> "NgramHasher":
+        """A hasher over a given compressed token map (vocab ids -> 0 .. engram_compressed_vocab - 1): the
+        synthetic device-check model's, which has no vocabulary."""
+        self = cls.__new__(cls)
+        self._setup(cfg, np.asarray(token_map, np.int64), int(cfg.engram_compressed_vocab), where)
+        return self
+
+    def _setup(self, cfg, token_map: np.ndarray, n: int, where: str) -> None:
+        self.token_map = token_map
         self.n_layers, self.max_ngram, self.heads = len(cfg.engram_layers), cfg.engram_max_ngram, cfg.engram_heads
         self.pad = int(self.token_map[cfg.engram_pad_id])
         self.primes = bucket_primes(self.n_layers, self.max_ngram, self.heads, cfg.engram_bucket_base)
@@ -322,6 +334,15 @@ class EngramTables:
         flat = np.asarray(ids, np.int64).reshape(-1)
         self.rows_read += len(flat)
         return t.weight[flat].reshape(len(ids), -1), t.scale[flat].reshape(len(ids), -1)
+
+    def codes_into(self, e: int, ids: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> None:
+        """codes(e, ids) written into codes [T, cols · row width] and scales [T, cols · row width / 32] (e.g.
+        pinned staging) without an intermediate copy."""
+        t = self.tables[e]
+        flat = np.asarray(ids, np.int64).reshape(-1)
+        self.rows_read += len(flat)
+        np.take(t.weight, flat, axis=0, out=codes.reshape(len(flat), -1))
+        np.take(t.scale, flat, axis=0, out=scales.reshape(len(flat), -1))
 
     def rows(self, e: int, ids: np.ndarray) -> np.ndarray:
         """The rows `ids` [T, cols] of table e, dequantised (e4m3 · 2^(s-127), rounded to bf16 as the official

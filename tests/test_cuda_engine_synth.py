@@ -198,3 +198,65 @@ def test_what_the_cuda_engine_refuses(golden):
         open_model(str(golden / "ds4-tiny" / "tiny.gguf"), backend="cuda-emu", official_decode_bug=True)
     with pytest.raises(SidecarError, match="is not a ds4py sidecar directory"):
         open_model(str(golden / "ds4-tiny" / "tiny.gguf"), backend="cuda-emu", sidecar=str(golden))
+
+
+def _bench_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("cuda_decode_bench", REPO / "bench" / "cuda_decode.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_synthetic_v41_vq_model_at_reduced_shape(tmp_path):
+    """The device check's full-size V4.1 stack (bench/cuda_decode.py --v41) at v41-tiny's layer map: VQ-8 experts
+    (13-bit layer 0, 12-bit after) in the device layout, Q4_K dense where quantize-vq puts it, Engram from a small
+    synthetic table; its bytes per token are the seed layout's count, a prefill block leaves what single steps
+    leave, and every step gathers its rows from the table."""
+    from ds4py import schema
+    from ds4py.config import ModelConfig
+    from ds4py.cuda import synth
+    from ds4py.cuda.engine import CudaModel
+    from ds4py.cuda.memory_plan import seed_bytes_per_token
+    from ds4py.model import UnsupportedByBackend
+
+    cfg = ModelConfig.v41_flash(**_bench_module().EMU_V41)
+    with pytest.raises(UnsupportedByBackend, match="synthetic table"):
+        CudaModel.synthetic(cfg, emulate=True)
+    rows = 512
+    table = synth.write_engram_table(str(tmp_path / "engram.bin"), cfg, rows, seed=3)
+    m = CudaModel.synthetic(cfg, seed=2, emulate=True, vq=synth.VqWidths(12, 13, 1), dense="q4_k",
+                            engram_table=(table, rows))
+    fmts = {L: m.w.binding.layers[L].ffn.experts.gate.fmt for L in range(cfg.n_layers)}
+    assert fmts[0] == "vq13" and {fmts[L] for L in range(1, cfg.n_layers)} == {"vq12"}
+    q4k = {e.name for e in schema.entries(cfg) if synth._lookup(m.w.binding, e).qtype.name == "Q4_K"}
+    assert "output.weight" in q4k and any(n.endswith("attn_q_a.weight") for n in q4k)
+    assert m.weight_bytes_per_token() == seed_bytes_per_token(cfg, shallow_layers=1)
+    ids = ids_for(cfg.vocab_size, 20, seed=5)
+    block_st, steps_st = m.new_state(), m.new_state()
+    before = m.engram.tables.rows_read
+    block = m.step([block_st], [ids])[0]
+    per_token = len(cfg.engram_layers) * (cfg.engram_max_ngram - 1) * cfg.engram_heads
+    assert m.engram.tables.rows_read - before == len(ids) * per_token
+    single = [m.step([steps_st], [[t]])[0] for t in ids][-1]
+    assert np.isfinite(block).all() and block.std() > 0.1
+    assert np.abs(block - single).max() <= 1e-4 * max(1.0, float(np.abs(single).max()))
+    nxt = [int(block.argmax())]
+    a, b = m.step([block_st], [nxt])[0], m.step([steps_st], [nxt])[0]
+    assert np.abs(a - b).max() <= 1e-4 * max(1.0, float(np.abs(b).max()))
+
+
+def test_the_v41_decode_bench_runs_on_the_emulator(tmp_path):
+    out = tmp_path / "cuda_decode_v41.json"
+    r = subprocess.run([sys.executable, "bench/cuda_decode.py", "--emu", "--v41", "--tokens", "1", "--engram-table",
+                        str(tmp_path / "t.bin"), "--json", str(out)], cwd=REPO, capture_output=True, text=True,
+                       timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads(out.read_text())
+    assert res["emulated"] and res["model"] == "V4.1 VQ-8 + Q4_K" and set(res["modes"]) == {"graph+pdl", "graph",
+                                                                                          "direct"}
+    assert res["engram_table"]["bytes"] == (tmp_path / "t.bin").stat().st_size > 0
+    for m in res["modes"].values():
+        assert m["tokens_per_s"] > 0 and m["gbps"] > 0 and m["engram_bytes_per_token"] == 396
+    assert "(emulated)" in r.stdout

@@ -180,6 +180,21 @@ class EmuMemory:
         self._check_range(dst, host.nbytes, "upload")
         self.rt._issue(stream, _Upload(dst, bytes(host.tobytes())))
 
+    def pinned(self, nbytes: int) -> "HostBuffer":
+        """DriverMemory.pinned's stand-in: page-aligned host memory (every host page is DMA-able here)."""
+        return HostBuffer(nbytes)
+
+    def upload_pinned(self, dst: int, src_ptr: int, nbytes: int, stream: Any, fence: bool = False) -> None:
+        """DriverMemory.upload_pinned: the bytes are read when the copy runs on the stream (as the DMA engine
+        reads pinned memory), not when it is queued. The main stream runs each op as it is issued, so the fence
+        is None; fence_wait flushes a deferred side stream (a copy queued there has then run)."""
+        self.rt._host_access("an upload from pinned host memory")   # a capture would record it: keep it out
+        self._check_range(dst, nbytes, "upload")
+        self.rt._issue(stream, _Copy(dst, int(src_ptr), int(nbytes)))
+
+    def fence_wait(self, fence: Any) -> None:
+        self.rt._flush_side()
+
     def download(self, out: np.ndarray, src: int, stream: Any = None) -> None:
         self.rt._host_access("a download")
         self._check_range(src, out.nbytes, "download")
@@ -262,6 +277,21 @@ class EmuTimer:
 
     def close(self) -> None:
         pass
+
+
+class HostBuffer:
+    """PinnedBuffer's interface (ptr, array, free) over page-aligned host memory."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = int(nbytes)
+        self._raw = np.zeros(self.nbytes + emu.PAGE, np.uint8)
+        at = (-self._raw.ctypes.data) % emu.PAGE
+        self.array = self._raw[at: at + self.nbytes]
+        self.ptr = int(self.array.ctypes.data)
+
+    def free(self) -> None:
+        self.array = self._raw = None
+        self.ptr = 0
 
 
 class EmuUploader(Uploader):

@@ -280,17 +280,24 @@ class CudaModel(ModelBase):
     @classmethod
     def synthetic(cls, cfg: ModelConfig, seed: int = 0, experts: tuple = synth.Q2_EXPERTS,
                   numerics: Numerics | None = None, rollback_horizon: int = DEFAULT_ROLLBACK_HORIZON,
-                  runtime: Any = None, emulate: bool = False, pdl: bool = True, graphs: bool = True) -> "CudaModel":
+                  runtime: Any = None, emulate: bool = False, pdl: bool = True, graphs: bool = True,
+                  vq: "synth.VqWidths | None" = None, dense: str | None = None,
+                  engram_table: tuple[str, int] | None = None) -> "CudaModel":
         """A model of `cfg`'s shapes with random weights written on the device (ds4py/cuda/synth.py): the
-        device check's full-size decode step, without a file."""
+        device check's full-size decode step, without a file. vq / dense: VQ-8 experts and Q4_K dense (the seed's
+        layout); engram_table: (path, rows) of synth.write_engram_table's file, which a V4.1 config's Engram
+        reads (required for one)."""
         self = cls.__new__(cls)
         self.path, self.gguf = f"synthetic:{cfg.n_layers} layers", None
-        if cfg.is_v41:
-            raise UnsupportedByBackend("the synthetic device-check model is V4 Flash only (V4.1 runs from a file)")
         self.engram, self._publishers = None, None
+        if cfg.engram_layers:
+            if engram_table is None:
+                raise UnsupportedByBackend("a synthetic V4.1 model reads Engram from a synthetic table: pass "
+                                           "engram_table=(path, rows) of synth.write_engram_table")
+            self.engram = synth.engram_feed(cfg, *engram_table, seed=seed)
         self._setup(cfg, numerics, rollback_horizon, runtime, emulate, pdl, graphs, False,
-                    synth.fingerprint(cfg, experts, seed),
-                    lambda rt, ws0: synth.load(rt, cfg, ws0, seed, experts), time.perf_counter())
+                    synth.fingerprint(cfg, experts, seed, vq, dense),
+                    lambda rt, ws0: synth.load(rt, cfg, ws0, seed, experts, vq, dense), time.perf_counter())
         return self
 
     def _setup(self, cfg: ModelConfig, numerics: Numerics | None, rollback_horizon: int, runtime: Any,
@@ -386,10 +393,12 @@ class CudaModel(ModelBase):
         return Recording(self.config, self.numerics, self.w.freqs, ws, rows, tickets, onehot=self._onehot,
                          engram_weights=self._engram_w, **kw)
 
-    def _stage_engram(self, ws: layer.Workspace, chunks: list[tuple[CudaState, int, Sequence[int]]]) -> None:
-        """Engram's rows of these (state, first position, tokens) chunks, in row order, into ws's input slot."""
+    def _stage_engram(self, ws: layer.Workspace, chunks: list[tuple[CudaState, int, Sequence[int]]],
+                      upcoming: list[tuple[CudaState, int, Sequence[int]]] | None = None) -> None:
+        """Engram's rows of these (state, first position, tokens) chunks, in row order, into ws's input slot;
+        upcoming: the next step's chunks when already known (gathered on a worker meanwhile)."""
         if self.engram is not None:
-            self.engram.stage(self.rt, ws.engram_codes, ws.engram_scales, self.engram.advance(self.rt, chunks))
+            self.engram.stage_chunks(self.rt, ws.engram_codes, ws.engram_scales, chunks, upcoming)
 
     def _check_weights(self) -> None:
         for il, lw in enumerate(self.w.binding.layers):
@@ -506,7 +515,8 @@ class CudaModel(ModelBase):
         rows = []
         for i, tok in enumerate(ids):
             st.device_hw = max(st.device_hw, n0 + i + 1)
-            self._stage_engram(self.ws, [(st, n0 + i, [int(tok)])])
+            self._stage_engram(self.ws, [(st, n0 + i, [int(tok)])],    # the chunk's next token is known
+                               [(st, n0 + i + 1, [int(ids[i + 1])])] if i + 1 < T else None)
             body.run([n0 + i, int(tok)])
             if extra:
                 H[i] = X.download().reshape(H.shape[1:])
@@ -555,7 +565,9 @@ class CudaModel(ModelBase):
             ws.slot.view(0, Tb).upload(np.arange(n0 + a, n0 + a + Tb, dtype=np.int32), rt.main)
             ws.slot.view(4 * ws.rows, Tb).upload(np.ascontiguousarray(ids[a:a + Tb], np.int32), rt.main)
             st.device_hw = max(st.device_hw, n0 + a + Tb)
-            self._stage_engram(ws, [(st, n0 + a, ids[a:a + Tb])])
+            nb = a + Tb                             # the next block's rows are known: gathered while this one runs
+            self._stage_engram(ws, [(st, n0 + a, ids[a:a + Tb])],
+                               [(st, n0 + nb, ids[nb:nb + blk])] if nb < T else None)
             rec = self._recording(ws, RowSet(BLOCK, [dict(st.arrays)], [bucket], Tb, ws.slot, cap=ws.rows,
                                              keys=None if keys is None else [keys]),
                                   ws.tickets, mma=self.prefill_mma, x_pieces=self.prefill_x_pieces,
@@ -911,5 +923,7 @@ class CudaModel(ModelBase):
             self.prefill_ws = None
         self.store.retire([self._misc])
         self.store.reclaim()
+        if self.engram is not None:                 # its worker thread and pinned staging
+            self.engram.close(self.rt.memory)
         self.rt.synchronize()
         self.w.arena.close()

@@ -6,8 +6,12 @@ Rings (the window, the compressors' input rings) are allocated whole in one bloc
 are, so that a saved state holds the same bytes. Rows parts (compressed rows, indexer keys) start empty and grow
 by doubling (kv.grown_capacity) between steps, to the rows a context bucket can emit: the kernels read and write
 them through raw pointers, so a growth moves the part and bumps the state's `generation`, which makes the engine
-capture the state's decode graph again. A dropped state's memory (and its graph) goes back to the DeviceStore,
-which releases it once the device is idle and no graph is being captured (`reclaim`).
+capture the state's decode graph again. V4.1's n-gram ring (the one int32 ring) also has a host mirror,
+`host_rings`, which the Engram feed hashes from and writes first (so a step never downloads the ring): copy()
+copies it, load() fills it from the same arrays as the device, truncate() touches neither (the ring is indexed by
+position modulo its capacity, as on the device); the device ring stays the saved, exported one. A dropped state's
+memory (and its graph) goes back to the DeviceStore, which releases it once the device is idle and no graph is
+being captured (`reclaim`).
 """
 
 from __future__ import annotations
@@ -79,6 +83,8 @@ class CudaState(StateCounters):
         self._rings = store.block(at)
         self._rings.zero(rt.main)
         self.arrays: dict[str, DeviceArray] = {}
+        self.host_rings: dict[str, np.ndarray] = {p.key: np.zeros((p.capacity, p.width), p.dtype)
+                                                  for p in layout.parts if p.kind == RING and p.dtype == "<i4"}
         self._rows: dict[str, DeviceBlock | None] = {}
         for p in layout.parts:
             if p.kind == RING:
@@ -147,6 +153,7 @@ class CudaState(StateCounters):
         out = CudaState(self.layout, self.store)
         out.n_tokens, out.n_written, out.device_hw = self.n_tokens, self.n_written, self.device_hw
         rt.copy_d2d(out._rings.ptr, self._rings.ptr, self._rings.nbytes)
+        out.host_rings = {k: v.copy() for k, v in self.host_rings.items()}
         for key, blk in self._rows.items():
             if blk is None:
                 continue
@@ -172,6 +179,8 @@ class CudaState(StateCounters):
             a = np.ascontiguousarray(arrays[p.key], p.dtype)     # float32, or int32 (V4.1's n-gram ring)
             if a.shape[0]:
                 self.arrays[p.key].view(0, a.shape).upload(a)
+            if p.key in self.host_rings:
+                self.host_rings[p.key][:a.shape[0]] = a.reshape(-1, p.width)
 
 
 def _release(store: DeviceStore, blocks: list, graph: list) -> None:

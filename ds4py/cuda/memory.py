@@ -95,6 +95,30 @@ class DriverMemory:
         self.bind()
         call("cuMemcpyHtoDAsync", dst, host.ctypes.data, host.nbytes, stream)
 
+    def pinned(self, nbytes: int) -> "PinnedBuffer":
+        """Page-locked host memory (cuMemHostAlloc) for step inputs copied asynchronously (upload_pinned)."""
+        self.bind()
+        return PinnedBuffer(nbytes)
+
+    def upload_pinned(self, dst: int, src_ptr: int, nbytes: int, stream: Any, fence: bool = False) -> Any:
+        """Queue a copy of nbytes of pinned memory at src_ptr to dst on `stream`; with fence, returns an event
+        that fence_wait() waits on before the caller rewrites those bytes (the DMA engine reads them when the
+        copy runs, not now), else None."""
+        self.bind()
+        call("cuMemcpyHtoDAsync", dst, src_ptr, nbytes, stream)
+        if not fence:
+            return None
+        event = call("cuEventCreate", _no_timing())
+        call("cuEventRecord", event, stream)
+        return event
+
+    def fence_wait(self, fence: Any) -> None:
+        """The copy behind an upload_pinned fence has run (its pinned bytes may be rewritten)."""
+        if fence is not None:
+            self.bind()
+            call("cuEventSynchronize", fence)
+            call("cuEventDestroy", fence)
+
     def download(self, out: np.ndarray, src: int, stream: Any = None) -> None:
         self.bind()
         if stream is not None:
