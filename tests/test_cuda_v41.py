@@ -96,6 +96,18 @@ def test_prefill_block_then_rows(cuda, gold):
     _check_official(alone, gold["a_decode_logits" + FIXED][:k], "case a decode after the block")
 
 
+def test_a_verify_chunk_of_one_state_equals_single_steps(cuda, gold):
+    """k rows of one state in one multi-row step (a speculative verify): each row's Engram n-grams include the
+    chunk's earlier rows, so the rows are bit-identical to single steps."""
+    ids, P, k = gold["a_ids"], int(gold["a_P"]), 4
+    st = cuda.new_state()
+    cuda.step([st], [ids[:P]])
+    single = st.copy()
+    rows = cuda.step([st], [[int(t) for t in ids[P:P + k]]], all_logits=True)[0]
+    alone = np.stack([cuda.step([single], [[int(t)]])[0] for t in ids[P:P + k]])
+    assert np.array_equal(rows, alone), "a verify chunk's rows differ from single steps"
+
+
 def test_prefill_block_leaves_the_single_steps_state(cuda, case_b):
     ids, st_single, logits = case_b
     st = cuda.new_state()

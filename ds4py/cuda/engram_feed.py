@@ -71,12 +71,21 @@ class EngramFeed:
 
     # ---- the hash ---------------------------------------------------------------------------------------------
     def _plan(self, chunks: Sequence[Chunk]) -> list[tuple[np.ndarray, np.ndarray, int]]:
-        """(history, tokens, first position) per chunk, the history read from the mirror now (main thread)."""
-        out = []
+        """(history, tokens, first position) per chunk, the history read from the mirror now (main thread). A
+        state's chunks come in position order, and a later chunk's history includes the earlier chunks' tokens (a
+        multi-row step stages a verify chunk as one chunk per row; the mirror only gets them at the commit)."""
+        out, fed = [], {}
         for st, p0, toks in chunks:
             ring = st.host_rings[self.ring_name].reshape(-1)
-            hist = ring[np.arange(max(0, p0 - self.n1), p0) % ring.shape[0]].astype(np.int64)
-            out.append((hist, np.asarray(toks, np.int64).reshape(-1), int(p0)))
+            pos = np.arange(max(0, p0 - self.n1), p0)
+            hist = ring[pos % ring.shape[0]].astype(np.int64)
+            tk = np.asarray(toks, np.int64).reshape(-1)
+            earlier = fed.setdefault(id(st), {})
+            for j, p in enumerate(pos.tolist()):
+                if p in earlier:
+                    hist[j] = earlier[p]
+            earlier.update((int(p0) + j, int(t)) for j, t in enumerate(tk.tolist()))
+            out.append((hist, tk, int(p0)))
         return out
 
     def _hash(self, plan: list[tuple[np.ndarray, np.ndarray, int]]) -> list[np.ndarray]:
