@@ -97,3 +97,33 @@ __device__ __forceinline__ T block_suffix_exclusive(T v, T* part, T& total) {
     total = all;
     return above + incl - v;
 }
+
+// Larger float -> larger unsigned key (negative floats have their bits flipped, positive ones the sign set).
+__device__ __forceinline__ unsigned order_key(float f) {
+    const unsigned u = __float_as_uint(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Exclusive prefix sum over the block of v (the radix selects of cu/topk.cu and cu/v41.cu) (blockDim.x a multiple of 32); *total gets the block's sum.
+// `wsum` is a __shared__ int[32] owned by the caller.
+__device__ __forceinline__ int block_exclusive_scan(int v, int* wsum, int* total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    int x = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(DS4_FULL_MASK, x, o);
+        if (lane >= o) x += y;
+    }
+    __syncthreads();                                  // wsum may still be read by the previous call
+    if (lane == 31) wsum[warp] = x;
+    __syncthreads();
+    int w = lane < nw ? wsum[lane] : 0;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(DS4_FULL_MASK, w, o);
+        if (lane >= o) w += y;
+    }
+    const int before = __shfl_sync(DS4_FULL_MASK, w, (warp + 31) & 31);   // inclusive sum of the warps before
+    *total = __shfl_sync(DS4_FULL_MASK, w, nw - 1);
+    return (warp ? before : 0) + x - v;
+}

@@ -27,11 +27,7 @@
 
 typedef unsigned long long u64;
 
-// Floats -> unsigned keys with the same order (NaN excluded beforehand).
-__device__ __forceinline__ unsigned order_key(float v) {
-    const unsigned u = __float_as_uint(v);
-    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
+// The inverse of reduce.cuh's order_key (NaN excluded beforehand).
 __device__ __forceinline__ float key_value(unsigned k) {
     return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
 }

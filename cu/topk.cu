@@ -17,36 +17,6 @@
 #endif
 
 
-// Larger float -> larger unsigned key (negative floats have their bits flipped, positive ones the sign set).
-__device__ __forceinline__ unsigned topk_key(float f) {
-    const unsigned u = __float_as_uint(f);
-    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-
-// Exclusive prefix sum over the block of v (blockDim.x a multiple of 32); *total gets the block's sum.
-// `wsum` is a __shared__ int[32] owned by the caller.
-__device__ __forceinline__ int topk_block_scan(int v, int* wsum, int* total) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    int x = v;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const int y = __shfl_up_sync(DS4_FULL_MASK, x, o);
-        if (lane >= o) x += y;
-    }
-    __syncthreads();                                  // wsum may still be read by the previous call
-    if (lane == 31) wsum[warp] = x;
-    __syncthreads();
-    int w = lane < nw ? wsum[lane] : 0;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const int y = __shfl_up_sync(DS4_FULL_MASK, w, o);
-        if (lane >= o) w += y;
-    }
-    const int before = __shfl_sync(DS4_FULL_MASK, w, (warp + 31) & 31);   // inclusive sum of the warps before
-    *total = __shfl_sync(DS4_FULL_MASK, w, nw - 1);
-    return (warp ? before : 0) + x - v;
-}
-
 // The selection of one score vector by the whole block (every thread calls it).
 __device__ void topk_select(const float* scores, int n, int k, int* out) {
     __shared__ int hist[256];
@@ -62,7 +32,7 @@ __device__ void topk_select(const float* scores, int n, int k, int* out) {
 #pragma unroll
     for (int r = 0; r < TOPK_REG; ++r) {
         const int i = tid + r * bd;
-        reg[r] = i < n ? topk_key(scores[i]) : 0u;
+        reg[r] = i < n ? order_key(scores[i]) : 0u;
     }
 
     unsigned prefix = 0u, mask = 0u;
@@ -76,7 +46,7 @@ __device__ void topk_select(const float* scores, int n, int k, int* out) {
             if (i < n && (reg[r] & mask) == prefix) atomicAdd(&hist[(reg[r] >> shift) & 255u], 1);
         }
         for (int i = tid + TOPK_REG * bd; i < n; i += bd) {
-            const unsigned key = topk_key(scores[i]);
+            const unsigned key = order_key(scores[i]);
             if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1);
         }
         __syncthreads();
@@ -123,11 +93,11 @@ __device__ void topk_select(const float* scores, int n, int k, int* out) {
 #pragma unroll
             for (int rr = 0; rr < TOPK_REG; ++rr)
                 if (rr == r) key = reg[rr];
-            if (r >= TOPK_REG) key = topk_key(scores[i]);
+            if (r >= TOPK_REG) key = order_key(scores[i]);
         }
         const int gt = i < n && key > T, eq = i < n && key == T;
         int total;
-        const int packed = topk_block_scan((gt << 16) | eq, wsum, &total);
+        const int packed = block_exclusive_scan((gt << 16) | eq, wsum, &total);
         const int g_ex = gt_before + (packed >> 16), e_ex = eq_before + (packed & 0xffff);
         if (gt || (eq && e_ex < remaining)) out[g_ex + min(e_ex, remaining)] = i;
         gt_before += total >> 16;

@@ -186,34 +186,6 @@ extern "C" __global__ void v41_index_keys(const float* k_raw, const float* k_nor
     if (live && g < keys_cap) reinterpret_cast<float2*>(keys + (size_t)g * ihd)[t] = v;
 }
 
-// Larger float -> larger unsigned key (cu/topk.cu's topk_key: negative floats have their bits flipped).
-__device__ __forceinline__ unsigned v41_order_key(float f) {
-    const unsigned u = __float_as_uint(f);
-    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-
-// Exclusive prefix sum of v over the block (blockDim.x a multiple of 32), *total the block's sum (cu/topk.cu's
-// topk_block_scan). `wsum` is a __shared__ int[32] owned by the caller.
-__device__ __forceinline__ int v41_block_scan(int v, int* wsum, int* total) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    int x = v;
-    for (int o = 1; o < 32; o <<= 1) {
-        const int y = __shfl_up_sync(DS4_FULL_MASK, x, o);
-        if (lane >= o) x += y;
-    }
-    __syncthreads();                                  // wsum may still be read by the previous call
-    if (lane == 31) wsum[warp] = x;
-    __syncthreads();
-    int w = lane < nw ? wsum[lane] : 0;
-    for (int o = 1; o < 32; o <<= 1) {
-        const int y = __shfl_up_sync(DS4_FULL_MASK, w, o);
-        if (lane >= o) w += y;
-    }
-    const int before = __shfl_sync(DS4_FULL_MASK, w, (warp + 31) & 31);   // inclusive sum of the warps before
-    *total = __shfl_sync(DS4_FULL_MASK, w, nw - 1);
-    return (warp ? before : 0) + x - v;
-}
-
 // Block k's score: its best visible row, +inf for the block holding the newest row (`last`).
 __device__ __forceinline__ float v41_block_score(const float* s, int k, int n, int block, int last) {
     if (k == last) return V41_POS_INF;
@@ -253,7 +225,7 @@ extern "C" __global__ void v41_candidates(float* scores, int* cand, const int* p
         for (int i = tid; i < 256; i += bd) hist[i] = 0;
         __syncthreads();
         for (int b = tid; b < nb; b += bd) {
-            const unsigned key = v41_order_key(v41_block_score(s, b, n, block, last));
+            const unsigned key = order_key(v41_block_score(s, b, n, block, last));
             if ((key & digits) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1);
         }
         __syncthreads();
@@ -277,10 +249,10 @@ extern "C" __global__ void v41_candidates(float* scores, int* cand, const int* p
     for (int base = 0; base < nb; base += bd) {      // uniform trip count: every thread runs every scan
         const int b = base + tid;
         const float mine = b < nb ? v41_block_score(s, b, n, block, last) : V41_NEG_INF;
-        const unsigned key = v41_order_key(mine);
+        const unsigned key = order_key(mine);
         const int eq = !take_all && b < nb && key == prefix;
         int total;
-        const int e_ex = eq_before + v41_block_scan(eq, wsum, &total);
+        const int e_ex = eq_before + block_exclusive_scan(eq, wsum, &total);
         eq_before += total;
         if (b < nb) {
             const int keep = mine > V41_NEG_INF && (take_all || key > prefix || (eq && e_ex < remaining));
