@@ -34,21 +34,11 @@ from ds4py.sampling import SamplingParams
 from ds4py.session import Session, TokenEvent
 from spec_fakes import NullTokenizer
 from test_dspark_cli import _cli, chat_model  # noqa: F401  (the fixture: the draft file with a real vocabulary)
+from test_dspark_golden import QAT_CLEAN, QAT_MAX, TOL, _sfx, _taps, gold  # noqa: F401  (the golden tolerances, the stored taps, the fixture)
 
 pytestmark = pytest.mark.skipif(emu.compiler() is None, reason="the CUDA emulator needs g++")
-TOL = 1e-4                          # tests/test_dspark_golden.py's noquant tolerance
-QAT_MAX, QAT_CLEAN = 5e-2, 0.75     # ... and its fp32_fixed one (FP8 rounding flips)
 FP32_NOISE = 2e-5                   # cuda-emu vs the reference on the same rings (measured <= 2.7e-6)
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _sfx(fq: bool) -> str:
-    return "_fp32_fixed" if fq else "_fp32_fixed_noquant"
-
-
-@pytest.fixture(scope="module")
-def gold(golden):
-    return np.load(golden / "v41-tiny-dspark" / "cases.npz")
 
 
 @pytest.fixture(scope="module")
@@ -59,13 +49,6 @@ def cudas(dspark_gguf):
 @pytest.fixture(scope="module")
 def refs(dspark_gguf):
     return {fq: RefModel(dspark_gguf, numerics=Numerics(fake_quant=fq)) for fq in (False, True)}
-
-
-def _taps(gold, c, s):
-    h0, mh = int(gold[f"{c}_main_hidden_start"]), gold[f"{c}_main_hidden{s}"]
-    full = np.zeros((h0 + len(mh), mh.shape[1]), np.float32)
-    full[h0:] = mh
-    return full
 
 
 def _calls(draft, gold, c, s, n=None):

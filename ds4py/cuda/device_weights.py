@@ -46,6 +46,15 @@ class DevTensor:
         return self.fmt if self.fmt is not None else self.qtype
 
 
+def check_gate_up(where: str, ffn: Any) -> None:
+    """Refuse, in one sentence, a routed or shared expert set whose gate and up differ in kernel format: the CUDA
+    kernels read both in one format. `where` names the layer ("layer 3", "the MTP block", "DSpark stage 0")."""
+    for what, sw in (("routed", ffn.experts), ("shared", ffn.shared)):
+        if sw.gate.kernel_format != sw.up.kernel_format:
+            raise UnsupportedByBackend(f"{where}: the {what} experts' gate ({sw.gate.qtype.name}) and up "
+                                       f"({sw.up.qtype.name}) differ in type; the CUDA kernel reads both in one format")
+
+
 def role(field: str) -> str:
     """How the engine reads a binding field: gemv | vec | hcfn | ape | embed | experts | shared | ids."""
     leaf = field.rsplit(".", 1)[-1]

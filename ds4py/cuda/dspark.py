@@ -45,11 +45,10 @@ import numpy as np
 
 from ds4py import kv, schema
 from ds4py.cuda import kernels, layer, ops
-from ds4py.cuda.device_weights import EMBED_TYPES, _float, upload_entries
+from ds4py.cuda.device_weights import EMBED_TYPES, _float, check_gate_up, upload_entries
 from ds4py.cuda.kernels import BLOCK, gemvs
 from ds4py.cuda.kvstate import CudaState
 from ds4py.cuda.layer import Launcher, Recording, RowSet
-from ds4py.cuda.memory import align_up
 from ds4py.cuda.ops import dspark as ops_dspark
 from ds4py.cuda.ops.argmax import argmax_parts
 from ds4py.cuda.ops import prefill_attn as ops_pfa
@@ -58,7 +57,6 @@ from ds4py.cuda.ops.mhc import mix_record
 from ds4py.errors import Ds4Error
 from ds4py.kv import state_layout
 from ds4py.model import UnsupportedByBackend
-from ds4py.quant import vq
 from ds4py.ref import ops as ref_ops
 from ds4py.ref.dspark import DraftBlock, RefDSpark
 
@@ -101,11 +99,7 @@ class CudaDSpark:
                                                                  list(schema.dspark_entries(mc)), extra=freqs)
         self.binding = D = schema.bind_dspark(mc, self._tensors.__getitem__)
         for s, L in enumerate(D.stages):
-            for what, sw in (("routed", L.ffn.experts), ("shared", L.ffn.shared)):
-                if sw.gate.kernel_format != sw.up.kernel_format:
-                    raise UnsupportedByBackend(f"DSpark stage {s}: the {what} experts' gate ({sw.gate.qtype.name}) and "
-                                               f"up ({sw.up.qtype.name}) differ in type; the CUDA kernel reads both "
-                                               f"in one format")
+            check_gate_up(f"DSpark stage {s}", L.ffn)
         if D.markov_embed.qtype not in EMBED_TYPES:     # the chain reads its rows with the embedding kernel
             raise UnsupportedByBackend(f"dspark.markov_embd is {D.markov_embed.qtype.name}; the CUDA backend reads "
                                        f"it as an embedding table ({', '.join(t.name for t in EMBED_TYPES)}); use "
@@ -122,13 +116,7 @@ class CudaDSpark:
                   "chain_ids": ((B,), np.int32), "conf": ((B,), F32), "part_val": ((parts,), F32),
                   "part_idx": ((parts,), np.int32), "ticket": ((1,), np.uint32),
                   **{f"kv{s}": ((F, cfg.head_dim), F32) for s in range(S)}}
-        offs, at = {}, 0
-        for name, (shape, dt) in shapes.items():
-            offs[name] = at
-            at += align_up(int(np.prod(shape)) * np.dtype(dt).itemsize)
-        self._bufs_block = self.store.block(at)
-        self._bufs_block.zero(self.rt.main)
-        self.bufs = {n: self._bufs_block.array(offs[n], s, dt) for n, (s, dt) in shapes.items()}
+        self._bufs_block, self.bufs = layer.zeroed_block(self.store, self.rt, shapes)
         self._runs: OrderedDict[Any, Any] = OrderedDict()
 
     # ---- states ---------------------------------------------------------------------------------------------
@@ -261,15 +249,7 @@ class CudaDSpark:
     def call_bytes(self) -> int:
         """Bytes one draft call reads (the file's, as the reference's: the stages' dense tensors, the routed experts
         B rows pick, the shared head and B embedding rows)."""
-        mc, f = self.main_config, self.model.gguf
-        per_row = min(mc.dspark_experts, self.block_size * mc.dspark_experts_used)
-        experts = {e.name for e in schema.dspark_entries(mc) if e.spec.field.startswith("ffn.experts.")}
-        experts |= {vq.gain_name(n) for n in experts} | {vq.hi_name(n) for n in experts}
-        total = sum(t.nbytes * per_row // mc.dspark_experts if name in experts else t.nbytes
-                    for name, t in f.tensors.items() if name.startswith(schema.DSPARK_PREFIX))
-        names = {e.spec.field: e.name for e in schema.entries(mc) if e.spec.field in ("head", "embed")}
-        head, embed = f.tensor(names["head"]), f.tensor(names["embed"])
-        return total + head.nbytes + self.block_size * embed.nbytes // embed.shape[0]
+        return RefDSpark.call_bytes(self)
 
     def close(self) -> None:
         self.store.retire(list(self._runs.values()) + [self.ws.block, self._bufs_block, self._block])

@@ -34,7 +34,7 @@ from ds4py.cuda.compiler import model_defines
 from ds4py.cuda.graph import StepGraph
 from ds4py.cuda.kvstate import CudaState, DeviceStore
 from ds4py.cuda.memory import DeviceArray
-from ds4py.cuda.device_weights import DeviceWeights
+from ds4py.cuda.device_weights import DeviceWeights, check_gate_up
 from ds4py.cuda.device_weights import load as load_weights
 from ds4py.cuda.engram_feed import EngramFeed
 from ds4py.cuda.memory_plan import DEFAULT_CTX, MemoryPlan, kv_bytes
@@ -402,11 +402,7 @@ class CudaModel(ModelBase):
 
     def _check_weights(self) -> None:
         for il, lw in enumerate(self.w.binding.layers):
-            for what, sw in (("routed", lw.ffn.experts), ("shared", lw.ffn.shared)):
-                if sw.gate.qtype != sw.up.qtype:
-                    raise UnsupportedByBackend(f"layer {il}: the {what} experts' gate ({sw.gate.qtype.name}) and up "
-                                               f"({sw.up.qtype.name}) differ in type; the CUDA kernel reads both "
-                                               f"in one format")
+            check_gate_up(f"layer {il}", lw.ffn)
 
     # ---- the contract ----------------------------------------------------------------------------------------
     def new_state(self) -> CudaState:

@@ -202,14 +202,18 @@ def make_workspace(cfg, bucket: int, rows: int, mode: str, version: int = 0, are
         arena.begin_step(workspace_bytes(shapes))
         return Workspace(mode, bucket, rows, version, None,
                          {name: arena.scratch(s, dt) for name, (s, dt) in shapes.items()})
+    return Workspace(mode, bucket, rows, version, *zeroed_block(store, rt, shapes))
+
+
+def zeroed_block(store: Any, rt: Any, shapes: Shapes) -> tuple[Any, dict[str, DeviceArray]]:
+    """One zeroed block of `store` holding an array per (shape, dtype) of `shapes`, each 256-byte aligned."""
     offs, at = {}, 0
     for name, (s, dt) in shapes.items():
         offs[name] = at
-        at += align_up(int(np.prod(s)) * dt.itemsize)
+        at += align_up(int(np.prod(s)) * np.dtype(dt).itemsize)
     blk = store.block(at)
     blk.zero(rt.main)
-    return Workspace(mode, bucket, rows, version, blk,
-                     {n: blk.array(offs[n], s, dt) for n, (s, dt) in shapes.items()})
+    return blk, {n: blk.array(offs[n], s, dt) for n, (s, dt) in shapes.items()}
 
 
 # ---- the row set and the recording -----------------------------------------------------------------------------

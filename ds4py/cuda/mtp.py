@@ -33,8 +33,8 @@ from ds4py.cuda.ops import experts as ops_moe
 from ds4py.cuda.kernels import gemvs
 from ds4py.cuda.kvstate import CudaState
 from ds4py.cuda.layer import MAX_ROWS, ROWS, Launcher, Recording, RowSet
-from ds4py.cuda.device_weights import DevTensor, upload_entries
-from ds4py.model import MtpBase, UnsupportedByBackend
+from ds4py.cuda.device_weights import DevTensor, check_gate_up, upload_entries
+from ds4py.model import MtpBase
 from ds4py.ref import ops as ref_ops
 
 RUNS = 16                    # MTP step graphs kept (per rows' states, row count and head)
@@ -59,11 +59,7 @@ class CudaMtp(MtpBase):
         self._block, tensors, freqs = _upload(self.rt, self.store, self.gguf, cfg)
         self._tensors = tensors
         self.binding = schema.bind_mtp(cfg, tensors.__getitem__)
-        for what, sw in (("routed", self.binding.block.ffn.experts), ("shared", self.binding.block.ffn.shared)):
-            if sw.gate.kernel_format != sw.up.kernel_format:
-                raise UnsupportedByBackend(f"the MTP block's {what} experts' gate ({sw.gate.qtype.name}) and up "
-                                           f"({sw.up.qtype.name}) differ in type; the CUDA kernel reads both in "
-                                           f"one format")
+        check_gate_up("the MTP block", self.binding.block.ffn)
         self._freqs = [freqs]
         # a ratio-0 layer attends to its window only: one plan (and one workspace) serves every position; the
         # workspace is the ROWS declaration of the block's config plus the hidden-state input rows

@@ -225,9 +225,8 @@ class RefDSpark:
         per_row = min(mc.dspark_experts, self.block_size * mc.dspark_experts_used)
         experts = {e.name for e in schema.dspark_entries(mc) if e.spec.field.startswith("ffn.experts.")}
         experts |= {vq.gain_name(n) for n in experts} | {vq.hi_name(n) for n in experts}
-        total = 0
-        for name, t in f.tensors.items():
-            if name.startswith(schema.DSPARK_PREFIX):
-                total += t.nbytes * per_row // mc.dspark_experts if name in experts else t.nbytes
-        head, embed = self.model.binding.head, self.model.binding.embed
+        total = sum(t.nbytes * per_row // mc.dspark_experts if name in experts else t.nbytes
+                    for name, t in f.tensors.items() if name.startswith(schema.DSPARK_PREFIX))
+        names = {e.spec.field: e.name for e in schema.entries(mc) if e.spec.field in ("head", "embed")}
+        head, embed = f.tensor(names["head"]), f.tensor(names["embed"])
         return total + head.nbytes + self.block_size * embed.nbytes // embed.shape[0]
