@@ -86,6 +86,19 @@ def supported(qtype) -> bool:
     return int(qtype) in _INTS
 
 
+# the row lengths each kernel takes: a multiple of this many weights (the format's own block: every row the
+# format allows; F16 any length)
+_ROW_MULTIPLE = {int(Q.Q8_0): 32, int(Q.F16): 1, int(Q.IQ2_XXS): 256, int(Q.Q2_K): 256, int(Q.Q4_K): 256,
+                 int(Q.MXFP4): 32}
+VQ_ROW_MULTIPLE = 64
+
+
+def takes(qtype, cols: int) -> bool:
+    """Whether the compiled kernel of `qtype` takes rows of `cols` weights (callers fall back otherwise)."""
+    m = _ROW_MULTIPLE.get(int(qtype))
+    return m is not None and cols > 0 and cols % m == 0
+
+
 def _readonly(a: np.ndarray) -> np.ndarray:
     """A read-only view: the mapped file's rows are read-only, so every caller gets the same compiled variant."""
     if a.flags.writeable:
@@ -132,6 +145,8 @@ def matmul(qtype, raw: np.ndarray, x: np.ndarray, threads: int = 1) -> np.ndarra
     raw = _readonly(np.ascontiguousarray(raw).view(np.uint8))
     x = np.ascontiguousarray(x, dtype=F32)
     R, (T, C) = raw.shape[0], x.shape
+    if not takes(qt, C):
+        raise ValueError(f"the compiled kernel of format {qt} does not take rows of {C} weights")
     y = np.empty((T, R), F32)
     parts = max(1, min(threads, R))
     f16 = _state["f16"]
@@ -139,8 +154,7 @@ def matmul(qtype, raw: np.ndarray, x: np.ndarray, threads: int = 1) -> np.ndarra
         r3 = raw.reshape(R, C // 32, 34)
         _call("q8_0", k.q8_0, (r3, r3.view(np.int8), x.reshape(T, C // 32, 32), y, f16, parts), threads)
     elif qt == Q.F16:
-        _call("f16", k.f16_rows, (raw.view(np.uint16).reshape(R, C // 64, 64), x.reshape(T, C // 64, 64), y, f16,
-                                  parts), threads)
+        _call("f16", k.f16_rows, (raw.view(np.uint16).reshape(R, C), x, y, f16, parts), threads)
     elif qt == Q.IQ2_XXS:
         _call("iq2_xxs", k.iq2_xxs, (raw.reshape(R, C // 256, 66), x.reshape(T, C // 32, 32), y, f16,
                                      _state["grid"], _state["signs"], parts), threads)
