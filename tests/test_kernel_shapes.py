@@ -2,7 +2,7 @@
 
 Real files are not multiples of 64 (head_dim 80 / 96, MoE widths of 96): the compiled F16 kernel once reshaped
 its rows into blocks of 64 and crashed there. Properties over row lengths, per format:
-* block formats: every multiple of the block up to 1,024, then every 8th multiple up to ~4,096;
+* block formats: every multiple of the block up to 1,024, then every multiple of 256 up to 4,096;
 * F16 / F32 / BF16: every length 1..300 and a few large odd ones;
 * VQ-8: every multiple of its 64-weight row quantum up to 2,048 (12 and 13 bits).
 Paths: the `--kernels` choices of the reference backend (ds4py.ref.weights.KERNELS): "auto" (= "jit" where numba
@@ -38,8 +38,8 @@ def lengths(qt: Q) -> list[int]:
     if qt in FLOAT_FORMATS:
         return list(range(1, 301)) + [509, 1001, 2049, 4097]
     block = quant.BLOCK[qt][0]
-    every = list(range(block, 1025, block))
-    return every + list(range(every[-1] + 8 * block, 4097 + block, 8 * block))
+    step = max(block, 256)                   # beyond 1,024: every multiple of 256 (each super-block count)
+    return list(range(block, 1025, block)) + list(range(1024 + step, 4097, step))
 
 
 def _runner(path: str) -> Runner:
