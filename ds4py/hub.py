@@ -191,13 +191,13 @@ def record(pulled: Pulled) -> None:
     save_registry(models)
 
 
-def pulled_for_checksum(path: str) -> PulledFile | None:
-    """The record of a pulled file by any of its paths (the snapshot link or the blob it points at)."""
+def pulled_file(path: str) -> tuple[str, PulledFile] | None:
+    """(the model's name, the record) of a pulled file by any of its paths (the snapshot link or its blob)."""
     real = os.path.realpath(path)
     for m in load_registry().values():
         for f in m.files:
             if os.path.realpath(f.path) == real:
-                return f
+                return m.name, f
     return None
 
 

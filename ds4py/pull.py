@@ -120,8 +120,8 @@ def _fetch(entry: Entry, commit: str, f: RemoteFile, blobs: Path, folder: Path, 
         _verify(blob, f, label, out, tty, fresh=False, name=entry.name)
         return _link(blob, folder, commit, f, time.time())
     if blob.exists():
-        _say(out, f"{label}: {blob} has {blob.stat().st_size:,} of {f.size:,} bytes: fetching it again")
-        blob.unlink()
+        raise Ds4Error(f"{blob} ({f.file}) has {blob.stat().st_size:,} of the Hub's {f.size:,} bytes (truncated): "
+                       f"`ds4py pull {entry.name} --force` fetches it again")
     _download(entry, commit, f, part, label, out, tty)
     _verify(part, f, label, out, tty, fresh=True, name=entry.name)
     os.replace(part, blob)
@@ -187,17 +187,21 @@ def _verify(path: Path, f: RemoteFile, label: str, out: TextIO, tty: bool | None
     kind = f.checksum.split(":", 1)[0]
     size = path.stat().st_size
     if size != f.size:
-        path.unlink()
-        raise Ds4Error(f"{f.file} has {size:,} bytes but the Hub's file {f.size:,}: deleted; run `ds4py pull "
-                       f"{name}` to fetch it again")
+        if fresh:
+            path.unlink()
+        raise Ds4Error(f"{f.file} has {size:,} bytes but the Hub's file {f.size:,}: "
+                       + (f"deleted; run `ds4py pull {name}` to fetch it again" if fresh else
+                          f"`ds4py pull {name} --force` fetches it again"))
     progress = Transfer(f"{label}: checking {kind}", f.size, stream=out, tty=tty)
     got = hub.file_checksum(path, kind, progress.update)
     progress.close()
     if got != f.checksum:
-        path.unlink()
-        how = "the download" if fresh else "the copy in the cache"
-        raise Ds4Error(f"{f.file}: {how} does not match the Hub's checksum ({got} != {f.checksum}): the file "
-                       f"was deleted; run `ds4py pull {name}` to fetch it again")
+        if fresh:                      # a bad download cannot be resumed into a good one
+            path.unlink()
+            raise Ds4Error(f"{f.file}: the download does not match the Hub's checksum ({got} != {f.checksum}): "
+                           f"it was deleted; run `ds4py pull {name}` to fetch it again")
+        raise Ds4Error(f"{f.file}: the copy in the cache ({path}) does not match the Hub's checksum ({got} != "
+                       f"{f.checksum}): it is corrupt; `ds4py pull {name} --force` fetches it again")
 
 
 def _link(blob: Path, folder: Path, commit: str, f: RemoteFile, verified_at: float) -> PulledFile:
