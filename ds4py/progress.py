@@ -189,3 +189,44 @@ class Transfer:
             self.stream.write("\r" + " " * (width - 1) + "\r")
             self.stream.flush()
             self._drawn = False
+
+
+class LoadMeter:
+    """The model load in progress in this process: the weight bytes uploaded of the total. The CUDA engine's
+    upload feeds it (ds4py/cuda/gguf_upload.py); the server's /health reads it ("loading", 42%). Thread-safe: the
+    load runs on its own thread."""
+
+    def __init__(self):
+        import threading
+
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        with self._lock:
+            self.label, self.done, self.total, self.t0, self.t1 = "", 0, 0, 0.0, 0.0
+
+    def begin(self, label: str, total: int) -> None:
+        with self._lock:
+            self.label, self.done, self.total, self.t0, self.t1 = label, 0, int(total), time.monotonic(), 0.0
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.done += int(n)
+
+    def end(self) -> None:
+        with self._lock:
+            self.t1 = time.monotonic()
+
+    def snapshot(self) -> dict | None:
+        """{"label", "done", "total", "fraction", "rate" (bytes/s), "seconds"} or None before any upload."""
+        with self._lock:
+            if not self.total:
+                return None
+            elapsed = (self.t1 or time.monotonic()) - self.t0
+            return {"label": self.label, "done": self.done, "total": self.total,
+                    "fraction": min(self.done / self.total, 1.0), "rate": self.done / max(elapsed, 1e-9),
+                    "seconds": elapsed}
+
+
+LOAD = LoadMeter()
