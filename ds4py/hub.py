@@ -142,8 +142,9 @@ class Pulled:
     @property
     def path(self) -> str:
         """The file a command opens: the GGUF, or the checkpoint's snapshot folder."""
-        if self.kind == CHECKPOINT:
-            return os.path.dirname(self.files[0].path) if self.files else ""
+        if self.kind == CHECKPOINT:        # the snapshot folder: <...>/snapshots/<commit>
+            f = self.files[0]
+            return f.path[: -len(f.file) - 1] if f.path.endswith("/" + f.file) else os.path.dirname(f.path)
         return self.files[0].path
 
     def state(self) -> str:
@@ -312,7 +313,7 @@ def device_memory() -> tuple[str, int] | None:
         _free, total = mem(0)
         dev = Device.open(0)
         try:
-            name = getattr(dev, "name", "the GPU")
+            name = dev.name
         finally:
             dev.close()
         return str(name), int(total)
@@ -457,8 +458,12 @@ def choose(model: str | None) -> Choice:
         if os.path.exists(name):
             return Choice(name, source)
         return _by_name(name, models, source)
-    usable = sorted((m for m in models.values() if m.kind == MODEL and m.state() == "ok"),
-                    key=lambda m: -m.pulled_at)
+    pulled = sorted((m for m in models.values() if m.kind == MODEL), key=lambda m: -m.pulled_at)
+    usable = [m for m in pulled if m.state() == "ok"]
+    if not usable and pulled:                # say so rather than fall back to the demo model silently
+        m = pulled[0]
+        raise Ds4Error(f"the pulled model {m.name} is not usable: {m.state()}; `ds4py pull {m.name} --force` "
+                       f"fetches it again (or -m another model)")
     if not usable:
         return Choice(None, "no model pulled")
     m = usable[0]

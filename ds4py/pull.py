@@ -165,15 +165,24 @@ def _download(entry: Entry, commit: str, f: RemoteFile, part: Path, label: str, 
                          expected_size=f.size, displayed_filename=f.file)
     except KeyboardInterrupt:
         progress.close()
+        if xet:                    # hf_xet writes chunks where they belong, not as a prefix: nothing to resume from
+            part.unlink(missing_ok=True)
+            raise Interrupted(f"interrupted: {f.file} came through hf_xet, which does not resume a partial file; "
+                              f"`ds4py pull {entry.name}` starts it again (hf_xet's chunk cache keeps what "
+                              f"arrived)") from None
         kept = part.stat().st_size if part.is_file() else 0
         raise Interrupted(f"interrupted: {size_text(kept)} of {size_text(f.size)} kept in {part}; run "
                           f"`ds4py pull {entry.name}` again to resume") from None
     except HfHubHTTPError as e:
         progress.close()
+        if xet:
+            part.unlink(missing_ok=True)
         raise Ds4Error(f"the download of {entry.repo}/{f.file} failed: {hub._first_line(e)}; "
                        f"`ds4py pull {entry.name}` resumes it") from None
-    except OSError as e:               # the connection gone for good (http_get retried), a full disk
+    except (OSError, RuntimeError) as e:   # the connection gone for good (http_get retried), a full disk, hf_xet
         progress.close()
+        if xet:
+            part.unlink(missing_ok=True)
         raise Ds4Error(f"the download of {entry.repo}/{f.file} stopped: {hub._first_line(e)}; "
                        f"`ds4py pull {entry.name}` resumes it") from None
     progress.close()

@@ -9,7 +9,8 @@ huggingface_hub asks for when ds4py pulls.
 
 Faults, set per test: `cut_once` (the next GET of that file sends that many bytes and drops the connection),
 `stall` (a GET sends `stall` bytes and then waits until the test ends: for Ctrl-C), `corrupt` (the bytes served
-differ from the published sha256 in one byte). `requests` records (method, path, Range header).
+differ from the published sha256 in one byte). `requests` records (method, path, Range header), `auth` each
+request's Authorization header.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class MockHub:
     stall: dict = field(default_factory=dict)                              # file -> bytes sent before stalling
     corrupt: set = field(default_factory=set)                              # files served with one byte flipped
     requests: list = field(default_factory=list)
+    auth: list = field(default_factory=list)                               # each request's Authorization
 
     def __post_init__(self):
         self.release = threading.Event()
@@ -81,6 +83,7 @@ class MockHub:
     def _handle(self, h, body: bool) -> None:
         path = h.path.split("?", 1)[0]
         self.requests.append((h.command, path, h.headers.get("Range")))
+        self.auth.append(h.headers.get("Authorization"))
         m = re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/revision/[^/]+)?", path)
         if m:
             return self._info(h, m.group(1))

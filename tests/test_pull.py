@@ -39,7 +39,12 @@ def tiny(tmp_path_factory) -> tuple[bytes, bytes]:
 @pytest.fixture
 def hub(tiny, tmp_path, monkeypatch):
     h = MockHub({REPO_ID: {Q2: tiny[0], Q4: tiny[0][: len(tiny[0]) // 2], MTP: tiny[1], "README.md": b"# cards\n"},
-                 "someone/models": {"sub/other.gguf": tiny[0]}})
+                 "someone/models": {"sub/other.gguf": tiny[0]},
+                 "deepseek-ai/DeepSeek-V4.1-Flash": {"config.json": b'{"n_layers": 40}', "README.md": b"card",
+                                                     "model-00001-of-00002.safetensors": os.urandom(3000),
+                                                     "model-00002-of-00002.safetensors": os.urandom(2000),
+                                                     "model.safetensors.index.json": b"{}",
+                                                     "inference/convert.py": b"print()"}})
     for k in ("HF_HUB_OFFLINE", "HF_TOKEN", "DS4PY_MODEL", "HF_HUB_CACHE"):
         monkeypatch.delenv(k, raising=False)
     env = {"HF_ENDPOINT": h.url, "HF_HOME": str(tmp_path / "hf"), "XDG_CACHE_HOME": str(tmp_path / "cache"),
@@ -171,6 +176,8 @@ def test_a_corrupt_file_is_found_by_inspect_verify_and_refetched_on_request(hub,
     assert "has 1,000 bytes, the Hub's file" in capsys.readouterr().err
     assert main(["list"]) == 0
     assert "truncated " + Q2 in capsys.readouterr().out
+    with pytest.raises(Exception, match="the pulled model v4-flash-q2 is not usable: truncated .* --force"):
+        hubmod.choose(None)                                        # not the demo model, silently
     assert main(["pull", "v4-flash-q2", "--force"]) == 0
     assert path.read_bytes() == tiny[0] and hubmod.load_registry()["v4-flash-q2"].state() == "ok"
 
@@ -249,8 +256,26 @@ def test_run_and_serve_use_the_pulled_model_and_say_so(hub, tiny, tmp_path, caps
     assert f"ds4py serve: model: v4-flash-q2 = {path} (the one pulled model; MTP" in err, err
 
 
-def test_the_registry_survives_only_as_json(hub, capsys):
+def test_hf_token_is_sent_and_the_record_is_json(hub, capsys, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_test_token")
     assert main(["pull", "v4-flash-mtp"]) == 0
+    assert hub.auth and set(hub.auth) == {"Bearer hf_test_token"}, hub.auth
     raw = json.loads(hubmod.registry_path().read_text())
     f = raw["models"]["v4-flash-mtp"]["files"][0]
     assert f["checksum"].startswith("sha256:") and f["verified_at"] > 0 and raw["models"]["v4-flash-mtp"]["kind"] == "mtp"
+
+
+def test_the_v41_checkpoint_folder_for_the_recipe(hub, tmp_path, capsys):
+    assert main(["pull", "v41-flash-official"]) == 0
+    err = capsys.readouterr().err
+    assert "5 files" in err and "git-sha1 and sha256 of every file matched the Hub's" in err, err
+    m = hubmod.load_registry()["v41-flash-official"]
+    folder = Path(m.path)
+    assert folder.name == COMMIT and sorted(p.name for p in folder.rglob("*") if p.is_file()) == \
+        ["config.json", "convert.py", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+         "model.safetensors.index.json"]                               # not the README
+    assert {f.checksum.split(":")[0] for f in m.files} == {"sha256", "git-sha1"}
+    assert main(["list"]) == 0 and "convert first (docs/v41.md)" in capsys.readouterr().out
+    with pytest.raises(Exception, match="is a checkpoint folder, not a GGUF: convert it first"):
+        hubmod.choose("v41-flash-official")
+    assert hubmod.choose(None).path is None                         # a checkpoint is no model to serve

@@ -74,6 +74,7 @@ def choose_model(args: argparse.Namespace, command: str, attr: str = "model", pa
     config's default, the one pulled, ds4py.hub.choose); set args.<attr> to its file (None: the demo model, which
     the caller announces) and, with pair, a pulled MTP block unless --mtp or --no-spec is given. Prints the one line
     naming the file, except for a path given with -m. Returns True for the demo model."""
+    import dataclasses
     import sys
 
     from ds4py.hub import announce, choose
@@ -84,7 +85,7 @@ def choose_model(args: argparse.Namespace, command: str, attr: str = "model", pa
         return True
     paired = choice.mtp if (pair and getattr(args, "mtp", "absent") is None and not getattr(args, "no_spec", False)) \
         else None
-    choice = choice.__class__(choice.path, choice.why, choice.name, paired)
+    choice = dataclasses.replace(choice, mtp=paired)
     setattr(args, attr, choice.path)
     if paired:
         args.mtp = paired
