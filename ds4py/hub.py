@@ -264,7 +264,7 @@ def remote_files(entry: Entry, revision: str = "main") -> tuple[str, list[Remote
         raise Ds4Error(f"{entry.repo} has no revision {revision}") from None
     except HfHubHTTPError as e:
         raise Ds4Error(f"the Hub refused the model info of {entry.repo}: {_first_line(e)}") from None
-    except OSError as e:
+    except net_errors() as e:
         raise Ds4Error(f"cannot reach {endpoint()} for {entry.repo}: {_first_line(e)} (HF_HUB_OFFLINE=1 uses only "
                        f"what is already here)") from None
     out = []
@@ -279,6 +279,18 @@ def remote_files(entry: Entry, revision: str = "main") -> tuple[str, list[Remote
     if missing:
         raise Ds4Error(f"{entry.repo} (commit {info.sha[:12]}) has no file {missing[0]}")
     return info.sha, sorted(out, key=lambda f: f.file)
+
+
+def net_errors() -> tuple[type[BaseException], ...]:
+    """What a failed connection raises under huggingface_hub: OSError, and its HTTP client's transport errors."""
+    try:
+        import httpx2
+
+        return (OSError, httpx2.HTTPError)
+    except ImportError:                       # an older huggingface_hub on httpx
+        import httpx
+
+        return (OSError, httpx.HTTPError)
 
 
 def _first_line(e: BaseException) -> str:

@@ -144,7 +144,7 @@ def _download(entry: Entry, commit: str, f: RemoteFile, part: Path, label: str, 
                                     library_version=__version__)
     except HfHubHTTPError as e:
         raise Ds4Error(f"the Hub refused {entry.repo}/{f.file}: {hub._first_line(e)}") from None
-    except OSError as e:
+    except hub.net_errors() as e:
         raise Ds4Error(f"cannot reach {hub.endpoint()} for {entry.repo}/{f.file}: {hub._first_line(e)}") from None
     have = part.stat().st_size if part.is_file() else 0
     if have > f.size:
@@ -179,7 +179,8 @@ def _download(entry: Entry, commit: str, f: RemoteFile, part: Path, label: str, 
             part.unlink(missing_ok=True)
         raise Ds4Error(f"the download of {entry.repo}/{f.file} failed: {hub._first_line(e)}; "
                        f"`ds4py pull {entry.name}` resumes it") from None
-    except (OSError, RuntimeError) as e:   # the connection gone for good (http_get retried), a full disk, hf_xet
+    # the connection gone for good (http_get retried it), a full disk, an hf_xet failure
+    except (*hub.net_errors(), RuntimeError) as e:
         progress.close()
         if xet:
             part.unlink(missing_ok=True)

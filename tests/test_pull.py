@@ -235,6 +235,15 @@ def test_bad_names_get_one_sentence(hub, capsys, name, says):
     assert says in err and "Traceback" not in err, err
 
 
+def test_an_unreachable_hub_is_one_sentence(hub, capsys, monkeypatch):
+    from helpers import free_port
+
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{free_port()}")
+    assert main(["pull", "v4-flash-q2"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot reach http://127.0.0.1:" in err and "HF_HUB_OFFLINE=1" in err and err.count("\n") == 1, err
+
+
 def test_run_and_serve_use_the_pulled_model_and_say_so(hub, tiny, tmp_path, capsys):
     assert main(["pull", "v4-flash-q2"]) == 0
     assert main(["pull", "v4-flash-mtp"]) == 0
