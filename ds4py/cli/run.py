@@ -107,8 +107,8 @@ def open_session(args):
         from ds4py.cli.serve import ensure_demo_model
 
         args.model = str(ensure_demo_model())
-        print("note: no -m given: the demo model (tiny, RANDOM WEIGHTS: its output is noise; -m MODEL.gguf for a "
-              "real model)", file=sys.stderr, flush=True)
+        print(f"note: no -m given: the demo model {args.model} (tiny, RANDOM WEIGHTS: its output is noise; "
+              f"`ds4py pull v4-flash-q2` or -m MODEL.gguf for a real model)", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     from ds4py.spec import SpecModel
 

@@ -273,8 +273,8 @@ def run(args) -> int:
               f"{f'; speculative decoding with {mtp.path}' if mtp is not None else ''})", file=sys.stderr, flush=True)
         return engine
 
-    what = "the DEMO model (tiny, RANDOM WEIGHTS: output is noise; pass -m MODEL.gguf for a real model)" if demo \
-        else args.model
+    what = (f"the DEMO model {demo_model_path()} (tiny, RANDOM WEIGHTS: output is noise; `ds4py pull v4-flash-q2` "
+            f"or -m MODEL.gguf for a real model)") if demo else args.model
     print(f"ds4py serve{f' [{replica}]' if replica else ''}: listening on http://{args.host}:{sock.getsockname()[1]} with {what}; "
           f"backend {args.backend}, context {args.ctx}"
           f"{f', {args.sessions} sessions' if args.sessions > 1 else ''}"
