@@ -22,7 +22,6 @@ import re
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 from ds4py.errors import Ds4Error
 
@@ -48,7 +47,8 @@ CATALOGUE: dict[str, Entry] = {e.name: e for e in (
           about="DeepSeek V4 Flash, 2-bit routed experts (IQ2_XXS / Q2_K), 80.8 GiB: the one for a 128 GB Spark"),
     Entry("v4-flash-q4", V4_GGUF_REPO,
           ("DeepSeek-V4-Flash-Q4KExperts-F16HC-F16Compressor-F16Indexer-Q8Attn-Q8Shared-Q8Out-chat-v2.gguf",),
-          about="DeepSeek V4 Flash, Q4_K routed experts, 153.3 GiB: needs about 165 GB of GPU (or paged CPU) memory"),
+          about="DeepSeek V4 Flash, Q4_K routed experts, 153.3 GiB: about 167 GB with KV and workspaces, more "
+                "than a Spark has"),
     Entry("v4-flash-mtp", V4_GGUF_REPO, ("DeepSeek-V4-Flash-MTP-Q4K-Q8_0-F32.gguf",), kind=MTP,
           about="V4 Flash's MTP draft block, 3.6 GiB: speculative decoding with v4-flash-q2 / -q4",
           pairs_with="v4-flash"),

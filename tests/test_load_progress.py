@@ -53,7 +53,8 @@ def test_transfer_draws_a_bar_on_a_terminal_and_lines_elsewhere():
     out = io.StringIO()
     t = Transfer("x", 2_000_000, initial=500_000, stream=out, tty=True, min_interval=0.0)
     t.update(1_000_000)
-    assert out.getvalue().startswith("\rx [") and "1.0 MB of 2.0 MB (50%)" in out.getvalue() and "left" in out.getvalue()
+    drawn = out.getvalue()
+    assert drawn.startswith("\rx [") and "1.0 MB of 2.0 MB (50%)" in drawn and "left" in drawn
     log = io.StringIO()
     t = Transfer("y", 100, stream=log, tty=False, every=3600)
     t.update(10)                                   # within the minute: nothing
