@@ -89,4 +89,6 @@ def test_health_says_loading_with_the_percentage(tmp_path):
         code, body = _health(srv.base_url)
         assert code == 503 and body["status"] == "loading" and body["progress"] == 0.42, body
         assert body["detail"] == "uploading weights: 42% of 80.00 GB" and body["total_bytes"] == 80_000_000_000
+        root = json.loads(urllib.request.urlopen(srv.base_url + "/", timeout=10).read())
+        assert root["status"] == "loading" and root["progress"] == 0.42
         finish.set()

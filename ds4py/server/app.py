@@ -388,7 +388,8 @@ async def root(request: web.Request) -> web.Response:
                               "context_length": ctx, "default_max_tokens": st.config.max_tokens, "status": status,
                               "error": st.load_error or (st.engine.broken if st.engine is not None else None),
                               "endpoints": ["/v1/chat/completions", "/v1/completions", "/v1/responses",
-                                            "/v1/messages", "/v1/models", "/health", "/metrics", "/chat"]})
+                                            "/v1/messages", "/v1/models", "/health", "/metrics", "/chat"],
+                              **(loading_progress() if status == "loading" else {})})
 
 
 def _model_entry(st: ServerState, mid: str) -> dict:
