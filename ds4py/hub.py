@@ -159,6 +159,16 @@ class Pulled:
         return "ok"
 
 
+def partial_downloads() -> list[tuple[str, Path, int]]:
+    """(repository, partial file, bytes) of every interrupted download in the Hub cache."""
+    root = hub_cache()
+    out = []
+    for part in sorted(root.glob("models--*/blobs/*.incomplete")) if root.is_dir() else []:
+        repo = part.parent.parent.name[len("models--"):].replace("--", "/", 1)
+        out.append((repo, part, part.stat().st_size))
+    return out
+
+
 def registry_path() -> Path:
     return ds4py_cache() / "pulled.json"
 

@@ -138,6 +138,8 @@ def test_ctrl_c_keeps_the_partial_file_and_the_next_pull_resumes(hub, tiny, tmp_
     assert "interrupted: 10.5 MB of 22.9 MB kept in" in err and "again to resume" in err, err
     assert "Traceback" not in err and part.stat().st_size == CHUNK
     hub.release.set()                          # the stalled connection ends
+    assert main(["list"]) == 0
+    assert f"partial download: {REPO_ID}, 0.01 GB in {part}" in capsys.readouterr().out
     assert main(["pull", "v4-flash-q2"]) == 0
     assert "resuming at 10.5 MB of 22.9 MB" in capsys.readouterr().err
     assert file_gets(hub, Q2)[-1][2] == f"bytes={CHUNK}-"

@@ -45,6 +45,8 @@ def run(args) -> int:
                   f"{f'; MTP {choice.mtp} paired' if choice.mtp else ''})")
         except Ds4Error as e:
             print(f"without -m: {e}")
+    for repo, part, n in hub.partial_downloads():
+        print(f"partial download: {repo}, {n / 1e9:.2f} GB in {part} (`ds4py pull` of the same name resumes it)")
     if args.catalogue:
         print("catalogue:")
         for e in hub.CATALOGUE.values():
