@@ -185,7 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         path = Path(a.records) if a.records else Path(tempfile.mkstemp(suffix=".jsonl")[1])
         path.write_text("")
         env = dict(os.environ, DS4PY_EMU_CHECK="traffic", DS4PY_EMU_TRAFFIC=str(path.resolve()))
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider", *tests]
+        cmd = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", *tests]
         if a.keyword:
             cmd += ["-k", a.keyword]
         r = subprocess.run(cmd, cwd=repo, env=env)
