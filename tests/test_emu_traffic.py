@@ -40,6 +40,7 @@ def test_coalesced_copy_is_100_percent(mod):
     assert (x["requests"], x["requested_bytes"], x["sectors"], x["lines"]) == (16, 2048, 64, 16)
     assert x["coalescing"] == 1.0 and x["line_efficiency"] == 1.0
     assert (x["unique_bytes"], x["arg_bytes"], x["reread"], x["coverage"]) == (2048, 2048, 1.0, 1.0)
+    assert (x["unique_sectors"], x["dram_efficiency"]) == (64, 1.0)
     y = r["args"]["y"]
     assert y["requests"] == 0 and y["store_requests"] == 16 and y["store_coalescing"] == 1.0 and y["written"]
     assert r["smem"]["requests"] == 0
@@ -60,6 +61,7 @@ def test_strided_load(mod, stride, sectors, lines):
     assert (x["requests"], x["requested_bytes"], x["sectors"], x["lines"]) == (1, 128, sectors, lines)
     assert x["coalescing"] == pytest.approx(128 / (32 * sectors))
     assert x["coverage"] == pytest.approx(1 / stride)
+    assert x["unique_sectors"] == sectors and x["dram_efficiency"] == pytest.approx(128 / (32 * sectors))
 
 
 @pytest.mark.parametrize("stride,wavefronts", [(1, 1), (2, 2), (32, 32), (0, 1), (33, 1), (4, 4)])
@@ -77,6 +79,7 @@ def test_input_read_twice_shows_a_reread_of_two(mod):
     r = profile(mod, "read_passes", 1, 64, [f32(256), np.zeros(64, np.float32), 256, 2])
     x = r["args"]["x"]
     assert (x["unique_bytes"], x["distinct_bytes"], x["reread"], x["reread_blocks"]) == (1024, 2048, 2.0, 1.0)
+    assert x["unique_sectors"] == 32                      # read twice, fetched from DRAM once at best
     once = profile(mod, "read_passes", 1, 64, [f32(256), np.zeros(64, np.float32), 256, 1])["args"]["x"]
     assert once["reread"] == 1.0
     # three blocks each reading all of x once: each byte requested three times, by three blocks

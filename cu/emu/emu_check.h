@@ -174,11 +174,12 @@ namespace traffic {
 enum : int { kMaxArgs = 64, kSmemDyn = 254, kSmemStatic = 253, kNone = 255 };
 // Per argument: loads [requests, requested bytes, distinct bytes per request summed, sectors, lines, unique bytes,
 // bytes summed over blocks of the bytes each block loaded, bytes loaded before pdl_wait], then the same first five
-// for stores (atomics count as stores). Per shared-memory kind (load, store): requests, wavefronts, ideal.
+// for stores (atomics count as stores), then the distinct 32-byte sectors the launch loaded (what DRAM serves at
+// best). Per shared-memory kind (load, store): requests, wavefronts, ideal.
 enum : int { L_REQ, L_BYTES, L_DISTINCT, L_SECT, L_LINES, L_UNIQUE, L_BLOCK_UNIQUE, L_PRE_PDL,
-             S_REQ, S_BYTES, S_DISTINCT, S_SECT, S_LINES, kCounters };
+             S_REQ, S_BYTES, S_DISTINCT, S_SECT, S_LINES, L_USECT, kCounters };
 
-struct Arg { uintptr_t lo; size_t n; uint32_t* stamp; uint64_t c[kCounters]; };
+struct Arg { uintptr_t lo; size_t n; uint32_t* stamp; uint8_t* sector; uint64_t c[kCounters]; };
 struct Rec { uint64_t pc; uint32_t occ; uint16_t warp; uint8_t kind, write; uintptr_t addr; uint32_t size; };
 struct Occ { uint64_t key; uint32_t gen, count; };
 
@@ -239,7 +240,10 @@ EMU_NO_TSAN void access_at(const void* p, size_t n, int write, uintptr_t pc) {
         for (; off < end; off++) {
             uint32_t& s = g.stamp[off];
             if (s == block_serial) continue;
-            if (!s) g.c[L_UNIQUE]++;
+            if (!s) {
+                g.c[L_UNIQUE]++;
+                if (!g.sector[off >> 5]) { g.sector[off >> 5] = 1; g.c[L_USECT]++; }
+            }
             g.c[L_BLOCK_UNIQUE]++;
             s = block_serial;
         }
@@ -341,14 +345,15 @@ extern "C" EMU_NO_TSAN void __tsan_vptr_read(void*) {}
 // copies the counters out: kCounters per argument, then smem loads (requests, wavefronts, ideal) and stores.
 EMU_API int emu_traffic_begin(int n, void** lo, const size_t* len) {
     using namespace ::__emu::traffic;
-    for (int i = 0; i < nargs; i++) free(args[i].stamp);
+    for (int i = 0; i < nargs; i++) { free(args[i].stamp); free(args[i].sector); }
     nargs = 0;
     active = 0;
     if (n < 0) return 0;
     if (n > kMaxArgs) return -1;
     for (int i = 0; i < n; i++) {
-        args[i] = Arg{(uintptr_t)lo[i], len[i], (uint32_t*)calloc(len[i] ? len[i] : 1, 4), {0}};
-        if (!args[i].stamp) return -1;
+        args[i] = Arg{(uintptr_t)lo[i], len[i], (uint32_t*)calloc(len[i] ? len[i] : 1, 4),
+                      (uint8_t*)calloc(len[i] / 32 + 1, 1), {0}};
+        if (!args[i].stamp || !args[i].sector) return -1;
     }
     nargs = n;
     memset(smem, 0, sizeof smem);

@@ -29,7 +29,13 @@ from typing import Any, Iterator, Sequence
 # The counters of one argument, in cu/emu/emu_check.h's order (traffic::L_REQ ... S_LINES).
 ARG_COUNTERS = ("requests", "requested_bytes", "distinct_bytes", "sectors", "lines", "unique_bytes",
                 "block_unique_bytes", "pre_pdl_bytes",
-                "store_requests", "store_requested_bytes", "store_distinct_bytes", "store_sectors", "store_lines")
+                "store_requests", "store_requested_bytes", "store_distinct_bytes", "store_sectors", "store_lines",
+                "unique_sectors")
+# Which const pointer parameters of cu/*.cu hold model weights (a parameter name, the same across kernels): the
+# report's `weight` flag and its findings. The twin tests upload activations into the arena's weights region too,
+# so where the bytes live does not tell.
+WEIGHT_PARAMS = frozenset({"W", "W0", "W1", "W2", "W3", "Wg", "Wu", "w", "weight", "codes", "scales", "table",
+                           "ape", "norm_w", "k_norm", "bias", "sinks", "fn", "scale", "base"})
 SMEM_COUNTERS = ("requests", "wavefronts", "ideal_wavefronts")
 COALESCING_TARGET = 0.95          # issue 34: every weight-streaming kernel's weight argument
 REREAD_LIMIT = 1.1
@@ -73,6 +79,7 @@ def derive_arg(c: dict) -> dict:
     out["reread"] = _ratio(c["distinct_bytes"], c["unique_bytes"])
     out["reread_blocks"] = _ratio(c["block_unique_bytes"], c["unique_bytes"])
     out["coverage"] = _ratio(c["unique_bytes"], c["arg_bytes"])
+    out["dram_efficiency"] = _ratio(c["unique_bytes"], 32 * c["unique_sectors"])
     out["store_coalescing"] = _ratio(c["store_distinct_bytes"], 32 * c["store_sectors"])
     return out
 
@@ -90,7 +97,8 @@ def launch_record(kernel: str, grid: Sequence[int], block: Sequence[int], smem_b
     args = {}
     for i, g in enumerate(groups):
         c = dict(zip(ARG_COUNTERS, counters[i * n:(i + 1) * n]))
-        c.update(arg_bytes=g.nbytes, weight=bool(g.weight), written=bool(g.writes))
+        c.update(arg_bytes=g.nbytes, weight=not g.writes and any(nm in WEIGHT_PARAMS for nm in g.names),
+                 readonly_source=bool(g.weight), written=bool(g.writes))
         args["=".join(g.names)] = derive_arg(c)
     base = len(groups) * n
     load = dict(zip(SMEM_COUNTERS, counters[base:base + 3]))
@@ -115,8 +123,10 @@ def summarize(records: Sequence[dict]) -> dict:
                                              "smem_store": {}})
         k["launches"] += 1
         for name, c in r["args"].items():
-            a = k["args"].setdefault(name, {"weight": c["weight"], "written": c["written"]})
+            a = k["args"].setdefault(name, {"weight": c["weight"], "written": c["written"],
+                                            "readonly_source": c.get("readonly_source", False)})
             a["weight"] |= c["weight"]
+            a["readonly_source"] |= c.get("readonly_source", False)
             a["written"] |= c["written"]
             _add(a, c, ARG_COUNTERS + ("arg_bytes",))
         _add(k["smem"], r["smem"], SMEM_COUNTERS)
