@@ -189,6 +189,43 @@ def report(records: Sequence[dict], sources: Sequence[str] = ()) -> dict:
                                if k["smem"]["conflict_factor"] and k["smem"]["conflict_factor"] > 1.0}}
 
 
+def model_width_gemv(rows: int = 16, cols: int = 4096, nx: int = 1) -> list[dict]:
+    """The dense GEMV of every weight type at the model's width (V4 Flash: 4096 columns; the twin tests' rows are a
+    few hundred bytes, where a row's partly used last sector weighs heavily), traffic build, one launch each."""
+    import numpy as np
+
+    from ds4py.cuda import ops, twins
+    from ds4py.cuda.emu_runtime import EmuRuntime
+    from ds4py.quant import kquants
+
+    r = np.random.default_rng(34)
+    Wf = r.standard_normal((rows, cols)).astype(np.float32)
+    weights = {"F32": Wf, "F16": Wf.astype(np.float16), "Q8_0": twins.quant_q8_0(Wf).reshape(rows, -1),
+               "Q4_K": kquants.quant_q4_k(Wf.reshape(-1, 256)).reshape(rows, -1)}
+    old = os.environ.get("DS4PY_EMU_CHECK")
+    os.environ["DS4PY_EMU_CHECK"] = "traffic"
+    try:
+        rt = EmuRuntime(check_pdl=True)
+        arena = rt.arena(weights_bytes=4 * rows * cols + (1 << 20), scratch_bytes=1 << 20)
+        with collect() as recs:
+            for kind, host in weights.items():
+                arena.reset_weights()
+                arena.begin_step()
+                W = arena.weights(host.shape, host.dtype)
+                W.upload(host)
+                x, y = arena.scratch(cols * nx, np.float32), arena.scratch(rows * nx, np.float32)
+                x.upload(r.standard_normal(cols * nx).astype(np.float32))
+                ops.gemv(rt, [(W, y, rows)], x, cols, nx=nx)
+                rt.synchronize()
+        arena.close()
+    finally:
+        if old is None:
+            os.environ.pop("DS4PY_EMU_CHECK", None)
+        else:
+            os.environ["DS4PY_EMU_CHECK"] = old
+    return recs
+
+
 def twin_tests(repo: Path) -> list[str]:
     """The kernels' twin tests: every tests/test_cu_emu_*.py but the emulator's own and the GPU / NVRTC ones."""
     skip = {"test_cu_emu.py", "test_cu_emu_gpu.py", "test_cu_emu_portable.py", "test_cu_emu_kernels.py",
@@ -202,6 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/traffic/report.json", help="the per-kernel report (JSON)")
     ap.add_argument("--records", help="keep the per-launch records (JSON lines) here")
     ap.add_argument("--from-records", help="summarise these per-launch records instead of running tests")
+    ap.add_argument("--no-model-width", action="store_true", help="skip the GEMVs at 4096 columns")
     ap.add_argument("-k", dest="keyword", default=ONE_ORDER,
                     help="pytest -k expression (default: the forward-order runs only, %(default)r)")
     a = ap.parse_args(argv)
@@ -224,6 +262,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not a.records and not a.from_records:
         path.unlink(missing_ok=True)
     rep = report(records, tests)
+    if not a.no_model_width:
+        width = model_width_gemv() + model_width_gemv(nx=4)
+        rep["model_width"] = {"what": "gemv of every weight type, 16 x 4096, one and four activation rows",
+                              "kernels": summarize(width)}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rep, indent=1, sort_keys=True) + "\n")
