@@ -146,9 +146,33 @@ def vq_budget(qtype: Any) -> int:
     return min(SMEM_BUDGET, SMEM_LIMIT - codebook_bytes(qtype) - STATIC_RESERVE)
 
 
-def launch_smem(qtype: Any, plan: "MoePlan") -> int:
-    """The dynamic shared memory of an expert launch: the plan's stage / sums, after the codebook (VQ-8)."""
-    return plan.smem + codebook_bytes(qtype)
+RING = 2                       # VQ-8 decode gate+up / down: stage buffers (tile i + 1 loads while tile i computes)
+
+
+def ring_bytes(plan: "MoePlan") -> int:
+    """One ring buffer (experts.cu moe_ring_bytes): the plan's stage / partial sums, 16-byte rounded."""
+    return (plan.smem + 15) & ~15
+
+
+def launch_smem(qtype: Any, plan: "MoePlan", ring: int = 1) -> int:
+    """The dynamic shared memory of an expert launch: the plan's stage / sums (ring: that many buffers of it),
+    after the codebook (VQ-8)."""
+    return (ring * ring_bytes(plan) if ring > 1 else plan.smem) + codebook_bytes(qtype)
+
+
+def decode_ring(qtype: Any) -> int:
+    """Stage buffers of moe_gate_up / moe_down: RING for VQ-8 (persistent, the ring of experts.cu), else 1."""
+    return RING if isinstance(qtype, str) else 1
+
+
+def gate_up_plan(qtype: Any, dim: int, ff: int, rows_per_block: int | None = None) -> "MoePlan":
+    """moe_gate_up's geometry: two spans (gate, up) and two partial-sum rows per block row, in 1 / RING buffers."""
+    return moe_plan(qtype, dim, ff, 2, 2, rows_per_block, vq_budget(qtype) // decode_ring(qtype))
+
+
+def down_plan(qtype: Any, ff: int, dim: int, n_slots: int, rows_per_block: int | None = None) -> "MoePlan":
+    """moe_down's geometry: n_slots spans and one partial-sum row per block row, in 1 / RING buffers."""
+    return moe_plan(qtype, ff, dim, n_slots, 1, rows_per_block, vq_budget(qtype) // decode_ring(qtype))
 
 
 def moe_plan(qtype: int, cols: int, rows: int, spans: int, sums: int, rows_per_block: int | None = None,
@@ -173,12 +197,12 @@ def moe_plan(qtype: int, cols: int, rows: int, spans: int, sums: int, rows_per_b
     return MoePlan(threads, RL, rows_per_block, max(stage, partial))
 
 
-def _grid_x(rt: Any, qtype: Any, tiles: int, ys: int, plan: MoePlan) -> int:
+def _grid_x(rt: Any, qtype: Any, tiles: int, ys: int, threads: int, smem: int) -> int:
     """Blocks along x: one per row tile for the ggml formats; VQ-8's persistent blocks loop over the tiles, so
     (with ys blocks along y) the grid is at most one wave of the device and each block loads the codebook once."""
     if not isinstance(qtype, str):
         return tiles
-    return max(1, min(tiles, blocks_that_fit(rt, plan.threads, launch_smem(qtype, plan) + STATIC_RESERVE) // ys))
+    return max(1, min(tiles, blocks_that_fit(rt, threads, smem + STATIC_RESERVE) // ys))
 
 
 def _check_weights(where: str, W: Any, qtype: Any, n_experts: int, rows: int, cols: int) -> None:
@@ -201,10 +225,11 @@ def moe_gate_up(rt: Any, qtype: int, Wg: Any, Wu: Any, x: Any, ids: Any, route_w
     need(ids is None or (dtype_is(ids, np.int32) and ids.size >= n_slots), "moe_gate_up: ids must be int32 [n_slots]")
     need(route_w is None or route_w.size >= n_slots, "moe_gate_up: route weights must cover the slots")
     need(aligned(16, x, h), "moe_gate_up: x and h must be 16-byte aligned")
-    plan = moe_plan(qtype, dim, ff, 2, 2, rows_per_block)
-    gx = _grid_x(rt, qtype, -(-ff // plan.rows_per_block), n_slots, plan)
+    plan = gate_up_plan(qtype, dim, ff, rows_per_block)
+    smem = launch_smem(qtype, plan, decode_ring(qtype))
+    gx = _grid_x(rt, qtype, -(-ff // plan.rows_per_block), n_slots, plan.threads, smem)
     rt.launch(f"moe_gate_up_{name}", (gx, n_slots), plan.threads, Wg, Wu, x, ids, route_w, h, int(n_experts), int(ff),
-              int(dim), plan.rows_per_block, float(clamp), smem=launch_smem(qtype, plan), stream=stream, pdl=pdl)
+              int(dim), plan.rows_per_block, float(clamp), smem=smem, stream=stream, pdl=pdl)
     return plan
 
 
@@ -226,11 +251,11 @@ def moe_down(rt: Any, qtype: int, W: Any, ids: Any, h: Any, out: Any, n_experts:
     else:
         need(out.size == dim, "moe_down: out must be [dim]")
     need(aligned(16, h), "moe_down: h must be 16-byte aligned")
-    plan = moe_plan(qtype, ff, dim, n_slots, 1, rows_per_block)
-    gx = _grid_x(rt, qtype, -(-dim // plan.rows_per_block), 1, plan)
+    plan = down_plan(qtype, ff, dim, n_slots, rows_per_block)
+    smem = launch_smem(qtype, plan, decode_ring(qtype))
+    gx = _grid_x(rt, qtype, -(-dim // plan.rows_per_block), 1, plan.threads, smem)
     rt.launch(f"moe_down_{name}", gx, plan.threads, W, ids, h, add, hc_post, hc_comb, hc_x, out, int(n_slots),
-              int(n_experts), int(dim), int(ff), plan.rows_per_block, hc, smem=launch_smem(qtype, plan), stream=stream,
-              pdl=pdl)
+              int(n_experts), int(dim), int(ff), plan.rows_per_block, hc, smem=smem, stream=stream, pdl=pdl)
     return plan
 
 
@@ -285,7 +310,7 @@ def moe_gate_up_rows(rt: Any, qtype: int, Wg: Any, Wu: Any, x: Any, ids: Any, ro
     need(aligned(16, x, h), "moe_gate_up_rows: x and h must be 16-byte aligned")
     plan = moe_rows_plan(qtype, dim, ff, rows_per_block)
     groups = k if ids is None else min(n_pairs, n_experts + 1)      # + 1: a bad id is a group of its own
-    gx = _grid_x(rt, qtype, -(-ff // plan.rows_per_block), groups, plan)
+    gx = _grid_x(rt, qtype, -(-ff // plan.rows_per_block), groups, plan.threads, launch_smem(qtype, plan))
     rt.launch(f"moe_gate_up_rows_{name}", (gx, groups), plan.threads, Wg, Wu, x, ids, route_w, h, int(n_experts),
               int(ff), int(dim), plan.rows_per_block, float(clamp), int(n_pairs), int(k), stride,
               smem=launch_smem(qtype, plan), stream=stream, pdl=pdl)
@@ -312,7 +337,7 @@ def moe_down_rows(rt: Any, qtype: int, W: Any, ids: Any, h: Any, out: Any, n_exp
         need(out.size >= nx * dim, "moe_down_rows: out must be [nx, dim]")
     need(aligned(16, h), "moe_down_rows: h must be 16-byte aligned")
     plan = moe_plan(qtype, ff, dim, n_slots, 1, rows_per_block)
-    gx = _grid_x(rt, qtype, -(-dim // plan.rows_per_block), nx, plan)
+    gx = _grid_x(rt, qtype, -(-dim // plan.rows_per_block), nx, plan.threads, launch_smem(qtype, plan))
     rt.launch(f"moe_down_rows_{name}", (gx, nx), plan.threads, W, ids, h, add, mix, hc_x, out, int(n_slots),
               int(n_experts), int(dim), int(ff), plan.rows_per_block, int(hc) if mix is not None else 0,
               smem=launch_smem(qtype, plan), stream=stream, pdl=pdl)
