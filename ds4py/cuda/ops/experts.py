@@ -22,7 +22,9 @@ from ds4py.cuda.signature import CU_DIR, list_of
 
 MOE_RPT = 8                    # rows per thread (accumulators per matrix)
 DEFINES = {"MOE_RPT": MOE_RPT}                                                     # -D values of cu/experts.cu
-SMEM_BUDGET = 48 * 1024        # staged rows per block: no opt-in, several blocks per SM
+# staged rows per block (ggml formats): 3 blocks fit a GB10 SM's ~100 KB (30 KiB + the IQ2 grid's 2 KiB + the
+# driver's 1 KiB each), no opt-in; registers permitting (<= 80 at 256 threads: docs/cuda.md)
+SMEM_BUDGET = 30 * 1024
 # VQ-8: the codebook (up to 64 KiB) + the stage + the kernels' static shared memory must fit the smallest
 # per-block opt-in of the devices ds4py targets: GB10 (sm_121), 101,376 B (docs/cuda.md "Device facts").
 SMEM_LIMIT = 101_376
