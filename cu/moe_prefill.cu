@@ -542,13 +542,13 @@ MOE_FORMATS(MOEP_DOWN)
 // ---- VQ-8 entry points: one pair per format of MOE_VQ_FORMATS --------------------------------------------------
 // As the pair above with Wg / Wu / W the VQ device copies (ds4py/cuda/vq_layout.py: the layer's codebook of KC
 // codewords x 8 E4M3 bytes at the head of each, the same in all three); dim and ff multiples of 64. The codebook is
-// copied into the dynamic shared memory with cp.async (KC * 8 bytes, issued before pdl_wait: the weights do not
-// depend on the previous kernel; each thread waits for its copies after it), visible after the first k tile's
-// barrier.
+// copied into the dynamic shared memory (KC * 8 bytes, before pdl_wait: the weights do not depend on the previous
+// kernel), visible after the first k tile's barrier.
 __device__ __forceinline__ const uint64_t* moep_load_codebook(uint8_t* smem, const uint8_t* W, int kc) {
-    for (int i = threadIdx.x; i < kc / 2; i += blockDim.x) cp_async_16(smem + 16 * i, W + 16 * i);
-    cp_async_commit();                  // in flight across pdl_wait; the entry point waits right after it
-    return reinterpret_cast<const uint64_t*>(smem);
+    uint64_t* cb = reinterpret_cast<uint64_t*>(smem);
+    const uint64_t* src = reinterpret_cast<const uint64_t*>(W);
+    for (int i = threadIdx.x; i < kc; i += blockDim.x) cb[i] = src[i];
+    return cb;
 }
 
 // Launch: grid (ceil(ff / MOEP_BN), max_tiles), block MOEP_THREADS, dynamic shared memory KC * 8.
@@ -561,7 +561,6 @@ extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_gate_up_#
     const uint64_t* cb = moep_load_codebook(moep_smem, Wg, KC); \
     pdl_wait(); \
     pdl_launch_dependents(); \
-    cp_async_wait_all(); \
     moep_gate_up<F>(cb, Wg + 8 * KC, Wu + 8 * KC, x, ldx, route_w, sorted, tile_bucket, tile_row, offsets, info, H, \
                     n_experts, ff, dim, k, clamp); \
 }
@@ -575,7 +574,6 @@ extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_down_##na
     const uint64_t* cb = moep_load_codebook(moep_smem, W, KC); \
     pdl_wait(); \
     pdl_launch_dependents(); \
-    cp_async_wait_all(); \
     moep_down<F>(cb, W + 8 * KC, H, tile_bucket, tile_row, offsets, info, Yp, n_experts, dim, ff); \
 }
 
