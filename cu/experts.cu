@@ -509,7 +509,7 @@ MOE_FORMATS(MOE_DOWN_ROWS)
 // ---- VQ-8 (MOE_VQ_FORMATS): the same four kernels, persistent; each matrix's device copy starts with the layer's
 // codebook (KC codewords x 8 E4M3 bytes), copied once per block into the first KC * 8 bytes of the dynamic shared
 // memory (cp.async, before pdl_wait: weights), the stage follows it (ds4py/cuda/ops/experts.py adds them in
-// vq_launch_smem). A block then loops over row tiles bx = blockIdx.x, blockIdx.x + gridDim.x, ... < tiles (the
+// launch_smem). A block then loops over row tiles bx = blockIdx.x, blockIdx.x + gridDim.x, ... < tiles (the
 // grid is one wave: ops/experts.py sizes gridDim.x from the device), so a launch reads the codebook from L2 once
 // per resident block, not once per tile; a tile's arithmetic is the one-block-per-tile kernel's exactly (the same
 // impl), so the bits do not depend on the grid. A group's dot reads its 4 codewords from there; the row gain

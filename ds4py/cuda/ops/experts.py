@@ -142,7 +142,7 @@ class MoePlan:
 
 def vq_budget(qtype: Any) -> int:
     """Dynamic shared bytes a block may stage: SMEM_BUDGET, and for VQ-8 at most what the codebook leaves of
-    SMEM_LIMIT (35,584 B at 13 bits)."""
+    SMEM_LIMIT (35,584 B at 13 bits: above SMEM_BUDGET, so every width stages SMEM_BUDGET)."""
     if not isinstance(qtype, str):
         return SMEM_BUDGET
     return min(SMEM_BUDGET, SMEM_LIMIT - codebook_bytes(qtype) - STATIC_RESERVE)
