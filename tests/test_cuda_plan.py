@@ -99,10 +99,16 @@ def test_every_launch_fits_the_device_at_real_shapes(shapes, kind, device):
                          + "\n".join(refused))
 
 
-def test_decode_at_64k_context_fits():
-    for device in ("gb10", "h200"):
-        refused = plan.refusals(plan.plan_step("v4-flash-q2", "decode", device, ctx=65536))
-        assert not refused, "\n".join(refused)
+@pytest.mark.parametrize("device", ["gb10", "h200"])
+@pytest.mark.parametrize("shapes", list(plan.SHAPES))
+def test_the_other_prefill_expert_path_and_64k_decode_fit(shapes, device):
+    """The prefill's experts on the path the engine does not take by default (tensor cores for the ggml formats,
+    the rows kernels for VQ-8), and a decode step at 64K context."""
+    default_mma = plan.shapes(shapes).vq is not None
+    launches = plan.plan_step(shapes, "prefill", device, expert_mma=not default_mma)
+    assert any(ln.kernel.startswith("moe_prefill_") for ln in launches) != default_mma
+    refused = plan.refusals(launches) + plan.refusals(plan.plan_step(shapes, "decode", device, ctx=65536))
+    assert not refused, f"{shapes} on {device}: {len(refused)} launches refused:\n" + "\n".join(refused)
 
 
 def test_plan_is_the_engine_launch_count():
