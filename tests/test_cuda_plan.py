@@ -117,3 +117,15 @@ def test_plan_is_the_engine_launch_count():
     st = m.new_state()
     n = m.launches_per_step(st)
     assert len(plan.plan_step("v4-flash-q2", "decode", "h200", ctx=1)) == n["total"]
+
+
+def test_planned_arguments_carry_sizes_and_labels():
+    """Every pointer into a weight tensor is const and names the tensor; the attention reads the KV state."""
+    launches = plan.plan_step("v4-flash-q2", "decode", "gb10")
+    weights = [(ln.kernel, a) for ln in launches for a in ln.args if a.label.startswith("blk.")]
+    assert weights and all(a.const and a.nbytes > 0 for _, a in weights), \
+        [f"{k} {a}" for k, a in weights if not a.const or not a.nbytes][:5]
+    assert any(a.label == "blk.3.ffn_down_exps.weight" for _, a in weights)
+    attn = [a for ln in launches if ln.kernel == "attn_decode_partial" for a in ln.args]
+    assert any(a.label.startswith("state.") for a in attn)
+    assert {ln.stream for ln in launches} == {"main", "side"} and any(ln.pdl for ln in launches)
