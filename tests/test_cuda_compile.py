@@ -89,6 +89,25 @@ def test_committed_resource_table_is_this_build(compiled):
         "python3 -m ds4py.cuda.resources --write"
 
 
+def test_vq_kernels_fit_gb10_shared_memory(compiled):
+    """The ptxas report's static shared memory of the VQ-8 expert kernels at every width: cu/experts.cu's within
+    ops/experts.STATIC_RESERVE (what the hosts' plans add to codebook + stage, tests/test_cu_emu_vq.py checks those
+    at the real shapes), cu/moe_prefill.cu's static tiles + the codebook (their whole dynamic shared memory) within
+    GB10's 101,376 B per block."""
+    from ds4py.cuda.ops import experts as ops_moe
+
+    assert len(ops_moe.VQ_FORMATS) == 8
+    for arch, mods in compiled.items():
+        for fmt in ops_moe.VQ_FORMATS:
+            for kind in ("gate_up", "down", "gate_up_rows", "down_rows"):
+                r = mods["experts"].resources[f"moe_{kind}_{fmt}"]
+                assert r.smem <= ops_moe.STATIC_RESERVE, f"{arch} moe_{kind}_{fmt}: {r.smem} B static"
+            for kind in ("gate_up", "down"):
+                r = mods["moe_prefill"].resources[f"moe_prefill_{kind}_{fmt}"]
+                total = r.smem + ops_moe.codebook_bytes(fmt)
+                assert total <= ops_moe.SMEM_LIMIT, f"{arch} moe_prefill_{kind}_{fmt}: {total:,} B"
+
+
 def test_warm_start_reads_the_cache(compiled, cache):
     src = CU / "rmsnorm.cu"
     again = compiler.compile_file(src, "sm_90", cache=cache)
