@@ -8,7 +8,8 @@ the table against the build it already makes.
 
 The loop: the body of a backward branch (a BRA whose target is at or before it), less the loops nested in it. Of
 the loops that load data (global or shared loads) and multiply (FFMA / FMUL / HFMA2 / HMUL2 / integer dot products
-DP4A), the one doing the most products. Its
+DP4A), the densest in products; the straight-line code outside every loop where a kernel's work is fully unrolled
+there (inner_loop gives the rule). Its
 `products` (one FFMA or FMUL, two per HFMA2 / HMUL2, four per DP4A / IDP) stand for the weights it consumes: each
 weight of a GEMV meets its activation in one multiply (with --fmad=false a multiply-add is FMUL + FADD: one
 product). Scale multiplies count too, so for block formats the count is a slight over-estimate of weights per
@@ -120,15 +121,18 @@ def classify(opcode: str) -> str:
     return "other"
 
 
-def _products(opcode: str) -> int:
+def _products(opcode: str, operands: str = "") -> int:
+    """Weight x activation multiplies one instruction does. Not counted: a square (both factors the same register:
+    the RMS of x in a norm prologue) and HFMA2 / FFMA on RZ (ptxas's idiom for moving a constant)."""
     base = opcode.split(".")[0]
-    if base in ("FFMA", "FMUL", "DFMA", "DMUL"):
-        return 1
-    if base in ("HFMA2", "HMUL2", "FFMA2", "FMUL2"):
-        return 2
-    if base in ("DP4A", "IDP"):
-        return 4
-    return 0
+    n = {"FFMA": 1, "FMUL": 1, "DFMA": 1, "DMUL": 1, "HFMA2": 2, "HMUL2": 2, "FFMA2": 2, "FMUL2": 2,
+         "DP4A": 4, "IDP": 4}.get(base, 0)
+    if n and operands:
+        ops = [o.strip().lstrip("-|").split(".")[0] for o in operands.split(",")]
+        a, b = (ops[1], ops[2]) if len(ops) >= 3 else ("", "")
+        if a == b or "RZ" in (a, b):
+            return 0
+    return n
 
 
 def loops(insns: list[tuple[int, str, str, str]]) -> list[tuple[int, int]]:
@@ -158,29 +162,34 @@ def _count(kernel: str, body: list[tuple[int, str, str, str]], async_copy: bool 
         counts[classify(op)] += 1
     ldg = sum(load_width(op) for _, op, _, _ in body if op.startswith("LDG.") or op == "LDG")
     return LoopCount(kernel, len(body), counts["memory"], counts["fma"], counts["convert"], counts["integer"],
-                     counts["control"], counts["other"], sum(_products(op) for _, op, _, _ in body), ldg, async_copy)
+                     counts["control"], counts["other"], sum(_products(op, o) for _, op, o, _ in body), ldg, async_copy)
 
 
 def inner_loop(kernel: str, insns: list[tuple[int, str, str, str]]) -> LoopCount | None:
-    """The weight loop (see the module doc): of the regions that load and multiply, the one doing the most
-    products, counted over its own body. A region is a loop's own body (its instructions outside any loop nested
-    in it) or the function's straight-line code outside every loop (a kernel whose rows loop is fully unrolled,
-    e.g. moe_gate_up's 8 rows per thread, does its work there, once per thread). A short nested loop (a
-    cross-lane reduction after each row) thus neither hides the dequantise-and-multiply loop around it nor
-    inflates it."""
+    """The weight loop (see the module doc). Candidates: each loop's own body (its instructions outside the loops
+    nested in it) that loads and does at least 8 products; of those the densest (most products per instruction:
+    the loop that multiplies, not the one around it that copies a tile and waits). The function's straight-line
+    code outside every loop replaces it when it does at least 4x its products (a kernel whose rows loop is fully
+    unrolled, e.g. moe_gate_up's 8 rows per thread, works there, once per thread). Work an outer loop does once
+    per tile (copies, waits, scale decoding) is not counted: the count is a lower bound of instructions per
+    weight."""
     spans = loops(insns)
     staged = any(op.startswith("LDGSTS") for _, op, _, _ in insns)
-    regions = [(a, b, [(c, d) for c, d in spans if (c, d) != (a, b) and a <= c and d <= b]) for a, b in spans]
-    regions.append((0, len(insns) - 1, spans))
+
+    def own(a: int, b: int, nested: list[tuple[int, int]]) -> LoopCount | None:
+        body = [insns[i] for i in range(a, b + 1) if not any(c <= i <= d for c, d in nested)]
+        if not any(op.startswith(("LDG", "LDS", "LD.", "LDGSTS")) or op == "LD" for _, op, _, _ in body):
+            return None
+        return _count(kernel, body, staged)
+
     best = None
-    for a, b, inner in regions:
-        body = [insns[i] for i in range(a, b + 1) if not any(c <= i <= d for c, d in inner)]
-        loads = any(op.startswith(("LDG", "LDS", "LD.", "LDGSTS")) or op == "LD" for _, op, _, _ in body)
-        if not loads:
-            continue
-        c = _count(kernel, body, staged)
-        if c.products and (best is None or (c.products, -c.instructions) > (best.products, -best.instructions)):
+    for a, b in spans:
+        c = own(a, b, [(x, y) for x, y in spans if (x, y) != (a, b) and a <= x and y <= b])
+        if c and c.products >= 8 and (best is None or c.products / c.instructions > best.products / best.instructions):
             best = c
+    flat = own(0, len(insns) - 1, spans) if insns else None
+    if flat and flat.products and (best is None or flat.products >= 4 * best.products):
+        best = flat
     return best
 
 
