@@ -386,6 +386,11 @@ class EmuRuntime:
                 kernels[name] = EmuKernel(name, src.stem, params, bounds.get(name, 1024))
         return EmuKernels(kernels)
 
+    @property
+    def profile(self) -> DeviceProfile:
+        """The device profile launches are checked against and ops size grids from (EmuDevice.checked_profile)."""
+        return self.device.checked_profile()
+
     def module(self, stem: str) -> emu.EmuModule:
         """The emulator build of cu/<stem>.cu with its -D defines (built on first use, cached on disk)."""
         mod = self._modules.get(stem)
@@ -417,7 +422,7 @@ class EmuRuntime:
             raise KernelArgumentError(f"no kernel named {name!r}; known: {', '.join(sorted(self.kernels.kernels))}"
                                       ) from None
         mod = self.module(k.module)
-        prof = self.device.checked_profile()
+        prof = self.profile
         res = resources.kernel(prof.arch, name)          # the committed ptxas report (None: a kernel not in it)
         g, b = check_geometry(name, grid, block, smem, k.max_threads, self.device.smem_per_block_optin,
                               mod.static_smem_bytes, res.registers if res is not None else 0, prof)
