@@ -11,7 +11,7 @@ Per kernel (all times in microseconds):
               keeps too few bytes in flight cannot reach the copy bandwidth, whatever the bus could carry)
     t_issue = warp instructions / (active SMs x IPC x clock)     (the SASS count per weight x the weights)
     t_mma   = tensor FLOPs / (the device's mma.sync rate)        (prefill GEMMs)
-    t_floor = DRAM latency x waves                               (every wave of blocks waits a round trip)
+    t_floor = DRAM latency                                       (one round trip before the first byte)
     time    = max(t_mem, t_issue, t_mma, t_floor), or t_mem + t_issue for a kernel that stages all its loads
               before any math (cp.async, then wait) with one block per SM: nothing overlaps its copy
               + the launch gap (smaller with PDL: the next kernel's launch overlaps this one's tail)
@@ -40,6 +40,7 @@ class Timing:
     gap_us: float             # kernel-to-kernel gap inside a CUDA graph, no PDL
     gap_pdl_us: float         # the same with programmatic dependent launch
     mma_tflops: float         # bf16 mma.sync with fp32 accumulate, dense, achievable
+    sm_bytes_per_clk: float = 64.0    # bytes one SM takes in from L2 per cycle
 
 
 TIMING = {
@@ -110,31 +111,43 @@ def _scalars(launch: Any) -> dict[str, Any]:
 
 
 def _is_weight(arg: Any) -> bool:
-    return bool(arg.label) and arg.label != "activation"
+    return bool(arg.label) and arg.label not in ("activation", "null")
 
 
 def launch_traffic(launch: Any, ctx: int) -> Traffic:
     """DRAM bytes of one planned launch (ds4py/cuda/plan_runtime.PlannedLaunch) at context `ctx`.
 
     Every pointer argument's buffer counts once, except: a stacked expert tensor counts only the experts the launch
-    reads (its slots of n_experts); the attention window ring min(ctx, window) rows, its compressed rows topk
+    reads (its slots of n_experts; a multi-row launch grouped by expert: the expected distinct experts of its
+    pairs under uniform routing; moe_down_rows: every row's slots, as it stages them per row); a lookup table
+    (embedding, hash routing) the tokens' rows; compressor_decode's compressed rows one row; the attention window ring min(ctx, window) rows, its compressed rows topk
     (ratio 4) or ctx / ratio (ratio 128); the indexer keys ctx / ratio rows. A GEMV's activation rows come from its
     `nx` (multi-row steps)."""
     k, s = launch.kernel, _scalars(launch)
     weight = kv = act = 0
-    slots = 1
-    if k.startswith("moe_gate_up") and not k.startswith("moe_prefill"):
-        slots = launch.grid[1]
-    elif k.startswith("moe_down") and not k.startswith("moe_prefill"):
-        slots = int(s.get("n_slots", 1))
     n_experts = max(1, int(s.get("n_experts", 1)))
+    experts_read = 1.0                     # matrices of a stacked expert tensor the launch streams
+    rows = int(s.get("nx", s.get("n_rows", 1)) or 1)
+    if k.startswith("moe_gate_up_rows") or (k.startswith("moe_down_rows") and "n_pairs" in s):
+        pairs = int(s.get("n_pairs", 1))   # grouped by expert: each distinct expert once (uniform routing)
+        experts_read = n_experts * (1.0 - (1.0 - 1.0 / n_experts) ** pairs)
+        rows = max(1, round(pairs / experts_read))
+    elif k.startswith("moe_down_rows"):
+        experts_read = launch.grid[1] * int(s.get("n_slots", 1))   # per activation row: its slots' experts
+    elif k.startswith("moe_gate_up"):
+        experts_read = launch.grid[1]
+    elif k.startswith("moe_down"):
+        experts_read = int(s.get("n_slots", 1))
+    tokens = next((a.nbytes // 4 for a in launch.args if a.name in ("ids", "token") and a.nbytes), 1)
     for a in launch.args:
         n = int(a.nbytes)
         if n <= 0:
             continue
         if _is_weight(a):
             if "_exps" in a.label and k.startswith(("moe_gate_up", "moe_down")):
-                n = n * min(slots, n_experts) // n_experts
+                n = int(n * experts_read / n_experts)     # moe_down_rows may read an expert once per row
+            elif a.name in ("table", "tid2eid") and "vocab" in s:      # a lookup: the tokens' rows only
+                n = n // int(s["vocab"]) * tokens
             weight += n
         elif k == "attn_decode_partial" and a.name in ("win", "comp"):
             row = 4 * int(s.get("hd", 512))
@@ -147,11 +160,12 @@ def launch_traffic(launch: Any, ctx: int) -> Traffic:
         elif k.startswith("indexer_scores") and a.name == "keys":
             row = 4 * int(s.get("ihd", 128))
             kv += min(ctx // max(1, int(s.get("ratio", 4))), n // row) * row
+        elif k == "compressor_decode" and a.name == "rows":
+            act += 4 * int(s.get("d", 512))                       # one compressed row written (at most)
         else:
             act += n
     fmt = weight_format(k)
     weights = weight * fmt[1] // fmt[2] if fmt else 0
-    rows = int(s.get("nx", s.get("n_rows", 1)) or 1)
     flops = 0.0
     if k.startswith("gemm_") and "T" in s:
         flops = 2.0 * s["T"] * s["N"] * s["K"]
@@ -230,7 +244,8 @@ def model_kernel(launch: Any, dev: DeviceProfile, ctx: int, loops: dict | None =
     coal = min(1.0, max(0.01, coal if coal is not None else 1.0))
     nbytes = tr.weight + tr.kv + tr.act
     inflight = _inflight(launch, loop, active, here)
-    bw = dev.copy_gbps * 1e3 * coal                               # bytes per microsecond
+    # bytes per microsecond: the copy bandwidth, or what the active SMs can take in (a grid of few blocks)
+    bw = min(dev.copy_gbps * 1e3, active * t.sm_bytes_per_clk * t.clock_ghz * 1e3) * coal
     little = inflight / (t.latency_ns / 1e3)                      # bytes per microsecond Little's law allows
     t_mem = nbytes / min(bw, little) if nbytes else 0.0
     instr = None
@@ -240,8 +255,7 @@ def model_kernel(launch: Any, dev: DeviceProfile, ctx: int, loops: dict | None =
         warp_insns = tr.weights * tr.rows * instr
         t_issue = warp_insns / (active * t.ipc * t.clock_ghz * 1e3)
     t_mma = tr.flops / (t.mma_tflops * 1e6) if tr.flops else 0.0
-    waves = max(1, math.ceil(blocks / (dev.sm_count * bpsm)))
-    t_floor = t.latency_ns / 1e3 * waves
+    t_floor = t.latency_ns / 1e3
     gap = t.gap_pdl_us if launch.pdl else t.gap_us
     serial = loop is not None and loop.async_copy and here == 1
     terms = {"bandwidth" if bw <= little else "latency-parallelism": t_mem, "issue": t_issue, "mma": t_mma,
@@ -376,3 +390,39 @@ def format_kernels(m: StepModel, limit: int | None = None) -> str:
 
 def summarize(models: Iterable[StepModel]) -> dict:
     return {f"{m.step}@{m.ctx}": m.to_json() for m in models}
+
+
+# ---- the bench: every step of one device x shapes ---------------------------------------------------------------
+DEFAULT_CTX = (2048, 65536)
+VERIFY_ROWS = 4
+PREFILL_BLOCK = 2048
+
+
+def run(device: str, shapes: str, ctxs: Sequence[int] = DEFAULT_CTX, coalescing: dict[str, float] | None = None,
+        steps: Sequence[str] = ("decode", "rows", "prefill")) -> list[StepModel]:
+    """Decode at each ctx, a VERIFY_ROWS-row verify step and a PREFILL_BLOCK-token prefill block at the first ctx
+    (at least one block long), planned by ds4py/cuda/plan.py and modelled on `device`."""
+    from ds4py.cuda.devices import profile
+    from ds4py.cuda.plan import plan_step, shapes as shapes_of
+
+    dev = profile(device)
+    shapes_of(shapes)
+    out = []
+    for kind in steps:
+        for ctx in (ctxs if kind == "decode" else ctxs[:1]):
+            c = max(ctx, PREFILL_BLOCK) if kind == "prefill" else ctx
+            launches = plan_step(shapes, kind, dev.key, ctx=c, rows=VERIFY_ROWS, block=PREFILL_BLOCK)
+            tokens = {"decode": 1, "rows": VERIFY_ROWS, "prefill": min(PREFILL_BLOCK, c)}[kind]
+            name = {"decode": "decode", "rows": f"verify {VERIFY_ROWS} rows", "prefill": f"prefill {tokens}"}[kind]
+            out.append(model_step(launches, dev, c, tokens, shapes, name, coalescing=coalescing))
+    return out
+
+
+def bench_json(models: Sequence[StepModel]) -> dict:
+    """The `bench gpu-model --json` document: the first decode step's fields at the top level (device, shapes,
+    ctx, modelled_tokens_per_s, fraction_of_copy, fraction_of_roofline, refused_launches, kernels), every step
+    under `steps`."""
+    head = models[0].to_json()
+    head["refused_launches"] = sum(len(m.refused) for m in models)
+    head["steps"] = [{k: v for k, v in m.to_json().items() if k != "kernels"} for m in models]
+    return head
