@@ -120,7 +120,7 @@ def launch_traffic(launch: Any, ctx: int) -> Traffic:
     Every pointer argument's buffer counts once, except: a stacked expert tensor counts only the experts the launch
     reads (its slots of n_experts; a multi-row launch grouped by expert: the expected distinct experts of its
     pairs under uniform routing; moe_down_rows: every row's slots, as it stages them per row); a lookup table
-    (embedding, hash routing) the tokens' rows; compressor_decode's compressed rows one row; the attention window ring min(ctx, window) rows, its compressed rows topk
+    (embedding, hash routing) the tokens' rows; a row store (an output `X` with a scalar `X_cap`) one row; the attention window ring min(ctx, window) rows, its compressed rows topk
     (ratio 4) or ctx / ratio (ratio 128); the indexer keys ctx / ratio rows. A GEMV's activation rows come from its
     `nx` (multi-row steps)."""
     k, s = launch.kernel, _scalars(launch)
@@ -160,8 +160,8 @@ def launch_traffic(launch: Any, ctx: int) -> Traffic:
         elif k.startswith("indexer_scores") and a.name == "keys":
             row = 4 * int(s.get("ihd", 128))
             kv += min(ctx // max(1, int(s.get("ratio", 4))), n // row) * row
-        elif k == "compressor_decode" and a.name == "rows":
-            act += 4 * int(s.get("d", 512))                       # one compressed row written (at most)
+        elif not a.const and f"{a.name}_cap" in s and int(s[f"{a.name}_cap"]) > 0:
+            act += n // int(s[f"{a.name}_cap"])                   # a row store: one row written per step
         else:
             act += n
     fmt = weight_format(k)
