@@ -1,0 +1,158 @@
+"""The GPU time model (ds4py/cuda/timemodel.py) and `bench gpu-model`: the formulas on hand-made launches (a big
+streaming kernel is bandwidth-bound, a tiny one sits on the latency floor, one block cannot keep enough bytes in
+flight, a long inner loop is issue-bound, stage-then-compute adds), the SASS loop finder on a hand-written listing,
+the bench's JSON for both devices and model families, and bad input as one sentence."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ds4py.__main__ import main
+from ds4py.cuda import sass, timemodel
+from ds4py.cuda.devices import inspect_launch, profile
+from ds4py.cuda.plan_runtime import PlannedArg, PlannedLaunch
+
+GB10, H200 = profile("gb10"), profile("h200")
+
+
+def launch(kernel: str, grid: int, threads: int, weight: int = 0, act: int = 0, smem: int = 0, pdl: bool = True,
+           dev=GB10, scalars=(), registers: int = 32) -> PlannedLaunch:
+    chk = inspect_launch(dev, kernel, grid, threads, smem, registers)
+    args = [PlannedArg("W", weight, True, "blk.0.w.weight")] if weight else []
+    args += [PlannedArg("x", act, True, "activation")] if act else []
+    return PlannedLaunch(0, kernel, "test", chk.grid, chk.block, smem, 0, registers, "main", pdl, tuple(args),
+                         tuple(scalars), chk.occupancy, chk.waves, chk.problem)
+
+
+def test_a_big_streaming_kernel_runs_at_the_copy_bandwidth():
+    t = timemodel.timing_for(GB10)
+    n = 1 << 30
+    k = timemodel.model_kernel(launch("gemv_f16", 2 * GB10.sm_count, 256, weight=n), GB10, 2048, loops={})
+    assert k.limiter == "bandwidth"
+    assert k.time_us == pytest.approx(n / (GB10.copy_gbps * 1e3) + t.gap_pdl_us, rel=1e-9)
+    plain = timemodel.model_kernel(launch("gemv_f16", 2 * GB10.sm_count, 256, weight=n, pdl=False), GB10, 2048,
+                                   loops={})
+    assert plain.time_us - k.time_us == pytest.approx(t.gap_us - t.gap_pdl_us)     # PDL shortens the gap only
+    half = timemodel.model_kernel(launch("gemv_f16", 2 * GB10.sm_count, 256, weight=n), GB10, 2048, loops={},
+                                  coalescing={"gemv_f16": 0.5})
+    assert half.coalescing_source == "traffic" and half.t_mem_us == pytest.approx(2 * k.t_mem_us)
+
+
+def test_a_tiny_kernel_sits_on_the_latency_floor():
+    t = timemodel.timing_for(H200)
+    k = timemodel.model_kernel(launch("rmsnorm_f32", 1, 32, act=256, dev=H200), H200, 2048, loops={})
+    assert k.t_floor_us == pytest.approx(t.latency_ns / 1e3)
+    assert k.time_us == pytest.approx(t.latency_ns / 1e3 + t.gap_pdl_us)
+    assert k.limiter == "launch gap" if t.gap_pdl_us > t.latency_ns / 1e3 else "latency floor"
+
+
+def test_one_block_cannot_keep_enough_bytes_in_flight():
+    """Little's law: one warp with 16 bytes per lane in flight moves 512 B per DRAM round trip, whatever the bus."""
+    t = timemodel.timing_for(GB10)
+    n = 1 << 20
+    k = timemodel.model_kernel(launch("topk_select", 1, 32, act=n), GB10, 2048, loops={})
+    assert k.limiter == "latency-parallelism" and k.inflight_bytes == 32 * timemodel.LANE_BYTES
+    assert k.t_mem_us == pytest.approx(n / (k.inflight_bytes / (t.latency_ns / 1e3)))
+
+
+def test_a_long_inner_loop_is_issue_bound_and_staging_serialises():
+    t = timemodel.timing_for(H200)
+    n = 256 << 20                                      # F16: n / 2 weights
+    loop = sass.LoopCount("gemv_f16", 640, 100, 300, 40, 160, 40, 0, 32, ldg_bytes=256)   # 20 per product
+    k = timemodel.model_kernel(launch("gemv_f16", 4 * H200.sm_count, 256, weight=n, dev=H200), H200, 2048,
+                               loops={"gemv_f16": loop})
+    warp_insns = n / 2 * 20 / 32
+    assert k.instr_per_weight == pytest.approx(20 / 32)
+    assert k.t_issue_us == pytest.approx(warp_insns / (H200.sm_count * t.ipc * t.clock_ghz * 1e3))
+    assert k.limiter == "issue" and k.t_issue_us > k.t_mem_us
+    # a kernel that stages everything with cp.async and then computes, one block per SM: copy + math, not max
+    staged = sass.LoopCount("moe_down_q8_0", 64, 8, 40, 0, 10, 6, 0, 32, ldg_bytes=0, async_copy=True)
+    ln = launch("moe_down_q8_0", H200.sm_count, 256, weight=n, smem=200_000, dev=H200)
+    k = timemodel.model_kernel(ln, H200, 2048, loops={"moe_down_q8_0": staged})
+    assert ln.occupancy.blocks_per_sm == 1 and k.limiter == "stage-then-compute"
+    assert k.time_us == pytest.approx(k.t_mem_us + k.t_issue_us + t.gap_pdl_us)
+
+
+def test_step_totals_and_fractions():
+    ls = [launch("gemv_f16", 96, 256, weight=1 << 30), launch("rmsnorm_f32", 1, 32, act=256)]
+    m = timemodel.model_step(ls, GB10, 2048, tokens=1, shapes="hand", loops={})
+    assert m.time_us == pytest.approx(sum(k.time_us for k in m.kernels))
+    assert m.weight_kv_bytes == 1 << 30
+    assert m.fraction(GB10.copy_gbps) == pytest.approx((1 << 30) / (m.time_us * 1e3) / GB10.copy_gbps)
+    assert 0.9 < m.fraction(GB10.copy_gbps) < 1.0 < GB10.nominal_gbps / GB10.copy_gbps
+    assert all(line.startswith("model |") for line in timemodel.format_step(m).splitlines())
+
+
+def listing(products: int) -> list[tuple[int, str, str, str]]:
+    """A norm loop (squares: no products), a weight loop (`products` multiplies after a shared load and a
+    conversion) and an outer loop around it that stages with cp.async and waits."""
+    ins = [("S2R", " R0, SR_TID.X ", ""),
+           ("LDG.E.128", " R4, desc[UR4][R2.64] ", ".L_x_1"), ("FFMA", " R8, R4, R4, R8 ", ""),
+           ("ISETP.GE.AND", " P0, PT, R0, 0x10, PT ", ""), ("BRA", " `(.L_x_1) ", ""),
+           ("LDGSTS.E.BYPASS.128", " [R1], desc[UR4][R2.64] ", ".L_x_2"),
+           ("LDS.128", " R4, [R1] ", ".L_x_3"), ("I2F.S8", " R5, R4 ", "")]
+    ins += [("FFMA", f" R{20 + i}, R5, R{40 + i}, R{20 + i} ", "") for i in range(products)]
+    ins += [("HFMA2", " R16, -RZ, RZ, 0, 0 ", ""), ("IADD3", " R1, R1, 0x10, RZ ", ""), ("BRA", " `(.L_x_3) ", ""),
+            ("BAR.SYNC", " 0x0 ", ""), ("BRA", " `(.L_x_2) ", ""), ("EXIT", "", "")]
+    return [(16 * i, op, o, lab) for i, (op, o, lab) in enumerate(ins)]
+
+
+def test_the_sass_loop_finder_on_a_listing():
+    ins = listing(8)
+    n = len(ins)
+    assert sass.loops(ins) == [(1, 4), (6, n - 4), (5, n - 2)]
+    c = sass.inner_loop("k", ins)
+    assert c is not None and c.products == 8 and c.instructions == 13 and c.async_copy
+    assert (c.memory, c.fma, c.convert, c.integer, c.control) == (1, 9, 1, 1, 1)
+    assert c.per_product == 13 / 8 and c.ldg_bytes == 0
+    assert sass.inner_loop("k", listing(4)) is None     # under 8 products: no weight loop (not a norm's squares)
+    assert sass.load_width("LDG.E.128") == 16 and sass.load_width("LDG.E.U8") == 1 and sass.load_width("LDG.E") == 4
+
+
+def test_the_committed_sass_table_covers_the_streaming_kernels():
+    table = sass.load_table()
+    for arch in ("sm_121", "sm_90"):
+        rows = table[arch]
+        for k in ("gemv_q8_0", "gemv_f16", "gemv_q4_k", "moe_gate_up_iq2_xxs", "moe_down_q2_k", "moe_down_vq13"):
+            assert k in rows and rows[k].products >= 8 and 1.0 < rows[k].per_product < 40, (arch, k, rows.get(k))
+
+
+@pytest.mark.parametrize("device", ["gb10", "h200"])
+@pytest.mark.parametrize("shapes", ["v4-flash-q2", "v41-flash-vq"])
+def test_bench_gpu_model_json(tmp_path, capsys, device, shapes):
+    out = tmp_path / "m.json"
+    assert main(["bench", "gpu-model", "--device", device, "--shapes", shapes, "--ctx", "2048,65536",
+                 "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert text and all(line.startswith("model |") for line in text.splitlines()), text
+    d = json.loads(out.read_text())
+    for f in ("device", "shapes", "ctx", "modelled_tokens_per_s", "fraction_of_copy", "fraction_of_roofline",
+              "refused_launches", "kernels"):
+        assert f in d, f
+    assert d["device"] == device and d["shapes"] == shapes and d["ctx"] == 2048
+    assert 0 < d["fraction_of_copy"] <= 1.0 and d["fraction_of_roofline"] < d["fraction_of_copy"]
+    assert d["modelled_tokens_per_s"] > 0 and len(d["kernels"]) > 300
+    assert {s["step"] for s in d["steps"]} == {"decode", "verify 4 rows", "prefill 2048"}
+    assert [s["ctx"] for s in d["steps"] if s["step"] == "decode"] == [2048, 65536]
+    assert all(k["limiter"] and k["time_us"] > 0 for k in d["kernels"])
+    # the 64K step reads more KV than the 2K one; the decode step's weights are the same
+    dec = [s for s in d["steps"] if s["step"] == "decode"]
+    assert dec[1]["weight_kv_bytes"] > dec[0]["weight_kv_bytes"]
+    if device == "gb10" and shapes == "v41-flash-vq":      # moe_down_vq13's 108 KB of shared memory (issue 34)
+        assert d["refused_launches"] > 0
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--device", "foo"], "--device must be one of gb10, h200"),
+    (["--shapes", "v5-huge"], "--shapes must be one of"),
+    (["--ctx", "two"], "--ctx must be"),
+    (["--ctx", "0"], "--ctx values must be"),
+    (["--json"], "needs a file name"),
+    (["-m", "x.gguf"], "not built yet"),
+])
+def test_bad_input_is_one_sentence(capsys, argv, words):
+    assert main(["bench", "gpu-model", *argv]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
