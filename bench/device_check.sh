@@ -39,7 +39,7 @@ while [ $# -gt 0 ]; do
     --plan) PLAN=1 ;;          # print "step group limit" per step and the budget, run nothing
     --only) ONLY="${2:-}"; shift ;;
     --only=*) ONLY="${1#--only=}" ;;
-    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
     *) echo "device_check: unknown argument $1 (--dry-run, --only STEP,..., --plan)"; exit 2 ;;
   esac
   shift

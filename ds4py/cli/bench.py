@@ -62,6 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="gpu-model: v4-flash-q2 (default), v4-flash-q4 or v41-flash-vq (real shapes, synthetic weights)")
     m.add_argument("--ctx", default=None, metavar="N[,N...]",
                    help="gpu-model: decode context(s) in tokens (default 2048,65536; verify and prefill at the first)")
+    m.add_argument("--traffic", default=None, metavar="REPORT.json",
+                   help="gpu-model: coalescing per kernel from this traffic report (python3 -m ds4py.cuda.traffic; "
+                        "default bench/traffic/report.json when present, else 100%% assumed)")
     m.add_argument("--per-launch", action="store_true", help="gpu-model: also one line per launch of the first step")
     s = p.add_argument_group("serve")
     s.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default http://127.0.0.1:8000)")
@@ -119,7 +122,7 @@ def run_gpu_model(args: argparse.Namespace) -> int:
             raise Ds4Error(f"--ctx must be a comma-separated list of token counts (got {args.ctx!r})") from None
         if not ctxs or any(c < 1 or c > 1 << 20 for c in ctxs):
             raise Ds4Error(f"--ctx values must be between 1 and {1 << 20} tokens (got {args.ctx!r})")
-    models = timemodel.run(device, shapes, ctxs)
+    models = timemodel.run(device, shapes, ctxs, coalescing=timemodel.load_coalescing(args.traffic))
     print(f"model | ds4py GPU time model: {device}, {shapes} -- modelled from the planned launches, not measured "
           "(assumptions: docs/cuda.md, 'The GPU time model')")
     for mdl in models:

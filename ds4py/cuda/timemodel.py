@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from ds4py.cuda.devices import DeviceProfile
@@ -392,6 +393,44 @@ def summarize(models: Iterable[StepModel]) -> dict:
     return {f"{m.step}@{m.ctx}": m.to_json() for m in models}
 
 
+# ---- coalescing from the emulator's traffic profile ---------------------------------------------------------------
+TRAFFIC_REPORT = Path(__file__).resolve().parents[2] / "bench" / "traffic" / "report.json"
+
+
+def coalescing_from_report(report: dict) -> dict[str, float]:
+    """{kernel: coalescing efficiency of its weight arguments (the lowest)} from a traffic report (ds4py-traffic-v1,
+    `python3 -m ds4py.cuda.traffic --out F`: the emulator's count of 32-byte sectors per warp request). A kernel
+    without a weight argument keeps the lowest of its read arguments."""
+    out: dict[str, float] = {}
+    for name, k in (report.get("kernels") or {}).items():
+        args = [a for a in (k.get("args") or {}).values()
+                if a.get("coalescing") is not None and a.get("requests", 1)]
+        weights = [a for a in args if a.get("weight")]
+        pick = weights or args
+        if pick:
+            out[name] = float(min(a["coalescing"] for a in pick))
+    return out
+
+
+def load_coalescing(path: Path | str | None = None) -> dict[str, float] | None:
+    """The traffic report's coalescing per kernel (path, or bench/traffic/report.json when it exists), else None."""
+    import json
+
+    p = Path(path) if path else TRAFFIC_REPORT
+    if not p.is_file():
+        if path:
+            from ds4py.errors import Ds4Error
+
+            raise Ds4Error(f"no traffic report at {p} (python3 -m ds4py.cuda.traffic --out {p} writes one)")
+        return None
+    try:
+        return coalescing_from_report(json.loads(p.read_text()))
+    except (ValueError, AttributeError) as e:
+        from ds4py.errors import Ds4Error
+
+        raise Ds4Error(f"{p} is not a traffic report ({e})") from None
+
+
 # ---- the bench: every step of one device x shapes ---------------------------------------------------------------
 DEFAULT_CTX = (2048, 65536)
 VERIFY_ROWS = 4
@@ -407,6 +446,8 @@ def run(device: str, shapes: str, ctxs: Sequence[int] = DEFAULT_CTX, coalescing:
 
     dev = profile(device)
     shapes_of(shapes)
+    if coalescing is None:
+        coalescing = load_coalescing()
     out = []
     for kind in steps:
         for ctx in (ctxs if kind == "decode" else ctxs[:1]):
