@@ -87,7 +87,7 @@ def family(kernel: str) -> str:
              (r"^moe_down(_rows)?_(\w+)$", r"experts down \2"), (r"^moe_prefill_(gate_up|down)_(\w+)$", r"prefill experts \1 \2"),
              (r"^gemm_(\w+)$", r"gemm \1"), (r"^attn_", "attention"), (r"^prefill_attn", "attention"),
              (r"^indexer_", "indexer"), (r"^compressor_", "compressor"), (r"^(hc_|mhc)", "mHC"),
-             (r"^(router|route|topk|moe_prefill_route)", "route / top-k"), (r"^(sample|argmax)", "sample"),
+             (r"^(router|route|moe_route|topk|moe_prefill_route)", "route / top-k"), (r"^(sample|argmax)", "sample"),
              (r"^v41_", "V4.1 extras"), (r"^rmsnorm", "rmsnorm"), (r"^embed", "embed")]
     for pat, rep in rules:
         m = re.match(pat, kernel)
