@@ -99,10 +99,16 @@ def test_every_launch_fits_the_device_at_real_shapes(shapes, kind, device):
                          + "\n".join(refused))
 
 
-def test_decode_at_64k_context_fits():
-    for device in ("gb10", "h200"):
-        refused = plan.refusals(plan.plan_step("v4-flash-q2", "decode", device, ctx=65536))
-        assert not refused, "\n".join(refused)
+@pytest.mark.parametrize("device", ["gb10", "h200"])
+@pytest.mark.parametrize("shapes", list(plan.SHAPES))
+def test_the_other_prefill_expert_path_and_64k_decode_fit(shapes, device):
+    """The prefill's experts on the path the engine does not take by default (tensor cores for the ggml formats,
+    the rows kernels for VQ-8), and a decode step at 64K context."""
+    default_mma = plan.shapes(shapes).vq is not None
+    launches = plan.plan_step(shapes, "prefill", device, expert_mma=not default_mma)
+    assert any(ln.kernel.startswith("moe_prefill_") for ln in launches) != default_mma
+    refused = plan.refusals(launches) + plan.refusals(plan.plan_step(shapes, "decode", device, ctx=65536))
+    assert not refused, f"{shapes} on {device}: {len(refused)} launches refused:\n" + "\n".join(refused)
 
 
 def test_plan_is_the_engine_launch_count():
@@ -111,3 +117,15 @@ def test_plan_is_the_engine_launch_count():
     st = m.new_state()
     n = m.launches_per_step(st)
     assert len(plan.plan_step("v4-flash-q2", "decode", "h200", ctx=1)) == n["total"]
+
+
+def test_planned_arguments_carry_sizes_and_labels():
+    """Every pointer into a weight tensor is const and names the tensor; the attention reads the KV state."""
+    launches = plan.plan_step("v4-flash-q2", "decode", "gb10")
+    weights = [(ln.kernel, a) for ln in launches for a in ln.args if a.label.startswith("blk.")]
+    assert weights and all(a.const and a.nbytes > 0 for _, a in weights), \
+        [f"{k} {a}" for k, a in weights if not a.const or not a.nbytes][:5]
+    assert any(a.label == "blk.3.ffn_down_exps.weight" for _, a in weights)
+    attn = [a for ln in launches if ln.kernel == "attn_decode_partial" for a in ln.args]
+    assert any(a.label.startswith("state.") for a in attn)
+    assert {ln.stream for ln in launches} == {"main", "side"} and any(ln.pdl for ln in launches)

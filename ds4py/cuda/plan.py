@@ -5,7 +5,7 @@ recorded, never run.
     plan_step("v4-flash-q2", "decode", "gb10", ctx=2048)    # -> [PlannedLaunch] of one decode step (body + head)
     plan_step("v41-flash-vq", "rows", "h200")               # a 4-row verify step of one sequence
     plan_step("v4-flash-q4", "prefill", "gb10")             # one 2,048-token prefill block (the last of ctx)
-    python3 -m ds4py.cuda.plan --device gb10 --shapes v41-flash-vq --kind decode   # a table, refusals last
+    python3 -m ds4py.cuda.plan --device gb10 --shapes v41-flash-vq --kind decode [--json F]  # a table, refusals last
 
 Shapes (SHAPES): v4-flash-q2 (the public q2 file: IQ2_XXS gate / up, Q2_K down experts, Q8_0 dense), v4-flash-q4
 (Q4_K experts), v41-flash-vq (V4.1 Flash in the seed's layout: VQ-8 experts at 13 bits in the first 14 layers and
@@ -90,15 +90,27 @@ def planned_model(shapes_key: str, device: str = "h200") -> Any:
                             vq=synth.VqWidths(*s.vq) if s.vq else None, dense=s.dense, engram_table=table)
     for e in schema.entries(cfg):
         rt.label(synth._lookup(m.w.binding, e).array, e.name)
+    for il, f in enumerate(m.w.freqs):
+        if rt.label_of(f.ptr) == "activation":
+            rt.label(f, f"rope.{il}")
     _MODELS[key] = m
     return m
 
 
+def _label_state(rt: PlanRuntime, st: Any) -> None:
+    """The state's KV parts as "state.<layer>.<part>" (their rows allocated for this step first)."""
+    for k, a in st.arrays.items():
+        if a.nbytes and rt.label_of(a.ptr) == "activation":
+            rt.label(a, f"state.{k}")
+
+
 def plan_step(shapes_key: str, kind: str, device: str = "h200", ctx: int = 2048, rows: int = 4,
-              block: int = 2048) -> list[PlannedLaunch]:
+              block: int = 2048, expert_mma: bool | None = None) -> list[PlannedLaunch]:
     """The launches of one step of kind "decode" (the body at position ctx - 1 and the head with the sampler),
     "rows" (a `rows`-row verify of one sequence at positions ctx - 1 ...) or "prefill" (one `block`-token prefill
-    block ending at position ctx - 1, a prompt's last block) on the device profile `device`, in order."""
+    block ending at position ctx - 1, a prompt's last block) on the device profile `device`, in order.
+    expert_mma: the prefill's routed experts on tensor cores (True) or the grouped rows kernels (False); None:
+    the engine's default (VQ-8 files on tensor cores, the others not)."""
     from ds4py.cuda import layer
 
     if kind not in KINDS:
@@ -108,24 +120,34 @@ def plan_step(shapes_key: str, kind: str, device: str = "h200", ctx: int = 2048,
     m = planned_model(shapes_key, device)
     rt = m.rt
     st = m.new_state()
+    saved = (m.prefill_expert_mma, m.prefill_vq_expert_mma)
+    if expert_mma is not None:
+        m.prefill_expert_mma = m.prefill_vq_expert_mma = bool(expert_mma)
     try:
         rt.clear()
         if kind == "decode":
             ls = layer.Launcher(rt, m.pdl)
-            m._body(st, ctx - 1)._record(ls)
+            body = m._body(st, ctx - 1)
+            _label_state(rt, st)
+            body._record(ls)
             m._head((0.0, 0, 1.0, 0.0, 0))._record(ls)
         elif kind == "rows":
             run, _ = m._rows_run([(st, ctx - 1 + i, 0) for i in range(rows)])
+            _label_state(rt, st)
             run._record(layer.Launcher(rt, m.pdl))
         else:
+            from ds4py.cuda.engine import bucket_for
+
             T = min(block, ctx)
             st.n_tokens = st.n_written = ctx - T
+            st.ensure_rows(bucket_for(ctx, m.config.context_length, m.min_bucket))
+            _label_state(rt, st)
             m.prefill_block = T
             m._prefill(st, [int(t) % m.config.vocab_size for t in range(2, 2 + T)], all_logits=False)
         return list(rt.launches)
     finally:
+        m.prefill_expert_mma, m.prefill_vq_expert_mma = saved
         rt.clear()
-        st.close() if hasattr(st, "close") else None
 
 
 def refusals(launches: list[PlannedLaunch]) -> list[str]:
@@ -155,8 +177,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", default="v4-flash-q2", choices=list(SHAPES))
     p.add_argument("--kind", default="decode", choices=KINDS)
     p.add_argument("--ctx", type=int, default=2048)
+    p.add_argument("--json", default=None, help="also write every planned launch here (a list of objects)")
     a = p.parse_args(argv)
     launches = plan_step(a.shapes, a.kind, a.device, a.ctx)
+    if a.json:
+        import json
+        from dataclasses import asdict
+
+        with open(a.json, "w") as f:
+            json.dump({"shapes": a.shapes, "kind": a.kind, "device": a.device, "ctx": a.ctx, "planned": True,
+                       "launches": [asdict(ln) for ln in launches]}, f, indent=1)
     print(f"{a.shapes} {a.kind} at ctx {a.ctx} on {a.device}: {len(launches)} launches (planned, not run)")
     print(table(launches))
     bad = refusals(launches)

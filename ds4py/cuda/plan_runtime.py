@@ -41,7 +41,8 @@ class PlannedArg:
     name: str                  # the kernel parameter's name
     nbytes: int                # bytes of the buffer passed (a DeviceArray's extent; 0: a raw address or null)
     const: bool                # declared const (read only)
-    label: str                 # the weight tensor it lies in (e.g. "blk.3.ffn_down_exps.weight"), or "activation"
+    label: str                 # what it points into: a weight tensor's name (e.g. "blk.3.ffn_down_exps.weight"),
+                               # "state.<layer>.<part>" (KV state), "rope.<layer>", else "activation" ("null": none)
     ptr: int = 0
 
 
