@@ -159,16 +159,19 @@ def test_bad_input_is_one_sentence(capsys, argv, words):
 
 
 def test_coalescing_comes_from_a_traffic_report(tmp_path, capsys):
-    """The emulator's traffic report (ds4py-traffic-v1) gives each kernel's weight-argument coalescing (the lowest);
-    a kernel without weights keeps its lowest read argument; a missing report is one sentence."""
+    """The emulator's traffic report (ds4py-traffic-v1) gives each kernel's load efficiency, weighted by bytes: the
+    distinct bytes its requests asked for over the 32-byte sectors they touched, summed over its read arguments; a
+    missing report is one sentence."""
     rep = {"format": "ds4py-traffic-v1", "kernels": {
-        "gemv_f16": {"args": {"W0": {"weight": True, "coalescing": 0.5, "requests": 3},
-                              "W1": {"weight": True, "coalescing": 0.75, "requests": 3},
-                              "x": {"weight": False, "coalescing": 0.25, "requests": 1}}},
-        "rmsnorm_f32": {"args": {"x": {"weight": False, "coalescing": 0.9, "requests": 2}}}}}
-    assert timemodel.coalescing_from_report(rep) == {"gemv_f16": 0.5, "rmsnorm_f32": 0.9}
+        "gemv_f16": {"args": {"W0": {"weight": True, "distinct_bytes": 3200, "sectors": 100},
+                              "sinks": {"weight": True, "distinct_bytes": 4, "sectors": 1},
+                              "y": {"weight": False, "distinct_bytes": 0, "sectors": 0}}},
+        "rmsnorm_f32": {"args": {"x": {"weight": False, "distinct_bytes": 64, "sectors": 8}}},
+        "fill_f32": {"args": {"out": {"weight": False, "distinct_bytes": 0, "sectors": 0}}}}}
+    got = timemodel.coalescing_from_report(rep)
+    assert got == {"gemv_f16": pytest.approx(3204 / 3232), "rmsnorm_f32": 0.25}
     f = tmp_path / "report.json"
     f.write_text(json.dumps(rep))
-    assert timemodel.load_coalescing(f) == {"gemv_f16": 0.5, "rmsnorm_f32": 0.9}
+    assert timemodel.load_coalescing(f) == got
     assert main(["bench", "gpu-model", "--traffic", str(tmp_path / "none.json")]) == 2
     assert "no traffic report" in capsys.readouterr().err

@@ -112,7 +112,10 @@ def _scalars(launch: Any) -> dict[str, Any]:
 
 
 def _is_weight(arg: Any) -> bool:
-    return bool(arg.label) and arg.label not in ("activation", "null")
+    """A weight tensor's bytes (the plan labels them by tensor name); not the KV state ("state.<layer>.<what>"),
+    the rope tables ("rope.*"), activations or a null pointer."""
+    return bool(arg.label) and arg.label not in ("activation", "null") \
+        and not arg.label.startswith(("state.", "rope."))
 
 
 def launch_traffic(launch: Any, ctx: int) -> Traffic:
@@ -163,6 +166,8 @@ def launch_traffic(launch: Any, ctx: int) -> Traffic:
             kv += min(ctx // max(1, int(s.get("ratio", 4))), n // row) * row
         elif not a.const and f"{a.name}_cap" in s and int(s[f"{a.name}_cap"]) > 0:
             act += n // int(s[f"{a.name}_cap"])                   # a row store: one row written per step
+        elif a.label.startswith("state."):
+            kv += n                                               # other KV state a kernel reads (rings, rows)
         else:
             act += n
     fmt = weight_format(k)
@@ -398,17 +403,19 @@ TRAFFIC_REPORT = Path(__file__).resolve().parents[2] / "bench" / "traffic" / "re
 
 
 def coalescing_from_report(report: dict) -> dict[str, float]:
-    """{kernel: coalescing efficiency of its weight arguments (the lowest)} from a traffic report (ds4py-traffic-v1,
-    `python3 -m ds4py.cuda.traffic --out F`: the emulator's count of 32-byte sectors per warp request). A kernel
-    without a weight argument keeps the lowest of its read arguments."""
+    """{kernel: coalescing efficiency of its loads} from a traffic report (ds4py-traffic-v1, `python3 -m
+    ds4py.cuda.traffic --out F`, the emulator's count per warp request at tiny shapes): the bytes its warps asked for
+    (distinct per request) over the 32-byte sectors those requests touched, summed over its read arguments, i.e.
+    weighted by bytes, so a 4-byte table read at 12.5% does not set the efficiency of a kernel streaming megabytes."""
     out: dict[str, float] = {}
     for name, k in (report.get("kernels") or {}).items():
-        args = [a for a in (k.get("args") or {}).values()
-                if a.get("coalescing") is not None and a.get("requests", 1)]
-        weights = [a for a in args if a.get("weight")]
-        pick = weights or args
-        if pick:
-            out[name] = float(min(a["coalescing"] for a in pick))
+        used = sectors = 0
+        for a in (k.get("args") or {}).values():
+            if a.get("sectors"):
+                used += int(a.get("distinct_bytes") or 0)
+                sectors += int(a["sectors"])
+        if sectors:
+            out[name] = min(1.0, used / (32 * sectors))
     return out
 
 
