@@ -167,8 +167,9 @@ def _count(kernel: str, body: list[tuple[int, str, str, str]], async_copy: bool 
 
 def inner_loop(kernel: str, insns: list[tuple[int, str, str, str]]) -> LoopCount | None:
     """The weight loop (see the module doc). Candidates: each loop's own body (its instructions outside the loops
-    nested in it) that loads and does at least 8 products; of those the densest (most products per instruction:
-    the loop that multiplies, not the one around it that copies a tile and waits). The function's straight-line
+    nested in it) that loads and does at least 8 products; of those at least half as dense (products per
+    instruction) as the densest, the one doing the most products (the loop that multiplies, not the one around it
+    that copies a tile and waits, nor a short cross-lane reduction nested in it). The function's straight-line
     code outside every loop replaces it when it does at least 4x its products (a kernel whose rows loop is fully
     unrolled, e.g. moe_gate_up's 8 rows per thread, works there, once per thread). Work an outer loop does once
     per tile (copies, waits, scale decoding) is not counted: the count is a lower bound of instructions per
@@ -182,11 +183,12 @@ def inner_loop(kernel: str, insns: list[tuple[int, str, str, str]]) -> LoopCount
             return None
         return _count(kernel, body, staged)
 
-    best = None
-    for a, b in spans:
-        c = own(a, b, [(x, y) for x, y in spans if (x, y) != (a, b) and a <= x and y <= b])
-        if c and c.products >= 8 and (best is None or c.products / c.instructions > best.products / best.instructions):
-            best = c
+    cands = [c for a, b in spans
+             for c in [own(a, b, [(x, y) for x, y in spans if (x, y) != (a, b) and a <= x and y <= b])]
+             if c is not None and c.products >= 8]
+    dense = max((c.products / c.instructions for c in cands), default=0.0)
+    best = max((c for c in cands if c.products / c.instructions >= 0.5 * dense),
+               key=lambda c: (c.products, -c.instructions), default=None)
     flat = own(0, len(insns) - 1, spans) if insns else None
     if flat and flat.products and (best is None or flat.products >= 4 * best.products):
         best = flat
