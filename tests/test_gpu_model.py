@@ -83,6 +83,11 @@ def test_step_totals_and_fractions():
     assert m.fraction(GB10.copy_gbps) == pytest.approx((1 << 30) / (m.time_us * 1e3) / GB10.copy_gbps)
     assert 0.9 < m.fraction(GB10.copy_gbps) < 1.0 < GB10.nominal_gbps / GB10.copy_gbps
     assert all(line.startswith("model |") for line in timemodel.format_step(m).splitlines())
+    # a launch GB10 would refuse (more shared memory than a block may have) is counted and named
+    big = launch("moe_down_vq13", 48, 256, weight=1 << 20, smem=108_352)
+    m = timemodel.model_step(ls + [big], GB10, 2048, loops={})
+    assert len(m.refused) == 1 and m.to_json()["refused_launches"] == 1
+    assert "REFUSED: moe_down_vq13 on gb10" in timemodel.format_step(m)
 
 
 def listing(products: int) -> list[tuple[int, str, str, str]]:
@@ -140,8 +145,8 @@ def test_bench_gpu_model_json(tmp_path, capsys, device, shapes):
     # the 64K step reads more KV than the 2K one; the decode step's weights are the same
     dec = [s for s in d["steps"] if s["step"] == "decode"]
     assert dec[1]["weight_kv_bytes"] > dec[0]["weight_kv_bytes"]
-    if device == "gb10" and shapes == "v41-flash-vq":      # moe_down_vq13's 108 KB of shared memory (issue 34)
-        assert d["refused_launches"] > 0
+    assert d["steps"][0]["refused_launches"] == sum(1 for k in d["kernels"] if k["refused"])
+    assert d["refused_launches"] == sum(s["refused_launches"] for s in d["steps"])
 
 
 @pytest.mark.parametrize("argv, words", [
