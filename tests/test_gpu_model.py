@@ -73,6 +73,10 @@ def test_a_long_inner_loop_is_issue_bound_and_staging_serialises():
     k = timemodel.model_kernel(ln, H200, 2048, loops={"moe_down_q8_0": staged})
     assert ln.occupancy.blocks_per_sm == 1 and k.limiter == "stage-then-compute"
     assert k.time_us == pytest.approx(k.t_mem_us + k.t_issue_us + t.gap_pdl_us)
+    ring = sass.LoopCount("moe_down_q8_0", 64, 8, 40, 0, 10, 6, 0, 32, ldg_bytes=0, async_copy=True, pipelined=True)
+    k = timemodel.model_kernel(ln, H200, 2048, loops={"moe_down_q8_0": ring})   # a cp.async ring overlaps
+    assert k.limiter != "stage-then-compute" and k.time_us == pytest.approx(max(k.t_mem_us, k.t_issue_us)
+                                                                            + t.gap_pdl_us)
 
 
 def test_step_totals_and_fractions():
@@ -112,6 +116,11 @@ def test_the_sass_loop_finder_on_a_listing():
     assert c is not None and c.products == 8 and c.instructions == 13 and c.async_copy
     assert (c.memory, c.fma, c.convert, c.integer, c.control) == (1, 9, 1, 1, 1)
     assert c.per_product == 13 / 8 and c.ldg_bytes == 0
+    assert not c.pipelined                              # it waits for every cp.async group (no DEPBAR.LE n > 0)
+    ring = listing(8)
+    ring.insert(-3, (0, "DEPBAR.LE", " SB0, 0x1 ", ""))
+    ring = [(16 * i, op, o, lab) for i, (_, op, o, lab) in enumerate(ring)]
+    assert sass.inner_loop("k", ring).pipelined
     assert sass.inner_loop("k", listing(4)) is None     # under 8 products: no weight loop (not a norm's squares)
     assert sass.load_width("LDG.E.128") == 16 and sass.load_width("LDG.E.U8") == 1 and sass.load_width("LDG.E") == 4
 

@@ -66,6 +66,8 @@ class LoopCount:
     products: int
     ldg_bytes: int = 0        # bytes one thread loads from global memory per pass of the region (LDG widths)
     async_copy: bool = False  # the kernel stages with cp.async (LDGSTS): its loads are in flight before its math
+    pipelined: bool = False   # it waits for its cp.async groups with some left in flight (DEPBAR.LE SB0, n > 0):
+                              # a ring whose next tile loads while this one computes
 
     @property
     def per_product(self) -> float:
@@ -156,13 +158,15 @@ def load_width(opcode: str) -> int:
     return 4
 
 
-def _count(kernel: str, body: list[tuple[int, str, str, str]], async_copy: bool = False) -> LoopCount:
+def _count(kernel: str, body: list[tuple[int, str, str, str]], async_copy: bool = False,
+           pipelined: bool = False) -> LoopCount:
     counts = {c: 0 for c in (*CLASSES, "other")}
     for _, op, _, _ in body:
         counts[classify(op)] += 1
     ldg = sum(load_width(op) for _, op, _, _ in body if op.startswith("LDG.") or op == "LDG")
     return LoopCount(kernel, len(body), counts["memory"], counts["fma"], counts["convert"], counts["integer"],
-                     counts["control"], counts["other"], sum(_products(op, o) for _, op, o, _ in body), ldg, async_copy)
+                     counts["control"], counts["other"], sum(_products(op, o) for _, op, o, _ in body), ldg, async_copy,
+                     pipelined)
 
 
 def inner_loop(kernel: str, insns: list[tuple[int, str, str, str]]) -> LoopCount | None:
@@ -176,12 +180,13 @@ def inner_loop(kernel: str, insns: list[tuple[int, str, str, str]]) -> LoopCount
     weight."""
     spans = loops(insns)
     staged = any(op.startswith("LDGSTS") for _, op, _, _ in insns)
+    ring = staged and any(op.startswith("DEPBAR") and re.search(r"SB0,\s*0x[1-9a-f]", o) for _, op, o, _ in insns)
 
     def own(a: int, b: int, nested: list[tuple[int, int]]) -> LoopCount | None:
         body = [insns[i] for i in range(a, b + 1) if not any(c <= i <= d for c, d in nested)]
         if not any(op.startswith(("LDG", "LDS", "LD.", "LDGSTS")) or op == "LD" for _, op, _, _ in body):
             return None
-        return _count(kernel, body, staged)
+        return _count(kernel, body, staged, ring)
 
     cands = [c for a, b in spans
              for c in [own(a, b, [(x, y) for x, y in spans if (x, y) != (a, b) and a <= x and y <= b])]

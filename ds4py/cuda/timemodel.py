@@ -13,7 +13,8 @@ Per kernel (all times in microseconds):
     t_mma   = tensor FLOPs / (the device's mma.sync rate)        (prefill GEMMs)
     t_floor = DRAM latency                                       (one round trip before the first byte)
     time    = max(t_mem, t_issue, t_mma, t_floor), or t_mem + t_issue for a kernel that stages all its loads
-              before any math (cp.async, then wait) with one block per SM: nothing overlaps its copy
+              before any math (cp.async, then wait for all of them: no ring) with one block per SM: nothing
+              overlaps its copy
               + the launch gap (smaller with PDL: the next kernel's launch overlaps this one's tail)
 The limiter is the term that set the time: bandwidth, latency-parallelism, issue, mma, latency floor; a kernel
 whose gap is more than half its time is named by `launch gap`.
@@ -263,7 +264,7 @@ def model_kernel(launch: Any, dev: DeviceProfile, ctx: int, loops: dict | None =
     t_mma = tr.flops / (t.mma_tflops * 1e6) if tr.flops else 0.0
     t_floor = t.latency_ns / 1e3
     gap = t.gap_pdl_us if launch.pdl else t.gap_us
-    serial = loop is not None and loop.async_copy and here == 1
+    serial = loop is not None and loop.async_copy and not loop.pipelined and here == 1
     terms = {"bandwidth" if bw <= little else "latency-parallelism": t_mem, "issue": t_issue, "mma": t_mma,
              "latency floor": t_floor}
     if serial and t_issue > 0:
