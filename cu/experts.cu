@@ -199,10 +199,22 @@ template <int F>
 __device__ __forceinline__ void moe_gate_up_impl(uint8_t* smem, const uint64_t* grid, const uint8_t* Wg,
                                                  const uint8_t* Wu, const float* x, const int* ids,
                                                  const float* route_w, float* h, int n_experts, int ff, int dim,
-                                                 int rows_per_block, float clamp, int bx) {
+                                                 int rows_per_block, float clamp, int bx, bool wait) {
     const int tid = threadIdx.x;
     const int slot = blockIdx.y, r0 = bx * rows_per_block;
     const int nr = min(rows_per_block, ff - r0);
+    const int room = MoeStage<F>::room(nr, dim);
+    // the shared expert (ids null): its rows do not depend on the previous kernel, so with `wait` (this call owns
+    // the kernel's pdl_wait) they are staged before it and stream in during the previous kernel's tail
+    const bool early = wait && !ids && slot < n_experts && nr > 0;
+    if (early) {
+        MoeStage<F>::stage(smem, Wg, slot, r0, nr, n_experts, ff, dim, true);
+        MoeStage<F>::stage(smem + room, Wu, slot, r0, nr, n_experts, ff, dim, true);
+    }
+    if (wait) {
+        pdl_wait();
+        pdl_launch_dependents();
+    }
     if (nr <= 0) return;                                          // block-uniform
     const int e = ids ? ids[slot] : slot;
     const float rw = route_w ? route_w[slot] : 1.0f;
@@ -211,9 +223,8 @@ __device__ __forceinline__ void moe_gate_up_impl(uint8_t* smem, const uint64_t* 
         for (int i = tid; i < nr; i += blockDim.x) hout[i] = __int_as_float(0x7fc00000);
         return;
     }
-    const int room = MoeStage<F>::room(nr, dim);
-    const MoeSpan sg = MoeStage<F>::stage(smem, Wg, e, r0, nr, n_experts, ff, dim, true);
-    const MoeSpan su = MoeStage<F>::stage(smem + room, Wu, e, r0, nr, n_experts, ff, dim, true);
+    const MoeSpan sg = MoeStage<F>::stage(smem, Wg, e, r0, nr, n_experts, ff, dim, !early);
+    const MoeSpan su = MoeStage<F>::stage(smem + room, Wu, e, r0, nr, n_experts, ff, dim, !early);
     cp_async_commit();
     cp_async_wait_all();
     __syncthreads();
@@ -294,18 +305,27 @@ template <int F>
 __device__ __forceinline__ void moe_down_impl(uint8_t* smem, const uint64_t* grid, const uint8_t* W, const int* ids,
                                               const float* h, const float* add, const float* hc_post,
                                               const float* hc_comb, const float* hc_x, float* out, int n_slots,
-                                              int n_experts, int dim, int ff, int rows_per_block, int hc, int bx) {
+                                              int n_experts, int dim, int ff, int rows_per_block, int hc, int bx,
+                                              bool wait) {
     const int G = ff / 32, RL = blockDim.x / G, tid = threadIdx.x;
     const int grp = tid % G, rl = tid / G;
     const bool worker = rl < RL;
     const int r0 = bx * rows_per_block, nr = min(rows_per_block, dim - r0);
-    if (nr <= 0) return;                                          // block-uniform
     const int room = MoeStage<F>::room(nr, ff);
+    const bool early = wait && !ids;                              // the shared expert: staged before pdl_wait
+    if (early && nr > 0)
+        for (int s = 0; s < n_slots && s < n_experts; ++s)
+            MoeStage<F>::stage(smem + s * room, W, s, r0, nr, n_experts, dim, ff, true);
+    if (wait) {
+        pdl_wait();
+        pdl_launch_dependents();
+    }
+    if (nr <= 0) return;                                          // block-uniform
     bool bad = false;
     for (int s = 0; s < n_slots; ++s) {
         const int e = ids ? ids[s] : s;
         if (e < 0 || e >= n_experts) bad = true;
-        else MoeStage<F>::stage(smem + s * room, W, e, r0, nr, n_experts, dim, ff, true);
+        else if (!early) MoeStage<F>::stage(smem + s * room, W, e, r0, nr, n_experts, dim, ff, true);
     }
     cp_async_commit();
     cp_async_wait_all();
@@ -368,7 +388,7 @@ __device__ __forceinline__ void moe_down_rows_impl(uint8_t* smem, const uint64_t
                      add ? add + n * dim : nullptr, mix ? mix + n * mrec + hc : nullptr,
                      mix ? mix + n * mrec + 2 * hc : nullptr, mix ? hc_x + n * hc * dim : nullptr,
                      out + n * (mix ? hc : 1) * dim, n_slots, n_experts, dim, ff, rows_per_block, mix ? hc : 0,
-                     bx);
+                     bx, false);
 }
 
 // ---- exact dequantisation ---------------------------------------------------------------------------------------
@@ -402,11 +422,9 @@ extern "C" __global__ void moe_gate_up_##name(const uint8_t* Wg, const uint8_t* 
                                               int rows_per_block, float clamp) { \
     extern __shared__ __align__(16) uint8_t moe_smem[]; \
     __shared__ uint64_t grid_s[TABLE ? 256 : 1]; \
-    pdl_wait(); \
-    pdl_launch_dependents(); \
-    if (TABLE) moe_load_grid(grid_s); \
+    if (TABLE) moe_load_grid(grid_s);                 /* a constant table */ \
     moe_gate_up_impl<F>(moe_smem, TABLE ? grid_s : nullptr, Wg, Wu, x, ids, route_w, h, n_experts, ff, dim, \
-                        rows_per_block, clamp, blockIdx.x); \
+                        rows_per_block, clamp, blockIdx.x, true);  /* pdl_wait inside */ \
 }
 
 // y or X' rows [r0, r0 + rows_per_block) summed over the n_slots experts. Launch: grid (ceil(dim / rows_per_block)),
@@ -418,11 +436,9 @@ extern "C" __global__ void moe_down_##name(const uint8_t* W, const int* ids, con
                                            int rows_per_block, int hc) { \
     extern __shared__ __align__(16) uint8_t moe_smem[]; \
     __shared__ uint64_t grid_s[TABLE ? 256 : 1]; \
-    pdl_wait(); \
-    pdl_launch_dependents(); \
-    if (TABLE) moe_load_grid(grid_s); \
+    if (TABLE) moe_load_grid(grid_s);                 /* a constant table */ \
     moe_down_impl<F>(moe_smem, TABLE ? grid_s : nullptr, W, ids, h, add, hc_post, hc_comb, hc_x, out, n_slots, \
-                     n_experts, dim, ff, rows_per_block, hc, blockIdx.x); \
+                     n_experts, dim, ff, rows_per_block, hc, blockIdx.x, true);  /* pdl_wait inside */ \
 }
 
 // out[32g + j] = value j of column group g (n_groups groups of 32 from the start of W). Launch: grid
@@ -513,7 +529,7 @@ extern "C" __global__ void moe_gate_up_##name(const uint8_t* Wg, const uint8_t* 
     pdl_launch_dependents(); \
     moe_tiles((ff + rows_per_block - 1) / rows_per_block, [&](int bx) { \
         moe_gate_up_impl<F>(moe_smem + 8 * KC, cb, Wg + 8 * KC, Wu + 8 * KC, x, ids, route_w, h, n_experts, ff, \
-                            dim, rows_per_block, clamp, bx); \
+                            dim, rows_per_block, clamp, bx, false); \
     }); \
 }
 
@@ -530,7 +546,7 @@ extern "C" __global__ void moe_down_##name(const uint8_t* W, const int* ids, con
     pdl_launch_dependents(); \
     moe_tiles((dim + rows_per_block - 1) / rows_per_block, [&](int bx) { \
         moe_down_impl<F>(moe_smem + 8 * KC, cb, W + 8 * KC, ids, h, add, hc_post, hc_comb, hc_x, out, n_slots, \
-                         n_experts, dim, ff, rows_per_block, hc, bx); \
+                         n_experts, dim, ff, rows_per_block, hc, bx, false); \
     }); \
 }
 

@@ -255,13 +255,33 @@ __device__ __forceinline__ float dot8(const float wf[8], const float* xs) {
     return s;
 }
 
+// Bytes of one row of W [rows, cols]: cols values (F16 / F32), cols / 256 Q4_K blocks.
+template <class T> __device__ __forceinline__ int row_bytes(int cols) { return cols * (int)sizeof(T); }
+template <> __device__ __forceinline__ int row_bytes<Q4K>(int cols) { return (cols >> 8) * 144; }
+
+// Before pdl_wait: the warp's first row group's rows into L2 (every 128-byte line they touch, lanes striding the
+// lines), so their DRAM reads overlap the previous kernel's tail; the loop's loads then hit L2.
+template <class T> __device__ __forceinline__ void gemv_prefetch_group(const GemvJob& j, int g, int lane) {
+    const int nbytes = row_bytes<T>(j.cols);
+#pragma unroll
+    for (int s = 0; s < GEMV_ROWS; s++) {
+        int m, row;
+        slot_row(j, g, s, m, row);
+        if (row < 0) continue;
+        const uint8_t* p = reinterpret_cast<const uint8_t*>(row_start<T>(JOB_W(j, m), row, j.cols));
+        for (int o = 128 * lane; o < nbytes; o += 32 * 128) prefetch_l2(p + o);
+        if (lane == 31) prefetch_l2(p + nbytes - 1);          // the last line when the row starts mid-line
+    }
+}
+
 // T = __half, float or Q4K; 8 columns per lane step; NB accumulator sets (activation rows n < j.nx <= NB).
 template <class T, int NB>
 __device__ __forceinline__ void gemv_direct(const GemvJob& j) {
-    pdl_wait();
-    pdl_launch_dependents();
     const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     const int gwarp = blockIdx.x * warps + (threadIdx.x >> 5), nwarps = gridDim.x * warps;
+    if (gwarp < group_count(j)) gemv_prefetch_group<T>(j, gwarp, lane);    // weights only: before pdl_wait
+    pdl_wait();
+    pdl_launch_dependents();
     float scale[NB];
 #pragma unroll
     for (int n = 0; n < NB; n++) scale[n] = (n < j.nx && (j.flags & GEMV_NORM)) ? warp_norm_scale(j, n) : 1.0f;

@@ -3,6 +3,7 @@
 // (DS4_EMU, cu/emu/cuda_emu.h). Kernels call these wrappers and never write asm() themselves.
 //
 //   pdl_wait(), pdl_launch_dependents()       programmatic dependent launch (griddepcontrol, sm_90+)
+//   prefetch_l2(p)                            bring p's 128-byte line into L2, no register (prefetch, sm_70+)
 //   cp_async_{4,8,16}, cp_async_commit(),     asynchronous global->shared copies (cp.async, sm_80+)
 //   cp_async_wait<N>(), cp_async_wait_all()
 //   fp8_{e4m3,e5m2}_to_float, fp8x2_*_to_half2, float_to_fp8_*, float2_to_fp8x2_*   (cvt, sm_89+)
@@ -36,6 +37,19 @@ __device__ __forceinline__ void pdl_wait() {
 __device__ __forceinline__ void pdl_launch_dependents() {
 #if !defined(DS4_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// L2 prefetch: a hint that p's line is read soon (the weights a kernel streams, issued before pdl_wait so DRAM
+// works during the previous kernel's tail). No value, no register, nothing to wait for; p must be a valid global
+// address. The emulator reads one byte of it (so a wild prefetch faults there, as a read would); older archs: none.
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+#if defined(DS4_EMU)
+    (void)*(const volatile unsigned char*)p;
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+    asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
+#else
+    (void)p;
 #endif
 }
 

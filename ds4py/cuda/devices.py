@@ -110,7 +110,7 @@ def profile_for_device(dev: Any) -> DeviceProfile:
     """A profile for an opened GPU (driver.Device): its own SM count, shared memory, threads per SM and L2, the
     arch-level limits of its compute capability, the bandwidths of the named profile of the same arch (if any)."""
     like = next((p for p in PROFILES.values() if p.cc[0] == dev.cc[0]), H200)
-    smem_sm = int(getattr(dev, "smem_per_sm", 0) or 0) or like.smem_per_sm
+    smem_sm = int(dev.smem_per_sm or 0) or int(dev.smem_per_block_optin) + like.smem_reserved_per_block
     return replace(like, key=f"gpu{dev.ordinal}", name=dev.name, cc=tuple(dev.cc), sm_count=int(dev.sm_count),
                    threads_per_sm=int(dev.threads_per_sm), smem_per_sm=smem_sm,
                    smem_per_block_optin=int(dev.smem_per_block_optin), l2_bytes=int(dev.l2_bytes),

@@ -72,7 +72,7 @@ class EmuDevice:
     total_mem: int = 1 << 40
     ordinal: int = 0
     threads_per_sm: int = H200.threads_per_sm
-    smem_per_sm: int = H200.smem_per_sm
+    smem_per_sm: int = 0           # 0: the per-block opt-in + the 1 KB the driver reserves (true of GB10 and H200)
     profile: DeviceProfile = H200
 
     @property
@@ -96,11 +96,12 @@ class EmuDevice:
         """The profile launches are checked against: `profile` with this device's own limits (a test may shrink
         them) in place of the profile's."""
         p = self.profile
-        if (self.sm_count, self.smem_per_block_optin, self.threads_per_sm, self.smem_per_sm) == \
+        per_sm = self.smem_per_sm or self.smem_per_block_optin + p.smem_reserved_per_block
+        if (self.sm_count, self.smem_per_block_optin, self.threads_per_sm, per_sm) == \
                 (p.sm_count, p.smem_per_block_optin, p.threads_per_sm, p.smem_per_sm):
             return p
         return dataclasses.replace(p, sm_count=self.sm_count, smem_per_block_optin=self.smem_per_block_optin,
-                                   threads_per_sm=self.threads_per_sm, smem_per_sm=self.smem_per_sm)
+                                   threads_per_sm=self.threads_per_sm, smem_per_sm=per_sm)
 
 
 @dataclass

@@ -199,6 +199,7 @@ extern "C" __global__ void half_warps(const int* in, int* out) {
 // pdl_wait(). Reads before it are fine (weights prefetched while the previous kernel finishes).
 extern "C" __global__ void pdl_ok(const float* x, float* y) {
     __shared__ float s[64];
+    prefetch_l2(x + threadIdx.x);
     s[threadIdx.x] = x[threadIdx.x];
     pdl_wait();
     __syncthreads();

@@ -173,12 +173,14 @@ def moe_plan(qtype: int, cols: int, rows: int, spans: int, sums: int, rows_per_b
     return MoePlan(threads, RL, rows_per_block, max(stage, partial))
 
 
-def _grid_x(rt: Any, qtype: Any, tiles: int, ys: int, plan: MoePlan) -> int:
+def _grid_x(rt: Any, qtype: Any, tiles: int, ys: int, plan: MoePlan, kernel: str | None = None) -> int:
     """Blocks along x: one per row tile for the ggml formats; VQ-8's persistent blocks loop over the tiles, so
-    (with ys blocks along y) the grid is at most one wave of the device and each block loads the codebook once."""
+    (with ys blocks along y) the grid is at most one wave of the device (the kernel's occupancy: its registers and
+    static shared memory from the ptxas table, blocks_that_fit) and each block loads the codebook once."""
     if not isinstance(qtype, str):
         return tiles
-    return max(1, min(tiles, blocks_that_fit(rt, plan.threads, launch_smem(qtype, plan) + STATIC_RESERVE) // ys))
+    static = 0 if kernel else STATIC_RESERVE           # a named kernel's static bytes come from the ptxas table
+    return max(1, min(tiles, blocks_that_fit(rt, plan.threads, launch_smem(qtype, plan) + static, kernel=kernel) // ys))
 
 
 def _check_weights(where: str, W: Any, qtype: Any, n_experts: int, rows: int, cols: int) -> None:
@@ -202,7 +204,7 @@ def moe_gate_up(rt: Any, qtype: int, Wg: Any, Wu: Any, x: Any, ids: Any, route_w
     need(route_w is None or route_w.size >= n_slots, "moe_gate_up: route weights must cover the slots")
     need(aligned(16, x, h), "moe_gate_up: x and h must be 16-byte aligned")
     plan = moe_plan(qtype, dim, ff, 2, 2, rows_per_block)
-    gx = _grid_x(rt, qtype, -(-ff // plan.rows_per_block), n_slots, plan)
+    gx = _grid_x(rt, qtype, -(-ff // plan.rows_per_block), n_slots, plan, f"moe_gate_up_{name}")
     rt.launch(f"moe_gate_up_{name}", (gx, n_slots), plan.threads, Wg, Wu, x, ids, route_w, h, int(n_experts), int(ff),
               int(dim), plan.rows_per_block, float(clamp), smem=launch_smem(qtype, plan), stream=stream, pdl=pdl)
     return plan
@@ -227,7 +229,7 @@ def moe_down(rt: Any, qtype: int, W: Any, ids: Any, h: Any, out: Any, n_experts:
         need(out.size == dim, "moe_down: out must be [dim]")
     need(aligned(16, h), "moe_down: h must be 16-byte aligned")
     plan = moe_plan(qtype, ff, dim, n_slots, 1, rows_per_block)
-    gx = _grid_x(rt, qtype, -(-dim // plan.rows_per_block), 1, plan)
+    gx = _grid_x(rt, qtype, -(-dim // plan.rows_per_block), 1, plan, f"moe_down_{name}")
     rt.launch(f"moe_down_{name}", gx, plan.threads, W, ids, h, add, hc_post, hc_comb, hc_x, out, int(n_slots),
               int(n_experts), int(dim), int(ff), plan.rows_per_block, hc, smem=launch_smem(qtype, plan), stream=stream,
               pdl=pdl)
@@ -285,7 +287,7 @@ def moe_gate_up_rows(rt: Any, qtype: int, Wg: Any, Wu: Any, x: Any, ids: Any, ro
     need(aligned(16, x, h), "moe_gate_up_rows: x and h must be 16-byte aligned")
     plan = moe_rows_plan(qtype, dim, ff, rows_per_block)
     groups = k if ids is None else min(n_pairs, n_experts + 1)      # + 1: a bad id is a group of its own
-    gx = _grid_x(rt, qtype, -(-ff // plan.rows_per_block), groups, plan)
+    gx = _grid_x(rt, qtype, -(-ff // plan.rows_per_block), groups, plan, f"moe_gate_up_rows_{name}")
     rt.launch(f"moe_gate_up_rows_{name}", (gx, groups), plan.threads, Wg, Wu, x, ids, route_w, h, int(n_experts),
               int(ff), int(dim), plan.rows_per_block, float(clamp), int(n_pairs), int(k), stride,
               smem=launch_smem(qtype, plan), stream=stream, pdl=pdl)
@@ -312,7 +314,7 @@ def moe_down_rows(rt: Any, qtype: int, W: Any, ids: Any, h: Any, out: Any, n_exp
         need(out.size >= nx * dim, "moe_down_rows: out must be [nx, dim]")
     need(aligned(16, h), "moe_down_rows: h must be 16-byte aligned")
     plan = moe_plan(qtype, ff, dim, n_slots, 1, rows_per_block)
-    gx = _grid_x(rt, qtype, -(-dim // plan.rows_per_block), nx, plan)
+    gx = _grid_x(rt, qtype, -(-dim // plan.rows_per_block), nx, plan, f"moe_down_rows_{name}")
     rt.launch(f"moe_down_rows_{name}", (gx, nx), plan.threads, W, ids, h, add, mix, hc_x, out, int(n_slots),
               int(n_experts), int(dim), int(ff), plan.rows_per_block, int(hc) if mix is not None else 0,
               smem=launch_smem(qtype, plan), stream=stream, pdl=pdl)
