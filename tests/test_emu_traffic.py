@@ -162,3 +162,12 @@ def test_a_real_gemv_reads_each_weight_byte_once(kind, monkeypatch):
     assert len(w) == 1 and w[0]["unique_bytes"] == w[0]["arg_bytes"] == W.nbytes
     assert w[0]["coverage"] == 1.0 and w[0]["reread_blocks"] == 1.0
     assert 0 < w[0]["coalescing"] <= 1.0
+
+
+@pytest.mark.parametrize("pair,requests,sectors", [(0, 1, 16), (1, 2, 64)])
+def test_vector_loads_are_one_request(mod, pair, requests, sectors):
+    """A float4 load is one 16-byte access per lane, as on the GPU (not four 4-byte loads: g++'s SRA is off)."""
+    r = profile(mod, "copy_f32x4", 1, 32, [f32(256), np.zeros(128, np.float32), pair])
+    x = r["args"]["x"]
+    assert (x["requests"], x["sectors"]) == (requests, sectors)
+    assert x["coalescing"] == (1.0 if not pair else 0.5) and x["dram_efficiency"] == 1.0

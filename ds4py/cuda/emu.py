@@ -44,12 +44,14 @@ GENERATOR_VERSION = "ds4py-emu-v3"
 #   dynamic shared memory poisoned outside the launch's bytes); the process must load libasan first
 #   (python -m ds4py.cuda.emu_check does that);
 # traffic: the race build's instrumentation routed to a memory-traffic profile per launch (cu/emu/emu_check.h,
-#   ds4py/cuda/traffic.py): coalescing per warp request, unique bytes, bytes before pdl_wait, bank conflicts.
+#   ds4py/cuda/traffic.py): coalescing per warp request, unique bytes, bytes before pdl_wait, bank conflicts;
+#   -fno-tree-sra keeps a float4 / uint2 load one 16 / 8-byte access, as the GPU issues it (g++'s scalar
+#   replacement of aggregates would split it into 4-byte loads: four requests at a quarter of the efficiency).
 CHECKS = {
     "race": ("-fsanitize=thread", "--param=tsan-instrument-func-entry-exit=0", "-DDS4_EMU_RACE=1"),
     "asan": ("-fsanitize=address,undefined", "-fsanitize-sections=emu_shared", "-fno-sanitize-recover=undefined",
              "-fno-omit-frame-pointer", "-DDS4_EMU_ASAN=1"),
-    "traffic": ("-fsanitize=thread", "--param=tsan-instrument-func-entry-exit=0", "-DDS4_EMU_TRAFFIC=1"),
+    "traffic": ("-fsanitize=thread", "--param=tsan-instrument-func-entry-exit=0", "-fno-tree-sra", "-DDS4_EMU_TRAFFIC=1"),
 }
 LINK_CHECKS = {"race": (), "asan": ("-fsanitize=address,undefined",), "traffic": ()}
 ORDERS = {"forward": 0, "reverse": 1, "random": 2}

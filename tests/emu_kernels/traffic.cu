@@ -58,3 +58,19 @@ extern "C" __global__ void cp_async_copy(const float* x, float* y) {
     __syncthreads();
     for (int k = 0; k < 4; k++) y[4 * t + k] = s[4 * t + k];
 }
+
+// One 16-byte load per lane (float4), consecutive: 512 bytes in 16 sectors per request, 100%. With `pair` each
+// lane loads two float4 (32 bytes), as gemv.cu's F32 rows do: each request then has a 32-byte stride, 50%.
+// (The traffic build keeps g++ from splitting a float4 into four 4-byte loads: -fno-tree-sra.)
+extern "C" __global__ void copy_f32x4(const float* x, float* y, int pair) {
+    pdl_wait();
+    const int t = threadIdx.x;
+    const float4* x4 = reinterpret_cast<const float4*>(x);
+    if (!pair) {
+        const float4 a = x4[t];
+        y[4 * t] = a.x + a.y + a.z + a.w;
+        return;
+    }
+    const float4 a = x4[2 * t], b = x4[2 * t + 1];
+    y[4 * t] = a.x + a.y + a.z + a.w + b.x + b.y + b.z + b.w;
+}
