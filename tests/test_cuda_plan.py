@@ -119,6 +119,15 @@ def test_plan_is_the_engine_launch_count():
     assert len(plan.plan_step("v4-flash-q2", "decode", "h200", ctx=1)) == n["total"]
 
 
+@pytest.mark.parametrize("bits", range(6, 14))
+def test_every_vq_width_fits_gb10(bits):
+    """A decode and a 4-row step of V4.1 Flash with VQ-8 experts of each width quantize-vq writes in every layer fit
+    GB10 (the tightest device: 101,376 B of shared memory per block)."""
+    refused = [r for kind in ("decode", "rows")
+               for r in plan.refusals(plan.plan_step(f"v41-flash-vq{bits}", kind, "gb10"))]
+    assert not refused, f"{bits}-bit VQ-8 on gb10: {len(refused)} launches refused:\n" + "\n".join(refused)
+
+
 def test_planned_arguments_carry_sizes_and_labels():
     """Every pointer into a weight tensor is const and names the tensor; the attention reads the KV state."""
     launches = plan.plan_step("v4-flash-q2", "decode", "gb10")

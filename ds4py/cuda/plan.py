@@ -10,7 +10,7 @@ recorded, never run.
 Shapes (SHAPES): v4-flash-q2 (the public q2 file: IQ2_XXS gate / up, Q2_K down experts, Q8_0 dense), v4-flash-q4
 (Q4_K experts), v41-flash-vq (V4.1 Flash in the seed's layout: VQ-8 experts at 13 bits in the first 14 layers and
 12 bits after, Q4_K dense, Engram from a small synthetic table: the gather's row count is real, its bytes are not
-part of the plan).
+part of the plan); VQ_WIDTHS: v41-flash-vq6 .. v41-flash-vq13, one VQ-8 width in every layer.
 """
 
 from __future__ import annotations
@@ -52,14 +52,18 @@ SHAPES: dict[str, Shapes] = {s.key: s for s in (
     Shapes("v41-flash-vq", "V4.1 Flash, the seed's layout (VQ-8 13-bit x 14 layers then 12-bit, Q4_K dense)", True,
            vq=(12, 13, 14), dense="q4_k"),
 )}
+# every other VQ-8 width quantize-vq writes, in every layer (what GB10's shared memory must hold at each width)
+VQ_WIDTHS: dict[str, Shapes] = {f"v41-flash-vq{b}": Shapes(f"v41-flash-vq{b}", f"V4.1 Flash, VQ-8 {b}-bit experts in "
+                                                           f"every layer, Q4_K dense", True, vq=(b, b, 0), dense="q4_k")
+                                for b in range(6, 14)}
 
 _MODELS: dict[tuple[str, str], Any] = {}
 
 
 def shapes(key: str) -> Shapes:
-    s = SHAPES.get(key)
+    s = SHAPES.get(key) or VQ_WIDTHS.get(key)
     if s is None:
-        raise Ds4Error(f"unknown shapes {key!r}; known: {', '.join(SHAPES)}")
+        raise Ds4Error(f"unknown shapes {key!r}; known: {', '.join(SHAPES)}, v41-flash-vq6 .. v41-flash-vq13")
     return s
 
 
@@ -165,7 +169,8 @@ def table(launches: list[PlannedLaunch]) -> str:
              f"{'limiter':>13} {'waves':>6}"]
     for name, lns in by.items():
         big = max(lns, key=lambda x: (x.blocks, x.smem))
-        lines.append(f"{name:32} {len(lns):>4} {str(big.grid):>16} {str(big.block):>12} {big.smem + big.static_smem:>7} "
+        lines.append(f"{name:32} {len(lns):>4} {str(big.grid):>16} {str(big.block):>12} "
+                     f"{big.smem + big.static_smem:>7} "
                      f"{big.registers:>4} {big.occupancy.blocks_per_sm:>6} {big.occupancy.limiter:>13} "
                      f"{big.waves:>6.2f}")
     return "\n".join(lines)
@@ -174,7 +179,7 @@ def table(launches: list[PlannedLaunch]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python3 -m ds4py.cuda.plan", description=__doc__.splitlines()[0])
     p.add_argument("--device", default="gb10")
-    p.add_argument("--shapes", default="v4-flash-q2", choices=list(SHAPES))
+    p.add_argument("--shapes", default="v4-flash-q2", choices=list(SHAPES) + list(VQ_WIDTHS))
     p.add_argument("--kind", default="decode", choices=KINDS)
     p.add_argument("--ctx", type=int, default=2048)
     p.add_argument("--json", default=None, help="also write every planned launch here (a list of objects)")

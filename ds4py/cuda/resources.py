@@ -86,7 +86,8 @@ def render(table: dict[str, dict[str, dict[str, Any]]]) -> str:
     """The markdown table between the markers: one row per kernel, registers / spills / stack / static shared
     memory per arch (GB10's sm_121 first)."""
     archs = [a for a in ARCHS if a in table]
-    names = sorted({k for a in archs for k in table[a]}, key=lambda k: (table[archs[0]].get(k, {}).get("module", ""), k))
+    first = table[archs[0]]
+    names = sorted({k for a in archs for k in table[a]}, key=lambda k: (first.get(k, {}).get("module", ""), k))
     head = "| kernel | file | " + " | ".join(f"regs {a}" for a in archs) + " | static smem (B) | spills, stack |"
     lines = [BEGIN, head, "|" + "---|" * (4 + len(archs) - 1)]
     for k in names:
