@@ -81,6 +81,8 @@ def model_vs_measured(nums: dict) -> dict | None:
     kt = (nums.get("cuda_decode") or {}).get("kernel_times")
     if not isinstance(kt, dict):
         return None
+    if "error" in kt:
+        return {"error": kt["error"]}
     return {"profile": kt.get("profile"), "ctx": kt.get("ctx"), "measured_us": kt.get("measured_us"),
             "modelled_us": kt.get("modelled_us"), "ratio": kt.get("ratio"),
             "kernels": {k["kernel"]: {f: k.get(f) for f in ("launches", "measured_us", "modelled_us", "ratio",

@@ -189,3 +189,24 @@ def test_coalescing_comes_from_a_traffic_report(tmp_path, capsys):
     assert timemodel.load_coalescing(f) == got
     assert main(["bench", "gpu-model", "--traffic", str(tmp_path / "none.json")]) == 2
     assert "no traffic report" in capsys.readouterr().err
+
+
+def test_the_device_check_summary_carries_model_vs_measured():
+    """bench/device_summary.py lifts cuda_decode.py --kernel-times into summary.json's model_vs_measured: per kernel
+    launches, measured and modelled µs, their ratio and the model's limiter; an error stays one string."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "device_summary", Path(__file__).resolve().parents[1] / "bench" / "device_summary.py")
+    ds = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ds)
+    kt = {"profile": "gpu0", "ctx": 33, "measured_us": 50.0, "modelled_us": 40.0, "ratio": 1.25, "kernels": [
+        {"kernel": "gemv_q8_0", "family": "gemv q8_0", "launches": 3, "measured_us": 30.0, "modelled_us": 20.0,
+         "bytes": 1, "limiter": "bandwidth", "ratio": 1.5}]}
+    got = ds.model_vs_measured({"cuda_decode": {"kernel_times": kt}})
+    assert got["ratio"] == 1.25 and got["kernels"]["gemv_q8_0"] == {
+        "launches": 3, "measured_us": 30.0, "modelled_us": 20.0, "ratio": 1.5, "limiter": "bandwidth"}
+    assert ds.model_vs_measured({"cuda_decode": {"kernel_times": {"error": "StaleResourceTable: x"}}}) == {
+        "error": "StaleResourceTable: x"}
+    assert ds.model_vs_measured({}) is None
