@@ -119,13 +119,19 @@ def _is_weight(arg: Any) -> bool:
         and not arg.label.startswith(("state.", "rope."))
 
 
+def n_rows_written(kernel: str) -> int:
+    """Rows a window-ring store writes per launch (attn_kv_store: the step's one row; 0: not a ring store)."""
+    return 1 if kernel in ("attn_kv_store", "v41_kv_rows") else 0
+
+
 def launch_traffic(launch: Any, ctx: int) -> Traffic:
     """DRAM bytes of one planned launch (ds4py/cuda/plan_runtime.PlannedLaunch) at context `ctx`.
 
     Every pointer argument's buffer counts once, except: a stacked expert tensor counts only the experts the launch
     reads (its slots of n_experts; a multi-row launch grouped by expert: the expected distinct experts of its
     pairs under uniform routing; moe_down_rows: every row's slots, as it stages them per row); a lookup table
-    (embedding, hash routing) the tokens' rows; a row store (an output `X` with a scalar `X_cap`) one row; the attention window ring min(ctx, window) rows, its compressed rows topk
+    (embedding, hash routing) the tokens' rows; a row store (an output `X` with a scalar `X_cap`, or the window
+    ring of attn_kv_store / v41_kv_rows) one row; the attention window ring min(ctx, window) rows, its compressed rows topk
     (ratio 4) or ctx / ratio (ratio 128); the indexer keys ctx / ratio rows. A GEMV's activation rows come from its
     `nx` (multi-row steps)."""
     k, s = launch.kernel, _scalars(launch)
@@ -167,6 +173,8 @@ def launch_traffic(launch: Any, ctx: int) -> Traffic:
             kv += min(ctx // max(1, int(s.get("ratio", 4))), n // row) * row
         elif not a.const and f"{a.name}_cap" in s and int(s[f"{a.name}_cap"]) > 0:
             act += n // int(s[f"{a.name}_cap"])                   # a row store: one row written per step
+        elif not a.const and int(s.get("ring", 0)) > 0 and n_rows_written(k):
+            kv += n // int(s["ring"]) * n_rows_written(k)         # the window ring: its new rows written
         elif a.label.startswith("state."):
             kv += n                                               # other KV state a kernel reads (rings, rows)
         else:
