@@ -210,3 +210,23 @@ def test_the_device_check_summary_carries_model_vs_measured():
     assert ds.model_vs_measured({"cuda_decode": {"kernel_times": {"error": "StaleResourceTable: x"}}}) == {
         "error": "StaleResourceTable: x"}
     assert ds.model_vs_measured({}) is None
+
+
+def test_attention_reads_the_window_and_the_selected_rows():
+    """Decode attention's KV bytes at a context: the window ring's min(ctx, window) rows plus top-k compressed rows
+    where a selection is passed (V4 ratio 4, V4.1 ratio 2 / 1), else ctx / ratio rows (V4 ratio 128); the buffers'
+    capacities do not count."""
+    row = 4 * 512
+
+    def attn(ratio: int, sel: bool) -> PlannedLaunch:
+        chk = inspect_launch(GB10, "attn_decode_partial", (20, 8), 64, 0)
+        args = (PlannedArg("win", 144 * row, True, "state.2.win"),
+                PlannedArg("comp", 65536 * row, True, "state.2.comp_rows"),
+                PlannedArg("sel", 2048 if sel else 0, True, "activation" if sel else "null"))
+        sc = (("ring", 144), ("window", 128), ("ratio", ratio), ("topk", 512), ("hd", 512))
+        return PlannedLaunch(0, "attn_decode_partial", "attention", chk.grid, chk.block, 0, 0, 32, "main", True,
+                             args, sc, chk.occupancy, chk.waves, None)
+
+    assert timemodel.launch_traffic(attn(2, True), 65536).kv == (128 + 512) * row
+    assert timemodel.launch_traffic(attn(128, False), 65536).kv == (128 + 65536 // 128) * row
+    assert timemodel.launch_traffic(attn(2, True), 100).kv == (100 + 50) * row

@@ -131,8 +131,8 @@ def launch_traffic(launch: Any, ctx: int) -> Traffic:
     reads (its slots of n_experts; a multi-row launch grouped by expert: the expected distinct experts of its
     pairs under uniform routing; moe_down_rows: every row's slots, as it stages them per row); a lookup table
     (embedding, hash routing) the tokens' rows; a row store (an output `X` with a scalar `X_cap`, or the window
-    ring of attn_kv_store / v41_kv_rows) one row; the attention window ring min(ctx, window) rows, its compressed rows topk
-    (ratio 4) or ctx / ratio (ratio 128); the indexer keys ctx / ratio rows. A GEMV's activation rows come from its
+    ring of attn_kv_store / v41_kv_rows) one row; the attention window ring min(ctx, window) rows, its compressed rows top-k
+    (with a selection `sel`: V4's ratio 4, V4.1's 2 and 1) or ctx / ratio (V4's ratio 128); the indexer keys ctx / ratio rows. A GEMV's activation rows come from its
     `nx` (multi-row steps)."""
     k, s = launch.kernel, _scalars(launch)
     weight = kv = act = 0
@@ -150,6 +150,7 @@ def launch_traffic(launch: Any, ctx: int) -> Traffic:
     elif k.startswith("moe_down"):
         experts_read = int(s.get("n_slots", 1))
     tokens = next((a.nbytes // 4 for a in launch.args if a.name in ("ids", "token") and a.nbytes), 1)
+    selected = any(a.name == "sel" and a.nbytes > 0 for a in launch.args)
     for a in launch.args:
         n = int(a.nbytes)
         if n <= 0:
@@ -164,8 +165,8 @@ def launch_traffic(launch: Any, ctx: int) -> Traffic:
             row = 4 * int(s.get("hd", 512))
             if a.name == "win":
                 kv += min(ctx, int(s.get("window", ctx)), n // row) * row
-            elif int(s.get("ratio", 0)) == 4:
-                kv += min(int(s.get("topk", 512)), ctx // 4) * row
+            elif int(s.get("ratio", 0)) > 0 and selected:           # the indexer's / candidates' top-k rows
+                kv += min(int(s.get("topk", 512)), ctx // int(s["ratio"])) * row
             elif int(s.get("ratio", 0)) > 0:
                 kv += min(ctx // int(s["ratio"]), n // row) * row
         elif k.startswith("indexer_scores") and a.name == "keys":
