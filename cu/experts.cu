@@ -145,6 +145,13 @@ __device__ __forceinline__ void moe_row_sums(const float* red, float* tot, int n
     __syncthreads();
 }
 
+// How an impl call stages its rows: MOE_WAIT, it owns the kernel's pdl_wait (a shared expert's rows, ids null,
+// are staged before it) and stages then waits; MOE_WAITED, the caller has waited, it stages then waits;
+// MOE_STAGED, the caller issued this tile's rows into smem (the same positions) and waited for them with a barrier.
+#define MOE_WAIT 0
+#define MOE_WAITED 1
+#define MOE_STAGED 2
+
 // ---- gate + up + clamped SwiGLU -----------------------------------------------------------------------------------
 // One (x, slot) pair against the block's staged gate / up rows sg / su: hout[i] = silu(min(g, c)) * clamp(u) * rw.
 // Both entry points (one token; several rows grouped by expert) run exactly this, so a pair's bits do not depend
@@ -199,13 +206,14 @@ template <int F>
 __device__ __forceinline__ void moe_gate_up_impl(uint8_t* smem, const uint64_t* grid, const uint8_t* Wg,
                                                  const uint8_t* Wu, const float* x, const int* ids,
                                                  const float* route_w, float* h, int n_experts, int ff, int dim,
-                                                 int rows_per_block, float clamp, int bx, bool wait) {
+                                                 int rows_per_block, float clamp, int bx, int mode) {
     const int tid = threadIdx.x;
     const int slot = blockIdx.y, r0 = bx * rows_per_block;
     const int nr = min(rows_per_block, ff - r0);
     const int room = MoeStage<F>::room(nr, dim);
     // the shared expert (ids null): its rows do not depend on the previous kernel, so with `wait` (this call owns
     // the kernel's pdl_wait) they are staged before it and stream in during the previous kernel's tail
+    const bool wait = mode == MOE_WAIT;
     const bool early = wait && !ids && slot < n_experts && nr > 0;
     if (early) {
         MoeStage<F>::stage(smem, Wg, slot, r0, nr, n_experts, ff, dim, true);
@@ -223,11 +231,14 @@ __device__ __forceinline__ void moe_gate_up_impl(uint8_t* smem, const uint64_t* 
         for (int i = tid; i < nr; i += blockDim.x) hout[i] = __int_as_float(0x7fc00000);
         return;
     }
-    const MoeSpan sg = MoeStage<F>::stage(smem, Wg, e, r0, nr, n_experts, ff, dim, !early);
-    const MoeSpan su = MoeStage<F>::stage(smem + room, Wu, e, r0, nr, n_experts, ff, dim, !early);
-    cp_async_commit();
-    cp_async_wait_all();
-    __syncthreads();
+    const bool copy = !early && mode != MOE_STAGED;
+    const MoeSpan sg = MoeStage<F>::stage(smem, Wg, e, r0, nr, n_experts, ff, dim, copy);
+    const MoeSpan su = MoeStage<F>::stage(smem + room, Wu, e, r0, nr, n_experts, ff, dim, copy);
+    if (mode != MOE_STAGED) {
+        cp_async_commit();
+        cp_async_wait_all();
+        __syncthreads();
+    }
     moe_gate_up_pair<F>(grid, sg, su, nr, x, rw, hout, clamp, reinterpret_cast<float*>(smem), dim);
 }
 
@@ -306,12 +317,13 @@ __device__ __forceinline__ void moe_down_impl(uint8_t* smem, const uint64_t* gri
                                               const float* h, const float* add, const float* hc_post,
                                               const float* hc_comb, const float* hc_x, float* out, int n_slots,
                                               int n_experts, int dim, int ff, int rows_per_block, int hc, int bx,
-                                              bool wait) {
+                                              int mode) {
     const int G = ff / 32, RL = blockDim.x / G, tid = threadIdx.x;
     const int grp = tid % G, rl = tid / G;
     const bool worker = rl < RL;
     const int r0 = bx * rows_per_block, nr = min(rows_per_block, dim - r0);
     const int room = MoeStage<F>::room(nr, ff);
+    const bool wait = mode == MOE_WAIT;
     const bool early = wait && !ids;                              // the shared expert: staged before pdl_wait
     if (early && nr > 0)
         for (int s = 0; s < n_slots && s < n_experts; ++s)
@@ -325,11 +337,13 @@ __device__ __forceinline__ void moe_down_impl(uint8_t* smem, const uint64_t* gri
     for (int s = 0; s < n_slots; ++s) {
         const int e = ids ? ids[s] : s;
         if (e < 0 || e >= n_experts) bad = true;
-        else if (!early) MoeStage<F>::stage(smem + s * room, W, e, r0, nr, n_experts, dim, ff, true);
+        else if (!early && mode != MOE_STAGED) MoeStage<F>::stage(smem + s * room, W, e, r0, nr, n_experts, dim, ff, true);
     }
-    cp_async_commit();
-    cp_async_wait_all();
-    __syncthreads();
+    if (mode != MOE_STAGED) {
+        cp_async_commit();
+        cp_async_wait_all();
+        __syncthreads();
+    }
 
     float acc[MOE_RPT];
 #pragma unroll
@@ -388,7 +402,7 @@ __device__ __forceinline__ void moe_down_rows_impl(uint8_t* smem, const uint64_t
                      add ? add + n * dim : nullptr, mix ? mix + n * mrec + hc : nullptr,
                      mix ? mix + n * mrec + 2 * hc : nullptr, mix ? hc_x + n * hc * dim : nullptr,
                      out + n * (mix ? hc : 1) * dim, n_slots, n_experts, dim, ff, rows_per_block, mix ? hc : 0,
-                     bx, false);
+                     bx, MOE_WAITED);
 }
 
 // ---- exact dequantisation ---------------------------------------------------------------------------------------
@@ -424,7 +438,7 @@ extern "C" __global__ void moe_gate_up_##name(const uint8_t* Wg, const uint8_t* 
     __shared__ uint64_t grid_s[TABLE ? 256 : 1]; \
     if (TABLE) moe_load_grid(grid_s);                 /* a constant table */ \
     moe_gate_up_impl<F>(moe_smem, TABLE ? grid_s : nullptr, Wg, Wu, x, ids, route_w, h, n_experts, ff, dim, \
-                        rows_per_block, clamp, blockIdx.x, true);  /* pdl_wait inside */ \
+                        rows_per_block, clamp, blockIdx.x, MOE_WAIT);  /* pdl_wait inside */ \
 }
 
 // y or X' rows [r0, r0 + rows_per_block) summed over the n_slots experts. Launch: grid (ceil(dim / rows_per_block)),
@@ -438,7 +452,7 @@ extern "C" __global__ void moe_down_##name(const uint8_t* W, const int* ids, con
     __shared__ uint64_t grid_s[TABLE ? 256 : 1]; \
     if (TABLE) moe_load_grid(grid_s);                 /* a constant table */ \
     moe_down_impl<F>(moe_smem, TABLE ? grid_s : nullptr, W, ids, h, add, hc_post, hc_comb, hc_x, out, n_slots, \
-                     n_experts, dim, ff, rows_per_block, hc, blockIdx.x, true);  /* pdl_wait inside */ \
+                     n_experts, dim, ff, rows_per_block, hc, blockIdx.x, MOE_WAIT);  /* pdl_wait inside */ \
 }
 
 // out[32g + j] = value j of column group g (n_groups groups of 32 from the start of W). Launch: grid
@@ -495,7 +509,7 @@ MOE_FORMATS(MOE_DOWN_ROWS)
 // ---- VQ-8 (MOE_VQ_FORMATS): the same four kernels, persistent; each matrix's device copy starts with the layer's
 // codebook (KC codewords x 8 E4M3 bytes), copied once per block into the first KC * 8 bytes of the dynamic shared
 // memory (cp.async, before pdl_wait: weights), the stage follows it (ds4py/cuda/ops/experts.py adds them in
-// vq_launch_smem). A block then loops over row tiles bx = blockIdx.x, blockIdx.x + gridDim.x, ... < tiles (the
+// launch_smem). A block then loops over row tiles bx = blockIdx.x, blockIdx.x + gridDim.x, ... < tiles (the
 // grid is one wave: ops/experts.py sizes gridDim.x from the device), so a launch reads the codebook from L2 once
 // per resident block, not once per tile; a tile's arithmetic is the one-block-per-tile kernel's exactly (the same
 // impl), so the bits do not depend on the grid. A group's dot reads its 4 codewords from there; the row gain
@@ -517,8 +531,36 @@ template <typename Fn> __device__ __forceinline__ void moe_tiles(int tiles, Fn f
     cp_async_wait_all();                          // no copy outlives the block (every tile may have had a bad id)
 }
 
+// The decode pair's ring: two stage buffers of `buf` bytes at smem; tile i's rows are issued into buffer i % 2
+// while tile i - 1 is computed from the other (cp_async_wait<1> leaves only the newest tile's copies in flight),
+// so the loads of tile i + 1 overlap the math of tile i. issue(bx, dst) starts tile bx's copies (nothing for a bad
+// id); run(bx, src) computes it from its buffer (MOE_STAGED). Every thread runs the same tiles.
+template <typename Issue, typename Run>
+__device__ __forceinline__ void moe_ring(uint8_t* smem, int buf, int tiles, Issue issue, Run run) {
+    int i = 0;
+    if ((int)blockIdx.x < tiles) issue((int)blockIdx.x, smem);
+    cp_async_commit();
+    for (int bx = blockIdx.x; bx < tiles; bx += gridDim.x, ++i) {
+        if (bx + (int)gridDim.x < tiles) issue(bx + (int)gridDim.x, smem + ((i + 1) & 1) * buf);
+        cp_async_commit();
+        cp_async_wait<1>();                       // tile bx's copies (and the codebook's) have landed
+        __syncthreads();
+        run(bx, smem + (i & 1) * buf);
+        __syncthreads();                          // its buffer is issued into again two tiles on
+    }
+    cp_async_wait_all();
+}
+
+// One ring buffer: the stage of `spans` row spans or the partial sums (sums rows per block row), 16-byte rounded
+// (ops/experts.py ring_bytes).
+template <int F> __device__ __forceinline__ int moe_ring_bytes(int rows_per_block, int cols, int spans, int sums) {
+    const int stage = spans * MoeStage<F>::room(rows_per_block, cols);
+    const int partial = 4 * sums * rows_per_block * (cols / 32 + 1);
+    return ((stage > partial ? stage : partial) + 15) & ~15;
+}
+
 // As moe_gate_up_<fmt>, Wg / Wu the VQ device copies. Launch: grid (persistent: min(ceil(ff / rows_per_block),
-// one wave / n_slots), n_slots), block as moe_gate_up_<fmt>, dynamic shared memory KC * 8 + moe_smem_bytes.
+// one wave / n_slots), n_slots), block as moe_gate_up_<fmt>, dynamic shared memory KC * 8 + 2 ring buffers.
 #define MOE_VQ_GATE_UP(name, F, QK, NB, KC) \
 extern "C" __global__ void moe_gate_up_##name(const uint8_t* Wg, const uint8_t* Wu, const float* x, const int* ids, \
                                               const float* route_w, float* h, int n_experts, int ff, int dim, \
@@ -527,14 +569,25 @@ extern "C" __global__ void moe_gate_up_##name(const uint8_t* Wg, const uint8_t* 
     const uint64_t* cb = moe_load_codebook(moe_smem, Wg, KC); \
     pdl_wait(); \
     pdl_launch_dependents(); \
-    moe_tiles((ff + rows_per_block - 1) / rows_per_block, [&](int bx) { \
-        moe_gate_up_impl<F>(moe_smem + 8 * KC, cb, Wg + 8 * KC, Wu + 8 * KC, x, ids, route_w, h, n_experts, ff, \
-                            dim, rows_per_block, clamp, bx, false); \
-    }); \
+    const uint8_t* wg = Wg + 8 * KC; \
+    const uint8_t* wu = Wu + 8 * KC; \
+    const int e = ids ? ids[blockIdx.y] : (int)blockIdx.y; \
+    moe_ring(moe_smem + 8 * KC, moe_ring_bytes<F>(rows_per_block, dim, 2, 2), \
+        (ff + rows_per_block - 1) / rows_per_block, \
+        [&](int bx, uint8_t* dst) { \
+            const int r0 = bx * rows_per_block, nr = min(rows_per_block, ff - r0); \
+            if (e < 0 || e >= n_experts) return; \
+            MoeStage<F>::stage(dst, wg, e, r0, nr, n_experts, ff, dim, true); \
+            MoeStage<F>::stage(dst + MoeStage<F>::room(nr, dim), wu, e, r0, nr, n_experts, ff, dim, true); \
+        }, \
+        [&](int bx, uint8_t* src) { \
+            moe_gate_up_impl<F>(src, cb, wg, wu, x, ids, route_w, h, n_experts, ff, dim, rows_per_block, clamp, bx, \
+                                MOE_STAGED); \
+        }); \
 }
 
 // As moe_down_<fmt>, W the VQ device copy. Launch: grid (persistent: min(ceil(dim / rows_per_block), one wave)),
-// block as moe_down_<fmt>, dynamic shared memory KC * 8 + moe_smem_bytes.
+// block as moe_down_<fmt>, dynamic shared memory KC * 8 + 2 ring buffers.
 #define MOE_VQ_DOWN(name, F, QK, NB, KC) \
 extern "C" __global__ void moe_down_##name(const uint8_t* W, const int* ids, const float* h, const float* add, \
                                            const float* hc_post, const float* hc_comb, const float* hc_x, \
@@ -544,10 +597,22 @@ extern "C" __global__ void moe_down_##name(const uint8_t* W, const int* ids, con
     const uint64_t* cb = moe_load_codebook(moe_smem, W, KC); \
     pdl_wait(); \
     pdl_launch_dependents(); \
-    moe_tiles((dim + rows_per_block - 1) / rows_per_block, [&](int bx) { \
-        moe_down_impl<F>(moe_smem + 8 * KC, cb, W + 8 * KC, ids, h, add, hc_post, hc_comb, hc_x, out, n_slots, \
-                         n_experts, dim, ff, rows_per_block, hc, bx, false); \
-    }); \
+    const uint8_t* w = W + 8 * KC; \
+    moe_ring(moe_smem + 8 * KC, moe_ring_bytes<F>(rows_per_block, ff, n_slots, 1), \
+        (dim + rows_per_block - 1) / rows_per_block, \
+        [&](int bx, uint8_t* dst) { \
+            const int r0 = bx * rows_per_block, nr = min(rows_per_block, dim - r0); \
+            const int room = MoeStage<F>::room(nr, ff); \
+            for (int s = 0; s < n_slots; ++s) { \
+                const int e = ids ? ids[s] : s; \
+                if (e >= 0 && e < n_experts) \
+                    MoeStage<F>::stage(dst + s * room, w, e, r0, nr, n_experts, dim, ff, true); \
+            } \
+        }, \
+        [&](int bx, uint8_t* src) { \
+            moe_down_impl<F>(src, cb, w, ids, h, add, hc_post, hc_comb, hc_x, out, n_slots, n_experts, dim, ff, \
+                             rows_per_block, hc, bx, MOE_STAGED); \
+        }); \
 }
 
 // As moe_gate_up_rows_<fmt>. Launch: grid (persistent: min(ceil(ff / rows_per_block), one wave / groups), groups

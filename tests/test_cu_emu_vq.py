@@ -158,9 +158,9 @@ def test_results_do_not_depend_on_the_persistent_grid(kdev, bits):
                                   hc_comb=dev.const(mix[0, 2 * hc:].copy()), hc_x=dev.const(X[0].copy())),
                  ops_moe.moe_down_rows(dev.rt, fmt, cd, d_ids, dev.const(h), got[3], n_exp, dim, 128, k, nx,
                                        rows_per_block=16)]
-        ys = (k, min(nx * k, n_exp + 1), 1, nx)
-        grids = [ops_moe._grid_x(dev.rt, fmt, -(-(ff if i < 2 else dim) // p.rows_per_block), ys[i], p)
-                 for i, p in enumerate(plans)]
+        ys, rings = (k, min(nx * k, n_exp + 1), 1, nx), (ops_moe.RING, 1, ops_moe.RING, 1)
+        grids = [ops_moe._grid_x(dev.rt, fmt, -(-(ff if i < 2 else dim) // p.rows_per_block), ys[i], p.threads,
+                                 ops_moe.launch_smem(fmt, p, rings[i])) for i, p in enumerate(plans)]
         if dev.rt.device.sm_count == 1:                    # every block loops over several tiles
             assert grids == [1, 1, 1, 1] if bits == 13 else max(grids) < 8, grids
         outs.append([g.download() for g in got])
@@ -190,11 +190,12 @@ def test_every_vq_launch_fits_gb10_at_the_real_shapes():
     for model, dim, ff, _, k in real_shapes():
         for bits in WIDTHS:
             fmt = vq_layout.kernel_format(bits, "test")
-            plans = {"moe_gate_up": ops_moe.moe_plan(fmt, dim, ff, 2, 2),
-                     "moe_down": ops_moe.moe_plan(fmt, ff, dim, k, 1),
-                     "moe_gate_up_rows": ops_moe.moe_rows_plan(fmt, dim, ff)}
-            for name, plan in plans.items():
-                smem = ops_moe.launch_smem(fmt, plan) + ops_moe.STATIC_RESERVE
+            plans = {"moe_gate_up": (ops_moe.gate_up_plan(fmt, dim, ff), ops_moe.RING),
+                     "moe_down": (ops_moe.down_plan(fmt, ff, dim, k), ops_moe.RING),
+                     "moe_gate_up_rows": (ops_moe.moe_rows_plan(fmt, dim, ff), 1),
+                     "moe_down_rows": (ops_moe.moe_plan(fmt, ff, dim, k, 1), 1)}
+            for name, (plan, ring) in plans.items():
+                smem = ops_moe.launch_smem(fmt, plan, ring) + ops_moe.STATIC_RESERVE
                 assert smem <= GB10_SMEM, f"{model}: {name}_{fmt} needs {smem:,} B of shared memory"
                 assert plan.rows_per_block >= 1 and plan.threads <= 1024
 

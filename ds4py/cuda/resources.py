@@ -89,7 +89,7 @@ def render(table: dict[str, dict[str, dict[str, Any]]]) -> str:
     first = table[archs[0]]
     names = sorted({k for a in archs for k in table[a]}, key=lambda k: (first.get(k, {}).get("module", ""), k))
     head = "| kernel | file | " + " | ".join(f"regs {a}" for a in archs) + " | static smem (B) | spills, stack |"
-    lines = [BEGIN, head, "|" + "---|" * (4 + len(archs) - 1)]
+    lines = [BEGIN, head, "|" + "---|" * (4 + len(archs))]
     for k in names:
         rows = [table[a].get(k) for a in archs]
         known = [r for r in rows if r]

@@ -22,7 +22,9 @@ from ds4py.cuda.signature import CU_DIR, list_of
 
 MOE_RPT = 8                    # rows per thread (accumulators per matrix)
 DEFINES = {"MOE_RPT": MOE_RPT}                                                     # -D values of cu/experts.cu
-SMEM_BUDGET = 48 * 1024        # staged rows per block: no opt-in, several blocks per SM
+# staged rows per block (ggml formats): 3 blocks fit a GB10 SM's ~100 KB (30 KiB + the IQ2 grid's 2 KiB + the
+# driver's 1 KiB each), no opt-in; registers permitting (<= 80 at 256 threads: docs/cuda.md)
+SMEM_BUDGET = 30 * 1024
 # VQ-8: the codebook (up to 64 KiB) + the stage + the kernels' static shared memory must fit the smallest
 # per-block opt-in of the devices ds4py targets: GB10 (sm_121), 101,376 B (docs/cuda.md "Device facts").
 SMEM_LIMIT = 101_376
@@ -140,15 +142,39 @@ class MoePlan:
 
 def vq_budget(qtype: Any) -> int:
     """Dynamic shared bytes a block may stage: SMEM_BUDGET, and for VQ-8 at most what the codebook leaves of
-    SMEM_LIMIT (35,584 B at 13 bits)."""
+    SMEM_LIMIT (35,584 B at 13 bits: above SMEM_BUDGET, so every width stages SMEM_BUDGET)."""
     if not isinstance(qtype, str):
         return SMEM_BUDGET
     return min(SMEM_BUDGET, SMEM_LIMIT - codebook_bytes(qtype) - STATIC_RESERVE)
 
 
-def launch_smem(qtype: Any, plan: "MoePlan") -> int:
-    """The dynamic shared memory of an expert launch: the plan's stage / sums, after the codebook (VQ-8)."""
-    return plan.smem + codebook_bytes(qtype)
+RING = 2                       # VQ-8 decode gate+up / down: stage buffers (tile i + 1 loads while tile i computes)
+
+
+def ring_bytes(plan: "MoePlan") -> int:
+    """One ring buffer (experts.cu moe_ring_bytes): the plan's stage / partial sums, 16-byte rounded."""
+    return (plan.smem + 15) & ~15
+
+
+def launch_smem(qtype: Any, plan: "MoePlan", ring: int = 1) -> int:
+    """The dynamic shared memory of an expert launch: the plan's stage / sums (ring: that many buffers of it),
+    after the codebook (VQ-8)."""
+    return (ring * ring_bytes(plan) if ring > 1 else plan.smem) + codebook_bytes(qtype)
+
+
+def decode_ring(qtype: Any) -> int:
+    """Stage buffers of moe_gate_up / moe_down: RING for VQ-8 (persistent, the ring of experts.cu), else 1."""
+    return RING if isinstance(qtype, str) else 1
+
+
+def gate_up_plan(qtype: Any, dim: int, ff: int, rows_per_block: int | None = None) -> "MoePlan":
+    """moe_gate_up's geometry: two spans (gate, up) and two partial-sum rows per block row, in 1 / RING buffers."""
+    return moe_plan(qtype, dim, ff, 2, 2, rows_per_block, vq_budget(qtype) // decode_ring(qtype))
+
+
+def down_plan(qtype: Any, ff: int, dim: int, n_slots: int, rows_per_block: int | None = None) -> "MoePlan":
+    """moe_down's geometry: n_slots spans and one partial-sum row per block row, in 1 / RING buffers."""
+    return moe_plan(qtype, ff, dim, n_slots, 1, rows_per_block, vq_budget(qtype) // decode_ring(qtype))
 
 
 def moe_plan(qtype: int, cols: int, rows: int, spans: int, sums: int, rows_per_block: int | None = None,
@@ -173,14 +199,14 @@ def moe_plan(qtype: int, cols: int, rows: int, spans: int, sums: int, rows_per_b
     return MoePlan(threads, RL, rows_per_block, max(stage, partial))
 
 
-def _grid_x(rt: Any, qtype: Any, tiles: int, ys: int, plan: MoePlan, kernel: str | None = None) -> int:
+def _grid_x(rt: Any, qtype: Any, tiles: int, ys: int, threads: int, smem: int, kernel: str | None = None) -> int:
     """Blocks along x: one per row tile for the ggml formats; VQ-8's persistent blocks loop over the tiles, so
     (with ys blocks along y) the grid is at most one wave of the device (the kernel's occupancy: its registers and
-    static shared memory from the ptxas table, blocks_that_fit) and each block loads the codebook once."""
+    static shared memory from the ptxas table when named, blocks_that_fit) and each block loads the codebook once."""
     if not isinstance(qtype, str):
         return tiles
     static = 0 if kernel else STATIC_RESERVE           # a named kernel's static bytes come from the ptxas table
-    return max(1, min(tiles, blocks_that_fit(rt, plan.threads, launch_smem(qtype, plan) + static, kernel=kernel) // ys))
+    return max(1, min(tiles, blocks_that_fit(rt, threads, smem + static, kernel=kernel) // ys))
 
 
 def _check_weights(where: str, W: Any, qtype: Any, n_experts: int, rows: int, cols: int) -> None:
@@ -203,10 +229,11 @@ def moe_gate_up(rt: Any, qtype: int, Wg: Any, Wu: Any, x: Any, ids: Any, route_w
     need(ids is None or (dtype_is(ids, np.int32) and ids.size >= n_slots), "moe_gate_up: ids must be int32 [n_slots]")
     need(route_w is None or route_w.size >= n_slots, "moe_gate_up: route weights must cover the slots")
     need(aligned(16, x, h), "moe_gate_up: x and h must be 16-byte aligned")
-    plan = moe_plan(qtype, dim, ff, 2, 2, rows_per_block)
-    gx = _grid_x(rt, qtype, -(-ff // plan.rows_per_block), n_slots, plan, f"moe_gate_up_{name}")
+    plan = gate_up_plan(qtype, dim, ff, rows_per_block)
+    smem = launch_smem(qtype, plan, decode_ring(qtype))
+    gx = _grid_x(rt, qtype, -(-ff // plan.rows_per_block), n_slots, plan.threads, smem, f"moe_gate_up_{name}")
     rt.launch(f"moe_gate_up_{name}", (gx, n_slots), plan.threads, Wg, Wu, x, ids, route_w, h, int(n_experts), int(ff),
-              int(dim), plan.rows_per_block, float(clamp), smem=launch_smem(qtype, plan), stream=stream, pdl=pdl)
+              int(dim), plan.rows_per_block, float(clamp), smem=smem, stream=stream, pdl=pdl)
     return plan
 
 
@@ -228,11 +255,11 @@ def moe_down(rt: Any, qtype: int, W: Any, ids: Any, h: Any, out: Any, n_experts:
     else:
         need(out.size == dim, "moe_down: out must be [dim]")
     need(aligned(16, h), "moe_down: h must be 16-byte aligned")
-    plan = moe_plan(qtype, ff, dim, n_slots, 1, rows_per_block)
-    gx = _grid_x(rt, qtype, -(-dim // plan.rows_per_block), 1, plan, f"moe_down_{name}")
+    plan = down_plan(qtype, ff, dim, n_slots, rows_per_block)
+    smem = launch_smem(qtype, plan, decode_ring(qtype))
+    gx = _grid_x(rt, qtype, -(-dim // plan.rows_per_block), 1, plan.threads, smem, f"moe_down_{name}")
     rt.launch(f"moe_down_{name}", gx, plan.threads, W, ids, h, add, hc_post, hc_comb, hc_x, out, int(n_slots),
-              int(n_experts), int(dim), int(ff), plan.rows_per_block, hc, smem=launch_smem(qtype, plan), stream=stream,
-              pdl=pdl)
+              int(n_experts), int(dim), int(ff), plan.rows_per_block, hc, smem=smem, stream=stream, pdl=pdl)
     return plan
 
 
@@ -287,7 +314,8 @@ def moe_gate_up_rows(rt: Any, qtype: int, Wg: Any, Wu: Any, x: Any, ids: Any, ro
     need(aligned(16, x, h), "moe_gate_up_rows: x and h must be 16-byte aligned")
     plan = moe_rows_plan(qtype, dim, ff, rows_per_block)
     groups = k if ids is None else min(n_pairs, n_experts + 1)      # + 1: a bad id is a group of its own
-    gx = _grid_x(rt, qtype, -(-ff // plan.rows_per_block), groups, plan, f"moe_gate_up_rows_{name}")
+    gx = _grid_x(rt, qtype, -(-ff // plan.rows_per_block), groups, plan.threads, launch_smem(qtype, plan),
+                 f"moe_gate_up_rows_{name}")
     rt.launch(f"moe_gate_up_rows_{name}", (gx, groups), plan.threads, Wg, Wu, x, ids, route_w, h, int(n_experts),
               int(ff), int(dim), plan.rows_per_block, float(clamp), int(n_pairs), int(k), stride,
               smem=launch_smem(qtype, plan), stream=stream, pdl=pdl)
@@ -314,7 +342,8 @@ def moe_down_rows(rt: Any, qtype: int, W: Any, ids: Any, h: Any, out: Any, n_exp
         need(out.size >= nx * dim, "moe_down_rows: out must be [nx, dim]")
     need(aligned(16, h), "moe_down_rows: h must be 16-byte aligned")
     plan = moe_plan(qtype, ff, dim, n_slots, 1, rows_per_block)
-    gx = _grid_x(rt, qtype, -(-dim // plan.rows_per_block), nx, plan, f"moe_down_rows_{name}")
+    gx = _grid_x(rt, qtype, -(-dim // plan.rows_per_block), nx, plan.threads, launch_smem(qtype, plan),
+                 f"moe_down_rows_{name}")
     rt.launch(f"moe_down_rows_{name}", (gx, nx), plan.threads, W, ids, h, add, mix, hc_x, out, int(n_slots),
               int(n_experts), int(dim), int(ff), plan.rows_per_block, int(hc) if mix is not None else 0,
               smem=launch_smem(qtype, plan), stream=stream, pdl=pdl)
