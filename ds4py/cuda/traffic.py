@@ -246,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     repo = Path(__file__).resolve().parents[2]
     if a.from_records:
         path = Path(a.from_records)
-        tests: list[str] = []
+        tests: list[str] = list(a.tests)                 # what the records came from, for the report
     else:
         tests = a.tests or twin_tests(repo)
         path = Path(a.records) if a.records else Path(tempfile.mkstemp(suffix=".jsonl")[1])
@@ -276,4 +276,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # run the package's module, not this __main__ copy: emu.py records into ds4py.cuda.traffic's RECORDS
+    from ds4py.cuda.traffic import main as package_main
+    sys.exit(package_main())
