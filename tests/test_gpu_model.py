@@ -173,17 +173,21 @@ def test_bad_input_is_one_sentence(capsys, argv, words):
 
 
 def test_coalescing_comes_from_a_traffic_report(tmp_path, capsys):
-    """The emulator's traffic report (ds4py-traffic-v1) gives each kernel's load efficiency, weighted by bytes: the
-    distinct bytes its requests asked for over the 32-byte sectors they touched, summed over its read arguments; a
-    missing report is one sentence."""
+    """The emulator's traffic report (ds4py-traffic-v1) gives each kernel's DRAM sector efficiency: model_width's entry
+    where there is one, an argument's largest launch where given, dram_efficiency before coalescing, the arguments
+    weighted by bytes; a missing report is one sentence."""
     rep = {"format": "ds4py-traffic-v1", "kernels": {
-        "gemv_f16": {"args": {"W0": {"weight": True, "distinct_bytes": 3200, "sectors": 100},
-                              "sinks": {"weight": True, "distinct_bytes": 4, "sectors": 1},
-                              "y": {"weight": False, "distinct_bytes": 0, "sectors": 0}}},
-        "rmsnorm_f32": {"args": {"x": {"weight": False, "distinct_bytes": 64, "sectors": 8}}},
-        "fill_f32": {"args": {"out": {"weight": False, "distinct_bytes": 0, "sectors": 0}}}}}
+        "gemv_f16": {"args": {"W0": {"requests": 9, "dram_efficiency": 0.5, "distinct_bytes": 100}}},
+        "moe_down_q2_k": {"args": {
+            "W": {"requests": 9, "dram_efficiency": 0.99, "distinct_bytes": 999,
+                  "largest_launch": {"requests": 3, "dram_efficiency": 0.5, "arg_bytes": 3000}},
+            "ids": {"requests": 1, "coalescing": 0.125, "distinct_bytes": 24},
+            "out": {"requests": 0, "dram_efficiency": None, "distinct_bytes": 0}}}},
+        "model_width": {"what": "GEMVs at 4096 columns", "kernels": {
+            "gemv_f16": {"args": {"W0": {"requests": 9, "dram_efficiency": 1.0, "distinct_bytes": 100}}}}}}
     got = timemodel.coalescing_from_report(rep)
-    assert got == {"gemv_f16": pytest.approx(3204 / 3232), "rmsnorm_f32": 0.25}
+    assert got["gemv_f16"] == 1.0                                   # model_width wins
+    assert got["moe_down_q2_k"] == pytest.approx((3000 + 24) / (3000 / 0.5 + 24 / 0.125))
     f = tmp_path / "report.json"
     f.write_text(json.dumps(rep))
     assert timemodel.load_coalescing(f) == got

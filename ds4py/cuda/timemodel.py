@@ -413,19 +413,28 @@ TRAFFIC_REPORT = Path(__file__).resolve().parents[2] / "bench" / "traffic" / "re
 
 
 def coalescing_from_report(report: dict) -> dict[str, float]:
-    """{kernel: coalescing efficiency of its loads} from a traffic report (ds4py-traffic-v1, `python3 -m
-    ds4py.cuda.traffic --out F`, the emulator's count per warp request at tiny shapes): the bytes its warps asked for
-    (distinct per request) over the 32-byte sectors those requests touched, summed over its read arguments, i.e.
-    weighted by bytes, so a 4-byte table read at 12.5% does not set the efficiency of a kernel streaming megabytes."""
+    """{kernel: DRAM sector efficiency of its loads} from a traffic report (ds4py-traffic-v1, `python3 -m
+    ds4py.cuda.traffic`, the emulator's count per warp request at the twin tests' shapes): a kernel's entry from the
+    report's `model_width` section where it has one (GEMVs at 4096 columns), else from `kernels`; per read argument
+    its `largest_launch` (the nearest to the model's shapes) where given, else its sums; the argument's
+    `dram_efficiency` (its bytes over the 32-byte sectors it touches at all: what DRAM moves) or, without one, its
+    request `coalescing`. Arguments combine weighted by bytes (sectors = bytes / efficiency), so a 4-byte table read
+    does not set the efficiency of a kernel streaming megabytes."""
     out: dict[str, float] = {}
+    wide = ((report.get("model_width") or {}).get("kernels") or {})
     for name, k in (report.get("kernels") or {}).items():
-        used = sectors = 0
-        for a in (k.get("args") or {}).values():
-            if a.get("sectors"):
-                used += int(a.get("distinct_bytes") or 0)
-                sectors += int(a["sectors"])
+        k = wide.get(name, k)
+        nbytes = sectors = 0.0
+        for arg in (k.get("args") or {}).values():
+            ll = arg.get("largest_launch") or {}
+            eff = ll.get("dram_efficiency", arg.get("dram_efficiency"))
+            eff = eff if eff is not None else ll.get("coalescing", arg.get("coalescing"))
+            size = ll.get("arg_bytes") or arg.get("distinct_bytes") or arg.get("arg_bytes") or 0
+            if eff and size and (arg.get("requests") or ll.get("requests")):
+                nbytes += size
+                sectors += size / eff
         if sectors:
-            out[name] = min(1.0, used / (32 * sectors))
+            out[name] = min(1.0, nbytes / sectors)
     return out
 
 
