@@ -10,6 +10,9 @@ weight bytes a step reads against the device's copy bandwidth.
     python bench/cuda_decode.py --rows       # also multi-row steps (ds4py.bench.multirow_stats): a verify of
                                              # 1 + k rows (k = 1..5) vs one decode step, and aggregate decode
                                              # tokens/s of B = 1, 2, 4, 8, 16 sequences stepped together
+    python bench/cuda_decode.py --kernel-times   # also one direct decode step launch by launch: each kernel timed
+                                             # with CUDA events, beside the GPU time model's number for it
+                                             # (ds4py/cuda/kernel_times.py; the device check runs it)
     python bench/cuda_decode.py --v41 [--engram-table PATH --engram-rows N]
         # a synthetic full-size V4.1 Flash in the seed's layout instead (40 layers, D 5120, VQ-8 experts 13-bit in
         # the first 14 layers and 12-bit after, Q4_K dense: ~110 GB written on the device), its Engram reading a
@@ -101,6 +104,8 @@ def main() -> int:
     p.add_argument("--prompt", type=int, default=None, help="prompt tokens before decoding (default 32; emulator 3)")
     p.add_argument("--rows", action="store_true", help="also time multi-row steps (verify 1 + k rows, B sequences)")
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--kernel-times", action="store_true",
+                   help="also time each kernel of one direct decode step and write it beside the time model's number")
     p.add_argument("--v41", action="store_true", help="a synthetic V4.1 Flash, VQ-8 + Q4_K, Engram from a table")
     p.add_argument("--engram-table", default=None, help="--v41: where to write the synthetic Engram table")
     p.add_argument("--engram-rows", type=int, default=None, help="--v41: rows per table (default 262144; emu 4096)")
@@ -154,6 +159,21 @@ def main() -> int:
         host = f"host {r['host_us_per_step']:.1f} us per replayed step; " if "host_us_per_step" in r else ""
         print(f"{name:10s} {r['tokens_per_s']:8.2f} tokens/s ({r['ms_per_token']:.2f} ms/token{extra}); "
               f"{host}{r['launches_per_step']} launches per step{' (emulated)' if a.emu else ''}", flush=True)
+    if a.kernel_times:
+        from ds4py.cuda import kernel_times
+        from ds4py.cuda.devices import profile
+
+        model.set_launch_mode(True, False)
+        st = model.new_state()
+        model.step([st], [prompt])
+        prof = getattr(model.rt, "profile", None) or profile("h200")
+        try:      # the calibration must not cost the numbers above (the JSON is written below)
+            out["kernel_times"] = kernel_times.time_decode_step(model, st, prof, out.get("copy_gbps"))
+            print(kernel_times.format_times(out["kernel_times"]) + (" (emulated: CPU time)" if a.emu else ""),
+                  flush=True)
+        except Exception as e:  # e.g. an arch the committed tables do not cover
+            out["kernel_times"] = {"error": f"{type(e).__name__}: {e}"}
+            print(f"kernel times: not measured ({type(e).__name__}: {e})", flush=True)
     if a.rows:
         from ds4py import bench
 

@@ -16,7 +16,8 @@
 #   build 32      every kernel for this GPU's arch (NVRTC, files in parallel), ptxas report
 #   tests         each tests/gpu/test_*.py and tests/test_cu_emu_gpu.py in its own process, with its own limit;
 #                 a file that loses its CUDA context is rerun once with CUDA_LAUNCH_BLOCKING=1 (names the kernel)
-#   bench         cuda_decode 17, cuda_decode_v41 35 (a full-size V4.1 Flash, VQ-8 + Q4_K, ~112 GB synthesised on
+#   bench         cuda_decode 17 (also one direct decode step launch by launch: each kernel timed with CUDA events
+#                 beside the GPU time model's number, summary.json's model_vs_measured), cuda_decode_v41 35 (a full-size V4.1 Flash, VQ-8 + Q4_K, ~112 GB synthesised on
 #                 the device, Engram from a 138 MB synthetic table written to the scratch folder: tokens/s, bytes
 #                 per token, GB/s), cuda_prefill 13, gemv_bandwidth 10, attn_moe 8
 #   sanitizer     compute-sanitizer memcheck 25, racecheck 25, synccheck 10 over one tiny-model prefill block and
@@ -38,7 +39,7 @@ while [ $# -gt 0 ]; do
     --plan) PLAN=1 ;;          # print "step group limit" per step and the budget, run nothing
     --only) ONLY="${2:-}"; shift ;;
     --only=*) ONLY="${1#--only=}" ;;
-    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
     *) echo "device_check: unknown argument $1 (--dry-run, --only STEP,..., --plan)"; exit 2 ;;
   esac
   shift
@@ -200,7 +201,7 @@ for entry in $TESTS; do
   fi
 done
 
-run_step cuda_decode bench 17 "$PY" bench/cuda_decode.py --tokens 32 --rows --json "$SCRATCH/cuda_decode.json"
+run_step cuda_decode bench 17 "$PY" bench/cuda_decode.py --tokens 32 --rows --kernel-times --json "$SCRATCH/cuda_decode.json"
 run_step cuda_decode_v41 bench 35 "$PY" bench/cuda_decode.py --v41 --tokens 16 --prompt 8 \
   --engram-table "$SCRATCH/engram-table.bin" --json "$SCRATCH/cuda_decode_v41.json"
 rm -f "$SCRATCH/engram-table.bin"                         # 138 MB: kept out of the archive

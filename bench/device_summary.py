@@ -75,6 +75,20 @@ def numbers(scratch: Path) -> dict:
     return out
 
 
+def model_vs_measured(nums: dict) -> dict | None:
+    """Per decode kernel, the GPU time model's time beside the one measured (cuda_decode.py --kernel-times): the
+    first lent GPU's calibration of the model (docs/cuda.md "The GPU time model"). None when not measured."""
+    kt = (nums.get("cuda_decode") or {}).get("kernel_times")
+    if not isinstance(kt, dict):
+        return None
+    if "error" in kt:
+        return {"error": kt["error"]}
+    return {"profile": kt.get("profile"), "ctx": kt.get("ctx"), "measured_us": kt.get("measured_us"),
+            "modelled_us": kt.get("modelled_us"), "ratio": kt.get("ratio"),
+            "kernels": {k["kernel"]: {f: k.get(f) for f in ("launches", "measured_us", "modelled_us", "ratio",
+                                                              "limiter")} for k in kt.get("kernels", [])}}
+
+
 def archive(scratch: Path, dest: Path, tail_lines: int | None = None) -> None:
     def keep(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
         top = Path(info.name).parts[1:2]
@@ -127,6 +141,7 @@ def main(scratch: str, out: str, dry: str, budget: str, elapsed: str) -> int:
     summary = {"mode": "dry-run" if dry_run else "device", "ok": not bad and bool(st), "failed_steps": bad,
                "budget_seconds": int(budget), "total_seconds": int(elapsed), "steps": st, "tests": tests(s),
                "numbers": numbers(s)}
+    summary["model_vs_measured"] = model_vs_measured(summary["numbers"])
     dest = o / "results.tar.gz"
     archive(s, dest)
     if dest.stat().st_size > MAX_BYTES:

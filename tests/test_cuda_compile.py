@@ -327,3 +327,23 @@ def test_every_kernel_waits_for_its_predecessor():
 
         for name in parse_kernels(src.read_text()):
             assert waits(funcs[name], {name}), f"{src.name}: kernel {name} never calls pdl_wait()"
+
+
+def test_sass_loop_table_equals_the_build(compiled):
+    """The GPU time model's committed SASS inner-loop table (ds4py/data/gpu_sass_loops.json, instructions per
+    weight by class) is what nvdisasm finds in this build's cubins: a kernel change without
+    `python3 -m ds4py.cuda.sass --write` fails here."""
+    from ds4py.cuda import sass
+
+    try:
+        sass.nvdisasm()
+    except sass.SassUnavailableError as e:
+        pytest.skip(str(e))
+    built = sass.table_from(compiled)
+    committed = {arch: {k: {f: v for f, v in vars(c).items() if f != "kernel"} for k, c in rows.items()}
+                 for arch, rows in sass.load_table().items()}
+    assert set(built) == set(ARCHS)
+    for arch in ARCHS:
+        assert built[arch] == committed.get(arch), (
+            f"{arch}: the committed SASS table differs from the build: run python3 -m ds4py.cuda.sass --write")
+        assert any(k.startswith("gemv_") for k in built[arch]) and any(k.startswith("moe_down_") for k in built[arch])

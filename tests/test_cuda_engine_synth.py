@@ -4,7 +4,8 @@ and backend selection, on the CPU emulator:
 - the synthetic weights read back and written as a GGUF run in the numpy reference to the same logits, so the
   generator's shapes, types and binding are the model's (the device check's 43-layer step is this code at V4
   Flash's sizes);
-- bench/cuda_decode.py --emu --rows runs every mode (graph + PDL, graph, direct) and the multi-row timings, and
+- bench/cuda_decode.py --emu --rows --kernel-times runs every mode (graph + PDL, graph, direct), the multi-row timings
+  and one direct step kernel by kernel beside the GPU time model, and
   writes its JSON;
 - open_model("cuda-emu" / "auto"): auto without a GPU opens the reference and says why in one line; the CLI's
   --backend choices are the model's; `score`, `run`, `serve` and `bench --backend cuda-emu` run through the CLI
@@ -63,7 +64,8 @@ def test_synthetic_weights_are_a_model_the_reference_runs(tmp_path, experts):
 
 def test_the_decode_bench_runs_on_the_emulator(tmp_path):
     out = tmp_path / "cuda_decode.json"
-    r = subprocess.run([sys.executable, "bench/cuda_decode.py", "--emu", "--rows", "--json", str(out)], cwd=REPO,
+    r = subprocess.run([sys.executable, "bench/cuda_decode.py", "--emu", "--rows", "--kernel-times", "--json", str(out)],
+                       cwd=REPO,
                        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert r.returncode == 0, r.stdout + r.stderr
     res = json.loads(out.read_text())
@@ -73,6 +75,11 @@ def test_the_decode_bench_runs_on_the_emulator(tmp_path):
     multi = res["multirow"]                  # --rows: the verify and batched-row timings (device_check.sh runs it)
     assert [v["rows"] for v in multi["verify"]] == [2] and [b["B"] for b in multi["batched"]] == [1, 2]
     assert "multi-row: verify 1 + 1 rows" in r.stdout and "emulator" in r.stdout
+    # --kernel-times (device_check.sh runs it): every launch of one direct step timed beside the time model
+    kt = res["kernel_times"]
+    assert kt["launches"] == res["modes"]["direct"]["launches_per_step"] and kt["measured_us"] > 0
+    assert sum(k["launches"] for k in kt["kernels"]) == kt["launches"]
+    assert all(k["modelled_us"] > 0 and k["limiter"] for k in kt["kernels"]), kt["kernels"]
     print(r.stdout)
 
 

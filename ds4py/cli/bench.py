@@ -1,4 +1,5 @@
-"""`python -m ds4py bench`: offline decode/prefill sweep, or `bench serve` for a serving load test."""
+"""`python -m ds4py bench`: offline decode/prefill sweep, `bench serve` for a serving load test, or `bench gpu-model`
+for the GPU time model (a model of GB10 / H200 from the planned launches, no GPU needed)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ from ds4py.cli import BACKENDS
 from ds4py.cli._options import add_cpu_arguments, add_engram_dir, add_stack_arguments, model_kwargs
 
 NAME = "bench"
-HELP = "benchmark: prefill/decode sweep over context sizes (default) or `bench serve` against a running server"
+HELP = ("benchmark: prefill/decode sweep over context sizes (default), `bench serve` against a running server, or "
+        "`bench gpu-model` (the modelled time of every kernel on GB10 / H200)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("mode", nargs="?", choices=["sweep", "serve"], default="sweep",
-                   help="sweep (offline, default) or serve (load test of a running server)")
+    p.add_argument("mode", nargs="?", choices=["sweep", "serve", "gpu-model"], default="sweep",
+                   help="sweep (offline, default), serve (load test of a running server) or gpu-model (the GPU time "
+                        "model: docs/cuda.md)")
     g = p.add_argument_group("sweep")
     g.add_argument("-m", "--model", dest="model_path", default=None,
                    help="GGUF model file or a pulled model's name (default: the pulled model, as serve uses; the "
@@ -54,6 +57,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--format", choices=["csv", "md", "json"], default="md", help="table format (default md)")
     g.add_argument("--out", help="write the table here as well as to stdout")
     g.add_argument("--plot", metavar="PNG", help="PNG of tokens/s vs context (needs matplotlib)")
+    m = p.add_argument_group("gpu-model")
+    m.add_argument("--device", default="gb10", help="gpu-model: the device profile, gb10 or h200 (default gb10)")
+    m.add_argument("--shapes", default=None,
+                   help="gpu-model: v4-flash-q2 (default), v4-flash-q4 or v41-flash-vq (real shapes, synthetic weights)")
+    m.add_argument("--ctx", default=None, metavar="N[,N...]",
+                   help="gpu-model: decode context(s) in tokens (default 2048,65536; verify and prefill at the first)")
+    m.add_argument("--traffic", default=None, metavar="REPORT.json",
+                   help="gpu-model: coalescing per kernel from this traffic report (python3 -m ds4py.cuda.traffic; "
+                        "default bench/traffic/report.json when present, else 100%% assumed)")
+    m.add_argument("--per-launch", action="store_true", help="gpu-model: also one line per launch of the first step")
     s = p.add_argument_group("serve")
     s.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default http://127.0.0.1:8000)")
     s.add_argument("--served-model", dest="served_model", default=None,
@@ -67,7 +80,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--api-key", default=None, help="the server's API key, if it was started with one")
     s.add_argument("--seed", type=int, default=0, help="seed of the generated prompts (default 0)")
     s.add_argument("--ignore-eos", action="store_true", help="send ignore_eos so every request generates output-len")
-    s.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--json", nargs="?", const=True, default=None, metavar="F",
+                   help="serve: print the summary as JSON; gpu-model: write the model as JSON to the file F")
 
 
 def _prompt_text(path: str | None) -> str:
@@ -81,9 +95,56 @@ def _prompt_text(path: str | None) -> str:
         raise Ds4Error(f"cannot read prompt file {p}: {e.strerror}") from e
 
 
+def run_gpu_model(args: argparse.Namespace) -> int:
+    """`bench gpu-model`: the modelled step times (ds4py/cuda/timemodel.py), every line labelled `model`."""
+    import json
+
+    from ds4py.cuda import timemodel
+    from ds4py.cuda.devices import PROFILES
+    from ds4py.cuda.plan import SHAPES
+    from ds4py.errors import Ds4Error
+
+    if args.model_path:
+        raise Ds4Error("bench gpu-model plans a step at the shapes of a model family (--shapes "
+                       f"{' | '.join(SHAPES)}); modelling a GGUF file's own tensors (-m) is not built yet")
+    if args.json is True:
+        raise Ds4Error("bench gpu-model --json needs a file name: --json F")
+    device = str(args.device).lower()
+    if device not in PROFILES:
+        raise Ds4Error(f"--device must be one of {', '.join(PROFILES)} (got {args.device!r})")
+    shapes = args.shapes or "v4-flash-q2"
+    if shapes not in SHAPES:
+        raise Ds4Error(f"--shapes must be one of {', '.join(SHAPES)} (got {shapes!r})")
+    ctxs = timemodel.DEFAULT_CTX
+    if args.ctx is not None:
+        try:
+            ctxs = tuple(int(v) for v in str(args.ctx).split(",") if v.strip())
+        except ValueError:
+            raise Ds4Error(f"--ctx must be a comma-separated list of token counts (got {args.ctx!r})") from None
+        if not ctxs or any(c < 1 or c > 1 << 20 for c in ctxs):
+            raise Ds4Error(f"--ctx values must be between 1 and {1 << 20} tokens (got {args.ctx!r})")
+    models = timemodel.run(device, shapes, ctxs, coalescing=timemodel.load_coalescing(args.traffic))
+    print(f"model | ds4py GPU time model: {device}, {shapes} -- modelled from the planned launches, not measured "
+          "(assumptions: docs/cuda.md, 'The GPU time model')")
+    for mdl in models:
+        sys.stdout.write(timemodel.format_step(mdl))
+    if args.per_launch:
+        sys.stdout.write(timemodel.format_kernels(models[0]))
+    if args.json:
+        try:
+            with open(args.json, "w") as f:
+                json.dump(timemodel.bench_json(models), f, indent=1)
+        except OSError as e:
+            raise Ds4Error(f"cannot write {args.json}: {e.strerror}") from None
+        print(f"model | wrote {args.json}", file=sys.stderr)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from ds4py.errors import Ds4Error
 
+    if args.mode == "gpu-model":
+        return run_gpu_model(args)
     if args.mode == "serve":
         from ds4py import bench_serve
 

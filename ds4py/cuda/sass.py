@@ -1,0 +1,256 @@
+"""A static count of each weight-streaming kernel's SASS inner loop, from the cubins NVRTC builds.
+
+NVIDIA's `nvdisasm` (the PyPI wheel nvidia-cuda-nvdisasm, a dev / test tool: the `test` extra) disassembles a
+cubin; this module finds each kernel's innermost weight loop and counts its instructions by class. The result is
+committed as a generated table (ds4py/data/gpu_sass_loops.json, written by `python -m ds4py.cuda.sass --write`)
+so that the time model (ds4py/cuda/timemodel.py) runs without NVRTC or nvdisasm; tests/test_cuda_compile.py checks
+the table against the build it already makes.
+
+The loop: the body of a backward branch (a BRA whose target is at or before it), less the loops nested in it. Of
+the loops that load data (global or shared loads) and multiply (FFMA / FMUL / HFMA2 / HMUL2 / integer dot products
+DP4A), the densest in products; the straight-line code outside every loop where a kernel's work is fully unrolled
+there (inner_loop gives the rule). Its
+`products` (one FFMA or FMUL, two per HFMA2 / HMUL2, four per DP4A / IDP) stand for the weights it consumes: each
+weight of a GEMV meets its activation in one multiply (with --fmad=false a multiply-add is FMUL + FADD: one
+product). Scale multiplies count too, so for block formats the count is a slight over-estimate of weights per
+iteration and instructions per weight a slight under-estimate; the table says so by name (`per_product`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+TABLE = Path(__file__).resolve().parents[1] / "data" / "gpu_sass_loops.json"
+# the kernels whose inner loop streams weights (decode GEMVs and expert products, single- and multi-row)
+STREAMING = re.compile(r"^(gemv_|moe_gate_up_|moe_down_)")
+
+CLASSES = {
+    "memory": re.compile(r"^(LDG|LDS|LDSM|LD|LDGSTS|LDGDEPBAR|STG|STS|ST|ATOM|RED|LDC|LDCU|ULDC|CCTL|LDL|STL)\b"),
+    "fma": re.compile(r"^(FFMA|FMUL|FADD|FMNMX|HFMA2|HMUL2|HADD2|DFMA|DMUL|DADD|FSETP|FSEL|MUFU|FCHK|DP4A|IDP|"
+                      r"HMMA|IMMA|FMUL2|FFMA2|FADD2)\b"),
+    "convert": re.compile(r"^(I2F|F2I|F2F|I2FP|F2FP|HADD2\.F32|PRMT|I2I)\b"),
+    "integer": re.compile(r"^(IMAD|IADD|IADD3|IADD32I|LEA|LOP|LOP3|SHF|SHL|SHR|ISETP|IMNMX|VIMNMX|SEL|MOV|IABS|"
+                          r"UIADD3|UIMAD|ULEA|ULOP3|USHF|UMOV|USEL|UISETP|BMSK|SGXT|POPC|FLO|BFE|BFI|R2UR|S2R|"
+                          r"S2UR|CS2R|P2R|R2P|PLOP3|UPLOP3|VIADD|IMUL|IMNMX|VIADDMNMX|UPRMT|IDX)\b"),
+    "control": re.compile(r"^(BRA|BSYNC|BSSY|WARPSYNC|BAR|EXIT|RET|CALL|YIELD|NOP|SHFL|VOTE|DEPBAR|MEMBAR|"
+                          r"WARPGROUP|ACQBULK|PREEXIT|ERRBAR|BRX|JMP|NANOSLEEP|UBLKCP|SYNCS)\b"),
+}
+_INSN = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+_LABEL = re.compile(r"^(\.L_x_\d+):")
+_FUNC = re.compile(r"^\.text\.([A-Za-z_]\w*):")
+_TARGET = re.compile(r"`\((\.L_x_\d+)\)")
+
+
+class SassUnavailableError(RuntimeError):
+    """nvdisasm (pip install nvidia-cuda-nvdisasm) is not installed."""
+
+
+@dataclass(frozen=True)
+class LoopCount:
+    """One kernel's inner weight loop: instructions per iteration by class, and the products (weights) it does."""
+    kernel: str
+    instructions: int
+    memory: int
+    fma: int
+    convert: int
+    integer: int
+    control: int
+    other: int
+    products: int
+    ldg_bytes: int = 0        # bytes one thread loads from global memory per pass of the region (LDG widths)
+    async_copy: bool = False  # the kernel stages with cp.async (LDGSTS): its loads are in flight before its math
+    pipelined: bool = False   # it waits for its cp.async groups with some left in flight (DEPBAR.LE SB0, n > 0):
+                              # a ring whose next tile loads while this one computes
+
+    @property
+    def per_product(self) -> float:
+        """Instructions (one thread) per product: a warp issues this many instructions per 32 weights."""
+        return self.instructions / max(self.products, 1)
+
+
+def nvdisasm() -> str:
+    """The nvdisasm executable: on PATH, or inside the nvidia-cuda-nvdisasm wheel."""
+    found = shutil.which("nvdisasm")
+    if found:
+        return found
+    try:
+        import nvidia
+    except ImportError:
+        nvidia = None
+    for root in list(getattr(nvidia, "__path__", [])):
+        for sub in ("cu13", "cu12", "cuda_nvdisasm"):
+            p = Path(root) / sub / "bin" / "nvdisasm"
+            if p.is_file():
+                return str(p)
+    raise SassUnavailableError("nvdisasm is not installed (pip install nvidia-cuda-nvdisasm, in the test extra)")
+
+
+def disassemble(cubin: bytes) -> dict[str, list[tuple[int, str, str, str]]]:
+    """{function: [(address, opcode, operands, label_before_or_'')]} of every function in a cubin."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([nvdisasm(), "-c", f.name], capture_output=True, text=True, check=True).stdout
+    funcs: dict[str, list[tuple[int, str, str, str]]] = {}
+    cur, label = None, ""
+    for line in out.splitlines():
+        m = _FUNC.match(line.strip())
+        if m:
+            cur, label = funcs.setdefault(m.group(1), []), ""
+            continue
+        m = _LABEL.match(line.strip())
+        if m:
+            label = m.group(1)
+            continue
+        m = _INSN.match(line)
+        if m and cur is not None:
+            cur.append((int(m.group(1), 16), m.group(3), m.group(4), label))
+            label = ""
+    return funcs
+
+
+def classify(opcode: str) -> str:
+    for name, pat in CLASSES.items():
+        if pat.match(opcode):
+            return name
+    return "other"
+
+
+def _products(opcode: str, operands: str = "") -> int:
+    """Weight x activation multiplies one instruction does. Not counted: a square (both factors the same register:
+    the RMS of x in a norm prologue) and HFMA2 / FFMA on RZ (ptxas's idiom for moving a constant)."""
+    base = opcode.split(".")[0]
+    n = {"FFMA": 1, "FMUL": 1, "DFMA": 1, "DMUL": 1, "HFMA2": 2, "HMUL2": 2, "FFMA2": 2, "FMUL2": 2,
+         "DP4A": 4, "IDP": 4}.get(base, 0)
+    if n and operands:
+        ops = [o.strip().lstrip("-|").split(".")[0] for o in operands.split(",")]
+        a, b = (ops[1], ops[2]) if len(ops) >= 3 else ("", "")
+        if a == b or "RZ" in (a, b):
+            return 0
+    return n
+
+
+def loops(insns: list[tuple[int, str, str, str]]) -> list[tuple[int, int]]:
+    """(first index, branch index) of every backward branch's body."""
+    at = {lab: i for i, (_, _, _, lab) in enumerate(insns) if lab}
+    out = []
+    for i, (_, op, operands, _) in enumerate(insns):
+        if op.startswith("BRA"):
+            m = _TARGET.search(operands)
+            if m and m.group(1) in at and at[m.group(1)] <= i:
+                out.append((at[m.group(1)], i))
+    return out
+
+
+def load_width(opcode: str) -> int:
+    """Bytes one lane moves with a global load opcode (LDG.E.128: 16, LDG.E.U8: 1, plain LDG.E: 4)."""
+    parts = opcode.split(".")
+    for p, w in (("128", 16), ("64", 8), ("U16", 2), ("S16", 2), ("U8", 1), ("S8", 1)):
+        if p in parts:
+            return w
+    return 4
+
+
+def _count(kernel: str, body: list[tuple[int, str, str, str]], async_copy: bool = False,
+           pipelined: bool = False) -> LoopCount:
+    counts = {c: 0 for c in (*CLASSES, "other")}
+    for _, op, _, _ in body:
+        counts[classify(op)] += 1
+    ldg = sum(load_width(op) for _, op, _, _ in body if op.startswith("LDG.") or op == "LDG")
+    return LoopCount(kernel, len(body), counts["memory"], counts["fma"], counts["convert"], counts["integer"],
+                     counts["control"], counts["other"], sum(_products(op, o) for _, op, o, _ in body), ldg, async_copy,
+                     pipelined)
+
+
+def inner_loop(kernel: str, insns: list[tuple[int, str, str, str]]) -> LoopCount | None:
+    """The weight loop (see the module doc). Candidates: each loop's own body (its instructions outside the loops
+    nested in it) that loads and does at least 8 products; of those at least half as dense (products per
+    instruction) as the densest, the one doing the most products (the loop that multiplies, not the one around it
+    that copies a tile and waits, nor a short cross-lane reduction nested in it). The function's straight-line
+    code outside every loop replaces it when it does at least 4x its products (a kernel whose rows loop is fully
+    unrolled, e.g. moe_gate_up's 8 rows per thread, works there, once per thread). Work an outer loop does once
+    per tile (copies, waits, scale decoding) is not counted: the count is a lower bound of instructions per
+    weight."""
+    spans = loops(insns)
+    staged = any(op.startswith("LDGSTS") for _, op, _, _ in insns)
+    ring = staged and any(op.startswith("DEPBAR") and re.search(r"SB0,\s*0x[1-9a-f]", o) for _, op, o, _ in insns)
+
+    def own(a: int, b: int, nested: list[tuple[int, int]]) -> LoopCount | None:
+        body = [insns[i] for i in range(a, b + 1) if not any(c <= i <= d for c, d in nested)]
+        if not any(op.startswith(("LDG", "LDS", "LD.", "LDGSTS")) or op == "LD" for _, op, _, _ in body):
+            return None
+        return _count(kernel, body, staged, ring)
+
+    cands = [c for a, b in spans
+             for c in [own(a, b, [(x, y) for x, y in spans if (x, y) != (a, b) and a <= x and y <= b])]
+             if c is not None and c.products >= 8]
+    dense = max((c.products / c.instructions for c in cands), default=0.0)
+    best = max((c for c in cands if c.products / c.instructions >= 0.5 * dense),
+               key=lambda c: (c.products, -c.instructions), default=None)
+    flat = own(0, len(insns) - 1, spans) if insns else None
+    if flat and flat.products and (best is None or flat.products >= 4 * best.products):
+        best = flat
+    return best
+
+
+def count_cubin(cubin: bytes, only: re.Pattern = STREAMING) -> dict[str, LoopCount]:
+    return {k: c for k, insns in disassemble(cubin).items() if only.match(k)
+            for c in [inner_loop(k, insns)] if c is not None}
+
+
+def table_from(compiled: dict[str, dict]) -> dict[str, dict[str, dict]]:
+    """{arch: {kernel: LoopCount fields}} from compiler.compile_all's {arch: {stem: CompiledModule}}."""
+    out: dict[str, dict[str, dict]] = {}
+    for arch, mods in sorted(compiled.items()):
+        rows = {}
+        for stem in sorted(mods):
+            for k, c in count_cubin(mods[stem].cubin).items():
+                d = asdict(c)
+                del d["kernel"]
+                rows[k] = d
+        out[arch] = dict(sorted(rows.items()))
+    return out
+
+
+def load_table(path: Path = TABLE) -> dict[str, dict[str, LoopCount]]:
+    """The committed table: {arch: {kernel: LoopCount}} ({} when absent)."""
+    if not path.is_file():
+        return {}
+    raw = json.loads(path.read_text())
+    return {arch: {k: LoopCount(k, **v) for k, v in rows.items()} for arch, rows in raw["archs"].items()}
+
+
+def dump_table(table: dict[str, dict[str, dict]]) -> str:
+    return json.dumps({"generated_by": "python -m ds4py.cuda.sass --write (nvdisasm on the NVRTC cubins)",
+                       "archs": table}, indent=1, sort_keys=True) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from ds4py.cuda import compiler
+
+    p = argparse.ArgumentParser(prog="python -m ds4py.cuda.sass", description=__doc__.split("\n")[0])
+    p.add_argument("--write", action="store_true", help=f"write the table to {TABLE}")
+    p.add_argument("archs", nargs="*", default=["sm_121", "sm_90"])
+    a = p.parse_args(argv)
+    compiled = {arch: compiler.compile_all(arch, progress=lambda m: print(m, file=sys.stderr)) for arch in a.archs}
+    text = dump_table(table_from(compiled))
+    if a.write:
+        TABLE.parent.mkdir(parents=True, exist_ok=True)
+        TABLE.write_text(text)
+        print(f"wrote {TABLE}")
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

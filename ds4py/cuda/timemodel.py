@@ -1,0 +1,495 @@
+"""The GPU time model: a modelled time per kernel of one planned step, and the step's total, from launch geometry,
+occupancy, DRAM bytes, coalescing and the SASS instructions per weight. A MODEL, not a measurement: every line it
+prints says so, and docs/cuda.md ("The GPU time model") gives its assumptions, their sources and its limits.
+
+    launches = plan_step("v4-flash-q2", "decode", "gb10", ctx=2048).launches      # ds4py/cuda/plan.py
+    step = model_step(launches, profile("gb10"), ctx=2048, tokens=1)
+    print(format_step(step)); step.to_json()
+
+Per kernel (all times in microseconds):
+    t_mem   = bytes / min(copy GB/s x coalescing, bytes in flight / DRAM latency)   (Little's law: a kernel that
+              keeps too few bytes in flight cannot reach the copy bandwidth, whatever the bus could carry)
+    t_issue = warp instructions / (active SMs x IPC x clock)     (the SASS count per weight x the weights)
+    t_mma   = tensor FLOPs / (the device's mma.sync rate)        (prefill GEMMs)
+    t_floor = DRAM latency                                       (one round trip before the first byte)
+    time    = max(t_mem, t_issue, t_mma, t_floor), or t_mem + t_issue for a kernel that stages all its loads
+              before any math (cp.async, then wait for all of them: no ring) with one block per SM: nothing
+              overlaps its copy
+              + the launch gap (smaller with PDL: the next kernel's launch overlaps this one's tail)
+The limiter is the term that set the time: bandwidth, latency-parallelism, issue, mma, latency floor; a kernel
+whose gap is more than half its time is named by `launch gap`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from ds4py.cuda.devices import DeviceProfile
+
+LANE_BYTES = 16           # a kernel with no SASS count: one 16-byte load per lane in flight (assumed)
+
+
+@dataclass(frozen=True)
+class Timing:
+    """The time model's per-device assumptions (docs/cuda.md "The GPU time model" gives each one's source)."""
+    clock_ghz: float          # SM clock under load
+    ipc: float                # warp instructions issued per cycle per SM (4 schedulers; an achievable fraction)
+    latency_ns: float         # DRAM round trip under load
+    gap_us: float             # kernel-to-kernel gap inside a CUDA graph, no PDL
+    gap_pdl_us: float         # the same with programmatic dependent launch
+    mma_tflops: float         # bf16 mma.sync with fp32 accumulate, dense, achievable
+    sm_bytes_per_clk: float = 64.0    # bytes one SM takes in from L2 per cycle
+
+
+TIMING = {
+    "gb10": Timing(clock_ghz=2.4, ipc=2.4, latency_ns=800.0, gap_us=2.5, gap_pdl_us=1.2, mma_tflops=60.0),
+    "h200": Timing(clock_ghz=1.98, ipc=2.4, latency_ns=650.0, gap_us=2.0, gap_pdl_us=1.0, mma_tflops=500.0),
+}
+
+
+def timing_for(dev: DeviceProfile) -> Timing:
+    return TIMING.get(dev.key) or (TIMING["gb10"] if dev.cc[0] >= 10 else TIMING["h200"])
+
+
+# ---- formats: weights per byte, from the kernel name's suffix ------------------------------------------------------
+def _formats() -> dict[str, tuple[int, int]]:
+    """format suffix -> (weights, bytes) per block: the GEMV formats and every expert format of
+    cu/moe_formats.cuh (ds4py/cuda/ops/experts.py reads the same list)."""
+    from ds4py.cuda.ops.experts import FORMATS, VQ_FORMATS
+
+    out = {"q8_0": (32, 34), "f16": (1, 2), "f32": (1, 4), "q4_k": (256, 144)}
+    out.update({name: (qk, nb) for name, qk, nb in FORMATS.values()})
+    out.update({name: (qk, nb) for name, (qk, nb, _kc) in VQ_FORMATS.items()})
+    return out
+
+
+_FMT: dict[str, tuple[int, int]] | None = None
+
+
+def weight_format(kernel: str) -> tuple[str, int, int] | None:
+    """(suffix, weights, bytes) per block of the weight format a weight-streaming kernel's name ends with."""
+    global _FMT
+    if _FMT is None:
+        _FMT = _formats()
+    base = re.sub(r"_(rows|swiglu|hc_post)", "", kernel)
+    for suffix in sorted(_FMT, key=len, reverse=True):
+        if base.endswith("_" + suffix):
+            return (suffix, *_FMT[suffix])
+    return None
+
+
+def family(kernel: str) -> str:
+    """The kernel family a report groups by: the GEMV / expert kernels by weight format, the rest by file role."""
+    rules = [(r"^gemv_(q8_0|f16|f32|q4_k)", r"gemv \1"), (r"^moe_gate_up(_rows)?_(\w+)$", r"experts gate+up \2"),
+             (r"^moe_down(_rows)?_(\w+)$", r"experts down \2"), (r"^moe_prefill_(gate_up|down)_(\w+)$", r"prefill experts \1 \2"),
+             (r"^gemm_(\w+)$", r"gemm \1"), (r"^attn_", "attention"), (r"^prefill_attn", "attention"),
+             (r"^indexer_", "indexer"), (r"^compressor_", "compressor"), (r"^(hc_|mhc)", "mHC"),
+             (r"^(router|route|moe_route|topk|moe_prefill_route)", "route / top-k"), (r"^(sample|argmax)", "sample"),
+             (r"^v41_", "V4.1 extras"), (r"^rmsnorm", "rmsnorm"), (r"^embed", "embed")]
+    for pat, rep in rules:
+        m = re.match(pat, kernel)
+        if m:
+            return m.expand(rep)
+    return kernel
+
+
+# ---- bytes -----------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Traffic:
+    weight: int               # DRAM bytes of weight tensors the launch streams
+    kv: int                   # KV cache / compressed rows / indexer keys it reads at this context
+    act: int                  # activations and everything else (each pointer argument's buffer, once)
+    weights: int              # weight values (elements) streamed: the SASS count's unit
+    rows: int                 # activation rows each weight meets (multi-row steps)
+    flops: float              # tensor-core FLOPs (prefill GEMMs), else 0
+
+
+def _scalars(launch: Any) -> dict[str, Any]:
+    return dict(getattr(launch, "scalars", ()) or ())
+
+
+def _is_weight(arg: Any) -> bool:
+    """A weight tensor's bytes (the plan labels them by tensor name); not the KV state ("state.<layer>.<what>"),
+    the rope tables ("rope.*"), activations or a null pointer."""
+    return bool(arg.label) and arg.label not in ("activation", "null") \
+        and not arg.label.startswith(("state.", "rope."))
+
+
+def n_rows_written(kernel: str) -> int:
+    """Rows a window-ring store writes per launch (attn_kv_store: the step's one row; 0: not a ring store)."""
+    return 1 if kernel in ("attn_kv_store", "v41_kv_rows") else 0
+
+
+def launch_traffic(launch: Any, ctx: int) -> Traffic:
+    """DRAM bytes of one planned launch (ds4py/cuda/plan_runtime.PlannedLaunch) at context `ctx`.
+
+    Every pointer argument's buffer counts once, except: a stacked expert tensor counts only the experts the launch
+    reads (its slots of n_experts; a multi-row launch grouped by expert: the expected distinct experts of its
+    pairs under uniform routing; moe_down_rows: every row's slots, as it stages them per row); a lookup table
+    (embedding, hash routing) the tokens' rows; a row store (an output `X` with a scalar `X_cap`, or the window
+    ring of attn_kv_store / v41_kv_rows) one row; the attention window ring min(ctx, window) rows, its compressed rows top-k
+    (with a selection `sel`: V4's ratio 4, V4.1's 2 and 1) or ctx / ratio (V4's ratio 128); the indexer keys ctx / ratio rows. A GEMV's activation rows come from its
+    `nx` (multi-row steps)."""
+    k, s = launch.kernel, _scalars(launch)
+    weight = kv = act = 0
+    n_experts = max(1, int(s.get("n_experts", 1)))
+    experts_read = 1.0                     # matrices of a stacked expert tensor the launch streams
+    rows = int(s.get("nx", s.get("n_rows", 1)) or 1)
+    if k.startswith("moe_gate_up_rows") or (k.startswith("moe_down_rows") and "n_pairs" in s):
+        pairs = int(s.get("n_pairs", 1))   # grouped by expert: each distinct expert once (uniform routing)
+        experts_read = n_experts * (1.0 - (1.0 - 1.0 / n_experts) ** pairs)
+        rows = max(1, round(pairs / experts_read))
+    elif k.startswith("moe_down_rows"):
+        experts_read = launch.grid[1] * int(s.get("n_slots", 1))   # per activation row: its slots' experts
+    elif k.startswith("moe_gate_up"):
+        experts_read = launch.grid[1]
+    elif k.startswith("moe_down"):
+        experts_read = int(s.get("n_slots", 1))
+    tokens = next((a.nbytes // 4 for a in launch.args if a.name in ("ids", "token") and a.nbytes), 1)
+    selected = any(a.name == "sel" and a.nbytes > 0 for a in launch.args)
+    for a in launch.args:
+        n = int(a.nbytes)
+        if n <= 0:
+            continue
+        if _is_weight(a):
+            if "_exps" in a.label and k.startswith(("moe_gate_up", "moe_down")):
+                n = int(n * experts_read / n_experts)     # moe_down_rows may read an expert once per row
+            elif a.name in ("table", "tid2eid") and "vocab" in s:      # a lookup: the tokens' rows only
+                n = n // int(s["vocab"]) * tokens
+            weight += n
+        elif k == "attn_decode_partial" and a.name in ("win", "comp"):
+            row = 4 * int(s.get("hd", 512))
+            if a.name == "win":
+                kv += min(ctx, int(s.get("window", ctx)), n // row) * row
+            elif int(s.get("ratio", 0)) > 0 and selected:           # the indexer's / candidates' top-k rows
+                kv += min(int(s.get("topk", 512)), ctx // int(s["ratio"])) * row
+            elif int(s.get("ratio", 0)) > 0:
+                kv += min(ctx // int(s["ratio"]), n // row) * row
+        elif k.startswith("indexer_scores") and a.name == "keys":
+            row = 4 * int(s.get("ihd", 128))
+            kv += min(ctx // max(1, int(s.get("ratio", 4))), n // row) * row
+        elif not a.const and f"{a.name}_cap" in s and int(s[f"{a.name}_cap"]) > 0:
+            act += n // int(s[f"{a.name}_cap"])                   # a row store: one row written per step
+        elif not a.const and int(s.get("ring", 0)) > 0 and n_rows_written(k):
+            kv += n // int(s["ring"]) * n_rows_written(k)         # the window ring: its new rows written
+        elif a.label.startswith("state."):
+            kv += n                                               # other KV state a kernel reads (rings, rows)
+        else:
+            act += n
+    fmt = weight_format(k)
+    weights = weight * fmt[1] // fmt[2] if fmt else 0
+    flops = 0.0
+    if k.startswith("gemm_") and "T" in s:
+        flops = 2.0 * s["T"] * s["N"] * s["K"]
+        rows = int(s["T"])
+    elif k.startswith("moe_prefill_") and fmt:
+        pairs = next((a.nbytes // 4 for a in launch.args if a.name == "sorted"), 0)
+        per_expert = weights / n_experts
+        flops = 2.0 * pairs * per_expert
+        rows = max(1, pairs // n_experts)
+    return Traffic(weight, kv, act, weights, rows, flops)
+
+
+# ---- one kernel --------------------------------------------------------------------------------------------------
+@dataclass
+class KernelTime:
+    index: int
+    kernel: str
+    family: str
+    stream: str
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    smem: int
+    registers: int
+    blocks_per_sm: int
+    occupancy_limiter: str
+    waves: float
+    weight_bytes: int
+    kv_bytes: int
+    act_bytes: int
+    coalescing: float
+    coalescing_source: str    # "assumed" (100%) or "traffic" (the emulator's traffic profile)
+    inflight_bytes: int       # bytes in flight on the whole device (Little's law)
+    instr_per_weight: float | None    # warp instructions per weight value (SASS count), None: not a streaming kernel
+    t_mem_us: float
+    t_issue_us: float
+    t_mma_us: float
+    t_floor_us: float
+    t_gap_us: float
+    time_us: float
+    limiter: str
+    refused: str | None
+
+    @property
+    def bytes(self) -> int:
+        return self.weight_bytes + self.kv_bytes + self.act_bytes
+
+
+def _inflight(launch: Any, loop: Any, active_sms: int, blocks_here: int) -> int:
+    """Bytes in flight on the device: per block, a cp.async stage (the dynamic shared memory: every load issued
+    before the wait) or, for direct loads, each warp's loads of one loop pass (the SASS count's global bytes x 32
+    lanes; LANE_BYTES per lane when unknown)."""
+    warps = max(1, math.ceil(launch.block[0] * launch.block[1] * launch.block[2] / 32))
+    if loop is not None and loop.async_copy and launch.smem > 0:
+        per_block = launch.smem
+    else:
+        per_lane = loop.ldg_bytes if loop is not None and loop.ldg_bytes else LANE_BYTES
+        per_block = warps * 32 * per_lane
+    return active_sms * blocks_here * per_block
+
+
+def model_kernel(launch: Any, dev: DeviceProfile, ctx: int, loops: dict | None = None,
+                 coalescing: dict[str, float] | None = None, timing: Timing | None = None) -> KernelTime:
+    """The modelled time of one planned launch on `dev` (see the module doc for the formulas). loops: the SASS
+    table's rows for dev's arch ({kernel: LoopCount}); coalescing: {kernel: efficiency 0..1} from a traffic
+    profile (missing: 1.0, labelled assumed)."""
+    t = timing or timing_for(dev)
+    loop = (loops or {}).get(launch.kernel)
+    tr = launch_traffic(launch, ctx)
+    occ = launch.occupancy
+    bpsm = max(1, occ.blocks_per_sm)
+    blocks = launch.grid[0] * launch.grid[1] * launch.grid[2]
+    active = min(dev.sm_count, blocks)
+    here = min(bpsm, math.ceil(blocks / dev.sm_count))          # blocks resident per active SM
+    coal = (coalescing or {}).get(launch.kernel)
+    coal_src = "traffic" if coal is not None else "assumed"
+    coal = min(1.0, max(0.01, coal if coal is not None else 1.0))
+    nbytes = tr.weight + tr.kv + tr.act
+    inflight = _inflight(launch, loop, active, here)
+    # bytes per microsecond: the copy bandwidth, or what the active SMs can take in (a grid of few blocks)
+    bw = min(dev.copy_gbps * 1e3, active * t.sm_bytes_per_clk * t.clock_ghz * 1e3) * coal
+    little = inflight / (t.latency_ns / 1e3)                      # bytes per microsecond Little's law allows
+    t_mem = nbytes / min(bw, little) if nbytes else 0.0
+    instr = None
+    t_issue = 0.0
+    if loop is not None and tr.weights:
+        instr = loop.per_product / 32.0                            # warp instructions per product
+        warp_insns = tr.weights * tr.rows * instr
+        t_issue = warp_insns / (active * t.ipc * t.clock_ghz * 1e3)
+    t_mma = tr.flops / (t.mma_tflops * 1e6) if tr.flops else 0.0
+    t_floor = t.latency_ns / 1e3
+    gap = t.gap_pdl_us if launch.pdl else t.gap_us
+    serial = loop is not None and loop.async_copy and not loop.pipelined and here == 1
+    terms = {"bandwidth" if bw <= little else "latency-parallelism": t_mem, "issue": t_issue, "mma": t_mma,
+             "latency floor": t_floor}
+    if serial and t_issue > 0:
+        body, limiter = t_mem + t_issue, "stage-then-compute"
+    else:
+        limiter = max(terms, key=terms.get)
+        body = terms[limiter]
+    if gap > body:
+        limiter = "launch gap"
+    return KernelTime(launch.index, launch.kernel, family(launch.kernel), launch.stream, tuple(launch.grid),
+                      tuple(launch.block), launch.smem + launch.static_smem, launch.registers, occ.blocks_per_sm,
+                      occ.limiter, round(launch.waves, 3), tr.weight, tr.kv, tr.act, coal, coal_src, inflight,
+                      instr, t_mem, t_issue, t_mma, t_floor, gap, body + gap, limiter, launch.problem)
+
+
+# ---- a step ----------------------------------------------------------------------------------------------------------
+@dataclass
+class StepModel:
+    device: str
+    shapes: str
+    step: str                 # decode / verify / prefill
+    ctx: int
+    tokens: int               # tokens the step produces or consumes (1, verify rows, prefill block)
+    kernels: list[KernelTime]
+    copy_gbps: float
+    nominal_gbps: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def time_us(self) -> float:
+        return sum(k.time_us for k in self.kernels)
+
+    @property
+    def weight_kv_bytes(self) -> int:
+        return sum(k.weight_bytes + k.kv_bytes for k in self.kernels)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / (self.time_us / 1e6) if self.time_us else 0.0
+
+    def fraction(self, gbps: float) -> float:
+        return self.weight_kv_bytes / (self.time_us * 1e3) / gbps if self.time_us else 0.0
+
+    @property
+    def refused(self) -> list[KernelTime]:
+        return [k for k in self.kernels if k.refused]
+
+    def families(self) -> list[dict]:
+        """Per family: launches, bytes, modelled µs, the share of the step, the bandwidth it reaches (of copy)
+        and its most common limiter; slowest first."""
+        out: dict[str, dict] = {}
+        for k in self.kernels:
+            f = out.setdefault(k.family, {"family": k.family, "launches": 0, "bytes": 0, "time_us": 0.0, "lim": {}})
+            f["launches"] += 1
+            f["bytes"] += k.bytes
+            f["time_us"] += k.time_us
+            f["lim"][k.limiter] = f["lim"].get(k.limiter, 0.0) + k.time_us
+        rows = []
+        for f in out.values():
+            lim = f.pop("lim")
+            f["limiter"] = max(lim, key=lim.get)
+            f["share"] = f["time_us"] / self.time_us if self.time_us else 0.0
+            f["fraction_of_copy"] = f["bytes"] / (f["time_us"] * 1e3) / self.copy_gbps if f["time_us"] else 0.0
+            rows.append(f)
+        return sorted(rows, key=lambda f: -f["time_us"])
+
+    def to_json(self) -> dict:
+        return {"model": "ds4py GPU time model (a model, not a measurement; docs/cuda.md)",
+                "device": self.device, "shapes": self.shapes, "step": self.step, "ctx": self.ctx,
+                "tokens": self.tokens, "time_us": self.time_us,
+                "modelled_tokens_per_s": self.tokens_per_s,
+                "weight_kv_bytes": self.weight_kv_bytes,
+                "fraction_of_copy": self.fraction(self.copy_gbps),
+                "fraction_of_roofline": self.fraction(self.nominal_gbps),
+                "copy_gbps": self.copy_gbps, "nominal_gbps": self.nominal_gbps,
+                "refused_launches": len(self.refused), "notes": self.notes,
+                "families": self.families(),
+                "kernels": [asdict(k) for k in self.kernels]}
+
+
+def model_step(launches: Sequence[Any], dev: DeviceProfile, ctx: int, tokens: int = 1, shapes: str = "",
+               step: str = "decode", loops: dict | None = None, coalescing: dict[str, float] | None = None,
+               timing: Timing | None = None) -> StepModel:
+    """Every planned launch of one step modelled in order; the step is their sum (the side stream's kernels are
+    counted as if serial: an upper bound where they would overlap)."""
+    if loops is None:
+        from ds4py.cuda.sass import load_table
+
+        loops = load_table().get(dev.arch, {})
+    ks = [model_kernel(l, dev, ctx, loops, coalescing, timing) for l in launches]
+    notes = []
+    if not loops:
+        notes.append("no SASS inner-loop table for this arch: issue time not modelled")
+    if any(k.coalescing_source == "assumed" for k in ks):
+        notes.append("coalescing assumed 100% where no traffic profile gives it")
+    return StepModel(dev.key, shapes, step, ctx, tokens, ks, dev.copy_gbps, dev.nominal_gbps, notes)
+
+
+# ---- the report ------------------------------------------------------------------------------------------------------
+def format_step(m: StepModel, top: int = 12) -> str:
+    """The report: a summary line and the slowest kernel families, every line labelled `model`."""
+    L = [f"model | {m.device} {m.shapes} {m.step} ctx {m.ctx}: {len(m.kernels)} launches, "
+         f"{m.time_us / 1e3:.2f} ms per step, {m.tokens_per_s:,.1f} tokens/s, "
+         f"{m.weight_kv_bytes / 1e9:.3f} GB weights + KV, {100 * m.fraction(m.copy_gbps):.1f}% of copy "
+         f"({m.copy_gbps:g} GB/s), {100 * m.fraction(m.nominal_gbps):.1f}% of roofline ({m.nominal_gbps:g} GB/s), "
+         f"{len(m.refused)} refused launches"]
+    L.append(f"model |   {'family':28} {'launches':>8} {'MB':>9} {'µs':>9} {'share':>6} {'of copy':>7}  limiter")
+    for f in m.families()[:top]:
+        L.append(f"model |   {f['family'][:28]:28} {f['launches']:8d} {f['bytes'] / 1e6:9.2f} {f['time_us']:9.1f} "
+                 f"{100 * f['share']:5.1f}% {100 * f['fraction_of_copy']:6.1f}%  {f['limiter']}")
+    for k in m.refused[:5]:
+        L.append(f"model |   REFUSED: {k.refused}")
+    for n in m.notes:
+        L.append(f"model |   note: {n}")
+    return "\n".join(L) + "\n"
+
+
+def format_kernels(m: StepModel, limit: int | None = None) -> str:
+    """One line per launch (the detail behind format_step), labelled `model`."""
+    L = [f"model | {'#':>4} {'kernel':28} {'grid':>14} {'blk':>4} {'B/SM':>4} {'MB':>8} {'coal':>5} "
+         f"{'ins/w':>6} {'mem':>7} {'issue':>7} {'floor':>6} {'gap':>5} {'µs':>8}  limiter"]
+    for k in m.kernels[:limit]:
+        ipw = f"{k.instr_per_weight:6.3f}" if k.instr_per_weight is not None else "     -"
+        g = "x".join(str(v) for v in k.grid if v > 1) or "1"
+        L.append(f"model | {k.index:4d} {k.kernel[:28]:28} {g:>14} {k.block[0]:4d} {k.blocks_per_sm:4d} "
+                 f"{k.bytes / 1e6:8.3f} {100 * k.coalescing:4.0f}% {ipw} {k.t_mem_us:7.1f} {k.t_issue_us:7.1f} "
+                 f"{k.t_floor_us:6.1f} {k.t_gap_us:5.1f} {k.time_us:8.1f}  {k.limiter}")
+    return "\n".join(L) + "\n"
+
+
+def summarize(models: Iterable[StepModel]) -> dict:
+    return {f"{m.step}@{m.ctx}": m.to_json() for m in models}
+
+
+# ---- coalescing from the emulator's traffic profile ---------------------------------------------------------------
+TRAFFIC_REPORT = Path(__file__).resolve().parents[2] / "bench" / "traffic" / "report.json"
+
+
+def coalescing_from_report(report: dict) -> dict[str, float]:
+    """{kernel: DRAM sector efficiency of its loads} from a traffic report (ds4py-traffic-v1, `python3 -m
+    ds4py.cuda.traffic`, the emulator's count per warp request at the twin tests' shapes): a kernel's entry from the
+    report's `model_width` section where it has one (GEMVs at 4096 columns), else from `kernels`; per read argument
+    its `largest_launch` (the nearest to the model's shapes) where given, else its sums; the argument's
+    `dram_efficiency` (its bytes over the 32-byte sectors it touches at all: what DRAM moves) or, without one, its
+    request `coalescing`. Arguments combine weighted by bytes (sectors = bytes / efficiency), so a 4-byte table read
+    does not set the efficiency of a kernel streaming megabytes."""
+    out: dict[str, float] = {}
+    wide = ((report.get("model_width") or {}).get("kernels") or {})
+    for name, k in (report.get("kernels") or {}).items():
+        k = wide.get(name, k)
+        nbytes = sectors = 0.0
+        for arg in (k.get("args") or {}).values():
+            ll = arg.get("largest_launch") or {}
+            eff = ll.get("dram_efficiency", arg.get("dram_efficiency"))
+            eff = eff if eff is not None else ll.get("coalescing", arg.get("coalescing"))
+            size = ll.get("arg_bytes") or arg.get("distinct_bytes") or arg.get("arg_bytes") or 0
+            if eff and size and (arg.get("requests") or ll.get("requests")):
+                nbytes += size
+                sectors += size / eff
+        if sectors:
+            out[name] = min(1.0, nbytes / sectors)
+    return out
+
+
+def load_coalescing(path: Path | str | None = None) -> dict[str, float] | None:
+    """The traffic report's coalescing per kernel (path, or bench/traffic/report.json when it exists), else None."""
+    import json
+
+    p = Path(path) if path else TRAFFIC_REPORT
+    if not p.is_file():
+        if path:
+            from ds4py.errors import Ds4Error
+
+            raise Ds4Error(f"no traffic report at {p} (python3 -m ds4py.cuda.traffic --out {p} writes one)")
+        return None
+    try:
+        return coalescing_from_report(json.loads(p.read_text()))
+    except (ValueError, AttributeError) as e:
+        from ds4py.errors import Ds4Error
+
+        raise Ds4Error(f"{p} is not a traffic report ({e})") from None
+
+
+# ---- the bench: every step of one device x shapes ---------------------------------------------------------------
+DEFAULT_CTX = (2048, 65536)
+VERIFY_ROWS = 4
+PREFILL_BLOCK = 2048
+
+
+def run(device: str, shapes: str, ctxs: Sequence[int] = DEFAULT_CTX, coalescing: dict[str, float] | None = None,
+        steps: Sequence[str] = ("decode", "rows", "prefill")) -> list[StepModel]:
+    """Decode at each ctx, a VERIFY_ROWS-row verify step and a PREFILL_BLOCK-token prefill block at the first ctx
+    (at least one block long), planned by ds4py/cuda/plan.py and modelled on `device`."""
+    from ds4py.cuda.devices import profile
+    from ds4py.cuda.plan import plan_step, shapes as shapes_of
+
+    dev = profile(device)
+    shapes_of(shapes)
+    if coalescing is None:
+        coalescing = load_coalescing()
+    out = []
+    for kind in steps:
+        for ctx in (ctxs if kind == "decode" else ctxs[:1]):
+            c = max(ctx, PREFILL_BLOCK) if kind == "prefill" else ctx
+            launches = plan_step(shapes, kind, dev.key, ctx=c, rows=VERIFY_ROWS, block=PREFILL_BLOCK)
+            tokens = {"decode": 1, "rows": VERIFY_ROWS, "prefill": min(PREFILL_BLOCK, c)}[kind]
+            name = {"decode": "decode", "rows": f"verify {VERIFY_ROWS} rows", "prefill": f"prefill {tokens}"}[kind]
+            out.append(model_step(launches, dev, c, tokens, shapes, name, coalescing=coalescing))
+    return out
+
+
+def bench_json(models: Sequence[StepModel]) -> dict:
+    """The `bench gpu-model --json` document: the first decode step's fields at the top level (device, shapes,
+    ctx, modelled_tokens_per_s, fraction_of_copy, fraction_of_roofline, refused_launches, kernels), every step
+    under `steps`."""
+    head = models[0].to_json()
+    head["refused_launches"] = sum(len(m.refused) for m in models)
+    head["steps"] = [{k: v for k, v in m.to_json().items() if k != "kernels"} for m in models]
+    return head

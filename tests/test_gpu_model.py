@@ -1,0 +1,236 @@
+"""The GPU time model (ds4py/cuda/timemodel.py) and `bench gpu-model`: the formulas on hand-made launches (a big
+streaming kernel is bandwidth-bound, a tiny one sits on the latency floor, one block cannot keep enough bytes in
+flight, a long inner loop is issue-bound, stage-then-compute adds), the SASS loop finder on a hand-written listing,
+the bench's JSON for both devices and model families, and bad input as one sentence."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ds4py.__main__ import main
+from ds4py.cuda import sass, timemodel
+from ds4py.cuda.devices import inspect_launch, profile
+from ds4py.cuda.plan_runtime import PlannedArg, PlannedLaunch
+
+GB10, H200 = profile("gb10"), profile("h200")
+
+
+def launch(kernel: str, grid: int, threads: int, weight: int = 0, act: int = 0, smem: int = 0, pdl: bool = True,
+           dev=GB10, scalars=(), registers: int = 32) -> PlannedLaunch:
+    chk = inspect_launch(dev, kernel, grid, threads, smem, registers)
+    args = [PlannedArg("W", weight, True, "blk.0.w.weight")] if weight else []
+    args += [PlannedArg("x", act, True, "activation")] if act else []
+    return PlannedLaunch(0, kernel, "test", chk.grid, chk.block, smem, 0, registers, "main", pdl, tuple(args),
+                         tuple(scalars), chk.occupancy, chk.waves, chk.problem)
+
+
+def test_a_big_streaming_kernel_runs_at_the_copy_bandwidth():
+    t = timemodel.timing_for(GB10)
+    n = 1 << 30
+    k = timemodel.model_kernel(launch("gemv_f16", 2 * GB10.sm_count, 256, weight=n), GB10, 2048, loops={})
+    assert k.limiter == "bandwidth"
+    assert k.time_us == pytest.approx(n / (GB10.copy_gbps * 1e3) + t.gap_pdl_us, rel=1e-9)
+    plain = timemodel.model_kernel(launch("gemv_f16", 2 * GB10.sm_count, 256, weight=n, pdl=False), GB10, 2048,
+                                   loops={})
+    assert plain.time_us - k.time_us == pytest.approx(t.gap_us - t.gap_pdl_us)     # PDL shortens the gap only
+    half = timemodel.model_kernel(launch("gemv_f16", 2 * GB10.sm_count, 256, weight=n), GB10, 2048, loops={},
+                                  coalescing={"gemv_f16": 0.5})
+    assert half.coalescing_source == "traffic" and half.t_mem_us == pytest.approx(2 * k.t_mem_us)
+
+
+def test_a_tiny_kernel_sits_on_the_latency_floor():
+    t = timemodel.timing_for(H200)
+    k = timemodel.model_kernel(launch("rmsnorm_f32", 1, 32, act=256, dev=H200), H200, 2048, loops={})
+    assert k.t_floor_us == pytest.approx(t.latency_ns / 1e3)
+    assert k.time_us == pytest.approx(t.latency_ns / 1e3 + t.gap_pdl_us)
+    assert k.limiter == "launch gap" if t.gap_pdl_us > t.latency_ns / 1e3 else "latency floor"
+
+
+def test_one_block_cannot_keep_enough_bytes_in_flight():
+    """Little's law: one warp with 16 bytes per lane in flight moves 512 B per DRAM round trip, whatever the bus."""
+    t = timemodel.timing_for(GB10)
+    n = 1 << 20
+    k = timemodel.model_kernel(launch("topk_select", 1, 32, act=n), GB10, 2048, loops={})
+    assert k.limiter == "latency-parallelism" and k.inflight_bytes == 32 * timemodel.LANE_BYTES
+    assert k.t_mem_us == pytest.approx(n / (k.inflight_bytes / (t.latency_ns / 1e3)))
+
+
+def test_a_long_inner_loop_is_issue_bound_and_staging_serialises():
+    t = timemodel.timing_for(H200)
+    n = 256 << 20                                      # F16: n / 2 weights
+    loop = sass.LoopCount("gemv_f16", 640, 100, 300, 40, 160, 40, 0, 32, ldg_bytes=256)   # 20 per product
+    k = timemodel.model_kernel(launch("gemv_f16", 4 * H200.sm_count, 256, weight=n, dev=H200), H200, 2048,
+                               loops={"gemv_f16": loop})
+    warp_insns = n / 2 * 20 / 32
+    assert k.instr_per_weight == pytest.approx(20 / 32)
+    assert k.t_issue_us == pytest.approx(warp_insns / (H200.sm_count * t.ipc * t.clock_ghz * 1e3))
+    assert k.limiter == "issue" and k.t_issue_us > k.t_mem_us
+    # a kernel that stages everything with cp.async and then computes, one block per SM: copy + math, not max
+    staged = sass.LoopCount("moe_down_q8_0", 64, 8, 40, 0, 10, 6, 0, 32, ldg_bytes=0, async_copy=True)
+    ln = launch("moe_down_q8_0", H200.sm_count, 256, weight=n, smem=200_000, dev=H200)
+    k = timemodel.model_kernel(ln, H200, 2048, loops={"moe_down_q8_0": staged})
+    assert ln.occupancy.blocks_per_sm == 1 and k.limiter == "stage-then-compute"
+    assert k.time_us == pytest.approx(k.t_mem_us + k.t_issue_us + t.gap_pdl_us)
+    ring = sass.LoopCount("moe_down_q8_0", 64, 8, 40, 0, 10, 6, 0, 32, ldg_bytes=0, async_copy=True, pipelined=True)
+    k = timemodel.model_kernel(ln, H200, 2048, loops={"moe_down_q8_0": ring})   # a cp.async ring overlaps
+    assert k.limiter != "stage-then-compute" and k.time_us == pytest.approx(max(k.t_mem_us, k.t_issue_us)
+                                                                            + t.gap_pdl_us)
+
+
+def test_step_totals_and_fractions():
+    ls = [launch("gemv_f16", 96, 256, weight=1 << 30), launch("rmsnorm_f32", 1, 32, act=256)]
+    m = timemodel.model_step(ls, GB10, 2048, tokens=1, shapes="hand", loops={})
+    assert m.time_us == pytest.approx(sum(k.time_us for k in m.kernels))
+    assert m.weight_kv_bytes == 1 << 30
+    assert m.fraction(GB10.copy_gbps) == pytest.approx((1 << 30) / (m.time_us * 1e3) / GB10.copy_gbps)
+    assert 0.9 < m.fraction(GB10.copy_gbps) < 1.0 < GB10.nominal_gbps / GB10.copy_gbps
+    assert all(line.startswith("model |") for line in timemodel.format_step(m).splitlines())
+    # a launch GB10 would refuse (more shared memory than a block may have) is counted and named
+    big = launch("moe_down_vq13", 48, 256, weight=1 << 20, smem=108_352)
+    m = timemodel.model_step(ls + [big], GB10, 2048, loops={})
+    assert len(m.refused) == 1 and m.to_json()["refused_launches"] == 1
+    assert "REFUSED: moe_down_vq13 on gb10" in timemodel.format_step(m)
+
+
+def listing(products: int) -> list[tuple[int, str, str, str]]:
+    """A norm loop (squares: no products), a weight loop (`products` multiplies after a shared load and a
+    conversion) and an outer loop around it that stages with cp.async and waits."""
+    ins = [("S2R", " R0, SR_TID.X ", ""),
+           ("LDG.E.128", " R4, desc[UR4][R2.64] ", ".L_x_1"), ("FFMA", " R8, R4, R4, R8 ", ""),
+           ("ISETP.GE.AND", " P0, PT, R0, 0x10, PT ", ""), ("BRA", " `(.L_x_1) ", ""),
+           ("LDGSTS.E.BYPASS.128", " [R1], desc[UR4][R2.64] ", ".L_x_2"),
+           ("LDS.128", " R4, [R1] ", ".L_x_3"), ("I2F.S8", " R5, R4 ", "")]
+    ins += [("FFMA", f" R{20 + i}, R5, R{40 + i}, R{20 + i} ", "") for i in range(products)]
+    ins += [("HFMA2", " R16, -RZ, RZ, 0, 0 ", ""), ("IADD3", " R1, R1, 0x10, RZ ", ""), ("BRA", " `(.L_x_3) ", ""),
+            ("BAR.SYNC", " 0x0 ", ""), ("BRA", " `(.L_x_2) ", ""), ("EXIT", "", "")]
+    return [(16 * i, op, o, lab) for i, (op, o, lab) in enumerate(ins)]
+
+
+def test_the_sass_loop_finder_on_a_listing():
+    ins = listing(8)
+    n = len(ins)
+    assert sass.loops(ins) == [(1, 4), (6, n - 4), (5, n - 2)]
+    c = sass.inner_loop("k", ins)
+    assert c is not None and c.products == 8 and c.instructions == 13 and c.async_copy
+    assert (c.memory, c.fma, c.convert, c.integer, c.control) == (1, 9, 1, 1, 1)
+    assert c.per_product == 13 / 8 and c.ldg_bytes == 0
+    assert not c.pipelined                              # it waits for every cp.async group (no DEPBAR.LE n > 0)
+    ring = listing(8)
+    ring.insert(-3, (0, "DEPBAR.LE", " SB0, 0x1 ", ""))
+    ring = [(16 * i, op, o, lab) for i, (_, op, o, lab) in enumerate(ring)]
+    assert sass.inner_loop("k", ring).pipelined
+    assert sass.inner_loop("k", listing(4)) is None     # under 8 products: no weight loop (not a norm's squares)
+    assert sass.load_width("LDG.E.128") == 16 and sass.load_width("LDG.E.U8") == 1 and sass.load_width("LDG.E") == 4
+
+
+def test_the_committed_sass_table_covers_the_streaming_kernels():
+    table = sass.load_table()
+    for arch in ("sm_121", "sm_90"):
+        rows = table[arch]
+        for k in ("gemv_q8_0", "gemv_f16", "gemv_q4_k", "moe_gate_up_iq2_xxs", "moe_down_q2_k", "moe_down_vq13"):
+            assert k in rows and rows[k].products >= 8 and 1.0 < rows[k].per_product < 40, (arch, k, rows.get(k))
+
+
+@pytest.mark.parametrize("device", ["gb10", "h200"])
+@pytest.mark.parametrize("shapes", ["v4-flash-q2", "v41-flash-vq"])
+def test_bench_gpu_model_json(tmp_path, capsys, device, shapes):
+    out = tmp_path / "m.json"
+    assert main(["bench", "gpu-model", "--device", device, "--shapes", shapes, "--ctx", "2048,65536",
+                 "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert text and all(line.startswith("model |") for line in text.splitlines()), text
+    d = json.loads(out.read_text())
+    for f in ("device", "shapes", "ctx", "modelled_tokens_per_s", "fraction_of_copy", "fraction_of_roofline",
+              "refused_launches", "kernels"):
+        assert f in d, f
+    assert d["device"] == device and d["shapes"] == shapes and d["ctx"] == 2048
+    assert 0 < d["fraction_of_copy"] <= 1.0 and d["fraction_of_roofline"] < d["fraction_of_copy"]
+    assert d["modelled_tokens_per_s"] > 0 and len(d["kernels"]) > 300
+    assert {s["step"] for s in d["steps"]} == {"decode", "verify 4 rows", "prefill 2048"}
+    assert [s["ctx"] for s in d["steps"] if s["step"] == "decode"] == [2048, 65536]
+    assert all(k["limiter"] and k["time_us"] > 0 for k in d["kernels"])
+    # the 64K step reads more KV than the 2K one; the decode step's weights are the same
+    dec = [s for s in d["steps"] if s["step"] == "decode"]
+    assert dec[1]["weight_kv_bytes"] > dec[0]["weight_kv_bytes"]
+    assert d["steps"][0]["refused_launches"] == sum(1 for k in d["kernels"] if k["refused"])
+    assert d["refused_launches"] == sum(s["refused_launches"] for s in d["steps"])
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--device", "foo"], "--device must be one of gb10, h200"),
+    (["--shapes", "v5-huge"], "--shapes must be one of"),
+    (["--ctx", "two"], "--ctx must be"),
+    (["--ctx", "0"], "--ctx values must be"),
+    (["--json"], "needs a file name"),
+    (["-m", "x.gguf"], "not built yet"),
+])
+def test_bad_input_is_one_sentence(capsys, argv, words):
+    assert main(["bench", "gpu-model", *argv]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_coalescing_comes_from_a_traffic_report(tmp_path, capsys):
+    """The emulator's traffic report (ds4py-traffic-v1) gives each kernel's DRAM sector efficiency: model_width's entry
+    where there is one, an argument's largest launch where given, dram_efficiency before coalescing, the arguments
+    weighted by bytes; a missing report is one sentence."""
+    rep = {"format": "ds4py-traffic-v1", "kernels": {
+        "gemv_f16": {"args": {"W0": {"requests": 9, "dram_efficiency": 0.5, "distinct_bytes": 100}}},
+        "moe_down_q2_k": {"args": {
+            "W": {"requests": 9, "dram_efficiency": 0.99, "distinct_bytes": 999,
+                  "largest_launch": {"requests": 3, "dram_efficiency": 0.5, "arg_bytes": 3000}},
+            "ids": {"requests": 1, "coalescing": 0.125, "distinct_bytes": 24},
+            "out": {"requests": 0, "dram_efficiency": None, "distinct_bytes": 0}}}},
+        "model_width": {"what": "GEMVs at 4096 columns", "kernels": {
+            "gemv_f16": {"args": {"W0": {"requests": 9, "dram_efficiency": 1.0, "distinct_bytes": 100}}}}}}
+    got = timemodel.coalescing_from_report(rep)
+    assert got["gemv_f16"] == 1.0                                   # model_width wins
+    assert got["moe_down_q2_k"] == pytest.approx((3000 + 24) / (3000 / 0.5 + 24 / 0.125))
+    f = tmp_path / "report.json"
+    f.write_text(json.dumps(rep))
+    assert timemodel.load_coalescing(f) == got
+    assert main(["bench", "gpu-model", "--traffic", str(tmp_path / "none.json")]) == 2
+    assert "no traffic report" in capsys.readouterr().err
+
+
+def test_the_device_check_summary_carries_model_vs_measured():
+    """bench/device_summary.py lifts cuda_decode.py --kernel-times into summary.json's model_vs_measured: per kernel
+    launches, measured and modelled µs, their ratio and the model's limiter; an error stays one string."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "device_summary", Path(__file__).resolve().parents[1] / "bench" / "device_summary.py")
+    ds = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ds)
+    kt = {"profile": "gpu0", "ctx": 33, "measured_us": 50.0, "modelled_us": 40.0, "ratio": 1.25, "kernels": [
+        {"kernel": "gemv_q8_0", "family": "gemv q8_0", "launches": 3, "measured_us": 30.0, "modelled_us": 20.0,
+         "bytes": 1, "limiter": "bandwidth", "ratio": 1.5}]}
+    got = ds.model_vs_measured({"cuda_decode": {"kernel_times": kt}})
+    assert got["ratio"] == 1.25 and got["kernels"]["gemv_q8_0"] == {
+        "launches": 3, "measured_us": 30.0, "modelled_us": 20.0, "ratio": 1.5, "limiter": "bandwidth"}
+    assert ds.model_vs_measured({"cuda_decode": {"kernel_times": {"error": "StaleResourceTable: x"}}}) == {
+        "error": "StaleResourceTable: x"}
+    assert ds.model_vs_measured({}) is None
+
+
+def test_attention_reads_the_window_and_the_selected_rows():
+    """Decode attention's KV bytes at a context: the window ring's min(ctx, window) rows plus top-k compressed rows
+    where a selection is passed (V4 ratio 4, V4.1 ratio 2 / 1), else ctx / ratio rows (V4 ratio 128); the buffers'
+    capacities do not count."""
+    row = 4 * 512
+
+    def attn(ratio: int, sel: bool) -> PlannedLaunch:
+        chk = inspect_launch(GB10, "attn_decode_partial", (20, 8), 64, 0)
+        args = (PlannedArg("win", 144 * row, True, "state.2.win"),
+                PlannedArg("comp", 65536 * row, True, "state.2.comp_rows"),
+                PlannedArg("sel", 2048 if sel else 0, True, "activation" if sel else "null"))
+        sc = (("ring", 144), ("window", 128), ("ratio", ratio), ("topk", 512), ("hd", 512))
+        return PlannedLaunch(0, "attn_decode_partial", "attention", chk.grid, chk.block, 0, 0, 32, "main", True,
+                             args, sc, chk.occupancy, chk.waves, None)
+
+    assert timemodel.launch_traffic(attn(2, True), 65536).kv == (128 + 512) * row
+    assert timemodel.launch_traffic(attn(128, False), 65536).kv == (128 + 65536 // 128) * row
+    assert timemodel.launch_traffic(attn(2, True), 100).kv == (100 + 50) * row
