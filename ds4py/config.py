@@ -76,6 +76,9 @@ class LayerRoles:
     engram: int = -1             # index of the Engram applied before this block (-1: none)
 
 
+GATING_SQRTSOFTPLUS = 4      # deepseek4.expert_gating_func (llama.cpp's llama_expert_gating_func_type)
+ROPE_SCALING = "yarn"        # deepseek4.rope.scaling.type
+
 # The JSON-like kind of every `deepseek4.*` value read (GGUF stores a type per value; a file with a string where
 # a count belongs, or ratios as strings, is refused by name instead of failing inside int()).
 META_KINDS = {
@@ -91,7 +94,7 @@ META_KINDS = {
     "expert_used_count": "int", "expert_feed_forward_length": "int", "expert_shared_count": "int",
     "expert_weights_scale": "float", "expert_weights_norm": "bool", "hash_layer_count": "int",
     "swiglu_clamp_exp": "floats", "hyper_connection.count": "int", "hyper_connection.sinkhorn_iterations": "int",
-    "hyper_connection.epsilon": "float",
+    "hyper_connection.epsilon": "float", "expert_gating_func": "int", "rope.scaling.type": "str",
 }
 # V4.1 (prefix `deepseek41.`): the keys above (hash_layer_count absent) plus the cross-layer sharing, the
 # candidate blocks, the gate temperature and Engram (docs/v41.md)
@@ -107,7 +110,7 @@ META_KINDS_V41 = {
     "dspark.target_layers": "ints", "dspark.markov_rank": "int", "dspark.expert_count": "int",
     "dspark.expert_used_count": "int",
 }
-_KIND_NAMES = {"int": "an integer", "float": "a number", "bool": "a boolean", "ints": "an array of integers",
+_KIND_NAMES = {"str": "a string", "int": "an integer", "float": "a number", "bool": "a boolean", "ints": "an array of integers",
                "floats": "an array of numbers"}
 
 
@@ -119,7 +122,7 @@ def _is_num(v: Any) -> bool:
     return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
 
 
-_KIND_CHECKS = {"int": _is_int, "float": _is_num, "bool": lambda v: isinstance(v, bool),
+_KIND_CHECKS = {"str": lambda v: isinstance(v, str), "int": _is_int, "float": _is_num, "bool": lambda v: isinstance(v, bool),
                 "ints": lambda v: isinstance(v, list) and all(_is_int(x) for x in v),
                 "floats": lambda v: isinstance(v, list) and all(_is_num(x) for x in v)}
 
@@ -544,7 +547,10 @@ class ModelConfig:
             bos_id=int(f.meta("tokenizer.ggml.bos_token_id", 0)),
             eos_id=int(f.meta("tokenizer.ggml.eos_token_id", 1)),
             extra={"head_count_kv": int(m("attention.head_count_kv", 1)),
-                   "value_length": int(m("attention.value_length", head_dim))},
+                   "value_length": int(m("attention.value_length", head_dim)),
+                   # optional (ds4py wrote neither before issue 35; ds4's and llama.cpp's files carry both)
+                   "gating_func": int(m("expert_gating_func", GATING_SQRTSOFTPLUS)),
+                   "rope_scaling": str(m("rope.scaling.type", ROPE_SCALING))},
             **(_v41_fields(m) if arch == ARCH_V41 else {}),
         )
         cfg.check_metadata(f.path)
@@ -581,6 +587,11 @@ class ModelConfig:
 
         if self.extra.get("head_count_kv", 1) != 1:
             bad(f"attention.head_count_kv is {self.extra['head_count_kv']}, expected 1 (one shared K=V head)")
+        if self.extra.get("gating_func", GATING_SQRTSOFTPLUS) != GATING_SQRTSOFTPLUS:
+            bad(f"expert_gating_func is {self.extra['gating_func']}, expected {GATING_SQRTSOFTPLUS} (sqrt(softplus), "
+                f"the only expert scoring V4 Flash uses)")
+        if self.extra.get("rope_scaling", ROPE_SCALING) != ROPE_SCALING:
+            bad(f"rope.scaling.type is {self.extra['rope_scaling']!r}, expected {ROPE_SCALING!r} (V4 Flash's YaRN)")
         if self.extra.get("value_length", self.head_dim) != self.head_dim:
             bad("attention.value_length differs from key_length (V4 uses one vector as K and V)")
         if len(self.compress_ratios) != self.n_layers:

@@ -30,7 +30,7 @@ from ds4py.ggml_types import GGMLQuantizationType as QT
 from ds4py import checksum, quant, schema
 from ds4py.checkpoint import (CONFIG_ALIASES, OFFICIAL_FIELDS, ST_DTYPES, ConvertError,  # noqa: F401
                               official_config, read_json, read_safetensors_header)
-from ds4py.config import ModelConfig
+from ds4py.config import GATING_SQRTSOFTPLUS, ROPE_SCALING, ModelConfig
 from ds4py.progress import Bar
 from ds4py.quant import official
 
@@ -38,6 +38,15 @@ ARCH = "deepseek4"
 EXPERT_TYPES = {"mxfp4": QT.MXFP4, "q4_k": QT.Q4_K, "q2_k": QT.Q2_K}
 DENSE_MODES = ("q8_0", "q4_k", "f16", "f32")
 ROW_CHUNK = 2048          # rows converted at a time (a multiple of every FP8 tile size)
+
+# Keys ds4's public V4 Flash GGUFs carry that other engines read and ds4py's shape does not vary: llama.cpp's
+# deepseek4 loader requires expert_gating_func (llama_expert_gating_func_type: 4 = sqrt(softplus), the official
+# score_func) and takes rope.scaling.type "yarn" (without it, linear scaling: wrong output on a real model).
+QUANTIZATION_VERSION = 2  # ggml's, as llama.cpp's quantiser writes it
+FILE_TYPE_GUESSED = 1024  # llama_ftype LLAMA_FTYPE_GUESSED: no ggml "mostly" type describes the file (VQ-8 experts)
+# general.file_type: llama.cpp's llama_ftype of the routed experts' type (the bulk of the file, as ds4's files)
+FILE_TYPES = {QT.F32: 0, QT.F16: 1, QT.Q8_0: 7, QT.Q2_K: 10, QT.Q4_K: 15, QT.IQ2_XXS: 19, QT.BF16: 32,
+              QT.MXFP4: 38}
 
 
 # ----------------------------------------------------------------------------------------------- shape
@@ -113,8 +122,24 @@ def gguf_metadata(s: ModelConfig) -> list[tuple[str, str, Any]]:
         (A + "attention.compress_rope_freq_base", "f32", s.compress_rope_base),
         (A + "expert_weights_scale", "f32", s.route_scale),
         (A + "expert_weights_norm", "bool", s.route_norm),
+        (A + "expert_gating_func", "u32", GATING_SQRTSOFTPLUS),
+        (A + "rope.scaling.type", "str", ROPE_SCALING),
         (A + "attention.layer_norm_rms_epsilon", "f32", s.norm_eps),
     ]
+
+
+def general_metadata(tensors: list[tuple[str, Any]]) -> list[tuple[str, str, Any]]:
+    """The `general.*` keys beside the name: type, file type (from the routed experts' type, else the type
+    holding the most tensors; `tensors`: (name, qtype) pairs) and the ggml quantisation version."""
+    gate = [q for n, q in tensors if n.endswith("ffn_gate_exps.weight")]
+    if not gate:
+        counts: dict = {}
+        for _, q in tensors:
+            counts[q] = counts.get(q, 0) + 1
+        gate = [max(counts, key=counts.get)] if counts else []
+    file_type = FILE_TYPES.get(QT(int(gate[0])), FILE_TYPE_GUESSED) if gate else FILE_TYPE_GUESSED
+    return [("general.type", "str", "model"), ("general.file_type", "u32", file_type),
+            ("general.quantization_version", "u32", QUANTIZATION_VERSION)]
 
 
 # ----------------------------------------------------------------------------------------------- layout
@@ -313,7 +338,7 @@ def write_gguf(out: str, name: str, meta: list[tuple[str, str, Any]], tok: Token
     restore_sigterm = _sigterm_raises()
     try:
         w.add_name(name)
-        for key, typ, val in meta:
+        for key, typ, val in general_metadata([(t.name, t.qtype) for t in tensors]) + meta:
             if typ == "u32":
                 w.add_uint32(key, int(val))
             elif typ == "f32":

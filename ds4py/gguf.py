@@ -31,6 +31,8 @@ _MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8    # name length, n_dims, type, offset
 # GGUF metadata value types -> struct format
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
+_U64 = struct.Struct("<Q").unpack_from
+LAZY_STRINGS = 1024               # string arrays at least this long (the vocabulary, the merges) are read on use
 
 # element dtypes of the unquantised tensor types: `raw` is a typed view for these
 _TYPED = {
@@ -63,6 +65,19 @@ class _Header:
         self.pos += n
         return raw.decode("utf-8", errors="surrogateescape")
 
+    def skip_strings(self, count: int) -> "_LazyStrings":
+        """Step over `count` strings (lengths only, nothing decoded): the arrays a model open does not read."""
+        start, pos, size, mv, u64 = self.pos, self.pos, len(self.buf), self.mv, _U64
+        try:
+            for _ in range(count):
+                pos += 8 + u64(mv, pos)[0]
+        except struct.error:                 # a length field past the end
+            pos = size + 1
+        if pos > size:
+            raise GGUFError(f"{self.path}: truncated GGUF header (a string runs past the end of the file)")
+        self.pos = pos
+        return _LazyStrings(start, count)
+
     def value(self, vtype: int) -> Any:
         if vtype in _SCALARS:
             return self.unpack(_SCALARS[vtype])
@@ -82,8 +97,17 @@ class _Header:
                 out = list(struct.unpack_from(f"<{count}{fmt[1]}", self.mv, self.pos))
                 self.pos += n
                 return out
+            if etype == _STRING and count >= LAZY_STRINGS:
+                return self.skip_strings(count)
             return [self.value(etype) for _ in range(count)]
         raise GGUFError(f"{self.path}: corrupt GGUF header (unknown metadata value type {vtype} at byte {self.pos})")
+
+
+@dataclass(frozen=True)
+class _LazyStrings:
+    """A long string array not decoded yet: where it starts in the header and how many strings it holds."""
+    pos: int
+    count: int
 
 
 @dataclass(frozen=True)
@@ -205,10 +229,15 @@ class GGUFFile:
             if default is ...:
                 raise GGUFError(f"{self.path}: metadata key {key!r} is missing")
             return default
-        return self._meta[key]
+        v = self._meta[key]
+        if isinstance(v, _LazyStrings):
+            h = _Header(self._map, self.path)
+            h.pos = v.pos
+            v = self._meta[key] = [h.string() for _ in range(v.count)]
+        return v
 
     def metadata(self) -> dict[str, Any]:
-        return dict(self._meta)
+        return {k: self.meta(k) for k in self._meta}
 
     # ---- tensors --------------------------------------------------------------------------------------
     @property

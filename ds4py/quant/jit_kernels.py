@@ -43,16 +43,20 @@ def q8_0(raw, q, x, y, f16, parts):
 
 @njit(**OPTS)
 def f16_rows(raw, x, y, f16, parts):
-    """float16 weights: raw uint16 [R, C/64, 64], x [T, C/64, 64]."""
-    R, nb, T = raw.shape[0], raw.shape[1], x.shape[0]
+    """float16 weights of any row length: raw uint16 [R, C], x [T, C]. Weight i goes to lane i % 64 (the whole
+    64-wide runs first, then the tail of C % 64 into lanes 0..), so a row is still one fixed sequence."""
+    R, C, T = raw.shape[0], raw.shape[1], x.shape[0]
+    whole = C - C % 64
     for p in prange(parts):
         acc = np.empty(64, F32)
         for r in range(p * R // parts, (p + 1) * R // parts):
             for t in range(T):
                 acc[:] = 0
-                for b in range(nb):
+                for b in range(0, whole, 64):
                     for i in range(64):
-                        acc[i] += f16[raw[r, b, i]] * x[t, b, i]
+                        acc[i] += f16[raw[r, b + i]] * x[t, b + i]
+                for i in range(C - whole):
+                    acc[i] += f16[raw[r, whole + i]] * x[t, whole + i]
                 y[t, r] = acc.sum()
 
 

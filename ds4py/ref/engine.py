@@ -17,15 +17,20 @@ from ds4py.model import DEFAULT_ROLLBACK_HORIZON, Capabilities, ModelBase, Numer
 from ds4py.quant import vq
 from ds4py.ref.forward import Trace, V41Step, forward
 from ds4py.ref.state import RefState
-from ds4py.ref.weights import DEFAULT_CACHE_BYTES, KERNEL_LABELS, Weights
+from ds4py.ref.weights import DEFAULT_CACHE_BYTES, KERNEL_LABELS, LEAN_CACHE_BYTES, LEAN_STREAM_BYTES, Weights
 from ds4py.vq.sidecar import Stack
 
 
-def memory_plan(cache_bytes: int | None, mem_budget_mb: float | None) -> tuple[int, int | None]:
+def memory_plan(cache_bytes: int | None, mem_budget_mb: float | None,
+                lean: bool = False) -> tuple[int, int | None]:
     """(dequant cache bytes, streamed-chunk bytes) for an explicit cache size or a memory budget: the budget
     bounds what ds4py keeps beside the mapped file: an eighth for one streamed chunk of a matrix (at most
-    64 MiB), the rest for the dequantised-tensor cache. Neither given: the 512 MiB cache."""
+    64 MiB), the rest for the dequantised-tensor cache. Neither given: the 512 MiB cache, or with the decode
+    kernels (lean: decode never dequantises; only prefill does, one matrix at a time) LEAN_CACHE_BYTES and
+    chunks of LEAN_STREAM_BYTES, so the private memory stays small at any layer count (bench/cpu_memory.py)."""
     if mem_budget_mb is None:
+        if cache_bytes is None and lean:
+            return LEAN_CACHE_BYTES, LEAN_STREAM_BYTES
         return (DEFAULT_CACHE_BYTES if cache_bytes is None else cache_bytes), None
     if not mem_budget_mb > 0:
         raise Ds4Error(f"--mem-budget-mb must be positive, got {mem_budget_mb}")
@@ -63,14 +68,14 @@ class RefModel(ModelBase):
         self.config = ModelConfig.from_gguf(self.gguf)
         self.numerics = numerics
         kernels = os.environ.get("DS4PY_KERNELS", "auto") if kernels is None else kernels
-        cache_bytes, stream_bytes = memory_plan(cache_bytes, mem_budget_mb)
+        lean = kernels != "dequant" and cache_bytes is None and mem_budget_mb is None
+        cache_bytes, stream_bytes = memory_plan(cache_bytes, mem_budget_mb, lean)
         self.mem_budget_mb = mem_budget_mb
         if madvise is None:
             env = os.environ.get("DS4PY_MADVISE")
             madvise = env == "1" if env in ("0", "1") else mem_budget_mb is not None
         self.weights = Weights(self.gguf, cache_bytes, numerics.act_quant, kernels, threads, stream_bytes,
-                               advise=bool(madvise))
-        self.kernels = self.weights.kernels                  # the set in use ("auto" resolved)
+                               advise=bool(madvise), lean=lean)
         self.layout = state_layout(self.config, rollback_horizon)
         self.rollback_horizon = rollback_horizon
         header = min(t.offset for t in self.gguf.tensors.values())       # the whole GGUF header
@@ -104,6 +109,11 @@ class RefModel(ModelBase):
             folder = engram_dir if engram_dir is not None else self.gguf.meta(dir_key, None)
             step.tables = engram.EngramTables.open(cfg, folder, self.gguf.meta(digest_key, None), self.path)
         return step
+
+    @property
+    def kernels(self) -> str:
+        """The kernel set in use ("auto" resolved; "fused" if numba, found at open, then failed to import)."""
+        return self.weights.kernels
 
     @property
     def kernels_label(self) -> str:

@@ -44,6 +44,19 @@ def default_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+_FELL_BACK: set[str] = set()
+
+
+def _fallback_once(what: str) -> None:
+    """One stderr line per shape a compiled kernel does not take (that matrix then runs the numpy kernels)."""
+    import sys
+
+    if what not in _FELL_BACK:
+        _FELL_BACK.add(what)
+        print(f"ds4py: the compiled CPU kernels do not take {what}; those products use the numpy kernels",
+              file=sys.stderr, flush=True)
+
+
 class Runner:
     """Runs row-block kernels over `threads` workers (the calling thread included)."""
 
@@ -104,7 +117,9 @@ class Runner:
         f16 scales are known to hold no inf / NaN, dot.scales_finite)."""
         raw = np.asarray(raw)                  # a plain view: slicing a np.memmap runs Python for every block
         if self.compiled and jit.supported(qtype):
-            return jit.matmul(qtype, raw, x, self._jit_threads(raw.shape[0] * n_cols))
+            if jit.takes(qtype, n_cols):
+                return jit.matmul(qtype, raw, x, self._jit_threads(raw.shape[0] * n_cols))
+            _fallback_once(f"{Q(int(qtype)).name} rows of {n_cols} weights")
         prep = dot.prepare(qtype, x)
         qt = int(qtype)
         return self.rows(raw.shape[0], n_cols, x.shape[0],
@@ -118,7 +133,7 @@ class Runner:
         n_cols = stream.shape[1] // vq.stream_bits(bits) * vq.ROW_QUANTUM
         x = np.ascontiguousarray(x, dtype=F32)
         stream, hi = np.asarray(stream), None if hi is None else np.asarray(hi)
-        if self.compiled:
+        if self.compiled and n_cols % jit.VQ_ROW_MULTIPLE == 0:
             return jit.vq_matmul(stream, hi, gains, layer.codebook, bits, x, self._jit_threads(stream.shape[0] * n_cols))
 
         def block(a: int, b: int, scr: dot.Scratch) -> np.ndarray:

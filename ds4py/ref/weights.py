@@ -37,6 +37,10 @@ from ds4py.ref.ops import mm, per_row, q8_0_round, q8_k_round
 
 F32 = np.float32
 DEFAULT_CACHE_BYTES = 512 << 20
+# with the decode kernels (fused / jit) only prefill dequantises: a small cache for the small tensors (norms,
+# hyper-connection and compressor parameters, the tiny models whole) and matrices streamed in chunks this size
+LEAN_CACHE_BYTES = 32 << 20
+LEAN_STREAM_BYTES = 16 << 20
 STREAM_ROWS = 8192
 KERNELS = ("auto", "dequant", "fused", "jit")
 FUSED_MAX_ROWS = 8           # steps of up to this many rows use the fused kernels (decode, a short verify)
@@ -53,18 +57,23 @@ def _dequant_rows(t, raw_rows: np.ndarray, shape: tuple[int, ...]) -> np.ndarray
 
 
 def resolve_kernels(kernels: str) -> str:
-    """The kernel set a request names: auto -> jit where numba imports, else fused (saying so once on stderr);
-    jit without numba is refused in one sentence."""
+    """The kernel set a request names: auto -> jit where numba looks importable (imported at the first compiled
+    product, Weights._check_jit), else fused (saying so once on stderr); jit without numba is refused in one
+    sentence."""
     if kernels not in KERNELS:
         raise Ds4Error(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
-    if kernels in ("auto", "jit") and not jit.available():
-        why = jit.unavailable_reason()
-        if kernels == "jit":
-            raise Ds4Error(f"--kernels jit needs numba, which does not import here ({why}); "
-                           f"install it (python3 -m pip install numba) or use --kernels fused")
-        _note_once(f"ds4py: numba does not import ({why}); the CPU decode uses the numpy fused kernels")
+    if kernels == "jit" and not jit.available():
+        raise Ds4Error(f"--kernels jit needs numba, which does not import here ({jit.unavailable_reason()}); "
+                       f"install it (python3 -m pip install numba) or use --kernels fused")
+    if kernels == "auto" and not jit.importable():
+        _note_numpy_fallback()
         return "fused"
     return "jit" if kernels == "auto" else kernels
+
+
+def _note_numpy_fallback() -> None:
+    why = jit.unavailable_reason()
+    _note_once(f"ds4py: numba does not import ({why}); the CPU decode uses the numpy fused kernels")
 
 
 _NOTED: set[str] = set()
@@ -88,12 +97,14 @@ class Weights:
 
     def __init__(self, gguf, cache_bytes: int = DEFAULT_CACHE_BYTES, act_quant: bool = False,
                  kernels: str = "dequant", threads: int | None = None, stream_bytes: int | None = None,
-                 advise: bool = False):
+                 advise: bool = False, lean: bool = False):
         kernels = resolve_kernels(kernels)
+        self.lean = lean                   # lean memory (memory_plan): experts larger than a chunk are streamed too
         self.f = gguf
         self.act_quant = act_quant         # emulate ds4 / ggml activation rounding before quantised matmuls
         self.cache_bytes = cache_bytes
         self.kernels = kernels
+        self._jit_checked = kernels != "jit"   # numba imported (or found broken) at the first product, not at open
         # float32 bytes of one streamed chunk of a matrix too big for the cache (None: STREAM_ROWS rows)
         self.stream_bytes = stream_bytes
         self._cache: OrderedDict[tuple, np.ndarray] = OrderedDict()
@@ -202,8 +213,19 @@ class Weights:
         return x
 
     # ---- matmuls -----------------------------------------------------------------------------------------
+    def _check_jit(self) -> None:
+        """The first product of a "jit" set: import numba now; where it turns out broken (found by name at open,
+        then failing to import), the numpy fused kernels take over, saying so once."""
+        self._jit_checked = True
+        if not jit.available():
+            _note_numpy_fallback()
+            self.runner.compiled = False
+            self.kernels = "fused"
+
     def _fuse(self, t: TensorInfo) -> bool:
         """Whether this matrix's few-row products take the decode kernels (a format they cover)."""
+        if not self._jit_checked:
+            self._check_jit()
         return self.runner is not None and (dot.supported(t.qtype) or t.qtype == Q.I8)
 
     def _split(self, x: np.ndarray, seg: list[slice] | None, fast, slow) -> np.ndarray:
@@ -257,7 +279,12 @@ class Weights:
         out_rows, ncols = t.shape
         if ("all", t.name) in self._cache or out_rows * ncols * 4 <= self.cache_bytes:
             return mm(x, self.get(t).T, seg)
-        raw = t.raw if t.qtype in (Q.F32, Q.F16) else t.raw_bytes()
+        return self._streamed(t, t.raw if t.qtype in (Q.F32, Q.F16) else t.raw_bytes(), x, seg)
+
+    def _streamed(self, t: TensorInfo, raw: np.ndarray, x: np.ndarray, seg: list[slice] | None) -> np.ndarray:
+        """x @ W.T for the stored rows `raw` of matrix t (or of one expert of it), dequantised a chunk of rows
+        at a time (STREAM_ROWS rows, or stream_bytes of float32): never a float32 copy of the whole matrix."""
+        out_rows, ncols = raw.shape[0], t.shape[-1]
         y = np.empty((x.shape[0], out_rows), F32)
         step = STREAM_ROWS if self.stream_bytes is None else max(1, self.stream_bytes // (4 * ncols))
         for a in range(0, out_rows, step):
@@ -286,9 +313,17 @@ class Weights:
 
     def _dequant_grouped(self, t: TensorInfo, x: np.ndarray, seg: list[slice] | None) -> np.ndarray:
         G = x.shape[1]
-        w = self.get(t).reshape(G, t.shape[0] // G, -1)
-        wT = w.transpose(0, 2, 1)
-        return per_row(lambda r: (r.transpose(1, 0, 2) @ wT).transpose(1, 0, 2), x, seg)
+        rank = t.shape[0] // G
+        if ("all", t.name) in self._cache or t.shape[0] * t.shape[1] * 4 <= self.cache_bytes:
+            wT = self.get(t).reshape(G, rank, -1).transpose(0, 2, 1)
+            return per_row(lambda r: (r.transpose(1, 0, 2) @ wT).transpose(1, 0, 2), x, seg)
+        # larger than the cache: one group's rows at a time (a group's product is the same matmul either way)
+        raw = t.raw if t.qtype in (Q.F32, Q.F16) else t.raw_bytes()
+        u = np.empty((x.shape[0], G, rank), F32)
+        for g in range(G):
+            w = _dequant_rows(t, raw[g * rank:(g + 1) * rank], (rank, t.shape[1])).astype(F32, copy=False)
+            u[:, g] = per_row(lambda r: r @ w.T, np.ascontiguousarray(x[:, g]), seg)
+        return u
 
     def expert_linear(self, t: TensorInfo, e: int, x: np.ndarray, seg: list[slice] | None = None) -> np.ndarray:
         """x @ W_e.T for routed expert e of a stacked [X, out, in] expert tensor (seg: the rows of each sequence
@@ -296,8 +331,17 @@ class Weights:
         x = self.act(t, x)
         if self._fuse(t):
             return self._split(x, seg, lambda r, sg: self._fused_expert(t, e, r, sg),
-                               lambda r, sg: mm(r, self.expert(t, e).T, sg))
+                               lambda r, sg: self._dequant_expert(t, e, r, sg))
         return mm(x, self.expert(t, e).T, seg)
+
+    def _dequant_expert(self, t: TensorInfo, e: int, x: np.ndarray, seg: list[slice] | None) -> np.ndarray:
+        """A prefill's product with routed expert e: the dequantised expert (cached), or with lean memory and an
+        expert larger than one streamed chunk, its rows streamed like a large matrix's."""
+        key = ("expert", t.name, int(e))
+        if (not self.lean or key in self._cache or t.qtype == Q.I8
+                or t.shape[1] * t.shape[2] * 4 <= self.stream_bytes):
+            return mm(x, self.expert(t, e).T, seg)
+        return self._streamed(t, (t.raw if t.qtype in (Q.F32, Q.F16) else t.raw_bytes())[e], x, seg)
 
     def _fused_expert(self, t: TensorInfo, e: int, x: np.ndarray, seg: list[slice] | None) -> np.ndarray:
         if t.qtype == Q.I8:                                   # VQ-8 index stream

@@ -39,7 +39,7 @@ Q4K_FROM = (Q.F32, Q.F16, Q.BF16, Q.Q8_0)          # only ever requantise down
 ROW_CHUNK = 2048
 # keys not copied from the source: ours, and the source's checksums (ds4py.checksum), which describe its tensors
 OWN_KEYS = ("general.alignment", "ds4py.vq.version", "ds4py.vq.quantizer", "ds4py.tensor_sha256",
-            "ds4py.metadata_sha256")
+            "ds4py.metadata_sha256", "general.file_type")
 
 
 class QuantizeError(Ds4Error):
@@ -295,6 +295,17 @@ def _label(job: "LayerJob", aligned: bool = True) -> str:
     return f"{job.block:>9s}" if aligned else job.block
 
 
+def _compat_records(arch: str, present: set[str]) -> list[bytes]:
+    """The keys of ds4's public files a source written before ds4py carried them lacks (convert.general_metadata,
+    convert.gguf_metadata's constants); the file type is ggml's "guessed": no ggml type describes VQ-8 experts."""
+    from ds4py.config import GATING_SQRTSOFTPLUS, ROPE_SCALING
+    from ds4py.convert import FILE_TYPE_GUESSED, QUANTIZATION_VERSION
+
+    want = [(f"{arch}.expert_gating_func", GATING_SQRTSOFTPLUS), (f"{arch}.rope.scaling.type", ROPE_SCALING),
+            ("general.type", "model"), ("general.quantization_version", QUANTIZATION_VERSION)]
+    return [kv_record(k, v) for k, v in want if k not in present] + [kv_record("general.file_type", FILE_TYPE_GUESSED)]
+
+
 def quantize_vq(src: str, out: str, opts: Options, progress: bool = True) -> dict[str, Any]:
     """Write OUT: SRC with VQ-8 routed experts. Returns the report (per-layer errors, timings)."""
     from ds4py.convert import output_paths
@@ -346,7 +357,9 @@ def quantize_vq(src: str, out: str, opts: Options, progress: bool = True) -> dic
         nbytes = t.nbytes if qt == t.qtype else t.shape[0] * row_nbytes(qt, t.shape[1])
         plans.append(TensorPlan(name, t.shape, qt, nbytes))
         order.append(("dense", (t, qt)))
-    records = [raw for key, raw in kv_records(src) if key not in OWN_KEYS]
+    source = kv_records(src)
+    records = [raw for key, raw in source if key not in OWN_KEYS]
+    records += _compat_records(str(f.meta("general.architecture", "deepseek4")), {key for key, _ in source})
     records += [kv_record("general.alignment", ALIGNMENT), kv_record("ds4py.vq.version", vq.VERSION),
                 kv_record("ds4py.vq.quantizer", f"ds4py quantize-vq {opts.describe()}")]
 
