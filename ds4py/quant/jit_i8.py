@@ -6,9 +6,11 @@
 x is quantised per block first, exactly as the reference's int8-activation mode rounds it (ds4py.ref.ops:
 q8_0_round for Q8_0 / MXFP4 weights, q8_k_round for the K- and IQ-quants; `Numerics.act_quant`), then every
 block's integer dot product is exact and scaled once: y equals the reference's `act_quant` products up to float32
-rounding of the scale products and the summation order (tests/test_jit_i8.py states the bound). Formats without
-an int8 kernel here (F16, F32, BF16, VQ-8) keep the float kernels of ds4py.quant.jit, on the unrounded
-activation, as the reference does for them.
+rounding of the scale products and the summation order (tests/test_jit_i8.py states the bound).
+The reference backend (ds4py.ref.weights, INT8_KERNELS) sends IQ2_XXS, Q2_K and Q4_K here when act_quant is on
+with the compiled kernels, for every row count; Q8_0 and MXFP4 have kernels here too but measured slower than the
+fp32 kernels on the rounded x (an int8 block of 32 costs a horizontal sum), so they stay there; F16 / F32 / BF16
+and VQ-8 keep the fp32 kernels on the unrounded activation, as the reference does for them.
 
 numba state (cache folder, threading layer, its lock) is ds4py.quant.jit's: one compile cache, one pool.
 """
@@ -66,8 +68,10 @@ def _kernels():
         from ds4py.quant import iq2, jit_i8_kernels, mxfp4
 
         _tables["mod"] = jit_i8_kernels
-        _tables["grid"] = jit._readonly(np.ascontiguousarray(iq2.GRID.astype(np.int16)))
-        _tables["signs"] = jit._readonly(np.ascontiguousarray(iq2.SIGNS.astype(np.int16)))
+        # IQ2_XXS as 64-bit words of four int16 lanes (jit_i8_kernels.iq2_xxs): magnitudes, negation masks
+        _tables["grid"] = jit._readonly(np.ascontiguousarray(iq2.GRID.astype(np.uint16)).view(np.uint64))
+        _tables["signs"] = jit._readonly(np.where(iq2.SIGNS < 0, np.uint16(0xFFFF), np.uint16(0)).astype(np.uint16)
+                                         .view(np.uint64))
         _tables["kvalues"] = jit._readonly(np.ascontiguousarray(mxfp4.KVALUES.astype(np.int16)))
     return _tables["mod"]
 

@@ -19,29 +19,37 @@ Work split: the rows are cut into `parts` equal contiguous ranges, one per prang
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
 F32 = np.float32
 I32 = np.int32
 I16 = np.int16
+LOW2 = np.uint64(0x0303030303030303)
+ONES16 = np.uint64(0x0001000100010001)
 OPTS = dict(parallel=True, cache=True, nogil=True, boundscheck=False)
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
-def _dot(w, xq, t, o, n):
-    """sum_i w[i] * xq[t, o + i] for i < n, in int32 (w int16 or int8, xq int8)."""
-    s = I32(0)
-    for i in range(n):
-        s = I32(s + I32(w[i]) * I32(xq[t, o + i]))
-    return s
+@intrinsic
+def _load_u64(typingctx, arr, offset):
+    """The 8 bytes of a C-contiguous uint8 array at flat byte `offset` as one little-endian uint64 (an
+    unaligned load: GGUF blocks of 84 or 66 bytes put their words at any alignment)."""
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        ptr = builder.gep(ary.data, [args[1]])
+        return builder.load(builder.bitcast(ptr, ir.IntType(64).as_pointer()), align=1)
+    return types.uint64(arr, types.intp), codegen
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def _dot8(q, r, b, xq, t, o):
-    """sum over one Q8_0 block's 32 int8 codes q[r, b, 2:34] times xq[t, o:o + 32], in int32."""
+def _dot(w, x):
+    """sum_i w[i] * x[i] over x's length, in int32 (w int16 or int8, x int8). Both indexed by the loop
+    variable alone: an index numba cannot prove non-negative gets a wraparound select per element, and the
+    loop stays scalar (measured 25x slower)."""
     s = I32(0)
-    for i in range(32):
-        s = I32(s + I32(q[r, b, 2 + i]) * I32(xq[t, o + i]))
+    for i in range(x.shape[0]):
+        s = I32(s + I32(w[i]) * I32(x[i]))
     return s
 
 
@@ -56,7 +64,7 @@ def q8_0(raw, q, xq, xd, y, f16, parts):
             for b in range(nb):
                 d = f16[np.int32(raw[r, b, 0]) | (np.int32(raw[r, b, 1]) << 8)]
                 for t in range(T):
-                    acc[t] += (d * xd[t, b]) * F32(_dot8(q, r, b, xq, t, 32 * b))
+                    acc[t] += (d * xd[t, b]) * F32(_dot(q[r, b, 2:], xq[t, 32 * b:32 * b + 32]))
             for t in range(T):
                 y[t, r] = acc[t]
 
@@ -64,11 +72,14 @@ def q8_0(raw, q, xq, xd, y, f16, parts):
 @njit(**OPTS)
 def q2_k(raw, xq, xd, xbs, y, f16, parts):
     """84-byte blocks of 256: 16 scale bytes (low nibble scale, high nibble min per 16 weights), 64 code bytes
-    (weight 128h + 32j + l: bits 2j of byte 32h + l), f16 d, f16 dmin. Activation: Q8_K."""
+    (weight 128h + 32j + l: bits 2j of byte 32h + l), f16 d, f16 dmin. Activation: Q8_K.
+    Unpacked a word (8 weights) at a time: (word >> 2j) & 0x03.. gives 8 two-bit codes as bytes, times the
+    sub-block scale (<= 15) each byte stays below 46: w is int8, no lane carries."""
     R, nb, T = raw.shape[0], raw.shape[1], xq.shape[0]
     for p in prange(parts):
         acc = np.empty(T, F32)
-        w = np.empty(256, I16)
+        wu = np.empty(32, np.uint64)
+        w = wu.view(np.int8)
         for r in range(p * R // parts, (p + 1) * R // parts):
             acc[:] = 0
             for b in range(nb):
@@ -76,15 +87,13 @@ def q2_k(raw, xq, xd, xbs, y, f16, parts):
                 dm = f16[np.int32(raw[r, b, 82]) | (np.int32(raw[r, b, 83]) << 8)]
                 for h in range(2):
                     for j in range(4):
-                        s1 = I16(raw[r, b, 8 * h + 2 * j] & 15)
-                        s2 = I16(raw[r, b, 8 * h + 2 * j + 1] & 15)
-                        o = 128 * h + 32 * j
-                        for l in range(16):
-                            w[o + l] = I16((raw[r, b, 16 + 32 * h + l] >> (2 * j)) & 3) * s1
-                        for l in range(16, 32):
-                            w[o + l] = I16((raw[r, b, 16 + 32 * h + l] >> (2 * j)) & 3) * s2
+                        for half in range(2):
+                            sv = np.uint64(raw[r, b, 8 * h + 2 * j + half] & 15)
+                            for k in range(2):
+                                c = _load_u64(raw, (r * nb + b) * 84 + 16 + 32 * h + 16 * half + 8 * k)
+                                wu[16 * h + 4 * j + 2 * half + k] = ((c >> np.uint64(2 * j)) & LOW2) * sv
                 for t in range(T):
-                    isum = _dot(w, xq, t, 256 * b, 256)
+                    isum = _dot(w, xq[t, 256 * b:256 * b + 256])
                     m = I32(0)
                     for i in range(16):
                         m = I32(m + I32(raw[r, b, i] >> 4) * xbs[t, 16 * b + i])
@@ -121,7 +130,7 @@ def q4_k(raw, xq, xd, xbs, y, f16, parts):
                         w[64 * c + l] = I16(v & 15) * s1
                         w[64 * c + 32 + l] = I16(v >> 4) * s2
                 for t in range(T):
-                    isum = _dot(w, xq, t, 256 * b, 256)
+                    isum = _dot(w, xq[t, 256 * b:256 * b + 256])
                     m = I32(0)
                     for k in range(8):
                         m = I32(m + mn[k] * (xbs[t, 16 * b + 2 * k] + xbs[t, 16 * b + 2 * k + 1]))
@@ -130,31 +139,39 @@ def q4_k(raw, xq, xd, xbs, y, f16, parts):
                 y[t, r] = acc[t]
 
 
+
 @njit(**OPTS)
-def iq2_xxs(raw, xq, xd, y, f16, grid, signs, parts):
+def iq2_xxs(raw, xq, xd, y, f16, grid2, sign2, parts):
     """66-byte blocks of 256: f16 d, 8 groups of 32 (4 grid bytes, then a u32: 4 x 7 sign bits, 4-bit scale ls).
-    grid: int16 [256, 8] magnitudes, signs: int16 [128, 8] of +-1. w = grid * sign * (2 ls + 1) (|w| <= 43 * 31),
-    y += d_w / 8 * d_x * isum (the dequantiser's d * (ls + 1/2) / 4). Activation: Q8_K."""
+    w = grid * sign * (2 ls + 1) as int16 (|w| <= 43 * 31), y += d_w / 8 * d_x * isum (the dequantiser's
+    d * (ls + 1/2) / 4). Activation: Q8_K.
+    The unpacking works on 64-bit words, four int16 weights each: grid2 [256, 2] holds a grid entry's 8
+    magnitudes as two words, sign2 [128, 2] the matching 0xFFFF lane masks. A word of magnitudes times ls stays
+    within its lanes (43 * 31 < 2^16), and (v ^ m) + (m & 1 per lane) negates the masked lanes without a carry
+    (v >= 8). Written as words, the unpacking is 64 loads, multiplies and stores a block; per weight, LLVM
+    scalarises it (the int16 stores may alias the tables)."""
     R, nb, T = raw.shape[0], raw.shape[1], xq.shape[0]
     for p in prange(parts):
         acc = np.empty(T, F32)
-        w = np.empty(256, I16)
+        wu = np.empty(64, np.uint64)
+        w = wu.view(I16)
         for r in range(p * R // parts, (p + 1) * R // parts):
             acc[:] = 0
             for b in range(nb):
                 d = f16[np.int32(raw[r, b, 0]) | (np.int32(raw[r, b, 1]) << 8)] * F32(0.125)
                 for g in range(8):
                     o = 2 + 8 * g
-                    aux = (np.uint32(raw[r, b, o + 4]) | (np.uint32(raw[r, b, o + 5]) << 8)
-                           | (np.uint32(raw[r, b, o + 6]) << 16) | (np.uint32(raw[r, b, o + 7]) << 24))
-                    ls = I16(2 * (aux >> 28) + 1)
+                    aux = (np.int64(raw[r, b, o + 4]) | (np.int64(raw[r, b, o + 5]) << 8)
+                           | (np.int64(raw[r, b, o + 6]) << 16) | (np.int64(raw[r, b, o + 7]) << 24))
+                    ls = np.uint64(2 * (aux >> 28) + 1)
                     for k in range(4):
-                        gi = raw[r, b, o + k]
+                        gi = np.int64(raw[r, b, o + k])
                         si = (aux >> (7 * k)) & 127
-                        for j in range(8):
-                            w[32 * g + 8 * k + j] = grid[gi, j] * signs[si, j] * ls
+                        for h in range(2):
+                            m = sign2[si, h]
+                            wu[8 * g + 2 * k + h] = ((grid2[gi, h] * ls) ^ m) + (m & ONES16)
                 for t in range(T):
-                    acc[t] += (d * xd[t, b]) * F32(_dot(w, xq, t, 256 * b, 256))
+                    acc[t] += (d * xd[t, b]) * F32(_dot(w, xq[t, 256 * b:256 * b + 256]))
             for t in range(T):
                 y[t, r] = acc[t]
 
@@ -176,6 +193,6 @@ def mxfp4(raw, xq, xd, y, e8m0, kvalues, parts):
                     w[j] = kvalues[v & 15]
                     w[16 + j] = kvalues[v >> 4]
                 for t in range(T):
-                    acc[t] += (d * xd[t, b]) * F32(_dot(w, xq, t, 32 * b, 32))
+                    acc[t] += (d * xd[t, b]) * F32(_dot(w, xq[t, 32 * b:32 * b + 32]))
             for t in range(T):
                 y[t, r] = acc[t]
