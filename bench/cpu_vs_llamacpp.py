@@ -44,8 +44,11 @@ def child(a: argparse.Namespace) -> dict:
 
     from ds4py.ref.engine import RefModel
 
+    from ds4py.model import Numerics
+
     t0 = time.perf_counter()
-    m = RefModel(a.model, kernels=a.kernels, threads=a.threads)
+    numerics = Numerics.ds4() if a.child_numerics == "ds4" else Numerics()
+    m = RefModel(a.model, numerics=numerics, kernels=a.kernels, threads=a.threads)
     open_s = time.perf_counter() - t0
     rng = np.random.default_rng(0)
     vocab = m.config.vocab_size
@@ -99,11 +102,14 @@ def run_llama(a: argparse.Namespace, prefill: int) -> dict:
     return r
 
 
-def run_ds4py(a: argparse.Namespace, prefill: int) -> dict:
+ENGINES = {"default": "ds4py", "ds4": "ds4py-int8"}      # ds4py's numerics -> the engine's label
+
+
+def run_ds4py(a: argparse.Namespace, prefill: int, numerics: str) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "-m", a.model, "--threads", str(a.threads),
-           "--gen", str(a.gen), "--kernels", a.kernels, "--child-prefill", str(prefill)]
+           "--gen", str(a.gen), "--kernels", a.kernels, "--child-prefill", str(prefill), "--child-numerics", numerics]
     so, ru = wait_child(cmd, {**os.environ, "PYTHONPATH": REPO})
-    return {"engine": "ds4py", **json.loads(so.strip().splitlines()[-1]), **ru}
+    return {"engine": ENGINES[numerics], **json.loads(so.strip().splitlines()[-1]), **ru}
 
 
 def warm(path: str) -> float:
@@ -141,10 +147,14 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--rounds-long", type=int, default=1, help="rounds for prefills longer than 512 tokens")
     p.add_argument("--kernels", default="auto", help="ds4py's kernel set (default auto)")
+    p.add_argument("--numerics", default="default",
+                   help="ds4py runs, comma-separated: default (fp32 activations) and / or ds4 (int8 activations as "
+                        "ds4 and llama.cpp: Numerics.ds4(), the int8 kernels of ds4py.quant.jit_i8)")
     p.add_argument("--no-warm", action="store_true", help="skip reading the file into the page cache first")
     p.add_argument("--json", metavar="OUT.json")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--child-prefill", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--child-numerics", default="default", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
         print(json.dumps(child(a)))
@@ -155,56 +165,60 @@ def main() -> int:
         if not os.path.isfile(path):
             p.error(f"{what}: no such file: {path}")
     prefills = [int(s) for s in a.prefill.split(",") if s.strip()]
+    variants = [v.strip() for v in a.numerics.split(",") if v.strip()]
+    if not variants or any(v not in ENGINES for v in variants):
+        p.error(f"--numerics takes {', '.join(ENGINES)} (comma-separated), got {a.numerics!r}")
+    engines = ["llama.cpp"] + [ENGINES[v] for v in variants]
     if not a.no_warm:
         print(f"page cache: read {os.path.getsize(a.model) / 1e9:.2f} GB in {warm(a.model):.1f} s", flush=True)
     tests = [0] + prefills
     rows = []
     for r in range(max(a.rounds, a.rounds_long)):
-        order = ("llama.cpp", "ds4py") if r % 2 == 0 else ("ds4py", "llama.cpp")
+        order = engines if r % 2 == 0 else engines[::-1]
         for test in tests:
             if r >= (a.rounds_long if test > 512 else a.rounds):
                 continue
             for eng in order:
-                row = run_llama(a, test) if eng == "llama.cpp" else run_ds4py(a, test)
+                row = (run_llama(a, test) if eng == "llama.cpp"
+                       else run_ds4py(a, test, next(v for v in variants if ENGINES[v] == eng)))
                 row.update(round=r, test=f"pp{test}" if test else f"tg{a.gen}", loadavg=os.getloadavg()[0])
                 rows.append(row)
                 what = (f"prefill {test}: {row['prefill_tps']:.2f} tok/s" if test
                         else f"decode: {row['decode_ms']:.1f} ms/token")
-                print(f"round {r} {eng:<9s} {what}  cpu {row['cpu_s']:.1f} s  peak RSS "
+                print(f"round {r} {eng:<10s} {what}  cpu {row['cpu_s']:.1f} s  peak RSS "
                       f"{row['peak_rss'] / 2**20:.0f} MiB  major faults {row['major_faults']}  "
                       f"load {row['loadavg']:.1f}", flush=True)
     per_token = decode_bytes(a.model)
     summary: dict = {"model": a.model, "file_bytes": os.path.getsize(a.model), "threads": a.threads,
                      "gen": a.gen, "rounds": a.rounds, "rounds_long": a.rounds_long, "decode_bytes": per_token,
-                     "ds4py_kernels": next(r["kernels"] for r in rows if r["engine"] == "ds4py"),
+                     "ds4py_kernels": next(r["kernels"] for r in rows if r["engine"] != "llama.cpp"),
                      "load": stats([r["loadavg"] for r in rows]),
-                     "major_faults": {e: sum(r["major_faults"] for r in rows if r["engine"] == e)
-                                      for e in ("llama.cpp", "ds4py")}}
+                     "major_faults": {e: sum(r["major_faults"] for r in rows if r["engine"] == e) for e in engines}}
     print(f"ds4py kernels: {summary['ds4py_kernels']}; load average over the runs "
           f"{summary['load']['min']:.1f}..{summary['load']['max']:.1f}; major faults "
-          f"llama.cpp {summary['major_faults']['llama.cpp']}, ds4py {summary['major_faults']['ds4py']}")
+          + ", ".join(f"{e} {n}" for e, n in summary["major_faults"].items()))
     for test in tests:
         name = f"pp{test}" if test else f"tg{a.gen}"
         key = "prefill_tps" if test else "decode_ms"
-        s = {e: stats([r[key] for r in rows if r["engine"] == e and r["test"] == name])
-             for e in ("llama.cpp", "ds4py")}
-        if test:      # a rate: ds4py / llama.cpp >= 1 is the goal
-            s["ratio_median"] = s["ds4py"]["median"] / s["llama.cpp"]["median"]
-            s["ratio_best"] = s["ds4py"]["max"] / s["llama.cpp"]["max"]
-            print(f"prefill {test:>5d}  llama.cpp {s['llama.cpp']['median']:.2f} tok/s (best "
-                  f"{s['llama.cpp']['max']:.2f})  ds4py {s['ds4py']['median']:.2f} (best {s['ds4py']['max']:.2f})"
-                  f"  ds4py / llama.cpp rate {s['ratio_median']:.3f}x median, {s['ratio_best']:.3f}x best")
-        else:         # a time: ds4py / llama.cpp <= 1 is the goal
-            s["ratio_median"] = s["ds4py"]["median"] / s["llama.cpp"]["median"]
-            s["ratio_min"] = s["ds4py"]["min"] / s["llama.cpp"]["min"]
-            gbs = ""
-            if per_token:
-                s["gb_s_median"] = {e: per_token / (s[e]["median"] / 1e3) / 1e9 for e in ("llama.cpp", "ds4py")}
-                gbs = (f"  ({per_token / 1e6:.0f} MB a token: llama.cpp {s['gb_s_median']['llama.cpp']:.1f} GB/s, "
-                       f"ds4py {s['gb_s_median']['ds4py']:.1f} GB/s)")
-            print(f"decode         llama.cpp {s['llama.cpp']['median']:.1f} ms/token (min {s['llama.cpp']['min']:.1f})"
-                  f"  ds4py {s['ds4py']['median']:.1f} (min {s['ds4py']['min']:.1f})  ds4py / llama.cpp time "
-                  f"{s['ratio_median']:.2f}x median, {s['ratio_min']:.2f}x min{gbs}")
+        s = {e: stats([r[key] for r in rows if r["engine"] == e and r["test"] == name]) for e in engines}
+        ll = s["llama.cpp"]
+        if test:
+            print(f"prefill {test:>5d} tok/s    llama.cpp median {ll['median']:.2f} (best {ll['max']:.2f})")
+        else:
+            print(f"decode ms/token      llama.cpp median {ll['median']:.1f} (min {ll['min']:.1f})"
+                  + (f"  {per_token / (ll['median'] / 1e3) / 1e9:.1f} GB/s of {per_token / 1e6:.0f} MB a token"
+                     if per_token else ""))
+        for e in engines[1:]:
+            v = s[e]
+            if test:      # a rate: ds4py / llama.cpp >= 1 is the goal
+                v["ratio_median"], v["ratio_best"] = v["median"] / ll["median"], v["max"] / ll["max"]
+                print(f"                     {e:<10s} median {v['median']:.2f} (best {v['max']:.2f})  rate vs "
+                      f"llama.cpp {v['ratio_median']:.3f}x median, {v['ratio_best']:.3f}x best")
+            else:         # a time: ds4py / llama.cpp <= 1 is the goal
+                v["ratio_median"], v["ratio_min"] = v["median"] / ll["median"], v["min"] / ll["min"]
+                print(f"                     {e:<10s} median {v['median']:.1f} (min {v['min']:.1f})  time vs "
+                      f"llama.cpp {v['ratio_median']:.2f}x median, {v['ratio_min']:.2f}x min"
+                      + (f"  {per_token / (v['median'] / 1e3) / 1e9:.1f} GB/s" if per_token else ""))
         summary[name] = s
     if a.json:
         with open(a.json, "w") as f:
