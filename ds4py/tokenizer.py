@@ -69,6 +69,7 @@ def bytes_to_unicode() -> dict[int, str]:
 
 BYTE_TO_CHAR = bytes_to_unicode()
 CHAR_TO_BYTE = {c: b for b, c in BYTE_TO_CHAR.items()}
+_RAW_OF_CHAR = {ord(c): b if b < 128 else 0xDC00 + b for c, b in CHAR_TO_BYTE.items()}   # Tokenizer._bytes_of
 
 
 def split_isolated(text: str, patterns: Sequence[regex.Pattern]) -> list[str]:
@@ -359,10 +360,10 @@ class Tokenizer:
         t = self.tokens[i]
         if i in self._added_ids:
             return t.encode("utf-8")
-        try:
-            return bytes(map(CHAR_TO_BYTE.__getitem__, t))
-        except KeyError:  # a character outside the byte map stands for its own UTF-8 (as HF's ByteLevel decoder)
-            return b"".join(bytes((CHAR_TO_BYTE[c],)) if c in CHAR_TO_BYTE else c.encode("utf-8") for c in t)
+        # one C-level pass: each byte-level character becomes its byte (ASCII as itself, the rest as the lone
+        # surrogate surrogateescape writes back as that byte); a character outside the byte map stands for its own
+        # UTF-8 (as HF's ByteLevel decoder)
+        return t.translate(_RAW_OF_CHAR).encode("utf-8", "surrogateescape")
 
     def _check_ids(self, ids) -> None:
         if len(ids) and (min(ids) < 0 or max(ids) >= len(self.tokens)):

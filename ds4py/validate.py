@@ -56,14 +56,17 @@ def check_weights(f) -> None:
 
 
 def _check_small(f, t, x: np.ndarray) -> None:
-    if not np.isfinite(x).all():
+    if not x.size:
+        return
+    hi, lo = float(x.max()), float(x.min())          # NaN propagates through both; no temporary arrays
+    if not (np.isfinite(hi) and np.isfinite(lo)):
         raise GGUFError(f"{f.path}: tensor {t.name!r} holds NaN or infinite values: the file is corrupt")
-    a = np.abs(x)
-    if a.size and a.max() > MAX_ABS:
-        raise GGUFError(f"{f.path}: tensor {t.name!r} holds a value of magnitude {a.max():.3g}, far beyond any "
+    amax = max(abs(hi), abs(lo))
+    if amax > MAX_ABS:
+        raise GGUFError(f"{f.path}: tensor {t.name!r} holds a value of magnitude {amax:.3g}, far beyond any "
                         f"weight (> {MAX_ABS:g}): the file is corrupt or a tensor was relabelled")
-    if t.name.endswith("norm.weight") and a.size:
-        med = float(np.median(a))
+    if t.name.endswith("norm.weight"):
+        med = float(np.median(np.abs(x)))
         lo, hi = NORM_RANGE
         if not lo <= med <= hi:
             raise GGUFError(f"{f.path}: norm weight {t.name!r} has median |gain| {med:.3g}, outside the plausible "
@@ -76,15 +79,17 @@ def _sample_rows(t) -> np.ndarray:
 
 
 def _decode(t, rows: np.ndarray | None) -> np.ndarray:
-    """float64 values of the whole tensor (rows None) or of some of its rows (flattened leading dims)."""
+    """The values of the whole tensor (rows None) or of some of its rows (flattened leading dims): float32 (F64
+    as itself; F32 the mapped values themselves: a check reads them, it need not copy them)."""
     from ds4py.quant import dequantize
 
     if t.qtype in (Q.F32, Q.F16, Q.F64):
         flat = np.asarray(t.raw).reshape(-1, t.shape[-1])
-        return (flat if rows is None else flat[rows]).astype(np.float64)
+        sel = flat if rows is None else flat[rows]
+        return sel.astype(np.float32) if sel.dtype == np.float16 else sel
     raw = t.raw_bytes().reshape(-1, t.raw_bytes().shape[-1])
     sel = raw if rows is None else raw[rows]
-    return dequantize(np.ascontiguousarray(sel), t.qtype, (sel.shape[0], t.shape[-1])).astype(np.float64)
+    return dequantize(np.ascontiguousarray(sel), t.qtype, (sel.shape[0], t.shape[-1]))
 
 
 def _spread(bits: np.ndarray, as_bf16: bool) -> tuple[float, float] | None:

@@ -88,3 +88,23 @@ def test_a_lean_prefill_streams_in_chunks_and_equals_the_oracle(medium, monkeypa
     # 370 MiB of float32 matrices cached by the oracle here, 7 MiB at the lean peak (chunks, decoder temporaries,
     # the activations): bounded by the chunk sizes, not by the matrices
     assert peak < 16 << 20 and peak * 20 < oracle_peak, (peak, oracle_peak)
+
+
+def test_numba_found_at_open_but_broken_at_the_first_product_falls_back_in_one_line(medium, monkeypatch, capsys):
+    from ds4py.quant import jit
+    from ds4py.ref import weights
+
+    monkeypatch.delenv("DS4PY_KERNELS", raising=False)
+    monkeypatch.setattr(jit, "importable", lambda: True)
+    monkeypatch.setattr(jit, "available", lambda: False)
+    monkeypatch.setattr(jit, "unavailable_reason", lambda: "ImportError: llvmlite mismatch")
+    monkeypatch.setattr(weights, "_NOTED", set())
+    m = RefModel(medium, threads=1)
+    assert m.kernels == "jit"                                  # resolved by name at open, nothing imported
+    s = m.new_state()
+    got = m.prefill(s, [1, 2])
+    assert m.kernels == "fused" and not m.weights.runner.compiled
+    err = capsys.readouterr().err
+    assert err.count("numba does not import (ImportError: llvmlite mismatch)") == 1
+    ref = RefModel(medium, kernels="fused", threads=1)
+    np.testing.assert_array_equal(got, ref.prefill(ref.new_state(), [1, 2]))
