@@ -28,7 +28,7 @@ from ds4py.ggml_types import GGMLQuantizationType as Q
 
 from ds4py.errors import Ds4Error
 from ds4py.gguf import TensorInfo
-from ds4py.quant import dequantize, dot, jit
+from ds4py.quant import dequantize, dot, jit, jit_i8
 from ds4py.quant import vq
 from ds4py.quant.vq import VQExperts, hi_name as vq_hi_name
 from ds4py.ref.fused import Runner
@@ -47,6 +47,10 @@ FUSED_MAX_ROWS = 8           # steps of up to this many rows use the fused kerne
 # ggml's CPU dot products quantise the activation side to Q8_0 (Q8_0 / MXFP4 weights) or Q8_K (K / IQ quants)
 Q8_0_ACT = (Q.Q8_0, Q.MXFP4)
 Q8_K_ACT = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ2_XXS)
+# with act_quant and the compiled kernels, these formats take the int8-activation kernels (ds4py.quant.jit_i8:
+# x quantised inside, exact integer block sums) for every row count, prefill included; the others keep the fp32
+# kernels on the rounded x (faster there: Q8_0's and MXFP4's int8 blocks of 32 cost a horizontal sum each)
+INT8_KERNELS = (Q.IQ2_XXS, Q.Q2_K, Q.Q4_K)
 
 
 def _dequant_rows(t, raw_rows: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
@@ -203,6 +207,14 @@ class Weights:
 
         return self._get_cached(("expert", t.name, int(e)), make)
 
+    def _int8(self, t: TensorInfo) -> bool:
+        """Whether t's products take the int8-activation kernels (act_quant numerics, compiled kernels)."""
+        return self.act_quant and self.kernels == "jit" and t.qtype in INT8_KERNELS
+
+    def _int8_matmul(self, t: TensorInfo, raw: np.ndarray, x: np.ndarray) -> np.ndarray:
+        """x (unrounded) @ W.T through jit_i8: every row on its own (row-stable, batch-invariant), one call."""
+        return jit_i8.matmul(t.qtype, np.asarray(raw), x, self.runner.threads)
+
     def act(self, t: TensorInfo, x: np.ndarray) -> np.ndarray:
         """The activation as a quantised matmul with `t` sees it: unchanged unless act_quant is on."""
         if self.act_quant:
@@ -269,6 +281,8 @@ class Weights:
     def linear(self, t: TensorInfo, x: np.ndarray, seg: list[slice] | None = None) -> np.ndarray:
         """x @ W.T for a [out, in] matrix W, one product per sequence's rows `seg` (ops.mm: batch
         invariance); a matrix larger than the cache is streamed in row chunks."""
+        if self._int8(t):
+            return self._int8_matmul(t, t.raw_bytes(), x)
         x = self.act(t, x)
         if self._fuse(t):
             return self._split(x, seg, lambda r, sg: self._fused(t, t.raw_bytes(), r, t.name, sg),
@@ -296,6 +310,12 @@ class Weights:
     def grouped_linear(self, t: TensorInfo, x: np.ndarray, seg: list[slice] | None = None) -> np.ndarray:
         """The grouped projection u_g = W_g @ x_g for x [T, G, in_g] and W [G*rank, in_g] (rows g*rank.. = W_g):
         [T, G, rank]."""
+        if self._int8(t):
+            T, G, _ = x.shape
+            rank = t.shape[0] // G
+            raw = np.asarray(t.raw_bytes())
+            return np.stack([self._int8_matmul(t, raw[g * rank:(g + 1) * rank], np.ascontiguousarray(x[:, g]))
+                             for g in range(G)], axis=1)
         x = self.act(t, x)
         if self._fuse(t):
             return self._split(x, seg, lambda r, sg: self._fused_grouped(t, r, sg),
@@ -328,6 +348,8 @@ class Weights:
     def expert_linear(self, t: TensorInfo, e: int, x: np.ndarray, seg: list[slice] | None = None) -> np.ndarray:
         """x @ W_e.T for routed expert e of a stacked [X, out, in] expert tensor (seg: the rows of each sequence
         among x's, which are the rows routed to e)."""
+        if self._int8(t):
+            return self._int8_matmul(t, t.raw_bytes()[e], x)
         x = self.act(t, x)
         if self._fuse(t):
             return self._split(x, seg, lambda r, sg: self._fused_expert(t, e, r, sg),
