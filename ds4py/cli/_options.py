@@ -67,3 +67,28 @@ def add_spec_arguments(p: argparse.ArgumentParser) -> None:
                         "same tokens (greedy) or same distribution (sampled), faster when drafts are accepted")
     g.add_argument("--no-spec", action="store_true",
                    help="decode one token a step even when the model has an MTP block")
+
+
+def choose_model(args: argparse.Namespace, command: str, attr: str = "model", pair: bool = True) -> bool:
+    """Resolve -m (a path or a pulled model's name) or, without it, the pulled model to use ($DS4PY_MODEL, the
+    config's default, the one pulled, ds4py.hub.choose); set args.<attr> to its file (None: the demo model, which
+    the caller announces) and, with pair, a pulled MTP block unless --mtp or --no-spec is given. Prints the one line
+    naming the file, except for a path given with -m. Returns True for the demo model."""
+    import dataclasses
+    import sys
+
+    from ds4py.hub import announce, choose
+
+    given = getattr(args, attr)
+    choice = choose(given)
+    if choice.path is None:
+        return True
+    paired = choice.mtp if (pair and getattr(args, "mtp", "absent") is None and not getattr(args, "no_spec", False)) \
+        else None
+    choice = dataclasses.replace(choice, mtp=paired)
+    setattr(args, attr, choice.path)
+    if paired:
+        args.mtp = paired
+    if choice.why != "-m" or choice.name:
+        print(announce(command, choice), file=sys.stderr, flush=True)
+    return False

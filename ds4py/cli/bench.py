@@ -18,7 +18,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sweep (offline, default) or serve (load test of a running server)")
     g = p.add_argument_group("sweep")
     g.add_argument("-m", "--model", dest="model_path", default=None,
-                   help="GGUF model file (default: the demo model, as serve uses)")
+                   help="GGUF model file or a pulled model's name (default: the pulled model, as serve uses; the "
+                        "demo model when none is pulled)")
     g.add_argument("--backend", choices=BACKENDS, default="ref",
                    help="engine backend: ref (numpy, default), cuda (GPU), cuda-emu (the CUDA engine on the CPU "
                         "emulator: slow, for tests), auto (cuda where a GPU can run the model, else ref)")
@@ -110,6 +111,10 @@ def run(args: argparse.Namespace) -> int:
         except ImportError:
             raise Ds4Error("--plot needs matplotlib (python3 -m pip install matplotlib); checked before the sweep "
                            "so that no run is wasted") from None
+    from ds4py.cli._options import choose_model
+
+    # a pulled model when no -m is given (its MTP block only with --mtp: speculative probes are a choice)
+    choose_model(args, "bench", attr="model_path", pair=False)
     demo = not args.model_path            # smaller defaults: a sweep the numpy reference ends in minutes, not hours
     args.ctx_start = args.ctx_start if args.ctx_start is not None else (256 if demo else 2048)
     args.ctx_max = args.ctx_max if args.ctx_max is not None else (1024 if demo else 65536)

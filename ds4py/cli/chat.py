@@ -58,6 +58,9 @@ def run(args) -> int:
     except ImportError:
         pass
 
+    from ds4py.cli._options import choose_model
+
+    choose_model(args, "chat")             # a pulled model when no -m is given; None: the demo model
     params = sampling_params(args)
     session = open_session(args)
     encode_prompt = session_chat(session).encode_prompt

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from ds4py.cli._options import add_engram_dir
 
@@ -38,11 +39,12 @@ def human(n: float) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", metavar="MODEL.gguf")
+    p.add_argument("model", metavar="MODEL.gguf", help="a GGUF file, or the name of a model `ds4py pull` fetched")
     p.add_argument("--top", type=int, default=8, help="how many of the largest tensors to list (default 8)")
     p.add_argument("--verify", action="store_true",
                    help="also check the model: metadata, tensor shapes and types, the load-time value checks, and "
-                        "every tensor's checksum (reads the whole file); V4.1: the Engram tables too")
+                        "every tensor's checksum (reads the whole file); V4.1: the Engram tables too; a pulled file: "
+                        "first the sha256 of the whole file against the Hub's")
     add_engram_dir(p)
 
 
@@ -52,6 +54,11 @@ def run(args: argparse.Namespace) -> int:
     from ds4py.gguf import GGUFFile
     from ds4py.quant import vq
 
+    hub_checked = False
+    if args.verify:
+        hub_checked = verify_pulled(args)
+    elif not os.path.exists(args.model):
+        args.model = pulled_path(args.model)
     f = GGUFFile(args.model)
     arch = f.meta("general.architecture", "?")
     A = arch + "."
@@ -113,9 +120,43 @@ def run(args: argparse.Namespace) -> int:
     for t in sorted(tensors, key=lambda t: -t.nbytes)[: args.top]:
         print(f"  {t.name:<40s} {t.qtype.name:<8s} ne={list(t.ne)} {human(t.nbytes)}")
     if args.verify:
-        verify(f)
+        verify(f, hub_checked)
         verify_engram(f, args.engram_dir)
     return 0
+
+
+def pulled_path(name: str) -> str:
+    """A pulled model's file by its name (the path itself when it is not one)."""
+    from ds4py import hub
+
+    m = hub.load_registry().get(name)
+    return m.files[0].path if m is not None and m.files and m.kind != hub.CHECKPOINT else name
+
+
+def verify_pulled(args: argparse.Namespace) -> bool:
+    """A file `ds4py pull` fetched: its whole-file checksum against the one the Hub published (before anything
+    parses it: a truncated file is named as such). True when it was one and it matched."""
+    import time
+
+    from ds4py import hub
+    from ds4py.errors import Ds4Error
+    from ds4py.progress import Transfer
+
+    if not os.path.exists(args.model):
+        args.model = pulled_path(args.model)
+    found = hub.pulled_file(args.model)
+    if found is None:
+        return False
+    name, rec = found
+    t0 = time.perf_counter()
+    progress = Transfer(f"verify: {rec.checksum.split(':')[0]}", rec.size)
+    problem = hub.verify_file(rec, progress.update)
+    progress.close()
+    if problem is not None:
+        raise Ds4Error(f"{problem}; `ds4py pull {name} --force` fetches it again")
+    print(f"verify: OK: the whole file's {rec.checksum.split(':')[0]} matches the Hub's for {name} "
+          f"({rec.size / 1e9:.2f} GB read in {time.perf_counter() - t0:.1f} s)")
+    return True
 
 
 def verify_engram(f, engram_dir: str | None) -> None:
@@ -134,8 +175,9 @@ def verify_engram(f, engram_dir: str | None) -> None:
           f"{len(t.tables)} Engram tables in {folder} are the ones the model was converted with")
 
 
-def verify(f) -> None:
-    """Everything a load checks, then every checksum. Raises the first problem as a Ds4Error (one line)."""
+def verify(f, hub_checked: bool = False) -> None:
+    """Everything a load checks, then every checksum. Raises the first problem as a Ds4Error (one line).
+    hub_checked: the whole file already matched the Hub's sha256, which stands in for missing ds4py checksums."""
     import time
 
     from ds4py import checksum
@@ -143,6 +185,10 @@ def verify(f) -> None:
     from ds4py.errors import GGUFError
 
     ModelConfig.from_gguf(f)                      # metadata types and ranges, tensor schema, sampled values
+    if checksum.stored_digests(f) is None and hub_checked:
+        print("verify: OK: metadata, tensor layout and sampled values are valid; the file carries no ds4py "
+              "checksums: the Hub's sha256 above covers its bytes")
+        return
     if checksum.stored_digests(f) is None:
         raise GGUFError(f"{f.path}: the file carries no checksums ({checksum.KEY}; written by ds4py convert and "
                         f"make-tiny): its structure and sampled values are fine, its contents cannot be verified")

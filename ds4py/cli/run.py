@@ -26,7 +26,8 @@ DEMO_MAX_TOKENS = 256           # = serve's cap for the demo model (ds4py.cli.se
 
 def add_common_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", default=None,
-                   help="GGUF file (default: the random-weight demo model that serve uses, generated once under "
+                   help="GGUF file or a pulled model's name (default: the pulled model, as serve picks it; else the "
+                        "random-weight demo model that serve uses, generated once under "
                         "~/.cache/ds4py)")
     p.add_argument("--backend", choices=BACKENDS, default="ref",
                    help="engine backend: ref (numpy, default), cuda (GPU), cuda-emu (the CUDA engine on the CPU "
@@ -106,8 +107,8 @@ def open_session(args):
         from ds4py.cli.serve import ensure_demo_model
 
         args.model = str(ensure_demo_model())
-        print("note: no -m given: the demo model (tiny, RANDOM WEIGHTS: its output is noise; -m MODEL.gguf for a "
-              "real model)", file=sys.stderr, flush=True)
+        print(f"note: no -m given: the demo model {args.model} (tiny, RANDOM WEIGHTS: its output is noise; "
+              f"`ds4py pull v4-flash-q2` or -m MODEL.gguf for a real model)", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     from ds4py.spec import SpecModel
 
@@ -257,7 +258,10 @@ def stream_answer(session, prompt_ids, params, thinking: str, printer: Printer, 
 
 
 def run(args) -> int:
+    from ds4py.cli._options import choose_model
+
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    choose_model(args, "run")              # a pulled model when no -m is given; None: the demo model
     params = sampling_params(args)
     session = open_session(args)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + \

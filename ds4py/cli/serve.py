@@ -26,7 +26,9 @@ DEMO_MAX_TOKENS = 256
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", default=None,
-                   help="GGUF file (default: a small random-weight demo model, generated once under ~/.cache/ds4py)")
+                   help="GGUF file or a pulled model's name (default: $DS4PY_MODEL, the default of `ds4py list "
+                        "--default`, or the one model `ds4py pull` fetched; when none is pulled, a small random-weight "
+                        "demo model, generated once under ~/.cache/ds4py)")
     p.add_argument("--backend", choices=BACKENDS, default="ref",
                    help="engine backend: ref (numpy, default), cuda (GPU), cuda-emu (the CUDA engine on the CPU "
                         "emulator: slow, for tests), auto (cuda where a GPU can run the model, else ref)")
@@ -218,7 +220,11 @@ def run(args) -> int:
         raise Ds4Error(f"--kv-disk-space-mb must be > 0, got {args.kv_disk_space_mb}")
     key, key_source = api_key(args)
 
-    demo = args.model is None
+    from ds4py.cli._options import choose_model
+
+    # -m PATH, -m NAME (a pulled model), else $DS4PY_MODEL / the config's default / the one pulled model (its MTP
+    # block paired); the demo model only when none is pulled
+    demo = choose_model(args, "serve")
     hosts = None if args.allowed_hosts is None else [h.strip() for h in args.allowed_hosts.split(",") if h.strip()]
     config = ServerConfig(host=args.host, port=args.port, api_key=key,
                           cors=[o.strip() for o in (args.cors or "").split(",") if o.strip()],
@@ -267,8 +273,8 @@ def run(args) -> int:
               f"{f'; speculative decoding with {mtp.path}' if mtp is not None else ''})", file=sys.stderr, flush=True)
         return engine
 
-    what = "the DEMO model (tiny, RANDOM WEIGHTS: output is noise; pass -m MODEL.gguf for a real model)" if demo \
-        else args.model
+    what = (f"the DEMO model {demo_model_path()} (tiny, RANDOM WEIGHTS: output is noise; `ds4py pull v4-flash-q2` "
+            f"or -m MODEL.gguf for a real model)") if demo else args.model
     print(f"ds4py serve{f' [{replica}]' if replica else ''}: listening on http://{args.host}:{sock.getsockname()[1]} with {what}; "
           f"backend {args.backend}, context {args.ctx}"
           f"{f', {args.sessions} sessions' if args.sessions > 1 else ''}"

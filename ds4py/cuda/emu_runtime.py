@@ -300,11 +300,14 @@ class EmuUploader(Uploader):
     def __init__(self, rt: "EmuRuntime", chunk_bytes: int = 64 << 20):
         self.rt, self.chunk_bytes = rt, chunk_bytes
 
-    def upload(self, src: np.ndarray, dst: DeviceArray | int, progress: bool = True, label: str = "weights") -> float:
+    def upload(self, src: np.ndarray, dst: DeviceArray | int, progress: bool = True, label: str = "weights",
+               on_bytes: Callable[[int], None] | None = None) -> float:
         raw, dst_ptr = self.target(src, dst, label)
         t0 = time.perf_counter()
         for off, n in plan_chunks(raw.nbytes, self.chunk_bytes):
             self.rt.memory.upload(dst_ptr + off, np.ascontiguousarray(raw[off: off + n]))
+            if on_bytes is not None:
+                on_bytes(n)
         return raw.nbytes / 1e9 / max(time.perf_counter() - t0, 1e-9)
 
     def close(self) -> None:

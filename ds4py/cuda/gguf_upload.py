@@ -11,12 +11,15 @@ the runs (`weights_bytes`).
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass
 
 import numpy as np
 
 from ds4py.cuda.memory import Arena, DeviceArray, WeightUploader, align_up
 from ds4py.errors import GGUFError
+from ds4py.progress import LOAD, Transfer
 from ds4py.model import UnsupportedByBackend
 
 _PLAIN = {"F32": np.float32, "F16": np.float16, "I32": np.int32, "I8": np.int8, "I16": np.int16}
@@ -82,9 +85,21 @@ def upload_gguf(gguf, arena: Arena, uploader: WeightUploader, progress: bool = T
     if not gguf.tensors:
         raise GGUFError(f"{gguf.path}: has no tensors")
     out: dict[str, DeviceTensor] = {}
-    for start, end, ts in runs(gguf, keep):
+    spans = list(runs(gguf, keep))
+    total = sum(end - start for start, end, _ in spans)
+    # one bar for the whole file (bytes uploaded / total, rate, time left; a line every 10 s in a log or the
+    # journal), and the process's load meter that /health reports while the server loads
+    bar = Transfer(f"ds4py: loading {os.path.basename(gguf.path)}", total, every=10.0) if progress else None
+    LOAD.begin(gguf.path, total)
+
+    def on_bytes(n: int) -> None:
+        LOAD.add(n)
+        if bar is not None:
+            bar.update(LOAD.done)
+
+    for start, end, ts in spans:
         blob = arena.weights(end - start, np.uint8)
-        uploader.upload_file(gguf.path, start, end - start, blob, progress=progress)
+        uploader.upload_file(gguf.path, start, end - start, blob, progress=False, on_bytes=on_bytes)
         for t in ts:
             rel = t.offset - start
             qname = t.qtype.name
@@ -98,4 +113,10 @@ def upload_gguf(gguf, arena: Arena, uploader: WeightUploader, progress: bool = T
             if arr.nbytes != t.nbytes:
                 raise GGUFError(f"{gguf.path}: tensor {t.name!r} holds {t.nbytes} bytes, expected {arr.nbytes}")
             out[t.name] = DeviceTensor(t.name, qname, t.shape, arr)
+    LOAD.end()
+    if bar is not None:
+        bar.close()
+        took = LOAD.snapshot()["seconds"]
+        print(f"ds4py: uploaded {total / 1e9:.2f} GB of weights in {took:.1f} s ({total / 1e9 / max(took, 1e-9):.2f} "
+              f"GB/s)", file=sys.stderr, flush=True)
     return out

@@ -348,7 +348,9 @@ def plan_chunks(total: int, chunk: int) -> Iterator[tuple[int, int]]:
 class Uploader:
     """What every uploader shares: the source/target checks and uploads from a file through a memory map."""
 
-    def upload(self, src: np.ndarray, dst: DeviceArray | int, progress: bool = True, label: str = "weights") -> float:
+    def upload(self, src: np.ndarray, dst: DeviceArray | int, progress: bool = True, label: str = "weights",
+               on_bytes: Callable[[int], None] | None = None) -> float:
+        """Copy all of src to dst; on_bytes(n) after each chunk of n bytes (a load's progress). Returns GB/s."""
         raise NotImplementedError
 
     @staticmethod
@@ -359,13 +361,30 @@ class Uploader:
             raise ArenaError(f"{label}: {raw.nbytes} bytes do not fit the {dst.nbytes}-byte device buffer")
         return raw, dst.ptr if isinstance(dst, DeviceArray) else int(dst)
 
-    def upload_file(self, path: str, offset: int, nbytes: int, dst: DeviceArray | int, progress: bool = True) -> float:
+    def upload_file(self, path: str, offset: int, nbytes: int, dst: DeviceArray | int, progress: bool = True,
+                    on_bytes: Callable[[int], None] | None = None) -> float:
         """Upload bytes [offset, offset + nbytes) of a file, read through a read-only memory map."""
         mm = np.memmap(path, dtype=np.uint8, mode="r", offset=offset, shape=(nbytes,))
         try:
-            return self.upload(mm, dst, progress=progress, label=path)
+            return self.upload(mm, dst, progress=progress, label=path, on_bytes=on_bytes)
         finally:
             del mm
+
+
+def file_filler(fd: int, path: str, offset: int) -> Callable[[np.ndarray, int, int], None]:
+    """fill(buf, off, n): bytes [offset + off, offset + off + n) of the open file into buf (os.preadv, no memory
+    map), then those pages dropped from the page cache (POSIX_FADV_DONTNEED): the host side of a weight upload
+    (WeightUploader.upload_file; bench/load_time.py times it cold and from the page cache)."""
+    def fill(buf: np.ndarray, off: int, n: int) -> None:
+        got = 0
+        while got < n:
+            k = os.preadv(fd, [memoryview(buf[got:n])], offset + off + got)
+            if k <= 0:
+                raise ArenaError(f"{path}: the file ended at byte {offset + off + got} while uploading")
+            got += k
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, offset + off, n, os.POSIX_FADV_DONTNEED)
+    return fill
 
 
 class WeightUploader(Uploader):
@@ -381,16 +400,18 @@ class WeightUploader(Uploader):
         self.buffers = [PinnedBuffer(chunk_bytes) for _ in range(2)]
         self.events = [call("cuEventCreate", 0) for _ in range(2)]
 
-    def upload(self, src: np.ndarray, dst: DeviceArray | int, progress: bool = True, label: str = "weights") -> float:
+    def upload(self, src: np.ndarray, dst: DeviceArray | int, progress: bool = True, label: str = "weights",
+               on_bytes: Callable[[int], None] | None = None) -> float:
         """Copy all of `src` (any array; its raw bytes) to dst. Returns GB/s. Blocks until the copy is done."""
         raw, dst_ptr = self.target(src, dst, label)
 
         def fill(buf: np.ndarray, off: int, n: int) -> None:
             buf[:n] = raw[off: off + n]                          # reads the source (page faults on an mmap)
 
-        return self._stream(fill, raw.nbytes, dst_ptr, progress, label)
+        return self._stream(fill, raw.nbytes, dst_ptr, progress, label, on_bytes)
 
-    def upload_file(self, path: str, offset: int, nbytes: int, dst: DeviceArray | int, progress: bool = True) -> float:
+    def upload_file(self, path: str, offset: int, nbytes: int, dst: DeviceArray | int, progress: bool = True,
+                    on_bytes: Callable[[int], None] | None = None) -> float:
         """Upload bytes [offset, offset + nbytes) of a file: read straight into the pinned chunks (os.preadv, no
         memory map), each chunk's pages dropped from the page cache once read (POSIX_FADV_DONTNEED), so the
         weights are never held twice - on the device and in the page cache, which on an integrated GPU (GB10)
@@ -400,22 +421,12 @@ class WeightUploader(Uploader):
         dst_ptr = dst.ptr if isinstance(dst, DeviceArray) else int(dst)
         fd = os.open(path, os.O_RDONLY)
         try:
-            def fill(buf: np.ndarray, off: int, n: int) -> None:
-                got = 0
-                while got < n:
-                    k = os.preadv(fd, [memoryview(buf[got:n])], offset + off + got)
-                    if k <= 0:
-                        raise ArenaError(f"{path}: the file ended at byte {offset + off + got} while uploading")
-                    got += k
-                if hasattr(os, "posix_fadvise"):
-                    os.posix_fadvise(fd, offset + off, n, os.POSIX_FADV_DONTNEED)
-
-            return self._stream(fill, nbytes, dst_ptr, progress, path)
+            return self._stream(file_filler(fd, path, offset), nbytes, dst_ptr, progress, path, on_bytes)
         finally:
             os.close(fd)
 
     def _stream(self, fill: Callable[[np.ndarray, int, int], None], total: int, dst_ptr: int, progress: bool,
-                label: str) -> float:
+                label: str, on_bytes: Callable[[int], None] | None = None) -> float:
         """Fill the two pinned chunks in turn (fill(buffer, offset, n)) while the copy stream drains the other."""
         self.bind()
         pending = [False, False]
@@ -428,6 +439,8 @@ class WeightUploader(Uploader):
             call("cuMemcpyHtoDAsync", dst_ptr + off, self.buffers[slot].ptr, n, self.stream)
             call("cuEventRecord", self.events[slot], self.stream)
             pending[slot] = True
+            if on_bytes is not None:
+                on_bytes(n)
             now = time.perf_counter()
             if progress and (now - last > 0.5 or off + n == total):
                 last = now

@@ -90,6 +90,10 @@ class ServerState:
     def load_in_background(self, make_engine) -> threading.Thread:
         from ds4py.errors import Ds4Error
 
+        from ds4py.progress import LOAD
+
+        LOAD.reset()              # this load's progress only (/health), not an earlier one's in this process
+
         def run():
             try:
                 self.set_engine(make_engine())
@@ -345,8 +349,23 @@ async def health(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
     if st.engine is not None:
         return web.json_response({"status": "error", "error": st.engine.broken}, status=503)
-    status = "error" if st.load_error else "loading"
-    return web.json_response({"status": status, "error": st.load_error}, status=503)
+    if st.load_error:
+        return web.json_response({"status": "error", "error": st.load_error}, status=503)
+    return web.json_response({"status": "loading", "error": None, **loading_progress()}, status=503)
+
+
+def loading_progress() -> dict:
+    """While the model loads: how far the weight upload is (the CUDA engine feeds ds4py.progress.LOAD); empty
+    before it starts and on backends that upload nothing (the reference maps the file)."""
+    from ds4py.progress import LOAD
+
+    snap = LOAD.snapshot()
+    if snap is None:
+        return {}
+    return {"progress": round(snap["fraction"], 4), "loaded_bytes": snap["done"], "total_bytes": snap["total"],
+            "load_gbps": round(snap["rate"] / 1e9, 3),
+            "detail": (f"uploading weights: {100 * snap['fraction']:.0f}% of {snap['total'] / 1e9:.2f} GB"
+                       if snap["done"] < snap["total"] else "weights uploaded; preparing kernels and graphs")}
 
 
 async def livez(request: web.Request) -> web.Response:
@@ -369,7 +388,8 @@ async def root(request: web.Request) -> web.Response:
                               "context_length": ctx, "default_max_tokens": st.config.max_tokens, "status": status,
                               "error": st.load_error or (st.engine.broken if st.engine is not None else None),
                               "endpoints": ["/v1/chat/completions", "/v1/completions", "/v1/responses",
-                                            "/v1/messages", "/v1/models", "/health", "/metrics", "/chat"]})
+                                            "/v1/messages", "/v1/models", "/health", "/metrics", "/chat"],
+                              **(loading_progress() if status == "loading" else {})})
 
 
 def _model_entry(st: ServerState, mid: str) -> dict:
