@@ -46,7 +46,7 @@ from ds4py.sampling import Sampler, SamplingParams  # noqa: E402
 from ds4py import spec as spec_module  # noqa: E402
 from ds4py.spec import SpecModel  # noqa: E402
 
-TRAINED = Path(__file__).resolve().parents[2] / "shared" / "trained" / "v4-tiny-trained"
+TRAINED = Path(os.environ.get("DS4PY_TRAINED") or Path(__file__).resolve().parents[2] / "shared" / "trained" / "v4-tiny-trained")
 SAMPLED = SamplingParams(temperature=1.0, top_p=1.0)        # the model card's settings (docs/generation.md)
 EOS = 1
 

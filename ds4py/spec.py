@@ -402,6 +402,7 @@ class Scheduler:
         self.decisions = 0
         self.first = _Calibration()    # first positions: every round's (σ_1, first-position acceptance)
         self.chained = _Calibration()  # chained positions i ≥ 2 that a verify reached (σ_i, accepted)
+        self.depth = 0                 # the deepest position a verify has compared so far
 
     def rho(self) -> float:
         return self.first_hits / self.first_sigma if self.first_sigma > 0 else 1.0
@@ -411,7 +412,7 @@ class Scheduler:
         accepted (see the class docstring): the first position's line for σ_1, the chained positions' for the
         rest (the first position's until a verify has reached two chained positions with different σ)."""
         first = self.first(sigmas[:1])
-        rest = (self.chained if self.chained.line is not None else self.first)(sigmas[1:])
+        rest = (self.chained if self.chained.n else self.first)(sigmas[1:])
         return np.concatenate([first, rest])
 
     def _expected(self, sigmas: Sequence[float]) -> tuple[float, float]:
@@ -447,6 +448,8 @@ class Scheduler:
         i = len(sigmas)
         if self._free():
             return i <= self._free_k()
+        if i > self.depth + 1:          # one position beyond the deepest one compared so far, no further
+            return False
         E, a = self._expected(sigmas)
         spent = self._spent(i)
         return E / (spent + self.costs.verify(1 + i)) > (E - a) / (spent + self.costs.verify(i))
@@ -458,6 +461,8 @@ class Scheduler:
             return False
         if self._free():
             return i < self._free_k()
+        if i >= self.depth + 1:
+            return False
         E, a = self._expected(sigmas)
         spent = self._spent(i)
         more = (E + a) / (spent + self.costs.draft(False) + self.costs.verify(i + 2))
@@ -468,6 +473,10 @@ class Scheduler:
         self.first_sigma += sigma1
         self.first_rounds += 1
         self.first.add(float(sigma1), float(first_hit))
+
+    def reached(self, depth: int) -> None:
+        """A verify compared the drafts at positions 1..depth (the accepted ones and the first rejection)."""
+        self.depth = max(self.depth, depth)
 
     def record_chained(self, sigma: float, hit: float) -> None:
         """A chained position (i ≥ 2) a verify reached (the drafts before it accepted): its σ_i and whether it
@@ -798,6 +807,8 @@ class SpecRequest(RequestRounds):
         self.spec._store(state, plan.n, plan.chunk, H)
         r = self._settle(state, plan, P, H, sampler, float(plan.q1.max()))
         a = r.stats.accepted
+        if plan.drafts:
+            self.scheduler.reached(min(a + 1, len(plan.drafts)))
         for i in range(1, min(a + 1, len(plan.drafts))):   # chained positions the verify reached
             self.scheduler.record_chained(float(plan.qs[i].max()), float(i < a))
         return r
