@@ -59,7 +59,7 @@ struct MoeSpan {
 // expert e of a matrix of n_experts x rows (copy false: only the span where an earlier stage of the same rows put
 // them); dot: the scaled dot of column group grp of staged row r. The ggml formats: the rows are one contiguous
 // span.
-template <int F> struct MoeStage {
+template <int F, bool IS_VQ = (F >= FMT_VQ_BASE)> struct MoeStage {
     __device__ static __forceinline__ int room(int nr, int cols) { return moe_room(nr * MoeRow<F>::bytes(cols)); }
     __device__ static __forceinline__ MoeSpan stage(uint8_t* dst, const uint8_t* W, int e, int r0, int nr, int,
                                                     int rows, int cols, bool copy) {
@@ -102,8 +102,7 @@ template <int BITS> struct MoeStageVq {
         return V::dot(s.rows + (size_t)r * s.rb, s.hi + (size_t)r * s.hb, grp, x, cb) * s.gain[r];
     }
 };
-template <> struct MoeStage<FMT_VQ12> : MoeStageVq<12> {};
-template <> struct MoeStage<FMT_VQ13> : MoeStageVq<13> {};
+template <int F> struct MoeStage<F, true> : MoeStageVq<F - FMT_VQ_BASE> {};        // VQ-8 at F - 100 bits
 
 __device__ __forceinline__ void moe_load_x(const float* x, float* xv) {
     const float4* p = reinterpret_cast<const float4*>(x);
@@ -200,9 +199,9 @@ template <int F>
 __device__ __forceinline__ void moe_gate_up_impl(uint8_t* smem, const uint64_t* grid, const uint8_t* Wg,
                                                  const uint8_t* Wu, const float* x, const int* ids,
                                                  const float* route_w, float* h, int n_experts, int ff, int dim,
-                                                 int rows_per_block, float clamp) {
+                                                 int rows_per_block, float clamp, int bx) {
     const int tid = threadIdx.x;
-    const int slot = blockIdx.y, r0 = blockIdx.x * rows_per_block;
+    const int slot = blockIdx.y, r0 = bx * rows_per_block;
     const int nr = min(rows_per_block, ff - r0);
     if (nr <= 0) return;                                          // block-uniform
     const int e = ids ? ids[slot] : slot;
@@ -257,9 +256,9 @@ __device__ __forceinline__ void moe_gate_up_rows_impl(uint8_t* smem, const uint6
                                                       const uint8_t* Wu, const float* x, const int* ids,
                                                       const float* route_w, float* h, int n_experts, int ff,
                                                       int dim, int rows_per_block, float clamp, int n_pairs, int k,
-                                                      int x_stride, int* pick) {
+                                                      int x_stride, int* pick, int bx) {
     const int tid = threadIdx.x;
-    const int r0 = blockIdx.x * rows_per_block;
+    const int r0 = bx * rows_per_block;
     const int nr = min(rows_per_block, ff - r0);
     if (nr <= 0) return;                                          // block-uniform
     int e;
@@ -295,11 +294,11 @@ template <int F>
 __device__ __forceinline__ void moe_down_impl(uint8_t* smem, const uint64_t* grid, const uint8_t* W, const int* ids,
                                               const float* h, const float* add, const float* hc_post,
                                               const float* hc_comb, const float* hc_x, float* out, int n_slots,
-                                              int n_experts, int dim, int ff, int rows_per_block, int hc) {
+                                              int n_experts, int dim, int ff, int rows_per_block, int hc, int bx) {
     const int G = ff / 32, RL = blockDim.x / G, tid = threadIdx.x;
     const int grp = tid % G, rl = tid / G;
     const bool worker = rl < RL;
-    const int r0 = blockIdx.x * rows_per_block, nr = min(rows_per_block, dim - r0);
+    const int r0 = bx * rows_per_block, nr = min(rows_per_block, dim - r0);
     if (nr <= 0) return;                                          // block-uniform
     const int room = MoeStage<F>::room(nr, ff);
     bool bad = false;
@@ -362,12 +361,14 @@ template <int F>
 __device__ __forceinline__ void moe_down_rows_impl(uint8_t* smem, const uint64_t* grid, const uint8_t* W,
                                                    const int* ids, const float* h, const float* add,
                                                    const float* mix, const float* hc_x, float* out, int n_slots,
-                                                   int n_experts, int dim, int ff, int rows_per_block, int hc) {
+                                                   int n_experts, int dim, int ff, int rows_per_block, int hc,
+                                                   int bx) {
     const size_t n = blockIdx.y, mrec = (size_t)(2 + hc) * hc;
     moe_down_impl<F>(smem, grid, W, ids ? ids + n * n_slots : nullptr, h + n * n_slots * ff,
                      add ? add + n * dim : nullptr, mix ? mix + n * mrec + hc : nullptr,
                      mix ? mix + n * mrec + 2 * hc : nullptr, mix ? hc_x + n * hc * dim : nullptr,
-                     out + n * (mix ? hc : 1) * dim, n_slots, n_experts, dim, ff, rows_per_block, mix ? hc : 0);
+                     out + n * (mix ? hc : 1) * dim, n_slots, n_experts, dim, ff, rows_per_block, mix ? hc : 0,
+                     bx);
 }
 
 // ---- exact dequantisation ---------------------------------------------------------------------------------------
@@ -405,7 +406,7 @@ extern "C" __global__ void moe_gate_up_##name(const uint8_t* Wg, const uint8_t* 
     pdl_launch_dependents(); \
     if (TABLE) moe_load_grid(grid_s); \
     moe_gate_up_impl<F>(moe_smem, TABLE ? grid_s : nullptr, Wg, Wu, x, ids, route_w, h, n_experts, ff, dim, \
-                        rows_per_block, clamp); \
+                        rows_per_block, clamp, blockIdx.x); \
 }
 
 // y or X' rows [r0, r0 + rows_per_block) summed over the n_slots experts. Launch: grid (ceil(dim / rows_per_block)),
@@ -421,7 +422,7 @@ extern "C" __global__ void moe_down_##name(const uint8_t* W, const int* ids, con
     pdl_launch_dependents(); \
     if (TABLE) moe_load_grid(grid_s); \
     moe_down_impl<F>(moe_smem, TABLE ? grid_s : nullptr, W, ids, h, add, hc_post, hc_comb, hc_x, out, n_slots, \
-                     n_experts, dim, ff, rows_per_block, hc); \
+                     n_experts, dim, ff, rows_per_block, hc, blockIdx.x); \
 }
 
 // out[32g + j] = value j of column group g (n_groups groups of 32 from the start of W). Launch: grid
@@ -455,7 +456,7 @@ extern "C" __global__ void moe_gate_up_rows_##name(const uint8_t* Wg, const uint
     pdl_launch_dependents(); \
     if (TABLE) moe_load_grid(grid_s); \
     moe_gate_up_rows_impl<F>(moe_smem, TABLE ? grid_s : nullptr, Wg, Wu, x, ids, route_w, h, n_experts, ff, dim, \
-                             rows_per_block, clamp, n_pairs, k, x_stride, &pick); \
+                             rows_per_block, clamp, n_pairs, k, x_stride, &pick, blockIdx.x); \
 }
 
 // Per-row down of nx rows. Launch: grid (ceil(dim / rows_per_block), nx), smem as moe_down.
@@ -469,25 +470,39 @@ extern "C" __global__ void moe_down_rows_##name(const uint8_t* W, const int* ids
     pdl_launch_dependents(); \
     if (TABLE) moe_load_grid(grid_s); \
     moe_down_rows_impl<F>(moe_smem, TABLE ? grid_s : nullptr, W, ids, h, add, mix, hc_x, out, n_slots, n_experts, \
-                          dim, ff, rows_per_block, hc); \
+                          dim, ff, rows_per_block, hc, blockIdx.x); \
 }
 
 MOE_FORMATS(MOE_GATE_UP_ROWS)
 MOE_FORMATS(MOE_DOWN_ROWS)
 
-// ---- VQ-8 (MOE_VQ_FORMATS): the same four kernels; each matrix's device copy starts with the layer's codebook
-// (KC codewords x 8 E4M3 bytes), copied into the first KC * 8 bytes of the dynamic shared memory (the stage
-// follows it; ds4py/cuda/ops/experts.py adds them to moe_smem_bytes). A group's dot reads its 4 codewords from
-// there; the row gain scales each group's sum (MoeStageVq).
+// ---- VQ-8 (MOE_VQ_FORMATS): the same four kernels, persistent; each matrix's device copy starts with the layer's
+// codebook (KC codewords x 8 E4M3 bytes), copied once per block into the first KC * 8 bytes of the dynamic shared
+// memory (cp.async, before pdl_wait: weights), the stage follows it (ds4py/cuda/ops/experts.py adds them in
+// vq_launch_smem). A block then loops over row tiles bx = blockIdx.x, blockIdx.x + gridDim.x, ... < tiles (the
+// grid is one wave: ops/experts.py sizes gridDim.x from the device), so a launch reads the codebook from L2 once
+// per resident block, not once per tile; a tile's arithmetic is the one-block-per-tile kernel's exactly (the same
+// impl), so the bits do not depend on the grid. A group's dot reads its 4 codewords from there; the row gain
+// scales each group's sum (MoeStageVq). Every width 6 .. 13 bits; at 13 the codebook is 64 KiB and the stage
+// budget is what is left of GB10's 101,376 B per block (ops/experts.py vq_budget).
 __device__ __forceinline__ const uint64_t* moe_load_codebook(uint8_t* smem, const uint8_t* W, int kc) {
-    uint64_t* cb = reinterpret_cast<uint64_t*>(smem);
-    const uint64_t* src = reinterpret_cast<const uint64_t*>(W);
-    for (int i = threadIdx.x; i < kc; i += blockDim.x) cb[i] = src[i];     // visible after the stage's barrier
-    return cb;
+    for (int i = threadIdx.x; i < kc / 2; i += blockDim.x) cp_async_16(smem + 16 * i, W + 16 * i);
+    cp_async_commit();                            // complete at the first tile's cp_async_wait_all + barrier
+    return reinterpret_cast<const uint64_t*>(smem);
 }
 
-// As moe_gate_up_<fmt>, Wg / Wu the VQ device copies. Launch: as moe_gate_up_<fmt>, dynamic shared memory
-// KC * 8 + moe_smem_bytes.
+// The row tiles of block blockIdx.x: fn(bx) for bx = blockIdx.x, + gridDim.x, ... < tiles, a barrier between two
+// (the next stage overwrites what the previous tile's epilogue reads); every thread runs the same tiles.
+template <typename Fn> __device__ __forceinline__ void moe_tiles(int tiles, Fn fn) {
+    for (int bx = blockIdx.x; bx < tiles; bx += gridDim.x) {
+        if (bx != (int)blockIdx.x) __syncthreads();
+        fn(bx);
+    }
+    cp_async_wait_all();                          // no copy outlives the block (every tile may have had a bad id)
+}
+
+// As moe_gate_up_<fmt>, Wg / Wu the VQ device copies. Launch: grid (persistent: min(ceil(ff / rows_per_block),
+// one wave / n_slots), n_slots), block as moe_gate_up_<fmt>, dynamic shared memory KC * 8 + moe_smem_bytes.
 #define MOE_VQ_GATE_UP(name, F, QK, NB, KC) \
 extern "C" __global__ void moe_gate_up_##name(const uint8_t* Wg, const uint8_t* Wu, const float* x, const int* ids, \
                                               const float* route_w, float* h, int n_experts, int ff, int dim, \
@@ -496,11 +511,14 @@ extern "C" __global__ void moe_gate_up_##name(const uint8_t* Wg, const uint8_t* 
     const uint64_t* cb = moe_load_codebook(moe_smem, Wg, KC); \
     pdl_wait(); \
     pdl_launch_dependents(); \
-    moe_gate_up_impl<F>(moe_smem + 8 * KC, cb, Wg + 8 * KC, Wu + 8 * KC, x, ids, route_w, h, n_experts, ff, dim, \
-                        rows_per_block, clamp); \
+    moe_tiles((ff + rows_per_block - 1) / rows_per_block, [&](int bx) { \
+        moe_gate_up_impl<F>(moe_smem + 8 * KC, cb, Wg + 8 * KC, Wu + 8 * KC, x, ids, route_w, h, n_experts, ff, \
+                            dim, rows_per_block, clamp, bx); \
+    }); \
 }
 
-// As moe_down_<fmt>, W the VQ device copy. Launch: as moe_down_<fmt>, dynamic shared memory KC * 8 + moe_smem_bytes.
+// As moe_down_<fmt>, W the VQ device copy. Launch: grid (persistent: min(ceil(dim / rows_per_block), one wave)),
+// block as moe_down_<fmt>, dynamic shared memory KC * 8 + moe_smem_bytes.
 #define MOE_VQ_DOWN(name, F, QK, NB, KC) \
 extern "C" __global__ void moe_down_##name(const uint8_t* W, const int* ids, const float* h, const float* add, \
                                            const float* hc_post, const float* hc_comb, const float* hc_x, \
@@ -510,11 +528,14 @@ extern "C" __global__ void moe_down_##name(const uint8_t* W, const int* ids, con
     const uint64_t* cb = moe_load_codebook(moe_smem, W, KC); \
     pdl_wait(); \
     pdl_launch_dependents(); \
-    moe_down_impl<F>(moe_smem + 8 * KC, cb, W + 8 * KC, ids, h, add, hc_post, hc_comb, hc_x, out, n_slots, \
-                     n_experts, dim, ff, rows_per_block, hc); \
+    moe_tiles((dim + rows_per_block - 1) / rows_per_block, [&](int bx) { \
+        moe_down_impl<F>(moe_smem + 8 * KC, cb, W + 8 * KC, ids, h, add, hc_post, hc_comb, hc_x, out, n_slots, \
+                         n_experts, dim, ff, rows_per_block, hc, bx); \
+    }); \
 }
 
-// As moe_gate_up_rows_<fmt>. Launch: as moe_gate_up_rows_<fmt>, dynamic shared memory KC * 8 + moe_rows_plan.
+// As moe_gate_up_rows_<fmt>. Launch: grid (persistent: min(ceil(ff / rows_per_block), one wave / groups), groups
+// as moe_gate_up_rows_<fmt>), dynamic shared memory KC * 8 + moe_rows_plan.
 #define MOE_VQ_GATE_UP_ROWS(name, F, QK, NB, KC) \
 extern "C" __global__ void moe_gate_up_rows_##name(const uint8_t* Wg, const uint8_t* Wu, const float* x, \
                                                    const int* ids, const float* route_w, float* h, int n_experts, \
@@ -525,11 +546,14 @@ extern "C" __global__ void moe_gate_up_rows_##name(const uint8_t* Wg, const uint
     const uint64_t* cb = moe_load_codebook(moe_smem, Wg, KC); \
     pdl_wait(); \
     pdl_launch_dependents(); \
-    moe_gate_up_rows_impl<F>(moe_smem + 8 * KC, cb, Wg + 8 * KC, Wu + 8 * KC, x, ids, route_w, h, n_experts, ff, \
-                             dim, rows_per_block, clamp, n_pairs, k, x_stride, &pick); \
+    moe_tiles((ff + rows_per_block - 1) / rows_per_block, [&](int bx) { \
+        moe_gate_up_rows_impl<F>(moe_smem + 8 * KC, cb, Wg + 8 * KC, Wu + 8 * KC, x, ids, route_w, h, n_experts, \
+                                 ff, dim, rows_per_block, clamp, n_pairs, k, x_stride, &pick, bx); \
+    }); \
 }
 
-// As moe_down_rows_<fmt>. Launch: as moe_down_rows_<fmt>, dynamic shared memory KC * 8 + that of moe_down.
+// As moe_down_rows_<fmt>. Launch: grid (persistent: min(ceil(dim / rows_per_block), one wave / nx), nx), dynamic
+// shared memory as moe_down_<vq>.
 #define MOE_VQ_DOWN_ROWS(name, F, QK, NB, KC) \
 extern "C" __global__ void moe_down_rows_##name(const uint8_t* W, const int* ids, const float* h, const float* add, \
                                                 const float* mix, const float* hc_x, float* out, int n_slots, \
@@ -538,8 +562,10 @@ extern "C" __global__ void moe_down_rows_##name(const uint8_t* W, const int* ids
     const uint64_t* cb = moe_load_codebook(moe_smem, W, KC); \
     pdl_wait(); \
     pdl_launch_dependents(); \
-    moe_down_rows_impl<F>(moe_smem + 8 * KC, cb, W + 8 * KC, ids, h, add, mix, hc_x, out, n_slots, n_experts, \
-                          dim, ff, rows_per_block, hc); \
+    moe_tiles((dim + rows_per_block - 1) / rows_per_block, [&](int bx) { \
+        moe_down_rows_impl<F>(moe_smem + 8 * KC, cb, W + 8 * KC, ids, h, add, mix, hc_x, out, n_slots, n_experts, \
+                              dim, ff, rows_per_block, hc, bx); \
+    }); \
 }
 
 MOE_VQ_FORMATS(MOE_VQ_GATE_UP)

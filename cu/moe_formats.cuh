@@ -11,8 +11,16 @@
 #define FMT_MXFP4 3
 #define FMT_Q8_0 4
 #define FMT_F16 5
-#define FMT_VQ12 6
-#define FMT_VQ13 7
+// VQ-8 at b bits is FMT_VQ_BASE + b (MoeVqBits, and experts.cu / moe_prefill.cu pick their VQ paths by it).
+#define FMT_VQ_BASE 100
+#define FMT_VQ6 106
+#define FMT_VQ7 107
+#define FMT_VQ8 108
+#define FMT_VQ9 109
+#define FMT_VQ10 110
+#define FMT_VQ11 111
+#define FMT_VQ12 112
+#define FMT_VQ13 113
 
 // The expert weight formats, one entry each: X(kernel suffix, FMT_ id, weights per block, bytes per block,
 // table), table = 1 when the decoder reads the IQ2 grid (staged in shared memory per block). Every expert entry
@@ -29,9 +37,16 @@
 
 // VQ-8 routed experts (ds4py/quant/vq.py, docs/vq.md) in their device layout (ds4py/cuda/vq_layout.py: the file's
 // streams, hi planes and gains repacked at upload, the file unchanged): X(suffix, FMT_ id, weights per block, bytes
-// per block, codewords). experts.cu reads them (decode and the grouped rows kernels) and moe_prefill.cu (the
-// prefill blocks on tensor cores); the codebook travels at the head of each matrix's device copy.
+// per block = the index width, codewords). experts.cu reads them (decode and the grouped rows kernels) and
+// moe_prefill.cu (the prefill blocks on tensor cores); the codebook travels at the head of each matrix's device
+// copy. Every width `quantize-vq` writes (ds4py/quant/vq.py MIN_BITS .. MAX_BITS) has an entry.
 #define MOE_VQ_FORMATS(X) \
+    X(vq6, FMT_VQ6, 64, 6, 64) \
+    X(vq7, FMT_VQ7, 64, 7, 128) \
+    X(vq8, FMT_VQ8, 64, 8, 256) \
+    X(vq9, FMT_VQ9, 64, 9, 512) \
+    X(vq10, FMT_VQ10, 64, 10, 1024) \
+    X(vq11, FMT_VQ11, 64, 11, 2048) \
     X(vq12, FMT_VQ12, 64, 12, 4096) \
     X(vq13, FMT_VQ13, 64, 13, 8192)
 
@@ -460,30 +475,50 @@ template <> struct MoeFmt<FMT_F16> {
 
 // VQ-8 in its device layout (ds4py/cuda/vq_layout.py): a matrix of X experts x rows x cols is [codebook: K
 // codewords x 8 E4M3 bytes] [X expert streams] [X * rows hi rows (13 bits)] [X * rows f32 gains]. An expert's
-// stream is its rows' 12-bit fields back to back, unchanged from the file (12 bytes per run of 8 indices = 64
-// weights), padded to a multiple of 128 bytes, so with the matrix 128-byte aligned every expert's stream starts on
-// a line and every 256-index block of it (384 bytes) is three whole 128-byte lines; a hi row is bit 12 of the
-// row's indices (one byte per run, the file's hi plane); the gain is the row's effective one (the file's f16 gain
-// times any sidecar scales). w[8j + i] = g * C[idx_j][i] exactly (fl32(g * c): E4M3 x f16 fits f32); the staged
-// rows are read through MoeSpan (experts.cu).
+// stream is its rows' SB-bit fields back to back (SB = BITS, 12 at 13 bits), unchanged from the file (SB bytes per
+// run of 8 indices = 64 weights, LSB first), padded to a multiple of 128 bytes, so with the matrix 128-byte
+// aligned every expert's stream starts on a line; a hi row is bit 12 of the row's indices (one byte per run, the
+// file's hi plane); the gain is the row's effective one (the file's f16 gain times any sidecar scales).
+// w[8j + i] = g * C[idx_j][i] exactly (fl32(g * c): E4M3 x f16 fits f32); the staged rows are read through
+// MoeSpan (experts.cu).
 template <int BITS> struct MoeVq {
-    static constexpr int QK = 64, BYTES = 12, K = 1 << BITS;
+    static_assert(BITS >= 6 && BITS <= 13, "VQ-8 widths are 6 .. 13 bits");
+    static constexpr int QK = 64, SB = BITS == 13 ? 12 : BITS, BYTES = SB, K = 1 << BITS;
     static constexpr int CODES = MOE_CODES_SCALED;
-    __device__ static __forceinline__ int stream_bytes(int cols) { return (cols / 64) * 12; }
+    __device__ static __forceinline__ int stream_bytes(int cols) { return (cols / 64) * SB; }
     __device__ static __forceinline__ int hi_bytes(int cols) { return BITS == 13 ? cols / 64 : 0; }
     // bytes of one expert's stream: its rows back to back, padded to whole 128-byte lines
     __device__ static __forceinline__ size_t expert_bytes(int rows, int cols) {
         return ((size_t)rows * stream_bytes(cols) + 127) & ~(size_t)127;
     }
-    // the 4 indices of column group grp (32 weights) of the stream row s (hi row h at 13 bits)
+    // the 4 indices of column group grp (32 weights) of the stream row s (hi row h at 13 bits): bits
+    // [4 SB grp, 4 SB (grp + 1)) of the row, i.e. (SB + 1) / 2 whole bytes from byte 4 SB grp / 8, shifted by 0 or
+    // 4 (odd SB, odd grp)
     __device__ static __forceinline__ void indices(const uint8_t* s, const uint8_t* h, int grp, unsigned* idx) {
-        const uint8_t* b = s + (size_t)(grp >> 1) * 12 + 6 * (grp & 1);
-        const unsigned lo = b[0] | ((unsigned)b[1] << 8) | ((unsigned)b[2] << 16);
-        const unsigned hi = b[3] | ((unsigned)b[4] << 8) | ((unsigned)b[5] << 16);
-        idx[0] = lo & 4095u;
-        idx[1] = lo >> 12;
-        idx[2] = hi & 4095u;
-        idx[3] = hi >> 12;
+        if (SB == 12) {                                           // two 24-bit halves of 6 bytes
+            const uint8_t* b = s + 6 * grp;
+            const unsigned lo = b[0] | ((unsigned)b[1] << 8) | ((unsigned)b[2] << 16);
+            const unsigned hi = b[3] | ((unsigned)b[4] << 8) | ((unsigned)b[5] << 16);
+            idx[0] = lo & 4095u;
+            idx[1] = lo >> 12;
+            idx[2] = hi & 4095u;
+            idx[3] = hi >> 12;
+        } else if (SB == 8) {                                     // a byte each
+            const uint8_t* b = s + 4 * grp;
+            const unsigned w = b[0] | ((unsigned)b[1] << 8) | ((unsigned)b[2] << 16) | ((unsigned)b[3] << 24);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) idx[i] = (w >> (8 * i)) & 255u;
+        } else {                                                  // (SB + 1) / 2 <= 6 bytes, shifted by 0 or 4
+            constexpr int NBY = (SB + 1) / 2;
+            const int bit = 4 * SB * grp;
+            const uint8_t* b = s + (bit >> 3);
+            uint64_t v = 0;
+#pragma unroll
+            for (int i = 0; i < NBY; ++i) v |= (uint64_t)b[i] << (8 * i);
+            v >>= (bit & 7);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) idx[i] = (unsigned)(v >> (SB * i)) & ((1u << SB) - 1u);
+        }
         if (BITS == 13) {
             const unsigned t = (h[grp >> 1] >> (4 * (grp & 1))) & 15u;
 #pragma unroll

@@ -166,18 +166,13 @@ __device__ __forceinline__ bool moep_item(const int* tile_bucket, const int* til
 
 // A format's decomposition for the tensor cores (T: moe_formats.cuh's MoeFmt<F>, or MoeVq<bits> for VQ-8) and the
 // bf16 pieces its activations go in as (XP: 1, x and H rounded to bf16; 3, exact).
-template <int F> struct MoepF {
+template <int F, bool IS_VQ = (F >= FMT_VQ_BASE)> struct MoepF {
     using T = MoeFmt<F>;
     static constexpr int XP = 1;
     static constexpr bool VQ = false;
 };
-template <> struct MoepF<FMT_VQ12> {
-    using T = MoeVq<12>;
-    static constexpr int XP = 3;
-    static constexpr bool VQ = true;
-};
-template <> struct MoepF<FMT_VQ13> {
-    using T = MoeVq<13>;
+template <int F> struct MoepF<F, true> {                           // VQ-8 at F - FMT_VQ_BASE bits
+    using T = MoeVq<F - FMT_VQ_BASE>;
     static constexpr int XP = 3;
     static constexpr bool VQ = true;
 };
@@ -264,7 +259,7 @@ template <int F>
 __device__ __forceinline__ void moep_stage_w(uint16_t* dst, float* sc, float* mn, const uint8_t* W, int e, int row,
                                              int n_experts, int rows, int cols, int kg, const uint64_t* grid) {
     if constexpr (MoepF<F>::VQ) {
-        moep_stage_vq<F == FMT_VQ13 ? 13 : 12>(dst, sc, mn, W, e, row, n_experts, rows, cols, kg, grid);
+        moep_stage_vq<F - FMT_VQ_BASE>(dst, sc, mn, W, e, row, n_experts, rows, cols, kg, grid);
         return;
     } else {
     float s[2] = {0.0f, 0.0f}, o[2] = {0.0f, 0.0f};

@@ -271,10 +271,14 @@ def test_vq_down_stage(kdev, bits, dim):
 
 # bits, dim, ff, T, k, E, ids
 VQ_WHOLE = [(12, 128, 128, 70, 2, 3, "skew"), (13, 64, 192, 21, 3, 4, "bad")]
+# the other widths quantize-vq writes (6 .. 11 bits: the index fields cross bytes at odd widths), one order each
+VQ_WIDTHS = [(6, 64, 128, 19, 2, 3, "random", "forward"), (7, 128, 64, 23, 2, 3, "bad", "random"),
+             (8, 64, 64, 17, 3, 4, "skew", "reverse"), (9, 64, 128, 21, 2, 3, "random", "random"),
+             (10, 128, 64, 15, 2, 3, "bad", "forward"), (11, 64, 192, 20, 3, 3, "random", "random")]
 
 
-@pytest.mark.parametrize("case", VQ_WHOLE, ids=lambda c: f"vq{c[0]}-{c[6]}")
-@pytest.mark.parametrize("order", ("forward", "random"))
+@pytest.mark.parametrize("case,order", [(c, o) for c in VQ_WHOLE for o in ("forward", "random")]
+                         + [(c[:7], c[7]) for c in VQ_WIDTHS], ids=lambda c: f"vq{c[0]}-{c[6]}" if isinstance(c, tuple) else c)
 def test_vq_whole_moe_against_twin_and_reference(kdev, case, order):
     """Kernel vs twin vs the reference MoE (ref.ops.swiglu on the reference's decode), all within fp32 noise of the
     magnitude; the bad ids' tokens come out NaN."""
@@ -312,8 +316,8 @@ def test_vq_whole_moe_against_twin_and_reference(kdev, case, order):
 def test_vq_wrappers_reject_bad_input(kdev):
     dev = kdev()
     bufs = bufs_on(dev, 4, 2, 3, 64, 64)
-    with pytest.raises(Ds4Error, match="no VQ-8 kernel format 'vq8'"):
-        ops_mp.moe_prefill_down(dev.rt, "vq8", dev.const(np.zeros(10, np.uint8)), bufs, 4, 2, 3, 64, 64)
+    with pytest.raises(Ds4Error, match="no VQ-8 kernel format 'vq14'"):
+        ops_mp.moe_prefill_down(dev.rt, "vq14", dev.const(np.zeros(10, np.uint8)), bufs, 4, 2, 3, 64, 64)
     with pytest.raises(Ds4Error, match="not whole vq12 blocks"):
         ops_mp.moe_prefill_down(dev.rt, "vq12", dev.const(np.zeros(10, np.uint8)), bufs, 4, 2, 3, 96, 64)
     with pytest.raises(Ds4Error, match="weight bytes"):

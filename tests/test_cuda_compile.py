@@ -74,6 +74,40 @@ def test_ptxas_report_every_kernel_no_spills(compiled):
     print("\n" + "\n".join(lines))
 
 
+def test_committed_resource_table_is_this_build(compiled):
+    """ds4py/data/kernel_resources.json (the registers the emulator and the plan-only runtime check launches with)
+    and docs/cuda.md's table are this build's ptxas report."""
+    from ds4py.cuda import resources
+
+    built, have = resources.from_modules(compiled), resources.committed()
+    stale = sorted({f"{a} {k}" for a in set(built) | set(have) for k in set(built.get(a, {})) | set(have.get(a, {}))
+                    if built.get(a, {}).get(k) != have.get(a, {}).get(k)})
+    assert not stale, (f"the committed resource table differs from the build for {len(stale)} kernels "
+                       f"({', '.join(stale[:8])}...): run python3 -m ds4py.cuda.resources --write")
+    doc = resources.DOC.read_text()
+    assert resources.docs_with_table(doc, built) == doc, "docs/cuda.md's resource table is stale: run " \
+        "python3 -m ds4py.cuda.resources --write"
+
+
+def test_vq_kernels_fit_gb10_shared_memory(compiled):
+    """The ptxas report's static shared memory of the VQ-8 expert kernels at every width: cu/experts.cu's within
+    ops/experts.STATIC_RESERVE (what the hosts' plans add to codebook + stage, tests/test_cu_emu_vq.py checks those
+    at the real shapes), cu/moe_prefill.cu's static tiles + the codebook (their whole dynamic shared memory) within
+    GB10's 101,376 B per block."""
+    from ds4py.cuda.ops import experts as ops_moe
+
+    assert len(ops_moe.VQ_FORMATS) == 8
+    for arch, mods in compiled.items():
+        for fmt in ops_moe.VQ_FORMATS:
+            for kind in ("gate_up", "down", "gate_up_rows", "down_rows"):
+                r = mods["experts"].resources[f"moe_{kind}_{fmt}"]
+                assert r.smem <= ops_moe.STATIC_RESERVE, f"{arch} moe_{kind}_{fmt}: {r.smem} B static"
+            for kind in ("gate_up", "down"):
+                r = mods["moe_prefill"].resources[f"moe_prefill_{kind}_{fmt}"]
+                total = r.smem + ops_moe.codebook_bytes(fmt)
+                assert total <= ops_moe.SMEM_LIMIT, f"{arch} moe_prefill_{kind}_{fmt}: {total:,} B"
+
+
 def test_warm_start_reads_the_cache(compiled, cache):
     src = CU / "rmsnorm.cu"
     again = compiler.compile_file(src, "sm_90", cache=cache)

@@ -180,7 +180,8 @@ class StandInDriver:
         attrs = {a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: 9, a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: 0,
                  a.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: 132, a.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE: 50 << 20,
                  a.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN: 232448,
-                 a.CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR: 2048}
+                 a.CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR: 2048,
+                 a.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR: 233472}
         if name == "cuMemAlloc":
             ptr = self.next_dev_ptr
             self.next_dev_ptr += (args[0] + (1 << 20)) // (1 << 20) * (1 << 20)

@@ -114,6 +114,42 @@ def test_vq_experts_match_the_reference(vq_gguf):
         assert rel <= 1e-4 and a.median_rel <= 1e-5, a
 
 
+@pytest.fixture(scope="module")
+def odd_widths_gguf(tmp_path_factory) -> str:
+    """The same source through quantize-vq at widths other than the seed's: 11 bits in layer 0, 7 after (index
+    fields that cross bytes: 7 / 11 bytes per run of 8)."""
+    from ds4py.tiny import make_tiny
+    from ds4py.vq.quantize import Options, quantize_vq
+
+    d = tmp_path_factory.mktemp("vqodd")
+    src, out = d / "src.gguf", d / "vq7-11.gguf"
+    make_tiny(str(src), seed=7, experts="mxfp4", **SHAPE)
+    quantize_vq(str(src), str(out), Options(**dict(SEED_WIDTHS, bits=7, bits_shallow=11)), progress=False)
+    return str(out)
+
+
+def test_other_widths_match_the_reference(odd_widths_gguf):
+    """quantize-vq writes 6 .. 13 bits and the CUDA engine reads them all (no refusal): a 11 / 7-bit file on
+    cuda-emu = the reference as the seed's widths do (fp32 summation order only), the prefill block on the VQ
+    tensor-core kernels and the decode steps on the persistent VQ kernels of both widths."""
+    f = GGUFFile(odd_widths_gguf)
+    assert [vq.read_layer(f, L).header.bits for L in range(3)] == [11, 7, 7]
+    nx = Numerics(fake_quant=False)
+    ids = ids_for(256, 40, seed=6)
+    want = run(RefModel(odd_widths_gguf, numerics=nx), ids, 32)
+    m = open_model(odd_widths_gguf, backend="cuda-emu", numerics=nx)
+    got = run(m, ids, 32)
+    ran = {k for k, n in m.rt.launch_counts.items() if n}
+    need = {f"moe_prefill_{s}_vq{b}" for s in ("gate_up", "down") for b in (7, 11)}
+    need |= {f"moe_{s}_vq{b}" for s in ("gate_up", "down") for b in (7, 11)}
+    assert need <= ran, sorted(need - ran)
+    a = compare(got, want)
+    rel = (np.abs(got.astype(np.float64) - want).max(1) / np.abs(want).max(1)).max()
+    print(f"VQ-8 (11/7-bit), cuda-emu vs ref, no fake-quant (prefill 32, decode 8): {a}; max relative {rel:.1e}")
+    assert a.top1 == 1.0, a
+    assert rel <= 1e-4 and a.median_rel <= 1e-5, a
+
+
 def test_rows_are_bit_identical_to_single_steps(vqm):
     V = vqm.config.vocab_size
     prompts = [ids_for(V, n, seed=80 + n) for n in (4, 7)]

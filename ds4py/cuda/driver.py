@@ -82,6 +82,7 @@ class Device:
     smem_per_block_optin: int
     total_mem: int
     threads_per_sm: int = 2048      # 1,536 on GB10 (sm_121) and other consumer Blackwell/Ada parts
+    smem_per_sm: int = 0            # shared memory per SM (0: not read); the occupancy check's per-SM budget
 
     @property
     def arch(self) -> str:
@@ -108,6 +109,7 @@ class Device:
             smem_per_block_optin=attr(a.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN),
             total_mem=int(call("cuDeviceTotalMem", dev)),
             threads_per_sm=attr(a.CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR),
+            smem_per_sm=attr(a.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR),
         )
 
     def close(self) -> None:

@@ -21,8 +21,10 @@ What it models:
   edges) and replay them. As on a GPU, a host synchronisation (upload/download without a stream, synchronize())
   or a side-stream launch outside fork()/join() during capture is an error, and so is side-stream work left
   unjoined at the end of a capture.
-- PDL is accepted and ignored (launches are sequential); shared-memory and block limits are checked like on the
-  device (an H200-like one by default).
+- PDL is accepted and ignored (launches are sequential); every launch is checked against the device profile
+  (ds4py/cuda/devices.py: shared memory, threads, grid, and the kernel's registers from the committed ptxas table)
+  like on the device: an H200-like one by default, GB10 with DS4PY_EMU_DEVICE=gb10 or
+  EmuRuntime(device=EmuDevice.from_profile("gb10")).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import dataclasses
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +42,10 @@ import numpy as np
 
 from ds4py.cuda import emu
 from ds4py.cuda.args import KernelArgumentError, check_args, pack_raw
+from ds4py.cuda import resources
 from ds4py.cuda.compiler import CU_DIR, file_options, kernel_sources
+from ds4py.cuda.devices import H200, DeviceProfile
+from ds4py.cuda.devices import profile as device_profile
 from ds4py.cuda.launch import check_geometry
 from ds4py.cuda.memory import Arena, ArenaError, DeviceArray, Uploader, plan_chunks
 from ds4py.cuda.signature import Param, parse_kernels
@@ -54,19 +60,47 @@ class CaptureSyncError(Ds4Error):
 
 @dataclass
 class EmuDevice:
-    """The device the emulator pretends to be: limits are checked against it, ops size grids from it."""
+    """The device the emulator pretends to be: limits are checked against it, ops size grids from it. Its numbers
+    are a DeviceProfile's (ds4py/cuda/devices.py; H200 by default, GB10 with DS4PY_EMU_DEVICE=gb10 or
+    EmuDevice.from_profile("gb10")); every launch is checked against `profile`, registers included (the committed
+    ptxas table of the profile's arch, ds4py/cuda/resources.py)."""
     name: str = "CPU emulator (H200-like limits)"
-    cc: tuple[int, int] = (9, 0)
-    sm_count: int = 132
-    l2_bytes: int = 50 << 20
-    smem_per_block_optin: int = 232448
+    cc: tuple[int, int] = H200.cc
+    sm_count: int = H200.sm_count
+    l2_bytes: int = H200.l2_bytes
+    smem_per_block_optin: int = H200.smem_per_block_optin
     total_mem: int = 1 << 40
     ordinal: int = 0
-    threads_per_sm: int = 2048
+    threads_per_sm: int = H200.threads_per_sm
+    smem_per_sm: int = H200.smem_per_sm
+    profile: DeviceProfile = H200
 
     @property
     def arch(self) -> str:
         return f"sm_{self.cc[0]}{self.cc[1]}"
+
+    @classmethod
+    def from_profile(cls, p: str | DeviceProfile, total_mem: int = 1 << 40) -> "EmuDevice":
+        """The emulator as the profiled device ("gb10", "h200" or a DeviceProfile)."""
+        p = device_profile(p)
+        return cls(f"CPU emulator ({p.key}-like limits)", p.cc, p.sm_count, p.l2_bytes, p.smem_per_block_optin,
+                   total_mem, 0, p.threads_per_sm, p.smem_per_sm, p)
+
+    @classmethod
+    def default(cls) -> "EmuDevice":
+        """H200-like, or the profile named by $DS4PY_EMU_DEVICE (gb10, h200)."""
+        key = os.environ.get("DS4PY_EMU_DEVICE")
+        return cls.from_profile(key) if key else cls()
+
+    def checked_profile(self) -> DeviceProfile:
+        """The profile launches are checked against: `profile` with this device's own limits (a test may shrink
+        them) in place of the profile's."""
+        p = self.profile
+        if (self.sm_count, self.smem_per_block_optin, self.threads_per_sm, self.smem_per_sm) == \
+                (p.sm_count, p.smem_per_block_optin, p.threads_per_sm, p.smem_per_sm):
+            return p
+        return dataclasses.replace(p, sm_count=self.sm_count, smem_per_block_optin=self.smem_per_block_optin,
+                                   threads_per_sm=self.threads_per_sm, smem_per_sm=self.smem_per_sm)
 
 
 @dataclass
@@ -330,7 +364,7 @@ class EmuRuntime:
         self.cu_dir = Path(cu_dir)
         self.order, self.seed, self.defer_side, self.check_pdl = order, seed, defer_side, check_pdl
         self.defines = dict(defines or {})
-        self.device = device or EmuDevice()
+        self.device = device or EmuDevice.default()
         self.progress = progress
         self.main, self.side, self.copy = EmuStream("main"), EmuStream("side"), EmuStream("copy")
         self.memory = EmuMemory(self)
@@ -354,6 +388,11 @@ class EmuRuntime:
                                               f"{src.stem}.cu")
                 kernels[name] = EmuKernel(name, src.stem, params, bounds.get(name, 1024))
         return EmuKernels(kernels)
+
+    @property
+    def profile(self) -> DeviceProfile:
+        """The device profile launches are checked against and ops size grids from (EmuDevice.checked_profile)."""
+        return self.device.checked_profile()
 
     def module(self, stem: str) -> emu.EmuModule:
         """The emulator build of cu/<stem>.cu with its -D defines (built on first use, cached on disk)."""
@@ -386,8 +425,10 @@ class EmuRuntime:
             raise KernelArgumentError(f"no kernel named {name!r}; known: {', '.join(sorted(self.kernels.kernels))}"
                                       ) from None
         mod = self.module(k.module)
+        prof = self.profile
+        res = resources.kernel(prof.arch, name)          # the committed ptxas report (None: a kernel not in it)
         g, b = check_geometry(name, grid, block, smem, k.max_threads, self.device.smem_per_block_optin,
-                              mod.static_smem_bytes)
+                              mod.static_smem_bytes, res.registers if res is not None else 0, prof)
         raw = check_args(name, k.params, args)     # the GPU launcher's checks, before anything is queued
         for p, v in zip(k.params, args):
             if p.is_pointer and isinstance(v, DeviceArray) and v.mem is not self.memory:

@@ -117,7 +117,7 @@ class _CountingRuntime:
     """The runtime's streams and device limits, launches that do nothing: what launches_per_step records on."""
 
     def __init__(self, rt: Any):
-        self.device, self.main, self.side = rt.device, rt.main, rt.side
+        self.device, self.profile, self.main, self.side = rt.device, rt.profile, rt.main, rt.side
 
     def launch(self, *args: Any, **kw: Any) -> None:
         pass

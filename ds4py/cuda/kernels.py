@@ -48,7 +48,7 @@ class Launcher:
 
     def __init__(self, rt: Any, pdl: bool):
         self.rt, self.pdl = rt, pdl
-        self.device = rt.device
+        self.device, self.profile = rt.device, rt.profile
         self.launches = 0
         self.side_launches = 0
         self._fresh = {id(rt.main): True, id(rt.side): True}

@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 
 from ds4py.cuda.args import KernelArgumentError, pack_args
 from ds4py.cuda.compiler import CU_DIR, CompiledModule, KernelResources, check_driver_version, compile_all
+from ds4py.cuda.devices import DeviceProfile, check_launch
 from ds4py.cuda.driver import CudaError, api, call
 from ds4py.cuda.signature import Param
 
@@ -32,10 +33,13 @@ def dim3(d: Dim, what: str) -> tuple[int, int, int]:
 
 
 def check_geometry(kernel: str, grid: Dim, block: Dim, smem: int, max_threads: int, max_smem: int,
-                   static_smem: int = 0) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+                   static_smem: int = 0, registers: int = 0,
+                   profile: DeviceProfile | None = None) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     """Reject a launch the driver would refuse (or that breaks the kernels' warp assumptions) with a clear error.
     max_threads: the kernel's limit (registers and __launch_bounds__ included); max_smem: the device's shared
-    memory per block (opt-in); static_smem: the kernel's own __shared__ bytes, which count against it too."""
+    memory per block (opt-in); static_smem: the kernel's own __shared__ bytes, which count against it too.
+    profile: the device's DeviceProfile (ds4py/cuda/devices.py): the launch is also checked against its per-SM
+    limits with `registers` per thread (the ptxas report; 0: unknown), LaunchRefused naming the limit."""
     g, b = dim3(grid, f"{kernel}: grid"), dim3(block, f"{kernel}: block")
     threads = b[0] * b[1] * b[2]
     if threads > max_threads:
@@ -47,6 +51,8 @@ def check_geometry(kernel: str, grid: Dim, block: Dim, smem: int, max_threads: i
     if smem < 0 or smem + static_smem > max_smem:
         raise KernelArgumentError(f"{kernel}: {smem} bytes of dynamic shared memory (+ {static_smem} static) "
                                   f"exceeds the limit of {max_smem} per block")
+    if profile is not None:
+        check_launch(profile, kernel, g, b, smem, registers, static_smem, max_threads)
     return g, b
 
 
@@ -108,11 +114,13 @@ class KernelRegistry:
 
 
 def launch(kernel: Kernel, grid: Dim, block: Dim, args: Sequence[Any], stream: Any, smem: int = 0,
-           pdl: bool = False, max_smem: int = STATIC_SMEM_LIMIT) -> None:
-    """One cuLaunchKernelEx. pdl=True adds CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION."""
+           pdl: bool = False, max_smem: int = STATIC_SMEM_LIMIT, profile: DeviceProfile | None = None) -> None:
+    """One cuLaunchKernelEx. pdl=True adds CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION. profile: the
+    device's limits, checked with the kernel's own ptxas register count (this build's report)."""
     d = api()
+    regs = kernel.resources.registers if kernel.resources is not None else 0
     g, b = check_geometry(kernel.name, grid, block, smem, kernel.max_threads, max(max_smem, STATIC_SMEM_LIMIT),
-                          kernel.static_smem)
+                          kernel.static_smem, regs, profile)
     packed = pack_args(kernel.name, kernel.params, args)
     if smem + kernel.static_smem > STATIC_SMEM_LIMIT and smem > kernel.smem_opt_in:
         call("cuFuncSetAttribute", kernel.func,

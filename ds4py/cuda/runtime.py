@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ds4py.cuda.compiler import CU_DIR
+from ds4py.cuda.devices import profile_for_device
 from ds4py.cuda.driver import CudaError, Device, api, call, error_name
 from ds4py.cuda.launch import KernelRegistry, launch
 from ds4py.cuda.memory import Arena, DriverMemory, WeightUploader
@@ -30,6 +31,7 @@ class Runtime:
         are part of every cubin's cache key. Missing ones take the V4 Flash values."""
         d = api()
         self.device = Device.open(ordinal)
+        self.profile = profile_for_device(self.device)     # launches are checked against it (registers included)
         self._bound = threading.local()
         self._bound.ok = True            # Device.open made the context current on this thread
         self.driver_version = int(call("cuDriverGetVersion"))
@@ -64,7 +66,7 @@ class Runtime:
                pdl: bool = False) -> None:
         self.bind_thread()
         launch(self.kernels[name], grid, block, args, self.main if stream is None else stream, smem=smem, pdl=pdl,
-               max_smem=self.device.smem_per_block_optin)
+               max_smem=self.device.smem_per_block_optin, profile=self.profile)
 
     def arena(self, weights_bytes: int, scratch_bytes: int = 64 << 20) -> Arena:
         """An arena in this device's memory; its arrays copy with this runtime's context bound."""

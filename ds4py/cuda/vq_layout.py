@@ -9,7 +9,9 @@ a line and every 256-index block of it (384 bytes, 2,048 weights) is three whole
 2,304-wide down rows are 432 bytes: blocks cross rows, not lines). The hi rows are the file's hi plane (bit 12 of 8
 indices per byte); the gains are the effective ones: the file's f16 gain times any sidecar / post-training scales,
 multiplied in float32 in the reference's order (VQExperts.gains). The kernels stage a block's rows of each region
-as one span each; the codebook rides at the head of each matrix (copied into shared memory by every block).
+as one span each; the codebook rides at the head of each matrix (copied into shared memory once by every
+persistent block). Every width quantize-vq writes (6 .. 13 bits) has a kernel format; the stream of a b-bit layer
+is b bytes per run of 8 indices (12 at 13 bits), so a 256-index block is whole lines only at 12 / 13 bits.
 """
 
 from __future__ import annotations
@@ -25,9 +27,9 @@ def kernel_format(bits: int, where: str) -> str:
     """The experts.cu format of a layer's width; refuses a width no kernel reads, in one sentence."""
     fmt = vq_format(bits)
     if fmt is None:
-        widths = " and ".join(k.removeprefix("vq") for k in VQ_FORMATS)
+        widths = ", ".join(k.removeprefix("vq") for k in VQ_FORMATS)
         raise UnsupportedByBackend(f"{where} holds {bits}-bit VQ-8 experts; the CUDA kernels read {widths}-bit "
-                                   f"layers (the seed's widths); use --backend ref")
+                                   f"layers; use --backend ref")
     return fmt
 
 

@@ -12,7 +12,7 @@ from ds4py.cuda.ops.core import blocks_that_fit, ceil_div, is_dtype, need
 
 def argmax_parts(rt: Any, n: int, threads: int = 256) -> int:
     """Blocks (= partial entries) an argmax over n values uses: enough to spread it over the device, no more."""
-    return max(1, min(ceil_div(n, threads * 8), blocks_that_fit(rt, threads, 0, cap_per_sm=1)))
+    return max(1, min(ceil_div(n, threads * 8), blocks_that_fit(rt, threads, 0, cap_per_sm=1, kernel="argmax_f32")))
 
 
 def argmax(rt: Any, x: DeviceArray, n: int, part_val: DeviceArray, part_idx: DeviceArray, ticket: DeviceArray,

@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from ds4py.cuda import resources
+from ds4py.cuda.devices import occupancy
 from ds4py.cuda.memory import DeviceArray
 from ds4py.errors import Ds4Error
 
@@ -30,15 +32,16 @@ def is_dtype(a: DeviceArray | None, dtype: Any) -> bool:
     return a is not None and np.dtype(a.dtype) == np.dtype(dtype)
 
 
-def blocks_that_fit(rt: Any, threads: int, smem_per_block: int, cap_per_sm: int = 32) -> int:
-    """Blocks of `threads` threads and `smem_per_block` bytes that the whole device holds at once (an upper bound
-    for a grid-stride launch: more blocks only queue behind the first wave). Threads per SM come from the device
-    (2,048 on H100 / H200, 1,536 on GB10)."""
-    dev = rt.device
-    per_sm = min(cap_per_sm, max(1, dev.threads_per_sm // threads))
-    if smem_per_block:
-        per_sm = min(per_sm, max(1, dev.smem_per_block_optin // smem_per_block))
-    return dev.sm_count * per_sm
+def blocks_that_fit(rt: Any, threads: int, smem_per_block: int, cap_per_sm: int = 32, kernel: str | None = None) -> int:
+    """Blocks of `threads` threads and `smem_per_block` bytes of dynamic shared memory that the whole device holds
+    at once (an upper bound for a grid-stride launch: more blocks only queue behind the first wave): the
+    occupancy of rt.profile (ds4py/cuda/devices.py) from threads, shared memory per SM and, for a named kernel,
+    its registers and static shared memory from the committed ptxas table of the profile's arch (ds4py/cuda/
+    resources.py; an arch without a table: threads and shared memory only)."""
+    p = rt.profile
+    res = resources.kernel(p.arch, kernel) if kernel else None
+    occ = occupancy(p, threads, res.registers if res else 0, smem_per_block + (res.smem if res else 0))
+    return p.sm_count * min(cap_per_sm, max(1, occ.blocks_per_sm))
 
 
 def ceil_div(a: int, b: int) -> int:

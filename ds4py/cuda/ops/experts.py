@@ -1,6 +1,7 @@
 """Host wrappers of cu/experts.cu: routed / shared expert gate+up+SwiGLU, down (+ add, + hc_post), and exact
 dequantisation, for every expert weight format: the ggml ones (keyed by GGML type) and VQ-8 ("vq12", "vq13": the
-device layout of ds4py/cuda/vq_layout.py, codebook at the head of each matrix; no moe_dequant). Launch geometry and shared memory are computed here.
+device layout of ds4py/cuda/vq_layout.py, codebook at the head of each matrix, every width 6 .. 13 bits; no
+moe_dequant). Launch geometry and shared memory are computed here.
 
 A decode MoE sub-layer is (the shared expert may run on the side stream, between rt.fork() and rt.join()):
     moe_gate_up(shared, ids=None, n_slots=1) -> h_sh;  moe_down(shared, ids=None, n_slots=1) -> y_sh
@@ -16,11 +17,16 @@ import numpy as np
 from ds4py.ggml_types import GGMLQuantizationType as QT
 
 from ds4py.cuda.ops.attention import aligned, dtype_is, need
+from ds4py.cuda.ops.core import blocks_that_fit
 from ds4py.cuda.signature import CU_DIR, list_of
 
 MOE_RPT = 8                    # rows per thread (accumulators per matrix)
 DEFINES = {"MOE_RPT": MOE_RPT}                                                     # -D values of cu/experts.cu
 SMEM_BUDGET = 48 * 1024        # staged rows per block: no opt-in, several blocks per SM
+# VQ-8: the codebook (up to 64 KiB) + the stage + the kernels' static shared memory must fit the smallest
+# per-block opt-in of the devices ds4py targets: GB10 (sm_121), 101,376 B (docs/cuda.md "Device facts").
+SMEM_LIMIT = 101_376
+STATIC_RESERVE = 256           # the VQ kernels' own __shared__ bytes (moe_gate_up_rows: one int), rounded up
 
 
 
@@ -42,6 +48,11 @@ def _vq_formats() -> dict[str, tuple[int, int, int]]:
 
 FORMATS = _formats()
 VQ_FORMATS = _vq_formats()
+
+
+def vq_bits(qtype: str) -> int:
+    """The index width of a VQ-8 format key ("vq13" -> 13)."""
+    return VQ_FORMATS[qtype][1]
 
 
 def vq_format(bits: int) -> str | None:
@@ -74,11 +85,11 @@ VQ_LINE = 128                  # each expert's VQ-8 stream starts on a 128-byte 
 
 
 def vq_row_parts(qtype: str, cols: int) -> tuple[int, int]:
-    """(stream bytes, hi bytes) of one row of a VQ-8 matrix (moe_formats.cuh MoeVq): 12 bytes and, at 13 bits, one
-    hi byte per run of 8 indices, as in the file."""
-    qk, nb, _ = VQ_FORMATS[qtype]
+    """(stream bytes, hi bytes) of one row of a VQ-8 matrix (moe_formats.cuh MoeVq): `bits` bytes (12 at 13 bits)
+    and, at 13 bits, one hi byte per run of 8 indices, as in the file."""
+    qk, bits, _ = VQ_FORMATS[qtype]
     runs = cols // qk
-    return runs * 12, (runs if nb == 13 else 0)
+    return runs * (12 if bits == 13 else bits), (runs if bits == 13 else 0)
 
 
 def vq_expert_bytes(qtype: str, rows: int, cols: int) -> int:
@@ -127,17 +138,34 @@ class MoePlan:
     smem: int                  # dynamic shared memory bytes
 
 
+def vq_budget(qtype: Any) -> int:
+    """Dynamic shared bytes a block may stage: SMEM_BUDGET, and for VQ-8 at most what the codebook leaves of
+    SMEM_LIMIT (35,584 B at 13 bits)."""
+    if not isinstance(qtype, str):
+        return SMEM_BUDGET
+    return min(SMEM_BUDGET, SMEM_LIMIT - codebook_bytes(qtype) - STATIC_RESERVE)
+
+
+def launch_smem(qtype: Any, plan: "MoePlan") -> int:
+    """The dynamic shared memory of an expert launch: the plan's stage / sums, after the codebook (VQ-8)."""
+    return plan.smem + codebook_bytes(qtype)
+
+
 def moe_plan(qtype: int, cols: int, rows: int, spans: int, sums: int, rows_per_block: int | None = None,
-             budget: int = SMEM_BUDGET) -> MoePlan:
+             budget: int | None = None) -> MoePlan:
     """spans: row spans staged per block (2 for gate+up, n_slots for down); sums: partial-sum rows per block row
-    (2 for gate+up, 1 for down). Rows per block: as many as fit `budget`, at most MOE_RPT per row lane."""
+    (2 for gate+up, 1 for down). Rows per block: as many as fit `budget` (vq_budget), at most MOE_RPT per row
+    lane."""
     row_bytes(qtype, cols)                      # refuses a row that is not whole blocks
+    budget = vq_budget(qtype) if budget is None else budget
     G = cols // 32
     need(G <= 1024, f"experts: {cols} columns exceed the kernel's 1024 column groups")
     RL = max(1, 256 // G)
     threads = 32 * -(-(G * RL) // 32)
     if rows_per_block is None:
         rows_per_block = max(1, min(MOE_RPT * RL, budget // (spans * stage_bytes(qtype, 1, cols)), rows))
+        while rows_per_block > 1 and 4 * sums * rows_per_block * (G + 1) > budget:     # the partial sums too
+            rows_per_block -= 1
     need(1 <= rows_per_block <= MOE_RPT * RL, f"experts: {rows_per_block} rows per block exceed {MOE_RPT} per "
          f"row lane x {RL} lanes")
     stage = spans * stage_bytes(qtype, rows_per_block, cols)
@@ -145,8 +173,17 @@ def moe_plan(qtype: int, cols: int, rows: int, spans: int, sums: int, rows_per_b
     return MoePlan(threads, RL, rows_per_block, max(stage, partial))
 
 
+def _grid_x(rt: Any, qtype: Any, tiles: int, ys: int, plan: MoePlan) -> int:
+    """Blocks along x: one per row tile for the ggml formats; VQ-8's persistent blocks loop over the tiles, so
+    (with ys blocks along y) the grid is at most one wave of the device and each block loads the codebook once."""
+    if not isinstance(qtype, str):
+        return tiles
+    return max(1, min(tiles, blocks_that_fit(rt, plan.threads, launch_smem(qtype, plan) + STATIC_RESERVE) // ys))
+
+
 def _check_weights(where: str, W: Any, qtype: Any, n_experts: int, rows: int, cols: int) -> None:
     need(dtype_is(W, np.uint8), f"{where}: weights must be the raw GGUF bytes (uint8)")
+    need(not isinstance(qtype, str) or W.ptr % 16 == 0, f"{where}: a VQ-8 device copy must be 16-byte aligned")
     want = matrix_bytes(qtype, n_experts, rows, cols)
     need(W.nbytes == want, f"{where}: {W.nbytes} weight bytes for {n_experts} experts of [{rows}, {cols}] "
          f"{_label(qtype)} ({want} expected)")
@@ -165,9 +202,9 @@ def moe_gate_up(rt: Any, qtype: int, Wg: Any, Wu: Any, x: Any, ids: Any, route_w
     need(route_w is None or route_w.size >= n_slots, "moe_gate_up: route weights must cover the slots")
     need(aligned(16, x, h), "moe_gate_up: x and h must be 16-byte aligned")
     plan = moe_plan(qtype, dim, ff, 2, 2, rows_per_block)
-    rt.launch(f"moe_gate_up_{name}", (-(-ff // plan.rows_per_block), n_slots), plan.threads, Wg, Wu, x, ids, route_w,
-              h, int(n_experts), int(ff), int(dim), plan.rows_per_block, float(clamp), smem=plan.smem + codebook_bytes(qtype), stream=stream,
-              pdl=pdl)
+    gx = _grid_x(rt, qtype, -(-ff // plan.rows_per_block), n_slots, plan)
+    rt.launch(f"moe_gate_up_{name}", (gx, n_slots), plan.threads, Wg, Wu, x, ids, route_w, h, int(n_experts), int(ff),
+              int(dim), plan.rows_per_block, float(clamp), smem=launch_smem(qtype, plan), stream=stream, pdl=pdl)
     return plan
 
 
@@ -190,9 +227,10 @@ def moe_down(rt: Any, qtype: int, W: Any, ids: Any, h: Any, out: Any, n_experts:
         need(out.size == dim, "moe_down: out must be [dim]")
     need(aligned(16, h), "moe_down: h must be 16-byte aligned")
     plan = moe_plan(qtype, ff, dim, n_slots, 1, rows_per_block)
-    rt.launch(f"moe_down_{name}", -(-dim // plan.rows_per_block), plan.threads, W, ids, h, add, hc_post, hc_comb,
-              hc_x, out, int(n_slots), int(n_experts), int(dim), int(ff), plan.rows_per_block, hc, smem=plan.smem + codebook_bytes(qtype),
-              stream=stream, pdl=pdl)
+    gx = _grid_x(rt, qtype, -(-dim // plan.rows_per_block), 1, plan)
+    rt.launch(f"moe_down_{name}", gx, plan.threads, W, ids, h, add, hc_post, hc_comb, hc_x, out, int(n_slots),
+              int(n_experts), int(dim), int(ff), plan.rows_per_block, hc, smem=launch_smem(qtype, plan), stream=stream,
+              pdl=pdl)
     return plan
 
 
@@ -210,11 +248,12 @@ MAX_PAIRS = 1024               # (row, slot) pairs of one grouped launch (moe_un
 
 
 def moe_rows_plan(qtype: int, dim: int, ff: int, rows_per_block: int | None = None,
-                  budget: int = SMEM_BUDGET) -> MoePlan:
+                  budget: int | None = None) -> MoePlan:
     """The grouped gate + up keeps its stage while it runs every pair of its expert, so the partial sums sit
     beside it: as many rows per block as fit stage + partials in `budget` (the thread layout, and so every
     pair's bits, are those of moe_gate_up)."""
     G = dim // 32
+    budget = vq_budget(qtype) if budget is None else budget
     one = moe_plan(qtype, dim, ff, 2, 2, 1)
     if rows_per_block is None:
         rows_per_block = MOE_RPT * one.row_lanes
@@ -246,9 +285,10 @@ def moe_gate_up_rows(rt: Any, qtype: int, Wg: Any, Wu: Any, x: Any, ids: Any, ro
     need(aligned(16, x, h), "moe_gate_up_rows: x and h must be 16-byte aligned")
     plan = moe_rows_plan(qtype, dim, ff, rows_per_block)
     groups = k if ids is None else min(n_pairs, n_experts + 1)      # + 1: a bad id is a group of its own
-    rt.launch(f"moe_gate_up_rows_{name}", (-(-ff // plan.rows_per_block), groups), plan.threads, Wg, Wu, x, ids,
-              route_w, h, int(n_experts), int(ff), int(dim), plan.rows_per_block, float(clamp), int(n_pairs), int(k),
-              stride, smem=plan.smem + codebook_bytes(qtype), stream=stream, pdl=pdl)
+    gx = _grid_x(rt, qtype, -(-ff // plan.rows_per_block), groups, plan)
+    rt.launch(f"moe_gate_up_rows_{name}", (gx, groups), plan.threads, Wg, Wu, x, ids, route_w, h, int(n_experts),
+              int(ff), int(dim), plan.rows_per_block, float(clamp), int(n_pairs), int(k), stride,
+              smem=launch_smem(qtype, plan), stream=stream, pdl=pdl)
     return plan
 
 
@@ -272,7 +312,8 @@ def moe_down_rows(rt: Any, qtype: int, W: Any, ids: Any, h: Any, out: Any, n_exp
         need(out.size >= nx * dim, "moe_down_rows: out must be [nx, dim]")
     need(aligned(16, h), "moe_down_rows: h must be 16-byte aligned")
     plan = moe_plan(qtype, ff, dim, n_slots, 1, rows_per_block)
-    rt.launch(f"moe_down_rows_{name}", (-(-dim // plan.rows_per_block), nx), plan.threads, W, ids, h, add, mix, hc_x,
-              out, int(n_slots), int(n_experts), int(dim), int(ff), plan.rows_per_block, int(hc) if mix is not None
-              else 0, smem=plan.smem + codebook_bytes(qtype), stream=stream, pdl=pdl)
+    gx = _grid_x(rt, qtype, -(-dim // plan.rows_per_block), nx, plan)
+    rt.launch(f"moe_down_rows_{name}", (gx, nx), plan.threads, W, ids, h, add, mix, hc_x, out, int(n_slots),
+              int(n_experts), int(dim), int(ff), plan.rows_per_block, int(hc) if mix is not None else 0,
+              smem=launch_smem(qtype, plan), stream=stream, pdl=pdl)
     return plan

@@ -12,8 +12,8 @@ from ds4py.cuda.ops.core import blocks_that_fit, ceil_div, is_dtype, need
 THREADS = 256
 
 
-def _grid(rt: Any, n: int) -> int:
-    return max(1, min(ceil_div(n, THREADS), blocks_that_fit(rt, THREADS, 0)))
+def _grid(rt: Any, n: int, kernel: str) -> int:
+    return max(1, min(ceil_div(n, THREADS), blocks_that_fit(rt, THREADS, 0, kernel=kernel)))
 
 
 def _seed(seed: int) -> int:
@@ -26,7 +26,7 @@ def fill_random_u32(rt: Any, a: Any, seed: int, stream: Any = None, pdl: bool = 
     n = a.nbytes // 4
     if n:
         words = a.view(0, n, np.uint32) if hasattr(a, "view") else a
-        rt.launch("fill_random_u32", _grid(rt, n), THREADS, words, n, _seed(seed), stream=stream, pdl=pdl)
+        rt.launch("fill_random_u32", _grid(rt, n, "fill_random_u32"), THREADS, words, n, _seed(seed), stream=stream, pdl=pdl)
 
 
 def fill_uniform(rt: Any, a: Any, lo: float, hi: float, seed: int, stream: Any = None, pdl: bool = False) -> None:
@@ -34,7 +34,8 @@ def fill_uniform(rt: Any, a: Any, lo: float, hi: float, seed: int, stream: Any =
     f16 = is_dtype(a, np.float16)
     need(f16 or is_dtype(a, np.float32), "fill_uniform: the array must be float16 or float32")
     if a.size:
-        rt.launch("fill_f16_uniform" if f16 else "fill_f32_uniform", _grid(rt, a.size), THREADS, a, a.size,
+        name = "fill_f16_uniform" if f16 else "fill_f32_uniform"
+        rt.launch(name, _grid(rt, a.size, name), THREADS, a, a.size,
                   float(lo), float(hi), _seed(seed), stream=stream, pdl=pdl)
 
 
@@ -43,7 +44,7 @@ def fill_i32_rows(rt: Any, a: Any, k: int, mod: int, seed: int, stream: Any = No
     need(is_dtype(a, np.int32) and 1 <= k <= mod and a.size % k == 0,
          "fill_i32_rows: an int32 array of whole rows of k <= mod values")
     if a.size:
-        rt.launch("fill_i32_rows", _grid(rt, a.size), THREADS, a, a.size, int(k), int(mod), _seed(seed),
+        rt.launch("fill_i32_rows", _grid(rt, a.size, "fill_i32_rows"), THREADS, a, a.size, int(k), int(mod), _seed(seed),
                   stream=stream, pdl=pdl)
 
 
@@ -58,5 +59,5 @@ def fix_block_fields(rt: Any, a: Any, block_bytes: int, f16_at: tuple[int, ...] 
     offs = list(f16_at) + [-1] * (2 - len(f16_at))
     n = a.nbytes // block_bytes
     if n:
-        rt.launch("fix_block_fields", _grid(rt, n), THREADS, a, n, int(block_bytes), offs[0], offs[1], float(scale),
+        rt.launch("fix_block_fields", _grid(rt, n, "fix_block_fields"), THREADS, a, n, int(block_bytes), offs[0], offs[1], float(scale),
                   int(e8m0_at), int(e8m0_range[0]), int(e8m0_range[1]), _seed(seed), stream=stream, pdl=pdl)

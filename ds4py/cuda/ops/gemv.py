@@ -106,11 +106,14 @@ def _rows(what: str, nx: int, x_stride: int | None, width: int) -> tuple[str, tu
     return ("", (), 0) if nx == 1 else ("_rows", (int(nx), stride), stride)
 
 
-def _geometry(rt: Any, qtype: str, groups: int, warps: int | None, grid: int | None) -> tuple[int, int, int]:
+def _geometry(rt: Any, qtype: str, groups: int, warps: int | None, grid: int | None,
+              kernel: str | None = None) -> tuple[int, int, int]:
+    """(grid, threads, dynamic smem): one wave at most, the wave sized by the kernel's occupancy (its registers,
+    not threads alone: blocks_that_fit)."""
     warps = warps or DEFAULT_WARPS[qtype]
     need(1 <= warps <= 32, f"gemv: warps must be 1..32, got {warps}")
     smem = warps * Q8_WARP_SMEM if qtype == "Q8_0" else 0
-    grid = grid or min(ceil_div(groups, warps), blocks_that_fit(rt, 32 * warps, smem))
+    grid = grid or min(ceil_div(groups, warps), blocks_that_fit(rt, 32 * warps, smem, kernel=kernel))
     return grid, 32 * warps, smem
 
 
@@ -139,7 +142,7 @@ def gemv(rt: Any, outs: Sequence[tuple[DeviceArray, DeviceArray, int]], x: Devic
     suffix, extra, stride = _rows("gemv", nx, x_stride, cols * max(x_groups, 1))
     norm_w, eps, flags = _check_common("gemv", qtype, x, cols, x_groups, norm, nx, stride)
     flags |= ADD if add else 0
-    g, b, smem = _geometry(rt, qtype, groups, warps, grid)
+    g, b, smem = _geometry(rt, qtype, groups, warps, grid, _KERNEL[qtype] + suffix)
     Ws = [o[0] for o in outs] + [None] * (MAX_MATS - len(outs))
     ys = [o[1] for o in outs] + [None] * (MAX_MATS - len(outs))
     rows = [o[2] for o in outs] + [0] * (MAX_MATS - len(outs))
@@ -165,7 +168,7 @@ def gemv_hc_post(rt: Any, W: DeviceArray, x: DeviceArray, X: DeviceArray, mix: D
     x_groups = ceil_div(rows, x_group_rows) if x_group_rows else 0
     suffix, extra, stride = _rows("gemv_hc_post", nx, x_stride, cols * max(x_groups, 1))
     norm_w, eps, flags = _check_common("gemv_hc_post", qtype, x, cols, x_groups, norm, nx, stride)
-    g, b, smem = _geometry(rt, qtype, ceil_div(rows, GEMV_ROWS), warps, grid)
+    g, b, smem = _geometry(rt, qtype, ceil_div(rows, GEMV_ROWS), warps, grid, _KERNEL[qtype] + "_hc_post" + suffix)
     rt.launch(_KERNEL[qtype] + "_hc_post" + suffix, g, b, W, rows, x, cols, x_group_rows, norm_w, eps, flags, mix, X,
               *extra, smem=smem, stream=stream, pdl=pdl)
 
@@ -183,7 +186,7 @@ def gemv_swiglu(rt: Any, Wg: DeviceArray, Wu: DeviceArray, x: DeviceArray, y: De
          f"gemv_swiglu: y must be float32 with {nx * rows} values")
     suffix, extra, stride = _rows("gemv_swiglu", nx, x_stride, cols)
     norm_w, eps, flags = _check_common("gemv_swiglu", qtype, x, cols, 0, norm, nx, stride)
-    g, b, smem = _geometry(rt, qtype, ceil_div(rows, 2), warps, grid)
+    g, b, smem = _geometry(rt, qtype, ceil_div(rows, 2), warps, grid, _KERNEL[qtype] + "_swiglu" + suffix)
     rt.launch(_KERNEL[qtype] + "_swiglu" + suffix, g, b, Wg, Wu, rows, y, x, cols, norm_w, eps, flags, float(clamp),
               *extra, smem=smem, stream=stream, pdl=pdl)
 
