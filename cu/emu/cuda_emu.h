@@ -111,7 +111,8 @@ inline int __isGlobal(const void*) { return 1; }
 // (The race build records each as one atomic access: two atomics to one address are no race.)
 #define EMU_ATOMIC(name, expr) \
     template <class T, class U> EMU_NO_TSAN inline T name(T* p, U v_) { \
-        EMU_RACE(::__emu::race::access(p, sizeof(T), 1, 1);) const T v = (T)v_; T old = *p; *p = (expr); return old; }
+        EMU_RACE(::__emu::race::access(p, sizeof(T), 1, 1);) \
+        EMU_TRAFFIC(::__emu::traffic::atomic_access(p, sizeof(T));) const T v = (T)v_; T old = *p; *p = (expr); return old; }
 EMU_ATOMIC(atomicAdd, old + v)
 EMU_ATOMIC(atomicSub, old - v)
 EMU_ATOMIC(atomicExch, v)
@@ -120,10 +121,11 @@ EMU_ATOMIC(atomicMin, v < old ? v : old)
 EMU_ATOMIC(atomicAnd, old & v)
 EMU_ATOMIC(atomicOr, old | v)
 EMU_ATOMIC(atomicXor, old ^ v)
-EMU_NO_TSAN inline unsigned atomicInc(unsigned* p, unsigned lim) { EMU_RACE(::__emu::race::access(p, 4, 1, 1);) unsigned o = *p; *p = o >= lim ? 0 : o + 1; return o; }
-EMU_NO_TSAN inline unsigned atomicDec(unsigned* p, unsigned lim) { EMU_RACE(::__emu::race::access(p, 4, 1, 1);) unsigned o = *p; *p = (o == 0 || o > lim) ? lim : o - 1; return o; }
+EMU_NO_TSAN inline unsigned atomicInc(unsigned* p, unsigned lim) { EMU_RACE(::__emu::race::access(p, 4, 1, 1);) EMU_TRAFFIC(::__emu::traffic::atomic_access(p, 4);) unsigned o = *p; *p = o >= lim ? 0 : o + 1; return o; }
+EMU_NO_TSAN inline unsigned atomicDec(unsigned* p, unsigned lim) { EMU_RACE(::__emu::race::access(p, 4, 1, 1);) EMU_TRAFFIC(::__emu::traffic::atomic_access(p, 4);) unsigned o = *p; *p = (o == 0 || o > lim) ? lim : o - 1; return o; }
 template <class T, class U, class V> EMU_NO_TSAN inline T atomicCAS(T* p, U cmp, V val) {
     EMU_RACE(::__emu::race::access(p, sizeof(T), 1, 1);)
+    EMU_TRAFFIC(::__emu::traffic::atomic_access(p, sizeof(T));)
     T old = *p;
     if (old == (T)cmp) *p = (T)val;
     return old;
@@ -257,6 +259,6 @@ EMU_API size_t emu_static_smem_bytes() {
     return __start_emu_shared && __stop_emu_shared ? (size_t)(__stop_emu_shared - __start_emu_shared) : 0;
 }
 
-#if defined(DS4_EMU_RACE) || defined(DS4_EMU_ASAN)
+#if defined(DS4_EMU_RACE) || defined(DS4_EMU_ASAN) || defined(DS4_EMU_TRAFFIC)
 #include "emu_check.h"
 #endif

@@ -6,11 +6,21 @@
 // The checker builds (ds4py/cuda/emu.py, DS4PY_EMU_CHECK): DS4_EMU_RACE instruments every memory access
 // (g++ -fsanitize=thread, with the hooks in emu_check.h instead of TSan's runtime) to find shared-memory races;
 // DS4_EMU_ASAN is the AddressSanitizer + UBSan build. The hooks below are no-ops in the plain build.
+// DS4_EMU_TRAFFIC is the traffic profiler (emu_check.h): the same -fsanitize=thread hooks, routed to per-warp
+// request accounting instead (coalescing, unique bytes, bytes before pdl_wait, shared-memory bank conflicts).
 #if defined(DS4_EMU_RACE)
 #define EMU_RACE(...) __VA_ARGS__
-#define EMU_NO_TSAN __attribute__((no_sanitize_thread))
 #else
 #define EMU_RACE(...)
+#endif
+#if defined(DS4_EMU_TRAFFIC)
+#define EMU_TRAFFIC(...) __VA_ARGS__
+#else
+#define EMU_TRAFFIC(...)
+#endif
+#if defined(DS4_EMU_RACE) || defined(DS4_EMU_TRAFFIC)
+#define EMU_NO_TSAN __attribute__((no_sanitize_thread))
+#else
 #define EMU_NO_TSAN
 #endif
 #if defined(DS4_EMU_ASAN)
@@ -30,6 +40,15 @@ inline void barrier();
 inline void warp_sync(int warp);
 inline void access(const void* p, size_t n, int write, int atomic);
 }  // namespace race
+#endif
+#if defined(DS4_EMU_TRAFFIC)
+namespace traffic {
+void block_start();
+void flush();
+void access_at(const void* p, size_t n, int write, uintptr_t pc);
+__attribute__((noinline)) void cp_async_issued(const void* src, size_t n);
+__attribute__((noinline)) void atomic_access(const void* p, size_t n);
+}  // namespace traffic
 #endif
 #if defined(DS4_EMU_ASAN)
 inline void asan_dyn_smem(unsigned char* p, size_t bytes);
@@ -246,6 +265,7 @@ inline void run_copy(const PendingCopy& c) {
 
 inline void cp_async(void* dst, const void* src, int bytes) {
     Fiber* f = L.cur;
+    EMU_TRAFFIC(traffic::cp_async_issued(src, (size_t)bytes);)     // a global load, by the issuing thread
     if (((uintptr_t)dst | (uintptr_t)src) & (uintptr_t)(bytes - 1))
         fail("cp.async of %d bytes needs %d-byte aligned addresses (dst %p, src %p)", bytes, bytes, dst, src);
     if (f->ncopies == 32) {                      // hardware may finish a copy at any time: retire the oldest
@@ -280,6 +300,7 @@ inline void release_barrier(int mode) {
     L.bar_count = 0;
     L.bar_pred = 0;
     EMU_RACE(race::barrier();)
+    EMU_TRAFFIC(traffic::flush();)     // no lane can run a request from before the barrier any more
 }
 
 inline int barrier(Site site, int mode, int pred) {
@@ -672,6 +693,7 @@ inline bool run_block(uint3 b, int order) {
     memset(dyn_smem_ptr, 0xff, L.dyn_smem);
     poison_static_smem();
     EMU_RACE(race::block_start();)
+    EMU_TRAFFIC(traffic::block_start();)
     static int idx[kMaxThreads];
     L.order = idx;
     while (L.live > 0) {
@@ -691,6 +713,7 @@ inline bool run_block(uint3 b, int order) {
         }
         if (!L.ran) { report_deadlock(); return false; }
     }
+    EMU_TRAFFIC(traffic::flush();)
     return true;
 }
 

@@ -42,13 +42,18 @@ GENERATOR_VERSION = "ds4py-emu-v3"
 #   no TSan runtime: compiled, then linked without it);
 # asan: AddressSanitizer + UndefinedBehaviorSanitizer (global memory, the stacks, static __shared__ with redzones,
 #   dynamic shared memory poisoned outside the launch's bytes); the process must load libasan first
-#   (python -m ds4py.cuda.emu_check does that).
+#   (python -m ds4py.cuda.emu_check does that);
+# traffic: the race build's instrumentation routed to a memory-traffic profile per launch (cu/emu/emu_check.h,
+#   ds4py/cuda/traffic.py): coalescing per warp request, unique bytes, bytes before pdl_wait, bank conflicts;
+#   -fno-tree-sra keeps a float4 / uint2 load one 16 / 8-byte access, as the GPU issues it (g++'s scalar
+#   replacement of aggregates would split it into 4-byte loads: four requests at a quarter of the efficiency).
 CHECKS = {
     "race": ("-fsanitize=thread", "--param=tsan-instrument-func-entry-exit=0", "-DDS4_EMU_RACE=1"),
     "asan": ("-fsanitize=address,undefined", "-fsanitize-sections=emu_shared", "-fno-sanitize-recover=undefined",
              "-fno-omit-frame-pointer", "-DDS4_EMU_ASAN=1"),
+    "traffic": ("-fsanitize=thread", "--param=tsan-instrument-func-entry-exit=0", "-fno-tree-sra", "-DDS4_EMU_TRAFFIC=1"),
 }
-LINK_CHECKS = {"race": (), "asan": ("-fsanitize=address,undefined",)}
+LINK_CHECKS = {"race": (), "asan": ("-fsanitize=address,undefined",), "traffic": ()}
 ORDERS = {"forward": 0, "reverse": 1, "random": 2}
 
 _loaded: dict[tuple[str, tuple[str, ...]], "EmuModule"] = {}
@@ -78,8 +83,8 @@ def checks(check: str | Sequence[str] | None = None) -> tuple[str, ...]:
     bad = [c for c in names if c not in CHECKS]
     if bad:
         raise EmuError(f"unknown emulator check {bad[0]!r} (DS4PY_EMU_CHECK takes {', '.join(CHECKS)})")
-    if "race" in names and "asan" in names:
-        raise EmuError("the race and asan checks are separate builds: run one, then the other")
+    if len(set(names)) > 1:
+        raise EmuError(f"the {' and '.join(sorted(set(names)))} checks are separate builds: run one, then the other")
     return tuple(sorted(set(names)))
 
 
@@ -231,10 +236,10 @@ def _compile(cxx: str, source: Path, unit: str, extra_flags: Sequence[str], out:
     t0 = time.perf_counter()
     cmd = [cxx, *FLAGS, *extra_flags, f"-I{EMU_DIR / 'include'}", f"-I{source.parent}", f"-I{CU_DIR}",
            "-include", str(EMU_DIR / "cuda_emu.h"), "-x", "c++", str(tmp_src)]
-    # the race build links without the sanitizer (its hooks are in the library itself, no TSan runtime)
+    # the race and traffic builds link without the sanitizer (its hooks are in the library itself, no TSan runtime)
     steps = ([cmd + ["-c", "-o", str(tmp_obj)],
               [cxx, "-shared", "-fPIC", "-Wl,-Bsymbolic", str(tmp_obj), "-o", str(tmp_so)]]
-             if "race" in modes else [cmd + ["-o", str(tmp_so)]])
+             if "race" in modes or "traffic" in modes else [cmd + ["-o", str(tmp_so)]])
     try:
         for c in steps:
             r = subprocess.run(c, capture_output=True, text=True)
@@ -347,10 +352,12 @@ class Staged:
 
 class _Group:
     """One host extent [addr, addr + nbytes) that one or more arguments point at (the same array twice)."""
-    __slots__ = ("addr", "nbytes", "names", "writes", "buf", "cached", "memory")
+    __slots__ = ("addr", "nbytes", "names", "writes", "buf", "cached", "memory", "weight")
 
-    def __init__(self, addr: int, nbytes: int, name: str, writes: bool, memory: Any):
+    def __init__(self, addr: int, nbytes: int, name: str, writes: bool, memory: Any, weight: bool = False):
         self.addr, self.nbytes, self.names, self.writes = addr, nbytes, [name], writes
+        self.weight = weight          # read-only at the source (the arena's weights region): what the traffic
+                                      # profile reports as a weight
         self.buf: GuardedBuffer | None = None
         self.cached = False
         self.memory = memory
@@ -378,7 +385,7 @@ class Staging:
             if nbytes and g.nbytes and addr < g.addr + g.nbytes and g.addr < addr + nbytes:
                 raise KernelArgumentError(f"{self.kernel}: argument {p.name!r} partly overlaps argument "
                                           f"{g.names[0]!r}; pass separate arrays")
-        self.groups.append(_Group(addr, nbytes, p.name, writes, memory))
+        self.groups.append(_Group(addr, nbytes, p.name, writes, memory, bool(src_readonly)))
         return Staged(0, dtype, src_readonly)
 
     def place(self, staged: list[tuple[int, int, Staged]]) -> None:
@@ -469,6 +476,9 @@ class EmuModule:
         if "asan" in self.checks:
             lib.emu_asan_poison.argtypes = lib.emu_asan_unpoison.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
             self._poison = (lib.emu_asan_poison, lib.emu_asan_unpoison)
+        if "traffic" in self.checks:
+            lib.emu_traffic_begin.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+            lib.emu_traffic_read.argtypes = [ctypes.c_void_p]
         self._launchers = {}
         for k in self.kernels:
             fn = getattr(lib, f"emu_launch_{k}")
@@ -524,6 +534,12 @@ class EmuModule:
             starts = (ctypes.c_void_p * max(1, len(watched)))(*[b.start for b in watched])
             lens = (ctypes.c_size_t * max(1, len(watched)))(*[b.body for b in watched])
             self._lib.emu_pdl_check(len(watched), starts, lens)
+        profiled = [g for g in staging.groups if g.buf is not None] if "traffic" in self.checks else []
+        if "traffic" in self.checks:
+            los = (ctypes.c_void_p * max(1, len(profiled)))(*[g.buf.ptr for g in profiled])
+            lens = (ctypes.c_size_t * max(1, len(profiled)))(*[g.nbytes for g in profiled])
+            if self._lib.emu_traffic_begin(len(profiled), los, lens) != 0:
+                raise EmuError(f"{name}: the traffic profile takes at most 64 pointer arguments")
         bufs = [g.buf for g in staging.groups if g.buf is not None] if self._poison else []
         for b in bufs:              # the asan build: every byte of an argument's buffer outside the argument
             pre, post = b.ptr - b.start, b.start + b.body - (b.ptr + b.nbytes)
@@ -539,6 +555,13 @@ class EmuModule:
                 self._lib.emu_pdl_check(-1, None, None)
                 for b in watched:                          # the launch may have left them read-only
                     protect(b.start, b.body, False)
+        if "traffic" in self.checks:
+            from ds4py.cuda import traffic
+            counters = (ctypes.c_uint64 * (len(profiled) * self._lib.emu_traffic_counters() + 6))()
+            self._lib.emu_traffic_read(counters)
+            self._lib.emu_traffic_begin(-1, None, None)
+            if rc == 0:
+                traffic.record(traffic.launch_record(name, grid, block, shared_mem, profiled, list(counters)))
         if rc != 0:
             msg = self._lib.emu_message().decode(errors="replace")
             if rc == 2:

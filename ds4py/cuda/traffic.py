@@ -1,0 +1,279 @@
+"""Memory-traffic profile of kernels, measured by the CPU emulator's traffic build (DS4PY_EMU_CHECK=traffic;
+cu/emu/emu_check.h does the counting, docs/cuda-emu.md "Traffic profile" defines every field).
+
+Per launch and pointer argument: warp requests, bytes requested, the 32-byte sectors and 128-byte lines those
+requests touch (coalescing), unique bytes against the argument's bytes, how often its bytes are read again
+(by later requests, by other blocks), bytes loaded before pdl_wait(); per launch the shared-memory requests and
+their wavefronts (bank conflicts). Records go to `RECORDS` (while `collect()` is open) and, when
+DS4PY_EMU_TRAFFIC names a file, one JSON line per launch to it.
+
+    python3 -m ds4py.cuda.traffic [--out bench/traffic/report.json] [tests/test_cu_emu_gemv.py ...]
+
+runs the kernels' twin tests (tests/test_cu_emu_*.py, tiny shapes, forward order only) under the traffic build
+and writes the per-kernel report (one entry per kernel, its launches summed) plus the findings: weight arguments
+below 95% coalescing or read more than 1.1 times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+# The counters of one argument, in cu/emu/emu_check.h's order (traffic::L_REQ ... S_LINES).
+ARG_COUNTERS = ("requests", "requested_bytes", "distinct_bytes", "sectors", "lines", "unique_bytes",
+                "block_unique_bytes", "pre_pdl_bytes",
+                "store_requests", "store_requested_bytes", "store_distinct_bytes", "store_sectors", "store_lines",
+                "unique_sectors")
+# Which const pointer parameters of cu/*.cu hold model weights (a parameter name, the same across kernels): the
+# report's `weight` flag and its findings. The twin tests upload activations into the arena's weights region too,
+# so where the bytes live does not tell.
+WEIGHT_PARAMS = frozenset({"W", "W0", "W1", "W2", "W3", "Wg", "Wu", "w", "weight", "codes", "scales", "table",
+                           "ape", "norm_w", "k_norm", "bias", "sinks", "fn", "scale", "base"})
+SMEM_COUNTERS = ("requests", "wavefronts", "ideal_wavefronts")
+COALESCING_TARGET = 0.95          # issue 34: every weight-streaming kernel's weight argument
+REREAD_LIMIT = 1.1
+FORMAT = "ds4py-traffic-v1"
+# The profile does not depend on thread order, so the tool skips the twin tests' reverse and random re-runs
+# (test_random_words is the philox kernel's test, not an order) and the order-identity tests.
+ONE_ORDER = "not reverse and (not random or test_random_words) and not thread_order"
+
+RECORDS: list[dict] | None = None
+
+
+@contextlib.contextmanager
+def collect() -> Iterator[list[dict]]:
+    """The launch records of the traffic build made inside the block."""
+    global RECORDS
+    outer, RECORDS = RECORDS, []
+    try:
+        yield RECORDS
+    finally:
+        RECORDS = outer
+
+
+def record(rec: dict) -> None:
+    if RECORDS is not None:
+        RECORDS.append(rec)
+    path = os.environ.get("DS4PY_EMU_TRAFFIC")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(rec, separators=(",", ":")) + "\n")
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return round(num / den, 4) if den else None
+
+
+def derive_arg(c: dict) -> dict:
+    """The ratios of one argument's counters (added to a copy)."""
+    out = dict(c)
+    out["coalescing"] = _ratio(c["distinct_bytes"], 32 * c["sectors"])
+    out["line_efficiency"] = _ratio(c["distinct_bytes"], 128 * c["lines"])
+    out["reread"] = _ratio(c["distinct_bytes"], c["unique_bytes"])
+    out["reread_blocks"] = _ratio(c["block_unique_bytes"], c["unique_bytes"])
+    out["coverage"] = _ratio(c["unique_bytes"], c["arg_bytes"])
+    out["dram_efficiency"] = _ratio(c["unique_bytes"], 32 * c["unique_sectors"])
+    out["store_coalescing"] = _ratio(c["store_distinct_bytes"], 32 * c["store_sectors"])
+    return out
+
+
+def derive_smem(c: dict) -> dict:
+    out = dict(c)
+    out["conflict_factor"] = _ratio(c["wavefronts"], c["ideal_wavefronts"])
+    return out
+
+
+def launch_record(kernel: str, grid: Sequence[int], block: Sequence[int], smem_bytes: int, groups: Sequence[Any],
+                  counters: Sequence[int]) -> dict:
+    """One launch's record from the library's counters (groups: emu._Group, one per distinct argument buffer)."""
+    n = len(ARG_COUNTERS)
+    args = {}
+    for i, g in enumerate(groups):
+        c = dict(zip(ARG_COUNTERS, counters[i * n:(i + 1) * n]))
+        c.update(arg_bytes=g.nbytes, weight=not g.writes and any(nm in WEIGHT_PARAMS for nm in g.names),
+                 readonly_source=bool(g.weight), written=bool(g.writes))
+        args["=".join(g.names)] = derive_arg(c)
+    base = len(groups) * n
+    load = dict(zip(SMEM_COUNTERS, counters[base:base + 3]))
+    store = dict(zip(SMEM_COUNTERS, counters[base + 3:base + 6]))
+    both = {k: load[k] + store[k] for k in SMEM_COUNTERS}
+    smem = derive_smem(both)
+    smem["load"], smem["store"] = derive_smem(load), derive_smem(store)
+    return {"kernel": kernel, "grid": list(grid), "block": list(block), "smem_bytes": int(smem_bytes),
+            "args": args, "smem": smem}
+
+
+def _add(into: dict, c: dict, keys: Sequence[str]) -> None:
+    for k in keys:
+        into[k] = into.get(k, 0) + c[k]
+
+
+def summarize(records: Sequence[dict]) -> dict:
+    """Per kernel: its launches' counters summed per argument name and for shared memory, ratios re-derived."""
+    kernels: dict[str, dict] = {}
+    for r in records:
+        k = kernels.setdefault(r["kernel"], {"launches": 0, "args": {}, "smem": {}, "smem_load": {},
+                                             "smem_store": {}})
+        k["launches"] += 1
+        for name, c in r["args"].items():
+            big = k.setdefault("largest", {}).get(name)
+            if c["requests"] and (big is None or (c["arg_bytes"], c["distinct_bytes"]) >
+                                  (big["arg_bytes"], big["distinct_bytes"])):
+                k["largest"][name] = dict(c, grid=r["grid"], block=r["block"])
+            a = k["args"].setdefault(name, {"weight": c["weight"], "written": c["written"],
+                                            "readonly_source": c.get("readonly_source", False)})
+            a["weight"] |= c["weight"]
+            a["readonly_source"] |= c.get("readonly_source", False)
+            a["written"] |= c["written"]
+            _add(a, c, ARG_COUNTERS + ("arg_bytes",))
+        _add(k["smem"], r["smem"], SMEM_COUNTERS)
+        _add(k["smem_load"], r["smem"]["load"], SMEM_COUNTERS)
+        _add(k["smem_store"], r["smem"]["store"], SMEM_COUNTERS)
+    out = {}
+    for name in sorted(kernels):
+        k = kernels[name]
+        smem = derive_smem(k["smem"]) if k["smem"] else derive_smem(dict.fromkeys(SMEM_COUNTERS, 0))
+        if k["smem_load"]:
+            smem["load"], smem["store"] = derive_smem(k["smem_load"]), derive_smem(k["smem_store"])
+        args = {a: derive_arg(c) for a, c in k["args"].items()}
+        for a, big in k.get("largest", {}).items():
+            args[a]["largest_launch"] = {f: big[f] for f in LARGEST_FIELDS}
+        out[name] = {"launches": k["launches"], "args": args, "smem": smem}
+    return out
+
+
+# What the report keeps of each argument's largest launch (the twin tests' shapes are tiny and ragged on purpose:
+# a row of a few hundred bytes ends in a partly used sector, so the summed coalescing understates what the same
+# code does at the model's shapes; the largest launch is the nearest to them).
+LARGEST_FIELDS = ("grid", "block", "arg_bytes", "requests", "coalescing", "dram_efficiency", "reread",
+                  "reread_blocks", "coverage", "pre_pdl_bytes")
+
+
+def findings(kernels: dict) -> list[dict]:
+    """Weight arguments below the coalescing target or read more than REREAD_LIMIT times; kernels that load
+    weights only after pdl_wait; shared-memory requests with bank conflicts."""
+    out = []
+    for name, k in kernels.items():
+        for arg, c in k["args"].items():
+            if not c["weight"] or not c["requests"]:
+                continue
+            c = c.get("largest_launch", c)          # judged at the largest shape the tests launch
+            why = []
+            if c["coalescing"] is not None and c["coalescing"] < COALESCING_TARGET:
+                why.append(f"coalescing {c['coalescing']:.1%}")
+            if c["reread"] is not None and c["reread"] > REREAD_LIMIT:
+                why.append(f"re-read {c['reread']:.2f}x by requests")
+            if c["reread_blocks"] is not None and c["reread_blocks"] > REREAD_LIMIT:
+                why.append(f"re-read {c['reread_blocks']:.2f}x by blocks")
+            if why:
+                out.append({"kernel": name, "arg": arg, "why": why, "arg_bytes": c["arg_bytes"],
+                            "coalescing": c["coalescing"], "reread": c["reread"],
+                            "reread_blocks": c["reread_blocks"]})
+    return out
+
+
+def report(records: Sequence[dict], sources: Sequence[str] = ()) -> dict:
+    kernels = summarize(records)
+    return {"format": FORMAT, "sources": list(sources), "launches": len(records), "kernels": kernels,
+            "findings": findings(kernels),
+            "pre_pdl_weight_loads": sorted(n for n, k in kernels.items()
+                                           if any(c["weight"] and c["pre_pdl_bytes"] for c in k["args"].values())),
+            "bank_conflicts": {n: k["smem"]["conflict_factor"] for n, k in kernels.items()
+                               if k["smem"]["conflict_factor"] and k["smem"]["conflict_factor"] > 1.0}}
+
+
+def model_width_gemv(rows: int = 16, cols: int = 4096, nx: int = 1) -> list[dict]:
+    """The dense GEMV of every weight type at the model's width (V4 Flash: 4096 columns; the twin tests' rows are a
+    few hundred bytes, where a row's partly used last sector weighs heavily), traffic build, one launch each."""
+    import numpy as np
+
+    from ds4py.cuda import ops, twins
+    from ds4py.cuda.emu_runtime import EmuRuntime
+    from ds4py.quant import kquants
+
+    r = np.random.default_rng(34)
+    Wf = r.standard_normal((rows, cols)).astype(np.float32)
+    weights = {"F32": Wf, "F16": Wf.astype(np.float16), "Q8_0": twins.quant_q8_0(Wf).reshape(rows, -1),
+               "Q4_K": kquants.quant_q4_k(Wf.reshape(-1, 256)).reshape(rows, -1)}
+    old = os.environ.get("DS4PY_EMU_CHECK")
+    os.environ["DS4PY_EMU_CHECK"] = "traffic"
+    try:
+        rt = EmuRuntime(check_pdl=True)
+        arena = rt.arena(weights_bytes=4 * rows * cols + (1 << 20), scratch_bytes=1 << 20)
+        with collect() as recs:
+            for kind, host in weights.items():
+                arena.reset_weights()
+                arena.begin_step()
+                W = arena.weights(host.shape, host.dtype)
+                W.upload(host)
+                x, y = arena.scratch(cols * nx, np.float32), arena.scratch(rows * nx, np.float32)
+                x.upload(r.standard_normal(cols * nx).astype(np.float32))
+                ops.gemv(rt, [(W, y, rows)], x, cols, nx=nx)
+                rt.synchronize()
+        arena.close()
+    finally:
+        if old is None:
+            os.environ.pop("DS4PY_EMU_CHECK", None)
+        else:
+            os.environ["DS4PY_EMU_CHECK"] = old
+    return recs
+
+
+def twin_tests(repo: Path) -> list[str]:
+    """The kernels' twin tests: every tests/test_cu_emu_*.py but the emulator's own and the GPU / NVRTC ones."""
+    skip = {"test_cu_emu.py", "test_cu_emu_gpu.py", "test_cu_emu_portable.py", "test_cu_emu_kernels.py",
+            "test_cu_emu_runtime.py"}
+    return [str(p.relative_to(repo)) for p in sorted((repo / "tests").glob("test_cu_emu_*.py")) if p.name not in skip]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ds4py.cuda.traffic", description=__doc__.split("\n\n")[0])
+    ap.add_argument("tests", nargs="*", help="test files to run (default: every kernel twin test)")
+    ap.add_argument("--out", default="bench/traffic/report.json", help="the per-kernel report (JSON)")
+    ap.add_argument("--records", help="keep the per-launch records (JSON lines) here")
+    ap.add_argument("--from-records", help="summarise these per-launch records instead of running tests")
+    ap.add_argument("--no-model-width", action="store_true", help="skip the GEMVs at 4096 columns")
+    ap.add_argument("-k", dest="keyword", default=ONE_ORDER,
+                    help="pytest -k expression (default: the forward-order runs only, %(default)r)")
+    a = ap.parse_args(argv)
+    repo = Path(__file__).resolve().parents[2]
+    if a.from_records:
+        path = Path(a.from_records)
+        tests: list[str] = []
+    else:
+        tests = a.tests or twin_tests(repo)
+        path = Path(a.records) if a.records else Path(tempfile.mkstemp(suffix=".jsonl")[1])
+        path.write_text("")
+        env = dict(os.environ, DS4PY_EMU_CHECK="traffic", DS4PY_EMU_TRAFFIC=str(path.resolve()))
+        cmd = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", *tests]
+        if a.keyword:
+            cmd += ["-k", a.keyword]
+        r = subprocess.run(cmd, cwd=repo, env=env)
+        if r.returncode not in (0, 1):
+            print(f"traffic: pytest exited with {r.returncode}", file=sys.stderr)
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not a.records and not a.from_records:
+        path.unlink(missing_ok=True)
+    rep = report(records, tests)
+    if not a.no_model_width:
+        width = model_width_gemv() + model_width_gemv(nx=4)
+        rep["model_width"] = {"what": "gemv of every weight type, 16 x 4096, one and four activation rows",
+                              "kernels": summarize(width)}
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rep, indent=1, sort_keys=True) + "\n")
+    print(f"traffic: {len(rep['kernels'])} kernels, {len(records)} launches -> {out}")
+    for f in rep["findings"]:
+        print(f"  {f['kernel']}: {f['arg']}: {', '.join(f['why'])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
