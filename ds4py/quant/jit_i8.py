@@ -1,0 +1,106 @@
+"""The int8-activation CPU kernels (numba): ggml's / ds4's CPU numerics, at integer-SIMD speed.
+
+    if jit_i8.supported(qtype):
+        y = jit_i8.matmul(qtype, raw, x, threads)      # raw uint8 [R, row_nbytes] (GGUF rows), x [T, C] -> [T, R]
+
+x is quantised per block first, exactly as the reference's int8-activation mode rounds it (ds4py.ref.ops:
+q8_0_round for Q8_0 / MXFP4 weights, q8_k_round for the K- and IQ-quants; `Numerics.act_quant`), then every
+block's integer dot product is exact and scaled once: y equals the reference's `act_quant` products up to float32
+rounding of the scale products and the summation order (tests/test_jit_i8.py states the bound). Formats without
+an int8 kernel here (F16, F32, BF16, VQ-8) keep the float kernels of ds4py.quant.jit, on the unrounded
+activation, as the reference does for them.
+
+numba state (cache folder, threading layer, its lock) is ds4py.quant.jit's: one compile cache, one pool.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from ds4py.ggml_types import GGMLQuantizationType as Q
+
+from ds4py.quant import jit
+
+F32 = np.float32
+Q8_0_ACT = (Q.Q8_0, Q.MXFP4)                    # ggml's vec_dot_type for these: Q8_0 (blocks of 32)
+Q8_K_ACT = (Q.Q2_K, Q.Q4_K, Q.IQ2_XXS)          # and Q8_K (blocks of 256) for these
+FORMATS = Q8_0_ACT + Q8_K_ACT
+_INTS = {int(q) for q in FORMATS}
+_tables: dict = {}
+
+
+def available() -> bool:
+    return jit.available()
+
+
+def supported(qtype) -> bool:
+    return int(qtype) in _INTS
+
+
+def quant_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x [T, C] -> (int8 codes [T, C], float32 scales [T, C/32]): ops.q8_0_round's codes and its f16-rounded d."""
+    T, C = x.shape
+    xb = x.reshape(T, C // 32, 32)
+    d = np.abs(xb).max(-1) / F32(127)
+    q = np.rint(xb / np.where(d > 0, d, F32(1))[..., None])
+    return q.astype(np.int8).reshape(T, C), d.astype(np.float16).astype(F32)
+
+
+def quant_q8_k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x [T, C] -> (int8 codes [T, C], float32 d [T, C/256], int32 sums of each 16 codes [T, C/16]):
+    ops.q8_k_round's codes and scale."""
+    T, C = x.shape
+    xb = x.reshape(T, C // 256, 256)
+    mx = np.take_along_axis(xb, np.abs(xb).argmax(-1)[..., None], -1)[..., 0]
+    iscale = np.where(mx != 0, F32(-127) / np.where(mx != 0, mx, F32(1)), F32(0))
+    q = np.minimum(np.rint(xb * iscale[..., None]), 127).astype(np.int8).reshape(T, C)
+    d = np.where(iscale != 0, F32(1) / np.where(iscale != 0, iscale, F32(1)), F32(0)).astype(F32)
+    bsums = q.reshape(T, C // 16, 16).sum(-1, dtype=np.int32)
+    return q, d, bsums
+
+
+def _kernels():
+    k = jit._load()
+    if k is None:
+        raise RuntimeError(f"numba does not import: {jit.unavailable_reason()}")
+    if not _tables:
+        from ds4py.quant import iq2, jit_i8_kernels, mxfp4
+
+        _tables["mod"] = jit_i8_kernels
+        _tables["grid"] = jit._readonly(np.ascontiguousarray(iq2.GRID.astype(np.int16)))
+        _tables["signs"] = jit._readonly(np.ascontiguousarray(iq2.SIGNS.astype(np.int16)))
+        _tables["kvalues"] = jit._readonly(np.ascontiguousarray(mxfp4.KVALUES.astype(np.int16)))
+    return _tables["mod"]
+
+
+def matmul(qtype, raw: np.ndarray, x: np.ndarray, threads: int = 1) -> np.ndarray:
+    """x @ W.T for stored GGUF rows raw (uint8 [R, row_nbytes]) of a format in FORMATS, x quantised per block
+    the way the reference's act_quant mode rounds it -> float32 [T, R]."""
+    k = _kernels()
+    st = jit._state
+    qt = int(qtype)
+    raw = jit._readonly(np.ascontiguousarray(raw).view(np.uint8))
+    x = np.ascontiguousarray(x, dtype=F32)
+    R, (T, C) = raw.shape[0], x.shape
+    y = np.empty((T, R), F32)
+    parts = max(1, min(threads, R))
+    f16 = st["f16"]
+    if qt in (Q.Q8_0, Q.MXFP4):
+        xq, xd = quant_q8_0(x)
+        if qt == Q.Q8_0:
+            r3 = raw.reshape(R, C // 32, 34)
+            jit._call("i8_q8_0", k.q8_0, (r3, r3.view(np.int8), xq, xd, y, f16, parts), threads)
+        else:
+            jit._call("i8_mxfp4", k.mxfp4, (raw.reshape(R, C // 32, 17), xq, xd, y, st["e8m0"],
+                                            _tables["kvalues"], parts), threads)
+        return y
+    xq, xd, xbs = quant_q8_k(x)
+    if qt == Q.Q2_K:
+        jit._call("i8_q2_k", k.q2_k, (raw.reshape(R, C // 256, 84), xq, xd, xbs, y, f16, parts), threads)
+    elif qt == Q.Q4_K:
+        jit._call("i8_q4_k", k.q4_k, (raw.reshape(R, C // 256, 144), xq, xd, xbs, y, f16, parts), threads)
+    elif qt == Q.IQ2_XXS:
+        jit._call("i8_iq2_xxs", k.iq2_xxs, (raw.reshape(R, C // 256, 66), xq, xd, y, f16, _tables["grid"],
+                                            _tables["signs"], parts), threads)
+    else:
+        raise ValueError(f"no int8-activation kernel for format {qt}")
+    return y

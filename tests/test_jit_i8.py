@@ -1,0 +1,97 @@
+"""The int8-activation kernels (ds4py.quant.jit_i8) against the reference's int8-activation mode.
+
+The reference's act_quant mode rounds x as ggml does (ds4py.ref.ops.q8_0_round / q8_k_round) and multiplies the
+rounded x with the dequantised matrix in float; the int8 kernels quantise x to the same codes and scales and sum
+exact integer products per block. So the two agree up to float32 rounding of the per-block scale products
+(relative to sum |x| |W|: < 1e-5), over every row length of each format up to a few thousand columns; the
+quantisers give bit-identical codes; and against the fp32 `dequant` oracle on the unrounded x the error stays
+within the activation rounding's own bound (8-bit codes: < 1e-2 of sum |x| |W|). A row is the same bits alone,
+in any batch and on any thread count. The integer dot product compiles to a SIMD multiply-add (vpmaddwd or
+vpdpwssd on x86, an sdot / smlal family instruction on aarch64).
+"""
+
+from __future__ import annotations
+
+import platform
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from ds4py.quant import jit, jit_i8
+from ds4py.ref.ops import q8_0_round, q8_k_round
+
+pytestmark = pytest.mark.skipif(not jit.available(), reason=f"numba unavailable: {jit.unavailable_reason()}")
+
+F32 = np.float32
+BLOCK = {Q.Q8_0: 32, Q.MXFP4: 32, Q.Q2_K: 256, Q.Q4_K: 256, Q.IQ2_XXS: 256}
+
+
+def _fixtures():
+    from test_fused import oracle, stored
+
+    return stored, oracle
+
+
+def _rounded(qt, x):
+    return q8_0_round(x) if qt in jit_i8.Q8_0_ACT else q8_k_round(x)
+
+
+def _lengths(qt):
+    """Every multiple of the block up to 1,024 columns, then a few longer ones up to 4,096 (odd block counts)."""
+    b = BLOCK[qt]
+    return sorted({*range(b, 1025, b), 17 * b if b == 32 else 9 * b, 4096 + (b if b == 32 else 0),
+                   3 * 256 * 5 if b == 256 else 32 * 99})
+
+
+@pytest.mark.parametrize("qt", jit_i8.FORMATS, ids=lambda q: q.name)
+def test_equals_the_act_quant_reference_at_every_row_length(qt):
+    stored, oracle = _fixtures()
+    for cols in _lengths(qt):
+        rng = np.random.default_rng([int(qt), cols])
+        raw = stored(qt, 9, cols, rng)
+        x = (rng.standard_normal((2, cols)) * rng.uniform(0.1, 10, (2, 1))).astype(F32)
+        want, mag = oracle(qt, raw, _rounded(qt, x), cols)
+        got = jit_i8.matmul(qt, raw, x, 2)
+        assert got.shape == (2, 9) and got.dtype == F32
+        err = np.abs(got - want) / mag
+        assert err.max() < 1e-5, f"{qt.name} cols={cols}: worst relative error {err.max():.2e}"
+        loose, _ = oracle(qt, raw, x, cols)                      # the fp32 oracle on the unrounded activation
+        assert (np.abs(got - loose) / mag).max() < 1e-2, f"{qt.name} cols={cols}: off the fp32 oracle"
+        assert np.abs(want - loose).max() > 0                     # the activation rounding is really there
+
+
+@pytest.mark.parametrize("qt", [Q.Q8_0, Q.IQ2_XXS, Q.Q2_K], ids=lambda q: q.name)
+def test_a_row_is_the_same_alone_in_any_batch_and_on_any_thread_count(qt):
+    stored, _ = _fixtures()
+    rng = np.random.default_rng(int(qt))
+    raw = stored(qt, 37, 512, rng)                              # 37 rows: uneven thread splits
+    x = rng.standard_normal((5, 512)).astype(F32)
+    batch = jit_i8.matmul(qt, raw, x, 2)
+    for t in range(5):
+        np.testing.assert_array_equal(jit_i8.matmul(qt, raw, x[t:t + 1], 1)[0], batch[t])
+
+
+def test_the_quantisers_give_the_reference_rounding_bit_for_bit():
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((4, 1024)) * np.array([[1e-3], [1], [50], [0]])).astype(F32)
+    x[1, :256] = 0                                                # an all-zero block: scale 0, codes 0
+    q, d = jit_i8.quant_q8_0(x)
+    np.testing.assert_array_equal((q.reshape(4, -1, 32) * d[..., None]).reshape(4, -1).astype(F32), q8_0_round(x))
+    q, d, bs = jit_i8.quant_q8_k(x)
+    np.testing.assert_array_equal((q.reshape(4, -1, 256) * d[..., None]).reshape(4, -1).astype(F32), q8_k_round(x))
+    np.testing.assert_array_equal(bs, q.reshape(4, -1, 16).sum(-1))
+
+
+def test_the_integer_dot_product_compiles_to_a_simd_multiply_add():
+    from ds4py.quant import jit_i8_kernels as k
+
+    w = np.arange(256, dtype=np.int16) - 128
+    xq = (np.arange(512, dtype=np.int64) % 255 - 127).astype(np.int8).reshape(2, 256)
+    assert k._dot(w, xq, 1, 0, 256) == int(w.astype(np.int64) @ xq[1].astype(np.int64))
+    asm = "\n".join(k._dot.inspect_asm().values())
+    if not asm:                                                    # loaded from numba's disk cache: no listing
+        pytest.skip("the kernel came from numba's disk cache (no assembly listing); clear it to inspect")
+    arch = platform.machine().lower()
+    want = ("vpmaddwd", "vpdpwssd", "pmaddwd") if arch in ("x86_64", "amd64") else ("sdot", "smlal", "sadalp")
+    assert any(op in asm for op in want), f"no SIMD multiply-add in the int8 dot product on {arch}"
