@@ -36,7 +36,7 @@ from typing import Sequence
 import numpy as np
 
 from ds4py.errors import Ds4Error
-from ds4py.model import Capabilities
+from ds4py.contract import Capabilities
 from ds4py.sampling import Sampler, SamplingParams, softmax
 
 F32 = np.float32

@@ -21,8 +21,7 @@ from ds4py.cuda import vq_layout
 from ds4py.cuda.memory import ALIGN, Arena, DeviceArray, align_up
 from ds4py.cuda.ops.experts import FORMATS as EXPERT_FORMATS
 from ds4py.cuda.gguf_upload import upload_gguf, weights_bytes
-from ds4py.errors import Ds4Error
-from ds4py.model import UnsupportedByBackend
+from ds4py.errors import Ds4Error, UnsupportedByBackend
 from ds4py.quant import vq
 from ds4py.ref import ops as ref_ops
 

@@ -282,7 +282,7 @@ def check_auto(rep: Report, model: str | None) -> None:
 def compare_model(rep: Report, path: str, backend: str, n_prompt: int = 8, n_decode: int = 3) -> None:
     """The same ids through `backend` and the reference: every prompt position and a few greedy decode steps
     (the reference's tokens fed to both), top-1 and max |Δlogit| per position."""
-    from ds4py.model import open_model
+    from ds4py.backends import open_model
 
     t0 = time.perf_counter()
     try:

@@ -54,9 +54,8 @@ from ds4py.cuda.ops.argmax import argmax_parts
 from ds4py.cuda.ops import prefill_attn as ops_pfa
 from ds4py.cuda.ops import v41 as ops_v41
 from ds4py.cuda.ops.mhc import mix_record
-from ds4py.errors import Ds4Error
+from ds4py.errors import Ds4Error, UnsupportedByBackend
 from ds4py.kv import state_layout
-from ds4py.model import UnsupportedByBackend
 from ds4py.ref import ops as ref_ops
 from ds4py.ref.dspark import DraftBlock, RefDSpark
 

@@ -41,12 +41,11 @@ from ds4py.cuda.memory_plan import DEFAULT_CTX, MemoryPlan, kv_bytes
 from ds4py.cuda.ops import experts as ops_moe
 from ds4py.cuda.ops import moe_prefill as ops_moep
 from ds4py.cuda.gguf_upload import check_alignment
-from ds4py.errors import ContextLengthError, Ds4Error
+from ds4py.errors import ContextLengthError, Ds4Error, UnsupportedByBackend
 from ds4py.fingerprint import file_fingerprint
 from ds4py.gguf import GGUFFile
 from ds4py.kv import state_layout
-from ds4py.model import (DEFAULT_ROLLBACK_HORIZON, Capabilities, ModelBase, Numerics, UnsupportedByBackend,
-                         WeightBytes)
+from ds4py.contract import DEFAULT_ROLLBACK_HORIZON, Capabilities, ModelBase, Numerics, WeightBytes
 from ds4py.sampling import InvalidLogits, SamplingParams
 from ds4py.vq.sidecar import Stack
 

@@ -34,7 +34,7 @@ from ds4py.cuda.kernels import gemvs
 from ds4py.cuda.kvstate import CudaState
 from ds4py.cuda.layer import MAX_ROWS, ROWS, Launcher, Recording, RowSet
 from ds4py.cuda.device_weights import DevTensor, check_gate_up, upload_entries
-from ds4py.model import MtpBase
+from ds4py.contract import MtpBase
 from ds4py.ref import ops as ref_ops
 
 RUNS = 16                    # MTP step graphs kept (per rows' states, row count and head)

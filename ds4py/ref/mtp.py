@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from ds4py import schema
-from ds4py.model import MtpBase
+from ds4py.contract import MtpBase
 from ds4py.quant import vq
 from ds4py.ref import ops
 from ds4py.ref.forward import Seq, block

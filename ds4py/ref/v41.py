@@ -22,7 +22,7 @@ import weakref
 
 import numpy as np
 
-from ds4py.model import Numerics
+from ds4py.contract import Numerics
 from ds4py.ref import ops
 
 F32 = np.float32

@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ds4py.model import device_generation
+from ds4py.contract import device_generation
 from ds4py.sampling import InvalidLogits
 from ds4py.session import Completion, Session
 
