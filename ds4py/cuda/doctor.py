@@ -174,7 +174,7 @@ def _fill_only_dir() -> Path:
 def check_smoke(rep: Report, rt: Any, label: str, n: int = SMOKE_N) -> None:
     """Compile + launch + readback of fill_f32_uniform against its numpy twin."""
     from ds4py.cuda.ops import fill as ops_fill
-    from ds4py.cuda.twins import fill as twin
+    from ds4py.host import fill as twin
 
     t0 = time.perf_counter()
     arena = rt.arena(weights_bytes=4 * n + 4096, scratch_bytes=1 << 16)

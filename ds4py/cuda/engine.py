@@ -220,7 +220,7 @@ class CudaModel(ModelBase):
             raise Ds4Error(f"{self.path}: the official decode bug applies to V4.1 models only")
         self._publishers = None
         if official_decode_bug:
-            from ds4py.ref.v41 import KeyPublishers
+            from ds4py.host.keys import KeyPublishers
 
             self._publishers = KeyPublishers()
         header = min(t.offset for t in self.gguf.tensors.values())
