@@ -48,6 +48,7 @@ from ds4py.cuda import kernels, layer, ops
 from ds4py.cuda.device_weights import EMBED_TYPES, _float, check_gate_up, upload_entries
 from ds4py.cuda.kernels import BLOCK, gemvs
 from ds4py.cuda.kvstate import CudaState
+from ds4py.cuda.step_run import StepRun
 from ds4py.cuda.layer import Launcher, Recording, RowSet
 from ds4py.cuda.ops import dspark as ops_dspark
 from ds4py.cuda.ops.argmax import argmax_parts
@@ -197,8 +198,6 @@ class CudaDSpark:
         return greedy_chain(blk, token, ids)
 
     def _run(self, state: CudaState):
-        from ds4py.cuda.engine import StepRun
-
         m = self.model
         key = (m.pdl, m.graphs, tuple((a.ptr, a.shape[0]) for a in state.arrays.values()))
         run = self._runs.get(key)

@@ -32,6 +32,7 @@ from ds4py.cuda import layer, ops
 from ds4py.cuda.ops import experts as ops_moe
 from ds4py.cuda.kernels import gemvs
 from ds4py.cuda.kvstate import CudaState
+from ds4py.cuda.step_run import StepRun
 from ds4py.cuda.layer import MAX_ROWS, ROWS, Launcher, Recording, RowSet
 from ds4py.cuda.device_weights import DevTensor, check_gate_up, upload_entries
 from ds4py.contract import MtpBase
@@ -138,8 +139,6 @@ class CudaMtp(MtpBase):
 
     # ---- graphs -----------------------------------------------------------------------------------------------
     def _run(self, states: list[CudaState], head: bool):
-        from ds4py.cuda.engine import StepRun
-
         m = self.model
         key = (m.pdl, m.graphs, head, tuple(tuple((a.ptr, a.shape[0]) for a in st.arrays.values()) for st in states))
         run = self._runs.get(key)
