@@ -30,11 +30,12 @@ from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
 from . import anthropic, openai, page, responses
 from .affinity import session_key
+from .engine_thread import Worker
 from .metrics import Metrics
 from .protocol import (MODEL_IDS, NONTHINKING_ALIASES, THINKING_ALIASES, ApiError, Done, Reasoning, Result, Started,
                        Text, ToolCallOut)
 from .sse import next_or_keepalive
-from .worker import Engine, Job, Worker
+from .worker import Engine, Job
 
 log = logging.getLogger("ds4py.server")
 
