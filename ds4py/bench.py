@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import io
 import json
-import math
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -40,23 +39,12 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ds4py.contract import device_generation, host_copy_bandwidth_gbps  # noqa: F401 (the bench's API)
 from ds4py.errors import Ds4Error
-from ds4py.contract import device_generation  # noqa: F401 (the bench's API)
 from ds4py.sampling import SamplingParams
 
 DEFAULT_PROMPT = Path(__file__).parent / "data" / "bench_prompt.txt"
 
-
-def host_copy_bandwidth_gbps(nbytes: int = 256 << 20, reps: int = 5) -> float:
-    """Best-of-N numpy memcpy bandwidth (read + write bytes): the CPU backend's roofline."""
-    a = np.ones(nbytes // 8, dtype=np.float64)
-    b = np.empty_like(a)
-    best = math.inf
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        np.copyto(b, a)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * a.nbytes / best / 1e9
 
 COLUMNS = [
     "ctx_tokens", "prefill_tokens", "prefill_tps", "gen_tokens", "gen_tps",

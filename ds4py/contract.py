@@ -19,6 +19,8 @@ This module imports no backend (both import it); the factory, open_model, is ds4
 
 from __future__ import annotations
 
+import math
+import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
 from types import MappingProxyType
@@ -435,6 +437,18 @@ class MtpBase(ABC):
 
     @abstractmethod
     def weight_bytes_per_token(self) -> int: ...
+
+
+def host_copy_bandwidth_gbps(nbytes: int = 256 << 20, reps: int = 5) -> float:
+    """Best-of-N numpy memcpy bandwidth (read + write bytes): the CPU backend's roofline."""
+    a = np.ones(nbytes // 8, dtype=np.float64)
+    b = np.empty_like(a)
+    best = math.inf
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        np.copyto(b, a)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * a.nbytes / best / 1e9
 
 
 # metadata an MTP file may carry (ours do, as ds4's converter may not): when present it must match the main model

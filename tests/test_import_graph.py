@@ -153,3 +153,9 @@ def test_cuda_never_imports_ref():
 def test_only_twins_import_twins():
     bad = [f"{m} -> {t}" for m, ts in import_graph().items() if not is_twin(m) for t in sorted(ts) if is_twin(t)]
     assert not bad, "a test oracle (ds4py/cuda/twins) is imported outside the tests:\n" + "\n".join(bad)
+
+
+def test_nothing_in_ds4py_imports_the_old_model_module():
+    """ds4py.model only re-exports the contract and the factory for scripts; inside ds4py the layers are named."""
+    bad = sorted(m for m, ts in import_graph().items() if "ds4py.model" in ts)
+    assert not bad, f"import ds4py.contract / ds4py.backends instead of ds4py.model: {bad}"

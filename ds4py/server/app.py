@@ -327,7 +327,7 @@ async def read_json(request: web.Request) -> dict:
                        kind="invalid_request_error", code="request_timeout") from None
     except web.HTTPRequestEntityTooLarge:
         raise too_large(cfg) from None
-    except (RequestPayloadError, HttpProcessingError) as e:
+    except (web.RequestPayloadError, HttpProcessingError) as e:
         # e.g. "Content-Encoding: gzip" on a body that is not gzip, or a broken chunked encoding
         why = (getattr(e, "message", "") or str(e)).strip().splitlines()[0][:200]
         raise ApiError(400, f"the request body cannot be read: {why}") from None
