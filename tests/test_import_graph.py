@@ -6,6 +6,7 @@ but other twins. Every test file runnable alone: this one reads source only, it 
 from __future__ import annotations
 
 import ast
+from functools import lru_cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,7 +57,9 @@ def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     return found
 
 
+@lru_cache(maxsize=1)
 def import_graph() -> dict[str, set[str]]:
+    """ds4py module -> the ds4py modules it imports (read once per run; callers do not change it)."""
     modules = all_modules()
     return {name: imports_of(name, path, modules) for name, path in modules.items()}
 
