@@ -39,11 +39,12 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ds4py.contract import device_generation, host_copy_bandwidth_gbps  # noqa: F401 (the bench's API)
 from ds4py.errors import Ds4Error
-from ds4py.model import device_generation, host_copy_bandwidth_gbps  # noqa: F401 (the bench's API)
 from ds4py.sampling import SamplingParams
 
 DEFAULT_PROMPT = Path(__file__).parent / "data" / "bench_prompt.txt"
+
 
 COLUMNS = [
     "ctx_tokens", "prefill_tokens", "prefill_tps", "gen_tokens", "gen_tps",

@@ -16,6 +16,7 @@ from typing import Any
 
 from ds4py.ggml_types import GGMLQuantizationType as Q
 
+from ds4py import schema
 from ds4py.errors import ConfigError, GGUFError
 from ds4py.quant import BLOCK as QUANT_BLOCK
 
@@ -555,7 +556,7 @@ class ModelConfig:
         )
         cfg.check_metadata(f.path)
         if validate:
-            cfg.check_tensors(f)
+            schema.check_tensors(cfg, f)
             if hasattr(f, "tensors"):          # a real file (stand-ins in tests carry metadata only)
                 from ds4py.validate import check_weights
 
@@ -697,22 +698,6 @@ class ModelConfig:
             bad(f"dspark.markov_rank {self.dspark_rank} is outside 1..16384")
         if not 0 < self.dspark_experts_used <= self.dspark_experts <= 1 << 16:
             bad(f"dspark expert counts {self.dspark_experts_used} of {self.dspark_experts} are out of range")
-
-    def expected_tensors(self) -> dict[str, tuple[tuple[int, ...], tuple]]:
-        """Every tensor the forward reads: name -> (numpy-order shape, allowed types), from ds4py.schema."""
-        from ds4py.schema import expected_dspark_tensors, expected_tensors
-
-        return expected_tensors(self) | (expected_dspark_tensors(self) if self.has_dspark else {})
-
-    def check_tensors(self, f) -> None:
-        """Raise GGUFError naming the first tensor that is missing or has the wrong shape / type."""
-        from ds4py.quant import vq
-
-        for name, (shape, types) in self.expected_tensors().items():
-            if name.endswith("_exps.weight") and vq.is_vq(f, name):     # VQ-8 routed experts (docs/vq.md)
-                vq.check_expert(f, name, shape)
-            else:
-                f.tensor(name, types=types, shape=shape)
 
 
 def _latest(layers: tuple[int, ...], layer: int) -> int:

@@ -33,7 +33,7 @@ from typing import Sequence
 import numpy as np
 
 from ds4py.errors import Ds4Error
-from ds4py.model import Capabilities
+from ds4py.contract import Capabilities
 from ds4py.sampling import Sampler, SamplingParams
 from ds4py.spec import (ByteCosts, Draft, MeasuredCosts, RequestRounds, Round, SpecStats,
                         decode_pair, encode_pair, pair_fingerprint)

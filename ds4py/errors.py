@@ -19,3 +19,8 @@ class ContextLengthError(Ds4Error):
 
 class CudaUnavailableError(Ds4Error):
     """The CUDA backend was asked for but no driver / device / cuda-python is present."""
+
+
+class UnsupportedByBackend(Ds4Error):
+    """The backend cannot run this model or these numerics (a weight type without a kernel, int8 activations on
+    CUDA, ...); `--backend auto` then falls back to the reference."""

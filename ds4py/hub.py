@@ -348,7 +348,7 @@ def v4_flash_kv_bytes(ctx: int) -> int:
     from ds4py.config import V4_FLASH, ModelConfig
     from ds4py.cuda.memory_plan import kv_bytes
     from ds4py.kv import state_layout
-    from ds4py.model import DEFAULT_ROLLBACK_HORIZON
+    from ds4py.contract import DEFAULT_ROLLBACK_HORIZON
 
     cfg = ModelConfig(**{**V4_FLASH, **dict(n_layers=43, dim=4096, vocab_size=129280, n_heads=64,
                                            context_length=1 << 20, swiglu_clamp=10.0,

@@ -5,7 +5,7 @@ accepts, the storage slot our writers use (the ds4 convention), the official che
 which layers have it (a ModelConfig predicate), and where it lives in the typed binding the forward reads.
 Everything else derives from this table:
 
-    expected_tensors(cfg)          -> ModelConfig.expected_tensors / check_tensors (loading)
+    expected_tensors(cfg)          -> model_tensors / check_tensors (loading: ModelConfig.from_gguf)
     entries(cfg)                   -> convert.ds4_layout (the converter's and make-tiny's output, in file order)
     bind(cfg, resolve)             -> ModelWeights: per-layer dataclasses of a backend's tensor handles
 
@@ -27,14 +27,26 @@ the main file's embedding and head. `mtp_entries` / `expected_mtp_tensors` / `bi
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING, Callable, Generic, Iterator, TypeVar
+from typing import Any, Callable, Generic, Iterator, Protocol, TypeVar
 
 from ds4py.quant import FLOAT_TYPES as F
 from ds4py.quant import INT_TYPES as I
 from ds4py.quant import MATRIX_TYPES as M
+from ds4py.quant import vq
 
-if TYPE_CHECKING:                 # the config is read, never imported: ds4py.config imports this module
-    from ds4py.config import ModelConfig
+
+
+class Config(Protocol):
+    """What the schema reads of a model's config (a ds4py.config.ModelConfig): the layer and stage counts and the
+    draft blocks by name, every other dim and predicate by the TensorSpecs' names. The schema sits below the
+    config, which checks a file's tensors against it (check_tensors), so it names no config class."""
+    n_layers: int
+    dspark_stages: int
+    has_dspark: bool
+
+    def mtp_block(self) -> "Config": ...
+
+    def dspark_block_config(self) -> "Config": ...
 
 T = TypeVar("T")                 # a backend's tensor handle (ref: the GGUF TensorInfo; cuda: a device array)
 
@@ -50,12 +62,12 @@ class TensorSpec:
     layers: str | None = None    # None: model-level; "all" or a ModelConfig predicate taking the layer
     when: str | None = None      # model-level: a ModelConfig property that must hold (None: always)
 
-    def present(self, cfg: ModelConfig, layer: int | None = None) -> bool:
+    def present(self, cfg: Config, layer: int | None = None) -> bool:
         if self.layers is None:
             return self.when is None or bool(getattr(cfg, self.when))
         return self.layers == "all" or bool(getattr(cfg, self.layers)(layer))
 
-    def dims(self, cfg: ModelConfig, layer: int | None = None) -> tuple[int, ...]:
+    def dims(self, cfg: Config, layer: int | None = None) -> tuple[int, ...]:
         out = []
         for d in self.shape:
             v = d if isinstance(d, int) else getattr(cfg, d)
@@ -198,7 +210,7 @@ class Entry:
         return s
 
 
-def entries(cfg: ModelConfig) -> Iterator[Entry]:
+def entries(cfg: Config) -> Iterator[Entry]:
     """Every tensor of the model in ds4's file order: the model-level head tensors, then each layer's."""
     for sp in MODEL_TENSORS:
         if sp.present(cfg):
@@ -209,11 +221,11 @@ def entries(cfg: ModelConfig) -> Iterator[Entry]:
                 yield Entry(sp, il, sp.name.replace("{l}", str(il)), sp.dims(cfg, il))
 
 
-def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple]]:
+def expected_tensors(cfg: Config) -> dict[str, tuple[tuple[int, ...], tuple]]:
     return {e.name: (e.shape, e.spec.types) for e in entries(cfg)}
 
 
-def mtp_entries(cfg: ModelConfig) -> Iterator[Entry]:
+def mtp_entries(cfg: Config) -> Iterator[Entry]:
     """Every tensor of the MTP draft file of the model `cfg` (the main config), in ds4's bind order."""
     blk = cfg.mtp_block()
     for sp in MTP_HEAD_TENSORS:
@@ -223,11 +235,11 @@ def mtp_entries(cfg: ModelConfig) -> Iterator[Entry]:
             yield Entry(sp, 0, sp.name, sp.dims(blk, 0))
 
 
-def expected_mtp_tensors(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple]]:
+def expected_mtp_tensors(cfg: Config) -> dict[str, tuple[tuple[int, ...], tuple]]:
     return {e.name: (e.shape, e.spec.types) for e in mtp_entries(cfg)}
 
 
-def dspark_entries(cfg: ModelConfig) -> Iterator[Entry]:
+def dspark_entries(cfg: Config) -> Iterator[Entry]:
     """Every tensor of the DSpark draft of the V4.1 model `cfg` (the main config): head tensors, then the stages."""
     last = str(cfg.dspark_stages - 1)
     for sp in DSPARK_HEAD_TENSORS:
@@ -239,8 +251,22 @@ def dspark_entries(cfg: ModelConfig) -> Iterator[Entry]:
                 yield Entry(sp, s, sp.name.replace("{l}", str(s)), sp.dims(blk, s))
 
 
-def expected_dspark_tensors(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple]]:
+def expected_dspark_tensors(cfg: Config) -> dict[str, tuple[tuple[int, ...], tuple]]:
     return {e.name: (e.shape, e.spec.types) for e in dspark_entries(cfg)}
+
+
+def model_tensors(cfg: Config) -> dict[str, tuple[tuple[int, ...], tuple]]:
+    """Every tensor the forward reads: name -> (numpy-order shape, allowed types), the DSpark draft's included."""
+    return expected_tensors(cfg) | (expected_dspark_tensors(cfg) if cfg.has_dspark else {})
+
+
+def check_tensors(cfg: Config, f: Any) -> None:
+    """Raise GGUFError naming the first tensor of GGUF `f` that is missing or has the wrong shape / type."""
+    for name, (shape, types) in model_tensors(cfg).items():
+        if name.endswith("_exps.weight") and vq.is_vq(f, name):     # VQ-8 routed experts (docs/vq.md)
+            vq.check_expert(f, name, shape)
+        else:
+            f.tensor(name, types=types, shape=shape)
 
 
 # ---- the typed binding -----------------------------------------------------------------------------------
@@ -367,7 +393,7 @@ def _build(cls: type, values: dict[str, T], prefix: str = ""):
     return cls(**kw)
 
 
-def bind(cfg: ModelConfig, resolve: Callable[[str], T]) -> ModelWeights[T]:
+def bind(cfg: Config, resolve: Callable[[str], T]) -> ModelWeights[T]:
     """The typed binding: `resolve(gguf_name)` gives a backend's handle for each tensor of the schema."""
     top: dict[str, T] = {}
     per_layer: list[dict[str, T]] = [{} for _ in range(cfg.n_layers)]
@@ -376,12 +402,12 @@ def bind(cfg: ModelConfig, resolve: Callable[[str], T]) -> ModelWeights[T]:
     return replace(_build(ModelWeights, top), layers=tuple(_build(LayerWeights, d) for d in per_layer))
 
 
-def bind_mtp(cfg: ModelConfig, resolve: Callable[[str], T]) -> MtpWeights[T]:
+def bind_mtp(cfg: Config, resolve: Callable[[str], T]) -> MtpWeights[T]:
     """The MTP draft block's typed binding (`resolve` over the MTP file's tensors); `cfg` is the main config."""
     return _build(MtpWeights, {e.spec.field: resolve(e.name) for e in mtp_entries(cfg)})
 
 
-def bind_dspark(cfg: ModelConfig, resolve: Callable[[str], T]) -> DSparkWeights[T]:
+def bind_dspark(cfg: Config, resolve: Callable[[str], T]) -> DSparkWeights[T]:
     """The DSpark draft's typed binding (`resolve` over the V4.1 file's tensors); `cfg` is the main config."""
     top: dict[str, T] = {}
     per_stage: list[dict[str, T]] = [{} for _ in range(cfg.dspark_stages)]

@@ -46,7 +46,7 @@ from typing import Callable, Iterator, Literal, Sequence
 import numpy as np
 
 from ds4py.errors import ContextLengthError, Ds4Error
-from ds4py.model import device_generation
+from ds4py.contract import device_generation
 from ds4py.sampling import Sampler, SamplingParams
 
 log = logging.getLogger("ds4py.session")

@@ -36,10 +36,14 @@ from typing import Sequence
 import numpy as np
 
 from ds4py.errors import Ds4Error
-from ds4py.model import Capabilities
+from ds4py.contract import Capabilities
 from ds4py.sampling import Sampler, SamplingParams, softmax
 
 F32 = np.float32
+# The clock MeasuredCosts' samples are taken with (spec.py's own steps). Wall time is what a user waits for; a
+# benchmark on a machine shared with other jobs may set time.process_time instead, to measure (and schedule) as
+# on a machine of its own (bench/spec_trained.py --clock cpu, with one kernel thread).
+CLOCK = time.perf_counter
 
 
 # ---- the paired state ------------------------------------------------------------------------------------
@@ -205,29 +209,41 @@ def accept_sampled(p: Sequence[np.ndarray], q: Sequence[np.ndarray], drafts: Seq
 
 
 # ---- costs and the scheduler ------------------------------------------------------------------------------
-class _Mean:
+class _Median:
+    """The median of the samples so far: robust to a step the OS descheduled (on a shared machine one step in a
+    few can take several times its cost, which pulled a running mean, and with it k, around)."""
+
     def __init__(self):
-        self.n, self.total = 0, 0.0
+        self.samples: list[float] = []
+        self._value: float | None = None
 
     def add(self, v: float) -> None:
-        self.n += 1
-        self.total += v
+        self.samples.append(v)
+        self._value = None
+
+    @property
+    def n(self) -> int:
+        return len(self.samples)
 
     def value(self) -> float | None:
-        return self.total / self.n if self.n else None
+        if self._value is None and self.samples:
+            self._value = float(np.median(self.samples))
+        return self._value
 
 
 class MeasuredCosts:
     """Wall-clock costs of the request's own steps: a plain step (main step + MTP catch-up), a first draft
-    step (the MTP's pending rows + logits) and a chained draft step (running means), and a verify of r rows as
-    a line a + b·r, the weighted least-squares fit over the row counts seen so far (each count's mean weighted
+    step (the MTP's pending rows + logits) and a chained draft step (running medians), and a verify of r rows as
+    a line a + b·r, the weighted least-squares fit over the row counts seen so far (each count's median weighted
     by its number of samples; a count's first sample is a warm-up, left out once the count has a second)."""
 
     deterministic = False
 
     def __init__(self):
-        self._plain, self._first, self._chain = _Mean(), _Mean(), _Mean()
+        self._plain, self._first, self._chain = _Median(), _Median(), _Median()
         self._rows: dict[int, list[float]] = {}
+        self._line: tuple[float, float] | None = None
+        self._line_stale = True
 
     def observe_plain(self, seconds: float) -> None:
         self._plain.add(seconds)
@@ -237,9 +253,15 @@ class MeasuredCosts:
 
     def observe_verify(self, rows: int, seconds: float) -> None:
         self._rows.setdefault(rows, []).append(seconds)
+        self._line_stale = True
 
     def line(self) -> tuple[float, float] | None:
-        pts = [(r, float(np.mean(v[1:] if len(v) > 1 else v)), len(v) - (len(v) > 1)) for r, v in self._rows.items()]
+        if self._line_stale:
+            self._line, self._line_stale = self._fit(), False
+        return self._line
+
+    def _fit(self) -> tuple[float, float] | None:
+        pts = [(r, float(np.median(v[1:] if len(v) > 1 else v)), len(v) - (len(v) > 1)) for r, v in self._rows.items()]
         if len(pts) < 2:
             return None
         r, t, w = (np.array(x, float) for x in zip(*pts))
@@ -302,16 +324,57 @@ class ByteCosts:
         return float(self.draft_b)
 
 
-class Scheduler:
-    """Chooses each round's k from the request's costs and its acceptance, no constants (seed 000 §4.4).
+class _Calibration:
+    """Acceptance as a function of the draft's confidence σ, from (σ, hit) pairs: the least-squares line
+    hit ≈ c0 + c1·σ (c1 ≥ 0, clipped to [0, 1]) once two pairs differ in σ, else ρ·σ with ρ = Σ hit / Σ σ (1
+    before any pair). Running sums: O(1) per pair."""
 
-    A round of k drafts yields E(k) = 1 + Σ_{j≤k} a_j tokens on average, a_j = Π_{i≤j} min(1, ρ·σ_i) the
-    survival of the first j drafts; σ_i is the draft block's confidence at position i, the largest probability
-    of its distribution q_i, and ρ the request's calibration: Σ first-position acceptance / Σ σ_1 (ρ = 1 before
-    any round; the acceptance of round r's first draft is known from its verify row 0 even when it is not
-    verified: [argmax p = argmax q] greedy, Σ min(p, q) sampled). A round costs the draft steps spent plus
-    verify(1 + k); a plain step costs plain(). Decisions, each before the token it concerns is drawn (a
-    sampled round must not pick its drafts by their values, or rejection sampling stops being exact):
+    def __init__(self):
+        self.n, self.hits, self.sigma, self.sq, self.cross = 0, 0.0, 0.0, 0.0, 0.0
+        self.line: tuple[float, float] | None = None
+
+    def add(self, sigma: float, hit: float) -> None:
+        self.n += 1
+        self.hits += hit
+        self.sigma += sigma
+        self.sq += sigma * sigma
+        self.cross += sigma * hit
+        ms, mh = self.sigma / self.n, self.hits / self.n
+        var = self.sq / self.n - ms * ms
+        if self.n < 2 or var <= 1e-12 * max(ms * ms, 1e-12):      # one σ so far (or all equal): no slope
+            self.line = None
+            return
+        c1 = max(0.0, (self.cross / self.n - ms * mh) / var)
+        self.line = (mh - c1 * ms, c1)
+
+    def rho(self) -> float:
+        return self.hits / self.sigma if self.sigma > 0 else 1.0
+
+    def __call__(self, sigmas) -> np.ndarray:
+        s = np.asarray(sigmas, float)
+        if self.line is None:
+            return np.minimum(1.0, self.rho() * s)
+        return np.clip(self.line[0] + self.line[1] * s, 0.0, 1.0)
+
+
+class Scheduler:
+    """Chooses each round's k from the request's costs and its acceptance, no tuned constants (seed 000 §4.4).
+
+    A round of k drafts yields E(k) = 1 + Σ_{j≤k} a_j tokens on average, a_j = Π_{i≤j} c_i(σ_i) the survival of
+    the first j drafts; σ_i is the draft block's confidence at position i, the largest probability of its
+    distribution q_i, and c_i the request's calibration of σ to an acceptance probability (_Calibration: the
+    least-squares line hit ≈ c0 + c1·σ, c1 ≥ 0, clipped to [0, 1]; ρ·σ with ρ = Σ hit / Σ σ until two samples
+    differ in σ). Two calibrations: the first position's, from every round (its acceptance is known from verify
+    row 0 even when it is not verified: [argmax p = argmax q] greedy, Σ min(p, q) sampled), and the chained
+    positions', from every position i ≥ 2 a verify reached (the ones before it accepted: an unbiased sample of
+    its conditional acceptance), the first's until it has two. Why not ρ·σ alone, as first written: on the
+    trained tiny model a first draft with σ < 0.2 is still accepted 34% of the time and one with σ > 0.9 93%
+    (a line through the origin under-rates the many unconfident drafts and over-rates the confident ones), and
+    the chained drafts, made from the block's own output state, are accepted less often than their σ says
+    (docs/spec.md "Measured: trained").
+    A round costs the draft steps spent plus verify(1 + k); a plain step costs plain(). Decisions, each before
+    the token it concerns is drawn (a sampled round must not pick its drafts by their values, or rejection
+    sampling stops being exact):
     - draft at all only if the optimistic E(1) / T(1) beats 1 / plain(): the first-position acceptance rate's
       upper confidence bound (UCB1: mean + sqrt(2 ln decisions / rounds)), so a request whose drafts keep
       failing decodes plainly but still probes O(log n) rounds;
@@ -319,10 +382,17 @@ class Scheduler:
       > E(i−1) / (spent + verify(i));
     - with d_i drawn, compute q_{i+1} (one more chained step) only if even a_{i+1} = a_i (the best it can be)
       would pay for that step and the longer verify.
-    Bootstrap (no cost line yet): the first round drafts and verifies the longest block, the next is a plain
-    step, which gives the verify line its two points. Timing only changes k: greedy tokens are the same for
-    every k, and a seeded sampled request uses ByteCosts. `fixed_k` replaces all of this by k = fixed_k drafts
-    every round (as far as k_max allows): for benchmarks and tests."""
+    Bootstrap (no cost line yet): the first round drafts and verifies BOOTSTRAP_DRAFTS positions, the next is a
+    plain step, which gives the verify line its two points (r = 1 and r = 1 + BOOTSTRAP_DRAFTS; later rounds add
+    the counts they choose). Timing only changes k: greedy tokens are the same for every k, and a seeded sampled
+    request uses ByteCosts. `fixed_k` replaces all of this by k = fixed_k drafts every round (as far as k_max
+    allows): for benchmarks and tests."""
+
+    # The bootstrap round's length. It was k_max (16 on the reference): 15 chained draft steps and a 17-row
+    # verify cost ~8 plain steps on the CPU for ~1.5-2 tokens, 5-10% of a 64..128-token answer, before the
+    # scheduler had a cost to decide with. Two drafts give the line a second point two rows away from the
+    # plain step's, for one chained step.
+    BOOTSTRAP_DRAFTS = 2
 
     def __init__(self, costs, k_max: int, fixed_k: int | None = None):
         self.costs, self.k_max, self.fixed_k = costs, k_max, fixed_k
@@ -330,13 +400,24 @@ class Scheduler:
         self.first_sigma = 0.0         # Σ σ_1 over the same rounds
         self.first_rounds = 0
         self.decisions = 0
+        self.first = _Calibration()    # first positions: every round's (σ_1, first-position acceptance)
+        self.chained = _Calibration()  # chained positions i ≥ 2 that a verify reached (σ_i, accepted)
+        self.depth = 0                 # the deepest position a verify has compared so far
 
     def rho(self) -> float:
         return self.first_hits / self.first_sigma if self.first_sigma > 0 else 1.0
 
+    def calibrated(self, sigmas: Sequence[float]) -> np.ndarray:
+        """The acceptance probability of the drafts at positions 1..len(sigmas), given the ones before were
+        accepted (see the class docstring): the first position's line for σ_1, the chained positions' for the
+        rest (the first position's until a verify has reached two chained positions with different σ)."""
+        first = self.first(sigmas[:1])
+        rest = (self.chained if self.chained.n else self.first)(sigmas[1:])
+        return np.concatenate([first, rest])
+
     def _expected(self, sigmas: Sequence[float]) -> tuple[float, float]:
         """(E(j), a_j) for the j = len(sigmas) positions so far."""
-        a = np.cumprod(np.minimum(1.0, self.rho() * np.asarray(sigmas, float)))
+        a = np.cumprod(self.calibrated(sigmas))
         return 1.0 + float(a.sum()), float(a[-1])
 
     def _spent(self, j: int) -> float:
@@ -347,12 +428,15 @@ class Scheduler:
         """Bootstrap or a fixed k: positions are taken as far as allowed."""
         return self.fixed_k is not None or not self.costs.known()
 
+    def _free_k(self) -> int:
+        return min(self.k_max, self.BOOTSTRAP_DRAFTS if self.fixed_k is None else self.fixed_k)
+
     def should_draft(self, k_max: int) -> bool:
         self.decisions += 1
         if k_max < 1 or self.fixed_k is not None:
             return k_max >= 1 and bool(self.fixed_k)
         if not self.costs.known():
-            return not self.costs.verified()          # bootstrap: the longest block, then one plain row
+            return not self.costs.verified()          # bootstrap: a short block, then one plain row
         if self.first_rounds == 0:
             return True
         ucb = min(1.0, self.first_hits / self.first_rounds
@@ -363,7 +447,9 @@ class Scheduler:
         """q_i is known (σ_i = sigmas[-1]): verify position i?"""
         i = len(sigmas)
         if self._free():
-            return i <= (self.k_max if self.fixed_k is None else min(self.k_max, self.fixed_k))
+            return i <= self._free_k()
+        if i > self.depth + 1:          # one position beyond the deepest one compared so far, no further
+            return False
         E, a = self._expected(sigmas)
         spent = self._spent(i)
         return E / (spent + self.costs.verify(1 + i)) > (E - a) / (spent + self.costs.verify(i))
@@ -374,7 +460,9 @@ class Scheduler:
         if i >= k_max or (self.fixed_k is not None and i >= self.fixed_k):
             return False
         if self._free():
-            return True
+            return i < self._free_k()
+        if i >= self.depth + 1:
+            return False
         E, a = self._expected(sigmas)
         spent = self._spent(i)
         more = (E + a) / (spent + self.costs.draft(False) + self.costs.verify(i + 2))
@@ -384,6 +472,16 @@ class Scheduler:
         self.first_hits += first_hit
         self.first_sigma += sigma1
         self.first_rounds += 1
+        self.first.add(float(sigma1), float(first_hit))
+
+    def reached(self, depth: int) -> None:
+        """A verify compared the drafts at positions 1..depth (the accepted ones and the first rejection)."""
+        self.depth = max(self.depth, depth)
+
+    def record_chained(self, sigma: float, hit: float) -> None:
+        """A chained position (i ≥ 2) a verify reached (the drafts before it accepted): its σ_i and whether it
+        was accepted."""
+        self.chained.add(float(sigma), float(hit))
 
 
 # ---- statistics -----------------------------------------------------------------------------------------
@@ -512,16 +610,16 @@ class SpecModel:
 
     def step(self, states: Sequence[SpecState], chunks: Sequence[Sequence[int]], all_logits: bool = False,
              timing: dict | None = None) -> list[np.ndarray]:
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         logits, hidden = self.model.step_hidden(self._check(states), chunks, all_logits)
-        t1 = time.perf_counter()
+        t1 = CLOCK()
         pend = [self._pending(s, np.asarray(c, np.int64), h) for s, c, h in zip(states, chunks, hidden)]
         todo = [(s, p) for s, p in zip(states, pend) if p is not None]
         if todo:
             self.mtp.step([s.draft for s, _ in todo], [p[0] for _, p in todo], [p[1] for _, p in todo],
                           logits=False)
         if timing is not None:
-            timing["main"], timing["total"] = t1 - t0, time.perf_counter() - t0
+            timing["main"], timing["total"] = t1 - t0, CLOCK() - t0
         return logits
 
     def verify(self, states: Sequence[SpecState], chunks: Sequence[Sequence[int]]) -> tuple[list[np.ndarray],
@@ -600,9 +698,9 @@ class RequestRounds:
         plan = self.draft(state, token, sampler, remaining)
         if isinstance(plan, Round):
             return plan
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         (P,), (H,) = self.spec.verify([state], [plan.chunk])
-        self.scheduler.costs.observe_verify(len(plan.chunk), time.perf_counter() - t0)
+        self.scheduler.costs.observe_verify(len(plan.chunk), CLOCK() - t0)
         return self.finish(state, plan, P, H, sampler)
 
     def _plain_round(self, state, token: int, sampler: Sampler) -> Round:
@@ -678,11 +776,11 @@ class SpecRequest(RequestRounds):
             return self._plain_round(state, token, sampler) if step_plain else None
 
         # 1. draft: the pending true rows up to position n − 1 (with `token`), then chained rows
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         hs, ids = sp._rows(state, state.draft.n_tokens, n, n, np.zeros((0,) + state.h.shape[1:], F32),
                            np.asarray([token], np.int64))
         lg, out = sp.mtp.step([state.draft], [hs], [ids])
-        sched.costs.observe_draft(True, time.perf_counter() - t0)
+        sched.costs.observe_draft(True, CLOCK() - t0)
         drafts, sigmas, qs = [], [], []
         q1 = None
         while True:
@@ -698,14 +796,20 @@ class SpecRequest(RequestRounds):
             qs.append(q)
             if not sched.keep_drafting(sigmas, k_max):
                 break
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             lg, out = sp.mtp.step([state.draft], [out[0][-1:]], [[d]])
-            sched.costs.observe_draft(False, time.perf_counter() - t0)
+            sched.costs.observe_draft(False, CLOCK() - t0)
         state.draft.truncate(n)                   # keep the rows computed from the main model's h only
         return Draft(np.asarray([token] + drafts, np.int64), drafts, qs, q1, n, st)
 
     def finish(self, state: SpecState, plan: "Draft", P: np.ndarray, H: np.ndarray, sampler: Sampler) -> Round:
         """Phases 3 and 4 of a round, after the verify step of plan.chunk gave its logits P and hidden states H."""
         self.spec._store(state, plan.n, plan.chunk, H)
-        return self._settle(state, plan, P, H, sampler, float(plan.q1.max()))
+        r = self._settle(state, plan, P, H, sampler, float(plan.q1.max()))
+        a = r.stats.accepted
+        if plan.drafts:
+            self.scheduler.reached(min(a + 1, len(plan.drafts)))
+        for i in range(1, min(a + 1, len(plan.drafts))):   # chained positions the verify reached
+            self.scheduler.record_chained(float(plan.qs[i].max()), float(i < a))
+        return r
 

@@ -12,7 +12,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
-from helpers import GOLDEN, stub_tokenizer_json  # noqa: E402
+from helpers import GOLDEN, TRAINED, stub_tokenizer_json  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 # Test this checkout, not whichever ds4py an editable install points at (git worktrees, a second clone).
@@ -49,6 +49,27 @@ def v4_mtp_gguf(golden, tmp_path_factory) -> tuple[str, str]:
     out, mtp = d / "v4-tiny-mtp-f32.gguf", d / "v4-tiny-mtp-f32.mtp.gguf"
     convert_checkpoint(str(golden / "v4-tiny-mtp"), str(out), experts="mxfp4", dense="f32", progress=False,
                        mtp=str(mtp))
+    return str(out), str(mtp)
+
+
+@pytest.fixture(scope="session")
+def trained() -> Path:
+    """../shared/trained/v4-tiny-trained: a tiny V4 + MTP trained on code and prose (its README)."""
+    if not TRAINED.is_dir():
+        pytest.skip(f"the trained tiny model is not at {TRAINED}")
+    return TRAINED
+
+
+@pytest.fixture(scope="session")
+def trained_gguf(trained, tmp_path_factory) -> tuple[str, str]:
+    """The trained tiny checkpoint converted losslessly with its tokenizer (dense F16, F32 where F16 is not
+    exact; experts MXFP4), once per session: (main GGUF, MTP draft GGUF)."""
+    from ds4py.convert import convert_checkpoint
+
+    d = tmp_path_factory.mktemp("v4trained")
+    out, mtp = d / "v4-tiny-trained.gguf", d / "v4-tiny-trained.mtp.gguf"
+    convert_checkpoint(str(trained), str(out), experts="mxfp4", dense="f16", progress=False, mtp=str(mtp),
+                       tokenizer=str(trained / "tokenizer.json"))
     return str(out), str(mtp)
 
 

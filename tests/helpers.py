@@ -15,6 +15,8 @@ REPO = Path(__file__).resolve().parents[1]
 # The golden data: ../shared/golden beside the repository, or DS4PY_GOLDEN (the subset that travels to a GPU
 # machine, made by bench/device_wheels.sh; there a missing part skips the tests that need it).
 GOLDEN = Path(os.environ.get("DS4PY_GOLDEN") or REPO.parent / "shared" / "golden")
+# The trained tiny V4 + MTP (two domains, its own tokenizer, official outputs): beside the golden folder.
+TRAINED = GOLDEN.parent / "trained" / "v4-tiny-trained"
 
 
 def free_port() -> int:

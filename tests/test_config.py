@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from ds4py import schema
 from ds4py.config import ModelConfig
 from ds4py.errors import ConfigError, GGUFError
 from ds4py.gguf import GGUFFile
@@ -47,7 +48,7 @@ def test_fields_follow_metadata(tiny, manifest):
 
 def test_expected_tensors_match_manifest(tiny, manifest):
     cfg = ModelConfig.from_gguf(tiny)
-    want = {name: shape for name, (shape, _) in cfg.expected_tensors().items()}
+    want = {name: shape for name, (shape, _) in schema.model_tensors(cfg).items()}
     have = {t["name"]: tuple(reversed(t["ne"])) for t in manifest["tensors"]}
     assert want == have
 
@@ -55,13 +56,13 @@ def test_expected_tensors_match_manifest(tiny, manifest):
 def test_wrong_shape_names_tensor_and_shape(tiny):
     cfg = dataclasses.replace(ModelConfig.from_gguf(tiny), q_lora_rank=128)
     with pytest.raises(GGUFError, match=r"blk\.0\.attn_q_a\.weight.*expected \[128, 256\]"):
-        cfg.check_tensors(tiny)
+        schema.check_tensors(cfg, tiny)
 
 
 def test_wrong_layer_pattern_names_missing_tensor(tiny):
     cfg = dataclasses.replace(ModelConfig.from_gguf(tiny), compress_ratios=(0, 4, 4, 128))
     with pytest.raises(GGUFError, match=r"blk\.1\.attn_compressor_ape\.weight.*missing"):
-        cfg.check_tensors(tiny)
+        schema.check_tensors(cfg, tiny)
 
 
 class _Meta:
@@ -132,7 +133,7 @@ class _MetaOnly:
 def test_full_size_shapes_follow_model_md():
     """The same code gives the published file's tensor shapes (MODEL.md §5, ne reversed)."""
     cfg = ModelConfig.from_gguf(_MetaOnly(), validate=False)
-    t = {k: v[0] for k, v in cfg.expected_tensors().items()}
+    t = {k: v[0] for k, v in schema.model_tensors(cfg).items()}
     assert len(cfg.compress_ratios) == 43 and cfg.compress_ratios[42] == 4 and cfg.compress_ratios[3] == 128
     assert t["token_embd.weight"] == (129280, 4096) and t["output_hc_fn.weight"] == (4, 16384)
     assert t["blk.0.hc_attn_fn.weight"] == (24, 16384) and t["blk.0.ffn_gate_tid2eid.weight"] == (129280, 6)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from ds4py.errors import Ds4Error
-from ds4py.model import backend_options
+from ds4py.backends import backend_options
 
 CPU_OPTIONS = ("kernels", "threads", "mem_budget_mb")
 

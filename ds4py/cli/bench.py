@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
         return 0 if all(s["failed_requests"] == 0 for s in runs) else 1
 
     from ds4py import bench
-    from ds4py.model import open_model
+    from ds4py.backends import open_model
     from ds4py.tokenizer import Tokenizer
 
     if args.plot:                  # before the sweep, not after it

@@ -62,7 +62,7 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
 
 def open_model_for_generation(args):
     """open_model, wrapped for speculative decoding when the model has an MTP block and --no-spec is not given."""
-    from ds4py.model import open_model
+    from ds4py.backends import open_model
     from ds4py.drafts import speculative
 
     model = open_model(args.model, backend=args.backend, ctx=args.ctx, **model_kwargs(args))

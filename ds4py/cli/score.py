@@ -66,8 +66,9 @@ def run(args: argparse.Namespace) -> int:
 
     import numpy as np
 
+    from ds4py.backends import open_model
+    from ds4py.contract import Numerics
     from ds4py.errors import Ds4Error
-    from ds4py.model import Numerics, open_model
 
     ids = load_ids(args.ids)
     for flag, path in (("--out", args.out), ("--mtp-out", args.mtp_out), ("--draft-out", args.draft_out)):
@@ -101,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         if T < 2:
             raise Ds4Error("--mtp-out needs at least 2 ids (the draft at position j reads token j+1)")
-        from ds4py.model import open_mtp
+        from ds4py.contract import open_mtp
 
         rows, draft = _score_with_mtp(model, open_mtp(model, args.mtp), ids, P)
         _save(args.mtp_out, draft)

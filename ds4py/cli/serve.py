@@ -127,7 +127,7 @@ def make_engine(model_path: str, backend: str, ctx: int, tool_memory, mtp: str |
                 **model_options):
     from ds4py.chat import chat_format
     from ds4py.disk_cache import DiskCache
-    from ds4py.model import open_model
+    from ds4py.backends import open_model
     from ds4py.server.pool import SessionPool
     from ds4py.server.worker import Engine, PrefillPacer
     from ds4py.session import Session

@@ -21,10 +21,9 @@ from ds4py.cuda import vq_layout
 from ds4py.cuda.memory import ALIGN, Arena, DeviceArray, align_up
 from ds4py.cuda.ops.experts import FORMATS as EXPERT_FORMATS
 from ds4py.cuda.gguf_upload import upload_gguf, weights_bytes
-from ds4py.errors import Ds4Error
-from ds4py.model import UnsupportedByBackend
+from ds4py.errors import Ds4Error, UnsupportedByBackend
+from ds4py.host.rope import layer_rope_freqs
 from ds4py.quant import vq
-from ds4py.ref import ops as ref_ops
 
 GEMV_TYPES = (QT.Q8_0, QT.F16, QT.F32, QT.Q4_K)  # cu/gemv.cu, cu/gemm.cu
 EMBED_TYPES = (QT.F16, QT.F32)                  # cu/embed.cu
@@ -120,8 +119,8 @@ def _float(gguf, t) -> np.ndarray:
 
 def rope_tables(cfg) -> dict[int, np.ndarray]:
     """Per layer its RoPE frequencies (float32 [rope_dim / 2]): ratio-0 layers share one table, compressed ones
-    another (ref.ops.layer_rope_freqs)."""
-    return {il: np.ascontiguousarray(ref_ops.layer_rope_freqs(cfg, il), np.float32) for il in range(cfg.n_layers)}
+    another (ds4py.host.rope.layer_rope_freqs)."""
+    return {il: np.ascontiguousarray(layer_rope_freqs(cfg, il), np.float32) for il in range(cfg.n_layers)}
 
 
 @dataclass

@@ -174,7 +174,7 @@ def _fill_only_dir() -> Path:
 def check_smoke(rep: Report, rt: Any, label: str, n: int = SMOKE_N) -> None:
     """Compile + launch + readback of fill_f32_uniform against its numpy twin."""
     from ds4py.cuda.ops import fill as ops_fill
-    from ds4py.cuda.twins import fill as twin
+    from ds4py.host import fill as twin
 
     t0 = time.perf_counter()
     arena = rt.arena(weights_bytes=4 * n + 4096, scratch_bytes=1 << 16)
@@ -282,7 +282,7 @@ def check_auto(rep: Report, model: str | None) -> None:
 def compare_model(rep: Report, path: str, backend: str, n_prompt: int = 8, n_decode: int = 3) -> None:
     """The same ids through `backend` and the reference: every prompt position and a few greedy decode steps
     (the reference's tokens fed to both), top-1 and max |Δlogit| per position."""
-    from ds4py.model import open_model
+    from ds4py.backends import open_model
 
     t0 = time.perf_counter()
     try:

@@ -48,17 +48,17 @@ from ds4py.cuda import kernels, layer, ops
 from ds4py.cuda.device_weights import EMBED_TYPES, _float, check_gate_up, upload_entries
 from ds4py.cuda.kernels import BLOCK, gemvs
 from ds4py.cuda.kvstate import CudaState
+from ds4py.cuda.step_run import StepRun
 from ds4py.cuda.layer import Launcher, Recording, RowSet
 from ds4py.cuda.ops import dspark as ops_dspark
 from ds4py.cuda.ops.argmax import argmax_parts
 from ds4py.cuda.ops import prefill_attn as ops_pfa
 from ds4py.cuda.ops import v41 as ops_v41
 from ds4py.cuda.ops.mhc import mix_record
-from ds4py.errors import Ds4Error
+from ds4py.errors import Ds4Error, UnsupportedByBackend
+from ds4py.host.dspark import DraftBlock, call_bytes, greedy_chain, routed_bytes_per_row
+from ds4py.host.rope import layer_rope_freqs
 from ds4py.kv import state_layout
-from ds4py.model import UnsupportedByBackend
-from ds4py.ref import ops as ref_ops
-from ds4py.ref.dspark import DraftBlock, RefDSpark
 
 F32 = np.float32
 RUNS = 8                     # block graphs kept (one per ring state; least recently used dropped)
@@ -94,7 +94,7 @@ class CudaDSpark:
         self.layout = state_layout(cfg, model.rollback_horizon)
         self.block_size = B = mc.dspark_block
         S, gguf = cfg.n_layers, model.gguf
-        freqs = tuple(np.ascontiguousarray(ref_ops.layer_rope_freqs(cfg, s), F32) for s in range(S))
+        freqs = tuple(np.ascontiguousarray(layer_rope_freqs(cfg, s), F32) for s in range(S))
         self._block, self._tensors, self._freqs = upload_entries(self.rt, self.store, gguf,
                                                                  list(schema.dspark_entries(mc)), extra=freqs)
         self.binding = D = schema.bind_dspark(mc, self._tensors.__getitem__)
@@ -191,15 +191,13 @@ class CudaDSpark:
 
     def greedy(self, blk: DraftBlock, token: int, ids: Sequence[int] | None = None
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """RefDSpark.greedy: out [B + 1], logits [B, V], confidence [B]; the device's chain as it is when no
+        """greedy_chain (as RefDSpark.greedy): out [B + 1], logits [B, V], confidence [B]; the device's chain as it is when no
         teacher `ids` are given."""
         if ids is None and isinstance(blk, ChainBlock) and int(blk.chain_ids[0]) == int(token):
             return blk.chain_ids.copy(), blk.chain_logits.copy(), blk.chain_conf.copy()
-        return RefDSpark.greedy(self, blk, token, ids)
+        return greedy_chain(blk, token, ids)
 
     def _run(self, state: CudaState):
-        from ds4py.cuda.engine import StepRun
-
         m = self.model
         key = (m.pdl, m.graphs, tuple((a.ptr, a.shape[0]) for a in state.arrays.values()))
         run = self._runs.get(key)
@@ -244,12 +242,12 @@ class CudaDSpark:
 
     def routed_bytes_per_row(self) -> int:
         """Bytes of routed experts one more main-model verify row reads (the file's, as the reference's)."""
-        return RefDSpark.routed_bytes_per_row(self)
+        return routed_bytes_per_row(self.main_config, self.model.gguf)
 
     def call_bytes(self) -> int:
         """Bytes one draft call reads (the file's, as the reference's: the stages' dense tensors, the routed experts
         B rows pick, the shared head and B embedding rows)."""
-        return RefDSpark.call_bytes(self)
+        return call_bytes(self.main_config, self.model.gguf, self.block_size)
 
     def close(self) -> None:
         self.store.retire(list(self._runs.values()) + [self.ws.block, self._bufs_block, self._block])

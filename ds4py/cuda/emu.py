@@ -556,7 +556,7 @@ class EmuModule:
                 for b in watched:                          # the launch may have left them read-only
                     protect(b.start, b.body, False)
         if "traffic" in self.checks:
-            from ds4py.cuda import traffic
+            from ds4py.cuda import traffic_record as traffic
             counters = (ctypes.c_uint64 * (len(profiled) * self._lib.emu_traffic_counters() + 6))()
             self._lib.emu_traffic_read(counters)
             self._lib.emu_traffic_begin(-1, None, None)

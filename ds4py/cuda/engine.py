@@ -31,22 +31,21 @@ from ds4py.config import ModelConfig
 from ds4py.cuda import layer, synth
 from ds4py.cuda.layer import BLOCK, DECODE, MAX_ROWS, ROWS, Recording, RowSet
 from ds4py.cuda.compiler import model_defines
-from ds4py.cuda.graph import StepGraph
 from ds4py.cuda.kvstate import CudaState, DeviceStore
 from ds4py.cuda.memory import DeviceArray
 from ds4py.cuda.device_weights import DeviceWeights, check_gate_up
 from ds4py.cuda.device_weights import load as load_weights
 from ds4py.cuda.engram_feed import EngramFeed
 from ds4py.cuda.memory_plan import DEFAULT_CTX, MemoryPlan, kv_bytes
+from ds4py.cuda.step_run import StepRun
 from ds4py.cuda.ops import experts as ops_moe
 from ds4py.cuda.ops import moe_prefill as ops_moep
 from ds4py.cuda.gguf_upload import check_alignment
-from ds4py.errors import ContextLengthError, Ds4Error
+from ds4py.errors import ContextLengthError, Ds4Error, UnsupportedByBackend
 from ds4py.fingerprint import file_fingerprint
 from ds4py.gguf import GGUFFile
 from ds4py.kv import state_layout
-from ds4py.model import (DEFAULT_ROLLBACK_HORIZON, Capabilities, ModelBase, Numerics, UnsupportedByBackend,
-                         WeightBytes)
+from ds4py.contract import DEFAULT_ROLLBACK_HORIZON, Capabilities, ModelBase, Numerics, WeightBytes
 from ds4py.sampling import InvalidLogits, SamplingParams
 from ds4py.vq.sidecar import Stack
 
@@ -61,72 +60,6 @@ def bucket_for(n_positions: int, context_length: int, min_bucket: int = MIN_BUCK
     while b < n_positions:
         b *= 2
     return max(n_positions, min(b, context_length))
-
-
-class StepRun:
-    """One recorded step (a body or a head): captured into a graph and replayed, or launched directly each time
-    (graphs=False). `launches` counts the kernels of one run."""
-
-    def __init__(self, model: "CudaModel", record: Callable[[layer.Launcher], None], tag: tuple,
-                 slot: DeviceArray | None = None, graph: bool = True):
-        """graph=False: direct launches until use_graph() (a row set seen once is not worth a capture)."""
-        self.model, self._record, self.tag = model, record, tag
-        self.slot = model.slot if slot is None else slot
-        self.mode = (model.pdl, model.graphs)
-        self.launches = 0
-        self.side_launches = 0
-        self.graph: StepGraph | None = None
-        if graph:
-            self.use_graph()
-
-    def use_graph(self) -> None:
-        """Capture on the next run and replay from then on (when the model runs with graphs)."""
-        if self.graph is None and self.mode[1]:
-            self.graph = StepGraph(self.model.rt, self._capture, self.slot, self.model.w.arena)
-
-    def _capture(self) -> None:
-        ls = layer.Launcher(self.model.rt, self.model.pdl)
-        self._record(ls)
-        self.launches, self.side_launches = ls.launches, ls.side_launches
-
-    def run(self, values: Sequence[int]) -> None:
-        if self.graph is not None:
-            self.graph.replay(values)
-        else:
-            for i, v in enumerate(values):
-                self.slot.memory.memset_d32(self.slot.ptr + 4 * i, int(v), 1, self.model.rt.main)
-            self._capture()
-
-    def count(self) -> tuple[int, int]:
-        """(kernels, of which on the side stream) one run launches: the recording against a runtime that only
-        counts (no capture, no launch)."""
-        ls = layer.Launcher(_CountingRuntime(self.model.rt), self.model.pdl)
-        self._record(ls)
-        return ls.launches, ls.side_launches
-
-    @property
-    def captures(self) -> int:
-        return self.graph.captures if self.graph is not None else 0
-
-    def close(self) -> None:
-        if self.graph is not None:
-            self.graph.close()
-
-
-class _CountingRuntime:
-    """The runtime's streams and device limits, launches that do nothing: what launches_per_step records on."""
-
-    def __init__(self, rt: Any):
-        self.device, self.profile, self.main, self.side = rt.device, rt.profile, rt.main, rt.side
-
-    def launch(self, *args: Any, **kw: Any) -> None:
-        pass
-
-    def fork(self) -> None:
-        pass
-
-    def join(self) -> None:
-        pass
 
 
 class TokenReader:
@@ -221,7 +154,7 @@ class CudaModel(ModelBase):
             raise Ds4Error(f"{self.path}: the official decode bug applies to V4.1 models only")
         self._publishers = None
         if official_decode_bug:
-            from ds4py.ref.v41 import KeyPublishers
+            from ds4py.host.keys import KeyPublishers
 
             self._publishers = KeyPublishers()
         header = min(t.offset for t in self.gguf.tensors.values())

@@ -18,9 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ds4py.cuda.memory import Arena, DeviceArray, WeightUploader, align_up
-from ds4py.errors import GGUFError
+from ds4py.errors import GGUFError, UnsupportedByBackend
 from ds4py.progress import LOAD, Transfer
-from ds4py.model import UnsupportedByBackend
 
 _PLAIN = {"F32": np.float32, "F16": np.float16, "I32": np.int32, "I8": np.int8, "I16": np.int16}
 

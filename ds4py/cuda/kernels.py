@@ -36,7 +36,7 @@ from ds4py.cuda.ops import v41 as ops_v41
 from ds4py.cuda.ops.gemv import GEMV_MAX_X, MAX_MATS
 from ds4py.cuda.ops.mhc import mix_record
 from ds4py.cuda.ops.rmsnorm import rmsnorm
-from ds4py.cuda.twins.indexer import weight_scale
+from ds4py.host.indexer import weight_scale
 
 DECODE, ROWS, BLOCK = "decode", "rows", "block"
 

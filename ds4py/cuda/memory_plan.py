@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ds4py.kv import StateLayout
-from ds4py.model import UnsupportedByBackend
+from ds4py.errors import UnsupportedByBackend
 
 DEFAULT_CTX = 32768          # the plan's context when none is asked for (serve's default --ctx)
 

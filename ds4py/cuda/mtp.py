@@ -32,10 +32,11 @@ from ds4py.cuda import layer, ops
 from ds4py.cuda.ops import experts as ops_moe
 from ds4py.cuda.kernels import gemvs
 from ds4py.cuda.kvstate import CudaState
+from ds4py.cuda.step_run import StepRun
 from ds4py.cuda.layer import MAX_ROWS, ROWS, Launcher, Recording, RowSet
 from ds4py.cuda.device_weights import DevTensor, check_gate_up, upload_entries
-from ds4py.model import MtpBase
-from ds4py.ref import ops as ref_ops
+from ds4py.contract import MtpBase
+from ds4py.host.rope import layer_rope_freqs
 
 RUNS = 16                    # MTP step graphs kept (per rows' states, row count and head)
 
@@ -43,7 +44,7 @@ RUNS = 16                    # MTP step graphs kept (per rows' states, row count
 def _upload(rt: Any, store: Any, gguf, cfg) -> tuple[Any, dict[str, DevTensor], Any]:
     """Every mtp.0.* tensor of `gguf` in one device block (device_weights.upload_entries: the file's formats, small
     vectors converted as the main model's are), and the block's RoPE table."""
-    freqs = np.ascontiguousarray(ref_ops.layer_rope_freqs(cfg.mtp_block(), 0), np.float32)
+    freqs = np.ascontiguousarray(layer_rope_freqs(cfg.mtp_block(), 0), np.float32)
     blk, tensors, (fr,) = upload_entries(rt, store, gguf, list(schema.mtp_entries(cfg)),
                                          lambda e: e.spec.field.removeprefix("block."), (freqs,))
     return blk, tensors, fr
@@ -138,8 +139,6 @@ class CudaMtp(MtpBase):
 
     # ---- graphs -----------------------------------------------------------------------------------------------
     def _run(self, states: list[CudaState], head: bool):
-        from ds4py.cuda.engine import StepRun
-
         m = self.model
         key = (m.pdl, m.graphs, head, tuple(tuple((a.ptr, a.shape[0]) for a in st.arrays.values()) for st in states))
         run = self._runs.get(key)

@@ -4,8 +4,8 @@ cu/emu/emu_check.h does the counting, docs/cuda-emu.md "Traffic profile" defines
 Per launch and pointer argument: warp requests, bytes requested, the 32-byte sectors and 128-byte lines those
 requests touch (coalescing), unique bytes against the argument's bytes, how often its bytes are read again
 (by later requests, by other blocks), bytes loaded before pdl_wait(); per launch the shared-memory requests and
-their wavefronts (bank conflicts). Records go to `RECORDS` (while `collect()` is open) and, when
-DS4PY_EMU_TRAFFIC names a file, one JSON line per launch to it.
+their wavefronts (bank conflicts). The records are made by ds4py/cuda/traffic_record.py (`collect()`, and
+DS4PY_EMU_TRAFFIC naming a file: one JSON line per launch); this module is the report and its tool.
 
     python3 -m ds4py.cuda.traffic [--out bench/traffic/report.json] [tests/test_cu_emu_gemv.py ...]
 
@@ -17,97 +17,23 @@ below 95% coalescing or read more than 1.1 times.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Sequence
 
-# The counters of one argument, in cu/emu/emu_check.h's order (traffic::L_REQ ... S_LINES).
-ARG_COUNTERS = ("requests", "requested_bytes", "distinct_bytes", "sectors", "lines", "unique_bytes",
-                "block_unique_bytes", "pre_pdl_bytes",
-                "store_requests", "store_requested_bytes", "store_distinct_bytes", "store_sectors", "store_lines",
-                "unique_sectors")
-# Which const pointer parameters of cu/*.cu hold model weights (a parameter name, the same across kernels): the
-# report's `weight` flag and its findings. The twin tests upload activations into the arena's weights region too,
-# so where the bytes live does not tell.
-WEIGHT_PARAMS = frozenset({"W", "W0", "W1", "W2", "W3", "Wg", "Wu", "w", "weight", "codes", "scales", "table",
-                           "ape", "norm_w", "k_norm", "bias", "sinks", "fn", "scale", "base"})
-SMEM_COUNTERS = ("requests", "wavefronts", "ideal_wavefronts")
+from ds4py.cuda.traffic_record import (ARG_COUNTERS, SMEM_COUNTERS, WEIGHT_PARAMS,  # noqa: F401
+                                       collect, derive_arg, derive_smem, launch_record, record)
+
 COALESCING_TARGET = 0.95          # issue 34: every weight-streaming kernel's weight argument
 REREAD_LIMIT = 1.1
 FORMAT = "ds4py-traffic-v1"
 # The profile does not depend on thread order, so the tool skips the twin tests' reverse and random re-runs
 # (test_random_words is the philox kernel's test, not an order) and the order-identity tests.
 ONE_ORDER = "not reverse and (not random or test_random_words) and not thread_order"
-
-RECORDS: list[dict] | None = None
-
-
-@contextlib.contextmanager
-def collect() -> Iterator[list[dict]]:
-    """The launch records of the traffic build made inside the block."""
-    global RECORDS
-    outer, RECORDS = RECORDS, []
-    try:
-        yield RECORDS
-    finally:
-        RECORDS = outer
-
-
-def record(rec: dict) -> None:
-    if RECORDS is not None:
-        RECORDS.append(rec)
-    path = os.environ.get("DS4PY_EMU_TRAFFIC")
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps(rec, separators=(",", ":")) + "\n")
-
-
-def _ratio(num: float, den: float) -> float | None:
-    return round(num / den, 4) if den else None
-
-
-def derive_arg(c: dict) -> dict:
-    """The ratios of one argument's counters (added to a copy)."""
-    out = dict(c)
-    out["coalescing"] = _ratio(c["distinct_bytes"], 32 * c["sectors"])
-    out["line_efficiency"] = _ratio(c["distinct_bytes"], 128 * c["lines"])
-    out["reread"] = _ratio(c["distinct_bytes"], c["unique_bytes"])
-    out["reread_blocks"] = _ratio(c["block_unique_bytes"], c["unique_bytes"])
-    out["coverage"] = _ratio(c["unique_bytes"], c["arg_bytes"])
-    out["dram_efficiency"] = _ratio(c["unique_bytes"], 32 * c["unique_sectors"])
-    out["store_coalescing"] = _ratio(c["store_distinct_bytes"], 32 * c["store_sectors"])
-    return out
-
-
-def derive_smem(c: dict) -> dict:
-    out = dict(c)
-    out["conflict_factor"] = _ratio(c["wavefronts"], c["ideal_wavefronts"])
-    return out
-
-
-def launch_record(kernel: str, grid: Sequence[int], block: Sequence[int], smem_bytes: int, groups: Sequence[Any],
-                  counters: Sequence[int]) -> dict:
-    """One launch's record from the library's counters (groups: emu._Group, one per distinct argument buffer)."""
-    n = len(ARG_COUNTERS)
-    args = {}
-    for i, g in enumerate(groups):
-        c = dict(zip(ARG_COUNTERS, counters[i * n:(i + 1) * n]))
-        c.update(arg_bytes=g.nbytes, weight=not g.writes and any(nm in WEIGHT_PARAMS for nm in g.names),
-                 readonly_source=bool(g.weight), written=bool(g.writes))
-        args["=".join(g.names)] = derive_arg(c)
-    base = len(groups) * n
-    load = dict(zip(SMEM_COUNTERS, counters[base:base + 3]))
-    store = dict(zip(SMEM_COUNTERS, counters[base + 3:base + 6]))
-    both = {k: load[k] + store[k] for k in SMEM_COUNTERS}
-    smem = derive_smem(both)
-    smem["load"], smem["store"] = derive_smem(load), derive_smem(store)
-    return {"kernel": kernel, "grid": list(grid), "block": list(block), "smem_bytes": int(smem_bytes),
-            "args": args, "smem": smem}
 
 
 def _add(into: dict, c: dict, keys: Sequence[str]) -> None:
@@ -194,13 +120,13 @@ def model_width_gemv(rows: int = 16, cols: int = 4096, nx: int = 1) -> list[dict
     few hundred bytes, where a row's partly used last sector weighs heavily), traffic build, one launch each."""
     import numpy as np
 
-    from ds4py.cuda import ops, twins
+    from ds4py.cuda import ops
     from ds4py.cuda.emu_runtime import EmuRuntime
-    from ds4py.quant import kquants
+    from ds4py.quant import kquants, simple
 
     r = np.random.default_rng(34)
     Wf = r.standard_normal((rows, cols)).astype(np.float32)
-    weights = {"F32": Wf, "F16": Wf.astype(np.float16), "Q8_0": twins.quant_q8_0(Wf).reshape(rows, -1),
+    weights = {"F32": Wf, "F16": Wf.astype(np.float16), "Q8_0": simple.quant_q8_0(Wf).reshape(rows, -1),
                "Q4_K": kquants.quant_q4_k(Wf.reshape(-1, 256)).reshape(rows, -1)}
     old = os.environ.get("DS4PY_EMU_CHECK")
     os.environ["DS4PY_EMU_CHECK"] = "traffic"

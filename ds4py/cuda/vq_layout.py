@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from ds4py.cuda.ops.experts import VQ_FORMATS, matrix_bytes, vq_expert_bytes, vq_format, vq_row_parts
-from ds4py.model import UnsupportedByBackend
+from ds4py.errors import UnsupportedByBackend
 from ds4py.quant import vq
 
 

@@ -27,7 +27,6 @@ round that accepted several tokens, sees exactly the rows a one-token-per-step o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import partial
 from typing import Sequence
 
@@ -35,37 +34,13 @@ import numpy as np
 
 from ds4py import kv, schema
 from ds4py.errors import Ds4Error
+from ds4py.host.dspark import DraftBlock, call_bytes, greedy_chain, routed_bytes_per_row  # noqa: F401 (DraftBlock: ref.dspark's name)
 from ds4py.kv import state_layout
-from ds4py.quant import vq
 from ds4py.ref import ops
 from ds4py.ref.forward import HcLag, Seq, block, kv_store
 from ds4py.ref.state import RefState
 
 F32 = np.float32
-
-
-@dataclass
-class DraftBlock:
-    """One draft call's block: what does not depend on the drafted tokens (the base logits and the last stage's
-    pre-norm hidden state), and the Markov / confidence head that does."""
-    base: np.ndarray             # [B, V] head logits before the Markov bias
-    hidden: np.ndarray           # [B, D] h = hc_collapse(X, pre), the confidence head's input
-    embed: np.ndarray            # [V, r] markov_embed
-    head: np.ndarray             # [V, r] markov_head
-    confidence_w: np.ndarray     # [D + r]
-
-    @property
-    def size(self) -> int:
-        return self.base.shape[0]
-
-    def position(self, i: int, prev: int) -> tuple[np.ndarray, float]:
-        """(logits of block position i [V]: the draft distribution of the token at t + 2 + i, given out_i =
-        `prev`, the raw confidence score c_i)."""
-        e = self.embed[int(prev)]
-        logits = self.base[i] + self.head @ e
-        conf = float(np.dot(self.confidence_w[:self.hidden.shape[1]], self.hidden[i])
-                     + np.dot(self.confidence_w[self.hidden.shape[1]:], e))
-        return logits.astype(F32), conf
 
 
 class RefDSpark:
@@ -189,16 +164,8 @@ class RefDSpark:
 
     def greedy(self, blk: DraftBlock, token: int, ids: Sequence[int] | None = None
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The greedy chain of a block (the official driver at temperature 0): out [B + 1] = [token, d_1..d_B],
-        logits [B, V] (Markov bias included), confidence [B]. `ids`, when given, are the out_i the Markov bias
-        and the confidence read instead of the chain's own (a teacher, to compare position by position)."""
-        out, logits, conf = [int(token)], [], []
-        for i in range(blk.size):
-            lg, c = blk.position(i, out[i] if ids is None else ids[i])
-            logits.append(lg)
-            conf.append(c)
-            out.append(int(np.argmax(lg)))
-        return np.array(out, np.int64), np.stack(logits).astype(F32), np.array(conf, F32)
+        """greedy_chain(blk, token, ids) (ds4py.host.dspark): the block's greedy chain on the host."""
+        return greedy_chain(blk, token, ids)
 
     # ---- state on disk, costs -------------------------------------------------------------------------------
     def save_state(self, state: RefState) -> bytes:
@@ -213,20 +180,9 @@ class RefDSpark:
         return RefState.from_parts(self.layout, n_tokens, n_written, arrays)
 
     def routed_bytes_per_row(self) -> int:
-        """Bytes of routed experts one more main-model verify row reads (n_experts_used per backbone layer)."""
-        mc, f = self.main_config, self.model.gguf
-        return sum(f.tensor(e.name).nbytes * mc.n_experts_used // mc.n_experts for e in schema.entries(mc)
-                   if e.spec.field.startswith("ffn.experts."))
+        """Bytes of routed experts one more main-model verify row reads (ds4py.host.dspark)."""
+        return routed_bytes_per_row(self.main_config, self.model.gguf)
 
     def call_bytes(self) -> int:
-        """Bytes one draft call reads: the stages' dense tensors, the routed experts B rows pick (at most all of
-        them), the shared head and B embedding rows; a ring feed reads main_proj and the stages' wkv."""
-        mc, f = self.main_config, self.model.gguf
-        per_row = min(mc.dspark_experts, self.block_size * mc.dspark_experts_used)
-        experts = {e.name for e in schema.dspark_entries(mc) if e.spec.field.startswith("ffn.experts.")}
-        experts |= {vq.gain_name(n) for n in experts} | {vq.hi_name(n) for n in experts}
-        total = sum(t.nbytes * per_row // mc.dspark_experts if name in experts else t.nbytes
-                    for name, t in f.tensors.items() if name.startswith(schema.DSPARK_PREFIX))
-        names = {e.spec.field: e.name for e in schema.entries(mc) if e.spec.field in ("head", "embed")}
-        head, embed = f.tensor(names["head"]), f.tensor(names["embed"])
-        return total + head.nbytes + self.block_size * embed.nbytes // embed.shape[0]
+        """Bytes one draft call reads (ds4py.host.dspark)."""
+        return call_bytes(self.main_config, self.model.gguf, self.block_size)

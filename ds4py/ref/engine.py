@@ -13,7 +13,7 @@ from ds4py.errors import Ds4Error
 from ds4py.fingerprint import file_fingerprint
 from ds4py.gguf import GGUFFile
 from ds4py.kv import state_layout
-from ds4py.model import DEFAULT_ROLLBACK_HORIZON, Capabilities, ModelBase, Numerics, WeightBytes
+from ds4py.contract import DEFAULT_ROLLBACK_HORIZON, Capabilities, ModelBase, Numerics, WeightBytes
 from ds4py.quant import vq
 from ds4py.ref.forward import Trace, V41Step, forward
 from ds4py.ref.state import RefState

@@ -21,7 +21,7 @@ from functools import partial
 import numpy as np
 
 from ds4py.config import LayerRoles
-from ds4py.model import Numerics
+from ds4py.contract import Numerics
 from ds4py.ref import ops, v41
 from ds4py.ref.state import RefState
 from ds4py.schema import AttentionWeights, CompressorWeights, FfnWeights, LayerWeights, ModelWeights

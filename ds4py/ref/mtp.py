@@ -22,12 +22,12 @@ from __future__ import annotations
 import numpy as np
 
 from ds4py import schema
-from ds4py.model import MtpBase
+from ds4py.contract import MtpBase
 from ds4py.quant import vq
 from ds4py.ref import ops
 from ds4py.ref.forward import Seq, block
 from ds4py.ref.state import RefState
-from ds4py.ref.weights import DEFAULT_CACHE_BYTES, Weights
+from ds4py.ref.weights import DEFAULT_CACHE_BYTES, FUSED_MAX_ROWS, Weights
 
 F32 = np.float32
 
@@ -63,8 +63,13 @@ class RefMtp(MtpBase):
                 if budget == 0:
                     break
             last = [done[i] == len(ids[i]) for i, _ in picked]
-            # no row stability needed: a draft's bits only change speed (greedy) or are fixed by a fixed schedule
-            with ops.row_stable(False):
+            # A draft's bits only change speed (greedy) or are fixed by a fixed schedule, so row stability is not
+            # needed; but a round's catch-up (the a + 1 rows a verify accepted) runs row by row like a verify:
+            # a few-row BLAS product goes to a threaded sgemm, measured 3-4x a row's gemv on a loaded 2-core
+            # machine (2 rows: 8 ms vs 3.4 ms row by row on the trained tiny model), which made every accepted
+            # round pay more than its draft was worth (docs/spec.md "Measured: trained").
+            few = max(r.stop - r.start for _, r in picked) <= FUSED_MAX_ROWS
+            with ops.row_stable(few):
                 lg, hid = self._forward([states[i] for i, _ in picked], [hs[i][r] for i, r in picked],
                                         [ids[i][r] for i, r in picked], all_logits, logits, last)
             for j, (i, _) in enumerate(picked):

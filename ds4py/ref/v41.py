@@ -18,11 +18,10 @@ official_decode_bug=True)) reproduces the official decode for comparison.
 
 from __future__ import annotations
 
-import weakref
-
 import numpy as np
 
-from ds4py.model import Numerics
+from ds4py.contract import Numerics
+from ds4py.host.keys import KeyPublishers  # noqa: F401 (ref.v41's name)
 from ds4py.ref import ops
 
 F32 = np.float32
@@ -104,28 +103,3 @@ class NgramIds:
             tail = s.pos[-min(len(chunk), cap):]
             ring[tail % cap, 0] = chunk[-len(tail):]
         return np.concatenate(out)
-
-
-class KeyPublishers:
-    """The official decode's index-key bug, reproduced (for comparison only): which key owner last published
-    keys, per state. A key owner publishes when its compressor emits a row; an indexer scores the last
-    publisher's keys (the fix: its key owner's). A state without a record (fresh, copied or loaded) starts
-    from the fixed behaviour."""
-
-    def __init__(self):
-        self._last: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-    def begin(self, seqs) -> None:
-        for s in seqs:
-            s.key_pub = self._last.get(s.state, -1)
-
-    def end(self, seqs) -> None:
-        for s in seqs:
-            if s.key_pub >= 0:
-                self._last[s.state] = s.key_pub
-
-    @staticmethod
-    def keys_layer(s, ro, emitted: bool) -> int:
-        if ro.owns_index_keys and emitted:
-            s.key_pub = ro.layer
-        return s.key_pub if s.key_pub >= 0 else ro.index_keys

@@ -26,15 +26,15 @@ import orjson
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError
-from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
 from . import anthropic, openai, page, responses
 from .affinity import session_key
+from .engine_thread import Worker
 from .metrics import Metrics
 from .protocol import (MODEL_IDS, NONTHINKING_ALIASES, THINKING_ALIASES, ApiError, Done, Reasoning, Result, Started,
                        Text, ToolCallOut)
 from .sse import next_or_keepalive
-from .worker import Engine, Job, Worker
+from .worker import Engine, Job
 
 log = logging.getLogger("ds4py.server")
 
@@ -327,7 +327,7 @@ async def read_json(request: web.Request) -> dict:
                        kind="invalid_request_error", code="request_timeout") from None
     except web.HTTPRequestEntityTooLarge:
         raise too_large(cfg) from None
-    except (RequestPayloadError, HttpProcessingError) as e:
+    except (web.RequestPayloadError, HttpProcessingError) as e:
         # e.g. "Content-Encoding: gzip" on a body that is not gzip, or a broken chunked encoding
         why = (getattr(e, "message", "") or str(e)).strip().splitlines()[0][:200]
         raise ApiError(400, f"the request body cannot be read: {why}") from None
@@ -579,10 +579,15 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-class _Handler(RequestHandler):
+class ApiErrorHandler(web.RequestHandler):
     """aiohttp's connection handler, with its own error answers replaced: a request the HTTP parser cannot read
     (bad request line or headers, an unsupported Content-Encoding, ...) gets the API's JSON error shape (the
-    OpenAI one: the route is unknown at that point) and one log line, not a plain-text body and a traceback."""
+    OpenAI one: the route is unknown at that point) and one log line, not a plain-text body and a traceback.
+    Made per connection by `Listener` (aiohttp's public web.RequestHandler and web.Server, no private name)."""
+
+    def __init__(self, manager: web.Server, metrics: Metrics | None, **kw):
+        super().__init__(manager, **kw)
+        self.ds4py_metrics = metrics
 
     def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
@@ -596,9 +601,8 @@ class _Handler(RequestHandler):
         else:                                        # the last resort: a bug, logged with its traceback
             log.error("unhandled error on %s", request.path, exc_info=exc)
             text, kind = "internal server error", "api_error"
-        metrics = getattr(self._manager, "ds4py_metrics", None)
-        if metrics is not None:
-            metrics.request_done("malformed" if status < 500 else "other", status)
+        if self.ds4py_metrics is not None:
+            self.ds4py_metrics.request_done("malformed" if status < 500 else "other", status)
         if request.writer.output_size > 0:
             raise ConnectionError("the answer has started; cannot send an error now")
         # the route is unknown here: a body that both the OpenAI and the Anthropic SDKs read as their error
@@ -613,7 +617,7 @@ class _Handler(RequestHandler):
         # after an answer to a body that could not be decoded, aiohttp's lingering read of the rest raises the
         # same payload error again; that is the client's problem, already answered: one line, no traceback
         exc = kw.get("exc_info")
-        if isinstance(exc, (HttpProcessingError, RequestPayloadError)):
+        if isinstance(exc, (HttpProcessingError, web.RequestPayloadError)):
             why = ((getattr(exc, "message", None) or str(exc)).strip().splitlines() or [""])[0][:200]
             log.info("malformed HTTP request body: %s", why)
             return
@@ -640,38 +644,38 @@ class AccessLogger(AbstractAccessLogger):
         self.logger.info(line)
 
 
-class _Server(web.Server):
-    def __call__(self) -> RequestHandler:
-        return _Handler(self, loop=self._loop, **self._kwargs)
+class Listener:
+    """The server's socket, served by an AppRunner's web.Server with ApiErrorHandler connections (public API only:
+    runner.server is the runner's connection manager; asyncio makes one handler per accepted connection, as
+    web.SockSite would with aiohttp's own handler class). cleanup(): stop accepting, then the runner closes the
+    open connections (shutdown_timeout) and the application."""
+
+    def __init__(self, runner: web.AppRunner, server: asyncio.AbstractServer):
+        self.runner, self.server = runner, server
+
+    async def cleanup(self) -> None:
+        self.server.close()
+        await self.runner.cleanup()
 
 
-class _Runner(web.AppRunner):
-    def __init__(self, app: web.Application, metrics: Metrics, **kw):
-        super().__init__(app, **kw)
-        self._ds4py_metrics = metrics
-
-    async def _make_server(self) -> web.Server:
-        server = await super()._make_server()
-        server.__class__ = _Server         # same object and state; only the connection handler class differs
-        server.ds4py_metrics = self._ds4py_metrics
-        return server
-
-
-async def _start(state: ServerState, sock: socket.socket) -> web.AppRunner:
+async def _start(state: ServerState, sock: socket.socket) -> Listener:
     # handler_cancellation: a client that disconnects cancels its handler, whose `finally` stops generation.
     # keepalive_timeout: aiohttp closes a connection that has not delivered a complete request head within it,
     # both at the start of a connection and between requests: the header timeout for stalled clients.
-    cfg = state.config
-    access_log = logging.getLogger("ds4py.server.access") if cfg.access_log else None
     # lingering_time: after an answer to a request whose body was not read (413, 408, a body that could not be
     # decoded), the rest is read and dropped for at most this long before closing, so that the client sees the
     # answer instead of a connection reset
-    runner = _Runner(make_app(state), state.metrics, handler_cancellation=True, access_log=access_log,
-                     access_log_class=AccessLogger,
-                     shutdown_timeout=1.0, keepalive_timeout=cfg.header_timeout, lingering_time=2.0)
+    cfg = state.config
+    access_log = logging.getLogger("ds4py.server.access") if cfg.access_log else None
+    per_connection = dict(access_log=access_log, access_log_class=AccessLogger, keepalive_timeout=cfg.header_timeout,
+                          lingering_time=2.0)
+    runner = web.AppRunner(make_app(state), handler_cancellation=True, shutdown_timeout=1.0, **per_connection)
     await runner.setup()
-    await web.SockSite(runner, sock).start()
-    return runner
+    loop = asyncio.get_running_loop()
+    manager = runner.server
+    server = await loop.create_server(lambda: ApiErrorHandler(manager, state.metrics, loop=loop, **per_connection),
+                                      sock=sock)
+    return Listener(runner, server)
 
 
 SHUTDOWN_WAIT_S = 10.0       # how long a SIGTERM waits for the engine to stop at its next prefill chunk / token

@@ -37,17 +37,28 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from ds4py.model import device_generation
+from ds4py.contract import device_generation
 from ds4py.sampling import InvalidLogits
 from ds4py.session import Completion, Session
 
 from .protocol import Done, Started
 from .runner import ModelRunner
-from .worker import Engine, Job, JobOutput, Worker
+from .worker import Engine, Job, JobOutput
 
 log = logging.getLogger("ds4py.server")
+
+
+class JobQueue(Protocol):
+    """The waiting jobs as the scheduler reads them (engine_thread.Worker, which runs the scheduler)."""
+    closed: bool
+
+    def wait(self) -> bool: ...
+
+    def peek(self) -> Job | None: ...
+
+    def pop(self) -> Job: ...
 
 
 @dataclass(eq=False)
@@ -68,7 +79,7 @@ class _Request:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, worker: Worker):
+    def __init__(self, engine: Engine, worker: JobQueue):
         self.engine, self.worker, self.pool = engine, worker, engine.pool
         self.prefill_chunk = self.pool.prefill_chunk
         self.paced = not isinstance(self.prefill_chunk, int)

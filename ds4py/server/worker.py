@@ -3,8 +3,8 @@ and a bounded FIFO queue in front of it.
 
 The event loop never runs model code. A request handler renders its prompt in a thread pool, puts a `Job` on
 the queue and awaits the job's asyncio.Queue; the worker thread runs the jobs and posts `Reasoning` / `Text` /
-`ToolCallOut` / `Done` events back with call_soon_threadsafe (`JobOutput`). The thread runs the Scheduler
-(scheduler.py), the one serving driver, over the engine's SessionPool: one session runs one job at a time,
+`ToolCallOut` / `Done` events back with call_soon_threadsafe (`JobOutput`). The thread (engine_thread.py's
+Worker) runs the Scheduler (scheduler.py), the one serving driver, over the engine's SessionPool: one session runs one job at a time,
 `serve --sessions N` up to N together, their decode rows in one batched model step. A handler whose client goes
 away sets `job.cancel`; the scheduler checks it before every step (so within one token) and between prefill
 chunks.
@@ -294,92 +294,3 @@ class PrefillPacer:
         if b <= 0:                                 # noise (or a cache effect) dominates: per-token cost only
             return 0.0, mt / mn
         return max(0.0, mt - b * mn), b
-
-
-class QueueFull(ApiError):
-    pass
-
-
-class Worker:
-    """One engine thread and a bounded FIFO of waiting jobs (running jobs are not counted); the thread runs the
-    Scheduler over the engine's sessions (one job at a time with one session, up to N with N)."""
-
-    def __init__(self, engine: Engine, max_queue: int = 64):
-        self.engine, self.max_queue = engine, max_queue
-        self._pending: collections.deque[Job] = collections.deque()
-        self._cv = threading.Condition()
-        self._closed = False
-        self._stopped = ""                       # why the engine thread ended on its own (a bug), if it did
-        self._thread = threading.Thread(target=self._main, name="ds4py-engine", daemon=True)
-        self._thread.start()
-
-    def submit(self, job: Job) -> None:
-        with self._cv:
-            if self._stopped and not self._closed:
-                raise ApiError(503, f"the engine stopped ({self._stopped}); restart the server",
-                               kind="api_error", code="engine_stopped")
-            if len(self._pending) >= self.max_queue:
-                retry = max(1, len(self._pending) // 2)
-                raise QueueFull(429, f"the server is busy: {len(self._pending)} requests are waiting "
-                                     f"(--max-queue {self.max_queue}); retry later",
-                                kind="rate_limit_error", code="queue_full", headers={"Retry-After": str(retry)})
-            self._pending.append(job)
-            self.engine.metrics.queue_depth = len(self._pending)
-            self._cv.notify()
-
-    def close(self, timeout: float = 30.0) -> None:
-        """Cancel every job, let the engine thread finish its current model call and write the disk cache's
-        shutdown checkpoints (waits up to `timeout` seconds for it)."""
-        with self._cv:
-            self._closed = True
-            for job in self._pending:
-                job.cancel.set()
-            self._cv.notify_all()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                log.warning("the engine did not stop within %.0f s; no shutdown checkpoints written", timeout)
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    # ---- the queue, as the engine thread sees it -----------------------------------------------------------
-    def wait(self) -> bool:
-        """Block until a job is waiting (True) or the worker is closed (False)."""
-        with self._cv:
-            while not self._pending and not self._closed:
-                self._cv.wait()
-            return not self._closed
-
-    def peek(self) -> Job | None:
-        with self._cv:
-            return self._pending[0] if self._pending else None
-
-    def pop(self) -> Job:
-        with self._cv:
-            job = self._pending.popleft()
-            self.engine.metrics.queue_depth = len(self._pending)
-            return job
-
-    def _main(self) -> None:
-        from .scheduler import Scheduler      # (it imports this module's Engine, Job and JobOutput)
-
-        try:
-            Scheduler(self.engine, self).run()
-        except Exception as e:  # a bug: say so on every later request instead of letting them wait forever
-            log.exception("the engine thread failed")
-            self._stopped = f"{type(e).__name__}: {e}"
-        finally:
-            with self._cv:
-                for job in self._pending:
-                    self.engine.metrics.add(cancelled=1)
-                    job.emit(Done("cancelled", len(job.ids)))
-                self._pending.clear()
-                self.engine.metrics.queue_depth = 0
-            self.engine.close()
-
-    def join(self, timeout: float | None = None) -> bool:
-        """Wait for the engine thread to finish (after close()); True when it did within the timeout."""
-        self._thread.join(timeout)
-        return not self._thread.is_alive()

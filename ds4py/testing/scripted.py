@@ -29,7 +29,7 @@ import numpy as np
 from ds4py.chat.template import ASSISTANT, END_THINK, EOS, THINK
 from ds4py.errors import Ds4Error
 from ds4py.kv import ROWS, StateCounters, StateLayout, StatePart
-from ds4py.model import Capabilities, ModelBase, Numerics, WeightBytes
+from ds4py.contract import Capabilities, ModelBase, Numerics, WeightBytes
 
 ENV = "DS4PY_SCRIPTED_MODEL"
 NO_MATCH = "(no scripted rule matched)"

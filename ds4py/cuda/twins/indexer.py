@@ -5,14 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from ds4py.host.indexer import weight_scale  # noqa: F401 (the twin's name)
 from ds4py.ref import ops
 
 F32 = np.float32
-
-
-def weight_scale(ihd: int, ih: int) -> float:
-    """The fp32 factor on proj(x): ihd^-0.5 * IH^-0.5, rounded once like the reference."""
-    return float(F32(ihd ** -0.5 * ih ** -0.5))
 
 
 def q_prep(q_raw: np.ndarray, freqs: np.ndarray, pos: int, fake_quant: bool

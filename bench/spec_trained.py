@@ -1,0 +1,223 @@
+"""Speculative decoding on a model whose draft has learnt something: the trained tiny V4 + MTP
+(../shared/trained/v4-tiny-trained, code and prose), CPU reference backend (docs/spec.md "Measured: trained").
+
+    python bench/spec_trained.py [--work DIR] [--prompts 4] [--prompt-tokens 96] [--gen-tokens 64]
+                                 [--modes greedy,sampled] [--ks sched,1,2] [--json out.json]
+
+The checkpoint is converted losslessly with its tokenizer (dense F16, experts MXFP4; default compiled kernels).
+Per domain, `--prompts` prompts are windows of the held-out test ids (evenly spaced offsets); from each prompt's
+prefilled paired state every variant decodes `--gen-tokens` tokens (EOS suppressed): plain decoding (main
+model only, as `--no-spec`), the scheduler, and fixed k. The variants of one prompt run back to back, in an
+order rotated per prompt (interleaved rounds, so slow phases of the shared machine hit every variant alike);
+each probe's wall time and process CPU time are recorded. Greedy (temperature 0): every speculative output is
+checked byte-identical to plain. Sampled: the model card's settings (temperature 1.0, top-p 1.0, docs/
+generation.md), unseeded (the scheduler uses its measured costs, as a server request without a seed does).
+
+Reported per domain, mode and variant: acceptance, tokens per round, mean k and k over time (per quarter of the
+decode), speed-up over plain (min and median over prompts of the per-prompt wall-time ratio, and the CPU-time
+ratio), and the cost model's break-even acceptance (MeasuredCosts of the scheduler's requests, pooled): the
+first-draft acceptance where one round of k = 1 (a first draft step + a verify of 2 rows) yields as many
+tokens per second as plain steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+# One BLAS thread, set before numpy loads (and --threads 1 for the decode kernels by default): on a shared
+# 2-core machine threaded kernels spin against other jobs, and a process's CPU time then counts the spinning.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ds4py.convert import convert_checkpoint  # noqa: E402
+from ds4py.model import open_mtp  # noqa: E402
+from ds4py.ref.engine import RefModel  # noqa: E402
+from ds4py.sampling import Sampler, SamplingParams  # noqa: E402
+from ds4py import spec as spec_module  # noqa: E402
+from ds4py.spec import SpecModel  # noqa: E402
+
+TRAINED = Path(os.environ.get("DS4PY_TRAINED") or Path(__file__).resolve().parents[2] / "shared" / "trained" / "v4-tiny-trained")
+SAMPLED = SamplingParams(temperature=1.0, top_p=1.0)        # the model card's settings (docs/generation.md)
+EOS = 1
+
+
+def convert(work: Path) -> tuple[str, str]:
+    main, mtp = work / "v4-tiny-trained.gguf", work / "v4-tiny-trained.mtp.gguf"
+    if not main.exists() or not mtp.exists():
+        convert_checkpoint(str(TRAINED), str(main), experts="mxfp4", dense="f16", progress=False, mtp=str(mtp),
+                           tokenizer=str(TRAINED / "tokenizer.json"))
+    return str(main), str(mtp)
+
+
+def plain_probe(model, state, logits: np.ndarray, n: int, params: SamplingParams) -> list[int]:
+    """n tokens one main step each (the MTP block not run: what --no-spec does)."""
+    sampler, out = Sampler(params), []
+    for _ in range(n):
+        lg = logits.copy()
+        lg[EOS] = -np.inf
+        out.append(sampler.sample(lg))
+        logits = model.step([state.main], [[out[-1]]])[0]
+    return out
+
+
+def spec_probe(spec, state, logits: np.ndarray, n: int, params: SamplingParams):
+    """n tokens fed in speculative rounds: (tokens, stats, k of every round in order, the request)."""
+    req = spec.new_request(params, suppress=[EOS])
+    sampler = Sampler(params)
+    out, ks = [req._sample(logits, sampler)], []
+    while len(out) <= n:
+        r = req.round(state, out[-1], sampler, n + 1 - len(out))
+        ks.append(r.stats.drafted)
+        out += r.tokens
+    return out[:n], req.stats, ks, req
+
+
+def timed(f):
+    w0, c0 = time.perf_counter(), time.process_time()
+    out = f()
+    return out, time.perf_counter() - w0, time.process_time() - c0
+
+
+def quarters(ks: list[int]) -> list[float]:
+    """Mean k per quarter of the request's rounds (k over time)."""
+    if not ks:
+        return []
+    parts = np.array_split(np.asarray(ks, float), min(4, len(ks)))
+    return [round(float(p.mean()), 2) for p in parts]
+
+
+def break_even(reqs) -> dict:
+    """From the scheduler requests' measured costs (pooled medians): the plain step, the first draft step, the
+    verify of 1 and 2 rows, and the first-draft acceptance a* where (1 + a*) / (draft + verify(2)) = 1 / plain."""
+    plain = statistics.median(r.scheduler.costs.plain() for r in reqs)
+    draft = statistics.median(r.scheduler.costs.draft(True) for r in reqs if r.scheduler.costs.known())
+    v2 = statistics.median(r.scheduler.costs.verify(2) for r in reqs if r.scheduler.costs.known())
+    return {"plain_ms": 1e3 * plain, "draft_ms": 1e3 * draft, "verify2_ms": 1e3 * v2,
+            "break_even_acceptance": (draft + v2) / plain - 1.0}
+
+
+def run_domain(model, mtp, dom: str, args, variants: list[str], mode: str) -> dict:
+    ids = np.load(TRAINED / f"test_{dom}.ids.npy").astype(np.int64)
+    params = SamplingParams(temperature=0.0) if mode == "greedy" else SAMPLED
+    specs = {v: SpecModel(model, mtp, fixed_k=None if v == "sched" else int(v)) for v in variants}
+    offs = np.linspace(0, len(ids) - args.prompt_tokens - 1, args.prompts).astype(int)
+    per = {v: {"wall": [], "cpu": [], "ratio": [], "cpu_ratio": [], "acc": [0, 0], "rounds": 0, "tokens": 0,
+               "plain": 0, "ks": []} for v in variants}
+    plain_t = {"wall": [], "cpu": []}
+    reqs = []
+    base = specs[variants[0]]
+    for i, off in enumerate(offs):
+        st0 = base.new_state()
+        logits = base.step([st0], [list(ids[off:off + args.prompt_tokens])])[0]
+        order = ["plain"] + variants
+        order = order[i % len(order):] + order[:i % len(order)]
+        got, times = {}, {}
+        for v in order:
+            st = st0.copy()
+            if v == "plain":
+                got[v], w, c = timed(lambda: plain_probe(model, st, logits, args.gen_tokens, params))
+            else:
+                got[v], w, c = timed(lambda: spec_probe(specs[v], st, logits, args.gen_tokens, params))
+            times[v] = (w, c)
+        plain_t["wall"].append(times["plain"][0])
+        plain_t["cpu"].append(times["plain"][1])
+        for v in variants:
+            toks, stats, ks, req = got[v]
+            if mode == "greedy" and toks != got["plain"]:
+                raise SystemExit(f"{dom} prompt {i} {v}: speculative greedy output differs from plain")
+            p = per[v]
+            p["wall"].append(times[v][0])
+            p["cpu"].append(times[v][1])
+            p["ratio"].append(times["plain"][0] / times[v][0])
+            p["cpu_ratio"].append(times["plain"][1] / times[v][1])
+            p["acc"][0] += stats.accepted
+            p["acc"][1] += stats.drafted
+            p["rounds"] += stats.rounds
+            p["tokens"] += stats.spec_tokens
+            p["plain"] += stats.plain_steps
+            p["ks"].append(ks)
+            if v == "sched":
+                reqs.append(req)
+    n = args.gen_tokens
+    out = {"plain_tps_median": n / statistics.median(plain_t["wall"]),
+           "plain_cpu_ms_per_token": 1e3 * statistics.median(plain_t["cpu"]) / n, "variants": {}}
+    for v in variants:
+        p = per[v]
+        steps = p["rounds"] + p["plain"]
+        out["variants"][v] = {
+            "acceptance": p["acc"][0] / max(p["acc"][1], 1), "drafted": p["acc"][1],
+            "tokens_per_round": p["tokens"] / max(p["rounds"], 1), "mean_k": p["acc"][1] / max(steps, 1),
+            "plain_steps": p["plain"], "rounds": p["rounds"],
+            "k_over_time": [quarters(k) for k in p["ks"]],
+            "speedup_min": min(p["ratio"]), "speedup_median": statistics.median(p["ratio"]),
+            "cpu_speedup_median": statistics.median(p["cpu_ratio"]),
+            "spec_tps_median": n / statistics.median(p["wall"])}
+    if reqs and any(r.scheduler.costs.known() for r in reqs):
+        out["cost_model"] = break_even(reqs)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", default=None, help="folder for the converted files (default: a temporary one)")
+    ap.add_argument("--prompts", type=int, default=4, help="prompts per domain (windows of the test ids)")
+    ap.add_argument("--prompt-tokens", type=int, default=96)
+    ap.add_argument("--gen-tokens", type=int, default=64)
+    ap.add_argument("--modes", default="greedy,sampled")
+    ap.add_argument("--domains", default="code,prose")
+    ap.add_argument("--ks", default="sched,1,2", help="variants: sched (the scheduler) and fixed k values")
+    ap.add_argument("--kernels", default=None, help="reference kernels (default: the default)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="the scheduler's cost clock: wall (as served) or cpu (process time: as on a machine of "
+                         "its own; the speed-ups are then read from the CPU-time column)")
+    ap.add_argument("--threads", type=int, default=1, help="decode kernel threads (default 1, see above)")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args()
+    if args.clock == "cpu":
+        spec_module.CLOCK = time.process_time
+    work = Path(args.work or tempfile.mkdtemp(prefix="spec_trained_"))
+    work.mkdir(parents=True, exist_ok=True)
+    main_f, mtp_f = convert(work)
+    model = RefModel(main_f, kernels=args.kernels, threads=args.threads)
+    mtp = open_mtp(model, mtp_f)
+    variants = [v.strip() for v in args.ks.split(",") if v.strip()]
+    load0 = os.getloadavg()
+    res = {"config": vars(args) | {"kernels_in_use": str(model.kernels)}, "load_before": load0, "runs": {}}
+    print(f"load average before: {load0[0]:.1f} {load0[1]:.1f} {load0[2]:.1f} (2 cores shared with other jobs)",
+          flush=True)
+    print("| domain | mode | variant | acceptance | tokens/round | mean k | k over time (quarters, prompt 1) | "
+          "speed-up min | speed-up median | CPU-time speed-up | plain tok/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for mode in args.modes.split(","):
+        for dom in args.domains.split(","):
+            r = run_domain(model, mtp, dom, args, variants, mode)
+            res["runs"][f"{dom}/{mode}"] = r
+            for v, s in r["variants"].items():
+                print(f"| {dom} | {mode} | {'scheduler' if v == 'sched' else 'k=' + v} | {s['acceptance']:.3f} | "
+                      f"{s['tokens_per_round']:.2f} | {s['mean_k']:.2f} | {s['k_over_time'][0]} | "
+                      f"{s['speedup_min']:.2f} | {s['speedup_median']:.2f} | {s['cpu_speedup_median']:.2f} | "
+                      f"{r['plain_tps_median']:.1f} |", flush=True)
+            if "cost_model" in r:
+                c = r["cost_model"]
+                print(f"|   cost model ({dom}, {mode}): plain {c['plain_ms']:.1f} ms, first draft {c['draft_ms']:.1f} "
+                      f"ms, verify(2) {c['verify2_ms']:.1f} ms: break-even first-draft acceptance "
+                      f"{c['break_even_acceptance']:.2f} |", flush=True)
+    res["load_after"] = os.getloadavg()
+    print(f"load average after: {res['load_after'][0]:.1f} {res['load_after'][1]:.1f} {res['load_after'][2]:.1f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
