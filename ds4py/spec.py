@@ -402,7 +402,7 @@ class Scheduler:
         self.decisions = 0
         self.first = _Calibration()    # first positions: every round's (σ_1, first-position acceptance)
         self.chained = _Calibration()  # chained positions i ≥ 2 that a verify reached (σ_i, accepted)
-        self.depth = 0                 # the deepest position a verify has compared so far
+        self.depth = 0                 # the deepest position a verify has accepted so far
 
     def rho(self) -> float:
         return self.first_hits / self.first_sigma if self.first_sigma > 0 else 1.0
@@ -448,7 +448,7 @@ class Scheduler:
         i = len(sigmas)
         if self._free():
             return i <= self._free_k()
-        if i > self.depth + 1:          # one position beyond the deepest one compared so far, no further
+        if i > self.depth + 1:          # one position beyond the deepest one accepted so far, no further
             return False
         E, a = self._expected(sigmas)
         spent = self._spent(i)
@@ -474,9 +474,9 @@ class Scheduler:
         self.first_rounds += 1
         self.first.add(float(sigma1), float(first_hit))
 
-    def reached(self, depth: int) -> None:
-        """A verify compared the drafts at positions 1..depth (the accepted ones and the first rejection)."""
-        self.depth = max(self.depth, depth)
+    def accepted_run(self, a: int) -> None:
+        """A verify accepted the drafts at positions 1..a."""
+        self.depth = max(self.depth, a)
 
     def record_chained(self, sigma: float, hit: float) -> None:
         """A chained position (i ≥ 2) a verify reached (the drafts before it accepted): its σ_i and whether it
@@ -807,8 +807,7 @@ class SpecRequest(RequestRounds):
         self.spec._store(state, plan.n, plan.chunk, H)
         r = self._settle(state, plan, P, H, sampler, float(plan.q1.max()))
         a = r.stats.accepted
-        if plan.drafts:
-            self.scheduler.reached(min(a + 1, len(plan.drafts)))
+        self.scheduler.accepted_run(a)
         for i in range(1, min(a + 1, len(plan.drafts))):   # chained positions the verify reached
             self.scheduler.record_chained(float(plan.qs[i].max()), float(i < a))
         return r
