@@ -1,13 +1,13 @@
 """The seed's rulers on a real teacher: routed-expert formats of the trained tiny V4 (../shared/trained/
 v4-tiny-trained) scored against its unquantised experts on both domains' held-out text (docs/vq.md "Trained").
 
-    python bench/vq_trained.py [--work DIR] [--bits 8] [--windows 4] [--window 256] [--json out.json]
+    python bench/vq_trained.py [--work DIR] [--bits 8,10,11,12,13,12/13] [--windows 4] [--window 256] [--json out.json]
 
 Teacher: the checkpoint converted losslessly (dense F16/F32, routed experts MXFP4 = the official FP4 codes, i.e.
 the model as trained and shipped). Students change only the routed experts (everything else is the teacher's):
 `convert --experts q4_k / q2_k` (scalar re-quantisation of the dequantised FP4) and `quantize-vq --bits B` of the
-teacher (--min-pool lowered to 100: this model has 196,608 expert vectors of 8 per layer, fewer than the default
-1,000 per codeword at 8 bits). Each is scored by a full prefill of `--windows` evenly spaced windows of the
+teacher (--min-pool lowered to 16: this model has 196,608 expert vectors of 8 per layer, fewer than the default
+1,000 per codeword from 8 bits on; `--bits 12/13` is the seed's split: 12 bits, the shallowest layer at 13). Each is scored by a full prefill of `--windows` evenly spaced windows of the
 domain's test ids (all rows' logits) and compared with the teacher's by ds4py.vq.rulers (Σmin, same top-1, KL,
 PPL ratio on the true next tokens). Bytes: the routed-expert tensors' bytes in the file, per weight (bits).
 """
@@ -56,8 +56,11 @@ def logits(path: str, windows: list[np.ndarray]) -> np.ndarray:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", default=None)
-    ap.add_argument("--bits", default="8", help="VQ index bits to try, comma-separated (6..13; 8 takes ~1 min "
-                                                  "on one core here, each bit more ~2x)")
+    ap.add_argument("--bits", default="8", help="VQ index bits to try, comma-separated (6..13; D/S: D bits, the "
+                                                  "shallowest layer at S)")
+    ap.add_argument("--min-pool", type=int, default=16,
+                    help="quantize-vq --min-pool: this model has 196,608 vectors per layer, 24 per codeword at 13 "
+                         "bits (the real model: millions), so high widths nearly memorise it")
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--json", default=None)
@@ -76,14 +79,17 @@ def main() -> int:
                                tokenizer=str(TRAINED / "tokenizer.json"))
         students[fmt.upper()] = str(out)
     secs = {}
-    for b in [int(x) for x in args.bits.split(",") if x.strip()]:
-        out = work / f"vq{b}.gguf"
+    for spec in [x.strip() for x in args.bits.split(",") if x.strip()]:
+        deep, _, shallow = spec.partition("/")         # "12/13": 12 bits, the shallowest layer at 13 (seed's split)
+        extra = ["--bits-shallow", shallow, "--shallow-layers", "1"] if shallow else []
+        name = f"VQ-{deep}" + (f" (layer 0 at {shallow})" if shallow else "")
+        out = work / f"vq{deep}{'s' + shallow if shallow else ''}.gguf"
         if not out.exists():
             t0 = time.perf_counter()
-            subprocess.run([sys.executable, "-m", "ds4py", "quantize-vq", TEACHER_PATH, str(out), "--bits", str(b),
-                            "--min-pool", "100", "--workers", "1", "-q"], check=True, cwd=REPO)
-            secs[f"VQ-{b}"] = time.perf_counter() - t0
-        students[f"VQ-{b}"] = str(out)
+            subprocess.run([sys.executable, "-m", "ds4py", "quantize-vq", TEACHER_PATH, str(out), "--bits", deep,
+                            *extra, "--min-pool", str(args.min_pool), "--workers", "1", "-q"], check=True, cwd=REPO)
+            secs[name] = time.perf_counter() - t0
+        students[name] = str(out)
     res = {"students": {}, "quantize_seconds": secs}
     print("| format | expert bits/weight | domain | Σmin mean | Σmin p5 | same top-1 | KL (nats) | PPL ratio |")
     print("|---|---|---|---|---|---|---|---|")
