@@ -238,3 +238,24 @@ def test_run_keeps_typed_special_tokens_plain(tiny):
     assert r.returncode == 0, r.stderr
     m = re.search(r"\[prompt (\d+) tokens", r.stderr)
     assert m and int(m.group(1)) == len(plain), r.stderr
+
+
+def test_run_raw_continues_the_prompt_without_a_template(trained_gguf):
+    """--raw: BOS + the prompt's tokens, the greedy continuation printed as is (the trained tiny model has no chat
+    tokens: without --raw the template's refusal names the switch), speculative with its MTP file = plain."""
+    from ds4py.ref.engine import RefModel
+
+    main, mtp = trained_gguf
+    prompt = "def read_config(path):"
+    tok = Tokenizer.from_gguf(main)
+    model = RefModel(main)
+    session = Session(model, tok, 512)
+    ids = [tok.bos_id] + list(tok.encode(prompt))
+    want = "".join(e.text for e in session.generate(ids, SamplingParams(temperature=0, max_tokens=16))
+                   if isinstance(e, TokenEvent))
+    for extra in ([], ["--mtp", mtp]):
+        out = ds4py("run", "--raw", "-m", main, *extra, "-p", prompt, "--temp", "0", "-n", "16")
+        assert out.returncode == 0, out.stderr
+        assert out.stdout == want + "\n"
+    out = ds4py("run", "-m", main, "-p", prompt, "-n", "4")
+    assert out.returncode != 0 and "--raw" in out.stderr and "Traceback" not in out.stderr

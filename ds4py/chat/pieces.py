@@ -73,7 +73,8 @@ def encode_pieces(items: list[Piece], tokenizer) -> list[int]:
             if len(tok) != 1:
                 from ds4py.errors import ConfigError
 
-                raise ConfigError(f"the tokenizer has no special token {text!r}, which the V4 chat template needs")
+                raise ConfigError(f"the tokenizer has no special token {text!r}, which the V4 chat template needs "
+                                  f"(a model without chat tokens: `run --raw` continues a prompt as is)")
             ids += tok
         else:
             run.append(text)

@@ -71,6 +71,9 @@ def open_model_for_generation(args):
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-p", "--prompt", required=True, help="the user message ('-' reads it from stdin)")
+    p.add_argument("--raw", action="store_true",
+                   help="continue the prompt text itself (BOS + its tokens, no chat template): for a model without "
+                        "chat tokens, e.g. a base or a small trained model")
     add_common_arguments(p)
 
 
@@ -257,6 +260,29 @@ def stream_answer(session, prompt_ids, params, thinking: str, printer: Printer, 
     return done
 
 
+def stream_raw(session, prompt_ids, params, verbose: bool) -> None:
+    """Print the continuation of prompt_ids as it is generated (--raw: no template, no reasoning parser)."""
+    from ds4py.session import DoneEvent
+
+    t0 = time.perf_counter()
+    done, n = None, 0
+    for ev in session.generate(prompt_ids, params):
+        if isinstance(ev, DoneEvent):
+            done = ev
+            break
+        n += 1
+        sys.stdout.write(ev.text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    if verbose and done is not None:
+        dt = time.perf_counter() - t0
+        print(f"[prompt {done.prompt_tokens} tokens; generated {done.completion_tokens} in {dt:.2f} s "
+              f"({done.completion_tokens / max(dt, 1e-9):.1f} tok/s); finish {done.finish_reason}]",
+              file=sys.stderr, flush=True)
+        if session.spec_stats is not None:
+            print(f"[{session.spec_stats.summary()}]", file=sys.stderr, flush=True)
+
+
 def run(args) -> int:
     from ds4py.cli._options import choose_model
 
@@ -264,6 +290,11 @@ def run(args) -> int:
     choose_model(args, "run")              # a pulled model when no -m is given; None: the demo model
     params = sampling_params(args)
     session = open_session(args)
+    if args.raw:
+        tok = session.tokenizer
+        ids = ([tok.bos_id] if tok.bos_id is not None else []) + list(tok.encode(text))
+        stream_raw(session, ids, params, args.verbose)
+        return 0
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
         [{"role": "user", "content": text}]
     ids = session_chat(session).encode_prompt(messages, chat_options(args.thinking), session.tokenizer,

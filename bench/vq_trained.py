@@ -1,0 +1,118 @@
+"""The seed's rulers on a real teacher: routed-expert formats of the trained tiny V4 (../shared/trained/
+v4-tiny-trained) scored against its unquantised experts on both domains' held-out text (docs/vq.md "Trained").
+
+    python bench/vq_trained.py [--work DIR] [--bits 8,10,11,12,13,12/13] [--windows 4] [--window 256] [--json out.json]
+
+Teacher: the checkpoint converted losslessly (dense F16/F32, routed experts MXFP4 = the official FP4 codes, i.e.
+the model as trained and shipped). Students change only the routed experts (everything else is the teacher's):
+`convert --experts q4_k / q2_k` (scalar re-quantisation of the dequantised FP4) and `quantize-vq --bits B` of the
+teacher (--min-pool lowered to 16: this model has 196,608 expert vectors of 8 per layer, fewer than the default
+1,000 per codeword from 8 bits on; `--bits 12/13` is the seed's split: 12 bits, the shallowest layer at 13). Each is scored by a full prefill of `--windows` evenly spaced windows of the
+domain's test ids (all rows' logits) and compared with the teacher's by ds4py.vq.rulers (Σmin, same top-1, KL,
+PPL ratio on the true next tokens). Bytes: the routed-expert tensors' bytes in the file, per weight (bits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from ds4py.convert import convert_checkpoint  # noqa: E402
+from ds4py.gguf import GGUFFile  # noqa: E402
+from ds4py.ref.engine import RefModel  # noqa: E402
+from ds4py.vq.rulers import rulers  # noqa: E402
+
+TRAINED = Path(os.environ.get("DS4PY_TRAINED") or REPO.parent / "shared" / "trained" / "v4-tiny-trained")
+
+
+def expert_bits(path: str, teacher: str) -> float:
+    """Bits per routed-expert weight in the file: every blk.*.ffn_*_exps.* tensor (codes, scales, VQ gains) and
+    the VQ layers' blk.*.ffn_vq.* (codebook, header), over the teacher's routed-expert weight count."""
+    f, t = GGUFFile(path), GGUFFile(teacher)
+    nbytes = sum(x.nbytes for n, x in f.tensors.items() if "_exps." in n or ".ffn_vq." in n)
+    weights = sum(int(np.prod(x.shape)) for n, x in t.tensors.items() if "_exps." in n)
+    return 8.0 * nbytes / weights
+
+
+def logits(path: str, windows: list[np.ndarray]) -> np.ndarray:
+    m = RefModel(path, threads=1)
+    return np.concatenate([m.prefill(m.new_state(), list(map(int, w)), all_logits=True) for w in windows])
+
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", default=None)
+    ap.add_argument("--bits", default="8", help="VQ index bits to try, comma-separated (6..13; D/S: D bits, the "
+                                                  "shallowest layer at S)")
+    ap.add_argument("--min-pool", type=int, default=16,
+                    help="quantize-vq --min-pool: this model has 196,608 vectors per layer, 24 per codeword at 13 "
+                         "bits (the real model: millions), so high widths nearly memorise it")
+    ap.add_argument("--windows", type=int, default=4)
+    ap.add_argument("--window", type=int, default=256)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    work = Path(args.work or tempfile.mkdtemp(prefix="vq_trained_"))
+    work.mkdir(parents=True, exist_ok=True)
+    TEACHER_PATH = str(work / "teacher.gguf")
+    students: dict[str, str] = {}
+    if not Path(TEACHER_PATH).exists():
+        convert_checkpoint(str(TRAINED), TEACHER_PATH, experts="mxfp4", dense="f16", progress=False,
+                           tokenizer=str(TRAINED / "tokenizer.json"))
+    for fmt in ("q4_k", "q2_k"):
+        out = work / f"{fmt}.gguf"
+        if not out.exists():
+            convert_checkpoint(str(TRAINED), str(out), experts=fmt, dense="f16", progress=False,
+                               tokenizer=str(TRAINED / "tokenizer.json"))
+        students[fmt.upper()] = str(out)
+    secs = {}
+    for spec in [x.strip() for x in args.bits.split(",") if x.strip()]:
+        deep, _, shallow = spec.partition("/")         # "12/13": 12 bits, the shallowest layer at 13 (seed's split)
+        extra = ["--bits-shallow", shallow, "--shallow-layers", "1"] if shallow else []
+        name = f"VQ-{deep}" + (f" (layer 0 at {shallow})" if shallow else "")
+        out = work / f"vq{deep}{'s' + shallow if shallow else ''}.gguf"
+        if not out.exists():
+            t0 = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "ds4py", "quantize-vq", TEACHER_PATH, str(out), "--bits", deep,
+                            *extra, "--min-pool", str(args.min_pool), "--workers", "1", "-q"], check=True, cwd=REPO)
+            secs[name] = time.perf_counter() - t0
+        students[name] = str(out)
+    res = {"students": {}, "quantize_seconds": secs}
+    print("| format | expert bits/weight | domain | Σmin mean | Σmin p5 | same top-1 | KL (nats) | PPL ratio |")
+    print("|---|---|---|---|---|---|---|---|")
+    for dom in ("code", "prose"):
+        ids = np.load(TRAINED / f"test_{dom}.ids.npy").astype(np.int64)
+        offs = np.linspace(0, len(ids) - args.window - 1, args.windows).astype(int)
+        wins = [ids[o:o + args.window] for o in offs]
+        teacher = logits(TEACHER_PATH, wins)
+        # ids = the windows' tokens joined: row j's target is token j + 1 (rulers with split 1); a window's last
+        # row is thereby scored against the next window's first token, for teacher and student alike (one row
+        # in `window`; it cancels in the PPL ratio up to that row)
+        flat = np.concatenate(wins)
+        for name, path in [("MXFP4 (teacher)", TEACHER_PATH)] + list(students.items()):
+            st = teacher if path == TEACHER_PATH else logits(path, wins)
+            r = rulers(teacher, st, flat, 1)
+            bits = expert_bits(path, TEACHER_PATH)
+            res["students"].setdefault(name, {})[dom] = dict(r, bits=bits)
+            print(f"| {name} | {bits:.2f} | {dom} | {r['sigma_min_mean']:.4f} | {r['sigma_min_p5']:.4f} | "
+                  f"{r['same_top1']:.4f} | {r['kl_mean']:.4f} | {r.get('ppl_ratio', float('nan')):.4f} |", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1, default=float) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
