@@ -151,6 +151,12 @@ UNREACHED = {
                                                    "moe_prefill_down_f16")},
     **{f"moe_dequant_{f}": "expert dequantisation for tests and tools, not on an engine path"
        for f in ("f16", "iq2_xxs", "mxfp4", "q2_k", "q4_k", "q8_0")},
+    **{f"{k}_vq{b}": "VQ-8 widths other than the seed's 12 / 13 bits: the checker's models are quantised at 12 / 13 "
+          "(the same MoeVq<BITS> template code runs under it); tests/test_cu_emu_vq.py and "
+          "tests/test_cu_emu_moe_prefill.py run every width against its twin, tests/test_cuda_vq_engine.py an "
+          "11 / 7-bit file through the engine"
+       for k in ("moe_gate_up", "moe_gate_up_rows", "moe_down", "moe_down_rows", "moe_prefill_gate_up",
+                 "moe_prefill_down") for b in range(6, 12)},
 }
 
 
