@@ -51,13 +51,21 @@ def hc_mix(rt: Any, fn: DeviceArray, X: DeviceArray, n_tok: int, D: int, scale: 
               float(norm_eps), float(hc_eps), int(iters), stream=stream, pdl=pdl)
 
 
+def collapse_threads(D: int) -> int:
+    """hc_collapse_norm's block: one block per token reads hc*D floats, so at real widths (D = 4096) 1,024 threads
+    (4 columns each, hc loads per column) keep 4x the bytes in flight of 256; small widths keep 256 (their sum
+    order, hence their bits, unchanged)."""
+    return max(256, min(1024, 32 * ceil_div(ceil_div(D, 4), 32)))
+
+
 def hc_collapse_norm(rt: Any, X: DeviceArray, mix: DeviceArray, n_tok: int, D: int, w: DeviceArray | None,
-                     eps: float, y: DeviceArray, hc: int = 4, threads: int = 256, stream: Any = None,
+                     eps: float, y: DeviceArray, hc: int = 4, threads: int | None = None, stream: Any = None,
                      pdl: bool = False, mix_stride: int | None = None) -> None:
     """y[t] = RMSNorm(sum_j pre_j X[t, j]; w) with pre from mix (w None: no weight) - a sub-layer's input, or
     the head's (mix from hc_mix on output_hc_fn, w = output_norm). mix_stride: floats from one token's record to
     the next (default mix_record(hc); 0: every token reads one record, V4.1's one-hot first pre-mix)."""
     stride = mix_record(hc) if mix_stride is None else int(mix_stride)
+    threads = collapse_threads(D) if threads is None else int(threads)
     need(is_dtype(X, np.float32) and X.size >= n_tok * hc * D, "hc_collapse_norm: X must be float32 [T, hc, D]")
     need(stride >= 0 and is_dtype(mix, np.float32) and mix.size >= (n_tok - 1) * stride + hc,
          "hc_collapse_norm: mix too small")
