@@ -26,14 +26,22 @@ def mix_partial_floats(n_tok: int, nrows: int, D: int, hc: int = 4) -> int:
     return n_tok * mix_blocks(D, hc) * (nrows + 1)
 
 
+def mix_warps(nrows: int) -> int:
+    """hc_mix's warps per block: one per group of 4 fn rows plus the sum-of-squares warp, so every group's loads are
+    in flight at once (a sub-layer's 24 rows: 7 warps, not 4 warps doing two groups each in turn); at least 4. The
+    result is bit-identical for any warp count (a group's sum never depends on which warp runs it)."""
+    return max(4, min(32, ceil_div(nrows, 4) + 1))
+
+
 def hc_mix(rt: Any, fn: DeviceArray, X: DeviceArray, n_tok: int, D: int, scale: DeviceArray, base: DeviceArray,
            partial: DeviceArray, ticket: DeviceArray, mix: DeviceArray, norm_eps: float, hc_eps: float,
-           iters: int = 20, hc: int = 4, warps: int = 4, stream: Any = None, pdl: bool = False) -> None:
+           iters: int = 20, hc: int = 4, warps: int | None = None, stream: Any = None, pdl: bool = False) -> None:
     """mix[t] = the mHC mix of X[t] ([hc, D]): fn [(2+hc)*hc, hc*D] gives pre, post and the Sinkhorn C of a
     sub-layer; fn [hc, hc*D] (the head's) gives pre only. F16 or F32 fn, as the GGUF stores it. ticket: n_tok
     zeroed uint32 (left zeroed); partial: mix_partial_floats(...) float32 scratch."""
     nrows = fn.shape[0] if len(fn.shape) == 2 else 0
     n = hc * D
+    warps = mix_warps(nrows) if warps is None else int(warps)
     need(nrows in (hc, mix_record(hc)) and fn.shape[1] == n,
          f"hc_mix: fn must be [{mix_record(hc)} or {hc}, {n}], got {list(fn.shape)}")
     need(is_dtype(fn, np.float16) or is_dtype(fn, np.float32), "hc_mix: fn must be F16 or F32")
