@@ -82,11 +82,13 @@ class AttnPlan:
         return (self.n_heads, self.splits, 2)
 
 
-def attn_plan(n_heads: int, hd: int, max_keys: int, warps: int = 2, target_blocks: int = 264,
+def attn_plan(n_heads: int, hd: int, max_keys: int, warps: int = 4, target_blocks: int = 264,
               min_tiles: int = 2) -> AttnPlan:
     """Split max_keys into chunks so that splits x head groups is about target_blocks (two per SM of an H200):
     enough blocks to spread a short key list over the device, each with at least min_tiles tiles of keys (a block's
-    q preparation and its partial row are worth amortising over a few tiles)."""
+    q preparation and its partial row are worth amortising over a few tiles). warps: 4 by default (16 heads share
+    one staged key tile): at hd 512 the tile's shared memory allows one block per GB10 SM, so the warps of that
+    block are all the loads it has in flight (2 warps halved them and staged every tile twice as often)."""
     need(hd % 8 == 0 and 0 < hd <= ATTN_MAX_HD, f"attention: head dim {hd} must be a multiple of 8 up to "
          f"{ATTN_MAX_HD}")
     need(1 <= warps <= 32 and n_heads >= 1 and max_keys >= 1, "attention: bad heads, warps or key capacity")
