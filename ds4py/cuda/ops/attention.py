@@ -100,6 +100,22 @@ def attn_plan(n_heads: int, hd: int, max_keys: int, warps: int = 4, target_block
     return AttnPlan(n_heads, hd, -(-max_keys // kps), kps, warps)
 
 
+def attn_warps(profile: Any, n_heads: int, hd: int) -> int:
+    """Warps per attention block on `profile` (a DeviceProfile, or None: 4, the plan with the most splits, which
+    sizes the workspace's partials): 2 where two 2-warp blocks fit on an SM (H200: more blocks over its 132 SMs), 4
+    where the staged key tile leaves room for one block per SM only (GB10 at hd 512: that block's warps are all the
+    SM's loads in flight, and one tile then serves 16 heads), if the 4-warp block fits the device."""
+    if profile is None:
+        return 4
+    from ds4py.cuda import resources
+    from ds4py.cuda.devices import occupancy
+    res = resources.kernel(profile.arch, "attn_decode_partial")
+    regs, static = (res.registers, res.smem) if res else (0, 0)
+    two = occupancy(profile, 64, regs, attn_plan(n_heads, hd, ATTN_TILE, warps=2).smem + static)
+    four_smem = attn_plan(n_heads, hd, ATTN_TILE, warps=4).smem + static
+    return 2 if two.blocks_per_sm >= 2 or four_smem > profile.smem_per_block_optin else 4
+
+
 def decode_attention(rt: Any, plan: AttnPlan, q_raw: Any, freqs: Any, pos_slot: Any, win: Any, window: int,
                      comp: Any, ratio: int, sel: Any, topk: int, sinks: Any, part_o: Any, part_ml: Any, out: Any,
                      rd: int, eps: float, scale: float, stream: Any = None, pdl: bool = False,
