@@ -293,28 +293,32 @@ __device__ __forceinline__ void gemv_direct(const GemvJob& j) {
         float acc[NB][GEMV_ROWS];
         int m0 = 0, row0 = 0;
         slot_row(j, g, 0, m0, row0);
+        if (row0 < 0) row0 = 0;
 #pragma unroll
         for (int s = 0; s < GEMV_ROWS; s++) {
             int m, row;
             slot_row(j, g, s, m, row);
-            wr[s] = row >= 0 ? row_start<T>(JOB_W(j, m), row, j.cols) : nullptr;
+            // A slot without a row streams slot 0's row again (an L1 hit) instead of branching in the loop: its
+            // sum is never stored (epilogue skips row < 0); slot 0 of a group always has a row.
+            wr[s] = row >= 0 ? row_start<T>(JOB_W(j, m), row, j.cols) : s ? wr[0] : row_start<T>(JOB_W(j, m), 0, j.cols);
 #pragma unroll
             for (int n = 0; n < NB; n++) acc[n][s] = 0.0f;
         }
+        const float* xr[NB];                         // the activation rows, found once (x_group_rows divides)
+#pragma unroll
+        for (int n = 0; n < NB; n++) xr[n] = n < j.nx ? slot_x(j, row0, n) : j.x;
 #pragma unroll 2
         for (int v = lane; v < nvec; v += 32) {
             float wf[GEMV_ROWS][8];
 #pragma unroll
-            for (int s = 0; s < GEMV_ROWS; s++)
-                if (wr[s]) load_w8(wr[s], v, wf[s]);
+            for (int s = 0; s < GEMV_ROWS; s++) load_w8(wr[s], v, wf[s]);
 #pragma unroll
             for (int n = 0; n < NB; n++) {
                 if (n >= j.nx) break;
                 float xs[8];
-                load_x8(j, slot_x(j, row0, n), v, weighted, xs);
+                load_x8(j, xr[n], v, weighted, xs);
 #pragma unroll
-                for (int s = 0; s < GEMV_ROWS; s++)
-                    if (wr[s]) acc[n][s] += dot8(wf[s], xs);
+                for (int s = 0; s < GEMV_ROWS; s++) acc[n][s] += dot8(wf[s], xs);
             }
         }
 #pragma unroll
@@ -428,14 +432,19 @@ __device__ __forceinline__ void gemv_q8(const GemvJob& j) {
         const uint8_t* piece[GEMV_ROWS];
 #pragma unroll
         for (int s = 0; s < GEMV_ROWS; s++) {
+            // A slot without a row decodes slot 0's staged piece instead of branching in the loop: its sum is
+            // never stored (epilogue skips row < 0); slot 0 of a group always has a row.
             const uint8_t* src = q8_src(j, cur, s, nblocks);
-            piece[s] = src ? stage + (buf * GEMV_ROWS + s) * Q8_PIECE_BYTES + ((size_t)src & 15) : nullptr;
+            piece[s] = src ? stage + (buf * GEMV_ROWS + s) * Q8_PIECE_BYTES + ((size_t)src & 15)
+                       : s ? piece[0] : stage;
         }
+        const float4* xr[NB];                         // the activation rows, found once (x_group_rows divides)
+#pragma unroll
+        for (int n = 0; n < NB; n++) xr[n] = reinterpret_cast<const float4*>(n < j.nx ? slot_x(j, row0, n) : j.x);
         for (int b = lane >> 3; b < nb; b += 4) {
             float d[GEMV_ROWS], q[GEMV_ROWS][4];       // the slots' weights, decoded once for all rows
 #pragma unroll
             for (int s = 0; s < GEMV_ROWS; s++) {
-                if (!piece[s]) continue;
                 const uint8_t* blk = piece[s] + b * Q8_BLOCK_BYTES;
                 d[s] = __half2float(*reinterpret_cast<const __half*>(blk));
                 const uint16_t* q16 = reinterpret_cast<const uint16_t*>(blk + 2 + 4 * sub);
@@ -444,14 +453,13 @@ __device__ __forceinline__ void gemv_q8(const GemvJob& j) {
 #pragma unroll
             for (int n = 0; n < NB; n++) {
                 if (n >= j.nx) break;
-                float4 xv = reinterpret_cast<const float4*>(slot_x(j, row0, n))[(b0 + b) * 8 + sub];
+                float4 xv = xr[n][(b0 + b) * 8 + sub];
                 if (weighted) {
                     const float4 nw = w4[(b0 + b) * 8 + sub];
                     xv.x *= nw.x; xv.y *= nw.y; xv.z *= nw.z; xv.w *= nw.w;
                 }
 #pragma unroll
                 for (int s = 0; s < GEMV_ROWS; s++) {
-                    if (!piece[s]) continue;
                     acc[n][s] += d[s] * (q[s][0] * xv.x + q[s][1] * xv.y + q[s][2] * xv.z + q[s][3] * xv.w);
                 }
             }
