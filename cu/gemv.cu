@@ -304,9 +304,9 @@ __device__ __forceinline__ void gemv_direct(const GemvJob& j) {
 #pragma unroll
             for (int n = 0; n < NB; n++) acc[n][s] = 0.0f;
         }
-        const float* xr[NB];                         // the activation rows, found once (x_group_rows divides)
-#pragma unroll
-        for (int n = 0; n < NB; n++) xr[n] = n < j.nx ? slot_x(j, row0, n) : j.x;
+        const float* x0 = slot_x(j, row0, 0);         // found once per group (x_group_rows divides); row n is
+                                                      // x0 + n * x_stride (one pointer: the multi-row bodies
+                                                      // are register-bound)
 #pragma unroll 2
         for (int v = lane; v < nvec; v += 32) {
             float wf[GEMV_ROWS][8];
@@ -316,7 +316,7 @@ __device__ __forceinline__ void gemv_direct(const GemvJob& j) {
             for (int n = 0; n < NB; n++) {
                 if (n >= j.nx) break;
                 float xs[8];
-                load_x8(j, xr[n], v, weighted, xs);
+                load_x8(j, x0 + (size_t)n * j.x_stride, v, weighted, xs);
 #pragma unroll
                 for (int s = 0; s < GEMV_ROWS; s++) acc[n][s] += dot8(wf[s], xs);
             }
@@ -438,9 +438,9 @@ __device__ __forceinline__ void gemv_q8(const GemvJob& j) {
             piece[s] = src ? stage + (buf * GEMV_ROWS + s) * Q8_PIECE_BYTES + ((size_t)src & 15)
                        : s ? piece[0] : stage;
         }
-        const float4* xr[NB];                         // the activation rows, found once (x_group_rows divides)
-#pragma unroll
-        for (int n = 0; n < NB; n++) xr[n] = reinterpret_cast<const float4*>(n < j.nx ? slot_x(j, row0, n) : j.x);
+        const float* x0 = slot_x(j, row0, 0);         // found once per chunk (x_group_rows divides); row n is
+                                                      // x0 + n * x_stride
+#pragma unroll(NB == 1 ? 2 : 1)                   // the multi-row bodies are register-bound already
         for (int b = lane >> 3; b < nb; b += 4) {
             float d[GEMV_ROWS], q[GEMV_ROWS][4];       // the slots' weights, decoded once for all rows
 #pragma unroll
@@ -453,7 +453,7 @@ __device__ __forceinline__ void gemv_q8(const GemvJob& j) {
 #pragma unroll
             for (int n = 0; n < NB; n++) {
                 if (n >= j.nx) break;
-                float4 xv = xr[n][(b0 + b) * 8 + sub];
+                float4 xv = reinterpret_cast<const float4*>(x0 + (size_t)n * j.x_stride)[(b0 + b) * 8 + sub];
                 if (weighted) {
                     const float4 nw = w4[(b0 + b) * 8 + sub];
                     xv.x *= nw.x; xv.y *= nw.y; xv.z *= nw.z; xv.w *= nw.w;
