@@ -227,15 +227,25 @@ struct Q4K {};
 __device__ __forceinline__ void load_w8(const Q4K* row, int v, float wf[8]) {
     const uint8_t* b = reinterpret_cast<const uint8_t*>(row) + (size_t)(v >> 5) * 144;
     const int gi = (v >> 2) & 7;
-    unsigned sc, mn;
-    MoeFmt<FMT_Q4_K>::scales(b, gi, sc, mn);
-    const float dl = __fmul_rn(moe_f16(b), moe_u2f(sc)), ml = __fmul_rn(moe_f16(b + 2), moe_u2f(mn));
+    // The block's 16 header bytes (f16 d, f16 dmin, 12 scale bytes) in two 8-byte loads, not byte by byte; the
+    // 6-bit scale / min of sub-block gi (MoeFmt<FMT_Q4_K>::scales, same values) cut out of the words.
+    const uint2 h0 = *reinterpret_cast<const uint2*>(b), h1 = *reinterpret_cast<const uint2*>(b + 8);
+    const int sh8 = 8 * (gi & 3);
+    const unsigned a = h0.y >> sh8, c = h1.x >> sh8, e = h1.y >> sh8;    // bytes 4+gi', 8+gi', 12+gi' (gi' = gi&3)
+    const unsigned sc = gi < 4 ? a & 63u : (e & 15u) | ((a >> 6) & 3u) << 4;
+    const unsigned mn = gi < 4 ? c & 63u : ((e >> 4) & 15u) | ((c >> 6) & 3u) << 4;
+    const float dl = __fmul_rn(__half2float(__ushort_as_half((unsigned short)(h0.x & 0xffffu))), moe_u2f(sc));
+    const float ml = __fmul_rn(__half2float(__ushort_as_half((unsigned short)(h0.x >> 16))), moe_u2f(mn));
     const uint2 q = *reinterpret_cast<const uint2*>(b + 16 + 32 * (gi >> 1) + 8 * (v & 3));
+    // 4 nibbles at once into the low bytes, then each into the mantissa of 2^23 (= moe_u2f's bits)
     const int sh = 4 * (gi & 1);
+    const unsigned lo = (q.x >> sh) & 0x0F0F0F0Fu, hi = (q.y >> sh) & 0x0F0F0F0Fu;
 #pragma unroll
     for (int i = 0; i < 4; i++) {
-        wf[i] = __fsub_rn(__fmul_rn(moe_u2f((q.x >> (8 * i + sh)) & 15u), dl), ml);
-        wf[4 + i] = __fsub_rn(__fmul_rn(moe_u2f((q.y >> (8 * i + sh)) & 15u), dl), ml);
+        const float n0 = __uint_as_float(__byte_perm(lo, 0x4B000000u, 0x7650 + i)) - 8388608.0f;
+        const float n1 = __uint_as_float(__byte_perm(hi, 0x4B000000u, 0x7650 + i)) - 8388608.0f;
+        wf[i] = __fsub_rn(__fmul_rn(n0, dl), ml);
+        wf[4 + i] = __fsub_rn(__fmul_rn(n1, dl), ml);
     }
 }
 
