@@ -285,3 +285,15 @@ def test_v41_compressor_steps_write_rows_not_rings():
         PlannedArg("rows", 2048 * d * 4, False, "state.2.comp_rows"), PlannedArg("lat", d * 4, False, "activation")),
         (("rows_cap", 2048), ("ratio", 2), ("cap", cap), ("d", d), ("rd", 64)))
     assert timemodel.launch_traffic(comp, 2048).kv == (2 * 2 * d * 4 + d * 4) // 2
+
+
+def test_gb10_vq8_down_blocks_share_an_sm():
+    """A VQ-8 down block stages, then computes: on GB10 ops picks rows per block so two blocks fit an SM (one's
+    math under the other's copy) where the codebook leaves room (12 bits; 13 bits' 64 KB codebook does not)."""
+    from ds4py.cuda.plan import plan_step
+
+    downs = {l.kernel: l for l in plan_step("v41-flash-vq", "decode", "gb10", ctx=2048)
+             if l.kernel.startswith("moe_down_vq")}
+    assert downs["moe_down_vq12"].occupancy.blocks_per_sm >= 2
+    t = timemodel.model_kernel(downs["moe_down_vq12"], GB10, 2048)
+    assert t.limiter != "stage-then-compute"

@@ -183,6 +183,22 @@ def _grid_x(rt: Any, qtype: Any, tiles: int, ys: int, plan: MoePlan, kernel: str
     return max(1, min(tiles, blocks_that_fit(rt, plan.threads, launch_smem(qtype, plan) + static, kernel=kernel) // ys))
 
 
+def _two_per_sm(rt: Any, qtype: str, plan: MoePlan, plan_of: Any, kernel: str) -> MoePlan:
+    """A VQ-8 down block stages all its slots' rows, then computes: at one block per SM nothing overlaps its copy
+    (GB10, 13-bit codebooks aside). The most rows per block (fewer rows = a smaller stage) that let two blocks share
+    an SM, so one block's math runs under the other's copy; the plan unchanged where two already fit or none does.
+    Rows per block do not change a row's bits (each row's sums are its own; test_cu_emu_vq)."""
+    def per_sm(p: MoePlan) -> int:
+        return blocks_that_fit(rt, p.threads, launch_smem(qtype, p), kernel=kernel) // max(1, rt.profile.sm_count)
+    if per_sm(plan) >= 2:
+        return plan
+    for r in range(plan.rows_per_block - 1, 0, -1):
+        p = plan_of(r)
+        if per_sm(p) >= 2:
+            return p
+    return plan
+
+
 def _check_weights(where: str, W: Any, qtype: Any, n_experts: int, rows: int, cols: int) -> None:
     need(dtype_is(W, np.uint8), f"{where}: weights must be the raw GGUF bytes (uint8)")
     need(not isinstance(qtype, str) or W.ptr % 16 == 0, f"{where}: a VQ-8 device copy must be 16-byte aligned")
@@ -229,6 +245,8 @@ def moe_down(rt: Any, qtype: int, W: Any, ids: Any, h: Any, out: Any, n_experts:
         need(out.size == dim, "moe_down: out must be [dim]")
     need(aligned(16, h), "moe_down: h must be 16-byte aligned")
     plan = moe_plan(qtype, ff, dim, n_slots, 1, rows_per_block)
+    if rows_per_block is None and isinstance(qtype, str):
+        plan = _two_per_sm(rt, qtype, plan, lambda r: moe_plan(qtype, ff, dim, n_slots, 1, r), f"moe_down_{name}")
     gx = _grid_x(rt, qtype, -(-dim // plan.rows_per_block), 1, plan, f"moe_down_{name}")
     rt.launch(f"moe_down_{name}", gx, plan.threads, W, ids, h, add, hc_post, hc_comb, hc_x, out, int(n_slots),
               int(n_experts), int(dim), int(ff), plan.rows_per_block, hc, smem=launch_smem(qtype, plan), stream=stream,
