@@ -227,15 +227,25 @@ struct Q4K {};
 __device__ __forceinline__ void load_w8(const Q4K* row, int v, float wf[8]) {
     const uint8_t* b = reinterpret_cast<const uint8_t*>(row) + (size_t)(v >> 5) * 144;
     const int gi = (v >> 2) & 7;
-    unsigned sc, mn;
-    MoeFmt<FMT_Q4_K>::scales(b, gi, sc, mn);
-    const float dl = __fmul_rn(moe_f16(b), moe_u2f(sc)), ml = __fmul_rn(moe_f16(b + 2), moe_u2f(mn));
+    // The block's 16 header bytes (f16 d, f16 dmin, 12 scale bytes) in two 8-byte loads, not byte by byte; the
+    // 6-bit scale / min of sub-block gi (MoeFmt<FMT_Q4_K>::scales, same values) cut out of the words.
+    const uint2 h0 = *reinterpret_cast<const uint2*>(b), h1 = *reinterpret_cast<const uint2*>(b + 8);
+    const int sh8 = 8 * (gi & 3);
+    const unsigned a = h0.y >> sh8, c = h1.x >> sh8, e = h1.y >> sh8;    // bytes 4+gi', 8+gi', 12+gi' (gi' = gi&3)
+    const unsigned sc = gi < 4 ? a & 63u : (e & 15u) | ((a >> 6) & 3u) << 4;
+    const unsigned mn = gi < 4 ? c & 63u : ((e >> 4) & 15u) | ((c >> 6) & 3u) << 4;
+    const float dl = __fmul_rn(__half2float(__ushort_as_half((unsigned short)(h0.x & 0xffffu))), moe_u2f(sc));
+    const float ml = __fmul_rn(__half2float(__ushort_as_half((unsigned short)(h0.x >> 16))), moe_u2f(mn));
     const uint2 q = *reinterpret_cast<const uint2*>(b + 16 + 32 * (gi >> 1) + 8 * (v & 3));
+    // 4 nibbles at once into the low bytes, then each into the mantissa of 2^23 (= moe_u2f's bits)
     const int sh = 4 * (gi & 1);
+    const unsigned lo = (q.x >> sh) & 0x0F0F0F0Fu, hi = (q.y >> sh) & 0x0F0F0F0Fu;
 #pragma unroll
     for (int i = 0; i < 4; i++) {
-        wf[i] = __fsub_rn(__fmul_rn(moe_u2f((q.x >> (8 * i + sh)) & 15u), dl), ml);
-        wf[4 + i] = __fsub_rn(__fmul_rn(moe_u2f((q.y >> (8 * i + sh)) & 15u), dl), ml);
+        const float n0 = __uint_as_float(__byte_perm(lo, 0x4B000000u, 0x7650 + i)) - 8388608.0f;
+        const float n1 = __uint_as_float(__byte_perm(hi, 0x4B000000u, 0x7650 + i)) - 8388608.0f;
+        wf[i] = __fsub_rn(__fmul_rn(n0, dl), ml);
+        wf[4 + i] = __fsub_rn(__fmul_rn(n1, dl), ml);
     }
 }
 
@@ -293,28 +303,32 @@ __device__ __forceinline__ void gemv_direct(const GemvJob& j) {
         float acc[NB][GEMV_ROWS];
         int m0 = 0, row0 = 0;
         slot_row(j, g, 0, m0, row0);
+        if (row0 < 0) row0 = 0;
 #pragma unroll
         for (int s = 0; s < GEMV_ROWS; s++) {
             int m, row;
             slot_row(j, g, s, m, row);
-            wr[s] = row >= 0 ? row_start<T>(JOB_W(j, m), row, j.cols) : nullptr;
+            // A slot without a row streams slot 0's row again (an L1 hit) instead of branching in the loop: its
+            // sum is never stored (epilogue skips row < 0); slot 0 of a group always has a row.
+            wr[s] = row >= 0 ? row_start<T>(JOB_W(j, m), row, j.cols) : s ? wr[0] : row_start<T>(JOB_W(j, m), 0, j.cols);
 #pragma unroll
             for (int n = 0; n < NB; n++) acc[n][s] = 0.0f;
         }
+        const float* x0 = slot_x(j, row0, 0);         // found once per group (x_group_rows divides); row n is
+                                                      // x0 + n * x_stride (one pointer: the multi-row bodies
+                                                      // are register-bound)
 #pragma unroll 2
         for (int v = lane; v < nvec; v += 32) {
             float wf[GEMV_ROWS][8];
 #pragma unroll
-            for (int s = 0; s < GEMV_ROWS; s++)
-                if (wr[s]) load_w8(wr[s], v, wf[s]);
+            for (int s = 0; s < GEMV_ROWS; s++) load_w8(wr[s], v, wf[s]);
 #pragma unroll
             for (int n = 0; n < NB; n++) {
                 if (n >= j.nx) break;
                 float xs[8];
-                load_x8(j, slot_x(j, row0, n), v, weighted, xs);
+                load_x8(j, x0 + (size_t)n * j.x_stride, v, weighted, xs);
 #pragma unroll
-                for (int s = 0; s < GEMV_ROWS; s++)
-                    if (wr[s]) acc[n][s] += dot8(wf[s], xs);
+                for (int s = 0; s < GEMV_ROWS; s++) acc[n][s] += dot8(wf[s], xs);
             }
         }
 #pragma unroll
@@ -428,14 +442,19 @@ __device__ __forceinline__ void gemv_q8(const GemvJob& j) {
         const uint8_t* piece[GEMV_ROWS];
 #pragma unroll
         for (int s = 0; s < GEMV_ROWS; s++) {
+            // A slot without a row decodes slot 0's staged piece instead of branching in the loop: its sum is
+            // never stored (epilogue skips row < 0); slot 0 of a group always has a row.
             const uint8_t* src = q8_src(j, cur, s, nblocks);
-            piece[s] = src ? stage + (buf * GEMV_ROWS + s) * Q8_PIECE_BYTES + ((size_t)src & 15) : nullptr;
+            piece[s] = src ? stage + (buf * GEMV_ROWS + s) * Q8_PIECE_BYTES + ((size_t)src & 15)
+                       : s ? piece[0] : stage;
         }
+        const float* x0 = slot_x(j, row0, 0);         // found once per chunk (x_group_rows divides); row n is
+                                                      // x0 + n * x_stride
+#pragma unroll(NB == 1 ? 2 : 1)                   // the multi-row bodies are register-bound already
         for (int b = lane >> 3; b < nb; b += 4) {
             float d[GEMV_ROWS], q[GEMV_ROWS][4];       // the slots' weights, decoded once for all rows
 #pragma unroll
             for (int s = 0; s < GEMV_ROWS; s++) {
-                if (!piece[s]) continue;
                 const uint8_t* blk = piece[s] + b * Q8_BLOCK_BYTES;
                 d[s] = __half2float(*reinterpret_cast<const __half*>(blk));
                 const uint16_t* q16 = reinterpret_cast<const uint16_t*>(blk + 2 + 4 * sub);
@@ -444,14 +463,13 @@ __device__ __forceinline__ void gemv_q8(const GemvJob& j) {
 #pragma unroll
             for (int n = 0; n < NB; n++) {
                 if (n >= j.nx) break;
-                float4 xv = reinterpret_cast<const float4*>(slot_x(j, row0, n))[(b0 + b) * 8 + sub];
+                float4 xv = reinterpret_cast<const float4*>(x0 + (size_t)n * j.x_stride)[(b0 + b) * 8 + sub];
                 if (weighted) {
                     const float4 nw = w4[(b0 + b) * 8 + sub];
                     xv.x *= nw.x; xv.y *= nw.y; xv.z *= nw.z; xv.w *= nw.w;
                 }
 #pragma unroll
                 for (int s = 0; s < GEMV_ROWS; s++) {
-                    if (!piece[s]) continue;
                     acc[n][s] += d[s] * (q[s][0] * xv.x + q[s][1] * xv.y + q[s][2] * xv.z + q[s][3] * xv.w);
                 }
             }

@@ -221,3 +221,14 @@ def test_attention_wrappers_reject_bad_shapes():
                                   np.zeros(1, np.int32), np.zeros((8, 64), np.float32), 8, None, 0, None, 0,
                                   np.zeros(4, np.float32), np.zeros((4, 1, 64), np.float32),
                                   np.zeros((4, 1, 2), np.float32), np.zeros((4, 64), np.float32), 32, EPS, 0.125)
+
+
+def test_attention_warps_follow_the_device():
+    """4 warps where the key tile leaves one block per SM (GB10 at hd 512), 2 where several fit (H200); no device:
+    4 (the most splits, which sizes the workspace's partials)."""
+    from ds4py.cuda.devices import profile
+    assert ops_attn.attn_warps(profile("gb10"), 64, 512) == 4
+    assert ops_attn.attn_warps(profile("h200"), 64, 512) == 2
+    assert ops_attn.attn_warps(None, 64, 512) == 4
+    for keys in (144, 640, 16384):                    # the workspace (4 warps) holds every device's partials
+        assert ops_attn.attn_plan(64, 512, keys, warps=4).splits >= ops_attn.attn_plan(64, 512, keys, warps=2).splits

@@ -80,6 +80,22 @@ def test_mix_is_bit_identical_whichever_block_is_last(put):
     assert len(set(out)) == 1
 
 
+@pytest.mark.parametrize("nrows", [om.mix_record(HC), HC])
+def test_mix_is_bit_identical_for_any_warp_count(rt, arena, put, nrows):
+    """The default block (om.mix_warps: one warp per 4-row group + the sum-of-squares warp, for bytes in flight)
+    gives the bits the old 4-warp block gave: a group's sum never depends on which warp runs it."""
+    r = rng(7, nrows)
+    X, fn, scale, base = case(r, 2, 320, nrows, False)
+    sc = scale if nrows > HC else scale[:1]
+    outs = {w: run_mix(rt, arena, put, X, fn, sc, base, w)[0].download().tobytes() for w in (1, 4, 8, None)}
+    assert len(set(outs.values())) == 1
+    assert om.mix_warps(om.mix_record(HC)) == 7 and om.mix_warps(HC) == 4
+
+
+def test_collapse_block_grows_with_the_width_only():
+    assert [om.collapse_threads(D) for D in (64, 1024, 4096, 7168)] == [256, 256, 1024, 1024]
+
+
 def test_twin_is_the_reference_hc_pre():
     r = rng(6)
     X, fn, scale, base = case(r, 3, 96, om.mix_record(HC), True)

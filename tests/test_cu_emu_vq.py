@@ -205,3 +205,25 @@ def test_every_width_has_a_kernel_format():
     for b in WIDTHS:
         assert ops_moe.vq_bits(f"vq{b}") == b and ops_moe.codebook_bytes(f"vq{b}") == 8 << b
         assert ops_moe.vq_row_parts(f"vq{b}", 128) == (2 * (12 if b == 13 else b), 2 if b == 13 else 0)
+
+
+@pytest.mark.parametrize("bits", [12, 13])
+def test_down_rows_per_block_do_not_change_the_bits(kdev, bits):
+    """moe_down's rows per block (ops picks fewer on GB10 so two VQ-8 down blocks share an SM) only regroup rows:
+    every row's bits are the same at any rows per block, on either device."""
+    r = np.random.default_rng([59, bits])
+    n_exp, k, dim, ff = 4, 2, 128, 128
+    cb = codebook(r, bits)
+    fmt, dd, _ = vq_tensor(r, bits, n_exp, dim, ff, cb)
+    ids = np.array([0, 3], np.int32)
+    h = r.standard_normal((k, ff)).astype(np.float32)
+    outs = []
+    for dev in (kdev("random", 1), one_sm_gb10("reverse")):
+        for rpb in (None, 16, 5, 1):
+            y = dev.var(np.zeros(dim, np.float32))
+            ops_moe.moe_down(dev.rt, fmt, dev.const(dd), dev.const(ids), dev.const(h.reshape(-1)), y, n_exp, dim, ff,
+                             k, rows_per_block=rpb)
+            outs.append(y.download())
+    for i, o in enumerate(outs[1:], 1):
+        same_bits(outs[0], o, f"vq{bits} down, launch {i}")
+    assert np.isfinite(outs[0]).all()

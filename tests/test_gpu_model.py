@@ -234,3 +234,70 @@ def test_attention_reads_the_window_and_the_selected_rows():
     assert timemodel.launch_traffic(attn(2, True), 65536).kv == (128 + 512) * row
     assert timemodel.launch_traffic(attn(128, False), 65536).kv == (128 + 65536 // 128) * row
     assert timemodel.launch_traffic(attn(2, True), 100).kv == (100 + 50) * row
+
+
+def _comp_launch(kernel: str, grid: int, threads: int, args: tuple, scalars: tuple) -> PlannedLaunch:
+    chk = inspect_launch(GB10, kernel, grid, threads, 0)
+    return PlannedLaunch(0, kernel, "compressor", chk.grid, chk.block, 0, 0, 40, "side", True, args, scalars,
+                         chk.occupancy, chk.waves, None)
+
+
+@pytest.mark.parametrize("ratio,overlap,cap", [(128, 0, 144), (4, 1, 24)])
+def test_a_compressor_step_is_its_ring_store_plus_a_ratioth_of_the_group(ratio, overlap, cap):
+    """compressor_decode stores one ring slot every step and pools its group only at a position completing one
+    (cu/compressor.cu): per token, the store plus 1/ratio of the group read, whatever the rings' or rows' capacity."""
+    d, rd = 512, 64
+    width = (1 + overlap) * d
+
+    def comp(ring_cap: int, rows_cap: int) -> PlannedLaunch:
+        args = (PlannedArg("kv_in", width * 4, True, "activation"), PlannedArg("sc_in", width * 4, True, "activation"),
+                PlannedArg("ape", ratio * width * 2, True, "blk.5.attn_compressor_ape.weight"),
+                PlannedArg("norm_w", d * 4, True, "blk.5.attn_compressor_norm.weight"),
+                PlannedArg("freqs", rd * 2, True, "rope.2"), PlannedArg("pos_slot", 4, True, "activation"),
+                PlannedArg("ring_kv", ring_cap * width * 4, False, "state.5.comp_kv"),
+                PlannedArg("ring_sc", ring_cap * width * 4, False, "state.5.comp_score"),
+                PlannedArg("rows", rows_cap * d * 4, False, "state.5.comp_rows"))
+        sc = (("ape_f32", 0), ("rows_cap", rows_cap), ("ratio", ratio), ("overlap", overlap), ("cap", ring_cap),
+              ("d", d), ("rd", rd))
+        return _comp_launch("compressor_decode", 1, 1024, args, sc)
+
+    tr = timemodel.launch_traffic(comp(cap, 512), 65536)
+    group = ratio * (1 + overlap) * d * 8                   # the group's kv and scores, d channels a slot
+    assert tr.kv == 2 * width * 4 + -(-(group + d * 4) // ratio)
+    assert tr.weight == width * 2 + d * 4 // ratio
+    assert tr.kv + tr.act + tr.weight < 2 * (cap * width * 4) / ratio + 6 * width * 4
+    assert timemodel.launch_traffic(comp(4 * cap, 4096), 65536) == tr
+    t = timemodel.model_kernel(comp(cap, 512), GB10, 65536)
+    assert t.time_us < 5.0                                  # not a 0.7 MB read every step (was 36.8 us at ratio 128)
+
+
+def test_v41_compressor_steps_write_rows_not_rings():
+    """V4.1's ring store writes its rows into each ring; its compressor pools only at a completing row (1/ratio of
+    the rows), so neither is charged the rings' or the rows' capacity."""
+    d, cap = 512, 18
+    store = _comp_launch("v41_comp_ring_store", 2, 256, (
+        PlannedArg("kv_in", d * 4, True, "activation"), PlannedArg("sc_in", d * 4, True, "activation"),
+        PlannedArg("pos", 4, True, "activation"), PlannedArg("ring_kv", cap * d * 4, False, "state.2.comp_kv"),
+        PlannedArg("ring_sc", cap * d * 4, False, "state.2.comp_score")), (("n_rows", 1), ("cap", cap), ("d", d)))
+    assert timemodel.launch_traffic(store, 2048).kv == 2 * d * 4
+    comp = _comp_launch("v41_compress", 1, 256, (
+        PlannedArg("kv_in", d * 4, True, "activation"), PlannedArg("sc_in", d * 4, True, "activation"),
+        PlannedArg("ring_kv", cap * d * 4, True, "state.2.comp_kv"),
+        PlannedArg("ring_sc", cap * d * 4, True, "state.2.comp_score"),
+        PlannedArg("norm_w", d * 4, True, "blk.2.attn_compressor_norm.weight"),
+        PlannedArg("freqs", 128, True, "rope.2"), PlannedArg("pos", 4, True, "activation"),
+        PlannedArg("rows", 2048 * d * 4, False, "state.2.comp_rows"), PlannedArg("lat", d * 4, False, "activation")),
+        (("rows_cap", 2048), ("ratio", 2), ("cap", cap), ("d", d), ("rd", 64)))
+    assert timemodel.launch_traffic(comp, 2048).kv == (2 * 2 * d * 4 + d * 4) // 2
+
+
+def test_gb10_vq8_down_blocks_share_an_sm():
+    """A VQ-8 down block stages, then computes: on GB10 ops picks rows per block so two blocks fit an SM (one's
+    math under the other's copy) where the codebook leaves room (12 bits; 13 bits' 64 KB codebook does not)."""
+    from ds4py.cuda.plan import plan_step
+
+    downs = {l.kernel: l for l in plan_step("v41-flash-vq", "decode", "gb10", ctx=2048)
+             if l.kernel.startswith("moe_down_vq")}
+    assert downs["moe_down_vq12"].occupancy.blocks_per_sm >= 2
+    t = timemodel.model_kernel(downs["moe_down_vq12"], GB10, 2048)
+    assert t.limiter != "stage-then-compute"

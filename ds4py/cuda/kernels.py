@@ -247,7 +247,7 @@ def attend_rows(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
     cfg, ws, rows = rec.cfg, rec.ws, rec.rows
     hd, iqd = cfg.head_dim, cfg.index_heads * cfg.index_head_dim
     for n in range(rec.R):
-        p, pos, plan = rows.state(n), rows.pos(n), rec.plan(n, il)
+        p, pos, plan = rows.state(n), rows.pos(n), rec.plan(n, il, ls.profile)
         comp = p[f"{ro.kv_source}.comp_rows"] if ro.compressed else None
         sel = None
         if ro.indexer:
@@ -477,7 +477,7 @@ def v41_attend_rows(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
     cfg, ws, rows = rec.cfg, rec.ws, rec.rows
     hd, iqd, k = cfg.head_dim, cfg.index_heads * cfg.index_head_dim, cfg.index_topk
     for n in range(rec.R):
-        p, pos, plan = rows.state(n), rows.pos(n), rec.plan(n, il)
+        p, pos, plan = rows.state(n), rows.pos(n), rec.plan(n, il, ls.profile)
         comp, sel = (p[f"{ro.kv_source}.comp_rows"], row(ws.sel, n, k)) if ro.compressed else (None, None)
         if ro.indexer:
             n_keys = rows.buckets[n] // ro.index_ratio

@@ -75,9 +75,11 @@ def bucket_keys(cfg, ro, bucket: int) -> int:
     return cfg.window + (min(n, cfg.index_topk) if ro.indexer or ro.index_source >= 0 else n)
 
 
-def attn_plans(cfg, bucket: int) -> list[ops_attn.AttnPlan]:
-    return [ops_attn.attn_plan(cfg.n_heads, cfg.head_dim, max(1, bucket_keys(cfg, cfg.roles(il), bucket)))
-            for il in range(cfg.n_layers)]
+def attn_plans(cfg, bucket: int, profile: Any = None) -> list[ops_attn.AttnPlan]:
+    """The layers' decode attention plans; profile None: the most splits any device's plan has (the workspace)."""
+    warps = ops_attn.attn_warps(profile, cfg.n_heads, cfg.head_dim)
+    return [ops_attn.attn_plan(cfg.n_heads, cfg.head_dim, max(1, bucket_keys(cfg, cfg.roles(il), bucket)),
+                               warps=warps) for il in range(cfg.n_layers)]
 
 
 def index_keys(cfg, bucket: int) -> int:
@@ -288,12 +290,14 @@ class Recording:
     def R(self) -> int:
         return self.rows.R
 
-    def plan(self, n: int, il: int) -> ops_attn.AttnPlan:
-        """Row n's attention plan at layer il: its own context bucket's (the split a single step would use)."""
+    def plan(self, n: int, il: int, profile: Any = None) -> ops_attn.AttnPlan:
+        """Row n's attention plan at layer il on `profile`'s device: its own context bucket's (the split a single
+        step would use)."""
         b = self.rows.buckets[0 if self.mode == BLOCK else n]
-        if b not in self._plans:
-            self._plans[b] = attn_plans(self.cfg, b)
-        return self._plans[b][il]
+        key = (b, profile.name if profile is not None else None)
+        if key not in self._plans:
+            self._plans[key] = attn_plans(self.cfg, b, profile)
+        return self._plans[key][il]
 
     def fork(self, ls: Launcher) -> None:
         if self.mode != BLOCK:

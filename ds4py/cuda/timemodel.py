@@ -124,6 +124,40 @@ def n_rows_written(kernel: str) -> int:
     return 1 if kernel in ("attn_kv_store", "v41_kv_rows") else 0
 
 
+def group_step_traffic(launch: Any) -> tuple[int, int, int] | None:
+    """(weight, kv, act) DRAM bytes per decode token of a compressor launch (None: not one), the per-token average:
+    the work every step does plus 1/ratio of the once-per-group emission. compressor_decode (cu/compressor.cu) stores
+    its position's kv / score + ape[pos % ratio] into one ring slot every step and only at a position completing a
+    group pools the group's ratio*(1+overlap) slots (d channels of kv and score each), normalises and writes one row;
+    v41_compress (grid = rows, one position each) does nothing at a row that completes no group, else pools `ratio`
+    slots (ratio 1: the row itself) and writes a row and the latent; v41_index_keys the same for one key row;
+    v41_comp_ring_store writes its n_rows rows into each ring (not the rings)."""
+    k, s = launch.kernel, _scalars(launch)
+    by = {a.name: a for a in launch.args}
+    has = lambda name: name in by and by[name].nbytes > 0                   # noqa: E731
+    if k == "compressor_decode":
+        ratio, ov, d, rd = int(s["ratio"]), int(s["overlap"]), int(s["d"]), int(s["rd"])
+        width = (1 + ov) * d
+        ape_b = 4 if int(s.get("ape_f32", 0)) else 2
+        store = (width * ape_b, 2 * width * 4, 2 * width * 4)        # ape row; ring slots written; kv_in + sc_in
+        emit = (d * 4, ratio * (1 + ov) * d * 8 + d * 4, rd // 2 * 4)  # norm; group kv+score, the row; freqs
+        return tuple(a + math.ceil(b / ratio) for a, b in zip(store, emit))   # type: ignore[return-value]
+    if k == "v41_compress":
+        ratio, d, rd, n = max(1, int(s["ratio"])), int(s["d"]), int(s["rd"]), launch.grid[0]
+        slots = ratio * (2 if has("sc_in") else 1)
+        lat = d * 4 if has("lat") else 0
+        emit = (d * 4, slots * d * 4 + d * 4, rd // 2 * 4 + lat)     # norm; group (+ the row) ; freqs + latent
+        return tuple(math.ceil(n * b / ratio) for b in emit)         # type: ignore[return-value]
+    if k == "v41_index_keys":
+        ratio, ihd, rd, n = max(1, int(s["ratio"])), int(s["ihd"]), int(s["rd"]), launch.grid[0]
+        emit = (ihd * 4, ihd * 4, ihd * 4 + rd // 2 * 4)             # k_norm; key row written; k_raw row + freqs
+        return tuple(math.ceil(n * b / ratio) for b in emit)         # type: ignore[return-value]
+    if k == "v41_comp_ring_store":
+        n, cap, d = int(s["n_rows"]), int(s["cap"]), int(s["d"])
+        return (0, 2 * min(n, cap) * d * 4, 2 * n * d * 4)
+    return None
+
+
 def launch_traffic(launch: Any, ctx: int) -> Traffic:
     """DRAM bytes of one planned launch (ds4py/cuda/plan_runtime.PlannedLaunch) at context `ctx`.
 
@@ -180,6 +214,9 @@ def launch_traffic(launch: Any, ctx: int) -> Traffic:
             kv += n                                               # other KV state a kernel reads (rings, rows)
         else:
             act += n
+    group = group_step_traffic(launch)
+    if group is not None:
+        weight, kv, act = group
     fmt = weight_format(k)
     weights = weight * fmt[1] // fmt[2] if fmt else 0
     flops = 0.0

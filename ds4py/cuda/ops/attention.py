@@ -82,11 +82,13 @@ class AttnPlan:
         return (self.n_heads, self.splits, 2)
 
 
-def attn_plan(n_heads: int, hd: int, max_keys: int, warps: int = 2, target_blocks: int = 264,
+def attn_plan(n_heads: int, hd: int, max_keys: int, warps: int = 4, target_blocks: int = 264,
               min_tiles: int = 2) -> AttnPlan:
     """Split max_keys into chunks so that splits x head groups is about target_blocks (two per SM of an H200):
     enough blocks to spread a short key list over the device, each with at least min_tiles tiles of keys (a block's
-    q preparation and its partial row are worth amortising over a few tiles)."""
+    q preparation and its partial row are worth amortising over a few tiles). warps: 4 by default (16 heads share
+    one staged key tile): at hd 512 the tile's shared memory allows one block per GB10 SM, so the warps of that
+    block are all the loads it has in flight (2 warps halved them and staged every tile twice as often)."""
     need(hd % 8 == 0 and 0 < hd <= ATTN_MAX_HD, f"attention: head dim {hd} must be a multiple of 8 up to "
          f"{ATTN_MAX_HD}")
     need(1 <= warps <= 32 and n_heads >= 1 and max_keys >= 1, "attention: bad heads, warps or key capacity")
@@ -96,6 +98,22 @@ def attn_plan(n_heads: int, hd: int, max_keys: int, warps: int = 2, target_block
     splits = max(1, min(-(-tiles // max(1, min_tiles)), -(-target_blocks // groups)))
     kps = ATTN_TILE * -(-tiles // splits)
     return AttnPlan(n_heads, hd, -(-max_keys // kps), kps, warps)
+
+
+def attn_warps(profile: Any, n_heads: int, hd: int) -> int:
+    """Warps per attention block on `profile` (a DeviceProfile, or None: 4, the plan with the most splits, which
+    sizes the workspace's partials): 2 where two 2-warp blocks fit on an SM (H200: more blocks over its 132 SMs), 4
+    where the staged key tile leaves room for one block per SM only (GB10 at hd 512: that block's warps are all the
+    SM's loads in flight, and one tile then serves 16 heads), if the 4-warp block fits the device."""
+    if profile is None:
+        return 4
+    from ds4py.cuda import resources
+    from ds4py.cuda.devices import occupancy
+    res = resources.kernel(profile.arch, "attn_decode_partial")
+    regs, static = (res.registers, res.smem) if res else (0, 0)
+    two = occupancy(profile, 64, regs, attn_plan(n_heads, hd, ATTN_TILE, warps=2).smem + static)
+    four_smem = attn_plan(n_heads, hd, ATTN_TILE, warps=4).smem + static
+    return 2 if two.blocks_per_sm >= 2 or four_smem > profile.smem_per_block_optin else 4
 
 
 def decode_attention(rt: Any, plan: AttnPlan, q_raw: Any, freqs: Any, pos_slot: Any, win: Any, window: int,

@@ -20,11 +20,13 @@ DEFINES = {"COMP_MAX_THREADS": COMP_MAX_THREADS, "COMP_MAX_D": COMP_MAX_D}      
 
 
 def comp_threads(d: int, ratio: int, overlap: bool, subs: int | None = None) -> int:
-    """Block size: `subs` copies of the 32*ceil(d/64) pair threads; by default one sub per 16 slots of a group
-    (ratio 128: 8 subs at d = 128, 4 at d = 512), within 1024 threads."""
+    """Block size: `subs` copies of the 32*ceil(d/64) pair threads; by default one sub per slot of a group, within
+    1024 threads (ratio 4 + overlap: 4 subs at d = 512, 8 at d = 128; ratio 128: 4 at d = 512, 16 at d = 128).
+    The kernel is one block whose loads are the group's slots: more subs = more of them in flight at once (a
+    latency-bound launch on the decode critical path), and the merge over subs stays in sub order."""
     P = pair_threads(d)
     if subs is None:
-        subs = max(1, ratio * (1 + int(overlap)) // 16)
+        subs = max(1, ratio * (1 + int(overlap)))
     return P * max(1, min(subs, COMP_MAX_THREADS // P))
 
 

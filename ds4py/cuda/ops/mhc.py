@@ -26,14 +26,22 @@ def mix_partial_floats(n_tok: int, nrows: int, D: int, hc: int = 4) -> int:
     return n_tok * mix_blocks(D, hc) * (nrows + 1)
 
 
+def mix_warps(nrows: int) -> int:
+    """hc_mix's warps per block: one per group of 4 fn rows plus the sum-of-squares warp, so every group's loads are
+    in flight at once (a sub-layer's 24 rows: 7 warps, not 4 warps doing two groups each in turn); at least 4. The
+    result is bit-identical for any warp count (a group's sum never depends on which warp runs it)."""
+    return max(4, min(32, ceil_div(nrows, 4) + 1))
+
+
 def hc_mix(rt: Any, fn: DeviceArray, X: DeviceArray, n_tok: int, D: int, scale: DeviceArray, base: DeviceArray,
            partial: DeviceArray, ticket: DeviceArray, mix: DeviceArray, norm_eps: float, hc_eps: float,
-           iters: int = 20, hc: int = 4, warps: int = 4, stream: Any = None, pdl: bool = False) -> None:
+           iters: int = 20, hc: int = 4, warps: int | None = None, stream: Any = None, pdl: bool = False) -> None:
     """mix[t] = the mHC mix of X[t] ([hc, D]): fn [(2+hc)*hc, hc*D] gives pre, post and the Sinkhorn C of a
     sub-layer; fn [hc, hc*D] (the head's) gives pre only. F16 or F32 fn, as the GGUF stores it. ticket: n_tok
     zeroed uint32 (left zeroed); partial: mix_partial_floats(...) float32 scratch."""
     nrows = fn.shape[0] if len(fn.shape) == 2 else 0
     n = hc * D
+    warps = mix_warps(nrows) if warps is None else int(warps)
     need(nrows in (hc, mix_record(hc)) and fn.shape[1] == n,
          f"hc_mix: fn must be [{mix_record(hc)} or {hc}, {n}], got {list(fn.shape)}")
     need(is_dtype(fn, np.float16) or is_dtype(fn, np.float32), "hc_mix: fn must be F16 or F32")
@@ -51,13 +59,21 @@ def hc_mix(rt: Any, fn: DeviceArray, X: DeviceArray, n_tok: int, D: int, scale: 
               float(norm_eps), float(hc_eps), int(iters), stream=stream, pdl=pdl)
 
 
+def collapse_threads(D: int) -> int:
+    """hc_collapse_norm's block: one block per token reads hc*D floats, so at real widths (D = 4096) 1,024 threads
+    (4 columns each, hc loads per column) keep 4x the bytes in flight of 256; small widths keep 256 (their sum
+    order, hence their bits, unchanged)."""
+    return max(256, min(1024, 32 * ceil_div(ceil_div(D, 4), 32)))
+
+
 def hc_collapse_norm(rt: Any, X: DeviceArray, mix: DeviceArray, n_tok: int, D: int, w: DeviceArray | None,
-                     eps: float, y: DeviceArray, hc: int = 4, threads: int = 256, stream: Any = None,
+                     eps: float, y: DeviceArray, hc: int = 4, threads: int | None = None, stream: Any = None,
                      pdl: bool = False, mix_stride: int | None = None) -> None:
     """y[t] = RMSNorm(sum_j pre_j X[t, j]; w) with pre from mix (w None: no weight) - a sub-layer's input, or
     the head's (mix from hc_mix on output_hc_fn, w = output_norm). mix_stride: floats from one token's record to
     the next (default mix_record(hc); 0: every token reads one record, V4.1's one-hot first pre-mix)."""
     stride = mix_record(hc) if mix_stride is None else int(mix_stride)
+    threads = collapse_threads(D) if threads is None else int(threads)
     need(is_dtype(X, np.float32) and X.size >= n_tok * hc * D, "hc_collapse_norm: X must be float32 [T, hc, D]")
     need(stride >= 0 and is_dtype(mix, np.float32) and mix.size >= (n_tok - 1) * stride + hc,
          "hc_collapse_norm: mix too small")
