@@ -98,12 +98,15 @@ def quarters(ks: list[int]) -> list[float]:
 
 def break_even(reqs) -> dict:
     """From the scheduler requests' measured costs (pooled medians): the plain step, the first draft step, the
-    verify of 1 and 2 rows, and the first-draft acceptance a* where (1 + a*) / (draft + verify(2)) = 1 / plain."""
+    verify of 2 rows, the MTP catch-up per token m, and the first-draft acceptance a* where
+    (1 + a*) / (draft + verify(2) + m·(1 + a*)) = 1 / plain."""
+    known = [r.scheduler.costs for r in reqs if r.scheduler.costs.known()]
     plain = statistics.median(r.scheduler.costs.plain() for r in reqs)
-    draft = statistics.median(r.scheduler.costs.draft(True) for r in reqs if r.scheduler.costs.known())
-    v2 = statistics.median(r.scheduler.costs.verify(2) for r in reqs if r.scheduler.costs.known())
-    return {"plain_ms": 1e3 * plain, "draft_ms": 1e3 * draft, "verify2_ms": 1e3 * v2,
-            "break_even_acceptance": (draft + v2) / plain - 1.0}
+    draft = statistics.median(c.draft(True) for c in known)
+    v2 = statistics.median(c.verify(2) for c in known)
+    m = statistics.median(c.catch_up() for c in known)
+    return {"plain_ms": 1e3 * plain, "draft_ms": 1e3 * draft, "verify2_ms": 1e3 * v2, "catch_up_ms": 1e3 * m,
+            "break_even_acceptance": (draft + v2) / max(plain - m, 1e-12) - 1.0}
 
 
 def run_domain(model, mtp, dom: str, args, variants: list[str], mode: str) -> dict:
@@ -210,7 +213,7 @@ def main() -> int:
             if "cost_model" in r:
                 c = r["cost_model"]
                 print(f"|   cost model ({dom}, {mode}): plain {c['plain_ms']:.1f} ms, first draft {c['draft_ms']:.1f} "
-                      f"ms, verify(2) {c['verify2_ms']:.1f} ms: break-even first-draft acceptance "
+                      f"ms, verify(2) {c['verify2_ms']:.1f} ms, MTP catch-up {c['catch_up_ms']:.1f} ms/token: break-even first-draft acceptance "
                       f"{c['break_even_acceptance']:.2f} |", flush=True)
     res["load_after"] = os.getloadavg()
     print(f"load average after: {res['load_after'][0]:.1f} {res['load_after'][1]:.1f} {res['load_after'][2]:.1f}")

@@ -231,44 +231,85 @@ class _Median:
         return self._value
 
 
+def _count_medians(rows: dict[int, list[float]]) -> list[tuple[int, float, int]]:
+    """(count, median, weight) per row count; a count's first sample is a warm-up, left out once it has a second."""
+    return sorted((r, float(np.median(v[1:] if len(v) > 1 else v)), len(v) - (len(v) > 1)) for r, v in rows.items())
+
+
+def _line(pts: list[tuple[int, float, int]]) -> tuple[float, float] | None:
+    """The weighted least-squares line t ≈ a + b·r through per-count medians (b ≥ 0: noise can tilt it, a step
+    never gets cheaper with rows), or None below two counts."""
+    if len(pts) < 2:
+        return None
+    r, t, w = (np.array(x, float) for x in zip(*pts))
+    rm, tm = np.average(r, weights=w), np.average(t, weights=w)
+    b = max(float(np.sum(w * (r - rm) * (t - tm)) / np.sum(w * (r - rm) ** 2)), 0.0)
+    return float(tm - b * rm), b
+
+
 class MeasuredCosts:
-    """Wall-clock costs of the request's own steps: a plain step (main step + MTP catch-up), a first draft
-    step (the MTP's pending rows + logits) and a chained draft step (running medians), and a verify of r rows as
-    a line a + b·r, the weighted least-squares fit over the row counts seen so far (each count's median weighted
-    by its number of samples; a count's first sample is a warm-up, left out once the count has a second)."""
+    """Costs of the request's own steps on the scheduler's clock: a plain step (the main step; the MTP rows it
+    leaves pending are caught up by the next draft), a chained draft step (running median), a first draft step
+    as a line g + m·r in the r pending MTP rows it catches up (m: what the MTP block costs per decoded token,
+    paid by speculative tokens and by the plain steps between rounds alike), and a verify of r rows as a line
+    a + b·r through the per-count medians (weighted least squares, weight = samples; a count's first sample is a
+    warm-up, left out once the count has a second).
+
+    The verify slope is floored by the marginal cost of the best-measured extra row, median(r=2) − median(r=1)
+    (every plain step times r = 1, every k = 1 round r = 2): on the trained tiny model the least-squares slope
+    through few, noisy long-round counts came out 2.5–5 ms per row against ~3.6 ms measured directly, so long
+    rounds looked cheap and the scheduler lost up to 13% on prose. The floor errs toward short rounds, whose
+    cost is measured best."""
 
     deterministic = False
 
     def __init__(self):
         self._plain, self._first, self._chain = _Median(), _Median(), _Median()
         self._rows: dict[int, list[float]] = {}
+        self._first_rows: dict[int, list[float]] = {}
         self._line: tuple[float, float] | None = None
-        self._line_stale = True
+        self._catch: tuple[float, float] | None = None
+        self._stale = True
 
     def observe_plain(self, seconds: float) -> None:
         self._plain.add(seconds)
 
-    def observe_draft(self, first: bool, seconds: float) -> None:
+    def observe_draft(self, first: bool, seconds: float, rows: int = 1) -> None:
+        """A draft step's time; a first one also ran `rows` pending MTP rows (the last one gives its logits)."""
         (self._first if first else self._chain).add(seconds)
+        if first:
+            self._first_rows.setdefault(rows, []).append(seconds)
+            self._stale = True
 
     def observe_verify(self, rows: int, seconds: float) -> None:
         self._rows.setdefault(rows, []).append(seconds)
-        self._line_stale = True
+        self._stale = True
+
+    def _refit(self) -> None:
+        if not self._stale:
+            return
+        self._stale = False
+        pts = _count_medians(self._rows)
+        line = _line(pts)
+        if line is not None:
+            med = {r: (t, w) for r, t, w in pts}
+            if 1 in med and 2 in med and min(med[1][1], med[2][1]) >= 2:
+                floor = med[2][0] - med[1][0]
+                if floor > line[1]:            # pivot the line about its weighted centre onto the floor slope
+                    r, t, w = (np.array(x, float) for x in zip(*pts))
+                    rm, tm = np.average(r, weights=w), np.average(t, weights=w)
+                    line = (float(tm - floor * rm), float(floor))
+        self._line = line
+        self._catch = _line(_count_medians(self._first_rows))
 
     def line(self) -> tuple[float, float] | None:
-        if self._line_stale:
-            self._line, self._line_stale = self._fit(), False
+        self._refit()
         return self._line
 
-    def _fit(self) -> tuple[float, float] | None:
-        pts = [(r, float(np.median(v[1:] if len(v) > 1 else v)), len(v) - (len(v) > 1)) for r, v in self._rows.items()]
-        if len(pts) < 2:
-            return None
-        r, t, w = (np.array(x, float) for x in zip(*pts))
-        rm, tm = np.average(r, weights=w), np.average(t, weights=w)
-        b = float(np.sum(w * (r - rm) * (t - tm)) / np.sum(w * (r - rm) ** 2))
-        b = max(b, 0.0)                            # noise can tilt it; a verify never gets cheaper with rows
-        return float(tm - b * rm), b
+    def catch_up(self) -> float:
+        """m: the first draft step's cost per pending MTP row (0 until two row counts are measured)."""
+        self._refit()
+        return self._catch[1] if self._catch is not None else 0.0
 
     def verified(self) -> bool:
         return bool(self._rows)
@@ -284,6 +325,12 @@ class MeasuredCosts:
         return self._plain.value() or self.verify(1)
 
     def draft(self, first: bool) -> float:
+        """A chained step's median; a first step's cost without its catch-up rows (g + m, one row: the row of the
+        round's own token), the plain median until two row counts are measured."""
+        if first:
+            self._refit()
+            if self._catch is not None:
+                return max(self._catch[0] + self._catch[1], 1e-12)
         v = (self._first if first else self._chain).value()
         return v if v is not None else self._first.value()
 
@@ -302,8 +349,11 @@ class ByteCosts:
     def observe_plain(self, seconds: float) -> None:
         pass
 
-    def observe_draft(self, first: bool, seconds: float) -> None:
+    def observe_draft(self, first: bool, seconds: float, rows: int = 1) -> None:
         pass
+
+    def catch_up(self) -> float:
+        return 0.0                             # plain() already counts the MTP block's row per token
 
     def observe_verify(self, rows: int, seconds: float) -> None:
         pass
@@ -443,7 +493,13 @@ class Scheduler:
             return True
         ucb = min(1.0, self.first_hits / self.first_rounds
                   + math.sqrt(2 * math.log(self.decisions) / self.first_rounds))
-        return (1 + ucb) / (self._spent(1) + self.costs.verify(2)) > 1 / self.costs.plain()
+        return (1 + ucb) / self._round(self._spent(1), 2, 1 + ucb) > 1 / self.costs.plain()
+
+    def _round(self, spent: float, rows: int, tokens: float) -> float:
+        """A round's cost: its draft steps, the verify of `rows` rows and the MTP rows its `tokens` leave for the
+        next draft step to catch up (a plain step's row is charged nothing: plain decoding, the baseline, runs
+        no MTP block)."""
+        return spent + self.costs.verify(rows) + self.costs.catch_up() * tokens
 
     def include(self, sigmas: Sequence[float]) -> bool:
         """q_i is known (σ_i = sigmas[-1]): verify position i?"""
@@ -454,7 +510,7 @@ class Scheduler:
             return False
         E, a = self._expected(sigmas)
         spent = self._spent(i)
-        return E / (spent + self.costs.verify(1 + i)) > (E - a) / (spent + self.costs.verify(i))
+        return E / self._round(spent, 1 + i, E) > (E - a) / self._round(spent, i, E - a)
 
     def keep_drafting(self, sigmas: Sequence[float], k_max: int) -> bool:
         """d_i is drawn: compute q_{i+1}?"""
@@ -467,8 +523,8 @@ class Scheduler:
             return False
         E, a = self._expected(sigmas)
         spent = self._spent(i)
-        more = (E + a) / (spent + self.costs.draft(False) + self.costs.verify(i + 2))
-        return more > E / (spent + self.costs.verify(i + 1))
+        more = (E + a) / self._round(spent + self.costs.draft(False), i + 2, E + a)
+        return more > E / self._round(spent, i + 1, E)
 
     def record(self, first_hit: float, sigma1: float) -> None:
         self.first_hits += first_hit
@@ -790,7 +846,7 @@ class SpecRequest(RequestRounds):
         self._caught_up = True
         t0 = CLOCK()
         lg, out = sp.mtp.step([state.draft], [hs], [ids])
-        sched.costs.observe_draft(True, CLOCK() - t0)
+        sched.costs.observe_draft(True, CLOCK() - t0, len(hs))
         drafts, sigmas, qs = [], [], []
         q1 = None
         while True:
