@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import struct
 import time
 import zlib
@@ -422,12 +421,15 @@ class Scheduler:
     (a line through the origin under-rates the many unconfident drafts and over-rates the confident ones), and
     chained drafts, made from the block's own output state, were kept far less often than the first position's
     calibration predicted (rounds of 16: 12.4 predicted, 1.5 kept; docs/spec.md "The scheduler").
-    A round costs the draft steps spent plus verify(1 + k); a plain step costs plain(). Decisions, each before
-    the token it concerns is drawn (a sampled round must not pick its drafts by their values, or rejection
-    sampling stops being exact):
-    - draft at all only if the optimistic E(1) / T(1) beats 1 / plain(): the first-position acceptance rate's
-      upper confidence bound (UCB1: mean + sqrt(2 ln decisions / rounds)), so a request whose drafts keep
-      failing decodes plainly but still probes O(log n) rounds;
+    A round costs the draft steps spent, verify(1 + k) and the MTP rows its E tokens leave for the next draft
+    step (m·E, MeasuredCosts.catch_up); a plain step costs plain(). Decisions, each before the token it concerns
+    is drawn (a sampled round must not pick its drafts by their values, or rejection sampling stops being exact):
+    - draft at all only if drafting pays (drafting_pays: over the σ_1 seen so far, rounds decided as include()
+      would, k = 1 or a wasted draft at k = 0, out-earn plain steps), else probe after 1, 2, 4, ... plain steps
+      (the gap doubles while drafting does not pay, resets when it does): O(log n) probes. It was the
+      acceptance's UCB1 bound (mean + sqrt(2 ln decisions / rounds)): over a 96-token answer the bonus stays
+      ~0.5, so the scheduler drafted every round near break-even and paid a draft step (~15% of a plain step on
+      the trained tiny model) on each round whose σ_1 then said k = 0;
     - with q_i computed, verify position i only if it raises E / T: (E(i−1) + a_i) / (spent + verify(1 + i))
       > E(i−1) / (spent + verify(i)), and only up to one position beyond the longest run of drafts a verify has
       accepted so far in this request (the horizon grows as runs are accepted: a deep chain is tried only after
@@ -455,6 +457,8 @@ class Scheduler:
         self.first = _Calibration()    # first positions: every round's (σ_1, first-position acceptance)
         self.chained = _Calibration()  # chained positions i ≥ 2 that a verify reached (σ_i, accepted)
         self.depth = 0                 # the deepest position a verify has accepted so far
+        self.first_sigmas: list[float] = []    # every recorded round's σ_1
+        self.gap, self.skipped = 1, 0  # plain steps between probes while drafting does not pay (doubling)
 
     def rho(self) -> float:
         return self.first_hits / self.first_sigma if self.first_sigma > 0 else 1.0
@@ -491,9 +495,27 @@ class Scheduler:
             return not self.costs.verified()          # bootstrap: a short block, then one plain row
         if self.first_rounds == 0:
             return True
-        ucb = min(1.0, self.first_hits / self.first_rounds
-                  + math.sqrt(2 * math.log(self.decisions) / self.first_rounds))
-        return (1 + ucb) / self._round(self._spent(1), 2, 1 + ucb) > 1 / self.costs.plain()
+        if self.drafting_pays():
+            self.gap, self.skipped = 1, 0
+            return True
+        if self.skipped >= self.gap:               # a probe: the calibration and the costs may have moved
+            self.gap, self.skipped = 2 * self.gap, 0
+            return True
+        self.skipped += 1
+        return False
+
+    def drafting_pays(self) -> bool:
+        """Does a round that drafts q_1 out-earn plain steps, over the first-position confidences σ_1 seen so far
+        (each round's value as include() would decide it: k = 1 at E = 1 + c(σ_1) tokens, or the draft step
+        wasted on a k = 0 round)? The long-run rate Σ tokens / Σ cost against 1 / plain(). Positions beyond the
+        first only add (include() takes them only when they raise the rate), so this errs toward plain."""
+        c = self.first(self.first_sigmas)
+        spent = self._spent(1)
+        one, zero = self._round(spent, 2, 1 + c), self._round(spent, 1, 1.0)
+        take = (1 + c) / one > 1 / zero
+        tokens = np.where(take, 1 + c, 1.0).sum()
+        cost = np.where(take, one, zero).sum()
+        return tokens / cost > 1 / self.costs.plain()
 
     def _round(self, spent: float, rows: int, tokens: float) -> float:
         """A round's cost: its draft steps, the verify of `rows` rows and the MTP rows its `tokens` leave for the
@@ -531,6 +553,7 @@ class Scheduler:
         self.first_sigma += sigma1
         self.first_rounds += 1
         self.first.add(float(sigma1), float(first_hit))
+        self.first_sigmas.append(float(sigma1))
 
     def accepted_run(self, a: int) -> None:
         """A verify accepted the drafts at positions 1..a."""

@@ -127,8 +127,8 @@ def test_verify_line_floored_by_the_measured_extra_row():
 def test_catch_up_cost_charged_to_speculative_tokens():
     """The first draft step's cost per pending MTP row is fitted from its row counts and charged per token a round
     yields: at first-draft acceptance 0.35, a k = 1 round that beats plain on its draft and verify alone
-    (1.39 / 13 ms > 1 / 10 ms) loses once its tokens' MTP rows (1.5 ms each) are counted, and the scheduler
-    decodes plainly."""
+    (1.35 / 13 ms > 1 / 10 ms) loses once its tokens' MTP rows (1.5 ms each) are counted, and the scheduler
+    decodes plainly, probing after 1, 2, 4, ... plain steps."""
     c = MeasuredCosts()
     for _ in range(3):
         c.observe_plain(10e-3)
@@ -140,10 +140,12 @@ def test_catch_up_cost_charged_to_speculative_tokens():
     assert c.verify(2) == pytest.approx(12e-3)
     s = Scheduler(c, k_max=4)
     rng = np.random.default_rng(1)
-    for _ in range(10000):
+    for _ in range(2000):
         s.record(float(rng.random() < 0.35), 0.5)
-        s.decisions += 1
-    assert not s.should_draft(4)
+    s.first.hits = s.first_hits = 0.35 * s.first_rounds          # exactly 0.35 at σ = 0.5 (ρ·σ: one σ)
+    s.first_sigma = s.first.sigma
+    assert not s.drafting_pays()
+    assert [s.should_draft(4) for _ in range(13)] == [False, True, False, False, True] + [False] * 4 + [True] + [False] * 3
     free = MeasuredCosts()                  # the same costs with a flat first draft: m = 0, drafting pays
     for _ in range(3):
         free.observe_plain(10e-3)
@@ -152,4 +154,4 @@ def test_catch_up_cost_charged_to_speculative_tokens():
         free.observe_draft(True, 1e-3, rows=1)
         free.observe_draft(True, 1e-3, rows=3)
     s.costs = free
-    assert free.catch_up() == 0.0 and s.should_draft(4)
+    assert free.catch_up() == 0.0 and s.drafting_pays() and s.should_draft(4) and s.gap == 1
