@@ -458,6 +458,8 @@ class Scheduler:
         self.chained = _Calibration()  # chained positions i ≥ 2 that a verify reached (σ_i, accepted)
         self.depth = 0                 # the deepest position a verify has accepted so far
         self.first_sigmas: list[float] = []    # every recorded round's σ_1
+        self.depth_hits: dict[int, float] = {}  # per chained position j: Σ accepted, Σ predicted (_depth_factors)
+        self.depth_pred: dict[int, float] = {}
         self.gap, self.skipped = 1, 0  # plain steps between probes while drafting does not pay (doubling)
 
     def rho(self) -> float:
@@ -469,7 +471,27 @@ class Scheduler:
         the rest (the first position's until a verify has reached a chained position)."""
         first = self.first(sigmas[:1])
         rest = (self.chained if self.chained.n else self.first)(sigmas[1:])
-        return np.concatenate([first, rest])
+        return np.concatenate([first, np.minimum(1.0, rest * self._depth_factors(len(rest)))])
+
+    def _depth_factors(self, n: int) -> np.ndarray:
+        """κ_j for chained positions j = 2..n+1: Σ hits / Σ predicted acceptance over the positions ≥ j a verify
+        reached (each prediction the calibration's at the time, before its own sample), a pseudo-count of one
+        each; positions deeper than any reached take the deepest κ. Why: the chained line pools every depth, and
+        a draft chained from its own outputs drifts further at every step; on prose rounds of 6 drafts were
+        predicted to yield 4.2 tokens and yielded 2.4 (docs/spec.md "The scheduler")."""
+        out = np.ones(n)
+        if not n or not self.depth_pred:
+            return out
+        hits = pred = 0.0
+        top = max(self.depth_pred)
+        kappa = {}
+        for j in range(top, 1, -1):               # suffix sums: positions ≥ j
+            hits += self.depth_hits.get(j, 0.0)
+            pred += self.depth_pred.get(j, 0.0)
+            kappa[j] = (hits + 1.0) / (pred + 1.0)
+        for i in range(n):
+            out[i] = kappa.get(min(i + 2, top), 1.0)
+        return out
 
     def _expected(self, sigmas: Sequence[float]) -> tuple[float, float]:
         """(E(j), a_j) for the j = len(sigmas) positions so far."""
@@ -559,9 +581,12 @@ class Scheduler:
         """A verify accepted the drafts at positions 1..a."""
         self.depth = max(self.depth, a)
 
-    def record_chained(self, sigma: float, hit: float) -> None:
+    def record_chained(self, sigma: float, hit: float, position: int = 2) -> None:
         """A chained position (i ≥ 2) a verify reached (the drafts before it accepted): its σ_i and whether it
         was accepted."""
+        c = self.chained if self.chained.n else self.first
+        self.depth_pred[position] = self.depth_pred.get(position, 0.0) + float(c([sigma])[0])
+        self.depth_hits[position] = self.depth_hits.get(position, 0.0) + float(hit)
         self.chained.add(float(sigma), float(hit))
 
 
@@ -898,6 +923,6 @@ class SpecRequest(RequestRounds):
         a = r.stats.accepted
         self.scheduler.accepted_run(a)
         for i in range(1, min(a + 1, len(plan.drafts))):   # chained positions the verify reached
-            self.scheduler.record_chained(float(plan.qs[i].max()), float(i < a))
+            self.scheduler.record_chained(float(plan.qs[i].max()), float(i < a), i + 1)
         return r
 

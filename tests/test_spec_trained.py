@@ -155,3 +155,18 @@ def test_catch_up_cost_charged_to_speculative_tokens():
         free.observe_draft(True, 1e-3, rows=3)
     s.costs = free
     assert free.catch_up() == 0.0 and s.drafting_pays() and s.should_draft(4) and s.gap == 1
+
+
+def test_chained_acceptance_recalibrated_per_depth():
+    """The chained line pools every depth; per depth j its predictions are rescaled by Σ hits / Σ predicted over
+    the positions ≥ j a verify reached: all hits at position 2 and all misses at 3 keep position 2 near the
+    pooled line (0.5 here) and push positions 3 and deeper (no data: the deepest factor) near 0."""
+    s = Scheduler(MeasuredCosts(), k_max=8)
+    s.record(1.0, 0.9)
+    for _ in range(50):
+        s.record_chained(0.8, 1.0, 2)
+        s.record_chained(0.8, 0.0, 3)
+    c = s.calibrated([0.9, 0.8, 0.8, 0.8])
+    assert c[1] == pytest.approx(0.5, abs=0.05)
+    assert c[2] < 0.05 and c[3] == pytest.approx(c[2])
+    assert Scheduler(MeasuredCosts(), k_max=8).calibrated([0.9, 0.8]).tolist() == pytest.approx([0.9, 0.8])
