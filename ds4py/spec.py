@@ -416,7 +416,8 @@ class Scheduler:
     differ in σ). Two calibrations: the first position's, from every round (its acceptance is known from verify
     row 0 even when it is not verified: [argmax p = argmax q] greedy, Σ min(p, q) sampled), and the chained
     positions', from every position i ≥ 2 a verify reached (the ones before it accepted: an unbiased sample of
-    its conditional acceptance), the first's until it has a sample. Why not ρ·σ alone, as first written: on the
+    its conditional acceptance), the first's until it has a sample, rescaled per depth j by κ_j = Σ hits / Σ
+    predicted over the positions ≥ j reached (_depth_factors). Why not ρ·σ alone, as first written: on the
     trained tiny model a first draft with σ < 0.2 is still accepted 34% of the time and one with σ > 0.9 93%
     (a line through the origin under-rates the many unconfident drafts and over-rates the confident ones), and
     chained drafts, made from the block's own output state, were kept far less often than the first position's
