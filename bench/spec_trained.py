@@ -217,8 +217,9 @@ def main() -> int:
                       f"{r['plain_tps_median']:.1f} |", flush=True)
             if "cost_model" in r:
                 c = r["cost_model"]
-                print(f"|   cost model ({dom}, {mode}; load {r['load_after'][0]:.1f}): plain {c['plain_ms']:.1f} ms, first draft {c['draft_ms']:.1f} "
-                      f"ms, verify(2) {c['verify2_ms']:.1f} ms, MTP catch-up {c['catch_up_ms']:.1f} ms/token: break-even first-draft acceptance "
+                print(f"|   cost model ({dom}, {mode}; load {r['load_after'][0]:.1f}): plain {c['plain_ms']:.1f} ms, "
+                      f"first draft {c['draft_ms']:.1f} ms, verify(2) {c['verify2_ms']:.1f} ms, MTP catch-up "
+                      f"{c['catch_up_ms']:.1f} ms/token: break-even first-draft acceptance "
                       f"{c['break_even_acceptance']:.2f} |", flush=True)
     res["load_after"] = os.getloadavg()
     print(f"load average after: {res['load_after'][0]:.1f} {res['load_after'][1]:.1f} {res['load_after'][2]:.1f}")

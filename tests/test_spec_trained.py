@@ -145,7 +145,8 @@ def test_catch_up_cost_charged_to_speculative_tokens():
     s.first.hits = s.first_hits = 0.35 * s.first_rounds          # exactly 0.35 at σ = 0.5 (ρ·σ: one σ)
     s.first_sigma = s.first.sigma
     assert not s.drafting_pays()
-    assert [s.should_draft(4) for _ in range(13)] == [False, True, False, False, True] + [False] * 4 + [True] + [False] * 3
+    probes = [False, True] + [False] * 2 + [True] + [False] * 4 + [True] + [False] * 3      # gaps 1, 2, 4
+    assert [s.should_draft(4) for _ in range(13)] == probes
     free = MeasuredCosts()                  # the same costs with a flat first draft: m = 0, drafting pays
     for _ in range(3):
         free.observe_plain(10e-3)
