@@ -14,10 +14,11 @@ checked byte-identical to plain. Sampled: the model card's settings (temperature
 generation.md), unseeded (the scheduler uses its measured costs, as a server request without a seed does).
 
 Reported per domain, mode and variant: acceptance, tokens per round, mean k and k over time (per quarter of the
-decode), speed-up over plain (min and median over prompts of the per-prompt wall-time ratio, and the CPU-time
-ratio), and the cost model's break-even acceptance (MeasuredCosts of the scheduler's requests, pooled): the
-first-draft acceptance where one round of k = 1 (a first draft step + a verify of 2 rows) yields as many
-tokens per second as plain steps.
+decode), speed-up over plain (min and median over prompts of the per-prompt wall-time and CPU-time ratios,
+and the pooled CPU-time ratio: all prompts' plain CPU time over the variant's), the load average after each
+domain x mode, and the cost model's break-even acceptance (MeasuredCosts of the scheduler's requests, pooled):
+the first-draft acceptance where one round of k = 1 (a first draft step + a verify of 2 rows + the MTP
+catch-up of its tokens) yields as many tokens per second as plain steps.
 """
 
 from __future__ import annotations
@@ -98,12 +99,15 @@ def quarters(ks: list[int]) -> list[float]:
 
 def break_even(reqs) -> dict:
     """From the scheduler requests' measured costs (pooled medians): the plain step, the first draft step, the
-    verify of 1 and 2 rows, and the first-draft acceptance a* where (1 + a*) / (draft + verify(2)) = 1 / plain."""
+    verify of 2 rows, the MTP catch-up per token m, and the first-draft acceptance a* where
+    (1 + a*) / (draft + verify(2) + m·(1 + a*)) = 1 / plain."""
+    known = [r.scheduler.costs for r in reqs if r.scheduler.costs.known()]
     plain = statistics.median(r.scheduler.costs.plain() for r in reqs)
-    draft = statistics.median(r.scheduler.costs.draft(True) for r in reqs if r.scheduler.costs.known())
-    v2 = statistics.median(r.scheduler.costs.verify(2) for r in reqs if r.scheduler.costs.known())
-    return {"plain_ms": 1e3 * plain, "draft_ms": 1e3 * draft, "verify2_ms": 1e3 * v2,
-            "break_even_acceptance": (draft + v2) / plain - 1.0}
+    draft = statistics.median(c.draft(True) for c in known)
+    v2 = statistics.median(c.verify(2) for c in known)
+    m = statistics.median(c.catch_up() for c in known)
+    return {"plain_ms": 1e3 * plain, "draft_ms": 1e3 * draft, "verify2_ms": 1e3 * v2, "catch_up_ms": 1e3 * m,
+            "break_even_acceptance": (draft + v2) / max(plain - m, 1e-12) - 1.0}
 
 
 def run_domain(model, mtp, dom: str, args, variants: list[str], mode: str) -> dict:
@@ -160,10 +164,12 @@ def run_domain(model, mtp, dom: str, args, variants: list[str], mode: str) -> di
             "plain_steps": p["plain"], "rounds": p["rounds"],
             "k_over_time": [quarters(k) for k in p["ks"]],
             "speedup_min": min(p["ratio"]), "speedup_median": statistics.median(p["ratio"]),
-            "cpu_speedup_median": statistics.median(p["cpu_ratio"]),
+            "cpu_speedup_min": min(p["cpu_ratio"]), "cpu_speedup_median": statistics.median(p["cpu_ratio"]),
+            "cpu_speedup_pooled": sum(plain_t["cpu"]) / sum(p["cpu"]), "cpu_ratios": p["cpu_ratio"],
             "spec_tps_median": n / statistics.median(p["wall"])}
     if reqs and any(r.scheduler.costs.known() for r in reqs):
         out["cost_model"] = break_even(reqs)
+    out["load_after"] = os.getloadavg()
     return out
 
 
@@ -196,8 +202,9 @@ def main() -> int:
     print(f"load average before: {load0[0]:.1f} {load0[1]:.1f} {load0[2]:.1f} (2 cores shared with other jobs)",
           flush=True)
     print("| domain | mode | variant | acceptance | tokens/round | mean k | k over time (quarters, prompt 1) | "
-          "speed-up min | speed-up median | CPU-time speed-up | plain tok/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "wall speed-up min | wall speed-up median | CPU-time speed-up min | CPU-time speed-up median | "
+          "CPU-time speed-up pooled | plain tok/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for mode in args.modes.split(","):
         for dom in args.domains.split(","):
             r = run_domain(model, mtp, dom, args, variants, mode)
@@ -205,12 +212,14 @@ def main() -> int:
             for v, s in r["variants"].items():
                 print(f"| {dom} | {mode} | {'scheduler' if v == 'sched' else 'k=' + v} | {s['acceptance']:.3f} | "
                       f"{s['tokens_per_round']:.2f} | {s['mean_k']:.2f} | {s['k_over_time'][0]} | "
-                      f"{s['speedup_min']:.2f} | {s['speedup_median']:.2f} | {s['cpu_speedup_median']:.2f} | "
+                      f"{s['speedup_min']:.2f} | {s['speedup_median']:.2f} | {s['cpu_speedup_min']:.2f} | "
+                      f"{s['cpu_speedup_median']:.2f} | {s['cpu_speedup_pooled']:.2f} | "
                       f"{r['plain_tps_median']:.1f} |", flush=True)
             if "cost_model" in r:
                 c = r["cost_model"]
-                print(f"|   cost model ({dom}, {mode}): plain {c['plain_ms']:.1f} ms, first draft {c['draft_ms']:.1f} "
-                      f"ms, verify(2) {c['verify2_ms']:.1f} ms: break-even first-draft acceptance "
+                print(f"|   cost model ({dom}, {mode}; load {r['load_after'][0]:.1f}): plain {c['plain_ms']:.1f} ms, "
+                      f"first draft {c['draft_ms']:.1f} ms, verify(2) {c['verify2_ms']:.1f} ms, MTP catch-up "
+                      f"{c['catch_up_ms']:.1f} ms/token: break-even first-draft acceptance "
                       f"{c['break_even_acceptance']:.2f} |", flush=True)
     res["load_after"] = os.getloadavg()
     print(f"load average after: {res['load_after'][0]:.1f} {res['load_after'][1]:.1f} {res['load_after'][2]:.1f}")

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import struct
 import time
 import zlib
@@ -231,44 +230,85 @@ class _Median:
         return self._value
 
 
+def _count_medians(rows: dict[int, list[float]]) -> list[tuple[int, float, int]]:
+    """(count, median, weight) per row count; a count's first sample is a warm-up, left out once it has a second."""
+    return sorted((r, float(np.median(v[1:] if len(v) > 1 else v)), len(v) - (len(v) > 1)) for r, v in rows.items())
+
+
+def _line(pts: list[tuple[int, float, int]]) -> tuple[float, float] | None:
+    """The weighted least-squares line t ≈ a + b·r through per-count medians (b ≥ 0: noise can tilt it, a step
+    never gets cheaper with rows), or None below two counts."""
+    if len(pts) < 2:
+        return None
+    r, t, w = (np.array(x, float) for x in zip(*pts))
+    rm, tm = np.average(r, weights=w), np.average(t, weights=w)
+    b = max(float(np.sum(w * (r - rm) * (t - tm)) / np.sum(w * (r - rm) ** 2)), 0.0)
+    return float(tm - b * rm), b
+
+
 class MeasuredCosts:
-    """Wall-clock costs of the request's own steps: a plain step (main step + MTP catch-up), a first draft
-    step (the MTP's pending rows + logits) and a chained draft step (running medians), and a verify of r rows as
-    a line a + b·r, the weighted least-squares fit over the row counts seen so far (each count's median weighted
-    by its number of samples; a count's first sample is a warm-up, left out once the count has a second)."""
+    """Costs of the request's own steps on the scheduler's clock: a plain step (the main step; the MTP rows it
+    leaves pending are caught up by the next draft), a chained draft step (running median), a first draft step
+    as a line g + m·r in the r pending MTP rows it catches up (m: what the MTP block costs per decoded token,
+    paid by speculative tokens and by the plain steps between rounds alike), and a verify of r rows as a line
+    a + b·r through the per-count medians (weighted least squares, weight = samples; a count's first sample is a
+    warm-up, left out once the count has a second).
+
+    The verify slope is floored by the marginal cost of the best-measured extra row, median(r=2) − median(r=1)
+    (every plain step times r = 1, every k = 1 round r = 2): on the trained tiny model the least-squares slope
+    through few, noisy long-round counts came out 2.5–5 ms per row against ~3.6 ms measured directly, so long
+    rounds looked cheap and the scheduler lost up to 13% on prose. The floor errs toward short rounds, whose
+    cost is measured best."""
 
     deterministic = False
 
     def __init__(self):
         self._plain, self._first, self._chain = _Median(), _Median(), _Median()
         self._rows: dict[int, list[float]] = {}
+        self._first_rows: dict[int, list[float]] = {}
         self._line: tuple[float, float] | None = None
-        self._line_stale = True
+        self._catch: tuple[float, float] | None = None
+        self._stale = True
 
     def observe_plain(self, seconds: float) -> None:
         self._plain.add(seconds)
 
-    def observe_draft(self, first: bool, seconds: float) -> None:
+    def observe_draft(self, first: bool, seconds: float, rows: int = 1) -> None:
+        """A draft step's time; a first one also ran `rows` pending MTP rows (the last one gives its logits)."""
         (self._first if first else self._chain).add(seconds)
+        if first:
+            self._first_rows.setdefault(rows, []).append(seconds)
+            self._stale = True
 
     def observe_verify(self, rows: int, seconds: float) -> None:
         self._rows.setdefault(rows, []).append(seconds)
-        self._line_stale = True
+        self._stale = True
+
+    def _refit(self) -> None:
+        if not self._stale:
+            return
+        self._stale = False
+        pts = _count_medians(self._rows)
+        line = _line(pts)
+        if line is not None:
+            med = {r: (t, w) for r, t, w in pts}
+            if 1 in med and 2 in med and min(med[1][1], med[2][1]) >= 2:
+                floor = med[2][0] - med[1][0]
+                if floor > line[1]:            # pivot the line about its weighted centre onto the floor slope
+                    r, t, w = (np.array(x, float) for x in zip(*pts))
+                    rm, tm = np.average(r, weights=w), np.average(t, weights=w)
+                    line = (float(tm - floor * rm), float(floor))
+        self._line = line
+        self._catch = _line(_count_medians(self._first_rows))
 
     def line(self) -> tuple[float, float] | None:
-        if self._line_stale:
-            self._line, self._line_stale = self._fit(), False
+        self._refit()
         return self._line
 
-    def _fit(self) -> tuple[float, float] | None:
-        pts = [(r, float(np.median(v[1:] if len(v) > 1 else v)), len(v) - (len(v) > 1)) for r, v in self._rows.items()]
-        if len(pts) < 2:
-            return None
-        r, t, w = (np.array(x, float) for x in zip(*pts))
-        rm, tm = np.average(r, weights=w), np.average(t, weights=w)
-        b = float(np.sum(w * (r - rm) * (t - tm)) / np.sum(w * (r - rm) ** 2))
-        b = max(b, 0.0)                            # noise can tilt it; a verify never gets cheaper with rows
-        return float(tm - b * rm), b
+    def catch_up(self) -> float:
+        """m: the first draft step's cost per pending MTP row (0 until two row counts are measured)."""
+        self._refit()
+        return self._catch[1] if self._catch is not None else 0.0
 
     def verified(self) -> bool:
         return bool(self._rows)
@@ -284,6 +324,12 @@ class MeasuredCosts:
         return self._plain.value() or self.verify(1)
 
     def draft(self, first: bool) -> float:
+        """A chained step's median; a first step's cost without its catch-up rows (g + m, one row: the row of the
+        round's own token), the plain median until two row counts are measured."""
+        if first:
+            self._refit()
+            if self._catch is not None:
+                return max(self._catch[0] + self._catch[1], 1e-12)
         v = (self._first if first else self._chain).value()
         return v if v is not None else self._first.value()
 
@@ -302,8 +348,11 @@ class ByteCosts:
     def observe_plain(self, seconds: float) -> None:
         pass
 
-    def observe_draft(self, first: bool, seconds: float) -> None:
+    def observe_draft(self, first: bool, seconds: float, rows: int = 1) -> None:
         pass
+
+    def catch_up(self) -> float:
+        return 0.0                             # plain() already counts the MTP block's row per token
 
     def observe_verify(self, rows: int, seconds: float) -> None:
         pass
@@ -367,17 +416,21 @@ class Scheduler:
     differ in σ). Two calibrations: the first position's, from every round (its acceptance is known from verify
     row 0 even when it is not verified: [argmax p = argmax q] greedy, Σ min(p, q) sampled), and the chained
     positions', from every position i ≥ 2 a verify reached (the ones before it accepted: an unbiased sample of
-    its conditional acceptance), the first's until it has a sample. Why not ρ·σ alone, as first written: on the
+    its conditional acceptance), the first's until it has a sample, rescaled per depth j by κ_j = Σ hits / Σ
+    predicted over the positions ≥ j reached (_depth_factors). Why not ρ·σ alone, as first written: on the
     trained tiny model a first draft with σ < 0.2 is still accepted 34% of the time and one with σ > 0.9 93%
     (a line through the origin under-rates the many unconfident drafts and over-rates the confident ones), and
     chained drafts, made from the block's own output state, were kept far less often than the first position's
     calibration predicted (rounds of 16: 12.4 predicted, 1.5 kept; docs/spec.md "The scheduler").
-    A round costs the draft steps spent plus verify(1 + k); a plain step costs plain(). Decisions, each before
-    the token it concerns is drawn (a sampled round must not pick its drafts by their values, or rejection
-    sampling stops being exact):
-    - draft at all only if the optimistic E(1) / T(1) beats 1 / plain(): the first-position acceptance rate's
-      upper confidence bound (UCB1: mean + sqrt(2 ln decisions / rounds)), so a request whose drafts keep
-      failing decodes plainly but still probes O(log n) rounds;
+    A round costs the draft steps spent, verify(1 + k) and the MTP rows its E tokens leave for the next draft
+    step (m·E, MeasuredCosts.catch_up); a plain step costs plain(). Decisions, each before the token it concerns
+    is drawn (a sampled round must not pick its drafts by their values, or rejection sampling stops being exact):
+    - draft at all only if drafting pays (drafting_pays: over the σ_1 seen so far, rounds decided as include()
+      would, k = 1 or a wasted draft at k = 0, out-earn plain steps), else probe after 1, 2, 4, ... plain steps
+      (the gap doubles while drafting does not pay, resets when it does): O(log n) probes. It was the
+      acceptance's UCB1 bound (mean + sqrt(2 ln decisions / rounds)): over a 96-token answer the bonus stays
+      ~0.5, so the scheduler drafted every round near break-even and paid a draft step (~15% of a plain step on
+      the trained tiny model) on each round whose σ_1 then said k = 0;
     - with q_i computed, verify position i only if it raises E / T: (E(i−1) + a_i) / (spent + verify(1 + i))
       > E(i−1) / (spent + verify(i)), and only up to one position beyond the longest run of drafts a verify has
       accepted so far in this request (the horizon grows as runs are accepted: a deep chain is tried only after
@@ -405,6 +458,10 @@ class Scheduler:
         self.first = _Calibration()    # first positions: every round's (σ_1, first-position acceptance)
         self.chained = _Calibration()  # chained positions i ≥ 2 that a verify reached (σ_i, accepted)
         self.depth = 0                 # the deepest position a verify has accepted so far
+        self.first_sigmas: list[float] = []    # every recorded round's σ_1
+        self.depth_hits: dict[int, float] = {}  # per chained position j: Σ accepted, Σ predicted (_depth_factors)
+        self.depth_pred: dict[int, float] = {}
+        self.gap, self.skipped = 1, 0  # plain steps between probes while drafting does not pay (doubling)
 
     def rho(self) -> float:
         return self.first_hits / self.first_sigma if self.first_sigma > 0 else 1.0
@@ -415,7 +472,27 @@ class Scheduler:
         the rest (the first position's until a verify has reached a chained position)."""
         first = self.first(sigmas[:1])
         rest = (self.chained if self.chained.n else self.first)(sigmas[1:])
-        return np.concatenate([first, rest])
+        return np.concatenate([first, np.minimum(1.0, rest * self._depth_factors(len(rest)))])
+
+    def _depth_factors(self, n: int) -> np.ndarray:
+        """κ_j for chained positions j = 2..n+1: Σ hits / Σ predicted acceptance over the positions ≥ j a verify
+        reached (each prediction the calibration's at the time, before its own sample), a pseudo-count of one
+        each; positions deeper than any reached take the deepest κ. Why: the chained line pools every depth, and
+        a draft chained from its own outputs drifts further at every step; on prose rounds of 6 drafts were
+        predicted to yield 4.2 tokens and yielded 2.4 (docs/spec.md "The scheduler")."""
+        out = np.ones(n)
+        if not n or not self.depth_pred:
+            return out
+        hits = pred = 0.0
+        top = max(self.depth_pred)
+        kappa = {}
+        for j in range(top, 1, -1):               # suffix sums: positions ≥ j
+            hits += self.depth_hits.get(j, 0.0)
+            pred += self.depth_pred.get(j, 0.0)
+            kappa[j] = (hits + 1.0) / (pred + 1.0)
+        for i in range(n):
+            out[i] = kappa.get(min(i + 2, top), 1.0)
+        return out
 
     def _expected(self, sigmas: Sequence[float]) -> tuple[float, float]:
         """(E(j), a_j) for the j = len(sigmas) positions so far."""
@@ -441,9 +518,33 @@ class Scheduler:
             return not self.costs.verified()          # bootstrap: a short block, then one plain row
         if self.first_rounds == 0:
             return True
-        ucb = min(1.0, self.first_hits / self.first_rounds
-                  + math.sqrt(2 * math.log(self.decisions) / self.first_rounds))
-        return (1 + ucb) / (self._spent(1) + self.costs.verify(2)) > 1 / self.costs.plain()
+        if self.drafting_pays():
+            self.gap, self.skipped = 1, 0
+            return True
+        if self.skipped >= self.gap:               # a probe: the calibration and the costs may have moved
+            self.gap, self.skipped = 2 * self.gap, 0
+            return True
+        self.skipped += 1
+        return False
+
+    def drafting_pays(self) -> bool:
+        """Does a round that drafts q_1 out-earn plain steps, over the first-position confidences σ_1 seen so far
+        (each round's value as include() would decide it: k = 1 at E = 1 + c(σ_1) tokens, or the draft step
+        wasted on a k = 0 round)? The long-run rate Σ tokens / Σ cost against 1 / plain(). Positions beyond the
+        first only add (include() takes them only when they raise the rate), so this errs toward plain."""
+        c = self.first(self.first_sigmas)
+        spent = self._spent(1)
+        one, zero = self._round(spent, 2, 1 + c), self._round(spent, 1, 1.0)
+        take = (1 + c) / one > 1 / zero
+        tokens = np.where(take, 1 + c, 1.0).sum()
+        cost = np.where(take, one, zero).sum()
+        return tokens / cost > 1 / self.costs.plain()
+
+    def _round(self, spent: float, rows: int, tokens: float) -> float:
+        """A round's cost: its draft steps, the verify of `rows` rows and the MTP rows its `tokens` leave for the
+        next draft step to catch up (a plain step's row is charged nothing: plain decoding, the baseline, runs
+        no MTP block)."""
+        return spent + self.costs.verify(rows) + self.costs.catch_up() * tokens
 
     def include(self, sigmas: Sequence[float]) -> bool:
         """q_i is known (σ_i = sigmas[-1]): verify position i?"""
@@ -454,7 +555,7 @@ class Scheduler:
             return False
         E, a = self._expected(sigmas)
         spent = self._spent(i)
-        return E / (spent + self.costs.verify(1 + i)) > (E - a) / (spent + self.costs.verify(i))
+        return E / self._round(spent, 1 + i, E) > (E - a) / self._round(spent, i, E - a)
 
     def keep_drafting(self, sigmas: Sequence[float], k_max: int) -> bool:
         """d_i is drawn: compute q_{i+1}?"""
@@ -467,22 +568,26 @@ class Scheduler:
             return False
         E, a = self._expected(sigmas)
         spent = self._spent(i)
-        more = (E + a) / (spent + self.costs.draft(False) + self.costs.verify(i + 2))
-        return more > E / (spent + self.costs.verify(i + 1))
+        more = (E + a) / self._round(spent + self.costs.draft(False), i + 2, E + a)
+        return more > E / self._round(spent, i + 1, E)
 
     def record(self, first_hit: float, sigma1: float) -> None:
         self.first_hits += first_hit
         self.first_sigma += sigma1
         self.first_rounds += 1
         self.first.add(float(sigma1), float(first_hit))
+        self.first_sigmas.append(float(sigma1))
 
     def accepted_run(self, a: int) -> None:
         """A verify accepted the drafts at positions 1..a."""
         self.depth = max(self.depth, a)
 
-    def record_chained(self, sigma: float, hit: float) -> None:
+    def record_chained(self, sigma: float, hit: float, position: int = 2) -> None:
         """A chained position (i ≥ 2) a verify reached (the drafts before it accepted): its σ_i and whether it
         was accepted."""
+        c = self.chained if self.chained.n else self.first
+        self.depth_pred[position] = self.depth_pred.get(position, 0.0) + float(c([sigma])[0])
+        self.depth_hits[position] = self.depth_hits.get(position, 0.0) + float(hit)
         self.chained.add(float(sigma), float(hit))
 
 
@@ -790,7 +895,7 @@ class SpecRequest(RequestRounds):
         self._caught_up = True
         t0 = CLOCK()
         lg, out = sp.mtp.step([state.draft], [hs], [ids])
-        sched.costs.observe_draft(True, CLOCK() - t0)
+        sched.costs.observe_draft(True, CLOCK() - t0, len(hs))
         drafts, sigmas, qs = [], [], []
         q1 = None
         while True:
@@ -819,6 +924,6 @@ class SpecRequest(RequestRounds):
         a = r.stats.accepted
         self.scheduler.accepted_run(a)
         for i in range(1, min(a + 1, len(plan.drafts))):   # chained positions the verify reached
-            self.scheduler.record_chained(float(plan.qs[i].max()), float(i < a))
+            self.scheduler.record_chained(float(plan.qs[i].max()), float(i < a), i + 1)
         return r
 

@@ -11,7 +11,7 @@ import pytest
 from ds4py.model import open_mtp
 from ds4py.ref.engine import RefModel
 from ds4py.sampling import Sampler, SamplingParams
-from ds4py.spec import Scheduler, SpecModel, _Calibration
+from ds4py.spec import MeasuredCosts, Scheduler, SpecModel, _Calibration
 
 GEN = 32
 EOS = 1
@@ -100,3 +100,74 @@ def test_calibration_line():
     for s in (0.1, 0.9, 0.2, 0.8):                             # falling with σ: slope held at 0
         d.add(s, 1.0 - s)
     assert d.line[1] == 0.0 and np.allclose(d([0.1, 0.9]), 0.5)
+
+
+def test_verify_line_floored_by_the_measured_extra_row():
+    """Few, noisy long-round counts flatten the least-squares verify line; its slope is floored by the
+    best-measured extra row, median(r = 2) − median(r = 1), pivoting about the weighted centre."""
+    c = MeasuredCosts()
+    for _ in range(6):
+        c.observe_verify(1, 10e-3)
+        c.observe_verify(2, 14e-3)
+    for _ in range(2):
+        c.observe_verify(5, 15e-3)          # long rounds that happened to run fast
+    a, b = c.line()
+    assert b == pytest.approx(4e-3)
+    assert c.verify(5) - c.verify(2) == pytest.approx(12e-3)
+    r, t, w = np.array([1, 2, 5.0]), np.array([10e-3, 14e-3, 15e-3]), np.array([5, 5, 1.0])
+    assert a + b * np.average(r, weights=w) == pytest.approx(np.average(t, weights=w))
+    d = MeasuredCosts()                     # a steeper least-squares slope is kept
+    for _ in range(3):
+        d.observe_verify(1, 10e-3)
+        d.observe_verify(2, 11e-3)
+        d.observe_verify(4, 20e-3)
+    assert d.line()[1] > 1e-3 + 1e-9
+
+
+def test_catch_up_cost_charged_to_speculative_tokens():
+    """The first draft step's cost per pending MTP row is fitted from its row counts and charged per token a round
+    yields: at first-draft acceptance 0.35, a k = 1 round that beats plain on its draft and verify alone
+    (1.35 / 13 ms > 1 / 10 ms) loses once its tokens' MTP rows (1.5 ms each) are counted, and the scheduler
+    decodes plainly, probing after 1, 2, 4, ... plain steps."""
+    c = MeasuredCosts()
+    for _ in range(3):
+        c.observe_plain(10e-3)
+        c.observe_verify(1, 9e-3)
+        c.observe_verify(2, 12e-3)
+        c.observe_draft(True, 1e-3, rows=1)
+        c.observe_draft(True, 4e-3, rows=3)
+    assert c.catch_up() == pytest.approx(1.5e-3) and c.draft(True) == pytest.approx(1e-3)
+    assert c.verify(2) == pytest.approx(12e-3)
+    s = Scheduler(c, k_max=4)
+    rng = np.random.default_rng(1)
+    for _ in range(2000):
+        s.record(float(rng.random() < 0.35), 0.5)
+    s.first.hits = s.first_hits = 0.35 * s.first_rounds          # exactly 0.35 at σ = 0.5 (ρ·σ: one σ)
+    s.first_sigma = s.first.sigma
+    assert not s.drafting_pays()
+    probes = [False, True] + [False] * 2 + [True] + [False] * 4 + [True] + [False] * 3      # gaps 1, 2, 4
+    assert [s.should_draft(4) for _ in range(13)] == probes
+    free = MeasuredCosts()                  # the same costs with a flat first draft: m = 0, drafting pays
+    for _ in range(3):
+        free.observe_plain(10e-3)
+        free.observe_verify(1, 9e-3)
+        free.observe_verify(2, 12e-3)
+        free.observe_draft(True, 1e-3, rows=1)
+        free.observe_draft(True, 1e-3, rows=3)
+    s.costs = free
+    assert free.catch_up() == 0.0 and s.drafting_pays() and s.should_draft(4) and s.gap == 1
+
+
+def test_chained_acceptance_recalibrated_per_depth():
+    """The chained line pools every depth; per depth j its predictions are rescaled by Σ hits / Σ predicted over
+    the positions ≥ j a verify reached: all hits at position 2 and all misses at 3 keep position 2 near the
+    pooled line (0.5 here) and push positions 3 and deeper (no data: the deepest factor) near 0."""
+    s = Scheduler(MeasuredCosts(), k_max=8)
+    s.record(1.0, 0.9)
+    for _ in range(50):
+        s.record_chained(0.8, 1.0, 2)
+        s.record_chained(0.8, 0.0, 3)
+    c = s.calibrated([0.9, 0.8, 0.8, 0.8])
+    assert c[1] == pytest.approx(0.5, abs=0.05)
+    assert c[2] < 0.05 and c[3] == pytest.approx(c[2])
+    assert Scheduler(MeasuredCosts(), k_max=8).calibrated([0.9, 0.8]).tolist() == pytest.approx([0.9, 0.8])
