@@ -109,10 +109,14 @@ def test_guarded_arguments_catch_overruns_of_a_view(rt, arena):
 
 def test_launches_are_checked_against_the_device_profile(monkeypatch):
     """The emulator is H200 by default and GB10 on request; a launch either device would refuse is refused on the
-    emulator too, registers included (the committed ptxas table: gemv_f16 has more than 64 registers, so 1,024
-    threads cannot fit an SM's 65,536), with the device's per-block shared memory."""
+    emulator too, registers included (the committed ptxas table: gemv_q4_k has more than 64 registers on both
+    archs, so 1,024 threads cannot fit an SM's 65,536), with the device's per-block shared memory."""
+    from ds4py.cuda import resources
     from ds4py.cuda.devices import LaunchRefused
     from ds4py.cuda.emu_runtime import EmuDevice
+
+    assert all(resources.require(a, "gemv_q4_k").registers > 64 for a in ("sm_90", "sm_121")), \
+        "pick another kernel with > 64 registers on both archs for this test"
 
     assert EmuRuntime().profile.key == "h200"
     monkeypatch.setenv("DS4PY_EMU_DEVICE", "gb10")
@@ -121,8 +125,8 @@ def test_launches_are_checked_against_the_device_profile(monkeypatch):
     monkeypatch.delenv("DS4PY_EMU_DEVICE")
     args = (None,) * 4 + (16, 0, 0, 0) + (None,) * 4 + (None, 64, 0, None, 0.0, 0)
     for rt in (EmuRuntime(), EmuRuntime(device=EmuDevice.from_profile("gb10"))):
-        with pytest.raises(LaunchRefused, match=rf"gemv_f16 on {rt.profile.key} .*registers .* exceeds"):
-            rt.launch("gemv_f16", 1, 1024, *args)
+        with pytest.raises(LaunchRefused, match=rf"gemv_q4_k on {rt.profile.key} .*registers .* exceeds"):
+            rt.launch("gemv_q4_k", 1, 1024, *args)
     x = EmuRuntime(device=EmuDevice.from_profile("gb10"))
     with pytest.raises(KernelArgumentError, match="exceeds the limit of 101376 per block"):
         x.launch("rmsnorm_f32", 1, 32, None, None, None, 4, 1e-6, smem=101377)
