@@ -162,3 +162,10 @@ def test_nothing_in_ds4py_imports_the_old_model_module():
     """ds4py.model only re-exports the contract and the factory for scripts; inside ds4py the layers are named."""
     bad = sorted(m for m, ts in import_graph().items() if "ds4py.model" in ts)
     assert not bad, f"import ds4py.contract / ds4py.backends instead of ds4py.model: {bad}"
+
+
+def test_the_layers_named_in_docs_point_down():
+    """config -> schema (never back); convert / convert_v41 / engram are acyclic (ds4py.checkpoint below them)."""
+    graph = import_graph()
+    assert "ds4py.schema" in graph["ds4py.config"] and "ds4py.config" not in graph["ds4py.schema"]
+    assert "ds4py.convert" not in graph["ds4py.engram"] | graph["ds4py.convert_v41"]
