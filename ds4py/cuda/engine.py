@@ -17,7 +17,6 @@ storage (kv_dtype "f16") as the reference computes them; ds4's int8 activations 
 
 from __future__ import annotations
 
-import sys
 import time
 from typing import Any, Callable, Iterator, Sequence
 
@@ -25,15 +24,13 @@ import numpy as np
 
 from ds4py.config import ModelConfig
 from ds4py.contract import DEFAULT_ROLLBACK_HORIZON, Capabilities, ModelBase, Numerics, WeightBytes
-from ds4py.cuda import generation, layer, planner, synth, weight_bytes
-from ds4py.cuda.compiler import model_defines
+from ds4py.cuda import generation, layer, loading, planner, synth, weight_bytes
 from ds4py.cuda.device_weights import DeviceWeights, check_gate_up
 from ds4py.cuda.device_weights import load as load_weights
-from ds4py.cuda.engram_feed import EngramFeed
 from ds4py.cuda.gguf_upload import check_alignment
 from ds4py.cuda.kvstate import CudaState, DeviceStore
-from ds4py.cuda.layer import BLOCK, DECODE, MAX_ROWS, ROWS
-from ds4py.cuda.memory_plan import DEFAULT_CTX, MemoryPlan, kv_bytes
+from ds4py.cuda.layer import BLOCK, MAX_ROWS, ROWS
+from ds4py.cuda.memory_plan import DEFAULT_CTX
 from ds4py.cuda.options import EngineOptions, Outputs, bucket_for
 from ds4py.cuda.planner import RowSetPlan
 from ds4py.cuda.row_sets import RowSetRunner
@@ -42,19 +39,6 @@ from ds4py.fingerprint import file_fingerprint
 from ds4py.gguf import GGUFFile
 from ds4py.kv import state_layout
 from ds4py.sampling import SamplingParams
-from ds4py.vq.sidecar import Stack
-
-
-def _runtime(emulate: bool, cfg: ModelConfig, progress: bool) -> Any:
-    defines = model_defines(cfg)
-    if emulate:
-        from ds4py.cuda.emu_runtime import EmuRuntime
-
-        return EmuRuntime(defines=defines)
-    from ds4py.cuda.runtime import Runtime
-
-    say = (lambda m: print(f"ds4py: {m}", file=sys.stderr, flush=True)) if progress else None
-    return Runtime(defines=defines, progress=say)
 
 
 class CudaModel(ModelBase):
@@ -73,12 +57,12 @@ class CudaModel(ModelBase):
         options: how steps run (EngineOptions; default: the engine's best); pdl / graphs: those two of them
         (programmatic dependent launches and graph replay; off for the bit-identity tests and the bench).
         sidecar / posttrain: a domain sidecar and post-training file (docs/vq.md), folded at load as the
-        reference folds them. engram_dir: V4.1's Engram tables (the folder
-        with the official shards; default: the one convert recorded; ignored for V4). official_decode_bug: V4.1
-        only, the official decode's index-key bug as the reference reproduces it (for comparison; key_layers).
-        ctx: the context one sequence is planned for
-        (default memory_plan.DEFAULT_CTX, at most the model's): the load prints the memory plan in one line and
-        refuses a model that does not fit (UnsupportedByBackend) before uploading anything."""
+        reference folds them. engram_dir: V4.1's Engram tables (the folder with the official shards; default: the
+        one convert recorded; ignored for V4). official_decode_bug: V4.1 only, the official decode's index-key
+        bug as the reference reproduces it (for comparison; RowSetRunner.key_layers). ctx: the context one
+        sequence is planned for (default memory_plan.DEFAULT_CTX, at most the model's): the load prints the
+        memory plan in one line and refuses a model that does not fit (UnsupportedByBackend) before uploading
+        anything (ds4py/cuda/loading.py)."""
         t0 = time.perf_counter()
         self.path = str(path)
         self.gguf = GGUFFile(self.path)
@@ -94,56 +78,21 @@ class CudaModel(ModelBase):
         header = min(t.offset for t in self.gguf.tensors.values())
         if progress is None:
             progress = not emulate and runtime is None
-        fingerprint = file_fingerprint(self.path, head_bytes=header)
-        # a domain sidecar / post-training stack (docs/vq.md), folded at load as the reference folds it: its gain
-        # scales into the VQ row gains of the device copy, its router biases in place of the file's; a stale or
-        # mismatched pair is refused here in one sentence (Stack.open); the model's fingerprint becomes the stack's
-        self.stack = Stack.open(cfg, self.gguf, fingerprint, sidecar, posttrain)
-        row_scales: dict[str, list[np.ndarray]] = {}
-        biases: dict[str, np.ndarray] = {}
-        if self.stack is not None:
-            for name, sc in self.stack.row_scales():
-                row_scales.setdefault(name, []).append(sc)
-            biases = self.stack.biases()
-            fingerprint = self.stack.fingerprint
+        self.stack, row_scales, biases, fingerprint = loading.fold_stack(
+            cfg, self.gguf, file_fingerprint(self.path, head_bytes=header), sidecar, posttrain)
         if ctx is not None and (not isinstance(ctx, int) or ctx < 1):
             raise Ds4Error(f"ctx must be a positive number of tokens, got {ctx!r}")
         plan_ctx = min(ctx or DEFAULT_CTX, cfg.context_length)
 
         def check(rt: Any, weights: int) -> None:
-            """The memory plan, before the upload: one line, and a refusal when it does not fit."""
-            bucket = bucket_for(plan_ctx, cfg.context_length)
-            scratch = sum(layer.workspace_bytes(layer.workspace_shapes(cfg, bucket, rows, mode)) for rows, mode in
-                          ((1, DECODE), (MAX_ROWS, ROWS), (layer.MAX_BLOCK, BLOCK)))
-            self.memory_plan = MemoryPlan(weights, kv_bytes(self.layout, plan_ctx), plan_ctx, scratch,
-                                          rt.free_bytes())
-            if progress:
-                print(f"ds4py: {self.memory_plan.line()}", file=sys.stderr, flush=True)
-            self.memory_plan.check()
+            self.memory_plan = loading.memory_plan(cfg, self.layout, plan_ctx, rt, weights, bool(progress))
 
-        self.engram = self._engram_feed(cfg, engram_dir)
-        self._setup(cfg, numerics, rollback_horizon, runtime, emulate, _options(options, pdl, graphs),
+        self.engram = loading.engram_feed(cfg, self.gguf, self.path, engram_dir)
+        self._setup(cfg, numerics, rollback_horizon, runtime, emulate, loading.options(options, pdl, graphs),
                     bool(progress), fingerprint,
                     lambda rt, ws0: load_weights(rt, self.gguf, cfg, ws0, progress=bool(progress),
                                                  row_scales=row_scales, replace=biases,
                                                  plan=lambda n: check(rt, n)), t0)
-
-    def _engram_feed(self, cfg: ModelConfig, engram_dir: str | None) -> EngramFeed | None:
-        """V4.1's Engram: the hasher and the memory-mapped tables (refused in one sentence, as on the reference,
-        when the folder or a table is missing or not the converted one)."""
-        if not cfg.is_v41:
-            if engram_dir is not None:
-                raise Ds4Error(f"{self.path}: --engram-dir applies to V4.1 models only")
-            return None
-        if not cfg.engram_layers:
-            return None
-        from ds4py import engram
-
-        hasher = engram.NgramHasher(cfg, *engram.gguf_vocabulary(self.gguf), self.path)
-        dir_key, digest_key = engram.meta_keys(cfg.arch)
-        folder = engram_dir if engram_dir is not None else self.gguf.meta(dir_key, None)
-        return EngramFeed(cfg, hasher, engram.EngramTables.open(cfg, folder, self.gguf.meta(digest_key, None),
-                                                                self.path))
 
     @classmethod
     def synthetic(cls, cfg: ModelConfig, seed: int = 0, experts: tuple = synth.Q2_EXPERTS,
@@ -163,7 +112,7 @@ class CudaModel(ModelBase):
                 raise UnsupportedByBackend("a synthetic V4.1 model reads Engram from a synthetic table: pass "
                                            "engram_table=(path, rows) of synth.write_engram_table")
             self.engram = synth.engram_feed(cfg, *engram_table, seed=seed)
-        self._setup(cfg, numerics, rollback_horizon, runtime, emulate, _options(options, pdl, graphs), False,
+        self._setup(cfg, numerics, rollback_horizon, runtime, emulate, loading.options(options, pdl, graphs), False,
                     synth.fingerprint(cfg, experts, seed, vq, dense),
                     lambda rt, ws0: synth.load(rt, cfg, ws0, seed, experts, vq, dense), time.perf_counter())
         return self
@@ -171,22 +120,12 @@ class CudaModel(ModelBase):
     def _setup(self, cfg: ModelConfig, numerics: Numerics | None, rollback_horizon: int, runtime: Any,
                emulate: bool, options: EngineOptions, progress: bool, fingerprint: str,
                load: Callable[[Any, int], DeviceWeights], t0: float) -> None:
-        numerics = Numerics() if numerics is None else numerics
-        if not isinstance(numerics, Numerics):
-            raise Ds4Error(f"numerics must be a ds4py.model.Numerics, got {type(numerics).__name__}")
-        if numerics.act_quant:
-            raise UnsupportedByBackend("the CUDA backend computes fp32 activations; it has no int8 (act_quant) "
-                                       "path (use --backend ref for ds4's numerics)")
-        self.config, self.numerics = cfg, numerics
+        self.config, self.numerics = cfg, loading.numerics(numerics)
         self.layout = state_layout(cfg, rollback_horizon)
         self.rollback_horizon = rollback_horizon
         self.fingerprint = fingerprint
-        self._check_config()
-        self.rt = runtime if runtime is not None else _runtime(emulate, cfg, progress)
-        want = model_defines(cfg)
-        have = getattr(self.rt, "defines", None)
-        if have is not None and any(have.get(k, v) != v for k, v in want.items()):
-            raise Ds4Error(f"the runtime was built with defines {have}, this model needs {want}")
+        loading.check_config(cfg)
+        self.rt = loading.runtime(runtime, emulate, cfg, progress)
         from ds4py.cuda.emu_runtime import EmuRuntime
 
         self.emulated = isinstance(self.rt, EmuRuntime)
@@ -215,14 +154,6 @@ class CudaModel(ModelBase):
         self.last_generate: dict[str, float] = {}
         self.startup = {"weights_upload_s": time.perf_counter() - t1, "model_open_s": time.perf_counter() - t0,
                         "weights_gb": (self.w.file_bytes + self.w.extra_bytes) / 1e9}
-
-    def _check_config(self) -> None:
-        cfg = self.config
-        if not cfg.is_v41:
-            for il in range(cfg.n_layers):
-                if cfg.is_compressed(il) and cfg.kv_source(il) != il:
-                    raise UnsupportedByBackend(f"layer {il} reads compressed rows of layer {cfg.kv_source(il)}, "
-                                               f"which a V4 model cannot do; use --backend ref")
 
     # ---- options: frozen; replaced, never edited (graphs are keyed by the ones they baked in) ----------------
     @property
@@ -364,11 +295,3 @@ class CudaModel(ModelBase):
         self.rt.synchronize()
         self.w.arena.close()
 
-
-def _options(options: EngineOptions | None, pdl: bool | None, graphs: bool | None) -> EngineOptions:
-    """The constructor's options: `options` (default: EngineOptions()) with pdl / graphs when given."""
-    options = EngineOptions() if options is None else options
-    if not isinstance(options, EngineOptions):
-        raise Ds4Error(f"options must be a ds4py.cuda.options.EngineOptions, got {type(options).__name__}")
-    changes = {k: bool(v) for k, v in (("pdl", pdl), ("graphs", graphs)) if v is not None}
-    return options.but(**changes) if changes else options
