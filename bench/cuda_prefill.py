@@ -52,7 +52,7 @@ def main() -> int:
                 json.dump(out, f, indent=1)
 
     for name, expert_mma in MODES.items():
-        model.prefill_expert_mma = expert_mma
+        model.options = model.options.but(prefill_expert_mma=expert_mma)
         rows = out["modes"][name] = []
         for i, n in enumerate(sizes):               # one warm-up per mode, at the first size
             rows.extend(bench.prefill_rates(model, tokens, [n], warmup=i == 0,

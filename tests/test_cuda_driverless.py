@@ -554,7 +554,7 @@ def test_uploads_and_fork_join_bind_the_context_on_other_threads(rt, standin):
 def test_timer_and_token_reader_bind_the_context_on_other_threads(rt, standin):
     """An EventTimer or a TokenReader made on one thread and used on another (the server's engine worker) make
     the context current there before their first driver call."""
-    from ds4py.cuda.engine import TokenReader
+    from ds4py.cuda.generation import TokenReader
 
     timer, reader = rt.timer(), TokenReader(rt)
     arena = rt.arena(1 << 20, 1 << 20)

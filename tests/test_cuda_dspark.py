@@ -165,13 +165,13 @@ def test_a_taps_step_launches_a_plain_steps_kernels_and_one_per_target(cudas):
     targets = len(m.config.dspark_targets)
     for n in (2, 5):
         sts = [m.new_state() for _ in range(n)]
-        plain, _ = m._rows_run([(st, 0, 0) for st in sts])
-        taps, _ = m._rows_run([(st, 0, 0) for st in sts], taps=True)
+        plain, _ = m.runner.rows_run([(st, 0, 0) for st in sts])
+        taps, _ = m.runner.rows_run([(st, 0, 0) for st in sts], taps=True)
         assert plain.count()[0] + targets == taps.count()[0]
         assert m.launches_per_rows_step(n)["total"] == plain.count()[0]
     st = m.new_state()
-    plain_body = m._body(st, 0).count()[0]
-    assert m._body(st, 0, taps=True).count()[0] == plain_body + targets
+    plain_body = m.runner.body(st, 0).count()[0]
+    assert m.runner.body(st, 0, taps=True).count()[0] == plain_body + targets
     assert m.launches_per_step(m.new_state())["body"] == plain_body
 
 

@@ -20,6 +20,7 @@ import pytest
 
 from cuda_engine_checks import check, check_allowing_flips, compare, ids_for, run
 from ds4py.cuda import emu
+from ds4py.cuda.options import temporarily
 from ds4py.errors import ContextLengthError, Ds4Error
 from ds4py.model import Numerics, device_generation, open_model
 from ds4py.ref.engine import RefModel
@@ -89,23 +90,20 @@ def test_graph_replay_direct_launches_and_pdl_are_bit_identical(v4, v4_gguf):
     from ds4py.cuda.emu_runtime import EmuRuntime
 
     ids = ids_for(256, 12, seed=5)
-    v4.min_bucket = 8
-    try:
+    with temporarily(v4, min_bucket=8):
         base = _logits_of(v4, ids)
-    finally:
-        v4.min_bucket = 256
     rt_b = EmuRuntime(order="random", seed=9, defer_side=True)
     b = open_model(v4_gguf, backend="cuda-emu", runtime=rt_b, pdl=False, graphs=False)
-    b.min_bucket = 8
+    b.options = b.options.but(min_bucket=8)
     rt_c = EmuRuntime(order="reverse", check_pdl=True)
     c = open_model(v4_gguf, backend="cuda-emu", runtime=rt_c)
-    c.min_bucket = 8
+    c.options = c.options.but(min_bucket=8)
     st = c.new_state()
     got_c = np.concatenate([c.step([st], [ids[:6]], all_logits=True)[0]] + [c.step([st], [[int(t)]])[0][None]
                                                                            for t in ids[6:]])
     assert np.array_equal(_logits_of(b, ids), base), "direct launches / no PDL / other order differ from graphs"
     assert np.array_equal(got_c, base), "graphs under the pdl check in reverse order differ"
-    assert st.graph[0].captures == 1 and st.graph[0].tag[0] == 16, "the bucket growth did not re-capture once"
+    assert st.graph[0].captures == 1 and st.graph[0].tag.bucket == 16, "the bucket growth did not re-capture once"
 
 
 def test_launches_per_step_and_the_side_stream(v4):

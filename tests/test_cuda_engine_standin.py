@@ -11,6 +11,8 @@ import pytest
 
 from test_cuda_driverless import rt, standin  # noqa: F401 (fixtures)
 
+from ds4py.cuda.options import temporarily
+
 SYNC_CALLS = {"cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize", "cuMemcpyDtoH", "cuMemcpyHtoD",
               "cuMemAlloc", "cuMemFree", "cuMemHostAlloc", "cuStreamQuery", "cuEventQuery"}
 
@@ -41,9 +43,8 @@ def test_a_decode_step_is_captured_without_host_syncs(rt, standin, golden):  # n
     m = CudaModel(str(golden / "ds4-tiny" / "tiny.gguf"), runtime=rt, progress=False)
     assert m.backend == "cuda"
     s = m.new_state()
-    m.multirow = False                          # the single-row graphs (multi-row steps: tests/test_cuda_rows.py)
-    m.step([s], [[5, 6, 7]])
-    m.multirow = True
+    with temporarily(m, multirow=False):        # the single-row graphs (multi-row steps: tests/test_cuda_rows.py)
+        m.step([s], [[5, 6, 7]])
     caps = captures(standin)
     assert len(caps) == 2                                   # the body (bucket 256) and the head
     for calls in caps:
@@ -107,7 +108,7 @@ def test_every_mode_records_through_the_one_layer_schedule(rt, standin, golden, 
     assert [m.launches_per_rows_step(R)["total"] for R in (2, 8, 16)] == [108, 240, 453]
 
     def launched(prompt_mma: bool) -> int:
-        m.prefill_mma = prompt_mma
+        m.options = m.options.but(prefill_mma=prompt_mma)
         before = sum(1 for c, _ in standin.calls if c == "cuLaunchKernelEx")
         m.step([m.new_state()], [list(range(3, 43))])
         return sum(1 for c, _ in standin.calls if c == "cuLaunchKernelEx") - before
@@ -130,5 +131,5 @@ def test_the_planner_packs_short_chunks_and_steps_prompts_alone(rt, standin, gol
     assert m.plan([prompt, one]) == [(BLOCK, [0]), (DECODE, [1])]
     assert m.plan([one] * 20) == [(ROWS, list(range(16))), (ROWS, [16, 17, 18, 19])]
     assert m.plan([one] * 17) == [(ROWS, list(range(16))), (DECODE, [16])]
-    m.multirow = False
+    m.options = m.options.but(multirow=False)
     assert m.plan([one, one]) == [(DECODE, [0]), (DECODE, [1])]

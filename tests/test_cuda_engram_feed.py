@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 
 from ds4py.cuda import emu
+from ds4py.cuda.layer import BLOCK
+from ds4py.cuda.options import temporarily
 from ds4py.model import open_model
 
 pytestmark = pytest.mark.skipif(emu.compiler() is None, reason="the CUDA emulator needs g++")
@@ -50,7 +52,8 @@ def test_mirror_follows_decode_prefill_truncate_copy_load(cuda, gold, monkeypatc
     st = cuda.new_state()
     single = np.stack([cuda.step([st], [[t]])[0] for t in ids])
     _mirror_is_device(cuda, st)
-    cuda.prefill_block, keep = 16, cuda.prefill_block            # 40 tokens: three blocks, two of them prefetched
+    keep = cuda.options
+    cuda.options = keep.but(prefill_block=16)                    # 40 tokens: three blocks, two of them prefetched
     try:
         before = cuda.engram.stats["prefetched"]
         seen = _no_downloads(cuda, monkeypatch)
@@ -60,7 +63,7 @@ def test_mirror_follows_decode_prefill_truncate_copy_load(cuda, gold, monkeypatc
         ring = pre.arrays[cuda.engram.ring_name]
         assert ring.ptr not in seen, "the feed downloaded the n-gram ring during a step"
     finally:
-        cuda.prefill_block = keep
+        cuda.options = keep
         monkeypatch.undo()
     assert np.abs(last - single[-1]).max() <= FP32_NOISE
     _mirror_is_device(cuda, pre)
@@ -91,9 +94,9 @@ def test_staged_slots_hold_the_rows_as_stored(cuda, gold):
     """Two stagings in turn (both staging buffers) and a prefetch that is then not asked for: each time the slots
     hold exactly tables.codes of the hash ids."""
     ids = [int(t) for t in gold["c_ids"][:12]]
-    if cuda.prefill_ws is None:                   # a workspace of prefill rows
+    if cuda.runner.pool.get(BLOCK) is None:       # a workspace of prefill rows
         cuda.step([cuda.new_state()], [[int(t) for t in gold["b_ids"]]])
-    feed, ws = cuda.engram, cuda.prefill_ws
+    feed, ws = cuda.engram, cuda.runner.pool.get(BLOCK)
     st = cuda.new_state()
     checks = [([(st, 0, ids[:5])], [(st, 5, ids[5:9])]),          # prefetches the chunk asked for next
               ([(st, 5, ids[5:9])], [(st, 9, ids[9:11])]),        # prefetches one that is not asked for
@@ -118,11 +121,8 @@ def test_a_short_chunk_prefetches_each_next_position(cuda, gold):
     one, chunked = cuda.new_state(), cuda.new_state()
     single = [cuda.step([one], [[t]])[0] for t in ids][-1]
     before = cuda.engram.stats["prefetched"]
-    cuda.multirow, keep = False, cuda.multirow
-    try:
+    with temporarily(cuda, multirow=False):
         got = cuda.step([chunked], [ids])[0]
-    finally:
-        cuda.multirow = keep
     assert cuda.engram.stats["prefetched"] - before == len(ids) - 1
     assert np.array_equal(got, single)
     _mirror_is_device(cuda, chunked)

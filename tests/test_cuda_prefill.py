@@ -65,7 +65,7 @@ def test_v4_tiny_prefill_in_two_blocks_matches_the_reference(v4_gguf):
 
     nx = Numerics(fake_quant=False)
     m, ref = open_model(v4_gguf, backend="cuda-emu", numerics=nx), RefModel(v4_gguf, numerics=nx, kernels="dequant")
-    m.prefill_block = 72
+    m.options = m.options.but(prefill_block=72)
     ids = ids_for(256, 132, seed=21)
     check(compare(run(m, ids, 130), run(ref, ids, 130)), "v4-tiny prefill 130 in blocks of 72, decode 2")
 
@@ -76,7 +76,7 @@ def test_ds4_tiny_prefill_in_two_blocks_matches_the_reference(golden):
 
     path = str(golden / "ds4-tiny" / "tiny.gguf")
     m, ref = open_model(path, backend="cuda-emu"), RefModel(path, kernels="dequant")
-    m.prefill_block, m.prefill_mma = 9, False             # the GEMV products (the emulated GEMM is slow here)
+    m.options = m.options.but(prefill_block=9, prefill_mma=False)   # the GEMV products (the emulated GEMM is slow)
     ids = ids_for(512, 19, seed=4)
     check(compare(run(m, ids, 18), run(ref, ids, 18)), "ds4-tiny prefill 18 in blocks of 9, decode 1")
 
@@ -90,11 +90,11 @@ def test_synthetic_shape_a_matches_the_reference(model_a):
 def test_synthetic_shape_b_matches_the_reference(tmp_path):
     """The GEMV products (prefill_mma off), then the tensor-core experts (bf16 x and h: a looser tolerance)."""
     m, ref = synthetic(tmp_path, SHAPE_B, "mxfp4", 9)
-    m.prefill_block, m.prefill_mma = 20, False
+    m.options = m.options.but(prefill_block=20, prefill_mma=False)
     ids = ids_for(m.config.vocab_size, 38, seed=3)
     want = run(ref, ids, 36)
     check(compare(run(m, ids, 36), want), "synthetic B (window 16, ratios 4/0/128/4, MXFP4, 2 blocks, GEMVs)")
-    m.prefill_mma = m.prefill_expert_mma = True
+    m.options = m.options.but(prefill_mma=True, prefill_expert_mma=True)
     a = compare(run(m, ids, 36), want)
     print(f"synthetic B, experts on tensor cores: {a}")
     assert a.top1 >= 0.9 and a.median_rel <= 2e-2, a

@@ -12,6 +12,7 @@ from gguf import GGMLQuantizationType as QT
 
 from cuda_engine_checks import compare, ids_for, run
 from ds4py.cuda import emu
+from ds4py.cuda.options import temporarily
 from ds4py.gguf import GGUFFile
 from ds4py.model import open_model
 from ds4py.ref.engine import RefModel
@@ -58,11 +59,8 @@ def test_rows_are_bit_identical_to_single_steps(q4k):
         states.append(a)
         twins.append(b)
     got = q4k.step(states, [[int(t)] for t in nxt])
-    q4k.multirow = False
-    try:
+    with temporarily(q4k, multirow=False):
         for j, b in enumerate(twins):
             alone = q4k.step([b], [[int(nxt[j])]])[0]
             assert got[j].tobytes() == alone.tobytes(), f"row {j}: batched != alone"
-    finally:
-        q4k.multirow = True
     assert np.isfinite(got).all()

@@ -17,6 +17,9 @@ import pytest
 
 from cuda_engine_checks import ids_for
 from ds4py.cuda import emu
+from ds4py.cuda.graph_cache import ROWS_STEP
+from ds4py.cuda.layer import ROWS
+from ds4py.cuda.options import temporarily
 from test_cuda_driverless import rt, standin  # noqa: F401 (fixtures)
 from ds4py.cuda.rows import MAX_ROWS, weight_bytes_per_step
 from ds4py.model import open_model
@@ -32,11 +35,8 @@ def v4(v4_gguf):
 
 def _single(model, st, ids) -> np.ndarray:
     """Logits of each id fed one step at a time (the single-row decode graph)."""
-    model.multirow = False
-    try:
+    with temporarily(model, multirow=False):
         return np.stack([model.step([st], [[int(t)]])[0] for t in ids])
-    finally:
-        model.multirow = True
 
 
 def _prompts(model, lengths, seed):
@@ -118,25 +118,25 @@ def test_rows_crossing_a_context_bucket_recapture_and_stay_exact(v4_gguf):
     """Small buckets (8, 16, ...): rows steps cross them, the rows workspace grows (its old graphs dropped), and
     every row still equals its state's single steps, whose graphs grow the same way."""
     m = open_model(v4_gguf, backend="cuda-emu")
-    m.min_bucket = 8
+    m.options = m.options.but(min_bucket=8)
     V = m.config.vocab_size
     (_, a, a2), (_, b, b2) = _prompts(m, [5, 3], seed=95)
     versions = set()
     for t in range(6):
         ta, tb = ids_for(V, 1, seed=100 + t), ids_for(V, 1, seed=200 + t)
         got = m.step([a, b], [ta, tb])
-        versions.add(m.rows_ws.version)
+        versions.add(m.runner.pool.get(ROWS).version)
         assert got[0].tobytes() == _single(m, a2, ta)[0].tobytes(), f"step {t}: row a"
         assert got[1].tobytes() == _single(m, b2, tb)[0].tobytes(), f"step {t}: row b"
-    assert len(versions) == 2 and m.rows_ws.bucket == 16 and len(m._rows_runs) == 2
+    assert len(versions) == 2 and m.runner.pool.get(ROWS).bucket == 16 and m.runner.graphs.count(ROWS_STEP) == 2
 
 
 def test_long_chunks_and_many_rows_take_the_single_row_path(v4):
     """More rows than MAX_ROWS (a prompt) are stepped position by position: no multi-row graph is made."""
-    before = len(v4._rows_runs)
+    before = v4.runner.graphs.count(ROWS_STEP)
     st = v4.new_state()
     v4.step([st], [ids_for(v4.config.vocab_size, MAX_ROWS + 1, seed=90)])
-    assert len(v4._rows_runs) == before and st.n_tokens == MAX_ROWS + 1
+    assert v4.runner.graphs.count(ROWS_STEP) == before and st.n_tokens == MAX_ROWS + 1
 
 
 def test_full_size_rows_step_on_the_stand_in_driver(rt, standin):  # noqa: F811
@@ -158,7 +158,7 @@ def test_full_size_rows_step_on_the_stand_in_driver(rt, standin):  # noqa: F811
     new = captures(standin)[before:]
     assert len(new) == 1 and not SYNC_CALLS & set(new[0])   # seen again: captured
     one = m.launches_per_step(sts[0])["total"]
-    n = m._rows_run([(st, st.n_tokens, 1) for st in sts])[0].count()[0]
+    n = m.runner.rows_run([(st, st.n_tokens, 1) for st in sts])[0].count()[0]
     print(f"V4 Flash 8 rows: {n} launches per step (8 single steps: {8 * one})")
     assert n < 8 * one / 2
     for R in (1, 8, 16):

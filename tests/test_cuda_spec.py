@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from ds4py.cuda import emu
+from ds4py.cuda.options import Outputs
 from ds4py.model import Numerics, open_model, open_mtp
 from ds4py.ref.engine import RefModel
 from ds4py.sampling import SamplingParams
@@ -116,14 +117,14 @@ def test_greedy_after_a_long_prompt_is_byte_identical(cuda):
     m, mtp = cuda
     prompt = [int(t) for t in np.random.default_rng(3).integers(0, m.config.vocab_size, m.rollback_horizon + 9)]
     used = []
-    real = m._prefill
-    m._prefill = lambda *a, **kw: used.append(kw.get("hidden", False)) or real(*a, **kw)
+    real = m.runner.prefill
+    m.runner.prefill = lambda st, ids, al, out=Outputs.NONE: used.append(out) or real(st, ids, al, out)
     try:
         want, _ = _tokens(m, prompt, n=8)
         got, _ = _tokens(SpecModel(m, mtp, fixed_k=3), prompt, n=8)
     finally:
-        del m._prefill
-    assert used == [False, True]                 # plain and speculative prompts both went through _prefill
+        del m.runner.prefill
+    assert used == [Outputs.NONE, Outputs.HIDDEN]   # plain and speculative prompts both went through the prefill
     assert got == want
 
 

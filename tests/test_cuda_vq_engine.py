@@ -13,6 +13,7 @@ import pytest
 
 from cuda_engine_checks import V4_TINY, compare, ids_for, run
 from ds4py.cuda import emu
+from ds4py.cuda.options import temporarily
 from ds4py.gguf import GGUFFile
 from ds4py.model import Numerics, open_model, open_mtp
 from ds4py.quant import vq
@@ -100,7 +101,7 @@ def test_vq_experts_match_the_reference(vq_gguf):
     m = open_model(vq_gguf, backend="cuda-emu", numerics=nx)
     for mma in (True, False):
         m.rt.launch_counts.clear()
-        m.prefill_vq_expert_mma = mma
+        m.options = m.options.but(prefill_vq_expert_mma=mma)
         got = run(m, ids, 32)
         ran = {k for k, n in m.rt.launch_counts.items() if n}
         prefill = {f"moe_prefill_{s}_vq{b}" for s in ("gate_up", "down") for b in (12, 13)}
@@ -162,12 +163,9 @@ def test_rows_are_bit_identical_to_single_steps(vqm):
         states.append(a)
         twins.append(b)
     got = vqm.step(states, [[int(t)] for t in nxt])
-    vqm.multirow = False
-    try:
+    with temporarily(vqm, multirow=False):
         for j, b in enumerate(twins):
             assert got[j].tobytes() == vqm.step([b], [[int(nxt[j])]])[0].tobytes(), f"row {j}: batched != alone"
-    finally:
-        vqm.multirow = True
 
 
 def _tokens(model, prompt, n=10):

@@ -105,21 +105,20 @@ def workload(path: str, rt: Any) -> None:
     import numpy as np
 
     from ds4py.cuda.engine import CudaModel
+    from ds4py.cuda.options import EngineOptions, temporarily
     from ds4py.sampling import SamplingParams
 
-    m = CudaModel(path, runtime=rt)
+    m = CudaModel(path, runtime=rt, options=EngineOptions(prefill_vq_expert_mma=False))
     rng = np.random.default_rng(2)
     prompt = [int(x) for x in rng.integers(0, m.config.vocab_size, m.rollback_horizon + 4)]
     a = m.new_state()
-    m.prefill_vq_expert_mma = False
     logits = m.step([a], [prompt])[0]                              # prefill blocks, experts in fp32
     b = m.new_state()
     if m.config.is_v41:                  # its own kernels are the point (the tensor-core experts run on the others)
         m.step([b], [prompt[:2]])
     else:
-        m.prefill_expert_mma = m.prefill_vq_expert_mma = True
-        m.step([b], [prompt[: m.rollback_horizon + 2]])            # prefill blocks, experts on tensor cores
-        m.prefill_expert_mma = False
+        with temporarily(m, prefill_expert_mma=True, prefill_vq_expert_mma=True):
+            m.step([b], [prompt[: m.rollback_horizon + 2]])        # prefill blocks, experts on tensor cores
     tok = int(np.argmax(logits))
     la = m.step([a], [[tok]])[0]                                   # one decode step: the step graph
     m.step([a, b], [[int(np.argmax(la))], [tok]])                  # two sequences in one multi-row step
@@ -168,6 +167,7 @@ def synthetic(rt: Any) -> None:
 
     from ds4py.config import ModelConfig
     from ds4py.cuda.engine import CudaModel
+    from ds4py.cuda.options import temporarily
     from ds4py.ggml_types import GGMLQuantizationType as QT
     from ds4py.sampling import SamplingParams
 
@@ -177,9 +177,8 @@ def synthetic(rt: Any) -> None:
         prompt = list(range(1, m.rollback_horizon + 3))
         a, b = m.new_state(), m.new_state()
         m.step([a], [prompt])
-        m.prefill_expert_mma = True
-        m.step([b], [prompt])
-        m.prefill_expert_mma = False
+        with temporarily(m, prefill_expert_mma=True):
+            m.step([b], [prompt])
         m.step([a, b], [[3], [4]])
         for _ in m.generate(a, 5, SamplingParams(temperature=0.0), 1):     # greedy: the argmax on the device
             pass

@@ -73,8 +73,8 @@ def time_decode_step(model: Any, state: Any, profile: DeviceProfile, copy_gbps: 
     timed = _TimedRuntime(model.rt, plan)
     pos = state.n_tokens
     ls = layer.Launcher(timed, model.pdl)
-    model._body(state, pos)._record(ls)
-    model._head((0.0, 0, 1.0, 0.0, 0))._record(ls)
+    model.runner.body(state, pos)._record(ls)
+    model.runner.head((0.0, 0, 1.0, 0.0, 0))._record(ls)
     model.rt.synchronize()
     step = timemodel.model_step(plan.launches, profile, ctx=pos + 1, tokens=1, step="decode")
     by: dict[str, dict] = {}

@@ -124,33 +124,33 @@ def plan_step(shapes_key: str, kind: str, device: str = "h200", ctx: int = 2048,
     m = planned_model(shapes_key, device)
     rt = m.rt
     st = m.new_state()
-    saved = (m.prefill_expert_mma, m.prefill_vq_expert_mma)
+    saved = m.options
     if expert_mma is not None:
-        m.prefill_expert_mma = m.prefill_vq_expert_mma = bool(expert_mma)
+        m.options = m.options.but(prefill_expert_mma=bool(expert_mma), prefill_vq_expert_mma=bool(expert_mma))
     try:
         rt.clear()
         if kind == "decode":
             ls = layer.Launcher(rt, m.pdl)
-            body = m._body(st, ctx - 1)
+            body = m.runner.body(st, ctx - 1)
             _label_state(rt, st)
             body._record(ls)
-            m._head((0.0, 0, 1.0, 0.0, 0))._record(ls)
+            m.runner.head((0.0, 0, 1.0, 0.0, 0))._record(ls)
         elif kind == "rows":
-            run, _ = m._rows_run([(st, ctx - 1 + i, 0) for i in range(rows)])
+            run, _ = m.runner.rows_run([(st, ctx - 1 + i, 0) for i in range(rows)])
             _label_state(rt, st)
             run._record(layer.Launcher(rt, m.pdl))
         else:
-            from ds4py.cuda.engine import bucket_for
+            from ds4py.cuda.options import bucket_for
 
             T = min(block, ctx)
             st.n_tokens = st.n_written = ctx - T
             st.ensure_rows(bucket_for(ctx, m.config.context_length, m.min_bucket))
             _label_state(rt, st)
-            m.prefill_block = T
-            m._prefill(st, [int(t) % m.config.vocab_size for t in range(2, 2 + T)], all_logits=False)
+            m.options = m.options.but(prefill_block=T)
+            m.runner.prefill(st, [int(t) % m.config.vocab_size for t in range(2, 2 + T)], all_logits=False)
         return list(rt.launches)
     finally:
-        m.prefill_expert_mma, m.prefill_vq_expert_mma = saved
+        m.options = saved
         rt.clear()
 
 

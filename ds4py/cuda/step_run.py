@@ -15,9 +15,10 @@ class StepRun:
     """One recorded step (a body or a head): captured into a graph and replayed, or launched directly each time
     (graphs=False). `launches` counts the kernels of one run."""
 
-    def __init__(self, model: Any, record: Callable[[Launcher], None], tag: tuple,
+    def __init__(self, model: Any, record: Callable[[Launcher], None], tag: Any,
                  slot: DeviceArray | None = None, graph: bool = True):
-        """graph=False: direct launches until use_graph() (a row set seen once is not worth a capture)."""
+        """tag: what the run baked in (the engine's graph_cache.GraphKey; the drafts' own keys). graph=False:
+        direct launches until use_graph() (a row set seen once is not worth a capture)."""
         self.model, self._record, self.tag = model, record, tag
         self.slot = model.slot if slot is None else slot
         self.mode = (model.pdl, model.graphs)

@@ -61,14 +61,14 @@ def test_engine_rows_are_bit_identical_to_single_steps(models, rt):
         V = m.config.vocab_size
         a, b, a2, b2 = (m.new_state() for _ in range(4))
         pa, pb = ids_for(V, 7, seed=1), ids_for(V, 3, seed=2)
-        m.multirow = False
+        m.options = m.options.but(multirow=False)
         for st, ids in ((a, pa), (a2, pa), (b, pb), (b2, pb)):
             for t in ids:
                 m.step([st], [[int(t)]])
-        m.multirow = True
+        m.options = m.options.but(multirow=True)
         draft, other = ids_for(V, 4, seed=3), ids_for(V, 1, seed=4)
         got_a, got_b = m.step([a, b], [draft, other], all_logits=True)
-        m.multirow = False
+        m.options = m.options.but(multirow=False)
         want_a = np.stack([m.step([a2], [[int(t)]])[0] for t in draft])
         want_b = m.step([b2], [[int(other[0])]])[0]
         assert got_a.tobytes() == want_a.tobytes(), f"{name}: verify rows differ from single steps"
