@@ -16,7 +16,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from ds4py.dspark import DSparkSpec, DSparkState
+from ds4py.dspark import DSparkSpec
+from ds4py.spec import SpecState
 from ds4py.errors import Ds4Error
 from ds4py.ref.dspark import DraftBlock
 from ds4py.ref.engine import RefModel
@@ -150,7 +151,7 @@ def test_the_pair_saves_and_loads(model):
     st = s.state
     blob = spec.save_state(st)
     back = spec.load_state(blob)
-    assert isinstance(back, DSparkState) and back.n_tokens == st.n_tokens == back.draft.n_tokens
+    assert isinstance(back, SpecState) and back.n_tokens == st.n_tokens == back.draft.n_tokens
     a, b = st.copy(), back
     assert np.array_equal(spec.step([a], [[9]])[0], spec.step([b], [[9]])[0])
     d = spec.draft

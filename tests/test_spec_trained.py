@@ -11,7 +11,8 @@ import pytest
 from ds4py.model import open_mtp
 from ds4py.ref.engine import RefModel
 from ds4py.sampling import Sampler, SamplingParams
-from ds4py.spec import MeasuredCosts, Scheduler, SpecModel, _Calibration
+from ds4py.spec import MeasuredCosts, Scheduler, _Calibration
+from ds4py.mtp_spec import MtpSpec
 
 GEN = 32
 EOS = 1
@@ -57,7 +58,7 @@ def _spec(spec, prompt):
 def test_greedy_speculation_is_plain_decoding(pair, prompts, dom, k):
     """Byte-identical to plain greedy decoding, with drafts accepted (a learnt draft) as well as rejected."""
     model, mtp = pair
-    got, req, ks = _spec(SpecModel(model, mtp, fixed_k=k), prompts[dom])
+    got, req, ks = _spec(MtpSpec(model, mtp, fixed_k=k), prompts[dom])
     assert got == _plain(model, prompts[dom])
     if k is not None:                     # (the scheduler's k follows the clock: it may decode plainly here)
         assert 0 < req.stats.accepted < req.stats.drafted
@@ -70,16 +71,16 @@ def test_scheduler_bootstraps_short_and_calibrates(pair, prompts):
     positive slope on this draft's prose (more confident drafts are accepted more often), and chained positions
     are recorded only when a round has them."""
     model, mtp = pair
-    _, req, ks = _spec(SpecModel(model, mtp), prompts["prose"])
+    _, req, ks = _spec(MtpSpec(model, mtp), prompts["prose"])
     assert ks[:2] == [Scheduler.BOOTSTRAP_DRAFTS, 0]
     assert req.scheduler.first.n >= 1
     for dom in ("code", "prose"):
-        _, req, _ = _spec(SpecModel(model, mtp, fixed_k=1), prompts[dom])
+        _, req, _ = _spec(MtpSpec(model, mtp, fixed_k=1), prompts[dom])
         sch = req.scheduler
         assert sch.first.n == req.stats.rounds and sch.chained.n == 0
         if dom == "prose":                # (on the 32 code positions here the fitted slope is 0: no signal)
             assert sch.first.line is not None and sch.first.line[1] > 0, sch.first.line
-        _, req, _ = _spec(SpecModel(model, mtp, fixed_k=3), prompts[dom])
+        _, req, _ = _spec(MtpSpec(model, mtp, fixed_k=3), prompts[dom])
         assert req.scheduler.chained.n > 0
 
 
