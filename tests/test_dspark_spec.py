@@ -144,6 +144,13 @@ def test_the_real_draft_drives_k_to_zero(model):
     assert spec.stats.accepted == 0 and spec.stats.draft_steps >= 1
 
 
+def test_a_block_position_costs_no_draft_call(model):
+    """DSpark's costs under the one scheduler: a draft call reads the draft, a further block position nothing (its
+    block holds every position), unlike an MTP chained step; a plain step reads the backbone."""
+    c = DSparkSpec(model, model.open_dspark()).byte_costs()
+    assert c.draft(False) == 0 < c.draft(True) and c.plain() == model.weight_bytes_per_token()
+
+
 def test_the_pair_saves_and_loads(model):
     spec = DSparkSpec(model, model.open_dspark(), fixed_k=3)
     s = Session(spec, NullTokenizer(), 256)

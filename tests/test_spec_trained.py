@@ -84,6 +84,28 @@ def test_scheduler_bootstraps_short_and_calibrates(pair, prompts):
         assert req.scheduler.chained.n > 0
 
 
+def test_costs_are_the_models_and_calibration_the_requests(pair, prompts):
+    """Issue 38: a model's requests share its measured costs (costs belong to the model and the machine), each
+    keeps its own acceptance calibration; a seeded sampled request schedules by the files' bytes. So a second
+    request skips the bootstrap (the costs are known) and starts with an empty calibration."""
+    model, mtp = pair
+    spec = MtpSpec(model, mtp)
+    a = spec.new_request(SamplingParams(temperature=0.0))
+    b = spec.new_request(SamplingParams(temperature=0.8))
+    seeded = spec.new_request(SamplingParams(temperature=0.8, seed=3))
+    assert a.scheduler.costs is b.scheduler.costs is spec.costs
+    assert seeded.scheduler.costs is not spec.costs and seeded.scheduler.costs.deterministic
+    assert a.scheduler.first is not b.scheduler.first
+    assert a.scheduler.first.n == b.scheduler.first.n == 0
+    _, first, ks = _spec(spec, prompts["prose"])
+    assert ks[:2] == [Scheduler.BOOTSTRAP_DRAFTS, 0] and spec.costs.known()
+    _, second, ks = _spec(spec, prompts["code"])
+    # no bootstrap block: its first round drafts (no rounds to calibrate yet) at most one position beyond the
+    # deepest it has seen accepted (none): k <= 1
+    assert ks[0] <= 1 and second.stats.draft_steps >= 1
+    assert 1 <= second.scheduler.first.n <= len(ks) and second.scheduler.first is not first.scheduler.first
+
+
 def test_calibration_line():
     """_Calibration recovers an affine acceptance law from (σ, hit) samples, clips it to [0, 1], keeps c1 >= 0,
     and is ρ·σ before two σ differ."""
