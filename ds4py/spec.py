@@ -775,9 +775,9 @@ class SpecModel:
         if isinstance(states, (str, bytes)) or not isinstance(states, Sequence):
             raise Ds4Error("step takes a list of states and a list of token-id chunks")
         for s in states:
-            if not isinstance(s, SpecState) or s.drafter is not self.drafter:
-                raise Ds4Error(f"a speculative model steps the SpecStates of its own new_state(), got "
-                               f"{type(s).__name__}")
+            if not isinstance(s, SpecState) or s.drafter.fingerprint != self.fingerprint:
+                what = type(s).__name__ if not isinstance(s, SpecState) else "a SpecState of another pair"
+                raise Ds4Error(f"a speculative model steps the SpecStates of its new_state(), got {what}")
         return [s.main for s in states]
 
     def step(self, states: Sequence[SpecState], chunks: Sequence[Sequence[int]], all_logits: bool = False,
