@@ -11,7 +11,7 @@ import pytest
 from ds4py.model import open_mtp
 from ds4py.ref.engine import RefModel
 from ds4py.sampling import Sampler, SamplingParams
-from ds4py.spec import MeasuredCosts, Scheduler, _Calibration
+from ds4py.spec_schedule import MeasuredCosts, Scheduler, _Calibration
 from ds4py.mtp_spec import MtpSpec
 
 GEN = 32
