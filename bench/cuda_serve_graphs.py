@@ -73,7 +73,7 @@ def main() -> None:
     from ds4py.convert import convert_checkpoint
     from ds4py.cuda.mtp import CudaMtp
     from ds4py.model import open_model
-    from ds4py.spec import SpecModel
+    from ds4py.mtp_spec import MtpSpec
 
     d = Path(tempfile.mkdtemp())
     main_f, mtp_f = d / "m.gguf", d / "m.mtp.gguf"
@@ -84,7 +84,7 @@ def main() -> None:
     prompts = [np.random.default_rng(50 + i).integers(3, 256, 3 + 7 * i).tolist() for i in range(4)]
     plain, c = serve(m, tok, prompts, 16)
     print("plain:", "; ".join(f"{k} {s} steps, {n} captures" for k, (s, n) in c.items()), flush=True)
-    got, c = serve(SpecModel(m, CudaMtp(m, str(mtp_f))), tok, prompts, 16)
+    got, c = serve(MtpSpec(m, CudaMtp(m, str(mtp_f))), tok, prompts, 16)
     print("speculative:", "; ".join(f"{k} {s} steps, {n} captures" for k, (s, n) in c.items()), flush=True)
     print("speculative answers == plain:", got == plain)
 

@@ -31,7 +31,7 @@ from ds4py import bench  # noqa: E402
 from ds4py.convert import convert_checkpoint  # noqa: E402
 from ds4py.model import open_mtp  # noqa: E402
 from ds4py.ref.engine import RefModel  # noqa: E402
-from ds4py.spec import SpecModel  # noqa: E402
+from ds4py.mtp_spec import MtpSpec  # noqa: E402
 
 GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden" / "v4-tiny-mtp"
 
@@ -89,7 +89,7 @@ def main() -> int:
     points = [int(x) for x in args.ctx.split(",")]
     res["sweeps"] = {}
     for label, k in (("scheduler", None), ("k=1", 1), ("k=3", 3)):
-        spec = SpecModel(model, mtp, fixed_k=k)
+        spec = MtpSpec(model, mtp, fixed_k=k)
         rows = bench.run_sweep(model, list(map(int, ids)), points, args.gen_tokens, repeat=args.repeat, spec=spec)
         res["sweeps"][label] = [{c: getattr(r, c) for c in ("ctx_tokens", "gen_tps", *bench.SPEC_COLUMNS)}
                                 for r in rows]

@@ -45,7 +45,7 @@ from ds4py.model import open_mtp  # noqa: E402
 from ds4py.ref.engine import RefModel  # noqa: E402
 from ds4py.sampling import Sampler, SamplingParams  # noqa: E402
 from ds4py import spec as spec_module  # noqa: E402
-from ds4py.spec import SpecModel  # noqa: E402
+from ds4py.mtp_spec import MtpSpec  # noqa: E402
 
 TRAINED = Path(os.environ.get("DS4PY_TRAINED") or Path(__file__).resolve().parents[2] / "shared" / "trained" / "v4-tiny-trained")
 SAMPLED = SamplingParams(temperature=1.0, top_p=1.0)        # the model card's settings (docs/generation.md)
@@ -113,7 +113,7 @@ def break_even(reqs) -> dict:
 def run_domain(model, mtp, dom: str, args, variants: list[str], mode: str) -> dict:
     ids = np.load(TRAINED / f"test_{dom}.ids.npy").astype(np.int64)
     params = SamplingParams(temperature=0.0) if mode == "greedy" else SAMPLED
-    specs = {v: SpecModel(model, mtp, fixed_k=None if v == "sched" else int(v)) for v in variants}
+    specs = {v: MtpSpec(model, mtp, fixed_k=None if v == "sched" else int(v)) for v in variants}
     offs = np.linspace(0, len(ids) - args.prompt_tokens - 1, args.prompts).astype(int)
     per = {v: {"wall": [], "cpu": [], "ratio": [], "cpu_ratio": [], "acc": [0, 0], "rounds": 0, "tokens": 0,
                "plain": 0, "ks": []} for v in variants}

@@ -343,14 +343,53 @@ class ModelBase(ABC):
     def weight_bytes(self) -> WeightBytes: ...
 
 
-class MtpBase(ABC):
+class DraftBase(ABC):
+    """What every draft model of every backend shares (the MTP block, the DSpark draft): its own state, saved as a
+    DS4PYKV blob under its `fingerprint` (ds4py.spec pairs it with the main state). A backend's draft classes
+    take new_state / owns / _export / _import from one class of that backend (ref.state.RefDraftStates,
+    cuda.kvstate.CudaDraftStates); `noun` names the draft in a refusal."""
+
+    noun = "draft"
+    fingerprint: str
+    backend: str
+    numerics: Any
+    layout: kv.StateLayout
+
+    def save_state(self, state: State) -> bytes:
+        """The draft's state as a DS4PYKV blob under its fingerprint (SpecModel pairs it with the main one)."""
+        if not self.owns(state):
+            raise Ds4Error(f"save_state needs a state from this {self.noun}'s new_state()")
+        return kv.encode_state(self.fingerprint, self.numerics.to_dict(), self.layout, state.n_tokens,
+                               state.n_written, self._export(state), self.backend)
+
+    def load_state(self, data: bytes) -> State:
+        n_tokens, n_written, arrays = kv.decode_state(data, self.fingerprint, self.numerics.to_dict(), self.layout)
+        return self._import(n_tokens, n_written, arrays)
+
+    @abstractmethod
+    def new_state(self) -> State: ...
+
+    @abstractmethod
+    def owns(self, state: Any) -> bool:
+        """The state is one of this draft's (its layout, its device)."""
+
+    @abstractmethod
+    def _export(self, state) -> dict[str, np.ndarray]: ...
+
+    @abstractmethod
+    def _import(self, n_tokens: int, n_written: int, arrays: dict[str, np.ndarray]) -> State: ...
+
+
+class MtpBase(DraftBase):
     """What every backend's MTP draft block shares: opening and checking its file, checking a step's arguments
-    (one sentence per problem), save_state / load_state of its one-layer state (a DS4PYKV blob under the MTP
-    file's fingerprint, which ds4py.spec pairs with the main model's).
+    (one sentence per problem), save_state / load_state of its one-layer state (DraftBase: a DS4PYKV blob under
+    the MTP file's fingerprint, which ds4py.spec pairs with the main model's).
 
     A backend calls `MtpBase.__init__(self, model, path)` and implements new_state, `owns(state)`,
     `_step(states, hidden, next_ids, all_logits, logits)` (checked inputs: float32 [T, hc, dim] and int64 [T]),
     `_export(state)`, `_import(n_tokens, n_written, arrays)` and weight_bytes_per_token."""
+
+    noun = "MTP block"
 
     def __init__(self, model: Any, path: str | None = None):
         from ds4py.fingerprint import file_fingerprint
@@ -407,33 +446,9 @@ class MtpBase(ABC):
             ids.append(c.astype(np.int64))
         return hs, ids
 
-    def save_state(self, state: State) -> bytes:
-        """The MTP state as a DS4PYKV blob under the MTP file's fingerprint (SpecModel pairs it with the main one)."""
-        if not self.owns(state):
-            raise Ds4Error("save_state needs a state from this MTP block's new_state()")
-        return kv.encode_state(self.fingerprint, self.numerics.to_dict(), self.layout, state.n_tokens,
-                               state.n_written, self._export(state), self.backend)
-
-    def load_state(self, data: bytes) -> State:
-        n_tokens, n_written, arrays = kv.decode_state(data, self.fingerprint, self.numerics.to_dict(), self.layout)
-        return self._import(n_tokens, n_written, arrays)
-
-    @abstractmethod
-    def new_state(self) -> State: ...
-
-    @abstractmethod
-    def owns(self, state: Any) -> bool:
-        """The state is one of this block's (its layout, its device)."""
-
     @abstractmethod
     def _step(self, states: list, hidden: list[np.ndarray], next_ids: list[np.ndarray], all_logits: bool,
               logits: bool) -> tuple[list[np.ndarray], list[np.ndarray]]: ...
-
-    @abstractmethod
-    def _export(self, state) -> dict[str, np.ndarray]: ...
-
-    @abstractmethod
-    def _import(self, n_tokens: int, n_written: int, arrays: dict[str, np.ndarray]) -> State: ...
 
     @abstractmethod
     def weight_bytes_per_token(self) -> int: ...

@@ -1,12 +1,12 @@
 """Which draft a model speculates with: V4.1's DSpark draft in its own file (ds4py.dspark) or V4's MTP block
-(ds4py.spec); the one choice `run`, `chat`, `serve` and `bench` make (above both modules, so neither imports the
+(ds4py.mtp_spec), both a ds4py.spec.SpecModel; the one choice `run`, `chat`, `serve` and `bench` make (above both modules, so neither imports the
 other's wrapper)."""
 
 from __future__ import annotations
 
 from ds4py.dspark import DSparkSpec
 from ds4py.errors import Ds4Error
-from ds4py.spec import SpecModel
+from ds4py.mtp_spec import MtpSpec
 
 
 def speculative(model, mtp_path: str | None = None, enabled: bool = True, fixed_k: int | None = None):
@@ -21,4 +21,4 @@ def speculative(model, mtp_path: str | None = None, enabled: bool = True, fixed_
         return DSparkSpec(model, model.open_dspark(), fixed_k)
     if not enabled or (mtp_path is None and not (model.capabilities.speculation and model.has_mtp_block())):
         return model
-    return SpecModel(model, model.open_mtp(mtp_path), fixed_k)
+    return MtpSpec(model, model.open_mtp(mtp_path), fixed_k)

@@ -107,7 +107,7 @@ def test_concurrent_greedy_answers_on_cuda_equal_sequential_ones(cuda, tok, monk
 
 def test_speculative_rounds_of_several_sessions_on_cuda(cuda, tok, monkeypatch):
     from ds4py.server import runner
-    from ds4py.spec import SpecModel
+    from ds4py.mtp_spec import MtpSpec
     from test_spec_sessions import TableDraft
 
     prompts = [np.random.default_rng(40 + i).integers(3, 256, 4 + 3 * i).tolist() for i in range(3)]
@@ -118,7 +118,7 @@ def test_speculative_rounds_of_several_sessions_on_cuda(cuda, tok, monkeypatch):
     real = runner.ModelRunner.verify
     monkeypatch.setattr(runner.ModelRunner, "verify",
                         lambda self, st, ch: seen.append([len(c) for c in ch]) or real(self, st, ch))
-    spec = SpecModel(cuda, TableDraft(truths, cuda.config.vocab_size, {len(prompts[1]) + 2}), fixed_k=3)
+    spec = MtpSpec(cuda, TableDraft(truths, cuda.config.vocab_size, {len(prompts[1]) + 2}), fixed_k=3)
     with serving(spec, tok, n=3) as srv:
         got = concurrently(lambda p: post(srv, completion(p, n=6)), prompts)
     assert [g["choices"][0]["text"] for g in got] == plain

@@ -23,6 +23,7 @@ from ds4py.ref.engine import RefModel
 from ds4py.sampling import SamplingParams
 from ds4py.session import Session, TokenEvent
 from ds4py.spec import SpecModel, SpecState
+from ds4py.mtp_spec import MtpSpec
 from spec_fakes import NullTokenizer, OracleDraft
 
 pytestmark = pytest.mark.skipif(emu.compiler() is None, reason="the CUDA emulator needs g++")
@@ -102,7 +103,7 @@ def test_greedy_with_the_cuda_mtp_block_is_byte_identical(cuda, plain, k):
     real = m._step_rows
     m._step_rows = lambda st, ch, al: rows.append(sum(len(c) for c in ch)) or real(st, ch, al)
     try:
-        spec = SpecModel(m, mtp, fixed_k=k)
+        spec = MtpSpec(m, mtp, fixed_k=k)
         got, s = _tokens(spec, PROMPT)
     finally:
         del m._step_rows
@@ -121,7 +122,7 @@ def test_greedy_after_a_long_prompt_is_byte_identical(cuda):
     m.runner.prefill = lambda st, ids, al, out=Outputs.NONE: used.append(out) or real(st, ids, al, out)
     try:
         want, _ = _tokens(m, prompt, n=8)
-        got, _ = _tokens(SpecModel(m, mtp, fixed_k=3), prompt, n=8)
+        got, _ = _tokens(MtpSpec(m, mtp, fixed_k=3), prompt, n=8)
     finally:
         del m.runner.prefill
     assert used == [Outputs.NONE, Outputs.HIDDEN]   # plain and speculative prompts both went through the prefill
@@ -133,7 +134,7 @@ def test_greedy_with_accepted_and_rejected_drafts_is_byte_identical(cuda, plain,
     m, _ = cuda
     toks, ps = plain
     truth = PROMPT + toks
-    spec = SpecModel(m, OracleDraft(truth, m.config.vocab_size, {len(PROMPT) + 3, len(PROMPT) + 9}), fixed_k=k)
+    spec = MtpSpec(m, OracleDraft(truth, m.config.vocab_size, {len(PROMPT) + 3, len(PROMPT) + 9}), fixed_k=k)
     got, s = _tokens(spec, PROMPT)
     assert got == toks
     assert 0 < spec.stats.accepted < spec.stats.drafted       # accepted runs and rejections (truncate)
@@ -145,7 +146,7 @@ def test_greedy_with_accepted_and_rejected_drafts_is_byte_identical(cuda, plain,
 
 def test_paired_cuda_state_rollback(cuda):
     m, mtp = cuda
-    spec = SpecModel(m, mtp)
+    spec = MtpSpec(m, mtp)
     st = spec.new_state()
     spec.step([st], [list(range(3, 25))])
     assert st.n_tokens == 22 and st.draft.n_tokens == 21         # a long chunk: the MTP caught up
@@ -167,6 +168,6 @@ def test_cuda_cost_model_has_the_references_numbers(v4_mtp_gguf, cuda):
     wc, wr = m.weight_bytes(), ref.weight_bytes()
     assert isinstance(wc, WeightBytes) and wc == wr
     assert 0 < wr.routed < wr.decode and 0 < wr.head < wr.decode          # a verify row is not a whole step
-    c, r = SpecModel(m, mtp).byte_costs(), SpecModel(ref, open_mtp(ref, v4_mtp_gguf[1])).byte_costs()
+    c, r = MtpSpec(m, mtp).byte_costs(), MtpSpec(ref, open_mtp(ref, v4_mtp_gguf[1])).byte_costs()
     assert (c.main, c.routed, c.draft_b, c.head) == (r.main, r.routed, r.draft_b, r.head)
     assert [c.verify(n) for n in (1, 2, 5)] == [r.verify(n) for n in (1, 2, 5)] and c.plain() == r.plain()

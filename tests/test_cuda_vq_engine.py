@@ -20,7 +20,7 @@ from ds4py.quant import vq
 from ds4py.ref.engine import RefModel
 from ds4py.sampling import SamplingParams
 from ds4py.session import Session, TokenEvent
-from ds4py.spec import SpecModel
+from ds4py.mtp_spec import MtpSpec
 from spec_fakes import NullTokenizer
 
 pytestmark = pytest.mark.skipif(emu.compiler() is None, reason="the CUDA emulator needs g++")
@@ -185,7 +185,7 @@ def test_speculation_with_the_v4_mtp_block_on_a_vq_file(vqm, files, which):
         assert vq.read_layer(f, "mtp.0").header.bits == 12
     prompt = [0, 17, 42, 99, 3]
     want = _tokens(vqm, prompt)
-    spec = SpecModel(vqm, open_mtp(vqm, path), fixed_k=3)
+    spec = MtpSpec(vqm, open_mtp(vqm, path), fixed_k=3)
     assert _tokens(spec, prompt) == want
     assert spec.stats.drafted >= 1
 

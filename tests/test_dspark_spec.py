@@ -16,7 +16,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from ds4py.dspark import DSparkSpec, DSparkState
+from ds4py.dspark import DSparkSpec
+from ds4py.spec import SpecState
 from ds4py.errors import Ds4Error
 from ds4py.ref.dspark import DraftBlock
 from ds4py.ref.engine import RefModel
@@ -143,6 +144,13 @@ def test_the_real_draft_drives_k_to_zero(model):
     assert spec.stats.accepted == 0 and spec.stats.draft_steps >= 1
 
 
+def test_a_block_position_costs_no_draft_call(model):
+    """DSpark's costs under the one scheduler: a draft call reads the draft, a further block position nothing (its
+    block holds every position), unlike an MTP chained step; a plain step reads the backbone."""
+    c = DSparkSpec(model, model.open_dspark()).byte_costs()
+    assert c.draft(False) == 0 < c.draft(True) and c.plain() == model.weight_bytes_per_token()
+
+
 def test_the_pair_saves_and_loads(model):
     spec = DSparkSpec(model, model.open_dspark(), fixed_k=3)
     s = Session(spec, NullTokenizer(), 256)
@@ -150,7 +158,7 @@ def test_the_pair_saves_and_loads(model):
     st = s.state
     blob = spec.save_state(st)
     back = spec.load_state(blob)
-    assert isinstance(back, DSparkState) and back.n_tokens == st.n_tokens == back.draft.n_tokens
+    assert isinstance(back, SpecState) and back.n_tokens == st.n_tokens == back.draft.n_tokens
     a, b = st.copy(), back
     assert np.array_equal(spec.step([a], [[9]])[0], spec.step([b], [[9]])[0])
     d = spec.draft

@@ -109,7 +109,10 @@ def test_bench_reports_speculation_measured_against_plain(tiny):
               "--format", "json")
     row = json.loads(r.stdout)["rows"][0]
     assert row["spec_tps"] > 0 and row["spec_speedup"] == pytest.approx(row["spec_tps"] / row["gen_tps"])
-    assert 0 <= row["spec_acceptance"] <= 1 and row["spec_tokens_per_round"] >= 1
+    assert 0 <= row["spec_acceptance"] <= 1 and row["spec_mean_k"] >= 0
+    # random weights: the model's costs, measured from the warm-up probe on (a SpecModel's requests share them),
+    # may rightly say no round of drafts pays here; a round that drafted yields at least one token
+    assert row["spec_tokens_per_round"] >= 1 or row["spec_mean_k"] == 0
 
 
 def test_serve_with_mtp_streams_the_plain_answer_and_reports_acceptance(tiny):

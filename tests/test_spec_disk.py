@@ -14,6 +14,7 @@ from ds4py.model import Numerics, open_model, open_mtp
 from ds4py.sampling import SamplingParams
 from ds4py.session import Session, TokenEvent
 from ds4py.spec import SpecModel, decode_pair, encode_pair
+from ds4py.mtp_spec import MtpSpec
 from spec_fakes import NullTokenizer
 
 POLICY = KVCachePolicy(min_tokens=16, trim_tokens=4, align_tokens=16, continued_interval=32)
@@ -36,7 +37,7 @@ def _disk(path, model):
 
 def test_paired_state_round_trip_and_refusals(ref, v4_mtp_gguf):
     m, mtp = ref
-    spec = SpecModel(m, mtp)
+    spec = MtpSpec(m, mtp)
     st = spec.new_state()
     spec.step([st], [list(range(3, 30))])
     for t in (4, 5):
@@ -56,7 +57,7 @@ def test_paired_state_round_trip_and_refusals(ref, v4_mtp_gguf):
         spec.load_state(blob[:100] + bytes([blob[100] ^ 1]) + blob[101:])
     with pytest.raises(Ds4Error, match="truncated"):
         spec.load_state(blob[:-8])
-    other = SpecModel(open_model(v4_mtp_gguf[0], numerics=Numerics(fake_quant=False)), mtp)
+    other = MtpSpec(open_model(v4_mtp_gguf[0], numerics=Numerics(fake_quant=False)), mtp)
     with pytest.raises(Ds4Error, match="numerics"):             # the inner blob checks its own numerics
         other.load_state(encode_pair(other.fingerprint, *decode_pair(blob, spec.fingerprint)))
     stale = encode_pair("0" * 40, *decode_pair(blob, spec.fingerprint))
@@ -72,17 +73,17 @@ def test_disk_cache_with_speculation_cold_and_continued(tmp_path, ref):
     m, mtp = ref
     prompt = np.random.default_rng(7).integers(2, 256, 40).tolist()
     plain = _answer(Session(m, NullTokenizer(), 1024), prompt)
-    s = Session(SpecModel(m, mtp), NullTokenizer(), 1024, disk=_disk(tmp_path, SpecModel(m, mtp)))
+    s = Session(MtpSpec(m, mtp), NullTokenizer(), 1024, disk=_disk(tmp_path, MtpSpec(m, mtp)))
     assert _answer(s, prompt) == plain
     assert [(e.n_tokens, e.reason) for e in s.disk.entries()] == [(32, "cold")]
     s.close()                                            # shutdown: the live paired state
-    again = Session(SpecModel(m, mtp), NullTokenizer(), 1024, disk=_disk(tmp_path, SpecModel(m, mtp)))
+    again = Session(MtpSpec(m, mtp), NullTokenizer(), 1024, disk=_disk(tmp_path, MtpSpec(m, mtp)))
     assert _answer(again, prompt) == plain
     # the shutdown checkpoint (prompt + answer[:-1]) runs past the prompt by less than the rollback horizon: it is
     # loaded and truncated (the paired state too), serving all but the prompt's last token
     assert again.last_source == "disk" and again.last_cached == len(prompt) - 1
     follow = prompt + plain[:-1] + [7, 8]                # the conversation goes on from the shutdown checkpoint
-    third = Session(SpecModel(m, mtp), NullTokenizer(), 1024, disk=_disk(tmp_path, SpecModel(m, mtp)))
+    third = Session(MtpSpec(m, mtp), NullTokenizer(), 1024, disk=_disk(tmp_path, MtpSpec(m, mtp)))
     want = _answer(Session(m, NullTokenizer(), 1024), follow)
     assert _answer(third, follow) == want
     assert third.last_source == "disk" and third.last_cached == len(prompt) + len(plain) - 1
@@ -96,7 +97,7 @@ def test_disk_cache_with_speculation_on_the_cuda_engine(tmp_path, v4_mtp_gguf):
     if emu.compiler() is None:
         pytest.skip("the CUDA emulator needs g++")
     m = open_model(v4_mtp_gguf[0], backend="cuda-emu")
-    spec = SpecModel(m, open_mtp(m, v4_mtp_gguf[1]))
+    spec = MtpSpec(m, open_mtp(m, v4_mtp_gguf[1]))
     prompt = np.random.default_rng(8).integers(2, 256, 20).tolist()
     plain = _answer(Session(m, NullTokenizer(), 1024), prompt, 3)
     s = Session(spec, NullTokenizer(), 1024, disk=_disk(tmp_path, spec))

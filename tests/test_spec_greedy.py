@@ -19,7 +19,8 @@ from ds4py.ref.engine import RefModel
 from ds4py.ref.mtp import RefMtp
 from ds4py.sampling import SamplingParams
 from ds4py.session import DoneEvent, Session, TokenEvent
-from ds4py.spec import SpecModel, SpecState
+from ds4py.spec import SpecState
+from ds4py.mtp_spec import MtpSpec
 from spec_fakes import NullTokenizer, OracleDraft
 
 
@@ -116,7 +117,7 @@ def plain(plain_runs):
 @pytest.mark.parametrize("pi", range(len(PROMPTS)))
 def test_greedy_with_the_mtp_block_is_byte_identical(model, mtp, plain, pi):
     """The real (random-weight) MTP block and the adaptive scheduler: bootstrap longest block, probes, plain."""
-    spec = SpecModel(model, mtp)
+    spec = MtpSpec(model, mtp)
     s = Session(spec, NullTokenizer(), 1024)
     assert _tokens(s, PROMPTS[pi], max_tokens=40) == plain[pi]
     assert spec.stats.rounds >= 1 and spec.stats.drafted >= 1
@@ -129,7 +130,7 @@ def test_greedy_with_oracle_drafts_is_byte_identical_for_every_k(model, plain, p
     for pi, prompt in enumerate(PROMPTS[:2]):
         truth = prompt + plain[pi]
         wrong = {len(prompt) + j for j in (3, 4, 11, 20, 27)}
-        spec = SpecModel(model, OracleDraft(truth, model.config.vocab_size, wrong), fixed_k=k)
+        spec = MtpSpec(model, OracleDraft(truth, model.config.vocab_size, wrong), fixed_k=k)
         s = Session(spec, NullTokenizer(), 1024)
         assert _tokens(s, prompt, max_tokens=40) == plain[pi], f"prompt {pi}"
         assert spec.stats.accepted > 0 and spec.stats.accepted < spec.stats.drafted
@@ -145,13 +146,13 @@ def test_stopping_inside_a_round_leaves_the_plain_state(model, plain):
     prompt, cont = PROMPTS[1], plain[1]
     truth = prompt + cont
     for stop_after in (3, 7, 12):
-        spec = SpecModel(model, OracleDraft(truth, model.config.vocab_size), fixed_k=8)
+        spec = MtpSpec(model, OracleDraft(truth, model.config.vocab_size), fixed_k=8)
         s = Session(spec, NullTokenizer(), 1024)
         assert _tokens(s, prompt, max_tokens=stop_after) == cont[:stop_after]
         assert s.tokens == truth[:len(prompt) + stop_after - 1] and s.state.n_tokens == len(s.tokens)
         assert _tokens(s, truth[:len(prompt) + stop_after], max_tokens=5) == cont[stop_after:stop_after + 5]
     eos_at = 9
-    spec = SpecModel(model, OracleDraft(truth, model.config.vocab_size), fixed_k=8)
+    spec = MtpSpec(model, OracleDraft(truth, model.config.vocab_size), fixed_k=8)
     s = Session(spec, NullTokenizer(eos_id=cont[eos_at]), 1024)
     prm = SamplingParams(temperature=0.0, max_tokens=40)
     evs = list(s.generate(prompt, prm))
@@ -163,7 +164,7 @@ def test_stopping_inside_a_round_leaves_the_plain_state(model, plain):
     def cancel():
         n[0] += 1
         return n[0] > 6
-    s = Session(SpecModel(model, OracleDraft(truth, model.config.vocab_size), fixed_k=8), NullTokenizer(), 1024)
+    s = Session(MtpSpec(model, OracleDraft(truth, model.config.vocab_size), fixed_k=8), NullTokenizer(), 1024)
     got = [e for e in s.generate(prompt, SamplingParams(temperature=0.0, max_tokens=40), cancel)]
     toks = [e.token_id for e in got if isinstance(e, TokenEvent)]
     assert isinstance(got[-1], DoneEvent) and got[-1].finish_reason == "cancelled"
@@ -174,7 +175,7 @@ def test_second_turn_reuses_the_speculative_state(model, plain):
     """Prefix reuse (live extension, snapshot restore, truncation) with paired states: a second turn and a
     regenerated answer give plain decoding's tokens."""
     prompt, cont = PROMPTS[1], plain[1]
-    spec = SpecModel(model, OracleDraft(prompt + cont, model.config.vocab_size, {40, 41}), fixed_k=4)
+    spec = MtpSpec(model, OracleDraft(prompt + cont, model.config.vocab_size, {40, 41}), fixed_k=4)
     s, p = Session(spec, NullTokenizer(), 1024), Session(model, NullTokenizer(), 1024)
     turn2 = prompt + cont[:10] + [5, 6, 7]
     for prm in (dict(max_tokens=10), dict(max_tokens=12)):
@@ -185,7 +186,7 @@ def test_second_turn_reuses_the_speculative_state(model, plain):
 
 
 def test_spec_state_rollback_keeps_both_states_consistent(model, mtp):
-    spec = SpecModel(model, mtp)
+    spec = MtpSpec(model, mtp)
     st = spec.new_state()
     spec.step([st], [list(range(3, 40))])
     assert isinstance(st, SpecState) and st.n_tokens == 37 and st.draft.n_tokens == 36   # a long chunk: caught up
@@ -216,5 +217,5 @@ def test_greedy_identity_over_random_prompts_drafts_and_k(model, mtp, seed):
     wrong = {len(prompt) + int(j) for j in rng.choice(24, int(rng.integers(0, 8)), replace=False)}
     k = [None, 1, 2, 4, 7, 16][seed]
     for draft in (OracleDraft(truth, model.config.vocab_size, wrong), mtp):
-        spec = SpecModel(model, draft, fixed_k=k)
+        spec = MtpSpec(model, draft, fixed_k=k)
         assert _tokens(Session(spec, NullTokenizer(), 1024), prompt, max_tokens=24) == want

@@ -9,7 +9,8 @@ import pytest
 
 from ds4py.sampling import Sampler, SamplingParams
 from ds4py.session import Session, TokenEvent
-from ds4py.spec import ByteCosts, SpecModel, accept_sampled
+from ds4py.spec import ByteCosts, accept_sampled
+from ds4py.mtp_spec import MtpSpec
 from spec_fakes import MarkovDraft, MarkovModel, NullTokenizer, chi_square_p
 
 P_MIN = 1e-3        # fixed seeds: each test's outcome is deterministic; a correct sampler fails 0.1% of seed sets
@@ -64,7 +65,7 @@ def test_speculative_session_samples_the_plain_sequence_distribution(pi, k):
     request's temperature / top-k / top-p / min-p on both draft and target): their frequencies match the exact
     distribution of plain sampling (64 sequences, chi-square)."""
     target = MarkovModel(vocab=4, period=3, seed=pi)
-    spec = SpecModel(target, MarkovDraft(target, distortion=0.8, seed=10 + pi), fixed_k=k)
+    spec = MtpSpec(target, MarkovDraft(target, distortion=0.8, seed=10 + pi), fixed_k=k)
     # the scheduler's costs (a seeded request: bytes): a verify row costs a tenth of a step, a draft a tenth
     spec.byte_costs = lambda: ByteCosts(main_bytes=1000, routed_bytes=100, draft_bytes=100, head_bytes=10)
     session = Session(spec, NullTokenizer(), ctx_size=512)
@@ -86,7 +87,7 @@ def test_seeded_runs_reproduce_and_differ_by_seed():
     """Same seed, same prompt: the same tokens, in a fresh session or after other requests (the schedule of a
     seeded sampled request is deterministic: byte costs, not the clock)."""
     target = MarkovModel(vocab=8, period=5, seed=3)
-    spec = SpecModel(target, MarkovDraft(target, distortion=0.5, seed=4))
+    spec = MtpSpec(target, MarkovDraft(target, distortion=0.5, seed=4))
     # byte costs where a verify row pays at this draft's acceptance (~0.8): the model's own make every row cost a
     # whole step (break-even 0.91), and the calibrated scheduler then rightly decodes plainly, never reaching a round
     spec.byte_costs = lambda: ByteCosts(main_bytes=1000, routed_bytes=100, draft_bytes=100, head_bytes=10)

@@ -13,7 +13,7 @@ import pytest
 
 from ds4py.model import open_model, open_mtp
 from ds4py.server import runner
-from ds4py.spec import SpecModel
+from ds4py.mtp_spec import MtpSpec
 from spec_fakes import NullTokenizer, OracleDraft
 from test_sessions import completion, concurrently, metrics, post, serving
 
@@ -95,7 +95,7 @@ def _stop_runs(model, plain, concurrent: bool):
 def test_oracle_rounds_of_several_sessions_equal_plain_answers(model, plain, verifies):
     truths = [p + t for p, (_, t) in zip(PROMPTS, plain)]
     wrong = {len(PROMPTS[0]) + 3, len(PROMPTS[2]) + 6, 20}
-    spec = SpecModel(model, TableDraft(truths, model.config.vocab_size, wrong), fixed_k=4)
+    spec = MtpSpec(model, TableDraft(truths, model.config.vocab_size, wrong), fixed_k=4)
     with serving(spec, IdsTokenizer(), n=4) as srv:
         got = concurrently(lambda p: post(srv, completion(p, n=N)), PROMPTS)
         m = metrics(srv)
@@ -106,12 +106,12 @@ def test_oracle_rounds_of_several_sessions_equal_plain_answers(model, plain, ver
     # answers that end inside a round (a stop string): the same text, and the tokens sampled past the stop are
     # un-fed (a follow-up turn finds exactly what plain decoding left in the session)
     want = _stop_runs(model, plain, concurrent=False)
-    assert _stop_runs(SpecModel(model, TableDraft(truths, model.config.vocab_size), fixed_k=8), plain, True) == want
+    assert _stop_runs(MtpSpec(model, TableDraft(truths, model.config.vocab_size), fixed_k=8), plain, True) == want
     assert all(f == "stop" for _, f, _ in want[0])
 
 
 def test_real_mtp_block_in_sessions_equals_plain_answers(model, plain, v4_mtp_gguf, verifies):
-    spec = SpecModel(model, open_mtp(model, v4_mtp_gguf[1]))          # the scheduler chooses k per request
+    spec = MtpSpec(model, open_mtp(model, v4_mtp_gguf[1]))          # the scheduler chooses k per request
     with serving(spec, IdsTokenizer(), n=4) as srv:
         got = concurrently(lambda p: post(srv, completion(p, n=N)), PROMPTS)
         again = post(srv, completion(PROMPTS[1], n=N))                 # a repeat: prefix reuse of a paired state

@@ -11,7 +11,8 @@ import pytest
 from ds4py.model import open_mtp
 from ds4py.ref.engine import RefModel
 from ds4py.sampling import Sampler, SamplingParams
-from ds4py.spec import MeasuredCosts, Scheduler, SpecModel, _Calibration
+from ds4py.spec_schedule import MeasuredCosts, Scheduler, _Calibration
+from ds4py.mtp_spec import MtpSpec
 
 GEN = 32
 EOS = 1
@@ -57,7 +58,7 @@ def _spec(spec, prompt):
 def test_greedy_speculation_is_plain_decoding(pair, prompts, dom, k):
     """Byte-identical to plain greedy decoding, with drafts accepted (a learnt draft) as well as rejected."""
     model, mtp = pair
-    got, req, ks = _spec(SpecModel(model, mtp, fixed_k=k), prompts[dom])
+    got, req, ks = _spec(MtpSpec(model, mtp, fixed_k=k), prompts[dom])
     assert got == _plain(model, prompts[dom])
     if k is not None:                     # (the scheduler's k follows the clock: it may decode plainly here)
         assert 0 < req.stats.accepted < req.stats.drafted
@@ -70,17 +71,39 @@ def test_scheduler_bootstraps_short_and_calibrates(pair, prompts):
     positive slope on this draft's prose (more confident drafts are accepted more often), and chained positions
     are recorded only when a round has them."""
     model, mtp = pair
-    _, req, ks = _spec(SpecModel(model, mtp), prompts["prose"])
+    _, req, ks = _spec(MtpSpec(model, mtp), prompts["prose"])
     assert ks[:2] == [Scheduler.BOOTSTRAP_DRAFTS, 0]
     assert req.scheduler.first.n >= 1
     for dom in ("code", "prose"):
-        _, req, _ = _spec(SpecModel(model, mtp, fixed_k=1), prompts[dom])
+        _, req, _ = _spec(MtpSpec(model, mtp, fixed_k=1), prompts[dom])
         sch = req.scheduler
         assert sch.first.n == req.stats.rounds and sch.chained.n == 0
         if dom == "prose":                # (on the 32 code positions here the fitted slope is 0: no signal)
             assert sch.first.line is not None and sch.first.line[1] > 0, sch.first.line
-        _, req, _ = _spec(SpecModel(model, mtp, fixed_k=3), prompts[dom])
+        _, req, _ = _spec(MtpSpec(model, mtp, fixed_k=3), prompts[dom])
         assert req.scheduler.chained.n > 0
+
+
+def test_costs_are_the_models_and_calibration_the_requests(pair, prompts):
+    """Issue 38: a model's requests share its measured costs (costs belong to the model and the machine), each
+    keeps its own acceptance calibration; a seeded sampled request schedules by the files' bytes. So a second
+    request skips the bootstrap (the costs are known) and starts with an empty calibration."""
+    model, mtp = pair
+    spec = MtpSpec(model, mtp)
+    a = spec.new_request(SamplingParams(temperature=0.0))
+    b = spec.new_request(SamplingParams(temperature=0.8))
+    seeded = spec.new_request(SamplingParams(temperature=0.8, seed=3))
+    assert a.scheduler.costs is b.scheduler.costs is spec.costs
+    assert seeded.scheduler.costs is not spec.costs and seeded.scheduler.costs.deterministic
+    assert a.scheduler.first is not b.scheduler.first
+    assert a.scheduler.first.n == b.scheduler.first.n == 0
+    _, first, ks = _spec(spec, prompts["prose"])
+    assert ks[:2] == [Scheduler.BOOTSTRAP_DRAFTS, 0] and spec.costs.known()
+    _, second, ks = _spec(spec, prompts["code"])
+    # no bootstrap block: its first round drafts (no rounds to calibrate yet) at most one position beyond the
+    # deepest it has seen accepted (none): k <= 1
+    assert ks[0] <= 1 and second.stats.draft_steps >= 1
+    assert 1 <= second.scheduler.first.n <= len(ks) and second.scheduler.first is not first.scheduler.first
 
 
 def test_calibration_line():

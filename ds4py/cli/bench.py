@@ -210,7 +210,6 @@ def run(args: argparse.Namespace) -> int:
 
     for k, v in startup.items():
         print(f"startup {k}: {v:.3f}" if isinstance(v, float) else f"startup {k}: {v}", file=sys.stderr)
-    from ds4py.dspark import DSparkSpec
     from ds4py.drafts import speculative
     from ds4py.spec import SpecModel
 
@@ -220,8 +219,8 @@ def run(args: argparse.Namespace) -> int:
                            spec=spec if spec is not model else None)
     info = {"model": args.model_path, "backend": args.backend, **model_kwargs(args), "kernels_used": model.kernels_label,
             "gen_tokens": args.gen_tokens, "repeat": args.repeat, "bandwidth_gbps": bw,
-            "mtp": spec.mtp.path if isinstance(spec, SpecModel) else None,
-            "draft": None if spec is model else "dspark" if isinstance(spec, DSparkSpec) else "mtp"}
+            "mtp": spec.drafter.path if isinstance(spec, SpecModel) and spec.drafter.kind == "mtp" else None,
+            "draft": spec.drafter.kind if isinstance(spec, SpecModel) else None}
     dev = bench.device_step_stats(model)
     if dev is not None:
         info.update(dev)

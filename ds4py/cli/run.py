@@ -120,7 +120,7 @@ def open_session(args):
     tok = Tokenizer.from_gguf(model.gguf if model.gguf is not None else args.model)
     session = Session(model, tok, ctx_size=args.ctx)
     if args.verbose:
-        spec = model.mtp if isinstance(model, SpecModel) else None
+        spec = model.drafter if isinstance(model, SpecModel) else None
         print(f"[loaded {args.model}{describe(model)} ({args.backend}) in {time.perf_counter() - t0:.2f} s; "
               f"context {session.ctx_size} tokens"
               f"{f'; speculative decoding with {spec.path}' if spec is not None else ''}]", file=sys.stderr, flush=True)

@@ -43,11 +43,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ds4py import kv, schema
+from ds4py import schema
 from ds4py.cuda import kernels, layer, ops
 from ds4py.cuda.device_weights import EMBED_TYPES, _float, check_gate_up, upload_entries
 from ds4py.cuda.kernels import BLOCK, gemvs
-from ds4py.cuda.kvstate import CudaState
+from ds4py.cuda.kvstate import CudaDraftStates, CudaState
 from ds4py.cuda.step_run import StepRun
 from ds4py.cuda.layer import Launcher, Recording, RowSet
 from ds4py.cuda.ops import dspark as ops_dspark
@@ -55,10 +55,9 @@ from ds4py.cuda.ops.argmax import argmax_parts
 from ds4py.cuda.ops import prefill_attn as ops_pfa
 from ds4py.cuda.ops import v41 as ops_v41
 from ds4py.cuda.ops.mhc import mix_record
-from ds4py.errors import Ds4Error, UnsupportedByBackend
-from ds4py.host.dspark import DraftBlock, call_bytes, greedy_chain, routed_bytes_per_row
+from ds4py.errors import UnsupportedByBackend
+from ds4py.host.dspark import DraftBlock, DSparkBase
 from ds4py.host.rope import layer_rope_freqs
-from ds4py.kv import state_layout
 
 F32 = np.float32
 RUNS = 8                     # block graphs kept (one per ring state; least recently used dropped)
@@ -78,21 +77,13 @@ def dspark_attend(ls: Launcher, rec: Recording, il: int, ro: Any, A: Any) -> Non
 TABLE = SimpleNamespace(**{**vars(kernels.of(BLOCK, True)), "attend": dspark_attend})
 
 
-class CudaDSpark:
+class CudaDSpark(CudaDraftStates, DSparkBase):
     """The DSpark draft of a CudaModel, on the same device, runtime and state store (RefDSpark's interface)."""
 
     def __init__(self, model):
-        mc = model.config
-        if not mc.has_dspark:
-            raise Ds4Error(f"{model.path}: this model has no DSpark draft (no dspark.* tensors; convert a V4.1 "
-                           "checkpoint whose config declares one)")
-        self.model, self.main_config = model, mc
-        self.config = cfg = mc.dspark_block_config()
-        self.backend, self.numerics, self.fingerprint = model.backend, model.numerics, model.fingerprint
+        super().__init__(model)
+        mc, cfg, B = self.main_config, self.config, self.block_size
         self.rt, self.store = model.rt, model.store
-        self.rollback_horizon = model.rollback_horizon
-        self.layout = state_layout(cfg, model.rollback_horizon)
-        self.block_size = B = mc.dspark_block
         S, gguf = cfg.n_layers, model.gguf
         freqs = tuple(np.ascontiguousarray(layer_rope_freqs(cfg, s), F32) for s in range(S))
         self._block, self._tensors, self._freqs = upload_entries(self.rt, self.store, gguf,
@@ -119,31 +110,12 @@ class CudaDSpark:
         self._bufs_block, self.bufs = layer.zeroed_block(self.store, self.rt, shapes)
         self._runs: OrderedDict[Any, Any] = OrderedDict()
 
-    # ---- states ---------------------------------------------------------------------------------------------
-    def new_state(self) -> CudaState:
-        self.store.reclaim()
-        return CudaState(self.layout, self.store)
-
-    def owns(self, state) -> bool:
-        return isinstance(state, CudaState) and state.layout == self.layout and state.store is self.store
-
     # ---- the rings ----------------------------------------------------------------------------------------
     def feed(self, states: Sequence[CudaState], taps: Sequence[np.ndarray]) -> None:
         """Write each state's rings for the main positions state.n_tokens .. + len(taps[i]) − 1 (taps[i]: their
         [T, n_targets·D] taps from model.step_taps) and advance it. Only the rows a ring keeps are computed."""
-        mc = self.main_config
-        if len(states) != len(taps) or not states:
-            raise Ds4Error("a DSpark feed takes one taps array per state")
         work = []
-        for st, tp in zip(states, taps):
-            if not self.owns(st):
-                raise Ds4Error("a DSpark feed needs states from this draft's new_state()")
-            tp = np.asarray(tp, F32)
-            if tp.ndim != 2 or tp.shape[1] != mc.dspark_tap_dim or not len(tp):
-                raise Ds4Error(f"DSpark taps must be [T, {mc.dspark_tap_dim}], got {list(tp.shape)}")
-            if st.n_tokens + len(tp) > mc.context_length:
-                raise Ds4Error(f"{st.n_tokens} + {len(tp)} DSpark ring positions exceed the context length "
-                               f"{mc.context_length}")
+        for st, tp in zip(states, self.check_feed(states, taps)):
             keep = min(len(tp), self.feed_rows)
             work.append((st, tp[len(tp) - keep:], st.n_tokens + len(tp) - keep, len(tp)))
         self.store.reclaim()
@@ -171,14 +143,8 @@ class CudaDSpark:
     # ---- one draft call -------------------------------------------------------------------------------------
     def block(self, state: CudaState, token: int) -> "ChainBlock":
         """The block after the state's last fed position t (block token 0 = `token`, the token at t + 1)."""
-        if not self.owns(state):
-            raise Ds4Error("a DSpark draft call needs a state from this draft's new_state()")
+        t = self.check_block(state, token)
         mc, B = self.main_config, self.block_size
-        t = state.n_tokens - 1
-        if t < 0:
-            raise Ds4Error("a DSpark draft call needs at least one fed main position")
-        if isinstance(token, bool) or not 0 <= int(token) < mc.vocab_size:
-            raise Ds4Error(f"DSpark block token {token!r} is outside the vocabulary (0..{mc.vocab_size - 1})")
         self.store.reclaim()
         run = self._run(state)
         self.rt.synchronize()                # the previous call's outputs are read; its inputs may be rewritten
@@ -195,7 +161,7 @@ class CudaDSpark:
         teacher `ids` are given."""
         if ids is None and isinstance(blk, ChainBlock) and int(blk.chain_ids[0]) == int(token):
             return blk.chain_ids.copy(), blk.chain_logits.copy(), blk.chain_conf.copy()
-        return greedy_chain(blk, token, ids)
+        return DSparkBase.greedy(self, blk, token, ids)
 
     def _run(self, state: CudaState):
         m = self.model
@@ -224,30 +190,6 @@ class CudaDSpark:
     def launches_per_call(self) -> int:
         """Kernels of one draft call (a fresh state's block recording, counted)."""
         return self._run(self.new_state()).count()[0]
-
-    # ---- state on disk, costs -------------------------------------------------------------------------------
-    def save_state(self, state: CudaState) -> bytes:
-        """The rings as a DS4PYKV blob under the model's fingerprint (the speculative pair adds the main state)."""
-        if not self.owns(state):
-            raise Ds4Error("save_state needs a state from this DSpark draft's new_state()")
-        return kv.encode_state(self.fingerprint, self.numerics.to_dict(), self.layout, state.n_tokens,
-                               state.n_written, state.export(), self.backend)
-
-    def load_state(self, data: bytes) -> CudaState:
-        n_tokens, n_written, arrays = kv.decode_state(data, self.fingerprint, self.numerics.to_dict(), self.layout)
-        st = self.new_state()
-        st.n_tokens, st.n_written = n_tokens, n_written
-        st.load(arrays)
-        return st
-
-    def routed_bytes_per_row(self) -> int:
-        """Bytes of routed experts one more main-model verify row reads (the file's, as the reference's)."""
-        return routed_bytes_per_row(self.main_config, self.model.gguf)
-
-    def call_bytes(self) -> int:
-        """Bytes one draft call reads (the file's, as the reference's: the stages' dense tensors, the routed experts
-        B rows pick, the shared head and B embedding rows)."""
-        return call_bytes(self.main_config, self.model.gguf, self.block_size)
 
     def close(self) -> None:
         self.store.retire(list(self._runs.values()) + [self.ws.block, self._bufs_block, self._block])

@@ -185,3 +185,27 @@ class CudaState(StateCounters):
 
 def _release(store: DeviceStore, blocks: list, graph: list) -> None:
     store.retire(list(blocks) + [run for run in graph if run is not None])
+
+
+class CudaDraftStates:
+    """The state methods of the CUDA backend's draft models (CudaMtp, CudaDSpark; contract.DraftBase): a CudaState
+    of the draft's layout in the main model's store."""
+
+    layout: StateLayout
+    store: Any
+
+    def new_state(self) -> CudaState:
+        self.store.reclaim()
+        return CudaState(self.layout, self.store)
+
+    def owns(self, state) -> bool:
+        return isinstance(state, CudaState) and state.layout == self.layout and state.store is self.store
+
+    def _export(self, state: CudaState) -> dict[str, np.ndarray]:
+        return state.export()
+
+    def _import(self, n_tokens: int, n_written: int, arrays: dict[str, np.ndarray]) -> CudaState:
+        st = self.new_state()
+        st.n_tokens, st.n_written = n_tokens, n_written
+        st.load(arrays)
+        return st

@@ -31,7 +31,7 @@ from ds4py import schema
 from ds4py.cuda import layer, ops
 from ds4py.cuda.ops import experts as ops_moe
 from ds4py.cuda.kernels import gemvs
-from ds4py.cuda.kvstate import CudaState
+from ds4py.cuda.kvstate import CudaDraftStates, CudaState
 from ds4py.cuda.step_run import StepRun
 from ds4py.cuda.layer import MAX_ROWS, ROWS, Launcher, Recording, RowSet
 from ds4py.cuda.device_weights import DevTensor, check_gate_up, upload_entries
@@ -50,7 +50,7 @@ def _upload(rt: Any, store: Any, gguf, cfg) -> tuple[Any, dict[str, DevTensor], 
     return blk, tensors, fr
 
 
-class CudaMtp(MtpBase):
+class CudaMtp(CudaDraftStates, MtpBase):
     """The MTP draft block of a CudaModel, on the same device, runtime and state store."""
 
     def __init__(self, model, path: str | None = None):
@@ -69,14 +69,7 @@ class CudaMtp(MtpBase):
                                        hidden_in=True)
         self._runs: OrderedDict[Any, Any] = OrderedDict()
 
-    # ---- the interface RefMtp has ------------------------------------------------------------------------------
-    def new_state(self) -> CudaState:
-        self.store.reclaim()
-        return CudaState(self.layout, self.store)
-
-    def owns(self, state) -> bool:
-        return isinstance(state, CudaState) and state.layout == self.layout and state.store is self.store
-
+    # ---- the interface RefMtp has (new_state / owns / _export / _import: CudaDraftStates) ----------------------
     def _step(self, states: list[CudaState], hs: list[np.ndarray], ids: list[np.ndarray], all_logits: bool,
               logits: bool) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """MtpBase.step after its checks (hs: float32 [T, hc, dim], ids: int64 [T] per state)."""
@@ -112,15 +105,6 @@ class CudaMtp(MtpBase):
         if not logits:
             return [], out_h
         return [o if all_logits else o[0] for o in out_l], out_h
-
-    def _export(self, state: CudaState) -> dict[str, np.ndarray]:
-        return state.export()
-
-    def _import(self, n_tokens: int, n_written: int, arrays: dict[str, np.ndarray]) -> CudaState:
-        st = self.new_state()
-        st.n_tokens, st.n_written = n_tokens, n_written
-        st.load(arrays)
-        return st
 
     def weight_bytes_per_token(self) -> int:
         """Bytes one draft row reads: the MTP block (n_experts_used of n_experts routed experts), the main

@@ -1,6 +1,7 @@
 """The host part of V4.1's DSpark draft both backends share (MODEL.md §3, ds4py/ref/dspark.py for the math): a
-draft call's block and its Markov / confidence head, the greedy chain over it, and the bytes a call reads. Neither
-backend imports the other for it."""
+draft call's block and its Markov / confidence head, the greedy chain over it, the bytes a call reads, and
+DSparkBase (the checks and the state on disk every backend's draft class shares). Neither backend imports the
+other for it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from ds4py import schema
+from ds4py.contract import DraftBase
+from ds4py.errors import Ds4Error
+from ds4py.kv import state_layout
 from ds4py.quant import vq
 
 F32 = np.float32
@@ -71,3 +75,68 @@ def call_bytes(mc: Any, f: Any, block_size: int) -> int:
     names = {e.spec.field: e.name for e in schema.entries(mc) if e.spec.field in ("head", "embed")}
     head, embed = f.tensor(names["head"]), f.tensor(names["embed"])
     return total + head.nbytes + block_size * embed.nbytes // embed.shape[0]
+
+
+class DSparkBase(DraftBase):
+    """What every backend's DSpark draft shares: the draft's configuration from its model's, the checks of a feed
+    and of a draft call (one sentence per problem), the greedy chain, the bytes it reads and its state on disk
+    (DraftBase). A backend calls `DSparkBase.__init__(self, model)` and implements feed's ring writes, block's
+    forward and the state methods (its backend's DraftStates class)."""
+
+    noun = "DSpark draft"
+
+    def __init__(self, model: Any):
+        cfg = model.config
+        if not cfg.has_dspark:
+            raise Ds4Error(f"{model.path}: this model has no DSpark draft (no dspark.* tensors; convert a V4.1 "
+                           "checkpoint whose config declares one)")
+        self.model, self.main_config = model, cfg
+        self.config = cfg.dspark_block_config()
+        self.backend, self.numerics, self.fingerprint = model.backend, model.numerics, model.fingerprint
+        self.rollback_horizon = model.rollback_horizon
+        self.layout = state_layout(self.config, model.rollback_horizon)
+        self.block_size = cfg.dspark_block
+
+    def check_feed(self, states: Sequence[Any], taps: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """A feed's taps checked against its states: float32 [T, n_targets·D] each, within the context."""
+        mc = self.main_config
+        if len(states) != len(taps) or not states:
+            raise Ds4Error("a DSpark feed takes one taps array per state")
+        out = []
+        for st, tp in zip(states, taps):
+            if not self.owns(st):
+                raise Ds4Error("a DSpark feed needs states from this draft's new_state()")
+            tp = np.asarray(tp, F32)
+            if tp.ndim != 2 or tp.shape[1] != mc.dspark_tap_dim or not len(tp):
+                raise Ds4Error(f"DSpark taps must be [T, {mc.dspark_tap_dim}], got {list(tp.shape)}")
+            if st.n_tokens + len(tp) > mc.context_length:
+                raise Ds4Error(f"{st.n_tokens} + {len(tp)} DSpark ring positions exceed the context length "
+                               f"{mc.context_length}")
+            out.append(tp)
+        return out
+
+    def check_block(self, state: Any, token: int) -> int:
+        """A draft call's arguments checked: the state's last fed position t."""
+        if not self.owns(state):
+            raise Ds4Error("a DSpark draft call needs a state from this draft's new_state()")
+        t = state.n_tokens - 1
+        if t < 0:
+            raise Ds4Error("a DSpark draft call needs at least one fed main position")
+        if isinstance(token, bool) or not 0 <= int(token) < self.main_config.vocab_size:
+            raise Ds4Error(f"DSpark block token {token!r} is outside the vocabulary "
+                           f"(0..{self.main_config.vocab_size - 1})")
+        return t
+
+    def greedy(self, blk: DraftBlock, token: int, ids: Sequence[int] | None = None
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """greedy_chain(blk, token, ids): out [B + 1], logits [B, V], confidence [B]."""
+        return greedy_chain(blk, token, ids)
+
+    def routed_bytes_per_row(self) -> int:
+        """Bytes of routed experts one more main-model verify row reads."""
+        return routed_bytes_per_row(self.main_config, self.model.gguf)
+
+    def call_bytes(self) -> int:
+        """Bytes one draft call reads (the stages' dense tensors, the routed experts B rows pick, the shared head
+        and B embedding rows)."""
+        return call_bytes(self.main_config, self.model.gguf, self.block_size)

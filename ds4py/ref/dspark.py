@@ -32,62 +32,32 @@ from typing import Sequence
 
 import numpy as np
 
-from ds4py import kv, schema
-from ds4py.errors import Ds4Error
-from ds4py.host.dspark import DraftBlock, call_bytes, greedy_chain, routed_bytes_per_row  # noqa: F401 (DraftBlock: ref.dspark's name)
-from ds4py.kv import state_layout
+from ds4py import schema
+from ds4py.host.dspark import DraftBlock, DSparkBase
 from ds4py.ref import ops
 from ds4py.ref.forward import HcLag, Seq, block, kv_store
-from ds4py.ref.state import RefState
+from ds4py.ref.state import RefDraftStates, RefState
 
 F32 = np.float32
 
 
-class RefDSpark:
+class RefDSpark(RefDraftStates, DSparkBase):
     """The DSpark draft of a RefModel (numpy, fp32; the main model's numerics, so --no-fake-quant also turns off the
     draft's FP8 quant-dequant)."""
 
-    backend = "ref"
-
     def __init__(self, model):
-        cfg = model.config
-        if not cfg.has_dspark:
-            raise Ds4Error(f"{model.path}: this model has no DSpark draft (no dspark.* tensors; convert a V4.1 "
-                           "checkpoint whose config declares one)")
-        self.model, self.main_config = model, cfg
-        self.config = cfg.dspark_block_config()
-        self.numerics = model.numerics
+        super().__init__(model)
         self.weights = model.weights                       # the same file: one dequant cache
-        self.binding = schema.bind_dspark(cfg, model.gguf.tensor)
-        self.rollback_horizon = model.rollback_horizon
-        self.layout = state_layout(self.config, model.rollback_horizon)
-        self.block_size = cfg.dspark_block
-        self.fingerprint = model.fingerprint
-
-    def new_state(self) -> RefState:
-        return RefState(self.layout)
-
-    def owns(self, state) -> bool:
-        return isinstance(state, RefState) and state.layout == self.layout
+        self.binding = schema.bind_dspark(self.main_config, model.gguf.tensor)
 
     # ---- the rings ----------------------------------------------------------------------------------------
     def feed(self, states: Sequence[RefState], taps: Sequence[np.ndarray]) -> None:
         """Write each state's rings for the main positions state.n_tokens .. + len(taps[i]) − 1 (taps[i]: their
         [T, n_targets·D] taps from model.step_taps) and advance it. Only the rows a ring keeps are computed."""
         cfg, w, D = self.config, self.weights, self.binding
-        if len(states) != len(taps) or not states:
-            raise Ds4Error("a DSpark feed takes one taps array per state")
         rows, seqs, at = [], [], 0
-        for st, tp in zip(states, taps):
-            if not self.owns(st):
-                raise Ds4Error("a DSpark feed needs states from this draft's new_state()")
-            tp = np.asarray(tp, F32)
-            if tp.ndim != 2 or tp.shape[1] != self.main_config.dspark_tap_dim or not len(tp):
-                raise Ds4Error(f"DSpark taps must be [T, {self.main_config.dspark_tap_dim}], got {list(tp.shape)}")
+        for st, tp in zip(states, self.check_feed(states, taps)):
             n0 = st.n_tokens
-            if n0 + len(tp) > self.main_config.context_length:
-                raise Ds4Error(f"{n0} + {len(tp)} DSpark ring positions exceed the context length "
-                               f"{self.main_config.context_length}")
             keep = min(len(tp), self.layout.parts[0].capacity)
             rows.append(tp[len(tp) - keep:])
             seqs.append((st, np.arange(n0 + len(tp) - keep, n0 + len(tp)), slice(at, at + keep), len(tp)))
@@ -120,14 +90,9 @@ class RefDSpark:
     # ---- one draft call -------------------------------------------------------------------------------------
     def block(self, state: RefState, token: int) -> DraftBlock:
         """The block after the state's last fed position t (block token 0 = `token`, the token at t + 1)."""
-        if not self.owns(state):
-            raise Ds4Error("a DSpark draft call needs a state from this draft's new_state()")
+        t = self.check_block(state, token)
         cfg, mc, w, D = self.config, self.main_config, self.weights, self.binding
-        t, Bn = state.n_tokens - 1, self.block_size
-        if t < 0:
-            raise Ds4Error("a DSpark draft call needs at least one fed main position")
-        if isinstance(token, bool) or not 0 <= int(token) < mc.vocab_size:
-            raise Ds4Error(f"DSpark block token {token!r} is outside the vocabulary (0..{mc.vocab_size - 1})")
+        Bn = self.block_size
         ids = np.array([int(token)] + [mc.dspark_noise_id] * (Bn - 1), np.int64)
         pos = np.arange(t + 1, t + 1 + Bn)
         mw, MB = self.model.weights, self.model.binding
@@ -161,28 +126,3 @@ class RefDSpark:
         o = ops.rope_tail(o, pos, freqs, inverse=True)
         u = w.grouped_linear(A.out_a, o.reshape(Bn, cfg.o_groups, -1))
         return w.linear(A.out_b, u.reshape(Bn, -1))
-
-    def greedy(self, blk: DraftBlock, token: int, ids: Sequence[int] | None = None
-               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """greedy_chain(blk, token, ids) (ds4py.host.dspark): the block's greedy chain on the host."""
-        return greedy_chain(blk, token, ids)
-
-    # ---- state on disk, costs -------------------------------------------------------------------------------
-    def save_state(self, state: RefState) -> bytes:
-        """The rings as a DS4PYKV blob under the model's fingerprint (the speculative pair adds the main state)."""
-        if not self.owns(state):
-            raise Ds4Error("save_state needs a state from this DSpark draft's new_state()")
-        return kv.encode_state(self.fingerprint, self.numerics.to_dict(), self.layout, state.n_tokens,
-                               state.n_written, state.export(), self.backend)
-
-    def load_state(self, data: bytes) -> RefState:
-        n_tokens, n_written, arrays = kv.decode_state(data, self.fingerprint, self.numerics.to_dict(), self.layout)
-        return RefState.from_parts(self.layout, n_tokens, n_written, arrays)
-
-    def routed_bytes_per_row(self) -> int:
-        """Bytes of routed experts one more main-model verify row reads (ds4py.host.dspark)."""
-        return routed_bytes_per_row(self.main_config, self.model.gguf)
-
-    def call_bytes(self) -> int:
-        """Bytes one draft call reads (ds4py.host.dspark)."""
-        return call_bytes(self.main_config, self.model.gguf, self.block_size)

@@ -26,25 +26,19 @@ from ds4py.contract import MtpBase
 from ds4py.quant import vq
 from ds4py.ref import ops
 from ds4py.ref.forward import Seq, block
-from ds4py.ref.state import RefState
+from ds4py.ref.state import RefDraftStates, RefState
 from ds4py.ref.weights import DEFAULT_CACHE_BYTES, FUSED_MAX_ROWS, Weights
 
 F32 = np.float32
 
 
-class RefMtp(MtpBase):
+class RefMtp(RefDraftStates, MtpBase):
     """The MTP draft block of a RefModel (numpy, fp32; the main model's numerics)."""
 
     def __init__(self, model, path: str | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES):
         super().__init__(model, path)
         self.weights = model.weights if path is None else Weights(self.gguf, cache_bytes, model.numerics.act_quant)
         self.binding = schema.bind_mtp(model.config, self.gguf.tensor)
-
-    def new_state(self) -> RefState:
-        return RefState(self.layout)
-
-    def owns(self, state) -> bool:
-        return isinstance(state, RefState) and state.layout == self.layout
 
     def _step(self, states: list[RefState], hs: list[np.ndarray], ids: list[np.ndarray], all_logits: bool,
               logits: bool) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -114,12 +108,6 @@ class RefMtp(MtpBase):
             res.append(lg[at:at + n] if all_logits else (lg[at] if n else None))
             at += n
         return res, out
-
-    def _export(self, state: RefState) -> dict[str, np.ndarray]:
-        return state.export()
-
-    def _import(self, n_tokens: int, n_written: int, arrays: dict[str, np.ndarray]) -> RefState:
-        return RefState.from_parts(self.layout, n_tokens, n_written, arrays)
 
     def weight_bytes_per_token(self) -> int:
         """Bytes one draft row reads: the MTP block (n_experts_used of n_experts routed experts), the main

@@ -70,3 +70,22 @@ class RefState(StateCounters):
             elif len(a):
                 st.rows(p.layer, p.name, len(a))[: len(a)] = a
         return st
+
+
+class RefDraftStates:
+    """The state methods of the reference backend's draft models (RefMtp, RefDSpark; contract.DraftBase): a
+    RefState of the draft's layout."""
+
+    layout: StateLayout
+
+    def new_state(self) -> RefState:
+        return RefState(self.layout)
+
+    def owns(self, state) -> bool:
+        return isinstance(state, RefState) and state.layout == self.layout
+
+    def _export(self, state: RefState) -> dict[str, np.ndarray]:
+        return state.export()
+
+    def _import(self, n_tokens: int, n_written: int, arrays: dict[str, np.ndarray]) -> RefState:
+        return RefState.from_parts(self.layout, n_tokens, n_written, arrays)

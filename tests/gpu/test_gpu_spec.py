@@ -12,7 +12,7 @@ from gpu_sizes import ON_EMULATOR, shrink
 from ds4py.model import open_mtp
 from ds4py.sampling import SamplingParams
 from ds4py.session import Session, TokenEvent
-from ds4py.spec import SpecModel
+from ds4py.mtp_spec import MtpSpec
 from spec_fakes import NullTokenizer, OracleDraft
 from tests.gpu.test_gpu_engine import _cuda
 
@@ -45,11 +45,11 @@ def test_gpu_greedy_speculation_is_byte_identical(cuda):
     m, mtp = cuda
     n = shrink(24, 4)
     plain = _tokens(m, n)                                       # device-side generation
-    spec = SpecModel(m, mtp, fixed_k=3)
+    spec = MtpSpec(m, mtp, fixed_k=3)
     assert _tokens(spec, n) == plain and spec.stats.drafted > 0
     truth = PROMPT + plain
     for k in (2,) if ON_EMULATOR else (2, 5):
-        spec = SpecModel(m, OracleDraft(truth, m.config.vocab_size, {len(PROMPT) + 2}), fixed_k=k)
+        spec = MtpSpec(m, OracleDraft(truth, m.config.vocab_size, {len(PROMPT) + 2}), fixed_k=k)
         assert _tokens(spec, n) == plain
         assert 0 < spec.stats.accepted < spec.stats.drafted
 

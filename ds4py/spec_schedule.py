@@ -1,0 +1,398 @@
+"""The speculative scheduler and its costs (ds4py.spec drives the rounds; docs/spec.md "The scheduler"): what a
+round of k drafts costs (MeasuredCosts: a model's measured step times; ByteCosts: the files' bytes, for a seeded
+sampled request), the acceptance calibration of a request (_Calibration) and the choice of k (Scheduler). The
+same for every draft (the MTP block, DSpark): a draft differs only in its costs and its confidence σ."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+class _Median:
+    """The median of the samples so far: robust to a step the OS descheduled (on a shared machine one step in a
+    few can take several times its cost, which pulled a running mean, and with it k, around)."""
+
+    def __init__(self):
+        self.samples: list[float] = []
+        self._value: float | None = None
+
+    def add(self, v: float) -> None:
+        self.samples.append(v)
+        self._value = None
+
+    @property
+    def n(self) -> int:
+        return len(self.samples)
+
+    def value(self) -> float | None:
+        if self._value is None and self.samples:
+            self._value = float(np.median(self.samples))
+        return self._value
+
+
+def _count_medians(rows: dict[int, list[float]]) -> list[tuple[int, float, int]]:
+    """(count, median, weight) per row count; a count's first sample is a warm-up, left out once it has a second."""
+    return sorted((r, float(np.median(v[1:] if len(v) > 1 else v)), len(v) - (len(v) > 1)) for r, v in rows.items())
+
+
+def _line(pts: list[tuple[int, float, int]]) -> tuple[float, float] | None:
+    """The weighted least-squares line t ≈ a + b·r through per-count medians (b ≥ 0: noise can tilt it, a step
+    never gets cheaper with rows), or None below two counts."""
+    if len(pts) < 2:
+        return None
+    r, t, w = (np.array(x, float) for x in zip(*pts))
+    rm, tm = np.average(r, weights=w), np.average(t, weights=w)
+    b = max(float(np.sum(w * (r - rm) * (t - tm)) / np.sum(w * (r - rm) ** 2)), 0.0)
+    return float(tm - b * rm), b
+
+
+class MeasuredCosts:
+    """Costs of a model's steps on the scheduler's clock (SpecModel.costs: every unseeded request of the model
+    adds its samples and reads the same estimates): a plain step (the main step; the MTP rows it
+    leaves pending are caught up by the next draft), a chained draft step (running median), a first draft step
+    as a line g + m·r in the r pending MTP rows it catches up (m: what the MTP block costs per decoded token,
+    paid by speculative tokens and by the plain steps between rounds alike), and a verify of r rows as a line
+    a + b·r through the per-count medians (weighted least squares, weight = samples; a count's first sample is a
+    warm-up, left out once the count has a second).
+
+    The verify slope is floored by the marginal cost of the best-measured extra row, median(r=2) − median(r=1)
+    (every plain step times r = 1, every k = 1 round r = 2): on the trained tiny model the least-squares slope
+    through few, noisy long-round counts came out 2.5–5 ms per row against ~3.6 ms measured directly, so long
+    rounds looked cheap and the scheduler lost up to 13% on prose. The floor errs toward short rounds, whose
+    cost is measured best."""
+
+    deterministic = False
+
+    def __init__(self):
+        self._plain, self._first, self._chain = _Median(), _Median(), _Median()
+        self._rows: dict[int, list[float]] = {}
+        self._first_rows: dict[int, list[float]] = {}
+        self._line: tuple[float, float] | None = None
+        self._catch: tuple[float, float] | None = None
+        self._stale = True
+
+    def observe_plain(self, seconds: float) -> None:
+        self._plain.add(seconds)
+
+    def observe_draft(self, first: bool, seconds: float, rows: int = 1) -> None:
+        """A draft step's time; a first one also ran `rows` pending MTP rows (the last one gives its logits)."""
+        (self._first if first else self._chain).add(seconds)
+        if first:
+            self._first_rows.setdefault(rows, []).append(seconds)
+            self._stale = True
+
+    def observe_verify(self, rows: int, seconds: float) -> None:
+        self._rows.setdefault(rows, []).append(seconds)
+        self._stale = True
+
+    def _refit(self) -> None:
+        if not self._stale:
+            return
+        self._stale = False
+        pts = _count_medians(self._rows)
+        line = _line(pts)
+        if line is not None:
+            med = {r: (t, w) for r, t, w in pts}
+            if 1 in med and 2 in med and min(med[1][1], med[2][1]) >= 2:
+                floor = med[2][0] - med[1][0]
+                if floor > line[1]:            # pivot the line about its weighted centre onto the floor slope
+                    r, t, w = (np.array(x, float) for x in zip(*pts))
+                    rm, tm = np.average(r, weights=w), np.average(t, weights=w)
+                    line = (float(tm - floor * rm), float(floor))
+        self._line = line
+        self._catch = _line(_count_medians(self._first_rows))
+
+    def line(self) -> tuple[float, float] | None:
+        self._refit()
+        return self._line
+
+    def catch_up(self) -> float:
+        """m: the first draft step's cost per pending MTP row (0 until two row counts are measured)."""
+        self._refit()
+        return self._catch[1] if self._catch is not None else 0.0
+
+    def verified(self) -> bool:
+        return bool(self._rows)
+
+    def known(self) -> bool:
+        return self.line() is not None and self._first.n > 0
+
+    def verify(self, rows: int) -> float:
+        a, b = self.line()
+        return max(a + b * rows, 1e-12)
+
+    def plain(self) -> float:
+        return self._plain.value() or self.verify(1)
+
+    def draft(self, first: bool) -> float:
+        """A chained step's median; a first step's cost without its catch-up rows (g + m, one row: the row of the
+        round's own token), the plain median until two row counts are measured."""
+        if first:
+            self._refit()
+            if self._catch is not None:
+                return max(self._catch[0] + self._catch[1], 1e-12)
+        v = (self._first if first else self._chain).value()
+        return v if v is not None else self._first.value()
+
+
+class ByteCosts:
+    """Deterministic costs for a seeded sampled request (its tokens depend on the drafts, so its k must not
+    depend on the clock): the bytes each step reads, the decode roofline. A verify of r rows reads the dense
+    weights once and r rows' routed experts (no sharing assumed); a first draft step reads the draft (MTP: the
+    block and the head), a chained one `chain_bytes` (MTP: the same; DSpark: nothing, its block holds every
+    position); a plain step the model and what the draft reads per main row beyond the head (MTP: its catch-up
+    row)."""
+
+    deterministic = True
+
+    def __init__(self, main_bytes: int, routed_bytes: int, draft_bytes: int, head_bytes: int,
+                 chain_bytes: int | None = None):
+        self.main, self.routed, self.draft_b, self.head = main_bytes, routed_bytes, draft_bytes, head_bytes
+        self.chain = draft_bytes if chain_bytes is None else chain_bytes
+
+    def observe_plain(self, seconds: float) -> None:
+        pass
+
+    def observe_draft(self, first: bool, seconds: float, rows: int = 1) -> None:
+        pass
+
+    def catch_up(self) -> float:
+        return 0.0                             # plain() already counts the MTP block's row per token
+
+    def observe_verify(self, rows: int, seconds: float) -> None:
+        pass
+
+    def verified(self) -> bool:
+        return True
+
+    def known(self) -> bool:
+        return True
+
+    def verify(self, rows: int) -> float:
+        return float(self.main + (rows - 1) * self.routed)
+
+    def plain(self) -> float:
+        return float(self.main + self.draft_b - self.head)
+
+    def draft(self, first: bool) -> float:
+        return float(self.draft_b if first else self.chain)
+
+
+class _Calibration:
+    """Acceptance as a function of the draft's confidence σ, from (σ, hit) pairs: the least-squares line
+    hit ≈ c0 + c1·σ (c1 ≥ 0, clipped to [0, 1]) once two pairs differ in σ, else ρ·σ with ρ = Σ hit / Σ σ (1
+    before any pair). Running sums: O(1) per pair."""
+
+    def __init__(self):
+        self.n, self.hits, self.sigma, self.sq, self.cross = 0, 0.0, 0.0, 0.0, 0.0
+        self.line: tuple[float, float] | None = None
+
+    def add(self, sigma: float, hit: float) -> None:
+        self.n += 1
+        self.hits += hit
+        self.sigma += sigma
+        self.sq += sigma * sigma
+        self.cross += sigma * hit
+        ms, mh = self.sigma / self.n, self.hits / self.n
+        var = self.sq / self.n - ms * ms
+        if self.n < 2 or var <= 1e-12 * max(ms * ms, 1e-12):      # one σ so far (or all equal): no slope
+            self.line = None
+            return
+        c1 = max(0.0, (self.cross / self.n - ms * mh) / var)
+        self.line = (mh - c1 * ms, c1)
+
+    def rho(self) -> float:
+        return self.hits / self.sigma if self.sigma > 0 else 1.0
+
+    def __call__(self, sigmas) -> np.ndarray:
+        s = np.asarray(sigmas, float)
+        if self.line is None:
+            return np.minimum(1.0, self.rho() * s)
+        return np.clip(self.line[0] + self.line[1] * s, 0.0, 1.0)
+
+
+class Scheduler:
+    """Chooses each round's k from the model's costs and the request's acceptance, no tuned constants (seed 000
+    §4.4), for every draft (MTP, DSpark).
+
+    A round of k drafts yields E(k) = 1 + Σ_{j≤k} a_j tokens on average, a_j = Π_{i≤j} c_i(σ_i) the survival of
+    the first j drafts; σ_i is the draft's confidence at position i (MTP: the largest probability of its
+    distribution q_i; DSpark: its confidence head, σ(c_i)), and c_i the request's calibration of σ to an acceptance probability (_Calibration: the
+    least-squares line hit ≈ c0 + c1·σ, c1 ≥ 0, clipped to [0, 1]; ρ·σ with ρ = Σ hit / Σ σ until two samples
+    differ in σ). Two calibrations: the first position's, from every round (its acceptance is known from verify
+    row 0 even when it is not verified: [argmax p = argmax q] greedy, Σ min(p, q) sampled), and the chained
+    positions', from every position i ≥ 2 a verify reached (the ones before it accepted: an unbiased sample of
+    its conditional acceptance), the first's until it has a sample, rescaled per depth j by κ_j = Σ hits / Σ
+    predicted over the positions ≥ j reached (_depth_factors). Why not ρ·σ alone, as first written: on the
+    trained tiny model a first draft with σ < 0.2 is still accepted 34% of the time and one with σ > 0.9 93%
+    (a line through the origin under-rates the many unconfident drafts and over-rates the confident ones), and
+    chained drafts, made from the block's own output state, were kept far less often than the first position's
+    calibration predicted (rounds of 16: 12.4 predicted, 1.5 kept; docs/spec.md "The scheduler").
+    A round costs the draft steps spent, verify(1 + k) and the MTP rows its E tokens leave for the next draft
+    step (m·E, MeasuredCosts.catch_up); a plain step costs plain(). Decisions, each before the token it concerns
+    is drawn (a sampled round must not pick its drafts by their values, or rejection sampling stops being exact):
+    - draft at all only if drafting pays (drafting_pays: over the σ_1 seen so far, rounds decided as include()
+      would, k = 1 or a wasted draft at k = 0, out-earn plain steps), else probe after 1, 2, 4, ... plain steps
+      (the gap doubles while drafting does not pay, resets when it does): O(log n) probes. It was the
+      acceptance's UCB1 bound (mean + sqrt(2 ln decisions / rounds)): over a 96-token answer the bonus stays
+      ~0.5, so the scheduler drafted every round near break-even and paid a draft step (~15% of a plain step on
+      the trained tiny model) on each round whose σ_1 then said k = 0;
+    - with q_i computed, verify position i only if it raises E / T: (E(i−1) + a_i) / (spent + verify(1 + i))
+      > E(i−1) / (spent + verify(i)), and only up to one position beyond the longest run of drafts a verify has
+      accepted so far in this request (the horizon grows as runs are accepted: a deep chain is tried only after
+      the one below it has paid);
+    - with d_i drawn, compute q_{i+1} (one more chained step) only if even a_{i+1} = a_i (the best it can be)
+      would pay for that step and the longer verify.
+    Bootstrap (no cost line yet): the first round drafts and verifies BOOTSTRAP_DRAFTS positions, the next is a
+    plain step, which gives the verify line its two points (r = 1 and r = 1 + BOOTSTRAP_DRAFTS; later rounds add
+    the counts they choose). Timing only changes k: greedy tokens are the same for every k, and a seeded sampled
+    request uses ByteCosts. `fixed_k` replaces all of this by k = fixed_k drafts every round (as far as k_max
+    allows): for benchmarks and tests."""
+
+    # The bootstrap round's length. It was k_max (16 on the reference): 15 chained draft steps and a 17-row
+    # verify cost ~8 plain steps on the CPU for ~1.5-2 tokens, 5-10% of a 64..128-token answer, before the
+    # scheduler had a cost to decide with. Two drafts give the line a second point two rows away from the
+    # plain step's, for one chained step.
+    BOOTSTRAP_DRAFTS = 2
+
+    def __init__(self, costs, k_max: int, fixed_k: int | None = None):
+        self.costs, self.k_max, self.fixed_k = costs, k_max, fixed_k
+        self.first_hits = 0.0          # Σ first-position acceptance (probability, or 0/1 greedy)
+        self.first_sigma = 0.0         # Σ σ_1 over the same rounds
+        self.first_rounds = 0
+        self.decisions = 0
+        self.first = _Calibration()    # first positions: every round's (σ_1, first-position acceptance)
+        self.chained = _Calibration()  # chained positions i ≥ 2 that a verify reached (σ_i, accepted)
+        self.depth = 0                 # the deepest position a verify has accepted so far
+        self.first_sigmas: list[float] = []    # every recorded round's σ_1
+        self.depth_hits: dict[int, float] = {}  # per chained position j: Σ accepted, Σ predicted (_depth_factors)
+        self.depth_pred: dict[int, float] = {}
+        self.gap, self.skipped = 1, 0  # plain steps between probes while drafting does not pay (doubling)
+
+    def rho(self) -> float:
+        return self.first_hits / self.first_sigma if self.first_sigma > 0 else 1.0
+
+    def calibrated(self, sigmas: Sequence[float]) -> np.ndarray:
+        """The acceptance probability of the drafts at positions 1..len(sigmas), given the ones before were
+        accepted (see the class docstring): the first position's calibration for σ_1, the chained positions' for
+        the rest (the first position's until a verify has reached a chained position)."""
+        first = self.first(sigmas[:1])
+        rest = (self.chained if self.chained.n else self.first)(sigmas[1:])
+        return np.concatenate([first, np.minimum(1.0, rest * self._depth_factors(len(rest)))])
+
+    def _depth_factors(self, n: int) -> np.ndarray:
+        """κ_j for chained positions j = 2..n+1: Σ hits / Σ predicted acceptance over the positions ≥ j a verify
+        reached (each prediction the calibration's at the time, before its own sample), a pseudo-count of one
+        each; positions deeper than any reached take the deepest κ. Why: the chained line pools every depth, and
+        a draft chained from its own outputs drifts further at every step; on prose rounds of 6 drafts were
+        predicted to yield 4.2 tokens and yielded 2.4 (docs/spec.md "The scheduler")."""
+        out = np.ones(n)
+        if not n or not self.depth_pred:
+            return out
+        hits = pred = 0.0
+        top = max(self.depth_pred)
+        kappa = {}
+        for j in range(top, 1, -1):               # suffix sums: positions ≥ j
+            hits += self.depth_hits.get(j, 0.0)
+            pred += self.depth_pred.get(j, 0.0)
+            kappa[j] = (hits + 1.0) / (pred + 1.0)
+        for i in range(n):
+            out[i] = kappa.get(min(i + 2, top), 1.0)
+        return out
+
+    def _expected(self, sigmas: Sequence[float]) -> tuple[float, float]:
+        """(E(j), a_j) for the j = len(sigmas) positions so far."""
+        a = np.cumprod(self.calibrated(sigmas))
+        return 1.0 + float(a.sum()), float(a[-1])
+
+    def _spent(self, j: int) -> float:
+        """Draft cost of computing q_1..q_j."""
+        return self.costs.draft(True) + (j - 1) * self.costs.draft(False)
+
+    def _free(self) -> bool:
+        """Bootstrap or a fixed k: positions are taken as far as allowed."""
+        return self.fixed_k is not None or not self.costs.known()
+
+    def _free_k(self) -> int:
+        return min(self.k_max, self.BOOTSTRAP_DRAFTS if self.fixed_k is None else self.fixed_k)
+
+    def should_draft(self, k_max: int) -> bool:
+        self.decisions += 1
+        if k_max < 1 or self.fixed_k is not None:
+            return k_max >= 1 and bool(self.fixed_k)
+        if not self.costs.known():
+            return not self.costs.verified()          # bootstrap: a short block, then one plain row
+        if self.first_rounds == 0:
+            return True
+        if self.drafting_pays():
+            self.gap, self.skipped = 1, 0
+            return True
+        if self.skipped >= self.gap:               # a probe: the calibration and the costs may have moved
+            self.gap, self.skipped = 2 * self.gap, 0
+            return True
+        self.skipped += 1
+        return False
+
+    def drafting_pays(self) -> bool:
+        """Does a round that drafts q_1 out-earn plain steps, over the first-position confidences σ_1 seen so far
+        (each round's value as include() would decide it: k = 1 at E = 1 + c(σ_1) tokens, or the draft step
+        wasted on a k = 0 round)? The long-run rate Σ tokens / Σ cost against 1 / plain(). Positions beyond the
+        first only add (include() takes them only when they raise the rate), so this errs toward plain."""
+        c = self.first(self.first_sigmas)
+        spent = self._spent(1)
+        one, zero = self._round(spent, 2, 1 + c), self._round(spent, 1, 1.0)
+        take = (1 + c) / one > 1 / zero
+        tokens = np.where(take, 1 + c, 1.0).sum()
+        cost = np.where(take, one, zero).sum()
+        return tokens / cost > 1 / self.costs.plain()
+
+    def _round(self, spent: float, rows: int, tokens: float) -> float:
+        """A round's cost: its draft steps, the verify of `rows` rows and the MTP rows its `tokens` leave for the
+        next draft step to catch up (a plain step's row is charged nothing: plain decoding, the baseline, runs
+        no MTP block)."""
+        return spent + self.costs.verify(rows) + self.costs.catch_up() * tokens
+
+    def include(self, sigmas: Sequence[float]) -> bool:
+        """q_i is known (σ_i = sigmas[-1]): verify position i?"""
+        i = len(sigmas)
+        if self._free():
+            return i <= self._free_k()
+        if i > self.depth + 1:          # one position beyond the deepest one accepted so far, no further
+            return False
+        E, a = self._expected(sigmas)
+        spent = self._spent(i)
+        return E / self._round(spent, 1 + i, E) > (E - a) / self._round(spent, i, E - a)
+
+    def keep_drafting(self, sigmas: Sequence[float], k_max: int) -> bool:
+        """d_i is drawn: compute q_{i+1}?"""
+        i = len(sigmas)
+        if i >= k_max or (self.fixed_k is not None and i >= self.fixed_k):
+            return False
+        if self._free():
+            return i < self._free_k()
+        if i >= self.depth + 1:
+            return False
+        E, a = self._expected(sigmas)
+        spent = self._spent(i)
+        more = (E + a) / self._round(spent + self.costs.draft(False), i + 2, E + a)
+        return more > E / self._round(spent, i + 1, E)
+
+    def record(self, first_hit: float, sigma1: float) -> None:
+        self.first_hits += first_hit
+        self.first_sigma += sigma1
+        self.first_rounds += 1
+        self.first.add(float(sigma1), float(first_hit))
+        self.first_sigmas.append(float(sigma1))
+
+    def accepted_run(self, a: int) -> None:
+        """A verify accepted the drafts at positions 1..a."""
+        self.depth = max(self.depth, a)
+
+    def record_chained(self, sigma: float, hit: float, position: int = 2) -> None:
+        """A chained position (i ≥ 2) a verify reached (the drafts before it accepted): its σ_i and whether it
+        was accepted."""
+        c = self.chained if self.chained.n else self.first
+        self.depth_pred[position] = self.depth_pred.get(position, 0.0) + float(c([sigma])[0])
+        self.depth_hits[position] = self.depth_hits.get(position, 0.0) + float(hit)
+        self.chained.add(float(sigma), float(hit))
