@@ -115,6 +115,7 @@ _POW3 = 3 ** np.arange(8, dtype=np.int64)
 KMAP3 = np.full(3 ** 8, -1, np.int64)                              # base-3 code of 8 levels -> grid index
 KMAP3[GRID_L @ _POW3] = np.arange(256)
 GROUP_MAX_EPS = np.float32(1e-15)
+_GRID_QT = np.ascontiguousarray((2 * GRID_L + 1).T.astype(np.float32))     # (8, 256): q = 2l + 1 per coordinate
 
 
 def _neighbours() -> np.ndarray:
@@ -150,16 +151,23 @@ def _snap(L: np.ndarray, xval: np.ndarray, waux: np.ndarray, scale: np.ndarray) 
     """Levels L (G, 4, 8) -> grid indices (G, 4); off-grid 8-tuples move (in place in L) to the neighbour with the
     least sum waux * (scale * q - xval)^2."""
     if not _NEIGHBOURS:
-        _NEIGHBOURS.append(_neighbours())
+        nb = _neighbours()
+        _NEIGHBOURS.extend([nb, (nb != nb[:, :1]).sum(1) + 1])
     code = L @ _POW3
     gi = KMAP3[code]
     g, k = np.nonzero(gi < 0)
+    nb, count = _NEIGHBOURS
+    order = np.argsort(count[code[g, k]], kind="stable")               # few neighbours (median 14 of up to 150)
+    g, k = g[order], k[order]                                          # first: chunks padded only to their width
     for c0 in range(0, g.size, _SNAP_CHUNK):                           # (m, width, 8) floats per chunk
         gc, kc = g[c0:c0 + _SNAP_CHUNK], k[c0:c0 + _SNAP_CHUNK]
-        cand = _NEIGHBOURS[0][code[gc, kc]]                            # (m, width)
-        q = (2 * GRID_L[cand] + 1).astype(np.float32)
-        diff = scale[gc, None, None] * q - xval[gc, kc][:, None, :]
-        best = cand[np.arange(gc.size), np.argmin(_seqsum(waux[gc, kc][:, None, :] * diff * diff), axis=1)]
+        cand = nb[code[gc, kc], :count[code[gc[-1], kc[-1]]]]          # (m, width)
+        sc, xs, ws = scale[gc, None], xval[gc, kc], waux[gc, kc]
+        d2 = np.zeros(cand.shape, np.float32)
+        for i in range(8):                                             # left to right, as ggml: same ties
+            diff = sc * _GRID_QT[i][cand] - xs[:, i, None]
+            d2 += ws[:, i, None] * diff * diff
+        best = cand[np.arange(gc.size), np.argmin(d2, axis=1)]
         gi[gc, kc] = best
         L[gc, kc] = GRID_L[best]
     return gi
