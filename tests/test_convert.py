@@ -172,7 +172,7 @@ def test_default_types_follow_ds4_tiny_layout(golden, converted):
 
 
 @pytest.mark.parametrize("experts,gate_qt,bound", [("q4_k", QT.Q4_K, 0.12), ("q2_k", QT.Q2_K, 0.5),
-                                                   ("iq2_xxs", QT.IQ2_XXS, 0.45), ("iq2_xxs_q2_k", QT.IQ2_XXS, 0.45)])
+                                                   ("iq2_xxs", QT.IQ2_XXS, 0.45)])
 def test_lossy_expert_types(golden, tmp_path, experts, gate_qt, bound):
     out = tmp_path / "e.gguf"
     convert_checkpoint(str(golden / "v4-tiny"), str(out), experts=experts, progress=False)
