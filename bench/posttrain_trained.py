@@ -13,6 +13,9 @@ is the teacher's top-1 ("the model should have written a, not b"). posttrain-fit
 gates flip ≥ 0.5 / keep ≥ 0.95; `--ridge` passed on) is solved on each of the first `--train` requests alone and scored by a real
 forward on that request (flipped = decision rows whose top-1 became the target; kept = other rows whose top-1
 stayed) and on the other requests (held out: their own decision points, kept rows, same top-1 vs the teacher).
+`--generated`: the requests' continuations are base + sidecar's own greedy output instead of the text (the seed's
+setting: decisions in what the model wrote), plus free greedy generation with the file from the request's prompt
+(does the first decision point flip in generation; how often would the teacher pick the generated tokens).
 """
 
 from __future__ import annotations
@@ -51,6 +54,38 @@ def score_rows(m: RefModel, ids: np.ndarray, P: int) -> np.ndarray:
     first = m.prefill(st, list(map(int, ids[:P])), all_logits=False)
     rows = [np.asarray(first).reshape(-1)] + [m.decode(st, int(t)) for t in ids[P:]]
     return np.stack(rows).astype(np.float32)
+
+
+def greedy(m: RefModel, prompt: np.ndarray, n: int) -> np.ndarray:
+    """n tokens of greedy free generation after the prompt (prefill, then decode)."""
+    st = m.new_state()
+    lg, out = m.prefill(st, list(map(int, prompt)), all_logits=False), []
+    for _ in range(n):
+        out.append(int(np.argmax(lg)))
+        lg = m.decode(st, out[-1])
+    return np.asarray(out, np.int64)
+
+
+def free_generation(m: RefModel, plain: RefModel, teacher: RefModel, req: np.ndarray, targets: np.ndarray,
+                    P: int) -> dict:
+    """Greedy free generation from the request's prompt, without and with the post-training file: does the first
+    decision point's token flip in generation (the request must be plain's own greedy output for the first
+    decision row to be reached), and how often would the teacher have chosen each generated token (teacher-forced
+    on the generated text)?"""
+    n = len(req) - P
+    gens = {"before": greedy(plain, req[:P], n), "after": greedy(m, req[:P], n)}
+    out = {}
+    for k, g in gens.items():
+        t = score_rows(teacher, np.concatenate([req[:P], g]), P)[:-1].argmax(1)
+        out[f"teacher_agrees_{k}"] = float((t == g).mean())
+    first = int(np.flatnonzero(targets >= 0)[0]) if (targets >= 0).any() else None   # score row = gen index
+    out["first_decision_row"] = first
+    if first is not None:
+        out["prefix_kept"] = bool(np.array_equal(gens["after"][:first], gens["before"][:first]))
+        out["first_decision_flipped"] = bool(gens["after"][first] == targets[first])
+    out["diverged_at"] = int(np.argmax(gens["after"] != gens["before"])) if (gens["after"] != gens["before"]).any() \
+        else None
+    return out
 
 
 def ensure_files(work: Path) -> tuple[Path, Path]:
@@ -94,6 +129,9 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=96)
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--ridge", default="1e-3", help="posttrain-fit --ridge")
+    ap.add_argument("--generated", action="store_true",
+                    help="requests = the prompt + base + sidecar's own greedy continuation (not the text's), and "
+                         "free greedy generation with the file on its own request")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="posttrain_trained_"))
@@ -102,7 +140,7 @@ def main() -> int:
     tok = Tokenizer.from_gguf(str(teacher_path))
     teacher_m = RefModel(str(teacher_path), threads=1)
     P, T = args.prompt, args.prompt + args.gen
-    res: dict = {"prompt": P, "gen": args.gen, "ridge": args.ridge, "domains": {}}
+    res: dict = {"prompt": P, "gen": args.gen, "ridge": args.ridge, "generated": args.generated, "domains": {}}
     print("| domain | fitted on | scored on | decision points | flipped | other rows kept | same top-1 vs teacher "
           "before → after | true next token before → after (teacher) | fit s | gate |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -113,14 +151,16 @@ def main() -> int:
         offs = np.linspace(0, len(ids_all) - T, args.requests).astype(int)
         reqs = [ids_all[o:o + T] for o in offs]
         plain = RefModel(str(base), threads=1, sidecar=str(sc))
+        if args.generated:                # the request = base + sidecar's own greedy answer to the prompt
+            reqs = [np.concatenate([r[:P], greedy(plain, r[:P], args.gen)]) for r in reqs]
         before = [score_rows(plain, r, P) for r in reqs]
         teach = [score_rows(teacher_m, r, P) for r in reqs]
         rd = res["domains"].setdefault(dom, {"fits": []})
         for i in range(min(args.train, args.requests)):
-            np.save(work / f"{dom}_req{i}.npy", reqs[i])
+            np.save(work / f"{dom}_req{i}.npy", reqs[i])      # (rewritten per run: --generated changes them)
             targets = np.where(before[i].argmax(1) != teach[i].argmax(1), teach[i].argmax(1), -1)
             np.save(work / f"{dom}_req{i}_targets.npy", targets)
-            out = work / f"pt_{dom}_{i}_r{args.ridge}"
+            out = work / f"pt_{dom}_{i}_r{args.ridge}{'_gen' if args.generated else ''}"
             t0 = time.perf_counter()
             r = subprocess.run([sys.executable, "-m", "ds4py", "posttrain-fit", "--base", str(base), "--sidecar",
                                 str(sc), "--ids", str(work / f"{dom}_req{i}.npy"), "--split", str(P), "--targets",
@@ -136,6 +176,13 @@ def main() -> int:
                 print(f"| {dom} | request {i} | — | posttrain-fit wrote nothing (rc {r.returncode}) |", flush=True)
                 continue
             m = RefModel(str(base), threads=1, sidecar=str(sc), posttrain=str(where))
+            if args.generated:
+                fg = free_generation(m, plain, teacher_m, reqs[i], targets, P)
+                fit["free_generation"] = fg
+                print(f"|   free generation, {dom} request {i}: first decision row {fg['first_decision_row']}, prefix "
+                      f"kept {fg.get('prefix_kept')}, its token flipped {fg.get('first_decision_flipped')}, diverged at "
+                      f"{fg['diverged_at']}; teacher agrees with the generated tokens {fg['teacher_agrees_before']:.1%} "
+                      f"→ {fg['teacher_agrees_after']:.1%} |", flush=True)
             for j, req in enumerate(reqs):
                 s = measure(score_rows(m, req, P), before[j], teach[j], req, P)
                 fit["scores"][j] = s
