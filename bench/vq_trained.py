@@ -5,11 +5,14 @@ v4-tiny-trained) scored against its unquantised experts on both domains' held-ou
 
 Teacher: the checkpoint converted losslessly (dense F16/F32, routed experts MXFP4 = the official FP4 codes, i.e.
 the model as trained and shipped). Students change only the routed experts (everything else is the teacher's):
-`convert --experts q4_k / q2_k` (scalar re-quantisation of the dequantised FP4) and `quantize-vq --bits B` of the
+`convert --experts q4_k / q2_k / iq2_xxs / iq2_xxs_q2_k` (scalar re-quantisation of the dequantised FP4; IQ2_XXS
+by ggml's algorithm without an importance matrix, the q2 mix = the public q2 file's IQ2_XXS gate/up + Q2_K down) and `quantize-vq --bits B` of the
 teacher (--min-pool lowered to 16: this model has 196,608 expert vectors of 8 per layer, fewer than the default
 1,000 per codeword from 8 bits on; `--bits 12/13` is the seed's split: 12 bits, the shallowest layer at 13). Each is scored by a full prefill of `--windows` evenly spaced windows of the
 domain's test ids (all rows' logits) and compared with the teacher's by ds4py.vq.rulers (Σmin, same top-1, KL,
 PPL ratio on the true next tokens). Bytes: the routed-expert tensors' bytes in the file, per weight (bits).
+MXFP4 is the teacher itself (the official FP4 codes: 4.25 bits, rulers exact by construction). Files already in
+--work are reused (the quantiser's time is then not reported).
 """
 
 from __future__ import annotations
@@ -38,11 +41,24 @@ from ds4py.vq.rulers import rulers  # noqa: E402
 TRAINED = Path(os.environ.get("DS4PY_TRAINED") or REPO.parent / "shared" / "trained" / "v4-tiny-trained")
 
 
+# convert --experts NAME -> row label (ggml's scalar formats; IQ2_XXS without an importance matrix, as VQ has none)
+SCALAR = {"q4_k": "Q4_K", "q2_k": "Q2_K", "iq2_xxs_q2_k": "IQ2_XXS gate/up + Q2_K down", "iq2_xxs": "IQ2_XXS"}
+
+
 def expert_bits(path: str, teacher: str) -> float:
     """Bits per routed-expert weight in the file: every blk.*.ffn_*_exps.* tensor (codes, scales, VQ gains) and
     the VQ layers' blk.*.ffn_vq.* (codebook, header), over the teacher's routed-expert weight count."""
     f, t = GGUFFile(path), GGUFFile(teacher)
     nbytes = sum(x.nbytes for n, x in f.tensors.items() if "_exps." in n or ".ffn_vq." in n)
+    weights = sum(int(np.prod(x.shape)) for n, x in t.tensors.items() if "_exps." in n)
+    return 8.0 * nbytes / weights
+
+
+def codebook_bits(path: str, teacher: str) -> float:
+    """The VQ codebooks' share of expert_bits: 8192 x 8 bytes per layer at 13 bits is 16% of this tiny model's expert
+    bytes, but ~0.01% of a real V4 layer's (millions of vectors share one codebook)."""
+    f, t = GGUFFile(path), GGUFFile(teacher)
+    nbytes = sum(x.nbytes for n, x in f.tensors.items() if n.endswith(".ffn_vq.codebook"))
     weights = sum(int(np.prod(x.shape)) for n, x in t.tensors.items() if "_exps." in n)
     return 8.0 * nbytes / weights
 
@@ -72,13 +88,15 @@ def main() -> int:
     if not Path(TEACHER_PATH).exists():
         convert_checkpoint(str(TRAINED), TEACHER_PATH, experts="mxfp4", dense="f16", progress=False,
                            tokenizer=str(TRAINED / "tokenizer.json"))
-    for fmt in ("q4_k", "q2_k"):
+    secs = {}
+    for fmt, name in SCALAR.items():
         out = work / f"{fmt}.gguf"
         if not out.exists():
+            t0 = time.perf_counter()
             convert_checkpoint(str(TRAINED), str(out), experts=fmt, dense="f16", progress=False,
                                tokenizer=str(TRAINED / "tokenizer.json"))
-        students[fmt.upper()] = str(out)
-    secs = {}
+            secs[name] = time.perf_counter() - t0
+        students[name] = str(out)
     for spec in [x.strip() for x in args.bits.split(",") if x.strip()]:
         deep, _, shallow = spec.partition("/")         # "12/13": 12 bits, the shallowest layer at 13 (seed's split)
         extra = ["--bits-shallow", shallow, "--shallow-layers", "1"] if shallow else []
@@ -91,8 +109,9 @@ def main() -> int:
             secs[name] = time.perf_counter() - t0
         students[name] = str(out)
     res = {"students": {}, "quantize_seconds": secs}
-    print("| format | expert bits/weight | domain | Σmin mean | Σmin p5 | same top-1 | KL (nats) | PPL ratio |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| format | expert bits/weight | without codebooks | domain | Σmin mean | Σmin p5 | same top-1 | KL (nats) | "
+          "PPL ratio |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for dom in ("code", "prose"):
         ids = np.load(TRAINED / f"test_{dom}.ids.npy").astype(np.int64)
         offs = np.linspace(0, len(ids) - args.window - 1, args.windows).astype(int)
@@ -106,9 +125,18 @@ def main() -> int:
             st = teacher if path == TEACHER_PATH else logits(path, wins)
             r = rulers(teacher, st, flat, 1)
             bits = expert_bits(path, TEACHER_PATH)
-            res["students"].setdefault(name, {})[dom] = dict(r, bits=bits)
-            print(f"| {name} | {bits:.2f} | {dom} | {r['sigma_min_mean']:.4f} | {r['sigma_min_p5']:.4f} | "
+            bare = bits - codebook_bits(path, TEACHER_PATH)
+            res["students"].setdefault(name, {})[dom] = dict(r, bits=bits, bits_without_codebooks=bare)
+            print(f"| {name} | {bits:.2f} | {bare:.2f} | {dom} | {r['sigma_min_mean']:.4f} | {r['sigma_min_p5']:.4f} | "
                   f"{r['same_top1']:.4f} | {r['kl_mean']:.4f} | {r.get('ppl_ratio', float('nan')):.4f} |", flush=True)
+    # the seed's form: the bit-width curve, both domains averaged, cheapest first
+    print("\n| format | bits/w (file) | without codebooks | Σmin | same top-1 | KL | PPL ratio |")
+    print("|---|---|---|---|---|---|---|")
+    for name, r in sorted(res["students"].items(), key=lambda kv: kv[1]["code"]["bits"]):
+        mean = lambda k: (r["code"][k] + r["prose"][k]) / 2      # noqa: E731
+        print(f"| {name} | {r['code']['bits']:.2f} | {r['code']['bits_without_codebooks']:.2f} | "
+              f"{mean('sigma_min_mean'):.3f} | {mean('same_top1'):.3f} | {mean('kl_mean'):.4f} | "
+              f"{mean('ppl_ratio'):.3f} |")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1, default=float) + "\n")
     return 0

@@ -10,7 +10,7 @@ Types written (`dense` = the FP8 linears' mode; F16/F32 "slots" are the tensors 
                                          not a multiple of 256 wide)
     F16 slot    F16 (rounded)            F16 (rounded)                       F16 if every value is exact, else F32    F32
     F32 slot    F32                      F32                                 F32                              F32
-    experts     --experts mxfp4 (lossless repack of FP4+e8m0) | q4_k | q2_k (lossy)
+    experts     --experts mxfp4 (lossless repack of FP4+e8m0) | q4_k | q2_k | iq2_xxs | iq2_xxs_q2_k (lossy)
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ from ds4py.progress import Bar
 from ds4py.quant import official
 
 ARCH = "deepseek4"
-EXPERT_TYPES = {"mxfp4": QT.MXFP4, "q4_k": QT.Q4_K, "q2_k": QT.Q2_K}
+# --experts NAME -> (gate / up type, down type); iq2_xxs_q2_k is the public q2 file's mix
+EXPERT_TYPES = {"mxfp4": (QT.MXFP4, QT.MXFP4), "q4_k": (QT.Q4_K, QT.Q4_K), "q2_k": (QT.Q2_K, QT.Q2_K),
+                "iq2_xxs": (QT.IQ2_XXS, QT.IQ2_XXS), "iq2_xxs_q2_k": (QT.IQ2_XXS, QT.Q2_K)}
 DENSE_MODES = ("q8_0", "q4_k", "f16", "f32")
 ROW_CHUNK = 2048          # rows converted at a time (a multiple of every FP8 tile size)
 
@@ -565,11 +567,11 @@ class _Converter:
         return QT.F32
 
     def plan_experts(self, sp: Spec) -> OutTensor:
-        qt = self.expert_qt
+        qt = self.expert_qt[1 if "_down_" in sp.name else 0]
         dt = self.ck.dtype(sp.src[0])
         if qt == QT.MXFP4 and dt not in ("I8", "U8"):
             raise ConvertError(f"{self.ck.src}: {sp.src[0]!r} is {dt}, not packed FP4; MXFP4 output needs the "
-                               "official FP4 experts (use --experts q4_k or q2_k)")
+                               "official FP4 experts (use --experts q4_k, q2_k or iq2_xxs)")
         block = 32 if qt == QT.MXFP4 else 256
         if sp.shape[-1] % block and qt != QT.MXFP4 and sp.shape[-1] % 32 == 0:
             # K-quants need rows of 256; like llama.cpp, narrower rows fall back to Q8_0

@@ -171,14 +171,15 @@ def test_default_types_follow_ds4_tiny_layout(golden, converted):
     assert np.abs(w - x).max() <= np.abs(x).max() / 127        # Q8_0 error <= half a step of the worst block
 
 
-@pytest.mark.parametrize("experts,bound", [("q4_k", 0.12), ("q2_k", 0.5)])
-def test_lossy_expert_types(golden, tmp_path, experts, bound):
+@pytest.mark.parametrize("experts,gate_qt,bound", [("q4_k", QT.Q4_K, 0.12), ("q2_k", QT.Q2_K, 0.5),
+                                                   ("iq2_xxs", QT.IQ2_XXS, 0.45)])
+def test_lossy_expert_types(golden, tmp_path, experts, gate_qt, bound):
     out = tmp_path / "e.gguf"
     convert_checkpoint(str(golden / "v4-tiny"), str(out), experts=experts, progress=False)
     ck = Checkpoint(str(golden / "v4-tiny"))
     f = GGUFFile(out)
     # gate/up rows are dim=256 wide: K-quant; down rows are moe_inter_dim=96 wide: the Q8_0 fallback
-    for name, w, qt in (("ffn_gate_exps", "w1", QT[experts.upper()]), ("ffn_down_exps", "w2", QT.Q8_0)):
+    for name, w, qt in (("ffn_gate_exps", "w1", gate_qt), ("ffn_down_exps", "w2", QT.Q8_0)):
         t = f.tensor(f"blk.4.{name}.weight")
         assert t.qtype == qt
         got = quant.dequantize(t.raw_bytes(), t.qtype, t.shape)

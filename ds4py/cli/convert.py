@@ -11,8 +11,10 @@ HELP = "convert an official DeepSeek V4 Flash checkpoint folder into a ds4-layou
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", metavar="SRC_DIR", help="folder with config.json and *.safetensors (single or sharded)")
     p.add_argument("out", metavar="OUT.gguf", help="output file (written to a temporary file, renamed at the end)")
-    p.add_argument("--experts", choices=["mxfp4", "q4_k", "q2_k"], default="mxfp4",
-                   help="routed experts: mxfp4 = lossless repack of the official FP4 (default); q4_k / q2_k = smaller, lossy")
+    p.add_argument("--experts", choices=["mxfp4", "q4_k", "q2_k", "iq2_xxs", "iq2_xxs_q2_k"], default="mxfp4",
+                   help="routed experts: mxfp4 = lossless repack of the official FP4 (default); q4_k / q2_k / iq2_xxs "
+                        "= smaller, lossy (iq2_xxs without an importance matrix); iq2_xxs_q2_k = IQ2_XXS gate / up, "
+                        "Q2_K down (the public q2 file's mix)")
     p.add_argument("--dense", choices=["q8_0", "q4_k", "f16", "f32"], default="q8_0",
                    help="dense FP8 linears and head: q8_0 (default, lossy) | q4_k (smaller, lossy; Q8_0 where a row "
                         "is not a multiple of 256 wide) | f16 (lossless, F32 where F16 is not exact) | f32")

@@ -6,7 +6,7 @@ Public API (stable; other modules depend on it):
         block-aligned); qtype: gguf.GGMLQuantizationType or its int; shape: numpy order (..., rows, cols),
         cols = GGUF ne0.
     row_nbytes(qtype, ncols) -> bytes per row.
-    quantize(x, qtype) -> uint8 bytes (..., rows, row_nbytes) for F32, F16, BF16, Q8_0, Q4_K, Q2_K.
+    quantize(x, qtype) -> uint8 bytes (..., rows, row_nbytes) for F32, F16, BF16, Q8_0, Q4_K, Q2_K, IQ2_XXS.
 
 One module per family: simple (F32/F16/BF16/Q8_0), kquants (Q2_K/Q4_K), iq2 (IQ2_XXS), mxfp4 (MXFP4),
 official (the DeepSeek checkpoint's FP8 e4m3 / FP4 e2m1 / e8m0). Every decoder works on whole blocks at
@@ -91,6 +91,8 @@ def quantize(x: np.ndarray, qtype: int) -> np.ndarray:
         raw = kquants.quant_q4_k(x)
     elif qt == QT.Q2_K:
         raw = kquants.quant_q2_k(x)
+    elif qt == QT.IQ2_XXS:
+        raw = iq2.quant_iq2_xxs(x)
     else:
         raise ValueError(f"quantising to {qt.name} is not supported (MXFP4 comes only from official FP4 weights)")
     return np.ascontiguousarray(raw).reshape(*rows, nb)
