@@ -22,7 +22,7 @@ from ds4py.model import Numerics, open_model, open_mtp
 from ds4py.ref.engine import RefModel
 from ds4py.sampling import SamplingParams
 from ds4py.session import Session, TokenEvent
-from ds4py.spec import SpecModel, SpecState
+from ds4py.spec import SpecState
 from ds4py.mtp_spec import MtpSpec
 from spec_fakes import NullTokenizer, OracleDraft
 

@@ -10,8 +10,8 @@ One loop on the engine thread. Each turn it
    (each request has its own sampler: a seeded request does not depend on its neighbours).
 
 With speculative decoding (the pool's model is a ds4py.spec.SpecModel) a generating request runs a round
-instead of a decode row: its drafts are made first (SpecRequest.draft: its own MTP steps, its own scheduler
-choosing k), then every drafting request's 1 + k rows are verified in one main step (ModelRunner.verify), and
+instead of a decode row: its drafts are made first (SpecRequest.draft: its draft's steps, the MTP block's or
+DSpark's, its own calibration choosing k from the model's costs), then every drafting request's 1 + k rows are verified in one main step (ModelRunner.verify), and
 each round is accepted and rolled back on its own (SpecRequest.finish); requests that decode plainly this
 step (k = 0 chosen before drafting) and prompt chunks go through the batched step as before. A round's tokens
 are pushed one by one: an answer that ends inside a round un-feeds the rest (exact rollback). Greedy tokens
@@ -206,7 +206,7 @@ class Scheduler:
                         rows.append((r, [r.comp.last], True))
                     else:
                         verify.append((r, plan))
-        except Exception as e:  # an MTP step failed: its state may be half-advanced
+        except Exception as e:  # a draft step failed: its state may be half-advanced
             self._fail([r for r in self.running if r.decoding], e)
             return
         for r in self.running:
