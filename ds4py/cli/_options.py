@@ -1,5 +1,5 @@
 """Options several commands share: --engram-dir (V4.1), --sidecar and --posttrain (docs/vq.md, "Sidecars"), the
-reference backend's --kernels / --threads / --mem-budget-mb (docs/reference.md). Not a command: the leading
+reference backend's --kernels / --threads / --mem-budget-mb / --exact (docs/reference.md). Not a command: the leading
 underscore keeps it out of the dispatcher."""
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ def model_kwargs(args: argparse.Namespace) -> dict:
     return out
 
 
-def add_cpu_arguments(p) -> None:
+def add_cpu_arguments(p, numerics: bool = True) -> None:
+    """--kernels / --threads / --mem-budget-mb, and --exact where the command takes the default numerics
+    (cpu_numerics; score states its own: --act-quant)."""
     p.add_argument("--kernels", choices=["auto", "dequant", "fused", "jit"], default=None,
                    help="reference backend: 'jit' decodes straight from the stored bytes with compiled (numba) "
                         "kernels, 'fused' the same with numpy kernels (steps of up to 8 rows; no float32 matrices), "
@@ -46,6 +48,32 @@ def add_cpu_arguments(p) -> None:
     p.add_argument("--mem-budget-mb", type=float, default=None, metavar="MB",
                    help="reference backend: bound the dequantised-weight cache and streamed chunks (a model larger "
                         "than RAM runs from the mapped file)")
+    if numerics:
+        p.add_argument("--exact", action="store_true",
+                       help="reference backend: fp32 activations (DeepSeek's official numerics, the golden "
+                            "tests' tolerances) instead of the default int8 activations (ds4's and llama.cpp's CPU "
+                            "numerics: each quantised matmul sees its activation rounded per Q8_0 / Q8_K block, "
+                            "integer dot products; = score --act-quant)")
+
+
+INT8_LINE = ("ds4py: numerics: int8 activations (each quantised matmul's input rounded per Q8_0 / Q8_K block, as "
+             "ds4's and llama.cpp's CPU paths; F16 KV); --exact for fp32 activations")
+EXACT_LINE = "ds4py: numerics: fp32 activations (--exact: DeepSeek's official numerics)"
+
+
+def cpu_numerics(args: argparse.Namespace) -> dict:
+    """The reference backend's numerics for run / chat / serve / bench as an open_model keyword: int8 activations
+    (Numerics.ds4(): the fast path of the compiled kernels, ds4py.quant.jit_i8) unless --exact asks for fp32
+    (Numerics()). Says which in one line on stderr. Other backends: {} (--exact is theirs anyway: fp32)."""
+    import sys
+
+    from ds4py.contract import Numerics
+
+    if getattr(args, "backend", "ref") != "ref":
+        return {}
+    exact = bool(getattr(args, "exact", False))
+    print(EXACT_LINE if exact else INT8_LINE, file=sys.stderr, flush=True)
+    return {"numerics": Numerics() if exact else Numerics.ds4()}
 
 def add_stack_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sidecar", metavar="DIR", default=None,

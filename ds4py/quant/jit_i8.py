@@ -27,6 +27,9 @@ Q8_0_ACT = (Q.Q8_0, Q.MXFP4)                    # ggml's vec_dot_type for these:
 Q8_K_ACT = (Q.Q2_K, Q.Q4_K, Q.IQ2_XXS)          # and Q8_K (blocks of 256) for these
 FORMATS = Q8_0_ACT + Q8_K_ACT
 _INTS = {int(q) for q in FORMATS}
+# up to this many tokens IQ2_XXS / Q2_K take the decode kernels (unpacked in vector registers per token, explicit
+# vector IR: jit_vec); more take the kernels that unpack a block once for all tokens (the same bits either way)
+DECODE_ROWS = 4
 _tables: dict = {}
 
 
@@ -72,6 +75,10 @@ def _kernels():
         _tables["grid"] = jit._readonly(np.ascontiguousarray(iq2.GRID.astype(np.uint16)).view(np.uint64))
         _tables["signs"] = jit._readonly(np.where(iq2.SIGNS < 0, np.uint16(0xFFFF), np.uint16(0)).astype(np.uint16)
                                          .view(np.uint64))
+        # the decode kernels' tables (jit_vec.iq2_group): 8 magnitude bytes / 8 sign-mask bytes per uint64
+        _tables["grid8"] = jit._readonly(np.ascontiguousarray(iq2.GRID.astype(np.uint8)).view(np.uint64).ravel())
+        _tables["sign8"] = jit._readonly(np.where(iq2.SIGNS < 0, np.uint8(0xFF), np.uint8(0)).astype(np.uint8)
+                                         .view(np.uint64).ravel())
         _tables["kvalues"] = jit._readonly(np.ascontiguousarray(mxfp4.KVALUES.astype(np.int16)))
     return _tables["mod"]
 
@@ -98,7 +105,12 @@ def matmul(qtype, raw: np.ndarray, x: np.ndarray, threads: int = 1) -> np.ndarra
                                             _tables["kvalues"], parts), threads)
         return y
     xq, xd, xbs = quant_q8_k(x)
-    if qt == Q.Q2_K:
+    if qt == Q.Q2_K and T <= DECODE_ROWS:
+        jit._call("i8_q2_k_dec", k.q2_k_dec, (raw.reshape(R, C // 256, 84), xq, xd, xbs, y, f16, parts), threads)
+    elif qt == Q.IQ2_XXS and T <= DECODE_ROWS:
+        jit._call("i8_iq2_xxs_dec", k.iq2_xxs_dec, (raw.reshape(R, C // 256, 66), xq, xd, y, f16, _tables["grid8"],
+                                                    _tables["sign8"], parts), threads)
+    elif qt == Q.Q2_K:
         jit._call("i8_q2_k", k.q2_k, (raw.reshape(R, C // 256, 84), xq, xd, xbs, y, f16, parts), threads)
     elif qt == Q.Q4_K:
         jit._call("i8_q4_k", k.q4_k, (raw.reshape(R, C // 256, 144), xq, xd, xbs, y, f16, parts), threads)

@@ -1,0 +1,182 @@
+"""Explicit vector IR for the int8 decode kernels (numba intrinsics emitting llvmlite IR).
+
+numba's autovectoriser leaves table-driven unpacking scalar (a computed table index, an int16 store that may
+alias the table). These intrinsics write the vector code directly, in LLVM's portable vector types
+(<32 x i8>, <16 x i32>): LLVM lowers them to AVX2 / AVX-512 (vpmovzxbw, vpmullw, vpmaddwd) on x86-64 and to
+NEON (umull / smlal / addp) on aarch64, with no target-specific intrinsic, so one source serves both.
+Each intrinsic returns one exact int32 block (or group) sum; the float side stays in the numba kernel, so the
+numerics are those of ds4py.quant.jit_i8_kernels bit for bit (integer sums do not depend on their order).
+
+- iq2_block: one IQ2_XXS block of 256 (ggml's trick: the grid magnitudes stay unsigned, the signs go onto the
+  activation, (x ^ m) - m; the magnitudes times each group's 2 ls + 1 in int16, then pmaddwd).
+- q2k_block: one Q2_K block's sum over its 16 sub-blocks of scale * (2-bit code . x).
+- q2k_mins: the same block's min term, sum over sub-blocks of min * (sum of the 16 activation codes).
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+
+
+def _host_avx2() -> bool:
+    """Whether numba compiles for this host and it has AVX2: then the byte products use pmaddubsw + pmaddwd
+    (LLVM does not form them from the portable IR, measured 1.6x slower); a cross-target build
+    ($NUMBA_CPU_NAME) and other CPUs get the portable IR."""
+    import numba
+    from llvmlite import binding
+
+    if numba.config.CPU_NAME:
+        return False
+    try:
+        return bool(binding.get_host_cpu_features().get("avx2"))
+    except RuntimeError:                     # features unknown on this platform
+        return False
+
+
+AVX2 = _host_avx2()
+
+
+def _const(ty, v):
+    return ir.Constant(ty, v)
+
+
+def _splat(ty: ir.VectorType, v: int):
+    return ir.Constant(ty, [v] * ty.count)
+
+
+def _data(context, builder, sig, args, i):
+    return context.make_array(sig.args[i])(context, builder, args[i]).data
+
+
+def _vload(builder, base, offset, ty: ir.VectorType):
+    """An unaligned vector load at element `offset` of the pointer `base`."""
+    return builder.load(builder.bitcast(builder.gep(base, [offset]), ty.as_pointer()), align=1)
+
+
+def _madd(builder, a16, b16):
+    """<2n x i16> a, b -> <n x i32>: a[2i] b[2i] + a[2i+1] b[2i+1], written in the shape LLVM matches to one
+    pmaddwd (x86-64) / smull + smlal2 pairs (aarch64)."""
+    n = a16.type.count // 2
+    vt = ir.VectorType(I32, n)
+    ev = ir.Constant(ir.VectorType(I32, n), list(range(0, 2 * n, 2)))
+    od = ir.Constant(ir.VectorType(I32, n), list(range(1, 2 * n, 2)))
+
+    def half(v, mask):
+        return builder.sext(builder.shuffle_vector(v, v, mask), vt)
+
+    return builder.add(builder.mul(half(a16, ev), half(b16, ev)), builder.mul(half(a16, od), half(b16, od)))
+
+
+def _x86(builder, name: str, ret, *args):
+    fn = builder.module.globals.get(name)
+    if fn is None:
+        fn = ir.Function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name=name)
+    return builder.call(fn, list(args))
+
+
+def _dot_u8s8(builder, u, s, scale16):
+    """<32 x i8> u (unsigned, small), s (signed) and a <16 x i16> scale per pair of lanes ->
+    <8 x i32> (AVX2) / <16 x i32> (portable) partial sums of u * s * scale. Callers keep |u s| pair sums
+    below 2^15 (pmaddubsw saturates there)."""
+    if AVX2:
+        h16, w8 = ir.VectorType(I16, 16), ir.VectorType(I32, 8)
+        p = _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", h16, u, s)
+        return _x86(builder, "llvm.x86.avx2.pmadd.wd", w8, p, scale16)
+    h32 = ir.VectorType(I16, 32)
+    sc = builder.shuffle_vector(scale16, scale16, ir.Constant(ir.VectorType(I32, 32), [i // 2 for i in range(32)]))
+    return _madd(builder, builder.mul(builder.zext(u, h32), sc), builder.sext(s, h32))
+
+
+def _hsum(builder, v):
+    """The lanes of an integer vector (a power-of-two count) added, by halving."""
+    n = v.type.count
+    while n > 1:
+        n //= 2
+        lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, n), list(range(n))))
+        hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, n), list(range(n, 2 * n))))
+        v = builder.add(lo, hi)
+    return builder.extract_element(v, _const(I32, 0))
+
+
+def _iq2_group(builder, p, xp, xo, grid, signs):
+    """<16 x i32> partial sums of one IQ2_XXS group (8 bytes at p) against 32 activation codes at xp[xo]."""
+    aux = builder.load(builder.bitcast(builder.gep(p, [_const(I64, 4)]), I32.as_pointer()), align=1)
+    v4 = ir.VectorType(I64, 4)
+    gv, sv = ir.Constant(v4, None), ir.Constant(v4, None)
+    for k in range(4):
+        gi = builder.zext(builder.load(builder.gep(p, [_const(I64, k)])), I64)
+        gv = builder.insert_element(gv, builder.load(builder.gep(grid, [gi])), _const(I32, k))
+        si = builder.zext(builder.and_(builder.lshr(aux, _const(I32, 7 * k)), _const(I32, 127)), I64)
+        sv = builder.insert_element(sv, builder.load(builder.gep(signs, [si])), _const(I32, k))
+    b32, h32 = ir.VectorType(I8, 32), ir.VectorType(I16, 32)
+    m = builder.bitcast(sv, b32)
+    x = _vload(builder, xp, xo, b32)
+    xs = builder.sub(builder.xor(x, m), m)                       # x where the sign bit is 0, -x where it is 1
+    ls = builder.trunc(builder.add(builder.shl(builder.lshr(aux, _const(I32, 28)), _const(I32, 1)),
+                                   _const(I32, 1)), I16)
+    h16 = ir.VectorType(I16, 16)
+    lsv = builder.insert_element(ir.Constant(h16, None), ls, _const(I32, 0))
+    lsv = builder.shuffle_vector(lsv, lsv, ir.Constant(ir.VectorType(I32, 16), [0] * 16))
+    return _dot_u8s8(builder, builder.bitcast(gv, b32), xs, lsv)        # pairs: 2 * 43 * 127 < 2^15
+
+
+@intrinsic
+def iq2_block(typingctx, raw, off, xq, xo, grid8, sign8):
+    """sum_i w_i * xq[xo + i] over one IQ2_XXS block of 256 (its 8 groups of 8 bytes from flat byte `off` of raw:
+    4 grid indices, then a u32 of 4 x 7 sign-pattern bits and the group's 4-bit ls; w = grid * sign * (2 ls + 1)).
+    grid8 [256]: a grid entry's 8 magnitudes as the bytes of one uint64; sign8 [128]: a sign pattern as 0x00 /
+    0xFF bytes. The groups' partial sums stay in one <16 x i32> register; one horizontal sum per block."""
+    def codegen(context, builder, sig, args):
+        p = builder.gep(_data(context, builder, sig, args, 0), [args[1]])
+        xp = _data(context, builder, sig, args, 2)
+        grid, signs = _data(context, builder, sig, args, 4), _data(context, builder, sig, args, 5)
+        acc = None
+        for g in range(8):
+            v = _iq2_group(builder, builder.gep(p, [_const(I64, 8 * g)]), xp,
+                           builder.add(args[3], _const(args[3].type, 32 * g)), grid, signs)
+            acc = v if acc is None else builder.add(acc, v)
+        return _hsum(builder, acc)
+    return types.int32(raw, off, xq, xo, grid8, sign8), codegen
+
+
+@intrinsic
+def q2k_block(typingctx, raw, off, xq, xo):
+    """sum over a Q2_K block (84 bytes at flat byte `off`: 16 scale bytes, 64 code bytes, f16 d, f16 dmin) of
+    (scale nibble of the sub-block) * code * xq[xo + i]. Weight 128 h + 32 j + l is bits 2j of code byte
+    32 h + l; its sub-block is 8 h + 2 j + (l >= 16)."""
+    def codegen(context, builder, sig, args):
+        p = builder.gep(_data(context, builder, sig, args, 0), [args[1]])
+        xp = _data(context, builder, sig, args, 2)
+        b16, b32 = ir.VectorType(I8, 16), ir.VectorType(I8, 32)
+        h16, h32 = ir.VectorType(I16, 16), ir.VectorType(I16, 32)
+        sc = builder.zext(builder.and_(_vload(builder, p, _const(I64, 0), b16), _splat(b16, 15)), h16)
+        mask16 = ir.VectorType(I32, 16)
+        acc = None
+        for h in range(2):
+            q = _vload(builder, p, _const(I64, 16 + 32 * h), b32)
+            for j in range(4):
+                c = builder.and_(builder.lshr(q, _splat(b32, 2 * j)), _splat(b32, 3))
+                x = _vload(builder, xp, builder.add(args[3], _const(args[3].type, 128 * h + 32 * j)), b32)
+                sub = 8 * h + 2 * j
+                s = builder.shuffle_vector(sc, sc, ir.Constant(mask16, [sub] * 8 + [sub + 1] * 8))   # per lane pair
+                pr = _dot_u8s8(builder, c, x, s)                                # pairs: 2 * 3 * 127 < 2^15
+                acc = pr if acc is None else builder.add(acc, pr)
+        return _hsum(builder, acc)
+    return types.int32(raw, off, xq, xo), codegen
+
+
+@intrinsic
+def q2k_mins(typingctx, raw, off, xbs, bo):
+    """sum_i (scale byte i >> 4) * xbs[bo + i] over a Q2_K block's 16 sub-blocks (xbs: int32 sums of each 16
+    activation codes)."""
+    def codegen(context, builder, sig, args):
+        p = builder.gep(_data(context, builder, sig, args, 0), [args[1]])
+        b16, w16 = ir.VectorType(I8, 16), ir.VectorType(I32, 16)
+        mn = builder.zext(builder.lshr(_vload(builder, p, _const(I64, 0), b16), _splat(b16, 4)), w16)
+        bs = _vload(builder, _data(context, builder, sig, args, 2), args[3], w16)
+        return _hsum(builder, builder.mul(mn, bs))
+    return types.int32(raw, off, xbs, bo), codegen
