@@ -28,7 +28,7 @@ Q8_K_ACT = (Q.Q2_K, Q.Q4_K, Q.IQ2_XXS)          # and Q8_K (blocks of 256) for t
 FORMATS = Q8_0_ACT + Q8_K_ACT
 _INTS = {int(q) for q in FORMATS}
 # up to this many tokens IQ2_XXS / Q2_K take the decode kernels (unpacked in vector registers per token, explicit
-# vector IR: jit_vec); more take the kernels that unpack a block once for all tokens (the same bits either way)
+# vector IR: ds4py.quant.jit_i8_decode); more take the kernels that unpack a block once for all tokens (the same bits either way)
 DECODE_ROWS = 4
 _tables: dict = {}
 
@@ -68,14 +68,15 @@ def _kernels():
     if k is None:
         raise RuntimeError(f"numba does not import: {jit.unavailable_reason()}")
     if not _tables:
-        from ds4py.quant import iq2, jit_i8_kernels, mxfp4
+        from ds4py.quant import iq2, jit_i8_decode, jit_i8_kernels, mxfp4
 
         _tables["mod"] = jit_i8_kernels
+        _tables["dec"] = jit_i8_decode
         # IQ2_XXS as 64-bit words of four int16 lanes (jit_i8_kernels.iq2_xxs): magnitudes, negation masks
         _tables["grid"] = jit._readonly(np.ascontiguousarray(iq2.GRID.astype(np.uint16)).view(np.uint64))
         _tables["signs"] = jit._readonly(np.where(iq2.SIGNS < 0, np.uint16(0xFFFF), np.uint16(0)).astype(np.uint16)
                                          .view(np.uint64))
-        # the decode kernels' tables (jit_vec.iq2_group): 8 magnitude bytes / 8 sign-mask bytes per uint64
+        # the decode kernels' tables (jit_i8_decode.iq2_block): 8 magnitude bytes / 8 sign-mask bytes per uint64
         _tables["grid8"] = jit._readonly(np.ascontiguousarray(iq2.GRID.astype(np.uint8)).view(np.uint64).ravel())
         _tables["sign8"] = jit._readonly(np.where(iq2.SIGNS < 0, np.uint8(0xFF), np.uint8(0)).astype(np.uint8)
                                          .view(np.uint64).ravel())
@@ -97,7 +98,10 @@ def matmul(qtype, raw: np.ndarray, x: np.ndarray, threads: int = 1) -> np.ndarra
     f16 = st["f16"]
     if qt in (Q.Q8_0, Q.MXFP4):
         xq, xd = quant_q8_0(x)
-        if qt == Q.Q8_0:
+        if qt == Q.Q8_0 and T <= DECODE_ROWS:
+            jit._call("i8_q8_0_dec", _tables["dec"].q8_0_dec, (raw.reshape(R, C // 32, 34), xq, xd, y, f16, parts),
+                      threads)
+        elif qt == Q.Q8_0:
             r3 = raw.reshape(R, C // 32, 34)
             jit._call("i8_q8_0", k.q8_0, (r3, r3.view(np.int8), xq, xd, y, f16, parts), threads)
         else:
@@ -106,9 +110,9 @@ def matmul(qtype, raw: np.ndarray, x: np.ndarray, threads: int = 1) -> np.ndarra
         return y
     xq, xd, xbs = quant_q8_k(x)
     if qt == Q.Q2_K and T <= DECODE_ROWS:
-        jit._call("i8_q2_k_dec", k.q2_k_dec, (raw.reshape(R, C // 256, 84), xq, xd, xbs, y, f16, parts), threads)
+        jit._call("i8_q2_k_dec", _tables["dec"].q2_k_dec, (raw.reshape(R, C // 256, 84), xq, xd, xbs, y, f16, parts), threads)
     elif qt == Q.IQ2_XXS and T <= DECODE_ROWS:
-        jit._call("i8_iq2_xxs_dec", k.iq2_xxs_dec, (raw.reshape(R, C // 256, 66), xq, xd, y, f16, _tables["grid8"],
+        jit._call("i8_iq2_xxs_dec", _tables["dec"].iq2_xxs_dec, (raw.reshape(R, C // 256, 66), xq, xd, y, f16, _tables["grid8"],
                                                     _tables["sign8"], parts), threads)
     elif qt == Q.Q2_K:
         jit._call("i8_q2_k", k.q2_k, (raw.reshape(R, C // 256, 84), xq, xd, xbs, y, f16, parts), threads)

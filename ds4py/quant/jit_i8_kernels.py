@@ -23,8 +23,6 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from ds4py.quant import jit_vec
-
 F32 = np.float32
 I32 = np.int32
 I16 = np.int16
@@ -199,42 +197,3 @@ def mxfp4(raw, xq, xd, y, e8m0, kvalues, parts):
             for t in range(T):
                 y[t, r] = acc[t]
 
-
-# ---- decode (a few tokens): explicit vector IR per group / block (ds4py.quant.jit_vec) ------------------------
-# The kernels above unpack a block once into a buffer for all T tokens (prefill); for a decode step that unpacking
-# is most of the work and stays scalar. These unpack in vector registers per token instead: the same integer
-# block sums and the same float sequence per (token, row), so y is the same bits as the kernels above.
-
-@njit(**OPTS)
-def iq2_xxs_dec(raw, xq, xd, y, f16, grid8, sign8, parts):
-    """iq2_xxs for a few tokens: raw [R, nb, 66], grid8 [256] / sign8 [128] uint64 (jit_vec.iq2_block)."""
-    R, nb, T, C = raw.shape[0], raw.shape[1], xq.shape[0], xq.shape[1]
-    for p in prange(parts):
-        for r in range(p * R // parts, (p + 1) * R // parts):
-            for t in range(T):
-                acc = F32(0)
-                for b in range(nb):
-                    d = f16[np.int32(raw[r, b, 0]) | (np.int32(raw[r, b, 1]) << 8)] * F32(0.125)
-                    o = (r * nb + b) * 66 + 2
-                    xo = t * C + 256 * b
-                    isum = jit_vec.iq2_block(raw, o, xq, xo, grid8, sign8)
-                    acc += (d * xd[t, b]) * F32(isum)
-                y[t, r] = acc
-
-
-@njit(**OPTS)
-def q2_k_dec(raw, xq, xd, xbs, y, f16, parts):
-    """q2_k for a few tokens: raw [R, nb, 84] (jit_vec.q2k_block / q2k_mins)."""
-    R, nb, T, C = raw.shape[0], raw.shape[1], xq.shape[0], xq.shape[1]
-    for p in prange(parts):
-        for r in range(p * R // parts, (p + 1) * R // parts):
-            for t in range(T):
-                acc = F32(0)
-                for b in range(nb):
-                    d = f16[np.int32(raw[r, b, 80]) | (np.int32(raw[r, b, 81]) << 8)]
-                    dm = f16[np.int32(raw[r, b, 82]) | (np.int32(raw[r, b, 83]) << 8)]
-                    o = (r * nb + b) * 84
-                    isum = jit_vec.q2k_block(raw, o, xq, t * C + 256 * b)
-                    m = jit_vec.q2k_mins(raw, o, xbs, t * (C // 16) + 16 * b)
-                    acc += xd[t, b] * (d * F32(isum) - dm * F32(m))
-                y[t, r] = acc

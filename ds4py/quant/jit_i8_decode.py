@@ -1,4 +1,6 @@
-"""Explicit vector IR for the int8 decode kernels (numba intrinsics emitting llvmlite IR).
+"""The int8 decode kernels (a few tokens) of IQ2_XXS and Q2_K, in explicit vector IR (numba intrinsics emitting
+llvmlite IR). Imported only through ds4py.quant.jit_i8, like ds4py.quant.jit_i8_kernels (whose buffer kernels
+serve prefill: they unpack a block once for all tokens).
 
 numba's autovectoriser leaves table-driven unpacking scalar (a computed table index, an int16 store that may
 alias the table). These intrinsics write the vector code directly, in LLVM's portable vector types
@@ -6,6 +8,8 @@ alias the table). These intrinsics write the vector code directly, in LLVM's por
 NEON (umull / smlal / addp) on aarch64, with no target-specific intrinsic, so one source serves both.
 Each intrinsic returns one exact int32 block (or group) sum; the float side stays in the numba kernel, so the
 numerics are those of ds4py.quant.jit_i8_kernels bit for bit (integer sums do not depend on their order).
+The intrinsics live in this file with the kernels that inline them: numba's disk cache keys a kernel on its own
+source file only, so an intrinsic edited elsewhere would leave stale compiled kernels behind.
 
 - iq2_block: one IQ2_XXS block of 256 (ggml's trick: the grid magnitudes stay unsigned, the signs go onto the
   activation, (x ^ m) - m; the magnitudes times each group's 2 ls + 1 in int16, then pmaddwd).
@@ -16,9 +20,12 @@ numerics are those of ds4py.quant.jit_i8_kernels bit for bit (integer sums do no
 from __future__ import annotations
 
 from llvmlite import ir
-from numba import types
+import numpy as np
+from numba import njit, prange, types
 from numba.extending import intrinsic
 
+F32, I32N = np.float32, np.int32
+OPTS = dict(parallel=True, cache=True, nogil=True, boundscheck=False)
 I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 
 
@@ -112,7 +119,7 @@ def _iq2_group(builder, p, xp, xo, grid, signs):
         gv = builder.insert_element(gv, builder.load(builder.gep(grid, [gi])), _const(I32, k))
         si = builder.zext(builder.and_(builder.lshr(aux, _const(I32, 7 * k)), _const(I32, 127)), I64)
         sv = builder.insert_element(sv, builder.load(builder.gep(signs, [si])), _const(I32, k))
-    b32, h32 = ir.VectorType(I8, 32), ir.VectorType(I16, 32)
+    b32 = ir.VectorType(I8, 32)
     m = builder.bitcast(sv, b32)
     x = _vload(builder, xp, xo, b32)
     xs = builder.sub(builder.xor(x, m), m)                       # x where the sign bit is 0, -x where it is 1
@@ -152,7 +159,7 @@ def q2k_block(typingctx, raw, off, xq, xo):
         p = builder.gep(_data(context, builder, sig, args, 0), [args[1]])
         xp = _data(context, builder, sig, args, 2)
         b16, b32 = ir.VectorType(I8, 16), ir.VectorType(I8, 32)
-        h16, h32 = ir.VectorType(I16, 16), ir.VectorType(I16, 32)
+        h16 = ir.VectorType(I16, 16)
         sc = builder.zext(builder.and_(_vload(builder, p, _const(I64, 0), b16), _splat(b16, 15)), h16)
         mask16 = ir.VectorType(I32, 16)
         acc = None
@@ -180,3 +187,114 @@ def q2k_mins(typingctx, raw, off, xbs, bo):
         bs = _vload(builder, _data(context, builder, sig, args, 2), args[3], w16)
         return _hsum(builder, builder.mul(mn, bs))
     return types.int32(raw, off, xbs, bo), codegen
+
+
+def _dot_s8s8(builder, w, x):
+    """<32 x i8> w, x (both signed, |.| <= 127 or w = -128) -> <8 x i32> partial sums of w * x."""
+    if AVX2:
+        b32, h16, w8 = ir.VectorType(I8, 32), ir.VectorType(I16, 16), ir.VectorType(I32, 8)
+        aw = _x86(builder, "llvm.x86.avx2.psign.b", b32, w, w)            # |w| (as unsigned bytes)
+        sx = _x86(builder, "llvm.x86.avx2.psign.b", b32, x, w)            # x * sign(w)
+        p = _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", h16, aw, sx)       # pairs: 2 * 128 * 127 < 2^15
+        return _x86(builder, "llvm.x86.avx2.pmadd.wd", w8, p, _splat(h16, 1))
+    h32 = ir.VectorType(I16, 32)
+    v = _madd(builder, builder.sext(w, h32), builder.sext(x, h32))               # <16 x i32>
+    lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, 8), list(range(8))))
+    hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, 8), list(range(8, 16))))
+    return builder.add(lo, hi)
+
+
+@intrinsic
+def q8_0_row(typingctx, raw, off, xq, xo, xd, do, nb, f16):
+    """sum over nb Q8_0 blocks (34 bytes each from flat byte `off` of raw: f16 d, 32 int8 codes) of
+    d_w * xd[do + b] * (w . xq[xo + 32 b ...]), the products of each block in 8 float lanes (the integer dot's
+    8 partial sums, converted exactly), added lane by lane block after block, the 8 lanes summed at the end
+    (fixed order: the same bits for any thread count or batch). f16: the float32 of every f16 bit pattern."""
+    def codegen(context, builder, sig, args):
+        raw_p, xq_p = _data(context, builder, sig, args, 0), _data(context, builder, sig, args, 2)
+        xd_p, f16_p = _data(context, builder, sig, args, 4), _data(context, builder, sig, args, 7)
+        off, xo, do, nb = args[1], args[3], args[5], args[6]
+        f8 = ir.VectorType(ir.FloatType(), 8)
+        b32 = ir.VectorType(I8, 32)
+        entry = builder.block
+        loop = builder.append_basic_block("q8_0_loop")
+        done = builder.append_basic_block("q8_0_done")
+        builder.branch(loop)
+        builder.position_at_end(loop)
+        b = builder.phi(I64)
+        acc = builder.phi(f8)
+        b.add_incoming(_const(I64, 0), entry)
+        acc.add_incoming(ir.Constant(f8, [0.0] * 8), entry)
+        p = builder.gep(raw_p, [builder.add(off, builder.mul(b, _const(I64, 34)))])
+        bits = builder.load(builder.bitcast(p, I16.as_pointer()), align=1)
+        d = builder.load(builder.gep(f16_p, [builder.zext(bits, I64)]))
+        scale = builder.fmul(d, builder.load(builder.gep(xd_p, [builder.add(do, b)])))
+        w = _vload(builder, p, _const(I64, 2), b32)
+        x = _vload(builder, xq_p, builder.add(xo, builder.mul(b, _const(I64, 32))), b32)
+        prod = builder.sitofp(_dot_s8s8(builder, w, x), f8)
+        sv = builder.insert_element(ir.Constant(f8, None), scale, _const(I32, 0))
+        sv = builder.shuffle_vector(sv, sv, ir.Constant(ir.VectorType(I32, 8), [0] * 8))
+        nxt_acc = builder.fadd(acc, builder.fmul(prod, sv))
+        nxt = builder.add(b, _const(I64, 1))
+        b.add_incoming(nxt, builder.block)
+        acc.add_incoming(nxt_acc, builder.block)
+        builder.cbranch(builder.icmp_signed("<", nxt, nb), loop, done)
+        builder.position_at_end(done)
+        v, n = nxt_acc, 8
+        while n > 1:
+            n //= 2
+            lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, n), list(range(n))))
+            hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, n), list(range(n, 2 * n))))
+            v = builder.fadd(lo, hi)
+        return builder.extract_element(v, _const(I32, 0))
+    return types.float32(raw, off, xq, xo, xd, do, nb, f16), codegen
+
+
+# ---- the kernels ---------------------------------------------------------------------------------------------
+# ds4py.quant.jit_i8_kernels unpacks a block once into a buffer for all T tokens (prefill); for a decode step
+# that unpacking is most of the work and stays scalar. These unpack in vector registers per token instead: the
+# same integer block sums and the same float sequence per (token, row), so y is the same bits.
+
+@njit(**OPTS)
+def iq2_xxs_dec(raw, xq, xd, y, f16, grid8, sign8, parts):
+    """iq2_xxs for a few tokens: raw [R, nb, 66], grid8 [256] / sign8 [128] uint64 (iq2_block)."""
+    R, nb, T, C = raw.shape[0], raw.shape[1], xq.shape[0], xq.shape[1]
+    for p in prange(parts):
+        for r in range(p * R // parts, (p + 1) * R // parts):
+            for t in range(T):
+                acc = F32(0)
+                for b in range(nb):
+                    d = f16[np.int32(raw[r, b, 0]) | (np.int32(raw[r, b, 1]) << 8)] * F32(0.125)
+                    o = (r * nb + b) * 66 + 2
+                    xo = t * C + 256 * b
+                    isum = iq2_block(raw, o, xq, xo, grid8, sign8)
+                    acc += (d * xd[t, b]) * F32(isum)
+                y[t, r] = acc
+
+
+@njit(**OPTS)
+def q2_k_dec(raw, xq, xd, xbs, y, f16, parts):
+    """q2_k for a few tokens: raw [R, nb, 84] (q2k_block / q2k_mins)."""
+    R, nb, T, C = raw.shape[0], raw.shape[1], xq.shape[0], xq.shape[1]
+    for p in prange(parts):
+        for r in range(p * R // parts, (p + 1) * R // parts):
+            for t in range(T):
+                acc = F32(0)
+                for b in range(nb):
+                    d = f16[np.int32(raw[r, b, 80]) | (np.int32(raw[r, b, 81]) << 8)]
+                    dm = f16[np.int32(raw[r, b, 82]) | (np.int32(raw[r, b, 83]) << 8)]
+                    o = (r * nb + b) * 84
+                    isum = q2k_block(raw, o, xq, t * C + 256 * b)
+                    m = q2k_mins(raw, o, xbs, t * (C // 16) + 16 * b)
+                    acc += xd[t, b] * (d * F32(isum) - dm * F32(m))
+                y[t, r] = acc
+
+
+@njit(**OPTS)
+def q8_0_dec(raw, xq, xd, y, f16, parts):
+    """Q8_0 for a few tokens: raw [R, nb, 34], xq [T, C] int8, xd [T, nb] (q8_0_row, nb >= 1)."""
+    R, nb, T, C = raw.shape[0], raw.shape[1], xq.shape[0], xq.shape[1]
+    for p in prange(parts):
+        for r in range(p * R // parts, (p + 1) * R // parts):
+            for t in range(T):
+                y[t, r] = q8_0_row(raw, r * nb * 34, xq, t * C, xd, t * nb, nb, f16)
