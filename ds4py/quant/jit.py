@@ -59,7 +59,7 @@ def _import():
         if (numba.config.CACHE_DIR != os.environ["NUMBA_CACHE_DIR"]
                 or numba.config.THREADING_LAYER != os.environ["NUMBA_THREADING_LAYER"]):   # imported before us
             numba.core.config.reload_config()
-        from ds4py.quant import iq2, jit_kernels, mxfp4
+        from ds4py.quant import iq2, jit_decode, jit_kernels, mxfp4
     except Exception as e:                                             # missing, or broken (llvmlite mismatch)
         _state["error"] = f"{type(e).__name__}: {e}".splitlines()[0]
         return None
@@ -70,6 +70,7 @@ def _import():
     _state["e8m0"] = mxfp4.e8m0_half(np.arange(256)).astype(F32)
     _state["kvalues"] = mxfp4.KVALUES.astype(F32)
     _state["mod"] = jit_kernels
+    _state["dec"] = jit_decode
     return jit_kernels
 
 
@@ -169,7 +170,8 @@ def matmul(qtype, raw: np.ndarray, x: np.ndarray, threads: int = 1) -> np.ndarra
         r3 = raw.reshape(R, C // 32, 34)
         _call("q8_0", k.q8_0, (r3, r3.view(np.int8), x.reshape(T, C // 32, 32), y, f16, parts), threads)
     elif qt == Q.F16:
-        _call("f16", k.f16_rows, (raw.view(np.uint16).reshape(R, C), x, y, f16, parts), threads)
+        # f16_rows' lanes and order with the 64-wide runs converted in vector registers (jit_decode.f16_dec)
+        _call("f16", _state["dec"].f16_dec, (raw.view(np.uint16).reshape(R, C), x, y, f16, parts), threads)
     elif qt == Q.IQ2_XXS:
         _call("iq2_xxs", k.iq2_xxs, (raw.reshape(R, C // 256, 66), x.reshape(T, C // 32, 32), y, f16,
                                      _state["grid"], _state["signs"], parts), threads)

@@ -27,9 +27,11 @@ Q8_0_ACT = (Q.Q8_0, Q.MXFP4)                    # ggml's vec_dot_type for these:
 Q8_K_ACT = (Q.Q2_K, Q.Q4_K, Q.IQ2_XXS)          # and Q8_K (blocks of 256) for these
 FORMATS = Q8_0_ACT + Q8_K_ACT
 _INTS = {int(q) for q in FORMATS}
-# up to this many tokens IQ2_XXS / Q2_K take the decode kernels (unpacked in vector registers per token, explicit
-# vector IR: ds4py.quant.jit_i8_decode); more take the kernels that unpack a block once for all tokens (the same bits either way)
-DECODE_ROWS = 4
+# up to this many tokens IQ2_XXS / Q2_K / Q8_0 take the decode kernels (unpacked in vector registers per token,
+# explicit vector IR: ds4py.quant.jit_decode); more take the kernels that unpack a block once for all tokens
+# (IQ2_XXS / Q2_K: the same bits either way). The reference's fused-kernel step size (ref.weights.FUSED_MAX_ROWS):
+# a verify step of up to that many rows gets a decode step's bits.
+DECODE_ROWS = 8
 _tables: dict = {}
 
 
@@ -68,15 +70,15 @@ def _kernels():
     if k is None:
         raise RuntimeError(f"numba does not import: {jit.unavailable_reason()}")
     if not _tables:
-        from ds4py.quant import iq2, jit_i8_decode, jit_i8_kernels, mxfp4
+        from ds4py.quant import iq2, jit_decode, jit_i8_kernels, mxfp4
 
         _tables["mod"] = jit_i8_kernels
-        _tables["dec"] = jit_i8_decode
+        _tables["dec"] = jit_decode
         # IQ2_XXS as 64-bit words of four int16 lanes (jit_i8_kernels.iq2_xxs): magnitudes, negation masks
         _tables["grid"] = jit._readonly(np.ascontiguousarray(iq2.GRID.astype(np.uint16)).view(np.uint64))
         _tables["signs"] = jit._readonly(np.where(iq2.SIGNS < 0, np.uint16(0xFFFF), np.uint16(0)).astype(np.uint16)
                                          .view(np.uint64))
-        # the decode kernels' tables (jit_i8_decode.iq2_block): 8 magnitude bytes / 8 sign-mask bytes per uint64
+        # the decode kernels' tables (jit_decode.iq2_block): 8 magnitude bytes / 8 sign-mask bytes per uint64
         _tables["grid8"] = jit._readonly(np.ascontiguousarray(iq2.GRID.astype(np.uint8)).view(np.uint64).ravel())
         _tables["sign8"] = jit._readonly(np.where(iq2.SIGNS < 0, np.uint8(0xFF), np.uint8(0)).astype(np.uint8)
                                          .view(np.uint64).ravel())

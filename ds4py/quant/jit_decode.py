@@ -1,5 +1,5 @@
-"""The int8 decode kernels (a few tokens) of IQ2_XXS and Q2_K, in explicit vector IR (numba intrinsics emitting
-llvmlite IR). Imported only through ds4py.quant.jit_i8, like ds4py.quant.jit_i8_kernels (whose buffer kernels
+"""The decode kernels (a few tokens: int8 activations for IQ2_XXS, Q2_K and Q8_0; F16 rows), in explicit vector IR (numba intrinsics emitting
+llvmlite IR). Imported only through ds4py.quant.jit_i8 and ds4py.quant.jit, like ds4py.quant.jit_i8_kernels (whose buffer kernels
 serve prefill: they unpack a block once for all tokens).
 
 numba's autovectoriser leaves table-driven unpacking scalar (a computed table index, an int16 store that may
@@ -250,6 +250,43 @@ def q8_0_row(typingctx, raw, off, xq, xo, xd, do, nb, f16):
     return types.float32(raw, off, xq, xo, xd, do, nb, f16), codegen
 
 
+@intrinsic
+def f16_runs(typingctx, raw, off, x, xo, runs, lanes):
+    """lanes[0:64] = sum over `runs` runs of 64 of f16(raw[off + 64 k + i]) * x[xo + 64 k + i], lane i, run after
+    run (each product rounded, then added: no fused multiply-add). The conversion is LLVM's fpext of <64 x half>
+    (vcvtph2ps with F16C, fcvtl on aarch64): exact, like the f16 table."""
+    def codegen(context, builder, sig, args):
+        raw_p, x_p = _data(context, builder, sig, args, 0), _data(context, builder, sig, args, 2)
+        lanes_p = _data(context, builder, sig, args, 5)
+        off, xo, runs = args[1], args[3], args[4]
+        f64v, h64v, i64v = ir.VectorType(ir.FloatType(), 64), ir.VectorType(ir.HalfType(), 64), ir.VectorType(I16, 64)
+        entry = builder.block
+        loop = builder.append_basic_block("f16_loop")
+        done = builder.append_basic_block("f16_done")
+        zero = ir.Constant(f64v, [0.0] * 64)
+        builder.cbranch(builder.icmp_signed(">", runs, _const(I64, 0)), loop, done)
+        builder.position_at_end(loop)
+        k = builder.phi(I64)
+        acc = builder.phi(f64v)
+        k.add_incoming(_const(I64, 0), entry)
+        acc.add_incoming(zero, entry)
+        o = builder.mul(k, _const(I64, 64))
+        w = builder.fpext(builder.bitcast(_vload(builder, raw_p, builder.add(off, o), i64v), h64v), f64v)
+        xv = builder.load(builder.bitcast(builder.gep(x_p, [builder.add(xo, o)]), f64v.as_pointer()), align=4)
+        nxt_acc = builder.fadd(acc, builder.fmul(w, xv))
+        nxt = builder.add(k, _const(I64, 1))
+        k.add_incoming(nxt, builder.block)
+        acc.add_incoming(nxt_acc, builder.block)
+        builder.cbranch(builder.icmp_signed("<", nxt, runs), loop, done)
+        builder.position_at_end(done)
+        res = builder.phi(f64v)
+        res.add_incoming(zero, entry)
+        res.add_incoming(nxt_acc, loop)
+        builder.store(res, builder.bitcast(lanes_p, f64v.as_pointer()), align=4)
+        return context.get_dummy_value()
+    return types.none(raw, off, x, xo, runs, lanes), codegen
+
+
 # ---- the kernels ---------------------------------------------------------------------------------------------
 # ds4py.quant.jit_i8_kernels unpacks a block once into a buffer for all T tokens (prefill); for a decode step
 # that unpacking is most of the work and stays scalar. These unpack in vector registers per token instead: the
@@ -298,3 +335,21 @@ def q8_0_dec(raw, xq, xd, y, f16, parts):
         for r in range(p * R // parts, (p + 1) * R // parts):
             for t in range(T):
                 y[t, r] = q8_0_row(raw, r * nb * 34, xq, t * C, xd, t * nb, nb, f16)
+
+
+@njit(**OPTS)
+def f16_dec(raw, x, y, f16, parts):
+    """F16 rows of any length C: raw uint16 [R, C], x float32 [T, C]. jit_kernels.f16_rows' lanes (weight i to
+    lane i % 64, the tail of C % 64 into lanes 0..) with the whole 64-wide runs in vector IR and no fastmath: one
+    fixed order per row (bit-stable for any thread count and batch); f16_rows, built with fastmath, may contract
+    and reorder, so the two agree to float rounding, not bit for bit."""
+    R, C, T = raw.shape[0], raw.shape[1], x.shape[0]
+    whole = C - C % 64
+    for p in prange(parts):
+        acc = np.empty(64, F32)
+        for r in range(p * R // parts, (p + 1) * R // parts):
+            for t in range(T):
+                f16_runs(raw, r * C, x, t * C, whole // 64, acc)
+                for i in range(C - whole):
+                    acc[i] += f16[raw[r, whole + i]] * x[t, whole + i]
+                y[t, r] = acc.sum()
