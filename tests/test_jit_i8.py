@@ -90,9 +90,18 @@ def test_the_decode_kernels_give_the_block_buffer_kernels_bits(qt, monkeypatch):
 
 
 def test_the_quantisers_give_the_reference_rounding_bit_for_bit():
+    """The compiled quantisers (jit_decode) and numpy's give the same codes, scales and sums, and those are the
+    reference's rounding; a non-finite activation takes numpy's path."""
+    jit_i8._kernels()
     rng = np.random.default_rng(3)
     x = (rng.standard_normal((4, 1024)) * np.array([[1e-3], [1], [50], [0]])).astype(F32)
     x[1, :256] = 0                                                # an all-zero block: scale 0, codes 0
+    x[2, 256:512] = np.round(x[2, 256:512] * 2) / 2               # ties in the codes (rint: half to even)
+    x[2, 300] = -x[2, 256:512].__abs__().max()                   # two values of largest magnitude, signs differ
+    for y in (x, np.where(np.arange(1024) == 5, np.nan, x).astype(F32)):
+        for fast, slow in ((jit_i8.quant_q8_0, jit_i8._quant_q8_0_numpy), (jit_i8.quant_q8_k, jit_i8._quant_q8_k_numpy)):
+            for a, b in zip(fast(y), slow(y)):
+                np.testing.assert_array_equal(a, b)
     q, d = jit_i8.quant_q8_0(x)
     np.testing.assert_array_equal((q.reshape(4, -1, 32) * d[..., None]).reshape(4, -1).astype(F32), q8_0_round(x))
     q, d, bs = jit_i8.quant_q8_k(x)

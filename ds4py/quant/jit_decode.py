@@ -292,64 +292,144 @@ def f16_runs(typingctx, raw, off, x, xo, runs, lanes):
 # that unpacking is most of the work and stays scalar. These unpack in vector registers per token instead: the
 # same integer block sums and the same float sequence per (token, row), so y is the same bits.
 
+# Each kernel is a serial row range (_*_rows: a small matrix is one call on the calling thread; numba's parallel
+# launch costs ~0.1 ms of CPU, as much as reading a 1 MB matrix) and a parallel one over `parts` row ranges.
+SERIAL = dict(cache=True, nogil=True, boundscheck=False)
+
+
+@njit(**SERIAL)
+def iq2_xxs_rows(raw, xq, xd, y, f16, grid8, sign8, r0, r1):
+    """iq2_xxs for a few tokens, rows r0..r1: raw [R, nb, 66], grid8 [256] / sign8 [128] uint64 (iq2_block)."""
+    nb, T, C = raw.shape[1], xq.shape[0], xq.shape[1]
+    for r in range(r0, r1):
+        for t in range(T):
+            acc = F32(0)
+            for b in range(nb):
+                d = f16[np.int32(raw[r, b, 0]) | (np.int32(raw[r, b, 1]) << 8)] * F32(0.125)
+                isum = iq2_block(raw, (r * nb + b) * 66 + 2, xq, t * C + 256 * b, grid8, sign8)
+                acc += (d * xd[t, b]) * F32(isum)
+            y[t, r] = acc
+
+
 @njit(**OPTS)
 def iq2_xxs_dec(raw, xq, xd, y, f16, grid8, sign8, parts):
-    """iq2_xxs for a few tokens: raw [R, nb, 66], grid8 [256] / sign8 [128] uint64 (iq2_block)."""
-    R, nb, T, C = raw.shape[0], raw.shape[1], xq.shape[0], xq.shape[1]
+    R = raw.shape[0]
     for p in prange(parts):
-        for r in range(p * R // parts, (p + 1) * R // parts):
-            for t in range(T):
-                acc = F32(0)
-                for b in range(nb):
-                    d = f16[np.int32(raw[r, b, 0]) | (np.int32(raw[r, b, 1]) << 8)] * F32(0.125)
-                    o = (r * nb + b) * 66 + 2
-                    xo = t * C + 256 * b
-                    isum = iq2_block(raw, o, xq, xo, grid8, sign8)
-                    acc += (d * xd[t, b]) * F32(isum)
-                y[t, r] = acc
+        iq2_xxs_rows(raw, xq, xd, y, f16, grid8, sign8, p * R // parts, (p + 1) * R // parts)
+
+
+@njit(**SERIAL)
+def q2_k_rows(raw, xq, xd, xbs, y, f16, r0, r1):
+    """q2_k for a few tokens, rows r0..r1: raw [R, nb, 84] (q2k_block / q2k_mins)."""
+    nb, T, C = raw.shape[1], xq.shape[0], xq.shape[1]
+    for r in range(r0, r1):
+        for t in range(T):
+            acc = F32(0)
+            for b in range(nb):
+                d = f16[np.int32(raw[r, b, 80]) | (np.int32(raw[r, b, 81]) << 8)]
+                dm = f16[np.int32(raw[r, b, 82]) | (np.int32(raw[r, b, 83]) << 8)]
+                o = (r * nb + b) * 84
+                isum = q2k_block(raw, o, xq, t * C + 256 * b)
+                m = q2k_mins(raw, o, xbs, t * (C // 16) + 16 * b)
+                acc += xd[t, b] * (d * F32(isum) - dm * F32(m))
+            y[t, r] = acc
 
 
 @njit(**OPTS)
 def q2_k_dec(raw, xq, xd, xbs, y, f16, parts):
-    """q2_k for a few tokens: raw [R, nb, 84] (q2k_block / q2k_mins)."""
-    R, nb, T, C = raw.shape[0], raw.shape[1], xq.shape[0], xq.shape[1]
+    R = raw.shape[0]
     for p in prange(parts):
-        for r in range(p * R // parts, (p + 1) * R // parts):
-            for t in range(T):
-                acc = F32(0)
-                for b in range(nb):
-                    d = f16[np.int32(raw[r, b, 80]) | (np.int32(raw[r, b, 81]) << 8)]
-                    dm = f16[np.int32(raw[r, b, 82]) | (np.int32(raw[r, b, 83]) << 8)]
-                    o = (r * nb + b) * 84
-                    isum = q2k_block(raw, o, xq, t * C + 256 * b)
-                    m = q2k_mins(raw, o, xbs, t * (C // 16) + 16 * b)
-                    acc += xd[t, b] * (d * F32(isum) - dm * F32(m))
-                y[t, r] = acc
+        q2_k_rows(raw, xq, xd, xbs, y, f16, p * R // parts, (p + 1) * R // parts)
+
+
+@njit(**SERIAL)
+def q8_0_rows(raw, xq, xd, y, f16, r0, r1):
+    """Q8_0 for a few tokens, rows r0..r1: raw [R, nb, 34], xq [T, C] int8, xd [T, nb] (q8_0_row, nb >= 1)."""
+    nb, T, C = raw.shape[1], xq.shape[0], xq.shape[1]
+    for r in range(r0, r1):
+        for t in range(T):
+            y[t, r] = q8_0_row(raw, r * nb * 34, xq, t * C, xd, t * nb, nb, f16)
 
 
 @njit(**OPTS)
 def q8_0_dec(raw, xq, xd, y, f16, parts):
-    """Q8_0 for a few tokens: raw [R, nb, 34], xq [T, C] int8, xd [T, nb] (q8_0_row, nb >= 1)."""
-    R, nb, T, C = raw.shape[0], raw.shape[1], xq.shape[0], xq.shape[1]
+    R = raw.shape[0]
     for p in prange(parts):
-        for r in range(p * R // parts, (p + 1) * R // parts):
-            for t in range(T):
-                y[t, r] = q8_0_row(raw, r * nb * 34, xq, t * C, xd, t * nb, nb, f16)
+        q8_0_rows(raw, xq, xd, y, f16, p * R // parts, (p + 1) * R // parts)
+
+
+@njit(**SERIAL)
+def f16_rows(raw, x, y, f16, r0, r1):
+    """F16 rows r0..r1 of any length C: raw uint16 [R, C], x float32 [T, C]. jit_kernels.f16_rows' lanes (weight
+    i to lane i % 64, the tail of C % 64 into lanes 0..) with the whole 64-wide runs in vector IR and no fastmath:
+    one fixed order per row (bit-stable for any thread count and batch); jit_kernels.f16_rows, built with
+    fastmath, may contract and reorder, so the two agree to float rounding, not bit for bit."""
+    C, T = raw.shape[1], x.shape[0]
+    whole = C - C % 64
+    acc = np.empty(64, F32)
+    for r in range(r0, r1):
+        for t in range(T):
+            f16_runs(raw, r * C, x, t * C, whole // 64, acc)
+            for i in range(C - whole):
+                acc[i] += f16[raw[r, whole + i]] * x[t, whole + i]
+            y[t, r] = acc.sum()
 
 
 @njit(**OPTS)
 def f16_dec(raw, x, y, f16, parts):
-    """F16 rows of any length C: raw uint16 [R, C], x float32 [T, C]. jit_kernels.f16_rows' lanes (weight i to
-    lane i % 64, the tail of C % 64 into lanes 0..) with the whole 64-wide runs in vector IR and no fastmath: one
-    fixed order per row (bit-stable for any thread count and batch); f16_rows, built with fastmath, may contract
-    and reorder, so the two agree to float rounding, not bit for bit."""
-    R, C, T = raw.shape[0], raw.shape[1], x.shape[0]
-    whole = C - C % 64
+    R = raw.shape[0]
     for p in prange(parts):
-        acc = np.empty(64, F32)
-        for r in range(p * R // parts, (p + 1) * R // parts):
-            for t in range(T):
-                f16_runs(raw, r * C, x, t * C, whole // 64, acc)
-                for i in range(C - whole):
-                    acc[i] += f16[raw[r, whole + i]] * x[t, whole + i]
-                y[t, r] = acc.sum()
+        f16_rows(raw, x, y, f16, p * R // parts, (p + 1) * R // parts)
+
+
+# ---- the activation quantisers (ds4py.quant.jit_i8.quant_q8_0 / quant_q8_k: numpy's operations, one pass) ------
+
+@njit(**SERIAL)
+def quant_q8_k_rows(x, q, d, bsums):
+    """x [T, C] float32 -> Q8_K codes q [T, C], d [T, C/256], bsums [T, C/16], as jit_i8's numpy quantiser
+    computes them (the first value of largest magnitude, float32 -127/max, rint, clipped at 127). False, with
+    the outputs unfinished, where x holds a non-finite value: the caller then takes numpy's."""
+    T, C = x.shape
+    for t in range(T):
+        for b in range(C // 256):
+            o = 256 * b
+            amax, mx = F32(-1), F32(0)
+            for i in range(256):
+                v = x[t, o + i]
+                if not np.isfinite(v):
+                    return False
+                if abs(v) > amax:
+                    amax, mx = abs(v), v
+            iscale = F32(-127) / mx if mx != 0 else F32(0)
+            d[t, b] = F32(1) / iscale if iscale != 0 else F32(0)
+            for g in range(16):
+                s = I32N(0)
+                for i in range(16):
+                    v = np.rint(x[t, o + 16 * g + i] * iscale)
+                    c = np.int8(min(v, F32(127)))
+                    q[t, o + 16 * g + i] = c
+                    s += I32N(c)
+                bsums[t, 16 * b + g] = s
+    return True
+
+
+@njit(**SERIAL)
+def quant_q8_0_rows(x, q, d):
+    """x [T, C] float32 -> Q8_0 codes q [T, C] and the unrounded d = max|x| / 127 [T, C/32] (the caller rounds
+    d to f16), as jit_i8's numpy quantiser. False where x holds a non-finite value (then numpy's)."""
+    T, C = x.shape
+    for t in range(T):
+        for b in range(C // 32):
+            o = 32 * b
+            amax = F32(0)
+            for i in range(32):
+                v = x[t, o + i]
+                if not np.isfinite(v):
+                    return False
+                amax = max(amax, abs(v))
+            dd = amax / F32(127)
+            d[t, b] = dd
+            div = dd if dd > 0 else F32(1)
+            for i in range(32):
+                q[t, o + i] = np.int8(np.rint(x[t, o + i] / div))
+    return True

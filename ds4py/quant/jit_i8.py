@@ -44,7 +44,19 @@ def supported(qtype) -> bool:
 
 
 def quant_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """x [T, C] -> (int8 codes [T, C], float32 scales [T, C/32]): ops.q8_0_round's codes and its f16-rounded d."""
+    """x [T, C] -> (int8 codes [T, C], float32 scales [T, C/32]): ops.q8_0_round's codes and its f16-rounded d.
+    Compiled (jit_decode.quant_q8_0_rows: one pass, ~1/10 of numpy's time on a 4,096-wide decode row) where the
+    kernels are loaded and x is finite, else numpy; the same bits either way."""
+    x = np.ascontiguousarray(x, dtype=F32)
+    T, C = x.shape
+    if "dec" in _tables:
+        q, d = np.empty((T, C), np.int8), np.empty((T, C // 32), F32)
+        if _tables["dec"].quant_q8_0_rows(x, q, d):
+            return q, d.astype(np.float16).astype(F32)
+    return _quant_q8_0_numpy(x)
+
+
+def _quant_q8_0_numpy(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     T, C = x.shape
     xb = x.reshape(T, C // 32, 32)
     d = np.abs(xb).max(-1) / F32(127)
@@ -54,7 +66,17 @@ def quant_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def quant_q8_k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """x [T, C] -> (int8 codes [T, C], float32 d [T, C/256], int32 sums of each 16 codes [T, C/16]):
-    ops.q8_k_round's codes and scale."""
+    ops.q8_k_round's codes and scale. Compiled where loaded and x is finite (as quant_q8_0), else numpy."""
+    x = np.ascontiguousarray(x, dtype=F32)
+    T, C = x.shape
+    if "dec" in _tables:
+        q, d, bs = np.empty((T, C), np.int8), np.empty((T, C // 256), F32), np.empty((T, C // 16), np.int32)
+        if _tables["dec"].quant_q8_k_rows(x, q, d, bs):
+            return q, d, bs
+    return _quant_q8_k_numpy(x)
+
+
+def _quant_q8_k_numpy(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     T, C = x.shape
     xb = x.reshape(T, C // 256, 256)
     mx = np.take_along_axis(xb, np.abs(xb).argmax(-1)[..., None], -1)[..., 0]
@@ -101,8 +123,8 @@ def matmul(qtype, raw: np.ndarray, x: np.ndarray, threads: int = 1) -> np.ndarra
     if qt in (Q.Q8_0, Q.MXFP4):
         xq, xd = quant_q8_0(x)
         if qt == Q.Q8_0 and T <= DECODE_ROWS:
-            jit._call("i8_q8_0_dec", _tables["dec"].q8_0_dec, (raw.reshape(R, C // 32, 34), xq, xd, y, f16, parts),
-                      threads)
+            jit.call_rows("q8_0", _tables["dec"], (raw.reshape(R, C // 32, 34), xq, xd, y, f16), R, raw.nbytes,
+                          threads)
         elif qt == Q.Q8_0:
             r3 = raw.reshape(R, C // 32, 34)
             jit._call("i8_q8_0", k.q8_0, (r3, r3.view(np.int8), xq, xd, y, f16, parts), threads)
@@ -112,10 +134,11 @@ def matmul(qtype, raw: np.ndarray, x: np.ndarray, threads: int = 1) -> np.ndarra
         return y
     xq, xd, xbs = quant_q8_k(x)
     if qt == Q.Q2_K and T <= DECODE_ROWS:
-        jit._call("i8_q2_k_dec", _tables["dec"].q2_k_dec, (raw.reshape(R, C // 256, 84), xq, xd, xbs, y, f16, parts), threads)
+        jit.call_rows("q2_k", _tables["dec"], (raw.reshape(R, C // 256, 84), xq, xd, xbs, y, f16), R, raw.nbytes,
+                      threads)
     elif qt == Q.IQ2_XXS and T <= DECODE_ROWS:
-        jit._call("i8_iq2_xxs_dec", _tables["dec"].iq2_xxs_dec, (raw.reshape(R, C // 256, 66), xq, xd, y, f16, _tables["grid8"],
-                                                    _tables["sign8"], parts), threads)
+        jit.call_rows("iq2_xxs", _tables["dec"], (raw.reshape(R, C // 256, 66), xq, xd, y, f16, _tables["grid8"],
+                                                  _tables["sign8"]), R, raw.nbytes, threads)
     elif qt == Q.Q2_K:
         jit._call("i8_q2_k", k.q2_k, (raw.reshape(R, C // 256, 84), xq, xd, xbs, y, f16, parts), threads)
     elif qt == Q.Q4_K:
