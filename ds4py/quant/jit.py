@@ -190,8 +190,11 @@ def matmul(qtype, raw: np.ndarray, x: np.ndarray, threads: int = 1) -> np.ndarra
         r3 = raw.reshape(R, C // 32, 34)
         _call("q8_0", k.q8_0, (r3, r3.view(np.int8), x.reshape(T, C // 32, 32), y, f16, parts), threads)
     elif qt == Q.F16:
-        # f16_rows' lanes and order with the 64-wide runs converted in vector registers (jit_decode.f16_dec)
-        call_rows("f16", _state["dec"], (raw.view(np.uint16).reshape(R, C), x, y, f16), R, raw.nbytes, threads)
+        w16 = raw.view(np.uint16).reshape(R, C)
+        if _state["dec"].NATIVE_HALF:     # f16_rows' lanes with the 64-wide runs converted in vector registers
+            call_rows("f16", _state["dec"], (w16, x, y, f16), R, raw.nbytes, threads)
+        else:
+            _call("f16", k.f16_rows, (w16, x, y, f16, parts), threads)
     elif qt == Q.IQ2_XXS:
         _call("iq2_xxs", k.iq2_xxs, (raw.reshape(R, C // 256, 66), x.reshape(T, C // 32, 32), y, f16,
                                      _state["grid"], _state["signs"], parts), threads)

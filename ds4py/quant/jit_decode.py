@@ -47,6 +47,28 @@ def _host_avx2() -> bool:
 AVX2 = _host_avx2()
 
 
+def _native_half() -> bool:
+    """Whether LLVM converts half to float in hardware here (F16C on x86-64, always on aarch64); elsewhere
+    fpext becomes a call to compiler-rt's __extendhfsf2, which numba's JIT does not link (LLVM ERROR at the
+    first compile: measured with NUMBA_CPU_NAME=generic). Then F16 keeps jit_kernels.f16_rows' table."""
+    import platform
+
+    import numba
+    from llvmlite import binding
+
+    if platform.machine().lower() in ("aarch64", "arm64"):
+        return True
+    if numba.config.CPU_NAME:
+        return False
+    try:
+        return bool(binding.get_host_cpu_features().get("f16c"))
+    except RuntimeError:
+        return False
+
+
+NATIVE_HALF = _native_half()
+
+
 def _const(ty, v):
     return ir.Constant(ty, v)
 
