@@ -100,8 +100,9 @@ def test_the_quantisers_give_the_reference_rounding_bit_for_bit():
     x[2, 300] = -x[2, 256:512].__abs__().max()                   # two values of largest magnitude, signs differ
     for y in (x, np.where(np.arange(1024) == 5, np.nan, x).astype(F32)):
         for fast, slow in ((jit_i8.quant_q8_0, jit_i8._quant_q8_0_numpy), (jit_i8.quant_q8_k, jit_i8._quant_q8_k_numpy)):
-            for a, b in zip(fast(y), slow(y)):
-                np.testing.assert_array_equal(a, b)
+            with np.errstate(invalid="ignore"):                       # NaN codes: numpy's cast, either way
+                for a, b in zip(fast(y), slow(y)):
+                    np.testing.assert_array_equal(a, b)
     q, d = jit_i8.quant_q8_0(x)
     np.testing.assert_array_equal((q.reshape(4, -1, 32) * d[..., None]).reshape(4, -1).astype(F32), q8_0_round(x))
     q, d, bs = jit_i8.quant_q8_k(x)
