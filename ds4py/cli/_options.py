@@ -64,16 +64,22 @@ EXACT_LINE = "ds4py: numerics: fp32 activations (--exact: DeepSeek's official nu
 def cpu_numerics(args: argparse.Namespace) -> dict:
     """The reference backend's numerics for run / chat / serve / bench as an open_model keyword: int8 activations
     (Numerics.ds4(): the fast path of the compiled kernels, ds4py.quant.jit_i8) unless --exact asks for fp32
-    (Numerics()). Says which in one line on stderr. Other backends: {} (--exact is theirs anyway: fp32)."""
-    import sys
-
+    (Numerics()). Other backends: {} (--exact is theirs anyway: fp32). say_numerics prints the line once the
+    model is open."""
     from ds4py.contract import Numerics
 
     if getattr(args, "backend", "ref") != "ref":
         return {}
-    exact = bool(getattr(args, "exact", False))
-    print(EXACT_LINE if exact else INT8_LINE, file=sys.stderr, flush=True)
-    return {"numerics": Numerics() if exact else Numerics.ds4()}
+    return {"numerics": Numerics() if getattr(args, "exact", False) else Numerics.ds4()}
+
+
+def say_numerics(args: argparse.Namespace) -> None:
+    """The one stderr line naming the numerics cpu_numerics chose (after the open, so that a refused file is
+    still one line)."""
+    import sys
+
+    if getattr(args, "backend", "ref") == "ref":
+        print(EXACT_LINE if getattr(args, "exact", False) else INT8_LINE, file=sys.stderr, flush=True)
 
 def add_stack_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sidecar", metavar="DIR", default=None,

@@ -14,7 +14,7 @@ import time
 
 from ds4py.cli import BACKENDS
 from ds4py.cli._options import (add_cpu_arguments, add_spec_arguments, add_engram_dir, add_stack_arguments, describe,
-                                model_kwargs, cpu_numerics)
+                                model_kwargs, cpu_numerics, say_numerics)
 
 NAME = "run"
 HELP = "generate one answer to a prompt (streamed; reasoning shown separately)"
@@ -67,6 +67,7 @@ def open_model_for_generation(args):
 
     model = open_model(args.model, backend=args.backend, ctx=args.ctx, **model_kwargs(args),
                        **cpu_numerics(args))
+    say_numerics(args)
     return speculative(model, args.mtp, enabled=not args.no_spec)
 
 

@@ -1,20 +1,25 @@
-"""The decode kernels (a few tokens: int8 activations for IQ2_XXS, Q2_K and Q8_0; F16 rows), in explicit vector IR (numba intrinsics emitting
-llvmlite IR). Imported only through ds4py.quant.jit_i8 and ds4py.quant.jit, like ds4py.quant.jit_i8_kernels (whose buffer kernels
-serve prefill: they unpack a block once for all tokens).
+"""The decode kernels (a few tokens: int8 activations for IQ2_XXS, Q2_K and Q8_0; F16 rows), in explicit
+vector IR (numba intrinsics emitting llvmlite IR). Imported only through ds4py.quant.jit_i8 and ds4py.quant.jit,
+like ds4py.quant.jit_i8_kernels (whose block-buffer kernels serve prefill: a block unpacked once for all
+tokens).
 
 numba's autovectoriser leaves table-driven unpacking scalar (a computed table index, an int16 store that may
-alias the table). These intrinsics write the vector code directly, in LLVM's portable vector types
-(<32 x i8>, <16 x i32>): LLVM lowers them to AVX2 / AVX-512 (vpmovzxbw, vpmullw, vpmaddwd) on x86-64 and to
-NEON (umull / smlal / addp) on aarch64, with no target-specific intrinsic, so one source serves both.
-Each intrinsic returns one exact int32 block (or group) sum; the float side stays in the numba kernel, so the
-numerics are those of ds4py.quant.jit_i8_kernels bit for bit (integer sums do not depend on their order).
-The intrinsics live in this file with the kernels that inline them: numba's disk cache keys a kernel on its own
-source file only, so an intrinsic edited elsewhere would leave stale compiled kernels behind.
+alias the table) and cannot carry a vector float accumulator across blocks. These intrinsics write the vector
+code directly, in LLVM's portable vector types (<32 x i8>, <16 x i32>, <8 x float>, <64 x half>): LLVM lowers
+them to NEON on aarch64 and SSE / AVX on x86-64. On AVX2 hosts the byte products call pmaddubsw / pmaddwd /
+psignb by name (LLVM did not form them from the portable IR: it widened to 32-bit multiplies); a cross-target
+build ($NUMBA_CPU_NAME) takes the portable IR (tested: the same results).
+Integer block sums are exact, so IQ2_XXS / Q2_K give ds4py.quant.jit_i8_kernels' bits. The intrinsics live in
+this file with the kernels that inline them: numba's disk cache keys a kernel on its own source file only, so an
+intrinsic edited elsewhere would leave stale compiled kernels behind (seen while writing these).
 
-- iq2_block: one IQ2_XXS block of 256 (ggml's trick: the grid magnitudes stay unsigned, the signs go onto the
-  activation, (x ^ m) - m; the magnitudes times each group's 2 ls + 1 in int16, then pmaddwd).
-- q2k_block: one Q2_K block's sum over its 16 sub-blocks of scale * (2-bit code . x).
-- q2k_mins: the same block's min term, sum over sub-blocks of min * (sum of the 16 activation codes).
+- iq2_block: one IQ2_XXS block of 256 (ggml's scheme: the grid magnitudes stay unsigned, the signs go onto the
+  activation, (x ^ m) - m; magnitudes x activation pairs, then times each group's 2 ls + 1).
+- q2k_block / q2k_mins: one Q2_K block's sum of scale * (2-bit code . x), and its min term from the
+  activation's 16-sums.
+- q8_0_row: a whole Q8_0 row, 8 float lanes carried across its blocks, summed once at the end.
+- f16_runs: an F16 row's 64-wide runs, converted by fpext (where half converts in hardware).
+- quant_q8_k_rows / quant_q8_0_rows: the activation quantisers, numpy's operations in one pass.
 """
 
 from __future__ import annotations
