@@ -7,10 +7,14 @@ x is quantised per block first, exactly as the reference's int8-activation mode 
 q8_0_round for Q8_0 / MXFP4 weights, q8_k_round for the K- and IQ-quants; `Numerics.act_quant`), then every
 block's integer dot product is exact and scaled once: y equals the reference's `act_quant` products up to float32
 rounding of the scale products and the summation order (tests/test_jit_i8.py states the bound).
-The reference backend (ds4py.ref.weights, INT8_KERNELS) sends IQ2_XXS, Q2_K and Q4_K here when act_quant is on
-with the compiled kernels, for every row count; Q8_0 and MXFP4 have kernels here too but measured slower than the
-fp32 kernels on the rounded x (an int8 block of 32 costs a horizontal sum), so they stay there; F16 / F32 / BF16
-and VQ-8 keep the fp32 kernels on the unrounded activation, as the reference does for them.
+Two kernel families: up to DECODE_ROWS tokens the decode kernels (ds4py.quant.jit_decode: explicit vector IR,
+a block unpacked in registers per token; IQ2_XXS, Q2_K, Q8_0), above that the block-buffer kernels
+(ds4py.quant.jit_i8_kernels: a block unpacked once for all tokens). IQ2_XXS / Q2_K give the same bits either way.
+The reference backend (ds4py.ref.weights, INT8_KERNELS / INT8_DECODE_KERNELS) sends IQ2_XXS, Q2_K and Q4_K here
+when act_quant is on with the compiled kernels, for every row count, and Q8_0 for steps of up to DECODE_ROWS rows;
+longer Q8_0 steps and MXFP4 keep the fp32 kernels on the rounded x (the buffer kernels' int8 block of 32 costs a
+horizontal sum); F16 / F32 / BF16 and VQ-8 keep the fp32 kernels on the unrounded activation, as the reference
+does for them. The CLI's default numerics on the reference backend take this path (ds4py.cli._options).
 
 numba state (cache folder, threading layer, its lock) is ds4py.quant.jit's: one compile cache, one pool.
 """
