@@ -62,15 +62,13 @@ EXACT_LINE = "ds4py: numerics: fp32 activations (--exact: DeepSeek's official nu
 
 
 def cpu_numerics(args: argparse.Namespace) -> dict:
-    """The reference backend's numerics for run / chat / serve / bench as an open_model keyword: int8 activations
-    (Numerics.ds4(): the fast path of the compiled kernels, ds4py.quant.jit_i8) unless --exact asks for fp32
-    (Numerics()). Other backends: {} (--exact is theirs anyway: fp32). say_numerics prints the line once the
-    model is open."""
-    from ds4py.contract import Numerics
+    """The numerics for run / chat / serve / bench as an open_model keyword (ds4py.backends.cli_numerics: int8
+    activations on the reference backend unless --exact; {} for a backend that keeps its own). say_numerics
+    prints the line once the model is open."""
+    from ds4py.backends import cli_numerics
 
-    if getattr(args, "backend", "ref") != "ref":
-        return {}
-    return {"numerics": Numerics() if getattr(args, "exact", False) else Numerics.ds4()}
+    numerics = cli_numerics(getattr(args, "backend", "ref"), bool(getattr(args, "exact", False)))
+    return {} if numerics is None else {"numerics": numerics}
 
 
 def say_numerics(args: argparse.Namespace) -> None:
@@ -78,8 +76,10 @@ def say_numerics(args: argparse.Namespace) -> None:
     still one line)."""
     import sys
 
-    if getattr(args, "backend", "ref") == "ref":
-        print(EXACT_LINE if getattr(args, "exact", False) else INT8_LINE, file=sys.stderr, flush=True)
+    numerics = cpu_numerics(args).get("numerics")
+    if numerics is not None:
+        print(INT8_LINE if numerics.act_quant else EXACT_LINE, file=sys.stderr, flush=True)
+
 
 def add_stack_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sidecar", metavar="DIR", default=None,
