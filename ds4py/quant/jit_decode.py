@@ -36,7 +36,7 @@ I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64
 
 def _host_avx2() -> bool:
     """Whether numba compiles for this host and it has AVX2: then the byte products use pmaddubsw + pmaddwd
-    (LLVM does not form them from the portable IR, measured 1.6x slower); a cross-target build
+    (LLVM does not form them from the portable IR: it widened to vpmulld); a cross-target build
     ($NUMBA_CPU_NAME) and other CPUs get the portable IR."""
     import numba
     from llvmlite import binding
