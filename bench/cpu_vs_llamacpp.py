@@ -1,4 +1,4 @@
-"""CPU decode and prefill side by side: ds4py's reference backend (default kernels) against llama.cpp's
+"""CPU decode and prefill side by side: ds4py's reference backend (default kernels and numerics) against llama.cpp's
 llama-bench, on the same GGUF, at the same thread count, interleaved.
 
     python bench/cpu_vs_llamacpp.py --llama-bench PATH/llama-bench -m MODEL.gguf [--threads 2] [--gen 8]
@@ -47,7 +47,7 @@ def child(a: argparse.Namespace) -> dict:
     from ds4py.model import Numerics
 
     t0 = time.perf_counter()
-    numerics = Numerics.ds4() if a.child_numerics == "ds4" else Numerics()
+    numerics = Numerics() if a.child_numerics == "exact" else Numerics.ds4()
     m = RefModel(a.model, numerics=numerics, kernels=a.kernels, threads=a.threads)
     open_s = time.perf_counter() - t0
     rng = np.random.default_rng(0)
@@ -102,7 +102,9 @@ def run_llama(a: argparse.Namespace, prefill: int) -> dict:
     return r
 
 
-ENGINES = {"default": "ds4py", "ds4": "ds4py-int8"}      # ds4py's numerics -> the engine's label
+# ds4py's numerics -> the engine's label: the default (int8 activations, as run / chat / serve / bench use on the
+# reference backend: Numerics.ds4()) and --exact (fp32 activations: Numerics())
+ENGINES = {"default": "ds4py", "exact": "ds4py-exact"}
 
 
 def run_ds4py(a: argparse.Namespace, prefill: int, numerics: str) -> dict:
@@ -148,8 +150,9 @@ def main() -> int:
     p.add_argument("--rounds-long", type=int, default=1, help="rounds for prefills longer than 512 tokens")
     p.add_argument("--kernels", default="auto", help="ds4py's kernel set (default auto)")
     p.add_argument("--numerics", default="default",
-                   help="ds4py runs, comma-separated: default (fp32 activations) and / or ds4 (int8 activations as "
-                        "ds4 and llama.cpp: Numerics.ds4(), the int8 kernels of ds4py.quant.jit_i8)")
+                   help="ds4py runs, comma-separated: default (int8 activations as ds4 and llama.cpp: Numerics.ds4(), "
+                        "the CLI's default; ds4py.quant.jit_i8 / jit_decode) and / or exact (fp32 activations: "
+                        "--exact, Numerics())")
     p.add_argument("--no-warm", action="store_true", help="skip reading the file into the page cache first")
     p.add_argument("--json", metavar="OUT.json")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

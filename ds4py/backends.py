@@ -36,6 +36,23 @@ _OPENERS = {
 _BACKEND_OPTIONS = {"ref": frozenset({"kernels", "threads", "mem_budget_mb", "cache_bytes", "madvise"})}
 
 
+# backends the CLI opens with int8 activations by default (the reference backend: ds4's and llama.cpp's CPU
+# numerics, the fast path of its compiled kernels); the others keep their own default (fp32)
+_CLI_INT8 = {"ref": True}
+
+
+def cli_numerics(backend: str, exact: bool = False):
+    """The numerics the CLI (run / chat / serve / bench) opens `backend` with, or None for the backend's own
+    default: the reference backend runs int8 activations (Numerics.ds4(): ds4's and llama.cpp's CPU numerics,
+    the fast path of its compiled kernels, ds4py.quant.jit_i8) unless `exact` (--exact) asks for fp32
+    (Numerics()); the other backends keep theirs (fp32)."""
+    from ds4py.contract import Numerics
+
+    if not _CLI_INT8.get(backend, False):
+        return None
+    return Numerics() if exact else Numerics.ds4()
+
+
 def backend_options(backend: str) -> frozenset:
     """The backend-specific keyword arguments open_model(backend=...) accepts (beyond numerics,
     rollback_horizon and the V4.1 / sidecar options every backend takes or refuses in one sentence)."""

@@ -39,9 +39,11 @@ def ds4py(*argv, stdin=None, timeout=120):
 
 @functools.lru_cache(maxsize=1)
 def ref_model(path):
+    """run's default numerics on the reference backend: int8 activations (ds4py.cli._options.cpu_numerics)."""
+    from ds4py.model import Numerics
     from ds4py.ref.engine import RefModel
 
-    return RefModel(path)
+    return RefModel(path, numerics=Numerics.ds4())
 
 
 def expected_answer(model_path, user, thinking, n, system=None):
@@ -242,20 +244,25 @@ def test_run_keeps_typed_special_tokens_plain(tiny):
 
 def test_run_raw_continues_the_prompt_without_a_template(trained_gguf):
     """--raw: BOS + the prompt's tokens, the greedy continuation printed as is (the trained tiny model has no chat
-    tokens: without --raw the template's refusal names the switch), speculative with its MTP file = plain."""
+    tokens: without --raw the template's refusal names the switch), speculative with its MTP file = plain.
+    The default numerics (int8 activations) and --exact (fp32) each equal the in-process model of those
+    numerics, and one stderr line says which ran."""
+    from ds4py.cli._options import EXACT_LINE, INT8_LINE
+    from ds4py.model import Numerics
     from ds4py.ref.engine import RefModel
 
     main, mtp = trained_gguf
     prompt = "def read_config(path):"
     tok = Tokenizer.from_gguf(main)
-    model = RefModel(main)
-    session = Session(model, tok, 512)
     ids = [tok.bos_id] + list(tok.encode(prompt))
-    want = "".join(e.text for e in session.generate(ids, SamplingParams(temperature=0, max_tokens=16))
-                   if isinstance(e, TokenEvent))
-    for extra in ([], ["--mtp", mtp]):
-        out = ds4py("run", "--raw", "-m", main, *extra, "-p", prompt, "--temp", "0", "-n", "16")
-        assert out.returncode == 0, out.stderr
-        assert out.stdout == want + "\n"
+    for numerics, flag, line in ((Numerics.ds4(), [], INT8_LINE), (Numerics(), ["--exact"], EXACT_LINE)):
+        session = Session(RefModel(main, numerics=numerics), tok, 512)
+        want = "".join(e.text for e in session.generate(ids, SamplingParams(temperature=0, max_tokens=16))
+                       if isinstance(e, TokenEvent))
+        for extra in ([], ["--mtp", mtp]):
+            out = ds4py("run", "--raw", "-m", main, *flag, *extra, "-p", prompt, "--temp", "0", "-n", "16")
+            assert out.returncode == 0, out.stderr
+            assert out.stdout == want + "\n"
+            assert out.stderr.count("ds4py: numerics:") == 1 and line in out.stderr, out.stderr
     out = ds4py("run", "-m", main, "-p", prompt, "-n", "4")
     assert out.returncode != 0 and "--raw" in out.stderr and "Traceback" not in out.stderr

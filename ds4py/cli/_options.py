@@ -1,5 +1,5 @@
 """Options several commands share: --engram-dir (V4.1), --sidecar and --posttrain (docs/vq.md, "Sidecars"), the
-reference backend's --kernels / --threads / --mem-budget-mb (docs/reference.md). Not a command: the leading
+reference backend's --kernels / --threads / --mem-budget-mb / --exact (docs/reference.md). Not a command: the leading
 underscore keeps it out of the dispatcher."""
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ def model_kwargs(args: argparse.Namespace) -> dict:
     return out
 
 
-def add_cpu_arguments(p) -> None:
+def add_cpu_arguments(p, numerics: bool = True) -> None:
+    """--kernels / --threads / --mem-budget-mb, and --exact where the command takes the default numerics
+    (cpu_numerics; score states its own: --act-quant)."""
     p.add_argument("--kernels", choices=["auto", "dequant", "fused", "jit"], default=None,
                    help="reference backend: 'jit' decodes straight from the stored bytes with compiled (numba) "
                         "kernels, 'fused' the same with numpy kernels (steps of up to 8 rows; no float32 matrices), "
@@ -46,6 +48,38 @@ def add_cpu_arguments(p) -> None:
     p.add_argument("--mem-budget-mb", type=float, default=None, metavar="MB",
                    help="reference backend: bound the dequantised-weight cache and streamed chunks (a model larger "
                         "than RAM runs from the mapped file)")
+    if numerics:
+        p.add_argument("--exact", action="store_true",
+                       help="reference backend: fp32 activations (DeepSeek's official numerics, the golden "
+                            "tests' tolerances) instead of the default int8 activations (ds4's and llama.cpp's CPU "
+                            "numerics: each quantised matmul sees its activation rounded per Q8_0 / Q8_K block, "
+                            "integer dot products; = score --act-quant)")
+
+
+INT8_LINE = ("ds4py: numerics: int8 activations (each quantised matmul's input rounded per Q8_0 / Q8_K block, as "
+             "ds4's and llama.cpp's CPU paths; F16 KV); --exact for fp32 activations")
+EXACT_LINE = "ds4py: numerics: fp32 activations (--exact: DeepSeek's official numerics)"
+
+
+def cpu_numerics(args: argparse.Namespace) -> dict:
+    """The numerics for run / chat / serve / bench as an open_model keyword (ds4py.backends.cli_numerics: int8
+    activations on the reference backend unless --exact; {} for a backend that keeps its own). say_numerics
+    prints the line once the model is open."""
+    from ds4py.backends import cli_numerics
+
+    numerics = cli_numerics(getattr(args, "backend", "ref"), bool(getattr(args, "exact", False)))
+    return {} if numerics is None else {"numerics": numerics}
+
+
+def say_numerics(args: argparse.Namespace) -> None:
+    """The one stderr line naming the numerics cpu_numerics chose (after the open, so that a refused file is
+    still one line)."""
+    import sys
+
+    numerics = cpu_numerics(args).get("numerics")
+    if numerics is not None:
+        print(INT8_LINE if numerics.act_quant else EXACT_LINE, file=sys.stderr, flush=True)
+
 
 def add_stack_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sidecar", metavar="DIR", default=None,

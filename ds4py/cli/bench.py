@@ -8,7 +8,8 @@ import sys
 import time
 
 from ds4py.cli import BACKENDS
-from ds4py.cli._options import add_cpu_arguments, add_engram_dir, add_stack_arguments, model_kwargs
+from ds4py.cli._options import (add_cpu_arguments, add_engram_dir, add_stack_arguments, cpu_numerics, model_kwargs,
+                                say_numerics)
 
 NAME = "bench"
 HELP = ("benchmark: prefill/decode sweep over context sizes (default), `bench serve` against a running server, or "
@@ -194,7 +195,8 @@ def run(args: argparse.Namespace) -> int:
     step_incr = args.step_incr if (args.step_incr or args.step_mul) else (256 if demo else 2048)
     points = bench.frontiers(args.ctx_start, args.ctx_max, step_incr if not args.step_mul else None, args.step_mul)
     t0 = time.perf_counter()
-    model = open_model(args.model_path, backend=args.backend, **model_kwargs(args))
+    model = open_model(args.model_path, backend=args.backend, **model_kwargs(args), **cpu_numerics(args))
+    say_numerics(args)
     startup = {"model_open_s": time.perf_counter() - t0}
     startup.update(model.startup)
     if args.bandwidth == "auto":

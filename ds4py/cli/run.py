@@ -14,7 +14,7 @@ import time
 
 from ds4py.cli import BACKENDS
 from ds4py.cli._options import (add_cpu_arguments, add_spec_arguments, add_engram_dir, add_stack_arguments, describe,
-                                model_kwargs)
+                                model_kwargs, cpu_numerics, say_numerics)
 
 NAME = "run"
 HELP = "generate one answer to a prompt (streamed; reasoning shown separately)"
@@ -65,7 +65,9 @@ def open_model_for_generation(args):
     from ds4py.backends import open_model
     from ds4py.drafts import speculative
 
-    model = open_model(args.model, backend=args.backend, ctx=args.ctx, **model_kwargs(args))
+    model = open_model(args.model, backend=args.backend, ctx=args.ctx, **model_kwargs(args),
+                       **cpu_numerics(args))
+    say_numerics(args)
     return speculative(model, args.mtp, enabled=not args.no_spec)
 
 

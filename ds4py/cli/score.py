@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="engine backend: ref (numpy, default), cuda (GPU), cuda-emu (the CUDA engine on the CPU "
                         "emulator: slow, for tests), auto (cuda where a GPU can run the model, else ref)")
     add_stack_arguments(p)
-    add_cpu_arguments(p)
+    add_cpu_arguments(p, numerics=False)
     p.add_argument("--no-fake-quant", action="store_true",
                    help="skip the FP8/FP4 KV and indexer quant-dequant (official 'train' numerics)")
     p.add_argument("--mtp", metavar="MTP.gguf", default=None,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ds4py.cli import BACKENDS
 from ds4py.cli._options import (add_cpu_arguments, add_engram_dir, add_spec_arguments, add_stack_arguments,
-                                model_kwargs)
+                                model_kwargs, cpu_numerics, say_numerics)
 
 NAME = "serve"
 HELP = "OpenAI / Anthropic compatible HTTP server (chat, completions, responses, messages)"
@@ -266,7 +266,8 @@ def run(args) -> int:
         t0 = time.perf_counter()
         path = str(ensure_demo_model()) if demo else args.model
         engine = make_engine(path, args.backend, args.ctx, memory, args.mtp, not args.no_spec, args.sessions,
-                             args.kv_disk_dir, disk_mb, **model_kwargs(args))
+                             args.kv_disk_dir, disk_mb, **model_kwargs(args), **cpu_numerics(args))
+        say_numerics(args)
         mtp = engine.model.drafter if isinstance(engine.model, SpecModel) else None
         config.backend, config.model_context = engine.model.backend, int(engine.model.config.context_length)
         print(f"ds4py serve: model ready in {time.perf_counter() - t0:.1f} s (context {engine.ctx_size} tokens"

@@ -59,7 +59,7 @@ def _import():
         if (numba.config.CACHE_DIR != os.environ["NUMBA_CACHE_DIR"]
                 or numba.config.THREADING_LAYER != os.environ["NUMBA_THREADING_LAYER"]):   # imported before us
             numba.core.config.reload_config()
-        from ds4py.quant import iq2, jit_kernels, mxfp4
+        from ds4py.quant import iq2, jit_decode, jit_kernels, mxfp4
     except Exception as e:                                             # missing, or broken (llvmlite mismatch)
         _state["error"] = f"{type(e).__name__}: {e}".splitlines()[0]
         return None
@@ -70,6 +70,7 @@ def _import():
     _state["e8m0"] = mxfp4.e8m0_half(np.arange(256)).astype(F32)
     _state["kvalues"] = mxfp4.KVALUES.astype(F32)
     _state["mod"] = jit_kernels
+    _state["dec"] = jit_decode
     return jit_kernels
 
 
@@ -130,7 +131,9 @@ def _cached(fn) -> bool:
         return False
 
 
-def _call(name: str, fn, args: tuple, threads: int) -> None:
+def _call(name: str, fn, args: tuple, threads: int, pool: bool = True) -> None:
+    """fn(*args), announcing a first compile; pool=False: a serial kernel, run on this thread without numba's
+    pool (or its lock)."""
     numba = _state["numba"]
     timer = None
     if name not in _announced:              # first call in this process: a compile (or a cache load) may follow
@@ -145,12 +148,30 @@ def _call(name: str, fn, args: tuple, threads: int) -> None:
             timer.daemon = True
             timer.start()
     try:
+        if not pool:
+            fn(*args)
+            return
         with _lock:
             numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
             fn(*args)
     finally:
         if timer is not None:
             timer.cancel()
+
+
+# a decode kernel on a matrix smaller than this runs on the calling thread: numba's parallel launch costs ~0.1 ms
+# of CPU (measured on 8-row Q8_0 products, 2 threads), as much as reading 1 MB at a core's speed
+SERIAL_BYTES = 1 << 20
+
+
+def call_rows(name: str, kernels, args: tuple, rows: int, nbytes: int, threads: int) -> None:
+    """A decode kernel of ds4py.quant.jit_decode over `rows` rows: `<name>_rows(*args, 0, rows)` on this thread
+    for a small matrix or one thread, else `<name>_dec(*args, parts)` on the pool, one row range a thread."""
+    parts = max(1, min(threads, rows))
+    if parts == 1 or nbytes < SERIAL_BYTES:
+        _call(f"{name}_rows", getattr(kernels, f"{name}_rows"), (*args, 0, rows), 1, pool=False)
+    else:
+        _call(f"{name}_dec", getattr(kernels, f"{name}_dec"), (*args, parts), threads)
 
 
 def matmul(qtype, raw: np.ndarray, x: np.ndarray, threads: int = 1) -> np.ndarray:
@@ -169,7 +190,11 @@ def matmul(qtype, raw: np.ndarray, x: np.ndarray, threads: int = 1) -> np.ndarra
         r3 = raw.reshape(R, C // 32, 34)
         _call("q8_0", k.q8_0, (r3, r3.view(np.int8), x.reshape(T, C // 32, 32), y, f16, parts), threads)
     elif qt == Q.F16:
-        _call("f16", k.f16_rows, (raw.view(np.uint16).reshape(R, C), x, y, f16, parts), threads)
+        w16 = raw.view(np.uint16).reshape(R, C)
+        if _state["dec"].NATIVE_HALF:     # f16_rows' lanes with the 64-wide runs converted in vector registers
+            call_rows("f16", _state["dec"], (w16, x, y, f16), R, raw.nbytes, threads)
+        else:
+            _call("f16", k.f16_rows, (w16, x, y, f16, parts), threads)
     elif qt == Q.IQ2_XXS:
         _call("iq2_xxs", k.iq2_xxs, (raw.reshape(R, C // 256, 66), x.reshape(T, C // 32, 32), y, f16,
                                      _state["grid"], _state["signs"], parts), threads)

@@ -196,3 +196,4 @@ def mxfp4(raw, xq, xd, y, e8m0, kvalues, parts):
                     acc[t] += (d * xd[t, b]) * F32(_dot(w, xq[t, 32 * b:32 * b + 32]))
             for t in range(T):
                 y[t, r] = acc[t]
+

@@ -48,9 +48,12 @@ FUSED_MAX_ROWS = 8           # steps of up to this many rows use the fused kerne
 Q8_0_ACT = (Q.Q8_0, Q.MXFP4)
 Q8_K_ACT = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ2_XXS)
 # with act_quant and the compiled kernels, these formats take the int8-activation kernels (ds4py.quant.jit_i8:
-# x quantised inside, exact integer block sums) for every row count, prefill included; the others keep the fp32
-# kernels on the rounded x (faster there: Q8_0's and MXFP4's int8 blocks of 32 cost a horizontal sum each)
+# x quantised inside, exact integer block sums) for every row count, prefill included; Q8_0 too for steps of up
+# to jit_i8.DECODE_ROWS rows (its decode kernel, 8 float lanes per row: 1.5-2x the fp32 kernel's GB/s); the
+# others, and Q8_0's longer steps, keep the fp32 kernels on the rounded x (faster there: an int8 Q8_0 or MXFP4
+# block of 32 in the buffer kernels costs a horizontal sum each)
 INT8_KERNELS = (Q.IQ2_XXS, Q.Q2_K, Q.Q4_K)
+INT8_DECODE_KERNELS = (Q.Q8_0,)
 
 
 def _dequant_rows(t, raw_rows: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
@@ -207,9 +210,11 @@ class Weights:
 
         return self._get_cached(("expert", t.name, int(e)), make)
 
-    def _int8(self, t: TensorInfo) -> bool:
-        """Whether t's products take the int8-activation kernels (act_quant numerics, compiled kernels)."""
-        return self.act_quant and self.kernels == "jit" and t.qtype in INT8_KERNELS
+    def _int8(self, t: TensorInfo, rows: int) -> bool:
+        """Whether t's product with `rows` activation rows takes the int8-activation kernels (act_quant numerics,
+        compiled kernels)."""
+        return self.act_quant and self.kernels == "jit" and (
+            t.qtype in INT8_KERNELS or (t.qtype in INT8_DECODE_KERNELS and rows <= jit_i8.DECODE_ROWS))
 
     def _int8_matmul(self, t: TensorInfo, raw: np.ndarray, x: np.ndarray) -> np.ndarray:
         """x (unrounded) @ W.T through jit_i8: every row on its own (row-stable, batch-invariant), one call."""
@@ -281,7 +286,7 @@ class Weights:
     def linear(self, t: TensorInfo, x: np.ndarray, seg: list[slice] | None = None) -> np.ndarray:
         """x @ W.T for a [out, in] matrix W, one product per sequence's rows `seg` (ops.mm: batch
         invariance); a matrix larger than the cache is streamed in row chunks."""
-        if self._int8(t):
+        if self._int8(t, x.shape[0]):
             return self._int8_matmul(t, t.raw_bytes(), x)
         x = self.act(t, x)
         if self._fuse(t):
@@ -310,7 +315,7 @@ class Weights:
     def grouped_linear(self, t: TensorInfo, x: np.ndarray, seg: list[slice] | None = None) -> np.ndarray:
         """The grouped projection u_g = W_g @ x_g for x [T, G, in_g] and W [G*rank, in_g] (rows g*rank.. = W_g):
         [T, G, rank]."""
-        if self._int8(t):
+        if self._int8(t, x.shape[0]):
             T, G, _ = x.shape
             rank = t.shape[0] // G
             raw = np.asarray(t.raw_bytes())
@@ -348,7 +353,7 @@ class Weights:
     def expert_linear(self, t: TensorInfo, e: int, x: np.ndarray, seg: list[slice] | None = None) -> np.ndarray:
         """x @ W_e.T for routed expert e of a stacked [X, out, in] expert tensor (seg: the rows of each sequence
         among x's, which are the rows routed to e)."""
-        if self._int8(t):
+        if self._int8(t, x.shape[0]):
             return self._int8_matmul(t, t.raw_bytes()[e], x)
         x = self.act(t, x)
         if self._fuse(t):

@@ -1,0 +1,462 @@
+"""The decode kernels (a few tokens: int8 activations for IQ2_XXS, Q2_K and Q8_0; F16 rows), in explicit
+vector IR (numba intrinsics emitting llvmlite IR). Imported only through ds4py.quant.jit_i8 and ds4py.quant.jit,
+like ds4py.quant.jit_i8_kernels (whose block-buffer kernels serve prefill: a block unpacked once for all
+tokens).
+
+numba's autovectoriser leaves table-driven unpacking scalar (a computed table index, an int16 store that may
+alias the table) and cannot carry a vector float accumulator across blocks. These intrinsics write the vector
+code directly, in LLVM's portable vector types (<32 x i8>, <16 x i32>, <8 x float>, <64 x half>): LLVM lowers
+them to NEON on aarch64 and SSE / AVX on x86-64. On AVX2 hosts the byte products call pmaddubsw / pmaddwd /
+psignb by name (LLVM did not form them from the portable IR: it widened to 32-bit multiplies); a cross-target
+build ($NUMBA_CPU_NAME) takes the portable IR (tested: the same results).
+Integer block sums are exact, so IQ2_XXS / Q2_K give ds4py.quant.jit_i8_kernels' bits. The intrinsics live in
+this file with the kernels that inline them: numba's disk cache keys a kernel on its own source file only, so an
+intrinsic edited elsewhere would leave stale compiled kernels behind (seen while writing these).
+
+- iq2_block: one IQ2_XXS block of 256 (ggml's scheme: the grid magnitudes stay unsigned, the signs go onto the
+  activation, (x ^ m) - m; magnitudes x activation pairs, then times each group's 2 ls + 1).
+- q2k_block / q2k_mins: one Q2_K block's sum of scale * (2-bit code . x), and its min term from the
+  activation's 16-sums.
+- q8_0_row: a whole Q8_0 row, 8 float lanes carried across its blocks, summed once at the end.
+- f16_runs: an F16 row's 64-wide runs, converted by fpext (where half converts in hardware).
+- quant_q8_k_rows / quant_q8_0_rows: the activation quantisers, numpy's operations in one pass.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+import numpy as np
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+F32, I32N = np.float32, np.int32
+OPTS = dict(parallel=True, cache=True, nogil=True, boundscheck=False)
+I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+
+
+def _host_avx2() -> bool:
+    """Whether numba compiles for this host and it has AVX2: then the byte products use pmaddubsw + pmaddwd
+    (LLVM does not form them from the portable IR: it widened to vpmulld); a cross-target build
+    ($NUMBA_CPU_NAME) and other CPUs get the portable IR."""
+    import numba
+    from llvmlite import binding
+
+    if numba.config.CPU_NAME:
+        return False
+    try:
+        return bool(binding.get_host_cpu_features().get("avx2"))
+    except RuntimeError:                     # features unknown on this platform
+        return False
+
+
+AVX2 = _host_avx2()
+
+
+def _native_half() -> bool:
+    """Whether LLVM converts half to float in hardware here (F16C on x86-64, always on aarch64); elsewhere
+    fpext becomes a call to compiler-rt's __extendhfsf2, which numba's JIT does not link (LLVM ERROR at the
+    first compile: measured with NUMBA_CPU_NAME=generic). Then F16 keeps jit_kernels.f16_rows' table."""
+    import platform
+
+    import numba
+    from llvmlite import binding
+
+    if platform.machine().lower() in ("aarch64", "arm64"):
+        return True
+    if numba.config.CPU_NAME:
+        return False
+    try:
+        return bool(binding.get_host_cpu_features().get("f16c"))
+    except RuntimeError:
+        return False
+
+
+NATIVE_HALF = _native_half()
+
+
+def _const(ty, v):
+    return ir.Constant(ty, v)
+
+
+def _splat(ty: ir.VectorType, v: int):
+    return ir.Constant(ty, [v] * ty.count)
+
+
+def _data(context, builder, sig, args, i):
+    return context.make_array(sig.args[i])(context, builder, args[i]).data
+
+
+def _vload(builder, base, offset, ty: ir.VectorType):
+    """An unaligned vector load at element `offset` of the pointer `base`."""
+    return builder.load(builder.bitcast(builder.gep(base, [offset]), ty.as_pointer()), align=1)
+
+
+def _madd(builder, a16, b16):
+    """<2n x i16> a, b -> <n x i32>: a[2i] b[2i] + a[2i+1] b[2i+1], written in the shape LLVM matches to one
+    pmaddwd (x86-64) / smull + smlal2 pairs (aarch64)."""
+    n = a16.type.count // 2
+    vt = ir.VectorType(I32, n)
+    ev = ir.Constant(ir.VectorType(I32, n), list(range(0, 2 * n, 2)))
+    od = ir.Constant(ir.VectorType(I32, n), list(range(1, 2 * n, 2)))
+
+    def half(v, mask):
+        return builder.sext(builder.shuffle_vector(v, v, mask), vt)
+
+    return builder.add(builder.mul(half(a16, ev), half(b16, ev)), builder.mul(half(a16, od), half(b16, od)))
+
+
+def _x86(builder, name: str, ret, *args):
+    fn = builder.module.globals.get(name)
+    if fn is None:
+        fn = ir.Function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name=name)
+    return builder.call(fn, list(args))
+
+
+def _dot_u8s8(builder, u, s, scale16):
+    """<32 x i8> u (unsigned, small), s (signed) and a <16 x i16> scale per pair of lanes ->
+    <8 x i32> (AVX2) / <16 x i32> (portable) partial sums of u * s * scale. Callers keep |u s| pair sums
+    below 2^15 (pmaddubsw saturates there)."""
+    if AVX2:
+        h16, w8 = ir.VectorType(I16, 16), ir.VectorType(I32, 8)
+        p = _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", h16, u, s)
+        return _x86(builder, "llvm.x86.avx2.pmadd.wd", w8, p, scale16)
+    h32 = ir.VectorType(I16, 32)
+    sc = builder.shuffle_vector(scale16, scale16, ir.Constant(ir.VectorType(I32, 32), [i // 2 for i in range(32)]))
+    return _madd(builder, builder.mul(builder.zext(u, h32), sc), builder.sext(s, h32))
+
+
+def _hsum(builder, v):
+    """The lanes of an integer vector (a power-of-two count) added, by halving."""
+    n = v.type.count
+    while n > 1:
+        n //= 2
+        lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, n), list(range(n))))
+        hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, n), list(range(n, 2 * n))))
+        v = builder.add(lo, hi)
+    return builder.extract_element(v, _const(I32, 0))
+
+
+def _iq2_group(builder, p, xp, xo, grid, signs):
+    """<16 x i32> partial sums of one IQ2_XXS group (8 bytes at p) against 32 activation codes at xp[xo]."""
+    aux = builder.load(builder.bitcast(builder.gep(p, [_const(I64, 4)]), I32.as_pointer()), align=1)
+    v4 = ir.VectorType(I64, 4)
+    gv, sv = ir.Constant(v4, None), ir.Constant(v4, None)
+    for k in range(4):
+        gi = builder.zext(builder.load(builder.gep(p, [_const(I64, k)])), I64)
+        gv = builder.insert_element(gv, builder.load(builder.gep(grid, [gi])), _const(I32, k))
+        si = builder.zext(builder.and_(builder.lshr(aux, _const(I32, 7 * k)), _const(I32, 127)), I64)
+        sv = builder.insert_element(sv, builder.load(builder.gep(signs, [si])), _const(I32, k))
+    b32 = ir.VectorType(I8, 32)
+    m = builder.bitcast(sv, b32)
+    x = _vload(builder, xp, xo, b32)
+    xs = builder.sub(builder.xor(x, m), m)                       # x where the sign bit is 0, -x where it is 1
+    ls = builder.trunc(builder.add(builder.shl(builder.lshr(aux, _const(I32, 28)), _const(I32, 1)),
+                                   _const(I32, 1)), I16)
+    h16 = ir.VectorType(I16, 16)
+    lsv = builder.insert_element(ir.Constant(h16, None), ls, _const(I32, 0))
+    lsv = builder.shuffle_vector(lsv, lsv, ir.Constant(ir.VectorType(I32, 16), [0] * 16))
+    return _dot_u8s8(builder, builder.bitcast(gv, b32), xs, lsv)        # pairs: 2 * 43 * 127 < 2^15
+
+
+@intrinsic
+def iq2_block(typingctx, raw, off, xq, xo, grid8, sign8):
+    """sum_i w_i * xq[xo + i] over one IQ2_XXS block of 256 (its 8 groups of 8 bytes from flat byte `off` of raw:
+    4 grid indices, then a u32 of 4 x 7 sign-pattern bits and the group's 4-bit ls; w = grid * sign * (2 ls + 1)).
+    grid8 [256]: a grid entry's 8 magnitudes as the bytes of one uint64; sign8 [128]: a sign pattern as 0x00 /
+    0xFF bytes. The groups' partial sums stay in one <16 x i32> register; one horizontal sum per block."""
+    def codegen(context, builder, sig, args):
+        p = builder.gep(_data(context, builder, sig, args, 0), [args[1]])
+        xp = _data(context, builder, sig, args, 2)
+        grid, signs = _data(context, builder, sig, args, 4), _data(context, builder, sig, args, 5)
+        acc = None
+        for g in range(8):
+            v = _iq2_group(builder, builder.gep(p, [_const(I64, 8 * g)]), xp,
+                           builder.add(args[3], _const(args[3].type, 32 * g)), grid, signs)
+            acc = v if acc is None else builder.add(acc, v)
+        return _hsum(builder, acc)
+    return types.int32(raw, off, xq, xo, grid8, sign8), codegen
+
+
+@intrinsic
+def q2k_block(typingctx, raw, off, xq, xo):
+    """sum over a Q2_K block (84 bytes at flat byte `off`: 16 scale bytes, 64 code bytes, f16 d, f16 dmin) of
+    (scale nibble of the sub-block) * code * xq[xo + i]. Weight 128 h + 32 j + l is bits 2j of code byte
+    32 h + l; its sub-block is 8 h + 2 j + (l >= 16)."""
+    def codegen(context, builder, sig, args):
+        p = builder.gep(_data(context, builder, sig, args, 0), [args[1]])
+        xp = _data(context, builder, sig, args, 2)
+        b16, b32 = ir.VectorType(I8, 16), ir.VectorType(I8, 32)
+        h16 = ir.VectorType(I16, 16)
+        sc = builder.zext(builder.and_(_vload(builder, p, _const(I64, 0), b16), _splat(b16, 15)), h16)
+        mask16 = ir.VectorType(I32, 16)
+        acc = None
+        for h in range(2):
+            q = _vload(builder, p, _const(I64, 16 + 32 * h), b32)
+            for j in range(4):
+                c = builder.and_(builder.lshr(q, _splat(b32, 2 * j)), _splat(b32, 3))
+                x = _vload(builder, xp, builder.add(args[3], _const(args[3].type, 128 * h + 32 * j)), b32)
+                sub = 8 * h + 2 * j
+                s = builder.shuffle_vector(sc, sc, ir.Constant(mask16, [sub] * 8 + [sub + 1] * 8))   # per lane pair
+                pr = _dot_u8s8(builder, c, x, s)                                # pairs: 2 * 3 * 127 < 2^15
+                acc = pr if acc is None else builder.add(acc, pr)
+        return _hsum(builder, acc)
+    return types.int32(raw, off, xq, xo), codegen
+
+
+@intrinsic
+def q2k_mins(typingctx, raw, off, xbs, bo):
+    """sum_i (scale byte i >> 4) * xbs[bo + i] over a Q2_K block's 16 sub-blocks (xbs: int32 sums of each 16
+    activation codes)."""
+    def codegen(context, builder, sig, args):
+        p = builder.gep(_data(context, builder, sig, args, 0), [args[1]])
+        b16, w16 = ir.VectorType(I8, 16), ir.VectorType(I32, 16)
+        mn = builder.zext(builder.lshr(_vload(builder, p, _const(I64, 0), b16), _splat(b16, 4)), w16)
+        bs = _vload(builder, _data(context, builder, sig, args, 2), args[3], w16)
+        return _hsum(builder, builder.mul(mn, bs))
+    return types.int32(raw, off, xbs, bo), codegen
+
+
+def _dot_s8s8(builder, w, x):
+    """<32 x i8> w, x (both signed, |.| <= 127 or w = -128) -> <8 x i32> partial sums of w * x."""
+    if AVX2:
+        b32, h16, w8 = ir.VectorType(I8, 32), ir.VectorType(I16, 16), ir.VectorType(I32, 8)
+        aw = _x86(builder, "llvm.x86.avx2.psign.b", b32, w, w)            # |w| (as unsigned bytes)
+        sx = _x86(builder, "llvm.x86.avx2.psign.b", b32, x, w)            # x * sign(w)
+        p = _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", h16, aw, sx)       # pairs: 2 * 128 * 127 < 2^15
+        return _x86(builder, "llvm.x86.avx2.pmadd.wd", w8, p, _splat(h16, 1))
+    h32 = ir.VectorType(I16, 32)
+    v = _madd(builder, builder.sext(w, h32), builder.sext(x, h32))               # <16 x i32>
+    lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, 8), list(range(8))))
+    hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, 8), list(range(8, 16))))
+    return builder.add(lo, hi)
+
+
+@intrinsic
+def q8_0_row(typingctx, raw, off, xq, xo, xd, do, nb, f16):
+    """sum over nb Q8_0 blocks (34 bytes each from flat byte `off` of raw: f16 d, 32 int8 codes) of
+    d_w * xd[do + b] * (w . xq[xo + 32 b ...]), the products of each block in 8 float lanes (the integer dot's
+    8 partial sums, converted exactly), added lane by lane block after block, the 8 lanes summed at the end
+    (fixed order: the same bits for any thread count or batch). f16: the float32 of every f16 bit pattern."""
+    def codegen(context, builder, sig, args):
+        raw_p, xq_p = _data(context, builder, sig, args, 0), _data(context, builder, sig, args, 2)
+        xd_p, f16_p = _data(context, builder, sig, args, 4), _data(context, builder, sig, args, 7)
+        off, xo, do, nb = args[1], args[3], args[5], args[6]
+        f8 = ir.VectorType(ir.FloatType(), 8)
+        b32 = ir.VectorType(I8, 32)
+        entry = builder.block
+        loop = builder.append_basic_block("q8_0_loop")
+        done = builder.append_basic_block("q8_0_done")
+        builder.branch(loop)
+        builder.position_at_end(loop)
+        b = builder.phi(I64)
+        acc = builder.phi(f8)
+        b.add_incoming(_const(I64, 0), entry)
+        acc.add_incoming(ir.Constant(f8, [0.0] * 8), entry)
+        p = builder.gep(raw_p, [builder.add(off, builder.mul(b, _const(I64, 34)))])
+        bits = builder.load(builder.bitcast(p, I16.as_pointer()), align=1)
+        d = builder.load(builder.gep(f16_p, [builder.zext(bits, I64)]))
+        scale = builder.fmul(d, builder.load(builder.gep(xd_p, [builder.add(do, b)])))
+        w = _vload(builder, p, _const(I64, 2), b32)
+        x = _vload(builder, xq_p, builder.add(xo, builder.mul(b, _const(I64, 32))), b32)
+        prod = builder.sitofp(_dot_s8s8(builder, w, x), f8)
+        sv = builder.insert_element(ir.Constant(f8, None), scale, _const(I32, 0))
+        sv = builder.shuffle_vector(sv, sv, ir.Constant(ir.VectorType(I32, 8), [0] * 8))
+        nxt_acc = builder.fadd(acc, builder.fmul(prod, sv))
+        nxt = builder.add(b, _const(I64, 1))
+        b.add_incoming(nxt, builder.block)
+        acc.add_incoming(nxt_acc, builder.block)
+        builder.cbranch(builder.icmp_signed("<", nxt, nb), loop, done)
+        builder.position_at_end(done)
+        v, n = nxt_acc, 8
+        while n > 1:
+            n //= 2
+            lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, n), list(range(n))))
+            hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, n), list(range(n, 2 * n))))
+            v = builder.fadd(lo, hi)
+        return builder.extract_element(v, _const(I32, 0))
+    return types.float32(raw, off, xq, xo, xd, do, nb, f16), codegen
+
+
+@intrinsic
+def f16_runs(typingctx, raw, off, x, xo, runs, lanes):
+    """lanes[0:64] = sum over `runs` runs of 64 of f16(raw[off + 64 k + i]) * x[xo + 64 k + i], lane i, run after
+    run (each product rounded, then added: no fused multiply-add). The conversion is LLVM's fpext of <64 x half>
+    (vcvtph2ps with F16C, fcvtl on aarch64): exact, like the f16 table."""
+    def codegen(context, builder, sig, args):
+        raw_p, x_p = _data(context, builder, sig, args, 0), _data(context, builder, sig, args, 2)
+        lanes_p = _data(context, builder, sig, args, 5)
+        off, xo, runs = args[1], args[3], args[4]
+        f64v, h64v, i64v = ir.VectorType(ir.FloatType(), 64), ir.VectorType(ir.HalfType(), 64), ir.VectorType(I16, 64)
+        entry = builder.block
+        loop = builder.append_basic_block("f16_loop")
+        done = builder.append_basic_block("f16_done")
+        zero = ir.Constant(f64v, [0.0] * 64)
+        builder.cbranch(builder.icmp_signed(">", runs, _const(I64, 0)), loop, done)
+        builder.position_at_end(loop)
+        k = builder.phi(I64)
+        acc = builder.phi(f64v)
+        k.add_incoming(_const(I64, 0), entry)
+        acc.add_incoming(zero, entry)
+        o = builder.mul(k, _const(I64, 64))
+        w = builder.fpext(builder.bitcast(_vload(builder, raw_p, builder.add(off, o), i64v), h64v), f64v)
+        xv = builder.load(builder.bitcast(builder.gep(x_p, [builder.add(xo, o)]), f64v.as_pointer()), align=4)
+        nxt_acc = builder.fadd(acc, builder.fmul(w, xv))
+        nxt = builder.add(k, _const(I64, 1))
+        k.add_incoming(nxt, builder.block)
+        acc.add_incoming(nxt_acc, builder.block)
+        builder.cbranch(builder.icmp_signed("<", nxt, runs), loop, done)
+        builder.position_at_end(done)
+        res = builder.phi(f64v)
+        res.add_incoming(zero, entry)
+        res.add_incoming(nxt_acc, loop)
+        builder.store(res, builder.bitcast(lanes_p, f64v.as_pointer()), align=4)
+        return context.get_dummy_value()
+    return types.none(raw, off, x, xo, runs, lanes), codegen
+
+
+# ---- the kernels ---------------------------------------------------------------------------------------------
+# ds4py.quant.jit_i8_kernels unpacks a block once into a buffer for all T tokens (prefill); for a decode step
+# that unpacking is most of the work and stays scalar. These unpack in vector registers per token instead: the
+# same integer block sums and the same float sequence per (token, row), so y is the same bits.
+
+# Each kernel is a serial row range (_*_rows: a small matrix is one call on the calling thread; numba's parallel
+# launch costs ~0.1 ms of CPU, as much as reading a 1 MB matrix) and a parallel one over `parts` row ranges.
+SERIAL = dict(cache=True, nogil=True, boundscheck=False)
+
+
+@njit(**SERIAL)
+def iq2_xxs_rows(raw, xq, xd, y, f16, grid8, sign8, r0, r1):
+    """iq2_xxs for a few tokens, rows r0..r1: raw [R, nb, 66], grid8 [256] / sign8 [128] uint64 (iq2_block)."""
+    nb, T, C = raw.shape[1], xq.shape[0], xq.shape[1]
+    for r in range(r0, r1):
+        for t in range(T):
+            acc = F32(0)
+            for b in range(nb):
+                d = f16[np.int32(raw[r, b, 0]) | (np.int32(raw[r, b, 1]) << 8)] * F32(0.125)
+                isum = iq2_block(raw, (r * nb + b) * 66 + 2, xq, t * C + 256 * b, grid8, sign8)
+                acc += (d * xd[t, b]) * F32(isum)
+            y[t, r] = acc
+
+
+@njit(**OPTS)
+def iq2_xxs_dec(raw, xq, xd, y, f16, grid8, sign8, parts):
+    R = raw.shape[0]
+    for p in prange(parts):
+        iq2_xxs_rows(raw, xq, xd, y, f16, grid8, sign8, p * R // parts, (p + 1) * R // parts)
+
+
+@njit(**SERIAL)
+def q2_k_rows(raw, xq, xd, xbs, y, f16, r0, r1):
+    """q2_k for a few tokens, rows r0..r1: raw [R, nb, 84] (q2k_block / q2k_mins)."""
+    nb, T, C = raw.shape[1], xq.shape[0], xq.shape[1]
+    for r in range(r0, r1):
+        for t in range(T):
+            acc = F32(0)
+            for b in range(nb):
+                d = f16[np.int32(raw[r, b, 80]) | (np.int32(raw[r, b, 81]) << 8)]
+                dm = f16[np.int32(raw[r, b, 82]) | (np.int32(raw[r, b, 83]) << 8)]
+                o = (r * nb + b) * 84
+                isum = q2k_block(raw, o, xq, t * C + 256 * b)
+                m = q2k_mins(raw, o, xbs, t * (C // 16) + 16 * b)
+                acc += xd[t, b] * (d * F32(isum) - dm * F32(m))
+            y[t, r] = acc
+
+
+@njit(**OPTS)
+def q2_k_dec(raw, xq, xd, xbs, y, f16, parts):
+    R = raw.shape[0]
+    for p in prange(parts):
+        q2_k_rows(raw, xq, xd, xbs, y, f16, p * R // parts, (p + 1) * R // parts)
+
+
+@njit(**SERIAL)
+def q8_0_rows(raw, xq, xd, y, f16, r0, r1):
+    """Q8_0 for a few tokens, rows r0..r1: raw [R, nb, 34], xq [T, C] int8, xd [T, nb] (q8_0_row, nb >= 1)."""
+    nb, T, C = raw.shape[1], xq.shape[0], xq.shape[1]
+    for r in range(r0, r1):
+        for t in range(T):
+            y[t, r] = q8_0_row(raw, r * nb * 34, xq, t * C, xd, t * nb, nb, f16)
+
+
+@njit(**OPTS)
+def q8_0_dec(raw, xq, xd, y, f16, parts):
+    R = raw.shape[0]
+    for p in prange(parts):
+        q8_0_rows(raw, xq, xd, y, f16, p * R // parts, (p + 1) * R // parts)
+
+
+@njit(**SERIAL)
+def f16_rows(raw, x, y, f16, r0, r1):
+    """F16 rows r0..r1 of any length C: raw uint16 [R, C], x float32 [T, C]. jit_kernels.f16_rows' lanes (weight
+    i to lane i % 64, the tail of C % 64 into lanes 0..) with the whole 64-wide runs in vector IR and no fastmath:
+    one fixed order per row (bit-stable for any thread count and batch); jit_kernels.f16_rows, built with
+    fastmath, may contract and reorder, so the two agree to float rounding, not bit for bit."""
+    C, T = raw.shape[1], x.shape[0]
+    whole = C - C % 64
+    acc = np.empty(64, F32)
+    for r in range(r0, r1):
+        for t in range(T):
+            f16_runs(raw, r * C, x, t * C, whole // 64, acc)
+            for i in range(C - whole):
+                acc[i] += f16[raw[r, whole + i]] * x[t, whole + i]
+            y[t, r] = acc.sum()
+
+
+@njit(**OPTS)
+def f16_dec(raw, x, y, f16, parts):
+    R = raw.shape[0]
+    for p in prange(parts):
+        f16_rows(raw, x, y, f16, p * R // parts, (p + 1) * R // parts)
+
+
+# ---- the activation quantisers (ds4py.quant.jit_i8.quant_q8_0 / quant_q8_k: numpy's operations, one pass) ------
+
+@njit(**SERIAL)
+def quant_q8_k_rows(x, q, d, bsums):
+    """x [T, C] float32 -> Q8_K codes q [T, C], d [T, C/256], bsums [T, C/16], as jit_i8's numpy quantiser
+    computes them (the first value of largest magnitude, float32 -127/max, rint, clipped at 127). False, with
+    the outputs unfinished, where x holds a non-finite value: the caller then takes numpy's."""
+    T, C = x.shape
+    for t in range(T):
+        for b in range(C // 256):
+            o = 256 * b
+            amax, mx = F32(-1), F32(0)
+            for i in range(256):
+                v = x[t, o + i]
+                if not np.isfinite(v):
+                    return False
+                if abs(v) > amax:
+                    amax, mx = abs(v), v
+            iscale = F32(-127) / mx if mx != 0 else F32(0)
+            d[t, b] = F32(1) / iscale if iscale != 0 else F32(0)
+            for g in range(16):
+                s = I32N(0)
+                for i in range(16):
+                    v = np.rint(x[t, o + 16 * g + i] * iscale)
+                    c = np.int8(min(v, F32(127)))
+                    q[t, o + 16 * g + i] = c
+                    s += I32N(c)
+                bsums[t, 16 * b + g] = s
+    return True
+
+
+@njit(**SERIAL)
+def quant_q8_0_rows(x, q, d):
+    """x [T, C] float32 -> Q8_0 codes q [T, C] and the unrounded d = max|x| / 127 [T, C/32] (the caller rounds
+    d to f16), as jit_i8's numpy quantiser. False where x holds a non-finite value (then numpy's)."""
+    T, C = x.shape
+    for t in range(T):
+        for b in range(C // 32):
+            o = 32 * b
+            amax = F32(0)
+            for i in range(32):
+                v = x[t, o + i]
+                if not np.isfinite(v):
+                    return False
+                amax = max(amax, abs(v))
+            dd = amax / F32(127)
+            d[t, b] = dd
+            div = dd if dd > 0 else F32(1)
+            for i in range(32):
+                q[t, o + i] = np.int8(np.rint(x[t, o + i] / div))
+    return True
