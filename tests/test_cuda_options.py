@@ -113,3 +113,27 @@ def test_the_pool_grows_one_way_for_every_mode(monkeypatch):
         assert pool.get(mode) is c
     assert grown == [DECODE, DECODE, ROWS, ROWS, BLOCK, BLOCK] and len(syncs) == 9
     assert len(retired) == 4                                  # the old store blocks (DECODE's live in the arena)
+
+
+def test_no_code_assigns_an_engine_option_as_an_attribute():
+    """The options are one frozen value: nothing in ds4py/, bench/ or tests/ sets `model.multirow = ...` and the
+    like (a knob set that way would bypass the graph keys and leak between tests). `self.<name>` in a class of its
+    own (the Launcher's pdl) is that class's attribute, not an engine option."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    names = {f.name for f in dataclasses.fields(EngineOptions)}
+    hits = []
+    for d in ("ds4py", "bench", "tests"):
+        for p in sorted((root / d).rglob("*.py")):
+            if p.name == Path(__file__).name:
+                continue
+            for node in ast.walk(ast.parse(p.read_text())):
+                targets = node.targets if isinstance(node, ast.Assign) else \
+                    [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+                flat = [e for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
+                hits += [f"{p.relative_to(root)}:{node.lineno}: .{t.attr}" for t in flat
+                         if isinstance(t, ast.Attribute) and t.attr in names
+                         and not (isinstance(t.value, ast.Name) and t.value.id == "self")]
+    assert not hits, "\n".join(hits)

@@ -128,15 +128,15 @@ def test_rows_crossing_a_context_bucket_recapture_and_stay_exact(v4_gguf):
         versions.add(m.runner.pool.get(ROWS).version)
         assert got[0].tobytes() == _single(m, a2, ta)[0].tobytes(), f"step {t}: row a"
         assert got[1].tobytes() == _single(m, b2, tb)[0].tobytes(), f"step {t}: row b"
-    assert len(versions) == 2 and m.runner.pool.get(ROWS).bucket == 16 and m.runner.graphs.count(ROWS_STEP) == 2
+    assert len(versions) == 2 and m.runner.pool.get(ROWS).bucket == 16 and m.runner.cache.count(ROWS_STEP) == 2
 
 
 def test_long_chunks_and_many_rows_take_the_single_row_path(v4):
     """More rows than MAX_ROWS (a prompt) are stepped position by position: no multi-row graph is made."""
-    before = v4.runner.graphs.count(ROWS_STEP)
+    before = v4.runner.cache.count(ROWS_STEP)
     st = v4.new_state()
     v4.step([st], [ids_for(v4.config.vocab_size, MAX_ROWS + 1, seed=90)])
-    assert v4.runner.graphs.count(ROWS_STEP) == before and st.n_tokens == MAX_ROWS + 1
+    assert v4.runner.cache.count(ROWS_STEP) == before and st.n_tokens == MAX_ROWS + 1
 
 
 def test_full_size_rows_step_on_the_stand_in_driver(rt, standin):  # noqa: F811

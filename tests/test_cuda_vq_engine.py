@@ -283,7 +283,7 @@ def test_a_v41_vq_file_matches_the_reference(v41_gguf, tmp_path):
     nx = Numerics(fake_quant=False)
     ids = ids_for(512, 40, seed=5)
     m = open_model(str(out), backend="cuda-emu", numerics=nx)
-    assert m.config.is_v41 and m.prefill_vq_expert_mma
+    assert m.config.is_v41 and m.options.prefill_vq_expert_mma
     got = run(m, ids, 32)
     assert {"moe_prefill_gate_up_vq12", "moe_prefill_down_vq12"} <= {k for k, n in m.rt.launch_counts.items() if n}
     want = run(RefModel(str(out), numerics=nx), ids, 32)

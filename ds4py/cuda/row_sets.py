@@ -33,13 +33,13 @@ class RowSetRunner:
 
     def __init__(self, model: Any):
         self.m, self.cfg = model, model.config
-        self.graphs = GraphCache(model.store)
+        self.cache = GraphCache(model.store)
         self.pool = WorkspacePool(model.config, model.rt, model.store, model.w.arena, self._grown)
         self._v41_inputs()
         self._rows_order: list[int] = []
 
     def _grown(self, mode: str) -> None:
-        self.graphs.drop({DECODE: HEAD, ROWS: ROWS_STEP}.get(mode, ""))
+        self.cache.drop({DECODE: HEAD, ROWS: ROWS_STEP}.get(mode, ""))
 
     def _v41_inputs(self) -> None:
         """V4.1's constant step inputs on the device: the first block's one-hot pre-mix and each Engram's q_w * k_w
@@ -118,8 +118,8 @@ class RowSetRunner:
         key = GraphKey(BODY, -1 if ws is None else ws.version, self.m.options.launch, (need,),
                        generation=st.generation, keys=() if keys is None else tuple(sorted(keys.items())),
                        taps=bool(taps))
-        run = self.graphs.body_of(st, key)
-        if run is not None and ws is not None and self.graphs.fits(run, key):
+        run = self.cache.body_of(st, key)
+        if run is not None and ws is not None and self.cache.fits(run, key):
             return run
         bucket = self.row_bucket(st, pos)
         ws = self.pool.need(DECODE, bucket)
@@ -127,14 +127,14 @@ class RowSetRunner:
         rec, B = self.context(st, bucket, keys, taps), self.m.w.binding
         key = GraphKey(BODY, ws.version, self.m.options.launch, (bucket,), generation=st.generation, keys=key.keys,
                        taps=key.taps)
-        return self.graphs.put_body(st, StepRun(self.m, lambda ls: layer.record_body(ls, rec, B), key), run)
+        return self.cache.put_body(st, StepRun(self.m, lambda ls: layer.record_body(ls, rec, B), key), run)
 
     def head(self, sampling: tuple | None) -> StepRun:
         ws = self.pool.get(DECODE)
         ws = self.pool.need(DECODE, ws.bucket if ws is not None else
                             bucket_for(1, self.cfg.context_length, self.m.options.min_bucket))
         key = GraphKey(HEAD, ws.version, self.m.options.launch, sampling=sampling)
-        run = self.graphs.get(key)
+        run = self.cache.get(key)
         if run is not None:
             return run
         rec, B = self.context(None, ws.bucket), self.m.w.binding
@@ -144,7 +144,7 @@ class RowSetRunner:
             if sampling is not None:
                 layer.record_sample(ls, rec, sampling)
 
-        return self.graphs.put(key, StepRun(self.m, record, key))
+        return self.cache.put(key, StepRun(self.m, record, key))
 
     def positions(self, st: CudaState, ids: np.ndarray, all_logits: bool, out: Outputs = Outputs.NONE) -> Any:
         """One state's chunk position by position through its decode graph (DECODE); with out: (logits, every
@@ -288,7 +288,7 @@ class RowSetRunner:
                        tuple(tuple((a.ptr, a.shape[0]) for a in st.arrays.values()) for st, _, _ in plan),
                        keys=None if row_keys is None else tuple(tuple(sorted(k.items())) for k in row_keys),
                        taps=bool(taps))
-        run = self.graphs.get(key)
+        run = self.cache.get(key)
         if run is not None:                             # seen before: worth a graph from now on
             run.use_graph()
             return run, order
@@ -300,10 +300,10 @@ class RowSetRunner:
             layer.record_body(ls, rec, B)
             layer.record_head(ls, rec, layer.final_residual(rec), rec.R, B.hc_head, B.output_norm, B.head)
 
-        return self.graphs.put(key, StepRun(self.m, record, key, slot=ws.slot, graph=False)), order
+        return self.cache.put(key, StepRun(self.m, record, key, slot=ws.slot, graph=False)), order
 
     def close(self) -> None:
-        self.graphs.close()
+        self.cache.close()
         self.pool.close()
         if self._v41_block is not None:
             self.m.store.retire([self._v41_block])
