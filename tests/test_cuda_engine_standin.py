@@ -49,7 +49,7 @@ def test_a_decode_step_is_captured_without_host_syncs(rt, standin, golden):  # n
     for calls in caps:
         assert not SYNC_CALLS & set(calls), f"host synchronisation during a capture: {SYNC_CALLS & set(calls)}"
     n = m.launches_per_step(s)
-    assert caps[0].count("cuLaunchKernelEx") == n["body"] and caps[1].count("cuLaunchKernelEx") == 3
+    assert caps[0].count("cuLaunchKernelEx") == n["body"] and caps[1].count("cuLaunchKernelEx") == 2
     assert n["body"] <= 1 + layer_budget(m.config) * m.config.n_layers
     assert caps[0].count("cuStreamWaitEvent") == 4 * m.config.n_layers      # fork + join per sub-layer
     print(f"ds4-tiny launches per decode step: {n}")
@@ -85,7 +85,7 @@ def test_full_size_synthetic_model_launch_budget(rt, standin):  # noqa: F811
     for calls in captures(standin):
         assert not SYNC_CALLS & set(calls)
     n = m.launches_per_step(s)
-    assert n["body"] <= 1 + layer_budget(cfg) * cfg.n_layers and n["head"] == 4
+    assert n["body"] <= 1 + layer_budget(cfg) * cfg.n_layers and n["head"] == 3
     print(f"V4 Flash (43 layers) launches per decode step: {n}; weights {m.weight_bytes_per_token() / 1e9:.2f} GB "
           f"read per token")
     assert 9.0e9 < m.weight_bytes_per_token() < 10.5e9      # the 9.55 GB per token of the q2 file
