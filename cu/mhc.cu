@@ -66,32 +66,41 @@ __device__ __forceinline__ float col_sum(float v) {
     return v;
 }
 
-// y = RMSNorm(sum_j p_j x_j; w) of one token by the whole block (blockDim.x a multiple of 32): thread t owns
-// columns t, t + blockDim.x, ...; the loads of 4 of its columns (hc rows of x, and w) are issued before their math,
-// so a thread keeps 4 * (hc + 1) loads in flight, and where 4 columns a thread cover D (every real width at the
-// default block) the sums stay in registers for the normalise (one round trip in all, not three). The sums (over
-// j, then the squares over the thread's columns in ascending order, then block_sum) do not depend on that batching:
-// the bits are those of the one-column loop.
-__device__ __forceinline__ void collapse_norm_row(const float* x, const float* p, int D, const float* w, float eps,
-                                                  float* yr, float* part) {
-    const int nt = blockDim.x;
-    const bool one_pass = D <= 4 * nt;
-    float ss = 0.0f, keep[4], wk[4];
-    for (int cb = threadIdx.x; cb < D; cb += 4 * nt) {
-        float xv[4][HC];
+// One thread's 4 columns (cb, cb + blockDim.x, ...) of a collapse pass: x (hc rows) and w, loaded together so a
+// thread keeps 4 * (hc + 1) loads in flight. hc_mix's last block loads its first pass before the Sinkhorn.
+struct CollapseCols {
+    float xv[4][HC], wk[4];
+    __device__ __forceinline__ void load(const float* x, int D, const float* w, int cb) {
 #pragma unroll
         for (int k = 0; k < 4; k++) {
-            const int c = cb + k * nt;
+            const int c = cb + k * (int)blockDim.x;
 #pragma unroll
             for (int j = 0; j < HC; j++) xv[k][j] = c < D ? x[(size_t)j * D + c] : 0.0f;
             wk[k] = c < D && w ? w[c] : 1.0f;
         }
+    }
+};
+
+// y = RMSNorm(sum_j p_j x_j; w) of one token by the whole block (blockDim.x a multiple of 32): thread t owns
+// columns t, t + blockDim.x, ...; PRELOADED: cols holds its first pass, loaded by the caller (cols.load(x, D, w,
+// t)), else the loop loads every pass. Where
+// 4 columns a thread cover D (every real width at the default block) the sums stay in registers for the normalise
+// (one round trip in all, not three). The sums (over j, then the squares over the thread's columns in ascending
+// order, then block_sum) do not depend on that batching: the bits are those of the one-column loop.
+template <bool PRELOADED>
+__device__ __forceinline__ void collapse_norm_row(const float* x, const float* p, int D, const float* w, float eps,
+                                                  float* yr, float* part, CollapseCols& cols) {
+    const int nt = blockDim.x;
+    const bool one_pass = D <= 4 * nt;
+    float ss = 0.0f, keep[4];
+    for (int cb = threadIdx.x; cb < D; cb += 4 * nt) {
+        if (!PRELOADED || cb != (int)threadIdx.x) cols.load(x, D, w, cb);
 #pragma unroll
         for (int k = 0; k < 4; k++) {
             const int c = cb + k * nt;
-            float v = p[0] * xv[k][0];                 // sum over j in ascending order
+            float v = p[0] * cols.xv[k][0];            // sum over j in ascending order
 #pragma unroll
-            for (int j = 1; j < HC; j++) v += p[j] * xv[k][j];
+            for (int j = 1; j < HC; j++) v += p[j] * cols.xv[k][j];
             keep[k] = v;
             if (c < D) {
                 if (!one_pass) yr[c] = v;
@@ -105,7 +114,7 @@ __device__ __forceinline__ void collapse_norm_row(const float* x, const float* p
 #pragma unroll
         for (int k = 0; k < 4; k++) {
             const int c = threadIdx.x + k * nt;
-            if (c < D) yr[c] = w ? keep[k] * r * wk[k] : keep[k] * r;
+            if (c < D) yr[c] = w ? keep[k] * r * cols.wk[k] : keep[k] * r;
         }
         return;
     }
@@ -197,6 +206,9 @@ __device__ __forceinline__ void hc_mix_body(const T* fn, int nrows, const float*
     __syncthreads();
     if (!last) return;
     __threadfence();
+    const int D = n / HC;
+    CollapseCols cols;
+    if (col.y) cols.load(x, D, col.w, threadIdx.x);    // in flight while the partials and the Sinkhorn run
     const float* all = partial + (size_t)tok * nblk * (nrows + 1);
     const int n_part = nblk * (nrows + 1);
     float* staged = &dpart[0][0][0][0];                // free again: the chunk partials in one round trip
@@ -238,8 +250,7 @@ __device__ __forceinline__ void hc_mix_body(const T* fn, int nrows, const float*
     float p[HC];
 #pragma unroll
     for (int j = 0; j < HC; j++) p[j] = pre[j];
-    const int D = n / HC;
-    collapse_norm_row(x, p, D, col.w, col.eps, col.y + (size_t)tok * D, cpart);
+    collapse_norm_row<true>(x, p, D, col.w, col.eps, col.y + (size_t)tok * D, cpart, cols);
 }
 
 // Launch: grid (ceil(n / MIX_COLS), T tokens), block (32 * warps, warps >= 1). fn [nrows, n] with n = hc * D
@@ -278,7 +289,8 @@ extern "C" __global__ __launch_bounds__(1024) void hc_collapse_norm(const float*
     float p[HC];
 #pragma unroll
     for (int j = 0; j < HC; j++) p[j] = pre[j];
-    collapse_norm_row(X + (size_t)blockIdx.x * HC * D, p, D, w, eps, y + (size_t)blockIdx.x * D, part);
+    CollapseCols cols;
+    collapse_norm_row<false>(X + (size_t)blockIdx.x * HC * D, p, D, w, eps, y + (size_t)blockIdx.x * D, part, cols);
 }
 
 // X'_k = post_k f + sum_j C[j,k] X_j for every column, in place (each thread owns its columns for all k).

@@ -246,8 +246,9 @@ def tail_us(launch: Any, t: Timing) -> float:
     """The serial work a launch's last block does after the grid's (an atomic ticket), which the grid-wide terms
     (bytes over all blocks' loads in flight) miss. hc_mix: one DRAM round trip for the fence + ticket, one for the
     chunk partials (staged in one pass), the Sinkhorn rounds of a sub-layer's mix (iters x SINKHORN_ROUND_CYCLES),
-    and with a collapse (y given) its x / w pass(es) (a thread keeps 4 columns' loads in flight: a pass covers
-    4 x threads columns; more than one pass re-reads y to normalise: one round trip more). 0: no tail."""
+    and with a collapse (y given) its x / w pass(es) after the first (a thread keeps 4 columns' loads in flight: a
+    pass covers 4 x threads columns; the first pass is loaded right after the ticket, under the partials' round
+    trip; more than one pass re-reads y to normalise: one round trip more). 0: no tail."""
     if not launch.kernel.startswith("hc_mix"):
         return 0.0
     s = _scalars(launch)
@@ -258,7 +259,7 @@ def tail_us(launch: Any, t: Timing) -> float:
     if y is not None and y.nbytes > 0:
         D = int(s.get("n", 0)) // hc
         passes = math.ceil(D / (4 * max(1, launch.block[0] * launch.block[1] * launch.block[2])))
-        trips += passes + (1 if passes > 1 else 0)
+        trips += (passes - 1) + (1 if passes > 1 else 0)
     sinkhorn = int(s.get("iters", 0)) * SINKHORN_ROUND_CYCLES / (t.clock_ghz * 1e3) if nrows == (2 + hc) * hc else 0.0
     return trips * t.latency_ns / 1e3 + sinkhorn
 
