@@ -250,14 +250,23 @@ extern "C" __global__ void attn_decode_combine(const float* part_o, const float*
     const bool live = 2 * t < hd;
     float L = 0.0f;
     float2 acc = make_float2(0.0f, 0.0f);
-    for (int s = 0; s < splits; ++s) {
-        const float m = ml[2 * s];
-        if (m == ATTN_NEG_INF) continue;             // an empty split
-        const float w = expf(m - M);
-        L += w * ml[2 * s + 1];
-        if (live) {
-            const float2 v = reinterpret_cast<const float2*>(part_o + ((size_t)h * splits + s) * hd)[t];
-            acc = make_float2(acc.x + w * v.x, acc.y + w * v.y);
+    const float2* po = reinterpret_cast<const float2*>(part_o + (size_t)h * splits * hd) + t;
+    for (int s0 = 0; s0 < splits; s0 += 8) {
+        // 8 splits' rows loaded before any is used (an empty split's row is zeros, written by the partial), so
+        // the loads do not wait one by one behind the empty-split test; the sums keep split order
+        float2 v[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+            v[i] = live && s0 + i < splits ? po[(size_t)(s0 + i) * (hd / 2)] : make_float2(0.0f, 0.0f);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int s = s0 + i;
+            if (s >= splits) break;
+            const float m = ml[2 * s];
+            if (m == ATTN_NEG_INF) continue;         // an empty split
+            const float w = expf(m - M);
+            L += w * ml[2 * s + 1];
+            if (live) acc = make_float2(acc.x + w * v[i].x, acc.y + w * v[i].y);
         }
     }
     L += expf(sink - M);
