@@ -53,7 +53,7 @@ def hc_mix(rt: Any, fn: DeviceArray, X: DeviceArray, n_tok: int, D: int, scale: 
     sub-layer; fn [hc, hc*D] (the head's) gives pre only. F16 or F32 fn, as the GGUF stores it. ticket: n_tok
     zeroed uint32 (left zeroed); partial: mix_partial_floats(...) float32 scratch. collapse: the last block also
     collapses + norms (one launch instead of hc_mix + hc_collapse_norm; bit for bit the two launches' result with
-    hc_collapse_norm's default block: the block is collapse_threads(D) warps unless `warps` says otherwise)."""
+    hc_collapse_norm's default block: the block is collapse_threads(D) threads unless `warps` says otherwise)."""
     nrows = fn.shape[0] if len(fn.shape) == 2 else 0
     n = hc * D
     if warps is None:
