@@ -54,14 +54,16 @@ extern "C" __global__ void attn_kv_store(const float* kv_raw, const float* norm_
                                          const int* pos_slot, float* win, int ring, int hd, int rd, float eps,
                                          int fake_quant, int round_f16) {
     __shared__ float part[32];
+    const int t = threadIdx.x, nope = hd - rd;
+    const bool live = 2 * t < hd;
+    // norm_w is a weight: loaded before the wait, under the previous kernel's tail
+    const float2 w = live ? reinterpret_cast<const float2*>(norm_w)[t] : make_float2(0.0f, 0.0f);
     pdl_wait();
     pdl_launch_dependents();
-    const int t = threadIdx.x, pos = pos_slot[0], nope = hd - rd;
-    const bool live = 2 * t < hd;
+    const int pos = pos_slot[0];
     float2 v = live ? reinterpret_cast<const float2*>(kv_raw)[t] : make_float2(0.0f, 0.0f);
     const float r = rsqrtf(block_sum(v.x * v.x + v.y * v.y, part) / (float)hd + eps);
     if (live) {
-        const float2 w = reinterpret_cast<const float2*>(norm_w)[t];
         v = make_float2(v.x * r * w.x, v.y * r * w.y);
         if (2 * t >= nope) v = ds4_rope_pair(v, pos, freqs[t - nope / 2], false);
     }
@@ -237,26 +239,37 @@ extern "C" __global__ void attn_decode_partial(const float* q_raw, const float* 
 extern "C" __global__ void attn_decode_combine(const float* part_o, const float* part_ml, const float* sinks,
                                                const float* freqs, const int* pos_slot, float* out, int hd, int rd,
                                                int splits) {
+    const int h = blockIdx.x, t = threadIdx.x, nope = hd - rd;
+    const float sink = sinks[h];                     // a weight: before the wait
     pdl_wait();
     pdl_launch_dependents();
-    const int h = blockIdx.x, t = threadIdx.x, pos = pos_slot[0], nope = hd - rd;
+    const int pos = pos_slot[0];
     const float* ml = part_ml + (size_t)h * splits * 2;
     float M = ATTN_NEG_INF;
     for (int s = 0; s < splits; ++s) M = fmaxf(M, ml[2 * s]);
     const bool live = 2 * t < hd;
     float L = 0.0f;
     float2 acc = make_float2(0.0f, 0.0f);
-    for (int s = 0; s < splits; ++s) {
-        const float m = ml[2 * s];
-        if (m == ATTN_NEG_INF) continue;             // an empty split
-        const float w = expf(m - M);
-        L += w * ml[2 * s + 1];
-        if (live) {
-            const float2 v = reinterpret_cast<const float2*>(part_o + ((size_t)h * splits + s) * hd)[t];
-            acc = make_float2(acc.x + w * v.x, acc.y + w * v.y);
+    const float2* po = reinterpret_cast<const float2*>(part_o + (size_t)h * splits * hd) + t;
+    for (int s0 = 0; s0 < splits; s0 += 8) {
+        // 8 splits' rows loaded before any is used (an empty split's row is zeros, written by the partial), so
+        // the loads do not wait one by one behind the empty-split test; the sums keep split order
+        float2 v[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+            v[i] = live && s0 + i < splits ? po[(size_t)(s0 + i) * (hd / 2)] : make_float2(0.0f, 0.0f);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int s = s0 + i;
+            if (s >= splits) break;
+            const float m = ml[2 * s];
+            if (m == ATTN_NEG_INF) continue;         // an empty split
+            const float w = expf(m - M);
+            L += w * ml[2 * s + 1];
+            if (live) acc = make_float2(acc.x + w * v[i].x, acc.y + w * v[i].y);
         }
     }
-    L += expf(sinks[h] - M);
+    L += expf(sink - M);
     if (!live) return;
     float2 v = make_float2(acc.x / L, acc.y / L);
     if (2 * t >= nope) v = ds4_rope_pair(v, pos, freqs[t - nope / 2], true);

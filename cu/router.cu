@@ -18,8 +18,17 @@ __device__ __forceinline__ float route_score(float x) {     // sqrt(logaddexp(0,
     return sqrtf(x == 0.0f ? 0.69314718055994530942f : fmaxf(x, 0.0f) + log1pf(expf(-fabsf(x))));
 }
 
-// One token's routing by one warp (every lane calls it).
-__device__ __forceinline__ void route_one(const float* logits, const float* bias, const int* tid2eid,
+// The lane's bias values (a weight: loaded before pdl_wait, under the previous kernel's tail).
+__device__ __forceinline__ void route_bias(const float* bias, int n_experts, float* bb) {
+#pragma unroll
+    for (int i = 0; i < ROUTE_PER_LANE; ++i) {
+        const int e = threadIdx.x + 32 * i;
+        bb[i] = bias && e < n_experts ? bias[e] : 0.0f;
+    }
+}
+
+// One token's routing by one warp (every lane calls it); bb: route_bias's values.
+__device__ __forceinline__ void route_one(const float* logits, const float* bias, const float* bb, const int* tid2eid,
                                           const int* token, int n_experts, int k, int vocab, float route_scale,
                                           int route_norm, float gate_temp, float norm_eps, int* ids, float* weights) {
     const int lane = threadIdx.x;
@@ -29,7 +38,7 @@ __device__ __forceinline__ void route_one(const float* logits, const float* bias
     for (int i = 0; i < ROUTE_PER_LANE; ++i) {
         const int e = lane + 32 * i;
         s[i] = e < n_experts ? route_score(logits[e] / gate_temp) : 0.0f;
-        b[i] = e < n_experts ? (bias ? s[i] + bias[e] : s[i]) : -__int_as_float(0x7f800000);
+        b[i] = e < n_experts ? (bias ? s[i] + bb[i] : s[i]) : -__int_as_float(0x7f800000);
     }
     int my_id = -1;                                      // lane j < k ends with the j-th expert
     float my_s = nan;
@@ -87,10 +96,12 @@ __device__ __forceinline__ void route_one(const float* logits, const float* bias
 extern "C" __global__ void moe_route(const float* logits, const float* bias, const int* tid2eid, const int* token,
                                      int n_experts, int k, int vocab, float route_scale, int route_norm,
                                      float gate_temp, float norm_eps, int* ids, float* weights) {
+    float bb[ROUTE_PER_LANE];
+    route_bias(bias, n_experts, bb);
     pdl_wait();
     pdl_launch_dependents();
-    route_one(logits, bias, tid2eid, token, n_experts, k, vocab, route_scale, route_norm, gate_temp, norm_eps, ids,
-              weights);
+    route_one(logits, bias, bb, tid2eid, token, n_experts, k, vocab, route_scale, route_norm, gate_temp, norm_eps,
+              ids, weights);
 }
 
 // Prefill: moe_route of T tokens, row r: logits [T, n_experts], token [T], ids / weights [T, k].
@@ -98,9 +109,11 @@ extern "C" __global__ void moe_route(const float* logits, const float* bias, con
 extern "C" __global__ void moe_route_rows(const float* logits, const float* bias, const int* tid2eid,
                                           const int* token, int n_experts, int k, int vocab, float route_scale,
                                           int route_norm, float gate_temp, float norm_eps, int* ids, float* weights) {
+    float bb[ROUTE_PER_LANE];
+    route_bias(bias, n_experts, bb);
     pdl_wait();
     pdl_launch_dependents();
     const size_t r = blockIdx.x;
-    route_one(logits + r * n_experts, bias, tid2eid, token + r, n_experts, k, vocab, route_scale, route_norm,
+    route_one(logits + r * n_experts, bias, bb, tid2eid, token + r, n_experts, k, vocab, route_scale, route_norm,
               gate_temp, norm_eps, ids + r * k, weights + r * k);
 }

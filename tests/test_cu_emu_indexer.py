@@ -69,6 +69,28 @@ def test_indexer_scores(kdev, ih, ihd, pos, cap, blocks, order):
     assert np.isnan(scores[n_vis:]).all(), "scores past the visible keys were written"
 
 
+@pytest.mark.parametrize("ih,ihd,pos,cap,blocks", [SCORE_CASES[0], SCORE_CASES[1], SCORE_CASES[3]])
+def test_indexer_scores_tiles_of_16_keys_give_the_same_bits(kdev, ih, ihd, pos, cap, blocks):
+    """The decode launch's 16-key tiles (4x the blocks at short contexts) write the bits of 64-key tiles."""
+    r = rng(ih, ihd, pos, 2)
+    n_vis = (pos + 1) // 4
+    q = ops.fp4_fake_quant(r.standard_normal((ih, ihd)).astype(np.float32), 32)
+    keys = np.full((cap, ihd), np.nan, np.float32)
+    keys[:n_vis] = ops.fp4_fake_quant(r.standard_normal((n_vis, ihd)).astype(np.float32), 32)
+    w_raw = r.standard_normal(ih).astype(np.float32)
+    dev = kdev("random", pos)
+    out = []
+    for tile in (16, 64):
+        d_scores = dev.var(np.full(cap, np.nan, np.float32))
+        ops_idx.indexer_scores(dev.rt, dev.const(q), dev.const(w_raw), twin.weight_scale(ihd, ih), dev.const(keys),
+                               dev.const(np.array([pos], np.int32)), d_scores, ih, ihd, cap, max_blocks=blocks,
+                               tile=tile)
+        out.append(d_scores.download())
+    assert out[0].tobytes() == out[1].tobytes()
+    assert np.isnan(out[0][n_vis:]).all() and not np.isnan(out[0][:n_vis]).any()
+    assert ops_idx.decode_tile(512, 264) == 16 and ops_idx.decode_tile(16384, 264) == 64
+
+
 def test_indexer_wrappers_reject_bad_shapes():
     rt = None                                            # rejected before any launch
     z = np.zeros

@@ -110,7 +110,7 @@ def test_twin_is_the_reference_hc_pre():
 
 
 @pytest.mark.parametrize("D,T,threads,weighted", [(1, 1, 32, True), (33, 2, 32, False), (500, 3, 128, True),
-                                                  (4096, 1, 1024, True)])
+                                                  (4096, 1, 1024, True), (600, 2, 32, True), (300, 1, 64, False)])
 def test_collapse_norm(rt, arena, put, D, T, threads, weighted):
     r = rng(D, T, threads)
     X = (3 * r.standard_normal((T, HC, D))).astype(np.float32)
@@ -147,3 +147,57 @@ def test_head_collapse(rt, arena, put, D):
     ops.hc_collapse_norm(rt, X=put(X, False), mix=mix, n_tok=2, D=D, w=put(w), eps=EPS, y=y, threads=64)
     want = tm.hc_head(X, fn.astype(np.float32), scale[:1], base, w, EPS, EPS)
     twins.assert_close_scaled(y.download(), want, np.abs(want) + np.abs(w), HC * D, "head collapse")
+
+
+@pytest.mark.parametrize("D,T,nrows,lagged,weighted", [(64, 1, om.mix_record(HC), False, True),
+                                                       (320, 2, om.mix_record(HC), True, True),
+                                                       (288, 2, HC, False, True),
+                                                       (1280, 1, om.mix_record(HC), False, False),
+                                                       (8192, 1, om.mix_record(HC), False, True)])
+def test_mix_with_collapse_is_the_two_launches_bit_for_bit(rt, arena, put, D, T, nrows, lagged, weighted):
+    """hc_mix with a Collapse (its last block collapses + norms: one launch per sub-layer) writes the mix record
+    and y of hc_mix followed by hc_collapse_norm at its default block; lagged: pre from another record (V4.1).
+    D 8192: more chunk partials than the last block stages in shared memory (it reads them from L2 instead)."""
+    r = rng(D, T, nrows, lagged)
+    X, fn, scale, base = case(r, T, D, nrows, False)
+    sc = scale if nrows > HC else scale[:1]
+    w = (1 + 0.1 * r.standard_normal(D)).astype(np.float32) if weighted else None
+    lag = r.random((T, om.mix_record(HC))).astype(np.float32) if lagged else None
+    dX, dfn, dsc, dbase = put(X, False), put(fn), put(sc), put(base)
+    dw, dlag = (put(w) if weighted else None), (put(lag) if lagged else None)
+    stride = om.mix_record(HC)
+    part = arena.scratch(om.mix_partial_floats(T, nrows, D), np.float32)
+    ticket = put(np.zeros(T, np.uint32), False)
+    mix1, mix2 = (arena.scratch((T, om.mix_record(HC)), np.float32) for _ in range(2))
+    y1, y2 = (arena.scratch((T, D), np.float32) for _ in range(2))
+    ops.hc_mix(rt, dfn, dX, T, D, dsc, dbase, part, ticket, mix1, EPS, EPS, 20)
+    ops.hc_collapse_norm(rt, dX, dlag if lagged else mix1, T, D, dw, EPS, y1, mix_stride=stride)
+    ops.hc_mix(rt, dfn, dX, T, D, dsc, dbase, part, ticket, mix2, EPS, EPS, 20,
+               collapse=om.Collapse(y2, dw, EPS, dlag, stride if lagged else 0))
+    assert (ticket.download() == 0).all()
+    assert mix2.download()[:, :nrows].tobytes() == mix1.download()[:, :nrows].tobytes()
+    assert y2.download().tobytes() == y1.download().tobytes()
+    pre = (lag if lagged else mix1.download())[:, :HC]
+    want = tm.hc_collapse_norm(X, pre, w, EPS)
+    twins.assert_close_scaled(y2.download(), want, np.abs(want) + 1e-30, HC * D, f"fused collapse D={D}")
+
+
+def test_mix_with_collapse_is_bit_identical_whichever_block_is_last(put):
+    from ds4py.cuda.emu_runtime import EmuRuntime
+
+    r = rng(11)
+    X, fn, scale, base = case(r, 2, 1024, om.mix_record(HC), False)
+    out = set()
+    for order, seed in [("forward", 0), ("reverse", 0), ("random", 3)]:
+        rt = EmuRuntime(order=order, seed=seed)
+        with fresh_arena(rt, 4 << 20, 1 << 20) as arena:
+            p = putter(arena)
+            T, D, nrows = 2, 1024, om.mix_record(HC)
+            part = arena.scratch(om.mix_partial_floats(T, nrows, D), np.float32)
+            ticket = p(np.zeros(T, np.uint32), False)
+            mix = arena.scratch((T, nrows), np.float32)
+            y = arena.scratch((T, D), np.float32)
+            ops.hc_mix(rt, p(fn), p(X, False), T, D, p(scale), p(base), part, ticket, mix, EPS, EPS, 20,
+                       collapse=om.Collapse(y, None, EPS))
+            out.add(mix.download().tobytes() + y.download().tobytes())
+    assert len(out) == 1

@@ -300,3 +300,37 @@ def test_gb10_vq8_down_overlaps_its_copies():
              if l.kernel.startswith("moe_down_vq")}
     for k in ("moe_down_vq12", "moe_down_vq13"):
         assert timemodel.model_kernel(downs[k], GB10, 2048).limiter != "stage-then-compute", k
+
+
+def test_hc_mix_is_charged_its_last_block_tail():
+    """hc_mix's last block (after the ticket): the ticket and partials round trips, a sub-layer mix's Sinkhorn rounds,
+    and with a collapse (y given) the x passes after the first (one pass at 1,024 threads and D 4,096; two at 512
+    threads, plus the normalise's re-read of y)."""
+    t = timemodel.timing_for(H200)
+    lat, sink = t.latency_ns / 1e3, 20 * timemodel.SINKHORN_ROUND_CYCLES / (t.clock_ghz * 1e3)
+
+    def mix(threads: int, nrows: int, y: bool) -> PlannedLaunch:
+        base = launch("hc_mix_f16", 32, threads, weight=nrows * 16384 * 2, act=65536, dev=H200,
+                      scalars=(("nrows", nrows), ("n", 16384), ("iters", 20)))
+        args = base.args + ((PlannedArg("y", 16384, False, "activation"),) if y else ())
+        return PlannedLaunch(0, base.kernel, "test", base.grid, base.block, 0, 0, 32, "main", True, args,
+                             base.scalars, base.occupancy, base.waves, base.problem)
+
+    kt = {(th, rows, y): timemodel.model_kernel(mix(th, rows, y), H200, 2048, loops={}).t_tail_us
+          for th, rows, y in [(1024, 24, True), (1024, 24, False), (1024, 4, True), (512, 24, True)]}
+    assert kt[1024, 24, False] == pytest.approx(2 * lat + sink)
+    assert kt[1024, 24, True] == pytest.approx(2 * lat + sink)           # the one pass loads under the partials
+    assert kt[1024, 4, True] == pytest.approx(2 * lat)                   # the head's mix: pre only, no Sinkhorn
+    assert kt[512, 24, True] == pytest.approx(4 * lat + sink)            # 4,096 columns in two passes
+    k = timemodel.model_kernel(mix(1024, 24, True), H200, 2048, loops={})
+    assert k.time_us == pytest.approx(max(k.t_mem_us, k.t_floor_us) + k.t_tail_us + t.gap_pdl_us)
+
+
+def test_v4_decode_collapses_inside_the_mix():
+    """One hc_mix per sub-layer and one for the head, no separate collapse: 987 - 87 launches a V4 decode step."""
+    from ds4py.cuda.plan import plan_step
+
+    L = plan_step("v4-flash-q2", "decode", "h200", ctx=2048)
+    mixes = [ln for ln in L if ln.kernel.startswith("hc_mix")]
+    assert len(L) == 900 and not any(ln.kernel == "hc_collapse_norm" for ln in L)
+    assert len(mixes) == 87 and all(any(a.name == "y" and a.nbytes > 0 for a in ln.args) for ln in mixes)

@@ -262,7 +262,8 @@ def attend_rows(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
         ops_attn.decode_attention(ls, plan, row(ws.q, n, cfg.q_dim), rec.freqs[il], pos, p[f"{il}.win"], cfg.window,
                                   comp, ro.ratio, sel, cfg.index_topk, A.sinks.array,
                                   ws.part_o.view(0, plan.part_o_shape), ws.part_ml.view(0, plan.part_ml_shape),
-                                  row(ws.o, n, cfg.q_dim), cfg.rope_dim, cfg.norm_eps, hd ** -0.5, **ls.main())
+                                  row(ws.o, n, cfg.q_dim), cfg.rope_dim, cfg.norm_eps, hd ** -0.5, **ls.main(),
+                                  combine_pdl=ls.main()["pdl"])
 
 
 def attend_block(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
@@ -493,7 +494,7 @@ def v41_attend_rows(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
         ops_attn.decode_attention(ls, plan, row(ws.q, n, cfg.q_dim), rec.freqs[il], pos, p[f"{il}.win"], cfg.window,
                                   comp, ro.ratio, sel, k, A.sinks.array, ws.part_o.view(0, plan.part_o_shape),
                                   ws.part_ml.view(0, plan.part_ml_shape), row(ws.o, n, cfg.q_dim), cfg.rope_dim,
-                                  cfg.norm_eps, hd ** -0.5, **ls.main(), q_norm=False)
+                                  cfg.norm_eps, hd ** -0.5, **ls.main(), q_norm=False, combine_pdl=ls.main()["pdl"])
 
 
 def v41_attend_block(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:

@@ -15,6 +15,7 @@ Per kernel (all times in microseconds):
     time    = max(t_mem, t_issue, t_mma, t_floor), or t_mem + t_issue for a kernel that stages all its loads
               before any math (cp.async, then wait for all of them: no ring) with one block per SM: nothing
               overlaps its copy
+              + t_tail: a last block's serial work after an atomic ticket (tail_us: round trips, Sinkhorn)
               + the launch gap (smaller with PDL: the next kernel's launch overlaps this one's tail)
 The limiter is the term that set the time: bandwidth, latency-parallelism, issue, mma, latency floor; a kernel
 whose gap is more than half its time is named by `launch gap`.
@@ -231,6 +232,38 @@ def launch_traffic(launch: Any, ctx: int) -> Traffic:
     return Traffic(weight, kv, act, weights, rows, flops)
 
 
+# ---- last-block tails ------------------------------------------------------------------------------------------
+def _hc_of(nrows: int) -> int:
+    """hc from an mHC mix's fn rows: (2 + hc) * hc (a sub-layer's) or hc (the head's)."""
+    return next((h for h in (1, 2, 4, 8, 16) if (2 + h) * h == nrows), nrows)
+
+
+SINKHORN_ROUND_CYCLES = 180   # one Sinkhorn round on one warp: 4 dependent shuffles (~25 cycles) + 2 IEEE
+                              # divisions (~40): an estimate from the instruction latencies, not a SASS count
+
+
+def tail_us(launch: Any, t: Timing) -> float:
+    """The serial work a launch's last block does after the grid's (an atomic ticket), which the grid-wide terms
+    (bytes over all blocks' loads in flight) miss. hc_mix: one DRAM round trip for the fence + ticket, one for the
+    chunk partials (staged in one pass), the Sinkhorn rounds of a sub-layer's mix (iters x SINKHORN_ROUND_CYCLES),
+    and with a collapse (y given) its x / w pass(es) after the first (a thread keeps 4 columns' loads in flight: a
+    pass covers 4 x threads columns; the first pass is loaded right after the ticket, under the partials' round
+    trip; more than one pass re-reads y to normalise: one round trip more). 0: no tail."""
+    if not launch.kernel.startswith("hc_mix"):
+        return 0.0
+    s = _scalars(launch)
+    nrows = int(s.get("nrows", 0))
+    hc = _hc_of(nrows)
+    trips = 2
+    y = next((a for a in launch.args if a.name == "y"), None)
+    if y is not None and y.nbytes > 0:
+        D = int(s.get("n", 0)) // hc
+        passes = math.ceil(D / (4 * max(1, launch.block[0] * launch.block[1] * launch.block[2])))
+        trips += (passes - 1) + (1 if passes > 1 else 0)
+    sinkhorn = int(s.get("iters", 0)) * SINKHORN_ROUND_CYCLES / (t.clock_ghz * 1e3) if nrows == (2 + hc) * hc else 0.0
+    return trips * t.latency_ns / 1e3 + sinkhorn
+
+
 # ---- one kernel --------------------------------------------------------------------------------------------------
 @dataclass
 class KernelTime:
@@ -260,6 +293,7 @@ class KernelTime:
     time_us: float
     limiter: str
     refused: str | None
+    t_tail_us: float = 0.0    # a last block's serial work after the grid's (tail_us)
 
     @property
     def bytes(self) -> int:
@@ -318,12 +352,16 @@ def model_kernel(launch: Any, dev: DeviceProfile, ctx: int, loops: dict | None =
     else:
         limiter = max(terms, key=terms.get)
         body = terms[limiter]
+    t_tail = tail_us(launch, t)
+    if t_tail > body:
+        limiter = "last-block tail"
+    body += t_tail
     if gap > body:
         limiter = "launch gap"
     return KernelTime(launch.index, launch.kernel, family(launch.kernel), launch.stream, tuple(launch.grid),
                       tuple(launch.block), launch.smem + launch.static_smem, launch.registers, occ.blocks_per_sm,
                       occ.limiter, round(launch.waves, 3), tr.weight, tr.kv, tr.act, coal, coal_src, inflight,
-                      instr, t_mem, t_issue, t_mma, t_floor, gap, body + gap, limiter, launch.problem)
+                      instr, t_mem, t_issue, t_mma, t_floor, gap, body + gap, limiter, launch.problem, t_tail)
 
 
 # ---- a step ----------------------------------------------------------------------------------------------------------

@@ -119,9 +119,10 @@ def attn_warps(profile: Any, n_heads: int, hd: int) -> int:
 def decode_attention(rt: Any, plan: AttnPlan, q_raw: Any, freqs: Any, pos_slot: Any, win: Any, window: int,
                      comp: Any, ratio: int, sel: Any, topk: int, sinks: Any, part_o: Any, part_ml: Any, out: Any,
                      rd: int, eps: float, scale: float, stream: Any = None, pdl: bool = False,
-                     q_norm: bool = True) -> None:
+                     q_norm: bool = True, combine_pdl: bool | None = None) -> None:
     """out [H, hd] = attention of the decode query over window + compressed rows (two launches). q_norm: the
-    per-head RMS of the query (V4; V4.1 has none).
+    per-head RMS of the query (V4; V4.1 has none). combine_pdl: the combine's PDL flag (None: pdl); its only
+    dependency is the partial on the same stream, so it may take PDL where the partial, first after a join, may not.
 
     The key count at the step's position must not exceed the plan's capacity: min(pos+1, window) + the visible
     compressed rows (ratio 128, sel None) or min(visible, topk) (ratio 4, sel = the indexer's indices)."""
@@ -142,4 +143,4 @@ def decode_attention(rt: Any, plan: AttnPlan, q_raw: Any, freqs: Any, pos_slot: 
               int(win.shape[0]), int(window), comp_arg, int(ratio), sel, int(topk), part_o, part_ml, H, hd, rd,
               plan.keys_per_split, float(eps), float(scale), int(q_norm), smem=plan.smem, stream=stream, pdl=pdl)
     rt.launch("attn_decode_combine", H, pair_threads(hd), part_o, part_ml, sinks, freqs, pos_slot, out, hd, rd,
-              plan.splits, stream=stream, pdl=pdl)
+              plan.splits, stream=stream, pdl=pdl if combine_pdl is None else combine_pdl)

@@ -12,6 +12,7 @@ IDX_MAX_DIM = 1024             # Hadamard buffer
 IDX_MAX_HEADS = 256            # weight buffer
 IDX_THREADS = 256              # block of indexer_scores: 16 key lanes x 16 head groups
 IDX_KT = 64                    # = IDX_KT in cu/indexer.cu: keys per tile (16 key lanes x 4)
+IDX_KT_SMALL = 16              # the decode launch's tile while the blocks it gives fit the grid cap (one key a lane)
 DEFINES = {"IDX_MAX_DIM": IDX_MAX_DIM, "IDX_MAX_HEADS": IDX_MAX_HEADS, "IDX_THREADS": IDX_THREADS}  # cu/indexer.cu
 
 
@@ -28,23 +29,33 @@ def indexer_q_prep(rt: Any, q_raw: Any, freqs: Any, pos_slot: Any, q: Any, n_hea
               stream=stream, pdl=pdl)
 
 
-def scores_smem(n_heads: int, ihd: int) -> int:
-    return (n_heads * ihd + IDX_KT * (ihd + 4)) * 4
+def scores_smem(n_heads: int, ihd: int, tile: int = IDX_KT) -> int:
+    return (n_heads * ihd + tile * (ihd + 4)) * 4
+
+
+def decode_tile(max_keys: int, max_blocks: int) -> int:
+    """indexer_scores' keys per tile: 16 while ceil(max_keys / 16) blocks fit max_blocks (4x the blocks of 64-key
+    tiles: at 2K context 32 blocks, not 8, share the ~0.3 MB of keys, so 4x the loads are in flight), else 64
+    (long contexts: enough tiles already; a block then loops over fewer, larger tiles). Same bits either way."""
+    return IDX_KT_SMALL if -(-max_keys // IDX_KT_SMALL) <= max_blocks else IDX_KT
 
 
 def indexer_scores(rt: Any, q: Any, w_raw: Any, wscale: float, keys: Any, pos_slot: Any, scores: Any,
                    n_heads: int, ihd: int, max_keys: int, ratio: int = 4, max_blocks: int = 264,
-                   stream: Any = None, pdl: bool = False) -> None:
-    """scores[g] for the (pos+1)//ratio visible keys (at most max_keys, the bucket's capacity)."""
+                   stream: Any = None, pdl: bool = False, tile: int | None = None) -> None:
+    """scores[g] for the (pos+1)//ratio visible keys (at most max_keys, the bucket's capacity); tile: keys per tile
+    (16 or 64; default decode_tile)."""
     need(n_heads % 4 == 0 and 4 <= n_heads <= IDX_MAX_HEADS and ihd % 4 == 0,
          f"indexer_scores: {n_heads} heads (a multiple of 4 up to {IDX_MAX_HEADS}) of dim {ihd} (a multiple of 4)")
     need(q.size == n_heads * ihd and w_raw.size == n_heads, "indexer_scores: q or weights do not match the heads")
     need(len(keys.shape) == 2 and keys.shape[1] == ihd and keys.shape[0] >= max_keys and scores.size >= max_keys,
          f"indexer_scores: keys {tuple(keys.shape)} / scores ({scores.size}) smaller than the {max_keys} keys")
     need(aligned(16, q, keys), "indexer_scores: q and keys must be 16-byte aligned")
-    grid = max(1, min(-(-max_keys // IDX_KT), max_blocks))
+    tile = decode_tile(max_keys, max_blocks) if tile is None else int(tile)
+    need(tile in (IDX_KT_SMALL, IDX_KT), f"indexer_scores: a tile is {IDX_KT_SMALL} or {IDX_KT} keys, got {tile}")
+    grid = max(1, min(-(-max_keys // tile), max_blocks))
     rt.launch("indexer_scores", grid, IDX_THREADS, q, w_raw, float(wscale), keys, pos_slot, int(ratio), scores,
-              n_heads, ihd, smem=scores_smem(n_heads, ihd), stream=stream, pdl=pdl)
+              n_heads, ihd, tile, smem=scores_smem(n_heads, ihd, tile), stream=stream, pdl=pdl)
 
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -33,15 +34,31 @@ def mix_warps(nrows: int) -> int:
     return max(4, min(32, ceil_div(nrows, 4) + 1))
 
 
+@dataclass(frozen=True)
+class Collapse:
+    """hc_collapse_norm's work done by hc_mix's last block: y[t] = RMSNorm(sum_j pre_j X[t, j]; w) (w None: no
+    weight), pre from this launch's mix, or (pre given: V4.1's lagged mHC) from pre[t * pre_stride ...]."""
+    y: DeviceArray
+    w: DeviceArray | None
+    eps: float
+    pre: DeviceArray | None = None
+    pre_stride: int = 0
+
+
 def hc_mix(rt: Any, fn: DeviceArray, X: DeviceArray, n_tok: int, D: int, scale: DeviceArray, base: DeviceArray,
            partial: DeviceArray, ticket: DeviceArray, mix: DeviceArray, norm_eps: float, hc_eps: float,
-           iters: int = 20, hc: int = 4, warps: int | None = None, stream: Any = None, pdl: bool = False) -> None:
+           iters: int = 20, hc: int = 4, warps: int | None = None, stream: Any = None, pdl: bool = False,
+           collapse: Collapse | None = None) -> None:
     """mix[t] = the mHC mix of X[t] ([hc, D]): fn [(2+hc)*hc, hc*D] gives pre, post and the Sinkhorn C of a
     sub-layer; fn [hc, hc*D] (the head's) gives pre only. F16 or F32 fn, as the GGUF stores it. ticket: n_tok
-    zeroed uint32 (left zeroed); partial: mix_partial_floats(...) float32 scratch."""
+    zeroed uint32 (left zeroed); partial: mix_partial_floats(...) float32 scratch. collapse: the last block also
+    collapses + norms (one launch instead of hc_mix + hc_collapse_norm; bit for bit the two launches' result with
+    hc_collapse_norm's default block: the block is collapse_threads(D) threads unless `warps` says otherwise)."""
     nrows = fn.shape[0] if len(fn.shape) == 2 else 0
     n = hc * D
-    warps = mix_warps(nrows) if warps is None else int(warps)
+    if warps is None:
+        warps = collapse_threads(D) // 32 if collapse is not None else mix_warps(nrows)
+    warps = int(warps)
     need(nrows in (hc, mix_record(hc)) and fn.shape[1] == n,
          f"hc_mix: fn must be [{mix_record(hc)} or {hc}, {n}], got {list(fn.shape)}")
     need(is_dtype(fn, np.float16) or is_dtype(fn, np.float32), "hc_mix: fn must be F16 or F32")
@@ -54,9 +71,18 @@ def hc_mix(rt: Any, fn: DeviceArray, X: DeviceArray, n_tok: int, D: int, scale: 
     need(is_dtype(ticket, np.uint32) and ticket.size >= n_tok, "hc_mix: ticket must hold n_tok uint32")
     need(is_dtype(mix, np.float32) and mix.size >= n_tok * mix_record(hc), "hc_mix: mix too small")
     need(1 <= warps <= 32 and iters >= 1, "hc_mix: warps 1..32, iters >= 1")
+    c = collapse
+    if c is not None:
+        need(is_dtype(c.y, np.float32) and c.y.size >= n_tok * D, "hc_mix: the collapse's y too small")
+        need(c.w is None or (is_dtype(c.w, np.float32) and c.w.size == D), f"hc_mix: the collapse's w must be {D} "
+             "float32")
+        need(c.pre is None or (c.pre_stride >= 0 and is_dtype(c.pre, np.float32)
+                               and c.pre.size >= (n_tok - 1) * c.pre_stride + hc),
+             "hc_mix: the collapse's pre too small")
     kernel = "hc_mix_f16" if is_dtype(fn, np.float16) else "hc_mix_f32"
     rt.launch(kernel, (mix_blocks(D, hc), n_tok), 32 * warps, fn, nrows, X, n, scale, base, partial, ticket, mix,
-              float(norm_eps), float(hc_eps), int(iters), stream=stream, pdl=pdl)
+              float(norm_eps), float(hc_eps), int(iters), c.pre if c else None, int(c.pre_stride) if c else 0,
+              c.w if c else None, float(c.eps) if c else 0.0, c.y if c else None, stream=stream, pdl=pdl)
 
 
 def collapse_threads(D: int) -> int:
