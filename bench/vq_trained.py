@@ -56,7 +56,7 @@ def expert_bits(path: str, teacher: str) -> float:
 
 def codebook_bits(path: str, teacher: str) -> float:
     """The VQ codebooks' share of expert_bits: 8192 x 8 bytes per layer at 13 bits is 16% of this tiny model's expert
-    bytes, but ~0.01% of a real V4 layer's (millions of vectors share one codebook)."""
+    bytes, a negligible share of a real V4 layer's (millions of vectors share one codebook)."""
     f, t = GGUFFile(path), GGUFFile(teacher)
     nbytes = sum(x.nbytes for n, x in f.tensors.items() if n.endswith(".ffn_vq.codebook"))
     weights = sum(int(np.prod(x.shape)) for n, x in t.tensors.items() if "_exps." in n)
