@@ -218,7 +218,8 @@ def assign_layer(job: LayerJob, opts: Options, prog: Progress, write: Callable[[
         name = vq.payload_name(job.block, m)
         hi_plane = np.empty((X, rows, cols // vq.ROW_QUANTUM), np.uint8) if job.bits == 13 else None
         err = energy = 0.0
-        wb, bb, ww = (np.zeros((X, rows)) for _ in range(3))        # per row: <w,q>, <q,q>, <w,w>
+        # per row: <w,q>, <q,q>, <w,w> (only with opts.unbias)
+        wb, bb, ww = (np.zeros((X, rows) if opts.unbias else (0, 0)) for _ in range(3))
         for e in range(X):
             w = source_rows(t, e, (rows, cols))
             g = job.gains[m][e]
