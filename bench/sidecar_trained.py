@@ -53,6 +53,9 @@ def main() -> int:
     ap.add_argument("--lambdas", default="0.01,0.1,1,10,100,1000")
     ap.add_argument("--windows", type=int, default=3)
     ap.add_argument("--window", type=int, default=256)
+    ap.add_argument("--unbiased", action="store_true",
+                    help="base = quantize-vq --unbiased-gains (the codebook's shrinkage undone: what is left for a "
+                         "sidecar to find)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="sidecar_trained_"))
@@ -63,7 +66,8 @@ def main() -> int:
                            tokenizer=str(TRAINED / "tokenizer.json"))
     if not base.exists():
         subprocess.run([sys.executable, "-m", "ds4py", "quantize-vq", str(teacher), str(base), "--bits", "8",
-                        "--min-pool", "16", "--workers", "1", "-q"], check=True, cwd=REPO)
+                        "--min-pool", "16", "--workers", "1", "-q"] + (["--unbiased-gains"] if args.unbiased else []),
+                       check=True, cwd=REPO)
     tok = Tokenizer.from_gguf(str(teacher))
     evals, res = {}, {"sidecars": {}}
     for dom in ("code", "prose"):

@@ -12,7 +12,9 @@ teacher (--min-pool lowered to 16: this model has 196,608 expert vectors of 8 pe
 domain's test ids (all rows' logits) and compared with the teacher's by ds4py.vq.rulers (Σmin, same top-1, KL,
 PPL ratio on the true next tokens). Bytes: the routed-expert tensors' bytes in the file, per weight (bits).
 MXFP4 is the teacher itself (the official FP4 codes: 4.25 bits, rulers exact by construction). Files already in
---work are reused (the quantiser's time is then not reported).
+--work are reused (the quantiser's time is then not reported). Each VQ student is also scored with unbiased gains:
+its row gains times <w,w>/<q,w> per expert tensor (one number each; applied at load through the sidecars'
+row-gain path, no byte added), which undoes the k-means codebook's shrinkage toward zero.
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from ds4py.convert import convert_checkpoint  # noqa: E402
+from ds4py import quant  # noqa: E402
 from ds4py.gguf import GGUFFile  # noqa: E402
+from ds4py.quant import vq  # noqa: E402
 from ds4py.ref.engine import RefModel  # noqa: E402
 from ds4py.vq.rulers import rulers  # noqa: E402
 
@@ -56,17 +60,55 @@ def expert_bits(path: str, teacher: str) -> float:
 
 def codebook_bits(path: str, teacher: str) -> float:
     """The VQ codebooks' share of expert_bits: 8192 x 8 bytes per layer at 13 bits is 16% of this tiny model's expert
-    bytes, but ~0.01% of a real V4 layer's (millions of vectors share one codebook)."""
+    bytes, a negligible share of a real V4 layer's (millions of vectors share one codebook)."""
     f, t = GGUFFile(path), GGUFFile(teacher)
     nbytes = sum(x.nbytes for n, x in f.tensors.items() if n.endswith(".ffn_vq.codebook"))
     weights = sum(int(np.prod(x.shape)) for n, x in t.tensors.items() if "_exps." in n)
     return 8.0 * nbytes / weights
 
 
-def logits(path: str, windows: list[np.ndarray]) -> np.ndarray:
-    m = RefModel(path, threads=1)
-    return np.concatenate([m.prefill(m.new_state(), list(map(int, w)), all_logits=True) for w in windows])
+def decoded_experts(path: str, teacher: str):
+    """(name, teacher's, student's float32 [X, rows, cols]) for every routed-expert tensor."""
+    f, t = GGUFFile(path), GGUFFile(teacher)
+    experts = vq.VQExperts(f)
+    for name, tt in t.tensors.items():
+        if "_exps.weight" not in name:
+            continue
+        ref = quant.dequantize(tt.raw_bytes(), tt.qtype, tt.shape)
+        if vq.is_vq(f, name):
+            got = np.stack([experts.expert(name, e) for e in range(ref.shape[0])])
+        else:
+            st = f.tensor(name)
+            got = quant.dequantize(st.raw_bytes(), st.qtype, st.shape)
+        yield name, ref, got
 
+
+def unbias_scales(path: str, teacher: str) -> dict[str, np.ndarray]:
+    """Per VQ expert tensor, the row-gain factor <w,w> / <q,w> (one number per tensor, as [X, rows]) that undoes
+    Lloyd's shrinkage: an MSE-optimal code reconstructs each cell's mean, so <q,w> = <q,q> = (1 − NMSE) <w,w> and
+    the decoded matrix is (1 − NMSE) too small on average; this scales it back (more MSE, no bias)."""
+    f = GGUFFile(path)
+    return {name: np.full(ref.shape[:2], float((ref * ref).sum() / (got * ref).sum()), np.float32)
+            for name, ref, got in decoded_experts(path, teacher) if vq.is_vq(f, name)}
+
+
+def weight_error(path: str, teacher: str, scales: dict[str, np.ndarray] | None = None) -> float:
+    """sqrt(Σ (student − teacher)² / Σ teacher²) over every routed-expert weight (quantize-vq's "rel. error" is the
+    squared ratio, per layer)."""
+    num = den = 0.0
+    for name, ref, got in decoded_experts(path, teacher):
+        if scales and name in scales:
+            got = got * scales[name][..., None]
+        num += float(((got - ref) ** 2).sum())
+        den += float((ref ** 2).sum())
+    return (num / den) ** 0.5
+
+
+def logits(path: str, windows: list[np.ndarray], scales: dict[str, np.ndarray] | None = None) -> np.ndarray:
+    m = RefModel(path, threads=1)
+    for name, s in (scales or {}).items():       # the sidecars' load-time row-gain path (no file change)
+        m.weights.vq.scale_rows(name, s)
+    return np.concatenate([m.prefill(m.new_state(), list(map(int, w)), all_logits=True) for w in windows])
 
 
 def main() -> int:
@@ -77,6 +119,8 @@ def main() -> int:
     ap.add_argument("--min-pool", type=int, default=16,
                     help="quantize-vq --min-pool: this model has 196,608 vectors per layer, 24 per codeword at 13 "
                          "bits (the real model: millions), so high widths nearly memorise it")
+    ap.add_argument("--no-unbias", action="store_true",
+                    help="leave out the VQ students with unbiased gains (row gains x <w,w>/<q,w> per tensor, at load)")
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--json", default=None)
@@ -108,7 +152,13 @@ def main() -> int:
                             *extra, "--min-pool", str(args.min_pool), "--workers", "1", "-q"], check=True, cwd=REPO)
             secs[name] = time.perf_counter() - t0
         students[name] = str(out)
-    res = {"students": {}, "quantize_seconds": secs}
+    scales: dict[str, dict[str, np.ndarray]] = {}
+    if not args.no_unbias:
+        for name, path in [kv for kv in students.items() if kv[0].startswith("VQ-")]:
+            scales[name + ", unbiased gains"] = unbias_scales(path, TEACHER_PATH)
+            students[name + ", unbiased gains"] = path
+    res = {"students": {}, "quantize_seconds": secs,
+           "unbias_factors": {k: sorted({float(x.flat[0]) for x in v.values()}) for k, v in scales.items()}}
     print("| format | expert bits/weight | without codebooks | domain | Σmin mean | Σmin p5 | same top-1 | KL (nats) | "
           "PPL ratio |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -122,7 +172,7 @@ def main() -> int:
         # in `window`; it cancels in the PPL ratio up to that row)
         flat = np.concatenate(wins)
         for name, path in [("MXFP4 (teacher)", TEACHER_PATH)] + list(students.items()):
-            st = teacher if path == TEACHER_PATH else logits(path, wins)
+            st = teacher if path == TEACHER_PATH else logits(path, wins, scales.get(name))
             r = rulers(teacher, st, flat, 1)
             bits = expert_bits(path, TEACHER_PATH)
             bare = bits - codebook_bits(path, TEACHER_PATH)
@@ -130,11 +180,15 @@ def main() -> int:
             print(f"| {name} | {bits:.2f} | {bare:.2f} | {dom} | {r['sigma_min_mean']:.4f} | {r['sigma_min_p5']:.4f} | "
                   f"{r['same_top1']:.4f} | {r['kl_mean']:.4f} | {r.get('ppl_ratio', float('nan')):.4f} |", flush=True)
     # the seed's form: the bit-width curve, both domains averaged, cheapest first
-    print("\n| format | bits/w (file) | without codebooks | Σmin | same top-1 | KL | PPL ratio |")
-    print("|---|---|---|---|---|---|---|")
+    # with the weights' relative RMS error: equal weight error need not mean equal rulers
+    print("\n| format | bits/w (file) | without codebooks | weight rel. RMS error | Σmin | same top-1 | KL | PPL ratio |")
+    print("|---|---|---|---|---|---|---|---|")
+    paths = dict(students, **{"MXFP4 (teacher)": TEACHER_PATH})
     for name, r in sorted(res["students"].items(), key=lambda kv: kv[1]["code"]["bits"]):
         mean = lambda k: (r["code"][k] + r["prose"][k]) / 2      # noqa: E731
+        r["weight_error"] = weight_error(paths[name], TEACHER_PATH, scales.get(name))
         print(f"| {name} | {r['code']['bits']:.2f} | {r['code']['bits_without_codebooks']:.2f} | "
+              f"{r['weight_error']:.3f} | "
               f"{mean('sigma_min_mean'):.3f} | {mean('same_top1'):.3f} | {mean('kl_mean'):.4f} | "
               f"{mean('ppl_ratio'):.3f} |")
     if args.json:

@@ -262,6 +262,35 @@ def test_row_gains_scale_at_load(vq6):
         ex.scale_rows(name, np.ones(3))
 
 
+def test_unbiased_gains_undo_the_codebooks_shrinkage(work, teacher, vq6):
+    """--unbiased-gains: the same codes, every expert tensor's row gains times one factor <w,w>/<q,w> > 1, so the
+    decoded experts are no longer too small on average (slope 1); the reported error is the engine's."""
+    path, report = vq6
+    out = work / "vq6u.gguf"
+    rep = quantize_vq(str(teacher), str(out), Options(bits=6, unbias=True, **FAST), progress=False)
+    f, f0 = GGUFFile(str(out)), GGUFFile(str(path))
+    ex, src_w = vq.VQExperts(f), RefModel(str(teacher)).weights
+    for layer in (0, 3):
+        err = energy = cross = 0.0
+        for m in vq.MATRICES:
+            name = vq.payload_name(layer, m)
+            assert np.array_equal(f.tensor(name).raw_bytes(), f0.tensor(name).raw_bytes())     # same codes
+            factor = rep["layers"][layer]["unbias_factor"][m]
+            assert 1.05 < factor < 2.5                                      # 6 bits, random weights: ~1.8
+            g0 = np.asarray(f0.tensor(vq.gain_name(name)).raw)
+            assert np.array_equal(np.asarray(f.tensor(vq.gain_name(name)).raw),
+                                  (g0.astype(np.float32) * np.float32(factor)).astype(np.float16))
+            for e in range(16):
+                w = ex.expert(name, e).astype(np.float64)
+                x = src_w.expert(src_w.f.tensor(name), e).astype(np.float64)
+                err += ((x - w) ** 2).sum()
+                energy += (x ** 2).sum()
+                cross += (x * w).sum()
+        assert cross / energy == pytest.approx(1.0, abs=2e-3)              # unbiased (LS gains: 1 - NMSE)
+        assert err / energy == pytest.approx(rep["layers"][layer]["rel_err"], rel=1e-5)
+        assert rep["layers"][layer]["rel_err"] > report["layers"][layer]["rel_err"]     # more weight error
+
+
 def _patch(src, dst, tensor: str, at: int, data: bytes):
     shutil.copy(src, dst)
     off = GGUFFile(str(src)).tensors[tensor].offset + at

@@ -23,6 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="Lloyd trains on at most N vectors per codeword, an equidistant sample (default 2048; 0 = all)")
     p.add_argument("--rounds", type=int, default=10, metavar="R", help="Lloyd rounds (default 10)")
     p.add_argument("--workers", type=int, metavar="N", help="search threads (default: CPU count, at most 8)")
+    p.add_argument("--unbiased-gains", action="store_true",
+                   help="scale each expert tensor's row gains by <w,w>/<q,w> (undo the codebook's shrinkage toward "
+                        "zero: more weight error, much less output damage; docs/vq.md \"Trained\")")
     p.add_argument("--report", metavar="FILE.json", help="also write the per-layer report as JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
 
@@ -34,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
 
     opts = Options(bits=args.bits, bits_shallow=args.bits_shallow, shallow_layers=args.shallow_layers,
                    dense=args.dense, min_pool=args.min_pool, train_per_code=args.train_per_code,
-                   rounds=args.rounds, workers=args.workers)
+                   rounds=args.rounds, workers=args.workers, unbias=args.unbiased_gains)
     report = quantize_vq(args.src, args.out, opts, progress=not args.quiet)
     if args.report:
         with open(args.report, "w") as fh:

@@ -58,6 +58,10 @@ class Options:
     workers: int | None = None
     # a fixed codebook (pool, K) -> float32 [K, 8] instead of Lloyd: for baselines such as a scalar grid
     codebook: Callable[[np.ndarray, int], np.ndarray] | None = None
+    # scale each expert tensor's row gains by <w,w> / <q,w> after assignment: k-means decodes every cell to its mean,
+    # so the decoded matrix is (1 - NMSE) too small on average; this removes that bias (more weight error, far
+    # less output damage: docs/vq.md "Trained")
+    unbias: bool = False
 
     def layer_bits(self, layer: int) -> int:
         return self.bits_shallow if self.bits_shallow is not None and layer < self.shallow_layers else self.bits
@@ -214,6 +218,8 @@ def assign_layer(job: LayerJob, opts: Options, prog: Progress, write: Callable[[
         name = vq.payload_name(job.block, m)
         hi_plane = np.empty((X, rows, cols // vq.ROW_QUANTUM), np.uint8) if job.bits == 13 else None
         err = energy = 0.0
+        # per row: <w,q>, <q,q>, <w,w> (only with opts.unbias)
+        wb, bb, ww = (np.zeros((X, rows) if opts.unbias else (0, 0)) for _ in range(3))
         for e in range(X):
             w = source_rows(t, e, (rows, cols))
             g = job.gains[m][e]
@@ -230,10 +236,22 @@ def assign_layer(job: LayerJob, opts: Options, prog: Progress, write: Callable[[
             d = (w - back).astype(np.float64)
             err += float((d * d).sum())
             energy += float((w.astype(np.float64) ** 2).sum())
+            if opts.unbias:
+                w64, b64 = w.astype(np.float64), back.astype(np.float64)
+                wb[e], bb[e], ww[e] = (w64 * b64).sum(1), (b64 * b64).sum(1), (w64 * w64).sum(1)
             prog.bar(f"{_label(job)} assign {m:<4s}", e + 1, X)
         if hi_plane is not None:
             write(vq.hi_name(name), hi_plane)
-        write(vq.gain_name(name), job.gains[m])
+        gains = job.gains[m]
+        if opts.unbias and wb.sum() > 0:
+            factor = float(ww.sum() / wb.sum())
+            scaled = (gains.astype(np.float32) * np.float32(factor)).astype(np.float16)
+            # the decode is linear in a row's gain: the error of the stored gains from the per-row sums
+            r = np.where(gains != 0, scaled.astype(np.float64) / np.where(gains != 0, gains, 1), 0.0)
+            err = float((ww - 2 * r * wb + r * r * bb).sum())
+            gains = job.gains[m] = scaled
+            job.report.setdefault("unbias_factor", {})[m] = factor
+        write(vq.gain_name(name), gains)
         per_matrix[m] = err / energy if energy else 0.0
         err_all += err
         energy_all += energy
