@@ -74,7 +74,8 @@ def child(a: argparse.Namespace) -> dict:
             logits = m.decode(st, int(np.argmax(logits)))
             steps.append(time.perf_counter() - t0)
         out.update(decode_steps_ms=[round(1e3 * t, 1) for t in steps],
-                   decode_ms=1e3 * statistics.median(steps[1:] if len(steps) > 1 else steps))
+                   decode_ms=1e3 * statistics.median(steps[1:] if len(steps) > 1 else steps),
+                   resident_mib=resident_by_kind(m))
         return out
     if a.child_prefill:
         m.decode(st, int(rng.integers(vocab)))                 # warm-up: first calls (kernel loads) not timed
@@ -93,6 +94,35 @@ def child(a: argparse.Namespace) -> dict:
     t1, c1 = time.perf_counter(), time.process_time()
     out.update(decode_ms=1e3 * (t1 - t0) / a.gen, decode_cpu_ms=1e3 * (c1 - c0) / a.gen)
     return out
+
+
+def resident_by_kind(m) -> dict | None:
+    """MiB of the mapped file in memory after the run, split into routed experts and everything else (mincore on
+    each tensor's pages), with the totals: what the page cache kept under the cgroup's limit."""
+    import ctypes
+    import mmap as _mmap
+
+    import numpy as np
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        tensors = m.weights.f.tensors
+    except (OSError, AttributeError):
+        return None
+    page = _mmap.PAGESIZE
+    out = {"experts": 0.0, "dense": 0.0, "experts_total": 0.0, "dense_total": 0.0}
+    for name, t in tensors.items():
+        raw = np.asarray(t.raw_bytes() if hasattr(t, "raw_bytes") else t.raw)
+        addr = raw.ctypes.data
+        start = addr - addr % page
+        n = (addr + t.nbytes - start + page - 1) // page
+        vec = (ctypes.c_ubyte * n)()
+        if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(n * page), vec) != 0:
+            return None
+        kind = "experts" if "_exps" in name else "dense"
+        out[kind] += int((np.frombuffer(vec, np.uint8) & 1).sum()) * page / 2**20
+        out[kind + "_total"] += t.nbytes / 2**20
+    return {k: round(v) for k, v in out.items()}
 
 
 def wait_child(cmd: list[str], env: dict | None = None, procs=None) -> tuple[str, dict]:
@@ -197,6 +227,7 @@ def run_cgroup(a: argparse.Namespace, variants: list[str]) -> dict:
                       f"{row['first_token_s']:.1f} s, decode {row['decode_ms']:.0f} ms/token, peak RSS "
                       f"{row['peak_rss'] / 2**20:.0f} MiB, major faults {row['major_faults']}, file resident before "
                       f"{'?' if before is None else f'{100 * before:.1f}%'}, OOM kills {row['oom_kills']}, "
+                      + (f"resident after (MiB) {row['resident_mib']}, " if row.get("resident_mib") else "") +
                       f"load {row['loadavg']:.1f}", flush=True)
     finally:
         try:
