@@ -27,7 +27,7 @@ import numpy as np
 from ds4py.ggml_types import GGMLQuantizationType as Q
 
 from ds4py.quant import jit, jit_i8
-from ds4py.ref.ops import per_row
+from ds4py.ref.ops import is_row_stable
 
 F32 = np.float32
 FORMATS = (Q.IQ2_XXS, Q.Q2_K, Q.Q4_K)
@@ -83,8 +83,8 @@ def _executor(threads: int) -> ThreadPoolExecutor:
 
 def dense_q8_0(raw: np.ndarray, x: np.ndarray, threads: int = 1, seg: list[slice] | None = None) -> np.ndarray:
     """x @ W.T for the Q8_0 rows raw (uint8 [R, C / 32 * 34]), x already rounded (ops.q8_0_round, or unrounded
-    for the fp32 numerics): W dequantised TILE_BYTES at a time, one BLAS product per tile and sequence (seg, as
-    ops.mm: batch invariance), the tiles spread over `threads` threads."""
+    for the fp32 numerics): W dequantised TILE_BYTES at a time, one BLAS product per tile and sequence (seg; each row
+    alone in row-stable mode: ops.mm's grouping, batch invariance), the tiles spread over `threads` threads."""
     k = _kernels()
     f16 = jit._state["f16"]
     raw = jit._readonly(np.ascontiguousarray(raw).view(np.uint8))
@@ -95,13 +95,21 @@ def dense_q8_0(raw: np.ndarray, x: np.ndarray, threads: int = 1, seg: list[slice
     step = max(16, TILE_BYTES // (4 * C))
     tiles = [(a, min(a + step, R)) for a in range(0, R, step)]
     nthreads = max(1, min(threads, len(tiles)))
+    # the row groups ops.per_row would multiply, decided here: the row-stable switch is a context variable,
+    # which the pool's threads do not see
+    T = x.shape[0]
+    if T > 1 and is_row_stable():
+        groups = [slice(t, t + 1) for t in range(T)]
+    else:
+        groups = seg if seg is not None and len(seg) > 1 else [slice(0, T)]
 
     def work(i: int) -> None:
         buf = np.empty((step, C), F32)
         for a, b in tiles[i::nthreads]:
             w = buf[:b - a]
             k.q8_0_rows(r3[a:b], w, f16)
-            y[:, a:b] = per_row(lambda r: r @ w.T, x, seg)
+            for g in groups:
+                y[g, a:b] = x[g] @ w.T
 
     if nthreads == 1:
         work(0)
