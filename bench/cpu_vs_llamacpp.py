@@ -3,7 +3,9 @@ llama-bench, on the same GGUF, at the same thread count, interleaved.
 
     python bench/cpu_vs_llamacpp.py --llama-bench PATH/llama-bench -m MODEL.gguf [--threads 2] [--gen 8]
                                     [--prefill 128,512,2048] [--rounds 3] [--rounds-long 1] [--kernels auto]
-                                    [--no-warm] [--json OUT.json]
+                                    [--no-warm] [--json OUT.json] [--numerics default,exact]
+    python bench/cpu_vs_llamacpp.py --llama-bench PATH/llama-bench -m MODEL.gguf --cgroup-mb 2048 [--gen 8]
+                                    [--rounds 2] [--cgroup-prompt 4] [--numerics default]
 
 llama.cpp loads ds4's GGUF layout (architecture `deepseek4`); a ds4py-written file loads there once it carries
 the keys llama.cpp requires (deepseek4.expert_gating_func, rope.scaling.type: written since issue 35).
@@ -16,6 +18,14 @@ both engines, the order alternating (A/B, B/A, ...), so a load change on a share
   call (timed) after one warm-up decode step. Prompt tokens are pseudo-random ids (llama-bench's are random
   too: on the same weights the token values do not change the work).
 Prefills longer than 512 tokens run --rounds-long rounds (default 1: ds4py's prefill is slow).
+--cgroup-mb N: the memory-cgroup case instead (issue 35 item 2, seed 002: a file larger than the memory it may
+use). Both engines run in a memory cgroup of N MiB (cgroup v1 or v2, as root: bench/cpu_paging.cgroup), each run
+cold (the file's pages dropped first, posix_fadvise DONTNEED; pages another process maps stay, so the resident
+share before the run is printed): first token = process start to the logits of a --cgroup-prompt-token prompt
+(llama.cpp: the wall time of llama-bench `-p P -n 0 -r 1 --no-warmup`, its load included), then steady decode
+(ds4py: the median of --gen decode steps after the first one, same process; llama.cpp: `-p 0 -n G -r 1` right
+after, warm-up run included, its tg rate). ds4py runs with its paging hints on (madvise: routed experts
+MADV_RANDOM, each layer's dense tensors MADV_WILLNEED one layer ahead) and the lean private memory.
 Per run: ms / decoded token or prefill tokens / s, the child's CPU seconds, peak RSS and major page faults
 (os.wait4), and the 1-minute load average when it ended. The summary gives min and median over the rounds and
 ds4py / llama.cpp ratios (decode time, prefill rate), plus the weight bytes one decode step reads (the file's
@@ -48,12 +58,25 @@ def child(a: argparse.Namespace) -> dict:
 
     t0 = time.perf_counter()
     numerics = Numerics() if a.child_numerics == "exact" else Numerics.ds4()
-    m = RefModel(a.model, numerics=numerics, kernels=a.kernels, threads=a.threads)
+    m = RefModel(a.model, numerics=numerics, kernels=a.kernels, threads=a.threads,
+                 madvise=True if a.child_cgroup else None)
     open_s = time.perf_counter() - t0
     rng = np.random.default_rng(0)
     vocab = m.config.vocab_size
     st = m.new_state()
     out = {"kernels": m.kernels_label, "open_s": open_s}
+    if a.child_cgroup:                                     # memory-cgroup case: cold first token, then decode
+        logits = m.prefill(st, [int(i) for i in rng.integers(0, vocab, a.cgroup_prompt)])
+        out["first_token_at"] = time.time()
+        steps = []
+        for _ in range(a.gen):
+            t0 = time.perf_counter()
+            logits = m.decode(st, int(np.argmax(logits)))
+            steps.append(time.perf_counter() - t0)
+        out.update(decode_steps_ms=[round(1e3 * t, 1) for t in steps],
+                   decode_ms=1e3 * statistics.median(steps[1:] if len(steps) > 1 else steps),
+                   resident_mib=resident_by_kind(m))
+        return out
     if a.child_prefill:
         m.decode(st, int(rng.integers(vocab)))                 # warm-up: first calls (kernel loads) not timed
         ids = [int(i) for i in rng.integers(0, vocab, a.child_prefill)]
@@ -73,11 +96,42 @@ def child(a: argparse.Namespace) -> dict:
     return out
 
 
-def wait_child(cmd: list[str], env: dict | None = None) -> tuple[str, dict]:
-    """Run cmd; its stdout and its own rusage (CPU s, peak RSS bytes, major faults, wall s)."""
-    t = time.perf_counter()
+def resident_by_kind(m) -> dict | None:
+    """MiB of the mapped file in memory after the run, split into routed experts and everything else (mincore on
+    each tensor's pages), with the totals: what the page cache kept under the cgroup's limit."""
+    import ctypes
+    import mmap as _mmap
+
+    import numpy as np
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        tensors = m.weights.f.tensors
+    except (OSError, AttributeError):
+        return None
+    page = _mmap.PAGESIZE
+    out = {"experts": 0.0, "dense": 0.0, "experts_total": 0.0, "dense_total": 0.0}
+    for name, t in tensors.items():
+        raw = np.asarray(t.raw_bytes() if hasattr(t, "raw_bytes") else t.raw)
+        addr = raw.ctypes.data
+        start = addr - addr % page
+        n = (addr + t.nbytes - start + page - 1) // page
+        vec = (ctypes.c_ubyte * n)()
+        if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(n * page), vec) != 0:
+            return None
+        kind = "experts" if "_exps" in name else "dense"
+        out[kind] += int((np.frombuffer(vec, np.uint8) & 1).sum()) * page / 2**20
+        out[kind + "_total"] += t.nbytes / 2**20
+    return {k: round(v) for k, v in out.items()}
+
+
+def wait_child(cmd: list[str], env: dict | None = None, procs=None) -> tuple[str, dict]:
+    """Run cmd (in the cgroup whose cgroup.procs is `procs`, if given); its stdout and its own rusage (CPU s,
+    peak RSS bytes, major faults, wall s, and the wall-clock time it was started: start_at)."""
+    t, start_at = time.perf_counter(), time.time()
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        p = subprocess.Popen(cmd, stdout=out, stderr=err, env=env)
+        p = subprocess.Popen(cmd, stdout=out, stderr=err, env=env,
+                             preexec_fn=None if procs is None else (lambda: procs.write_text(str(os.getpid()))))
         _, status, ru = os.wait4(p.pid, 0)
         code = os.waitstatus_to_exitcode(status)
         out.seek(0), err.seek(0)
@@ -85,7 +139,7 @@ def wait_child(cmd: list[str], env: dict | None = None) -> tuple[str, dict]:
     if code != 0:
         raise SystemExit(f"{os.path.basename(cmd[0])} failed ({code}):\n{se[-3000:]}")
     return so, {"cpu_s": ru.ru_utime + ru.ru_stime, "peak_rss": ru.ru_maxrss * 1024,
-                "major_faults": ru.ru_majflt, "wall_s": time.perf_counter() - t}
+                "major_faults": ru.ru_majflt, "wall_s": time.perf_counter() - t, "start_at": start_at}
 
 
 def run_llama(a: argparse.Namespace, prefill: int) -> dict:
@@ -112,6 +166,95 @@ def run_ds4py(a: argparse.Namespace, prefill: int, numerics: str) -> dict:
            "--gen", str(a.gen), "--kernels", a.kernels, "--child-prefill", str(prefill), "--child-numerics", numerics]
     so, ru = wait_child(cmd, {**os.environ, "PYTHONPATH": REPO})
     return {"engine": ENGINES[numerics], **json.loads(so.strip().splitlines()[-1]), **ru}
+
+
+def resident_share(path: str) -> float | None:
+    """The share of the file's pages in the page cache (util-linux fincore), or None without it."""
+    try:
+        out = subprocess.run(["fincore", "-b", "-n", "-o", "RES,SIZE", path], capture_output=True, text=True,
+                             check=True).stdout.split()
+        return int(out[0]) / max(1, int(out[1]))
+    except (OSError, subprocess.CalledProcessError, ValueError, IndexError):
+        return None
+
+
+def cgroup_llama(a: argparse.Namespace, procs) -> dict:
+    """llama.cpp in the cgroup, cold: load + a --cgroup-prompt prefill (first token), then a decode run."""
+    # -lm mmap --repack 0: with its defaults llama-bench was OOM-killed in a 2,048 MiB cgroup on the 9.5 GB file
+    # (its CPU backend repacks Q8_0 weights into anonymous buffers); mapped and not repacked, the weights stay
+    # reclaimable file pages, as ds4py's are
+    first, ru1 = wait_child([a.llama_bench, "-m", a.model, "-t", str(a.threads), "-p", str(a.cgroup_prompt),
+                             "-n", "0", "-r", "1", "--no-warmup", "-lm", "mmap", "--repack", "0", "-o", "json"],
+                            procs=procs)
+    so, ru2 = wait_child([a.llama_bench, "-m", a.model, "-t", str(a.threads), "-p", "0", "-n", str(a.gen),
+                          "-r", "1", "-lm", "mmap", "--repack", "0", "-o", "json"], procs=procs)
+    tps = float(json.loads(so[so.index("["):])[0]["avg_ts"])
+    return {"engine": "llama.cpp", "first_token_s": ru1["wall_s"], "decode_ms": 1e3 / tps,
+            "major_faults": ru1["major_faults"] + ru2["major_faults"], "peak_rss": max(ru1["peak_rss"], ru2["peak_rss"]),
+            "cpu_s": ru1["cpu_s"] + ru2["cpu_s"], "decode_run_major_faults": ru2["major_faults"]}
+
+
+def cgroup_ds4py(a: argparse.Namespace, numerics: str, procs) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--child-cgroup", "-m", a.model, "--threads",
+           str(a.threads), "--gen", str(a.gen), "--kernels", a.kernels, "--child-numerics", numerics,
+           "--cgroup-prompt", str(a.cgroup_prompt)]
+    so, ru = wait_child(cmd, {**os.environ, "PYTHONPATH": REPO}, procs=procs)
+    res = json.loads(so.strip().splitlines()[-1])
+    return {"engine": ENGINES[numerics], **res, **ru, "first_token_s": res["first_token_at"] - ru["start_at"]}
+
+
+def run_cgroup(a: argparse.Namespace, variants: list[str]) -> dict:
+    """The memory-cgroup case: every run cold, engines alternating, --rounds rounds."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from cpu_paging import cgroup, drop_cache, oom_kills
+
+    try:
+        d, procs = cgroup(a.cgroup_mb << 20)
+    except OSError as e:
+        raise SystemExit(f"cannot make a memory cgroup here ({e}): run as root on Linux with cgroup v1 or v2")
+    engines = ["llama.cpp"] + variants
+    rows = []
+    try:
+        for r in range(a.rounds):
+            for eng in (engines if r % 2 == 0 else engines[::-1]):
+                drop_cache(a.model)
+                before = resident_share(a.model)
+                try:
+                    row = cgroup_llama(a, procs) if eng == "llama.cpp" else cgroup_ds4py(a, eng, procs)
+                except SystemExit as e:                 # killed (the cgroup's OOM killer) or failed: say so, go on
+                    row = {"engine": "llama.cpp" if eng == "llama.cpp" else ENGINES[eng], "error": str(e)[:300]}
+                row.update(round=r, resident_before=before, loadavg=os.getloadavg()[0], oom_kills=oom_kills(d))
+                rows.append(row)
+                if "error" in row:
+                    print(f"round {r} {row['engine']:<10s} cgroup {a.cgroup_mb} MiB: FAILED ({row['error'][:80]}), "
+                          f"OOM kills {row['oom_kills']}", flush=True)
+                    continue
+                print(f"round {r} {row['engine']:<10s} cgroup {a.cgroup_mb} MiB, cold: first token "
+                      f"{row['first_token_s']:.1f} s, decode {row['decode_ms']:.0f} ms/token, peak RSS "
+                      f"{row['peak_rss'] / 2**20:.0f} MiB, major faults {row['major_faults']}, file resident before "
+                      f"{'?' if before is None else f'{100 * before:.1f}%'}, OOM kills {row['oom_kills']}, "
+                      + (f"resident after (MiB) {row['resident_mib']}, " if row.get("resident_mib") else "") +
+                      f"load {row['loadavg']:.1f}", flush=True)
+    finally:
+        try:
+            d.rmdir()
+        except OSError:
+            pass
+    names = ["llama.cpp"] + [ENGINES[v] for v in variants]
+    summary = {"model": a.model, "file_bytes": os.path.getsize(a.model), "cgroup_mb": a.cgroup_mb,
+               "threads": a.threads, "gen": a.gen, "prompt": a.cgroup_prompt}
+    for e in names:
+        mine = [r for r in rows if r["engine"] == e and "error" not in r]
+        if not mine:
+            summary[e] = {"failed": sum(r["engine"] == e for r in rows)}
+            print(f"{e:<10s} every run failed")
+            continue
+        summary[e] = {"first_token_s": stats([r["first_token_s"] for r in mine]),
+                      "decode_ms": stats([r["decode_ms"] for r in mine])}
+        print(f"{e:<10s} first token median {summary[e]['first_token_s']['median']:.1f} s (min "
+              f"{summary[e]['first_token_s']['min']:.1f}), decode median {summary[e]['decode_ms']['median']:.0f} "
+              f"ms/token (min {summary[e]['decode_ms']['min']:.0f})")
+    return {"summary": summary, "runs": rows}
 
 
 def warm(path: str) -> float:
@@ -158,6 +301,10 @@ def main() -> int:
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--child-prefill", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--child-numerics", default="default", help=argparse.SUPPRESS)
+    p.add_argument("--child-cgroup", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--cgroup-mb", type=int, default=0,
+                   help="run the memory-cgroup case instead: both engines in a memory cgroup of this many MiB, cold")
+    p.add_argument("--cgroup-prompt", type=int, default=4, help="prompt tokens before the first token (--cgroup-mb)")
     a = p.parse_args()
     if a.child:
         print(json.dumps(child(a)))
@@ -169,9 +316,17 @@ def main() -> int:
             p.error(f"{what}: no such file: {path}")
     prefills = [int(s) for s in a.prefill.split(",") if s.strip()]
     variants = [v.strip() for v in a.numerics.split(",") if v.strip()]
-    if not variants or any(v not in ENGINES for v in variants):
+    if a.cgroup_mb and variants == ["none"]:                 # the cgroup case for llama.cpp alone
+        variants = []
+    elif not variants or any(v not in ENGINES for v in variants):
         p.error(f"--numerics takes {', '.join(ENGINES)} (comma-separated), got {a.numerics!r}")
     engines = ["llama.cpp"] + [ENGINES[v] for v in variants]
+    if a.cgroup_mb:
+        out = run_cgroup(a, variants)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(out, f, indent=1)
+        return 0
     if not a.no_warm:
         print(f"page cache: read {os.path.getsize(a.model) / 1e9:.2f} GB in {warm(a.model):.1f} s", flush=True)
     tests = [0] + prefills

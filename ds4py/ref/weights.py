@@ -28,7 +28,7 @@ from ds4py.ggml_types import GGMLQuantizationType as Q
 
 from ds4py.errors import Ds4Error
 from ds4py.gguf import TensorInfo
-from ds4py.quant import dequantize, dot, jit, jit_i8
+from ds4py.quant import dequantize, dot, jit, jit_i8, jit_i8_gemm
 from ds4py.quant import vq
 from ds4py.quant.vq import VQExperts, hi_name as vq_hi_name
 from ds4py.ref.fused import Runner
@@ -217,8 +217,17 @@ class Weights:
             t.qtype in INT8_KERNELS or (t.qtype in INT8_DECODE_KERNELS and rows <= jit_i8.DECODE_ROWS))
 
     def _int8_matmul(self, t: TensorInfo, raw: np.ndarray, x: np.ndarray) -> np.ndarray:
-        """x (unrounded) @ W.T through jit_i8: every row on its own (row-stable, batch-invariant), one call."""
+        """x (unrounded) @ W.T through jit_i8: every row on its own (row-stable, batch-invariant), one call.
+        Over FUSED_MAX_ROWS rows (prefill) jit_i8_gemm's tiled kernels, bit for bit the same products."""
+        if x.shape[0] > FUSED_MAX_ROWS and jit_i8_gemm.supported(t.qtype):
+            return jit_i8_gemm.matmul(t.qtype, np.asarray(raw), x, self.runner.threads)
         return jit_i8.matmul(t.qtype, np.asarray(raw), x, self.runner.threads)
+
+    def _dense_prefill(self, t: TensorInfo) -> bool:
+        """Whether a prefill's product with dense matrix t takes jit_i8_gemm.dense_q8_0 (act_quant numerics with
+        the compiled kernels: the rounded x times the dequantised Q8_0 matrix, as _dequant_linear computes it,
+        dequantised by a compiled loop a tile at a time and spread over the threads)."""
+        return self.act_quant and self.kernels == "jit" and t.qtype == Q.Q8_0
 
     def act(self, t: TensorInfo, x: np.ndarray) -> np.ndarray:
         """The activation as a quantised matmul with `t` sees it: unchanged unless act_quant is on."""
@@ -295,6 +304,8 @@ class Weights:
         return self._dequant_linear(t, x, seg)
 
     def _dequant_linear(self, t: TensorInfo, x: np.ndarray, seg: list[slice] | None) -> np.ndarray:
+        if self._dense_prefill(t):
+            return jit_i8_gemm.dense_q8_0(t.raw_bytes(), x, self.runner.threads, seg)
         out_rows, ncols = t.shape
         if ("all", t.name) in self._cache or out_rows * ncols * 4 <= self.cache_bytes:
             return mm(x, self.get(t).T, seg)
@@ -339,6 +350,10 @@ class Weights:
     def _dequant_grouped(self, t: TensorInfo, x: np.ndarray, seg: list[slice] | None) -> np.ndarray:
         G = x.shape[1]
         rank = t.shape[0] // G
+        if self._dense_prefill(t):
+            raw = np.asarray(t.raw_bytes())
+            return np.stack([jit_i8_gemm.dense_q8_0(raw[g * rank:(g + 1) * rank], x[:, g], self.runner.threads, seg)
+                             for g in range(G)], axis=1)
         if ("all", t.name) in self._cache or t.shape[0] * t.shape[1] * 4 <= self.cache_bytes:
             wT = self.get(t).reshape(G, rank, -1).transpose(0, 2, 1)
             return per_row(lambda r: (r.transpose(1, 0, 2) @ wT).transpose(1, 0, 2), x, seg)
