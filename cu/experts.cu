@@ -162,9 +162,9 @@ struct MoeActF {                                  // the fp32 activations and th
 };
 
 // int8 activations: x rounded as ggml's Q8_K (ds4py.ref.ops.q8_k_round, the reference's act_quant mode): per
-// block of 256 (8 lanes of 32: column groups 8b .. 8b + 7 sit on 8 consecutive lanes, as G % 8 == 0), the signed
-// value of largest magnitude (the first one, numpy's argmax), iscale = -127 / max, q = min(rint(x * iscale), 127),
-// d = 1 / iscale, in the reference's fp32 operations: the codes are the reference's. A group's dot is then exact
+// block of 256 (8 lanes of 32: column groups 8b .. 8b + 7 sit on 8 consecutive lanes, as G % 8 == 0), the largest
+// magnitude, iscale = -127 / max, q = rint(x * iscale), d = 1 / iscale, in the reference's fp32 operations: the
+// rounded values q * d are the reference's (its codes, or all of them negated: see load). A group's dot is then exact
 // in integers (dp4a) and scaled once: it equals the reference's fp32 product on the rounded x up to the fp32
 // rounding of the reference's sum (tests/test_cu_emu_experts_i8.py states the bound).
 struct MoeActI8 {
@@ -175,37 +175,30 @@ struct MoeActI8 {
     __device__ __forceinline__ void load(const float* x) {
         float v[32];
         moe_load_x(x, v);
-        float best = v[0], ba = fabsf(v[0]);
+        // The reference scales by the signed max m (iscale = -127 / m); the positive amax = |m| gives every code
+        // and d negated when m < 0, so q * d (and a dot's sum * d) are the same floats: the sign needs no search.
+        float amax = 0.0f;
 #pragma unroll
-        for (int j = 1; j < 32; ++j) {
-            const float a = fabsf(v[j]);
-            if (a > ba) {
-                ba = a;
-                best = v[j];
-            }
-        }
-        const int lane = threadIdx.x & 31;
+        for (int j = 0; j < 32; ++j) amax = fmaxf(amax, fabsf(v[j]));
 #pragma unroll
-        for (int off = 1; off < 8; off <<= 1) {   // a tie goes to the lower lane: the lower index
-            const float ob = __shfl_xor_sync(DS4_FULL_MASK, best, off), oa = fabsf(ob);
-            if (oa > ba || (oa == ba && (lane & off))) {
-                ba = oa;
-                best = ob;
-            }
-        }
-        const float is = best != 0.0f ? __fdiv_rn(-127.0f, best) : 0.0f;
+        for (int off = 1; off < 8; off <<= 1) amax = fmaxf(amax, __shfl_xor_sync(DS4_FULL_MASK, amax, off));
+        const float is = amax != 0.0f ? __fdiv_rn(-127.0f, amax) : 0.0f;
         d = is != 0.0f ? __fdiv_rn(1.0f, is) : 0.0f;
-        qs[0] = qs[1] = 0;
+        // rint(x * is) by the 1.5 * 2^23 shift (round to nearest even, as rint; |x * is| <= 127 (1 + 2^-23)^2, so
+        // the reference's clip at 127 never cuts): the code is the low byte of the sum's bits, 0x4B400000 + c
+        int bits[32];
 #pragma unroll
-        for (int w = 0; w < 8; ++w) {
-            unsigned word = 0;
+        for (int j = 0; j < 32; ++j) bits[j] = __float_as_int(__fadd_rn(__fmul_rn(v[j], is), 12582912.0f));
 #pragma unroll
-            for (int b = 0; b < 4; ++b) {
-                const int c = (int)fminf(rintf(__fmul_rn(v[4 * w + b], is)), 127.0f);
-                word |= (unsigned)(c & 255) << (8 * b);
-                qs[w >> 2] += c;
-            }
-            q[w] = (int)word;
+        for (int w = 0; w < 8; ++w)
+            q[w] = (int)__byte_perm(__byte_perm(bits[4 * w], bits[4 * w + 1], 0x0040u),
+                                    __byte_perm(bits[4 * w + 2], bits[4 * w + 3], 0x0040u), 0x5410u);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            int sum = 0;
+#pragma unroll
+            for (int j = 0; j < 16; ++j) sum += bits[16 * h + j] - 0x4B400000;
+            qs[h] = sum;
         }
     }
     template <int F>
@@ -252,6 +245,21 @@ __device__ __forceinline__ float MoeActI8::dot<FMT_Q2_K>(const MoeSpan& sp, int 
         imn += (int)(sc >> 4) * qs[sub];
     }
     return d * (moe_f16(b + 80) * __int2float_rn(isc) - moe_f16(b + 82) * __int2float_rn(imn));
+}
+
+// Q4_K: one sub-block (scale, min) per group, the 4-bit codes of 4 weights the bytes of (word >> sh) & 0x0F0F0F0F.
+template <>
+__device__ __forceinline__ float MoeActI8::dot<FMT_Q4_K>(const MoeSpan& sp, int r, int grp, const uint64_t*) const {
+    const uint8_t* b = sp.rows + (size_t)r * sp.rb + (size_t)(grp >> 3) * MoeFmt<FMT_Q4_K>::BYTES;
+    const int gi = grp & 7, sh = 4 * (gi & 1);
+    unsigned sc, mn;
+    MoeFmt<FMT_Q4_K>::scales(b, gi, sc, mn);
+    const uint8_t* qs8 = b + 16 + 32 * (gi >> 1);
+    int s = 0;
+#pragma unroll
+    for (int word = 0; word < 8; ++word)
+        s = __dp4a((int)((moe_u32(qs8 + 4 * word) >> sh) & 0x0F0F0F0Fu), q[word], s);
+    return d * (moe_f16(b) * __int2float_rn((int)sc * s) - moe_f16(b + 2) * __int2float_rn((int)mn * (qs[0] + qs[1])));
 }
 
 // The IQ2_XXS sign table of the int8 dots, at grid_s + 256 (128 x 16 bytes): entry i (7 sign bits, the 8th their
@@ -594,7 +602,8 @@ MOE_FORMATS(MOE_DEQUANT)
 // engine needs no other buffer. X(kernel suffix, FMT_ id, weights per block, bytes per block, table).
 #define MOE_I8_FORMATS(X) \
     X(iq2_xxs, FMT_IQ2_XXS, 256, 66, 1) \
-    X(q2_k, FMT_Q2_K, 256, 84, 0)
+    X(q2_k, FMT_Q2_K, 256, 84, 0) \
+    X(q4_k, FMT_Q4_K, 256, 144, 0)
 
 // As moe_gate_up_<fmt>, x rounded as Q8_K. Launch: as moe_gate_up_<fmt>.
 #define MOE_GATE_UP_I8(name, F, QK, NB, TABLE) \

@@ -40,7 +40,7 @@ def activations(r: np.random.Generator, n: int) -> np.ndarray:
 
 # format, dim (columns), ff (rows), experts, slots, rows per block (None: the wrapper's)
 GATE_UP = [(QT.IQ2_XXS, 1024, 40, 5, 6, None), (QT.IQ2_XXS, 4096, 24, 3, 2, None), (QT.Q2_K, 1024, 33, 4, 3, 5),
-           (QT.Q2_K, 256, 17, 1, 1, None)]
+           (QT.Q2_K, 256, 17, 1, 1, None), (QT.Q4_K, 1024, 21, 3, 6, None)]
 
 
 @pytest.mark.parametrize("case", GATE_UP, ids=lambda c: f"{c[0].name}-d{c[1]}-ff{c[2]}")
@@ -67,7 +67,7 @@ def test_gate_up_i8(kdev, case, order):
 
 
 DOWN = [(QT.Q2_K, 2048, 20, 3, 6, 8, "hc"), (QT.Q2_K, 512, 37, 5, 6, None, "add"),
-        (QT.IQ2_XXS, 1024, 19, 4, 3, 4, "y")]
+        (QT.IQ2_XXS, 1024, 19, 4, 3, 4, "y"), (QT.Q4_K, 1024, 45, 3, 6, None, "hc")]
 
 
 @pytest.mark.parametrize("case", DOWN, ids=lambda c: f"{c[0].name}-ff{c[1]}-d{c[2]}-{c[6]}")
@@ -102,4 +102,4 @@ def test_act_quant_is_refused_for_a_format_without_int8_kernels():
     with pytest.raises(Ds4Error, match="int8 activations"):
         ops_moe.i8_kernel(QT.Q8_0, True)
     assert ops_moe.i8_kernel(QT.Q8_0, False) == ""
-    assert ops_moe.I8_FORMATS == {QT.IQ2_XXS, QT.Q2_K}
+    assert ops_moe.I8_FORMATS == {QT.IQ2_XXS, QT.Q2_K, QT.Q4_K}

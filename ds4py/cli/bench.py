@@ -129,8 +129,8 @@ def run_gpu_model(args: argparse.Namespace) -> int:
     for mdl in models:
         sys.stdout.write(timemodel.format_step(mdl))
     # the declared non-default numerics: int8 activations in the decode experts (docs/cuda.md says why not default)
-    quant = timemodel.run(device, shapes, ctxs, coalescing=timemodel.load_coalescing(args.traffic),
-                          numerics="act_quant")
+    quant = [m for m in timemodel.run(device, shapes, ctxs, coalescing=timemodel.load_coalescing(args.traffic),
+                                      numerics="act_quant") if any("_i8_" in k.kernel for k in m.kernels)]
     for mdl in quant:
         sys.stdout.write(timemodel.format_step(mdl, top=4))
     if args.per_launch:
