@@ -131,8 +131,8 @@ __device__ __forceinline__ float moe_f16(const uint8_t* p) { return __half2float
 __device__ __forceinline__ float moe_u2f(unsigned v) { return __uint_as_float(0x4B000000u | v) - 8388608.0f; }
 // Byte j of w as a float, exactly: one PRMT builds the bits of 2^23 + byte (the same bits as moe_u2f(byte)), one
 // FADD takes 2^23 off. The dot products use it where w's bytes hold the codes (after one mask per 4 codes).
-__device__ __forceinline__ float moe_b2f(unsigned w, int j) {
-    return __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7440u | (unsigned)j)) - 8388608.0f;
+__device__ __forceinline__ float moe_b2f(unsigned w, int j, unsigned k = 0x4B000000u) {
+    return __uint_as_float(__byte_perm(w, k, 0x7440u | (unsigned)j)) - 8388608.0f;
 }
 // x with its sign flipped when bit j of bits is set: fmaf(v, moe_flip(x, bits, j), s) has the bits of
 // fmaf(bit ? -v : v, x, s) (-v * x and v * -x are the same exact product), for a shift and one LOP3.
@@ -209,6 +209,10 @@ template <> struct MoeFmt<FMT_IQ2_XXS> {
         unsigned a0, a1;
         float db;
         aux(base, grp, a0, a1, db);
+        // 0x4B000000 for moe_b2f through grid entry 0 (0x08080808 in each half), a value ptxas cannot fold: the
+        // constant sits in a register and each PRMT's one immediate slot holds its selector (with the constant
+        // as the immediate, every PRMT needed a MOV of its selector)
+        const unsigned kx = 0x4B000000u + ((unsigned)grid[0] - 0x08080808u);
         float s0 = 0.0f, s1 = 0.0f;
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
@@ -216,8 +220,8 @@ template <> struct MoeFmt<FMT_IQ2_XXS> {
             const unsigned sg = signs(a1, k), lo = (unsigned)g, hi = (unsigned)(g >> 32);
 #pragma unroll
             for (int j = 0; j < 4; ++j) {                          // the sign goes on x (same bits)
-                s0 = fmaf(moe_b2f(lo, j), moe_flip(x[8 * k + j], sg, j), s0);
-                s1 = fmaf(moe_b2f(hi, j), moe_flip(x[8 * k + j + 4], sg, j + 4), s1);
+                s0 = fmaf(moe_b2f(lo, j, kx), moe_flip(x[8 * k + j], sg, j), s0);
+                s1 = fmaf(moe_b2f(hi, j, kx), moe_flip(x[8 * k + j + 4], sg, j + 4), s1);
             }
         }
         return (s0 + s1) * db;
