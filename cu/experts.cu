@@ -145,6 +145,14 @@ __device__ __forceinline__ void moe_row_sums(const float* red, float* tot, int n
     __syncthreads();
 }
 
+// The formats with int8-activation kernels (moe_gate_up_i8_<fmt> / moe_down_i8_<fmt>, below): those whose
+// activations the reference rounds as Q8_K (ds4py/ref/weights.py Q8_K_ACT) and that have an int8 dot (MoeActI8).
+// X(kernel suffix, FMT_ id, weights per block, bytes per block, table); ds4py/cuda/ops/experts.py reads it.
+#define MOE_I8_FORMATS(X) \
+    X(iq2_xxs, FMT_IQ2_XXS, 256, 66, 1) \
+    X(q2_k, FMT_Q2_K, 256, 84, 0) \
+    X(q4_k, FMT_Q4_K, 256, 144, 0)
+
 // ---- the activation side of a dot: fp32 (exact, the default) or int8 (Numerics.act_quant) -------------------------
 // A thread's 32 activations of column group grp: load(x + 32 * grp), then dot<F>(span, r, grp, grid) per row.
 // LANES: load() shuffles with the other lanes of its 256-block (every lane of the warp must call it).
@@ -596,15 +604,9 @@ MOE_FORMATS(MOE_GATE_UP)
 MOE_FORMATS(MOE_DOWN)
 MOE_FORMATS(MOE_DEQUANT)
 
-// ---- int8 activations (Numerics.act_quant): moe_gate_up_i8_<fmt> / moe_down_i8_<fmt>, the formats whose
-// activations the reference rounds as Q8_K (ds4py/ref/weights.py Q8_K_ACT) and that have an int8 dot (MoeActI8):
-// the decode kernels' contracts, launches and geometry exactly, x / h rounded inside (MoeActI8::load), so the
-// engine needs no other buffer. X(kernel suffix, FMT_ id, weights per block, bytes per block, table).
-#define MOE_I8_FORMATS(X) \
-    X(iq2_xxs, FMT_IQ2_XXS, 256, 66, 1) \
-    X(q2_k, FMT_Q2_K, 256, 84, 0) \
-    X(q4_k, FMT_Q4_K, 256, 144, 0)
-
+// ---- int8 activations (Numerics.act_quant): moe_gate_up_i8_<fmt> / moe_down_i8_<fmt> (MOE_I8_FORMATS, with
+// the activation structs above) take the decode kernels' contracts, launches and geometry exactly, x / h rounded
+// inside (MoeActI8::load), so the engine needs no other buffer.
 // As moe_gate_up_<fmt>, x rounded as Q8_K. Launch: as moe_gate_up_<fmt>.
 #define MOE_GATE_UP_I8(name, F, QK, NB, TABLE) \
 extern "C" __global__ void moe_gate_up_i8_##name(const uint8_t* Wg, const uint8_t* Wu, const float* x, \
