@@ -145,6 +145,145 @@ __device__ __forceinline__ void moe_row_sums(const float* red, float* tot, int n
     __syncthreads();
 }
 
+// The formats with int8-activation kernels (moe_gate_up_i8_<fmt> / moe_down_i8_<fmt>, below): those whose
+// activations the reference rounds as Q8_K (ds4py/ref/weights.py Q8_K_ACT) and that have an int8 dot (MoeActI8).
+// X(kernel suffix, FMT_ id, weights per block, bytes per block, table); ds4py/cuda/ops/experts.py reads it.
+#define MOE_I8_FORMATS(X) \
+    X(iq2_xxs, FMT_IQ2_XXS, 256, 66, 1) \
+    X(q2_k, FMT_Q2_K, 256, 84, 0) \
+    X(q4_k, FMT_Q4_K, 256, 144, 0)
+
+// ---- the activation side of a dot: fp32 (exact, the default) or int8 (Numerics.act_quant) -------------------------
+// A thread's 32 activations of column group grp: load(x + 32 * grp), then dot<F>(span, r, grp, grid) per row.
+// LANES: load() shuffles with the other lanes of its 256-block (every lane of the warp must call it).
+struct MoeActF {                                  // the fp32 activations and their half sums (the K-quants' mins)
+    static constexpr bool LANES = false;
+    float v[32], s[2];
+    __device__ __forceinline__ void load(const float* x) {
+        moe_load_x(x, v);
+        moe_half_sums(v, s);
+    }
+    template <int F>
+    __device__ __forceinline__ float dot(const MoeSpan& sp, int r, int grp, const uint64_t* grid) const {
+        return MoeStage<F>::dot(sp, r, grp, v, s, grid);
+    }
+};
+
+// int8 activations: x rounded as ggml's Q8_K (ds4py.ref.ops.q8_k_round, the reference's act_quant mode): per
+// block of 256 (8 lanes of 32: column groups 8b .. 8b + 7 sit on 8 consecutive lanes, as G % 8 == 0), the largest
+// magnitude, iscale = -127 / max, q = rint(x * iscale), d = 1 / iscale, in the reference's fp32 operations: the
+// rounded values q * d are the reference's (its codes, or all of them negated: see load). A group's dot is then exact
+// in integers (dp4a) and scaled once: it equals the reference's fp32 product on the rounded x up to the fp32
+// rounding of the reference's sum (tests/test_cu_emu_experts_i8.py states the bound).
+struct MoeActI8 {
+    static constexpr bool LANES = true;
+    int q[8];                                     // codes 4w .. 4w + 3 in the bytes of q[w]
+    int qs[2];                                    // the sums of the codes of each half (16) of the group
+    float d;
+    __device__ __forceinline__ void load(const float* x) {
+        float v[32];
+        moe_load_x(x, v);
+        // The reference scales by the signed max m (iscale = -127 / m); the positive amax = |m| gives every code
+        // and d negated when m < 0, so q * d (and a dot's sum * d) are the same floats: the sign needs no search.
+        float amax = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 32; ++j) amax = fmaxf(amax, fabsf(v[j]));
+#pragma unroll
+        for (int off = 1; off < 8; off <<= 1) amax = fmaxf(amax, __shfl_xor_sync(DS4_FULL_MASK, amax, off));
+        const float is = amax != 0.0f ? __fdiv_rn(-127.0f, amax) : 0.0f;
+        d = is != 0.0f ? __fdiv_rn(1.0f, is) : 0.0f;
+        // rint(x * is) by the 1.5 * 2^23 shift (round to nearest even, as rint; |x * is| <= 127 (1 + 2^-23)^2, so
+        // the reference's clip at 127 never cuts): the code is the low byte of the sum's bits, 0x4B400000 + c
+        int bits[32];
+#pragma unroll
+        for (int j = 0; j < 32; ++j) bits[j] = __float_as_int(__fadd_rn(__fmul_rn(v[j], is), 12582912.0f));
+#pragma unroll
+        for (int w = 0; w < 8; ++w)
+            q[w] = (int)__byte_perm(__byte_perm(bits[4 * w], bits[4 * w + 1], 0x0040u),
+                                    __byte_perm(bits[4 * w + 2], bits[4 * w + 3], 0x0040u), 0x5410u);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            int sum = 0;
+#pragma unroll
+            for (int j = 0; j < 16; ++j) sum += bits[16 * h + j] - 0x4B400000;
+            qs[h] = sum;
+        }
+    }
+    template <int F>
+    __device__ __forceinline__ float dot(const MoeSpan& sp, int r, int grp, const uint64_t* grid) const;
+};
+
+// IQ2_XXS: per 8 weights the grid's 8 magnitudes (bytes) and a sign table entry (moe_i8_signs: the bytes' -1 masks
+// m and m & 0x01010101), the signed bytes (g ^ m) + (m & 1) (no carry: g >= 8), two dp4a.
+template <>
+__device__ __forceinline__ float MoeActI8::dot<FMT_IQ2_XXS>(const MoeSpan& sp, int r, int grp,
+                                                           const uint64_t* grid) const {
+    using Fm = MoeFmt<FMT_IQ2_XXS>;
+    const uint4* signs = reinterpret_cast<const uint4*>(grid + 256);
+    unsigned a0, a1;
+    float db;
+    Fm::aux(sp.rows + (size_t)r * sp.rb, grp, a0, a1, db);
+    int sum = 0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const uint64_t g = grid[(a0 >> (8 * k)) & 255u];
+        const uint4 m = signs[(a1 >> (7 * k)) & 127u];
+        sum = __dp4a((int)(((unsigned)g ^ m.x) + m.z), q[2 * k], sum);
+        sum = __dp4a((int)(((unsigned)(g >> 32) ^ m.y) + m.w), q[2 * k + 1], sum);
+    }
+    return __int2float_rn(sum) * db * d;
+}
+
+// Q2_K: the 2-bit codes of 4 weights are the bytes of (word >> sh) & 0x03030303: one dp4a per 4 weights; the
+// sub-block scales and mins in integers (ggml's order: d * sum(sc * dot) - dmin * sum(m * code sums)).
+template <>
+__device__ __forceinline__ float MoeActI8::dot<FMT_Q2_K>(const MoeSpan& sp, int r, int grp, const uint64_t*) const {
+    const uint8_t* b = sp.rows + (size_t)r * sp.rb + (size_t)(grp >> 3) * MoeFmt<FMT_Q2_K>::BYTES;
+    const int cw = (grp & 7) * 32, sh = 2 * ((cw >> 5) & 3);
+    int isc = 0, imn = 0;
+#pragma unroll
+    for (int sub = 0; sub < 2; ++sub) {
+        const unsigned sc = b[(cw >> 4) + sub];
+        const uint8_t* qs8 = b + 16 + 32 * (cw >> 7) + 16 * sub;
+        int s = 0;
+#pragma unroll
+        for (int word = 0; word < 4; ++word)
+            s = __dp4a((int)((moe_u32(qs8 + 4 * word) >> sh) & 0x03030303u), q[4 * sub + word], s);
+        isc += (int)(sc & 15u) * s;
+        imn += (int)(sc >> 4) * qs[sub];
+    }
+    return d * (moe_f16(b + 80) * __int2float_rn(isc) - moe_f16(b + 82) * __int2float_rn(imn));
+}
+
+// Q4_K: one sub-block (scale, min) per group, the 4-bit codes of 4 weights the bytes of (word >> sh) & 0x0F0F0F0F.
+template <>
+__device__ __forceinline__ float MoeActI8::dot<FMT_Q4_K>(const MoeSpan& sp, int r, int grp, const uint64_t*) const {
+    const uint8_t* b = sp.rows + (size_t)r * sp.rb + (size_t)(grp >> 3) * MoeFmt<FMT_Q4_K>::BYTES;
+    const int gi = grp & 7, sh = 4 * (gi & 1);
+    unsigned sc, mn;
+    MoeFmt<FMT_Q4_K>::scales(b, gi, sc, mn);
+    const uint8_t* qs8 = b + 16 + 32 * (gi >> 1);
+    int s = 0;
+#pragma unroll
+    for (int word = 0; word < 8; ++word)
+        s = __dp4a((int)((moe_u32(qs8 + 4 * word) >> sh) & 0x0F0F0F0Fu), q[word], s);
+    return d * (moe_f16(b) * __int2float_rn((int)sc * s) - moe_f16(b + 2) * __int2float_rn((int)mn * (qs[0] + qs[1])));
+}
+
+// The IQ2_XXS sign table of the int8 dots, at grid_s + 256 (128 x 16 bytes): entry i (7 sign bits, the 8th their
+// parity, ksigns_iq2xs) = {m_lo, m_hi, m_lo & 0x01010101, m_hi & 0x01010101}, m: 0xFF in each negative byte.
+// A block-wide fill; __syncthreads before use.
+__device__ __forceinline__ void moe_i8_signs(uint64_t* at) {
+    uint4* t = reinterpret_cast<uint4*>(at);
+    for (int i = threadIdx.x; i < 128; i += blockDim.x) {
+        const unsigned sg = (unsigned)i | ((unsigned)(__popc(i) & 1) << 7);
+        unsigned m[2] = {0u, 0u};
+        for (int j = 0; j < 8; ++j)
+            if ((sg >> j) & 1u) m[j >> 2] |= 0xFFu << (8 * (j & 3));
+        t[i] = make_uint4(m[0], m[1], m[0] & 0x01010101u, m[1] & 0x01010101u);
+    }
+}
+
 // How an impl call stages its rows: MOE_WAIT, it owns the kernel's pdl_wait (a shared expert's rows, ids null,
 // are staged before it) and stages then waits; MOE_WAITED, the caller has waited, it stages then waits;
 // MOE_STAGED, the caller issued this tile's rows into smem (the same positions) and waited for them with a barrier.
@@ -157,26 +296,23 @@ __device__ __forceinline__ void moe_row_sums(const float* red, float* tot, int n
 // Both entry points (one token; several rows grouped by expert) run exactly this, so a pair's bits do not depend
 // on which other pairs share its block or launch. red: partial-sum room (may alias the stage: a barrier comes
 // before it is written).
-template <int F>
+template <int F, class A = MoeActF>
 __device__ __forceinline__ void moe_gate_up_pair(const uint64_t* grid, const MoeSpan& sg, const MoeSpan& su,
                                                  int nr, const float* x, float rw, float* hout, float clamp,
                                                  float* red, int dim) {
     const int G = dim / 32, RL = blockDim.x / G, tid = threadIdx.x;
     const int grp = tid % G, rl = tid / G;
     const bool worker = rl < RL;
-    float xv[32], xs[2] = {0.0f, 0.0f};
-    if (worker) {
-        moe_load_x(x + 32 * grp, xv);
-        moe_half_sums(xv, xs);
-    }
+    A act;
+    if (A::LANES || worker) act.load(x + 32 * grp);
     float ag[MOE_RPT], au[MOE_RPT];
 #pragma unroll
     for (int i = 0; i < MOE_RPT; ++i) {
         const int r = rl + RL * i;
         ag[i] = au[i] = 0.0f;
         if (worker && r < nr) {
-            ag[i] = MoeStage<F>::dot(sg, r, grp, xv, xs, grid);
-            au[i] = MoeStage<F>::dot(su, r, grp, xv, xs, grid);
+            ag[i] = act.template dot<F>(sg, r, grp, grid);
+            au[i] = act.template dot<F>(su, r, grp, grid);
         }
     }
     __syncthreads();                                              // the stage is read (when red aliases it)
@@ -202,7 +338,7 @@ __device__ __forceinline__ void moe_gate_up_pair(const uint64_t* grid, const Moe
     }
 }
 
-template <int F>
+template <int F, class A = MoeActF>
 __device__ __forceinline__ void moe_gate_up_impl(uint8_t* smem, const uint64_t* grid, const uint8_t* Wg,
                                                  const uint8_t* Wu, const float* x, const int* ids,
                                                  const float* route_w, float* h, int n_experts, int ff, int dim,
@@ -239,7 +375,7 @@ __device__ __forceinline__ void moe_gate_up_impl(uint8_t* smem, const uint64_t* 
         cp_async_wait_all();
         __syncthreads();
     }
-    moe_gate_up_pair<F>(grid, sg, su, nr, x, rw, hout, clamp, reinterpret_cast<float*>(smem), dim);
+    moe_gate_up_pair<F, A>(grid, sg, su, nr, x, rw, hout, clamp, reinterpret_cast<float*>(smem), dim);
 }
 
 // An expert id, every id outside [0, n_experts) as -1 (so the distinct ids are at most n_experts + 1).
@@ -312,7 +448,7 @@ __device__ __forceinline__ void moe_gate_up_rows_impl(uint8_t* smem, const uint6
 }
 
 // ---- down (+ shared expert's output, + hc_post) -----------------------------------------------------------------
-template <int F>
+template <int F, class A = MoeActF>
 __device__ __forceinline__ void moe_down_impl(uint8_t* smem, const uint64_t* grid, const uint8_t* W, const int* ids,
                                               const float* h, const float* add, const float* hc_post,
                                               const float* hc_comb, const float* hc_x, float* out, int n_slots,
@@ -350,15 +486,15 @@ __device__ __forceinline__ void moe_down_impl(uint8_t* smem, const uint64_t* gri
     for (int i = 0; i < MOE_RPT; ++i) acc[i] = 0.0f;
     for (int s = 0; s < n_slots; ++s) {                            // experts in slot order: a fixed sum
         const int e = ids ? ids[s] : s;
-        if (!worker || e < 0 || e >= n_experts) continue;
+        if ((!A::LANES && !worker) || e < 0 || e >= n_experts) continue;     // e: block-uniform
+        A act;
+        act.load(h + (size_t)s * ff + 32 * grp);
+        if (!worker) continue;
         const MoeSpan st = MoeStage<F>::stage(smem + s * room, W, e, r0, nr, n_experts, dim, ff, false);
-        float hv[32], hs[2];
-        moe_load_x(h + (size_t)s * ff + 32 * grp, hv);
-        moe_half_sums(hv, hs);
 #pragma unroll
         for (int i = 0; i < MOE_RPT; ++i) {
             const int r = rl + RL * i;
-            if (r < nr) acc[i] += MoeStage<F>::dot(st, r, grp, hv, hs, grid);
+            if (r < nr) acc[i] += act.template dot<F>(st, r, grp, grid);
         }
     }
     __syncthreads();
@@ -467,6 +603,43 @@ extern "C" __global__ void moe_dequant_##name(const uint8_t* W, float* out, int 
 MOE_FORMATS(MOE_GATE_UP)
 MOE_FORMATS(MOE_DOWN)
 MOE_FORMATS(MOE_DEQUANT)
+
+// ---- int8 activations (Numerics.act_quant): moe_gate_up_i8_<fmt> / moe_down_i8_<fmt> (MOE_I8_FORMATS, with
+// the activation structs above) take the decode kernels' contracts, launches and geometry exactly, x / h rounded
+// inside (MoeActI8::load), so the engine needs no other buffer.
+// As moe_gate_up_<fmt>, x rounded as Q8_K. Launch: as moe_gate_up_<fmt>.
+#define MOE_GATE_UP_I8(name, F, QK, NB, TABLE) \
+extern "C" __global__ void moe_gate_up_i8_##name(const uint8_t* Wg, const uint8_t* Wu, const float* x, \
+                                                 const int* ids, const float* route_w, float* h, int n_experts, \
+                                                 int ff, int dim, int rows_per_block, float clamp) { \
+    extern __shared__ __align__(16) uint8_t moe_smem[]; \
+    __shared__ __align__(16) uint64_t grid_s[TABLE ? 512 : 1]; \
+    if (TABLE) { \
+        moe_load_grid(grid_s);                        /* constant tables */ \
+        moe_i8_signs(grid_s + 256); \
+    } \
+    moe_gate_up_impl<F, MoeActI8>(moe_smem, TABLE ? grid_s : nullptr, Wg, Wu, x, ids, route_w, h, n_experts, ff, \
+                                  dim, rows_per_block, clamp, blockIdx.x, MOE_WAIT);  /* pdl_wait inside */ \
+}
+
+// As moe_down_<fmt>, each slot's h rounded as Q8_K. Launch: as moe_down_<fmt>.
+#define MOE_DOWN_I8(name, F, QK, NB, TABLE) \
+extern "C" __global__ void moe_down_i8_##name(const uint8_t* W, const int* ids, const float* h, const float* add, \
+                                              const float* hc_post, const float* hc_comb, const float* hc_x, \
+                                              float* out, int n_slots, int n_experts, int dim, int ff, \
+                                              int rows_per_block, int hc) { \
+    extern __shared__ __align__(16) uint8_t moe_smem[]; \
+    __shared__ __align__(16) uint64_t grid_s[TABLE ? 512 : 1]; \
+    if (TABLE) { \
+        moe_load_grid(grid_s);                        /* constant tables */ \
+        moe_i8_signs(grid_s + 256); \
+    } \
+    moe_down_impl<F, MoeActI8>(moe_smem, TABLE ? grid_s : nullptr, W, ids, h, add, hc_post, hc_comb, hc_x, out, \
+                               n_slots, n_experts, dim, ff, rows_per_block, hc, blockIdx.x, MOE_WAIT); \
+}
+
+MOE_I8_FORMATS(MOE_GATE_UP_I8)
+MOE_I8_FORMATS(MOE_DOWN_I8)
 
 // ---- several rows: the grouped gate + up and the per-row down, one launch each -------------------
 // moe_gate_up_rows_<fmt>: grid (ceil(ff / rows_per_block), distinct experts at most: min(n_pairs, n_experts) or k

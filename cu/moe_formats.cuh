@@ -129,6 +129,16 @@ __device__ __forceinline__ unsigned moe_u16(const uint8_t* p) { return *reinterp
 __device__ __forceinline__ unsigned moe_u32(const uint8_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
 __device__ __forceinline__ float moe_f16(const uint8_t* p) { return __half2float(*reinterpret_cast<const __half*>(p)); }
 __device__ __forceinline__ float moe_u2f(unsigned v) { return __uint_as_float(0x4B000000u | v) - 8388608.0f; }
+// Byte j of w as a float, exactly: one PRMT builds the bits of 2^23 + byte (the same bits as moe_u2f(byte)), one
+// FADD takes 2^23 off. The dot products use it where w's bytes hold the codes (after one mask per 4 codes).
+__device__ __forceinline__ float moe_b2f(unsigned w, int j, unsigned k = 0x4B000000u) {
+    return __uint_as_float(__byte_perm(w, k, 0x7440u | (unsigned)j)) - 8388608.0f;
+}
+// x with its sign flipped when bit j of bits is set: fmaf(v, moe_flip(x, bits, j), s) has the bits of
+// fmaf(bit ? -v : v, x, s) (-v * x and v * -x are the same exact product), for a shift and one LOP3.
+__device__ __forceinline__ float moe_flip(float x, unsigned bits, int j) {
+    return __uint_as_float(__float_as_uint(x) ^ ((bits << (31 - j)) & 0x80000000u));
+}
 __device__ __forceinline__ float moe_i8f(unsigned byte) {                 // the int8 in the low byte
     return __uint_as_float(0x4B000000u | ((byte & 255u) ^ 0x80u)) - 8388736.0f;
 }
@@ -199,16 +209,19 @@ template <> struct MoeFmt<FMT_IQ2_XXS> {
         unsigned a0, a1;
         float db;
         aux(base, grp, a0, a1, db);
+        // 0x4B000000 for moe_b2f through grid entry 0 (0x08080808 in each half), a value ptxas cannot fold: the
+        // constant sits in a register and each PRMT's one immediate slot holds its selector (with the constant
+        // as the immediate, every PRMT needed a MOV of its selector)
+        const unsigned kx = 0x4B000000u + ((unsigned)grid[0] - 0x08080808u);
         float s0 = 0.0f, s1 = 0.0f;
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
             const uint64_t g = grid[(a0 >> (8 * k)) & 255u];
             const unsigned sg = signs(a1, k), lo = (unsigned)g, hi = (unsigned)(g >> 32);
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const float v0 = moe_u2f((lo >> (8 * j)) & 255u), v1 = moe_u2f((hi >> (8 * j)) & 255u);
-                s0 = fmaf((sg >> j) & 1u ? -v0 : v0, x[8 * k + j], s0);
-                s1 = fmaf((sg >> (j + 4)) & 1u ? -v1 : v1, x[8 * k + j + 4], s1);
+            for (int j = 0; j < 4; ++j) {                          // the sign goes on x (same bits)
+                s0 = fmaf(moe_b2f(lo, j, kx), moe_flip(x[8 * k + j], sg, j), s0);
+                s1 = fmaf(moe_b2f(hi, j, kx), moe_flip(x[8 * k + j + 4], sg, j + 4), s1);
             }
         }
         return (s0 + s1) * db;
@@ -270,11 +283,11 @@ template <> struct MoeFmt<FMT_Q2_K> {
             float s0 = 0.0f, s1 = 0.0f;
 #pragma unroll
             for (int word = 0; word < 4; ++word) {
-                const unsigned u = moe_u32(qs + 4 * word) >> sh;
-                s0 = fmaf(moe_u2f(u & 3u), x[16 * sub + 4 * word], s0);
-                s1 = fmaf(moe_u2f((u >> 8) & 3u), x[16 * sub + 4 * word + 1], s1);
-                s0 = fmaf(moe_u2f((u >> 16) & 3u), x[16 * sub + 4 * word + 2], s0);
-                s1 = fmaf(moe_u2f((u >> 24) & 3u), x[16 * sub + 4 * word + 3], s1);
+                const unsigned u = (moe_u32(qs + 4 * word) >> sh) & 0x03030303u;
+                s0 = fmaf(moe_b2f(u, 0), x[16 * sub + 4 * word], s0);
+                s1 = fmaf(moe_b2f(u, 1), x[16 * sub + 4 * word + 1], s1);
+                s0 = fmaf(moe_b2f(u, 2), x[16 * sub + 4 * word + 2], s0);
+                s1 = fmaf(moe_b2f(u, 3), x[16 * sub + 4 * word + 3], s1);
             }
             acc = fmaf(d * moe_u2f(sc & 15u), s0 + s1, acc);
             acc = fmaf(-dmin * moe_u2f(sc >> 4), xs[sub], acc);
@@ -342,11 +355,11 @@ template <> struct MoeFmt<FMT_Q4_K> {
         float s0 = 0.0f, s1 = 0.0f;
 #pragma unroll
         for (int word = 0; word < 8; ++word) {
-            const unsigned u = moe_u32(qs + 4 * word) >> sh;
-            s0 = fmaf(moe_u2f(u & 15u), x[4 * word], s0);
-            s1 = fmaf(moe_u2f((u >> 8) & 15u), x[4 * word + 1], s1);
-            s0 = fmaf(moe_u2f((u >> 16) & 15u), x[4 * word + 2], s0);
-            s1 = fmaf(moe_u2f((u >> 24) & 15u), x[4 * word + 3], s1);
+            const unsigned u = (moe_u32(qs + 4 * word) >> sh) & 0x0F0F0F0Fu;
+            s0 = fmaf(moe_b2f(u, 0), x[4 * word], s0);
+            s1 = fmaf(moe_b2f(u, 1), x[4 * word + 1], s1);
+            s0 = fmaf(moe_b2f(u, 2), x[4 * word + 2], s0);
+            s1 = fmaf(moe_b2f(u, 3), x[4 * word + 3], s1);
         }
         return fmaf(moe_f16(b) * moe_u2f(sc), s0 + s1, -(moe_f16(b + 2) * moe_u2f(mn)) * (xs[0] + xs[1]));
     }

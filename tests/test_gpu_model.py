@@ -155,7 +155,9 @@ def test_bench_gpu_model_json(tmp_path, capsys, device, shapes):
     dec = [s for s in d["steps"] if s["step"] == "decode"]
     assert dec[1]["weight_kv_bytes"] > dec[0]["weight_kv_bytes"]
     assert d["steps"][0]["refused_launches"] == sum(1 for k in d["kernels"] if k["refused"])
-    assert d["refused_launches"] == sum(s["refused_launches"] for s in d["steps"])
+    assert d["refused_launches"] == sum(s["refused_launches"] for s in d["steps"] + d["act_quant"])
+    # the act_quant numerics (int8 experts): decode only, and only where the shapes have int8 expert formats
+    assert [s["step"] for s in d["act_quant"]] == (["decode act_quant"] * 2 if shapes == "v4-flash-q2" else [])
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -334,3 +336,26 @@ def test_v4_decode_collapses_inside_the_mix():
     mixes = [ln for ln in L if ln.kernel.startswith("hc_mix")]
     assert len(L) == 900 and not any(ln.kernel == "hc_collapse_norm" for ln in L)
     assert len(mixes) == 87 and all(any(a.name == "y" and a.nbytes > 0 for a in ln.args) for ln in mixes)
+
+
+@pytest.mark.parametrize("device", ["gb10", "h200"])
+def test_act_quant_numerics_swap_the_decode_experts_for_their_int8_kernels(device):
+    """timemodel.with_act_quant: every decode expert launch of an int8 format becomes its _i8_ kernel with that
+    kernel's own registers and launch check (none refused on either device), the same geometry and bytes; the rest
+    of the step is untouched."""
+    from ds4py.cuda.plan import plan_step
+
+    dev = profile(device)
+    exact = plan_step("v4-flash-q2", "decode", device, ctx=2048)
+    quant = timemodel.with_act_quant(exact, dev)
+    changed = [(a, b) for a, b in zip(exact, quant) if a.kernel != b.kernel]
+    assert {b.kernel for _, b in changed} == {"moe_gate_up_i8_iq2_xxs", "moe_down_i8_q2_k"}
+    assert len(changed) == 2 * 43 and all(b.problem is None for b in quant)
+    for a, b in changed:
+        assert b.kernel == a.kernel.replace("moe_gate_up_", "moe_gate_up_i8_").replace("moe_down_", "moe_down_i8_")
+        assert (a.grid, a.block, a.smem) == (b.grid, b.block, b.smem)
+        assert timemodel.launch_traffic(a, 2048) == timemodel.launch_traffic(b, 2048)
+    from ds4py.cuda import resources
+    assert all(b.registers == resources.require(dev.arch, b.kernel).registers for _, b in changed)
+    steps = timemodel.run(device, "v4-flash-q2", (2048,), numerics="act_quant")
+    assert [m.step for m in steps] == ["decode act_quant"]

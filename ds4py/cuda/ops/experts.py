@@ -50,6 +50,20 @@ def _vq_formats() -> dict[str, tuple[int, int, int]]:
 
 FORMATS = _formats()
 VQ_FORMATS = _vq_formats()
+# the formats with int8-activation kernels (moe_gate_up_i8_<fmt> / moe_down_i8_<fmt>: x rounded as Q8_K inside,
+# the reference's act_quant numerics): experts.cu's MOE_I8_FORMATS list
+I8_FORMATS = frozenset(QT[e[0].upper()] for e in list_of("MOE_I8_FORMATS", (CU_DIR / "experts.cu").read_text()))
+
+
+def i8_kernel(qtype: Any, act_quant: bool) -> str:
+    """The kernel name infix of an expert launch: "i8_" with act_quant (refused, in one sentence, for a format
+    without int8 kernels), else ""."""
+    if not act_quant:
+        return ""
+    need(not isinstance(qtype, str) and int(qtype) in {int(q) for q in I8_FORMATS},
+         f"experts: int8 activations (act_quant) have kernels for {', '.join(sorted(q.name for q in I8_FORMATS))}"
+         f" only, not {_label(qtype)}")
+    return "i8_"
 
 
 def vq_bits(qtype: str) -> int:
@@ -219,10 +233,11 @@ def _check_weights(where: str, W: Any, qtype: Any, n_experts: int, rows: int, co
 
 def moe_gate_up(rt: Any, qtype: int, Wg: Any, Wu: Any, x: Any, ids: Any, route_w: Any, h: Any, n_experts: int,
                 ff: int, dim: int, n_slots: int, clamp: float, rows_per_block: int | None = None, stream: Any = None,
-                pdl: bool = False) -> MoePlan:
+                pdl: bool = False, act_quant: bool = False) -> MoePlan:
     """h [n_slots, ff] = silu(min(Wg[e] x, c)) * clamp(Wu[e] x, -c, c) * route_w[s], e = ids[s] (ids None: e = s,
-    route_w None: 1). Wg / Wu: [n_experts, ff, dim] in qtype."""
+    route_w None: 1). Wg / Wu: [n_experts, ff, dim] in qtype. act_quant: x rounded as Q8_K, int8 dots."""
     name, _, _ = _fmt(qtype)
+    name = i8_kernel(qtype, act_quant) + name
     for W in (Wg, Wu):
         _check_weights("moe_gate_up", W, qtype, n_experts, ff, dim)
     need(x.size == dim and h.size >= n_slots * ff and n_slots >= 1, "moe_gate_up: x or h does not match the shapes")
@@ -239,10 +254,13 @@ def moe_gate_up(rt: Any, qtype: int, Wg: Any, Wu: Any, x: Any, ids: Any, route_w
 
 def moe_down(rt: Any, qtype: int, W: Any, ids: Any, h: Any, out: Any, n_experts: int, dim: int, ff: int,
              n_slots: int, add: Any = None, hc_post: Any = None, hc_comb: Any = None, hc_x: Any = None,
-             rows_per_block: int | None = None, stream: Any = None, pdl: bool = False) -> MoePlan:
+             rows_per_block: int | None = None, stream: Any = None, pdl: bool = False,
+             act_quant: bool = False) -> MoePlan:
     """y = sum_s W[ids[s]] h[s] (+ add): out [dim] = y, or with hc_post / hc_comb / hc_x (the sub-layer's mHC post
-    mix and residual [hc, dim]) out [hc, dim] = post_k y + sum_j comb[j, k] X_j. W: [n_experts, dim, ff]."""
+    mix and residual [hc, dim]) out [hc, dim] = post_k y + sum_j comb[j, k] X_j. W: [n_experts, dim, ff].
+    act_quant: each h[s] rounded as Q8_K, int8 dots."""
     name, _, _ = _fmt(qtype)
+    name = i8_kernel(qtype, act_quant) + name
     _check_weights("moe_down", W, qtype, n_experts, dim, ff)
     need(1 <= n_slots and h.size >= n_slots * ff, "moe_down: h does not hold n_slots x ff")
     need(ids is None or (dtype_is(ids, np.int32) and ids.size >= n_slots), "moe_down: ids must be int32 [n_slots]")

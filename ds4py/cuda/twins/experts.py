@@ -68,3 +68,18 @@ def vq_dequant(codes: np.ndarray, stream: np.ndarray, hi: np.ndarray | None, gai
     X = stream.shape[0]
     return np.stack([vq.decode_rows(stream[e], None if hi is None else hi[e], np.asarray(gains[e], F32), cb, bits)
                      for e in range(X)])
+
+
+# ---- int8 activations (experts.cu moe_gate_up_i8_<fmt> / moe_down_i8_<fmt>, Numerics.act_quant) ----------------
+def gate_up_i8(Wg: np.ndarray, Wu: np.ndarray, x: np.ndarray, ids: np.ndarray | None, route_w: np.ndarray | None,
+               clamp: float, n_slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """gate_up on x rounded as the reference's act_quant mode rounds it for these formats (ops.q8_k_round)."""
+    return gate_up(Wg, Wu, ops.q8_k_round(np.asarray(x, F32).reshape(1, -1))[0], ids, route_w, clamp, n_slots)
+
+
+def down_i8(W: np.ndarray, ids: np.ndarray | None, h: np.ndarray, n_slots: int, add: np.ndarray | None = None,
+            hc_post: np.ndarray | None = None, hc_comb: np.ndarray | None = None, hc_x: np.ndarray | None = None
+            ) -> tuple[np.ndarray, np.ndarray]:
+    """down with each slot's h rounded as ops.q8_k_round (the reference's act_quant mode)."""
+    h = ops.q8_k_round(np.asarray(h, F32).reshape(-1, W.shape[2])[:n_slots])
+    return down(W, ids, h, n_slots, add, hc_post, hc_comb, hc_x)
