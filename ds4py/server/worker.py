@@ -242,6 +242,10 @@ class JobOutput:
         job.emit(Done(done.finish_reason, done.prompt_tokens, done.cached_tokens, done.completion_tokens,
                       self.n_reasoning, done.stop_string))
 
+    def fail(self, error: str) -> None:
+        """The generation failed (a model step, broken weights): the job ends with the error."""
+        self.job.emit(Done("error", len(self.job.ids), error=error))
+
     def _emit(self, out) -> None:
         kind, job = type(out).__name__, self.job
         if kind == "ReasoningDelta":
