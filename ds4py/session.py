@@ -366,7 +366,7 @@ class Session:
         return self._run(prompt, params, cancelled or (lambda: False))
 
     def _run(self, prompt: list[int], params: SamplingParams, cancelled: Callable[[], bool]) -> Iterator[Event]:
-        if self._busy:
+        if self._busy:                             # (a second generator made before the first one started)
             raise RuntimeError("this session is already generating (one request at a time)")
         self._busy = True
         try:
@@ -388,12 +388,9 @@ class Session:
         return list(r.tokens)
 
     def unfeed(self, n: int) -> None:
-        """The answer stopped n tokens before the end of a speculative round: forget those fed tokens."""
-        self._unfeed(n)
-
-    def _unfeed(self, n: int) -> None:
-        """Generation stopped inside a round: forget the n fed tokens past the answer's last one (a rollback
-        within the round's own rows, so always exact)."""
+        """The answer stopped (ended, cancelled, closed) with n fed tokens past its last one but one, inside a
+        speculative round or after a decode step: forget them (a rollback within the round's own rows, so
+        always exact)."""
         if n and self.state is not None and self._live_is_consistent():
             self.state.truncate(self.state.n_tokens - n)
             del self.tokens[-n:]
