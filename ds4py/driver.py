@@ -54,6 +54,36 @@ class Output(Protocol):
     def fail(self, error: str) -> None: ...
 
 
+class LiveSession(Protocol):
+    """What the driver uses of a session (ds4py.session.Session): its live state and the bookkeeping around it."""
+    state: Any
+    ctx_size: int
+    spec_stats: Any
+    tokenizer: Any
+
+    @property
+    def ready(self) -> bool: ...
+
+    @property
+    def logits(self) -> np.ndarray | None: ...
+
+    def start(self, prompt: list[int]) -> int: ...
+
+    def next_chunk(self, prompt: list[int], max_len: int, aligned: bool = False) -> list[int] | None: ...
+
+    def advance(self, ids: Sequence[int], logits: np.ndarray, decoded: bool = False) -> None: ...
+
+    def fed(self, token: int) -> None: ...
+
+    def record_round(self, last: int, r: Any) -> list[int]: ...
+
+    def unfeed(self, n: int) -> None: ...
+
+    def drop_live(self) -> None: ...
+
+    def end(self, done: DoneEvent | None) -> None: ...
+
+
 class Pool(Protocol):
     """The sessions the driver's requests run in (server.pool.SessionPool, or generate()'s pool of one)."""
     model: Any
@@ -93,7 +123,7 @@ class ModelRunner:
 
 @dataclass(eq=False)
 class Request:
-    session: Any               # a ds4py.session.Session, started on `prompt`
+    session: LiveSession       # started on `prompt`
     slot: int                  # its place in the pool (released when the request ends)
     prompt: list[int]
     out: Output
@@ -137,7 +167,7 @@ class Driver:
         """r left the running set (before its final event goes out)."""
 
     # ---- requests -------------------------------------------------------------------------------------------
-    def start(self, session, slot: int, prompt: list[int], cached: int, params: SamplingParams, out: Output,
+    def start(self, session: LiveSession, slot: int, prompt: list[int], cached: int, params: SamplingParams, out: Output,
               cancelled: Callable[[], bool]) -> Request:
         """Run a request on `session`, already started on `prompt` (Session.start gave `cached`)."""
         comp = Completion(self.tokenizer, params, len(prompt), cached, session.ctx_size)
@@ -339,7 +369,7 @@ class Driver:
 
 # ---- run / chat: one request on a pool of one --------------------------------------------------------------
 class _PoolOfOne:
-    def __init__(self, session):
+    def __init__(self, session: LiveSession):
         self.model, self.prefill_chunk = session.model, session.prefill_chunk
 
     def __len__(self) -> int:
@@ -369,7 +399,7 @@ class _Events:
         return out
 
 
-def generate(session, prompt: list[int], params: SamplingParams,
+def generate(session: LiveSession, prompt: list[int], params: SamplingParams,
              cancelled: Callable[[], bool]) -> Iterator[Event]:
     """One request on `session` alone (Session.generate: run, chat): TokenEvents and one DoneEvent, each token
     computed when it is asked for. `cancelled()` is checked between prefill chunks and before every token (a gone
