@@ -27,11 +27,11 @@ token, EOS included, yields one TokenEvent (completion_tokens == number of Token
 its spelling, only text still held back. Text is a UTF-8-safe delta; text that could still become one of the
 stop strings is held back until it cannot, and the stop string itself is never emitted (`Completion`).
 
-Two drivers. `generate()` runs one request to its end, calling the model itself (run, chat; the loop is
-`_generate`). The server's scheduler (ds4py/server/scheduler.py, whatever `serve --sessions` is) drives its
-sessions through the same steps instead: `start(prompt)`, `next_chunk(...)` and `advance(ids, logits)` around
-its own batched model.step (or `fed(token)` under a device-side generation), a `Completion` per request, and
-`end(done)` when the request is over.
+One driver (ds4py.driver). A session keeps the bookkeeping; the driver calls the model: `start(prompt)`,
+`next_chunk(...)` and `advance(ids, logits)` around its batched model.step (or `fed(token)` under a device-side
+generation, `record_round` / `unfeed` around speculative rounds), a `Completion` per request, and `end(done)`
+when the request is over. `generate()` (run, chat) is the driver on this session alone (a pool of one); the
+server's scheduler (ds4py/server/scheduler.py) is the same driver over a pool of sessions.
 
 Not thread-safe: one request at a time per session (the server serialises requests).
 """
@@ -39,35 +39,17 @@ Not thread-safe: one request at a time per session (the server serialises reques
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Literal, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
+from ds4py import driver
+from ds4py.completion import Completion, DoneEvent, Event, TokenEvent  # noqa: F401  (re-exported: callers' names)
 from ds4py.errors import ContextLengthError, Ds4Error
-from ds4py.contract import device_generation
-from ds4py.sampling import Sampler, SamplingParams
+from ds4py.sampling import SamplingParams
 
 log = logging.getLogger("ds4py.session")
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    token_id: int
-    text: str
-
-
-@dataclass(frozen=True)
-class DoneEvent:
-    finish_reason: Literal["stop", "length", "cancelled"]
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-    stop_string: str | None = None
-
-
-Event = TokenEvent | DoneEvent
 
 
 @dataclass
@@ -100,52 +82,6 @@ class _Snapshot:
 
 # Where a prompt's reused tokens come from (Session.last_source; the server's /metrics counts them)
 SOURCES = ("live", "rollback", "snapshot", "disk", "none")
-
-
-class Completion:
-    """One request's answer as it is sampled: its sampler (a seeded request is reproducible whatever runs beside
-    it), and what each sampled token becomes — a UTF-8-safe TokenEvent, with text that could still start a stop
-    string held back — until a DoneEvent (EOS, a stop string, max_tokens or a full context)."""
-
-    def __init__(self, tokenizer, params: SamplingParams, prompt_tokens: int, cached_tokens: int, ctx_size: int):
-        self.sampler = Sampler(params)
-        self.stream = tokenizer.stream()
-        self.eos = None if params.ignore_eos else tokenizer.eos_id
-        self.stops = params.stop
-        self.limit = ctx_size - prompt_tokens              # prompt + completion <= context
-        if params.max_tokens is not None:
-            self.limit = min(self.limit, params.max_tokens)
-        self.prompt_tokens, self.cached_tokens = prompt_tokens, cached_tokens
-        self.n = 0                     # tokens sampled
-        self.last: int | None = None   # the last one (not yet fed to the model)
-        self.done: DoneEvent | None = None
-        self._held = ""                # decoded text not yet emitted (a possible stop-string start)
-
-    def sample(self, logits: np.ndarray) -> int:
-        return self.sampler.sample(logits)
-
-    def push(self, token: int) -> TokenEvent:
-        """The event of a sampled token; sets `done` when it ends the answer."""
-        self.last, self.n = int(token), self.n + 1
-        if self.last == self.eos:
-            self.done = DoneEvent("stop", self.prompt_tokens, self.cached_tokens, self.n)
-            return TokenEvent(self.last, self._held + self.stream.flush())
-        self._held += self.stream.push(self.last)
-        hit = _find_stop(self._held, self.stops)
-        if hit is not None:
-            at, s = hit
-            self.done = DoneEvent("stop", self.prompt_tokens, self.cached_tokens, self.n, stop_string=s)
-            return TokenEvent(self.last, self._held[:at])
-        if self.n >= self.limit:
-            self.done = DoneEvent("length", self.prompt_tokens, self.cached_tokens, self.n)
-            return TokenEvent(self.last, self._held + self.stream.flush())
-        keep = _stop_prefix_len(self._held, self.stops)
-        text, self._held = self._held[:len(self._held) - keep], self._held[len(self._held) - keep:]
-        return TokenEvent(self.last, text)
-
-    def cancel(self) -> DoneEvent:
-        self.done = DoneEvent("cancelled", self.prompt_tokens, self.cached_tokens, self.n)
-        return self.done
 
 
 class Session:
@@ -292,22 +228,6 @@ class Session:
             elif p.continued_interval and n % p.continued_interval == 0:
                 self.checkpoint("continued")
 
-    def _prefill(self, ids: list[int]) -> None:
-        try:
-            logits = self.model.step([self.state], [ids])[0]
-        except BaseException:
-            self.drop_live()                      # a half-advanced state must never be reused
-            raise
-        self.advance(ids, logits)
-
-    def _decode(self, token: int) -> None:
-        try:
-            logits = self.model.step([self.state], [[token]])[0]
-        except BaseException:
-            self.drop_live()
-            raise
-        self.advance([token], logits, decoded=True)
-
     def drop_live(self) -> None:
         self.state, self.tokens, self._logits = None, [], None
 
@@ -434,93 +354,27 @@ class Session:
         end = min([end, len(prompt)] + [x for x in self._plan if x > n])
         return prompt[n:end]
 
-    # ---- generation -------------------------------------------------------------------------------------
+    # ---- generation: the driver's, on a pool of one ---------------------------------------------------------
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
                  cancelled: Callable[[], bool] | None = None) -> Iterator[Event]:
-        """Validate now (errors raise here, before any event), then stream TokenEvents and one DoneEvent."""
+        """Validate now (errors raise here, before any event), then stream TokenEvents and one DoneEvent: one
+        request driven by ds4py.driver on this session alone."""
         prompt = self.check_prompt(prompt_ids)
         if self._busy:
             raise RuntimeError("this session is already generating (one request at a time)")
         return self._run(prompt, params, cancelled or (lambda: False))
 
     def _run(self, prompt: list[int], params: SamplingParams, cancelled: Callable[[], bool]) -> Iterator[Event]:
-        if self._busy:
+        if self._busy:                             # (a second generator made before the first one started)
             raise RuntimeError("this session is already generating (one request at a time)")
         self._busy = True
         try:
-            yield from self._generate(prompt, params, cancelled)
+            yield from driver.generate(self, prompt, params, cancelled)
         finally:
             self._busy = False
 
-    def _prepare(self, prompt: list[int], cancelled: Callable[[], bool]) -> tuple[int, bool]:
-        """Bring the live state to `prompt`. Returns (cached tokens, completed)."""
-        cached = self.start(prompt)
-        paced = not isinstance(self.prefill_chunk, int)
-        while True:
-            if cancelled():
-                return cached, False
-            n = len(self.tokens)
-            ids = self.next_chunk(prompt, self.prefill_chunk.next_len() if paced else self.prefill_chunk)
-            if ids is None:
-                return cached, True
-            t0 = time.perf_counter()
-            self._prefill(ids)
-            if paced:
-                self.prefill_chunk.record(len(self.tokens) - n, time.perf_counter() - t0)
-
-    def _generate(self, prompt: list[int], params: SamplingParams,
-                  cancelled: Callable[[], bool]) -> Iterator[Event]:
-        cached, ready = self._prepare(prompt, cancelled)
-        if not ready:
-            yield DoneEvent("cancelled", len(prompt), cached, 0)
-            return
-        out = Completion(self.tokenizer, params, len(prompt), cached, self.ctx_size)
-        tokens = self._tokens(out.sampler, params, out.limit)
-        try:
-            while True:
-                if cancelled():                   # before every token: a gone client stops within one token
-                    yield out.cancel()
-                    return
-                yield out.push(next(tokens))
-                if out.done is not None:
-                    yield out.done
-                    return
-        finally:
-            tokens.close()                        # (a device generation leaves the state consistent here)
-
-    # ---- the speculative-decoding hook (ds4py.spec, docs/spec.md): the only place generation knows of it ----
-
-    def _speculation(self, params: SamplingParams):
-        """A model whose `new_request` gives a round runner (ds4py.spec.SpecModel) decodes in speculative rounds;
-        others (new_request gives None) one token a step. `spec_stats` is the running request's speculation
-        statistics (None without speculation)."""
-        spec = self.model.new_request(params)
-        self.spec_stats = None if spec is None else spec.stats
-        return spec
-
-    def _spec_tokens(self, sampler: Sampler, last: int, spec, limit: int) -> Iterator[int]:
-        """The tokens after `last` in speculative rounds: each round's accepted drafts and its next token (the
-        state then holds every one of them but the last, as after plain steps). Closed inside a round, the fed
-        tokens past the last one taken are forgotten."""
-        n = 1
-        while True:
-            queue = self._round(sampler, last, spec, limit - n)
-            try:
-                while queue:
-                    last = queue.pop(0)
-                    n += 1
-                    yield last
-            finally:
-                self._unfeed(len(queue))
-
-    def _round(self, sampler: Sampler, last: int, spec, remaining: int) -> list[int]:
-        try:
-            r = spec.round(self.state, last, sampler, remaining)
-        except BaseException:
-            self.drop_live()
-            raise
-        return self.record_round(last, r)
+    # ---- what the driver records of speculative rounds (ds4py.spec, docs/spec.md) -------------------------
 
     def record_round(self, last: int, r) -> list[int]:
         """A speculative round (ds4py.spec.Round) the live state ran from `last`: the tokens it fed and the
@@ -534,49 +388,13 @@ class Session:
         return list(r.tokens)
 
     def unfeed(self, n: int) -> None:
-        """The answer stopped n tokens before the end of a speculative round: forget those fed tokens."""
-        self._unfeed(n)
-
-    def _unfeed(self, n: int) -> None:
-        """Generation stopped inside a round: forget the n fed tokens past the answer's last one (a rollback
-        within the round's own rows, so always exact)."""
+        """The answer stopped (ended, cancelled, closed) with n fed tokens past its last one but one, inside a
+        speculative round or after a decode step: forget them (a rollback within the round's own rows, so
+        always exact)."""
         if n and self.state is not None and self._live_is_consistent():
             self.state.truncate(self.state.n_tokens - n)
             del self.tokens[-n:]
             self._logits = None
-
-    def _tokens(self, sampler: Sampler, params: SamplingParams, limit: int) -> Iterator[int]:
-        """The sampled tokens, one per next(). The first comes from the prompt's logits (CPU sampler). The rest:
-        from the backend's device-side generation when it has one (ds4py.model.device_generation: the host
-        never sees logits), else from step() and the CPU sampler (the reference path)."""
-        last = sampler.sample(self._logits)
-        yield last
-        spec = self._speculation(params)
-        if spec is not None:
-            yield from self._spec_tokens(sampler, last, spec, limit)
-            return
-        gen = device_generation(self.model)
-        if gen is None:
-            while True:
-                self._decode(last)
-                last = sampler.sample(self._logits)
-                yield last
-        if limit <= 1:
-            return
-        inner = gen(self.state, last, params, limit - 1)
-        try:
-            for t in inner:                        # t arrives once `last` has been fed
-                self.fed(last)
-                last = t
-                yield t
-        except GeneratorExit:
-            raise
-        except BaseException:
-            inner.close()
-            self.drop_live()                      # a half-advanced state must never be reused
-            raise
-        finally:
-            inner.close()                          # the state's counters are final from here on
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -586,24 +404,3 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
         return 0
     differ = np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64)
     return int(np.argmax(differ)) if differ.any() else n
-
-
-def _find_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
-    """Earliest stop string in text (ties: the shorter, which completed first)."""
-    best = None
-    for s in stops:
-        i = text.find(s)
-        if i >= 0 and (best is None or (i, len(s)) < (best[0], len(best[1]))):
-            best = (i, s)
-    return best
-
-
-def _stop_prefix_len(text: str, stops: list[str]) -> int:
-    """Length of the longest tail of text that is a proper prefix of some stop string (must be held back)."""
-    keep = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), keep, -1):
-            if text.endswith(s[:k]):
-                keep = k
-                break
-    return keep

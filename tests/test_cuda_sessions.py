@@ -106,7 +106,7 @@ def test_concurrent_greedy_answers_on_cuda_equal_sequential_ones(cuda, tok, monk
 
 
 def test_speculative_rounds_of_several_sessions_on_cuda(cuda, tok, monkeypatch):
-    from ds4py.server import runner
+    from ds4py import driver as runner
     from ds4py.mtp_spec import MtpSpec
     from test_spec_sessions import TableDraft
 

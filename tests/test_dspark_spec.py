@@ -275,7 +275,7 @@ def test_rounds_of_several_sessions_equal_plain_answers(model, monkeypatch):
     equal to plain sequential ones (oracle drafts: long accepted runs; the real draft: rejections)."""
     from contextlib import contextmanager
 
-    from ds4py.server import runner
+    from ds4py import driver as runner
     from ds4py.server.pool import SessionPool
     from ds4py.server.worker import Engine
     from test_sessions import BackgroundServer, ServerConfig, ServerState, completion, concurrently, post

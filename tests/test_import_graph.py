@@ -169,3 +169,12 @@ def test_the_layers_named_in_docs_point_down():
     graph = import_graph()
     assert "ds4py.schema" in graph["ds4py.config"] and "ds4py.config" not in graph["ds4py.schema"]
     assert "ds4py.convert" not in graph["ds4py.engram"] | graph["ds4py.convert_v41"]
+
+
+def test_run_chat_and_serve_share_one_driver():
+    """One generation driver (ds4py.driver) under Session.generate (run, chat) and the server's scheduler; it
+    sits below both: it imports neither the session nor anything of the server."""
+    graph = import_graph()
+    assert "ds4py.driver" in graph["ds4py.session"] and "ds4py.driver" in graph["ds4py.server.scheduler"]
+    above = sorted(t for t in graph["ds4py.driver"] if t == "ds4py.session" or t.startswith("ds4py.server"))
+    assert not above, f"the driver imports a layer above it: {above}"

@@ -304,6 +304,24 @@ def test_cancel_stops_before_the_next_decode(tok):
     assert s.stats.decoded_tokens == 2 and sum(m.steps) == len(PROMPT) + 2    # none after the client left
 
 
+def test_generate_is_the_drivers_step_loop(tok, monkeypatch):
+    """run / chat go through the one driver (ds4py.driver, the server's too): every model call of
+    Session.generate is its runner's step, one sequence each, prefill chunks then one decode row per token."""
+    from ds4py import driver
+
+    seen = []
+    real = driver.ModelRunner.step
+
+    def step(self, states, chunks):
+        seen.append([len(c) for c in chunks])
+        return real(self, states, chunks)
+    monkeypatch.setattr(driver.ModelRunner, "step", step)
+    m = FakeModel()
+    ids, _, done = run(Session(m, tok, prefill_chunk=4), PROMPT, max_tokens=3)
+    assert seen == [[4], [3], [1], [1], [1]] and len(m.steps) == len(seen)      # chunks end at the snapshot point
+    assert ids == fresh_tokens(tok, PROMPT, 3) and done.finish_reason == "length"
+
+
 def test_cancel_during_prefill_keeps_a_reusable_state(tok):
     m = FakeModel()
     s = Session(m, tok, prefill_chunk=4)

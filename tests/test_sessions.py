@@ -17,7 +17,7 @@ import pytest
 
 from ds4py.disk_cache import DiskCache, KVCachePolicy
 from ds4py.model import open_model
-from ds4py.server import runner
+from ds4py import driver as runner
 from ds4py.server.app import BackgroundServer, ServerConfig, ServerState
 from ds4py.server.pool import SessionPool
 from ds4py.server.worker import Engine

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from ds4py.model import open_model, open_mtp
-from ds4py.server import runner
+from ds4py import driver as runner
 from ds4py.mtp_spec import MtpSpec
 from spec_fakes import NullTokenizer, OracleDraft
 from test_sessions import completion, concurrently, metrics, post, serving

@@ -4,7 +4,8 @@ and a bounded FIFO queue in front of it.
 The event loop never runs model code. A request handler renders its prompt in a thread pool, puts a `Job` on
 the queue and awaits the job's asyncio.Queue; the worker thread runs the jobs and posts `Reasoning` / `Text` /
 `ToolCallOut` / `Done` events back with call_soon_threadsafe (`JobOutput`). The thread (engine_thread.py's
-Worker) runs the Scheduler (scheduler.py), the one serving driver, over the engine's SessionPool: one session runs one job at a time,
+Worker) runs the Scheduler (scheduler.py: the one generation driver, ds4py/driver.py, fed from the queue) over
+the engine's SessionPool: one session runs one job at a time,
 `serve --sessions N` up to N together, their decode rows in one batched model step. A handler whose client goes
 away sets `job.cancel`; the scheduler checks it before every step (so within one token) and between prefill
 chunks.
@@ -241,6 +242,10 @@ class JobOutput:
         m.add(prompt_tokens=done.prompt_tokens, cached_prompt_tokens=done.cached_tokens)
         job.emit(Done(done.finish_reason, done.prompt_tokens, done.cached_tokens, done.completion_tokens,
                       self.n_reasoning, done.stop_string))
+
+    def fail(self, error: str) -> None:
+        """The generation failed (a model step, broken weights): the job ends with the error."""
+        self.job.emit(Done("error", len(self.job.ids), error=error))
 
     def _emit(self, out) -> None:
         kind, job = type(out).__name__, self.job
