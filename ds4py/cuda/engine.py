@@ -290,6 +290,10 @@ class CudaModel(ModelBase):
         # option holds up to the route kernel's MAX_EXPERTS (512; V4 Flash 256, V4.1 384), past it the rows kernels
         self.vq_experts = any(L.ffn.experts.gate.fmt is not None for L in self.w.binding.layers)
         self.prefill_vq_expert_mma = True
+        # the exact GGML-format experts of a prefill block as fp32 token tiles grouped by expert (each expert's
+        # weights read once per tile of its tokens; every (token, slot) result the decode kernels' bits, the slots
+        # summed in order by the combine); False: the grouped rows kernels (weights read once per 1,024 pairs)
+        self.prefill_expert_tiles = True
         self.prefill_ws: layer.Workspace | None = None
         self.last_generate: dict[str, float] = {}
         self.startup = {"weights_upload_s": time.perf_counter() - t1, "model_open_s": time.perf_counter() - t0,
@@ -475,6 +479,8 @@ class CudaModel(ModelBase):
         rows = layer.block_rows(min(T, blk))
         expert_mma = ((self.prefill_vq_expert_mma if self.vq_experts else self.prefill_expert_mma)
                       and cfg.n_experts <= ops_moep.MAX_EXPERTS)
+        expert_tiles = (not expert_mma and self.prefill_expert_tiles and not self.vq_experts
+                        and cfg.n_experts <= ops_moep.MAX_EXPERTS)
         ws = self.prefill_ws
         if ws is None or ws.bucket < bucket or ws.rows < rows:
             rt.synchronize()
@@ -500,7 +506,7 @@ class CudaModel(ModelBase):
             rec = self._recording(ws, RowSet(BLOCK, [dict(st.arrays)], [bucket], Tb, ws.slot, cap=ws.rows,
                                              keys=None if keys is None else [keys]),
                                   ws.tickets, mma=self.prefill_mma, x_pieces=self.prefill_x_pieces,
-                                  expert_mma=expert_mma,
+                                  expert_mma=expert_mma, expert_tiles=expert_tiles,
                                   taps=ws.taps if extra == "taps" else None)
             ls = layer.Launcher(rt, self.pdl)
             layer.record_body(ls, rec, B)
