@@ -765,9 +765,8 @@ template <> struct MoetDec<FMT_F16> {
     }
 };
 
-// The 32 activations of column group g (16-byte loads) and, when the format needs them, their half sums (the
-// K-quants' mins: the decode kernels' moe_half_sums order).
-template <bool XS> __device__ __forceinline__ void moet_x(const float* row, int g, float* xv, float* xs) {
+// The 32 activations of column group g (16-byte loads).
+__device__ __forceinline__ void moet_x(const float* row, int g, float* xv) {
     const float4* p = reinterpret_cast<const float4*>(row + 32 * g);
 #pragma unroll
     for (int v = 0; v < 8; ++v) {
@@ -777,16 +776,28 @@ template <bool XS> __device__ __forceinline__ void moet_x(const float* row, int 
         xv[4 * v + 2] = f.z;
         xv[4 * v + 3] = f.w;
     }
-    if (XS) {
+}
+
+// The K-quants' half sums of x (experts.cu moe_half_sums' order) for the chunk's nt token rows and every column
+// group, once per chunk for all the block's weight rows: xs[(j * G + g) * 2 + h]. Barriers on both sides (the
+// previous chunk's readers are done; this chunk's sums are visible). Block-uniform.
+template <bool XS>
+__device__ __forceinline__ void moet_half_sums(float* xs, const float* base, const int* off, int nt, int G) {
+    if (!XS) return;
+    __syncthreads();
+    for (int i = threadIdx.x; i < nt * G; i += blockDim.x) {
+        const int j = i / G, g = i - j * G;
+        const float* v = base + off[j] + 32 * g;
         float a = 0.0f, b = 0.0f;
 #pragma unroll
-        for (int j = 0; j < 16; ++j) {
-            a += xv[j];
-            b += xv[j + 16];
+        for (int q = 0; q < 16; ++q) {
+            a += v[q];
+            b += v[q + 16];
         }
-        xs[0] = a;
-        xs[1] = b;
+        xs[2 * i] = a;
+        xs[2 * i + 1] = b;
     }
+    __syncthreads();
 }
 
 // The 8 parts of a row (lanes 8q .. 8q + 7) added as moe_row_sums does; lane part 0 holds the row's sum.
@@ -840,14 +851,20 @@ __device__ __forceinline__ void moet_gate_up(uint8_t* smem, const uint64_t* grid
     cp_async_wait_all();
     __syncthreads();
     const bool worker = row < nr;
+    float* xs_s = reinterpret_cast<float*>(smem + 2 * moet_room(nr * rb));
+    __shared__ int off[MOET_NT];                                      // the chunk's x rows (offsets into x)
     for (int c0 = r0; c0 < r1; c0 += MOET_NT) {                      // block-uniform
         const int nt = min(MOET_NT, r1 - c0);
-        const float* xr[MOET_NT];
+        if (D::XS) {
+            if (tid < nt) off[tid] = (sorted[c0 + tid] / k) * ldx;
+            moet_half_sums<D::XS>(xs_s, x, off, nt, G);
+        }
         float ag[MOET_NT], au[MOET_NT];
+        int xo[MOET_NT];
 #pragma unroll
         for (int j = 0; j < MOET_NT; ++j) {
-            xr[j] = x + (size_t)(sorted[c0 + (j < nt ? j : 0)] / k) * ldx;
             ag[j] = au[j] = 0.0f;
+            xo[j] = (sorted[c0 + (j < nt ? j : 0)] / k) * ldx;
         }
         if (worker)
             for (int g = part; g < G; g += 8) {
@@ -857,8 +874,9 @@ __device__ __forceinline__ void moet_gate_up(uint8_t* smem, const uint64_t* grid
 #pragma unroll
                 for (int j = 0; j < MOET_NT; ++j) {
                     if (j >= nt) break;
-                    float xv[32], xs[2] = {0.0f, 0.0f};
-                    moet_x<D::XS>(xr[j], g, xv, xs);
+                    float xv[32];
+                    moet_x(x + xo[j], g, xv);
+                    const float* xs = xs_s + 2 * (j * G + g);
                     ag[j] += dg.dot(xv, xs);
                     au[j] += du.dot(xv, xs);
                 }
@@ -900,8 +918,14 @@ __device__ __forceinline__ void moet_down(uint8_t* smem, const uint64_t* grid, c
     cp_async_wait_all();
     __syncthreads();
     const bool worker = row < nr;
+    float* hs_s = reinterpret_cast<float*>(smem + moet_room(nr * rb));
+    __shared__ int off[MOET_NT];                                      // the chunk's H rows
     for (int c0 = r0; c0 < r1; c0 += MOET_NT) {                      // block-uniform
         const int nt = min(MOET_NT, r1 - c0);
+        if (D::XS) {
+            if (tid < nt) off[tid] = (c0 + tid) * ff;
+            moet_half_sums<D::XS>(hs_s, H, off, nt, G);
+        }
         float acc[MOET_NT];
 #pragma unroll
         for (int j = 0; j < MOET_NT; ++j) acc[j] = 0.0f;
@@ -912,9 +936,9 @@ __device__ __forceinline__ void moet_down(uint8_t* smem, const uint64_t* grid, c
 #pragma unroll
                 for (int j = 0; j < MOET_NT; ++j) {
                     if (j >= nt) break;
-                    float hv[32], hs[2] = {0.0f, 0.0f};
-                    moet_x<D::XS>(H + (size_t)(c0 + j) * ff, g, hv, hs);
-                    acc[j] += dw.dot(hv, hs);
+                    float hv[32];
+                    moet_x(H + (size_t)(c0 + j) * ff, g, hv);
+                    acc[j] += dw.dot(hv, hs_s + 2 * (j * G + g));
                 }
             }
 #pragma unroll
@@ -927,7 +951,8 @@ __device__ __forceinline__ void moet_down(uint8_t* smem, const uint64_t* grid, c
 
 // Contracts as moe_prefill_gate_up / _down above (the GGML formats), plus rows_per_block (<= 32: one weight row
 // per 8 threads). Launch: grid (ceil(ff / rows_per_block), max_tiles), block 32 * ceil(8 * rows_per_block / 32),
-// dynamic shared memory 2 x moet_room(rows_per_block x row bytes) (ds4py/cuda/ops/moe_prefill.py tile_smem).
+// dynamic shared memory 2 x moet_room(rows_per_block x row bytes) + (Q2_K, Q4_K: the half sums) 8 x MOET_NT x
+// dim / 32 (ds4py/cuda/ops/moe_prefill.py tile_smem).
 #define MOET_GATE_UP(name, F, QK, NB, TABLE) \
 extern "C" __global__ void moe_gate_up_tile_##name(const uint8_t* Wg, const uint8_t* Wu, const float* x, \
         const float* route_w, const int* sorted, const int* tile_bucket, const int* tile_row, const int* offsets, \
@@ -943,7 +968,7 @@ extern "C" __global__ void moe_gate_up_tile_##name(const uint8_t* Wg, const uint
 }
 
 // Launch: grid (ceil(dim / rows_per_block), max_tiles), block as above, dynamic shared memory moet_room(
-// rows_per_block x row bytes).
+// rows_per_block x row bytes) + (Q2_K, Q4_K) 8 x MOET_NT x ff / 32.
 #define MOET_DOWN(name, F, QK, NB, TABLE) \
 extern "C" __global__ void moe_down_tile_##name(const uint8_t* W, const float* H, const int* tile_bucket, \
         const int* tile_row, const int* offsets, const int* info, float* Yp, int n_experts, int dim, int ff, \

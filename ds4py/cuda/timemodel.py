@@ -84,8 +84,8 @@ def weight_format(kernel: str) -> tuple[str, int, int] | None:
 
 def family(kernel: str) -> str:
     """The kernel family a report groups by: the GEMV / expert kernels by weight format, the rest by file role."""
-    rules = [(r"^gemv_(q8_0|f16|f32|q4_k)", r"gemv \1"), (r"^moe_gate_up_tile_(\w+)$", r"prefill experts tiles gate+up \1"),
-             (r"^moe_down_tile_(\w+)$", r"prefill experts tiles down \1"), (r"^moe_gate_up(_rows)?_(\w+)$", r"experts gate+up \2"),
+    rules = [(r"^gemv_(q8_0|f16|f32|q4_k)", r"gemv \1"), (r"^moe_gate_up_tile_(\w+)$", r"expert tiles gate+up \1"),
+             (r"^moe_down_tile_(\w+)$", r"expert tiles down \1"), (r"^moe_gate_up(_rows)?_(\w+)$", r"experts gate+up \2"),
              (r"^moe_down(_rows)?_(\w+)$", r"experts down \2"), (r"^moe_prefill_(gate_up|down)_(\w+)$", r"prefill experts \1 \2"),
              (r"^gemm_(\w+)$", r"gemm \1"), (r"^attn_", "attention"), (r"^prefill_attn", "attention"),
              (r"^indexer_", "indexer"), (r"^compressor_", "compressor"), (r"^(hc_|mhc)", "mHC"),
@@ -193,7 +193,7 @@ def launch_traffic(launch: Any, ctx: int) -> Traffic:
     experts_read = 1.0                     # matrices of a stacked expert tensor the launch streams
     rows = int(s.get("nx", s.get("n_rows", 1)) or 1)
     if k.startswith(("moe_gate_up_tile_", "moe_down_tile_")):
-        pairs = next((a.nbytes // 4 for a in launch.args if a.name == "sorted"), 1)
+        pairs = next((a.nbytes // (4 * int(s["ff"])) for a in launch.args if a.name == "H"), 1)   # H [P, ff]
         experts_read = expected_work_items(pairs, n_experts)    # each work item reads its expert's rows once
         rows = max(1, round(pairs / experts_read))
     elif k.startswith("moe_gate_up_rows") or (k.startswith("moe_down_rows") and "n_pairs" in s):

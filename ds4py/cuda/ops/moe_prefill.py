@@ -28,6 +28,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ds4py.ggml_types import GGMLQuantizationType as QT
+
 from ds4py.cuda.ops.core import aligned, ceil_div, is_dtype, need
 from ds4py.cuda.ops.experts import FORMATS, SMEM_BUDGET, VQ_FORMATS, codebook_bytes, matrix_bytes, room, row_bytes
 
@@ -38,8 +40,8 @@ DEFINES = {
     "MOEP_MAX_EXPERTS": 512,      # routed experts the route kernel's shared counters hold (V4 Flash 256, V4.1 384)
     "MOEP_ROUTE_WARPS": 16,       # the route kernel's warps, each counting a chunk of the pairs per expert (16 x 513
                                   # counters: 33 KB of static shared memory)
-    "MOET_NT": 8,                 # the exact token tiles (moe_*_tile_<fmt>): tokens one decoded weight group meets
-                                  # while its codes sit in registers (8: 150-165 registers a thread in gate + up, no spills)
+    "MOET_NT": 16,                # the exact token tiles (moe_*_tile_<fmt>): tokens one decoded weight group meets
+                                  # while its codes sit in registers
 }
 BM = 32 * DEFINES["MOEP_WARPS_M"]
 BN = 32 * DEFINES["MOEP_WARPS_N"]
@@ -92,7 +94,6 @@ class MoePrefillBuffers:
 
 def _name(qtype: int | str, where: str) -> str:
     """The kernel suffix of a weight type: a GGML type with a MOE_FORMATS entry, or a VQ-8 format key."""
-    from ds4py.ggml_types import GGMLQuantizationType as QT
 
     if isinstance(qtype, str):
         need(qtype in VQ_FORMATS, f"{where}: no VQ-8 kernel format {qtype!r} (supported: {', '.join(VQ_FORMATS)})")
@@ -206,6 +207,17 @@ def tile_threads(rows_per_block: int) -> int:
     return 32 * ceil_div(8 * rows_per_block, 32)
 
 
+# the formats whose dot takes the half sums of x (the K-quants' mins: moe_formats.cuh's xs); the token tiles keep
+# them in shared memory per chunk of MOET_NT rows
+XS_FORMATS = (QT.Q2_K, QT.Q4_K)
+
+
+def tile_smem(qtype: int, cols: int, mats: int, rows_per_block: int) -> int:
+    """Dynamic shared memory of a token-tile launch: `mats` staged row spans, + the chunk's half sums."""
+    xs = 8 * DEFINES["MOET_NT"] * (cols // 32) if QT(int(qtype)) in XS_FORMATS else 0
+    return mats * room(rows_per_block * row_bytes(qtype, cols)) + xs
+
+
 def _tile_name(qtype: int, where: str) -> str:
     need(not isinstance(qtype, str), f"{where}: the token tiles read the GGML formats (VQ-8: moe_prefill_*)")
     return _name(qtype, where)
@@ -231,7 +243,7 @@ def moe_tile_gate_up(rt: Any, qtype: int, Wg: Any, Wu: Any, x: Any, wts: Any, bu
     rt.launch(f"moe_gate_up_tile_{name}", (ceil_div(ff, nr), max_tiles(T * k, n_experts)), tile_threads(nr), Wg,
               Wu, x, wts, bufs.sorted, bufs.tile_bucket, bufs.tile_row, bufs.offsets, bufs.info, bufs.H,
               int(n_experts), int(ff), int(dim), int(k), ldx, nr, float(clamp),
-              smem=2 * room(nr * row_bytes(qtype, dim)), stream=stream, pdl=pdl)
+              smem=tile_smem(qtype, dim, 2, nr), stream=stream, pdl=pdl)
 
 
 def moe_tile_down(rt: Any, qtype: int, W: Any, bufs: MoePrefillBuffers, T: int, k: int, n_experts: int, ff: int,
@@ -244,7 +256,7 @@ def moe_tile_down(rt: Any, qtype: int, W: Any, bufs: MoePrefillBuffers, T: int, 
     need(1 <= nr <= TILE_ROWS, f"moe_tile_down: 1 to {TILE_ROWS} rows per block")
     rt.launch(f"moe_down_tile_{name}", (ceil_div(dim, nr), max_tiles(T * k, n_experts)), tile_threads(nr), W,
               bufs.H, bufs.tile_bucket, bufs.tile_row, bufs.offsets, bufs.info, bufs.Yp, int(n_experts), int(dim),
-              int(ff), nr, smem=room(nr * row_bytes(qtype, ff)), stream=stream, pdl=pdl)
+              int(ff), nr, smem=tile_smem(qtype, ff, 1, nr), stream=stream, pdl=pdl)
 
 
 def moe_tiles(rt: Any, gate: tuple[int, Any], up: tuple[int, Any], down: tuple[int, Any], x: Any, ids: Any,
