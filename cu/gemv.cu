@@ -35,6 +35,9 @@
 #include "reduce.cuh"
 #include "moe_formats.cuh"
 
+#ifndef Q4_CHUNK_BLOCKS
+#error "Q4_CHUNK_BLOCKS comes from ds4py/cuda/ops/gemv.py (DEFINES)"
+#endif
 #ifndef GEMV_ROWS
 #error "GEMV_ROWS comes from ds4py/cuda/ops/gemv.py (DEFINES)"
 #endif
@@ -488,6 +491,114 @@ __device__ __forceinline__ void gemv_q8(const GemvJob& j) {
     }
 }
 
+// ---- Q4_K: staged through shared memory, as Q8_0 ---------------------------------------------------------------
+// Each warp streams its slots' row pieces (Q4_CHUNK_BLOCKS blocks of 144 bytes = 256 * Q4_CHUNK_BLOCKS columns)
+// into shared memory with 16-byte cp.async, double-buffered (the next piece in flight while this one is decoded;
+// the first issued before pdl_wait): every weight byte is read once, by one 16-byte request of consecutive lanes.
+// The arithmetic is gemv_direct's exactly (lane `lane` takes the pieces v = lane, lane + 32, ... of 8 columns in
+// increasing order, load_w8 decodes them from the staged copy, dot8, warp_sum4): the same bits.
+#define Q4_BLOCK_BYTES 144
+#define Q4_PIECE_BYTES (Q4_CHUNK_BLOCKS * Q4_BLOCK_BYTES + 16)
+#define Q4_WARP_SMEM (2 * GEMV_ROWS * Q4_PIECE_BYTES)
+
+// Where slot s of an item starts in global memory (null: the slot has no row).
+__device__ __forceinline__ const uint8_t* q4_src(const GemvJob& j, const Q8Item& it, int s, int nblocks) {
+    int m, row;
+    slot_row(j, it.g, s, m, row);
+    if (row < 0) return nullptr;
+    return reinterpret_cast<const uint8_t*>(JOB_W(j, m)) + ((size_t)row * nblocks + (size_t)it.c * Q4_CHUNK_BLOCKS) *
+           Q4_BLOCK_BYTES;
+}
+
+__device__ __forceinline__ void q4_issue(const GemvJob& j, uint8_t* stage, int buf, const Q8Item& it, int nblocks,
+                                         int lane) {
+    const int nb = min(Q4_CHUNK_BLOCKS, nblocks - it.c * Q4_CHUNK_BLOCKS);
+#pragma unroll
+    for (int s = 0; s < GEMV_ROWS; s++) {
+        const uint8_t* src = q4_src(j, it, s, nblocks);
+        if (src) warp_stage_issue(stage + (buf * GEMV_ROWS + s) * Q4_PIECE_BYTES, src, nb * Q4_BLOCK_BYTES, lane);
+    }
+    cp_async_commit();
+}
+
+// Q4_K weights [rows, cols] (cols % 256 == 0), x 16-byte aligned; NB accumulator sets.
+template <int NB>
+__device__ __forceinline__ void gemv_q4k(const GemvJob& j) {
+    extern __shared__ __align__(16) uint8_t q4_stage[];
+    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    const int gwarp = blockIdx.x * warps + (threadIdx.x >> 5), nwarps = gridDim.x * warps;
+    uint8_t* stage = q4_stage + (threadIdx.x >> 5) * Q4_WARP_SMEM;
+    const int nblocks = j.cols >> 8;
+    const int nchunks = (nblocks + Q4_CHUNK_BLOCKS - 1) / Q4_CHUNK_BLOCKS;
+    const int groups = group_count(j);
+    Q8Item cur{gwarp, 0};
+    const bool any = cur.g < groups;
+    if (any) q4_issue(j, stage, 0, cur, nblocks, lane);    // before pdl_wait: weights only
+    pdl_wait();
+    pdl_launch_dependents();
+    float scale[NB];
+#pragma unroll
+    for (int n = 0; n < NB; n++) scale[n] = (n < j.nx && (j.flags & GEMV_NORM)) ? warp_norm_scale(j, n) : 1.0f;
+    const bool weighted = (j.flags & GEMV_NORM) && j.norm_w;
+    float acc[NB][GEMV_ROWS];
+#pragma unroll
+    for (int n = 0; n < NB; n++)
+#pragma unroll
+        for (int s = 0; s < GEMV_ROWS; s++) acc[n][s] = 0.0f;
+    int buf = 0;
+    bool more = any;
+    while (more) {
+        Q8Item nxt = cur;
+        more = q8_next(nchunks, groups, nwarps, nxt);
+        if (more) {
+            q4_issue(j, stage, buf ^ 1, nxt, nblocks, lane);
+            cp_async_wait<1>();                        // this item's copies have landed, the next one's fly
+        } else {
+            cp_async_wait_all();
+        }
+        __syncwarp();
+        int m0, row0;
+        slot_row(j, cur.g, 0, m0, row0);
+        if (row0 < 0) row0 = 0;
+        const int v0 = cur.c * Q4_CHUNK_BLOCKS * 32;   // the chunk's first piece of 8 columns
+        const int nv = min(Q4_CHUNK_BLOCKS, nblocks - cur.c * Q4_CHUNK_BLOCKS) * 32;
+        const Q4K* piece[GEMV_ROWS];
+#pragma unroll
+        for (int s = 0; s < GEMV_ROWS; s++) {
+            // a slot without a row decodes slot 0's staged piece (its sum is never stored)
+            const uint8_t* src = q4_src(j, cur, s, nblocks);
+            piece[s] = reinterpret_cast<const Q4K*>(src ? stage + (buf * GEMV_ROWS + s) * Q4_PIECE_BYTES + ((size_t)src & 15)
+                                                        : s ? reinterpret_cast<const uint8_t*>(piece[0]) : stage);
+        }
+        const float* x0 = slot_x(j, row0, 0);
+#pragma unroll 2
+        for (int v = lane; v < nv; v += 32) {
+            float wf[GEMV_ROWS][8];
+#pragma unroll
+            for (int s = 0; s < GEMV_ROWS; s++) load_w8(piece[s], v, wf[s]);
+#pragma unroll
+            for (int n = 0; n < NB; n++) {
+                if (n >= j.nx) break;
+                float xs[8];
+                load_x8(j, x0 + (size_t)n * j.x_stride, v0 + v, weighted, xs);
+#pragma unroll
+                for (int s = 0; s < GEMV_ROWS; s++) acc[n][s] += dot8(wf[s], xs);
+            }
+        }
+        __syncwarp();                                  // all lanes done reading before the buffer is refilled
+        if (cur.c == nchunks - 1) {
+#pragma unroll
+            for (int n = 0; n < NB; n++) {
+                if (n < j.nx) epilogue(j, cur.g, warp_sum4(acc[n]), scale[n], n);
+#pragma unroll
+                for (int s = 0; s < GEMV_ROWS; s++) acc[n][s] = 0.0f;
+            }
+        }
+        cur = nxt;
+        buf ^= 1;
+    }
+}
+
 // ---- entry points ----------------------------------------------------------------------------------------------
 #define GEMV_JOB(W0, W1, W2, W3, r0, r1, r2, r3, y0, y1, y2, y3)                                                     \
     GemvJob j;                                                                                                     \
@@ -678,7 +789,7 @@ extern "C" __global__ void gemv_q4_k(const uint8_t* W0, const uint8_t* W1, const
                                     float* y3, const float* x, int cols, int x_group_rows, const float* norm_w,
                                     float norm_eps, int flags) {
     GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3)
-    gemv_direct<Q4K, 1>(j);
+    gemv_q4k<1>(j);
 }
 
 // As gemv_f32_hc_post for Q4_K weights (cols % 256 == 0, W 16-byte aligned). Launch: as gemv_f32_hc_post.
@@ -686,14 +797,14 @@ extern "C" __global__ void gemv_q4_k_hc_post(const uint8_t* W, int rows, const f
                                             const float* norm_w, float norm_eps, int flags, const float* mix,
                                             float* X) {
     GEMV_HC_POST_BODY
-    gemv_direct<Q4K, 1>(j);
+    gemv_q4k<1>(j);
 }
 
 // As gemv_f32_swiglu for Q4_K weights (cols % 256 == 0, W 16-byte aligned). Launch: as gemv_f32_swiglu.
 extern "C" __global__ void gemv_q4_k_swiglu(const uint8_t* Wg, const uint8_t* Wu, int rows, float* y, const float* x,
                                            int cols, const float* norm_w, float norm_eps, int flags, float clamp) {
     GEMV_SWIGLU_BODY
-    gemv_direct<Q4K, 1>(j);
+    gemv_q4k<1>(j);
 }
 
 // As gemv_f32_rows for Q4_K weights (cols % 256 == 0, W 16-byte aligned). Launch: as gemv_f32_rows.
@@ -703,7 +814,7 @@ extern "C" __global__ void gemv_q4_k_rows(const uint8_t* W0, const uint8_t* W1, 
                                     float norm_eps, int flags, int nx, int x_stride) {
     GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3)
     j.nx = nx; j.x_stride = x_stride;
-    gemv_direct<Q4K, GEMV_MAX_X>(j);
+    gemv_q4k<GEMV_MAX_X>(j);
 }
 
 // As gemv_f32_hc_post_rows for Q4_K weights (cols % 256 == 0, W 16-byte aligned). Launch: as gemv_f32_hc_post_rows.
@@ -712,7 +823,7 @@ extern "C" __global__ void gemv_q4_k_hc_post_rows(const uint8_t* W, int rows, co
                                             float* X, int nx, int x_stride) {
     GEMV_HC_POST_BODY
     j.nx = nx; j.x_stride = x_stride;
-    gemv_direct<Q4K, GEMV_MAX_X>(j);
+    gemv_q4k<GEMV_MAX_X>(j);
 }
 
 // As gemv_f32_swiglu_rows for Q4_K weights (cols % 256 == 0, W 16-byte aligned). Launch: as gemv_f32_swiglu_rows.
@@ -721,5 +832,5 @@ extern "C" __global__ void gemv_q4_k_swiglu_rows(const uint8_t* Wg, const uint8_
                                            int x_stride) {
     GEMV_SWIGLU_BODY
     j.nx = nx; j.x_stride = x_stride;
-    gemv_direct<Q4K, GEMV_MAX_X>(j);
+    gemv_q4k<GEMV_MAX_X>(j);
 }
