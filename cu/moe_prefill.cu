@@ -154,12 +154,14 @@ extern "C" __global__ __launch_bounds__(MOEP_ROUTE_THREADS) void moe_prefill_rou
 }
 
 // ---- the grouped GEMMs ---------------------------------------------------------------------------------------
-// The work item of blockIdx.y: bucket, rows [r0, r1) of the sorted order; false when the item does not exist.
+// Work item `by` (blockIdx.y, or a persistent block's current item): bucket, rows [r0, r1) of the sorted order;
+// false when the item does not exist.
 __device__ __forceinline__ bool moep_item(const int* tile_bucket, const int* tile_row, const int* offsets,
-                                          const int* info, int& b, int& r0, int& r1) {
-    if ((int)blockIdx.y >= info[0]) return false;
-    b = tile_bucket[blockIdx.y];
-    r0 = tile_row[blockIdx.y];
+                                          const int* info, int& b, int& r0, int& r1, int by = -1) {
+    if (by < 0) by = blockIdx.y;
+    if (by >= info[0]) return false;
+    b = tile_bucket[by];
+    r0 = tile_row[by];
     r1 = min(r0 + MOEP_BM, offsets[b + 1]);
     return true;
 }
@@ -387,14 +389,14 @@ template <int F>
 __device__ __forceinline__ void moep_gate_up(const uint64_t* grid, const uint8_t* Wg, const uint8_t* Wu,
         const float* x, int ldx, const float* route_w, const int* sorted, const int* tile_bucket,
         const int* tile_row, const int* offsets, const int* info, float* H, int n_experts, int ff, int dim, int k,
-        float clamp) {
+        float clamp, int bx, int by) {
     constexpr int NP = MoepW<F>::NP, XP = MoepF<F>::XP;
     __shared__ __align__(16) uint16_t as[XP * MOEP_APIECE];
     __shared__ __align__(16) uint16_t ws[2 * NP * MOEP_PIECE];
     __shared__ float wsc[2 * 2 * MOEP_BN], wmn[2 * 2 * MOEP_BN], sx[2 * MOEP_BM];
     int b, r0, r1;
-    if (!moep_item(tile_bucket, tile_row, offsets, info, b, r0, r1)) return;
-    const int n0 = blockIdx.x * MOEP_BN, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    if (!moep_item(tile_bucket, tile_row, offsets, info, b, r0, r1, by)) return;
+    const int n0 = bx * MOEP_BN, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int wm = warp / MOEP_WARPS_N, wn = warp % MOEP_WARPS_N, g = lane >> 2, t = lane & 3;
     const bool bad = b == n_experts;
     if (!bad) {
@@ -447,14 +449,14 @@ __device__ __forceinline__ void moep_gate_up(const uint64_t* grid, const uint8_t
 template <int F>
 __device__ __forceinline__ void moep_down(const uint64_t* grid, const uint8_t* W, const float* H,
         const int* tile_bucket, const int* tile_row, const int* offsets, const int* info, float* Yp, int n_experts,
-        int dim, int ff) {
+        int dim, int ff, int bx, int by) {
     constexpr int NP = MoepW<F>::NP, XP = MoepF<F>::XP;
     __shared__ __align__(16) uint16_t as[XP * MOEP_APIECE];
     __shared__ __align__(16) uint16_t ws[NP * MOEP_PIECE];
     __shared__ float wsc[2 * MOEP_BN], wmn[2 * MOEP_BN], sx[2 * MOEP_BM];
     int b, r0, r1;
-    if (!moep_item(tile_bucket, tile_row, offsets, info, b, r0, r1)) return;
-    const int n0 = blockIdx.x * MOEP_BN, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    if (!moep_item(tile_bucket, tile_row, offsets, info, b, r0, r1, by)) return;
+    const int n0 = bx * MOEP_BN, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int wm = warp / MOEP_WARPS_N, wn = warp % MOEP_WARPS_N, g = lane >> 2, t = lane & 3;
     const bool bad = b == n_experts;
     float acc[MOEP_MT][MOEP_NT][4];
@@ -518,7 +520,7 @@ extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_gate_up_#
         __syncthreads(); \
     } \
     moep_gate_up<F>(TABLE ? grid_s : nullptr, Wg, Wu, x, ldx, route_w, sorted, tile_bucket, tile_row, offsets, info, \
-                    H, n_experts, ff, dim, k, clamp); \
+                    H, n_experts, ff, dim, k, clamp, blockIdx.x, blockIdx.y); \
 }
 
 // Down per work item. Launch: grid (ceil(dim / MOEP_BN), max_tiles), block MOEP_THREADS.
@@ -533,7 +535,8 @@ extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_down_##na
         moe_load_grid(grid_s); \
         __syncthreads(); \
     } \
-    moep_down<F>(TABLE ? grid_s : nullptr, W, H, tile_bucket, tile_row, offsets, info, Yp, n_experts, dim, ff); \
+    moep_down<F>(TABLE ? grid_s : nullptr, W, H, tile_bucket, tile_row, offsets, info, Yp, n_experts, dim, ff, \
+                 blockIdx.x, blockIdx.y); \
 }
 
 MOE_FORMATS(MOEP_GATE_UP)
@@ -541,9 +544,13 @@ MOE_FORMATS(MOEP_DOWN)
 
 // ---- VQ-8 entry points: one pair per format of MOE_VQ_FORMATS --------------------------------------------------
 // As the pair above with Wg / Wu / W the VQ device copies (ds4py/cuda/vq_layout.py: the layer's codebook of KC
-// codewords x 8 E4M3 bytes at the head of each, the same in all three); dim and ff multiples of 64. The codebook is
-// copied into the dynamic shared memory (KC * 8 bytes, before pdl_wait: the weights do not depend on the previous
-// kernel), visible after the first k tile's barrier.
+// codewords x 8 E4M3 bytes at the head of each, the same in all three); dim and ff multiples of 64. Persistent: the
+// grid is one wave (ds4py/cuda/ops/moe_prefill.py), block i takes the (feature tile, work item) pairs t = i, i +
+// gridDim.x, ... < feature tiles x info[0] (feature tile t % tiles, item t / tiles), so the codebook is copied
+// into the dynamic shared memory (KC * 8 bytes, before pdl_wait: the weights do not depend on the previous kernel)
+// once per resident block, not once per tile; it is visible after the first k tile's barrier, and every tile
+// starts with a barrier before it stages. A tile's arithmetic is the one-block-per-tile kernel's: the bits do not
+// depend on the grid.
 __device__ __forceinline__ const uint64_t* moep_load_codebook(uint8_t* smem, const uint8_t* W, int kc) {
     uint64_t* cb = reinterpret_cast<uint64_t*>(smem);
     const uint64_t* src = reinterpret_cast<const uint64_t*>(W);
@@ -551,7 +558,8 @@ __device__ __forceinline__ const uint64_t* moep_load_codebook(uint8_t* smem, con
     return cb;
 }
 
-// Launch: grid (ceil(ff / MOEP_BN), max_tiles), block MOEP_THREADS, dynamic shared memory KC * 8.
+// Launch: grid (persistent: min(ceil(ff / MOEP_BN) x max_tiles, one wave)), block MOEP_THREADS, dynamic shared
+// memory KC * 8.
 #define MOEP_VQ_GATE_UP(name, F, QK, NB, KC) \
 extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_gate_up_##name(const uint8_t* Wg, \
         const uint8_t* Wu, const float* x, const float* route_w, const int* sorted, const int* tile_bucket, \
@@ -561,11 +569,14 @@ extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_gate_up_#
     const uint64_t* cb = moep_load_codebook(moep_smem, Wg, KC); \
     pdl_wait(); \
     pdl_launch_dependents(); \
-    moep_gate_up<F>(cb, Wg + 8 * KC, Wu + 8 * KC, x, ldx, route_w, sorted, tile_bucket, tile_row, offsets, info, H, \
-                    n_experts, ff, dim, k, clamp); \
+    const int tiles = (ff + MOEP_BN - 1) / MOEP_BN; \
+    for (int t = blockIdx.x; t < tiles * info[0]; t += gridDim.x) \
+        moep_gate_up<F>(cb, Wg + 8 * KC, Wu + 8 * KC, x, ldx, route_w, sorted, tile_bucket, tile_row, offsets, info, \
+                        H, n_experts, ff, dim, k, clamp, t % tiles, t / tiles); \
 }
 
-// Launch: grid (ceil(dim / MOEP_BN), max_tiles), block MOEP_THREADS, dynamic shared memory KC * 8.
+// Launch: grid (persistent: min(ceil(dim / MOEP_BN) x max_tiles, one wave)), block MOEP_THREADS, dynamic shared
+// memory KC * 8.
 #define MOEP_VQ_DOWN(name, F, QK, NB, KC) \
 extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_down_##name(const uint8_t* W, \
         const float* H, const int* tile_bucket, const int* tile_row, const int* offsets, const int* info, \
@@ -574,7 +585,10 @@ extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_down_##na
     const uint64_t* cb = moep_load_codebook(moep_smem, W, KC); \
     pdl_wait(); \
     pdl_launch_dependents(); \
-    moep_down<F>(cb, W + 8 * KC, H, tile_bucket, tile_row, offsets, info, Yp, n_experts, dim, ff); \
+    const int tiles = (dim + MOEP_BN - 1) / MOEP_BN; \
+    for (int t = blockIdx.x; t < tiles * info[0]; t += gridDim.x) \
+        moep_down<F>(cb, W + 8 * KC, H, tile_bucket, tile_row, offsets, info, Yp, n_experts, dim, ff, t % tiles, \
+                     t / tiles); \
 }
 
 MOE_VQ_FORMATS(MOEP_VQ_GATE_UP)

@@ -138,3 +138,47 @@ def test_tile_geometry_and_bad_input(kdev):
     with pytest.raises(Ds4Error, match="same weight type"):
         ops_mp.moe_tiles(dev.rt, (QT.Q8_0, None), (QT.F16, None), (QT.F16, None), None, None, None, None, 4, 2, 3,
                          32, 32, 0.0, bufs)
+
+
+@pytest.mark.parametrize("bits", (12, 13, 7))
+def test_vq_prefill_results_do_not_depend_on_the_persistent_grid(kdev, bits):
+    """cu/moe_prefill.cu's VQ-8 pair is persistent (one wave of blocks, each copying the codebook once and looping
+    over (feature tile, work item) pairs): an H200-like device (a block per pair or nearly) and a one-SM GB10-like
+    one (one or two blocks looping over every pair) give the same bits, bad ids included."""
+    from ds4py.cuda.emu_runtime import EmuDevice, EmuRuntime
+    from ds4py.cuda.ops import experts as ops_moe
+    from tests.cu_emu_device import KernelDevice
+    from tests.test_cu_emu_moe_prefill import vq_experts
+    from tests.test_cu_emu_vq import codebook
+
+    def one_sm(order: str) -> KernelDevice:
+        # one SM, H200's per-block shared memory (the emulator's static shared memory of the 13-bit gate + up is
+        # g++'s layout, above ptxas' 26,624 B: GB10's limit would refuse it here, not on the device)
+        dev = EmuDevice(name="one-SM", cc=(9, 0), sm_count=1, smem_per_block_optin=232_448, threads_per_sm=2048)
+        return KernelDevice(EmuRuntime(order=order, check_pdl=True, device=dev), 32, 32)
+
+    T, k, E, dim, ff = 40, 2, 3, 128, 192
+    r = rng(24, bits)
+    cb = codebook(r, bits)
+    fmt, dg, _ = vq_experts(r, bits, cb, E, ff, dim)
+    _, du, _ = vq_experts(r, bits, cb, E, ff, dim)
+    _, dd, _ = vq_experts(r, bits, cb, E, dim, ff)
+    x = r.standard_normal((T, dim)).astype(np.float32)
+    ids = ids_case("bad", r, T, k, E)
+    wts = (r.random((T, k)) + 0.2).astype(np.float32)
+    outs = []
+    for dev in (kdev("random", 1), one_sm("reverse")):
+        bufs = bufs_on(dev, T, k, E, ff, dim)
+        ops_mp.moe_prefill_route(dev.rt, dev.const(ids), bufs, T, k, E)
+        ops_mp.moe_prefill_gate_up(dev.rt, fmt, dev.const(dg), dev.const(du), dev.const(x), dev.const(wts), bufs, T,
+                                   k, E, ff, dim, 0.5)
+        ops_mp.moe_prefill_down(dev.rt, fmt, dev.const(dd), bufs, T, k, E, ff, dim)
+        grid = ops_mp._grid(dev.rt, fmt, -(-ff // ops_mp.BN), ops_mp.max_tiles(T * k, E),
+                            f"moe_prefill_gate_up_{fmt}")
+        if dev.rt.device.sm_count == 1:
+            assert grid[0] <= 2 < -(-ff // ops_mp.BN) * ops_mp.max_tiles(T * k, E), grid
+        outs.append((bufs.H.download(), bufs.Yp.download()))
+    for name, a, b in zip(("H", "Yp"), *outs):
+        _bits_equal(a, b, f"vq{bits} {name}")
+    assert np.isnan(outs[0][1]).any() and np.isfinite(outs[0][1]).any()
+    assert ops_moe.codebook_bytes(fmt) > 0

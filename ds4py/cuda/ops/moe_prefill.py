@@ -30,7 +30,7 @@ import numpy as np
 
 from ds4py.ggml_types import GGMLQuantizationType as QT
 
-from ds4py.cuda.ops.core import aligned, ceil_div, is_dtype, need
+from ds4py.cuda.ops.core import aligned, blocks_that_fit, ceil_div, is_dtype, need
 from ds4py.cuda.ops.experts import FORMATS, SMEM_BUDGET, VQ_FORMATS, codebook_bytes, matrix_bytes, room, row_bytes
 
 DEFINES = {
@@ -118,6 +118,15 @@ def _check_w(where: str, qtype: int | str, W: Any, n_experts: int, rows: int, co
          "expected)")
 
 
+def _grid(rt: Any, qtype: int | str, tiles: int, items: int, kernel: str) -> tuple[int, int]:
+    """(feature tiles, work items) for the GGML formats; VQ-8's persistent blocks loop over the (tile, item) pairs,
+    so their grid is at most one wave of the device (the kernel's occupancy: blocks_that_fit, its registers and
+    static shared memory from the ptxas table) and each block copies the codebook once."""
+    if not isinstance(qtype, str):
+        return tiles, items
+    return max(1, min(tiles * items, blocks_that_fit(rt, THREADS, codebook_bytes(qtype), kernel=kernel))), 1
+
+
 def moe_prefill_route(rt: Any, ids: Any, bufs: MoePrefillBuffers, T: int, k: int, n_experts: int,
                       stream: Any = None, pdl: bool = False) -> None:
     """Count / scan / scatter the T*k pairs by expert (ids [T, k] int32): bufs.offsets, sorted, pos, the work
@@ -146,7 +155,8 @@ def moe_prefill_gate_up(rt: Any, qtype: int, Wg: Any, Wu: Any, x: Any, wts: Any,
     need(wts is None or (is_dtype(wts, np.float32) and wts.size >= T * k), "moe_prefill_gate_up: wts must be "
          f"float32 [{T}, {k}]")
     bufs.check(T, k, n_experts, ff, dim)
-    rt.launch(f"moe_prefill_gate_up_{name}", (ceil_div(ff, BN), max_tiles(T * k, n_experts)), THREADS, Wg, Wu, x,
+    rt.launch(f"moe_prefill_gate_up_{name}", _grid(rt, qtype, ceil_div(ff, BN), max_tiles(T * k, n_experts),
+                                                   f"moe_prefill_gate_up_{name}"), THREADS, Wg, Wu, x,
               wts, bufs.sorted, bufs.tile_bucket, bufs.tile_row, bufs.offsets, bufs.info, bufs.H, int(n_experts),
               int(ff), int(dim), int(k), ldx, float(clamp), smem=codebook_bytes(qtype), stream=stream, pdl=pdl)
 
@@ -157,7 +167,8 @@ def moe_prefill_down(rt: Any, qtype: int, W: Any, bufs: MoePrefillBuffers, T: in
     name = _name(qtype, "moe_prefill_down")
     _check_w("moe_prefill_down", qtype, W, n_experts, dim, ff)
     bufs.check(T, k, n_experts, ff, dim)
-    rt.launch(f"moe_prefill_down_{name}", (ceil_div(dim, BN), max_tiles(T * k, n_experts)), THREADS, W, bufs.H,
+    rt.launch(f"moe_prefill_down_{name}", _grid(rt, qtype, ceil_div(dim, BN), max_tiles(T * k, n_experts),
+                                                f"moe_prefill_down_{name}"), THREADS, W, bufs.H,
               bufs.tile_bucket, bufs.tile_row, bufs.offsets, bufs.info, bufs.Yp, int(n_experts), int(dim), int(ff),
               smem=codebook_bytes(qtype), stream=stream, pdl=pdl)
 
