@@ -544,8 +544,8 @@ MOE_FORMATS(MOEP_DOWN)
 
 // ---- VQ-8 entry points: one pair per format of MOE_VQ_FORMATS --------------------------------------------------
 // As the pair above with Wg / Wu / W the VQ device copies (ds4py/cuda/vq_layout.py: the layer's codebook of KC
-// codewords x 8 E4M3 bytes at the head of each, the same in all three); dim and ff multiples of 64. Persistent: the
-// grid is one wave (ds4py/cuda/ops/moe_prefill.py), block i takes the (feature tile, work item) pairs t = i, i +
+// codewords x 8 E4M3 bytes at the head of each, the same in all three); dim and ff multiples of 64. The down is
+// persistent: the grid is one wave (ds4py/cuda/ops/moe_prefill.py), block i takes the (feature tile, work item) pairs t = i, i +
 // gridDim.x, ... < feature tiles x info[0] (feature tile t % tiles, item t / tiles), so the codebook is copied
 // into the dynamic shared memory (KC * 8 bytes, before pdl_wait: the weights do not depend on the previous kernel)
 // once per resident block, not once per tile; it is visible after the first k tile's barrier, and every tile
@@ -558,8 +558,8 @@ __device__ __forceinline__ const uint64_t* moep_load_codebook(uint8_t* smem, con
     return cb;
 }
 
-// Launch: grid (persistent: min(ceil(ff / MOEP_BN) x max_tiles, one wave)), block MOEP_THREADS, dynamic shared
-// memory KC * 8.
+// Launch: grid (ceil(ff / MOEP_BN), max_tiles), block MOEP_THREADS, dynamic shared memory KC * 8. Not persistent:
+// the tile loop costs the 13-bit kernel a spill on sm_121 (168 registers), so each block copies the codebook.
 #define MOEP_VQ_GATE_UP(name, F, QK, NB, KC) \
 extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_gate_up_##name(const uint8_t* Wg, \
         const uint8_t* Wu, const float* x, const float* route_w, const int* sorted, const int* tile_bucket, \
@@ -569,10 +569,8 @@ extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_gate_up_#
     const uint64_t* cb = moep_load_codebook(moep_smem, Wg, KC); \
     pdl_wait(); \
     pdl_launch_dependents(); \
-    const int tiles = (ff + MOEP_BN - 1) / MOEP_BN; \
-    for (int t = blockIdx.x; t < tiles * info[0]; t += gridDim.x) \
-        moep_gate_up<F>(cb, Wg + 8 * KC, Wu + 8 * KC, x, ldx, route_w, sorted, tile_bucket, tile_row, offsets, info, \
-                        H, n_experts, ff, dim, k, clamp, t % tiles, t / tiles); \
+    moep_gate_up<F>(cb, Wg + 8 * KC, Wu + 8 * KC, x, ldx, route_w, sorted, tile_bucket, tile_row, offsets, info, H, \
+                    n_experts, ff, dim, k, clamp, blockIdx.x, blockIdx.y); \
 }
 
 // Launch: grid (persistent: min(ceil(dim / MOEP_BN) x max_tiles, one wave)), block MOEP_THREADS, dynamic shared

@@ -142,9 +142,9 @@ def test_tile_geometry_and_bad_input(kdev):
 
 @pytest.mark.parametrize("bits", (12, 13, 7))
 def test_vq_prefill_results_do_not_depend_on_the_persistent_grid(kdev, bits):
-    """cu/moe_prefill.cu's VQ-8 pair is persistent (one wave of blocks, each copying the codebook once and looping
-    over (feature tile, work item) pairs): an H200-like device (a block per pair or nearly) and a one-SM GB10-like
-    one (one or two blocks looping over every pair) give the same bits, bad ids included."""
+    """cu/moe_prefill.cu's VQ-8 down is persistent (one wave of blocks, each copying the codebook once and looping
+    over (feature tile, work item) pairs): an H200-like device (a block per pair or nearly) and a one-SM device (one
+    or two blocks looping over every pair) give the same bits, bad ids included."""
     from ds4py.cuda.emu_runtime import EmuDevice, EmuRuntime
     from ds4py.cuda.ops import experts as ops_moe
     from tests.cu_emu_device import KernelDevice
@@ -173,10 +173,10 @@ def test_vq_prefill_results_do_not_depend_on_the_persistent_grid(kdev, bits):
         ops_mp.moe_prefill_gate_up(dev.rt, fmt, dev.const(dg), dev.const(du), dev.const(x), dev.const(wts), bufs, T,
                                    k, E, ff, dim, 0.5)
         ops_mp.moe_prefill_down(dev.rt, fmt, dev.const(dd), bufs, T, k, E, ff, dim)
-        grid = ops_mp._grid(dev.rt, fmt, -(-ff // ops_mp.BN), ops_mp.max_tiles(T * k, E),
-                            f"moe_prefill_gate_up_{fmt}")
+        grid = ops_mp._grid(dev.rt, fmt, -(-dim // ops_mp.BN), ops_mp.max_tiles(T * k, E),
+                            f"moe_prefill_down_{fmt}")
         if dev.rt.device.sm_count == 1:
-            assert grid[0] <= 2 < -(-ff // ops_mp.BN) * ops_mp.max_tiles(T * k, E), grid
+            assert grid[0] <= 2 < -(-dim // ops_mp.BN) * ops_mp.max_tiles(T * k, E), grid
         outs.append((bufs.H.download(), bufs.Yp.download()))
     for name, a, b in zip(("H", "Yp"), *outs):
         _bits_equal(a, b, f"vq{bits} {name}")

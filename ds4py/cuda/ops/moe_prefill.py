@@ -119,7 +119,7 @@ def _check_w(where: str, qtype: int | str, W: Any, n_experts: int, rows: int, co
 
 
 def _grid(rt: Any, qtype: int | str, tiles: int, items: int, kernel: str) -> tuple[int, int]:
-    """(feature tiles, work items) for the GGML formats; VQ-8's persistent blocks loop over the (tile, item) pairs,
+    """(feature tiles, work items) for the GGML formats; VQ-8's persistent down blocks loop over the (tile, item) pairs,
     so their grid is at most one wave of the device (the kernel's occupancy: blocks_that_fit, its registers and
     static shared memory from the ptxas table) and each block copies the codebook once."""
     if not isinstance(qtype, str):
@@ -155,8 +155,7 @@ def moe_prefill_gate_up(rt: Any, qtype: int, Wg: Any, Wu: Any, x: Any, wts: Any,
     need(wts is None or (is_dtype(wts, np.float32) and wts.size >= T * k), "moe_prefill_gate_up: wts must be "
          f"float32 [{T}, {k}]")
     bufs.check(T, k, n_experts, ff, dim)
-    rt.launch(f"moe_prefill_gate_up_{name}", _grid(rt, qtype, ceil_div(ff, BN), max_tiles(T * k, n_experts),
-                                                   f"moe_prefill_gate_up_{name}"), THREADS, Wg, Wu, x,
+    rt.launch(f"moe_prefill_gate_up_{name}", (ceil_div(ff, BN), max_tiles(T * k, n_experts)), THREADS, Wg, Wu, x,
               wts, bufs.sorted, bufs.tile_bucket, bufs.tile_row, bufs.offsets, bufs.info, bufs.H, int(n_experts),
               int(ff), int(dim), int(k), ldx, float(clamp), smem=codebook_bytes(qtype), stream=stream, pdl=pdl)
 
