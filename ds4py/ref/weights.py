@@ -379,3 +379,25 @@ class Weights:
                 return self.runner.vq_matmul(t.raw_bytes()[e], hi, gains, lay, x)
             return per_row(lambda r: self.runner.vq_matmul(t.raw_bytes()[e], hi, gains, lay, r), x, seg)
         return self._fused(t, t.raw_bytes()[e], x, None, seg)
+
+    # ---- a decode step's routed experts in one call per projection ---------------------------------------------
+    def experts_batched(self, tensors, rows: int) -> bool:
+        """Whether a step of `rows` token rows takes experts_linear for these stacked expert tensors (gate, up,
+        down): act_quant numerics, the compiled kernels and, for each tensor, a format whose per-expert products
+        take the decode kernels (jit_i8.experts_supported), so the results are expert_linear's bits."""
+        if not (self.act_quant and self.kernels == "jit"):
+            return False
+        if not self._jit_checked:
+            self._check_jit()
+        return self.kernels == "jit" and all(
+            jit_i8.experts_supported(t.qtype, rows) and self._int8(t, rows) for t in tensors)
+
+    def experts_linear(self, tensors, ex: np.ndarray, gs: np.ndarray, xr: np.ndarray,
+                       x: np.ndarray) -> list[np.ndarray]:
+        """x[xr[j]] @ W_e.T for each stacked tensor (one, or two of one format and shape sharing x: gate and up)
+        and each pair j of group g (e = ex[g], pairs gs[g]..gs[g+1]) -> [len(xr), out] per tensor: one kernel call
+        for a layer's routed experts (jit_i8.experts_matmul), each row expert_linear's bits."""
+        if len(tensors) == 2 and (tensors[0].qtype != tensors[1].qtype or tensors[0].shape != tensors[1].shape):
+            return [y for t in tensors for y in self.experts_linear((t,), ex, gs, xr, x)]
+        return jit_i8.experts_matmul(tensors[0].qtype, tuple(t.raw_bytes() for t in tensors), ex, gs, xr, x,
+                                     self.runner.threads)
