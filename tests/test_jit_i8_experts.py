@@ -121,3 +121,26 @@ def test_the_batched_moe_equals_the_per_expert_loop(golden, chunks, monkeypatch)
     for (p, y), (q, z) in zip(got_parts, want_parts):
         np.testing.assert_array_equal(p, q)
         np.testing.assert_array_equal(y, z)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, jit_i8.DECODE_ROWS])
+def test_grouped_and_paired_projections_equal_their_one_matrix_products(golden, tokens):
+    """The attention's grouped output projection (its groups as experts: one call) and the shared expert's gate
+    and up (one x, one call) in a decode step: the bits of the products they replace."""
+    from ds4py.model import Numerics
+    from ds4py.ref.engine import RefModel
+
+    m = RefModel(str(golden / "ds4-tiny" / "tiny.gguf"), numerics=Numerics.ds4(), kernels="jit", threads=2)
+    w, L, G = m.weights, m.binding.layers[0], m.config.o_groups
+    rng = np.random.default_rng(tokens)
+    t = L.attn.out_a
+    rank, cols = t.shape[0] // G, t.shape[1]
+    o = rng.standard_normal((tokens, G, cols)).astype(F32)
+    raw = np.asarray(t.raw_bytes())
+    want = np.stack([jit_i8.matmul(t.qtype, raw[g * rank:(g + 1) * rank], o[:, g], 1) for g in range(G)], axis=1)
+    np.testing.assert_array_equal(w.grouped_linear(t, o), want)
+    S = L.ffn.shared
+    x = rng.standard_normal((tokens, S.gate.shape[1])).astype(F32)
+    g, u = w.linear_pair(S.gate, S.up, x)
+    np.testing.assert_array_equal(g, jit_i8.matmul(S.gate.qtype, S.gate.raw_bytes(), x, 1))
+    np.testing.assert_array_equal(u, jit_i8.matmul(S.up.qtype, S.up.raw_bytes(), x, 1))

@@ -385,7 +385,8 @@ def moe(w, cfg, ro: LayerRoles, Fw: FfnWeights, x: np.ndarray, ids: np.ndarray, 
     if trace is not None:
         trace.experts[ro.layer], trace.expert_weights[ro.layer] = idx, wts
     S, E = Fw.shared, Fw.experts
-    y = ops.swiglu_of(x, *(partial(w.linear, m, seg=seg) for m in (S.gate, S.up, S.down)), clamp)
+    g, u = w.linear_pair(S.gate, S.up, x, seg)                   # one x, gate and up together where they can
+    y = ops.swiglu_of(x, lambda _: g, lambda _: u, partial(w.linear, S.down, seg=seg), clamp)
     hook = trace.moe_hook if trace is not None else None
     if hook is not None:
         shared, parts = y.copy(), np.zeros((*idx.shape, y.shape[1]), F32)

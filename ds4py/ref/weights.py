@@ -294,6 +294,18 @@ class Weights:
                                lambda r, sg: self._dequant_linear(t, r, sg))
         return self._dequant_linear(t, x, seg)
 
+    def linear_pair(self, a: TensorInfo, b: TensorInfo, x: np.ndarray,
+                    seg: list[slice] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(linear(a, x), linear(b, x)) for two matrices reading one x (the shared expert's gate and up): in a
+        decode step on the int8 kernels, x quantised once and one kernel call for both (the same bits)."""
+        T = x.shape[0]
+        if (a.qtype == b.qtype and a.shape == b.shape and jit_i8.experts_supported(a.qtype, T)
+                and self._int8(a, T)):
+            ys = jit_i8.experts_matmul(a.qtype, (a.raw_bytes()[None], b.raw_bytes()[None]), np.zeros(1),
+                                       np.array([0, T]), np.arange(T), x, self.runner.threads)
+            return ys[0], ys[1]
+        return self.linear(a, x, seg), self.linear(b, x, seg)
+
     def _dequant_linear(self, t: TensorInfo, x: np.ndarray, seg: list[slice] | None) -> np.ndarray:
         out_rows, ncols = t.shape
         if ("all", t.name) in self._cache or out_rows * ncols * 4 <= self.cache_bytes:
@@ -319,6 +331,11 @@ class Weights:
             T, G, _ = x.shape
             rank = t.shape[0] // G
             raw = np.asarray(t.raw_bytes())
+            if jit_i8.experts_supported(t.qtype, T):      # a decode step: the groups as experts, one call
+                y, = jit_i8.experts_matmul(t.qtype, (raw.reshape(G, rank, -1),), np.arange(G),
+                                           np.arange(0, G * T + 1, T), np.arange(T * G).reshape(T, G).T.ravel(),
+                                           x.reshape(T * G, -1), self.runner.threads)
+                return y.reshape(G, T, rank).transpose(1, 0, 2)
             return np.stack([self._int8_matmul(t, raw[g * rank:(g + 1) * rank], np.ascontiguousarray(x[:, g]))
                              for g in range(G)], axis=1)
         x = self.act(t, x)
