@@ -22,7 +22,7 @@ import numpy as np
 
 from ds4py.config import LayerRoles
 from ds4py.contract import Numerics
-from ds4py.ref import ops, v41
+from ds4py.ref import blas, ops, v41
 from ds4py.ref.state import RefState
 from ds4py.schema import AttentionWeights, CompressorWeights, FfnWeights, LayerWeights, ModelWeights
 
@@ -482,7 +482,7 @@ def forward(w, B: ModelWeights, cfg, nx: Numerics, states: list[RefState], chunk
     mean over the hc copies of each target layer's input state (after its Engram), in layer order.
     row_stable: every row bit-identical to the same row stepped alone (ops.row_stable; speculative decoding's
     verify rows, docs/spec.md)."""
-    with ops.row_stable(row_stable):
+    with ops.row_stable(row_stable), blas.single_threaded(w.small_blas(max(map(len, chunks)))):
         return _forward(w, B, cfg, nx, states, chunks, all_logits, trace, extra, hidden, taps)
 
 

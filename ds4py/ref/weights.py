@@ -397,6 +397,11 @@ class Weights:
             return per_row(lambda r: self.runner.vq_matmul(t.raw_bytes()[e], hi, gains, lay, r), x, seg)
         return self._fused(t, t.raw_bytes()[e], x, None, seg)
 
+    def small_blas(self, rows: int) -> bool:
+        """Whether a step whose longest chunk has `rows` rows leaves BLAS only small products (the decode kernels
+        make all the matrix products): then it runs BLAS on one thread (ds4py.ref.blas)."""
+        return self.runner is not None and rows <= FUSED_MAX_ROWS
+
     # ---- a decode step's routed experts in one call per projection ---------------------------------------------
     def experts_batched(self, tensors, rows: int) -> bool:
         """Whether a step of `rows` token rows takes experts_linear for these stacked expert tensors (gate, up,
