@@ -1,5 +1,7 @@
-"""The compiled twins of small reference ops (ds4py.ref.ops_jit) give the numpy ops' bits: ops.sinkhorn's rounds
-over every mix size they take, token counts, round counts and scales; larger mixes keep numpy's path."""
+"""The decode step's host-side savings change no bits: the compiled twins of small reference ops (ds4py.ref.ops_jit)
+give the numpy ops' bits (ops.sinkhorn's rounds over every mix size they take, token counts, round counts and
+scales; larger mixes keep numpy's path), and BLAS on one thread in a decode step (ds4py.ref.blas) gives the
+logits of OpenBLAS's own threads."""
 
 from __future__ import annotations
 
@@ -51,3 +53,52 @@ def test_sinkhorn_is_the_numpy_ops_bits(n, monkeypatch):
                 got = ops.sinkhorn(C, iters, 1e-6)
                 assert got.dtype == F32 and got.shape == C.shape
                 np.testing.assert_array_equal(got, want)
+
+
+def test_a_decode_step_runs_blas_on_one_thread_and_puts_it_back():
+    from ds4py.ref import blas
+
+    api = blas._lookup()
+    if api is None:
+        pytest.skip("no OpenBLAS among the loaded libraries")
+    get, put = api
+    before = get()
+    put(2)
+    try:
+        with blas.single_threaded():
+            assert get() == 1
+        assert get() == 2
+        with blas.single_threaded(False):
+            assert get() == 2
+    finally:
+        put(before)
+
+
+def test_the_logits_do_not_depend_on_blas_threads(golden, monkeypatch):
+    """ds4-tiny in ds4's numerics on the compiled kernels: the same logits with BLAS on one thread in decode steps
+    (the default) as with OpenBLAS's own threads, prefill then decode."""
+    from contextlib import nullcontext
+
+    from ds4py.model import Numerics
+    from ds4py.ref import blas, forward
+    from ds4py.ref.engine import RefModel
+
+    def run():
+        m = RefModel(str(golden / "ds4-tiny" / "tiny.gguf"), numerics=Numerics.ds4(), kernels="jit", threads=2)
+        st = m.new_state()
+        out = [m.prefill(st, [3, 17, 250, 9])]
+        return out + [m.decode(st, t) for t in (88, 41, 5)]
+
+    api = blas._lookup()
+    before = api[0]() if api else None
+    if api:
+        api[1](2)
+    try:
+        want = run()
+        monkeypatch.setattr(forward.blas, "single_threaded", lambda on=True: nullcontext())
+        got = run()
+    finally:
+        if api:
+            api[1](before)
+    for a, b in zip(want, got):
+        np.testing.assert_array_equal(a, b)
