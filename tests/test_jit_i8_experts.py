@@ -144,3 +144,20 @@ def test_grouped_and_paired_projections_equal_their_one_matrix_products(golden, 
     g, u = w.linear_pair(S.gate, S.up, x)
     np.testing.assert_array_equal(g, jit_i8.matmul(S.gate.qtype, S.gate.raw_bytes(), x, 1))
     np.testing.assert_array_equal(u, jit_i8.matmul(S.up.qtype, S.up.raw_bytes(), x, 1))
+
+
+def test_verify_rows_through_the_batched_moe_are_the_decode_steps_bits(golden):
+    """A speculative verify step (several rows, row-stable) takes the batched MoE as a decode step does: each
+    row's logits are the bits of that row stepped alone."""
+    from ds4py.model import Numerics
+    from ds4py.ref.engine import RefModel
+
+    m = RefModel(str(golden / "ds4-tiny" / "tiny.gguf"), numerics=Numerics.ds4(), kernels="jit", threads=2)
+    rows = [250, 9, 88]
+    assert len(rows) <= min(m.stable_rows, jit_i8.DECODE_ROWS)
+    a, b = m.new_state(), m.new_state()
+    m.prefill(a, [3, 17])
+    m.prefill(b, [3, 17])
+    verify = m._step([a], [np.array(rows)], True)[0]
+    for i, t in enumerate(rows):
+        np.testing.assert_array_equal(verify[i], m.decode(b, t))
