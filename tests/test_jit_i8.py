@@ -128,7 +128,8 @@ def test_the_integer_dot_product_compiles_to_a_simd_multiply_add():
 
 def test_a_model_with_int8_activations_equals_the_act_quant_oracle(golden, monkeypatch):
     """ds4-tiny (routed IQ2_XXS / Q2_K, dense Q8_0, F16) in ds4's numerics: the compiled path (int8 kernels for
-    the routed experts and, in steps of up to DECODE_ROWS rows, the dense Q8_0 matrices) against the
+    the routed experts, in steps of up to DECODE_ROWS rows one call a projection for all of them, and in such
+    steps the dense Q8_0 matrices) against the
     dequantise-then-matmul oracle of the same numerics, prefill then decode.
     Each int8 product the model makes is checked against the exact (float64) act_quant product of its own
     activation: < 1e-6 of sum |x| |W| (measured <= 7e-8). The logits are then a sanity bound only: the int8
@@ -153,12 +154,26 @@ def test_a_model_with_int8_activations_equals_the_act_quant_oracle(golden, monke
         worst[t.qtype.name] = max(worst.get(t.qtype.name, 0.0), float(err.max()))
         return y
 
+    experts_linear = weights.Weights.experts_linear
+
+    def checked_experts(self, tensors, ex, gs, xr, x):         # a step's routed experts in one call a projection
+        ys = experts_linear(self, tensors, ex, gs, xr, x)
+        for t, y in zip(tensors, ys):
+            for e, a, b in zip(ex, gs[:-1], gs[1:]):
+                raw = np.asarray(t.raw_bytes()[e])
+                w = weights._dequant_rows(t, raw, (raw.shape[0], t.shape[-1])).astype(np.float64)
+                xe = self.act(t, x[xr[a:b]]).astype(np.float64)
+                err = np.abs(y[a:b] - xe @ w.T) / np.maximum(np.abs(xe) @ np.abs(w).T, 1e-30)
+                worst[t.qtype.name] = max(worst.get(t.qtype.name, 0.0), float(err.max()))
+        return ys
+
     path = str(golden / "ds4-tiny" / "tiny.gguf")
     ids = [3, 17, 250, 9, 88, 41, 5, 120, 7, 64]
     out = {}
     for kernels in ("jit", "fused", "dequant"):
         if kernels == "jit":
             monkeypatch.setattr(weights.Weights, "_int8_matmul", checked)
+            monkeypatch.setattr(weights.Weights, "experts_linear", checked_experts)
         m = RefModel(path, numerics=Numerics.ds4(), kernels=kernels, threads=2)
         st = m.new_state()
         steps = [m.prefill(st, ids[:8])]

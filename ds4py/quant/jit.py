@@ -74,6 +74,11 @@ def _import():
     return jit_kernels
 
 
+def loaded() -> bool:
+    """Whether the kernels are loaded already (numba imported by an earlier compiled product); never imports."""
+    return "mod" in _state
+
+
 def available() -> bool:
     return _load() is not None
 

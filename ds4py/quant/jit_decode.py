@@ -20,6 +20,7 @@ intrinsic edited elsewhere would leave stale compiled kernels behind (seen while
 - q8_0_row: a whole Q8_0 row, 8 float lanes carried across its blocks, summed once at the end.
 - f16_runs: an F16 row's 64-wide runs, converted by fpext (where half converts in hardware).
 - quant_q8_k_rows / quant_q8_0_rows: the activation quantisers, numpy's operations in one pass.
+- *_ex_rows / *_ex_dec: the same kernels over a layer's routed experts (one or two stacked matrices) in one call.
 """
 
 from __future__ import annotations
@@ -407,6 +408,121 @@ def f16_dec(raw, x, y, f16, parts):
     R = raw.shape[0]
     for p in prange(parts):
         f16_rows(raw, x, y, f16, p * R // parts, (p + 1) * R // parts)
+
+
+# ---- a layer's routed experts in one call (jit_i8.experts_matmul: the MoE of a decode step) -------------------
+# One task per (matrix, group, row) of a flattened space: matrix 0 = wa -> ya, 1 = wb -> yb (gate and up, one
+# quantised x; wb is wa for one matrix); wa / wb [X, R, nb, block bytes] stacked experts; group g is expert ex[g]
+# with the pairs gs[g]..gs[g+1], pair j reading activation row xr[j] into y[j, r]. Each (pair, row) is the float
+# sequence of the one-expert kernel above (*_rows on raw = w[e], x = its rows), so y is the same bits; the
+# parallel form splits the tasks into `parts` ranges (one launch for the layer's routed experts, not one each).
+
+@njit(**SERIAL)
+def _ex_segments(k0, k1, R, GR):
+    """The tasks k0..k1 as (matrix, group, first row, end row) runs within one (matrix, group)."""
+    out = []
+    k = k0
+    while k < k1:
+        m, gr = k // GR, k % GR
+        g, r = gr // R, gr % R
+        r1 = min(R, r + (k1 - k))
+        out.append((m, g, r, r1))
+        k += r1 - r
+    return out
+
+
+@njit(**SERIAL)
+def _iq2_xxs_pairs(w, xq, xd, xr, j0, j1, y, f16, grid8, sign8, r0, r1):
+    """iq2_xxs_rows' loop for one expert's rows w [R, nb, 66], pairs j0..j1 (activation row xr[j] -> y[j])."""
+    nb, C = w.shape[1], xq.shape[1]
+    for r in range(r0, r1):
+        for j in range(j0, j1):
+            t = xr[j]
+            acc = F32(0)
+            for b in range(nb):
+                d = f16[np.int32(w[r, b, 0]) | (np.int32(w[r, b, 1]) << 8)] * F32(0.125)
+                isum = iq2_block(w, (r * nb + b) * 66 + 2, xq, t * C + 256 * b, grid8, sign8)
+                acc += (d * xd[t, b]) * F32(isum)
+            y[j, r] = acc
+
+
+@njit(**SERIAL)
+def iq2_xxs_ex_rows(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, grid8, sign8, k0, k1):
+    R = wa.shape[1]
+    for m, g, r0, r1 in _ex_segments(k0, k1, R, (gs.shape[0] - 1) * R):
+        if m == 0:
+            _iq2_xxs_pairs(wa[ex[g]], xq, xd, xr, gs[g], gs[g + 1], ya, f16, grid8, sign8, r0, r1)
+        else:
+            _iq2_xxs_pairs(wb[ex[g]], xq, xd, xr, gs[g], gs[g + 1], yb, f16, grid8, sign8, r0, r1)
+
+
+@njit(**OPTS)
+def iq2_xxs_ex_dec(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, grid8, sign8, mats, parts):
+    K = mats * (gs.shape[0] - 1) * wa.shape[1]
+    for p in prange(parts):
+        iq2_xxs_ex_rows(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, grid8, sign8, p * K // parts, (p + 1) * K // parts)
+
+
+@njit(**SERIAL)
+def _q2_k_pairs(w, xq, xd, xbs, xr, j0, j1, y, f16, r0, r1):
+    """q2_k_rows' loop for one expert's rows w [R, nb, 84], pairs j0..j1 (activation row xr[j] -> y[j])."""
+    nb, C = w.shape[1], xq.shape[1]
+    for r in range(r0, r1):
+        for j in range(j0, j1):
+            t = xr[j]
+            acc = F32(0)
+            for b in range(nb):
+                d = f16[np.int32(w[r, b, 80]) | (np.int32(w[r, b, 81]) << 8)]
+                dm = f16[np.int32(w[r, b, 82]) | (np.int32(w[r, b, 83]) << 8)]
+                o = (r * nb + b) * 84
+                isum = q2k_block(w, o, xq, t * C + 256 * b)
+                mn = q2k_mins(w, o, xbs, t * (C // 16) + 16 * b)
+                acc += xd[t, b] * (d * F32(isum) - dm * F32(mn))
+            y[j, r] = acc
+
+
+@njit(**SERIAL)
+def q2_k_ex_rows(wa, wb, ex, gs, xr, xq, xd, xbs, ya, yb, f16, k0, k1):
+    R = wa.shape[1]
+    for m, g, r0, r1 in _ex_segments(k0, k1, R, (gs.shape[0] - 1) * R):
+        if m == 0:
+            _q2_k_pairs(wa[ex[g]], xq, xd, xbs, xr, gs[g], gs[g + 1], ya, f16, r0, r1)
+        else:
+            _q2_k_pairs(wb[ex[g]], xq, xd, xbs, xr, gs[g], gs[g + 1], yb, f16, r0, r1)
+
+
+@njit(**OPTS)
+def q2_k_ex_dec(wa, wb, ex, gs, xr, xq, xd, xbs, ya, yb, f16, mats, parts):
+    K = mats * (gs.shape[0] - 1) * wa.shape[1]
+    for p in prange(parts):
+        q2_k_ex_rows(wa, wb, ex, gs, xr, xq, xd, xbs, ya, yb, f16, p * K // parts, (p + 1) * K // parts)
+
+
+@njit(**SERIAL)
+def _q8_0_pairs(w, xq, xd, xr, j0, j1, y, f16, r0, r1):
+    """q8_0_rows' loop for one expert's rows w [R, nb, 34], pairs j0..j1 (activation row xr[j] -> y[j])."""
+    nb, C = w.shape[1], xq.shape[1]
+    for r in range(r0, r1):
+        for j in range(j0, j1):
+            t = xr[j]
+            y[j, r] = q8_0_row(w, r * nb * 34, xq, t * C, xd, t * nb, nb, f16)
+
+
+@njit(**SERIAL)
+def q8_0_ex_rows(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, k0, k1):
+    R = wa.shape[1]
+    for m, g, r0, r1 in _ex_segments(k0, k1, R, (gs.shape[0] - 1) * R):
+        if m == 0:
+            _q8_0_pairs(wa[ex[g]], xq, xd, xr, gs[g], gs[g + 1], ya, f16, r0, r1)
+        else:
+            _q8_0_pairs(wb[ex[g]], xq, xd, xr, gs[g], gs[g + 1], yb, f16, r0, r1)
+
+
+@njit(**OPTS)
+def q8_0_ex_dec(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, mats, parts):
+    K = mats * (gs.shape[0] - 1) * wa.shape[1]
+    for p in prange(parts):
+        q8_0_ex_rows(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, p * K // parts, (p + 1) * K // parts)
 
 
 # ---- the activation quantisers (ds4py.quant.jit_i8.quant_q8_0 / quant_q8_k: numpy's operations, one pass) ------

@@ -153,3 +153,63 @@ def matmul(qtype, raw: np.ndarray, x: np.ndarray, threads: int = 1) -> np.ndarra
     else:
         raise ValueError(f"no int8-activation kernel for format {qt}")
     return y
+
+
+# the formats with a decode kernel over a layer's routed experts (jit_decode.*_ex_rows / *_ex_dec)
+EXPERT_FORMATS = (Q.IQ2_XXS, Q.Q2_K, Q.Q8_0)
+_EX_INTS = {int(q) for q in EXPERT_FORMATS}
+_EX_BLOCK = {int(Q.IQ2_XXS): (256, 66), int(Q.Q2_K): (256, 84), int(Q.Q8_0): (32, 34)}
+
+
+def experts_supported(qtype, rows: int) -> bool:
+    """Whether experts_matmul takes stacked experts of this format for a step of `rows` token rows (a decode
+    kernel's format, at most DECODE_ROWS rows: the products matmul would make with the decode kernels)."""
+    return int(qtype) in _EX_INTS and rows <= DECODE_ROWS
+
+
+def experts_matmul(qtype, raws: tuple, ex: np.ndarray, gs: np.ndarray, xr: np.ndarray, x: np.ndarray,
+                   threads: int = 1) -> list[np.ndarray]:
+    """One layer's routed-expert products in one kernel call: for each stacked expert tensor in raws (uint8
+    [X, R, row_nbytes]: one, or two of one format and shape sharing x, as gate and up), y[j] = x[xr[j]] @ W_e.T
+    for each pair j in gs[g]..gs[g+1] of group g, e = ex[g] -> float32 [len(xr), R] per tensor. x [T, C] is
+    quantised once. Each pair's row equals matmul(qtype, raw[e], x[xr[j:j+1]]) bit for bit (the decode kernels'
+    float sequence per (token, row)); tests/test_jit_i8.py checks it."""
+    _kernels()
+    qt = int(qtype)
+    if qt not in _EX_INTS or len(raws) not in (1, 2):
+        raise ValueError(f"no routed-expert kernel for format {qt} over {len(raws)} matrices")
+    block, nbytes = _EX_BLOCK[qt]
+    x = np.ascontiguousarray(x, dtype=F32)
+    T, C = x.shape
+    ws = [jit._readonly(np.ascontiguousarray(r).view(np.uint8)) for r in raws]
+    X, R = ws[0].shape[:2]
+    ws = [w.reshape(X, R, C // block, nbytes) for w in ws]
+    if len(ws) == 2 and ws[1].shape != ws[0].shape:
+        raise ValueError("the two expert tensors of one call must have one shape")
+    ex = np.ascontiguousarray(ex, dtype=np.int64)
+    gs = np.ascontiguousarray(gs, dtype=np.int64)
+    xr = np.ascontiguousarray(xr, dtype=np.int64)
+    mats = len(ws)
+    ys = [np.empty((len(xr), R), F32) for _ in range(mats)]
+    wa, wb = ws[0], ws[-1]
+    ya, yb = ys[0], ys[-1]
+    f16 = jit._state["f16"]
+    if qt == Q.Q8_0:
+        xq, xd = quant_q8_0(x)
+        args = (wa, wb, ex, gs, xr, xq, xd, ya, yb, f16)
+        name = "q8_0_ex"
+    else:
+        xq, xd, xbs = quant_q8_k(x)
+        if qt == Q.Q2_K:
+            args, name = (wa, wb, ex, gs, xr, xq, xd, xbs, ya, yb, f16), "q2_k_ex"
+        else:
+            args, name = (wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, _tables["grid8"], _tables["sign8"]), "iq2_xxs_ex"
+    tasks = mats * len(ex) * R
+    work = mats * len(ex) * R * (C // block) * nbytes             # the weight bytes the call reads
+    parts = max(1, min(threads, tasks))
+    dec = _tables["dec"]
+    if parts == 1 or work < jit.SERIAL_BYTES:
+        jit._call(f"{name}_rows", getattr(dec, f"{name}_rows"), (*args, 0, tasks), 1, pool=False)
+    else:
+        jit._call(f"{name}_dec", getattr(dec, f"{name}_dec"), (*args, mats, parts), threads)
+    return ys

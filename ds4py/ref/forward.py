@@ -22,7 +22,7 @@ import numpy as np
 
 from ds4py.config import LayerRoles
 from ds4py.contract import Numerics
-from ds4py.ref import ops, v41
+from ds4py.ref import blas, ops, v41
 from ds4py.ref.state import RefState
 from ds4py.schema import AttentionWeights, CompressorWeights, FfnWeights, LayerWeights, ModelWeights
 
@@ -385,10 +385,16 @@ def moe(w, cfg, ro: LayerRoles, Fw: FfnWeights, x: np.ndarray, ids: np.ndarray, 
     if trace is not None:
         trace.experts[ro.layer], trace.expert_weights[ro.layer] = idx, wts
     S, E = Fw.shared, Fw.experts
-    y = ops.swiglu_of(x, *(partial(w.linear, m, seg=seg) for m in (S.gate, S.up, S.down)), clamp)
+    g, u = w.linear_pair(S.gate, S.up, x, seg)                   # one x, gate and up together where they can
+    y = ops.swiglu_of(x, lambda _: g, lambda _: u, partial(w.linear, S.down, seg=seg), clamp)
     hook = trace.moe_hook if trace is not None else None
     if hook is not None:
         shared, parts = y.copy(), np.zeros((*idx.shape, y.shape[1]), F32)
+    if w.experts_batched((E.gate, E.up, E.down), x.shape[0]):
+        routed_batched(w, E, x, idx, wts, clamp, y, parts if hook is not None else None)
+        if hook is not None:
+            hook(ro.layer, x, idx, wts, parts, shared, y)
+        return y
     seq_of_row = np.repeat(np.arange(len(seqs)), [s.rows.stop - s.rows.start for s in seqs])
     for e in np.unique(idx):                     # each expert some row of the step was routed to, once
         tok, slot = np.nonzero(idx == e)         # rows in order, so each sequence's rows are one run
@@ -402,6 +408,31 @@ def moe(w, cfg, ro: LayerRoles, Fw: FfnWeights, x: np.ndarray, ids: np.ndarray, 
     if hook is not None:
         hook(ro.layer, x, idx, wts, parts, shared, y)
     return y
+
+
+def routed_batched(w, E, x: np.ndarray, idx: np.ndarray, wts: np.ndarray, clamp: float, y: np.ndarray,
+                   parts: np.ndarray | None) -> None:
+    """moe's routed experts for a decode step in one kernel call per projection (gate and up together, then
+    down: Weights.experts_linear), adding each expert's part into y in moe's order (experts ascending, each
+    expert's rows in order): the bits of moe's loop, which these kernels compute row by row the same way."""
+    k = idx.shape[1]
+    order = np.argsort(idx, axis=None, kind="stable")      # pairs by expert, then (row, slot): np.nonzero's order
+    tok, slot = np.divmod(order, k)
+    e_of = idx.ravel()[order]
+    starts = np.flatnonzero(np.diff(e_of)) + 1
+    gs = np.concatenate(([0], starts, [len(order)]))
+    ex = e_of[gs[:-1]]
+    g, u = w.experts_linear((E.gate, E.up), ex, gs, tok, x)
+    if clamp > 0:
+        g = np.minimum(g, F32(clamp))
+        u = np.clip(u, F32(-clamp), F32(clamp))
+    h = ops.silu(g) * u
+    h = h * wts[tok, slot][:, None]
+    d, = w.experts_linear((E.down,), ex, gs, np.arange(len(order)), h)
+    for a, b in zip(gs[:-1], gs[1:]):
+        y[tok[a:b]] += d[a:b]
+        if parts is not None:
+            parts[tok[a:b], slot[a:b]] = d[a:b]
 
 
 # ---- block and model ----------------------------------------------------------------------------------------
@@ -451,7 +482,7 @@ def forward(w, B: ModelWeights, cfg, nx: Numerics, states: list[RefState], chunk
     mean over the hc copies of each target layer's input state (after its Engram), in layer order.
     row_stable: every row bit-identical to the same row stepped alone (ops.row_stable; speculative decoding's
     verify rows, docs/spec.md)."""
-    with ops.row_stable(row_stable):
+    with ops.row_stable(row_stable), blas.single_threaded(w.small_blas(max(map(len, chunks)))):
         return _forward(w, B, cfg, nx, states, chunks, all_logits, trace, extra, hidden, taps)
 
 

@@ -188,10 +188,25 @@ def hc_mixes(X: np.ndarray, fn: np.ndarray, eps: float, seg: list[slice] | None 
     return mm(xf, fn.T, seg) / np.sqrt(np.mean(xf * xf, axis=-1, keepdims=True) + F32(eps))
 
 
+def _ops_jit():
+    """ds4py.ref.ops_jit (compiled twins giving these ops' bits) once the compiled kernels are loaded, else None:
+    the numpy reference never imports numba itself."""
+    from ds4py.quant import jit
+
+    if not jit.loaded():
+        return None
+    from ds4py.ref import ops_jit
+
+    return ops_jit
+
+
 def sinkhorn(C: np.ndarray, iters: int, eps: float) -> np.ndarray:
     """Row softmax (+eps), column-normalise, then iters-1 rounds of row- then column-normalising. C: [T, j, k]."""
     eps = F32(eps)
     C = np.exp(C - C.max(-1, keepdims=True))
+    fast = _ops_jit()
+    if fast is not None and C.dtype == F32 and C.ndim == 3 and 0 < C.shape[1] == C.shape[2] <= fast.MAX_N:
+        return fast.sinkhorn_rounds(np.ascontiguousarray(C), int(iters), eps)   # numpy's operations compiled
     C = C / C.sum(-1, keepdims=True) + eps
     C = C / (C.sum(-2, keepdims=True) + eps)
     for _ in range(iters - 1):

@@ -303,6 +303,18 @@ class Weights:
                                lambda r, sg: self._dequant_linear(t, r, sg))
         return self._dequant_linear(t, x, seg)
 
+    def linear_pair(self, a: TensorInfo, b: TensorInfo, x: np.ndarray,
+                    seg: list[slice] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(linear(a, x), linear(b, x)) for two matrices reading one x (the shared expert's gate and up): in a
+        decode step on the int8 kernels, x quantised once and one kernel call for both (the same bits)."""
+        T = x.shape[0]
+        if (a.qtype == b.qtype and a.shape == b.shape and jit_i8.experts_supported(a.qtype, T)
+                and self._int8(a, T)):
+            ys = jit_i8.experts_matmul(a.qtype, (a.raw_bytes()[None], b.raw_bytes()[None]), np.zeros(1),
+                                       np.array([0, T]), np.arange(T), x, self.runner.threads)
+            return ys[0], ys[1]
+        return self.linear(a, x, seg), self.linear(b, x, seg)
+
     def _dequant_linear(self, t: TensorInfo, x: np.ndarray, seg: list[slice] | None) -> np.ndarray:
         if self._dense_prefill(t):
             return jit_i8_gemm.dense_q8_0(t.raw_bytes(), x, self.runner.threads, seg)
@@ -330,6 +342,11 @@ class Weights:
             T, G, _ = x.shape
             rank = t.shape[0] // G
             raw = np.asarray(t.raw_bytes())
+            if jit_i8.experts_supported(t.qtype, T):      # a decode step: the groups as experts, one call
+                y, = jit_i8.experts_matmul(t.qtype, (raw.reshape(G, rank, -1),), np.arange(G),
+                                           np.arange(0, G * T + 1, T), np.arange(T * G).reshape(T, G).T.ravel(),
+                                           x.reshape(T * G, -1), self.runner.threads)
+                return y.reshape(G, T, rank).transpose(1, 0, 2)
             return np.stack([self._int8_matmul(t, raw[g * rank:(g + 1) * rank], np.ascontiguousarray(x[:, g]))
                              for g in range(G)], axis=1)
         x = self.act(t, x)
@@ -394,3 +411,30 @@ class Weights:
                 return self.runner.vq_matmul(t.raw_bytes()[e], hi, gains, lay, x)
             return per_row(lambda r: self.runner.vq_matmul(t.raw_bytes()[e], hi, gains, lay, r), x, seg)
         return self._fused(t, t.raw_bytes()[e], x, None, seg)
+
+    def small_blas(self, rows: int) -> bool:
+        """Whether a step whose longest chunk has `rows` rows leaves BLAS only small products (the decode kernels
+        make all the matrix products): then it runs BLAS on one thread (ds4py.ref.blas)."""
+        return self.runner is not None and rows <= FUSED_MAX_ROWS
+
+    # ---- a decode step's routed experts in one call per projection ---------------------------------------------
+    def experts_batched(self, tensors, rows: int) -> bool:
+        """Whether a step of `rows` token rows takes experts_linear for these stacked expert tensors (gate, up,
+        down): act_quant numerics, the compiled kernels and, for each tensor, a format whose per-expert products
+        take the decode kernels (jit_i8.experts_supported), so the results are expert_linear's bits."""
+        if not (self.act_quant and self.kernels == "jit"):
+            return False
+        if not self._jit_checked:
+            self._check_jit()
+        return self.kernels == "jit" and all(
+            jit_i8.experts_supported(t.qtype, rows) and self._int8(t, rows) for t in tensors)
+
+    def experts_linear(self, tensors, ex: np.ndarray, gs: np.ndarray, xr: np.ndarray,
+                       x: np.ndarray) -> list[np.ndarray]:
+        """x[xr[j]] @ W_e.T for each stacked tensor (one, or two of one format and shape sharing x: gate and up)
+        and each pair j of group g (e = ex[g], pairs gs[g]..gs[g+1]) -> [len(xr), out] per tensor: one kernel call
+        for a layer's routed experts (jit_i8.experts_matmul), each row expert_linear's bits."""
+        if len(tensors) == 2 and (tensors[0].qtype != tensors[1].qtype or tensors[0].shape != tensors[1].shape):
+            return [y for t in tensors for y in self.experts_linear((t,), ex, gs, xr, x)]
+        return jit_i8.experts_matmul(tensors[0].qtype, tuple(t.raw_bytes() for t in tensors), ex, gs, xr, x,
+                                     self.runner.threads)

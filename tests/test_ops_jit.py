@@ -1,0 +1,104 @@
+"""The decode step's host-side savings change no bits: the compiled twins of small reference ops (ds4py.ref.ops_jit)
+give the numpy ops' bits (ops.sinkhorn's rounds over every mix size they take, token counts, round counts and
+scales; larger mixes keep numpy's path), and BLAS on one thread in a decode step (ds4py.ref.blas) gives the
+logits of OpenBLAS's own threads."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ds4py.quant import jit
+from ds4py.ref import ops
+
+pytestmark = pytest.mark.skipif(not jit.available(), reason=f"numba unavailable: {jit.unavailable_reason()}")
+
+F32 = np.float32
+
+
+def _numpy_sinkhorn(monkeypatch, C, iters, eps):
+    monkeypatch.setattr(ops, "_ops_jit", lambda: None)
+    try:
+        return ops.sinkhorn(C, iters, eps)
+    finally:
+        monkeypatch.undo()
+
+
+def test_numpy_adds_a_short_axis_first_to_last():
+    """The order ops_jit replays (numpy's reduction of fewer than 8 values, along either axis of a mix)."""
+    from ds4py.ref import ops_jit
+
+    rng = np.random.default_rng(3)
+    for n in range(1, ops_jit.MAX_N + 1):
+        C = (rng.standard_normal((5000, n, n)) * rng.uniform(0, 1e3, (5000, n, n))).astype(F32)
+        for axis in (-1, -2):
+            a = np.moveaxis(C, axis, -1)
+            seq = a[..., 0].copy()
+            for k in range(1, n):
+                seq += a[..., k]
+            np.testing.assert_array_equal(C.sum(axis), seq)
+
+
+@pytest.mark.parametrize("n", range(1, 9))
+def test_sinkhorn_is_the_numpy_ops_bits(n, monkeypatch):
+    from ds4py.ref import ops_jit
+
+    assert jit.loaded() and ops._ops_jit() is ops_jit
+    rng = np.random.default_rng(n)
+    for T in (1, 2, 9):
+        for iters in (1, 2, 20):
+            for scale in (1e-3, 1.0, 30.0):
+                C = (rng.standard_normal((T, n, n)) * scale).astype(F32)
+                want = _numpy_sinkhorn(monkeypatch, C, iters, 1e-6)
+                got = ops.sinkhorn(C, iters, 1e-6)
+                assert got.dtype == F32 and got.shape == C.shape
+                np.testing.assert_array_equal(got, want)
+
+
+def test_a_decode_step_runs_blas_on_one_thread_and_puts_it_back():
+    from ds4py.ref import blas
+
+    api = blas._lookup()
+    if api is None:
+        pytest.skip("no OpenBLAS among the loaded libraries")
+    get, put = api
+    before = get()
+    put(2)
+    try:
+        with blas.single_threaded():
+            assert get() == 1
+        assert get() == 2
+        with blas.single_threaded(False):
+            assert get() == 2
+    finally:
+        put(before)
+
+
+def test_the_logits_do_not_depend_on_blas_threads(golden, monkeypatch):
+    """ds4-tiny in ds4's numerics on the compiled kernels: the same logits with BLAS on one thread in decode steps
+    (the default) as with OpenBLAS's own threads, prefill then decode."""
+    from contextlib import nullcontext
+
+    from ds4py.model import Numerics
+    from ds4py.ref import blas, forward
+    from ds4py.ref.engine import RefModel
+
+    def run():
+        m = RefModel(str(golden / "ds4-tiny" / "tiny.gguf"), numerics=Numerics.ds4(), kernels="jit", threads=2)
+        st = m.new_state()
+        out = [m.prefill(st, [3, 17, 250, 9])]
+        return out + [m.decode(st, t) for t in (88, 41, 5)]
+
+    api = blas._lookup()
+    before = api[0]() if api else None
+    if api:
+        api[1](2)
+    try:
+        want = run()
+        monkeypatch.setattr(forward.blas, "single_threaded", lambda on=True: nullcontext())
+        got = run()
+    finally:
+        if api:
+            api[1](before)
+    for a, b in zip(want, got):
+        np.testing.assert_array_equal(a, b)
