@@ -115,15 +115,20 @@ def test_attention_sublayer_matches_the_reference(kdev, model):
         q = linear(dev, P, "attn_q_b.weight", qr, H * hd, qr_dim)
         ops_attn.kv_store(dev.rt, linear(dev, P, "attn_kv.weight", x, hd, D), P.f32("attn_kv_a_norm.weight"), freqs,
                           pos_slot, win, hd, rd, eps, fake_quant=False)
-        ops_comp.compressor_decode(dev.rt, linear(dev, P, "attn_compressor_kv.weight", x, 2 * hd, D),
-                                   linear(dev, P, "attn_compressor_gate.weight", x, 2 * hd, D),
-                                   P.any("attn_compressor_ape.weight"), P.f32("attn_compressor_norm.weight"), freqs,
-                                   pos_slot, c_kv, c_sc, rows, ratio, True, hd, rd, eps, rotate=False, fake_quant=False)
-        ops_comp.compressor_decode(dev.rt, linear(dev, P, "indexer_compressor_kv.weight", x, 2 * ihd, D),
-                                   linear(dev, P, "indexer_compressor_gate.weight", x, 2 * ihd, D),
-                                   P.any("indexer_compressor_ape.weight"), P.f32("indexer_compressor_norm.weight"),
-                                   freqs, pos_slot, i_kv, i_sc, keys, ratio, True, ihd, rd, eps, rotate=True,
-                                   fake_quant=False)
+        ops_comp.compressor_decode(dev.rt,
+                                   ops_comp.CompLayer(P.any("attn_compressor_ape.weight"),
+                                                      P.f32("attn_compressor_norm.weight"), freqs, ratio, True, hd, rd,
+                                                      eps, rotate=False, fake_quant=False),
+                                   ops_comp.CompState(c_kv, c_sc, rows),
+                                   linear(dev, P, "attn_compressor_kv.weight", x, 2 * hd, D),
+                                   linear(dev, P, "attn_compressor_gate.weight", x, 2 * hd, D), pos_slot)
+        ops_comp.compressor_decode(dev.rt,
+                                   ops_comp.CompLayer(P.any("indexer_compressor_ape.weight"),
+                                                      P.f32("indexer_compressor_norm.weight"), freqs, ratio, True, ihd,
+                                                      rd, eps, rotate=True, fake_quant=False),
+                                   ops_comp.CompState(i_kv, i_sc, keys),
+                                   linear(dev, P, "indexer_compressor_kv.weight", x, 2 * ihd, D),
+                                   linear(dev, P, "indexer_compressor_gate.weight", x, 2 * ihd, D), pos_slot)
         iq = dev.arena.scratch(ih * ihd, np.float32)
         ops_idx.indexer_q_prep(dev.rt, linear(dev, P, "indexer.attn_q_b.weight", qr, ih * ihd, qr_dim), freqs,
                                pos_slot, iq, ih, ihd, rd, fake_quant=False)
@@ -131,8 +136,10 @@ def test_attention_sublayer_matches_the_reference(kdev, model):
                                keys, pos_slot, scores, ih, ihd, int(keys.shape[0]))
         ops_topk.topk(dev.rt, scores, topk, sel, pos_slot=pos_slot)
         o = dev.arena.scratch((H, hd), np.float32)
-        ops_attn.decode_attention(dev.rt, plan, q, freqs, pos_slot, win, W, rows, ratio, sel, topk,
-                                  P.f32("attn_sinks.weight"), part_o, part_ml, o, rd, eps, hd ** -0.5)
+        ops_attn.decode_attention(dev.rt, plan,
+                                  ops_attn.AttnLayer(freqs, P.f32("attn_sinks.weight"), H, rd, W, eps, hd ** -0.5),
+                                  ops_attn.AttnKeys(win, rows, ratio, sel, topk),
+                                  ops_attn.DecodeBuffers(q, pos_slot, part_o, part_ml, o))
         u = dev.arena.scratch(G * r_o, np.float32)
         wo_a = P.raw("attn_output_a.weight")
         cols = H * hd // G

@@ -13,6 +13,8 @@ from ds4py.cuda import emu
 from ds4py.cuda.ops import attention as ops_attn
 from ds4py.cuda.ops import indexer as ops_idx
 from ds4py.cuda.ops import prefill_attn as ops_pfa
+from ds4py.cuda.ops.attention import AttnKeys, AttnLayer
+from ds4py.cuda.ops.prefill_attn import PrefillRows
 from ds4py.cuda.ops import router as ops_route
 from ds4py.cuda.ops import topk as ops_topk
 from ds4py.cuda.twins import attention as twin_attn
@@ -113,9 +115,9 @@ def _launch(dev, case, arrays):
     hd, rd, H, window, ring, ratio, p0, T, topk, warps = case
     pos, q_raw, ring_a, blk, comp, sel, sinks, freqs = arrays
     d_out = dev.var(np.full((T, H, hd), np.nan, np.float32))
-    ops_pfa.prefill_attention(dev.rt, dev.const(q_raw), dev.const(freqs), dev.const(pos), dev.const(ring_a),
-                              dev.const(blk), window, dev.const(comp), ratio, dev.const(sel), topk, dev.const(sinks),
-                              d_out, T, H, rd, EPS, hd ** -0.5, warps=warps)
+    ops_pfa.prefill_attention(dev.rt, AttnLayer(dev.const(freqs), dev.const(sinks), H, rd, window, EPS, hd ** -0.5),
+                              AttnKeys(dev.const(ring_a), dev.const(comp), ratio, dev.const(sel), topk),
+                              PrefillRows(dev.const(q_raw), dev.const(pos), dev.const(blk), d_out, T), warps=warps)
     return d_out.download()
 
 
@@ -139,9 +141,10 @@ def test_prefill_attention_without_q_norm(kdev):
     q_raw = q_raw * np.float32(0.2)
     dev = kdev("random", T)
     d_out = dev.var(np.full((T, H, hd), np.nan, np.float32))
-    ops_pfa.prefill_attention(dev.rt, dev.const(q_raw), dev.const(freqs), dev.const(pos), dev.const(ring_a),
-                              dev.const(blk), window, dev.const(comp), ratio, dev.const(sel), topk, dev.const(sinks),
-                              d_out, T, H, rd, EPS, hd ** -0.5, warps=warps, q_norm=False)
+    ops_pfa.prefill_attention(dev.rt,
+                              AttnLayer(dev.const(freqs), dev.const(sinks), H, rd, window, EPS, hd ** -0.5, False),
+                              AttnKeys(dev.const(ring_a), dev.const(comp), ratio, dev.const(sel), topk),
+                              PrefillRows(dev.const(q_raw), dev.const(pos), dev.const(blk), d_out, T), warps=warps)
     want, mag, counts = twin.prefill_attention(q_raw, ring_a, blk, pos, window, comp, ratio, sel, topk, sinks, freqs,
                                                H, rd, EPS, hd ** -0.5, q_norm=False)
     assert_close_scaled(d_out.download(), want, mag, max(counts) + hd, "prefill attention without q norm")
@@ -228,9 +231,10 @@ def test_prefill_wrappers_reject_bad_shapes():
     with pytest.raises(Ds4Error, match="int32"):
         ops_pfa.ring_store(rt, z((2, 64), np.float32), 2, z(2, np.float32), z((4, 64), np.float32))
     with pytest.raises(Ds4Error, match="sel must be"):
-        ops_pfa.prefill_attention(rt, z((2, 4, 64), np.float32), z(16, np.float32), z(2, np.int32),
-                                  z((8, 64), np.float32), z((2, 64), np.float32), 8, z((4, 64), np.float32), 4,
-                                  z(3, np.int32), 4, z(4, np.float32), z((2, 4, 64), np.float32), 2, 4, 32, EPS, 0.1)
+        ops_pfa.prefill_attention(rt, AttnLayer(z(16, np.float32), z(4, np.float32), 4, 32, 8, EPS, 0.1),
+                                  AttnKeys(z((8, 64), np.float32), z((4, 64), np.float32), 4, z(3, np.int32), 4),
+                                  PrefillRows(z((2, 4, 64), np.float32), z(2, np.int32), z((2, 64), np.float32),
+                                              z((2, 4, 64), np.float32), 2))
 
 
 @pytest.mark.parametrize("clamp", [0.0, 1.5])

@@ -53,6 +53,7 @@ from ds4py.cuda.layer import Launcher, Recording, RowSet
 from ds4py.cuda.ops import dspark as ops_dspark
 from ds4py.cuda.ops.argmax import argmax_parts
 from ds4py.cuda.ops import prefill_attn as ops_pfa
+from ds4py.cuda.ops.attention import AttnKeys
 from ds4py.cuda.ops import v41 as ops_v41
 from ds4py.cuda.ops.mhc import mix_record
 from ds4py.errors import UnsupportedByBackend
@@ -67,9 +68,9 @@ def dspark_attend(ls: Launcher, rec: Recording, il: int, ro: Any, A: Any) -> Non
     """Stage il's DSpark attention: every block query against the ring's window before the block and all block
     keys (ws.kvb, from the V4.1 kv row kernel); nothing is stored into the ring."""
     cfg, ws = rec.cfg, rec.ws
-    ops_pfa.prefill_attention(ls, ws.q, rec.freqs[il], rec.rows.positions, rec.rows.state(0)[f"{il}.win"], ws.kvb,
-                              cfg.window, None, 0, None, 0, A.sinks.array, ws.o, rec.R, cfg.n_heads, cfg.rope_dim,
-                              cfg.norm_eps, cfg.head_dim ** -0.5, **ls.main(), q_norm=bool(cfg.q_head_norm),
+    ops_pfa.prefill_attention(ls, kernels.attn_layer(rec, il, A, q_norm=bool(cfg.q_head_norm)),
+                              AttnKeys(rec.rows.state(0)[f"{il}.win"]),
+                              ops_pfa.PrefillRows(ws.q, rec.rows.positions, ws.kvb, ws.o, rec.R), **ls.main(),
                               block_keys=True)
 
 

@@ -195,36 +195,39 @@ def kv_store_block(ls: Any, rec: Any, il: int, A: Any, stream: Callable) -> None
                     cfg.head_dim, cfg.rope_dim, cfg.norm_eps, fq, f16, **ls.main())
 
 
-def _compressor(rec: Any, il: int, ro: Any, which: str) -> tuple:
-    """(input width, ratio, overlap, head dim, rows array, kv / score inputs, is the indexer's) of a compressor."""
-    cfg, ws = rec.cfg, rec.ws
+def _compressor(rec: Any, il: int, ro: Any, C: Any, which: str) -> tuple:
+    """(the op's layer struct, the state keys of its rings and rows, kv / score inputs) of a compressor."""
+    cfg, ws, (fq, f16) = rec.cfg, rec.ws, _fq(rec)
     if which == "comp":
-        return (cfg.comp_width(il), ro.ratio, bool(ro.overlap), cfg.head_dim, "comp_kv", "comp_score", "comp_rows",
-                ws.ckv, ws.csc, False)
-    return (cfg.index_comp_width(il), ro.index_ratio, bool(ro.index_overlap), cfg.index_head_dim, "idx_kv",
-            "idx_score", "idx_keys", ws.ikv, ws.isc, True)
+        layer = ops_comp.CompLayer(C.ape.array, C.norm.array, rec.freqs[il], ro.ratio, bool(ro.overlap), cfg.head_dim,
+                                   cfg.rope_dim, cfg.norm_eps, False, fq, f16)
+        return layer, ("comp_kv", "comp_score", "comp_rows"), ws.ckv, ws.csc
+    layer = ops_comp.CompLayer(C.ape.array, C.norm.array, rec.freqs[il], ro.index_ratio, bool(ro.index_overlap),
+                               cfg.index_head_dim, cfg.rope_dim, cfg.norm_eps, True, fq, f16)
+    return layer, ("idx_kv", "idx_score", "idx_keys"), ws.ikv, ws.isc
+
+
+def _comp_state(p: Any, il: int, keys: tuple) -> ops_comp.CompState:
+    return ops_comp.CompState(*(p[f"{il}.{k}"] for k in keys))
 
 
 def compress_rows(ls: Any, rec: Any, il: int, ro: Any, C: Any, which: str, stream: Callable) -> None:
     """Each row's compressor update (and emission when its group completes) in its state."""
-    cfg, rows, (fq, f16) = rec.cfg, rec.rows, _fq(rec)
-    w, ratio, overlap, hd, kv, score, out, x_kv, x_sc, idx = _compressor(rec, il, ro, which)
+    rows = rec.rows
+    layer, keys, x_kv, x_sc = _compressor(rec, il, ro, C, which)
+    w = layer.width
     for n in range(rec.R):
-        p = rows.state(n)
-        ops_comp.compressor_decode(ls, row(x_kv, n, w), row(x_sc, n, w), C.ape.array, C.norm.array, rec.freqs[il],
-                                   rows.pos(n), p[f"{il}.{kv}"], p[f"{il}.{score}"], p[f"{il}.{out}"], ratio, overlap,
-                                   hd, cfg.rope_dim, cfg.norm_eps, idx, fq, f16, **stream())
+        ops_comp.compressor_decode(ls, layer, _comp_state(rows.state(n), il, keys), row(x_kv, n, w),
+                                   row(x_sc, n, w), rows.pos(n), **stream())
 
 
 def compress_block(ls: Any, rec: Any, il: int, ro: Any, C: Any, which: str, stream: Callable) -> None:
     """Every group the block completes, pooled in parallel, then the block's tail into the compressor's rings."""
-    cfg, T, (fq, f16) = rec.cfg, rec.R, _fq(rec)
-    w, ratio, overlap, hd, kv, score, out, x_kv, x_sc, idx = _compressor(rec, il, ro, which)
-    p = rec.rows.state(0)
-    ops_comp.compressor_prefill(ls, x_kv.view(0, T * w), x_sc.view(0, T * w), T, C.ape.array, C.norm.array,
-                                rec.freqs[il], rec.rows.positions, p[f"{il}.{kv}"], p[f"{il}.{score}"],
-                                p[f"{il}.{out}"], ratio, overlap, hd, cfg.rope_dim, cfg.norm_eps, idx, fq, f16,
-                                **ls.main())
+    T = rec.R
+    layer, keys, x_kv, x_sc = _compressor(rec, il, ro, C, which)
+    w = layer.width
+    ops_comp.compressor_prefill(ls, layer, _comp_state(rec.rows.state(0), il, keys), x_kv.view(0, T * w),
+                                x_sc.view(0, T * w), T, rec.rows.positions, **ls.main())
 
 
 def index_queries_rows(ls: Any, rec: Any, il: int) -> None:
@@ -241,11 +244,25 @@ def index_queries_block(ls: Any, rec: Any, il: int) -> None:
                                 cfg.index_head_dim, cfg.rope_dim, rec.R, rec.numerics.fake_quant, **ls.main())
 
 
+def attn_layer(rec: Any, il: int, A: Any, q_norm: bool = True) -> ops_attn.AttnLayer:
+    """Layer il's attention shapes and arrays (RoPE freqs, sinks) for the attention ops."""
+    cfg = rec.cfg
+    return ops_attn.AttnLayer(rec.freqs[il], A.sinks.array, cfg.n_heads, cfg.rope_dim, cfg.window, cfg.norm_eps,
+                              cfg.head_dim ** -0.5, q_norm)
+
+
+def _decode_buffers(rec: Any, n: int, pos: Any, plan: Any) -> ops_attn.DecodeBuffers:
+    """Row n's query, position slot, the shared split partials (sized by its plan) and output."""
+    ws, qd = rec.ws, rec.cfg.q_dim
+    return ops_attn.DecodeBuffers(row(ws.q, n, qd), pos, ws.part_o.view(0, plan.part_o_shape),
+                                  ws.part_ml.view(0, plan.part_ml_shape), row(ws.o, n, qd))
+
+
 def attend_rows(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
     """Each row: the indexer's scores and top-k over its state's keys (indexer layers), then split-key attention
     over its window, compressed rows and the sink, with its own context bucket's plan."""
     cfg, ws, rows = rec.cfg, rec.ws, rec.rows
-    hd, iqd = cfg.head_dim, cfg.index_heads * cfg.index_head_dim
+    iqd = cfg.index_heads * cfg.index_head_dim
     for n in range(rec.R):
         p, pos, plan = rows.state(n), rows.pos(n), rec.plan(n, il, ls.profile)
         comp = p[f"{ro.kv_source}.comp_rows"] if ro.compressed else None
@@ -259,11 +276,9 @@ def attend_rows(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
             ops_topk.topk(ls, ws.scores.view(0, n_keys), cfg.index_topk, ws.sel, pos_slot=pos, ratio=ro.index_ratio,
                           **ls.main())
             sel = ws.sel
-        ops_attn.decode_attention(ls, plan, row(ws.q, n, cfg.q_dim), rec.freqs[il], pos, p[f"{il}.win"], cfg.window,
-                                  comp, ro.ratio, sel, cfg.index_topk, A.sinks.array,
-                                  ws.part_o.view(0, plan.part_o_shape), ws.part_ml.view(0, plan.part_ml_shape),
-                                  row(ws.o, n, cfg.q_dim), cfg.rope_dim, cfg.norm_eps, hd ** -0.5, **ls.main(),
-                                  combine_pdl=ls.main()["pdl"])
+        ops_attn.decode_attention(ls, plan, attn_layer(rec, il, A),
+                                  ops_attn.AttnKeys(p[f"{il}.win"], comp, ro.ratio, sel, cfg.index_topk),
+                                  _decode_buffers(rec, n, pos, plan), **ls.main(), combine_pdl=ls.main()["pdl"])
 
 
 def attend_block(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
@@ -282,9 +297,9 @@ def attend_block(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
                                     stride, ih, ihd, n_keys, T, ro.index_ratio, **ls.main())
         ops_topk.topk_rows(ls, ws.scores, stride, cfg.index_topk, ws.sel, pos, T, ro.index_ratio, **ls.main())
         sel = ws.sel
-    ops_pfa.prefill_attention(ls, ws.q, rec.freqs[il], pos, p[f"{il}.win"], ws.kvb, cfg.window, comp, ro.ratio, sel,
-                              cfg.index_topk, A.sinks.array, ws.o, T, cfg.n_heads, cfg.rope_dim, cfg.norm_eps,
-                              cfg.head_dim ** -0.5, **ls.main())
+    ops_pfa.prefill_attention(ls, attn_layer(rec, il, A),
+                              ops_attn.AttnKeys(p[f"{il}.win"], comp, ro.ratio, sel, cfg.index_topk),
+                              ops_pfa.PrefillRows(ws.q, pos, ws.kvb, ws.o, T), **ls.main())
     ops_pfa.ring_store(ls, ws.kvb, T, pos, p[f"{il}.win"], **ls.main())
 
 
@@ -476,7 +491,7 @@ def v41_attend_rows(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
     indexers after it score inside them) and keeps the top-k in the row's sel; a compressed layer attends to its kv
     source's rows through the latest index source's sel (written earlier in this step); no per-head q norm."""
     cfg, ws, rows = rec.cfg, rec.ws, rec.rows
-    hd, iqd, k = cfg.head_dim, cfg.index_heads * cfg.index_head_dim, cfg.index_topk
+    iqd, k = cfg.index_heads * cfg.index_head_dim, cfg.index_topk
     for n in range(rec.R):
         p, pos, plan = rows.state(n), rows.pos(n), rec.plan(n, il, ls.profile)
         comp, sel = (p[f"{ro.kv_source}.comp_rows"], row(ws.sel, n, k)) if ro.compressed else (None, None)
@@ -491,10 +506,9 @@ def v41_attend_rows(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
             ops_topk.topk(ls, scores, k, sel, pos_slot=pos, ratio=ro.index_ratio, **ls.main())
             if ro.uses_candidates:             # fewer candidate rows than k: the picks outside them are dropped
                 ops_v41.drop_masked(ls, scores, sel, pos, 1, n_keys, ro.index_ratio, k, **ls.main())
-        ops_attn.decode_attention(ls, plan, row(ws.q, n, cfg.q_dim), rec.freqs[il], pos, p[f"{il}.win"], cfg.window,
-                                  comp, ro.ratio, sel, k, A.sinks.array, ws.part_o.view(0, plan.part_o_shape),
-                                  ws.part_ml.view(0, plan.part_ml_shape), row(ws.o, n, cfg.q_dim), cfg.rope_dim,
-                                  cfg.norm_eps, hd ** -0.5, **ls.main(), q_norm=False, combine_pdl=ls.main()["pdl"])
+        ops_attn.decode_attention(ls, plan, attn_layer(rec, il, A, q_norm=False),
+                                  ops_attn.AttnKeys(p[f"{il}.win"], comp, ro.ratio, sel, k),
+                                  _decode_buffers(rec, n, pos, plan), **ls.main(), combine_pdl=ls.main()["pdl"])
 
 
 def v41_attend_block(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
@@ -512,9 +526,9 @@ def v41_attend_block(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
         ops_topk.topk_rows(ls, ws.scores, stride, cfg.index_topk, ws.sel, pos, T, ro.index_ratio, **ls.main())
         if ro.uses_candidates:
             ops_v41.drop_masked(ls, ws.scores, ws.sel, pos, T, stride, ro.index_ratio, cfg.index_topk, **ls.main())
-    ops_pfa.prefill_attention(ls, ws.q, rec.freqs[il], pos, p[f"{il}.win"], ws.kvb, cfg.window, comp, ro.ratio, sel,
-                              cfg.index_topk, A.sinks.array, ws.o, T, cfg.n_heads, cfg.rope_dim, cfg.norm_eps,
-                              cfg.head_dim ** -0.5, **ls.main(), q_norm=False)
+    ops_pfa.prefill_attention(ls, attn_layer(rec, il, A, q_norm=False),
+                              ops_attn.AttnKeys(p[f"{il}.win"], comp, ro.ratio, sel, cfg.index_topk),
+                              ops_pfa.PrefillRows(ws.q, pos, ws.kvb, ws.o, T), **ls.main())
     ops_pfa.ring_store(ls, ws.kvb, T, pos, p[f"{il}.win"], **ls.main())
 
 
