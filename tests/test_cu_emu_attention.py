@@ -10,7 +10,7 @@ import pytest
 
 from ds4py.cuda import emu
 from ds4py.cuda.ops import attention as ops_attn
-from ds4py.cuda.ops.attention import AttnKeys, AttnLayer, DecodeBuffers
+from ds4py.cuda.ops.attention import AttnKeys, AttnLayer, DecodeBuffers, KvRow
 from ds4py.cuda.twins import attention as twin
 from ds4py.cuda.twins.core import assert_close_scaled
 from ds4py.errors import Ds4Error
@@ -46,8 +46,8 @@ def test_kv_store(kdev, hd, rd, ring, pos, fake_quant, round_f16, order):
     before = win.copy()
     dev = kdev(order, pos)
     d_win = dev.var(win)
-    ops_attn.kv_store(dev.rt, dev.const(kv_raw), dev.const(norm_w), dev.const(freqs),
-                      dev.const(np.array([pos], np.int32)), d_win, hd, rd, EPS, fake_quant, round_f16)
+    ops_attn.kv_store(dev.rt, KvRow(dev.const(norm_w), dev.const(freqs), hd, rd, EPS, fake_quant, round_f16),
+                      dev.const(kv_raw), dev.const(np.array([pos], np.int32)), d_win)
     win = d_win.download()
     slot = pos % ring
     others = np.arange(ring) != slot
@@ -78,8 +78,8 @@ def test_fp8_fake_quant_is_exact_on_the_grid(kdev):
     norm_w = np.full(hd, np.sqrt(ms + EPS), np.float32)   # undo the RMSNorm (up to rounding)
     dev = kdev()
     d_win = dev.var(np.zeros((4, hd), np.float32))
-    ops_attn.kv_store(dev.rt, dev.const(x), dev.const(norm_w), dev.const(yarn_freqs(rd)),
-                      dev.const(np.array([0], np.int32)), d_win, hd, rd, EPS, True, False)
+    ops_attn.kv_store(dev.rt, KvRow(dev.const(norm_w), dev.const(yarn_freqs(rd)), hd, rd, EPS, True, False),
+                      dev.const(x), dev.const(np.array([0], np.int32)), d_win)
     win = d_win.download()
     _, pre, mag = twin.kv_row(x, norm_w, yarn_freqs(rd), 0, rd, EPS, True, False)
     twin.assert_fake_quant_close(win[0, :64], pre[:64], 8 * EPS32 * mag[:64], "fp8", 64, "grid row")
@@ -217,8 +217,8 @@ def test_attention_is_bit_identical_across_thread_orders(kdev):
 def test_attention_wrappers_reject_bad_shapes():
     rt = None                                            # rejected before any launch
     with pytest.raises(Ds4Error, match="blocks of 64"):
-        ops_attn.kv_store(rt, np.zeros(100, np.float32), np.zeros(100, np.float32), np.zeros(16, np.float32),
-                          np.zeros(1, np.int32), np.zeros((4, 100), np.float32), 100, 32, EPS)
+        ops_attn.kv_store(rt, KvRow(np.zeros(100, np.float32), np.zeros(16, np.float32), 100, 32, EPS),
+                          np.zeros(100, np.float32), np.zeros(1, np.int32), np.zeros((4, 100), np.float32))
     with pytest.raises(Ds4Error, match="multiple of 8"):
         ops_attn.attn_plan(4, 100, 64)
     plan = ops_attn.attn_plan(4, 64, 64)

@@ -113,8 +113,8 @@ def test_attention_sublayer_matches_the_reference(kdev, model):
         ops.rmsnorm(dev.rt, linear(dev, P, "attn_q_a.weight", x, qr_dim, D), P.f32("attn_q_a_norm.weight"), qr,
                     qr_dim, eps)
         q = linear(dev, P, "attn_q_b.weight", qr, H * hd, qr_dim)
-        ops_attn.kv_store(dev.rt, linear(dev, P, "attn_kv.weight", x, hd, D), P.f32("attn_kv_a_norm.weight"), freqs,
-                          pos_slot, win, hd, rd, eps, fake_quant=False)
+        ops_attn.kv_store(dev.rt, ops_attn.KvRow(P.f32("attn_kv_a_norm.weight"), freqs, hd, rd, eps, fake_quant=False),
+                          linear(dev, P, "attn_kv.weight", x, hd, D), pos_slot, win)
         ops_comp.compressor_decode(dev.rt,
                                    ops_comp.CompLayer(P.any("attn_compressor_ape.weight"),
                                                       P.f32("attn_compressor_norm.weight"), freqs, ratio, True, hd, rd,

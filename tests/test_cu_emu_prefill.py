@@ -13,7 +13,7 @@ from ds4py.cuda import emu
 from ds4py.cuda.ops import attention as ops_attn
 from ds4py.cuda.ops import indexer as ops_idx
 from ds4py.cuda.ops import prefill_attn as ops_pfa
-from ds4py.cuda.ops.attention import AttnKeys, AttnLayer
+from ds4py.cuda.ops.attention import AttnKeys, AttnLayer, KvRow
 from ds4py.cuda.ops.prefill_attn import PrefillRows
 from ds4py.cuda.ops import router as ops_route
 from ds4py.cuda.ops import topk as ops_topk
@@ -58,14 +58,13 @@ def test_kv_rows_equal_the_decode_store_and_the_ring_keeps_the_tail(kdev, hd, rd
     dev = kdev(order, T)
     d_blk = dev.var(np.full((T, hd), np.nan, np.float32))
     d_pos = dev.const(pos)
-    ops_pfa.kv_rows(dev.rt, dev.const(kv_raw), dev.const(norm_w), dev.const(freqs), d_pos, d_blk, T, hd, rd, EPS,
-                    True, False)
+    kr = KvRow(dev.const(norm_w), dev.const(freqs), hd, rd, EPS, True, False)
+    ops_pfa.kv_rows(dev.rt, kr, dev.const(kv_raw), d_pos, d_blk, T)
     blk = d_blk.download()
     # row t is bit for bit what the decode kv store writes at pos[t]
     d_win = dev.var(np.zeros((T, hd), np.float32))
     for t in range(T):
-        ops_attn.kv_store(dev.rt, dev.const(kv_raw[t]), dev.const(norm_w), dev.const(freqs),
-                          dev.const(pos[t:t + 1]), d_win, hd, rd, EPS, True, False)
+        ops_attn.kv_store(dev.rt, kr, dev.const(kv_raw[t]), dev.const(pos[t:t + 1]), d_win)
     win = d_win.download()
     np.testing.assert_array_equal(blk, win[pos % T])
     want, pre, mag = twin.kv_rows(kv_raw, norm_w, freqs, pos, rd, EPS, True, False)
@@ -226,8 +225,8 @@ def test_prefill_wrappers_reject_bad_shapes():
     rt = None                                            # rejected before any launch
     z = np.zeros
     with pytest.raises(Ds4Error, match="blocks of 64"):
-        ops_pfa.kv_rows(rt, z((2, 100), np.float32), z(100, np.float32), z(16, np.float32), z(2, np.int32),
-                        z((2, 100), np.float32), 2, 100, 32, EPS)
+        ops_pfa.kv_rows(rt, KvRow(z(100, np.float32), z(16, np.float32), 100, 32, EPS), z((2, 100), np.float32),
+                        z(2, np.int32), z((2, 100), np.float32), 2)
     with pytest.raises(Ds4Error, match="int32"):
         ops_pfa.ring_store(rt, z((2, 64), np.float32), 2, z(2, np.float32), z((4, 64), np.float32))
     with pytest.raises(Ds4Error, match="sel must be"):

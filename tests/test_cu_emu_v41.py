@@ -11,6 +11,7 @@ import pytest
 
 from ds4py.cuda import emu
 from ds4py.cuda.ops import v41 as ops_v41
+from ds4py.cuda.ops.attention import KvRow
 from ds4py.cuda.twins import v41 as twin
 from ds4py.ref import ops
 from tests.cu_emu_device import devices
@@ -41,8 +42,8 @@ def test_kv_rows_and_index_q(kdev, order):
     outs = {}
     for fq in (False, True):
         win = dev.var(np.zeros((ring, hd), F32))
-        ops_v41.kv_rows(dev.rt, dev.const(kv), dev.const(w), dev.const(FREQS), dev.const(pos), win, T, hd, 16, EPS,
-                        fq)
+        ops_v41.kv_rows(dev.rt, KvRow(dev.const(w), dev.const(FREQS), hd, 16, EPS, fq), dev.const(kv),
+                        dev.const(pos), win, T)
         outs[fq] = win.download()[pos % ring]
     for t in range(T):
         _, pre = twin.kv_row(kv[t], w, FREQS, int(pos[t]), EPS, False)
@@ -85,8 +86,8 @@ def test_compressor_decode_and_block(kdev, ratio):
                 ops_v41.comp_ring_store(dev.rt, dev.const(kv[p]), dev.const(sc[p]), pos, *rings, 1, d)
             if (p + 1) % ratio == 0:
                 lats[(p + 1) // ratio - 1] = lat.download()[0]
-                ops_v41.index_keys(dev.rt, dev.const(lat.download()[0]), dev.const(kn), dev.const(FREQS), pos, keys,
-                                   1, ratio, ihd, 16, EPS, fq)
+                ops_v41.index_keys(dev.rt, KvRow(dev.const(kn), dev.const(FREQS), ihd, 16, EPS, fq),
+                                   dev.const(lat.download()[0]), pos, keys, 1, ratio)
         got, got_keys = rows.download(), keys.download()
         for g in range(n_g):
             row, pre, want_lat = twin.group_row(kv, sc, g, ratio, w, FREQS, EPS, False)

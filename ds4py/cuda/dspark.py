@@ -53,7 +53,7 @@ from ds4py.cuda.layer import Launcher, Recording, RowSet
 from ds4py.cuda.ops import dspark as ops_dspark
 from ds4py.cuda.ops.argmax import argmax_parts
 from ds4py.cuda.ops import prefill_attn as ops_pfa
-from ds4py.cuda.ops.attention import AttnKeys
+from ds4py.cuda.ops.attention import AttnKeys, KvRow
 from ds4py.cuda.ops import v41 as ops_v41
 from ds4py.cuda.ops.mhc import mix_record
 from ds4py.errors import UnsupportedByBackend
@@ -138,8 +138,8 @@ class CudaDSpark(CudaDraftStates, DSparkBase):
         gemvs(ls, [(L.attn.kv, b[f"kv{s}"], cfg.head_dim) for s, L in enumerate(D.stages)], b["main_x"], cfg.dim, n,
               ls.main, norm=(D.main_norm.array, cfg.norm_eps))
         for s, L in enumerate(D.stages):
-            ops_v41.kv_rows(ls, b[f"kv{s}"], L.attn.kv_norm.array, self._freqs[s], b["pos"], st.arrays[f"{s}.win"], n,
-                            cfg.head_dim, cfg.rope_dim, cfg.norm_eps, fq, f16, **ls.main())
+            kr = KvRow(L.attn.kv_norm.array, self._freqs[s], cfg.head_dim, cfg.rope_dim, cfg.norm_eps, fq, f16)
+            ops_v41.kv_rows(ls, kr, b[f"kv{s}"], b["pos"], st.arrays[f"{s}.win"], n, **ls.main())
 
     # ---- one draft call -------------------------------------------------------------------------------------
     def block(self, state: CudaState, token: int) -> "ChainBlock":

@@ -180,19 +180,23 @@ def _fq(rec: Any) -> tuple[bool, bool]:
     return rec.numerics.fake_quant, rec.numerics.kv_dtype == "f16"
 
 
+def kv_row(rec: Any, il: int, A: Any) -> ops_attn.KvRow:
+    """Layer il's kv row: its kv norm, RoPE freqs, head and rope dims and the step's numerics."""
+    cfg, (fq, f16) = rec.cfg, _fq(rec)
+    return ops_attn.KvRow(A.kv_norm.array, rec.freqs[il], cfg.head_dim, cfg.rope_dim, cfg.norm_eps, fq, f16)
+
+
 def kv_store_rows(ls: Any, rec: Any, il: int, A: Any, stream: Callable) -> None:
     """Each row's kv row, normalised and roped, into its state's window ring."""
-    cfg, rows, (fq, f16) = rec.cfg, rec.rows, _fq(rec)
+    cfg, rows, kr = rec.cfg, rec.rows, kv_row(rec, il, A)
     for n in range(rec.R):
-        ops_attn.kv_store(ls, row(rec.ws.kv, n, cfg.head_dim), A.kv_norm.array, rec.freqs[il], rows.pos(n),
-                          rows.state(n)[f"{il}.win"], cfg.head_dim, cfg.rope_dim, cfg.norm_eps, fq, f16, **stream())
+        ops_attn.kv_store(ls, kr, row(rec.ws.kv, n, cfg.head_dim), rows.pos(n), rows.state(n)[f"{il}.win"],
+                          **stream())
 
 
 def kv_store_block(ls: Any, rec: Any, il: int, A: Any, stream: Callable) -> None:
     """The block's kv rows into the block buffer kvb (the ring gets them after attention, attend_block)."""
-    cfg, (fq, f16) = rec.cfg, _fq(rec)
-    ops_pfa.kv_rows(ls, rec.ws.kv, A.kv_norm.array, rec.freqs[il], rec.rows.positions, rec.ws.kvb, rec.R,
-                    cfg.head_dim, cfg.rope_dim, cfg.norm_eps, fq, f16, **ls.main())
+    ops_pfa.kv_rows(ls, kv_row(rec, il, A), rec.ws.kv, rec.rows.positions, rec.ws.kvb, rec.R, **ls.main())
 
 
 def _compressor(rec: Any, il: int, ro: Any, C: Any, which: str) -> tuple:
@@ -431,16 +435,15 @@ def experts_down_block(ls: Any, rec: Any, E: Any, X: DeviceArray, X_out: DeviceA
 # ---- V4.1's layer roles (MODEL.md §3; ref/forward.py with ref/v41.py): the same schedule, these operations ---------
 def v41_kv_store_rows(ls: Any, rec: Any, il: int, A: Any, stream: Callable) -> None:
     """Each row's kv row (FP8 over the whole row in blocks of 32) into its state's window ring."""
-    cfg, rows, (fq, f16) = rec.cfg, rec.rows, _fq(rec)
+    cfg, rows, kr = rec.cfg, rec.rows, kv_row(rec, il, A)
     for n in range(rec.R):
-        ops_v41.kv_rows(ls, row(rec.ws.kv, n, cfg.head_dim), A.kv_norm.array, rec.freqs[il], rows.pos(n),
-                        rows.state(n)[f"{il}.win"], 1, cfg.head_dim, cfg.rope_dim, cfg.norm_eps, fq, f16, **stream())
+        ops_v41.kv_rows(ls, kr, row(rec.ws.kv, n, cfg.head_dim), rows.pos(n), rows.state(n)[f"{il}.win"], 1,
+                        **stream())
 
 
 def v41_kv_store_block(ls: Any, rec: Any, il: int, A: Any, stream: Callable) -> None:
-    cfg, (fq, f16) = rec.cfg, _fq(rec)
-    ops_v41.kv_rows(ls, rec.ws.kv, A.kv_norm.array, rec.freqs[il], rec.rows.positions, rec.ws.kvb, rec.R,
-                    cfg.head_dim, cfg.rope_dim, cfg.norm_eps, fq, f16, ring=False, **ls.main())
+    ops_v41.kv_rows(ls, kv_row(rec, il, A), rec.ws.kv, rec.rows.positions, rec.ws.kvb, rec.R, ring=False,
+                    **ls.main())
 
 
 def _v41_compress(ls: Any, rec: Any, il: int, ro: Any, A: Any, stream: Callable, parts: list) -> None:
@@ -458,9 +461,10 @@ def _v41_compress(ls: Any, rec: Any, il: int, ro: Any, A: Any, stream: Callable,
     if not ro.owns_index_keys:
         return
     of(rec.mode).dense(ls, rec, [(A.index.k, ws.ik, ihd)], ws.clat, hd, stream)     # wk . latent, every row
+    keys_row = ops_attn.KvRow(A.index.k_norm.array, rec.freqs[il], ihd, cfg.rope_dim, cfg.norm_eps, fq, f16)
     for p, pos, r0, n in parts:
-        ops_v41.index_keys(ls, rows_of(ws.ik, r0, n, ihd), A.index.k_norm.array, rec.freqs[il], pos,
-                           p[f"{il}.idx_keys"], n, ro.ratio, ihd, cfg.rope_dim, cfg.norm_eps, fq, f16, **stream())
+        ops_v41.index_keys(ls, keys_row, rows_of(ws.ik, r0, n, ihd), pos, p[f"{il}.idx_keys"], n, ro.ratio,
+                           **stream())
 
 
 def v41_compress_rows(ls: Any, rec: Any, il: int, ro: Any, A: Any, stream: Callable) -> None:

@@ -31,10 +31,23 @@ def pair_threads(dim: int) -> int:
     return 32 * (-(-dim // 64))
 
 
-def kv_store(rt: Any, kv_raw: Any, norm_w: Any, freqs: Any, pos_slot: Any, win: Any, hd: int, rd: int,
-             eps: float, fake_quant: bool = True, round_f16: bool = False, stream: Any = None,
+@dataclass(frozen=True)
+class KvRow:
+    """How one layer makes its kv (or key) rows, the same for every call: RMSNorm weight [hd], RoPE freqs [rd/2],
+    shapes and numerics (fake_quant: the FP8 / FP4 round trip; round_f16: the f16 kv cache's rounding)."""
+    norm_w: Any
+    freqs: Any
+    hd: int
+    rd: int
+    eps: float
+    fake_quant: bool = True
+    round_f16: bool = False
+
+
+def kv_store(rt: Any, kr: KvRow, kv_raw: Any, pos_slot: Any, win: Any, stream: Any = None,
              pdl: bool = False) -> None:
     """win[pos % ring] = FP8(RoPE(RMSNorm(kv_raw; norm_w))) for the decode position in pos_slot."""
+    norm_w, freqs, hd, rd = kr.norm_w, kr.freqs, kr.hd, kr.rd
     need(hd % 2 == 0 and rd % 2 == 0 and 0 < rd <= hd and (hd - rd) % 64 == 0,
          f"attn_kv_store: head dim {hd} with {rd} rope dims needs even sizes and a non-rope part in blocks of 64")
     need(kv_raw.size == hd and norm_w.size == hd and freqs.size == rd // 2,
@@ -46,7 +59,7 @@ def kv_store(rt: Any, kv_raw: Any, norm_w: Any, freqs: Any, pos_slot: Any, win: 
          "attn_kv_store: float32 arrays and an int32 position slot expected")
     need(aligned(8, kv_raw, norm_w, win), "attn_kv_store: kv, norm weight and ring must be 8-byte aligned")
     rt.launch("attn_kv_store", 1, pair_threads(hd), kv_raw, norm_w, freqs, pos_slot, win, int(win.shape[0]), hd,
-              rd, float(eps), int(fake_quant), int(round_f16), stream=stream, pdl=pdl)
+              rd, float(kr.eps), int(kr.fake_quant), int(kr.round_f16), stream=stream, pdl=pdl)
 
 
 @dataclass(frozen=True)

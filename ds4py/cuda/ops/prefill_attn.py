@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ds4py.cuda.ops.attention import AttnKeys, AttnLayer, pair_threads
+from ds4py.cuda.ops.attention import AttnKeys, AttnLayer, KvRow, pair_threads
 from ds4py.cuda.ops.core import aligned, dtype_or_none, need
 
 PFA_TILE = 16                  # keys staged per tile
@@ -21,10 +21,10 @@ PFA_MAX_HD = 512               # largest head dim
 DEFINES = {"PFA_TILE": PFA_TILE, "PFA_HPW": PFA_HPW, "PFA_MAX_HD": PFA_MAX_HD}   # -D values of cu/prefill_attn.cu
 
 
-def kv_rows(rt: Any, kv_raw: Any, norm_w: Any, freqs: Any, pos: Any, blk: Any, n_rows: int, hd: int, rd: int,
-            eps: float, fake_quant: bool = True, round_f16: bool = False, stream: Any = None,
+def kv_rows(rt: Any, kr: KvRow, kv_raw: Any, pos: Any, blk: Any, n_rows: int, stream: Any = None,
             pdl: bool = False) -> None:
     """blk[t] = FP8(RoPE(RMSNorm(kv_raw[t]; norm_w), pos[t])) for the block's n_rows rows (attn_kv_store's row)."""
+    norm_w, freqs, hd, rd = kr.norm_w, kr.freqs, kr.hd, kr.rd
     need(hd % 2 == 0 and rd % 2 == 0 and 0 < rd <= hd and (hd - rd) % 64 == 0,
          f"prefill_kv_rows: head dim {hd} with {rd} rope dims needs even sizes and a non-rope part in blocks of 64")
     need(n_rows >= 1 and kv_raw.size >= n_rows * hd and blk.size >= n_rows * hd and norm_w.size == hd
@@ -33,8 +33,8 @@ def kv_rows(rt: Any, kv_raw: Any, norm_w: Any, freqs: Any, pos: Any, blk: Any, n
     need(all(dtype_or_none(a, np.float32) for a in (kv_raw, norm_w, freqs, blk)) and dtype_or_none(pos, np.int32),
          "prefill_kv_rows: float32 arrays and int32 positions expected")
     need(aligned(8, kv_raw, norm_w, blk), "prefill_kv_rows: kv, norm weight and rows must be 8-byte aligned")
-    rt.launch("prefill_kv_rows", int(n_rows), pair_threads(hd), kv_raw, norm_w, freqs, pos, blk, hd, rd, float(eps),
-              int(fake_quant), int(round_f16), stream=stream, pdl=pdl)
+    rt.launch("prefill_kv_rows", int(n_rows), pair_threads(hd), kv_raw, norm_w, freqs, pos, blk, hd, rd,
+              float(kr.eps), int(kr.fake_quant), int(kr.round_f16), stream=stream, pdl=pdl)
 
 
 def ring_store(rt: Any, blk: Any, n_rows: int, pos: Any, ring: Any, stream: Any = None, pdl: bool = False) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from ds4py.cuda.ops.attention import pair_threads
+from ds4py.cuda.ops.attention import KvRow, pair_threads
 from ds4py.cuda.ops.core import aligned, is_dtype, need
 
 V41_THREADS = 256          # block of v41_candidates and v41_engram
@@ -18,11 +18,11 @@ def _f32(*arrays: Any) -> bool:
     return all(a is None or is_dtype(a, np.float32) for a in arrays)
 
 
-def kv_rows(rt: Any, kv_raw: Any, norm_w: Any, freqs: Any, pos: Any, out: Any, n_rows: int, hd: int, rd: int,
-            eps: float, fake_quant: bool = True, round_f16: bool = False, ring: bool = True, stream: Any = None,
-            pdl: bool = False) -> None:
+def kv_rows(rt: Any, kr: KvRow, kv_raw: Any, pos: Any, out: Any, n_rows: int, ring: bool = True,
+            stream: Any = None, pdl: bool = False) -> None:
     """out <- FP8_32(RoPE(RMSNorm(kv_raw[r]; norm_w))) for n_rows rows at pos[r]: into ring slot pos % len(out)
     (ring) or row r of a block buffer."""
+    norm_w, freqs, hd, rd = kr.norm_w, kr.freqs, kr.hd, kr.rd
     need(hd % 64 == 0 and rd % 2 == 0 and 0 < rd <= hd, f"v41_kv_rows: head dim {hd} must be whole blocks of 64")
     need(kv_raw.size >= n_rows * hd and norm_w.size == hd and freqs.size == rd // 2 and pos.size >= n_rows,
          "v41_kv_rows: kv, norm, freqs or positions do not match")
@@ -31,8 +31,8 @@ def kv_rows(rt: Any, kv_raw: Any, norm_w: Any, freqs: Any, pos: Any, out: Any, n
     need(_f32(kv_raw, norm_w, freqs, out) and is_dtype(pos, np.int32) and aligned(8, kv_raw, norm_w, out),
          "v41_kv_rows: 8-byte aligned float32 arrays and int32 positions expected")
     rt.launch("v41_kv_rows", n_rows, pair_threads(hd), kv_raw, norm_w, freqs, pos, out,
-              int(out.shape[0]) if ring else 0, hd, rd, float(eps), int(fake_quant), int(round_f16), stream=stream,
-              pdl=pdl)
+              int(out.shape[0]) if ring else 0, hd, rd, float(kr.eps), int(kr.fake_quant), int(kr.round_f16),
+              stream=stream, pdl=pdl)
 
 
 def index_q(rt: Any, q_raw: Any, freqs: Any, pos: Any, q: Any, n_rows: int, n_heads: int, ihd: int, rd: int,
@@ -88,10 +88,11 @@ def comp_ring_store(rt: Any, kv_in: Any, sc_in: Any, pos: Any, ring_kv: Any, rin
               ring_sc, n_rows, int(ring_kv.shape[0]), d, stream=stream, pdl=pdl)
 
 
-def index_keys(rt: Any, k_raw: Any, k_norm: Any, freqs: Any, pos: Any, keys: Any, n_rows: int, ratio: int, ihd: int,
-               rd: int, eps: float, fake_quant: bool = True, round_f16: bool = False, stream: Any = None,
+def index_keys(rt: Any, kr: KvRow, k_raw: Any, pos: Any, keys: Any, n_rows: int, ratio: int, stream: Any = None,
                pdl: bool = False) -> None:
-    """keys[g] = FP4_32(RoPE(RMSNorm(k_raw[r]; k_norm) at g*ratio)) for every row r completing group g."""
+    """keys[g] = FP4_32(RoPE(RMSNorm(k_raw[r]; k_norm) at g*ratio)) for every row r completing group g (kr: the
+    indexer's key norm k_norm [ihd], freqs, ihd, rd)."""
+    k_norm, freqs, ihd, rd = kr.norm_w, kr.freqs, kr.hd, kr.rd
     need(ihd % 32 == 0 and rd % 2 == 0 and 0 < rd <= ihd and k_norm.size == ihd and freqs.size == rd // 2,
          f"v41_index_keys: head dim {ihd}, k_norm or freqs do not match")
     need(k_raw.size >= n_rows * ihd and pos.size >= n_rows and len(keys.shape) == 2 and keys.shape[1] == ihd,
@@ -99,7 +100,7 @@ def index_keys(rt: Any, k_raw: Any, k_norm: Any, freqs: Any, pos: Any, keys: Any
     need(_f32(k_raw, k_norm, freqs, keys) and is_dtype(pos, np.int32) and aligned(8, k_raw, k_norm, keys),
          "v41_index_keys: 8-byte aligned float32 arrays and int32 positions expected")
     rt.launch("v41_index_keys", n_rows, pair_threads(ihd), k_raw, k_norm, freqs, pos, keys, int(keys.shape[0]),
-              int(ratio), ihd, rd, float(eps), int(fake_quant), int(round_f16), stream=stream, pdl=pdl)
+              int(ratio), ihd, rd, float(kr.eps), int(kr.fake_quant), int(kr.round_f16), stream=stream, pdl=pdl)
 
 
 def candidates(rt: Any, scores: Any, cand: Any, pos: Any, n_rows: int, stride: int, ratio: int, n_blocks: int,
