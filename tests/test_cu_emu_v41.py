@@ -12,6 +12,8 @@ import pytest
 from ds4py.cuda import emu
 from ds4py.cuda.ops import v41 as ops_v41
 from ds4py.cuda.ops.attention import KvRow
+from ds4py.cuda.ops.compressor import CompState
+from ds4py.cuda.ops.v41 import CompRows
 from ds4py.cuda.twins import v41 as twin
 from ds4py.ref import ops
 from tests.cu_emu_device import devices
@@ -80,10 +82,11 @@ def test_compressor_decode_and_block(kdev, ratio):
         lats = {}
         for p in range(P):                                   # decode
             pos = dev.const(np.array([p], np.int32))
-            ops_v41.compress(dev.rt, dev.const(kv[p]), None if sc is None else dev.const(sc[p]), *rings, dev.const(w),
-                             dev.const(FREQS), pos, rows, lat, 1, ratio, d, 16, EPS, fq)
+            src = CompRows(dev.const(kv[p]), None if sc is None else dev.const(sc[p]), pos, 1, lat)
+            ops_v41.compress(dev.rt, KvRow(dev.const(w), dev.const(FREQS), d, 16, EPS, fq), ratio,
+                             CompState(*rings, rows), src)
             if ratio > 1:
-                ops_v41.comp_ring_store(dev.rt, dev.const(kv[p]), dev.const(sc[p]), pos, *rings, 1, d)
+                ops_v41.comp_ring_store(dev.rt, CompState(*rings, rows), src)
             if (p + 1) % ratio == 0:
                 lats[(p + 1) // ratio - 1] = lat.download()[0]
                 ops_v41.index_keys(dev.rt, KvRow(dev.const(kn), dev.const(FREQS), ihd, 16, EPS, fq),
@@ -107,17 +110,19 @@ def test_compressor_decode_and_block(kdev, ratio):
         rings = [dev.var(np.zeros((6, d), F32)) for _ in range(2)] if ratio > 1 else [None, None]
         if ratio > 1:
             for p in range(a):
-                ops_v41.comp_ring_store(dev.rt, dev.const(kv[p]), dev.const(sc[p]), dev.const(np.array([p], np.int32)),
-                                        *rings, 1, d)
+                ops_v41.comp_ring_store(dev.rt, CompState(*rings, None),
+                                        CompRows(dev.const(kv[p]), dev.const(sc[p]),
+                                                 dev.const(np.array([p], np.int32)), 1))
         rows_b, lat_b = dev.var(np.zeros((n_g + 1, d), F32)), dev.var(np.zeros((P - a, d), F32))
         posb = dev.const(np.arange(a, P, dtype=np.int32))
-        ops_v41.compress(dev.rt, dev.const(kv[a:]), None if sc is None else dev.const(sc[a:]), *rings, dev.const(w),
-                         dev.const(FREQS), posb, rows_b, lat_b, P - a, ratio, d, 16, EPS, False)
+        src = CompRows(dev.const(kv[a:]), None if sc is None else dev.const(sc[a:]), posb, P - a, lat_b)
+        ops_v41.compress(dev.rt, KvRow(dev.const(w), dev.const(FREQS), d, 16, EPS, False), ratio,
+                         CompState(*rings, rows_b), src)
         gb = rows_b.download()
         for g in range((a + 1) // ratio if ratio > 1 else a, n_g):
             close(gb[g], twin.group_row(kv, sc, g, ratio, w, FREQS, EPS, False)[1], f"block row {g}")
         if ratio > 1:
-            ops_v41.comp_ring_store(dev.rt, dev.const(kv[a:]), dev.const(sc[a:]), posb, *rings, P - a, d)
+            ops_v41.comp_ring_store(dev.rt, CompState(*rings, rows_b), src)
             ring_kv = rings[0].download()
             for p in range(P - 6, P):
                 assert np.array_equal(ring_kv[p % 6], kv[p])

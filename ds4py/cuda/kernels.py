@@ -450,14 +450,15 @@ def _v41_compress(ls: Any, rec: Any, il: int, ro: Any, A: Any, stream: Callable,
     """parts: (state arrays, positions, first row, rows) per launch: one per row (DECODE, ROWS) or the block."""
     cfg, ws, (fq, f16) = rec.cfg, rec.ws, _fq(rec)
     C, hd, ihd = A.comp, cfg.head_dim, cfg.index_head_dim
+    comp_row = ops_attn.KvRow(C.norm.array, rec.freqs[il], hd, cfg.rope_dim, cfg.norm_eps, fq, f16)
     for p, pos, r0, n in parts:
         rings = (p[f"{il}.comp_kv"], p[f"{il}.comp_score"]) if ro.gated else (None, None)
-        kv, sc = rows_of(ws.ckv, r0, n, hd), rows_of(ws.csc, r0, n, hd) if ro.gated else None
-        lat = rows_of(ws.clat, r0, n, hd) if ro.owns_index_keys else None
-        ops_v41.compress(ls, kv, sc, *rings, C.norm.array, rec.freqs[il], pos, p[f"{il}.comp_rows"], lat, n, ro.ratio,
-                         hd, cfg.rope_dim, cfg.norm_eps, fq, f16, **stream())
+        st = ops_comp.CompState(*rings, p[f"{il}.comp_rows"])
+        src = ops_v41.CompRows(rows_of(ws.ckv, r0, n, hd), rows_of(ws.csc, r0, n, hd) if ro.gated else None, pos, n,
+                               rows_of(ws.clat, r0, n, hd) if ro.owns_index_keys else None)
+        ops_v41.compress(ls, comp_row, ro.ratio, st, src, **stream())
         if ro.gated:
-            ops_v41.comp_ring_store(ls, kv, sc, pos, *rings, n, hd, **stream())
+            ops_v41.comp_ring_store(ls, st, src, **stream())
     if not ro.owns_index_keys:
         return
     of(rec.mode).dense(ls, rec, [(A.index.k, ws.ik, ihd)], ws.clat, hd, stream)     # wk . latent, every row

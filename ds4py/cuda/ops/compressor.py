@@ -61,7 +61,8 @@ class CompLayer:
 
 @dataclass(frozen=True)
 class CompState:
-    """One compressor's device state: the rings ring_kv / ring_sc [cap, (1+overlap)*d] and its rows [capacity, d]."""
+    """One compressor's device state: the rings ring_kv / ring_sc [cap, (1+overlap)*d] and its rows [capacity, d]
+    (V4.1's v41.compress: no rings at ratio 1; v41.comp_ring_store reads no rows)."""
     ring_kv: Any
     ring_sc: Any
     rows: Any

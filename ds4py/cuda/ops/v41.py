@@ -4,11 +4,13 @@ multi-row step (one launch per row) and a prefill block (all rows) share the ker
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ds4py.cuda.ops.attention import KvRow, pair_threads
+from ds4py.cuda.ops.compressor import CompState
 from ds4py.cuda.ops.core import aligned, is_dtype, need
 
 V41_THREADS = 256          # block of v41_candidates and v41_engram
@@ -48,13 +50,26 @@ def index_q(rt: Any, q_raw: Any, freqs: Any, pos: Any, q: Any, n_rows: int, n_he
               int(fake_quant), stream=stream, pdl=pdl)
 
 
-def compress(rt: Any, kv_in: Any, sc_in: Any | None, ring_kv: Any | None, ring_sc: Any | None, norm_w: Any,
-             freqs: Any, pos: Any, rows: Any, lat: Any | None, n_rows: int, ratio: int, d: int, rd: int, eps: float,
-             fake_quant: bool = True, round_f16: bool = False, stream: Any = None, pdl: bool = False) -> None:
+@dataclass(frozen=True)
+class CompRows:
+    """One call's compressor inputs: kv_in / sc_in [n_rows, d] (sc_in None: ratio 1, no gate) at the int32
+    positions pos [n_rows] (consecutive), and lat [n_rows, d] for the normalised latents (None: not kept)."""
+    kv_in: Any
+    sc_in: Any | None
+    pos: Any
+    n_rows: int
+    lat: Any | None = None
+
+
+def compress(rt: Any, kr: KvRow, ratio: int, st: CompState, src: CompRows, stream: Any = None,
+             pdl: bool = False) -> None:
     """A kv source's compressor over n_rows consecutive positions pos[0..n): every group a row completes pooled
-    (ratio 1: sc_in None, the row itself), normalised (lat[r] <- the latent when lat is given), roped at g*ratio and
-    NVFP4-quantised into rows[g]. Positions before pos[0] come from the rings (ratio > 1); store the rows' inputs
-    with comp_ring_store afterwards."""
+    (ratio 1: sc_in None, the row itself), normalised (kr's norm; lat[r] <- the latent when lat is given), roped at
+    g*ratio and NVFP4-quantised into st.rows[g]. Positions before pos[0] come from st's rings (ratio > 1; None at
+    ratio 1); store the rows' inputs with comp_ring_store afterwards."""
+    kv_in, sc_in, pos, n_rows, lat = src.kv_in, src.sc_in, src.pos, src.n_rows, src.lat
+    ring_kv, ring_sc, rows = st.ring_kv, st.ring_sc, st.rows
+    norm_w, freqs, d, rd = kr.norm_w, kr.freqs, kr.hd, kr.rd
     gated = sc_in is not None
     need(ratio >= 1 and gated == (ratio > 1), f"v41_compress: ratio {ratio} {'needs' if ratio > 1 else 'has no'} "
          f"gate scores")
@@ -72,15 +87,18 @@ def compress(rt: Any, kv_in: Any, sc_in: Any | None, ring_kv: Any | None, ring_s
          "v41_compress: 8-byte aligned float32 arrays and int32 positions expected")
     cap = int(ring_kv.shape[0]) if gated else 1
     rt.launch("v41_compress", n_rows, pair_threads(d), kv_in, sc_in, ring_kv, ring_sc, norm_w, freqs, pos, rows,
-              int(rows.shape[0]), lat, int(ratio), cap, d, rd, float(eps), int(fake_quant), int(round_f16),
-              stream=stream, pdl=pdl)
+              int(rows.shape[0]), lat, int(ratio), cap, d, rd, float(kr.eps), int(kr.fake_quant),
+              int(kr.round_f16), stream=stream, pdl=pdl)
 
 
-def comp_ring_store(rt: Any, kv_in: Any, sc_in: Any, pos: Any, ring_kv: Any, ring_sc: Any, n_rows: int, d: int,
-                    stream: Any = None, pdl: bool = False) -> None:
-    """The last min(n_rows, ring slots) rows' compressor inputs into ring slot pos[r] % slots."""
-    need(tuple(ring_kv.shape) == tuple(ring_sc.shape) and ring_kv.shape[1:] == (d,),
-         f"v41_comp_ring_store: rings must both be [cap, {d}]")
+def comp_ring_store(rt: Any, st: CompState, src: CompRows, stream: Any = None, pdl: bool = False) -> None:
+    """The last min(n_rows, ring slots) rows' compressor inputs into st's rings at slot pos[r] % slots (st.rows is
+    not touched)."""
+    kv_in, sc_in, pos, n_rows, ring_kv, ring_sc = src.kv_in, src.sc_in, src.pos, src.n_rows, st.ring_kv, st.ring_sc
+    need(ring_kv is not None and ring_sc is not None and len(ring_kv.shape) == 2 and sc_in is not None,
+         "v41_comp_ring_store: a gated compressor's rings and gate scores expected")
+    d = int(ring_kv.shape[1])
+    need(tuple(ring_kv.shape) == tuple(ring_sc.shape), f"v41_comp_ring_store: rings must both be [cap, {d}]")
     need(kv_in.size >= n_rows * d and sc_in.size >= n_rows * d and pos.size >= n_rows and is_dtype(pos, np.int32)
          and _f32(kv_in, sc_in, ring_kv, ring_sc), f"v41_comp_ring_store: inputs are not float32 [{n_rows}, {d}]")
     n = min(n_rows, int(ring_kv.shape[0])) * d
