@@ -130,10 +130,11 @@ def test_attention_sublayer_matches_the_reference(kdev, model):
                                    linear(dev, P, "indexer_compressor_kv.weight", x, 2 * ihd, D),
                                    linear(dev, P, "indexer_compressor_gate.weight", x, 2 * ihd, D), pos_slot)
         iq = dev.arena.scratch(ih * ihd, np.float32)
-        ops_idx.indexer_q_prep(dev.rt, linear(dev, P, "indexer.attn_q_b.weight", qr, ih * ihd, qr_dim), freqs,
-                               pos_slot, iq, ih, ihd, rd, fake_quant=False)
-        ops_idx.indexer_scores(dev.rt, iq, linear(dev, P, "indexer.proj.weight", x, ih, D), weight_scale(ihd, ih),
-                               keys, pos_slot, scores, ih, ihd, int(keys.shape[0]))
+        ops_idx.indexer_q_prep(dev.rt, ops_idx.IndexQuery(freqs, ih, ihd, rd, fake_quant=False),
+                               linear(dev, P, "indexer.attn_q_b.weight", qr, ih * ihd, qr_dim), pos_slot, iq)
+        ops_idx.indexer_scores(dev.rt, ops_idx.IndexScorer(ih, ihd, weight_scale(ihd, ih)),
+                               ops_idx.ScoreBuffers(iq, linear(dev, P, "indexer.proj.weight", x, ih, D), keys,
+                                                    pos_slot, scores, int(keys.shape[0])))
         ops_topk.topk(dev.rt, scores, topk, sel, pos_slot=pos_slot)
         o = dev.arena.scratch((H, hd), np.float32)
         ops_attn.decode_attention(dev.rt, plan,

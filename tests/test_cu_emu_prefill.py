@@ -14,6 +14,7 @@ from ds4py.cuda.ops import attention as ops_attn
 from ds4py.cuda.ops import indexer as ops_idx
 from ds4py.cuda.ops import prefill_attn as ops_pfa
 from ds4py.cuda.ops.attention import AttnKeys, AttnLayer, KvRow
+from ds4py.cuda.ops.indexer import IndexQuery, IndexScorer, ScoreBuffers
 from ds4py.cuda.ops.prefill_attn import PrefillRows
 from ds4py.cuda.ops import router as ops_route
 from ds4py.cuda.ops import topk as ops_topk
@@ -169,24 +170,25 @@ def test_indexer_and_topk_rows_equal_their_decode_launches(kdev, order):
     wscale = twin_idx.weight_scale(ihd, ih)
     dev = kdev(order, 1)
     d_q = dev.var(np.zeros((T, ih * ihd), np.float32))
-    ops_idx.indexer_q_prep_rows(dev.rt, dev.const(q_raw), dev.const(freqs), dev.const(pos), d_q, ih, ihd, rd, T)
+    iq = IndexQuery(dev.const(freqs), ih, ihd, rd)
+    ix = IndexScorer(ih, ihd, wscale, ratio)
+    ops_idx.indexer_q_prep_rows(dev.rt, iq, dev.const(q_raw), dev.const(pos), d_q, T)
     q = d_q.download()
     stride = n_keys + 3
     d_sc = dev.var(np.full((T, stride), np.nan, np.float32))
-    ops_idx.indexer_scores_rows(dev.rt, d_q, dev.const(w_raw), wscale, dev.const(keys), dev.const(pos), d_sc, stride,
-                                ih, ihd, n_keys, T, ratio, max_blocks=1)
+    ops_idx.indexer_scores_rows(dev.rt, ix, ScoreBuffers(d_q, dev.const(w_raw), dev.const(keys), dev.const(pos), d_sc,
+                                                         n_keys), T, stride, max_blocks=1)
     sc = d_sc.download()
     d_sel = dev.var(np.full((T, topk), -1, np.int32))
     ops_topk.topk_rows(dev.rt, d_sc, stride, topk, d_sel, dev.const(pos), T, ratio)
     sel = d_sel.download()
     for t in range(T):
         d_q1 = dev.var(np.zeros(ih * ihd, np.float32))
-        ops_idx.indexer_q_prep(dev.rt, dev.const(q_raw[t]), dev.const(freqs), dev.const(pos[t:t + 1]), d_q1, ih,
-                               ihd, rd)
+        ops_idx.indexer_q_prep(dev.rt, iq, dev.const(q_raw[t]), dev.const(pos[t:t + 1]), d_q1)
         np.testing.assert_array_equal(q[t], d_q1.download())
         d_s1 = dev.var(np.full(n_keys, np.nan, np.float32))
-        ops_idx.indexer_scores(dev.rt, d_q1, dev.const(w_raw[t]), wscale, dev.const(keys), dev.const(pos[t:t + 1]),
-                               d_s1, ih, ihd, n_keys, ratio)
+        ops_idx.indexer_scores(dev.rt, ix, ScoreBuffers(d_q1, dev.const(w_raw[t]), dev.const(keys),
+                                                        dev.const(pos[t:t + 1]), d_s1, n_keys))
         n = (int(pos[t]) + 1) // ratio
         np.testing.assert_array_equal(sc[t, :n], d_s1.download()[:n])
         want, mag = twin_idx.scores(q[t].reshape(ih, ihd), w_raw[t], wscale, keys[:n])

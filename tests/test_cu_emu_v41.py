@@ -13,6 +13,7 @@ from ds4py.cuda import emu
 from ds4py.cuda.ops import v41 as ops_v41
 from ds4py.cuda.ops.attention import KvRow
 from ds4py.cuda.ops.compressor import CompState
+from ds4py.cuda.ops.indexer import IndexQuery
 from ds4py.cuda.ops.v41 import CompRows
 from ds4py.cuda.twins import v41 as twin
 from ds4py.ref import ops
@@ -57,7 +58,7 @@ def test_kv_rows_and_index_q(kdev, order):
     got = {}
     for fq in (False, True):
         q = dev.var(np.zeros((T, ih, ihd), F32))
-        ops_v41.index_q(dev.rt, dev.const(q_raw), dev.const(FREQS), dev.const(pos), q, T, ih, ihd, 16, fq)
+        ops_v41.index_q(dev.rt, IndexQuery(dev.const(FREQS), ih, ihd, 16, fq), dev.const(q_raw), dev.const(pos), q, T)
         got[fq] = q.download()
     for t in range(T):
         close(got[False][t], twin.index_q(q_raw[t], FREQS, int(pos[t]), False)[1], "index q")

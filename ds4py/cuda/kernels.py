@@ -234,18 +234,29 @@ def compress_block(ls: Any, rec: Any, il: int, ro: Any, C: Any, which: str, stre
                                 x_sc.view(0, T * w), T, rec.rows.positions, **ls.main())
 
 
+def index_query(rec: Any, il: int) -> ops_idx.IndexQuery:
+    """Layer il's indexer queries: RoPE freqs, heads, head dim, rope dims, the step's FP4 round trip."""
+    cfg = rec.cfg
+    return ops_idx.IndexQuery(rec.freqs[il], cfg.index_heads, cfg.index_head_dim, cfg.rope_dim,
+                              rec.numerics.fake_quant)
+
+
+def index_scorer(rec: Any, ro: Any) -> ops_idx.IndexScorer:
+    """A layer's indexer scoring (heads, head dim, weight scale, its keys' ratio)."""
+    ih, ihd = rec.cfg.index_heads, rec.cfg.index_head_dim
+    return ops_idx.IndexScorer(ih, ihd, weight_scale(ihd, ih), ro.index_ratio)
+
+
 def index_queries_rows(ls: Any, rec: Any, il: int) -> None:
-    cfg, iqd = rec.cfg, rec.cfg.index_heads * rec.cfg.index_head_dim
+    cfg, iqd, iq = rec.cfg, rec.cfg.index_heads * rec.cfg.index_head_dim, index_query(rec, il)
     for n in range(rec.R):
-        ops_idx.indexer_q_prep(ls, row(rec.ws.iq_raw, n, cfg.index_q_dim), rec.freqs[il], rec.rows.pos(n),
-                               row(rec.ws.iq, n, iqd), cfg.index_heads, cfg.index_head_dim, cfg.rope_dim,
-                               rec.numerics.fake_quant, **ls.main())
+        ops_idx.indexer_q_prep(ls, iq, row(rec.ws.iq_raw, n, cfg.index_q_dim), rec.rows.pos(n),
+                               row(rec.ws.iq, n, iqd), **ls.main())
 
 
 def index_queries_block(ls: Any, rec: Any, il: int) -> None:
-    cfg = rec.cfg
-    ops_idx.indexer_q_prep_rows(ls, rec.ws.iq_raw, rec.freqs[il], rec.rows.positions, rec.ws.iq, cfg.index_heads,
-                                cfg.index_head_dim, cfg.rope_dim, rec.R, rec.numerics.fake_quant, **ls.main())
+    ops_idx.indexer_q_prep_rows(ls, index_query(rec, il), rec.ws.iq_raw, rec.rows.positions, rec.ws.iq, rec.R,
+                                **ls.main())
 
 
 def attn_layer(rec: Any, il: int, A: Any, q_norm: bool = True) -> ops_attn.AttnLayer:
@@ -273,10 +284,10 @@ def attend_rows(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
         sel = None
         if ro.indexer:
             n_keys = rows.buckets[n] // ro.index_ratio
-            ops_idx.indexer_scores(ls, row(ws.iq, n, iqd), row(ws.iw, n, cfg.index_heads),
-                                   weight_scale(cfg.index_head_dim, cfg.index_heads), p[f"{il}.idx_keys"], pos,
-                                   ws.scores.view(0, n_keys), cfg.index_heads, cfg.index_head_dim, n_keys,
-                                   ro.index_ratio, **ls.main())
+            ops_idx.indexer_scores(ls, index_scorer(rec, ro),
+                                   ops_idx.ScoreBuffers(row(ws.iq, n, iqd), row(ws.iw, n, cfg.index_heads),
+                                                        p[f"{il}.idx_keys"], pos, ws.scores.view(0, n_keys), n_keys),
+                                   **ls.main())
             ops_topk.topk(ls, ws.scores.view(0, n_keys), cfg.index_topk, ws.sel, pos_slot=pos, ratio=ro.index_ratio,
                           **ls.main())
             sel = ws.sel
@@ -294,11 +305,11 @@ def attend_block(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
     comp = p[f"{ro.kv_source}.comp_rows"] if ro.compressed else None
     sel = None
     if ro.indexer:
-        ih, ihd = cfg.index_heads, cfg.index_head_dim
         n_keys = rec.rows.buckets[0] // ro.index_ratio
         stride = int(ws.scores.shape[1])
-        ops_idx.indexer_scores_rows(ls, ws.iq, ws.iw, weight_scale(ihd, ih), p[f"{il}.idx_keys"], pos, ws.scores,
-                                    stride, ih, ihd, n_keys, T, ro.index_ratio, **ls.main())
+        ops_idx.indexer_scores_rows(ls, index_scorer(rec, ro),
+                                    ops_idx.ScoreBuffers(ws.iq, ws.iw, p[f"{il}.idx_keys"], pos, ws.scores, n_keys),
+                                    T, stride, **ls.main())
         ops_topk.topk_rows(ls, ws.scores, stride, cfg.index_topk, ws.sel, pos, T, ro.index_ratio, **ls.main())
         sel = ws.sel
     ops_pfa.prefill_attention(ls, attn_layer(rec, il, A),
@@ -478,9 +489,7 @@ def v41_compress_block(ls: Any, rec: Any, il: int, ro: Any, A: Any, stream: Call
 
 def v41_index_queries(ls: Any, rec: Any, il: int) -> None:
     """Every row's indexer query at once (RoPE + FP4; each row's values do not depend on the others)."""
-    cfg = rec.cfg
-    ops_v41.index_q(ls, rec.ws.iq_raw, rec.freqs[il], rec.rows.positions, rec.ws.iq, rec.R, cfg.index_heads,
-                    cfg.index_head_dim, cfg.rope_dim, rec.numerics.fake_quant, **ls.main())
+    ops_v41.index_q(ls, index_query(rec, il), rec.ws.iq_raw, rec.rows.positions, rec.ws.iq, rec.R, **ls.main())
 
 
 def _v41_select(ls: Any, rec: Any, ro: Any, scores: Any, cand: Any, pos: Any, n: int, stride: int) -> None:
@@ -503,10 +512,10 @@ def v41_attend_rows(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
         if ro.indexer:
             n_keys = rows.buckets[n] // ro.index_ratio
             scores, cand = ws.scores.view(0, n_keys), row(ws.cand, n, n_keys)
-            ops_idx.indexer_scores(ls, row(ws.iq, n, iqd), row(ws.iw, n, cfg.index_heads),
-                                   weight_scale(cfg.index_head_dim, cfg.index_heads),
-                                   rows.index_keys(n, il, ro, n_keys), pos, scores, cfg.index_heads,
-                                   cfg.index_head_dim, n_keys, ro.index_ratio, **ls.main())
+            ops_idx.indexer_scores(ls, index_scorer(rec, ro),
+                                   ops_idx.ScoreBuffers(row(ws.iq, n, iqd), row(ws.iw, n, cfg.index_heads),
+                                                        rows.index_keys(n, il, ro, n_keys), pos, scores, n_keys),
+                                   **ls.main())
             _v41_select(ls, rec, ro, scores, cand, pos, 1, n_keys)
             ops_topk.topk(ls, scores, k, sel, pos_slot=pos, ratio=ro.index_ratio, **ls.main())
             if ro.uses_candidates:             # fewer candidate rows than k: the picks outside them are dropped
@@ -522,11 +531,11 @@ def v41_attend_block(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
     p, pos = rec.rows.state(0), rec.rows.positions
     comp, sel = (p[f"{ro.kv_source}.comp_rows"], ws.sel) if ro.compressed else (None, None)
     if ro.indexer:
-        ih, ihd = cfg.index_heads, cfg.index_head_dim
         n_keys = rec.rows.buckets[0] // ro.index_ratio
         stride = int(ws.scores.shape[1])
-        ops_idx.indexer_scores_rows(ls, ws.iq, ws.iw, weight_scale(ihd, ih), rec.rows.index_keys(0, il, ro, n_keys),
-                                    pos, ws.scores, stride, ih, ihd, n_keys, T, ro.index_ratio, **ls.main())
+        ops_idx.indexer_scores_rows(ls, index_scorer(rec, ro),
+                                    ops_idx.ScoreBuffers(ws.iq, ws.iw, rec.rows.index_keys(0, il, ro, n_keys), pos,
+                                                         ws.scores, n_keys), T, stride, **ls.main())
         _v41_select(ls, rec, ro, ws.scores, ws.cand, pos, T, stride)
         ops_topk.topk_rows(ls, ws.scores, stride, cfg.index_topk, ws.sel, pos, T, ro.index_ratio, **ls.main())
         if ro.uses_candidates:

@@ -132,7 +132,8 @@ def test_indexer_and_topk_real_shapes(kdev):
     wscale = twin_idx.weight_scale(IHD, IH)
     scores = dev.var(np.zeros(n, np.float32))
     slot = dev.const(np.array([pos], np.int32))
-    ops_idx.indexer_scores(dev.rt, dev.const(q), dev.const(w_raw), wscale, dev.const(keys), slot, scores, IH, IHD, n)
+    ops_idx.indexer_scores(dev.rt, ops_idx.IndexScorer(IH, IHD, wscale),
+                           ops_idx.ScoreBuffers(dev.const(q), dev.const(w_raw), dev.const(keys), slot, scores, n))
     got = scores.download()
     want, mag = twin_idx.scores(q, w_raw, wscale, keys)
     assert_close_scaled(got, want, mag, IHD + IH, "indexer scores 16K")

@@ -12,6 +12,7 @@ import numpy as np
 from ds4py.cuda.ops.attention import KvRow, pair_threads
 from ds4py.cuda.ops.compressor import CompState
 from ds4py.cuda.ops.core import aligned, is_dtype, need
+from ds4py.cuda.ops.indexer import IndexQuery
 
 V41_THREADS = 256          # block of v41_candidates and v41_engram
 
@@ -37,9 +38,10 @@ def kv_rows(rt: Any, kr: KvRow, kv_raw: Any, pos: Any, out: Any, n_rows: int, ri
               stream=stream, pdl=pdl)
 
 
-def index_q(rt: Any, q_raw: Any, freqs: Any, pos: Any, q: Any, n_rows: int, n_heads: int, ihd: int, rd: int,
-            fake_quant: bool = True, stream: Any = None, pdl: bool = False) -> None:
+def index_q(rt: Any, iq: IndexQuery, q_raw: Any, pos: Any, q: Any, n_rows: int, stream: Any = None,
+            pdl: bool = False) -> None:
     """q [n_rows, n_heads, ihd] = FP4_32(RoPE(q_raw at pos[r])) (V4.1's indexer queries: no Hadamard)."""
+    freqs, n_heads, ihd, rd, fake_quant = iq.freqs, iq.n_heads, iq.ihd, iq.rd, iq.fake_quant
     need(ihd % 32 == 0 and rd % 2 == 0 and 0 < rd <= ihd and freqs.size == rd // 2,
          f"v41_index_q: head dim {ihd} (whole FP4 blocks of 32) or {freqs.size} freqs for {rd} rope dims")
     need(q_raw.size >= n_rows * n_heads * ihd and q.size >= n_rows * n_heads * ihd and pos.size >= n_rows,
