@@ -174,8 +174,8 @@ def bench_small_kernels(rt, arena, r, reps: int, emu: bool, res: dict) -> None:
     parts = argmax_parts(rt, V)
     pv, pi, tok = arena.scratch(parts, np.float32), arena.scratch(parts, np.int32), arena.scratch(1, np.int32)
     cases = {
-        "hc_mix D=%d" % D: lambda: ops.hc_mix(rt, fn, X, 1, D, scale, base, part, tickets.view(0, 1), mix, 1e-6,
-                                              1e-6, 20),
+        "hc_mix D=%d" % D: lambda: ops.hc_mix(rt, om.MixWeights(fn, scale, base, D, 1e-6, 1e-6, 20),
+                                              om.MixBuffers(X, 1, mix, part, tickets.view(0, 1))),
         "argmax V=%d" % V: lambda: ops.argmax(rt, logits, V, pv, pi, tickets.view(4, 1), tok),
         "sample top_k=50 V=%d" % V: lambda: ops.sample(rt, logits, V, tok, 1.0, top_k=50, seed=1,
                                                        threads=1024 if not emu else 128),

@@ -34,7 +34,8 @@ def run_mix(rt, arena, put, X, fn, scale, base, warps=4, ticket=None):
     part = arena.scratch(om.mix_partial_floats(T, nrows, D), np.float32)
     ticket = ticket or put(np.zeros(T, np.uint32), False)
     mix = arena.scratch((T, om.mix_record(HC)), np.float32)
-    ops.hc_mix(rt, put(fn), put(X, False), T, D, put(scale), put(base), part, ticket, mix, EPS, EPS, 20, warps=warps)
+    ops.hc_mix(rt, om.MixWeights(put(fn), put(scale), put(base), D, EPS, EPS, 20),
+               om.MixBuffers(put(X, False), T, mix, part, ticket), warps=warps)
     return mix, ticket
 
 
@@ -170,9 +171,10 @@ def test_mix_with_collapse_is_the_two_launches_bit_for_bit(rt, arena, put, D, T,
     ticket = put(np.zeros(T, np.uint32), False)
     mix1, mix2 = (arena.scratch((T, om.mix_record(HC)), np.float32) for _ in range(2))
     y1, y2 = (arena.scratch((T, D), np.float32) for _ in range(2))
-    ops.hc_mix(rt, dfn, dX, T, D, dsc, dbase, part, ticket, mix1, EPS, EPS, 20)
+    mw = om.MixWeights(dfn, dsc, dbase, D, EPS, EPS, 20)
+    ops.hc_mix(rt, mw, om.MixBuffers(dX, T, mix1, part, ticket))
     ops.hc_collapse_norm(rt, dX, dlag if lagged else mix1, T, D, dw, EPS, y1, mix_stride=stride)
-    ops.hc_mix(rt, dfn, dX, T, D, dsc, dbase, part, ticket, mix2, EPS, EPS, 20,
+    ops.hc_mix(rt, mw, om.MixBuffers(dX, T, mix2, part, ticket),
                collapse=om.Collapse(y2, dw, EPS, dlag, stride if lagged else 0))
     assert (ticket.download() == 0).all()
     assert mix2.download()[:, :nrows].tobytes() == mix1.download()[:, :nrows].tobytes()
@@ -197,7 +199,7 @@ def test_mix_with_collapse_is_bit_identical_whichever_block_is_last(put):
             ticket = p(np.zeros(T, np.uint32), False)
             mix = arena.scratch((T, nrows), np.float32)
             y = arena.scratch((T, D), np.float32)
-            ops.hc_mix(rt, p(fn), p(X, False), T, D, p(scale), p(base), part, ticket, mix, EPS, EPS, 20,
-                       collapse=om.Collapse(y, None, EPS))
+            ops.hc_mix(rt, om.MixWeights(p(fn), p(scale), p(base), D, EPS, EPS, 20),
+                       om.MixBuffers(p(X, False), T, mix, part, ticket), collapse=om.Collapse(y, None, EPS))
             out.add(mix.download().tobytes() + y.download().tobytes())
     assert len(out) == 1

@@ -45,15 +45,39 @@ class Collapse:
     pre_stride: int = 0
 
 
-def hc_mix(rt: Any, fn: DeviceArray, X: DeviceArray, n_tok: int, D: int, scale: DeviceArray, base: DeviceArray,
-           partial: DeviceArray, ticket: DeviceArray, mix: DeviceArray, norm_eps: float, hc_eps: float,
-           iters: int = 20, hc: int = 4, warps: int | None = None, stream: Any = None, pdl: bool = False,
-           collapse: Collapse | None = None) -> None:
-    """mix[t] = the mHC mix of X[t] ([hc, D]): fn [(2+hc)*hc, hc*D] gives pre, post and the Sinkhorn C of a
-    sub-layer; fn [hc, hc*D] (the head's) gives pre only. F16 or F32 fn, as the GGUF stores it. ticket: n_tok
-    zeroed uint32 (left zeroed); partial: mix_partial_floats(...) float32 scratch. collapse: the last block also
-    collapses + norms (one launch instead of hc_mix + hc_collapse_norm; bit for bit the two launches' result with
-    hc_collapse_norm's default block: the block is collapse_threads(D) threads unless `warps` says otherwise)."""
+@dataclass(frozen=True)
+class MixWeights:
+    """One mHC mix, the same for every call: fn [(2+hc)*hc, hc*D] (a sub-layer's: pre, post and the Sinkhorn C) or
+    [hc, hc*D] (the head's: pre only), F16 or F32 as the GGUF stores it; scale [3 or 1] and base [fn rows] float32;
+    the width D, hc copies, the RMS and Sinkhorn epsilons and its iterations."""
+    fn: DeviceArray
+    scale: DeviceArray
+    base: DeviceArray
+    D: int
+    norm_eps: float
+    hc_eps: float
+    iters: int = 20
+    hc: int = 4
+
+
+@dataclass(frozen=True)
+class MixBuffers:
+    """One hc_mix call's arrays: X [n_tok, hc, D], the mix records out [n_tok, mix_record(hc)], the partials
+    (mix_partial_floats(...) float32 scratch) and ticket (n_tok zeroed uint32, left zeroed)."""
+    X: DeviceArray
+    n_tok: int
+    mix: DeviceArray
+    partial: DeviceArray
+    ticket: DeviceArray
+
+
+def hc_mix(rt: Any, mw: MixWeights, buf: MixBuffers, collapse: Collapse | None = None, warps: int | None = None,
+           stream: Any = None, pdl: bool = False) -> None:
+    """mix[t] = the mHC mix of X[t] ([hc, D]). collapse: the last block also collapses + norms (one launch instead
+    of hc_mix + hc_collapse_norm; bit for bit the two launches' result with hc_collapse_norm's default block: the
+    block is collapse_threads(D) threads unless `warps` says otherwise)."""
+    fn, scale, base, D, hc, iters = mw.fn, mw.scale, mw.base, mw.D, mw.hc, mw.iters
+    X, n_tok, mix, partial, ticket = buf.X, buf.n_tok, buf.mix, buf.partial, buf.ticket
     nrows = fn.shape[0] if len(fn.shape) == 2 else 0
     n = hc * D
     if warps is None:
@@ -81,7 +105,7 @@ def hc_mix(rt: Any, fn: DeviceArray, X: DeviceArray, n_tok: int, D: int, scale: 
              "hc_mix: the collapse's pre too small")
     kernel = "hc_mix_f16" if is_dtype(fn, np.float16) else "hc_mix_f32"
     rt.launch(kernel, (mix_blocks(D, hc), n_tok), 32 * warps, fn, nrows, X, n, scale, base, partial, ticket, mix,
-              float(norm_eps), float(hc_eps), int(iters), c.pre if c else None, int(c.pre_stride) if c else 0,
+              float(mw.norm_eps), float(mw.hc_eps), int(iters), c.pre if c else None, int(c.pre_stride) if c else 0,
               c.w if c else None, float(c.eps) if c else 0.0, c.y if c else None, stream=stream, pdl=pdl)
 
 
