@@ -175,11 +175,11 @@ def test_moe_sublayer_matches_the_reference(kdev, model, il, token):
     x = dev.var(x_h)
     ids, wts = dev.var(np.zeros(k, np.int32)), dev.var(np.zeros(k, np.float32))
     hash_layer = cfg.is_hash_layer(il)
-    ops_route.moe_route(rt, linear(dev, P, "ffn_gate_inp.weight", x, NX, D),
-                        None if hash_layer else P.f32("exp_probs_b.bias"),
-                        P.any("ffn_gate_tid2eid.weight") if hash_layer else None,
-                        dev.const(np.array([token], np.int32)),
-                        ids, wts, NX, k, cfg.route_scale, cfg.route_norm)
+    ops_route.moe_route(rt, ops_route.Router(None if hash_layer else P.f32("exp_probs_b.bias"),
+                                             P.any("ffn_gate_tid2eid.weight") if hash_layer else None, NX, k,
+                                             cfg.route_scale, cfg.route_norm),
+                        linear(dev, P, "ffn_gate_inp.weight", x, NX, D), dev.const(np.array([token], np.int32)),
+                        ids, wts)
     clamp = cfg.swiglu_clamp[il]
     sh = {m: gg.tensor(P.p + f"ffn_{m}_shexp.weight").qtype for m in ("gate", "down")}
     h_sh, y_sh = dev.var(np.zeros(FF, np.float32)), dev.var(np.zeros(D, np.float32))

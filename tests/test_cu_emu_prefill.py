@@ -210,13 +210,12 @@ def test_route_rows_equal_their_decode_launches(kdev, hash_routing):
     toks = r.integers(0, vocab, T).astype(np.int32)
     dev = kdev("random", 2)
     d_ids, d_w = dev.var(np.zeros((T, k), np.int32)), dev.var(np.zeros((T, k), np.float32))
-    ops_route.moe_route_rows(dev.rt, dev.const(logits), dev.const(bias), dev.const(tid2eid), dev.const(toks), d_ids,
-                             d_w, NX, k, T, 1.5, True)
+    router = ops_route.Router(dev.const(bias), dev.const(tid2eid), NX, k, 1.5, True)
+    ops_route.moe_route_rows(dev.rt, router, dev.const(logits), dev.const(toks), d_ids, d_w, T)
     ids, w = d_ids.download(), d_w.download()
     for t in range(T):
         d_i1, d_w1 = dev.var(np.zeros(k, np.int32)), dev.var(np.zeros(k, np.float32))
-        ops_route.moe_route(dev.rt, dev.const(logits[t]), dev.const(bias), dev.const(tid2eid),
-                            dev.const(toks[t:t + 1]), d_i1, d_w1, NX, k, 1.5, True)
+        ops_route.moe_route(dev.rt, router, dev.const(logits[t]), dev.const(toks[t:t + 1]), d_i1, d_w1)
         np.testing.assert_array_equal(ids[t], d_i1.download())
         np.testing.assert_array_equal(w[t], d_w1.download())
         want_ids, _ = twin_route.route(logits[t], bias, tid2eid, int(toks[t]), k, 1.5, True)

@@ -318,21 +318,25 @@ def attend_block(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
     ops_pfa.ring_store(ls, ws.kvb, T, pos, p[f"{il}.win"], **ls.main())
 
 
+def router(rec: Any, ro: Any, Fw: Any) -> ops_route.Router:
+    """A layer's routing: its bias (top-k layers) or token table (hash layers), k of n experts, scale, norms."""
+    cfg = rec.cfg
+    return ops_route.Router(None if ro.hash_routing else Fw.route_bias.array,
+                            Fw.tid2eid.array if ro.hash_routing else None, cfg.n_experts, cfg.n_experts_used,
+                            cfg.route_scale, cfg.route_normalises, cfg.gate_temp, cfg.route_norm_eps)
+
+
 def route_rows(ls: Any, rec: Any, ro: Any, Fw: Any) -> None:
-    cfg, ws, k, NX = rec.cfg, rec.ws, rec.cfg.n_experts_used, rec.cfg.n_experts
+    ws, k, NX, route = rec.ws, rec.cfg.n_experts_used, rec.cfg.n_experts, router(rec, ro, Fw)
     for n in range(rec.R):
-        ops_route.moe_route(ls, row(ws.router, n, NX), None if ro.hash_routing else Fw.route_bias.array,
-                            Fw.tid2eid.array if ro.hash_routing else None, rec.rows.token(n), row(ws.ids, n, k),
-                            row(ws.wts, n, k), NX, k, cfg.route_scale, cfg.route_normalises, **ls.main(),
-                            gate_temp=cfg.gate_temp, norm_eps=cfg.route_norm_eps)
+        ops_route.moe_route(ls, route, row(ws.router, n, NX), rec.rows.token(n), row(ws.ids, n, k), row(ws.wts, n, k),
+                            **ls.main())
 
 
 def route_block(ls: Any, rec: Any, ro: Any, Fw: Any) -> None:
-    cfg, ws = rec.cfg, rec.ws
-    ops_route.moe_route_rows(ls, ws.router, None if ro.hash_routing else Fw.route_bias.array,
-                             Fw.tid2eid.array if ro.hash_routing else None, rec.rows.tokens, ws.ids, ws.wts,
-                             cfg.n_experts, cfg.n_experts_used, rec.R, cfg.route_scale, cfg.route_normalises,
-                             **ls.main(), gate_temp=cfg.gate_temp, norm_eps=cfg.route_norm_eps)
+    ws = rec.ws
+    ops_route.moe_route_rows(ls, router(rec, ro, Fw), ws.router, rec.rows.tokens, ws.ids, ws.wts, rec.R,
+                             **ls.main())
 
 
 # ---- experts ---------------------------------------------------------------------------------------------------
