@@ -53,6 +53,7 @@ from ds4py.cuda.ops import dspark as ops_dspark
 from ds4py.cuda.ops import moe_prefill as ops_moep
 from ds4py.errors import Ds4Error
 from ds4py.cuda.ops.mhc import Collapse, MixBuffers, MixWeights, mix_partial_floats, mix_record
+from ds4py.cuda.ops.sample import SampleRows, SampleRule
 
 F32, I32, U32, U8 = np.dtype(np.float32), np.dtype(np.int32), np.dtype(np.uint32), np.dtype(np.uint8)
 MAX_ROWS = 16             # rows of one ROWS step (a verify of 1 + k <= 16 rows is one step)
@@ -472,6 +473,5 @@ def record_head(ls: Launcher, rec: Recording, X: DeviceArray, n: int, H: Any, no
 def record_sample(ls: Launcher, rec: Recording, sampling: tuple) -> None:
     """The sampler on ws.logits (one row): the next token into the slot (-1 when the logits are no distribution),
     its draw keyed by the sampled token's position (pos + 1). sampling = (temperature, top_k, top_p, min_p, seed)."""
-    temperature, top_k, top_p, min_p, seed = sampling
-    ops.sample(ls, rec.ws.logits, rec.cfg.vocab_size, rec.rows.token(0), temperature, top_k, top_p, min_p, seed,
-               pos_slot=rec.rows.pos(0), pos_offset=1, **ls.main())
+    ops.sample(ls, SampleRule(*sampling), rec.ws.logits, rec.cfg.vocab_size, rec.rows.token(0),
+               SampleRows(pos_slot=rec.rows.pos(0), pos_offset=1), **ls.main())

@@ -11,6 +11,7 @@ from ds4py.cuda import ops, twins
 from ds4py.cuda.graph import StepGraph
 from ds4py.cuda.ops import mhc as om
 from ds4py.cuda.ops.argmax import argmax_parts
+from ds4py.cuda.ops.sample import SampleRows, SampleRule
 from ds4py.cuda.twins import gemv as tg
 from ds4py.cuda.twins import mhc as tm
 from ds4py.cuda.twins import sample as ts
@@ -87,7 +88,7 @@ def test_head_argmax_and_sampler_at_vocab_size(rt, big):
     kept = big.scratch(V, np.uint8)
     for prm in (dict(temperature=1.0, top_k=50), dict(temperature=0.8, top_p=0.9), dict(temperature=1.0, min_p=0.05),
                 dict(temperature=0.7, top_k=500, top_p=0.95, min_p=0.01)):
-        ops.sample(rt, logits, V, tok, seed=11, kept=kept, **prm)
+        ops.sample(rt, SampleRule(seed=11, **prm), logits, V, tok, SampleRows(kept=kept))
         keep = kept.download().astype(bool)
         want = ts.kept(host, ts.params(**prm))
         assert (keep == want).all(), prm
@@ -99,8 +100,8 @@ def test_sampler_distribution_on_device(rt, arena, put):
     N = shrink(100_000, 50)
     out = arena.scratch(N, np.int32)
     for prm in (dict(temperature=1.0), dict(temperature=0.7, top_k=20, top_p=0.9)):
-        ops.sample(rt, put(logits, weights=False), 200, out, seed=5, rows=N, row_stride=0,
-                   threads=shrink(1024, 32, 32), **prm)
+        ops.sample(rt, SampleRule(seed=5, **prm), put(logits, weights=False), 200, out, SampleRows(N, 0),
+                   threads=shrink(1024, 32, 32))
         counts = np.bincount(out.download(), minlength=200)
         p = ts.distribution(logits, ts.params(**prm))
         assert counts[p == 0].sum() == 0
