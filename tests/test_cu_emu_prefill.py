@@ -180,7 +180,7 @@ def test_indexer_and_topk_rows_equal_their_decode_launches(kdev, order):
                                                          n_keys), T, stride, max_blocks=1)
     sc = d_sc.download()
     d_sel = dev.var(np.full((T, topk), -1, np.int32))
-    ops_topk.topk_rows(dev.rt, d_sc, stride, topk, d_sel, dev.const(pos), T, ratio)
+    ops_topk.topk_rows(dev.rt, ops_topk.ScoreRows(d_sc, dev.const(pos), T, stride, ratio), topk, d_sel)
     sel = d_sel.download()
     for t in range(T):
         d_q1 = dev.var(np.zeros(ih * ihd, np.float32))

@@ -14,6 +14,7 @@ from ds4py.cuda.ops import v41 as ops_v41
 from ds4py.cuda.ops.attention import KvRow
 from ds4py.cuda.ops.compressor import CompState
 from ds4py.cuda.ops.indexer import IndexQuery
+from ds4py.cuda.ops.topk import ScoreRows
 from ds4py.cuda.ops.v41 import CompRows
 from ds4py.cuda.twins import v41 as twin
 from ds4py.ref import ops
@@ -136,12 +137,12 @@ def test_candidates_and_mask(kdev):
         scores = r.standard_normal(stride).astype(F32)
         d_s, cand = dev.var(scores), dev.var(np.full(stride, -7, np.int32))
         pos = dev.const(np.array([p], np.int32))
-        ops_v41.candidates(dev.rt, d_s, cand, pos, 1, stride, 1, nb, block, False)
+        ops_v41.candidates(dev.rt, ScoreRows(d_s, pos, 1, stride, 1), cand, nb, block, False)
         n = p + 1
         got = cand.download()
         assert np.array_equal(got[:n], twin.candidates(scores, p, 1, nb, block)), f"candidates at {p}"
         assert (got[n:] == -7).all()
-        ops_v41.candidates(dev.rt, d_s, cand, pos, 1, stride, 1, nb, block, True)
+        ops_v41.candidates(dev.rt, ScoreRows(d_s, pos, 1, stride, 1), cand, nb, block, True)
         want = np.where(got[:n] == 1, scores[:n], -np.inf)
         assert np.array_equal(d_s.download()[:n], want.astype(F32))
 
@@ -169,7 +170,7 @@ def test_candidates_over_thousands_of_blocks(kdev):
     tied = np.round(scores * 0.6).clip(-1, 1).astype(F32)
     for what, sc in (("random", scores), ("tied", tied)):
         cand = dev.var(np.full((2, stride), -7, np.int32))
-        ops_v41.candidates(dev.rt, dev.var(sc), cand, dev.const(pos), 2, stride, 1, nb, block, False)
+        ops_v41.candidates(dev.rt, ScoreRows(dev.var(sc), dev.const(pos), 2, stride, 1), cand, nb, block, False)
         got = cand.download()
         for i, p in enumerate(pos):
             n = int(p) + 1
@@ -191,7 +192,7 @@ def test_drop_masked(kdev):
     sel = np.stack([np.sort(r.choice(p + 1, min(k, p + 1), replace=False)).tolist() + [99] * (k - min(k, p + 1))
                     for p in pos]).astype(np.int32)
     d_sel = dev.var(sel)
-    ops_v41.drop_masked(dev.rt, dev.const(scores), d_sel, dev.const(pos), n_rows, stride, 1, k)
+    ops_v41.drop_masked(dev.rt, ScoreRows(dev.const(scores), dev.const(pos), n_rows, stride, 1), d_sel, k)
     got = d_sel.download()
     for i, p in enumerate(pos):
         assert np.array_equal(got[i], twin.drop_masked(scores[i], sel[i], int(p), 1, k)), f"row {i}"

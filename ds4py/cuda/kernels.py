@@ -310,7 +310,8 @@ def attend_block(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
         ops_idx.indexer_scores_rows(ls, index_scorer(rec, ro),
                                     ops_idx.ScoreBuffers(ws.iq, ws.iw, p[f"{il}.idx_keys"], pos, ws.scores, n_keys),
                                     T, stride, **ls.main())
-        ops_topk.topk_rows(ls, ws.scores, stride, cfg.index_topk, ws.sel, pos, T, ro.index_ratio, **ls.main())
+        ops_topk.topk_rows(ls, ops_topk.ScoreRows(ws.scores, pos, T, stride, ro.index_ratio), cfg.index_topk, ws.sel,
+                           **ls.main())
         sel = ws.sel
     ops_pfa.prefill_attention(ls, attn_layer(rec, il, A),
                               ops_attn.AttnKeys(p[f"{il}.win"], comp, ro.ratio, sel, cfg.index_topk),
@@ -496,12 +497,12 @@ def v41_index_queries(ls: Any, rec: Any, il: int) -> None:
     ops_v41.index_q(ls, index_query(rec, il), rec.ws.iq_raw, rec.rows.positions, rec.ws.iq, rec.R, **ls.main())
 
 
-def _v41_select(ls: Any, rec: Any, ro: Any, scores: Any, cand: Any, pos: Any, n: int, stride: int) -> None:
+def _v41_select(ls: Any, rec: Any, ro: Any, sr: Any, cand: Any) -> None:
     """The candidate source's blocks from its scores, or an indexer after it masked to them."""
     cfg = rec.cfg
     if ro.candidate_source or ro.uses_candidates:
-        ops_v41.candidates(ls, scores, cand, pos, n, stride, ro.index_ratio, cfg.candidate_topk_blocks,
-                           cfg.candidate_block_size, ro.uses_candidates, **ls.main())
+        ops_v41.candidates(ls, sr, cand, cfg.candidate_topk_blocks, cfg.candidate_block_size, ro.uses_candidates,
+                           **ls.main())
 
 
 def v41_attend_rows(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
@@ -520,10 +521,11 @@ def v41_attend_rows(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
                                    ops_idx.ScoreBuffers(row(ws.iq, n, iqd), row(ws.iw, n, cfg.index_heads),
                                                         rows.index_keys(n, il, ro, n_keys), pos, scores, n_keys),
                                    **ls.main())
-            _v41_select(ls, rec, ro, scores, cand, pos, 1, n_keys)
+            sr = ops_topk.ScoreRows(scores, pos, 1, n_keys, ro.index_ratio)
+            _v41_select(ls, rec, ro, sr, cand)
             ops_topk.topk(ls, scores, k, sel, pos_slot=pos, ratio=ro.index_ratio, **ls.main())
             if ro.uses_candidates:             # fewer candidate rows than k: the picks outside them are dropped
-                ops_v41.drop_masked(ls, scores, sel, pos, 1, n_keys, ro.index_ratio, k, **ls.main())
+                ops_v41.drop_masked(ls, sr, sel, k, **ls.main())
         ops_attn.decode_attention(ls, plan, attn_layer(rec, il, A, q_norm=False),
                                   ops_attn.AttnKeys(p[f"{il}.win"], comp, ro.ratio, sel, k),
                                   _decode_buffers(rec, n, pos, plan), **ls.main(), combine_pdl=ls.main()["pdl"])
@@ -540,10 +542,11 @@ def v41_attend_block(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
         ops_idx.indexer_scores_rows(ls, index_scorer(rec, ro),
                                     ops_idx.ScoreBuffers(ws.iq, ws.iw, rec.rows.index_keys(0, il, ro, n_keys), pos,
                                                          ws.scores, n_keys), T, stride, **ls.main())
-        _v41_select(ls, rec, ro, ws.scores, ws.cand, pos, T, stride)
-        ops_topk.topk_rows(ls, ws.scores, stride, cfg.index_topk, ws.sel, pos, T, ro.index_ratio, **ls.main())
+        sr = ops_topk.ScoreRows(ws.scores, pos, T, stride, ro.index_ratio)
+        _v41_select(ls, rec, ro, sr, ws.cand)
+        ops_topk.topk_rows(ls, sr, cfg.index_topk, ws.sel, **ls.main())
         if ro.uses_candidates:
-            ops_v41.drop_masked(ls, ws.scores, ws.sel, pos, T, stride, ro.index_ratio, cfg.index_topk, **ls.main())
+            ops_v41.drop_masked(ls, sr, ws.sel, cfg.index_topk, **ls.main())
     ops_pfa.prefill_attention(ls, attn_layer(rec, il, A, q_norm=False),
                               ops_attn.AttnKeys(p[f"{il}.win"], comp, ro.ratio, sel, cfg.index_topk),
                               ops_pfa.PrefillRows(ws.q, pos, ws.kvb, ws.o, T), **ls.main())

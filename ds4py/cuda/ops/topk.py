@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -23,9 +24,20 @@ def topk(rt: Any, scores: Any, k: int, out: Any, pos_slot: Any = None, ratio: in
               stream=stream, pdl=pdl)
 
 
-def topk_rows(rt: Any, scores: Any, score_stride: int, k: int, out: Any, pos: Any, n_rows: int, ratio: int = 4,
-              stream: Any = None, pdl: bool = False) -> None:
+@dataclass(frozen=True)
+class ScoreRows:
+    """The indexer's scores of one call: scores [n_rows, stride] float32, row r at the int32 position pos[r], its
+    (pos[r]+1)//ratio visible keys first."""
+    scores: Any
+    pos: Any
+    n_rows: int
+    stride: int
+    ratio: int = 4
+
+
+def topk_rows(rt: Any, sr: ScoreRows, k: int, out: Any, stream: Any = None, pdl: bool = False) -> None:
     """out[r, :min(n_r, k)] = topk of scores[r, :n_r], n_r = (pos[r]+1)//ratio, for n_rows rows (prefill)."""
+    scores, score_stride, pos, n_rows, ratio = sr.scores, sr.stride, sr.pos, sr.n_rows, sr.ratio
     need(k >= 1 and n_rows >= 1 and out.size >= n_rows * k and dtype_or_none(out, np.int32),
          f"topk_rows: out must be int32 with room for {n_rows} x {k}")
     need(scores.size >= n_rows * score_stride and pos.size >= n_rows and dtype_or_none(pos, np.int32),

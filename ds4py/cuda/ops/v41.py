@@ -13,6 +13,7 @@ from ds4py.cuda.ops.attention import KvRow, pair_threads
 from ds4py.cuda.ops.compressor import CompState
 from ds4py.cuda.ops.core import aligned, is_dtype, need
 from ds4py.cuda.ops.indexer import IndexQuery
+from ds4py.cuda.ops.topk import ScoreRows
 
 V41_THREADS = 256          # block of v41_candidates and v41_engram
 
@@ -123,10 +124,11 @@ def index_keys(rt: Any, kr: KvRow, k_raw: Any, pos: Any, keys: Any, n_rows: int,
               int(ratio), ihd, rd, float(kr.eps), int(kr.fake_quant), int(kr.round_f16), stream=stream, pdl=pdl)
 
 
-def candidates(rt: Any, scores: Any, cand: Any, pos: Any, n_rows: int, stride: int, ratio: int, n_blocks: int,
-               block: int, mask: bool, stream: Any = None, pdl: bool = False) -> None:
-    """mask False: cand[r] <- the rows of the candidate blocks of scores[r]; mask True: scores[r] <- -inf outside
-    cand[r]. scores, cand [n_rows, stride]."""
+def candidates(rt: Any, sr: ScoreRows, cand: Any, n_blocks: int, block: int, mask: bool, stream: Any = None,
+               pdl: bool = False) -> None:
+    """mask False: cand[r] <- the rows of the n_blocks candidate blocks (of `block` rows) of scores[r]; mask True:
+    scores[r] <- -inf outside cand[r]. cand [n_rows, stride] like the scores."""
+    scores, pos, n_rows, stride, ratio = sr.scores, sr.pos, sr.n_rows, sr.stride, sr.ratio
     need(n_blocks >= 1 and block >= 1 and ratio >= 1, "v41_candidates: blocks, block size and ratio must be >= 1")
     need(scores.size >= n_rows * stride and cand.size >= n_rows * stride and pos.size >= n_rows,
          f"v41_candidates: scores / cand are not [{n_rows}, {stride}]")
@@ -136,10 +138,10 @@ def candidates(rt: Any, scores: Any, cand: Any, pos: Any, n_rows: int, stride: i
               int(block), int(mask), stream=stream, pdl=pdl)
 
 
-def drop_masked(rt: Any, scores: Any, sel: Any, pos: Any, n_rows: int, stride: int, ratio: int, k: int,
-                stream: Any = None, pdl: bool = False) -> None:
+def drop_masked(rt: Any, sr: ScoreRows, sel: Any, k: int, stream: Any = None, pdl: bool = False) -> None:
     """sel[r, c] <- -1 for the picks of the top-k of masked scores that lie outside the candidates (score -inf):
     the attention kernels skip them, as the reference keeps only finite picks. sel [n_rows, k] int32."""
+    scores, pos, n_rows, stride, ratio = sr.scores, sr.pos, sr.n_rows, sr.stride, sr.ratio
     need(k >= 1 and ratio >= 1, "v41_drop_masked: k and ratio must be >= 1")
     need(scores.size >= n_rows * stride and sel.size >= n_rows * k and pos.size >= n_rows,
          f"v41_drop_masked: scores / sel are not [{n_rows}, {stride}] / [{n_rows}, {k}]")
