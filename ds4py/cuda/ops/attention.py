@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ds4py.cuda.ops.core import aligned, dtype_or_none, need
+from ds4py.cuda.ops.core import aligned, dtype_or_none, is_dtype, need
 
 ATTN_TILE = 16                 # keys staged per tile
 ATTN_HPW = 4                   # heads per warp
@@ -54,8 +54,8 @@ def kv_store(rt: Any, kr: KvRow, kv_raw: Any, pos_slot: Any, win: Any, stream: A
          f"attn_kv_store: kv ({kv_raw.size}), norm ({norm_w.size}) or freqs ({freqs.size}) do not match hd {hd}")
     need(len(win.shape) == 2 and win.shape[1] == hd, f"attn_kv_store: window ring shape {tuple(win.shape)} is not "
          f"[ring, {hd}]")
-    need(all(dtype_or_none(a, np.float32) for a in (kv_raw, norm_w, freqs, win))
-         and dtype_or_none(pos_slot, np.int32),
+    need(all(is_dtype(a, np.float32) for a in (kv_raw, norm_w, freqs, win))
+         and is_dtype(pos_slot, np.int32),
          "attn_kv_store: float32 arrays and an int32 position slot expected")
     need(aligned(8, kv_raw, norm_w, win), "attn_kv_store: kv, norm weight and ring must be 8-byte aligned")
     rt.launch("attn_kv_store", 1, pair_threads(hd), kv_raw, norm_w, freqs, pos_slot, win, int(win.shape[0]), hd,
@@ -175,7 +175,7 @@ def decode_attention(rt: Any, plan: AttnPlan, layer: AttnLayer, keys: AttnKeys, 
          f"attention: window ring {tuple(win.shape)} must be [>= {window}, {hd}]")
     need(ratio >= 0 and (ratio == 0 or (comp is not None and comp.shape[-1] == hd)),
          "attention: a compressed layer needs its compressed rows [n, hd]")
-    need(sel is None or (ratio > 0 and dtype_or_none(sel, np.int32) and sel.size >= topk >= 1),
+    need(sel is None or (ratio > 0 and is_dtype(sel, np.int32) and sel.size >= topk >= 1),
          "attention: sel must be int32 indices with room for topk")
     need(freqs.size == rd // 2 and (hd - rd) % 2 == 0 and sinks.size == H, "attention: freqs or sinks mismatch")
     need(tuple(part_o.shape) == plan.part_o_shape and tuple(part_ml.shape) == plan.part_ml_shape,

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ds4py.cuda.ops.attention import pair_threads
-from ds4py.cuda.ops.core import aligned, dtype_or_none, need
+from ds4py.cuda.ops.core import aligned, is_dtype, need
 
 COMP_MAX_THREADS = 1024        # block size limit (merge buffers)
 COMP_MAX_D = 1024              # largest rotated row (Hadamard buffer)
@@ -86,7 +86,7 @@ def _check(where: str, c: CompLayer, st: CompState) -> int:
     need(np.dtype(ape.dtype) in (np.dtype(np.float16), np.dtype(np.float32)), f"{where}: ape must be F16 or F32")
     need(norm_w.size == d and freqs.size == rd // 2 and len(rows.shape) == 2 and rows.shape[1] == d,
          f"{where}: norm ({norm_w.size}), freqs ({freqs.size}) or rows {tuple(rows.shape)} do not match d {d}")
-    need(all(dtype_or_none(a, np.float32) for a in (norm_w, freqs, ring_kv, ring_sc, rows)),
+    need(all(is_dtype(a, np.float32) for a in (norm_w, freqs, ring_kv, ring_sc, rows)),
          f"{where}: rings, rows, norm weight and freqs must be float32")
     need(aligned(8, ape, norm_w, ring_kv, ring_sc, rows), f"{where}: arrays must be 8-byte aligned")
     return width

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from ds4py.cuda.ops.attention import pair_threads
-from ds4py.cuda.ops.core import aligned, dtype_or_none, need
+from ds4py.cuda.ops.core import aligned, is_dtype, need
 
 IDX_MAX_DIM = 1024             # Hadamard buffer
 IDX_MAX_HEADS = 256            # weight buffer
@@ -57,7 +57,7 @@ def indexer_q_prep(rt: Any, iq: IndexQuery, q_raw: Any, pos_slot: Any, q: Any, s
          f"32..{IDX_MAX_DIM}")
     need(rd % 2 == 0 and 0 < rd <= ihd and freqs.size == rd // 2, f"indexer: {freqs.size} freqs for {rd} rope dims")
     need(q_raw.size == n_heads * ihd and q.size == n_heads * ihd, f"indexer: q is not [{n_heads}, {ihd}]")
-    need(all(dtype_or_none(a, np.float32) for a in (q_raw, freqs, q)) and aligned(8, q_raw, q),
+    need(all(is_dtype(a, np.float32) for a in (q_raw, freqs, q)) and aligned(8, q_raw, q),
          "indexer: float32 arrays, 8-byte aligned")
     rt.launch("indexer_q_prep", n_heads, pair_threads(ihd), q_raw, freqs, pos_slot, q, ihd, rd, int(fake_quant),
               stream=stream, pdl=pdl)
@@ -102,8 +102,8 @@ def indexer_q_prep_rows(rt: Any, iq: IndexQuery, q_raw: Any, pos: Any, q: Any, n
          f"32..{IDX_MAX_DIM}")
     need(rd % 2 == 0 and 0 < rd <= ihd and freqs.size == rd // 2, f"indexer: {freqs.size} freqs for {rd} rope dims")
     need(n_rows >= 1 and q_raw.size >= n_rows * n_heads * ihd and q.size >= n_rows * n_heads * ihd
-         and pos.size >= n_rows and dtype_or_none(pos, np.int32), f"indexer: q is not [{n_rows}, {n_heads}, {ihd}]")
-    need(all(dtype_or_none(a, np.float32) for a in (q_raw, freqs, q)) and aligned(8, q_raw, q),
+         and pos.size >= n_rows and is_dtype(pos, np.int32), f"indexer: q is not [{n_rows}, {n_heads}, {ihd}]")
+    need(all(is_dtype(a, np.float32) for a in (q_raw, freqs, q)) and aligned(8, q_raw, q),
          "indexer: float32 arrays, 8-byte aligned")
     rt.launch("indexer_q_prep_rows", (n_heads, int(n_rows)), pair_threads(ihd), q_raw, freqs, pos, q, n_heads, ihd,
               rd, int(fake_quant), stream=stream, pdl=pdl)

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from ds4py.cuda.ops.attention import AttnKeys, AttnLayer, KvRow, pair_threads
-from ds4py.cuda.ops.core import aligned, dtype_or_none, need
+from ds4py.cuda.ops.core import aligned, is_dtype, need
 
 PFA_TILE = 16                  # keys staged per tile
 PFA_HPW = 4                    # heads per warp
@@ -30,7 +30,7 @@ def kv_rows(rt: Any, kr: KvRow, kv_raw: Any, pos: Any, blk: Any, n_rows: int, st
     need(n_rows >= 1 and kv_raw.size >= n_rows * hd and blk.size >= n_rows * hd and norm_w.size == hd
          and freqs.size == rd // 2 and pos.size >= n_rows,
          f"prefill_kv_rows: kv, rows, norm or freqs do not match {n_rows} x {hd}")
-    need(all(dtype_or_none(a, np.float32) for a in (kv_raw, norm_w, freqs, blk)) and dtype_or_none(pos, np.int32),
+    need(all(is_dtype(a, np.float32) for a in (kv_raw, norm_w, freqs, blk)) and is_dtype(pos, np.int32),
          "prefill_kv_rows: float32 arrays and int32 positions expected")
     need(aligned(8, kv_raw, norm_w, blk), "prefill_kv_rows: kv, norm weight and rows must be 8-byte aligned")
     rt.launch("prefill_kv_rows", int(n_rows), pair_threads(hd), kv_raw, norm_w, freqs, pos, blk, hd, rd,
@@ -41,7 +41,7 @@ def ring_store(rt: Any, blk: Any, n_rows: int, pos: Any, ring: Any, stream: Any 
     """The block's last min(n_rows, ring rows) kv rows into the window ring at slot position % ring rows."""
     need(len(ring.shape) == 2 and ring.shape[1] % 2 == 0, "prefill_ring_store: the ring must be [rows, even width]")
     hd = int(ring.shape[1])
-    need(n_rows >= 1 and blk.size >= n_rows * hd and pos.size >= n_rows and dtype_or_none(pos, np.int32),
+    need(n_rows >= 1 and blk.size >= n_rows * hd and pos.size >= n_rows and is_dtype(pos, np.int32),
          f"prefill_ring_store: rows must be [{n_rows}, {hd}] with int32 positions")
     need(aligned(8, blk, ring), "prefill_ring_store: rows and ring must be 8-byte aligned")
     rt.launch("prefill_ring_store", min(int(n_rows), int(ring.shape[0])), 128, blk, int(n_rows), pos, ring,
@@ -80,12 +80,12 @@ def prefill_attention(rt: Any, layer: AttnLayer, keys: AttnKeys, rows: PrefillRo
     need(hd % 8 == 0 and 0 < hd <= PFA_MAX_HD, f"prefill attention: head dim {hd} must be a multiple of 8 up to "
          f"{PFA_MAX_HD}")
     need(n_rows >= 1 and q_raw.size >= n_rows * n_heads * hd and out.size >= n_rows * n_heads * hd
-         and blk.size >= n_rows * hd and pos.size >= n_rows and dtype_or_none(pos, np.int32),
+         and blk.size >= n_rows * hd and pos.size >= n_rows and is_dtype(pos, np.int32),
          f"prefill attention: q, out or rows are not [{n_rows}, {n_heads}, {hd}]")
     need(ring.shape[0] >= window >= 1, f"prefill attention: window ring {tuple(ring.shape)} must hold {window} rows")
     need(ratio >= 0 and (ratio == 0 or (comp is not None and comp.shape[-1] == hd)),
          "prefill attention: a compressed layer needs its compressed rows [n, hd]")
-    need(sel is None or (ratio > 0 and dtype_or_none(sel, np.int32) and topk >= 1 and sel.size >= n_rows * topk),
+    need(sel is None or (ratio > 0 and is_dtype(sel, np.int32) and topk >= 1 and sel.size >= n_rows * topk),
          "prefill attention: sel must be int32 [rows, topk]")
     need(not block_keys or (ratio == 0 and sel is None), "prefill attention: block keys take no compressed rows")
     need(layer.freqs.size == rd // 2 and (hd - rd) % 2 == 0 and layer.sinks.size == n_heads,
@@ -102,7 +102,7 @@ def prefill_attention(rt: Any, layer: AttnLayer, keys: AttnKeys, rows: PrefillRo
 def swiglu(rt: Any, g: Any, u: Any, h: Any, n: int, clamp: float, stream: Any = None, pdl: bool = False) -> None:
     """h[:n] = silu(min(g, c)) * clamp(u, -c, c) (clamp <= 0: none), elementwise."""
     need(n >= 1 and g.size >= n and u.size >= n and h.size >= n
-         and all(dtype_or_none(a, np.float32) for a in (g, u, h)), f"prefill_swiglu: float32 arrays of {n} values")
+         and all(is_dtype(a, np.float32) for a in (g, u, h)), f"prefill_swiglu: float32 arrays of {n} values")
     rt.launch("prefill_swiglu", -(-int(n) // 256), 256, g, u, h, int(n), float(clamp), stream=stream, pdl=pdl)
 
 
@@ -110,7 +110,7 @@ def split_bf16(rt: Any, x: Any, pieces: list, n: int, stream: Any = None, pdl: b
     """pieces (2 or 3 float32 arrays)[:n] = x's bf16 pieces (p0 = bf16(x), p1 = bf16(x - p0), p2 = bf16(rest))."""
     need(len(pieces) in (2, 3), "prefill_split_bf16: 2 or 3 pieces")
     need(n >= 1 and x.size >= n and all(p.size >= n for p in pieces)
-         and all(dtype_or_none(a, np.float32) for a in (x, *pieces)),
+         and all(is_dtype(a, np.float32) for a in (x, *pieces)),
          f"prefill_split_bf16: float32 arrays of {n} values")
     p2 = pieces[2] if len(pieces) == 3 else None
     rt.launch("prefill_split_bf16", -(-int(n) // 256), 256, x, pieces[0], pieces[1], p2, int(n), len(pieces),

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from ds4py.cuda.ops.core import dtype_or_none, need
+from ds4py.cuda.ops.core import is_dtype, need
 
 ROUTE_PER_LANE = 32            # experts per lane of the one warp
 ROUTE_MAX_EXPERTS = 32 * ROUTE_PER_LANE
@@ -39,11 +39,11 @@ def moe_route(rt: Any, ro: Router, logits: Any, token: Any, ids: Any, weights: A
     need(1 <= n_experts <= ROUTE_MAX_EXPERTS and 1 <= k <= min(ROUTE_MAX_K, n_experts),
          f"moe_route: {k} of {n_experts} experts (at most {ROUTE_MAX_K} of {ROUTE_MAX_EXPERTS})")
     need(logits.size == n_experts and (bias is None or bias.size == n_experts), "moe_route: logits / bias size")
-    need(ids.size >= k and weights.size >= k and dtype_or_none(ids, np.int32) and dtype_or_none(weights, np.float32),
+    need(ids.size >= k and weights.size >= k and is_dtype(ids, np.int32) and is_dtype(weights, np.float32),
          "moe_route: ids (int32) and weights (float32) need k entries")
     vocab = 0
     if tid2eid is not None:
-        need(len(tid2eid.shape) == 2 and tid2eid.shape[1] == k and dtype_or_none(tid2eid, np.int32)
+        need(len(tid2eid.shape) == 2 and tid2eid.shape[1] == k and is_dtype(tid2eid, np.int32)
              and token is not None,
              f"moe_route: tid2eid must be int32 [vocab, {k}] with a device token id")
         vocab = int(tid2eid.shape[0])
@@ -61,13 +61,13 @@ def moe_route_rows(rt: Any, ro: Router, logits: Any, tokens: Any, ids: Any, weig
          f"moe_route_rows: {k} of {n_experts} experts (at most {ROUTE_MAX_K} of {ROUTE_MAX_EXPERTS}), rows >= 1")
     need(logits.size >= n_rows * n_experts and (bias is None or bias.size == n_experts),
          "moe_route_rows: logits / bias size")
-    need(ids.size >= n_rows * k and weights.size >= n_rows * k and dtype_or_none(ids, np.int32)
-         and dtype_or_none(weights, np.float32), "moe_route_rows: ids (int32) and weights (float32) need rows x k")
+    need(ids.size >= n_rows * k and weights.size >= n_rows * k and is_dtype(ids, np.int32)
+         and is_dtype(weights, np.float32), "moe_route_rows: ids (int32) and weights (float32) need rows x k")
     vocab = 0
     if tid2eid is not None:
-        need(len(tid2eid.shape) == 2 and tid2eid.shape[1] == k and dtype_or_none(tid2eid, np.int32)
+        need(len(tid2eid.shape) == 2 and tid2eid.shape[1] == k and is_dtype(tid2eid, np.int32)
              and tokens is not None
-             and tokens.size >= n_rows and dtype_or_none(tokens, np.int32),
+             and tokens.size >= n_rows and is_dtype(tokens, np.int32),
              f"moe_route_rows: tid2eid must be int32 [vocab, {k}] with int32 device token ids")
         vocab = int(tid2eid.shape[0])
     rt.launch("moe_route_rows", int(n_rows), 32, logits, bias, tid2eid, tokens, int(n_experts), int(k), vocab,
