@@ -118,7 +118,8 @@ def test_collapse_norm(rt, arena, put, D, T, threads, weighted):
     mix = r.random((T, om.mix_record(HC))).astype(np.float32)
     w = (1 + 0.1 * r.standard_normal(D)).astype(np.float32) if weighted else None
     y = arena.scratch((T, D), np.float32)
-    ops.hc_collapse_norm(rt, put(X, False), put(mix), T, D, put(w) if weighted else None, EPS, y, threads=threads)
+    ops.hc_collapse_norm(rt, put(X, False), T, D, om.Collapse(y, put(w) if weighted else None, EPS, put(mix)),
+                         threads=threads)
     want = tm.hc_collapse_norm(X, mix, w, EPS)
     twins.assert_close_scaled(y.download(), want, np.abs(want) + 1e-30, D, f"collapse D={D}")
 
@@ -145,7 +146,7 @@ def test_head_collapse(rt, arena, put, D):
     mix, _ = run_mix(rt, arena, put, X, fn, scale[:1], base)
     w = (1 + 0.1 * r.standard_normal(D)).astype(np.float32)
     y = arena.scratch((2, D), np.float32)
-    ops.hc_collapse_norm(rt, X=put(X, False), mix=mix, n_tok=2, D=D, w=put(w), eps=EPS, y=y, threads=64)
+    ops.hc_collapse_norm(rt, X=put(X, False), n_tok=2, D=D, c=om.Collapse(y, put(w), EPS, mix), threads=64)
     want = tm.hc_head(X, fn.astype(np.float32), scale[:1], base, w, EPS, EPS)
     twins.assert_close_scaled(y.download(), want, np.abs(want) + np.abs(w), HC * D, "head collapse")
 
@@ -173,7 +174,7 @@ def test_mix_with_collapse_is_the_two_launches_bit_for_bit(rt, arena, put, D, T,
     y1, y2 = (arena.scratch((T, D), np.float32) for _ in range(2))
     mw = om.MixWeights(dfn, dsc, dbase, D, EPS, EPS, 20)
     ops.hc_mix(rt, mw, om.MixBuffers(dX, T, mix1, part, ticket))
-    ops.hc_collapse_norm(rt, dX, dlag if lagged else mix1, T, D, dw, EPS, y1, mix_stride=stride)
+    ops.hc_collapse_norm(rt, dX, T, D, om.Collapse(y1, dw, EPS, dlag if lagged else mix1, stride))
     ops.hc_mix(rt, mw, om.MixBuffers(dX, T, mix2, part, ticket),
                collapse=om.Collapse(y2, dw, EPS, dlag, stride if lagged else 0))
     assert (ticket.download() == 0).all()

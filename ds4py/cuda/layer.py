@@ -463,7 +463,7 @@ def record_head(ls: Launcher, rec: Recording, X: DeviceArray, n: int, H: Any, no
     Xr = X.view(4 * r0 * hc * D, (n, hc, D)) if rec.mode == BLOCK else X
     if H is None:
         mix = ws.mix_ffn.view(4 * r0 * mrec, n * mrec) if rec.mode == BLOCK else ws.mix_ffn
-        ops.hc_collapse_norm(ls, Xr, mix, n, D, norm.array, cfg.norm_eps, ws.x_head, hc, **ls.main())
+        ops.hc_collapse_norm(ls, Xr, n, D, Collapse(ws.x_head, norm.array, cfg.norm_eps, mix), hc, **ls.main())
     else:                                                        # the head's pre-only mix, then its collapse
         ops.hc_mix(ls, mix_weights(cfg, H), MixBuffers(Xr, n, ws.mix_head, ws.mix_partial, rec.tickets),
                    Collapse(ws.x_head, norm.array, cfg.norm_eps), **ls.main())

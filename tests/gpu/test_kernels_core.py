@@ -122,11 +122,11 @@ def _decode_like(rt, arena, dev, pdl):
     s["pv"], s["pi"], s["tok"] = arena.scratch(16, np.float32), arena.scratch(16, np.int32), arena.scratch(1, np.int32)
     ops.hc_mix(rt, om.MixWeights(dev["fn"], dev["scale"], dev["base"], D, 1e-6, 1e-6, 20),
                om.MixBuffers(dev["X"], 1, s["mix"], s["part"], dev["ticket"]), pdl=pdl)
-    ops.hc_collapse_norm(rt, dev["X"], s["mix"], 1, D, dev["norm"], 1e-6, s["x"], pdl=pdl)
+    ops.hc_collapse_norm(rt, dev["X"], 1, D, om.Collapse(s["x"], dev["norm"], 1e-6, s["mix"]), pdl=pdl)
     ops.gemv_hc_post(rt, dev["W"], s["x"], dev["X"], s["mix"], D, D, pdl=pdl)
     ops.hc_mix(rt, om.MixWeights(dev["hfn"], dev["scale"], dev["base"], D, 1e-6, 1e-6, 20),
                om.MixBuffers(dev["X"], 1, s["hmix"], s["part"], dev["ticket"]), pdl=pdl)
-    ops.hc_collapse_norm(rt, dev["X"], s["hmix"], 1, D, dev["norm"], 1e-6, s["y"], pdl=pdl)
+    ops.hc_collapse_norm(rt, dev["X"], 1, D, om.Collapse(s["y"], dev["norm"], 1e-6, s["hmix"]), pdl=pdl)
     ops.gemv(rt, [(dev["head"], s["logits"], V)], s["y"], D, pdl=pdl)
     ops.argmax(rt, s["logits"], V, s["pv"], s["pi"], dev["ticket1"], s["tok"], pdl=pdl)
     return s
