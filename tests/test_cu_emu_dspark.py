@@ -40,7 +40,7 @@ def test_taps_are_the_mean_over_the_copies_at_their_column_offset(kdev, order):
     d_taps = dev.var(np.full((T, n_targets * D), np.nan, np.float32))
     for k, x in enumerate(X):
         y = d_taps.view(4 * k * D, (T - 1) * n_targets * D + D)         # target k's columns of every row
-        ops_dspark.hc_sum(dev.rt, dev.const(x), None, T, D, 1.0 / hc, y, y_stride=n_targets * D, hc=hc)
+        ops_dspark.hc_sum(dev.rt, dev.const(x), T, D, ops_dspark.HcSum(y, 1.0 / hc, y_stride=n_targets * D), hc)
     want = np.concatenate([twin.hc_sum(x, None, 1.0 / hc) for x in X], axis=1)
     np.testing.assert_array_equal(d_taps.download(), want)
     np.testing.assert_array_equal(want, np.concatenate([x.mean(axis=1) for x in X], axis=1))   # the reference's
@@ -54,7 +54,7 @@ def test_hidden_is_the_pre_mix_collapse(kdev, order):
     mix = r.standard_normal((T, stride)).astype(np.float32)
     dev = kdev(order, T)
     d_y = dev.var(np.full((T, D), np.nan, np.float32))
-    ops_dspark.hc_sum(dev.rt, dev.const(X), dev.const(mix), T, D, 1.0, d_y, hc=hc, mix_stride=stride)
+    ops_dspark.hc_sum(dev.rt, dev.const(X), T, D, ops_dspark.HcSum(d_y, 1.0, mix=dev.const(mix), mix_stride=stride), hc)
     np.testing.assert_array_equal(d_y.download(), twin.hc_sum(X, mix[:, :hc], 1.0))
 
 
@@ -145,4 +145,4 @@ def test_bad_launches_are_refused(kdev):
                                   PrefillRows(z((2, 4, 64)), z(2, np.int32), z((2, 64)), z((2, 4, 64)), 2),
                                   block_keys=True)
     with pytest.raises(Ds4Error, match="dspark_hc_sum: y too small"):
-        ops_dspark.hc_sum(dev.rt, z((2, 4, 32)), None, 2, 32, 0.25, z(40))
+        ops_dspark.hc_sum(dev.rt, z((2, 4, 32)), 2, 32, ops_dspark.HcSum(z(40), 0.25))

@@ -210,8 +210,8 @@ def record_block(ls: Launcher, rec: Recording, D: Any, MB: Any, hidden: Any) -> 
         Y = layer.record_layer(ls, rec, s, L, X, other)
         if Y is not X:
             X, other = Y, X
-    ops_dspark.hc_sum(ls, X, ws.mix_ffn, R, Dm, 1.0, hidden, y_stride=int(hidden.shape[-1]), hc=hc,
-                      mix_stride=mix_record(hc), **ls.main())
+    ops_dspark.hc_sum(ls, X, R, Dm, ops_dspark.HcSum(hidden, 1.0, int(hidden.shape[-1]), ws.mix_ffn, mix_record(hc)),
+                      hc, **ls.main())
     layer.record_head(ls, rec, X, R, None, D.norm, MB.head)
 
 

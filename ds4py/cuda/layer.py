@@ -349,8 +349,8 @@ def record_tap(ls: Launcher, rec: Recording, il: int, X: DeviceArray) -> None:
     into the rows' taps at the target's place in layer order (ref/forward.py's X.mean(1), concatenated)."""
     cfg, D, R = rec.cfg, rec.cfg.dim, rec.R
     k, width = sorted(cfg.dspark_targets).index(il), cfg.dspark_tap_dim
-    ops_dspark.hc_sum(ls, X, None, R, D, 1.0 / cfg.hc_mult, rec.taps.view(4 * k * D, (R - 1) * width + D),
-                      y_stride=width, hc=cfg.hc_mult, **ls.main())
+    ops_dspark.hc_sum(ls, X, R, D, ops_dspark.HcSum(rec.taps.view(4 * k * D, (R - 1) * width + D), 1.0 / cfg.hc_mult,
+                                                    y_stride=width), cfg.hc_mult, **ls.main())
 
 
 def record_layer(ls: Launcher, rec: Recording, il: int, lw: Any, X: DeviceArray, X_out: DeviceArray) -> DeviceArray:
