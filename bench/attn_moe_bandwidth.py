@@ -153,9 +153,11 @@ def bench_attention(rt, arena, r, reps, res) -> None:
             plan = ops_attn.attn_plan(H, HD, W + n_comp)
             po, pml = arena.scratch(plan.part_o_shape, np.float32), arena.scratch(plan.part_ml_shape, np.float32)
             s = sel if ratio == 4 else None
-            ms = timed_graph(rt, lambda: ops_attn.decode_attention(rt, plan, q, freqs, slot, win, W, comp, ratio, s,
-                                                                    TOPK, sinks, po, pml, out, RD, 1e-6, HD ** -0.5,
-                                                                    pdl=True), reps, slot)
+            layer = ops_attn.AttnLayer(freqs, sinks, H, RD, W, 1e-6, HD ** -0.5)
+            keys = ops_attn.AttnKeys(win, comp, ratio, s, TOPK)
+            bufs = ops_attn.DecodeBuffers(q, slot, po, pml, out)
+            ms = timed_graph(rt, lambda: ops_attn.decode_attention(rt, plan, layer, keys, bufs, pdl=True), reps,
+                             slot)
             row = {"kernel": "attention", "ctx": ctx, "ratio": ratio, "keys": W + n_comp, "splits": plan.splits,
                    "us": ms * 1e3}
             res["attention"].append(row)
@@ -168,8 +170,8 @@ def bench_attention(rt, arena, r, reps, res) -> None:
         iq.upload(r.standard_normal((IH, IHD)).astype(np.float32))
         wr.upload(r.standard_normal(IH).astype(np.float32))
         scores, top = arena.scratch(n4, np.float32), arena.scratch(TOPK, np.int32)
-        ms_s = timed_graph(rt, lambda: ops_idx.indexer_scores(rt, iq, wr, 0.01, keys, slot, scores, IH, IHD, n4,
-                                                              pdl=True), reps, slot)
+        scorer, bufs = ops_idx.IndexScorer(IH, IHD, 0.01), ops_idx.ScoreBuffers(iq, wr, keys, slot, scores, n4)
+        ms_s = timed_graph(rt, lambda: ops_idx.indexer_scores(rt, scorer, bufs, pdl=True), reps, slot)
         ms_t = timed_graph(rt, lambda: ops_topk.topk(rt, scores, TOPK, top, pos_slot=slot, pdl=True), reps, slot)
         res["indexer"].append({"ctx": ctx, "keys": n4, "scores_us": ms_s * 1e3, "topk_us": ms_t * 1e3,
                                "scores_GBps": n4 * IHD * 4 / ms_s / 1e6})
@@ -198,9 +200,10 @@ def bench_compressor(rt, arena, r, reps, res) -> None:
         slot = arena.scratch(1, np.int32)
         for emit in (True, False):
             slot.upload(np.array([ratio * 100 - 1 - (0 if emit else 1)], np.int32))
-            ms = timed_graph(rt, lambda: ops_comp.compressor_decode(rt, kv_in, sc_in, ape, norm, freqs, slot, rk, rs,
-                                                                    rows, ratio, overlap, d, RD, 1e-6, rotate,
-                                                                    pdl=True), reps, slot)
+            layer = ops_comp.CompLayer(ape, norm, freqs, ratio, overlap, d, RD, 1e-6, rotate)
+            state = ops_comp.CompState(rk, rs, rows)
+            ms = timed_graph(rt, lambda: ops_comp.compressor_decode(rt, layer, state, kv_in, sc_in, slot, pdl=True),
+                             reps, slot)
             kind = "indexer keys" if rotate else "attention"
             res["compressor"].append({"ratio": ratio, "d": d, "kind": kind, "emits": emit, "us": ms * 1e3})
             print(f"compressor {kind:12} ratio {ratio:3} d {d}: {'emitting' if emit else 'storing '} "

@@ -10,6 +10,7 @@ import pytest
 
 from ds4py.cuda import emu
 from ds4py.cuda.ops import attention as ops_attn
+from ds4py.cuda.ops.attention import AttnKeys, AttnLayer, DecodeBuffers, KvRow
 from ds4py.cuda.twins import attention as twin
 from ds4py.cuda.twins.core import assert_close_scaled
 from ds4py.errors import Ds4Error
@@ -45,8 +46,8 @@ def test_kv_store(kdev, hd, rd, ring, pos, fake_quant, round_f16, order):
     before = win.copy()
     dev = kdev(order, pos)
     d_win = dev.var(win)
-    ops_attn.kv_store(dev.rt, dev.const(kv_raw), dev.const(norm_w), dev.const(freqs),
-                      dev.const(np.array([pos], np.int32)), d_win, hd, rd, EPS, fake_quant, round_f16)
+    ops_attn.kv_store(dev.rt, KvRow(dev.const(norm_w), dev.const(freqs), hd, rd, EPS, fake_quant, round_f16),
+                      dev.const(kv_raw), dev.const(np.array([pos], np.int32)), d_win)
     win = d_win.download()
     slot = pos % ring
     others = np.arange(ring) != slot
@@ -77,8 +78,8 @@ def test_fp8_fake_quant_is_exact_on_the_grid(kdev):
     norm_w = np.full(hd, np.sqrt(ms + EPS), np.float32)   # undo the RMSNorm (up to rounding)
     dev = kdev()
     d_win = dev.var(np.zeros((4, hd), np.float32))
-    ops_attn.kv_store(dev.rt, dev.const(x), dev.const(norm_w), dev.const(yarn_freqs(rd)),
-                      dev.const(np.array([0], np.int32)), d_win, hd, rd, EPS, True, False)
+    ops_attn.kv_store(dev.rt, KvRow(dev.const(norm_w), dev.const(yarn_freqs(rd)), hd, rd, EPS, True, False),
+                      dev.const(x), dev.const(np.array([0], np.int32)), d_win)
     win = d_win.download()
     _, pre, mag = twin.kv_row(x, norm_w, yarn_freqs(rd), 0, rd, EPS, True, False)
     twin.assert_fake_quant_close(win[0, :64], pre[:64], 8 * EPS32 * mag[:64], "fp8", 64, "grid row")
@@ -120,9 +121,10 @@ def test_decode_attention(kdev, case, order):
     d_part_ml = dev.var(np.full(plan.part_ml_shape, np.nan, np.float32))
     d_out = dev.var(np.full((H, hd), np.nan, np.float32))
     scale = hd ** -0.5
-    ops_attn.decode_attention(dev.rt, plan, dev.const(q_raw), dev.const(freqs), dev.const(np.array([pos], np.int32)),
-                              dev.const(win), window, dev.const(comp), ratio, dev.const(sel), topk, dev.const(sinks),
-                              d_part_o, d_part_ml, d_out, rd, EPS, scale)
+    ops_attn.decode_attention(dev.rt, plan, AttnLayer(dev.const(freqs), dev.const(sinks), H, rd, window, EPS, scale),
+                              AttnKeys(dev.const(win), dev.const(comp), ratio, dev.const(sel), topk),
+                              DecodeBuffers(dev.const(q_raw), dev.const(np.array([pos], np.int32)), d_part_o,
+                                            d_part_ml, d_out))
     out, part_ml = d_out.download(), d_part_ml.download()
     keys = twin.decode_keys(win, ring, window, pos, comp, ratio, sel, topk)
     assert keys.shape[0] == n_keys
@@ -147,11 +149,12 @@ def test_decode_attention_without_q_norm(kdev):
     plan = ops_attn.attn_plan(H, hd, n_keys)
     dev = kdev("random", pos)
     d_out = dev.var(np.full((H, hd), np.nan, np.float32))
-    ops_attn.decode_attention(dev.rt, plan, dev.const(q_raw), dev.const(freqs), dev.const(np.array([pos], np.int32)),
-                              dev.const(win), window, dev.const(comp), ratio, dev.const(sel), topk, dev.const(sinks),
-                              dev.var(np.zeros(plan.part_o_shape, np.float32)),
-                              dev.var(np.zeros(plan.part_ml_shape, np.float32)), d_out, rd, EPS, hd ** -0.5,
-                              q_norm=False)
+    ops_attn.decode_attention(dev.rt, plan,
+                              AttnLayer(dev.const(freqs), dev.const(sinks), H, rd, window, EPS, hd ** -0.5, False),
+                              AttnKeys(dev.const(win), dev.const(comp), ratio, dev.const(sel), topk),
+                              DecodeBuffers(dev.const(q_raw), dev.const(np.array([pos], np.int32)),
+                                            dev.var(np.zeros(plan.part_o_shape, np.float32)),
+                                            dev.var(np.zeros(plan.part_ml_shape, np.float32)), d_out))
     keys = twin.decode_keys(win, ring, window, pos, comp, ratio, sel, topk)
     want, mag = twin.decode_attention(q_raw, keys, sinks, freqs, pos, H, rd, EPS, hd ** -0.5, q_norm=False)
     assert_close_scaled(d_out.download(), want, mag, n_keys + hd, "attention without q norm")
@@ -175,10 +178,11 @@ def test_decode_attention_skips_dropped_picks(kdev):
     dev = kdev("random", pos)
     d_out = dev.var(np.full((H, hd), np.nan, np.float32))
     d_ml = dev.var(np.zeros(plan.part_ml_shape, np.float32))
-    ops_attn.decode_attention(dev.rt, plan, dev.const(q_raw), dev.const(freqs), dev.const(np.array([pos], np.int32)),
-                              dev.const(win), window, dev.const(comp), ratio, dev.const(sel), topk, dev.const(sinks),
-                              dev.var(np.zeros(plan.part_o_shape, np.float32)), d_ml, d_out, rd, EPS, hd ** -0.5,
-                              q_norm=False)
+    ops_attn.decode_attention(dev.rt, plan,
+                              AttnLayer(dev.const(freqs), dev.const(sinks), H, rd, window, EPS, hd ** -0.5, False),
+                              AttnKeys(dev.const(win), dev.const(comp), ratio, dev.const(sel), topk),
+                              DecodeBuffers(dev.const(q_raw), dev.const(np.array([pos], np.int32)),
+                                            dev.var(np.zeros(plan.part_o_shape, np.float32)), d_ml, d_out))
     keys = twin.decode_keys(win, ring, window, pos, comp, ratio, sel, topk)
     assert keys.shape[0] == window + 14
     want, mag = twin.decode_attention(q_raw, keys, sinks, freqs, pos, H, rd, EPS, hd ** -0.5, q_norm=False)
@@ -199,11 +203,13 @@ def test_attention_is_bit_identical_across_thread_orders(kdev):
     for order in ORDERS:
         dev = kdev(order, 5)
         d_out = dev.var(np.zeros((H, hd), np.float32))
-        ops_attn.decode_attention(dev.rt, plan, dev.const(q_raw), dev.const(yarn_freqs(rd)),
-                                  dev.const(np.array([pos], np.int32)), dev.const(win), window, dev.const(comp), ratio,
-                                  dev.const(sel), topk, dev.const(sinks),
-                                  dev.var(np.zeros(plan.part_o_shape, np.float32)),
-                                  dev.var(np.zeros(plan.part_ml_shape, np.float32)), d_out, rd, EPS, hd ** -0.5)
+        ops_attn.decode_attention(dev.rt, plan,
+                                  AttnLayer(dev.const(yarn_freqs(rd)), dev.const(sinks), H, rd, window, EPS,
+                                            hd ** -0.5),
+                                  AttnKeys(dev.const(win), dev.const(comp), ratio, dev.const(sel), topk),
+                                  DecodeBuffers(dev.const(q_raw), dev.const(np.array([pos], np.int32)),
+                                                dev.var(np.zeros(plan.part_o_shape, np.float32)),
+                                                dev.var(np.zeros(plan.part_ml_shape, np.float32)), d_out))
         outs.append(d_out.download())
     assert all(np.array_equal(outs[0], o) for o in outs[1:])
 
@@ -211,16 +217,18 @@ def test_attention_is_bit_identical_across_thread_orders(kdev):
 def test_attention_wrappers_reject_bad_shapes():
     rt = None                                            # rejected before any launch
     with pytest.raises(Ds4Error, match="blocks of 64"):
-        ops_attn.kv_store(rt, np.zeros(100, np.float32), np.zeros(100, np.float32), np.zeros(16, np.float32),
-                          np.zeros(1, np.int32), np.zeros((4, 100), np.float32), 100, 32, EPS)
+        ops_attn.kv_store(rt, KvRow(np.zeros(100, np.float32), np.zeros(16, np.float32), 100, 32, EPS),
+                          np.zeros(100, np.float32), np.zeros(1, np.int32), np.zeros((4, 100), np.float32))
     with pytest.raises(Ds4Error, match="multiple of 8"):
         ops_attn.attn_plan(4, 100, 64)
     plan = ops_attn.attn_plan(4, 64, 64)
     with pytest.raises(Ds4Error, match="partial buffers"):
-        ops_attn.decode_attention(rt, plan, np.zeros((4, 64), np.float32), np.zeros(16, np.float32),
-                                  np.zeros(1, np.int32), np.zeros((8, 64), np.float32), 8, None, 0, None, 0,
-                                  np.zeros(4, np.float32), np.zeros((4, 1, 64), np.float32),
-                                  np.zeros((4, 1, 2), np.float32), np.zeros((4, 64), np.float32), 32, EPS, 0.125)
+        ops_attn.decode_attention(rt, plan, AttnLayer(np.zeros(16, np.float32), np.zeros(4, np.float32), 4, 32, 8,
+                                                      EPS, 0.125),
+                                  AttnKeys(np.zeros((8, 64), np.float32)),
+                                  DecodeBuffers(np.zeros((4, 64), np.float32), np.zeros(1, np.int32),
+                                                np.zeros((4, 1, 64), np.float32), np.zeros((4, 1, 2), np.float32),
+                                                np.zeros((4, 64), np.float32)))
 
 
 def test_attention_warps_follow_the_device():

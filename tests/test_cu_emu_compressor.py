@@ -10,6 +10,7 @@ import pytest
 
 from ds4py.cuda import emu
 from ds4py.cuda.ops import compressor as ops_comp
+from ds4py.cuda.ops.compressor import CompLayer, CompState
 from ds4py.cuda.twins import compressor as twin
 from ds4py.cuda.twins.attention import assert_fake_quant_close
 from ds4py.cuda.twins.core import assert_close_scaled
@@ -85,13 +86,13 @@ def test_compressor_decode(kdev, comp, order):
     h = History(r, max(positions) + 1, d, ratio, overlap, ape_dt)
     freqs = ops.rope_freqs(rd, 160000.0, 16.0, 65536, 32.0, 1.0)
     dev = kdev(order, d)
-    ape, norm, d_freqs = dev.const(h.ape), dev.const(h.norm), dev.const(freqs)
+    layer = CompLayer(dev.const(h.ape), dev.const(h.norm), dev.const(freqs), ratio, overlap, d, rd, EPS, rotate,
+                      subs=subs)
     for pos in positions:
         d_kv, d_sc = (dev.var(a) for a in h.rings(range(max(0, pos - cap + 1), pos), cap))
         d_rows = dev.var(np.full(((pos + 1) // ratio + 2, d), np.nan, np.float32))
-        ops_comp.compressor_decode(dev.rt, dev.const(h.kv[pos]), dev.const(h.sc_raw[pos]), ape, norm, d_freqs,
-                                   dev.const(np.array([pos], np.int32)), d_kv, d_sc, d_rows, ratio, overlap, d, rd, EPS,
-                                   rotate, True, subs=subs)
+        ops_comp.compressor_decode(dev.rt, layer, CompState(d_kv, d_sc, d_rows), dev.const(h.kv[pos]),
+                                   dev.const(h.sc_raw[pos]), dev.const(np.array([pos], np.int32)))
         ring_kv, ring_sc, rows = d_kv.download(), d_sc.download(), d_rows.download()
         np.testing.assert_array_equal(ring_kv[pos % cap], h.kv[pos])
         np.testing.assert_array_equal(ring_sc[pos % cap], h.sc[pos])    # score + ape, one fp32 add
@@ -117,9 +118,10 @@ def test_compressor_prefill(kdev, comp, p0, n_tok):
     d_kv, d_sc = (dev.var(a) for a in h.rings(range(max(0, p0 - cap), p0), cap))
     n_rows = (p0 + n_tok) // ratio + 2
     d_rows = dev.var(np.full((n_rows, d), np.nan, np.float32))
-    ops_comp.compressor_prefill(dev.rt, dev.const(h.kv[p0:]), dev.const(h.sc_raw[p0:]), n_tok, dev.const(h.ape),
-                                dev.const(h.norm), dev.const(freqs), dev.const(np.array([p0], np.int32)), d_kv, d_sc,
-                                d_rows, ratio, overlap, d, rd, EPS, rotate, True, subs=subs)
+    layer = CompLayer(dev.const(h.ape), dev.const(h.norm), dev.const(freqs), ratio, overlap, d, rd, EPS, rotate,
+                      subs=subs)
+    ops_comp.compressor_prefill(dev.rt, layer, CompState(d_kv, d_sc, d_rows), dev.const(h.kv[p0:]),
+                                dev.const(h.sc_raw[p0:]), n_tok, dev.const(np.array([p0], np.int32)))
     ring_kv, ring_sc, rows = d_kv.download(), d_sc.download(), d_rows.download()
     done = range(p0 // ratio, (p0 + n_tok) // ratio)
     for g in range(n_rows):
@@ -140,19 +142,18 @@ def test_decode_equals_prefill_rows(kdev):
     h = History(rng(5), n, d, ratio, overlap, ape_dt)
     freqs = ops.rope_freqs(rd, 160000.0, 16.0, 65536, 32.0, 1.0)
     dev = kdev()
-    ape, norm, d_freqs = dev.const(h.ape), dev.const(h.norm), dev.const(freqs)
+    layer = CompLayer(dev.const(h.ape), dev.const(h.norm), dev.const(freqs), ratio, overlap, d, rd, EPS, rotate)
     rows_a = dev.var(np.full((n // ratio, d), np.nan, np.float32))
     kv_a, sc_a = (dev.var(a) for a in h.rings([], cap))
     pos_slot = dev.var(np.zeros(1, np.int32))
     for pos in range(n):                                 # one slot, rewritten per step (as a graph replay does)
         pos_slot.upload(np.array([pos], np.int32))
-        ops_comp.compressor_decode(dev.rt, dev.const(h.kv[pos]), dev.const(h.sc_raw[pos]), ape, norm, d_freqs,
-                                   pos_slot, kv_a, sc_a, rows_a, ratio, overlap, d, rd, EPS, rotate)
+        ops_comp.compressor_decode(dev.rt, layer, CompState(kv_a, sc_a, rows_a), dev.const(h.kv[pos]),
+                                   dev.const(h.sc_raw[pos]), pos_slot)
     rows_b = dev.var(np.full((n // ratio, d), np.nan, np.float32))
     kv_b, sc_b = (dev.var(a) for a in h.rings([], cap))
-    ops_comp.compressor_prefill(dev.rt, dev.const(h.kv), dev.const(h.sc_raw), n, ape, norm, d_freqs,
-                                dev.const(np.array([0], np.int32)), kv_b, sc_b, rows_b, ratio, overlap, d, rd, EPS,
-                                rotate)
+    ops_comp.compressor_prefill(dev.rt, layer, CompState(kv_b, sc_b, rows_b), dev.const(h.kv), dev.const(h.sc_raw),
+                                n, dev.const(np.array([0], np.int32)))
     np.testing.assert_array_equal(rows_a.download(), rows_b.download())
     np.testing.assert_array_equal(kv_a.download(), kv_b.download())
 
@@ -165,10 +166,10 @@ def test_a_row_past_the_capacity_is_dropped_not_written_out_of_bounds(kdev):
     dev = kdev()
     d_kv, d_sc = (dev.var(a) for a in h.rings(range(max(0, pos - cap + 1), pos), cap))
     rows = dev.var(np.full((2, d), 7.0, np.float32))     # room for groups 0 and 1 only
-    ops_comp.compressor_decode(dev.rt, dev.const(h.kv[pos]), dev.const(h.sc_raw[pos]), dev.const(h.ape),
-                               dev.const(h.norm), dev.const(ops.rope_freqs(rd, 10000.0)),
-                               dev.const(np.array([pos], np.int32)), d_kv, d_sc, rows, ratio, overlap, d, rd, EPS,
-                               rotate)
+    layer = CompLayer(dev.const(h.ape), dev.const(h.norm), dev.const(ops.rope_freqs(rd, 10000.0)), ratio, overlap,
+                      d, rd, EPS, rotate)
+    ops_comp.compressor_decode(dev.rt, layer, CompState(d_kv, d_sc, rows), dev.const(h.kv[pos]),
+                               dev.const(h.sc_raw[pos]), dev.const(np.array([pos], np.int32)))
     assert np.all(rows.download() == 7.0)                # the emulator faults on an out-of-bounds store
     np.testing.assert_array_equal(d_kv.download()[pos % cap], h.kv[pos])
 
@@ -177,10 +178,14 @@ def test_compressor_wrappers_reject_bad_shapes():
     rt = None                                            # rejected before any launch
     z = np.zeros
     with pytest.raises(Ds4Error, match="power of two"):
-        ops_comp.compressor_decode(rt, z(192, np.float32), z(192, np.float32), z((4, 192), np.float16),
-                                   z(96, np.float32), z(16, np.float32), z(1, np.int32), z((11, 192), np.float32),
-                                   z((11, 192), np.float32), z((4, 96), np.float32), 4, True, 96, 32, EPS, True)
+        ops_comp.compressor_decode(rt, CompLayer(z((4, 192), np.float16), z(96, np.float32), z(16, np.float32), 4,
+                                                 True, 96, 32, EPS, True),
+                                   CompState(z((11, 192), np.float32), z((11, 192), np.float32),
+                                             z((4, 96), np.float32)),
+                                   z(192, np.float32), z(192, np.float32), z(1, np.int32))
     with pytest.raises(Ds4Error, match="ape must be"):
-        ops_comp.compressor_decode(rt, z(256, np.float32), z(256, np.float32), z((4, 128), np.float16),
-                                   z(128, np.float32), z(32, np.float32), z(1, np.int32), z((11, 256), np.float32),
-                                   z((11, 256), np.float32), z((4, 128), np.float32), 4, True, 128, 64, EPS, True)
+        ops_comp.compressor_decode(rt, CompLayer(z((4, 128), np.float16), z(128, np.float32), z(32, np.float32), 4,
+                                                 True, 128, 64, EPS, True),
+                                   CompState(z((11, 256), np.float32), z((11, 256), np.float32),
+                                             z((4, 128), np.float32)),
+                                   z(256, np.float32), z(256, np.float32), z(1, np.int32))

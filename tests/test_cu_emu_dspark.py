@@ -12,6 +12,8 @@ import pytest
 from ds4py.cuda import emu
 from ds4py.cuda.ops import dspark as ops_dspark
 from ds4py.cuda.ops import prefill_attn as ops_pfa
+from ds4py.cuda.ops.attention import AttnKeys, AttnLayer
+from ds4py.cuda.ops.prefill_attn import PrefillRows
 from ds4py.cuda.twins import dspark as twin
 from ds4py.cuda.twins.core import assert_close_scaled
 from ds4py.errors import Ds4Error
@@ -38,7 +40,7 @@ def test_taps_are_the_mean_over_the_copies_at_their_column_offset(kdev, order):
     d_taps = dev.var(np.full((T, n_targets * D), np.nan, np.float32))
     for k, x in enumerate(X):
         y = d_taps.view(4 * k * D, (T - 1) * n_targets * D + D)         # target k's columns of every row
-        ops_dspark.hc_sum(dev.rt, dev.const(x), None, T, D, 1.0 / hc, y, y_stride=n_targets * D, hc=hc)
+        ops_dspark.hc_sum(dev.rt, dev.const(x), T, D, ops_dspark.HcSum(y, 1.0 / hc, y_stride=n_targets * D), hc)
     want = np.concatenate([twin.hc_sum(x, None, 1.0 / hc) for x in X], axis=1)
     np.testing.assert_array_equal(d_taps.download(), want)
     np.testing.assert_array_equal(want, np.concatenate([x.mean(axis=1) for x in X], axis=1))   # the reference's
@@ -52,7 +54,7 @@ def test_hidden_is_the_pre_mix_collapse(kdev, order):
     mix = r.standard_normal((T, stride)).astype(np.float32)
     dev = kdev(order, T)
     d_y = dev.var(np.full((T, D), np.nan, np.float32))
-    ops_dspark.hc_sum(dev.rt, dev.const(X), dev.const(mix), T, D, 1.0, d_y, hc=hc, mix_stride=stride)
+    ops_dspark.hc_sum(dev.rt, dev.const(X), T, D, ops_dspark.HcSum(d_y, 1.0, mix=dev.const(mix), mix_stride=stride), hc)
     np.testing.assert_array_equal(d_y.download(), twin.hc_sum(X, mix[:, :hc], 1.0))
 
 
@@ -90,9 +92,11 @@ def _launch(dev, case, arrays):
     hd, rd, H, window, ring, t, B, warps = case
     pos, q_raw, ring_a, blk, sinks, freqs = arrays
     d_out = dev.var(np.full((B, H, hd), np.nan, np.float32))
-    ops_pfa.prefill_attention(dev.rt, dev.const(q_raw), dev.const(freqs), dev.const(pos), dev.const(ring_a),
-                              dev.const(blk), window, None, 0, None, 0, dev.const(sinks), d_out, B, H, rd, EPS,
-                              hd ** -0.5, warps=warps, q_norm=False, block_keys=True)
+    ops_pfa.prefill_attention(dev.rt,
+                              AttnLayer(dev.const(freqs), dev.const(sinks), H, rd, window, EPS, hd ** -0.5, False),
+                              AttnKeys(dev.const(ring_a)),
+                              PrefillRows(dev.const(q_raw), dev.const(pos), dev.const(blk), d_out, B),
+                              block_keys=True, warps=warps)
     return d_out.download()
 
 
@@ -118,9 +122,10 @@ def test_block_keys_see_the_whole_block_and_not_the_ring_slots_it_would_overwrit
     dev = kdev("forward", B)
     out = _launch(dev, case, arrays)
     causal = dev.var(np.full((B, H, hd), np.nan, np.float32))
-    ops_pfa.prefill_attention(dev.rt, dev.const(q_raw), dev.const(freqs), dev.const(pos), dev.const(ring_a),
-                              dev.const(blk), window, None, 0, None, 0, dev.const(sinks), causal, B, H, rd, EPS,
-                              hd ** -0.5, warps=warps, q_norm=False)
+    ops_pfa.prefill_attention(dev.rt,
+                              AttnLayer(dev.const(freqs), dev.const(sinks), H, rd, window, EPS, hd ** -0.5, False),
+                              AttnKeys(dev.const(ring_a)),
+                              PrefillRows(dev.const(q_raw), dev.const(pos), dev.const(blk), causal, B), warps=warps)
     assert np.abs(causal.download() - out).max() > 1e-3
     stale = ring_a.copy()
     stale[(t - window + 1 - 1) % ring] += 5.0     # position t - W: outside the window, its slot is no key
@@ -135,8 +140,9 @@ def test_bad_launches_are_refused(kdev):
     dev = kdev("forward", 1)
     z = lambda s, dt=np.float32: dev.var(np.zeros(s, dt))   # noqa: E731
     with pytest.raises(Ds4Error, match="block keys take no compressed rows"):
-        ops_pfa.prefill_attention(dev.rt, z((2, 4, 64)), z(8), z(2, np.int32), z((16, 64)), z((2, 64)), 16,
-                                  z((4, 64)), 4, None, 0, z(4), z((2, 4, 64)), 2, 4, 16, EPS, 0.125,
+        ops_pfa.prefill_attention(dev.rt, AttnLayer(z(8), z(4), 4, 16, 16, EPS, 0.125),
+                                  AttnKeys(z((16, 64)), z((4, 64)), 4),
+                                  PrefillRows(z((2, 4, 64)), z(2, np.int32), z((2, 64)), z((2, 4, 64)), 2),
                                   block_keys=True)
     with pytest.raises(Ds4Error, match="dspark_hc_sum: y too small"):
-        ops_dspark.hc_sum(dev.rt, z((2, 4, 32)), None, 2, 32, 0.25, z(40))
+        ops_dspark.hc_sum(dev.rt, z((2, 4, 32)), 2, 32, ops_dspark.HcSum(z(40), 0.25))

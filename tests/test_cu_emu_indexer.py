@@ -9,6 +9,7 @@ import pytest
 
 from ds4py.cuda import emu
 from ds4py.cuda.ops import indexer as ops_idx
+from ds4py.cuda.ops.indexer import IndexQuery, IndexScorer, ScoreBuffers
 from ds4py.cuda.twins import indexer as twin
 from ds4py.cuda.twins.attention import assert_fake_quant_close
 from ds4py.cuda.twins.core import assert_close_scaled
@@ -34,10 +35,10 @@ def test_indexer_q_prep(kdev, ih, ihd, rd, pos, order):
     q_raw = (r.standard_normal((ih, ihd)) * 2).astype(np.float32)
     freqs = ops.rope_freqs(rd, 160000.0, 16.0, 65536, 32.0, 1.0)
     dev = kdev(order, pos)
-    args = dev.const(q_raw), dev.const(freqs), dev.const(np.array([pos], np.int32))
+    args = dev.const(q_raw), dev.const(np.array([pos], np.int32))
     d_q, d_q2 = dev.var(np.full((ih, ihd), np.nan, np.float32)), dev.var(np.full((ih, ihd), np.nan, np.float32))
-    ops_idx.indexer_q_prep(dev.rt, *args, d_q, ih, ihd, rd)
-    ops_idx.indexer_q_prep(dev.rt, *args, d_q2, ih, ihd, rd, False)
+    ops_idx.indexer_q_prep(dev.rt, IndexQuery(dev.const(freqs), ih, ihd, rd), *args, d_q)
+    ops_idx.indexer_q_prep(dev.rt, IndexQuery(dev.const(freqs), ih, ihd, rd, False), *args, d_q2)
     _, pre, mag = twin.q_prep(q_raw, freqs, pos, True)
     assert_fake_quant_close(d_q.download(), pre, 8 * EPS32 * np.sqrt(ihd) * mag, "fp4", 32, "indexer q")
     assert_close_scaled(d_q2.download(), pre, mag, ihd, "indexer q without FP4")
@@ -61,8 +62,9 @@ def test_indexer_scores(kdev, ih, ihd, pos, cap, blocks, order):
     wscale = twin.weight_scale(ihd, ih)
     dev = kdev(order, pos)
     d_scores = dev.var(np.full(cap, np.nan, np.float32))
-    ops_idx.indexer_scores(dev.rt, dev.const(q), dev.const(w_raw), wscale, dev.const(keys),
-                           dev.const(np.array([pos], np.int32)), d_scores, ih, ihd, cap, max_blocks=blocks)
+    ops_idx.indexer_scores(dev.rt, IndexScorer(ih, ihd, wscale),
+                           ScoreBuffers(dev.const(q), dev.const(w_raw), dev.const(keys),
+                                        dev.const(np.array([pos], np.int32)), d_scores, cap), max_blocks=blocks)
     scores = d_scores.download()
     want, mag = twin.scores(q, w_raw, wscale, keys[:n_vis])
     assert_close_scaled(scores[:n_vis], want, mag, ihd + ih, "indexer scores")
@@ -82,9 +84,10 @@ def test_indexer_scores_tiles_of_16_keys_give_the_same_bits(kdev, ih, ihd, pos, 
     out = []
     for tile in (16, 64):
         d_scores = dev.var(np.full(cap, np.nan, np.float32))
-        ops_idx.indexer_scores(dev.rt, dev.const(q), dev.const(w_raw), twin.weight_scale(ihd, ih), dev.const(keys),
-                               dev.const(np.array([pos], np.int32)), d_scores, ih, ihd, cap, max_blocks=blocks,
-                               tile=tile)
+        ops_idx.indexer_scores(dev.rt, IndexScorer(ih, ihd, twin.weight_scale(ihd, ih)),
+                               ScoreBuffers(dev.const(q), dev.const(w_raw), dev.const(keys),
+                                            dev.const(np.array([pos], np.int32)), d_scores, cap),
+                               max_blocks=blocks, tile=tile)
         out.append(d_scores.download())
     assert out[0].tobytes() == out[1].tobytes()
     assert np.isnan(out[0][n_vis:]).all() and not np.isnan(out[0][:n_vis]).any()
@@ -95,8 +98,9 @@ def test_indexer_wrappers_reject_bad_shapes():
     rt = None                                            # rejected before any launch
     z = np.zeros
     with pytest.raises(Ds4Error, match="power of two"):
-        ops_idx.indexer_q_prep(rt, z((4, 96), np.float32), z(16, np.float32), z(1, np.int32), z((4, 96), np.float32),
-                               4, 96, 32)
+        ops_idx.indexer_q_prep(rt, IndexQuery(z(16, np.float32), 4, 96, 32), z((4, 96), np.float32), z(1, np.int32),
+                               z((4, 96), np.float32))
     with pytest.raises(Ds4Error, match="multiple of 4"):
-        ops_idx.indexer_scores(rt, z((6, 64), np.float32), z(6, np.float32), 1.0, z((8, 64), np.float32),
-                               z(1, np.int32), z(8, np.float32), 6, 64, 8)
+        ops_idx.indexer_scores(rt, IndexScorer(6, 64, 1.0),
+                               ScoreBuffers(z((6, 64), np.float32), z(6, np.float32), z((8, 64), np.float32),
+                                            z(1, np.int32), z(8, np.float32), 8))

@@ -113,26 +113,34 @@ def test_attention_sublayer_matches_the_reference(kdev, model):
         ops.rmsnorm(dev.rt, linear(dev, P, "attn_q_a.weight", x, qr_dim, D), P.f32("attn_q_a_norm.weight"), qr,
                     qr_dim, eps)
         q = linear(dev, P, "attn_q_b.weight", qr, H * hd, qr_dim)
-        ops_attn.kv_store(dev.rt, linear(dev, P, "attn_kv.weight", x, hd, D), P.f32("attn_kv_a_norm.weight"), freqs,
-                          pos_slot, win, hd, rd, eps, fake_quant=False)
-        ops_comp.compressor_decode(dev.rt, linear(dev, P, "attn_compressor_kv.weight", x, 2 * hd, D),
-                                   linear(dev, P, "attn_compressor_gate.weight", x, 2 * hd, D),
-                                   P.any("attn_compressor_ape.weight"), P.f32("attn_compressor_norm.weight"), freqs,
-                                   pos_slot, c_kv, c_sc, rows, ratio, True, hd, rd, eps, rotate=False, fake_quant=False)
-        ops_comp.compressor_decode(dev.rt, linear(dev, P, "indexer_compressor_kv.weight", x, 2 * ihd, D),
-                                   linear(dev, P, "indexer_compressor_gate.weight", x, 2 * ihd, D),
-                                   P.any("indexer_compressor_ape.weight"), P.f32("indexer_compressor_norm.weight"),
-                                   freqs, pos_slot, i_kv, i_sc, keys, ratio, True, ihd, rd, eps, rotate=True,
-                                   fake_quant=False)
+        ops_attn.kv_store(dev.rt, ops_attn.KvRow(P.f32("attn_kv_a_norm.weight"), freqs, hd, rd, eps, fake_quant=False),
+                          linear(dev, P, "attn_kv.weight", x, hd, D), pos_slot, win)
+        ops_comp.compressor_decode(dev.rt,
+                                   ops_comp.CompLayer(P.any("attn_compressor_ape.weight"),
+                                                      P.f32("attn_compressor_norm.weight"), freqs, ratio, True, hd, rd,
+                                                      eps, rotate=False, fake_quant=False),
+                                   ops_comp.CompState(c_kv, c_sc, rows),
+                                   linear(dev, P, "attn_compressor_kv.weight", x, 2 * hd, D),
+                                   linear(dev, P, "attn_compressor_gate.weight", x, 2 * hd, D), pos_slot)
+        ops_comp.compressor_decode(dev.rt,
+                                   ops_comp.CompLayer(P.any("indexer_compressor_ape.weight"),
+                                                      P.f32("indexer_compressor_norm.weight"), freqs, ratio, True, ihd,
+                                                      rd, eps, rotate=True, fake_quant=False),
+                                   ops_comp.CompState(i_kv, i_sc, keys),
+                                   linear(dev, P, "indexer_compressor_kv.weight", x, 2 * ihd, D),
+                                   linear(dev, P, "indexer_compressor_gate.weight", x, 2 * ihd, D), pos_slot)
         iq = dev.arena.scratch(ih * ihd, np.float32)
-        ops_idx.indexer_q_prep(dev.rt, linear(dev, P, "indexer.attn_q_b.weight", qr, ih * ihd, qr_dim), freqs,
-                               pos_slot, iq, ih, ihd, rd, fake_quant=False)
-        ops_idx.indexer_scores(dev.rt, iq, linear(dev, P, "indexer.proj.weight", x, ih, D), weight_scale(ihd, ih),
-                               keys, pos_slot, scores, ih, ihd, int(keys.shape[0]))
+        ops_idx.indexer_q_prep(dev.rt, ops_idx.IndexQuery(freqs, ih, ihd, rd, fake_quant=False),
+                               linear(dev, P, "indexer.attn_q_b.weight", qr, ih * ihd, qr_dim), pos_slot, iq)
+        ops_idx.indexer_scores(dev.rt, ops_idx.IndexScorer(ih, ihd, weight_scale(ihd, ih)),
+                               ops_idx.ScoreBuffers(iq, linear(dev, P, "indexer.proj.weight", x, ih, D), keys,
+                                                    pos_slot, scores, int(keys.shape[0])))
         ops_topk.topk(dev.rt, scores, topk, sel, pos_slot=pos_slot)
         o = dev.arena.scratch((H, hd), np.float32)
-        ops_attn.decode_attention(dev.rt, plan, q, freqs, pos_slot, win, W, rows, ratio, sel, topk,
-                                  P.f32("attn_sinks.weight"), part_o, part_ml, o, rd, eps, hd ** -0.5)
+        ops_attn.decode_attention(dev.rt, plan,
+                                  ops_attn.AttnLayer(freqs, P.f32("attn_sinks.weight"), H, rd, W, eps, hd ** -0.5),
+                                  ops_attn.AttnKeys(win, rows, ratio, sel, topk),
+                                  ops_attn.DecodeBuffers(q, pos_slot, part_o, part_ml, o))
         u = dev.arena.scratch(G * r_o, np.float32)
         wo_a = P.raw("attn_output_a.weight")
         cols = H * hd // G
@@ -167,11 +175,11 @@ def test_moe_sublayer_matches_the_reference(kdev, model, il, token):
     x = dev.var(x_h)
     ids, wts = dev.var(np.zeros(k, np.int32)), dev.var(np.zeros(k, np.float32))
     hash_layer = cfg.is_hash_layer(il)
-    ops_route.moe_route(rt, linear(dev, P, "ffn_gate_inp.weight", x, NX, D),
-                        None if hash_layer else P.f32("exp_probs_b.bias"),
-                        P.any("ffn_gate_tid2eid.weight") if hash_layer else None,
-                        dev.const(np.array([token], np.int32)),
-                        ids, wts, NX, k, cfg.route_scale, cfg.route_norm)
+    ops_route.moe_route(rt, ops_route.Router(None if hash_layer else P.f32("exp_probs_b.bias"),
+                                             P.any("ffn_gate_tid2eid.weight") if hash_layer else None, NX, k,
+                                             cfg.route_scale, cfg.route_norm),
+                        linear(dev, P, "ffn_gate_inp.weight", x, NX, D), dev.const(np.array([token], np.int32)),
+                        ids, wts)
     clamp = cfg.swiglu_clamp[il]
     sh = {m: gg.tensor(P.p + f"ffn_{m}_shexp.weight").qtype for m in ("gate", "down")}
     h_sh, y_sh = dev.var(np.zeros(FF, np.float32)), dev.var(np.zeros(D, np.float32))

@@ -34,7 +34,8 @@ def run_mix(rt, arena, put, X, fn, scale, base, warps=4, ticket=None):
     part = arena.scratch(om.mix_partial_floats(T, nrows, D), np.float32)
     ticket = ticket or put(np.zeros(T, np.uint32), False)
     mix = arena.scratch((T, om.mix_record(HC)), np.float32)
-    ops.hc_mix(rt, put(fn), put(X, False), T, D, put(scale), put(base), part, ticket, mix, EPS, EPS, 20, warps=warps)
+    ops.hc_mix(rt, om.MixWeights(put(fn), put(scale), put(base), D, EPS, EPS, 20),
+               om.MixBuffers(put(X, False), T, mix, part, ticket), warps=warps)
     return mix, ticket
 
 
@@ -117,7 +118,8 @@ def test_collapse_norm(rt, arena, put, D, T, threads, weighted):
     mix = r.random((T, om.mix_record(HC))).astype(np.float32)
     w = (1 + 0.1 * r.standard_normal(D)).astype(np.float32) if weighted else None
     y = arena.scratch((T, D), np.float32)
-    ops.hc_collapse_norm(rt, put(X, False), put(mix), T, D, put(w) if weighted else None, EPS, y, threads=threads)
+    ops.hc_collapse_norm(rt, put(X, False), T, D, om.Collapse(y, put(w) if weighted else None, EPS, put(mix)),
+                         threads=threads)
     want = tm.hc_collapse_norm(X, mix, w, EPS)
     twins.assert_close_scaled(y.download(), want, np.abs(want) + 1e-30, D, f"collapse D={D}")
 
@@ -144,7 +146,7 @@ def test_head_collapse(rt, arena, put, D):
     mix, _ = run_mix(rt, arena, put, X, fn, scale[:1], base)
     w = (1 + 0.1 * r.standard_normal(D)).astype(np.float32)
     y = arena.scratch((2, D), np.float32)
-    ops.hc_collapse_norm(rt, X=put(X, False), mix=mix, n_tok=2, D=D, w=put(w), eps=EPS, y=y, threads=64)
+    ops.hc_collapse_norm(rt, X=put(X, False), n_tok=2, D=D, c=om.Collapse(y, put(w), EPS, mix), threads=64)
     want = tm.hc_head(X, fn.astype(np.float32), scale[:1], base, w, EPS, EPS)
     twins.assert_close_scaled(y.download(), want, np.abs(want) + np.abs(w), HC * D, "head collapse")
 
@@ -170,9 +172,10 @@ def test_mix_with_collapse_is_the_two_launches_bit_for_bit(rt, arena, put, D, T,
     ticket = put(np.zeros(T, np.uint32), False)
     mix1, mix2 = (arena.scratch((T, om.mix_record(HC)), np.float32) for _ in range(2))
     y1, y2 = (arena.scratch((T, D), np.float32) for _ in range(2))
-    ops.hc_mix(rt, dfn, dX, T, D, dsc, dbase, part, ticket, mix1, EPS, EPS, 20)
-    ops.hc_collapse_norm(rt, dX, dlag if lagged else mix1, T, D, dw, EPS, y1, mix_stride=stride)
-    ops.hc_mix(rt, dfn, dX, T, D, dsc, dbase, part, ticket, mix2, EPS, EPS, 20,
+    mw = om.MixWeights(dfn, dsc, dbase, D, EPS, EPS, 20)
+    ops.hc_mix(rt, mw, om.MixBuffers(dX, T, mix1, part, ticket))
+    ops.hc_collapse_norm(rt, dX, T, D, om.Collapse(y1, dw, EPS, dlag if lagged else mix1, stride))
+    ops.hc_mix(rt, mw, om.MixBuffers(dX, T, mix2, part, ticket),
                collapse=om.Collapse(y2, dw, EPS, dlag, stride if lagged else 0))
     assert (ticket.download() == 0).all()
     assert mix2.download()[:, :nrows].tobytes() == mix1.download()[:, :nrows].tobytes()
@@ -197,7 +200,7 @@ def test_mix_with_collapse_is_bit_identical_whichever_block_is_last(put):
             ticket = p(np.zeros(T, np.uint32), False)
             mix = arena.scratch((T, nrows), np.float32)
             y = arena.scratch((T, D), np.float32)
-            ops.hc_mix(rt, p(fn), p(X, False), T, D, p(scale), p(base), part, ticket, mix, EPS, EPS, 20,
-                       collapse=om.Collapse(y, None, EPS))
+            ops.hc_mix(rt, om.MixWeights(p(fn), p(scale), p(base), D, EPS, EPS, 20),
+                       om.MixBuffers(p(X, False), T, mix, part, ticket), collapse=om.Collapse(y, None, EPS))
             out.add(mix.download().tobytes() + y.download().tobytes())
     assert len(out) == 1

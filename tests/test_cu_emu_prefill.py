@@ -13,6 +13,9 @@ from ds4py.cuda import emu
 from ds4py.cuda.ops import attention as ops_attn
 from ds4py.cuda.ops import indexer as ops_idx
 from ds4py.cuda.ops import prefill_attn as ops_pfa
+from ds4py.cuda.ops.attention import AttnKeys, AttnLayer, KvRow
+from ds4py.cuda.ops.indexer import IndexQuery, IndexScorer, ScoreBuffers
+from ds4py.cuda.ops.prefill_attn import PrefillRows
 from ds4py.cuda.ops import router as ops_route
 from ds4py.cuda.ops import topk as ops_topk
 from ds4py.cuda.twins import attention as twin_attn
@@ -56,14 +59,13 @@ def test_kv_rows_equal_the_decode_store_and_the_ring_keeps_the_tail(kdev, hd, rd
     dev = kdev(order, T)
     d_blk = dev.var(np.full((T, hd), np.nan, np.float32))
     d_pos = dev.const(pos)
-    ops_pfa.kv_rows(dev.rt, dev.const(kv_raw), dev.const(norm_w), dev.const(freqs), d_pos, d_blk, T, hd, rd, EPS,
-                    True, False)
+    kr = KvRow(dev.const(norm_w), dev.const(freqs), hd, rd, EPS, True, False)
+    ops_pfa.kv_rows(dev.rt, kr, dev.const(kv_raw), d_pos, d_blk, T)
     blk = d_blk.download()
     # row t is bit for bit what the decode kv store writes at pos[t]
     d_win = dev.var(np.zeros((T, hd), np.float32))
     for t in range(T):
-        ops_attn.kv_store(dev.rt, dev.const(kv_raw[t]), dev.const(norm_w), dev.const(freqs),
-                          dev.const(pos[t:t + 1]), d_win, hd, rd, EPS, True, False)
+        ops_attn.kv_store(dev.rt, kr, dev.const(kv_raw[t]), dev.const(pos[t:t + 1]), d_win)
     win = d_win.download()
     np.testing.assert_array_equal(blk, win[pos % T])
     want, pre, mag = twin.kv_rows(kv_raw, norm_w, freqs, pos, rd, EPS, True, False)
@@ -113,9 +115,9 @@ def _launch(dev, case, arrays):
     hd, rd, H, window, ring, ratio, p0, T, topk, warps = case
     pos, q_raw, ring_a, blk, comp, sel, sinks, freqs = arrays
     d_out = dev.var(np.full((T, H, hd), np.nan, np.float32))
-    ops_pfa.prefill_attention(dev.rt, dev.const(q_raw), dev.const(freqs), dev.const(pos), dev.const(ring_a),
-                              dev.const(blk), window, dev.const(comp), ratio, dev.const(sel), topk, dev.const(sinks),
-                              d_out, T, H, rd, EPS, hd ** -0.5, warps=warps)
+    ops_pfa.prefill_attention(dev.rt, AttnLayer(dev.const(freqs), dev.const(sinks), H, rd, window, EPS, hd ** -0.5),
+                              AttnKeys(dev.const(ring_a), dev.const(comp), ratio, dev.const(sel), topk),
+                              PrefillRows(dev.const(q_raw), dev.const(pos), dev.const(blk), d_out, T), warps=warps)
     return d_out.download()
 
 
@@ -139,9 +141,10 @@ def test_prefill_attention_without_q_norm(kdev):
     q_raw = q_raw * np.float32(0.2)
     dev = kdev("random", T)
     d_out = dev.var(np.full((T, H, hd), np.nan, np.float32))
-    ops_pfa.prefill_attention(dev.rt, dev.const(q_raw), dev.const(freqs), dev.const(pos), dev.const(ring_a),
-                              dev.const(blk), window, dev.const(comp), ratio, dev.const(sel), topk, dev.const(sinks),
-                              d_out, T, H, rd, EPS, hd ** -0.5, warps=warps, q_norm=False)
+    ops_pfa.prefill_attention(dev.rt,
+                              AttnLayer(dev.const(freqs), dev.const(sinks), H, rd, window, EPS, hd ** -0.5, False),
+                              AttnKeys(dev.const(ring_a), dev.const(comp), ratio, dev.const(sel), topk),
+                              PrefillRows(dev.const(q_raw), dev.const(pos), dev.const(blk), d_out, T), warps=warps)
     want, mag, counts = twin.prefill_attention(q_raw, ring_a, blk, pos, window, comp, ratio, sel, topk, sinks, freqs,
                                                H, rd, EPS, hd ** -0.5, q_norm=False)
     assert_close_scaled(d_out.download(), want, mag, max(counts) + hd, "prefill attention without q norm")
@@ -167,24 +170,25 @@ def test_indexer_and_topk_rows_equal_their_decode_launches(kdev, order):
     wscale = twin_idx.weight_scale(ihd, ih)
     dev = kdev(order, 1)
     d_q = dev.var(np.zeros((T, ih * ihd), np.float32))
-    ops_idx.indexer_q_prep_rows(dev.rt, dev.const(q_raw), dev.const(freqs), dev.const(pos), d_q, ih, ihd, rd, T)
+    iq = IndexQuery(dev.const(freqs), ih, ihd, rd)
+    ix = IndexScorer(ih, ihd, wscale, ratio)
+    ops_idx.indexer_q_prep_rows(dev.rt, iq, dev.const(q_raw), dev.const(pos), d_q, T)
     q = d_q.download()
     stride = n_keys + 3
     d_sc = dev.var(np.full((T, stride), np.nan, np.float32))
-    ops_idx.indexer_scores_rows(dev.rt, d_q, dev.const(w_raw), wscale, dev.const(keys), dev.const(pos), d_sc, stride,
-                                ih, ihd, n_keys, T, ratio, max_blocks=1)
+    ops_idx.indexer_scores_rows(dev.rt, ix, ScoreBuffers(d_q, dev.const(w_raw), dev.const(keys), dev.const(pos), d_sc,
+                                                         n_keys), T, stride, max_blocks=1)
     sc = d_sc.download()
     d_sel = dev.var(np.full((T, topk), -1, np.int32))
-    ops_topk.topk_rows(dev.rt, d_sc, stride, topk, d_sel, dev.const(pos), T, ratio)
+    ops_topk.topk_rows(dev.rt, ops_topk.ScoreRows(d_sc, dev.const(pos), T, stride, ratio), topk, d_sel)
     sel = d_sel.download()
     for t in range(T):
         d_q1 = dev.var(np.zeros(ih * ihd, np.float32))
-        ops_idx.indexer_q_prep(dev.rt, dev.const(q_raw[t]), dev.const(freqs), dev.const(pos[t:t + 1]), d_q1, ih,
-                               ihd, rd)
+        ops_idx.indexer_q_prep(dev.rt, iq, dev.const(q_raw[t]), dev.const(pos[t:t + 1]), d_q1)
         np.testing.assert_array_equal(q[t], d_q1.download())
         d_s1 = dev.var(np.full(n_keys, np.nan, np.float32))
-        ops_idx.indexer_scores(dev.rt, d_q1, dev.const(w_raw[t]), wscale, dev.const(keys), dev.const(pos[t:t + 1]),
-                               d_s1, ih, ihd, n_keys, ratio)
+        ops_idx.indexer_scores(dev.rt, ix, ScoreBuffers(d_q1, dev.const(w_raw[t]), dev.const(keys),
+                                                        dev.const(pos[t:t + 1]), d_s1, n_keys))
         n = (int(pos[t]) + 1) // ratio
         np.testing.assert_array_equal(sc[t, :n], d_s1.download()[:n])
         want, mag = twin_idx.scores(q[t].reshape(ih, ihd), w_raw[t], wscale, keys[:n])
@@ -206,13 +210,12 @@ def test_route_rows_equal_their_decode_launches(kdev, hash_routing):
     toks = r.integers(0, vocab, T).astype(np.int32)
     dev = kdev("random", 2)
     d_ids, d_w = dev.var(np.zeros((T, k), np.int32)), dev.var(np.zeros((T, k), np.float32))
-    ops_route.moe_route_rows(dev.rt, dev.const(logits), dev.const(bias), dev.const(tid2eid), dev.const(toks), d_ids,
-                             d_w, NX, k, T, 1.5, True)
+    router = ops_route.Router(dev.const(bias), dev.const(tid2eid), NX, k, 1.5, True)
+    ops_route.moe_route_rows(dev.rt, router, dev.const(logits), dev.const(toks), d_ids, d_w, T)
     ids, w = d_ids.download(), d_w.download()
     for t in range(T):
         d_i1, d_w1 = dev.var(np.zeros(k, np.int32)), dev.var(np.zeros(k, np.float32))
-        ops_route.moe_route(dev.rt, dev.const(logits[t]), dev.const(bias), dev.const(tid2eid),
-                            dev.const(toks[t:t + 1]), d_i1, d_w1, NX, k, 1.5, True)
+        ops_route.moe_route(dev.rt, router, dev.const(logits[t]), dev.const(toks[t:t + 1]), d_i1, d_w1)
         np.testing.assert_array_equal(ids[t], d_i1.download())
         np.testing.assert_array_equal(w[t], d_w1.download())
         want_ids, _ = twin_route.route(logits[t], bias, tid2eid, int(toks[t]), k, 1.5, True)
@@ -223,14 +226,15 @@ def test_prefill_wrappers_reject_bad_shapes():
     rt = None                                            # rejected before any launch
     z = np.zeros
     with pytest.raises(Ds4Error, match="blocks of 64"):
-        ops_pfa.kv_rows(rt, z((2, 100), np.float32), z(100, np.float32), z(16, np.float32), z(2, np.int32),
-                        z((2, 100), np.float32), 2, 100, 32, EPS)
+        ops_pfa.kv_rows(rt, KvRow(z(100, np.float32), z(16, np.float32), 100, 32, EPS), z((2, 100), np.float32),
+                        z(2, np.int32), z((2, 100), np.float32), 2)
     with pytest.raises(Ds4Error, match="int32"):
         ops_pfa.ring_store(rt, z((2, 64), np.float32), 2, z(2, np.float32), z((4, 64), np.float32))
     with pytest.raises(Ds4Error, match="sel must be"):
-        ops_pfa.prefill_attention(rt, z((2, 4, 64), np.float32), z(16, np.float32), z(2, np.int32),
-                                  z((8, 64), np.float32), z((2, 64), np.float32), 8, z((4, 64), np.float32), 4,
-                                  z(3, np.int32), 4, z(4, np.float32), z((2, 4, 64), np.float32), 2, 4, 32, EPS, 0.1)
+        ops_pfa.prefill_attention(rt, AttnLayer(z(16, np.float32), z(4, np.float32), 4, 32, 8, EPS, 0.1),
+                                  AttnKeys(z((8, 64), np.float32), z((4, 64), np.float32), 4, z(3, np.int32), 4),
+                                  PrefillRows(z((2, 4, 64), np.float32), z(2, np.int32), z((2, 64), np.float32),
+                                              z((2, 4, 64), np.float32), 2))
 
 
 @pytest.mark.parametrize("clamp", [0.0, 1.5])

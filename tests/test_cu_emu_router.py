@@ -9,6 +9,7 @@ import pytest
 
 from ds4py.cuda import emu
 from ds4py.cuda.ops import router as ops_route
+from ds4py.cuda.ops.router import Router
 from ds4py.cuda.twins import router as twin
 from ds4py.cuda.twins.core import assert_close_scaled
 from ds4py.errors import Ds4Error
@@ -23,8 +24,8 @@ ORDERS = ("forward", "reverse", "random")
 def run(dev, n_experts, k, logits, bias, tid2eid=None, token=None, scale=1.5, norm=True):
     ids, w = dev.var(np.full(k, -9, np.int32)), dev.var(np.full(k, np.nan, np.float32))
     tok = None if token is None else dev.const(np.array([token], np.int32))
-    ops_route.moe_route(dev.rt, dev.const(logits), dev.const(bias), dev.const(tid2eid), tok, ids, w, n_experts, k,
-                        scale, norm)
+    ops_route.moe_route(dev.rt, Router(dev.const(bias), dev.const(tid2eid), n_experts, k, scale, norm),
+                        dev.const(logits), tok, ids, w)
     return ids.download(), w.download()
 
 
@@ -75,10 +76,11 @@ def test_route_wrapper_rejects_bad_shapes():
     rt = None                                            # rejected before any launch
     z = np.zeros
     with pytest.raises(Ds4Error, match="experts"):
-        ops_route.moe_route(rt, z(8, np.float32), None, None, None, z(9, np.int32), z(9, np.float32), 8, 9, 1.5)
+        ops_route.moe_route(rt, Router(None, None, 8, 9, 1.5), z(8, np.float32), None, z(9, np.int32),
+                            z(9, np.float32))
     with pytest.raises(Ds4Error, match="tid2eid"):
-        ops_route.moe_route(rt, z(8, np.float32), None, z((5, 4), np.int32), z(1, np.int32), z(6, np.int32),
-                            z(6, np.float32), 8, 6, 1.5)
+        ops_route.moe_route(rt, Router(None, z((5, 4), np.int32), 8, 6, 1.5), z(8, np.float32), z(1, np.int32),
+                            z(6, np.int32), z(6, np.float32))
 
 
 @pytest.mark.parametrize("temp,eps", [(1.7, 1e-20), (1.0, 1e-20)])
@@ -89,8 +91,8 @@ def test_route_gate_temperature(kdev, temp, eps):
     bias = (r.standard_normal(16) * 0.5).astype(np.float32)
     dev = kdev("random", 1)
     ids, w = dev.var(np.full(4, -9, np.int32)), dev.var(np.full(4, np.nan, np.float32))
-    ops_route.moe_route(dev.rt, dev.const(logits), dev.const(bias), None, None, ids, w, 16, 4, 1.5, True,
-                        gate_temp=temp, norm_eps=eps)
+    ops_route.moe_route(dev.rt, Router(dev.const(bias), None, 16, 4, 1.5, True, gate_temp=temp, norm_eps=eps),
+                        dev.const(logits), None, ids, w)
     want_ids, want_w = twin.route(logits, bias, None, 0, 4, 1.5, True, temp, eps)
     np.testing.assert_array_equal(ids.download(), want_ids)
     np.testing.assert_array_equal(w.download(), want_w)

@@ -14,6 +14,7 @@ import pytest
 from cu_fixtures import arena, fresh_arena, put, putter, requires_emulator, rng, rt  # noqa: F401 (fixtures)
 from ds4py.cuda import ops
 from ds4py.cuda.graph import StepGraph
+from ds4py.cuda.ops.sample import SampleRows, SampleRule
 from ds4py.cuda.twins import sample as ts
 from ds4py.errors import Ds4Error
 
@@ -32,9 +33,8 @@ def run(rt, arena, put, logits, threads=64, rows=1, kept=True, pos_slot=None, po
     n = len(logits)
     out = arena.scratch(rows, np.int32)
     km = arena.scratch((rows, n), np.uint8) if kept else None
-    ops.sample(rt, put(np.asarray(logits, np.float32), False), n, out, seed=seed, rows=rows,
-               row_stride=0 if rows > 1 else n, kept=km, threads=threads, pos_slot=pos_slot,
-               pos_offset=pos_offset, **prm)
+    ops.sample(rt, SampleRule(seed=seed, **prm), put(np.asarray(logits, np.float32), False), n, out,
+               SampleRows(rows, 0 if rows > 1 else n, pos_slot, pos_offset, km), threads=threads)
     return out.download(), (km.download().astype(bool) if kept else None)
 
 
@@ -141,7 +141,8 @@ def test_replays_repeat_their_draws(rt, arena, put):
     out = arena.scratch(1, np.int32)
 
     def record():
-        ops.sample(rt, logits, n, out, temperature=1.0, seed=seed, pos_slot=slot.view(4, 1), threads=threads)
+        ops.sample(rt, SampleRule(1.0, seed=seed), logits, n, out, SampleRows(pos_slot=slot.view(4, 1)),
+                   threads=threads)
 
     g = StepGraph(rt, record, slot)
     got = {}
@@ -175,8 +176,8 @@ def test_wrapper_checks(rt, arena, put):
     x = put(np.zeros(8, np.float32), False)
     out = arena.scratch(1, np.int32)
     with pytest.raises(Ds4Error, match="power of two"):
-        ops.sample(rt, x, 8, out, 1.0, threads=96)
+        ops.sample(rt, SampleRule(1.0), x, 8, out, threads=96)
     with pytest.raises(Ds4Error, match="top_p"):
-        ops.sample(rt, x, 8, out, 1.0, top_p=0.0)
+        ops.sample(rt, SampleRule(1.0, top_p=0.0), x, 8, out)
     with pytest.raises(Ds4Error, match="every row"):
-        ops.sample(rt, x, 8, out, 1.0, rows=2)
+        ops.sample(rt, SampleRule(1.0), x, 8, out, SampleRows(rows=2))

@@ -11,6 +11,11 @@ import pytest
 
 from ds4py.cuda import emu
 from ds4py.cuda.ops import v41 as ops_v41
+from ds4py.cuda.ops.attention import KvRow
+from ds4py.cuda.ops.compressor import CompState
+from ds4py.cuda.ops.indexer import IndexQuery
+from ds4py.cuda.ops.topk import ScoreRows
+from ds4py.cuda.ops.v41 import CompRows
 from ds4py.cuda.twins import v41 as twin
 from ds4py.ref import ops
 from tests.cu_emu_device import devices
@@ -41,8 +46,8 @@ def test_kv_rows_and_index_q(kdev, order):
     outs = {}
     for fq in (False, True):
         win = dev.var(np.zeros((ring, hd), F32))
-        ops_v41.kv_rows(dev.rt, dev.const(kv), dev.const(w), dev.const(FREQS), dev.const(pos), win, T, hd, 16, EPS,
-                        fq)
+        ops_v41.kv_rows(dev.rt, KvRow(dev.const(w), dev.const(FREQS), hd, 16, EPS, fq), dev.const(kv),
+                        dev.const(pos), win, T)
         outs[fq] = win.download()[pos % ring]
     for t in range(T):
         _, pre = twin.kv_row(kv[t], w, FREQS, int(pos[t]), EPS, False)
@@ -54,7 +59,7 @@ def test_kv_rows_and_index_q(kdev, order):
     got = {}
     for fq in (False, True):
         q = dev.var(np.zeros((T, ih, ihd), F32))
-        ops_v41.index_q(dev.rt, dev.const(q_raw), dev.const(FREQS), dev.const(pos), q, T, ih, ihd, 16, fq)
+        ops_v41.index_q(dev.rt, IndexQuery(dev.const(FREQS), ih, ihd, 16, fq), dev.const(q_raw), dev.const(pos), q, T)
         got[fq] = q.download()
     for t in range(T):
         close(got[False][t], twin.index_q(q_raw[t], FREQS, int(pos[t]), False)[1], "index q")
@@ -79,14 +84,15 @@ def test_compressor_decode_and_block(kdev, ratio):
         lats = {}
         for p in range(P):                                   # decode
             pos = dev.const(np.array([p], np.int32))
-            ops_v41.compress(dev.rt, dev.const(kv[p]), None if sc is None else dev.const(sc[p]), *rings, dev.const(w),
-                             dev.const(FREQS), pos, rows, lat, 1, ratio, d, 16, EPS, fq)
+            src = CompRows(dev.const(kv[p]), None if sc is None else dev.const(sc[p]), pos, 1, lat)
+            ops_v41.compress(dev.rt, KvRow(dev.const(w), dev.const(FREQS), d, 16, EPS, fq), ratio,
+                             CompState(*rings, rows), src)
             if ratio > 1:
-                ops_v41.comp_ring_store(dev.rt, dev.const(kv[p]), dev.const(sc[p]), pos, *rings, 1, d)
+                ops_v41.comp_ring_store(dev.rt, CompState(*rings, rows), src)
             if (p + 1) % ratio == 0:
                 lats[(p + 1) // ratio - 1] = lat.download()[0]
-                ops_v41.index_keys(dev.rt, dev.const(lat.download()[0]), dev.const(kn), dev.const(FREQS), pos, keys,
-                                   1, ratio, ihd, 16, EPS, fq)
+                ops_v41.index_keys(dev.rt, KvRow(dev.const(kn), dev.const(FREQS), ihd, 16, EPS, fq),
+                                   dev.const(lat.download()[0]), pos, keys, 1, ratio)
         got, got_keys = rows.download(), keys.download()
         for g in range(n_g):
             row, pre, want_lat = twin.group_row(kv, sc, g, ratio, w, FREQS, EPS, False)
@@ -106,17 +112,19 @@ def test_compressor_decode_and_block(kdev, ratio):
         rings = [dev.var(np.zeros((6, d), F32)) for _ in range(2)] if ratio > 1 else [None, None]
         if ratio > 1:
             for p in range(a):
-                ops_v41.comp_ring_store(dev.rt, dev.const(kv[p]), dev.const(sc[p]), dev.const(np.array([p], np.int32)),
-                                        *rings, 1, d)
+                ops_v41.comp_ring_store(dev.rt, CompState(*rings, None),
+                                        CompRows(dev.const(kv[p]), dev.const(sc[p]),
+                                                 dev.const(np.array([p], np.int32)), 1))
         rows_b, lat_b = dev.var(np.zeros((n_g + 1, d), F32)), dev.var(np.zeros((P - a, d), F32))
         posb = dev.const(np.arange(a, P, dtype=np.int32))
-        ops_v41.compress(dev.rt, dev.const(kv[a:]), None if sc is None else dev.const(sc[a:]), *rings, dev.const(w),
-                         dev.const(FREQS), posb, rows_b, lat_b, P - a, ratio, d, 16, EPS, False)
+        src = CompRows(dev.const(kv[a:]), None if sc is None else dev.const(sc[a:]), posb, P - a, lat_b)
+        ops_v41.compress(dev.rt, KvRow(dev.const(w), dev.const(FREQS), d, 16, EPS, False), ratio,
+                         CompState(*rings, rows_b), src)
         gb = rows_b.download()
         for g in range((a + 1) // ratio if ratio > 1 else a, n_g):
             close(gb[g], twin.group_row(kv, sc, g, ratio, w, FREQS, EPS, False)[1], f"block row {g}")
         if ratio > 1:
-            ops_v41.comp_ring_store(dev.rt, dev.const(kv[a:]), dev.const(sc[a:]), posb, *rings, P - a, d)
+            ops_v41.comp_ring_store(dev.rt, CompState(*rings, rows_b), src)
             ring_kv = rings[0].download()
             for p in range(P - 6, P):
                 assert np.array_equal(ring_kv[p % 6], kv[p])
@@ -129,12 +137,12 @@ def test_candidates_and_mask(kdev):
         scores = r.standard_normal(stride).astype(F32)
         d_s, cand = dev.var(scores), dev.var(np.full(stride, -7, np.int32))
         pos = dev.const(np.array([p], np.int32))
-        ops_v41.candidates(dev.rt, d_s, cand, pos, 1, stride, 1, nb, block, False)
+        ops_v41.candidates(dev.rt, ScoreRows(d_s, pos, 1, stride, 1), cand, nb, block, False)
         n = p + 1
         got = cand.download()
         assert np.array_equal(got[:n], twin.candidates(scores, p, 1, nb, block)), f"candidates at {p}"
         assert (got[n:] == -7).all()
-        ops_v41.candidates(dev.rt, d_s, cand, pos, 1, stride, 1, nb, block, True)
+        ops_v41.candidates(dev.rt, ScoreRows(d_s, pos, 1, stride, 1), cand, nb, block, True)
         want = np.where(got[:n] == 1, scores[:n], -np.inf)
         assert np.array_equal(d_s.download()[:n], want.astype(F32))
 
@@ -162,7 +170,7 @@ def test_candidates_over_thousands_of_blocks(kdev):
     tied = np.round(scores * 0.6).clip(-1, 1).astype(F32)
     for what, sc in (("random", scores), ("tied", tied)):
         cand = dev.var(np.full((2, stride), -7, np.int32))
-        ops_v41.candidates(dev.rt, dev.var(sc), cand, dev.const(pos), 2, stride, 1, nb, block, False)
+        ops_v41.candidates(dev.rt, ScoreRows(dev.var(sc), dev.const(pos), 2, stride, 1), cand, nb, block, False)
         got = cand.download()
         for i, p in enumerate(pos):
             n = int(p) + 1
@@ -184,7 +192,7 @@ def test_drop_masked(kdev):
     sel = np.stack([np.sort(r.choice(p + 1, min(k, p + 1), replace=False)).tolist() + [99] * (k - min(k, p + 1))
                     for p in pos]).astype(np.int32)
     d_sel = dev.var(sel)
-    ops_v41.drop_masked(dev.rt, dev.const(scores), d_sel, dev.const(pos), n_rows, stride, 1, k)
+    ops_v41.drop_masked(dev.rt, ScoreRows(dev.const(scores), dev.const(pos), n_rows, stride, 1), d_sel, k)
     got = d_sel.download()
     for i, p in enumerate(pos):
         assert np.array_equal(got[i], twin.drop_masked(scores[i], sel[i], int(p), 1, k)), f"row {i}"

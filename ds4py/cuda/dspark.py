@@ -53,6 +53,7 @@ from ds4py.cuda.layer import Launcher, Recording, RowSet
 from ds4py.cuda.ops import dspark as ops_dspark
 from ds4py.cuda.ops.argmax import argmax_parts
 from ds4py.cuda.ops import prefill_attn as ops_pfa
+from ds4py.cuda.ops.attention import AttnKeys, KvRow
 from ds4py.cuda.ops import v41 as ops_v41
 from ds4py.cuda.ops.mhc import mix_record
 from ds4py.errors import UnsupportedByBackend
@@ -67,9 +68,9 @@ def dspark_attend(ls: Launcher, rec: Recording, il: int, ro: Any, A: Any) -> Non
     """Stage il's DSpark attention: every block query against the ring's window before the block and all block
     keys (ws.kvb, from the V4.1 kv row kernel); nothing is stored into the ring."""
     cfg, ws = rec.cfg, rec.ws
-    ops_pfa.prefill_attention(ls, ws.q, rec.freqs[il], rec.rows.positions, rec.rows.state(0)[f"{il}.win"], ws.kvb,
-                              cfg.window, None, 0, None, 0, A.sinks.array, ws.o, rec.R, cfg.n_heads, cfg.rope_dim,
-                              cfg.norm_eps, cfg.head_dim ** -0.5, **ls.main(), q_norm=bool(cfg.q_head_norm),
+    ops_pfa.prefill_attention(ls, kernels.attn_layer(rec, il, A, q_norm=bool(cfg.q_head_norm)),
+                              AttnKeys(rec.rows.state(0)[f"{il}.win"]),
+                              ops_pfa.PrefillRows(ws.q, rec.rows.positions, ws.kvb, ws.o, rec.R), **ls.main(),
                               block_keys=True)
 
 
@@ -137,8 +138,8 @@ class CudaDSpark(CudaDraftStates, DSparkBase):
         gemvs(ls, [(L.attn.kv, b[f"kv{s}"], cfg.head_dim) for s, L in enumerate(D.stages)], b["main_x"], cfg.dim, n,
               ls.main, norm=(D.main_norm.array, cfg.norm_eps))
         for s, L in enumerate(D.stages):
-            ops_v41.kv_rows(ls, b[f"kv{s}"], L.attn.kv_norm.array, self._freqs[s], b["pos"], st.arrays[f"{s}.win"], n,
-                            cfg.head_dim, cfg.rope_dim, cfg.norm_eps, fq, f16, **ls.main())
+            kr = KvRow(L.attn.kv_norm.array, self._freqs[s], cfg.head_dim, cfg.rope_dim, cfg.norm_eps, fq, f16)
+            ops_v41.kv_rows(ls, kr, b[f"kv{s}"], b["pos"], st.arrays[f"{s}.win"], n, **ls.main())
 
     # ---- one draft call -------------------------------------------------------------------------------------
     def block(self, state: CudaState, token: int) -> "ChainBlock":
@@ -209,8 +210,8 @@ def record_block(ls: Launcher, rec: Recording, D: Any, MB: Any, hidden: Any) -> 
         Y = layer.record_layer(ls, rec, s, L, X, other)
         if Y is not X:
             X, other = Y, X
-    ops_dspark.hc_sum(ls, X, ws.mix_ffn, R, Dm, 1.0, hidden, y_stride=int(hidden.shape[-1]), hc=hc,
-                      mix_stride=mix_record(hc), **ls.main())
+    ops_dspark.hc_sum(ls, X, R, Dm, ops_dspark.HcSum(hidden, 1.0, int(hidden.shape[-1]), ws.mix_ffn, mix_record(hc)),
+                      hc, **ls.main())
     layer.record_head(ls, rec, X, R, None, D.norm, MB.head)
 
 

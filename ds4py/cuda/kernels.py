@@ -180,90 +180,120 @@ def _fq(rec: Any) -> tuple[bool, bool]:
     return rec.numerics.fake_quant, rec.numerics.kv_dtype == "f16"
 
 
+def kv_row(rec: Any, il: int, A: Any) -> ops_attn.KvRow:
+    """Layer il's kv row: its kv norm, RoPE freqs, head and rope dims and the step's numerics."""
+    cfg, (fq, f16) = rec.cfg, _fq(rec)
+    return ops_attn.KvRow(A.kv_norm.array, rec.freqs[il], cfg.head_dim, cfg.rope_dim, cfg.norm_eps, fq, f16)
+
+
 def kv_store_rows(ls: Any, rec: Any, il: int, A: Any, stream: Callable) -> None:
     """Each row's kv row, normalised and roped, into its state's window ring."""
-    cfg, rows, (fq, f16) = rec.cfg, rec.rows, _fq(rec)
+    cfg, rows, kr = rec.cfg, rec.rows, kv_row(rec, il, A)
     for n in range(rec.R):
-        ops_attn.kv_store(ls, row(rec.ws.kv, n, cfg.head_dim), A.kv_norm.array, rec.freqs[il], rows.pos(n),
-                          rows.state(n)[f"{il}.win"], cfg.head_dim, cfg.rope_dim, cfg.norm_eps, fq, f16, **stream())
+        ops_attn.kv_store(ls, kr, row(rec.ws.kv, n, cfg.head_dim), rows.pos(n), rows.state(n)[f"{il}.win"],
+                          **stream())
 
 
 def kv_store_block(ls: Any, rec: Any, il: int, A: Any, stream: Callable) -> None:
     """The block's kv rows into the block buffer kvb (the ring gets them after attention, attend_block)."""
-    cfg, (fq, f16) = rec.cfg, _fq(rec)
-    ops_pfa.kv_rows(ls, rec.ws.kv, A.kv_norm.array, rec.freqs[il], rec.rows.positions, rec.ws.kvb, rec.R,
-                    cfg.head_dim, cfg.rope_dim, cfg.norm_eps, fq, f16, **ls.main())
+    ops_pfa.kv_rows(ls, kv_row(rec, il, A), rec.ws.kv, rec.rows.positions, rec.ws.kvb, rec.R, **ls.main())
 
 
-def _compressor(rec: Any, il: int, ro: Any, which: str) -> tuple:
-    """(input width, ratio, overlap, head dim, rows array, kv / score inputs, is the indexer's) of a compressor."""
-    cfg, ws = rec.cfg, rec.ws
+def _compressor(rec: Any, il: int, ro: Any, C: Any, which: str) -> tuple:
+    """(the op's layer struct, the state keys of its rings and rows, kv / score inputs) of a compressor."""
+    cfg, ws, (fq, f16) = rec.cfg, rec.ws, _fq(rec)
     if which == "comp":
-        return (cfg.comp_width(il), ro.ratio, bool(ro.overlap), cfg.head_dim, "comp_kv", "comp_score", "comp_rows",
-                ws.ckv, ws.csc, False)
-    return (cfg.index_comp_width(il), ro.index_ratio, bool(ro.index_overlap), cfg.index_head_dim, "idx_kv",
-            "idx_score", "idx_keys", ws.ikv, ws.isc, True)
+        layer = ops_comp.CompLayer(C.ape.array, C.norm.array, rec.freqs[il], ro.ratio, bool(ro.overlap), cfg.head_dim,
+                                   cfg.rope_dim, cfg.norm_eps, False, fq, f16)
+        return layer, ("comp_kv", "comp_score", "comp_rows"), ws.ckv, ws.csc
+    layer = ops_comp.CompLayer(C.ape.array, C.norm.array, rec.freqs[il], ro.index_ratio, bool(ro.index_overlap),
+                               cfg.index_head_dim, cfg.rope_dim, cfg.norm_eps, True, fq, f16)
+    return layer, ("idx_kv", "idx_score", "idx_keys"), ws.ikv, ws.isc
+
+
+def _comp_state(p: Any, il: int, keys: tuple) -> ops_comp.CompState:
+    return ops_comp.CompState(*(p[f"{il}.{k}"] for k in keys))
 
 
 def compress_rows(ls: Any, rec: Any, il: int, ro: Any, C: Any, which: str, stream: Callable) -> None:
     """Each row's compressor update (and emission when its group completes) in its state."""
-    cfg, rows, (fq, f16) = rec.cfg, rec.rows, _fq(rec)
-    w, ratio, overlap, hd, kv, score, out, x_kv, x_sc, idx = _compressor(rec, il, ro, which)
+    rows = rec.rows
+    layer, keys, x_kv, x_sc = _compressor(rec, il, ro, C, which)
+    w = layer.width
     for n in range(rec.R):
-        p = rows.state(n)
-        ops_comp.compressor_decode(ls, row(x_kv, n, w), row(x_sc, n, w), C.ape.array, C.norm.array, rec.freqs[il],
-                                   rows.pos(n), p[f"{il}.{kv}"], p[f"{il}.{score}"], p[f"{il}.{out}"], ratio, overlap,
-                                   hd, cfg.rope_dim, cfg.norm_eps, idx, fq, f16, **stream())
+        ops_comp.compressor_decode(ls, layer, _comp_state(rows.state(n), il, keys), row(x_kv, n, w),
+                                   row(x_sc, n, w), rows.pos(n), **stream())
 
 
 def compress_block(ls: Any, rec: Any, il: int, ro: Any, C: Any, which: str, stream: Callable) -> None:
     """Every group the block completes, pooled in parallel, then the block's tail into the compressor's rings."""
-    cfg, T, (fq, f16) = rec.cfg, rec.R, _fq(rec)
-    w, ratio, overlap, hd, kv, score, out, x_kv, x_sc, idx = _compressor(rec, il, ro, which)
-    p = rec.rows.state(0)
-    ops_comp.compressor_prefill(ls, x_kv.view(0, T * w), x_sc.view(0, T * w), T, C.ape.array, C.norm.array,
-                                rec.freqs[il], rec.rows.positions, p[f"{il}.{kv}"], p[f"{il}.{score}"],
-                                p[f"{il}.{out}"], ratio, overlap, hd, cfg.rope_dim, cfg.norm_eps, idx, fq, f16,
-                                **ls.main())
+    T = rec.R
+    layer, keys, x_kv, x_sc = _compressor(rec, il, ro, C, which)
+    w = layer.width
+    ops_comp.compressor_prefill(ls, layer, _comp_state(rec.rows.state(0), il, keys), x_kv.view(0, T * w),
+                                x_sc.view(0, T * w), T, rec.rows.positions, **ls.main())
+
+
+def index_query(rec: Any, il: int) -> ops_idx.IndexQuery:
+    """Layer il's indexer queries: RoPE freqs, heads, head dim, rope dims, the step's FP4 round trip."""
+    cfg = rec.cfg
+    return ops_idx.IndexQuery(rec.freqs[il], cfg.index_heads, cfg.index_head_dim, cfg.rope_dim,
+                              rec.numerics.fake_quant)
+
+
+def index_scorer(rec: Any, ro: Any) -> ops_idx.IndexScorer:
+    """A layer's indexer scoring (heads, head dim, weight scale, its keys' ratio)."""
+    ih, ihd = rec.cfg.index_heads, rec.cfg.index_head_dim
+    return ops_idx.IndexScorer(ih, ihd, weight_scale(ihd, ih), ro.index_ratio)
 
 
 def index_queries_rows(ls: Any, rec: Any, il: int) -> None:
-    cfg, iqd = rec.cfg, rec.cfg.index_heads * rec.cfg.index_head_dim
+    cfg, iqd, iq = rec.cfg, rec.cfg.index_heads * rec.cfg.index_head_dim, index_query(rec, il)
     for n in range(rec.R):
-        ops_idx.indexer_q_prep(ls, row(rec.ws.iq_raw, n, cfg.index_q_dim), rec.freqs[il], rec.rows.pos(n),
-                               row(rec.ws.iq, n, iqd), cfg.index_heads, cfg.index_head_dim, cfg.rope_dim,
-                               rec.numerics.fake_quant, **ls.main())
+        ops_idx.indexer_q_prep(ls, iq, row(rec.ws.iq_raw, n, cfg.index_q_dim), rec.rows.pos(n),
+                               row(rec.ws.iq, n, iqd), **ls.main())
 
 
 def index_queries_block(ls: Any, rec: Any, il: int) -> None:
+    ops_idx.indexer_q_prep_rows(ls, index_query(rec, il), rec.ws.iq_raw, rec.rows.positions, rec.ws.iq, rec.R,
+                                **ls.main())
+
+
+def attn_layer(rec: Any, il: int, A: Any, q_norm: bool = True) -> ops_attn.AttnLayer:
+    """Layer il's attention shapes and arrays (RoPE freqs, sinks) for the attention ops."""
     cfg = rec.cfg
-    ops_idx.indexer_q_prep_rows(ls, rec.ws.iq_raw, rec.freqs[il], rec.rows.positions, rec.ws.iq, cfg.index_heads,
-                                cfg.index_head_dim, cfg.rope_dim, rec.R, rec.numerics.fake_quant, **ls.main())
+    return ops_attn.AttnLayer(rec.freqs[il], A.sinks.array, cfg.n_heads, cfg.rope_dim, cfg.window, cfg.norm_eps,
+                              cfg.head_dim ** -0.5, q_norm)
+
+
+def _decode_buffers(rec: Any, n: int, pos: Any, plan: Any) -> ops_attn.DecodeBuffers:
+    """Row n's query, position slot, the shared split partials (sized by its plan) and output."""
+    ws, qd = rec.ws, rec.cfg.q_dim
+    return ops_attn.DecodeBuffers(row(ws.q, n, qd), pos, ws.part_o.view(0, plan.part_o_shape),
+                                  ws.part_ml.view(0, plan.part_ml_shape), row(ws.o, n, qd))
 
 
 def attend_rows(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
     """Each row: the indexer's scores and top-k over its state's keys (indexer layers), then split-key attention
     over its window, compressed rows and the sink, with its own context bucket's plan."""
     cfg, ws, rows = rec.cfg, rec.ws, rec.rows
-    hd, iqd = cfg.head_dim, cfg.index_heads * cfg.index_head_dim
+    iqd = cfg.index_heads * cfg.index_head_dim
     for n in range(rec.R):
         p, pos, plan = rows.state(n), rows.pos(n), rec.plan(n, il, ls.profile)
         comp = p[f"{ro.kv_source}.comp_rows"] if ro.compressed else None
         sel = None
         if ro.indexer:
             n_keys = rows.buckets[n] // ro.index_ratio
-            ops_idx.indexer_scores(ls, row(ws.iq, n, iqd), row(ws.iw, n, cfg.index_heads),
-                                   weight_scale(cfg.index_head_dim, cfg.index_heads), p[f"{il}.idx_keys"], pos,
-                                   ws.scores.view(0, n_keys), cfg.index_heads, cfg.index_head_dim, n_keys,
-                                   ro.index_ratio, **ls.main())
+            ops_idx.indexer_scores(ls, index_scorer(rec, ro),
+                                   ops_idx.ScoreBuffers(row(ws.iq, n, iqd), row(ws.iw, n, cfg.index_heads),
+                                                        p[f"{il}.idx_keys"], pos, ws.scores.view(0, n_keys), n_keys),
+                                   **ls.main())
             ops_topk.topk(ls, ws.scores.view(0, n_keys), cfg.index_topk, ws.sel, pos_slot=pos, ratio=ro.index_ratio,
                           **ls.main())
             sel = ws.sel
-        ops_attn.decode_attention(ls, plan, row(ws.q, n, cfg.q_dim), rec.freqs[il], pos, p[f"{il}.win"], cfg.window,
-                                  comp, ro.ratio, sel, cfg.index_topk, A.sinks.array,
-                                  ws.part_o.view(0, plan.part_o_shape), ws.part_ml.view(0, plan.part_ml_shape),
-                                  row(ws.o, n, cfg.q_dim), cfg.rope_dim, cfg.norm_eps, hd ** -0.5, **ls.main(),
-                                  combine_pdl=ls.main()["pdl"])
+        ops_attn.decode_attention(ls, plan, attn_layer(rec, il, A),
+                                  ops_attn.AttnKeys(p[f"{il}.win"], comp, ro.ratio, sel, cfg.index_topk),
+                                  _decode_buffers(rec, n, pos, plan), **ls.main(), combine_pdl=ls.main()["pdl"])
 
 
 def attend_block(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
@@ -275,34 +305,39 @@ def attend_block(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
     comp = p[f"{ro.kv_source}.comp_rows"] if ro.compressed else None
     sel = None
     if ro.indexer:
-        ih, ihd = cfg.index_heads, cfg.index_head_dim
         n_keys = rec.rows.buckets[0] // ro.index_ratio
         stride = int(ws.scores.shape[1])
-        ops_idx.indexer_scores_rows(ls, ws.iq, ws.iw, weight_scale(ihd, ih), p[f"{il}.idx_keys"], pos, ws.scores,
-                                    stride, ih, ihd, n_keys, T, ro.index_ratio, **ls.main())
-        ops_topk.topk_rows(ls, ws.scores, stride, cfg.index_topk, ws.sel, pos, T, ro.index_ratio, **ls.main())
+        ops_idx.indexer_scores_rows(ls, index_scorer(rec, ro),
+                                    ops_idx.ScoreBuffers(ws.iq, ws.iw, p[f"{il}.idx_keys"], pos, ws.scores, n_keys),
+                                    T, stride, **ls.main())
+        ops_topk.topk_rows(ls, ops_topk.ScoreRows(ws.scores, pos, T, stride, ro.index_ratio), cfg.index_topk, ws.sel,
+                           **ls.main())
         sel = ws.sel
-    ops_pfa.prefill_attention(ls, ws.q, rec.freqs[il], pos, p[f"{il}.win"], ws.kvb, cfg.window, comp, ro.ratio, sel,
-                              cfg.index_topk, A.sinks.array, ws.o, T, cfg.n_heads, cfg.rope_dim, cfg.norm_eps,
-                              cfg.head_dim ** -0.5, **ls.main())
+    ops_pfa.prefill_attention(ls, attn_layer(rec, il, A),
+                              ops_attn.AttnKeys(p[f"{il}.win"], comp, ro.ratio, sel, cfg.index_topk),
+                              ops_pfa.PrefillRows(ws.q, pos, ws.kvb, ws.o, T), **ls.main())
     ops_pfa.ring_store(ls, ws.kvb, T, pos, p[f"{il}.win"], **ls.main())
 
 
+def router(rec: Any, ro: Any, Fw: Any) -> ops_route.Router:
+    """A layer's routing: its bias (top-k layers) or token table (hash layers), k of n experts, scale, norms."""
+    cfg = rec.cfg
+    return ops_route.Router(None if ro.hash_routing else Fw.route_bias.array,
+                            Fw.tid2eid.array if ro.hash_routing else None, cfg.n_experts, cfg.n_experts_used,
+                            cfg.route_scale, cfg.route_normalises, cfg.gate_temp, cfg.route_norm_eps)
+
+
 def route_rows(ls: Any, rec: Any, ro: Any, Fw: Any) -> None:
-    cfg, ws, k, NX = rec.cfg, rec.ws, rec.cfg.n_experts_used, rec.cfg.n_experts
+    ws, k, NX, route = rec.ws, rec.cfg.n_experts_used, rec.cfg.n_experts, router(rec, ro, Fw)
     for n in range(rec.R):
-        ops_route.moe_route(ls, row(ws.router, n, NX), None if ro.hash_routing else Fw.route_bias.array,
-                            Fw.tid2eid.array if ro.hash_routing else None, rec.rows.token(n), row(ws.ids, n, k),
-                            row(ws.wts, n, k), NX, k, cfg.route_scale, cfg.route_normalises, **ls.main(),
-                            gate_temp=cfg.gate_temp, norm_eps=cfg.route_norm_eps)
+        ops_route.moe_route(ls, route, row(ws.router, n, NX), rec.rows.token(n), row(ws.ids, n, k), row(ws.wts, n, k),
+                            **ls.main())
 
 
 def route_block(ls: Any, rec: Any, ro: Any, Fw: Any) -> None:
-    cfg, ws = rec.cfg, rec.ws
-    ops_route.moe_route_rows(ls, ws.router, None if ro.hash_routing else Fw.route_bias.array,
-                             Fw.tid2eid.array if ro.hash_routing else None, rec.rows.tokens, ws.ids, ws.wts,
-                             cfg.n_experts, cfg.n_experts_used, rec.R, cfg.route_scale, cfg.route_normalises,
-                             **ls.main(), gate_temp=cfg.gate_temp, norm_eps=cfg.route_norm_eps)
+    ws = rec.ws
+    ops_route.moe_route_rows(ls, router(rec, ro, Fw), ws.router, rec.rows.tokens, ws.ids, ws.wts, rec.R,
+                             **ls.main())
 
 
 # ---- experts ---------------------------------------------------------------------------------------------------
@@ -421,36 +456,37 @@ def experts_down_block(ls: Any, rec: Any, E: Any, X: DeviceArray, X_out: DeviceA
 # ---- V4.1's layer roles (MODEL.md §3; ref/forward.py with ref/v41.py): the same schedule, these operations ---------
 def v41_kv_store_rows(ls: Any, rec: Any, il: int, A: Any, stream: Callable) -> None:
     """Each row's kv row (FP8 over the whole row in blocks of 32) into its state's window ring."""
-    cfg, rows, (fq, f16) = rec.cfg, rec.rows, _fq(rec)
+    cfg, rows, kr = rec.cfg, rec.rows, kv_row(rec, il, A)
     for n in range(rec.R):
-        ops_v41.kv_rows(ls, row(rec.ws.kv, n, cfg.head_dim), A.kv_norm.array, rec.freqs[il], rows.pos(n),
-                        rows.state(n)[f"{il}.win"], 1, cfg.head_dim, cfg.rope_dim, cfg.norm_eps, fq, f16, **stream())
+        ops_v41.kv_rows(ls, kr, row(rec.ws.kv, n, cfg.head_dim), rows.pos(n), rows.state(n)[f"{il}.win"], 1,
+                        **stream())
 
 
 def v41_kv_store_block(ls: Any, rec: Any, il: int, A: Any, stream: Callable) -> None:
-    cfg, (fq, f16) = rec.cfg, _fq(rec)
-    ops_v41.kv_rows(ls, rec.ws.kv, A.kv_norm.array, rec.freqs[il], rec.rows.positions, rec.ws.kvb, rec.R,
-                    cfg.head_dim, cfg.rope_dim, cfg.norm_eps, fq, f16, ring=False, **ls.main())
+    ops_v41.kv_rows(ls, kv_row(rec, il, A), rec.ws.kv, rec.rows.positions, rec.ws.kvb, rec.R, ring=False,
+                    **ls.main())
 
 
 def _v41_compress(ls: Any, rec: Any, il: int, ro: Any, A: Any, stream: Callable, parts: list) -> None:
     """parts: (state arrays, positions, first row, rows) per launch: one per row (DECODE, ROWS) or the block."""
     cfg, ws, (fq, f16) = rec.cfg, rec.ws, _fq(rec)
     C, hd, ihd = A.comp, cfg.head_dim, cfg.index_head_dim
+    comp_row = ops_attn.KvRow(C.norm.array, rec.freqs[il], hd, cfg.rope_dim, cfg.norm_eps, fq, f16)
     for p, pos, r0, n in parts:
         rings = (p[f"{il}.comp_kv"], p[f"{il}.comp_score"]) if ro.gated else (None, None)
-        kv, sc = rows_of(ws.ckv, r0, n, hd), rows_of(ws.csc, r0, n, hd) if ro.gated else None
-        lat = rows_of(ws.clat, r0, n, hd) if ro.owns_index_keys else None
-        ops_v41.compress(ls, kv, sc, *rings, C.norm.array, rec.freqs[il], pos, p[f"{il}.comp_rows"], lat, n, ro.ratio,
-                         hd, cfg.rope_dim, cfg.norm_eps, fq, f16, **stream())
+        st = ops_comp.CompState(*rings, p[f"{il}.comp_rows"])
+        src = ops_v41.CompRows(rows_of(ws.ckv, r0, n, hd), rows_of(ws.csc, r0, n, hd) if ro.gated else None, pos, n,
+                               rows_of(ws.clat, r0, n, hd) if ro.owns_index_keys else None)
+        ops_v41.compress(ls, comp_row, ro.ratio, st, src, **stream())
         if ro.gated:
-            ops_v41.comp_ring_store(ls, kv, sc, pos, *rings, n, hd, **stream())
+            ops_v41.comp_ring_store(ls, st, src, **stream())
     if not ro.owns_index_keys:
         return
     of(rec.mode).dense(ls, rec, [(A.index.k, ws.ik, ihd)], ws.clat, hd, stream)     # wk . latent, every row
+    keys_row = ops_attn.KvRow(A.index.k_norm.array, rec.freqs[il], ihd, cfg.rope_dim, cfg.norm_eps, fq, f16)
     for p, pos, r0, n in parts:
-        ops_v41.index_keys(ls, rows_of(ws.ik, r0, n, ihd), A.index.k_norm.array, rec.freqs[il], pos,
-                           p[f"{il}.idx_keys"], n, ro.ratio, ihd, cfg.rope_dim, cfg.norm_eps, fq, f16, **stream())
+        ops_v41.index_keys(ls, keys_row, rows_of(ws.ik, r0, n, ihd), pos, p[f"{il}.idx_keys"], n, ro.ratio,
+                           **stream())
 
 
 def v41_compress_rows(ls: Any, rec: Any, il: int, ro: Any, A: Any, stream: Callable) -> None:
@@ -463,17 +499,15 @@ def v41_compress_block(ls: Any, rec: Any, il: int, ro: Any, A: Any, stream: Call
 
 def v41_index_queries(ls: Any, rec: Any, il: int) -> None:
     """Every row's indexer query at once (RoPE + FP4; each row's values do not depend on the others)."""
-    cfg = rec.cfg
-    ops_v41.index_q(ls, rec.ws.iq_raw, rec.freqs[il], rec.rows.positions, rec.ws.iq, rec.R, cfg.index_heads,
-                    cfg.index_head_dim, cfg.rope_dim, rec.numerics.fake_quant, **ls.main())
+    ops_v41.index_q(ls, index_query(rec, il), rec.ws.iq_raw, rec.rows.positions, rec.ws.iq, rec.R, **ls.main())
 
 
-def _v41_select(ls: Any, rec: Any, ro: Any, scores: Any, cand: Any, pos: Any, n: int, stride: int) -> None:
+def _v41_select(ls: Any, rec: Any, ro: Any, sr: Any, cand: Any) -> None:
     """The candidate source's blocks from its scores, or an indexer after it masked to them."""
     cfg = rec.cfg
     if ro.candidate_source or ro.uses_candidates:
-        ops_v41.candidates(ls, scores, cand, pos, n, stride, ro.index_ratio, cfg.candidate_topk_blocks,
-                           cfg.candidate_block_size, ro.uses_candidates, **ls.main())
+        ops_v41.candidates(ls, sr, cand, cfg.candidate_topk_blocks, cfg.candidate_block_size, ro.uses_candidates,
+                           **ls.main())
 
 
 def v41_attend_rows(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
@@ -481,25 +515,25 @@ def v41_attend_rows(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
     indexers after it score inside them) and keeps the top-k in the row's sel; a compressed layer attends to its kv
     source's rows through the latest index source's sel (written earlier in this step); no per-head q norm."""
     cfg, ws, rows = rec.cfg, rec.ws, rec.rows
-    hd, iqd, k = cfg.head_dim, cfg.index_heads * cfg.index_head_dim, cfg.index_topk
+    iqd, k = cfg.index_heads * cfg.index_head_dim, cfg.index_topk
     for n in range(rec.R):
         p, pos, plan = rows.state(n), rows.pos(n), rec.plan(n, il, ls.profile)
         comp, sel = (p[f"{ro.kv_source}.comp_rows"], row(ws.sel, n, k)) if ro.compressed else (None, None)
         if ro.indexer:
             n_keys = rows.buckets[n] // ro.index_ratio
             scores, cand = ws.scores.view(0, n_keys), row(ws.cand, n, n_keys)
-            ops_idx.indexer_scores(ls, row(ws.iq, n, iqd), row(ws.iw, n, cfg.index_heads),
-                                   weight_scale(cfg.index_head_dim, cfg.index_heads),
-                                   rows.index_keys(n, il, ro, n_keys), pos, scores, cfg.index_heads,
-                                   cfg.index_head_dim, n_keys, ro.index_ratio, **ls.main())
-            _v41_select(ls, rec, ro, scores, cand, pos, 1, n_keys)
+            ops_idx.indexer_scores(ls, index_scorer(rec, ro),
+                                   ops_idx.ScoreBuffers(row(ws.iq, n, iqd), row(ws.iw, n, cfg.index_heads),
+                                                        rows.index_keys(n, il, ro, n_keys), pos, scores, n_keys),
+                                   **ls.main())
+            sr = ops_topk.ScoreRows(scores, pos, 1, n_keys, ro.index_ratio)
+            _v41_select(ls, rec, ro, sr, cand)
             ops_topk.topk(ls, scores, k, sel, pos_slot=pos, ratio=ro.index_ratio, **ls.main())
             if ro.uses_candidates:             # fewer candidate rows than k: the picks outside them are dropped
-                ops_v41.drop_masked(ls, scores, sel, pos, 1, n_keys, ro.index_ratio, k, **ls.main())
-        ops_attn.decode_attention(ls, plan, row(ws.q, n, cfg.q_dim), rec.freqs[il], pos, p[f"{il}.win"], cfg.window,
-                                  comp, ro.ratio, sel, k, A.sinks.array, ws.part_o.view(0, plan.part_o_shape),
-                                  ws.part_ml.view(0, plan.part_ml_shape), row(ws.o, n, cfg.q_dim), cfg.rope_dim,
-                                  cfg.norm_eps, hd ** -0.5, **ls.main(), q_norm=False, combine_pdl=ls.main()["pdl"])
+                ops_v41.drop_masked(ls, sr, sel, k, **ls.main())
+        ops_attn.decode_attention(ls, plan, attn_layer(rec, il, A, q_norm=False),
+                                  ops_attn.AttnKeys(p[f"{il}.win"], comp, ro.ratio, sel, k),
+                                  _decode_buffers(rec, n, pos, plan), **ls.main(), combine_pdl=ls.main()["pdl"])
 
 
 def v41_attend_block(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
@@ -508,18 +542,19 @@ def v41_attend_block(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
     p, pos = rec.rows.state(0), rec.rows.positions
     comp, sel = (p[f"{ro.kv_source}.comp_rows"], ws.sel) if ro.compressed else (None, None)
     if ro.indexer:
-        ih, ihd = cfg.index_heads, cfg.index_head_dim
         n_keys = rec.rows.buckets[0] // ro.index_ratio
         stride = int(ws.scores.shape[1])
-        ops_idx.indexer_scores_rows(ls, ws.iq, ws.iw, weight_scale(ihd, ih), rec.rows.index_keys(0, il, ro, n_keys),
-                                    pos, ws.scores, stride, ih, ihd, n_keys, T, ro.index_ratio, **ls.main())
-        _v41_select(ls, rec, ro, ws.scores, ws.cand, pos, T, stride)
-        ops_topk.topk_rows(ls, ws.scores, stride, cfg.index_topk, ws.sel, pos, T, ro.index_ratio, **ls.main())
+        ops_idx.indexer_scores_rows(ls, index_scorer(rec, ro),
+                                    ops_idx.ScoreBuffers(ws.iq, ws.iw, rec.rows.index_keys(0, il, ro, n_keys), pos,
+                                                         ws.scores, n_keys), T, stride, **ls.main())
+        sr = ops_topk.ScoreRows(ws.scores, pos, T, stride, ro.index_ratio)
+        _v41_select(ls, rec, ro, sr, ws.cand)
+        ops_topk.topk_rows(ls, sr, cfg.index_topk, ws.sel, **ls.main())
         if ro.uses_candidates:
-            ops_v41.drop_masked(ls, ws.scores, ws.sel, pos, T, stride, ro.index_ratio, cfg.index_topk, **ls.main())
-    ops_pfa.prefill_attention(ls, ws.q, rec.freqs[il], pos, p[f"{il}.win"], ws.kvb, cfg.window, comp, ro.ratio, sel,
-                              cfg.index_topk, A.sinks.array, ws.o, T, cfg.n_heads, cfg.rope_dim, cfg.norm_eps,
-                              cfg.head_dim ** -0.5, **ls.main(), q_norm=False)
+            ops_v41.drop_masked(ls, sr, ws.sel, cfg.index_topk, **ls.main())
+    ops_pfa.prefill_attention(ls, attn_layer(rec, il, A, q_norm=False),
+                              ops_attn.AttnKeys(p[f"{il}.win"], comp, ro.ratio, sel, cfg.index_topk),
+                              ops_pfa.PrefillRows(ws.q, pos, ws.kvb, ws.o, T), **ls.main())
     ops_pfa.ring_store(ls, ws.kvb, T, pos, p[f"{il}.win"], **ls.main())
 
 

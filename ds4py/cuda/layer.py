@@ -52,7 +52,8 @@ from ds4py.cuda.ops import attention as ops_attn
 from ds4py.cuda.ops import dspark as ops_dspark
 from ds4py.cuda.ops import moe_prefill as ops_moep
 from ds4py.errors import Ds4Error
-from ds4py.cuda.ops.mhc import Collapse, mix_partial_floats, mix_record
+from ds4py.cuda.ops.mhc import Collapse, MixBuffers, MixWeights, mix_partial_floats, mix_record
+from ds4py.cuda.ops.sample import SampleRows, SampleRule
 
 F32, I32, U32, U8 = np.dtype(np.float32), np.dtype(np.int32), np.dtype(np.uint32), np.dtype(np.uint8)
 MAX_ROWS = 16             # rows of one ROWS step (a verify of 1 + k <= 16 rows is one step)
@@ -357,8 +358,8 @@ def record_tap(ls: Launcher, rec: Recording, il: int, X: DeviceArray) -> None:
     into the rows' taps at the target's place in layer order (ref/forward.py's X.mean(1), concatenated)."""
     cfg, D, R = rec.cfg, rec.cfg.dim, rec.R
     k, width = sorted(cfg.dspark_targets).index(il), cfg.dspark_tap_dim
-    ops_dspark.hc_sum(ls, X, None, R, D, 1.0 / cfg.hc_mult, rec.taps.view(4 * k * D, (R - 1) * width + D),
-                      y_stride=width, hc=cfg.hc_mult, **ls.main())
+    ops_dspark.hc_sum(ls, X, R, D, ops_dspark.HcSum(rec.taps.view(4 * k * D, (R - 1) * width + D), 1.0 / cfg.hc_mult,
+                                                    y_stride=width), cfg.hc_mult, **ls.main())
 
 
 def record_layer(ls: Launcher, rec: Recording, il: int, lw: Any, X: DeviceArray, X_out: DeviceArray) -> DeviceArray:
@@ -369,15 +370,20 @@ def record_layer(ls: Launcher, rec: Recording, il: int, lw: Any, X: DeviceArray,
     return moe(ls, rec, il, ro, lw, X, X_out)
 
 
+def mix_weights(cfg: Any, hw: Any) -> MixWeights:
+    """A sub-layer's (or the head's) mHC mix weights with the model's widths and epsilons."""
+    return MixWeights(hw.fn.array, hw.scale.array, hw.base.array, cfg.dim, cfg.norm_eps, cfg.hc_eps,
+                      cfg.sinkhorn_iters, cfg.hc_mult)
+
+
 def hc_pre(ls: Launcher, rec: Recording, hw: Any, norm: DevTensor, X: DeviceArray, mix: DeviceArray, x: DeviceArray,
            n: int | None = None, pre: tuple[DeviceArray, int] | None = None) -> None:
     """A sub-layer's input: the mHC mix (pre, post, Sinkhorn C) of X, then RMSNorm(sum_j pre_j X_j) with this mix's
     pre, or (V4.1's lagged mHC) pre = (the earlier sub-layer's mix records, their stride)."""
     cfg, n = rec.cfg, rec.R if n is None else n
     src, stride = pre if pre is not None else (None, 0)          # one launch: the mix's last block collapses
-    ops.hc_mix(ls, hw.fn.array, X, n, cfg.dim, hw.scale.array, hw.base.array, rec.ws.mix_partial, rec.tickets, mix,
-               cfg.norm_eps, cfg.hc_eps, cfg.sinkhorn_iters, cfg.hc_mult, **ls.main(),
-               collapse=Collapse(x, norm.array, cfg.norm_eps, src, stride))
+    ops.hc_mix(ls, mix_weights(cfg, hw), MixBuffers(X, n, mix, rec.ws.mix_partial, rec.tickets),
+               Collapse(x, norm.array, cfg.norm_eps, src, stride), **ls.main())
 
 
 def lagged_pre(rec: Recording, il: int, sub: str) -> tuple[DeviceArray, int] | None:
@@ -466,17 +472,15 @@ def record_head(ls: Launcher, rec: Recording, X: DeviceArray, n: int, H: Any, no
     Xr = X.view(4 * r0 * hc * D, (n, hc, D)) if rec.mode == BLOCK else X
     if H is None:
         mix = ws.mix_ffn.view(4 * r0 * mrec, n * mrec) if rec.mode == BLOCK else ws.mix_ffn
-        ops.hc_collapse_norm(ls, Xr, mix, n, D, norm.array, cfg.norm_eps, ws.x_head, hc, **ls.main())
+        ops.hc_collapse_norm(ls, Xr, n, D, Collapse(ws.x_head, norm.array, cfg.norm_eps, mix), hc, **ls.main())
     else:                                                        # the head's pre-only mix, then its collapse
-        ops.hc_mix(ls, H.fn.array, Xr, n, D, H.scale.array, H.base.array, ws.mix_partial, rec.tickets, ws.mix_head,
-                   cfg.norm_eps, cfg.hc_eps, cfg.sinkhorn_iters, hc, **ls.main(),
-                   collapse=Collapse(ws.x_head, norm.array, cfg.norm_eps))
+        ops.hc_mix(ls, mix_weights(cfg, H), MixBuffers(Xr, n, ws.mix_head, ws.mix_partial, rec.tickets),
+                   Collapse(ws.x_head, norm.array, cfg.norm_eps), **ls.main())
     kernels.of(rec.mode).dense(ls, rec, [(head, ws.logits, cfg.vocab_size)], ws.x_head, D, ls.main, n=n)
 
 
 def record_sample(ls: Launcher, rec: Recording, sampling: tuple) -> None:
     """The sampler on ws.logits (one row): the next token into the slot (-1 when the logits are no distribution),
     its draw keyed by the sampled token's position (pos + 1). sampling = (temperature, top_k, top_p, min_p, seed)."""
-    temperature, top_k, top_p, min_p, seed = sampling
-    ops.sample(ls, rec.ws.logits, rec.cfg.vocab_size, rec.rows.token(0), temperature, top_k, top_p, min_p, seed,
-               pos_slot=rec.rows.pos(0), pos_offset=1, **ls.main())
+    ops.sample(ls, SampleRule(*sampling), rec.ws.logits, rec.cfg.vocab_size, rec.rows.token(0),
+               SampleRows(pos_slot=rec.rows.pos(0), pos_offset=1), **ls.main())

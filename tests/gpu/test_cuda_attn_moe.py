@@ -80,8 +80,10 @@ def run_attention(dev, pos, ratio, q_raw, win, comp, sel, sinks, pdl=False):
     part_o = dev.var(np.zeros(plan.part_o_shape, np.float32))
     part_ml = dev.var(np.zeros(plan.part_ml_shape, np.float32))
     out = dev.var(np.zeros((H, HD), np.float32))
-    ops_attn.decode_attention(dev.rt, plan, q_raw, dev.const(yarn()), dev.const(np.array([pos], np.int32)), win, W,
-                              comp, ratio, sel, TOPK, sinks, part_o, part_ml, out, RD, EPS, HD ** -0.5, pdl=pdl)
+    ops_attn.decode_attention(dev.rt, plan, ops_attn.AttnLayer(dev.const(yarn()), sinks, H, RD, W, EPS, HD ** -0.5),
+                              ops_attn.AttnKeys(win, comp, ratio, sel, TOPK),
+                              ops_attn.DecodeBuffers(q_raw, dev.const(np.array([pos], np.int32)), part_o, part_ml,
+                                                     out), pdl=pdl)
     return out.download()
 
 
@@ -112,9 +114,10 @@ def test_compressor_ratio128_real_shape(kdev):
     dev = kdev()
     kv, sc = (dev.var(a) for a in h.rings(range(pos - cap + 1, pos), cap))
     rows = dev.var(np.full((41, d), np.nan, np.float32))
-    ops_comp.compressor_decode(dev.rt, dev.const(h.kv[pos]), dev.const(h.sc_raw[pos]), dev.const(h.ape),
-                               dev.const(h.norm), dev.const(yarn()), dev.const(np.array([pos], np.int32)), kv, sc,
-                               rows, ratio, False, d, rd, EPS, False)
+    ops_comp.compressor_decode(dev.rt, ops_comp.CompLayer(dev.const(h.ape), dev.const(h.norm), dev.const(yarn()),
+                                                          ratio, False, d, rd, EPS, False),
+                               ops_comp.CompState(kv, sc, rows), dev.const(h.kv[pos]), dev.const(h.sc_raw[pos]),
+                               dev.const(np.array([pos], np.int32)))
     check_row(rows.download()[pos // ratio], h, pos // ratio, ratio, False, yarn(), rd, False, True, "ratio 128 row")
 
 
@@ -129,7 +132,8 @@ def test_indexer_and_topk_real_shapes(kdev):
     wscale = twin_idx.weight_scale(IHD, IH)
     scores = dev.var(np.zeros(n, np.float32))
     slot = dev.const(np.array([pos], np.int32))
-    ops_idx.indexer_scores(dev.rt, dev.const(q), dev.const(w_raw), wscale, dev.const(keys), slot, scores, IH, IHD, n)
+    ops_idx.indexer_scores(dev.rt, ops_idx.IndexScorer(IH, IHD, wscale),
+                           ops_idx.ScoreBuffers(dev.const(q), dev.const(w_raw), dev.const(keys), slot, scores, n))
     got = scores.download()
     want, mag = twin_idx.scores(q, w_raw, wscale, keys)
     assert_close_scaled(got, want, mag, IHD + IH, "indexer scores 16K")

@@ -11,6 +11,7 @@ from ds4py.cuda import ops, twins
 from ds4py.cuda.graph import StepGraph
 from ds4py.cuda.ops import mhc as om
 from ds4py.cuda.ops.argmax import argmax_parts
+from ds4py.cuda.ops.sample import SampleRows, SampleRule
 from ds4py.cuda.twins import gemv as tg
 from ds4py.cuda.twins import mhc as tm
 from ds4py.cuda.twins import sample as ts
@@ -87,7 +88,7 @@ def test_head_argmax_and_sampler_at_vocab_size(rt, big):
     kept = big.scratch(V, np.uint8)
     for prm in (dict(temperature=1.0, top_k=50), dict(temperature=0.8, top_p=0.9), dict(temperature=1.0, min_p=0.05),
                 dict(temperature=0.7, top_k=500, top_p=0.95, min_p=0.01)):
-        ops.sample(rt, logits, V, tok, seed=11, kept=kept, **prm)
+        ops.sample(rt, SampleRule(seed=11, **prm), logits, V, tok, SampleRows(kept=kept))
         keep = kept.download().astype(bool)
         want = ts.kept(host, ts.params(**prm))
         assert (keep == want).all(), prm
@@ -99,8 +100,8 @@ def test_sampler_distribution_on_device(rt, arena, put):
     N = shrink(100_000, 50)
     out = arena.scratch(N, np.int32)
     for prm in (dict(temperature=1.0), dict(temperature=0.7, top_k=20, top_p=0.9)):
-        ops.sample(rt, put(logits, weights=False), 200, out, seed=5, rows=N, row_stride=0,
-                   threads=shrink(1024, 32, 32), **prm)
+        ops.sample(rt, SampleRule(seed=5, **prm), put(logits, weights=False), 200, out, SampleRows(N, 0),
+                   threads=shrink(1024, 32, 32))
         counts = np.bincount(out.download(), minlength=200)
         p = ts.distribution(logits, ts.params(**prm))
         assert counts[p == 0].sum() == 0
@@ -119,13 +120,13 @@ def _decode_like(rt, arena, dev, pdl):
     s["x"], s["y"] = arena.scratch(D, np.float32), arena.scratch(D, np.float32)
     s["logits"] = arena.scratch(V, np.float32)
     s["pv"], s["pi"], s["tok"] = arena.scratch(16, np.float32), arena.scratch(16, np.int32), arena.scratch(1, np.int32)
-    ops.hc_mix(rt, dev["fn"], dev["X"], 1, D, dev["scale"], dev["base"], s["part"], dev["ticket"], s["mix"], 1e-6,
-               1e-6, 20, pdl=pdl)
-    ops.hc_collapse_norm(rt, dev["X"], s["mix"], 1, D, dev["norm"], 1e-6, s["x"], pdl=pdl)
+    ops.hc_mix(rt, om.MixWeights(dev["fn"], dev["scale"], dev["base"], D, 1e-6, 1e-6, 20),
+               om.MixBuffers(dev["X"], 1, s["mix"], s["part"], dev["ticket"]), pdl=pdl)
+    ops.hc_collapse_norm(rt, dev["X"], 1, D, om.Collapse(s["x"], dev["norm"], 1e-6, s["mix"]), pdl=pdl)
     ops.gemv_hc_post(rt, dev["W"], s["x"], dev["X"], s["mix"], D, D, pdl=pdl)
-    ops.hc_mix(rt, dev["hfn"], dev["X"], 1, D, dev["scale"], dev["base"], s["part"], dev["ticket"], s["hmix"], 1e-6,
-               1e-6, 20, pdl=pdl)
-    ops.hc_collapse_norm(rt, dev["X"], s["hmix"], 1, D, dev["norm"], 1e-6, s["y"], pdl=pdl)
+    ops.hc_mix(rt, om.MixWeights(dev["hfn"], dev["scale"], dev["base"], D, 1e-6, 1e-6, 20),
+               om.MixBuffers(dev["X"], 1, s["hmix"], s["part"], dev["ticket"]), pdl=pdl)
+    ops.hc_collapse_norm(rt, dev["X"], 1, D, om.Collapse(s["y"], dev["norm"], 1e-6, s["hmix"]), pdl=pdl)
     ops.gemv(rt, [(dev["head"], s["logits"], V)], s["y"], D, pdl=pdl)
     ops.argmax(rt, s["logits"], V, s["pv"], s["pi"], dev["ticket1"], s["tok"], pdl=pdl)
     return s

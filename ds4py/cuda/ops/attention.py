@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ds4py.errors import Ds4Error
+from ds4py.cuda.ops.core import aligned, dtype_or_none, is_dtype, need
 
 ATTN_TILE = 16                 # keys staged per tile
 ATTN_HPW = 4                   # heads per warp
@@ -21,17 +21,9 @@ ATTN_MAX_HD = 512              # largest head dim
 DEFINES = {"ATTN_TILE": ATTN_TILE, "ATTN_HPW": ATTN_HPW, "ATTN_MAX_HD": ATTN_MAX_HD}   # -D values of cu/attention.cu
 
 
-def need(cond: bool, msg: str) -> None:
-    if not cond:
-        raise Ds4Error(msg)
-
-
-def aligned(n: int, *arrays: Any) -> bool:
-    return all(a is None or getattr(a, "ptr", 0) % n == 0 for a in arrays)
-
-
-def dtype_is(a: Any, dt: Any) -> bool:
-    return a is None or np.dtype(a.dtype) == np.dtype(dt)
+# experts.py (changed on another branch right now) still imports need / aligned / dtype_is from here: the same
+# core helpers under their old names until that import moves to ops.core
+dtype_is = dtype_or_none
 
 
 def pair_threads(dim: int) -> int:
@@ -39,21 +31,35 @@ def pair_threads(dim: int) -> int:
     return 32 * (-(-dim // 64))
 
 
-def kv_store(rt: Any, kv_raw: Any, norm_w: Any, freqs: Any, pos_slot: Any, win: Any, hd: int, rd: int,
-             eps: float, fake_quant: bool = True, round_f16: bool = False, stream: Any = None,
+@dataclass(frozen=True)
+class KvRow:
+    """How one layer makes its kv (or key) rows, the same for every call: RMSNorm weight [hd], RoPE freqs [rd/2],
+    shapes and numerics (fake_quant: the FP8 / FP4 round trip; round_f16: the f16 kv cache's rounding)."""
+    norm_w: Any
+    freqs: Any
+    hd: int
+    rd: int
+    eps: float
+    fake_quant: bool = True
+    round_f16: bool = False
+
+
+def kv_store(rt: Any, kr: KvRow, kv_raw: Any, pos_slot: Any, win: Any, stream: Any = None,
              pdl: bool = False) -> None:
     """win[pos % ring] = FP8(RoPE(RMSNorm(kv_raw; norm_w))) for the decode position in pos_slot."""
+    norm_w, freqs, hd, rd = kr.norm_w, kr.freqs, kr.hd, kr.rd
     need(hd % 2 == 0 and rd % 2 == 0 and 0 < rd <= hd and (hd - rd) % 64 == 0,
          f"attn_kv_store: head dim {hd} with {rd} rope dims needs even sizes and a non-rope part in blocks of 64")
     need(kv_raw.size == hd and norm_w.size == hd and freqs.size == rd // 2,
          f"attn_kv_store: kv ({kv_raw.size}), norm ({norm_w.size}) or freqs ({freqs.size}) do not match hd {hd}")
     need(len(win.shape) == 2 and win.shape[1] == hd, f"attn_kv_store: window ring shape {tuple(win.shape)} is not "
          f"[ring, {hd}]")
-    need(all(dtype_is(a, np.float32) for a in (kv_raw, norm_w, freqs, win)) and dtype_is(pos_slot, np.int32),
+    need(all(is_dtype(a, np.float32) for a in (kv_raw, norm_w, freqs, win))
+         and is_dtype(pos_slot, np.int32),
          "attn_kv_store: float32 arrays and an int32 position slot expected")
     need(aligned(8, kv_raw, norm_w, win), "attn_kv_store: kv, norm weight and ring must be 8-byte aligned")
     rt.launch("attn_kv_store", 1, pair_threads(hd), kv_raw, norm_w, freqs, pos_slot, win, int(win.shape[0]), hd,
-              rd, float(eps), int(fake_quant), int(round_f16), stream=stream, pdl=pdl)
+              rd, float(kr.eps), int(kr.fake_quant), int(kr.round_f16), stream=stream, pdl=pdl)
 
 
 @dataclass(frozen=True)
@@ -116,31 +122,69 @@ def attn_warps(profile: Any, n_heads: int, hd: int) -> int:
     return 2 if two.blocks_per_sm >= 2 or four_smem > profile.smem_per_block_optin else 4
 
 
-def decode_attention(rt: Any, plan: AttnPlan, q_raw: Any, freqs: Any, pos_slot: Any, win: Any, window: int,
-                     comp: Any, ratio: int, sel: Any, topk: int, sinks: Any, part_o: Any, part_ml: Any, out: Any,
-                     rd: int, eps: float, scale: float, stream: Any = None, pdl: bool = False,
-                     q_norm: bool = True, combine_pdl: bool | None = None) -> None:
-    """out [H, hd] = attention of the decode query over window + compressed rows (two launches). q_norm: the
-    per-head RMS of the query (V4; V4.1 has none). combine_pdl: the combine's PDL flag (None: pdl); its only
-    dependency is the partial on the same stream, so it may take PDL where the partial, first after a join, may not.
+@dataclass(frozen=True)
+class AttnLayer:
+    """What one layer's attention is, the same for every call: its per-layer arrays (RoPE freqs [rd/2], sinks
+    [H]) and shapes (the head dim is the ring's width)."""
+    freqs: Any
+    sinks: Any
+    n_heads: int
+    rope_dim: int
+    window: int                # window rows a query sees (the ring holds at least these)
+    eps: float
+    scale: float
+    q_norm: bool = True        # the per-head RMS of the queries (V4; V4.1 has none)
+
+
+@dataclass(frozen=True)
+class AttnKeys:
+    """Where one call's keys come from: the window ring [rows, hd], the compressed rows (ratio 0: none) and the
+    selection sel (None: every visible compressed row; else int32 [rows, topk], the indexer's picks)."""
+    ring: Any
+    comp: Any = None
+    ratio: int = 0
+    sel: Any = None
+    topk: int = 0
+
+
+@dataclass(frozen=True)
+class DecodeBuffers:
+    """One decode attention's per-call arrays: the query [H, hd], the int32 position slot, the split partials
+    (part_o [H, splits, hd], part_ml [H, splits, 2]) and the output [H, hd]."""
+    q_raw: Any
+    pos_slot: Any
+    part_o: Any
+    part_ml: Any
+    out: Any
+
+
+def decode_attention(rt: Any, plan: AttnPlan, layer: AttnLayer, keys: AttnKeys, buf: DecodeBuffers,
+                     stream: Any = None, pdl: bool = False, combine_pdl: bool | None = None) -> None:
+    """out [H, hd] = attention of the decode query over window + compressed rows (two launches). combine_pdl: the
+    combine's PDL flag (None: pdl); its only dependency is the partial on the same stream, so it may take PDL where
+    the partial, first after a join, may not.
 
     The key count at the step's position must not exceed the plan's capacity: min(pos+1, window) + the visible
     compressed rows (ratio 128, sel None) or min(visible, topk) (ratio 4, sel = the indexer's indices)."""
     H, hd = plan.n_heads, plan.hd
+    win, comp, ratio, sel, topk, window = keys.ring, keys.comp, keys.ratio, keys.sel, keys.topk, layer.window
+    q_raw, part_o, part_ml, out = buf.q_raw, buf.part_o, buf.part_ml, buf.out
+    rd, freqs, sinks = layer.rope_dim, layer.freqs, layer.sinks
     need(q_raw.size == H * hd and out.size == H * hd, f"attention: q or out is not [{H}, {hd}]")
     need(len(win.shape) == 2 and win.shape[1] == hd and win.shape[0] >= window >= 1,
          f"attention: window ring {tuple(win.shape)} must be [>= {window}, {hd}]")
     need(ratio >= 0 and (ratio == 0 or (comp is not None and comp.shape[-1] == hd)),
          "attention: a compressed layer needs its compressed rows [n, hd]")
-    need(sel is None or (ratio > 0 and dtype_is(sel, np.int32) and sel.size >= topk >= 1),
+    need(sel is None or (ratio > 0 and is_dtype(sel, np.int32) and sel.size >= topk >= 1),
          "attention: sel must be int32 indices with room for topk")
     need(freqs.size == rd // 2 and (hd - rd) % 2 == 0 and sinks.size == H, "attention: freqs or sinks mismatch")
     need(tuple(part_o.shape) == plan.part_o_shape and tuple(part_ml.shape) == plan.part_ml_shape,
          f"attention: partial buffers must be {plan.part_o_shape} and {plan.part_ml_shape}")
     need(aligned(16, q_raw, win, comp, part_o), "attention: q, ring, rows and partials must be 16-byte aligned")
     comp_arg = comp if comp is not None else win          # never read when ratio == 0
-    rt.launch("attn_decode_partial", (plan.splits, plan.head_groups), 32 * plan.warps, q_raw, freqs, pos_slot, win,
-              int(win.shape[0]), int(window), comp_arg, int(ratio), sel, int(topk), part_o, part_ml, H, hd, rd,
-              plan.keys_per_split, float(eps), float(scale), int(q_norm), smem=plan.smem, stream=stream, pdl=pdl)
-    rt.launch("attn_decode_combine", H, pair_threads(hd), part_o, part_ml, sinks, freqs, pos_slot, out, hd, rd,
+    rt.launch("attn_decode_partial", (plan.splits, plan.head_groups), 32 * plan.warps, q_raw, freqs, buf.pos_slot,
+              win, int(win.shape[0]), int(window), comp_arg, int(ratio), sel, int(topk), part_o, part_ml, H, hd, rd,
+              plan.keys_per_split, float(layer.eps), float(layer.scale), int(layer.q_norm), smem=plan.smem,
+              stream=stream, pdl=pdl)
+    rt.launch("attn_decode_combine", H, pair_threads(hd), part_o, part_ml, sinks, freqs, buf.pos_slot, out, hd, rd,
               plan.splits, stream=stream, pdl=pdl if combine_pdl is None else combine_pdl)

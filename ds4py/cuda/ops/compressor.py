@@ -8,11 +8,13 @@ pos_slot.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ds4py.cuda.ops.attention import aligned, dtype_is, need, pair_threads
+from ds4py.cuda.ops.attention import pair_threads
+from ds4py.cuda.ops.core import aligned, is_dtype, need
 
 COMP_MAX_THREADS = 1024        # block size limit (merge buffers)
 COMP_MAX_D = 1024              # largest rotated row (Hadamard buffer)
@@ -30,11 +32,48 @@ def comp_threads(d: int, ratio: int, overlap: bool, subs: int | None = None) -> 
     return P * max(1, min(subs, COMP_MAX_THREADS // P))
 
 
-def _check(where: str, ape: Any, norm_w: Any, freqs: Any, ring_kv: Any, ring_sc: Any, rows: Any, ratio: int,
-           overlap: bool, d: int, rd: int, rotate: bool) -> int:
-    width = (1 + int(overlap)) * d
+@dataclass(frozen=True)
+class CompLayer:
+    """One compressor of one layer, the same for every call: its arrays (ape [ratio, (1+overlap)*d] F16 or F32,
+    the norm weight [d], RoPE freqs [rd/2]), shapes and numerics. rotate: the indexer's keys (Hadamard-rotated,
+    FP4); else the attention's rows (FP8 non-rope part). subs: the block's sub count (None: comp_threads' default)."""
+    ape: Any
+    norm_w: Any
+    freqs: Any
+    ratio: int
+    overlap: bool
+    d: int
+    rd: int
+    eps: float
+    rotate: bool
+    fake_quant: bool = True
+    round_f16: bool = False
+    subs: int | None = None
+
+    @property
+    def width(self) -> int:
+        return (1 + int(self.overlap)) * self.d
+
+    @property
+    def threads(self) -> int:
+        return comp_threads(self.d, self.ratio, self.overlap, self.subs)
+
+
+@dataclass(frozen=True)
+class CompState:
+    """One compressor's device state: the rings ring_kv / ring_sc [cap, (1+overlap)*d] and its rows [capacity, d]
+    (V4.1's v41.compress: no rings at ratio 1; v41.comp_ring_store reads no rows)."""
+    ring_kv: Any
+    ring_sc: Any
+    rows: Any
+
+
+def _check(where: str, c: CompLayer, st: CompState) -> int:
+    ape, norm_w, freqs, ratio, overlap, d, rd = c.ape, c.norm_w, c.freqs, c.ratio, c.overlap, c.d, c.rd
+    ring_kv, ring_sc, rows = st.ring_kv, st.ring_sc, st.rows
+    width = c.width
     need(ratio >= 1 and d % 2 == 0 and rd % 2 == 0 and 0 < rd <= d, f"{where}: bad ratio {ratio}, d {d} or rd {rd}")
-    if rotate:
+    if c.rotate:
         need(d & (d - 1) == 0 and 32 <= d <= COMP_MAX_D, f"{where}: a rotated (indexer) row needs d a power of two "
              f"in 32..{COMP_MAX_D}, got {d}")
     else:
@@ -47,41 +86,35 @@ def _check(where: str, ape: Any, norm_w: Any, freqs: Any, ring_kv: Any, ring_sc:
     need(np.dtype(ape.dtype) in (np.dtype(np.float16), np.dtype(np.float32)), f"{where}: ape must be F16 or F32")
     need(norm_w.size == d and freqs.size == rd // 2 and len(rows.shape) == 2 and rows.shape[1] == d,
          f"{where}: norm ({norm_w.size}), freqs ({freqs.size}) or rows {tuple(rows.shape)} do not match d {d}")
-    need(all(dtype_is(a, np.float32) for a in (norm_w, freqs, ring_kv, ring_sc, rows)),
+    need(all(is_dtype(a, np.float32) for a in (norm_w, freqs, ring_kv, ring_sc, rows)),
          f"{where}: rings, rows, norm weight and freqs must be float32")
     need(aligned(8, ape, norm_w, ring_kv, ring_sc, rows), f"{where}: arrays must be 8-byte aligned")
     return width
 
 
-def compressor_decode(rt: Any, kv_in: Any, sc_in: Any, ape: Any, norm_w: Any, freqs: Any, pos_slot: Any,
-                      ring_kv: Any, ring_sc: Any, rows: Any, ratio: int, overlap: bool, d: int, rd: int, eps: float,
-                      rotate: bool, fake_quant: bool = True, round_f16: bool = False, subs: int | None = None,
+def compressor_decode(rt: Any, c: CompLayer, st: CompState, kv_in: Any, sc_in: Any, pos_slot: Any,
                       stream: Any = None, pdl: bool = False) -> None:
     """Store this position's kv / score (+ ape) in the rings; emit row pos // ratio when its group completes."""
-    width = _check("compressor_decode", ape, norm_w, freqs, ring_kv, ring_sc, rows, ratio, overlap, d, rd, rotate)
+    width = _check("compressor_decode", c, st)
     need(kv_in.size == width and sc_in.size == width, f"compressor_decode: kv and score inputs must hold {width}")
-    rt.launch("compressor_decode", 1, comp_threads(d, ratio, overlap, subs), kv_in, sc_in, ape,
-              int(np.dtype(ape.dtype) == np.float32), norm_w, freqs, pos_slot, ring_kv, ring_sc, rows,
-              int(rows.shape[0]), int(ratio),
-              int(overlap), int(ring_kv.shape[0]), d, rd, float(eps), int(rotate), int(fake_quant), int(round_f16),
-              stream=stream, pdl=pdl)
+    rt.launch("compressor_decode", 1, c.threads, kv_in, sc_in, c.ape, int(np.dtype(c.ape.dtype) == np.float32),
+              c.norm_w, c.freqs, pos_slot, st.ring_kv, st.ring_sc, st.rows, int(st.rows.shape[0]), int(c.ratio),
+              int(c.overlap), int(st.ring_kv.shape[0]), c.d, c.rd, float(c.eps), int(c.rotate), int(c.fake_quant),
+              int(c.round_f16), stream=stream, pdl=pdl)
 
 
-def compressor_prefill(rt: Any, chunk_kv: Any, chunk_sc: Any, n_tok: int, ape: Any, norm_w: Any, freqs: Any,
-                       pos_slot: Any, ring_kv: Any, ring_sc: Any, rows: Any, ratio: int, overlap: bool, d: int,
-                       rd: int, eps: float, rotate: bool, fake_quant: bool = True, round_f16: bool = False,
-                       subs: int | None = None, stream: Any = None, pdl: bool = False) -> None:
+def compressor_prefill(rt: Any, c: CompLayer, st: CompState, chunk_kv: Any, chunk_sc: Any, n_tok: int,
+                       pos_slot: Any, stream: Any = None, pdl: bool = False) -> None:
     """A chunk of n_tok tokens from the position in pos_slot: emit every group it completes, then keep its last
     positions in the rings (two launches, in that order)."""
-    width = _check("compressor_prefill", ape, norm_w, freqs, ring_kv, ring_sc, rows, ratio, overlap, d, rd, rotate)
+    width = _check("compressor_prefill", c, st)
     need(n_tok >= 1 and chunk_kv.size >= n_tok * width and chunk_sc.size >= n_tok * width,
          f"compressor_prefill: chunk arrays must hold {n_tok} x {width}")
-    ape_f32 = int(np.dtype(ape.dtype) == np.float32)
-    cap = int(ring_kv.shape[0])
-    rt.launch("compressor_prefill_pool", n_tok // ratio + 1, comp_threads(d, ratio, overlap, subs), chunk_kv,
-              chunk_sc, int(n_tok), ape, ape_f32, norm_w, freqs, pos_slot, ring_kv, ring_sc, rows,
-              int(rows.shape[0]), int(ratio),
-              int(overlap), cap, d, rd, float(eps), int(rotate), int(fake_quant), int(round_f16), stream=stream,
-              pdl=pdl)
-    rt.launch("compressor_prefill_store", min(n_tok, cap), 256, chunk_kv, chunk_sc, int(n_tok), ape, ape_f32,
-              pos_slot, ring_kv, ring_sc, int(ratio), cap, width, stream=stream, pdl=pdl)
+    ape_f32 = int(np.dtype(c.ape.dtype) == np.float32)
+    cap = int(st.ring_kv.shape[0])
+    rt.launch("compressor_prefill_pool", n_tok // c.ratio + 1, c.threads, chunk_kv, chunk_sc, int(n_tok), c.ape,
+              ape_f32, c.norm_w, c.freqs, pos_slot, st.ring_kv, st.ring_sc, st.rows, int(st.rows.shape[0]),
+              int(c.ratio), int(c.overlap), cap, c.d, c.rd, float(c.eps), int(c.rotate), int(c.fake_quant),
+              int(c.round_f16), stream=stream, pdl=pdl)
+    rt.launch("compressor_prefill_store", min(n_tok, cap), 256, chunk_kv, chunk_sc, int(n_tok), c.ape, ape_f32,
+              pos_slot, st.ring_kv, st.ring_sc, int(c.ratio), cap, width, stream=stream, pdl=pdl)

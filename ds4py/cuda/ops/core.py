@@ -25,11 +25,19 @@ def need(cond: bool, msg: str) -> None:
 
 
 def aligned(n: int, *arrays: DeviceArray | None) -> bool:
-    return all(a is None or a.ptr % n == 0 for a in arrays)
+    """Every array present starts on an n-byte boundary (None: an absent optional pointer; a host array under
+    emulation has no .ptr and passes)."""
+    return all(a is None or getattr(a, "ptr", 0) % n == 0 for a in arrays)
 
 
 def is_dtype(a: DeviceArray | None, dtype: Any) -> bool:
+    """a is present and of dtype (a required array)."""
     return a is not None and np.dtype(a.dtype) == np.dtype(dtype)
+
+
+def dtype_or_none(a: DeviceArray | None, dtype: Any) -> bool:
+    """a is absent or of dtype (an optional array: None is a null pointer the kernel never reads)."""
+    return a is None or np.dtype(a.dtype) == np.dtype(dtype)
 
 
 def blocks_that_fit(rt: Any, threads: int, smem_per_block: int, cap_per_sm: int = 32, kernel: str | None = None) -> int:

@@ -4,6 +4,7 @@ the elementwise add of its greedy chain (a position's base logits plus its Marko
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -13,11 +14,22 @@ from ds4py.cuda.ops.core import is_dtype, need
 HC_SUM_THREADS = 128
 
 
-def hc_sum(rt: Any, X: Any, mix: Any | None, n_tok: int, D: int, scale: float, y: Any, y_stride: int | None = None,
-           hc: int = 4, mix_stride: int = 0, stream: Any = None, pdl: bool = False) -> None:
-    """y[t * y_stride : + D] = scale * sum_j w_j X[t, j] for n_tok rows of X [T, hc, D]; w_j = mix[t * mix_stride
-    + j] (mix None: 1 each, so scale 1 / hc gives the mean over the copies)."""
-    ys = D if y_stride is None else int(y_stride)
+@dataclass(frozen=True)
+class HcSum:
+    """What one hc_sum writes: y rows y_stride apart (None: D), scale times the sum over the copies weighted by
+    mix[t * mix_stride + j] (mix None: 1 each, so scale 1 / hc gives the mean over the copies)."""
+    y: Any
+    scale: float
+    y_stride: int | None = None
+    mix: Any | None = None
+    mix_stride: int = 0
+
+
+def hc_sum(rt: Any, X: Any, n_tok: int, D: int, s: HcSum, hc: int = 4, stream: Any = None,
+           pdl: bool = False) -> None:
+    """y[t * y_stride : + D] = scale * sum_j w_j X[t, j] for n_tok rows of X [T, hc, D]."""
+    y, mix, mix_stride, scale = s.y, s.mix, s.mix_stride, s.scale
+    ys = D if s.y_stride is None else int(s.y_stride)
     need(n_tok >= 1 and D >= 1 and ys >= D, f"dspark_hc_sum: {n_tok} rows of {D} values, row stride {ys}")
     need(is_dtype(X, np.float32) and X.size >= n_tok * hc * D, f"dspark_hc_sum: X must be float32 [{n_tok}, {hc}, {D}]")
     need(mix is None or (is_dtype(mix, np.float32) and mix_stride >= 0 and mix.size >= (n_tok - 1) * mix_stride + hc),

@@ -36,24 +36,56 @@ def mix_warps(nrows: int) -> int:
 
 @dataclass(frozen=True)
 class Collapse:
-    """hc_collapse_norm's work done by hc_mix's last block: y[t] = RMSNorm(sum_j pre_j X[t, j]; w) (w None: no
-    weight), pre from this launch's mix, or (pre given: V4.1's lagged mHC) from pre[t * pre_stride ...]."""
+    """y[t] = RMSNorm(sum_j pre_j X[t, j]; w) (w None: no weight): hc_collapse_norm's work, or done by hc_mix's last
+    block. pre from pre[t * pre_stride ...] (pre_stride None: mix_record(hc), one record per token; 0: one record
+    for every token, V4.1's one-hot first pre-mix); in hc_mix pre None takes this launch's mix (V4.1's lagged mHC
+    gives the earlier sub-layer's records)."""
     y: DeviceArray
     w: DeviceArray | None
     eps: float
     pre: DeviceArray | None = None
-    pre_stride: int = 0
+    pre_stride: int | None = None
+
+    def stride(self, hc: int) -> int:
+        """Floats from one token's pre to the next (0 where no pre is read)."""
+        if self.pre is None:
+            return 0
+        return mix_record(hc) if self.pre_stride is None else int(self.pre_stride)
 
 
-def hc_mix(rt: Any, fn: DeviceArray, X: DeviceArray, n_tok: int, D: int, scale: DeviceArray, base: DeviceArray,
-           partial: DeviceArray, ticket: DeviceArray, mix: DeviceArray, norm_eps: float, hc_eps: float,
-           iters: int = 20, hc: int = 4, warps: int | None = None, stream: Any = None, pdl: bool = False,
-           collapse: Collapse | None = None) -> None:
-    """mix[t] = the mHC mix of X[t] ([hc, D]): fn [(2+hc)*hc, hc*D] gives pre, post and the Sinkhorn C of a
-    sub-layer; fn [hc, hc*D] (the head's) gives pre only. F16 or F32 fn, as the GGUF stores it. ticket: n_tok
-    zeroed uint32 (left zeroed); partial: mix_partial_floats(...) float32 scratch. collapse: the last block also
-    collapses + norms (one launch instead of hc_mix + hc_collapse_norm; bit for bit the two launches' result with
-    hc_collapse_norm's default block: the block is collapse_threads(D) threads unless `warps` says otherwise)."""
+@dataclass(frozen=True)
+class MixWeights:
+    """One mHC mix, the same for every call: fn [(2+hc)*hc, hc*D] (a sub-layer's: pre, post and the Sinkhorn C) or
+    [hc, hc*D] (the head's: pre only), F16 or F32 as the GGUF stores it; scale [3 or 1] and base [fn rows] float32;
+    the width D, hc copies, the RMS and Sinkhorn epsilons and its iterations."""
+    fn: DeviceArray
+    scale: DeviceArray
+    base: DeviceArray
+    D: int
+    norm_eps: float
+    hc_eps: float
+    iters: int = 20
+    hc: int = 4
+
+
+@dataclass(frozen=True)
+class MixBuffers:
+    """One hc_mix call's arrays: X [n_tok, hc, D], the mix records out [n_tok, mix_record(hc)], the partials
+    (mix_partial_floats(...) float32 scratch) and ticket (n_tok zeroed uint32, left zeroed)."""
+    X: DeviceArray
+    n_tok: int
+    mix: DeviceArray
+    partial: DeviceArray
+    ticket: DeviceArray
+
+
+def hc_mix(rt: Any, mw: MixWeights, buf: MixBuffers, collapse: Collapse | None = None, warps: int | None = None,
+           stream: Any = None, pdl: bool = False) -> None:
+    """mix[t] = the mHC mix of X[t] ([hc, D]). collapse: the last block also collapses + norms (one launch instead
+    of hc_mix + hc_collapse_norm; bit for bit the two launches' result with hc_collapse_norm's default block: the
+    block is collapse_threads(D) threads unless `warps` says otherwise)."""
+    fn, scale, base, D, hc, iters = mw.fn, mw.scale, mw.base, mw.D, mw.hc, mw.iters
+    X, n_tok, mix, partial, ticket = buf.X, buf.n_tok, buf.mix, buf.partial, buf.ticket
     nrows = fn.shape[0] if len(fn.shape) == 2 else 0
     n = hc * D
     if warps is None:
@@ -76,12 +108,12 @@ def hc_mix(rt: Any, fn: DeviceArray, X: DeviceArray, n_tok: int, D: int, scale: 
         need(is_dtype(c.y, np.float32) and c.y.size >= n_tok * D, "hc_mix: the collapse's y too small")
         need(c.w is None or (is_dtype(c.w, np.float32) and c.w.size == D), f"hc_mix: the collapse's w must be {D} "
              "float32")
-        need(c.pre is None or (c.pre_stride >= 0 and is_dtype(c.pre, np.float32)
-                               and c.pre.size >= (n_tok - 1) * c.pre_stride + hc),
+        need(c.pre is None or (c.stride(hc) >= 0 and is_dtype(c.pre, np.float32)
+                               and c.pre.size >= (n_tok - 1) * c.stride(hc) + hc),
              "hc_mix: the collapse's pre too small")
     kernel = "hc_mix_f16" if is_dtype(fn, np.float16) else "hc_mix_f32"
     rt.launch(kernel, (mix_blocks(D, hc), n_tok), 32 * warps, fn, nrows, X, n, scale, base, partial, ticket, mix,
-              float(norm_eps), float(hc_eps), int(iters), c.pre if c else None, int(c.pre_stride) if c else 0,
+              float(mw.norm_eps), float(mw.hc_eps), int(iters), c.pre if c else None, c.stride(hc) if c else 0,
               c.w if c else None, float(c.eps) if c else 0.0, c.y if c else None, stream=stream, pdl=pdl)
 
 
@@ -92,13 +124,12 @@ def collapse_threads(D: int) -> int:
     return max(256, min(1024, 32 * ceil_div(ceil_div(D, 4), 32)))
 
 
-def hc_collapse_norm(rt: Any, X: DeviceArray, mix: DeviceArray, n_tok: int, D: int, w: DeviceArray | None,
-                     eps: float, y: DeviceArray, hc: int = 4, threads: int | None = None, stream: Any = None,
-                     pdl: bool = False, mix_stride: int | None = None) -> None:
-    """y[t] = RMSNorm(sum_j pre_j X[t, j]; w) with pre from mix (w None: no weight) - a sub-layer's input, or
-    the head's (mix from hc_mix on output_hc_fn, w = output_norm). mix_stride: floats from one token's record to
-    the next (default mix_record(hc); 0: every token reads one record, V4.1's one-hot first pre-mix)."""
-    stride = mix_record(hc) if mix_stride is None else int(mix_stride)
+def hc_collapse_norm(rt: Any, X: DeviceArray, n_tok: int, D: int, c: Collapse, hc: int = 4,
+                     threads: int | None = None, stream: Any = None, pdl: bool = False) -> None:
+    """c.y[t] = RMSNorm(sum_j pre_j X[t, j]; c.w) with pre from the mix records c.pre - a sub-layer's input, or the
+    head's (c.pre from hc_mix on output_hc_fn, c.w = output_norm)."""
+    need(c.pre is not None, "hc_collapse_norm: the collapse needs its mix records (pre)")
+    mix, w, eps, y, stride = c.pre, c.w, c.eps, c.y, c.stride(hc)
     threads = collapse_threads(D) if threads is None else int(threads)
     need(is_dtype(X, np.float32) and X.size >= n_tok * hc * D, "hc_collapse_norm: X must be float32 [T, hc, D]")
     need(stride >= 0 and is_dtype(mix, np.float32) and mix.size >= (n_tok - 1) * stride + hc,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -13,15 +14,35 @@ DEFINES = {"SAMPLE_RADIX_BITS": 11}      # radix-select digit: 2048 bins, 3 pass
 DEFAULT_THREADS = 1024
 
 
-def sample(rt: Any, logits: DeviceArray, n: int, out: DeviceArray, temperature: float, top_k: int = 0,
-           top_p: float = 1.0, min_p: float = 0.0, seed: int = 0, pos_slot: DeviceArray | None = None,
-           pos_offset: int = 0, rows: int = 1, row_stride: int | None = None, kept: DeviceArray | None = None,
+@dataclass(frozen=True)
+class SampleRule:
+    """ds4py.sampling's rules of one draw: temperature (0: greedy), top-k (0: all), top-p, min-p, the seed."""
+    temperature: float
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class SampleRows:
+    """Which rows one sample call draws: `rows` rows of logits row_stride apart (None: n; 0: `rows` draws of one
+    distribution), row r's draw at position pos_slot[0] (a device slot, so graph replays use the step's position;
+    None: 0) + pos_offset + r; kept: optional uint8 [rows, n] mask of what the truncation keeps."""
+    rows: int = 1
+    row_stride: int | None = None
+    pos_slot: DeviceArray | None = None
+    pos_offset: int = 0
+    kept: DeviceArray | None = None
+
+
+def sample(rt: Any, rule: SampleRule, logits: DeviceArray, n: int, out: DeviceArray, at: SampleRows = SampleRows(),
            threads: int = DEFAULT_THREADS, stream: Any = None, pdl: bool = False) -> None:
-    """out[r] = a token drawn from row r of logits (n values each) under ds4py.sampling's rules; -1 for a row
-    with NaN / +inf or nothing but -inf. The draw is Philox(seed, position) with position = pos_slot[0] (a
-    device slot, so graph replays use the step's position) + pos_offset + r. rows > 1 with row_stride 0 draws
-    `rows` samples of one distribution. kept: optional uint8 [rows, n] mask of what the truncation keeps."""
-    row_stride = n if row_stride is None else row_stride
+    """out[r] = a token drawn from row r of logits (n values each) under the rule; -1 for a row with NaN / +inf or
+    nothing but -inf. The draw is Philox(seed, position), the position as `at` says."""
+    temperature, top_k, top_p, min_p, seed = rule.temperature, rule.top_k, rule.top_p, rule.min_p, rule.seed
+    rows, pos_slot, pos_offset, kept = at.rows, at.pos_slot, at.pos_offset, at.kept
+    row_stride = n if at.row_stride is None else at.row_stride
     need(n >= 1 and rows >= 1 and row_stride >= 0, "sample: n and rows must be >= 1")
     need(is_dtype(logits, np.float32) and logits.size >= (rows - 1) * row_stride + n,
          "sample: logits must be float32 holding every row")

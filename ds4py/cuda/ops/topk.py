@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ds4py.cuda.ops.attention import dtype_is, need
+from ds4py.cuda.ops.core import is_dtype, need
 
 TOPK_THREADS = 1024            # the block (the kernel's launch bounds)
 TOPK_REG = 16                  # keys per thread kept in registers: 16384 scores read once
@@ -17,18 +18,29 @@ def topk(rt: Any, scores: Any, k: int, out: Any, pos_slot: Any = None, ratio: in
          stream: Any = None, pdl: bool = False) -> None:
     """out[:min(n, k)] = indices of the k best scores, ascending (ties: lowest index). n = (pos+1)//ratio from the
     slot when pos_slot is given (decode), else the n given."""
-    need(k >= 1 and out.size >= k and dtype_is(out, np.int32), f"topk: out must be int32 with room for k = {k}")
+    need(k >= 1 and out.size >= k and is_dtype(out, np.int32), f"topk: out must be int32 with room for k = {k}")
     need(pos_slot is not None or 0 <= n <= scores.size, f"topk: n = {n} scores asked of {scores.size}")
     rt.launch("topk_radix_select", 1, TOPK_THREADS, scores, pos_slot, int(ratio), int(n), int(k), out,
               stream=stream, pdl=pdl)
 
 
-def topk_rows(rt: Any, scores: Any, score_stride: int, k: int, out: Any, pos: Any, n_rows: int, ratio: int = 4,
-              stream: Any = None, pdl: bool = False) -> None:
+@dataclass(frozen=True)
+class ScoreRows:
+    """The indexer's scores of one call: scores [n_rows, stride] float32, row r at the int32 position pos[r], its
+    (pos[r]+1)//ratio visible keys first."""
+    scores: Any
+    pos: Any
+    n_rows: int
+    stride: int
+    ratio: int = 4
+
+
+def topk_rows(rt: Any, sr: ScoreRows, k: int, out: Any, stream: Any = None, pdl: bool = False) -> None:
     """out[r, :min(n_r, k)] = topk of scores[r, :n_r], n_r = (pos[r]+1)//ratio, for n_rows rows (prefill)."""
-    need(k >= 1 and n_rows >= 1 and out.size >= n_rows * k and dtype_is(out, np.int32),
+    scores, score_stride, pos, n_rows, ratio = sr.scores, sr.stride, sr.pos, sr.n_rows, sr.ratio
+    need(k >= 1 and n_rows >= 1 and out.size >= n_rows * k and is_dtype(out, np.int32),
          f"topk_rows: out must be int32 with room for {n_rows} x {k}")
-    need(scores.size >= n_rows * score_stride and pos.size >= n_rows and dtype_is(pos, np.int32),
+    need(scores.size >= n_rows * score_stride and pos.size >= n_rows and is_dtype(pos, np.int32),
          "topk_rows: scores or positions do not cover the rows")
     rt.launch("topk_radix_select_rows", int(n_rows), TOPK_THREADS, scores, int(score_stride), pos, int(ratio), int(k),
               out, stream=stream, pdl=pdl)
