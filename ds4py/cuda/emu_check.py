@@ -137,6 +137,9 @@ UNREACHED = {
     **{k: "V4.1's DSpark draft (its taps, block hidden, greedy chain): the checker's models carry no DSpark draft "
           "(tests/test_cu_emu_dspark.py runs it against its twin, tests/test_cuda_dspark.py through the engine)"
        for k in ("dspark_hc_sum", "dspark_add")},
+    **{f"moe_{k}_i8_{f}": "the int8-activation (act_quant) expert kernels: a declared numerics the engine does not run "
+          "yet (it refuses act_quant); tests/test_cu_emu_experts_i8.py runs each against its twin"
+       for k in ("gate_up", "down") for f in ("iq2_xxs", "q2_k", "q4_k")},
     "argmax_f32": "the device argmax of the benches and tests; the engine's greedy pick runs in cu/sample.cu",
     "gemm_mma_tile_bf16": "a probe of the mma fragment layout (tests, tests/gpu), not an engine kernel",
     "gemm_mma_tile_f16": "a probe of the mma fragment layout (tests, tests/gpu), not an engine kernel",
