@@ -38,6 +38,7 @@ Q8_WARP_SMEM = 2 * GEMV_ROWS * Q8_PIECE_BYTES           # double-buffered pieces
 MAX_MATS = 4
 NORM, ADD = 1, 2                                          # flags (GEMV_NORM, GEMV_ADD)
 DEFAULT_WARPS = {"Q8_0": 4, "F16": 8, "F32": 8, "Q4_K": 8}
+FILL_TYPES = ("Q8_0", "F16")                              # the types whose small launches spread over the SMs
 _KERNEL = {"Q8_0": "gemv_q8_0", "F16": "gemv_f16", "F32": "gemv_f32", "Q4_K": "gemv_q4_k"}
 COL_MULTIPLE = {"Q8_0": 32, "Q4_K": 256, "F16": 8, "F32": 8}
 
@@ -106,11 +107,27 @@ def _rows(what: str, nx: int, x_stride: int | None, width: int) -> tuple[str, tu
     return ("", (), 0) if nx == 1 else ("_rows", (int(nx), stride), stride)
 
 
+def _fill_warps(rt: Any, qtype: str, groups: int) -> int:
+    """Warps per block: the type's default, fewer where its blocks would leave SMs idle. A warp owns whole row
+    groups (its columns in a fixed order: the bits do not depend on the geometry), so a launch of few groups (the
+    router gate's 64, a 512-row projection's 128) spreads them over as many SMs as there are groups: the largest
+    count <= the default whose ceil(groups / warps) blocks still cover every SM, else one warp per block. Q8_0
+    and F16 only (Q4_K / F32 keep their default)."""
+    default = DEFAULT_WARPS[qtype]
+    if qtype not in FILL_TYPES:
+        return default
+    sms = rt.profile.sm_count
+    for w in range(default, 0, -1):
+        if ceil_div(groups, w) >= sms:
+            return w
+    return 1
+
+
 def _geometry(rt: Any, qtype: str, groups: int, warps: int | None, grid: int | None,
               kernel: str | None = None) -> tuple[int, int, int]:
     """(grid, threads, dynamic smem): one wave at most, the wave sized by the kernel's occupancy (its registers,
     not threads alone: blocks_that_fit)."""
-    warps = warps or DEFAULT_WARPS[qtype]
+    warps = warps or _fill_warps(rt, qtype, groups)
     need(1 <= warps <= 32, f"gemv: warps must be 1..32, got {warps}")
     smem = warps * Q8_WARP_SMEM if qtype == "Q8_0" else 0
     grid = grid or min(ceil_div(groups, warps), blocks_that_fit(rt, 32 * warps, smem, kernel=kernel))
