@@ -35,6 +35,12 @@
 #include "reduce.cuh"
 #include "moe_formats.cuh"
 
+#ifndef F32_CHUNK_PIECES
+#error "F32_CHUNK_PIECES comes from ds4py/cuda/ops/gemv.py (DEFINES)"
+#endif
+#ifndef Q4_CHUNK_BLOCKS
+#error "Q4_CHUNK_BLOCKS comes from ds4py/cuda/ops/gemv.py (DEFINES)"
+#endif
 #ifndef GEMV_ROWS
 #error "GEMV_ROWS comes from ds4py/cuda/ops/gemv.py (DEFINES)"
 #endif
@@ -488,6 +494,126 @@ __device__ __forceinline__ void gemv_q8(const GemvJob& j) {
     }
 }
 
+// ---- Q4_K and F32: staged through shared memory, as Q8_0 ---------------------------------------------------------
+// Each warp streams its slots' row pieces into shared memory with 16-byte cp.async, double-buffered (the next piece
+// in flight while this one is decoded; the first issued before pdl_wait): every weight byte is read once, by one
+// 16-byte request of consecutive lanes. A chunk is GemvStage<T>::PIECES pieces of 8 columns (Q4_K: Q4_CHUNK_BLOCKS
+// blocks of 144 bytes; F32: F32_CHUNK_PIECES x 32 bytes). The arithmetic is gemv_direct's exactly (lane `lane`
+// takes the pieces v = lane, lane + 32, ... in increasing order, load_w8 decodes them from the staged copy, dot8,
+// warp_sum4): the same bits.
+template <class T> struct GemvStage;
+template <> struct GemvStage<Q4K> {
+    static constexpr int PIECES = 32 * Q4_CHUNK_BLOCKS;
+    __device__ static __forceinline__ size_t bytes(int pieces) { return (size_t)(pieces >> 5) * 144; }
+};
+template <> struct GemvStage<float> {
+    static constexpr int PIECES = F32_CHUNK_PIECES;
+    __device__ static __forceinline__ size_t bytes(int pieces) { return (size_t)pieces * 32; }
+};
+#define GEMV_STAGE_PIECE(T) ((int)GemvStage<T>::bytes(GemvStage<T>::PIECES) + 16)
+#define GEMV_STAGE_WARP(T) (2 * GEMV_ROWS * GEMV_STAGE_PIECE(T))
+
+// Where slot s of an item starts in global memory (null: the slot has no row).
+template <class T>
+__device__ __forceinline__ const uint8_t* staged_src(const GemvJob& j, const Q8Item& it, int s, int nvec) {
+    int m, row;
+    slot_row(j, it.g, s, m, row);
+    if (row < 0) return nullptr;
+    return reinterpret_cast<const uint8_t*>(JOB_W(j, m)) + GemvStage<T>::bytes(nvec) * row +
+           GemvStage<T>::bytes(it.c * GemvStage<T>::PIECES);
+}
+
+template <class T>
+__device__ __forceinline__ void staged_issue(const GemvJob& j, uint8_t* stage, int buf, const Q8Item& it, int nvec,
+                                             int lane) {
+    const int nv = min(GemvStage<T>::PIECES, nvec - it.c * GemvStage<T>::PIECES);
+#pragma unroll
+    for (int s = 0; s < GEMV_ROWS; s++) {
+        const uint8_t* src = staged_src<T>(j, it, s, nvec);
+        if (src) warp_stage_issue(stage + (buf * GEMV_ROWS + s) * GEMV_STAGE_PIECE(T), src,
+                                  (int)GemvStage<T>::bytes(nv), lane);
+    }
+    cp_async_commit();
+}
+
+// T = Q4K (cols % 256 == 0) or float (cols % 8 == 0), W and x 16-byte aligned; NB accumulator sets.
+template <class T, int NB>
+__device__ __forceinline__ void gemv_staged(const GemvJob& j) {
+    extern __shared__ __align__(16) uint8_t gemv_stage[];
+    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    const int gwarp = blockIdx.x * warps + (threadIdx.x >> 5), nwarps = gridDim.x * warps;
+    uint8_t* stage = gemv_stage + (threadIdx.x >> 5) * GEMV_STAGE_WARP(T);
+    const int nvec = j.cols >> 3;
+    const int nchunks = (nvec + GemvStage<T>::PIECES - 1) / GemvStage<T>::PIECES;
+    const int groups = group_count(j);
+    Q8Item cur{gwarp, 0};
+    const bool any = cur.g < groups;
+    if (any) staged_issue<T>(j, stage, 0, cur, nvec, lane);    // before pdl_wait: weights only
+    pdl_wait();
+    pdl_launch_dependents();
+    float scale[NB];
+#pragma unroll
+    for (int n = 0; n < NB; n++) scale[n] = (n < j.nx && (j.flags & GEMV_NORM)) ? warp_norm_scale(j, n) : 1.0f;
+    const bool weighted = (j.flags & GEMV_NORM) && j.norm_w;
+    float acc[NB][GEMV_ROWS];
+#pragma unroll
+    for (int n = 0; n < NB; n++)
+#pragma unroll
+        for (int s = 0; s < GEMV_ROWS; s++) acc[n][s] = 0.0f;
+    int buf = 0;
+    bool more = any;
+    while (more) {
+        Q8Item nxt = cur;
+        more = q8_next(nchunks, groups, nwarps, nxt);
+        if (more) {
+            staged_issue<T>(j, stage, buf ^ 1, nxt, nvec, lane);
+            cp_async_wait<1>();                        // this item's copies have landed, the next one's fly
+        } else {
+            cp_async_wait_all();
+        }
+        __syncwarp();
+        int m0, row0;
+        slot_row(j, cur.g, 0, m0, row0);
+        if (row0 < 0) row0 = 0;
+        const int v0 = cur.c * GemvStage<T>::PIECES;   // the chunk's first piece of 8 columns
+        const int nv = min(GemvStage<T>::PIECES, nvec - v0);
+        const T* piece[GEMV_ROWS];
+#pragma unroll
+        for (int s = 0; s < GEMV_ROWS; s++) {
+            // a slot without a row decodes slot 0's staged piece (its sum is never stored)
+            const uint8_t* src = staged_src<T>(j, cur, s, nvec);
+            piece[s] = reinterpret_cast<const T*>(src ? stage + (buf * GEMV_ROWS + s) * GEMV_STAGE_PIECE(T) + ((size_t)src & 15)
+                                                      : s ? reinterpret_cast<const uint8_t*>(piece[0]) : stage);
+        }
+        const float* x0 = slot_x(j, row0, 0);
+#pragma unroll 2
+        for (int v = lane; v < nv; v += 32) {
+            float wf[GEMV_ROWS][8];
+#pragma unroll
+            for (int s = 0; s < GEMV_ROWS; s++) load_w8(piece[s], v, wf[s]);
+#pragma unroll
+            for (int n = 0; n < NB; n++) {
+                if (n >= j.nx) break;
+                float xs[8];
+                load_x8(j, x0 + (size_t)n * j.x_stride, v0 + v, weighted, xs);
+#pragma unroll
+                for (int s = 0; s < GEMV_ROWS; s++) acc[n][s] += dot8(wf[s], xs);
+            }
+        }
+        __syncwarp();                                  // all lanes done reading before the buffer is refilled
+        if (cur.c == nchunks - 1) {
+#pragma unroll
+            for (int n = 0; n < NB; n++) {
+                if (n < j.nx) epilogue(j, cur.g, warp_sum4(acc[n]), scale[n], n);
+#pragma unroll
+                for (int s = 0; s < GEMV_ROWS; s++) acc[n][s] = 0.0f;
+            }
+        }
+        cur = nxt;
+        buf ^= 1;
+    }
+}
+
 // ---- entry points ----------------------------------------------------------------------------------------------
 #define GEMV_JOB(W0, W1, W2, W3, r0, r1, r2, r3, y0, y1, y2, y3)                                                     \
     GemvJob j;                                                                                                     \
@@ -526,7 +652,7 @@ extern "C" __global__ void gemv_f32(const float* W0, const float* W1, const floa
                                     float* y3, const float* x, int cols, int x_group_rows, const float* norm_w,
                                     float norm_eps, int flags) {
     GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3)
-    gemv_direct<float, 1>(j);
+    gemv_staged<float, 1>(j);
 }
 
 // hc_post epilogue: f = W x (W [D, cols]), then X'_k[r] = post_k f[r] + sum_j C[j,k] X_j[r] in place, with
@@ -554,7 +680,7 @@ extern "C" __global__ void gemv_f32_hc_post(const float* W, int rows, const floa
                                             const float* norm_w, float norm_eps, int flags, const float* mix,
                                             float* X) {
     GEMV_HC_POST_BODY
-    gemv_direct<float, 1>(j);
+    gemv_staged<float, 1>(j);
 }
 
 // SwiGLU epilogue: y[r] = silu(min(g[r], c)) * clamp(u[r], -c, c) with g = Wg x, u = Wu x (both [rows, cols]);
@@ -581,7 +707,7 @@ extern "C" __global__ void gemv_f16_swiglu(const __half* Wg, const __half* Wu, i
 extern "C" __global__ void gemv_f32_swiglu(const float* Wg, const float* Wu, int rows, float* y, const float* x,
                                            int cols, const float* norm_w, float norm_eps, int flags, float clamp) {
     GEMV_SWIGLU_BODY
-    gemv_direct<float, 1>(j);
+    gemv_staged<float, 1>(j);
 }
 
 // Multi-row twins of the entry points above: nx <= GEMV_MAX_X activation rows x + n * x_stride (see the top of
@@ -614,7 +740,7 @@ extern "C" __global__ void gemv_f32_rows(const float* W0, const float* W1, const
                                     float norm_eps, int flags, int nx, int x_stride) {
     GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3)
     j.nx = nx; j.x_stride = x_stride;
-    gemv_direct<float, GEMV_MAX_X>(j);
+    gemv_staged<float, GEMV_MAX_X>(j);
 }
 
 // gemv_q8_0_hc_post for nx activation rows. Launch: as gemv_q8_0_hc_post.
@@ -641,7 +767,7 @@ extern "C" __global__ void gemv_f32_hc_post_rows(const float* W, int rows, const
                                             float* X, int nx, int x_stride) {
     GEMV_HC_POST_BODY
     j.nx = nx; j.x_stride = x_stride;
-    gemv_direct<float, GEMV_MAX_X>(j);
+    gemv_staged<float, GEMV_MAX_X>(j);
 }
 
 // gemv_q8_0_swiglu for nx activation rows. Launch: as gemv_q8_0_swiglu.
@@ -668,7 +794,7 @@ extern "C" __global__ void gemv_f32_swiglu_rows(const float* Wg, const float* Wu
                                            int x_stride) {
     GEMV_SWIGLU_BODY
     j.nx = nx; j.x_stride = x_stride;
-    gemv_direct<float, GEMV_MAX_X>(j);
+    gemv_staged<float, GEMV_MAX_X>(j);
 }
 
 // ---- Q4_K: the direct path with a Q4_K piece decoder (load_w8(const Q4K*, ...)) ----
@@ -678,7 +804,7 @@ extern "C" __global__ void gemv_q4_k(const uint8_t* W0, const uint8_t* W1, const
                                     float* y3, const float* x, int cols, int x_group_rows, const float* norm_w,
                                     float norm_eps, int flags) {
     GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3)
-    gemv_direct<Q4K, 1>(j);
+    gemv_staged<Q4K, 1>(j);
 }
 
 // As gemv_f32_hc_post for Q4_K weights (cols % 256 == 0, W 16-byte aligned). Launch: as gemv_f32_hc_post.
@@ -686,14 +812,14 @@ extern "C" __global__ void gemv_q4_k_hc_post(const uint8_t* W, int rows, const f
                                             const float* norm_w, float norm_eps, int flags, const float* mix,
                                             float* X) {
     GEMV_HC_POST_BODY
-    gemv_direct<Q4K, 1>(j);
+    gemv_staged<Q4K, 1>(j);
 }
 
 // As gemv_f32_swiglu for Q4_K weights (cols % 256 == 0, W 16-byte aligned). Launch: as gemv_f32_swiglu.
 extern "C" __global__ void gemv_q4_k_swiglu(const uint8_t* Wg, const uint8_t* Wu, int rows, float* y, const float* x,
                                            int cols, const float* norm_w, float norm_eps, int flags, float clamp) {
     GEMV_SWIGLU_BODY
-    gemv_direct<Q4K, 1>(j);
+    gemv_staged<Q4K, 1>(j);
 }
 
 // As gemv_f32_rows for Q4_K weights (cols % 256 == 0, W 16-byte aligned). Launch: as gemv_f32_rows.
@@ -703,7 +829,7 @@ extern "C" __global__ void gemv_q4_k_rows(const uint8_t* W0, const uint8_t* W1, 
                                     float norm_eps, int flags, int nx, int x_stride) {
     GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3)
     j.nx = nx; j.x_stride = x_stride;
-    gemv_direct<Q4K, GEMV_MAX_X>(j);
+    gemv_staged<Q4K, GEMV_MAX_X>(j);
 }
 
 // As gemv_f32_hc_post_rows for Q4_K weights (cols % 256 == 0, W 16-byte aligned). Launch: as gemv_f32_hc_post_rows.
@@ -712,7 +838,7 @@ extern "C" __global__ void gemv_q4_k_hc_post_rows(const uint8_t* W, int rows, co
                                             float* X, int nx, int x_stride) {
     GEMV_HC_POST_BODY
     j.nx = nx; j.x_stride = x_stride;
-    gemv_direct<Q4K, GEMV_MAX_X>(j);
+    gemv_staged<Q4K, GEMV_MAX_X>(j);
 }
 
 // As gemv_f32_swiglu_rows for Q4_K weights (cols % 256 == 0, W 16-byte aligned). Launch: as gemv_f32_swiglu_rows.
@@ -721,5 +847,5 @@ extern "C" __global__ void gemv_q4_k_swiglu_rows(const uint8_t* Wg, const uint8_
                                            int x_stride) {
     GEMV_SWIGLU_BODY
     j.nx = nx; j.x_stride = x_stride;
-    gemv_direct<Q4K, GEMV_MAX_X>(j);
+    gemv_staged<Q4K, GEMV_MAX_X>(j);
 }

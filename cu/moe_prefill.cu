@@ -154,12 +154,14 @@ extern "C" __global__ __launch_bounds__(MOEP_ROUTE_THREADS) void moe_prefill_rou
 }
 
 // ---- the grouped GEMMs ---------------------------------------------------------------------------------------
-// The work item of blockIdx.y: bucket, rows [r0, r1) of the sorted order; false when the item does not exist.
+// Work item `by` (blockIdx.y, or a persistent block's current item): bucket, rows [r0, r1) of the sorted order;
+// false when the item does not exist.
 __device__ __forceinline__ bool moep_item(const int* tile_bucket, const int* tile_row, const int* offsets,
-                                          const int* info, int& b, int& r0, int& r1) {
-    if ((int)blockIdx.y >= info[0]) return false;
-    b = tile_bucket[blockIdx.y];
-    r0 = tile_row[blockIdx.y];
+                                          const int* info, int& b, int& r0, int& r1, int by = -1) {
+    if (by < 0) by = blockIdx.y;
+    if (by >= info[0]) return false;
+    b = tile_bucket[by];
+    r0 = tile_row[by];
     r1 = min(r0 + MOEP_BM, offsets[b + 1]);
     return true;
 }
@@ -387,14 +389,14 @@ template <int F>
 __device__ __forceinline__ void moep_gate_up(const uint64_t* grid, const uint8_t* Wg, const uint8_t* Wu,
         const float* x, int ldx, const float* route_w, const int* sorted, const int* tile_bucket,
         const int* tile_row, const int* offsets, const int* info, float* H, int n_experts, int ff, int dim, int k,
-        float clamp) {
+        float clamp, int bx, int by) {
     constexpr int NP = MoepW<F>::NP, XP = MoepF<F>::XP;
     __shared__ __align__(16) uint16_t as[XP * MOEP_APIECE];
     __shared__ __align__(16) uint16_t ws[2 * NP * MOEP_PIECE];
     __shared__ float wsc[2 * 2 * MOEP_BN], wmn[2 * 2 * MOEP_BN], sx[2 * MOEP_BM];
     int b, r0, r1;
-    if (!moep_item(tile_bucket, tile_row, offsets, info, b, r0, r1)) return;
-    const int n0 = blockIdx.x * MOEP_BN, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    if (!moep_item(tile_bucket, tile_row, offsets, info, b, r0, r1, by)) return;
+    const int n0 = bx * MOEP_BN, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int wm = warp / MOEP_WARPS_N, wn = warp % MOEP_WARPS_N, g = lane >> 2, t = lane & 3;
     const bool bad = b == n_experts;
     if (!bad) {
@@ -447,14 +449,14 @@ __device__ __forceinline__ void moep_gate_up(const uint64_t* grid, const uint8_t
 template <int F>
 __device__ __forceinline__ void moep_down(const uint64_t* grid, const uint8_t* W, const float* H,
         const int* tile_bucket, const int* tile_row, const int* offsets, const int* info, float* Yp, int n_experts,
-        int dim, int ff) {
+        int dim, int ff, int bx, int by) {
     constexpr int NP = MoepW<F>::NP, XP = MoepF<F>::XP;
     __shared__ __align__(16) uint16_t as[XP * MOEP_APIECE];
     __shared__ __align__(16) uint16_t ws[NP * MOEP_PIECE];
     __shared__ float wsc[2 * MOEP_BN], wmn[2 * MOEP_BN], sx[2 * MOEP_BM];
     int b, r0, r1;
-    if (!moep_item(tile_bucket, tile_row, offsets, info, b, r0, r1)) return;
-    const int n0 = blockIdx.x * MOEP_BN, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    if (!moep_item(tile_bucket, tile_row, offsets, info, b, r0, r1, by)) return;
+    const int n0 = bx * MOEP_BN, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int wm = warp / MOEP_WARPS_N, wn = warp % MOEP_WARPS_N, g = lane >> 2, t = lane & 3;
     const bool bad = b == n_experts;
     float acc[MOEP_MT][MOEP_NT][4];
@@ -518,7 +520,7 @@ extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_gate_up_#
         __syncthreads(); \
     } \
     moep_gate_up<F>(TABLE ? grid_s : nullptr, Wg, Wu, x, ldx, route_w, sorted, tile_bucket, tile_row, offsets, info, \
-                    H, n_experts, ff, dim, k, clamp); \
+                    H, n_experts, ff, dim, k, clamp, blockIdx.x, blockIdx.y); \
 }
 
 // Down per work item. Launch: grid (ceil(dim / MOEP_BN), max_tiles), block MOEP_THREADS.
@@ -533,7 +535,8 @@ extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_down_##na
         moe_load_grid(grid_s); \
         __syncthreads(); \
     } \
-    moep_down<F>(TABLE ? grid_s : nullptr, W, H, tile_bucket, tile_row, offsets, info, Yp, n_experts, dim, ff); \
+    moep_down<F>(TABLE ? grid_s : nullptr, W, H, tile_bucket, tile_row, offsets, info, Yp, n_experts, dim, ff, \
+                 blockIdx.x, blockIdx.y); \
 }
 
 MOE_FORMATS(MOEP_GATE_UP)
@@ -541,9 +544,13 @@ MOE_FORMATS(MOEP_DOWN)
 
 // ---- VQ-8 entry points: one pair per format of MOE_VQ_FORMATS --------------------------------------------------
 // As the pair above with Wg / Wu / W the VQ device copies (ds4py/cuda/vq_layout.py: the layer's codebook of KC
-// codewords x 8 E4M3 bytes at the head of each, the same in all three); dim and ff multiples of 64. The codebook is
-// copied into the dynamic shared memory (KC * 8 bytes, before pdl_wait: the weights do not depend on the previous
-// kernel), visible after the first k tile's barrier.
+// codewords x 8 E4M3 bytes at the head of each, the same in all three); dim and ff multiples of 64. The down is
+// persistent: the grid is one wave (ds4py/cuda/ops/moe_prefill.py), block i takes the (feature tile, work item) pairs t = i, i +
+// gridDim.x, ... < feature tiles x info[0] (feature tile t % tiles, item t / tiles), so the codebook is copied
+// into the dynamic shared memory (KC * 8 bytes, before pdl_wait: the weights do not depend on the previous kernel)
+// once per resident block, not once per tile; it is visible after the first k tile's barrier, and every tile
+// starts with a barrier before it stages. A tile's arithmetic is the one-block-per-tile kernel's: the bits do not
+// depend on the grid.
 __device__ __forceinline__ const uint64_t* moep_load_codebook(uint8_t* smem, const uint8_t* W, int kc) {
     uint64_t* cb = reinterpret_cast<uint64_t*>(smem);
     const uint64_t* src = reinterpret_cast<const uint64_t*>(W);
@@ -551,7 +558,8 @@ __device__ __forceinline__ const uint64_t* moep_load_codebook(uint8_t* smem, con
     return cb;
 }
 
-// Launch: grid (ceil(ff / MOEP_BN), max_tiles), block MOEP_THREADS, dynamic shared memory KC * 8.
+// Launch: grid (ceil(ff / MOEP_BN), max_tiles), block MOEP_THREADS, dynamic shared memory KC * 8. Not persistent:
+// the tile loop costs the 13-bit kernel a spill on sm_121 (168 registers), so each block copies the codebook.
 #define MOEP_VQ_GATE_UP(name, F, QK, NB, KC) \
 extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_gate_up_##name(const uint8_t* Wg, \
         const uint8_t* Wu, const float* x, const float* route_w, const int* sorted, const int* tile_bucket, \
@@ -562,10 +570,11 @@ extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_gate_up_#
     pdl_wait(); \
     pdl_launch_dependents(); \
     moep_gate_up<F>(cb, Wg + 8 * KC, Wu + 8 * KC, x, ldx, route_w, sorted, tile_bucket, tile_row, offsets, info, H, \
-                    n_experts, ff, dim, k, clamp); \
+                    n_experts, ff, dim, k, clamp, blockIdx.x, blockIdx.y); \
 }
 
-// Launch: grid (ceil(dim / MOEP_BN), max_tiles), block MOEP_THREADS, dynamic shared memory KC * 8.
+// Launch: grid (persistent: min(ceil(dim / MOEP_BN) x max_tiles, one wave)), block MOEP_THREADS, dynamic shared
+// memory KC * 8.
 #define MOEP_VQ_DOWN(name, F, QK, NB, KC) \
 extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_down_##name(const uint8_t* W, \
         const float* H, const int* tile_bucket, const int* tile_row, const int* offsets, const int* info, \
@@ -574,8 +583,416 @@ extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_down_##na
     const uint64_t* cb = moep_load_codebook(moep_smem, W, KC); \
     pdl_wait(); \
     pdl_launch_dependents(); \
-    moep_down<F>(cb, W + 8 * KC, H, tile_bucket, tile_row, offsets, info, Yp, n_experts, dim, ff); \
+    const int tiles = (dim + MOEP_BN - 1) / MOEP_BN; \
+    for (int t = blockIdx.x; t < tiles * info[0]; t += gridDim.x) \
+        moep_down<F>(cb, W + 8 * KC, H, tile_bucket, tile_row, offsets, info, Yp, n_experts, dim, ff, t % tiles, \
+                     t / tiles); \
 }
 
 MOE_VQ_FORMATS(MOEP_VQ_GATE_UP)
 MOE_VQ_FORMATS(MOEP_VQ_DOWN)
+
+// ---- exact fp32 token tiles (the default prefill experts of the GGML formats) ----------------------------------
+//   moe_gate_up_tile_<fmt>  per work item (the route's tile of up to MOEP_BM sorted rows of one expert) and
+//                           rows_per_block gate / up rows: the rows staged once (cp.async), then every sorted row
+//                           of the item against them, MOET_NT at a time: H[row] as moe_gate_up_rows_<fmt> computes
+//                           that pair's h (bit for bit);
+//   moe_down_tile_<fmt>     the same tiling of the down: Yp[row] = that pair's expert row dots, as moe_down_<fmt>
+//                           with the one slot (bit for bit); moe_prefill_combine then sums the k slots in order.
+// So an expert's weights are read once per work item (once per block of tokens for all but the busiest experts),
+// and each thread decodes a group of 32 weights once for MOET_NT tokens (the integer codes and scales stay in
+// registers). Thread (row = tid / 8, part = tid % 8) owns one weight row and the column groups g = part, part + 8,
+// ...: it sums their dots in that order and three xor shuffles add the 8 parts, which is moe_row_sums' order
+// (experts.cu), so the bits are the decode kernels' (twins: ds4py/cuda/twins/experts.py).
+#ifndef MOET_NT
+#error "MOET_NT comes from ds4py/cuda/ops/moe_prefill.py (DEFINES)"
+#endif
+
+// A column group's 32 weights decoded once (integer codes as floats, the scales), and their dot with x in exactly
+// the operation order of moe_formats.cuh MoeFmt<F>::dot. XS: the dot needs the half sums of x.
+template <int F> struct MoetDec;
+template <> struct MoetDec<FMT_IQ2_XXS> {
+    static constexpr bool XS = false;
+    float c[32], db;
+    __device__ __forceinline__ void load(const uint8_t* base, int grp, const uint64_t* grid) {
+        unsigned a0, a1;
+        MoeFmt<FMT_IQ2_XXS>::aux(base, grp, a0, a1, db);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const uint64_t g = grid[(a0 >> (8 * k)) & 255u];
+            const unsigned sg = MoeFmt<FMT_IQ2_XXS>::signs(a1, k), lo = (unsigned)g, hi = (unsigned)(g >> 32);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const float v0 = moe_u2f((lo >> (8 * j)) & 255u), v1 = moe_u2f((hi >> (8 * j)) & 255u);
+                c[8 * k + j] = (sg >> j) & 1u ? -v0 : v0;
+                c[8 * k + j + 4] = (sg >> (j + 4)) & 1u ? -v1 : v1;
+            }
+        }
+    }
+    __device__ __forceinline__ float dot(const float* x, const float*) const {
+        float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                s0 = fmaf(c[8 * k + j], x[8 * k + j], s0);
+                s1 = fmaf(c[8 * k + j + 4], x[8 * k + j + 4], s1);
+            }
+        return (s0 + s1) * db;
+    }
+};
+template <> struct MoetDec<FMT_Q2_K> {
+    static constexpr bool XS = true;
+    float c[32], sc[2], mn[2];
+    __device__ __forceinline__ void load(const uint8_t* base, int grp, const uint64_t*) {
+        const uint8_t* b = base + (size_t)(grp >> 3) * MoeFmt<FMT_Q2_K>::BYTES;
+        const int cw = (grp & 7) * 32, sh = 2 * ((cw >> 5) & 3);
+        const float d = moe_f16(b + 80), dmin = moe_f16(b + 82);
+#pragma unroll
+        for (int sub = 0; sub < 2; ++sub) {
+            const unsigned s = b[(cw >> 4) + sub];
+            const uint8_t* qs = b + 16 + 32 * (cw >> 7) + 16 * sub;
+            sc[sub] = d * moe_u2f(s & 15u);
+            mn[sub] = -dmin * moe_u2f(s >> 4);
+#pragma unroll
+            for (int word = 0; word < 4; ++word) {
+                const unsigned u = moe_u32(qs + 4 * word) >> sh;
+#pragma unroll
+                for (int by = 0; by < 4; ++by) c[16 * sub + 4 * word + by] = moe_u2f((u >> (8 * by)) & 3u);
+            }
+        }
+    }
+    __device__ __forceinline__ float dot(const float* x, const float* xs) const {
+        float acc = 0.0f;
+#pragma unroll
+        for (int sub = 0; sub < 2; ++sub) {
+            float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+            for (int j = 0; j < 16; j += 2) {
+                s0 = fmaf(c[16 * sub + j], x[16 * sub + j], s0);
+                s1 = fmaf(c[16 * sub + j + 1], x[16 * sub + j + 1], s1);
+            }
+            acc = fmaf(sc[sub], s0 + s1, acc);
+            acc = fmaf(mn[sub], xs[sub], acc);
+        }
+        return acc;
+    }
+};
+template <> struct MoetDec<FMT_Q4_K> {
+    static constexpr bool XS = true;
+    float c[32], sc, mn;
+    __device__ __forceinline__ void load(const uint8_t* base, int grp, const uint64_t*) {
+        const uint8_t* b = base + (size_t)(grp >> 3) * MoeFmt<FMT_Q4_K>::BYTES;
+        const int gi = grp & 7;
+        unsigned s, m;
+        MoeFmt<FMT_Q4_K>::scales(b, gi, s, m);
+        const uint8_t* qs = b + 16 + 32 * (gi >> 1);
+        const int sh = 4 * (gi & 1);
+#pragma unroll
+        for (int word = 0; word < 8; ++word) {
+            const unsigned u = moe_u32(qs + 4 * word) >> sh;
+#pragma unroll
+            for (int by = 0; by < 4; ++by) c[4 * word + by] = moe_u2f((u >> (8 * by)) & 15u);
+        }
+        sc = moe_f16(b) * moe_u2f(s);
+        mn = -(moe_f16(b + 2) * moe_u2f(m));
+    }
+    __device__ __forceinline__ float dot(const float* x, const float* xs) const {
+        float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 32; j += 2) {
+            s0 = fmaf(c[j], x[j], s0);
+            s1 = fmaf(c[j + 1], x[j + 1], s1);
+        }
+        return fmaf(sc, s0 + s1, mn * (xs[0] + xs[1]));
+    }
+};
+template <> struct MoetDec<FMT_MXFP4> {
+    static constexpr bool XS = false;
+    float c[32], d;
+    __device__ __forceinline__ void load(const uint8_t* base, int grp, const uint64_t*) {
+        const uint8_t* b = base + (size_t)grp * MoeFmt<FMT_MXFP4>::BYTES;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            const unsigned q = b[1 + j];
+            c[j] = moe_mxfp4_code(q & 15u);
+            c[j + 16] = moe_mxfp4_code(q >> 4);
+        }
+        d = MoeFmt<FMT_MXFP4>::scale(b);
+    }
+    __device__ __forceinline__ float dot(const float* x, const float*) const {
+        float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            s0 = fmaf(c[j], x[j], s0);
+            s1 = fmaf(c[j + 16], x[j + 16], s1);
+        }
+        return (s0 + s1) * d;
+    }
+};
+template <> struct MoetDec<FMT_Q8_0> {
+    static constexpr bool XS = false;
+    float c[32], d;
+    __device__ __forceinline__ void load(const uint8_t* base, int grp, const uint64_t*) {
+        const uint8_t* b = base + (size_t)grp * MoeFmt<FMT_Q8_0>::BYTES;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            const unsigned u = moe_u16(b + 2 + 2 * j);
+            c[2 * j] = moe_i8f(u);
+            c[2 * j + 1] = moe_i8f(u >> 8);
+        }
+        d = moe_f16(b);
+    }
+    __device__ __forceinline__ float dot(const float* x, const float*) const {
+        float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 32; j += 2) {
+            s0 = fmaf(c[j], x[j], s0);
+            s1 = fmaf(c[j + 1], x[j + 1], s1);
+        }
+        return (s0 + s1) * d;
+    }
+};
+template <> struct MoetDec<FMT_F16> {
+    static constexpr bool XS = false;
+    float c[32];
+    __device__ __forceinline__ void load(const uint8_t* base, int grp, const uint64_t*) {
+        const uint4* p = reinterpret_cast<const uint4*>(base + (size_t)grp * MoeFmt<FMT_F16>::BYTES);
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+            const uint4 u = p[v];
+            const __half* hh = reinterpret_cast<const __half*>(&u);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) c[8 * v + j] = __half2float(hh[j]);
+        }
+    }
+    __device__ __forceinline__ float dot(const float* x, const float*) const {
+        float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 32; j += 2) {
+            s0 = fmaf(c[j], x[j], s0);
+            s1 = fmaf(c[j + 1], x[j + 1], s1);
+        }
+        return s0 + s1;
+    }
+};
+
+// The 32 activations of column group g (16-byte loads).
+__device__ __forceinline__ void moet_x(const float* row, int g, float* xv) {
+    const float4* p = reinterpret_cast<const float4*>(row + 32 * g);
+#pragma unroll
+    for (int v = 0; v < 8; ++v) {
+        const float4 f = p[v];
+        xv[4 * v] = f.x;
+        xv[4 * v + 1] = f.y;
+        xv[4 * v + 2] = f.z;
+        xv[4 * v + 3] = f.w;
+    }
+}
+
+// The K-quants' half sums of x (experts.cu moe_half_sums' order) for the chunk's nt token rows and every column
+// group, once per chunk for all the block's weight rows: xs[(j * G + g) * 2 + h]. Barriers on both sides (the
+// previous chunk's readers are done; this chunk's sums are visible). Block-uniform.
+template <bool XS>
+__device__ __forceinline__ void moet_half_sums(float* xs, const float* base, const int* off, int nt, int G) {
+    if (!XS) return;
+    __syncthreads();
+    for (int i = threadIdx.x; i < nt * G; i += blockDim.x) {
+        const int j = i / G, g = i - j * G;
+        const float* v = base + off[j] + 32 * g;
+        float a = 0.0f, b = 0.0f;
+#pragma unroll
+        for (int q = 0; q < 16; ++q) {
+            a += v[q];
+            b += v[q + 16];
+        }
+        xs[2 * i] = a;
+        xs[2 * i + 1] = b;
+    }
+    __syncthreads();
+}
+
+// The 8 parts of a row (lanes 8q .. 8q + 7) added as moe_row_sums does; lane part 0 holds the row's sum.
+__device__ __forceinline__ float moet_parts(float s) {
+    s += __shfl_xor_sync(DS4_FULL_MASK, s, 4);
+    s += __shfl_xor_sync(DS4_FULL_MASK, s, 2);
+    s += __shfl_xor_sync(DS4_FULL_MASK, s, 1);
+    return s;
+}
+
+// Rows [r0, r0 + nr) of expert e of a stacked matrix [n_experts, rows, cols] into dst (cp.async, 16-byte words
+// kept 16-byte aligned as experts.cu moe_stage); the block commits, waits and syncs.
+template <int F>
+__device__ __forceinline__ const uint8_t* moet_stage(uint8_t* dst, const uint8_t* W, int e, int r0, int nr,
+                                                     int rows, int cols) {
+    const int rb = MoeRow<F>::bytes(cols), n = nr * rb;
+    const uint8_t* src = W + ((size_t)e * rows + r0) * rb;
+    const int phase = (int)(reinterpret_cast<size_t>(src) & 15);
+    int head = phase ? 16 - phase : 0;
+    if (head > n) head = n;
+    const int words = (n - head) >> 4;
+    uint8_t* out = dst + phase;
+    for (int i = threadIdx.x; i < words; i += blockDim.x) cp_async_16(out + head + 16 * i, src + head + 16 * i);
+    for (int i = threadIdx.x; i < head; i += blockDim.x) out[i] = src[i];
+    for (int i = head + 16 * words + threadIdx.x; i < n; i += blockDim.x) out[i] = src[i];
+    return out;
+}
+
+__device__ __forceinline__ int moet_room(int n) { return (n + 31) & ~15; }
+
+template <int F>
+__device__ __forceinline__ void moet_gate_up(uint8_t* smem, const uint64_t* grid, const uint8_t* Wg,
+        const uint8_t* Wu, const float* x, int ldx, const float* route_w, const int* sorted, const int* tile_bucket,
+        const int* tile_row, const int* offsets, const int* info, float* H, int n_experts, int ff, int dim, int k,
+        int rows_per_block, float clamp) {
+    using D = MoetDec<F>;
+    int b, r0, r1;
+    if (!moep_item(tile_bucket, tile_row, offsets, info, b, r0, r1)) return;
+    const int f0 = blockIdx.x * rows_per_block, nr = min(rows_per_block, ff - f0);
+    if (nr <= 0) return;                                              // block-uniform
+    const int tid = threadIdx.x, row = tid >> 3, part = tid & 7, G = dim / 32;
+    if (b >= n_experts) {                                             // the bad ids' bucket: NaN rows
+        for (int i = tid; i < (r1 - r0) * nr; i += blockDim.x)
+            H[(size_t)(r0 + i / nr) * ff + f0 + i % nr] = __int_as_float(0x7fc00000);
+        return;
+    }
+    const int rb = MoeRow<F>::bytes(dim);
+    const uint8_t* sg = moet_stage<F>(smem, Wg, b, f0, nr, ff, dim);
+    const uint8_t* su = moet_stage<F>(smem + moet_room(nr * rb), Wu, b, f0, nr, ff, dim);
+    cp_async_commit();
+    cp_async_wait_all();
+    __syncthreads();
+    const bool worker = row < nr;
+    float* xs_s = reinterpret_cast<float*>(smem + 2 * moet_room(nr * rb));
+    __shared__ int off[MOET_NT];                                      // the chunk's x rows (offsets into x)
+    for (int c0 = r0; c0 < r1; c0 += MOET_NT) {                      // block-uniform
+        const int nt = min(MOET_NT, r1 - c0);
+        if (D::XS) {
+            if (tid < nt) off[tid] = (sorted[c0 + tid] / k) * ldx;
+            moet_half_sums<D::XS>(xs_s, x, off, nt, G);
+        }
+        float ag[MOET_NT], au[MOET_NT];
+        int xo[MOET_NT];
+#pragma unroll
+        for (int j = 0; j < MOET_NT; ++j) {
+            ag[j] = au[j] = 0.0f;
+            xo[j] = (sorted[c0 + (j < nt ? j : 0)] / k) * ldx;
+        }
+        if (worker)
+            for (int g = part; g < G; g += 8) {
+                D dg, du;
+                dg.load(sg + (size_t)row * rb, g, grid);
+                du.load(su + (size_t)row * rb, g, grid);
+#pragma unroll
+                for (int j = 0; j < MOET_NT; ++j) {
+                    if (j >= nt) break;
+                    float xv[32];
+                    moet_x(x + xo[j], g, xv);
+                    const float* xs = xs_s + 2 * (j * G + g);
+                    ag[j] += dg.dot(xv, xs);
+                    au[j] += du.dot(xv, xs);
+                }
+            }
+#pragma unroll
+        for (int j = 0; j < MOET_NT; ++j) {
+            float g = moet_parts(ag[j]), u = moet_parts(au[j]);
+            if (worker && part == 0 && j < nt) {
+                if (clamp > 0.0f) {
+                    g = fminf(g, clamp);
+                    u = fminf(fmaxf(u, -clamp), clamp);
+                }
+                const float silu = g * (1.0f / (1.0f + expf(-g)));
+                const float rw = route_w ? route_w[sorted[c0 + j]] : 1.0f;
+                H[(size_t)(c0 + j) * ff + f0 + row] = silu * u * rw;
+            }
+        }
+    }
+}
+
+template <int F>
+__device__ __forceinline__ void moet_down(uint8_t* smem, const uint64_t* grid, const uint8_t* W, const float* H,
+        const int* tile_bucket, const int* tile_row, const int* offsets, const int* info, float* Yp, int n_experts,
+        int dim, int ff, int rows_per_block) {
+    using D = MoetDec<F>;
+    int b, r0, r1;
+    if (!moep_item(tile_bucket, tile_row, offsets, info, b, r0, r1)) return;
+    const int d0 = blockIdx.x * rows_per_block, nr = min(rows_per_block, dim - d0);
+    if (nr <= 0) return;                                              // block-uniform
+    const int tid = threadIdx.x, row = tid >> 3, part = tid & 7, G = ff / 32;
+    if (b >= n_experts) {
+        for (int i = tid; i < (r1 - r0) * nr; i += blockDim.x)
+            Yp[(size_t)(r0 + i / nr) * dim + d0 + i % nr] = __int_as_float(0x7fc00000);
+        return;
+    }
+    const int rb = MoeRow<F>::bytes(ff);
+    const uint8_t* sw = moet_stage<F>(smem, W, b, d0, nr, dim, ff);
+    cp_async_commit();
+    cp_async_wait_all();
+    __syncthreads();
+    const bool worker = row < nr;
+    float* hs_s = reinterpret_cast<float*>(smem + moet_room(nr * rb));
+    __shared__ int off[MOET_NT];                                      // the chunk's H rows
+    for (int c0 = r0; c0 < r1; c0 += MOET_NT) {                      // block-uniform
+        const int nt = min(MOET_NT, r1 - c0);
+        if (D::XS) {
+            if (tid < nt) off[tid] = (c0 + tid) * ff;
+            moet_half_sums<D::XS>(hs_s, H, off, nt, G);
+        }
+        float acc[MOET_NT];
+#pragma unroll
+        for (int j = 0; j < MOET_NT; ++j) acc[j] = 0.0f;
+        if (worker)
+            for (int g = part; g < G; g += 8) {
+                D dw;
+                dw.load(sw + (size_t)row * rb, g, grid);
+#pragma unroll
+                for (int j = 0; j < MOET_NT; ++j) {
+                    if (j >= nt) break;
+                    float hv[32];
+                    moet_x(H + (size_t)(c0 + j) * ff, g, hv);
+                    acc[j] += dw.dot(hv, hs_s + 2 * (j * G + g));
+                }
+            }
+#pragma unroll
+        for (int j = 0; j < MOET_NT; ++j) {
+            const float y = moet_parts(acc[j]);
+            if (worker && part == 0 && j < nt) Yp[(size_t)(c0 + j) * dim + d0 + row] = y;
+        }
+    }
+}
+
+// Contracts as moe_prefill_gate_up / _down above (the GGML formats), plus rows_per_block (<= 32: one weight row
+// per 8 threads). Launch: grid (ceil(ff / rows_per_block), max_tiles), block 32 * ceil(8 * rows_per_block / 32),
+// dynamic shared memory 2 x moet_room(rows_per_block x row bytes) + (Q2_K, Q4_K: the half sums) 8 x MOET_NT x
+// dim / 32 (ds4py/cuda/ops/moe_prefill.py tile_smem).
+#define MOET_GATE_UP(name, F, QK, NB, TABLE) \
+extern "C" __global__ void moe_gate_up_tile_##name(const uint8_t* Wg, const uint8_t* Wu, const float* x, \
+        const float* route_w, const int* sorted, const int* tile_bucket, const int* tile_row, const int* offsets, \
+        const int* info, float* H, int n_experts, int ff, int dim, int k, int ldx, int rows_per_block, \
+        float clamp) { \
+    extern __shared__ __align__(16) uint8_t moet_smem[]; \
+    __shared__ uint64_t grid_s[TABLE ? 256 : 1]; \
+    pdl_wait(); \
+    pdl_launch_dependents(); \
+    if (TABLE) moe_load_grid(grid_s);                 /* visible after the stage's barrier */ \
+    moet_gate_up<F>(moet_smem, TABLE ? grid_s : nullptr, Wg, Wu, x, ldx, route_w, sorted, tile_bucket, tile_row, \
+                    offsets, info, H, n_experts, ff, dim, k, rows_per_block, clamp); \
+}
+
+// Launch: grid (ceil(dim / rows_per_block), max_tiles), block as above, dynamic shared memory moet_room(
+// rows_per_block x row bytes) + (Q2_K, Q4_K) 8 x MOET_NT x ff / 32.
+#define MOET_DOWN(name, F, QK, NB, TABLE) \
+extern "C" __global__ void moe_down_tile_##name(const uint8_t* W, const float* H, const int* tile_bucket, \
+        const int* tile_row, const int* offsets, const int* info, float* Yp, int n_experts, int dim, int ff, \
+        int rows_per_block) { \
+    extern __shared__ __align__(16) uint8_t moet_smem[]; \
+    __shared__ uint64_t grid_s[TABLE ? 256 : 1]; \
+    pdl_wait(); \
+    pdl_launch_dependents(); \
+    if (TABLE) moe_load_grid(grid_s); \
+    moet_down<F>(moet_smem, TABLE ? grid_s : nullptr, W, H, tile_bucket, tile_row, offsets, info, Yp, n_experts, \
+                 dim, ff, rows_per_block); \
+}
+
+MOE_FORMATS(MOET_GATE_UP)
+MOE_FORMATS(MOET_DOWN)

@@ -109,13 +109,13 @@ def test_guarded_arguments_catch_overruns_of_a_view(rt, arena):
 
 def test_launches_are_checked_against_the_device_profile(monkeypatch):
     """The emulator is H200 by default and GB10 on request; a launch either device would refuse is refused on the
-    emulator too, registers included (the committed ptxas table: gemv_q4_k has more than 64 registers on both
+    emulator too, registers included (the committed ptxas table: gemv_q4_k_rows has more than 64 registers on both
     archs, so 1,024 threads cannot fit an SM's 65,536), with the device's per-block shared memory."""
     from ds4py.cuda import resources
     from ds4py.cuda.devices import LaunchRefused
     from ds4py.cuda.emu_runtime import EmuDevice
 
-    assert all(resources.require(a, "gemv_q4_k").registers > 64 for a in ("sm_90", "sm_121")), \
+    assert all(resources.require(a, "gemv_q4_k_rows").registers > 64 for a in ("sm_90", "sm_121")), \
         "pick another kernel with > 64 registers on both archs for this test"
 
     assert EmuRuntime().profile.key == "h200"
@@ -123,10 +123,10 @@ def test_launches_are_checked_against_the_device_profile(monkeypatch):
     gb10 = EmuRuntime()
     assert gb10.profile.key == "gb10" and gb10.device.sm_count == 48 and gb10.device.smem_per_block_optin == 101376
     monkeypatch.delenv("DS4PY_EMU_DEVICE")
-    args = (None,) * 4 + (16, 0, 0, 0) + (None,) * 4 + (None, 64, 0, None, 0.0, 0)
+    args = (None,) * 4 + (16, 0, 0, 0) + (None,) * 4 + (None, 256, 0, None, 0.0, 0, 2, 256)
     for rt in (EmuRuntime(), EmuRuntime(device=EmuDevice.from_profile("gb10"))):
-        with pytest.raises(LaunchRefused, match=rf"gemv_q4_k on {rt.profile.key} .*registers .* exceeds"):
-            rt.launch("gemv_q4_k", 1, 1024, *args)
+        with pytest.raises(LaunchRefused, match=rf"gemv_q4_k_rows on {rt.profile.key} .*registers .* exceeds"):
+            rt.launch("gemv_q4_k_rows", 1, 1024, *args)
     x = EmuRuntime(device=EmuDevice.from_profile("gb10"))
     with pytest.raises(KernelArgumentError, match="exceeds the limit of 101376 per block"):
         x.launch("rmsnorm_f32", 1, 32, None, None, None, 4, 1e-6, smem=101377)

@@ -391,3 +391,30 @@ def test_small_q8_and_f16_gemvs_spread_over_the_sms(device):
             assert ln.grid[0] >= dev.sm_count or warps == 1
     router = [ln for ln in L if ln.kernel == "gemv_f16" and any("ffn_gate_inp" in a.label for a in ln.args)]
     assert router and all(ln.grid[0] == 64 and ln.block[0] == 32 for ln in router)
+
+
+def test_prefill_expert_tiles_read_each_expert_about_once_per_block():
+    """A 2,048-token V4 Flash q2 prefill block: the token tiles (the default) stream each layer's expert tensors
+    once per work item (~1.01x their bytes: 259 items for 256 experts at 12,288 pairs); the grouped rows kernels
+    they replace read them ~13x (gate + up, once per <= 1,024 pairs) and ~48x (down, once per token's slot). The
+    model's prefill step is several times faster on both devices."""
+    from ds4py.cuda.plan import plan_step
+
+    assert abs(timemodel.expected_work_items(12288, 256) - 258.8) < 0.1
+    assert timemodel.expected_work_items(10, 1) == 1.0 and timemodel.expected_work_items(65, 1) == 2.0
+    expert_bytes, times = {}, {}
+    for tiles in (True, False):
+        launches = plan_step("v4-flash-q2", "prefill", "h200", expert_tiles=tiles)
+        experts = [ln for ln in launches if ln.kernel.startswith(("moe_gate_up", "moe_down"))
+                   and any("_exps" in a.label for a in ln.args)]
+        assert experts and all(("_tile_" in ln.kernel) == tiles for ln in experts)
+        expert_bytes[tiles] = sum(timemodel.launch_traffic(ln, 2048).weight for ln in experts)
+        if tiles:
+            for ln in experts:
+                whole = sum(a.nbytes for a in ln.args if "_exps" in a.label)
+                assert 1.0 <= timemodel.launch_traffic(ln, 2048).weight / whole <= 1.02, ln.kernel
+        for dev in (H200, GB10):
+            times[tiles, dev.key] = timemodel.model_step(launches, dev, 2048, tokens=2048).time_us
+    assert expert_bytes[False] > 15 * expert_bytes[True], expert_bytes
+    for dev in ("h200", "gb10"):
+        assert times[True, dev] * 2.5 < times[False, dev], times

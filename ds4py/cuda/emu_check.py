@@ -147,7 +147,8 @@ UNREACHED = {
     **{k: "F16 experts: no golden model has them, and the synthetic model stores F16 tensors typed, not as the "
           "raw bytes these kernels read" for k in ("moe_gate_up_f16", "moe_gate_up_rows_f16", "moe_down_f16",
                                                    "moe_down_rows_f16", "moe_prefill_gate_up_f16",
-                                                   "moe_prefill_down_f16")},
+                                                   "moe_prefill_down_f16", "moe_gate_up_tile_f16",
+                                                   "moe_down_tile_f16")},
     **{f"moe_dequant_{f}": "expert dequantisation for tests and tools, not on an engine path"
        for f in ("f16", "iq2_xxs", "mxfp4", "q2_k", "q4_k", "q8_0")},
     **{f"{k}_vq{b}": "VQ-8 widths other than the seed's 12 / 13 bits: the checker's models are quantised at 12 / 13 "

@@ -388,15 +388,16 @@ def experts_down_rows(ls: Any, rec: Any, E: Any, X: DeviceArray, X_out: DeviceAr
 
 
 def experts_gate_up_block(ls: Any, rec: Any, E: Any, clamp: float) -> None:
-    """The exact grouped rows kernels, or (expert_mma) the whole routed MoE on tensor cores into ws.f."""
-    if not expert_mma(rec, E):
+    """The whole routed MoE of the block grouped by expert into ws.f: on tensor cores (expert_mma) or as exact fp32
+    token tiles (expert_tiles); else the exact grouped rows kernels (gate + up here, the down in experts_down_block)."""
+    if not layer_grouped(rec):
         experts_gate_up_rows(ls, rec, E, clamp)
         return
     cfg, ws = rec.cfg, rec.ws
-    ops_moep.moe_prefill(ls, (E.gate.kernel_format, E.gate.array), (E.up.kernel_format, E.up.array),
-                         (E.down.kernel_format, E.down.array),
-                         ws.x_ffn, ws.ids, ws.wts, ws.f, rec.R, cfg.n_experts_used, cfg.n_experts, cfg.expert_ff,
-                         cfg.dim, clamp, rec.moe_bufs(), add=ws.y_shared, **ls.main())
+    run = ops_moep.moe_prefill if expert_mma(rec, E) else ops_moep.moe_tiles
+    run(ls, (E.gate.kernel_format, E.gate.array), (E.up.kernel_format, E.up.array),
+        (E.down.kernel_format, E.down.array), ws.x_ffn, ws.ids, ws.wts, ws.f, rec.R, cfg.n_experts_used,
+        cfg.n_experts, cfg.expert_ff, cfg.dim, clamp, rec.moe_bufs(), add=ws.y_shared, **ls.main())
 
 
 def expert_mma(rec: Any, E: Any) -> bool:
@@ -405,8 +406,12 @@ def expert_mma(rec: Any, E: Any) -> bool:
     return rec.expert_mma
 
 
+def layer_grouped(rec: Any) -> bool:
+    return rec.expert_mma or rec.expert_tiles
+
+
 def experts_down_block(ls: Any, rec: Any, E: Any, X: DeviceArray, X_out: DeviceArray) -> DeviceArray:
-    if not expert_mma(rec, E):
+    if not layer_grouped(rec):
         return experts_down_rows(ls, rec, E, X, X_out)
     cfg = rec.cfg
     ops.hc_post(ls, rec.ws.f, rec.ws.mix_ffn, X, rec.R, cfg.dim, cfg.hc_mult, **ls.main())

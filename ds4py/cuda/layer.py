@@ -278,6 +278,8 @@ class Recording:
     mma: bool = True                # BLOCK: dense products on tensor cores (cu/gemm.cu), else the `_rows` GEMVs
     x_pieces: int = 3               # ... with x as this many bf16 pieces (1: x rounded to bf16; 3: x exact)
     expert_mma: bool = False        # BLOCK: the experts on tensor cores too (cu/moe_prefill.cu: x, h in bf16; VQ-8: exact)
+    expert_tiles: bool = False      # BLOCK, not expert_mma: the GGML experts as exact fp32 token tiles grouped by expert
+                                    # (cu/moe_prefill.cu moe_*_tile_<fmt>), not the grouped rows kernels
     taps: DeviceArray | None = None  # V4.1's DSpark taps of the rows [R, n_targets * D] (None: not recorded)
     table: Any = None               # the operations table in place of kernels.of(mode, v41) (the DSpark block's)
     _plans: dict = field(default_factory=dict)
@@ -321,9 +323,16 @@ class Recording:
 
 
 def final_residual(rec: Recording) -> DeviceArray:
-    """The residual after the last layer (BLOCK's tensor-core experts update it in place: always X0)."""
+    """The residual after the last layer (BLOCK's grouped experts, tensor cores or token tiles, update it in place:
+    always X0)."""
     ws = rec.ws
-    return ws.X0 if rec.cfg.n_layers % 2 == 0 or (rec.mode == BLOCK and rec.expert_mma) else ws.X1
+    return ws.X0 if rec.cfg.n_layers % 2 == 0 or (rec.mode == BLOCK and grouped_experts(rec)) else ws.X1
+
+
+def grouped_experts(rec: Recording) -> bool:
+    """BLOCK: the routed experts of the whole block grouped by expert (route, gate + up, down, combine into ws.f),
+    the sub-layer output added to the residual in place (hc_post)."""
+    return rec.expert_mma or rec.expert_tiles
 
 
 # ---- the schedule ----------------------------------------------------------------------------------------------

@@ -31,6 +31,10 @@ class EngineOptions:
     # exact (three bf16 pieces), so on tensor cores by default (False: the exact grouped rows kernels). Either
     # option holds up to the route kernel's MAX_EXPERTS (512; V4 Flash 256, V4.1 384), past it the rows kernels
     prefill_vq_expert_mma: bool = True
+    # the exact GGML-format experts of a prefill block as fp32 token tiles grouped by expert (each expert's weights
+    # read once per tile of its tokens; every (token, slot) result the decode kernels' bits, the slots summed in order
+    # by the combine); False: the grouped rows kernels (weights read once per 1,024 pairs)
+    prefill_expert_tiles: bool = True
     min_bucket: int = MIN_BUCKET        # smallest context bucket (small in tests: a bucket growth in few tokens)
 
     def __post_init__(self) -> None:

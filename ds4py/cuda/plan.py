@@ -109,12 +109,14 @@ def _label_state(rt: PlanRuntime, st: Any) -> None:
 
 
 def plan_step(shapes_key: str, kind: str, device: str = "h200", ctx: int = 2048, rows: int = 4,
-              block: int = 2048, expert_mma: bool | None = None) -> list[PlannedLaunch]:
+              block: int = 2048, expert_mma: bool | None = None,
+              expert_tiles: bool | None = None) -> list[PlannedLaunch]:
     """The launches of one step of kind "decode" (the body at position ctx - 1 and the head with the sampler),
     "rows" (a `rows`-row verify of one sequence at positions ctx - 1 ...) or "prefill" (one `block`-token prefill
     block ending at position ctx - 1, a prompt's last block) on the device profile `device`, in order.
     expert_mma: the prefill's routed experts on tensor cores (True) or the grouped rows kernels (False); None:
-    the engine's default (VQ-8 files on tensor cores, the others not)."""
+    the engine's default (VQ-8 files on tensor cores, the others not). expert_tiles: the GGML experts' exact
+    path as token tiles grouped by expert (True, the engine's default) or the grouped rows kernels (False)."""
     from ds4py.cuda import layer
 
     if kind not in KINDS:
@@ -127,6 +129,8 @@ def plan_step(shapes_key: str, kind: str, device: str = "h200", ctx: int = 2048,
     saved = m.options
     if expert_mma is not None:
         m.options = m.options.but(prefill_expert_mma=bool(expert_mma), prefill_vq_expert_mma=bool(expert_mma))
+    if expert_tiles is not None:
+        m.options = m.options.but(prefill_expert_tiles=bool(expert_tiles))
     try:
         rt.clear()
         if kind == "decode":

@@ -187,6 +187,8 @@ class RowSetRunner:
         blk = max(1, min(int(o.prefill_block), layer.MAX_BLOCK))
         expert_mma = ((o.prefill_vq_expert_mma if self.m.vq_experts else o.prefill_expert_mma)
                       and cfg.n_experts <= ops_moep.MAX_EXPERTS)
+        expert_tiles = (not expert_mma and o.prefill_expert_tiles and not self.m.vq_experts
+                        and cfg.n_experts <= ops_moep.MAX_EXPERTS)
         ws = self.pool.need(BLOCK, bucket, layer.block_rows(min(T, blk)))
         st.ensure_rows(bucket)
         keys = self.key_layers(st, n0, T)
@@ -205,7 +207,7 @@ class RowSetRunner:
             rec = self.recording(ws, RowSet(BLOCK, [dict(st.arrays)], [bucket], Tb, ws.slot, cap=ws.rows,
                                             keys=None if keys is None else [keys]),
                                  ws.tickets, mma=o.prefill_mma, x_pieces=o.prefill_x_pieces, expert_mma=expert_mma,
-                                 taps=ws.taps if out & Outputs.TAPS else None)
+                                 expert_tiles=expert_tiles, taps=ws.taps if out & Outputs.TAPS else None)
             ls = layer.Launcher(rt, o.pdl)
             layer.record_body(ls, rec, B)
             X = layer.final_residual(rec)

@@ -87,7 +87,8 @@ def weight_format(kernel: str) -> tuple[str, int, int] | None:
 def family(kernel: str) -> str:
     """The kernel family a report groups by: the GEMV / expert kernels by weight format, the rest by file role."""
     rules = [(r"^gemv_(q8_0|f16|f32|q4_k)", r"gemv \1"), (r"^moe_gate_up_i8_(\w+)$", r"experts gate+up \1 int8"),
-             (r"^moe_down_i8_(\w+)$", r"experts down \1 int8"), (r"^moe_gate_up(_rows)?_(\w+)$", r"experts gate+up \2"),
+             (r"^moe_down_i8_(\w+)$", r"experts down \1 int8"), (r"^moe_gate_up_tile_(\w+)$", r"expert tiles gate+up \1"),
+             (r"^moe_down_tile_(\w+)$", r"expert tiles down \1"), (r"^moe_gate_up(_rows)?_(\w+)$", r"experts gate+up \2"),
              (r"^moe_down(_rows)?_(\w+)$", r"experts down \2"), (r"^moe_prefill_(gate_up|down)_(\w+)$", r"prefill experts \1 \2"),
              (r"^gemm_(\w+)$", r"gemm \1"), (r"^attn_", "attention"), (r"^prefill_attn", "attention"),
              (r"^indexer_", "indexer"), (r"^compressor_", "compressor"), (r"^(hc_|mhc)", "mHC"),
@@ -161,6 +162,24 @@ def group_step_traffic(launch: Any) -> tuple[int, int, int] | None:
     return None
 
 
+def expected_work_items(pairs: int, n_experts: int, bm: int | None = None) -> float:
+    """Work items of cu/moe_prefill.cu's route under uniform routing: sum over experts of E[ceil(c_e / bm)], c_e
+    ~ Binomial(pairs, 1 / n_experts) (an expert with more than bm = MOEP_BM pairs gets one item per bm of them)."""
+    if bm is None:
+        from ds4py.cuda.ops.moe_prefill import BM as bm
+    p = 1.0 / max(1, n_experts)
+    if p >= 1.0:
+        return float(math.ceil(pairs / bm))
+    logq, logp = math.log1p(-p), math.log(p)
+    mean, sd = pairs * p, math.sqrt(pairs * p * (1 - p))
+    lo, hi = max(1, int(mean - 12 * sd)), min(pairs, int(mean + 12 * sd) + 1)
+    items = 0.0
+    for c in range(lo, hi + 1):
+        logpmf = math.lgamma(pairs + 1) - math.lgamma(c + 1) - math.lgamma(pairs - c + 1) + c * logp + (pairs - c) * logq
+        items += math.exp(logpmf) * math.ceil(c / bm)
+    return n_experts * items
+
+
 def launch_traffic(launch: Any, ctx: int) -> Traffic:
     """DRAM bytes of one planned launch (ds4py/cuda/plan_runtime.PlannedLaunch) at context `ctx`.
 
@@ -176,7 +195,11 @@ def launch_traffic(launch: Any, ctx: int) -> Traffic:
     n_experts = max(1, int(s.get("n_experts", 1)))
     experts_read = 1.0                     # matrices of a stacked expert tensor the launch streams
     rows = int(s.get("nx", s.get("n_rows", 1)) or 1)
-    if k.startswith("moe_gate_up_rows") or (k.startswith("moe_down_rows") and "n_pairs" in s):
+    if k.startswith(("moe_gate_up_tile_", "moe_down_tile_")):
+        pairs = next((a.nbytes // (4 * int(s["ff"])) for a in launch.args if a.name == "H"), 1)   # H [P, ff]
+        experts_read = expected_work_items(pairs, n_experts)    # each work item reads its expert's rows once
+        rows = max(1, round(pairs / experts_read))
+    elif k.startswith("moe_gate_up_rows") or (k.startswith("moe_down_rows") and "n_pairs" in s):
         pairs = int(s.get("n_pairs", 1))   # grouped by expert: each distinct expert once (uniform routing)
         experts_read = n_experts * (1.0 - (1.0 - 1.0 / n_experts) ** pairs)
         rows = max(1, round(pairs / experts_read))

@@ -115,6 +115,29 @@ def report(records: Sequence[dict], sources: Sequence[str] = ()) -> dict:
                                if k["smem"]["conflict_factor"] and k["smem"]["conflict_factor"] > 1.0}}
 
 
+def merged(old: dict, new: dict, replace: str = "") -> dict:
+    """`old` report plus `new`'s kernels that it lacks, and `new`'s in place of those whose names match the regex
+    `replace` (--update): findings and lists recomputed, launches summed over the kernels."""
+    import re
+
+    keep = re.compile(replace) if replace else None
+    kernels = {**(old.get("kernels") or {}),
+               **{n: k for n, k in new["kernels"].items()
+                  if n not in (old.get("kernels") or {}) or (keep is not None and keep.search(n))}}
+    kernels = dict(sorted(kernels.items()))
+    rep = report([], sorted(set(old.get("sources") or []) | set(new["sources"])))
+    rep.update(kernels=kernels, launches=sum(k.get("launches", 0) for k in kernels.values()) or new["launches"],
+               findings=[f for f in old.get("findings") or [] if old["kernels"].get(f["kernel"]) is kernels.get(f["kernel"])]
+               + [f for f in findings(kernels) if old.get("kernels", {}).get(f["kernel"]) is not kernels[f["kernel"]]],
+               pre_pdl_weight_loads=sorted(n for n, k in kernels.items()
+                                           if any(c["weight"] and c["pre_pdl_bytes"] for c in k["args"].values())),
+               bank_conflicts={n: k["smem"]["conflict_factor"] for n, k in kernels.items()
+                               if k["smem"]["conflict_factor"] and k["smem"]["conflict_factor"] > 1.0})
+    if "model_width" in old:
+        rep["model_width"] = old["model_width"]
+    return rep
+
+
 def model_width_gemv(rows: int = 16, cols: int = 4096, nx: int = 1) -> list[dict]:
     """The dense GEMV of every weight type at the model's width (V4 Flash: 4096 columns; the twin tests' rows are a
     few hundred bytes, where a row's partly used last sector weighs heavily), traffic build, one launch each."""
@@ -166,6 +189,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--records", help="keep the per-launch records (JSON lines) here")
     ap.add_argument("--from-records", help="summarise these per-launch records instead of running tests")
     ap.add_argument("--no-model-width", action="store_true", help="skip the GEMVs at 4096 columns")
+    ap.add_argument("--update", nargs="?", const="", default=None, metavar="REGEX",
+                    help="merge into the existing --out report: add the kernels it lacks, replace those matching "
+                         "REGEX (default: none; the others keep what their own tests recorded)")
     ap.add_argument("-k", dest="keyword", default=ONE_ORDER,
                     help="pytest -k expression (default: the forward-order runs only, %(default)r)")
     a = ap.parse_args(argv)
@@ -188,11 +214,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not a.records and not a.from_records:
         path.unlink(missing_ok=True)
     rep = report(records, tests)
+    out = Path(a.out)
+    if a.update is not None and out.is_file():
+        rep = merged(json.loads(out.read_text()), rep, a.update)
     if not a.no_model_width:
         width = model_width_gemv() + model_width_gemv(nx=4)
         rep["model_width"] = {"what": "gemv of every weight type, 16 x 4096, one and four activation rows",
                               "kernels": summarize(width)}
-    out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rep, indent=1, sort_keys=True) + "\n")
     print(f"traffic: {len(rep['kernels'])} kernels, {len(records)} launches -> {out}")

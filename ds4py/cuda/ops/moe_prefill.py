@@ -28,8 +28,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ds4py.cuda.ops.core import aligned, ceil_div, is_dtype, need
-from ds4py.cuda.ops.experts import FORMATS, VQ_FORMATS, codebook_bytes, matrix_bytes
+from ds4py.ggml_types import GGMLQuantizationType as QT
+
+from ds4py.cuda.ops.core import aligned, blocks_that_fit, ceil_div, is_dtype, need
+from ds4py.cuda.ops.experts import FORMATS, SMEM_BUDGET, VQ_FORMATS, codebook_bytes, matrix_bytes, room, row_bytes
 
 DEFINES = {
     "MOEP_WARPS_M": 2,            # warps along the routed rows (32 each): MOEP_BM = 64 rows per work item
@@ -38,12 +40,15 @@ DEFINES = {
     "MOEP_MAX_EXPERTS": 512,      # routed experts the route kernel's shared counters hold (V4 Flash 256, V4.1 384)
     "MOEP_ROUTE_WARPS": 16,       # the route kernel's warps, each counting a chunk of the pairs per expert (16 x 513
                                   # counters: 33 KB of static shared memory)
+    "MOET_NT": 16,                # the exact token tiles (moe_*_tile_<fmt>): tokens one decoded weight group meets
+                                  # while its codes sit in registers
 }
 BM = 32 * DEFINES["MOEP_WARPS_M"]
 BN = 32 * DEFINES["MOEP_WARPS_N"]
 THREADS = 32 * DEFINES["MOEP_WARPS_M"] * DEFINES["MOEP_WARPS_N"]
 MAX_EXPERTS = DEFINES["MOEP_MAX_EXPERTS"]
 ROUTE_THREADS = 32 * DEFINES["MOEP_ROUTE_WARPS"]
+TILE_ROWS = 32                    # weight rows per block of the exact token tiles at most (8 threads each)
 
 
 def max_tiles(n_pairs: int, n_experts: int) -> int:
@@ -89,7 +94,6 @@ class MoePrefillBuffers:
 
 def _name(qtype: int | str, where: str) -> str:
     """The kernel suffix of a weight type: a GGML type with a MOE_FORMATS entry, or a VQ-8 format key."""
-    from ds4py.ggml_types import GGMLQuantizationType as QT
 
     if isinstance(qtype, str):
         need(qtype in VQ_FORMATS, f"{where}: no VQ-8 kernel format {qtype!r} (supported: {', '.join(VQ_FORMATS)})")
@@ -112,6 +116,15 @@ def _check_w(where: str, qtype: int | str, W: Any, n_experts: int, rows: int, co
     want = matrix_bytes(qtype, n_experts, rows, cols)
     need(W.nbytes == want, f"{where}: {W.nbytes} weight bytes for {n_experts} experts of [{rows}, {cols}] ({want} "
          "expected)")
+
+
+def _grid(rt: Any, qtype: int | str, tiles: int, items: int, kernel: str) -> tuple[int, int]:
+    """(feature tiles, work items) for the GGML formats; VQ-8's persistent down blocks loop over the (tile, item) pairs,
+    so their grid is at most one wave of the device (the kernel's occupancy: blocks_that_fit, its registers and
+    static shared memory from the ptxas table) and each block copies the codebook once."""
+    if not isinstance(qtype, str):
+        return tiles, items
+    return max(1, min(tiles * items, blocks_that_fit(rt, THREADS, codebook_bytes(qtype), kernel=kernel))), 1
 
 
 def moe_prefill_route(rt: Any, ids: Any, bufs: MoePrefillBuffers, T: int, k: int, n_experts: int,
@@ -153,7 +166,8 @@ def moe_prefill_down(rt: Any, qtype: int, W: Any, bufs: MoePrefillBuffers, T: in
     name = _name(qtype, "moe_prefill_down")
     _check_w("moe_prefill_down", qtype, W, n_experts, dim, ff)
     bufs.check(T, k, n_experts, ff, dim)
-    rt.launch(f"moe_prefill_down_{name}", (ceil_div(dim, BN), max_tiles(T * k, n_experts)), THREADS, W, bufs.H,
+    rt.launch(f"moe_prefill_down_{name}", _grid(rt, qtype, ceil_div(dim, BN), max_tiles(T * k, n_experts),
+                                                f"moe_prefill_down_{name}"), THREADS, W, bufs.H,
               bufs.tile_bucket, bufs.tile_row, bufs.offsets, bufs.info, bufs.Yp, int(n_experts), int(dim), int(ff),
               smem=codebook_bytes(qtype), stream=stream, pdl=pdl)
 
@@ -182,4 +196,88 @@ def moe_prefill(rt: Any, gate: tuple[int, Any], up: tuple[int, Any], down: tuple
     moe_prefill_gate_up(rt, gate[0], gate[1], up[1], x, wts, bufs, T, k, n_experts, ff, dim, clamp, ldx,
                         stream=stream, pdl=pdl)
     moe_prefill_down(rt, down[0], down[1], bufs, T, k, n_experts, ff, dim, stream=stream, pdl=pdl)
+    moe_prefill_combine(rt, bufs, y, T, k, dim, add, ldy, stream=stream, pdl=pdl)
+
+
+# ---- the exact fp32 token tiles (cu/moe_prefill.cu moe_gate_up_tile_<fmt> / moe_down_tile_<fmt>) -------------------
+# The GGML formats' default prefill experts: per work item of the route (up to BM sorted rows of one expert) and
+# tile of weight rows, the rows staged once and every sorted row run against them; a pair's H row is bit for bit
+# moe_gate_up_rows' h of that pair, its Yp row moe_down's y with that one slot (ds4py/cuda/twins/experts.py), and
+# the combine sums the k slots in slot order. Each expert's weights are read once per work item.
+def tile_rows(qtype: int, cols: int, mats: int) -> int:
+    """Weight rows per block: as many as fit SMEM_BUDGET with `mats` matrices staged (1 .. TILE_ROWS)."""
+    rb = row_bytes(qtype, cols)
+    nr = TILE_ROWS
+    while nr > 1 and mats * room(nr * rb) > SMEM_BUDGET:
+        nr -= 1
+    return nr
+
+
+def tile_threads(rows_per_block: int) -> int:
+    return 32 * ceil_div(8 * rows_per_block, 32)
+
+
+# the formats whose dot takes the half sums of x (the K-quants' mins: moe_formats.cuh's xs); the token tiles keep
+# them in shared memory per chunk of MOET_NT rows
+XS_FORMATS = (QT.Q2_K, QT.Q4_K)
+
+
+def tile_smem(qtype: int, cols: int, mats: int, rows_per_block: int) -> int:
+    """Dynamic shared memory of a token-tile launch: `mats` staged row spans, + the chunk's half sums."""
+    xs = 8 * DEFINES["MOET_NT"] * (cols // 32) if QT(int(qtype)) in XS_FORMATS else 0
+    return mats * room(rows_per_block * row_bytes(qtype, cols)) + xs
+
+
+def _tile_name(qtype: int, where: str) -> str:
+    need(not isinstance(qtype, str), f"{where}: the token tiles read the GGML formats (VQ-8: moe_prefill_*)")
+    return _name(qtype, where)
+
+
+def moe_tile_gate_up(rt: Any, qtype: int, Wg: Any, Wu: Any, x: Any, wts: Any, bufs: MoePrefillBuffers, T: int,
+                     k: int, n_experts: int, ff: int, dim: int, clamp: float, ldx: int | None = None,
+                     rows_per_block: int | None = None, stream: Any = None, pdl: bool = False) -> None:
+    """bufs.H[row] = silu(min(x_t Wg[e]^T, c)) * clamp(x_t Wu[e]^T, -c, c) * wts[p] in fp32, for every sorted row
+    (pair p = t*k + s of expert e; wts None: 1), the bits of moe_gate_up_rows_<fmt>."""
+    name = _tile_name(qtype, "moe_tile_gate_up")
+    for W in (Wg, Wu):
+        _check_w("moe_tile_gate_up", qtype, W, n_experts, ff, dim)
+    ldx = dim if ldx is None else int(ldx)
+    need(ldx >= dim and ldx % 4 == 0 and is_dtype(x, np.float32) and x.size >= (T - 1) * ldx + dim,
+         f"moe_tile_gate_up: x must be float32 [{T}, {ldx}] with ldx % 4 == 0")
+    need(aligned(16, x), "moe_tile_gate_up: x must be 16-byte aligned")
+    need(wts is None or (is_dtype(wts, np.float32) and wts.size >= T * k), "moe_tile_gate_up: wts must be "
+         f"float32 [{T}, {k}]")
+    bufs.check(T, k, n_experts, ff, dim)
+    nr = int(rows_per_block or tile_rows(qtype, dim, 2))
+    need(1 <= nr <= TILE_ROWS, f"moe_tile_gate_up: 1 to {TILE_ROWS} rows per block")
+    rt.launch(f"moe_gate_up_tile_{name}", (ceil_div(ff, nr), max_tiles(T * k, n_experts)), tile_threads(nr), Wg,
+              Wu, x, wts, bufs.sorted, bufs.tile_bucket, bufs.tile_row, bufs.offsets, bufs.info, bufs.H,
+              int(n_experts), int(ff), int(dim), int(k), ldx, nr, float(clamp),
+              smem=tile_smem(qtype, dim, 2, nr), stream=stream, pdl=pdl)
+
+
+def moe_tile_down(rt: Any, qtype: int, W: Any, bufs: MoePrefillBuffers, T: int, k: int, n_experts: int, ff: int,
+                  dim: int, rows_per_block: int | None = None, stream: Any = None, pdl: bool = False) -> None:
+    """bufs.Yp[row] = bufs.H[row] W[e]^T in fp32 for every sorted row, the bits of moe_down_<fmt> with one slot."""
+    name = _tile_name(qtype, "moe_tile_down")
+    _check_w("moe_tile_down", qtype, W, n_experts, dim, ff)
+    bufs.check(T, k, n_experts, ff, dim)
+    nr = int(rows_per_block or tile_rows(qtype, ff, 1))
+    need(1 <= nr <= TILE_ROWS, f"moe_tile_down: 1 to {TILE_ROWS} rows per block")
+    rt.launch(f"moe_down_tile_{name}", (ceil_div(dim, nr), max_tiles(T * k, n_experts)), tile_threads(nr), W,
+              bufs.H, bufs.tile_bucket, bufs.tile_row, bufs.offsets, bufs.info, bufs.Yp, int(n_experts), int(dim),
+              int(ff), nr, smem=tile_smem(qtype, ff, 1, nr), stream=stream, pdl=pdl)
+
+
+def moe_tiles(rt: Any, gate: tuple[int, Any], up: tuple[int, Any], down: tuple[int, Any], x: Any, ids: Any,
+              wts: Any, y: Any, T: int, k: int, n_experts: int, ff: int, dim: int, clamp: float,
+              bufs: MoePrefillBuffers, add: Any = None, ldx: int | None = None, ldy: int | None = None,
+              stream: Any = None, pdl: bool = False) -> None:
+    """The whole routed MoE of T tokens in exact fp32 (GGML formats): route, the token tiles' gate + up and down,
+    combine (y as moe_prefill; every (token, slot) result the decode kernels' bits, the slots summed in order)."""
+    need(int(gate[0]) == int(up[0]), "moe_tiles: gate and up must have the same weight type")
+    moe_prefill_route(rt, ids, bufs, T, k, n_experts, stream=stream, pdl=pdl)
+    moe_tile_gate_up(rt, gate[0], gate[1], up[1], x, wts, bufs, T, k, n_experts, ff, dim, clamp, ldx,
+                     stream=stream, pdl=pdl)
+    moe_tile_down(rt, down[0], down[1], bufs, T, k, n_experts, ff, dim, stream=stream, pdl=pdl)
     moe_prefill_combine(rt, bufs, y, T, k, dim, add, ldy, stream=stream, pdl=pdl)
