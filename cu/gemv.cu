@@ -323,7 +323,9 @@ __device__ __forceinline__ void gemv_direct(const GemvJob& j) {
         const float* x0 = slot_x(j, row0, 0);         // found once per group (x_group_rows divides); row n is
                                                       // x0 + n * x_stride (one pointer: the multi-row bodies
                                                       // are register-bound)
-#pragma unroll 2
+        // One row: 4 passes unrolled, so a lane has 4 x 4 rows x 16 B of weights in flight (a launch of few row
+        // groups, the router gate's 64 warps, is latency-bound otherwise); the multi-row bodies keep 2.
+#pragma unroll(NB == 1 ? 4 : 2)
         for (int v = lane; v < nvec; v += 32) {
             float wf[GEMV_ROWS][8];
 #pragma unroll
