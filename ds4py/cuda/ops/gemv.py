@@ -27,6 +27,8 @@ from ds4py.errors import Ds4Error
 DEFINES = {
     "GEMV_ROWS": 4,              # rows per warp step (slots); warp_sum4 reduces exactly 4
     "Q8_CHUNK_BLOCKS": 32,       # Q8_0 blocks (x32 columns) of one row staged per piece
+    "Q8_STAGES": 3,              # Q8_0 ring depth: pieces in flight while one is decoded + 1 (H200's latency x
+                                 # bandwidth needs more than one 4.4 KB piece per warp in flight)
     "Q4_CHUNK_BLOCKS": 8,        # Q4_K blocks (x256 columns) of one row staged per piece
     "F32_CHUNK_PIECES": 32,      # F32 pieces of 8 columns (32 bytes) of one row staged per piece (256 columns)
     "GEMV_MAX_X": 8,             # activation rows of one multi-row launch (the `_rows` kernels' accumulator sets)
@@ -36,7 +38,7 @@ GEMV_ROWS = DEFINES["GEMV_ROWS"]
 Q8_0_BLOCK_BYTES = 34
 Q4_K_BLOCK_BYTES = 144                                    # 256 columns: f16 d, f16 dmin, 12 scale bytes, 128 nibbles
 Q8_PIECE_BYTES = DEFINES["Q8_CHUNK_BLOCKS"] * Q8_0_BLOCK_BYTES + 16
-Q8_WARP_SMEM = 2 * GEMV_ROWS * Q8_PIECE_BYTES           # double-buffered pieces of 4 rows, per warp
+Q8_WARP_SMEM = DEFINES["Q8_STAGES"] * GEMV_ROWS * Q8_PIECE_BYTES   # a ring of pieces of 4 rows, per warp
 Q4_PIECE_BYTES = DEFINES["Q4_CHUNK_BLOCKS"] * Q4_K_BLOCK_BYTES + 16
 Q4_WARP_SMEM = 2 * GEMV_ROWS * Q4_PIECE_BYTES           # the same for Q4_K (9,344 B per warp)
 F32_WARP_SMEM = 2 * GEMV_ROWS * (DEFINES["F32_CHUNK_PIECES"] * 32 + 16)   # and F32 (8,320 B per warp)
