@@ -11,11 +11,12 @@
 // rows a launch covers (batch invariance).
 //
 // Q8_0 (34-byte blocks: f16 scale d, 32 int8 q; rows only 2-byte aligned): each warp streams its slots' row
-// pieces (Q8_CHUNK_BLOCKS blocks = 1024 columns each) into shared memory with 16-byte cp.async, double-buffered:
-// the next piece is in flight while the current one is decoded, and the first is issued before pdl_wait()
-// (weights are never written by the kernel before this one). int8 -> float uses a byte permute into the
-// mantissa of 2^23 and one exact subtraction (full-rate integer and fp32 ops) instead of I2F, which runs at a
-// quarter of the fp32 rate and would cap the kernel below the memory roofline.
+// pieces (Q8_CHUNK_BLOCKS blocks = 1024 columns each) into shared memory with 16-byte cp.async, a ring of
+// Q8_STAGES buffers: the next Q8_STAGES - 1 pieces are in flight while the current one is decoded, and the first
+// Q8_STAGES - 1 are issued before pdl_wait() (weights are never written by the kernel before this one).
+// int8 -> float uses a byte permute into the mantissa of 2^23 and one exact subtraction (full-rate integer and
+// fp32 ops) instead of I2F, which runs at a quarter of the fp32 rate and would cap the kernel below the memory
+// roofline.
 //
 // Variants (the same body; see ops/gemv.py): plain (up to 4 matrices sharing x, each with its own y: q_a + kv),
 // optional RMSNorm prologue on x (flags & GEMV_NORM; scale applied to each row's sum), optional accumulate
@@ -50,15 +51,19 @@
 #ifndef GEMV_MAX_X
 #error "GEMV_MAX_X comes from ds4py/cuda/ops/gemv.py (DEFINES)"
 #endif
+#ifndef Q8_STAGES
+#error "Q8_STAGES comes from ds4py/cuda/ops/gemv.py (DEFINES)"
+#endif
 #ifndef DS4_HC
 #error "DS4_HC comes from ds4py/cuda/compiler.py (model defines)"
 #endif
 static_assert(GEMV_ROWS == 4, "warp_sum4 reduces exactly 4 slots");
 static_assert(Q8_CHUNK_BLOCKS % 4 == 0, "4 Q8_0 blocks are decoded side by side");
+static_assert(Q8_STAGES >= 2, "the Q8_0 ring keeps at least one piece in flight while one is decoded");
 
 #define Q8_BLOCK_BYTES 34
 #define Q8_PIECE_BYTES (Q8_CHUNK_BLOCKS * Q8_BLOCK_BYTES + 16)    // + room to keep the source's 16-byte phase
-#define Q8_WARP_SMEM (2 * GEMV_ROWS * Q8_PIECE_BYTES)             // two buffers of GEMV_ROWS pieces
+#define Q8_WARP_SMEM (Q8_STAGES * GEMV_ROWS * Q8_PIECE_BYTES)     // a ring of Q8_STAGES buffers of GEMV_ROWS pieces
 
 #define GEMV_NORM 1
 #define GEMV_ADD 2
@@ -323,7 +328,9 @@ __device__ __forceinline__ void gemv_direct(const GemvJob& j) {
         const float* x0 = slot_x(j, row0, 0);         // found once per group (x_group_rows divides); row n is
                                                       // x0 + n * x_stride (one pointer: the multi-row bodies
                                                       // are register-bound)
-#pragma unroll 2
+        // One row: 4 passes unrolled, so a lane has 4 x 4 rows x 16 B of weights in flight (a launch of few row
+        // groups, the router gate's 64 warps, is latency-bound otherwise); the multi-row bodies keep 2.
+#pragma unroll(NB == 1 ? 4 : 2)
         for (int v = lane; v < nvec; v += 32) {
             float wf[GEMV_ROWS][8];
 #pragma unroll
@@ -390,7 +397,7 @@ __device__ __forceinline__ const uint8_t* q8_src(const GemvJob& j, const Q8Item&
            (size_t)it.c * Q8_CHUNK_BLOCKS * Q8_BLOCK_BYTES;
 }
 
-// Issue the copies of one item into buffer `buf` (slot s's bytes start at its piece + (src % 16)).
+// Issue the copies of one item into buffer `buf` (slot s's bytes start at its piece + (src % 16)); the caller commits.
 __device__ __forceinline__ void q8_issue(const GemvJob& j, uint8_t* stage, int buf, const Q8Item& it, int nblocks,
                                          int lane) {
     const int nb = min(Q8_CHUNK_BLOCKS, nblocks - it.c * Q8_CHUNK_BLOCKS);
@@ -399,7 +406,6 @@ __device__ __forceinline__ void q8_issue(const GemvJob& j, uint8_t* stage, int b
         const uint8_t* src = q8_src(j, it, s, nblocks);
         if (src) warp_stage_issue(stage + (buf * GEMV_ROWS + s) * Q8_PIECE_BYTES, src, nb * Q8_BLOCK_BYTES, lane);
     }
-    cp_async_commit();
 }
 
 // Q8_0 weights [rows, cols] (cols % 32 == 0), x 16-byte aligned, W 2-byte aligned; NB accumulator sets.
@@ -414,7 +420,21 @@ __device__ __forceinline__ void gemv_q8(const GemvJob& j) {
     const int groups = group_count(j);
     Q8Item cur{gwarp, 0};
     const bool any = cur.g < groups;
-    if (any) q8_issue(j, stage, 0, cur, nblocks, lane);    // before pdl_wait: weights only
+    // The ring: item i lives in buffer i % Q8_STAGES; Q8_STAGES - 1 items are in flight while one is decoded.
+    // Every step commits one group (empty past the last item), so "the oldest group has landed" is always
+    // cp_async_wait<Q8_STAGES - 1>.
+    Q8Item ahead = cur;                                // the next item to issue
+    bool issuing = any;
+    int ibuf = 0;                                      // its buffer
+#pragma unroll
+    for (int k = 0; k < Q8_STAGES - 1; k++) {          // before pdl_wait: weights only
+        if (issuing) {
+            q8_issue(j, stage, ibuf, ahead, nblocks, lane);
+            issuing = q8_next(nchunks, groups, nwarps, ahead);
+        }
+        cp_async_commit();
+        ibuf = ibuf + 1 == Q8_STAGES ? 0 : ibuf + 1;
+    }
     pdl_wait();                                        // from here on x (the previous kernel's output) is ready
     pdl_launch_dependents();
     float scale[NB];
@@ -432,12 +452,13 @@ __device__ __forceinline__ void gemv_q8(const GemvJob& j) {
     while (more) {
         Q8Item nxt = cur;
         more = q8_next(nchunks, groups, nwarps, nxt);
-        if (more) {
-            q8_issue(j, stage, buf ^ 1, nxt, nblocks, lane);
-            cp_async_wait<1>();                        // this item's copies have landed, the next one's fly
-        } else {
-            cp_async_wait_all();
+        if (issuing) {                                 // into the buffer the previous item freed
+            q8_issue(j, stage, ibuf, ahead, nblocks, lane);
+            issuing = q8_next(nchunks, groups, nwarps, ahead);
         }
+        cp_async_commit();
+        ibuf = ibuf + 1 == Q8_STAGES ? 0 : ibuf + 1;
+        cp_async_wait<Q8_STAGES - 1>();                // this item's copies have landed, the next ones fly
         __syncwarp();
         int m0, row0;
         slot_row(j, cur.g, 0, m0, row0);
@@ -490,7 +511,7 @@ __device__ __forceinline__ void gemv_q8(const GemvJob& j) {
             }
         }
         cur = nxt;
-        buf ^= 1;
+        buf = buf + 1 == Q8_STAGES ? 0 : buf + 1;
     }
 }
 
@@ -627,7 +648,7 @@ __device__ __forceinline__ void gemv_staged(const GemvJob& j) {
 
 // Plain: y_m = W_m x (+= with GEMV_ADD) for up to 4 matrices W_m [rows_m, cols] sharing x (unused W_m null).
 // Launch: block (32*warps), grid (any; ops/gemv.py picks min(groups / warps, what fits the SMs)), dynamic shared
-// memory warps * Q8_WARP_SMEM for Q8_0 (8832 B per warp), 0 otherwise. F16 / F32: cols % 8 == 0, W and x
+// memory warps * Q8_WARP_SMEM for Q8_0 (13,248 B per warp at 3 stages), 0 otherwise. F16 / F32: cols % 8 == 0, W and x
 // 16-byte aligned. Q8_0: cols % 32 == 0, W 2-byte aligned. x_group_rows: a multiple of 4, or 0.
 extern "C" __global__ void gemv_q8_0(const uint8_t* W0, const uint8_t* W1, const uint8_t* W2, const uint8_t* W3,
                                      int rows0, int rows1, int rows2, int rows3, float* y0, float* y1, float* y2,

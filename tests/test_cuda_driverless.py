@@ -306,12 +306,13 @@ def test_q8_launch_uses_dynamic_smem_and_raises_limit(rt, standin):
     arena.begin_step()
     W = arena.weights(64 * 4096 // 32 * 34, np.uint8)
     x, y = arena.scratch(4096, np.float32), arena.scratch(64, np.float32)
-    ops.gemv_q8_0(rt, W, x, y, 64, 4096, warps=4)
-    ops.gemv_q8_0(rt, W, x, y, 64, 4096, warps=16)           # 16 * 4368 B > 48 KB: needs the opt-in
     from ds4py.cuda.ops.gemv import Q8_WARP_SMEM
 
+    small = (48 << 10) // Q8_WARP_SMEM                       # the most warps whose ring fits 48 KB
+    ops.gemv_q8_0(rt, W, x, y, 64, 4096, warps=small)
+    ops.gemv_q8_0(rt, W, x, y, 64, 4096, warps=16)           # 16 * Q8_WARP_SMEM > 48 KB: needs the opt-in
     a, b = _launch_configs(standin)
-    assert a.sharedMemBytes == 4 * Q8_WARP_SMEM and b.sharedMemBytes == 16 * Q8_WARP_SMEM
+    assert a.sharedMemBytes == small * Q8_WARP_SMEM and b.sharedMemBytes == 16 * Q8_WARP_SMEM
     assert standin.names().count("cuFuncSetAttribute") == 1          # only the launch above 48 KB opts in
 
 

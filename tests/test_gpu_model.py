@@ -361,6 +361,38 @@ def test_act_quant_numerics_swap_the_decode_experts_for_their_int8_kernels(devic
     assert [m.step for m in steps] == ["decode act_quant"]
 
 
+def test_an_sm_with_one_warp_issues_at_most_one_instruction_per_clock():
+    t = timemodel.timing_for(H200)
+    n = 1 << 20
+    loop = sass.LoopCount("gemv_f16", 640, 100, 300, 40, 160, 40, 0, 32, ldg_bytes=256)
+    one = timemodel.model_kernel(launch("gemv_f16", H200.sm_count, 32, weight=n, dev=H200), H200, 2048,
+                                 loops={"gemv_f16": loop})
+    four = timemodel.model_kernel(launch("gemv_f16", H200.sm_count, 128, weight=n, dev=H200), H200, 2048,
+                                  loops={"gemv_f16": loop})
+    assert one.t_issue_us == pytest.approx(four.t_issue_us * t.ipc)    # 1 warp per SM: IPC 1, not 2.4
+
+
+@pytest.mark.parametrize("device", ["gb10", "h200"])
+def test_small_q8_and_f16_gemvs_spread_over_the_sms(device):
+    """A decode step's Q8_0 / F16 GEMVs of few row groups (the router gate's 64, a 512-row projection's 128) take
+    fewer warps per block so their blocks cover min(groups, SMs) SMs; the big ones keep 4 / 8 warps."""
+    from ds4py.cuda.ops.gemv import DEFAULT_WARPS
+    from ds4py.cuda.plan import plan_step
+
+    dev = profile(device)
+    L = [ln for ln in plan_step("v4-flash-q2", "decode", device, ctx=2048)
+         if ln.kernel in ("gemv_q8_0", "gemv_f16", "gemv_q8_0_swiglu", "gemv_q8_0_hc_post")]
+    assert L
+    for ln in L:
+        warps = ln.block[0] // 32
+        default = DEFAULT_WARPS["F16" if ln.kernel == "gemv_f16" else "Q8_0"]
+        assert 1 <= warps <= default
+        if warps < default:                        # shrunk: the grid covers the SMs, or every block is one warp
+            assert ln.grid[0] >= dev.sm_count or warps == 1
+    router = [ln for ln in L if ln.kernel == "gemv_f16" and any("ffn_gate_inp" in a.label for a in ln.args)]
+    assert router and all(ln.grid[0] == 64 and ln.block[0] == 32 for ln in router)
+
+
 def test_prefill_expert_tiles_read_each_expert_about_once_per_block():
     """A 2,048-token V4 Flash q2 prefill block: the token tiles (the default) stream each layer's expert tensors
     once per work item (~1.01x their bytes: 259 items for 256 experts at 12,288 pairs); the grouped rows kernels

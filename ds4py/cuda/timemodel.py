@@ -9,7 +9,8 @@ prints says so, and docs/cuda.md ("The GPU time model") gives its assumptions, t
 Per kernel (all times in microseconds):
     t_mem   = bytes / min(copy GB/s x coalescing, bytes in flight / DRAM latency)   (Little's law: a kernel that
               keeps too few bytes in flight cannot reach the copy bandwidth, whatever the bus could carry)
-    t_issue = warp instructions / (active SMs x IPC x clock)     (the SASS count per weight x the weights)
+    t_issue = warp instructions / (active SMs x IPC x clock)     (the SASS count per weight x the weights; IPC at
+              most the warps resident per SM: one warp issues one instruction per clock)
     t_mma   = tensor FLOPs / (the device's mma.sync rate)        (prefill GEMMs)
     t_floor = DRAM latency                                       (one round trip before the first byte)
     time    = max(t_mem, t_issue, t_mma, t_floor), or t_mem + t_issue for a kernel that stages all its loads
@@ -364,7 +365,9 @@ def model_kernel(launch: Any, dev: DeviceProfile, ctx: int, loops: dict | None =
     if loop is not None and tr.weights:
         instr = loop.per_product / 32.0                            # warp instructions per product
         warp_insns = tr.weights * tr.rows * instr
-        t_issue = warp_insns / (active * t.ipc * t.clock_ghz * 1e3)
+        # a warp issues at most one instruction per clock: an SM holding fewer warps than the IPC cannot reach it
+        warps_here = here * max(1, math.ceil(launch.block[0] * launch.block[1] * launch.block[2] / 32))
+        t_issue = warp_insns / (active * min(t.ipc, warps_here) * t.clock_ghz * 1e3)
     t_mma = tr.flops / (t.mma_tflops * 1e6) if tr.flops else 0.0
     t_floor = t.latency_ns / 1e3
     gap = t.gap_pdl_us if launch.pdl else t.gap_us

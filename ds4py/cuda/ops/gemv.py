@@ -27,6 +27,8 @@ from ds4py.errors import Ds4Error
 DEFINES = {
     "GEMV_ROWS": 4,              # rows per warp step (slots); warp_sum4 reduces exactly 4
     "Q8_CHUNK_BLOCKS": 32,       # Q8_0 blocks (x32 columns) of one row staged per piece
+    "Q8_STAGES": 3,              # Q8_0 ring depth: pieces in flight while one is decoded + 1 (H200's latency x
+                                 # bandwidth needs more than one 4.4 KB piece per warp in flight)
     "Q4_CHUNK_BLOCKS": 8,        # Q4_K blocks (x256 columns) of one row staged per piece
     "F32_CHUNK_PIECES": 32,      # F32 pieces of 8 columns (32 bytes) of one row staged per piece (256 columns)
     "GEMV_MAX_X": 8,             # activation rows of one multi-row launch (the `_rows` kernels' accumulator sets)
@@ -36,7 +38,7 @@ GEMV_ROWS = DEFINES["GEMV_ROWS"]
 Q8_0_BLOCK_BYTES = 34
 Q4_K_BLOCK_BYTES = 144                                    # 256 columns: f16 d, f16 dmin, 12 scale bytes, 128 nibbles
 Q8_PIECE_BYTES = DEFINES["Q8_CHUNK_BLOCKS"] * Q8_0_BLOCK_BYTES + 16
-Q8_WARP_SMEM = 2 * GEMV_ROWS * Q8_PIECE_BYTES           # double-buffered pieces of 4 rows, per warp
+Q8_WARP_SMEM = DEFINES["Q8_STAGES"] * GEMV_ROWS * Q8_PIECE_BYTES   # a ring of pieces of 4 rows, per warp
 Q4_PIECE_BYTES = DEFINES["Q4_CHUNK_BLOCKS"] * Q4_K_BLOCK_BYTES + 16
 Q4_WARP_SMEM = 2 * GEMV_ROWS * Q4_PIECE_BYTES           # the same for Q4_K (9,344 B per warp)
 F32_WARP_SMEM = 2 * GEMV_ROWS * (DEFINES["F32_CHUNK_PIECES"] * 32 + 16)   # and F32 (8,320 B per warp)
@@ -44,6 +46,7 @@ WARP_SMEM = {"Q8_0": Q8_WARP_SMEM, "Q4_K": Q4_WARP_SMEM, "F32": F32_WARP_SMEM}
 MAX_MATS = 4
 NORM, ADD = 1, 2                                          # flags (GEMV_NORM, GEMV_ADD)
 DEFAULT_WARPS = {"Q8_0": 4, "F16": 8, "F32": 4, "Q4_K": 4}
+FILL_TYPES = ("Q8_0", "F16")                              # the types whose small launches spread over the SMs
 _KERNEL = {"Q8_0": "gemv_q8_0", "F16": "gemv_f16", "F32": "gemv_f32", "Q4_K": "gemv_q4_k"}
 COL_MULTIPLE = {"Q8_0": 32, "Q4_K": 256, "F16": 8, "F32": 8}
 
@@ -112,11 +115,27 @@ def _rows(what: str, nx: int, x_stride: int | None, width: int) -> tuple[str, tu
     return ("", (), 0) if nx == 1 else ("_rows", (int(nx), stride), stride)
 
 
+def _fill_warps(rt: Any, qtype: str, groups: int) -> int:
+    """Warps per block: the type's default, fewer where its blocks would leave SMs idle. A warp owns whole row
+    groups (its columns in a fixed order: the bits do not depend on the geometry), so a launch of few groups (the
+    router gate's 64, a 512-row projection's 128) spreads them over as many SMs as there are groups: the largest
+    count <= the default whose ceil(groups / warps) blocks still cover every SM, else one warp per block. Q8_0
+    and F16 only (Q4_K / F32 keep their default)."""
+    default = DEFAULT_WARPS[qtype]
+    if qtype not in FILL_TYPES:
+        return default
+    sms = rt.profile.sm_count
+    for w in range(default, 0, -1):
+        if ceil_div(groups, w) >= sms:
+            return w
+    return 1
+
+
 def _geometry(rt: Any, qtype: str, groups: int, warps: int | None, grid: int | None,
               kernel: str | None = None) -> tuple[int, int, int]:
     """(grid, threads, dynamic smem): one wave at most, the wave sized by the kernel's occupancy (its registers,
     not threads alone: blocks_that_fit)."""
-    warps = warps or DEFAULT_WARPS[qtype]
+    warps = warps or _fill_warps(rt, qtype, groups)
     need(1 <= warps <= 32, f"gemv: warps must be 1..32, got {warps}")
     smem = warps * WARP_SMEM.get(qtype, 0)
     grid = grid or min(ceil_div(groups, warps), blocks_that_fit(rt, 32 * warps, smem, kernel=kernel))
