@@ -23,8 +23,13 @@ def nvrtc_kernels(work: Path) -> dict:
     from ds4py.cuda import compiler
 
     cache, out = work / "ds4py-cache", work / "compiled.pickle"
+    # one file at a time (DS4PY_NVRTC_JOBS=1): concurrent NVRTC compiles in one process were seen to give a kernel
+    # one register more or less from run to run (indexer_scores 55 / 56, moe_gate_up_i8_iq2_xxs, both sm_90), while
+    # sequential builds agree with each other and with the committed tables (resources / sass --write from such a
+    # build)
     r = subprocess.run([sys.executable, __file__, str(REPO / "cu"), str(cache), str(out), *NVRTC_ARCHS],
-                       capture_output=True, text=True, timeout=3600, env={**os.environ, "PYTHONPATH": str(REPO)})
+                       capture_output=True, text=True, timeout=3600,
+                       env={**os.environ, "PYTHONPATH": str(REPO), "DS4PY_NVRTC_JOBS": "1"})
     if r.returncode == NO_NVRTC:
         raise compiler.NvrtcUnavailableError(r.stdout.strip())
     if r.returncode != 0:
