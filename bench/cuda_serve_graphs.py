@@ -20,17 +20,18 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
-from ds4py.cuda import engine, graph  # noqa: E402
+from ds4py.cuda import graph  # noqa: E402
+from ds4py.cuda.step_run import BODY, StepRun  # noqa: E402
 
 counts: collections.Counter = collections.Counter()
 
 
 def kind(run) -> str:
-    t = run.tag
-    return "head" if len(t) == 1 else "decode" if len(t) == 3 else "mtp" if isinstance(t[0], bool) else "rows"
+    """The step's kind as the output names it (GraphKey.kind; a BODY is a decode step)."""
+    return "decode" if run.tag.kind == BODY else run.tag.kind
 
 
-_run, _capture = engine.StepRun.run, engine.StepRun._capture
+_run, _capture = StepRun.run, StepRun._capture
 
 
 def run(self, values):
@@ -46,7 +47,7 @@ def capture(self):
     return _capture(self)
 
 
-engine.StepRun.run, engine.StepRun._capture = run, capture
+StepRun.run, StepRun._capture = run, capture
 
 
 def serve(model, tok, prompts, n):

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from ds4py.cuda import layer
-from ds4py.cuda.graph_cache import BODY, HEAD, GraphCache, GraphKey
+from ds4py.cuda.graph_cache import BODY, DSPARK_BLOCK, HEAD, LIMITS, MTP_STEP, GraphCache, GraphKey
 from ds4py.cuda.layer import BLOCK, DECODE, MAX_ROWS, ROWS
 from ds4py.cuda.options import EngineOptions, Outputs, bucket_for, temporarily
 from ds4py.cuda.planner import plan
@@ -92,10 +92,37 @@ def test_the_lru_kinds_drop_the_least_recently_used():
     assert cache.count(HEAD) == 0 and len(retired) == 11
 
 
+def test_the_drafts_kinds_replay_from_their_second_use():
+    """The MTP block's and the DSpark draft's steps (GraphKey MTP_STEP / DSPARK_BLOCK) live in a GraphCache as the
+    engine's do: made with direct launches, captured when the same key comes again, least recently used dropped."""
+    retired, made = [], []
+
+    class Run:
+        def __init__(self, key):
+            self.key, self.graph = key, False
+            made.append(self)
+
+        def use_graph(self):
+            self.graph = True
+
+    cache = GraphCache(SimpleNamespace(retire=retired.extend))
+    for kind, limit in ((MTP_STEP, 16), (DSPARK_BLOCK, 8)):
+        assert LIMITS[kind] == limit
+        keys = [GraphKey(kind, 0, (True, True), (256,), (((4096 * i, 128),),), head=kind == MTP_STEP)
+                for i in range(limit + 1)]
+        first = cache.second_use(keys[0], lambda: Run(keys[0]))
+        assert not first.graph and cache.second_use(keys[0], lambda: Run(None)) is first and first.graph
+        for k in keys[1:]:
+            cache.second_use(k, lambda k=k: Run(k))
+        assert cache.count(kind) == limit and retired[-1] is first       # the least recently used dropped
+        assert GraphKey(kind, 1, (True, True), (256,), keys[1].states, head=keys[1].head) != keys[1]
+    assert cache.count(HEAD) == 0
+
+
 def test_the_pool_grows_one_way_for_every_mode(monkeypatch):
     made, retired, grown, syncs = [], [], [], []
 
-    def make(cfg, bucket, rows, mode, version=0, arena=None, store=None, rt=None):
+    def make(cfg, bucket, rows, mode, version=0, arena=None, store=None, rt=None, hidden_in=False):
         ws = layer.Workspace(mode, bucket, rows, version, None if mode == DECODE else object(), {})
         made.append(ws)
         return ws

@@ -26,7 +26,8 @@ model's head into [B, V] base logits. Then the greedy chain, in the same recordi
 markov_embed[out_i] (the embedding kernel; out_0 = token), the Markov bias markov_head · e_i (a GEMV), logits_i =
 base_i + bias (cu/dspark.cu) and out_{i+1} = argmax (cu/argmax.cu, into a device slot the next position's embedding
 reads); then every confidence c_i = confidence · [h_i, e_i] in one GEMV (h_i and e_i side by side in one row). One
-graph per ring state, captured when it comes a second time (the first call launches directly); what comes back:
+graph per ring state (GraphKey DSPARK_BLOCK in the draft's own GraphCache; its workspace from its own
+WorkspacePool), captured when it comes a second time (the first call launches directly); what comes back:
 base and chain logits [B, V], h [B, D], the chain's ids and confidences.
 
 ChainBlock.position(i, prev) returns the chain's row when prev is the chain's out_i (greedy drafts, and a sampled
@@ -36,7 +37,6 @@ the host from base and h as the reference does (DraftBlock.position; the Markov 
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from functools import cached_property
 from types import SimpleNamespace
 from typing import Any, Sequence
@@ -47,8 +47,9 @@ from ds4py import schema
 from ds4py.cuda import kernels, layer, ops
 from ds4py.cuda.device_weights import EMBED_TYPES, _float, check_gate_up, upload_entries
 from ds4py.cuda.kernels import BLOCK, gemvs
+from ds4py.cuda.graph_cache import DSPARK_BLOCK, GraphCache
 from ds4py.cuda.kvstate import CudaDraftStates, CudaState
-from ds4py.cuda.step_run import StepRun
+from ds4py.cuda.step_run import GraphKey, StepRun, parts_of
 from ds4py.cuda.layer import Launcher, Recording, RowSet
 from ds4py.cuda.ops import dspark as ops_dspark
 from ds4py.cuda.ops.argmax import argmax_parts
@@ -56,12 +57,12 @@ from ds4py.cuda.ops import prefill_attn as ops_pfa
 from ds4py.cuda.ops.attention import AttnKeys, KvRow
 from ds4py.cuda.ops import v41 as ops_v41
 from ds4py.cuda.ops.mhc import mix_record
+from ds4py.cuda.workspaces import WorkspacePool
 from ds4py.errors import UnsupportedByBackend
 from ds4py.host.dspark import DraftBlock, DSparkBase
 from ds4py.host.rope import layer_rope_freqs
 
 F32 = np.float32
-RUNS = 8                     # block graphs kept (one per ring state; least recently used dropped)
 
 
 def dspark_attend(ls: Launcher, rec: Recording, il: int, ro: Any, A: Any) -> None:
@@ -99,7 +100,10 @@ class CudaDSpark(CudaDraftStates, DSparkBase):
         self._host = HostMarkov(gguf, mc)       # the Markov / confidence tables on the host, read when first needed
         # the block's workspace (BLOCK declaration of B rows), the feed's buffers (one ring's rows at most) and the
         # chain's: [h_i | e_i] rows, the bias, the chain's logits, ids and confidences, the argmax partials
-        self.ws = layer.make_workspace(cfg, model.min_bucket, B, BLOCK, store=self.store, rt=self.rt)
+        self.bucket = model.min_bucket
+        self.cache = GraphCache(self.store)
+        self.pool = WorkspacePool(cfg, self.rt, self.store, None, lambda mode: self.cache.drop(DSPARK_BLOCK))
+        self.pool.need(BLOCK, self.bucket, B)          # made now: the draft's memory is taken when it opens
         self.feed_rows = F = self.layout.parts[0].capacity
         parts = argmax_parts(self.rt, mc.vocab_size)
         shapes = {"taps": ((F, mc.dspark_tap_dim), F32), "main_x": ((F, cfg.dim), F32),
@@ -109,7 +113,11 @@ class CudaDSpark(CudaDraftStates, DSparkBase):
                   "part_idx": ((parts,), np.int32), "ticket": ((1,), np.uint32),
                   **{f"kv{s}": ((F, cfg.head_dim), F32) for s in range(S)}}
         self._bufs_block, self.bufs = layer.zeroed_block(self.store, self.rt, shapes)
-        self._runs: OrderedDict[Any, Any] = OrderedDict()
+
+    @property
+    def ws(self) -> layer.Workspace:
+        """The block's workspace: the pool's BLOCK one, holding the draft's bucket and block_size rows."""
+        return self.pool.need(BLOCK, self.bucket, self.block_size)
 
     # ---- the rings ----------------------------------------------------------------------------------------
     def feed(self, states: Sequence[CudaState], taps: Sequence[np.ndarray]) -> None:
@@ -164,37 +172,32 @@ class CudaDSpark(CudaDraftStates, DSparkBase):
             return blk.chain_ids.copy(), blk.chain_logits.copy(), blk.chain_conf.copy()
         return DSparkBase.greedy(self, blk, token, ids)
 
-    def _run(self, state: CudaState):
-        m = self.model
-        key = (m.pdl, m.graphs, tuple((a.ptr, a.shape[0]) for a in state.arrays.values()))
-        run = self._runs.get(key)
-        if run is not None:                  # seen before: captured on this run
-            self._runs.move_to_end(key)
-            run.use_graph()
-            return run
-        ws = self.ws
-        rows = RowSet(BLOCK, [dict(state.arrays)], [ws.bucket], self.block_size, ws.slot, cap=ws.rows)
-        rec = Recording(self.config, self.numerics, self._freqs, ws, rows, ws.tickets, onehot=m._onehot, mma=False,
-                        table=TABLE)
-        D, b, MB = self.binding, self.bufs, m.w.binding
+    def _run(self, state: CudaState) -> StepRun:
+        m, ws = self.model, self.ws
+        key = GraphKey(DSPARK_BLOCK, ws.version, m.options.launch, (ws.bucket,), (parts_of(state),))
 
-        def record(ls: Launcher) -> None:
-            record_block(ls, rec, D, MB, b["chain_x"])
-            record_chain(ls, rec, D, b, self.main_config.dspark_rank)
+        def make() -> StepRun:
+            rows = RowSet(BLOCK, [dict(state.arrays)], [ws.bucket], self.block_size, ws.slot, cap=ws.rows)
+            rec = Recording(self.config, self.numerics, self._freqs, ws, rows, ws.tickets, onehot=m._onehot,
+                            mma=False, table=TABLE)
+            D, b, MB = self.binding, self.bufs, m.w.binding
 
-        run = StepRun(m, record, key, slot=ws.slot, graph=False)
-        self._runs[key] = run
-        while len(self._runs) > RUNS:
-            self.store.retire([self._runs.popitem(last=False)[1]])
-        return run
+            def record(ls: Launcher) -> None:
+                record_block(ls, rec, D, MB, b["chain_x"])
+                record_chain(ls, rec, D, b, self.main_config.dspark_rank)
+
+            return StepRun(m, record, key, slot=ws.slot, graph=False)
+
+        return self.cache.second_use(key, make)
 
     def launches_per_call(self) -> int:
         """Kernels of one draft call (a fresh state's block recording, counted)."""
         return self._run(self.new_state()).count()[0]
 
     def close(self) -> None:
-        self.store.retire(list(self._runs.values()) + [self.ws.block, self._bufs_block, self._block])
-        self._runs.clear()
+        self.cache.close()
+        self.pool.close()
+        self.store.retire([self._bufs_block, self._block])
         self.store.reclaim()
 
 

@@ -28,7 +28,7 @@ from ds4py.cuda import generation, layer, loading, planner, synth, weight_bytes
 from ds4py.cuda.device_weights import DeviceWeights, check_gate_up
 from ds4py.cuda.device_weights import load as load_weights
 from ds4py.cuda.gguf_upload import check_alignment
-from ds4py.cuda.kvstate import CudaState, DeviceStore
+from ds4py.cuda.kvstate import CudaState, CudaStates, DeviceStore
 from ds4py.cuda.layer import BLOCK, MAX_ROWS, ROWS
 from ds4py.cuda.memory_plan import DEFAULT_CTX
 from ds4py.cuda.options import EngineOptions, Outputs, bucket_for
@@ -41,8 +41,9 @@ from ds4py.kv import state_layout
 from ds4py.sampling import SamplingParams
 
 
-class CudaModel(ModelBase):
-    """The engine contract on CUDA devices (docs/engine.md, docs/cuda.md "The engine")."""
+class CudaModel(CudaStates, ModelBase):
+    """The engine contract on CUDA devices (docs/engine.md, docs/cuda.md "The engine"); new_state / _export /
+    _import are CudaStates' (ds4py/cuda/kvstate.py), as its drafts' are."""
 
     backend = "cuda"
     state_type = CudaState
@@ -173,11 +174,7 @@ class CudaModel(ModelBase):
         on one set of weights): every step is captured again in the new mode."""
         self.options = self.options.but(pdl=bool(pdl), graphs=bool(graphs))
 
-    # ---- the contract ----------------------------------------------------------------------------------------
-    def new_state(self) -> CudaState:
-        self.store.reclaim()
-        return CudaState(self.layout, self.store)
-
+    # ---- the contract (new_state / _export / _import: CudaStates) ----------------------------------------------
     def check_state(self, state: Any, what: str = "state") -> None:
         super().check_state(state, what)
         if state.busy:
@@ -227,15 +224,6 @@ class CudaModel(ModelBase):
     def _step_rows(self, states: list[CudaState], chunks: list[np.ndarray], all_logits: bool,
                    taps: bool = False) -> list[np.ndarray]:
         return self.runner.step_rows(states, chunks, all_logits, taps)
-
-    def _export(self, state: CudaState) -> dict[str, np.ndarray]:
-        return state.export()
-
-    def _import(self, n_tokens: int, n_written: int, arrays: dict[str, np.ndarray]) -> CudaState:
-        st = self.new_state()
-        st.n_tokens, st.n_written = n_tokens, n_written
-        st.load(arrays)
-        return st
 
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights one decode step reads (the bench's roofline; ds4py/cuda/weight_bytes.py)."""

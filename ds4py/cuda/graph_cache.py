@@ -1,49 +1,37 @@
-"""The engine's recorded steps (StepRun: a graph replayed, or direct launches), each under a GraphKey that names
-everything it baked in, in one cache with one eviction rule per kind:
+"""The recorded steps (StepRun: a graph replayed, or direct launches), each under a GraphKey (step_run.py) that
+names everything it baked in, in one cache with one eviction rule per kind:
 - BODY: a state's decode body (one row; its parts' pointers and context bucket). Kept on the state (st.graph),
   one per variant (key choice, taps), so it is released with the state; replaced when it no longer fits.
 - HEAD: the head (and the sampler), one per sampling setting; the HEAD_GRAPHS most recently used kept.
-- ROWS: a multi-row step (its rows' states and buckets); the ROWS_GRAPHS most recently used kept.
+- ROWS_STEP: a multi-row step (its rows' states and buckets); the ROWS_GRAPHS most recently used kept.
+- MTP_STEP: an MTP block step (its rows' states, with or without the head); the MTP_GRAPHS most recently used.
+- DSPARK_BLOCK: a DSpark draft call (its state's rings); the DSPARK_GRAPHS most recently used kept.
+The engine's runner has one cache, each draft one of its own (its graphs bake in its own weights and workspace).
 A workspace growth (ds4py/cuda/workspaces.py) drops the kinds recorded on it; a key never matches a graph
 recorded on another workspace version or launch mode (pdl, graphs)."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import replace
+from typing import Any, Callable
 
-from ds4py.cuda.step_run import StepRun
+from ds4py.cuda.step_run import (BODY, DSPARK_BLOCK, HEAD, MTP_STEP, ROWS_STEP, GraphKey,  # noqa: F401 (re-exported)
+                                 StepRun)
 
-BODY, HEAD, ROWS_STEP = "body", "head", "rows"
 HEAD_GRAPHS = 8             # head graphs kept (one per sampling setting; least recently used dropped)
 ROWS_GRAPHS = 32            # ROWS step graphs kept (one per rows' states and buckets; least recently used dropped)
-
-
-@dataclass(frozen=True)
-class GraphKey:
-    kind: str                               # BODY, HEAD or ROWS_STEP
-    workspace: int                          # the version of the workspace it was recorded on
-    launch: tuple[bool, bool]               # (pdl, graphs) it was recorded under
-    buckets: tuple[int, ...] = ()           # per row its context bucket (BODY: the state's one)
-    states: tuple = ()                      # ROWS_STEP: per row its state's parts as ((address, rows), ...)
-    generation: int = 0                     # BODY: the state's generation (bumped when a part moves)
-    keys: tuple | None = None               # per row the official decode bug's key choice (sorted (layer, owner))
-    taps: bool = False                      # with the DSpark taps
-    sampling: tuple | None = None           # HEAD: the sampler's values (None: the head alone)
-
-    @property
-    def bucket(self) -> int:
-        return self.buckets[0]
+MTP_GRAPHS = 16             # MTP step graphs kept (per rows' states, row count and head)
+DSPARK_GRAPHS = 8           # DSpark block graphs kept (one per ring state)
+LIMITS = {HEAD: HEAD_GRAPHS, ROWS_STEP: ROWS_GRAPHS, MTP_STEP: MTP_GRAPHS, DSPARK_BLOCK: DSPARK_GRAPHS}
 
 
 class GraphCache:
     def __init__(self, store: Any):
         self.store = store
-        self._lru: dict[str, OrderedDict[GraphKey, StepRun]] = {HEAD: OrderedDict(), ROWS_STEP: OrderedDict()}
-        self._limit = {HEAD: HEAD_GRAPHS, ROWS_STEP: ROWS_GRAPHS}
+        self._lru: dict[str, OrderedDict[GraphKey, StepRun]] = {kind: OrderedDict() for kind in LIMITS}
 
-    # ---- HEAD and ROWS_STEP: exact keys, least recently used dropped ------------------------------------------
+    # ---- every kind but BODY: exact keys, least recently used dropped -----------------------------------------
     def get(self, key: GraphKey) -> StepRun | None:
         lru = self._lru[key.kind]
         run = lru.get(key)
@@ -54,9 +42,18 @@ class GraphCache:
     def put(self, key: GraphKey, run: StepRun) -> StepRun:
         lru = self._lru[key.kind]
         lru[key] = run
-        while len(lru) > self._limit[key.kind]:
+        while len(lru) > LIMITS[key.kind]:
             self.store.retire([lru.popitem(last=False)[1]])
         return run
+
+    def second_use(self, key: GraphKey, make: Callable[[], StepRun]) -> StepRun:
+        """The run of `key`: seen before, captured from now on (use_graph); else `make()`'s, kept (direct
+        launches its first time: a row set seen once, such as a one-off catch-up, is not worth a capture)."""
+        run = self.get(key)
+        if run is not None:
+            run.use_graph()
+            return run
+        return self.put(key, make())
 
     def count(self, kind: str) -> int:
         return len(self._lru[kind])

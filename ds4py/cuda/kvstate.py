@@ -187,9 +187,10 @@ def _release(store: DeviceStore, blocks: list, graph: list) -> None:
     store.retire(list(blocks) + [run for run in graph if run is not None])
 
 
-class CudaDraftStates:
-    """The state methods of the CUDA backend's draft models (CudaMtp, CudaDSpark; contract.DraftBase): a CudaState
-    of the draft's layout in the main model's store."""
+class CudaStates:
+    """The state methods of every CUDA model, the engine's and its drafts' (CudaModel; CudaMtp, CudaDSpark through
+    CudaDraftStates): a CudaState of the model's `layout` in its `store` (the main model's, for a draft), exported
+    and imported part by part (contract.ModelBase / DraftBase's _export / _import)."""
 
     layout: StateLayout
     store: Any
@@ -197,9 +198,6 @@ class CudaDraftStates:
     def new_state(self) -> CudaState:
         self.store.reclaim()
         return CudaState(self.layout, self.store)
-
-    def owns(self, state) -> bool:
-        return isinstance(state, CudaState) and state.layout == self.layout and state.store is self.store
 
     def _export(self, state: CudaState) -> dict[str, np.ndarray]:
         return state.export()
@@ -209,3 +207,11 @@ class CudaDraftStates:
         st.n_tokens, st.n_written = n_tokens, n_written
         st.load(arrays)
         return st
+
+
+class CudaDraftStates(CudaStates):
+    """The state methods of the CUDA backend's draft models (CudaMtp, CudaDSpark; contract.DraftBase): CudaStates',
+    and which states are the draft's own."""
+
+    def owns(self, state) -> bool:
+        return isinstance(state, CudaState) and state.layout == self.layout and state.store is self.store

@@ -14,15 +14,16 @@ against the MTP state), with the block's prologue and head:
 The prologue is two GEMV passes over the R * hc copy rows (the embedding written hc times by the embedding kernel,
 e_proj with the enorm prologue into the residual, then h_proj with the hnorm prologue added on top), so no kernel
 is new. Rows come in steps of at most MAX_ROWS (a long catch-up after a prefill is several steps); each step is one
-graph replay per (rows' states, row count, with or without the head), captured when it comes a second time (the
-first run launches directly). The hidden states h_j arrive from the host
+graph replay per (rows' states, row count, with or without the head: GraphKey MTP_STEP in the block's own
+GraphCache), captured when it comes a second time (the first run launches directly). Its workspace comes from its
+own WorkspacePool (the block's config, ROWS, with the hidden-state input rows). The hidden states h_j arrive from
+the host
 (the main model's step_hidden downloads them) and go up into a workspace buffer before the replay; the block's
 output states come back down (a chained draft feeds its last row back in).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -31,14 +32,14 @@ from ds4py import schema
 from ds4py.cuda import layer, ops
 from ds4py.cuda.ops import experts as ops_moe
 from ds4py.cuda.kernels import gemvs
+from ds4py.cuda.graph_cache import MTP_STEP, GraphCache
 from ds4py.cuda.kvstate import CudaDraftStates, CudaState
-from ds4py.cuda.step_run import StepRun
+from ds4py.cuda.step_run import GraphKey, StepRun, parts_of
 from ds4py.cuda.layer import MAX_ROWS, ROWS, Launcher, Recording, RowSet
+from ds4py.cuda.workspaces import WorkspacePool
 from ds4py.cuda.device_weights import DevTensor, check_gate_up, upload_entries
 from ds4py.contract import MtpBase
 from ds4py.host.rope import layer_rope_freqs
-
-RUNS = 16                    # MTP step graphs kept (per rows' states, row count and head)
 
 
 def _upload(rt: Any, store: Any, gguf, cfg) -> tuple[Any, dict[str, DevTensor], Any]:
@@ -65,9 +66,15 @@ class CudaMtp(CudaDraftStates, MtpBase):
         # a ratio-0 layer attends to its window only: one plan (and one workspace) serves every position; the
         # workspace is the ROWS declaration of the block's config plus the hidden-state input rows
         self.bucket = model.min_bucket
-        self.ws = layer.make_workspace(self.config, self.bucket, MAX_ROWS, ROWS, store=self.store, rt=self.rt,
-                                       hidden_in=True)
-        self._runs: OrderedDict[Any, Any] = OrderedDict()
+        self.cache = GraphCache(self.store)
+        self.pool = WorkspacePool(self.config, self.rt, self.store, None, lambda mode: self.cache.drop(MTP_STEP),
+                                  hidden_in=True)
+        self.pool.need(ROWS, self.bucket, MAX_ROWS)      # made now: the block's memory is taken when it opens
+
+    @property
+    def ws(self) -> layer.Workspace:
+        """The block's workspace: the pool's ROWS one, holding the block's bucket and MAX_ROWS rows."""
+        return self.pool.need(ROWS, self.bucket, MAX_ROWS)
 
     # ---- the interface RefMtp has (new_state / owns / _export / _import: CudaDraftStates) ----------------------
     def _step(self, states: list[CudaState], hs: list[np.ndarray], ids: list[np.ndarray], all_logits: bool,
@@ -84,9 +91,9 @@ class CudaMtp(CudaDraftStates, MtpBase):
             want = [logits and (all_logits or j == len(ids[i]) - 1) for i, j in part]
             head = any(want)
             R = len(part)
-            run = self._run([states[i] for i, _ in part], head)
+            run, ws = self._run([states[i] for i, _ in part], head), self.ws
             self.rt.synchronize()               # the previous replay may still read h_in
-            self.ws.h_in.view(0, (R,) + hs[0].shape[1:]).upload(np.stack([hs[i][j] for i, j in part]))
+            ws.h_in.view(0, (R,) + hs[0].shape[1:]).upload(np.stack([hs[i][j] for i, j in part]))
             values = [n0[i] + j for i, j in part] + [0] * (MAX_ROWS - R) + [int(ids[i][j]) for i, j in part]
             count: dict[int, int] = {}
             for i, _ in part:
@@ -96,8 +103,8 @@ class CudaMtp(CudaDraftStates, MtpBase):
             run.run(values)
             for i, k in count.items():
                 states[i].end_step(k)
-            X = self.ws.X1.view(0, (R,) + hs[0].shape[1:]).download()
-            lg = self.ws.logits.view(0, (R, V)).download() if head else None
+            X = ws.X1.view(0, (R,) + hs[0].shape[1:]).download()
+            lg = ws.logits.view(0, (R, V)).download() if head else None
             for r, ((i, j), w) in enumerate(zip(part, want)):
                 out_h[i][j] = X[r]
                 if w:
@@ -122,27 +129,24 @@ class CudaMtp(CudaDraftStates, MtpBase):
         return total + B.head.array.nbytes + B.embed.array.nbytes // B.embed.shape[0]
 
     # ---- graphs -----------------------------------------------------------------------------------------------
-    def _run(self, states: list[CudaState], head: bool):
-        m = self.model
-        key = (m.pdl, m.graphs, head, tuple(tuple((a.ptr, a.shape[0]) for a in st.arrays.values()) for st in states))
-        run = self._runs.get(key)
-        if run is not None:                     # seen before: captured on this run (a one-off catch-up is not)
-            self._runs.move_to_end(key)
-            run.use_graph()
-            return run
-        rows = RowSet(ROWS, [dict(st.arrays) for st in states], [self.bucket] * len(states), len(states), self.ws.slot,
-                      cap=MAX_ROWS)
-        rec = Recording(self.config, self.numerics, self._freqs, self.ws, rows, self.ws.tickets)
-        run = StepRun(m, lambda ls: record_mtp(ls, rec, self.binding, m.w.binding, head), key, slot=self.ws.slot,
-                      graph=False)
-        self._runs[key] = run
-        while len(self._runs) > RUNS:
-            self.store.retire([self._runs.popitem(last=False)[1]])
-        return run
+    def _run(self, states: list[CudaState], head: bool) -> StepRun:
+        m, ws = self.model, self.ws
+        key = GraphKey(MTP_STEP, ws.version, m.options.launch, (self.bucket,) * len(states),
+                       tuple(parts_of(st) for st in states), head=head)
+
+        def make() -> StepRun:
+            rows = RowSet(ROWS, [dict(st.arrays) for st in states], list(key.buckets), len(states), ws.slot,
+                          cap=MAX_ROWS)
+            rec = Recording(self.config, self.numerics, self._freqs, ws, rows, ws.tickets)
+            return StepRun(m, lambda ls: record_mtp(ls, rec, self.binding, m.w.binding, head), key, slot=ws.slot,
+                           graph=False)
+
+        return self.cache.second_use(key, make)
 
     def close(self) -> None:
-        self.store.retire(list(self._runs.values()) + [self.ws.block, self._block])
-        self._runs.clear()
+        self.cache.close()
+        self.pool.close()
+        self.store.retire([self._block])
         self.store.reclaim()
 
 

@@ -1,7 +1,11 @@
 """The engine's scratch: one workspace per row-set mode (DECODE: one row, in the weights arena's scratch; ROWS:
 MAX_ROWS rows; BLOCK: the prefill block's rows), under one policy: a workspace only grows, to hold the largest
 context bucket and row count asked of it so far, after a synchronize (queued work may still use the old one),
-with its version bumped; the old block is retired and the graphs recorded on it dropped (on_grow)."""
+with its version bumped; the old block is retired and the graphs recorded on it dropped (on_grow).
+
+One pool per config: the engine's runner has one (the model's config); each draft one of its own (the MTP
+block's config with its hidden-state input rows, ROWS; the DSpark stages' config, BLOCK), as its workspace
+holds its own layer's shapes and its graphs are its own."""
 
 from __future__ import annotations
 
@@ -11,8 +15,11 @@ from ds4py.cuda import layer
 
 
 class WorkspacePool:
-    def __init__(self, cfg: Any, rt: Any, store: Any, arena: Any, on_grow: Callable[[str], None]):
+    def __init__(self, cfg: Any, rt: Any, store: Any, arena: Any, on_grow: Callable[[str], None],
+                 hidden_in: bool = False):
+        """arena: DECODE's scratch (None: a pool without DECODE); hidden_in: with the MTP block's input rows."""
         self.cfg, self.rt, self.store, self.arena, self.on_grow = cfg, rt, store, arena, on_grow
+        self.hidden_in = hidden_in
         self._ws: dict[str, layer.Workspace] = {}
 
     def get(self, mode: str) -> layer.Workspace | None:
@@ -31,7 +38,8 @@ class WorkspacePool:
                 self.store.retire([ws.block])
         ws = self._ws[mode] = layer.make_workspace(
             self.cfg, max(bucket, ws.bucket if ws else 0), max(rows, ws.rows if ws else 0), mode,
-            0 if ws is None else ws.version + 1, arena=self.arena, store=self.store, rt=self.rt)
+            0 if ws is None else ws.version + 1, arena=self.arena, store=self.store, rt=self.rt,
+            hidden_in=self.hidden_in)
         return ws
 
     def close(self) -> None:
