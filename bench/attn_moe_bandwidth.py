@@ -32,6 +32,8 @@ from ds4py.cuda.ops import experts as ops_moe  # noqa: E402
 from ds4py.cuda.ops import indexer as ops_idx  # noqa: E402
 from ds4py.cuda.ops import topk as ops_topk  # noqa: E402
 from ds4py.cuda.probe import device_copy_bandwidth_gbps  # noqa: E402
+from ds4py.cuda.ops.core import TokenRows  # noqa: E402
+from ds4py.cuda.ops.experts import Experts, Slots  # noqa: E402
 from ds4py.ref import ops as ref_ops  # noqa: E402
 from gemv_bandwidth import fill_tiled, timed_graph  # noqa: E402
 
@@ -87,8 +89,11 @@ def bench_experts(rt, arena, r, reps, copy_gbs, res) -> None:
         dn_bytes = K * D * ops_moe.row_bytes(down_t, FF)
         for name, nbytes, fn in [
             ("gate_up", gu_bytes,
-             lambda i: ops_moe.moe_gate_up(rt, gate_t, Wg, Wu, x, ids[i], w, h, NX, FF, D, K, 10.0)),
-            ("down", dn_bytes, lambda i: ops_moe.moe_down(rt, down_t, Wd, ids[i], h, y, NX, D, FF, K)),
+             lambda i: ops_moe.moe_gate_up(rt,
+                                           Experts(fmt=gate_t, n_experts=NX, ff=FF, dim=D, gate=Wg, up=Wu, clamp=10.0),
+                                           x, h, Slots(ids=ids[i], weights=w, k=K))),
+            ("down", dn_bytes, lambda i: ops_moe.moe_down(rt, Experts(fmt=down_t, n_experts=NX, ff=FF, dim=D, down=Wd),
+                                                          TokenRows(x=h, y=y), Slots(ids=ids[i], k=K))),
         ]:
             ms = timed_graph(rt, lambda: fn(next(it) % reps), reps, slot)
             gbs = nbytes / ms / 1e6
@@ -114,8 +119,10 @@ def bench_experts(rt, arena, r, reps, copy_gbs, res) -> None:
 
     def shared():
         i = next(it) % copies
-        ops_moe.moe_gate_up(rt, QT.Q8_0, Wg, Wu, x, ids[i], None, hs, copies, FF, D, 1, 10.0)
-        ops_moe.moe_down(rt, QT.Q8_0, Wd, ids[i], hs, ys, copies, D, FF, 1)
+        ops_moe.moe_gate_up(rt, Experts(fmt=QT.Q8_0, n_experts=copies, ff=FF, dim=D, gate=Wg, up=Wu, clamp=10.0), x, hs,
+                            Slots(ids=ids[i]))
+        ops_moe.moe_down(rt, Experts(fmt=QT.Q8_0, n_experts=copies, ff=FF, dim=D, down=Wd), TokenRows(x=hs, y=ys),
+                         Slots(ids=ids[i]))
 
     nbytes = 3 * FF * ops_moe.row_bytes(QT.Q8_0, D)
     ms = timed_graph(rt, shared, reps, slot)

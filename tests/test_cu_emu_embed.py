@@ -9,6 +9,8 @@ import pytest
 from cu_fixtures import arena, put, requires_emulator, rng, rt  # noqa: F401 (fixtures)
 from ds4py.cuda import ops, twins
 from ds4py.cuda.ops.argmax import argmax_parts
+from ds4py.cuda.ops.argmax import ArgmaxParts
+from ds4py.cuda.ops.gemv import GemvX
 from ds4py.errors import Ds4Error
 
 pytestmark = requires_emulator
@@ -45,7 +47,7 @@ def test_argmax(rt, arena, put, parts, threads):
     ticket = put(np.zeros(1, np.uint32), False)
     out = put(np.full(1, -7, np.int32), False)
     for x in argmax_inputs():                               # one ticket across launches, as in a replayed graph
-        ops.argmax(rt, put(x, False), len(x), pv, pi, ticket, out, threads=threads)
+        ops.argmax(rt, put(x, False), len(x), ArgmaxParts(pv, pi, ticket), out, threads=threads)
         assert int(out.download()[0]) == twins.argmax(x), f"n={len(x)}"
         assert int(ticket.download()[0]) == 0
 
@@ -81,8 +83,9 @@ def test_wrapper_checks(rt, arena, put):
     with pytest.raises(Ds4Error, match="F16 or F32"):
         ops.embed(rt, put(np.zeros((4, 8), np.int32)), put(np.zeros(1, np.int32), False), out, 1)
     with pytest.raises(Ds4Error, match="ticket"):
-        ops.argmax(rt, put(np.zeros(8, np.float32), False), 8, arena.scratch(1, np.float32),
-                   arena.scratch(1, np.int32), arena.scratch(1, np.int32), out)
+        ops.argmax(rt, put(np.zeros(8, np.float32), False), 8,
+                   ArgmaxParts(arena.scratch(1, np.float32), arena.scratch(1, np.int32), arena.scratch(1, np.int32)),
+                   out)
 
 
 def test_the_token_stays_on_the_device(rt, arena, put):
@@ -106,8 +109,8 @@ def test_the_token_stays_on_the_device(rt, arena, put):
     def record():
         ops.embed(rt, dt, slot, h, 1)
         ops.rmsnorm(rt, h, None, xn, D, 1e-6, threads=32)
-        ops.gemv(rt, [(dh, logits, V)], xn, D)
-        ops.argmax(rt, logits, V, pv, pi, ticket, slot, threads=32)
+        ops.gemv(rt, [(dh, logits, V)], GemvX(xn, D))
+        ops.argmax(rt, logits, V, ArgmaxParts(pv, pi, ticket), slot, threads=32)
 
     g = StepGraph(rt, record, slot.view(4, 1))
     got, tok, want = [], 5, []

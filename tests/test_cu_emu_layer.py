@@ -20,6 +20,8 @@ from ds4py.cuda.ops import indexer as ops_idx
 from ds4py.cuda.ops import router as ops_route
 from ds4py.cuda.ops import topk as ops_topk
 from ds4py.cuda.twins.indexer import weight_scale
+from ds4py.cuda.ops.core import TokenRows
+from ds4py.cuda.ops.experts import Experts, HcPost, Slots
 from ds4py.gguf import GGUFFile
 from ds4py.kv import state_layout
 from ds4py.model import Numerics
@@ -183,22 +185,27 @@ def test_moe_sublayer_matches_the_reference(kdev, model, il, token):
     clamp = cfg.swiglu_clamp[il]
     sh = {m: gg.tensor(P.p + f"ffn_{m}_shexp.weight").qtype for m in ("gate", "down")}
     h_sh, y_sh = dev.var(np.zeros(FF, np.float32)), dev.var(np.zeros(D, np.float32))
-    ops_moe.moe_gate_up(rt, sh["gate"], P.raw("ffn_gate_shexp.weight"), P.raw("ffn_up_shexp.weight"), x, None, None,
-                        h_sh, 1, FF, D, 1, clamp)
-    ops_moe.moe_down(rt, sh["down"], P.raw("ffn_down_shexp.weight"), None, h_sh, y_sh, 1, D, FF, 1)
+    ops_moe.moe_gate_up(rt,
+                        Experts(fmt=sh["gate"], n_experts=1, ff=FF, dim=D, gate=P.raw("ffn_gate_shexp.weight"),
+                                up=P.raw("ffn_up_shexp.weight"), clamp=clamp), x, h_sh, Slots())
+    ops_moe.moe_down(rt, Experts(fmt=sh["down"], n_experts=1, ff=FF, dim=D, down=P.raw("ffn_down_shexp.weight")),
+                     TokenRows(x=h_sh, y=y_sh), Slots())
     ex = {m: gg.tensor(P.p + f"ffn_{m}_exps.weight").qtype for m in ("gate", "down")}
     h, y = dev.var(np.zeros((k, FF), np.float32)), dev.var(np.zeros(D, np.float32))
-    ops_moe.moe_gate_up(rt, ex["gate"], P.raw("ffn_gate_exps.weight"), P.raw("ffn_up_exps.weight"), x, ids, wts, h, NX,
-                        FF, D, k, clamp)
-    ops_moe.moe_down(rt, ex["down"], P.raw("ffn_down_exps.weight"), ids, h, y, NX, D, FF, k, add=y_sh)
+    ops_moe.moe_gate_up(rt,
+                        Experts(fmt=ex["gate"], n_experts=NX, ff=FF, dim=D, gate=P.raw("ffn_gate_exps.weight"),
+                                up=P.raw("ffn_up_exps.weight"), clamp=clamp), x, h, Slots(ids=ids, weights=wts, k=k))
+    ops_moe.moe_down(rt, Experts(fmt=ex["down"], n_experts=NX, ff=FF, dim=D, down=P.raw("ffn_down_exps.weight")),
+                     TokenRows(x=h, y=y, add=y_sh), Slots(ids=ids, k=k))
     # and the same sum through the hc_post epilogue
     r = np.random.default_rng(9)
     hc = cfg.hc_mult
     post, comb = (r.random(hc) * 2).astype(np.float32), r.random((hc, hc)).astype(np.float32)
     X = r.standard_normal((hc, D)).astype(np.float32)
     Xn = dev.var(np.zeros((hc, D), np.float32))
-    ops_moe.moe_down(rt, ex["down"], P.raw("ffn_down_exps.weight"), ids, h, Xn, NX, D, FF, k, add=y_sh,
-                     hc_post=dev.const(post), hc_comb=dev.const(comb), hc_x=dev.const(X))
+    ops_moe.moe_down(rt, Experts(fmt=ex["down"], n_experts=NX, ff=FF, dim=D, down=P.raw("ffn_down_exps.weight")),
+                     TokenRows(x=h, y=Xn, add=y_sh), Slots(ids=ids, k=k),
+                     hc=HcPost(dev.const(post), dev.const(comb), dev.const(X)))
 
     trace = forward.Trace(cfg.n_layers)
     one = [forward.Seq(None, slice(0, 1), np.array([0]))]        # the MoE reads only the rows of its sequence

@@ -12,6 +12,7 @@ from cu_fixtures import arena, fresh_arena, put, putter, requires_emulator, rng,
 from ds4py.cuda import ops, twins
 from ds4py.cuda.ops import mhc as om
 from ds4py.cuda.twins import mhc as tm
+from ds4py.cuda.ops.mhc import HcResidual
 from ds4py.ref import ops as ref
 
 pytestmark = requires_emulator
@@ -131,7 +132,7 @@ def test_hc_post(rt, arena, put, D, T, threads):
     f = r.standard_normal((T, D)).astype(np.float32)
     mix = r.random((T, om.mix_record(HC))).astype(np.float32)
     dX = put(X, False)
-    ops.hc_post(rt, put(f, False), put(mix), dX, T, D, threads=threads)
+    ops.hc_post(rt, put(f, False), HcResidual(dX, put(mix), D), T, threads=threads)
     want = tm.hc_post(f, X, mix)
     post, C = mix[:, HC:2 * HC], mix[:, 2 * HC:].reshape(T, HC, HC)
     mag = np.abs(post)[:, :, None] * np.abs(f)[:, None, :] + np.einsum("tjk,tjd->tkd", np.abs(C), np.abs(X))

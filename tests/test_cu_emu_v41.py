@@ -206,7 +206,7 @@ def test_engram(kdev):
     kv = r.standard_normal((T, (hc + 1) * D)).astype(F32)
     weight = (r.standard_normal((hc, D)) * r.standard_normal((hc, D))).astype(F32)
     dX = dev.var(X)
-    ops_v41.engram(dev.rt, dX, dev.const(kv), dev.const(weight), T, hc, D, EPS)
+    ops_v41.engram(dev.rt, ops_v41.EngramLayer(weight=dev.const(weight), hc=hc, dim=D, eps=EPS), dX, dev.const(kv), T)
     close(dX.download(), twin.engram(X, kv, weight, EPS), "engram")
 
 

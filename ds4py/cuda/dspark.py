@@ -51,7 +51,7 @@ from ds4py.cuda.kvstate import CudaDraftStates, CudaState
 from ds4py.cuda.step_run import StepRun
 from ds4py.cuda.layer import Launcher, Recording, RowSet
 from ds4py.cuda.ops import dspark as ops_dspark
-from ds4py.cuda.ops.argmax import argmax_parts
+from ds4py.cuda.ops.argmax import ArgmaxParts, argmax_parts
 from ds4py.cuda.ops import prefill_attn as ops_pfa
 from ds4py.cuda.ops.attention import AttnKeys, KvRow
 from ds4py.cuda.ops import v41 as ops_v41
@@ -229,7 +229,8 @@ def record_chain(ls: Launcher, rec: Recording, D: Any, b: dict, r: int) -> None:
         gemvs(ls, [(D.markov_head, b["bias"], V)], e, r, 1, ls.main)
         row = b["chain_logits"].view(4 * i * V, V)
         ops_dspark.add(ls, ws.logits.view(4 * i * V, V), b["bias"], row, V, **ls.main())
-        ops.argmax(ls, row, V, b["part_val"], b["part_idx"], b["ticket"], b["chain_ids"].view(4 * i, 1), **ls.main())
+        parts = ArgmaxParts(val=b["part_val"], idx=b["part_idx"], ticket=b["ticket"])
+        ops.argmax(ls, row, V, parts, b["chain_ids"].view(4 * i, 1), **ls.main())
     gemvs(ls, [(D.confidence, b["conf"], 1)], b["chain_x"], w, R, ls.main)
 
 

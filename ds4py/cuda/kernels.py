@@ -25,6 +25,7 @@ from ds4py.cuda.memory import DeviceArray
 from ds4py.cuda.device_weights import GEMV_TYPES, DevTensor
 from ds4py.cuda.ops import attention as ops_attn
 from ds4py.cuda.ops import compressor as ops_comp
+from ds4py.cuda.ops import core as ops_core
 from ds4py.cuda.ops import experts as ops_moe
 from ds4py.cuda.ops import gemm as ops_gemm
 from ds4py.cuda.ops import indexer as ops_idx
@@ -33,8 +34,11 @@ from ds4py.cuda.ops import prefill_attn as ops_pfa
 from ds4py.cuda.ops import router as ops_route
 from ds4py.cuda.ops import topk as ops_topk
 from ds4py.cuda.ops import v41 as ops_v41
-from ds4py.cuda.ops.gemv import GEMV_MAX_X, MAX_MATS
-from ds4py.cuda.ops.mhc import mix_record
+from ds4py.cuda.ops.core import TokenRows
+from ds4py.cuda.ops.experts import Experts, HcPost, Slots
+from ds4py.cuda.ops.gemm import GemmShape
+from ds4py.cuda.ops.gemv import GEMV_MAX_X, MAX_MATS, GemvX, SwiGlu
+from ds4py.cuda.ops.mhc import HcResidual, mix_record
 from ds4py.cuda.ops.rmsnorm import rmsnorm
 from ds4py.host.indexer import weight_scale
 
@@ -106,8 +110,9 @@ def gemvs(ls: Any, mats: list[tuple[DevTensor, DeviceArray, int]], x: DeviceArra
             for r0 in range(0, n, GEMV_MAX_X):
                 k = min(GEMV_MAX_X, n - r0)
                 outs = [(W, rows_of(y, r0, k, rows), rows) for W, y, rows in group[i:i + MAX_MATS]]
-                ops.gemv(ls, outs, rows_of(x, r0, k, stride), cols, norm=norm, x_group_rows=x_group_rows, nx=k,
-                         x_stride=stride, add=add, **stream())
+                xin = GemvX(rows_of(x, r0, k, stride), cols, nx=k, x_stride=stride, x_group_rows=x_group_rows,
+                            norm=norm)
+                ops.gemv(ls, outs, xin, add=add, **stream())
 
 
 def dense_gemv(ls: Any, rec: Any, mats: list, x: DeviceArray, cols: int, stream: Callable, norm=None,
@@ -149,8 +154,8 @@ def gemm(ls: Any, rec: Any, mats: list, x: DeviceArray, cols: int, T: int, x_gro
         ops_pfa.split_bf16(ls, x.view(0, n), xs, n, **ls.main())
     for W, y, rows in mats:
         for i, xi in enumerate(xs):
-            ops_gemm.gemm(ls, W, xi, y, T, rows, cols, accumulate=i > 0, x_group_rows=x_group_rows, ldx=ld,
-                          **ls.main())
+            ops_gemm.gemm(ls, W, xi, y, GemmShape(T, rows, cols, x_group_rows=x_group_rows, ldx=ld),
+                          accumulate=i > 0, **ls.main())
 
 
 def gemv_hc_post(ls: Any, rec: Any, W: DevTensor, u: DeviceArray, X: DeviceArray, mix: DeviceArray,
@@ -161,8 +166,13 @@ def gemv_hc_post(ls: Any, rec: Any, W: DevTensor, u: DeviceArray, X: DeviceArray
     hc, D, mrec = cfg.hc_mult, cfg.dim, mix_record(cfg.hc_mult)
     for r0 in range(0, rec.R, GEMV_MAX_X):
         k = min(GEMV_MAX_X, rec.R - r0)
-        ops.gemv_hc_post(ls, W.array, rows_of(u, r0, k, cols), rows_of(X, r0, k, hc * D), rows_of(mix, r0, k, mrec),
-                         D, cols, hc=hc, nx=k, **ls.main())
+        ops.gemv_hc_post(ls, W.array, GemvX(rows_of(u, r0, k, cols), cols, nx=k),
+                         HcResidual(rows_of(X, r0, k, hc * D), rows_of(mix, r0, k, mrec), D, hc), **ls.main())
+
+
+def residual(rec: Any, X: DeviceArray, mix: DeviceArray) -> HcResidual:
+    """The residual X [R, hc, dim] a sub-layer's output goes back into, with that sub-layer's mix records."""
+    return HcResidual(X, mix, rec.cfg.dim, rec.cfg.hc_mult)
 
 
 def block_hc_post(ls: Any, rec: Any, W: DevTensor, u: DeviceArray, X: DeviceArray, mix: DeviceArray,
@@ -170,7 +180,7 @@ def block_hc_post(ls: Any, rec: Any, W: DevTensor, u: DeviceArray, X: DeviceArra
     if rec.mma and mma_ok(W):
         f = rec.ws.f
         gemm(ls, rec, [(W, f, rec.cfg.dim)], u, cols, rec.R)
-        ops.hc_post(ls, f, mix, X, rec.R, rec.cfg.dim, rec.cfg.hc_mult, **ls.main())
+        ops.hc_post(ls, f, residual(rec, X, mix), rec.R, **ls.main())
     else:
         gemv_hc_post(ls, rec, W, u, X, mix, cols)
 
@@ -341,6 +351,21 @@ def route_block(ls: Any, rec: Any, ro: Any, Fw: Any) -> None:
 
 
 # ---- experts ---------------------------------------------------------------------------------------------------
+def shared_expert(rec: Any, S: Any, clamp: float = 0.0) -> Experts:
+    """The layer's shared expert as one expert every row chooses (its Q8_0 / F16 matrices are expert formats)."""
+    cfg = rec.cfg
+    return Experts(fmt=S.gate.qtype, n_experts=1, ff=cfg.shared_ff, dim=cfg.dim, gate=S.gate.array, up=S.up.array,
+                   down=S.down.array, down_fmt=S.down.qtype, clamp=clamp)
+
+
+def routed_experts(rec: Any, E: Any, clamp: float = 0.0) -> Experts:
+    """The layer's routed experts (gate and up share one kernel format; down has its own)."""
+    cfg = rec.cfg
+    ops_core.need(E.up.kernel_format == E.gate.kernel_format, "experts: gate and up must have the same weight type")
+    return Experts(fmt=E.gate.kernel_format, n_experts=cfg.n_experts, ff=cfg.expert_ff, dim=cfg.dim,
+                   gate=E.gate.array, up=E.up.array, down=E.down.array, down_fmt=E.down.kernel_format, clamp=clamp)
+
+
 def shared_gate_up_gemv(ls: Any, rec: Any, S: Any, clamp: float, stream: Callable) -> None:
     """h_shared[r] = silu(min(gate x[r], c)) * clamp(up x[r], c): fused GEMVs (BLOCK with tensor cores: two GEMMs
     and the SwiGLU)."""
@@ -349,25 +374,24 @@ def shared_gate_up_gemv(ls: Any, rec: Any, S: Any, clamp: float, stream: Callabl
         gemm(ls, rec, [(S.gate, ws.hs_g, sff), (S.up, ws.hs_u, sff)], ws.x_ffn, D, rec.R)
         ops_pfa.swiglu(ls, ws.hs_g, ws.hs_u, ws.h_shared, rec.R * sff, clamp, **ls.main())
         return
+    ffn = SwiGlu(S.gate.array, S.up.array, sff, clamp=clamp)
     for r0 in range(0, rec.R, GEMV_MAX_X):
         k = min(GEMV_MAX_X, rec.R - r0)
-        ops.gemv_swiglu(ls, S.gate.array, S.up.array, rows_of(ws.x_ffn, r0, k, D), rows_of(ws.h_shared, r0, k, sff),
-                        sff, D, clamp=clamp, nx=k, **stream())
+        ops.gemv_swiglu(ls, ffn, GemvX(rows_of(ws.x_ffn, r0, k, D), cols=D, nx=k), rows_of(ws.h_shared, r0, k, sff),
+                        **stream())
 
 
 def shared_gate_up_expert(ls: Any, rec: Any, S: Any, clamp: float, stream: Callable) -> None:
-    ws, D, sff = rec.ws, rec.cfg.dim, rec.cfg.shared_ff
-    ops_moe.moe_gate_up(ls, S.gate.qtype, S.gate.array, S.up.array, ws.x_ffn, None, None, ws.h_shared, 1, sff, D, 1,
-                        clamp, **stream())
+    ops_moe.moe_gate_up(ls, shared_expert(rec, S, clamp), rec.ws.x_ffn, rec.ws.h_shared, **stream())
 
 
 def shared_gate_up_expert_rows(ls: Any, rec: Any, S: Any, clamp: float, stream: Callable) -> None:
     ws, D, sff = rec.ws, rec.cfg.dim, rec.cfg.shared_ff
-    step = ops_moe.MAX_PAIRS
+    ex, step = shared_expert(rec, S, clamp), ops_moe.MAX_PAIRS
     for r0 in range(0, rec.R, step):
         k = min(step, rec.R - r0)
-        ops_moe.moe_gate_up_rows(ls, S.gate.qtype, S.gate.array, S.up.array, rows_of(ws.x_ffn, r0, k, D), None, None,
-                                 rows_of(ws.h_shared, r0, k, sff), 1, sff, D, 1, k, clamp, **stream())
+        ops_moe.moe_gate_up_rows(ls, ex, TokenRows(x=rows_of(ws.x_ffn, r0, k, D), y=rows_of(ws.h_shared, r0, k, sff),
+                                                   T=k), **stream())
 
 
 def shared_down_dense(ls: Any, rec: Any, S: Any, stream: Callable) -> None:
@@ -375,50 +399,50 @@ def shared_down_dense(ls: Any, rec: Any, S: Any, stream: Callable) -> None:
 
 
 def shared_down_expert(ls: Any, rec: Any, S: Any, stream: Callable) -> None:
-    ws, cfg = rec.ws, rec.cfg
-    ops_moe.moe_down(ls, S.down.qtype, S.down.array, None, ws.h_shared, ws.y_shared, 1, cfg.dim, cfg.shared_ff, 1,
-                     **stream())
+    ws = rec.ws
+    ops_moe.moe_down(ls, shared_expert(rec, S), TokenRows(x=ws.h_shared, y=ws.y_shared), **stream())
 
 
 def shared_down_expert_rows(ls: Any, rec: Any, S: Any, stream: Callable) -> None:
-    ws, cfg = rec.ws, rec.cfg
-    ops_moe.moe_down_rows(ls, S.down.qtype, S.down.array, None, ws.h_shared, ws.y_shared, 1, cfg.dim, cfg.shared_ff,
-                          1, rec.R, **stream())
+    ws = rec.ws
+    ops_moe.moe_down_rows(ls, shared_expert(rec, S), TokenRows(x=ws.h_shared, y=ws.y_shared, T=rec.R), **stream())
+
+
+def slots(rec: Any) -> Slots:
+    """The router's choices of every row: ids and weights [R, k]."""
+    return Slots(ids=rec.ws.ids, weights=rec.ws.wts, k=rec.cfg.n_experts_used)
 
 
 def experts_gate_up_one(ls: Any, rec: Any, E: Any, clamp: float) -> None:
-    cfg, ws = rec.cfg, rec.ws
-    ops_moe.moe_gate_up(ls, E.gate.kernel_format, E.gate.array, E.up.array, ws.x_ffn, ws.ids, ws.wts, ws.h, cfg.n_experts,
-                        cfg.expert_ff, cfg.dim, cfg.n_experts_used, clamp, **ls.main())
+    ws = rec.ws
+    ops_moe.moe_gate_up(ls, routed_experts(rec, E, clamp), ws.x_ffn, ws.h, slots(rec), **ls.main())
 
 
 def experts_down_one(ls: Any, rec: Any, E: Any, X: DeviceArray, X_out: DeviceArray) -> DeviceArray:
-    cfg, ws, hc = rec.cfg, rec.ws, rec.cfg.hc_mult
+    ws, hc = rec.ws, rec.cfg.hc_mult
     mix = ws.mix_ffn
-    ops_moe.moe_down(ls, E.down.kernel_format, E.down.array, ws.ids, ws.h, X_out, cfg.n_experts, cfg.dim, cfg.expert_ff,
-                     cfg.n_experts_used, add=ws.y_shared, hc_post=mix.view(4 * hc, hc),
-                     hc_comb=mix.view(8 * hc, hc * hc), hc_x=X, **ls.main())
+    ops_moe.moe_down(ls, routed_experts(rec, E), TokenRows(x=ws.h, y=X_out, add=ws.y_shared), slots(rec),
+                     hc=HcPost(post=mix.view(4 * hc, hc), comb=mix.view(8 * hc, hc * hc), X=X), **ls.main())
     return X_out
 
 
 def experts_gate_up_rows(ls: Any, rec: Any, E: Any, clamp: float) -> None:
     """The rows' routed gate + up grouped by distinct expert: each expert's rows read once for every (row, slot)
     pair that chose it (at most MAX_PAIRS pairs per launch)."""
-    cfg, ws, k, ff, D = rec.cfg, rec.ws, rec.cfg.n_experts_used, rec.cfg.expert_ff, rec.cfg.dim
-    step = max(1, ops_moe.MAX_PAIRS // k)
+    ws, k, ff, D = rec.ws, rec.cfg.n_experts_used, rec.cfg.expert_ff, rec.cfg.dim
+    ex, step = routed_experts(rec, E, clamp), max(1, ops_moe.MAX_PAIRS // k)
     for r0 in range(0, rec.R, step):
         n = min(step, rec.R - r0)
-        ops_moe.moe_gate_up_rows(ls, E.gate.kernel_format, E.gate.array, E.up.array, rows_of(ws.x_ffn, r0, n, D),
-                                 ws.ids.view(4 * r0 * k, n * k), ws.wts.view(4 * r0 * k, n * k),
-                                 ws.h.view(4 * r0 * k * ff, n * k * ff), cfg.n_experts, ff, D, k, n, clamp,
+        ops_moe.moe_gate_up_rows(ls, ex, TokenRows(x=rows_of(ws.x_ffn, r0, n, D),
+                                                   y=ws.h.view(4 * r0 * k * ff, n * k * ff), T=n),
+                                 Slots(ids=ws.ids.view(4 * r0 * k, n * k), weights=ws.wts.view(4 * r0 * k, n * k), k=k),
                                  **ls.main())
 
 
 def experts_down_rows(ls: Any, rec: Any, E: Any, X: DeviceArray, X_out: DeviceArray) -> DeviceArray:
-    cfg, ws = rec.cfg, rec.ws
-    ops_moe.moe_down_rows(ls, E.down.kernel_format, E.down.array, ws.ids, ws.h, X_out, cfg.n_experts, cfg.dim, cfg.expert_ff,
-                          cfg.n_experts_used, rec.R, add=ws.y_shared, mix=ws.mix_ffn, hc=cfg.hc_mult, hc_x=X,
-                          **ls.main())
+    ws = rec.ws
+    ops_moe.moe_down_rows(ls, routed_experts(rec, E), TokenRows(x=ws.h, y=X_out, T=rec.R, add=ws.y_shared),
+                          slots(rec), hc=residual(rec, X, ws.mix_ffn), **ls.main())
     return X_out
 
 
@@ -428,11 +452,10 @@ def experts_gate_up_block(ls: Any, rec: Any, E: Any, clamp: float) -> None:
     if not layer_grouped(rec):
         experts_gate_up_rows(ls, rec, E, clamp)
         return
-    cfg, ws = rec.cfg, rec.ws
+    ws = rec.ws
     run = ops_moep.moe_prefill if expert_mma(rec, E) else ops_moep.moe_tiles
-    run(ls, (E.gate.kernel_format, E.gate.array), (E.up.kernel_format, E.up.array),
-        (E.down.kernel_format, E.down.array), ws.x_ffn, ws.ids, ws.wts, ws.f, rec.R, cfg.n_experts_used,
-        cfg.n_experts, cfg.expert_ff, cfg.dim, clamp, rec.moe_bufs(), add=ws.y_shared, **ls.main())
+    run(ls, routed_experts(rec, E, clamp), TokenRows(x=ws.x_ffn, y=ws.f, T=rec.R, add=ws.y_shared), slots(rec),
+        rec.moe_bufs(), **ls.main())
 
 
 def expert_mma(rec: Any, E: Any) -> bool:
@@ -448,8 +471,7 @@ def layer_grouped(rec: Any) -> bool:
 def experts_down_block(ls: Any, rec: Any, E: Any, X: DeviceArray, X_out: DeviceArray) -> DeviceArray:
     if not layer_grouped(rec):
         return experts_down_rows(ls, rec, E, X, X_out)
-    cfg = rec.cfg
-    ops.hc_post(ls, rec.ws.f, rec.ws.mix_ffn, X, rec.R, cfg.dim, cfg.hc_mult, **ls.main())
+    ops.hc_post(ls, rec.ws.f, residual(rec, X, rec.ws.mix_ffn), rec.R, **ls.main())
     return X                        # the residual updated in place
 
 
@@ -567,7 +589,8 @@ def v41_engram(ls: Any, rec: Any, e: int, E: Any, X: DeviceArray) -> None:
     ops_v41.engram_rows(ls, ws.engram_codes.view(e * cap * width, R * width),
                         ws.engram_scales.view(e * cap * width // 32, R * width // 32), rows_in, R * width, **ls.main())
     of(rec.mode).dense(ls, rec, [(E.kv, ws.ekv, (cfg.hc_mult + 1) * cfg.dim)], rows_in, width, ls.main)
-    ops_v41.engram(ls, X, ws.ekv, rec.engram_weights[e], R, cfg.hc_mult, cfg.dim, cfg.norm_eps, **ls.main())
+    layer = ops_v41.EngramLayer(weight=rec.engram_weights[e], hc=cfg.hc_mult, dim=cfg.dim, eps=cfg.norm_eps)
+    ops_v41.engram(ls, layer, X, ws.ekv, R, **ls.main())
 
 
 # ---- the table -------------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import pytest
 from ds4py.cuda import ops, twins
 from ds4py.cuda.graph import StepGraph
 from ds4py.cuda.twins import quant_q8_0
+from ds4py.cuda.ops.argmax import ArgmaxParts
 
 pytestmark = pytest.mark.gpu
 
@@ -52,7 +53,7 @@ def make_step(rt, arena, dev, slot, pdl):
         ops.gemv_q8_0(rt, dev["head"], xn, logits, VOCAB, DIM, pdl=pdl)   # main stream meanwhile
         rt.join()
         ops.rmsnorm(rt, side, None, side_n, HID, 1e-6, pdl=pdl)  # needs the side result
-        ops.argmax(rt, logits, VOCAB, pv, pi, ticket, tok, pdl=pdl)
+        ops.argmax(rt, logits, VOCAB, ArgmaxParts(pv, pi, ticket), tok, pdl=pdl)
 
     return record, bufs
 
@@ -200,7 +201,7 @@ def test_tiny_gguf_head_on_device(rt, arena, tiny_gguf):
         ops.embed(rt, dev["token_embd.weight"].array, ids, h, 1)
         ops.rmsnorm(rt, h, dev["output_norm.weight"].array, xn, D, 1e-6)
         ops.gemv_q8_0(rt, dev["output.weight"].array, xn, logits, V, D)
-        ops.argmax(rt, logits, V, pv, pi, ticket, tok)
+        ops.argmax(rt, logits, V, ArgmaxParts(pv, pi, ticket), tok)
         ref_x = twins.rmsnorm(table[t].astype(np.float32), norm.raw.view(np.float32), 1e-6)
         twins.assert_close_scaled(xn.download(), ref_x, np.abs(ref_x), D, "tiny norm")
         got = logits.download()

@@ -140,9 +140,22 @@ def hc_collapse_norm(rt: Any, X: DeviceArray, n_tok: int, D: int, c: Collapse, h
     rt.launch("hc_collapse_norm", n_tok, threads, X, mix, stride, D, w, float(eps), y, stream=stream, pdl=pdl)
 
 
-def hc_post(rt: Any, f: DeviceArray, mix: DeviceArray, X: DeviceArray, n_tok: int, D: int, hc: int = 4,
-            threads: int = 256, stream: Any = None, pdl: bool = False) -> None:
-    """X[t] <- post_k f[t] + sum_j C[j,k] X[t, j] in place (the sub-layer output back into the residual state)."""
+@dataclass(frozen=True)
+class HcResidual:
+    """The residual state X [T, hc, dim] a sub-layer's output f goes back into, in place or into an output of its
+    shape: X'_k = post_k f + sum_j comb[j, k] X_j with mix [T, mix_record(hc)] the sub-layer's records (pre, post,
+    comb; hc_mix's output)."""
+    X: Any
+    mix: Any
+    dim: int
+    hc: int = 4
+
+
+def hc_post(rt: Any, f: DeviceArray, res: HcResidual, n_tok: int, threads: int = 256, stream: Any = None,
+            pdl: bool = False) -> None:
+    """res.X[t] <- post_k f[t] + sum_j C[j,k] X[t, j] in place (the sub-layer output back into the residual
+    state); f [T, dim]."""
+    X, mix, D, hc = res.X, res.mix, res.dim, res.hc
     need(is_dtype(f, np.float32) and f.size >= n_tok * D, "hc_post: f must be float32 [T, D]")
     need(is_dtype(mix, np.float32) and mix.size >= n_tok * mix_record(hc), "hc_post: mix too small")
     need(is_dtype(X, np.float32) and X.size >= n_tok * hc * D, "hc_post: X must be float32 [T, hc, D]")

@@ -151,13 +151,23 @@ def drop_masked(rt: Any, sr: ScoreRows, sel: Any, k: int, stream: Any = None, pd
               pdl=pdl)
 
 
-def engram(rt: Any, X: Any, kv: Any, weight: Any, n_rows: int, hc: int, D: int, eps: float, stream: Any = None,
-           pdl: bool = False) -> None:
-    """X [n_rows, hc, D] += Engram's gated value (kv [n_rows, (hc + 1) D] = wkv . rows; weight = q_w * k_w)."""
+@dataclass(frozen=True)
+class EngramLayer:
+    """One Engram's per-layer part: weight [hc, D] = q_w * k_w, the hc copies of a residual row, its width D and
+    the RMSNorm eps."""
+    weight: Any
+    hc: int
+    dim: int
+    eps: float
+
+
+def engram(rt: Any, layer: EngramLayer, X: Any, kv: Any, n_rows: int, stream: Any = None, pdl: bool = False) -> None:
+    """X [n_rows, hc, D] += Engram's gated value (kv [n_rows, (hc + 1) D] = wkv . rows)."""
+    weight, hc, D = layer.weight, layer.hc, layer.dim
     need(X.size >= n_rows * hc * D and kv.size >= n_rows * (hc + 1) * D and weight.size == hc * D,
          f"v41_engram: X, kv or weight do not match [{n_rows}, {hc}, {D}]")
     need(_f32(X, kv, weight), "v41_engram: float32 arrays expected")
-    rt.launch("v41_engram", (n_rows, hc), V41_THREADS, X, kv, weight, D, float(eps), stream=stream, pdl=pdl)
+    rt.launch("v41_engram", (n_rows, hc), V41_THREADS, X, kv, weight, D, float(layer.eps), stream=stream, pdl=pdl)
 
 
 def engram_rows(rt: Any, codes: Any, scales: Any, rows: Any, n: int, stream: Any = None, pdl: bool = False) -> None:
