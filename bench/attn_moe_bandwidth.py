@@ -179,7 +179,8 @@ def bench_attention(rt, arena, r, reps, res) -> None:
         scores, top = arena.scratch(n4, np.float32), arena.scratch(TOPK, np.int32)
         scorer, bufs = ops_idx.IndexScorer(IH, IHD, 0.01), ops_idx.ScoreBuffers(iq, wr, keys, slot, scores, n4)
         ms_s = timed_graph(rt, lambda: ops_idx.indexer_scores(rt, scorer, bufs, pdl=True), reps, slot)
-        ms_t = timed_graph(rt, lambda: ops_topk.topk(rt, scores, TOPK, top, pos_slot=slot, pdl=True), reps, slot)
+        visible = ops_topk.Visible(pos_slot=slot)
+        ms_t = timed_graph(rt, lambda: ops_topk.topk(rt, scores, TOPK, top, visible, pdl=True), reps, slot)
         res["indexer"].append({"ctx": ctx, "keys": n4, "scores_us": ms_s * 1e3, "topk_us": ms_t * 1e3,
                                "scores_GBps": n4 * IHD * 4 / ms_s / 1e6})
         print(f"indexer ctx {ctx:6}: scores over {n4:5} keys {ms_s * 1e3:6.1f} us "

@@ -112,8 +112,8 @@ def test_attention_sublayer_matches_the_reference(kdev, model):
         pos_slot.upload(np.array([t], np.int32))
         x = dev.var(xs[t])
         qr = dev.arena.scratch(qr_dim, np.float32)
-        ops.rmsnorm(dev.rt, linear(dev, P, "attn_q_a.weight", x, qr_dim, D), P.f32("attn_q_a_norm.weight"), qr,
-                    qr_dim, eps)
+        ops.rmsnorm(dev.rt, linear(dev, P, "attn_q_a.weight", x, qr_dim, D), qr, qr_dim,
+                    (P.f32("attn_q_a_norm.weight"), eps))
         q = linear(dev, P, "attn_q_b.weight", qr, H * hd, qr_dim)
         ops_attn.kv_store(dev.rt, ops_attn.KvRow(P.f32("attn_kv_a_norm.weight"), freqs, hd, rd, eps, fake_quant=False),
                           linear(dev, P, "attn_kv.weight", x, hd, D), pos_slot, win)
@@ -137,7 +137,7 @@ def test_attention_sublayer_matches_the_reference(kdev, model):
         ops_idx.indexer_scores(dev.rt, ops_idx.IndexScorer(ih, ihd, weight_scale(ihd, ih)),
                                ops_idx.ScoreBuffers(iq, linear(dev, P, "indexer.proj.weight", x, ih, D), keys,
                                                     pos_slot, scores, int(keys.shape[0])))
-        ops_topk.topk(dev.rt, scores, topk, sel, pos_slot=pos_slot)
+        ops_topk.topk(dev.rt, scores, topk, sel, ops_topk.Visible(pos_slot=pos_slot))
         o = dev.arena.scratch((H, hd), np.float32)
         ops_attn.decode_attention(dev.rt, plan,
                                   ops_attn.AttnLayer(freqs, P.f32("attn_sinks.weight"), H, rd, W, eps, hd ** -0.5),
@@ -177,11 +177,15 @@ def test_moe_sublayer_matches_the_reference(kdev, model, il, token):
     x = dev.var(x_h)
     ids, wts = dev.var(np.zeros(k, np.int32)), dev.var(np.zeros(k, np.float32))
     hash_layer = cfg.is_hash_layer(il)
-    ops_route.moe_route(rt, ops_route.Router(None if hash_layer else P.f32("exp_probs_b.bias"),
-                                             P.any("ffn_gate_tid2eid.weight") if hash_layer else None, NX, k,
-                                             cfg.route_scale, cfg.route_norm),
+    ops_route.moe_route(rt,
+                        ops_route.Router(None if hash_layer else P.f32("exp_probs_b.bias"),
+                                         P.any("ffn_gate_tid2eid.weight") if hash_layer else None, NX, k,
+                                         cfg.route_scale, cfg.route_norm),
                         linear(dev, P, "ffn_gate_inp.weight", x, NX, D), dev.const(np.array([token], np.int32)),
-                        ids, wts)
+                        Slots(ids, wts,
+                              ops_route.Router(None if hash_layer else P.f32("exp_probs_b.bias"),
+                                             P.any("ffn_gate_tid2eid.weight") if hash_layer else None, NX, k,
+                                             cfg.route_scale, cfg.route_norm).k))
     clamp = cfg.swiglu_clamp[il]
     sh = {m: gg.tensor(P.p + f"ffn_{m}_shexp.weight").qtype for m in ("gate", "down")}
     h_sh, y_sh = dev.var(np.zeros(FF, np.float32)), dev.var(np.zeros(D, np.float32))

@@ -134,7 +134,7 @@ def dense_block(ls: Any, rec: Any, mats: list, x: DeviceArray, cols: int, stream
         return
     if norm is not None:
         xn = rec.ws.qa_n.view(0, T * cols)
-        rmsnorm(ls, x.view(0, T * cols), norm[0], xn, cols, norm[1], **ls.main())
+        rmsnorm(ls, x.view(0, T * cols), xn, cols, norm, **ls.main())
         x = xn
     gemm(ls, rec, mats, x, cols, T, x_group_rows, x_stride)
 
@@ -240,8 +240,8 @@ def compress_block(ls: Any, rec: Any, il: int, ro: Any, C: Any, which: str, stre
     T = rec.R
     layer, keys, x_kv, x_sc = _compressor(rec, il, ro, C, which)
     w = layer.width
-    ops_comp.compressor_prefill(ls, layer, _comp_state(rec.rows.state(0), il, keys), x_kv.view(0, T * w),
-                                x_sc.view(0, T * w), T, rec.rows.positions, **ls.main())
+    chunk = ops_comp.CompChunk(kv=x_kv.view(0, T * w), sc=x_sc.view(0, T * w), n_tok=T, pos_slot=rec.rows.positions)
+    ops_comp.compressor_prefill(ls, layer, _comp_state(rec.rows.state(0), il, keys), chunk, **ls.main())
 
 
 def index_query(rec: Any, il: int) -> ops_idx.IndexQuery:
@@ -298,8 +298,8 @@ def attend_rows(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
                                    ops_idx.ScoreBuffers(row(ws.iq, n, iqd), row(ws.iw, n, cfg.index_heads),
                                                         p[f"{il}.idx_keys"], pos, ws.scores.view(0, n_keys), n_keys),
                                    **ls.main())
-            ops_topk.topk(ls, ws.scores.view(0, n_keys), cfg.index_topk, ws.sel, pos_slot=pos, ratio=ro.index_ratio,
-                          **ls.main())
+            ops_topk.topk(ls, ws.scores.view(0, n_keys), cfg.index_topk, ws.sel,
+                          ops_topk.Visible(pos_slot=pos, ratio=ro.index_ratio), **ls.main())
             sel = ws.sel
         ops_attn.decode_attention(ls, plan, attn_layer(rec, il, A),
                                   ops_attn.AttnKeys(p[f"{il}.win"], comp, ro.ratio, sel, cfg.index_topk),
@@ -340,14 +340,12 @@ def router(rec: Any, ro: Any, Fw: Any) -> ops_route.Router:
 def route_rows(ls: Any, rec: Any, ro: Any, Fw: Any) -> None:
     ws, k, NX, route = rec.ws, rec.cfg.n_experts_used, rec.cfg.n_experts, router(rec, ro, Fw)
     for n in range(rec.R):
-        ops_route.moe_route(ls, route, row(ws.router, n, NX), rec.rows.token(n), row(ws.ids, n, k), row(ws.wts, n, k),
-                            **ls.main())
+        ops_route.moe_route(ls, route, row(ws.router, n, NX), rec.rows.token(n),
+                            Slots(ids=row(ws.ids, n, k), weights=row(ws.wts, n, k), k=k), **ls.main())
 
 
 def route_block(ls: Any, rec: Any, ro: Any, Fw: Any) -> None:
-    ws = rec.ws
-    ops_route.moe_route_rows(ls, router(rec, ro, Fw), ws.router, rec.rows.tokens, ws.ids, ws.wts, rec.R,
-                             **ls.main())
+    ops_route.moe_route_rows(ls, router(rec, ro, Fw), rec.ws.router, rec.rows.tokens, slots(rec), rec.R, **ls.main())
 
 
 # ---- experts ---------------------------------------------------------------------------------------------------
@@ -480,13 +478,13 @@ def v41_kv_store_rows(ls: Any, rec: Any, il: int, A: Any, stream: Callable) -> N
     """Each row's kv row (FP8 over the whole row in blocks of 32) into its state's window ring."""
     cfg, rows, kr = rec.cfg, rec.rows, kv_row(rec, il, A)
     for n in range(rec.R):
-        ops_v41.kv_rows(ls, kr, row(rec.ws.kv, n, cfg.head_dim), rows.pos(n), rows.state(n)[f"{il}.win"], 1,
-                        **stream())
+        one = ops_v41.RawRows(raw=row(rec.ws.kv, n, cfg.head_dim), pos=rows.pos(n), n_rows=1)
+        ops_v41.kv_rows(ls, kr, one, rows.state(n)[f"{il}.win"], **stream())
 
 
 def v41_kv_store_block(ls: Any, rec: Any, il: int, A: Any, stream: Callable) -> None:
-    ops_v41.kv_rows(ls, kv_row(rec, il, A), rec.ws.kv, rec.rows.positions, rec.ws.kvb, rec.R, ring=False,
-                    **ls.main())
+    block = ops_v41.RawRows(raw=rec.ws.kv, pos=rec.rows.positions, n_rows=rec.R)
+    ops_v41.kv_rows(ls, kv_row(rec, il, A), block, rec.ws.kvb, ring=False, **ls.main())
 
 
 def _v41_compress(ls: Any, rec: Any, il: int, ro: Any, A: Any, stream: Callable, parts: list) -> None:
@@ -507,8 +505,8 @@ def _v41_compress(ls: Any, rec: Any, il: int, ro: Any, A: Any, stream: Callable,
     of(rec.mode).dense(ls, rec, [(A.index.k, ws.ik, ihd)], ws.clat, hd, stream)     # wk . latent, every row
     keys_row = ops_attn.KvRow(A.index.k_norm.array, rec.freqs[il], ihd, cfg.rope_dim, cfg.norm_eps, fq, f16)
     for p, pos, r0, n in parts:
-        ops_v41.index_keys(ls, keys_row, rows_of(ws.ik, r0, n, ihd), pos, p[f"{il}.idx_keys"], n, ro.ratio,
-                           **stream())
+        keys = ops_v41.RawRows(raw=rows_of(ws.ik, r0, n, ihd), pos=pos, n_rows=n)
+        ops_v41.index_keys(ls, keys_row, keys, p[f"{il}.idx_keys"], ro.ratio, **stream())
 
 
 def v41_compress_rows(ls: Any, rec: Any, il: int, ro: Any, A: Any, stream: Callable) -> None:
@@ -550,7 +548,7 @@ def v41_attend_rows(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
                                    **ls.main())
             sr = ops_topk.ScoreRows(scores, pos, 1, n_keys, ro.index_ratio)
             _v41_select(ls, rec, ro, sr, cand)
-            ops_topk.topk(ls, scores, k, sel, pos_slot=pos, ratio=ro.index_ratio, **ls.main())
+            ops_topk.topk(ls, scores, k, sel, ops_topk.Visible(pos_slot=pos, ratio=ro.index_ratio), **ls.main())
             if ro.uses_candidates:             # fewer candidate rows than k: the picks outside them are dropped
                 ops_v41.drop_masked(ls, sr, sel, k, **ls.main())
         ops_attn.decode_attention(ls, plan, attn_layer(rec, il, A, q_norm=False),

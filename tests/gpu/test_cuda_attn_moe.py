@@ -140,7 +140,7 @@ def test_indexer_and_topk_real_shapes(kdev):
     want, mag = twin_idx.scores(q, w_raw, wscale, keys)
     assert_close_scaled(got, want, mag, IHD + IH, "indexer scores 16K")
     sel = dev.var(np.zeros(TOPK, np.int32))
-    ops_topk.topk(dev.rt, scores, TOPK, sel, pos_slot=slot)
+    ops_topk.topk(dev.rt, scores, TOPK, sel, ops_topk.Visible(pos_slot=slot))
     out = sel.download()
     np.testing.assert_array_equal(out, twin_topk.topk(got, TOPK))
     if len(np.unique(got)) == n:

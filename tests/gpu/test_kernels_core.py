@@ -17,7 +17,7 @@ from ds4py.cuda.twins import mhc as tm
 from ds4py.cuda.twins import sample as ts
 from ds4py.cuda.ops.argmax import ArgmaxParts
 from ds4py.cuda.ops.gemv import GemvX
-from ds4py.cuda.ops.mhc import HcResidual
+from ds4py.cuda.ops.mhc import HcResidual, HcRows
 from cu_fixtures import fresh_arena, gemv_weights
 from gpu_sizes import shrink
 from test_cu_emu_embed import (test_argmax, test_embed, test_rmsnorm, test_rmsnorm_in_place,  # noqa: F401
@@ -91,7 +91,7 @@ def test_head_argmax_and_sampler_at_vocab_size(rt, big):
     kept = big.scratch(V, np.uint8)
     for prm in (dict(temperature=1.0, top_k=50), dict(temperature=0.8, top_p=0.9), dict(temperature=1.0, min_p=0.05),
                 dict(temperature=0.7, top_k=500, top_p=0.95, min_p=0.01)):
-        ops.sample(rt, SampleRule(seed=11, **prm), logits, V, tok, SampleRows(kept=kept))
+        ops.sample(rt, SampleRule(seed=11, **prm), logits, tok, SampleRows(n=V, kept=kept))
         keep = kept.download().astype(bool)
         want = ts.kept(host, ts.params(**prm))
         assert (keep == want).all(), prm
@@ -103,8 +103,8 @@ def test_sampler_distribution_on_device(rt, arena, put):
     N = shrink(100_000, 50)
     out = arena.scratch(N, np.int32)
     for prm in (dict(temperature=1.0), dict(temperature=0.7, top_k=20, top_p=0.9)):
-        ops.sample(rt, SampleRule(seed=5, **prm), put(logits, weights=False), 200, out, SampleRows(N, 0),
-                   threads=shrink(1024, 32, 32))
+        ops.sample(rt, SampleRule(seed=5, **prm), put(logits, weights=False), out,
+                   SampleRows(n=200, rows=N, row_stride=0), threads=shrink(1024, 32, 32))
         counts = np.bincount(out.download(), minlength=200)
         p = ts.distribution(logits, ts.params(**prm))
         assert counts[p == 0].sum() == 0
@@ -125,11 +125,11 @@ def _decode_like(rt, arena, dev, pdl):
     s["pv"], s["pi"], s["tok"] = arena.scratch(16, np.float32), arena.scratch(16, np.int32), arena.scratch(1, np.int32)
     ops.hc_mix(rt, om.MixWeights(dev["fn"], dev["scale"], dev["base"], D, 1e-6, 1e-6, 20),
                om.MixBuffers(dev["X"], 1, s["mix"], s["part"], dev["ticket"]), pdl=pdl)
-    ops.hc_collapse_norm(rt, dev["X"], 1, D, om.Collapse(s["x"], dev["norm"], 1e-6, s["mix"]), pdl=pdl)
+    ops.hc_collapse_norm(rt, HcRows(dev["X"], 1, D), om.Collapse(s["x"], dev["norm"], 1e-6, s["mix"]), pdl=pdl)
     ops.gemv_hc_post(rt, dev["W"], GemvX(s["x"], D), HcResidual(dev["X"], s["mix"], D), pdl=pdl)
     ops.hc_mix(rt, om.MixWeights(dev["hfn"], dev["scale"], dev["base"], D, 1e-6, 1e-6, 20),
                om.MixBuffers(dev["X"], 1, s["hmix"], s["part"], dev["ticket"]), pdl=pdl)
-    ops.hc_collapse_norm(rt, dev["X"], 1, D, om.Collapse(s["y"], dev["norm"], 1e-6, s["hmix"]), pdl=pdl)
+    ops.hc_collapse_norm(rt, HcRows(dev["X"], 1, D), om.Collapse(s["y"], dev["norm"], 1e-6, s["hmix"]), pdl=pdl)
     ops.gemv(rt, [(dev["head"], s["logits"], V)], GemvX(s["y"], D), pdl=pdl)
     ops.argmax(rt, s["logits"], V, ArgmaxParts(s["pv"], s["pi"], dev["ticket1"]), s["tok"], pdl=pdl)
     return s

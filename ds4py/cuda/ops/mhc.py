@@ -124,10 +124,20 @@ def collapse_threads(D: int) -> int:
     return max(256, min(1024, 32 * ceil_div(ceil_div(D, 4), 32)))
 
 
-def hc_collapse_norm(rt: Any, X: DeviceArray, n_tok: int, D: int, c: Collapse, hc: int = 4,
-                     threads: int | None = None, stream: Any = None, pdl: bool = False) -> None:
+@dataclass(frozen=True)
+class HcRows:
+    """n_tok rows of a residual state X [n_tok, hc, dim]."""
+    X: DeviceArray
+    n_tok: int
+    dim: int
+    hc: int = 4
+
+
+def hc_collapse_norm(rt: Any, rows: HcRows, c: Collapse, threads: int | None = None, stream: Any = None,
+                     pdl: bool = False) -> None:
     """c.y[t] = RMSNorm(sum_j pre_j X[t, j]; c.w) with pre from the mix records c.pre - a sub-layer's input, or the
     head's (c.pre from hc_mix on output_hc_fn, c.w = output_norm)."""
+    X, n_tok, D, hc = rows.X, rows.n_tok, rows.dim, rows.hc
     need(c.pre is not None, "hc_collapse_norm: the collapse needs its mix records (pre)")
     mix, w, eps, y, stride = c.pre, c.w, c.eps, c.y, c.stride(hc)
     threads = collapse_threads(D) if threads is None else int(threads)
