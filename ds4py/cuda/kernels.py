@@ -25,7 +25,6 @@ from ds4py.cuda.memory import DeviceArray
 from ds4py.cuda.device_weights import GEMV_TYPES, DevTensor
 from ds4py.cuda.ops import attention as ops_attn
 from ds4py.cuda.ops import compressor as ops_comp
-from ds4py.cuda.ops import core as ops_core
 from ds4py.cuda.ops import experts as ops_moe
 from ds4py.cuda.ops import gemm as ops_gemm
 from ds4py.cuda.ops import indexer as ops_idx
@@ -34,7 +33,7 @@ from ds4py.cuda.ops import prefill_attn as ops_pfa
 from ds4py.cuda.ops import router as ops_route
 from ds4py.cuda.ops import topk as ops_topk
 from ds4py.cuda.ops import v41 as ops_v41
-from ds4py.cuda.ops.core import TokenRows
+from ds4py.cuda.ops.core import TokenRows, need
 from ds4py.cuda.ops.experts import Experts, HcPost, Slots
 from ds4py.cuda.ops.gemm import GemmShape
 from ds4py.cuda.ops.gemv import GEMV_MAX_X, MAX_MATS, GemvX, SwiGlu
@@ -154,7 +153,7 @@ def gemm(ls: Any, rec: Any, mats: list, x: DeviceArray, cols: int, T: int, x_gro
         ops_pfa.split_bf16(ls, x.view(0, n), xs, n, **ls.main())
     for W, y, rows in mats:
         for i, xi in enumerate(xs):
-            ops_gemm.gemm(ls, W, xi, y, GemmShape(T, rows, cols, x_group_rows=x_group_rows, ldx=ld),
+            ops_gemm.gemm(ls, W, xi, y, GemmShape(T=T, N=rows, K=cols, x_group_rows=x_group_rows, ldx=ld),
                           accumulate=i > 0, **ls.main())
 
 
@@ -166,13 +165,13 @@ def gemv_hc_post(ls: Any, rec: Any, W: DevTensor, u: DeviceArray, X: DeviceArray
     hc, D, mrec = cfg.hc_mult, cfg.dim, mix_record(cfg.hc_mult)
     for r0 in range(0, rec.R, GEMV_MAX_X):
         k = min(GEMV_MAX_X, rec.R - r0)
-        ops.gemv_hc_post(ls, W.array, GemvX(rows_of(u, r0, k, cols), cols, nx=k),
-                         HcResidual(rows_of(X, r0, k, hc * D), rows_of(mix, r0, k, mrec), D, hc), **ls.main())
+        res = HcResidual(X=rows_of(X, r0, k, hc * D), mix=rows_of(mix, r0, k, mrec), dim=D, hc=hc)
+        ops.gemv_hc_post(ls, W.array, GemvX(rows_of(u, r0, k, cols), cols=cols, nx=k), res, **ls.main())
 
 
 def residual(rec: Any, X: DeviceArray, mix: DeviceArray) -> HcResidual:
     """The residual X [R, hc, dim] a sub-layer's output goes back into, with that sub-layer's mix records."""
-    return HcResidual(X, mix, rec.cfg.dim, rec.cfg.hc_mult)
+    return HcResidual(X=X, mix=mix, dim=rec.cfg.dim, hc=rec.cfg.hc_mult)
 
 
 def block_hc_post(ls: Any, rec: Any, W: DevTensor, u: DeviceArray, X: DeviceArray, mix: DeviceArray,
@@ -193,7 +192,8 @@ def _fq(rec: Any) -> tuple[bool, bool]:
 def kv_row(rec: Any, il: int, A: Any) -> ops_attn.KvRow:
     """Layer il's kv row: its kv norm, RoPE freqs, head and rope dims and the step's numerics."""
     cfg, (fq, f16) = rec.cfg, _fq(rec)
-    return ops_attn.KvRow(A.kv_norm.array, rec.freqs[il], cfg.head_dim, cfg.rope_dim, cfg.norm_eps, fq, f16)
+    return ops_attn.KvRow(norm_w=A.kv_norm.array, freqs=rec.freqs[il], hd=cfg.head_dim, rd=cfg.rope_dim,
+                          eps=cfg.norm_eps, fake_quant=fq, round_f16=f16)
 
 
 def kv_store_rows(ls: Any, rec: Any, il: int, A: Any, stream: Callable) -> None:
@@ -213,11 +213,13 @@ def _compressor(rec: Any, il: int, ro: Any, C: Any, which: str) -> tuple:
     """(the op's layer struct, the state keys of its rings and rows, kv / score inputs) of a compressor."""
     cfg, ws, (fq, f16) = rec.cfg, rec.ws, _fq(rec)
     if which == "comp":
-        layer = ops_comp.CompLayer(C.ape.array, C.norm.array, rec.freqs[il], ro.ratio, bool(ro.overlap), cfg.head_dim,
-                                   cfg.rope_dim, cfg.norm_eps, False, fq, f16)
+        layer = ops_comp.CompLayer(ape=C.ape.array, norm_w=C.norm.array, freqs=rec.freqs[il], ratio=ro.ratio,
+                                   overlap=bool(ro.overlap), d=cfg.head_dim, rd=cfg.rope_dim, eps=cfg.norm_eps,
+                                   rotate=False, fake_quant=fq, round_f16=f16)
         return layer, ("comp_kv", "comp_score", "comp_rows"), ws.ckv, ws.csc
-    layer = ops_comp.CompLayer(C.ape.array, C.norm.array, rec.freqs[il], ro.index_ratio, bool(ro.index_overlap),
-                               cfg.index_head_dim, cfg.rope_dim, cfg.norm_eps, True, fq, f16)
+    layer = ops_comp.CompLayer(ape=C.ape.array, norm_w=C.norm.array, freqs=rec.freqs[il], ratio=ro.index_ratio,
+                               overlap=bool(ro.index_overlap), d=cfg.index_head_dim, rd=cfg.rope_dim, eps=cfg.norm_eps,
+                               rotate=True, fake_quant=fq, round_f16=f16)
     return layer, ("idx_kv", "idx_score", "idx_keys"), ws.ikv, ws.isc
 
 
@@ -247,14 +249,14 @@ def compress_block(ls: Any, rec: Any, il: int, ro: Any, C: Any, which: str, stre
 def index_query(rec: Any, il: int) -> ops_idx.IndexQuery:
     """Layer il's indexer queries: RoPE freqs, heads, head dim, rope dims, the step's FP4 round trip."""
     cfg = rec.cfg
-    return ops_idx.IndexQuery(rec.freqs[il], cfg.index_heads, cfg.index_head_dim, cfg.rope_dim,
-                              rec.numerics.fake_quant)
+    return ops_idx.IndexQuery(freqs=rec.freqs[il], n_heads=cfg.index_heads, ihd=cfg.index_head_dim, rd=cfg.rope_dim,
+                              fake_quant=rec.numerics.fake_quant)
 
 
 def index_scorer(rec: Any, ro: Any) -> ops_idx.IndexScorer:
     """A layer's indexer scoring (heads, head dim, weight scale, its keys' ratio)."""
     ih, ihd = rec.cfg.index_heads, rec.cfg.index_head_dim
-    return ops_idx.IndexScorer(ih, ihd, weight_scale(ihd, ih), ro.index_ratio)
+    return ops_idx.IndexScorer(n_heads=ih, ihd=ihd, wscale=weight_scale(ihd, ih), ratio=ro.index_ratio)
 
 
 def index_queries_rows(ls: Any, rec: Any, il: int) -> None:
@@ -272,15 +274,15 @@ def index_queries_block(ls: Any, rec: Any, il: int) -> None:
 def attn_layer(rec: Any, il: int, A: Any, q_norm: bool = True) -> ops_attn.AttnLayer:
     """Layer il's attention shapes and arrays (RoPE freqs, sinks) for the attention ops."""
     cfg = rec.cfg
-    return ops_attn.AttnLayer(rec.freqs[il], A.sinks.array, cfg.n_heads, cfg.rope_dim, cfg.window, cfg.norm_eps,
-                              cfg.head_dim ** -0.5, q_norm)
+    return ops_attn.AttnLayer(freqs=rec.freqs[il], sinks=A.sinks.array, n_heads=cfg.n_heads, rope_dim=cfg.rope_dim,
+                              window=cfg.window, eps=cfg.norm_eps, scale=cfg.head_dim ** -0.5, q_norm=q_norm)
 
 
 def _decode_buffers(rec: Any, n: int, pos: Any, plan: Any) -> ops_attn.DecodeBuffers:
     """Row n's query, position slot, the shared split partials (sized by its plan) and output."""
     ws, qd = rec.ws, rec.cfg.q_dim
-    return ops_attn.DecodeBuffers(row(ws.q, n, qd), pos, ws.part_o.view(0, plan.part_o_shape),
-                                  ws.part_ml.view(0, plan.part_ml_shape), row(ws.o, n, qd))
+    return ops_attn.DecodeBuffers(q_raw=row(ws.q, n, qd), pos_slot=pos, part_o=ws.part_o.view(0, plan.part_o_shape),
+                                  part_ml=ws.part_ml.view(0, plan.part_ml_shape), out=row(ws.o, n, qd))
 
 
 def attend_rows(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
@@ -295,14 +297,16 @@ def attend_rows(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
         if ro.indexer:
             n_keys = rows.buckets[n] // ro.index_ratio
             ops_idx.indexer_scores(ls, index_scorer(rec, ro),
-                                   ops_idx.ScoreBuffers(row(ws.iq, n, iqd), row(ws.iw, n, cfg.index_heads),
-                                                        p[f"{il}.idx_keys"], pos, ws.scores.view(0, n_keys), n_keys),
+                                   ops_idx.ScoreBuffers(q=row(ws.iq, n, iqd), w_raw=row(ws.iw, n, cfg.index_heads),
+                                                        keys=p[f"{il}.idx_keys"], pos=pos,
+                                                        scores=ws.scores.view(0, n_keys), max_keys=n_keys),
                                    **ls.main())
             ops_topk.topk(ls, ws.scores.view(0, n_keys), cfg.index_topk, ws.sel,
                           ops_topk.Visible(pos_slot=pos, ratio=ro.index_ratio), **ls.main())
             sel = ws.sel
         ops_attn.decode_attention(ls, plan, attn_layer(rec, il, A),
-                                  ops_attn.AttnKeys(p[f"{il}.win"], comp, ro.ratio, sel, cfg.index_topk),
+                                  ops_attn.AttnKeys(ring=p[f"{il}.win"], comp=comp, ratio=ro.ratio, sel=sel,
+                                                    topk=cfg.index_topk),
                                   _decode_buffers(rec, n, pos, plan), **ls.main(), combine_pdl=ls.main()["pdl"])
 
 
@@ -318,23 +322,27 @@ def attend_block(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
         n_keys = rec.rows.buckets[0] // ro.index_ratio
         stride = int(ws.scores.shape[1])
         ops_idx.indexer_scores_rows(ls, index_scorer(rec, ro),
-                                    ops_idx.ScoreBuffers(ws.iq, ws.iw, p[f"{il}.idx_keys"], pos, ws.scores, n_keys),
+                                    ops_idx.ScoreBuffers(q=ws.iq, w_raw=ws.iw, keys=p[f"{il}.idx_keys"], pos=pos,
+                                                         scores=ws.scores, max_keys=n_keys),
                                     T, stride, **ls.main())
-        ops_topk.topk_rows(ls, ops_topk.ScoreRows(ws.scores, pos, T, stride, ro.index_ratio), cfg.index_topk, ws.sel,
+        ops_topk.topk_rows(ls, ops_topk.ScoreRows(scores=ws.scores, pos=pos, n_rows=T, stride=stride,
+                                                  ratio=ro.index_ratio), cfg.index_topk, ws.sel,
                            **ls.main())
         sel = ws.sel
     ops_pfa.prefill_attention(ls, attn_layer(rec, il, A),
-                              ops_attn.AttnKeys(p[f"{il}.win"], comp, ro.ratio, sel, cfg.index_topk),
-                              ops_pfa.PrefillRows(ws.q, pos, ws.kvb, ws.o, T), **ls.main())
+                              ops_attn.AttnKeys(ring=p[f"{il}.win"], comp=comp, ratio=ro.ratio, sel=sel,
+                                                topk=cfg.index_topk),
+                              ops_pfa.PrefillRows(q_raw=ws.q, pos=pos, blk=ws.kvb, out=ws.o, n_rows=T), **ls.main())
     ops_pfa.ring_store(ls, ws.kvb, T, pos, p[f"{il}.win"], **ls.main())
 
 
 def router(rec: Any, ro: Any, Fw: Any) -> ops_route.Router:
     """A layer's routing: its bias (top-k layers) or token table (hash layers), k of n experts, scale, norms."""
     cfg = rec.cfg
-    return ops_route.Router(None if ro.hash_routing else Fw.route_bias.array,
-                            Fw.tid2eid.array if ro.hash_routing else None, cfg.n_experts, cfg.n_experts_used,
-                            cfg.route_scale, cfg.route_normalises, cfg.gate_temp, cfg.route_norm_eps)
+    return ops_route.Router(bias=None if ro.hash_routing else Fw.route_bias.array,
+                            tid2eid=Fw.tid2eid.array if ro.hash_routing else None, n_experts=cfg.n_experts,
+                            k=cfg.n_experts_used, route_scale=cfg.route_scale, route_norm=cfg.route_normalises,
+                            gate_temp=cfg.gate_temp, norm_eps=cfg.route_norm_eps)
 
 
 def route_rows(ls: Any, rec: Any, ro: Any, Fw: Any) -> None:
@@ -359,7 +367,7 @@ def shared_expert(rec: Any, S: Any, clamp: float = 0.0) -> Experts:
 def routed_experts(rec: Any, E: Any, clamp: float = 0.0) -> Experts:
     """The layer's routed experts (gate and up share one kernel format; down has its own)."""
     cfg = rec.cfg
-    ops_core.need(E.up.kernel_format == E.gate.kernel_format, "experts: gate and up must have the same weight type")
+    need(E.up.kernel_format == E.gate.kernel_format, "experts: gate and up must have the same weight type")
     return Experts(fmt=E.gate.kernel_format, n_experts=cfg.n_experts, ff=cfg.expert_ff, dim=cfg.dim,
                    gate=E.gate.array, up=E.up.array, down=E.down.array, down_fmt=E.down.kernel_format, clamp=clamp)
 
@@ -372,7 +380,7 @@ def shared_gate_up_gemv(ls: Any, rec: Any, S: Any, clamp: float, stream: Callabl
         gemm(ls, rec, [(S.gate, ws.hs_g, sff), (S.up, ws.hs_u, sff)], ws.x_ffn, D, rec.R)
         ops_pfa.swiglu(ls, ws.hs_g, ws.hs_u, ws.h_shared, rec.R * sff, clamp, **ls.main())
         return
-    ffn = SwiGlu(S.gate.array, S.up.array, sff, clamp=clamp)
+    ffn = SwiGlu(gate=S.gate.array, up=S.up.array, rows=sff, clamp=clamp)
     for r0 in range(0, rec.R, GEMV_MAX_X):
         k = min(GEMV_MAX_X, rec.R - r0)
         ops.gemv_swiglu(ls, ffn, GemvX(rows_of(ws.x_ffn, r0, k, D), cols=D, nx=k), rows_of(ws.h_shared, r0, k, sff),
@@ -491,19 +499,21 @@ def _v41_compress(ls: Any, rec: Any, il: int, ro: Any, A: Any, stream: Callable,
     """parts: (state arrays, positions, first row, rows) per launch: one per row (DECODE, ROWS) or the block."""
     cfg, ws, (fq, f16) = rec.cfg, rec.ws, _fq(rec)
     C, hd, ihd = A.comp, cfg.head_dim, cfg.index_head_dim
-    comp_row = ops_attn.KvRow(C.norm.array, rec.freqs[il], hd, cfg.rope_dim, cfg.norm_eps, fq, f16)
+    comp_row = ops_attn.KvRow(norm_w=C.norm.array, freqs=rec.freqs[il], hd=hd, rd=cfg.rope_dim, eps=cfg.norm_eps,
+                              fake_quant=fq, round_f16=f16)
     for p, pos, r0, n in parts:
         rings = (p[f"{il}.comp_kv"], p[f"{il}.comp_score"]) if ro.gated else (None, None)
         st = ops_comp.CompState(*rings, p[f"{il}.comp_rows"])
-        src = ops_v41.CompRows(rows_of(ws.ckv, r0, n, hd), rows_of(ws.csc, r0, n, hd) if ro.gated else None, pos, n,
-                               rows_of(ws.clat, r0, n, hd) if ro.owns_index_keys else None)
+        src = ops_v41.CompRows(kv_in=rows_of(ws.ckv, r0, n, hd), sc_in=rows_of(ws.csc, r0, n, hd) if ro.gated else None,
+                               pos=pos, n_rows=n, lat=rows_of(ws.clat, r0, n, hd) if ro.owns_index_keys else None)
         ops_v41.compress(ls, comp_row, ro.ratio, st, src, **stream())
         if ro.gated:
             ops_v41.comp_ring_store(ls, st, src, **stream())
     if not ro.owns_index_keys:
         return
     of(rec.mode).dense(ls, rec, [(A.index.k, ws.ik, ihd)], ws.clat, hd, stream)     # wk . latent, every row
-    keys_row = ops_attn.KvRow(A.index.k_norm.array, rec.freqs[il], ihd, cfg.rope_dim, cfg.norm_eps, fq, f16)
+    keys_row = ops_attn.KvRow(norm_w=A.index.k_norm.array, freqs=rec.freqs[il], hd=ihd, rd=cfg.rope_dim,
+                              eps=cfg.norm_eps, fake_quant=fq, round_f16=f16)
     for p, pos, r0, n in parts:
         keys = ops_v41.RawRows(raw=rows_of(ws.ik, r0, n, ihd), pos=pos, n_rows=n)
         ops_v41.index_keys(ls, keys_row, keys, p[f"{il}.idx_keys"], ro.ratio, **stream())
@@ -543,16 +553,17 @@ def v41_attend_rows(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
             n_keys = rows.buckets[n] // ro.index_ratio
             scores, cand = ws.scores.view(0, n_keys), row(ws.cand, n, n_keys)
             ops_idx.indexer_scores(ls, index_scorer(rec, ro),
-                                   ops_idx.ScoreBuffers(row(ws.iq, n, iqd), row(ws.iw, n, cfg.index_heads),
-                                                        rows.index_keys(n, il, ro, n_keys), pos, scores, n_keys),
+                                   ops_idx.ScoreBuffers(q=row(ws.iq, n, iqd), w_raw=row(ws.iw, n, cfg.index_heads),
+                                                        keys=rows.index_keys(n, il, ro, n_keys), pos=pos, scores=scores,
+                                                        max_keys=n_keys),
                                    **ls.main())
-            sr = ops_topk.ScoreRows(scores, pos, 1, n_keys, ro.index_ratio)
+            sr = ops_topk.ScoreRows(scores=scores, pos=pos, n_rows=1, stride=n_keys, ratio=ro.index_ratio)
             _v41_select(ls, rec, ro, sr, cand)
             ops_topk.topk(ls, scores, k, sel, ops_topk.Visible(pos_slot=pos, ratio=ro.index_ratio), **ls.main())
             if ro.uses_candidates:             # fewer candidate rows than k: the picks outside them are dropped
                 ops_v41.drop_masked(ls, sr, sel, k, **ls.main())
         ops_attn.decode_attention(ls, plan, attn_layer(rec, il, A, q_norm=False),
-                                  ops_attn.AttnKeys(p[f"{il}.win"], comp, ro.ratio, sel, k),
+                                  ops_attn.AttnKeys(ring=p[f"{il}.win"], comp=comp, ratio=ro.ratio, sel=sel, topk=k),
                                   _decode_buffers(rec, n, pos, plan), **ls.main(), combine_pdl=ls.main()["pdl"])
 
 
@@ -565,16 +576,18 @@ def v41_attend_block(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
         n_keys = rec.rows.buckets[0] // ro.index_ratio
         stride = int(ws.scores.shape[1])
         ops_idx.indexer_scores_rows(ls, index_scorer(rec, ro),
-                                    ops_idx.ScoreBuffers(ws.iq, ws.iw, rec.rows.index_keys(0, il, ro, n_keys), pos,
-                                                         ws.scores, n_keys), T, stride, **ls.main())
-        sr = ops_topk.ScoreRows(ws.scores, pos, T, stride, ro.index_ratio)
+                                    ops_idx.ScoreBuffers(q=ws.iq, w_raw=ws.iw,
+                                                         keys=rec.rows.index_keys(0, il, ro, n_keys), pos=pos,
+                                                         scores=ws.scores, max_keys=n_keys), T, stride, **ls.main())
+        sr = ops_topk.ScoreRows(scores=ws.scores, pos=pos, n_rows=T, stride=stride, ratio=ro.index_ratio)
         _v41_select(ls, rec, ro, sr, ws.cand)
         ops_topk.topk_rows(ls, sr, cfg.index_topk, ws.sel, **ls.main())
         if ro.uses_candidates:
             ops_v41.drop_masked(ls, sr, ws.sel, cfg.index_topk, **ls.main())
     ops_pfa.prefill_attention(ls, attn_layer(rec, il, A, q_norm=False),
-                              ops_attn.AttnKeys(p[f"{il}.win"], comp, ro.ratio, sel, cfg.index_topk),
-                              ops_pfa.PrefillRows(ws.q, pos, ws.kvb, ws.o, T), **ls.main())
+                              ops_attn.AttnKeys(ring=p[f"{il}.win"], comp=comp, ratio=ro.ratio, sel=sel,
+                                                topk=cfg.index_topk),
+                              ops_pfa.PrefillRows(q_raw=ws.q, pos=pos, blk=ws.kvb, out=ws.o, n_rows=T), **ls.main())
     ops_pfa.ring_store(ls, ws.kvb, T, pos, p[f"{il}.win"], **ls.main())
 
 
