@@ -32,6 +32,8 @@ from ds4py.cuda.ops import experts as ops_moe  # noqa: E402
 from ds4py.cuda.ops import indexer as ops_idx  # noqa: E402
 from ds4py.cuda.ops import topk as ops_topk  # noqa: E402
 from ds4py.cuda.probe import device_copy_bandwidth_gbps  # noqa: E402
+from ds4py.cuda.ops.core import TokenRows  # noqa: E402
+from ds4py.cuda.ops.experts import Experts, Slots  # noqa: E402
 from ds4py.ref import ops as ref_ops  # noqa: E402
 from gemv_bandwidth import fill_tiled, timed_graph  # noqa: E402
 
@@ -87,8 +89,11 @@ def bench_experts(rt, arena, r, reps, copy_gbs, res) -> None:
         dn_bytes = K * D * ops_moe.row_bytes(down_t, FF)
         for name, nbytes, fn in [
             ("gate_up", gu_bytes,
-             lambda i: ops_moe.moe_gate_up(rt, gate_t, Wg, Wu, x, ids[i], w, h, NX, FF, D, K, 10.0)),
-            ("down", dn_bytes, lambda i: ops_moe.moe_down(rt, down_t, Wd, ids[i], h, y, NX, D, FF, K)),
+             lambda i: ops_moe.moe_gate_up(rt,
+                                           Experts(fmt=gate_t, n_experts=NX, ff=FF, dim=D, gate=Wg, up=Wu, clamp=10.0),
+                                           x, h, Slots(ids=ids[i], weights=w, k=K))),
+            ("down", dn_bytes, lambda i: ops_moe.moe_down(rt, Experts(fmt=down_t, n_experts=NX, ff=FF, dim=D, down=Wd),
+                                                          TokenRows(x=h, y=y), Slots(ids=ids[i], k=K))),
         ]:
             ms = timed_graph(rt, lambda: fn(next(it) % reps), reps, slot)
             gbs = nbytes / ms / 1e6
@@ -114,8 +119,10 @@ def bench_experts(rt, arena, r, reps, copy_gbs, res) -> None:
 
     def shared():
         i = next(it) % copies
-        ops_moe.moe_gate_up(rt, QT.Q8_0, Wg, Wu, x, ids[i], None, hs, copies, FF, D, 1, 10.0)
-        ops_moe.moe_down(rt, QT.Q8_0, Wd, ids[i], hs, ys, copies, D, FF, 1)
+        ops_moe.moe_gate_up(rt, Experts(fmt=QT.Q8_0, n_experts=copies, ff=FF, dim=D, gate=Wg, up=Wu, clamp=10.0), x, hs,
+                            Slots(ids=ids[i]))
+        ops_moe.moe_down(rt, Experts(fmt=QT.Q8_0, n_experts=copies, ff=FF, dim=D, down=Wd), TokenRows(x=hs, y=ys),
+                         Slots(ids=ids[i]))
 
     nbytes = 3 * FF * ops_moe.row_bytes(QT.Q8_0, D)
     ms = timed_graph(rt, shared, reps, slot)
@@ -172,7 +179,8 @@ def bench_attention(rt, arena, r, reps, res) -> None:
         scores, top = arena.scratch(n4, np.float32), arena.scratch(TOPK, np.int32)
         scorer, bufs = ops_idx.IndexScorer(IH, IHD, 0.01), ops_idx.ScoreBuffers(iq, wr, keys, slot, scores, n4)
         ms_s = timed_graph(rt, lambda: ops_idx.indexer_scores(rt, scorer, bufs, pdl=True), reps, slot)
-        ms_t = timed_graph(rt, lambda: ops_topk.topk(rt, scores, TOPK, top, pos_slot=slot, pdl=True), reps, slot)
+        visible = ops_topk.Visible(pos_slot=slot)
+        ms_t = timed_graph(rt, lambda: ops_topk.topk(rt, scores, TOPK, top, visible, pdl=True), reps, slot)
         res["indexer"].append({"ctx": ctx, "keys": n4, "scores_us": ms_s * 1e3, "topk_us": ms_t * 1e3,
                                "scores_GBps": n4 * IHD * 4 / ms_s / 1e6})
         print(f"indexer ctx {ctx:6}: scores over {n4:5} keys {ms_s * 1e3:6.1f} us "

@@ -28,9 +28,11 @@ from ds4py.cuda import ops, twins  # noqa: E402
 from ds4py.cuda.graph import StepGraph  # noqa: E402
 from ds4py.cuda.ops import mhc as om  # noqa: E402
 from ds4py.cuda.ops.argmax import argmax_parts  # noqa: E402
-from ds4py.cuda.ops.sample import SampleRule  # noqa: E402
+from ds4py.cuda.ops.sample import SampleRows, SampleRule  # noqa: E402
 from ds4py.cuda.probe import device_copy_bandwidth_gbps  # noqa: E402
 from ds4py.cuda.twins import gemv as tg  # noqa: E402
+from ds4py.cuda.ops.argmax import ArgmaxParts  # noqa: E402
+from ds4py.cuda.ops.gemv import GemvX, SwiGlu  # noqa: E402
 
 PATTERN_BYTES = 32 << 20   # random data uploaded once and tiled over the big matrices
 
@@ -116,10 +118,10 @@ def bench_gemvs(rt, arena, r, copy_gbs: float, reps: int, emu: bool, res: dict) 
 
         def launch(warps=None):
             if epi == "swiglu":
-                ops.gemv_swiglu(rt, Ws[0], Ws[1], x, ys[0], mats[0][0], cols, clamp=10.0, warps=warps)
+                ops.gemv_swiglu(rt, SwiGlu(Ws[0], Ws[1], mats[0][0], clamp=10.0), GemvX(x, cols), ys[0], warps=warps)
             else:
-                ops.gemv(rt, [(W, y, rows) for W, y, (rows, _) in zip(Ws, ys, mats)], x, cols, x_group_rows=groups,
-                         warps=warps)
+                ops.gemv(rt, [(W, y, rows) for W, y, (rows, _) in zip(Ws, ys, mats)],
+                         GemvX(x, cols, x_group_rows=groups), warps=warps)
 
         # correctness spot check: the rows inside the first pattern copy
         launch()
@@ -177,11 +179,11 @@ def bench_small_kernels(rt, arena, r, reps: int, emu: bool, res: dict) -> None:
     cases = {
         "hc_mix D=%d" % D: lambda: ops.hc_mix(rt, om.MixWeights(fn, scale, base, D, 1e-6, 1e-6, 20),
                                               om.MixBuffers(X, 1, mix, part, tickets.view(0, 1))),
-        "argmax V=%d" % V: lambda: ops.argmax(rt, logits, V, pv, pi, tickets.view(4, 1), tok),
-        "sample top_k=50 V=%d" % V: lambda: ops.sample(rt, SampleRule(1.0, top_k=50, seed=1), logits, V, tok,
-                                                       threads=1024 if not emu else 128),
-        "sample top_p=0.9 V=%d" % V: lambda: ops.sample(rt, SampleRule(1.0, top_p=0.9, seed=1), logits, V, tok,
-                                                        threads=1024 if not emu else 128),
+        "argmax V=%d" % V: lambda: ops.argmax(rt, logits, V, ArgmaxParts(pv, pi, tickets.view(4, 1)), tok),
+        "sample top_k=50 V=%d" % V: lambda: ops.sample(rt, SampleRule(1.0, top_k=50, seed=1), logits, tok,
+                                                       SampleRows(n=V), threads=1024 if not emu else 128),
+        "sample top_p=0.9 V=%d" % V: lambda: ops.sample(rt, SampleRule(1.0, top_p=0.9, seed=1), logits, tok,
+                                                        SampleRows(n=V), threads=1024 if not emu else 128),
     }
     for name, fn_ in cases.items():
         ms = timed_graph(rt, fn_, reps, slot)

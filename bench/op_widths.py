@@ -1,6 +1,10 @@
-"""Parameters of every public op in ds4py/cuda/ops (issue 36: no op wider than ~8), widest first, from the AST:
+"""Parameters of every public op in ds4py/cuda/ops (issue 36: no op wider than MAX_PARAMS), widest first, from the AST:
 
     python3 bench/op_widths.py [--min 10]
+
+A parameter is anything in the signature (rt, stream and pdl included; a *args or **kwargs counts one). tests/
+test_op_widths.py fails when an op grows past MAX_PARAMS: a wider op groups its shapes and pointers into a small
+named struct (a layer's shapes and arrays, a call's buffers; see docs/cuda.md "ops/").
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ import ast
 import pathlib
 
 OPS = pathlib.Path(__file__).resolve().parent.parent / "ds4py" / "cuda" / "ops"
+MAX_PARAMS = 8
 
 
 def widths() -> list[tuple[int, str]]:
@@ -32,7 +37,8 @@ def main() -> None:
     for k, name in rows:
         if k >= a.min:
             print(f"{k:3} {name}")
-    print(f"{sum(k >= 10 for k, _ in rows)} ops take >= 10 parameters, {sum(k >= 14 for k, _ in rows)} take >= 14")
+    print(f"{sum(k >= 10 for k, _ in rows)} ops take >= 10 parameters, {sum(k >= 14 for k, _ in rows)} take >= 14, "
+          f"{sum(k > MAX_PARAMS for k, _ in rows)} more than {MAX_PARAMS}")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import pytest
 
 from ds4py.cuda import emu
 from ds4py.cuda.ops import compressor as ops_comp
-from ds4py.cuda.ops.compressor import CompLayer, CompState
+from ds4py.cuda.ops.compressor import CompChunk, CompLayer, CompState
 from ds4py.cuda.twins import compressor as twin
 from ds4py.cuda.twins.attention import assert_fake_quant_close
 from ds4py.cuda.twins.core import assert_close_scaled
@@ -120,8 +120,9 @@ def test_compressor_prefill(kdev, comp, p0, n_tok):
     d_rows = dev.var(np.full((n_rows, d), np.nan, np.float32))
     layer = CompLayer(dev.const(h.ape), dev.const(h.norm), dev.const(freqs), ratio, overlap, d, rd, EPS, rotate,
                       subs=subs)
-    ops_comp.compressor_prefill(dev.rt, layer, CompState(d_kv, d_sc, d_rows), dev.const(h.kv[p0:]),
-                                dev.const(h.sc_raw[p0:]), n_tok, dev.const(np.array([p0], np.int32)))
+    ops_comp.compressor_prefill(dev.rt, layer, CompState(d_kv, d_sc, d_rows),
+                                CompChunk(dev.const(h.kv[p0:]), dev.const(h.sc_raw[p0:]), n_tok,
+                                          dev.const(np.array([p0], np.int32))))
     ring_kv, ring_sc, rows = d_kv.download(), d_sc.download(), d_rows.download()
     done = range(p0 // ratio, (p0 + n_tok) // ratio)
     for g in range(n_rows):
@@ -152,8 +153,8 @@ def test_decode_equals_prefill_rows(kdev):
                                    dev.const(h.sc_raw[pos]), pos_slot)
     rows_b = dev.var(np.full((n // ratio, d), np.nan, np.float32))
     kv_b, sc_b = (dev.var(a) for a in h.rings([], cap))
-    ops_comp.compressor_prefill(dev.rt, layer, CompState(kv_b, sc_b, rows_b), dev.const(h.kv), dev.const(h.sc_raw),
-                                n, dev.const(np.array([0], np.int32)))
+    ops_comp.compressor_prefill(dev.rt, layer, CompState(kv_b, sc_b, rows_b),
+                                CompChunk(dev.const(h.kv), dev.const(h.sc_raw), n, dev.const(np.array([0], np.int32))))
     np.testing.assert_array_equal(rows_a.download(), rows_b.download())
     np.testing.assert_array_equal(kv_a.download(), kv_b.download())
 

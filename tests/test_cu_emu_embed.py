@@ -9,6 +9,9 @@ import pytest
 from cu_fixtures import arena, put, requires_emulator, rng, rt  # noqa: F401 (fixtures)
 from ds4py.cuda import ops, twins
 from ds4py.cuda.ops.argmax import argmax_parts
+from ds4py.cuda.ops.argmax import ArgmaxParts
+from ds4py.cuda.ops.gemv import GemvX
+from ds4py.cuda.ops.embed import Embedding
 from ds4py.errors import Ds4Error
 
 pytestmark = requires_emulator
@@ -22,7 +25,7 @@ def test_embed(rt, arena, put, dim, copies, threads, dtype):
     table = r.standard_normal((vocab, dim)).astype(dtype)
     ids = np.array([0, 49, 7, -1, 50, 7, 23], np.int32)
     out = arena.scratch((len(ids), copies, dim), np.float32)
-    ops.embed(rt, put(table), put(ids, False), out, len(ids), copies=copies, threads=threads)
+    ops.embed(rt, Embedding(put(table), copies=copies), put(ids, False), out, len(ids), threads=threads)
     want = twins.embed(table, ids, copies).reshape(len(ids), copies, dim)
     np.testing.assert_array_equal(out.download(), want)     # a copy: bit-exact, NaN rows for bad ids
 
@@ -45,7 +48,7 @@ def test_argmax(rt, arena, put, parts, threads):
     ticket = put(np.zeros(1, np.uint32), False)
     out = put(np.full(1, -7, np.int32), False)
     for x in argmax_inputs():                               # one ticket across launches, as in a replayed graph
-        ops.argmax(rt, put(x, False), len(x), pv, pi, ticket, out, threads=threads)
+        ops.argmax(rt, put(x, False), len(x), ArgmaxParts(pv, pi, ticket), out, threads=threads)
         assert int(out.download()[0]) == twins.argmax(x), f"n={len(x)}"
         assert int(ticket.download()[0]) == 0
 
@@ -63,7 +66,7 @@ def test_rmsnorm(rt, arena, put, rows, n, block, weight):
     x = (r.standard_normal((rows, n)) * 3).astype(np.float32)
     w = r.standard_normal(n).astype(np.float32) if weight else None
     y = arena.scratch((rows, n), np.float32)
-    ops.rmsnorm(rt, put(x, False), put(w) if weight else None, y, n, 1e-6, threads=block)
+    ops.rmsnorm(rt, put(x, False), y, n, (put(w) if weight else None, 1e-6), threads=block)
     want = twins.rmsnorm(x, w, 1e-6)
     twins.assert_close_scaled(y.download(), want, np.abs(want), n, "rmsnorm")
 
@@ -71,7 +74,7 @@ def test_rmsnorm(rt, arena, put, rows, n, block, weight):
 def test_rmsnorm_in_place(rt, arena, put):
     x = rng(9).standard_normal((2, 256)).astype(np.float32)
     dx = put(x, False)
-    ops.rmsnorm(rt, dx, None, dx, 256, 1e-5, threads=128)
+    ops.rmsnorm(rt, dx, dx, 256, (None, 1e-5), threads=128)
     want = twins.rmsnorm(x, None, 1e-5)
     twins.assert_close_scaled(dx.download(), want, np.abs(want), 256, "rmsnorm in place")
 
@@ -79,10 +82,11 @@ def test_rmsnorm_in_place(rt, arena, put):
 def test_wrapper_checks(rt, arena, put):
     out = arena.scratch(4, np.int32)
     with pytest.raises(Ds4Error, match="F16 or F32"):
-        ops.embed(rt, put(np.zeros((4, 8), np.int32)), put(np.zeros(1, np.int32), False), out, 1)
+        ops.embed(rt, Embedding(put(np.zeros((4, 8), np.int32))), put(np.zeros(1, np.int32), False), out, 1)
     with pytest.raises(Ds4Error, match="ticket"):
-        ops.argmax(rt, put(np.zeros(8, np.float32), False), 8, arena.scratch(1, np.float32),
-                   arena.scratch(1, np.int32), arena.scratch(1, np.int32), out)
+        ops.argmax(rt, put(np.zeros(8, np.float32), False), 8,
+                   ArgmaxParts(arena.scratch(1, np.float32), arena.scratch(1, np.int32), arena.scratch(1, np.int32)),
+                   out)
 
 
 def test_the_token_stays_on_the_device(rt, arena, put):
@@ -104,10 +108,10 @@ def test_the_token_stays_on_the_device(rt, arena, put):
     pv, pi = arena.scratch(2, np.float32), arena.scratch(2, np.int32)
 
     def record():
-        ops.embed(rt, dt, slot, h, 1)
-        ops.rmsnorm(rt, h, None, xn, D, 1e-6, threads=32)
-        ops.gemv(rt, [(dh, logits, V)], xn, D)
-        ops.argmax(rt, logits, V, pv, pi, ticket, slot, threads=32)
+        ops.embed(rt, Embedding(dt), slot, h, 1)
+        ops.rmsnorm(rt, h, xn, D, (None, 1e-6), threads=32)
+        ops.gemv(rt, [(dh, logits, V)], GemvX(xn, D))
+        ops.argmax(rt, logits, V, ArgmaxParts(pv, pi, ticket), slot, threads=32)
 
     g = StepGraph(rt, record, slot.view(4, 1))
     got, tok, want = [], 5, []

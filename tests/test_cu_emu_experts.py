@@ -13,6 +13,8 @@ from ds4py.cuda import emu
 from ds4py.cuda.ops import experts as ops_moe
 from ds4py.cuda.twins import experts as twin
 from ds4py.cuda.twins.core import assert_close_scaled
+from ds4py.cuda.ops.core import TokenRows
+from ds4py.cuda.ops.experts import Experts, HcPost, Slots
 from ds4py.errors import Ds4Error
 from tests.cu_emu_device import devices
 
@@ -102,8 +104,10 @@ def test_gate_up(kdev, case, order):
     clamp = 0.0 if qtype == QT.F16 else 0.5                # small: the clamp really cuts with these scales
     dev = kdev(order, dim)
     d_h = dev.var(np.full((slots + 1, ff), np.nan, np.float32))
-    ops_moe.moe_gate_up(dev.rt, qtype, dev.const(raw_g), dev.const(raw_u), dev.const(x), dev.const(ids),
-                        dev.const(route_w), d_h, n_exp, ff, dim, slots, clamp, rows_per_block=rpb)
+    ops_moe.moe_gate_up(dev.rt,
+                        Experts(fmt=qtype, n_experts=n_exp, ff=ff, dim=dim, gate=dev.const(raw_g), up=dev.const(raw_u),
+                                clamp=clamp), dev.const(x), d_h,
+                        Slots(ids=dev.const(ids), weights=dev.const(route_w), k=slots), rows_per_block=rpb)
     h = d_h.download()
     want, mag = twin.gate_up(Wg, Wu, x, ids, route_w, clamp, slots)
     assert_close_scaled(h[:slots], want, mag, dim, f"gate_up {case}")
@@ -133,8 +137,9 @@ def test_down(kdev, case, order):
     X = r.standard_normal((hc, dim)).astype(np.float32) if epi == "hc" else None
     dev = kdev(order, ff)
     d_out = dev.var(np.full((hc if epi == "hc" else 1, dim), np.nan, np.float32))
-    ops_moe.moe_down(dev.rt, qtype, dev.const(raw), dev.const(ids), dev.const(h), d_out, n_exp, dim, ff, slots,
-                     add=dev.const(add), hc_post=dev.const(post), hc_comb=dev.const(comb), hc_x=dev.const(X),
+    ops_moe.moe_down(dev.rt, Experts(fmt=qtype, n_experts=n_exp, ff=ff, dim=dim, down=dev.const(raw)),
+                     TokenRows(x=dev.const(h), y=d_out, add=dev.const(add)), Slots(ids=dev.const(ids), k=slots),
+                     hc=HcPost(dev.const(post), dev.const(comb), dev.const(X)) if epi == "hc" else None,
                      rows_per_block=rpb)
     want, mag = twin.down(W, ids, h, slots, add, post, comb, X)
     assert_close_scaled(d_out.download().reshape(want.shape), want, mag, ff * slots + hc, f"down {case}")
@@ -154,9 +159,12 @@ def test_moe_is_bit_identical_across_orders(kdev):
         dev = kdev(order, 9)
         d_h, d_y = dev.var(np.zeros((slots, ff), np.float32)), dev.var(np.zeros(dim, np.float32))
         d_ids = dev.const(ids)
-        ops_moe.moe_gate_up(dev.rt, qtype, dev.const(raw_g), dev.const(raw_u), dev.const(x), d_ids, dev.const(w), d_h,
-                            n_exp, ff, dim, slots, 10.0)
-        ops_moe.moe_down(dev.rt, QT.Q2_K, dev.const(raw_d), d_ids, d_h, d_y, n_exp, dim, ff, slots)
+        ops_moe.moe_gate_up(dev.rt,
+                            Experts(fmt=qtype, n_experts=n_exp, ff=ff, dim=dim, gate=dev.const(raw_g),
+                                    up=dev.const(raw_u), clamp=10.0), dev.const(x), d_h,
+                            Slots(ids=d_ids, weights=dev.const(w), k=slots))
+        ops_moe.moe_down(dev.rt, Experts(fmt=QT.Q2_K, n_experts=n_exp, ff=ff, dim=dim, down=dev.const(raw_d)),
+                         TokenRows(x=d_h, y=d_y), Slots(ids=d_ids, k=slots))
         outs.append(d_y.download())
     assert all(np.array_equal(outs[0], o) for o in outs[1:])
 
@@ -168,14 +176,17 @@ def test_bad_expert_ids_give_nan_not_a_wild_read(kdev):
     dev = kdev()
     ids = dev.const(np.array([1, -1, 2], np.int32))
     d_h = dev.var(np.zeros((3, ff), np.float32))
-    ops_moe.moe_gate_up(dev.rt, qtype, dev.const(raw), dev.const(raw), dev.const(r.standard_normal(dim).astype(
-        np.float32)), ids, None, d_h, n_exp, ff, dim, 3, 10.0)
+    ops_moe.moe_gate_up(dev.rt,
+                        Experts(fmt=qtype, n_experts=n_exp, ff=ff, dim=dim, gate=dev.const(raw), up=dev.const(raw),
+                                clamp=10.0),
+                        dev.const(r.standard_normal(dim).astype(
+        np.float32)), d_h, Slots(ids=ids, k=3))
     h = d_h.download()
     assert np.isfinite(h[0]).all() and np.isnan(h[1:]).all()
     raw_d, _ = expert_tensor(r, qtype, n_exp, ff, dim)      # [2, ff rows, dim cols] read as down: dim = ff here
     d_y = dev.var(np.zeros(ff, np.float32))
-    ops_moe.moe_down(dev.rt, qtype, dev.const(raw_d), ids, dev.const(np.ones((3, dim), np.float32)), d_y, n_exp, ff,
-                     dim, 3)
+    ops_moe.moe_down(dev.rt, Experts(fmt=qtype, n_experts=n_exp, ff=dim, dim=ff, down=dev.const(raw_d)),
+                     TokenRows(x=dev.const(np.ones((3, dim), np.float32)), y=d_y), Slots(ids=ids, k=3))
     assert np.isnan(d_y.download()).all()
 
 
@@ -184,8 +195,9 @@ def test_expert_wrappers_reject_bad_input():
     with pytest.raises(Ds4Error, match="has no kernel"):
         ops_moe.moe_dequant(None, QT.Q5_K, z(176, np.uint8), z(256, np.float32), 256)
     with pytest.raises(Ds4Error, match="weight bytes"):
-        ops_moe.moe_gate_up(None, QT.Q2_K, z(100, np.uint8), z(100, np.uint8), z(256, np.float32), None, None,
-                            z((1, 4), np.float32), 1, 4, 256, 1, 10.0)
+        ops_moe.moe_gate_up(None,
+                            Experts(fmt=QT.Q2_K, n_experts=1, ff=4, dim=256, gate=z(100, np.uint8), up=z(100, np.uint8),
+                                    clamp=10.0), z(256, np.float32), z((1, 4), np.float32), Slots())
     with pytest.raises(Ds4Error, match="whole"):
         ops_moe.row_bytes(QT.IQ2_XXS, 100)
     with pytest.raises(Ds4Error, match="rows per block"):

@@ -15,6 +15,8 @@ from ds4py.cuda import emu
 from ds4py.cuda.ops import experts as ops_moe
 from ds4py.cuda.twins import experts as twin
 from ds4py.cuda.twins.core import assert_close_scaled
+from ds4py.cuda.ops.core import TokenRows
+from ds4py.cuda.ops.experts import Experts, HcPost, Slots
 from ds4py.errors import Ds4Error
 from ds4py.ref import ops as ref_ops
 from tests.cu_emu_device import devices
@@ -58,8 +60,10 @@ def test_gate_up_i8(kdev, case, order):
     route_w = None if shared else (r.random(slots) + 0.2).astype(np.float32)
     dev = kdev(order, dim)
     d_h = dev.var(np.full((slots + 1, ff), np.nan, np.float32))
-    ops_moe.moe_gate_up(dev.rt, qtype, dev.const(raw_g), dev.const(raw_u), dev.const(x), dev.const(ids),
-                        dev.const(route_w), d_h, n_exp, ff, dim, slots, 0.5, rows_per_block=rpb, act_quant=True)
+    ops_moe.moe_gate_up(dev.rt,
+                        Experts(fmt=qtype, n_experts=n_exp, ff=ff, dim=dim, gate=dev.const(raw_g), up=dev.const(raw_u),
+                                clamp=0.5, act_quant=True), dev.const(x), d_h,
+                        Slots(ids=dev.const(ids), weights=dev.const(route_w), k=slots), rows_per_block=rpb)
     h = d_h.download()
     want, mag = twin.gate_up_i8(Wg, Wu, x, ids, route_w, 0.5, slots)
     assert_close_scaled(h[:slots], want, mag, dim, f"gate_up_i8 {case}")
@@ -87,9 +91,10 @@ def test_down_i8(kdev, case, order):
     X = r.standard_normal((hc, dim)).astype(np.float32) if epi == "hc" else None
     dev = kdev(order, ff)
     d_out = dev.var(np.full((hc if epi == "hc" else 1, dim), np.nan, np.float32))
-    ops_moe.moe_down(dev.rt, qtype, dev.const(raw), dev.const(ids), dev.const(h), d_out, n_exp, dim, ff, slots,
-                     add=dev.const(add), hc_post=dev.const(post), hc_comb=dev.const(comb), hc_x=dev.const(X),
-                     rows_per_block=rpb, act_quant=True)
+    ops_moe.moe_down(dev.rt, Experts(fmt=qtype, n_experts=n_exp, ff=ff, dim=dim, down=dev.const(raw), act_quant=True),
+                     TokenRows(x=dev.const(h), y=d_out, add=dev.const(add)), Slots(ids=dev.const(ids), k=slots),
+                     hc=HcPost(dev.const(post), dev.const(comb), dev.const(X)) if epi == "hc" else None,
+                     rows_per_block=rpb)
     want, mag = twin.down_i8(W, ids, h, slots, add, post, comb, X)
     assert_close_scaled(d_out.download().reshape(want.shape), want, mag, ff * slots + hc, f"down_i8 {case}")
 

@@ -47,7 +47,8 @@ def test_block_fields_make_a_valid_tensor(rt, arena, qtype, block, f16_at, e8m0_
     n_blocks = 12                                         # a whole number of 32-bit words for every format
     a = arena.scratch(n_blocks * block, np.uint8)
     fill.fill_random_u32(rt, a, seed=5)
-    fill.fix_block_fields(rt, a, block, f16_at, 0.01, e8m0_at, (120, 127), seed=2)
+    fields = fill.BlockFields(block_bytes=block, f16_at=f16_at, scale=0.01, e8m0_at=e8m0_at, e8m0_range=(120, 127))
+    fill.fix_block_fields(rt, a, fields, seed=2)
     want = twin.block_fields(twin.random_u32(n_blocks * block // 4, 5).view(np.uint8), block, f16_at, 0.01, e8m0_at,
                              (120, 127), 2)
     got = a.download()

@@ -16,6 +16,7 @@ from ds4py.cuda.twins import gemm as twin
 from ds4py.cuda.twins import mma as twin_mma
 from ds4py.cuda.twins.core import assert_close_scaled, weight_values
 from ds4py.cuda.twins.gemv import gemv as gemv_twin
+from ds4py.cuda.ops.gemm import GemmShape
 from ds4py.errors import Ds4Error
 from tests.cu_emu_device import devices
 
@@ -93,7 +94,8 @@ def test_gemm_against_the_twin(kdev, case, order):
     y0 = r.standard_normal((T, N)).astype(np.float32) if acc else np.full((T, N), np.nan, np.float32)
     dev = kdev(order, T)
     d_y = dev.var(y0)
-    ops_gemm.gemm(dev.rt, dev.const(W), dev.const(x), d_y, T, N, K, accumulate=acc, x_group_rows=xgr, ldx=ldx)
+    ops_gemm.gemm(dev.rt, dev.const(W), dev.const(x), d_y, GemmShape(T, N, K, x_group_rows=xgr, ldx=ldx),
+                  accumulate=acc)
     got = d_y.download()
     want, mag = twin.gemm(W, x, T, N, K, xgr, y0 if acc else None)
     assert_close_scaled(got, want, mag, K, f"gemm {case}", factor=2.0 if isinstance(dev.rt, EmuRuntime) else 8.0)
@@ -107,8 +109,8 @@ def test_gemm_rows_do_not_depend_on_T_or_neighbours(kdev):
     dev = kdev()
     dW = dev.const(W)
     full, part = dev.var(np.zeros((70, N), np.float32)), dev.var(np.zeros((10, N), np.float32))
-    ops_gemm.gemm(dev.rt, dW, dev.const(x), full, 70, N, K)
-    ops_gemm.gemm(dev.rt, dW, dev.const(x[60:]), part, 10, N, K)   # rows 60.. land in another tile position
+    ops_gemm.gemm(dev.rt, dW, dev.const(x), full, GemmShape(70, N, K))
+    ops_gemm.gemm(dev.rt, dW, dev.const(x[60:]), part, GemmShape(10, N, K))   # rows 60.. land in another tile position
     np.testing.assert_array_equal(full.download()[60:], part.download())
 
 
@@ -121,7 +123,7 @@ def test_tensor_core_path_vs_scalar_fp32(kdev, kind):
     x = _x(r, T, K, K)
     dev = kdev()
     d_y = dev.var(np.zeros((T, N), np.float32))
-    ops_gemm.gemm(dev.rt, dev.const(W), dev.const(x), d_y, T, N, K)
+    ops_gemm.gemm(dev.rt, dev.const(W), dev.const(x), d_y, GemmShape(T, N, K))
     got = d_y.download().astype(np.float64)
     scalar = np.stack([gemv_twin(W, x[t], N, K) for t in range(T)]).astype(np.float64)
     mag = np.abs(x.astype(np.float64)) @ np.abs(weight_values(W, N, K)).T
@@ -138,7 +140,7 @@ def test_precise_x_splits_the_activations(kdev):
     x = _x(r, T, K, K)
     dev = kdev()
     d_y = dev.var(np.zeros((T, N), np.float32))
-    ops_gemm.gemm(dev.rt, dev.const(W), dev.const(x), d_y, T, N, K, precise_x=True)
+    ops_gemm.gemm(dev.rt, dev.const(W), dev.const(x), d_y, GemmShape(T, N, K, precise_x=True))
     got = d_y.download()
     want, mag = twin.gemm(W, x, T, N, K, precise_x=True)
     assert_close_scaled(got, want, mag, K, "gemm precise_x", factor=2.0 if isinstance(dev.rt, EmuRuntime) else 8.0)
@@ -159,16 +161,16 @@ def test_gemm_rejects_bad_input():
     W = A(z((8, 2 * 34), np.uint8))
     x, y = A(z((4, 64), np.float32)), A(z((4, 8), np.float32))
     with pytest.raises(Ds4Error, match="multiple of 32"):
-        ops_gemm.gemm(None, W, x, y, 4, 8, 48)
+        ops_gemm.gemm(None, W, x, y, GemmShape(4, 8, 48))
     with pytest.raises(Ds4Error, match="not 8 x 64 Q8_0"):
-        ops_gemm.gemm(None, A(z(100, np.uint8)), x, y, 4, 8, 64)
+        ops_gemm.gemm(None, A(z(100, np.uint8)), x, y, GemmShape(4, 8, 64))
     with pytest.raises(Ds4Error, match="T must be"):
-        ops_gemm.gemm(None, W, x, y, 0, 8, 64)
+        ops_gemm.gemm(None, W, x, y, GemmShape(0, 8, 64))
     with pytest.raises(Ds4Error, match="x must be float32"):
-        ops_gemm.gemm(None, W, x, y, 5, 8, 64)
+        ops_gemm.gemm(None, W, x, y, GemmShape(5, 8, 64))
     with pytest.raises(Ds4Error, match="16-byte aligned"):
-        ops_gemm.gemm(None, W, A(z((4, 64), np.float32), ptr=8), y, 4, 8, 64)
+        ops_gemm.gemm(None, W, A(z((4, 64), np.float32), ptr=8), y, GemmShape(4, 8, 64))
     with pytest.raises(Ds4Error, match="ldx"):
-        ops_gemm.gemm(None, W, x, y, 4, 8, 64, ldx=66)
+        ops_gemm.gemm(None, W, x, y, GemmShape(4, 8, 64, ldx=66))
     with pytest.raises(Ds4Error, match="dtype must be"):
         ops_gemm.mma_tile(None, "f32", x, x, x, x)

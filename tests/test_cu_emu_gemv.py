@@ -12,6 +12,8 @@ from cu_fixtures import GEMV_KINDS, arena, gemv_weights, put, requires_emulator,
 from ds4py.cuda import ops, twins
 from ds4py.cuda.memory import DeviceArray
 from ds4py.cuda.twins import gemv as tg
+from ds4py.cuda.ops.gemv import GemvX, SwiGlu
+from ds4py.cuda.ops.mhc import HcResidual
 from ds4py.errors import Ds4Error
 
 pytestmark = requires_emulator
@@ -40,7 +42,7 @@ def test_gemv(rt, arena, put, kind, rows, cols, warps, grid):
     W = gemv_weights(r, kind, rows, cols)
     x = r.standard_normal(cols).astype(np.float32)
     y = arena.scratch(rows, np.float32)
-    ops.gemv(rt, [(put(W), y, rows)], put(x, False), cols, warps=warps, grid=grid)
+    ops.gemv(rt, [(put(W), y, rows)], GemvX(put(x, False), cols), warps=warps, grid=grid)
     check(y.download(), W, x, rows, cols, f"{kind} {rows}x{cols}")
 
 
@@ -56,12 +58,12 @@ def test_several_matrices_norm_and_add(rt, arena, put, kind):
     dx, dnw = put(x, False), put(nw)
     for norm_dev, norm_host in [(None, None), ((dnw, 1e-6), (nw, 1e-6)), ((None, 1e-5), (None, 1e-5))]:
         ys = [arena.scratch(n, np.float32) for n in shapes]
-        ops.gemv(rt, [(put(W), y, n) for W, y, n in zip(Ws, ys, shapes)], dx, cols, norm=norm_dev, warps=2)
+        ops.gemv(rt, [(put(W), y, n) for W, y, n in zip(Ws, ys, shapes)], GemvX(dx, cols, norm=norm_dev), warps=2)
         for W, y, n in zip(Ws, ys, shapes):
             check(y.download(), W, x, n, cols, f"{kind} multi {n}", norm=norm_host)
     base = r.standard_normal(shapes[0]).astype(np.float32)
     y = put(base, False)
-    ops.gemv(rt, [(put(Ws[0]), y, shapes[0])], dx, cols, add=True)
+    ops.gemv(rt, [(put(Ws[0]), y, shapes[0])], GemvX(dx, cols), add=True)
     check(y.download(), Ws[0], x, shapes[0], cols, f"{kind} add", base=base)
 
 
@@ -73,7 +75,7 @@ def test_input_groups(rt, arena, put, kind):
     W = gemv_weights(r, kind, rows, cols)
     x = r.standard_normal(3 * cols).astype(np.float32)
     y = arena.scratch(rows, np.float32)
-    ops.gemv(rt, [(put(W), y, rows)], put(x, False), cols, x_group_rows=group, warps=2)
+    ops.gemv(rt, [(put(W), y, rows)], GemvX(put(x, False), cols, x_group_rows=group), warps=2)
     check(y.download(), W, x, rows, cols, f"{kind} groups", x_group_rows=group)
 
 
@@ -88,7 +90,7 @@ def test_q8_0_rows_at_any_even_address(rt, arena, put, shift):
     dW = put(blob).view(shift, W.shape, np.uint8)
     x = r.standard_normal(cols).astype(np.float32)
     y = arena.scratch(rows, np.float32)
-    ops.gemv(rt, [(dW, y, rows)], put(x, False), cols, warps=3)
+    ops.gemv(rt, [(dW, y, rows)], GemvX(put(x, False), cols), warps=3)
     check(y.download(), W, x, rows, cols, f"q8_0 at +{shift}")
 
 
@@ -101,7 +103,7 @@ def test_hc_post_epilogue(rt, arena, put, kind):
     X = r.standard_normal((hc, D)).astype(np.float32)
     mix = r.random((2 + hc) * hc).astype(np.float32)
     dX = put(X, False)
-    ops.gemv_hc_post(rt, put(W), put(x, False), dX, put(mix), D, cols, warps=2)
+    ops.gemv_hc_post(rt, put(W), GemvX(put(x, False), cols), HcResidual(dX, put(mix), D), warps=2)
     f = tg.gemv(W, x, D, cols)
     want = tg.hc_post(f, X, mix)
     mag = (mix[hc:2 * hc, None] * tg.magnitude(W, x, D, cols)[None, :]
@@ -118,7 +120,7 @@ def test_swiglu_epilogue(rt, arena, put, kind, clamp, rows):
     Wg, Wu = gemv_weights(r, kind, rows, cols, 0.5), gemv_weights(r, kind, rows, cols, 0.5)
     x = r.standard_normal(cols).astype(np.float32)
     y = arena.scratch(rows, np.float32)
-    ops.gemv_swiglu(rt, put(Wg), put(Wu), put(x, False), y, rows, cols, clamp=clamp, warps=2)
+    ops.gemv_swiglu(rt, SwiGlu(put(Wg), put(Wu), rows, clamp=clamp), GemvX(put(x, False), cols), y, warps=2)
     g, u = tg.gemv(Wg, x, rows, cols), tg.gemv(Wu, x, rows, cols)
     want = tg.swiglu(g, u, clamp)
     # |d silu(g) u| <= (1.1 |u| + |silu(g)|) * error of the dots
@@ -137,13 +139,13 @@ def test_batch_invariance(rt, arena, put, kind):
     x = r.standard_normal(cols).astype(np.float32)
     dW, dx = put(W), put(x, False)
     full = arena.scratch(rows, np.float32)
-    ops.gemv(rt, [(dW, full, rows)], dx, cols, warps=4)
+    ops.gemv(rt, [(dW, full, rows)], GemvX(dx, cols), warps=4)
     a, b = 5, 22
     row_bytes = W.nbytes // rows
     sub = dW.view(a * row_bytes, (b - a,) + W.shape[1:])
     other = put(gemv_weights(r, kind, 6, cols))
     y_sub, y_other = arena.scratch(b - a, np.float32), arena.scratch(6, np.float32)
-    ops.gemv(rt, [(other, y_other, 6), (sub, y_sub, b - a)], dx, cols, warps=1, grid=2)
+    ops.gemv(rt, [(other, y_other, 6), (sub, y_sub, b - a)], GemvX(dx, cols), warps=1, grid=2)
     assert y_sub.download().tobytes() == full.download()[a:b].tobytes()
 
 
@@ -154,7 +156,7 @@ def test_the_tolerance_sees_one_quant_off(rt, arena, put):
     W = gemv_weights(r, "Q8_0", rows, cols)
     x = r.standard_normal(cols).astype(np.float32)
     y = arena.scratch(rows, np.float32)
-    ops.gemv(rt, [(put(W), y, rows)], put(x, False), cols)
+    ops.gemv(rt, [(put(W), y, rows)], GemvX(put(x, False), cols))
     check(y.download(), W, x, rows, cols, "unchanged")
     bad = W.copy()
     bad[5, 34 * 7 + 2 + int(np.argmax(np.abs(x[224:256])))] += 1       # quant of the largest |x| in block 7
@@ -167,14 +169,14 @@ def test_wrapper_checks(rt, arena, put):
     y = arena.scratch(8, np.float32)
     W = put(np.ones((8, 64), np.float16))
     with pytest.raises(Ds4Error, match="not 8 x 96"):
-        ops.gemv(rt, [(W, y, 8)], x, 96)
+        ops.gemv(rt, [(W, y, 8)], GemvX(x, 96))
     with pytest.raises(Ds4Error, match="same type"):
-        ops.gemv(rt, [(W, y, 8), (put(np.ones((8, 64), np.float32)), y, 8)], x, 64)
+        ops.gemv(rt, [(W, y, 8), (put(np.ones((8, 64), np.float32)), y, 8)], GemvX(x, 64))
     with pytest.raises(Ds4Error, match="multiple of 32"):
-        ops.gemv(rt, [(put(np.zeros((2, 34), np.uint8)), y, 2)], x, 40)
+        ops.gemv(rt, [(put(np.zeros((2, 34), np.uint8)), y, 2)], GemvX(x, 40))
     with pytest.raises(Ds4Error, match="1 to 4"):
-        ops.gemv(rt, [(W, y, 8)] * 5, x, 64)
+        ops.gemv(rt, [(W, y, 8)] * 5, GemvX(x, 64))
     with pytest.raises(Ds4Error, match="x_group_rows"):
-        ops.gemv(rt, [(W, y, 8)], x, 64, x_group_rows=3)
+        ops.gemv(rt, [(W, y, 8)], GemvX(x, 64, x_group_rows=3))
     with pytest.raises(Ds4Error, match="float32, float16 or Q8_0"):
-        ops.gemv(rt, [(DeviceArray(W.ptr, (8, 64), np.dtype(np.int32), True, W.mem), y, 8)], x, 64)
+        ops.gemv(rt, [(DeviceArray(W.ptr, (8, 64), np.dtype(np.int32), True, W.mem), y, 8)], GemvX(x, 64))

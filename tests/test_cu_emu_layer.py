@@ -20,6 +20,8 @@ from ds4py.cuda.ops import indexer as ops_idx
 from ds4py.cuda.ops import router as ops_route
 from ds4py.cuda.ops import topk as ops_topk
 from ds4py.cuda.twins.indexer import weight_scale
+from ds4py.cuda.ops.core import TokenRows
+from ds4py.cuda.ops.experts import Experts, HcPost, Slots
 from ds4py.gguf import GGUFFile
 from ds4py.kv import state_layout
 from ds4py.model import Numerics
@@ -110,8 +112,8 @@ def test_attention_sublayer_matches_the_reference(kdev, model):
         pos_slot.upload(np.array([t], np.int32))
         x = dev.var(xs[t])
         qr = dev.arena.scratch(qr_dim, np.float32)
-        ops.rmsnorm(dev.rt, linear(dev, P, "attn_q_a.weight", x, qr_dim, D), P.f32("attn_q_a_norm.weight"), qr,
-                    qr_dim, eps)
+        ops.rmsnorm(dev.rt, linear(dev, P, "attn_q_a.weight", x, qr_dim, D), qr, qr_dim,
+                    (P.f32("attn_q_a_norm.weight"), eps))
         q = linear(dev, P, "attn_q_b.weight", qr, H * hd, qr_dim)
         ops_attn.kv_store(dev.rt, ops_attn.KvRow(P.f32("attn_kv_a_norm.weight"), freqs, hd, rd, eps, fake_quant=False),
                           linear(dev, P, "attn_kv.weight", x, hd, D), pos_slot, win)
@@ -135,7 +137,7 @@ def test_attention_sublayer_matches_the_reference(kdev, model):
         ops_idx.indexer_scores(dev.rt, ops_idx.IndexScorer(ih, ihd, weight_scale(ihd, ih)),
                                ops_idx.ScoreBuffers(iq, linear(dev, P, "indexer.proj.weight", x, ih, D), keys,
                                                     pos_slot, scores, int(keys.shape[0])))
-        ops_topk.topk(dev.rt, scores, topk, sel, pos_slot=pos_slot)
+        ops_topk.topk(dev.rt, scores, topk, sel, ops_topk.Visible(pos_slot=pos_slot))
         o = dev.arena.scratch((H, hd), np.float32)
         ops_attn.decode_attention(dev.rt, plan,
                                   ops_attn.AttnLayer(freqs, P.f32("attn_sinks.weight"), H, rd, W, eps, hd ** -0.5),
@@ -175,30 +177,39 @@ def test_moe_sublayer_matches_the_reference(kdev, model, il, token):
     x = dev.var(x_h)
     ids, wts = dev.var(np.zeros(k, np.int32)), dev.var(np.zeros(k, np.float32))
     hash_layer = cfg.is_hash_layer(il)
-    ops_route.moe_route(rt, ops_route.Router(None if hash_layer else P.f32("exp_probs_b.bias"),
-                                             P.any("ffn_gate_tid2eid.weight") if hash_layer else None, NX, k,
-                                             cfg.route_scale, cfg.route_norm),
+    ops_route.moe_route(rt,
+                        ops_route.Router(None if hash_layer else P.f32("exp_probs_b.bias"),
+                                         P.any("ffn_gate_tid2eid.weight") if hash_layer else None, NX, k,
+                                         cfg.route_scale, cfg.route_norm),
                         linear(dev, P, "ffn_gate_inp.weight", x, NX, D), dev.const(np.array([token], np.int32)),
-                        ids, wts)
+                        Slots(ids, wts,
+                              ops_route.Router(None if hash_layer else P.f32("exp_probs_b.bias"),
+                                             P.any("ffn_gate_tid2eid.weight") if hash_layer else None, NX, k,
+                                             cfg.route_scale, cfg.route_norm).k))
     clamp = cfg.swiglu_clamp[il]
     sh = {m: gg.tensor(P.p + f"ffn_{m}_shexp.weight").qtype for m in ("gate", "down")}
     h_sh, y_sh = dev.var(np.zeros(FF, np.float32)), dev.var(np.zeros(D, np.float32))
-    ops_moe.moe_gate_up(rt, sh["gate"], P.raw("ffn_gate_shexp.weight"), P.raw("ffn_up_shexp.weight"), x, None, None,
-                        h_sh, 1, FF, D, 1, clamp)
-    ops_moe.moe_down(rt, sh["down"], P.raw("ffn_down_shexp.weight"), None, h_sh, y_sh, 1, D, FF, 1)
+    ops_moe.moe_gate_up(rt,
+                        Experts(fmt=sh["gate"], n_experts=1, ff=FF, dim=D, gate=P.raw("ffn_gate_shexp.weight"),
+                                up=P.raw("ffn_up_shexp.weight"), clamp=clamp), x, h_sh, Slots())
+    ops_moe.moe_down(rt, Experts(fmt=sh["down"], n_experts=1, ff=FF, dim=D, down=P.raw("ffn_down_shexp.weight")),
+                     TokenRows(x=h_sh, y=y_sh), Slots())
     ex = {m: gg.tensor(P.p + f"ffn_{m}_exps.weight").qtype for m in ("gate", "down")}
     h, y = dev.var(np.zeros((k, FF), np.float32)), dev.var(np.zeros(D, np.float32))
-    ops_moe.moe_gate_up(rt, ex["gate"], P.raw("ffn_gate_exps.weight"), P.raw("ffn_up_exps.weight"), x, ids, wts, h, NX,
-                        FF, D, k, clamp)
-    ops_moe.moe_down(rt, ex["down"], P.raw("ffn_down_exps.weight"), ids, h, y, NX, D, FF, k, add=y_sh)
+    ops_moe.moe_gate_up(rt,
+                        Experts(fmt=ex["gate"], n_experts=NX, ff=FF, dim=D, gate=P.raw("ffn_gate_exps.weight"),
+                                up=P.raw("ffn_up_exps.weight"), clamp=clamp), x, h, Slots(ids=ids, weights=wts, k=k))
+    ops_moe.moe_down(rt, Experts(fmt=ex["down"], n_experts=NX, ff=FF, dim=D, down=P.raw("ffn_down_exps.weight")),
+                     TokenRows(x=h, y=y, add=y_sh), Slots(ids=ids, k=k))
     # and the same sum through the hc_post epilogue
     r = np.random.default_rng(9)
     hc = cfg.hc_mult
     post, comb = (r.random(hc) * 2).astype(np.float32), r.random((hc, hc)).astype(np.float32)
     X = r.standard_normal((hc, D)).astype(np.float32)
     Xn = dev.var(np.zeros((hc, D), np.float32))
-    ops_moe.moe_down(rt, ex["down"], P.raw("ffn_down_exps.weight"), ids, h, Xn, NX, D, FF, k, add=y_sh,
-                     hc_post=dev.const(post), hc_comb=dev.const(comb), hc_x=dev.const(X))
+    ops_moe.moe_down(rt, Experts(fmt=ex["down"], n_experts=NX, ff=FF, dim=D, down=P.raw("ffn_down_exps.weight")),
+                     TokenRows(x=h, y=Xn, add=y_sh), Slots(ids=ids, k=k),
+                     hc=HcPost(dev.const(post), dev.const(comb), dev.const(X)))
 
     trace = forward.Trace(cfg.n_layers)
     one = [forward.Seq(None, slice(0, 1), np.array([0]))]        # the MoE reads only the rows of its sequence

@@ -12,6 +12,7 @@ from cu_fixtures import arena, fresh_arena, put, putter, requires_emulator, rng,
 from ds4py.cuda import ops, twins
 from ds4py.cuda.ops import mhc as om
 from ds4py.cuda.twins import mhc as tm
+from ds4py.cuda.ops.mhc import HcResidual, HcRows
 from ds4py.ref import ops as ref
 
 pytestmark = requires_emulator
@@ -118,7 +119,7 @@ def test_collapse_norm(rt, arena, put, D, T, threads, weighted):
     mix = r.random((T, om.mix_record(HC))).astype(np.float32)
     w = (1 + 0.1 * r.standard_normal(D)).astype(np.float32) if weighted else None
     y = arena.scratch((T, D), np.float32)
-    ops.hc_collapse_norm(rt, put(X, False), T, D, om.Collapse(y, put(w) if weighted else None, EPS, put(mix)),
+    ops.hc_collapse_norm(rt, HcRows(put(X, False), T, D), om.Collapse(y, put(w) if weighted else None, EPS, put(mix)),
                          threads=threads)
     want = tm.hc_collapse_norm(X, mix, w, EPS)
     twins.assert_close_scaled(y.download(), want, np.abs(want) + 1e-30, D, f"collapse D={D}")
@@ -131,7 +132,7 @@ def test_hc_post(rt, arena, put, D, T, threads):
     f = r.standard_normal((T, D)).astype(np.float32)
     mix = r.random((T, om.mix_record(HC))).astype(np.float32)
     dX = put(X, False)
-    ops.hc_post(rt, put(f, False), put(mix), dX, T, D, threads=threads)
+    ops.hc_post(rt, put(f, False), HcResidual(dX, put(mix), D), T, threads=threads)
     want = tm.hc_post(f, X, mix)
     post, C = mix[:, HC:2 * HC], mix[:, 2 * HC:].reshape(T, HC, HC)
     mag = np.abs(post)[:, :, None] * np.abs(f)[:, None, :] + np.einsum("tjk,tjd->tkd", np.abs(C), np.abs(X))
@@ -146,7 +147,7 @@ def test_head_collapse(rt, arena, put, D):
     mix, _ = run_mix(rt, arena, put, X, fn, scale[:1], base)
     w = (1 + 0.1 * r.standard_normal(D)).astype(np.float32)
     y = arena.scratch((2, D), np.float32)
-    ops.hc_collapse_norm(rt, X=put(X, False), n_tok=2, D=D, c=om.Collapse(y, put(w), EPS, mix), threads=64)
+    ops.hc_collapse_norm(rt, HcRows(put(X, False), 2, D), om.Collapse(y, put(w), EPS, mix), threads=64)
     want = tm.hc_head(X, fn.astype(np.float32), scale[:1], base, w, EPS, EPS)
     twins.assert_close_scaled(y.download(), want, np.abs(want) + np.abs(w), HC * D, "head collapse")
 
@@ -174,7 +175,7 @@ def test_mix_with_collapse_is_the_two_launches_bit_for_bit(rt, arena, put, D, T,
     y1, y2 = (arena.scratch((T, D), np.float32) for _ in range(2))
     mw = om.MixWeights(dfn, dsc, dbase, D, EPS, EPS, 20)
     ops.hc_mix(rt, mw, om.MixBuffers(dX, T, mix1, part, ticket))
-    ops.hc_collapse_norm(rt, dX, T, D, om.Collapse(y1, dw, EPS, dlag if lagged else mix1, stride))
+    ops.hc_collapse_norm(rt, HcRows(dX, T, D), om.Collapse(y1, dw, EPS, dlag if lagged else mix1, stride))
     ops.hc_mix(rt, mw, om.MixBuffers(dX, T, mix2, part, ticket),
                collapse=om.Collapse(y2, dw, EPS, dlag, stride if lagged else 0))
     assert (ticket.download() == 0).all()

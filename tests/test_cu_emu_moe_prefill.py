@@ -7,16 +7,20 @@ effective float32 gains) stage by stage and whole within fp32 tolerances (x and 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
 from cu_fixtures import requires_emulator
-from ds4py.cuda import vq_layout
+from ds4py.cuda import kernels, vq_layout
 from ds4py.cuda.ops import moe_prefill as ops_mp
 from ds4py.cuda.twins import experts as twin_experts
 from ds4py.cuda.twins import moe_prefill as twin
 from ds4py.cuda.twins.core import assert_close_scaled
+from ds4py.cuda.ops.core import TokenRows
+from ds4py.cuda.ops.experts import Experts, Slots
 from ds4py.errors import Ds4Error
 from ds4py.quant import vq
 from ds4py.ref import ops as ref_ops
@@ -97,8 +101,10 @@ def test_gate_up_stage(kdev, case):
     dev = kdev()
     bufs = bufs_on(dev, T, k, E, ff, dim)
     ops_mp.moe_prefill_route(dev.rt, dev.const(ids), bufs, T, k, E)
-    ops_mp.moe_prefill_gate_up(dev.rt, qtype, dev.const(rg), dev.const(ru), dev.const(x), dev.const(wts), bufs, T, k,
-                               E, ff, dim, clamp)
+    ops_mp.moe_prefill_gate_up(dev.rt,
+                               Experts(fmt=qtype, n_experts=E, ff=ff, dim=dim, gate=dev.const(rg), up=dev.const(ru),
+                                       clamp=clamp), TokenRows(x=dev.const(x), T=T), Slots(weights=dev.const(wts), k=k),
+                               bufs)
     rt_ = twin.route(ids, E, ops_mp.BM, ops_mp.max_tiles(T * k, E))
     want, mag = twin.gate_up(Wg, Wu, x, wts, rt_, k, clamp)
     got = bufs.H.download()
@@ -119,7 +125,7 @@ def test_down_stage(kdev, case):
     bufs = bufs_on(dev, T, k, E, ff, dim)
     bufs.H.upload(H)
     ops_mp.moe_prefill_route(dev.rt, dev.const(ids), bufs, T, k, E)
-    ops_mp.moe_prefill_down(dev.rt, qtype, dev.const(rd), bufs, T, k, E, ff, dim)
+    ops_mp.moe_prefill_down(dev.rt, Experts(fmt=qtype, n_experts=E, ff=ff, dim=dim, down=dev.const(rd)), bufs, T, k)
     want, mag = twin.down(Wd, H, twin.route(ids, E, ops_mp.BM, ops_mp.max_tiles(T * k, E)))
     assert_close_scaled(bufs.Yp.download(), want, mag, ff, f"down {case}")
 
@@ -156,8 +162,10 @@ def test_whole_moe_against_twin_and_reference(kdev, case, order):
     dev = kdev(order, T)
     bufs = bufs_on(dev, T, k, E, ff, dim)
     y = dev.var(np.full((T, dim), np.nan, np.float32))
-    ops_mp.moe_prefill(dev.rt, (qg, dev.const(rg)), (qg, dev.const(ru)), (qd, dev.const(rd)), dev.const(x),
-                       dev.const(ids), dev.const(wts), y, T, k, E, ff, dim, clamp, bufs, add=dev.const(add))
+    ex = Experts(fmt=qg, n_experts=E, ff=ff, dim=dim, gate=dev.const(rg), up=dev.const(ru), down=dev.const(rd),
+                 down_fmt=qd, clamp=clamp)
+    ops_mp.moe_prefill(dev.rt, ex, TokenRows(x=dev.const(x), y=y, T=T, add=dev.const(add)),
+                       Slots(ids=dev.const(ids), weights=dev.const(wts), k=k), bufs)
     got = y.download().astype(np.float64)
     want, mag = twin.moe(Wg, Wu, Wd, x, ids, wts, clamp, ops_mp.BM, ops_mp.max_tiles(T * k, E), add)
     ref = _reference_moe(Wg, Wu, Wd, x, ids, wts, clamp, add)
@@ -178,15 +186,22 @@ def test_wrappers_reject_bad_input(kdev):
     with pytest.raises(Ds4Error, match="ids must be int32"):
         ops_mp.moe_prefill_route(dev.rt, dev.const(z((4, 2), np.int64)), bufs, 4, 2, 3)
     with pytest.raises(Ds4Error, match="has no kernel"):
-        ops_mp.moe_prefill_down(dev.rt, QT.Q5_K, dev.const(z(10, np.uint8)), bufs, 4, 2, 3, 32, 32)
+        ops_mp.moe_prefill_down(dev.rt,
+                                Experts(fmt=QT.Q5_K, n_experts=3, ff=32, dim=32, down=dev.const(z(10, np.uint8))), bufs,
+                                4, 2)
     with pytest.raises(Ds4Error, match="weight bytes"):
-        ops_mp.moe_prefill_down(dev.rt, QT.Q8_0, dev.const(z(10, np.uint8)), bufs, 4, 2, 3, 32, 32)
+        ops_mp.moe_prefill_down(dev.rt,
+                                Experts(fmt=QT.Q8_0, n_experts=3, ff=32, dim=32, down=dev.const(z(10, np.uint8))), bufs,
+                                4, 2)
     small = bufs_on(dev, 2, 2, 3, 32, 32)
     with pytest.raises(Ds4Error, match="buffer sorted"):
-        ops_mp.moe_prefill_down(dev.rt, QT.Q8_0, dev.const(z(3 * 32 * 34, np.uint8)), small, 4, 2, 3, 32, 32)
-    with pytest.raises(Ds4Error, match="same weight type"):
-        ops_mp.moe_prefill(dev.rt, (QT.Q8_0, None), (QT.F16, None), (QT.F16, None), None, None, None, None, 4, 2, 3,
-                           32, 32, 0.0, bufs)
+        ops_mp.moe_prefill_down(dev.rt,
+                                Experts(fmt=QT.Q8_0, n_experts=3, ff=32, dim=32,
+                                        down=dev.const(z(3 * 32 * 34, np.uint8))), small, 4, 2)
+    mat = lambda qt: SimpleNamespace(kernel_format=qt, array=None)           # noqa: E731
+    rec = SimpleNamespace(cfg=SimpleNamespace(n_experts=3, expert_ff=32, dim=32))
+    with pytest.raises(Ds4Error, match="same weight type"):           # one Experts format for gate and up
+        kernels.routed_experts(rec, SimpleNamespace(gate=mat(QT.Q8_0), up=mat(QT.F16), down=mat(QT.F16)))
 
 
 def test_shared_expert_as_one_expert_for_every_token(kdev):
@@ -201,8 +216,9 @@ def test_shared_expert_as_one_expert_for_every_token(kdev):
     dev = kdev()
     bufs = bufs_on(dev, T, 1, 1, ff, dim)
     y = dev.var(np.full((T, dim), np.nan, np.float32))
-    ops_mp.moe_prefill(dev.rt, (QT.Q8_0, dev.const(rg)), (QT.Q8_0, dev.const(ru)), (QT.Q8_0, dev.const(rd)),
-                       dev.const(x), dev.const(ids), None, y, T, 1, 1, ff, dim, 10.0, bufs)
+    ex = Experts(fmt=QT.Q8_0, n_experts=1, ff=ff, dim=dim, gate=dev.const(rg), up=dev.const(ru), down=dev.const(rd),
+                 clamp=10.0)
+    ops_mp.moe_prefill(dev.rt, ex, TokenRows(x=dev.const(x), y=y, T=T), Slots(ids=dev.const(ids)), bufs)
     got = y.download().astype(np.float64)
     assert bufs.info.download()[0] == -(-T // ops_mp.BM)
     want, mag = twin.moe(Wg, Wu, Wd, x, ids, None, 10.0, ops_mp.BM, ops_mp.max_tiles(T, 1))
@@ -237,8 +253,10 @@ def test_vq_gate_up_stage(kdev, bits, ids_how):
     dev = kdev()
     bufs = bufs_on(dev, T, k, E, ff, dim)
     ops_mp.moe_prefill_route(dev.rt, dev.const(ids), bufs, T, k, E)
-    ops_mp.moe_prefill_gate_up(dev.rt, fmt, dev.const(dg), dev.const(du), dev.const(x), dev.const(wts), bufs, T, k,
-                               E, ff, dim, 0.5)
+    ops_mp.moe_prefill_gate_up(dev.rt,
+                               Experts(fmt=fmt, n_experts=E, ff=ff, dim=dim, gate=dev.const(dg), up=dev.const(du),
+                                       clamp=0.5), TokenRows(x=dev.const(x), T=T), Slots(weights=dev.const(wts), k=k),
+                               bufs)
     rt_ = twin.route(ids, E, ops_mp.BM, ops_mp.max_tiles(T * k, E))
     want, mag = twin.gate_up(Wg, Wu, x, wts, rt_, k, 0.5, exact=True)
     got = bufs.H.download()
@@ -261,7 +279,7 @@ def test_vq_down_stage(kdev, bits, dim):
     bufs = bufs_on(dev, T, k, E, ff, dim)
     bufs.H.upload(H)
     ops_mp.moe_prefill_route(dev.rt, dev.const(ids), bufs, T, k, E)
-    ops_mp.moe_prefill_down(dev.rt, fmt, dev.const(dd), bufs, T, k, E, ff, dim)
+    ops_mp.moe_prefill_down(dev.rt, Experts(fmt=fmt, n_experts=E, ff=ff, dim=dim, down=dev.const(dd)), bufs, T, k)
     want, mag = twin.down(Wd, H, twin.route(ids, E, ops_mp.BM, ops_mp.max_tiles(T * k, E)), exact=True)
     assert_close_scaled(bufs.Yp.download(), want, mag, ff, f"vq{bits} down")
     # the twin's exact H is the point: rounded to bf16 it is off by far more than the tolerance
@@ -296,8 +314,10 @@ def test_vq_whole_moe_against_twin_and_reference(kdev, case, order):
     dev = kdev(order, T)
     bufs = bufs_on(dev, T, k, E, ff, dim)
     y = dev.var(np.full((T, dim), np.nan, np.float32))
-    ops_mp.moe_prefill(dev.rt, (fmt, dev.const(dg)), (fmt, dev.const(du)), (fmt, dev.const(dd)), dev.const(x),
-                       dev.const(ids), dev.const(wts), y, T, k, E, ff, dim, clamp, bufs, add=dev.const(add))
+    ex = Experts(fmt=fmt, n_experts=E, ff=ff, dim=dim, gate=dev.const(dg), up=dev.const(du), down=dev.const(dd),
+                 clamp=clamp)
+    ops_mp.moe_prefill(dev.rt, ex, TokenRows(x=dev.const(x), y=y, T=T, add=dev.const(add)),
+                       Slots(ids=dev.const(ids), weights=dev.const(wts), k=k), bufs)
     got = y.download().astype(np.float64)
     want, mag = twin.moe(Wg, Wu, Wd, x, ids, wts, clamp, ops_mp.BM, ops_mp.max_tiles(T * k, E), add, exact=True)
     good = ((ids >= 0) & (ids < E)).all(1)
@@ -317,11 +337,14 @@ def test_vq_wrappers_reject_bad_input(kdev):
     dev = kdev()
     bufs = bufs_on(dev, 4, 2, 3, 64, 64)
     with pytest.raises(Ds4Error, match="no VQ-8 kernel format 'vq14'"):
-        ops_mp.moe_prefill_down(dev.rt, "vq14", dev.const(np.zeros(10, np.uint8)), bufs, 4, 2, 3, 64, 64)
+        ops_mp.moe_prefill_down(dev.rt,
+                                Experts(fmt="vq14", n_experts=3, ff=64, dim=64, down=dev.const(np.zeros(10, np.uint8))),
+                                bufs, 4, 2)
     with pytest.raises(Ds4Error, match="not whole vq12 blocks"):
-        ops_mp.moe_prefill_down(dev.rt, "vq12", dev.const(np.zeros(10, np.uint8)), bufs, 4, 2, 3, 96, 64)
+        ops_mp.moe_prefill_down(dev.rt,
+                                Experts(fmt="vq12", n_experts=3, ff=96, dim=64, down=dev.const(np.zeros(10, np.uint8))),
+                                bufs, 4, 2)
     with pytest.raises(Ds4Error, match="weight bytes"):
-        ops_mp.moe_prefill_down(dev.rt, "vq13", dev.const(np.zeros(10, np.uint8)), bufs, 4, 2, 3, 64, 64)
-    with pytest.raises(Ds4Error, match="same weight type"):
-        ops_mp.moe_prefill(dev.rt, ("vq12", None), ("vq13", None), ("vq12", None), None, None, None, None, 4, 2, 3,
-                           64, 64, 0.0, bufs)
+        ops_mp.moe_prefill_down(dev.rt,
+                                Experts(fmt="vq13", n_experts=3, ff=64, dim=64, down=dev.const(np.zeros(10, np.uint8))),
+                                bufs, 4, 2)

@@ -16,6 +16,8 @@ from ds4py.cuda.ops import experts as ops_moe
 from ds4py.cuda.ops import moe_prefill as ops_mp
 from ds4py.cuda.twins import moe_prefill as twin
 from ds4py.cuda.twins.core import assert_close_scaled
+from ds4py.cuda.ops.core import TokenRows
+from ds4py.cuda.ops.experts import Experts, Slots
 from ds4py.errors import Ds4Error
 from tests.cu_emu_device import devices
 from tests.test_cu_emu_moe_prefill import _experts, _reference_moe, bufs_on, ids_case, rng
@@ -51,11 +53,15 @@ def test_gate_up_tiles_are_the_rows_kernels_bits(kdev, case, order):
     dev = kdev(order, T)
     bufs = bufs_on(dev, T, k, E, ff, dim)
     ops_mp.moe_prefill_route(dev.rt, dev.const(ids), bufs, T, k, E)
-    ops_mp.moe_tile_gate_up(dev.rt, qtype, dev.const(rg), dev.const(ru), dev.const(x), dev.const(wts), bufs, T, k,
-                            E, ff, dim, clamp, rows_per_block=rpb)
+    ops_mp.moe_tile_gate_up(dev.rt,
+                            Experts(fmt=qtype, n_experts=E, ff=ff, dim=dim, gate=dev.const(rg), up=dev.const(ru),
+                                    clamp=clamp), TokenRows(x=dev.const(x), T=T), Slots(weights=dev.const(wts), k=k),
+                            bufs, rows_per_block=rpb)
     h = dev.var(np.full((T * k, ff), np.nan, np.float32))
-    ops_moe.moe_gate_up_rows(dev.rt, qtype, dev.const(rg), dev.const(ru), dev.const(x), dev.const(ids),
-                             dev.const(wts), h, E, ff, dim, k, T, clamp)
+    ops_moe.moe_gate_up_rows(dev.rt,
+                             Experts(fmt=qtype, n_experts=E, ff=ff, dim=dim, gate=dev.const(rg), up=dev.const(ru),
+                                     clamp=clamp), TokenRows(x=dev.const(x), y=h, T=T),
+                             Slots(ids=dev.const(ids), weights=dev.const(wts), k=k))
     pos = bufs.pos.download()
     got = bufs.H.download()[pos]                       # pair order
     _bits_equal(got, h.download(), f"gate_up tiles {case}")
@@ -80,10 +86,12 @@ def test_down_tiles_are_the_one_slot_down_bits(kdev, case, order):
     bufs = bufs_on(dev, T, k, E, ff, dim)
     bufs.H.upload(H)
     ops_mp.moe_prefill_route(dev.rt, dev.const(ids), bufs, T, k, E)
-    ops_mp.moe_tile_down(dev.rt, qtype, dev.const(rd), bufs, T, k, E, ff, dim, rows_per_block=rpb)
+    ops_mp.moe_tile_down(dev.rt, Experts(fmt=qtype, n_experts=E, ff=ff, dim=dim, down=dev.const(rd)), bufs, T, k,
+                         rows_per_block=rpb)
     pos = bufs.pos.download()
     y = dev.var(np.full((T * k, dim), np.nan, np.float32))      # one row per pair, its one slot
-    ops_moe.moe_down_rows(dev.rt, qtype, dev.const(rd), dev.const(ids), dev.const(H[pos]), y, E, dim, ff, 1, T * k)
+    ops_moe.moe_down_rows(dev.rt, Experts(fmt=qtype, n_experts=E, ff=ff, dim=dim, down=dev.const(rd)),
+                          TokenRows(x=dev.const(H[pos]), y=y, T=T * k), Slots(ids=dev.const(ids)))
     Yp = bufs.Yp.download()
     _bits_equal(Yp[pos], y.download(), f"down tiles {case}")
     want, mag = twin.down(Wd, H, twin.route(ids, E, ops_mp.BM, ops_mp.max_tiles(T * k, E)), exact=True)
@@ -110,8 +118,10 @@ def test_whole_tiled_moe_against_twin_and_reference(kdev, case):
     dev = kdev("random", T)
     bufs = bufs_on(dev, T, k, E, ff, dim)
     y = dev.var(np.full((T, dim), np.nan, np.float32))
-    ops_mp.moe_tiles(dev.rt, (qg, dev.const(rg)), (qg, dev.const(ru)), (qd, dev.const(rd)), dev.const(x),
-                     dev.const(ids), dev.const(wts), y, T, k, E, ff, dim, clamp, bufs, add=dev.const(add))
+    ex = Experts(fmt=qg, n_experts=E, ff=ff, dim=dim, gate=dev.const(rg), up=dev.const(ru), down=dev.const(rd),
+                 down_fmt=qd, clamp=clamp)
+    ops_mp.moe_tiles(dev.rt, ex, TokenRows(x=dev.const(x), y=y, T=T, add=dev.const(add)),
+                     Slots(ids=dev.const(ids), weights=dev.const(wts), k=k), bufs)
     got = y.download().astype(np.float64)
     want, mag = twin.moe(Wg, Wu, Wd, x, ids, wts, clamp, ops_mp.BM, ops_mp.max_tiles(T * k, E), add, exact=True)
     ref = _reference_moe(Wg, Wu, Wd, x, ids, wts, clamp, add)
@@ -131,13 +141,11 @@ def test_tile_geometry_and_bad_input(kdev):
     dev = kdev()
     bufs = bufs_on(dev, 4, 2, 3, 32, 32)
     with pytest.raises(Ds4Error, match="GGML formats"):
-        ops_mp.moe_tile_down(dev.rt, "vq12", None, bufs, 4, 2, 3, 32, 32)
+        ops_mp.moe_tile_down(dev.rt, Experts(fmt="vq12", n_experts=3, ff=32, dim=32), bufs, 4, 2)
     with pytest.raises(Ds4Error, match="rows per block"):
-        ops_mp.moe_tile_down(dev.rt, QT.Q8_0, dev.const(np.zeros(3 * 32 * 34, np.uint8)), bufs, 4, 2, 3, 32, 32,
-                             rows_per_block=33)
-    with pytest.raises(Ds4Error, match="same weight type"):
-        ops_mp.moe_tiles(dev.rt, (QT.Q8_0, None), (QT.F16, None), (QT.F16, None), None, None, None, None, 4, 2, 3,
-                         32, 32, 0.0, bufs)
+        ops_mp.moe_tile_down(dev.rt,
+                             Experts(fmt=QT.Q8_0, n_experts=3, ff=32, dim=32,
+                                     down=dev.const(np.zeros(3 * 32 * 34, np.uint8))), bufs, 4, 2, rows_per_block=33)
 
 
 @pytest.mark.parametrize("bits", (12, 13, 7))
@@ -170,9 +178,11 @@ def test_vq_prefill_results_do_not_depend_on_the_persistent_grid(kdev, bits):
     for dev in (kdev("random", 1), one_sm("reverse")):
         bufs = bufs_on(dev, T, k, E, ff, dim)
         ops_mp.moe_prefill_route(dev.rt, dev.const(ids), bufs, T, k, E)
-        ops_mp.moe_prefill_gate_up(dev.rt, fmt, dev.const(dg), dev.const(du), dev.const(x), dev.const(wts), bufs, T,
-                                   k, E, ff, dim, 0.5)
-        ops_mp.moe_prefill_down(dev.rt, fmt, dev.const(dd), bufs, T, k, E, ff, dim)
+        ops_mp.moe_prefill_gate_up(dev.rt,
+                                   Experts(fmt=fmt, n_experts=E, ff=ff, dim=dim, gate=dev.const(dg), up=dev.const(du),
+                                           clamp=0.5), TokenRows(x=dev.const(x), T=T),
+                                   Slots(weights=dev.const(wts), k=k), bufs)
+        ops_mp.moe_prefill_down(dev.rt, Experts(fmt=fmt, n_experts=E, ff=ff, dim=dim, down=dev.const(dd)), bufs, T, k)
         grid = ops_mp._grid(dev.rt, fmt, -(-dim // ops_mp.BN), ops_mp.max_tiles(T * k, E),
                             f"moe_prefill_down_{fmt}")
         if dev.rt.device.sm_count == 1:

@@ -24,6 +24,8 @@ from ds4py.cuda.twins import prefill_attn as twin
 from ds4py.cuda.twins import router as twin_route
 from ds4py.cuda.twins import topk as twin_topk
 from ds4py.cuda.twins.core import assert_close_scaled
+from ds4py.cuda.ops.experts import Slots
+from ds4py.cuda.ops.topk import Visible
 from ds4py.errors import Ds4Error
 from ds4py.ref import ops
 from tests.cu_emu_device import devices
@@ -194,7 +196,7 @@ def test_indexer_and_topk_rows_equal_their_decode_launches(kdev, order):
         want, mag = twin_idx.scores(q[t].reshape(ih, ihd), w_raw[t], wscale, keys[:n])
         assert_close_scaled(sc[t, :n], want, mag, ih * ihd, "indexer rows scores")
         d_k1 = dev.var(np.full(topk, -1, np.int32))
-        ops_topk.topk(dev.rt, d_s1, topk, d_k1, pos_slot=dev.const(pos[t:t + 1]), ratio=ratio)
+        ops_topk.topk(dev.rt, d_s1, topk, d_k1, Visible(pos_slot=dev.const(pos[t:t + 1]), ratio=ratio))
         k = min(n, topk)
         np.testing.assert_array_equal(sel[t, :k], d_k1.download()[:k])
         np.testing.assert_array_equal(sel[t, :k], twin_topk.topk(sc[t, :n], topk)[:k])
@@ -211,11 +213,11 @@ def test_route_rows_equal_their_decode_launches(kdev, hash_routing):
     dev = kdev("random", 2)
     d_ids, d_w = dev.var(np.zeros((T, k), np.int32)), dev.var(np.zeros((T, k), np.float32))
     router = ops_route.Router(dev.const(bias), dev.const(tid2eid), NX, k, 1.5, True)
-    ops_route.moe_route_rows(dev.rt, router, dev.const(logits), dev.const(toks), d_ids, d_w, T)
+    ops_route.moe_route_rows(dev.rt, router, dev.const(logits), dev.const(toks), Slots(d_ids, d_w, router.k), T)
     ids, w = d_ids.download(), d_w.download()
     for t in range(T):
         d_i1, d_w1 = dev.var(np.zeros(k, np.int32)), dev.var(np.zeros(k, np.float32))
-        ops_route.moe_route(dev.rt, router, dev.const(logits[t]), dev.const(toks[t:t + 1]), d_i1, d_w1)
+        ops_route.moe_route(dev.rt, router, dev.const(logits[t]), dev.const(toks[t:t + 1]), Slots(d_i1, d_w1, router.k))
         np.testing.assert_array_equal(ids[t], d_i1.download())
         np.testing.assert_array_equal(w[t], d_w1.download())
         want_ids, _ = twin_route.route(logits[t], bias, tid2eid, int(toks[t]), k, 1.5, True)

@@ -14,6 +14,9 @@ from ds4py.cuda.ops import gemm as ops_gemm
 from ds4py.cuda.ops.gemv import weight_type
 from ds4py.cuda.twins import gemm as tgemm
 from ds4py.cuda.twins import gemv as tg
+from ds4py.cuda.ops.gemm import GemmShape
+from ds4py.cuda.ops.gemv import GemvX, SwiGlu
+from ds4py.cuda.ops.mhc import HcResidual
 from ds4py.errors import Ds4Error
 
 pytestmark = requires_emulator
@@ -40,7 +43,7 @@ def test_gemv(rt, arena, put, rows, cols, warps, grid):
     W = gemv_weights(r, "Q4_K", rows, cols)
     x = r.standard_normal(cols).astype(np.float32)
     y = arena.scratch(rows, np.float32)
-    ops.gemv(rt, [(put(W), y, rows)], put(x, False), cols, warps=warps, grid=grid)
+    ops.gemv(rt, [(put(W), y, rows)], GemvX(put(x, False), cols), warps=warps, grid=grid)
     check(y.download(), W, x, rows, cols, f"q4_k {rows}x{cols}")
 
 
@@ -53,18 +56,18 @@ def test_several_matrices_norm_add_and_groups(rt, arena, put):
     dx, dnw = put(x, False), put(nw)
     for norm_dev, norm_host in [(None, None), ((dnw, 1e-6), (nw, 1e-6))]:
         ys = [arena.scratch(n, np.float32) for n in shapes]
-        ops.gemv(rt, [(put(W), y, n) for W, y, n in zip(Ws, ys, shapes)], dx, cols, norm=norm_dev, warps=2)
+        ops.gemv(rt, [(put(W), y, n) for W, y, n in zip(Ws, ys, shapes)], GemvX(dx, cols, norm=norm_dev), warps=2)
         for W, y, n in zip(Ws, ys, shapes):
             check(y.download(), W, x, n, cols, f"q4_k multi {n}", norm=norm_host)
     base = r.standard_normal(shapes[0]).astype(np.float32)
     y = put(base, False)
-    ops.gemv(rt, [(put(Ws[0]), y, shapes[0])], dx, cols, add=True)
+    ops.gemv(rt, [(put(Ws[0]), y, shapes[0])], GemvX(dx, cols), add=True)
     check(y.download(), Ws[0], x, shapes[0], cols, "q4_k add", base=base)
     rows, group = 24, 8                                  # wo_a style: rows [g*8, (g+1)*8) read x[g]
     W = gemv_weights(r, "Q4_K", rows, cols)
     xg = r.standard_normal(3 * cols).astype(np.float32)
     y = arena.scratch(rows, np.float32)
-    ops.gemv(rt, [(put(W), y, rows)], put(xg, False), cols, x_group_rows=group, warps=2)
+    ops.gemv(rt, [(put(W), y, rows)], GemvX(put(xg, False), cols, x_group_rows=group), warps=2)
     check(y.download(), W, xg, rows, cols, "q4_k groups", x_group_rows=group)
 
 
@@ -76,7 +79,7 @@ def test_hc_post_and_swiglu_epilogues(rt, arena, put):
     X = r.standard_normal((hc, D)).astype(np.float32)
     mix = r.random((2 + hc) * hc).astype(np.float32)
     dX = put(X, False)
-    ops.gemv_hc_post(rt, put(W), put(x, False), dX, put(mix), D, cols, warps=2)
+    ops.gemv_hc_post(rt, put(W), GemvX(put(x, False), cols), HcResidual(dX, put(mix), D), warps=2)
     want = tg.hc_post(tg.gemv(W, x, D, cols), X, mix)
     mag = (mix[hc:2 * hc, None] * tg.magnitude(W, x, D, cols)[None, :]
            + np.abs(mix[2 * hc:].reshape(hc, hc)).T @ np.abs(X))
@@ -84,7 +87,7 @@ def test_hc_post_and_swiglu_epilogues(rt, arena, put):
     rows = 13
     Wg, Wu = gemv_weights(r, "Q4_K", rows, cols, 0.5), gemv_weights(r, "Q4_K", rows, cols, 0.5)
     y = arena.scratch(rows, np.float32)
-    ops.gemv_swiglu(rt, put(Wg), put(Wu), put(x, False), y, rows, cols, clamp=2.5, warps=2)
+    ops.gemv_swiglu(rt, SwiGlu(put(Wg), put(Wu), rows, clamp=2.5), GemvX(put(x, False), cols), y, warps=2)
     g, u = tg.gemv(Wg, x, rows, cols), tg.gemv(Wu, x, rows, cols)
     want = tg.swiglu(g, u, 2.5)
     mg, mu = tg.magnitude(Wg, x, rows, cols), tg.magnitude(Wu, x, rows, cols)
@@ -108,21 +111,21 @@ def test_rows_equal_single_rows(rt, arena, put):
     mix = r.random((nx, (2 + hc) * hc)).astype(np.float32)
     dW, dWg, dWu, dx = put(W), put(Wg), put(Wu), put(x.reshape(-1), False)
     y = arena.scratch(nx * D, np.float32)
-    ops.gemv(rt, [(dW, y, D)], dx, cols, nx=nx, x_stride=stride, warps=2)
+    ops.gemv(rt, [(dW, y, D)], GemvX(dx, cols, nx=nx, x_stride=stride), warps=2)
     dX = put(X.reshape(-1), False)
-    ops.gemv_hc_post(rt, dW, dx, dX, put(mix.reshape(-1)), D, cols, nx=nx, x_stride=stride)
+    ops.gemv_hc_post(rt, dW, GemvX(dx, cols, nx=nx, x_stride=stride), HcResidual(dX, put(mix.reshape(-1)), D))
     s = arena.scratch(nx * 9, np.float32)
-    ops.gemv_swiglu(rt, dWg, dWu, dx, s, 9, cols, clamp=2.5, nx=nx, x_stride=stride)
+    ops.gemv_swiglu(rt, SwiGlu(dWg, dWu, 9, clamp=2.5), GemvX(dx, cols, nx=nx, x_stride=stride), s)
     for i in range(nx):
         xi = put(x[i, :cols].copy(), False)
         y1 = arena.scratch(D, np.float32)
-        ops.gemv(rt, [(dW, y1, D)], xi, cols, warps=4)
+        ops.gemv(rt, [(dW, y1, D)], GemvX(xi, cols), warps=4)
         same_bits(y.download().reshape(nx, D)[i], y1.download(), f"q4_k row {i}")
         X1 = put(X[i].copy(), False)
-        ops.gemv_hc_post(rt, dW, xi, X1, put(mix[i].copy()), D, cols, warps=1)
+        ops.gemv_hc_post(rt, dW, GemvX(xi, cols), HcResidual(X1, put(mix[i].copy()), D), warps=1)
         same_bits(dX.download().reshape(nx, hc, D)[i], X1.download(), f"q4_k hc_post row {i}")
         s1 = arena.scratch(9, np.float32)
-        ops.gemv_swiglu(rt, dWg, dWu, xi, s1, 9, cols, clamp=2.5, warps=3)
+        ops.gemv_swiglu(rt, SwiGlu(dWg, dWu, 9, clamp=2.5), GemvX(xi, cols), s1, warps=3)
         same_bits(s.download().reshape(nx, 9)[i], s1.download(), f"q4_k swiglu row {i}")
 
 
@@ -136,7 +139,7 @@ def test_gemm_against_the_twin(rt, arena, put, T, N, K, xgr, acc):
     x[:, :K * groups] = r.standard_normal((T, K * groups)) * 2
     y0 = r.standard_normal((T, N)).astype(np.float32) if acc else np.full((T, N), np.nan, np.float32)
     d_y = put(y0, False)
-    ops_gemm.gemm(rt, put(W), put(x), d_y, T, N, K, accumulate=acc, x_group_rows=xgr, ldx=ldx)
+    ops_gemm.gemm(rt, put(W), put(x), d_y, GemmShape(T, N, K, x_group_rows=xgr, ldx=ldx), accumulate=acc)
     want, mag = tgemm.gemm(W, x, T, N, K, xgr, y0 if acc else None)
     twins.assert_close_scaled(d_y.download(), want, mag, K, f"q4_k gemm T{T} N{N} K{K}", factor=2.0)
 
@@ -144,4 +147,4 @@ def test_gemm_against_the_twin(rt, arena, put, T, N, K, xgr, acc):
 def test_checks(rt, arena, put):
     W = put(gemv_weights(rng(46), "Q4_K", 4, 256))
     with pytest.raises(Ds4Error, match="bytes"):               # not 4 x 512 of any block format
-        ops.gemv(rt, [(W, arena.scratch(4, np.float32), 4)], put(np.ones(512, np.float32), False), 512)
+        ops.gemv(rt, [(W, arena.scratch(4, np.float32), 4)], GemvX(put(np.ones(512, np.float32), False), 512))

@@ -12,6 +12,7 @@ from ds4py.cuda.ops import router as ops_route
 from ds4py.cuda.ops.router import Router
 from ds4py.cuda.twins import router as twin
 from ds4py.cuda.twins.core import assert_close_scaled
+from ds4py.cuda.ops.experts import Slots
 from ds4py.errors import Ds4Error
 from tests.cu_emu_device import devices
 
@@ -25,7 +26,8 @@ def run(dev, n_experts, k, logits, bias, tid2eid=None, token=None, scale=1.5, no
     ids, w = dev.var(np.full(k, -9, np.int32)), dev.var(np.full(k, np.nan, np.float32))
     tok = None if token is None else dev.const(np.array([token], np.int32))
     ops_route.moe_route(dev.rt, Router(dev.const(bias), dev.const(tid2eid), n_experts, k, scale, norm),
-                        dev.const(logits), tok, ids, w)
+                        dev.const(logits), tok,
+                        Slots(ids, w, Router(dev.const(bias), dev.const(tid2eid), n_experts, k, scale, norm).k))
     return ids.download(), w.download()
 
 
@@ -76,11 +78,11 @@ def test_route_wrapper_rejects_bad_shapes():
     rt = None                                            # rejected before any launch
     z = np.zeros
     with pytest.raises(Ds4Error, match="experts"):
-        ops_route.moe_route(rt, Router(None, None, 8, 9, 1.5), z(8, np.float32), None, z(9, np.int32),
-                            z(9, np.float32))
+        ops_route.moe_route(rt, Router(None, None, 8, 9, 1.5), z(8, np.float32), None,
+                            Slots(z(9, np.int32), z(9, np.float32), Router(None, None, 8, 9, 1.5).k))
     with pytest.raises(Ds4Error, match="tid2eid"):
         ops_route.moe_route(rt, Router(None, z((5, 4), np.int32), 8, 6, 1.5), z(8, np.float32), z(1, np.int32),
-                            z(6, np.int32), z(6, np.float32))
+                            Slots(z(6, np.int32), z(6, np.float32), Router(None, z((5, 4), np.int32), 8, 6, 1.5).k))
 
 
 @pytest.mark.parametrize("temp,eps", [(1.7, 1e-20), (1.0, 1e-20)])
@@ -92,7 +94,8 @@ def test_route_gate_temperature(kdev, temp, eps):
     dev = kdev("random", 1)
     ids, w = dev.var(np.full(4, -9, np.int32)), dev.var(np.full(4, np.nan, np.float32))
     ops_route.moe_route(dev.rt, Router(dev.const(bias), None, 16, 4, 1.5, True, gate_temp=temp, norm_eps=eps),
-                        dev.const(logits), None, ids, w)
+                        dev.const(logits), None,
+                        Slots(ids, w, Router(dev.const(bias), None, 16, 4, 1.5, True, gate_temp=temp, norm_eps=eps).k))
     want_ids, want_w = twin.route(logits, bias, None, 0, 4, 1.5, True, temp, eps)
     np.testing.assert_array_equal(ids.download(), want_ids)
     np.testing.assert_array_equal(w.download(), want_w)

@@ -10,7 +10,8 @@ import pytest
 
 from cu_fixtures import GEMV_KINDS, arena, gemv_weights, put, requires_emulator, rng, rt  # noqa: F401 (fixtures)
 from ds4py.cuda import ops, twins
-from ds4py.cuda.ops.gemv import GEMV_MAX_X
+from ds4py.cuda.ops.gemv import GEMV_MAX_X, GemvX, SwiGlu
+from ds4py.cuda.ops.mhc import HcResidual
 from ds4py.cuda.twins import gemv as tg
 from ds4py.errors import Ds4Error
 
@@ -35,12 +36,12 @@ def test_gemv_rows_equal_single_rows(rt, arena, put, kind, nx):
     dWs, dnw = [put(W) for W in Ws], put(nw)
     for norm in (None, (dnw, 1e-6)):
         ys = [arena.scratch(nx * n, np.float32) for n in shapes]
-        ops.gemv(rt, [(W, y, n) for W, y, n in zip(dWs, ys, shapes)], put(x.reshape(-1), False), cols, norm=norm,
-                 warps=2, nx=nx, x_stride=stride)
+        ops.gemv(rt, [(W, y, n) for W, y, n in zip(dWs, ys, shapes)],
+                 GemvX(put(x.reshape(-1), False), cols, nx=nx, x_stride=stride, norm=norm), warps=2)
         for i in range(nx):
             one = [arena.scratch(n, np.float32) for n in shapes]
-            ops.gemv(rt, [(W, y, n) for W, y, n in zip(dWs, one, shapes)], put(x[i, :cols].copy(), False), cols,
-                     norm=norm, warps=4)
+            ops.gemv(rt, [(W, y, n) for W, y, n in zip(dWs, one, shapes)],
+                     GemvX(put(x[i, :cols].copy(), False), cols, norm=norm), warps=4)
             for m, n in enumerate(shapes):
                 got = ys[m].download().reshape(nx, n)[i]
                 same_bits(got, one[m].download(), f"{kind} row {i} of {nx} matrix {m} norm {norm is not None}")
@@ -58,11 +59,11 @@ def test_gemv_rows_input_groups_and_the_widest_launch(rt, arena, put, kind):
     x = r.standard_normal((nx, 3 * cols)).astype(np.float32)
     dW = put(W)
     y = arena.scratch(nx * rows, np.float32)
-    ops.gemv(rt, [(dW, y, rows)], put(x.reshape(-1), False), cols, x_group_rows=group, nx=nx)
+    ops.gemv(rt, [(dW, y, rows)], GemvX(put(x.reshape(-1), False), cols, nx=nx, x_group_rows=group))
     got = y.download().reshape(nx, rows)
     for i in (0, 7, nx - 1):
         one = arena.scratch(rows, np.float32)
-        ops.gemv(rt, [(dW, one, rows)], put(x[i].copy(), False), cols, x_group_rows=group, warps=1)
+        ops.gemv(rt, [(dW, one, rows)], GemvX(put(x[i].copy(), False), cols, x_group_rows=group), warps=1)
         same_bits(got[i], one.download(), f"{kind} groups row {i}")
 
 
@@ -77,17 +78,17 @@ def test_hc_post_and_swiglu_rows(rt, arena, put, kind):
     mix = r.random((nx, (2 + hc) * hc)).astype(np.float32)
     dW, dWg, dWu, dx = put(W), put(Wg), put(Wu), put(x.reshape(-1), False)
     dX = put(X.reshape(-1), False)
-    ops.gemv_hc_post(rt, dW, dx, dX, put(mix.reshape(-1)), D, cols, nx=nx)
+    ops.gemv_hc_post(rt, dW, GemvX(dx, cols, nx=nx), HcResidual(dX, put(mix.reshape(-1)), D))
     y = arena.scratch(nx * 13, np.float32)
-    ops.gemv_swiglu(rt, dWg, dWu, dx, y, 13, cols, clamp=2.5, nx=nx)
+    ops.gemv_swiglu(rt, SwiGlu(dWg, dWu, 13, clamp=2.5), GemvX(dx, cols, nx=nx), y)
     for i in range(nx):
         X1 = put(X[i].copy(), False)
-        ops.gemv_hc_post(rt, dW, put(x[i].copy(), False), X1, put(mix[i].copy()), D, cols, warps=1)
+        ops.gemv_hc_post(rt, dW, GemvX(put(x[i].copy(), False), cols), HcResidual(X1, put(mix[i].copy()), D), warps=1)
         same_bits(dX.download().reshape(nx, hc, D)[i], X1.download(), f"{kind} hc_post row {i}")
         want = tg.hc_post(tg.gemv(W, x[i], D, cols), X[i], mix[i])
         assert np.allclose(X1.download(), want, rtol=1e-4, atol=1e-4)
         y1 = arena.scratch(13, np.float32)
-        ops.gemv_swiglu(rt, dWg, dWu, put(x[i].copy(), False), y1, 13, cols, clamp=2.5, warps=3)
+        ops.gemv_swiglu(rt, SwiGlu(dWg, dWu, 13, clamp=2.5), GemvX(put(x[i].copy(), False), cols), y1, warps=3)
         same_bits(y.download().reshape(nx, 13)[i], y1.download(), f"{kind} swiglu row {i}")
 
 
@@ -95,13 +96,13 @@ def test_rows_wrapper_checks(rt, arena, put):
     W = put(np.ones((8, 64), np.float16))
     x, y = put(np.ones(3 * 64, np.float32), False), arena.scratch(4 * 8, np.float32)
     with pytest.raises(Ds4Error, match=f"1 to {GEMV_MAX_X} activation rows"):
-        ops.gemv(rt, [(W, y, 8)], x, 64, nx=GEMV_MAX_X + 1)
+        ops.gemv(rt, [(W, y, 8)], GemvX(x, 64, nx=GEMV_MAX_X + 1))
     with pytest.raises(Ds4Error, match="x must be float32 with 256 values"):
-        ops.gemv(rt, [(W, y, 8)], x, 64, nx=4)
+        ops.gemv(rt, [(W, y, 8)], GemvX(x, 64, nx=4))
     with pytest.raises(Ds4Error, match="y must be float32 with 40 values"):
-        ops.gemv(rt, [(W, y, 8)], put(np.ones(5 * 64, np.float32), False), 64, nx=5)
+        ops.gemv(rt, [(W, y, 8)], GemvX(put(np.ones(5 * 64, np.float32), False), 64, nx=5))
     with pytest.raises(Ds4Error, match="x_stride"):
-        ops.gemv(rt, [(W, y, 8)], x, 64, nx=2, x_stride=32)
+        ops.gemv(rt, [(W, y, 8)], GemvX(x, 64, nx=2, x_stride=32))
 
 
 # ---- experts: grouped gate + up over the rows' distinct experts, per-row down -------------------------------------
@@ -109,6 +110,8 @@ from gguf import GGMLQuantizationType as QT  # noqa: E402
 
 from ds4py.cuda.ops import experts as ops_moe  # noqa: E402
 from ds4py.cuda.twins import experts as twin  # noqa: E402
+from ds4py.cuda.ops.core import TokenRows  # noqa: E402
+from ds4py.cuda.ops.experts import Experts, HcPost, Slots  # noqa: E402
 from tests.cu_emu_device import devices  # noqa: E402
 from tests.test_cu_emu_experts import expert_tensor  # noqa: E402
 
@@ -149,24 +152,28 @@ def test_grouped_gate_up_and_rows_down_equal_single_rows(kdev, case, order):
     d_ids = dev.const(None if ids is None else ids.reshape(-1))
     d_w = dev.const(None if wts is None else wts.reshape(-1))
     d_h = dev.var(np.full((nx * k + 1, ff), 7.0, np.float32))
-    ops_moe.moe_gate_up_rows(dev.rt, qtype, cg, cu, dev.const(x.reshape(-1)), d_ids, d_w, d_h, n_exp, ff, dim, k, nx,
-                             0.5, x_stride=stride)
+    ops_moe.moe_gate_up_rows(dev.rt, Experts(fmt=qtype, n_experts=n_exp, ff=ff, dim=dim, gate=cg, up=cu, clamp=0.5),
+                             TokenRows(x=dev.const(x.reshape(-1)), y=d_h, T=nx, ldx=stride),
+                             Slots(ids=d_ids, weights=d_w, k=k))
     h = d_h.download()
     assert (h[nx * k] == 7.0).all()                      # nothing beyond the pairs
     d_out = dev.var(np.zeros((nx, hc, dim), np.float32))
-    ops_moe.moe_down_rows(dev.rt, qtype, cd, d_ids, d_h, d_out, n_exp, dim, ff, k, nx, add=dev.const(add.reshape(-1)),
-                          mix=dev.const(mix.reshape(-1)), hc=hc, hc_x=dev.const(X.reshape(-1)))
+    ops_moe.moe_down_rows(dev.rt, Experts(fmt=qtype, n_experts=n_exp, ff=ff, dim=dim, down=cd),
+                          TokenRows(x=d_h, y=d_out, T=nx, add=dev.const(add.reshape(-1))), Slots(ids=d_ids, k=k),
+                          hc=HcResidual(dev.const(X.reshape(-1)), dev.const(mix.reshape(-1)), dim, hc))
     out = d_out.download()
     for n in range(nx):
         rid = None if ids is None else dev.const(ids[n].copy())
         one = dev.var(np.zeros((k, ff), np.float32))
-        ops_moe.moe_gate_up(dev.rt, qtype, cg, cu, dev.const(x[n, :dim].copy()), rid,
-                            None if wts is None else dev.const(wts[n].copy()), one, n_exp, ff, dim, k, 0.5)
+        ops_moe.moe_gate_up(dev.rt, Experts(fmt=qtype, n_experts=n_exp, ff=ff, dim=dim, gate=cg, up=cu, clamp=0.5),
+                            dev.const(x[n, :dim].copy()), one,
+                            Slots(ids=rid, weights=None if wts is None else dev.const(wts[n].copy()), k=k))
         same_bits(h[n * k:(n + 1) * k], one.download(), f"{case} gate_up row {n}")
         y1 = dev.var(np.zeros((hc, dim), np.float32))
-        ops_moe.moe_down(dev.rt, qtype, cd, rid, one, y1, n_exp, dim, ff, k, add=dev.const(add[n].copy()),
-                         hc_post=dev.const(mix[n, hc:2 * hc].copy()), hc_comb=dev.const(mix[n, 2 * hc:].copy()),
-                         hc_x=dev.const(X[n].copy()))
+        ops_moe.moe_down(dev.rt, Experts(fmt=qtype, n_experts=n_exp, ff=ff, dim=dim, down=cd),
+                         TokenRows(x=one, y=y1, add=dev.const(add[n].copy())), Slots(ids=rid, k=k),
+                         hc=HcPost(dev.const(mix[n, hc:2 * hc].copy()), dev.const(mix[n, 2 * hc:].copy()),
+                                   dev.const(X[n].copy())))
         same_bits(out[n], y1.download(), f"{case} down row {n}")
         if ids is not None and ((ids[n] >= n_exp) | (ids[n] < 0)).any():
             assert np.isnan(h[n * k:(n + 1) * k][(ids[n] >= n_exp) | (ids[n] < 0)]).all()

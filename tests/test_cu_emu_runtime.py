@@ -15,6 +15,7 @@ from ds4py.cuda.emu_runtime import CaptureSyncError, EmuRuntime
 from ds4py.cuda.graph import CaptureError, StepGraph
 from ds4py.cuda.launch import launch_arrays
 from ds4py.cuda.memory import ArenaError
+from ds4py.cuda.ops.embed import Embedding
 
 pytestmark = pytest.mark.skipif(emu.compiler() is None, reason="the CUDA emulator needs g++")
 
@@ -48,7 +49,7 @@ def test_upload_download_views_and_ops(rt, arena):
     assert dw.readonly and not dx.readonly and dx.ptr % 256 == 0
     np.testing.assert_array_equal(dx.download(), x)
     dy = arena.scratch((3, 100), np.float32)
-    ops.rmsnorm(rt, dx, dw, dy, 100, 1e-6, threads=64)
+    ops.rmsnorm(rt, dx, dy, 100, (dw, 1e-6), threads=64)
     ref = twins.rmsnorm(x, w, 1e-6)
     twins.assert_close_scaled(dy.download(), ref, np.abs(ref), 100, "rmsnorm on EmuRuntime")
     row = dy.view(100 * 4, 100)                            # a view of row 1
@@ -67,23 +68,23 @@ def test_const_copies_are_cached_and_invalidated(rt, arena):
     dt = put(arena, table)
     ids = put(arena, np.array([3, 1], np.int32), weights=False)
     out = arena.scratch((2, 64), np.float32)
-    ops.embed(rt, dt, ids, out, 2)
+    ops.embed(rt, Embedding(dt), ids, out, 2)
     copied = rt.memory.bytes_copied
-    ops.embed(rt, dt, ids, out, 2)
+    ops.embed(rt, Embedding(dt), ids, out, 2)
     assert rt.memory.bytes_copied == copied                # nothing re-copied for unchanged const buffers
     np.testing.assert_array_equal(out.download(), twins.embed_f16(table, [3, 1]))
     table2 = (table * 2).astype(np.float16)
     dt.upload(table2)                                      # new weights: the cached copy is dropped
     ids.upload(np.array([0, 7], np.int32))
-    ops.embed(rt, dt, ids, out, 2)
+    ops.embed(rt, Embedding(dt), ids, out, 2)
     np.testing.assert_array_equal(out.download(), twins.embed_f16(table2, [0, 7]))
     # a kernel's output read as a const input by the next kernel
     x = put(arena, r.standard_normal(64).astype(np.float32), weights=False)
     y = arena.scratch(64, np.float32)
-    ops.rmsnorm(rt, x, None, y, 64, 1e-6, threads=32)
+    ops.rmsnorm(rt, x, y, 64, (None, 1e-6), threads=32)
     first = y.download()
-    ops.rmsnorm(rt, y, None, x, 64, 1e-6, threads=32)     # y now const, x written
-    ops.rmsnorm(rt, x, None, y, 64, 1e-6, threads=32)     # x must be the new value, not a stale copy
+    ops.rmsnorm(rt, y, x, 64, (None, 1e-6), threads=32)     # y now const, x written
+    ops.rmsnorm(rt, x, y, 64, (None, 1e-6), threads=32)     # x must be the new value, not a stale copy
     twins.assert_close_scaled(y.download(), twins.rmsnorm(first, None, 1e-6), 1.0, 64, "rmsnorm chain")
 
 
@@ -97,7 +98,7 @@ def test_guarded_arguments_catch_overruns_of_a_view(rt, arena):
         rt.launch("gemv_f16", 2, 256, half, None, None, None, 16, 0, 0, 0, y, None, None, None, x, 64, 0, None,
                   0.0, 0)                                   # 16 rows through an 8-row view
     with pytest.raises(KernelArgumentError, match="read-only"):
-        ops.rmsnorm(rt, x, None, W.view(0, 64, np.float32), 64, 1e-6)
+        ops.rmsnorm(rt, x, W.view(0, 64, np.float32), 64, (None, 1e-6))
     with pytest.raises(KernelArgumentError, match="host numpy array"):
         rt.launch("rmsnorm_f32", 1, 32, np.zeros(4, np.float32), None, y, 4, 1e-6)
     other = EmuRuntime().arena(4096, 4096)
@@ -138,11 +139,11 @@ def step(rt, arena, table, slot, outs):
     b = arena.scratch(64, np.float32)
     c = arena.scratch(64, np.float32)
     outs[:] = [a, b, c]
-    ops.embed(rt, table, slot, a, 1)
+    ops.embed(rt, Embedding(table), slot, a, 1)
     rt.fork()
-    ops.rmsnorm(rt, a, None, b, 64, 1e-6, threads=32, stream=rt.side)
+    ops.rmsnorm(rt, a, b, 64, (None, 1e-6), threads=32, stream=rt.side)
     rt.join()
-    ops.rmsnorm(rt, b, None, c, 64, 1e-6, threads=32)
+    ops.rmsnorm(rt, b, c, 64, (None, 1e-6), threads=32)
 
 
 def test_graph_replay_matches_direct_and_recaptures_after_growth(rt):
@@ -180,14 +181,14 @@ def test_deferred_side_stream_exposes_a_missing_join():
     y = put(arena, np.zeros(64, np.float32), weights=False)
     z = arena.scratch(64, np.float32)
     rt.fork()
-    ops.rmsnorm(rt, x, None, y, 64, 1e-6, threads=32, stream=rt.side)
-    ops.rmsnorm(rt, y, None, z, 64, 1e-6, threads=32)      # no join: reads y before the side stream ran
+    ops.rmsnorm(rt, x, y, 64, (None, 1e-6), threads=32, stream=rt.side)
+    ops.rmsnorm(rt, y, z, 64, (None, 1e-6), threads=32)      # no join: reads y before the side stream ran
     rt.join()
     assert np.all(z.download() == 0)                        # the race shows (zeros normalise to zeros)
     rt.fork()
-    ops.rmsnorm(rt, x, None, y, 64, 1e-6, threads=32, stream=rt.side)
+    ops.rmsnorm(rt, x, y, 64, (None, 1e-6), threads=32, stream=rt.side)
     rt.join()
-    ops.rmsnorm(rt, y, None, z, 64, 1e-6, threads=32)
+    ops.rmsnorm(rt, y, z, 64, (None, 1e-6), threads=32)
     twins.assert_close_scaled(z.download(), twins.rmsnorm(twins.rmsnorm(np.arange(1, 65, dtype=np.float32), None,
                                                                          1e-6), None, 1e-6), 1.0, 64, "joined")
 
@@ -202,11 +203,11 @@ def test_capture_rules(rt, arena):
         x.upload(np.ones(64, np.float32))
 
     def side_without_fork():
-        ops.rmsnorm(rt, x, None, y, 64, 1e-6, threads=32, stream=rt.side)
+        ops.rmsnorm(rt, x, y, 64, (None, 1e-6), threads=32, stream=rt.side)
 
     def unjoined():
         rt.fork()
-        ops.rmsnorm(rt, x, None, y, 64, 1e-6, threads=32, stream=rt.side)
+        ops.rmsnorm(rt, x, y, 64, (None, 1e-6), threads=32, stream=rt.side)
 
     def download_inside():
         y.download()
@@ -218,7 +219,7 @@ def test_capture_rules(rt, arena):
         assert not rt.capturing                             # the capture was ended; the runtime works on
     with pytest.raises(CaptureError, match="not joined"):
         StepGraph(rt, unjoined, slot).capture()
-    ops.rmsnorm(rt, x, None, y, 64, 1e-6, threads=32)
+    ops.rmsnorm(rt, x, y, 64, (None, 1e-6), threads=32)
     assert np.allclose(y.download(), 1.0)
 
 
@@ -239,11 +240,11 @@ def test_per_launch_overhead_is_reported(rt, arena, capsys):
     x = put(arena, np.ones(32, np.float32), weights=False)
     w = put(arena, np.ones(32, np.float32))
     y = arena.scratch(32, np.float32)
-    ops.rmsnorm(rt, x, w, y, 32, 1e-6, threads=32)
+    ops.rmsnorm(rt, x, y, 32, (w, 1e-6), threads=32)
     n = 200
     t0 = time.process_time()
     for _ in range(n):
-        ops.rmsnorm(rt, x, w, y, 32, 1e-6, threads=32)
+        ops.rmsnorm(rt, x, y, 32, (w, 1e-6), threads=32)
     us = (time.process_time() - t0) / n * 1e6
     with capsys.disabled():
         print(f"\nemulator: {us:.0f} us CPU per launch (rmsnorm, 1 block of 32 threads)")

@@ -33,8 +33,9 @@ def run(rt, arena, put, logits, threads=64, rows=1, kept=True, pos_slot=None, po
     n = len(logits)
     out = arena.scratch(rows, np.int32)
     km = arena.scratch((rows, n), np.uint8) if kept else None
-    ops.sample(rt, SampleRule(seed=seed, **prm), put(np.asarray(logits, np.float32), False), n, out,
-               SampleRows(rows, 0 if rows > 1 else n, pos_slot, pos_offset, km), threads=threads)
+    ops.sample(rt, SampleRule(seed=seed, **prm), put(np.asarray(logits, np.float32), False), out,
+               SampleRows(n=n, rows=rows, row_stride=0 if rows > 1 else n, pos_slot=pos_slot, pos_offset=pos_offset,
+                          kept=km), threads=threads)
     return out.download(), (km.download().astype(bool) if kept else None)
 
 
@@ -141,7 +142,7 @@ def test_replays_repeat_their_draws(rt, arena, put):
     out = arena.scratch(1, np.int32)
 
     def record():
-        ops.sample(rt, SampleRule(1.0, seed=seed), logits, n, out, SampleRows(pos_slot=slot.view(4, 1)),
+        ops.sample(rt, SampleRule(1.0, seed=seed), logits, out, SampleRows(n=n, pos_slot=slot.view(4, 1)),
                    threads=threads)
 
     g = StepGraph(rt, record, slot)
@@ -176,8 +177,8 @@ def test_wrapper_checks(rt, arena, put):
     x = put(np.zeros(8, np.float32), False)
     out = arena.scratch(1, np.int32)
     with pytest.raises(Ds4Error, match="power of two"):
-        ops.sample(rt, SampleRule(1.0), x, 8, out, threads=96)
+        ops.sample(rt, SampleRule(1.0), x, out, SampleRows(n=8), threads=96)
     with pytest.raises(Ds4Error, match="top_p"):
-        ops.sample(rt, SampleRule(1.0, top_p=0.0), x, 8, out)
+        ops.sample(rt, SampleRule(1.0, top_p=0.0), x, out, SampleRows(n=8))
     with pytest.raises(Ds4Error, match="every row"):
-        ops.sample(rt, SampleRule(1.0), x, 8, out, SampleRows(rows=2))
+        ops.sample(rt, SampleRule(1.0), x, out, SampleRows(n=8, rows=2))

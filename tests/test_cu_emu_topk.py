@@ -10,6 +10,7 @@ import pytest
 from ds4py.cuda import emu
 from ds4py.cuda.ops import topk as ops_topk
 from ds4py.cuda.twins import topk as twin_topk
+from ds4py.cuda.ops.topk import Visible
 from ds4py.errors import Ds4Error
 from ds4py.ref.forward import topk_mask
 from tests.cu_emu_device import devices
@@ -37,7 +38,7 @@ def test_topk(kdev, n, k, order):
     dev = kdev(order, n)
     d_out = dev.var(np.full(k + 3, -7, np.int32))
     pos = 4 * n + 2                                       # (pos + 1) // 4 = n visible rows
-    ops_topk.topk(dev.rt, dev.const(s), k, d_out, pos_slot=dev.const(np.array([pos], np.int32)))
+    ops_topk.topk(dev.rt, dev.const(s), k, d_out, Visible(pos_slot=dev.const(np.array([pos], np.int32))))
     out = d_out.download()
     m = min(n, k)
     np.testing.assert_array_equal(out[:m], twin_topk.topk(s, k))
@@ -51,7 +52,7 @@ def test_topk_ties_go_to_the_lowest_indices(kdev, n, k):
     s = tie_scores(r, n)
     dev = kdev("random", 1)
     d_out = dev.var(np.zeros(k, np.int32))
-    ops_topk.topk(dev.rt, dev.const(s), k, d_out, n=n)
+    ops_topk.topk(dev.rt, dev.const(s), k, d_out, Visible(n=n))
     out = d_out.download()
     want = twin_topk.topk(s, k)
     np.testing.assert_array_equal(out, want)
@@ -65,10 +66,10 @@ def test_topk_extreme_values(kdev):
     d_s = dev.const(s)
     for k in range(1, len(s)):
         d_out = dev.var(np.zeros(k, np.int32))
-        ops_topk.topk(dev.rt, d_s, k, d_out, n=len(s))
+        ops_topk.topk(dev.rt, d_s, k, d_out, Visible(n=len(s)))
         np.testing.assert_array_equal(d_out.download(), twin_topk.topk(s, k), err_msg=f"k={k}")
 
 
 def test_topk_wrapper_rejects_bad_shapes():
     with pytest.raises(Ds4Error, match="room for k"):
-        ops_topk.topk(None, np.zeros(10, np.float32), 8, np.zeros(4, np.int32), n=10)
+        ops_topk.topk(None, np.zeros(10, np.float32), 8, np.zeros(4, np.int32), Visible(n=10))

@@ -15,7 +15,7 @@ from ds4py.cuda.ops.attention import KvRow
 from ds4py.cuda.ops.compressor import CompState
 from ds4py.cuda.ops.indexer import IndexQuery
 from ds4py.cuda.ops.topk import ScoreRows
-from ds4py.cuda.ops.v41 import CompRows
+from ds4py.cuda.ops.v41 import CompRows, RawRows
 from ds4py.cuda.twins import v41 as twin
 from ds4py.ref import ops
 from tests.cu_emu_device import devices
@@ -46,8 +46,8 @@ def test_kv_rows_and_index_q(kdev, order):
     outs = {}
     for fq in (False, True):
         win = dev.var(np.zeros((ring, hd), F32))
-        ops_v41.kv_rows(dev.rt, KvRow(dev.const(w), dev.const(FREQS), hd, 16, EPS, fq), dev.const(kv),
-                        dev.const(pos), win, T)
+        ops_v41.kv_rows(dev.rt, KvRow(dev.const(w), dev.const(FREQS), hd, 16, EPS, fq),
+                        RawRows(dev.const(kv), dev.const(pos), T), win)
         outs[fq] = win.download()[pos % ring]
     for t in range(T):
         _, pre = twin.kv_row(kv[t], w, FREQS, int(pos[t]), EPS, False)
@@ -92,7 +92,7 @@ def test_compressor_decode_and_block(kdev, ratio):
             if (p + 1) % ratio == 0:
                 lats[(p + 1) // ratio - 1] = lat.download()[0]
                 ops_v41.index_keys(dev.rt, KvRow(dev.const(kn), dev.const(FREQS), ihd, 16, EPS, fq),
-                                   dev.const(lat.download()[0]), pos, keys, 1, ratio)
+                                   RawRows(dev.const(lat.download()[0]), pos, 1), keys, ratio)
         got, got_keys = rows.download(), keys.download()
         for g in range(n_g):
             row, pre, want_lat = twin.group_row(kv, sc, g, ratio, w, FREQS, EPS, False)
@@ -206,7 +206,7 @@ def test_engram(kdev):
     kv = r.standard_normal((T, (hc + 1) * D)).astype(F32)
     weight = (r.standard_normal((hc, D)) * r.standard_normal((hc, D))).astype(F32)
     dX = dev.var(X)
-    ops_v41.engram(dev.rt, dX, dev.const(kv), dev.const(weight), T, hc, D, EPS)
+    ops_v41.engram(dev.rt, ops_v41.EngramLayer(weight=dev.const(weight), hc=hc, dim=D, eps=EPS), dX, dev.const(kv), T)
     close(dX.download(), twin.engram(X, kv, weight, EPS), "engram")
 
 

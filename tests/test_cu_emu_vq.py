@@ -16,6 +16,9 @@ from ds4py.cuda.emu_runtime import EmuDevice, EmuRuntime
 from ds4py.cuda.ops import experts as ops_moe
 from ds4py.cuda.twins import experts as twin
 from ds4py.cuda.twins.core import assert_close_scaled
+from ds4py.cuda.ops.core import TokenRows
+from ds4py.cuda.ops.experts import Experts, HcPost, Slots
+from ds4py.cuda.ops.mhc import HcResidual
 from ds4py.quant import vq
 from tests.cu_emu_device import KernelDevice, devices
 
@@ -73,8 +76,10 @@ def test_gate_up_and_down(kdev, bits, dim, ff, order):
     dev = one_sm_gb10(order) if bits % 2 else kdev(order, dim)      # odd widths: persistent blocks loop
     d_h = dev.var(np.full((slots, ff), np.nan, np.float32))
     small = {"rows_per_block": 4} if bits % 2 else {}     # odd widths: several tiles per block
-    ops_moe.moe_gate_up(dev.rt, fmt, dev.const(dg), dev.const(du), dev.const(x), dev.const(ids), dev.const(wts), d_h,
-                        n_exp, ff, dim, slots, 0.5, **small)
+    ops_moe.moe_gate_up(dev.rt,
+                        Experts(fmt=fmt, n_experts=n_exp, ff=ff, dim=dim, gate=dev.const(dg), up=dev.const(du),
+                                clamp=0.5), dev.const(x), d_h,
+                        Slots(ids=dev.const(ids), weights=dev.const(wts), k=slots), **small)
     want, mag = twin.gate_up(Wg, Wu, x, ids, wts, 0.5, slots)
     assert_close_scaled(d_h.download(), want, mag, dim, f"vq{bits} gate_up")
     h = r.standard_normal((slots, ff_d)).astype(np.float32)
@@ -82,8 +87,9 @@ def test_gate_up_and_down(kdev, bits, dim, ff, order):
     post, comb = (r.random(hc) * 2).astype(np.float32), r.random((hc, hc)).astype(np.float32)
     X = r.standard_normal((hc, dim)).astype(np.float32)
     d_out = dev.var(np.full((hc, dim), np.nan, np.float32))
-    ops_moe.moe_down(dev.rt, fmt, dev.const(dd), dev.const(ids), dev.const(h), d_out, n_exp, dim, ff_d, slots, **small,
-                     add=dev.const(add), hc_post=dev.const(post), hc_comb=dev.const(comb), hc_x=dev.const(X))
+    ops_moe.moe_down(dev.rt, Experts(fmt=fmt, n_experts=n_exp, ff=ff_d, dim=dim, down=dev.const(dd)),
+                     TokenRows(x=dev.const(h), y=d_out, add=dev.const(add)), Slots(ids=dev.const(ids), k=slots),
+                     hc=HcPost(dev.const(post), dev.const(comb), dev.const(X)), **small)
     want, mag = twin.down(Wd, ids, h, slots, add, post, comb, X)
     assert_close_scaled(d_out.download(), want, mag, ff_d * slots + hc, f"vq{bits} down")
 
@@ -106,21 +112,24 @@ def test_grouped_rows_equal_single_rows(kdev, bits):
     cg, cu, cd = dev.const(dg), dev.const(du), dev.const(dd)
     d_ids, d_w = dev.const(ids.reshape(-1)), dev.const(wts.reshape(-1))
     d_h = dev.var(np.zeros((nx * k, ff), np.float32))
-    ops_moe.moe_gate_up_rows(dev.rt, fmt, cg, cu, dev.const(x.reshape(-1)), d_ids, d_w, d_h, n_exp, ff, dim, k, nx,
-                             0.5)
+    ops_moe.moe_gate_up_rows(dev.rt, Experts(fmt=fmt, n_experts=n_exp, ff=ff, dim=dim, gate=cg, up=cu, clamp=0.5),
+                             TokenRows(x=dev.const(x.reshape(-1)), y=d_h, T=nx), Slots(ids=d_ids, weights=d_w, k=k))
     d_out = dev.var(np.zeros((nx, hc, dim), np.float32))
-    ops_moe.moe_down_rows(dev.rt, fmt, cd, d_ids, d_h, d_out, n_exp, dim, ff, k, nx, mix=dev.const(mix.reshape(-1)),
-                          hc=hc, hc_x=dev.const(X.reshape(-1)))
+    ops_moe.moe_down_rows(dev.rt, Experts(fmt=fmt, n_experts=n_exp, ff=ff, dim=dim, down=cd),
+                          TokenRows(x=d_h, y=d_out, T=nx), Slots(ids=d_ids, k=k),
+                          hc=HcResidual(dev.const(X.reshape(-1)), dev.const(mix.reshape(-1)), dim, hc))
     h, out = d_h.download(), d_out.download()
     for n in range(nx):
         one = dev.var(np.zeros((k, ff), np.float32))
         rid = dev.const(ids[n].copy())
-        ops_moe.moe_gate_up(dev.rt, fmt, cg, cu, dev.const(x[n].copy()), rid, dev.const(wts[n].copy()), one, n_exp,
-                            ff, dim, k, 0.5)
+        ops_moe.moe_gate_up(dev.rt, Experts(fmt=fmt, n_experts=n_exp, ff=ff, dim=dim, gate=cg, up=cu, clamp=0.5),
+                            dev.const(x[n].copy()), one, Slots(ids=rid, weights=dev.const(wts[n].copy()), k=k))
         same_bits(h[n * k:(n + 1) * k], one.download(), f"vq{bits} gate_up row {n}")
         y1 = dev.var(np.zeros((hc, dim), np.float32))
-        ops_moe.moe_down(dev.rt, fmt, cd, rid, one, y1, n_exp, dim, ff, k, hc_post=dev.const(mix[n, hc:2 * hc].copy()),
-                         hc_comb=dev.const(mix[n, 2 * hc:].copy()), hc_x=dev.const(X[n].copy()))
+        ops_moe.moe_down(dev.rt, Experts(fmt=fmt, n_experts=n_exp, ff=ff, dim=dim, down=cd), TokenRows(x=one, y=y1),
+                         Slots(ids=rid, k=k),
+                         hc=HcPost(dev.const(mix[n, hc:2 * hc].copy()), dev.const(mix[n, 2 * hc:].copy()),
+                                   dev.const(X[n].copy())))
         same_bits(out[n], y1.download(), f"vq{bits} down row {n}")
     Wg0 = Wg[ids[0, 0]]
     assert np.isfinite(Wg0).all()
@@ -149,14 +158,21 @@ def test_results_do_not_depend_on_the_persistent_grid(kdev, bits):
         d_ids, d_w = dev.const(ids.reshape(-1)), dev.const(wts.reshape(-1))
         got = [dev.var(np.zeros((k, ff), np.float32)), dev.var(np.zeros((nx * k, ff), np.float32)),
                dev.var(np.zeros((hc, dim), np.float32)), dev.var(np.zeros((nx, dim), np.float32))]
-        plans = [ops_moe.moe_gate_up(dev.rt, fmt, cg, cu, dev.const(x[0].copy()), d_ids, d_w, got[0], n_exp, ff, dim,
-                                     k, 0.5, rows_per_block=8),
-                 ops_moe.moe_gate_up_rows(dev.rt, fmt, cg, cu, dev.const(x.reshape(-1)), d_ids, d_w, got[1], n_exp,
-                                          ff, dim, k, nx, 0.5, rows_per_block=8),
-                 ops_moe.moe_down(dev.rt, fmt, cd, d_ids, dev.const(h), got[2], n_exp, dim, 128, k, rows_per_block=16,
-                                  hc_post=dev.const(mix[0, hc:2 * hc].copy()),
-                                  hc_comb=dev.const(mix[0, 2 * hc:].copy()), hc_x=dev.const(X[0].copy())),
-                 ops_moe.moe_down_rows(dev.rt, fmt, cd, d_ids, dev.const(h), got[3], n_exp, dim, 128, k, nx,
+        plans = [ops_moe.moe_gate_up(dev.rt,
+                                     Experts(fmt=fmt, n_experts=n_exp, ff=ff, dim=dim, gate=cg, up=cu, clamp=0.5),
+                                     dev.const(x[0].copy()), got[0], Slots(ids=d_ids, weights=d_w, k=k),
+                                     rows_per_block=8),
+                 ops_moe.moe_gate_up_rows(dev.rt,
+                                          Experts(fmt=fmt, n_experts=n_exp, ff=ff, dim=dim, gate=cg, up=cu, clamp=0.5),
+                                          TokenRows(x=dev.const(x.reshape(-1)), y=got[1], T=nx),
+                                          Slots(ids=d_ids, weights=d_w, k=k), rows_per_block=8),
+                 ops_moe.moe_down(dev.rt, Experts(fmt=fmt, n_experts=n_exp, ff=128, dim=dim, down=cd),
+                                  TokenRows(x=dev.const(h), y=got[2]), Slots(ids=d_ids, k=k),
+                                  hc=HcPost(dev.const(mix[0, hc:2 * hc].copy()), dev.const(mix[0, 2 * hc:].copy()),
+                                            dev.const(X[0].copy())),
+                                  rows_per_block=16),
+                 ops_moe.moe_down_rows(dev.rt, Experts(fmt=fmt, n_experts=n_exp, ff=128, dim=dim, down=cd),
+                                       TokenRows(x=dev.const(h), y=got[3], T=nx), Slots(ids=d_ids, k=k),
                                        rows_per_block=16)]
         ys, rings = (k, min(nx * k, n_exp + 1), 1, nx), (ops_moe.RING, 1, ops_moe.RING, 1)
         grids = [ops_moe._grid_x(dev.rt, fmt, -(-(ff if i < 2 else dim) // p.rows_per_block), ys[i], p.threads,
@@ -221,8 +237,9 @@ def test_down_rows_per_block_do_not_change_the_bits(kdev, bits):
     for dev in (kdev("random", 1), one_sm_gb10("reverse")):
         for rpb in (None, 16, 5, 1):
             y = dev.var(np.zeros(dim, np.float32))
-            ops_moe.moe_down(dev.rt, fmt, dev.const(dd), dev.const(ids), dev.const(h.reshape(-1)), y, n_exp, dim, ff,
-                             k, rows_per_block=rpb)
+            ops_moe.moe_down(dev.rt, Experts(fmt=fmt, n_experts=n_exp, ff=ff, dim=dim, down=dev.const(dd)),
+                             TokenRows(x=dev.const(h.reshape(-1)), y=y), Slots(ids=dev.const(ids), k=k),
+                             rows_per_block=rpb)
             outs.append(y.download())
     for i, o in enumerate(outs[1:], 1):
         same_bits(outs[0], o, f"vq{bits} down, launch {i}")

@@ -348,9 +348,9 @@ def test_graph_replay_never_recaptures_until_scratch_moves(rt, standin):
 
     def record():
         out = arena.scratch(64, np.float32)
-        ops.embed(rt, table, slot, out, 1)
+        ops.embed(rt, ops.Embedding(table), slot, out, 1)
         rt.fork()
-        ops.rmsnorm(rt, out, None, out, 64, 1e-6, stream=rt.side)
+        ops.rmsnorm(rt, out, out, 64, (None, 1e-6), stream=rt.side)
         rt.join()
 
     g = StepGraph(rt, record, slot, arena)

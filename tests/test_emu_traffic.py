@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from ds4py.cuda import emu, traffic
+from ds4py.cuda.ops.gemv import GemvX
 
 REPO = Path(__file__).resolve().parents[1]
 TEXTBOOK = REPO / "tests" / "emu_kernels" / "traffic.cu"
@@ -155,7 +156,7 @@ def test_a_real_gemv_reads_each_weight_byte_once(kind, monkeypatch):
         W, x = put(gemv_weights(r, kind, rows, cols)), put(r.standard_normal(cols).astype(np.float32), False)
         y = arena.scratch(rows, np.float32)
         with traffic.collect() as recs:
-            ops.gemv(rt, [(W, y, rows)], x, cols, warps=2)
+            ops.gemv(rt, [(W, y, rows)], GemvX(x, cols), warps=2)
     assert len(recs) == 1
     args = recs[0]["args"]
     w = [a for a in args.values() if a["weight"]]

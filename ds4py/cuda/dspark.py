@@ -147,7 +147,7 @@ class CudaDSpark(CudaDraftStates, DSparkBase):
               ls.main, norm=(D.main_norm.array, cfg.norm_eps))
         for s, L in enumerate(D.stages):
             kr = KvRow(L.attn.kv_norm.array, self._freqs[s], cfg.head_dim, cfg.rope_dim, cfg.norm_eps, fq, f16)
-            ops_v41.kv_rows(ls, kr, b[f"kv{s}"], b["pos"], st.arrays[f"{s}.win"], n, **ls.main())
+            ops_v41.kv_rows(ls, kr, ops_v41.RawRows(b[f"kv{s}"], b["pos"], n), st.arrays[f"{s}.win"], **ls.main())
 
     # ---- one draft call -------------------------------------------------------------------------------------
     def block(self, state: CudaState, token: int) -> "ChainBlock":
@@ -207,7 +207,7 @@ def record_block(ls: Launcher, rec: Recording, D: Any, MB: Any, hidden: Any) -> 
     h_i first), then the draft's norm and the main head into ws.logits (the base logits)."""
     cfg, ws, R = rec.cfg, rec.ws, rec.R
     hc, Dm = cfg.hc_mult, cfg.dim
-    ops.embed(ls, MB.embed.array, rec.rows.tokens, ws.X0, R, copies=hc, **ls.main())
+    ops.embed(ls, ops.Embedding(MB.embed.array, copies=hc), rec.rows.tokens, ws.X0, R, **ls.main())
     X, other = ws.X0, ws.X1
     for s, L in enumerate(D.stages):
         Y = layer.record_layer(ls, rec, s, L, X, other)
@@ -228,11 +228,12 @@ def record_chain(ls: Launcher, rec: Recording, D: Any, b: dict, r: int) -> None:
     for i in range(R):
         tok = rec.rows.token(0) if i == 0 else b["chain_ids"].view(4 * (i - 1), 1)
         e = b["chain_x"].view(4 * (i * w + Dm), r)
-        ops.embed(ls, D.markov_embed.array, tok, e, 1, **ls.main())
+        ops.embed(ls, ops.Embedding(D.markov_embed.array), tok, e, 1, **ls.main())
         gemvs(ls, [(D.markov_head, b["bias"], V)], e, r, 1, ls.main)
         row = b["chain_logits"].view(4 * i * V, V)
         ops_dspark.add(ls, ws.logits.view(4 * i * V, V), b["bias"], row, V, **ls.main())
-        ops.argmax(ls, row, V, b["part_val"], b["part_idx"], b["ticket"], b["chain_ids"].view(4 * i, 1), **ls.main())
+        parts = ops.ArgmaxParts(val=b["part_val"], idx=b["part_idx"], ticket=b["ticket"])
+        ops.argmax(ls, row, V, parts, b["chain_ids"].view(4 * i, 1), **ls.main())
     gemvs(ls, [(D.confidence, b["conf"], 1)], b["chain_x"], w, R, ls.main)
 
 

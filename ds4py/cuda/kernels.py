@@ -33,8 +33,11 @@ from ds4py.cuda.ops import prefill_attn as ops_pfa
 from ds4py.cuda.ops import router as ops_route
 from ds4py.cuda.ops import topk as ops_topk
 from ds4py.cuda.ops import v41 as ops_v41
-from ds4py.cuda.ops.gemv import GEMV_MAX_X, MAX_MATS
-from ds4py.cuda.ops.mhc import mix_record
+from ds4py.cuda.ops.core import TokenRows, need
+from ds4py.cuda.ops.experts import Experts, HcPost, Slots
+from ds4py.cuda.ops.gemm import GemmShape
+from ds4py.cuda.ops.gemv import GEMV_MAX_X, MAX_MATS, GemvX, SwiGlu
+from ds4py.cuda.ops.mhc import HcResidual, mix_record
 from ds4py.cuda.ops.rmsnorm import rmsnorm
 from ds4py.host.indexer import weight_scale
 
@@ -106,8 +109,9 @@ def gemvs(ls: Any, mats: list[tuple[DevTensor, DeviceArray, int]], x: DeviceArra
             for r0 in range(0, n, GEMV_MAX_X):
                 k = min(GEMV_MAX_X, n - r0)
                 outs = [(W, rows_of(y, r0, k, rows), rows) for W, y, rows in group[i:i + MAX_MATS]]
-                ops.gemv(ls, outs, rows_of(x, r0, k, stride), cols, norm=norm, x_group_rows=x_group_rows, nx=k,
-                         x_stride=stride, add=add, **stream())
+                xin = GemvX(rows_of(x, r0, k, stride), cols, nx=k, x_stride=stride, x_group_rows=x_group_rows,
+                            norm=norm)
+                ops.gemv(ls, outs, xin, add=add, **stream())
 
 
 def dense_gemv(ls: Any, rec: Any, mats: list, x: DeviceArray, cols: int, stream: Callable, norm=None,
@@ -129,7 +133,7 @@ def dense_block(ls: Any, rec: Any, mats: list, x: DeviceArray, cols: int, stream
         return
     if norm is not None:
         xn = rec.ws.qa_n.view(0, T * cols)
-        rmsnorm(ls, x.view(0, T * cols), norm[0], xn, cols, norm[1], **ls.main())
+        rmsnorm(ls, x.view(0, T * cols), xn, cols, norm, **ls.main())
         x = xn
     gemm(ls, rec, mats, x, cols, T, x_group_rows, x_stride)
 
@@ -149,8 +153,8 @@ def gemm(ls: Any, rec: Any, mats: list, x: DeviceArray, cols: int, T: int, x_gro
         ops_pfa.split_bf16(ls, x.view(0, n), xs, n, **ls.main())
     for W, y, rows in mats:
         for i, xi in enumerate(xs):
-            ops_gemm.gemm(ls, W, xi, y, T, rows, cols, accumulate=i > 0, x_group_rows=x_group_rows, ldx=ld,
-                          **ls.main())
+            ops_gemm.gemm(ls, W, xi, y, GemmShape(T=T, N=rows, K=cols, x_group_rows=x_group_rows, ldx=ld),
+                          accumulate=i > 0, **ls.main())
 
 
 def gemv_hc_post(ls: Any, rec: Any, W: DevTensor, u: DeviceArray, X: DeviceArray, mix: DeviceArray,
@@ -161,8 +165,13 @@ def gemv_hc_post(ls: Any, rec: Any, W: DevTensor, u: DeviceArray, X: DeviceArray
     hc, D, mrec = cfg.hc_mult, cfg.dim, mix_record(cfg.hc_mult)
     for r0 in range(0, rec.R, GEMV_MAX_X):
         k = min(GEMV_MAX_X, rec.R - r0)
-        ops.gemv_hc_post(ls, W.array, rows_of(u, r0, k, cols), rows_of(X, r0, k, hc * D), rows_of(mix, r0, k, mrec),
-                         D, cols, hc=hc, nx=k, **ls.main())
+        res = HcResidual(X=rows_of(X, r0, k, hc * D), mix=rows_of(mix, r0, k, mrec), dim=D, hc=hc)
+        ops.gemv_hc_post(ls, W.array, GemvX(rows_of(u, r0, k, cols), cols=cols, nx=k), res, **ls.main())
+
+
+def residual(rec: Any, X: DeviceArray, mix: DeviceArray) -> HcResidual:
+    """The residual X [R, hc, dim] a sub-layer's output goes back into, with that sub-layer's mix records."""
+    return HcResidual(X=X, mix=mix, dim=rec.cfg.dim, hc=rec.cfg.hc_mult)
 
 
 def block_hc_post(ls: Any, rec: Any, W: DevTensor, u: DeviceArray, X: DeviceArray, mix: DeviceArray,
@@ -170,7 +179,7 @@ def block_hc_post(ls: Any, rec: Any, W: DevTensor, u: DeviceArray, X: DeviceArra
     if rec.mma and mma_ok(W):
         f = rec.ws.f
         gemm(ls, rec, [(W, f, rec.cfg.dim)], u, cols, rec.R)
-        ops.hc_post(ls, f, mix, X, rec.R, rec.cfg.dim, rec.cfg.hc_mult, **ls.main())
+        ops.hc_post(ls, f, residual(rec, X, mix), rec.R, **ls.main())
     else:
         gemv_hc_post(ls, rec, W, u, X, mix, cols)
 
@@ -183,7 +192,8 @@ def _fq(rec: Any) -> tuple[bool, bool]:
 def kv_row(rec: Any, il: int, A: Any) -> ops_attn.KvRow:
     """Layer il's kv row: its kv norm, RoPE freqs, head and rope dims and the step's numerics."""
     cfg, (fq, f16) = rec.cfg, _fq(rec)
-    return ops_attn.KvRow(A.kv_norm.array, rec.freqs[il], cfg.head_dim, cfg.rope_dim, cfg.norm_eps, fq, f16)
+    return ops_attn.KvRow(norm_w=A.kv_norm.array, freqs=rec.freqs[il], hd=cfg.head_dim, rd=cfg.rope_dim,
+                          eps=cfg.norm_eps, fake_quant=fq, round_f16=f16)
 
 
 def kv_store_rows(ls: Any, rec: Any, il: int, A: Any, stream: Callable) -> None:
@@ -203,11 +213,13 @@ def _compressor(rec: Any, il: int, ro: Any, C: Any, which: str) -> tuple:
     """(the op's layer struct, the state keys of its rings and rows, kv / score inputs) of a compressor."""
     cfg, ws, (fq, f16) = rec.cfg, rec.ws, _fq(rec)
     if which == "comp":
-        layer = ops_comp.CompLayer(C.ape.array, C.norm.array, rec.freqs[il], ro.ratio, bool(ro.overlap), cfg.head_dim,
-                                   cfg.rope_dim, cfg.norm_eps, False, fq, f16)
+        layer = ops_comp.CompLayer(ape=C.ape.array, norm_w=C.norm.array, freqs=rec.freqs[il], ratio=ro.ratio,
+                                   overlap=bool(ro.overlap), d=cfg.head_dim, rd=cfg.rope_dim, eps=cfg.norm_eps,
+                                   rotate=False, fake_quant=fq, round_f16=f16)
         return layer, ("comp_kv", "comp_score", "comp_rows"), ws.ckv, ws.csc
-    layer = ops_comp.CompLayer(C.ape.array, C.norm.array, rec.freqs[il], ro.index_ratio, bool(ro.index_overlap),
-                               cfg.index_head_dim, cfg.rope_dim, cfg.norm_eps, True, fq, f16)
+    layer = ops_comp.CompLayer(ape=C.ape.array, norm_w=C.norm.array, freqs=rec.freqs[il], ratio=ro.index_ratio,
+                               overlap=bool(ro.index_overlap), d=cfg.index_head_dim, rd=cfg.rope_dim, eps=cfg.norm_eps,
+                               rotate=True, fake_quant=fq, round_f16=f16)
     return layer, ("idx_kv", "idx_score", "idx_keys"), ws.ikv, ws.isc
 
 
@@ -230,21 +242,21 @@ def compress_block(ls: Any, rec: Any, il: int, ro: Any, C: Any, which: str, stre
     T = rec.R
     layer, keys, x_kv, x_sc = _compressor(rec, il, ro, C, which)
     w = layer.width
-    ops_comp.compressor_prefill(ls, layer, _comp_state(rec.rows.state(0), il, keys), x_kv.view(0, T * w),
-                                x_sc.view(0, T * w), T, rec.rows.positions, **ls.main())
+    chunk = ops_comp.CompChunk(kv=x_kv.view(0, T * w), sc=x_sc.view(0, T * w), n_tok=T, pos_slot=rec.rows.positions)
+    ops_comp.compressor_prefill(ls, layer, _comp_state(rec.rows.state(0), il, keys), chunk, **ls.main())
 
 
 def index_query(rec: Any, il: int) -> ops_idx.IndexQuery:
     """Layer il's indexer queries: RoPE freqs, heads, head dim, rope dims, the step's FP4 round trip."""
     cfg = rec.cfg
-    return ops_idx.IndexQuery(rec.freqs[il], cfg.index_heads, cfg.index_head_dim, cfg.rope_dim,
-                              rec.numerics.fake_quant)
+    return ops_idx.IndexQuery(freqs=rec.freqs[il], n_heads=cfg.index_heads, ihd=cfg.index_head_dim, rd=cfg.rope_dim,
+                              fake_quant=rec.numerics.fake_quant)
 
 
 def index_scorer(rec: Any, ro: Any) -> ops_idx.IndexScorer:
     """A layer's indexer scoring (heads, head dim, weight scale, its keys' ratio)."""
     ih, ihd = rec.cfg.index_heads, rec.cfg.index_head_dim
-    return ops_idx.IndexScorer(ih, ihd, weight_scale(ihd, ih), ro.index_ratio)
+    return ops_idx.IndexScorer(n_heads=ih, ihd=ihd, wscale=weight_scale(ihd, ih), ratio=ro.index_ratio)
 
 
 def index_queries_rows(ls: Any, rec: Any, il: int) -> None:
@@ -262,15 +274,15 @@ def index_queries_block(ls: Any, rec: Any, il: int) -> None:
 def attn_layer(rec: Any, il: int, A: Any, q_norm: bool = True) -> ops_attn.AttnLayer:
     """Layer il's attention shapes and arrays (RoPE freqs, sinks) for the attention ops."""
     cfg = rec.cfg
-    return ops_attn.AttnLayer(rec.freqs[il], A.sinks.array, cfg.n_heads, cfg.rope_dim, cfg.window, cfg.norm_eps,
-                              cfg.head_dim ** -0.5, q_norm)
+    return ops_attn.AttnLayer(freqs=rec.freqs[il], sinks=A.sinks.array, n_heads=cfg.n_heads, rope_dim=cfg.rope_dim,
+                              window=cfg.window, eps=cfg.norm_eps, scale=cfg.head_dim ** -0.5, q_norm=q_norm)
 
 
 def _decode_buffers(rec: Any, n: int, pos: Any, plan: Any) -> ops_attn.DecodeBuffers:
     """Row n's query, position slot, the shared split partials (sized by its plan) and output."""
     ws, qd = rec.ws, rec.cfg.q_dim
-    return ops_attn.DecodeBuffers(row(ws.q, n, qd), pos, ws.part_o.view(0, plan.part_o_shape),
-                                  ws.part_ml.view(0, plan.part_ml_shape), row(ws.o, n, qd))
+    return ops_attn.DecodeBuffers(q_raw=row(ws.q, n, qd), pos_slot=pos, part_o=ws.part_o.view(0, plan.part_o_shape),
+                                  part_ml=ws.part_ml.view(0, plan.part_ml_shape), out=row(ws.o, n, qd))
 
 
 def attend_rows(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
@@ -285,14 +297,16 @@ def attend_rows(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
         if ro.indexer:
             n_keys = rows.buckets[n] // ro.index_ratio
             ops_idx.indexer_scores(ls, index_scorer(rec, ro),
-                                   ops_idx.ScoreBuffers(row(ws.iq, n, iqd), row(ws.iw, n, cfg.index_heads),
-                                                        p[f"{il}.idx_keys"], pos, ws.scores.view(0, n_keys), n_keys),
+                                   ops_idx.ScoreBuffers(q=row(ws.iq, n, iqd), w_raw=row(ws.iw, n, cfg.index_heads),
+                                                        keys=p[f"{il}.idx_keys"], pos=pos,
+                                                        scores=ws.scores.view(0, n_keys), max_keys=n_keys),
                                    **ls.main())
-            ops_topk.topk(ls, ws.scores.view(0, n_keys), cfg.index_topk, ws.sel, pos_slot=pos, ratio=ro.index_ratio,
-                          **ls.main())
+            ops_topk.topk(ls, ws.scores.view(0, n_keys), cfg.index_topk, ws.sel,
+                          ops_topk.Visible(pos_slot=pos, ratio=ro.index_ratio), **ls.main())
             sel = ws.sel
         ops_attn.decode_attention(ls, plan, attn_layer(rec, il, A),
-                                  ops_attn.AttnKeys(p[f"{il}.win"], comp, ro.ratio, sel, cfg.index_topk),
+                                  ops_attn.AttnKeys(ring=p[f"{il}.win"], comp=comp, ratio=ro.ratio, sel=sel,
+                                                    topk=cfg.index_topk),
                                   _decode_buffers(rec, n, pos, plan), **ls.main(), combine_pdl=ls.main()["pdl"])
 
 
@@ -308,39 +322,56 @@ def attend_block(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
         n_keys = rec.rows.buckets[0] // ro.index_ratio
         stride = int(ws.scores.shape[1])
         ops_idx.indexer_scores_rows(ls, index_scorer(rec, ro),
-                                    ops_idx.ScoreBuffers(ws.iq, ws.iw, p[f"{il}.idx_keys"], pos, ws.scores, n_keys),
+                                    ops_idx.ScoreBuffers(q=ws.iq, w_raw=ws.iw, keys=p[f"{il}.idx_keys"], pos=pos,
+                                                         scores=ws.scores, max_keys=n_keys),
                                     T, stride, **ls.main())
-        ops_topk.topk_rows(ls, ops_topk.ScoreRows(ws.scores, pos, T, stride, ro.index_ratio), cfg.index_topk, ws.sel,
+        ops_topk.topk_rows(ls, ops_topk.ScoreRows(scores=ws.scores, pos=pos, n_rows=T, stride=stride,
+                                                  ratio=ro.index_ratio), cfg.index_topk, ws.sel,
                            **ls.main())
         sel = ws.sel
     ops_pfa.prefill_attention(ls, attn_layer(rec, il, A),
-                              ops_attn.AttnKeys(p[f"{il}.win"], comp, ro.ratio, sel, cfg.index_topk),
-                              ops_pfa.PrefillRows(ws.q, pos, ws.kvb, ws.o, T), **ls.main())
+                              ops_attn.AttnKeys(ring=p[f"{il}.win"], comp=comp, ratio=ro.ratio, sel=sel,
+                                                topk=cfg.index_topk),
+                              ops_pfa.PrefillRows(q_raw=ws.q, pos=pos, blk=ws.kvb, out=ws.o, n_rows=T), **ls.main())
     ops_pfa.ring_store(ls, ws.kvb, T, pos, p[f"{il}.win"], **ls.main())
 
 
 def router(rec: Any, ro: Any, Fw: Any) -> ops_route.Router:
     """A layer's routing: its bias (top-k layers) or token table (hash layers), k of n experts, scale, norms."""
     cfg = rec.cfg
-    return ops_route.Router(None if ro.hash_routing else Fw.route_bias.array,
-                            Fw.tid2eid.array if ro.hash_routing else None, cfg.n_experts, cfg.n_experts_used,
-                            cfg.route_scale, cfg.route_normalises, cfg.gate_temp, cfg.route_norm_eps)
+    return ops_route.Router(bias=None if ro.hash_routing else Fw.route_bias.array,
+                            tid2eid=Fw.tid2eid.array if ro.hash_routing else None, n_experts=cfg.n_experts,
+                            k=cfg.n_experts_used, route_scale=cfg.route_scale, route_norm=cfg.route_normalises,
+                            gate_temp=cfg.gate_temp, norm_eps=cfg.route_norm_eps)
 
 
 def route_rows(ls: Any, rec: Any, ro: Any, Fw: Any) -> None:
     ws, k, NX, route = rec.ws, rec.cfg.n_experts_used, rec.cfg.n_experts, router(rec, ro, Fw)
     for n in range(rec.R):
-        ops_route.moe_route(ls, route, row(ws.router, n, NX), rec.rows.token(n), row(ws.ids, n, k), row(ws.wts, n, k),
-                            **ls.main())
+        ops_route.moe_route(ls, route, row(ws.router, n, NX), rec.rows.token(n),
+                            Slots(ids=row(ws.ids, n, k), weights=row(ws.wts, n, k), k=k), **ls.main())
 
 
 def route_block(ls: Any, rec: Any, ro: Any, Fw: Any) -> None:
-    ws = rec.ws
-    ops_route.moe_route_rows(ls, router(rec, ro, Fw), ws.router, rec.rows.tokens, ws.ids, ws.wts, rec.R,
-                             **ls.main())
+    ops_route.moe_route_rows(ls, router(rec, ro, Fw), rec.ws.router, rec.rows.tokens, slots(rec), rec.R, **ls.main())
 
 
 # ---- experts ---------------------------------------------------------------------------------------------------
+def shared_expert(rec: Any, S: Any, clamp: float = 0.0) -> Experts:
+    """The layer's shared expert as one expert every row chooses (its Q8_0 / F16 matrices are expert formats)."""
+    cfg = rec.cfg
+    return Experts(fmt=S.gate.qtype, n_experts=1, ff=cfg.shared_ff, dim=cfg.dim, gate=S.gate.array, up=S.up.array,
+                   down=S.down.array, down_fmt=S.down.qtype, clamp=clamp)
+
+
+def routed_experts(rec: Any, E: Any, clamp: float = 0.0) -> Experts:
+    """The layer's routed experts (gate and up share one kernel format; down has its own)."""
+    cfg = rec.cfg
+    need(E.up.kernel_format == E.gate.kernel_format, "experts: gate and up must have the same weight type")
+    return Experts(fmt=E.gate.kernel_format, n_experts=cfg.n_experts, ff=cfg.expert_ff, dim=cfg.dim,
+                   gate=E.gate.array, up=E.up.array, down=E.down.array, down_fmt=E.down.kernel_format, clamp=clamp)
+
+
 def shared_gate_up_gemv(ls: Any, rec: Any, S: Any, clamp: float, stream: Callable) -> None:
     """h_shared[r] = silu(min(gate x[r], c)) * clamp(up x[r], c): fused GEMVs (BLOCK with tensor cores: two GEMMs
     and the SwiGLU)."""
@@ -349,25 +380,24 @@ def shared_gate_up_gemv(ls: Any, rec: Any, S: Any, clamp: float, stream: Callabl
         gemm(ls, rec, [(S.gate, ws.hs_g, sff), (S.up, ws.hs_u, sff)], ws.x_ffn, D, rec.R)
         ops_pfa.swiglu(ls, ws.hs_g, ws.hs_u, ws.h_shared, rec.R * sff, clamp, **ls.main())
         return
+    ffn = SwiGlu(gate=S.gate.array, up=S.up.array, rows=sff, clamp=clamp)
     for r0 in range(0, rec.R, GEMV_MAX_X):
         k = min(GEMV_MAX_X, rec.R - r0)
-        ops.gemv_swiglu(ls, S.gate.array, S.up.array, rows_of(ws.x_ffn, r0, k, D), rows_of(ws.h_shared, r0, k, sff),
-                        sff, D, clamp=clamp, nx=k, **stream())
+        ops.gemv_swiglu(ls, ffn, GemvX(rows_of(ws.x_ffn, r0, k, D), cols=D, nx=k), rows_of(ws.h_shared, r0, k, sff),
+                        **stream())
 
 
 def shared_gate_up_expert(ls: Any, rec: Any, S: Any, clamp: float, stream: Callable) -> None:
-    ws, D, sff = rec.ws, rec.cfg.dim, rec.cfg.shared_ff
-    ops_moe.moe_gate_up(ls, S.gate.qtype, S.gate.array, S.up.array, ws.x_ffn, None, None, ws.h_shared, 1, sff, D, 1,
-                        clamp, **stream())
+    ops_moe.moe_gate_up(ls, shared_expert(rec, S, clamp), rec.ws.x_ffn, rec.ws.h_shared, **stream())
 
 
 def shared_gate_up_expert_rows(ls: Any, rec: Any, S: Any, clamp: float, stream: Callable) -> None:
     ws, D, sff = rec.ws, rec.cfg.dim, rec.cfg.shared_ff
-    step = ops_moe.MAX_PAIRS
+    ex, step = shared_expert(rec, S, clamp), ops_moe.MAX_PAIRS
     for r0 in range(0, rec.R, step):
         k = min(step, rec.R - r0)
-        ops_moe.moe_gate_up_rows(ls, S.gate.qtype, S.gate.array, S.up.array, rows_of(ws.x_ffn, r0, k, D), None, None,
-                                 rows_of(ws.h_shared, r0, k, sff), 1, sff, D, 1, k, clamp, **stream())
+        ops_moe.moe_gate_up_rows(ls, ex, TokenRows(x=rows_of(ws.x_ffn, r0, k, D), y=rows_of(ws.h_shared, r0, k, sff),
+                                                   T=k), **stream())
 
 
 def shared_down_dense(ls: Any, rec: Any, S: Any, stream: Callable) -> None:
@@ -375,50 +405,50 @@ def shared_down_dense(ls: Any, rec: Any, S: Any, stream: Callable) -> None:
 
 
 def shared_down_expert(ls: Any, rec: Any, S: Any, stream: Callable) -> None:
-    ws, cfg = rec.ws, rec.cfg
-    ops_moe.moe_down(ls, S.down.qtype, S.down.array, None, ws.h_shared, ws.y_shared, 1, cfg.dim, cfg.shared_ff, 1,
-                     **stream())
+    ws = rec.ws
+    ops_moe.moe_down(ls, shared_expert(rec, S), TokenRows(x=ws.h_shared, y=ws.y_shared), **stream())
 
 
 def shared_down_expert_rows(ls: Any, rec: Any, S: Any, stream: Callable) -> None:
-    ws, cfg = rec.ws, rec.cfg
-    ops_moe.moe_down_rows(ls, S.down.qtype, S.down.array, None, ws.h_shared, ws.y_shared, 1, cfg.dim, cfg.shared_ff,
-                          1, rec.R, **stream())
+    ws = rec.ws
+    ops_moe.moe_down_rows(ls, shared_expert(rec, S), TokenRows(x=ws.h_shared, y=ws.y_shared, T=rec.R), **stream())
+
+
+def slots(rec: Any) -> Slots:
+    """The router's choices of every row: ids and weights [R, k]."""
+    return Slots(ids=rec.ws.ids, weights=rec.ws.wts, k=rec.cfg.n_experts_used)
 
 
 def experts_gate_up_one(ls: Any, rec: Any, E: Any, clamp: float) -> None:
-    cfg, ws = rec.cfg, rec.ws
-    ops_moe.moe_gate_up(ls, E.gate.kernel_format, E.gate.array, E.up.array, ws.x_ffn, ws.ids, ws.wts, ws.h, cfg.n_experts,
-                        cfg.expert_ff, cfg.dim, cfg.n_experts_used, clamp, **ls.main())
+    ws = rec.ws
+    ops_moe.moe_gate_up(ls, routed_experts(rec, E, clamp), ws.x_ffn, ws.h, slots(rec), **ls.main())
 
 
 def experts_down_one(ls: Any, rec: Any, E: Any, X: DeviceArray, X_out: DeviceArray) -> DeviceArray:
-    cfg, ws, hc = rec.cfg, rec.ws, rec.cfg.hc_mult
+    ws, hc = rec.ws, rec.cfg.hc_mult
     mix = ws.mix_ffn
-    ops_moe.moe_down(ls, E.down.kernel_format, E.down.array, ws.ids, ws.h, X_out, cfg.n_experts, cfg.dim, cfg.expert_ff,
-                     cfg.n_experts_used, add=ws.y_shared, hc_post=mix.view(4 * hc, hc),
-                     hc_comb=mix.view(8 * hc, hc * hc), hc_x=X, **ls.main())
+    ops_moe.moe_down(ls, routed_experts(rec, E), TokenRows(x=ws.h, y=X_out, add=ws.y_shared), slots(rec),
+                     hc=HcPost(post=mix.view(4 * hc, hc), comb=mix.view(8 * hc, hc * hc), X=X), **ls.main())
     return X_out
 
 
 def experts_gate_up_rows(ls: Any, rec: Any, E: Any, clamp: float) -> None:
     """The rows' routed gate + up grouped by distinct expert: each expert's rows read once for every (row, slot)
     pair that chose it (at most MAX_PAIRS pairs per launch)."""
-    cfg, ws, k, ff, D = rec.cfg, rec.ws, rec.cfg.n_experts_used, rec.cfg.expert_ff, rec.cfg.dim
-    step = max(1, ops_moe.MAX_PAIRS // k)
+    ws, k, ff, D = rec.ws, rec.cfg.n_experts_used, rec.cfg.expert_ff, rec.cfg.dim
+    ex, step = routed_experts(rec, E, clamp), max(1, ops_moe.MAX_PAIRS // k)
     for r0 in range(0, rec.R, step):
         n = min(step, rec.R - r0)
-        ops_moe.moe_gate_up_rows(ls, E.gate.kernel_format, E.gate.array, E.up.array, rows_of(ws.x_ffn, r0, n, D),
-                                 ws.ids.view(4 * r0 * k, n * k), ws.wts.view(4 * r0 * k, n * k),
-                                 ws.h.view(4 * r0 * k * ff, n * k * ff), cfg.n_experts, ff, D, k, n, clamp,
+        ops_moe.moe_gate_up_rows(ls, ex, TokenRows(x=rows_of(ws.x_ffn, r0, n, D),
+                                                   y=ws.h.view(4 * r0 * k * ff, n * k * ff), T=n),
+                                 Slots(ids=ws.ids.view(4 * r0 * k, n * k), weights=ws.wts.view(4 * r0 * k, n * k), k=k),
                                  **ls.main())
 
 
 def experts_down_rows(ls: Any, rec: Any, E: Any, X: DeviceArray, X_out: DeviceArray) -> DeviceArray:
-    cfg, ws = rec.cfg, rec.ws
-    ops_moe.moe_down_rows(ls, E.down.kernel_format, E.down.array, ws.ids, ws.h, X_out, cfg.n_experts, cfg.dim, cfg.expert_ff,
-                          cfg.n_experts_used, rec.R, add=ws.y_shared, mix=ws.mix_ffn, hc=cfg.hc_mult, hc_x=X,
-                          **ls.main())
+    ws = rec.ws
+    ops_moe.moe_down_rows(ls, routed_experts(rec, E), TokenRows(x=ws.h, y=X_out, T=rec.R, add=ws.y_shared),
+                          slots(rec), hc=residual(rec, X, ws.mix_ffn), **ls.main())
     return X_out
 
 
@@ -428,11 +458,10 @@ def experts_gate_up_block(ls: Any, rec: Any, E: Any, clamp: float) -> None:
     if not layer_grouped(rec):
         experts_gate_up_rows(ls, rec, E, clamp)
         return
-    cfg, ws = rec.cfg, rec.ws
+    ws = rec.ws
     run = ops_moep.moe_prefill if expert_mma(rec, E) else ops_moep.moe_tiles
-    run(ls, (E.gate.kernel_format, E.gate.array), (E.up.kernel_format, E.up.array),
-        (E.down.kernel_format, E.down.array), ws.x_ffn, ws.ids, ws.wts, ws.f, rec.R, cfg.n_experts_used,
-        cfg.n_experts, cfg.expert_ff, cfg.dim, clamp, rec.moe_bufs(), add=ws.y_shared, **ls.main())
+    run(ls, routed_experts(rec, E, clamp), TokenRows(x=ws.x_ffn, y=ws.f, T=rec.R, add=ws.y_shared), slots(rec),
+        rec.moe_bufs(), **ls.main())
 
 
 def expert_mma(rec: Any, E: Any) -> bool:
@@ -448,8 +477,7 @@ def layer_grouped(rec: Any) -> bool:
 def experts_down_block(ls: Any, rec: Any, E: Any, X: DeviceArray, X_out: DeviceArray) -> DeviceArray:
     if not layer_grouped(rec):
         return experts_down_rows(ls, rec, E, X, X_out)
-    cfg = rec.cfg
-    ops.hc_post(ls, rec.ws.f, rec.ws.mix_ffn, X, rec.R, cfg.dim, cfg.hc_mult, **ls.main())
+    ops.hc_post(ls, rec.ws.f, residual(rec, X, rec.ws.mix_ffn), rec.R, **ls.main())
     return X                        # the residual updated in place
 
 
@@ -458,35 +486,37 @@ def v41_kv_store_rows(ls: Any, rec: Any, il: int, A: Any, stream: Callable) -> N
     """Each row's kv row (FP8 over the whole row in blocks of 32) into its state's window ring."""
     cfg, rows, kr = rec.cfg, rec.rows, kv_row(rec, il, A)
     for n in range(rec.R):
-        ops_v41.kv_rows(ls, kr, row(rec.ws.kv, n, cfg.head_dim), rows.pos(n), rows.state(n)[f"{il}.win"], 1,
-                        **stream())
+        one = ops_v41.RawRows(raw=row(rec.ws.kv, n, cfg.head_dim), pos=rows.pos(n), n_rows=1)
+        ops_v41.kv_rows(ls, kr, one, rows.state(n)[f"{il}.win"], **stream())
 
 
 def v41_kv_store_block(ls: Any, rec: Any, il: int, A: Any, stream: Callable) -> None:
-    ops_v41.kv_rows(ls, kv_row(rec, il, A), rec.ws.kv, rec.rows.positions, rec.ws.kvb, rec.R, ring=False,
-                    **ls.main())
+    block = ops_v41.RawRows(raw=rec.ws.kv, pos=rec.rows.positions, n_rows=rec.R)
+    ops_v41.kv_rows(ls, kv_row(rec, il, A), block, rec.ws.kvb, ring=False, **ls.main())
 
 
 def _v41_compress(ls: Any, rec: Any, il: int, ro: Any, A: Any, stream: Callable, parts: list) -> None:
     """parts: (state arrays, positions, first row, rows) per launch: one per row (DECODE, ROWS) or the block."""
     cfg, ws, (fq, f16) = rec.cfg, rec.ws, _fq(rec)
     C, hd, ihd = A.comp, cfg.head_dim, cfg.index_head_dim
-    comp_row = ops_attn.KvRow(C.norm.array, rec.freqs[il], hd, cfg.rope_dim, cfg.norm_eps, fq, f16)
+    comp_row = ops_attn.KvRow(norm_w=C.norm.array, freqs=rec.freqs[il], hd=hd, rd=cfg.rope_dim, eps=cfg.norm_eps,
+                              fake_quant=fq, round_f16=f16)
     for p, pos, r0, n in parts:
         rings = (p[f"{il}.comp_kv"], p[f"{il}.comp_score"]) if ro.gated else (None, None)
         st = ops_comp.CompState(*rings, p[f"{il}.comp_rows"])
-        src = ops_v41.CompRows(rows_of(ws.ckv, r0, n, hd), rows_of(ws.csc, r0, n, hd) if ro.gated else None, pos, n,
-                               rows_of(ws.clat, r0, n, hd) if ro.owns_index_keys else None)
+        src = ops_v41.CompRows(kv_in=rows_of(ws.ckv, r0, n, hd), sc_in=rows_of(ws.csc, r0, n, hd) if ro.gated else None,
+                               pos=pos, n_rows=n, lat=rows_of(ws.clat, r0, n, hd) if ro.owns_index_keys else None)
         ops_v41.compress(ls, comp_row, ro.ratio, st, src, **stream())
         if ro.gated:
             ops_v41.comp_ring_store(ls, st, src, **stream())
     if not ro.owns_index_keys:
         return
     of(rec.mode).dense(ls, rec, [(A.index.k, ws.ik, ihd)], ws.clat, hd, stream)     # wk . latent, every row
-    keys_row = ops_attn.KvRow(A.index.k_norm.array, rec.freqs[il], ihd, cfg.rope_dim, cfg.norm_eps, fq, f16)
+    keys_row = ops_attn.KvRow(norm_w=A.index.k_norm.array, freqs=rec.freqs[il], hd=ihd, rd=cfg.rope_dim,
+                              eps=cfg.norm_eps, fake_quant=fq, round_f16=f16)
     for p, pos, r0, n in parts:
-        ops_v41.index_keys(ls, keys_row, rows_of(ws.ik, r0, n, ihd), pos, p[f"{il}.idx_keys"], n, ro.ratio,
-                           **stream())
+        keys = ops_v41.RawRows(raw=rows_of(ws.ik, r0, n, ihd), pos=pos, n_rows=n)
+        ops_v41.index_keys(ls, keys_row, keys, p[f"{il}.idx_keys"], ro.ratio, **stream())
 
 
 def v41_compress_rows(ls: Any, rec: Any, il: int, ro: Any, A: Any, stream: Callable) -> None:
@@ -523,16 +553,17 @@ def v41_attend_rows(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
             n_keys = rows.buckets[n] // ro.index_ratio
             scores, cand = ws.scores.view(0, n_keys), row(ws.cand, n, n_keys)
             ops_idx.indexer_scores(ls, index_scorer(rec, ro),
-                                   ops_idx.ScoreBuffers(row(ws.iq, n, iqd), row(ws.iw, n, cfg.index_heads),
-                                                        rows.index_keys(n, il, ro, n_keys), pos, scores, n_keys),
+                                   ops_idx.ScoreBuffers(q=row(ws.iq, n, iqd), w_raw=row(ws.iw, n, cfg.index_heads),
+                                                        keys=rows.index_keys(n, il, ro, n_keys), pos=pos, scores=scores,
+                                                        max_keys=n_keys),
                                    **ls.main())
-            sr = ops_topk.ScoreRows(scores, pos, 1, n_keys, ro.index_ratio)
+            sr = ops_topk.ScoreRows(scores=scores, pos=pos, n_rows=1, stride=n_keys, ratio=ro.index_ratio)
             _v41_select(ls, rec, ro, sr, cand)
-            ops_topk.topk(ls, scores, k, sel, pos_slot=pos, ratio=ro.index_ratio, **ls.main())
+            ops_topk.topk(ls, scores, k, sel, ops_topk.Visible(pos_slot=pos, ratio=ro.index_ratio), **ls.main())
             if ro.uses_candidates:             # fewer candidate rows than k: the picks outside them are dropped
                 ops_v41.drop_masked(ls, sr, sel, k, **ls.main())
         ops_attn.decode_attention(ls, plan, attn_layer(rec, il, A, q_norm=False),
-                                  ops_attn.AttnKeys(p[f"{il}.win"], comp, ro.ratio, sel, k),
+                                  ops_attn.AttnKeys(ring=p[f"{il}.win"], comp=comp, ratio=ro.ratio, sel=sel, topk=k),
                                   _decode_buffers(rec, n, pos, plan), **ls.main(), combine_pdl=ls.main()["pdl"])
 
 
@@ -545,16 +576,18 @@ def v41_attend_block(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
         n_keys = rec.rows.buckets[0] // ro.index_ratio
         stride = int(ws.scores.shape[1])
         ops_idx.indexer_scores_rows(ls, index_scorer(rec, ro),
-                                    ops_idx.ScoreBuffers(ws.iq, ws.iw, rec.rows.index_keys(0, il, ro, n_keys), pos,
-                                                         ws.scores, n_keys), T, stride, **ls.main())
-        sr = ops_topk.ScoreRows(ws.scores, pos, T, stride, ro.index_ratio)
+                                    ops_idx.ScoreBuffers(q=ws.iq, w_raw=ws.iw,
+                                                         keys=rec.rows.index_keys(0, il, ro, n_keys), pos=pos,
+                                                         scores=ws.scores, max_keys=n_keys), T, stride, **ls.main())
+        sr = ops_topk.ScoreRows(scores=ws.scores, pos=pos, n_rows=T, stride=stride, ratio=ro.index_ratio)
         _v41_select(ls, rec, ro, sr, ws.cand)
         ops_topk.topk_rows(ls, sr, cfg.index_topk, ws.sel, **ls.main())
         if ro.uses_candidates:
             ops_v41.drop_masked(ls, sr, ws.sel, cfg.index_topk, **ls.main())
     ops_pfa.prefill_attention(ls, attn_layer(rec, il, A, q_norm=False),
-                              ops_attn.AttnKeys(p[f"{il}.win"], comp, ro.ratio, sel, cfg.index_topk),
-                              ops_pfa.PrefillRows(ws.q, pos, ws.kvb, ws.o, T), **ls.main())
+                              ops_attn.AttnKeys(ring=p[f"{il}.win"], comp=comp, ratio=ro.ratio, sel=sel,
+                                                topk=cfg.index_topk),
+                              ops_pfa.PrefillRows(q_raw=ws.q, pos=pos, blk=ws.kvb, out=ws.o, n_rows=T), **ls.main())
     ops_pfa.ring_store(ls, ws.kvb, T, pos, p[f"{il}.win"], **ls.main())
 
 
@@ -567,7 +600,8 @@ def v41_engram(ls: Any, rec: Any, e: int, E: Any, X: DeviceArray) -> None:
     ops_v41.engram_rows(ls, ws.engram_codes.view(e * cap * width, R * width),
                         ws.engram_scales.view(e * cap * width // 32, R * width // 32), rows_in, R * width, **ls.main())
     of(rec.mode).dense(ls, rec, [(E.kv, ws.ekv, (cfg.hc_mult + 1) * cfg.dim)], rows_in, width, ls.main)
-    ops_v41.engram(ls, X, ws.ekv, rec.engram_weights[e], R, cfg.hc_mult, cfg.dim, cfg.norm_eps, **ls.main())
+    layer = ops_v41.EngramLayer(weight=rec.engram_weights[e], hc=cfg.hc_mult, dim=cfg.dim, eps=cfg.norm_eps)
+    ops_v41.engram(ls, layer, X, ws.ekv, R, **ls.main())
 
 
 # ---- the table -------------------------------------------------------------------------------------------------

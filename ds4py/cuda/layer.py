@@ -340,7 +340,7 @@ def grouped_experts(rec: Recording) -> bool:
 def record_body(ls: Launcher, rec: Recording, B: Any) -> None:
     """Embedding and every layer of binding B over the row set; the residual ends in final_residual(rec)."""
     cfg, ws = rec.cfg, rec.ws
-    ops.embed(ls, B.embed.array, rec.rows.tokens, ws.X0, rec.R, copies=cfg.hc_mult, **ls.main())
+    ops.embed(ls, ops.Embedding(B.embed.array, copies=cfg.hc_mult), rec.rows.tokens, ws.X0, rec.R, **ls.main())
     X, other = ws.X0, ws.X1
     for il, lw in enumerate(B.layers):
         e = cfg.roles(il).engram
@@ -472,7 +472,8 @@ def record_head(ls: Launcher, rec: Recording, X: DeviceArray, n: int, H: Any, no
     Xr = X.view(4 * r0 * hc * D, (n, hc, D)) if rec.mode == BLOCK else X
     if H is None:
         mix = ws.mix_ffn.view(4 * r0 * mrec, n * mrec) if rec.mode == BLOCK else ws.mix_ffn
-        ops.hc_collapse_norm(ls, Xr, n, D, Collapse(ws.x_head, norm.array, cfg.norm_eps, mix), hc, **ls.main())
+        ops.hc_collapse_norm(ls, ops.HcRows(Xr, n, D, hc=hc), Collapse(ws.x_head, norm.array, cfg.norm_eps, mix),
+                             **ls.main())
     else:                                                        # the head's pre-only mix, then its collapse
         ops.hc_mix(ls, mix_weights(cfg, H), MixBuffers(Xr, n, ws.mix_head, ws.mix_partial, rec.tickets),
                    Collapse(ws.x_head, norm.array, cfg.norm_eps), **ls.main())
@@ -482,5 +483,5 @@ def record_head(ls: Launcher, rec: Recording, X: DeviceArray, n: int, H: Any, no
 def record_sample(ls: Launcher, rec: Recording, sampling: tuple) -> None:
     """The sampler on ws.logits (one row): the next token into the slot (-1 when the logits are no distribution),
     its draw keyed by the sampled token's position (pos + 1). sampling = (temperature, top_k, top_p, min_p, seed)."""
-    ops.sample(ls, SampleRule(*sampling), rec.ws.logits, rec.cfg.vocab_size, rec.rows.token(0),
-               SampleRows(pos_slot=rec.rows.pos(0), pos_offset=1), **ls.main())
+    ops.sample(ls, SampleRule(*sampling), rec.ws.logits, rec.rows.token(0),
+               SampleRows(n=rec.cfg.vocab_size, pos_slot=rec.rows.pos(0), pos_offset=1), **ls.main())

@@ -154,7 +154,7 @@ def record_mtp(ls: Launcher, rec: Recording, M: Any, B: Any, head: bool) -> None
     """One MTP step of rec.R rows: prologue into X0, the block's layer (X0 -> X1), and the head into ws.logits."""
     cfg, ws, R = rec.cfg, rec.ws, rec.R
     hc, D, eps = cfg.hc_mult, cfg.dim, cfg.norm_eps
-    ops.embed(ls, B.embed.array, rec.rows.tokens, ws.X1, R, copies=hc, **ls.main())
+    ops.embed(ls, ops.Embedding(B.embed.array, copies=hc), rec.rows.tokens, ws.X1, R, **ls.main())
     gemvs(ls, [(M.e_proj, ws.X0, D)], ws.X1, D, R * hc, ls.main, norm=(M.enorm.array, eps))
     gemvs(ls, [(M.h_proj, ws.X0, D)], ws.h_in, D, R * hc, ls.main, norm=(M.hnorm.array, eps), add=True)
     layer.record_layer(ls, rec, 0, M.block, ws.X0, ws.X1)

@@ -147,8 +147,9 @@ def _fill(rt: Any, e: schema.Entry, qt: QT, arr, cfg, seed: int) -> None:
         k = math.sqrt(256.0 / fan_in)
         scale = {QT.Q8_0: a / 128.0, QT.IQ2_XXS: 0.003 * k, QT.Q2_K: 0.004 * k, QT.Q4_K: a / 256.0}.get(qt, 1.0)
         e8 = max(0, min(254, 127 + int(round(math.log2(a / 6.0)))))
-        fill.fix_block_fields(rt, arr.view(0, arr.nbytes, np.uint8), block, f16_at, scale, e8m0_at, (e8 - 1, e8),
-                              seed)
+        fields = fill.BlockFields(block_bytes=block, f16_at=f16_at, scale=scale, e8m0_at=e8m0_at,
+                                  e8m0_range=(e8 - 1, e8))
+        fill.fix_block_fields(rt, arr.view(0, arr.nbytes, np.uint8), fields, seed)
 
 
 def _finite_e4m3(rng: np.random.Generator, n: int) -> np.ndarray:

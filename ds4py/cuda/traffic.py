@@ -144,6 +144,7 @@ def model_width_gemv(rows: int = 16, cols: int = 4096, nx: int = 1) -> list[dict
     import numpy as np
 
     from ds4py.cuda import ops
+    from ds4py.cuda.ops.gemv import GemvX
     from ds4py.cuda.emu_runtime import EmuRuntime
     from ds4py.quant import kquants, simple
 
@@ -164,7 +165,7 @@ def model_width_gemv(rows: int = 16, cols: int = 4096, nx: int = 1) -> list[dict
                 W.upload(host)
                 x, y = arena.scratch(cols * nx, np.float32), arena.scratch(rows * nx, np.float32)
                 x.upload(r.standard_normal(cols * nx).astype(np.float32))
-                ops.gemv(rt, [(W, y, rows)], x, cols, nx=nx)
+                ops.gemv(rt, [(W, y, rows)], GemvX(x, cols, nx=nx))
                 rt.synchronize()
         arena.close()
     finally:

@@ -26,6 +26,8 @@ from ds4py.cuda.twins import experts as twin_moe
 from ds4py.cuda.twins import indexer as twin_idx
 from ds4py.cuda.twins import topk as twin_topk
 from ds4py.cuda.twins.core import assert_close_scaled
+from ds4py.cuda.ops.core import TokenRows
+from ds4py.cuda.ops.experts import Experts, Slots
 from ds4py.ref import ops
 from ds4py.ref.forward import topk_mask
 from tests.cu_emu_device import KernelDevice
@@ -138,7 +140,7 @@ def test_indexer_and_topk_real_shapes(kdev):
     want, mag = twin_idx.scores(q, w_raw, wscale, keys)
     assert_close_scaled(got, want, mag, IHD + IH, "indexer scores 16K")
     sel = dev.var(np.zeros(TOPK, np.int32))
-    ops_topk.topk(dev.rt, scores, TOPK, sel, pos_slot=slot)
+    ops_topk.topk(dev.rt, scores, TOPK, sel, ops_topk.Visible(pos_slot=slot))
     out = sel.download()
     np.testing.assert_array_equal(out, twin_topk.topk(got, TOPK))
     if len(np.unique(got)) == n:
@@ -158,9 +160,11 @@ def test_experts_real_shapes(kdev, gate_type, down_type):
     dev = kdev()
     d_ids = dev.const(ids)
     h, y = dev.var(np.zeros((k, FF), np.float32)), dev.var(np.zeros(D, np.float32))
-    ops_moe.moe_gate_up(dev.rt, gate_type, dev.const(raw_g), dev.const(raw_u), dev.const(x), d_ids, dev.const(wts), h,
-                        NX, FF, D, k, 10.0)
-    ops_moe.moe_down(dev.rt, down_type, dev.const(raw_d), d_ids, h, y, NX, D, FF, k)
+    ops_moe.moe_gate_up(dev.rt,
+                        Experts(fmt=gate_type, n_experts=NX, ff=FF, dim=D, gate=dev.const(raw_g), up=dev.const(raw_u),
+                                clamp=10.0), dev.const(x), h, Slots(ids=d_ids, weights=dev.const(wts), k=k))
+    ops_moe.moe_down(dev.rt, Experts(fmt=down_type, n_experts=NX, ff=FF, dim=D, down=dev.const(raw_d)),
+                     TokenRows(x=h, y=y), Slots(ids=d_ids, k=k))
     want_h, mag_h = twin_moe.gate_up(Wg, Wu, x, ids, wts, 10.0, k)
     assert_close_scaled(h.download(), want_h, mag_h, D, "gate_up 4096")
     want_y, mag_y = twin_moe.down(Wd, ids, h.download(), k)
@@ -176,9 +180,11 @@ def test_shared_expert_q8_0_real_shape(kdev):
     x = r.standard_normal(D).astype(np.float32)
     dev = kdev()
     h, y = dev.var(np.zeros(FF, np.float32)), dev.var(np.zeros(D, np.float32))
-    ops_moe.moe_gate_up(dev.rt, QT.Q8_0, dev.const(raw_g), dev.const(raw_u), dev.const(x), None, None, h, 1, FF, D, 1,
-                        10.0)
-    ops_moe.moe_down(dev.rt, QT.Q8_0, dev.const(raw_d), None, h, y, 1, D, FF, 1)
+    ops_moe.moe_gate_up(dev.rt,
+                        Experts(fmt=QT.Q8_0, n_experts=1, ff=FF, dim=D, gate=dev.const(raw_g), up=dev.const(raw_u),
+                                clamp=10.0), dev.const(x), h, Slots())
+    ops_moe.moe_down(dev.rt, Experts(fmt=QT.Q8_0, n_experts=1, ff=FF, dim=D, down=dev.const(raw_d)),
+                     TokenRows(x=h, y=y), Slots())
     want_h, mag_h = twin_moe.gate_up(Wg, Wu, x, None, None, 10.0, 1)
     assert_close_scaled(h.download().reshape(1, -1), want_h, mag_h, D, "shared gate_up")
     want_y, mag_y = twin_moe.down(Wd, None, h.download(), 1)

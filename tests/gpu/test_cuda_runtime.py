@@ -8,6 +8,8 @@ import pytest
 from ds4py.cuda import ops, twins
 from ds4py.cuda.graph import StepGraph
 from ds4py.cuda.twins import quant_q8_0
+from ds4py.cuda.ops.argmax import ArgmaxParts
+from ds4py.cuda.ops.embed import Embedding
 
 pytestmark = pytest.mark.gpu
 
@@ -45,14 +47,14 @@ def make_step(rt, arena, dev, slot, pdl):
         pv, pi = arena.scratch(64, np.float32), arena.scratch(64, np.int32)
         bufs["tok"] = tok = arena.scratch(1, np.int32)
         ticket = dev["ticket"]
-        ops.embed(rt, dev["embed"], slot, h, 1, pdl=pdl)
-        ops.rmsnorm(rt, h, dev["norm"], xn, DIM, 1e-6, pdl=pdl)
+        ops.embed(rt, Embedding(dev["embed"]), slot, h, 1, pdl=pdl)
+        ops.rmsnorm(rt, h, xn, DIM, (dev["norm"], 1e-6), pdl=pdl)
         rt.fork()                                               # side stream: F16 projection of xn
         ops.gemv_f16(rt, dev["side"], xn, side, HID, DIM, stream=rt.side, pdl=pdl)
         ops.gemv_q8_0(rt, dev["head"], xn, logits, VOCAB, DIM, pdl=pdl)   # main stream meanwhile
         rt.join()
-        ops.rmsnorm(rt, side, None, side_n, HID, 1e-6, pdl=pdl)  # needs the side result
-        ops.argmax(rt, logits, VOCAB, pv, pi, ticket, tok, pdl=pdl)
+        ops.rmsnorm(rt, side, side_n, HID, (None, 1e-6), pdl=pdl)  # needs the side result
+        ops.argmax(rt, logits, VOCAB, ArgmaxParts(pv, pi, ticket), tok, pdl=pdl)
 
     return record, bufs
 
@@ -134,7 +136,7 @@ def test_side_stream_join(rt, arena, put):
         for _ in range(4):   # long enough that an unjoined main stream would overtake it
             ops.gemv_f16(rt, dW, dx, y, rows, cols, stream=rt.side)
         rt.join()
-        ops.rmsnorm(rt, y, None, out, rows, 1e-6)
+        ops.rmsnorm(rt, y, out, rows, (None, 1e-6))
         rt.synchronize()
         ref = twins.rmsnorm(twins.gemv_f16(W, x), None, 1e-6)
         twins.assert_close_scaled(out.download(), ref, np.abs(ref) + 1e-3 * np.abs(ref).max(), cols, "join")
@@ -157,7 +159,7 @@ def test_arena_reuse_without_overlap(rt, arena, put):
         else:
             assert [o.ptr for o in outs] == first
         for i, (o, d) in enumerate(zip(outs, ids)):
-            ops.embed(rt, dt, d, o, sizes[i] // 1000)
+            ops.embed(rt, Embedding(dt), d, o, sizes[i] // 1000)
         rt.synchronize()
         for o, d in zip(outs, ids):
             np.testing.assert_array_equal(o.download().reshape(-1, 1000), twins.embed_f16(table, d.download()))
@@ -197,10 +199,10 @@ def test_tiny_gguf_head_on_device(rt, arena, tiny_gguf):
     ticket.upload(np.zeros(1, np.uint32))
     for t in (0, 17, V - 1):
         ids.upload(np.array([t], np.int32))
-        ops.embed(rt, dev["token_embd.weight"].array, ids, h, 1)
-        ops.rmsnorm(rt, h, dev["output_norm.weight"].array, xn, D, 1e-6)
+        ops.embed(rt, Embedding(dev["token_embd.weight"].array), ids, h, 1)
+        ops.rmsnorm(rt, h, xn, D, (dev["output_norm.weight"].array, 1e-6))
         ops.gemv_q8_0(rt, dev["output.weight"].array, xn, logits, V, D)
-        ops.argmax(rt, logits, V, pv, pi, ticket, tok)
+        ops.argmax(rt, logits, V, ArgmaxParts(pv, pi, ticket), tok)
         ref_x = twins.rmsnorm(table[t].astype(np.float32), norm.raw.view(np.float32), 1e-6)
         twins.assert_close_scaled(xn.download(), ref_x, np.abs(ref_x), D, "tiny norm")
         got = logits.download()

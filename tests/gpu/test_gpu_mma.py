@@ -19,6 +19,9 @@ from ds4py.cuda.ops import moe_prefill as ops_mp
 from ds4py.cuda.twins import gemm as twin_gemm
 from ds4py.cuda.twins import moe_prefill as twin_mp
 from ds4py.cuda.twins.core import assert_close_scaled
+from ds4py.cuda.ops.core import TokenRows
+from ds4py.cuda.ops.experts import Experts, Slots
+from ds4py.cuda.ops.gemm import GemmShape
 from tests.cu_emu_device import KernelDevice
 from tests.test_cu_emu_experts import expert_tensor
 from test_cu_emu_gemm import (test_gemm_against_the_twin, test_gemm_rows_do_not_depend_on_T_or_neighbours,  # noqa: F401
@@ -65,12 +68,12 @@ def test_gemm_real_size(kdev, kind):
     x = r.standard_normal((T, K)).astype(np.float32)
     dev = kdev()
     dW, dx, dy = dev.const(W), dev.const(x), dev.var(np.zeros((T, N), np.float32))
-    sec = _timed(dev.rt, lambda: ops_gemm.gemm(dev.rt, dW, dx, dy, T, N, K))
+    sec = _timed(dev.rt, lambda: ops_gemm.gemm(dev.rt, dW, dx, dy, GemmShape(T, N, K)))
     got = dy.download()
     rows = np.r_[0:64, T - 64:T]
     want, mag = twin_gemm.gemm(W, x[rows], len(rows), N, K)
     assert_close_scaled(got[rows], want, mag, K, f"gemm {kind} 2048x4096x4096", factor=8.0)
-    ops_gemm.gemm(dev.rt, dW, dx, dy, T, N, K)
+    ops_gemm.gemm(dev.rt, dW, dx, dy, GemmShape(T, N, K))
     np.testing.assert_array_equal(dy.download(), got)
     print(f"\ngemm {kind} T={T} N={N} K={K}: {sec * 1e3:.2f} ms, {2 * T * N * K / sec / 1e12:.1f} TFLOP/s")
 
@@ -88,8 +91,9 @@ def test_moe_prefill_real_size(kdev):
     dev = kdev()
     bufs = ops_mp.MoePrefillBuffers.alloc(lambda s, dt: dev.var(np.zeros(s, dt)), T, k, E, FF, D)
     y = dev.var(np.zeros((T, D), np.float32))
-    args = ((QT.IQ2_XXS, dev.const(rg)), (QT.IQ2_XXS, dev.const(ru)), (QT.Q2_K, dev.const(rd)), dev.const(x),
-            dev.const(ids), dev.const(wts), y, T, k, E, FF, D, 10.0, bufs)
+    ex = Experts(fmt=QT.IQ2_XXS, n_experts=E, ff=FF, dim=D, gate=dev.const(rg), up=dev.const(ru), down=dev.const(rd),
+                 down_fmt=QT.Q2_K, clamp=10.0)
+    args = (ex, TokenRows(x=dev.const(x), y=y, T=T), Slots(ids=dev.const(ids), weights=dev.const(wts), k=k), bufs)
     sec = _timed(dev.rt, lambda: ops_mp.moe_prefill(dev.rt, *args))
     got = y.download()
     sel = np.r_[0:4, T - 4:T]                         # a token's result does not depend on the others

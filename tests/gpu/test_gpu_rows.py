@@ -12,6 +12,7 @@ from cuda_engine_checks import ids_for
 from gpu_sizes import shrink
 from ds4py.cuda import ops, twins
 from ds4py.cuda.ops.gemv import GEMV_MAX_X
+from ds4py.cuda.ops.gemv import GemvX
 from tests.cu_emu_device import KernelDevice
 from tests.gpu.test_gpu_engine import _cuda, models  # noqa: F401 (fixture)
 from test_cu_emu_rows import (test_gemv_rows_equal_single_rows,  # noqa: F401
@@ -45,12 +46,12 @@ def test_q8_0_rows_gemv_at_the_q_b_shape_is_bit_identical_to_single_rows(rt, put
     nw = (1 + 0.1 * r.standard_normal(cols)).astype(np.float32)
     dW, dnw = put(W), put(nw)
     y = arena.scratch(GEMV_MAX_X * rows, np.float32)
-    ops.gemv(rt, [(dW, y, rows)], put(x.reshape(-1), False), cols, norm=(dnw, 1e-6), nx=GEMV_MAX_X)
+    ops.gemv(rt, [(dW, y, rows)], GemvX(put(x.reshape(-1), False), cols, nx=GEMV_MAX_X, norm=(dnw, 1e-6)))
     rt.synchronize()
     got = y.download().reshape(GEMV_MAX_X, rows)
     for n in (0, GEMV_MAX_X - 1):
         one = arena.scratch(rows, np.float32)
-        ops.gemv(rt, [(dW, one, rows)], put(x[n].copy(), False), cols, norm=(dnw, 1e-6))
+        ops.gemv(rt, [(dW, one, rows)], GemvX(put(x[n].copy(), False), cols, norm=(dnw, 1e-6)))
         rt.synchronize()
         assert got[n].tobytes() == one.download().tobytes(), f"row {n}"
 

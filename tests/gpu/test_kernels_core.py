@@ -15,6 +15,9 @@ from ds4py.cuda.ops.sample import SampleRows, SampleRule
 from ds4py.cuda.twins import gemv as tg
 from ds4py.cuda.twins import mhc as tm
 from ds4py.cuda.twins import sample as ts
+from ds4py.cuda.ops.argmax import ArgmaxParts
+from ds4py.cuda.ops.gemv import GemvX
+from ds4py.cuda.ops.mhc import HcResidual, HcRows
 from cu_fixtures import fresh_arena, gemv_weights
 from gpu_sizes import shrink
 from test_cu_emu_embed import (test_argmax, test_embed, test_rmsnorm, test_rmsnorm_in_place,  # noqa: F401
@@ -60,7 +63,7 @@ def test_q8_0_gemv_at_real_shapes(rt, big, name, rows, cols, groups):
     dx = big.scratch(x.shape, np.float32)
     dx.upload(x)
     y = big.scratch(rows, np.float32)
-    ops.gemv(rt, [(dW, y, rows)], dx, cols, x_group_rows=groups)
+    ops.gemv(rt, [(dW, y, rows)], GemvX(dx, cols, x_group_rows=groups))
     want = tg.gemv(W, x, rows, cols, x_group_rows=groups)
     twins.assert_close_scaled(y.download(), want, tg.magnitude(W, x, rows, cols, groups), cols, name, factor=1.0)
 
@@ -76,19 +79,19 @@ def test_head_argmax_and_sampler_at_vocab_size(rt, big):
     dx = big.scratch(D, np.float32)
     dx.upload(x)
     logits = big.scratch(V, np.float32)
-    ops.gemv(rt, [(dW, logits, V)], dx, D)
+    ops.gemv(rt, [(dW, logits, V)], GemvX(dx, D))
     parts = argmax_parts(rt, V)
     pv, pi = big.scratch(parts, np.float32), big.scratch(parts, np.int32)
     ticket = big.scratch(1, np.uint32)
     ticket.upload(np.zeros(1, np.uint32))
     tok = big.scratch(1, np.int32)
-    ops.argmax(rt, logits, V, pv, pi, ticket, tok)
+    ops.argmax(rt, logits, V, ArgmaxParts(pv, pi, ticket), tok)
     host = logits.download()
     assert int(tok.download()[0]) == int(np.argmax(host))
     kept = big.scratch(V, np.uint8)
     for prm in (dict(temperature=1.0, top_k=50), dict(temperature=0.8, top_p=0.9), dict(temperature=1.0, min_p=0.05),
                 dict(temperature=0.7, top_k=500, top_p=0.95, min_p=0.01)):
-        ops.sample(rt, SampleRule(seed=11, **prm), logits, V, tok, SampleRows(kept=kept))
+        ops.sample(rt, SampleRule(seed=11, **prm), logits, tok, SampleRows(n=V, kept=kept))
         keep = kept.download().astype(bool)
         want = ts.kept(host, ts.params(**prm))
         assert (keep == want).all(), prm
@@ -100,8 +103,8 @@ def test_sampler_distribution_on_device(rt, arena, put):
     N = shrink(100_000, 50)
     out = arena.scratch(N, np.int32)
     for prm in (dict(temperature=1.0), dict(temperature=0.7, top_k=20, top_p=0.9)):
-        ops.sample(rt, SampleRule(seed=5, **prm), put(logits, weights=False), 200, out, SampleRows(N, 0),
-                   threads=shrink(1024, 32, 32))
+        ops.sample(rt, SampleRule(seed=5, **prm), put(logits, weights=False), out,
+                   SampleRows(n=200, rows=N, row_stride=0), threads=shrink(1024, 32, 32))
         counts = np.bincount(out.download(), minlength=200)
         p = ts.distribution(logits, ts.params(**prm))
         assert counts[p == 0].sum() == 0
@@ -122,13 +125,13 @@ def _decode_like(rt, arena, dev, pdl):
     s["pv"], s["pi"], s["tok"] = arena.scratch(16, np.float32), arena.scratch(16, np.int32), arena.scratch(1, np.int32)
     ops.hc_mix(rt, om.MixWeights(dev["fn"], dev["scale"], dev["base"], D, 1e-6, 1e-6, 20),
                om.MixBuffers(dev["X"], 1, s["mix"], s["part"], dev["ticket"]), pdl=pdl)
-    ops.hc_collapse_norm(rt, dev["X"], 1, D, om.Collapse(s["x"], dev["norm"], 1e-6, s["mix"]), pdl=pdl)
-    ops.gemv_hc_post(rt, dev["W"], s["x"], dev["X"], s["mix"], D, D, pdl=pdl)
+    ops.hc_collapse_norm(rt, HcRows(dev["X"], 1, D), om.Collapse(s["x"], dev["norm"], 1e-6, s["mix"]), pdl=pdl)
+    ops.gemv_hc_post(rt, dev["W"], GemvX(s["x"], D), HcResidual(dev["X"], s["mix"], D), pdl=pdl)
     ops.hc_mix(rt, om.MixWeights(dev["hfn"], dev["scale"], dev["base"], D, 1e-6, 1e-6, 20),
                om.MixBuffers(dev["X"], 1, s["hmix"], s["part"], dev["ticket"]), pdl=pdl)
-    ops.hc_collapse_norm(rt, dev["X"], 1, D, om.Collapse(s["y"], dev["norm"], 1e-6, s["hmix"]), pdl=pdl)
-    ops.gemv(rt, [(dev["head"], s["logits"], V)], s["y"], D, pdl=pdl)
-    ops.argmax(rt, s["logits"], V, s["pv"], s["pi"], dev["ticket1"], s["tok"], pdl=pdl)
+    ops.hc_collapse_norm(rt, HcRows(dev["X"], 1, D), om.Collapse(s["y"], dev["norm"], 1e-6, s["hmix"]), pdl=pdl)
+    ops.gemv(rt, [(dev["head"], s["logits"], V)], GemvX(s["y"], D), pdl=pdl)
+    ops.argmax(rt, s["logits"], V, ArgmaxParts(s["pv"], s["pi"], dev["ticket1"]), s["tok"], pdl=pdl)
     return s
 
 

@@ -13,17 +13,12 @@ from typing import Any
 
 import numpy as np
 
-from ds4py.cuda.ops.core import aligned, dtype_or_none, is_dtype, need
+from ds4py.cuda.ops.core import aligned, is_dtype, need
 
 ATTN_TILE = 16                 # keys staged per tile
 ATTN_HPW = 4                   # heads per warp
 ATTN_MAX_HD = 512              # largest head dim
 DEFINES = {"ATTN_TILE": ATTN_TILE, "ATTN_HPW": ATTN_HPW, "ATTN_MAX_HD": ATTN_MAX_HD}   # -D values of cu/attention.cu
-
-
-# experts.py (changed on another branch right now) still imports need / aligned / dtype_is from here: the same
-# core helpers under their old names until that import moves to ops.core
-dtype_is = dtype_or_none
 
 
 def pair_threads(dim: int) -> int:

@@ -103,10 +103,21 @@ def compressor_decode(rt: Any, c: CompLayer, st: CompState, kv_in: Any, sc_in: A
               int(c.round_f16), stream=stream, pdl=pdl)
 
 
-def compressor_prefill(rt: Any, c: CompLayer, st: CompState, chunk_kv: Any, chunk_sc: Any, n_tok: int,
-                       pos_slot: Any, stream: Any = None, pdl: bool = False) -> None:
+@dataclass(frozen=True)
+class CompChunk:
+    """One prefill call's chunk: kv / score inputs [n_tok, (1+overlap)*d] of n_tok tokens from the position in
+    the int32 device slot pos_slot."""
+    kv: Any
+    sc: Any
+    n_tok: int
+    pos_slot: Any
+
+
+def compressor_prefill(rt: Any, c: CompLayer, st: CompState, chunk: CompChunk, stream: Any = None,
+                       pdl: bool = False) -> None:
     """A chunk of n_tok tokens from the position in pos_slot: emit every group it completes, then keep its last
     positions in the rings (two launches, in that order)."""
+    chunk_kv, chunk_sc, n_tok, pos_slot = chunk.kv, chunk.sc, chunk.n_tok, chunk.pos_slot
     width = _check("compressor_prefill", c, st)
     need(n_tok >= 1 and chunk_kv.size >= n_tok * width and chunk_sc.size >= n_tok * width,
          f"compressor_prefill: chunk arrays must hold {n_tok} x {width}")

@@ -8,6 +8,7 @@ DeviceArrays (None where a pointer may be null). `pdl=True` lets the kernel over
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -35,9 +36,17 @@ def is_dtype(a: DeviceArray | None, dtype: Any) -> bool:
     return a is not None and np.dtype(a.dtype) == np.dtype(dtype)
 
 
-def dtype_or_none(a: DeviceArray | None, dtype: Any) -> bool:
-    """a is absent or of dtype (an optional array: None is a null pointer the kernel never reads)."""
-    return a is None or np.dtype(a.dtype) == np.dtype(dtype)
+@dataclass(frozen=True)
+class TokenRows:
+    """One call's T rows in and out: x [T, ldx] (ldx None: packed rows), y [T, ldy] (None: packed) and add
+    (None: nothing) summed into y. What a row holds is the op's (the experts' x is the activations, their down
+    projection's x is h)."""
+    x: Any
+    y: Any = None
+    T: int = 1
+    ldx: int | None = None
+    ldy: int | None = None
+    add: Any = None
 
 
 def blocks_that_fit(rt: Any, threads: int, smem_per_block: int, cap_per_sm: int = 32, kernel: str | None = None) -> int:

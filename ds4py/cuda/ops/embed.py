@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -10,10 +11,18 @@ from ds4py.cuda.memory import DeviceArray
 from ds4py.cuda.ops.core import aligned, is_dtype, need
 
 
-def embed(rt: Any, table: DeviceArray, ids: DeviceArray, out: DeviceArray, n_ids: int, copies: int = 1,
-          threads: int = 256, stream: Any = None, pdl: bool = False) -> None:
-    """out[t, c] = float(table[ids[t]]) for c < copies (copies = hc: the residual state); table F16 or F32
-    [vocab, dim]. ids: an int32 device buffer (e.g. the slot the argmax or sampler of the previous step wrote)."""
+@dataclass(frozen=True)
+class Embedding:
+    """A token table F16 or F32 [vocab, dim] and the copies of each row written (hc: the residual state)."""
+    table: DeviceArray
+    copies: int = 1
+
+
+def embed(rt: Any, emb: Embedding, ids: DeviceArray, out: DeviceArray, n_ids: int, threads: int = 256,
+          stream: Any = None, pdl: bool = False) -> None:
+    """out[t, c] = float(table[ids[t]]) for c < copies. ids: an int32 device buffer (e.g. the slot the argmax or
+    sampler of the previous step wrote)."""
+    table, copies = emb.table, emb.copies
     f32 = is_dtype(table, np.float32)
     need(len(table.shape) == 2 and (f32 or is_dtype(table, np.float16)),
          "embed: the table must be F16 or F32 [vocab, dim]")

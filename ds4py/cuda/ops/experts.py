@@ -4,8 +4,10 @@ device layout of ds4py/cuda/vq_layout.py, codebook at the head of each matrix, e
 moe_dequant). Launch geometry and shared memory are computed here.
 
 A decode MoE sub-layer is (the shared expert may run on the side stream, between rt.fork() and rt.join()):
-    moe_gate_up(shared, ids=None, n_slots=1) -> h_sh;  moe_down(shared, ids=None, n_slots=1) -> y_sh
-    moe_gate_up(routed, ids, route_w) -> h;  moe_down(routed, ids, add=y_sh, hc=(post, comb, X)) -> X'
+    moe_gate_up(rt, shared, x, h_sh);  moe_down(rt, shared, TokenRows(x=h_sh, y=y_sh))
+    moe_gate_up(rt, routed, x, h, Slots(ids, route_w, k))
+    moe_down(rt, routed, TokenRows(x=h, y=X', add=y_sh), Slots(ids, k=k), HcPost(post, comb, X))
+with `shared` / `routed` the layer's Experts (weights, format, shapes, clamp: built once per layer).
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from typing import Any
 import numpy as np
 from ds4py.ggml_types import GGMLQuantizationType as QT
 
-from ds4py.cuda.ops.attention import aligned, dtype_is, need
-from ds4py.cuda.ops.core import blocks_that_fit
+from ds4py.cuda.ops.core import TokenRows, aligned, blocks_that_fit, is_dtype, need
+from ds4py.cuda.ops.mhc import HcResidual, mix_record
 from ds4py.cuda.signature import CU_DIR, list_of
 
 MOE_RPT = 8                    # rows per thread (accumulators per matrix)
@@ -77,15 +79,23 @@ def vq_format(bits: int) -> str | None:
     return key if key in VQ_FORMATS else None
 
 
-def _fmt(qtype: Any) -> tuple[str, int, int]:
+def _fmt(qtype: Any, where: str = "experts") -> tuple[str, int, int]:
+    """(kernel suffix, weights per block, bytes per block) of an expert weight format: a GGML type with a
+    MOE_FORMATS entry or a VQ-8 format key; any other refused in one sentence naming `where`."""
     if isinstance(qtype, str):
-        need(qtype in VQ_FORMATS, f"experts: no VQ-8 kernel format {qtype!r} (supported: {', '.join(VQ_FORMATS)})")
+        need(qtype in VQ_FORMATS, f"{where}: no VQ-8 kernel format {qtype!r} (supported: {', '.join(VQ_FORMATS)})")
         qk, nb, _ = VQ_FORMATS[qtype]
         return qtype, qk, nb
     qt = QT(int(qtype)) if int(qtype) in QT._value2member_map_ else None
-    need(qt in FORMATS, f"experts: weight type {qt.name if qt is not None else qtype} has no kernel (supported: "
-         f"{', '.join(q.name for q in FORMATS)})")
+    need(qt in FORMATS, f"{where}: weight type {qt.name if qt is not None else qtype} has no kernel (supported: "
+         f"{', '.join(q.name for q in FORMATS)}, {', '.join(VQ_FORMATS)})")
     return FORMATS[qt]
+
+
+def kernel_suffix(qtype: Any, where: str = "experts") -> str:
+    """The kernel name suffix of an expert weight format (experts.cu's and moe_prefill.cu's entry points share
+    it): the MOE_FORMATS name, or the VQ-8 key."""
+    return _fmt(qtype, where)[0]
 
 
 def _label(qtype: Any) -> str:
@@ -116,7 +126,7 @@ def vq_expert_bytes(qtype: str, rows: int, cols: int) -> int:
 def row_bytes(qtype: Any, cols: int) -> int:
     """Bytes per row: the ggml blocks; VQ-8: stream + hi plane + the f32 gain (not counting an expert's stream
     padding to a whole line: matrix_bytes)."""
-    name, qk, nb = _fmt(qtype)
+    _name, qk, nb = _fmt(qtype)
     need(cols % qk == 0 and cols % 32 == 0, f"experts: a row of {cols} is not whole {_label(qtype)} blocks")
     if isinstance(qtype, str):
         return sum(vq_row_parts(qtype, cols)) + 4
@@ -223,61 +233,120 @@ def _grid_x(rt: Any, qtype: Any, tiles: int, ys: int, threads: int, smem: int, k
     return max(1, min(tiles, blocks_that_fit(rt, threads, smem + static, kernel=kernel) // ys))
 
 
-def _check_weights(where: str, W: Any, qtype: Any, n_experts: int, rows: int, cols: int) -> None:
-    need(dtype_is(W, np.uint8), f"{where}: weights must be the raw GGUF bytes (uint8)")
-    need(not isinstance(qtype, str) or W.ptr % 16 == 0, f"{where}: a VQ-8 device copy must be 16-byte aligned")
+def check_weights(where: str, W: Any, qtype: Any, n_experts: int, rows: int, cols: int) -> None:
+    """A stacked expert tensor [n_experts, rows, cols] in qtype: raw uint8 bytes of exactly that size (a VQ-8
+    device copy 16-byte aligned)."""
+    need(cols % 32 == 0, f"{where}: {cols} columns are not a multiple of 32")
+    need(is_dtype(W, np.uint8), f"{where}: weights must be the raw GGUF bytes or a VQ-8 device copy (uint8)")
+    need(not isinstance(qtype, str) or aligned(16, W), f"{where}: a VQ-8 device copy must be 16-byte aligned")
     want = matrix_bytes(qtype, n_experts, rows, cols)
     need(W.nbytes == want, f"{where}: {W.nbytes} weight bytes for {n_experts} experts of [{rows}, {cols}] "
          f"{_label(qtype)} ({want} expected)")
 
 
-def moe_gate_up(rt: Any, qtype: int, Wg: Any, Wu: Any, x: Any, ids: Any, route_w: Any, h: Any, n_experts: int,
-                ff: int, dim: int, n_slots: int, clamp: float, rows_per_block: int | None = None, stream: Any = None,
-                pdl: bool = False, act_quant: bool = False) -> MoePlan:
-    """h [n_slots, ff] = silu(min(Wg[e] x, c)) * clamp(Wu[e] x, -c, c) * route_w[s], e = ids[s] (ids None: e = s,
-    route_w None: 1). Wg / Wu: [n_experts, ff, dim] in qtype. act_quant: x rounded as Q8_K, int8 dots."""
-    name, _, _ = _fmt(qtype)
-    name = i8_kernel(qtype, act_quant) + name
-    for W in (Wg, Wu):
-        _check_weights("moe_gate_up", W, qtype, n_experts, ff, dim)
+@dataclass(frozen=True)
+class Experts:
+    """One layer's stacked experts, the same for every call (the shared expert: n_experts = 1): gate and up
+    [n_experts, ff, dim] in weight format `fmt`, down [n_experts, dim, ff] in down_fmt (None: fmt); a format is a
+    GGML type or a VQ-8 key ("vq13"). clamp: the SwiGLU limit (<= 0: none). act_quant: the int8-activation
+    kernels (x and h rounded as Q8_K inside, the reference's act_quant numerics; moe_gate_up / moe_down only).
+    An op reads only its own matrices (gate_up: gate, up; down: down)."""
+    fmt: Any
+    n_experts: int
+    ff: int
+    dim: int
+    gate: Any = None
+    up: Any = None
+    down: Any = None
+    clamp: float = 0.0
+    down_fmt: Any = None
+    act_quant: bool = False
+
+    @property
+    def down_type(self) -> Any:
+        return self.fmt if self.down_fmt is None else self.down_fmt
+
+    def check_gate_up(self, where: str) -> str:
+        """Checks gate and up; returns the kernel suffix of their format."""
+        name = kernel_suffix(self.fmt, where)
+        for W in (self.gate, self.up):
+            check_weights(where, W, self.fmt, self.n_experts, self.ff, self.dim)
+        return name
+
+    def check_down(self, where: str) -> str:
+        """Checks down; returns the kernel suffix of its format."""
+        name = kernel_suffix(self.down_type, where)
+        check_weights(where, self.down, self.down_type, self.n_experts, self.dim, self.ff)
+        return name
+
+
+@dataclass(frozen=True)
+class Slots:
+    """The experts one call runs per row: k slots, ids int32 [rows, k] (None: slot s runs expert s), weights
+    float32 [rows, k] scaling each slot's output (None: 1; the gate + up applies them)."""
+    ids: Any = None
+    weights: Any = None
+    k: int = 1
+
+    def check(self, where: str, pairs: int) -> None:
+        need(self.k >= 1, f"{where}: at least one slot per row")
+        need(self.ids is None or (is_dtype(self.ids, np.int32) and self.ids.size >= pairs),
+             f"{where}: ids must be int32 with one per (row, slot) pair ({pairs})")
+        need(self.weights is None or self.weights.size >= pairs, f"{where}: route weights must cover the {pairs} "
+             "(row, slot) pairs")
+
+
+@dataclass(frozen=True)
+class HcPost:
+    """The decode down projection's mHC post (the sub-layer's mix): post [hc], comb [hc, hc] and the residual
+    X [hc, dim] the output is mixed with."""
+    post: Any
+    comb: Any
+    X: Any
+
+
+def moe_gate_up(rt: Any, ex: Experts, x: Any, h: Any, slots: Slots = Slots(), rows_per_block: int | None = None,
+                stream: Any = None, pdl: bool = False) -> MoePlan:
+    """h [k, ff] = silu(min(Wg[e] x, c)) * clamp(Wu[e] x, -c, c) * w[s], e = slots.ids[s] (None: e = s), w =
+    slots.weights (None: 1); x [dim]."""
+    name = i8_kernel(ex.fmt, ex.act_quant) + ex.check_gate_up("moe_gate_up")
+    n_slots, ff, dim = slots.k, ex.ff, ex.dim
     need(x.size == dim and h.size >= n_slots * ff and n_slots >= 1, "moe_gate_up: x or h does not match the shapes")
-    need(ids is None or (dtype_is(ids, np.int32) and ids.size >= n_slots), "moe_gate_up: ids must be int32 [n_slots]")
-    need(route_w is None or route_w.size >= n_slots, "moe_gate_up: route weights must cover the slots")
+    slots.check("moe_gate_up", n_slots)
     need(aligned(16, x, h), "moe_gate_up: x and h must be 16-byte aligned")
-    plan = gate_up_plan(qtype, dim, ff, rows_per_block)
-    smem = launch_smem(qtype, plan, decode_ring(qtype))
-    gx = _grid_x(rt, qtype, -(-ff // plan.rows_per_block), n_slots, plan.threads, smem, f"moe_gate_up_{name}")
-    rt.launch(f"moe_gate_up_{name}", (gx, n_slots), plan.threads, Wg, Wu, x, ids, route_w, h, int(n_experts), int(ff),
-              int(dim), plan.rows_per_block, float(clamp), smem=smem, stream=stream, pdl=pdl)
+    plan = gate_up_plan(ex.fmt, dim, ff, rows_per_block)
+    smem = launch_smem(ex.fmt, plan, decode_ring(ex.fmt))
+    gx = _grid_x(rt, ex.fmt, -(-ff // plan.rows_per_block), n_slots, plan.threads, smem, f"moe_gate_up_{name}")
+    rt.launch(f"moe_gate_up_{name}", (gx, n_slots), plan.threads, ex.gate, ex.up, x, slots.ids, slots.weights, h,
+              int(ex.n_experts), int(ff), int(dim), plan.rows_per_block, float(ex.clamp), smem=smem, stream=stream,
+              pdl=pdl)
     return plan
 
 
-def moe_down(rt: Any, qtype: int, W: Any, ids: Any, h: Any, out: Any, n_experts: int, dim: int, ff: int,
-             n_slots: int, add: Any = None, hc_post: Any = None, hc_comb: Any = None, hc_x: Any = None,
-             rows_per_block: int | None = None, stream: Any = None, pdl: bool = False,
-             act_quant: bool = False) -> MoePlan:
-    """y = sum_s W[ids[s]] h[s] (+ add): out [dim] = y, or with hc_post / hc_comb / hc_x (the sub-layer's mHC post
-    mix and residual [hc, dim]) out [hc, dim] = post_k y + sum_j comb[j, k] X_j. W: [n_experts, dim, ff].
-    act_quant: each h[s] rounded as Q8_K, int8 dots."""
-    name, _, _ = _fmt(qtype)
-    name = i8_kernel(qtype, act_quant) + name
-    _check_weights("moe_down", W, qtype, n_experts, dim, ff)
+def moe_down(rt: Any, ex: Experts, io: TokenRows, slots: Slots = Slots(), hc: HcPost | None = None,
+             rows_per_block: int | None = None, stream: Any = None, pdl: bool = False) -> MoePlan:
+    """y = sum_s W[ids[s]] h[s] (+ io.add) with h = io.x [k, ff]: io.y [dim] = y, or with hc (the sub-layer's mHC
+    post mix and residual X [hc, dim]) io.y [hc, dim] = post_k y + sum_j comb[j, k] X_j. W = ex.down."""
+    name = i8_kernel(ex.down_type, ex.act_quant) + ex.check_down("moe_down")
+    h, out, add, n_slots, dim, ff = io.x, io.y, io.add, slots.k, ex.dim, ex.ff
     need(1 <= n_slots and h.size >= n_slots * ff, "moe_down: h does not hold n_slots x ff")
-    need(ids is None or (dtype_is(ids, np.int32) and ids.size >= n_slots), "moe_down: ids must be int32 [n_slots]")
+    slots.check("moe_down", n_slots)
     need(add is None or add.size == dim, "moe_down: add must be [dim]")
-    hc = 0
-    if hc_post is not None:
-        hc = int(hc_post.size)
-        need(hc_comb is not None and hc_comb.size == hc * hc and hc_x is not None and hc_x.size == hc * dim
-             and out.size == hc * dim, f"moe_down: hc_post needs comb [{hc}, {hc}], X and out [{hc}, {dim}]")
+    n_hc = 0
+    if hc is not None:
+        n_hc = int(hc.post.size)
+        need(hc.comb is not None and hc.comb.size == n_hc * n_hc and hc.X is not None and hc.X.size == n_hc * dim
+             and out.size == n_hc * dim, f"moe_down: hc_post needs comb [{n_hc}, {n_hc}], X and out [{n_hc}, {dim}]")
     else:
         need(out.size == dim, "moe_down: out must be [dim]")
     need(aligned(16, h), "moe_down: h must be 16-byte aligned")
-    plan = down_plan(qtype, ff, dim, n_slots, rows_per_block)
-    smem = launch_smem(qtype, plan, decode_ring(qtype))
-    gx = _grid_x(rt, qtype, -(-dim // plan.rows_per_block), 1, plan.threads, smem, f"moe_down_{name}")
-    rt.launch(f"moe_down_{name}", gx, plan.threads, W, ids, h, add, hc_post, hc_comb, hc_x, out, int(n_slots),
-              int(n_experts), int(dim), int(ff), plan.rows_per_block, hc, smem=smem, stream=stream, pdl=pdl)
+    fmt = ex.down_type
+    plan = down_plan(fmt, ff, dim, n_slots, rows_per_block)
+    smem = launch_smem(fmt, plan, decode_ring(fmt))
+    gx = _grid_x(rt, fmt, -(-dim // plan.rows_per_block), 1, plan.threads, smem, f"moe_down_{name}")
+    post, comb, X = (hc.post, hc.comb, hc.X) if hc is not None else (None, None, None)
+    rt.launch(f"moe_down_{name}", gx, plan.threads, ex.down, slots.ids, h, add, post, comb, X, out, int(n_slots),
+              int(ex.n_experts), int(dim), int(ff), plan.rows_per_block, n_hc, smem=smem, stream=stream, pdl=pdl)
     return plan
 
 
@@ -312,57 +381,55 @@ def moe_rows_plan(qtype: int, dim: int, ff: int, rows_per_block: int | None = No
                    2 * stage_bytes(qtype, rows_per_block, dim) + 8 * rows_per_block * (G + 1))
 
 
-def moe_gate_up_rows(rt: Any, qtype: int, Wg: Any, Wu: Any, x: Any, ids: Any, route_w: Any, h: Any,
-                     n_experts: int, ff: int, dim: int, k: int, nx: int, clamp: float, x_stride: int | None = None,
+def moe_gate_up_rows(rt: Any, ex: Experts, io: TokenRows, slots: Slots = Slots(),
                      rows_per_block: int | None = None, stream: Any = None, pdl: bool = False) -> MoePlan:
-    """h [nx * k, ff]: pair p = (row n, slot s) = n * k + s is moe_gate_up of x[n] (x + n * x_stride) with expert
-    ids[p] and weight route_w[p] (ids None: expert s, route_w None: 1), bit-identical to it; each distinct
-    expert's gate and up rows are read once for all the pairs that chose it."""
-    name, _, _ = _fmt(qtype)
-    for W in (Wg, Wu):
-        _check_weights("moe_gate_up_rows", W, qtype, n_experts, ff, dim)
-    stride = dim if x_stride is None else int(x_stride)
+    """io.y = h [T * k, ff]: pair p = (row n, slot s) = n * k + s is moe_gate_up of x[n] = io.x + n * io.ldx
+    (None: dim) with expert ids[p] and weight weights[p] (ids None: expert s, weights None: 1), bit-identical to
+    it; each distinct expert's gate and up rows are read once for all the pairs that chose it."""
+    need(not ex.act_quant, "moe_gate_up_rows: no int8-activation kernel groups rows (act_quant: moe_gate_up)")
+    name = ex.check_gate_up("moe_gate_up_rows")
+    x, h, nx, k, ff, dim = io.x, io.y, io.T, slots.k, ex.ff, ex.dim
+    stride = dim if io.ldx is None else int(io.ldx)
     n_pairs = nx * k
     need(1 <= k and 1 <= nx and n_pairs <= MAX_PAIRS, f"moe_gate_up_rows: 1 to {MAX_PAIRS} (row, slot) pairs")
     need(stride >= dim and stride % 4 == 0 and x.size >= (nx - 1) * stride + dim and h.size >= n_pairs * ff,
          "moe_gate_up_rows: x or h does not match the shapes")
-    need(ids is None or (dtype_is(ids, np.int32) and ids.size >= n_pairs),
-         "moe_gate_up_rows: ids must be int32 [nx * k]")
-    need(route_w is None or route_w.size >= n_pairs, "moe_gate_up_rows: route weights must cover the pairs")
+    slots.check("moe_gate_up_rows", n_pairs)
     need(aligned(16, x, h), "moe_gate_up_rows: x and h must be 16-byte aligned")
-    plan = moe_rows_plan(qtype, dim, ff, rows_per_block)
-    groups = k if ids is None else min(n_pairs, n_experts + 1)      # + 1: a bad id is a group of its own
-    gx = _grid_x(rt, qtype, -(-ff // plan.rows_per_block), groups, plan.threads, launch_smem(qtype, plan),
+    plan = moe_rows_plan(ex.fmt, dim, ff, rows_per_block)
+    groups = k if slots.ids is None else min(n_pairs, ex.n_experts + 1)      # + 1: a bad id is a group of its own
+    gx = _grid_x(rt, ex.fmt, -(-ff // plan.rows_per_block), groups, plan.threads, launch_smem(ex.fmt, plan),
                  f"moe_gate_up_rows_{name}")
-    rt.launch(f"moe_gate_up_rows_{name}", (gx, groups), plan.threads, Wg, Wu, x, ids, route_w, h, int(n_experts),
-              int(ff), int(dim), plan.rows_per_block, float(clamp), int(n_pairs), int(k), stride,
-              smem=launch_smem(qtype, plan), stream=stream, pdl=pdl)
+    rt.launch(f"moe_gate_up_rows_{name}", (gx, groups), plan.threads, ex.gate, ex.up, x, slots.ids, slots.weights, h,
+              int(ex.n_experts), int(ff), int(dim), plan.rows_per_block, float(ex.clamp), int(n_pairs), int(k),
+              stride, smem=launch_smem(ex.fmt, plan), stream=stream, pdl=pdl)
     return plan
 
 
-def moe_down_rows(rt: Any, qtype: int, W: Any, ids: Any, h: Any, out: Any, n_experts: int, dim: int, ff: int,
-                  n_slots: int, nx: int, add: Any = None, mix: Any = None, hc: int = 0, hc_x: Any = None,
+def moe_down_rows(rt: Any, ex: Experts, io: TokenRows, slots: Slots = Slots(), hc: HcResidual | None = None,
                   rows_per_block: int | None = None, stream: Any = None, pdl: bool = False) -> MoePlan:
-    """Row n of nx: moe_down on ids[n * n_slots:], h[n * n_slots:], add[n] and, with mix [nx, (2 + hc) * hc]
-    (pre, post, comb per row) and hc_x [nx, hc, dim], out[n] = X'_n; bit-identical to a one-row moe_down."""
-    name, _, _ = _fmt(qtype)
-    _check_weights("moe_down_rows", W, qtype, n_experts, dim, ff)
+    """Row n of io.T: moe_down on ids[n * k:], h[n * k:] (h = io.x), add[n] and, with hc (mix [T, (2 + hc) * hc]:
+    pre, post, comb per row; the residual X [T, hc, dim]), io.y[n] = X'_n; bit-identical to a one-row moe_down."""
+    need(not ex.act_quant, "moe_down_rows: no int8-activation kernel groups rows (act_quant: moe_down)")
+    name = ex.check_down("moe_down_rows")
+    h, out, add, nx, n_slots, dim, ff = io.x, io.y, io.add, io.T, slots.k, ex.dim, ex.ff
     need(1 <= n_slots and 1 <= nx and h.size >= nx * n_slots * ff, "moe_down_rows: h does not hold nx x n_slots x ff")
-    need(ids is None or (dtype_is(ids, np.int32) and ids.size >= nx * n_slots),
-         "moe_down_rows: ids must be int32 [nx * n_slots]")
+    slots.check("moe_down_rows", nx * n_slots)
     need(add is None or add.size >= nx * dim, "moe_down_rows: add must be [nx, dim]")
-    mrec = (2 + hc) * hc
-    if mix is not None:
-        need(hc >= 1 and mix.size >= nx * mrec and hc_x is not None and hc_x.size >= nx * hc * dim
-             and out.size >= nx * hc * dim, f"moe_down_rows: the hc_post needs mix [{nx}, {mrec}], X and out "
-             f"[{nx}, {hc}, {dim}]")
+    if hc is not None:
+        mrec = mix_record(hc.hc)
+        need(hc.hc >= 1 and hc.dim == dim and hc.mix.size >= nx * mrec and hc.X is not None
+             and hc.X.size >= nx * hc.hc * dim and out.size >= nx * hc.hc * dim, f"moe_down_rows: the hc_post needs "
+             f"mix [{nx}, {mrec}], X and out [{nx}, {hc.hc}, {dim}]")
     else:
         need(out.size >= nx * dim, "moe_down_rows: out must be [nx, dim]")
     need(aligned(16, h), "moe_down_rows: h must be 16-byte aligned")
-    plan = moe_plan(qtype, ff, dim, n_slots, 1, rows_per_block)
-    gx = _grid_x(rt, qtype, -(-dim // plan.rows_per_block), nx, plan.threads, launch_smem(qtype, plan),
+    fmt = ex.down_type
+    plan = moe_plan(fmt, ff, dim, n_slots, 1, rows_per_block)
+    gx = _grid_x(rt, fmt, -(-dim // plan.rows_per_block), nx, plan.threads, launch_smem(fmt, plan),
                  f"moe_down_rows_{name}")
-    rt.launch(f"moe_down_rows_{name}", (gx, nx), plan.threads, W, ids, h, add, mix, hc_x, out, int(n_slots),
-              int(n_experts), int(dim), int(ff), plan.rows_per_block, int(hc) if mix is not None else 0,
-              smem=launch_smem(qtype, plan), stream=stream, pdl=pdl)
+    mix, X, n_hc = (hc.mix, hc.X, int(hc.hc)) if hc is not None else (None, None, 0)
+    rt.launch(f"moe_down_rows_{name}", (gx, nx), plan.threads, ex.down, slots.ids, h, add, mix, X, out, int(n_slots),
+              int(ex.n_experts), int(dim), int(ff), plan.rows_per_block, n_hc,
+              smem=launch_smem(fmt, plan), stream=stream, pdl=pdl)
     return plan

@@ -3,6 +3,7 @@ Values are a function of (seed, index) only, so the grid is any: a wave of 256-t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -48,10 +49,22 @@ def fill_i32_rows(rt: Any, a: Any, k: int, mod: int, seed: int, stream: Any = No
                   stream=stream, pdl=pdl)
 
 
-def fix_block_fields(rt: Any, a: Any, block_bytes: int, f16_at: tuple[int, ...] = (), scale: float = 1.0,
-                     e8m0_at: int = -1, e8m0_range: tuple[int, int] = (127, 127), seed: int = 0,
-                     stream: Any = None, pdl: bool = False) -> None:
-    """Per block of block_bytes: valid positive f16 scales at f16_at (at most two offsets), an e8m0 byte."""
+@dataclass(frozen=True)
+class BlockFields:
+    """The scale fields of a block format that random bytes must not leave invalid: blocks of block_bytes, f16
+    scales at f16_at (at most two offsets; positive, about `scale`), an e8m0 byte at e8m0_at (-1: none) drawn
+    from e8m0_range."""
+    block_bytes: int
+    f16_at: tuple[int, ...] = ()
+    scale: float = 1.0
+    e8m0_at: int = -1
+    e8m0_range: tuple[int, int] = (127, 127)
+
+
+def fix_block_fields(rt: Any, a: Any, fields: BlockFields, seed: int = 0, stream: Any = None,
+                     pdl: bool = False) -> None:
+    """Per block of fields.block_bytes: valid positive f16 scales at f16_at, an e8m0 byte."""
+    block_bytes, f16_at, e8m0_at, e8m0_range = fields.block_bytes, fields.f16_at, fields.e8m0_at, fields.e8m0_range
     need(is_dtype(a, np.uint8) and block_bytes >= 1 and a.nbytes % block_bytes == 0,
          "fix_block_fields: raw uint8 bytes, a whole number of blocks")
     need(len(f16_at) <= 2 and all(0 <= o <= block_bytes - 2 for o in f16_at), "fix_block_fields: bad f16 offsets")
@@ -59,5 +72,6 @@ def fix_block_fields(rt: Any, a: Any, block_bytes: int, f16_at: tuple[int, ...] 
     offs = list(f16_at) + [-1] * (2 - len(f16_at))
     n = a.nbytes // block_bytes
     if n:
-        rt.launch("fix_block_fields", _grid(rt, n, "fix_block_fields"), THREADS, a, n, int(block_bytes), offs[0], offs[1], float(scale),
-                  int(e8m0_at), int(e8m0_range[0]), int(e8m0_range[1]), _seed(seed), stream=stream, pdl=pdl)
+        rt.launch("fix_block_fields", _grid(rt, n, "fix_block_fields"), THREADS, a, n, int(block_bytes), offs[0],
+                  offs[1], float(fields.scale), int(e8m0_at), int(e8m0_range[0]), int(e8m0_range[1]), _seed(seed),
+                  stream=stream, pdl=pdl)

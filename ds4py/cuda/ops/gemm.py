@@ -1,9 +1,9 @@
 """Host side of cu/gemm.cu: the prefill GEMM on tensor cores (bf16 mma.sync, fp32 accumulate) for the dense
 weights (Q8_0 / F16 / F32 / Q4_K, as the GEMVs read them).
 
-    gemm(rt, W, x, y, T, N, K)                        # y[T, N] = x[T, K] @ W[N, K]^T
-    gemm(rt, W, x, y, T, N, K, accumulate=True)       # y += ...
-    gemm(rt, W_o_a, o, u, T, 8192, 4096, x_group_rows=1024)   # grouped wo_a: feature block g reads x[:, g*K:]
+    gemm(rt, W, x, y, GemmShape(T, N, K))                   # y[T, N] = x[T, K] @ W[N, K]^T
+    gemm(rt, W, x, y, GemmShape(T, N, K), accumulate=True)  # y += ...
+    gemm(rt, W_o_a, o, u, GemmShape(T, 8192, 4096, x_group_rows=1024))   # grouped wo_a: block g reads x[:, g*K:]
 
 W is a DeviceArray (or a DevTensor: its .array) typed as for ops.gemv: float32 -> F32, float16 -> F16, uint8
 bytes -> Q8_0 ([N, K/32*34]) or Q4_K ([N, K/256*144]). x: float32 [T, ldx] (ldx >= K * groups, a multiple of 4, default K * groups), y:
@@ -14,6 +14,7 @@ on T or on the other rows (twin: ds4py/cuda/twins/gemm.py).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -42,15 +43,27 @@ def gemm_grid(T: int, N: int, x_group_rows: int = 0) -> tuple[int, int, int]:
     return ceil_div(cols, BN), ceil_div(T, BM), ceil_div(N, cols)
 
 
-def gemm(rt: Any, W: Any, x: Any, y: Any, T: int, N: int, K: int, accumulate: bool = False, x_group_rows: int = 0,
-         ldx: int | None = None, ldy: int | None = None, precise_x: bool = False, stream: Any = None,
+@dataclass(frozen=True)
+class GemmShape:
+    """What one GEMM launch multiplies: y[t, n] = sum_k x[t, k] W[n, k] for t < T, n < N, k < K. x_group_rows > 0:
+    features [g*x_group_rows, (g+1)*x_group_rows) read x[t, g*K:(g+1)*K] (the grouped wo_a). ldx / ldy: floats
+    between rows of x / y (None: K * groups, N). precise_x: x as two bf16 pieces (relative error 2^-17 instead of
+    2^-9, twice the tensor work: for the router, whose top-k a bf16 x could reorder)."""
+    T: int
+    N: int
+    K: int
+    x_group_rows: int = 0
+    ldx: int | None = None
+    ldy: int | None = None
+    precise_x: bool = False
+
+
+def gemm(rt: Any, W: Any, x: Any, y: Any, shape: GemmShape, accumulate: bool = False, stream: Any = None,
          pdl: bool = False) -> None:
-    """y[t, n] = sum_k x[t, k] W[n, k] for t < T, n < N (accumulate: y +=). x_group_rows > 0: features
-    [g*x_group_rows, (g+1)*x_group_rows) read x[t, g*K:(g+1)*K] (the grouped wo_a). precise_x: x as two bf16
-    pieces (relative error 2^-17 instead of 2^-9, twice the tensor work: for the router, whose top-k a bf16 x
-    could reorder). One launch."""
+    """y = x W^T over `shape` (accumulate: y +=). One launch."""
     if hasattr(W, "qtype") and hasattr(W, "array"):                  # a DevTensor (device_weights): its device array
         W = W.array
+    T, N, K, x_group_rows = shape.T, shape.N, shape.K, shape.x_group_rows
     qtype = weight_type(W, N, K)
     need(isinstance(T, (int, np.integer)) and 1 <= T <= MAX_T, f"gemm: T must be 1..{MAX_T}, got {T}")
     need(N >= 1 and K >= 1, f"gemm: N and K must be >= 1, got {N}, {K}")
@@ -58,8 +71,8 @@ def gemm(rt: Any, W: Any, x: Any, y: Any, T: int, N: int, K: int, accumulate: bo
     need(x_group_rows >= 0, f"gemm: x_group_rows must be >= 0, got {x_group_rows}")
     groups = ceil_div(N, x_group_rows) if x_group_rows else 1
     need(groups <= 65535, f"gemm: {groups} input groups exceed the grid")
-    ldx = K * groups if ldx is None else int(ldx)
-    ldy = N if ldy is None else int(ldy)
+    ldx = K * groups if shape.ldx is None else int(shape.ldx)
+    ldy = N if shape.ldy is None else int(shape.ldy)
     need(ldx >= K * groups and ldx % 4 == 0, f"gemm: ldx ({ldx}) must be a multiple of 4 and >= {K * groups}")
     need(ldy >= N, f"gemm: ldy ({ldy}) must be >= N ({N})")
     if qtype == "Q8_0":
@@ -76,8 +89,8 @@ def gemm(rt: Any, W: Any, x: Any, y: Any, T: int, N: int, K: int, accumulate: bo
     need(aligned(16, x), "gemm: x must be 16-byte aligned")
     need(is_dtype(y, np.float32) and y.size >= (T - 1) * ldy + N, f"gemm: y must be float32 [{T}, {ldy}]")
     rt.launch(_KERNEL[qtype], gemm_grid(T, N, x_group_rows), THREADS, W, x, y, int(T), int(N), int(K), ldx, ldy,
-              int(x_group_rows), (ACCUMULATE if accumulate else 0) | (X_SPLIT if precise_x else 0), stream=stream,
-              pdl=pdl)
+              int(x_group_rows), (ACCUMULATE if accumulate else 0) | (X_SPLIT if shape.precise_x else 0),
+              stream=stream, pdl=pdl)
 
 
 def mma_tile(rt: Any, dtype: str, a: Any, b: Any, c: Any, d: Any, tiles: int = 1) -> None:

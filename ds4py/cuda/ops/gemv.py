@@ -1,11 +1,11 @@
 """Host side of cu/gemv.cu: decode GEMVs on F32 / F16 / Q8_0 / Q4_K weights straight from the GGUF.
 
-    gemv(rt, [(W_q_a, q, 1024), (W_kv, kv, 512)], x, cols=4096)          # two matrices, one launch, one x
-    gemv(rt, [(W_q_b, qb, 32768)], qr, 1024, norm=(q_a_norm, eps))       # RMSNorm prologue on x
-    gemv(rt, [(W_o_a, u, 8192)], o, 4096, x_group_rows=1024)             # grouped wo_a: group g reads x[g]
-    gemv_hc_post(rt, W_o_b, u, X, mix, 4096, 8192)                        # X'_k = post_k W u + sum_j C[j,k] X_j
-    gemv_swiglu(rt, W_gate, W_up, x, mid, 2048, 4096, clamp=10.0)         # shared expert gate + up
-    gemv(rt, [(W_q_a, q, 1024)], x, 4096, nx=8)                         # 8 activation rows x[n], y[n]: W read once
+    gemv(rt, [(W_q_a, q, 1024), (W_kv, kv, 512)], GemvX(x, 4096))              # two matrices, one launch, one x
+    gemv(rt, [(W_q_b, qb, 32768)], GemvX(qr, 1024, norm=(q_a_norm, eps)))     # RMSNorm prologue on x
+    gemv(rt, [(W_o_a, u, 8192)], GemvX(o, 4096, x_group_rows=1024))           # grouped wo_a: group g reads x[g]
+    gemv_hc_post(rt, W_o_b, GemvX(u, 8192), HcResidual(X, mix, 4096))        # X'_k = post_k W u + sum_j C[j,k] X_j
+    gemv_swiglu(rt, SwiGlu(W_gate, W_up, 2048, clamp=10.0), GemvX(x, 4096), mid)   # shared expert gate + up
+    gemv(rt, [(W_q_a, q, 1024)], GemvX(x, 4096, nx=8))                  # 8 activation rows x[n], y[n]: W read once
 
 The weight type follows the array: float32 -> F32, float16 -> F16, uint8 bytes -> Q8_0 ([rows, cols/32*34]) or
 Q4_K ([rows, cols/256*144]: told apart by the byte count, weight_type).
@@ -15,12 +15,14 @@ at what the device holds at once. Results do not depend on the geometry (see cu/
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 
 from ds4py.cuda.memory import DeviceArray
 from ds4py.cuda.ops.core import aligned, blocks_that_fit, ceil_div, is_dtype, need
+from ds4py.cuda.ops.mhc import HcResidual
 from ds4py.errors import Ds4Error
 
 # Geometry shared with cu/gemv.cu (passed to NVRTC and the emulator as -D values; see compiler.file_defines).
@@ -142,16 +144,35 @@ def _geometry(rt: Any, qtype: str, groups: int, warps: int | None, grid: int | N
     return grid, 32 * warps, smem
 
 
-def gemv(rt: Any, outs: Sequence[tuple[DeviceArray, DeviceArray, int]], x: DeviceArray, cols: int,
-         norm: tuple[DeviceArray | None, float] | None = None, add: bool = False, x_group_rows: int = 0,
-         warps: int | None = None, grid: int | None = None, stream: Any = None, pdl: bool = False, nx: int = 1,
-         x_stride: int | None = None) -> None:
-    """y_m = W_m @ x (y_m += with add) for up to 4 (W_m, y_m, rows_m) of one weight type sharing x [cols].
+@dataclass(frozen=True)
+class GemvX:
+    """The activations of a GEMV launch: nx rows x[n] = x + n * x_stride (None: one row's width), each `cols`
+    values per input group. x_group_rows > 0: rows [g*x_group_rows, (g+1)*x_group_rows) of every matrix read
+    x[g*cols:(g+1)*cols] (a multiple of 4). norm = (w, eps): x RMS-normalised first (times w unless None)."""
+    x: DeviceArray
+    cols: int
+    nx: int = 1
+    x_stride: int | None = None
+    x_group_rows: int = 0
+    norm: tuple[DeviceArray | None, float] | None = None
 
-    norm=(w, eps): x is RMS-normalised first (times w unless None). x_group_rows > 0: rows
-    [g*x_group_rows, (g+1)*x_group_rows) of every matrix read x[g*cols:(g+1)*cols] (a multiple of 4).
-    nx > 1: activation rows x[n] = x[n*x_stride:] into y_m[n*rows_m:], each weight read once for all of them,
-    row n's bits the same as alone (nx = 1)."""
+
+@dataclass(frozen=True)
+class SwiGlu:
+    """A SwiGLU pair, the same for every call (the shared expert's gate + up): gate, up [rows, cols] of one weight
+    type; clamp (<= 0: none)."""
+    gate: DeviceArray
+    up: DeviceArray
+    rows: int
+    clamp: float = 0.0
+
+
+def gemv(rt: Any, outs: Sequence[tuple[DeviceArray, DeviceArray, int]], xin: GemvX, add: bool = False,
+         warps: int | None = None, grid: int | None = None, stream: Any = None, pdl: bool = False) -> None:
+    """y_m = W_m @ x (y_m += with add) for up to 4 (W_m, y_m, rows_m) of one weight type sharing x (GemvX: its
+    rows, input groups and norm prologue). nx > 1: y_m[n*rows_m:] from x[n], each weight read once for all of
+    them, row n's bits the same as alone (nx = 1). warps / grid: the launch geometry (None: the default)."""
+    x, cols, nx, x_group_rows = xin.x, xin.cols, xin.nx, xin.x_group_rows
     need(1 <= len(outs) <= MAX_MATS, f"gemv: 1 to {MAX_MATS} matrices per launch, got {len(outs)}")
     _rows("gemv", nx, None, 0)
     qtype = weight_type(outs[0][0], outs[0][2], cols)
@@ -164,8 +185,8 @@ def gemv(rt: Any, outs: Sequence[tuple[DeviceArray, DeviceArray, int]], x: Devic
     need(x_group_rows >= 0 and x_group_rows % GEMV_ROWS == 0,
          f"gemv: x_group_rows ({x_group_rows}) must be a multiple of {GEMV_ROWS}")
     x_groups = max(ceil_div(r, x_group_rows) for _, _, r in outs) if x_group_rows else 0
-    suffix, extra, stride = _rows("gemv", nx, x_stride, cols * max(x_groups, 1))
-    norm_w, eps, flags = _check_common("gemv", qtype, x, cols, x_groups, norm, nx, stride)
+    suffix, extra, stride = _rows("gemv", nx, xin.x_stride, cols * max(x_groups, 1))
+    norm_w, eps, flags = _check_common("gemv", qtype, x, cols, x_groups, xin.norm, nx, stride)
     flags |= ADD if add else 0
     g, b, smem = _geometry(rt, qtype, groups, warps, grid, _KERNEL[qtype] + suffix)
     Ws = [o[0] for o in outs] + [None] * (MAX_MATS - len(outs))
@@ -175,13 +196,13 @@ def gemv(rt: Any, outs: Sequence[tuple[DeviceArray, DeviceArray, int]], x: Devic
               smem=smem, stream=stream, pdl=pdl)
 
 
-def gemv_hc_post(rt: Any, W: DeviceArray, x: DeviceArray, X: DeviceArray, mix: DeviceArray, rows: int, cols: int,
-                 hc: int = 4, norm: tuple[DeviceArray | None, float] | None = None, x_group_rows: int = 0,
-                 warps: int | None = None, grid: int | None = None, stream: Any = None, pdl: bool = False,
-                 nx: int = 1, x_stride: int | None = None) -> None:
-    """f = W @ x (W [rows=D, cols]), then X [hc, D] <- post_k f + sum_j C[j,k] X_j in place; mix holds
-    [pre(hc), post(hc), comb(hc*hc)] (cu/mhc.cu's hc_mix output for this sub-layer). nx > 1: rows n of x
-    (x_stride apart), of X [nx, hc, D] and of mix [nx, (2+hc)*hc]."""
+def gemv_hc_post(rt: Any, W: DeviceArray, xin: GemvX, res: HcResidual, warps: int | None = None,
+                 grid: int | None = None, stream: Any = None, pdl: bool = False) -> None:
+    """f = W @ x (W [rows = res.dim, xin.cols]), then res.X [hc, D] <- post_k f + sum_j C[j,k] X_j in place (res.mix:
+    [pre(hc), post(hc), comb(hc*hc)], cu/mhc.cu's hc_mix output for this sub-layer). nx > 1: rows n of x, of
+    X [nx, hc, D] and of mix [nx, (2+hc)*hc]."""
+    x, cols, nx, x_group_rows = xin.x, xin.cols, xin.nx, xin.x_group_rows
+    X, mix, rows, hc = res.X, res.mix, res.dim, res.hc
     qtype = weight_type(W, rows, cols)
     _check_matrix("gemv_hc_post", W, rows, cols, qtype)
     need(is_dtype(X, np.float32) and X.size == nx * hc * rows,
@@ -191,38 +212,38 @@ def gemv_hc_post(rt: Any, W: DeviceArray, x: DeviceArray, X: DeviceArray, mix: D
          f"gemv_hc_post: mix must hold {nx * (2 + hc) * hc} float32")
     need(x_group_rows % GEMV_ROWS == 0, f"gemv_hc_post: x_group_rows must be a multiple of {GEMV_ROWS}")
     x_groups = ceil_div(rows, x_group_rows) if x_group_rows else 0
-    suffix, extra, stride = _rows("gemv_hc_post", nx, x_stride, cols * max(x_groups, 1))
-    norm_w, eps, flags = _check_common("gemv_hc_post", qtype, x, cols, x_groups, norm, nx, stride)
+    suffix, extra, stride = _rows("gemv_hc_post", nx, xin.x_stride, cols * max(x_groups, 1))
+    norm_w, eps, flags = _check_common("gemv_hc_post", qtype, x, cols, x_groups, xin.norm, nx, stride)
     g, b, smem = _geometry(rt, qtype, ceil_div(rows, GEMV_ROWS), warps, grid, _KERNEL[qtype] + "_hc_post" + suffix)
     rt.launch(_KERNEL[qtype] + "_hc_post" + suffix, g, b, W, rows, x, cols, x_group_rows, norm_w, eps, flags, mix, X,
               *extra, smem=smem, stream=stream, pdl=pdl)
 
 
-def gemv_swiglu(rt: Any, Wg: DeviceArray, Wu: DeviceArray, x: DeviceArray, y: DeviceArray, rows: int, cols: int,
-                clamp: float = 0.0, norm: tuple[DeviceArray | None, float] | None = None,
-                warps: int | None = None, grid: int | None = None, stream: Any = None, pdl: bool = False,
-                nx: int = 1, x_stride: int | None = None) -> None:
+def gemv_swiglu(rt: Any, ffn: SwiGlu, xin: GemvX, y: DeviceArray, warps: int | None = None, grid: int | None = None,
+                stream: Any = None, pdl: bool = False) -> None:
     """y = silu(min(Wg x, clamp)) * clamp(Wu x, -clamp, clamp) (clamp <= 0: no clamp); Wg, Wu [rows, cols].
-    nx > 1: rows n of x (x_stride apart) into y[n*rows:]."""
+    nx > 1: rows n of x (x_stride apart) into y[n*rows:]. No input groups."""
+    Wg, Wu, rows, x, cols, nx = ffn.gate, ffn.up, ffn.rows, xin.x, xin.cols, xin.nx
+    need(xin.x_group_rows == 0, "gemv_swiglu: no input groups")
     qtype = weight_type(Wg, rows, cols)
     _check_matrix("gemv_swiglu gate", Wg, rows, cols, qtype)
     _check_matrix("gemv_swiglu up", Wu, rows, cols, qtype)
     need(is_dtype(y, np.float32) and y.size >= nx * rows,
          f"gemv_swiglu: y must be float32 with {nx * rows} values")
-    suffix, extra, stride = _rows("gemv_swiglu", nx, x_stride, cols)
-    norm_w, eps, flags = _check_common("gemv_swiglu", qtype, x, cols, 0, norm, nx, stride)
+    suffix, extra, stride = _rows("gemv_swiglu", nx, xin.x_stride, cols)
+    norm_w, eps, flags = _check_common("gemv_swiglu", qtype, x, cols, 0, xin.norm, nx, stride)
     g, b, smem = _geometry(rt, qtype, ceil_div(rows, 2), warps, grid, _KERNEL[qtype] + "_swiglu" + suffix)
-    rt.launch(_KERNEL[qtype] + "_swiglu" + suffix, g, b, Wg, Wu, rows, y, x, cols, norm_w, eps, flags, float(clamp),
+    rt.launch(_KERNEL[qtype] + "_swiglu" + suffix, g, b, Wg, Wu, rows, y, x, cols, norm_w, eps, flags, float(ffn.clamp),
               *extra, smem=smem, stream=stream, pdl=pdl)
 
 
 def gemv_q8_0(rt: Any, W: DeviceArray, x: DeviceArray, y: DeviceArray, rows: int, cols: int, **kw: Any) -> None:
     """y[rows] = W[rows, cols] @ x[cols], Q8_0 weights (raw uint8 blocks, rows * cols/32 * 34 bytes)."""
     need(weight_type(W) == "Q8_0", "gemv_q8_0: W must be Q8_0 bytes (uint8)")
-    gemv(rt, [(W, y, rows)], x, cols, **kw)
+    gemv(rt, [(W, y, rows)], GemvX(x, cols), **kw)
 
 
 def gemv_f16(rt: Any, W: DeviceArray, x: DeviceArray, y: DeviceArray, rows: int, cols: int, **kw: Any) -> None:
     """y[rows] = W[rows, cols] @ x[cols], F16 weights."""
     need(weight_type(W) == "F16", "gemv_f16: W must be float16")
-    gemv(rt, [(W, y, rows)], x, cols, **kw)
+    gemv(rt, [(W, y, rows)], GemvX(x, cols), **kw)

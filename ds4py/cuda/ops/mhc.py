@@ -124,10 +124,20 @@ def collapse_threads(D: int) -> int:
     return max(256, min(1024, 32 * ceil_div(ceil_div(D, 4), 32)))
 
 
-def hc_collapse_norm(rt: Any, X: DeviceArray, n_tok: int, D: int, c: Collapse, hc: int = 4,
-                     threads: int | None = None, stream: Any = None, pdl: bool = False) -> None:
+@dataclass(frozen=True)
+class HcRows:
+    """n_tok rows of a residual state X [n_tok, hc, dim]."""
+    X: DeviceArray
+    n_tok: int
+    dim: int
+    hc: int = 4
+
+
+def hc_collapse_norm(rt: Any, rows: HcRows, c: Collapse, threads: int | None = None, stream: Any = None,
+                     pdl: bool = False) -> None:
     """c.y[t] = RMSNorm(sum_j pre_j X[t, j]; c.w) with pre from the mix records c.pre - a sub-layer's input, or the
     head's (c.pre from hc_mix on output_hc_fn, c.w = output_norm)."""
+    X, n_tok, D, hc = rows.X, rows.n_tok, rows.dim, rows.hc
     need(c.pre is not None, "hc_collapse_norm: the collapse needs its mix records (pre)")
     mix, w, eps, y, stride = c.pre, c.w, c.eps, c.y, c.stride(hc)
     threads = collapse_threads(D) if threads is None else int(threads)
@@ -140,9 +150,22 @@ def hc_collapse_norm(rt: Any, X: DeviceArray, n_tok: int, D: int, c: Collapse, h
     rt.launch("hc_collapse_norm", n_tok, threads, X, mix, stride, D, w, float(eps), y, stream=stream, pdl=pdl)
 
 
-def hc_post(rt: Any, f: DeviceArray, mix: DeviceArray, X: DeviceArray, n_tok: int, D: int, hc: int = 4,
-            threads: int = 256, stream: Any = None, pdl: bool = False) -> None:
-    """X[t] <- post_k f[t] + sum_j C[j,k] X[t, j] in place (the sub-layer output back into the residual state)."""
+@dataclass(frozen=True)
+class HcResidual:
+    """The residual state X [T, hc, dim] a sub-layer's output f goes back into, in place or into an output of its
+    shape: X'_k = post_k f + sum_j comb[j, k] X_j with mix [T, mix_record(hc)] the sub-layer's records (pre, post,
+    comb; hc_mix's output)."""
+    X: Any
+    mix: Any
+    dim: int
+    hc: int = 4
+
+
+def hc_post(rt: Any, f: DeviceArray, res: HcResidual, n_tok: int, threads: int = 256, stream: Any = None,
+            pdl: bool = False) -> None:
+    """res.X[t] <- post_k f[t] + sum_j C[j,k] X[t, j] in place (the sub-layer output back into the residual
+    state); f [T, dim]."""
+    X, mix, D, hc = res.X, res.mix, res.dim, res.hc
     need(is_dtype(f, np.float32) and f.size >= n_tok * D, "hc_post: f must be float32 [T, D]")
     need(is_dtype(mix, np.float32) and mix.size >= n_tok * mix_record(hc), "hc_post: mix too small")
     need(is_dtype(X, np.float32) and X.size >= n_tok * hc * D, "hc_post: X must be float32 [T, hc, D]")

@@ -1,8 +1,9 @@
 """Host side of cu/moe_prefill.cu: the routed experts of a block of T tokens, grouped by expert on tensor cores.
 
     bufs = MoePrefillBuffers.alloc(arena.scratch, T, k, n_experts, ff, dim)     # or from any allocator
-    moe_prefill(rt, (E.gate.qtype, E.gate.array), (E.up.qtype, E.up.array), (E.down.qtype, E.down.array),
-                x_ffn, ids, wts, y, T, k, n_experts, ff, dim, clamp, bufs, add=y_shared)
+    ex = Experts(fmt=gate_type, n_experts=n_experts, ff=ff, dim=dim, gate=Wg, up=Wu, down=Wd, down_fmt=down_type,
+                 clamp=clamp)                                                    # ops/experts.py, once per layer
+    moe_prefill(rt, ex, TokenRows(x=x_ffn, y=y, T=T, add=y_shared), Slots(ids, wts, k), bufs)
 
 x [T, dim] float32 (ldx apart), ids [T, k] int32 and wts [T, k] float32 (the router's), y [T, dim] float32
 (ldy apart) = sum_s w_s * down_e(silu(min(gate_e x, c)) * clamp(up_e x, -c, c)) over the token's k slots (+ add
@@ -30,8 +31,8 @@ import numpy as np
 
 from ds4py.ggml_types import GGMLQuantizationType as QT
 
-from ds4py.cuda.ops.core import aligned, blocks_that_fit, ceil_div, is_dtype, need
-from ds4py.cuda.ops.experts import FORMATS, SMEM_BUDGET, VQ_FORMATS, codebook_bytes, matrix_bytes, room, row_bytes
+from ds4py.cuda.ops.core import TokenRows, aligned, blocks_that_fit, ceil_div, is_dtype, need
+from ds4py.cuda.ops.experts import SMEM_BUDGET, Experts, Slots, codebook_bytes, kernel_suffix, room, row_bytes
 
 DEFINES = {
     "MOEP_WARPS_M": 2,            # warps along the routed rows (32 each): MOEP_BM = 64 rows per work item
@@ -92,30 +93,10 @@ class MoePrefillBuffers:
         need(aligned(16, self.H, self.Yp), "moe_prefill: H and Yp must be 16-byte aligned")
 
 
-def _name(qtype: int | str, where: str) -> str:
-    """The kernel suffix of a weight type: a GGML type with a MOE_FORMATS entry, or a VQ-8 format key."""
-
-    if isinstance(qtype, str):
-        need(qtype in VQ_FORMATS, f"{where}: no VQ-8 kernel format {qtype!r} (supported: {', '.join(VQ_FORMATS)})")
-        return qtype
-    qt = QT(int(qtype)) if int(qtype) in QT._value2member_map_ else None
-    need(qt in FORMATS, f"{where}: weight type {qt.name if qt is not None else qtype} has no kernel (supported: "
-         f"{', '.join(q.name for q in FORMATS)}, {', '.join(VQ_FORMATS)})")
-    return FORMATS[qt][0]
-
-
 def x_pieces(qtype: int | str) -> int:
     """The bf16 pieces x and H go into the tensor cores as (moe_prefill.cu MoepF::XP): 3 (exact) for VQ-8, 1
     (rounded to bf16) for the GGML formats."""
     return 3 if isinstance(qtype, str) else 1
-
-
-def _check_w(where: str, qtype: int | str, W: Any, n_experts: int, rows: int, cols: int) -> None:
-    need(cols % 32 == 0, f"{where}: {cols} columns are not a multiple of 32")
-    need(is_dtype(W, np.uint8), f"{where}: weights must be the raw GGUF bytes or a VQ-8 device copy (uint8)")
-    want = matrix_bytes(qtype, n_experts, rows, cols)
-    need(W.nbytes == want, f"{where}: {W.nbytes} weight bytes for {n_experts} experts of [{rows}, {cols}] ({want} "
-         "expected)")
 
 
 def _grid(rt: Any, qtype: int | str, tiles: int, items: int, kernel: str) -> tuple[int, int]:
@@ -139,43 +120,51 @@ def moe_prefill_route(rt: Any, ids: Any, bufs: MoePrefillBuffers, T: int, k: int
               bufs.tile_row, bufs.info, int(P), int(n_experts), max_tiles(P, n_experts), stream=stream, pdl=pdl)
 
 
-def moe_prefill_gate_up(rt: Any, qtype: int, Wg: Any, Wu: Any, x: Any, wts: Any, bufs: MoePrefillBuffers, T: int,
-                        k: int, n_experts: int, ff: int, dim: int, clamp: float, ldx: int | None = None,
+def _check_x(where: str, io: TokenRows, slots: Slots, dim: int) -> int:
+    """The block's x [T, ldx] and the route weights [T, k]; returns ldx."""
+    T, x, wts = io.T, io.x, slots.weights
+    ldx = dim if io.ldx is None else int(io.ldx)
+    need(ldx >= dim and ldx % 4 == 0 and is_dtype(x, np.float32) and x.size >= (T - 1) * ldx + dim,
+         f"{where}: x must be float32 [{T}, {ldx}] with ldx % 4 == 0")
+    need(aligned(16, x), f"{where}: x must be 16-byte aligned")
+    need(wts is None or (is_dtype(wts, np.float32) and wts.size >= T * slots.k), f"{where}: wts must be "
+         f"float32 [{T}, {slots.k}]")
+    return ldx
+
+
+def moe_prefill_gate_up(rt: Any, ex: Experts, io: TokenRows, slots: Slots, bufs: MoePrefillBuffers,
                         stream: Any = None, pdl: bool = False) -> None:
     """bufs.H[row] = silu(min(x_t Wg[e]^T, c)) * clamp(x_t Wu[e]^T, -c, c) * wts[p] for every sorted row (pair
-    p = t*k + s of expert e; wts None: 1)."""
-    name = _name(qtype, "moe_prefill_gate_up")
-    for W in (Wg, Wu):
-        _check_w("moe_prefill_gate_up", qtype, W, n_experts, ff, dim)
-    ldx = dim if ldx is None else int(ldx)
+    p = t*k + s of expert e; wts = slots.weights, None: 1; x_t: row t of io.x)."""
+    name = ex.check_gate_up("moe_prefill_gate_up")
+    T, k, ff, dim = io.T, slots.k, ex.ff, ex.dim
     need(ff % 32 == 0, f"moe_prefill_gate_up: ff ({ff}) must be a multiple of 32")
-    need(ldx >= dim and ldx % 4 == 0 and is_dtype(x, np.float32) and x.size >= (T - 1) * ldx + dim,
-         f"moe_prefill_gate_up: x must be float32 [{T}, {ldx}] with ldx % 4 == 0")
-    need(aligned(16, x), "moe_prefill_gate_up: x must be 16-byte aligned")
-    need(wts is None or (is_dtype(wts, np.float32) and wts.size >= T * k), "moe_prefill_gate_up: wts must be "
-         f"float32 [{T}, {k}]")
-    bufs.check(T, k, n_experts, ff, dim)
-    rt.launch(f"moe_prefill_gate_up_{name}", (ceil_div(ff, BN), max_tiles(T * k, n_experts)), THREADS, Wg, Wu, x,
-              wts, bufs.sorted, bufs.tile_bucket, bufs.tile_row, bufs.offsets, bufs.info, bufs.H, int(n_experts),
-              int(ff), int(dim), int(k), ldx, float(clamp), smem=codebook_bytes(qtype), stream=stream, pdl=pdl)
+    ldx = _check_x("moe_prefill_gate_up", io, slots, dim)
+    bufs.check(T, k, ex.n_experts, ff, dim)
+    rt.launch(f"moe_prefill_gate_up_{name}", (ceil_div(ff, BN), max_tiles(T * k, ex.n_experts)), THREADS, ex.gate,
+              ex.up, io.x, slots.weights, bufs.sorted, bufs.tile_bucket, bufs.tile_row, bufs.offsets, bufs.info,
+              bufs.H, int(ex.n_experts), int(ff), int(dim), int(k), ldx, float(ex.clamp), smem=codebook_bytes(ex.fmt),
+              stream=stream, pdl=pdl)
 
 
-def moe_prefill_down(rt: Any, qtype: int, W: Any, bufs: MoePrefillBuffers, T: int, k: int, n_experts: int, ff: int,
-                     dim: int, stream: Any = None, pdl: bool = False) -> None:
-    """bufs.Yp[row] = bufs.H[row] W[e]^T for every sorted row (W [n_experts, dim, ff])."""
-    name = _name(qtype, "moe_prefill_down")
-    _check_w("moe_prefill_down", qtype, W, n_experts, dim, ff)
+def moe_prefill_down(rt: Any, ex: Experts, bufs: MoePrefillBuffers, T: int, k: int, stream: Any = None,
+                     pdl: bool = False) -> None:
+    """bufs.Yp[row] = bufs.H[row] W[e]^T for every sorted row of the T * k pairs (W = ex.down [n_experts, dim,
+    ff])."""
+    name = ex.check_down("moe_prefill_down")
+    fmt, n_experts, ff, dim = ex.down_type, ex.n_experts, ex.ff, ex.dim
     bufs.check(T, k, n_experts, ff, dim)
-    rt.launch(f"moe_prefill_down_{name}", _grid(rt, qtype, ceil_div(dim, BN), max_tiles(T * k, n_experts),
-                                                f"moe_prefill_down_{name}"), THREADS, W, bufs.H,
+    rt.launch(f"moe_prefill_down_{name}", _grid(rt, fmt, ceil_div(dim, BN), max_tiles(T * k, n_experts),
+                                                f"moe_prefill_down_{name}"), THREADS, ex.down, bufs.H,
               bufs.tile_bucket, bufs.tile_row, bufs.offsets, bufs.info, bufs.Yp, int(n_experts), int(dim), int(ff),
-              smem=codebook_bytes(qtype), stream=stream, pdl=pdl)
+              smem=codebook_bytes(fmt), stream=stream, pdl=pdl)
 
 
-def moe_prefill_combine(rt: Any, bufs: MoePrefillBuffers, y: Any, T: int, k: int, dim: int, add: Any = None,
-                        ldy: int | None = None, stream: Any = None, pdl: bool = False) -> None:
-    """y[t] = sum_{s<k} Yp[pos[t*k + s]] (s ascending) (+ add[t], [T, dim])."""
-    ldy = dim if ldy is None else int(ldy)
+def moe_prefill_combine(rt: Any, bufs: MoePrefillBuffers, io: TokenRows, k: int, dim: int, stream: Any = None,
+                        pdl: bool = False) -> None:
+    """io.y[t] = sum_{s<k} Yp[pos[t*k + s]] (s ascending) (+ io.add[t], [T, dim]); io.x is not read."""
+    T, y, add = io.T, io.y, io.add
+    ldy = dim if io.ldy is None else int(io.ldy)
     need(ldy >= dim and is_dtype(y, np.float32) and y.size >= (T - 1) * ldy + dim,
          f"moe_prefill_combine: y must be float32 [{T}, {ldy}]")
     need(add is None or (is_dtype(add, np.float32) and add.size >= T * dim),
@@ -184,19 +173,15 @@ def moe_prefill_combine(rt: Any, bufs: MoePrefillBuffers, y: Any, T: int, k: int
               stream=stream, pdl=pdl)
 
 
-def moe_prefill(rt: Any, gate: tuple[int, Any], up: tuple[int, Any], down: tuple[int, Any], x: Any, ids: Any,
-                wts: Any, y: Any, T: int, k: int, n_experts: int, ff: int, dim: int, clamp: float,
-                bufs: MoePrefillBuffers, add: Any = None, ldx: int | None = None, ldy: int | None = None,
-                stream: Any = None, pdl: bool = False) -> None:
-    """The whole routed MoE of T tokens: gate / up / down = (qtype, raw bytes) of the stacked expert tensors, or
-    (VQ-8 format, device copy) (gate and up of one type). See the module docstring."""
-    key = lambda q: q if isinstance(q, str) else int(q)           # noqa: E731
-    need(key(gate[0]) == key(up[0]), "moe_prefill: gate and up must have the same weight type")
-    moe_prefill_route(rt, ids, bufs, T, k, n_experts, stream=stream, pdl=pdl)
-    moe_prefill_gate_up(rt, gate[0], gate[1], up[1], x, wts, bufs, T, k, n_experts, ff, dim, clamp, ldx,
-                        stream=stream, pdl=pdl)
-    moe_prefill_down(rt, down[0], down[1], bufs, T, k, n_experts, ff, dim, stream=stream, pdl=pdl)
-    moe_prefill_combine(rt, bufs, y, T, k, dim, add, ldy, stream=stream, pdl=pdl)
+def moe_prefill(rt: Any, ex: Experts, io: TokenRows, slots: Slots, bufs: MoePrefillBuffers, stream: Any = None,
+                pdl: bool = False) -> None:
+    """The whole routed MoE of io.T tokens: ex's stacked expert tensors (GGML raw bytes or VQ-8 device copies),
+    x = io.x, y = io.y (+ io.add), the router's slots (ids [T, k] int32, weights [T, k]). See the module
+    docstring."""
+    moe_prefill_route(rt, slots.ids, bufs, io.T, slots.k, ex.n_experts, stream=stream, pdl=pdl)
+    moe_prefill_gate_up(rt, ex, io, slots, bufs, stream=stream, pdl=pdl)
+    moe_prefill_down(rt, ex, bufs, io.T, slots.k, stream=stream, pdl=pdl)
+    moe_prefill_combine(rt, bufs, io, slots.k, ex.dim, stream=stream, pdl=pdl)
 
 
 # ---- the exact fp32 token tiles (cu/moe_prefill.cu moe_gate_up_tile_<fmt> / moe_down_tile_<fmt>) -------------------
@@ -230,54 +215,46 @@ def tile_smem(qtype: int, cols: int, mats: int, rows_per_block: int) -> int:
 
 def _tile_name(qtype: int, where: str) -> str:
     need(not isinstance(qtype, str), f"{where}: the token tiles read the GGML formats (VQ-8: moe_prefill_*)")
-    return _name(qtype, where)
+    return kernel_suffix(qtype, where)
 
 
-def moe_tile_gate_up(rt: Any, qtype: int, Wg: Any, Wu: Any, x: Any, wts: Any, bufs: MoePrefillBuffers, T: int,
-                     k: int, n_experts: int, ff: int, dim: int, clamp: float, ldx: int | None = None,
+def moe_tile_gate_up(rt: Any, ex: Experts, io: TokenRows, slots: Slots, bufs: MoePrefillBuffers,
                      rows_per_block: int | None = None, stream: Any = None, pdl: bool = False) -> None:
     """bufs.H[row] = silu(min(x_t Wg[e]^T, c)) * clamp(x_t Wu[e]^T, -c, c) * wts[p] in fp32, for every sorted row
-    (pair p = t*k + s of expert e; wts None: 1), the bits of moe_gate_up_rows_<fmt>."""
-    name = _tile_name(qtype, "moe_tile_gate_up")
-    for W in (Wg, Wu):
-        _check_w("moe_tile_gate_up", qtype, W, n_experts, ff, dim)
-    ldx = dim if ldx is None else int(ldx)
-    need(ldx >= dim and ldx % 4 == 0 and is_dtype(x, np.float32) and x.size >= (T - 1) * ldx + dim,
-         f"moe_tile_gate_up: x must be float32 [{T}, {ldx}] with ldx % 4 == 0")
-    need(aligned(16, x), "moe_tile_gate_up: x must be 16-byte aligned")
-    need(wts is None or (is_dtype(wts, np.float32) and wts.size >= T * k), "moe_tile_gate_up: wts must be "
-         f"float32 [{T}, {k}]")
-    bufs.check(T, k, n_experts, ff, dim)
-    nr = int(rows_per_block or tile_rows(qtype, dim, 2))
+    (pair p = t*k + s of expert e; wts = slots.weights, None: 1), the bits of moe_gate_up_rows_<fmt>."""
+    name = _tile_name(ex.fmt, "moe_tile_gate_up")
+    ex.check_gate_up("moe_tile_gate_up")
+    T, k, ff, dim = io.T, slots.k, ex.ff, ex.dim
+    ldx = _check_x("moe_tile_gate_up", io, slots, dim)
+    bufs.check(T, k, ex.n_experts, ff, dim)
+    nr = int(rows_per_block or tile_rows(ex.fmt, dim, 2))
     need(1 <= nr <= TILE_ROWS, f"moe_tile_gate_up: 1 to {TILE_ROWS} rows per block")
-    rt.launch(f"moe_gate_up_tile_{name}", (ceil_div(ff, nr), max_tiles(T * k, n_experts)), tile_threads(nr), Wg,
-              Wu, x, wts, bufs.sorted, bufs.tile_bucket, bufs.tile_row, bufs.offsets, bufs.info, bufs.H,
-              int(n_experts), int(ff), int(dim), int(k), ldx, nr, float(clamp),
-              smem=tile_smem(qtype, dim, 2, nr), stream=stream, pdl=pdl)
+    rt.launch(f"moe_gate_up_tile_{name}", (ceil_div(ff, nr), max_tiles(T * k, ex.n_experts)), tile_threads(nr),
+              ex.gate, ex.up, io.x, slots.weights, bufs.sorted, bufs.tile_bucket, bufs.tile_row, bufs.offsets,
+              bufs.info, bufs.H, int(ex.n_experts), int(ff), int(dim), int(k), ldx, nr, float(ex.clamp),
+              smem=tile_smem(ex.fmt, dim, 2, nr), stream=stream, pdl=pdl)
 
 
-def moe_tile_down(rt: Any, qtype: int, W: Any, bufs: MoePrefillBuffers, T: int, k: int, n_experts: int, ff: int,
-                  dim: int, rows_per_block: int | None = None, stream: Any = None, pdl: bool = False) -> None:
+def moe_tile_down(rt: Any, ex: Experts, bufs: MoePrefillBuffers, T: int, k: int, rows_per_block: int | None = None,
+                  stream: Any = None, pdl: bool = False) -> None:
     """bufs.Yp[row] = bufs.H[row] W[e]^T in fp32 for every sorted row, the bits of moe_down_<fmt> with one slot."""
-    name = _tile_name(qtype, "moe_tile_down")
-    _check_w("moe_tile_down", qtype, W, n_experts, dim, ff)
+    fmt, n_experts, ff, dim = ex.down_type, ex.n_experts, ex.ff, ex.dim
+    name = _tile_name(fmt, "moe_tile_down")
+    ex.check_down("moe_tile_down")
     bufs.check(T, k, n_experts, ff, dim)
-    nr = int(rows_per_block or tile_rows(qtype, ff, 1))
+    nr = int(rows_per_block or tile_rows(fmt, ff, 1))
     need(1 <= nr <= TILE_ROWS, f"moe_tile_down: 1 to {TILE_ROWS} rows per block")
-    rt.launch(f"moe_down_tile_{name}", (ceil_div(dim, nr), max_tiles(T * k, n_experts)), tile_threads(nr), W,
+    rt.launch(f"moe_down_tile_{name}", (ceil_div(dim, nr), max_tiles(T * k, n_experts)), tile_threads(nr), ex.down,
               bufs.H, bufs.tile_bucket, bufs.tile_row, bufs.offsets, bufs.info, bufs.Yp, int(n_experts), int(dim),
-              int(ff), nr, smem=tile_smem(qtype, ff, 1, nr), stream=stream, pdl=pdl)
+              int(ff), nr, smem=tile_smem(fmt, ff, 1, nr), stream=stream, pdl=pdl)
 
 
-def moe_tiles(rt: Any, gate: tuple[int, Any], up: tuple[int, Any], down: tuple[int, Any], x: Any, ids: Any,
-              wts: Any, y: Any, T: int, k: int, n_experts: int, ff: int, dim: int, clamp: float,
-              bufs: MoePrefillBuffers, add: Any = None, ldx: int | None = None, ldy: int | None = None,
-              stream: Any = None, pdl: bool = False) -> None:
-    """The whole routed MoE of T tokens in exact fp32 (GGML formats): route, the token tiles' gate + up and down,
-    combine (y as moe_prefill; every (token, slot) result the decode kernels' bits, the slots summed in order)."""
-    need(int(gate[0]) == int(up[0]), "moe_tiles: gate and up must have the same weight type")
-    moe_prefill_route(rt, ids, bufs, T, k, n_experts, stream=stream, pdl=pdl)
-    moe_tile_gate_up(rt, gate[0], gate[1], up[1], x, wts, bufs, T, k, n_experts, ff, dim, clamp, ldx,
-                     stream=stream, pdl=pdl)
-    moe_tile_down(rt, down[0], down[1], bufs, T, k, n_experts, ff, dim, stream=stream, pdl=pdl)
-    moe_prefill_combine(rt, bufs, y, T, k, dim, add, ldy, stream=stream, pdl=pdl)
+def moe_tiles(rt: Any, ex: Experts, io: TokenRows, slots: Slots, bufs: MoePrefillBuffers, stream: Any = None,
+              pdl: bool = False) -> None:
+    """The whole routed MoE of io.T tokens in exact fp32 (GGML formats): route, the token tiles' gate + up and
+    down, combine (y as moe_prefill; every (token, slot) result the decode kernels' bits, the slots summed in
+    order)."""
+    moe_prefill_route(rt, slots.ids, bufs, io.T, slots.k, ex.n_experts, stream=stream, pdl=pdl)
+    moe_tile_gate_up(rt, ex, io, slots, bufs, stream=stream, pdl=pdl)
+    moe_tile_down(rt, ex, bufs, io.T, slots.k, stream=stream, pdl=pdl)
+    moe_prefill_combine(rt, bufs, io, slots.k, ex.dim, stream=stream, pdl=pdl)

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from ds4py.cuda.ops.core import is_dtype, need
+from ds4py.cuda.ops.experts import Slots
 
 ROUTE_PER_LANE = 32            # experts per lane of the one warp
 ROUTE_MAX_EXPERTS = 32 * ROUTE_PER_LANE
@@ -30,11 +31,12 @@ class Router:
     norm_eps: float = 0.0
 
 
-def moe_route(rt: Any, ro: Router, logits: Any, token: Any, ids: Any, weights: Any, stream: Any = None,
+def moe_route(rt: Any, ro: Router, logits: Any, token: Any, out: Slots, stream: Any = None,
               pdl: bool = False) -> None:
-    """ids / weights [k] of the token: top-k of sqrt(softplus(logits)) + bias, or tid2eid[token] (hash layers,
-    token = the device token id; then bias is unused)."""
-    bias, tid2eid, n_experts, k = ro.bias, ro.tid2eid, ro.n_experts, ro.k
+    """out.ids / out.weights [k] of the token: top-k of sqrt(softplus(logits)) + bias, or tid2eid[token] (hash
+    layers, token = the device token id; then bias is unused)."""
+    bias, tid2eid, n_experts, k, ids, weights = ro.bias, ro.tid2eid, ro.n_experts, ro.k, out.ids, out.weights
+    need(out.k == k, f"moe_route: the router picks {k} experts, the slots hold {out.k}")
     gate_temp, norm_eps = ro.gate_temp, ro.norm_eps
     need(1 <= n_experts <= ROUTE_MAX_EXPERTS and 1 <= k <= min(ROUTE_MAX_K, n_experts),
          f"moe_route: {k} of {n_experts} experts (at most {ROUTE_MAX_K} of {ROUTE_MAX_EXPERTS})")
@@ -52,11 +54,12 @@ def moe_route(rt: Any, ro: Router, logits: Any, token: Any, ids: Any, weights: A
               int(ro.route_norm), float(gate_temp), float(norm_eps), ids, weights, stream=stream, pdl=pdl)
 
 
-def moe_route_rows(rt: Any, ro: Router, logits: Any, tokens: Any, ids: Any, weights: Any, n_rows: int,
-                   stream: Any = None, pdl: bool = False) -> None:
+def moe_route_rows(rt: Any, ro: Router, logits: Any, tokens: Any, out: Slots, n_rows: int, stream: Any = None,
+                   pdl: bool = False) -> None:
     """moe_route of n_rows tokens (prefill): logits [n_rows, n_experts], tokens [n_rows] int32 (read on hash
-    layers), ids / weights [n_rows, k]; row r bit-identical to a one-token moe_route."""
-    bias, tid2eid, n_experts, k = ro.bias, ro.tid2eid, ro.n_experts, ro.k
+    layers), out.ids / out.weights [n_rows, k]; row r bit-identical to a one-token moe_route."""
+    bias, tid2eid, n_experts, k, ids, weights = ro.bias, ro.tid2eid, ro.n_experts, ro.k, out.ids, out.weights
+    need(out.k == k, f"moe_route_rows: the router picks {k} experts, the slots hold {out.k}")
     need(1 <= n_experts <= ROUTE_MAX_EXPERTS and 1 <= k <= min(ROUTE_MAX_K, n_experts) and n_rows >= 1,
          f"moe_route_rows: {k} of {n_experts} experts (at most {ROUTE_MAX_K} of {ROUTE_MAX_EXPERTS}), rows >= 1")
     need(logits.size >= n_rows * n_experts and (bias is None or bias.size == n_experts),

@@ -26,9 +26,11 @@ class SampleRule:
 
 @dataclass(frozen=True)
 class SampleRows:
-    """Which rows one sample call draws: `rows` rows of logits row_stride apart (None: n; 0: `rows` draws of one
-    distribution), row r's draw at position pos_slot[0] (a device slot, so graph replays use the step's position;
-    None: 0) + pos_offset + r; kept: optional uint8 [rows, n] mask of what the truncation keeps."""
+    """Which rows one sample call draws: `rows` rows of n logits (the vocabulary) row_stride apart (None: n; 0:
+    `rows` draws of one distribution), row r's draw at position pos_slot[0] (a device slot, so graph replays use
+    the step's position; None: 0) + pos_offset + r; kept: optional uint8 [rows, n] mask of what the truncation
+    keeps."""
+    n: int
     rows: int = 1
     row_stride: int | None = None
     pos_slot: DeviceArray | None = None
@@ -36,10 +38,11 @@ class SampleRows:
     kept: DeviceArray | None = None
 
 
-def sample(rt: Any, rule: SampleRule, logits: DeviceArray, n: int, out: DeviceArray, at: SampleRows = SampleRows(),
+def sample(rt: Any, rule: SampleRule, logits: DeviceArray, out: DeviceArray, at: SampleRows,
            threads: int = DEFAULT_THREADS, stream: Any = None, pdl: bool = False) -> None:
-    """out[r] = a token drawn from row r of logits (n values each) under the rule; -1 for a row with NaN / +inf or
-    nothing but -inf. The draw is Philox(seed, position), the position as `at` says."""
+    """out[r] = a token drawn from row r of logits (at.n values each) under the rule; -1 for a row with NaN / +inf
+    or nothing but -inf. The draw is Philox(seed, position), the position as `at` says."""
+    n = at.n
     temperature, top_k, top_p, min_p, seed = rule.temperature, rule.top_k, rule.top_p, rule.min_p, rule.seed
     rows, pos_slot, pos_offset, kept = at.rows, at.pos_slot, at.pos_offset, at.kept
     row_stride = n if at.row_stride is None else at.row_stride

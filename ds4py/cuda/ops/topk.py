@@ -14,10 +14,18 @@ TOPK_REG = 16                  # keys per thread kept in registers: 16384 scores
 DEFINES = {"TOPK_REG": TOPK_REG}                                                   # -D values of cu/topk.cu
 
 
-def topk(rt: Any, scores: Any, k: int, out: Any, pos_slot: Any = None, ratio: int = 4, n: int = 0,
-         stream: Any = None, pdl: bool = False) -> None:
-    """out[:min(n, k)] = indices of the k best scores, ascending (ties: lowest index). n = (pos+1)//ratio from the
-    slot when pos_slot is given (decode), else the n given."""
+@dataclass(frozen=True)
+class Visible:
+    """How many leading scores a top-k sees: (pos+1)//ratio with pos read from the int32 device slot pos_slot
+    (decode: a graph replay reads the step's position), else n."""
+    pos_slot: Any = None
+    ratio: int = 4
+    n: int = 0
+
+
+def topk(rt: Any, scores: Any, k: int, out: Any, visible: Visible, stream: Any = None, pdl: bool = False) -> None:
+    """out[:min(n, k)] = indices of the k best of the n visible scores, ascending (ties: lowest index)."""
+    pos_slot, ratio, n = visible.pos_slot, visible.ratio, visible.n
     need(k >= 1 and out.size >= k and is_dtype(out, np.int32), f"topk: out must be int32 with room for k = {k}")
     need(pos_slot is not None or 0 <= n <= scores.size, f"topk: n = {n} scores asked of {scores.size}")
     rt.launch("topk_radix_select", 1, TOPK_THREADS, scores, pos_slot, int(ratio), int(n), int(k), out,

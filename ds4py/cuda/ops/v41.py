@@ -22,10 +22,19 @@ def _f32(*arrays: Any) -> bool:
     return all(a is None or is_dtype(a, np.float32) for a in arrays)
 
 
-def kv_rows(rt: Any, kr: KvRow, kv_raw: Any, pos: Any, out: Any, n_rows: int, ring: bool = True,
-            stream: Any = None, pdl: bool = False) -> None:
-    """out <- FP8_32(RoPE(RMSNorm(kv_raw[r]; norm_w))) for n_rows rows at pos[r]: into ring slot pos % len(out)
+@dataclass(frozen=True)
+class RawRows:
+    """One call's raw key (or kv) rows: raw [n_rows, width] float32 at the int32 positions pos [n_rows]."""
+    raw: Any
+    pos: Any
+    n_rows: int
+
+
+def kv_rows(rt: Any, kr: KvRow, rows: RawRows, out: Any, ring: bool = True, stream: Any = None,
+            pdl: bool = False) -> None:
+    """out <- FP8_32(RoPE(RMSNorm(raw[r]; norm_w))) for n_rows rows at pos[r]: into ring slot pos % len(out)
     (ring) or row r of a block buffer."""
+    kv_raw, pos, n_rows = rows.raw, rows.pos, rows.n_rows
     norm_w, freqs, hd, rd = kr.norm_w, kr.freqs, kr.hd, kr.rd
     need(hd % 64 == 0 and rd % 2 == 0 and 0 < rd <= hd, f"v41_kv_rows: head dim {hd} must be whole blocks of 64")
     need(kv_raw.size >= n_rows * hd and norm_w.size == hd and freqs.size == rd // 2 and pos.size >= n_rows,
@@ -109,10 +118,11 @@ def comp_ring_store(rt: Any, st: CompState, src: CompRows, stream: Any = None, p
               ring_sc, n_rows, int(ring_kv.shape[0]), d, stream=stream, pdl=pdl)
 
 
-def index_keys(rt: Any, kr: KvRow, k_raw: Any, pos: Any, keys: Any, n_rows: int, ratio: int, stream: Any = None,
+def index_keys(rt: Any, kr: KvRow, rows: RawRows, keys: Any, ratio: int, stream: Any = None,
                pdl: bool = False) -> None:
-    """keys[g] = FP4_32(RoPE(RMSNorm(k_raw[r]; k_norm) at g*ratio)) for every row r completing group g (kr: the
+    """keys[g] = FP4_32(RoPE(RMSNorm(raw[r]; k_norm) at g*ratio)) for every row r completing group g (kr: the
     indexer's key norm k_norm [ihd], freqs, ihd, rd)."""
+    k_raw, pos, n_rows = rows.raw, rows.pos, rows.n_rows
     k_norm, freqs, ihd, rd = kr.norm_w, kr.freqs, kr.hd, kr.rd
     need(ihd % 32 == 0 and rd % 2 == 0 and 0 < rd <= ihd and k_norm.size == ihd and freqs.size == rd // 2,
          f"v41_index_keys: head dim {ihd}, k_norm or freqs do not match")
@@ -151,13 +161,23 @@ def drop_masked(rt: Any, sr: ScoreRows, sel: Any, k: int, stream: Any = None, pd
               pdl=pdl)
 
 
-def engram(rt: Any, X: Any, kv: Any, weight: Any, n_rows: int, hc: int, D: int, eps: float, stream: Any = None,
-           pdl: bool = False) -> None:
-    """X [n_rows, hc, D] += Engram's gated value (kv [n_rows, (hc + 1) D] = wkv . rows; weight = q_w * k_w)."""
+@dataclass(frozen=True)
+class EngramLayer:
+    """One Engram's per-layer part: weight [hc, D] = q_w * k_w, the hc copies of a residual row, its width D and
+    the RMSNorm eps."""
+    weight: Any
+    hc: int
+    dim: int
+    eps: float
+
+
+def engram(rt: Any, layer: EngramLayer, X: Any, kv: Any, n_rows: int, stream: Any = None, pdl: bool = False) -> None:
+    """X [n_rows, hc, D] += Engram's gated value (kv [n_rows, (hc + 1) D] = wkv . rows)."""
+    weight, hc, D = layer.weight, layer.hc, layer.dim
     need(X.size >= n_rows * hc * D and kv.size >= n_rows * (hc + 1) * D and weight.size == hc * D,
          f"v41_engram: X, kv or weight do not match [{n_rows}, {hc}, {D}]")
     need(_f32(X, kv, weight), "v41_engram: float32 arrays expected")
-    rt.launch("v41_engram", (n_rows, hc), V41_THREADS, X, kv, weight, D, float(eps), stream=stream, pdl=pdl)
+    rt.launch("v41_engram", (n_rows, hc), V41_THREADS, X, kv, weight, D, float(layer.eps), stream=stream, pdl=pdl)
 
 
 def engram_rows(rt: Any, codes: Any, scales: Any, rows: Any, n: int, stream: Any = None, pdl: bool = False) -> None:
