@@ -313,7 +313,7 @@ def attention(w, cfg, nx: Numerics, ro: LayerRoles, A: AttentionWeights, x: np.n
         if ro.compressed:
             n_rows = (int(p[-1]) + 1) // ro.ratio
             emitted = False
-            if ro.compressor and cfg.is_v41:         # V4.1: ratio 1 / 2 pooling, keys from the latent, NVFP4 rows
+            if ro.compressor and cfg.is_v41:         # V4.1's math: ratio 1 / 2 pooling, keys from the latent, NVFP4
                 rings = (st.ring(il, "comp_kv"), st.ring(il, "comp_score")) if ro.gated else (None, None)
                 g0, g1, lat = pool_groups(w, cfg, A.comp, ckv[r], None if csc is None else csc[r], p, *rings,
                                           ro.ratio, 0)
@@ -340,7 +340,7 @@ def attention(w, cfg, nx: Numerics, ro: LayerRoles, A: AttentionWeights, x: np.n
                 elif ro.uses_candidates:
                     scores = np.where(s.candidates, scores, F32(-np.inf))
                 dense_rows = max(cfg.index_topk, DENSE_ROWS)
-                if not cfg.is_v41 and scores.shape[1] > dense_rows:   # V4: attend to each query's picks only
+                if not ro.shares_topk and scores.shape[1] > dense_rows:   # V4: attend to each query's picks only
                     picks = index_picks(scores, p, ro.index_ratio, cfg.index_topk, dense_rows, row_stable)
                     sel = None if picks[2] is None else index_topk(scores, p, ro.index_ratio, cfg.index_topk,
                                                                    row_stable)
