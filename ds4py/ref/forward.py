@@ -7,7 +7,8 @@ hyper-connections, every projection, routing and the experts - runs over the row
 sequence's past - the window, the compressors, the indexer, attention - runs per sequence against its own
 state. Prefill, chunked prefill and decode are the same code. A batch equals separate calls bit for bit:
 every product over rows runs once per sequence's rows (ops.mm, `seg` below; row by row in a row-stable
-step: the explicit `row_stable` argument, ops.row_groups), so a sequence's results never depend on the others in its step (docs/engine.md, "Batch invariance").
+step: the explicit `row_stable` argument, ops.row_groups), so a sequence's results never depend on the others in
+its step (docs/engine.md, "Batch invariance").
 
 Weights come from the typed binding (ds4py.schema: `L.attn.comp.kv`), each layer's roles from the config's
 predicates (`cfg.roles(l)`), the numerics from one explicit `Numerics` value.
