@@ -28,7 +28,7 @@ ARCH_OF = {v: a for a, v in VARIANTS.items()}
 # the types a tensor may be stored in live beside the decoders (ds4py.quant), so that ds4py.schema needs no config
 from ds4py.quant import FLOAT_TYPES, INT_TYPES, MATRIX_TYPES  # noqa: E402,F401
 
-# V4 Flash's ratio roles (MODEL.md §2.3), used only by the predicates below
+# V4 Flash's ratio roles (MODEL.md §2.3), V4_VARIANT's data
 V4_OVERLAP_RATIO = 4                     # the overlapping compressor
 V4_INDEXER_RATIO = 4                     # layers with an indexer
 
@@ -56,6 +56,48 @@ V41_FLASH: dict[str, Any] = dict(
 
 
 @dataclass(frozen=True)
+class Variant:
+    """What a model variant is, as data (MODEL.md §2 V4 vs §3 V4.1): the config's predicates below read these
+    fields, so the forward, the engines and the converters ask a predicate or a layer's roles, never the name."""
+    title: str                   # "V4 Flash" / "V4.1 Flash" (messages)
+    source_layers: bool          # compressed rows and indexer top-k come from the listed source layers (the latest
+                                 # at or below a layer: kv_source_layers / index_source_layers), candidate blocks
+                                 # from candidate_source_layer; False: every compressed layer is its own source
+    latent_index_keys: bool      # indexer keys are wk . the kv source's compressor latent (key owners publish
+                                 # them); False: each indexer's own compressor makes them
+    indexer_ratio: int           # without source layers: the layers of this ratio run an indexer
+    overlap_ratio: int           # compressors of this ratio pool two groups (0: none)
+    compressor_ape: bool         # the compressor gate adds a learned per-slot bias
+    index_overlap: int           # 1: the indexer's own compressor overlaps
+    lagged_hc: bool              # see ModelConfig.lagged_hc
+    q_head_norm: bool
+    index_hadamard: bool
+    kv_fp8_rope: bool            # the window KV's FP8 fake-quant covers the rope dims too
+    kv_fp8_block: int
+    route_norm_eps: float
+    normalise_single_expert: bool  # the routing weights of a single used expert are normalised too
+    engram: bool                 # the variant's metadata may name Engram layers (and an Engram table folder)
+    ratios: tuple[int, ...] | None  # the compress ratios a file may use (None: any 0..65536)
+    min_norm_eps: float          # the plausible range's floor for norm_eps
+    checkpoint_fp8_block: int    # the official checkpoint's FP8 weight block (convert)
+    draft: str                   # "mtp": an MTP block, in a GGUF of its own; "dspark": DSpark, in the model's GGUF
+
+
+V4_VARIANT = Variant(
+    title="V4 Flash", source_layers=False, latent_index_keys=False, indexer_ratio=V4_INDEXER_RATIO,
+    overlap_ratio=V4_OVERLAP_RATIO,
+    compressor_ape=True, index_overlap=1, lagged_hc=False, q_head_norm=True, index_hadamard=True,
+    kv_fp8_rope=False, kv_fp8_block=64, route_norm_eps=0.0, normalise_single_expert=True, engram=False,
+    ratios=(0, 4, 128), min_norm_eps=1e-12, checkpoint_fp8_block=128, draft="mtp")
+V41_VARIANT = Variant(
+    title="V4.1 Flash", source_layers=True, latent_index_keys=True, indexer_ratio=0, overlap_ratio=0,
+    compressor_ape=False, index_overlap=0, lagged_hc=True, q_head_norm=False, index_hadamard=False,
+    kv_fp8_rope=True, kv_fp8_block=32, route_norm_eps=1e-20, normalise_single_expert=False, engram=True,
+    ratios=None, min_norm_eps=1e-30, checkpoint_fp8_block=32, draft="dspark")
+VARIANT_OF = {"v4": V4_VARIANT, "v41": V41_VARIANT}     # ModelConfig.variant -> its Variant
+
+
+@dataclass(frozen=True)
 class LayerRoles:
     """What one layer does, from the config's predicates (ModelConfig.roles(l))."""
     layer: int
@@ -72,6 +114,8 @@ class LayerRoles:
     index_source: int = -1       # whose indexer top-k this layer's compressed attention uses (-1: all rows)
     index_keys: int = -1         # whose idx_keys rows the indexer scores (-1: no indexer)
     owns_index_keys: bool = False  # the layer computes (and its state holds) indexer keys
+    index_compressor: bool = False  # the indexer's own compressor makes its keys (V4)
+    shares_topk: bool = False    # later layers may reuse this indexer's top-k ([T, Nc] mask, no per-query picks)
     candidate_source: bool = False  # the indexer publishes candidate blocks (V4.1)
     uses_candidates: bool = False   # the indexer scores only inside the candidate blocks (V4.1)
     engram: int = -1             # index of the Engram applied before this block (-1: none)
@@ -259,7 +303,13 @@ class ModelConfig:
 
     @property
     def is_v41(self) -> bool:
+        """Only where V4.1's math differs (its kernels, compressor, RoPE ramp); data reads `traits`."""
         return self.variant == "v41"
+
+    @property
+    def traits(self) -> Variant:
+        """What this variant is, as data (Variant); an unknown variant is refused by check_metadata."""
+        return VARIANT_OF.get(self.variant, V4_VARIANT)
 
     @property
     def arch(self) -> str:
@@ -297,7 +347,7 @@ class ModelConfig:
         or below it; -1 for a window-only layer)."""
         if not self.is_compressed(layer):
             return -1
-        return _latest(self.kv_source_layers, layer) if self.is_v41 else layer
+        return _latest(self.kv_source_layers, layer) if self.traits.source_layers else layer
 
     def has_compressor(self, layer: int) -> bool:
         """The layer computes (and its state holds) compressed rows."""
@@ -309,66 +359,67 @@ class ModelConfig:
 
     def has_compressor_ape(self, layer: int) -> bool:
         """The gate adds a learned per-slot bias (V4 only)."""
-        return self.has_compressor(layer) and not self.is_v41
+        return self.has_compressor(layer) and self.traits.compressor_ape
 
     def compress_overlap(self, layer: int) -> int:
         """1 when group g also pools group g-1's tokens (through the first half of a 2x-wide compressor)."""
-        return int(self.compress_ratios[layer] == V4_OVERLAP_RATIO and not self.is_v41)
+        overlap = self.traits.overlap_ratio
+        return int(overlap > 0 and self.compress_ratios[layer] == overlap)
 
     def comp_width(self, layer: int) -> int:
         return (1 + self.compress_overlap(layer)) * self.head_dim
 
     def has_indexer(self, layer: int) -> bool:
         """The layer runs an indexer (scores compressed rows, keeps the top-k)."""
-        if self.is_v41:
+        if self.traits.source_layers:
             return self.is_compressed(layer) and layer in self.index_source_layers
-        return self.compress_ratios[layer] == V4_INDEXER_RATIO
+        return self.compress_ratios[layer] == self.traits.indexer_ratio
 
     def index_source(self, layer: int) -> int:
         """The layer whose top-k this layer's compressed attention uses (V4: itself on indexer layers, -1 on
         ratio-128 layers, which attend to every visible row; V4.1: the latest index source at or below it)."""
         if not self.is_compressed(layer):
             return -1
-        if self.is_v41:
+        if self.traits.source_layers:
             return _latest(self.index_source_layers, layer)
         return layer if self.has_indexer(layer) else -1
 
     def has_index_compressor(self, layer: int) -> bool:
         """The indexer keys come from the indexer's own compressor (V4)."""
-        return self.has_indexer(layer) and not self.is_v41
+        return self.has_indexer(layer) and not self.traits.latent_index_keys
 
     def owns_index_keys(self, layer: int) -> bool:
         """The layer computes (and its state holds) indexer keys: V4 every indexer layer; V4.1 the indexer
         layers that are kv sources (keys from the compressor's latent)."""
-        if self.is_v41:
+        if self.traits.latent_index_keys:
             return self.has_indexer(layer) and self.has_compressor(layer)
         return self.has_indexer(layer)
 
     def has_index_key_proj(self, layer: int) -> bool:
         """wk + k_norm turn the compressed latent into indexer keys (V4.1 key owners)."""
-        return self.is_v41 and self.owns_index_keys(layer)
+        return self.traits.latent_index_keys and self.owns_index_keys(layer)
 
     def index_keys(self, layer: int) -> int:
         """The layer whose idx_keys this layer's indexer scores (-1: no indexer)."""
         if not self.has_indexer(layer):
             return -1
-        return self.kv_source(layer) if self.is_v41 else layer
+        return self.kv_source(layer) if self.traits.latent_index_keys else layer
 
     def index_ratio(self, layer: int) -> int:
         return self.compress_ratios[layer]
 
     def index_overlap(self, layer: int) -> int:
-        return 0 if self.is_v41 else 1
+        return self.traits.index_overlap
 
     def index_comp_width(self, layer: int) -> int:
         return (1 + self.index_overlap(layer)) * self.index_head_dim
 
     def is_candidate_source(self, layer: int) -> bool:
-        return self.is_v41 and layer == self.candidate_source_layer and self.has_indexer(layer)
+        return self.traits.source_layers and layer == self.candidate_source_layer and self.has_indexer(layer)
 
     def uses_candidates(self, layer: int) -> bool:
         """The indexer masks its scores to the candidate source's blocks (every indexer after it)."""
-        return self.is_v41 and 0 <= self.candidate_source_layer < layer and self.has_indexer(layer)
+        return self.traits.source_layers and 0 <= self.candidate_source_layer < layer and self.has_indexer(layer)
 
     def is_engram_layer(self, layer: int) -> bool:
         return layer in self.engram_layers
@@ -385,7 +436,7 @@ class ModelConfig:
     def lagged_hc(self) -> bool:
         """V4.1: each sub-layer collapses the copies with the pre-mix the previous one computed (layer 0:
         one-hot); the head collapses with the last FFN's; no hc_head tensors."""
-        return self.is_v41
+        return self.traits.lagged_hc
 
     @property
     def has_hc_head(self) -> bool:
@@ -394,28 +445,29 @@ class ModelConfig:
     @property
     def q_head_norm(self) -> bool:
         """Per-head RMS normalisation of the queries (V4 only)."""
-        return not self.is_v41
+        return self.traits.q_head_norm
 
     @property
     def kv_fp8(self) -> tuple[int, int]:
         """(leading dims, block) of the window KV's FP8 fake-quant: V4 the non-rope dims in blocks of 64,
         V4.1 the whole row in blocks of 32."""
-        return (self.head_dim, 32) if self.is_v41 else (self.nope_dim, 64)
+        t = self.traits
+        return (self.head_dim if t.kv_fp8_rope else self.nope_dim, t.kv_fp8_block)
 
     @property
     def index_hadamard(self) -> bool:
         """Indexer queries and keys are Hadamard-rotated before their FP4 fake-quant (V4 only)."""
-        return not self.is_v41
+        return self.traits.index_hadamard
 
     @property
     def route_norm_eps(self) -> float:
         """Added to the routing weights' sum before normalising (V4.1: 1e-20; V4: none)."""
-        return 1e-20 if self.is_v41 else 0.0
+        return self.traits.route_norm_eps
 
     @property
     def route_normalises(self) -> bool:
         """The routing weights are normalised to sum 1 (V4.1 skips it for a single expert)."""
-        return self.route_norm and (self.n_experts_used > 1 or not self.is_v41)
+        return self.route_norm and (self.n_experts_used > 1 or self.traits.normalise_single_expert)
 
     def roles(self, layer: int) -> "LayerRoles":
         return self._roles[layer]
@@ -457,6 +509,8 @@ class ModelConfig:
             index_overlap=self.index_overlap(il) if self.has_indexer(il) else 0,
             hash_routing=self.is_hash_layer(il), gated=self.ratio(il) > 1, index_source=self.index_source(il),
             index_keys=self.index_keys(il), owns_index_keys=self.owns_index_keys(il),
+            index_compressor=self.has_index_compressor(il),
+            shares_topk=self.traits.source_layers and self.has_indexer(il),
             candidate_source=self.is_candidate_source(il), uses_candidates=self.uses_candidates(il),
             engram=self.engram_layers.index(il) if il in self.engram_layers else -1)
             for il in range(self.n_layers))
@@ -575,8 +629,8 @@ class ModelConfig:
                 bad(f"{name.replace('_', ' ')} is {v}, outside the plausible range {lo}..{hi} (corrupt metadata?)")
         for name, (lo, hi) in FLOAT_LIMITS.items():
             v = getattr(self, name)
-            if name == "norm_eps" and self.is_v41:
-                lo = 1e-30                       # V4.1 uses 1e-20 everywhere
+            if name == "norm_eps":
+                lo = self.traits.min_norm_eps    # V4.1 uses 1e-20 everywhere
             if not (math.isfinite(v) and lo <= v <= hi):
                 bad(f"{name.replace('_', ' ')} is {v}, outside the plausible range {lo:g}..{hi:g} (corrupt metadata?)")
         if not all(math.isfinite(c) and 0 < c <= 1e4 for c in self.swiglu_clamp):
@@ -599,18 +653,20 @@ class ModelConfig:
             bad(f"attention.compress_ratios has {len(self.compress_ratios)} entries for {self.n_layers} layers")
         if self.variant not in ARCH_OF:
             bad(f"variant {self.variant!r} is not one of {', '.join(ARCH_OF)}")
-        if self.is_v41:
+        allowed = self.traits.ratios
+        if allowed is None:
             if any(not 0 <= r <= 1 << 16 for r in self.compress_ratios):
                 bad(f"attention.compress_ratios {list(self.compress_ratios)} has a ratio outside 0..65536")
-        elif any(r not in (0, 4, 128) for r in self.compress_ratios):
-            bad(f"attention.compress_ratios {list(self.compress_ratios)} has a ratio other than 0, 4, 128")
+        elif any(r not in allowed for r in self.compress_ratios):
+            bad(f"attention.compress_ratios {list(self.compress_ratios)} has a ratio other than "
+                f"{', '.join(map(str, allowed))}")
         if len(self.swiglu_clamp) != self.n_layers:
             bad(f"swiglu_clamp_exp has {len(self.swiglu_clamp)} entries for {self.n_layers} layers")
         if self.rope_dim % 2 or not 0 < self.rope_dim <= self.head_dim:
             bad(f"rope.dimension_count {self.rope_dim} must be even and at most key_length {self.head_dim}")
         fp8_dims, fp8_block = self.kv_fp8
         if fp8_dims % fp8_block:
-            what = "key_length" if self.is_v41 else "key_length - rope dims"
+            what = "key_length" if self.traits.kv_fp8_rope else "key_length - rope dims"
             bad(f"{what} = {fp8_dims} is not a multiple of the FP8 block ({fp8_block})")
         if (self.n_heads * self.head_dim) % self.o_groups:
             bad(f"{self.n_heads} heads x {self.head_dim} do not split into {self.o_groups} output groups")
@@ -627,7 +683,7 @@ class ModelConfig:
                     f"multiple of 32 and >= the rope dims")
         if self.window <= 0:
             bad(f"attention.sliding_window is {self.window}")
-        if self.is_v41:
+        if self.traits.source_layers:
             self._check_v41(bad)
 
     def _check_v41(self, bad) -> None:

@@ -655,12 +655,13 @@ def convert_checkpoint(src: str, out: str, experts: str = "mxfp4", dense: str = 
         raise ConvertError(f"{src}: config.json is missing")
     config = read_json(cfg_path, "config.json")
     shape = shape_from_config(config)
-    if mtp is not None and shape.is_v41:
+    if mtp is not None and shape.traits.draft != "mtp":
         raise ConvertError(f"--mtp {mtp}: a V4.1 checkpoint's draft (DSpark) is written into the V4.1 GGUF "
                            "itself; drop --mtp")
     ck = Checkpoint(src)
-    ck.fp8_block = 32 if shape.is_v41 else 128
-    if not shape.is_v41 and any(".engram." in n or n.startswith("dspark") for n in ck.entries):
+    ck.fp8_block = shape.traits.checkpoint_fp8_block
+    if any((".engram." in n and not shape.traits.engram) or (n.startswith("dspark") and shape.traits.draft != "dspark")
+           for n in ck.entries):
         raise ConvertError(f"{src}: Engram / DSpark tensors found, but config.json has none of V4.1's source layers")
     tok_path = tokenizer or os.path.join(src, "tokenizer.json")
     tok = None
@@ -695,7 +696,7 @@ def convert_checkpoint(src: str, out: str, experts: str = "mxfp4", dense: str = 
     used |= {scale_name(n) for n in used if n.endswith(".weight")}
     skipped = [n for n in ck.entries if n not in used]
     meta = gguf_metadata(shape)
-    if shape.is_v41:
+    if shape.is_v41:                                        # the V4.1 converter's notes and metadata
         from ds4py import convert_v41
 
         notes, other = convert_v41.skipped(skipped, shape)
@@ -710,7 +711,7 @@ def convert_checkpoint(src: str, out: str, experts: str = "mxfp4", dense: str = 
         elif draft:
             notes = [f"note: skipping {len(draft)} tensors of further MTP blocks (ds4's MTP file holds mtp.0 only)"]
     if other:
-        raise ConvertError(f"{src}: tensor {other[0]!r} is not part of the {'V4.1' if shape.is_v41 else 'V4'} Flash "
+        raise ConvertError(f"{src}: tensor {other[0]!r} is not part of the {shape.traits.title} "
                            f"layout ({len(other)} unexpected tensors in all)")
     conv.flush_notes()
     for note in draft_note + notes:

@@ -85,10 +85,10 @@ def test_dense_q8_0_one_product_per_sequence(monkeypatch):
     both = jit_i8_gemm.dense_q8_0(raw, x, 3, seg)
     for s in seg:
         np.testing.assert_array_equal(jit_i8_gemm.dense_q8_0(raw, x[s], 1), both[s])
-    from ds4py.ref.ops import row_stable
+    from ds4py.ref.ops import row_groups
 
-    with row_stable():                  # each row alone, decided in the caller (the pool does not see the switch)
-        rows = jit_i8_gemm.dense_q8_0(raw, x, 3, seg)
+    # each row alone (a row-stable step): the caller's row groups, one per row
+    rows = jit_i8_gemm.dense_q8_0(raw, x, 3, row_groups(seg, len(x), row_stable=True))
     for t in (0, 13, 29):
         np.testing.assert_array_equal(jit_i8_gemm.dense_q8_0(raw, x[t:t + 1], 1), rows[t:t + 1])
 

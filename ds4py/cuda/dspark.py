@@ -76,7 +76,7 @@ def dspark_attend(ls: Launcher, rec: Recording, il: int, ro: Any, A: Any) -> Non
 
 
 # the block's operations: V4.1's BLOCK table (kv rows into ws.kvb, row-grouped experts) with the DSpark attention
-TABLE = SimpleNamespace(**{**vars(kernels.of(BLOCK, True)), "attend": dspark_attend})
+TABLE = SimpleNamespace(**{**vars(kernels.of(BLOCK, "v41")), "attend": dspark_attend})
 
 
 class CudaDSpark(CudaDraftStates, DSparkBase):

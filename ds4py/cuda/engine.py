@@ -69,7 +69,7 @@ class CudaModel(CudaStates, ModelBase):
         self.gguf = GGUFFile(self.path)
         check_alignment(self.gguf)          # before any device memory is taken
         cfg = ModelConfig.from_gguf(self.gguf)
-        if official_decode_bug and not cfg.is_v41:
+        if official_decode_bug and not cfg.traits.latent_index_keys:     # no key publishers: no bug to reproduce
             raise Ds4Error(f"{self.path}: the official decode bug applies to V4.1 models only")
         self.publishers = None
         if official_decode_bug:
@@ -125,7 +125,6 @@ class CudaModel(CudaStates, ModelBase):
         self.layout = state_layout(cfg, rollback_horizon)
         self.rollback_horizon = rollback_horizon
         self.fingerprint = fingerprint
-        loading.check_config(cfg)
         self.rt = loading.runtime(runtime, emulate, cfg, progress)
         from ds4py.cuda.emu_runtime import EmuRuntime
 

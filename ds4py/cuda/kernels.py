@@ -632,7 +632,7 @@ KERNELS: dict[tuple[str, str, str], Callable] = {
     ("shared_down", "experts", ROWS): shared_down_expert_rows,
     ("shared_down", "experts", BLOCK): shared_down_expert_rows,
 }
-# V4.1 (cfg.is_v41): the operations whose math differs; the rest are V4's
+# V4.1 (cfg.variant "v41"): the operations whose math differs; the rest are V4's
 _V41_BY_MODE = {
     DECODE: dict(kv_store=v41_kv_store_rows, compress=v41_compress_rows, index_queries=v41_index_queries,
                  attend=v41_attend_rows, engram=v41_engram),
@@ -658,7 +658,11 @@ def pick(op: str, qtype: Any, mode: str) -> Callable:
     return fn if fn is not None else KERNELS[(op, "*", mode)]
 
 
-def of(mode: str, v41: bool = False) -> SimpleNamespace:
-    """The format-independent operations of `mode` (dense, kv_store, compress, attend, route, experts_*, ...);
-    v41: V4.1's (its kv row, compressors, indexer queries, selection and attention, Engram)."""
-    return _V41[mode] if v41 else _BY_MODE[mode]
+_TABLES = {"v4": _BY_MODE, "v41": _V41}     # ModelConfig.variant -> its operations per mode
+
+
+def of(mode: str, variant: str = "v4") -> SimpleNamespace:
+    """The format-independent operations of `mode` (dense, kv_store, compress, attend, route, experts_*, ...) of
+    a model variant (ModelConfig.variant): V4.1's has its own kv row, compressors, indexer queries, selection and
+    attention, and Engram."""
+    return _TABLES[variant][mode]

@@ -107,8 +107,8 @@ def workspace_shapes(cfg, bucket: int, rows: int = 1, mode: str = DECODE, hidden
     over all rows at once. hidden_in: the MTP block's input states [rows, hc, D]."""
     hc, D, k, ih = cfg.hc_mult, cfg.dim, cfg.n_experts_used, cfg.index_heads
     comp_w = max([cfg.comp_width(il) for il in range(cfg.n_layers) if cfg.roles(il).compressor], default=2)
-    idx_w = max([cfg.index_comp_width(il) for il in range(cfg.n_layers) if cfg.roles(il).indexer
-                 and not cfg.is_v41], default=2)
+    idx_w = max([cfg.index_comp_width(il) for il in range(cfg.n_layers) if cfg.roles(il).index_compressor],
+                default=2)
     mrec, n_keys = mix_record(hc), max(1, index_keys(cfg, bucket))
     lead = () if mode == DECODE else (rows,)
     head = () if mode == DECODE else (min(rows, HEAD_ROWS) if mode == BLOCK else rows,)
@@ -147,7 +147,7 @@ def workspace_shapes(cfg, bucket: int, rows: int = 1, mode: str = DECODE, hidden
         shapes["sel"] = ((cfg.index_topk,), I32)
         shapes["part_o"] = ((max(int(np.prod(p.part_o_shape)) for p in plans),), F32)
         shapes["part_ml"] = ((max(int(np.prod(p.part_ml_shape)) for p in plans),), F32)
-    if cfg.is_v41:
+    if cfg.traits.source_layers:        # V4.1's latent keys, candidates, shared top-k, Engram
         shapes.update(v41_shapes(cfg, rows, mode, lead, n_keys))
     if hidden_in:
         shapes["h_in"] = ((rows, hc, D), F32)
@@ -282,7 +282,7 @@ class Recording:
     expert_tiles: bool = False      # BLOCK, not expert_mma: the GGML experts as exact fp32 token tiles grouped by expert
                                     # (cu/moe_prefill.cu moe_*_tile_<fmt>), not the grouped rows kernels
     taps: DeviceArray | None = None  # V4.1's DSpark taps of the rows [R, n_targets * D] (None: not recorded)
-    table: Any = None               # the operations table in place of kernels.of(mode, v41) (the DSpark block's)
+    table: Any = None               # the operations table in place of kernels.of(mode, variant) (the DSpark block's)
     _plans: dict = field(default_factory=dict)
 
     @property
@@ -316,7 +316,7 @@ class Recording:
 
     def ops(self):
         """This recording's operations table (kernels.py; V4.1 has its own roles; a recording may bring its own)."""
-        return self.table if self.table is not None else kernels.of(self.mode, self.cfg.is_v41)
+        return self.table if self.table is not None else kernels.of(self.mode, self.cfg.variant)
 
     def moe_bufs(self) -> "ops_moep.MoePrefillBuffers":
         return ops_moep.MoePrefillBuffers(**{n: self.ws.a[f"moe.{n}"] for n in
@@ -416,7 +416,7 @@ def attention(ls: Launcher, rec: Recording, il: int, ro: Any, lw: Any, X: Device
         mats.append((A.index.proj, ws.iw, cfg.index_heads))
     K.dense(ls, rec, mats, ws.x_attn, D, side)
     K.kv_store(ls, rec, il, A, side)
-    if cfg.is_v41:                           # a kv source's compressor (and its indexer keys, key owners)
+    if cfg.is_v41:                           # V4.1's compressor math: one op, its indexer keys from the latent
         if ro.compressor:
             K.compress(ls, rec, il, ro, A, side)
     else:

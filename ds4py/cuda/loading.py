@@ -49,14 +49,6 @@ def numerics(given: Numerics | None) -> Numerics:
     return given
 
 
-def check_config(cfg: ModelConfig) -> None:
-    if not cfg.is_v41:
-        for il in range(cfg.n_layers):
-            if cfg.is_compressed(il) and cfg.kv_source(il) != il:
-                raise UnsupportedByBackend(f"layer {il} reads compressed rows of layer {cfg.kv_source(il)}, "
-                                           f"which a V4 model cannot do; use --backend ref")
-
-
 def options(given: EngineOptions | None, pdl: bool | None, graphs: bool | None) -> EngineOptions:
     """The constructor's options: `given` (default: EngineOptions()) with pdl / graphs when passed."""
     given = EngineOptions() if given is None else given
@@ -86,7 +78,7 @@ def fold_stack(cfg: ModelConfig, gguf: Any, fingerprint: str, sidecar: Any,
 def engram_feed(cfg: ModelConfig, gguf: Any, path: str, engram_dir: str | None) -> EngramFeed | None:
     """V4.1's Engram: the hasher and the memory-mapped tables (refused in one sentence, as on the reference,
     when the folder or a table is missing or not the converted one)."""
-    if not cfg.is_v41:
+    if not cfg.traits.engram:
         if engram_dir is not None:
             raise Ds4Error(f"{path}: --engram-dir applies to V4.1 models only")
         return None

@@ -46,7 +46,7 @@ class RowSetRunner:
         (multiplied as the reference does, in fp32)."""
         m, cfg = self.m, self.cfg
         self.onehot, self.engram_w, self._v41_block = None, {}, None
-        if not cfg.is_v41:
+        if not (cfg.lagged_hc or cfg.engram_layers):
             return
         hc, D = cfg.hc_mult, cfg.dim
         self._v41_block = m.store.block(4 * hc + sum(4 * hc * D for _ in cfg.engram_layers) + 256)

@@ -27,7 +27,6 @@ import numpy as np
 from ds4py.ggml_types import GGMLQuantizationType as Q
 
 from ds4py.quant import jit, jit_i8
-from ds4py.ref.ops import is_row_stable
 
 F32 = np.float32
 FORMATS = (Q.IQ2_XXS, Q.Q2_K, Q.Q4_K)
@@ -95,13 +94,9 @@ def dense_q8_0(raw: np.ndarray, x: np.ndarray, threads: int = 1, seg: list[slice
     step = max(16, TILE_BYTES // (4 * C))
     tiles = [(a, min(a + step, R)) for a in range(0, R, step)]
     nthreads = max(1, min(threads, len(tiles)))
-    # the row groups ops.per_row would multiply, decided here: the row-stable switch is a context variable,
-    # which the pool's threads do not see
+    # the row groups ops.per_row would multiply (seg: per sequence, or per row in a row-stable step)
     T = x.shape[0]
-    if T > 1 and is_row_stable():
-        groups = [slice(t, t + 1) for t in range(T)]
-    else:
-        groups = seg if seg is not None and len(seg) > 1 else [slice(0, T)]
+    groups = seg if seg is not None and len(seg) > 1 else [slice(0, T)]
 
     def work(i: int) -> None:
         buf = np.empty((step, C), F32)

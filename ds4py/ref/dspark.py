@@ -62,13 +62,12 @@ class RefDSpark(RefDraftStates, DSparkBase):
             rows.append(tp[len(tp) - keep:])
             seqs.append((st, np.arange(n0 + len(tp) - keep, n0 + len(tp)), slice(at, at + keep), len(tp)))
             at += keep
-        seg = [s[2] for s in seqs]
         pos = np.concatenate([s[1] for s in seqs])
-        # row by row: a ring row is the same bits whether its position came alone (a decode step), in a prompt
-        # or among a round's accepted rows, so drafts never depend on how the main positions were chunked
-        with ops.row_stable(True):
-            main_x = ops.rmsnorm(w.linear(D.main_proj, np.concatenate(rows), seg), w.get(D.main_norm), cfg.norm_eps)
-            ks = [self._kv(L.attn, main_x, pos, s, seg) for s, L in enumerate(D.stages)]
+        # row by row (row-stable): a ring row is the same bits whether its position came alone (a decode step),
+        # in a prompt or among a round's accepted rows, so drafts never depend on how the main positions were chunked
+        seg = ops.row_groups([s[2] for s in seqs], at, row_stable=True)
+        main_x = ops.rmsnorm(w.linear(D.main_proj, np.concatenate(rows), seg), w.get(D.main_norm), cfg.norm_eps)
+        ks = [self._kv(L.attn, main_x, pos, s, seg) for s, L in enumerate(D.stages)]
         for s, k in enumerate(ks):
             for st, p, r, _ in seqs:
                 ring = st.ring(s, "win")
@@ -99,12 +98,12 @@ class RefDSpark(RefDraftStates, DSparkBase):
         X = np.repeat(mw.rows(MB.embed, ids)[:, None, :], cfg.hc_mult, axis=1)
         lag = HcLag(Bn, cfg.hc_mult)
         seqs = [Seq(state, slice(0, Bn), pos)]
-        with ops.row_stable(False):          # a draft's bits change speed only (greedy) or are fixed by the seed
-            for s, L in enumerate(D.stages):
-                X = block(w, cfg, self.numerics, cfg.roles(s), L, X, ids, pos, seqs, None, lag,
-                          attend_fn=partial(self._attend, state, s, L.attn, pos))
-            h = ops.hc_collapse(X, lag.pre)
-            base = mw.linear(MB.head, ops.rmsnorm(h, w.get(D.norm), cfg.norm_eps))
+        # not row-stable: a draft's bits change speed only (greedy) or are fixed by the seed
+        for s, L in enumerate(D.stages):
+            X = block(w, cfg, self.numerics, cfg.roles(s), L, X, ids, pos, seqs, None, lag,
+                      attend_fn=partial(self._attend, state, s, L.attn, pos), row_stable=False)
+        h = ops.hc_collapse(X, lag.pre)
+        base = mw.linear(MB.head, ops.rmsnorm(h, w.get(D.norm), cfg.norm_eps))
         return DraftBlock(base, h, w.get(D.markov_embed), w.get(D.markov_head), w.get(D.confidence).reshape(-1))
 
     def _attend(self, state: RefState, s: int, A, pos: np.ndarray, x: np.ndarray) -> np.ndarray:

@@ -95,9 +95,10 @@ class RefModel(ModelBase):
     def _v41_step(self, engram_dir: str | None, official_decode_bug: bool) -> V41Step | None:
         """The Engram hasher and tables and the decode-bug switch of a V4.1 model (None for V4)."""
         cfg = self.config
-        if not cfg.is_v41:
-            if engram_dir is not None or official_decode_bug:
-                raise Ds4Error(f"{self.path}: --engram-dir and the official decode bug apply to V4.1 models only")
+        t = cfg.traits
+        if (engram_dir is not None and not t.engram) or (official_decode_bug and not t.latent_index_keys):
+            raise Ds4Error(f"{self.path}: --engram-dir and the official decode bug apply to V4.1 models only")
+        if not (t.engram or t.latent_index_keys):
             return None
         from ds4py import engram
         from ds4py.ref import v41

@@ -7,7 +7,8 @@ hyper-connections, every projection, routing and the experts - runs over the row
 sequence's past - the window, the compressors, the indexer, attention - runs per sequence against its own
 state. Prefill, chunked prefill and decode are the same code. A batch equals separate calls bit for bit:
 every product over rows runs once per sequence's rows (ops.mm, `seg` below; row by row in a row-stable
-step), so a sequence's results never depend on the others in its step (docs/engine.md, "Batch invariance").
+step: the explicit `row_stable` argument, ops.row_groups), so a sequence's results never depend on the others in
+its step (docs/engine.md, "Batch invariance").
 
 Weights come from the typed binding (ds4py.schema: `L.attn.comp.kv`), each layer's roles from the config's
 predicates (`cfg.roles(l)`), the numerics from one explicit `Numerics` value.
@@ -124,14 +125,14 @@ def pool_groups(w, cfg, C: CompressorWeights, kv: np.ndarray, score: np.ndarray 
 
 def compress(w, cfg, nx: Numerics, C: CompressorWeights, kv: np.ndarray, score: np.ndarray, pos: np.ndarray,
              ring_kv: np.ndarray, ring_score: np.ndarray, out: np.ndarray, ratio: int, overlap: int,
-             freqs: np.ndarray, rotate: bool) -> None:
+             freqs: np.ndarray, rotate: bool, row_stable: bool = False) -> None:
     """A V4 compressor: pool every group the chunk completes (pool_groups) into out[g]. Rows: RMSNorm, RoPE at
     g·r, then Hadamard + FP4 (indexer keys) or FP8 on the non-rope dims."""
     g0, g1, rows = pool_groups(w, cfg, C, kv, score, pos, ring_kv, ring_score, ratio, overlap)
     if rows is not None:
         rows = ops.rope_tail(rows, np.arange(g0, g1) * ratio, freqs)
         if rotate:
-            rows = ops.hadamard(rows)
+            rows = ops.hadamard(rows, ops.row_groups(None, len(rows), row_stable))
             if nx.fake_quant:
                 rows = ops.fp4_fake_quant(rows, 32)
         elif nx.fake_quant:
@@ -149,10 +150,11 @@ def indexer_scores(q: np.ndarray, wts: np.ndarray, pos: np.ndarray, keys: np.nda
     return np.where(visible, s, F32(-np.inf))
 
 
-def index_scores(q: np.ndarray, wts: np.ndarray, pos: np.ndarray, keys: np.ndarray, ratio: int) -> np.ndarray:
-    """indexer_scores for one sequence's queries. Row-stable (ops.row_stable): each query scores exactly the keys
-    its own decode step has (its visible ones; the rest stay −inf), so the matmul has a decode step's shape."""
-    if len(pos) == 1 or not ops.is_row_stable():
+def index_scores(q: np.ndarray, wts: np.ndarray, pos: np.ndarray, keys: np.ndarray, ratio: int,
+                 row_stable: bool = False) -> np.ndarray:
+    """indexer_scores for one sequence's queries. Row-stable: each query scores exactly the keys its own decode
+    step has (its visible ones; the rest stay −inf), so the matmul has a decode step's shape."""
+    if len(pos) == 1 or not row_stable:
         return indexer_scores(q, wts, pos, keys, ratio)
     scores = np.full((len(pos), keys.shape[0]), -np.inf, F32)
     for t in range(len(pos)):
@@ -161,9 +163,9 @@ def index_scores(q: np.ndarray, wts: np.ndarray, pos: np.ndarray, keys: np.ndarr
     return scores
 
 
-def index_topk(scores: np.ndarray, pos: np.ndarray, ratio: int, k: int) -> np.ndarray:
+def index_topk(scores: np.ndarray, pos: np.ndarray, ratio: int, k: int, row_stable: bool = False) -> np.ndarray:
     """topk_mask of the indexer scores; row-stable: each row over its visible keys only, as its decode step."""
-    if len(pos) == 1 or not ops.is_row_stable():
+    if len(pos) == 1 or not row_stable:
         return topk_mask(scores, k)
     sel = np.zeros(scores.shape, bool)
     for t in range(len(pos)):
@@ -181,11 +183,11 @@ def topk_rows(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return idx, np.isfinite(np.take_along_axis(scores, idx, 1))
 
 
-def index_picks(scores: np.ndarray, pos: np.ndarray, ratio: int, k: int, dense_rows: int):
-    """topk_rows of the indexer scores as (indices, valid, use). Row-stable (ops.row_stable): each row picks over
+def index_picks(scores: np.ndarray, pos: np.ndarray, ratio: int, k: int, dense_rows: int, row_stable: bool = False):
+    """topk_rows of the indexer scores as (indices, valid, use). Row-stable: each row picks over
     its visible keys only and takes the path its own decode step takes: picks when it sees more than dense_rows
     rows (use[t]), else the masked path (use[t] False; use is None when every row picks)."""
-    if len(pos) == 1 or not ops.is_row_stable():
+    if len(pos) == 1 or not row_stable:
         return (*topk_rows(scores, k), None)
     n = (pos.astype(np.int64) + 1) // ratio
     use = n > dense_rows
@@ -218,16 +220,17 @@ def window(ring: np.ndarray, kv: np.ndarray, pos: np.ndarray, W: int) -> tuple[n
 
 def attend(q: np.ndarray, win: np.ndarray, win_pos: np.ndarray, comp: np.ndarray | None, sel: np.ndarray | None,
            pos: np.ndarray, sink: np.ndarray, W: int, ratio: int = 0,
-           picks: tuple[np.ndarray, np.ndarray, np.ndarray | None] | None = None) -> np.ndarray:
+           picks: tuple[np.ndarray, np.ndarray, np.ndarray | None] | None = None,
+           row_stable: bool = False) -> np.ndarray:
     """Attention with sink for one sequence, in query blocks (K = V). A query's keys are its window rows plus
     compressed rows: either every row `sel` marks (a [T, Nc] mask: the ratio-128 layers, which see all their
     visible rows, and indexer layers whose top-k still takes every row), or the indexer's top-k `picks`
     ((indices, valid), [T, k] each, and use: the rows that take them, None = all), gathered per query. With picks
     a query costs O(W + k) whatever the context length, so a long prefill is linear in its length instead of
-    scoring every compressed row. Row-stable (ops.row_stable): one query per block, with exactly the keys its own
+    scoring every compressed row. Row-stable: one query per block, with exactly the keys its own
     decode step has (the window up to it, the compressed rows visible to it)."""
     T, hd = q.shape[0], q.shape[-1]
-    block = 1 if ops.is_row_stable() else QUERY_BLOCK
+    block = 1 if row_stable else QUERY_BLOCK
     o = np.empty(q.shape, F32)
     if picks is not None and block > 1:            # bound the gathered [block, k, hd] rows
         block = max(1, min(QUERY_BLOCK, GATHER_BUDGET // max(1, picks[0].shape[1] * hd)))
@@ -265,10 +268,11 @@ def attention_with_picks(q: np.ndarray, win: np.ndarray, win_mask: np.ndarray, c
 
 
 def attention(w, cfg, nx: Numerics, ro: LayerRoles, A: AttentionWeights, x: np.ndarray, pos: np.ndarray,
-              seqs: list[Seq], trace: Trace | None, publishers: "v41.KeyPublishers | None" = None) -> np.ndarray:
+              seqs: list[Seq], trace: Trace | None, publishers: "v41.KeyPublishers | None" = None,
+              row_stable: bool = False) -> np.ndarray:
     il, T, H, hd, W = ro.layer, x.shape[0], cfg.n_heads, cfg.head_dim, cfg.window
     freqs = ops.layer_rope_freqs(cfg, il)
-    seg = [s.rows for s in seqs]
+    seg = ops.row_groups([s.rows for s in seqs], T, row_stable)
 
     # query: low rank + q_norm, per-head RMS (no weight; V4 only), RoPE on the last rd dims
     qr = ops.rmsnorm(w.linear(A.q_a, x, seg), w.get(A.q_a_norm), cfg.norm_eps)
@@ -293,7 +297,7 @@ def attention(w, cfg, nx: Numerics, ro: LayerRoles, A: AttentionWeights, x: np.n
         # (a [T, ih, ihd] @ [ihd, ihd] product is one BLAS call per row already: numpy loops over the stack)
         iq = ops.rope_tail(w.linear(A.index.q_b, qr, seg).reshape(T, ih, ihd), pos, freqs)
         if cfg.index_hadamard:
-            iq = ops.hadamard(iq)
+            iq = ops.hadamard(iq, ops.row_groups(None, T, row_stable))
         if nx.fake_quant:
             iq = ops.fp4_fake_quant(iq, 32)
         iw = w.linear(A.index.proj, x, seg) * F32(ihd ** -0.5 * ih ** -0.5)
@@ -310,16 +314,16 @@ def attention(w, cfg, nx: Numerics, ro: LayerRoles, A: AttentionWeights, x: np.n
         if ro.compressed:
             n_rows = (int(p[-1]) + 1) // ro.ratio
             emitted = False
-            if ro.compressor and cfg.is_v41:         # V4.1: ratio 1 / 2 pooling, keys from the latent, NVFP4 rows
+            if ro.compressor and cfg.is_v41:         # V4.1's math: ratio 1 / 2 pooling, keys from the latent, NVFP4
                 rings = (st.ring(il, "comp_kv"), st.ring(il, "comp_score")) if ro.gated else (None, None)
                 g0, g1, lat = pool_groups(w, cfg, A.comp, ckv[r], None if csc is None else csc[r], p, *rings,
                                           ro.ratio, 0)
                 if lat is not None:
-                    v41.finish_rows(w, cfg, nx, A, ro, st, lat, g0, g1, freqs)
+                    v41.finish_rows(w, cfg, nx, A, ro, st, lat, g0, g1, freqs, row_stable)
                 emitted = lat is not None
             elif ro.compressor:
                 compress(w, cfg, nx, A.comp, ckv[r], csc[r], p, st.ring(il, "comp_kv"), st.ring(il, "comp_score"),
-                         st.rows(il, "comp_rows", n_rows), ro.ratio, ro.overlap, freqs, False)
+                         st.rows(il, "comp_rows", n_rows), ro.ratio, ro.overlap, freqs, False, row_stable)
             comp = st.rows(ro.kv_source, "comp_rows", n_rows)[:n_rows]
             sel = np.arange(n_rows)[None, :] < ((p + 1) // ro.ratio)[:, None]
             if ro.indexer:
@@ -327,28 +331,29 @@ def attention(w, cfg, nx: Numerics, ro: LayerRoles, A: AttentionWeights, x: np.n
                 if A.index.comp is not None:         # V4: the indexer's own compressor makes its keys
                     compress(w, cfg, nx, A.index.comp, ikv[r], isc[r], p, st.ring(il, "idx_kv"),
                              st.ring(il, "idx_score"), st.rows(il, "idx_keys", n_keys), ro.index_ratio,
-                             ro.index_overlap, freqs, True)
+                             ro.index_overlap, freqs, True, row_stable)
                 keys_layer = ro.index_keys if publishers is None else publishers.keys_layer(s, ro, emitted)
                 keys = st.rows(keys_layer, "idx_keys", n_keys)[:n_keys]
-                scores = index_scores(iq[r], iw[r], p, keys, ro.index_ratio)
+                scores = index_scores(iq[r], iw[r], p, keys, ro.index_ratio, row_stable)
                 if ro.candidate_source:
                     s.candidates = v41.candidate_blocks(scores, p, ro.index_ratio, cfg.candidate_topk_blocks,
                                                         cfg.candidate_block_size)
                 elif ro.uses_candidates:
                     scores = np.where(s.candidates, scores, F32(-np.inf))
                 dense_rows = max(cfg.index_topk, DENSE_ROWS)
-                if not cfg.is_v41 and scores.shape[1] > dense_rows:   # V4: attend to each query's picks only
-                    picks = index_picks(scores, p, ro.index_ratio, cfg.index_topk, dense_rows)
-                    sel = None if picks[2] is None else index_topk(scores, p, ro.index_ratio, cfg.index_topk)
+                if not ro.shares_topk and scores.shape[1] > dense_rows:   # V4: attend to each query's picks only
+                    picks = index_picks(scores, p, ro.index_ratio, cfg.index_topk, dense_rows, row_stable)
+                    sel = None if picks[2] is None else index_topk(scores, p, ro.index_ratio, cfg.index_topk,
+                                                                   row_stable)
                 else:   # few rows (or top-k takes them all), or V4.1 whose later layers reuse the [T, N] mask
-                    sel = index_topk(scores, p, ro.index_ratio, cfg.index_topk)
+                    sel = index_topk(scores, p, ro.index_ratio, cfg.index_topk, row_stable)
                     s.topk[il] = sel
                 if trace is not None:
                     trace.indexer_selected[il] = sel if sel is not None else topk_mask(scores, cfg.index_topk)
                     trace.indexer_scores[il] = scores
             elif ro.index_source >= 0:               # V4.1: the latest index source's selection
                 sel = s.topk[ro.index_source]
-        o[r] = attend(q[r], win, win_pos, comp, sel, p, sink, W, ro.ratio, picks)
+        o[r] = attend(q[r], win, win_pos, comp, sel, p, sink, W, ro.ratio, picks, row_stable)
 
     # inverse RoPE on the output's rope dims, then the grouped low-rank output projection
     o = ops.rope_tail(o, pos, freqs, inverse=True)
@@ -377,9 +382,9 @@ def route(w, cfg, ro: LayerRoles, Fw: FfnWeights, x: np.ndarray, ids: np.ndarray
 
 
 def moe(w, cfg, ro: LayerRoles, Fw: FfnWeights, x: np.ndarray, ids: np.ndarray, seqs: list[Seq],
-        trace: Trace | None) -> np.ndarray:
+        trace: Trace | None, row_stable: bool = False) -> np.ndarray:
     clamp = cfg.swiglu_clamp[ro.layer]
-    seg = [s.rows for s in seqs]
+    seg = ops.row_groups([s.rows for s in seqs], x.shape[0], row_stable)
     idx, wts = route(w, cfg, ro, Fw, x, ids, seg)
     w.will_need_experts((Fw.experts.gate, Fw.experts.up, Fw.experts.down), np.unique(idx))   # paging hint
     if trace is not None:
@@ -395,10 +400,10 @@ def moe(w, cfg, ro: LayerRoles, Fw: FfnWeights, x: np.ndarray, ids: np.ndarray, 
         if hook is not None:
             hook(ro.layer, x, idx, wts, parts, shared, y)
         return y
-    seq_of_row = np.repeat(np.arange(len(seqs)), [s.rows.stop - s.rows.start for s in seqs])
+    group_of_row = np.repeat(np.arange(len(seg)), [g.stop - g.start for g in seg])
     for e in np.unique(idx):                     # each expert some row of the step was routed to, once
-        tok, slot = np.nonzero(idx == e)         # rows in order, so each sequence's rows are one run
-        runs = np.flatnonzero(np.diff(seq_of_row[tok])) + 1
+        tok, slot = np.nonzero(idx == e)         # rows in order, so each row group's (sequence's) rows are one run
+        runs = np.flatnonzero(np.diff(group_of_row[tok])) + 1
         sub = [slice(a, b) for a, b in zip(np.r_[0, runs], np.r_[runs, len(tok)])]
         part = ops.swiglu_of(x[tok], *(partial(w.expert_linear, m, e, seg=sub) for m in (E.gate, E.up, E.down)),
                              clamp, wts[tok, slot])
@@ -448,16 +453,18 @@ class HcLag:
 
 def block(w, cfg, nx: Numerics, ro: LayerRoles, L: LayerWeights, X: np.ndarray, ids: np.ndarray, pos: np.ndarray,
           seqs: list[Seq], trace: Trace | None, lag: HcLag | None = None,
-          publishers: "v41.KeyPublishers | None" = None, attend_fn=None) -> np.ndarray:
+          publishers: "v41.KeyPublishers | None" = None, attend_fn=None, row_stable: bool = False) -> np.ndarray:
     """One block (mHC, attention, MoE). attend_fn(x) -> [T, D], when given, replaces the attention (V4.1's DSpark
-    stages attend to their own ring and block: ds4py.ref.dspark)."""
-    hc_args = (cfg.norm_eps, cfg.hc_eps, cfg.sinkhorn_iters, [s.rows for s in seqs])
+    stages attend to their own ring and block: ds4py.ref.dspark). row_stable: every row as if stepped alone."""
+    seg = ops.row_groups([s.rows for s in seqs], len(X), row_stable)
+    hc_args = (cfg.norm_eps, cfg.hc_eps, cfg.sinkhorn_iters, seg)
 
     pre, post, comb = ops.hc_coeffs(X, w.get(L.hc_attn.fn), w.get(L.hc_attn.scale), w.get(L.hc_attn.base), *hc_args)
     x = ops.rmsnorm(ops.hc_collapse(X, pre if lag is None else lag.pre), w.get(L.attn_norm), cfg.norm_eps)
     if trace is not None:
         trace.attn_in[ro.layer] = x
-    a = attention(w, cfg, nx, ro, L.attn, x, pos, seqs, trace, publishers) if attend_fn is None else attend_fn(x)
+    a = (attention(w, cfg, nx, ro, L.attn, x, pos, seqs, trace, publishers, row_stable) if attend_fn is None
+         else attend_fn(x))
     X = ops.hc_post(a, X, post, comb)
 
     attn_pre = pre
@@ -469,7 +476,7 @@ def block(w, cfg, nx: Numerics, ro: LayerRoles, L: LayerWeights, X: np.ndarray, 
             trace.premix[ro.layer] = pre
     if trace is not None:
         trace.ffn_in[ro.layer], trace.ffn_post[ro.layer] = x, post
-    return ops.hc_post(moe(w, cfg, ro, L.ffn, x, ids, seqs, trace), X, post, comb)
+    return ops.hc_post(moe(w, cfg, ro, L.ffn, x, ids, seqs, trace, row_stable), X, post, comb)
 
 
 def forward(w, B: ModelWeights, cfg, nx: Numerics, states: list[RefState], chunks: list[np.ndarray],
@@ -480,15 +487,15 @@ def forward(w, B: ModelWeights, cfg, nx: Numerics, states: list[RefState], chunk
     `hidden`, when given, receives per sequence the final hyper-connection state of every row, [T, hc, dim] (the
     head's input: the MTP block's h_j); `taps` receives per sequence V4.1's DSpark taps, [T, n_targets·dim]: the
     mean over the hc copies of each target layer's input state (after its Engram), in layer order.
-    row_stable: every row bit-identical to the same row stepped alone (ops.row_stable; speculative decoding's
-    verify rows, docs/spec.md)."""
-    with ops.row_stable(row_stable), blas.single_threaded(w.small_blas(max(map(len, chunks)))):
-        return _forward(w, B, cfg, nx, states, chunks, all_logits, trace, extra, hidden, taps)
+    row_stable: every row bit-identical to the same row stepped alone (each product row by row: ops.row_groups;
+    speculative decoding's verify rows, docs/spec.md)."""
+    with blas.single_threaded(w.small_blas(max(map(len, chunks)))):
+        return _forward(w, B, cfg, nx, states, chunks, all_logits, trace, extra, hidden, taps, row_stable)
 
 
 def _forward(w, B: ModelWeights, cfg, nx: Numerics, states: list[RefState], chunks: list[np.ndarray],
              all_logits: bool, trace: Trace | None, extra: V41Step | None, hidden: list | None,
-             taps: list | None = None) -> list[np.ndarray]:
+             taps: list | None, row_stable: bool) -> list[np.ndarray]:
     seqs, at = [], 0
     for st, c in zip(states, chunks):
         seqs.append(Seq(st, slice(at, at + len(c)), np.arange(st.n_tokens, st.n_tokens + len(c))))
@@ -513,13 +520,13 @@ def _forward(w, B: ModelWeights, cfg, nx: Numerics, states: list[RefState], chun
         ro = cfg.roles(il)
         if ro.engram >= 0:
             X = v41.engram(w, cfg, L.engram, X, extra.tables.rows(ro.engram, ngram[:, ro.engram]),
-                           [s.rows for s in seqs])
+                           ops.row_groups([s.rows for s in seqs], len(ids), row_stable))
             if trace is not None:
                 trace.engram_out[il] = X
         if taps is not None and il in cfg.dspark_targets:
             tapped.append(X.mean(axis=1))
         w.entering_layer(il)                                  # paging hint (the memory-budget mode)
-        X = block(w, cfg, nx, ro, L, X, ids, pos, seqs, trace, lag, publishers)
+        X = block(w, cfg, nx, ro, L, X, ids, pos, seqs, trace, lag, publishers, row_stable=row_stable)
         if trace is not None:
             trace.hc.append(X)
     if publishers is not None:
@@ -536,6 +543,7 @@ def _forward(w, B: ModelWeights, cfg, nx: Numerics, states: list[RefState], chun
     if not all_logits:
         X = X[last]
         seg = [slice(i, i + 1) for i in range(len(seqs))]
+    seg = ops.row_groups(seg, len(X), row_stable)
     if B.hc_head is not None:
         y = ops.hc_head(X, w.get(B.hc_head.fn), w.get(B.hc_head.scale), w.get(B.hc_head.base), cfg.norm_eps,
                         cfg.hc_eps, seg)

@@ -19,6 +19,8 @@ head are the main model's. The block is ds4py.ref.forward.block, the same code a
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 
 from ds4py import schema
@@ -63,9 +65,8 @@ class RefMtp(RefDraftStates, MtpBase):
             # machine (2 rows: 8 ms vs 3.4 ms row by row on the trained tiny model), which made every accepted
             # round pay more than its draft was worth (docs/spec.md "Measured: trained").
             few = max(r.stop - r.start for _, r in picked) <= FUSED_MAX_ROWS
-            with ops.row_stable(few):
-                lg, hid = self._forward([states[i] for i, _ in picked], [hs[i][r] for i, r in picked],
-                                        [ids[i][r] for i, r in picked], all_logits, logits, last)
+            lg, hid = self._forward([states[i] for i, _ in picked], [hs[i][r] for i, r in picked],
+                                    [ids[i][r] for i, r in picked], all_logits, logits, last, row_stable=few)
             for j, (i, _) in enumerate(picked):
                 out_hidden[i].append(hid[j])
                 if logits and (all_logits or last[j]):
@@ -76,7 +77,8 @@ class RefMtp(RefDraftStates, MtpBase):
         return [np.concatenate(o) if all_logits else o[-1] for o in out_logits], hid
 
     def _forward(self, states: list[RefState], hidden: list[np.ndarray], next_ids: list[np.ndarray],
-                 all_logits: bool, logits: bool, last: list[bool]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+                 all_logits: bool, logits: bool, last: list[bool],
+                 row_stable: bool = False) -> tuple[list[np.ndarray], list[np.ndarray]]:
         w, M, cfg, eps = self.weights, self.binding, self.config, self.config.norm_eps
         mw, B = self.model.weights, self.model.binding              # the shared embedding and head
         seqs, at = [], 0
@@ -90,8 +92,10 @@ class RefMtp(RefDraftStates, MtpBase):
             s.state.begin_step(len(s.pos))
         e = ops.rmsnorm(mw.rows(B.embed, ids), w.get(M.enorm), eps)
         h = ops.rmsnorm(H, w.get(M.hnorm), eps)                    # over dim, per hc copy
-        x = w.linear(M.e_proj, e)[:, None, :] + w.linear(M.h_proj, h.reshape(N * hc, D)).reshape(N, hc, D)
-        X = block(w, cfg, self.numerics, cfg.roles(0), M.block, x, ids, pos, seqs, None)
+        rows_of = partial(ops.row_groups, None, row_stable=row_stable)      # each row alone when row-stable
+        x = (w.linear(M.e_proj, e, rows_of(N))[:, None, :]
+             + w.linear(M.h_proj, h.reshape(N * hc, D), rows_of(N * hc)).reshape(N, hc, D))
+        X = block(w, cfg, self.numerics, cfg.roles(0), M.block, x, ids, pos, seqs, None, row_stable=row_stable)
         for s in seqs:
             s.state.end_step(len(s.pos))
         out = [X[s.rows] for s in seqs]
@@ -100,8 +104,8 @@ class RefMtp(RefDraftStates, MtpBase):
         rows = [r for s, fin in zip(seqs, last) for r in (range(s.rows.start, s.rows.stop) if all_logits else
                                                             [s.rows.stop - 1] if fin else [])]
         y = ops.hc_head(X[rows], w.get(M.hc_head.fn), w.get(M.hc_head.scale), w.get(M.hc_head.base), eps,
-                        cfg.hc_eps)
-        lg = mw.linear(B.head, ops.rmsnorm(y, w.get(M.norm), eps))
+                        cfg.hc_eps, rows_of(len(rows)))
+        lg = mw.linear(B.head, ops.rmsnorm(y, w.get(M.norm), eps), rows_of(len(rows)))
         res, at = [], 0
         for s, fin in zip(seqs, last):
             n = len(s.pos) if all_logits else int(fin)

@@ -6,11 +6,9 @@ Shapes: T tokens, H heads, D hidden, hd head dim, rd rope dims, hc hyper-connect
 
 from __future__ import annotations
 
-import contextvars
 import math
-from contextlib import contextmanager
 from functools import lru_cache
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
 
@@ -22,24 +20,18 @@ F32 = np.float32
 # ---- row stability (docs/engine.md "Row stability") ------------------------------------------------------
 # A BLAS matmul does not give a row the same bits whatever else is in it: OpenBLAS forwards a 1-row sgemm to
 # gemv (another summation order) and picks its microkernels by the row count (measured here: a row of a 2..19
-# row product differs from the same row alone, and which counts differ depends on the CPU kernel). In
-# row-stable mode every row-wise product runs one token row at a time, so a row sees exactly the calls (shapes,
+# row product differs from the same row alone, and which counts differ depends on the CPU kernel). In a
+# row-stable step every row-wise product runs one token row at a time, so a row sees exactly the calls (shapes,
 # operands, order) a one-row step makes: the k + 1 rows a speculative verify step computes are bit for bit the
-# rows k + 1 decode steps compute, and greedy speculation is byte-identical to greedy decoding.
-_ROW_STABLE = contextvars.ContextVar("ds4py_row_stable", default=False)
-
-
-@contextmanager
-def row_stable(on: bool = True) -> Iterator[None]:
-    token = _ROW_STABLE.set(bool(on))
-    try:
-        yield
-    finally:
-        _ROW_STABLE.reset(token)
-
-
-def is_row_stable() -> bool:
-    return _ROW_STABLE.get()
+# rows k + 1 decode steps compute, and greedy speculation is byte-identical to greedy decoding. The switch is an
+# explicit argument (forward(..., row_stable=)): a step turns it into the row groups of its products
+# (row_groups), which every product takes as `seg`.
+def row_groups(seg: list[slice] | None, rows: int, row_stable: bool) -> list[slice] | None:
+    """The row groups of a product over `rows` token rows: each row alone in a row-stable step, else `seg`
+    (one group per sequence; None: all rows in one product)."""
+    if row_stable and rows > 1:
+        return [slice(t, t + 1) for t in range(rows)]
+    return seg
 
 
 #
@@ -49,18 +41,16 @@ def is_row_stable() -> bool:
 
 
 def per_row(fn: Callable[[np.ndarray], np.ndarray], x: np.ndarray, seg: list[slice] | None = None) -> np.ndarray:
-    """fn(x) over token rows (axis 0): in row-stable mode fn of each row x[t:t+1], else fn of each sequence's
-    rows x[s] for s in seg (several sequences), stacked."""
-    if x.shape[0] > 1 and _ROW_STABLE.get():
-        return np.concatenate([fn(x[t:t + 1]) for t in range(x.shape[0])])
+    """fn(x) over token rows (axis 0): fn of each group's rows x[s] for s in seg (several sequences, or each
+    row alone in a row-stable step: row_groups), stacked."""
     if seg is not None and len(seg) > 1:
         return np.concatenate([fn(x[s]) for s in seg])
     return fn(x)
 
 
 def mm(a: np.ndarray, b: np.ndarray, seg: list[slice] | None = None) -> np.ndarray:
-    """a @ b for activations `a` with token rows on axis 0: row by row in row-stable mode, else one product per
-    sequence (seg)."""
+    """a @ b for activations `a` with token rows on axis 0: one product per row group (seg: per sequence, or
+    per row in a row-stable step)."""
     return per_row(lambda r: r @ b, a, seg)
 
 
@@ -177,8 +167,8 @@ def hadamard_matrix(n: int) -> np.ndarray:
     return (h / F32(math.sqrt(n))).astype(F32)
 
 
-def hadamard(x: np.ndarray) -> np.ndarray:
-    return mm(x, hadamard_matrix(x.shape[-1]))
+def hadamard(x: np.ndarray, seg: list[slice] | None = None) -> np.ndarray:
+    return mm(x, hadamard_matrix(x.shape[-1]), seg)
 
 
 # ---- hyper-connections (mHC, MODEL.md §2.2) -----------------------------------------------------------------

@@ -31,13 +31,15 @@ def kv_store(x: np.ndarray, nx: Numerics) -> np.ndarray:
     return ops.f16_round(x) if nx.kv_dtype == "f16" else x
 
 
-def finish_rows(w, cfg, nx: Numerics, A, ro, st, lat: np.ndarray, g0: int, g1: int, freqs: np.ndarray) -> None:
+def finish_rows(w, cfg, nx: Numerics, A, ro, st, lat: np.ndarray, g0: int, g1: int, freqs: np.ndarray,
+                row_stable: bool = False) -> None:
     """A kv source's emitted latents [g1 - g0, hd] (after the compressor's RMSNorm): indexer keys first (key owners,
     from the pre-RoPE latent), then RoPE at g·r and the NVFP4-like fake-quant into comp_rows."""
     r, il = ro.ratio, ro.layer
     gpos = np.arange(g0, g1) * r
     if ro.owns_index_keys:
-        k = ops.rmsnorm(w.linear(A.index.k, lat), w.get(A.index.k_norm), cfg.norm_eps)
+        k = ops.rmsnorm(w.linear(A.index.k, lat, ops.row_groups(None, len(lat), row_stable)), w.get(A.index.k_norm),
+                        cfg.norm_eps)
         k = ops.rope_tail(k, gpos, freqs)
         if nx.fake_quant:
             k = ops.fp4_fake_quant(k, 32)

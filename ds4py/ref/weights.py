@@ -32,7 +32,6 @@ from ds4py.quant import dequantize, dot, jit, jit_i8, jit_i8_gemm
 from ds4py.quant import vq
 from ds4py.quant.vq import VQExperts, hi_name as vq_hi_name
 from ds4py.ref.fused import Runner
-from ds4py.ref import ops
 from ds4py.ref.ops import mm, per_row, q8_0_round, q8_k_round
 
 F32 = np.float32
@@ -258,9 +257,10 @@ class Weights:
         """One product over token rows, the kernels chosen per sequence by its own rows only (never by what else
         the step holds, nor by what a cache happens to hold: batch invariance, and the same result whatever ran
         before): a sequence of at most FUSED_MAX_ROWS rows (decode, a short verify), and every row in row-stable
-        mode, goes through fast(x, segs) (the decode kernels), a longer one (prefill) through slow(x, segs)."""
+        mode (seg: one group per row), goes through fast(x, segs) (the decode kernels), a longer one (prefill)
+        through slow(x, segs)."""
         segs = seg if seg is not None and len(seg) > 1 else [slice(0, x.shape[0])]
-        take = [ops.is_row_stable() or s.stop - s.start <= FUSED_MAX_ROWS for s in segs]
+        take = [s.stop - s.start <= FUSED_MAX_ROWS for s in segs]
         if all(take):
             return fast(x, seg)
         if not any(take):
@@ -271,8 +271,8 @@ class Weights:
         """x @ W.T from W's stored rows `raw` (uint8 [rows, row_nbytes]) through the decode kernels; `key` names
         the rows (the tensor, or one group of it) for the once-only inf / NaN check of their f16 scales (None:
         checked block by block).
-        Row by row in row-stable mode, else per sequence (seg), like every other product over token rows; the
-        compiled kernels compute every row on its own already, so all rows go in one call."""
+        Per row group (seg: per sequence, or per row in a row-stable step), like every other product over token
+        rows; the compiled kernels compute every row on its own already, so all rows go in one call."""
         raw = np.asarray(raw)
         if self.runner.compiled and jit.supported(t.qtype):
             return self._fused_rows(t, raw, x, key)
