@@ -418,3 +418,51 @@ def test_prefill_expert_tiles_read_each_expert_about_once_per_block():
     assert expert_bytes[False] > 15 * expert_bytes[True], expert_bytes
     for dev in ("h200", "gb10"):
         assert times[True, dev] * 2.5 < times[False, dev], times
+
+
+def test_a_fork_join_region_overlaps_the_side_stream_within_the_shared_dram_and_issue():
+    """Between a fork and its join the side stream's kernels run beside the main stream's: the region takes the
+    longer stream, unless both streams' bytes at copy bandwidth (or instructions at the device's issue rate) take
+    longer; outside a region kernels add up."""
+    from dataclasses import replace
+
+    t = timemodel.timing_for(H200)
+    big = launch("gemv_f16", 4 * H200.sm_count, 256, weight=64 << 20, dev=H200)        # bandwidth-bound
+    tiny = launch("rmsnorm_f32", 1, 32, act=256, dev=H200)                             # latency-bound
+    side = replace(tiny, stream="side", pdl=False, region=0)
+    m = timemodel.model_step([replace(big, region=0), side, tiny], H200, 2048, loops={})
+    kb, ks, kt = m.kernels
+    assert m.serial_time_us == pytest.approx(kb.time_us + ks.time_us + kt.time_us)
+    (r,) = m.regions()
+    assert r["limiter"] == "main" and r["time_us"] == pytest.approx(kb.time_us)
+    assert m.time_us == pytest.approx(kb.time_us + kt.time_us)                         # the side kernel is hidden
+    # two bandwidth-bound kernels beside each other share the DRAM: the region is their bytes at copy bandwidth
+    both = [replace(big, region=0), replace(big, stream="side", pdl=False, region=0)]
+    m = timemodel.model_step(both, H200, 2048, loops={})
+    (r,) = m.regions()
+    dram = 2 * (64 << 20) / (H200.copy_gbps * 1e3)
+    assert r["limiter"] == "dram" and m.time_us == pytest.approx(dram) and m.time_us > max(k.time_us for k in
+                                                                                              m.kernels)
+    assert m.serial_time_us == pytest.approx(sum(k.time_us for k in m.kernels)) and m.serial_time_us > dram
+    # ... and the SMs' issue slots: two issue-bound loops take their instructions at the device's rate
+    loop = sass.LoopCount("gemv_f16", 640, 100, 300, 40, 160, 40, 0, 32, ldg_bytes=256)   # 20 per product
+    m = timemodel.model_step(both, H200, 2048, loops={"gemv_f16": loop})
+    (r,) = m.regions()
+    insns = 2 * (64 << 20) / 2 * 20 / 32
+    assert r["limiter"] == "issue" and r["time_us"] == pytest.approx(insns / (H200.sm_count * t.ipc * t.clock_ghz
+                                                                                 * 1e3))
+
+
+def test_v4_decode_forks_the_kv_branch_and_the_shared_expert():
+    """Each layer forks twice (KV branch, shared expert); every side-stream launch is inside a region, and the
+    step with them overlapped is shorter than the serial sum but not shorter than either stream alone."""
+    from ds4py.cuda.plan import plan_step
+
+    launches = plan_step("v4-flash-q2", "decode", "h200", ctx=2048)
+    assert all(ln.region >= 0 for ln in launches if ln.stream == "side")
+    regions = {ln.region for ln in launches if ln.region >= 0}
+    assert len(regions) == 2 * 43
+    m = timemodel.model_step(launches, H200, 2048)
+    main_only = sum(k.time_us for k in m.kernels if k.stream != "side")
+    assert main_only <= m.time_us < m.serial_time_us
+    assert "fork-join regions" in timemodel.format_step(m)

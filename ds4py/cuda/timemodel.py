@@ -18,6 +18,9 @@ Per kernel (all times in microseconds):
               overlaps its copy
               + t_tail: a last block's serial work after an atomic ticket (tail_us: round trips, Sinkhorn)
               + the launch gap (smaller with PDL: the next kernel's launch overlaps this one's tail)
+A step is its kernels in order, except inside a fork-join region (PlannedLaunch.region: the KV branch, the shared
+expert), where the side stream runs beside the main stream: the region takes max(main's time, side's time, both
+streams' DRAM time at copy bandwidth, both streams' instructions over the whole device's issue rate) (step_regions).
 The limiter is the term that set the time: bandwidth, latency-parallelism, issue, mma, latency floor; a kernel
 whose gap is more than half its time is named by `launch gap`.
 """
@@ -319,6 +322,9 @@ class KernelTime:
     limiter: str
     refused: str | None
     t_tail_us: float = 0.0    # a last block's serial work after the grid's (tail_us)
+    region: int = -1          # its fork-join region (-1: none)
+    t_dram_us: float = 0.0    # its bytes at the copy bandwidth x coalescing: the DRAM time it takes from the device
+    t_issue_dev_us: float = 0.0   # its warp instructions at the whole device's issue rate (all SMs x IPC)
 
     @property
     def bytes(self) -> int:
@@ -361,10 +367,12 @@ def model_kernel(launch: Any, dev: DeviceProfile, ctx: int, loops: dict | None =
     little = inflight / (t.latency_ns / 1e3)                      # bytes per microsecond Little's law allows
     t_mem = nbytes / min(bw, little) if nbytes else 0.0
     instr = None
-    t_issue = 0.0
+    t_issue = t_issue_dev = 0.0
+    t_dram = nbytes / (dev.copy_gbps * 1e3 * coal) if nbytes else 0.0
     if loop is not None and tr.weights:
         instr = loop.per_product / 32.0                            # warp instructions per product
         warp_insns = tr.weights * tr.rows * instr
+        t_issue_dev = warp_insns / (dev.sm_count * t.ipc * t.clock_ghz * 1e3)
         # a warp issues at most one instruction per clock: an SM holding fewer warps than the IPC cannot reach it
         warps_here = here * max(1, math.ceil(launch.block[0] * launch.block[1] * launch.block[2] / 32))
         t_issue = warp_insns / (active * min(t.ipc, warps_here) * t.clock_ghz * 1e3)
@@ -388,7 +396,8 @@ def model_kernel(launch: Any, dev: DeviceProfile, ctx: int, loops: dict | None =
     return KernelTime(launch.index, launch.kernel, family(launch.kernel), launch.stream, tuple(launch.grid),
                       tuple(launch.block), launch.smem + launch.static_smem, launch.registers, occ.blocks_per_sm,
                       occ.limiter, round(launch.waves, 3), tr.weight, tr.kv, tr.act, coal, coal_src, inflight,
-                      instr, t_mem, t_issue, t_mma, t_floor, gap, body + gap, limiter, launch.problem, t_tail)
+                      instr, t_mem, t_issue, t_mma, t_floor, gap, body + gap, limiter, launch.problem, t_tail,
+                      int(getattr(launch, "region", -1)), t_dram, t_issue_dev)
 
 
 # ---- a step ----------------------------------------------------------------------------------------------------------
@@ -405,8 +414,18 @@ class StepModel:
     notes: list[str] = field(default_factory=list)
 
     @property
-    def time_us(self) -> float:
+    def serial_time_us(self) -> float:
+        """Every kernel one after the other (the side stream not overlapped: an upper bound)."""
         return sum(k.time_us for k in self.kernels)
+
+    @property
+    def time_us(self) -> float:
+        """The step: kernels outside fork-join regions in order, each region its overlapped time."""
+        return sum(k.time_us for k in self.kernels if k.region < 0) + sum(r["time_us"] for r in self.regions())
+
+    def regions(self) -> list[dict]:
+        """Per fork-join region: its streams' times and the overlapped time (step_regions)."""
+        return step_regions(self.kernels)
 
     @property
     def weight_kv_bytes(self) -> int:
@@ -437,7 +456,7 @@ class StepModel:
         for f in out.values():
             lim = f.pop("lim")
             f["limiter"] = max(lim, key=lim.get)
-            f["share"] = f["time_us"] / self.time_us if self.time_us else 0.0
+            f["share"] = f["time_us"] / self.serial_time_us if self.serial_time_us else 0.0
             f["fraction_of_copy"] = f["bytes"] / (f["time_us"] * 1e3) / self.copy_gbps if f["time_us"] else 0.0
             rows.append(f)
         return sorted(rows, key=lambda f: -f["time_us"])
@@ -445,7 +464,7 @@ class StepModel:
     def to_json(self) -> dict:
         return {"model": "ds4py GPU time model (a model, not a measurement; docs/cuda.md)",
                 "device": self.device, "shapes": self.shapes, "step": self.step, "ctx": self.ctx,
-                "tokens": self.tokens, "time_us": self.time_us,
+                "tokens": self.tokens, "time_us": self.time_us, "serial_time_us": self.serial_time_us,
                 "modelled_tokens_per_s": self.tokens_per_s,
                 "weight_kv_bytes": self.weight_kv_bytes,
                 "fraction_of_copy": self.fraction(self.copy_gbps),
@@ -474,6 +493,32 @@ def model_step(launches: Sequence[Any], dev: DeviceProfile, ctx: int, tokens: in
     return StepModel(dev.key, shapes, step, ctx, tokens, ks, dev.copy_gbps, dev.nominal_gbps, notes)
 
 
+def step_regions(kernels: Sequence[KernelTime]) -> list[dict]:
+    """Each fork-join region's modelled time. Between a fork and its join the two streams' kernels are independent
+    (graph branches), so the device runs them at once, sharing its DRAM and its SMs' issue slots: the region takes
+    max(the main stream's kernels in order, the side stream's in order, both streams' bytes at copy bandwidth,
+    both streams' instructions at the whole device's issue rate). Each stream's own time keeps its launch gaps and
+    latency-bound tails; the shared terms assume the block scheduler places the side kernel's blocks beside the
+    main kernel's (a lower bound where one kernel's blocks fill every SM's shared memory, docs/cuda.md)."""
+    out: dict[int, dict] = {}
+    for k in kernels:
+        if k.region < 0:
+            continue
+        r = out.setdefault(k.region, {"region": k.region, "main_us": 0.0, "side_us": 0.0, "dram_us": 0.0,
+                                      "issue_us": 0.0, "launches": 0})
+        r["main_us" if k.stream != "side" else "side_us"] += k.time_us
+        r["dram_us"] += k.t_dram_us
+        r["issue_us"] += k.t_issue_dev_us
+        r["launches"] += 1
+    rows = []
+    for r in out.values():
+        terms = {"main": r["main_us"], "side": r["side_us"], "dram": r["dram_us"], "issue": r["issue_us"]}
+        r["limiter"] = max(terms, key=terms.get)
+        r["time_us"] = terms[r["limiter"]]
+        rows.append(r)
+    return sorted(rows, key=lambda r: r["region"])
+
+
 # ---- the report ------------------------------------------------------------------------------------------------------
 def format_step(m: StepModel, top: int = 12) -> str:
     """The report: a summary line and the slowest kernel families, every line labelled `model`."""
@@ -482,6 +527,10 @@ def format_step(m: StepModel, top: int = 12) -> str:
          f"{m.weight_kv_bytes / 1e9:.3f} GB weights + KV, {100 * m.fraction(m.copy_gbps):.1f}% of copy "
          f"({m.copy_gbps:g} GB/s), {100 * m.fraction(m.nominal_gbps):.1f}% of roofline ({m.nominal_gbps:g} GB/s), "
          f"{len(m.refused)} refused launches"]
+    if m.serial_time_us - m.time_us > 0.05:
+        L.append(f"model |   side stream beside the main stream in {len(m.regions())} fork-join regions: "
+                 f"{(m.serial_time_us - m.time_us) / 1e3:.2f} ms less than the kernels one after another "
+                 f"({m.serial_time_us / 1e3:.2f} ms; family times below are the kernels' own)")
     L.append(f"model |   {'family':28} {'launches':>8} {'MB':>9} {'µs':>9} {'share':>6} {'of copy':>7}  limiter")
     for f in m.families()[:top]:
         L.append(f"model |   {f['family'][:28]:28} {f['launches']:8d} {f['bytes'] / 1e6:9.2f} {f['time_us']:9.1f} "
