@@ -269,6 +269,7 @@ class PlanRuntime:
     def clear(self) -> None:
         """Forget what was recorded so far (e.g. the model's load) before recording a step."""
         self.launches, self.copies = [], []
+        self._region, self._regions = -1, 0
 
     def refused(self) -> list[PlannedLaunch]:
         return [ln for ln in self.launches if ln.problem is not None]
