@@ -466,3 +466,48 @@ def test_v4_decode_forks_the_kv_branch_and_the_shared_expert():
     main_only = sum(k.time_us for k in m.kernels if k.stream != "side")
     assert main_only <= m.time_us < m.serial_time_us
     assert "fork-join regions" in timemodel.format_step(m)
+
+
+def test_decode_attention_is_charged_its_tile_chain():
+    """attn_decode_partial stages a whole 16-key tile with cp.async and computes it before the next: a block's time
+    is a round trip for its queries plus, per tile, a round trip, the tile's intake and the tile loop's
+    instructions (nvdisasm count) at one per clock per warp; its bytes in flight are one tile per resident block.
+    The combine keeps 8 splits' rows (64 bytes a lane) in flight."""
+    from ds4py.cuda.ops.attention import ATTN_TILE, attn_plan
+
+    row = 4 * 512
+    for dev in (H200, GB10):
+        t = timemodel.timing_for(dev)
+        plan = attn_plan(64, 512, 128, warps=2)                   # window only at 2K: 4 splits of 2 tiles
+        assert (plan.splits, plan.keys_per_split) == (4, 32)
+        chk = inspect_launch(dev, "attn_decode_partial", (plan.splits, plan.head_groups), 64, plan.smem)
+        args = (PlannedArg("win", 144 * row, True, "state.0.win"),)
+        sc = (("window", 128), ("ratio", 0), ("hd", 512), ("keys_per_split", 32))
+        ln = PlannedLaunch(0, "attn_decode_partial", "attention", chk.grid, chk.block, plan.smem, 0, 32, "main",
+                           True, args, sc, chk.occupancy, chk.waves, None)
+        k = timemodel.model_kernel(ln, dev, 2048, loops={})
+        lat, clk = t.latency_ns / 1e3, t.clock_ghz * 1e3
+        insns = timemodel.attn_tile_warp_insns(dev.arch, 512, 64)
+        assert 5000 < insns < 7000                                # ~2.6 instructions per product, 2 x 1,024
+        intake = ATTN_TILE * row / (t.sm_bytes_per_clk * clk)
+        assert k.limiter == "tile chain"
+        assert k.time_us == pytest.approx(lat + 2 * (lat + intake) + 2 * insns / clk + t.gap_pdl_us)
+        assert k.inflight_bytes == 32 * ATTN_TILE * row
+    comb = timemodel.model_kernel(launch("attn_decode_combine", 64, 256, act=1 << 20, dev=H200), H200, 2048, loops={})
+    assert comb.inflight_bytes == 64 * 256 * 64
+
+
+def test_the_attention_tile_counts_equal_the_build():
+    """timemodel.ATTN_TILE_SASS is what nvdisasm counts in this tree's attn_decode_partial (skipped without NVRTC or
+    nvdisasm); a kernel change that moves them fails here until the constants are updated."""
+    from ds4py.cuda import compiler
+
+    try:
+        sass.nvdisasm()
+        compiler.nvrtc_version()
+    except Exception as e:                                        # noqa: BLE001 - any missing tool skips
+        pytest.skip(f"no NVRTC / nvdisasm here: {e}")
+    src = compiler.CU_DIR / "attention.cu"
+    for arch, want in timemodel.ATTN_TILE_SASS.items():
+        mod = compiler.compile_file(src, arch, compiler.file_options(src))
+        assert sass.attn_tile_counts(sass.disassemble(mod.cubin)["attn_decode_partial"]) == want, arch

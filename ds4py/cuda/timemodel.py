@@ -36,6 +36,29 @@ from typing import Any, Iterable, Sequence
 from ds4py.cuda.devices import DeviceProfile
 
 LANE_BYTES = 16           # a kernel with no SASS count: one 16-byte load per lane in flight (assumed)
+LANE_BYTES_OF = {"attn_decode_combine": 64}   # ... unless its source says otherwise: the combine loads 8 splits'
+                                              # float2 rows before using any (cu/attention.cu)
+
+# attn_decode_partial's key-tile loop as nvdisasm counts it on this tree's NVRTC build (sass.attn_tile_counts;
+# tests/test_gpu_model.py checks these against a fresh build): the staging loop's instructions and cp.async copies
+# per pass, the q.k and p.v loops' instructions per FMUL, the rest of the tile loop (once per tile)
+ATTN_TILE_SASS = {
+    "sm_90": {"stage": 11, "stage_copies": 1, "qk_per_mul": 2.65625, "pv_per_mul": 2.63671875, "rest": 467},
+    "sm_121": {"stage": 27, "stage_copies": 4, "qk_per_mul": 2.46875, "pv_per_mul": 2.734375, "rest": 690},
+}
+
+
+def attn_tile_warp_insns(arch: str, hd: int, threads: int) -> float:
+    """Instructions one warp issues per 16-key tile of attn_decode_partial: the staging loop's passes (hd / 4
+    16-byte copies per key row over threads / ATTN_TILE threads), q.k (ATTN_HPW x hd / 2 multiplies a lane), p.v
+    (2 x ATTN_HPW x ATTN_TILE x ATTN_MAX_HD / 64: its pairs loop is unrolled for the largest head dim, predicated
+    below it) and the rest."""
+    from ds4py.cuda.ops.attention import ATTN_HPW, ATTN_MAX_HD, ATTN_TILE
+
+    c = ATTN_TILE_SASS.get(arch, ATTN_TILE_SASS["sm_90"])
+    passes = math.ceil(hd / 4 / max(1, threads // ATTN_TILE) / c["stage_copies"])
+    return (c["rest"] + c["stage"] * passes + c["qk_per_mul"] * ATTN_HPW * hd / 2
+            + c["pv_per_mul"] * 2 * ATTN_HPW * ATTN_TILE * ATTN_MAX_HD / 64)
 
 
 @dataclass(frozen=True)
@@ -339,9 +362,47 @@ def _inflight(launch: Any, loop: Any, active_sms: int, blocks_here: int) -> int:
     if loop is not None and loop.async_copy and launch.smem > 0:
         per_block = launch.smem
     else:
-        per_lane = loop.ldg_bytes if loop is not None and loop.ldg_bytes else LANE_BYTES
+        per_lane = loop.ldg_bytes if loop is not None and loop.ldg_bytes else LANE_BYTES_OF.get(launch.kernel,
+                                                                                                LANE_BYTES)
         per_block = warps * 32 * per_lane
     return active_sms * blocks_here * per_block
+
+
+@dataclass(frozen=True)
+class TileChain:
+    time_us: float            # the launch's blocks' serial chains, wave after wave
+    t_issue_us: float         # the instruction part of it
+    t_issue_dev_us: float     # all its warp instructions at the whole device's issue rate
+    inflight: int             # bytes in flight on the device (one staged tile per resident block)
+
+
+def attn_tile_chain(launch: Any, dev: DeviceProfile, t: Timing, tr: Traffic, here: int) -> TileChain | None:
+    """attn_decode_partial as the hardware runs it: each block stages one 16-key tile with cp.async, waits for
+    all of it, then its warps do the tile's q.k and p.v for their heads, tile after tile (no ring). A block's time
+    is one DRAM round trip for its queries, then per tile a round trip, the tile's bytes through the SM's L2 intake
+    and the tile's instructions (attn_tile_warp_insns) at one instruction per clock per warp, shared when an SM
+    holds more warps than its issue rate; the grid runs in waves of resident blocks. Only the blocks of the
+    longest split (keys_per_split keys, at most the keys visible at this context) count: the others finish
+    earlier."""
+    from ds4py.cuda.ops.attention import ATTN_TILE
+
+    s = _scalars(launch)
+    hd, kps = int(s.get("hd", 512)), int(s.get("keys_per_split", ATTN_TILE))
+    keys = tr.kv // (4 * hd) if hd else 0
+    tiles = max(1, math.ceil(min(kps, max(keys, 1)) / ATTN_TILE))
+    warps = max(1, math.ceil(launch.threads / 32))
+    per_tile = attn_tile_warp_insns(dev.arch, hd, launch.threads)
+    blocks = launch.grid[0] * launch.grid[1] * launch.grid[2]
+    waves = math.ceil(blocks / max(1, dev.sm_count * max(1, launch.occupancy.blocks_per_sm)))
+    share = min(1.0, t.ipc / max(1, here * warps))             # a warp's part of its SM's issue slots
+    lat = t.latency_ns / 1e3
+    tile_bytes = ATTN_TILE * hd * 4
+    intake = tile_bytes / (t.sm_bytes_per_clk * t.clock_ghz * 1e3)
+    issue = tiles * per_tile / (t.clock_ghz * 1e3 * share)
+    block = lat + tiles * (lat + intake) + issue
+    all_insns = blocks * warps * tiles * per_tile
+    return TileChain(waves * block, waves * issue, all_insns / (dev.sm_count * t.ipc * t.clock_ghz * 1e3),
+                     min(blocks, dev.sm_count * here) * tile_bytes)
 
 
 def model_kernel(launch: Any, dev: DeviceProfile, ctx: int, loops: dict | None = None,
@@ -362,6 +423,9 @@ def model_kernel(launch: Any, dev: DeviceProfile, ctx: int, loops: dict | None =
     coal = min(1.0, max(0.01, coal if coal is not None else 1.0))
     nbytes = tr.weight + tr.kv + tr.act
     inflight = _inflight(launch, loop, active, here)
+    chain = attn_tile_chain(launch, dev, t, tr, here) if launch.kernel == "attn_decode_partial" else None
+    if chain is not None:
+        inflight = chain.inflight
     # bytes per microsecond: the copy bandwidth, or what the active SMs can take in (a grid of few blocks)
     bw = min(dev.copy_gbps * 1e3, active * t.sm_bytes_per_clk * t.clock_ghz * 1e3) * coal
     little = inflight / (t.latency_ns / 1e3)                      # bytes per microsecond Little's law allows
@@ -382,7 +446,12 @@ def model_kernel(launch: Any, dev: DeviceProfile, ctx: int, loops: dict | None =
     serial = loop is not None and loop.async_copy and not loop.pipelined and here == 1
     terms = {"bandwidth" if bw <= little else "latency-parallelism": t_mem, "issue": t_issue, "mma": t_mma,
              "latency floor": t_floor}
-    if serial and t_issue > 0:
+    if chain is not None:
+        t_issue, t_issue_dev = chain.t_issue_us, chain.t_issue_dev_us
+        terms = {"bandwidth": t_mem, "tile chain": chain.time_us}
+        limiter = max(terms, key=terms.get)
+        body = terms[limiter]
+    elif serial and t_issue > 0:
         body, limiter = t_mem + t_issue, "stage-then-compute"
     else:
         limiter = max(terms, key=terms.get)
