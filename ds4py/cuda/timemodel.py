@@ -39,6 +39,15 @@ LANE_BYTES = 16           # a kernel with no SASS count: one 16-byte load per la
 LANE_BYTES_OF = {"attn_decode_combine": 64}   # ... unless its source says otherwise: the combine loads 8 splits'
                                               # float2 rows before using any (cu/attention.cu)
 
+
+def lane_bytes(launch: Any) -> int:
+    """Bytes one lane keeps in flight in a kernel without a SASS count: LANE_BYTES_OF, moe_route / moe_route_rows
+    every logit of its experts (n_experts / 32 floats a lane, loaded before any is scored: cu/router.cu), else
+    LANE_BYTES."""
+    if launch.kernel in ("moe_route", "moe_route_rows"):
+        return 4 * max(1, math.ceil(int(_scalars(launch).get("n_experts", 128)) / 32))
+    return LANE_BYTES_OF.get(launch.kernel, LANE_BYTES)
+
 # attn_decode_partial's key-tile loop as nvdisasm counts it on this tree's NVRTC build (sass.attn_tile_counts;
 # tests/test_gpu_model.py checks these against a fresh build): the staging loop's instructions and cp.async copies
 # per pass, the q.k and p.v loops' instructions per FMUL, the rest of the tile loop (once per tile)
@@ -362,8 +371,7 @@ def _inflight(launch: Any, loop: Any, active_sms: int, blocks_here: int) -> int:
     if loop is not None and loop.async_copy and launch.smem > 0:
         per_block = launch.smem
     else:
-        per_lane = loop.ldg_bytes if loop is not None and loop.ldg_bytes else LANE_BYTES_OF.get(launch.kernel,
-                                                                                                LANE_BYTES)
+        per_lane = loop.ldg_bytes if loop is not None and loop.ldg_bytes else lane_bytes(launch)
         per_block = warps * 32 * per_lane
     return active_sms * blocks_here * per_block
 
