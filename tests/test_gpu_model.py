@@ -511,3 +511,11 @@ def test_the_attention_tile_counts_equal_the_build():
     for arch, want in timemodel.ATTN_TILE_SASS.items():
         mod = compiler.compile_file(src, arch, compiler.file_options(src))
         assert sass.attn_tile_counts(sass.disassemble(mod.cubin)["attn_decode_partial"]) == want, arch
+
+
+def test_the_route_keeps_every_logit_of_its_lane_in_flight():
+    """moe_route loads the lane's n_experts / 32 logits before scoring any (cu/router.cu): 32 B a lane at 256
+    experts, not the 16-byte guess."""
+    ln = launch("moe_route", 1, 32, act=1024, dev=H200, scalars=(("n_experts", 256),))
+    k = timemodel.model_kernel(ln, H200, 2048, loops={})
+    assert k.inflight_bytes == 32 * 32
