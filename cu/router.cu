@@ -34,10 +34,17 @@ __device__ __forceinline__ void route_one(const float* logits, const float* bias
     const int lane = threadIdx.x;
     const float nan = __int_as_float(0x7fc00000);
     float s[ROUTE_PER_LANE], b[ROUTE_PER_LANE];
+    // every logit the lane needs loaded first, then scored: one round trip, not one per expert (route_score's
+    // branches between the loads kept ptxas from hoisting them); the same values, so the same bits
 #pragma unroll
     for (int i = 0; i < ROUTE_PER_LANE; ++i) {
         const int e = lane + 32 * i;
-        s[i] = e < n_experts ? route_score(logits[e] / gate_temp) : 0.0f;
+        s[i] = e < n_experts ? logits[e] : 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < ROUTE_PER_LANE; ++i) {
+        const int e = lane + 32 * i;
+        s[i] = e < n_experts ? route_score(s[i] / gate_temp) : 0.0f;
         b[i] = e < n_experts ? (bias ? s[i] + bb[i] : s[i]) : -__int_as_float(0x7f800000);
     }
     int my_id = -1;                                      // lane j < k ends with the j-th expert

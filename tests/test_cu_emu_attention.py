@@ -240,3 +240,19 @@ def test_attention_warps_follow_the_device():
     assert ops_attn.attn_warps(None, 64, 512) == 4
     for keys in (144, 640, 16384):                    # the workspace (4 warps) holds every device's partials
         assert ops_attn.attn_plan(64, 512, keys, warps=4).splits >= ops_attn.attn_plan(64, 512, keys, warps=2).splits
+
+
+def test_attention_geometry_follows_the_device_and_the_workspace_holds_it():
+    """H200 (several 2-warp blocks per SM): one tile per block, one wave of resident blocks; GB10 and no device:
+    the default (4 warps, 2 tiles, 264 blocks). The workspace's partials hold every geometry's splits."""
+    from ds4py.cuda.devices import profile
+    h200 = ops_attn.attn_geometry(profile("h200"), 64, 512)
+    assert (h200.warps, h200.min_tiles) == (2, 1) and h200.target_blocks == 4 * 132
+    assert ops_attn.attn_geometry(profile("gb10"), 64, 512) == ops_attn.DEFAULT_GEOMETRY
+    assert ops_attn.attn_geometry(None, 64, 512) == ops_attn.DEFAULT_GEOMETRY
+    for keys in (58, 144, 640, 16384, 1 << 20):
+        room = max(p.splits for p in ops_attn.workspace_plans(64, 512, keys))
+        for dev in (None, profile("h200"), profile("gb10")):
+            plan = ops_attn.geometry_plan(ops_attn.attn_geometry(dev, 64, 512), 64, 512, keys)
+            assert plan.splits <= room and plan.splits * plan.keys_per_split >= keys
+    assert ops_attn.geometry_plan(h200, 64, 512, 128).splits == 8         # window only at 2K: 8 one-tile splits

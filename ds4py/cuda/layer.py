@@ -77,10 +77,10 @@ def bucket_keys(cfg, ro, bucket: int) -> int:
 
 
 def attn_plans(cfg, bucket: int, profile: Any = None) -> list[ops_attn.AttnPlan]:
-    """The layers' decode attention plans; profile None: the most splits any device's plan has (the workspace)."""
-    warps = ops_attn.attn_warps(profile, cfg.n_heads, cfg.head_dim)
-    return [ops_attn.attn_plan(cfg.n_heads, cfg.head_dim, max(1, bucket_keys(cfg, cfg.roles(il), bucket)),
-                               warps=warps) for il in range(cfg.n_layers)]
+    """The layers' decode attention plans on `profile`'s device (ops_attn.attn_geometry; None: the default geometry)."""
+    geo = ops_attn.attn_geometry(profile, cfg.n_heads, cfg.head_dim)
+    return [ops_attn.geometry_plan(geo, cfg.n_heads, cfg.head_dim, max(1, bucket_keys(cfg, cfg.roles(il), bucket)))
+            for il in range(cfg.n_layers)]
 
 
 def index_keys(cfg, bucket: int) -> int:
@@ -142,7 +142,9 @@ def workspace_shapes(cfg, bucket: int, rows: int = 1, mode: str = DECODE, hidden
                                                                              D).items()},
         })
     else:
-        plans = attn_plans(cfg, bucket)
+        plans = [p for il in range(cfg.n_layers)          # every device's splits fit (ops_attn.workspace_plans)
+                 for p in ops_attn.workspace_plans(cfg.n_heads, cfg.head_dim,
+                                                   max(1, bucket_keys(cfg, cfg.roles(il), bucket)))]
         shapes["scores"] = ((n_keys,), F32)
         shapes["sel"] = ((cfg.index_topk,), I32)
         shapes["part_o"] = ((max(int(np.prod(p.part_o_shape)) for p in plans),), F32)

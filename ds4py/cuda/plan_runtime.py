@@ -63,6 +63,8 @@ class PlannedLaunch:
     occupancy: Occupancy
     waves: float
     problem: str | None        # why the device refuses this launch (None: it launches)
+    region: int = -1           # the fork-join region it was launched in (rt.fork() .. rt.join(): the side stream
+                               # runs beside the main stream there), -1: outside every region
 
     @property
     def threads(self) -> int:
@@ -206,6 +208,7 @@ class PlanRuntime:
         self.copies: list[PlannedCopy] = []
         self.capturing = False
         self._labels: list[tuple[int, int, str]] = []      # (start, end, label), sorted by start
+        self._region, self._regions = -1, 0                 # the open fork-join region (-1: none), regions so far
         self._starts: list[int] = []
 
     # ---- labels --------------------------------------------------------------------------------------------------
@@ -261,21 +264,24 @@ class PlanRuntime:
                 scalars.append((p.name, r))
         self.launches.append(PlannedLaunch(len(self.launches), name, k.module, check.grid, check.block, int(smem),
                                            res.smem, res.registers, s.name, bool(pdl), tuple(ptrs), tuple(scalars),
-                                           check.occupancy, check.waves, check.problem))
+                                           check.occupancy, check.waves, check.problem, self._region))
 
     def clear(self) -> None:
         """Forget what was recorded so far (e.g. the model's load) before recording a step."""
         self.launches, self.copies = [], []
+        self._region, self._regions = -1, 0
 
     def refused(self) -> list[PlannedLaunch]:
         return [ln for ln in self.launches if ln.problem is not None]
 
     # ---- streams and graphs ------------------------------------------------------------------------------------
     def fork(self) -> None:
-        pass
+        """Opens a fork-join region: launches until the join carry its number (the time model overlaps the side
+        stream's with the main stream's there)."""
+        self._region, self._regions = self._regions, self._regions + 1
 
     def join(self) -> None:
-        pass
+        self._region = -1
 
     def synchronize(self) -> None:
         pass

@@ -200,6 +200,26 @@ def inner_loop(kernel: str, insns: list[tuple[int, str, str, str]]) -> LoopCount
     return best
 
 
+def attn_tile_counts(insns: list[tuple[int, str, str, str]]) -> dict[str, float]:
+    """attn_decode_partial's key-tile loop (cu/attention.cu), for the time model's tile chain: the loop around the
+    cp.async staging loop; inside it the staging loop (its instructions and cp.async copies per pass), the q.k loop
+    and the p.v loop (each: instructions per FMUL, the products one lane does), and the rest of the tile loop
+    (barriers, online softmax), once per tile. {"stage", "stage_copies", "qk_per_mul", "pv_per_mul", "rest"}."""
+    spans = loops(insns)
+    has = lambda a, b, pre: sum(insns[i][1].startswith(pre) for i in range(a, b + 1))       # noqa: E731
+    stage = min((sp for sp in spans if has(*sp, "LDGSTS")), key=lambda sp: sp[1] - sp[0])
+    tile = min((sp for sp in spans if sp[0] <= stage[0] and stage[1] <= sp[1] and sp != stage),
+               key=lambda sp: sp[1] - sp[0])
+    inner = [sp for sp in spans if tile[0] <= sp[0] and sp[1] <= tile[1] and sp != tile]
+    children = [sp for sp in inner if not any(o != sp and o[0] <= sp[0] and sp[1] <= o[1] for o in inner)]
+    muls = sorted((sp for sp in children if has(*sp, "FMUL")), key=lambda sp: has(*sp, "FMUL"))
+    qk, pv = muls[0], muls[-1]
+    size = lambda sp: sp[1] - sp[0] + 1                                                          # noqa: E731
+    return {"stage": size(stage), "stage_copies": has(*stage, "LDGSTS"),
+            "qk_per_mul": size(qk) / has(*qk, "FMUL"), "pv_per_mul": size(pv) / has(*pv, "FMUL"),
+            "rest": size(tile) - sum(size(sp) for sp in children)}
+
+
 def count_cubin(cubin: bytes, only: re.Pattern = STREAMING) -> dict[str, LoopCount]:
     return {k: c for k, insns in disassemble(cubin).items() if only.match(k)
             for c in [inner_loop(k, insns)] if c is not None}

@@ -18,6 +18,9 @@ Per kernel (all times in microseconds):
               overlaps its copy
               + t_tail: a last block's serial work after an atomic ticket (tail_us: round trips, Sinkhorn)
               + the launch gap (smaller with PDL: the next kernel's launch overlaps this one's tail)
+A step is its kernels in order, except inside a fork-join region (PlannedLaunch.region: the KV branch, the shared
+expert), where the side stream runs beside the main stream: the region takes max(main's time, side's time, both
+streams' DRAM time at copy bandwidth, both streams' instructions over the whole device's issue rate) (step_regions).
 The limiter is the term that set the time: bandwidth, latency-parallelism, issue, mma, latency floor; a kernel
 whose gap is more than half its time is named by `launch gap`.
 """
@@ -33,6 +36,38 @@ from typing import Any, Iterable, Sequence
 from ds4py.cuda.devices import DeviceProfile
 
 LANE_BYTES = 16           # a kernel with no SASS count: one 16-byte load per lane in flight (assumed)
+LANE_BYTES_OF = {"attn_decode_combine": 64}   # ... unless its source says otherwise: the combine loads 8 splits'
+                                              # float2 rows before using any (cu/attention.cu)
+
+
+def lane_bytes(launch: Any) -> int:
+    """Bytes one lane keeps in flight in a kernel without a SASS count: LANE_BYTES_OF, moe_route / moe_route_rows
+    every logit of its experts (n_experts / 32 floats a lane, loaded before any is scored: cu/router.cu), else
+    LANE_BYTES."""
+    if launch.kernel in ("moe_route", "moe_route_rows"):
+        return 4 * max(1, math.ceil(int(_scalars(launch).get("n_experts", 128)) / 32))
+    return LANE_BYTES_OF.get(launch.kernel, LANE_BYTES)
+
+# attn_decode_partial's key-tile loop as nvdisasm counts it on this tree's NVRTC build (sass.attn_tile_counts;
+# tests/test_gpu_model.py checks these against a fresh build): the staging loop's instructions and cp.async copies
+# per pass, the q.k and p.v loops' instructions per FMUL, the rest of the tile loop (once per tile)
+ATTN_TILE_SASS = {
+    "sm_90": {"stage": 11, "stage_copies": 1, "qk_per_mul": 2.65625, "pv_per_mul": 2.63671875, "rest": 467},
+    "sm_121": {"stage": 27, "stage_copies": 4, "qk_per_mul": 2.46875, "pv_per_mul": 2.734375, "rest": 690},
+}
+
+
+def attn_tile_warp_insns(arch: str, hd: int, threads: int) -> float:
+    """Instructions one warp issues per 16-key tile of attn_decode_partial: the staging loop's passes (hd / 4
+    16-byte copies per key row over threads / ATTN_TILE threads), q.k (ATTN_HPW x hd / 2 multiplies a lane), p.v
+    (2 x ATTN_HPW x ATTN_TILE x ATTN_MAX_HD / 64: its pairs loop is unrolled for the largest head dim, predicated
+    below it) and the rest."""
+    from ds4py.cuda.ops.attention import ATTN_HPW, ATTN_MAX_HD, ATTN_TILE
+
+    c = ATTN_TILE_SASS.get(arch, ATTN_TILE_SASS["sm_90"])
+    passes = math.ceil(hd / 4 / max(1, threads // ATTN_TILE) / c["stage_copies"])
+    return (c["rest"] + c["stage"] * passes + c["qk_per_mul"] * ATTN_HPW * hd / 2
+            + c["pv_per_mul"] * 2 * ATTN_HPW * ATTN_TILE * ATTN_MAX_HD / 64)
 
 
 @dataclass(frozen=True)
@@ -319,6 +354,9 @@ class KernelTime:
     limiter: str
     refused: str | None
     t_tail_us: float = 0.0    # a last block's serial work after the grid's (tail_us)
+    region: int = -1          # its fork-join region (-1: none)
+    t_dram_us: float = 0.0    # its bytes at the copy bandwidth x coalescing: the DRAM time it takes from the device
+    t_issue_dev_us: float = 0.0   # its warp instructions at the whole device's issue rate (all SMs x IPC)
 
     @property
     def bytes(self) -> int:
@@ -333,9 +371,46 @@ def _inflight(launch: Any, loop: Any, active_sms: int, blocks_here: int) -> int:
     if loop is not None and loop.async_copy and launch.smem > 0:
         per_block = launch.smem
     else:
-        per_lane = loop.ldg_bytes if loop is not None and loop.ldg_bytes else LANE_BYTES
+        per_lane = loop.ldg_bytes if loop is not None and loop.ldg_bytes else lane_bytes(launch)
         per_block = warps * 32 * per_lane
     return active_sms * blocks_here * per_block
+
+
+@dataclass(frozen=True)
+class TileChain:
+    time_us: float            # the launch's blocks' serial chains, wave after wave
+    t_issue_us: float         # the instruction part of it
+    t_issue_dev_us: float     # all its warp instructions at the whole device's issue rate
+    inflight: int             # bytes in flight on the device (one staged tile per resident block)
+
+
+def attn_tile_chain(launch: Any, dev: DeviceProfile, t: Timing, tr: Traffic, here: int) -> TileChain | None:
+    """attn_decode_partial as the hardware runs it: each block stages one 16-key tile with cp.async, waits for
+    all of it, then its warps do the tile's q.k and p.v for their heads, tile after tile (no ring). A block's time
+    is one DRAM round trip for its queries, then per tile a round trip, the tile's bytes through the SM's L2 intake
+    and the tile's instructions (attn_tile_warp_insns) at one instruction per clock per warp, shared when an SM
+    holds more warps than its issue rate; the grid runs in waves of resident blocks. Only the blocks of the
+    longest split (keys_per_split keys, at most the keys visible at this context) count: the others finish
+    earlier."""
+    from ds4py.cuda.ops.attention import ATTN_TILE
+
+    s = _scalars(launch)
+    hd, kps = int(s.get("hd", 512)), int(s.get("keys_per_split", ATTN_TILE))
+    keys = tr.kv // (4 * hd) if hd else 0
+    tiles = max(1, math.ceil(min(kps, max(keys, 1)) / ATTN_TILE))
+    warps = max(1, math.ceil(launch.threads / 32))
+    per_tile = attn_tile_warp_insns(dev.arch, hd, launch.threads)
+    blocks = launch.grid[0] * launch.grid[1] * launch.grid[2]
+    waves = math.ceil(blocks / max(1, dev.sm_count * max(1, launch.occupancy.blocks_per_sm)))
+    share = min(1.0, t.ipc / max(1, here * warps))             # a warp's part of its SM's issue slots
+    lat = t.latency_ns / 1e3
+    tile_bytes = ATTN_TILE * hd * 4
+    intake = tile_bytes / (t.sm_bytes_per_clk * t.clock_ghz * 1e3)
+    issue = tiles * per_tile / (t.clock_ghz * 1e3 * share)
+    block = lat + tiles * (lat + intake) + issue
+    all_insns = blocks * warps * tiles * per_tile
+    return TileChain(waves * block, waves * issue, all_insns / (dev.sm_count * t.ipc * t.clock_ghz * 1e3),
+                     min(blocks, dev.sm_count * here) * tile_bytes)
 
 
 def model_kernel(launch: Any, dev: DeviceProfile, ctx: int, loops: dict | None = None,
@@ -356,15 +431,20 @@ def model_kernel(launch: Any, dev: DeviceProfile, ctx: int, loops: dict | None =
     coal = min(1.0, max(0.01, coal if coal is not None else 1.0))
     nbytes = tr.weight + tr.kv + tr.act
     inflight = _inflight(launch, loop, active, here)
+    chain = attn_tile_chain(launch, dev, t, tr, here) if launch.kernel == "attn_decode_partial" else None
+    if chain is not None:
+        inflight = chain.inflight
     # bytes per microsecond: the copy bandwidth, or what the active SMs can take in (a grid of few blocks)
     bw = min(dev.copy_gbps * 1e3, active * t.sm_bytes_per_clk * t.clock_ghz * 1e3) * coal
     little = inflight / (t.latency_ns / 1e3)                      # bytes per microsecond Little's law allows
     t_mem = nbytes / min(bw, little) if nbytes else 0.0
     instr = None
-    t_issue = 0.0
+    t_issue = t_issue_dev = 0.0
+    t_dram = nbytes / (dev.copy_gbps * 1e3 * coal) if nbytes else 0.0
     if loop is not None and tr.weights:
         instr = loop.per_product / 32.0                            # warp instructions per product
         warp_insns = tr.weights * tr.rows * instr
+        t_issue_dev = warp_insns / (dev.sm_count * t.ipc * t.clock_ghz * 1e3)
         # a warp issues at most one instruction per clock: an SM holding fewer warps than the IPC cannot reach it
         warps_here = here * max(1, math.ceil(launch.block[0] * launch.block[1] * launch.block[2] / 32))
         t_issue = warp_insns / (active * min(t.ipc, warps_here) * t.clock_ghz * 1e3)
@@ -374,7 +454,12 @@ def model_kernel(launch: Any, dev: DeviceProfile, ctx: int, loops: dict | None =
     serial = loop is not None and loop.async_copy and not loop.pipelined and here == 1
     terms = {"bandwidth" if bw <= little else "latency-parallelism": t_mem, "issue": t_issue, "mma": t_mma,
              "latency floor": t_floor}
-    if serial and t_issue > 0:
+    if chain is not None:
+        t_issue, t_issue_dev = chain.t_issue_us, chain.t_issue_dev_us
+        terms = {"bandwidth": t_mem, "tile chain": chain.time_us}
+        limiter = max(terms, key=terms.get)
+        body = terms[limiter]
+    elif serial and t_issue > 0:
         body, limiter = t_mem + t_issue, "stage-then-compute"
     else:
         limiter = max(terms, key=terms.get)
@@ -388,7 +473,8 @@ def model_kernel(launch: Any, dev: DeviceProfile, ctx: int, loops: dict | None =
     return KernelTime(launch.index, launch.kernel, family(launch.kernel), launch.stream, tuple(launch.grid),
                       tuple(launch.block), launch.smem + launch.static_smem, launch.registers, occ.blocks_per_sm,
                       occ.limiter, round(launch.waves, 3), tr.weight, tr.kv, tr.act, coal, coal_src, inflight,
-                      instr, t_mem, t_issue, t_mma, t_floor, gap, body + gap, limiter, launch.problem, t_tail)
+                      instr, t_mem, t_issue, t_mma, t_floor, gap, body + gap, limiter, launch.problem, t_tail,
+                      int(getattr(launch, "region", -1)), t_dram, t_issue_dev)
 
 
 # ---- a step ----------------------------------------------------------------------------------------------------------
@@ -405,8 +491,18 @@ class StepModel:
     notes: list[str] = field(default_factory=list)
 
     @property
-    def time_us(self) -> float:
+    def serial_time_us(self) -> float:
+        """Every kernel one after the other (the side stream not overlapped: an upper bound)."""
         return sum(k.time_us for k in self.kernels)
+
+    @property
+    def time_us(self) -> float:
+        """The step: kernels outside fork-join regions in order, each region its overlapped time."""
+        return sum(k.time_us for k in self.kernels if k.region < 0) + sum(r["time_us"] for r in self.regions())
+
+    def regions(self) -> list[dict]:
+        """Per fork-join region: its streams' times and the overlapped time (step_regions)."""
+        return step_regions(self.kernels)
 
     @property
     def weight_kv_bytes(self) -> int:
@@ -437,7 +533,7 @@ class StepModel:
         for f in out.values():
             lim = f.pop("lim")
             f["limiter"] = max(lim, key=lim.get)
-            f["share"] = f["time_us"] / self.time_us if self.time_us else 0.0
+            f["share"] = f["time_us"] / self.serial_time_us if self.serial_time_us else 0.0
             f["fraction_of_copy"] = f["bytes"] / (f["time_us"] * 1e3) / self.copy_gbps if f["time_us"] else 0.0
             rows.append(f)
         return sorted(rows, key=lambda f: -f["time_us"])
@@ -445,7 +541,7 @@ class StepModel:
     def to_json(self) -> dict:
         return {"model": "ds4py GPU time model (a model, not a measurement; docs/cuda.md)",
                 "device": self.device, "shapes": self.shapes, "step": self.step, "ctx": self.ctx,
-                "tokens": self.tokens, "time_us": self.time_us,
+                "tokens": self.tokens, "time_us": self.time_us, "serial_time_us": self.serial_time_us,
                 "modelled_tokens_per_s": self.tokens_per_s,
                 "weight_kv_bytes": self.weight_kv_bytes,
                 "fraction_of_copy": self.fraction(self.copy_gbps),
@@ -474,6 +570,32 @@ def model_step(launches: Sequence[Any], dev: DeviceProfile, ctx: int, tokens: in
     return StepModel(dev.key, shapes, step, ctx, tokens, ks, dev.copy_gbps, dev.nominal_gbps, notes)
 
 
+def step_regions(kernels: Sequence[KernelTime]) -> list[dict]:
+    """Each fork-join region's modelled time. Between a fork and its join the two streams' kernels are independent
+    (graph branches), so the device runs them at once, sharing its DRAM and its SMs' issue slots: the region takes
+    max(the main stream's kernels in order, the side stream's in order, both streams' bytes at copy bandwidth,
+    both streams' instructions at the whole device's issue rate). Each stream's own time keeps its launch gaps and
+    latency-bound tails; the shared terms assume the block scheduler places the side kernel's blocks beside the
+    main kernel's (a lower bound where one kernel's blocks fill every SM's shared memory, docs/cuda.md)."""
+    out: dict[int, dict] = {}
+    for k in kernels:
+        if k.region < 0:
+            continue
+        r = out.setdefault(k.region, {"region": k.region, "main_us": 0.0, "side_us": 0.0, "dram_us": 0.0,
+                                      "issue_us": 0.0, "launches": 0})
+        r["main_us" if k.stream != "side" else "side_us"] += k.time_us
+        r["dram_us"] += k.t_dram_us
+        r["issue_us"] += k.t_issue_dev_us
+        r["launches"] += 1
+    rows = []
+    for r in out.values():
+        terms = {"main": r["main_us"], "side": r["side_us"], "dram": r["dram_us"], "issue": r["issue_us"]}
+        r["limiter"] = max(terms, key=terms.get)
+        r["time_us"] = terms[r["limiter"]]
+        rows.append(r)
+    return sorted(rows, key=lambda r: r["region"])
+
+
 # ---- the report ------------------------------------------------------------------------------------------------------
 def format_step(m: StepModel, top: int = 12) -> str:
     """The report: a summary line and the slowest kernel families, every line labelled `model`."""
@@ -482,6 +604,10 @@ def format_step(m: StepModel, top: int = 12) -> str:
          f"{m.weight_kv_bytes / 1e9:.3f} GB weights + KV, {100 * m.fraction(m.copy_gbps):.1f}% of copy "
          f"({m.copy_gbps:g} GB/s), {100 * m.fraction(m.nominal_gbps):.1f}% of roofline ({m.nominal_gbps:g} GB/s), "
          f"{len(m.refused)} refused launches"]
+    if m.serial_time_us - m.time_us > 0.05:
+        L.append(f"model |   side stream beside the main stream in {len(m.regions())} fork-join regions: "
+                 f"{(m.serial_time_us - m.time_us) / 1e3:.2f} ms less than the kernels one after another "
+                 f"({m.serial_time_us / 1e3:.2f} ms; family times below are the kernels' own)")
     L.append(f"model |   {'family':28} {'launches':>8} {'MB':>9} {'µs':>9} {'share':>6} {'of copy':>7}  limiter")
     for f in m.families()[:top]:
         L.append(f"model |   {f['family'][:28]:28} {f['launches']:8d} {f['bytes'] / 1e6:9.2f} {f['time_us']:9.1f} "

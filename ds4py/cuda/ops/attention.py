@@ -118,6 +118,47 @@ def attn_warps(profile: Any, n_heads: int, hd: int) -> int:
 
 
 @dataclass(frozen=True)
+class AttnGeometry:
+    """How a device splits decode attention: warps per block, the fewest key tiles per block, the blocks aimed at."""
+    warps: int
+    min_tiles: int
+    target_blocks: int
+
+
+DEFAULT_GEOMETRY = AttnGeometry(4, 2, 264)
+MAX_TARGET_BLOCKS = 1024       # the most blocks any geometry aims at (the workspace's partials hold its splits)
+
+
+def attn_geometry(profile: Any, n_heads: int, hd: int) -> AttnGeometry:
+    """The decode attention geometry on `profile` (None: DEFAULT_GEOMETRY). Where 2-warp blocks fit several to an
+    SM (H200), one tile per block and one wave of resident blocks: a block stages a tile, then its warps compute it
+    at one instruction per clock each (~6K instructions per warp and tile, the SASS count), so a block's serial
+    chain of tiles, not the bytes, sets the time; more blocks of fewer tiles shorten it until the SMs' issue slots
+    fill. Where one block fills an SM (GB10 at hd 512), 4 warps and 2 tiles per block (DEFAULT_GEOMETRY)."""
+    warps = attn_warps(profile, n_heads, hd)
+    if profile is None or warps == DEFAULT_GEOMETRY.warps:
+        return DEFAULT_GEOMETRY
+    from ds4py.cuda import resources
+    from ds4py.cuda.devices import occupancy
+    res = resources.kernel(profile.arch, "attn_decode_partial")
+    regs, static = (res.registers, res.smem) if res else (0, 0)
+    occ = occupancy(profile, 32 * warps, regs, attn_plan(n_heads, hd, ATTN_TILE, warps=warps).smem + static)
+    return AttnGeometry(warps, 1, min(MAX_TARGET_BLOCKS, max(1, occ.blocks_per_sm) * profile.sm_count))
+
+
+def geometry_plan(geometry: AttnGeometry, n_heads: int, hd: int, max_keys: int) -> AttnPlan:
+    return attn_plan(n_heads, hd, max_keys, warps=geometry.warps, target_blocks=geometry.target_blocks,
+                     min_tiles=geometry.min_tiles)
+
+
+def workspace_plans(n_heads: int, hd: int, max_keys: int) -> list[AttnPlan]:
+    """The plans whose partials the workspace must hold: the default geometry's and the most splits a
+    one-tile geometry can ask for (2 warps, MAX_TARGET_BLOCKS)."""
+    return [geometry_plan(g, n_heads, hd, max_keys)
+            for g in (DEFAULT_GEOMETRY, AttnGeometry(2, 1, MAX_TARGET_BLOCKS))]
+
+
+@dataclass(frozen=True)
 class AttnLayer:
     """What one layer's attention is, the same for every call: its per-layer arrays (RoPE freqs [rd/2], sinks
     [H]) and shapes (the head dim is the ring's width)."""
