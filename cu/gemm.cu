@@ -61,22 +61,26 @@ static_assert(GEMM_BN * 2 == GEMM_THREADS, "each thread stages 16 weights of one
 #define GEMM_FMT_Q4_K 3
 #define GEMM_Q4K_BYTES 144
 
-// The weight formats: Raw = one thread's 16 weights of one row for one k-tile (loaded into registers ahead),
-// stage() writes them as bf16 pieces (and, Q8_0, the row's block scale).
+// The weight formats: Raw = one thread's 16 weights of one row for one k-tile (loaded into registers ahead; the
+// row's two threads are half = 0, 1), stage() writes them at their columns of the row's shared tile as bf16 pieces
+// (and, Q8_0, the row's block scale).
 template <int F> struct GemmFmt;
 
 template <> struct GemmFmt<GEMM_FMT_F16> {
     static constexpr int NP = 2;
     static constexpr bool SCALED = false;
     struct Raw { uint4 v[2]; };
-    __device__ static __forceinline__ void load(const void* W, int n, int ncols, int K, int k, Raw& r) {
+    // Load i of the row's two threads takes 16-byte pieces 2i and 2i + 1 of the row's 64 bytes: each warp request
+    // reads whole 32-byte sectors (16 rows x 32 contiguous bytes) instead of half of 32.
+    __device__ static __forceinline__ void load(const void* W, int n, int ncols, int K, int k, int half, Raw& r) {
         const __half* row = reinterpret_cast<const __half*>(W) + (size_t)n * K;
 #pragma unroll
-        for (int i = 0; i < 2; i++)
-            r.v[i] = (n < ncols && k + 8 * i < K) ? *reinterpret_cast<const uint4*>(row + k + 8 * i)
-                                                  : make_uint4(0u, 0u, 0u, 0u);
+        for (int i = 0; i < 2; i++) {
+            const int c = k + 8 * (2 * i + half);
+            r.v[i] = (n < ncols && c < K) ? *reinterpret_cast<const uint4*>(row + c) : make_uint4(0u, 0u, 0u, 0u);
+        }
     }
-    __device__ static __forceinline__ void stage(const Raw& r, uint16_t* dst, int piece, float*, bool) {
+    __device__ static __forceinline__ void stage(const Raw& r, uint16_t* row, int half, int piece, float*) {
 #pragma unroll
         for (int i = 0; i < 2; i++) {
             const __half2* h = reinterpret_cast<const __half2*>(&r.v[i]);
@@ -87,7 +91,7 @@ template <> struct GemmFmt<GEMM_FMT_F16> {
                 v[2 * j] = f.x;
                 v[2 * j + 1] = f.y;
             }
-            tile_split8<NP>(v, dst + 8 * i, piece);
+            tile_split8<NP>(v, row + 8 * (2 * i + half), piece);
         }
     }
 };
@@ -96,19 +100,21 @@ template <> struct GemmFmt<GEMM_FMT_F32> {
     static constexpr int NP = 3;
     static constexpr bool SCALED = false;
     struct Raw { float4 v[4]; };
-    __device__ static __forceinline__ void load(const void* W, int n, int ncols, int K, int k, Raw& r) {
+    // Load i of the row's two threads takes 16-byte pieces 2i and 2i + 1 of the row's 128 bytes (whole sectors per
+    // warp request, as F16); the pieces are staged as 4 values each.
+    __device__ static __forceinline__ void load(const void* W, int n, int ncols, int K, int k, int half, Raw& r) {
         const float* row = reinterpret_cast<const float*>(W) + (size_t)n * K;
 #pragma unroll
-        for (int i = 0; i < 4; i++)
-            r.v[i] = (n < ncols && k + 4 * i < K) ? *reinterpret_cast<const float4*>(row + k + 4 * i)
-                                                  : make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int i = 0; i < 4; i++) {
+            const int c = k + 4 * (2 * i + half);
+            r.v[i] = (n < ncols && c < K) ? *reinterpret_cast<const float4*>(row + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
     }
-    __device__ static __forceinline__ void stage(const Raw& r, uint16_t* dst, int piece, float*, bool) {
+    __device__ static __forceinline__ void stage(const Raw& r, uint16_t* row, int half, int piece, float*) {
 #pragma unroll
-        for (int i = 0; i < 2; i++) {
-            const float v[8] = {r.v[2 * i].x, r.v[2 * i].y, r.v[2 * i].z, r.v[2 * i].w,
-                                r.v[2 * i + 1].x, r.v[2 * i + 1].y, r.v[2 * i + 1].z, r.v[2 * i + 1].w};
-            tile_split8<NP>(v, dst + 8 * i, piece);
+        for (int i = 0; i < 4; i++) {
+            const float v[4] = {r.v[i].x, r.v[i].y, r.v[i].z, r.v[i].w};
+            tile_split4<NP>(v, row + 4 * (2 * i + half), piece);
         }
     }
 };
@@ -119,7 +125,8 @@ template <> struct GemmFmt<GEMM_FMT_Q8_0> {
     static constexpr int NP = 1;
     static constexpr bool SCALED = true;
     struct Raw { unsigned q[8]; unsigned d; };
-    __device__ static __forceinline__ void load(const void* W, int n, int ncols, int K, int k, Raw& r) {
+    __device__ static __forceinline__ void load(const void* W, int n, int ncols, int K, int kt, int half, Raw& r) {
+        const int k = kt + 16 * half;
         if (n >= ncols) {
 #pragma unroll
             for (int i = 0; i < 8; i++) r.q[i] = 0u;
@@ -132,7 +139,8 @@ template <> struct GemmFmt<GEMM_FMT_Q8_0> {
         for (int i = 0; i < 8; i++) r.q[i] = q[i];
         r.d = *reinterpret_cast<const uint16_t*>(b);
     }
-    __device__ static __forceinline__ void stage(const Raw& r, uint16_t* dst, int, float* scale, bool first) {
+    __device__ static __forceinline__ void stage(const Raw& r, uint16_t* row, int half, int, float* scale) {
+        uint16_t* dst = row + 16 * half;
 #pragma unroll
         for (int i = 0; i < 2; i++) {
             float v[8];
@@ -144,7 +152,7 @@ template <> struct GemmFmt<GEMM_FMT_Q8_0> {
             }
             tile_store8(dst + 8 * i, v);
         }
-        if (first) *scale = __half2float(__ushort_as_half((unsigned short)r.d));
+        if (half == 0) *scale = __half2float(__ushort_as_half((unsigned short)r.d));
     }
 };
 
@@ -155,7 +163,8 @@ template <> struct GemmFmt<GEMM_FMT_Q4_K> {
     static constexpr int NP = 3;
     static constexpr bool SCALED = false;
     struct Raw { uint4 q; float dl, ml; int sh; };
-    __device__ static __forceinline__ void load(const void* W, int n, int ncols, int K, int k, Raw& r) {
+    __device__ static __forceinline__ void load(const void* W, int n, int ncols, int K, int kt, int half, Raw& r) {
+        const int k = kt + 16 * half;
         if (n >= ncols) {
             r.q = make_uint4(0u, 0u, 0u, 0u);
             r.dl = r.ml = 0.0f;
@@ -171,7 +180,8 @@ template <> struct GemmFmt<GEMM_FMT_Q4_K> {
         r.sh = 4 * (gi & 1);
         r.q = *reinterpret_cast<const uint4*>(b + 16 + 32 * (gi >> 1) + (k & 16));
     }
-    __device__ static __forceinline__ void stage(const Raw& r, uint16_t* dst, int piece, float*, bool) {
+    __device__ static __forceinline__ void stage(const Raw& r, uint16_t* row, int half, int piece, float*) {
+        uint16_t* dst = row + 16 * half;
         const unsigned w[4] = {r.q.x, r.q.y, r.q.z, r.q.w};
 #pragma unroll
         for (int i = 0; i < 2; i++) {
@@ -215,7 +225,7 @@ __device__ __forceinline__ void gemm_impl(const void* W, const float* X, float* 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int wm = warp / GEMM_WARPS_N, wn = warp % GEMM_WARPS_N;
     const int xr = tid >> 2, xc = (tid & 3) * 8;                // staging: x row and columns
-    const int wr = tid >> 1, wc = (tid & 1) * 16;               // staging: weight row and columns
+    const int wr = tid >> 1, wh = tid & 1;                      // staging: weight row and which of its 2 threads
     const int xm = m0 + xr, wnr = n0 + wr;
     const float* xrow = X + (size_t)(xm < T ? xm : 0) * ldx;
     const int nk = (K + GEMM_BK - 1) / GEMM_BK;
@@ -236,14 +246,14 @@ __device__ __forceinline__ void gemm_impl(const void* W, const float* X, float* 
 #pragma unroll
             for (int i = 0; i < 8; i++) xv[i] = 0.0f;
         }
-        Fmt::load(W, wnr, ncols, K, k + wc, raw);
+        Fmt::load(W, wnr, ncols, K, k, wh, raw);
     };
     load(0);
     for (int kt = 0; kt < nk; kt++) {
         __syncthreads();                                        // the previous k-tile's fragments are read
         if (x_split) tile_split8<2>(xv, xs + xr * GEMM_LDS + xc, XPIECE);
         else tile_store8(xs + xr * GEMM_LDS + xc, xv);
-        Fmt::stage(raw, ws + wr * GEMM_LDS + wc, PIECE, wscale + wr, wc == 0);
+        Fmt::stage(raw, ws + wr * GEMM_LDS, wh, PIECE, wscale + wr);
         __syncthreads();
         if (kt + 1 < nk) load(kt + 1);                          // in flight while the tensor cores work
         const uint16_t* as = xs + wm * GEMM_WM * GEMM_LDS;
