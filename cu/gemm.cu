@@ -196,6 +196,58 @@ template <> struct GemmFmt<GEMM_FMT_Q4_K> {
     }
 };
 
+// Q8_0 weights through shared memory. A k-tile is one 34-byte block per row: loaded straight from the row, a warp
+// request would read 16 rows x 34 bytes scattered over 2-3 sectors each (8% of the sectors' bytes used). Instead
+// each row's bytes are copied into a ring of GEMM_Q8_RING 32-byte sectors (the row's two threads take the two
+// 16-byte halves of a sector, so a warp request reads 16 whole sectors), in order, the sectors of k-tile kt + 1
+// while kt is multiplied; a k-tile's codes and scale are then read from the ring (the same 16-bit words as the
+// direct loads: the same Raw, the same bits). Sectors are counted in v = a + byte position, a = the row's start
+// within its 32-byte sector, so the copies follow the device's sectors. 16-byte cp.async when the rows are
+// 16-byte aligned (K % 256 == 0 and W 16-byte aligned: every model shape), 16-bit copies otherwise.
+#define GEMM_Q8_RING 4                   // sectors per row: k-tile kt's two and kt + 1's up to two new ones
+#define GEMM_Q8_RLD (GEMM_Q8_RING * 32 + 16)   // ring row stride in bytes (padded: fewer bank conflicts)
+struct GemmQ8Ring {
+    const uint8_t* row;                  // the row's first byte; null: a row past ncols (nothing copied, zeros)
+    uint8_t* ring;                       // the row's ring in shared memory
+    int a, bytes, next;                  // start within its sector, row bytes, first sector not yet copied
+    bool fast;                           // 16-byte cp.async copies
+    __device__ __forceinline__ int last_sector(int kt) const { return (a + kt * GEMM_Q8_BYTES + GEMM_Q8_BYTES - 1) >> 5; }
+    // copy half h of the sectors up to k-tile kt's last (this thread's share of the row)
+    __device__ __forceinline__ void fetch(int kt, int h) {
+        if (row == nullptr) return;
+        const int upto = last_sector(kt);
+        for (; next <= upto; next++) {
+            const int p0 = 32 * next + 16 * h - a;
+            uint8_t* dst = ring + (next % GEMM_Q8_RING) * 32 + 16 * h;
+            if (fast) {
+                if (p0 >= 0 && p0 < bytes) cp_async_16(dst, row + p0);
+            } else {
+#pragma unroll
+                for (int w = 0; w < 8; w++)
+                    if (p0 + 2 * w >= 0 && p0 + 2 * w < bytes)
+                        *reinterpret_cast<uint16_t*>(dst + 2 * w) = *reinterpret_cast<const uint16_t*>(row + p0 + 2 * w);
+            }
+        }
+    }
+    __device__ __forceinline__ unsigned word(int p) const {     // the 16-bit word at row byte p (p even)
+        const int v = a + p;
+        return *reinterpret_cast<const uint16_t*>(ring + ((v >> 5) % GEMM_Q8_RING) * 32 + (v & 31));
+    }
+    // half h of k-tile kt as GemmFmt<Q8_0>::load reads it from global memory
+    __device__ __forceinline__ void read(int kt, int h, GemmFmt<GEMM_FMT_Q8_0>::Raw& r) const {
+        if (row == nullptr) {
+#pragma unroll
+            for (int i = 0; i < 8; i++) r.q[i] = 0u;
+            r.d = 0u;
+            return;
+        }
+        const int p = kt * GEMM_Q8_BYTES;
+#pragma unroll
+        for (int i = 0; i < 8; i++) r.q[i] = word(p + 2 + 16 * h + 2 * i);
+        r.d = word(p);
+    }
+};
+
 template <int F>
 __device__ __forceinline__ void gemm_impl(const void* W, const float* X, float* Y, int T, int N, int K, int ldx,
                                           int ldy, int x_group_rows, int flags) {
@@ -204,8 +256,8 @@ __device__ __forceinline__ void gemm_impl(const void* W, const float* X, float* 
     __shared__ __align__(16) uint16_t xs[2 * XPIECE];
     __shared__ __align__(16) uint16_t ws[NP * PIECE];
     __shared__ float wscale[GEMM_BN];
-    pdl_wait();
-    pdl_launch_dependents();
+    constexpr bool RING = F == GEMM_FMT_Q8_0;
+    __shared__ __align__(16) uint8_t wring[RING ? GEMM_BN * GEMM_Q8_RLD : 16];
 
     // this launch's input group
     int ncols = N;
@@ -220,6 +272,22 @@ __device__ __forceinline__ void gemm_impl(const void* W, const float* X, float* 
         else W = reinterpret_cast<const float*>(W) + (size_t)nb * K;
     }
     const int n0 = blockIdx.x * GEMM_BN, m0 = blockIdx.y * GEMM_BM;
+    const int tid0 = threadIdx.x;
+    GemmQ8Ring q8{};
+    if (RING && n0 < ncols) {                                   // the first k-tile's weights before pdl_wait
+        const int n = n0 + (tid0 >> 1), bytes = K / 32 * GEMM_Q8_BYTES;
+        const uint8_t* row = reinterpret_cast<const uint8_t*>(W) + (size_t)n * bytes;
+        q8.row = n < ncols ? row : nullptr;
+        q8.ring = wring + (tid0 >> 1) * GEMM_Q8_RLD;
+        q8.a = (int)(reinterpret_cast<uintptr_t>(row) & 31);
+        q8.bytes = bytes;
+        q8.next = 0;
+        q8.fast = (reinterpret_cast<uintptr_t>(W) & 15) == 0 && (bytes & 15) == 0;
+        q8.fetch(0, tid0 & 1);
+        cp_async_commit();
+    }
+    pdl_wait();
+    pdl_launch_dependents();
     if (n0 >= ncols) return;                                    // the whole block: a short last group
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -246,13 +314,21 @@ __device__ __forceinline__ void gemm_impl(const void* W, const float* X, float* 
 #pragma unroll
             for (int i = 0; i < 8; i++) xv[i] = 0.0f;
         }
-        Fmt::load(W, wnr, ncols, K, k, wh, raw);
+        if constexpr (!RING) Fmt::load(W, wnr, ncols, K, k, wh, raw);
     };
     load(0);
     for (int kt = 0; kt < nk; kt++) {
+        if constexpr (RING) cp_async_wait_all();                // this thread's copies of k-tile kt's sectors
         __syncthreads();                                        // the previous k-tile's fragments are read
         if (x_split) tile_split8<2>(xv, xs + xr * GEMM_LDS + xc, XPIECE);
         else tile_store8(xs + xr * GEMM_LDS + xc, xv);
+        if constexpr (RING) {
+            q8.read(kt, wh, raw);
+            if (kt + 1 < nk) {                                  // new sectors only: not those kt is read from
+                q8.fetch(kt + 1, wh);
+                cp_async_commit();
+            }
+        }
         Fmt::stage(raw, ws + wr * GEMM_LDS, wh, PIECE, wscale + wr);
         __syncthreads();
         if (kt + 1 < nk) load(kt + 1);                          // in flight while the tensor cores work
