@@ -196,29 +196,37 @@ template <> struct GemmFmt<GEMM_FMT_Q4_K> {
     }
 };
 
-// Q8_0 weights through shared memory. A k-tile is one 34-byte block per row: loaded straight from the row, a warp
-// request would read 16 rows x 34 bytes scattered over 2-3 sectors each (8% of the sectors' bytes used). Instead
-// each row's bytes are copied into a ring of GEMM_Q8_RING 32-byte sectors (the row's two threads take the two
-// 16-byte halves of a sector, so a warp request reads 16 whole sectors), in order, the sectors of k-tile kt + 1
-// while kt is multiplied; a k-tile's codes and scale are then read from the ring (the same 16-bit words as the
-// direct loads: the same Raw, the same bits). Sectors are counted in v = a + byte position, a = the row's start
-// within its 32-byte sector, so the copies follow the device's sectors. 16-byte cp.async when the rows are
-// 16-byte aligned (K % 256 == 0 and W 16-byte aligned: every model shape), 16-bit copies otherwise.
-#define GEMM_Q8_RING 4                   // sectors per row: k-tile kt's two and kt + 1's up to two new ones
-#define GEMM_Q8_RLD (GEMM_Q8_RING * 32 + 16)   // ring row stride in bytes (padded: fewer bank conflicts)
-struct GemmQ8Ring {
+// Q8_0 and Q4_K weights through shared memory. Loaded straight from the row, a k-tile's bytes (Q8_0: one 34-byte
+// block; Q4_K: a 144-byte block's 32 quant bytes and its 16-byte header) sit across sector boundaries: a warp
+// request of 16 rows reads 2-3 sectors per row for 34 bytes (Q8_0: 8% of the sectors' bytes used, 20% for Q4_K,
+// whose headers every k-tile read again). Instead each row's bytes are copied into a ring of GEMM_RING 32-byte
+// sectors (the row's two threads take the two 16-byte halves of a sector, so a warp request reads 16 whole
+// sectors), in order, the sectors of k-tile kt + 1 while kt is multiplied, each byte once per block; a k-tile's
+// words are then read from the ring (the same 16-bit words as the direct loads: the same Raw, the same bits).
+// Sectors are counted in v = a + byte position, a = the row's start within its 32-byte sector, so the copies
+// follow the device's sectors. 16-byte cp.async when the rows are 16-byte aligned (Q8_0: K % 256 == 0 and W
+// 16-byte aligned: every model shape; Q4_K: always), 16-bit copies otherwise. The ring holds k-tile kt's sectors
+// and kt + 1's new ones: at most 4 (Q4_K reads its header into registers at a block's first k-tile).
+#define GEMM_RING 4
+#define GEMM_RLD (GEMM_RING * 32 + 16)   // ring row stride in bytes (padded: fewer bank conflicts)
+template <int F>
+struct GemmRing {
     const uint8_t* row;                  // the row's first byte; null: a row past ncols (nothing copied, zeros)
     uint8_t* ring;                       // the row's ring in shared memory
     int a, bytes, next;                  // start within its sector, row bytes, first sector not yet copied
     bool fast;                           // 16-byte cp.async copies
-    __device__ __forceinline__ int last_sector(int kt) const { return (a + kt * GEMM_Q8_BYTES + GEMM_Q8_BYTES - 1) >> 5; }
+    unsigned hdr[4];                     // Q4_K: the current block's header (d, dmin, 12 scale bytes)
+    __device__ __forceinline__ int last_byte(int kt) const {
+        if constexpr (F == GEMM_FMT_Q8_0) return kt * GEMM_Q8_BYTES + GEMM_Q8_BYTES - 1;
+        else return (kt >> 3) * GEMM_Q4K_BYTES + 16 + 32 * ((kt & 7) >> 1) + 31;
+    }
     // copy half h of the sectors up to k-tile kt's last (this thread's share of the row)
     __device__ __forceinline__ void fetch(int kt, int h) {
         if (row == nullptr) return;
-        const int upto = last_sector(kt);
+        const int upto = (a + last_byte(kt)) >> 5;
         for (; next <= upto; next++) {
             const int p0 = 32 * next + 16 * h - a;
-            uint8_t* dst = ring + (next % GEMM_Q8_RING) * 32 + 16 * h;
+            uint8_t* dst = ring + (next % GEMM_RING) * 32 + 16 * h;
             if (fast) {
                 if (p0 >= 0 && p0 < bytes) cp_async_16(dst, row + p0);
             } else {
@@ -231,20 +239,51 @@ struct GemmQ8Ring {
     }
     __device__ __forceinline__ unsigned word(int p) const {     // the 16-bit word at row byte p (p even)
         const int v = a + p;
-        return *reinterpret_cast<const uint16_t*>(ring + ((v >> 5) % GEMM_Q8_RING) * 32 + (v & 31));
+        return *reinterpret_cast<const uint16_t*>(ring + ((v >> 5) % GEMM_RING) * 32 + (v & 31));
     }
-    // half h of k-tile kt as GemmFmt<Q8_0>::load reads it from global memory
-    __device__ __forceinline__ void read(int kt, int h, GemmFmt<GEMM_FMT_Q8_0>::Raw& r) const {
-        if (row == nullptr) {
+    __device__ __forceinline__ unsigned word32(int p) const { return word(p) | (word(p + 2) << 16); }
+    __device__ __forceinline__ unsigned hbyte(int i) const {    // byte i of the Q4_K header
+        const unsigned w = i < 4 ? hdr[0] : i < 8 ? hdr[1] : i < 12 ? hdr[2] : hdr[3];
+        return (w >> (8 * (i & 3))) & 255u;
+    }
+    // half h of k-tile kt as GemmFmt<F>::load reads it from global memory
+    __device__ __forceinline__ void read(int kt, int h, typename GemmFmt<F>::Raw& r) {
+        if constexpr (F == GEMM_FMT_Q8_0) {
+            if (row == nullptr) {
 #pragma unroll
-            for (int i = 0; i < 8; i++) r.q[i] = 0u;
-            r.d = 0u;
-            return;
+                for (int i = 0; i < 8; i++) r.q[i] = 0u;
+                r.d = 0u;
+                return;
+            }
+            const int p = kt * GEMM_Q8_BYTES;
+#pragma unroll
+            for (int i = 0; i < 8; i++) r.q[i] = word(p + 2 + 16 * h + 2 * i);
+            r.d = word(p);
+        } else {
+            if (row == nullptr) {
+                r.q = make_uint4(0u, 0u, 0u, 0u);
+                r.dl = r.ml = 0.0f;
+                r.sh = 0;
+                return;
+            }
+            const int b = (kt >> 3) * GEMM_Q4K_BYTES, gi = kt & 7;
+            if (gi == 0)
+#pragma unroll
+                for (int i = 0; i < 4; i++) hdr[i] = word32(b + 4 * i);
+            unsigned sc, mn;                                    // MoeFmt<FMT_Q4_K>::scales on the header's bytes
+            if (gi < 4) {
+                sc = hbyte(4 + gi) & 63u;
+                mn = hbyte(8 + gi) & 63u;
+            } else {
+                sc = (hbyte(8 + gi) & 15u) | ((hbyte(gi) >> 6) << 4);
+                mn = (hbyte(8 + gi) >> 4) | ((hbyte(4 + gi) >> 6) << 4);
+            }
+            r.dl = __fmul_rn(__half2float(__ushort_as_half((unsigned short)(hdr[0] & 0xFFFFu))), moe_u2f(sc));
+            r.ml = __fmul_rn(__half2float(__ushort_as_half((unsigned short)(hdr[0] >> 16))), moe_u2f(mn));
+            r.sh = 4 * (gi & 1);
+            const int q = b + 16 + 32 * (gi >> 1) + 16 * h;
+            r.q = make_uint4(word32(q), word32(q + 4), word32(q + 8), word32(q + 12));
         }
-        const int p = kt * GEMM_Q8_BYTES;
-#pragma unroll
-        for (int i = 0; i < 8; i++) r.q[i] = word(p + 2 + 16 * h + 2 * i);
-        r.d = word(p);
     }
 };
 
@@ -256,8 +295,11 @@ __device__ __forceinline__ void gemm_impl(const void* W, const float* X, float* 
     __shared__ __align__(16) uint16_t xs[2 * XPIECE];
     __shared__ __align__(16) uint16_t ws[NP * PIECE];
     __shared__ float wscale[GEMM_BN];
-    constexpr bool RING = F == GEMM_FMT_Q8_0;
-    __shared__ __align__(16) uint8_t wring[RING ? GEMM_BN * GEMM_Q8_RLD : 16];
+    constexpr bool RING = F == GEMM_FMT_Q8_0 || F == GEMM_FMT_Q4_K;
+    // the Q8_0 ring fits the static 48 KB beside the tiles, Q4_K's (three weight pieces) is dynamic (GEMM_RING_SMEM)
+    __shared__ __align__(16) uint8_t wring_static[F == GEMM_FMT_Q8_0 ? GEMM_BN * GEMM_RLD : 16];
+    extern __shared__ __align__(16) uint8_t gemm_dyn[];
+    uint8_t* wring = F == GEMM_FMT_Q8_0 ? wring_static : gemm_dyn;
 
     // this launch's input group
     int ncols = N;
@@ -273,12 +315,13 @@ __device__ __forceinline__ void gemm_impl(const void* W, const float* X, float* 
     }
     const int n0 = blockIdx.x * GEMM_BN, m0 = blockIdx.y * GEMM_BM;
     const int tid0 = threadIdx.x;
-    GemmQ8Ring q8{};
+    GemmRing<F> q8{};
     if (RING && n0 < ncols) {                                   // the first k-tile's weights before pdl_wait
-        const int n = n0 + (tid0 >> 1), bytes = K / 32 * GEMM_Q8_BYTES;
+        const int n = n0 + (tid0 >> 1);
+        const int bytes = F == GEMM_FMT_Q8_0 ? K / 32 * GEMM_Q8_BYTES : K / 256 * GEMM_Q4K_BYTES;
         const uint8_t* row = reinterpret_cast<const uint8_t*>(W) + (size_t)n * bytes;
         q8.row = n < ncols ? row : nullptr;
-        q8.ring = wring + (tid0 >> 1) * GEMM_Q8_RLD;
+        q8.ring = wring + (tid0 >> 1) * GEMM_RLD;
         q8.a = (int)(reinterpret_cast<uintptr_t>(row) & 31);
         q8.bytes = bytes;
         q8.next = 0;

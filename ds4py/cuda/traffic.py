@@ -175,6 +175,44 @@ def model_width_gemv(rows: int = 16, cols: int = 4096, nx: int = 1) -> list[dict
     return recs
 
 
+def model_width_gemm(T: int = 64, rows: int = 128, cols: int = 4096) -> list[dict]:
+    """The prefill GEMM of every dense weight type at the model's width (one token tile x one feature tile: the
+    tests' ragged K leave rows that do not start on a sector), traffic build, one launch each. A launch of T tokens
+    reads each weight byte once per GEMM_BM-token tile (the tiles of one feature tile share it through L2)."""
+    import numpy as np
+
+    from ds4py.cuda.ops.gemm import gemm
+    from ds4py.cuda.emu_runtime import EmuRuntime
+    from ds4py.quant import kquants, simple
+
+    r = np.random.default_rng(35)
+    Wf = (r.standard_normal((rows, cols)) * 0.1).astype(np.float32)
+    weights = {"F32": Wf, "F16": Wf.astype(np.float16), "Q8_0": simple.quant_q8_0(Wf).reshape(rows, -1),
+               "Q4_K": kquants.quant_q4_k(Wf.reshape(-1, 256)).reshape(rows, -1)}
+    old = os.environ.get("DS4PY_EMU_CHECK")
+    os.environ["DS4PY_EMU_CHECK"] = "traffic"
+    try:
+        rt = EmuRuntime(check_pdl=True)
+        arena = rt.arena(weights_bytes=4 * rows * cols + (1 << 20), scratch_bytes=4 * T * (cols + rows) + (1 << 20))
+        with collect() as recs:
+            for kind, host in weights.items():
+                arena.reset_weights()
+                arena.begin_step()
+                W = arena.weights(host.shape, host.dtype)
+                W.upload(host)
+                x, y = arena.scratch(T * cols, np.float32), arena.scratch(T * rows, np.float32)
+                x.upload(r.standard_normal(T * cols).astype(np.float32))
+                gemm(rt, W, x, y, T, rows, cols)
+                rt.synchronize()
+        arena.close()
+    finally:
+        if old is None:
+            os.environ.pop("DS4PY_EMU_CHECK", None)
+        else:
+            os.environ["DS4PY_EMU_CHECK"] = old
+    return recs
+
+
 def twin_tests(repo: Path) -> list[str]:
     """The kernels' twin tests: every tests/test_cu_emu_*.py but the emulator's own and the GPU / NVRTC ones."""
     skip = {"test_cu_emu.py", "test_cu_emu_gpu.py", "test_cu_emu_portable.py", "test_cu_emu_kernels.py",
@@ -188,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/traffic/report.json", help="the per-kernel report (JSON)")
     ap.add_argument("--records", help="keep the per-launch records (JSON lines) here")
     ap.add_argument("--from-records", help="summarise these per-launch records instead of running tests")
-    ap.add_argument("--no-model-width", action="store_true", help="skip the GEMVs at 4096 columns")
+    ap.add_argument("--no-model-width", action="store_true", help="skip the GEMVs and GEMMs at 4096 columns")
     ap.add_argument("--update", nargs="?", const="", default=None, metavar="REGEX",
                     help="merge into the existing --out report: add the kernels it lacks, replace those matching "
                          "REGEX (default: none; the others keep what their own tests recorded)")
@@ -218,8 +256,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.update is not None and out.is_file():
         rep = merged(json.loads(out.read_text()), rep, a.update)
     if not a.no_model_width:
-        width = model_width_gemv() + model_width_gemv(nx=4)
-        rep["model_width"] = {"what": "gemv of every weight type, 16 x 4096, one and four activation rows",
+        width = model_width_gemv() + model_width_gemv(nx=4) + model_width_gemm()
+        rep["model_width"] = {"what": "gemv of every weight type, 16 x 4096, one and four activation rows; "
+                                      "gemm of every dense weight type, 64 tokens x 128 x 4096",
                               "kernels": summarize(width)}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rep, indent=1, sort_keys=True) + "\n")
