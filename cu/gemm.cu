@@ -322,10 +322,10 @@ __device__ __forceinline__ void gemm_impl(const void* W, const float* X, float* 
         const uint8_t* row = reinterpret_cast<const uint8_t*>(W) + (size_t)n * bytes;
         q8.row = n < ncols ? row : nullptr;
         q8.ring = wring + (tid0 >> 1) * GEMM_RLD;
-        q8.a = (int)(reinterpret_cast<uintptr_t>(row) & 31);
+        q8.a = (int)(reinterpret_cast<size_t>(row) & 31);
         q8.bytes = bytes;
         q8.next = 0;
-        q8.fast = (reinterpret_cast<uintptr_t>(W) & 15) == 0 && (bytes & 15) == 0;
+        q8.fast = (reinterpret_cast<size_t>(W) & 15) == 0 && (bytes & 15) == 0;
         q8.fetch(0, tid0 & 1);
         cp_async_commit();
     }
