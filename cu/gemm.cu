@@ -201,16 +201,20 @@ template <> struct GemmFmt<GEMM_FMT_Q4_K> {
 // request of 16 rows reads 2-3 sectors per row for 34 bytes (Q8_0: 8% of the sectors' bytes used, 20% for Q4_K,
 // whose headers every k-tile read again). Instead each row's bytes are copied into a ring of GEMM_RING 32-byte
 // sectors (the row's two threads take the two 16-byte halves of a sector, so a warp request reads 16 whole
-// sectors), in order, the sectors of k-tile kt + 1 while kt is multiplied, each byte once per block; a k-tile's
-// words are then read from the ring (the same 16-bit words as the direct loads: the same Raw, the same bits).
-// Sectors are counted in v = a + byte position, a = the row's start within its 32-byte sector, so the copies
-// follow the device's sectors. 16-byte cp.async when the rows are 16-byte aligned (Q8_0: K % 256 == 0 and W
-// 16-byte aligned: every model shape; Q4_K: always), 16-bit copies otherwise. The ring holds k-tile kt's sectors
-// and kt + 1's new ones: at most 4 (Q4_K reads its header into registers at a block's first k-tile).
-#define GEMM_RING 4
-#define GEMM_RLD (GEMM_RING * 32 + 16)   // ring row stride in bytes (padded: fewer bank conflicts)
+// sectors), in order, each byte once per block; a k-tile's words are then read from the ring (the same 16-bit words
+// as the direct loads: the same Raw, the same bits). Sectors are counted in v = a + byte position, a = the row's
+// start within its 32-byte sector, so the copies follow the device's sectors. 16-byte cp.async when the rows are
+// 16-byte aligned (Q8_0: K % 256 == 0 and W 16-byte aligned: every model shape; Q4_K: always), 16-bit copies
+// otherwise. A k-tile's bytes lie in at most 2 sectors (Q8_0: 34 bytes from an even offset; Q4_K: 32 quant bytes,
+// or at a block's first k-tile the header too, from a 16-byte boundary), so a ring of 2 is enough when k-tile
+// kt + 1's sectors are copied after every thread has staged kt (while the tensor cores multiply kt); Q4_K reads
+// its header into registers at a block's first k-tile. 2 sectors per row keep 2 blocks per SM on GB10 (Q4_K's
+// ring is dynamic shared memory: 40,960 static + 8,192).
+#define GEMM_RING 2
 template <int F>
 struct GemmRing {
+    static constexpr int LD = F == GEMM_FMT_Q8_0 ? GEMM_RING * 32 + 16 : GEMM_RING * 32;   // row stride (Q8_0
+                                         // padded: fewer bank conflicts; Q4_K's must fit GB10's 2 blocks)
     const uint8_t* row;                  // the row's first byte; null: a row past ncols (nothing copied, zeros)
     uint8_t* ring;                       // the row's ring in shared memory
     int a, bytes, next;                  // start within its sector, row bytes, first sector not yet copied
@@ -297,7 +301,7 @@ __device__ __forceinline__ void gemm_impl(const void* W, const float* X, float* 
     __shared__ float wscale[GEMM_BN];
     constexpr bool RING = F == GEMM_FMT_Q8_0 || F == GEMM_FMT_Q4_K;
     // the Q8_0 ring fits the static 48 KB beside the tiles, Q4_K's (three weight pieces) is dynamic (GEMM_RING_SMEM)
-    __shared__ __align__(16) uint8_t wring_static[F == GEMM_FMT_Q8_0 ? GEMM_BN * GEMM_RLD : 16];
+    __shared__ __align__(16) uint8_t wring_static[F == GEMM_FMT_Q8_0 ? GEMM_BN * GemmRing<F>::LD : 16];
     extern __shared__ __align__(16) uint8_t gemm_dyn[];
     uint8_t* wring = F == GEMM_FMT_Q8_0 ? wring_static : gemm_dyn;
 
@@ -321,7 +325,7 @@ __device__ __forceinline__ void gemm_impl(const void* W, const float* X, float* 
         const int bytes = F == GEMM_FMT_Q8_0 ? K / 32 * GEMM_Q8_BYTES : K / 256 * GEMM_Q4K_BYTES;
         const uint8_t* row = reinterpret_cast<const uint8_t*>(W) + (size_t)n * bytes;
         q8.row = n < ncols ? row : nullptr;
-        q8.ring = wring + (tid0 >> 1) * GEMM_RLD;
+        q8.ring = wring + (tid0 >> 1) * GemmRing<F>::LD;
         q8.a = (int)(reinterpret_cast<size_t>(row) & 31);
         q8.bytes = bytes;
         q8.next = 0;
@@ -365,15 +369,13 @@ __device__ __forceinline__ void gemm_impl(const void* W, const float* X, float* 
         __syncthreads();                                        // the previous k-tile's fragments are read
         if (x_split) tile_split8<2>(xv, xs + xr * GEMM_LDS + xc, XPIECE);
         else tile_store8(xs + xr * GEMM_LDS + xc, xv);
-        if constexpr (RING) {
-            q8.read(kt, wh, raw);
-            if (kt + 1 < nk) {                                  // new sectors only: not those kt is read from
-                q8.fetch(kt + 1, wh);
-                cp_async_commit();
-            }
-        }
+        if constexpr (RING) q8.read(kt, wh, raw);
         Fmt::stage(raw, ws + wr * GEMM_LDS, wh, PIECE, wscale + wr);
         __syncthreads();
+        if (RING && kt + 1 < nk) {                              // every thread is past k-tile kt's ring reads
+            q8.fetch(kt + 1, wh);
+            cp_async_commit();
+        }
         if (kt + 1 < nk) load(kt + 1);                          // in flight while the tensor cores work
         const uint16_t* as = xs + wm * GEMM_WM * GEMM_LDS;
         const uint16_t* bs = ws + wn * GEMM_WN * GEMM_LDS;

@@ -34,9 +34,9 @@ MAX_T = 65535 * BM               # grid.y limit
 _KERNEL = {"Q8_0": "gemm_q8_0", "F16": "gemm_f16", "F32": "gemm_f32", "Q4_K": "gemm_q4_k"}
 PIECES = {"Q8_0": 1, "F16": 2, "F32": 3, "Q4_K": 3}     # bf16 mma per k16 step and tile: the tensor-core cost factor
 ACCUMULATE, X_SPLIT = 1, 2                   # flags (GEMM_ACCUMULATE, GEMM_X_SPLIT)
-# Q4_K's sector ring (cu/gemm.cu GEMM_RING sectors of 32 bytes + 16 of padding per weight row) is dynamic shared
-# memory: with its three staged weight pieces the static 48 KB has no room for it.
-RING_SMEM = {"Q4_K": BN * (4 * 32 + 16)}
+# Q4_K's sector ring (cu/gemm.cu: GEMM_RING = 2 sectors of 32 bytes per weight row) is dynamic shared memory:
+# with its three staged weight pieces the static 48 KB has no room for it.
+RING_SMEM = {"Q4_K": BN * 2 * 32}
 
 
 def gemm_grid(T: int, N: int, x_group_rows: int = 0) -> tuple[int, int, int]:
