@@ -235,9 +235,11 @@ struct GemmRing {
                 if (p0 >= 0 && p0 < bytes) cp_async_16(dst, row + p0);
             } else {
 #pragma unroll
-                for (int w = 0; w < 8; w++)
-                    if (p0 + 2 * w >= 0 && p0 + 2 * w < bytes)
-                        *reinterpret_cast<uint16_t*>(dst + 2 * w) = *reinterpret_cast<const uint16_t*>(row + p0 + 2 * w);
+                for (int w = 0; w < 8; w++) {
+                    const int p = p0 + 2 * w;
+                    if (p >= 0 && p < bytes)
+                        *reinterpret_cast<uint16_t*>(dst + 2 * w) = *reinterpret_cast<const uint16_t*>(row + p);
+                }
             }
         }
     }

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -82,6 +83,28 @@ LARGEST_FIELDS = ("grid", "block", "arg_bytes", "requests", "coalescing", "dram_
                   "reread_blocks", "coverage", "pre_pdl_bytes")
 
 
+# The weight-streaming kernels (issue 34's coalescing target): the decode GEMVs and expert kernels, the prefill
+# GEMMs and grouped experts; their streamed matrices are these arguments (not norm weights, biases or tables).
+STREAMING = re.compile(r"^(gemv_|moe_gate_up_|moe_down_|moe_prefill_gate_up_|moe_prefill_down_"
+                       r"|gemm_(f16|f32|q8_0|q4_k)$)")
+MATRIX_ARGS = frozenset({"W", "W0", "W1", "W2", "W3", "Wg", "Wu"})
+
+
+def weight_coalescing(report: dict) -> dict[tuple[str, str], float]:
+    """{(kernel, matrix argument): coalescing per warp request} of every weight-streaming kernel in a report,
+    judged where the report holds the kernel at the model's width (its `model_width` section: rows that start on
+    a sector as every model shape's do), else at the largest launch its twin tests make (as findings())."""
+    wide = (report.get("model_width") or {}).get("kernels") or {}
+    out = {}
+    for name, k in (report.get("kernels") or {}).items():
+        if not STREAMING.search(name):
+            continue
+        for arg, c in wide.get(name, k)["args"].items():
+            if arg in MATRIX_ARGS and c.get("requests") and c.get("coalescing") is not None:
+                out[(name, arg)] = (c.get("largest_launch") or c)["coalescing"]
+    return out
+
+
 def findings(kernels: dict) -> list[dict]:
     """Weight arguments below the coalescing target or read more than REREAD_LIMIT times; kernels that load
     weights only after pdl_wait; shared-memory requests with bank conflicts."""
@@ -118,8 +141,6 @@ def report(records: Sequence[dict], sources: Sequence[str] = ()) -> dict:
 def merged(old: dict, new: dict, replace: str = "") -> dict:
     """`old` report plus `new`'s kernels that it lacks, and `new`'s in place of those whose names match the regex
     `replace` (--update): findings and lists recomputed, launches summed over the kernels."""
-    import re
-
     keep = re.compile(replace) if replace else None
     kernels = {**(old.get("kernels") or {}),
                **{n: k for n, k in new["kernels"].items()
