@@ -17,8 +17,9 @@
 // Tiles. A block computes GEMM_BM tokens x GEMM_BN output features (8 warps, 2 x 4, each 32 x 32: 2 x 4 mma tiles);
 // K is walked in GEMM_BK = 32 column tiles in increasing order - the same order for every T, grid or tile
 // position, so an output row's bits depend only on its own x row and W (not on T, nor on which rows share its
-// tile: batch invariant). The next k-tile's raw bytes are loaded into registers while the current one is
-// multiplied (then converted to bf16 into shared memory); no split-K.
+// tile: batch invariant). The next k-tile's raw bytes are loaded while the current one is multiplied (F16 / F32
+// into registers, Q8_0 / Q4_K into a per-row ring of sectors in shared memory: GemmRing), then converted to bf16
+// into shared memory; no split-K.
 //
 // Input groups (x_group_rows > 0: the grouped wo_a): output features [g*x_group_rows, (g+1)*x_group_rows) read x
 // columns [g*K, (g+1)*K) of each row (X is [T, groups*K], ldx apart); grid.z = groups.
