@@ -17,8 +17,9 @@
 // Tiles. A block computes GEMM_BM tokens x GEMM_BN output features (8 warps, 2 x 4, each 32 x 32: 2 x 4 mma tiles);
 // K is walked in GEMM_BK = 32 column tiles in increasing order - the same order for every T, grid or tile
 // position, so an output row's bits depend only on its own x row and W (not on T, nor on which rows share its
-// tile: batch invariant). The next k-tile's raw bytes are loaded into registers while the current one is
-// multiplied (then converted to bf16 into shared memory); no split-K.
+// tile: batch invariant). The next k-tile's raw bytes are loaded while the current one is multiplied (F16 / F32
+// into registers, Q8_0 / Q4_K into a per-row ring of sectors in shared memory: GemmRing), then converted to bf16
+// into shared memory; no split-K.
 //
 // Input groups (x_group_rows > 0: the grouped wo_a): output features [g*x_group_rows, (g+1)*x_group_rows) read x
 // columns [g*K, (g+1)*K) of each row (X is [T, groups*K], ldx apart); grid.z = groups.
@@ -61,22 +62,26 @@ static_assert(GEMM_BN * 2 == GEMM_THREADS, "each thread stages 16 weights of one
 #define GEMM_FMT_Q4_K 3
 #define GEMM_Q4K_BYTES 144
 
-// The weight formats: Raw = one thread's 16 weights of one row for one k-tile (loaded into registers ahead),
-// stage() writes them as bf16 pieces (and, Q8_0, the row's block scale).
+// The weight formats: Raw = one thread's 16 weights of one row for one k-tile (loaded into registers ahead; the
+// row's two threads are half = 0, 1), stage() writes them at their columns of the row's shared tile as bf16 pieces
+// (and, Q8_0, the row's block scale).
 template <int F> struct GemmFmt;
 
 template <> struct GemmFmt<GEMM_FMT_F16> {
     static constexpr int NP = 2;
     static constexpr bool SCALED = false;
     struct Raw { uint4 v[2]; };
-    __device__ static __forceinline__ void load(const void* W, int n, int ncols, int K, int k, Raw& r) {
+    // Load i of the row's two threads takes 16-byte pieces 2i and 2i + 1 of the row's 64 bytes: each warp request
+    // reads whole 32-byte sectors (16 rows x 32 contiguous bytes) instead of half of 32.
+    __device__ static __forceinline__ void load(const void* W, int n, int ncols, int K, int k, int half, Raw& r) {
         const __half* row = reinterpret_cast<const __half*>(W) + (size_t)n * K;
 #pragma unroll
-        for (int i = 0; i < 2; i++)
-            r.v[i] = (n < ncols && k + 8 * i < K) ? *reinterpret_cast<const uint4*>(row + k + 8 * i)
-                                                  : make_uint4(0u, 0u, 0u, 0u);
+        for (int i = 0; i < 2; i++) {
+            const int c = k + 8 * (2 * i + half);
+            r.v[i] = (n < ncols && c < K) ? *reinterpret_cast<const uint4*>(row + c) : make_uint4(0u, 0u, 0u, 0u);
+        }
     }
-    __device__ static __forceinline__ void stage(const Raw& r, uint16_t* dst, int piece, float*, bool) {
+    __device__ static __forceinline__ void stage(const Raw& r, uint16_t* row, int half, int piece, float*) {
 #pragma unroll
         for (int i = 0; i < 2; i++) {
             const __half2* h = reinterpret_cast<const __half2*>(&r.v[i]);
@@ -87,7 +92,7 @@ template <> struct GemmFmt<GEMM_FMT_F16> {
                 v[2 * j] = f.x;
                 v[2 * j + 1] = f.y;
             }
-            tile_split8<NP>(v, dst + 8 * i, piece);
+            tile_split8<NP>(v, row + 8 * (2 * i + half), piece);
         }
     }
 };
@@ -96,19 +101,21 @@ template <> struct GemmFmt<GEMM_FMT_F32> {
     static constexpr int NP = 3;
     static constexpr bool SCALED = false;
     struct Raw { float4 v[4]; };
-    __device__ static __forceinline__ void load(const void* W, int n, int ncols, int K, int k, Raw& r) {
+    // Load i of the row's two threads takes 16-byte pieces 2i and 2i + 1 of the row's 128 bytes (whole sectors per
+    // warp request, as F16); the pieces are staged as 4 values each.
+    __device__ static __forceinline__ void load(const void* W, int n, int ncols, int K, int k, int half, Raw& r) {
         const float* row = reinterpret_cast<const float*>(W) + (size_t)n * K;
 #pragma unroll
-        for (int i = 0; i < 4; i++)
-            r.v[i] = (n < ncols && k + 4 * i < K) ? *reinterpret_cast<const float4*>(row + k + 4 * i)
-                                                  : make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int i = 0; i < 4; i++) {
+            const int c = k + 4 * (2 * i + half);
+            r.v[i] = (n < ncols && c < K) ? *reinterpret_cast<const float4*>(row + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
     }
-    __device__ static __forceinline__ void stage(const Raw& r, uint16_t* dst, int piece, float*, bool) {
+    __device__ static __forceinline__ void stage(const Raw& r, uint16_t* row, int half, int piece, float*) {
 #pragma unroll
-        for (int i = 0; i < 2; i++) {
-            const float v[8] = {r.v[2 * i].x, r.v[2 * i].y, r.v[2 * i].z, r.v[2 * i].w,
-                                r.v[2 * i + 1].x, r.v[2 * i + 1].y, r.v[2 * i + 1].z, r.v[2 * i + 1].w};
-            tile_split8<NP>(v, dst + 8 * i, piece);
+        for (int i = 0; i < 4; i++) {
+            const float v[4] = {r.v[i].x, r.v[i].y, r.v[i].z, r.v[i].w};
+            tile_split4<NP>(v, row + 4 * (2 * i + half), piece);
         }
     }
 };
@@ -119,7 +126,8 @@ template <> struct GemmFmt<GEMM_FMT_Q8_0> {
     static constexpr int NP = 1;
     static constexpr bool SCALED = true;
     struct Raw { unsigned q[8]; unsigned d; };
-    __device__ static __forceinline__ void load(const void* W, int n, int ncols, int K, int k, Raw& r) {
+    __device__ static __forceinline__ void load(const void* W, int n, int ncols, int K, int kt, int half, Raw& r) {
+        const int k = kt + 16 * half;
         if (n >= ncols) {
 #pragma unroll
             for (int i = 0; i < 8; i++) r.q[i] = 0u;
@@ -132,7 +140,8 @@ template <> struct GemmFmt<GEMM_FMT_Q8_0> {
         for (int i = 0; i < 8; i++) r.q[i] = q[i];
         r.d = *reinterpret_cast<const uint16_t*>(b);
     }
-    __device__ static __forceinline__ void stage(const Raw& r, uint16_t* dst, int, float* scale, bool first) {
+    __device__ static __forceinline__ void stage(const Raw& r, uint16_t* row, int half, int, float* scale) {
+        uint16_t* dst = row + 16 * half;
 #pragma unroll
         for (int i = 0; i < 2; i++) {
             float v[8];
@@ -144,7 +153,7 @@ template <> struct GemmFmt<GEMM_FMT_Q8_0> {
             }
             tile_store8(dst + 8 * i, v);
         }
-        if (first) *scale = __half2float(__ushort_as_half((unsigned short)r.d));
+        if (half == 0) *scale = __half2float(__ushort_as_half((unsigned short)r.d));
     }
 };
 
@@ -155,7 +164,8 @@ template <> struct GemmFmt<GEMM_FMT_Q4_K> {
     static constexpr int NP = 3;
     static constexpr bool SCALED = false;
     struct Raw { uint4 q; float dl, ml; int sh; };
-    __device__ static __forceinline__ void load(const void* W, int n, int ncols, int K, int k, Raw& r) {
+    __device__ static __forceinline__ void load(const void* W, int n, int ncols, int K, int kt, int half, Raw& r) {
+        const int k = kt + 16 * half;
         if (n >= ncols) {
             r.q = make_uint4(0u, 0u, 0u, 0u);
             r.dl = r.ml = 0.0f;
@@ -171,7 +181,8 @@ template <> struct GemmFmt<GEMM_FMT_Q4_K> {
         r.sh = 4 * (gi & 1);
         r.q = *reinterpret_cast<const uint4*>(b + 16 + 32 * (gi >> 1) + (k & 16));
     }
-    __device__ static __forceinline__ void stage(const Raw& r, uint16_t* dst, int piece, float*, bool) {
+    __device__ static __forceinline__ void stage(const Raw& r, uint16_t* row, int half, int piece, float*) {
+        uint16_t* dst = row + 16 * half;
         const unsigned w[4] = {r.q.x, r.q.y, r.q.z, r.q.w};
 #pragma unroll
         for (int i = 0; i < 2; i++) {
@@ -186,6 +197,103 @@ template <> struct GemmFmt<GEMM_FMT_Q4_K> {
     }
 };
 
+// Q8_0 and Q4_K weights through shared memory. Loaded straight from the row, a k-tile's bytes (Q8_0: one 34-byte
+// block; Q4_K: a 144-byte block's 32 quant bytes and its 16-byte header) sit across sector boundaries: a warp
+// request of 16 rows reads 2-3 sectors per row for 34 bytes (Q8_0: 8% of the sectors' bytes used, 20% for Q4_K,
+// whose headers every k-tile read again). Instead each row's bytes are copied into a ring of GEMM_RING 32-byte
+// sectors (the row's two threads take the two 16-byte halves of a sector, so a warp request reads 16 whole
+// sectors), in order, each byte once per block; a k-tile's words are then read from the ring (the same 16-bit words
+// as the direct loads: the same Raw, the same bits). Sectors are counted in v = a + byte position, a = the row's
+// start within its 32-byte sector, so the copies follow the device's sectors. 16-byte cp.async when the rows are
+// 16-byte aligned (Q8_0: K % 256 == 0 and W 16-byte aligned: every model shape; Q4_K: always), 16-bit copies
+// otherwise. A k-tile's bytes lie in at most 2 sectors (Q8_0: 34 bytes from an even offset; Q4_K: 32 quant bytes,
+// or at a block's first k-tile the header too, from a 16-byte boundary), so a ring of 2 is enough when k-tile
+// kt + 1's sectors are copied after every thread has staged kt (while the tensor cores multiply kt); Q4_K reads
+// its header into registers at a block's first k-tile. 2 sectors per row keep 2 blocks per SM on GB10 (Q4_K's
+// ring is dynamic shared memory: 40,960 static + 8,192).
+#define GEMM_RING 2
+template <int F>
+struct GemmRing {
+    static constexpr int LD = F == GEMM_FMT_Q8_0 ? GEMM_RING * 32 + 16 : GEMM_RING * 32;   // row stride (Q8_0
+                                         // padded: fewer bank conflicts; Q4_K's must fit GB10's 2 blocks)
+    const uint8_t* row;                  // the row's first byte; null: a row past ncols (nothing copied, zeros)
+    uint8_t* ring;                       // the row's ring in shared memory
+    int a, bytes, next;                  // start within its sector, row bytes, first sector not yet copied
+    bool fast;                           // 16-byte cp.async copies
+    unsigned hdr[4];                     // Q4_K: the current block's header (d, dmin, 12 scale bytes)
+    __device__ __forceinline__ int last_byte(int kt) const {
+        if constexpr (F == GEMM_FMT_Q8_0) return kt * GEMM_Q8_BYTES + GEMM_Q8_BYTES - 1;
+        else return (kt >> 3) * GEMM_Q4K_BYTES + 16 + 32 * ((kt & 7) >> 1) + 31;
+    }
+    // copy half h of the sectors up to k-tile kt's last (this thread's share of the row)
+    __device__ __forceinline__ void fetch(int kt, int h) {
+        if (row == nullptr) return;
+        const int upto = (a + last_byte(kt)) >> 5;
+        for (; next <= upto; next++) {
+            const int p0 = 32 * next + 16 * h - a;
+            uint8_t* dst = ring + (next % GEMM_RING) * 32 + 16 * h;
+            if (fast) {
+                if (p0 >= 0 && p0 < bytes) cp_async_16(dst, row + p0);
+            } else {
+#pragma unroll
+                for (int w = 0; w < 8; w++) {
+                    const int p = p0 + 2 * w;
+                    if (p >= 0 && p < bytes)
+                        *reinterpret_cast<uint16_t*>(dst + 2 * w) = *reinterpret_cast<const uint16_t*>(row + p);
+                }
+            }
+        }
+    }
+    __device__ __forceinline__ unsigned word(int p) const {     // the 16-bit word at row byte p (p even)
+        const int v = a + p;
+        return *reinterpret_cast<const uint16_t*>(ring + ((v >> 5) % GEMM_RING) * 32 + (v & 31));
+    }
+    __device__ __forceinline__ unsigned word32(int p) const { return word(p) | (word(p + 2) << 16); }
+    __device__ __forceinline__ unsigned hbyte(int i) const {    // byte i of the Q4_K header
+        const unsigned w = i < 4 ? hdr[0] : i < 8 ? hdr[1] : i < 12 ? hdr[2] : hdr[3];
+        return (w >> (8 * (i & 3))) & 255u;
+    }
+    // half h of k-tile kt as GemmFmt<F>::load reads it from global memory
+    __device__ __forceinline__ void read(int kt, int h, typename GemmFmt<F>::Raw& r) {
+        if constexpr (F == GEMM_FMT_Q8_0) {
+            if (row == nullptr) {
+#pragma unroll
+                for (int i = 0; i < 8; i++) r.q[i] = 0u;
+                r.d = 0u;
+                return;
+            }
+            const int p = kt * GEMM_Q8_BYTES;
+#pragma unroll
+            for (int i = 0; i < 8; i++) r.q[i] = word(p + 2 + 16 * h + 2 * i);
+            r.d = word(p);
+        } else {
+            if (row == nullptr) {
+                r.q = make_uint4(0u, 0u, 0u, 0u);
+                r.dl = r.ml = 0.0f;
+                r.sh = 0;
+                return;
+            }
+            const int b = (kt >> 3) * GEMM_Q4K_BYTES, gi = kt & 7;
+            if (gi == 0)
+#pragma unroll
+                for (int i = 0; i < 4; i++) hdr[i] = word32(b + 4 * i);
+            unsigned sc, mn;                                    // MoeFmt<FMT_Q4_K>::scales on the header's bytes
+            if (gi < 4) {
+                sc = hbyte(4 + gi) & 63u;
+                mn = hbyte(8 + gi) & 63u;
+            } else {
+                sc = (hbyte(8 + gi) & 15u) | ((hbyte(gi) >> 6) << 4);
+                mn = (hbyte(8 + gi) >> 4) | ((hbyte(4 + gi) >> 6) << 4);
+            }
+            r.dl = __fmul_rn(__half2float(__ushort_as_half((unsigned short)(hdr[0] & 0xFFFFu))), moe_u2f(sc));
+            r.ml = __fmul_rn(__half2float(__ushort_as_half((unsigned short)(hdr[0] >> 16))), moe_u2f(mn));
+            r.sh = 4 * (gi & 1);
+            const int q = b + 16 + 32 * (gi >> 1) + 16 * h;
+            r.q = make_uint4(word32(q), word32(q + 4), word32(q + 8), word32(q + 12));
+        }
+    }
+};
+
 template <int F>
 __device__ __forceinline__ void gemm_impl(const void* W, const float* X, float* Y, int T, int N, int K, int ldx,
                                           int ldy, int x_group_rows, int flags) {
@@ -194,8 +302,11 @@ __device__ __forceinline__ void gemm_impl(const void* W, const float* X, float* 
     __shared__ __align__(16) uint16_t xs[2 * XPIECE];
     __shared__ __align__(16) uint16_t ws[NP * PIECE];
     __shared__ float wscale[GEMM_BN];
-    pdl_wait();
-    pdl_launch_dependents();
+    constexpr bool RING = F == GEMM_FMT_Q8_0 || F == GEMM_FMT_Q4_K;
+    // the Q8_0 ring fits the static 48 KB beside the tiles, Q4_K's (three weight pieces) is dynamic (GEMM_RING_SMEM)
+    __shared__ __align__(16) uint8_t wring_static[F == GEMM_FMT_Q8_0 ? GEMM_BN * GemmRing<F>::LD : 16];
+    extern __shared__ __align__(16) uint8_t gemm_dyn[];
+    uint8_t* wring = F == GEMM_FMT_Q8_0 ? wring_static : gemm_dyn;
 
     // this launch's input group
     int ncols = N;
@@ -210,12 +321,29 @@ __device__ __forceinline__ void gemm_impl(const void* W, const float* X, float* 
         else W = reinterpret_cast<const float*>(W) + (size_t)nb * K;
     }
     const int n0 = blockIdx.x * GEMM_BN, m0 = blockIdx.y * GEMM_BM;
+    const int tid0 = threadIdx.x;
+    GemmRing<F> q8{};
+    if (RING && n0 < ncols) {                                   // the first k-tile's weights before pdl_wait
+        const int n = n0 + (tid0 >> 1);
+        const int bytes = F == GEMM_FMT_Q8_0 ? K / 32 * GEMM_Q8_BYTES : K / 256 * GEMM_Q4K_BYTES;
+        const uint8_t* row = reinterpret_cast<const uint8_t*>(W) + (size_t)n * bytes;
+        q8.row = n < ncols ? row : nullptr;
+        q8.ring = wring + (tid0 >> 1) * GemmRing<F>::LD;
+        q8.a = (int)(reinterpret_cast<size_t>(row) & 31);
+        q8.bytes = bytes;
+        q8.next = 0;
+        q8.fast = (reinterpret_cast<size_t>(W) & 15) == 0 && (bytes & 15) == 0;
+        q8.fetch(0, tid0 & 1);
+        cp_async_commit();
+    }
+    pdl_wait();
+    pdl_launch_dependents();
     if (n0 >= ncols) return;                                    // the whole block: a short last group
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int wm = warp / GEMM_WARPS_N, wn = warp % GEMM_WARPS_N;
     const int xr = tid >> 2, xc = (tid & 3) * 8;                // staging: x row and columns
-    const int wr = tid >> 1, wc = (tid & 1) * 16;               // staging: weight row and columns
+    const int wr = tid >> 1, wh = tid & 1;                      // staging: weight row and which of its 2 threads
     const int xm = m0 + xr, wnr = n0 + wr;
     const float* xrow = X + (size_t)(xm < T ? xm : 0) * ldx;
     const int nk = (K + GEMM_BK - 1) / GEMM_BK;
@@ -236,15 +364,21 @@ __device__ __forceinline__ void gemm_impl(const void* W, const float* X, float* 
 #pragma unroll
             for (int i = 0; i < 8; i++) xv[i] = 0.0f;
         }
-        Fmt::load(W, wnr, ncols, K, k + wc, raw);
+        if constexpr (!RING) Fmt::load(W, wnr, ncols, K, k, wh, raw);
     };
     load(0);
     for (int kt = 0; kt < nk; kt++) {
+        if constexpr (RING) cp_async_wait_all();                // this thread's copies of k-tile kt's sectors
         __syncthreads();                                        // the previous k-tile's fragments are read
         if (x_split) tile_split8<2>(xv, xs + xr * GEMM_LDS + xc, XPIECE);
         else tile_store8(xs + xr * GEMM_LDS + xc, xv);
-        Fmt::stage(raw, ws + wr * GEMM_LDS + wc, PIECE, wscale + wr, wc == 0);
+        if constexpr (RING) q8.read(kt, wh, raw);
+        Fmt::stage(raw, ws + wr * GEMM_LDS, wh, PIECE, wscale + wr);
         __syncthreads();
+        if (RING && kt + 1 < nk) {                              // every thread is past k-tile kt's ring reads
+            q8.fetch(kt + 1, wh);
+            cp_async_commit();
+        }
         if (kt + 1 < nk) load(kt + 1);                          // in flight while the tensor cores work
         const uint16_t* as = xs + wm * GEMM_WM * GEMM_LDS;
         const uint16_t* bs = ws + wn * GEMM_WN * GEMM_LDS;

@@ -82,3 +82,29 @@ __device__ __forceinline__ void tile_split8(const float* v, uint16_t* dst, int p
         tile_store8(dst + p * piece, b);                         // on the bf16 grid: stored as it is
     }
 }
+
+// Four fp32 values -> four bf16 patterns in one 8-byte shared store.
+__device__ __forceinline__ void tile_store4(uint16_t* dst, const float* v) {
+    uint2 p;
+    p.x = tile_bf16(v[0]) | (tile_bf16(v[1]) << 16);
+    p.y = tile_bf16(v[2]) | (tile_bf16(v[3]) << 16);
+    *reinterpret_cast<uint2*>(dst) = p;
+}
+
+// tile_split8 for four values (8-byte stores).
+template <int NP>
+__device__ __forceinline__ void tile_split4(const float* v, uint16_t* dst, int piece) {
+    float r[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) r[i] = v[i];
+#pragma unroll
+    for (int p = 0; p < NP; p++) {
+        float b[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            b[i] = tile_bf16_value(tile_bf16(r[i]));
+            r[i] = r[i] - b[i];
+        }
+        tile_store4(dst + p * piece, b);
+    }
+}

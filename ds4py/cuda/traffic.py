@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -82,6 +83,28 @@ LARGEST_FIELDS = ("grid", "block", "arg_bytes", "requests", "coalescing", "dram_
                   "reread_blocks", "coverage", "pre_pdl_bytes")
 
 
+# The weight-streaming kernels (issue 34's coalescing target): the decode GEMVs and expert kernels, the prefill
+# GEMMs and grouped experts; their streamed matrices are these arguments (not norm weights, biases or tables).
+STREAMING = re.compile(r"^(gemv_|moe_gate_up_|moe_down_|moe_prefill_gate_up_|moe_prefill_down_"
+                       r"|gemm_(f16|f32|q8_0|q4_k)$)")
+MATRIX_ARGS = frozenset({"W", "W0", "W1", "W2", "W3", "Wg", "Wu"})
+
+
+def weight_coalescing(report: dict) -> dict[tuple[str, str], float]:
+    """{(kernel, matrix argument): coalescing per warp request} of every weight-streaming kernel in a report,
+    judged where the report holds the kernel at the model's width (its `model_width` section: rows that start on
+    a sector as every model shape's do), else at the largest launch its twin tests make (as findings())."""
+    wide = (report.get("model_width") or {}).get("kernels") or {}
+    out = {}
+    for name, k in (report.get("kernels") or {}).items():
+        if not STREAMING.search(name):
+            continue
+        for arg, c in wide.get(name, k)["args"].items():
+            if arg in MATRIX_ARGS and c.get("requests") and c.get("coalescing") is not None:
+                out[(name, arg)] = (c.get("largest_launch") or c)["coalescing"]
+    return out
+
+
 def findings(kernels: dict) -> list[dict]:
     """Weight arguments below the coalescing target or read more than REREAD_LIMIT times; kernels that load
     weights only after pdl_wait; shared-memory requests with bank conflicts."""
@@ -118,8 +141,6 @@ def report(records: Sequence[dict], sources: Sequence[str] = ()) -> dict:
 def merged(old: dict, new: dict, replace: str = "") -> dict:
     """`old` report plus `new`'s kernels that it lacks, and `new`'s in place of those whose names match the regex
     `replace` (--update): findings and lists recomputed, launches summed over the kernels."""
-    import re
-
     keep = re.compile(replace) if replace else None
     kernels = {**(old.get("kernels") or {}),
                **{n: k for n, k in new["kernels"].items()
@@ -176,6 +197,98 @@ def model_width_gemv(rows: int = 16, cols: int = 4096, nx: int = 1) -> list[dict
     return recs
 
 
+def model_width_gemm(T: int = 64, rows: int = 128, cols: int = 4096) -> list[dict]:
+    """The prefill GEMM of every dense weight type at the model's width (one token tile x one feature tile: the
+    tests' ragged K leave rows that do not start on a sector), traffic build, one launch each. A launch of T tokens
+    reads each weight byte once per GEMM_BM-token tile (the tiles of one feature tile share it through L2)."""
+    import numpy as np
+
+    from ds4py.cuda.ops.gemm import gemm
+    from ds4py.cuda.emu_runtime import EmuRuntime
+    from ds4py.quant import kquants, simple
+
+    r = np.random.default_rng(35)
+    Wf = (r.standard_normal((rows, cols)) * 0.1).astype(np.float32)
+    weights = {"F32": Wf, "F16": Wf.astype(np.float16), "Q8_0": simple.quant_q8_0(Wf).reshape(rows, -1),
+               "Q4_K": kquants.quant_q4_k(Wf.reshape(-1, 256)).reshape(rows, -1)}
+    old = os.environ.get("DS4PY_EMU_CHECK")
+    os.environ["DS4PY_EMU_CHECK"] = "traffic"
+    try:
+        rt = EmuRuntime(check_pdl=True)
+        arena = rt.arena(weights_bytes=4 * rows * cols + (1 << 20), scratch_bytes=4 * T * (cols + rows) + (1 << 20))
+        with collect() as recs:
+            for kind, host in weights.items():
+                arena.reset_weights()
+                arena.begin_step()
+                W = arena.weights(host.shape, host.dtype)
+                W.upload(host)
+                x, y = arena.scratch(T * cols, np.float32), arena.scratch(T * rows, np.float32)
+                x.upload(r.standard_normal(T * cols).astype(np.float32))
+                gemm(rt, W, x, y, T, rows, cols)
+                rt.synchronize()
+        arena.close()
+    finally:
+        if old is None:
+            os.environ.pop("DS4PY_EMU_CHECK", None)
+        else:
+            os.environ["DS4PY_EMU_CHECK"] = old
+    return recs
+
+
+def model_width_moe_tiles(T: int = 4, dim: int = 4096, ff: int = 2048, rows: int = 64) -> list[dict]:
+    """The prefill experts' exact token tiles (moe_gate_up_tile_<fmt>: rows of `dim` columns; moe_down_tile_<fmt>:
+    rows of `ff`, V4 Flash's widths) of every GGML format, one expert of `rows` weight rows and T tokens, random
+    weight bytes (the traffic does not depend on the values), traffic build, one launch each."""
+    import numpy as np
+
+    from ds4py.cuda.emu_runtime import EmuRuntime
+    from ds4py.cuda.ops import moe_prefill as mp
+    from ds4py.cuda.ops.experts import FORMATS, row_bytes
+    from ds4py.ggml_types import GGMLQuantizationType as QT
+
+    r = np.random.default_rng(36)
+    old = os.environ.get("DS4PY_EMU_CHECK")
+    os.environ["DS4PY_EMU_CHECK"] = "traffic"
+    try:
+        rt = EmuRuntime(check_pdl=True)
+        arena = rt.arena(weights_bytes=8 * rows * dim + (1 << 20), scratch_bytes=16 * T * (dim + ff) + (1 << 20))
+        with collect() as recs:
+            for qtype in FORMATS:
+                for down in (False, True):
+                    arena.reset_weights()
+                    arena.begin_step()
+                    cols, feat, fd = (ff, rows, (ff, rows)) if down else (dim, rows, (rows, dim))
+
+                    def mat():
+                        host = r.integers(0, 256, (1, feat, row_bytes(qtype, cols)), dtype=np.uint8)
+                        if int(qtype) == int(QT.F16):     # finite halves (the values do not matter otherwise)
+                            host = (r.standard_normal(host.size // 2) * 0.1).astype(np.float16).view(np.uint8)
+                        w = arena.weights(host.shape, np.uint8)
+                        w.upload(host.reshape(1, feat, -1))
+                        return w
+
+                    bufs = mp.MoePrefillBuffers.alloc(lambda sh, dt: arena.scratch(sh, dt), T, 1, 1, *fd)
+                    ids = arena.scratch((T,), np.int32)
+                    ids.upload(np.zeros(T, np.int32))
+                    mp.moe_prefill_route(rt, ids, bufs, T, 1, 1)
+                    if down:
+                        bufs.H.upload(r.standard_normal((T, ff)).astype(np.float32))
+                        mp.moe_tile_down(rt, qtype, mat(), bufs, T, 1, 1, ff, rows)
+                    else:
+                        x = arena.scratch((T, dim), np.float32)
+                        x.upload(r.standard_normal((T, dim)).astype(np.float32))
+                        mp.moe_tile_gate_up(rt, qtype, mat(), mat(), x, None, bufs, T, 1, 1, rows, dim, 0.0)
+                    rt.synchronize()
+        arena.close()
+    finally:
+        if old is None:
+            os.environ.pop("DS4PY_EMU_CHECK", None)
+        else:
+            os.environ["DS4PY_EMU_CHECK"] = old
+    return [x for x in recs if x["kernel"].startswith(("moe_gate_up_tile_", "moe_down_tile_"))]
+
+
+
 def twin_tests(repo: Path) -> list[str]:
     """The kernels' twin tests: every tests/test_cu_emu_*.py but the emulator's own and the GPU / NVRTC ones."""
     skip = {"test_cu_emu.py", "test_cu_emu_gpu.py", "test_cu_emu_portable.py", "test_cu_emu_kernels.py",
@@ -189,7 +302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/traffic/report.json", help="the per-kernel report (JSON)")
     ap.add_argument("--records", help="keep the per-launch records (JSON lines) here")
     ap.add_argument("--from-records", help="summarise these per-launch records instead of running tests")
-    ap.add_argument("--no-model-width", action="store_true", help="skip the GEMVs at 4096 columns")
+    ap.add_argument("--no-model-width", action="store_true", help="skip the GEMVs, GEMMs and expert tiles at the model's width")
     ap.add_argument("--update", nargs="?", const="", default=None, metavar="REGEX",
                     help="merge into the existing --out report: add the kernels it lacks, replace those matching "
                          "REGEX (default: none; the others keep what their own tests recorded)")
@@ -219,8 +332,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.update is not None and out.is_file():
         rep = merged(json.loads(out.read_text()), rep, a.update)
     if not a.no_model_width:
-        width = model_width_gemv() + model_width_gemv(nx=4)
-        rep["model_width"] = {"what": "gemv of every weight type, 16 x 4096, one and four activation rows",
+        width = model_width_gemv() + model_width_gemv(nx=4) + model_width_gemm() + model_width_moe_tiles()
+        rep["model_width"] = {"what": "gemv of every weight type, 16 x 4096, one and four activation rows; "
+                                      "gemm of every dense weight type, 64 tokens x 128 x 4096; the experts' "
+                                      "token tiles of every GGML format, 4 tokens, 64 rows of 4096 (gate + up) "
+                                      "and of 2048 columns (down)",
                               "kernels": summarize(width)}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rep, indent=1, sort_keys=True) + "\n")

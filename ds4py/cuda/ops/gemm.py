@@ -35,6 +35,9 @@ MAX_T = 65535 * BM               # grid.y limit
 _KERNEL = {"Q8_0": "gemm_q8_0", "F16": "gemm_f16", "F32": "gemm_f32", "Q4_K": "gemm_q4_k"}
 PIECES = {"Q8_0": 1, "F16": 2, "F32": 3, "Q4_K": 3}     # bf16 mma per k16 step and tile: the tensor-core cost factor
 ACCUMULATE, X_SPLIT = 1, 2                   # flags (GEMM_ACCUMULATE, GEMM_X_SPLIT)
+# Q4_K's sector ring (cu/gemm.cu: GEMM_RING = 2 sectors of 32 bytes per weight row) is dynamic shared memory:
+# with its three staged weight pieces the static 48 KB has no room for it.
+RING_SMEM = {"Q4_K": BN * 2 * 32}
 
 
 def gemm_grid(T: int, N: int, x_group_rows: int = 0) -> tuple[int, int, int]:
@@ -90,7 +93,7 @@ def gemm(rt: Any, W: Any, x: Any, y: Any, shape: GemmShape, accumulate: bool = F
     need(is_dtype(y, np.float32) and y.size >= (T - 1) * ldy + N, f"gemm: y must be float32 [{T}, {ldy}]")
     rt.launch(_KERNEL[qtype], gemm_grid(T, N, x_group_rows), THREADS, W, x, y, int(T), int(N), int(K), ldx, ldy,
               int(x_group_rows), (ACCUMULATE if accumulate else 0) | (X_SPLIT if shape.precise_x else 0),
-              stream=stream, pdl=pdl)
+              smem=RING_SMEM.get(qtype, 0), stream=stream, pdl=pdl)
 
 
 def mma_tile(rt: Any, dtype: str, a: Any, b: Any, c: Any, d: Any, tiles: int = 1) -> None:

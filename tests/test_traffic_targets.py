@@ -1,0 +1,73 @@
+"""Issue 34's coalescing target on the committed traffic report (bench/traffic/report.json, written by
+`python3 -m ds4py.cuda.traffic`): every weight-streaming kernel reads its weight matrices with >= 95% of each
+warp request's sector bytes used. The kernels still below it are listed here with the reason; the list may only
+shrink (a listed kernel that reaches the target fails the test until it is removed), and a kernel not listed that
+falls below fails. No emulator run: the report is the measurement (re-record it after changing a kernel)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ds4py.cuda import traffic
+
+REPORT = Path(__file__).resolve().parents[1] / "bench" / "traffic" / "report.json"
+
+# kernel -> why it is still below the target (issue 34). Decode GEMVs: the Q8_0 fused variants and F16.
+# moe_prefill_* (tensor cores): each thread decodes its 32-column group straight from the row (not done).
+BELOW_TARGET = {
+    "gemv_f16": "decode GEMV, 80% at 4,096 columns",
+    "gemv_f16_rows": "decode GEMV, 80% at 4,096 columns",
+    "gemv_q4_k_hc_post": "ragged twin-test rows only (gemv_q4_k at 4,096 columns: 100%)",
+    "gemv_q8_0_hc_post": "decode GEMV: direct loads, not the Q8_0 ring",
+    "gemv_q8_0_hc_post_rows": "decode GEMV: direct loads, not the Q8_0 ring",
+    "gemv_q8_0_swiglu": "decode GEMV: direct loads, not the Q8_0 ring",
+    "gemv_q8_0_swiglu_rows": "decode GEMV: direct loads, not the Q8_0 ring",
+    "moe_down_i8_iq2_xxs": "ragged twin-test rows (66-byte blocks); no model-width record",
+    **{f"moe_prefill_{m}_{f}": "tensor-core prefill experts: per-thread group loads from the row"
+       for m in ("gate_up", "down") for f in ("f16", "iq2_xxs", "mxfp4", "q2_k", "q4_k", "q8_0", "vq12", "vq13")},
+}
+
+
+def below(report: dict) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for (kernel, _arg), c in traffic.weight_coalescing(report).items():
+        if c < traffic.COALESCING_TARGET:
+            out[kernel] = min(c, out.get(kernel, 1.0))
+    return out
+
+
+def test_weight_streaming_kernels_meet_the_coalescing_target():
+    report = json.loads(REPORT.read_text())
+    got = below(report)
+    new = {k: c for k, c in got.items() if k not in BELOW_TARGET}
+    assert not new, f"weight coalescing below {traffic.COALESCING_TARGET:.0%}: {new}"
+    fixed = sorted(k for k in BELOW_TARGET if k in report["kernels"] and k not in got)
+    assert not fixed, f"these reach the target now: remove them from BELOW_TARGET: {fixed}"
+    gone = sorted(k for k in BELOW_TARGET if k not in report["kernels"])
+    assert not gone, f"listed kernels missing from the report: {gone}"
+
+
+def test_the_prefill_kernels_are_judged_at_the_model_width():
+    """The dense prefill GEMMs (4,096 columns) and the experts' token tiles (rows of 4,096 / 2,048 columns) are
+    recorded at the model's width (the twin tests' short rows do not start on sectors) and meet the target there,
+    every matrix byte read once per launch."""
+    report = json.loads(REPORT.read_text())
+    wide = report["model_width"]["kernels"]
+    mats = {f"gemm_{t}": ("W",) for t in ("f16", "f32", "q8_0", "q4_k")}
+    for f in ("iq2_xxs", "q2_k", "q4_k", "mxfp4", "q8_0", "f16"):
+        mats.update({f"moe_gate_up_tile_{f}": ("Wg", "Wu"), f"moe_down_tile_{f}": ("W",)})
+    for kernel, args in mats.items():
+        for arg in args:
+            w = wide[kernel]["args"][arg]
+            assert w["coalescing"] >= traffic.COALESCING_TARGET, (kernel, arg)
+            assert w["reread"] <= traffic.REREAD_LIMIT, (kernel, arg)
+
+
+def test_the_judge_prefers_the_model_width_and_ignores_small_arguments():
+    arg = {"requests": 4, "coalescing": 0.5, "largest_launch": {"coalescing": 0.6}}
+    report = {"kernels": {"gemv_x": {"args": {"W": arg, "norm_w": dict(arg, coalescing=0.1)}},
+                          "gemm_q8_0": {"args": {"W": arg}}, "rmsnorm_f32": {"args": {"w": arg}}},
+              "model_width": {"kernels": {"gemm_q8_0": {"args": {"W": {"requests": 1, "coalescing": 1.0}}}}}}
+    assert traffic.weight_coalescing(report) == {("gemv_x", "W"): 0.6, ("gemm_q8_0", "W"): 1.0}
+    assert below(report) == {"gemv_x": 0.6}
