@@ -65,7 +65,7 @@ class MeasuredCosts:
     deterministic = False
 
     def __init__(self):
-        self._plain, self._first, self._chain = _Median(), _Median(), _Median()
+        self._plain, self._first, self._chain, self._overhead = _Median(), _Median(), _Median(), _Median()
         self._rows: dict[int, list[float]] = {}
         self._first_rows: dict[int, list[float]] = {}
         self._line: tuple[float, float] | None = None
@@ -85,6 +85,14 @@ class MeasuredCosts:
     def observe_verify(self, rows: int, seconds: float) -> None:
         self._rows.setdefault(rows, []).append(seconds)
         self._stale = True
+
+    def observe_overhead(self, seconds: float) -> None:
+        """A drafting round's time beyond its timed draft and verify steps (SpecRequest.round)."""
+        self._overhead.add(max(seconds, 0.0))
+
+    def overhead(self) -> float:
+        """What a drafting round costs beyond its steps: the median of observe_overhead (0 before one)."""
+        return self._overhead.value() or 0.0
 
     def _refit(self) -> None:
         if not self._stale:
@@ -160,6 +168,12 @@ class ByteCosts:
     def catch_up(self) -> float:
         return 0.0                             # plain() already counts the MTP block's row per token
 
+    def observe_overhead(self, seconds: float) -> None:
+        pass
+
+    def overhead(self) -> float:
+        return 0.0                             # bytes only: a seeded request's k must not depend on the clock
+
     def observe_verify(self, rows: int, seconds: float) -> None:
         pass
 
@@ -177,6 +191,70 @@ class ByteCosts:
 
     def draft(self, first: bool) -> float:
         return float(self.draft_b if first else self.chain)
+
+
+class StepCosts:
+    """Deterministic costs from given step times (seconds): a plain step, a verify of r rows (a dict by r; a line
+    through the two nearest counts outside it) and the draft step as g + m·r in its pending rows (draft1, draft2:
+    one and two rows) -- MeasuredCosts' model with its medians replaced by these numbers. For what-if questions
+    (the GPU time model's steps: bench/spec_gpu_model.py), not for a request's decisions. overhead: a drafting
+    round's host work beyond its steps (MeasuredCosts.overhead)."""
+
+    deterministic = True
+
+    def __init__(self, plain: float, verify: dict[int, float], draft1: float, draft2: float | None = None,
+                 overhead: float = 0.0):
+        self._over = float(overhead)
+        self._plain, self._verify = float(plain), {int(r): float(t) for r, t in verify.items()}
+        self._verify.setdefault(1, float(plain))
+        self._m = max(float(draft2) - float(draft1), 0.0) if draft2 is not None else 0.0
+        self._first = self._chain = float(draft1)       # one row (g + m); a first step's extra rows: catch_up()
+
+    def observe_plain(self, seconds: float) -> None:
+        pass
+
+    def observe_draft(self, first: bool, seconds: float, rows: int = 1) -> None:
+        pass
+
+    def observe_verify(self, rows: int, seconds: float) -> None:
+        pass
+
+    def verified(self) -> bool:
+        return True
+
+    def known(self) -> bool:
+        return True
+
+    def catch_up(self) -> float:
+        return self._m
+
+    def observe_overhead(self, seconds: float) -> None:
+        pass
+
+    def overhead(self) -> float:
+        return self._over
+
+    def plain(self) -> float:
+        return self._plain
+
+    def draft(self, first: bool) -> float:
+        return self._first if first else self._chain
+
+    def verify(self, rows: int) -> float:
+        if rows in self._verify:
+            return self._verify[rows]
+        rs = sorted(self._verify)
+        lo, hi = (rs[-2], rs[-1]) if rows > rs[-1] else (rs[0], rs[1])
+        b = (self._verify[hi] - self._verify[lo]) / (hi - lo)
+        return self._verify[lo] + b * (rows - lo)
+
+
+def break_even_acceptance(costs) -> float:
+    """The first-draft acceptance a* at which a round of k = 1 (a first draft step, a verify of 2 rows and the MTP
+    catch-up of its 1 + a* tokens) yields as many tokens per second as plain steps, on `costs` (the scheduler's
+    cost model, with its per-round overhead o): (1 + a*) / (draft + verify(2) + m·(1 + a*) + o) = 1 / plain."""
+    m = costs.catch_up()
+    return (costs.draft(True) + costs.verify(2) + costs.overhead()) / max(costs.plain() - m, 1e-12) - 1.0
 
 
 class _Calibration:
@@ -347,11 +425,21 @@ class Scheduler:
         cost = np.where(take, one, zero).sum()
         return tokens / cost > 1 / self.costs.plain()
 
+    def expected_round(self, acceptance: Sequence[float]) -> tuple[float, float]:
+        """(tokens, cost) of a round that drafts and verifies k = len(acceptance) positions, acceptance[i] the
+        probability that draft i + 1 is accepted given the ones before it were: E = 1 + Σ_j Π_{i≤j} a_i tokens
+        on average, and the cost include() weighs (k draft steps, verify(1 + k), the MTP catch-up of E tokens); a
+        plain step for k = 0. Its speed-up over plain decoding is E · plain() / cost."""
+        if not len(acceptance):
+            return 1.0, self.costs.plain()
+        E = 1.0 + float(np.cumprod(np.asarray(acceptance, float)).sum())
+        return E, self._round(self._spent(len(acceptance)), 1 + len(acceptance), E)
+
     def _round(self, spent: float, rows: int, tokens: float) -> float:
-        """A round's cost: its draft steps, the verify of `rows` rows and the MTP rows its `tokens` leave for the
+        """A round's cost: its draft steps, the verify of `rows` rows, the MTP rows its `tokens` leave for the
         next draft step to catch up (a plain step's row is charged nothing: plain decoding, the baseline, runs
-        no MTP block)."""
-        return spent + self.costs.verify(rows) + self.costs.catch_up() * tokens
+        no MTP block) and the round's host work beyond its steps (costs.overhead())."""
+        return spent + self.costs.verify(rows) + self.costs.catch_up() * tokens + self.costs.overhead()
 
     def include(self, sigmas: Sequence[float]) -> bool:
         """q_i is known (σ_i = sigmas[-1]): verify position i?"""
