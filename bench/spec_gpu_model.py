@@ -3,7 +3,7 @@ acceptance would give on GB10 / H200 at V4 Flash shapes, per k, from the schedul
 GPU time model's step times (modelled, not measured: no GPU here; docs/spec.md "Modelled for GB10 / H200").
 
     python bench/spec_gpu_model.py [--from spec_trained.json] [--acceptance 0.6[,0.4]] [--devices gb10,h200]
-                                   [--shapes v4-flash-q2] [--ctx 2048] [--k-max 4] [--json out.json]
+                                   [--shapes v4-flash-q2] [--ctx 2048] [--k-max 4] [--overhead-ms 0] [--json out.json]
 
 Step times (ds4py/cuda/timemodel.py, planned with the plan-only runtime): a decode step, a verify of 2 .. k_max + 1
 rows of one sequence, and the MTP draft step of 1 and 2 rows (the MTP block at the main model's storage types and
@@ -16,7 +16,8 @@ no chained position was reached, a_c = a_1, marked "assumed") or from --acceptan
 The break-even acceptance is the first-draft acceptance at which k = 1 pays for itself
 (spec_schedule.break_even_acceptance). What the model leaves out: the host side of a draft step (the engine
 uploads the hidden rows, downloads the block's output and logits and synchronises, ~tens of µs a step) and the
-sampler's work on the host; both count against speculation.
+round's host work (draft distributions, decisions, acceptance: `--overhead-ms` charges it); both count against
+speculation.
 """
 
 from __future__ import annotations
@@ -32,10 +33,10 @@ from ds4py.cuda import timemodel  # noqa: E402
 from ds4py.spec_schedule import Scheduler, StepCosts, break_even_acceptance  # noqa: E402
 
 
-def costs_of(t: timemodel.SpecStepTimes) -> StepCosts:
-    """The scheduler's costs (seconds) from the modelled step times (µs)."""
+def costs_of(t: timemodel.SpecStepTimes, overhead_ms: float = 0.0) -> StepCosts:
+    """The scheduler's costs (seconds) from the modelled step times (µs), plus a round's host overhead (ms)."""
     return StepCosts(t.decode_us / 1e6, {r: v / 1e6 for r, v in t.verify_us.items()}, t.draft_us[1] / 1e6,
-                     t.draft_us[2] / 1e6)
+                     t.draft_us[2] / 1e6, overhead_ms / 1e3)
 
 
 def speedups(costs: StepCosts, a1: float, ac: float, k_max: int) -> dict[int, dict]:
@@ -49,12 +50,12 @@ def speedups(costs: StepCosts, a1: float, ac: float, k_max: int) -> dict[int, di
 
 
 def model(acceptance: dict[str, tuple[float, float | None]], devices: list[str], shapes: str, ctx: int,
-          k_max: int) -> dict:
+          k_max: int, overhead_ms: float = 0.0) -> dict:
     """Per device: the step times, the break-even acceptance and, per acceptance row, each k's speed-up."""
     res = {}
     for dev in devices:
         t = timemodel.spec_step_times(dev, shapes, ctx, k_max)
-        c = costs_of(t)
+        c = costs_of(t, overhead_ms)
         rows = {}
         for name, (a1, ac) in acceptance.items():
             rows[name] = {"a1": a1, "ac": a1 if ac is None else ac, "ac_assumed": ac is None,
@@ -64,7 +65,8 @@ def model(acceptance: dict[str, tuple[float, float | None]], devices: list[str],
         res[dev] = {"shapes": shapes, "ctx": ctx, "decode_ms": t.decode_us / 1e3,
                     "verify_ms": {r: v / 1e3 for r, v in t.verify_us.items()},
                     "draft_ms": {r: v / 1e3 for r, v in t.draft_us.items()},
-                    "catch_up_ms": 1e3 * c.catch_up(), "break_even_acceptance": break_even_acceptance(c),
+                    "catch_up_ms": 1e3 * c.catch_up(), "overhead_ms": overhead_ms,
+                    "break_even_acceptance": break_even_acceptance(c),
                     "rows": rows}
     return res
 
@@ -75,7 +77,8 @@ def report(res: dict, k_max: int) -> str:
         v = ", ".join(f"verify({r}) {ms:.2f}" for r, ms in d["verify_ms"].items())
         L.append(f"model | {dev} {d['shapes']} ctx {d['ctx']} (GPU time model, not measured): decode "
                  f"{d['decode_ms']:.2f} ms, {v} ms, MTP draft {d['draft_ms'][1]:.3f} ms (1 row) / "
-                 f"{d['draft_ms'][2]:.3f} ms (2 rows, catch-up {d['catch_up_ms']:.3f} ms/row): break-even "
+                 f"{d['draft_ms'][2]:.3f} ms (2 rows, catch-up {d['catch_up_ms']:.3f} ms/row)"
+                 + (f", host overhead {d['overhead_ms']:.2f} ms a round" if d["overhead_ms"] else "") + ": break-even "
                  f"first-draft acceptance {d['break_even_acceptance']:.2f}")
         L.append("| device | acceptance from | a_1 | a_chained | " + " | ".join(f"k={k}" for k in range(1, k_max + 1))
                  + " | best |")
@@ -108,6 +111,9 @@ def main() -> int:
     ap.add_argument("--shapes", default="v4-flash-q2")
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--k-max", type=int, default=4)
+    ap.add_argument("--overhead-ms", type=float, default=0.0,
+                    help="a drafting round's host work beyond its steps, charged to every round (default 0: the "
+                         "model's kernels only; the CPU reference measured ~1 ms a round under load)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     acc: dict[str, tuple[float, float | None]] = {}
@@ -118,7 +124,7 @@ def main() -> int:
         acc[f"--acceptance {a.acceptance}"] = (v[0], v[1] if len(v) > 1 else None)
     if not acc:
         raise SystemExit("give the acceptance: --from spec_trained.json and/or --acceptance A1[,AC]")
-    res = model(acc, [d.strip() for d in a.devices.split(",") if d.strip()], a.shapes, a.ctx, a.k_max)
+    res = model(acc, [d.strip() for d in a.devices.split(",") if d.strip()], a.shapes, a.ctx, a.k_max, a.overhead_ms)
     print(report(res, a.k_max))
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1) + "\n")
