@@ -11,7 +11,7 @@ import pytest
 from ds4py.model import open_mtp
 from ds4py.ref.engine import RefModel
 from ds4py.sampling import Sampler, SamplingParams
-from ds4py.spec_schedule import MeasuredCosts, Scheduler, StepCosts, _Calibration, break_even_acceptance
+from ds4py.spec_schedule import WINDOW, MeasuredCosts, Scheduler, StepCosts, _Calibration, break_even_acceptance
 from ds4py.mtp_spec import MtpSpec
 
 GEN = 32
@@ -237,3 +237,19 @@ def test_step_costs_give_the_expected_speed_up_per_k():
     a = break_even_acceptance(c)
     E, cost = s.expected_round([a])
     assert E * c.plain() / cost == pytest.approx(1.0)
+
+
+def test_costs_keep_a_window_of_recent_samples():
+    """A model's costs live as long as its server: every median keeps the last WINDOW samples (bounded work per
+    decision, and it follows a machine whose speed changed) instead of every step so far."""
+    c = MeasuredCosts()
+    for t in (20e-3, 10e-3):                  # the machine got twice as fast after 1,000 steps
+        for _ in range(1000):
+            c.observe_plain(t)
+            c.observe_verify(1, t)
+            c.observe_verify(2, 1.5 * t)
+            c.observe_draft(True, 0.1 * t, rows=1)
+            c.observe_draft(True, 0.2 * t, rows=3)
+    assert c.plain() == pytest.approx(10e-3) and c.verify(2) == pytest.approx(15e-3)
+    assert c.draft(True) == pytest.approx(1e-3) and c.catch_up() == pytest.approx(0.5e-3)
+    assert len(c._plain.samples) == len(c._rows[1]) == WINDOW
