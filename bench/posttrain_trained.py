@@ -2,10 +2,12 @@
 decision points it is solved on, keep every other position, and does it transfer to other requests (docs/vq.md
 "Post-training on the trained model")?
 
-    python bench/posttrain_trained.py --work DIR [--requests 4] [--train 2] [--prompt 96] [--gen 64] [--json out.json]
+    python bench/posttrain_trained.py --work DIR [--requests 4] [--train 2] [--prompt 96] [--gen 64] [--biased]
+                                      [--json out.json]
 
-Setup (seed 000 §4.3 on what this folder allows): base = VQ-8 of the routed experts + the domain's sidecar
-(bench/sidecar_trained.py's files: reused from --work when there, else made the same way). A request = `--prompt`
+Setup (seed 000 §4.3 on what this folder allows): base = VQ-8 of the routed experts (quantize-vq's default unbiased
+gains; `--biased`: the k-means gains) + the domain's sidecar (bench/trained_files.py: the files
+bench/sidecar_trained.py makes, reused from --work when there). A request = `--prompt`
 tokens of the domain's held-out half (the half no sidecar saw) + the `--gen` tokens that follow in the text, scored
 on the deployment path (prompt through prefill, the rest through decode, as posttrain-fit captures it).
 Decision point: a continuation row where base + sidecar's top-1 differs from the unquantised teacher's; its target
@@ -33,19 +35,9 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from ds4py.convert import convert_checkpoint  # noqa: E402
+from trained_files import REPO, TRAINED, base, halves, sidecar, teacher  # noqa: E402  (puts the repo on sys.path)
 from ds4py.ref.engine import RefModel  # noqa: E402
 from ds4py.tokenizer import Tokenizer  # noqa: E402
-
-TRAINED = Path(os.environ.get("DS4PY_TRAINED") or REPO.parent / "shared" / "trained" / "v4-tiny-trained")
-
-
-def halves(text: str) -> tuple[str, str]:
-    cut = text.index("\n", len(text) // 2) + 1            # as bench/sidecar_trained.py: first half fits sidecars
-    return text[:cut], text[cut:]
 
 
 def score_rows(m: RefModel, ids: np.ndarray, P: int) -> np.ndarray:
@@ -88,25 +80,6 @@ def free_generation(m: RefModel, plain: RefModel, teacher: RefModel, req: np.nda
     return out
 
 
-def ensure_files(work: Path) -> tuple[Path, Path]:
-    teacher, base = work / "teacher.gguf", work / "vq8.gguf"
-    if not teacher.exists():
-        convert_checkpoint(str(TRAINED), str(teacher), experts="mxfp4", dense="f16", progress=False,
-                           tokenizer=str(TRAINED / "tokenizer.json"))
-    if not base.exists():
-        subprocess.run([sys.executable, "-m", "ds4py", "quantize-vq", str(teacher), str(base), "--bits", "8",
-                        "--min-pool", "16", "--workers", "1", "-q"], check=True, cwd=REPO)
-    for dom in ("code", "prose"):
-        sc = work / f"sidecar_{dom}"
-        if not sc.exists():
-            fit, _ = halves((TRAINED / f"test_{dom}.txt").read_text())
-            (work / f"{dom}_fit.txt").write_text(fit)
-            subprocess.run([sys.executable, "-m", "ds4py", "sidecar-fit", "--base", str(base), "--teacher",
-                            str(teacher), "--text", str(work / f"{dom}_fit.txt"), "--out", str(sc), "-q"],
-                           check=True, cwd=REPO)
-    return teacher, base
-
-
 def measure(student: np.ndarray, before: np.ndarray, teacher: np.ndarray, ids: np.ndarray, P: int) -> dict:
     """Rows of one request: decision rows = where `before` (base + sidecar) and the teacher disagree."""
     tb, ta, tt = before.argmax(1), student.argmax(1), teacher.argmax(1)
@@ -132,11 +105,14 @@ def main() -> int:
     ap.add_argument("--generated", action="store_true",
                     help="requests = the prompt + base + sidecar's own greedy continuation (not the text's), and "
                          "free greedy generation with the file on its own request")
+    ap.add_argument("--biased", action="store_true",
+                    help="base = quantize-vq --no-unbiased-gains (the k-means gains; the results in docs/vq.md "
+                         "were measured on this base, before unbiased gains were the default)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="posttrain_trained_"))
     work.mkdir(parents=True, exist_ok=True)
-    teacher_path, base = ensure_files(work)
+    teacher_path, base_p = teacher(work), base(work, args.biased)
     tok = Tokenizer.from_gguf(str(teacher_path))
     teacher_m = RefModel(str(teacher_path), threads=1)
     P, T = args.prompt, args.prompt + args.gen
@@ -145,12 +121,12 @@ def main() -> int:
           "before → after | true next token before → after (teacher) | fit s | gate |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for dom in ("code", "prose"):
-        sc = work / f"sidecar_{dom}"
+        sc, _, _ = sidecar(work, dom, args.biased)
         _, held = halves((TRAINED / f"test_{dom}.txt").read_text())
         ids_all = np.asarray(tok.encode(held), np.int64)
         offs = np.linspace(0, len(ids_all) - T, args.requests).astype(int)
         reqs = [ids_all[o:o + T] for o in offs]
-        plain = RefModel(str(base), threads=1, sidecar=str(sc))
+        plain = RefModel(str(base_p), threads=1, sidecar=str(sc))
         if args.generated:                # the request = base + sidecar's own greedy answer to the prompt
             reqs = [np.concatenate([r[:P], greedy(plain, r[:P], args.gen)]) for r in reqs]
         before = [score_rows(plain, r, P) for r in reqs]
@@ -162,7 +138,7 @@ def main() -> int:
             np.save(work / f"{dom}_req{i}_targets.npy", targets)
             out = work / f"pt_{dom}_{i}_r{args.ridge}{'_gen' if args.generated else ''}"
             t0 = time.perf_counter()
-            r = subprocess.run([sys.executable, "-m", "ds4py", "posttrain-fit", "--base", str(base), "--sidecar",
+            r = subprocess.run([sys.executable, "-m", "ds4py", "posttrain-fit", "--base", str(base_p), "--sidecar",
                                 str(sc), "--ids", str(work / f"{dom}_req{i}.npy"), "--split", str(P), "--targets",
                                 str(work / f"{dom}_req{i}_targets.npy"), "--out", str(out), "--ridge", args.ridge],
                                capture_output=True, text=True, cwd=REPO)
@@ -175,7 +151,7 @@ def main() -> int:
             if where is None:
                 print(f"| {dom} | request {i} | — | posttrain-fit wrote nothing (rc {r.returncode}) |", flush=True)
                 continue
-            m = RefModel(str(base), threads=1, sidecar=str(sc), posttrain=str(where))
+            m = RefModel(str(base_p), threads=1, sidecar=str(sc), posttrain=str(where))
             if args.generated:
                 fg = free_generation(m, plain, teacher_m, reqs[i], targets, P)
                 fit["free_generation"] = fg

@@ -1,12 +1,14 @@
 """Domain sidecars on the trained tiny V4 (../shared/trained/v4-tiny-trained): a sidecar fitted on code and one on
 prose, each stacked on the VQ-8 base and scored on both domains (docs/vq.md "Sidecars on the trained model").
 
-    python bench/sidecar_trained.py [--work DIR] [--lambdas 0.01,0.1,1,10,100,1000] [--windows 3] [--json out.json]
+    python bench/sidecar_trained.py [--work DIR] [--lambdas 0.01,0.1,1,10,100,1000] [--windows 3] [--biased]
+                                    [--json out.json]
 
 The folder ships no training text (corpus_split.json names the training files; they are not in it), only the
 held-out test texts. So each test text is split honestly in two at a line boundary in the middle: the first half
 fits the sidecar (`sidecar-fit --text`), the second half scores it (windows of its token ids). Base: VQ-8 of the
-teacher's routed experts (bench/vq_trained.py's, --min-pool 16); teacher: the lossless conversion. Reported per
+teacher's routed experts (quantize-vq's default unbiased gains, --min-pool 16; `--biased`: the k-means gains);
+teacher: the lossless conversion (files: bench/trained_files.py, shared with bench/posttrain_trained.py). Reported per
 sidecar and scored domain: the rulers of base and base + sidecar against the teacher (Σmin, same top-1, KL, PPL
 ratio), the lift in same top-1 (points), the sidecar's bytes, the solver's time and the ridge values it chose.
 """
@@ -16,30 +18,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from ds4py.convert import convert_checkpoint  # noqa: E402
+from trained_files import LAMBDAS, TRAINED, base, halves, sidecar, teacher  # noqa: E402  (puts the repo on sys.path)
 from ds4py.ref.engine import RefModel  # noqa: E402
 from ds4py.tokenizer import Tokenizer  # noqa: E402
 from ds4py.vq.rulers import rulers  # noqa: E402
-
-TRAINED = Path(os.environ.get("DS4PY_TRAINED") or REPO.parent / "shared" / "trained" / "v4-tiny-trained")
-
-
-def halves(text: str) -> tuple[str, str]:
-    cut = text.index("\n", len(text) // 2) + 1
-    return text[:cut], text[cut:]
 
 
 def logits(path: str, windows, sidecar: str | None = None) -> np.ndarray:
@@ -50,51 +39,38 @@ def logits(path: str, windows, sidecar: str | None = None) -> np.ndarray:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", default=None)
-    ap.add_argument("--lambdas", default="0.01,0.1,1,10,100,1000")
+    ap.add_argument("--lambdas", default=LAMBDAS)
     ap.add_argument("--windows", type=int, default=3)
     ap.add_argument("--window", type=int, default=256)
-    ap.add_argument("--unbiased", action="store_true",
-                    help="base = quantize-vq --unbiased-gains (the codebook's shrinkage undone: what is left for a "
-                         "sidecar to find)")
+    ap.add_argument("--biased", action="store_true",
+                    help="base = quantize-vq --no-unbiased-gains (the k-means gains, ~30%% too small at 8 bits: "
+                         "most of what a sidecar then finds is that shrinkage)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="sidecar_trained_"))
     work.mkdir(parents=True, exist_ok=True)
-    teacher, base = work / "teacher.gguf", work / "vq8.gguf"
-    if not teacher.exists():
-        convert_checkpoint(str(TRAINED), str(teacher), experts="mxfp4", dense="f16", progress=False,
-                           tokenizer=str(TRAINED / "tokenizer.json"))
-    if not base.exists():
-        subprocess.run([sys.executable, "-m", "ds4py", "quantize-vq", str(teacher), str(base), "--bits", "8",
-                        "--min-pool", "16", "--workers", "1", "-q"] + (["--unbiased-gains"] if args.unbiased else []),
-                       check=True, cwd=REPO)
-    tok = Tokenizer.from_gguf(str(teacher))
+    teacher_p, base_p = teacher(work), base(work, args.biased)
+    tok = Tokenizer.from_gguf(str(teacher_p))
     evals, res = {}, {"sidecars": {}}
     for dom in ("code", "prose"):
-        fit, held = halves((TRAINED / f"test_{dom}.txt").read_text())
-        (work / f"{dom}_fit.txt").write_text(fit)
+        _, held = halves((TRAINED / f"test_{dom}.txt").read_text())
         ids = np.asarray(tok.encode(held), np.int64)
         offs = np.linspace(0, len(ids) - args.window - 1, args.windows).astype(int)
         wins = [ids[o:o + args.window] for o in offs]
-        t = logits(str(teacher), wins)
-        evals[dom] = (wins, t, np.concatenate(wins), logits(str(base), wins))
+        t = logits(str(teacher_p), wins)
+        evals[dom] = (wins, t, np.concatenate(wins), logits(str(base_p), wins))
     print("| sidecar | scored on | Σmin base → +sidecar | same top-1 base → +sidecar (lift, points) | KL base → +sidecar "
           "| PPL ratio base → +sidecar |")
     print("|---|---|---|---|---|---|")
     for dom in ("code", "prose"):
-        out = work / f"sidecar_{dom}"
-        rep = work / f"sidecar_{dom}.json"
-        if not out.exists():
-            t0 = time.perf_counter()
-            subprocess.run([sys.executable, "-m", "ds4py", "sidecar-fit", "--base", str(base), "--teacher",
-                            str(teacher), "--text", str(work / f"{dom}_fit.txt"), "--out", str(out), "--lambdas",
-                            args.lambdas, "--report", str(rep), "-q"], check=True, cwd=REPO)
-            res["sidecars"].setdefault(dom, {})["fit_seconds"] = time.perf_counter() - t0
+        out, rep, seconds = sidecar(work, dom, args.biased, args.lambdas)
         r_dom = res["sidecars"].setdefault(dom, {})
+        if seconds is not None:
+            r_dom["fit_seconds"] = seconds
         r_dom["bytes"] = sum(f.stat().st_size for f in out.iterdir())
         r_dom["report"] = json.loads(rep.read_text()) if rep.exists() else None
         for scored, (wins, t, flat, b) in evals.items():
-            s = logits(str(base), wins, sidecar=str(out))
+            s = logits(str(base_p), wins, sidecar=str(out))
             rb, rs = rulers(t, b, flat, 1), rulers(t, s, flat, 1)
             r_dom[scored] = {"base": rb, "sidecar": rs}
             print(f"| {dom} | {scored} | {rb['sigma_min_mean']:.4f} → {rs['sigma_min_mean']:.4f} | "

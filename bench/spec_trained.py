@@ -1,8 +1,9 @@
 """Speculative decoding on a model whose draft has learnt something: the trained tiny V4 + MTP
 (../shared/trained/v4-tiny-trained, code and prose), CPU reference backend (docs/spec.md "Measured: trained").
 
-    python bench/spec_trained.py [--work DIR] [--prompts 4] [--prompt-tokens 96] [--gen-tokens 64]
-                                 [--modes greedy,sampled] [--ks sched,1,2] [--json out.json]
+    python bench/spec_trained.py [--work DIR] [--prompts 4] [--prompt-tokens 96] [--gen-tokens 64] [--repeat 1]
+                                 [--modes greedy,sampled] [--ks sched,1,2] [--clock cpu] [--gpu-model gb10,h200]
+                                 [--json out.json]
 
 The checkpoint is converted losslessly with its tokenizer (dense F16, experts MXFP4; default compiled kernels).
 Per domain, `--prompts` prompts are windows of the held-out test ids (evenly spaced offsets); from each prompt's
@@ -18,7 +19,11 @@ decode), speed-up over plain (min and median over prompts of the per-prompt wall
 and the pooled CPU-time ratio: all prompts' plain CPU time over the variant's), the load average after each
 domain x mode, and the cost model's break-even acceptance (MeasuredCosts of the scheduler's requests, pooled):
 the first-draft acceptance where one round of k = 1 (a first draft step + a verify of 2 rows + the MTP
-catch-up of its tokens) yields as many tokens per second as plain steps.
+catch-up of its tokens + the round's measured overhead) yields as many tokens per second as plain steps. Then the
+measured acceptance (first draft; chained, from the fixed k >= 2 variants) on the GPU time model's steps at V4
+Flash q2 shapes (bench/spec_gpu_model.py; `--gpu-model none` skips it): the modelled speed-up per k on GB10 and
+H200 and the break-even acceptance there. `--repeat N` decodes every prompt N times per variant in alternating
+order (ABBA) and sums the times.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from ds4py.ref.engine import RefModel  # noqa: E402
 from ds4py.sampling import Sampler, SamplingParams  # noqa: E402
 from ds4py import spec as spec_module  # noqa: E402
 from ds4py.mtp_spec import MtpSpec  # noqa: E402
+from ds4py.spec_schedule import StepCosts, break_even_acceptance  # noqa: E402
 
 TRAINED = Path(os.environ.get("DS4PY_TRAINED") or Path(__file__).resolve().parents[2] / "shared" / "trained" / "v4-tiny-trained")
 SAMPLED = SamplingParams(temperature=1.0, top_p=1.0)        # the model card's settings (docs/generation.md)
@@ -83,6 +89,14 @@ def spec_probe(spec, state, logits: np.ndarray, n: int, params: SamplingParams):
     return out[:n], req.stats, ks, req
 
 
+def _add(a, b):
+    """Two requests' SpecStats summed (a prompt's repetitions)."""
+    out = type(a)()
+    out.add(a)
+    out.add(b)
+    return out
+
+
 def timed(f):
     w0, c0 = time.perf_counter(), time.process_time()
     out = f()
@@ -100,14 +114,33 @@ def quarters(ks: list[int]) -> list[float]:
 def break_even(reqs) -> dict:
     """From the scheduler requests' measured costs (pooled medians): the plain step, the first draft step, the
     verify of 2 rows, the MTP catch-up per token m, and the first-draft acceptance a* where
-    (1 + a*) / (draft + verify(2) + m·(1 + a*)) = 1 / plain."""
+    (1 + a*) / (draft + verify(2) + m·(1 + a*) + overhead) = 1 / plain (spec_schedule.break_even_acceptance)."""
     known = [r.scheduler.costs for r in reqs if r.scheduler.costs.known()]
     plain = statistics.median(r.scheduler.costs.plain() for r in reqs)
     draft = statistics.median(c.draft(True) for c in known)
     v2 = statistics.median(c.verify(2) for c in known)
     m = statistics.median(c.catch_up() for c in known)
+    o = statistics.median(c.overhead() for c in known)
+    costs = StepCosts(plain, {2: v2}, draft, draft + m, o)
     return {"plain_ms": 1e3 * plain, "draft_ms": 1e3 * draft, "verify2_ms": 1e3 * v2, "catch_up_ms": 1e3 * m,
-            "break_even_acceptance": (draft + v2) / max(plain - m, 1e-12) - 1.0}
+            "overhead_ms": 1e3 * o, "break_even_acceptance": break_even_acceptance(costs)}
+
+
+def measured_acceptance(scheds) -> dict:
+    """Pooled over a domain x mode's speculative requests ((variant, Scheduler) pairs): the first position's
+    acceptance (every round of every variant, known from verify row 0 even at k = 0: [argmax p = argmax q]
+    greedy, Σ min(p, q) sampled) and a chained position's, from the fixed-k variants only (every position i >= 2
+    a verify reached; None without a fixed k >= 2): the scheduler reaches a chained position only after confident
+    drafts, so its chained acceptance ("chained_scheduler") is selected, not what a fixed k would meet."""
+    rounds = sum(s.first_rounds for _, s in scheds)
+    fixed = [s for v, s in scheds if v != "sched"]
+    sched = [s for v, s in scheds if v == "sched"]
+    n_fixed, n_sched = sum(s.chained.n for s in fixed), sum(s.chained.n for s in sched)
+    return {"first": sum(s.first_hits for _, s in scheds) / max(rounds, 1), "first_rounds": rounds,
+            "chained": sum(s.chained.hits for s in fixed) / n_fixed if n_fixed else None,
+            "chained_positions": n_fixed,
+            "chained_scheduler": sum(s.chained.hits for s in sched) / n_sched if n_sched else None,
+            "chained_scheduler_positions": n_sched}
 
 
 def run_domain(model, mtp, dom: str, args, variants: list[str], mode: str) -> dict:
@@ -118,21 +151,30 @@ def run_domain(model, mtp, dom: str, args, variants: list[str], mode: str) -> di
     per = {v: {"wall": [], "cpu": [], "ratio": [], "cpu_ratio": [], "acc": [0, 0], "rounds": 0, "tokens": 0,
                "plain": 0, "ks": []} for v in variants}
     plain_t = {"wall": [], "cpu": []}
-    reqs = []
+    reqs, scheds = [], []
     base = specs[variants[0]]
     for i, off in enumerate(offs):
         st0 = base.new_state()
         logits = base.step([st0], [list(ids[off:off + args.prompt_tokens])])[0]
         order = ["plain"] + variants
         order = order[i % len(order):] + order[:i % len(order)]
-        got, times = {}, {}
-        for v in order:
-            st = st0.copy()
-            if v == "plain":
-                got[v], w, c = timed(lambda: plain_probe(model, st, logits, args.gen_tokens, params))
-            else:
-                got[v], w, c = timed(lambda: spec_probe(specs[v], st, logits, args.gen_tokens, params))
-            times[v] = (w, c)
+        got, times = {}, {v: (0.0, 0.0) for v in order}
+        for rep in range(args.repeat):          # each repetition in the reverse order of the one before (ABBA)
+            for v in (order if rep % 2 == 0 else order[::-1]):
+                st = st0.copy()
+                if v == "plain":
+                    out, w, c = timed(lambda: plain_probe(model, st, logits, args.gen_tokens, params))
+                else:
+                    out, w, c = timed(lambda: spec_probe(specs[v], st, logits, args.gen_tokens, params))
+                    scheds.append((v, out[3].scheduler))
+                if rep and mode == "greedy" and (out if v == "plain" else out[0]) != (
+                        got[v] if v == "plain" else got[v][0]):
+                    raise SystemExit(f"{dom} prompt {i} {v}: greedy output changed between repetitions")
+                if rep == 0 or v == "plain":
+                    got[v] = out
+                else:                                # statistics summed; k over time from the first repetition
+                    got[v] = (got[v][0], _add(got[v][1], out[1]), got[v][2], out[3])
+                times[v] = (times[v][0] + w, times[v][1] + c)
         plain_t["wall"].append(times["plain"][0])
         plain_t["cpu"].append(times["plain"][1])
         for v in variants:
@@ -152,7 +194,7 @@ def run_domain(model, mtp, dom: str, args, variants: list[str], mode: str) -> di
             p["ks"].append(ks)
             if v == "sched":
                 reqs.append(req)
-    n = args.gen_tokens
+    n = args.gen_tokens * args.repeat
     out = {"plain_tps_median": n / statistics.median(plain_t["wall"]),
            "plain_cpu_ms_per_token": 1e3 * statistics.median(plain_t["cpu"]) / n, "variants": {}}
     for v in variants:
@@ -167,6 +209,7 @@ def run_domain(model, mtp, dom: str, args, variants: list[str], mode: str) -> di
             "cpu_speedup_min": min(p["cpu_ratio"]), "cpu_speedup_median": statistics.median(p["cpu_ratio"]),
             "cpu_speedup_pooled": sum(plain_t["cpu"]) / sum(p["cpu"]), "cpu_ratios": p["cpu_ratio"],
             "spec_tps_median": n / statistics.median(p["wall"])}
+    out["measured_acceptance"] = measured_acceptance(scheds)
     if reqs and any(r.scheduler.costs.known() for r in reqs):
         out["cost_model"] = break_even(reqs)
     out["load_after"] = os.getloadavg()
@@ -179,6 +222,9 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=4, help="prompts per domain (windows of the test ids)")
     ap.add_argument("--prompt-tokens", type=int, default=96)
     ap.add_argument("--gen-tokens", type=int, default=64)
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="decode each prompt this many times per variant, the order reversed every time (ABBA): "
+                         "a prompt's times are the sums (slow phases of a shared machine hit every variant alike)")
     ap.add_argument("--modes", default="greedy,sampled")
     ap.add_argument("--domains", default="code,prose")
     ap.add_argument("--ks", default="sched,1,2", help="variants: sched (the scheduler) and fixed k values")
@@ -187,6 +233,9 @@ def main() -> int:
                     help="the scheduler's cost clock: wall (as served) or cpu (process time: as on a machine of "
                          "its own; the speed-ups are then read from the CPU-time column)")
     ap.add_argument("--threads", type=int, default=1, help="decode kernel threads (default 1, see above)")
+    ap.add_argument("--gpu-model", default="gb10,h200",
+                    help="also model the measured acceptance on these devices' GPU time model at V4 Flash q2 "
+                         "shapes (bench/spec_gpu_model.py; 'none': skip)")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
     if args.clock == "cpu":
@@ -215,14 +264,31 @@ def main() -> int:
                       f"{s['speedup_min']:.2f} | {s['speedup_median']:.2f} | {s['cpu_speedup_min']:.2f} | "
                       f"{s['cpu_speedup_median']:.2f} | {s['cpu_speedup_pooled']:.2f} | "
                       f"{r['plain_tps_median']:.1f} |", flush=True)
+            ma = r["measured_acceptance"]
+            print(f"|   measured acceptance ({dom}, {mode}), pooled over the speculative requests: first draft "
+                  f"{ma['first']:.3f} ({ma['first_rounds']} rounds), chained (fixed k) "
+                  + (f"{ma['chained']:.3f} ({ma['chained_positions']} positions)" if ma["chained"] is not None
+                     else "not measured (no fixed k >= 2 in --ks)")
+                  + (f", chained where the scheduler went ({ma['chained_scheduler']:.3f}, "
+                     f"{ma['chained_scheduler_positions']} positions: selected by confidence)"
+                     if ma["chained_scheduler"] is not None else "") + " |", flush=True)
             if "cost_model" in r:
                 c = r["cost_model"]
                 print(f"|   cost model ({dom}, {mode}; load {r['load_after'][0]:.1f}): plain {c['plain_ms']:.1f} ms, "
                       f"first draft {c['draft_ms']:.1f} ms, verify(2) {c['verify2_ms']:.1f} ms, MTP catch-up "
-                      f"{c['catch_up_ms']:.1f} ms/token: break-even first-draft acceptance "
+                      f"{c['catch_up_ms']:.1f} ms/token, round overhead {c['overhead_ms']:.2f} ms: break-even "
+                      f"first-draft acceptance "
                       f"{c['break_even_acceptance']:.2f} |", flush=True)
     res["load_after"] = os.getloadavg()
     print(f"load average after: {res['load_after'][0]:.1f} {res['load_after'][1]:.1f} {res['load_after'][2]:.1f}")
+    devices = [d.strip() for d in args.gpu_model.split(",") if d.strip() and d.strip() != "none"]
+    if devices:                 # the measured acceptance on the GPU time model's steps (bench/spec_gpu_model.py)
+        import spec_gpu_model
+
+        acc = {k: (r["measured_acceptance"]["first"], r["measured_acceptance"]["chained"])
+               for k, r in res["runs"].items()}
+        res["gpu_model"] = spec_gpu_model.model(acc, devices, "v4-flash-q2", 2048, 4)
+        print(spec_gpu_model.report(res["gpu_model"], 4))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
     return 0

@@ -12,9 +12,10 @@ teacher (--min-pool lowered to 16: this model has 196,608 expert vectors of 8 pe
 domain's test ids (all rows' logits) and compared with the teacher's by ds4py.vq.rulers (Σmin, same top-1, KL,
 PPL ratio on the true next tokens). Bytes: the routed-expert tensors' bytes in the file, per weight (bits).
 MXFP4 is the teacher itself (the official FP4 codes: 4.25 bits, rulers exact by construction). Files already in
---work are reused (the quantiser's time is then not reported). Each VQ student is also scored with unbiased gains:
-its row gains times <w,w>/<q,w> per expert tensor (one number each; applied at load through the sidecars'
-row-gain path, no byte added), which undoes the k-means codebook's shrinkage toward zero.
+--work are reused (the quantiser's time is then not reported). The VQ students are written with the k-means gains
+(`quantize-vq --no-unbiased-gains`) and each is also scored with unbiased gains (what quantize-vq writes by
+default): its row gains times <w,w>/<q,w> per expert tensor (one number each; applied at load through the
+sidecars' row-gain path, no byte added), which undoes the k-means codebook's shrinkage toward zero.
 """
 
 from __future__ import annotations
@@ -149,7 +150,8 @@ def main() -> int:
         if not out.exists():
             t0 = time.perf_counter()
             subprocess.run([sys.executable, "-m", "ds4py", "quantize-vq", TEACHER_PATH, str(out), "--bits", deep,
-                            *extra, "--min-pool", str(args.min_pool), "--workers", "1", "-q"], check=True, cwd=REPO)
+                            *extra, "--min-pool", str(args.min_pool), "--workers", "1", "--no-unbiased-gains", "-q"],
+                           check=True, cwd=REPO)
             secs[name] = time.perf_counter() - t0
         students[name] = str(out)
     scales: dict[str, dict[str, np.ndarray]] = {}

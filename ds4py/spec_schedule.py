@@ -5,16 +5,23 @@ same for every draft (the MTP block, DSpark): a draft differs only in its costs 
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Sequence
 
 import numpy as np
+
+# Samples a running median keeps (per step kind, per row count): the most recent ones. Costs belong to the model
+# and the machine and drift with the machine's state; and a model's costs live as long as the server, so keeping
+# every sample made each re-fit O(all steps so far): ~0.1 ms a decision after a thousand steps, 4% of a plain step
+# of the trained tiny model on the CPU (issue 38, third session).
+WINDOW = 64
 
 class _Median:
     """The median of the samples so far: robust to a step the OS descheduled (on a shared machine one step in a
     few can take several times its cost, which pulled a running mean, and with it k, around)."""
 
     def __init__(self):
-        self.samples: list[float] = []
+        self.samples: deque[float] = deque(maxlen=WINDOW)
         self._value: float | None = None
 
     def add(self, v: float) -> None:
@@ -27,13 +34,34 @@ class _Median:
 
     def value(self) -> float | None:
         if self._value is None and self.samples:
-            self._value = float(np.median(self.samples))
+            self._value = _median(self.samples)
         return self._value
 
 
-def _count_medians(rows: dict[int, list[float]]) -> list[tuple[int, float, int]]:
-    """(count, median, weight) per row count; a count's first sample is a warm-up, left out once it has a second."""
-    return sorted((r, float(np.median(v[1:] if len(v) > 1 else v)), len(v) - (len(v) > 1)) for r, v in rows.items())
+# Plain Python for the few-sample statistics below: they run at every decision (a plain step's too), and numpy's
+# per-call cost made a decision ~0.4 ms, 4% of a plain step of the trained tiny model on the CPU.
+def _median(v) -> float:
+    a = sorted(v)
+    h = len(a) // 2
+    return float(a[h]) if len(a) % 2 else 0.5 * (a[h - 1] + a[h])
+
+
+def _centre(pts: list[tuple[int, float, int]]) -> tuple[float, float]:
+    """The weighted means of the counts and of their medians."""
+    W = sum(w for _, _, w in pts)
+    return sum(w * r for r, _, w in pts) / W, sum(w * t for _, t, w in pts) / W
+
+
+def _count_medians(rows: dict[int, "deque[float]"]) -> list[tuple[int, float, int]]:
+    """(count, median, weight) per row count over its last WINDOW samples; a count's first sample is a warm-up,
+    left out once it has a second (while the window still holds it)."""
+    out = []
+    for r, v in rows.items():
+        a = list(v)
+        if len(a) > 1 and len(a) < WINDOW:
+            a = a[1:]
+        out.append((r, _median(a), len(a)))
+    return sorted(out)
 
 
 def _line(pts: list[tuple[int, float, int]]) -> tuple[float, float] | None:
@@ -41,10 +69,11 @@ def _line(pts: list[tuple[int, float, int]]) -> tuple[float, float] | None:
     never gets cheaper with rows), or None below two counts."""
     if len(pts) < 2:
         return None
-    r, t, w = (np.array(x, float) for x in zip(*pts))
-    rm, tm = np.average(r, weights=w), np.average(t, weights=w)
-    b = max(float(np.sum(w * (r - rm) * (t - tm)) / np.sum(w * (r - rm) ** 2)), 0.0)
-    return float(tm - b * rm), b
+    rm, tm = _centre(pts)
+    sxy = sum(w * (r - rm) * (t - tm) for r, t, w in pts)
+    sxx = sum(w * (r - rm) ** 2 for r, _, w in pts)
+    b = max(sxy / sxx, 0.0)
+    return float(tm - b * rm), float(b)
 
 
 class MeasuredCosts:
@@ -65,9 +94,9 @@ class MeasuredCosts:
     deterministic = False
 
     def __init__(self):
-        self._plain, self._first, self._chain = _Median(), _Median(), _Median()
-        self._rows: dict[int, list[float]] = {}
-        self._first_rows: dict[int, list[float]] = {}
+        self._plain, self._first, self._chain, self._overhead = _Median(), _Median(), _Median(), _Median()
+        self._rows: dict[int, deque[float]] = {}
+        self._first_rows: dict[int, deque[float]] = {}
         self._line: tuple[float, float] | None = None
         self._catch: tuple[float, float] | None = None
         self._stale = True
@@ -79,12 +108,20 @@ class MeasuredCosts:
         """A draft step's time; a first one also ran `rows` pending MTP rows (the last one gives its logits)."""
         (self._first if first else self._chain).add(seconds)
         if first:
-            self._first_rows.setdefault(rows, []).append(seconds)
+            self._first_rows.setdefault(rows, deque(maxlen=WINDOW)).append(seconds)
             self._stale = True
 
     def observe_verify(self, rows: int, seconds: float) -> None:
-        self._rows.setdefault(rows, []).append(seconds)
+        self._rows.setdefault(rows, deque(maxlen=WINDOW)).append(seconds)
         self._stale = True
+
+    def observe_overhead(self, seconds: float) -> None:
+        """A drafting round's time beyond its timed draft and verify steps (SpecRequest.round)."""
+        self._overhead.add(max(seconds, 0.0))
+
+    def overhead(self) -> float:
+        """What a drafting round costs beyond its steps: the median of observe_overhead (0 before one)."""
+        return self._overhead.value() or 0.0
 
     def _refit(self) -> None:
         if not self._stale:
@@ -97,8 +134,7 @@ class MeasuredCosts:
             if 1 in med and 2 in med and min(med[1][1], med[2][1]) >= 2:
                 floor = med[2][0] - med[1][0]
                 if floor > line[1]:            # pivot the line about its weighted centre onto the floor slope
-                    r, t, w = (np.array(x, float) for x in zip(*pts))
-                    rm, tm = np.average(r, weights=w), np.average(t, weights=w)
+                    rm, tm = _centre(pts)
                     line = (float(tm - floor * rm), float(floor))
         self._line = line
         self._catch = _line(_count_medians(self._first_rows))
@@ -160,6 +196,12 @@ class ByteCosts:
     def catch_up(self) -> float:
         return 0.0                             # plain() already counts the MTP block's row per token
 
+    def observe_overhead(self, seconds: float) -> None:
+        pass
+
+    def overhead(self) -> float:
+        return 0.0                             # bytes only: a seeded request's k must not depend on the clock
+
     def observe_verify(self, rows: int, seconds: float) -> None:
         pass
 
@@ -177,6 +219,70 @@ class ByteCosts:
 
     def draft(self, first: bool) -> float:
         return float(self.draft_b if first else self.chain)
+
+
+class StepCosts:
+    """Deterministic costs from given step times (seconds): a plain step, a verify of r rows (a dict by r; a line
+    through the two nearest counts outside it) and the draft step as g + m·r in its pending rows (draft1, draft2:
+    one and two rows) -- MeasuredCosts' model with its medians replaced by these numbers. For what-if questions
+    (the GPU time model's steps: bench/spec_gpu_model.py), not for a request's decisions. overhead: a drafting
+    round's host work beyond its steps (MeasuredCosts.overhead)."""
+
+    deterministic = True
+
+    def __init__(self, plain: float, verify: dict[int, float], draft1: float, draft2: float | None = None,
+                 overhead: float = 0.0):
+        self._over = float(overhead)
+        self._plain, self._verify = float(plain), {int(r): float(t) for r, t in verify.items()}
+        self._verify.setdefault(1, float(plain))
+        self._m = max(float(draft2) - float(draft1), 0.0) if draft2 is not None else 0.0
+        self._first = self._chain = float(draft1)       # one row (g + m); a first step's extra rows: catch_up()
+
+    def observe_plain(self, seconds: float) -> None:
+        pass
+
+    def observe_draft(self, first: bool, seconds: float, rows: int = 1) -> None:
+        pass
+
+    def observe_verify(self, rows: int, seconds: float) -> None:
+        pass
+
+    def verified(self) -> bool:
+        return True
+
+    def known(self) -> bool:
+        return True
+
+    def catch_up(self) -> float:
+        return self._m
+
+    def observe_overhead(self, seconds: float) -> None:
+        pass
+
+    def overhead(self) -> float:
+        return self._over
+
+    def plain(self) -> float:
+        return self._plain
+
+    def draft(self, first: bool) -> float:
+        return self._first if first else self._chain
+
+    def verify(self, rows: int) -> float:
+        if rows in self._verify:
+            return self._verify[rows]
+        rs = sorted(self._verify)
+        lo, hi = (rs[-2], rs[-1]) if rows > rs[-1] else (rs[0], rs[1])
+        b = (self._verify[hi] - self._verify[lo]) / (hi - lo)
+        return self._verify[lo] + b * (rows - lo)
+
+
+def break_even_acceptance(costs) -> float:
+    """The first-draft acceptance a* at which a round of k = 1 (a first draft step, a verify of 2 rows and the MTP
+    catch-up of its 1 + a* tokens) yields as many tokens per second as plain steps, on `costs` (the scheduler's
+    cost model, with its per-round overhead o): (1 + a*) / (draft + verify(2) + m·(1 + a*) + o) = 1 / plain."""
+    m = costs.catch_up()
+    return (costs.draft(True) + costs.verify(2) + costs.overhead()) / max(costs.plain() - m, 1e-12) - 1.0
 
 
 class _Calibration:
@@ -347,11 +453,21 @@ class Scheduler:
         cost = np.where(take, one, zero).sum()
         return tokens / cost > 1 / self.costs.plain()
 
+    def expected_round(self, acceptance: Sequence[float]) -> tuple[float, float]:
+        """(tokens, cost) of a round that drafts and verifies k = len(acceptance) positions, acceptance[i] the
+        probability that draft i + 1 is accepted given the ones before it were: E = 1 + Σ_j Π_{i≤j} a_i tokens
+        on average, and the cost include() weighs (k draft steps, verify(1 + k), the MTP catch-up of E tokens); a
+        plain step for k = 0. Its speed-up over plain decoding is E · plain() / cost."""
+        if not len(acceptance):
+            return 1.0, self.costs.plain()
+        E = 1.0 + float(np.cumprod(np.asarray(acceptance, float)).sum())
+        return E, self._round(self._spent(len(acceptance)), 1 + len(acceptance), E)
+
     def _round(self, spent: float, rows: int, tokens: float) -> float:
-        """A round's cost: its draft steps, the verify of `rows` rows and the MTP rows its `tokens` leave for the
+        """A round's cost: its draft steps, the verify of `rows` rows, the MTP rows its `tokens` leave for the
         next draft step to catch up (a plain step's row is charged nothing: plain decoding, the baseline, runs
-        no MTP block)."""
-        return spent + self.costs.verify(rows) + self.costs.catch_up() * tokens
+        no MTP block) and the round's host work beyond its steps (costs.overhead())."""
+        return spent + self.costs.verify(rows) + self.costs.catch_up() * tokens + self.costs.overhead()
 
     def include(self, sigmas: Sequence[float]) -> bool:
         """q_i is known (σ_i = sigmas[-1]): verify position i?"""

@@ -93,7 +93,8 @@ STEPS = [(s, k) for s in plan.SHAPES for k in plan.KINDS]
 @pytest.mark.parametrize("shapes,kind", STEPS)
 def test_every_launch_fits_the_device_at_real_shapes(shapes, kind, device):
     launches = plan.plan_step(shapes, kind, device, ctx=2048)
-    assert len(launches) > 100, f"{shapes} {kind}: only {len(launches)} launches planned"
+    least = 15 if kind == "draft" else 100          # the MTP draft step is one layer and the head
+    assert len(launches) > least, f"{shapes} {kind}: only {len(launches)} launches planned"
     refused = plan.refusals(launches)
     assert not refused, (f"{shapes} {kind} on {device}: {len(refused)} of {len(launches)} launches refused:\n"
                          + "\n".join(refused))

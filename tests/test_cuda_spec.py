@@ -148,14 +148,15 @@ def test_paired_cuda_state_rollback(cuda):
     m, mtp = cuda
     spec = MtpSpec(m, mtp)
     st = spec.new_state()
-    spec.step([st], [list(range(3, 25))])
-    assert st.n_tokens == 22 and st.draft.n_tokens == 21         # a long chunk: the MTP caught up
+    n = spec.capacity + 4                                        # a chunk longer than the pending ring
+    spec.step([st], [list(range(3, 3 + n))])
+    assert st.n_tokens == n and st.draft.n_tokens == n - 1       # a long chunk: the MTP caught up
     for t in (5, 6, 7):
         spec.step([st], [[t]])
     snap = st.copy()
-    st.truncate(20)
-    assert st.n_tokens == 20 and st.draft.n_tokens == 19
-    assert snap.n_tokens == 25 and snap.draft.n_tokens == 21
+    st.truncate(n - 2)
+    assert st.n_tokens == n - 2 and st.draft.n_tokens == n - 3
+    assert snap.n_tokens == n + 3 and snap.draft.n_tokens == n - 1
 
 
 def test_cuda_cost_model_has_the_references_numbers(v4_mtp_gguf, cuda):

@@ -188,21 +188,22 @@ def test_second_turn_reuses_the_speculative_state(model, plain):
 def test_spec_state_rollback_keeps_both_states_consistent(model, mtp):
     spec = MtpSpec(model, mtp)
     st = spec.new_state()
-    spec.step([st], [list(range(3, 40))])
-    assert isinstance(st, SpecState) and st.n_tokens == 37 and st.draft.n_tokens == 36   # a long chunk: caught up
+    n = spec.capacity + 19                          # a chunk longer than the pending ring
+    spec.step([st], [list(range(3, 3 + n))])
+    assert isinstance(st, SpecState) and st.n_tokens == n and st.draft.n_tokens == n - 1   # a long chunk: caught up
     for t in (5, 6, 7, 8):
         spec.step([st], [[t]])
-    assert st.draft.n_tokens == 36                  # plain steps: the MTP catches up lazily, rows in the ring
+    assert st.draft.n_tokens == n - 1               # plain steps: the MTP catches up lazily, rows in the ring
     snap = st.copy()
-    st.truncate(38)
-    assert st.n_tokens == 38 and st.draft.n_tokens == 36
-    st.truncate(30)
-    assert st.draft.n_tokens == 29 and st.rollback_floor <= 30
+    st.truncate(n + 1)
+    assert st.n_tokens == n + 1 and st.draft.n_tokens == n - 1
+    st.truncate(n - 7)
+    assert st.draft.n_tokens == n - 8 and st.rollback_floor <= n - 7
     with pytest.raises(Ds4Error, match="earliest"):
         st.truncate(st.rollback_floor - 1)
     with pytest.raises(Ds4Error):
-        st.truncate(31)                             # truncate only removes tokens
-    assert snap.n_tokens == 41 and snap.draft.n_tokens == 36 and st.nbytes() > st.main.nbytes()
+        st.truncate(n - 6)                          # truncate only removes tokens
+    assert snap.n_tokens == n + 4 and snap.draft.n_tokens == n - 1 and st.nbytes() > st.main.nbytes()
     with pytest.raises(Ds4Error, match="SpecState"):
         spec.step([model.new_state()], [[1]])
 

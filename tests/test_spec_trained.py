@@ -11,7 +11,7 @@ import pytest
 from ds4py.model import open_mtp
 from ds4py.ref.engine import RefModel
 from ds4py.sampling import Sampler, SamplingParams
-from ds4py.spec_schedule import MeasuredCosts, Scheduler, _Calibration
+from ds4py.spec_schedule import WINDOW, MeasuredCosts, Scheduler, StepCosts, _Calibration, break_even_acceptance
 from ds4py.mtp_spec import MtpSpec
 
 GEN = 32
@@ -194,3 +194,62 @@ def test_chained_acceptance_recalibrated_per_depth():
     assert c[1] == pytest.approx(0.5, abs=0.05)
     assert c[2] < 0.05 and c[3] == pytest.approx(c[2])
     assert Scheduler(MeasuredCosts(), k_max=8).calibrated([0.9, 0.8]).tolist() == pytest.approx([0.9, 0.8])
+
+
+def test_round_overhead_is_measured_and_charged(pair, prompts):
+    """A drafting round's time beyond its timed draft and verify steps (draft distributions, decisions,
+    acceptance, rollback) is measured by round() and charged to every round: at costs where k = 1 pays by 3% on
+    its steps alone (1.55 tokens: 15.5 ms of plain steps for 15 ms of draft + verify), an overhead of 1 ms a round
+    turns it into a loss and the scheduler decodes plainly."""
+    spec = MtpSpec(*pair)
+    _, req, ks = _spec(spec, prompts["code"][:32])
+    assert spec.costs._overhead.n >= req.stats.rounds > 0 and spec.costs.overhead() > 0.0
+    c = MeasuredCosts()
+    for _ in range(3):
+        c.observe_plain(10e-3)
+        c.observe_verify(1, 9e-3)
+        c.observe_verify(2, 14e-3)
+        c.observe_draft(True, 1e-3)
+    s = Scheduler(c, k_max=4)
+    for _ in range(20):
+        s.record(0.55, 0.5)
+    assert s.drafting_pays()
+    assert break_even_acceptance(c) == pytest.approx(0.5)
+    for _ in range(3):
+        c.observe_overhead(1e-3)
+    assert c.overhead() == pytest.approx(1e-3) and not s.drafting_pays()
+    assert break_even_acceptance(c) == pytest.approx(0.6)
+
+
+def test_step_costs_give_the_expected_speed_up_per_k():
+    """StepCosts (given step times, e.g. the GPU time model's) through Scheduler.expected_round: E = 1 + a_1 +
+    a_1·a_c + ..., the round's cost = draft steps + verify(1 + k) + m·E, the speed-up E · plain / cost; the
+    break-even acceptance is where k = 1 gives 1.0x."""
+    c = StepCosts(10.0, {2: 13.0, 3: 16.0}, 1.0, 1.5)          # m = 0.5 per pending row
+    assert c.catch_up() == 0.5 and c.draft(True) == c.draft(False) == 1.0 and c.verify(1) == 10.0
+    assert c.verify(4) == pytest.approx(19.0) and c.verify(5) == pytest.approx(22.0)     # the last two counts' line
+    s = Scheduler(c, k_max=4)
+    assert s.expected_round([]) == (1.0, 10.0)
+    E, cost = s.expected_round([0.6])
+    assert E == pytest.approx(1.6) and cost == pytest.approx(1.0 + 13.0 + 0.5 * 1.6)
+    E, cost = s.expected_round([0.6, 0.5])
+    assert E == pytest.approx(1.9) and cost == pytest.approx(2.0 + 16.0 + 0.5 * 1.9)
+    a = break_even_acceptance(c)
+    E, cost = s.expected_round([a])
+    assert E * c.plain() / cost == pytest.approx(1.0)
+
+
+def test_costs_keep_a_window_of_recent_samples():
+    """A model's costs live as long as its server: every median keeps the last WINDOW samples (bounded work per
+    decision, and it follows a machine whose speed changed) instead of every step so far."""
+    c = MeasuredCosts()
+    for t in (20e-3, 10e-3):                  # the machine got twice as fast after 1,000 steps
+        for _ in range(1000):
+            c.observe_plain(t)
+            c.observe_verify(1, t)
+            c.observe_verify(2, 1.5 * t)
+            c.observe_draft(True, 0.1 * t, rows=1)
+            c.observe_draft(True, 0.2 * t, rows=3)
+    assert c.plain() == pytest.approx(10e-3) and c.verify(2) == pytest.approx(15e-3)
+    assert c.draft(True) == pytest.approx(1e-3) and c.catch_up() == pytest.approx(0.5e-3)
+    assert len(c._plain.samples) == len(c._rows[1]) == WINDOW

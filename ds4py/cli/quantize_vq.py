@@ -23,9 +23,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="Lloyd trains on at most N vectors per codeword, an equidistant sample (default 2048; 0 = all)")
     p.add_argument("--rounds", type=int, default=10, metavar="R", help="Lloyd rounds (default 10)")
     p.add_argument("--workers", type=int, metavar="N", help="search threads (default: CPU count, at most 8)")
-    p.add_argument("--unbiased-gains", action="store_true",
+    p.add_argument("--unbiased-gains", action=argparse.BooleanOptionalAction, default=True,
                    help="scale each expert tensor's row gains by <w,w>/<q,w> (undo the codebook's shrinkage toward "
-                        "zero: more weight error, much less output damage; docs/vq.md \"Trained\")")
+                        "zero: more weight error, much less output damage; docs/vq.md \"Trained\"); the default. "
+                        "--no-unbiased-gains writes the k-means gains as quantize-vq did before")
     p.add_argument("--report", metavar="FILE.json", help="also write the per-layer report as JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
 

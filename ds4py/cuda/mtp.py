@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from ds4py import schema
-from ds4py.cuda import layer, ops
+from ds4py.cuda import layer, ops, synth
 from ds4py.cuda.ops import experts as ops_moe
 from ds4py.cuda.kernels import gemvs
 from ds4py.cuda.graph_cache import MTP_STEP, GraphCache
@@ -40,15 +40,15 @@ from ds4py.cuda.workspaces import WorkspacePool
 from ds4py.cuda.device_weights import DevTensor, check_gate_up, upload_entries
 from ds4py.contract import MtpBase
 from ds4py.host.rope import layer_rope_freqs
+from ds4py.kv import state_layout as kv_state_layout
 
 
-def _upload(rt: Any, store: Any, gguf, cfg) -> tuple[Any, dict[str, DevTensor], Any]:
+def _upload(rt: Any, store: Any, gguf, cfg) -> tuple[Any, dict[str, DevTensor], list[Any]]:
     """Every mtp.0.* tensor of `gguf` in one device block (device_weights.upload_entries: the file's formats, small
     vectors converted as the main model's are), and the block's RoPE table."""
     freqs = np.ascontiguousarray(layer_rope_freqs(cfg.mtp_block(), 0), np.float32)
-    blk, tensors, (fr,) = upload_entries(rt, store, gguf, list(schema.mtp_entries(cfg)),
-                                         lambda e: e.spec.field.removeprefix("block."), (freqs,))
-    return blk, tensors, fr
+    return upload_entries(rt, store, gguf, list(schema.mtp_entries(cfg)),
+                          lambda e: e.spec.field.removeprefix("block."), (freqs,))
 
 
 class CudaMtp(CudaDraftStates, MtpBase):
@@ -56,9 +56,30 @@ class CudaMtp(CudaDraftStates, MtpBase):
 
     def __init__(self, model, path: str | None = None):
         super().__init__(model, path)           # the file, its checks, the layout and the fingerprint
+        self._setup(model, lambda: _upload(model.rt, model.store, self.gguf, model.config))
+
+    @classmethod
+    def synthetic(cls, model, seed: int = 0, experts: tuple = synth.Q2_EXPERTS, vq: "synth.VqWidths | None" = None,
+                  dense: str | None = None) -> "CudaMtp":
+        """An MTP block of random weights at the shapes of `model` (a CudaModel, e.g. CudaModel.synthetic), in the
+        storage types synth.load gives the main model, without a file: what the GPU time model plans a draft
+        step with (ds4py/cuda/plan.py)."""
+        self = cls.__new__(cls)
+        cfg = model.config
+        self.model, self.backend, self.main_config, self.config = model, model.backend, cfg, cfg.mtp_block()
+        self.path, self.gguf = f"synthetic MTP block of {model.path}", None
+        self.numerics, self.rollback_horizon = model.numerics, model.rollback_horizon
+        self.layout = kv_state_layout(self.config, model.rollback_horizon)
+        self.fingerprint = synth.fingerprint(self.config, experts, seed, vq, dense) + "-mtp"
+        freqs = np.ascontiguousarray(layer_rope_freqs(self.config, 0), np.float32)
+        self._setup(model, lambda: synth.load_mtp(model.rt, model.store, cfg, seed, experts, vq, dense, (freqs,)))
+        return self
+
+    def _setup(self, model, place: Any) -> None:
+        """The block on the device (place() -> (device block, tensors by name, [RoPE table])) and its workspace."""
         cfg = model.config
         self.rt, self.store = model.rt, model.store
-        self._block, tensors, freqs = _upload(self.rt, self.store, self.gguf, cfg)
+        self._block, tensors, (freqs,) = place()
         self._tensors = tensors
         self.binding = schema.bind_mtp(cfg, tensors.__getitem__)
         check_gate_up("the MTP block", self.binding.block.ffn)

@@ -5,6 +5,7 @@ recorded, never run.
     plan_step("v4-flash-q2", "decode", "gb10", ctx=2048)    # -> [PlannedLaunch] of one decode step (body + head)
     plan_step("v41-flash-vq", "rows", "h200")               # a 4-row verify step of one sequence
     plan_step("v4-flash-q4", "prefill", "gb10")             # one 2,048-token prefill block (the last of ctx)
+    plan_step("v4-flash-q2", "draft", "h200", rows=1)        # one MTP draft step of 1 row, with the head
     python3 -m ds4py.cuda.plan --device gb10 --shapes v41-flash-vq --kind decode [--json F]  # a table, refusals last
 
 Shapes (SHAPES): v4-flash-q2 (the public q2 file: IQ2_XXS gate / up, Q2_K down experts, Q8_0 dense), v4-flash-q4
@@ -27,7 +28,7 @@ from ds4py.cuda.plan_runtime import PlanRuntime, PlannedLaunch
 from ds4py.errors import Ds4Error
 from ds4py.ggml_types import GGMLQuantizationType as QT
 
-KINDS = ("decode", "rows", "prefill")
+KINDS = ("decode", "rows", "prefill", "draft")
 V4_FLASH = dict(n_layers=43, dim=4096, vocab_size=129280, n_heads=64, compress_ratios=[0, 0] + [4, 128] * 20 + [4])
 V41_FLASH = dict(n_layers=40, dim=5120, vocab_size=129280, n_heads=64, compress_ratios=[0, 0] + [2] * 18 + [1] * 20)
 ENGRAM_ROWS = 4096               # rows of the synthetic Engram table (the plan never reads it)
@@ -58,6 +59,7 @@ VQ_WIDTHS: dict[str, Shapes] = {f"v41-flash-vq{b}": Shapes(f"v41-flash-vq{b}", f
                                 for b in range(6, 14)}
 
 _MODELS: dict[tuple[str, str], Any] = {}
+_MTPS: dict[tuple[str, str], Any] = {}
 
 
 def shapes(key: str) -> Shapes:
@@ -91,7 +93,7 @@ def planned_model(shapes_key: str, device: str = "h200") -> Any:
             os.replace(path + f".{os.getpid()}", path)
         table = (path, ENGRAM_ROWS)
     m = CudaModel.synthetic(cfg, seed=1, experts=s.experts, runtime=rt, graphs=False,
-                            vq=synth.VqWidths(*s.vq) if s.vq else None, dense=s.dense, engram_table=table)
+                            vq=_vq_widths(s), dense=s.dense, engram_table=table)
     for e in schema.entries(cfg):
         rt.label(synth._lookup(m.w.binding, e).array, e.name)
     for il, f in enumerate(m.w.freqs):
@@ -99,6 +101,28 @@ def planned_model(shapes_key: str, device: str = "h200") -> Any:
             rt.label(f, f"rope.{il}")
     _MODELS[key] = m
     return m
+
+
+def planned_mtp(shapes_key: str, device: str = "h200") -> Any:
+    """The MTP draft block (CudaMtp.synthetic: random weights in the main model's storage types) of
+    planned_model(shapes_key, device), its tensors labelled "mtp.<name>" (cached per pair)."""
+    from ds4py.cuda.mtp import CudaMtp
+
+    key = (shapes_key, str(device))
+    d = _MTPS.get(key)
+    if d is None:
+        s, m = shapes(shapes_key), planned_model(shapes_key, device)
+        d = CudaMtp.synthetic(m, seed=2, experts=s.experts, vq=_vq_widths(s), dense=s.dense)
+        for name, t in d._tensors.items():
+            m.rt.label(t.array, name)
+        _MTPS[key] = d
+    return d
+
+
+def _vq_widths(s: Shapes) -> Any:
+    from ds4py.cuda import synth
+
+    return synth.VqWidths(*s.vq) if s.vq else None
 
 
 def _label_state(rt: PlanRuntime, st: Any) -> None:
@@ -112,8 +136,11 @@ def plan_step(shapes_key: str, kind: str, device: str = "h200", ctx: int = 2048,
               block: int = 2048, expert_mma: bool | None = None,
               expert_tiles: bool | None = None) -> list[PlannedLaunch]:
     """The launches of one step of kind "decode" (the body at position ctx - 1 and the head with the sampler),
-    "rows" (a `rows`-row verify of one sequence at positions ctx - 1 ...) or "prefill" (one `block`-token prefill
-    block ending at position ctx - 1, a prompt's last block) on the device profile `device`, in order.
+    "rows" (a `rows`-row verify of one sequence at positions ctx - 1 ...), "prefill" (one `block`-token prefill
+    block ending at position ctx - 1, a prompt's last block) or "draft" (one MTP draft step of `rows` rows of one
+    sequence, the head on them: a first draft after a round, its catch-up rows included, or one chained draft
+    with rows=1; the MTP layer attends to its window only, so ctx does not change it) on the device profile
+    `device`, in order.
     expert_mma: the prefill's routed experts on tensor cores (True) or the grouped rows kernels (False); None:
     the engine's default (VQ-8 files on tensor cores, the others not). expert_tiles: the GGML experts' exact
     path as token tiles grouped by expert (True, the engine's default) or the grouped rows kernels (False)."""
@@ -139,6 +166,12 @@ def plan_step(shapes_key: str, kind: str, device: str = "h200", ctx: int = 2048,
             _label_state(rt, st)
             body._record(ls)
             m.runner.head((0.0, 0, 1.0, 0.0, 0))._record(ls)
+        elif kind == "draft":
+            d = planned_mtp(shapes_key, device)
+            rt.clear()
+            ds = d.new_state()
+            _label_state(rt, ds)
+            d._run([ds] * rows, True)._record(layer.Launcher(rt, m.pdl))
         elif kind == "rows":
             run, _ = m.runner.rows_run([(st, ctx - 1 + i, 0) for i in range(rows)])
             _label_state(rt, st)

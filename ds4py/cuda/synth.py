@@ -88,13 +88,10 @@ def _vec_range(field: str) -> tuple[float, float]:
     return 0.9, 1.1                                  # norms, hc scales
 
 
-def load(rt: Any, cfg, scratch_bytes: int, seed: int = 0, experts: tuple[QT, QT] = Q2_EXPERTS,
-         vq: VqWidths | None = None, dense: str | None = None) -> DeviceWeights:
-    """The schema's tensors of `cfg` in one arena, filled on the device; bound like a loaded GGUF. vq: VQ-8 routed
-    experts at these widths (instead of `experts`); dense="q4_k": quantize-vq --dense q4_k's Q4_K matrices."""
-    entries = list(schema.entries(cfg))
-    plan = []
-    at = 0
+def _place(entries: list, experts: tuple[QT, QT], vq: "VqWidths | None", dense: str | None
+           ) -> tuple[list[tuple], int]:
+    """Each entry's storage type, device shape, byte offset and VQ-8 format in one blob -> (plan, blob bytes)."""
+    plan, at = [], 0
     for e in entries:
         if vq is not None and e.spec.slot == "experts":
             fmt = vq.format(e.layer)
@@ -105,14 +102,12 @@ def load(rt: Any, cfg, scratch_bytes: int, seed: int = 0, experts: tuple[QT, QT]
         nbytes = int(np.prod(shape, dtype=np.int64)) * _dtype(qt).itemsize
         plan.append((e, qt, shape, at, fmt))
         at += align_up(nbytes)
-    tables = rope_tables(cfg)
-    distinct: dict[bytes, np.ndarray] = {}
-    for a in tables.values():
-        distinct.setdefault(a.tobytes(), a)
-    extra = sum(align_up(a.nbytes) for a in distinct.values()) + 256
-    arena = rt.arena(weights_bytes=at + extra, scratch_bytes=scratch_bytes)
-    blob = arena.weights(at, np.uint8)                   # read-only to the model's kernels ...
-    writable = DeviceArray(blob.ptr, blob.shape, blob.dtype, False, blob.mem)    # ... written by the fills
+    return plan, at
+
+
+def _fill_blob(rt: Any, cfg, blob: DeviceArray, plan: list[tuple], seed: int) -> dict[str, DevTensor]:
+    """Every byte of `blob` random, then each planned tensor's fields made valid (_fill / _fill_vq)."""
+    writable = DeviceArray(blob.ptr, blob.shape, blob.dtype, False, blob.mem)    # the model reads it, fills write
     fill.fill_random_u32(rt, writable, seed)             # every byte random (quantised blocks: valid codes)
     tensors: dict[str, DevTensor] = {}
     for i, (e, qt, shape, off, fmt) in enumerate(plan):
@@ -121,6 +116,22 @@ def load(rt: Any, cfg, scratch_bytes: int, seed: int = 0, experts: tuple[QT, QT]
             _fill_vq(rt, e, fmt, writable.view(off, shape, np.uint8), seed * 1000003 + i)
         else:
             _fill(rt, e, qt, writable.view(off, shape, _dtype(qt)), cfg, seed * 1000003 + i)
+    return tensors
+
+
+def load(rt: Any, cfg, scratch_bytes: int, seed: int = 0, experts: tuple[QT, QT] = Q2_EXPERTS,
+         vq: VqWidths | None = None, dense: str | None = None) -> DeviceWeights:
+    """The schema's tensors of `cfg` in one arena, filled on the device; bound like a loaded GGUF. vq: VQ-8 routed
+    experts at these widths (instead of `experts`); dense="q4_k": quantize-vq --dense q4_k's Q4_K matrices."""
+    plan, at = _place(list(schema.entries(cfg)), experts, vq, dense)
+    tables = rope_tables(cfg)
+    distinct: dict[bytes, np.ndarray] = {}
+    for a in tables.values():
+        distinct.setdefault(a.tobytes(), a)
+    extra = sum(align_up(a.nbytes) for a in distinct.values()) + 256
+    arena = rt.arena(weights_bytes=at + extra, scratch_bytes=scratch_bytes)
+    blob = arena.weights(at, np.uint8)                   # read-only to the model's kernels, written by the fills
+    tensors = _fill_blob(rt, cfg, blob, plan, seed)
     by_bytes = {}
     for k, a in distinct.items():
         d = arena.weights(a.shape, a.dtype)
@@ -129,6 +140,29 @@ def load(rt: Any, cfg, scratch_bytes: int, seed: int = 0, experts: tuple[QT, QT]
     freqs = [by_bytes[tables[il].tobytes()] for il in range(cfg.n_layers)]
     rt.synchronize()
     return DeviceWeights(arena, schema.bind(cfg, tensors.__getitem__), freqs, at, extra)
+
+
+def load_mtp(rt: Any, store: Any, cfg, seed: int = 0, experts: tuple[QT, QT] = Q2_EXPERTS,
+             vq: VqWidths | None = None, dense: str | None = None, extra: tuple[np.ndarray, ...] = ()
+             ) -> tuple[Any, dict[str, DevTensor], list[DeviceArray]]:
+    """The MTP block's tensors (schema.mtp_entries of the main config `cfg`) in one device block of `store`, filled
+    as `load` fills the main model's (its VQ-8 experts at the first layer's width), plus the float32 arrays
+    `extra` after them: device_weights.upload_entries' result, without a file."""
+    plan, at = _place(list(schema.mtp_entries(cfg)), experts, vq, dense)
+    offs = []
+    end = at
+    for a in extra:
+        offs.append(end)
+        end += align_up(a.nbytes)
+    blk = store.block(end)
+    tensors = _fill_blob(rt, cfg, blk.array(0, (max(at, 4),), np.uint8), plan, seed)
+    arrays = []
+    for a, o in zip(extra, offs):
+        d = blk.array(o, a.shape, np.float32)
+        d.upload(np.ascontiguousarray(a, np.float32))
+        arrays.append(d)
+    rt.synchronize()
+    return blk, tensors, arrays
 
 
 def _fill(rt: Any, e: schema.Entry, qt: QT, arr, cfg, seed: int) -> None:

@@ -724,11 +724,16 @@ VERIFY_ROWS = 4
 PREFILL_BLOCK = 2048
 
 
+DRAFT_ROWS = (1, 2)               # an MTP draft step of one row (a chained draft), of two (a first draft catching up)
+
+
 def run(device: str, shapes: str, ctxs: Sequence[int] = DEFAULT_CTX, coalescing: dict[str, float] | None = None,
-        steps: Sequence[str] = ("decode", "rows", "prefill"), numerics: str = "exact") -> list[StepModel]:
-    """Decode at each ctx, a VERIFY_ROWS-row verify step and a PREFILL_BLOCK-token prefill block at the first ctx
-    (at least one block long), planned by ds4py/cuda/plan.py and modelled on `device`. numerics "act_quant": the
-    decode steps only, with_act_quant's launches, named "decode act_quant"."""
+        steps: Sequence[str] = ("decode", "rows", "prefill", "draft"), numerics: str = "exact",
+        verify_rows: Sequence[int] = (VERIFY_ROWS,)) -> list[StepModel]:
+    """Decode at each ctx, a verify step of each of `verify_rows` rows (VERIFY_ROWS by default), a
+    PREFILL_BLOCK-token prefill block and an MTP draft step of each of DRAFT_ROWS rows at the first ctx (at least
+    one block long for the prefill), planned by ds4py/cuda/plan.py and modelled on `device`. numerics "act_quant":
+    the decode steps only, with_act_quant's launches, named "decode act_quant"."""
     if numerics not in NUMERICS:
         from ds4py.errors import Ds4Error
 
@@ -744,15 +749,41 @@ def run(device: str, shapes: str, ctxs: Sequence[int] = DEFAULT_CTX, coalescing:
         coalescing = load_coalescing()
     out = []
     for kind in steps:
-        for ctx in (ctxs if kind == "decode" else ctxs[:1]):
+        per_kind = {"decode": [(c, 1) for c in ctxs], "rows": [(ctxs[0], r) for r in verify_rows],
+                    "draft": [(ctxs[0], r) for r in DRAFT_ROWS]}.get(kind, [(ctxs[0], 1)])
+        for ctx, rows in per_kind:
             c = max(ctx, PREFILL_BLOCK) if kind == "prefill" else ctx
-            launches = plan_step(shapes, kind, dev.key, ctx=c, rows=VERIFY_ROWS, block=PREFILL_BLOCK)
-            tokens = {"decode": 1, "rows": VERIFY_ROWS, "prefill": min(PREFILL_BLOCK, c)}[kind]
-            name = {"decode": "decode", "rows": f"verify {VERIFY_ROWS} rows", "prefill": f"prefill {tokens}"}[kind]
+            launches = plan_step(shapes, kind, dev.key, ctx=c, rows=rows, block=PREFILL_BLOCK)
+            tokens = {"decode": 1, "rows": rows, "draft": rows, "prefill": min(PREFILL_BLOCK, c)}[kind]
+            name = {"decode": "decode", "rows": f"verify {rows} rows", "prefill": f"prefill {tokens}",
+                    "draft": f"mtp draft {rows} row{'s' if rows > 1 else ''}"}[kind]
             if numerics == "act_quant":
                 launches, name = with_act_quant(launches, dev), f"{name} act_quant"
             out.append(model_step(launches, dev, c, tokens, shapes, name, coalescing=coalescing))
     return out
+
+
+@dataclass(frozen=True)
+class SpecStepTimes:
+    """The modelled step times (µs) a speculative round is made of, on one device at one shapes' layout: a plain
+    decode step, a verify of r rows (r = 1 + k drafts) and the MTP draft step of one and of two rows (a chained
+    draft; a first draft that also catches up one pending row)."""
+    device: str
+    shapes: str
+    ctx: int
+    decode_us: float
+    verify_us: dict[int, float]
+    draft_us: dict[int, float]
+
+
+def spec_step_times(device: str, shapes: str, ctx: int = DEFAULT_CTX[0], k_max: int = 4,
+                    coalescing: dict[str, float] | None = None) -> SpecStepTimes:
+    """decode, verify(2 .. k_max + 1) and the MTP draft of 1 and 2 rows at `ctx`, modelled (run)."""
+    models = run(device, shapes, (ctx,), coalescing, steps=("decode", "rows", "draft"),
+                 verify_rows=tuple(range(2, k_max + 2)))
+    by = {m.step: m.time_us for m in models}
+    return SpecStepTimes(device, shapes, ctx, by["decode"], {r: by[f"verify {r} rows"] for r in range(2, k_max + 2)},
+                         {r: by[f"mtp draft {r} row{'s' if r > 1 else ''}"] for r in DRAFT_ROWS})
 
 
 def bench_json(models: Sequence[StepModel], act_quant: Sequence[StepModel] = ()) -> dict:
