@@ -514,6 +514,21 @@ def test_the_attention_tile_counts_equal_the_build():
         assert sass.attn_tile_counts(sass.disassemble(mod.cubin)["attn_decode_partial"]) == want, arch
 
 
+def test_the_route_keeps_every_logit_of_its_lane_in_flight():
+    """moe_route loads the lane's n_experts / 32 logits before scoring any (cu/router.cu): 32 B a lane at 256
+    experts, not the 16-byte guess."""
+    ln = launch("moe_route", 1, 32, act=1024, dev=H200, scalars=(("n_experts", 256),))
+    k = timemodel.model_kernel(ln, H200, 2048, loops={})
+    assert k.inflight_bytes == 32 * 32
+
+
+@pytest.mark.parametrize("device", ["gb10", "h200"])
+def test_the_mtp_draft_step_and_the_verify_rows(device):
+    """The speculative round's steps at V4 Flash q2 shapes: the MTP draft step (one layer and the main model's
+    head, planned on a synthetic MTP block) reads the head and the block's bytes and costs a fraction of a decode
+    step; a verify of r rows costs more with every row and less than r decode steps."""
+    from ds4py.cuda.plan import planned_model
+
     t = timemodel.spec_step_times(device, "v4-flash-q2", 2048, k_max=3)
     assert set(t.verify_us) == {2, 3, 4} and set(t.draft_us) == {1, 2}
     assert t.decode_us < t.verify_us[2] < t.verify_us[3] < t.verify_us[4]
@@ -522,14 +537,3 @@ def test_the_attention_tile_counts_equal_the_build():
     (draft,) = [m for m in timemodel.run(device, "v4-flash-q2", (2048,), steps=("draft",)) if m.tokens == 1]
     head = planned_model("v4-flash-q2", device).w.binding.head.array.nbytes
     assert draft.weight_kv_bytes > head and not draft.refused
-def test_the_route_keeps_every_logit_of_its_lane_in_flight():
-    """moe_route loads the lane's n_experts / 32 logits before scoring any (cu/router.cu): 32 B a lane at 256
-    experts, not the 16-byte guess."""
-    ln = launch("moe_route", 1, 32, act=1024, dev=H200, scalars=(("n_experts", 256),))
-    k = timemodel.model_kernel(ln, H200, 2048, loops={})
-    assert k.inflight_bytes == 32 * 32
-def test_the_mtp_draft_step_and_the_verify_rows(device):
-    """The speculative round's steps at V4 Flash q2 shapes: the MTP draft step (one layer and the main model's
-    head, planned on a synthetic MTP block) reads the head and the block's bytes and costs a fraction of a decode
-    step; a verify of r rows costs more with every row and less than r decode steps."""
-    from ds4py.cuda.plan import planned_model
