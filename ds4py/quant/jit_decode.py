@@ -457,7 +457,8 @@ def f16_dec(raw, x, y, f16, parts):
 # quantised x; wb is wa for one matrix); wa / wb [X, R, nb, block bytes] stacked experts; group g is expert ex[g]
 # with the pairs gs[g]..gs[g+1], pair j reading activation row xr[j] into y[j, r]. Each (pair, row) is the float
 # sequence of the one-expert kernel above (*_rows on raw = w[e], x = its rows), so y is the same bits; the
-# parallel form splits the tasks into `parts` ranges (one launch for the layer's routed experts, not one each).
+# parallel form runs the task ranges bounds[p]..bounds[p + 1] (one launch for the layer's routed experts, not one
+# each; jit_i8.experts_matmul cuts them by work, pairs x rows, for a prefill's unevenly loaded experts).
 
 @njit(**SERIAL)
 def _ex_segments(k0, k1, R, GR):
@@ -510,10 +511,9 @@ def iq2_xxs_ex_rows(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, grid8, sign8, k0, k
 
 
 @njit(**OPTS)
-def iq2_xxs_ex_dec(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, grid8, sign8, mats, parts):
-    K = mats * (gs.shape[0] - 1) * wa.shape[1]
-    for p in prange(parts):
-        iq2_xxs_ex_rows(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, grid8, sign8, p * K // parts, (p + 1) * K // parts)
+def iq2_xxs_ex_dec(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, grid8, sign8, bounds):
+    for p in prange(bounds.shape[0] - 1):
+        iq2_xxs_ex_rows(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, grid8, sign8, bounds[p], bounds[p + 1])
 
 
 @njit(**SERIAL)
@@ -545,10 +545,9 @@ def q2_k_ex_rows(wa, wb, ex, gs, xr, xq, xd, xbs, ya, yb, f16, k0, k1):
 
 
 @njit(**OPTS)
-def q2_k_ex_dec(wa, wb, ex, gs, xr, xq, xd, xbs, ya, yb, f16, mats, parts):
-    K = mats * (gs.shape[0] - 1) * wa.shape[1]
-    for p in prange(parts):
-        q2_k_ex_rows(wa, wb, ex, gs, xr, xq, xd, xbs, ya, yb, f16, p * K // parts, (p + 1) * K // parts)
+def q2_k_ex_dec(wa, wb, ex, gs, xr, xq, xd, xbs, ya, yb, f16, bounds):
+    for p in prange(bounds.shape[0] - 1):
+        q2_k_ex_rows(wa, wb, ex, gs, xr, xq, xd, xbs, ya, yb, f16, bounds[p], bounds[p + 1])
 
 
 @njit(**SERIAL)
@@ -572,10 +571,9 @@ def q8_0_ex_rows(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, k0, k1):
 
 
 @njit(**OPTS)
-def q8_0_ex_dec(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, mats, parts):
-    K = mats * (gs.shape[0] - 1) * wa.shape[1]
-    for p in prange(parts):
-        q8_0_ex_rows(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, p * K // parts, (p + 1) * K // parts)
+def q8_0_ex_dec(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, bounds):
+    for p in prange(bounds.shape[0] - 1):
+        q8_0_ex_rows(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, bounds[p], bounds[p + 1])
 
 
 # ---- the activation quantisers (ds4py.quant.jit_i8.quant_q8_0 / quant_q8_k: numpy's operations, one pass) ------

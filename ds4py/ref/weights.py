@@ -417,11 +417,12 @@ class Weights:
         make all the matrix products): then it runs BLAS on one thread (ds4py.ref.blas)."""
         return self.runner is not None and rows <= FUSED_MAX_ROWS
 
-    # ---- a decode step's routed experts in one call per projection ---------------------------------------------
+    # ---- a step's routed experts in one call per projection ----------------------------------------------------
     def experts_batched(self, tensors, rows: int) -> bool:
         """Whether a step of `rows` token rows takes experts_linear for these stacked expert tensors (gate, up,
         down): act_quant numerics, the compiled kernels and, for each tensor, a format whose per-expert products
-        take the decode kernels (jit_i8.experts_supported), so the results are expert_linear's bits."""
+        at this row count are the experts kernels' bits (jit_i8.experts_supported: a decode step, or a prefill
+        of IQ2_XXS / Q2_K experts), so the results are expert_linear's bits."""
         if not (self.act_quant and self.kernels == "jit"):
             return False
         if not self._jit_checked:
