@@ -13,9 +13,9 @@ Integer block sums are exact, so IQ2_XXS / Q2_K give ds4py.quant.jit_i8_kernels'
 this file with the kernels that inline them: numba's disk cache keys a kernel on its own source file only, so an
 intrinsic edited elsewhere would leave stale compiled kernels behind (seen while writing these).
 
-- iq2_block_pairs: one IQ2_XXS block of 256 against a few tokens (ggml's scheme: the grid magnitudes stay
-  unsigned, the signs go onto the activation, (x ^ m) - m; magnitudes x activation pairs, then times each
-  group's 2 ls + 1), its table lookups once for all the tokens.
+- iq2_block / iq2_block_pairs: one IQ2_XXS block of 256 against one token / several (ggml's scheme: the grid
+  magnitudes stay unsigned, the signs go onto the activation (psign); magnitudes x activation pairs, then
+  times each group's 2 ls + 1), iq2_block_pairs doing the table lookups once for all the tokens.
 - q2k_block / q2k_mins: one Q2_K block's sum of scale * (2-bit code . x), and its min term from the
   activation's 16-sums.
 - q8_0_row: a whole Q8_0 row, 8 float lanes carried across its blocks, summed once at the end.
@@ -140,7 +140,7 @@ def _hsum(builder, v):
 
 def _iq2_gather(builder, p, grid, signs):
     """One IQ2_XXS group (8 bytes at p: 4 grid indices, a u32 of 4 x 7 sign-pattern bits and the 4-bit ls) ->
-    (<32 x i8> grid magnitudes, <32 x i8> 0x00 / 0xFF sign masks, i16 2 ls + 1)."""
+    (<32 x i8> grid magnitudes, <32 x i8> signs as +1 / -1 bytes, i16 2 ls + 1)."""
     aux = builder.load(builder.bitcast(builder.gep(p, [_const(I64, 4)]), I32.as_pointer()), align=1)
     v4 = ir.VectorType(I64, 4)
     gv, sv = ir.Constant(v4, None), ir.Constant(v4, None)
@@ -157,8 +157,12 @@ def _iq2_gather(builder, p, grid, signs):
 
 def _iq2_signed_dot(builder, gv, m, x, ls):
     """<16 x i32> / <8 x i32> partial sums of grid magnitudes gv times the activation bytes x signed by the
-    masks m, times ls."""
-    xs = builder.sub(builder.xor(x, m), m)                       # x where the sign bit is 0, -x where it is 1
+    sign bytes m (+1 / -1), times ls."""
+    if AVX2:
+        xs = _x86(builder, "llvm.x86.avx2.psign.b", x.type, x, m)      # one instruction (|x| <= 127)
+    else:
+        mm = builder.ashr(m, _splat(m.type, 7))                          # 0x00 / 0xFF
+        xs = builder.sub(builder.xor(x, mm), mm)                         # x, or -x where the sign is -1
     h16 = ir.VectorType(I16, 16)
     lsv = builder.insert_element(ir.Constant(h16, None), ls, _const(I32, 0))
     lsv = builder.shuffle_vector(lsv, lsv, ir.Constant(ir.VectorType(I32, 16), [0] * 16))
@@ -191,7 +195,7 @@ def iq2_block_pairs(typingctx, raw, off, d, b, xq, xr, j0, j1, xd, accs, grid8, 
     sign-pattern bits and the group's 4-bit ls; w = grid * sign * (2 ls + 1)) against the pairs j0..j1: for
     each, t = xr[j] and accs[j - j0] += (d * xd[t, b]) * isum, isum = sum_i w_i * xq[t, 256 b + i] exact in
     int32; j0 < j1 (the first pair runs unconditionally). The table lookups (ggml's scheme: grid8 [256] a grid entry's 8 magnitudes as the bytes of one
-    uint64, sign8 [128] a sign pattern as 0x00 / 0xFF bytes; the signs go onto the activation, (x ^ m) - m)
+    uint64, sign8 [128] a sign pattern as +1 / -1 bytes; the signs go onto the activation: psign, as ggml)
     are done once and kept in vector registers for every pair: they are most of the work. The float
     operations are plain fmul / fadd in that order (no contraction, as numba's), so a pair's accumulator gets
     the bits of the scalar loop `acc += (d * xd[t, b]) * F32(isum)`."""

@@ -104,9 +104,9 @@ def _kernels():
         _tables["grid"] = jit._readonly(np.ascontiguousarray(iq2.GRID.astype(np.uint16)).view(np.uint64))
         _tables["signs"] = jit._readonly(np.where(iq2.SIGNS < 0, np.uint16(0xFFFF), np.uint16(0)).astype(np.uint16)
                                          .view(np.uint64))
-        # the decode kernels' tables (jit_decode.iq2_block_pairs): 8 magnitude bytes / 8 sign-mask bytes per uint64
+        # the decode kernels' tables (jit_decode.iq2_block_pairs): 8 magnitude bytes / 8 sign bytes (+1 / -1) per uint64
         _tables["grid8"] = jit._readonly(np.ascontiguousarray(iq2.GRID.astype(np.uint8)).view(np.uint64).ravel())
-        _tables["sign8"] = jit._readonly(np.where(iq2.SIGNS < 0, np.uint8(0xFF), np.uint8(0)).astype(np.uint8)
+        _tables["sign8"] = jit._readonly(np.where(iq2.SIGNS < 0, np.uint8(0xFF), np.uint8(1)).astype(np.uint8)
                                          .view(np.uint64).ravel())
         _tables["kvalues"] = jit._readonly(np.ascontiguousarray(mxfp4.KVALUES.astype(np.int16)))
     return _tables["mod"]
