@@ -95,7 +95,9 @@ def test_dense_q8_0_one_product_per_sequence(monkeypatch):
 
 def test_a_prefill_through_the_gemm_kernels_stays_near_the_act_quant_oracle(golden, monkeypatch):
     """ds4-tiny (routed IQ2_XXS / Q2_K, dense Q8_0) in ds4's numerics, a 24-token prefill (> FUSED_MAX_ROWS:
-    jit_i8_gemm for the experts and the dense Q8_0 matrices) then two decode steps, against the dequantise-then-
+    jit_i8_gemm for the dense Q8_0 matrices; the routed experts in one call per projection, jit_i8.experts_matmul,
+    bit for bit the per-expert jit_i8_gemm products: tests/test_jit_i8_experts.py) then two decode steps, against
+    the dequantise-then-
     matmul oracle of the same numerics. The activation rounding is discontinuous: float-order noise flips a code
     now and then (the fused kernels' prefill is the oracle's own code, 1e-7 away, so no relative bound here).
     The prefill's logits (the step these kernels compute) measured 1.6e-2 to 3.3e-2 of the logits' range under
@@ -107,7 +109,7 @@ def test_a_prefill_through_the_gemm_kernels_stays_near_the_act_quant_oracle(gold
     from ds4py.ref.engine import RefModel
 
     calls = {"gemm": 0, "dense": 0}
-    real_mm, real_dense = jit_i8_gemm.matmul, jit_i8_gemm.dense_q8_0
+    real_mm, real_dense, real_ex = jit_i8_gemm.matmul, jit_i8_gemm.dense_q8_0, jit_i8.experts_matmul
 
     def mm(*a, **k):
         calls["gemm"] += 1
@@ -117,8 +119,13 @@ def test_a_prefill_through_the_gemm_kernels_stays_near_the_act_quant_oracle(gold
         calls["dense"] += 1
         return real_dense(*a, **k)
 
+    def experts(qt, raws, ex, gs, xr, x, threads=1):
+        calls["gemm"] += len(xr) > jit_i8.DECODE_ROWS           # a prefill's experts
+        return real_ex(qt, raws, ex, gs, xr, x, threads)
+
     monkeypatch.setattr(jit_i8_gemm, "matmul", mm)
     monkeypatch.setattr(jit_i8_gemm, "dense_q8_0", dense)
+    monkeypatch.setattr(jit_i8, "experts_matmul", experts)
     path = str(golden / "ds4-tiny" / "tiny.gguf")
     ids = [int(i) for i in np.random.default_rng(11).integers(1, 500, 26)]
     out = {}
