@@ -49,9 +49,10 @@ Q8_0_ACT = (Q.Q8_0, Q.MXFP4)
 Q8_K_ACT = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ2_XXS)
 # with act_quant and the compiled kernels, these formats take the int8-activation kernels (ds4py.quant.jit_i8:
 # x quantised inside, exact integer block sums) for every row count, prefill included; Q8_0 too for steps of up
-# to jit_i8.DECODE_ROWS rows (its decode kernel, 8 float lanes per row: 1.5-2x the fp32 kernel's GB/s); the
-# others, and Q8_0's longer steps, keep the fp32 kernels on the rounded x (faster there: an int8 Q8_0 or MXFP4
-# block of 32 in the buffer kernels costs a horizontal sum each)
+# to jit_i8.DECODE_ROWS rows (its decode kernel, 8 float lanes per row: 1.5-2x the fp32 kernel's GB/s), and for
+# longer steps on AVX-512 VNNI hosts (jit_i8_gemm.q8_0_matmul: rows as vector lanes, ~3x dequantise + BLAS); the
+# others, and Q8_0's longer steps elsewhere, keep the fp32 kernels on the rounded x (faster there: an int8 Q8_0 or
+# MXFP4 block of 32 in the buffer kernels costs a horizontal sum each)
 INT8_KERNELS = (Q.IQ2_XXS, Q.Q2_K, Q.Q4_K)
 INT8_DECODE_KERNELS = (Q.Q8_0,)
 
@@ -214,13 +215,16 @@ class Weights:
         """Whether t's product with `rows` activation rows takes the int8-activation kernels (act_quant numerics,
         compiled kernels)."""
         return self.act_quant and self.kernels == "jit" and (
-            t.qtype in INT8_KERNELS or (t.qtype in INT8_DECODE_KERNELS and rows <= jit_i8.DECODE_ROWS))
+            t.qtype in INT8_KERNELS or (t.qtype in INT8_DECODE_KERNELS and rows <= jit_i8.DECODE_ROWS)
+            or (t.qtype == Q.Q8_0 and jit_i8_gemm.q8_0_int8()))
 
     def _int8_matmul(self, t: TensorInfo, raw: np.ndarray, x: np.ndarray) -> np.ndarray:
         """x (unrounded) @ W.T through jit_i8: every row on its own (row-stable, batch-invariant), one call.
         Over FUSED_MAX_ROWS rows (prefill) jit_i8_gemm's tiled kernels, bit for bit the same products."""
         if x.shape[0] > FUSED_MAX_ROWS and jit_i8_gemm.supported(t.qtype):
             return jit_i8_gemm.matmul(t.qtype, np.asarray(raw), x, self.runner.threads)
+        if x.shape[0] > jit_i8.DECODE_ROWS and t.qtype == Q.Q8_0:       # AVX-512 VNNI hosts (_int8)
+            return jit_i8_gemm.q8_0_matmul(np.asarray(raw), x, self.runner.threads)
         return jit_i8.matmul(t.qtype, np.asarray(raw), x, self.runner.threads)
 
     def _dense_prefill(self, t: TensorInfo) -> bool:
