@@ -176,13 +176,16 @@ def _work_bounds(gs: np.ndarray, R: int, mats: int, parts: int) -> np.ndarray:
     its group's pair count: a prefill routes some experts many more rows than others)."""
     pairs = np.diff(gs)
     G = len(pairs)
+    K = mats * G * R
+    if (pairs == pairs[0]).all():                     # a decode step: every expert one row, equal ranges
+        return np.array([p * K // parts for p in range(parts + 1)], np.int64)
     cum = np.concatenate(([0], np.cumsum(np.tile(pairs, mats) * R)))
     cuts = [0]
     for i in range(1, parts):
         target = cum[-1] * i // parts
         seg = int(np.searchsorted(cum, target, side="right")) - 1
         cuts.append(max(cuts[-1], seg * R + int((target - cum[seg]) // max(1, pairs[seg % G]))))
-    cuts.append(mats * G * R)
+    cuts.append(K)
     return np.array(cuts, np.int64)
 
 
