@@ -78,7 +78,8 @@ def test_dense_q8_0_equals_the_act_quant_reference_at_every_row_length():
 def test_int8_q8_0_equals_the_act_quant_reference_at_every_row_length():
     """The VNNI product (rows as lanes, tiles of 16 rows, 4 tokens a pass): every multiple of 32 to 1,024 and
     longer rows, partial tiles and token groups, against the float64 product of the rounded x; a token's row is
-    the same bits alone, in any batch and on any thread count; extreme weight codes (-128, 127) and zero x."""
+    the same bits alone, in any batch and on any thread count, and from x rounded already (the reference rounds it
+    before the product: the same codes and scales); extreme weight codes (-128, 127) and zero x."""
     stored, oracle = _fixtures()
     for cols in [*range(32, 1025, 32), 32 * 77, 4096]:
         rng = np.random.default_rng([cols, 1])
@@ -99,6 +100,7 @@ def test_int8_q8_0_equals_the_act_quant_reference_at_every_row_length():
         for t, threads in ((0, 1), (T - 1, 3), (5, 2)):
             np.testing.assert_array_equal(jit_i8_gemm.q8_0_matmul(raw, x[t:t + 1], threads), got[t:t + 1])
         np.testing.assert_array_equal(jit_i8_gemm.q8_0_matmul(raw, x[3:T], 3), got[3:T])
+        np.testing.assert_array_equal(jit_i8_gemm.q8_0_matmul(raw, q8_0_round(x), 2), got)   # x rounded already
 
 
 def test_dense_q8_0_one_product_per_sequence(monkeypatch):
@@ -175,3 +177,4 @@ def test_a_prefill_through_the_gemm_kernels_stays_near_the_act_quant_oracle(gold
     assert err < 0.08, f"prefill through the gemm kernels vs the act_quant oracle: relative error {err:.2e}"
     later = np.abs(out["jit"][1:] - want[1:]).max() / scale
     assert np.isfinite(out["jit"]).all() and later < 0.2, f"decode after the prefill: relative error {later:.2e}"
+

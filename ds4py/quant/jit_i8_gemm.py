@@ -2,7 +2,7 @@
 
     if jit_i8_gemm.supported(qtype):
         y = jit_i8_gemm.matmul(qtype, raw, x, threads)     # raw uint8 [R, row_nbytes], x [T, C] -> [T, R]
-    y = jit_i8_gemm.q8_0_matmul(raw, x, threads)            # dense Q8_0, int8 (AVX-512 VNNI hosts: Q8_0_INT8)
+    y = jit_i8_gemm.q8_0_matmul(raw, x, threads)            # dense Q8_0, int8 (AVX-512 VNNI hosts: q8_0_int8())
     y = jit_i8_gemm.dense_q8_0(raw, x_rounded, threads, seg)  # dense Q8_0 elsewhere: dequantise + BLAS
 
 Routed experts (IQ2_XXS, Q2_K, Q4_K): x is quantised per block exactly as ds4py.quant.jit_i8 does it (the
@@ -11,7 +11,7 @@ bit for bit jit_i8.matmul's: which of the two runs is a speed choice only (no ba
 kernels (jit_i8_gemm_kernels) unpack a tile of rows once and run every token over it while it is in cache.
 
 Dense Q8_0 matrices (attention projections, shared expert, grouped output), on hosts with AVX-512 VNNI
-(Q8_0_INT8): int8 products, x quantised as jit_i8 does, exact int32 block sums with the rows as vector lanes
+(q8_0_int8()): int8 products, x quantised as jit_i8 does, exact int32 block sums with the rows as vector lanes
 (ds4py.quant.jit_q8_0_vnni: ~100 GMAC/s a core here against ~35 for the BLAS route below), each (token, row)
 acc += (d_w * d_x) * isum in block order: the int8-activation numerics of the decode kernels, within float32
 rounding of the reference's act_quant product (tests/test_jit_i8_gemm.py), the same bits at any token count.
@@ -93,8 +93,9 @@ def q8_0_int8() -> bool:
 
 
 def q8_0_matmul(raw: np.ndarray, x: np.ndarray, threads: int = 1) -> np.ndarray:
-    """x @ W.T for the Q8_0 rows raw (uint8 [R, C / 32 * 34]) in int8: x (unrounded) quantised per block of 32 as
-    jit_i8.quant_q8_0 does (ops.q8_0_round's codes and scales) -> float32 [T, R]. Only where q8_0_int8()."""
+    """x @ W.T for the Q8_0 rows raw (uint8 [R, C / 32 * 34]) in int8: x quantised per block of 32 as
+    jit_i8.quant_q8_0 does (ops.q8_0_round's codes and scales; x may be rounded already: quantising q8_0_round(x)
+    gives the same codes and scales, tested) -> float32 [T, R]. Only where q8_0_int8()."""
     from ds4py.quant import jit_q8_0_vnni
 
     _kernels()

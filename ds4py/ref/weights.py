@@ -49,10 +49,10 @@ Q8_0_ACT = (Q.Q8_0, Q.MXFP4)
 Q8_K_ACT = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ2_XXS)
 # with act_quant and the compiled kernels, these formats take the int8-activation kernels (ds4py.quant.jit_i8:
 # x quantised inside, exact integer block sums) for every row count, prefill included; Q8_0 too for steps of up
-# to jit_i8.DECODE_ROWS rows (its decode kernel, 8 float lanes per row: 1.5-2x the fp32 kernel's GB/s), and for
-# longer steps on AVX-512 VNNI hosts (jit_i8_gemm.q8_0_matmul: rows as vector lanes, ~3x dequantise + BLAS); the
-# others, and Q8_0's longer steps elsewhere, keep the fp32 kernels on the rounded x (faster there: an int8 Q8_0 or
-# MXFP4 block of 32 in the buffer kernels costs a horizontal sum each)
+# to jit_i8.DECODE_ROWS rows (its decode kernel, 8 float lanes per row: 1.5-2x the fp32 kernel's GB/s); the
+# others, and Q8_0's longer steps, keep the fp32 kernels on the rounded x (faster there: an int8 Q8_0 or MXFP4
+# block of 32 in the buffer kernels costs a horizontal sum each), except a prefill's dense Q8_0 products on
+# AVX-512 VNNI hosts (_dense_q8_0: jit_i8_gemm.q8_0_matmul, rows as vector lanes, ~3x dequantise + BLAS)
 INT8_KERNELS = (Q.IQ2_XXS, Q.Q2_K, Q.Q4_K)
 INT8_DECODE_KERNELS = (Q.Q8_0,)
 
@@ -215,16 +215,13 @@ class Weights:
         """Whether t's product with `rows` activation rows takes the int8-activation kernels (act_quant numerics,
         compiled kernels)."""
         return self.act_quant and self.kernels == "jit" and (
-            t.qtype in INT8_KERNELS or (t.qtype in INT8_DECODE_KERNELS and rows <= jit_i8.DECODE_ROWS)
-            or (t.qtype == Q.Q8_0 and jit_i8_gemm.q8_0_int8()))
+            t.qtype in INT8_KERNELS or (t.qtype in INT8_DECODE_KERNELS and rows <= jit_i8.DECODE_ROWS))
 
     def _int8_matmul(self, t: TensorInfo, raw: np.ndarray, x: np.ndarray) -> np.ndarray:
         """x (unrounded) @ W.T through jit_i8: every row on its own (row-stable, batch-invariant), one call.
         Over FUSED_MAX_ROWS rows (prefill) jit_i8_gemm's tiled kernels, bit for bit the same products."""
         if x.shape[0] > FUSED_MAX_ROWS and jit_i8_gemm.supported(t.qtype):
             return jit_i8_gemm.matmul(t.qtype, np.asarray(raw), x, self.runner.threads)
-        if x.shape[0] > jit_i8.DECODE_ROWS and t.qtype == Q.Q8_0:       # AVX-512 VNNI hosts (_int8)
-            return jit_i8_gemm.q8_0_matmul(np.asarray(raw), x, self.runner.threads)
         return jit_i8.matmul(t.qtype, np.asarray(raw), x, self.runner.threads)
 
     def _dense_prefill(self, t: TensorInfo) -> bool:
@@ -319,9 +316,18 @@ class Weights:
             return ys[0], ys[1]
         return self.linear(a, x, seg), self.linear(b, x, seg)
 
+    def _dense_q8_0(self, raw: np.ndarray, x: np.ndarray, seg: list[slice] | None) -> np.ndarray:
+        """A prefill sequence's product with dense Q8_0 rows, x rounded (act): int8 on AVX-512 VNNI hosts
+        (jit_i8_gemm.q8_0_matmul; quantising the rounded x gives its own codes and scales back), else the
+        dequantised tiles + BLAS. Chosen here, per sequence by _split, so a sequence's bits never depend on what
+        else the step holds, and row-stable steps keep the decode kernels."""
+        if jit_i8_gemm.q8_0_int8():
+            return jit_i8_gemm.q8_0_matmul(raw, x, self.runner.threads)
+        return jit_i8_gemm.dense_q8_0(raw, x, self.runner.threads, seg)
+
     def _dequant_linear(self, t: TensorInfo, x: np.ndarray, seg: list[slice] | None) -> np.ndarray:
         if self._dense_prefill(t):
-            return jit_i8_gemm.dense_q8_0(t.raw_bytes(), x, self.runner.threads, seg)
+            return self._dense_q8_0(t.raw_bytes(), x, seg)
         out_rows, ncols = t.shape
         if ("all", t.name) in self._cache or out_rows * ncols * 4 <= self.cache_bytes:
             return mm(x, self.get(t).T, seg)
@@ -373,7 +379,7 @@ class Weights:
         rank = t.shape[0] // G
         if self._dense_prefill(t):
             raw = np.asarray(t.raw_bytes())
-            return np.stack([jit_i8_gemm.dense_q8_0(raw[g * rank:(g + 1) * rank], x[:, g], self.runner.threads, seg)
+            return np.stack([self._dense_q8_0(raw[g * rank:(g + 1) * rank], np.ascontiguousarray(x[:, g]), seg)
                              for g in range(G)], axis=1)
         if ("all", t.name) in self._cache or t.shape[0] * t.shape[1] * 4 <= self.cache_bytes:
             wT = self.get(t).reshape(G, rank, -1).transpose(0, 2, 1)
