@@ -280,6 +280,14 @@ class Weights:
         return per_row(lambda r: self._fused_rows(t, raw, r, key), x, seg)
 
     def _fused_rows(self, t: TensorInfo, raw: np.ndarray, x: np.ndarray, key) -> np.ndarray:
+        if self.act_quant and self.kernels == "jit" and t.qtype in INT8_DECODE_KERNELS:
+            # a few-row sequence inside a longer step, or row-stable rows: the int8 decode kernel the rows get
+            # stepped alone (_int8 decides by the whole step's rows), not the fp32 kernel on the rounded x; x is
+            # rounded already (act), and quantising it again gives its own codes and scales back
+            n = jit_i8.DECODE_ROWS
+            return np.concatenate([jit_i8.matmul(t.qtype, raw, x[a:a + n], self.runner.threads)
+                                   for a in range(0, x.shape[0], n)]) if x.shape[0] else \
+                np.empty((0, raw.shape[0]), F32)
         if t.qtype == Q.F32:                                 # nothing to decode: BLAS on the mapped rows
             return np.ascontiguousarray(x, dtype=F32) @ raw.view(F32).T
         if self.runner.compiled and jit.supported(t.qtype):  # inf / NaN scales: exact through the f16 table
