@@ -214,3 +214,27 @@ def test_the_decode_kernels_compile_to_byte_multiply_adds():
     else:
         want = ("sdot", "smlal", "sadalp", "smull", "umull", "mla")
     assert any(op in asm for op in want), f"no byte multiply-add in the Q2_K decode kernel on {arch}"
+
+
+def _ds4_tiny(golden):
+    from ds4py.model import Numerics
+    from ds4py.ref.engine import RefModel
+
+    return RefModel(str(golden / "ds4-tiny" / "tiny.gguf"), numerics=Numerics.ds4(), kernels="jit", threads=2)
+
+
+def test_a_verify_step_keeps_the_decode_steps_bits(golden):
+    """ds4-tiny in ds4's numerics: a row-stable step of 12 rows (a speculative verify, more rows than
+    DECODE_ROWS) equals 12 one-row decode steps bit for bit, logits and state: its dense Q8_0 rows take the int8
+    decode kernel as a decode step does (they took the fp32 kernel on the rounded x before: ~1e-3 off)."""
+    m = _ds4_tiny(golden)
+    assert m.stable_rows >= 12
+    ids = np.random.default_rng(13).integers(1, 250, 5 + 12)
+    a = m.new_state()
+    m.step([a], [ids[:5]])
+    b = a.copy()
+    rows = m.step([a], [ids[5:]], all_logits=True)[0]
+    one = np.stack([m.step([b], [[int(t)]])[0] for t in ids[5:]])
+    np.testing.assert_array_equal(rows, one)
+    for key, arr in a.arrays.items():
+        np.testing.assert_array_equal(arr, b.arrays[key], err_msg=key)

@@ -415,25 +415,42 @@ def moe(w, cfg, ro: LayerRoles, Fw: FfnWeights, x: np.ndarray, ids: np.ndarray, 
     return y
 
 
+# pairs (token row, expert) per routed_batched call: bounds its activations ([pairs, 4096] float32 for the down
+# projection's output is 16 MB at 1024) for a long prefill; a decode step's 6 pairs are one call
+ROUTED_PAIRS_PER_CALL = 1024
+
+
 def routed_batched(w, E, x: np.ndarray, idx: np.ndarray, wts: np.ndarray, clamp: float, y: np.ndarray,
                    parts: np.ndarray | None) -> None:
-    """moe's routed experts for a decode step in one kernel call per projection (gate and up together, then
-    down: Weights.experts_linear), adding each expert's part into y in moe's order (experts ascending, each
-    expert's rows in order): the bits of moe's loop, which these kernels compute row by row the same way."""
+    """moe's routed experts in one kernel call per projection (gate and up together, then down:
+    Weights.experts_linear), a prefill's in runs of whole experts of about ROUTED_PAIRS_PER_CALL pairs, adding
+    each expert's part into y in moe's order (experts ascending, each expert's rows in order): the bits of moe's
+    loop, which these kernels compute row by row the same way."""
     k = idx.shape[1]
     order = np.argsort(idx, axis=None, kind="stable")      # pairs by expert, then (row, slot): np.nonzero's order
     tok, slot = np.divmod(order, k)
     e_of = idx.ravel()[order]
     starts = np.flatnonzero(np.diff(e_of)) + 1
     gs = np.concatenate(([0], starts, [len(order)]))
-    ex = e_of[gs[:-1]]
+    g0 = 0
+    while g0 < len(gs) - 1:
+        g1 = g0 + 1                                          # whole experts, at least one, up to the pair bound
+        while g1 < len(gs) - 1 and gs[g1 + 1] - gs[g0] <= ROUTED_PAIRS_PER_CALL:
+            g1 += 1
+        a0 = gs[g0]
+        _routed_run(w, E, x, e_of[gs[g0:g1]], gs[g0:g1 + 1] - a0, tok[a0:gs[g1]], slot[a0:gs[g1]], wts, clamp,
+                    y, parts)
+        g0 = g1
+
+
+def _routed_run(w, E, x, ex, gs, tok, slot, wts, clamp, y, parts) -> None:
     g, u = w.experts_linear((E.gate, E.up), ex, gs, tok, x)
     if clamp > 0:
         g = np.minimum(g, F32(clamp))
         u = np.clip(u, F32(-clamp), F32(clamp))
     h = ops.silu(g) * u
     h = h * wts[tok, slot][:, None]
-    d, = w.experts_linear((E.down,), ex, gs, np.arange(len(order)), h)
+    d, = w.experts_linear((E.down,), ex, gs, np.arange(len(tok)), h)
     for a, b in zip(gs[:-1], gs[1:]):
         y[tok[a:b]] += d[a:b]
         if parts is not None:
