@@ -15,7 +15,7 @@ from ds4py.gguf import GGUFFile
 from ds4py.kv import state_layout
 from ds4py.contract import DEFAULT_ROLLBACK_HORIZON, Capabilities, ModelBase, Numerics, WeightBytes
 from ds4py.quant import vq
-from ds4py.ref.forward import Trace, V41Step, forward
+from ds4py.ref.forward import Net, Trace, V41Step, Wanted, forward
 from ds4py.ref.state import RefState
 from ds4py.ref.weights import DEFAULT_CACHE_BYTES, KERNEL_LABELS, LEAN_CACHE_BYTES, LEAN_STREAM_BYTES, Weights
 from ds4py.vq.sidecar import Stack
@@ -170,9 +170,8 @@ class RefModel(ModelBase):
                     budget -= take
             hid = None if hidden is None else []
             tap = None if taps is None else []
-            res = forward(self.weights, self.binding, self.config, self.numerics, [states[i] for i in picked],
-                          parts, all_logits, extra=self.v41, hidden=hid,
-                          row_stable=max(map(len, parts)) <= self.stable_rows, taps=tap)
+            res = forward(self._net(), [states[i] for i in picked], parts,
+                          Wanted(all_logits, hidden=hid, taps=tap), row_stable=max(map(len, parts)) <= self.stable_rows)
             for j, (i, r) in enumerate(zip(picked, res)):
                 out[i].append(r)
                 if hid is not None:
@@ -180,6 +179,9 @@ class RefModel(ModelBase):
                 if tap is not None:
                     taps[i].append(tap[j])
         return [np.concatenate(o) if all_logits else o[-1] for o in out]
+
+    def _net(self) -> Net:
+        return Net(self.weights, self.binding, self.config, self.numerics, self.v41)
 
     def _open_dspark(self):
         from ds4py.ref.dspark import RefDSpark
@@ -200,8 +202,8 @@ class RefModel(ModelBase):
         if trace is None:
             return super().prefill(state, ids, all_logits)
         arr = self.check_step([state], [ids])
-        return forward(self.weights, self.binding, self.config, self.numerics, [state], arr, all_logits, trace,
-                       self.v41, row_stable=len(ids) <= self.stable_rows)[0]
+        return forward(self._net(), [state], arr, Wanted(all_logits, trace=trace),
+                       row_stable=len(ids) <= self.stable_rows)[0]
 
     def decode(self, state: RefState, token: int, trace: Trace | None = None) -> np.ndarray:
         return self.prefill(state, [token], trace=trace)

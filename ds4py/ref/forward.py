@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import numpy as np
 
@@ -496,23 +497,44 @@ def block(w, cfg, nx: Numerics, ro: LayerRoles, L: LayerWeights, X: np.ndarray, 
     return ops.hc_post(moe(w, cfg, ro, L.ffn, x, ids, seqs, trace, row_stable), X, post, comb)
 
 
-def forward(w, B: ModelWeights, cfg, nx: Numerics, states: list[RefState], chunks: list[np.ndarray],
-            all_logits: bool, trace: Trace | None = None, extra: V41Step | None = None,
-            hidden: list | None = None, row_stable: bool = False, taps: list | None = None) -> list[np.ndarray]:
+@dataclass(frozen=True)
+class Net:
+    """What a pass runs: the weights' reader `w`, their binding `B`, the config, the numerics and what V4.1 needs
+    besides weights (`extra`: key publishers, Engram tables)."""
+    w: Any
+    B: ModelWeights
+    cfg: Any
+    nx: Numerics
+    extra: V41Step | None = None
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """What a pass returns: logits of every row (all_logits) or of each sequence's last; `hidden`, when given,
+    receives per sequence the final hyper-connection state of every row, [T, hc, dim] (the head's input: the MTP
+    block's h_j); `taps` receives per sequence V4.1's DSpark taps, [T, n_targets·dim]: the mean over the hc copies
+    of each target layer's input state (after its Engram), in layer order; `trace` records per-layer
+    intermediates."""
+    all_logits: bool = False
+    hidden: list | None = None
+    taps: list | None = None
+    trace: Trace | None = None
+
+
+def forward(net: Net, states: list[RefState], chunks: list[np.ndarray], want: Wanted = Wanted(),
+            row_stable: bool = False) -> list[np.ndarray]:
     """Run each chunk at positions state.n_tokens.. of its state and advance the states. Returns per sequence
-    logits [T, vocab] (all_logits) or [vocab] (its last position). `extra`: what V4.1 needs besides weights.
-    `hidden`, when given, receives per sequence the final hyper-connection state of every row, [T, hc, dim] (the
-    head's input: the MTP block's h_j); `taps` receives per sequence V4.1's DSpark taps, [T, n_targets·dim]: the
-    mean over the hc copies of each target layer's input state (after its Engram), in layer order.
+    logits [T, vocab] (want.all_logits) or [vocab] (its last position).
     row_stable: every row bit-identical to the same row stepped alone (each product row by row: ops.row_groups;
     speculative decoding's verify rows, docs/spec.md)."""
-    with blas.single_threaded(w.small_blas(max(map(len, chunks)))):
-        return _forward(w, B, cfg, nx, states, chunks, all_logits, trace, extra, hidden, taps, row_stable)
+    with blas.single_threaded(net.w.small_blas(max(map(len, chunks)))):
+        return _forward(net, states, chunks, want, row_stable)
 
 
-def _forward(w, B: ModelWeights, cfg, nx: Numerics, states: list[RefState], chunks: list[np.ndarray],
-             all_logits: bool, trace: Trace | None, extra: V41Step | None, hidden: list | None,
-             taps: list | None, row_stable: bool) -> list[np.ndarray]:
+def _forward(net: Net, states: list[RefState], chunks: list[np.ndarray], want: Wanted,
+             row_stable: bool) -> list[np.ndarray]:
+    w, B, cfg, nx, extra = net.w, net.B, net.cfg, net.nx, net.extra
+    all_logits, trace, hidden, taps = want.all_logits, want.trace, want.hidden, want.taps
     seqs, at = [], 0
     for st, c in zip(states, chunks):
         seqs.append(Seq(st, slice(at, at + len(c)), np.arange(st.n_tokens, st.n_tokens + len(c))))
