@@ -15,6 +15,7 @@ from ds4py.gguf import GGUFFile
 from ds4py.kv import state_layout
 from ds4py.contract import DEFAULT_ROLLBACK_HORIZON, Capabilities, ModelBase, Numerics, WeightBytes
 from ds4py.quant import vq
+from ds4py.ref import prefault
 from ds4py.ref.forward import Net, Trace, V41Step, Wanted, forward
 from ds4py.ref.state import RefState
 from ds4py.ref.weights import DEFAULT_CACHE_BYTES, KERNEL_LABELS, LEAN_CACHE_BYTES, LEAN_STREAM_BYTES, Weights
@@ -76,6 +77,10 @@ class RefModel(ModelBase):
             madvise = env == "1" if env in ("0", "1") else mem_budget_mb is not None
         self.weights = Weights(self.gguf, cache_bytes, numerics.act_quant, kernels, threads, stream_bytes,
                                advise=bool(madvise), lean=lean)
+        # no memory budget: the file is mapped into the page tables in the background (ds4py.ref.prefault), the
+        # dense tensors first, as llama.cpp's MAP_POPULATE does at load, so decode steps take no page faults
+        self.populating = None if mem_budget_mb is not None or madvise else prefault.start(
+            self.gguf, [(t.offset, t.nbytes) for n, t in self.gguf.tensors.items() if "_exps" not in n])
         self.layout = state_layout(self.config, rollback_horizon)
         self.rollback_horizon = rollback_horizon
         header = min(t.offset for t in self.gguf.tensors.values())       # the whole GGUF header
