@@ -389,6 +389,30 @@ def f16_runs(typingctx, raw, off, x, xo, runs, lanes):
 # launch costs ~0.1 ms of CPU, as much as reading a 1 MB matrix) and a parallel one over `parts` row ranges.
 SERIAL = dict(cache=True, nogil=True, boundscheck=False)
 
+# The parallel kernels hand out their rows in CHUNKS_PER_THREAD x threads pieces, each thread taking the next
+# piece from a shared counter until none is left (dynamic scheduling): with one equal piece a thread, a thread
+# that the OS deschedules (another process, the page-cache writeback, ...) holds the whole step up while the other
+# idles. Rows are independent, so the bits are the same for any cut.
+CHUNKS_PER_THREAD = 8
+
+
+@intrinsic
+def _grab(typingctx, ctr):
+    """The old value of ctr[0] (an int64 array), incremented atomically: the next piece for this thread."""
+    sig = types.int64(ctr)
+
+    def codegen(context, builder, sig, args):
+        ary = context.make_array(sig.args[0])(context, builder, args[0])
+        return builder.atomic_rmw("add", ary.data, ir.Constant(ir.IntType(64), 1), "monotonic")
+
+    return sig, codegen
+
+
+@njit(**SERIAL)
+def _pieces(parts, R):
+    """The number of row pieces for `parts` threads over R rows."""
+    return max(1, min(R, parts * CHUNKS_PER_THREAD))
+
 
 @njit(**SERIAL)
 def iq2_xxs_rows(raw, xq, xd, y, f16, grid8, sign8, r0, r1):
@@ -400,8 +424,14 @@ def iq2_xxs_rows(raw, xq, xd, y, f16, grid8, sign8, r0, r1):
 @njit(**OPTS)
 def iq2_xxs_dec(raw, xq, xd, y, f16, grid8, sign8, parts):
     R = raw.shape[0]
+    n = _pieces(parts, R)
+    ctr = np.zeros(1, np.int64)
     for p in prange(parts):
-        iq2_xxs_rows(raw, xq, xd, y, f16, grid8, sign8, p * R // parts, (p + 1) * R // parts)
+        while True:
+            c = _grab(ctr)
+            if c >= n:
+                break
+            iq2_xxs_rows(raw, xq, xd, y, f16, grid8, sign8, c * R // n, (c + 1) * R // n)
 
 
 @njit(**SERIAL)
@@ -414,8 +444,14 @@ def q2_k_rows(raw, xq, xd, xbs, y, f16, r0, r1):
 @njit(**OPTS)
 def q2_k_dec(raw, xq, xd, xbs, y, f16, parts):
     R = raw.shape[0]
+    n = _pieces(parts, R)
+    ctr = np.zeros(1, np.int64)
     for p in prange(parts):
-        q2_k_rows(raw, xq, xd, xbs, y, f16, p * R // parts, (p + 1) * R // parts)
+        while True:
+            c = _grab(ctr)
+            if c >= n:
+                break
+            q2_k_rows(raw, xq, xd, xbs, y, f16, c * R // n, (c + 1) * R // n)
 
 
 @njit(**SERIAL)
@@ -428,8 +464,14 @@ def q8_0_rows(raw, xq, xd, y, f16, r0, r1):
 @njit(**OPTS)
 def q8_0_dec(raw, xq, xd, y, f16, parts):
     R = raw.shape[0]
+    n = _pieces(parts, R)
+    ctr = np.zeros(1, np.int64)
     for p in prange(parts):
-        q8_0_rows(raw, xq, xd, y, f16, p * R // parts, (p + 1) * R // parts)
+        while True:
+            c = _grab(ctr)
+            if c >= n:
+                break
+            q8_0_rows(raw, xq, xd, y, f16, c * R // n, (c + 1) * R // n)
 
 
 @njit(**SERIAL)
@@ -452,8 +494,14 @@ def f16_rows(raw, x, y, f16, r0, r1):
 @njit(**OPTS)
 def f16_dec(raw, x, y, f16, parts):
     R = raw.shape[0]
+    n = _pieces(parts, R)
+    ctr = np.zeros(1, np.int64)
     for p in prange(parts):
-        f16_rows(raw, x, y, f16, p * R // parts, (p + 1) * R // parts)
+        while True:
+            c = _grab(ctr)
+            if c >= n:
+                break
+            f16_rows(raw, x, y, f16, c * R // n, (c + 1) * R // n)
 
 
 # ---- a layer's routed experts in one call (jit_i8.experts_matmul: the MoE of a decode step) -------------------
@@ -461,8 +509,9 @@ def f16_dec(raw, x, y, f16, parts):
 # quantised x; wb is wa for one matrix); wa / wb [X, R, nb, block bytes] stacked experts; group g is expert ex[g]
 # with the pairs gs[g]..gs[g+1], pair j reading activation row xr[j] into y[j, r]. Each (pair, row) is the float
 # sequence of the one-expert kernel above (*_rows on raw = w[e], x = its rows), so y is the same bits; the
-# parallel form runs the task ranges bounds[p]..bounds[p + 1] (one launch for the layer's routed experts, not one
-# each; jit_i8.experts_matmul cuts them by work, pairs x rows, for a prefill's unevenly loaded experts).
+# parallel form runs the task ranges bounds[c]..bounds[c + 1] on `parts` threads, each taking the next range from a
+# shared counter (one launch for the layer's routed experts, not one each; jit_i8.experts_matmul cuts
+# CHUNKS_PER_THREAD ranges a thread by work, pairs x rows, for a prefill's unevenly loaded experts).
 
 @njit(**SERIAL)
 def _ex_segments(k0, k1, R, GR):
@@ -515,9 +564,15 @@ def iq2_xxs_ex_rows(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, grid8, sign8, k0, k
 
 
 @njit(**OPTS)
-def iq2_xxs_ex_dec(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, grid8, sign8, bounds):
-    for p in prange(bounds.shape[0] - 1):
-        iq2_xxs_ex_rows(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, grid8, sign8, bounds[p], bounds[p + 1])
+def iq2_xxs_ex_dec(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, grid8, sign8, bounds, parts):
+    n = bounds.shape[0] - 1
+    ctr = np.zeros(1, np.int64)
+    for p in prange(min(n, parts)):
+        while True:
+            c = _grab(ctr)
+            if c >= n:
+                break
+            iq2_xxs_ex_rows(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, grid8, sign8, bounds[c], bounds[c + 1])
 
 
 @njit(**SERIAL)
@@ -549,9 +604,15 @@ def q2_k_ex_rows(wa, wb, ex, gs, xr, xq, xd, xbs, ya, yb, f16, k0, k1):
 
 
 @njit(**OPTS)
-def q2_k_ex_dec(wa, wb, ex, gs, xr, xq, xd, xbs, ya, yb, f16, bounds):
-    for p in prange(bounds.shape[0] - 1):
-        q2_k_ex_rows(wa, wb, ex, gs, xr, xq, xd, xbs, ya, yb, f16, bounds[p], bounds[p + 1])
+def q2_k_ex_dec(wa, wb, ex, gs, xr, xq, xd, xbs, ya, yb, f16, bounds, parts):
+    n = bounds.shape[0] - 1
+    ctr = np.zeros(1, np.int64)
+    for p in prange(min(n, parts)):
+        while True:
+            c = _grab(ctr)
+            if c >= n:
+                break
+            q2_k_ex_rows(wa, wb, ex, gs, xr, xq, xd, xbs, ya, yb, f16, bounds[c], bounds[c + 1])
 
 
 @njit(**SERIAL)
@@ -575,9 +636,15 @@ def q8_0_ex_rows(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, k0, k1):
 
 
 @njit(**OPTS)
-def q8_0_ex_dec(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, bounds):
-    for p in prange(bounds.shape[0] - 1):
-        q8_0_ex_rows(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, bounds[p], bounds[p + 1])
+def q8_0_ex_dec(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, bounds, parts):
+    n = bounds.shape[0] - 1
+    ctr = np.zeros(1, np.int64)
+    for p in prange(min(n, parts)):
+        while True:
+            c = _grab(ctr)
+            if c >= n:
+                break
+            q8_0_ex_rows(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, bounds[c], bounds[c + 1])
 
 
 # ---- the activation quantisers (ds4py.quant.jit_i8.quant_q8_0 / quant_q8_k: numpy's operations, one pass) ------

@@ -233,5 +233,7 @@ def experts_matmul(qtype, raws: tuple, ex: np.ndarray, gs: np.ndarray, xr: np.nd
     if parts == 1 or work < jit.SERIAL_BYTES:
         jit._call(f"{name}_rows", getattr(dec, f"{name}_rows"), (*args, 0, tasks), 1, pool=False)
     else:
-        jit._call(f"{name}_dec", getattr(dec, f"{name}_dec"), (*args, _work_bounds(gs, R, mats, parts)), threads)
+        # pieces of equal work, CHUNKS_PER_THREAD a thread, taken by the threads in turn (jit_decode's counter)
+        pieces = min(tasks, parts * dec.CHUNKS_PER_THREAD)
+        jit._call(f"{name}_dec", getattr(dec, f"{name}_dec"), (*args, _work_bounds(gs, R, mats, pieces), parts), threads)
     return ys
