@@ -75,6 +75,29 @@ def test_a_row_is_the_same_alone_in_any_batch_and_on_any_thread_count(qt):
         np.testing.assert_array_equal(jit_i8.matmul(qt, raw, x[t:t + 1], 1)[0], batch[t])
 
 
+@pytest.mark.parametrize("qt", [Q.Q8_0, Q.IQ2_XXS, Q.Q2_K, Q.F16], ids=lambda q: q.name)
+def test_the_pool_pieces_give_the_serial_bits(qt, monkeypatch):
+    """Every product on numba's pool (the parallel decode kernels hand out CHUNKS_PER_THREAD row pieces a thread
+    from an atomic counter): the same bits as the serial kernel, for row counts below, at and above the piece
+    count, and more threads asked than the pool has."""
+    from ds4py.quant import jit
+
+    stored, _ = _fixtures()
+    rng = np.random.default_rng(int(qt) + 11)
+    cols = 512
+    for rows in (1, 2, 15, 16, 37, 131):
+        raw = (stored(qt, rows, cols, rng) if qt != Q.F16
+               else rng.standard_normal((rows, cols)).astype(np.float16).view(np.uint8))
+        x = rng.standard_normal((2, cols)).astype(F32)
+        mm = jit_i8.matmul if qt != Q.F16 else jit.matmul
+        monkeypatch.setattr(jit, "SERIAL_BYTES", 1 << 60)
+        serial = [mm(qt, raw, x[t:t + 1], 1) for t in range(2)]
+        monkeypatch.setattr(jit, "SERIAL_BYTES", 0)
+        for threads in (2, 3):
+            for t in range(2):
+                np.testing.assert_array_equal(mm(qt, raw, x[t:t + 1], threads), serial[t], err_msg=f"{rows} rows")
+
+
 @pytest.mark.parametrize("qt", [Q.IQ2_XXS, Q.Q2_K], ids=lambda q: q.name)
 def test_the_decode_kernels_give_the_block_buffer_kernels_bits(qt, monkeypatch):
     """IQ2_XXS / Q2_K: the same exact integer block sums and float sequence, so a row is the same bits whichever
