@@ -283,11 +283,13 @@ class GGUFFile:
         return True
 
 
-    def populate(self, offset: int, nbytes: int, stop=None, step: int = 64 << 20) -> bool:
+    def populate(self, offset: int, nbytes: int, stop=None, step: int = 16 << 20) -> bool:
         """Map bytes [offset, offset + nbytes) into this process's page tables (madvise MADV_POPULATE_READ,
         Linux 5.14+), reading from disk what is not cached, in pieces of `step` bytes with the GIL released
         (ctypes), so a background thread can do it while the model runs. stop: a threading.Event that ends it
-        early. False where the platform lacks it (then nothing more is tried) or when stopped. A hint only."""
+        early. False where the platform lacks it (then nothing more is tried) or when stopped. A hint only.
+        Small pieces (~1 ms each on a cached file): the call holds the address space's lock for reading, and the
+        model thread's own mmap calls (numpy's large allocations) wait for it."""
         lib = _libc()
         if lib is None or nbytes <= 0:
             return False
