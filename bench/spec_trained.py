@@ -135,11 +135,11 @@ def measured_acceptance(scheds) -> dict:
     rounds = sum(s.first_rounds for _, s in scheds)
     fixed = [s for v, s in scheds if v != "sched"]
     sched = [s for v, s in scheds if v == "sched"]
-    n_fixed, n_sched = sum(s.chained.n for s in fixed), sum(s.chained.n for s in sched)
+    n_fixed, n_sched = sum(s.chained_n for s in fixed), sum(s.chained_n for s in sched)
     return {"first": sum(s.first_hits for _, s in scheds) / max(rounds, 1), "first_rounds": rounds,
-            "chained": sum(s.chained.hits for s in fixed) / n_fixed if n_fixed else None,
+            "chained": sum(s.chained_hits for s in fixed) / n_fixed if n_fixed else None,
             "chained_positions": n_fixed,
-            "chained_scheduler": sum(s.chained.hits for s in sched) / n_sched if n_sched else None,
+            "chained_scheduler": sum(s.chained_hits for s in sched) / n_sched if n_sched else None,
             "chained_scheduler_positions": n_sched}
 
 
