@@ -434,7 +434,8 @@ class SpecModel:
 
 class SpecRequest:
     """One request's speculative rounds: its scheduler (the model's measured costs, or the files' bytes for a
-    seeded sampled request, whose tokens must not depend on the clock; its own acceptance calibration), its
+    seeded sampled request, whose tokens must not depend on the clock; the model's acceptance verdict for its
+    sampling rules, or a seeded request's own), its
     suppressed tokens and its statistics.
 
     round() runs a whole round; the server splits it around one verify step shared by several requests: draft()

@@ -342,12 +342,13 @@ class Verdict:
 
 
 class Scheduler:
-    """Chooses each round's k from the model's costs and the request's acceptance, no tuned constants (seed 000
-    §4.4), for every draft (MTP, DSpark).
+    """Chooses each round's k from the model's costs and the acceptance its requests learnt under the same
+    sampling rules (a Verdict, pooled; a seeded request's own), no tuned constants (seed 000 §4.4), for every
+    draft (MTP, DSpark).
 
     A round of k drafts yields E(k) = 1 + Σ_{j≤k} a_j tokens on average, a_j = Π_{i≤j} c_i(σ_i) the survival of
     the first j drafts; σ_i is the draft's confidence at position i (MTP: the largest probability of its
-    distribution q_i; DSpark: its confidence head, σ(c_i)), and c_i the request's calibration of σ to an acceptance probability (_Calibration: the
+    distribution q_i; DSpark: its confidence head, σ(c_i)), and c_i the verdict's calibration of σ to an acceptance probability (_Calibration: the
     least-squares line hit ≈ c0 + c1·σ, c1 ≥ 0, clipped to [0, 1]; ρ·σ with ρ = Σ hit / Σ σ until two samples
     differ in σ). Two calibrations: the first position's, from every round (its acceptance is known from verify
     row 0 even when it is not verified: [argmax p = argmax q] greedy, Σ min(p, q) sampled), and the chained
@@ -363,7 +364,8 @@ class Scheduler:
     is drawn (a sampled round must not pick its drafts by their values, or rejection sampling stops being exact):
     - draft at all only if drafting pays (drafting_pays: over the σ_1 seen so far, rounds decided as include()
       would, k = 1 or a wasted draft at k = 0, out-earn plain steps), else probe after 1, 2, 4, ... plain steps
-      (the gap doubles while drafting does not pay, resets when it does): O(log n) probes. It was the
+      (the gap doubles while drafting does not pay, up to WINDOW, and resets when it does; the gap is the
+      verdict's, so a new request continues it instead of probing after 1, 2, 4, ... again). It was the
       acceptance's UCB1 bound (mean + sqrt(2 ln decisions / rounds)): over a 96-token answer the bonus stays
       ~0.5, so the scheduler drafted every round near break-even and paid a draft step (~15% of a plain step on
       the trained tiny model) on each round whose σ_1 then said k = 0;
