@@ -10,8 +10,8 @@ Per domain, `--prompts` prompts are windows of the held-out test ids (evenly spa
 prefilled paired state every variant decodes `--gen-tokens` tokens (EOS suppressed): plain decoding (main
 model only, as `--no-spec`), the scheduler, the scheduler with a fresh acceptance verdict per request
 (`fresh`: how requests were scheduled before the verdict was pooled, issue 38's third session) and fixed k.
-The variants of one prompt run back to back, in an order rotated per prompt (interleaved rounds, so slow phases of the shared machine hit every variant alike);
-each probe's wall time and process CPU time are recorded. Greedy (temperature 0): every speculative output is
+The variants of one prompt run back to back, in an order rotated per prompt (interleaved rounds, so slow
+phases of the shared machine hit every variant alike); each probe's wall time and process CPU time are recorded. Greedy (temperature 0): every speculative output is
 checked byte-identical to plain. Sampled: the model card's settings (temperature 1.0, top-p 1.0, docs/
 generation.md), unseeded (the scheduler uses its measured costs, as a server request without a seed does).
 
