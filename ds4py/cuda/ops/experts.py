@@ -314,11 +314,14 @@ def moe_rows_plan(qtype: int, dim: int, ff: int, rows_per_block: int | None = No
 
 def moe_gate_up_rows(rt: Any, qtype: int, Wg: Any, Wu: Any, x: Any, ids: Any, route_w: Any, h: Any,
                      n_experts: int, ff: int, dim: int, k: int, nx: int, clamp: float, x_stride: int | None = None,
-                     rows_per_block: int | None = None, stream: Any = None, pdl: bool = False) -> MoePlan:
+                     rows_per_block: int | None = None, stream: Any = None, pdl: bool = False,
+                     act_quant: bool = False) -> MoePlan:
     """h [nx * k, ff]: pair p = (row n, slot s) = n * k + s is moe_gate_up of x[n] (x + n * x_stride) with expert
     ids[p] and weight route_w[p] (ids None: expert s, route_w None: 1), bit-identical to it; each distinct
-    expert's gate and up rows are read once for all the pairs that chose it."""
+    expert's gate and up rows are read once for all the pairs that chose it. act_quant: moe_gate_up(...,
+    act_quant=True)'s pairs (x rounded as Q8_K, int8 dots)."""
     name, _, _ = _fmt(qtype)
+    name = i8_kernel(qtype, act_quant) + name
     for W in (Wg, Wu):
         _check_weights("moe_gate_up_rows", W, qtype, n_experts, ff, dim)
     stride = dim if x_stride is None else int(x_stride)
@@ -342,10 +345,13 @@ def moe_gate_up_rows(rt: Any, qtype: int, Wg: Any, Wu: Any, x: Any, ids: Any, ro
 
 def moe_down_rows(rt: Any, qtype: int, W: Any, ids: Any, h: Any, out: Any, n_experts: int, dim: int, ff: int,
                   n_slots: int, nx: int, add: Any = None, mix: Any = None, hc: int = 0, hc_x: Any = None,
-                  rows_per_block: int | None = None, stream: Any = None, pdl: bool = False) -> MoePlan:
+                  rows_per_block: int | None = None, stream: Any = None, pdl: bool = False,
+                  act_quant: bool = False) -> MoePlan:
     """Row n of nx: moe_down on ids[n * n_slots:], h[n * n_slots:], add[n] and, with mix [nx, (2 + hc) * hc]
-    (pre, post, comb per row) and hc_x [nx, hc, dim], out[n] = X'_n; bit-identical to a one-row moe_down."""
+    (pre, post, comb per row) and hc_x [nx, hc, dim], out[n] = X'_n; bit-identical to a one-row moe_down (with
+    act_quant: to moe_down(..., act_quant=True))."""
     name, _, _ = _fmt(qtype)
+    name = i8_kernel(qtype, act_quant) + name
     _check_weights("moe_down_rows", W, qtype, n_experts, dim, ff)
     need(1 <= n_slots and 1 <= nx and h.size >= nx * n_slots * ff, "moe_down_rows: h does not hold nx x n_slots x ff")
     need(ids is None or (dtype_is(ids, np.int32) and ids.size >= nx * n_slots),
