@@ -99,7 +99,8 @@ class CudaDSpark(CudaDraftStates, DSparkBase):
         self._host = HostMarkov(gguf, mc)       # the Markov / confidence tables on the host, read when first needed
         # the block's workspace (BLOCK declaration of B rows), the feed's buffers (one ring's rows at most) and the
         # chain's: [h_i | e_i] rows, the bias, the chain's logits, ids and confidences, the argmax partials
-        self.ws = layer.make_workspace(cfg, model.min_bucket, B, BLOCK, store=self.store, rt=self.rt)
+        self.ws = layer.make_workspace(cfg, model.min_bucket, B, BLOCK, store=self.store, rt=self.rt,
+                                       act_quant=self.numerics.act_quant)
         self.feed_rows = F = self.layout.parts[0].capacity
         parts = argmax_parts(self.rt, mc.vocab_size)
         shapes = {"taps": ((F, mc.dspark_tap_dim), F32), "main_x": ((F, cfg.dim), F32),

@@ -23,6 +23,7 @@ from typing import Any, Callable
 from ds4py.cuda import ops
 from ds4py.cuda.memory import DeviceArray
 from ds4py.cuda.device_weights import GEMV_TYPES, DevTensor
+from ds4py.cuda.ops import act_quant as ops_aq
 from ds4py.cuda.ops import attention as ops_attn
 from ds4py.cuda.ops import compressor as ops_comp
 from ds4py.cuda.ops import experts as ops_moe
@@ -110,9 +111,65 @@ def gemvs(ls: Any, mats: list[tuple[DevTensor, DeviceArray, int]], x: DeviceArra
                          x_stride=stride, add=add, **stream())
 
 
+# ---- int8-activation numerics (Numerics.act_quant) ----------------------------------------------------------------
+# The reference's act_quant mode rounds the activation of every quantised matmul (Q8_0 blocks of 32 for Q8_0 / MXFP4
+# weights, Q8_K blocks of 256 for the K- and IQ-quants; ds4py/ref/weights.py Weights.act). Here: one act_round
+# launch writes the rounded copy the fp32 GEMVs / GEMMs then read (after the RMSNorm a fused norm prologue would
+# apply), and the routed / shared experts of a format with int8 kernels (ops/experts.py I8_FORMATS) round inside
+# (moe_*_i8_<fmt>: exact integer dots). A copy lives in the workspace's aq.<stream>.<rounding> (layer.act_shapes);
+# `own` (x has no other reader: o, u, a routed or shared h) rounds x in place.
+def act_kind(rec: Any, qtype: Any) -> str | None:
+    """How a product with weights of `qtype` sees its activation in this recording's numerics (None: as it is)."""
+    return ops_aq.rounding(qtype) if rec.numerics.act_quant else None
+
+
+def act_x(ls: Any, rec: Any, kind: str | None, x: DeviceArray, width: int, n: int, stream: Callable,
+          stride: int | None = None, norm=None, own: bool = False) -> DeviceArray:
+    """x's n rows of `width` floats (`stride` apart) as a product rounding by `kind` reads them, RMS-normalised
+    first when norm = (w, eps): x itself (kind None, no norm), x rounded in place (own), or the stream's copy."""
+    stride = width if stride is None else stride
+    if kind is None and norm is None:
+        return x
+    if own and norm is None:
+        y = x
+    else:
+        side = stream == ls.side and rec.mode != BLOCK
+        y = rec.ws.a[f"aq.{'side' if side else 'main'}.{kind or 'q8_0'}"].view(0, (n - 1) * stride + width)
+    if norm is not None:
+        rmsnorm(ls, x.view(0, n * width), norm[0], y.view(0, n * width), width, norm[1], **stream())
+        x = y
+    if kind is not None:
+        ops_aq.act_round(ls, kind, x, y, n, width, stride, **stream())
+    return y
+
+
+def act_groups(ls: Any, rec: Any, mats: list, x: DeviceArray, cols: int, n: int, stream: Callable, norm,
+               x_group_rows: int, x_stride: int | None, own: bool) -> list[tuple[list, DeviceArray, Any]]:
+    """(matrices, the x they read, the norm left to their kernel) per rounding of `mats` (one group, x and norm as
+    given, unless the numerics round)."""
+    if not rec.numerics.act_quant:
+        return [(mats, x, norm)]
+    by_kind: dict[Any, list] = {}
+    for m in mats:
+        by_kind.setdefault(act_kind(rec, m[0].qtype), []).append(m)
+    width = cols * (-(-mats[0][2] // x_group_rows) if x_group_rows else 1)
+    stride = x_stride if x_stride is not None else width
+    out = []
+    for kind, group in by_kind.items():
+        if kind is None:
+            out.append((group, x, norm))
+        else:
+            xk = act_x(ls, rec, kind, x, width, n, stream, stride, norm, own and len(by_kind) == 1)
+            out.append((group, xk, None))
+    return out
+
+
 def dense_gemv(ls: Any, rec: Any, mats: list, x: DeviceArray, cols: int, stream: Callable, norm=None,
-               x_group_rows: int = 0, x_stride: int | None = None, n: int | None = None, add: bool = False) -> None:
-    gemvs(ls, mats, x, cols, rec.R if n is None else n, stream, norm, x_group_rows, x_stride, add)
+               x_group_rows: int = 0, x_stride: int | None = None, n: int | None = None, add: bool = False,
+               own: bool = False) -> None:
+    n = rec.R if n is None else n
+    for group, xk, nk in act_groups(ls, rec, mats, x, cols, n, stream, norm, x_group_rows, x_stride, own):
+        gemvs(ls, group, xk, cols, n, stream, nk, x_group_rows, x_stride, add)
 
 
 def mma_ok(W: DevTensor) -> bool:
@@ -120,10 +177,17 @@ def mma_ok(W: DevTensor) -> bool:
 
 
 def dense_block(ls: Any, rec: Any, mats: list, x: DeviceArray, cols: int, stream: Callable, norm=None,
-                x_group_rows: int = 0, x_stride: int | None = None, n: int | None = None, add: bool = False) -> None:
+                x_group_rows: int = 0, x_stride: int | None = None, n: int | None = None, add: bool = False,
+                own: bool = False) -> None:
     """y_m[t] = W_m x[t] for the block's rows on tensor cores (norm = (w, eps): x[t] RMS-normalised first), or the
     `_rows` GEMVs when the block runs without tensor cores or a matrix's type has no GEMM."""
     T = rec.R if n is None else n
+    for group, xk, nk in act_groups(ls, rec, mats, x, cols, T, stream, norm, x_group_rows, x_stride, own):
+        _dense_block(ls, rec, group, xk, cols, nk, x_group_rows, x_stride, T, add)
+
+
+def _dense_block(ls: Any, rec: Any, mats: list, x: DeviceArray, cols: int, norm, x_group_rows: int,
+                 x_stride: int | None, T: int, add: bool) -> None:
     if add or not rec.mma or not all(mma_ok(W) for W, _, _ in mats):
         gemvs(ls, mats, x, cols, T, ls.main, norm=norm, x_group_rows=x_group_rows, x_stride=x_stride, add=add)
         return
@@ -157,6 +221,7 @@ def gemv_hc_post(ls: Any, rec: Any, W: DevTensor, u: DeviceArray, X: DeviceArray
                  cols: int) -> None:
     """X[r] <- post_k (W u[r]) + sum_j C[j,k] X[r, j]: the output projection into the residual, GEMV_MAX_X rows
     per launch."""
+    u = act_x(ls, rec, act_kind(rec, W.qtype), u, cols, rec.R, ls.main, own=True)
     cfg = rec.cfg
     hc, D, mrec = cfg.hc_mult, cfg.dim, mix_record(cfg.hc_mult)
     for r0 in range(0, rec.R, GEMV_MAX_X):
@@ -169,6 +234,7 @@ def block_hc_post(ls: Any, rec: Any, W: DevTensor, u: DeviceArray, X: DeviceArra
                   cols: int) -> None:
     if rec.mma and mma_ok(W):
         f = rec.ws.f
+        u = act_x(ls, rec, act_kind(rec, W.qtype), u, cols, rec.R, ls.main, own=True)
         gemm(ls, rec, [(W, f, rec.cfg.dim)], u, cols, rec.R)
         ops.hc_post(ls, f, mix, X, rec.R, rec.cfg.dim, rec.cfg.hc_mult, **ls.main())
     else:
@@ -345,59 +411,79 @@ def shared_gate_up_gemv(ls: Any, rec: Any, S: Any, clamp: float, stream: Callabl
     """h_shared[r] = silu(min(gate x[r], c)) * clamp(up x[r], c): fused GEMVs (BLOCK with tensor cores: two GEMMs
     and the SwiGLU)."""
     ws, D, sff = rec.ws, rec.cfg.dim, rec.cfg.shared_ff
+    x = act_x(ls, rec, act_kind(rec, S.gate.qtype), ws.x_ffn, D, rec.R, stream)
     if rec.mode == BLOCK and rec.mma and mma_ok(S.gate) and mma_ok(S.up):
-        gemm(ls, rec, [(S.gate, ws.hs_g, sff), (S.up, ws.hs_u, sff)], ws.x_ffn, D, rec.R)
+        gemm(ls, rec, [(S.gate, ws.hs_g, sff), (S.up, ws.hs_u, sff)], x, D, rec.R)
         ops_pfa.swiglu(ls, ws.hs_g, ws.hs_u, ws.h_shared, rec.R * sff, clamp, **ls.main())
         return
     for r0 in range(0, rec.R, GEMV_MAX_X):
         k = min(GEMV_MAX_X, rec.R - r0)
-        ops.gemv_swiglu(ls, S.gate.array, S.up.array, rows_of(ws.x_ffn, r0, k, D), rows_of(ws.h_shared, r0, k, sff),
+        ops.gemv_swiglu(ls, S.gate.array, S.up.array, rows_of(x, r0, k, D), rows_of(ws.h_shared, r0, k, sff),
                         sff, D, clamp=clamp, nx=k, **stream())
+
+
+def expert_input(ls: Any, rec: Any, fmt: Any, x: DeviceArray, width: int, n: int, stream: Callable,
+                 own: bool = False) -> tuple[DeviceArray, bool]:
+    """(the x an expert kernel of format `fmt` reads, whether it takes its int8 kernel): under act_quant a format
+    with int8 kernels rounds inside (x as it is), another reads x rounded by act_x (Q8_0 / MXFP4: Q8_0 blocks; F16,
+    VQ-8: unrounded, as the reference)."""
+    if not rec.numerics.act_quant:
+        return x, False
+    if not isinstance(fmt, str) and int(fmt) in {int(q) for q in ops_moe.I8_FORMATS}:
+        return x, True
+    return act_x(ls, rec, act_kind(rec, fmt), x, width, n, stream, own=own), False
 
 
 def shared_gate_up_expert(ls: Any, rec: Any, S: Any, clamp: float, stream: Callable) -> None:
     ws, D, sff = rec.ws, rec.cfg.dim, rec.cfg.shared_ff
-    ops_moe.moe_gate_up(ls, S.gate.qtype, S.gate.array, S.up.array, ws.x_ffn, None, None, ws.h_shared, 1, sff, D, 1,
-                        clamp, **stream())
+    x, i8 = expert_input(ls, rec, S.gate.qtype, ws.x_ffn, D, 1, stream)
+    ops_moe.moe_gate_up(ls, S.gate.qtype, S.gate.array, S.up.array, x, None, None, ws.h_shared, 1, sff, D, 1,
+                        clamp, **stream(), act_quant=i8)
 
 
 def shared_gate_up_expert_rows(ls: Any, rec: Any, S: Any, clamp: float, stream: Callable) -> None:
     ws, D, sff = rec.ws, rec.cfg.dim, rec.cfg.shared_ff
+    x, i8 = expert_input(ls, rec, S.gate.qtype, ws.x_ffn, D, rec.R, stream)
     step = ops_moe.MAX_PAIRS
     for r0 in range(0, rec.R, step):
         k = min(step, rec.R - r0)
-        ops_moe.moe_gate_up_rows(ls, S.gate.qtype, S.gate.array, S.up.array, rows_of(ws.x_ffn, r0, k, D), None, None,
-                                 rows_of(ws.h_shared, r0, k, sff), 1, sff, D, 1, k, clamp, **stream())
+        ops_moe.moe_gate_up_rows(ls, S.gate.qtype, S.gate.array, S.up.array, rows_of(x, r0, k, D), None, None,
+                                 rows_of(ws.h_shared, r0, k, sff), 1, sff, D, 1, k, clamp, **stream(), act_quant=i8)
 
 
 def shared_down_dense(ls: Any, rec: Any, S: Any, stream: Callable) -> None:
-    of(rec.mode).dense(ls, rec, [(S.down, rec.ws.y_shared, rec.cfg.dim)], rec.ws.h_shared, rec.cfg.shared_ff, stream)
+    of(rec.mode).dense(ls, rec, [(S.down, rec.ws.y_shared, rec.cfg.dim)], rec.ws.h_shared, rec.cfg.shared_ff, stream,
+                       own=True)
 
 
 def shared_down_expert(ls: Any, rec: Any, S: Any, stream: Callable) -> None:
     ws, cfg = rec.ws, rec.cfg
-    ops_moe.moe_down(ls, S.down.qtype, S.down.array, None, ws.h_shared, ws.y_shared, 1, cfg.dim, cfg.shared_ff, 1,
-                     **stream())
+    h, i8 = expert_input(ls, rec, S.down.qtype, ws.h_shared, cfg.shared_ff, 1, stream, own=True)
+    ops_moe.moe_down(ls, S.down.qtype, S.down.array, None, h, ws.y_shared, 1, cfg.dim, cfg.shared_ff, 1,
+                     **stream(), act_quant=i8)
 
 
 def shared_down_expert_rows(ls: Any, rec: Any, S: Any, stream: Callable) -> None:
     ws, cfg = rec.ws, rec.cfg
-    ops_moe.moe_down_rows(ls, S.down.qtype, S.down.array, None, ws.h_shared, ws.y_shared, 1, cfg.dim, cfg.shared_ff,
-                          1, rec.R, **stream())
+    h, i8 = expert_input(ls, rec, S.down.qtype, ws.h_shared, cfg.shared_ff, rec.R, stream, own=True)
+    ops_moe.moe_down_rows(ls, S.down.qtype, S.down.array, None, h, ws.y_shared, 1, cfg.dim, cfg.shared_ff,
+                          1, rec.R, **stream(), act_quant=i8)
 
 
 def experts_gate_up_one(ls: Any, rec: Any, E: Any, clamp: float) -> None:
     cfg, ws = rec.cfg, rec.ws
-    ops_moe.moe_gate_up(ls, E.gate.kernel_format, E.gate.array, E.up.array, ws.x_ffn, ws.ids, ws.wts, ws.h, cfg.n_experts,
-                        cfg.expert_ff, cfg.dim, cfg.n_experts_used, clamp, **ls.main())
+    x, i8 = expert_input(ls, rec, E.gate.kernel_format, ws.x_ffn, cfg.dim, 1, ls.main)
+    ops_moe.moe_gate_up(ls, E.gate.kernel_format, E.gate.array, E.up.array, x, ws.ids, ws.wts, ws.h, cfg.n_experts,
+                        cfg.expert_ff, cfg.dim, cfg.n_experts_used, clamp, **ls.main(), act_quant=i8)
 
 
 def experts_down_one(ls: Any, rec: Any, E: Any, X: DeviceArray, X_out: DeviceArray) -> DeviceArray:
     cfg, ws, hc = rec.cfg, rec.ws, rec.cfg.hc_mult
     mix = ws.mix_ffn
-    ops_moe.moe_down(ls, E.down.kernel_format, E.down.array, ws.ids, ws.h, X_out, cfg.n_experts, cfg.dim, cfg.expert_ff,
+    h, i8 = expert_input(ls, rec, E.down.kernel_format, ws.h, cfg.expert_ff, cfg.n_experts_used, ls.main, own=True)
+    ops_moe.moe_down(ls, E.down.kernel_format, E.down.array, ws.ids, h, X_out, cfg.n_experts, cfg.dim, cfg.expert_ff,
                      cfg.n_experts_used, add=ws.y_shared, hc_post=mix.view(4 * hc, hc),
-                     hc_comb=mix.view(8 * hc, hc * hc), hc_x=X, **ls.main())
+                     hc_comb=mix.view(8 * hc, hc * hc), hc_x=X, **ls.main(), act_quant=i8)
     return X_out
 
 
@@ -406,19 +492,22 @@ def experts_gate_up_rows(ls: Any, rec: Any, E: Any, clamp: float) -> None:
     pair that chose it (at most MAX_PAIRS pairs per launch)."""
     cfg, ws, k, ff, D = rec.cfg, rec.ws, rec.cfg.n_experts_used, rec.cfg.expert_ff, rec.cfg.dim
     step = max(1, ops_moe.MAX_PAIRS // k)
+    x, i8 = expert_input(ls, rec, E.gate.kernel_format, ws.x_ffn, D, rec.R, ls.main)
     for r0 in range(0, rec.R, step):
         n = min(step, rec.R - r0)
-        ops_moe.moe_gate_up_rows(ls, E.gate.kernel_format, E.gate.array, E.up.array, rows_of(ws.x_ffn, r0, n, D),
+        ops_moe.moe_gate_up_rows(ls, E.gate.kernel_format, E.gate.array, E.up.array, rows_of(x, r0, n, D),
                                  ws.ids.view(4 * r0 * k, n * k), ws.wts.view(4 * r0 * k, n * k),
                                  ws.h.view(4 * r0 * k * ff, n * k * ff), cfg.n_experts, ff, D, k, n, clamp,
-                                 **ls.main())
+                                 **ls.main(), act_quant=i8)
 
 
 def experts_down_rows(ls: Any, rec: Any, E: Any, X: DeviceArray, X_out: DeviceArray) -> DeviceArray:
     cfg, ws = rec.cfg, rec.ws
-    ops_moe.moe_down_rows(ls, E.down.kernel_format, E.down.array, ws.ids, ws.h, X_out, cfg.n_experts, cfg.dim, cfg.expert_ff,
+    h, i8 = expert_input(ls, rec, E.down.kernel_format, ws.h, cfg.expert_ff, rec.R * cfg.n_experts_used, ls.main,
+                         own=True)
+    ops_moe.moe_down_rows(ls, E.down.kernel_format, E.down.array, ws.ids, h, X_out, cfg.n_experts, cfg.dim, cfg.expert_ff,
                           cfg.n_experts_used, rec.R, add=ws.y_shared, mix=ws.mix_ffn, hc=cfg.hc_mult, hc_x=X,
-                          **ls.main())
+                          **ls.main(), act_quant=i8)
     return X_out
 
 

@@ -66,7 +66,7 @@ class CudaMtp(CudaDraftStates, MtpBase):
         # workspace is the ROWS declaration of the block's config plus the hidden-state input rows
         self.bucket = model.min_bucket
         self.ws = layer.make_workspace(self.config, self.bucket, MAX_ROWS, ROWS, store=self.store, rt=self.rt,
-                                       hidden_in=True)
+                                       hidden_in=True, act_quant=self.numerics.act_quant)
         self._runs: OrderedDict[Any, Any] = OrderedDict()
 
     # ---- the interface RefMtp has (new_state / owns / _export / _import: CudaDraftStates) ----------------------

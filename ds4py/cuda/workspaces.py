@@ -11,8 +11,10 @@ from ds4py.cuda import layer
 
 
 class WorkspacePool:
-    def __init__(self, cfg: Any, rt: Any, store: Any, arena: Any, on_grow: Callable[[str], None]):
+    def __init__(self, cfg: Any, rt: Any, store: Any, arena: Any, on_grow: Callable[[str], None],
+                 act_quant: bool = False):
         self.cfg, self.rt, self.store, self.arena, self.on_grow = cfg, rt, store, arena, on_grow
+        self.act_quant = act_quant                  # Numerics.act_quant: the rounded activations' buffers too
         self._ws: dict[str, layer.Workspace] = {}
 
     def get(self, mode: str) -> layer.Workspace | None:
@@ -31,7 +33,8 @@ class WorkspacePool:
                 self.store.retire([ws.block])
         ws = self._ws[mode] = layer.make_workspace(
             self.cfg, max(bucket, ws.bucket if ws else 0), max(rows, ws.rows if ws else 0), mode,
-            0 if ws is None else ws.version + 1, arena=self.arena, store=self.store, rt=self.rt)
+            0 if ws is None else ws.version + 1, arena=self.arena, store=self.store, rt=self.rt,
+            act_quant=self.act_quant)
         return ws
 
     def close(self) -> None:
