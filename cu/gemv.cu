@@ -874,8 +874,10 @@ extern "C" __global__ void gemv_q4_k_swiglu_rows(const uint8_t* Wg, const uint8_
 // ---- Q8_0 with int8 activations (Numerics.act_quant): dp4a, as llama.cpp's mmvq ------------------------------------
 // gemv_q8_0_i8[_hc_post | _swiglu][_rows]: the Q8_0 kernels' contracts, ring and row order, but x rounded as the
 // reference's act_quant mode rounds it (ds4py.ref.ops.q8_0_round: blocks of 32, d = amax / 127, q = rint(x / d),
-// f16(d)), after the RMSNorm prologue when there is one ((x * r) * w, as rmsnorm_f32), once per block into shared
-// memory behind the weight ring: codes int8 [nx][cols], then scales float [nx][cols / 32]. A lane's 4 weights of a
+// f16(d)), after the RMSNorm prologue when there is one, once per block into shared
+// memory behind the weight ring: codes int8 [nx][cols], then scales float [nx][cols / 32]. The RMSNorm in the
+// reference's operations (x / sqrt(mean(x^2) + eps) * w, each correctly rounded; only the sum's order differs), so
+// fewer values than with rsqrtf land on the other side of a code's half from it. A lane's 4 weights of a
 // block against its 4 codes are one dp4a, exact in integers; the lane adds isum * (d_w * d_x) into its row sum
 // (fmaf, in block order), then warp_sum4 as the fp32 kernels. So y equals the fp32 product on q8_0_round(x) up to
 // fp32 rounding of the sums (tests/test_cu_emu_gemv_i8.py), and a row's bits do not depend on nx (the _rows kernels
@@ -884,8 +886,21 @@ extern "C" __global__ void gemv_q4_k_swiglu_rows(const uint8_t* Wg, const uint8_
 
 // x rows [nx][cols] quantised into xq (codes) and xd (scales): 8 lanes per block of 32 (4 values each), 4 blocks
 // per warp pass; every lane of the block runs the same passes (the shuffles), then a barrier.
+// sqrt(mean(x_n^2) + eps), correctly rounded (the divisor of ds4py.ref.ops.rmsnorm), x_n's sum as warp_norm_scale.
+__device__ __forceinline__ float warp_norm_den(const GemvJob& j, int n) {
+    const int lane = threadIdx.x & 31;
+    const float4* x4 = reinterpret_cast<const float4*>(j.x + (size_t)n * j.x_stride);
+    float ss = 0.0f;
+    for (int v = lane; v < (j.cols >> 2); v += 32) {
+        const float4 a = x4[v];
+        ss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
+    }
+    ss = warp_sum(ss);
+    return __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)j.cols), j.norm_eps));
+}
+
 template <int NB>
-__device__ __forceinline__ void gemv_i8_quantise(const GemvJob& j, const float scale[NB], int8_t* xq, float* xd) {
+__device__ __forceinline__ void gemv_i8_quantise(const GemvJob& j, const float den[NB], int8_t* xq, float* xd) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5, sub = lane & 7;
     const int nbx = j.cols >> 5, total = j.nx * nbx;
     const bool weighted = (j.flags & GEMV_NORM) && j.norm_w;
@@ -898,13 +913,13 @@ __device__ __forceinline__ void gemv_i8_quantise(const GemvJob& j, const float s
             const float4 a = reinterpret_cast<const float4*>(j.x + (size_t)n * j.x_stride)[b * 8 + sub];
             v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
             if (j.flags & GEMV_NORM) {
-                float r = scale[0];
+                float r = den[0];
 #pragma unroll
-                for (int m = 1; m < NB; m++) r = n == m ? scale[m] : r;     // no runtime index into scale
+                for (int m = 1; m < NB; m++) r = n == m ? den[m] : r;       // no runtime index into den
                 const float4 w = weighted ? reinterpret_cast<const float4*>(j.norm_w)[b * 8 + sub]
                                           : make_float4(1.0f, 1.0f, 1.0f, 1.0f);
-                v[0] = __fmul_rn(__fmul_rn(v[0], r), w.x); v[1] = __fmul_rn(__fmul_rn(v[1], r), w.y);
-                v[2] = __fmul_rn(__fmul_rn(v[2], r), w.z); v[3] = __fmul_rn(__fmul_rn(v[3], r), w.w);
+                v[0] = __fmul_rn(__fdiv_rn(v[0], r), w.x); v[1] = __fmul_rn(__fdiv_rn(v[1], r), w.y);
+                v[2] = __fmul_rn(__fdiv_rn(v[2], r), w.z); v[3] = __fmul_rn(__fdiv_rn(v[3], r), w.w);
             }
         }
         float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
@@ -949,10 +964,10 @@ __device__ __forceinline__ void gemv_q8_i8(const GemvJob& j) {
     }
     pdl_wait();
     pdl_launch_dependents();
-    float scale[NB];
+    float den[NB];
 #pragma unroll
-    for (int n = 0; n < NB; n++) scale[n] = (n < j.nx && (j.flags & GEMV_NORM)) ? warp_norm_scale(j, n) : 1.0f;
-    gemv_i8_quantise<NB>(j, scale, xq, xd);
+    for (int n = 0; n < NB; n++) den[n] = (n < j.nx && (j.flags & GEMV_NORM)) ? warp_norm_den(j, n) : 1.0f;
+    gemv_i8_quantise<NB>(j, den, xq, xd);
     const int sub = lane & 7;
     float acc[NB][GEMV_ROWS];
 #pragma unroll

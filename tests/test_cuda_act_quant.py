@@ -13,8 +13,9 @@ boundary (a code's half) takes one code in one backend and the next in the other
 one that sees the row is ~1e-2 off (the reference's own compiled int8 kernels leave its dequant path the same way:
 ds4-tiny, 24 positions, 2.4e-2 median after the first flip, 1.5e-7 before). ds4-tiny rounds ~10^4 values a
 position, so such a flip comes every few positions: the check takes 6 short prompts (a flip spreads only within its
-own) and asks most positions to agree at fp32 noise (measured: 17 of 24 at ~1e-7 on ds4-tiny, the others 2e-3 ..
-3e-2; v4-tiny, experts only, all 24), which no position does with a rounding missing or wrong (the exact numerics: none within 1e-4).
+own) and asks a share of the positions to agree at fp32 noise (measured on ds4-tiny: 14 of 32 at ~4e-7, the others
+7e-4 .. 5e-2; v4-tiny, its experts the only rounded products: 29 of 32), which no position does with a rounding
+missing or wrong (the exact numerics: none within 1e-4).
 
 Budget: ~0.35 s of emulator per ds4-tiny token, ~0.15 s per v4-tiny token (2-core CPU time)."""
 
@@ -32,7 +33,8 @@ from ds4py.ref.engine import RefModel
 pytestmark = pytest.mark.skipif(emu.compiler() is None, reason="the CUDA emulator needs g++")
 AQ = Numerics(fake_quant=False, act_quant=True)        # no FP8 fake-quant: its own near-tie flips stay out
 NEAR = 1e-4                                            # relative max |d logit| of a position (measured ~1.5e-7)
-NEAR_SHARE = 0.5                                       # ... at this share of the positions at least
+NEAR_SHARE = 0.25                                      # ... at this share of the positions at least
+HORIZON = 1                                            # so that a 3-token prompt is a prefill block (BLOCK rows)
 FLIP_REL = 0.1                                         # a position with a near-tie flip (measured <= 3e-2)
 
 
@@ -44,6 +46,11 @@ def ds4_gguf(golden):
 @pytest.fixture(scope="module")
 def ds4_aq(ds4_gguf):
     return open_model(ds4_gguf, backend="cuda-emu", numerics=AQ)
+
+
+def _blocks(path: str):
+    """path's act_quant CUDA model whose prompts of 3 and more tokens run as prefill blocks."""
+    return open_model(path, backend="cuda-emu", numerics=AQ, rollback_horizon=HORIZON)
 
 
 def _positions(model, prompts) -> np.ndarray:
@@ -62,19 +69,22 @@ def _rel(got: np.ndarray, want: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("which", ["ds4-tiny", "v4-tiny"])
 def test_act_quant_matches_the_reference(which, ds4_aq, ds4_gguf, v4_gguf):
+    """Each prompt: 3 tokens through a prefill block (the GEMMs on rounded x, the int8 grouped rows experts), then a
+    decode step (the int8 GEMVs and expert kernels)."""
     path = ds4_gguf if which == "ds4-tiny" else v4_gguf
-    model = ds4_aq if which == "ds4-tiny" else open_model(v4_gguf, backend="cuda-emu", numerics=AQ)
+    model = _blocks(path)
     assert model.numerics.act_quant
     V = model.config.vocab_size
-    prompts = [ids_for(V, 4, seed=70 + j) for j in range(6)]
+    prompts = [ids_for(V, 4, seed=70 + j) for j in range(8)]
     got = _positions(model, prompts)
-    want = _positions(RefModel(path, numerics=AQ, kernels="dequant"), prompts)
+    want = _positions(RefModel(path, numerics=AQ, kernels="dequant", rollback_horizon=HORIZON), prompts)
     rel = _rel(got, want)
     print(f"{which} act_quant cuda-emu vs ref, per position: {np.array2string(rel, precision=1)}")
     assert (got.argmax(1) == want.argmax(1)).mean() >= 0.9, f"{which}: top-1 differs at too many positions"
     assert (rel <= NEAR).mean() >= NEAR_SHARE, f"{which}: too few positions within fp32 noise of the reference"
     assert rel.max() <= FLIP_REL, f"{which}: a position off beyond a rounding flip: {rel.max():.2e}"
-    exact = _positions(RefModel(path, numerics=Numerics(fake_quant=False), kernels="dequant"), prompts)
+    exact = _positions(RefModel(path, numerics=Numerics(fake_quant=False), kernels="dequant",
+                                rollback_horizon=HORIZON), prompts)
     assert not (_rel(exact, want) <= NEAR).any()         # the check sees the rounding
 
 

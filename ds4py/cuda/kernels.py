@@ -37,6 +37,7 @@ from ds4py.cuda.ops import v41 as ops_v41
 from ds4py.cuda.ops.gemv import GEMV_MAX_X, MAX_MATS
 from ds4py.cuda.ops.mhc import mix_record
 from ds4py.cuda.ops.rmsnorm import rmsnorm
+from ds4py.ggml_types import GGMLQuantizationType as QT
 from ds4py.host.indexer import weight_scale
 
 DECODE, ROWS, BLOCK = "decode", "rows", "block"
@@ -95,9 +96,11 @@ def rows_of(a: DeviceArray, n0: int, n: int, width: int) -> DeviceArray:
 
 # ---- dense products ------------------------------------------------------------------------------------------
 def gemvs(ls: Any, mats: list[tuple[DevTensor, DeviceArray, int]], x: DeviceArray, cols: int, n: int, stream: Callable,
-          norm=None, x_group_rows: int = 0, x_stride: int | None = None, add: bool = False) -> None:
+          norm=None, x_group_rows: int = 0, x_stride: int | None = None, add: bool = False,
+          act_quant: bool = False) -> None:
     """y_m[r] = W_m x[r] for n activation rows x[r] = x + r * x_stride into y_m + r * rows_m, matrices sharing x:
-    one launch per weight type, up to 4 matrices and GEMV_MAX_X rows each (one row: the single-row kernel)."""
+    one launch per weight type, up to 4 matrices and GEMV_MAX_X rows each (one row: the single-row kernel).
+    act_quant: Q8_0 matrices on the int8-activation kernels (x rounded inside)."""
     stride = x_stride if x_stride is not None else cols
     by_type: dict[Any, list] = {}
     for t, y, rows in mats:
@@ -108,15 +111,15 @@ def gemvs(ls: Any, mats: list[tuple[DevTensor, DeviceArray, int]], x: DeviceArra
                 k = min(GEMV_MAX_X, n - r0)
                 outs = [(W, rows_of(y, r0, k, rows), rows) for W, y, rows in group[i:i + MAX_MATS]]
                 ops.gemv(ls, outs, rows_of(x, r0, k, stride), cols, norm=norm, x_group_rows=x_group_rows, nx=k,
-                         x_stride=stride, add=add, **stream())
+                         x_stride=stride, add=add, **stream(), act_quant=act_quant)
 
 
 # ---- int8-activation numerics (Numerics.act_quant) ----------------------------------------------------------------
 # The reference's act_quant mode rounds the activation of every quantised matmul (Q8_0 blocks of 32 for Q8_0 / MXFP4
 # weights, Q8_K blocks of 256 for the K- and IQ-quants; ds4py/ref/weights.py Weights.act). Here: one act_round
 # launch writes the rounded copy the fp32 GEMVs / GEMMs then read (after the RMSNorm a fused norm prologue would
-# apply), and the routed / shared experts of a format with int8 kernels (ops/experts.py I8_FORMATS) round inside
-# (moe_*_i8_<fmt>: exact integer dots). A copy lives in the workspace's aq.<stream>.<rounding> (layer.act_shapes);
+# apply), except where a kernel rounds x itself: the Q8_0 GEMVs (gemv_q8_0_i8*: dp4a, no input groups) and the
+# routed / shared experts of a format with int8 kernels (ops/experts.py I8_FORMATS: moe_*_i8_<fmt>). A copy lives in the workspace's aq.<stream>.<rounding> (layer.act_shapes);
 # `own` (x has no other reader: o, u, a routed or shared h) rounds x in place.
 def act_kind(rec: Any, qtype: Any) -> str | None:
     """How a product with weights of `qtype` sees its activation in this recording's numerics (None: as it is)."""
@@ -143,24 +146,33 @@ def act_x(ls: Any, rec: Any, kind: str | None, x: DeviceArray, width: int, n: in
     return y
 
 
+def i8_gemv(rec: Any, W: DevTensor, x_group_rows: int = 0, gemm: bool = False) -> bool:
+    """Whether a product with W runs on the int8-activation Q8_0 GEMV (x rounded inside) in this recording: act_quant
+    numerics, Q8_0 weights, no input groups, not a block's tensor-core GEMM."""
+    return (rec.numerics.act_quant and not isinstance(W.qtype, str) and int(W.qtype) == int(QT.Q8_0)
+            and not x_group_rows and not gemm)
+
+
 def act_groups(ls: Any, rec: Any, mats: list, x: DeviceArray, cols: int, n: int, stream: Callable, norm,
-               x_group_rows: int, x_stride: int | None, own: bool) -> list[tuple[list, DeviceArray, Any]]:
-    """(matrices, the x they read, the norm left to their kernel) per rounding of `mats` (one group, x and norm as
-    given, unless the numerics round)."""
+               x_group_rows: int, x_stride: int | None, own: bool,
+               gemm: bool = False) -> list[tuple[list, DeviceArray, Any, bool]]:
+    """(matrices, the x they read, the norm left to their kernel, int8 GEMV) per rounding of `mats` (one group, x and
+    norm as given, unless the numerics round). gemm: the block's tensor-core GEMMs (no int8 kernel)."""
     if not rec.numerics.act_quant:
-        return [(mats, x, norm)]
+        return [(mats, x, norm, False)]
     by_kind: dict[Any, list] = {}
     for m in mats:
-        by_kind.setdefault(act_kind(rec, m[0].qtype), []).append(m)
+        key = "i8" if i8_gemv(rec, m[0], x_group_rows, gemm) else act_kind(rec, m[0].qtype)
+        by_kind.setdefault(key, []).append(m)
     width = cols * (-(-mats[0][2] // x_group_rows) if x_group_rows else 1)
     stride = x_stride if x_stride is not None else width
     out = []
     for kind, group in by_kind.items():
-        if kind is None:
-            out.append((group, x, norm))
+        if kind is None or kind == "i8":
+            out.append((group, x, norm, kind == "i8"))
         else:
             xk = act_x(ls, rec, kind, x, width, n, stream, stride, norm, own and len(by_kind) == 1)
-            out.append((group, xk, None))
+            out.append((group, xk, None, False))
     return out
 
 
@@ -168,8 +180,8 @@ def dense_gemv(ls: Any, rec: Any, mats: list, x: DeviceArray, cols: int, stream:
                x_group_rows: int = 0, x_stride: int | None = None, n: int | None = None, add: bool = False,
                own: bool = False) -> None:
     n = rec.R if n is None else n
-    for group, xk, nk in act_groups(ls, rec, mats, x, cols, n, stream, norm, x_group_rows, x_stride, own):
-        gemvs(ls, group, xk, cols, n, stream, nk, x_group_rows, x_stride, add)
+    for group, xk, nk, i8 in act_groups(ls, rec, mats, x, cols, n, stream, norm, x_group_rows, x_stride, own):
+        gemvs(ls, group, xk, cols, n, stream, nk, x_group_rows, x_stride, add, act_quant=i8)
 
 
 def mma_ok(W: DevTensor) -> bool:
@@ -182,14 +194,17 @@ def dense_block(ls: Any, rec: Any, mats: list, x: DeviceArray, cols: int, stream
     """y_m[t] = W_m x[t] for the block's rows on tensor cores (norm = (w, eps): x[t] RMS-normalised first), or the
     `_rows` GEMVs when the block runs without tensor cores or a matrix's type has no GEMM."""
     T = rec.R if n is None else n
-    for group, xk, nk in act_groups(ls, rec, mats, x, cols, T, stream, norm, x_group_rows, x_stride, own):
-        _dense_block(ls, rec, group, xk, cols, nk, x_group_rows, x_stride, T, add)
+    on_gemm = not add and rec.mma and all(mma_ok(W) for W, _, _ in mats)
+    for group, xk, nk, i8 in act_groups(ls, rec, mats, x, cols, T, stream, norm, x_group_rows, x_stride, own,
+                                        gemm=on_gemm):
+        _dense_block(ls, rec, group, xk, cols, nk, x_group_rows, x_stride, T, add, i8)
 
 
 def _dense_block(ls: Any, rec: Any, mats: list, x: DeviceArray, cols: int, norm, x_group_rows: int,
-                 x_stride: int | None, T: int, add: bool) -> None:
+                 x_stride: int | None, T: int, add: bool, i8: bool = False) -> None:
     if add or not rec.mma or not all(mma_ok(W) for W, _, _ in mats):
-        gemvs(ls, mats, x, cols, T, ls.main, norm=norm, x_group_rows=x_group_rows, x_stride=x_stride, add=add)
+        gemvs(ls, mats, x, cols, T, ls.main, norm=norm, x_group_rows=x_group_rows, x_stride=x_stride, add=add,
+              act_quant=i8)
         return
     if norm is not None:
         xn = rec.ws.qa_n.view(0, T * cols)
@@ -221,13 +236,15 @@ def gemv_hc_post(ls: Any, rec: Any, W: DevTensor, u: DeviceArray, X: DeviceArray
                  cols: int) -> None:
     """X[r] <- post_k (W u[r]) + sum_j C[j,k] X[r, j]: the output projection into the residual, GEMV_MAX_X rows
     per launch."""
-    u = act_x(ls, rec, act_kind(rec, W.qtype), u, cols, rec.R, ls.main, own=True)
+    i8 = i8_gemv(rec, W)
+    if not i8:
+        u = act_x(ls, rec, act_kind(rec, W.qtype), u, cols, rec.R, ls.main, own=True)
     cfg = rec.cfg
     hc, D, mrec = cfg.hc_mult, cfg.dim, mix_record(cfg.hc_mult)
     for r0 in range(0, rec.R, GEMV_MAX_X):
         k = min(GEMV_MAX_X, rec.R - r0)
         ops.gemv_hc_post(ls, W.array, rows_of(u, r0, k, cols), rows_of(X, r0, k, hc * D), rows_of(mix, r0, k, mrec),
-                         D, cols, hc=hc, nx=k, **ls.main())
+                         D, cols, hc=hc, nx=k, **ls.main(), act_quant=i8)
 
 
 def block_hc_post(ls: Any, rec: Any, W: DevTensor, u: DeviceArray, X: DeviceArray, mix: DeviceArray,
@@ -411,15 +428,17 @@ def shared_gate_up_gemv(ls: Any, rec: Any, S: Any, clamp: float, stream: Callabl
     """h_shared[r] = silu(min(gate x[r], c)) * clamp(up x[r], c): fused GEMVs (BLOCK with tensor cores: two GEMMs
     and the SwiGLU)."""
     ws, D, sff = rec.ws, rec.cfg.dim, rec.cfg.shared_ff
-    x = act_x(ls, rec, act_kind(rec, S.gate.qtype), ws.x_ffn, D, rec.R, stream)
-    if rec.mode == BLOCK and rec.mma and mma_ok(S.gate) and mma_ok(S.up):
+    on_gemm = rec.mode == BLOCK and rec.mma and mma_ok(S.gate) and mma_ok(S.up)
+    i8 = i8_gemv(rec, S.gate, gemm=on_gemm)
+    x = ws.x_ffn if i8 else act_x(ls, rec, act_kind(rec, S.gate.qtype), ws.x_ffn, D, rec.R, stream)
+    if on_gemm:
         gemm(ls, rec, [(S.gate, ws.hs_g, sff), (S.up, ws.hs_u, sff)], x, D, rec.R)
         ops_pfa.swiglu(ls, ws.hs_g, ws.hs_u, ws.h_shared, rec.R * sff, clamp, **ls.main())
         return
     for r0 in range(0, rec.R, GEMV_MAX_X):
         k = min(GEMV_MAX_X, rec.R - r0)
         ops.gemv_swiglu(ls, S.gate.array, S.up.array, rows_of(x, r0, k, D), rows_of(ws.h_shared, r0, k, sff),
-                        sff, D, clamp=clamp, nx=k, **stream())
+                        sff, D, clamp=clamp, nx=k, **stream(), act_quant=i8)
 
 
 def expert_input(ls: Any, rec: Any, fmt: Any, x: DeviceArray, width: int, n: int, stream: Callable,
