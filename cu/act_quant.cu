@@ -45,7 +45,7 @@ __device__ __forceinline__ void act_store8(float* y, size_t at, const float o[8]
 // Common contract: x, y [n_rows rows of `width` floats, `stride` floats apart] (16-byte aligned, stride % 8 == 0);
 // y may be x. Launch: grid (ceil(n_rows * width / 8 / threads)), block (threads, a multiple of 32).
 
-// Q8_0 rounding, width % 32 == 0.
+// Q8_0 rounding, width % 32 == 0. Launch: as above.
 extern "C" __global__ void act_round_q8_0(const float* x, float* y, int n_rows, int width, int stride) {
     pdl_wait();
     pdl_launch_dependents();
@@ -62,7 +62,7 @@ extern "C" __global__ void act_round_q8_0(const float* x, float* y, int n_rows, 
     act_store8(y, at, o);
 }
 
-// Q8_K rounding, width % 256 == 0.
+// Q8_K rounding, width % 256 == 0. Launch: as above.
 extern "C" __global__ void act_round_q8_k(const float* x, float* y, int n_rows, int width, int stride) {
     pdl_wait();
     pdl_launch_dependents();

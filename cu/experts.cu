@@ -701,6 +701,7 @@ extern "C" __global__ void moe_gate_up_rows_i8_##name(const uint8_t* Wg, const u
                                        ff, dim, rows_per_block, clamp, n_pairs, k, x_stride, &pick, blockIdx.x); \
 }
 
+// As moe_down_rows_<fmt>, each slot's h rounded as Q8_K. Launch: as moe_down_rows_<fmt>.
 #define MOE_DOWN_ROWS_I8(name, F, QK, NB, TABLE) \
 extern "C" __global__ void moe_down_rows_i8_##name(const uint8_t* W, const int* ids, const float* h, \
                                                    const float* add, const float* mix, const float* hc_x, float* out, \

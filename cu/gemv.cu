@@ -1035,7 +1035,8 @@ __device__ __forceinline__ void gemv_q8_i8(const GemvJob& j) {
     }
 }
 
-// As gemv_q8_0 / gemv_q8_0_rows, int8 activations (x_group_rows 0).
+// As gemv_q8_0, int8 activations (x_group_rows 0). Launch: as gemv_q8_0, dynamic shared memory warps * Q8_WARP_SMEM
+// + nx * (cols + cols / 8) rounded up to 16 (ops/gemv.py i8_x_bytes).
 extern "C" __global__ void gemv_q8_0_i8(const uint8_t* W0, const uint8_t* W1, const uint8_t* W2, const uint8_t* W3,
                                         int rows0, int rows1, int rows2, int rows3, float* y0, float* y1, float* y2,
                                         float* y3, const float* x, int cols, int x_group_rows, const float* norm_w,
@@ -1044,6 +1045,7 @@ extern "C" __global__ void gemv_q8_0_i8(const uint8_t* W0, const uint8_t* W1, co
     gemv_q8_i8<1>(j);
 }
 
+// As gemv_q8_0_rows, int8 activations. Launch: as gemv_q8_0_i8.
 extern "C" __global__ void gemv_q8_0_i8_rows(const uint8_t* W0, const uint8_t* W1, const uint8_t* W2,
                                              const uint8_t* W3, int rows0, int rows1, int rows2, int rows3, float* y0,
                                              float* y1, float* y2, float* y3, const float* x, int cols,
@@ -1054,7 +1056,7 @@ extern "C" __global__ void gemv_q8_0_i8_rows(const uint8_t* W0, const uint8_t* W
     gemv_q8_i8<GEMV_MAX_X>(j);
 }
 
-// As gemv_q8_0_hc_post / _rows, int8 activations.
+// As gemv_q8_0_hc_post, int8 activations. Launch: as gemv_q8_0_i8.
 extern "C" __global__ void gemv_q8_0_i8_hc_post(const uint8_t* W, int rows, const float* x, int cols, int x_group_rows,
                                                 const float* norm_w, float norm_eps, int flags, const float* mix,
                                                 float* X) {
@@ -1062,6 +1064,7 @@ extern "C" __global__ void gemv_q8_0_i8_hc_post(const uint8_t* W, int rows, cons
     gemv_q8_i8<1>(j);
 }
 
+// As gemv_q8_0_hc_post_rows, int8 activations. Launch: as gemv_q8_0_i8.
 extern "C" __global__ void gemv_q8_0_i8_hc_post_rows(const uint8_t* W, int rows, const float* x, int cols,
                                                      int x_group_rows, const float* norm_w, float norm_eps, int flags,
                                                      const float* mix, float* X, int nx, int x_stride) {
@@ -1070,7 +1073,7 @@ extern "C" __global__ void gemv_q8_0_i8_hc_post_rows(const uint8_t* W, int rows,
     gemv_q8_i8<GEMV_MAX_X>(j);
 }
 
-// As gemv_q8_0_swiglu / _rows, int8 activations.
+// As gemv_q8_0_swiglu, int8 activations. Launch: as gemv_q8_0_i8.
 extern "C" __global__ void gemv_q8_0_i8_swiglu(const uint8_t* Wg, const uint8_t* Wu, int rows, float* y,
                                                const float* x, int cols, const float* norm_w, float norm_eps,
                                                int flags, float clamp) {
@@ -1078,6 +1081,7 @@ extern "C" __global__ void gemv_q8_0_i8_swiglu(const uint8_t* Wg, const uint8_t*
     gemv_q8_i8<1>(j);
 }
 
+// As gemv_q8_0_swiglu_rows, int8 activations. Launch: as gemv_q8_0_i8.
 extern "C" __global__ void gemv_q8_0_i8_swiglu_rows(const uint8_t* Wg, const uint8_t* Wu, int rows, float* y,
                                                     const float* x, int cols, const float* norm_w, float norm_eps,
                                                     int flags, float clamp, int nx, int x_stride) {

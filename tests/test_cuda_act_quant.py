@@ -113,3 +113,34 @@ def test_act_quant_rows_are_bit_identical_to_single_steps(ds4_aq):
     got_a, got_b = m.step([a, b], [draft, other], all_logits=True)      # a verify chunk beside another row
     assert got_a.tobytes() == _single(m, a2, draft).tobytes(), "verify rows != position-by-position steps"
     assert got_b.tobytes() == _single(m, b2, other).tobytes()
+
+
+def test_run_act_quant_on_cuda_emu_is_the_in_process_model(ds4_gguf):
+    """`run --backend cuda-emu --act-quant`: the greedy continuation of the CUDA engine under Numerics.ds4()
+    in-process, one stderr line naming the numerics; --exact with --act-quant is one sentence."""
+    import subprocess
+    import sys
+
+    from ds4py.cli._options import CUDA_INT8_LINE
+    from ds4py.sampling import SamplingParams
+    from ds4py.session import Session, TokenEvent
+    from ds4py.tokenizer import Tokenizer
+
+    prompt = "Hello there"
+    tok = Tokenizer.from_gguf(ds4_gguf)
+    ids = [tok.bos_id] + list(tok.encode(prompt))
+    session = Session(open_model(ds4_gguf, backend="cuda-emu", numerics=Numerics.ds4()), tok, 256)
+    want = "".join(e.text for e in session.generate(ids, SamplingParams(temperature=0, max_tokens=4))
+                   if isinstance(e, TokenEvent))
+
+    def cli(*argv):
+        return subprocess.run([sys.executable, "-m", "ds4py", "run", "--raw", "-m", ds4_gguf, "--backend", "cuda-emu",
+                               *argv, "-p", prompt, "--temp", "0", "-n", "4"], capture_output=True, text=True,
+                              timeout=600)
+
+    out = cli("--act-quant")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == want + "\n"
+    assert out.stderr.count("ds4py: numerics:") == 1 and CUDA_INT8_LINE in out.stderr, out.stderr
+    bad = cli("--act-quant", "--exact")
+    assert bad.returncode == 2 and "contradict" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1

@@ -95,7 +95,7 @@ def test_the_lru_kinds_drop_the_least_recently_used():
 def test_the_pool_grows_one_way_for_every_mode(monkeypatch):
     made, retired, grown, syncs = [], [], [], []
 
-    def make(cfg, bucket, rows, mode, version=0, arena=None, store=None, rt=None):
+    def make(cfg, bucket, rows, mode, version=0, arena=None, store=None, rt=None, act_quant=False):
         ws = layer.Workspace(mode, bucket, rows, version, None if mode == DECODE else object(), {})
         made.append(ws)
         return ws
