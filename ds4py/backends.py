@@ -58,6 +58,11 @@ def cli_numerics(backend: str, exact: bool = False, act_quant: bool = False):
     return Numerics() if exact else Numerics.ds4()
 
 
+def cli_int8_default(backend: str) -> bool:
+    """Whether the CLI opens `backend` with int8 activations unless told otherwise (else they are --act-quant's)."""
+    return _CLI_INT8.get(backend, False)
+
+
 def backend_options(backend: str) -> frozenset:
     """The backend-specific keyword arguments open_model(backend=...) accepts (beyond numerics,
     rollback_horizon and the V4.1 / sidecar options every backend takes or refuses in one sentence)."""

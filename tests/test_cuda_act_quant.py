@@ -121,7 +121,7 @@ def test_run_act_quant_on_cuda_emu_is_the_in_process_model(ds4_gguf):
     import subprocess
     import sys
 
-    from ds4py.cli._options import CUDA_INT8_LINE
+    from ds4py.cli._options import OPT_IN_INT8_LINE
     from ds4py.sampling import SamplingParams
     from ds4py.session import Session, TokenEvent
     from ds4py.tokenizer import Tokenizer
@@ -141,6 +141,6 @@ def test_run_act_quant_on_cuda_emu_is_the_in_process_model(ds4_gguf):
     out = cli("--act-quant")
     assert out.returncode == 0, out.stderr
     assert out.stdout == want + "\n"
-    assert out.stderr.count("ds4py: numerics:") == 1 and CUDA_INT8_LINE in out.stderr, out.stderr
+    assert out.stderr.count("ds4py: numerics:") == 1 and OPT_IN_INT8_LINE in out.stderr, out.stderr
     bad = cli("--act-quant", "--exact")
     assert bad.returncode == 2 and "contradict" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1

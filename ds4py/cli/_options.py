@@ -64,7 +64,7 @@ def add_cpu_arguments(p, numerics: bool = True) -> None:
 INT8_LINE = ("ds4py: numerics: int8 activations (each quantised matmul's input rounded per Q8_0 / Q8_K block, as "
              "ds4's and llama.cpp's CPU paths; F16 KV); --exact for fp32 activations")
 EXACT_LINE = "ds4py: numerics: fp32 activations (--exact: DeepSeek's official numerics)"
-CUDA_INT8_LINE = ("ds4py: numerics: int8 activations (--act-quant: each quantised matmul's input rounded per Q8_0 / "
+OPT_IN_INT8_LINE = ("ds4py: numerics: int8 activations (--act-quant: each quantised matmul's input rounded per Q8_0 / "
                   "Q8_K block, as ds4's and llama.cpp's CPU paths; F16 KV); without it fp32 activations")
 
 
@@ -86,9 +86,11 @@ def say_numerics(args: argparse.Namespace) -> None:
 
     numerics = cpu_numerics(args).get("numerics")
     if numerics is not None:
+        from ds4py.backends import cli_int8_default
+
         line = INT8_LINE if numerics.act_quant else EXACT_LINE
-        if numerics.act_quant and getattr(args, "backend", "ref") != "ref":
-            line = CUDA_INT8_LINE
+        if numerics.act_quant and not cli_int8_default(getattr(args, "backend", "ref")):
+            line = OPT_IN_INT8_LINE
         print(line, file=sys.stderr, flush=True)
 
 
