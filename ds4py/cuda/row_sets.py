@@ -35,7 +35,7 @@ class RowSetRunner:
         self.m, self.cfg = model, model.config
         self.cache = GraphCache(model.store)
         self.pool = WorkspacePool(model.config, model.rt, model.store, model.w.arena, self._grown,
-                                  model.numerics.act_quant)
+                                  act_quant=model.numerics.act_quant)
         self._v41_inputs()
         self._rows_order: list[int] = []
 
