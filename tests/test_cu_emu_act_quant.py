@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType as QT
 from ds4py.cuda import emu
 from ds4py.cuda.ops import act_quant as ops_aq
 from ds4py.cuda.ops import experts as ops_moe
+from ds4py.cuda.ops import moe_prefill as ops_moep
 from ds4py.cuda.ops.core import TokenRows
 from ds4py.cuda.ops.experts import Experts, Slots
 from ds4py.cuda.twins import act_quant as twin
@@ -74,6 +75,16 @@ def test_act_round_in_place_and_refusals(kdev):
     assert ops_aq.rounding(QT.Q8_0) == ops_aq.rounding(QT.MXFP4) == "q8_0"
     assert ops_aq.rounding(QT.IQ2_XXS) == ops_aq.rounding(QT.Q4_K) == "q8_k"
     assert ops_aq.rounding(QT.F16) is ops_aq.rounding(QT.F32) is ops_aq.rounding("vq13") is None
+
+
+
+def test_prefill_experts_refuse_int8_activations():
+    """The tensor-core experts and the token tiles are fp32 only: under act_quant a block's experts take the int8
+    rows kernels (layer.Recording turns both off), and the ops refuse the flag rather than ignore it."""
+    ex = Experts(fmt=QT.Q2_K, n_experts=2, ff=16, dim=256, act_quant=True)
+    for run in (ops_moep.moe_prefill, ops_moep.moe_tiles):
+        with pytest.raises(Ds4Error, match="fp32 only"):
+            run(None, ex, TokenRows(x=None, T=1), Slots(k=1), None)
 
 
 # format, dim (columns), ff (rows), experts, activation rows, slots per row

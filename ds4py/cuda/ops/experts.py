@@ -250,7 +250,7 @@ class Experts:
     [n_experts, ff, dim] in weight format `fmt`, down [n_experts, dim, ff] in down_fmt (None: fmt); a format is a
     GGML type or a VQ-8 key ("vq13"). clamp: the SwiGLU limit (<= 0: none). act_quant: the int8-activation
     kernels (x and h rounded as Q8_K inside, the reference's act_quant numerics; moe_gate_up / moe_down and their
-    _rows; not moe_prefill's tiles).
+    _rows; moe_prefill / moe_tiles refuse it: fp32 only).
     An op reads only its own matrices (gate_up: gate, up; down: down)."""
     fmt: Any
     n_experts: int
