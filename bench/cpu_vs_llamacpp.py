@@ -61,10 +61,15 @@ def child(a: argparse.Namespace) -> dict:
     m = RefModel(a.model, numerics=numerics, kernels=a.kernels, threads=a.threads,
                  madvise=True if a.child_cgroup else None)
     open_s = time.perf_counter() - t0
+    populate_s = 0.0
+    if m.populating is not None and not a.child_cgroup:    # as llama.cpp's load (MAP_POPULATE): before the clock
+        t0 = time.perf_counter()
+        m.populating.join()
+        populate_s = time.perf_counter() - t0
     rng = np.random.default_rng(0)
     vocab = m.config.vocab_size
     st = m.new_state()
-    out = {"kernels": m.kernels_label, "open_s": open_s}
+    out = {"kernels": m.kernels_label, "open_s": open_s, "populate_wait_s": populate_s}
     if a.child_cgroup:                                     # memory-cgroup case: cold first token, then decode
         logits = m.prefill(st, [int(i) for i in rng.integers(0, vocab, a.cgroup_prompt)])
         out["first_token_at"] = time.time()

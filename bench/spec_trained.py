@@ -8,9 +8,10 @@
 The checkpoint is converted losslessly with its tokenizer (dense F16, experts MXFP4; default compiled kernels).
 Per domain, `--prompts` prompts are windows of the held-out test ids (evenly spaced offsets); from each prompt's
 prefilled paired state every variant decodes `--gen-tokens` tokens (EOS suppressed): plain decoding (main
-model only, as `--no-spec`), the scheduler, and fixed k. The variants of one prompt run back to back, in an
-order rotated per prompt (interleaved rounds, so slow phases of the shared machine hit every variant alike);
-each probe's wall time and process CPU time are recorded. Greedy (temperature 0): every speculative output is
+model only, as `--no-spec`), the scheduler, the scheduler with a fresh acceptance verdict per request
+(`fresh`: how requests were scheduled before the verdict was pooled, issue 38's third session) and fixed k.
+The variants of one prompt run back to back, in an order rotated per prompt (interleaved rounds, so slow
+phases of the shared machine hit every variant alike); each probe's wall time and process CPU time are recorded. Greedy (temperature 0): every speculative output is
 checked byte-identical to plain. Sampled: the model card's settings (temperature 1.0, top-p 1.0, docs/
 generation.md), unseeded (the scheduler uses its measured costs, as a server request without a seed does).
 
@@ -51,10 +52,12 @@ from ds4py.ref.engine import RefModel  # noqa: E402
 from ds4py.sampling import Sampler, SamplingParams  # noqa: E402
 from ds4py import spec as spec_module  # noqa: E402
 from ds4py.mtp_spec import MtpSpec  # noqa: E402
-from ds4py.spec_schedule import StepCosts, break_even_acceptance  # noqa: E402
+from ds4py.spec_schedule import StepCosts, Verdict, break_even_acceptance  # noqa: E402
 
 TRAINED = Path(os.environ.get("DS4PY_TRAINED") or Path(__file__).resolve().parents[2] / "shared" / "trained" / "v4-tiny-trained")
 SAMPLED = SamplingParams(temperature=1.0, top_p=1.0)        # the model card's settings (docs/generation.md)
+SCHEDULED = ("sched", "fresh")      # the variants the scheduler decides (the others: a fixed k)
+NAMES = {"sched": "scheduler", "fresh": "scheduler, verdict per request"}
 EOS = 1
 
 
@@ -133,20 +136,22 @@ def measured_acceptance(scheds) -> dict:
     a verify reached; None without a fixed k >= 2): the scheduler reaches a chained position only after confident
     drafts, so its chained acceptance ("chained_scheduler") is selected, not what a fixed k would meet."""
     rounds = sum(s.first_rounds for _, s in scheds)
-    fixed = [s for v, s in scheds if v != "sched"]
+    fixed = [s for v, s in scheds if v not in SCHEDULED]
     sched = [s for v, s in scheds if v == "sched"]
-    n_fixed, n_sched = sum(s.chained.n for s in fixed), sum(s.chained.n for s in sched)
+    n_fixed, n_sched = sum(s.chained_n for s in fixed), sum(s.chained_n for s in sched)
     return {"first": sum(s.first_hits for _, s in scheds) / max(rounds, 1), "first_rounds": rounds,
-            "chained": sum(s.chained.hits for s in fixed) / n_fixed if n_fixed else None,
+            "chained": sum(s.chained_hits for s in fixed) / n_fixed if n_fixed else None,
             "chained_positions": n_fixed,
-            "chained_scheduler": sum(s.chained.hits for s in sched) / n_sched if n_sched else None,
+            "chained_scheduler": sum(s.chained_hits for s in sched) / n_sched if n_sched else None,
             "chained_scheduler_positions": n_sched}
 
 
 def run_domain(model, mtp, dom: str, args, variants: list[str], mode: str) -> dict:
     ids = np.load(TRAINED / f"test_{dom}.ids.npy").astype(np.int64)
     params = SamplingParams(temperature=0.0) if mode == "greedy" else SAMPLED
-    specs = {v: MtpSpec(model, mtp, fixed_k=None if v == "sched" else int(v)) for v in variants}
+    specs = {v: MtpSpec(model, mtp, fixed_k=None if v in SCHEDULED else int(v)) for v in variants}
+    if "fresh" in specs:        # every request starts from no verdict (its own calibration and probes)
+        specs["fresh"].verdict = lambda params: Verdict()
     offs = np.linspace(0, len(ids) - args.prompt_tokens - 1, args.prompts).astype(int)
     per = {v: {"wall": [], "cpu": [], "ratio": [], "cpu_ratio": [], "acc": [0, 0], "rounds": 0, "tokens": 0,
                "plain": 0, "ks": []} for v in variants}
@@ -227,7 +232,8 @@ def main() -> int:
                          "a prompt's times are the sums (slow phases of a shared machine hit every variant alike)")
     ap.add_argument("--modes", default="greedy,sampled")
     ap.add_argument("--domains", default="code,prose")
-    ap.add_argument("--ks", default="sched,1,2", help="variants: sched (the scheduler) and fixed k values")
+    ap.add_argument("--ks", default="sched,1,2", help="variants: sched (the scheduler), fresh (the scheduler, a "
+                    "fresh acceptance verdict per request) and fixed k values")
     ap.add_argument("--kernels", default=None, help="reference kernels (default: the default)")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="the scheduler's cost clock: wall (as served) or cpu (process time: as on a machine of "
@@ -259,7 +265,7 @@ def main() -> int:
             r = run_domain(model, mtp, dom, args, variants, mode)
             res["runs"][f"{dom}/{mode}"] = r
             for v, s in r["variants"].items():
-                print(f"| {dom} | {mode} | {'scheduler' if v == 'sched' else 'k=' + v} | {s['acceptance']:.3f} | "
+                print(f"| {dom} | {mode} | {NAMES.get(v, 'k=' + v)} | {s['acceptance']:.3f} | "
                       f"{s['tokens_per_round']:.2f} | {s['mean_k']:.2f} | {s['k_over_time'][0]} | "
                       f"{s['speedup_min']:.2f} | {s['speedup_median']:.2f} | {s['cpu_speedup_min']:.2f} | "
                       f"{s['cpu_speedup_median']:.2f} | {s['cpu_speedup_pooled']:.2f} | "

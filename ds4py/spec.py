@@ -21,7 +21,8 @@ Greedy output is byte-identical to plain greedy decoding for every k: verify row
 has exactly plain sampling's distribution (rejection sampling; tests/test_spec_sampling.py checks it).
 
 k is chosen per round by `Scheduler` (ds4py.spec_schedule) from the model's measured costs (shared by its requests: costs belong to
-the model and the machine) and the request's own acceptance calibration (seed 000 §4.4); see its docstring.
+the model and the machine) and the acceptance calibration its requests learnt under the same sampling rules
+(spec_schedule.Verdict; seed 000 §4.4); see its docstring.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import numpy as np
 from ds4py.errors import Ds4Error
 from ds4py.contract import Capabilities
 from ds4py.sampling import Sampler, SamplingParams, softmax
-from ds4py.spec_schedule import ByteCosts, MeasuredCosts, Scheduler
+from ds4py.spec_schedule import ByteCosts, MeasuredCosts, Scheduler, Verdict
 
 F32 = np.float32
 # The clock MeasuredCosts' samples are taken with (spec.py's own steps). Wall time is what a user waits for; a
@@ -338,9 +339,10 @@ class SpecModel:
     the drafter's host ring) under the pair's `fingerprint`, so the disk KV cache (`--kv-disk-dir`) works with
     speculation; a blob of another pair, or of the main model alone, is refused in one sentence.
 
-    `costs`: the measured costs of every request of this model (costs belong to the model and the machine; a
-    request keeps only its acceptance calibration: one request's few noisy samples flipped "drafting pays" off
-    for the rest of it, bench/spec_trained.py)."""
+    `costs`: the measured costs of every request of this model (costs belong to the model and the machine: one
+    request's few noisy samples flipped "drafting pays" off for the rest of it, bench/spec_trained.py); `verdict`:
+    what its requests learnt of the draft's acceptance, per sampling rules (spec_schedule.Verdict: a request
+    starts from it instead of re-exploring)."""
 
     def __init__(self, model, drafter: Drafter, fixed_k: int | None = None):
         if fixed_k is not None and (isinstance(fixed_k, bool) or not isinstance(fixed_k, int) or fixed_k < 0):
@@ -360,6 +362,7 @@ class SpecModel:
         # verify rows k + 1 row-stable and within the rollback horizon, and the draft's own limit
         self.k_max = max(0, min(R, model.stable_rows - 1, drafter.limit))
         self.costs = MeasuredCosts()                # every unseeded request's (see the class docstring)
+        self._verdicts: dict[tuple, Verdict] = {}   # per sampling rules (verdict())
         self.stats = SpecStats()                    # every request's, summed
 
     def new_state(self) -> SpecState:
@@ -417,6 +420,13 @@ class SpecModel:
     def new_request(self, params: SamplingParams, suppress: Sequence[int] = ()) -> "SpecRequest":
         return SpecRequest(self, params, suppress)
 
+    def verdict(self, params: SamplingParams) -> Verdict:
+        """The acceptance verdict the unseeded requests with these sampling rules share: greedy ones one, sampled
+        ones one per (temperature, top-k, top-p, min-p) -- the rules that shape the draft's distribution q, its
+        confidence max q and the sampled acceptance Σ min(p, q)."""
+        key = ("greedy",) if params.greedy else (params.temperature, params.top_k, params.top_p, params.min_p)
+        return self._verdicts.setdefault(key, Verdict())
+
     def byte_costs(self) -> "ByteCosts":
         """The deterministic cost model (ByteCosts) from the bytes each part of the pair reads."""
         return self.drafter.byte_costs()
@@ -424,7 +434,8 @@ class SpecModel:
 
 class SpecRequest:
     """One request's speculative rounds: its scheduler (the model's measured costs, or the files' bytes for a
-    seeded sampled request, whose tokens must not depend on the clock; its own acceptance calibration), its
+    seeded sampled request, whose tokens must not depend on the clock; the model's acceptance verdict for its
+    sampling rules, or a seeded request's own), its
     suppressed tokens and its statistics.
 
     round() runs a whole round; the server splits it around one verify step shared by several requests: draft()
@@ -434,7 +445,10 @@ class SpecRequest:
     def __init__(self, spec: SpecModel, params: SamplingParams, suppress: Sequence[int] = ()):
         seeded_sampled = not params.greedy and params.seed is not None
         self.spec, self.params = spec, params
-        self.scheduler = Scheduler(spec.byte_costs() if seeded_sampled else spec.costs, spec.k_max, spec.fixed_k)
+        # a seeded sampled request's k (and with it its tokens) must depend on its seed alone: the files' bytes
+        # and its own calibration; the others share the model's measured costs and its verdict for their rules
+        self.scheduler = (Scheduler(spec.byte_costs(), spec.k_max, spec.fixed_k) if seeded_sampled else
+                          Scheduler(spec.costs, spec.k_max, spec.fixed_k, spec.verdict(params)))
         self.suppress = np.asarray(list(suppress), np.int64)
         self.stats = SpecStats()
         self._prepared = False         # the drafter's prepare() has run (before the request's first proposal)

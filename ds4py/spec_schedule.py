@@ -318,13 +318,37 @@ class _Calibration:
         return np.clip(self.line[0] + self.line[1] * s, 0.0, 1.0)
 
 
+class Verdict:
+    """What a model's requests have learnt of its draft's acceptance under one set of sampling rules (SpecModel.
+    verdict: every unseeded request with those rules reads and extends the same one, as they share the costs): the
+    first and the chained positions' calibrations, the recent first-position confidences σ_1 drafting_pays judges
+    by, the per-depth factors, the deepest run a verify accepted, and the probe gap while drafting does not pay.
+
+    Why pooled (issue 38, third session): with a calibration per request every request re-explored -- a forced
+    first round, then probes after 1, 2, 4, 8, ... plain steps -- although the model's earlier requests had
+    already found that drafting does not pay; at temperature 1 on the trained tiny model's code (acceptance near
+    the break-even) those rounds, most of them a draft step wasted on a k = 0 round, cost 6-8% of a 96-token
+    request. The calibration is a function of the draft's confidence σ, so it carries over between requests; the
+    sampling rules change q (and with it σ and the sampled acceptance Σ min(p, q)), hence one verdict per rules."""
+
+    def __init__(self):
+        self.first = _Calibration()    # first positions: every round's (σ_1, first-position acceptance)
+        self.chained = _Calibration()  # chained positions i ≥ 2 that a verify reached (σ_i, accepted)
+        self.depth = 0                 # the deepest position a verify has accepted so far
+        self.first_sigmas: deque[float] = deque(maxlen=WINDOW)    # the recent rounds' σ_1
+        self.depth_hits: dict[int, float] = {}  # per chained position j: Σ accepted, Σ predicted (_depth_factors)
+        self.depth_pred: dict[int, float] = {}
+        self.gap, self.skipped = 1, 0  # plain steps between probes while drafting does not pay (doubling)
+
+
 class Scheduler:
-    """Chooses each round's k from the model's costs and the request's acceptance, no tuned constants (seed 000
-    §4.4), for every draft (MTP, DSpark).
+    """Chooses each round's k from the model's costs and the acceptance its requests learnt under the same
+    sampling rules (a Verdict, pooled; a seeded request's own), no tuned constants (seed 000 §4.4), for every
+    draft (MTP, DSpark).
 
     A round of k drafts yields E(k) = 1 + Σ_{j≤k} a_j tokens on average, a_j = Π_{i≤j} c_i(σ_i) the survival of
     the first j drafts; σ_i is the draft's confidence at position i (MTP: the largest probability of its
-    distribution q_i; DSpark: its confidence head, σ(c_i)), and c_i the request's calibration of σ to an acceptance probability (_Calibration: the
+    distribution q_i; DSpark: its confidence head, σ(c_i)), and c_i the verdict's calibration of σ to an acceptance probability (_Calibration: the
     least-squares line hit ≈ c0 + c1·σ, c1 ≥ 0, clipped to [0, 1]; ρ·σ with ρ = Σ hit / Σ σ until two samples
     differ in σ). Two calibrations: the first position's, from every round (its acceptance is known from verify
     row 0 even when it is not verified: [argmax p = argmax q] greedy, Σ min(p, q) sampled), and the chained
@@ -340,7 +364,8 @@ class Scheduler:
     is drawn (a sampled round must not pick its drafts by their values, or rejection sampling stops being exact):
     - draft at all only if drafting pays (drafting_pays: over the σ_1 seen so far, rounds decided as include()
       would, k = 1 or a wasted draft at k = 0, out-earn plain steps), else probe after 1, 2, 4, ... plain steps
-      (the gap doubles while drafting does not pay, resets when it does): O(log n) probes. It was the
+      (the gap doubles while drafting does not pay, up to WINDOW, and resets when it does; the gap is the
+      verdict's, so a new request continues it instead of probing after 1, 2, 4, ... again). It was the
       acceptance's UCB1 bound (mean + sqrt(2 ln decisions / rounds)): over a 96-token answer the bonus stays
       ~0.5, so the scheduler drafted every round near break-even and paid a draft step (~15% of a plain step on
       the trained tiny model) on each round whose σ_1 then said k = 0;
@@ -362,19 +387,27 @@ class Scheduler:
     # plain step's, for one chained step.
     BOOTSTRAP_DRAFTS = 2
 
-    def __init__(self, costs, k_max: int, fixed_k: int | None = None):
+    def __init__(self, costs, k_max: int, fixed_k: int | None = None, verdict: Verdict | None = None):
         self.costs, self.k_max, self.fixed_k = costs, k_max, fixed_k
+        self.verdict = Verdict() if verdict is None else verdict   # pooled with the model's requests, or its own
+        # this request's own counts (what it measured; the verdict's calibrations are pooled)
         self.first_hits = 0.0          # Σ first-position acceptance (probability, or 0/1 greedy)
         self.first_sigma = 0.0         # Σ σ_1 over the same rounds
         self.first_rounds = 0
+        self.chained_hits, self.chained_n = 0.0, 0    # chained positions a verify reached, accepted
         self.decisions = 0
-        self.first = _Calibration()    # first positions: every round's (σ_1, first-position acceptance)
-        self.chained = _Calibration()  # chained positions i ≥ 2 that a verify reached (σ_i, accepted)
-        self.depth = 0                 # the deepest position a verify has accepted so far
-        self.first_sigmas: list[float] = []    # every recorded round's σ_1
-        self.depth_hits: dict[int, float] = {}  # per chained position j: Σ accepted, Σ predicted (_depth_factors)
-        self.depth_pred: dict[int, float] = {}
-        self.gap, self.skipped = 1, 0  # plain steps between probes while drafting does not pay (doubling)
+
+    @property
+    def first(self) -> _Calibration:
+        return self.verdict.first
+
+    @property
+    def chained(self) -> _Calibration:
+        return self.verdict.chained
+
+    @property
+    def gap(self) -> int:
+        return self.verdict.gap
 
     def rho(self) -> float:
         return self.first_hits / self.first_sigma if self.first_sigma > 0 else 1.0
@@ -394,14 +427,15 @@ class Scheduler:
         a draft chained from its own outputs drifts further at every step; on prose rounds of 6 drafts were
         predicted to yield 4.2 tokens and yielded 2.4 (docs/spec.md "The scheduler")."""
         out = np.ones(n)
-        if not n or not self.depth_pred:
+        v = self.verdict
+        if not n or not v.depth_pred:
             return out
         hits = pred = 0.0
-        top = max(self.depth_pred)
+        top = max(v.depth_pred)
         kappa = {}
         for j in range(top, 1, -1):               # suffix sums: positions ≥ j
-            hits += self.depth_hits.get(j, 0.0)
-            pred += self.depth_pred.get(j, 0.0)
+            hits += v.depth_hits.get(j, 0.0)
+            pred += v.depth_pred.get(j, 0.0)
             kappa[j] = (hits + 1.0) / (pred + 1.0)
         for i in range(n):
             out[i] = kappa.get(min(i + 2, top), 1.0)
@@ -429,15 +463,18 @@ class Scheduler:
             return k_max >= 1 and bool(self.fixed_k)
         if not self.costs.known():
             return not self.costs.verified()          # bootstrap: a short block, then one plain row
-        if self.first_rounds == 0:
+        v = self.verdict
+        if v.first.n == 0:                         # nothing known of the draft under these rules: try it
             return True
         if self.drafting_pays():
-            self.gap, self.skipped = 1, 0
+            v.gap, v.skipped = 1, 0
             return True
-        if self.skipped >= self.gap:               # a probe: the calibration and the costs may have moved
-            self.gap, self.skipped = 2 * self.gap, 0
+        if v.skipped >= v.gap:                     # a probe: the calibration and the costs may have moved
+            # the gap doubles up to WINDOW plain steps: a verdict pooled over the model's requests is re-checked
+            # at least that often (a probe costs about a draft step and a verify row beyond a plain step: < 1%)
+            v.gap, v.skipped = min(2 * v.gap, WINDOW), 0
             return True
-        self.skipped += 1
+        v.skipped += 1
         return False
 
     def drafting_pays(self) -> bool:
@@ -445,7 +482,7 @@ class Scheduler:
         (each round's value as include() would decide it: k = 1 at E = 1 + c(σ_1) tokens, or the draft step
         wasted on a k = 0 round)? The long-run rate Σ tokens / Σ cost against 1 / plain(). Positions beyond the
         first only add (include() takes them only when they raise the rate), so this errs toward plain."""
-        c = self.first(self.first_sigmas)
+        c = self.first(self.verdict.first_sigmas)
         spent = self._spent(1)
         one, zero = self._round(spent, 2, 1 + c), self._round(spent, 1, 1.0)
         take = (1 + c) / one > 1 / zero
@@ -474,7 +511,7 @@ class Scheduler:
         i = len(sigmas)
         if self._free():
             return i <= self._free_k()
-        if i > self.depth + 1:          # one position beyond the deepest one accepted so far, no further
+        if i > self.verdict.depth + 1:  # one position beyond the deepest one accepted so far, no further
             return False
         E, a = self._expected(sigmas)
         spent = self._spent(i)
@@ -487,7 +524,7 @@ class Scheduler:
             return False
         if self._free():
             return i < self._free_k()
-        if i >= self.depth + 1:
+        if i >= self.verdict.depth + 1:
             return False
         E, a = self._expected(sigmas)
         spent = self._spent(i)
@@ -498,17 +535,20 @@ class Scheduler:
         self.first_hits += first_hit
         self.first_sigma += sigma1
         self.first_rounds += 1
-        self.first.add(float(sigma1), float(first_hit))
-        self.first_sigmas.append(float(sigma1))
+        self.verdict.first.add(float(sigma1), float(first_hit))
+        self.verdict.first_sigmas.append(float(sigma1))
 
     def accepted_run(self, a: int) -> None:
         """A verify accepted the drafts at positions 1..a."""
-        self.depth = max(self.depth, a)
+        self.verdict.depth = max(self.verdict.depth, a)
 
     def record_chained(self, sigma: float, hit: float, position: int = 2) -> None:
         """A chained position (i ≥ 2) a verify reached (the drafts before it accepted): its σ_i and whether it
         was accepted."""
-        c = self.chained if self.chained.n else self.first
-        self.depth_pred[position] = self.depth_pred.get(position, 0.0) + float(c([sigma])[0])
-        self.depth_hits[position] = self.depth_hits.get(position, 0.0) + float(hit)
-        self.chained.add(float(sigma), float(hit))
+        v = self.verdict
+        c = v.chained if v.chained.n else v.first
+        v.depth_pred[position] = v.depth_pred.get(position, 0.0) + float(c([sigma])[0])
+        v.depth_hits[position] = v.depth_hits.get(position, 0.0) + float(hit)
+        v.chained.add(float(sigma), float(hit))
+        self.chained_hits += float(hit)
+        self.chained_n += 1

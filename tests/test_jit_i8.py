@@ -75,6 +75,29 @@ def test_a_row_is_the_same_alone_in_any_batch_and_on_any_thread_count(qt):
         np.testing.assert_array_equal(jit_i8.matmul(qt, raw, x[t:t + 1], 1)[0], batch[t])
 
 
+@pytest.mark.parametrize("qt", [Q.Q8_0, Q.IQ2_XXS, Q.Q2_K, Q.F16], ids=lambda q: q.name)
+def test_the_pool_pieces_give_the_serial_bits(qt, monkeypatch):
+    """Every product on numba's pool (the parallel decode kernels hand out CHUNKS_PER_THREAD row pieces a thread
+    from an atomic counter): the same bits as the serial kernel, for row counts below, at and above the piece
+    count, and more threads asked than the pool has."""
+    from ds4py.quant import jit
+
+    stored, _ = _fixtures()
+    rng = np.random.default_rng(int(qt) + 11)
+    cols = 512
+    for rows in (1, 2, 15, 16, 37, 131):
+        raw = (stored(qt, rows, cols, rng) if qt != Q.F16
+               else rng.standard_normal((rows, cols)).astype(np.float16).view(np.uint8))
+        x = rng.standard_normal((2, cols)).astype(F32)
+        mm = jit_i8.matmul if qt != Q.F16 else jit.matmul
+        monkeypatch.setattr(jit, "SERIAL_BYTES", 1 << 60)
+        serial = [mm(qt, raw, x[t:t + 1], 1) for t in range(2)]
+        monkeypatch.setattr(jit, "SERIAL_BYTES", 0)
+        for threads in (2, 3):
+            for t in range(2):
+                np.testing.assert_array_equal(mm(qt, raw, x[t:t + 1], threads), serial[t], err_msg=f"{rows} rows")
+
+
 @pytest.mark.parametrize("qt", [Q.IQ2_XXS, Q.Q2_K], ids=lambda q: q.name)
 def test_the_decode_kernels_give_the_block_buffer_kernels_bits(qt, monkeypatch):
     """IQ2_XXS / Q2_K: the same exact integer block sums and float sequence, so a row is the same bits whichever
@@ -214,3 +237,27 @@ def test_the_decode_kernels_compile_to_byte_multiply_adds():
     else:
         want = ("sdot", "smlal", "sadalp", "smull", "umull", "mla")
     assert any(op in asm for op in want), f"no byte multiply-add in the Q2_K decode kernel on {arch}"
+
+
+def _ds4_tiny(golden):
+    from ds4py.model import Numerics
+    from ds4py.ref.engine import RefModel
+
+    return RefModel(str(golden / "ds4-tiny" / "tiny.gguf"), numerics=Numerics.ds4(), kernels="jit", threads=2)
+
+
+def test_a_verify_step_keeps_the_decode_steps_bits(golden):
+    """ds4-tiny in ds4's numerics: a row-stable step of 12 rows (a speculative verify, more rows than
+    DECODE_ROWS) equals 12 one-row decode steps bit for bit, logits and state: its dense Q8_0 rows take the int8
+    decode kernel as a decode step does (they took the fp32 kernel on the rounded x before: ~1e-3 off)."""
+    m = _ds4_tiny(golden)
+    assert m.stable_rows >= 12
+    ids = np.random.default_rng(13).integers(1, 250, 5 + 12)
+    a = m.new_state()
+    m.step([a], [ids[:5]])
+    b = a.copy()
+    rows = m.step([a], [ids[5:]], all_logits=True)[0]
+    one = np.stack([m.step([b], [[int(t)]])[0] for t in ids[5:]])
+    np.testing.assert_array_equal(rows, one)
+    for key, arr in a.arrays.items():
+        np.testing.assert_array_equal(arr, b.arrays[key], err_msg=key)

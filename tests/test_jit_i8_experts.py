@@ -50,6 +50,8 @@ def test_one_call_gives_the_per_expert_products_bit_for_bit(qt, pool, monkeypatc
     b = BLOCK[qt]
     cases = [(1, 1, 1, 3, b), (1, 6, 8, 37, 2 * b), (3, 4, 6, 5, 3 * b), (8, 6, 16, 20, b),
              (jit_i8.DECODE_ROWS, 2, 3, 64, 5 * b), (2, 1, 2, 1, 9 * b)]   # (tokens, k, experts, rows, cols)
+    if jit_i8.experts_supported(qt, 40):          # a prefill's experts: up to 40 rows on one expert
+        cases += [(40, 6, 9, 11, 2 * b), (17, 3, 24, 7, b)]
     for tokens, k, n_experts, rows, cols in cases:
         rng = np.random.default_rng([int(qt), tokens, k, cols])
         gate, up = _stored(qt, n_experts, rows, cols, rng), _stored(qt, n_experts, rows, cols, rng)
@@ -67,7 +69,9 @@ def test_one_call_gives_the_per_expert_products_bit_for_bit(qt, pool, monkeypatc
 
 def test_only_decode_kernel_formats_and_steps_are_taken():
     assert jit_i8.experts_supported(Q.IQ2_XXS, jit_i8.DECODE_ROWS)
-    assert not jit_i8.experts_supported(Q.IQ2_XXS, jit_i8.DECODE_ROWS + 1)
+    assert jit_i8.experts_supported(Q.IQ2_XXS, 1000) and jit_i8.experts_supported(Q.Q2_K, 1000)   # the same bits
+    assert jit_i8.experts_supported(Q.Q8_0, jit_i8.DECODE_ROWS)
+    assert not jit_i8.experts_supported(Q.Q8_0, jit_i8.DECODE_ROWS + 1)       # longer: the fp32 kernels' bits
     assert not jit_i8.experts_supported(Q.Q4_K, 1) and not jit_i8.experts_supported(Q.MXFP4, 1)
     with pytest.raises(ValueError):
         jit_i8.experts_matmul(Q.Q4_K, (np.zeros((1, 1, 144), np.uint8),), np.zeros(1), np.array([0, 1]),
@@ -106,11 +110,16 @@ def _run(path, batched: bool, chunks, monkeypatch):
     return out, calls, parts
 
 
-@pytest.mark.parametrize("chunks", [[[3, 17, 250]], [[3, 17], [88, 41, 5]]], ids=["one", "two"])
+@pytest.mark.parametrize("chunks", [[[3, 17, 250]], [[3, 17], [88, 41, 5]], "prefill"],
+                         ids=["one", "two", "prefill"])
 def test_the_batched_moe_equals_the_per_expert_loop(golden, chunks, monkeypatch):
     """ds4-tiny: routed IQ2_XXS gate / up, Q2_K down (the layout of ds4's q2 files), hash-routed and top-k
-    layers; a step of one sequence or two (rows <= DECODE_ROWS), then decode steps."""
+    layers; a step of one sequence or two (rows <= DECODE_ROWS), or a prefill of two sequences (21 and 12 rows:
+    the batched experts of a prefill, some experts routed more rows than DECODE_ROWS), then decode steps."""
     path = str(golden / "ds4-tiny" / "tiny.gguf")
+    if chunks == "prefill":
+        rng = np.random.default_rng(5)
+        chunks = [rng.integers(1, 250, 21), rng.integers(1, 250, 12)]
     chunks = [np.array(c) for c in chunks]
     got, calls, got_parts = _run(path, True, chunks, monkeypatch)
     want, none, want_parts = _run(path, False, chunks, monkeypatch)

@@ -74,6 +74,35 @@ def test_dense_q8_0_equals_the_act_quant_reference_at_every_row_length():
         assert (np.abs(got - want) / mag).max() < 1e-5, f"cols={cols}: off the act_quant reference"
 
 
+@pytest.mark.skipif(not jit_i8_gemm.q8_0_int8(), reason="no AVX-512 VNNI here: dense Q8_0 keeps dequantise + BLAS")
+def test_int8_q8_0_equals_the_act_quant_reference_at_every_row_length():
+    """The VNNI product (rows as lanes, tiles of 16 rows, 4 tokens a pass): every multiple of 32 to 1,024 and
+    longer rows, partial tiles and token groups, against the float64 product of the rounded x; a token's row is
+    the same bits alone, in any batch and on any thread count, and from x rounded already (the reference rounds it
+    before the product: the same codes and scales); extreme weight codes (-128, 127) and zero x."""
+    stored, oracle = _fixtures()
+    for cols in [*range(32, 1025, 32), 32 * 77, 4096]:
+        rng = np.random.default_rng([cols, 1])
+        rows = int(rng.integers(1, 70))
+        raw = stored(Q.Q8_0, rows, cols, rng)
+        if cols == 64:                                   # the int8 extremes in the weights
+            codes = raw.reshape(rows, -1, 34)[:, :, 2:].view(np.int8)
+            codes[0, 0, :] = -128
+            codes[-1, -1, :] = 127
+        T = int(rng.integers(9, 23))
+        x = (rng.standard_normal((T, cols)) * rng.uniform(0.1, 10, (T, 1))).astype(F32)
+        x[1] = 0
+        want, mag = oracle(Q.Q8_0, raw, q8_0_round(x), cols)
+        got = jit_i8_gemm.q8_0_matmul(raw, x, 2)
+        assert got.shape == (T, rows) and got.dtype == F32
+        assert (np.abs(got - want) / np.maximum(mag, 1e-30)).max() < 1e-5, f"cols={cols}: off the act_quant reference"
+        assert not got[1].any()
+        for t, threads in ((0, 1), (T - 1, 3), (5, 2)):
+            np.testing.assert_array_equal(jit_i8_gemm.q8_0_matmul(raw, x[t:t + 1], threads), got[t:t + 1])
+        np.testing.assert_array_equal(jit_i8_gemm.q8_0_matmul(raw, x[3:T], 3), got[3:T])
+        np.testing.assert_array_equal(jit_i8_gemm.q8_0_matmul(raw, q8_0_round(x), 2), got)   # x rounded already
+
+
 def test_dense_q8_0_one_product_per_sequence(monkeypatch):
     """Tiles smaller than the matrix, three threads: a sequence's rows are the same bits alone."""
     stored, _ = _fixtures()
@@ -95,19 +124,22 @@ def test_dense_q8_0_one_product_per_sequence(monkeypatch):
 
 def test_a_prefill_through_the_gemm_kernels_stays_near_the_act_quant_oracle(golden, monkeypatch):
     """ds4-tiny (routed IQ2_XXS / Q2_K, dense Q8_0) in ds4's numerics, a 24-token prefill (> FUSED_MAX_ROWS:
-    jit_i8_gemm for the experts and the dense Q8_0 matrices) then two decode steps, against the dequantise-then-
+    jit_i8_gemm for the dense Q8_0 matrices (int8 on AVX-512 VNNI hosts, else dequantise + BLAS); the routed experts in one call per projection, jit_i8.experts_matmul,
+    bit for bit the per-expert jit_i8_gemm products: tests/test_jit_i8_experts.py) then two decode steps, against
+    the dequantise-then-
     matmul oracle of the same numerics. The activation rounding is discontinuous: float-order noise flips a code
     now and then (the fused kernels' prefill is the oracle's own code, 1e-7 away, so no relative bound here).
     The prefill's logits (the step these kernels compute) measured 1.6e-2 to 3.3e-2 of the logits' range under
-    OPENBLAS_CORETYPE Haswell / SkylakeX / Prescott (the jit path before these kernels: 1.6e-2 to 1.75e-2), held
-    to 0.08; the decode steps after it read a KV cache the prefill rounded, and a flipped code there moved one
+    OPENBLAS_CORETYPE Haswell / SkylakeX / Prescott (the jit path before these kernels: 1.6e-2 to 1.75e-2; with
+    the int8 dense Q8_0 of VNNI hosts 4.2e-2 / 3.9e-2 under Haswell / Prescott), held to 0.08; the decode steps after it read a KV cache the prefill rounded, and a flipped code there moved one
     step by 0.12 under Haswell (BLAS's own order; before these kernels 2.0e-2), held to 0.2. A wrong kernel is
     O(1) away; the kernel-level tests above hold each product to 1e-5 or bit equality. The kernels must run."""
     from ds4py.model import Numerics
     from ds4py.ref.engine import RefModel
 
     calls = {"gemm": 0, "dense": 0}
-    real_mm, real_dense = jit_i8_gemm.matmul, jit_i8_gemm.dense_q8_0
+    real_mm, real_dense, real_ex = jit_i8_gemm.matmul, jit_i8_gemm.dense_q8_0, jit_i8.experts_matmul
+    real_int8 = jit_i8_gemm.q8_0_matmul
 
     def mm(*a, **k):
         calls["gemm"] += 1
@@ -117,8 +149,18 @@ def test_a_prefill_through_the_gemm_kernels_stays_near_the_act_quant_oracle(gold
         calls["dense"] += 1
         return real_dense(*a, **k)
 
+    def int8(*a, **k):
+        calls["dense"] += 1
+        return real_int8(*a, **k)
+
+    def experts(qt, raws, ex, gs, xr, x, threads=1):
+        calls["gemm"] += len(xr) > jit_i8.DECODE_ROWS           # a prefill's experts
+        return real_ex(qt, raws, ex, gs, xr, x, threads)
+
     monkeypatch.setattr(jit_i8_gemm, "matmul", mm)
     monkeypatch.setattr(jit_i8_gemm, "dense_q8_0", dense)
+    monkeypatch.setattr(jit_i8, "experts_matmul", experts)
+    monkeypatch.setattr(jit_i8_gemm, "q8_0_matmul", int8)
     path = str(golden / "ds4-tiny" / "tiny.gguf")
     ids = [int(i) for i in np.random.default_rng(11).integers(1, 500, 26)]
     out = {}
@@ -135,3 +177,4 @@ def test_a_prefill_through_the_gemm_kernels_stays_near_the_act_quant_oracle(gold
     assert err < 0.08, f"prefill through the gemm kernels vs the act_quant oracle: relative error {err:.2e}"
     later = np.abs(out["jit"][1:] - want[1:]).max() / scale
     assert np.isfinite(out["jit"]).all() and later < 0.2, f"decode after the prefill: relative error {later:.2e}"
+

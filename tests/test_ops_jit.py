@@ -55,6 +55,30 @@ def test_sinkhorn_is_the_numpy_ops_bits(n, monkeypatch):
                 np.testing.assert_array_equal(got, want)
 
 
+def test_hc_post_is_the_numpy_ops_bits(monkeypatch):
+    """The compiled hc_post against numpy's expression (the sum over the copies, axis 1 of a 4-D product, first
+    to last), every copy count it takes, odd widths, token counts, scales; non-float32 inputs keep numpy."""
+    from ds4py.ref import ops_jit
+
+    assert jit.loaded() and ops._ops_jit() is ops_jit
+    rng = np.random.default_rng(17)
+    for n in range(1, ops_jit.MAX_N + 1):
+        for T, D in ((1, 64), (3, 37), (9, 256)):
+            scale = rng.uniform(1e-3, 1e3)
+            f = (rng.standard_normal((T, D)) * scale).astype(F32)
+            X = (rng.standard_normal((T, n, D)) * scale).astype(F32)
+            post = rng.standard_normal((T, n)).astype(F32)
+            comb = rng.standard_normal((T, n, n)).astype(F32)
+            got = ops.hc_post(f, X, post, comb)
+            monkeypatch.setattr(ops, "_ops_jit", lambda: None)
+            want = ops.hc_post(f, X, post, comb)
+            monkeypatch.undo()
+            assert got.dtype == F32 and got.shape == (T, n, D)
+            np.testing.assert_array_equal(got, want)
+    f64 = ops.hc_post(f.astype(np.float64), X, post, comb)                  # another dtype: numpy's own
+    assert f64.dtype == np.float64
+
+
 def test_a_decode_step_runs_blas_on_one_thread_and_puts_it_back():
     from ds4py.ref import blas
 

@@ -84,26 +84,60 @@ def test_scheduler_bootstraps_short_and_calibrates(pair, prompts):
         assert req.scheduler.chained.n > 0
 
 
-def test_costs_are_the_models_and_calibration_the_requests(pair, prompts):
-    """Issue 38: a model's requests share its measured costs (costs belong to the model and the machine), each
-    keeps its own acceptance calibration; a seeded sampled request schedules by the files' bytes. So a second
-    request skips the bootstrap (the costs are known) and starts with an empty calibration."""
+def test_costs_and_acceptance_verdict_are_the_models(pair, prompts):
+    """Issue 38: a model's unseeded requests share its measured costs (costs belong to the model and the machine)
+    and, per sampling rules, its acceptance verdict (spec_schedule.Verdict: calibrations, recent σ_1, depth, probe
+    gap); a seeded sampled request schedules by the files' bytes and its own calibration. So a second request skips
+    the bootstrap (the costs are known) and starts from what the first learnt, with counts of its own."""
     model, mtp = pair
     spec = MtpSpec(model, mtp)
     a = spec.new_request(SamplingParams(temperature=0.0))
     b = spec.new_request(SamplingParams(temperature=0.8))
+    b2 = spec.new_request(SamplingParams(temperature=0.8, seed=None))
+    c = spec.new_request(SamplingParams(temperature=0.8, top_p=0.9))
     seeded = spec.new_request(SamplingParams(temperature=0.8, seed=3))
     assert a.scheduler.costs is b.scheduler.costs is spec.costs
     assert seeded.scheduler.costs is not spec.costs and seeded.scheduler.costs.deterministic
-    assert a.scheduler.first is not b.scheduler.first
+    assert a.scheduler.verdict is spec.verdict(SamplingParams(temperature=0.0, top_p=0.5))     # greedy: one
+    assert b.scheduler.verdict is b2.scheduler.verdict is not a.scheduler.verdict
+    assert c.scheduler.verdict is not b.scheduler.verdict                   # top-p changes q
+    assert seeded.scheduler.verdict is not b.scheduler.verdict
     assert a.scheduler.first.n == b.scheduler.first.n == 0
     _, first, ks = _spec(spec, prompts["prose"])
     assert ks[:2] == [Scheduler.BOOTSTRAP_DRAFTS, 0] and spec.costs.known()
+    learnt = first.scheduler.first.n
+    assert learnt == first.scheduler.first_rounds >= 1
     _, second, ks = _spec(spec, prompts["code"])
-    # no bootstrap block: its first round drafts (no rounds to calibrate yet) at most one position beyond the
-    # deepest it has seen accepted (none): k <= 1
-    assert ks[0] <= 1 and second.stats.draft_steps >= 1
-    assert 1 <= second.scheduler.first.n <= len(ks) and second.scheduler.first is not first.scheduler.first
+    assert second.scheduler.verdict is first.scheduler.verdict            # no bootstrap, no calibration from zero
+    assert ks[0] <= first.scheduler.verdict.depth + 1
+    assert second.scheduler.first.n == learnt + second.scheduler.first_rounds
+    assert second.scheduler.first_rounds >= second.stats.rounds       # every drafting round (k = 0 ones too)
+
+
+def test_a_request_starts_from_the_pooled_verdict():
+    """Where the model's earlier requests found that drafting does not pay, a new request does not draft a forced
+    first round nor probe after 1, 2, 4 plain steps again: it continues the pooled probe gap, which doubles up to
+    WINDOW plain steps (a pooled verdict is still re-checked that often). Its own calibration starts empty only
+    without a verdict (a seeded request)."""
+    c = MeasuredCosts()
+    for _ in range(3):
+        c.observe_plain(10e-3)
+        c.observe_verify(1, 9e-3)
+        c.observe_verify(2, 14e-3)
+        c.observe_draft(True, 1e-3)
+    first = Scheduler(c, k_max=4)
+    for _ in range(20):
+        first.record(0.0, 0.3)                 # the draft never accepted
+    assert not first.drafting_pays()
+    decisions = [first.should_draft(4) for _ in range(400)]
+    probes = [i for i, d in enumerate(decisions) if d]
+    gaps = [b - a - 1 for a, b in zip(probes, probes[1:])]
+    assert gaps[:6] == [2, 4, 8, 16, 32, 64] and set(gaps[6:]) == {WINDOW}
+    second = Scheduler(c, k_max=4, verdict=first.verdict)
+    assert second.first is first.first and second.first_rounds == 0
+    assert not any(second.should_draft(4) for _ in range(WINDOW - first.verdict.skipped))
+    alone = Scheduler(c, k_max=4)
+    assert alone.first.n == 0 and alone.should_draft(4)      # nothing known: the first round drafts
 
 
 def test_calibration_line():

@@ -171,7 +171,8 @@ SERIAL_BYTES = 1 << 20
 
 def call_rows(name: str, kernels, args: tuple, rows: int, nbytes: int, threads: int) -> None:
     """A decode kernel of ds4py.quant.jit_decode over `rows` rows: `<name>_rows(*args, 0, rows)` on this thread
-    for a small matrix or one thread, else `<name>_dec(*args, parts)` on the pool, one row range a thread."""
+    for a small matrix or one thread, else `<name>_dec(*args, parts)` on the pool: `parts` threads taking
+    CHUNKS_PER_THREAD row ranges each from a shared counter (jit_decode)."""
     parts = max(1, min(threads, rows))
     if parts == 1 or nbytes < SERIAL_BYTES:
         _call(f"{name}_rows", getattr(kernels, f"{name}_rows"), (*args, 0, rows), 1, pool=False)

@@ -13,8 +13,9 @@ Integer block sums are exact, so IQ2_XXS / Q2_K give ds4py.quant.jit_i8_kernels'
 this file with the kernels that inline them: numba's disk cache keys a kernel on its own source file only, so an
 intrinsic edited elsewhere would leave stale compiled kernels behind (seen while writing these).
 
-- iq2_block: one IQ2_XXS block of 256 (ggml's scheme: the grid magnitudes stay unsigned, the signs go onto the
-  activation, (x ^ m) - m; magnitudes x activation pairs, then times each group's 2 ls + 1).
+- iq2_block / iq2_block_pairs: one IQ2_XXS block of 256 against one token / several (ggml's scheme: the grid
+  magnitudes stay unsigned, the signs go onto the activation (psign); magnitudes x activation pairs, then
+  times each group's 2 ls + 1), iq2_block_pairs doing the table lookups once for all the tokens.
 - q2k_block / q2k_mins: one Q2_K block's sum of scale * (2-bit code . x), and its min term from the
   activation's 16-sums.
 - q8_0_row: a whole Q8_0 row, 8 float lanes carried across its blocks, summed once at the end.
@@ -137,8 +138,9 @@ def _hsum(builder, v):
     return builder.extract_element(v, _const(I32, 0))
 
 
-def _iq2_group(builder, p, xp, xo, grid, signs):
-    """<16 x i32> partial sums of one IQ2_XXS group (8 bytes at p) against 32 activation codes at xp[xo]."""
+def _iq2_gather(builder, p, grid, signs):
+    """One IQ2_XXS group (8 bytes at p: 4 grid indices, a u32 of 4 x 7 sign-pattern bits and the 4-bit ls) ->
+    (<32 x i8> grid magnitudes, <32 x i8> signs as +1 / -1 bytes, i16 2 ls + 1)."""
     aux = builder.load(builder.bitcast(builder.gep(p, [_const(I64, 4)]), I32.as_pointer()), align=1)
     v4 = ir.VectorType(I64, 4)
     gv, sv = ir.Constant(v4, None), ir.Constant(v4, None)
@@ -148,34 +150,97 @@ def _iq2_group(builder, p, xp, xo, grid, signs):
         si = builder.zext(builder.and_(builder.lshr(aux, _const(I32, 7 * k)), _const(I32, 127)), I64)
         sv = builder.insert_element(sv, builder.load(builder.gep(signs, [si])), _const(I32, k))
     b32 = ir.VectorType(I8, 32)
-    m = builder.bitcast(sv, b32)
-    x = _vload(builder, xp, xo, b32)
-    xs = builder.sub(builder.xor(x, m), m)                       # x where the sign bit is 0, -x where it is 1
     ls = builder.trunc(builder.add(builder.shl(builder.lshr(aux, _const(I32, 28)), _const(I32, 1)),
                                    _const(I32, 1)), I16)
+    return builder.bitcast(gv, b32), builder.bitcast(sv, b32), ls
+
+
+def _iq2_signed_dot(builder, gv, m, x, ls):
+    """<16 x i32> / <8 x i32> partial sums of grid magnitudes gv times the activation bytes x signed by the
+    sign bytes m (+1 / -1), times ls."""
+    if AVX2:
+        xs = _x86(builder, "llvm.x86.avx2.psign.b", x.type, x, m)      # one instruction (|x| <= 127)
+    else:
+        mm = builder.ashr(m, _splat(m.type, 7))                          # 0x00 / 0xFF
+        xs = builder.sub(builder.xor(x, mm), mm)                         # x, or -x where the sign is -1
     h16 = ir.VectorType(I16, 16)
     lsv = builder.insert_element(ir.Constant(h16, None), ls, _const(I32, 0))
     lsv = builder.shuffle_vector(lsv, lsv, ir.Constant(ir.VectorType(I32, 16), [0] * 16))
-    return _dot_u8s8(builder, builder.bitcast(gv, b32), xs, lsv)        # pairs: 2 * 43 * 127 < 2^15
+    return _dot_u8s8(builder, gv, xs, lsv)                       # pairs: 2 * 43 * 127 < 2^15
 
 
 @intrinsic
 def iq2_block(typingctx, raw, off, xq, xo, grid8, sign8):
-    """sum_i w_i * xq[xo + i] over one IQ2_XXS block of 256 (its 8 groups of 8 bytes from flat byte `off` of raw:
-    4 grid indices, then a u32 of 4 x 7 sign-pattern bits and the group's 4-bit ls; w = grid * sign * (2 ls + 1)).
-    grid8 [256]: a grid entry's 8 magnitudes as the bytes of one uint64; sign8 [128]: a sign pattern as 0x00 /
-    0xFF bytes. The groups' partial sums stay in one <16 x i32> register; one horizontal sum per block."""
+    """sum_i w_i * xq[xo + i] over one IQ2_XXS block of 256 (its 8 groups of 8 bytes from flat byte `off` of raw,
+    as iq2_block_pairs): one token, the lookups straight into its dot product. The groups' partial sums stay in
+    one vector register; one horizontal sum per block."""
     def codegen(context, builder, sig, args):
         p = builder.gep(_data(context, builder, sig, args, 0), [args[1]])
         xp = _data(context, builder, sig, args, 2)
         grid, signs = _data(context, builder, sig, args, 4), _data(context, builder, sig, args, 5)
+        b32 = ir.VectorType(I8, 32)
         acc = None
         for g in range(8):
-            v = _iq2_group(builder, builder.gep(p, [_const(I64, 8 * g)]), xp,
-                           builder.add(args[3], _const(args[3].type, 32 * g)), grid, signs)
+            gv, m, ls = _iq2_gather(builder, builder.gep(p, [_const(I64, 8 * g)]), grid, signs)
+            x = _vload(builder, xp, builder.add(args[3], _const(args[3].type, 32 * g)), b32)
+            v = _iq2_signed_dot(builder, gv, m, x, ls)
             acc = v if acc is None else builder.add(acc, v)
         return _hsum(builder, acc)
     return types.int32(raw, off, xq, xo, grid8, sign8), codegen
+
+
+@intrinsic
+def iq2_block_pairs(typingctx, raw, off, d, b, xq, xr, j0, j1, xd, accs, grid8, sign8):
+    """One IQ2_XXS block (flat byte `off` of raw: 8 groups of 8 bytes, 4 grid indices then a u32 of 4 x 7
+    sign-pattern bits and the group's 4-bit ls; w = grid * sign * (2 ls + 1)) against the pairs j0..j1: for
+    each, t = xr[j] and accs[j - j0] += (d * xd[t, b]) * isum, isum = sum_i w_i * xq[t, 256 b + i] exact in
+    int32; j0 < j1 (the first pair runs unconditionally). The table lookups (ggml's scheme: grid8 [256] a grid entry's 8 magnitudes as the bytes of one
+    uint64, sign8 [128] a sign pattern as +1 / -1 bytes; the signs go onto the activation: psign, as ggml)
+    are done once and kept in vector registers for every pair: they are most of the work. The float
+    operations are plain fmul / fadd in that order (no contraction, as numba's), so a pair's accumulator gets
+    the bits of the scalar loop `acc += (d * xd[t, b]) * F32(isum)`."""
+    def codegen(context, builder, sig, args):
+        p = builder.gep(_data(context, builder, sig, args, 0), [args[1]])
+        dsc, blk = args[2], args[3]
+        xq_ary = context.make_array(sig.args[4])(context, builder, args[4])
+        xd_ary = context.make_array(sig.args[8])(context, builder, args[8])
+        xr_p, accs_p = _data(context, builder, sig, args, 5), _data(context, builder, sig, args, 9)
+        grid, signs = _data(context, builder, sig, args, 10), _data(context, builder, sig, args, 11)
+        C = builder.extract_value(xq_ary.shape, 1)
+        NB = builder.extract_value(xd_ary.shape, 1)
+        groups = [_iq2_gather(builder, builder.gep(p, [_const(I64, 8 * g)]), grid, signs) for g in range(8)]
+        b32 = ir.VectorType(I8, 32)
+        j0, j1 = args[6], args[7]
+
+        def pair(j):
+            t = builder.load(builder.gep(xr_p, [j]))
+            xo = builder.add(builder.mul(t, C), builder.mul(blk, _const(I64, 256)))
+            acc = None
+            for g, (gv, m, ls) in enumerate(groups):
+                x = _vload(builder, xq_ary.data, builder.add(xo, _const(I64, 32 * g)), b32)
+                v = _iq2_signed_dot(builder, gv, m, x, ls)
+                acc = v if acc is None else builder.add(acc, v)
+            isum = builder.sitofp(_hsum(builder, acc), ir.FloatType())
+            xdv = builder.load(builder.gep(xd_ary.data, [builder.add(builder.mul(t, NB), blk)]))
+            ap = builder.gep(accs_p, [builder.sub(j, j0)])
+            builder.store(builder.fadd(builder.load(ap), builder.fmul(builder.fmul(dsc, xdv), isum)), ap)
+
+        pair(j0)                  # the first pair straight after the lookups (one basic block: interleaved)
+        j1st = builder.add(j0, _const(I64, 1))
+        entry = builder.block
+        loop = builder.append_basic_block("iq2_pairs")
+        done = builder.append_basic_block("iq2_pairs_done")
+        builder.cbranch(builder.icmp_signed("<", j1st, j1), loop, done)
+        builder.position_at_end(loop)
+        j = builder.phi(I64)
+        j.add_incoming(j1st, entry)
+        pair(j)
+        nxt = builder.add(j, _const(I64, 1))
+        j.add_incoming(nxt, builder.block)
+        builder.cbranch(builder.icmp_signed("<", nxt, j1), loop, done)
+        builder.position_at_end(done)
+        return context.get_dummy_value()
+    return types.none(raw, off, d, b, xq, xr, j0, j1, xd, accs, grid8, sign8), codegen
 
 
 @intrinsic
@@ -324,66 +389,89 @@ def f16_runs(typingctx, raw, off, x, xo, runs, lanes):
 # launch costs ~0.1 ms of CPU, as much as reading a 1 MB matrix) and a parallel one over `parts` row ranges.
 SERIAL = dict(cache=True, nogil=True, boundscheck=False)
 
+# The parallel kernels hand out their rows in CHUNKS_PER_THREAD x threads pieces, each thread taking the next
+# piece from a shared counter until none is left (dynamic scheduling): with one equal piece a thread, a thread
+# that the OS deschedules (another process, the page-cache writeback, ...) holds the whole step up while the other
+# idles. Rows are independent, so the bits are the same for any cut.
+CHUNKS_PER_THREAD = 8
+
+
+@intrinsic
+def _grab(typingctx, ctr):
+    """The old value of ctr[0] (an int64 array), incremented atomically: the next piece for this thread."""
+    sig = types.int64(ctr)
+
+    def codegen(context, builder, sig, args):
+        ary = context.make_array(sig.args[0])(context, builder, args[0])
+        return builder.atomic_rmw("add", ary.data, ir.Constant(ir.IntType(64), 1), "monotonic")
+
+    return sig, codegen
+
+
+@njit(**SERIAL)
+def _pieces(parts, R):
+    """The number of row pieces for `parts` threads over R rows."""
+    return max(1, min(R, parts * CHUNKS_PER_THREAD))
+
 
 @njit(**SERIAL)
 def iq2_xxs_rows(raw, xq, xd, y, f16, grid8, sign8, r0, r1):
-    """iq2_xxs for a few tokens, rows r0..r1: raw [R, nb, 66], grid8 [256] / sign8 [128] uint64 (iq2_block)."""
-    nb, T, C = raw.shape[1], xq.shape[0], xq.shape[1]
-    for r in range(r0, r1):
-        for t in range(T):
-            acc = F32(0)
-            for b in range(nb):
-                d = f16[np.int32(raw[r, b, 0]) | (np.int32(raw[r, b, 1]) << 8)] * F32(0.125)
-                isum = iq2_block(raw, (r * nb + b) * 66 + 2, xq, t * C + 256 * b, grid8, sign8)
-                acc += (d * xd[t, b]) * F32(isum)
-            y[t, r] = acc
+    """iq2_xxs for a few tokens, rows r0..r1: raw [R, nb, 66], grid8 [256] / sign8 [128] uint64 (iq2_block_pairs)."""
+    T = xq.shape[0]
+    _iq2_xxs_pairs(raw, xq, xd, np.arange(T), 0, T, y, f16, grid8, sign8, r0, r1)
 
 
 @njit(**OPTS)
 def iq2_xxs_dec(raw, xq, xd, y, f16, grid8, sign8, parts):
     R = raw.shape[0]
+    n = _pieces(parts, R)
+    ctr = np.zeros(1, np.int64)
     for p in prange(parts):
-        iq2_xxs_rows(raw, xq, xd, y, f16, grid8, sign8, p * R // parts, (p + 1) * R // parts)
+        while True:
+            c = _grab(ctr)
+            if c >= n:
+                break
+            iq2_xxs_rows(raw, xq, xd, y, f16, grid8, sign8, c * R // n, (c + 1) * R // n)
 
 
 @njit(**SERIAL)
 def q2_k_rows(raw, xq, xd, xbs, y, f16, r0, r1):
     """q2_k for a few tokens, rows r0..r1: raw [R, nb, 84] (q2k_block / q2k_mins)."""
-    nb, T, C = raw.shape[1], xq.shape[0], xq.shape[1]
-    for r in range(r0, r1):
-        for t in range(T):
-            acc = F32(0)
-            for b in range(nb):
-                d = f16[np.int32(raw[r, b, 80]) | (np.int32(raw[r, b, 81]) << 8)]
-                dm = f16[np.int32(raw[r, b, 82]) | (np.int32(raw[r, b, 83]) << 8)]
-                o = (r * nb + b) * 84
-                isum = q2k_block(raw, o, xq, t * C + 256 * b)
-                m = q2k_mins(raw, o, xbs, t * (C // 16) + 16 * b)
-                acc += xd[t, b] * (d * F32(isum) - dm * F32(m))
-            y[t, r] = acc
+    T = xq.shape[0]
+    _q2_k_pairs(raw, xq, xd, xbs, np.arange(T), 0, T, y, f16, r0, r1)
 
 
 @njit(**OPTS)
 def q2_k_dec(raw, xq, xd, xbs, y, f16, parts):
     R = raw.shape[0]
+    n = _pieces(parts, R)
+    ctr = np.zeros(1, np.int64)
     for p in prange(parts):
-        q2_k_rows(raw, xq, xd, xbs, y, f16, p * R // parts, (p + 1) * R // parts)
+        while True:
+            c = _grab(ctr)
+            if c >= n:
+                break
+            q2_k_rows(raw, xq, xd, xbs, y, f16, c * R // n, (c + 1) * R // n)
 
 
 @njit(**SERIAL)
 def q8_0_rows(raw, xq, xd, y, f16, r0, r1):
     """Q8_0 for a few tokens, rows r0..r1: raw [R, nb, 34], xq [T, C] int8, xd [T, nb] (q8_0_row, nb >= 1)."""
-    nb, T, C = raw.shape[1], xq.shape[0], xq.shape[1]
-    for r in range(r0, r1):
-        for t in range(T):
-            y[t, r] = q8_0_row(raw, r * nb * 34, xq, t * C, xd, t * nb, nb, f16)
+    T = xq.shape[0]
+    _q8_0_pairs(raw, xq, xd, np.arange(T), 0, T, y, f16, r0, r1)
 
 
 @njit(**OPTS)
 def q8_0_dec(raw, xq, xd, y, f16, parts):
     R = raw.shape[0]
+    n = _pieces(parts, R)
+    ctr = np.zeros(1, np.int64)
     for p in prange(parts):
-        q8_0_rows(raw, xq, xd, y, f16, p * R // parts, (p + 1) * R // parts)
+        while True:
+            c = _grab(ctr)
+            if c >= n:
+                break
+            q8_0_rows(raw, xq, xd, y, f16, c * R // n, (c + 1) * R // n)
 
 
 @njit(**SERIAL)
@@ -406,8 +494,14 @@ def f16_rows(raw, x, y, f16, r0, r1):
 @njit(**OPTS)
 def f16_dec(raw, x, y, f16, parts):
     R = raw.shape[0]
+    n = _pieces(parts, R)
+    ctr = np.zeros(1, np.int64)
     for p in prange(parts):
-        f16_rows(raw, x, y, f16, p * R // parts, (p + 1) * R // parts)
+        while True:
+            c = _grab(ctr)
+            if c >= n:
+                break
+            f16_rows(raw, x, y, f16, c * R // n, (c + 1) * R // n)
 
 
 # ---- a layer's routed experts in one call (jit_i8.experts_matmul: the MoE of a decode step) -------------------
@@ -415,7 +509,9 @@ def f16_dec(raw, x, y, f16, parts):
 # quantised x; wb is wa for one matrix); wa / wb [X, R, nb, block bytes] stacked experts; group g is expert ex[g]
 # with the pairs gs[g]..gs[g+1], pair j reading activation row xr[j] into y[j, r]. Each (pair, row) is the float
 # sequence of the one-expert kernel above (*_rows on raw = w[e], x = its rows), so y is the same bits; the
-# parallel form splits the tasks into `parts` ranges (one launch for the layer's routed experts, not one each).
+# parallel form runs the task ranges bounds[c]..bounds[c + 1] on `parts` threads, each taking the next range from a
+# shared counter (one launch for the layer's routed experts, not one each; jit_i8.experts_matmul cuts
+# CHUNKS_PER_THREAD ranges a thread by work, pairs x rows, for a prefill's unevenly loaded experts).
 
 @njit(**SERIAL)
 def _ex_segments(k0, k1, R, GR):
@@ -433,17 +529,28 @@ def _ex_segments(k0, k1, R, GR):
 
 @njit(**SERIAL)
 def _iq2_xxs_pairs(w, xq, xd, xr, j0, j1, y, f16, grid8, sign8, r0, r1):
-    """iq2_xxs_rows' loop for one expert's rows w [R, nb, 66], pairs j0..j1 (activation row xr[j] -> y[j])."""
+    """IQ2_XXS rows r0..r1 of one matrix w [R, nb, 66] times the pairs j0..j1 (activation row xr[j] -> y[j, r]):
+    a block's table lookups once for all its pairs (iq2_block_pairs; one pair: iq2_block), each (pair, row) the
+    float sequence acc += (d_w / 8 * d_x) * isum, blocks in order."""
     nb, C = w.shape[1], xq.shape[1]
-    for r in range(r0, r1):
-        for j in range(j0, j1):
-            t = xr[j]
+    if j1 - j0 == 1:                    # one token (decode): measured faster with the sum in a register
+        t = xr[j0]
+        for r in range(r0, r1):
             acc = F32(0)
             for b in range(nb):
                 d = f16[np.int32(w[r, b, 0]) | (np.int32(w[r, b, 1]) << 8)] * F32(0.125)
                 isum = iq2_block(w, (r * nb + b) * 66 + 2, xq, t * C + 256 * b, grid8, sign8)
                 acc += (d * xd[t, b]) * F32(isum)
-            y[j, r] = acc
+            y[j0, r] = acc
+        return
+    accs = np.empty(max(0, j1 - j0), F32)
+    for r in range(r0, r1):
+        accs[:] = F32(0)
+        for b in range(nb):
+            d = f16[np.int32(w[r, b, 0]) | (np.int32(w[r, b, 1]) << 8)] * F32(0.125)
+            iq2_block_pairs(w, (r * nb + b) * 66 + 2, d, b, xq, xr, j0, j1, xd, accs, grid8, sign8)
+        for j in range(j0, j1):
+            y[j, r] = accs[j - j0]
 
 
 @njit(**SERIAL)
@@ -457,10 +564,15 @@ def iq2_xxs_ex_rows(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, grid8, sign8, k0, k
 
 
 @njit(**OPTS)
-def iq2_xxs_ex_dec(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, grid8, sign8, mats, parts):
-    K = mats * (gs.shape[0] - 1) * wa.shape[1]
-    for p in prange(parts):
-        iq2_xxs_ex_rows(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, grid8, sign8, p * K // parts, (p + 1) * K // parts)
+def iq2_xxs_ex_dec(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, grid8, sign8, bounds, parts):
+    n = bounds.shape[0] - 1
+    ctr = np.zeros(1, np.int64)
+    for p in prange(min(n, parts)):
+        while True:
+            c = _grab(ctr)
+            if c >= n:
+                break
+            iq2_xxs_ex_rows(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, grid8, sign8, bounds[c], bounds[c + 1])
 
 
 @njit(**SERIAL)
@@ -492,10 +604,15 @@ def q2_k_ex_rows(wa, wb, ex, gs, xr, xq, xd, xbs, ya, yb, f16, k0, k1):
 
 
 @njit(**OPTS)
-def q2_k_ex_dec(wa, wb, ex, gs, xr, xq, xd, xbs, ya, yb, f16, mats, parts):
-    K = mats * (gs.shape[0] - 1) * wa.shape[1]
-    for p in prange(parts):
-        q2_k_ex_rows(wa, wb, ex, gs, xr, xq, xd, xbs, ya, yb, f16, p * K // parts, (p + 1) * K // parts)
+def q2_k_ex_dec(wa, wb, ex, gs, xr, xq, xd, xbs, ya, yb, f16, bounds, parts):
+    n = bounds.shape[0] - 1
+    ctr = np.zeros(1, np.int64)
+    for p in prange(min(n, parts)):
+        while True:
+            c = _grab(ctr)
+            if c >= n:
+                break
+            q2_k_ex_rows(wa, wb, ex, gs, xr, xq, xd, xbs, ya, yb, f16, bounds[c], bounds[c + 1])
 
 
 @njit(**SERIAL)
@@ -519,10 +636,15 @@ def q8_0_ex_rows(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, k0, k1):
 
 
 @njit(**OPTS)
-def q8_0_ex_dec(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, mats, parts):
-    K = mats * (gs.shape[0] - 1) * wa.shape[1]
-    for p in prange(parts):
-        q8_0_ex_rows(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, p * K // parts, (p + 1) * K // parts)
+def q8_0_ex_dec(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, bounds, parts):
+    n = bounds.shape[0] - 1
+    ctr = np.zeros(1, np.int64)
+    for p in prange(min(n, parts)):
+        while True:
+            c = _grab(ctr)
+            if c >= n:
+                break
+            q8_0_ex_rows(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, bounds[c], bounds[c + 1])
 
 
 # ---- the activation quantisers (ds4py.quant.jit_i8.quant_q8_0 / quant_q8_k: numpy's operations, one pass) ------

@@ -104,9 +104,9 @@ def _kernels():
         _tables["grid"] = jit._readonly(np.ascontiguousarray(iq2.GRID.astype(np.uint16)).view(np.uint64))
         _tables["signs"] = jit._readonly(np.where(iq2.SIGNS < 0, np.uint16(0xFFFF), np.uint16(0)).astype(np.uint16)
                                          .view(np.uint64))
-        # the decode kernels' tables (jit_decode.iq2_block): 8 magnitude bytes / 8 sign-mask bytes per uint64
+        # the decode kernels' tables (jit_decode.iq2_block_pairs): 8 magnitude bytes / 8 sign bytes (+1 / -1) per uint64
         _tables["grid8"] = jit._readonly(np.ascontiguousarray(iq2.GRID.astype(np.uint8)).view(np.uint64).ravel())
-        _tables["sign8"] = jit._readonly(np.where(iq2.SIGNS < 0, np.uint8(0xFF), np.uint8(0)).astype(np.uint8)
+        _tables["sign8"] = jit._readonly(np.where(iq2.SIGNS < 0, np.uint8(0xFF), np.uint8(1)).astype(np.uint8)
                                          .view(np.uint64).ravel())
         _tables["kvalues"] = jit._readonly(np.ascontiguousarray(mxfp4.KVALUES.astype(np.int16)))
     return _tables["mod"]
@@ -158,13 +158,35 @@ def matmul(qtype, raw: np.ndarray, x: np.ndarray, threads: int = 1) -> np.ndarra
 # the formats with a decode kernel over a layer's routed experts (jit_decode.*_ex_rows / *_ex_dec)
 EXPERT_FORMATS = (Q.IQ2_XXS, Q.Q2_K, Q.Q8_0)
 _EX_INTS = {int(q) for q in EXPERT_FORMATS}
+# ... and those whose products are the same bits at every token count (the decode kernels = the block-buffer and
+# tiled prefill kernels, jit_i8_kernels / jit_i8_gemm_kernels): these take a prefill's experts too. Q8_0 over
+# DECODE_ROWS rows keeps the fp32 kernels on the rounded x (ref.weights), so only a decode step's Q8_0 experts.
+_EX_ANY_ROWS = {int(Q.IQ2_XXS), int(Q.Q2_K)}
 _EX_BLOCK = {int(Q.IQ2_XXS): (256, 66), int(Q.Q2_K): (256, 84), int(Q.Q8_0): (32, 34)}
 
 
 def experts_supported(qtype, rows: int) -> bool:
-    """Whether experts_matmul takes stacked experts of this format for a step of `rows` token rows (a decode
-    kernel's format, at most DECODE_ROWS rows: the products matmul would make with the decode kernels)."""
-    return int(qtype) in _EX_INTS and rows <= DECODE_ROWS
+    """Whether experts_matmul takes stacked experts of this format for a step of `rows` token rows (the products
+    matmul would make for each expert's rows: IQ2_XXS / Q2_K at any row count, Q8_0 up to DECODE_ROWS)."""
+    return int(qtype) in _EX_ANY_ROWS or (int(qtype) in _EX_INTS and rows <= DECODE_ROWS)
+
+
+def _work_bounds(gs: np.ndarray, R: int, mats: int, parts: int) -> np.ndarray:
+    """Task ranges for `parts` threads over the tasks (matrix, group, row), cut at equal work (a task's work is
+    its group's pair count: a prefill routes some experts many more rows than others)."""
+    pairs = np.diff(gs)
+    G = len(pairs)
+    K = mats * G * R
+    if (pairs == pairs[0]).all():                     # a decode step: every expert one row, equal ranges
+        return np.array([p * K // parts for p in range(parts + 1)], np.int64)
+    cum = np.concatenate(([0], np.cumsum(np.tile(pairs, mats) * R)))
+    cuts = [0]
+    for i in range(1, parts):
+        target = cum[-1] * i // parts
+        seg = int(np.searchsorted(cum, target, side="right")) - 1
+        cuts.append(max(cuts[-1], seg * R + int((target - cum[seg]) // max(1, pairs[seg % G]))))
+    cuts.append(K)
+    return np.array(cuts, np.int64)
 
 
 def experts_matmul(qtype, raws: tuple, ex: np.ndarray, gs: np.ndarray, xr: np.ndarray, x: np.ndarray,
@@ -211,5 +233,7 @@ def experts_matmul(qtype, raws: tuple, ex: np.ndarray, gs: np.ndarray, xr: np.nd
     if parts == 1 or work < jit.SERIAL_BYTES:
         jit._call(f"{name}_rows", getattr(dec, f"{name}_rows"), (*args, 0, tasks), 1, pool=False)
     else:
-        jit._call(f"{name}_dec", getattr(dec, f"{name}_dec"), (*args, mats, parts), threads)
+        # pieces of equal work, CHUNKS_PER_THREAD a thread, taken by the threads in turn (jit_decode's counter)
+        pieces = min(tasks, parts * dec.CHUNKS_PER_THREAD)
+        jit._call(f"{name}_dec", getattr(dec, f"{name}_dec"), (*args, _work_bounds(gs, R, mats, pieces), parts), threads)
     return ys

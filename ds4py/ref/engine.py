@@ -15,7 +15,8 @@ from ds4py.gguf import GGUFFile
 from ds4py.kv import state_layout
 from ds4py.contract import DEFAULT_ROLLBACK_HORIZON, Capabilities, ModelBase, Numerics, WeightBytes
 from ds4py.quant import vq
-from ds4py.ref.forward import Trace, V41Step, forward
+from ds4py.ref import prefault
+from ds4py.ref.forward import Net, Trace, V41Step, Wanted, forward
 from ds4py.ref.state import RefState
 from ds4py.ref.weights import DEFAULT_CACHE_BYTES, KERNEL_LABELS, LEAN_CACHE_BYTES, LEAN_STREAM_BYTES, Weights
 from ds4py.vq.sidecar import Stack
@@ -76,6 +77,10 @@ class RefModel(ModelBase):
             madvise = env == "1" if env in ("0", "1") else mem_budget_mb is not None
         self.weights = Weights(self.gguf, cache_bytes, numerics.act_quant, kernels, threads, stream_bytes,
                                advise=bool(madvise), lean=lean)
+        # no memory budget: the file is mapped into the page tables in the background (ds4py.ref.prefault), the
+        # dense tensors first, as llama.cpp's MAP_POPULATE does at load, so decode steps take no page faults
+        self.populating = None if mem_budget_mb is not None or madvise else prefault.start(
+            self.gguf, [(t.offset, t.nbytes) for n, t in self.gguf.tensors.items() if "_exps" not in n])
         self.layout = state_layout(self.config, rollback_horizon)
         self.rollback_horizon = rollback_horizon
         header = min(t.offset for t in self.gguf.tensors.values())       # the whole GGUF header
@@ -170,9 +175,8 @@ class RefModel(ModelBase):
                     budget -= take
             hid = None if hidden is None else []
             tap = None if taps is None else []
-            res = forward(self.weights, self.binding, self.config, self.numerics, [states[i] for i in picked],
-                          parts, all_logits, extra=self.v41, hidden=hid,
-                          row_stable=max(map(len, parts)) <= self.stable_rows, taps=tap)
+            res = forward(self._net(), [states[i] for i in picked], parts,
+                          Wanted(all_logits, hidden=hid, taps=tap), row_stable=max(map(len, parts)) <= self.stable_rows)
             for j, (i, r) in enumerate(zip(picked, res)):
                 out[i].append(r)
                 if hid is not None:
@@ -180,6 +184,9 @@ class RefModel(ModelBase):
                 if tap is not None:
                     taps[i].append(tap[j])
         return [np.concatenate(o) if all_logits else o[-1] for o in out]
+
+    def _net(self) -> Net:
+        return Net(self.weights, self.binding, self.config, self.numerics, self.v41)
 
     def _open_dspark(self):
         from ds4py.ref.dspark import RefDSpark
@@ -200,8 +207,8 @@ class RefModel(ModelBase):
         if trace is None:
             return super().prefill(state, ids, all_logits)
         arr = self.check_step([state], [ids])
-        return forward(self.weights, self.binding, self.config, self.numerics, [state], arr, all_logits, trace,
-                       self.v41, row_stable=len(ids) <= self.stable_rows)[0]
+        return forward(self._net(), [state], arr, Wanted(all_logits, trace=trace),
+                       row_stable=len(ids) <= self.stable_rows)[0]
 
     def decode(self, state: RefState, token: int, trace: Trace | None = None) -> np.ndarray:
         return self.prefill(state, [token], trace=trace)

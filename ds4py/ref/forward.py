@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import numpy as np
 
@@ -415,25 +416,42 @@ def moe(w, cfg, ro: LayerRoles, Fw: FfnWeights, x: np.ndarray, ids: np.ndarray, 
     return y
 
 
+# pairs (token row, expert) per routed_batched call: bounds its activations ([pairs, 4096] float32 for the down
+# projection's output is 16 MB at 1024) for a long prefill; a decode step's 6 pairs are one call
+ROUTED_PAIRS_PER_CALL = 1024
+
+
 def routed_batched(w, E, x: np.ndarray, idx: np.ndarray, wts: np.ndarray, clamp: float, y: np.ndarray,
                    parts: np.ndarray | None) -> None:
-    """moe's routed experts for a decode step in one kernel call per projection (gate and up together, then
-    down: Weights.experts_linear), adding each expert's part into y in moe's order (experts ascending, each
-    expert's rows in order): the bits of moe's loop, which these kernels compute row by row the same way."""
+    """moe's routed experts in one kernel call per projection (gate and up together, then down:
+    Weights.experts_linear), a prefill's in runs of whole experts of about ROUTED_PAIRS_PER_CALL pairs, adding
+    each expert's part into y in moe's order (experts ascending, each expert's rows in order): the bits of moe's
+    loop, which these kernels compute row by row the same way."""
     k = idx.shape[1]
     order = np.argsort(idx, axis=None, kind="stable")      # pairs by expert, then (row, slot): np.nonzero's order
     tok, slot = np.divmod(order, k)
     e_of = idx.ravel()[order]
     starts = np.flatnonzero(np.diff(e_of)) + 1
     gs = np.concatenate(([0], starts, [len(order)]))
-    ex = e_of[gs[:-1]]
+    g0 = 0
+    while g0 < len(gs) - 1:
+        g1 = g0 + 1                                          # whole experts, at least one, up to the pair bound
+        while g1 < len(gs) - 1 and gs[g1 + 1] - gs[g0] <= ROUTED_PAIRS_PER_CALL:
+            g1 += 1
+        a0 = gs[g0]
+        _routed_run(w, E, x, e_of[gs[g0:g1]], gs[g0:g1 + 1] - a0, tok[a0:gs[g1]], slot[a0:gs[g1]], wts, clamp,
+                    y, parts)
+        g0 = g1
+
+
+def _routed_run(w, E, x, ex, gs, tok, slot, wts, clamp, y, parts) -> None:
     g, u = w.experts_linear((E.gate, E.up), ex, gs, tok, x)
     if clamp > 0:
         g = np.minimum(g, F32(clamp))
         u = np.clip(u, F32(-clamp), F32(clamp))
     h = ops.silu(g) * u
     h = h * wts[tok, slot][:, None]
-    d, = w.experts_linear((E.down,), ex, gs, np.arange(len(order)), h)
+    d, = w.experts_linear((E.down,), ex, gs, np.arange(len(tok)), h)
     for a, b in zip(gs[:-1], gs[1:]):
         y[tok[a:b]] += d[a:b]
         if parts is not None:
@@ -479,23 +497,44 @@ def block(w, cfg, nx: Numerics, ro: LayerRoles, L: LayerWeights, X: np.ndarray, 
     return ops.hc_post(moe(w, cfg, ro, L.ffn, x, ids, seqs, trace, row_stable), X, post, comb)
 
 
-def forward(w, B: ModelWeights, cfg, nx: Numerics, states: list[RefState], chunks: list[np.ndarray],
-            all_logits: bool, trace: Trace | None = None, extra: V41Step | None = None,
-            hidden: list | None = None, row_stable: bool = False, taps: list | None = None) -> list[np.ndarray]:
+@dataclass(frozen=True)
+class Net:
+    """What a pass runs: the weights' reader `w`, their binding `B`, the config, the numerics and what V4.1 needs
+    besides weights (`extra`: key publishers, Engram tables)."""
+    w: Any
+    B: ModelWeights
+    cfg: Any
+    nx: Numerics
+    extra: V41Step | None = None
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """What a pass returns: logits of every row (all_logits) or of each sequence's last; `hidden`, when given,
+    receives per sequence the final hyper-connection state of every row, [T, hc, dim] (the head's input: the MTP
+    block's h_j); `taps` receives per sequence V4.1's DSpark taps, [T, n_targets·dim]: the mean over the hc copies
+    of each target layer's input state (after its Engram), in layer order; `trace` records per-layer
+    intermediates."""
+    all_logits: bool = False
+    hidden: list | None = None
+    taps: list | None = None
+    trace: Trace | None = None
+
+
+def forward(net: Net, states: list[RefState], chunks: list[np.ndarray], want: Wanted = Wanted(),
+            row_stable: bool = False) -> list[np.ndarray]:
     """Run each chunk at positions state.n_tokens.. of its state and advance the states. Returns per sequence
-    logits [T, vocab] (all_logits) or [vocab] (its last position). `extra`: what V4.1 needs besides weights.
-    `hidden`, when given, receives per sequence the final hyper-connection state of every row, [T, hc, dim] (the
-    head's input: the MTP block's h_j); `taps` receives per sequence V4.1's DSpark taps, [T, n_targets·dim]: the
-    mean over the hc copies of each target layer's input state (after its Engram), in layer order.
+    logits [T, vocab] (want.all_logits) or [vocab] (its last position).
     row_stable: every row bit-identical to the same row stepped alone (each product row by row: ops.row_groups;
     speculative decoding's verify rows, docs/spec.md)."""
-    with blas.single_threaded(w.small_blas(max(map(len, chunks)))):
-        return _forward(w, B, cfg, nx, states, chunks, all_logits, trace, extra, hidden, taps, row_stable)
+    with blas.single_threaded(net.w.small_blas(max(map(len, chunks)))):
+        return _forward(net, states, chunks, want, row_stable)
 
 
-def _forward(w, B: ModelWeights, cfg, nx: Numerics, states: list[RefState], chunks: list[np.ndarray],
-             all_logits: bool, trace: Trace | None, extra: V41Step | None, hidden: list | None,
-             taps: list | None, row_stable: bool) -> list[np.ndarray]:
+def _forward(net: Net, states: list[RefState], chunks: list[np.ndarray], want: Wanted,
+             row_stable: bool) -> list[np.ndarray]:
+    w, B, cfg, nx, extra = net.w, net.B, net.cfg, net.nx, net.extra
+    all_logits, trace, hidden, taps = want.all_logits, want.trace, want.hidden, want.taps
     seqs, at = [], 0
     for st, c in zip(states, chunks):
         seqs.append(Seq(st, slice(at, at + len(c)), np.arange(st.n_tokens, st.n_tokens + len(c))))

@@ -235,6 +235,12 @@ def hc_pre(X: np.ndarray, fn: np.ndarray, scale: np.ndarray, base: np.ndarray, n
 
 def hc_post(f: np.ndarray, X: np.ndarray, post: np.ndarray, comb: np.ndarray) -> np.ndarray:
     """X'_k = post_k · f + Σ_j comb[j, k] · X_j."""
+    fast = _ops_jit()
+    if (fast is not None and all(a.dtype == F32 for a in (f, X, post, comb)) and X.ndim == 3
+            and 0 < X.shape[1] <= fast.MAX_N and f.shape == (X.shape[0], X.shape[2])
+            and post.shape == X.shape[:2] and comb.shape == (X.shape[0], X.shape[1], X.shape[1])):
+        return fast.hc_post(np.ascontiguousarray(f), np.ascontiguousarray(X), np.ascontiguousarray(post),
+                            np.ascontiguousarray(comb), np.empty(X.shape, F32))     # numpy's operations compiled
     return post[:, :, None] * f[:, None, :] + (comb[:, :, :, None] * X[:, :, None, :]).sum(1)
 
 

@@ -5,6 +5,8 @@ the per-layer decode path pays every token.
 
 - sinkhorn_rounds: ops.sinkhorn's normalising rounds on a [T, n, n] mix (the hyper-connection comb, n = hc_mult),
   ~0.1 ms of numpy calls per call on a [1, 4, 4] mix (two per layer a token) against ~1 us compiled.
+- hc_post: ops.hc_post in one pass, without numpy's [T, n, n, D] temporary (26 ms a call for a 128-token
+  prefill at D = 4,096, n = 4, two per layer).
 """
 
 from __future__ import annotations
@@ -55,3 +57,19 @@ def sinkhorn_rounds(C, iters, eps):
                     C[t, j, k] = C[t, j, k] / r
             _cols(C, t, eps, s)
     return C
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def hc_post(f, X, post, comb, out):
+    """out [T, n, D] = post[:, k] * f + sum_j comb[:, j, k] * X[:, j] (ops.hc_post: the products, then the sum
+    over j first to last, as numpy reduces that axis, then the add)."""
+    T, n, D = X.shape
+    for t in range(T):
+        for k in range(n):
+            pk = post[t, k]
+            for d in range(D):
+                s = comb[t, 0, k] * X[t, 0, d]
+                for j in range(1, n):
+                    s += comb[t, j, k] * X[t, j, d]
+                out[t, k, d] = pk * f[t, d] + s
+    return out

@@ -50,7 +50,8 @@ Q8_K_ACT = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ2_XXS)
 # x quantised inside, exact integer block sums) for every row count, prefill included; Q8_0 too for steps of up
 # to jit_i8.DECODE_ROWS rows (its decode kernel, 8 float lanes per row: 1.5-2x the fp32 kernel's GB/s); the
 # others, and Q8_0's longer steps, keep the fp32 kernels on the rounded x (faster there: an int8 Q8_0 or MXFP4
-# block of 32 in the buffer kernels costs a horizontal sum each)
+# block of 32 in the buffer kernels costs a horizontal sum each), except a prefill's dense Q8_0 products on
+# AVX-512 VNNI hosts (_dense_q8_0: jit_i8_gemm.q8_0_matmul, rows as vector lanes, ~3x dequantise + BLAS)
 INT8_KERNELS = (Q.IQ2_XXS, Q.Q2_K, Q.Q4_K)
 INT8_DECODE_KERNELS = (Q.Q8_0,)
 
@@ -279,6 +280,14 @@ class Weights:
         return per_row(lambda r: self._fused_rows(t, raw, r, key), x, seg)
 
     def _fused_rows(self, t: TensorInfo, raw: np.ndarray, x: np.ndarray, key) -> np.ndarray:
+        if self.act_quant and self.kernels == "jit" and t.qtype in INT8_DECODE_KERNELS:
+            # a few-row sequence inside a longer step, or row-stable rows: the int8 decode kernel the rows get
+            # stepped alone (_int8 decides by the whole step's rows), not the fp32 kernel on the rounded x; x is
+            # rounded already (act), and quantising it again gives its own codes and scales back
+            n = jit_i8.DECODE_ROWS
+            return np.concatenate([jit_i8.matmul(t.qtype, raw, x[a:a + n], self.runner.threads)
+                                   for a in range(0, x.shape[0], n)]) if x.shape[0] else \
+                np.empty((0, raw.shape[0]), F32)
         if t.qtype == Q.F32:                                 # nothing to decode: BLAS on the mapped rows
             return np.ascontiguousarray(x, dtype=F32) @ raw.view(F32).T
         if self.runner.compiled and jit.supported(t.qtype):  # inf / NaN scales: exact through the f16 table
@@ -315,9 +324,18 @@ class Weights:
             return ys[0], ys[1]
         return self.linear(a, x, seg), self.linear(b, x, seg)
 
+    def _dense_q8_0(self, raw: np.ndarray, x: np.ndarray, seg: list[slice] | None) -> np.ndarray:
+        """A prefill sequence's product with dense Q8_0 rows, x rounded (act): int8 on AVX-512 VNNI hosts
+        (jit_i8_gemm.q8_0_matmul; quantising the rounded x gives its own codes and scales back), else the
+        dequantised tiles + BLAS. Chosen here, per sequence by _split, so a sequence's bits never depend on what
+        else the step holds, and row-stable steps keep the decode kernels."""
+        if jit_i8_gemm.q8_0_int8():
+            return jit_i8_gemm.q8_0_matmul(raw, x, self.runner.threads)
+        return jit_i8_gemm.dense_q8_0(raw, x, self.runner.threads, seg)
+
     def _dequant_linear(self, t: TensorInfo, x: np.ndarray, seg: list[slice] | None) -> np.ndarray:
         if self._dense_prefill(t):
-            return jit_i8_gemm.dense_q8_0(t.raw_bytes(), x, self.runner.threads, seg)
+            return self._dense_q8_0(t.raw_bytes(), x, seg)
         out_rows, ncols = t.shape
         if ("all", t.name) in self._cache or out_rows * ncols * 4 <= self.cache_bytes:
             return mm(x, self.get(t).T, seg)
@@ -369,7 +387,7 @@ class Weights:
         rank = t.shape[0] // G
         if self._dense_prefill(t):
             raw = np.asarray(t.raw_bytes())
-            return np.stack([jit_i8_gemm.dense_q8_0(raw[g * rank:(g + 1) * rank], x[:, g], self.runner.threads, seg)
+            return np.stack([self._dense_q8_0(raw[g * rank:(g + 1) * rank], np.ascontiguousarray(x[:, g]), seg)
                              for g in range(G)], axis=1)
         if ("all", t.name) in self._cache or t.shape[0] * t.shape[1] * 4 <= self.cache_bytes:
             wT = self.get(t).reshape(G, rank, -1).transpose(0, 2, 1)
@@ -417,11 +435,12 @@ class Weights:
         make all the matrix products): then it runs BLAS on one thread (ds4py.ref.blas)."""
         return self.runner is not None and rows <= FUSED_MAX_ROWS
 
-    # ---- a decode step's routed experts in one call per projection ---------------------------------------------
+    # ---- a step's routed experts in one call per projection ----------------------------------------------------
     def experts_batched(self, tensors, rows: int) -> bool:
         """Whether a step of `rows` token rows takes experts_linear for these stacked expert tensors (gate, up,
         down): act_quant numerics, the compiled kernels and, for each tensor, a format whose per-expert products
-        take the decode kernels (jit_i8.experts_supported), so the results are expert_linear's bits."""
+        at this row count are the experts kernels' bits (jit_i8.experts_supported: a decode step, or a prefill
+        of IQ2_XXS / Q2_K experts), so the results are expert_linear's bits."""
         if not (self.act_quant and self.kernels == "jit"):
             return False
         if not self._jit_checked:
