@@ -409,7 +409,7 @@ __device__ __forceinline__ int moe_unique_id(const int* ids, int n, int n_expert
 // p % k) grouped by expert: block (x, u) stages rows [r0, r0 + rows_per_block) of the u-th distinct expert's gate
 // and up once, then runs every pair that chose it (ascending p) with x + n * x_stride, writing h[p]. A bad id's
 // pairs get NaN rows (nothing read). The stage stays while the pairs run: red sits after it.
-template <int F>
+template <int F, class A = MoeActF>
 __device__ __forceinline__ void moe_gate_up_rows_impl(uint8_t* smem, const uint64_t* grid, const uint8_t* Wg,
                                                       const uint8_t* Wu, const float* x, const int* ids,
                                                       const float* route_w, float* h, int n_experts, int ff,
@@ -442,7 +442,7 @@ __device__ __forceinline__ void moe_gate_up_rows_impl(uint8_t* smem, const uint6
     float* red = reinterpret_cast<float*>(smem + 2 * room);
     for (int p = 0; p < n_pairs; ++p) {                           // block-uniform loop
         if (moe_canon(ids ? ids[p] : p % k, n_experts) != e) continue;
-        moe_gate_up_pair<F>(grid, sg, su, nr, x + (size_t)(p / k) * x_stride, route_w ? route_w[p] : 1.0f,
+        moe_gate_up_pair<F, A>(grid, sg, su, nr, x + (size_t)(p / k) * x_stride, route_w ? route_w[p] : 1.0f,
                             h + (size_t)p * ff + r0, clamp, red, dim);
     }
 }
@@ -527,14 +527,14 @@ __device__ __forceinline__ void moe_down_impl(uint8_t* smem, const uint64_t* gri
 // post / comb of mix + n * (2 + hc) * hc ([pre, post, comb] per row), hc_x + n * hc * dim and out + n * (hc ? hc : 1)
 // * dim: each row reads its own k experts' rows (an expert two rows chose is read twice, from L2 when they run
 // together), with exactly the single-token arithmetic. mix null: out = y.
-template <int F>
+template <int F, class A = MoeActF>
 __device__ __forceinline__ void moe_down_rows_impl(uint8_t* smem, const uint64_t* grid, const uint8_t* W,
                                                    const int* ids, const float* h, const float* add,
                                                    const float* mix, const float* hc_x, float* out, int n_slots,
                                                    int n_experts, int dim, int ff, int rows_per_block, int hc,
                                                    int bx) {
     const size_t n = blockIdx.y, mrec = (size_t)(2 + hc) * hc;
-    moe_down_impl<F>(smem, grid, W, ids ? ids + n * n_slots : nullptr, h + n * n_slots * ff,
+    moe_down_impl<F, A>(smem, grid, W, ids ? ids + n * n_slots : nullptr, h + n * n_slots * ff,
                      add ? add + n * dim : nullptr, mix ? mix + n * mrec + hc : nullptr,
                      mix ? mix + n * mrec + 2 * hc : nullptr, mix ? hc_x + n * hc * dim : nullptr,
                      out + n * (mix ? hc : 1) * dim, n_slots, n_experts, dim, ff, rows_per_block, mix ? hc : 0,
@@ -678,6 +678,49 @@ extern "C" __global__ void moe_down_rows_##name(const uint8_t* W, const int* ids
 
 MOE_FORMATS(MOE_GATE_UP_ROWS)
 MOE_FORMATS(MOE_DOWN_ROWS)
+
+// int8 activations, several rows: moe_gate_up_rows_i8_<fmt> / moe_down_rows_i8_<fmt> (MOE_I8_FORMATS) are the
+// grouped / per-row kernels above with each pair's x / each slot's h rounded as Q8_K (MoeActI8): a (row, slot)
+// pair runs exactly moe_gate_up_i8_<fmt>'s / moe_down_i8_<fmt>'s arithmetic, so a row of a multi-row step is
+// bit-identical to its single step (tests/test_cu_emu_act_quant.py). Launch: as the fp32 rows kernels.
+#define MOE_GATE_UP_ROWS_I8(name, F, QK, NB, TABLE) \
+extern "C" __global__ void moe_gate_up_rows_i8_##name(const uint8_t* Wg, const uint8_t* Wu, const float* x, \
+                                                      const int* ids, const float* route_w, float* h, \
+                                                      int n_experts, int ff, int dim, int rows_per_block, \
+                                                      float clamp, int n_pairs, int k, int x_stride) { \
+    extern __shared__ __align__(16) uint8_t moe_smem[]; \
+    __shared__ int pick; \
+    __shared__ __align__(16) uint64_t grid_s[TABLE ? 512 : 1]; \
+    pdl_wait(); \
+    pdl_launch_dependents(); \
+    if (TABLE) { \
+        moe_load_grid(grid_s);                        /* constant tables */ \
+        moe_i8_signs(grid_s + 256); \
+    } \
+    moe_gate_up_rows_impl<F, MoeActI8>(moe_smem, TABLE ? grid_s : nullptr, Wg, Wu, x, ids, route_w, h, n_experts, \
+                                       ff, dim, rows_per_block, clamp, n_pairs, k, x_stride, &pick, blockIdx.x); \
+}
+
+// As moe_down_rows_<fmt>, each slot's h rounded as Q8_K. Launch: as moe_down_rows_<fmt>.
+#define MOE_DOWN_ROWS_I8(name, F, QK, NB, TABLE) \
+extern "C" __global__ void moe_down_rows_i8_##name(const uint8_t* W, const int* ids, const float* h, \
+                                                   const float* add, const float* mix, const float* hc_x, float* out, \
+                                                   int n_slots, int n_experts, int dim, int ff, int rows_per_block, \
+                                                   int hc) { \
+    extern __shared__ __align__(16) uint8_t moe_smem[]; \
+    __shared__ __align__(16) uint64_t grid_s[TABLE ? 512 : 1]; \
+    pdl_wait(); \
+    pdl_launch_dependents(); \
+    if (TABLE) { \
+        moe_load_grid(grid_s);                        /* constant tables */ \
+        moe_i8_signs(grid_s + 256); \
+    } \
+    moe_down_rows_impl<F, MoeActI8>(moe_smem, TABLE ? grid_s : nullptr, W, ids, h, add, mix, hc_x, out, n_slots, \
+                                    n_experts, dim, ff, rows_per_block, hc, blockIdx.x); \
+}
+
+MOE_I8_FORMATS(MOE_GATE_UP_ROWS_I8)
+MOE_I8_FORMATS(MOE_DOWN_ROWS_I8)
 
 // ---- VQ-8 (MOE_VQ_FORMATS): the same four kernels, persistent; each matrix's device copy starts with the layer's
 // codebook (KC codewords x 8 E4M3 bytes), copied once per block into the first KC * 8 bytes of the dynamic shared

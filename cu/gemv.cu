@@ -870,3 +870,222 @@ extern "C" __global__ void gemv_q4_k_swiglu_rows(const uint8_t* Wg, const uint8_
     j.nx = nx; j.x_stride = x_stride;
     gemv_staged<Q4K, GEMV_MAX_X>(j);
 }
+
+// ---- Q8_0 with int8 activations (Numerics.act_quant): dp4a, as llama.cpp's mmvq ------------------------------------
+// gemv_q8_0_i8[_hc_post | _swiglu][_rows]: the Q8_0 kernels' contracts, ring and row order, but x rounded as the
+// reference's act_quant mode rounds it (ds4py.ref.ops.q8_0_round: blocks of 32, d = amax / 127, q = rint(x / d),
+// f16(d)), after the RMSNorm prologue when there is one, once per block into shared
+// memory behind the weight ring: codes int8 [nx][cols], then scales float [nx][cols / 32]. The RMSNorm in the
+// reference's operations (x / sqrt(mean(x^2) + eps) * w, each correctly rounded; only the sum's order differs), so
+// fewer values than with rsqrtf land on the other side of a code's half from it. A lane's 4 weights of a
+// block against its 4 codes are one dp4a, exact in integers; the lane adds isum * (d_w * d_x) into its row sum
+// (fmaf, in block order), then warp_sum4 as the fp32 kernels. So y equals the fp32 product on q8_0_round(x) up to
+// fp32 rounding of the sums (tests/test_cu_emu_gemv_i8.py), and a row's bits do not depend on nx (the _rows kernels
+// are the single-row arithmetic). x_group_rows must be 0 (the grouped wo_a reads a rounded copy: kernels.act_x).
+// Launch: as the Q8_0 kernels, dynamic shared memory warps * Q8_WARP_SMEM + nx * (cols + cols / 8) (ops/gemv.py).
+
+// x rows [nx][cols] quantised into xq (codes) and xd (scales): 8 lanes per block of 32 (4 values each), 4 blocks
+// per warp pass; every lane of the block runs the same passes (the shuffles), then a barrier.
+// sqrt(mean(x_n^2) + eps), correctly rounded (the divisor of ds4py.ref.ops.rmsnorm), x_n's sum as warp_norm_scale.
+__device__ __forceinline__ float warp_norm_den(const GemvJob& j, int n) {
+    const int lane = threadIdx.x & 31;
+    const float4* x4 = reinterpret_cast<const float4*>(j.x + (size_t)n * j.x_stride);
+    float ss = 0.0f;
+    for (int v = lane; v < (j.cols >> 2); v += 32) {
+        const float4 a = x4[v];
+        ss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
+    }
+    ss = warp_sum(ss);
+    return __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)j.cols), j.norm_eps));
+}
+
+template <int NB>
+__device__ __forceinline__ void gemv_i8_quantise(const GemvJob& j, const float den[NB], int8_t* xq, float* xd) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5, sub = lane & 7;
+    const int nbx = j.cols >> 5, total = j.nx * nbx;
+    const bool weighted = (j.flags & GEMV_NORM) && j.norm_w;
+    for (int base = 4 * warp; base < total; base += 4 * warps) {          // warp-uniform trip count
+        const int t = base + (lane >> 3);
+        const bool live = t < total;
+        const int n = live ? t / nbx : 0, b = live ? t - n * nbx : 0;
+        float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (live) {
+            const float4 a = reinterpret_cast<const float4*>(j.x + (size_t)n * j.x_stride)[b * 8 + sub];
+            v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+            if (j.flags & GEMV_NORM) {
+                float r = den[0];
+#pragma unroll
+                for (int m = 1; m < NB; m++) r = n == m ? den[m] : r;       // no runtime index into den
+                const float4 w = weighted ? reinterpret_cast<const float4*>(j.norm_w)[b * 8 + sub]
+                                          : make_float4(1.0f, 1.0f, 1.0f, 1.0f);
+                v[0] = __fmul_rn(__fdiv_rn(v[0], r), w.x); v[1] = __fmul_rn(__fdiv_rn(v[1], r), w.y);
+                v[2] = __fmul_rn(__fdiv_rn(v[2], r), w.z); v[3] = __fmul_rn(__fdiv_rn(v[3], r), w.w);
+            }
+        }
+        float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+#pragma unroll
+        for (int off = 1; off < 8; off <<= 1) amax = fmaxf(amax, __shfl_xor_sync(DS4_FULL_MASK, amax, off));
+        if (!live) continue;
+        const float d = __fdiv_rn(amax, 127.0f);
+        const float div = d > 0.0f ? d : 1.0f;
+        unsigned packed = 0u;
+#pragma unroll
+        for (int i = 0; i < 4; i++) packed |= ((unsigned)(int)rintf(__fdiv_rn(v[i], div)) & 0xFFu) << (8 * i);
+        reinterpret_cast<unsigned*>(xq + (size_t)n * j.cols + 32 * b)[sub] = packed;
+        if (sub == 0) xd[(size_t)n * nbx + b] = __half2float(__float2half_rn(d));
+    }
+    __syncthreads();
+}
+
+template <int NB>
+__device__ __forceinline__ void gemv_q8_i8(const GemvJob& j) {
+    extern __shared__ __align__(16) uint8_t q8_stage[];
+    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    const int gwarp = blockIdx.x * warps + (threadIdx.x >> 5), nwarps = gridDim.x * warps;
+    uint8_t* stage = q8_stage + (threadIdx.x >> 5) * Q8_WARP_SMEM;
+    int8_t* xq = reinterpret_cast<int8_t*>(q8_stage + warps * Q8_WARP_SMEM);
+    float* xd = reinterpret_cast<float*>(xq + (size_t)j.nx * j.cols);
+    const int nblocks = j.cols >> 5;
+    const int nchunks = (nblocks + Q8_CHUNK_BLOCKS - 1) / Q8_CHUNK_BLOCKS;
+    const int groups = group_count(j);
+    Q8Item cur{gwarp, 0};
+    const bool any = cur.g < groups;
+    Q8Item ahead = cur;                                // the ring, as gemv_q8
+    bool issuing = any;
+    int ibuf = 0;
+#pragma unroll
+    for (int k = 0; k < Q8_STAGES - 1; k++) {          // before pdl_wait: weights only
+        if (issuing) {
+            q8_issue(j, stage, ibuf, ahead, nblocks, lane);
+            issuing = q8_next(nchunks, groups, nwarps, ahead);
+        }
+        cp_async_commit();
+        ibuf = ibuf + 1 == Q8_STAGES ? 0 : ibuf + 1;
+    }
+    pdl_wait();
+    pdl_launch_dependents();
+    float den[NB];
+#pragma unroll
+    for (int n = 0; n < NB; n++) den[n] = (n < j.nx && (j.flags & GEMV_NORM)) ? warp_norm_den(j, n) : 1.0f;
+    gemv_i8_quantise<NB>(j, den, xq, xd);
+    const int sub = lane & 7;
+    float acc[NB][GEMV_ROWS];
+#pragma unroll
+    for (int n = 0; n < NB; n++)
+#pragma unroll
+        for (int s = 0; s < GEMV_ROWS; s++) acc[n][s] = 0.0f;
+    int buf = 0;
+    bool more = any;
+    while (more) {
+        Q8Item nxt = cur;
+        more = q8_next(nchunks, groups, nwarps, nxt);
+        if (issuing) {
+            q8_issue(j, stage, ibuf, ahead, nblocks, lane);
+            issuing = q8_next(nchunks, groups, nwarps, ahead);
+        }
+        cp_async_commit();
+        ibuf = ibuf + 1 == Q8_STAGES ? 0 : ibuf + 1;
+        cp_async_wait<Q8_STAGES - 1>();
+        __syncwarp();
+        const int b0 = cur.c * Q8_CHUNK_BLOCKS;
+        const int nb = min(Q8_CHUNK_BLOCKS, nblocks - b0);
+        const uint8_t* piece[GEMV_ROWS];
+#pragma unroll
+        for (int s = 0; s < GEMV_ROWS; s++) {
+            const uint8_t* src = q8_src(j, cur, s, nblocks);
+            piece[s] = src ? stage + (buf * GEMV_ROWS + s) * Q8_PIECE_BYTES + ((size_t)src & 15)
+                       : s ? piece[0] : stage;
+        }
+#pragma unroll(NB == 1 ? 2 : 1)
+        for (int b = lane >> 3; b < nb; b += 4) {
+            float dw[GEMV_ROWS];
+            int wq[GEMV_ROWS];                         // the slots' 4 codes of this lane, raw int8 bytes
+#pragma unroll
+            for (int s = 0; s < GEMV_ROWS; s++) {
+                const uint8_t* blk = piece[s] + b * Q8_BLOCK_BYTES;
+                dw[s] = __half2float(*reinterpret_cast<const __half*>(blk));
+                const uint16_t* q16 = reinterpret_cast<const uint16_t*>(blk + 2 + 4 * sub);
+                wq[s] = (int)((unsigned)q16[0] | ((unsigned)q16[1] << 16));
+            }
+#pragma unroll
+            for (int n = 0; n < NB; n++) {
+                if (n >= j.nx) break;
+                const int xi = reinterpret_cast<const int*>(xq + (size_t)n * j.cols + 32 * (b0 + b))[sub];
+                const float dx = xd[(size_t)n * nblocks + b0 + b];
+#pragma unroll
+                for (int s = 0; s < GEMV_ROWS; s++) {
+                    const int isum = __dp4a(wq[s], xi, 0);
+                    // isum exact as a float: |isum| <= 4 * 127 * 128 < 2^22, so 1.5 * 2^23 + isum is exact
+                    const float f = __fsub_rn(__int_as_float(0x4B400000 + isum), 12582912.0f);
+                    acc[n][s] = fmaf(f, __fmul_rn(dw[s], dx), acc[n][s]);
+                }
+            }
+        }
+        __syncwarp();
+        if (cur.c == nchunks - 1) {
+#pragma unroll
+            for (int n = 0; n < NB; n++) {
+                if (n < j.nx) epilogue(j, cur.g, warp_sum4(acc[n]), 1.0f, n);   // the norm is in x's codes
+#pragma unroll
+                for (int s = 0; s < GEMV_ROWS; s++) acc[n][s] = 0.0f;
+            }
+        }
+        cur = nxt;
+        buf = buf + 1 == Q8_STAGES ? 0 : buf + 1;
+    }
+}
+
+// As gemv_q8_0, int8 activations (x_group_rows 0). Launch: as gemv_q8_0, dynamic shared memory warps * Q8_WARP_SMEM
+// + nx * (cols + cols / 8) rounded up to 16 (ops/gemv.py i8_x_bytes).
+extern "C" __global__ void gemv_q8_0_i8(const uint8_t* W0, const uint8_t* W1, const uint8_t* W2, const uint8_t* W3,
+                                        int rows0, int rows1, int rows2, int rows3, float* y0, float* y1, float* y2,
+                                        float* y3, const float* x, int cols, int x_group_rows, const float* norm_w,
+                                        float norm_eps, int flags) {
+    GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3)
+    gemv_q8_i8<1>(j);
+}
+
+// As gemv_q8_0_rows, int8 activations. Launch: as gemv_q8_0_i8.
+extern "C" __global__ void gemv_q8_0_i8_rows(const uint8_t* W0, const uint8_t* W1, const uint8_t* W2,
+                                             const uint8_t* W3, int rows0, int rows1, int rows2, int rows3, float* y0,
+                                             float* y1, float* y2, float* y3, const float* x, int cols,
+                                             int x_group_rows, const float* norm_w, float norm_eps, int flags, int nx,
+                                             int x_stride) {
+    GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3)
+    j.nx = nx; j.x_stride = x_stride;
+    gemv_q8_i8<GEMV_MAX_X>(j);
+}
+
+// As gemv_q8_0_hc_post, int8 activations. Launch: as gemv_q8_0_i8.
+extern "C" __global__ void gemv_q8_0_i8_hc_post(const uint8_t* W, int rows, const float* x, int cols, int x_group_rows,
+                                                const float* norm_w, float norm_eps, int flags, const float* mix,
+                                                float* X) {
+    GEMV_HC_POST_BODY
+    gemv_q8_i8<1>(j);
+}
+
+// As gemv_q8_0_hc_post_rows, int8 activations. Launch: as gemv_q8_0_i8.
+extern "C" __global__ void gemv_q8_0_i8_hc_post_rows(const uint8_t* W, int rows, const float* x, int cols,
+                                                     int x_group_rows, const float* norm_w, float norm_eps, int flags,
+                                                     const float* mix, float* X, int nx, int x_stride) {
+    GEMV_HC_POST_BODY
+    j.nx = nx; j.x_stride = x_stride;
+    gemv_q8_i8<GEMV_MAX_X>(j);
+}
+
+// As gemv_q8_0_swiglu, int8 activations. Launch: as gemv_q8_0_i8.
+extern "C" __global__ void gemv_q8_0_i8_swiglu(const uint8_t* Wg, const uint8_t* Wu, int rows, float* y,
+                                               const float* x, int cols, const float* norm_w, float norm_eps,
+                                               int flags, float clamp) {
+    GEMV_SWIGLU_BODY
+    gemv_q8_i8<1>(j);
+}
+
+// As gemv_q8_0_swiglu_rows, int8 activations. Launch: as gemv_q8_0_i8.
+extern "C" __global__ void gemv_q8_0_i8_swiglu_rows(const uint8_t* Wg, const uint8_t* Wu, int rows, float* y,
+                                                    const float* x, int cols, const float* norm_w, float norm_eps,
+                                                    int flags, float clamp, int nx, int x_stride) {
+    GEMV_SWIGLU_BODY
+    j.nx = nx; j.x_stride = x_stride;
+    gemv_q8_i8<GEMV_MAX_X>(j);
+}

@@ -41,16 +41,26 @@ _BACKEND_OPTIONS = {"ref": frozenset({"kernels", "threads", "mem_budget_mb", "ca
 _CLI_INT8 = {"ref": True}
 
 
-def cli_numerics(backend: str, exact: bool = False):
+def cli_numerics(backend: str, exact: bool = False, act_quant: bool = False):
     """The numerics the CLI (run / chat / serve / bench) opens `backend` with, or None for the backend's own
     default: the reference backend runs int8 activations (Numerics.ds4(): ds4's and llama.cpp's CPU numerics,
     the fast path of its compiled kernels, ds4py.quant.jit_i8) unless `exact` (--exact) asks for fp32
-    (Numerics()); the other backends keep theirs (fp32)."""
+    (Numerics()); the other backends keep theirs (fp32) unless `act_quant` (--act-quant) asks for int8."""
     from ds4py.contract import Numerics
+    from ds4py.errors import Ds4Error
 
+    if exact and act_quant:
+        raise Ds4Error("--exact (fp32 activations) and --act-quant (int8 activations) contradict each other; give one")
+    if act_quant:
+        return Numerics.ds4()
     if not _CLI_INT8.get(backend, False):
         return None
     return Numerics() if exact else Numerics.ds4()
+
+
+def cli_int8_default(backend: str) -> bool:
+    """Whether the CLI opens `backend` with int8 activations unless told otherwise (else they are --act-quant's)."""
+    return _CLI_INT8.get(backend, False)
 
 
 def backend_options(backend: str) -> frozenset:

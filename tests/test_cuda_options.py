@@ -122,7 +122,7 @@ def test_the_drafts_kinds_replay_from_their_second_use():
 def test_the_pool_grows_one_way_for_every_mode(monkeypatch):
     made, retired, grown, syncs = [], [], [], []
 
-    def make(cfg, bucket, rows, mode, version=0, arena=None, store=None, rt=None, hidden_in=False):
+    def make(cfg, bucket, rows, mode, version=0, arena=None, store=None, rt=None, hidden_in=False, act_quant=False):
         ws = layer.Workspace(mode, bucket, rows, version, None if mode == DECODE else object(), {})
         made.append(ws)
         return ws

@@ -157,8 +157,8 @@ def test_bench_gpu_model_json(tmp_path, capsys, device, shapes):
     assert dec[1]["weight_kv_bytes"] > dec[0]["weight_kv_bytes"]
     assert d["steps"][0]["refused_launches"] == sum(1 for k in d["kernels"] if k["refused"])
     assert d["refused_launches"] == sum(s["refused_launches"] for s in d["steps"] + d["act_quant"])
-    # the act_quant numerics (int8 experts): decode only, and only where the shapes have int8 expert formats
-    assert [s["step"] for s in d["act_quant"]] == (["decode act_quant"] * 2 if shapes == "v4-flash-q2" else [])
+    # the act_quant numerics (the engine under Numerics.ds4()): its decode steps, for every shapes
+    assert [s["step"] for s in d["act_quant"]] == ["decode act_quant"] * 2
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -340,26 +340,33 @@ def test_v4_decode_collapses_inside_the_mix():
 
 
 @pytest.mark.parametrize("device", ["gb10", "h200"])
-def test_act_quant_numerics_swap_the_decode_experts_for_their_int8_kernels(device):
-    """timemodel.with_act_quant: every decode expert launch of an int8 format becomes its _i8_ kernel with that
-    kernel's own registers and launch check (none refused on either device), the same geometry and bytes; the rest
-    of the step is untouched."""
+def test_act_quant_numerics_are_planned_as_the_engine_runs_them(device):
+    """plan_step(numerics="act_quant") records the engine under Numerics.ds4(): the V4 q2 decode's experts on their
+    int8 kernels (own registers from the ptxas table, none refused), every Q8_0 GEMV on gemv_q8_0_i8* (x rounded
+    inside) but the grouped wo_a, which reads x rounded by one act_round_q8_0 launch a layer; the same weight bytes;
+    a verify step's experts on the int8 rows kernels."""
     from ds4py.cuda.plan import plan_step
 
-    dev = profile(device)
     exact = plan_step("v4-flash-q2", "decode", device, ctx=2048)
-    quant = timemodel.with_act_quant(exact, dev)
-    changed = [(a, b) for a, b in zip(exact, quant) if a.kernel != b.kernel]
-    assert {b.kernel for _, b in changed} == {"moe_gate_up_i8_iq2_xxs", "moe_down_i8_q2_k"}
-    assert len(changed) == 2 * 43 and all(b.problem is None for b in quant)
-    for a, b in changed:
-        assert b.kernel == a.kernel.replace("moe_gate_up_", "moe_gate_up_i8_").replace("moe_down_", "moe_down_i8_")
-        assert (a.grid, a.block, a.smem) == (b.grid, b.block, b.smem)
-        assert timemodel.launch_traffic(a, 2048) == timemodel.launch_traffic(b, 2048)
+    quant = plan_step("v4-flash-q2", "decode", device, ctx=2048, numerics="act_quant")
+    names = [ln.kernel for ln in quant]
+    assert all(ln.problem is None for ln in quant)
+    assert names.count("moe_gate_up_i8_iq2_xxs") == names.count("moe_down_i8_q2_k") == 43
+    assert not any(n in ("moe_gate_up_iq2_xxs", "moe_down_q2_k") for n in names)
+    assert names.count("act_round_q8_0") == 43 and "act_round_q8_k" not in names
+    q8 = [n for n in names if n.startswith("gemv_q8_0")]
+    assert q8 and all(n.startswith("gemv_q8_0_i8") for n in q8 if n != "gemv_q8_0")
+    assert sum(n == "gemv_q8_0" for n in names) == 43                       # the grouped wo_a, on the rounded copy
+    assert len(quant) == len(exact) + 43
     from ds4py.cuda import resources
-    assert all(b.registers == resources.require(dev.arch, b.kernel).registers for _, b in changed)
-    steps = timemodel.run(device, "v4-flash-q2", (2048,), numerics="act_quant")
-    assert [m.step for m in steps] == ["decode act_quant"]
+    arch = profile(device).arch
+    assert all(ln.registers == resources.require(arch, ln.kernel).registers for ln in quant if "_i8" in ln.kernel)
+    assert (sum(timemodel.launch_traffic(ln, 2048).weight for ln in quant)
+            == sum(timemodel.launch_traffic(ln, 2048).weight for ln in exact))
+    steps = timemodel.run(device, "v4-flash-q2", (2048,), steps=("decode", "rows"), numerics="act_quant")
+    assert [m.step for m in steps] == ["decode act_quant", "verify 4 rows act_quant"]
+    rows = {k.kernel for k in steps[1].kernels}
+    assert {"moe_gate_up_rows_i8_iq2_xxs", "moe_down_rows_i8_q2_k", "gemv_q8_0_i8_rows"} <= rows
 
 
 def test_an_sm_with_one_warp_issues_at_most_one_instruction_per_clock():

@@ -54,11 +54,18 @@ def add_cpu_arguments(p, numerics: bool = True) -> None:
                             "tests' tolerances) instead of the default int8 activations (ds4's and llama.cpp's CPU "
                             "numerics: each quantised matmul sees its activation rounded per Q8_0 / Q8_K block, "
                             "integer dot products; = score --act-quant)")
+        p.add_argument("--act-quant", action="store_true",
+                       help="int8 activations on any backend (ds4's numerics, = score --act-quant: each quantised "
+                            "matmul sees its activation rounded per Q8_0 / Q8_K block, F16 KV): the reference "
+                            "backend's default, the CUDA backends' declared non-default numerics (int8 expert "
+                            "kernels; docs/cuda.md 'Activation numerics')")
 
 
 INT8_LINE = ("ds4py: numerics: int8 activations (each quantised matmul's input rounded per Q8_0 / Q8_K block, as "
              "ds4's and llama.cpp's CPU paths; F16 KV); --exact for fp32 activations")
 EXACT_LINE = "ds4py: numerics: fp32 activations (--exact: DeepSeek's official numerics)"
+OPT_IN_INT8_LINE = ("ds4py: numerics: int8 activations (--act-quant: each quantised matmul's input rounded per Q8_0 / "
+                  "Q8_K block, as ds4's and llama.cpp's CPU paths; F16 KV); without it fp32 activations")
 
 
 def cpu_numerics(args: argparse.Namespace) -> dict:
@@ -67,7 +74,8 @@ def cpu_numerics(args: argparse.Namespace) -> dict:
     prints the line once the model is open."""
     from ds4py.backends import cli_numerics
 
-    numerics = cli_numerics(getattr(args, "backend", "ref"), bool(getattr(args, "exact", False)))
+    numerics = cli_numerics(getattr(args, "backend", "ref"), bool(getattr(args, "exact", False)),
+                            bool(getattr(args, "act_quant", False)))
     return {} if numerics is None else {"numerics": numerics}
 
 
@@ -78,7 +86,12 @@ def say_numerics(args: argparse.Namespace) -> None:
 
     numerics = cpu_numerics(args).get("numerics")
     if numerics is not None:
-        print(INT8_LINE if numerics.act_quant else EXACT_LINE, file=sys.stderr, flush=True)
+        from ds4py.backends import cli_int8_default
+
+        line = INT8_LINE if numerics.act_quant else EXACT_LINE
+        if numerics.act_quant and not cli_int8_default(getattr(args, "backend", "ref")):
+            line = OPT_IN_INT8_LINE
+        print(line, file=sys.stderr, flush=True)
 
 
 def add_stack_arguments(p: argparse.ArgumentParser) -> None:

@@ -102,7 +102,8 @@ class CudaDSpark(CudaDraftStates, DSparkBase):
         # chain's: [h_i | e_i] rows, the bias, the chain's logits, ids and confidences, the argmax partials
         self.bucket = model.min_bucket
         self.cache = GraphCache(self.store)
-        self.pool = WorkspacePool(cfg, self.rt, self.store, None, lambda mode: self.cache.drop(DSPARK_BLOCK))
+        self.pool = WorkspacePool(cfg, self.rt, self.store, None, lambda mode: self.cache.drop(DSPARK_BLOCK),
+                                  act_quant=self.numerics.act_quant)
         self.pool.need(BLOCK, self.bucket, B)          # made now: the draft's memory is taken when it opens
         self.feed_rows = F = self.layout.parts[0].capacity
         parts = argmax_parts(self.rt, mc.vocab_size)

@@ -9,7 +9,7 @@ the seed's layout (VQ-8 experts at 13 and 12 bits, q4_K dense weights; quantize-
 blocks with the experts in fp32 (the grouped rows kernels), another with them on tensor cores (VQ-8 too), greedy
 decode steps through the step graph, a multi-row step of two sequences, device-side sampling (v41-tiny: none of
 the tensor-core prompt and sampling), and synthetic models in the other expert formats (their
-weights written by the fill kernels). Every kernel of cu/*.cu must have run, except the few no engine path
+weights written by the fill kernels), three of them under the int8-activation numerics (SYNTH_ACT_QUANT). Every kernel of cu/*.cu must have run, except the few no engine path
 reaches (UNREACHED, each with its reason); another one is reported as not covered and fails the run. Exit 0 when
 no checker reported anything and everything was covered.
 """
@@ -132,14 +132,14 @@ def workload(path: str, rt: Any) -> None:
 # The expert formats of the synthetic models (gate + up, down): with the golden models' IQ2_XXS / Q2_K / MXFP4,
 # every expert kernel of cu/experts.cu and cu/moe_prefill.cu.
 SYNTH_EXPERTS = (("Q4_K", "Q4_K"), ("Q8_0", "Q8_0"), ("Q2_K", "IQ2_XXS"))
+# ... and under the int8-activation numerics (Numerics.ds4()): (gate + up, down, dense) reaching every int8 expert
+# kernel (decode and rows) and both roundings (Q8_0 dense: act_round_q8_0; dense="q4_k": act_round_q8_k)
+SYNTH_ACT_QUANT = (("IQ2_XXS", "Q2_K", None), ("Q2_K", "IQ2_XXS", None), ("Q4_K", "Q4_K", "q4_k"))
 # Kernels no engine path reaches on these models, and why (the CI test fails when another one joins them).
 UNREACHED = {
     **{k: "V4.1's DSpark draft (its taps, block hidden, greedy chain): the checker's models carry no DSpark draft "
           "(tests/test_cu_emu_dspark.py runs it against its twin, tests/test_cuda_dspark.py through the engine)"
        for k in ("dspark_hc_sum", "dspark_add")},
-    **{f"moe_{k}_i8_{f}": "the int8-activation (act_quant) expert kernels: a declared numerics the engine does not run "
-          "yet (it refuses act_quant); tests/test_cu_emu_experts_i8.py runs each against its twin"
-       for k in ("gate_up", "down") for f in ("iq2_xxs", "q2_k", "q4_k")},
     "argmax_f32": "the device argmax of the benches and tests; the engine's greedy pick runs in cu/sample.cu",
     "gemm_mma_tile_bf16": "a probe of the mma fragment layout (tests, tests/gpu), not an engine kernel",
     "gemm_mma_tile_f16": "a probe of the mma fragment layout (tests, tests/gpu), not an engine kernel",
@@ -170,6 +170,7 @@ def synthetic(rt: Any) -> None:
     from cuda_decode import EMU_SHAPES
 
     from ds4py.config import ModelConfig
+    from ds4py.contract import Numerics
     from ds4py.cuda.engine import CudaModel
     from ds4py.cuda.options import temporarily
     from ds4py.ggml_types import GGMLQuantizationType as QT
@@ -186,6 +187,13 @@ def synthetic(rt: Any) -> None:
         m.step([a, b], [[3], [4]])
         for _ in m.generate(a, 5, SamplingParams(temperature=0.0), 1):     # greedy: the argmax on the device
             pass
+    for gate, down, dense in SYNTH_ACT_QUANT:     # int8 activations: a prefill block, a multi-row step, decode
+        m = CudaModel.synthetic(cfg, seed=1, experts=(QT[gate], QT[down]), runtime=rt, numerics=Numerics.ds4(),
+                                dense=dense)
+        a, b = m.new_state(), m.new_state()
+        m.step([a], [list(range(1, m.rollback_horizon + 3))])
+        m.step([a, b], [[3], [4]])
+        m.step([a], [[5]])
 
 
 def kernels() -> set[str]:

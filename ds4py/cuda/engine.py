@@ -12,7 +12,9 @@ into a graph and replayed per token, with the position and the token in a device
 as one ROWS graph; a chunk longer than the rollback horizon + 1 (a prompt) in BLOCK row sets of up to 2,048
 tokens (direct launches).
 Numerics: fp32 activations and accumulation, the model's FP8 / FP4 fake-quant (Numerics.fake_quant) and F16 KV
-storage (kv_dtype "f16") as the reference computes them; ds4's int8 activations (act_quant) are refused.
+storage (kv_dtype "f16") as the reference computes them; with Numerics.act_quant (ds4's int8 activations, the
+reference's --act-quant mode) the activation of every quantised product rounded as the reference rounds it
+(kernels.act_x; the int8 expert kernels round inside), a block's experts on the int8 grouped rows kernels.
 """
 
 from __future__ import annotations
@@ -86,7 +88,8 @@ class CudaModel(CudaStates, ModelBase):
         plan_ctx = min(ctx or DEFAULT_CTX, cfg.context_length)
 
         def check(rt: Any, weights: int) -> None:
-            self.memory_plan = loading.memory_plan(cfg, self.layout, plan_ctx, rt, weights, bool(progress))
+            self.memory_plan = loading.memory_plan(cfg, self.layout, plan_ctx, rt, weights, bool(progress),
+                                                   self.numerics.act_quant)
 
         self.engram = loading.engram_feed(cfg, self.gguf, self.path, engram_dir)
         self._setup(cfg, numerics, rollback_horizon, runtime, emulate, loading.options(options, pdl, graphs),
@@ -137,7 +140,8 @@ class CudaModel(CudaStates, ModelBase):
                                          launch_counts=True,
                                          multirow=True, block_prefill=True, emulated=self.emulated)
         self.options = options
-        ws0 = layer.workspace_bytes(layer.workspace_shapes(cfg, bucket_for(1, cfg.context_length)))
+        ws0 = layer.workspace_bytes(layer.workspace_shapes(cfg, bucket_for(1, cfg.context_length),
+                                                           act_quant=self.numerics.act_quant))
         t1 = time.perf_counter()
         self.w = load(self.rt, ws0)
         self.rt.synchronize()

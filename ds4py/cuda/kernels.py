@@ -23,6 +23,7 @@ from typing import Any, Callable
 from ds4py.cuda import ops
 from ds4py.cuda.memory import DeviceArray
 from ds4py.cuda.device_weights import GEMV_TYPES, DevTensor
+from ds4py.cuda.ops import act_quant as ops_aq
 from ds4py.cuda.ops import attention as ops_attn
 from ds4py.cuda.ops import compressor as ops_comp
 from ds4py.cuda.ops import experts as ops_moe
@@ -39,6 +40,7 @@ from ds4py.cuda.ops.gemm import GemmShape
 from ds4py.cuda.ops.gemv import GEMV_MAX_X, MAX_MATS, GemvX, SwiGlu
 from ds4py.cuda.ops.mhc import HcResidual, mix_record
 from ds4py.cuda.ops.rmsnorm import rmsnorm
+from ds4py.ggml_types import GGMLQuantizationType as QT
 from ds4py.host.indexer import weight_scale
 
 DECODE, ROWS, BLOCK = "decode", "rows", "block"
@@ -97,9 +99,11 @@ def rows_of(a: DeviceArray, n0: int, n: int, width: int) -> DeviceArray:
 
 # ---- dense products ------------------------------------------------------------------------------------------
 def gemvs(ls: Any, mats: list[tuple[DevTensor, DeviceArray, int]], x: DeviceArray, cols: int, n: int, stream: Callable,
-          norm=None, x_group_rows: int = 0, x_stride: int | None = None, add: bool = False) -> None:
+          norm=None, x_group_rows: int = 0, x_stride: int | None = None, add: bool = False,
+          act_quant: bool = False) -> None:
     """y_m[r] = W_m x[r] for n activation rows x[r] = x + r * x_stride into y_m + r * rows_m, matrices sharing x:
-    one launch per weight type, up to 4 matrices and GEMV_MAX_X rows each (one row: the single-row kernel)."""
+    one launch per weight type, up to 4 matrices and GEMV_MAX_X rows each (one row: the single-row kernel).
+    act_quant: Q8_0 matrices on the int8-activation kernels (x rounded inside)."""
     stride = x_stride if x_stride is not None else cols
     by_type: dict[Any, list] = {}
     for t, y, rows in mats:
@@ -110,13 +114,78 @@ def gemvs(ls: Any, mats: list[tuple[DevTensor, DeviceArray, int]], x: DeviceArra
                 k = min(GEMV_MAX_X, n - r0)
                 outs = [(W, rows_of(y, r0, k, rows), rows) for W, y, rows in group[i:i + MAX_MATS]]
                 xin = GemvX(rows_of(x, r0, k, stride), cols, nx=k, x_stride=stride, x_group_rows=x_group_rows,
-                            norm=norm)
+                            norm=norm, act_quant=act_quant)
                 ops.gemv(ls, outs, xin, add=add, **stream())
 
 
+# ---- int8-activation numerics (Numerics.act_quant) ----------------------------------------------------------------
+# The reference's act_quant mode rounds the activation of every quantised matmul (Q8_0 blocks of 32 for Q8_0 / MXFP4
+# weights, Q8_K blocks of 256 for the K- and IQ-quants; ds4py/ref/weights.py Weights.act). Here: one act_round
+# launch writes the rounded copy the fp32 GEMVs / GEMMs then read (after the RMSNorm a fused norm prologue would
+# apply), except where a kernel rounds x itself: the Q8_0 GEMVs (gemv_q8_0_i8*: dp4a, no input groups) and the
+# routed / shared experts of a format with int8 kernels (ops/experts.py I8_FORMATS: moe_*_i8_<fmt>). A copy lives in the workspace's aq.<stream>.<rounding> (layer.act_shapes);
+# `own` (x has no other reader: o, u, a routed or shared h) rounds x in place.
+def act_kind(rec: Any, qtype: Any) -> str | None:
+    """How a product with weights of `qtype` sees its activation in this recording's numerics (None: as it is)."""
+    return ops_aq.rounding(qtype) if rec.numerics.act_quant else None
+
+
+def act_x(ls: Any, rec: Any, kind: str | None, x: DeviceArray, width: int, n: int, stream: Callable,
+          stride: int | None = None, norm=None, own: bool = False) -> DeviceArray:
+    """x's n rows of `width` floats (`stride` apart) as a product rounding by `kind` reads them, RMS-normalised
+    first when norm = (w, eps): x itself (kind None, no norm), x rounded in place (own), or the stream's copy."""
+    stride = width if stride is None else stride
+    if kind is None and norm is None:
+        return x
+    if own and norm is None:
+        y = x
+    else:
+        side = stream == ls.side and rec.mode != BLOCK
+        y = rec.ws.a[f"aq.{'side' if side else 'main'}.{kind or 'q8_0'}"].view(0, (n - 1) * stride + width)
+    if norm is not None:
+        rmsnorm(ls, x.view(0, n * width), y.view(0, n * width), width, norm, **stream())
+        x = y
+    if kind is not None:
+        ops_aq.act_round(ls, kind, TokenRows(x=x, y=y, T=n, ldx=stride), width, **stream())
+    return y
+
+
+def i8_gemv(rec: Any, W: DevTensor, x_group_rows: int = 0, gemm: bool = False) -> bool:
+    """Whether a product with W runs on the int8-activation Q8_0 GEMV (x rounded inside) in this recording: act_quant
+    numerics, Q8_0 weights, no input groups, not a block's tensor-core GEMM."""
+    return (rec.numerics.act_quant and not isinstance(W.qtype, str) and int(W.qtype) == int(QT.Q8_0)
+            and not x_group_rows and not gemm)
+
+
+def act_groups(ls: Any, rec: Any, mats: list, x: DeviceArray, cols: int, n: int, stream: Callable, norm,
+               x_group_rows: int, x_stride: int | None, own: bool,
+               gemm: bool = False) -> list[tuple[list, DeviceArray, Any, bool]]:
+    """(matrices, the x they read, the norm left to their kernel, int8 GEMV) per rounding of `mats` (one group, x and
+    norm as given, unless the numerics round). gemm: the block's tensor-core GEMMs (no int8 kernel)."""
+    if not rec.numerics.act_quant:
+        return [(mats, x, norm, False)]
+    by_kind: dict[Any, list] = {}
+    for m in mats:
+        key = "i8" if i8_gemv(rec, m[0], x_group_rows, gemm) else act_kind(rec, m[0].qtype)
+        by_kind.setdefault(key, []).append(m)
+    width = cols * (-(-mats[0][2] // x_group_rows) if x_group_rows else 1)
+    stride = x_stride if x_stride is not None else width
+    out = []
+    for kind, group in by_kind.items():
+        if kind is None or kind == "i8":
+            out.append((group, x, norm, kind == "i8"))
+        else:
+            xk = act_x(ls, rec, kind, x, width, n, stream, stride, norm, own and len(by_kind) == 1)
+            out.append((group, xk, None, False))
+    return out
+
+
 def dense_gemv(ls: Any, rec: Any, mats: list, x: DeviceArray, cols: int, stream: Callable, norm=None,
-               x_group_rows: int = 0, x_stride: int | None = None, n: int | None = None, add: bool = False) -> None:
-    gemvs(ls, mats, x, cols, rec.R if n is None else n, stream, norm, x_group_rows, x_stride, add)
+               x_group_rows: int = 0, x_stride: int | None = None, n: int | None = None, add: bool = False,
+               own: bool = False) -> None:
+    n = rec.R if n is None else n
+    for group, xk, nk, i8 in act_groups(ls, rec, mats, x, cols, n, stream, norm, x_group_rows, x_stride, own):
+        gemvs(ls, group, xk, cols, n, stream, nk, x_group_rows, x_stride, add, act_quant=i8)
 
 
 def mma_ok(W: DevTensor) -> bool:
@@ -124,12 +193,22 @@ def mma_ok(W: DevTensor) -> bool:
 
 
 def dense_block(ls: Any, rec: Any, mats: list, x: DeviceArray, cols: int, stream: Callable, norm=None,
-                x_group_rows: int = 0, x_stride: int | None = None, n: int | None = None, add: bool = False) -> None:
+                x_group_rows: int = 0, x_stride: int | None = None, n: int | None = None, add: bool = False,
+                own: bool = False) -> None:
     """y_m[t] = W_m x[t] for the block's rows on tensor cores (norm = (w, eps): x[t] RMS-normalised first), or the
     `_rows` GEMVs when the block runs without tensor cores or a matrix's type has no GEMM."""
     T = rec.R if n is None else n
+    on_gemm = not add and rec.mma and all(mma_ok(W) for W, _, _ in mats)
+    for group, xk, nk, i8 in act_groups(ls, rec, mats, x, cols, T, stream, norm, x_group_rows, x_stride, own,
+                                        gemm=on_gemm):
+        _dense_block(ls, rec, group, xk, cols, nk, x_group_rows, x_stride, T, add, i8)
+
+
+def _dense_block(ls: Any, rec: Any, mats: list, x: DeviceArray, cols: int, norm, x_group_rows: int,
+                 x_stride: int | None, T: int, add: bool, i8: bool = False) -> None:
     if add or not rec.mma or not all(mma_ok(W) for W, _, _ in mats):
-        gemvs(ls, mats, x, cols, T, ls.main, norm=norm, x_group_rows=x_group_rows, x_stride=x_stride, add=add)
+        gemvs(ls, mats, x, cols, T, ls.main, norm=norm, x_group_rows=x_group_rows, x_stride=x_stride, add=add,
+              act_quant=i8)
         return
     if norm is not None:
         xn = rec.ws.qa_n.view(0, T * cols)
@@ -161,12 +240,15 @@ def gemv_hc_post(ls: Any, rec: Any, W: DevTensor, u: DeviceArray, X: DeviceArray
                  cols: int) -> None:
     """X[r] <- post_k (W u[r]) + sum_j C[j,k] X[r, j]: the output projection into the residual, GEMV_MAX_X rows
     per launch."""
+    i8 = i8_gemv(rec, W)
+    if not i8:
+        u = act_x(ls, rec, act_kind(rec, W.qtype), u, cols, rec.R, ls.main, own=True)
     cfg = rec.cfg
     hc, D, mrec = cfg.hc_mult, cfg.dim, mix_record(cfg.hc_mult)
     for r0 in range(0, rec.R, GEMV_MAX_X):
         k = min(GEMV_MAX_X, rec.R - r0)
         res = HcResidual(X=rows_of(X, r0, k, hc * D), mix=rows_of(mix, r0, k, mrec), dim=D, hc=hc)
-        ops.gemv_hc_post(ls, W.array, GemvX(rows_of(u, r0, k, cols), cols=cols, nx=k), res, **ls.main())
+        ops.gemv_hc_post(ls, W.array, GemvX(rows_of(u, r0, k, cols), cols=cols, nx=k, act_quant=i8), res, **ls.main())
 
 
 def residual(rec: Any, X: DeviceArray, mix: DeviceArray) -> HcResidual:
@@ -178,6 +260,7 @@ def block_hc_post(ls: Any, rec: Any, W: DevTensor, u: DeviceArray, X: DeviceArra
                   cols: int) -> None:
     if rec.mma and mma_ok(W):
         f = rec.ws.f
+        u = act_x(ls, rec, act_kind(rec, W.qtype), u, cols, rec.R, ls.main, own=True)
         gemm(ls, rec, [(W, f, rec.cfg.dim)], u, cols, rec.R)
         ops.hc_post(ls, f, residual(rec, X, mix), rec.R, **ls.main())
     else:
@@ -357,61 +440,87 @@ def route_block(ls: Any, rec: Any, ro: Any, Fw: Any) -> None:
 
 
 # ---- experts ---------------------------------------------------------------------------------------------------
-def shared_expert(rec: Any, S: Any, clamp: float = 0.0) -> Experts:
-    """The layer's shared expert as one expert every row chooses (its Q8_0 / F16 matrices are expert formats)."""
+def shared_expert(rec: Any, S: Any, clamp: float = 0.0, act_quant: bool = False) -> Experts:
+    """The layer's shared expert as one expert every row chooses (its Q8_0 / F16 matrices are expert formats).
+    act_quant: the op runs its int8-activation kernel (expert_input says when)."""
     cfg = rec.cfg
     return Experts(fmt=S.gate.qtype, n_experts=1, ff=cfg.shared_ff, dim=cfg.dim, gate=S.gate.array, up=S.up.array,
-                   down=S.down.array, down_fmt=S.down.qtype, clamp=clamp)
+                   down=S.down.array, down_fmt=S.down.qtype, clamp=clamp, act_quant=act_quant)
 
 
-def routed_experts(rec: Any, E: Any, clamp: float = 0.0) -> Experts:
-    """The layer's routed experts (gate and up share one kernel format; down has its own)."""
+def routed_experts(rec: Any, E: Any, clamp: float = 0.0, act_quant: bool = False) -> Experts:
+    """The layer's routed experts (gate and up share one kernel format; down has its own). act_quant: as
+    shared_expert's."""
     cfg = rec.cfg
     need(E.up.kernel_format == E.gate.kernel_format, "experts: gate and up must have the same weight type")
     return Experts(fmt=E.gate.kernel_format, n_experts=cfg.n_experts, ff=cfg.expert_ff, dim=cfg.dim,
-                   gate=E.gate.array, up=E.up.array, down=E.down.array, down_fmt=E.down.kernel_format, clamp=clamp)
+                   gate=E.gate.array, up=E.up.array, down=E.down.array, down_fmt=E.down.kernel_format, clamp=clamp,
+                   act_quant=act_quant)
 
 
 def shared_gate_up_gemv(ls: Any, rec: Any, S: Any, clamp: float, stream: Callable) -> None:
     """h_shared[r] = silu(min(gate x[r], c)) * clamp(up x[r], c): fused GEMVs (BLOCK with tensor cores: two GEMMs
     and the SwiGLU)."""
     ws, D, sff = rec.ws, rec.cfg.dim, rec.cfg.shared_ff
-    if rec.mode == BLOCK and rec.mma and mma_ok(S.gate) and mma_ok(S.up):
-        gemm(ls, rec, [(S.gate, ws.hs_g, sff), (S.up, ws.hs_u, sff)], ws.x_ffn, D, rec.R)
+    on_gemm = rec.mode == BLOCK and rec.mma and mma_ok(S.gate) and mma_ok(S.up)
+    i8 = i8_gemv(rec, S.gate, gemm=on_gemm)
+    x = ws.x_ffn if i8 else act_x(ls, rec, act_kind(rec, S.gate.qtype), ws.x_ffn, D, rec.R, stream)
+    if on_gemm:
+        gemm(ls, rec, [(S.gate, ws.hs_g, sff), (S.up, ws.hs_u, sff)], x, D, rec.R)
         ops_pfa.swiglu(ls, ws.hs_g, ws.hs_u, ws.h_shared, rec.R * sff, clamp, **ls.main())
         return
     ffn = SwiGlu(gate=S.gate.array, up=S.up.array, rows=sff, clamp=clamp)
     for r0 in range(0, rec.R, GEMV_MAX_X):
         k = min(GEMV_MAX_X, rec.R - r0)
-        ops.gemv_swiglu(ls, ffn, GemvX(rows_of(ws.x_ffn, r0, k, D), cols=D, nx=k), rows_of(ws.h_shared, r0, k, sff),
-                        **stream())
+        ops.gemv_swiglu(ls, ffn, GemvX(rows_of(x, r0, k, D), cols=D, nx=k, act_quant=i8),
+                        rows_of(ws.h_shared, r0, k, sff), **stream())
+
+
+def expert_input(ls: Any, rec: Any, fmt: Any, x: DeviceArray, width: int, n: int, stream: Callable,
+                 own: bool = False) -> tuple[DeviceArray, bool]:
+    """(the x an expert kernel of format `fmt` reads, whether it takes its int8 kernel): under act_quant a format
+    with int8 kernels rounds inside (x as it is), another reads x rounded by act_x (Q8_0 / MXFP4: Q8_0 blocks; F16,
+    VQ-8: unrounded, as the reference)."""
+    if not rec.numerics.act_quant:
+        return x, False
+    if not isinstance(fmt, str) and int(fmt) in {int(q) for q in ops_moe.I8_FORMATS}:
+        return x, True
+    return act_x(ls, rec, act_kind(rec, fmt), x, width, n, stream, own=own), False
+
 
 
 def shared_gate_up_expert(ls: Any, rec: Any, S: Any, clamp: float, stream: Callable) -> None:
-    ops_moe.moe_gate_up(ls, shared_expert(rec, S, clamp), rec.ws.x_ffn, rec.ws.h_shared, **stream())
+    ws = rec.ws
+    x, i8 = expert_input(ls, rec, S.gate.qtype, ws.x_ffn, rec.cfg.dim, 1, stream)
+    ops_moe.moe_gate_up(ls, shared_expert(rec, S, clamp, i8), x, ws.h_shared, **stream())
 
 
 def shared_gate_up_expert_rows(ls: Any, rec: Any, S: Any, clamp: float, stream: Callable) -> None:
     ws, D, sff = rec.ws, rec.cfg.dim, rec.cfg.shared_ff
-    ex, step = shared_expert(rec, S, clamp), ops_moe.MAX_PAIRS
+    x, i8 = expert_input(ls, rec, S.gate.qtype, ws.x_ffn, D, rec.R, stream)
+    ex, step = shared_expert(rec, S, clamp, i8), ops_moe.MAX_PAIRS
     for r0 in range(0, rec.R, step):
         k = min(step, rec.R - r0)
-        ops_moe.moe_gate_up_rows(ls, ex, TokenRows(x=rows_of(ws.x_ffn, r0, k, D), y=rows_of(ws.h_shared, r0, k, sff),
-                                                   T=k), **stream())
+        ops_moe.moe_gate_up_rows(ls, ex, TokenRows(x=rows_of(x, r0, k, D), y=rows_of(ws.h_shared, r0, k, sff), T=k),
+                                 **stream())
 
 
 def shared_down_dense(ls: Any, rec: Any, S: Any, stream: Callable) -> None:
-    of(rec.mode).dense(ls, rec, [(S.down, rec.ws.y_shared, rec.cfg.dim)], rec.ws.h_shared, rec.cfg.shared_ff, stream)
+    of(rec.mode).dense(ls, rec, [(S.down, rec.ws.y_shared, rec.cfg.dim)], rec.ws.h_shared, rec.cfg.shared_ff, stream,
+                       own=True)
 
 
 def shared_down_expert(ls: Any, rec: Any, S: Any, stream: Callable) -> None:
-    ws = rec.ws
-    ops_moe.moe_down(ls, shared_expert(rec, S), TokenRows(x=ws.h_shared, y=ws.y_shared), **stream())
+    ws, cfg = rec.ws, rec.cfg
+    h, i8 = expert_input(ls, rec, S.down.qtype, ws.h_shared, cfg.shared_ff, 1, stream, own=True)
+    ops_moe.moe_down(ls, shared_expert(rec, S, act_quant=i8), TokenRows(x=h, y=ws.y_shared), **stream())
 
 
 def shared_down_expert_rows(ls: Any, rec: Any, S: Any, stream: Callable) -> None:
-    ws = rec.ws
-    ops_moe.moe_down_rows(ls, shared_expert(rec, S), TokenRows(x=ws.h_shared, y=ws.y_shared, T=rec.R), **stream())
+    ws, cfg = rec.ws, rec.cfg
+    h, i8 = expert_input(ls, rec, S.down.qtype, ws.h_shared, cfg.shared_ff, rec.R, stream, own=True)
+    ops_moe.moe_down_rows(ls, shared_expert(rec, S, act_quant=i8), TokenRows(x=h, y=ws.y_shared, T=rec.R),
+                          **stream())
 
 
 def slots(rec: Any) -> Slots:
@@ -420,14 +529,17 @@ def slots(rec: Any) -> Slots:
 
 
 def experts_gate_up_one(ls: Any, rec: Any, E: Any, clamp: float) -> None:
-    ws = rec.ws
-    ops_moe.moe_gate_up(ls, routed_experts(rec, E, clamp), ws.x_ffn, ws.h, slots(rec), **ls.main())
+    cfg, ws = rec.cfg, rec.ws
+    x, i8 = expert_input(ls, rec, E.gate.kernel_format, ws.x_ffn, cfg.dim, 1, ls.main)
+    ops_moe.moe_gate_up(ls, routed_experts(rec, E, clamp, i8), x, ws.h, slots(rec), **ls.main())
 
 
 def experts_down_one(ls: Any, rec: Any, E: Any, X: DeviceArray, X_out: DeviceArray) -> DeviceArray:
     ws, hc = rec.ws, rec.cfg.hc_mult
     mix = ws.mix_ffn
-    ops_moe.moe_down(ls, routed_experts(rec, E), TokenRows(x=ws.h, y=X_out, add=ws.y_shared), slots(rec),
+    h, i8 = expert_input(ls, rec, E.down.kernel_format, ws.h, rec.cfg.expert_ff, rec.cfg.n_experts_used, ls.main,
+                         own=True)
+    ops_moe.moe_down(ls, routed_experts(rec, E, act_quant=i8), TokenRows(x=h, y=X_out, add=ws.y_shared), slots(rec),
                      hc=HcPost(post=mix.view(4 * hc, hc), comb=mix.view(8 * hc, hc * hc), X=X), **ls.main())
     return X_out
 
@@ -436,18 +548,21 @@ def experts_gate_up_rows(ls: Any, rec: Any, E: Any, clamp: float) -> None:
     """The rows' routed gate + up grouped by distinct expert: each expert's rows read once for every (row, slot)
     pair that chose it (at most MAX_PAIRS pairs per launch)."""
     ws, k, ff, D = rec.ws, rec.cfg.n_experts_used, rec.cfg.expert_ff, rec.cfg.dim
-    ex, step = routed_experts(rec, E, clamp), max(1, ops_moe.MAX_PAIRS // k)
+    x, i8 = expert_input(ls, rec, E.gate.kernel_format, ws.x_ffn, D, rec.R, ls.main)
+    ex, step = routed_experts(rec, E, clamp, i8), max(1, ops_moe.MAX_PAIRS // k)
     for r0 in range(0, rec.R, step):
         n = min(step, rec.R - r0)
-        ops_moe.moe_gate_up_rows(ls, ex, TokenRows(x=rows_of(ws.x_ffn, r0, n, D),
+        ops_moe.moe_gate_up_rows(ls, ex, TokenRows(x=rows_of(x, r0, n, D),
                                                    y=ws.h.view(4 * r0 * k * ff, n * k * ff), T=n),
                                  Slots(ids=ws.ids.view(4 * r0 * k, n * k), weights=ws.wts.view(4 * r0 * k, n * k), k=k),
                                  **ls.main())
 
 
 def experts_down_rows(ls: Any, rec: Any, E: Any, X: DeviceArray, X_out: DeviceArray) -> DeviceArray:
-    ws = rec.ws
-    ops_moe.moe_down_rows(ls, routed_experts(rec, E), TokenRows(x=ws.h, y=X_out, T=rec.R, add=ws.y_shared),
+    ws, cfg = rec.ws, rec.cfg
+    h, i8 = expert_input(ls, rec, E.down.kernel_format, ws.h, cfg.expert_ff, rec.R * cfg.n_experts_used, ls.main,
+                         own=True)
+    ops_moe.moe_down_rows(ls, routed_experts(rec, E, act_quant=i8), TokenRows(x=h, y=X_out, T=rec.R, add=ws.y_shared),
                           slots(rec), hc=residual(rec, X, ws.mix_ffn), **ls.main())
     return X_out
 

@@ -100,11 +100,13 @@ def block_rows(n: int) -> int:
 Shapes = dict[str, tuple[tuple[int, ...], np.dtype]]
 
 
-def workspace_shapes(cfg, bucket: int, rows: int = 1, mode: str = DECODE, hidden_in: bool = False) -> Shapes:
+def workspace_shapes(cfg, bucket: int, rows: int = 1, mode: str = DECODE, hidden_in: bool = False,
+                     act_quant: bool = False) -> Shapes:
     """Every per-step buffer of a row set of `rows` rows (its capacity) in `mode`, for context buckets up to
     `bucket`. Per-row buffers are [rows, ...] (DECODE: one row, no leading axis); what runs once per row in row
     order (indexer scores, top-k, attention partials) is one row's scratch, except in BLOCK, whose indexer runs
-    over all rows at once. hidden_in: the MTP block's input states [rows, hc, D]."""
+    over all rows at once. hidden_in: the MTP block's input states [rows, hc, D]. act_quant (Numerics.act_quant):
+    the rounded activations' buffers (kernels.act_x)."""
     hc, D, k, ih = cfg.hc_mult, cfg.dim, cfg.n_experts_used, cfg.index_heads
     comp_w = max([cfg.comp_width(il) for il in range(cfg.n_layers) if cfg.roles(il).compressor], default=2)
     idx_w = max([cfg.index_comp_width(il) for il in range(cfg.n_layers) if cfg.roles(il).index_compressor],
@@ -153,6 +155,8 @@ def workspace_shapes(cfg, bucket: int, rows: int = 1, mode: str = DECODE, hidden
         shapes.update(v41_shapes(cfg, rows, mode, lead, n_keys))
     if hidden_in:
         shapes["h_in"] = ((rows, hc, D), F32)
+    if act_quant:
+        shapes.update(act_shapes(cfg, mode, lead))
     if cfg.dspark_targets:              # V4.1 with its DSpark draft: the rows' taps (recorded only when asked for)
         shapes["taps"] = (lead + (cfg.dspark_tap_dim,), F32)
     return shapes
@@ -174,6 +178,21 @@ def v41_shapes(cfg, rows: int, mode: str, lead: tuple, n_keys: int) -> Shapes:
         out["engram_rows"] = ((nE, rows, width), F32)
         out["ekv"] = (lead + (cfg.engram_kv_dim,), F32)
     return out
+
+
+def act_width(cfg) -> int:
+    """The widest activation a product reads through a rounded copy (kernels.act_x): x_attn / x_ffn / x_head (D),
+    the normalised q_a, the shared expert's h, V4.1's compressor latent and Engram rows. (o, u and the routed h are
+    rounded in place: each has one reader.)"""
+    return max(cfg.dim, cfg.q_lora_rank, cfg.shared_ff, cfg.head_dim,
+               cfg.engram_in_dim if cfg.traits.engram and cfg.engram_layers else 0)
+
+
+def act_shapes(cfg, mode: str, lead: tuple) -> Shapes:
+    """The rounded copies of act_quant: one per stream (BLOCK: main only) and rounding (Q8_0, Q8_K blocks), so the
+    side stream never writes what the main stream reads."""
+    streams = ("main",) if mode == BLOCK else ("main", "side")
+    return {f"aq.{s}.{kind}": (lead + (act_width(cfg),), F32) for s in streams for kind in ("q8_0", "q8_k")}
 
 
 def workspace_bytes(shapes: Shapes) -> int:
@@ -200,9 +219,9 @@ class Workspace:
 
 
 def make_workspace(cfg, bucket: int, rows: int, mode: str, version: int = 0, arena: Arena | None = None,
-                   store: Any = None, rt: Any = None, hidden_in: bool = False) -> Workspace:
+                   store: Any = None, rt: Any = None, hidden_in: bool = False, act_quant: bool = False) -> Workspace:
     """DECODE: from `arena`'s scratch; else one zeroed block of `store` (rt: the runtime to zero it on)."""
-    shapes = workspace_shapes(cfg, bucket, rows, mode, hidden_in)
+    shapes = workspace_shapes(cfg, bucket, rows, mode, hidden_in, act_quant)
     if mode == DECODE:
         arena.begin_step(workspace_bytes(shapes))
         return Workspace(mode, bucket, rows, version, None,
@@ -286,6 +305,10 @@ class Recording:
     taps: DeviceArray | None = None  # V4.1's DSpark taps of the rows [R, n_targets * D] (None: not recorded)
     table: Any = None               # the operations table in place of kernels.of(mode, variant) (the DSpark block's)
     _plans: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.numerics.act_quant:     # int8 activations: a block's experts run the int8 grouped rows kernels (the
+            self.expert_mma = self.expert_tiles = False      # prefill tiles and tensor-core experts are fp32 only)
 
     @property
     def mode(self) -> str:
@@ -440,7 +463,7 @@ def attention(ls: Launcher, rec: Recording, il: int, ro: Any, lw: Any, X: Device
     # each row's attention over its state (the indexer's selection first), then the output projection
     K.attend(ls, rec, il, ro, A)
     K.dense(ls, rec, [(A.out_a, ws.u, cfg.o_dim)], ws.o, cfg.o_group_in, ls.main, x_group_rows=cfg.o_lora_rank,
-            x_stride=cfg.q_dim)
+            x_stride=cfg.q_dim, own=True)          # (o has no other reader: act_quant rounds it in place)
     K.dense_hc_post(ls, rec, A.out_b, ws.u, X, ws.mix_attn, cfg.o_dim)
 
 

@@ -17,7 +17,7 @@ from ds4py.cuda.engram_feed import EngramFeed
 from ds4py.cuda.layer import BLOCK, DECODE, MAX_ROWS, ROWS
 from ds4py.cuda.memory_plan import MemoryPlan, kv_bytes
 from ds4py.cuda.options import EngineOptions, bucket_for
-from ds4py.errors import Ds4Error, UnsupportedByBackend
+from ds4py.errors import Ds4Error
 from ds4py.vq.sidecar import Stack
 
 
@@ -43,9 +43,6 @@ def numerics(given: Numerics | None) -> Numerics:
     given = Numerics() if given is None else given
     if not isinstance(given, Numerics):
         raise Ds4Error(f"numerics must be a ds4py.model.Numerics, got {type(given).__name__}")
-    if given.act_quant:
-        raise UnsupportedByBackend("the CUDA backend computes fp32 activations; it has no int8 (act_quant) "
-                                   "path (use --backend ref for ds4's numerics)")
     return given
 
 
@@ -92,10 +89,12 @@ def engram_feed(cfg: ModelConfig, gguf: Any, path: str, engram_dir: str | None) 
     return EngramFeed(cfg, hasher, engram.EngramTables.open(cfg, folder, gguf.meta(digest_key, None), path))
 
 
-def memory_plan(cfg: ModelConfig, layout: Any, ctx: int, rt: Any, weights: int, progress: bool) -> MemoryPlan:
+def memory_plan(cfg: ModelConfig, layout: Any, ctx: int, rt: Any, weights: int, progress: bool,
+                act_quant: bool = False) -> MemoryPlan:
     """The memory plan, before the upload: one line (progress), and a refusal when it does not fit."""
     bucket = bucket_for(ctx, cfg.context_length)
-    scratch = sum(layer.workspace_bytes(layer.workspace_shapes(cfg, bucket, rows, mode)) for rows, mode in
+    scratch = sum(layer.workspace_bytes(layer.workspace_shapes(cfg, bucket, rows, mode, act_quant=act_quant))
+                  for rows, mode in
                   ((1, DECODE), (MAX_ROWS, ROWS), (layer.MAX_BLOCK, BLOCK)))
     plan = MemoryPlan(weights, kv_bytes(layout, ctx), ctx, scratch, rt.free_bytes())
     if progress:

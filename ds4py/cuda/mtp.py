@@ -89,7 +89,7 @@ class CudaMtp(CudaDraftStates, MtpBase):
         self.bucket = model.min_bucket
         self.cache = GraphCache(self.store)
         self.pool = WorkspacePool(self.config, self.rt, self.store, None, lambda mode: self.cache.drop(MTP_STEP),
-                                  hidden_in=True)
+                                  hidden_in=True, act_quant=self.numerics.act_quant)
         self.pool.need(ROWS, self.bucket, MAX_ROWS)      # made now: the block's memory is taken when it opens
 
     @property

@@ -69,15 +69,22 @@ def shapes(key: str) -> Shapes:
     return s
 
 
-def planned_model(shapes_key: str, device: str = "h200") -> Any:
-    """The synthetic full-size CudaModel of `shapes_key` on a PlanRuntime of `device` (cached per pair), its
-    weight tensors labelled by name, with direct launches (graphs off) and PDL on."""
+NUMERICS = ("exact", "act_quant")
+
+
+def planned_model(shapes_key: str, device: str = "h200", numerics: str = "exact") -> Any:
+    """The synthetic full-size CudaModel of `shapes_key` on a PlanRuntime of `device` (cached per triple), its
+    weight tensors labelled by name, with direct launches (graphs off) and PDL on. numerics "exact" (the default:
+    Numerics()) or "act_quant" (Numerics.ds4(): int8 activations, as the engine runs them)."""
     from ds4py import schema
+    from ds4py.contract import Numerics
     from ds4py.cuda import synth
     from ds4py.cuda.compiler import model_defines
     from ds4py.cuda.engine import CudaModel
 
-    key = (shapes_key, str(device))
+    if numerics not in NUMERICS:
+        raise Ds4Error(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
+    key = (shapes_key, str(device), numerics)
     m = _MODELS.get(key)
     if m is not None:
         return m
@@ -93,7 +100,8 @@ def planned_model(shapes_key: str, device: str = "h200") -> Any:
             os.replace(path + f".{os.getpid()}", path)
         table = (path, ENGRAM_ROWS)
     m = CudaModel.synthetic(cfg, seed=1, experts=s.experts, runtime=rt, graphs=False,
-                            vq=_vq_widths(s), dense=s.dense, engram_table=table)
+                            vq=_vq_widths(s), dense=s.dense, engram_table=table,
+                            numerics=Numerics.ds4() if numerics == "act_quant" else None)
     for e in schema.entries(cfg):
         rt.label(synth._lookup(m.w.binding, e).array, e.name)
     for il, f in enumerate(m.w.freqs):
@@ -103,15 +111,15 @@ def planned_model(shapes_key: str, device: str = "h200") -> Any:
     return m
 
 
-def planned_mtp(shapes_key: str, device: str = "h200") -> Any:
+def planned_mtp(shapes_key: str, device: str = "h200", numerics: str = "exact") -> Any:
     """The MTP draft block (CudaMtp.synthetic: random weights in the main model's storage types) of
-    planned_model(shapes_key, device), its tensors labelled "mtp.<name>" (cached per pair)."""
+    planned_model(shapes_key, device, numerics), its tensors labelled "mtp.<name>" (cached per triple)."""
     from ds4py.cuda.mtp import CudaMtp
 
-    key = (shapes_key, str(device))
+    key = (shapes_key, str(device), numerics)
     d = _MTPS.get(key)
     if d is None:
-        s, m = shapes(shapes_key), planned_model(shapes_key, device)
+        s, m = shapes(shapes_key), planned_model(shapes_key, device, numerics)
         d = CudaMtp.synthetic(m, seed=2, experts=s.experts, vq=_vq_widths(s), dense=s.dense)
         for name, t in d._tensors.items():
             m.rt.label(t.array, name)
@@ -134,7 +142,7 @@ def _label_state(rt: PlanRuntime, st: Any) -> None:
 
 def plan_step(shapes_key: str, kind: str, device: str = "h200", ctx: int = 2048, rows: int = 4,
               block: int = 2048, expert_mma: bool | None = None,
-              expert_tiles: bool | None = None) -> list[PlannedLaunch]:
+              expert_tiles: bool | None = None, numerics: str = "exact") -> list[PlannedLaunch]:
     """The launches of one step of kind "decode" (the body at position ctx - 1 and the head with the sampler),
     "rows" (a `rows`-row verify of one sequence at positions ctx - 1 ...), "prefill" (one `block`-token prefill
     block ending at position ctx - 1, a prompt's last block) or "draft" (one MTP draft step of `rows` rows of one
@@ -143,14 +151,15 @@ def plan_step(shapes_key: str, kind: str, device: str = "h200", ctx: int = 2048,
     `device`, in order.
     expert_mma: the prefill's routed experts on tensor cores (True) or the grouped rows kernels (False); None:
     the engine's default (VQ-8 files on tensor cores, the others not). expert_tiles: the GGML experts' exact
-    path as token tiles grouped by expert (True, the engine's default) or the grouped rows kernels (False)."""
+    path as token tiles grouped by expert (True, the engine's default) or the grouped rows kernels (False).
+    numerics: "exact" or "act_quant" (the engine under Numerics.ds4(): planned_model)."""
     from ds4py.cuda import layer
 
     if kind not in KINDS:
         raise Ds4Error(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
     if not isinstance(ctx, int) or ctx < 1:
         raise Ds4Error(f"ctx must be a positive number of tokens, got {ctx!r}")
-    m = planned_model(shapes_key, device)
+    m = planned_model(shapes_key, device, numerics)
     rt = m.rt
     st = m.new_state()
     saved = m.options
@@ -167,7 +176,7 @@ def plan_step(shapes_key: str, kind: str, device: str = "h200", ctx: int = 2048,
             body._record(ls)
             m.runner.head((0.0, 0, 1.0, 0.0, 0))._record(ls)
         elif kind == "draft":
-            d = planned_mtp(shapes_key, device)
+            d = planned_mtp(shapes_key, device, numerics)
             rt.clear()
             ds = d.new_state()
             _label_state(rt, ds)

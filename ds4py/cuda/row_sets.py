@@ -34,7 +34,8 @@ class RowSetRunner:
     def __init__(self, model: Any):
         self.m, self.cfg = model, model.config
         self.cache = GraphCache(model.store)
-        self.pool = WorkspacePool(model.config, model.rt, model.store, model.w.arena, self._grown)
+        self.pool = WorkspacePool(model.config, model.rt, model.store, model.w.arena, self._grown,
+                                  act_quant=model.numerics.act_quant)
         self._v41_inputs()
         self._rows_order: list[int] = []
 

@@ -121,8 +121,8 @@ def weight_format(kernel: str) -> tuple[str, int, int] | None:
 
 def family(kernel: str) -> str:
     """The kernel family a report groups by: the GEMV / expert kernels by weight format, the rest by file role."""
-    rules = [(r"^gemv_(q8_0|f16|f32|q4_k)", r"gemv \1"), (r"^moe_gate_up_i8_(\w+)$", r"experts gate+up \1 int8"),
-             (r"^moe_down_i8_(\w+)$", r"experts down \1 int8"), (r"^moe_gate_up_tile_(\w+)$", r"expert tiles gate+up \1"),
+    rules = [(r"^gemv_(q8_0|f16|f32|q4_k)", r"gemv \1"), (r"^moe_gate_up(?:_rows)?_i8_(\w+)$", r"experts gate+up \1 int8"),
+             (r"^moe_down(?:_rows)?_i8_(\w+)$", r"experts down \1 int8"), (r"^act_round_(\w+)$", r"act_quant rounding \1"), (r"^moe_gate_up_tile_(\w+)$", r"expert tiles gate+up \1"),
              (r"^moe_down_tile_(\w+)$", r"expert tiles down \1"), (r"^moe_gate_up(_rows)?_(\w+)$", r"experts gate+up \2"),
              (r"^moe_down(_rows)?_(\w+)$", r"experts down \2"), (r"^moe_prefill_(gate_up|down)_(\w+)$", r"prefill experts \1 \2"),
              (r"^gemm_(\w+)$", r"gemm \1"), (r"^attn_", "attention"), (r"^prefill_attn", "attention"),
@@ -686,36 +686,10 @@ def load_coalescing(path: Path | str | None = None) -> dict[str, float] | None:
 
 
 # ---- numerics ----------------------------------------------------------------------------------------------------
+# "exact" (Numerics(), the engine's default) or "act_quant" (Numerics.ds4(): int8 activations): plan.plan_step
+# records the step as the engine runs it in those numerics (the act_round launches before the quantised dense
+# products, the int8 expert kernels, a block's experts on the int8 grouped rows kernels).
 NUMERICS = ("exact", "act_quant")
-INT8_TWIN = re.compile(r"^moe_(gate_up|down)_(\w+)$")      # the decode expert kernels with an _i8_ sibling
-
-
-def with_act_quant(launches: Sequence[Any], dev: DeviceProfile) -> list[Any]:
-    """The step under the act_quant numerics (Numerics.act_quant, not the default), modelled: each decode expert
-    launch of a format with int8-activation kernels (ops/experts.py I8_FORMATS: moe_gate_up_i8_<fmt>,
-    moe_down_i8_<fmt>, the same launch contract and geometry) becomes that kernel, with its own registers and static
-    shared memory (ptxas table) and the launch check redone. Everything else is unchanged: the Q8_0 / Q4_K GEMVs
-    would read a copy of x rounded once per activation (a small launch each, not modelled), the verify / prefill
-    kernels have no int8 variants."""
-    from dataclasses import replace
-
-    from ds4py.cuda import resources
-    from ds4py.cuda.devices import inspect_launch
-    from ds4py.cuda.ops.experts import FORMATS, I8_FORMATS
-
-    names = {FORMATS[q][0] for q in I8_FORMATS}
-    out = []
-    for ln in launches:
-        m = INT8_TWIN.match(ln.kernel)
-        if m is None or m.group(2) not in names:
-            out.append(ln)
-            continue
-        kernel = f"moe_{m.group(1)}_i8_{m.group(2)}"
-        res = resources.require(dev.arch, kernel)
-        c = inspect_launch(dev, kernel, ln.grid, ln.block, ln.smem, res.registers, res.smem)
-        out.append(replace(ln, kernel=kernel, registers=res.registers, static_smem=res.smem, occupancy=c.occupancy,
-                           waves=c.waves, problem=c.problem))
-    return out
 
 
 # ---- the bench: every step of one device x shapes ---------------------------------------------------------------
@@ -733,13 +707,11 @@ def run(device: str, shapes: str, ctxs: Sequence[int] = DEFAULT_CTX, coalescing:
     """Decode at each ctx, a verify step of each of `verify_rows` rows (VERIFY_ROWS by default), a
     PREFILL_BLOCK-token prefill block and an MTP draft step of each of DRAFT_ROWS rows at the first ctx (at least
     one block long for the prefill), planned by ds4py/cuda/plan.py and modelled on `device`. numerics "act_quant":
-    the decode steps only, with_act_quant's launches, named "decode act_quant"."""
+    the steps of the engine under Numerics.ds4() (plan_step's numerics), named "<step> act_quant"."""
     if numerics not in NUMERICS:
         from ds4py.errors import Ds4Error
 
         raise Ds4Error(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
-    if numerics == "act_quant":
-        steps = [k for k in steps if k == "decode"]
     from ds4py.cuda.devices import profile
     from ds4py.cuda.plan import plan_step, shapes as shapes_of
 
@@ -753,12 +725,12 @@ def run(device: str, shapes: str, ctxs: Sequence[int] = DEFAULT_CTX, coalescing:
                     "draft": [(ctxs[0], r) for r in DRAFT_ROWS]}.get(kind, [(ctxs[0], 1)])
         for ctx, rows in per_kind:
             c = max(ctx, PREFILL_BLOCK) if kind == "prefill" else ctx
-            launches = plan_step(shapes, kind, dev.key, ctx=c, rows=rows, block=PREFILL_BLOCK)
+            launches = plan_step(shapes, kind, dev.key, ctx=c, rows=rows, block=PREFILL_BLOCK, numerics=numerics)
             tokens = {"decode": 1, "rows": rows, "draft": rows, "prefill": min(PREFILL_BLOCK, c)}[kind]
             name = {"decode": "decode", "rows": f"verify {rows} rows", "prefill": f"prefill {tokens}",
                     "draft": f"mtp draft {rows} row{'s' if rows > 1 else ''}"}[kind]
             if numerics == "act_quant":
-                launches, name = with_act_quant(launches, dev), f"{name} act_quant"
+                name = f"{name} act_quant"
             out.append(model_step(launches, dev, c, tokens, shapes, name, coalescing=coalescing))
     return out
 
@@ -789,7 +761,7 @@ def spec_step_times(device: str, shapes: str, ctx: int = DEFAULT_CTX[0], k_max: 
 def bench_json(models: Sequence[StepModel], act_quant: Sequence[StepModel] = ()) -> dict:
     """The `bench gpu-model --json` document: the first decode step's fields at the top level (device, shapes,
     ctx, modelled_tokens_per_s, fraction_of_copy, fraction_of_roofline, refused_launches, kernels), every step
-    under `steps`; the act_quant numerics' decode steps (run(numerics="act_quant")) under `act_quant`."""
+    under `steps`; the act_quant numerics' steps (run(numerics="act_quant"): decode) under `act_quant`."""
     head = models[0].to_json()
     head["refused_launches"] = sum(len(m.refused) for m in [*models, *act_quant])
     head["steps"] = [{k: v for k, v in m.to_json().items() if k != "kernels"} for m in models]

@@ -16,10 +16,11 @@ from ds4py.cuda import layer
 
 class WorkspacePool:
     def __init__(self, cfg: Any, rt: Any, store: Any, arena: Any, on_grow: Callable[[str], None],
-                 hidden_in: bool = False):
-        """arena: DECODE's scratch (None: a pool without DECODE); hidden_in: with the MTP block's input rows."""
+                 hidden_in: bool = False, act_quant: bool = False):
+        """arena: DECODE's scratch (None: a pool without DECODE); hidden_in: with the MTP block's input rows;
+        act_quant (Numerics.act_quant): with the rounded activations' buffers too."""
         self.cfg, self.rt, self.store, self.arena, self.on_grow = cfg, rt, store, arena, on_grow
-        self.hidden_in = hidden_in
+        self.hidden_in, self.act_quant = hidden_in, act_quant
         self._ws: dict[str, layer.Workspace] = {}
 
     def get(self, mode: str) -> layer.Workspace | None:
@@ -39,7 +40,7 @@ class WorkspacePool:
         ws = self._ws[mode] = layer.make_workspace(
             self.cfg, max(bucket, ws.bucket if ws else 0), max(rows, ws.rows if ws else 0), mode,
             0 if ws is None else ws.version + 1, arena=self.arena, store=self.store, rt=self.rt,
-            hidden_in=self.hidden_in)
+            hidden_in=self.hidden_in, act_quant=self.act_quant)
         return ws
 
     def close(self) -> None:

@@ -249,7 +249,8 @@ class Experts:
     """One layer's stacked experts, the same for every call (the shared expert: n_experts = 1): gate and up
     [n_experts, ff, dim] in weight format `fmt`, down [n_experts, dim, ff] in down_fmt (None: fmt); a format is a
     GGML type or a VQ-8 key ("vq13"). clamp: the SwiGLU limit (<= 0: none). act_quant: the int8-activation
-    kernels (x and h rounded as Q8_K inside, the reference's act_quant numerics; moe_gate_up / moe_down only).
+    kernels (x and h rounded as Q8_K inside, the reference's act_quant numerics; moe_gate_up / moe_down and their
+    _rows; moe_prefill / moe_tiles refuse it: fp32 only).
     An op reads only its own matrices (gate_up: gate, up; down: down)."""
     fmt: Any
     n_experts: int
@@ -385,9 +386,9 @@ def moe_gate_up_rows(rt: Any, ex: Experts, io: TokenRows, slots: Slots = Slots()
                      rows_per_block: int | None = None, stream: Any = None, pdl: bool = False) -> MoePlan:
     """io.y = h [T * k, ff]: pair p = (row n, slot s) = n * k + s is moe_gate_up of x[n] = io.x + n * io.ldx
     (None: dim) with expert ids[p] and weight weights[p] (ids None: expert s, weights None: 1), bit-identical to
-    it; each distinct expert's gate and up rows are read once for all the pairs that chose it."""
-    need(not ex.act_quant, "moe_gate_up_rows: no int8-activation kernel groups rows (act_quant: moe_gate_up)")
-    name = ex.check_gate_up("moe_gate_up_rows")
+    it; each distinct expert's gate and up rows are read once for all the pairs that chose it. ex.act_quant:
+    moe_gate_up's int8 pairs (x rounded as Q8_K, int8 dots)."""
+    name = i8_kernel(ex.fmt, ex.act_quant) + ex.check_gate_up("moe_gate_up_rows")
     x, h, nx, k, ff, dim = io.x, io.y, io.T, slots.k, ex.ff, ex.dim
     stride = dim if io.ldx is None else int(io.ldx)
     n_pairs = nx * k
@@ -409,9 +410,9 @@ def moe_gate_up_rows(rt: Any, ex: Experts, io: TokenRows, slots: Slots = Slots()
 def moe_down_rows(rt: Any, ex: Experts, io: TokenRows, slots: Slots = Slots(), hc: HcResidual | None = None,
                   rows_per_block: int | None = None, stream: Any = None, pdl: bool = False) -> MoePlan:
     """Row n of io.T: moe_down on ids[n * k:], h[n * k:] (h = io.x), add[n] and, with hc (mix [T, (2 + hc) * hc]:
-    pre, post, comb per row; the residual X [T, hc, dim]), io.y[n] = X'_n; bit-identical to a one-row moe_down."""
-    need(not ex.act_quant, "moe_down_rows: no int8-activation kernel groups rows (act_quant: moe_down)")
-    name = ex.check_down("moe_down_rows")
+    pre, post, comb per row; the residual X [T, hc, dim]), io.y[n] = X'_n; bit-identical to a one-row moe_down
+    (with ex.act_quant: to the int8 moe_down)."""
+    name = i8_kernel(ex.down_type, ex.act_quant) + ex.check_down("moe_down_rows")
     h, out, add, nx, n_slots, dim, ff = io.x, io.y, io.add, io.T, slots.k, ex.dim, ex.ff
     need(1 <= n_slots and 1 <= nx and h.size >= nx * n_slots * ff, "moe_down_rows: h does not hold nx x n_slots x ff")
     slots.check("moe_down_rows", nx * n_slots)

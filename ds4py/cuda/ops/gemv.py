@@ -148,13 +148,16 @@ def _geometry(rt: Any, qtype: str, groups: int, warps: int | None, grid: int | N
 class GemvX:
     """The activations of a GEMV launch: nx rows x[n] = x + n * x_stride (None: one row's width), each `cols`
     values per input group. x_group_rows > 0: rows [g*x_group_rows, (g+1)*x_group_rows) of every matrix read
-    x[g*cols:(g+1)*cols] (a multiple of 4). norm = (w, eps): x RMS-normalised first (times w unless None)."""
+    x[g*cols:(g+1)*cols] (a multiple of 4). norm = (w, eps): x RMS-normalised first (times w unless None).
+    act_quant: the activations' numerics are int8 (Numerics.act_quant): Q8_0 weights only, x rounded as Q8_0
+    (after the norm) inside the kernel, dp4a block dots (gemv_q8_0_i8*; no input groups)."""
     x: DeviceArray
     cols: int
     nx: int = 1
     x_stride: int | None = None
     x_group_rows: int = 0
     norm: tuple[DeviceArray | None, float] | None = None
+    act_quant: bool = False
 
 
 @dataclass(frozen=True)
@@ -167,12 +170,48 @@ class SwiGlu:
     clamp: float = 0.0
 
 
+# ---- int8 activations (Numerics.act_quant): gemv_q8_0_i8[_hc_post | _swiglu][_rows] ---------------------------------
+# x is quantised (Q8_0 blocks, the reference's q8_0_round) once per block into shared memory behind the weight ring:
+# nx * (cols + cols / 8) bytes. A launch takes as many activation rows as fit I8_SMEM_LIMIT (GB10's 101,376 B per
+# block, less the driver's and static bytes); more rows are more launches, each row's bits the same.
+I8_SMEM_LIMIT = 101_376 - 2048
+
+
+def i8_x_bytes(nx: int, cols: int) -> int:
+    """Shared bytes of nx rows of quantised x: codes, then f32 scales (16-byte rounded)."""
+    return (nx * (cols + cols // 8) + 15) & ~15
+
+
+def i8_rows_per_launch(cols: int, warps: int) -> int:
+    """Activation rows of int8 x that fit one block's shared memory beside `warps` warps' weight ring."""
+    return max(1, (I8_SMEM_LIMIT - warps * Q8_WARP_SMEM) // (cols + cols // 8))
+
+
+def _i8_launches(rt: Any, what: str, qtype: str, groups: int, cols: int, nx: int, x_group_rows: int,
+                 warps: int | None, grid: int | None, kernel: str) -> tuple[int, int, int, int]:
+    """(grid, threads, dynamic smem, rows per launch) of an int8-activation Q8_0 launch."""
+    need(qtype == "Q8_0", f"{what}: int8 activations (act_quant) have a kernel for Q8_0 weights only, not {qtype}")
+    need(x_group_rows == 0, f"{what}: int8 activations do not combine with input groups (round x first)")
+    warps = warps or _fill_warps(rt, qtype, groups)
+    need(1 <= warps <= 32, f"gemv: warps must be 1..32, got {warps}")
+    ring = warps * Q8_WARP_SMEM
+    per = min(nx, i8_rows_per_launch(cols, warps))
+    need(ring + i8_x_bytes(1, cols) <= I8_SMEM_LIMIT, f"{what}: {cols} columns of int8 x do not fit shared memory")
+    smem = ring + i8_x_bytes(per, cols)
+    grid = grid or min(ceil_div(groups, warps), blocks_that_fit(rt, 32 * warps, smem, kernel=kernel))
+    return grid, 32 * warps, smem, per
+
+
+def _i8_kernel(base: str, n: int) -> str:
+    return base + ("_rows" if n > 1 else "")
+
+
 def gemv(rt: Any, outs: Sequence[tuple[DeviceArray, DeviceArray, int]], xin: GemvX, add: bool = False,
          warps: int | None = None, grid: int | None = None, stream: Any = None, pdl: bool = False) -> None:
     """y_m = W_m @ x (y_m += with add) for up to 4 (W_m, y_m, rows_m) of one weight type sharing x (GemvX: its
-    rows, input groups and norm prologue). nx > 1: y_m[n*rows_m:] from x[n], each weight read once for all of
-    them, row n's bits the same as alone (nx = 1). warps / grid: the launch geometry (None: the default)."""
-    x, cols, nx, x_group_rows = xin.x, xin.cols, xin.nx, xin.x_group_rows
+    rows, input groups, norm prologue and numerics). nx > 1: y_m[n*rows_m:] from x[n], each weight read once for
+    all of them, row n's bits the same as alone (nx = 1). warps / grid: the launch geometry (None: the default)."""
+    x, cols, nx, x_group_rows, act_quant = xin.x, xin.cols, xin.nx, xin.x_group_rows, xin.act_quant
     need(1 <= len(outs) <= MAX_MATS, f"gemv: 1 to {MAX_MATS} matrices per launch, got {len(outs)}")
     _rows("gemv", nx, None, 0)
     qtype = weight_type(outs[0][0], outs[0][2], cols)
@@ -188,10 +227,20 @@ def gemv(rt: Any, outs: Sequence[tuple[DeviceArray, DeviceArray, int]], xin: Gem
     suffix, extra, stride = _rows("gemv", nx, xin.x_stride, cols * max(x_groups, 1))
     norm_w, eps, flags = _check_common("gemv", qtype, x, cols, x_groups, xin.norm, nx, stride)
     flags |= ADD if add else 0
-    g, b, smem = _geometry(rt, qtype, groups, warps, grid, _KERNEL[qtype] + suffix)
     Ws = [o[0] for o in outs] + [None] * (MAX_MATS - len(outs))
     ys = [o[1] for o in outs] + [None] * (MAX_MATS - len(outs))
     rows = [o[2] for o in outs] + [0] * (MAX_MATS - len(outs))
+    if act_quant:
+        g, b, smem, per = _i8_launches(rt, "gemv", qtype, groups, cols, nx, x_group_rows, warps, grid,
+                                       _i8_kernel("gemv_q8_0_i8", nx))
+        for n0 in range(0, nx, per):
+            k = min(per, nx - n0)
+            ys_n = [y.view(4 * n0 * r, k * r) if y is not None else None for y, r in zip(ys, rows)]
+            extra_n = (k, stride) if k > 1 else ()
+            rt.launch(_i8_kernel("gemv_q8_0_i8", k), g, b, *Ws, *rows, *ys_n, x.view(4 * n0 * stride, x.size - n0 * stride),
+                      cols, 0, norm_w, eps, flags, *extra_n, smem=smem, stream=stream, pdl=pdl and n0 == 0)
+        return
+    g, b, smem = _geometry(rt, qtype, groups, warps, grid, _KERNEL[qtype] + suffix)
     rt.launch(_KERNEL[qtype] + suffix, g, b, *Ws, *rows, *ys, x, cols, x_group_rows, norm_w, eps, flags, *extra,
               smem=smem, stream=stream, pdl=pdl)
 
@@ -200,8 +249,8 @@ def gemv_hc_post(rt: Any, W: DeviceArray, xin: GemvX, res: HcResidual, warps: in
                  grid: int | None = None, stream: Any = None, pdl: bool = False) -> None:
     """f = W @ x (W [rows = res.dim, xin.cols]), then res.X [hc, D] <- post_k f + sum_j C[j,k] X_j in place (res.mix:
     [pre(hc), post(hc), comb(hc*hc)], cu/mhc.cu's hc_mix output for this sub-layer). nx > 1: rows n of x, of
-    X [nx, hc, D] and of mix [nx, (2+hc)*hc]."""
-    x, cols, nx, x_group_rows = xin.x, xin.cols, xin.nx, xin.x_group_rows
+    X [nx, hc, D] and of mix [nx, (2+hc)*hc]. xin.act_quant: as gemv's."""
+    x, cols, nx, x_group_rows, act_quant = xin.x, xin.cols, xin.nx, xin.x_group_rows, xin.act_quant
     X, mix, rows, hc = res.X, res.mix, res.dim, res.hc
     qtype = weight_type(W, rows, cols)
     _check_matrix("gemv_hc_post", W, rows, cols, qtype)
@@ -214,6 +263,17 @@ def gemv_hc_post(rt: Any, W: DeviceArray, xin: GemvX, res: HcResidual, warps: in
     x_groups = ceil_div(rows, x_group_rows) if x_group_rows else 0
     suffix, extra, stride = _rows("gemv_hc_post", nx, xin.x_stride, cols * max(x_groups, 1))
     norm_w, eps, flags = _check_common("gemv_hc_post", qtype, x, cols, x_groups, xin.norm, nx, stride)
+    if act_quant:
+        g, b, smem, per = _i8_launches(rt, "gemv_hc_post", qtype, ceil_div(rows, GEMV_ROWS), cols, nx, x_group_rows,
+                                       warps, grid, _i8_kernel("gemv_q8_0_i8_hc_post", nx))
+        mrec = (2 + hc) * hc
+        for n0 in range(0, nx, per):
+            k = min(per, nx - n0)
+            rt.launch(_i8_kernel("gemv_q8_0_i8_hc_post", k), g, b, W, rows, x.view(4 * n0 * stride, x.size - n0 * stride),
+                      cols, 0, norm_w, eps, flags, mix.view(4 * n0 * mrec, k * mrec),
+                      X.view(4 * n0 * hc * rows, k * hc * rows), *((k, stride) if k > 1 else ()), smem=smem,
+                      stream=stream, pdl=pdl and n0 == 0)
+        return
     g, b, smem = _geometry(rt, qtype, ceil_div(rows, GEMV_ROWS), warps, grid, _KERNEL[qtype] + "_hc_post" + suffix)
     rt.launch(_KERNEL[qtype] + "_hc_post" + suffix, g, b, W, rows, x, cols, x_group_rows, norm_w, eps, flags, mix, X,
               *extra, smem=smem, stream=stream, pdl=pdl)
@@ -222,8 +282,9 @@ def gemv_hc_post(rt: Any, W: DeviceArray, xin: GemvX, res: HcResidual, warps: in
 def gemv_swiglu(rt: Any, ffn: SwiGlu, xin: GemvX, y: DeviceArray, warps: int | None = None, grid: int | None = None,
                 stream: Any = None, pdl: bool = False) -> None:
     """y = silu(min(Wg x, clamp)) * clamp(Wu x, -clamp, clamp) (clamp <= 0: no clamp); Wg, Wu [rows, cols].
-    nx > 1: rows n of x (x_stride apart) into y[n*rows:]. No input groups."""
+    nx > 1: rows n of x (x_stride apart) into y[n*rows:]. No input groups. xin.act_quant: as gemv's."""
     Wg, Wu, rows, x, cols, nx = ffn.gate, ffn.up, ffn.rows, xin.x, xin.cols, xin.nx
+    clamp, act_quant = ffn.clamp, xin.act_quant
     need(xin.x_group_rows == 0, "gemv_swiglu: no input groups")
     qtype = weight_type(Wg, rows, cols)
     _check_matrix("gemv_swiglu gate", Wg, rows, cols, qtype)
@@ -232,6 +293,15 @@ def gemv_swiglu(rt: Any, ffn: SwiGlu, xin: GemvX, y: DeviceArray, warps: int | N
          f"gemv_swiglu: y must be float32 with {nx * rows} values")
     suffix, extra, stride = _rows("gemv_swiglu", nx, xin.x_stride, cols)
     norm_w, eps, flags = _check_common("gemv_swiglu", qtype, x, cols, 0, xin.norm, nx, stride)
+    if act_quant:
+        g, b, smem, per = _i8_launches(rt, "gemv_swiglu", qtype, ceil_div(rows, 2), cols, nx, 0, warps, grid,
+                                       _i8_kernel("gemv_q8_0_i8_swiglu", nx))
+        for n0 in range(0, nx, per):
+            k = min(per, nx - n0)
+            rt.launch(_i8_kernel("gemv_q8_0_i8_swiglu", k), g, b, Wg, Wu, rows, y.view(4 * n0 * rows, k * rows),
+                      x.view(4 * n0 * stride, x.size - n0 * stride), cols, norm_w, eps, flags, float(clamp),
+                      *((k, stride) if k > 1 else ()), smem=smem, stream=stream, pdl=pdl and n0 == 0)
+        return
     g, b, smem = _geometry(rt, qtype, ceil_div(rows, 2), warps, grid, _KERNEL[qtype] + "_swiglu" + suffix)
     rt.launch(_KERNEL[qtype] + "_swiglu" + suffix, g, b, Wg, Wu, rows, y, x, cols, norm_w, eps, flags, float(ffn.clamp),
               *extra, smem=smem, stream=stream, pdl=pdl)

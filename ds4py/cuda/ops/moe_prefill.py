@@ -178,6 +178,7 @@ def moe_prefill(rt: Any, ex: Experts, io: TokenRows, slots: Slots, bufs: MoePref
     """The whole routed MoE of io.T tokens: ex's stacked expert tensors (GGML raw bytes or VQ-8 device copies),
     x = io.x, y = io.y (+ io.add), the router's slots (ids [T, k] int32, weights [T, k]). See the module
     docstring."""
+    need(not ex.act_quant, "moe_prefill: the tensor-core experts are fp32 only (act_quant: the int8 moe_*_rows)")
     moe_prefill_route(rt, slots.ids, bufs, io.T, slots.k, ex.n_experts, stream=stream, pdl=pdl)
     moe_prefill_gate_up(rt, ex, io, slots, bufs, stream=stream, pdl=pdl)
     moe_prefill_down(rt, ex, bufs, io.T, slots.k, stream=stream, pdl=pdl)
@@ -254,6 +255,7 @@ def moe_tiles(rt: Any, ex: Experts, io: TokenRows, slots: Slots, bufs: MoePrefil
     """The whole routed MoE of io.T tokens in exact fp32 (GGML formats): route, the token tiles' gate + up and
     down, combine (y as moe_prefill; every (token, slot) result the decode kernels' bits, the slots summed in
     order)."""
+    need(not ex.act_quant, "moe_tiles: the token tiles are fp32 only (act_quant: the int8 moe_*_rows)")
     moe_prefill_route(rt, slots.ids, bufs, io.T, slots.k, ex.n_experts, stream=stream, pdl=pdl)
     moe_tile_gate_up(rt, ex, io, slots, bufs, stream=stream, pdl=pdl)
     moe_tile_down(rt, ex, bufs, io.T, slots.k, stream=stream, pdl=pdl)

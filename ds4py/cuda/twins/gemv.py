@@ -63,3 +63,20 @@ def mix_parts(mix: np.ndarray, hc: int = 4) -> tuple[np.ndarray, np.ndarray, np.
     """A mix record [pre(hc), post(hc), C(hc*hc)] -> (pre, post, comb [hc, hc])."""
     mix = np.asarray(mix, np.float32).reshape(-1)
     return mix[:hc], mix[hc:2 * hc], mix[2 * hc:2 * hc + hc * hc].reshape(hc, hc)
+
+
+def act_x(x: np.ndarray, cols: int, norm: tuple[np.ndarray | None, float] | None = None) -> np.ndarray:
+    """What the int8-activation Q8_0 kernels (gemv_q8_0_i8*) compute with: x (RMS-normalised first with norm)
+    rounded as the reference's act_quant mode rounds a Q8_0 product's input (ref.ops.q8_0_round)."""
+    x = np.asarray(x, np.float32).reshape(-1)[:cols]
+    if norm is not None:
+        x = ref.rmsnorm(x, norm[0], norm[1])
+    return ref.q8_0_round(x[None])[0]
+
+
+def gemv_i8(W: np.ndarray, x: np.ndarray, rows: int, cols: int,
+            norm: tuple[np.ndarray | None, float] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """gemv_q8_0_i8: (y [rows], sum_c |W x_r| per row) for the rounded x_r = act_x(x): the fp32 product the kernel's
+    exact integer block dots equal up to the rounding of its sums."""
+    xr = act_x(x, cols, norm)
+    return gemv(W, xr, rows, cols), magnitude(W, xr, rows, cols)
