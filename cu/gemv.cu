@@ -881,7 +881,8 @@ extern "C" __global__ void gemv_q4_k_swiglu_rows(const uint8_t* Wg, const uint8_
 // block against its 4 codes are one dp4a, exact in integers; the lane adds isum * (d_w * d_x) into its row sum
 // (fmaf, in block order), then warp_sum4 as the fp32 kernels. So y equals the fp32 product on q8_0_round(x) up to
 // fp32 rounding of the sums (tests/test_cu_emu_gemv_i8.py), and a row's bits do not depend on nx (the _rows kernels
-// are the single-row arithmetic). x_group_rows must be 0 (the grouped wo_a reads a rounded copy: kernels.act_x).
+// are the single-row arithmetic). x_group_rows must be 0, except in gemv_q8_0_i8_grouped[_rows] (the grouped wo_a:
+// x quantised in the block loop, see gemv_q8_i8's GROUPED).
 // Launch: as the Q8_0 kernels, dynamic shared memory warps * Q8_WARP_SMEM + nx * (cols + cols / 8) (ops/gemv.py).
 
 // x rows [nx][cols] quantised into xq (codes) and xd (scales): 8 lanes per block of 32 (4 values each), 4 blocks
@@ -937,7 +938,29 @@ __device__ __forceinline__ void gemv_i8_quantise(const GemvJob& j, const float d
     __syncthreads();
 }
 
-template <int NB>
+// One lane's 4 codes of x block `blk` (its 8 lanes `sub` 0..7 hold the block's 32 values) and the block's f16-rounded
+// scale, quantised in registers: gemv_i8_quantise's arithmetic (so the same codes and scale), the block's amax
+// shuffled among its 8 lanes only (mask8: the lanes of one block run the same iterations).
+__device__ __forceinline__ void i8_quantise_lane(const float* xb, int sub, unsigned mask8, int& xi, float& dx) {
+    const float4 a = reinterpret_cast<const float4*>(xb)[sub];
+    float amax = fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(a.z), fabsf(a.w)));
+#pragma unroll
+    for (int off = 1; off < 8; off <<= 1) amax = fmaxf(amax, __shfl_xor_sync(mask8, amax, off));
+    const float d = __fdiv_rn(amax, 127.0f);
+    const float div = d > 0.0f ? d : 1.0f;
+    xi = (int)(((unsigned)(int)rintf(__fdiv_rn(a.x, div)) & 0xFFu) |
+               (((unsigned)(int)rintf(__fdiv_rn(a.y, div)) & 0xFFu) << 8) |
+               (((unsigned)(int)rintf(__fdiv_rn(a.z, div)) & 0xFFu) << 16) |
+               (((unsigned)(int)rintf(__fdiv_rn(a.w, div)) & 0xFFu) << 24));
+    dx = __half2float(__float2half_rn(d));
+}
+
+// GROUPED (input groups, x_group_rows > 0; no norm): x is quantised in the block loop from global memory - the item's
+// x group (x_group_rows divides, so its 4 slots share one) - instead of once per block into shared memory (the whole
+// grouped x, 32,768 values at V4 Flash's wo_a, would not fit beside the ring with several rows on GB10). The codes,
+// scales and the accumulation order are the ungrouped kernel's, so each group's rows equal gemv_q8_0_i8 on that
+// group's x bit for bit.
+template <int NB, bool GROUPED = false>
 __device__ __forceinline__ void gemv_q8_i8(const GemvJob& j) {
     extern __shared__ __align__(16) uint8_t q8_stage[];
     const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
@@ -964,11 +987,14 @@ __device__ __forceinline__ void gemv_q8_i8(const GemvJob& j) {
     }
     pdl_wait();
     pdl_launch_dependents();
-    float den[NB];
+    if (!GROUPED) {
+        float den[NB];
 #pragma unroll
-    for (int n = 0; n < NB; n++) den[n] = (n < j.nx && (j.flags & GEMV_NORM)) ? warp_norm_den(j, n) : 1.0f;
-    gemv_i8_quantise<NB>(j, den, xq, xd);
+        for (int n = 0; n < NB; n++) den[n] = (n < j.nx && (j.flags & GEMV_NORM)) ? warp_norm_den(j, n) : 1.0f;
+        gemv_i8_quantise<NB>(j, den, xq, xd);
+    }
     const int sub = lane & 7;
+    const unsigned mask8 = 0xFFu << (lane & 24);
     float acc[NB][GEMV_ROWS];
 #pragma unroll
     for (int n = 0; n < NB; n++)
@@ -996,6 +1022,12 @@ __device__ __forceinline__ void gemv_q8_i8(const GemvJob& j) {
             piece[s] = src ? stage + (buf * GEMV_ROWS + s) * Q8_PIECE_BYTES + ((size_t)src & 15)
                        : s ? piece[0] : stage;
         }
+        const float* xg = nullptr;                     // GROUPED: the item's x group, row n at xg + n * x_stride
+        if (GROUPED) {
+            int m0, row0;
+            slot_row(j, cur.g, 0, m0, row0);
+            xg = slot_x(j, row0 < 0 ? 0 : row0, 0);
+        }
 #pragma unroll(NB == 1 ? 2 : 1)
         for (int b = lane >> 3; b < nb; b += 4) {
             float dw[GEMV_ROWS];
@@ -1010,8 +1042,14 @@ __device__ __forceinline__ void gemv_q8_i8(const GemvJob& j) {
 #pragma unroll
             for (int n = 0; n < NB; n++) {
                 if (n >= j.nx) break;
-                const int xi = reinterpret_cast<const int*>(xq + (size_t)n * j.cols + 32 * (b0 + b))[sub];
-                const float dx = xd[(size_t)n * nblocks + b0 + b];
+                int xi;
+                float dx;
+                if (GROUPED) {
+                    i8_quantise_lane(xg + (size_t)n * j.x_stride + 32 * (b0 + b), sub, mask8, xi, dx);
+                } else {
+                    xi = reinterpret_cast<const int*>(xq + (size_t)n * j.cols + 32 * (b0 + b))[sub];
+                    dx = xd[(size_t)n * nblocks + b0 + b];
+                }
 #pragma unroll
                 for (int s = 0; s < GEMV_ROWS; s++) {
                     const int isum = __dp4a(wq[s], xi, 0);
@@ -1088,4 +1126,26 @@ extern "C" __global__ void gemv_q8_0_i8_swiglu_rows(const uint8_t* Wg, const uin
     GEMV_SWIGLU_BODY
     j.nx = nx; j.x_stride = x_stride;
     gemv_q8_i8<GEMV_MAX_X>(j);
+}
+
+// As gemv_q8_0 with input groups (x_group_rows > 0, no norm), int8 activations: each group's x quantised in the block
+// loop (GROUPED), so each group's rows = gemv_q8_0_i8 on x[g*cols:] bit for bit. Launch: as gemv_q8_0, dynamic
+// shared memory warps * Q8_WARP_SMEM (the ring only).
+extern "C" __global__ void gemv_q8_0_i8_grouped(const uint8_t* W0, const uint8_t* W1, const uint8_t* W2,
+                                                const uint8_t* W3, int rows0, int rows1, int rows2, int rows3,
+                                                float* y0, float* y1, float* y2, float* y3, const float* x, int cols,
+                                                int x_group_rows, const float* norm_w, float norm_eps, int flags) {
+    GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3)
+    gemv_q8_i8<1, true>(j);
+}
+
+// As gemv_q8_0_i8_grouped for nx activation rows x + n * x_stride (a multi-row step's wo_a). Launch: as it.
+extern "C" __global__ void gemv_q8_0_i8_grouped_rows(const uint8_t* W0, const uint8_t* W1, const uint8_t* W2,
+                                                     const uint8_t* W3, int rows0, int rows1, int rows2, int rows3,
+                                                     float* y0, float* y1, float* y2, float* y3, const float* x,
+                                                     int cols, int x_group_rows, const float* norm_w, float norm_eps,
+                                                     int flags, int nx, int x_stride) {
+    GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3)
+    j.nx = nx; j.x_stride = x_stride;
+    gemv_q8_i8<GEMV_MAX_X, true>(j);
 }
