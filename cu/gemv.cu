@@ -882,7 +882,7 @@ extern "C" __global__ void gemv_q4_k_swiglu_rows(const uint8_t* Wg, const uint8_
 // (fmaf, in block order), then warp_sum4 as the fp32 kernels. So y equals the fp32 product on q8_0_round(x) up to
 // fp32 rounding of the sums (tests/test_cu_emu_gemv_i8.py), and a row's bits do not depend on nx (the _rows kernels
 // are the single-row arithmetic). x_group_rows must be 0, except in gemv_q8_0_i8_grouped[_rows] (the grouped wo_a:
-// x quantised in the block loop, see gemv_q8_i8's GROUPED).
+// each warp's x group quantised into its own shared memory, see gemv_q8_i8's GROUPED).
 // Launch: as the Q8_0 kernels, dynamic shared memory warps * Q8_WARP_SMEM + nx * (cols + cols / 8) (ops/gemv.py).
 
 // x rows [nx][cols] quantised into xq (codes) and xd (scales): 8 lanes per block of 32 (4 values each), 4 blocks
@@ -955,24 +955,50 @@ __device__ __forceinline__ void i8_quantise_lane(const float* xb, int sub, unsig
     dx = __half2float(__float2half_rn(d));
 }
 
-// GROUPED (input groups, x_group_rows > 0; no norm): x is quantised in the block loop from global memory - the item's
-// x group (x_group_rows divides, so its 4 slots share one) - instead of once per block into shared memory (the whole
-// grouped x, 32,768 values at V4 Flash's wo_a, would not fit beside the ring with several rows on GB10). The codes,
+// GROUPED (input groups, x_group_rows > 0; no norm): a warp takes a run of consecutive row groups (not grid-stride)
+// and quantises its x group - cols values of each row n - into its own part of shared memory whenever the group
+// changes (gemv_i8_quantise_warp), so one quantisation serves the run's rows (the launch sizes the runs:
+// ops/gemv.py I8_GROUP_RUN); the whole grouped x (32,768 values at V4 Flash's wo_a) never has to fit. The codes,
 // scales and the accumulation order are the ungrouped kernel's, so each group's rows equal gemv_q8_0_i8 on that
 // group's x bit for bit.
+__device__ __forceinline__ void gemv_i8_quantise_warp(const GemvJob& j, int xgroup, int8_t* xq, float* xd) {
+    const int lane = threadIdx.x & 31, sub = lane & 7;
+    const unsigned mask8 = 0xFFu << (lane & 24);
+    const int nbx = j.cols >> 5, total = j.nx * nbx;
+    __syncwarp();                                      // the previous group's codes are no longer read
+#pragma unroll 4
+    for (int base = 0; base < total; base += 4) {      // warp-uniform trip count; a block's 8 lanes live together
+        const int t = base + (lane >> 3);
+        if (t < total) {
+            const int n = t / nbx, b = t - n * nbx;
+            int xi;
+            float dx;
+            i8_quantise_lane(j.x + (size_t)n * j.x_stride + (size_t)xgroup * j.cols + 32 * b, sub, mask8, xi, dx);
+            reinterpret_cast<int*>(xq + (size_t)n * j.cols + 32 * b)[sub] = xi;
+            if (sub == 0) xd[(size_t)n * nbx + b] = dx;
+        }
+    }
+    __syncwarp();
+}
+
 template <int NB, bool GROUPED = false>
 __device__ __forceinline__ void gemv_q8_i8(const GemvJob& j) {
     extern __shared__ __align__(16) uint8_t q8_stage[];
     const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     const int gwarp = blockIdx.x * warps + (threadIdx.x >> 5), nwarps = gridDim.x * warps;
     uint8_t* stage = q8_stage + (threadIdx.x >> 5) * Q8_WARP_SMEM;
-    int8_t* xq = reinterpret_cast<int8_t*>(q8_stage + warps * Q8_WARP_SMEM);
+    // x's codes + scales: the block's (all of x), or GROUPED the warp's own (its current x group)
+    const int xbytes = (j.nx * (j.cols + (j.cols >> 3)) + 15) & ~15;
+    int8_t* xq = reinterpret_cast<int8_t*>(q8_stage + warps * Q8_WARP_SMEM + (GROUPED ? (threadIdx.x >> 5) * xbytes : 0));
     float* xd = reinterpret_cast<float*>(xq + (size_t)j.nx * j.cols);
     const int nblocks = j.cols >> 5;
     const int nchunks = (nblocks + Q8_CHUNK_BLOCKS - 1) / Q8_CHUNK_BLOCKS;
     const int groups = group_count(j);
-    Q8Item cur{gwarp, 0};
-    const bool any = cur.g < groups;
+    const int run = GROUPED ? (groups + nwarps - 1) / nwarps : 0;          // GROUPED: the warp's row groups
+    const int g_end = GROUPED ? min(groups, (gwarp + 1) * run) : groups;
+    const int g_step = GROUPED ? 1 : nwarps;
+    Q8Item cur{GROUPED ? gwarp * run : gwarp, 0};
+    const bool any = cur.g < g_end;
     Q8Item ahead = cur;                                // the ring, as gemv_q8
     bool issuing = any;
     int ibuf = 0;
@@ -980,7 +1006,7 @@ __device__ __forceinline__ void gemv_q8_i8(const GemvJob& j) {
     for (int k = 0; k < Q8_STAGES - 1; k++) {          // before pdl_wait: weights only
         if (issuing) {
             q8_issue(j, stage, ibuf, ahead, nblocks, lane);
-            issuing = q8_next(nchunks, groups, nwarps, ahead);
+            issuing = q8_next(nchunks, g_end, g_step, ahead);
         }
         cp_async_commit();
         ibuf = ibuf + 1 == Q8_STAGES ? 0 : ibuf + 1;
@@ -994,7 +1020,7 @@ __device__ __forceinline__ void gemv_q8_i8(const GemvJob& j) {
         gemv_i8_quantise<NB>(j, den, xq, xd);
     }
     const int sub = lane & 7;
-    const unsigned mask8 = 0xFFu << (lane & 24);
+    int xgroup = -1;                                   // GROUPED: the x group whose codes are in xq
     float acc[NB][GEMV_ROWS];
 #pragma unroll
     for (int n = 0; n < NB; n++)
@@ -1004,10 +1030,10 @@ __device__ __forceinline__ void gemv_q8_i8(const GemvJob& j) {
     bool more = any;
     while (more) {
         Q8Item nxt = cur;
-        more = q8_next(nchunks, groups, nwarps, nxt);
+        more = q8_next(nchunks, g_end, g_step, nxt);
         if (issuing) {
             q8_issue(j, stage, ibuf, ahead, nblocks, lane);
-            issuing = q8_next(nchunks, groups, nwarps, ahead);
+            issuing = q8_next(nchunks, g_end, g_step, ahead);
         }
         cp_async_commit();
         ibuf = ibuf + 1 == Q8_STAGES ? 0 : ibuf + 1;
@@ -1022,11 +1048,14 @@ __device__ __forceinline__ void gemv_q8_i8(const GemvJob& j) {
             piece[s] = src ? stage + (buf * GEMV_ROWS + s) * Q8_PIECE_BYTES + ((size_t)src & 15)
                        : s ? piece[0] : stage;
         }
-        const float* xg = nullptr;                     // GROUPED: the item's x group, row n at xg + n * x_stride
-        if (GROUPED) {
+        if (GROUPED) {                                 // x_group_rows divides: the item's 4 slots share a group
             int m0, row0;
             slot_row(j, cur.g, 0, m0, row0);
-            xg = slot_x(j, row0 < 0 ? 0 : row0, 0);
+            const int xg = (row0 < 0 ? 0 : row0) / j.x_group_rows;
+            if (xg != xgroup) {
+                gemv_i8_quantise_warp(j, xg, xq, xd);
+                xgroup = xg;
+            }
         }
 #pragma unroll(NB == 1 ? 2 : 1)
         for (int b = lane >> 3; b < nb; b += 4) {
@@ -1042,14 +1071,8 @@ __device__ __forceinline__ void gemv_q8_i8(const GemvJob& j) {
 #pragma unroll
             for (int n = 0; n < NB; n++) {
                 if (n >= j.nx) break;
-                int xi;
-                float dx;
-                if (GROUPED) {
-                    i8_quantise_lane(xg + (size_t)n * j.x_stride + 32 * (b0 + b), sub, mask8, xi, dx);
-                } else {
-                    xi = reinterpret_cast<const int*>(xq + (size_t)n * j.cols + 32 * (b0 + b))[sub];
-                    dx = xd[(size_t)n * nblocks + b0 + b];
-                }
+                const int xi = reinterpret_cast<const int*>(xq + (size_t)n * j.cols + 32 * (b0 + b))[sub];
+                const float dx = xd[(size_t)n * nblocks + b0 + b];
 #pragma unroll
                 for (int s = 0; s < GEMV_ROWS; s++) {
                     const int isum = __dp4a(wq[s], xi, 0);
@@ -1128,9 +1151,9 @@ extern "C" __global__ void gemv_q8_0_i8_swiglu_rows(const uint8_t* Wg, const uin
     gemv_q8_i8<GEMV_MAX_X>(j);
 }
 
-// As gemv_q8_0 with input groups (x_group_rows > 0, no norm), int8 activations: each group's x quantised in the block
-// loop (GROUPED), so each group's rows = gemv_q8_0_i8 on x[g*cols:] bit for bit. Launch: as gemv_q8_0, dynamic
-// shared memory warps * Q8_WARP_SMEM (the ring only).
+// As gemv_q8_0 with input groups (x_group_rows > 0, no norm), int8 activations: a warp's runs of row groups, its x
+// group quantised into its own shared memory (GROUPED), so each group's rows = gemv_q8_0_i8 on x[g*cols:] bit for
+// bit. Launch: as gemv_q8_0, dynamic shared memory warps * (Q8_WARP_SMEM + nx * (cols + cols / 8) rounded up to 16).
 extern "C" __global__ void gemv_q8_0_i8_grouped(const uint8_t* W0, const uint8_t* W1, const uint8_t* W2,
                                                 const uint8_t* W3, int rows0, int rows1, int rows2, int rows3,
                                                 float* y0, float* y1, float* y2, float* y3, const float* x, int cols,

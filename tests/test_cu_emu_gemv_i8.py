@@ -204,3 +204,27 @@ def test_grouped_several_matrices_and_rows(rt, arena, put):
     ops.gemv(rt, [(dWs[0], y, shapes[0])], GemvX(put(xs[0], False), cols, x_group_rows=xgr, act_quant=True), add=True)
     want, mag = tg.gemv_i8(Ws[0], xs[0], shapes[0], cols, x_group_rows=xgr)
     twins.assert_close_scaled(y.download(), want + base, mag + np.abs(base), cols, "i8 grouped add")
+
+
+def test_grouped_rows_over_several_launches_and_warps(rt, arena, put):
+    """At 8,192 columns 4 warps hold one row of int8 x each beside their rings (GB10's shared memory): nx = 3 rows
+    take 3 launches; by default the launch takes fewer warps and one launch. Every row = that row alone, bit for
+    bit, and the twin."""
+    from ds4py.cuda.ops.gemv import _i8_grouped_launches
+
+    cols, xgr, rows, nx = 8192, 4, 10, 3
+    assert _i8_grouped_launches(rt, "t", 3, cols, nx, 4, None, "gemv_q8_0_i8_grouped_rows")[3] == 1
+    assert _i8_grouped_launches(rt, "t", 3, cols, nx, None, None, "gemv_q8_0_i8_grouped_rows")[3] == nx
+    r = rng(23, cols)
+    W = gemv_weights(r, "Q8_0", rows, cols)
+    xs = grouped_x(r, 3, cols, nx)
+    dW, dx = put(W), put(xs, False)
+    for warps in (4, None):
+        y = arena.scratch(nx * rows, np.float32)
+        ops.gemv(rt, [(dW, y, rows)], GemvX(dx, cols, nx=nx, x_group_rows=xgr, act_quant=True), warps=warps)
+        for k in range(nx):
+            one = arena.scratch(rows, np.float32)
+            ops.gemv(rt, [(dW, one, rows)], GemvX(put(xs[k], False), cols, x_group_rows=xgr, act_quant=True))
+            assert y.download()[k * rows:(k + 1) * rows].tobytes() == one.download().tobytes(), f"row {k} {warps}"
+    want, mag = tg.gemv_i8(W, xs[nx - 1], rows, cols, x_group_rows=xgr)
+    twins.assert_close_scaled(one.download(), want, mag, cols, "i8 grouped 8192")

@@ -194,17 +194,42 @@ def _i8_launches(rt: Any, what: str, qtype: str, groups: int, cols: int, nx: int
     (gemv_q8_0_i8_grouped*: x quantised in the block loop) the shared memory is the ring alone: every row in one
     launch."""
     need(qtype == "Q8_0", f"{what}: int8 activations (act_quant) have a kernel for Q8_0 weights only, not {qtype}")
+    if x_group_rows > 0:
+        return _i8_grouped_launches(rt, what, groups, cols, nx, warps, grid, kernel)
     warps = warps or _fill_warps(rt, qtype, groups)
     need(1 <= warps <= 32, f"gemv: warps must be 1..32, got {warps}")
     ring = warps * Q8_WARP_SMEM
-    if x_group_rows > 0:
-        g = grid or min(ceil_div(groups, warps), blocks_that_fit(rt, 32 * warps, ring, kernel=kernel))
-        return g, 32 * warps, ring, nx
     per = min(nx, i8_rows_per_launch(cols, warps))
     need(ring + i8_x_bytes(1, cols) <= I8_SMEM_LIMIT, f"{what}: {cols} columns of int8 x do not fit shared memory")
     smem = ring + i8_x_bytes(per, cols)
     grid = grid or min(ceil_div(groups, warps), blocks_that_fit(rt, 32 * warps, smem, kernel=kernel))
     return grid, 32 * warps, smem, per
+
+
+# With input groups (gemv_q8_0_i8_grouped*) each warp quantises its current x group into its own shared memory
+# (nx * (cols + cols / 8) bytes beside its ring) and takes a run of consecutive row groups, so that one quantisation
+# serves I8_GROUP_RUN row groups (16 rows) or more: the grid is sized for that, never above one wave.
+I8_GROUP_RUN = 4
+
+
+def _i8_grouped_launches(rt: Any, what: str, groups: int, cols: int, nx: int, warps: int | None,
+                         grid: int | None, kernel: str) -> tuple[int, int, int, int]:
+    """(grid, threads, dynamic smem, rows per launch) of gemv_q8_0_i8_grouped*: the default warps (fewer when a
+    warp's nx rows of x would not fit beside its ring), as many rows per launch as fit."""
+    per_warp = lambda k: Q8_WARP_SMEM + i8_x_bytes(k, cols)                      # noqa: E731
+    need(per_warp(1) <= I8_SMEM_LIMIT, f"{what}: {cols} columns of int8 x do not fit shared memory")
+    if warps is None:
+        warps = DEFAULT_WARPS["Q8_0"]
+        while warps > 1 and warps * per_warp(nx) > I8_SMEM_LIMIT:
+            warps -= 1
+    need(1 <= warps <= 32 and warps * per_warp(1) <= I8_SMEM_LIMIT,
+         f"{what}: {warps} warps of int8 x with input groups do not fit shared memory")
+    per = nx
+    while per > 1 and warps * per_warp(per) > I8_SMEM_LIMIT:
+        per -= 1
+    smem = warps * per_warp(per)
+    g = grid or min(ceil_div(groups, warps * I8_GROUP_RUN), blocks_that_fit(rt, 32 * warps, smem, kernel=kernel))
+    return g, 32 * warps, smem, per
 
 
 def _i8_kernel(base: str, n: int) -> str:
