@@ -881,7 +881,8 @@ extern "C" __global__ void gemv_q4_k_swiglu_rows(const uint8_t* Wg, const uint8_
 // block against its 4 codes are one dp4a, exact in integers; the lane adds isum * (d_w * d_x) into its row sum
 // (fmaf, in block order), then warp_sum4 as the fp32 kernels. So y equals the fp32 product on q8_0_round(x) up to
 // fp32 rounding of the sums (tests/test_cu_emu_gemv_i8.py), and a row's bits do not depend on nx (the _rows kernels
-// are the single-row arithmetic). x_group_rows must be 0 (the grouped wo_a reads a rounded copy: kernels.act_x).
+// are the single-row arithmetic). x_group_rows must be 0, except in gemv_q8_0_i8_grouped[_rows] (the grouped wo_a:
+// each warp's x group quantised into its own shared memory, see gemv_q8_i8's GROUPED).
 // Launch: as the Q8_0 kernels, dynamic shared memory warps * Q8_WARP_SMEM + nx * (cols + cols / 8) (ops/gemv.py).
 
 // x rows [nx][cols] quantised into xq (codes) and xd (scales): 8 lanes per block of 32 (4 values each), 4 blocks
@@ -937,19 +938,67 @@ __device__ __forceinline__ void gemv_i8_quantise(const GemvJob& j, const float d
     __syncthreads();
 }
 
-template <int NB>
+// One lane's 4 codes of x block `blk` (its 8 lanes `sub` 0..7 hold the block's 32 values) and the block's f16-rounded
+// scale, quantised in registers: gemv_i8_quantise's arithmetic (so the same codes and scale), the block's amax
+// shuffled among its 8 lanes only (mask8: the lanes of one block run the same iterations).
+__device__ __forceinline__ void i8_quantise_lane(const float* xb, int sub, unsigned mask8, int& xi, float& dx) {
+    const float4 a = reinterpret_cast<const float4*>(xb)[sub];
+    float amax = fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(a.z), fabsf(a.w)));
+#pragma unroll
+    for (int off = 1; off < 8; off <<= 1) amax = fmaxf(amax, __shfl_xor_sync(mask8, amax, off));
+    const float d = __fdiv_rn(amax, 127.0f);
+    const float div = d > 0.0f ? d : 1.0f;
+    xi = (int)(((unsigned)(int)rintf(__fdiv_rn(a.x, div)) & 0xFFu) |
+               (((unsigned)(int)rintf(__fdiv_rn(a.y, div)) & 0xFFu) << 8) |
+               (((unsigned)(int)rintf(__fdiv_rn(a.z, div)) & 0xFFu) << 16) |
+               (((unsigned)(int)rintf(__fdiv_rn(a.w, div)) & 0xFFu) << 24));
+    dx = __half2float(__float2half_rn(d));
+}
+
+// GROUPED (input groups, x_group_rows > 0; no norm): a warp takes a run of consecutive row groups (not grid-stride)
+// and quantises its x group - cols values of each row n - into its own part of shared memory whenever the group
+// changes (gemv_i8_quantise_warp), so one quantisation serves the run's rows (the launch sizes the runs:
+// ops/gemv.py I8_GROUP_RUN); the whole grouped x (32,768 values at V4 Flash's wo_a) never has to fit. The codes,
+// scales and the accumulation order are the ungrouped kernel's, so each group's rows equal gemv_q8_0_i8 on that
+// group's x bit for bit.
+__device__ __forceinline__ void gemv_i8_quantise_warp(const GemvJob& j, int xgroup, int8_t* xq, float* xd) {
+    const int lane = threadIdx.x & 31, sub = lane & 7;
+    const unsigned mask8 = 0xFFu << (lane & 24);
+    const int nbx = j.cols >> 5, total = j.nx * nbx;
+    __syncwarp();                                      // the previous group's codes are no longer read
+#pragma unroll 4
+    for (int base = 0; base < total; base += 4) {      // warp-uniform trip count; a block's 8 lanes live together
+        const int t = base + (lane >> 3);
+        if (t < total) {
+            const int n = t / nbx, b = t - n * nbx;
+            int xi;
+            float dx;
+            i8_quantise_lane(j.x + (size_t)n * j.x_stride + (size_t)xgroup * j.cols + 32 * b, sub, mask8, xi, dx);
+            reinterpret_cast<int*>(xq + (size_t)n * j.cols + 32 * b)[sub] = xi;
+            if (sub == 0) xd[(size_t)n * nbx + b] = dx;
+        }
+    }
+    __syncwarp();
+}
+
+template <int NB, bool GROUPED = false>
 __device__ __forceinline__ void gemv_q8_i8(const GemvJob& j) {
     extern __shared__ __align__(16) uint8_t q8_stage[];
     const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     const int gwarp = blockIdx.x * warps + (threadIdx.x >> 5), nwarps = gridDim.x * warps;
     uint8_t* stage = q8_stage + (threadIdx.x >> 5) * Q8_WARP_SMEM;
-    int8_t* xq = reinterpret_cast<int8_t*>(q8_stage + warps * Q8_WARP_SMEM);
+    // x's codes + scales: the block's (all of x), or GROUPED the warp's own (its current x group)
+    const int xbytes = (j.nx * (j.cols + (j.cols >> 3)) + 15) & ~15;
+    int8_t* xq = reinterpret_cast<int8_t*>(q8_stage + warps * Q8_WARP_SMEM + (GROUPED ? (threadIdx.x >> 5) * xbytes : 0));
     float* xd = reinterpret_cast<float*>(xq + (size_t)j.nx * j.cols);
     const int nblocks = j.cols >> 5;
     const int nchunks = (nblocks + Q8_CHUNK_BLOCKS - 1) / Q8_CHUNK_BLOCKS;
     const int groups = group_count(j);
-    Q8Item cur{gwarp, 0};
-    const bool any = cur.g < groups;
+    const int run = GROUPED ? (groups + nwarps - 1) / nwarps : 0;          // GROUPED: the warp's row groups
+    const int g_end = GROUPED ? min(groups, (gwarp + 1) * run) : groups;
+    const int g_step = GROUPED ? 1 : nwarps;
+    Q8Item cur{GROUPED ? gwarp * run : gwarp, 0};
+    const bool any = cur.g < g_end;
     Q8Item ahead = cur;                                // the ring, as gemv_q8
     bool issuing = any;
     int ibuf = 0;
@@ -957,18 +1006,21 @@ __device__ __forceinline__ void gemv_q8_i8(const GemvJob& j) {
     for (int k = 0; k < Q8_STAGES - 1; k++) {          // before pdl_wait: weights only
         if (issuing) {
             q8_issue(j, stage, ibuf, ahead, nblocks, lane);
-            issuing = q8_next(nchunks, groups, nwarps, ahead);
+            issuing = q8_next(nchunks, g_end, g_step, ahead);
         }
         cp_async_commit();
         ibuf = ibuf + 1 == Q8_STAGES ? 0 : ibuf + 1;
     }
     pdl_wait();
     pdl_launch_dependents();
-    float den[NB];
+    if (!GROUPED) {
+        float den[NB];
 #pragma unroll
-    for (int n = 0; n < NB; n++) den[n] = (n < j.nx && (j.flags & GEMV_NORM)) ? warp_norm_den(j, n) : 1.0f;
-    gemv_i8_quantise<NB>(j, den, xq, xd);
+        for (int n = 0; n < NB; n++) den[n] = (n < j.nx && (j.flags & GEMV_NORM)) ? warp_norm_den(j, n) : 1.0f;
+        gemv_i8_quantise<NB>(j, den, xq, xd);
+    }
     const int sub = lane & 7;
+    int xgroup = -1;                                   // GROUPED: the x group whose codes are in xq
     float acc[NB][GEMV_ROWS];
 #pragma unroll
     for (int n = 0; n < NB; n++)
@@ -978,10 +1030,10 @@ __device__ __forceinline__ void gemv_q8_i8(const GemvJob& j) {
     bool more = any;
     while (more) {
         Q8Item nxt = cur;
-        more = q8_next(nchunks, groups, nwarps, nxt);
+        more = q8_next(nchunks, g_end, g_step, nxt);
         if (issuing) {
             q8_issue(j, stage, ibuf, ahead, nblocks, lane);
-            issuing = q8_next(nchunks, groups, nwarps, ahead);
+            issuing = q8_next(nchunks, g_end, g_step, ahead);
         }
         cp_async_commit();
         ibuf = ibuf + 1 == Q8_STAGES ? 0 : ibuf + 1;
@@ -995,6 +1047,15 @@ __device__ __forceinline__ void gemv_q8_i8(const GemvJob& j) {
             const uint8_t* src = q8_src(j, cur, s, nblocks);
             piece[s] = src ? stage + (buf * GEMV_ROWS + s) * Q8_PIECE_BYTES + ((size_t)src & 15)
                        : s ? piece[0] : stage;
+        }
+        if (GROUPED) {                                 // x_group_rows divides: the item's 4 slots share a group
+            int m0, row0;
+            slot_row(j, cur.g, 0, m0, row0);
+            const int xg = (row0 < 0 ? 0 : row0) / j.x_group_rows;
+            if (xg != xgroup) {
+                gemv_i8_quantise_warp(j, xg, xq, xd);
+                xgroup = xg;
+            }
         }
 #pragma unroll(NB == 1 ? 2 : 1)
         for (int b = lane >> 3; b < nb; b += 4) {
@@ -1088,4 +1149,26 @@ extern "C" __global__ void gemv_q8_0_i8_swiglu_rows(const uint8_t* Wg, const uin
     GEMV_SWIGLU_BODY
     j.nx = nx; j.x_stride = x_stride;
     gemv_q8_i8<GEMV_MAX_X>(j);
+}
+
+// As gemv_q8_0 with input groups (x_group_rows > 0, no norm), int8 activations: a warp's runs of row groups, its x
+// group quantised into its own shared memory (GROUPED), so each group's rows = gemv_q8_0_i8 on x[g*cols:] bit for
+// bit. Launch: as gemv_q8_0, dynamic shared memory warps * (Q8_WARP_SMEM + nx * (cols + cols / 8) rounded up to 16).
+extern "C" __global__ void gemv_q8_0_i8_grouped(const uint8_t* W0, const uint8_t* W1, const uint8_t* W2,
+                                                const uint8_t* W3, int rows0, int rows1, int rows2, int rows3,
+                                                float* y0, float* y1, float* y2, float* y3, const float* x, int cols,
+                                                int x_group_rows, const float* norm_w, float norm_eps, int flags) {
+    GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3)
+    gemv_q8_i8<1, true>(j);
+}
+
+// As gemv_q8_0_i8_grouped for nx activation rows x + n * x_stride (a multi-row step's wo_a). Launch: as it.
+extern "C" __global__ void gemv_q8_0_i8_grouped_rows(const uint8_t* W0, const uint8_t* W1, const uint8_t* W2,
+                                                     const uint8_t* W3, int rows0, int rows1, int rows2, int rows3,
+                                                     float* y0, float* y1, float* y2, float* y3, const float* x,
+                                                     int cols, int x_group_rows, const float* norm_w, float norm_eps,
+                                                     int flags, int nx, int x_stride) {
+    GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3)
+    j.nx = nx; j.x_stride = x_stride;
+    gemv_q8_i8<GEMV_MAX_X, true>(j);
 }

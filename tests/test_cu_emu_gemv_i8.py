@@ -3,7 +3,9 @@ llama.cpp's mmvq) under the CPU emulator against their twin (ds4py/cuda/twins/ge
 rounded by the reference's own ds4py.ref.ops.q8_0_round, after the RMSNorm). The kernels quantise x themselves and
 take exact integer block dots, so they equal the twin within the fp32 rounding of its sums (assert_close_scaled):
 one code off in the rounding is far outside it (x here has zero blocks, ties of magnitude and values at exactly half a
-code). The `_rows` kernels are bit-identical to the single-row ones, also when the rows take several launches."""
+code). The `_rows` kernels are bit-identical to the single-row ones, also when the rows take several launches. With
+input groups (gemv_q8_0_i8_grouped[_rows], the grouped wo_a) each group's rows equal gemv_q8_0_i8 on that group's x
+bit for bit."""
 
 from __future__ import annotations
 
@@ -138,4 +140,91 @@ def test_refusals(rt, arena, put):
     with pytest.raises(Ds4Error, match="Q8_0 weights only"):
         ops.gemv(rt, [(put(gemv_weights(r, "F16", 8, 64)), y, 8)], GemvX(x, 64, act_quant=True))
     with pytest.raises(Ds4Error, match="input groups"):
-        ops.gemv(rt, [(put(gemv_weights(r, "Q8_0", 8, 32)), y, 8)], GemvX(x, 32, x_group_rows=4, act_quant=True))
+        ops.gemv_hc_post(rt, put(gemv_weights(r, "Q8_0", 8, 32)), GemvX(x, 32, x_group_rows=4, act_quant=True),
+                         HcResidual(arena.scratch(32, np.float32), put(np.zeros(24, np.float32)), 8))
+    with pytest.raises(Ds4Error, match="input groups"):
+        ops.gemv(rt, [(put(gemv_weights(r, "Q8_0", 8, 32)), y, 8)],
+                 GemvX(x, 32, x_group_rows=4, norm=(None, 1e-6), act_quant=True))
+
+
+# ---- input groups (gemv_q8_0_i8_grouped[_rows]: the grouped wo_a, x quantised in the block loop) ------------------
+def grouped_x(r: np.random.Generator, groups: int, cols: int, n: int = 1) -> np.ndarray:
+    """n rows of `groups` groups of x, each group with activations()'s special blocks."""
+    return np.stack([np.concatenate([activations(r, cols)[0] for _ in range(groups)]) for _ in range(n)])
+
+
+@pytest.mark.parametrize("rows,cols,xgr,warps,grid", [(24, 96, 8, 2, None), (40, 288, 12, 3, None),
+                                                      (66, 1056, 16, 4, None), (12, 2080, 4, 2, 1)])
+def test_grouped_is_the_twin_and_each_group_alone_bit_for_bit(rt, arena, put, rows, cols, xgr, warps, grid):
+    """Row block g reads group g's x, rounded on its own (the twin: ref.ops.q8_0_round per group); and each group's
+    rows are gemv_q8_0_i8 on that group's x bit for bit (the same codes, scales and sum order). Ragged: rows not a
+    multiple of x_group_rows (66 = 4 x 16 + 2), several pieces per row (2,080 columns)."""
+    r = rng(rows, cols, xgr)
+    groups = -(-rows // xgr)
+    W = gemv_weights(r, "Q8_0", rows, cols)
+    x = grouped_x(r, groups, cols)[0]
+    y = arena.scratch(rows, np.float32)
+    dW = put(W)
+    ops.gemv(rt, [(dW, y, rows)], GemvX(put(x, False), cols, x_group_rows=xgr, act_quant=True), warps=warps, grid=grid)
+    got = y.download()
+    want, mag = tg.gemv_i8(W, x, rows, cols, x_group_rows=xgr)
+    twins.assert_close_scaled(got, want, mag, cols, f"i8 grouped {rows}x{cols}/{xgr}")
+    assert not np.array_equal(want, tg.gemv(W, x, rows, cols, x_group_rows=xgr))   # the rounding is really there
+    for g in range(groups):
+        n = min(xgr, rows - g * xgr)
+        one = arena.scratch(n, np.float32)
+        ops.gemv(rt, [(put(W[g * xgr:g * xgr + n]), one, n)], GemvX(put(x[g * cols:(g + 1) * cols], False), cols,
+                                                                     act_quant=True), warps=warps)
+        assert got[g * xgr:g * xgr + n].tobytes() == one.download().tobytes(), f"group {g}"
+
+
+def test_grouped_several_matrices_and_rows(rt, arena, put):
+    """Two matrices of one launch (each its own groups from x's start), add; nx = 3 rows in one launch
+    (gemv_q8_0_i8_grouped_rows, x_stride wider than the groups) = each row alone bit for bit."""
+    r = rng(21, 5)
+    cols, xgr, shapes, nx = 160, 8, [20, 13], 3
+    Ws = [gemv_weights(r, "Q8_0", n, cols) for n in shapes]
+    groups = 3
+    stride = groups * cols + 32
+    xs = np.zeros((nx, stride), np.float32)
+    xs[:, :groups * cols] = grouped_x(r, groups, cols, nx)
+    dWs, dx = [put(W) for W in Ws], put(xs, False)
+    ys = [arena.scratch(nx * n, np.float32) for n in shapes]
+    ops.gemv(rt, [(dW, y, n) for dW, y, n in zip(dWs, ys, shapes)],
+             GemvX(dx, cols, nx=nx, x_stride=stride, x_group_rows=xgr, act_quant=True), warps=2)
+    for k in range(nx):
+        for W, dW, y, n in zip(Ws, dWs, ys, shapes):
+            one = arena.scratch(n, np.float32)
+            ops.gemv(rt, [(dW, one, n)], GemvX(put(xs[k], False), cols, x_group_rows=xgr, act_quant=True), warps=2)
+            assert y.download()[k * n:(k + 1) * n].tobytes() == one.download().tobytes(), f"row {k} matrix {n}"
+            want, mag = tg.gemv_i8(W, xs[k], n, cols, x_group_rows=xgr)
+            twins.assert_close_scaled(one.download(), want, mag, cols, f"i8 grouped row {k}")
+    base = r.standard_normal(shapes[0]).astype(np.float32)
+    y = put(base, False)
+    ops.gemv(rt, [(dWs[0], y, shapes[0])], GemvX(put(xs[0], False), cols, x_group_rows=xgr, act_quant=True), add=True)
+    want, mag = tg.gemv_i8(Ws[0], xs[0], shapes[0], cols, x_group_rows=xgr)
+    twins.assert_close_scaled(y.download(), want + base, mag + np.abs(base), cols, "i8 grouped add")
+
+
+def test_grouped_rows_over_several_launches_and_warps(rt, arena, put):
+    """At 8,192 columns 4 warps hold one row of int8 x each beside their rings (GB10's shared memory): nx = 3 rows
+    take 3 launches; by default the launch takes fewer warps and one launch. Every row = that row alone, bit for
+    bit, and the twin."""
+    from ds4py.cuda.ops.gemv import _i8_grouped_launches
+
+    cols, xgr, rows, nx = 8192, 4, 10, 3
+    assert _i8_grouped_launches(rt, "t", 3, cols, nx, 4, None, "gemv_q8_0_i8_grouped_rows")[3] == 1
+    assert _i8_grouped_launches(rt, "t", 3, cols, nx, None, None, "gemv_q8_0_i8_grouped_rows")[3] == nx
+    r = rng(23, cols)
+    W = gemv_weights(r, "Q8_0", rows, cols)
+    xs = grouped_x(r, 3, cols, nx)
+    dW, dx = put(W), put(xs, False)
+    for warps in (4, None):
+        y = arena.scratch(nx * rows, np.float32)
+        ops.gemv(rt, [(dW, y, rows)], GemvX(dx, cols, nx=nx, x_group_rows=xgr, act_quant=True), warps=warps)
+        for k in range(nx):
+            one = arena.scratch(rows, np.float32)
+            ops.gemv(rt, [(dW, one, rows)], GemvX(put(xs[k], False), cols, x_group_rows=xgr, act_quant=True))
+            assert y.download()[k * rows:(k + 1) * rows].tobytes() == one.download().tobytes(), f"row {k} {warps}"
+    want, mag = tg.gemv_i8(W, xs[nx - 1], rows, cols, x_group_rows=xgr)
+    twins.assert_close_scaled(one.download(), want, mag, cols, "i8 grouped 8192")

@@ -343,8 +343,8 @@ def test_v4_decode_collapses_inside_the_mix():
 def test_act_quant_numerics_are_planned_as_the_engine_runs_them(device):
     """plan_step(numerics="act_quant") records the engine under Numerics.ds4(): the V4 q2 decode's experts on their
     int8 kernels (own registers from the ptxas table, none refused), every Q8_0 GEMV on gemv_q8_0_i8* (x rounded
-    inside) but the grouped wo_a, which reads x rounded by one act_round_q8_0 launch a layer; the same weight bytes;
-    a verify step's experts on the int8 rows kernels."""
+    inside), the grouped wo_a too (gemv_q8_0_i8_grouped: no act_round launch left in decode); the same weight bytes
+    and launches; a verify step's experts and wo_a on the int8 rows kernels."""
     from ds4py.cuda.plan import plan_step
 
     exact = plan_step("v4-flash-q2", "decode", device, ctx=2048)
@@ -353,11 +353,11 @@ def test_act_quant_numerics_are_planned_as_the_engine_runs_them(device):
     assert all(ln.problem is None for ln in quant)
     assert names.count("moe_gate_up_i8_iq2_xxs") == names.count("moe_down_i8_q2_k") == 43
     assert not any(n in ("moe_gate_up_iq2_xxs", "moe_down_q2_k") for n in names)
-    assert names.count("act_round_q8_0") == 43 and "act_round_q8_k" not in names
+    assert not any(n.startswith("act_round") for n in names)
     q8 = [n for n in names if n.startswith("gemv_q8_0")]
-    assert q8 and all(n.startswith("gemv_q8_0_i8") for n in q8 if n != "gemv_q8_0")
-    assert sum(n == "gemv_q8_0" for n in names) == 43                       # the grouped wo_a, on the rounded copy
-    assert len(quant) == len(exact) + 43
+    assert q8 and all(n.startswith("gemv_q8_0_i8") for n in q8)
+    assert names.count("gemv_q8_0_i8_grouped") == 43                         # the grouped wo_a, x rounded inside
+    assert len(quant) == len(exact)
     from ds4py.cuda import resources
     arch = profile(device).arch
     assert all(ln.registers == resources.require(arch, ln.kernel).registers for ln in quant if "_i8" in ln.kernel)
@@ -366,7 +366,8 @@ def test_act_quant_numerics_are_planned_as_the_engine_runs_them(device):
     steps = timemodel.run(device, "v4-flash-q2", (2048,), steps=("decode", "rows"), numerics="act_quant")
     assert [m.step for m in steps] == ["decode act_quant", "verify 4 rows act_quant"]
     rows = {k.kernel for k in steps[1].kernels}
-    assert {"moe_gate_up_rows_i8_iq2_xxs", "moe_down_rows_i8_q2_k", "gemv_q8_0_i8_rows"} <= rows
+    assert {"moe_gate_up_rows_i8_iq2_xxs", "moe_down_rows_i8_q2_k", "gemv_q8_0_i8_rows",
+            "gemv_q8_0_i8_grouped_rows"} <= rows
 
 
 def test_an_sm_with_one_warp_issues_at_most_one_instruction_per_clock():

@@ -112,7 +112,7 @@ def weight_format(kernel: str) -> tuple[str, int, int] | None:
     global _FMT
     if _FMT is None:
         _FMT = _formats()
-    base = re.sub(r"_(rows|swiglu|hc_post)", "", kernel)
+    base = re.sub(r"_(rows|swiglu|hc_post|i8|grouped)(?=_|$)", "", kernel)
     for suffix in sorted(_FMT, key=len, reverse=True):
         if base.endswith("_" + suffix):
             return (suffix, *_FMT[suffix])

@@ -162,7 +162,7 @@ def merged(old: dict, new: dict, replace: str = "") -> dict:
 def model_width_gemv(rows: int = 16, cols: int = 4096, nx: int = 1) -> list[dict]:
     """The dense GEMV of every weight type at the model's width (V4 Flash: 4096 columns; the twin tests' rows are a
     few hundred bytes, where a row's partly used last sector weighs heavily), traffic build, one launch each (Q8_0:
-    also its int8-activation kernel)."""
+    also its int8-activation kernels, plain and with two input groups)."""
     import numpy as np
 
     from ds4py.cuda import ops
@@ -188,8 +188,11 @@ def model_width_gemv(rows: int = 16, cols: int = 4096, nx: int = 1) -> list[dict
                 x, y = arena.scratch(cols * nx, np.float32), arena.scratch(rows * nx, np.float32)
                 x.upload(r.standard_normal(cols * nx).astype(np.float32))
                 ops.gemv(rt, [(W, y, rows)], GemvX(x, cols, nx=nx))
-                if kind == "Q8_0":                   # and its int8-activation kernel (Numerics.act_quant)
+                if kind == "Q8_0":                   # and its int8-activation kernels (Numerics.act_quant)
                     ops.gemv(rt, [(W, y, rows)], GemvX(x, cols, nx=nx, act_quant=True))
+                    xg = arena.scratch(2 * cols * nx, np.float32)      # two input groups (the grouped wo_a)
+                    xg.upload(r.standard_normal(2 * cols * nx).astype(np.float32))
+                    ops.gemv(rt, [(W, y, rows)], GemvX(xg, cols, nx=nx, x_group_rows=rows // 2, act_quant=True))
                 rt.synchronize()
         arena.close()
     finally:
@@ -206,7 +209,7 @@ def model_width_gemm(T: int = 64, rows: int = 128, cols: int = 4096) -> list[dic
     reads each weight byte once per GEMM_BM-token tile (the tiles of one feature tile share it through L2)."""
     import numpy as np
 
-    from ds4py.cuda.ops.gemm import gemm
+    from ds4py.cuda.ops.gemm import GemmShape, gemm
     from ds4py.cuda.emu_runtime import EmuRuntime
     from ds4py.quant import kquants, simple
 
@@ -227,7 +230,7 @@ def model_width_gemm(T: int = 64, rows: int = 128, cols: int = 4096) -> list[dic
                 W.upload(host)
                 x, y = arena.scratch(T * cols, np.float32), arena.scratch(T * rows, np.float32)
                 x.upload(r.standard_normal(T * cols).astype(np.float32))
-                gemm(rt, W, x, y, T, rows, cols)
+                gemm(rt, W, x, y, GemmShape(T=T, N=rows, K=cols))
                 rt.synchronize()
         arena.close()
     finally:
@@ -246,7 +249,8 @@ def model_width_moe_tiles(T: int = 4, dim: int = 4096, ff: int = 2048, rows: int
 
     from ds4py.cuda.emu_runtime import EmuRuntime
     from ds4py.cuda.ops import moe_prefill as mp
-    from ds4py.cuda.ops.experts import FORMATS, row_bytes
+    from ds4py.cuda.ops.core import TokenRows
+    from ds4py.cuda.ops.experts import FORMATS, Experts, Slots, row_bytes
     from ds4py.ggml_types import GGMLQuantizationType as QT
 
     r = np.random.default_rng(36)
@@ -276,11 +280,12 @@ def model_width_moe_tiles(T: int = 4, dim: int = 4096, ff: int = 2048, rows: int
                     mp.moe_prefill_route(rt, ids, bufs, T, 1, 1)
                     if down:
                         bufs.H.upload(r.standard_normal((T, ff)).astype(np.float32))
-                        mp.moe_tile_down(rt, qtype, mat(), bufs, T, 1, 1, ff, rows)
+                        mp.moe_tile_down(rt, Experts(fmt=qtype, n_experts=1, ff=ff, dim=rows, down=mat()), bufs, T, 1)
                     else:
                         x = arena.scratch((T, dim), np.float32)
                         x.upload(r.standard_normal((T, dim)).astype(np.float32))
-                        mp.moe_tile_gate_up(rt, qtype, mat(), mat(), x, None, bufs, T, 1, 1, rows, dim, 0.0)
+                        mp.moe_tile_gate_up(rt, Experts(fmt=qtype, n_experts=1, ff=rows, dim=dim, gate=mat(), up=mat()),
+                                            TokenRows(x=x, T=T), Slots(k=1), bufs)
                     rt.synchronize()
         arena.close()
     finally:

@@ -150,7 +150,8 @@ class GemvX:
     values per input group. x_group_rows > 0: rows [g*x_group_rows, (g+1)*x_group_rows) of every matrix read
     x[g*cols:(g+1)*cols] (a multiple of 4). norm = (w, eps): x RMS-normalised first (times w unless None).
     act_quant: the activations' numerics are int8 (Numerics.act_quant): Q8_0 weights only, x rounded as Q8_0
-    (after the norm) inside the kernel, dp4a block dots (gemv_q8_0_i8*; no input groups)."""
+    (after the norm) inside the kernel, dp4a block dots (gemv_q8_0_i8*; with input groups gemv_q8_0_i8_grouped*,
+    plain gemv only)."""
     x: DeviceArray
     cols: int
     nx: int = 1
@@ -189,9 +190,12 @@ def i8_rows_per_launch(cols: int, warps: int) -> int:
 
 def _i8_launches(rt: Any, what: str, qtype: str, groups: int, cols: int, nx: int, x_group_rows: int,
                  warps: int | None, grid: int | None, kernel: str) -> tuple[int, int, int, int]:
-    """(grid, threads, dynamic smem, rows per launch) of an int8-activation Q8_0 launch."""
+    """(grid, threads, dynamic smem, rows per launch) of an int8-activation Q8_0 launch. With input groups
+    (gemv_q8_0_i8_grouped*: x quantised in the block loop) the shared memory is the ring alone: every row in one
+    launch."""
     need(qtype == "Q8_0", f"{what}: int8 activations (act_quant) have a kernel for Q8_0 weights only, not {qtype}")
-    need(x_group_rows == 0, f"{what}: int8 activations do not combine with input groups (round x first)")
+    if x_group_rows > 0:
+        return _i8_grouped_launches(rt, what, groups, cols, nx, warps, grid, kernel)
     warps = warps or _fill_warps(rt, qtype, groups)
     need(1 <= warps <= 32, f"gemv: warps must be 1..32, got {warps}")
     ring = warps * Q8_WARP_SMEM
@@ -200,6 +204,32 @@ def _i8_launches(rt: Any, what: str, qtype: str, groups: int, cols: int, nx: int
     smem = ring + i8_x_bytes(per, cols)
     grid = grid or min(ceil_div(groups, warps), blocks_that_fit(rt, 32 * warps, smem, kernel=kernel))
     return grid, 32 * warps, smem, per
+
+
+# With input groups (gemv_q8_0_i8_grouped*) each warp quantises its current x group into its own shared memory
+# (nx * (cols + cols / 8) bytes beside its ring) and takes a run of consecutive row groups, so that one quantisation
+# serves I8_GROUP_RUN row groups (16 rows) or more: the grid is sized for that, never above one wave.
+I8_GROUP_RUN = 4
+
+
+def _i8_grouped_launches(rt: Any, what: str, groups: int, cols: int, nx: int, warps: int | None,
+                         grid: int | None, kernel: str) -> tuple[int, int, int, int]:
+    """(grid, threads, dynamic smem, rows per launch) of gemv_q8_0_i8_grouped*: the default warps (fewer when a
+    warp's nx rows of x would not fit beside its ring), as many rows per launch as fit."""
+    per_warp = lambda k: Q8_WARP_SMEM + i8_x_bytes(k, cols)                      # noqa: E731
+    need(per_warp(1) <= I8_SMEM_LIMIT, f"{what}: {cols} columns of int8 x do not fit shared memory")
+    if warps is None:
+        warps = DEFAULT_WARPS["Q8_0"]
+        while warps > 1 and warps * per_warp(nx) > I8_SMEM_LIMIT:
+            warps -= 1
+    need(1 <= warps <= 32 and warps * per_warp(1) <= I8_SMEM_LIMIT,
+         f"{what}: {warps} warps of int8 x with input groups do not fit shared memory")
+    per = nx
+    while per > 1 and warps * per_warp(per) > I8_SMEM_LIMIT:
+        per -= 1
+    smem = warps * per_warp(per)
+    g = grid or min(ceil_div(groups, warps * I8_GROUP_RUN), blocks_that_fit(rt, 32 * warps, smem, kernel=kernel))
+    return g, 32 * warps, smem, per
 
 
 def _i8_kernel(base: str, n: int) -> str:
@@ -231,14 +261,15 @@ def gemv(rt: Any, outs: Sequence[tuple[DeviceArray, DeviceArray, int]], xin: Gem
     ys = [o[1] for o in outs] + [None] * (MAX_MATS - len(outs))
     rows = [o[2] for o in outs] + [0] * (MAX_MATS - len(outs))
     if act_quant:
+        base = "gemv_q8_0_i8_grouped" if x_group_rows else "gemv_q8_0_i8"
         g, b, smem, per = _i8_launches(rt, "gemv", qtype, groups, cols, nx, x_group_rows, warps, grid,
-                                       _i8_kernel("gemv_q8_0_i8", nx))
+                                       _i8_kernel(base, nx))
         for n0 in range(0, nx, per):
             k = min(per, nx - n0)
             ys_n = [y.view(4 * n0 * r, k * r) if y is not None else None for y, r in zip(ys, rows)]
             extra_n = (k, stride) if k > 1 else ()
-            rt.launch(_i8_kernel("gemv_q8_0_i8", k), g, b, *Ws, *rows, *ys_n, x.view(4 * n0 * stride, x.size - n0 * stride),
-                      cols, 0, norm_w, eps, flags, *extra_n, smem=smem, stream=stream, pdl=pdl and n0 == 0)
+            rt.launch(_i8_kernel(base, k), g, b, *Ws, *rows, *ys_n, x.view(4 * n0 * stride, x.size - n0 * stride),
+                      cols, x_group_rows, norm_w, eps, flags, *extra_n, smem=smem, stream=stream, pdl=pdl and n0 == 0)
         return
     g, b, smem = _geometry(rt, qtype, groups, warps, grid, _KERNEL[qtype] + suffix)
     rt.launch(_KERNEL[qtype] + suffix, g, b, *Ws, *rows, *ys, x, cols, x_group_rows, norm_w, eps, flags, *extra,
@@ -264,6 +295,7 @@ def gemv_hc_post(rt: Any, W: DeviceArray, xin: GemvX, res: HcResidual, warps: in
     suffix, extra, stride = _rows("gemv_hc_post", nx, xin.x_stride, cols * max(x_groups, 1))
     norm_w, eps, flags = _check_common("gemv_hc_post", qtype, x, cols, x_groups, xin.norm, nx, stride)
     if act_quant:
+        need(x_group_rows == 0, "gemv_hc_post: int8 activations do not combine with input groups here (round x first)")
         g, b, smem, per = _i8_launches(rt, "gemv_hc_post", qtype, ceil_div(rows, GEMV_ROWS), cols, nx, x_group_rows,
                                        warps, grid, _i8_kernel("gemv_q8_0_i8_hc_post", nx))
         mrec = (2 + hc) * hc

@@ -75,8 +75,16 @@ def act_x(x: np.ndarray, cols: int, norm: tuple[np.ndarray | None, float] | None
 
 
 def gemv_i8(W: np.ndarray, x: np.ndarray, rows: int, cols: int,
-            norm: tuple[np.ndarray | None, float] | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """gemv_q8_0_i8: (y [rows], sum_c |W x_r| per row) for the rounded x_r = act_x(x): the fp32 product the kernel's
+            norm: tuple[np.ndarray | None, float] | None = None,
+            x_group_rows: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """gemv_q8_0_i8 (x_group_rows > 0: gemv_q8_0_i8_grouped, row block g reading group g's x, each group rounded on
+    its own): (y [rows], sum_c |W x_r| per row) for the rounded x_r = act_x(x): the fp32 product the kernel's
     exact integer block dots equal up to the rounding of its sums."""
-    xr = act_x(x, cols, norm)
-    return gemv(W, xr, rows, cols), magnitude(W, xr, rows, cols)
+    if x_group_rows:
+        groups = -(-rows // x_group_rows)
+        x = np.asarray(x, np.float32).reshape(-1)[:groups * cols].reshape(groups, cols)
+        xr = np.concatenate([act_x(xg, cols) for xg in x])
+    else:
+        xr = act_x(x, cols, norm)
+    return (gemv(W, xr, rows, cols, x_group_rows=x_group_rows),
+            magnitude(W, xr, rows, cols, x_group_rows=x_group_rows))
