@@ -54,6 +54,25 @@ def _host_avx2() -> bool:
 AVX2 = _host_avx2()
 
 
+def _host_avx512() -> bool:
+    """Whether the host (numba compiling for it) has the AVX-512 set the IQ2_XXS kernel uses: BW + VL (byte
+    multiply-adds and masks on 512 bits), VBMI (vpmultishiftqb: a block's 32 sign fields cut out in one
+    instruction), GFNI (vgf2p8affineqb: the parity bit of each of them in one). Zen 4, Ice Lake and later."""
+    import numba
+    from llvmlite import binding
+
+    if not AVX2 or numba.config.CPU_NAME:
+        return False
+    try:
+        f = binding.get_host_cpu_features()
+    except RuntimeError:
+        return False
+    return all(f.get(k) for k in ("avx512f", "avx512bw", "avx512vl", "avx512vbmi", "avx512vnni", "gfni"))
+
+
+AVX512 = _host_avx512()
+
+
 def _native_half() -> bool:
     """Whether LLVM converts half to float in hardware here (F16C on x86-64, always on aarch64); elsewhere
     fpext becomes a call to compiler-rt's __extendhfsf2, which numba's JIT does not link (LLVM ERROR at the
@@ -169,6 +188,98 @@ def _iq2_signed_dot(builder, gv, m, x, ls):
     return _dot_u8s8(builder, gv, xs, lsv)                       # pairs: 2 * 43 * 127 < 2^15
 
 
+# ---- IQ2_XXS on AVX-512 (VBMI + GFNI): a whole block's signs, scales and grid rows decoded by vector instructions
+# A block's 64 code bytes are 8 groups of (4 grid-index bytes, u32 aux: 4 x 7 sign bits at bits 0 / 7 / 14 / 21 and
+# ls at 28..31), i.e. group g is qword g of one <64 x i8> load. The AVX2 path above spends ~30 instructions a group
+# on scalar table lookups (4 grid rows, 4 sign patterns); here:
+# - signs: vpmultishiftqb copies each qword's bits 32 + 7 e .. +7 into byte e (e = 0..3) and vgf2p8affineqb maps
+#   each byte to its 7 bits plus their parity as bit 7 (ggml's even-parity sign patterns, ksigns_iq2xs), so a
+#   group's 4 sign bytes are the 32-bit negation mask of its 32 weights (bit 8 e + i for weight i of grid row e);
+#   two groups' masks make one <64 x i1> and the activation is negated under it (vpsubb with a mask);
+# - scales: 2 ls + 1 = (qword >> 60) * 2 + 1, spread to each group's 16 word lanes by one constant vpermw;
+# - grid rows: one vpgatherdq of 8 rows (two groups) from the 256 x 8-byte table, its indices zero-extended
+#   from the code bytes by a constant byte shuffle.
+# Then per two groups: pmaddubsw (magnitudes x signed activation; pairs 2 * 43 * 127 < 2^15) and pmaddwd by the
+# scales: the same exact integer block sum as the other paths.
+_GF2_PARITY7 = 0x010204081020407F          # vgf2p8affineqb matrix: out bits 0..6 = in bits 0..6, bit 7 = their parity
+_B64, _H32, _W16 = ir.VectorType(I8, 64), ir.VectorType(I16, 32), ir.VectorType(I32, 16)
+
+
+def _grid_codes() -> tuple[list[int], list[int]]:
+    """IQ2_XXS's 256 grid rows (magnitudes 8 / 25 / 43 -> codes 0 / 1 / 2) as two bytes of 4 x 2 bits each:
+    weights 0..3, weights 4..7 (weight i at bits 2 (i % 4))."""
+    from ds4py.quant.iq2 import GRID
+
+    codes = np.searchsorted(np.array([8, 25, 43]), GRID.astype(np.int64))
+    assert (np.array([8, 25, 43])[codes] == GRID).all()
+    byte = lambda c: int(sum(int(v) << (2 * i) for i, v in enumerate(c)))     # noqa: E731
+    return [byte(r[:4]) for r in codes], [byte(r[4:]) for r in codes]
+
+
+_GRID_CODES = _grid_codes()
+
+
+def _table_half(builder, table: list[int], half: int, idx):
+    """table[128 half + (idx & 127)] per byte lane of idx (one vpermi2b over two 64-byte table registers)."""
+    t = table[128 * half:128 * half + 128]
+    return _x86(builder, "llvm.x86.avx512.vpermi2var.qi.512", _B64, ir.Constant(_B64, t[:64]), idx,
+                ir.Constant(_B64, t[64:]))
+
+
+def _lh_select(k: int) -> list[int]:
+    """vpermi2b indices putting entry k of group g (code byte 8 g + k of the block) as (lo, hi) into bytes 0, 1
+    of qword g (hi from the second table: index + 64)."""
+    out = []
+    for g in range(8):
+        out += [8 * g + k, 64 + 8 * g + k] + [8 * g + k] * 6
+    return out
+
+
+def _iq2_decode512(builder, p):
+    """The block of 64 code bytes at p -> (4 x (<64 x i8> magnitudes of grid entry k of the 8 groups, qword g
+    for group g; <64 x i1> their negation masks), <32 x i16> 2 ls_g + 1 at words 4 g .. 4 g + 3): the order of
+    x_perm's zmm k."""
+    q = _vload(builder, p, _const(I64, 0), _B64)
+    ctrl = ir.Constant(_B64, [32, 39, 46, 53, 0, 0, 0, 0] * 8)
+    fields = _x86(builder, "llvm.x86.avx512.pmultishift.qb.512", _B64, ctrl, q)
+    gf = ir.Constant(ir.VectorType(I64, 8), [_GF2_PARITY7] * 8)
+    sgn = _x86(builder, "llvm.x86.vgf2p8affineqb.512", _B64, fields, builder.bitcast(gf, _B64), _const(I8, 0))
+    q64 = builder.bitcast(q, ir.VectorType(I64, 8))
+    # 2 ls + 1 = (qword >> 59) | 1 (bit 59 is the last sign field's top bit: the | 1 covers it), on both dwords
+    ls = builder.bitcast(builder.or_(builder.lshr(q64, _splat(q64.type, 59)), _splat(q64.type, 1)), _W16)
+    sc = builder.shuffle_vector(ls, ls, ir.Constant(_W16, [2 * (w // 2) for w in range(16)]))
+    # each code byte's 2-bit-per-weight grid row (halves lo, hi) from 128-byte tables: vpermi2b by its low 7
+    # bits, the upper half where bit 7 is set
+    top = builder.icmp_signed("<", q, ir.Constant(_B64, [0] * 64))
+    lo, hi = (builder.select(top, _table_half(builder, t, 1, q), _table_half(builder, t, 0, q)) for t in _GRID_CODES)
+    shifts = ir.Constant(_B64, [0, 2, 4, 6, 8, 10, 12, 14] * 8)
+    levels = ir.Constant(_B64, [(8, 25, 43, 0)[v & 3] for v in range(64)])
+    out = []
+    for k in range(4):
+        # weight i of entry k of group g: sign bit 8 k + i of the group's 4 sign bytes (qword g of sgn)
+        m = _x86(builder, "llvm.x86.avx512.vpshufbitqmb.512", ir.VectorType(ir.IntType(1), 64), sgn,
+                 ir.Constant(_B64, [8 * k + i for _ in range(8) for i in range(8)]))
+        # the 8 entries' (lo, hi) code bytes into bytes 0, 1 of qword g, then each weight's 2-bit code into the
+        # low bits of its byte (vpmultishiftqb by 2 i) and to its magnitude (vpermb over the 64-byte level table)
+        lh = _x86(builder, "llvm.x86.avx512.vpermi2var.qi.512", _B64, lo, ir.Constant(_B64, _lh_select(k)), hi)
+        codes = _x86(builder, "llvm.x86.avx512.pmultishift.qb.512", _B64, shifts, lh)
+        out.append((_x86(builder, "llvm.x86.avx512.permvar.qi.512", _B64, levels, codes), m))
+    return out, sc
+
+
+def _iq2_dot512(builder, dec, xp, xo):
+    """<16 x i32> partial sums of a decoded block (_iq2_decode512) times its 256 activation bytes at xp[xo], in
+    x_perm's order."""
+    rows, sc = dec
+    acc = ir.Constant(_W16, [0] * 16)
+    for k, (g, m) in enumerate(rows):
+        x = _vload(builder, xp, builder.add(xo, _const(xo.type, 64 * k)), _B64)
+        xs = builder.select(m, builder.sub(ir.Constant(_B64, [0] * 64), x), x)
+        acc = _x86(builder, "llvm.x86.avx512.vpdpbusd.512", _W16, acc, builder.bitcast(g, _W16),
+                   builder.bitcast(xs, _W16))       # dwords 2 g, 2 g + 1: group g (|sum| < 2^31)
+    return builder.mul(acc, sc)                     # times each group's 2 ls + 1
+
+
 @intrinsic
 def iq2_block(typingctx, raw, off, xq, xo, grid8, sign8):
     """sum_i w_i * xq[xo + i] over one IQ2_XXS block of 256 (its 8 groups of 8 bytes from flat byte `off` of raw,
@@ -178,6 +289,8 @@ def iq2_block(typingctx, raw, off, xq, xo, grid8, sign8):
         p = builder.gep(_data(context, builder, sig, args, 0), [args[1]])
         xp = _data(context, builder, sig, args, 2)
         grid, signs = _data(context, builder, sig, args, 4), _data(context, builder, sig, args, 5)
+        if AVX512:
+            return _hsum(builder, _iq2_dot512(builder, _iq2_decode512(builder, p), xp, args[3]))
         b32 = ir.VectorType(I8, 32)
         acc = None
         for g in range(8):
@@ -208,18 +321,24 @@ def iq2_block_pairs(typingctx, raw, off, d, b, xq, xr, j0, j1, xd, accs, grid8, 
         grid, signs = _data(context, builder, sig, args, 10), _data(context, builder, sig, args, 11)
         C = builder.extract_value(xq_ary.shape, 1)
         NB = builder.extract_value(xd_ary.shape, 1)
-        groups = [_iq2_gather(builder, builder.gep(p, [_const(I64, 8 * g)]), grid, signs) for g in range(8)]
+        if AVX512:
+            dec = _iq2_decode512(builder, p)
+        else:
+            groups = [_iq2_gather(builder, builder.gep(p, [_const(I64, 8 * g)]), grid, signs) for g in range(8)]
         b32 = ir.VectorType(I8, 32)
         j0, j1 = args[6], args[7]
 
         def pair(j):
             t = builder.load(builder.gep(xr_p, [j]))
             xo = builder.add(builder.mul(t, C), builder.mul(blk, _const(I64, 256)))
-            acc = None
-            for g, (gv, m, ls) in enumerate(groups):
-                x = _vload(builder, xq_ary.data, builder.add(xo, _const(I64, 32 * g)), b32)
-                v = _iq2_signed_dot(builder, gv, m, x, ls)
-                acc = v if acc is None else builder.add(acc, v)
+            if AVX512:
+                acc = _iq2_dot512(builder, dec, xq_ary.data, xo)
+            else:
+                acc = None
+                for g, (gv, m, ls) in enumerate(groups):
+                    x = _vload(builder, xq_ary.data, builder.add(xo, _const(I64, 32 * g)), b32)
+                    v = _iq2_signed_dot(builder, gv, m, x, ls)
+                    acc = v if acc is None else builder.add(acc, v)
             isum = builder.sitofp(_hsum(builder, acc), ir.FloatType())
             xdv = builder.load(builder.gep(xd_ary.data, [builder.add(builder.mul(t, NB), blk)]))
             ap = builder.gep(accs_p, [builder.sub(j, j0)])
@@ -415,23 +534,43 @@ def _pieces(parts, R):
 
 
 @njit(**SERIAL)
+def x_perm(xq):
+    """The activation codes xq [T, C] in the order the IQ2_XXS kernels read them: on the AVX-512 path, per block
+    of 256, its 32 runs of 8 (run 4 g + e: grid entry e of group g) as entry-major (zmm e holds entry e of
+    every group, so a block's sign masks and scales need no cross-lane moves); elsewhere xq itself. Integer block
+    sums are exact in any order: the same bits."""
+    if not AVX512:
+        return xq
+    T, C = xq.shape
+    out = np.empty((T, C), np.int8)
+    for t in range(T):
+        for b in range(C // 256):
+            for g in range(8):
+                for e in range(4):
+                    for i in range(8):
+                        out[t, 256 * b + 64 * e + 8 * g + i] = xq[t, 256 * b + 32 * g + 8 * e + i]
+    return out
+
+
+@njit(**SERIAL)
 def iq2_xxs_rows(raw, xq, xd, y, f16, grid8, sign8, r0, r1):
     """iq2_xxs for a few tokens, rows r0..r1: raw [R, nb, 66], grid8 [256] / sign8 [128] uint64 (iq2_block_pairs)."""
     T = xq.shape[0]
-    _iq2_xxs_pairs(raw, xq, xd, np.arange(T), 0, T, y, f16, grid8, sign8, r0, r1)
+    _iq2_xxs_pairs(raw, x_perm(xq), xd, np.arange(T), 0, T, y, f16, grid8, sign8, r0, r1)
 
 
 @njit(**OPTS)
 def iq2_xxs_dec(raw, xq, xd, y, f16, grid8, sign8, parts):
-    R = raw.shape[0]
+    R, T = raw.shape[0], xq.shape[0]
     n = _pieces(parts, R)
     ctr = np.zeros(1, np.int64)
+    xp = x_perm(xq)
     for p in prange(parts):
         while True:
             c = _grab(ctr)
             if c >= n:
                 break
-            iq2_xxs_rows(raw, xq, xd, y, f16, grid8, sign8, c * R // n, (c + 1) * R // n)
+            _iq2_xxs_pairs(raw, xp, xd, np.arange(T), 0, T, y, f16, grid8, sign8, c * R // n, (c + 1) * R // n)
 
 
 @njit(**SERIAL)
@@ -555,6 +694,12 @@ def _iq2_xxs_pairs(w, xq, xd, xr, j0, j1, y, f16, grid8, sign8, r0, r1):
 
 @njit(**SERIAL)
 def iq2_xxs_ex_rows(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, grid8, sign8, k0, k1):
+    _iq2_xxs_ex(wa, wb, ex, gs, xr, x_perm(xq), xd, ya, yb, f16, grid8, sign8, k0, k1)
+
+
+@njit(**SERIAL)
+def _iq2_xxs_ex(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, grid8, sign8, k0, k1):
+    """iq2_xxs_ex_rows on x_perm's codes."""
     R = wa.shape[1]
     for m, g, r0, r1 in _ex_segments(k0, k1, R, (gs.shape[0] - 1) * R):
         if m == 0:
@@ -567,12 +712,13 @@ def iq2_xxs_ex_rows(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, grid8, sign8, k0, k
 def iq2_xxs_ex_dec(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, grid8, sign8, bounds, parts):
     n = bounds.shape[0] - 1
     ctr = np.zeros(1, np.int64)
+    xp = x_perm(xq)
     for p in prange(min(n, parts)):
         while True:
             c = _grab(ctr)
             if c >= n:
                 break
-            iq2_xxs_ex_rows(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, grid8, sign8, bounds[c], bounds[c + 1])
+            _iq2_xxs_ex(wa, wb, ex, gs, xr, xp, xd, ya, yb, f16, grid8, sign8, bounds[c], bounds[c + 1])
 
 
 @njit(**SERIAL)
