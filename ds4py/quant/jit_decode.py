@@ -201,6 +201,9 @@ def _iq2_signed_dot(builder, gv, m, x, ls):
 #   from the code bytes by a constant byte shuffle.
 # Then per two groups: pmaddubsw (magnitudes x signed activation; pairs 2 * 43 * 127 < 2^15) and pmaddwd by the
 # scales: the same exact integer block sum as the other paths.
+# code c (bits c0, c1; never both) -> 8 + 17 c0 + 35 c1 = 8 ^ (c0 * 0b010001) ^ (c1 * 0b100011), a GF(2) affine map:
+# out bit 0 = c0 ^ c1, bit 1 = c1, bit 4 = c0, bit 5 = c1 (matrix byte 7 - i is output bit i's row), bit 3 from 8
+_GF2_LEVELS = 0x0302000001020000
 _GF2_PARITY7 = 0x010204081020407F          # vgf2p8affineqb matrix: out bits 0..6 = in bits 0..6, bit 7 = their parity
 _B64, _H32, _W16 = ir.VectorType(I8, 64), ir.VectorType(I16, 32), ir.VectorType(I32, 16)
 
@@ -226,15 +229,6 @@ def _table_half(builder, table: list[int], half: int, idx):
                 ir.Constant(_B64, t[64:]))
 
 
-def _lh_select(k: int) -> list[int]:
-    """vpermi2b indices putting entry k of group g (code byte 8 g + k of the block) as (lo, hi) into bytes 0, 1
-    of qword g (hi from the second table: index + 64)."""
-    out = []
-    for g in range(8):
-        out += [8 * g + k, 64 + 8 * g + k] + [8 * g + k] * 6
-    return out
-
-
 def _iq2_decode512(builder, p):
     """The block of 64 code bytes at p -> (4 x (<64 x i8> magnitudes of grid entry k of the 8 groups, qword g
     for group g; <64 x i1> their negation masks), <32 x i16> 2 ls_g + 1 at words 4 g .. 4 g + 3): the order of
@@ -248,22 +242,26 @@ def _iq2_decode512(builder, p):
     # 2 ls + 1 = (qword >> 59) | 1 (bit 59 is the last sign field's top bit: the | 1 covers it), on both dwords
     ls = builder.bitcast(builder.or_(builder.lshr(q64, _splat(q64.type, 59)), _splat(q64.type, 1)), _W16)
     sc = builder.shuffle_vector(ls, ls, ir.Constant(_W16, [2 * (w // 2) for w in range(16)]))
-    # each code byte's 2-bit-per-weight grid row (halves lo, hi) from 128-byte tables: vpermi2b by its low 7
-    # bits, the upper half where bit 7 is set
-    top = builder.icmp_signed("<", q, ir.Constant(_B64, [0] * 64))
-    lo, hi = (builder.select(top, _table_half(builder, t, 1, q), _table_half(builder, t, 0, q)) for t in _GRID_CODES)
-    shifts = ir.Constant(_B64, [0, 2, 4, 6, 8, 10, 12, 14] * 8)
-    levels = ir.Constant(_B64, [(8, 25, 43, 0)[v & 3] for v in range(64)])
+    # the grid rows as 2-bit codes, a group's 4 rows in its qword (row e at bits 16 e: weight i at 16 e + 2 i):
+    # each index byte twice (lane 8 g + 2 e + h = index e of group g), looked up in the lo-half (h = 0) or hi-half
+    # (h = 1) code table (128-byte halves by vpermi2b on the low 7 bits, the upper half where bit 7 is set)
+    idx = builder.shuffle_vector(q, q, ir.Constant(ir.VectorType(I32, 64), [8 * (j // 8) + (j % 8) // 2
+                                                                           for j in range(64)]))
+    top = builder.icmp_signed("<", idx, ir.Constant(_B64, [0] * 64))
+    lo, hi = (builder.select(top, _table_half(builder, t, 1, idx), _table_half(builder, t, 0, idx))
+              for t in _GRID_CODES)
+    odd = ir.Constant(ir.VectorType(ir.IntType(1), 64), [j % 2 for j in range(64)])
+    codes = builder.select(odd, hi, lo)
+    gmap = builder.bitcast(ir.Constant(ir.VectorType(I64, 8), [_GF2_LEVELS] * 8), _B64)
     out = []
     for k in range(4):
         # weight i of entry k of group g: sign bit 8 k + i of the group's 4 sign bytes (qword g of sgn)
         m = _x86(builder, "llvm.x86.avx512.vpshufbitqmb.512", ir.VectorType(ir.IntType(1), 64), sgn,
                  ir.Constant(_B64, [8 * k + i for _ in range(8) for i in range(8)]))
-        # the 8 entries' (lo, hi) code bytes into bytes 0, 1 of qword g, then each weight's 2-bit code into the
-        # low bits of its byte (vpmultishiftqb by 2 i) and to its magnitude (vpermb over the 64-byte level table)
-        lh = _x86(builder, "llvm.x86.avx512.vpermi2var.qi.512", _B64, lo, ir.Constant(_B64, _lh_select(k)), hi)
-        codes = _x86(builder, "llvm.x86.avx512.pmultishift.qb.512", _B64, shifts, lh)
-        out.append((_x86(builder, "llvm.x86.avx512.permvar.qi.512", _B64, levels, codes), m))
+        # row k's 2-bit codes into the low bits of each weight's byte, then to the magnitudes 8 / 25 / 43
+        ck = _x86(builder, "llvm.x86.avx512.pmultishift.qb.512", _B64,
+                  ir.Constant(_B64, [16 * k + 2 * i for _ in range(8) for i in range(8)]), codes)
+        out.append((_x86(builder, "llvm.x86.vgf2p8affineqb.512", _B64, ck, gmap, _const(I8, 8)), m))
     return out, sc
 
 
