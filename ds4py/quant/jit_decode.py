@@ -360,6 +360,29 @@ def iq2_block_pairs(typingctx, raw, off, d, b, xq, xr, j0, j1, xd, accs, grid8, 
     return types.none(raw, off, d, b, xq, xr, j0, j1, xd, accs, grid8, sign8), codegen
 
 
+def _q2k_dot512(builder, p, xp, xo):
+    """AVX-512 (VBMI + VNNI) Q2_K block at p: <16 x i32> partial sums of scale * code * x, x in x_perm_q2k's
+    order (zmm j: weights 32 j .. 32 j + 31, then 128 + 32 j ..). The scale goes into the weight byte before
+    the dot product: code * scale <= 3 * 15 fits an unsigned byte, so a 64-entry table T[4 s + c] = c * scale_s
+    (one vpermb by code | 4 sub-block) gives each weight's scaled code and one vpdpbusd a zmm does the rest."""
+    b16 = ir.VectorType(I8, 16)
+    lo = builder.and_(_vload(builder, p, _const(I64, 0), b16), _splat(b16, 15))
+    rep = builder.shuffle_vector(lo, lo, ir.Constant(ir.VectorType(I32, 64), [i // 4 for i in range(64)]))
+    c1 = ir.Constant(_B64, [0xFF if i % 4 in (1, 3) else 0 for i in range(64)])
+    c2 = ir.Constant(_B64, [0xFF if i % 4 >= 2 else 0 for i in range(64)])
+    table = builder.add(builder.and_(rep, c1), builder.and_(builder.add(rep, rep), c2))     # <= 45
+    q = _vload(builder, p, _const(I64, 16), _B64)
+    acc = ir.Constant(_W16, [0] * 16)
+    for j in range(4):
+        c = builder.and_(builder.lshr(q, _splat(_B64, 2 * j)) if j else q, _splat(_B64, 3))
+        sub = ir.Constant(_B64, [4 * (8 * (i // 32) + 2 * j + (i % 32) // 16) for i in range(64)])
+        w = _x86(builder, "llvm.x86.avx512.permvar.qi.512", _B64, table, builder.or_(c, sub))
+        x = _vload(builder, xp, builder.add(xo, _const(xo.type, 64 * j)), _B64)
+        acc = _x86(builder, "llvm.x86.avx512.vpdpbusd.512", _W16, acc, builder.bitcast(w, _W16),
+                   builder.bitcast(x, _W16))
+    return acc
+
+
 @intrinsic
 def q2k_block(typingctx, raw, off, xq, xo):
     """sum over a Q2_K block (84 bytes at flat byte `off`: 16 scale bytes, 64 code bytes, f16 d, f16 dmin) of
@@ -368,6 +391,8 @@ def q2k_block(typingctx, raw, off, xq, xo):
     def codegen(context, builder, sig, args):
         p = builder.gep(_data(context, builder, sig, args, 0), [args[1]])
         xp = _data(context, builder, sig, args, 2)
+        if AVX512:
+            return _hsum(builder, _q2k_dot512(builder, p, xp, args[3]))
         b16, b32 = ir.VectorType(I8, 16), ir.VectorType(I8, 32)
         h16 = ir.VectorType(I16, 16)
         sc = builder.zext(builder.and_(_vload(builder, p, _const(I64, 0), b16), _splat(b16, 15)), h16)
@@ -572,23 +597,42 @@ def iq2_xxs_dec(raw, xq, xd, y, f16, grid8, sign8, parts):
 
 
 @njit(**SERIAL)
+def x_perm_q2k(xq):
+    """The activation codes xq [T, C] in the order the Q2_K kernels read them: on the AVX-512 path, per block of
+    256, zmm j = weights 32 j .. 32 j + 31 then 128 + 32 j .. 128 + 32 j + 31 (the weights of code bits 2 j of
+    the block's 64 code bytes); elsewhere xq itself. Exact integer sums: the same bits."""
+    if not AVX512:
+        return xq
+    T, C = xq.shape
+    out = np.empty((T, C), np.int8)
+    for t in range(T):
+        for b in range(C // 256):
+            for j in range(4):
+                for h in range(2):
+                    for i in range(32):
+                        out[t, 256 * b + 64 * j + 32 * h + i] = xq[t, 256 * b + 128 * h + 32 * j + i]
+    return out
+
+
+@njit(**SERIAL)
 def q2_k_rows(raw, xq, xd, xbs, y, f16, r0, r1):
     """q2_k for a few tokens, rows r0..r1: raw [R, nb, 84] (q2k_block / q2k_mins)."""
     T = xq.shape[0]
-    _q2_k_pairs(raw, xq, xd, xbs, np.arange(T), 0, T, y, f16, r0, r1)
+    _q2_k_pairs(raw, x_perm_q2k(xq), xd, xbs, np.arange(T), 0, T, y, f16, r0, r1)
 
 
 @njit(**OPTS)
 def q2_k_dec(raw, xq, xd, xbs, y, f16, parts):
-    R = raw.shape[0]
+    R, T = raw.shape[0], xq.shape[0]
     n = _pieces(parts, R)
     ctr = np.zeros(1, np.int64)
+    xp = x_perm_q2k(xq)
     for p in prange(parts):
         while True:
             c = _grab(ctr)
             if c >= n:
                 break
-            q2_k_rows(raw, xq, xd, xbs, y, f16, c * R // n, (c + 1) * R // n)
+            _q2_k_pairs(raw, xp, xd, xbs, np.arange(T), 0, T, y, f16, c * R // n, (c + 1) * R // n)
 
 
 @njit(**SERIAL)
@@ -739,6 +783,12 @@ def _q2_k_pairs(w, xq, xd, xbs, xr, j0, j1, y, f16, r0, r1):
 
 @njit(**SERIAL)
 def q2_k_ex_rows(wa, wb, ex, gs, xr, xq, xd, xbs, ya, yb, f16, k0, k1):
+    _q2_k_ex(wa, wb, ex, gs, xr, x_perm_q2k(xq), xd, xbs, ya, yb, f16, k0, k1)
+
+
+@njit(**SERIAL)
+def _q2_k_ex(wa, wb, ex, gs, xr, xq, xd, xbs, ya, yb, f16, k0, k1):
+    """q2_k_ex_rows on x_perm_q2k's codes."""
     R = wa.shape[1]
     for m, g, r0, r1 in _ex_segments(k0, k1, R, (gs.shape[0] - 1) * R):
         if m == 0:
@@ -751,12 +801,13 @@ def q2_k_ex_rows(wa, wb, ex, gs, xr, xq, xd, xbs, ya, yb, f16, k0, k1):
 def q2_k_ex_dec(wa, wb, ex, gs, xr, xq, xd, xbs, ya, yb, f16, bounds, parts):
     n = bounds.shape[0] - 1
     ctr = np.zeros(1, np.int64)
+    xp = x_perm_q2k(xq)
     for p in prange(min(n, parts)):
         while True:
             c = _grab(ctr)
             if c >= n:
                 break
-            q2_k_ex_rows(wa, wb, ex, gs, xr, xq, xd, xbs, ya, yb, f16, bounds[c], bounds[c + 1])
+            _q2_k_ex(wa, wb, ex, gs, xr, xp, xd, xbs, ya, yb, f16, bounds[c], bounds[c + 1])
 
 
 @njit(**SERIAL)
