@@ -213,8 +213,9 @@ def test_a_model_with_int8_activations_equals_the_act_quant_oracle(golden, monke
 
 
 def test_the_decode_kernels_compile_to_byte_multiply_adds():
-    """The explicit vector IR (ds4py.quant.jit_decode) reaches the byte multiply-adds: pmaddubsw (+ pmaddwd or
-    vpdpwssd) on AVX2 hosts; elsewhere the portable IR, checked for a SIMD multiply-add of the target."""
+    """The explicit vector IR (ds4py.quant.jit_decode) reaches the byte multiply-adds: vpdpbusd on AVX-512 VBMI +
+    VNNI hosts, pmaddubsw (+ pmaddwd or vpdpwssd) on AVX2 hosts; elsewhere the portable IR, checked for a SIMD
+    multiply-add of the target."""
     from numba import njit
 
     from ds4py.quant import jit_decode
@@ -230,13 +231,40 @@ def test_the_decode_kernels_compile_to_byte_multiply_adds():
     np.testing.assert_array_equal(y, jit_i8.matmul(Q.Q2_K, raw, x, 1))
     asm = "\n".join(serial.inspect_asm().values())
     arch = platform.machine().lower()
-    if jit_decode.AVX2:
+    if jit_decode.AVX512:
+        want = ("vpdpbusd",)
+    elif jit_decode.AVX2:
         want = ("vpmaddubsw",)
     elif arch in ("x86_64", "amd64"):
         want = ("pmaddwd", "pmaddubsw", "pmullw")
     else:
         want = ("sdot", "smlal", "sadalp", "smull", "umull", "mla")
     assert any(op in asm for op in want), f"no byte multiply-add in the Q2_K decode kernel on {arch}"
+
+
+def test_iq2_xxs_decodes_in_vector_registers_on_avx512():
+    """On AVX-512 VBMI + GFNI + VNNI hosts the IQ2_XXS decode kernel decodes a block's signs, scales and grid rows
+    with vector instructions (vpmultishiftqb, vgf2p8affineqb, vpshufbitqmb, vpermi2b) and no scalar table loads
+    are left for the tables it is given: its bits are the other paths' (test_jit_i8's other tests)."""
+    from numba import njit
+
+    from ds4py.quant import jit_decode
+
+    if not jit_decode.AVX512:
+        pytest.skip("not an AVX-512 VBMI + GFNI + VNNI host")
+    stored, _ = _fixtures()
+    rng = np.random.default_rng(12)
+    raw = stored(Q.IQ2_XXS, 3, 512, rng)
+    x = rng.standard_normal((1, 512)).astype(F32)
+    xq, xd, _ = jit_i8.quant_q8_k(x)
+    y = np.empty((1, 3), F32)
+    serial = njit(nogil=True, boundscheck=False)(jit_decode.iq2_xxs_dec.py_func)   # uncached: inspectable
+    t = jit_i8._tables
+    serial(raw.reshape(3, 2, 66), xq, xd, y, jit._state["f16"], t["grid8"], t["sign8"], 1)
+    np.testing.assert_array_equal(y, jit_i8.matmul(Q.IQ2_XXS, raw, x, 1))
+    asm = "\n".join(serial.inspect_asm().values())
+    for op in ("vpmultishiftqb", "vgf2p8affineqb", "vpshufbitqmb", "vpdpbusd"):
+        assert op in asm, op
 
 
 def _ds4_tiny(golden):
