@@ -244,8 +244,8 @@ def test_the_decode_kernels_compile_to_byte_multiply_adds():
 
 def test_iq2_xxs_decodes_in_vector_registers_on_avx512():
     """On AVX-512 VBMI + GFNI + VNNI hosts the IQ2_XXS decode kernel decodes a block's signs, scales and grid rows
-    with vector instructions (vpmultishiftqb, vgf2p8affineqb, vpshufbitqmb, vpermi2b) and no scalar table loads
-    are left for the tables it is given: its bits are the other paths' (test_jit_i8's other tests)."""
+    with vector instructions (vpmultishiftqb, vgf2p8affineqb, vpshufbitqmb), not scalar table loads, and gives
+    the serial kernel's bits (the other tests: the block-buffer kernels' and the reference's)."""
     from numba import njit
 
     from ds4py.quant import jit_decode
