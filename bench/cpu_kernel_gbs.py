@@ -55,7 +55,7 @@ def main() -> None:
     f16 = jit._state["f16"]
     rng = np.random.default_rng(0)
     print(f"load {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f}; AVX2 {dec.AVX2}; "
-          f"AVX-512 path {getattr(dec, 'AVX512', False)}")
+          f"AVX-512 path {dec.AVX512}")
     src = np.ones(a.mb << 20, np.uint8)
     dst = np.empty_like(src)
     t = _best(lambda: np.copyto(dst, src), a.reps, time.thread_time)
