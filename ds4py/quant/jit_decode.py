@@ -306,6 +306,46 @@ def iq2_block(typingctx, raw, off, xq, xo, grid8, sign8):
     return types.int32(raw, off, xq, xo, grid8, sign8), codegen
 
 
+def _hsum2(builder, a, b):
+    """The lanes of two <16 x i32> added, each: one reduction tree for both (a's partial sums in lanes 0..7, b's
+    in 8..15) -> (i32, i32)."""
+    m = lambda idx: ir.Constant(_W16, idx)                                       # noqa: E731
+    s = builder.add(builder.shuffle_vector(a, b, m(list(range(8)) + list(range(16, 24)))),
+                    builder.shuffle_vector(a, b, m(list(range(8, 16)) + list(range(24, 32)))))
+    for step in (4, 2, 1):
+        s = builder.add(s, builder.shuffle_vector(s, s, m([i ^ step for i in range(16)])))
+    return builder.extract_element(s, _const(I32, 0)), builder.extract_element(s, _const(I32, 8))
+
+
+@intrinsic
+def iq2_block2(typingctx, raw, off, xq, xo, grid8, sign8):
+    """iq2_block of the blocks at flat bytes off and off + 66 (one row's blocks b, b + 1) against xq[xo ...] and
+    xq[xo + 256 ...] -> (isum_b, isum_b+1). On AVX512 hosts the two blocks' sums share one reduction tree."""
+    def codegen(context, builder, sig, args):
+        p = builder.gep(_data(context, builder, sig, args, 0), [args[1]])
+        xp = _data(context, builder, sig, args, 2)
+        xo = args[3]
+        if AVX512:
+            va = _iq2_dot512(builder, _iq2_decode512(builder, p), xp, xo)
+            vb = _iq2_dot512(builder, _iq2_decode512(builder, builder.gep(p, [_const(I64, 66)])), xp,
+                             builder.add(xo, _const(xo.type, 256)))
+            sums = _hsum2(builder, va, vb)
+        else:
+            grid, signs = _data(context, builder, sig, args, 4), _data(context, builder, sig, args, 5)
+            b32 = ir.VectorType(I8, 32)
+            sums = []
+            for blk in range(2):
+                acc = None
+                for g in range(8):
+                    gv, m, ls = _iq2_gather(builder, builder.gep(p, [_const(I64, 66 * blk + 8 * g)]), grid, signs)
+                    x = _vload(builder, xp, builder.add(xo, _const(xo.type, 256 * blk + 32 * g)), b32)
+                    v = _iq2_signed_dot(builder, gv, m, x, ls)
+                    acc = v if acc is None else builder.add(acc, v)
+                sums.append(_hsum(builder, acc))
+        return context.make_tuple(builder, sig.return_type, list(sums))
+    return types.UniTuple(types.int32, 2)(raw, off, xq, xo, grid8, sign8), codegen
+
+
 @intrinsic
 def iq2_block_pairs(typingctx, raw, off, d, b, xq, xr, j0, j1, xd, accs, grid8, sign8):
     """One IQ2_XXS block (flat byte `off` of raw: 8 groups of 8 bytes, 4 grid indices then a u32 of 4 x 7
@@ -724,7 +764,14 @@ def _iq2_xxs_pairs(w, xq, xd, xr, j0, j1, y, f16, grid8, sign8, r0, r1):
         t = xr[j0]
         for r in range(r0, r1):
             acc = F32(0)
-            for b in range(nb):
+            for b in range(0, nb - 1, 2):           # two blocks a call: one reduction tree for both sums
+                s0, s1 = iq2_block2(w, (r * nb + b) * 66 + 2, xq, t * C + 256 * b, grid8, sign8)
+                d = f16[np.int32(w[r, b, 0]) | (np.int32(w[r, b, 1]) << 8)] * F32(0.125)
+                acc += (d * xd[t, b]) * F32(s0)
+                d = f16[np.int32(w[r, b + 1, 0]) | (np.int32(w[r, b + 1, 1]) << 8)] * F32(0.125)
+                acc += (d * xd[t, b + 1]) * F32(s1)
+            if nb % 2:
+                b = nb - 1
                 d = f16[np.int32(w[r, b, 0]) | (np.int32(w[r, b, 1]) << 8)] * F32(0.125)
                 isum = iq2_block(w, (r * nb + b) * 66 + 2, xq, t * C + 256 * b, grid8, sign8)
                 acc += (d * xd[t, b]) * F32(isum)
