@@ -306,6 +306,19 @@ def iq2_block(typingctx, raw, off, xq, xo, grid8, sign8):
     return types.int32(raw, off, xq, xo, grid8, sign8), codegen
 
 
+def _hsum4(builder, vs):
+    """The lanes of four <16 x i32> added, each, by one reduction tree -> 4 x i32."""
+    m = lambda idx: ir.Constant(_W16, idx)                                       # noqa: E731
+    lo8, hi8 = list(range(8)) + list(range(16, 24)), list(range(8, 16)) + list(range(24, 32))
+    ab, cd = (builder.add(builder.shuffle_vector(u, v, m(lo8)), builder.shuffle_vector(u, v, m(hi8)))
+              for u, v in (vs[:2], vs[2:]))
+    lo4 = [i + 4 * (i // 4) for i in range(16)]                 # 0..3, 8..11, 16..19, 24..27
+    s = builder.add(builder.shuffle_vector(ab, cd, m(lo4)), builder.shuffle_vector(ab, cd, m([i + 4 for i in lo4])))
+    for step in (2, 1):
+        s = builder.add(s, builder.shuffle_vector(s, s, m([i ^ step for i in range(16)])))
+    return [builder.extract_element(s, _const(I32, 4 * i)) for i in range(4)]
+
+
 def _hsum2(builder, a, b):
     """The lanes of two <16 x i32> added, each: one reduction tree for both (a's partial sums in lanes 0..7, b's
     in 8..15) -> (i32, i32)."""
@@ -429,6 +442,34 @@ def _q2k_dot512(builder, p, xp, xo):
     return acc
 
 
+def _q2k_sum_vec(builder, p, xp, xo):
+    """The Q2_K block at p against x at xp[xo]: the integer partial sums of scale * code * x, one vector."""
+    if AVX512:
+        return _q2k_dot512(builder, p, xp, xo)
+    b16, b32 = ir.VectorType(I8, 16), ir.VectorType(I8, 32)
+    h16 = ir.VectorType(I16, 16)
+    sc = builder.zext(builder.and_(_vload(builder, p, _const(I64, 0), b16), _splat(b16, 15)), h16)
+    mask16 = ir.VectorType(I32, 16)
+    acc = None
+    for h in range(2):
+        q = _vload(builder, p, _const(I64, 16 + 32 * h), b32)
+        for j in range(4):
+            c = builder.and_(builder.lshr(q, _splat(b32, 2 * j)), _splat(b32, 3))
+            x = _vload(builder, xp, builder.add(xo, _const(xo.type, 128 * h + 32 * j)), b32)
+            sub = 8 * h + 2 * j
+            s = builder.shuffle_vector(sc, sc, ir.Constant(mask16, [sub] * 8 + [sub + 1] * 8))   # per lane pair
+            pr = _dot_u8s8(builder, c, x, s)                                # pairs: 2 * 3 * 127 < 2^15
+            acc = pr if acc is None else builder.add(acc, pr)
+    return acc
+
+
+def _q2k_mins_vec(builder, p, bsp, bo):
+    """<16 x i32> (scale byte i >> 4) * bsp[bo + i] of the Q2_K block at p."""
+    b16, w16 = ir.VectorType(I8, 16), ir.VectorType(I32, 16)
+    mn = builder.zext(builder.lshr(_vload(builder, p, _const(I64, 0), b16), _splat(b16, 4)), w16)
+    return builder.mul(mn, _vload(builder, bsp, bo, w16))
+
+
 @intrinsic
 def q2k_block(typingctx, raw, off, xq, xo):
     """sum over a Q2_K block (84 bytes at flat byte `off`: 16 scale bytes, 64 code bytes, f16 d, f16 dmin) of
@@ -436,24 +477,7 @@ def q2k_block(typingctx, raw, off, xq, xo):
     32 h + l; its sub-block is 8 h + 2 j + (l >= 16)."""
     def codegen(context, builder, sig, args):
         p = builder.gep(_data(context, builder, sig, args, 0), [args[1]])
-        xp = _data(context, builder, sig, args, 2)
-        if AVX512:
-            return _hsum(builder, _q2k_dot512(builder, p, xp, args[3]))
-        b16, b32 = ir.VectorType(I8, 16), ir.VectorType(I8, 32)
-        h16 = ir.VectorType(I16, 16)
-        sc = builder.zext(builder.and_(_vload(builder, p, _const(I64, 0), b16), _splat(b16, 15)), h16)
-        mask16 = ir.VectorType(I32, 16)
-        acc = None
-        for h in range(2):
-            q = _vload(builder, p, _const(I64, 16 + 32 * h), b32)
-            for j in range(4):
-                c = builder.and_(builder.lshr(q, _splat(b32, 2 * j)), _splat(b32, 3))
-                x = _vload(builder, xp, builder.add(args[3], _const(args[3].type, 128 * h + 32 * j)), b32)
-                sub = 8 * h + 2 * j
-                s = builder.shuffle_vector(sc, sc, ir.Constant(mask16, [sub] * 8 + [sub + 1] * 8))   # per lane pair
-                pr = _dot_u8s8(builder, c, x, s)                                # pairs: 2 * 3 * 127 < 2^15
-                acc = pr if acc is None else builder.add(acc, pr)
-        return _hsum(builder, acc)
+        return _hsum(builder, _q2k_sum_vec(builder, p, _data(context, builder, sig, args, 2), args[3]))
     return types.int32(raw, off, xq, xo), codegen
 
 
@@ -463,11 +487,27 @@ def q2k_mins(typingctx, raw, off, xbs, bo):
     activation codes)."""
     def codegen(context, builder, sig, args):
         p = builder.gep(_data(context, builder, sig, args, 0), [args[1]])
-        b16, w16 = ir.VectorType(I8, 16), ir.VectorType(I32, 16)
-        mn = builder.zext(builder.lshr(_vload(builder, p, _const(I64, 0), b16), _splat(b16, 4)), w16)
-        bs = _vload(builder, _data(context, builder, sig, args, 2), args[3], w16)
-        return _hsum(builder, builder.mul(mn, bs))
+        return _hsum(builder, _q2k_mins_vec(builder, p, _data(context, builder, sig, args, 2), args[3]))
     return types.int32(raw, off, xbs, bo), codegen
+
+
+@intrinsic
+def q2k_block2(typingctx, raw, off, xq, xo, xbs, bo):
+    """q2k_block and q2k_mins of two consecutive blocks of a row (flat bytes off, off + 84; x at xo, xo + 256;
+    sums at bo, bo + 16) -> (isum_b, mins_b, isum_b+1, mins_b+1); on AVX512 hosts one reduction tree for the
+    four."""
+    def codegen(context, builder, sig, args):
+        p = builder.gep(_data(context, builder, sig, args, 0), [args[1]])
+        xp, bsp = _data(context, builder, sig, args, 2), _data(context, builder, sig, args, 4)
+        xo, bo = args[3], args[5]
+        vs = []
+        for i in range(2):
+            pb = builder.gep(p, [_const(I64, 84 * i)])
+            vs.append(_q2k_sum_vec(builder, pb, xp, builder.add(xo, _const(xo.type, 256 * i))))
+            vs.append(_q2k_mins_vec(builder, pb, bsp, builder.add(bo, _const(bo.type, 16 * i))))
+        sums = _hsum4(builder, vs) if AVX512 else [_hsum(builder, v) for v in vs]
+        return context.make_tuple(builder, sig.return_type, sums)
+    return types.UniTuple(types.int32, 4)(raw, off, xq, xo, xbs, bo), codegen
 
 
 def _dot_s8s8(builder, w, x):
@@ -824,7 +864,15 @@ def _q2_k_pairs(w, xq, xd, xbs, xr, j0, j1, y, f16, r0, r1):
         for j in range(j0, j1):
             t = xr[j]
             acc = F32(0)
-            for b in range(nb):
+            for b in range(0, nb - 1, 2):          # two blocks a call (one reduction tree), then as below
+                i0, m0, i1, m1 = q2k_block2(w, (r * nb + b) * 84, xq, t * C + 256 * b, xbs, t * (C // 16) + 16 * b)
+                d = f16[np.int32(w[r, b, 80]) | (np.int32(w[r, b, 81]) << 8)]
+                dm = f16[np.int32(w[r, b, 82]) | (np.int32(w[r, b, 83]) << 8)]
+                acc += xd[t, b] * (d * F32(i0) - dm * F32(m0))
+                d = f16[np.int32(w[r, b + 1, 80]) | (np.int32(w[r, b + 1, 81]) << 8)]
+                dm = f16[np.int32(w[r, b + 1, 82]) | (np.int32(w[r, b + 1, 83]) << 8)]
+                acc += xd[t, b + 1] * (d * F32(i1) - dm * F32(m1))
+            for b in range(nb - nb % 2, nb):
                 d = f16[np.int32(w[r, b, 80]) | (np.int32(w[r, b, 81]) << 8)]
                 dm = f16[np.int32(w[r, b, 82]) | (np.int32(w[r, b, 83]) << 8)]
                 o = (r * nb + b) * 84
