@@ -698,3 +698,85 @@ def quant_q8_0_rows(x, q, d):
             for i in range(32):
                 q[t, o + i] = np.int8(np.rint(x[t, o + i] / div))
     return True
+
+
+# ---- several matrices that read one activation, in one call (jit_i8.matmul_many) -----------------------------
+# A decode step's projections of one x (attention: q_a, kv, the compressors' and the indexer's; FFN: the router
+# and the shared expert's gate and up) each paid a parallel launch (~0.1 ms of CPU on the calling thread, plus
+# the workers' wake-ups) and, for Q8_0, a quantisation of x. Here they are one launch: Q8_0 matrices q8[0..nq)
+# (x quantised once: xq, xd) then F16 matrices h16[0..nh) (the fp32 x), their rows laid end to end, cut into
+# pieces of about equal weight bytes that the threads take from a shared counter. Each row is q8_0_rows' /
+# f16_rows' own float sequence, so every y is the bits of the one-matrix kernels. The tuples have fixed lengths
+# MANY_Q8 / MANY_F16 (unused places: empty matrices), so one compiled variant serves every layer.
+MANY_Q8, MANY_F16 = 4, 6
+
+
+@njit(**SERIAL)
+def _many_row_at(b, rows, rbytes):
+    """The first row (of all the matrices' rows, end to end) that starts at or after byte b of their weights."""
+    g = 0
+    for m in range(rows.shape[0]):
+        nb = rows[m] * rbytes[m]
+        if b < nb:
+            return g + (b + rbytes[m] - 1) // rbytes[m]
+        b -= nb
+        g += rows[m]
+    return g
+
+
+@njit(**SERIAL)
+def q8_0_many_rows(q8, yq, xq, xd, f16, nq, rows, g0, g1):
+    """Rows g0..g1 (end to end over the Q8_0 matrices q8[0..nq)) of x @ W.T: q8_0_rows on each piece."""
+    s = 0
+    for m in range(nq):
+        a, b = max(g0 - s, 0), min(g1 - s, rows[m])
+        if a < b:
+            q8_0_rows(q8[m], xq, xd, yq[m], f16, a, b)
+        s += rows[m]
+
+
+@njit(**OPTS)
+def q8_0_many_dec(q8, yq, xq, xd, f16, nq, rows, rbytes, parts):
+    total = 0
+    for m in range(rows.shape[0]):
+        total += rows[m] * rbytes[m]
+    n = max(1, min(parts * CHUNKS_PER_THREAD, total // 4096))
+    ctr = np.zeros(1, np.int64)
+    for p in prange(parts):
+        while True:
+            c = _grab(ctr)
+            if c >= n:
+                break
+            q8_0_many_rows(q8, yq, xq, xd, f16, nq, rows, _many_row_at(c * total // n, rows, rbytes),
+                           _many_row_at((c + 1) * total // n, rows, rbytes))
+
+
+@njit(**SERIAL)
+def mixed_many_rows(q8, yq, xq, xd, h16, yh, x, f16, nq, nh, rows, g0, g1):
+    """Rows g0..g1 over the Q8_0 matrices q8[0..nq) then the F16 matrices h16[0..nh), end to end: q8_0_rows /
+    f16_rows on each piece."""
+    s = 0
+    for m in range(nq + nh):
+        a, b = max(g0 - s, 0), min(g1 - s, rows[m])
+        if a < b:
+            if m < nq:
+                q8_0_rows(q8[m], xq, xd, yq[m], f16, a, b)
+            else:
+                f16_rows(h16[m - nq], x, yh[m - nq], f16, a, b)
+        s += rows[m]
+
+
+@njit(**OPTS)
+def mixed_many_dec(q8, yq, xq, xd, h16, yh, x, f16, nq, nh, rows, rbytes, parts):
+    total = 0
+    for m in range(rows.shape[0]):
+        total += rows[m] * rbytes[m]
+    n = max(1, min(parts * CHUNKS_PER_THREAD, total // 4096))
+    ctr = np.zeros(1, np.int64)
+    for p in prange(parts):
+        while True:
+            c = _grab(ctr)
+            if c >= n:
+                break
+            mixed_many_rows(q8, yq, xq, xd, h16, yh, x, f16, nq, nh, rows,
+                            _many_row_at(c * total // n, rows, rbytes), _many_row_at((c + 1) * total // n, rows, rbytes))

@@ -237,3 +237,60 @@ def experts_matmul(qtype, raws: tuple, ex: np.ndarray, gs: np.ndarray, xr: np.nd
         pieces = min(tasks, parts * dec.CHUNKS_PER_THREAD)
         jit._call(f"{name}_dec", getattr(dec, f"{name}_dec"), (*args, _work_bounds(gs, R, mats, pieces), parts), threads)
     return ys
+
+
+_MANY_EMPTY: dict = {}
+
+
+def _many_pad(kind: str, arrays: list, k: int) -> tuple:
+    """arrays padded to k with an empty array of their numba type (jit_decode's fixed-length tuples)."""
+    if kind not in _MANY_EMPTY:
+        _MANY_EMPTY.update(q8=jit._readonly(np.zeros((0, 1, 34), np.uint8)),
+                           h16=jit._readonly(np.zeros((0, 1), np.uint16)), y=np.zeros((0, 0), F32))
+    return tuple(arrays) + (_MANY_EMPTY[kind],) * (k - len(arrays))
+
+
+def many_supported(q8: int, f16: int, rows: int) -> bool:
+    """Whether matmul_many takes q8 Q8_0 and f16 F16 matrices for a step of `rows` token rows (a decode step or
+    a short verify: the rows the decode kernels serve; F16 only where jit_decode's f16 kernel is the one
+    ds4py.quant.jit.matmul runs)."""
+    if rows > DECODE_ROWS or not jit.available():
+        return False
+    _kernels()
+    dec = _tables["dec"]
+    return q8 <= dec.MANY_Q8 and f16 <= dec.MANY_F16 and (f16 == 0 or dec.NATIVE_HALF)
+
+
+def matmul_many(q8_raws: list, f16_raws: list, x: np.ndarray, threads: int = 1) -> tuple[list, list]:
+    """x @ W.T for several stored matrices that read one activation x [T, C], in one kernel call: Q8_0 rows
+    (uint8 [R, C/32*34]; x quantised once as matmul quantises it) and F16 rows (uint8 [R, 2C]; the fp32 x)
+    -> (the Q8_0 products, the F16 products), float32 [T, R] each: matmul's bits, matrix by matrix (the same
+    row kernels). The caller checks many_supported first."""
+    _kernels()
+    dec = _tables["dec"]
+    x = np.ascontiguousarray(x, dtype=F32)
+    T, C = x.shape
+    q8 = [jit._readonly(np.ascontiguousarray(r).view(np.uint8).reshape(r.shape[0], C // 32, 34)) for r in q8_raws]
+    h16 = [jit._readonly(np.ascontiguousarray(r).view(np.uint16).reshape(r.shape[0], C)) for r in f16_raws]
+    yq = [np.empty((T, w.shape[0]), F32) for w in q8]
+    yh = [np.empty((T, w.shape[0]), F32) for w in h16]
+    rows = np.array([w.shape[0] for w in q8] + [w.shape[0] for w in h16], np.int64)
+    rbytes = np.array([w.shape[1] * 34 for w in q8] + [2 * C] * len(h16), np.int64)
+    xq, xd = quant_q8_0(x) if q8 else (np.zeros((T, C), np.int8), np.zeros((T, max(1, C // 32)), F32))
+    f16 = jit._state["f16"]
+    args = (_many_pad("q8", q8, dec.MANY_Q8), _many_pad("y", yq, dec.MANY_Q8), xq, xd)
+    parts = max(1, min(threads, int(rows.sum())))
+    serial = parts == 1 or int(rows @ rbytes) < jit.SERIAL_BYTES
+    if not h16:
+        if serial:
+            jit._call("q8_0_many_rows", dec.q8_0_many_rows, (*args, f16, len(q8), rows, 0, int(rows.sum())), 1,
+                      pool=False)
+        else:
+            jit._call("q8_0_many_dec", dec.q8_0_many_dec, (*args, f16, len(q8), rows, rbytes, parts), threads)
+        return yq, yh
+    args += (_many_pad("h16", h16, dec.MANY_F16), _many_pad("y", yh, dec.MANY_F16), x, f16, len(q8), len(h16), rows)
+    if serial:
+        jit._call("mixed_many_rows", dec.mixed_many_rows, (*args, 0, int(rows.sum())), 1, pool=False)
+    else:
+        jit._call("mixed_many_dec", dec.mixed_many_dec, (*args, rbytes, parts), threads)
+    return yq, yh

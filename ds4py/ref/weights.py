@@ -324,6 +324,45 @@ class Weights:
             return ys[0], ys[1]
         return self.linear(a, x, seg), self.linear(b, x, seg)
 
+    def linear_many(self, tensors: list[TensorInfo], x: np.ndarray,
+                    seg: list[slice] | None = None) -> list[np.ndarray]:
+        """[linear(t, x, seg) for t in tensors] for matrices that read one x (a layer's projections of its input):
+        in a decode step on the int8 kernels, the Q8_0 and F16 ones in one kernel call with x quantised once
+        (jit_i8.matmul_many: the same bits, matrix by matrix); the others one by one, or two of one format and
+        shape by linear_pair."""
+        T = x.shape[0]
+        many = [t for t in tensors if len(t.shape) == 2 and self._many_format(t, T)]
+        q8 = [t for t in many if t.qtype == Q.Q8_0]
+        h16 = [t for t in many if t.qtype == Q.F16]
+        out: dict = {}
+        if len(many) >= 2 and jit_i8.many_supported(len(q8), len(h16), T):
+            yq, yh = jit_i8.matmul_many([t.raw_bytes() for t in q8], [t.raw_bytes() for t in h16], x,
+                                        self.runner.threads)
+            out = dict(zip(map(id, q8), yq)) | dict(zip(map(id, h16), yh))
+        rest = [t for t in tensors if id(t) not in out]
+        i = 0
+        while i < len(rest):
+            a = rest[i]
+            b = rest[i + 1] if i + 1 < len(rest) else None
+            if b is not None and b.qtype == a.qtype and b.shape == a.shape:
+                out[id(a)], out[id(b)] = self.linear_pair(a, b, x, seg)
+                i += 2
+            else:
+                out[id(a)] = self.linear(a, x, seg)
+                i += 1
+        return [out[id(t)] for t in tensors]
+
+    def _many_format(self, t: TensorInfo, rows: int) -> bool:
+        """Whether linear(t, x) of `rows` rows runs jit_decode's q8_0 / f16 row kernels (so matmul_many gives its
+        bits): Q8_0 on the int8 decode kernel, F16 on the compiled decode kernel, act_quant numerics."""
+        if not self._jit_checked:
+            self._check_jit()
+        if not (self.act_quant and self.kernels == "jit" and rows <= FUSED_MAX_ROWS):
+            return False
+        if t.qtype == Q.Q8_0:
+            return self._int8(t, rows)
+        return t.qtype == Q.F16 and self._fuse(t) and self.runner.compiled and jit.takes(t.qtype, t.shape[-1])
+
     def _dense_q8_0(self, raw: np.ndarray, x: np.ndarray, seg: list[slice] | None) -> np.ndarray:
         """A prefill sequence's product with dense Q8_0 rows, x rounded (act): int8 on AVX-512 VNNI hosts
         (jit_i8_gemm.q8_0_matmul; quantising the rounded x gives its own codes and scales back), else the

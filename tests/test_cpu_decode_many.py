@@ -1,0 +1,106 @@
+"""A decode step's projections of one activation in one kernel call (ds4py.quant.jit_i8.matmul_many; the
+reference's attention and FFN inputs, ds4py.ref.forward.x_products) against the one-matrix products they replace.
+
+Every row runs the one-matrix decode kernel's float sequence (jit_decode.q8_0_rows / f16_rows), x quantised once
+as jit_i8.matmul quantises it, so the results are the same bits as jit_i8.matmul (Q8_0) and jit.matmul (F16) on
+each matrix: checked over matrix counts and mixes, row counts (odd, one row, empty pieces), row lengths (F16 any
+length), token counts up to DECODE_ROWS, on the calling thread and on the pool at 2 and 3 threads. At model level
+(ds4-tiny, ds4's numerics) the step gives the one-by-one products' logits bit for bit with fewer kernel calls.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from ds4py.quant import jit, jit_i8
+
+pytestmark = pytest.mark.skipif(not jit.available(), reason=f"numba unavailable: {jit.unavailable_reason()}")
+
+F32 = np.float32
+
+
+def _q8(rows, cols, rng):
+    from test_fused import stored
+
+    return stored(Q.Q8_0, rows, cols, rng)
+
+
+def _f16(rows, cols, rng):
+    return (rng.standard_normal((rows, cols)) * 0.1).astype(np.float16).view(np.uint8)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("pool", [False, True], ids=["serial", "pool"])
+def test_one_call_gives_each_matrix_its_own_products_bit_for_bit(pool, threads, monkeypatch):
+    if pool:                                       # every call on numba's pool
+        monkeypatch.setattr(jit, "SERIAL_BYTES", 0)
+    half = jit_i8._kernels() and jit_i8._tables["dec"].NATIVE_HALF
+    cases = [([1, 3], [], 32, 1), ([37, 5, 64], [], 96, 3), ([2], [3], 64, 2), ([1, 1, 1, 1], [7, 1, 2, 9, 4, 33], 32, 1),
+             ([], [5, 70], 100, 2), ([], [1, 2], 7, 1), ([130, 17], [40], 256, jit_i8.DECODE_ROWS),
+             ([3], [2, 2, 2], 160, 5)]            # (Q8_0 rows of each, F16 rows of each, cols, tokens)
+    for q8_rows, f16_rows, cols, tokens in cases:
+        if f16_rows and not half:
+            assert not jit_i8.many_supported(len(q8_rows), len(f16_rows), tokens)
+            continue
+        assert jit_i8.many_supported(len(q8_rows), len(f16_rows), tokens)
+        rng = np.random.default_rng([cols, tokens, len(q8_rows), len(f16_rows)])
+        q8 = [_q8(r, cols, rng) for r in q8_rows]
+        h16 = [_f16(r, cols, rng) for r in f16_rows]
+        x = (rng.standard_normal((tokens, cols)) * rng.uniform(0.1, 10, (tokens, 1))).astype(F32)
+        yq, yh = jit_i8.matmul_many(q8, h16, x, threads)
+        assert len(yq) == len(q8) and len(yh) == len(h16)
+        for raw, y in zip(q8, yq):
+            assert y.shape == (tokens, raw.shape[0]) and y.dtype == F32
+            np.testing.assert_array_equal(y, jit_i8.matmul(Q.Q8_0, raw, x, 1))
+        for raw, y in zip(h16, yh):
+            assert y.shape == (tokens, raw.shape[0]) and y.dtype == F32
+            np.testing.assert_array_equal(y, jit.matmul(Q.F16, raw, x, 1))
+
+
+def test_what_one_call_takes():
+    assert jit_i8.many_supported(2, 0, jit_i8.DECODE_ROWS)
+    assert not jit_i8.many_supported(2, 0, jit_i8.DECODE_ROWS + 1)        # a prefill: the other kernels' bits
+    dec = jit_i8._tables["dec"]
+    assert not jit_i8.many_supported(dec.MANY_Q8 + 1, 0, 1)
+    assert not jit_i8.many_supported(0, dec.MANY_F16 + 1, 1)
+
+
+def _steps(path, many: bool, chunks, monkeypatch):
+    """Logits of a step over `chunks` then two one-token steps, and the kernel calls of the last step."""
+    from ds4py.model import Numerics
+    from ds4py.ref.engine import RefModel
+
+    if not many:
+        monkeypatch.setattr(jit_i8, "many_supported", lambda q8, f16, rows: False)
+    calls = []
+    real = jit._call
+
+    def counted(name, fn, args, threads, pool=True):
+        calls.append(name)
+        return real(name, fn, args, threads, pool)
+
+    monkeypatch.setattr(jit, "_call", counted)
+    m = RefModel(path, numerics=Numerics.ds4(), kernels="jit", threads=2)
+    states = [m.new_state() for _ in chunks]
+    out = [np.concatenate(m._step(states, chunks, True))]
+    for t in (7, 120):
+        calls.clear()
+        out.append(np.concatenate(m._step(states, [np.array([t])] * len(chunks), True)))
+    monkeypatch.undo()
+    return out, list(calls)
+
+
+@pytest.mark.parametrize("chunks", [[[3, 17, 250]], [[3, 17], [88, 41, 5]]], ids=["one", "two"])
+def test_the_step_equals_the_one_by_one_products(golden, chunks, monkeypatch):
+    """ds4-tiny (ds4's q2 layout: Q8_0 attention and shared expert, F16 router and compressors): the decode
+    steps' logits are the one-by-one products' bits, with fewer kernel calls."""
+    path = str(golden / "ds4-tiny" / "tiny.gguf")
+    chunks = [np.array(c) for c in chunks]
+    got, calls = _steps(path, True, chunks, monkeypatch)
+    want, calls_before = _steps(path, False, chunks, monkeypatch)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+    assert any("many" in c for c in calls) and not any("many" in c for c in calls_before)
+    assert len(calls) < len(calls_before)
