@@ -702,12 +702,14 @@ def quant_q8_0_rows(x, q, d):
 
 # ---- several matrices that read one activation, in one call (jit_i8.matmul_many) -----------------------------
 # A decode step's projections of one x (attention: q_a, kv, the compressors' and the indexer's; FFN: the router
-# and the shared expert's gate and up) each paid a parallel launch (~0.1 ms of CPU on the calling thread, plus
-# the workers' wake-ups) and, for Q8_0, a quantisation of x. Here they are one launch: Q8_0 matrices q8[0..nq)
-# (x quantised once: xq, xd) then F16 matrices h16[0..nh) (the fp32 x), their rows laid end to end, cut into
-# pieces of about equal weight bytes that the threads take from a shared counter. Each row is q8_0_rows' /
-# f16_rows' own float sequence, so every y is the bits of the one-matrix kernels. The tuples have fixed lengths
-# MANY_Q8 / MANY_F16 (unused places: empty matrices), so one compiled variant serves every layer.
+# and the shared expert's gate and up) each paid a parallel launch (~0.05-0.1 ms of CPU on the calling thread,
+# plus the workers' wake-ups) and, for Q8_0, a quantisation of x. Here they are one launch: Q8_0 matrices
+# q0..q3 (x quantised once: xq, xd; the first nq used) then F16 matrices h0..h5 (the fp32 x; the first nh used),
+# their rows laid end to end, cut into pieces of about equal weight bytes that the threads take from a shared
+# counter. Each row is q8_0_rows' / f16_rows' own float sequence, so every y is the bits of the one-matrix
+# kernels. The matrices come as separate arguments, the unused ones empty: numba types a tuple argument in
+# Python (~30 us a call, measured), an array in C; the kernels make the tuples inside. One compiled variant
+# serves every layer.
 MANY_Q8, MANY_F16 = 4, 6
 
 
@@ -725,58 +727,77 @@ def _many_row_at(b, rows, rbytes):
 
 
 @njit(**SERIAL)
-def q8_0_many_rows(q8, yq, xq, xd, f16, nq, rows, g0, g1):
-    """Rows g0..g1 (end to end over the Q8_0 matrices q8[0..nq)) of x @ W.T: q8_0_rows on each piece."""
+def _many_pieces(rows, rbytes, parts):
+    """(weight bytes of all the matrices, the number of pieces for `parts` threads)."""
+    total = 0
+    for m in range(rows.shape[0]):
+        total += rows[m] * rbytes[m]
+    return total, max(1, min(parts * CHUNKS_PER_THREAD, total // 4096))
+
+
+@njit(**SERIAL)
+def _q8_0_many_piece(qs, ys, xq, xd, f16, nq, rows, g0, g1):
     s = 0
     for m in range(nq):
         a, b = max(g0 - s, 0), min(g1 - s, rows[m])
         if a < b:
-            q8_0_rows(q8[m], xq, xd, yq[m], f16, a, b)
+            q8_0_rows(qs[m], xq, xd, ys[m], f16, a, b)
         s += rows[m]
 
 
+@njit(**SERIAL)
+def q8_0_many_rows(q0, q1, q2, q3, y0, y1, y2, y3, xq, xd, f16, nq, rows, g0, g1):
+    """Rows g0..g1 (end to end over the Q8_0 matrices q0..q3, the first nq) of x @ W.T: q8_0_rows on each."""
+    _q8_0_many_piece((q0, q1, q2, q3), (y0, y1, y2, y3), xq, xd, f16, nq, rows, g0, g1)
+
+
 @njit(**OPTS)
-def q8_0_many_dec(q8, yq, xq, xd, f16, nq, rows, rbytes, parts):
-    total = 0
-    for m in range(rows.shape[0]):
-        total += rows[m] * rbytes[m]
-    n = max(1, min(parts * CHUNKS_PER_THREAD, total // 4096))
+def q8_0_many_dec(q0, q1, q2, q3, y0, y1, y2, y3, xq, xd, f16, nq, rows, rbytes, parts):
+    qs, ys = (q0, q1, q2, q3), (y0, y1, y2, y3)
+    total, n = _many_pieces(rows, rbytes, parts)
     ctr = np.zeros(1, np.int64)
     for p in prange(parts):
         while True:
             c = _grab(ctr)
             if c >= n:
                 break
-            q8_0_many_rows(q8, yq, xq, xd, f16, nq, rows, _many_row_at(c * total // n, rows, rbytes),
-                           _many_row_at((c + 1) * total // n, rows, rbytes))
+            _q8_0_many_piece(qs, ys, xq, xd, f16, nq, rows, _many_row_at(c * total // n, rows, rbytes),
+                             _many_row_at((c + 1) * total // n, rows, rbytes))
 
 
 @njit(**SERIAL)
-def mixed_many_rows(q8, yq, xq, xd, h16, yh, x, f16, nq, nh, rows, g0, g1):
-    """Rows g0..g1 over the Q8_0 matrices q8[0..nq) then the F16 matrices h16[0..nh), end to end: q8_0_rows /
-    f16_rows on each piece."""
+def _mixed_many_piece(qs, yq, xq, xd, hs, yh, x, f16, nq, nh, rows, g0, g1):
     s = 0
     for m in range(nq + nh):
         a, b = max(g0 - s, 0), min(g1 - s, rows[m])
         if a < b:
             if m < nq:
-                q8_0_rows(q8[m], xq, xd, yq[m], f16, a, b)
+                q8_0_rows(qs[m], xq, xd, yq[m], f16, a, b)
             else:
-                f16_rows(h16[m - nq], x, yh[m - nq], f16, a, b)
+                f16_rows(hs[m - nq], x, yh[m - nq], f16, a, b)
         s += rows[m]
 
 
+@njit(**SERIAL)
+def mixed_many_rows(q0, q1, q2, q3, y0, y1, y2, y3, xq, xd, h0, h1, h2, h3, h4, h5, z0, z1, z2, z3, z4, z5, x,
+                    f16, nq, nh, rows, g0, g1):
+    """Rows g0..g1 over the Q8_0 matrices q0..q3 (the first nq; products y0..) then the F16 matrices h0..h5 (the
+    first nh; products z0..), end to end: q8_0_rows / f16_rows on each."""
+    _mixed_many_piece((q0, q1, q2, q3), (y0, y1, y2, y3), xq, xd, (h0, h1, h2, h3, h4, h5),
+                      (z0, z1, z2, z3, z4, z5), x, f16, nq, nh, rows, g0, g1)
+
+
 @njit(**OPTS)
-def mixed_many_dec(q8, yq, xq, xd, h16, yh, x, f16, nq, nh, rows, rbytes, parts):
-    total = 0
-    for m in range(rows.shape[0]):
-        total += rows[m] * rbytes[m]
-    n = max(1, min(parts * CHUNKS_PER_THREAD, total // 4096))
+def mixed_many_dec(q0, q1, q2, q3, y0, y1, y2, y3, xq, xd, h0, h1, h2, h3, h4, h5, z0, z1, z2, z3, z4, z5, x,
+                   f16, nq, nh, rows, rbytes, parts):
+    qs, yq = (q0, q1, q2, q3), (y0, y1, y2, y3)
+    hs, yh = (h0, h1, h2, h3, h4, h5), (z0, z1, z2, z3, z4, z5)
+    total, n = _many_pieces(rows, rbytes, parts)
     ctr = np.zeros(1, np.int64)
     for p in prange(parts):
         while True:
             c = _grab(ctr)
             if c >= n:
                 break
-            mixed_many_rows(q8, yq, xq, xd, h16, yh, x, f16, nq, nh, rows,
-                            _many_row_at(c * total // n, rows, rbytes), _many_row_at((c + 1) * total // n, rows, rbytes))
+            _mixed_many_piece(qs, yq, xq, xd, hs, yh, x, f16, nq, nh, rows, _many_row_at(c * total // n, rows, rbytes),
+                              _many_row_at((c + 1) * total // n, rows, rbytes))

@@ -178,7 +178,7 @@ def _work_bounds(gs: np.ndarray, R: int, mats: int, parts: int) -> np.ndarray:
     G = len(pairs)
     K = mats * G * R
     if (pairs == pairs[0]).all():                     # a decode step: every expert one row, equal ranges
-        return np.array([p * K // parts for p in range(parts + 1)], np.int64)
+        return np.arange(parts + 1, dtype=np.int64) * K // parts
     cum = np.concatenate(([0], np.cumsum(np.tile(pairs, mats) * R)))
     cuts = [0]
     for i in range(1, parts):
@@ -278,7 +278,7 @@ def matmul_many(q8_raws: list, f16_raws: list, x: np.ndarray, threads: int = 1) 
     rbytes = np.array([w.shape[1] * 34 for w in q8] + [2 * C] * len(h16), np.int64)
     xq, xd = quant_q8_0(x) if q8 else (np.zeros((T, C), np.int8), np.zeros((T, max(1, C // 32)), F32))
     f16 = jit._state["f16"]
-    args = (_many_pad("q8", q8, dec.MANY_Q8), _many_pad("y", yq, dec.MANY_Q8), xq, xd)
+    args = (*_many_pad("q8", q8, dec.MANY_Q8), *_many_pad("y", yq, dec.MANY_Q8), xq, xd)
     parts = max(1, min(threads, int(rows.sum())))
     serial = parts == 1 or int(rows @ rbytes) < jit.SERIAL_BYTES
     if not h16:
@@ -288,7 +288,8 @@ def matmul_many(q8_raws: list, f16_raws: list, x: np.ndarray, threads: int = 1) 
         else:
             jit._call("q8_0_many_dec", dec.q8_0_many_dec, (*args, f16, len(q8), rows, rbytes, parts), threads)
         return yq, yh
-    args += (_many_pad("h16", h16, dec.MANY_F16), _many_pad("y", yh, dec.MANY_F16), x, f16, len(q8), len(h16), rows)
+    args += (*_many_pad("h16", h16, dec.MANY_F16), *_many_pad("y", yh, dec.MANY_F16), x, f16, len(q8), len(h16),
+             rows)
     if serial:
         jit._call("mixed_many_rows", dec.mixed_many_rows, (*args, 0, int(rows.sum())), 1, pool=False)
     else:

@@ -58,6 +58,10 @@ def mm(a: np.ndarray, b: np.ndarray, seg: list[slice] | None = None) -> np.ndarr
 def rmsnorm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
     """x * rsqrt(mean(x²) + eps) [* weight] over the last axis."""
     x = x.astype(F32, copy=False)
+    fast = _ops_jit()
+    if (fast is not None and x.ndim >= 1 and x.size and
+            (weight is None or (weight.dtype == F32 and weight.shape == x.shape[-1:]))):
+        return fast.rmsnorm(x, weight, eps)                          # numpy's operations compiled
     y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + F32(eps))
     return y * weight if weight is not None else y
 
@@ -223,6 +227,10 @@ def hc_coeffs(X: np.ndarray, fn: np.ndarray, scale: np.ndarray, base: np.ndarray
 
 def hc_collapse(X: np.ndarray, pre: np.ndarray) -> np.ndarray:
     """Σ_j pre_j X_j; products then a sum over j, in the official order. X [T, hc, D], pre [T, hc] -> [T, D]."""
+    fast = _ops_jit()
+    if (fast is not None and X.dtype == F32 and pre.dtype == F32 and X.ndim == 3 and 0 < X.shape[1] <= fast.MAX_N
+            and pre.shape == X.shape[:2]):
+        return fast.hc_collapse(np.ascontiguousarray(X), np.ascontiguousarray(pre), np.empty((X.shape[0], X.shape[2]), F32))
     return (pre[:, :, None] * X).sum(1)
 
 

@@ -104,3 +104,54 @@ def test_the_step_equals_the_one_by_one_products(golden, chunks, monkeypatch):
         np.testing.assert_array_equal(a, b)
     assert any("many" in c for c in calls) and not any("many" in c for c in calls_before)
     assert len(calls) < len(calls_before)
+
+
+# ---- the serial ops' compiled twins (ds4py.ref.ops_jit.rmsnorm / hc_collapse): numpy's bits ---------------------
+def _numpy_op(monkeypatch, fn, *args):
+    from ds4py.ref import ops
+
+    monkeypatch.setattr(ops, "_ops_jit", lambda: None)
+    try:
+        return fn(*args)
+    finally:
+        monkeypatch.undo()
+
+
+def test_rmsnorm_is_the_numpy_ops_bits(monkeypatch):
+    """Every row length up to 300 and the model's (pairwise sums of every depth), rows of one token, several, and
+    per head ([T, H, hd]), with and without a weight, scales over 12 orders, an all-zero row, inf / NaN."""
+    from ds4py.ref import ops, ops_jit
+
+    assert jit.loaded() and ops._ops_jit() is ops_jit
+    rng = np.random.default_rng(11)
+    shapes = [(1, n) for n in range(1, 301)] + [(1, n) for n in (512, 1000, 1024, 1536, 4096, 4099, 7168, 16384)]
+    shapes += [(3, 4096), (8, 1024), (1, 64, 512), (2, 8, 448), (5, 7, 33)]
+    for shape in shapes:
+        scale = 10.0 ** rng.uniform(-6, 6)
+        x = (rng.standard_normal(shape) * scale).astype(F32)
+        for weight in (None, (rng.standard_normal(shape[-1]) + 1).astype(F32)):
+            got = ops.rmsnorm(x, weight, 1e-6)
+            want = _numpy_op(monkeypatch, ops.rmsnorm, x, weight, 1e-6)
+            assert got.dtype == F32 and got.shape == x.shape
+            np.testing.assert_array_equal(got, want)
+    x = rng.standard_normal((4, 256)).astype(F32)
+    x[0] = 0
+    x[1, 3], x[2, 7] = np.inf, np.nan
+    with np.errstate(invalid="ignore"):
+        np.testing.assert_array_equal(ops.rmsnorm(x, None, 1e-6), _numpy_op(monkeypatch, ops.rmsnorm, x, None, 1e-6))
+    np.testing.assert_array_equal(ops.rmsnorm(x[:, ::2], None, 1e-6),             # a strided view
+                                  _numpy_op(monkeypatch, ops.rmsnorm, x[:, ::2], None, 1e-6))
+
+
+def test_hc_collapse_is_the_numpy_ops_bits(monkeypatch):
+    from ds4py.ref import ops, ops_jit
+
+    rng = np.random.default_rng(12)
+    for n in range(1, ops_jit.MAX_N + 1):
+        for T, D in ((1, 4096), (3, 37), (9, 256)):
+            scale = 10.0 ** rng.uniform(-3, 3)
+            X = (rng.standard_normal((T, n, D)) * scale).astype(F32)
+            pre = rng.standard_normal((T, n)).astype(F32)
+            got = ops.hc_collapse(X, pre)
+            assert got.dtype == F32 and got.shape == (T, D)
+            np.testing.assert_array_equal(got, _numpy_op(monkeypatch, ops.hc_collapse, X, pre))
