@@ -1,4 +1,6 @@
-"""A decode step's projections of one activation in one kernel call (ds4py.quant.jit_i8.matmul_many; the
+"""Fewer, longer kernel calls in a decode step, and the serial ops compiled: the same bits.
+
+A decode step's projections of one activation in one kernel call (ds4py.quant.jit_i8.matmul_many; the
 reference's attention and FFN inputs, ds4py.ref.forward.x_products) against the one-matrix products they replace.
 
 Every row runs the one-matrix decode kernel's float sequence (jit_decode.q8_0_rows / f16_rows), x quantised once
@@ -6,6 +8,8 @@ as jit_i8.matmul quantises it, so the results are the same bits as jit_i8.matmul
 each matrix: checked over matrix counts and mixes, row counts (odd, one row, empty pieces), row lengths (F16 any
 length), token counts up to DECODE_ROWS, on the calling thread and on the pool at 2 and 3 threads. At model level
 (ds4-tiny, ds4's numerics) the step gives the one-by-one products' logits bit for bit with fewer kernel calls.
+The shared expert's down projection in the routed IQ2_XXS gate / up launch (jit_i8.experts_matmul's `plain`):
+each product's bits. The compiled twins of ops.rmsnorm and ops.hc_collapse (ds4py.ref.ops_jit): numpy's bits.
 """
 
 from __future__ import annotations
@@ -67,13 +71,46 @@ def test_what_one_call_takes():
     assert not jit_i8.many_supported(0, dec.MANY_F16 + 1, 1)
 
 
+@pytest.mark.parametrize("pool", [False, True], ids=["serial", "pool"])
+def test_the_shared_down_with_the_routed_gate_and_up_gives_their_own_products(pool, monkeypatch):
+    """experts_matmul's `plain` Q8_0 product (the shared expert's down) in the routed IQ2_XXS gate / up launch:
+    each product's bits, over routings, token counts, odd row counts, 2 and 3 threads."""
+    from test_fused import stored
+
+    if pool:
+        monkeypatch.setattr(jit, "SERIAL_BYTES", 0)
+    for tokens, k, n_experts, rows, cols, rows8, cols8, threads in [
+            (1, 6, 16, 20, 512, 64, 96, 2), (3, 2, 5, 7, 256, 1, 32, 3), (jit_i8.DECODE_ROWS, 4, 9, 33, 256, 130, 320, 2)]:
+        rng = np.random.default_rng([tokens, k, rows8])
+        gate = np.stack([stored(Q.IQ2_XXS, rows, cols, rng) for _ in range(n_experts)])
+        up = np.stack([stored(Q.IQ2_XXS, rows, cols, rng) for _ in range(n_experts)])
+        q8 = stored(Q.Q8_0, rows8, cols8, rng)
+        x = rng.standard_normal((tokens, cols)).astype(F32)
+        h = (rng.standard_normal((tokens, cols8)) * 3).astype(F32)
+        idx = np.stack([rng.choice(n_experts, k, replace=False) for _ in range(tokens)])
+        order = np.argsort(idx, axis=None, kind="stable")
+        e_of = idx.ravel()[order]
+        gs = np.concatenate(([0], np.flatnonzero(np.diff(e_of)) + 1, [len(order)]))
+        ex, tok = e_of[gs[:-1]], order // k
+        assert jit_i8.plain_supported(Q.IQ2_XXS, 2, tokens)
+        g, u, y8 = jit_i8.experts_matmul(Q.IQ2_XXS, (gate, up), ex, gs, tok, x, threads, plain=(q8, h))
+        g0, u0 = jit_i8.experts_matmul(Q.IQ2_XXS, (gate, up), ex, gs, tok, x, threads)
+        np.testing.assert_array_equal(g, g0)
+        np.testing.assert_array_equal(u, u0)
+        np.testing.assert_array_equal(y8, jit_i8.matmul(Q.Q8_0, q8, h, 1))
+    assert not jit_i8.plain_supported(Q.Q2_K, 2, 1) and not jit_i8.plain_supported(Q.IQ2_XXS, 1, 1)
+    assert not jit_i8.plain_supported(Q.IQ2_XXS, 2, jit_i8.DECODE_ROWS + 1)
+
+
 def _steps(path, many: bool, chunks, monkeypatch):
     """Logits of a step over `chunks` then two one-token steps, and the kernel calls of the last step."""
     from ds4py.model import Numerics
     from ds4py.ref.engine import RefModel
 
+    monkeypatch.setattr(jit, "SERIAL_BYTES", 0)        # the tiny model's matrices on the pool, as a real model's
     if not many:
         monkeypatch.setattr(jit_i8, "many_supported", lambda q8, f16, rows: False)
+        monkeypatch.setattr(jit_i8, "plain_supported", lambda qtype, mats, rows: False)
     calls = []
     real = jit._call
 
@@ -103,6 +140,7 @@ def test_the_step_equals_the_one_by_one_products(golden, chunks, monkeypatch):
     for a, b in zip(got, want):
         np.testing.assert_array_equal(a, b)
     assert any("many" in c for c in calls) and not any("many" in c for c in calls_before)
+    assert "q8_0_iq2_xxs_ex_dec" in calls and "q8_0_iq2_xxs_ex_dec" not in calls_before
     assert len(calls) < len(calls_before)
 
 

@@ -801,3 +801,24 @@ def mixed_many_dec(q0, q1, q2, q3, y0, y1, y2, y3, xq, xd, h0, h1, h2, h3, h4, h
                 break
             _mixed_many_piece(qs, yq, xq, xd, hs, yh, x, f16, nq, nh, rows, _many_row_at(c * total // n, rows, rbytes),
                               _many_row_at((c + 1) * total // n, rows, rbytes))
+
+
+# ---- the shared expert's down projection with the routed experts' gate and up, in one call --------------------
+# (jit_i8.experts_matmul's `plain`): pieces 0..n8 are row ranges of one Q8_0 matrix q8 times its own activation
+# (xq8, xd8; q8_0_rows), the rest iq2_xxs_ex_rows' task ranges bounds[c - n8]..bounds[c - n8 + 1]: both products'
+# bits, one launch instead of two.
+@njit(**OPTS)
+def q8_0_iq2_xxs_ex_dec(q8, xq8, xd8, y8, n8, wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, grid8, sign8, bounds, parts):
+    R = q8.shape[0]
+    n = n8 + bounds.shape[0] - 1
+    ctr = np.zeros(1, np.int64)
+    for p in prange(parts):
+        while True:
+            c = _grab(ctr)
+            if c >= n:
+                break
+            if c < n8:
+                q8_0_rows(q8, xq8, xd8, y8, f16, c * R // n8, (c + 1) * R // n8)
+            else:
+                iq2_xxs_ex_rows(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, grid8, sign8, bounds[c - n8],
+                                bounds[c - n8 + 1])

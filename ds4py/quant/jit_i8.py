@@ -171,6 +171,12 @@ def experts_supported(qtype, rows: int) -> bool:
     return int(qtype) in _EX_ANY_ROWS or (int(qtype) in _EX_INTS and rows <= DECODE_ROWS)
 
 
+def plain_supported(qtype, mats: int, rows: int) -> bool:
+    """Whether experts_matmul takes a `plain` Q8_0 product of `rows` activation rows along with `mats` stacked
+    expert matrices of this format (one launch when both run on the pool; else two calls, the same bits)."""
+    return int(qtype) == Q.IQ2_XXS and mats == 2 and rows <= DECODE_ROWS
+
+
 def _work_bounds(gs: np.ndarray, R: int, mats: int, parts: int) -> np.ndarray:
     """Task ranges for `parts` threads over the tasks (matrix, group, row), cut at equal work (a task's work is
     its group's pair count: a prefill routes some experts many more rows than others)."""
@@ -190,12 +196,15 @@ def _work_bounds(gs: np.ndarray, R: int, mats: int, parts: int) -> np.ndarray:
 
 
 def experts_matmul(qtype, raws: tuple, ex: np.ndarray, gs: np.ndarray, xr: np.ndarray, x: np.ndarray,
-                   threads: int = 1) -> list[np.ndarray]:
+                   threads: int = 1, plain: tuple | None = None) -> list[np.ndarray]:
     """One layer's routed-expert products in one kernel call: for each stacked expert tensor in raws (uint8
     [X, R, row_nbytes]: one, or two of one format and shape sharing x, as gate and up), y[j] = x[xr[j]] @ W_e.T
     for each pair j in gs[g]..gs[g+1] of group g, e = ex[g] -> float32 [len(xr), R] per tensor. x [T, C] is
     quantised once. Each pair's row equals matmul(qtype, raw[e], x[xr[j:j+1]]) bit for bit (the decode kernels'
-    float sequence per (token, row)); tests/test_jit_i8.py checks it."""
+    float sequence per (token, row)); tests/test_jit_i8.py checks it.
+    plain = (raw uint8 [R8, C8/32*34] of a Q8_0 matrix, its activation x8 [T8, C8]), with IQ2_XXS experts on the
+    pool (plain_supported): matmul(Q8_0, raw, x8) in the same launch, appended to the list (its bits: the same row
+    kernel); without the pool, its own call."""
     _kernels()
     qt = int(qtype)
     if qt not in _EX_INTS or len(raws) not in (1, 2):
@@ -230,6 +239,21 @@ def experts_matmul(qtype, raws: tuple, ex: np.ndarray, gs: np.ndarray, xr: np.nd
     work = mats * len(ex) * R * (C // block) * nbytes             # the weight bytes the call reads
     parts = max(1, min(threads, tasks))
     dec = _tables["dec"]
+    if plain is not None and qt == Q.IQ2_XXS and parts > 1 and work >= jit.SERIAL_BYTES:
+        q8raw, x8 = plain
+        x8 = np.ascontiguousarray(x8, dtype=F32)
+        T8, C8 = x8.shape
+        q8 = jit._readonly(np.ascontiguousarray(q8raw).view(np.uint8)).reshape(-1, C8 // 32, 34)
+        xq8, xd8 = quant_q8_0(x8)
+        y8 = np.empty((T8, q8.shape[0]), F32)
+        pieces = parts * dec.CHUNKS_PER_THREAD            # shared out by weight bytes, at least one each
+        n8 = max(1, min(q8.shape[0], round(pieces * q8.nbytes / (q8.nbytes + work))))
+        bounds = _work_bounds(gs, R, mats, max(1, min(tasks, pieces - n8)))
+        jit._call("q8_0_iq2_xxs_ex_dec", dec.q8_0_iq2_xxs_ex_dec, (q8, xq8, xd8, y8, n8, *args, bounds, parts), threads)
+        return ys + [y8]
+    if plain is not None:
+        ys = experts_matmul(qtype, raws, ex, gs, xr, x, threads)
+        return ys + [matmul(Q.Q8_0, plain[0], plain[1], threads)]
     if parts == 1 or work < jit.SERIAL_BYTES:
         jit._call(f"{name}_rows", getattr(dec, f"{name}_rows"), (*args, 0, tasks), 1, pool=False)
     else:

@@ -415,8 +415,11 @@ def moe(w, cfg, ro: LayerRoles, Fw: FfnWeights, x: np.ndarray, ids: np.ndarray, 
     if trace is not None:
         trace.experts[ro.layer], trace.expert_weights[ro.layer] = idx, wts
     g, u = done[id(S.gate)], done[id(S.up)]
-    y = ops.swiglu_of(x, lambda _: g, lambda _: u, partial(w.linear, S.down, seg=seg), clamp)
     hook = trace.moe_hook if trace is not None else None
+    if hook is None and w.experts_batched((E.gate, E.up, E.down), x.shape[0]):
+        # the shared expert's down projection goes with the routed gate and up (one launch in a decode step)
+        return routed_batched(w, E, x, idx, wts, clamp, None, None, (S.down, ops.swiglu_hidden(g, u, clamp), seg))
+    y = ops.swiglu_of(x, lambda _: g, lambda _: u, partial(w.linear, S.down, seg=seg), clamp)
     if hook is not None:
         shared, parts = y.copy(), np.zeros((*idx.shape, y.shape[1]), F32)
     if w.experts_batched((E.gate, E.up, E.down), x.shape[0]):
@@ -444,12 +447,14 @@ def moe(w, cfg, ro: LayerRoles, Fw: FfnWeights, x: np.ndarray, ids: np.ndarray, 
 ROUTED_PAIRS_PER_CALL = 1024
 
 
-def routed_batched(w, E, x: np.ndarray, idx: np.ndarray, wts: np.ndarray, clamp: float, y: np.ndarray,
-                   parts: np.ndarray | None) -> None:
+def routed_batched(w, E, x: np.ndarray, idx: np.ndarray, wts: np.ndarray, clamp: float, y: np.ndarray | None,
+                   parts: np.ndarray | None, shared: tuple | None = None) -> np.ndarray:
     """moe's routed experts in one kernel call per projection (gate and up together, then down:
     Weights.experts_linear), a prefill's in runs of whole experts of about ROUTED_PAIRS_PER_CALL pairs, adding
     each expert's part into y in moe's order (experts ascending, each expert's rows in order): the bits of moe's
-    loop, which these kernels compute row by row the same way."""
+    loop, which these kernels compute row by row the same way. shared = (the shared expert's down matrix, its
+    hidden activation, seg): y is made here as its product, which goes with the first run's gate and up
+    (Weights.experts_linear_and). Returns y."""
     k = idx.shape[1]
     order = np.argsort(idx, axis=None, kind="stable")      # pairs by expert, then (row, slot): np.nonzero's order
     tok, slot = np.divmod(order, k)
@@ -462,13 +467,20 @@ def routed_batched(w, E, x: np.ndarray, idx: np.ndarray, wts: np.ndarray, clamp:
         while g1 < len(gs) - 1 and gs[g1 + 1] - gs[g0] <= ROUTED_PAIRS_PER_CALL:
             g1 += 1
         a0 = gs[g0]
-        _routed_run(w, E, x, e_of[gs[g0:g1]], gs[g0:g1 + 1] - a0, tok[a0:gs[g1]], slot[a0:gs[g1]], wts, clamp,
-                    y, parts)
+        y = _routed_run(w, E, x, e_of[gs[g0:g1]], gs[g0:g1 + 1] - a0, tok[a0:gs[g1]], slot[a0:gs[g1]], wts,
+                        clamp, y, parts, shared)
+        shared = None
         g0 = g1
+    if shared is not None:                                   # no rows
+        y = w.linear(shared[0], shared[1], shared[2])
+    return y
 
 
-def _routed_run(w, E, x, ex, gs, tok, slot, wts, clamp, y, parts) -> None:
-    g, u = w.experts_linear((E.gate, E.up), ex, gs, tok, x)
+def _routed_run(w, E, x, ex, gs, tok, slot, wts, clamp, y, parts, shared=None) -> np.ndarray:
+    if shared is None:
+        g, u = w.experts_linear((E.gate, E.up), ex, gs, tok, x)
+    else:
+        (g, u), y = w.experts_linear_and((E.gate, E.up), ex, gs, tok, x, *shared)
     if clamp > 0:
         g = np.minimum(g, F32(clamp))
         u = np.clip(u, F32(-clamp), F32(clamp))
@@ -479,6 +491,7 @@ def _routed_run(w, E, x, ex, gs, tok, slot, wts, clamp, y, parts) -> None:
         y[tok[a:b]] += d[a:b]
         if parts is not None:
             parts[tok[a:b], slot[a:b]] = d[a:b]
+    return y
 
 
 # ---- block and model ----------------------------------------------------------------------------------------

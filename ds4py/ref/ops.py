@@ -318,10 +318,15 @@ def swiglu_of(x: np.ndarray, gate, up, down, clamp: float, weight: np.ndarray | 
     """swiglu with the three projections given as functions (a -> a @ W.T, e.g. Weights.linear)."""
     g = gate(x)
     u = up(x)
+    return down(swiglu_hidden(g, u, clamp, weight))
+
+
+def swiglu_hidden(g: np.ndarray, u: np.ndarray, clamp: float, weight: np.ndarray | None = None) -> np.ndarray:
+    """swiglu's hidden activation from the gate and up products: silu(min(g, c)) · clamp(u, −c, c) [· weight]."""
     if clamp > 0:
         g = np.minimum(g, F32(clamp))
         u = np.clip(u, F32(-clamp), F32(clamp))
     h = silu(g) * u
     if weight is not None:
         h = h * weight[:, None]
-    return down(h)
+    return h

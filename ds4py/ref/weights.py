@@ -496,3 +496,19 @@ class Weights:
             return [y for t in tensors for y in self.experts_linear((t,), ex, gs, xr, x)]
         return jit_i8.experts_matmul(tensors[0].qtype, tuple(t.raw_bytes() for t in tensors), ex, gs, xr, x,
                                      self.runner.threads)
+
+    def experts_linear_and(self, tensors, ex: np.ndarray, gs: np.ndarray, xr: np.ndarray, x: np.ndarray,
+                           other: TensorInfo, other_x: np.ndarray,
+                           seg: list[slice] | None = None) -> tuple[list[np.ndarray], np.ndarray]:
+        """(experts_linear(tensors, ex, gs, xr, x), linear(other, other_x, seg)): the shared expert's down
+        projection with the routed experts' gate and up, in one launch where the kernels allow it (a decode step:
+        jit_i8.experts_matmul's `plain`), the same bits either way."""
+        T = other_x.shape[0]
+        if (len(tensors) == 2 and tensors[0].qtype == tensors[1].qtype and tensors[0].shape == tensors[1].shape
+                and other.qtype == Q.Q8_0 and len(other.shape) == 2 and T <= FUSED_MAX_ROWS
+                and jit_i8.plain_supported(tensors[0].qtype, 2, T) and self._int8(other, T)):
+            *ys, y = jit_i8.experts_matmul(tensors[0].qtype, tuple(t.raw_bytes() for t in tensors), ex, gs, xr, x,
+                                           self.runner.threads, plain=(other.raw_bytes(), other_x))
+            return ys, y
+        y = self.linear(other, other_x, seg)
+        return self.experts_linear(tensors, ex, gs, xr, x), y
