@@ -177,6 +177,13 @@ def plain_supported(qtype, mats: int, rows: int) -> bool:
     return int(qtype) == Q.IQ2_XXS and mats == 2 and rows <= DECODE_ROWS
 
 
+def experts_pooled(qtype, raws: tuple, groups: int, threads: int) -> bool:
+    """Whether experts_matmul runs these stacked expert tensors (uint8 [X, R, row_nbytes]) for `groups` experts
+    on the pool (else on the calling thread: a small step)."""
+    X, R, nbytes = raws[0].shape
+    return min(threads, len(raws) * groups * R) > 1 and len(raws) * groups * R * nbytes >= jit.SERIAL_BYTES
+
+
 def _work_bounds(gs: np.ndarray, R: int, mats: int, parts: int) -> np.ndarray:
     """Task ranges for `parts` threads over the tasks (matrix, group, row), cut at equal work (a task's work is
     its group's pair count: a prefill routes some experts many more rows than others)."""

@@ -507,8 +507,10 @@ class Weights:
         if (len(tensors) == 2 and tensors[0].qtype == tensors[1].qtype and tensors[0].shape == tensors[1].shape
                 and other.qtype == Q.Q8_0 and len(other.shape) == 2 and T <= FUSED_MAX_ROWS
                 and jit_i8.plain_supported(tensors[0].qtype, 2, T) and self._int8(other, T)):
-            *ys, y = jit_i8.experts_matmul(tensors[0].qtype, tuple(t.raw_bytes() for t in tensors), ex, gs, xr, x,
-                                           self.runner.threads, plain=(other.raw_bytes(), other_x))
-            return ys, y
+            raws = tuple(t.raw_bytes() for t in tensors)
+            if jit_i8.experts_pooled(tensors[0].qtype, raws, len(ex), self.runner.threads):   # else no launch saved
+                *ys, y = jit_i8.experts_matmul(tensors[0].qtype, raws, ex, gs, xr, x, self.runner.threads,
+                                               plain=(other.raw_bytes(), other_x))
+                return ys, y
         y = self.linear(other, other_x, seg)
         return self.experts_linear(tensors, ex, gs, xr, x), y
