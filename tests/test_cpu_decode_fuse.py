@@ -69,6 +69,9 @@ def test_what_one_call_takes():
     dec = jit_i8._tables["dec"]
     assert not jit_i8.many_supported(dec.MANY_Q8 + 1, 0, 1)
     assert not jit_i8.many_supported(0, dec.MANY_F16 + 1, 1)
+    plan = jit_i8.many_plan([_q8(3, 64, np.random.default_rng(0))], [], 64)
+    with pytest.raises(ValueError, match="32 columns for matrices of 64"):
+        jit_i8.many_run(plan, np.zeros((1, 32), F32))
 
 
 @pytest.mark.parametrize("pool", [False, True], ids=["serial", "pool"])

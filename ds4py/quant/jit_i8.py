@@ -292,33 +292,63 @@ def many_supported(q8: int, f16: int, rows: int) -> bool:
     return q8 <= dec.MANY_Q8 and f16 <= dec.MANY_F16 and (f16 == 0 or dec.NATIVE_HALF)
 
 
+class ManyPlan:
+    """matmul_many's matrices as its kernels take them (read-only views, the unused places empty), with their
+    row counts and bytes a row: made once per set of matrices (Weights.linear_many keeps them)."""
+
+    def __init__(self, q8: list, h16: list, cols: int):
+        self.cols, self.nq, self.nh = cols, len(q8), len(h16)
+        self.rows = np.array([w.shape[0] for w in q8] + [w.shape[0] for w in h16], np.int64)
+        self.rbytes = np.array([w.shape[1] * 34 for w in q8] + [2 * cols] * len(h16), np.int64)
+        self.q8, self.h16 = _many_pad("q8", q8, _tables["dec"].MANY_Q8), _many_pad("h16", h16, _tables["dec"].MANY_F16)
+        self.total_rows, self.nbytes = int(self.rows.sum()), int(self.rows @ self.rbytes)
+
+
+def many_plan(q8_raws: list, f16_raws: list, cols: int) -> ManyPlan:
+    """The plan of matmul_many for these stored matrices (Q8_0: uint8 [R, cols/32*34], F16: uint8 [R, 2 cols])."""
+    _kernels()
+    q8 = [jit._readonly(np.ascontiguousarray(r).view(np.uint8).reshape(r.shape[0], cols // 32, 34))
+          for r in q8_raws]
+    h16 = [jit._readonly(np.ascontiguousarray(r).view(np.uint16).reshape(r.shape[0], cols)) for r in f16_raws]
+    return ManyPlan(q8, h16, cols)
+
+
 def matmul_many(q8_raws: list, f16_raws: list, x: np.ndarray, threads: int = 1) -> tuple[list, list]:
     """x @ W.T for several stored matrices that read one activation x [T, C], in one kernel call: Q8_0 rows
     (uint8 [R, C/32*34]; x quantised once as matmul quantises it) and F16 rows (uint8 [R, 2C]; the fp32 x)
     -> (the Q8_0 products, the F16 products), float32 [T, R] each: matmul's bits, matrix by matrix (the same
     row kernels). The caller checks many_supported first."""
-    _kernels()
+    return many_run(many_plan(q8_raws, f16_raws, x.shape[1]), x, threads)
+
+
+def many_run(plan: ManyPlan, x: np.ndarray, threads: int = 1) -> tuple[list, list]:
+    """matmul_many on a plan's matrices."""
     dec = _tables["dec"]
     x = np.ascontiguousarray(x, dtype=F32)
     T, C = x.shape
-    q8 = [jit._readonly(np.ascontiguousarray(r).view(np.uint8).reshape(r.shape[0], C // 32, 34)) for r in q8_raws]
-    h16 = [jit._readonly(np.ascontiguousarray(r).view(np.uint16).reshape(r.shape[0], C)) for r in f16_raws]
-    yq = [np.empty((T, w.shape[0]), F32) for w in q8]
-    yh = [np.empty((T, w.shape[0]), F32) for w in h16]
-    rows = np.array([w.shape[0] for w in q8] + [w.shape[0] for w in h16], np.int64)
-    rbytes = np.array([w.shape[1] * 34 for w in q8] + [2 * C] * len(h16), np.int64)
-    xq, xd = quant_q8_0(x) if q8 else (np.zeros((T, C), np.int8), np.zeros((T, max(1, C // 32)), F32))
+    if C != plan.cols:
+        raise ValueError(f"an activation of {C} columns for matrices of {plan.cols}")
+    yq = [np.empty((T, plan.rows[m]), F32) for m in range(plan.nq)]
+    yh = [np.empty((T, plan.rows[plan.nq + m]), F32) for m in range(plan.nh)]
+    xq, xd = quant_q8_0(x) if plan.nq else (np.zeros((T, C), np.int8), np.zeros((T, max(1, C // 32)), F32))
     f16 = jit._state["f16"]
-    args = (*_many_pad("q8", q8, dec.MANY_Q8), *_many_pad("y", yq, dec.MANY_Q8), xq, xd)
-    parts = max(1, min(threads, int(rows.sum())))
-    serial = parts == 1 or int(rows @ rbytes) < jit.SERIAL_BYTES
-    if not h16:
+    args = (*plan.q8, *_many_pad("y", yq, dec.MANY_Q8), xq, xd)
+    parts = max(1, min(threads, plan.total_rows))
+    serial = parts == 1 or plan.nbytes < jit.SERIAL_BYTES
+    if not plan.nh:
         if serial:
-            jit._call("q8_0_many_rows", dec.q8_0_many_rows, (*args, f16, len(q8), rows, 0, int(rows.sum())), 1,
+            jit._call("q8_0_many_rows", dec.q8_0_many_rows, (*args, f16, plan.nq, plan.rows, 0, plan.total_rows), 1,
                       pool=False)
         else:
-            jit._call("q8_0_many_dec", dec.q8_0_many_dec, (*args, f16, len(q8), rows, rbytes, parts), threads)
+            jit._call("q8_0_many_dec", dec.q8_0_many_dec, (*args, f16, plan.nq, plan.rows, plan.rbytes, parts),
+                      threads)
         return yq, yh
+    args += (*plan.h16, *_many_pad("y", yh, dec.MANY_F16), x, f16, plan.nq, plan.nh, plan.rows)
+    if serial:
+        jit._call("mixed_many_rows", dec.mixed_many_rows, (*args, 0, plan.total_rows), 1, pool=False)
+    else:
+        jit._call("mixed_many_dec", dec.mixed_many_dec, (*args, plan.rbytes, parts), threads)
+    return yq, yh
     args += (*_many_pad("h16", h16, dec.MANY_F16), *_many_pad("y", yh, dec.MANY_F16), x, f16, len(q8), len(h16),
              rows)
     if serial:

@@ -119,6 +119,7 @@ class Weights:
         self.vq = VQExperts(gguf)          # decodes VQ-8 experts; its row gains can be rescaled at load
         self.runner = Runner(threads, compiled=kernels == "jit") if kernels != "dequant" else None
         self._finite: dict = {}            # matrix or (matrix, expert) -> its f16 scales hold no inf / NaN
+        self._many_plans: dict = {}        # (matrix names, rows) -> linear_many's plan (views only), or None
         self._layer_spans: dict[int, list[tuple[int, int]]] | None = self._advise_init() if advise else None
 
     # ---- paging hints (the memory-budget mode) ------------------------------------------------------------
@@ -331,13 +332,21 @@ class Weights:
         (jit_i8.matmul_many: the same bits, matrix by matrix); the others one by one, or two of one format and
         shape by linear_pair."""
         T = x.shape[0]
-        many = [t for t in tensors if len(t.shape) == 2 and self._many_format(t, T)]
-        q8 = [t for t in many if t.qtype == Q.Q8_0]
-        h16 = [t for t in many if t.qtype == Q.F16]
+        key = (tuple(t.name for t in tensors), T)
+        plan = self._many_plans.get(key, False)
+        if plan is False:                  # which matrices go in the one call, and their kernel views: once
+            many = [t for t in tensors if len(t.shape) == 2 and self._many_format(t, T)]
+            q8 = [t for t in many if t.qtype == Q.Q8_0]
+            h16 = [t for t in many if t.qtype == Q.F16]
+            plan = None
+            if len(many) >= 2 and jit_i8.many_supported(len(q8), len(h16), T):
+                plan = (q8, h16, jit_i8.many_plan([t.raw_bytes() for t in q8], [t.raw_bytes() for t in h16],
+                                                  tensors[0].shape[-1]))
+            self._many_plans[key] = plan
         out: dict = {}
-        if len(many) >= 2 and jit_i8.many_supported(len(q8), len(h16), T):
-            yq, yh = jit_i8.matmul_many([t.raw_bytes() for t in q8], [t.raw_bytes() for t in h16], x,
-                                        self.runner.threads)
+        if plan is not None:
+            q8, h16, prepared = plan
+            yq, yh = jit_i8.many_run(prepared, x, self.runner.threads)
             out = dict(zip(map(id, q8), yq)) | dict(zip(map(id, h16), yh))
         rest = [t for t in tensors if id(t) not in out]
         i = 0
