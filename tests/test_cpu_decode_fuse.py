@@ -166,7 +166,8 @@ def test_rmsnorm_is_the_numpy_ops_bits(monkeypatch):
     assert jit.loaded() and ops._ops_jit() is ops_jit
     rng = np.random.default_rng(11)
     shapes = [(1, n) for n in range(1, 301)] + [(1, n) for n in (512, 1000, 1024, 1536, 4096, 4099, 7168, 16384)]
-    shapes += [(3, 4096), (8, 1024), (1, 64, 512), (2, 8, 448), (5, 7, 33)]
+    shapes += [(3, 4096), (8, 1024), (1, 64, 512), (2, 8, 448), (5, 7, 33), (300, 16), (1000, 9), (128, 64),
+               (40, 4, 130)]
     for shape in shapes:
         scale = 10.0 ** rng.uniform(-6, 6)
         x = (rng.standard_normal(shape) * scale).astype(F32)
