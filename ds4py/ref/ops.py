@@ -182,15 +182,21 @@ def hc_mixes(X: np.ndarray, fn: np.ndarray, eps: float, seg: list[slice] | None 
     return mm(xf, fn.T, seg) / np.sqrt(np.mean(xf * xf, axis=-1, keepdims=True) + F32(eps))
 
 
+_TWINS: list = []          # ds4py.ref.ops_jit once found loaded (a dozen calls a layer ask)
+
+
 def _ops_jit():
     """ds4py.ref.ops_jit (compiled twins giving these ops' bits) once the compiled kernels are loaded, else None:
     the numpy reference never imports numba itself."""
+    if _TWINS:
+        return _TWINS[0]
     from ds4py.quant import jit
 
     if not jit.loaded():
         return None
     from ds4py.ref import ops_jit
 
+    _TWINS.append(ops_jit)
     return ops_jit
 
 

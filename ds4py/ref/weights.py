@@ -120,6 +120,7 @@ class Weights:
         self.runner = Runner(threads, compiled=kernels == "jit") if kernels != "dequant" else None
         self._finite: dict = {}            # matrix or (matrix, expert) -> its f16 scales hold no inf / NaN
         self._many_plans: dict = {}        # (matrix names, rows) -> linear_many's plan (views only), or None
+        self._raws: dict = {}              # matrix name -> its stored rows as a plain ndarray view (_raw)
         self._layer_spans: dict[int, list[tuple[int, int]]] | None = self._advise_init() if advise else None
 
     # ---- paging hints (the memory-budget mode) ------------------------------------------------------------
@@ -210,6 +211,14 @@ class Weights:
             return _dequant_rows(t, raw[e], t.shape[1:]).astype(F32, copy=False)
 
         return self._get_cached(("expert", t.name, int(e)), make)
+
+    def _raw(self, t: TensorInfo) -> np.ndarray:
+        """t.raw_bytes() as a plain ndarray view, made once: a memmap view runs Python (__array_finalize__) at
+        every slice and reshape, on the decode path's every product."""
+        v = self._raws.get(t.name)
+        if v is None:
+            v = self._raws[t.name] = np.asarray(t.raw_bytes())
+        return v
 
     def _int8(self, t: TensorInfo, rows: int) -> bool:
         """Whether t's product with `rows` activation rows takes the int8-activation kernels (act_quant numerics,
@@ -306,7 +315,7 @@ class Weights:
         """x @ W.T for a [out, in] matrix W, one product per sequence's rows `seg` (ops.mm: batch
         invariance); a matrix larger than the cache is streamed in row chunks."""
         if self._int8(t, x.shape[0]):
-            return self._int8_matmul(t, t.raw_bytes(), x)
+            return self._int8_matmul(t, self._raw(t), x)
         x = self.act(t, x)
         if self._fuse(t):
             return self._split(x, seg, lambda r, sg: self._fused(t, t.raw_bytes(), r, t.name, sg),
@@ -320,7 +329,7 @@ class Weights:
         T = x.shape[0]
         if (a.qtype == b.qtype and a.shape == b.shape and jit_i8.experts_supported(a.qtype, T)
                 and self._int8(a, T)):
-            ys = jit_i8.experts_matmul(a.qtype, (a.raw_bytes()[None], b.raw_bytes()[None]), np.zeros(1),
+            ys = jit_i8.experts_matmul(a.qtype, (self._raw(a)[None], self._raw(b)[None]), np.zeros(1),
                                        np.array([0, T]), np.arange(T), x, self.runner.threads)
             return ys[0], ys[1]
         return self.linear(a, x, seg), self.linear(b, x, seg)
@@ -407,7 +416,7 @@ class Weights:
         if self._int8(t, x.shape[0]):
             T, G, _ = x.shape
             rank = t.shape[0] // G
-            raw = np.asarray(t.raw_bytes())
+            raw = self._raw(t)
             if jit_i8.experts_supported(t.qtype, T):      # a decode step: the groups as experts, one call
                 y, = jit_i8.experts_matmul(t.qtype, (raw.reshape(G, rank, -1),), np.arange(G),
                                            np.arange(0, G * T + 1, T), np.arange(T * G).reshape(T, G).T.ravel(),
@@ -452,7 +461,7 @@ class Weights:
         """x @ W_e.T for routed expert e of a stacked [X, out, in] expert tensor (seg: the rows of each sequence
         among x's, which are the rows routed to e)."""
         if self._int8(t, x.shape[0]):
-            return self._int8_matmul(t, t.raw_bytes()[e], x)
+            return self._int8_matmul(t, self._raw(t)[e], x)
         x = self.act(t, x)
         if self._fuse(t):
             return self._split(x, seg, lambda r, sg: self._fused_expert(t, e, r, sg),
@@ -503,7 +512,7 @@ class Weights:
         for a layer's routed experts (jit_i8.experts_matmul), each row expert_linear's bits."""
         if len(tensors) == 2 and (tensors[0].qtype != tensors[1].qtype or tensors[0].shape != tensors[1].shape):
             return [y for t in tensors for y in self.experts_linear((t,), ex, gs, xr, x)]
-        return jit_i8.experts_matmul(tensors[0].qtype, tuple(t.raw_bytes() for t in tensors), ex, gs, xr, x,
+        return jit_i8.experts_matmul(tensors[0].qtype, tuple(self._raw(t) for t in tensors), ex, gs, xr, x,
                                      self.runner.threads)
 
     def experts_linear_and(self, tensors, ex: np.ndarray, gs: np.ndarray, xr: np.ndarray, x: np.ndarray,
@@ -516,10 +525,10 @@ class Weights:
         if (len(tensors) == 2 and tensors[0].qtype == tensors[1].qtype and tensors[0].shape == tensors[1].shape
                 and other.qtype == Q.Q8_0 and len(other.shape) == 2 and T <= FUSED_MAX_ROWS
                 and jit_i8.plain_supported(tensors[0].qtype, 2, T) and self._int8(other, T)):
-            raws = tuple(t.raw_bytes() for t in tensors)
+            raws = tuple(self._raw(t) for t in tensors)
             if jit_i8.experts_pooled(tensors[0].qtype, raws, len(ex), self.runner.threads):   # else no launch saved
                 *ys, y = jit_i8.experts_matmul(tensors[0].qtype, raws, ex, gs, xr, x, self.runner.threads,
-                                               plain=(other.raw_bytes(), other_x))
+                                               plain=(self._raw(other), other_x))
                 return ys, y
         y = self.linear(other, other_x, seg)
         return self.experts_linear(tensors, ex, gs, xr, x), y
