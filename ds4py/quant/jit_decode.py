@@ -994,3 +994,127 @@ def quant_q8_0_rows(x, q, d):
             for i in range(32):
                 q[t, o + i] = np.int8(np.rint(x[t, o + i] / div))
     return True
+
+
+# ---- several matrices that read one activation, in one call (jit_i8.matmul_many) -----------------------------
+# A decode step's projections of one x (attention: q_a, kv, the compressors' and the indexer's; FFN: the router
+# and the shared expert's gate and up) each paid a parallel launch (~0.05-0.1 ms of CPU on the calling thread,
+# plus the workers' wake-ups) and, for Q8_0, a quantisation of x. Here they are one launch: Q8_0 matrices
+# q0..q3 (x quantised once: xq, xd; the first nq used) then F16 matrices h0..h5 (the fp32 x; the first nh used),
+# their rows laid end to end, cut into pieces of about equal weight bytes that the threads take from a shared
+# counter. Each row is q8_0_rows' / f16_rows' own float sequence, so every y is the bits of the one-matrix
+# kernels. The matrices come as separate arguments, the unused ones empty: numba types a tuple argument in
+# Python (~30 us a call, measured), an array in C; the kernels make the tuples inside. One compiled variant
+# serves every layer.
+MANY_Q8, MANY_F16 = 4, 6
+
+
+@njit(**SERIAL)
+def _many_row_at(b, rows, rbytes):
+    """The first row (of all the matrices' rows, end to end) that starts at or after byte b of their weights."""
+    g = 0
+    for m in range(rows.shape[0]):
+        nb = rows[m] * rbytes[m]
+        if b < nb:
+            return g + (b + rbytes[m] - 1) // rbytes[m]
+        b -= nb
+        g += rows[m]
+    return g
+
+
+@njit(**SERIAL)
+def _many_pieces(rows, rbytes, parts):
+    """(weight bytes of all the matrices, the number of pieces for `parts` threads)."""
+    total = 0
+    for m in range(rows.shape[0]):
+        total += rows[m] * rbytes[m]
+    return total, max(1, min(parts * CHUNKS_PER_THREAD, total // 4096))
+
+
+@njit(**SERIAL)
+def _q8_0_many_piece(qs, ys, xq, xd, f16, nq, rows, g0, g1):
+    s = 0
+    for m in range(nq):
+        a, b = max(g0 - s, 0), min(g1 - s, rows[m])
+        if a < b:
+            q8_0_rows(qs[m], xq, xd, ys[m], f16, a, b)
+        s += rows[m]
+
+
+@njit(**SERIAL)
+def q8_0_many_rows(q0, q1, q2, q3, y0, y1, y2, y3, xq, xd, f16, nq, rows, g0, g1):
+    """Rows g0..g1 (end to end over the Q8_0 matrices q0..q3, the first nq) of x @ W.T: q8_0_rows on each."""
+    _q8_0_many_piece((q0, q1, q2, q3), (y0, y1, y2, y3), xq, xd, f16, nq, rows, g0, g1)
+
+
+@njit(**OPTS)
+def q8_0_many_dec(q0, q1, q2, q3, y0, y1, y2, y3, xq, xd, f16, nq, rows, rbytes, parts):
+    qs, ys = (q0, q1, q2, q3), (y0, y1, y2, y3)
+    total, n = _many_pieces(rows, rbytes, parts)
+    ctr = np.zeros(1, np.int64)
+    for p in prange(parts):
+        while True:
+            c = _grab(ctr)
+            if c >= n:
+                break
+            _q8_0_many_piece(qs, ys, xq, xd, f16, nq, rows, _many_row_at(c * total // n, rows, rbytes),
+                             _many_row_at((c + 1) * total // n, rows, rbytes))
+
+
+@njit(**SERIAL)
+def _mixed_many_piece(qs, yq, xq, xd, hs, yh, x, f16, nq, nh, rows, g0, g1):
+    s = 0
+    for m in range(nq + nh):
+        a, b = max(g0 - s, 0), min(g1 - s, rows[m])
+        if a < b:
+            if m < nq:
+                q8_0_rows(qs[m], xq, xd, yq[m], f16, a, b)
+            else:
+                f16_rows(hs[m - nq], x, yh[m - nq], f16, a, b)
+        s += rows[m]
+
+
+@njit(**SERIAL)
+def mixed_many_rows(q0, q1, q2, q3, y0, y1, y2, y3, xq, xd, h0, h1, h2, h3, h4, h5, z0, z1, z2, z3, z4, z5, x,
+                    f16, nq, nh, rows, g0, g1):
+    """Rows g0..g1 over the Q8_0 matrices q0..q3 (the first nq; products y0..) then the F16 matrices h0..h5 (the
+    first nh; products z0..), end to end: q8_0_rows / f16_rows on each."""
+    _mixed_many_piece((q0, q1, q2, q3), (y0, y1, y2, y3), xq, xd, (h0, h1, h2, h3, h4, h5),
+                      (z0, z1, z2, z3, z4, z5), x, f16, nq, nh, rows, g0, g1)
+
+
+@njit(**OPTS)
+def mixed_many_dec(q0, q1, q2, q3, y0, y1, y2, y3, xq, xd, h0, h1, h2, h3, h4, h5, z0, z1, z2, z3, z4, z5, x,
+                   f16, nq, nh, rows, rbytes, parts):
+    qs, yq = (q0, q1, q2, q3), (y0, y1, y2, y3)
+    hs, yh = (h0, h1, h2, h3, h4, h5), (z0, z1, z2, z3, z4, z5)
+    total, n = _many_pieces(rows, rbytes, parts)
+    ctr = np.zeros(1, np.int64)
+    for p in prange(parts):
+        while True:
+            c = _grab(ctr)
+            if c >= n:
+                break
+            _mixed_many_piece(qs, yq, xq, xd, hs, yh, x, f16, nq, nh, rows, _many_row_at(c * total // n, rows, rbytes),
+                              _many_row_at((c + 1) * total // n, rows, rbytes))
+
+
+# ---- the shared expert's down projection with the routed experts' gate and up, in one call --------------------
+# (jit_i8.experts_matmul's `plain`): pieces 0..n8 are row ranges of one Q8_0 matrix q8 times its own activation
+# (xq8, xd8; q8_0_rows), the rest iq2_xxs_ex_rows' task ranges bounds[c - n8]..bounds[c - n8 + 1]: both products'
+# bits, one launch instead of two.
+@njit(**OPTS)
+def q8_0_iq2_xxs_ex_dec(q8, xq8, xd8, y8, n8, wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, grid8, sign8, bounds, parts):
+    R = q8.shape[0]
+    n = n8 + bounds.shape[0] - 1
+    ctr = np.zeros(1, np.int64)
+    for p in prange(parts):
+        while True:
+            c = _grab(ctr)
+            if c >= n:
+                break
+            if c < n8:
+                q8_0_rows(q8, xq8, xd8, y8, f16, c * R // n8, (c + 1) * R // n8)
+            else:
+                iq2_xxs_ex_rows(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, grid8, sign8, bounds[c - n8],
+                                bounds[c - n8 + 1])

@@ -171,6 +171,19 @@ def experts_supported(qtype, rows: int) -> bool:
     return int(qtype) in _EX_ANY_ROWS or (int(qtype) in _EX_INTS and rows <= DECODE_ROWS)
 
 
+def plain_supported(qtype, mats: int, rows: int) -> bool:
+    """Whether experts_matmul takes a `plain` Q8_0 product of `rows` activation rows along with `mats` stacked
+    expert matrices of this format (one launch when both run on the pool; else two calls, the same bits)."""
+    return int(qtype) == Q.IQ2_XXS and mats == 2 and rows <= DECODE_ROWS
+
+
+def experts_pooled(qtype, raws: tuple, groups: int, threads: int) -> bool:
+    """Whether experts_matmul runs these stacked expert tensors (uint8 [X, R, row_nbytes]) for `groups` experts
+    on the pool (else on the calling thread: a small step)."""
+    X, R, nbytes = raws[0].shape
+    return min(threads, len(raws) * groups * R) > 1 and len(raws) * groups * R * nbytes >= jit.SERIAL_BYTES
+
+
 def _work_bounds(gs: np.ndarray, R: int, mats: int, parts: int) -> np.ndarray:
     """Task ranges for `parts` threads over the tasks (matrix, group, row), cut at equal work (a task's work is
     its group's pair count: a prefill routes some experts many more rows than others)."""
@@ -178,7 +191,7 @@ def _work_bounds(gs: np.ndarray, R: int, mats: int, parts: int) -> np.ndarray:
     G = len(pairs)
     K = mats * G * R
     if (pairs == pairs[0]).all():                     # a decode step: every expert one row, equal ranges
-        return np.array([p * K // parts for p in range(parts + 1)], np.int64)
+        return np.arange(parts + 1, dtype=np.int64) * K // parts
     cum = np.concatenate(([0], np.cumsum(np.tile(pairs, mats) * R)))
     cuts = [0]
     for i in range(1, parts):
@@ -190,12 +203,15 @@ def _work_bounds(gs: np.ndarray, R: int, mats: int, parts: int) -> np.ndarray:
 
 
 def experts_matmul(qtype, raws: tuple, ex: np.ndarray, gs: np.ndarray, xr: np.ndarray, x: np.ndarray,
-                   threads: int = 1) -> list[np.ndarray]:
+                   threads: int = 1, plain: tuple | None = None) -> list[np.ndarray]:
     """One layer's routed-expert products in one kernel call: for each stacked expert tensor in raws (uint8
     [X, R, row_nbytes]: one, or two of one format and shape sharing x, as gate and up), y[j] = x[xr[j]] @ W_e.T
     for each pair j in gs[g]..gs[g+1] of group g, e = ex[g] -> float32 [len(xr), R] per tensor. x [T, C] is
     quantised once. Each pair's row equals matmul(qtype, raw[e], x[xr[j:j+1]]) bit for bit (the decode kernels'
-    float sequence per (token, row)); tests/test_jit_i8.py checks it."""
+    float sequence per (token, row)); tests/test_jit_i8.py checks it.
+    plain = (raw uint8 [R8, C8/32*34] of a Q8_0 matrix, its activation x8 [T8, C8]), with IQ2_XXS experts on the
+    pool (plain_supported): matmul(Q8_0, raw, x8) in the same launch, appended to the list (its bits: the same row
+    kernel); without the pool, its own call."""
     _kernels()
     qt = int(qtype)
     if qt not in _EX_INTS or len(raws) not in (1, 2):
@@ -230,6 +246,21 @@ def experts_matmul(qtype, raws: tuple, ex: np.ndarray, gs: np.ndarray, xr: np.nd
     work = mats * len(ex) * R * (C // block) * nbytes             # the weight bytes the call reads
     parts = max(1, min(threads, tasks))
     dec = _tables["dec"]
+    if plain is not None and qt == Q.IQ2_XXS and parts > 1 and work >= jit.SERIAL_BYTES:
+        q8raw, x8 = plain
+        x8 = np.ascontiguousarray(x8, dtype=F32)
+        T8, C8 = x8.shape
+        q8 = jit._readonly(np.ascontiguousarray(q8raw).view(np.uint8)).reshape(-1, C8 // 32, 34)
+        xq8, xd8 = quant_q8_0(x8)
+        y8 = np.empty((T8, q8.shape[0]), F32)
+        pieces = parts * dec.CHUNKS_PER_THREAD            # shared out by weight bytes, at least one each
+        n8 = max(1, min(q8.shape[0], round(pieces * q8.nbytes / (q8.nbytes + work))))
+        bounds = _work_bounds(gs, R, mats, max(1, min(tasks, pieces - n8)))
+        jit._call("q8_0_iq2_xxs_ex_dec", dec.q8_0_iq2_xxs_ex_dec, (q8, xq8, xd8, y8, n8, *args, bounds, parts), threads)
+        return ys + [y8]
+    if plain is not None:
+        ys = experts_matmul(qtype, raws, ex, gs, xr, x, threads)
+        return ys + [matmul(Q.Q8_0, plain[0], plain[1], threads)]
     if parts == 1 or work < jit.SERIAL_BYTES:
         jit._call(f"{name}_rows", getattr(dec, f"{name}_rows"), (*args, 0, tasks), 1, pool=False)
     else:
@@ -237,3 +268,91 @@ def experts_matmul(qtype, raws: tuple, ex: np.ndarray, gs: np.ndarray, xr: np.nd
         pieces = min(tasks, parts * dec.CHUNKS_PER_THREAD)
         jit._call(f"{name}_dec", getattr(dec, f"{name}_dec"), (*args, _work_bounds(gs, R, mats, pieces), parts), threads)
     return ys
+
+
+_MANY_EMPTY: dict = {}
+
+
+def _many_pad(kind: str, arrays: list, k: int) -> tuple:
+    """arrays padded to k with an empty array of their numba type (jit_decode's fixed-length tuples)."""
+    if kind not in _MANY_EMPTY:
+        _MANY_EMPTY.update(q8=jit._readonly(np.zeros((0, 1, 34), np.uint8)),
+                           h16=jit._readonly(np.zeros((0, 1), np.uint16)), y=np.zeros((0, 0), F32))
+    return tuple(arrays) + (_MANY_EMPTY[kind],) * (k - len(arrays))
+
+
+def many_supported(q8: int, f16: int, rows: int) -> bool:
+    """Whether matmul_many takes q8 Q8_0 and f16 F16 matrices for a step of `rows` token rows (a decode step or
+    a short verify: the rows the decode kernels serve; F16 only where jit_decode's f16 kernel is the one
+    ds4py.quant.jit.matmul runs)."""
+    if rows > DECODE_ROWS or not jit.available():
+        return False
+    _kernels()
+    dec = _tables["dec"]
+    return q8 <= dec.MANY_Q8 and f16 <= dec.MANY_F16 and (f16 == 0 or dec.NATIVE_HALF)
+
+
+class ManyPlan:
+    """matmul_many's matrices as its kernels take them (read-only views, the unused places empty), with their
+    row counts and bytes a row: made once per set of matrices (Weights.linear_many keeps them)."""
+
+    def __init__(self, q8: list, h16: list, cols: int):
+        self.cols, self.nq, self.nh = cols, len(q8), len(h16)
+        self.rows = np.array([w.shape[0] for w in q8] + [w.shape[0] for w in h16], np.int64)
+        self.rbytes = np.array([w.shape[1] * 34 for w in q8] + [2 * cols] * len(h16), np.int64)
+        self.q8, self.h16 = _many_pad("q8", q8, _tables["dec"].MANY_Q8), _many_pad("h16", h16, _tables["dec"].MANY_F16)
+        self.total_rows, self.nbytes = int(self.rows.sum()), int(self.rows @ self.rbytes)
+
+
+def many_plan(q8_raws: list, f16_raws: list, cols: int) -> ManyPlan:
+    """The plan of matmul_many for these stored matrices (Q8_0: uint8 [R, cols/32*34], F16: uint8 [R, 2 cols])."""
+    _kernels()
+    q8 = [jit._readonly(np.ascontiguousarray(r).view(np.uint8).reshape(r.shape[0], cols // 32, 34))
+          for r in q8_raws]
+    h16 = [jit._readonly(np.ascontiguousarray(r).view(np.uint16).reshape(r.shape[0], cols)) for r in f16_raws]
+    return ManyPlan(q8, h16, cols)
+
+
+def matmul_many(q8_raws: list, f16_raws: list, x: np.ndarray, threads: int = 1) -> tuple[list, list]:
+    """x @ W.T for several stored matrices that read one activation x [T, C], in one kernel call: Q8_0 rows
+    (uint8 [R, C/32*34]; x quantised once as matmul quantises it) and F16 rows (uint8 [R, 2C]; the fp32 x)
+    -> (the Q8_0 products, the F16 products), float32 [T, R] each: matmul's bits, matrix by matrix (the same
+    row kernels). The caller checks many_supported first."""
+    return many_run(many_plan(q8_raws, f16_raws, x.shape[1]), x, threads)
+
+
+def many_run(plan: ManyPlan, x: np.ndarray, threads: int = 1) -> tuple[list, list]:
+    """matmul_many on a plan's matrices."""
+    dec = _tables["dec"]
+    x = np.ascontiguousarray(x, dtype=F32)
+    T, C = x.shape
+    if C != plan.cols:
+        raise ValueError(f"an activation of {C} columns for matrices of {plan.cols}")
+    yq = [np.empty((T, plan.rows[m]), F32) for m in range(plan.nq)]
+    yh = [np.empty((T, plan.rows[plan.nq + m]), F32) for m in range(plan.nh)]
+    xq, xd = quant_q8_0(x) if plan.nq else (np.zeros((T, C), np.int8), np.zeros((T, max(1, C // 32)), F32))
+    f16 = jit._state["f16"]
+    args = (*plan.q8, *_many_pad("y", yq, dec.MANY_Q8), xq, xd)
+    parts = max(1, min(threads, plan.total_rows))
+    serial = parts == 1 or plan.nbytes < jit.SERIAL_BYTES
+    if not plan.nh:
+        if serial:
+            jit._call("q8_0_many_rows", dec.q8_0_many_rows, (*args, f16, plan.nq, plan.rows, 0, plan.total_rows), 1,
+                      pool=False)
+        else:
+            jit._call("q8_0_many_dec", dec.q8_0_many_dec, (*args, f16, plan.nq, plan.rows, plan.rbytes, parts),
+                      threads)
+        return yq, yh
+    args += (*plan.h16, *_many_pad("y", yh, dec.MANY_F16), x, f16, plan.nq, plan.nh, plan.rows)
+    if serial:
+        jit._call("mixed_many_rows", dec.mixed_many_rows, (*args, 0, plan.total_rows), 1, pool=False)
+    else:
+        jit._call("mixed_many_dec", dec.mixed_many_dec, (*args, plan.rbytes, parts), threads)
+    return yq, yh
+    args += (*_many_pad("h16", h16, dec.MANY_F16), *_many_pad("y", yh, dec.MANY_F16), x, f16, len(q8), len(h16),
+             rows)
+    if serial:
+        jit._call("mixed_many_rows", dec.mixed_many_rows, (*args, 0, int(rows.sum())), 1, pool=False)
+    else:
+        jit._call("mixed_many_dec", dec.mixed_many_dec, (*args, rbytes, parts), threads)
+    return yq, yh

@@ -84,14 +84,24 @@ def kv_store(x: np.ndarray, nx: Numerics) -> np.ndarray:
 
 # ---- compressors (MODEL.md §2.3) -----------------------------------------------------------------------------
 def compressor_inputs(w, C: CompressorWeights, x: np.ndarray, pos: np.ndarray, ratio: int,
-                      seg: list[slice]) -> tuple[np.ndarray, np.ndarray | None]:
+                      seg: list[slice], done: dict | None = None) -> tuple[np.ndarray, np.ndarray | None]:
     """Per row: kv = wkv x and the gate score s = wgate x + ape[pos mod ratio] (all sequences at once); V4.1 has
-    no ape, and a ratio-1 compressor no gate (score None)."""
+    no ape, and a ratio-1 compressor no gate (score None). done: the products of x made already (x_products)."""
+    lin = (lambda t: done[id(t)]) if done is not None else (lambda t: w.linear(t, x, seg))
     if C.gate is None:
-        return w.linear(C.kv, x, seg), None
+        return lin(C.kv), None
     if C.ape is None:
-        return w.linear(C.kv, x, seg), w.linear(C.gate, x, seg)
-    return w.linear(C.kv, x, seg), w.linear(C.gate, x, seg) + w.get(C.ape)[pos % ratio]
+        return lin(C.kv), lin(C.gate)
+    return lin(C.kv), lin(C.gate) + w.get(C.ape)[pos % ratio]
+
+
+def x_products(w, tensors: list, x: np.ndarray, seg: list[slice] | None) -> dict:
+    """{id(t): x @ t.T} for matrices that read one x, in one kernel call where they can (Weights.linear_many)."""
+    return dict(zip(map(id, tensors), w.linear_many(tensors, x, seg)))
+
+
+def _comp_tensors(C: CompressorWeights | None) -> list:
+    return [] if C is None else [C.kv] + ([] if C.gate is None else [C.gate])
 
 
 def pool_groups(w, cfg, C: CompressorWeights, kv: np.ndarray, score: np.ndarray | None, pos: np.ndarray,
@@ -275,15 +285,25 @@ def attention(w, cfg, nx: Numerics, ro: LayerRoles, A: AttentionWeights, x: np.n
     freqs = ops.layer_rope_freqs(cfg, il)
     seg = ops.row_groups([s.rows for s in seqs], T, row_stable)
 
+    # every product of x first: one kernel call in a decode step (x_products)
+    xt = [A.q_a, A.kv] + (_comp_tensors(A.comp) if ro.compressor else [])
+    if ro.indexer:
+        xt += [A.index.proj] + _comp_tensors(A.index.comp)
+    done = x_products(w, xt, x, seg)
+
     # query: low rank + q_norm, per-head RMS (no weight; V4 only), RoPE on the last rd dims
-    qr = ops.rmsnorm(w.linear(A.q_a, x, seg), w.get(A.q_a_norm), cfg.norm_eps)
-    q = w.linear(A.q_b, qr, seg).reshape(T, H, hd)
+    qr = ops.rmsnorm(done[id(A.q_a)], w.get(A.q_a_norm), cfg.norm_eps)
+    if ro.indexer:                      # both products of qr in one call
+        q, iqb = w.linear_many([A.q_b, A.index.q_b], qr, seg)
+    else:
+        q = w.linear(A.q_b, qr, seg)
+    q = q.reshape(T, H, hd)
     if cfg.q_head_norm:
         q = ops.rmsnorm(q, None, cfg.norm_eps)
     q = ops.rope_tail(q, pos, freqs)
 
     # the one shared K=V row per token; FP8 fake-quant (V4: the non-rope dims in blocks of 64, V4.1 all in 32)
-    kv = ops.rmsnorm(w.linear(A.kv, x, seg), w.get(A.kv_norm), cfg.norm_eps)
+    kv = ops.rmsnorm(done[id(A.kv)], w.get(A.kv_norm), cfg.norm_eps)
     kv = ops.rope_tail(kv, pos, freqs)
     if nx.fake_quant:
         d, block = cfg.kv_fp8
@@ -292,18 +312,18 @@ def attention(w, cfg, nx: Numerics, ro: LayerRoles, A: AttentionWeights, x: np.n
 
     # the compressors' and the indexer's per-row inputs, for every sequence at once
     if ro.compressor:
-        ckv, csc = compressor_inputs(w, A.comp, x, pos, ro.ratio, seg)
+        ckv, csc = compressor_inputs(w, A.comp, x, pos, ro.ratio, seg, done)
     if ro.indexer:
         ih, ihd = cfg.index_heads, cfg.index_head_dim
         # (a [T, ih, ihd] @ [ihd, ihd] product is one BLAS call per row already: numpy loops over the stack)
-        iq = ops.rope_tail(w.linear(A.index.q_b, qr, seg).reshape(T, ih, ihd), pos, freqs)
+        iq = ops.rope_tail(iqb.reshape(T, ih, ihd), pos, freqs)
         if cfg.index_hadamard:
             iq = ops.hadamard(iq, ops.row_groups(None, T, row_stable))
         if nx.fake_quant:
             iq = ops.fp4_fake_quant(iq, 32)
-        iw = w.linear(A.index.proj, x, seg) * F32(ihd ** -0.5 * ih ** -0.5)
+        iw = done[id(A.index.proj)] * F32(ihd ** -0.5 * ih ** -0.5)
         if A.index.comp is not None:
-            ikv, isc = compressor_inputs(w, A.index.comp, x, pos, ro.index_ratio, seg)
+            ikv, isc = compressor_inputs(w, A.index.comp, x, pos, ro.index_ratio, seg, done)
 
     # per sequence: window, compressed rows, indexer selection, attention with sink
     sink = w.get(A.sinks)
@@ -364,9 +384,11 @@ def attention(w, cfg, nx: Numerics, ro: LayerRoles, A: AttentionWeights, x: np.n
 
 # ---- MoE ----------------------------------------------------------------------------------------------------
 def route(w, cfg, ro: LayerRoles, Fw: FfnWeights, x: np.ndarray, ids: np.ndarray,
-          seg: list[slice]) -> tuple[np.ndarray, np.ndarray]:
-    """Expert ids [T, k] and weights [T, k]: hash table on the hash layers, biased top-k after."""
-    logits = w.linear(Fw.gate_inp, x, seg)
+          seg: list[slice], logits: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Expert ids [T, k] and weights [T, k]: hash table on the hash layers, biased top-k after (logits: the
+    router's product of x, when made already)."""
+    if logits is None:
+        logits = w.linear(Fw.gate_inp, x, seg)
     if cfg.gate_temp != 1.0:                                       # V4.1's gate temperature
         logits = logits / F32(cfg.gate_temp)
     s = ops.sqrt_softplus(logits)
@@ -386,14 +408,18 @@ def moe(w, cfg, ro: LayerRoles, Fw: FfnWeights, x: np.ndarray, ids: np.ndarray, 
         trace: Trace | None, row_stable: bool = False) -> np.ndarray:
     clamp = cfg.swiglu_clamp[ro.layer]
     seg = ops.row_groups([s.rows for s in seqs], x.shape[0], row_stable)
-    idx, wts = route(w, cfg, ro, Fw, x, ids, seg)
+    S, E = Fw.shared, Fw.experts
+    done = x_products(w, [Fw.gate_inp, S.gate, S.up], x, seg)      # the router and the shared gate and up
+    idx, wts = route(w, cfg, ro, Fw, x, ids, seg, done[id(Fw.gate_inp)])
     w.will_need_experts((Fw.experts.gate, Fw.experts.up, Fw.experts.down), np.unique(idx))   # paging hint
     if trace is not None:
         trace.experts[ro.layer], trace.expert_weights[ro.layer] = idx, wts
-    S, E = Fw.shared, Fw.experts
-    g, u = w.linear_pair(S.gate, S.up, x, seg)                   # one x, gate and up together where they can
-    y = ops.swiglu_of(x, lambda _: g, lambda _: u, partial(w.linear, S.down, seg=seg), clamp)
+    g, u = done[id(S.gate)], done[id(S.up)]
     hook = trace.moe_hook if trace is not None else None
+    if hook is None and w.experts_batched((E.gate, E.up, E.down), x.shape[0]):
+        # the shared expert's down projection goes with the routed gate and up (one launch in a decode step)
+        return routed_batched(w, E, x, idx, wts, clamp, None, None, (S.down, ops.swiglu_hidden(g, u, clamp), seg))
+    y = ops.swiglu_of(x, lambda _: g, lambda _: u, partial(w.linear, S.down, seg=seg), clamp)
     if hook is not None:
         shared, parts = y.copy(), np.zeros((*idx.shape, y.shape[1]), F32)
     if w.experts_batched((E.gate, E.up, E.down), x.shape[0]):
@@ -421,12 +447,14 @@ def moe(w, cfg, ro: LayerRoles, Fw: FfnWeights, x: np.ndarray, ids: np.ndarray, 
 ROUTED_PAIRS_PER_CALL = 1024
 
 
-def routed_batched(w, E, x: np.ndarray, idx: np.ndarray, wts: np.ndarray, clamp: float, y: np.ndarray,
-                   parts: np.ndarray | None) -> None:
+def routed_batched(w, E, x: np.ndarray, idx: np.ndarray, wts: np.ndarray, clamp: float, y: np.ndarray | None,
+                   parts: np.ndarray | None, shared: tuple | None = None) -> np.ndarray:
     """moe's routed experts in one kernel call per projection (gate and up together, then down:
     Weights.experts_linear), a prefill's in runs of whole experts of about ROUTED_PAIRS_PER_CALL pairs, adding
     each expert's part into y in moe's order (experts ascending, each expert's rows in order): the bits of moe's
-    loop, which these kernels compute row by row the same way."""
+    loop, which these kernels compute row by row the same way. shared = (the shared expert's down matrix, its
+    hidden activation, seg): y is made here as its product, which goes with the first run's gate and up
+    (Weights.experts_linear_and). Returns y."""
     k = idx.shape[1]
     order = np.argsort(idx, axis=None, kind="stable")      # pairs by expert, then (row, slot): np.nonzero's order
     tok, slot = np.divmod(order, k)
@@ -439,13 +467,20 @@ def routed_batched(w, E, x: np.ndarray, idx: np.ndarray, wts: np.ndarray, clamp:
         while g1 < len(gs) - 1 and gs[g1 + 1] - gs[g0] <= ROUTED_PAIRS_PER_CALL:
             g1 += 1
         a0 = gs[g0]
-        _routed_run(w, E, x, e_of[gs[g0:g1]], gs[g0:g1 + 1] - a0, tok[a0:gs[g1]], slot[a0:gs[g1]], wts, clamp,
-                    y, parts)
+        y = _routed_run(w, E, x, e_of[gs[g0:g1]], gs[g0:g1 + 1] - a0, tok[a0:gs[g1]], slot[a0:gs[g1]], wts,
+                        clamp, y, parts, shared)
+        shared = None
         g0 = g1
+    if shared is not None:                                   # no rows
+        y = w.linear(shared[0], shared[1], shared[2])
+    return y
 
 
-def _routed_run(w, E, x, ex, gs, tok, slot, wts, clamp, y, parts) -> None:
-    g, u = w.experts_linear((E.gate, E.up), ex, gs, tok, x)
+def _routed_run(w, E, x, ex, gs, tok, slot, wts, clamp, y, parts, shared=None) -> np.ndarray:
+    if shared is None:
+        g, u = w.experts_linear((E.gate, E.up), ex, gs, tok, x)
+    else:
+        (g, u), y = w.experts_linear_and((E.gate, E.up), ex, gs, tok, x, *shared)
     if clamp > 0:
         g = np.minimum(g, F32(clamp))
         u = np.clip(u, F32(-clamp), F32(clamp))
@@ -456,6 +491,7 @@ def _routed_run(w, E, x, ex, gs, tok, slot, wts, clamp, y, parts) -> None:
         y[tok[a:b]] += d[a:b]
         if parts is not None:
             parts[tok[a:b], slot[a:b]] = d[a:b]
+    return y
 
 
 # ---- block and model ----------------------------------------------------------------------------------------

@@ -58,6 +58,10 @@ def mm(a: np.ndarray, b: np.ndarray, seg: list[slice] | None = None) -> np.ndarr
 def rmsnorm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
     """x * rsqrt(mean(x²) + eps) [* weight] over the last axis."""
     x = x.astype(F32, copy=False)
+    fast = _ops_jit()
+    if (fast is not None and x.ndim >= 1 and x.size and
+            (weight is None or (weight.dtype == F32 and weight.shape == x.shape[-1:]))):
+        return fast.rmsnorm(x, weight, eps)                          # numpy's operations compiled
     y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + F32(eps))
     return y * weight if weight is not None else y
 
@@ -178,15 +182,21 @@ def hc_mixes(X: np.ndarray, fn: np.ndarray, eps: float, seg: list[slice] | None 
     return mm(xf, fn.T, seg) / np.sqrt(np.mean(xf * xf, axis=-1, keepdims=True) + F32(eps))
 
 
+_TWINS: list = []          # ds4py.ref.ops_jit once found loaded (a dozen calls a layer ask)
+
+
 def _ops_jit():
     """ds4py.ref.ops_jit (compiled twins giving these ops' bits) once the compiled kernels are loaded, else None:
     the numpy reference never imports numba itself."""
+    if _TWINS:
+        return _TWINS[0]
     from ds4py.quant import jit
 
     if not jit.loaded():
         return None
     from ds4py.ref import ops_jit
 
+    _TWINS.append(ops_jit)
     return ops_jit
 
 
@@ -223,6 +233,10 @@ def hc_coeffs(X: np.ndarray, fn: np.ndarray, scale: np.ndarray, base: np.ndarray
 
 def hc_collapse(X: np.ndarray, pre: np.ndarray) -> np.ndarray:
     """Σ_j pre_j X_j; products then a sum over j, in the official order. X [T, hc, D], pre [T, hc] -> [T, D]."""
+    fast = _ops_jit()
+    if (fast is not None and X.dtype == F32 and pre.dtype == F32 and X.ndim == 3 and 0 < X.shape[1] <= fast.MAX_N
+            and pre.shape == X.shape[:2]):
+        return fast.hc_collapse(np.ascontiguousarray(X), np.ascontiguousarray(pre), np.empty((X.shape[0], X.shape[2]), F32))
     return (pre[:, :, None] * X).sum(1)
 
 
@@ -310,10 +324,15 @@ def swiglu_of(x: np.ndarray, gate, up, down, clamp: float, weight: np.ndarray | 
     """swiglu with the three projections given as functions (a -> a @ W.T, e.g. Weights.linear)."""
     g = gate(x)
     u = up(x)
+    return down(swiglu_hidden(g, u, clamp, weight))
+
+
+def swiglu_hidden(g: np.ndarray, u: np.ndarray, clamp: float, weight: np.ndarray | None = None) -> np.ndarray:
+    """swiglu's hidden activation from the gate and up products: silu(min(g, c)) · clamp(u, −c, c) [· weight]."""
     if clamp > 0:
         g = np.minimum(g, F32(clamp))
         u = np.clip(u, F32(-clamp), F32(clamp))
     h = silu(g) * u
     if weight is not None:
         h = h * weight[:, None]
-    return down(h)
+    return h

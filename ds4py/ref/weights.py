@@ -119,6 +119,8 @@ class Weights:
         self.vq = VQExperts(gguf)          # decodes VQ-8 experts; its row gains can be rescaled at load
         self.runner = Runner(threads, compiled=kernels == "jit") if kernels != "dequant" else None
         self._finite: dict = {}            # matrix or (matrix, expert) -> its f16 scales hold no inf / NaN
+        self._many_plans: dict = {}        # (matrix names, rows) -> linear_many's plan (views only), or None
+        self._raws: dict = {}              # matrix name -> its stored rows as a plain ndarray view (_raw)
         self._layer_spans: dict[int, list[tuple[int, int]]] | None = self._advise_init() if advise else None
 
     # ---- paging hints (the memory-budget mode) ------------------------------------------------------------
@@ -209,6 +211,14 @@ class Weights:
             return _dequant_rows(t, raw[e], t.shape[1:]).astype(F32, copy=False)
 
         return self._get_cached(("expert", t.name, int(e)), make)
+
+    def _raw(self, t: TensorInfo) -> np.ndarray:
+        """t.raw_bytes() as a plain ndarray view, made once: a memmap view runs Python (__array_finalize__) at
+        every slice and reshape, on the decode path's every product."""
+        v = self._raws.get(t.name)
+        if v is None:
+            v = self._raws[t.name] = np.asarray(t.raw_bytes())
+        return v
 
     def _int8(self, t: TensorInfo, rows: int) -> bool:
         """Whether t's product with `rows` activation rows takes the int8-activation kernels (act_quant numerics,
@@ -305,7 +315,7 @@ class Weights:
         """x @ W.T for a [out, in] matrix W, one product per sequence's rows `seg` (ops.mm: batch
         invariance); a matrix larger than the cache is streamed in row chunks."""
         if self._int8(t, x.shape[0]):
-            return self._int8_matmul(t, t.raw_bytes(), x)
+            return self._int8_matmul(t, self._raw(t), x)
         x = self.act(t, x)
         if self._fuse(t):
             return self._split(x, seg, lambda r, sg: self._fused(t, t.raw_bytes(), r, t.name, sg),
@@ -319,10 +329,57 @@ class Weights:
         T = x.shape[0]
         if (a.qtype == b.qtype and a.shape == b.shape and jit_i8.experts_supported(a.qtype, T)
                 and self._int8(a, T)):
-            ys = jit_i8.experts_matmul(a.qtype, (a.raw_bytes()[None], b.raw_bytes()[None]), np.zeros(1),
+            ys = jit_i8.experts_matmul(a.qtype, (self._raw(a)[None], self._raw(b)[None]), np.zeros(1),
                                        np.array([0, T]), np.arange(T), x, self.runner.threads)
             return ys[0], ys[1]
         return self.linear(a, x, seg), self.linear(b, x, seg)
+
+    def linear_many(self, tensors: list[TensorInfo], x: np.ndarray,
+                    seg: list[slice] | None = None) -> list[np.ndarray]:
+        """[linear(t, x, seg) for t in tensors] for matrices that read one x (a layer's projections of its input):
+        in a decode step on the int8 kernels, the Q8_0 and F16 ones in one kernel call with x quantised once
+        (jit_i8.matmul_many: the same bits, matrix by matrix); the others one by one, or two of one format and
+        shape by linear_pair."""
+        T = x.shape[0]
+        key = (tuple(t.name for t in tensors), T)
+        plan = self._many_plans.get(key, False)
+        if plan is False:                  # which matrices go in the one call, and their kernel views: once
+            many = [t for t in tensors if len(t.shape) == 2 and self._many_format(t, T)]
+            q8 = [t for t in many if t.qtype == Q.Q8_0]
+            h16 = [t for t in many if t.qtype == Q.F16]
+            plan = None
+            if len(many) >= 2 and jit_i8.many_supported(len(q8), len(h16), T):
+                plan = (q8, h16, jit_i8.many_plan([t.raw_bytes() for t in q8], [t.raw_bytes() for t in h16],
+                                                  tensors[0].shape[-1]))
+            self._many_plans[key] = plan
+        out: dict = {}
+        if plan is not None:
+            q8, h16, prepared = plan
+            yq, yh = jit_i8.many_run(prepared, x, self.runner.threads)
+            out = dict(zip(map(id, q8), yq)) | dict(zip(map(id, h16), yh))
+        rest = [t for t in tensors if id(t) not in out]
+        i = 0
+        while i < len(rest):
+            a = rest[i]
+            b = rest[i + 1] if i + 1 < len(rest) else None
+            if b is not None and b.qtype == a.qtype and b.shape == a.shape:
+                out[id(a)], out[id(b)] = self.linear_pair(a, b, x, seg)
+                i += 2
+            else:
+                out[id(a)] = self.linear(a, x, seg)
+                i += 1
+        return [out[id(t)] for t in tensors]
+
+    def _many_format(self, t: TensorInfo, rows: int) -> bool:
+        """Whether linear(t, x) of `rows` rows runs jit_decode's q8_0 / f16 row kernels (so matmul_many gives its
+        bits): Q8_0 on the int8 decode kernel, F16 on the compiled decode kernel, act_quant numerics."""
+        if not self._jit_checked:
+            self._check_jit()
+        if not (self.act_quant and self.kernels == "jit" and rows <= FUSED_MAX_ROWS):
+            return False
+        if t.qtype == Q.Q8_0:
+            return self._int8(t, rows)
+        return t.qtype == Q.F16 and self._fuse(t) and self.runner.compiled and jit.takes(t.qtype, t.shape[-1])
 
     def _dense_q8_0(self, raw: np.ndarray, x: np.ndarray, seg: list[slice] | None) -> np.ndarray:
         """A prefill sequence's product with dense Q8_0 rows, x rounded (act): int8 on AVX-512 VNNI hosts
@@ -359,7 +416,7 @@ class Weights:
         if self._int8(t, x.shape[0]):
             T, G, _ = x.shape
             rank = t.shape[0] // G
-            raw = np.asarray(t.raw_bytes())
+            raw = self._raw(t)
             if jit_i8.experts_supported(t.qtype, T):      # a decode step: the groups as experts, one call
                 y, = jit_i8.experts_matmul(t.qtype, (raw.reshape(G, rank, -1),), np.arange(G),
                                            np.arange(0, G * T + 1, T), np.arange(T * G).reshape(T, G).T.ravel(),
@@ -404,7 +461,7 @@ class Weights:
         """x @ W_e.T for routed expert e of a stacked [X, out, in] expert tensor (seg: the rows of each sequence
         among x's, which are the rows routed to e)."""
         if self._int8(t, x.shape[0]):
-            return self._int8_matmul(t, t.raw_bytes()[e], x)
+            return self._int8_matmul(t, self._raw(t)[e], x)
         x = self.act(t, x)
         if self._fuse(t):
             return self._split(x, seg, lambda r, sg: self._fused_expert(t, e, r, sg),
@@ -455,5 +512,23 @@ class Weights:
         for a layer's routed experts (jit_i8.experts_matmul), each row expert_linear's bits."""
         if len(tensors) == 2 and (tensors[0].qtype != tensors[1].qtype or tensors[0].shape != tensors[1].shape):
             return [y for t in tensors for y in self.experts_linear((t,), ex, gs, xr, x)]
-        return jit_i8.experts_matmul(tensors[0].qtype, tuple(t.raw_bytes() for t in tensors), ex, gs, xr, x,
+        return jit_i8.experts_matmul(tensors[0].qtype, tuple(self._raw(t) for t in tensors), ex, gs, xr, x,
                                      self.runner.threads)
+
+    def experts_linear_and(self, tensors, ex: np.ndarray, gs: np.ndarray, xr: np.ndarray, x: np.ndarray,
+                           other: TensorInfo, other_x: np.ndarray,
+                           seg: list[slice] | None = None) -> tuple[list[np.ndarray], np.ndarray]:
+        """(experts_linear(tensors, ex, gs, xr, x), linear(other, other_x, seg)): the shared expert's down
+        projection with the routed experts' gate and up, in one launch where the kernels allow it (a decode step:
+        jit_i8.experts_matmul's `plain`), the same bits either way."""
+        T = other_x.shape[0]
+        if (len(tensors) == 2 and tensors[0].qtype == tensors[1].qtype and tensors[0].shape == tensors[1].shape
+                and other.qtype == Q.Q8_0 and len(other.shape) == 2 and T <= FUSED_MAX_ROWS
+                and jit_i8.plain_supported(tensors[0].qtype, 2, T) and self._int8(other, T)):
+            raws = tuple(self._raw(t) for t in tensors)
+            if jit_i8.experts_pooled(tensors[0].qtype, raws, len(ex), self.runner.threads):   # else no launch saved
+                *ys, y = jit_i8.experts_matmul(tensors[0].qtype, raws, ex, gs, xr, x, self.runner.threads,
+                                               plain=(self._raw(other), other_x))
+                return ys, y
+        y = self.linear(other, other_x, seg)
+        return self.experts_linear(tensors, ex, gs, xr, x), y
