@@ -16,16 +16,34 @@ import numpy as np
 # of the trained tiny model on the CPU (issue 38, third session).
 WINDOW = 64
 
-class _Median:
-    """The median of the samples so far: robust to a step the OS descheduled (on a shared machine one step in a
-    few can take several times its cost, which pulled a running mean, and with it k, around)."""
+# The fewest samples a median reads however old they are (_Median, _count_medians): a median reads the samples
+# of the last WINDOW main steps, and at least the last RECENT ones. Why (issue 38, fourth session): samples of one
+# kind can stop coming -- a scheduler that drafts every round times no plain step -- and WINDOW samples of that
+# kind then reach back thousands of steps, to another load of the machine (or a cold start): on the trained tiny
+# model a plain median of 10.8 ms from the first request's few plain steps, against 7.6 ms measured since, kept
+# k = 1 rounds "paying" for the rest of the run and prose lost 12%. With the plain step re-timed every REFRESH
+# drafting rounds (Scheduler.should_draft) its last RECENT samples span RECENT·REFRESH steps.
+RECENT = 8
+# Drafting rounds between two plain steps taken only to re-time a plain step (MeasuredCosts.plain_due): where a
+# round of k = 1 beats plain by 20%, one plain step in 32 rounds gives back ~0.4% of the speed.
+REFRESH = 32
 
-    def __init__(self):
+
+class _Median:
+    """The median of the recent samples (those of the last WINDOW main steps, at least the last RECENT: the
+    module's note above): robust to a step the OS descheduled (on a shared machine one step in a few can take
+    several times its cost, which pulled a running mean, and with it k, around)."""
+
+    def __init__(self, clock=None):
         self.samples: deque[float] = deque(maxlen=WINDOW)
+        self.ticks: deque[int] = deque(maxlen=WINDOW)
+        self._clock = clock                     # the main-step count now (MeasuredCosts.steps), or None
         self._value: float | None = None
+        self._at = -1
 
     def add(self, v: float) -> None:
         self.samples.append(v)
+        self.ticks.append(self._clock() if self._clock else 0)
         self._value = None
 
     @property
@@ -33,9 +51,17 @@ class _Median:
         return len(self.samples)
 
     def value(self) -> float | None:
-        if self._value is None and self.samples:
-            self._value = _median(self.samples)
+        now = self._clock() if self._clock else 0
+        if (self._value is None or now != self._at) and self.samples:
+            self._value, self._at = _median(_recent(self.samples, self.ticks, now)), now
         return self._value
+
+
+def _recent(samples, ticks, now: int) -> list[float]:
+    """The samples taken in the last WINDOW main steps before `now`, at least the last RECENT (all if fewer)."""
+    a = list(samples)
+    n = sum(1 for t in ticks if now - t < WINDOW)
+    return a[-max(n, RECENT):]
 
 
 # Plain Python for the few-sample statistics below: they run at every decision (a plain step's too), and numpy's
@@ -52,14 +78,16 @@ def _centre(pts: list[tuple[int, float, int]]) -> tuple[float, float]:
     return sum(w * r for r, _, w in pts) / W, sum(w * t for _, t, w in pts) / W
 
 
-def _count_medians(rows: dict[int, "deque[float]"]) -> list[tuple[int, float, int]]:
-    """(count, median, weight) per row count over its last WINDOW samples; a count's first sample is a warm-up,
-    left out once it has a second (while the window still holds it)."""
+def _count_medians(rows: dict[int, "deque[float]"], ticks: dict[int, "deque[int]"], now: int
+                   ) -> list[tuple[int, float, int]]:
+    """(count, median, weight) per row count over its recent samples (_recent); a count's first sample is a
+    warm-up, left out once it has a second (while the window still holds it)."""
     out = []
     for r, v in rows.items():
         a = list(v)
         if len(a) > 1 and len(a) < WINDOW:
             a = a[1:]
+        a = _recent(a, list(ticks[r])[-len(a):], now)
         out.append((r, _median(a), len(a)))
     return sorted(out)
 
@@ -94,26 +122,42 @@ class MeasuredCosts:
     deterministic = False
 
     def __init__(self):
-        self._plain, self._first, self._chain, self._overhead = _Median(), _Median(), _Median(), _Median()
+        self.steps = 0                 # main steps timed so far (plain and verify): the samples' clock (_recent)
+        self.since_plain = 0           # drafting rounds since the last plain step was timed (plain_due)
+        clock = lambda: self.steps     # noqa: E731
+        self._plain, self._first, self._chain, self._overhead = (_Median(clock), _Median(clock), _Median(clock),
+                                                                 _Median(clock))
         self._rows: dict[int, deque[float]] = {}
         self._first_rows: dict[int, deque[float]] = {}
+        self._ticks: dict[tuple[str, int], deque[int]] = {}   # the step count at each _rows / _first_rows sample
         self._line: tuple[float, float] | None = None
         self._catch: tuple[float, float] | None = None
         self._stale = True
 
     def observe_plain(self, seconds: float) -> None:
         self._plain.add(seconds)
+        self.since_plain = 0
+
+    def plain_due(self) -> bool:
+        """Has the scheduler drafted REFRESH rounds since it last timed a plain step? (Then it takes one: a
+        scheduler that drafts every round would otherwise judge its rounds against a plain step timed long ago.)"""
+        return self.since_plain >= REFRESH
+
+    def _sample(self, store: dict, kind: str, rows: int, seconds: float) -> None:
+        store.setdefault(rows, deque(maxlen=WINDOW)).append(seconds)
+        self._ticks.setdefault((kind, rows), deque(maxlen=WINDOW)).append(self.steps)
+        self._stale = True
 
     def observe_draft(self, first: bool, seconds: float, rows: int = 1) -> None:
         """A draft step's time; a first one also ran `rows` pending MTP rows (the last one gives its logits)."""
         (self._first if first else self._chain).add(seconds)
         if first:
-            self._first_rows.setdefault(rows, deque(maxlen=WINDOW)).append(seconds)
-            self._stale = True
+            self.since_plain += 1
+            self._sample(self._first_rows, "first", rows, seconds)
 
     def observe_verify(self, rows: int, seconds: float) -> None:
-        self._rows.setdefault(rows, deque(maxlen=WINDOW)).append(seconds)
-        self._stale = True
+        self.steps += 1
+        self._sample(self._rows, "verify", rows, seconds)
 
     def observe_overhead(self, seconds: float) -> None:
         """A drafting round's time beyond its timed draft and verify steps (SpecRequest.round)."""
@@ -127,7 +171,7 @@ class MeasuredCosts:
         if not self._stale:
             return
         self._stale = False
-        pts = _count_medians(self._rows)
+        pts = _count_medians(self._rows, {r: self._ticks["verify", r] for r in self._rows}, self.steps)
         line = _line(pts)
         if line is not None:
             med = {r: (t, w) for r, t, w in pts}
@@ -137,7 +181,8 @@ class MeasuredCosts:
                     rm, tm = _centre(pts)
                     line = (float(tm - floor * rm), float(floor))
         self._line = line
-        self._catch = _line(_count_medians(self._first_rows))
+        self._catch = _line(_count_medians(self._first_rows, {r: self._ticks["first", r] for r in self._first_rows},
+                                           self.steps))
 
     def line(self) -> tuple[float, float] | None:
         self._refit()
@@ -199,6 +244,9 @@ class ByteCosts:
     def observe_overhead(self, seconds: float) -> None:
         pass
 
+    def plain_due(self) -> bool:
+        return False                           # given costs: nothing to re-time
+
     def overhead(self) -> float:
         return 0.0                             # bytes only: a seeded request's k must not depend on the clock
 
@@ -258,6 +306,9 @@ class StepCosts:
 
     def observe_overhead(self, seconds: float) -> None:
         pass
+
+    def plain_due(self) -> bool:
+        return False                           # given costs: nothing to re-time
 
     def overhead(self) -> float:
         return self._over
@@ -468,7 +519,8 @@ class Scheduler:
             return True
         if self.drafting_pays():
             v.gap, v.skipped = 1, 0
-            return True
+            # re-time a plain step now and then (MeasuredCosts.plain_due): rounds are judged against it
+            return not self.costs.plain_due()
         if v.skipped >= v.gap:                     # a probe: the calibration and the costs may have moved
             # the gap doubles up to WINDOW plain steps: a verdict pooled over the model's requests is re-checked
             # at least that often (a probe costs about a draft step and a verify row beyond a plain step: < 1%)

@@ -11,7 +11,7 @@ import pytest
 from ds4py.model import open_mtp
 from ds4py.ref.engine import RefModel
 from ds4py.sampling import Sampler, SamplingParams
-from ds4py.spec_schedule import WINDOW, MeasuredCosts, Scheduler, StepCosts, _Calibration, break_even_acceptance
+from ds4py.spec_schedule import RECENT, REFRESH, WINDOW, MeasuredCosts, Scheduler, StepCosts, _Calibration, break_even_acceptance
 from ds4py.mtp_spec import MtpSpec
 
 GEN = 32
@@ -287,3 +287,38 @@ def test_costs_keep_a_window_of_recent_samples():
     assert c.plain() == pytest.approx(10e-3) and c.verify(2) == pytest.approx(15e-3)
     assert c.draft(True) == pytest.approx(1e-3) and c.catch_up() == pytest.approx(0.5e-3)
     assert len(c._plain.samples) == len(c._rows[1]) == WINDOW
+
+
+def test_a_drafting_scheduler_re_times_the_plain_step():
+    """A scheduler that drafts every round times no plain step, so it judged its rounds against plain steps timed
+    long ago: on the trained tiny model a plain median of 10.8 ms from the first request's few plain steps against
+    7.6 ms measured since kept k = 1 rounds "paying" and prose lost 12% (issue 38, fourth session). Now it takes a
+    plain step after every REFRESH drafting rounds, and medians read the samples of the last WINDOW main steps
+    (at least the last RECENT): the stale estimate is replaced and the scheduler stops drafting where the rounds
+    (1.6 tokens for 15 ms) lose to the true plain step (8 ms)."""
+    c = MeasuredCosts()
+    for _ in range(RECENT):                        # a slow (cold, or loaded) start: plain steps of 15 ms
+        c.observe_plain(15e-3)
+        c.observe_verify(1, 14.9e-3)
+    for _ in range(3):
+        c.observe_draft(True, 1e-3)
+        c.observe_verify(2, 14e-3)
+    s = Scheduler(c, k_max=4)
+    for _ in range(40):
+        s.record(0.6, 0.5)                         # first-draft acceptance 0.6
+    assert s.drafting_pays()
+    decisions = []
+    for _ in range(20 * REFRESH):
+        d = s.should_draft(4)
+        decisions.append(d)
+        if d:
+            c.observe_draft(True, 1e-3)
+            c.observe_verify(2, 14e-3)
+        else:
+            c.observe_plain(8e-3)
+            c.observe_verify(1, 7.9e-3)
+    plains = [i for i, d in enumerate(decisions) if not d]
+    assert plains[0] == REFRESH - 3 and plains[1] - plains[0] == REFRESH + 1     # a plain step per REFRESH rounds
+    assert c.plain() == pytest.approx(8e-3) and not s.drafting_pays()
+    assert sum(decisions[-4 * REFRESH:]) <= 4                              # then it decodes plainly, probing
+    assert not Scheduler(StepCosts(8.0, {2: 9.0}, 1.0), 4).costs.plain_due()     # given costs: never
