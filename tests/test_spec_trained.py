@@ -322,3 +322,24 @@ def test_a_drafting_scheduler_re_times_the_plain_step():
     assert c.plain() == pytest.approx(8e-3) and not s.drafting_pays()
     assert sum(decisions[-4 * REFRESH:]) <= 4                              # then it decodes plainly, probing
     assert not Scheduler(StepCosts(8.0, {2: 9.0}, 1.0), 4).costs.plain_due()     # given costs: never
+
+
+def test_a_position_must_earn_the_plain_rate():
+    """A position is verified only if it raises the round's rate and earns at least 1 / plain(): with its first
+    draft step spent, a round's rate can be below plain's (here a k = 0 round: 1 token in 10 ms against 8 ms
+    plain), and a first draft accepted with probability 0.45 beats that rate (1.45 tokens in 14 ms) while the
+    4 ms its verify row costs would decode 0.5 tokens plainly; at 0.55 it pays."""
+    c = MeasuredCosts()
+    for _ in range(3):
+        c.observe_plain(8e-3)
+        c.observe_verify(1, 8e-3)
+        c.observe_verify(2, 12e-3)
+        c.observe_draft(True, 1.5e-3)
+        c.observe_overhead(0.5e-3)
+    for acc, verified in ((0.45, False), (0.55, True)):
+        s = Scheduler(c, k_max=4)
+        for _ in range(10):
+            s.record(acc, 0.5)                      # one σ: c(σ) = ρ·σ = acc
+        E, cost = s.expected_round([acc])
+        assert E / cost > 1 / 10e-3                 # beats the k = 0 round either way
+        assert s.include([0.5]) is verified
