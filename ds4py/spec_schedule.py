@@ -21,11 +21,14 @@ WINDOW = 64
 # kind can stop coming -- a scheduler that drafts every round times no plain step -- and WINDOW samples of that
 # kind then reach back thousands of steps, to another load of the machine (or a cold start): on the trained tiny
 # model a plain median of 10.8 ms from the first request's few plain steps, against 7.6 ms measured since, kept
-# k = 1 rounds "paying" for the rest of the run and prose lost 12%. With the plain step re-timed every REFRESH
-# drafting rounds (Scheduler.should_draft) its last RECENT samples span RECENT·REFRESH steps.
-RECENT = 8
-# Drafting rounds between two plain steps taken only to re-time a plain step (MeasuredCosts.plain_due): where a
-# round of k = 1 beats plain by 20%, one plain step in 32 rounds gives back ~0.4% of the speed.
+# k = 1 rounds "paying" for the rest of the run and prose lost 12%. With the plain step re-timed while drafting
+# (MeasuredCosts.plain_due) a stale plain estimate is outvoted by RECENT // 2 + 1 fresh samples.
+RECENT = 5
+# The most drafting rounds between two plain steps taken only to re-time a plain step (MeasuredCosts.plain_due):
+# after 2, 4, 8, 16 rounds, then every REFRESH (the gap restarts when the scheduler decodes plainly of its own
+# accord). On the virtual clock of bench/spec_replay.py (the first 12 steps 1.5x slow) a stale estimate was
+# outvoted after ~14 drafting rounds, not ~160 with a fixed gap of 32; where a round of k = 1 beats plain by 20%,
+# one plain step in 32 rounds gives back ~0.4% of the speed.
 REFRESH = 32
 
 
@@ -124,6 +127,7 @@ class MeasuredCosts:
     def __init__(self):
         self.steps = 0                 # main steps timed so far (plain and verify): the samples' clock (_recent)
         self.since_plain = 0           # drafting rounds since the last plain step was timed (plain_due)
+        self.refresh_gap = 2           # drafting rounds before the next re-timed plain step (2, 4, .. REFRESH)
         clock = lambda: self.steps     # noqa: E731
         self._plain, self._first, self._chain, self._overhead = (_Median(clock), _Median(clock), _Median(clock),
                                                                  _Median(clock))
@@ -136,12 +140,15 @@ class MeasuredCosts:
 
     def observe_plain(self, seconds: float) -> None:
         self._plain.add(seconds)
+        # a re-timing step doubles the gap; a plain step the scheduler chose (drafting stopped) restarts it
+        self.refresh_gap = min(2 * self.refresh_gap, REFRESH) if self.plain_due() else 2
         self.since_plain = 0
 
     def plain_due(self) -> bool:
-        """Has the scheduler drafted REFRESH rounds since it last timed a plain step? (Then it takes one: a
-        scheduler that drafts every round would otherwise judge its rounds against a plain step timed long ago.)"""
-        return self.since_plain >= REFRESH
+        """Has the scheduler drafted refresh_gap rounds since it last timed a plain step? (Then it takes one: a
+        scheduler that drafts every round would otherwise judge its rounds against a plain step timed long ago;
+        the gap doubles from 2 to REFRESH, so a stale estimate is replaced within the first ~14 rounds.)"""
+        return self.since_plain >= self.refresh_gap
 
     def _sample(self, store: dict, kind: str, rows: int, seconds: float) -> None:
         store.setdefault(rows, deque(maxlen=WINDOW)).append(seconds)

@@ -211,6 +211,7 @@ def test_catch_up_cost_charged_to_speculative_tokens():
         free.observe_verify(2, 12e-3)
         free.observe_draft(True, 1e-3, rows=1)
         free.observe_draft(True, 1e-3, rows=3)
+    free.observe_plain(10e-3)               # a plain step just timed: no re-timing due (plain_due)
     s.costs = free
     assert free.catch_up() == 0.0 and s.drafting_pays() and s.should_draft(4) and s.gap == 1
 
@@ -318,9 +319,31 @@ def test_a_drafting_scheduler_re_times_the_plain_step():
             c.observe_plain(8e-3)
             c.observe_verify(1, 7.9e-3)
     plains = [i for i, d in enumerate(decisions) if not d]
-    assert plains[0] == REFRESH - 3 and plains[1] - plains[0] == REFRESH + 1     # a plain step per REFRESH rounds
+    assert plains[:3] == [0, 5, 14]           # 3 rounds drafted before (due at 2): then gaps of 4, 8 rounds
     assert c.plain() == pytest.approx(8e-3) and not s.drafting_pays()
+    assert plains[RECENT // 2] < 4 * REFRESH                               # outvoted within a few re-timings
     assert sum(decisions[-4 * REFRESH:]) <= 4                              # then it decodes plainly, probing
+    d = MeasuredCosts()                       # drafting that pays: re-timed after 2, 4, .. rounds, then REFRESH
+    for _ in range(3):
+        d.observe_plain(8e-3)
+        d.observe_verify(1, 7.9e-3)
+        d.observe_draft(True, 1e-3)
+        d.observe_verify(2, 9e-3)
+    s = Scheduler(d, k_max=4)
+    for _ in range(40):
+        s.record(0.8, 0.5)
+    decisions = []
+    for _ in range(8 * REFRESH):
+        decisions.append(s.should_draft(4))
+        if decisions[-1]:
+            d.observe_draft(True, 1e-3)
+            d.observe_verify(2, 9e-3)
+        else:
+            d.observe_plain(8e-3)
+            d.observe_verify(1, 7.9e-3)
+    plains = [i for i, x in enumerate(decisions) if not x]
+    gaps = [b - a - 1 for a, b in zip(plains, plains[1:])]
+    assert gaps[:4] == [4, 8, 16, 32] and set(gaps[4:]) == {REFRESH}
     assert not Scheduler(StepCosts(8.0, {2: 9.0}, 1.0), 4).costs.plain_due()     # given costs: never
 
 
