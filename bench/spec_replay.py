@@ -76,11 +76,13 @@ class Clock:
 def run(model, mtp, clock: Clock, dom: str, mode: str, variant: str, args, plain_costs: float) -> dict:
     ids = np.load(spec_trained.TRAINED / f"test_{dom}.ids.npy").astype(np.int64)
     params = SamplingParams(temperature=0.0) if mode == "greedy" else spec_trained.SAMPLED
-    refresh, recent = spec_schedule.REFRESH, spec_schedule.RECENT
+    recent = spec_schedule.RECENT
     if variant == "no-refresh":
-        spec_schedule.REFRESH, spec_schedule.RECENT = 1 << 62, spec_schedule.WINDOW
+        spec_schedule.RECENT = spec_schedule.WINDOW
     try:
         spec = mtp_spec.MtpSpec(model, mtp, fixed_k=1 if variant == "k=1" else None)
+        if variant == "no-refresh":
+            spec.costs.plain_due = lambda: False
         clock.main, t, tokens, ks = 0, 0.0, 0, []
         for off in np.linspace(0, len(ids) - args.prompt_tokens - 1, args.prompts).astype(int):
             st = spec.new_state()
@@ -101,7 +103,7 @@ def run(model, mtp, clock: Clock, dom: str, mode: str, variant: str, args, plain
                 "plain_steps": spec.stats.plain_steps, "mean_k": spec.stats.mean_k,
                 "plain_estimate_ms": 1e3 * spec.costs.plain(), "ks": ks}
     finally:
-        spec_schedule.REFRESH, spec_schedule.RECENT = refresh, recent
+        spec_schedule.RECENT = recent
 
 
 def main() -> int:
