@@ -76,9 +76,9 @@ class Clock:
 def run(model, mtp, clock: Clock, dom: str, mode: str, variant: str, args, plain_costs: float) -> dict:
     ids = np.load(spec_trained.TRAINED / f"test_{dom}.ids.npy").astype(np.int64)
     params = SamplingParams(temperature=0.0) if mode == "greedy" else spec_trained.SAMPLED
-    recent = spec_schedule.RECENT
+    recent, span = spec_schedule.RECENT, spec_schedule.SPAN
     if variant == "no-refresh":
-        spec_schedule.RECENT = spec_schedule.WINDOW
+        spec_schedule.RECENT = spec_schedule.SPAN = spec_schedule.WINDOW
     try:
         spec = mtp_spec.MtpSpec(model, mtp, fixed_k=1 if variant == "k=1" else None)
         if variant == "no-refresh":
@@ -103,7 +103,7 @@ def run(model, mtp, clock: Clock, dom: str, mode: str, variant: str, args, plain
                 "plain_steps": spec.stats.plain_steps, "mean_k": spec.stats.mean_k,
                 "plain_estimate_ms": 1e3 * spec.costs.plain(), "ks": ks}
     finally:
-        spec_schedule.RECENT = recent
+        spec_schedule.RECENT, spec_schedule.SPAN = recent, span
 
 
 def main() -> int:

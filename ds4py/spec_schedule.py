@@ -17,13 +17,18 @@ import numpy as np
 WINDOW = 64
 
 # The fewest samples a median reads however old they are (_Median, _count_medians): a median reads the samples
-# of the last WINDOW main steps, and at least the last RECENT ones. Why (issue 38, fourth session): samples of one
+# of the last SPAN main steps, and at least the last RECENT ones. Why (issue 38, fourth session): samples of one
 # kind can stop coming -- a scheduler that drafts every round times no plain step -- and WINDOW samples of that
 # kind then reach back thousands of steps, to another load of the machine (or a cold start): on the trained tiny
 # model a plain median of 10.8 ms from the first request's few plain steps, against 7.6 ms measured since, kept
 # k = 1 rounds "paying" for the rest of the run and prose lost 12%. With the plain step re-timed while drafting
-# (MeasuredCosts.plain_due) a stale plain estimate is outvoted by RECENT // 2 + 1 fresh samples.
+# (MeasuredCosts.plain_due) a stale plain estimate is outvoted by RECENT // 2 + 1 fresh samples once the stale
+# ones are SPAN steps old. SPAN was WINDOW (64) first: on bench/spec_replay.py's virtual clock the 8 plain steps of
+# a slow start stayed in the median for 64 steps, most of a first request, and code at temperature 1 drafted k = 2
+# rounds against a stale 9.75 ms plain step (0.89-0.94x of plain). A steady kind (every plain step while not
+# drafting, every k = 1 round's verify) still has SPAN samples a median.
 RECENT = 5
+SPAN = 16
 # The most drafting rounds between two plain steps taken only to re-time a plain step (MeasuredCosts.plain_due):
 # after 2, 4, 8, 16 rounds, then every REFRESH (the gap restarts when the scheduler decodes plainly of its own
 # accord). On the virtual clock of bench/spec_replay.py (the first 12 steps 1.5x slow) a stale estimate was
@@ -33,7 +38,7 @@ REFRESH = 32
 
 
 class _Median:
-    """The median of the recent samples (those of the last WINDOW main steps, at least the last RECENT: the
+    """The median of the recent samples (those of the last SPAN main steps, at least the last RECENT: the
     module's note above): robust to a step the OS descheduled (on a shared machine one step in a few can take
     several times its cost, which pulled a running mean, and with it k, around)."""
 
@@ -61,9 +66,9 @@ class _Median:
 
 
 def _recent(samples, ticks, now: int) -> list[float]:
-    """The samples taken in the last WINDOW main steps before `now`, at least the last RECENT (all if fewer)."""
+    """The samples taken in the last SPAN main steps before `now`, at least the last RECENT (all if fewer)."""
     a = list(samples)
-    n = sum(1 for t in ticks if now - t < WINDOW)
+    n = sum(1 for t in ticks if now - t < SPAN)
     return a[-max(n, RECENT):]
 
 
