@@ -366,3 +366,27 @@ def test_a_position_must_earn_the_plain_rate():
         E, cost = s.expected_round([acc])
         assert E / cost > 1 / 10e-3                 # beats the k = 0 round either way
         assert s.include([0.5]) is verified
+
+
+def test_a_requests_prepare_is_not_round_overhead(pair, prompts, monkeypatch):
+    """The first draft of a request runs the drafter's prepare() (the prompt's pending MTP rows, up to the ring's
+    64): the prompt's work, not a round's. It was left in the round's measured overhead, and where most overhead
+    samples were requests' first rounds (a scheduler that mostly decodes plainly) every round looked 2.6-4.2 ms
+    dearer. On a clock that only prepare() advances, every overhead sample is 0."""
+    from ds4py import spec as spec_module
+    from ds4py.mtp_spec import MtpDraft
+
+    now = [0.0]
+    monkeypatch.setattr(spec_module, "CLOCK", lambda: now[0])
+    prepare = MtpDraft.prepare
+
+    def slow_prepare(self, state, token):
+        now[0] += 1.0
+        return prepare(self, state, token)
+
+    monkeypatch.setattr(MtpDraft, "prepare", slow_prepare)
+    spec = MtpSpec(*pair, fixed_k=1)
+    for dom in ("code", "prose"):
+        _spec(spec, prompts[dom])
+    assert now[0] == 2.0 and spec.costs._overhead.n > 2
+    assert max(spec.costs._overhead.samples) == 0.0
