@@ -5,6 +5,7 @@ same for every draft (the MTP block, DSpark): a draft differs only in its costs 
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import deque
 from typing import Sequence
 
@@ -67,9 +68,9 @@ class _Median:
 
 def _recent(samples, ticks, now: int) -> list[float]:
     """The samples taken in the last SPAN main steps before `now`, at least the last RECENT (all if fewer)."""
-    a = list(samples)
-    n = sum(1 for t in ticks if now - t < SPAN)
-    return a[-max(n, RECENT):]
+    n = len(ticks) - bisect_left(ticks, now - SPAN + 1)          # ticks only grow: the recent ones are a tail
+    k = min(max(n, RECENT), len(samples))
+    return [samples[i] for i in range(len(samples) - k, len(samples))]
 
 
 # Plain Python for the few-sample statistics below: they run at every decision (a plain step's too), and numpy's
@@ -92,10 +93,9 @@ def _count_medians(rows: dict[int, "deque[float]"], ticks: dict[int, "deque[int]
     warm-up, left out once it has a second (while the window still holds it)."""
     out = []
     for r, v in rows.items():
-        a = list(v)
-        if len(a) > 1 and len(a) < WINDOW:
+        a = _recent(v, ticks[r], now)
+        if 1 < len(v) < WINDOW and len(a) == len(v):       # the warm-up is among them: leave it out
             a = a[1:]
-        a = _recent(a, list(ticks[r])[-len(a):], now)
         out.append((r, _median(a), len(a)))
     return sorted(out)
 
