@@ -329,6 +329,7 @@ class Draft:
     n: int                     # main positions before the round
     stats: SpecStats
     timed: float = 0.0         # seconds of its draft steps the costs already hold (round(): the rest is overhead)
+    prepared: float = 0.0      # seconds of the drafter's prepare() (the prompt's work: no round's cost)
 
 
 # ---- the model wrapper and a request's rounds -------------------------------------------------------------
@@ -479,7 +480,7 @@ class SpecRequest:
         out = self.finish(state, plan, P, H, sampler)
         # what the round cost beyond its timed steps (the draft distributions, decisions, acceptance, rollback):
         # on the CPU reference ~0.3 ms a round, 4% of a plain step, which the model did not charge
-        self.scheduler.costs.observe_overhead(CLOCK() - start - plan.timed - (t1 - t0))
+        self.scheduler.costs.observe_overhead(CLOCK() - start - plan.timed - plan.prepared - (t1 - t0))
         return out
 
     def draft(self, state: SpecState, token: int, sampler: Sampler, remaining: int,
@@ -493,11 +494,15 @@ class SpecRequest:
         k_max = min(sp.k_max, remaining - 1, sp.config.context_length - n - 1)
         if n < 1 or not sched.should_draft(k_max):
             return self._plain_round(state, token, sampler) if step_plain else None
+        prepared = 0.0
         if not self._prepared:
             # e.g. the MTP block catching up on the prompt's rows: not a round's cost (timed with it, it made the
             # first draft look many steps long and, never drafting again to re-measure, the scheduler decoded
-            # plainly for the rest of the request)
+            # plainly for the rest of the request; left in the round's overhead, it made every round look up to
+            # 4 ms dearer where most of the overhead samples were requests' first rounds, issue 38 fourth session)
+            t0 = CLOCK()
             sp.drafter.prepare(state, token)
+            prepared = CLOCK() - t0
             self._prepared = True
         t0 = CLOCK()
         prop = sp.drafter.propose(state, token)
@@ -527,7 +532,7 @@ class SpecRequest:
         finally:
             prop.close()
         return Draft(np.asarray([token] + drafts, np.int64), drafts, qs, q1, sigmas, sigma1, n,
-                     SpecStats(draft_steps=prop.steps), timed)
+                     SpecStats(draft_steps=prop.steps), timed, prepared)
 
     def finish(self, state: SpecState, plan: Draft, P: np.ndarray, H: np.ndarray, sampler: Sampler) -> Round:
         """Phases 3 and 4 of a round, after the verify step of plan.chunk gave its logits P and rows H: calibrate

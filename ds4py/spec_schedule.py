@@ -5,6 +5,7 @@ same for every draft (the MTP block, DSpark): a draft differs only in its costs 
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import deque
 from typing import Sequence
 
@@ -16,16 +17,42 @@ import numpy as np
 # of the trained tiny model on the CPU (issue 38, third session).
 WINDOW = 64
 
-class _Median:
-    """The median of the samples so far: robust to a step the OS descheduled (on a shared machine one step in a
-    few can take several times its cost, which pulled a running mean, and with it k, around)."""
+# The fewest samples a median reads however old they are (_Median, _count_medians): a median reads the samples
+# of the last SPAN main steps, and at least the last RECENT ones. Why (issue 38, fourth session): samples of one
+# kind can stop coming -- a scheduler that drafts every round times no plain step -- and WINDOW samples of that
+# kind then reach back thousands of steps, to another load of the machine (or a cold start): on the trained tiny
+# model a plain median of 10.8 ms from the first request's few plain steps, against 7.6 ms measured since, kept
+# k = 1 rounds "paying" for the rest of the run and prose lost 12%. With the plain step re-timed while drafting
+# (MeasuredCosts.plain_due) a stale plain estimate is outvoted by RECENT // 2 + 1 fresh samples once the stale
+# ones are SPAN steps old. SPAN was WINDOW (64) first: on bench/spec_replay.py's virtual clock the 8 plain steps of
+# a slow start stayed in the median for 64 steps, most of a first request, and code at temperature 1 drafted k = 2
+# rounds against a stale 9.75 ms plain step (0.89-0.94x of plain). A steady kind (every plain step while not
+# drafting, every k = 1 round's verify) still has SPAN samples a median.
+RECENT = 5
+SPAN = 16
+# The most drafting rounds between two plain steps taken only to re-time a plain step (MeasuredCosts.plain_due):
+# after 2, 4, 8, 16 rounds, then every REFRESH (the gap restarts when the scheduler decodes plainly of its own
+# accord). On the virtual clock of bench/spec_replay.py (the first 12 steps 1.5x slow) a stale estimate was
+# outvoted after ~14 drafting rounds, not ~160 with a fixed gap of 32; where a round of k = 1 beats plain by 20%,
+# one plain step in 32 rounds gives back ~0.4% of the speed.
+REFRESH = 32
 
-    def __init__(self):
+
+class _Median:
+    """The median of the recent samples (those of the last SPAN main steps, at least the last RECENT: the
+    module's note above): robust to a step the OS descheduled (on a shared machine one step in a few can take
+    several times its cost, which pulled a running mean, and with it k, around)."""
+
+    def __init__(self, clock=None):
         self.samples: deque[float] = deque(maxlen=WINDOW)
+        self.ticks: deque[int] = deque(maxlen=WINDOW)
+        self._clock = clock                     # the main-step count now (MeasuredCosts.steps), or None
         self._value: float | None = None
+        self._at = -1
 
     def add(self, v: float) -> None:
         self.samples.append(v)
+        self.ticks.append(self._clock() if self._clock else 0)
         self._value = None
 
     @property
@@ -33,9 +60,17 @@ class _Median:
         return len(self.samples)
 
     def value(self) -> float | None:
-        if self._value is None and self.samples:
-            self._value = _median(self.samples)
+        now = self._clock() if self._clock else 0
+        if (self._value is None or now != self._at) and self.samples:
+            self._value, self._at = _median(_recent(self.samples, self.ticks, now)), now
         return self._value
+
+
+def _recent(samples, ticks, now: int) -> list[float]:
+    """The samples taken in the last SPAN main steps before `now`, at least the last RECENT (all if fewer)."""
+    n = len(ticks) - bisect_left(ticks, now - SPAN + 1)          # ticks only grow: the recent ones are a tail
+    k = min(max(n, RECENT), len(samples))
+    return [samples[i] for i in range(len(samples) - k, len(samples))]
 
 
 # Plain Python for the few-sample statistics below: they run at every decision (a plain step's too), and numpy's
@@ -52,13 +87,14 @@ def _centre(pts: list[tuple[int, float, int]]) -> tuple[float, float]:
     return sum(w * r for r, _, w in pts) / W, sum(w * t for _, t, w in pts) / W
 
 
-def _count_medians(rows: dict[int, "deque[float]"]) -> list[tuple[int, float, int]]:
-    """(count, median, weight) per row count over its last WINDOW samples; a count's first sample is a warm-up,
-    left out once it has a second (while the window still holds it)."""
+def _count_medians(rows: dict[int, "deque[float]"], ticks: dict[int, "deque[int]"], now: int
+                   ) -> list[tuple[int, float, int]]:
+    """(count, median, weight) per row count over its recent samples (_recent); a count's first sample is a
+    warm-up, left out once it has a second (while the window still holds it)."""
     out = []
     for r, v in rows.items():
-        a = list(v)
-        if len(a) > 1 and len(a) < WINDOW:
+        a = _recent(v, ticks[r], now)
+        if 1 < len(v) < WINDOW and len(a) == len(v):       # the warm-up is among them: leave it out
             a = a[1:]
         out.append((r, _median(a), len(a)))
     return sorted(out)
@@ -94,26 +130,46 @@ class MeasuredCosts:
     deterministic = False
 
     def __init__(self):
-        self._plain, self._first, self._chain, self._overhead = _Median(), _Median(), _Median(), _Median()
+        self.steps = 0                 # main steps timed so far (plain and verify): the samples' clock (_recent)
+        self.since_plain = 0           # drafting rounds since the last plain step was timed (plain_due)
+        self.refresh_gap = 2           # drafting rounds before the next re-timed plain step (2, 4, .. REFRESH)
+        clock = lambda: self.steps     # noqa: E731
+        self._plain, self._first, self._chain, self._overhead = (_Median(clock), _Median(clock), _Median(clock),
+                                                                 _Median(clock))
         self._rows: dict[int, deque[float]] = {}
         self._first_rows: dict[int, deque[float]] = {}
+        self._ticks: dict[tuple[str, int], deque[int]] = {}   # the step count at each _rows / _first_rows sample
         self._line: tuple[float, float] | None = None
         self._catch: tuple[float, float] | None = None
         self._stale = True
 
     def observe_plain(self, seconds: float) -> None:
         self._plain.add(seconds)
+        # a re-timing step doubles the gap; a plain step the scheduler chose (drafting stopped) restarts it
+        self.refresh_gap = min(2 * self.refresh_gap, REFRESH) if self.plain_due() else 2
+        self.since_plain = 0
+
+    def plain_due(self) -> bool:
+        """Has the scheduler drafted refresh_gap rounds since it last timed a plain step? (Then it takes one: a
+        scheduler that drafts every round would otherwise judge its rounds against a plain step timed long ago;
+        the gap doubles from 2 to REFRESH, so a stale estimate is replaced within the first ~14 rounds.)"""
+        return self.since_plain >= self.refresh_gap
+
+    def _sample(self, store: dict, kind: str, rows: int, seconds: float) -> None:
+        store.setdefault(rows, deque(maxlen=WINDOW)).append(seconds)
+        self._ticks.setdefault((kind, rows), deque(maxlen=WINDOW)).append(self.steps)
+        self._stale = True
 
     def observe_draft(self, first: bool, seconds: float, rows: int = 1) -> None:
         """A draft step's time; a first one also ran `rows` pending MTP rows (the last one gives its logits)."""
         (self._first if first else self._chain).add(seconds)
         if first:
-            self._first_rows.setdefault(rows, deque(maxlen=WINDOW)).append(seconds)
-            self._stale = True
+            self.since_plain += 1
+            self._sample(self._first_rows, "first", rows, seconds)
 
     def observe_verify(self, rows: int, seconds: float) -> None:
-        self._rows.setdefault(rows, deque(maxlen=WINDOW)).append(seconds)
-        self._stale = True
+        self.steps += 1
+        self._sample(self._rows, "verify", rows, seconds)
 
     def observe_overhead(self, seconds: float) -> None:
         """A drafting round's time beyond its timed draft and verify steps (SpecRequest.round)."""
@@ -127,7 +183,7 @@ class MeasuredCosts:
         if not self._stale:
             return
         self._stale = False
-        pts = _count_medians(self._rows)
+        pts = _count_medians(self._rows, {r: self._ticks["verify", r] for r in self._rows}, self.steps)
         line = _line(pts)
         if line is not None:
             med = {r: (t, w) for r, t, w in pts}
@@ -137,7 +193,8 @@ class MeasuredCosts:
                     rm, tm = _centre(pts)
                     line = (float(tm - floor * rm), float(floor))
         self._line = line
-        self._catch = _line(_count_medians(self._first_rows))
+        self._catch = _line(_count_medians(self._first_rows, {r: self._ticks["first", r] for r in self._first_rows},
+                                           self.steps))
 
     def line(self) -> tuple[float, float] | None:
         self._refit()
@@ -199,6 +256,9 @@ class ByteCosts:
     def observe_overhead(self, seconds: float) -> None:
         pass
 
+    def plain_due(self) -> bool:
+        return False                           # given costs: nothing to re-time
+
     def overhead(self) -> float:
         return 0.0                             # bytes only: a seeded request's k must not depend on the clock
 
@@ -258,6 +318,9 @@ class StepCosts:
 
     def observe_overhead(self, seconds: float) -> None:
         pass
+
+    def plain_due(self) -> bool:
+        return False                           # given costs: nothing to re-time
 
     def overhead(self) -> float:
         return self._over
@@ -468,7 +531,8 @@ class Scheduler:
             return True
         if self.drafting_pays():
             v.gap, v.skipped = 1, 0
-            return True
+            # re-time a plain step now and then (MeasuredCosts.plain_due): rounds are judged against it
+            return not self.costs.plain_due()
         if v.skipped >= v.gap:                     # a probe: the calibration and the costs may have moved
             # the gap doubles up to WINDOW plain steps: a verdict pooled over the model's requests is re-checked
             # at least that often (a probe costs about a draft step and a verify row beyond a plain step: < 1%)
@@ -485,7 +549,7 @@ class Scheduler:
         c = self.first(self.verdict.first_sigmas)
         spent = self._spent(1)
         one, zero = self._round(spent, 2, 1 + c), self._round(spent, 1, 1.0)
-        take = (1 + c) / one > 1 / zero
+        take = ((1 + c) / one > 1 / zero) & (c * self.costs.plain() > one - zero)      # as include() decides
         tokens = np.where(take, 1 + c, 1.0).sum()
         cost = np.where(take, one, zero).sum()
         return tokens / cost > 1 / self.costs.plain()
@@ -515,7 +579,7 @@ class Scheduler:
             return False
         E, a = self._expected(sigmas)
         spent = self._spent(i)
-        return E / self._round(spent, 1 + i, E) > (E - a) / self._round(spent, i, E - a)
+        return self._extends(E - a, self._round(spent, i, E - a), a, self._round(spent, 1 + i, E))
 
     def keep_drafting(self, sigmas: Sequence[float], k_max: int) -> bool:
         """d_i is drawn: compute q_{i+1}?"""
@@ -528,8 +592,19 @@ class Scheduler:
             return False
         E, a = self._expected(sigmas)
         spent = self._spent(i)
-        more = (E + a) / self._round(spent + self.costs.draft(False), i + 2, E + a)
-        return more > E / self._round(spent, i + 1, E)
+        return self._extends(E, self._round(spent, i + 1, E), a, self._round(spent + self.costs.draft(False), i + 2,
+                                                                               E + a))
+
+    def _extends(self, tokens: float, cost: float, more: float, cost_more: float) -> bool:
+        """Is a round of `tokens` expected tokens for `cost` worth extending to tokens + more for cost_more? Only
+        if the extension raises the round's rate and earns at least plain decoding's rate 1 / plain(): the time a
+        position costs could decode plainly instead. Why the second test (issue 38, fourth session): a round's
+        rate so far can be below plain (its first draft step is spent; σ_1 said little), and a position that beat
+        such a round's rate was taken although it earned less than the plain steps the same time buys: on the
+        trained tiny model's prose (first-draft acceptance 0.64 at a CPU break-even of 0.63-0.94) the scheduler
+        verified 1.64 positions a round at chained acceptance 0.64 and lost 8% where k = 1 lost 1%."""
+        extra = cost_more - cost
+        return ((tokens + more) / cost_more > tokens / cost) and more * self.costs.plain() > extra
 
     def record(self, first_hit: float, sigma1: float) -> None:
         self.first_hits += first_hit

@@ -11,7 +11,7 @@ import pytest
 from ds4py.model import open_mtp
 from ds4py.ref.engine import RefModel
 from ds4py.sampling import Sampler, SamplingParams
-from ds4py.spec_schedule import WINDOW, MeasuredCosts, Scheduler, StepCosts, _Calibration, break_even_acceptance
+from ds4py.spec_schedule import RECENT, REFRESH, WINDOW, MeasuredCosts, Scheduler, StepCosts, _Calibration, break_even_acceptance
 from ds4py.mtp_spec import MtpSpec
 
 GEN = 32
@@ -211,6 +211,7 @@ def test_catch_up_cost_charged_to_speculative_tokens():
         free.observe_verify(2, 12e-3)
         free.observe_draft(True, 1e-3, rows=1)
         free.observe_draft(True, 1e-3, rows=3)
+    free.observe_plain(10e-3)               # a plain step just timed: no re-timing due (plain_due)
     s.costs = free
     assert free.catch_up() == 0.0 and s.drafting_pays() and s.should_draft(4) and s.gap == 1
 
@@ -287,3 +288,105 @@ def test_costs_keep_a_window_of_recent_samples():
     assert c.plain() == pytest.approx(10e-3) and c.verify(2) == pytest.approx(15e-3)
     assert c.draft(True) == pytest.approx(1e-3) and c.catch_up() == pytest.approx(0.5e-3)
     assert len(c._plain.samples) == len(c._rows[1]) == WINDOW
+
+
+def test_a_drafting_scheduler_re_times_the_plain_step():
+    """A scheduler that drafts every round times no plain step, so it judged its rounds against plain steps timed
+    long ago: on the trained tiny model a plain median of 10.8 ms from the first request's few plain steps against
+    7.6 ms measured since kept k = 1 rounds "paying" and prose lost 12% (issue 38, fourth session). Now it takes a
+    plain step after every REFRESH drafting rounds, and medians read the samples of the last WINDOW main steps
+    (at least the last RECENT): the stale estimate is replaced and the scheduler stops drafting where the rounds
+    (1.6 tokens for 15 ms) lose to the true plain step (8 ms)."""
+    c = MeasuredCosts()
+    for _ in range(RECENT):                        # a slow (cold, or loaded) start: plain steps of 15 ms
+        c.observe_plain(15e-3)
+        c.observe_verify(1, 14.9e-3)
+    for _ in range(3):
+        c.observe_draft(True, 1e-3)
+        c.observe_verify(2, 14e-3)
+    s = Scheduler(c, k_max=4)
+    for _ in range(40):
+        s.record(0.6, 0.5)                         # first-draft acceptance 0.6
+    assert s.drafting_pays()
+    decisions = []
+    for _ in range(20 * REFRESH):
+        d = s.should_draft(4)
+        decisions.append(d)
+        if d:
+            c.observe_draft(True, 1e-3)
+            c.observe_verify(2, 14e-3)
+        else:
+            c.observe_plain(8e-3)
+            c.observe_verify(1, 7.9e-3)
+    plains = [i for i, d in enumerate(decisions) if not d]
+    assert plains[:3] == [0, 5, 14]           # 3 rounds drafted before (due at 2): then gaps of 4, 8 rounds
+    assert c.plain() == pytest.approx(8e-3) and not s.drafting_pays()
+    assert plains[RECENT // 2] < 4 * REFRESH                               # outvoted within a few re-timings
+    assert sum(decisions[-4 * REFRESH:]) <= 4                              # then it decodes plainly, probing
+    d = MeasuredCosts()                       # drafting that pays: re-timed after 2, 4, .. rounds, then REFRESH
+    for _ in range(3):
+        d.observe_plain(8e-3)
+        d.observe_verify(1, 7.9e-3)
+        d.observe_draft(True, 1e-3)
+        d.observe_verify(2, 9e-3)
+    s = Scheduler(d, k_max=4)
+    for _ in range(40):
+        s.record(0.8, 0.5)
+    decisions = []
+    for _ in range(8 * REFRESH):
+        decisions.append(s.should_draft(4))
+        if decisions[-1]:
+            d.observe_draft(True, 1e-3)
+            d.observe_verify(2, 9e-3)
+        else:
+            d.observe_plain(8e-3)
+            d.observe_verify(1, 7.9e-3)
+    plains = [i for i, x in enumerate(decisions) if not x]
+    gaps = [b - a - 1 for a, b in zip(plains, plains[1:])]
+    assert gaps[:4] == [4, 8, 16, 32] and set(gaps[4:]) == {REFRESH}
+    assert not Scheduler(StepCosts(8.0, {2: 9.0}, 1.0), 4).costs.plain_due()     # given costs: never
+
+
+def test_a_position_must_earn_the_plain_rate():
+    """A position is verified only if it raises the round's rate and earns at least 1 / plain(): with its first
+    draft step spent, a round's rate can be below plain's (here a k = 0 round: 1 token in 10 ms against 8 ms
+    plain), and a first draft accepted with probability 0.45 beats that rate (1.45 tokens in 14 ms) while the
+    4 ms its verify row costs would decode 0.5 tokens plainly; at 0.55 it pays."""
+    c = MeasuredCosts()
+    for _ in range(3):
+        c.observe_plain(8e-3)
+        c.observe_verify(1, 8e-3)
+        c.observe_verify(2, 12e-3)
+        c.observe_draft(True, 1.5e-3)
+        c.observe_overhead(0.5e-3)
+    for acc, verified in ((0.45, False), (0.55, True)):
+        s = Scheduler(c, k_max=4)
+        for _ in range(10):
+            s.record(acc, 0.5)                      # one σ: c(σ) = ρ·σ = acc
+        E, cost = s.expected_round([acc])
+        assert E / cost > 1 / 10e-3                 # beats the k = 0 round either way
+        assert s.include([0.5]) is verified
+
+
+def test_a_requests_prepare_is_not_round_overhead(pair, prompts, monkeypatch):
+    """The first draft of a request runs the drafter's prepare() (the prompt's pending MTP rows, up to the ring's
+    64): the prompt's work, not a round's. It was left in the round's measured overhead, and where most overhead
+    samples were requests' first rounds (a scheduler that mostly decodes plainly) every round looked 2.6-4.2 ms
+    dearer. On a clock that only prepare() advances, every overhead sample is 0."""
+    from ds4py import spec as spec_module
+    from ds4py.mtp_spec import MtpDraft
+
+    now = [0.0]
+    monkeypatch.setattr(spec_module, "CLOCK", lambda: now[0])
+    prepare = MtpDraft.prepare
+
+    def slow_prepare(self, state, token):
+        now[0] += 1.0
+        return prepare(self, state, token)
+
+    monkeypatch.setattr(MtpDraft, "prepare", slow_prepare)
+    spec = MtpSpec(*pair, fixed_k=1)
+    for dom in ("code", "prose"):
+        _spec(spec, prompts[dom])
+    assert now[0] == 2.0 and spec.costs._overhead.n > 2
+    assert max(spec.costs._overhead.samples) == 0.0
