@@ -238,6 +238,15 @@ class Weights:
                 return q8_k_round(x)
         return x
 
+    def _act_unless_int8(self, t: TensorInfo, x: np.ndarray) -> np.ndarray:
+        """act(t, x), except where every product of t quantises x itself (dense Q8_0 under act_quant with the
+        compiled kernels on an AVX-512 VNNI host: the int8 decode kernel for a few rows, q8_0_matmul for a
+        prefill): quantising q8_0_round(x) gives x's own codes and scales back (tests/test_jit_i8_gemm.py), so
+        the rounding pass would only cost time (a 2,048-token prefill spent ~7 s of CPU in it)."""
+        if self._dense_prefill(t) and jit_i8_gemm.q8_0_int8():
+            return x
+        return self.act(t, x)
+
     # ---- matmuls -----------------------------------------------------------------------------------------
     def _check_jit(self) -> None:
         """The first product of a "jit" set: import numba now; where it turns out broken (found by name at open,
@@ -306,8 +315,9 @@ class Weights:
         invariance); a matrix larger than the cache is streamed in row chunks."""
         if self._int8(t, x.shape[0]):
             return self._int8_matmul(t, t.raw_bytes(), x)
-        x = self.act(t, x)
-        if self._fuse(t):
+        fuse = self._fuse(t)
+        x = self._act_unless_int8(t, x)
+        if fuse:
             return self._split(x, seg, lambda r, sg: self._fused(t, t.raw_bytes(), r, t.name, sg),
                                lambda r, sg: self._dequant_linear(t, r, sg))
         return self._dequant_linear(t, x, seg)
@@ -367,8 +377,9 @@ class Weights:
                 return y.reshape(G, T, rank).transpose(1, 0, 2)
             return np.stack([self._int8_matmul(t, raw[g * rank:(g + 1) * rank], np.ascontiguousarray(x[:, g]))
                              for g in range(G)], axis=1)
-        x = self.act(t, x)
-        if self._fuse(t):
+        fuse = self._fuse(t)
+        x = self._act_unless_int8(t, x)
+        if fuse:
             return self._split(x, seg, lambda r, sg: self._fused_grouped(t, r, sg),
                                lambda r, sg: self._dequant_grouped(t, r, sg))
         return self._dequant_grouped(t, x, seg)
