@@ -441,6 +441,15 @@ class Weights:
             return per_row(lambda r: self.runner.vq_matmul(t.raw_bytes()[e], hi, gains, lay, r), x, seg)
         return self._fused(t, t.raw_bytes()[e], x, None, seg)
 
+    def each(self, fn, n: int) -> None:
+        """fn(i) for i in range(n), spread over the kernels' threads where there are several (Runner.each: the
+        results do not depend on the thread count), else in order on the calling thread (the dequant oracle)."""
+        if self.runner is None:
+            for i in range(n):
+                fn(i)
+            return
+        self.runner.each(fn, n)
+
     def small_blas(self, rows: int) -> bool:
         """Whether a step whose longest chunk has `rows` rows leaves BLAS only small products (the decode kernels
         make all the matrix products): then it runs BLAS on one thread (ds4py.ref.blas)."""
