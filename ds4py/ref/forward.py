@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -225,7 +225,7 @@ def window(ring: np.ndarray, kv: np.ndarray, pos: np.ndarray, W: int) -> tuple[n
 def attend(q: np.ndarray, win: np.ndarray, win_pos: np.ndarray, comp: np.ndarray | None, sel: np.ndarray | None,
            pos: np.ndarray, sink: np.ndarray, W: int, ratio: int = 0,
            picks: tuple[np.ndarray, np.ndarray, np.ndarray | None] | None = None,
-           row_stable: bool = False, each=None) -> np.ndarray:
+           row_stable: bool = False, each: Callable[[Callable[[int], None], int], None] | None = None) -> np.ndarray:
     """Attention with sink for one sequence, in query blocks (K = V). A query's keys are its window rows plus
     compressed rows: either every row `sel` marks (a [T, Nc] mask: the ratio-128 layers, which see all their
     visible rows, and indexer layers whose top-k still takes every row), or the indexer's top-k `picks`
