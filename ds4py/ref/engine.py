@@ -15,7 +15,7 @@ from ds4py.gguf import GGUFFile
 from ds4py.kv import state_layout
 from ds4py.contract import DEFAULT_ROLLBACK_HORIZON, Capabilities, ModelBase, Numerics, WeightBytes
 from ds4py.quant import vq
-from ds4py.ref import prefault
+from ds4py.ref import heap, prefault
 from ds4py.ref.forward import Net, Trace, V41Step, Wanted, forward
 from ds4py.ref.state import RefState
 from ds4py.ref.weights import DEFAULT_CACHE_BYTES, KERNEL_LABELS, LEAN_CACHE_BYTES, LEAN_STREAM_BYTES, Weights
@@ -38,6 +38,9 @@ def memory_plan(cache_bytes: int | None, mem_budget_mb: float | None,
     budget = int(mem_budget_mb * 2**20)
     stream = min(64 << 20, budget // 8)
     return (budget - stream if cache_bytes is None else min(cache_bytes, budget - stream)), stream
+
+
+HEAP_REUSE_ROWS = 64       # steps with a longer chunk (a prefill) run inside heap.reuse()
 
 
 class RefModel(ModelBase):
@@ -158,6 +161,13 @@ class RefModel(ModelBase):
 
     def _run(self, states: list[RefState], chunks: list[np.ndarray], all_logits: bool,
              hidden: list[list[np.ndarray]] | None, taps: list[list[np.ndarray]] | None = None) -> list[np.ndarray]:
+        # a long prefill keeps its freed temporaries in the heap (ds4py.ref.heap: no page faults on every new
+        # array); not under a memory budget, where every private byte is page cache the weights lose
+        with heap.reuse(self.mem_budget_mb is None and max(map(len, chunks)) > HEAP_REUSE_ROWS):
+            return self._passes(states, chunks, all_logits, hidden, taps)
+
+    def _passes(self, states: list[RefState], chunks: list[np.ndarray], all_logits: bool,
+                hidden: list[list[np.ndarray]] | None, taps: list[list[np.ndarray]] | None) -> list[np.ndarray]:
         # at most max_chunk rows per forward pass (bounds the activations, e.g. [rows, H, head_dim] queries, on
         # the full-size model): a long chunk continues in the next pass, which is the same math. A chunk is cut
         # into pieces of max_chunk from its own start, whatever else the step holds, and a pass takes whole

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -30,6 +30,9 @@ from ds4py.schema import AttentionWeights, CompressorWeights, FfnWeights, LayerW
 
 F32 = np.float32
 QUERY_BLOCK = 256        # queries per attention block: bounds the [T, H, keys] score memory on long prompts
+PREFILL_TILE = 32        # queries per attention tile of a longer chunk: a tile's keys are its window band (tile +
+                         # W - 1 rows, 1.25x the W its queries need, where a 256-query block scores 3x) and the
+                         # compressed rows visible to its last query; the tiles go over the kernels' threads
 GATHER_BUDGET = 1 << 22  # floats of gathered compressed rows per attention block ([block, top-k, head_dim])
 DENSE_ROWS = 128         # up to this many compressed rows one masked matmul over all of them is as fast as
                          # gathering each query's top-k (measured crossover 64-256 rows, 16 heads x 512)
@@ -232,20 +235,24 @@ def window(ring: np.ndarray, kv: np.ndarray, pos: np.ndarray, W: int) -> tuple[n
 def attend(q: np.ndarray, win: np.ndarray, win_pos: np.ndarray, comp: np.ndarray | None, sel: np.ndarray | None,
            pos: np.ndarray, sink: np.ndarray, W: int, ratio: int = 0,
            picks: tuple[np.ndarray, np.ndarray, np.ndarray | None] | None = None,
-           row_stable: bool = False) -> np.ndarray:
+           row_stable: bool = False, each: Callable[[Callable[[int], None], int], None] | None = None) -> np.ndarray:
     """Attention with sink for one sequence, in query blocks (K = V). A query's keys are its window rows plus
     compressed rows: either every row `sel` marks (a [T, Nc] mask: the ratio-128 layers, which see all their
     visible rows, and indexer layers whose top-k still takes every row), or the indexer's top-k `picks`
     ((indices, valid), [T, k] each, and use: the rows that take them, None = all), gathered per query. With picks
     a query costs O(W + k) whatever the context length, so a long prefill is linear in its length instead of
     scoring every compressed row. Row-stable: one query per block, with exactly the keys its own
-    decode step has (the window up to it, the compressed rows visible to it)."""
+    decode step has (the window up to it, the compressed rows visible to it). A chunk longer than QUERY_BLOCK
+    goes in tiles of PREFILL_TILE queries, each with the compressed rows visible to its last query (the rest are
+    masked anyway), the tiles spread by each(fn, n) (Weights.each) when given."""
     T, hd = q.shape[0], q.shape[-1]
-    block = 1 if row_stable else QUERY_BLOCK
+    block = 1 if row_stable else QUERY_BLOCK if T <= QUERY_BLOCK else PREFILL_TILE
     o = np.empty(q.shape, F32)
     if picks is not None and block > 1:            # bound the gathered [block, k, hd] rows
-        block = max(1, min(QUERY_BLOCK, GATHER_BUDGET // max(1, picks[0].shape[1] * hd)))
-    for a in range(0, T, block):
+        block = max(1, min(block, GATHER_BUDGET // max(1, picks[0].shape[1] * hd)))
+
+    def tile(i: int) -> None:
+        a = i * block
         b = min(a + block, T)
         lo = max(0, int(pos[a]) - W + 1 - int(win_pos[0]))
         hi = int(pos[b - 1]) - int(win_pos[0]) + 1
@@ -254,12 +261,20 @@ def attend(q: np.ndarray, win: np.ndarray, win_pos: np.ndarray, comp: np.ndarray
         keys = win[lo:hi]
         if picks is not None and (picks[2] is None or picks[2][a]):
             o[a:b] = attention_with_picks(q[a:b], keys, mask, comp, picks[0][a:b], picks[1][a:b], sink, hd ** -0.5)
-            continue
-        n_comp = 0 if comp is None else comp.shape[0] if block > 1 else (int(pos[a]) + 1) // ratio
+            return
+        n_comp = 0 if comp is None else comp.shape[0] if T <= QUERY_BLOCK and block > 1 else min(
+            comp.shape[0], (int(pos[b - 1]) + 1) // ratio)
         if n_comp:
             keys = np.concatenate([keys, comp[:n_comp]])
             mask = np.concatenate([mask, sel[a:b, :n_comp]], 1)
         o[a:b] = ops.attention_with_sink(q[a:b], keys, mask, sink, hd ** -0.5)
+
+    n = -(-T // block)
+    if each is None or block == 1:
+        for i in range(n):
+            tile(i)
+    else:
+        each(tile, n)
     return o
 
 
@@ -374,7 +389,7 @@ def attention(w, cfg, nx: Numerics, ro: LayerRoles, A: AttentionWeights, x: np.n
                     trace.indexer_scores[il] = scores
             elif ro.index_source >= 0:               # V4.1: the latest index source's selection
                 sel = s.topk[ro.index_source]
-        o[r] = attend(q[r], win, win_pos, comp, sel, p, sink, W, ro.ratio, picks, row_stable)
+        o[r] = attend(q[r], win, win_pos, comp, sel, p, sink, W, ro.ratio, picks, row_stable, w.each)
 
     # inverse RoPE on the output's rope dims, then the grouped low-rank output projection
     o = ops.rope_tail(o, pos, freqs, inverse=True)

@@ -24,6 +24,7 @@ import numpy as np
 from ds4py.ggml_types import GGMLQuantizationType as Q
 
 from ds4py.quant import dot, jit, vq
+from ds4py.ref import blas
 
 F32 = np.float32
 BLOCK_ELEMS = 1 << 17          # weights per block: the float32 scratch of one block is 512 KiB (L2 is 1 MiB here)
@@ -80,6 +81,29 @@ class Runner:
         """Bytes held by every worker's scratch buffers (they are reused, never freed while the model lives)."""
         with self._lock:
             return sum(s.nbytes for s in self._scratches)
+
+    def each(self, fn: Callable[[int], None], n: int) -> None:
+        """fn(i) for i in range(n) over the workers, the calling thread included, the items taken one at a time
+        from a shared iterator (as rows() takes its blocks), with BLAS on one thread meanwhile: each worker's
+        products are its own, never nested in OpenBLAS's threads. Each item is computed the same whoever takes
+        it, so the results do not depend on the thread count."""
+        if self._pool is None or n < 2:
+            for i in range(n):
+                fn(i)
+            return
+        todo = iter(range(n))
+
+        def run() -> None:
+            for i in todo:
+                fn(i)
+
+        with blas.single_threaded():
+            futures = [self._pool.submit(run) for _ in range(min(self.threads, n) - 1)]
+            try:
+                run()
+            finally:
+                for f in futures:
+                    f.result()
 
     def rows(self, n_rows: int, n_cols: int, T: int, block: Callable[[int, int, dot.Scratch], np.ndarray],
              block_elems: int = BLOCK_ELEMS) -> np.ndarray:

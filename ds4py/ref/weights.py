@@ -42,6 +42,7 @@ LEAN_CACHE_BYTES = 32 << 20
 LEAN_STREAM_BYTES = 16 << 20
 STREAM_ROWS = 8192
 KERNELS = ("auto", "dequant", "fused", "jit")
+SPLIT_ROWS = 32              # the smallest row piece of a prefill's BLAS product spread over the threads (_mm)
 FUSED_MAX_ROWS = 8           # steps of up to this many rows use the fused kernels (decode, a short verify)
 # ggml's CPU dot products quantise the activation side to Q8_0 (Q8_0 / MXFP4 weights) or Q8_K (K / IQ quants)
 Q8_0_ACT = (Q.Q8_0, Q.MXFP4)
@@ -248,6 +249,15 @@ class Weights:
                 return q8_k_round(x)
         return x
 
+    def _act_unless_int8(self, t: TensorInfo, x: np.ndarray) -> np.ndarray:
+        """act(t, x), except where every product of t quantises x itself (dense Q8_0 under act_quant with the
+        compiled kernels on an AVX-512 VNNI host: the int8 decode kernel for a few rows, q8_0_matmul for a
+        prefill): quantising q8_0_round(x) gives x's own codes and scales back (tests/test_jit_i8_gemm.py), so
+        the rounding pass would only cost time (a 2,048-token prefill spent ~7 s of CPU in it)."""
+        if self._dense_prefill(t) and jit_i8_gemm.q8_0_int8():
+            return x
+        return self.act(t, x)
+
     # ---- matmuls -----------------------------------------------------------------------------------------
     def _check_jit(self) -> None:
         """The first product of a "jit" set: import numba now; where it turns out broken (found by name at open,
@@ -316,8 +326,9 @@ class Weights:
         invariance); a matrix larger than the cache is streamed in row chunks."""
         if self._int8(t, x.shape[0]):
             return self._int8_matmul(t, self._raw(t), x)
-        x = self.act(t, x)
-        if self._fuse(t):
+        fuse = self._fuse(t)
+        x = self._act_unless_int8(t, x)
+        if fuse:
             return self._split(x, seg, lambda r, sg: self._fused(t, t.raw_bytes(), r, t.name, sg),
                                lambda r, sg: self._dequant_linear(t, r, sg))
         return self._dequant_linear(t, x, seg)
@@ -395,8 +406,34 @@ class Weights:
             return self._dense_q8_0(t.raw_bytes(), x, seg)
         out_rows, ncols = t.shape
         if ("all", t.name) in self._cache or out_rows * ncols * 4 <= self.cache_bytes:
-            return mm(x, self.get(t).T, seg)
+            return self._mm(x, self.get(t).T, seg)
         return self._streamed(t, t.raw if t.qtype in (Q.F32, Q.F16) else t.raw_bytes(), x, seg)
+
+    def _mm(self, x: np.ndarray, wT: np.ndarray, seg: list[slice] | None) -> np.ndarray:
+        """mm(x, wT, seg), a long sequence's product in row pieces of at least SPLIT_ROWS spread over the
+        kernels' threads (Runner.each; BLAS on one thread each): a prefill's F16 / F32 products (compressor,
+        indexer, router) otherwise run on the calling thread alone when BLAS has one thread. OpenBLAS computes an
+        output row of a product of this many rows the same whichever rows are beside it (it splits its own
+        threads the same way: ref/blas.py), so the bits are mm's."""
+        if (self.runner is None or self.runner.threads < 2 or x.shape[0] < 2 * SPLIT_ROWS
+                or x.dtype != F32 or wT.dtype != F32):
+            return mm(x, wT, seg)
+        return per_row(lambda r: self._mm_pieces(r, wT), x, seg)
+
+    def _mm_pieces(self, x: np.ndarray, wT: np.ndarray) -> np.ndarray:
+        T = x.shape[0]
+        if T < 2 * SPLIT_ROWS:
+            return x @ wT
+        n = min(T // SPLIT_ROWS, 4 * self.runner.threads)           # a few pieces a thread: a busy core takes fewer
+        bounds = [T * i // n for i in range(n + 1)]
+        y = np.empty((T, wT.shape[1]), F32)
+        x = np.ascontiguousarray(x)
+
+        def piece(i: int) -> None:
+            np.matmul(x[bounds[i]:bounds[i + 1]], wT, out=y[bounds[i]:bounds[i + 1]])
+
+        self.runner.each(piece, n)
+        return y
 
     def _streamed(self, t: TensorInfo, raw: np.ndarray, x: np.ndarray, seg: list[slice] | None) -> np.ndarray:
         """x @ W.T for the stored rows `raw` of matrix t (or of one expert of it), dequantised a chunk of rows
@@ -424,8 +461,9 @@ class Weights:
                 return y.reshape(G, T, rank).transpose(1, 0, 2)
             return np.stack([self._int8_matmul(t, raw[g * rank:(g + 1) * rank], np.ascontiguousarray(x[:, g]))
                              for g in range(G)], axis=1)
-        x = self.act(t, x)
-        if self._fuse(t):
+        fuse = self._fuse(t)
+        x = self._act_unless_int8(t, x)
+        if fuse:
             return self._split(x, seg, lambda r, sg: self._fused_grouped(t, r, sg),
                                lambda r, sg: self._dequant_grouped(t, r, sg))
         return self._dequant_grouped(t, x, seg)
@@ -486,6 +524,15 @@ class Weights:
                 return self.runner.vq_matmul(t.raw_bytes()[e], hi, gains, lay, x)
             return per_row(lambda r: self.runner.vq_matmul(t.raw_bytes()[e], hi, gains, lay, r), x, seg)
         return self._fused(t, t.raw_bytes()[e], x, None, seg)
+
+    def each(self, fn, n: int) -> None:
+        """fn(i) for i in range(n), spread over the kernels' threads where there are several (Runner.each: the
+        results do not depend on the thread count), else in order on the calling thread (the dequant oracle)."""
+        if self.runner is None:
+            for i in range(n):
+                fn(i)
+            return
+        self.runner.each(fn, n)
 
     def small_blas(self, rows: int) -> bool:
         """Whether a step whose longest chunk has `rows` rows leaves BLAS only small products (the decode kernels
