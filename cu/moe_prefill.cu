@@ -21,6 +21,9 @@
 // the fp32 reference by the summation order only (fp32 noise), as the decode and rows kernels of experts.cu. The
 // layer's codebook (32 / 64 KiB, at the head of each matrix's device copy) is copied into the dynamic shared
 // memory of every block.
+// Weight loads: each block streams its tile's weight rows through a double-buffered ring of whole 32-byte sectors
+// in shared memory (MoepRing below; each weight byte read once per block, whole sectors per warp request) and
+// decodes them from there (VQ-8 at 13 bits: no room, direct loads).
 #include <cuda_fp16.h>
 #include "types.cuh"
 #include "portable.cuh"
@@ -421,7 +424,8 @@ __device__ __forceinline__ void moep_ring_fill(uint8_t* ring, const MoepRows<MAT
         const int rr = i / SLOTS, j = i - rr * SLOTS, m = rr / MOEP_BN, r = rr - m * MOEP_BN;
         if (r >= w.nrows) continue;
         const uint8_t* row = w.row0[m] + (size_t)r * w.rb;
-        const size_t a0 = reinterpret_cast<size_t>(row + lo), s_lo = a0 >> 5, s_hi = (reinterpret_cast<size_t>(row + hi) - 1) >> 5;
+        const size_t a0 = reinterpret_cast<size_t>(row + lo), s_lo = a0 >> 5;
+        const size_t s_hi = (reinterpret_cast<size_t>(row + hi) - 1) >> 5;
         const bool shared_first = c > 0 && ((a0 - 1) >> 5) == s_lo;   // the previous chunk copied this sector
         const size_t sector = s_lo + (shared_first ? 1 : 0) + (j >> 1);
         uint8_t* dst = buf + rr * R::PITCH + (int)(sector - s_lo) * 32 + 16 * (j & 1);
@@ -511,11 +515,6 @@ __device__ __forceinline__ void moep_stage_row(uint16_t* dst, float* sc, float* 
         moep_stage_w<F>(dst, sc, mn, row, valid, kt, grid, valid ? moep_vq_hi<F>(W, e, n0 + r, n_experts, rows, cols)
                                                                   : nullptr, g);
     }
-}
-
-// Ring bytes per block of a kernel over MATS matrices (ds4py/cuda/ops/moe_prefill.py weight_ring_bytes).
-template <int F, int MATS> constexpr int moep_ring_bytes() {
-    return MoepRing<F>::ON ? 2 * MATS * MOEP_BN * MoepRing<F>::PITCH : 0;
 }
 
 // The k-tile loop's top: at a chunk's first k tile wait for its copy, then (after the barrier: every thread is done
@@ -629,7 +628,8 @@ __device__ __forceinline__ void moep_down(const uint64_t* grid, uint8_t* ring, c
         MoepRows<1> w;
         moep_rows_at<F, 1>(w, 0, W, b, n0, n_experts, dim, ff);
         if constexpr (MoepF<F>::VQ)
-            for (int j = tid; j < MOEP_BN; j += MOEP_THREADS) gain[j] = moep_vq_gain<F>(W, b, n0 + j, n_experts, dim, ff);
+            for (int j = tid; j < MOEP_BN; j += MOEP_THREADS)
+                gain[j] = moep_vq_gain<F>(W, b, n0 + j, n_experts, dim, ff);
         if constexpr (MoepRing<F>::ON) {
             moep_ring_fill<F, 1>(ring, w, 0);
             cp_async_commit();
@@ -680,7 +680,8 @@ extern "C" __global__ void moe_prefill_combine(const float* Yp, const int* pos, 
 // float32 (16-byte aligned, ldx % 4 == 0), route_w [T*k] (null: 1), H [P, ff] and Yp [P, dim] float32 in sorted
 // order; sorted / tile_* / offsets / info from moe_prefill_route. clamp <= 0: no clamp.
 
-// Gate + up + SwiGLU per work item. Launch: grid (ceil(ff / MOEP_BN), max_tiles), block MOEP_THREADS.
+// Gate + up + SwiGLU per work item. Launch: grid (ceil(ff / MOEP_BN), max_tiles), block MOEP_THREADS, dynamic
+// shared memory: the sector ring, 2 x 2 x MOEP_BN x MoepRing<F>::PITCH (ops/moe_prefill.py launch_smem).
 #define MOEP_GATE_UP(name, F, QK, NB, TABLE) \
 extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_gate_up_##name(const uint8_t* Wg, \
         const uint8_t* Wu, const float* x, const float* route_w, const int* sorted, const int* tile_bucket, \
@@ -694,11 +695,12 @@ extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_gate_up_#
         moe_load_grid(grid_s); \
         __syncthreads(); \
     } \
-    moep_gate_up<F>(TABLE ? grid_s : nullptr, moep_smem, Wg, Wu, x, ldx, route_w, sorted, tile_bucket, tile_row, offsets, info, \
-                    H, n_experts, ff, dim, k, clamp, blockIdx.x, blockIdx.y); \
+    moep_gate_up<F>(TABLE ? grid_s : nullptr, moep_smem, Wg, Wu, x, ldx, route_w, sorted, tile_bucket, tile_row, \
+                    offsets, info, H, n_experts, ff, dim, k, clamp, blockIdx.x, blockIdx.y); \
 }
 
-// Down per work item. Launch: grid (ceil(dim / MOEP_BN), max_tiles), block MOEP_THREADS.
+// Down per work item. Launch: grid (ceil(dim / MOEP_BN), max_tiles), block MOEP_THREADS, dynamic shared memory
+// the ring, 2 x MOEP_BN x MoepRing<F>::PITCH.
 #define MOEP_DOWN(name, F, QK, NB, TABLE) \
 extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_down_##name(const uint8_t* W, \
         const float* H, const int* tile_bucket, const int* tile_row, const int* offsets, const int* info, \
@@ -711,8 +713,8 @@ extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_down_##na
         moe_load_grid(grid_s); \
         __syncthreads(); \
     } \
-    moep_down<F>(TABLE ? grid_s : nullptr, moep_smem, W, H, tile_bucket, tile_row, offsets, info, Yp, n_experts, dim, ff, \
-                 blockIdx.x, blockIdx.y); \
+    moep_down<F>(TABLE ? grid_s : nullptr, moep_smem, W, H, tile_bucket, tile_row, offsets, info, Yp, n_experts, dim, \
+                 ff, blockIdx.x, blockIdx.y); \
 }
 
 MOE_FORMATS(MOEP_GATE_UP)
@@ -734,7 +736,8 @@ __device__ __forceinline__ const uint64_t* moep_load_codebook(uint8_t* smem, con
     return cb;
 }
 
-// Launch: grid (ceil(ff / MOEP_BN), max_tiles), block MOEP_THREADS, dynamic shared memory KC * 8. Not persistent:
+// Launch: grid (ceil(ff / MOEP_BN), max_tiles), block MOEP_THREADS, dynamic shared memory KC * 8 + the ring
+// after it (none at 13 bits). Not persistent:
 // the tile loop costs the 13-bit kernel a spill on sm_121 (168 registers), so each block copies the codebook.
 #define MOEP_VQ_GATE_UP(name, F, QK, NB, KC) \
 extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_gate_up_##name(const uint8_t* Wg, \
@@ -745,12 +748,12 @@ extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_gate_up_#
     const uint64_t* cb = moep_load_codebook(moep_smem, Wg, KC); \
     pdl_wait(); \
     pdl_launch_dependents(); \
-    moep_gate_up<F>(cb, moep_smem + 8 * KC, Wg + 8 * KC, Wu + 8 * KC, x, ldx, route_w, sorted, tile_bucket, tile_row, offsets, info, H, \
-                    n_experts, ff, dim, k, clamp, blockIdx.x, blockIdx.y); \
+    moep_gate_up<F>(cb, moep_smem + 8 * KC, Wg + 8 * KC, Wu + 8 * KC, x, ldx, route_w, sorted, tile_bucket, tile_row, \
+                    offsets, info, H, n_experts, ff, dim, k, clamp, blockIdx.x, blockIdx.y); \
 }
 
 // Launch: grid (persistent: min(ceil(dim / MOEP_BN) x max_tiles, one wave)), block MOEP_THREADS, dynamic shared
-// memory KC * 8.
+// memory KC * 8 + the ring after it (none at 13 bits).
 #define MOEP_VQ_DOWN(name, F, QK, NB, KC) \
 extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_down_##name(const uint8_t* W, \
         const float* H, const int* tile_bucket, const int* tile_row, const int* offsets, const int* info, \
@@ -761,8 +764,8 @@ extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_down_##na
     pdl_launch_dependents(); \
     const int tiles = (dim + MOEP_BN - 1) / MOEP_BN; \
     for (int t = blockIdx.x; t < tiles * info[0]; t += gridDim.x) \
-        moep_down<F>(cb, moep_smem + 8 * KC, W + 8 * KC, H, tile_bucket, tile_row, offsets, info, Yp, n_experts, dim, ff, t % tiles, \
-                     t / tiles); \
+        moep_down<F>(cb, moep_smem + 8 * KC, W + 8 * KC, H, tile_bucket, tile_row, offsets, info, Yp, n_experts, dim, \
+                     ff, t % tiles, t / tiles); \
 }
 
 MOE_VQ_FORMATS(MOEP_VQ_GATE_UP)
