@@ -47,6 +47,10 @@
 #define MOEP_BM (32 * MOEP_WARPS_M)
 #define MOEP_BN (32 * MOEP_WARPS_N)
 #define MOEP_BK 32
+// __launch_bounds__(MOEP_THREADS, MOEP_MIN_BLOCKS) on the grouped GEMMs: without the minimum, ptxas for sm_90 held
+// several of them at 80 / 96 / 128 registers with spills once the sector ring came in; with it, none spills on
+// either arch (their occupancy is set by the ring's shared memory and the codebook anyway).
+#define MOEP_MIN_BLOCKS 2
 #define MOEP_LDS (MOEP_BK + 8)
 #define MOEP_THREADS (32 * MOEP_WARPS_M * MOEP_WARPS_N)
 #define MOEP_ROUTE_THREADS (32 * MOEP_ROUTE_WARPS)
@@ -393,7 +397,7 @@ template <int F> struct MoepRing {
     using T = typename MoepF<F>::T;
     static constexpr bool ON = !(MoepF<F>::VQ && F - FMT_VQ_BASE == 13);
     static constexpr int QK = T::QK, BYTES = T::BYTES;
-    static constexpr int chunk_tiles() {
+    DS4_HD static constexpr int chunk_tiles() {
         int kt = QK / 32;
         while (kt * 32 / QK * BYTES < 48) kt *= 2;
         return kt;
@@ -403,16 +407,21 @@ template <int F> struct MoepRing {
     static constexpr int SECT = (32 - G + CB + 31) / 32, PITCH = 32 * SECT;
 };
 
-// The tile's rows of MATS matrices: row r of matrix m starts at row0[m] + r * rb (rows < nrows are real), the
-// matrix's bytes are [beg[m], end[m]) (no copy outside it).
+// The tile's rows of MATS (1, 2) matrices: row r of matrix m starts at row(m) + r * rb, rows < nrows are real.
+// Named pointers, not an array: a runtime index would put the struct in local memory. The ring's arithmetic is in
+// 32-bit offsets from the tile's first sector (base(m) = row(m) rounded down to 32 bytes, phase(m) = the rest).
 template <int MATS> struct MoepRows {
-    const uint8_t* row0[MATS];
-    const uint8_t* beg[MATS];
-    const uint8_t* end[MATS];
+    const uint8_t* r0;
+    const uint8_t* r1;
     int rb, nrows;
+    __device__ __forceinline__ const uint8_t* row(int m) const { return MATS > 1 && m ? r1 : r0; }
+    __device__ __forceinline__ int phase(int m) const { return (int)(reinterpret_cast<size_t>(row(m)) & 31); }
+    __device__ __forceinline__ const uint8_t* base(int m) const { return row(m) - phase(m); }
 };
 
-// Copy chunk c of every tile row into ring buffer c % 2 (cp.async; the caller commits). Block-uniform.
+// Copy chunk c of every tile row into ring buffer c % 2 (cp.async; the caller commits). Nothing outside the tile's
+// rows (from the 16-byte piece of its first byte) is copied: a piece across its end is copied byte by byte, one
+// past it not at all (the decoders never read either). Block-uniform.
 template <int F, int MATS>
 __device__ __forceinline__ void moep_ring_fill(uint8_t* ring, const MoepRows<MATS>& w, int c) {
     using R = MoepRing<F>;
@@ -420,58 +429,50 @@ __device__ __forceinline__ void moep_ring_fill(uint8_t* ring, const MoepRows<MAT
     uint8_t* buf = ring + (c & 1) * BUF;
     const uint8_t* prev = ring + ((c + 1) & 1) * BUF;
     const int lo = c * R::CB, hi = min(lo + R::CB, w.rb);
+#pragma unroll 1                                                      // (unrolled: registers beside the accumulators)
     for (int i = threadIdx.x; i < MATS * MOEP_BN * SLOTS; i += MOEP_THREADS) {
-        const int rr = i / SLOTS, j = i - rr * SLOTS, m = rr / MOEP_BN, r = rr - m * MOEP_BN;
+        const int rr = i / SLOTS, j = i - rr * SLOTS, m = MATS > 1 && rr >= MOEP_BN ? 1 : 0, r = rr - m * MOEP_BN;
         if (r >= w.nrows) continue;
-        const uint8_t* row = w.row0[m] + (size_t)r * w.rb;
-        const size_t a0 = reinterpret_cast<size_t>(row + lo), s_lo = a0 >> 5;
-        const size_t s_hi = (reinterpret_cast<size_t>(row + hi) - 1) >> 5;
-        const bool shared_first = c > 0 && ((a0 - 1) >> 5) == s_lo;   // the previous chunk copied this sector
-        const size_t sector = s_lo + (shared_first ? 1 : 0) + (j >> 1);
-        uint8_t* dst = buf + rr * R::PITCH + (int)(sector - s_lo) * 32 + 16 * (j & 1);
-        if (shared_first && j < 2) {                                  // from the previous buffer's last sector
-            const size_t p_lo = reinterpret_cast<size_t>(row + lo - R::CB) >> 5;
-            *reinterpret_cast<uint4*>(buf + rr * R::PITCH + 16 * j) =
-                *reinterpret_cast<const uint4*>(prev + rr * R::PITCH + (int)(s_lo - p_lo) * 32 + 16 * j);
-        }
-        if (sector > s_hi) continue;
-        const uint8_t* src = row + lo + ((long long)(sector * 32 + 16 * (j & 1)) - (long long)a0);
-        if (src >= w.beg[m] && src + 16 <= w.end[m]) {
-            cp_async_16(dst, src);
-        } else {                                                     // a piece across the matrix's start or end
-            for (int q = 0; q < 16; ++q)
-                if (src + q >= w.beg[m] && src + q < w.end[m]) dst[q] = src[q];
-        }
+        const int t32 = w.phase(m), a0 = t32 + r * w.rb + lo;         // offsets from base(m)
+        const int s_lo = a0 >> 5, s_hi = (t32 + r * w.rb + hi - 1) >> 5;
+        const bool carry = c > 0 && ((a0 - 1) >> 5) == s_lo;          // the previous chunk copied this sector
+        uint8_t* slot = buf + rr * R::PITCH;
+        if (carry && j < 2)                                           // from the previous buffer's last sector
+            *reinterpret_cast<uint4*>(slot + 16 * j) =
+                *reinterpret_cast<const uint4*>(prev + rr * R::PITCH + (s_lo - ((a0 - R::CB) >> 5)) * 32 + 16 * j);
+        const int sector = s_lo + (carry ? 1 : 0) + (j >> 1), pos = 32 * sector + 16 * (j & 1);
+        const int end = t32 + w.nrows * w.rb;
+        if (sector > s_hi || pos < (t32 & 16) || pos >= end) continue;
+        uint8_t* dst = slot + 32 * (sector - s_lo) + 16 * (j & 1);
+        const uint8_t* src = w.base(m) + pos;
+        if (pos + 16 <= end) cp_async_16(dst, src);
+        else
+            for (int q = 0; pos + q < end; ++q) dst[q] = src[q];
     }
 }
 
-// Chunk c's copy of tile row rr in the ring, from the chunk's first byte (the row's group c * KT).
+// Chunk c's copy of tile row r of matrix m in the ring, from the chunk's first byte (the row's group c * KT).
 template <int F, int MATS>
 __device__ __forceinline__ const uint8_t* moep_ring_row(const uint8_t* ring, const MoepRows<MATS>& w, int m, int r,
                                                         int c) {
     using R = MoepRing<F>;
-    const int lo = c * R::CB;
-    const int off = (int)(reinterpret_cast<size_t>(w.row0[m] + (size_t)r * w.rb + lo) & 31);
+    const int off = (w.phase(m) + r * w.rb + c * R::CB) & 31;
     return ring + (c & 1) * MATS * MOEP_BN * R::PITCH + (m * MOEP_BN + r) * R::PITCH + off;
 }
 
 // The tile rows [n0, n0 + BN) of expert e of matrix W [n_experts][rows][cols] (GGML raw rows, or a VQ-8 device
 // copy past its codebook: the stream rows).
 template <int F, int MATS>
-__device__ __forceinline__ void moep_rows_at(MoepRows<MATS>& w, int m, const uint8_t* W, int e, int n0, int n_experts,
-                                             int rows, int cols) {
+__device__ __forceinline__ void moep_rows_at(MoepRows<MATS>& w, int m, const uint8_t* W, int e, int n0, int rows,
+                                             int cols) {
     if constexpr (MoepF<F>::VQ) {
         using V = typename MoepF<F>::T;
         const size_t es = V::expert_bytes(rows, cols);
         w.rb = V::stream_bytes(cols);
-        w.row0[m] = W + (size_t)e * es + (size_t)n0 * w.rb;
-        w.beg[m] = W;
-        w.end[m] = W + (size_t)n_experts * es;
+        (m ? w.r1 : w.r0) = W + (size_t)e * es + (size_t)n0 * w.rb;
     } else {
         w.rb = moe_row_bytes<F>(cols);
-        w.row0[m] = W + ((size_t)e * rows + n0) * w.rb;
-        w.beg[m] = W;
-        w.end[m] = W + (size_t)n_experts * rows * w.rb;
+        (m ? w.r1 : w.r0) = W + ((size_t)e * rows + n0) * w.rb;
     }
     w.nrows = min(MOEP_BN, rows - n0);
 }
@@ -511,7 +512,7 @@ __device__ __forceinline__ void moep_stage_row(uint16_t* dst, float* sc, float* 
         const int c = kt / R::KT;
         moep_stage_w<F>(dst, sc, mn, moep_ring_row<F, MATS>(ring, w, m, r, c), valid, kt - c * R::KT, grid, nullptr, g);
     } else {
-        const uint8_t* row = w.row0[m] + (size_t)r * w.rb;
+        const uint8_t* row = w.row(m) + (size_t)r * w.rb;
         moep_stage_w<F>(dst, sc, mn, row, valid, kt, grid, valid ? moep_vq_hi<F>(W, e, n0 + r, n_experts, rows, cols)
                                                                   : nullptr, g);
     }
@@ -544,18 +545,21 @@ __device__ __forceinline__ void moep_gate_up(const uint64_t* grid, uint8_t* ring
     __shared__ __align__(16) uint16_t ws[2 * NP * MOEP_PIECE];
     __shared__ float wsc[2 * 2 * MOEP_BN], wmn[2 * 2 * MOEP_BN], sx[2 * MOEP_BM];
     __shared__ float gain[MoepF<F>::VQ ? 2 * MOEP_BN : 1];
+    __shared__ MoepRows<2> w;
     int b, r0, r1;
     if (!moep_item(tile_bucket, tile_row, offsets, info, b, r0, r1, by)) return;
     const int n0 = bx * MOEP_BN, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int wm = warp / MOEP_WARPS_N, wn = warp % MOEP_WARPS_N, g = lane >> 2, t = lane & 3;
     const bool bad = b == n_experts;
     if (!bad) {
-        MoepRows<2> w;
-        moep_rows_at<F, 2>(w, 0, Wg, b, n0, n_experts, ff, dim);
-        moep_rows_at<F, 2>(w, 1, Wu, b, n0, n_experts, ff, dim);
+        if (tid == 0) {                            // block-uniform, in shared memory: no registers beside the tiles
+            moep_rows_at<F, 2>(w, 0, Wg, b, n0, ff, dim);
+            moep_rows_at<F, 2>(w, 1, Wu, b, n0, ff, dim);
+        }
         if constexpr (MoepF<F>::VQ)
             for (int j = tid; j < 2 * MOEP_BN; j += MOEP_THREADS)
                 gain[j] = moep_vq_gain<F>(j < MOEP_BN ? Wg : Wu, b, n0 + j % MOEP_BN, n_experts, ff, dim);
+        __syncthreads();                                              // w
         if constexpr (MoepRing<F>::ON) {
             moep_ring_fill<F, 2>(ring, w, 0);
             cp_async_commit();
@@ -617,6 +621,7 @@ __device__ __forceinline__ void moep_down(const uint64_t* grid, uint8_t* ring, c
     __shared__ __align__(16) uint16_t ws[NP * MOEP_PIECE];
     __shared__ float wsc[2 * MOEP_BN], wmn[2 * MOEP_BN], sx[2 * MOEP_BM];
     __shared__ float gain[MoepF<F>::VQ ? MOEP_BN : 1];
+    __shared__ MoepRows<1> w;
     int b, r0, r1;
     if (!moep_item(tile_bucket, tile_row, offsets, info, b, r0, r1, by)) return;
     const int n0 = bx * MOEP_BN, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -625,11 +630,14 @@ __device__ __forceinline__ void moep_down(const uint64_t* grid, uint8_t* ring, c
     float acc[MOEP_MT][MOEP_NT][4];
     tile_zero(acc);
     if (!bad) {
-        MoepRows<1> w;
-        moep_rows_at<F, 1>(w, 0, W, b, n0, n_experts, dim, ff);
+        if (tid == 0) {
+            moep_rows_at<F, 1>(w, 0, W, b, n0, dim, ff);
+            w.r1 = nullptr;
+        }
         if constexpr (MoepF<F>::VQ)
             for (int j = tid; j < MOEP_BN; j += MOEP_THREADS)
                 gain[j] = moep_vq_gain<F>(W, b, n0 + j, n_experts, dim, ff);
+        __syncthreads();                                              // w
         if constexpr (MoepRing<F>::ON) {
             moep_ring_fill<F, 1>(ring, w, 0);
             cp_async_commit();
@@ -683,7 +691,7 @@ extern "C" __global__ void moe_prefill_combine(const float* Yp, const int* pos, 
 // Gate + up + SwiGLU per work item. Launch: grid (ceil(ff / MOEP_BN), max_tiles), block MOEP_THREADS, dynamic
 // shared memory: the sector ring, 2 x 2 x MOEP_BN x MoepRing<F>::PITCH (ops/moe_prefill.py launch_smem).
 #define MOEP_GATE_UP(name, F, QK, NB, TABLE) \
-extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_gate_up_##name(const uint8_t* Wg, \
+extern "C" __global__ __launch_bounds__(MOEP_THREADS, MOEP_MIN_BLOCKS) void moe_prefill_gate_up_##name(const uint8_t* Wg, \
         const uint8_t* Wu, const float* x, const float* route_w, const int* sorted, const int* tile_bucket, \
         const int* tile_row, const int* offsets, const int* info, float* H, int n_experts, int ff, int dim, int k, \
         int ldx, float clamp) { \
@@ -702,7 +710,7 @@ extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_gate_up_#
 // Down per work item. Launch: grid (ceil(dim / MOEP_BN), max_tiles), block MOEP_THREADS, dynamic shared memory
 // the ring, 2 x MOEP_BN x MoepRing<F>::PITCH.
 #define MOEP_DOWN(name, F, QK, NB, TABLE) \
-extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_down_##name(const uint8_t* W, \
+extern "C" __global__ __launch_bounds__(MOEP_THREADS, MOEP_MIN_BLOCKS) void moe_prefill_down_##name(const uint8_t* W, \
         const float* H, const int* tile_bucket, const int* tile_row, const int* offsets, const int* info, \
         float* Yp, int n_experts, int dim, int ff) { \
     extern __shared__ __align__(16) uint8_t moep_smem[]; \
@@ -740,7 +748,7 @@ __device__ __forceinline__ const uint64_t* moep_load_codebook(uint8_t* smem, con
 // after it (none at 13 bits). Not persistent:
 // the tile loop costs the 13-bit kernel a spill on sm_121 (168 registers), so each block copies the codebook.
 #define MOEP_VQ_GATE_UP(name, F, QK, NB, KC) \
-extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_gate_up_##name(const uint8_t* Wg, \
+extern "C" __global__ __launch_bounds__(MOEP_THREADS, MOEP_MIN_BLOCKS) void moe_prefill_gate_up_##name(const uint8_t* Wg, \
         const uint8_t* Wu, const float* x, const float* route_w, const int* sorted, const int* tile_bucket, \
         const int* tile_row, const int* offsets, const int* info, float* H, int n_experts, int ff, int dim, int k, \
         int ldx, float clamp) { \
@@ -755,7 +763,7 @@ extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_gate_up_#
 // Launch: grid (persistent: min(ceil(dim / MOEP_BN) x max_tiles, one wave)), block MOEP_THREADS, dynamic shared
 // memory KC * 8 + the ring after it (none at 13 bits).
 #define MOEP_VQ_DOWN(name, F, QK, NB, KC) \
-extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_down_##name(const uint8_t* W, \
+extern "C" __global__ __launch_bounds__(MOEP_THREADS, MOEP_MIN_BLOCKS) void moe_prefill_down_##name(const uint8_t* W, \
         const float* H, const int* tile_bucket, const int* tile_row, const int* offsets, const int* info, \
         float* Yp, int n_experts, int dim, int ff) { \
     extern __shared__ __align__(16) uint8_t moep_smem[]; \
