@@ -21,6 +21,9 @@
 // the fp32 reference by the summation order only (fp32 noise), as the decode and rows kernels of experts.cu. The
 // layer's codebook (32 / 64 KiB, at the head of each matrix's device copy) is copied into the dynamic shared
 // memory of every block.
+// Weight loads: each block streams its tile's weight rows through a double-buffered ring of whole 32-byte sectors
+// in shared memory (MoepRing below; each weight byte read once per block, whole sectors per warp request) and
+// decodes them from there (VQ-8 at 13 bits: no room, direct loads).
 #include <cuda_fp16.h>
 #include "types.cuh"
 #include "portable.cuh"
@@ -44,6 +47,10 @@
 #define MOEP_BM (32 * MOEP_WARPS_M)
 #define MOEP_BN (32 * MOEP_WARPS_N)
 #define MOEP_BK 32
+// __launch_bounds__(MOEP_THREADS, MOEP_MIN_BLOCKS) on the grouped GEMMs: without the minimum, ptxas for sm_90 held
+// several of them at 80 / 96 / 128 registers with spills once the sector ring came in; with it, none spills on
+// either arch (their occupancy is set by the ring's shared memory and the codebook anyway).
+#define MOEP_MIN_BLOCKS 2
 #define MOEP_LDS (MOEP_BK + 8)
 #define MOEP_THREADS (32 * MOEP_WARPS_M * MOEP_WARPS_N)
 #define MOEP_ROUTE_THREADS (32 * MOEP_ROUTE_WARPS)
@@ -218,25 +225,15 @@ template <int F> struct MoepW {
 };
 #define MOEP_PIECE (MOEP_BN * MOEP_LDS)
 
-// VQ-8: column group kg (4 indices) of row `row` of expert e of a device copy past its codebook (moe_formats.cuh
-// MoeVq: the streams, hi rows and gains of n_experts x rows), as its 32 codeword values (exact in bf16) and the row
-// gain as the scale of both halves; cb: the shared-memory codebook. The gain is read byte by byte: the gains
-// follow the hi rows, 4-byte aligned only when n_experts * rows * cols / 64 is a multiple of 4.
+// VQ-8: column group kg (4 indices) of a weight row as its 32 codeword values (exact in bf16) and the row gain g as
+// the scale of both halves. s: the row's stream from its group 0 (the ring's copy, or global memory), h: its hi
+// row (13 bits), cb: the shared-memory codebook; valid false: zeros.
 template <int BITS>
-__device__ __forceinline__ void moep_stage_vq(uint16_t* dst, float* sc, float* mn, const uint8_t* W, int e, int row,
-                                              int n_experts, int rows, int cols, int kg, const uint64_t* cb) {
+__device__ __forceinline__ void moep_stage_vq(uint16_t* dst, float* sc, float* mn, const uint8_t* s, const uint8_t* h,
+                                              float g, bool valid, int kg, const uint64_t* cb) {
     using V = MoeVq<BITS>;
     unsigned idx[4] = {0u, 0u, 0u, 0u};
-    float g = 0.0f;
-    const bool valid = row < rows;
-    if (valid) {
-        const size_t es = V::expert_bytes(rows, cols), r = (size_t)e * rows + row;
-        const int hb = V::hi_bytes(cols);
-        const uint8_t* hi = W + (size_t)n_experts * es;
-        const uint8_t* gp = hi + (size_t)n_experts * rows * hb + 4 * r;
-        g = __uint_as_float(gp[0] | ((unsigned)gp[1] << 8) | ((unsigned)gp[2] << 16) | ((unsigned)gp[3] << 24));
-        V::indices(W + (size_t)e * es + (size_t)row * V::stream_bytes(cols), hi + r * hb, kg, idx);
-    }
+    if (valid) V::indices(s, h, kg, idx);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         const uint64_t c = valid ? cb[idx[i]] : 0ull;
@@ -249,26 +246,27 @@ __device__ __forceinline__ void moep_stage_vq(uint16_t* dst, float* sc, float* m
         }
         tile_store8(dst + 8 * i, v);
     }
-    sc[0] = sc[MOEP_BN] = g;
+    sc[0] = sc[MOEP_BN] = valid ? g : 0.0f;
     mn[0] = mn[MOEP_BN] = 0.0f;
 }
 
-// Column group kg of weight row `row` (of `rows`) of W [n_experts][rows][cols], expert e, into the shared tile:
-// its codes (exact bf16) and per half its scale sc[h * BN] and min mn[h * BN] (dst / sc / mn point at the row),
-// or for F16 its exact values as two bf16 pieces. Zeros past the last row. grid: the IQ2_XXS grid, or VQ-8's
-// codebook.
+// Column group kg of a weight row into the shared tile: its codes (exact bf16) and per half its scale sc[h * BN]
+// and min mn[h * BN] (dst / sc / mn point at the row), or for F16 its exact values as two bf16 pieces. base: the
+// row's bytes from column group 0 (the ring's copy of the row's chunk, kg counted from the chunk, or the row in
+// global memory); valid false (past the last row): zeros. grid: the IQ2_XXS grid, or VQ-8's codebook; VQ-8: h the
+// hi row (13 bits), g the row gain.
 template <int F>
-__device__ __forceinline__ void moep_stage_w(uint16_t* dst, float* sc, float* mn, const uint8_t* W, int e, int row,
-                                             int n_experts, int rows, int cols, int kg, const uint64_t* grid) {
+__device__ __forceinline__ void moep_stage_w(uint16_t* dst, float* sc, float* mn, const uint8_t* base, bool valid,
+                                             int kg, const uint64_t* grid, const uint8_t* h = nullptr, float g = 0.0f) {
     if constexpr (MoepF<F>::VQ) {
-        moep_stage_vq<F - FMT_VQ_BASE>(dst, sc, mn, W, e, row, n_experts, rows, cols, kg, grid);
+        moep_stage_vq<F - FMT_VQ_BASE>(dst, sc, mn, base, h, g, valid, kg, grid);
         return;
     } else {
     float s[2] = {0.0f, 0.0f}, o[2] = {0.0f, 0.0f};
     if constexpr (F == FMT_IQ2_XXS) {            // 8 codes at a time (fewer live registers beside the accumulators)
         unsigned a0 = 0u, a1 = 0u;
         float db = 0.0f;
-        if (row < rows) MoeFmt<F>::aux(W + ((size_t)e * rows + row) * (size_t)moe_row_bytes<F>(cols), kg, a0, a1, db);
+        if (valid) MoeFmt<F>::aux(base, kg, a0, a1, db);
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
             const uint64_t gq = grid[(a0 >> (8 * q)) & 255u];
@@ -276,7 +274,7 @@ __device__ __forceinline__ void moep_stage_w(uint16_t* dst, float* sc, float* mn
             float c[8];
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
-                const float v = row < rows ? moe_u2f((unsigned)(gq >> (8 * j)) & 255u) : 0.0f;
+                const float v = valid ? moe_u2f((unsigned)(gq >> (8 * j)) & 255u) : 0.0f;
                 c[j] = (sg >> j) & 1u ? -v : v;
             }
             tile_store8(dst + 8 * q, c);
@@ -286,8 +284,7 @@ __device__ __forceinline__ void moep_stage_w(uint16_t* dst, float* sc, float* mn
         return;
     }
     float w[32];
-    if (row < rows) {
-        const uint8_t* base = W + ((size_t)e * rows + row) * (size_t)moe_row_bytes<F>(cols);
+    if (valid) {
         if constexpr (MoeFmt<F>::CODES == MOE_CODES_NONE) MoeFmt<F>::dq(base, kg, w, grid);
         else MoeFmt<F>::cq(base, kg, w, s, o, grid);
     } else {
@@ -385,8 +382,161 @@ __device__ __forceinline__ void moep_tile(float (&acc)[MOEP_MT][MOEP_NT][4], con
 
 __device__ __forceinline__ float moep_silu(float g) { return g * (1.0f / (1.0f + expf(-g))); }
 
+// ---- the weight rows' sector ring (issue 34: whole sectors, each weight byte read once per block) ----------------
+// A tile's weight rows are streamed through shared memory in chunks of KT k tiles (whole blocks of the format: one
+// K-quant block, 2-4 Q8_0 / MXFP4 blocks, 8-16 VQ runs; >= 48 bytes of a row). Chunk c of a row is the byte range
+// [c CB, min((c + 1) CB, row bytes)); its 32-byte sectors, counted from the real address, go into ring buffer c % 2
+// (PITCH bytes per row: the most sectors a chunk can span, its start at a multiple of G = the row and chunk
+// starts' alignment when the matrix is 16-byte aligned): the sectors the previous chunk did not copy come from
+// global memory by cp.async, both 16-byte halves of a sector from adjacent threads (one request reads whole
+// sectors), the one sector the chunks share from the previous buffer. Chunk c + 1 is copied while the tensor
+// cores multiply chunk c (after the barrier that ends chunk c - 1's reads), and the decoders read chunk c's bytes
+// from shared memory at the same offsets (mod 16) as in global memory: the staged tiles are the same bits.
+// VQ-8 at 13 bits has no ring (its 64 KiB codebook leaves no room at GB10's 101,376 bytes): direct loads.
+template <int F> struct MoepRing {
+    using T = typename MoepF<F>::T;
+    static constexpr bool ON = !(MoepF<F>::VQ && F - FMT_VQ_BASE == 13);
+    static constexpr int QK = T::QK, BYTES = T::BYTES;
+    DS4_HD static constexpr int chunk_tiles() {
+        int kt = QK / 32;
+        while (kt * 32 / QK * BYTES < 48) kt *= 2;
+        return kt;
+    }
+    static constexpr int KT = chunk_tiles(), CB = KT * 32 / QK * BYTES;
+    static constexpr int G = (BYTES & -BYTES) < 16 ? (BYTES & -BYTES) : 16;
+    static constexpr int SECT = (32 - G + CB + 31) / 32, PITCH = 32 * SECT;
+};
+
+// The tile's rows of MATS (1, 2) matrices: row r of matrix m starts at row(m) + r * rb, rows < nrows are real.
+// Named pointers, not an array: a runtime index would put the struct in local memory. The ring's arithmetic is in
+// 32-bit offsets from the tile's first sector (base(m) = row(m) rounded down to 32 bytes, phase(m) = the rest).
+template <int MATS> struct MoepRows {
+    const uint8_t* r0;
+    const uint8_t* r1;
+    int rb, nrows;
+    __device__ __forceinline__ const uint8_t* row(int m) const { return MATS > 1 && m ? r1 : r0; }
+    __device__ __forceinline__ int phase(int m) const { return (int)(reinterpret_cast<size_t>(row(m)) & 31); }
+    __device__ __forceinline__ const uint8_t* base(int m) const { return row(m) - phase(m); }
+};
+
+// Copy chunk c of every tile row into ring buffer c % 2 (cp.async; the caller commits). Nothing outside the tile's
+// rows (from the 16-byte piece of its first byte) is copied: a piece across its end is copied byte by byte, one
+// past it not at all (the decoders never read either). Block-uniform.
+template <int F, int MATS>
+__device__ __forceinline__ void moep_ring_fill(uint8_t* ring, const MoepRows<MATS>& w, int c) {
+    using R = MoepRing<F>;
+    constexpr int SLOTS = 2 * R::SECT, BUF = MATS * MOEP_BN * R::PITCH;
+    uint8_t* buf = ring + (c & 1) * BUF;
+    const uint8_t* prev = ring + ((c + 1) & 1) * BUF;
+    const int lo = c * R::CB, hi = min(lo + R::CB, w.rb);
+#pragma unroll 1                                                      // (unrolled: registers beside the accumulators)
+    for (int i = threadIdx.x; i < MATS * MOEP_BN * SLOTS; i += MOEP_THREADS) {
+        const int rr = i / SLOTS, j = i - rr * SLOTS, m = MATS > 1 && rr >= MOEP_BN ? 1 : 0, r = rr - m * MOEP_BN;
+        if (r >= w.nrows) continue;
+        const int t32 = w.phase(m), a0 = t32 + r * w.rb + lo;         // offsets from base(m)
+        const int s_lo = a0 >> 5, s_hi = (t32 + r * w.rb + hi - 1) >> 5;
+        const bool carry = c > 0 && ((a0 - 1) >> 5) == s_lo;          // the previous chunk copied this sector
+        uint8_t* slot = buf + rr * R::PITCH;
+        if (carry && j < 2)                                           // from the previous buffer's last sector
+            *reinterpret_cast<uint4*>(slot + 16 * j) =
+                *reinterpret_cast<const uint4*>(prev + rr * R::PITCH + (s_lo - ((a0 - R::CB) >> 5)) * 32 + 16 * j);
+        const int sector = s_lo + (carry ? 1 : 0) + (j >> 1), pos = 32 * sector + 16 * (j & 1);
+        const int end = t32 + w.nrows * w.rb;
+        if (sector > s_hi || pos < (t32 & 16) || pos >= end) continue;
+        uint8_t* dst = slot + 32 * (sector - s_lo) + 16 * (j & 1);
+        const uint8_t* src = w.base(m) + pos;
+        if (pos + 16 <= end) cp_async_16(dst, src);
+        else
+            for (int q = 0; pos + q < end; ++q) dst[q] = src[q];
+    }
+}
+
+// Chunk c's copy of tile row r of matrix m in the ring, from the chunk's first byte (the row's group c * KT).
+template <int F, int MATS>
+__device__ __forceinline__ const uint8_t* moep_ring_row(const uint8_t* ring, const MoepRows<MATS>& w, int m, int r,
+                                                        int c) {
+    using R = MoepRing<F>;
+    const int off = (w.phase(m) + r * w.rb + c * R::CB) & 31;
+    return ring + (c & 1) * MATS * MOEP_BN * R::PITCH + (m * MOEP_BN + r) * R::PITCH + off;
+}
+
+// The tile rows [n0, n0 + BN) of expert e of matrix W [n_experts][rows][cols] (GGML raw rows, or a VQ-8 device
+// copy past its codebook: the stream rows).
+template <int F, int MATS>
+__device__ __forceinline__ void moep_rows_at(MoepRows<MATS>& w, int m, const uint8_t* W, int e, int n0, int rows,
+                                             int cols) {
+    if constexpr (MoepF<F>::VQ) {
+        using V = typename MoepF<F>::T;
+        const size_t es = V::expert_bytes(rows, cols);
+        w.rb = V::stream_bytes(cols);
+        (m ? w.r1 : w.r0) = W + (size_t)e * es + (size_t)n0 * w.rb;
+    } else {
+        w.rb = moe_row_bytes<F>(cols);
+        (m ? w.r1 : w.r0) = W + ((size_t)e * rows + n0) * w.rb;
+    }
+    w.nrows = min(MOEP_BN, rows - n0);
+}
+
+// VQ-8: the gain of tile row r of matrix W (0 past the last row), read from global memory: 4-byte aligned below
+// 13 bits (the gains follow the 128-byte padded streams), byte by byte at 13 bits (they follow the hi rows).
 template <int F>
-__device__ __forceinline__ void moep_gate_up(const uint64_t* grid, const uint8_t* Wg, const uint8_t* Wu,
+__device__ __forceinline__ float moep_vq_gain(const uint8_t* W, int e, int row, int n_experts, int rows, int cols) {
+    using V = typename MoepF<F>::T;
+    if (row >= rows) return 0.0f;
+    const size_t es = V::expert_bytes(rows, cols), r = (size_t)e * rows + row;
+    const int hb = V::hi_bytes(cols);
+    const uint8_t* gp = W + (size_t)n_experts * es + (size_t)n_experts * rows * hb + 4 * r;
+    if (hb == 0) return *reinterpret_cast<const float*>(gp);
+    return __uint_as_float(gp[0] | ((unsigned)gp[1] << 8) | ((unsigned)gp[2] << 16) | ((unsigned)gp[3] << 24));
+}
+
+// VQ-8 at 13 bits (no ring): tile row r's stream row and hi row in global memory.
+template <int F>
+__device__ __forceinline__ const uint8_t* moep_vq_hi(const uint8_t* W, int e, int row, int n_experts, int rows,
+                                                     int cols) {
+    using V = typename MoepF<F>::T;
+    return W + (size_t)n_experts * V::expert_bytes(rows, cols) + ((size_t)e * rows + row) * V::hi_bytes(cols);
+}
+
+// Stage k tile kt of tile row (m, r) from the ring (chunk kt / KT) or, without one, from global memory.
+template <int F, int MATS>
+__device__ __forceinline__ void moep_stage_row(uint16_t* dst, float* sc, float* mn, const uint8_t* ring,
+                                               const MoepRows<MATS>& w, int m, int r, int kt, const uint64_t* grid,
+                                               const float* gain, const uint8_t* W, int e, int n0, int n_experts,
+                                               int rows, int cols) {
+    using R = MoepRing<F>;
+    const bool valid = r < w.nrows;
+    float g = 0.0f;
+    if constexpr (MoepF<F>::VQ) g = gain[m * MOEP_BN + r];
+    if constexpr (R::ON) {
+        const int c = kt / R::KT;
+        moep_stage_w<F>(dst, sc, mn, moep_ring_row<F, MATS>(ring, w, m, r, c), valid, kt - c * R::KT, grid, nullptr, g);
+    } else {
+        const uint8_t* row = w.row(m) + (size_t)r * w.rb;
+        moep_stage_w<F>(dst, sc, mn, row, valid, kt, grid, valid ? moep_vq_hi<F>(W, e, n0 + r, n_experts, rows, cols)
+                                                                  : nullptr, g);
+    }
+}
+
+// The k-tile loop's top: at a chunk's first k tile wait for its copy, then (after the barrier: every thread is done
+// with chunk c - 1's buffer and the last tile's MMA) start chunk c + 1's; other k tiles: the barrier only.
+template <int F, int MATS>
+__device__ __forceinline__ void moep_ring_step(uint8_t* ring, const MoepRows<MATS>& w, int kt, int nkt) {
+    using R = MoepRing<F>;
+    if constexpr (R::ON) {
+        if (kt % R::KT == 0) {
+            cp_async_wait_all();
+            __syncthreads();
+            if (kt + R::KT < nkt) moep_ring_fill<F, MATS>(ring, w, kt / R::KT + 1);
+            cp_async_commit();
+            return;
+        }
+    }
+    __syncthreads();
+}
+
+template <int F>
+__device__ __forceinline__ void moep_gate_up(const uint64_t* grid, uint8_t* ring, const uint8_t* Wg, const uint8_t* Wu,
         const float* x, int ldx, const float* route_w, const int* sorted, const int* tile_bucket,
         const int* tile_row, const int* offsets, const int* info, float* H, int n_experts, int ff, int dim, int k,
         float clamp, int bx, int by) {
@@ -394,25 +544,41 @@ __device__ __forceinline__ void moep_gate_up(const uint64_t* grid, const uint8_t
     __shared__ __align__(16) uint16_t as[XP * MOEP_APIECE];
     __shared__ __align__(16) uint16_t ws[2 * NP * MOEP_PIECE];
     __shared__ float wsc[2 * 2 * MOEP_BN], wmn[2 * 2 * MOEP_BN], sx[2 * MOEP_BM];
+    __shared__ float gain[MoepF<F>::VQ ? 2 * MOEP_BN : 1];
+    __shared__ MoepRows<2> w;
     int b, r0, r1;
     if (!moep_item(tile_bucket, tile_row, offsets, info, b, r0, r1, by)) return;
     const int n0 = bx * MOEP_BN, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int wm = warp / MOEP_WARPS_N, wn = warp % MOEP_WARPS_N, g = lane >> 2, t = lane & 3;
     const bool bad = b == n_experts;
     if (!bad) {
+        if (tid == 0) {                            // block-uniform, in shared memory: no registers beside the tiles
+            moep_rows_at<F, 2>(w, 0, Wg, b, n0, ff, dim);
+            moep_rows_at<F, 2>(w, 1, Wu, b, n0, ff, dim);
+        }
+        if constexpr (MoepF<F>::VQ)
+            for (int j = tid; j < 2 * MOEP_BN; j += MOEP_THREADS)
+                gain[j] = moep_vq_gain<F>(j < MOEP_BN ? Wg : Wu, b, n0 + j % MOEP_BN, n_experts, ff, dim);
+        __syncthreads();                                              // w
+        if constexpr (MoepRing<F>::ON) {
+            moep_ring_fill<F, 2>(ring, w, 0);
+            cp_async_commit();
+        }
         const int ar = r0 + tid % MOEP_BM;
         const bool avalid = ar < r1;
         const float* arow = x + (size_t)(avalid ? sorted[ar] / k : 0) * ldx;
         float accg[MOEP_MT][MOEP_NT][4], accu[MOEP_MT][MOEP_NT][4];
         tile_zero(accg);
         tile_zero(accu);
-        for (int kt = 0; kt < dim / MOEP_BK; kt++) {
-            __syncthreads();
+        const int nkt = dim / MOEP_BK;
+        for (int kt = 0; kt < nkt; kt++) {
+            moep_ring_step<F, 2>(ring, w, kt, nkt);
             moep_stage_a<XP>(as, sx, arow, avalid, kt * MOEP_BK);
             for (int j = tid; j < 2 * MOEP_BN; j += MOEP_THREADS) {
                 const int mat = j / MOEP_BN, r = j % MOEP_BN;
-                moep_stage_w<F>(ws + mat * NP * MOEP_PIECE + r * MOEP_LDS, wsc + mat * 2 * MOEP_BN + r,
-                                wmn + mat * 2 * MOEP_BN + r, mat ? Wu : Wg, b, n0 + r, n_experts, ff, dim, kt, grid);
+                moep_stage_row<F, 2>(ws + mat * NP * MOEP_PIECE + r * MOEP_LDS, wsc + mat * 2 * MOEP_BN + r,
+                                     wmn + mat * 2 * MOEP_BN + r, ring, w, mat, r, kt, grid, gain, mat ? Wu : Wg, b, n0,
+                                     n_experts, ff, dim);
             }
             __syncthreads();
             const uint16_t* a = as + wm * 32 * MOEP_LDS;
@@ -447,13 +613,15 @@ __device__ __forceinline__ void moep_gate_up(const uint64_t* grid, const uint8_t
 }
 
 template <int F>
-__device__ __forceinline__ void moep_down(const uint64_t* grid, const uint8_t* W, const float* H,
+__device__ __forceinline__ void moep_down(const uint64_t* grid, uint8_t* ring, const uint8_t* W, const float* H,
         const int* tile_bucket, const int* tile_row, const int* offsets, const int* info, float* Yp, int n_experts,
         int dim, int ff, int bx, int by) {
     constexpr int NP = MoepW<F>::NP, XP = MoepF<F>::XP;
     __shared__ __align__(16) uint16_t as[XP * MOEP_APIECE];
     __shared__ __align__(16) uint16_t ws[NP * MOEP_PIECE];
     __shared__ float wsc[2 * MOEP_BN], wmn[2 * MOEP_BN], sx[2 * MOEP_BM];
+    __shared__ float gain[MoepF<F>::VQ ? MOEP_BN : 1];
+    __shared__ MoepRows<1> w;
     int b, r0, r1;
     if (!moep_item(tile_bucket, tile_row, offsets, info, b, r0, r1, by)) return;
     const int n0 = bx * MOEP_BN, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -462,14 +630,28 @@ __device__ __forceinline__ void moep_down(const uint64_t* grid, const uint8_t* W
     float acc[MOEP_MT][MOEP_NT][4];
     tile_zero(acc);
     if (!bad) {
+        if (tid == 0) {
+            moep_rows_at<F, 1>(w, 0, W, b, n0, dim, ff);
+            w.r1 = nullptr;
+        }
+        if constexpr (MoepF<F>::VQ)
+            for (int j = tid; j < MOEP_BN; j += MOEP_THREADS)
+                gain[j] = moep_vq_gain<F>(W, b, n0 + j, n_experts, dim, ff);
+        __syncthreads();                                              // w
+        if constexpr (MoepRing<F>::ON) {
+            moep_ring_fill<F, 1>(ring, w, 0);
+            cp_async_commit();
+        }
         const int ar = r0 + tid % MOEP_BM;
         const bool avalid = ar < r1;
         const float* arow = H + (size_t)(avalid ? ar : 0) * ff;
-        for (int kt = 0; kt < ff / MOEP_BK; kt++) {
-            __syncthreads();
+        const int nkt = ff / MOEP_BK;
+        for (int kt = 0; kt < nkt; kt++) {
+            moep_ring_step<F, 1>(ring, w, kt, nkt);
             moep_stage_a<XP>(as, sx, arow, avalid, kt * MOEP_BK);
             for (int j = tid; j < MOEP_BN; j += MOEP_THREADS)
-                moep_stage_w<F>(ws + j * MOEP_LDS, wsc + j, wmn + j, W, b, n0 + j, n_experts, dim, ff, kt, grid);
+                moep_stage_row<F, 1>(ws + j * MOEP_LDS, wsc + j, wmn + j, ring, w, 0, j, kt, grid, gain, W, b, n0,
+                                     n_experts, dim, ff);
             __syncthreads();
             moep_tile<F>(acc, as + wm * 32 * MOEP_LDS, ws + wn * 32 * MOEP_LDS, wsc, wmn, sx, wm, wn);
         }
@@ -506,12 +688,14 @@ extern "C" __global__ void moe_prefill_combine(const float* Yp, const int* pos, 
 // float32 (16-byte aligned, ldx % 4 == 0), route_w [T*k] (null: 1), H [P, ff] and Yp [P, dim] float32 in sorted
 // order; sorted / tile_* / offsets / info from moe_prefill_route. clamp <= 0: no clamp.
 
-// Gate + up + SwiGLU per work item. Launch: grid (ceil(ff / MOEP_BN), max_tiles), block MOEP_THREADS.
+// Gate + up + SwiGLU per work item. Launch: grid (ceil(ff / MOEP_BN), max_tiles), block MOEP_THREADS, dynamic
+// shared memory: the sector ring, 2 x 2 x MOEP_BN x MoepRing<F>::PITCH (ops/moe_prefill.py launch_smem).
 #define MOEP_GATE_UP(name, F, QK, NB, TABLE) \
-extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_gate_up_##name(const uint8_t* Wg, \
+extern "C" __global__ __launch_bounds__(MOEP_THREADS, MOEP_MIN_BLOCKS) void moe_prefill_gate_up_##name(const uint8_t* Wg, \
         const uint8_t* Wu, const float* x, const float* route_w, const int* sorted, const int* tile_bucket, \
         const int* tile_row, const int* offsets, const int* info, float* H, int n_experts, int ff, int dim, int k, \
         int ldx, float clamp) { \
+    extern __shared__ __align__(16) uint8_t moep_smem[]; \
     __shared__ uint64_t grid_s[TABLE ? 256 : 1]; \
     pdl_wait(); \
     pdl_launch_dependents(); \
@@ -519,15 +703,17 @@ extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_gate_up_#
         moe_load_grid(grid_s); \
         __syncthreads(); \
     } \
-    moep_gate_up<F>(TABLE ? grid_s : nullptr, Wg, Wu, x, ldx, route_w, sorted, tile_bucket, tile_row, offsets, info, \
-                    H, n_experts, ff, dim, k, clamp, blockIdx.x, blockIdx.y); \
+    moep_gate_up<F>(TABLE ? grid_s : nullptr, moep_smem, Wg, Wu, x, ldx, route_w, sorted, tile_bucket, tile_row, \
+                    offsets, info, H, n_experts, ff, dim, k, clamp, blockIdx.x, blockIdx.y); \
 }
 
-// Down per work item. Launch: grid (ceil(dim / MOEP_BN), max_tiles), block MOEP_THREADS.
+// Down per work item. Launch: grid (ceil(dim / MOEP_BN), max_tiles), block MOEP_THREADS, dynamic shared memory
+// the ring, 2 x MOEP_BN x MoepRing<F>::PITCH.
 #define MOEP_DOWN(name, F, QK, NB, TABLE) \
-extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_down_##name(const uint8_t* W, \
+extern "C" __global__ __launch_bounds__(MOEP_THREADS, MOEP_MIN_BLOCKS) void moe_prefill_down_##name(const uint8_t* W, \
         const float* H, const int* tile_bucket, const int* tile_row, const int* offsets, const int* info, \
         float* Yp, int n_experts, int dim, int ff) { \
+    extern __shared__ __align__(16) uint8_t moep_smem[]; \
     __shared__ uint64_t grid_s[TABLE ? 256 : 1]; \
     pdl_wait(); \
     pdl_launch_dependents(); \
@@ -535,8 +721,8 @@ extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_down_##na
         moe_load_grid(grid_s); \
         __syncthreads(); \
     } \
-    moep_down<F>(TABLE ? grid_s : nullptr, W, H, tile_bucket, tile_row, offsets, info, Yp, n_experts, dim, ff, \
-                 blockIdx.x, blockIdx.y); \
+    moep_down<F>(TABLE ? grid_s : nullptr, moep_smem, W, H, tile_bucket, tile_row, offsets, info, Yp, n_experts, dim, \
+                 ff, blockIdx.x, blockIdx.y); \
 }
 
 MOE_FORMATS(MOEP_GATE_UP)
@@ -558,10 +744,11 @@ __device__ __forceinline__ const uint64_t* moep_load_codebook(uint8_t* smem, con
     return cb;
 }
 
-// Launch: grid (ceil(ff / MOEP_BN), max_tiles), block MOEP_THREADS, dynamic shared memory KC * 8. Not persistent:
+// Launch: grid (ceil(ff / MOEP_BN), max_tiles), block MOEP_THREADS, dynamic shared memory KC * 8 + the ring
+// after it (none at 13 bits). Not persistent:
 // the tile loop costs the 13-bit kernel a spill on sm_121 (168 registers), so each block copies the codebook.
 #define MOEP_VQ_GATE_UP(name, F, QK, NB, KC) \
-extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_gate_up_##name(const uint8_t* Wg, \
+extern "C" __global__ __launch_bounds__(MOEP_THREADS, MOEP_MIN_BLOCKS) void moe_prefill_gate_up_##name(const uint8_t* Wg, \
         const uint8_t* Wu, const float* x, const float* route_w, const int* sorted, const int* tile_bucket, \
         const int* tile_row, const int* offsets, const int* info, float* H, int n_experts, int ff, int dim, int k, \
         int ldx, float clamp) { \
@@ -569,14 +756,14 @@ extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_gate_up_#
     const uint64_t* cb = moep_load_codebook(moep_smem, Wg, KC); \
     pdl_wait(); \
     pdl_launch_dependents(); \
-    moep_gate_up<F>(cb, Wg + 8 * KC, Wu + 8 * KC, x, ldx, route_w, sorted, tile_bucket, tile_row, offsets, info, H, \
-                    n_experts, ff, dim, k, clamp, blockIdx.x, blockIdx.y); \
+    moep_gate_up<F>(cb, moep_smem + 8 * KC, Wg + 8 * KC, Wu + 8 * KC, x, ldx, route_w, sorted, tile_bucket, tile_row, \
+                    offsets, info, H, n_experts, ff, dim, k, clamp, blockIdx.x, blockIdx.y); \
 }
 
 // Launch: grid (persistent: min(ceil(dim / MOEP_BN) x max_tiles, one wave)), block MOEP_THREADS, dynamic shared
-// memory KC * 8.
+// memory KC * 8 + the ring after it (none at 13 bits).
 #define MOEP_VQ_DOWN(name, F, QK, NB, KC) \
-extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_down_##name(const uint8_t* W, \
+extern "C" __global__ __launch_bounds__(MOEP_THREADS, MOEP_MIN_BLOCKS) void moe_prefill_down_##name(const uint8_t* W, \
         const float* H, const int* tile_bucket, const int* tile_row, const int* offsets, const int* info, \
         float* Yp, int n_experts, int dim, int ff) { \
     extern __shared__ __align__(16) uint8_t moep_smem[]; \
@@ -585,8 +772,8 @@ extern "C" __global__ __launch_bounds__(MOEP_THREADS) void moe_prefill_down_##na
     pdl_launch_dependents(); \
     const int tiles = (dim + MOEP_BN - 1) / MOEP_BN; \
     for (int t = blockIdx.x; t < tiles * info[0]; t += gridDim.x) \
-        moep_down<F>(cb, W + 8 * KC, H, tile_bucket, tile_row, offsets, info, Yp, n_experts, dim, ff, t % tiles, \
-                     t / tiles); \
+        moep_down<F>(cb, moep_smem + 8 * KC, W + 8 * KC, H, tile_bucket, tile_row, offsets, info, Yp, n_experts, dim, \
+                     ff, t % tiles, t / tiles); \
 }
 
 MOE_VQ_FORMATS(MOEP_VQ_GATE_UP)

@@ -14,7 +14,7 @@ from ds4py.cuda import traffic
 REPORT = Path(__file__).resolve().parents[1] / "bench" / "traffic" / "report.json"
 
 # kernel -> why it is still below the target (issue 34). Decode GEMVs: the Q8_0 fused variants and F16.
-# moe_prefill_* (tensor cores): each thread decodes its 32-column group straight from the row (not done).
+# moe_prefill_*_vq13: no room for the sector ring beside the 64 KiB codebook (cu/moe_prefill.cu MoepRing).
 BELOW_TARGET = {
     "gemv_f16": "decode GEMV, 80% at 4,096 columns",
     "gemv_f16_rows": "decode GEMV, 80% at 4,096 columns",
@@ -26,8 +26,11 @@ BELOW_TARGET = {
     "gemv_q8_0_swiglu": "decode GEMV: direct loads, not the Q8_0 ring",
     "gemv_q8_0_swiglu_rows": "decode GEMV: direct loads, not the Q8_0 ring",
     "moe_down_i8_iq2_xxs": "ragged twin-test rows (66-byte blocks); no model-width record",
-    **{f"moe_prefill_{m}_{f}": "tensor-core prefill experts: per-thread group loads from the row"
-       for m in ("gate_up", "down") for f in ("f16", "iq2_xxs", "mxfp4", "q2_k", "q4_k", "q8_0", "vq12", "vq13")},
+    "moe_prefill_gate_up_vq13": "13-bit VQ-8: direct stream / hi loads; 26,624 B static + the 65,536 B codebook "
+                                "leave 9,216 B of GB10's 101,376 per block, the ring needs 24,576 (2 x 2 x 64 rows "
+                                "x 96) + the hi rows",
+    "moe_prefill_down_vq13": "13-bit VQ-8: direct stream / hi loads; 20,992 B static + the 65,536 B codebook leave "
+                             "14,848 B, the ring needs 12,288 + a hi-plane ring of 8,192",
 }
 
 
@@ -51,19 +54,24 @@ def test_weight_streaming_kernels_meet_the_coalescing_target():
 
 
 def test_the_prefill_kernels_are_judged_at_the_model_width():
-    """The dense prefill GEMMs (4,096 columns) and the experts' token tiles (rows of 4,096 / 2,048 columns) are
-    recorded at the model's width (the twin tests' short rows do not start on sectors) and meet the target there,
-    every matrix byte read once per launch."""
+    """The dense prefill GEMMs (4,096 columns), the experts' token tiles and the tensor-core prefill experts (rows
+    of 4,096 / 2,048 columns) are recorded at the model's width (the twin tests' short rows do not start on
+    sectors) and meet the target there, every matrix byte read once per launch (the tensor-core experts: per
+    block; a VQ-8 kernel's codebook at the head of its matrix is copied by every block, as the blocks the worst-case
+    grid adds and that find no work item)."""
     report = json.loads(REPORT.read_text())
     wide = report["model_width"]["kernels"]
     mats = {f"gemm_{t}": ("W",) for t in ("f16", "f32", "q8_0", "q4_k")}
     for f in ("iq2_xxs", "q2_k", "q4_k", "mxfp4", "q8_0", "f16"):
         mats.update({f"moe_gate_up_tile_{f}": ("Wg", "Wu"), f"moe_down_tile_{f}": ("W",)})
+    for f in ("iq2_xxs", "q2_k", "q4_k", "mxfp4", "q8_0", "f16", "vq12"):
+        mats.update({f"moe_prefill_gate_up_{f}": ("Wg", "Wu"), f"moe_prefill_down_{f}": ("W",)})
     for kernel, args in mats.items():
         for arg in args:
             w = wide[kernel]["args"][arg]
             assert w["coalescing"] >= traffic.COALESCING_TARGET, (kernel, arg)
-            assert w["reread"] <= traffic.REREAD_LIMIT, (kernel, arg)
+            if not kernel.endswith("_vq12"):
+                assert w["reread"] <= traffic.REREAD_LIMIT, (kernel, arg)
 
 
 def test_the_judge_prefers_the_model_width_and_ignores_small_arguments():

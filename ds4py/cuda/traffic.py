@@ -296,6 +296,62 @@ def model_width_moe_tiles(T: int = 4, dim: int = 4096, ff: int = 2048, rows: int
     return [x for x in recs if x["kernel"].startswith(("moe_gate_up_tile_", "moe_down_tile_"))]
 
 
+def model_width_moe_prefill(T: int = 16, dim: int = 4096, ff: int = 2048, rows: int = 64) -> list[dict]:
+    """The tensor-core prefill experts (moe_prefill_gate_up_<fmt>: rows of `dim` columns; moe_prefill_down_<fmt>:
+    rows of `ff`, V4 Flash's widths) of every GGML format and VQ-8 at 12 and 13 bits (V4.1's), one expert of `rows`
+    weight rows (one feature tile) and T tokens (one work item), random weight bytes (the traffic does not depend on
+    the values), traffic build, one launch each."""
+    import numpy as np
+
+    from ds4py.cuda.emu_runtime import EmuRuntime
+    from ds4py.cuda.ops import moe_prefill as mp
+    from ds4py.cuda.ops.core import TokenRows
+    from ds4py.cuda.ops.experts import FORMATS, Experts, Slots, matrix_bytes
+    from ds4py.ggml_types import GGMLQuantizationType as QT
+
+    r = np.random.default_rng(37)
+    old = os.environ.get("DS4PY_EMU_CHECK")
+    os.environ["DS4PY_EMU_CHECK"] = "traffic"
+    try:
+        rt = EmuRuntime(check_pdl=True)
+        arena = rt.arena(weights_bytes=8 * rows * dim + (1 << 20), scratch_bytes=16 * T * (dim + ff) + (1 << 20))
+        with collect() as recs:
+            for qtype in [*FORMATS, "vq12", "vq13"]:
+                for down in (False, True):
+                    arena.reset_weights()
+                    arena.begin_step()
+                    cols, feat, fd = (ff, rows, (ff, rows)) if down else (dim, rows, (rows, dim))
+
+                    def mat():
+                        host = r.integers(0, 256, matrix_bytes(qtype, 1, feat, cols), dtype=np.uint8)
+                        if not isinstance(qtype, str) and int(qtype) == int(QT.F16):    # finite halves
+                            host = (r.standard_normal(host.size // 2) * 0.1).astype(np.float16).view(np.uint8)
+                        w = arena.weights(host.shape, np.uint8)
+                        w.upload(host)
+                        return w
+
+                    bufs = mp.MoePrefillBuffers.alloc(lambda sh, dt: arena.scratch(sh, dt), T, 1, 1, *fd)
+                    ids = arena.scratch((T,), np.int32)
+                    ids.upload(np.zeros(T, np.int32))
+                    mp.moe_prefill_route(rt, ids, bufs, T, 1, 1)
+                    if down:
+                        bufs.H.upload(r.standard_normal((T, ff)).astype(np.float32))
+                        mp.moe_prefill_down(rt, Experts(fmt=qtype, n_experts=1, ff=ff, dim=rows, down=mat()), bufs,
+                                            T, 1)
+                    else:
+                        x = arena.scratch((T, dim), np.float32)
+                        x.upload(r.standard_normal((T, dim)).astype(np.float32))
+                        mp.moe_prefill_gate_up(rt, Experts(fmt=qtype, n_experts=1, ff=rows, dim=dim, gate=mat(),
+                                                           up=mat()), TokenRows(x=x, T=T), Slots(k=1), bufs)
+                    rt.synchronize()
+        arena.close()
+    finally:
+        if old is None:
+            os.environ.pop("DS4PY_EMU_CHECK", None)
+        else:
+            os.environ["DS4PY_EMU_CHECK"] = old
+    return [x for x in recs if x["kernel"].startswith(("moe_prefill_gate_up_", "moe_prefill_down_"))]
+
 
 def twin_tests(repo: Path) -> list[str]:
     """The kernels' twin tests: every tests/test_cu_emu_*.py but the emulator's own and the GPU / NVRTC ones."""
@@ -340,11 +396,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.update is not None and out.is_file():
         rep = merged(json.loads(out.read_text()), rep, a.update)
     if not a.no_model_width:
-        width = model_width_gemv() + model_width_gemv(nx=4) + model_width_gemm() + model_width_moe_tiles()
+        width = (model_width_gemv() + model_width_gemv(nx=4) + model_width_gemm() + model_width_moe_tiles()
+                 + model_width_moe_prefill())
         rep["model_width"] = {"what": "gemv of every weight type, 16 x 4096, one and four activation rows; "
                                       "gemm of every dense weight type, 64 tokens x 128 x 4096; the experts' "
                                       "token tiles of every GGML format, 4 tokens, 64 rows of 4096 (gate + up) "
-                                      "and of 2048 columns (down)",
+                                      "and of 2048 columns (down); the tensor-core prefill experts of every GGML "
+                                      "format and VQ-8 at 12 / 13 bits, 16 tokens, the same rows",
                               "kernels": summarize(width)}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rep, indent=1, sort_keys=True) + "\n")

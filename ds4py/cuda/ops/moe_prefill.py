@@ -32,7 +32,8 @@ import numpy as np
 from ds4py.ggml_types import GGMLQuantizationType as QT
 
 from ds4py.cuda.ops.core import TokenRows, aligned, blocks_that_fit, ceil_div, is_dtype, need
-from ds4py.cuda.ops.experts import SMEM_BUDGET, Experts, Slots, codebook_bytes, kernel_suffix, room, row_bytes
+from ds4py.cuda.ops.experts import (FORMATS, SMEM_BUDGET, VQ_FORMATS, Experts, Slots, codebook_bytes,
+                                   kernel_suffix, room, row_bytes)
 
 DEFINES = {
     "MOEP_WARPS_M": 2,            # warps along the routed rows (32 each): MOEP_BM = 64 rows per work item
@@ -99,13 +100,46 @@ def x_pieces(qtype: int | str) -> int:
     return 3 if isinstance(qtype, str) else 1
 
 
+def ring_pitch(qtype: int | str) -> int:
+    """Bytes per weight row of one buffer of the kernels' sector ring (cu/moe_prefill.cu MoepRing): a chunk of KT k
+    tiles (>= 48 bytes of a row, whole blocks of the format) spans at most this many whole 32-byte sectors, its
+    start at a multiple of G (the row and chunk starts' alignment in a 16-byte aligned matrix)."""
+    if isinstance(qtype, str):
+        qk, bits, _ = VQ_FORMATS[qtype]
+        nbytes = 12 if bits == 13 else bits
+    else:
+        _, qk, nbytes = FORMATS[QT(int(qtype))]
+    kt = qk // 32
+    while kt * 32 // qk * nbytes < 48:
+        kt *= 2
+    g = min(16, nbytes & -nbytes)
+    return 32 * ceil_div(32 - g + kt * 32 // qk * nbytes, 32)
+
+
+def ring_on(qtype: int | str) -> bool:
+    """Whether the kernel streams its weight rows through the sector ring (VQ-8 at 13 bits: no room beside its
+    64 KiB codebook within GB10's 101,376 bytes per block, direct loads)."""
+    return not (isinstance(qtype, str) and VQ_FORMATS[qtype][1] == 13)
+
+
+def weight_ring_bytes(qtype: int | str, mats: int) -> int:
+    """Dynamic shared memory of the sector ring: two buffers of BN rows of `mats` matrices (gate + up: 2, down: 1)."""
+    return 2 * mats * BN * ring_pitch(qtype) if ring_on(qtype) else 0
+
+
+def launch_smem(qtype: int | str, mats: int) -> int:
+    """Dynamic shared memory of a moe_prefill_gate_up (mats 2) / _down (mats 1) launch: the VQ-8 codebook, then the
+    ring."""
+    return codebook_bytes(qtype) + weight_ring_bytes(qtype, mats)
+
+
 def _grid(rt: Any, qtype: int | str, tiles: int, items: int, kernel: str) -> tuple[int, int]:
     """(feature tiles, work items) for the GGML formats; VQ-8's persistent down blocks loop over the (tile, item) pairs,
     so their grid is at most one wave of the device (the kernel's occupancy: blocks_that_fit, its registers and
     static shared memory from the ptxas table) and each block copies the codebook once."""
     if not isinstance(qtype, str):
         return tiles, items
-    return max(1, min(tiles * items, blocks_that_fit(rt, THREADS, codebook_bytes(qtype), kernel=kernel))), 1
+    return max(1, min(tiles * items, blocks_that_fit(rt, THREADS, launch_smem(qtype, 1), kernel=kernel))), 1
 
 
 def moe_prefill_route(rt: Any, ids: Any, bufs: MoePrefillBuffers, T: int, k: int, n_experts: int,
@@ -137,13 +171,14 @@ def moe_prefill_gate_up(rt: Any, ex: Experts, io: TokenRows, slots: Slots, bufs:
     """bufs.H[row] = silu(min(x_t Wg[e]^T, c)) * clamp(x_t Wu[e]^T, -c, c) * wts[p] for every sorted row (pair
     p = t*k + s of expert e; wts = slots.weights, None: 1; x_t: row t of io.x)."""
     name = ex.check_gate_up("moe_prefill_gate_up")
+    need(aligned(16, ex.gate, ex.up), "moe_prefill_gate_up: the gate and up tensors must be 16-byte aligned")
     T, k, ff, dim = io.T, slots.k, ex.ff, ex.dim
     need(ff % 32 == 0, f"moe_prefill_gate_up: ff ({ff}) must be a multiple of 32")
     ldx = _check_x("moe_prefill_gate_up", io, slots, dim)
     bufs.check(T, k, ex.n_experts, ff, dim)
     rt.launch(f"moe_prefill_gate_up_{name}", (ceil_div(ff, BN), max_tiles(T * k, ex.n_experts)), THREADS, ex.gate,
               ex.up, io.x, slots.weights, bufs.sorted, bufs.tile_bucket, bufs.tile_row, bufs.offsets, bufs.info,
-              bufs.H, int(ex.n_experts), int(ff), int(dim), int(k), ldx, float(ex.clamp), smem=codebook_bytes(ex.fmt),
+              bufs.H, int(ex.n_experts), int(ff), int(dim), int(k), ldx, float(ex.clamp), smem=launch_smem(ex.fmt, 2),
               stream=stream, pdl=pdl)
 
 
@@ -152,12 +187,13 @@ def moe_prefill_down(rt: Any, ex: Experts, bufs: MoePrefillBuffers, T: int, k: i
     """bufs.Yp[row] = bufs.H[row] W[e]^T for every sorted row of the T * k pairs (W = ex.down [n_experts, dim,
     ff])."""
     name = ex.check_down("moe_prefill_down")
+    need(aligned(16, ex.down), "moe_prefill_down: the down tensor must be 16-byte aligned")
     fmt, n_experts, ff, dim = ex.down_type, ex.n_experts, ex.ff, ex.dim
     bufs.check(T, k, n_experts, ff, dim)
     rt.launch(f"moe_prefill_down_{name}", _grid(rt, fmt, ceil_div(dim, BN), max_tiles(T * k, n_experts),
                                                 f"moe_prefill_down_{name}"), THREADS, ex.down, bufs.H,
               bufs.tile_bucket, bufs.tile_row, bufs.offsets, bufs.info, bufs.Yp, int(n_experts), int(dim), int(ff),
-              smem=codebook_bytes(fmt), stream=stream, pdl=pdl)
+              smem=launch_smem(fmt, 1), stream=stream, pdl=pdl)
 
 
 def moe_prefill_combine(rt: Any, bufs: MoePrefillBuffers, io: TokenRows, k: int, dim: int, stream: Any = None,
