@@ -39,6 +39,9 @@
 #ifndef F32_CHUNK_PIECES
 #error "F32_CHUNK_PIECES comes from ds4py/cuda/ops/gemv.py (DEFINES)"
 #endif
+#ifndef F16_CHUNK_PIECES
+#error "F16_CHUNK_PIECES comes from ds4py/cuda/ops/gemv.py (DEFINES)"
+#endif
 #ifndef Q4_CHUNK_BLOCKS
 #error "Q4_CHUNK_BLOCKS comes from ds4py/cuda/ops/gemv.py (DEFINES)"
 #endif
@@ -199,7 +202,7 @@ __device__ __forceinline__ void epilogue(const GemvJob& j, int g, float t, float
     *y = (j.flags & GEMV_ADD) ? *y + t : t;
 }
 
-// ---- F32 / F16: direct 16-byte loads -----------------------------------------------------------------------
+// ---- F32 / F16 / Q4_K pieces of 8 columns (decoded from the staged copy: gemv_staged) --------------------------
 // x[8v .. 8v+8) (times the norm weight when there is one).
 __device__ __forceinline__ void load_x8(const GemvJob& j, const float* x, int v, bool weighted, float xs[8]) {
     const float4* x4 = reinterpret_cast<const float4*>(x);
@@ -260,94 +263,12 @@ __device__ __forceinline__ void load_w8(const Q4K* row, int v, float wf[8]) {
     }
 }
 
-// Where a row of W [rows, cols] starts: cols values (F16 / F32), cols / 256 Q4_K blocks.
-template <class T> __device__ __forceinline__ const T* row_start(const void* W, int row, int cols) {
-    return reinterpret_cast<const T*>(W) + (size_t)row * cols;
-}
-template <> __device__ __forceinline__ const Q4K* row_start<Q4K>(const void* W, int row, int cols) {
-    return reinterpret_cast<const Q4K*>(reinterpret_cast<const uint8_t*>(W) + (size_t)row * (cols >> 8) * 144);
-}
-
 // sum_i wf[i] * xs[i], i ascending.
 __device__ __forceinline__ float dot8(const float wf[8], const float* xs) {
     float s = 0.0f;
 #pragma unroll
     for (int i = 0; i < 8; i++) s += wf[i] * xs[i];
     return s;
-}
-
-// Bytes of one row of W [rows, cols]: cols values (F16 / F32), cols / 256 Q4_K blocks.
-template <class T> __device__ __forceinline__ int row_bytes(int cols) { return cols * (int)sizeof(T); }
-template <> __device__ __forceinline__ int row_bytes<Q4K>(int cols) { return (cols >> 8) * 144; }
-
-// Before pdl_wait: the warp's first row group's rows into L2 (every 128-byte line they touch, lanes striding the
-// lines), so their DRAM reads overlap the previous kernel's tail; the loop's loads then hit L2.
-template <class T> __device__ __forceinline__ void gemv_prefetch_group(const GemvJob& j, int g, int lane) {
-    const int nbytes = row_bytes<T>(j.cols);
-#pragma unroll
-    for (int s = 0; s < GEMV_ROWS; s++) {
-        int m, row;
-        slot_row(j, g, s, m, row);
-        if (row < 0) continue;
-        const uint8_t* p = reinterpret_cast<const uint8_t*>(row_start<T>(JOB_W(j, m), row, j.cols));
-        for (int o = 128 * lane; o < nbytes; o += 32 * 128) prefetch_l2(p + o);
-        if (lane == 31) prefetch_l2(p + nbytes - 1);          // the last line when the row starts mid-line
-    }
-}
-
-// T = __half, float or Q4K; 8 columns per lane step; NB accumulator sets (activation rows n < j.nx <= NB).
-template <class T, int NB>
-__device__ __forceinline__ void gemv_direct(const GemvJob& j) {
-    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-    const int gwarp = blockIdx.x * warps + (threadIdx.x >> 5), nwarps = gridDim.x * warps;
-    if (gwarp < group_count(j)) gemv_prefetch_group<T>(j, gwarp, lane);    // weights only: before pdl_wait
-    pdl_wait();
-    pdl_launch_dependents();
-    float scale[NB];
-#pragma unroll
-    for (int n = 0; n < NB; n++) scale[n] = (n < j.nx && (j.flags & GEMV_NORM)) ? warp_norm_scale(j, n) : 1.0f;
-    const bool weighted = (j.flags & GEMV_NORM) && j.norm_w;
-    const int nvec = j.cols >> 3;
-    const int groups = group_count(j);
-    for (int g = gwarp; g < groups; g += nwarps) {
-        const T* wr[GEMV_ROWS];
-        float acc[NB][GEMV_ROWS];
-        int m0 = 0, row0 = 0;
-        slot_row(j, g, 0, m0, row0);
-        if (row0 < 0) row0 = 0;
-#pragma unroll
-        for (int s = 0; s < GEMV_ROWS; s++) {
-            int m, row;
-            slot_row(j, g, s, m, row);
-            // A slot without a row streams slot 0's row again (an L1 hit) instead of branching in the loop: its
-            // sum is never stored (epilogue skips row < 0); slot 0 of a group always has a row.
-            wr[s] = row >= 0 ? row_start<T>(JOB_W(j, m), row, j.cols) : s ? wr[0] : row_start<T>(JOB_W(j, m), 0, j.cols);
-#pragma unroll
-            for (int n = 0; n < NB; n++) acc[n][s] = 0.0f;
-        }
-        const float* x0 = slot_x(j, row0, 0);         // found once per group (x_group_rows divides); row n is
-                                                      // x0 + n * x_stride (one pointer: the multi-row bodies
-                                                      // are register-bound)
-        // One row: 4 passes unrolled, so a lane has 4 x 4 rows x 16 B of weights in flight (a launch of few row
-        // groups, the router gate's 64 warps, is latency-bound otherwise); the multi-row bodies keep 2.
-#pragma unroll(NB == 1 ? 4 : 2)
-        for (int v = lane; v < nvec; v += 32) {
-            float wf[GEMV_ROWS][8];
-#pragma unroll
-            for (int s = 0; s < GEMV_ROWS; s++) load_w8(wr[s], v, wf[s]);
-#pragma unroll
-            for (int n = 0; n < NB; n++) {
-                if (n >= j.nx) break;
-                float xs[8];
-                load_x8(j, x0 + (size_t)n * j.x_stride, v, weighted, xs);
-#pragma unroll
-                for (int s = 0; s < GEMV_ROWS; s++) acc[n][s] += dot8(wf[s], xs);
-            }
-        }
-#pragma unroll
-        for (int n = 0; n < NB; n++)
-            if (n < j.nx) epilogue(j, g, warp_sum4(acc[n]), scale[n], n);
-    }
 }
 
 // ---- Q8_0: staged through shared memory ---------------------------------------------------------------------
@@ -515,14 +436,20 @@ __device__ __forceinline__ void gemv_q8(const GemvJob& j) {
     }
 }
 
-// ---- Q4_K and F32: staged through shared memory, as Q8_0 ---------------------------------------------------------
+// ---- Q4_K, F16 and F32: staged through shared memory, as Q8_0 -----------------------------------------------------
 // Each warp streams its slots' row pieces into shared memory with 16-byte cp.async, double-buffered (the next piece
 // in flight while this one is decoded; the first issued before pdl_wait): every weight byte is read once, by one
-// 16-byte request of consecutive lanes. A chunk is GemvStage<T>::PIECES pieces of 8 columns (Q4_K: Q4_CHUNK_BLOCKS
-// blocks of 144 bytes; F32: F32_CHUNK_PIECES x 32 bytes). The arithmetic is gemv_direct's exactly (lane `lane`
-// takes the pieces v = lane, lane + 32, ... in increasing order, load_w8 decodes them from the staged copy, dot8,
-// warp_sum4): the same bits.
+// 16-byte request of consecutive lanes (whole sectors: rows of these types start on 16 bytes and are whole 16-byte
+// words, no L2 prefetch of lines a warp only touches). A chunk is GemvStage<T>::PIECES pieces of 8 columns (Q4_K:
+// Q4_CHUNK_BLOCKS blocks of 144 bytes; F16: F16_CHUNK_PIECES x 16 bytes; F32: F32_CHUNK_PIECES x 32 bytes), a
+// multiple of 32 pieces, so lane `lane` takes the row's pieces v = lane, lane + 32, ... in increasing order across
+// chunks as a direct loop over the row would; load_w8 decodes them from the staged copy, dot8, warp_sum4: a row's
+// sum depends only on cols.
 template <class T> struct GemvStage;
+template <> struct GemvStage<__half> {
+    static constexpr int PIECES = F16_CHUNK_PIECES;
+    __device__ static __forceinline__ size_t bytes(int pieces) { return (size_t)pieces * 16; }
+};
 template <> struct GemvStage<Q4K> {
     static constexpr int PIECES = 32 * Q4_CHUNK_BLOCKS;
     __device__ static __forceinline__ size_t bytes(int pieces) { return (size_t)(pieces >> 5) * 144; }
@@ -531,6 +458,7 @@ template <> struct GemvStage<float> {
     static constexpr int PIECES = F32_CHUNK_PIECES;
     __device__ static __forceinline__ size_t bytes(int pieces) { return (size_t)pieces * 32; }
 };
+static_assert(F16_CHUNK_PIECES % 32 == 0 && F32_CHUNK_PIECES % 32 == 0, "a lane's pieces stay in row order");
 #define GEMV_STAGE_PIECE(T) ((int)GemvStage<T>::bytes(GemvStage<T>::PIECES) + 16)
 #define GEMV_STAGE_WARP(T) (2 * GEMV_ROWS * GEMV_STAGE_PIECE(T))
 
@@ -557,7 +485,7 @@ __device__ __forceinline__ void staged_issue(const GemvJob& j, uint8_t* stage, i
     cp_async_commit();
 }
 
-// T = Q4K (cols % 256 == 0) or float (cols % 8 == 0), W and x 16-byte aligned; NB accumulator sets.
+// T = Q4K (cols % 256 == 0), __half or float (cols % 8 == 0), W and x 16-byte aligned; NB accumulator sets.
 template <class T, int NB>
 __device__ __forceinline__ void gemv_staged(const GemvJob& j) {
     extern __shared__ __align__(16) uint8_t gemv_stage[];
@@ -648,8 +576,8 @@ __device__ __forceinline__ void gemv_staged(const GemvJob& j) {
 
 // Plain: y_m = W_m x (+= with GEMV_ADD) for up to 4 matrices W_m [rows_m, cols] sharing x (unused W_m null).
 // Launch: block (32*warps), grid (any; ops/gemv.py picks min(groups / warps, what fits the SMs)), dynamic shared
-// memory warps * Q8_WARP_SMEM for Q8_0 (13,248 B per warp at 3 stages), 0 otherwise. F16 / F32: cols % 8 == 0, W and x
-// 16-byte aligned. Q8_0: cols % 32 == 0, W 2-byte aligned. x_group_rows: a multiple of 4, or 0.
+// memory warps x the type's ring per warp (ops/gemv.py WARP_SMEM: Q8_0 13,248 B at 3 stages, F16 / F32 8,320 B,
+// Q4_K 9,344 B). F16 / F32: cols % 8 == 0, W and x 16-byte aligned. Q8_0: cols % 32 == 0, W 2-byte aligned. x_group_rows: a multiple of 4, or 0.
 extern "C" __global__ void gemv_q8_0(const uint8_t* W0, const uint8_t* W1, const uint8_t* W2, const uint8_t* W3,
                                      int rows0, int rows1, int rows2, int rows3, float* y0, float* y1, float* y2,
                                      float* y3, const float* x, int cols, int x_group_rows, const float* norm_w,
@@ -658,16 +586,16 @@ extern "C" __global__ void gemv_q8_0(const uint8_t* W0, const uint8_t* W1, const
     gemv_q8<1>(j);
 }
 
-// Same as gemv_q8_0, F16 weights. Launch: as gemv_q8_0 without dynamic shared memory.
+// Same as gemv_q8_0, F16 weights. Launch: as gemv_q8_0 (its F16 ring).
 extern "C" __global__ void gemv_f16(const __half* W0, const __half* W1, const __half* W2, const __half* W3,
                                     int rows0, int rows1, int rows2, int rows3, float* y0, float* y1, float* y2,
                                     float* y3, const float* x, int cols, int x_group_rows, const float* norm_w,
                                     float norm_eps, int flags) {
     GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3)
-    gemv_direct<__half, 1>(j);
+    gemv_staged<__half, 1>(j);
 }
 
-// Same as gemv_q8_0, F32 weights. Launch: as gemv_q8_0 without dynamic shared memory.
+// Same as gemv_q8_0, F32 weights. Launch: as gemv_q8_0 (its F32 ring).
 extern "C" __global__ void gemv_f32(const float* W0, const float* W1, const float* W2, const float* W3,
                                     int rows0, int rows1, int rows2, int rows3, float* y0, float* y1, float* y2,
                                     float* y3, const float* x, int cols, int x_group_rows, const float* norm_w,
@@ -693,7 +621,7 @@ extern "C" __global__ void gemv_f16_hc_post(const __half* W, int rows, const flo
                                             const float* norm_w, float norm_eps, int flags, const float* mix,
                                             float* X) {
     GEMV_HC_POST_BODY
-    gemv_direct<__half, 1>(j);
+    gemv_staged<__half, 1>(j);
 }
 
 // As gemv_q8_0_hc_post, F32 weights. Launch: as gemv_f32.
@@ -721,7 +649,7 @@ extern "C" __global__ void gemv_q8_0_swiglu(const uint8_t* Wg, const uint8_t* Wu
 extern "C" __global__ void gemv_f16_swiglu(const __half* Wg, const __half* Wu, int rows, float* y, const float* x,
                                            int cols, const float* norm_w, float norm_eps, int flags, float clamp) {
     GEMV_SWIGLU_BODY
-    gemv_direct<__half, 1>(j);
+    gemv_staged<__half, 1>(j);
 }
 
 // As gemv_q8_0_swiglu, F32 weights. Launch: as gemv_f32.
@@ -751,7 +679,7 @@ extern "C" __global__ void gemv_f16_rows(const __half* W0, const __half* W1, con
                                     float norm_eps, int flags, int nx, int x_stride) {
     GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3)
     j.nx = nx; j.x_stride = x_stride;
-    gemv_direct<__half, GEMV_MAX_X>(j);
+    gemv_staged<__half, GEMV_MAX_X>(j);
 }
 
 // gemv_f32 for nx activation rows. Launch: as gemv_f32.
@@ -779,7 +707,7 @@ extern "C" __global__ void gemv_f16_hc_post_rows(const __half* W, int rows, cons
                                             float* X, int nx, int x_stride) {
     GEMV_HC_POST_BODY
     j.nx = nx; j.x_stride = x_stride;
-    gemv_direct<__half, GEMV_MAX_X>(j);
+    gemv_staged<__half, GEMV_MAX_X>(j);
 }
 
 // gemv_f32_hc_post for nx activation rows. Launch: as gemv_f32_hc_post.
@@ -806,7 +734,7 @@ extern "C" __global__ void gemv_f16_swiglu_rows(const __half* Wg, const __half* 
                                            int x_stride) {
     GEMV_SWIGLU_BODY
     j.nx = nx; j.x_stride = x_stride;
-    gemv_direct<__half, GEMV_MAX_X>(j);
+    gemv_staged<__half, GEMV_MAX_X>(j);
 }
 
 // gemv_f32_swiglu for nx activation rows. Launch: as gemv_f32_swiglu.
@@ -818,7 +746,7 @@ extern "C" __global__ void gemv_f32_swiglu_rows(const float* Wg, const float* Wu
     gemv_staged<float, GEMV_MAX_X>(j);
 }
 
-// ---- Q4_K: the direct path with a Q4_K piece decoder (load_w8(const Q4K*, ...)) ----
+// ---- Q4_K: the staged path with a Q4_K piece decoder (load_w8(const Q4K*, ...)) ----
 // As gemv_f32 for Q4_K weights (cols % 256 == 0, W 16-byte aligned). Launch: as gemv_f32.
 extern "C" __global__ void gemv_q4_k(const uint8_t* W0, const uint8_t* W1, const uint8_t* W2, const uint8_t* W3,
                                     int rows0, int rows1, int rows2, int rows3, float* y0, float* y1, float* y2,

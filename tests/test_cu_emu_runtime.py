@@ -16,6 +16,7 @@ from ds4py.cuda.graph import CaptureError, StepGraph
 from ds4py.cuda.launch import launch_arrays
 from ds4py.cuda.memory import ArenaError
 from ds4py.cuda.ops.embed import Embedding
+from ds4py.cuda.ops.gemv import F16_WARP_SMEM
 
 pytestmark = pytest.mark.skipif(emu.compiler() is None, reason="the CUDA emulator needs g++")
 
@@ -95,8 +96,8 @@ def test_guarded_arguments_catch_overruns_of_a_view(rt, arena):
     y = arena.scratch(16, np.float32)
     half = W.view(0, (8, 64))
     with pytest.raises(emu.EmuKernelError, match="past the end of argument 'W0'"):
-        rt.launch("gemv_f16", 2, 256, half, None, None, None, 16, 0, 0, 0, y, None, None, None, x, 64, 0, None,
-                  0.0, 0)                                   # 16 rows through an 8-row view
+        rt.launch("gemv_f16", 2, 64, half, None, None, None, 16, 0, 0, 0, y, None, None, None, x, 64, 0, None,
+                  0.0, 0, smem=2 * F16_WARP_SMEM)          # 16 rows through an 8-row view
     with pytest.raises(KernelArgumentError, match="read-only"):
         ops.rmsnorm(rt, x, W.view(0, 64, np.float32), 64, (None, 1e-6))
     with pytest.raises(KernelArgumentError, match="host numpy array"):

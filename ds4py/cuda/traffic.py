@@ -161,36 +161,51 @@ def merged(old: dict, new: dict, replace: str = "") -> dict:
 
 def model_width_gemv(rows: int = 16, cols: int = 4096, nx: int = 1) -> list[dict]:
     """The dense GEMV of every weight type at the model's width (V4 Flash: 4096 columns; the twin tests' rows are a
-    few hundred bytes, where a row's partly used last sector weighs heavily), traffic build, one launch each (Q8_0:
-    also its int8-activation kernels, plain and with two input groups)."""
+    few hundred bytes, where a row's partly used last sector weighs heavily), traffic build, one launch each of the
+    plain kernel and its hc_post and SwiGLU epilogues (Q8_0: also its int8-activation kernels, plain, with two
+    input groups, hc_post and SwiGLU)."""
     import numpy as np
 
     from ds4py.cuda import ops
-    from ds4py.cuda.ops.gemv import GemvX
+    from ds4py.cuda.ops.gemv import GemvX, SwiGlu
+    from ds4py.cuda.ops.mhc import HcResidual
     from ds4py.cuda.emu_runtime import EmuRuntime
     from ds4py.quant import kquants, simple
 
     r = np.random.default_rng(34)
     Wf = r.standard_normal((rows, cols)).astype(np.float32)
-    weights = {"F32": Wf, "F16": Wf.astype(np.float16), "Q8_0": simple.quant_q8_0(Wf).reshape(rows, -1),
-               "Q4_K": kquants.quant_q4_k(Wf.reshape(-1, 256)).reshape(rows, -1)}
+    Uf = r.standard_normal((rows, cols)).astype(np.float32)          # SwiGLU's up matrix
+
+    def typed(m: np.ndarray) -> dict[str, np.ndarray]:
+        return {"F32": m, "F16": m.astype(np.float16), "Q8_0": simple.quant_q8_0(m).reshape(rows, -1),
+                "Q4_K": kquants.quant_q4_k(m.reshape(-1, 256)).reshape(rows, -1)}
+
+    weights, ups = typed(Wf), typed(Uf)
+    hc = 4
     old = os.environ.get("DS4PY_EMU_CHECK")
     os.environ["DS4PY_EMU_CHECK"] = "traffic"
     try:
         rt = EmuRuntime(check_pdl=True)
-        arena = rt.arena(weights_bytes=4 * rows * cols + (1 << 20), scratch_bytes=1 << 20)
+        arena = rt.arena(weights_bytes=8 * rows * cols + (1 << 20), scratch_bytes=1 << 20)
         with collect() as recs:
             for kind, host in weights.items():
                 arena.reset_weights()
                 arena.begin_step()
-                W = arena.weights(host.shape, host.dtype)
+                W, Wu = arena.weights(host.shape, host.dtype), arena.weights(host.shape, host.dtype)
                 W.upload(host)
+                Wu.upload(ups[kind])
                 x, y = arena.scratch(cols * nx, np.float32), arena.scratch(rows * nx, np.float32)
                 x.upload(r.standard_normal(cols * nx).astype(np.float32))
-                ops.gemv(rt, [(W, y, rows)], GemvX(x, cols, nx=nx))
-                if kind == "Q8_0":                   # and its int8-activation kernels (Numerics.act_quant)
-                    ops.gemv(rt, [(W, y, rows)], GemvX(x, cols, nx=nx, act_quant=True))
-                    xg = arena.scratch(2 * cols * nx, np.float32)      # two input groups (the grouped wo_a)
+                X, mix = arena.scratch(nx * hc * rows, np.float32), arena.scratch(nx * (2 + hc) * hc, np.float32)
+                X.upload(r.standard_normal(nx * hc * rows).astype(np.float32))
+                mix.upload(r.random(nx * (2 + hc) * hc).astype(np.float32))
+                for act_quant in (False, True) if kind == "Q8_0" else (False,):   # Q8_0: and its int8 kernels
+                    xin = GemvX(x, cols, nx=nx, act_quant=act_quant)
+                    ops.gemv(rt, [(W, y, rows)], xin)
+                    ops.gemv_hc_post(rt, W, xin, HcResidual(X, mix, rows, hc))
+                    ops.gemv_swiglu(rt, SwiGlu(W, Wu, rows), xin, y)
+                if kind == "Q8_0":                   # two input groups (the grouped wo_a), int8 activations
+                    xg = arena.scratch(2 * cols * nx, np.float32)
                     xg.upload(r.standard_normal(2 * cols * nx).astype(np.float32))
                     ops.gemv(rt, [(W, y, rows)], GemvX(xg, cols, nx=nx, x_group_rows=rows // 2, act_quant=True))
                 rt.synchronize()
@@ -353,6 +368,55 @@ def model_width_moe_prefill(T: int = 16, dim: int = 4096, ff: int = 2048, rows: 
     return [x for x in recs if x["kernel"].startswith(("moe_prefill_gate_up_", "moe_prefill_down_"))]
 
 
+def model_width_experts_i8(dim: int = 4096, ff: int = 2048, rows: int = 64, k: int = 2) -> list[dict]:
+    """The decode experts' int8-activation kernels (moe_gate_up_i8_<fmt>: rows of `dim` columns; moe_down_i8_<fmt>:
+    rows of `ff`, V4 Flash's widths; the twin tests' rows of 256-1,024 columns end mid-sector) of every format with
+    int8 kernels, `rows` weight rows of each of k experts, k slots, random weight bytes (the traffic does not depend
+    on the values), traffic build, one launch each."""
+    import numpy as np
+
+    from ds4py.cuda.emu_runtime import EmuRuntime
+    from ds4py.cuda.ops import experts as mx
+    from ds4py.cuda.ops.core import TokenRows
+
+    r = np.random.default_rng(37)
+    old = os.environ.get("DS4PY_EMU_CHECK")
+    os.environ["DS4PY_EMU_CHECK"] = "traffic"
+    try:
+        rt = EmuRuntime(check_pdl=True)
+        arena = rt.arena(weights_bytes=4 * k * rows * dim + (1 << 20), scratch_bytes=8 * k * (dim + ff) + (1 << 20))
+        with collect() as recs:
+            for qtype in sorted(mx.I8_FORMATS, key=int):
+                arena.reset_weights()
+                arena.begin_step()
+
+                def mat(feat: int, cols: int):
+                    host = r.integers(0, 256, (k, feat, mx.row_bytes(qtype, cols)), dtype=np.uint8)
+                    w = arena.weights(host.shape, np.uint8)
+                    w.upload(host)
+                    return w
+
+                ids = arena.scratch((k,), np.int32)
+                ids.upload(np.arange(k, dtype=np.int32)[::-1].copy())
+                slots = mx.Slots(ids=ids, k=k)
+                x, h = arena.scratch((dim,), np.float32), arena.scratch((k, ff), np.float32)
+                x.upload(r.standard_normal(dim).astype(np.float32))
+                mx.moe_gate_up(rt, mx.Experts(fmt=qtype, n_experts=k, ff=rows, dim=dim, gate=mat(rows, dim),
+                                              up=mat(rows, dim), act_quant=True), x, h, slots)
+                h.upload(r.standard_normal((k, ff)).astype(np.float32))
+                y = arena.scratch((rows,), np.float32)
+                mx.moe_down(rt, mx.Experts(fmt=qtype, n_experts=k, ff=ff, dim=rows, down=mat(rows, ff), act_quant=True),
+                            TokenRows(x=h, y=y), slots)
+                rt.synchronize()
+        arena.close()
+    finally:
+        if old is None:
+            os.environ.pop("DS4PY_EMU_CHECK", None)
+        else:
+            os.environ["DS4PY_EMU_CHECK"] = old
+    return recs
+
+
 def twin_tests(repo: Path) -> list[str]:
     """The kernels' twin tests: every tests/test_cu_emu_*.py but the emulator's own and the GPU / NVRTC ones."""
     skip = {"test_cu_emu.py", "test_cu_emu_gpu.py", "test_cu_emu_portable.py", "test_cu_emu_kernels.py",
@@ -366,7 +430,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/traffic/report.json", help="the per-kernel report (JSON)")
     ap.add_argument("--records", help="keep the per-launch records (JSON lines) here")
     ap.add_argument("--from-records", help="summarise these per-launch records instead of running tests")
-    ap.add_argument("--no-model-width", action="store_true", help="skip the GEMVs, GEMMs and expert tiles at the model's width")
+    ap.add_argument("--no-model-width", action="store_true", help="skip the GEMVs, GEMMs, expert tiles and int8 decode experts at the model's width")
     ap.add_argument("--update", nargs="?", const="", default=None, metavar="REGEX",
                     help="merge into the existing --out report: add the kernels it lacks, replace those matching "
                          "REGEX (default: none; the others keep what their own tests recorded)")
@@ -397,12 +461,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         rep = merged(json.loads(out.read_text()), rep, a.update)
     if not a.no_model_width:
         width = (model_width_gemv() + model_width_gemv(nx=4) + model_width_gemm() + model_width_moe_tiles()
-                 + model_width_moe_prefill())
-        rep["model_width"] = {"what": "gemv of every weight type, 16 x 4096, one and four activation rows; "
+                 + model_width_moe_prefill() + model_width_experts_i8())
+        rep["model_width"] = {"what": "gemv of every weight type, 16 x 4096, one and four activation rows, plain, "
+                                      "hc_post and SwiGLU (Q8_0: and int8 activations); "
                                       "gemm of every dense weight type, 64 tokens x 128 x 4096; the experts' "
                                       "token tiles of every GGML format, 4 tokens, 64 rows of 4096 (gate + up) "
                                       "and of 2048 columns (down); the tensor-core prefill experts of every GGML "
-                                      "format and VQ-8 at 12 / 13 bits, 16 tokens, the same rows",
+                                      "format and VQ-8 at 12 / 13 bits, 16 tokens, the same rows; the decode "
+                                      "experts' int8-activation kernels of every format that has them, 2 slots, 64 "
+                                      "rows of 4096 (gate + up) and of 2048 columns (down)",
                               "kernels": summarize(width)}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rep, indent=1, sort_keys=True) + "\n")

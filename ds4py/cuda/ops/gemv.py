@@ -33,6 +33,7 @@ DEFINES = {
                                  # bandwidth needs more than one 4.4 KB piece per warp in flight)
     "Q4_CHUNK_BLOCKS": 8,        # Q4_K blocks (x256 columns) of one row staged per piece
     "F32_CHUNK_PIECES": 32,      # F32 pieces of 8 columns (32 bytes) of one row staged per piece (256 columns)
+    "F16_CHUNK_PIECES": 256,     # F16 pieces of 8 columns (16 bytes) of one row staged per piece (2,048 columns)
     "GEMV_MAX_X": 8,             # activation rows of one multi-row launch (the `_rows` kernels' accumulator sets)
 }
 GEMV_MAX_X = DEFINES["GEMV_MAX_X"]
@@ -44,10 +45,11 @@ Q8_WARP_SMEM = DEFINES["Q8_STAGES"] * GEMV_ROWS * Q8_PIECE_BYTES   # a ring of p
 Q4_PIECE_BYTES = DEFINES["Q4_CHUNK_BLOCKS"] * Q4_K_BLOCK_BYTES + 16
 Q4_WARP_SMEM = 2 * GEMV_ROWS * Q4_PIECE_BYTES           # the same for Q4_K (9,344 B per warp)
 F32_WARP_SMEM = 2 * GEMV_ROWS * (DEFINES["F32_CHUNK_PIECES"] * 32 + 16)   # and F32 (8,320 B per warp)
-WARP_SMEM = {"Q8_0": Q8_WARP_SMEM, "Q4_K": Q4_WARP_SMEM, "F32": F32_WARP_SMEM}
+F16_WARP_SMEM = 2 * GEMV_ROWS * (DEFINES["F16_CHUNK_PIECES"] * 16 + 16)   # and F16 (32,896 B per warp)
+WARP_SMEM = {"Q8_0": Q8_WARP_SMEM, "Q4_K": Q4_WARP_SMEM, "F32": F32_WARP_SMEM, "F16": F16_WARP_SMEM}
 MAX_MATS = 4
 NORM, ADD = 1, 2                                          # flags (GEMV_NORM, GEMV_ADD)
-DEFAULT_WARPS = {"Q8_0": 4, "F16": 8, "F32": 4, "Q4_K": 4}
+DEFAULT_WARPS = {"Q8_0": 4, "F16": 2, "F32": 4, "Q4_K": 4}
 FILL_TYPES = ("Q8_0", "F16")                              # the types whose small launches spread over the SMs
 _KERNEL = {"Q8_0": "gemv_q8_0", "F16": "gemv_f16", "F32": "gemv_f32", "Q4_K": "gemv_q4_k"}
 COL_MULTIPLE = {"Q8_0": 32, "Q4_K": 256, "F16": 8, "F32": 8}
