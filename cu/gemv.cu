@@ -1172,3 +1172,253 @@ extern "C" __global__ void gemv_q8_0_i8_grouped_rows(const uint8_t* W0, const ui
     j.nx = nx; j.x_stride = x_stride;
     gemv_q8_i8<GEMV_MAX_X, true>(j);
 }
+
+// ---- Q4_K with int8 activations (Numerics.act_quant): dp4a against Q8_K codes -----------------------------------
+// gemv_q4_k_i8[_hc_post | _swiglu][_rows]: the Q4_K kernels' contracts and weight ring (gemv_staged<Q4K>'s pieces,
+// staged_issue, the first piece issued before pdl_wait, slots and row groups as there), but x rounded as the
+// reference's act_quant mode rounds the input of a K-quant product (ds4py.ref.ops.q8_k_round: blocks of 256, the
+// signed value of largest magnitude m, iscale = -127 / m, q = rint(x * iscale), d = 1 / iscale, in fp32), after the
+// RMSNorm prologue when there is one (warp_norm_den: the reference's operations), once per block into shared memory
+// behind the ring: codes int8 [nx][cols], scales float [nx][cols / 256], code sums int [nx][cols / 32].
+// The positive amax instead of m gives every code and d negated when m < 0 (MoeActI8's argument), so q * d and every
+// dot * d are the same floats. A lane takes one sub-block of 32 weights (one 6-bit scale sc and min mn) per step:
+// sum(nibble * code) in 8 dp4a, exact; the sub-block adds d_x * (d * (sc * sum) - dmin * (mn * code sum)) to the
+// lane's row sum (fmaf, sub-blocks in increasing order), then warp_sum4 and the epilogue as every GEMV. So y equals
+// the fp32 product on q8_k_round(x) up to the fp32 rounding of the sums (tests/test_cu_emu_gemv_i8.py), and a row's
+// bits do not depend on nx (the _rows kernels run the single-row arithmetic). No input groups (refused by the host).
+// Launch: as gemv_q4_k, dynamic shared memory warps * GEMV_STAGE_WARP(Q4K) + nx * (cols + cols / 64 + cols / 8)
+// (ops/gemv.py i8_x_bytes).
+
+// x rows [nx][cols] quantised as Q8_K: lane t of a pass takes the 32 values of group t (a 256-block's 8 groups on 8
+// consecutive lanes: cols % 256 == 0), the block's amax over its 8 lanes; every lane runs the same passes (the
+// shuffles), then a barrier.
+template <int NB>
+__device__ __forceinline__ void gemv_q8k_quantise(const GemvJob& j, const float den[NB], int8_t* xq, float* xd,
+                                                  int* xs) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int ngx = j.cols >> 5, total = j.nx * ngx;
+    const bool weighted = (j.flags & GEMV_NORM) && j.norm_w;
+    for (int base = 32 * warp; base < total; base += 32 * warps) {        // warp-uniform trip count
+        const int t = base + lane;
+        const bool live = t < total;                                      // a block's 8 lanes live together
+        const int n = live ? t / ngx : 0, gx = live ? t - n * ngx : 0;
+        float v[32];
+#pragma unroll
+        for (int i = 0; i < 32; i++) v[i] = 0.0f;
+        if (live) {
+            const float4* x4 = reinterpret_cast<const float4*>(j.x + (size_t)n * j.x_stride) + 8 * gx;
+            float r = den[0];
+#pragma unroll
+            for (int m = 1; m < NB; m++) r = n == m ? den[m] : r;           // no runtime index into den
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                const float4 a = x4[i];
+                v[4 * i] = a.x; v[4 * i + 1] = a.y; v[4 * i + 2] = a.z; v[4 * i + 3] = a.w;
+                if (j.flags & GEMV_NORM) {
+                    const float4 w = weighted ? reinterpret_cast<const float4*>(j.norm_w)[8 * gx + i]
+                                              : make_float4(1.0f, 1.0f, 1.0f, 1.0f);
+                    v[4 * i] = __fmul_rn(__fdiv_rn(v[4 * i], r), w.x);
+                    v[4 * i + 1] = __fmul_rn(__fdiv_rn(v[4 * i + 1], r), w.y);
+                    v[4 * i + 2] = __fmul_rn(__fdiv_rn(v[4 * i + 2], r), w.z);
+                    v[4 * i + 3] = __fmul_rn(__fdiv_rn(v[4 * i + 3], r), w.w);
+                }
+            }
+        }
+        float amax = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(v[i]));
+#pragma unroll
+        for (int off = 1; off < 8; off <<= 1) amax = fmaxf(amax, __shfl_xor_sync(DS4_FULL_MASK, amax, off));
+        if (!live) continue;
+        const float is = amax != 0.0f ? __fdiv_rn(-127.0f, amax) : 0.0f;
+        // rint(x * is) by the 1.5 * 2^23 shift (round to nearest even; |x * is| <= 127 (1 + 2^-23)^2, so the
+        // reference's clip at 127 never cuts): the code is the low byte of the sum's bits, 0x4B400000 + code
+        int packed[8], sum = 0;
+#pragma unroll
+        for (int w = 0; w < 8; w++) {
+            int b[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                b[i] = __float_as_int(__fadd_rn(__fmul_rn(v[4 * w + i], is), 12582912.0f));
+                sum += b[i] - 0x4B400000;
+            }
+            packed[w] = (int)__byte_perm(__byte_perm(b[0], b[1], 0x0040u), __byte_perm(b[2], b[3], 0x0040u), 0x5410u);
+        }
+        int4* q4 = reinterpret_cast<int4*>(xq + (size_t)n * j.cols + 32 * gx);
+        q4[0] = make_int4(packed[0], packed[1], packed[2], packed[3]);
+        q4[1] = make_int4(packed[4], packed[5], packed[6], packed[7]);
+        xs[t] = sum;
+        if ((lane & 7) == 0) xd[(size_t)n * (j.cols >> 8) + (gx >> 3)] = is != 0.0f ? __fdiv_rn(1.0f, is) : 0.0f;
+    }
+    __syncthreads();
+}
+
+// An int below 2^22 in magnitude as a float, exactly: 1.5 * 2^23 + v in the mantissa, less 1.5 * 2^23 (full-rate
+// integer and fp32 ops instead of I2F).
+__device__ __forceinline__ float i22_to_float(int v) {
+    return __fsub_rn(__int_as_float(0x4B400000 + v), 12582912.0f);
+}
+
+template <int NB>
+__device__ __forceinline__ void gemv_q4k_i8(const GemvJob& j) {
+    extern __shared__ __align__(16) uint8_t gemv_stage[];
+    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    const int gwarp = blockIdx.x * warps + (threadIdx.x >> 5), nwarps = gridDim.x * warps;
+    uint8_t* stage = gemv_stage + (threadIdx.x >> 5) * GEMV_STAGE_WARP(Q4K);
+    const int ngx = j.cols >> 5, nbx = j.cols >> 8;
+    int8_t* xq = reinterpret_cast<int8_t*>(gemv_stage + warps * GEMV_STAGE_WARP(Q4K));
+    float* xd = reinterpret_cast<float*>(xq + (size_t)j.nx * j.cols);
+    int* xs = reinterpret_cast<int*>(xd + (size_t)j.nx * nbx);
+    const int nvec = j.cols >> 3;
+    const int nchunks = (nvec + GemvStage<Q4K>::PIECES - 1) / GemvStage<Q4K>::PIECES;
+    const int groups = group_count(j);
+    Q8Item cur{gwarp, 0};
+    const bool any = cur.g < groups;
+    if (any) staged_issue<Q4K>(j, stage, 0, cur, nvec, lane);  // before pdl_wait: weights only
+    pdl_wait();
+    pdl_launch_dependents();
+    {
+        float den[NB];
+#pragma unroll
+        for (int n = 0; n < NB; n++) den[n] = (n < j.nx && (j.flags & GEMV_NORM)) ? warp_norm_den(j, n) : 1.0f;
+        gemv_q8k_quantise<NB>(j, den, xq, xd, xs);
+    }
+    // the lane's sub-block within a 256-block is fixed (lane & 7: the pieces hold whole blocks, 8 groups each)
+    const int gi = lane & 7, sh = 4 * (gi & 1), sh8 = 8 * (gi & 3), qoff = 16 + 32 * (gi >> 1);
+    float acc[NB][GEMV_ROWS];
+#pragma unroll
+    for (int n = 0; n < NB; n++)
+#pragma unroll
+        for (int s = 0; s < GEMV_ROWS; s++) acc[n][s] = 0.0f;
+    int buf = 0;
+    bool more = any;
+    while (more) {
+        Q8Item nxt = cur;
+        more = q8_next(nchunks, groups, nwarps, nxt);
+        if (more) {
+            staged_issue<Q4K>(j, stage, buf ^ 1, nxt, nvec, lane);
+            cp_async_wait<1>();                        // this item's copies have landed, the next one's fly
+        } else {
+            cp_async_wait_all();
+        }
+        __syncwarp();
+        const int g0 = cur.c * (GemvStage<Q4K>::PIECES >> 2);     // the chunk's first group of 32 columns
+        const int ng = min(GemvStage<Q4K>::PIECES >> 2, ngx - g0);
+        const uint8_t* piece[GEMV_ROWS];
+#pragma unroll
+        for (int s = 0; s < GEMV_ROWS; s++) {
+            // a slot without a row reads slot 0's staged piece (its sum is never stored)
+            const uint8_t* src = staged_src<Q4K>(j, cur, s, nvec);
+            piece[s] = src ? stage + (buf * GEMV_ROWS + s) * GEMV_STAGE_PIECE(Q4K) + ((size_t)src & 15)
+                           : s ? piece[0] : stage;
+        }
+        for (int v = lane; v < ng; v += 32) {
+            const int boff = (v >> 3) * 144;
+            float dw[GEMV_ROWS], dm[GEMV_ROWS];
+            int sc[GEMV_ROWS], mn[GEMV_ROWS], wq[GEMV_ROWS][8];
+#pragma unroll
+            for (int s = 0; s < GEMV_ROWS; s++) {
+                const uint8_t* b = piece[s] + boff;
+                const uint2 h0 = *reinterpret_cast<const uint2*>(b), h1 = *reinterpret_cast<const uint2*>(b + 8);
+                const unsigned a = h0.y >> sh8, c = h1.x >> sh8, e = h1.y >> sh8;
+                sc[s] = (int)(gi < 4 ? a & 63u : (e & 15u) | ((a >> 6) & 3u) << 4);
+                mn[s] = (int)(gi < 4 ? c & 63u : ((e >> 4) & 15u) | ((c >> 6) & 3u) << 4);
+                dw[s] = __half2float(__ushort_as_half((unsigned short)(h0.x & 0xffffu)));
+                dm[s] = __half2float(__ushort_as_half((unsigned short)(h0.x >> 16)));
+                const uint4 q0 = *reinterpret_cast<const uint4*>(b + qoff);
+                const uint4 q1 = *reinterpret_cast<const uint4*>(b + qoff + 16);
+                wq[s][0] = (int)((q0.x >> sh) & 0x0F0F0F0Fu); wq[s][1] = (int)((q0.y >> sh) & 0x0F0F0F0Fu);
+                wq[s][2] = (int)((q0.z >> sh) & 0x0F0F0F0Fu); wq[s][3] = (int)((q0.w >> sh) & 0x0F0F0F0Fu);
+                wq[s][4] = (int)((q1.x >> sh) & 0x0F0F0F0Fu); wq[s][5] = (int)((q1.y >> sh) & 0x0F0F0F0Fu);
+                wq[s][6] = (int)((q1.z >> sh) & 0x0F0F0F0Fu); wq[s][7] = (int)((q1.w >> sh) & 0x0F0F0F0Fu);
+            }
+#pragma unroll
+            for (int n = 0; n < NB; n++) {
+                if (n >= j.nx) break;
+                const int gx = g0 + v;
+                const int4* x4 = reinterpret_cast<const int4*>(xq + (size_t)n * j.cols + 32 * gx);
+                const int4 xa = x4[0], xb = x4[1];
+                const float dx = xd[(size_t)n * nbx + (gx >> 3)];
+                const int xsum = xs[n * ngx + gx];
+#pragma unroll
+                for (int s = 0; s < GEMV_ROWS; s++) {
+                    int isum = __dp4a(wq[s][0], xa.x, 0);
+                    isum = __dp4a(wq[s][1], xa.y, isum); isum = __dp4a(wq[s][2], xa.z, isum);
+                    isum = __dp4a(wq[s][3], xa.w, isum); isum = __dp4a(wq[s][4], xb.x, isum);
+                    isum = __dp4a(wq[s][5], xb.y, isum); isum = __dp4a(wq[s][6], xb.z, isum);
+                    isum = __dp4a(wq[s][7], xb.w, isum);
+                    // |sc * isum| <= 63 * 15 * 127 * 32 < 2^22 and |mn * code sum| <= 63 * 127 * 32: exact floats
+                    const float t = __fsub_rn(__fmul_rn(dw[s], i22_to_float(sc[s] * isum)),
+                                              __fmul_rn(dm[s], i22_to_float(mn[s] * xsum)));
+                    acc[n][s] = fmaf(t, dx, acc[n][s]);
+                }
+            }
+        }
+        __syncwarp();                                  // all lanes done reading before the buffer is refilled
+        if (cur.c == nchunks - 1) {
+#pragma unroll
+            for (int n = 0; n < NB; n++) {
+                if (n < j.nx) epilogue(j, cur.g, warp_sum4(acc[n]), 1.0f, n);   // the norm is in x's codes
+#pragma unroll
+                for (int s = 0; s < GEMV_ROWS; s++) acc[n][s] = 0.0f;
+            }
+        }
+        cur = nxt;
+        buf ^= 1;
+    }
+}
+
+// As gemv_q4_k, int8 activations (x_group_rows 0). Launch: as gemv_q4_k, dynamic shared memory
+// warps * GEMV_STAGE_WARP(Q4K) + nx * (cols + cols / 64 + cols / 8) rounded up to 16 (ops/gemv.py i8_x_bytes).
+extern "C" __global__ void gemv_q4_k_i8(const uint8_t* W0, const uint8_t* W1, const uint8_t* W2, const uint8_t* W3,
+                                        int rows0, int rows1, int rows2, int rows3, float* y0, float* y1, float* y2,
+                                        float* y3, const float* x, int cols, int x_group_rows, const float* norm_w,
+                                        float norm_eps, int flags) {
+    GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3)
+    gemv_q4k_i8<1>(j);
+}
+
+// As gemv_q4_k_rows, int8 activations. Launch: as gemv_q4_k_i8.
+extern "C" __global__ void gemv_q4_k_i8_rows(const uint8_t* W0, const uint8_t* W1, const uint8_t* W2,
+                                             const uint8_t* W3, int rows0, int rows1, int rows2, int rows3, float* y0,
+                                             float* y1, float* y2, float* y3, const float* x, int cols,
+                                             int x_group_rows, const float* norm_w, float norm_eps, int flags, int nx,
+                                             int x_stride) {
+    GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3)
+    j.nx = nx; j.x_stride = x_stride;
+    gemv_q4k_i8<GEMV_MAX_X>(j);
+}
+
+// As gemv_q4_k_hc_post, int8 activations. Launch: as gemv_q4_k_i8.
+extern "C" __global__ void gemv_q4_k_i8_hc_post(const uint8_t* W, int rows, const float* x, int cols, int x_group_rows,
+                                                const float* norm_w, float norm_eps, int flags, const float* mix,
+                                                float* X) {
+    GEMV_HC_POST_BODY
+    gemv_q4k_i8<1>(j);
+}
+
+// As gemv_q4_k_hc_post_rows, int8 activations. Launch: as gemv_q4_k_i8.
+extern "C" __global__ void gemv_q4_k_i8_hc_post_rows(const uint8_t* W, int rows, const float* x, int cols,
+                                                     int x_group_rows, const float* norm_w, float norm_eps, int flags,
+                                                     const float* mix, float* X, int nx, int x_stride) {
+    GEMV_HC_POST_BODY
+    j.nx = nx; j.x_stride = x_stride;
+    gemv_q4k_i8<GEMV_MAX_X>(j);
+}
+
+// As gemv_q4_k_swiglu, int8 activations. Launch: as gemv_q4_k_i8.
+extern "C" __global__ void gemv_q4_k_i8_swiglu(const uint8_t* Wg, const uint8_t* Wu, int rows, float* y,
+                                               const float* x, int cols, const float* norm_w, float norm_eps,
+                                               int flags, float clamp) {
+    GEMV_SWIGLU_BODY
+    gemv_q4k_i8<1>(j);
+}
+
+// As gemv_q4_k_swiglu_rows, int8 activations. Launch: as gemv_q4_k_i8.
+extern "C" __global__ void gemv_q4_k_i8_swiglu_rows(const uint8_t* Wg, const uint8_t* Wu, int rows, float* y,
+                                                    const float* x, int cols, const float* norm_w, float norm_eps,
+                                                    int flags, float clamp, int nx, int x_stride) {
+    GEMV_SWIGLU_BODY
+    j.nx = nx; j.x_stride = x_stride;
+    gemv_q4k_i8<GEMV_MAX_X>(j);
+}

@@ -137,7 +137,7 @@ def test_refusals(rt, arena, put):
     r = rng(13)
     x = put(r.standard_normal(64).astype(np.float32), False)
     y = arena.scratch(8, np.float32)
-    with pytest.raises(Ds4Error, match="Q8_0 weights only"):
+    with pytest.raises(Ds4Error, match="Q8_0 and Q4_K weights only"):
         ops.gemv(rt, [(put(gemv_weights(r, "F16", 8, 64)), y, 8)], GemvX(x, 64, act_quant=True))
     with pytest.raises(Ds4Error, match="input groups"):
         ops.gemv_hc_post(rt, put(gemv_weights(r, "Q8_0", 8, 32)), GemvX(x, 32, x_group_rows=4, act_quant=True),
