@@ -24,7 +24,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 TABLE = Path(__file__).resolve().parents[1] / "data" / "gpu_sass_loops.json"
@@ -68,6 +68,9 @@ class LoopCount:
     async_copy: bool = False  # the kernel stages with cp.async (LDGSTS): its loads are in flight before its math
     pipelined: bool = False   # it waits for its cp.async groups with some left in flight (DEPBAR.LE SB0, n > 0):
                               # a ring whose next tile loads while this one computes
+    prologue: int = 0         # int8-activation GEMVs: instructions (one thread) of one pass of the loop that
+    prologue_values: int = 0  # quantises x into shared memory, and the x values one pass quantises per warp
+                              # (quant_loop; 0: none)
 
     @property
     def per_product(self) -> float:
@@ -200,6 +203,33 @@ def inner_loop(kernel: str, insns: list[tuple[int, str, str, str]]) -> LoopCount
     return best
 
 
+# Values one lane quantises per amax butterfly (3 SHFL.BFLY over its block's 8 lanes) in the int8-activation GEMVs'
+# x quantisation (cu/gemv.cu): Q8_0 (gemv_i8_quantise, gemv_i8_quantise_warp) a float4, Q8_K (gemv_q8k_quantise)
+# a group of 32.
+QUANT_LANE_VALUES = (("gemv_q4_k_i8", 32), ("gemv_q8_0_i8", 4))
+
+
+def quant_loop(kernel: str, insns: list[tuple[int, str, str, str]]) -> tuple[int, int]:
+    """(instructions, x values per warp) of one pass of an int8-activation GEMV's x-quantisation loop, (0, 0) for
+    other kernels: of the loops whose own body shuffles in whole amax butterflies (SHFL a multiple of 3), stores to
+    shared memory and has no integer dot, the shortest span (nvdisasm's layout gives some branches spans that
+    reach into other loops). Its values: butterflies x 32 lanes x QUANT_LANE_VALUES."""
+    per_lane = next((v for prefix, v in QUANT_LANE_VALUES if kernel.startswith(prefix)), 0)
+    if not per_lane:
+        return 0, 0
+    spans = loops(insns)
+    best = None
+    for a, b in spans:
+        nested = [(x, y) for x, y in spans if (x, y) != (a, b) and a <= x and y <= b]
+        body = [insns[i][1] for i in range(a, b + 1) if not any(x <= i <= y for x, y in nested)]
+        shfl = sum(op.startswith("SHFL") for op in body)
+        if shfl >= 3 and shfl % 3 == 0 and any(op.startswith("STS") for op in body) \
+                and not any(op.startswith(("IDP", "DP4A")) for op in body):
+            if best is None or b - a < best[0]:
+                best = (b - a, len(body), shfl // 3 * 32 * per_lane)
+    return (best[1], best[2]) if best else (0, 0)
+
+
 def attn_tile_counts(insns: list[tuple[int, str, str, str]]) -> dict[str, float]:
     """attn_decode_partial's key-tile loop (cu/attention.cu), for the time model's tile chain: the loop around the
     cp.async staging loop; inside it the staging loop (its instructions and cp.async copies per pass), the q.k loop
@@ -221,8 +251,13 @@ def attn_tile_counts(insns: list[tuple[int, str, str, str]]) -> dict[str, float]
 
 
 def count_cubin(cubin: bytes, only: re.Pattern = STREAMING) -> dict[str, LoopCount]:
-    return {k: c for k, insns in disassemble(cubin).items() if only.match(k)
-            for c in [inner_loop(k, insns)] if c is not None}
+    out = {}
+    for k, insns in disassemble(cubin).items():
+        c = inner_loop(k, insns) if only.match(k) else None
+        if c is not None:
+            pro, vals = quant_loop(k, insns)
+            out[k] = replace(c, prologue=pro, prologue_values=vals) if pro else c
+    return out
 
 
 def table_from(compiled: dict[str, dict]) -> dict[str, dict[str, dict]]:
@@ -234,6 +269,8 @@ def table_from(compiled: dict[str, dict]) -> dict[str, dict[str, dict]]:
             for k, c in count_cubin(mods[stem].cubin).items():
                 d = asdict(c)
                 del d["kernel"]
+                if not d["prologue"]:                  # the kernels without an x quantisation: as before
+                    del d["prologue"], d["prologue_values"]
                 rows[k] = d
         out[arch] = dict(sorted(rows.items()))
     return out
