@@ -885,8 +885,6 @@ extern "C" __global__ void gemv_q4_k_swiglu_rows(const uint8_t* Wg, const uint8_
 // each warp's x group quantised into its own shared memory, see gemv_q8_i8's GROUPED).
 // Launch: as the Q8_0 kernels, dynamic shared memory warps * Q8_WARP_SMEM + nx * (cols + cols / 8) (ops/gemv.py).
 
-// x rows [nx][cols] quantised into xq (codes) and xd (scales): 8 lanes per block of 32 (4 values each), 4 blocks
-// per warp pass; every lane of the block runs the same passes (the shuffles), then a barrier.
 // sqrt(mean(x_n^2) + eps), correctly rounded (the divisor of ds4py.ref.ops.rmsnorm), x_n's sum as warp_norm_scale.
 __device__ __forceinline__ float warp_norm_den(const GemvJob& j, int n) {
     const int lane = threadIdx.x & 31;
@@ -900,59 +898,103 @@ __device__ __forceinline__ float warp_norm_den(const GemvJob& j, int n) {
     return __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)j.cols), j.norm_eps));
 }
 
-template <int NB>
-__device__ __forceinline__ void gemv_i8_quantise(const GemvJob& j, const float den[NB], int8_t* xq, float* xd) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5, sub = lane & 7;
-    const int nbx = j.cols >> 5, total = j.nx * nbx;
-    const bool weighted = (j.flags & GEMV_NORM) && j.norm_w;
-    for (int base = 4 * warp; base < total; base += 4 * warps) {          // warp-uniform trip count
-        const int t = base + (lane >> 3);
-        const bool live = t < total;
-        const int n = live ? t / nbx : 0, b = live ? t - n * nbx : 0;
-        float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        if (live) {
-            const float4 a = reinterpret_cast<const float4*>(j.x + (size_t)n * j.x_stride)[b * 8 + sub];
-            v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
-            if (j.flags & GEMV_NORM) {
-                float r = den[0];
-#pragma unroll
-                for (int m = 1; m < NB; m++) r = n == m ? den[m] : r;       // no runtime index into den
-                const float4 w = weighted ? reinterpret_cast<const float4*>(j.norm_w)[b * 8 + sub]
-                                          : make_float4(1.0f, 1.0f, 1.0f, 1.0f);
-                v[0] = __fmul_rn(__fdiv_rn(v[0], r), w.x); v[1] = __fmul_rn(__fdiv_rn(v[1], r), w.y);
-                v[2] = __fmul_rn(__fdiv_rn(v[2], r), w.z); v[3] = __fmul_rn(__fdiv_rn(v[3], r), w.w);
-            }
-        }
-        float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-#pragma unroll
-        for (int off = 1; off < 8; off <<= 1) amax = fmaxf(amax, __shfl_xor_sync(DS4_FULL_MASK, amax, off));
-        if (!live) continue;
-        const float d = __fdiv_rn(amax, 127.0f);
-        const float div = d > 0.0f ? d : 1.0f;
-        unsigned packed = 0u;
-#pragma unroll
-        for (int i = 0; i < 4; i++) packed |= ((unsigned)(int)rintf(__fdiv_rn(v[i], div)) & 0xFFu) << (8 * i);
-        reinterpret_cast<unsigned*>(xq + (size_t)n * j.cols + 32 * b)[sub] = packed;
-        if (sub == 0) xd[(size_t)n * nbx + b] = __half2float(__float2half_rn(d));
-    }
-    __syncthreads();
+// RN(a / b) from rb = __frcp_rn(b), b in [2^-30, 2^30] (div_rcp_ok): a first quotient and two residual
+// corrections (fmaf: exact residuals), the sequence of the hardware's own div.rn fast path, so the same correctly
+// rounded quotient as __fdiv_rn for |a| >= 2^-60 (checked against exact rationals on 80,000 hard cases: quotients
+// next to a half-integer, divisors with all-ones mantissas): 5 instructions where __fdiv_rn costs ~15 with its
+// range check. A Q8_0 code needs no more: a value below 2^-60 has |a / b| < 2^-30, code 0 either way.
+__device__ __forceinline__ bool div_rcp_ok(float b) { return b >= 0x1p-30f && b <= 0x1p30f; }
+__device__ __forceinline__ float div_rn_rcp(float a, float b, float rb) {
+    float q = __fmul_rn(a, rb);
+    float r = fmaf(-b, q, a);
+    q = fmaf(r, rb, q);
+    r = fmaf(-b, q, a);
+    return fmaf(r, rb, q);
 }
 
-// One lane's 4 codes of x block `blk` (its 8 lanes `sub` 0..7 hold the block's 32 values) and the block's f16-rounded
-// scale, quantised in registers: gemv_i8_quantise's arithmetic (so the same codes and scale), the block's amax
-// shuffled among its 8 lanes only (mask8: the lanes of one block run the same iterations).
-__device__ __forceinline__ void i8_quantise_lane(const float* xb, int sub, unsigned mask8, int& xi, float& dx) {
-    const float4 a = reinterpret_cast<const float4*>(xb)[sub];
-    float amax = fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(a.z), fabsf(a.w)));
+// x[0 .. 32) RMS-normalised when den > 0 (x / den * w, w the block's norm weights or none).
+__device__ __forceinline__ void q8_0_block_load(const float* xb, const float* wb, float den, float v[32]) {
 #pragma unroll
-    for (int off = 1; off < 8; off <<= 1) amax = fmaxf(amax, __shfl_xor_sync(mask8, amax, off));
+    for (int i = 0; i < 8; i++) {
+        const float4 a = reinterpret_cast<const float4*>(xb)[i];
+        v[4 * i] = a.x; v[4 * i + 1] = a.y; v[4 * i + 2] = a.z; v[4 * i + 3] = a.w;
+    }
+    if (den > 0.0f) {
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const float4 w = wb ? reinterpret_cast<const float4*>(wb)[i] : make_float4(1.0f, 1.0f, 1.0f, 1.0f);
+            v[4 * i] = __fmul_rn(__fdiv_rn(v[4 * i], den), w.x);
+            v[4 * i + 1] = __fmul_rn(__fdiv_rn(v[4 * i + 1], den), w.y);
+            v[4 * i + 2] = __fmul_rn(__fdiv_rn(v[4 * i + 2], den), w.z);
+            v[4 * i + 3] = __fmul_rn(__fdiv_rn(v[4 * i + 3], den), w.w);
+        }
+    }
+}
+
+// The 32 codes rint(v / div) packed 4 to a word into q (16-byte aligned): the 1.5 * 2^23 shift rounds to nearest
+// even, as rint (|v / div| <= 127 (1 + 2^-23)); the code is the low byte of the sum's bits, 0x4B400000 + code.
+// FAST: the quotients by div_rn_rcp, else by __fdiv_rn.
+template <bool FAST>
+__device__ __forceinline__ void q8_0_codes(const float v[32], float div, int8_t* q) {
+    const float rdiv = FAST ? __frcp_rn(div) : 0.0f;
+    int packed[8];
+#pragma unroll
+    for (int w = 0; w < 8; w++) {
+        int b[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const float t = FAST ? div_rn_rcp(v[4 * w + i], div, rdiv) : __fdiv_rn(v[4 * w + i], div);
+            b[i] = __float_as_int(__fadd_rn(t, 12582912.0f));
+        }
+        packed[w] = (int)__byte_perm(__byte_perm(b[0], b[1], 0x0040u), __byte_perm(b[2], b[3], 0x0040u), 0x5410u);
+    }
+    int4* q4 = reinterpret_cast<int4*>(q);
+    q4[0] = make_int4(packed[0], packed[1], packed[2], packed[3]);
+    q4[1] = make_int4(packed[4], packed[5], packed[6], packed[7]);
+}
+
+// A block whose scale is outside div_rcp_ok's range (tiny, huge or non-finite values): everything again with
+// __fdiv_rn, out of line (rare: it stays out of the quantisation loop's instructions).
+__device__ __noinline__ void q8_0_block_slow(const float* xb, const float* wb, float den, float div, int8_t* q) {
+    float v[32];
+    q8_0_block_load(xb, wb, den, v);
+    q8_0_codes<false>(v, div, q);
+}
+
+// One Q8_0 block of x (32 values at xb, 16-byte aligned), RMS-normalised first when den > 0, into 32 codes at q
+// (16-byte aligned); returns its f16-rounded scale: ds4py.ref.ops.q8_0_round's operations in one lane (d = amax /
+// 127, rint of the correctly rounded x / d, f16(d)). No shuffles: a lane quantises a whole block, so the per-block
+// work (amax, d, the scale, the indexing) is paid once per 32 values.
+__device__ __forceinline__ float q8_0_block_lane(const float* xb, const float* wb, float den, int8_t* q) {
+    float v[32];
+    q8_0_block_load(xb, wb, den, v);
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(v[i]));
     const float d = __fdiv_rn(amax, 127.0f);
     const float div = d > 0.0f ? d : 1.0f;
-    xi = (int)(((unsigned)(int)rintf(__fdiv_rn(a.x, div)) & 0xFFu) |
-               (((unsigned)(int)rintf(__fdiv_rn(a.y, div)) & 0xFFu) << 8) |
-               (((unsigned)(int)rintf(__fdiv_rn(a.z, div)) & 0xFFu) << 16) |
-               (((unsigned)(int)rintf(__fdiv_rn(a.w, div)) & 0xFFu) << 24));
-    dx = __half2float(__float2half_rn(d));
+    if (div_rcp_ok(div))
+        q8_0_codes<true>(v, div, q);
+    else
+        q8_0_block_slow(xb, wb, den, div, q);
+    return __half2float(__float2half_rn(d));
+}
+
+// x rows [nx][cols] quantised into xq (codes) and xd (scales): one block of 32 per thread, then a barrier.
+template <int NB>
+__device__ __forceinline__ void gemv_i8_quantise(const GemvJob& j, const float den[NB], int8_t* xq, float* xd) {
+    const int nbx = j.cols >> 5, total = j.nx * nbx;
+    const float* nw = (j.flags & GEMV_NORM) ? j.norm_w : nullptr;
+#pragma unroll 1
+    for (int t = threadIdx.x; t < total; t += blockDim.x) {
+        const int n = t / nbx, b = t - n * nbx;
+        float r = den[0];
+#pragma unroll
+        for (int m = 1; m < NB; m++) r = n == m ? den[m] : r;           // no runtime index into den
+        xd[t] = q8_0_block_lane(j.x + (size_t)n * j.x_stride + 32 * b, nw ? nw + 32 * b : nullptr,
+                                (j.flags & GEMV_NORM) ? r : 0.0f, xq + (size_t)n * j.cols + 32 * b);
+    }
+    __syncthreads();
 }
 
 // GROUPED (input groups, x_group_rows > 0; no norm): a warp takes a run of consecutive row groups (not grid-stride)
@@ -962,21 +1004,14 @@ __device__ __forceinline__ void i8_quantise_lane(const float* xb, int sub, unsig
 // scales and the accumulation order are the ungrouped kernel's, so each group's rows equal gemv_q8_0_i8 on that
 // group's x bit for bit.
 __device__ __forceinline__ void gemv_i8_quantise_warp(const GemvJob& j, int xgroup, int8_t* xq, float* xd) {
-    const int lane = threadIdx.x & 31, sub = lane & 7;
-    const unsigned mask8 = 0xFFu << (lane & 24);
+    const int lane = threadIdx.x & 31;
     const int nbx = j.cols >> 5, total = j.nx * nbx;
     __syncwarp();                                      // the previous group's codes are no longer read
-#pragma unroll 4
-    for (int base = 0; base < total; base += 4) {      // warp-uniform trip count; a block's 8 lanes live together
-        const int t = base + (lane >> 3);
-        if (t < total) {
-            const int n = t / nbx, b = t - n * nbx;
-            int xi;
-            float dx;
-            i8_quantise_lane(j.x + (size_t)n * j.x_stride + (size_t)xgroup * j.cols + 32 * b, sub, mask8, xi, dx);
-            reinterpret_cast<int*>(xq + (size_t)n * j.cols + 32 * b)[sub] = xi;
-            if (sub == 0) xd[(size_t)n * nbx + b] = dx;
-        }
+#pragma unroll 1
+    for (int t = lane; t < total; t += 32) {           // one block of 32 values per lane (q8_0_block_lane)
+        const int n = t / nbx, b = t - n * nbx;
+        xd[t] = q8_0_block_lane(j.x + (size_t)n * j.x_stride + (size_t)xgroup * j.cols + 32 * b, nullptr, 0.0f,
+                                xq + (size_t)n * j.cols + 32 * b);
     }
     __syncwarp();
 }
@@ -1198,6 +1233,7 @@ __device__ __forceinline__ void gemv_q8k_quantise(const GemvJob& j, const float 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const int ngx = j.cols >> 5, total = j.nx * ngx;
     const bool weighted = (j.flags & GEMV_NORM) && j.norm_w;
+#pragma unroll 1
     for (int base = 32 * warp; base < total; base += 32 * warps) {        // warp-uniform trip count
         const int t = base + lane;
         const bool live = t < total;                                      // a block's 8 lanes live together

@@ -183,11 +183,15 @@ def inner_loop(kernel: str, insns: list[tuple[int, str, str, str]]) -> LoopCount
     weight."""
     spans = loops(insns)
     staged = any(op.startswith("LDGSTS") for _, op, _, _ in insns)
+    # an int8-activation GEMV's weight loop is its integer-dot loop (not the x quantisation's divisions)
+    dots_only = any(kernel.startswith(prefix) for prefix, _ in QUANT_LANE_VALUES)
     ring = staged and any(op.startswith("DEPBAR") and re.search(r"SB0,\s*0x[1-9a-f]", o) for _, op, o, _ in insns)
 
     def own(a: int, b: int, nested: list[tuple[int, int]]) -> LoopCount | None:
         body = [insns[i] for i in range(a, b + 1) if not any(c <= i <= d for c, d in nested)]
         if not any(op.startswith(("LDG", "LDS", "LD.", "LDGSTS")) or op == "LD" for _, op, _, _ in body):
+            return None
+        if dots_only and not any(op.startswith(("IDP", "DP4A")) for _, op, _, _ in body):
             return None
         return _count(kernel, body, staged, ring)
 
@@ -203,17 +207,18 @@ def inner_loop(kernel: str, insns: list[tuple[int, str, str, str]]) -> LoopCount
     return best
 
 
-# Values one lane quantises per amax butterfly (3 SHFL.BFLY over its block's 8 lanes) in the int8-activation GEMVs'
-# x quantisation (cu/gemv.cu): Q8_0 (gemv_i8_quantise, gemv_i8_quantise_warp) a float4, Q8_K (gemv_q8k_quantise)
-# a group of 32.
-QUANT_LANE_VALUES = (("gemv_q4_k_i8", 32), ("gemv_q8_0_i8", 4))
+# Values one lane quantises per pass of the int8-activation GEMVs' x-quantisation loop (cu/gemv.cu, `#pragma
+# unroll 1` loops): a Q8_0 block (q8_0_block_lane: gemv_i8_quantise, gemv_i8_quantise_warp) or a Q8_K group
+# (gemv_q8k_quantise), 32 values either way.
+QUANT_LANE_VALUES = (("gemv_q4_k_i8", 32), ("gemv_q8_0_i8", 32))
 
 
 def quant_loop(kernel: str, insns: list[tuple[int, str, str, str]]) -> tuple[int, int]:
     """(instructions, x values per warp) of one pass of an int8-activation GEMV's x-quantisation loop, (0, 0) for
-    other kernels: of the loops whose own body shuffles in whole amax butterflies (SHFL a multiple of 3), stores to
-    shared memory and has no integer dot, the shortest span (nvdisasm's layout gives some branches spans that
-    reach into other loops). Its values: butterflies x 32 lanes x QUANT_LANE_VALUES."""
+    other kernels: of the loops whose own body stores to shared memory, checks divisions (FCHK: the correctly
+    rounded quotients of the rounding and the norm) and has no integer dot, the one with the most FCHK (the
+    shortest span among equals: nvdisasm's layout gives some branches spans that reach into other loops). Its
+    values: 32 lanes x QUANT_LANE_VALUES."""
     per_lane = next((v for prefix, v in QUANT_LANE_VALUES if kernel.startswith(prefix)), 0)
     if not per_lane:
         return 0, 0
@@ -222,12 +227,12 @@ def quant_loop(kernel: str, insns: list[tuple[int, str, str, str]]) -> tuple[int
     for a, b in spans:
         nested = [(x, y) for x, y in spans if (x, y) != (a, b) and a <= x and y <= b]
         body = [insns[i][1] for i in range(a, b + 1) if not any(x <= i <= y for x, y in nested)]
-        shfl = sum(op.startswith("SHFL") for op in body)
-        if shfl >= 3 and shfl % 3 == 0 and any(op.startswith("STS") for op in body) \
-                and not any(op.startswith(("IDP", "DP4A")) for op in body):
-            if best is None or b - a < best[0]:
-                best = (b - a, len(body), shfl // 3 * 32 * per_lane)
-    return (best[1], best[2]) if best else (0, 0)
+        fchk = sum(op.startswith("FCHK") for op in body)
+        if fchk and any(op.startswith("STS") for op in body) and not any(op.startswith(("IDP", "DP4A")) for op in body):
+            key = (fchk, -(b - a))
+            if best is None or key > best[0]:
+                best = (key, len(body))
+    return (best[1], 32 * per_lane) if best else (0, 0)
 
 
 def attn_tile_counts(insns: list[tuple[int, str, str, str]]) -> dict[str, float]:
