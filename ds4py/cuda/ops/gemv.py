@@ -203,7 +203,7 @@ def _i8_launches(rt: Any, what: str, qtype: str, groups: int, cols: int, nx: int
     if x_group_rows > 0:
         need(qtype == "Q8_0", f"{what}: int8 activations with input groups have a kernel for Q8_0 weights only")
         return _i8_grouped_launches(rt, what, groups, cols, nx, warps, grid, kernel)
-    warps = warps or _fill_warps(rt, qtype, groups)
+    warps = warps or max(2, _fill_warps(rt, qtype, groups))    # >= 2 warps share the x quantisation
     need(1 <= warps <= 32, f"gemv: warps must be 1..32, got {warps}")
     ring = warps * WARP_SMEM[qtype]
     per = min(nx, i8_rows_per_launch(cols, warps, qtype))
