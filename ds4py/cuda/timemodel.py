@@ -402,8 +402,8 @@ def quant_prologue(launch: Any, loop: Any) -> Prologue | None:
     blocks = launch.grid[0] * launch.grid[1] * launch.grid[2]
     passes = math.ceil(nx * cols / loop.prologue_values)        # one quantisation of x (or of one x group)
     if not xgr:
-        per_warp = math.ceil(passes / warps)
-        return Prologue(blocks * warps * per_warp * loop.prologue, per_warp * loop.prologue)
+        per_warp = math.ceil(passes / warps)                     # a warp without a pass skips the loop
+        return Prologue(blocks * passes * loop.prologue, per_warp * loop.prologue)
     rows = sum(int(v) for k, v in s.items() if re.fullmatch(r"rows\d?", k))
     groups = math.ceil(rows / GEMV_ROWS)
     nwarps = blocks * warps

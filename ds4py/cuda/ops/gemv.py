@@ -176,6 +176,7 @@ class SwiGlu:
 # nx * (cols + cols / 8) bytes. A launch takes as many activation rows as fit I8_SMEM_LIMIT (GB10's 101,376 B per
 # block, less the driver's and static bytes); more rows are more launches, each row's bits the same.
 I8_SMEM_LIMIT = 101_376 - 2048
+I8_Q4_K_WARPS = 4                                         # warps of a one-row Q4_K int8 launch (at most)
 
 
 def _i8_row_bytes(cols: int, qtype: str = "Q8_0") -> int:
@@ -203,7 +204,14 @@ def _i8_launches(rt: Any, what: str, qtype: str, groups: int, cols: int, nx: int
     if x_group_rows > 0:
         need(qtype == "Q8_0", f"{what}: int8 activations with input groups have a kernel for Q8_0 weights only")
         return _i8_grouped_launches(rt, what, groups, cols, nx, warps, grid, kernel)
-    warps = warps or max(2, _fill_warps(rt, qtype, groups))    # >= 2 warps share the x quantisation
+    if warps is None:
+        warps = max(2, _fill_warps(rt, qtype, groups))         # >= 2 warps share the x quantisation
+        if qtype == "Q4_K" and nx == 1:
+            # every block quantises all of x: Q4_K's smaller ring lets a block take more warps, so fewer blocks
+            # (the same wave) repeat it
+            warps = I8_Q4_K_WARPS
+            while warps > 2 and warps * WARP_SMEM[qtype] + i8_x_bytes(1, cols, qtype) > I8_SMEM_LIMIT:
+                warps -= 1
     need(1 <= warps <= 32, f"gemv: warps must be 1..32, got {warps}")
     ring = warps * WARP_SMEM[qtype]
     per = min(nx, i8_rows_per_launch(cols, warps, qtype))
