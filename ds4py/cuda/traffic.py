@@ -162,7 +162,7 @@ def merged(old: dict, new: dict, replace: str = "") -> dict:
 def model_width_gemv(rows: int = 16, cols: int = 4096, nx: int = 1) -> list[dict]:
     """The dense GEMV of every weight type at the model's width (V4 Flash: 4096 columns; the twin tests' rows are a
     few hundred bytes, where a row's partly used last sector weighs heavily), traffic build, one launch each (Q8_0:
-    also its int8-activation kernels, plain and with two input groups)."""
+    also its int8-activation kernels, plain and with two input groups; Q4_K: its int8-activation kernel)."""
     import numpy as np
 
     from ds4py.cuda import ops
@@ -188,8 +188,9 @@ def model_width_gemv(rows: int = 16, cols: int = 4096, nx: int = 1) -> list[dict
                 x, y = arena.scratch(cols * nx, np.float32), arena.scratch(rows * nx, np.float32)
                 x.upload(r.standard_normal(cols * nx).astype(np.float32))
                 ops.gemv(rt, [(W, y, rows)], GemvX(x, cols, nx=nx))
-                if kind == "Q8_0":                   # and its int8-activation kernels (Numerics.act_quant)
+                if kind in ("Q8_0", "Q4_K"):         # and its int8-activation kernels (Numerics.act_quant)
                     ops.gemv(rt, [(W, y, rows)], GemvX(x, cols, nx=nx, act_quant=True))
+                if kind == "Q8_0":
                     xg = arena.scratch(2 * cols * nx, np.float32)      # two input groups (the grouped wo_a)
                     xg.upload(r.standard_normal(2 * cols * nx).astype(np.float32))
                     ops.gemv(rt, [(W, y, rows)], GemvX(xg, cols, nx=nx, x_group_rows=rows // 2, act_quant=True))
