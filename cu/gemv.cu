@@ -813,8 +813,6 @@ extern "C" __global__ void gemv_q4_k_swiglu_rows(const uint8_t* Wg, const uint8_
 // each warp's x group quantised into its own shared memory, see gemv_q8_i8's GROUPED).
 // Launch: as the Q8_0 kernels, dynamic shared memory warps * Q8_WARP_SMEM + nx * (cols + cols / 8) (ops/gemv.py).
 
-// x rows [nx][cols] quantised into xq (codes) and xd (scales): 8 lanes per block of 32 (4 values each), 4 blocks
-// per warp pass; every lane of the block runs the same passes (the shuffles), then a barrier.
 // sqrt(mean(x_n^2) + eps), correctly rounded (the divisor of ds4py.ref.ops.rmsnorm), x_n's sum as warp_norm_scale.
 __device__ __forceinline__ float warp_norm_den(const GemvJob& j, int n) {
     const int lane = threadIdx.x & 31;
@@ -828,59 +826,103 @@ __device__ __forceinline__ float warp_norm_den(const GemvJob& j, int n) {
     return __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)j.cols), j.norm_eps));
 }
 
-template <int NB>
-__device__ __forceinline__ void gemv_i8_quantise(const GemvJob& j, const float den[NB], int8_t* xq, float* xd) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5, sub = lane & 7;
-    const int nbx = j.cols >> 5, total = j.nx * nbx;
-    const bool weighted = (j.flags & GEMV_NORM) && j.norm_w;
-    for (int base = 4 * warp; base < total; base += 4 * warps) {          // warp-uniform trip count
-        const int t = base + (lane >> 3);
-        const bool live = t < total;
-        const int n = live ? t / nbx : 0, b = live ? t - n * nbx : 0;
-        float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        if (live) {
-            const float4 a = reinterpret_cast<const float4*>(j.x + (size_t)n * j.x_stride)[b * 8 + sub];
-            v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
-            if (j.flags & GEMV_NORM) {
-                float r = den[0];
-#pragma unroll
-                for (int m = 1; m < NB; m++) r = n == m ? den[m] : r;       // no runtime index into den
-                const float4 w = weighted ? reinterpret_cast<const float4*>(j.norm_w)[b * 8 + sub]
-                                          : make_float4(1.0f, 1.0f, 1.0f, 1.0f);
-                v[0] = __fmul_rn(__fdiv_rn(v[0], r), w.x); v[1] = __fmul_rn(__fdiv_rn(v[1], r), w.y);
-                v[2] = __fmul_rn(__fdiv_rn(v[2], r), w.z); v[3] = __fmul_rn(__fdiv_rn(v[3], r), w.w);
-            }
-        }
-        float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-#pragma unroll
-        for (int off = 1; off < 8; off <<= 1) amax = fmaxf(amax, __shfl_xor_sync(DS4_FULL_MASK, amax, off));
-        if (!live) continue;
-        const float d = __fdiv_rn(amax, 127.0f);
-        const float div = d > 0.0f ? d : 1.0f;
-        unsigned packed = 0u;
-#pragma unroll
-        for (int i = 0; i < 4; i++) packed |= ((unsigned)(int)rintf(__fdiv_rn(v[i], div)) & 0xFFu) << (8 * i);
-        reinterpret_cast<unsigned*>(xq + (size_t)n * j.cols + 32 * b)[sub] = packed;
-        if (sub == 0) xd[(size_t)n * nbx + b] = __half2float(__float2half_rn(d));
-    }
-    __syncthreads();
+// RN(a / b) from rb = __frcp_rn(b), b in [2^-30, 2^30] (div_rcp_ok): a first quotient and two residual
+// corrections (fmaf: exact residuals), the sequence of the hardware's own div.rn fast path, so the same correctly
+// rounded quotient as __fdiv_rn for |a| >= 2^-60 (checked against exact rationals on 80,000 hard cases: quotients
+// next to a half-integer, divisors with all-ones mantissas): 5 instructions where __fdiv_rn costs ~15 with its
+// range check. A Q8_0 code needs no more: a value below 2^-60 has |a / b| < 2^-30, code 0 either way.
+__device__ __forceinline__ bool div_rcp_ok(float b) { return b >= 0x1p-30f && b <= 0x1p30f; }
+__device__ __forceinline__ float div_rn_rcp(float a, float b, float rb) {
+    float q = __fmul_rn(a, rb);
+    float r = fmaf(-b, q, a);
+    q = fmaf(r, rb, q);
+    r = fmaf(-b, q, a);
+    return fmaf(r, rb, q);
 }
 
-// One lane's 4 codes of x block `blk` (its 8 lanes `sub` 0..7 hold the block's 32 values) and the block's f16-rounded
-// scale, quantised in registers: gemv_i8_quantise's arithmetic (so the same codes and scale), the block's amax
-// shuffled among its 8 lanes only (mask8: the lanes of one block run the same iterations).
-__device__ __forceinline__ void i8_quantise_lane(const float* xb, int sub, unsigned mask8, int& xi, float& dx) {
-    const float4 a = reinterpret_cast<const float4*>(xb)[sub];
-    float amax = fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(a.z), fabsf(a.w)));
+// x[0 .. 32) RMS-normalised when den > 0 (x / den * w, w the block's norm weights or none).
+__device__ __forceinline__ void q8_0_block_load(const float* xb, const float* wb, float den, float v[32]) {
 #pragma unroll
-    for (int off = 1; off < 8; off <<= 1) amax = fmaxf(amax, __shfl_xor_sync(mask8, amax, off));
+    for (int i = 0; i < 8; i++) {
+        const float4 a = reinterpret_cast<const float4*>(xb)[i];
+        v[4 * i] = a.x; v[4 * i + 1] = a.y; v[4 * i + 2] = a.z; v[4 * i + 3] = a.w;
+    }
+    if (den > 0.0f) {
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const float4 w = wb ? reinterpret_cast<const float4*>(wb)[i] : make_float4(1.0f, 1.0f, 1.0f, 1.0f);
+            v[4 * i] = __fmul_rn(__fdiv_rn(v[4 * i], den), w.x);
+            v[4 * i + 1] = __fmul_rn(__fdiv_rn(v[4 * i + 1], den), w.y);
+            v[4 * i + 2] = __fmul_rn(__fdiv_rn(v[4 * i + 2], den), w.z);
+            v[4 * i + 3] = __fmul_rn(__fdiv_rn(v[4 * i + 3], den), w.w);
+        }
+    }
+}
+
+// The 32 codes rint(v / div) packed 4 to a word into q (16-byte aligned): the 1.5 * 2^23 shift rounds to nearest
+// even, as rint (|v / div| <= 127 (1 + 2^-23)); the code is the low byte of the sum's bits, 0x4B400000 + code.
+// FAST: the quotients by div_rn_rcp, else by __fdiv_rn.
+template <bool FAST>
+__device__ __forceinline__ void q8_0_codes(const float v[32], float div, int8_t* q) {
+    const float rdiv = FAST ? __frcp_rn(div) : 0.0f;
+    int packed[8];
+#pragma unroll
+    for (int w = 0; w < 8; w++) {
+        int b[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const float t = FAST ? div_rn_rcp(v[4 * w + i], div, rdiv) : __fdiv_rn(v[4 * w + i], div);
+            b[i] = __float_as_int(__fadd_rn(t, 12582912.0f));
+        }
+        packed[w] = (int)__byte_perm(__byte_perm(b[0], b[1], 0x0040u), __byte_perm(b[2], b[3], 0x0040u), 0x5410u);
+    }
+    int4* q4 = reinterpret_cast<int4*>(q);
+    q4[0] = make_int4(packed[0], packed[1], packed[2], packed[3]);
+    q4[1] = make_int4(packed[4], packed[5], packed[6], packed[7]);
+}
+
+// A block whose scale is outside div_rcp_ok's range (tiny, huge or non-finite values): everything again with
+// __fdiv_rn, out of line (rare: it stays out of the quantisation loop's instructions).
+__device__ __noinline__ void q8_0_block_slow(const float* xb, const float* wb, float den, float div, int8_t* q) {
+    float v[32];
+    q8_0_block_load(xb, wb, den, v);
+    q8_0_codes<false>(v, div, q);
+}
+
+// One Q8_0 block of x (32 values at xb, 16-byte aligned), RMS-normalised first when den > 0, into 32 codes at q
+// (16-byte aligned); returns its f16-rounded scale: ds4py.ref.ops.q8_0_round's operations in one lane (d = amax /
+// 127, rint of the correctly rounded x / d, f16(d)). No shuffles: a lane quantises a whole block, so the per-block
+// work (amax, d, the scale, the indexing) is paid once per 32 values.
+__device__ __forceinline__ float q8_0_block_lane(const float* xb, const float* wb, float den, int8_t* q) {
+    float v[32];
+    q8_0_block_load(xb, wb, den, v);
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(v[i]));
     const float d = __fdiv_rn(amax, 127.0f);
     const float div = d > 0.0f ? d : 1.0f;
-    xi = (int)(((unsigned)(int)rintf(__fdiv_rn(a.x, div)) & 0xFFu) |
-               (((unsigned)(int)rintf(__fdiv_rn(a.y, div)) & 0xFFu) << 8) |
-               (((unsigned)(int)rintf(__fdiv_rn(a.z, div)) & 0xFFu) << 16) |
-               (((unsigned)(int)rintf(__fdiv_rn(a.w, div)) & 0xFFu) << 24));
-    dx = __half2float(__float2half_rn(d));
+    if (div_rcp_ok(div))
+        q8_0_codes<true>(v, div, q);
+    else
+        q8_0_block_slow(xb, wb, den, div, q);
+    return __half2float(__float2half_rn(d));
+}
+
+// x rows [nx][cols] quantised into xq (codes) and xd (scales): one block of 32 per thread, then a barrier.
+template <int NB>
+__device__ __forceinline__ void gemv_i8_quantise(const GemvJob& j, const float den[NB], int8_t* xq, float* xd) {
+    const int nbx = j.cols >> 5, total = j.nx * nbx;
+    const float* nw = (j.flags & GEMV_NORM) ? j.norm_w : nullptr;
+#pragma unroll 1
+    for (int t = threadIdx.x; t < total; t += blockDim.x) {
+        const int n = t / nbx, b = t - n * nbx;
+        float r = den[0];
+#pragma unroll
+        for (int m = 1; m < NB; m++) r = n == m ? den[m] : r;           // no runtime index into den
+        xd[t] = q8_0_block_lane(j.x + (size_t)n * j.x_stride + 32 * b, nw ? nw + 32 * b : nullptr,
+                                (j.flags & GEMV_NORM) ? r : 0.0f, xq + (size_t)n * j.cols + 32 * b);
+    }
+    __syncthreads();
 }
 
 // GROUPED (input groups, x_group_rows > 0; no norm): a warp takes a run of consecutive row groups (not grid-stride)
@@ -890,21 +932,14 @@ __device__ __forceinline__ void i8_quantise_lane(const float* xb, int sub, unsig
 // scales and the accumulation order are the ungrouped kernel's, so each group's rows equal gemv_q8_0_i8 on that
 // group's x bit for bit.
 __device__ __forceinline__ void gemv_i8_quantise_warp(const GemvJob& j, int xgroup, int8_t* xq, float* xd) {
-    const int lane = threadIdx.x & 31, sub = lane & 7;
-    const unsigned mask8 = 0xFFu << (lane & 24);
+    const int lane = threadIdx.x & 31;
     const int nbx = j.cols >> 5, total = j.nx * nbx;
     __syncwarp();                                      // the previous group's codes are no longer read
-#pragma unroll 4
-    for (int base = 0; base < total; base += 4) {      // warp-uniform trip count; a block's 8 lanes live together
-        const int t = base + (lane >> 3);
-        if (t < total) {
-            const int n = t / nbx, b = t - n * nbx;
-            int xi;
-            float dx;
-            i8_quantise_lane(j.x + (size_t)n * j.x_stride + (size_t)xgroup * j.cols + 32 * b, sub, mask8, xi, dx);
-            reinterpret_cast<int*>(xq + (size_t)n * j.cols + 32 * b)[sub] = xi;
-            if (sub == 0) xd[(size_t)n * nbx + b] = dx;
-        }
+#pragma unroll 1
+    for (int t = lane; t < total; t += 32) {           // one block of 32 values per lane (q8_0_block_lane)
+        const int n = t / nbx, b = t - n * nbx;
+        xd[t] = q8_0_block_lane(j.x + (size_t)n * j.x_stride + (size_t)xgroup * j.cols + 32 * b, nullptr, 0.0f,
+                                xq + (size_t)n * j.cols + 32 * b);
     }
     __syncwarp();
 }
@@ -1099,4 +1134,255 @@ extern "C" __global__ void gemv_q8_0_i8_grouped_rows(const uint8_t* W0, const ui
     GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3)
     j.nx = nx; j.x_stride = x_stride;
     gemv_q8_i8<GEMV_MAX_X, true>(j);
+}
+
+// ---- Q4_K with int8 activations (Numerics.act_quant): dp4a against Q8_K codes -----------------------------------
+// gemv_q4_k_i8[_hc_post | _swiglu][_rows]: the Q4_K kernels' contracts and weight ring (gemv_staged<Q4K>'s pieces,
+// staged_issue, the first piece issued before pdl_wait, slots and row groups as there), but x rounded as the
+// reference's act_quant mode rounds the input of a K-quant product (ds4py.ref.ops.q8_k_round: blocks of 256, the
+// signed value of largest magnitude m, iscale = -127 / m, q = rint(x * iscale), d = 1 / iscale, in fp32), after the
+// RMSNorm prologue when there is one (warp_norm_den: the reference's operations), once per block into shared memory
+// behind the ring: codes int8 [nx][cols], scales float [nx][cols / 256], code sums int [nx][cols / 32].
+// The positive amax instead of m gives every code and d negated when m < 0 (MoeActI8's argument), so q * d and every
+// dot * d are the same floats. A lane takes one sub-block of 32 weights (one 6-bit scale sc and min mn) per step:
+// sum(nibble * code) in 8 dp4a, exact; the sub-block adds d_x * (d * (sc * sum) - dmin * (mn * code sum)) to the
+// lane's row sum (fmaf, sub-blocks in increasing order), then warp_sum4 and the epilogue as every GEMV. So y equals
+// the fp32 product on q8_k_round(x) up to the fp32 rounding of the sums (tests/test_cu_emu_gemv_i8.py), and a row's
+// bits do not depend on nx (the _rows kernels run the single-row arithmetic). No input groups (refused by the host).
+// Launch: as gemv_q4_k, dynamic shared memory warps * GEMV_STAGE_WARP(Q4K) + nx * (cols + cols / 64 + cols / 8)
+// (ops/gemv.py i8_x_bytes).
+
+// x rows [nx][cols] quantised as Q8_K: lane t of a pass takes the 32 values of group t (a 256-block's 8 groups on 8
+// consecutive lanes: cols % 256 == 0), the block's amax over its 8 lanes; every lane runs the same passes (the
+// shuffles), then a barrier.
+template <int NB>
+__device__ __forceinline__ void gemv_q8k_quantise(const GemvJob& j, const float den[NB], int8_t* xq, float* xd,
+                                                  int* xs) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int ngx = j.cols >> 5, total = j.nx * ngx;
+    const bool weighted = (j.flags & GEMV_NORM) && j.norm_w;
+#pragma unroll 1
+    for (int base = 32 * warp; base < total; base += 32 * warps) {        // warp-uniform trip count
+        const int t = base + lane;
+        const bool live = t < total;                                      // a block's 8 lanes live together
+        const int n = live ? t / ngx : 0, gx = live ? t - n * ngx : 0;
+        float v[32];
+#pragma unroll
+        for (int i = 0; i < 32; i++) v[i] = 0.0f;
+        if (live) {
+            const float4* x4 = reinterpret_cast<const float4*>(j.x + (size_t)n * j.x_stride) + 8 * gx;
+            float r = den[0];
+#pragma unroll
+            for (int m = 1; m < NB; m++) r = n == m ? den[m] : r;           // no runtime index into den
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                const float4 a = x4[i];
+                v[4 * i] = a.x; v[4 * i + 1] = a.y; v[4 * i + 2] = a.z; v[4 * i + 3] = a.w;
+                if (j.flags & GEMV_NORM) {
+                    const float4 w = weighted ? reinterpret_cast<const float4*>(j.norm_w)[8 * gx + i]
+                                              : make_float4(1.0f, 1.0f, 1.0f, 1.0f);
+                    v[4 * i] = __fmul_rn(__fdiv_rn(v[4 * i], r), w.x);
+                    v[4 * i + 1] = __fmul_rn(__fdiv_rn(v[4 * i + 1], r), w.y);
+                    v[4 * i + 2] = __fmul_rn(__fdiv_rn(v[4 * i + 2], r), w.z);
+                    v[4 * i + 3] = __fmul_rn(__fdiv_rn(v[4 * i + 3], r), w.w);
+                }
+            }
+        }
+        float amax = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(v[i]));
+#pragma unroll
+        for (int off = 1; off < 8; off <<= 1) amax = fmaxf(amax, __shfl_xor_sync(DS4_FULL_MASK, amax, off));
+        if (!live) continue;
+        const float is = amax != 0.0f ? __fdiv_rn(-127.0f, amax) : 0.0f;
+        // rint(x * is) by the 1.5 * 2^23 shift (round to nearest even; |x * is| <= 127 (1 + 2^-23)^2, so the
+        // reference's clip at 127 never cuts): the code is the low byte of the sum's bits, 0x4B400000 + code
+        int packed[8], sum = 0;
+#pragma unroll
+        for (int w = 0; w < 8; w++) {
+            int b[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                b[i] = __float_as_int(__fadd_rn(__fmul_rn(v[4 * w + i], is), 12582912.0f));
+                sum += b[i] - 0x4B400000;
+            }
+            packed[w] = (int)__byte_perm(__byte_perm(b[0], b[1], 0x0040u), __byte_perm(b[2], b[3], 0x0040u), 0x5410u);
+        }
+        int4* q4 = reinterpret_cast<int4*>(xq + (size_t)n * j.cols + 32 * gx);
+        q4[0] = make_int4(packed[0], packed[1], packed[2], packed[3]);
+        q4[1] = make_int4(packed[4], packed[5], packed[6], packed[7]);
+        xs[t] = sum;
+        if ((lane & 7) == 0) xd[(size_t)n * (j.cols >> 8) + (gx >> 3)] = is != 0.0f ? __fdiv_rn(1.0f, is) : 0.0f;
+    }
+    __syncthreads();
+}
+
+// An int below 2^22 in magnitude as a float, exactly: 1.5 * 2^23 + v in the mantissa, less 1.5 * 2^23 (full-rate
+// integer and fp32 ops instead of I2F).
+__device__ __forceinline__ float i22_to_float(int v) {
+    return __fsub_rn(__int_as_float(0x4B400000 + v), 12582912.0f);
+}
+
+template <int NB>
+__device__ __forceinline__ void gemv_q4k_i8(const GemvJob& j) {
+    extern __shared__ __align__(16) uint8_t gemv_stage[];
+    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    const int gwarp = blockIdx.x * warps + (threadIdx.x >> 5), nwarps = gridDim.x * warps;
+    uint8_t* stage = gemv_stage + (threadIdx.x >> 5) * GEMV_STAGE_WARP(Q4K);
+    const int ngx = j.cols >> 5, nbx = j.cols >> 8;
+    int8_t* xq = reinterpret_cast<int8_t*>(gemv_stage + warps * GEMV_STAGE_WARP(Q4K));
+    float* xd = reinterpret_cast<float*>(xq + (size_t)j.nx * j.cols);
+    int* xs = reinterpret_cast<int*>(xd + (size_t)j.nx * nbx);
+    const int nvec = j.cols >> 3;
+    const int nchunks = (nvec + GemvStage<Q4K>::PIECES - 1) / GemvStage<Q4K>::PIECES;
+    const int groups = group_count(j);
+    Q8Item cur{gwarp, 0};
+    const bool any = cur.g < groups;
+    if (any) staged_issue<Q4K>(j, stage, 0, cur, nvec, lane);  // before pdl_wait: weights only
+    pdl_wait();
+    pdl_launch_dependents();
+    {
+        float den[NB];
+#pragma unroll
+        for (int n = 0; n < NB; n++) den[n] = (n < j.nx && (j.flags & GEMV_NORM)) ? warp_norm_den(j, n) : 1.0f;
+        gemv_q8k_quantise<NB>(j, den, xq, xd, xs);
+    }
+    // the lane's sub-block within a 256-block is fixed (lane & 7: the pieces hold whole blocks, 8 groups each)
+    const int gi = lane & 7, sh = 4 * (gi & 1), sh8 = 8 * (gi & 3), qoff = 16 + 32 * (gi >> 1);
+    float acc[NB][GEMV_ROWS];
+#pragma unroll
+    for (int n = 0; n < NB; n++)
+#pragma unroll
+        for (int s = 0; s < GEMV_ROWS; s++) acc[n][s] = 0.0f;
+    int buf = 0;
+    bool more = any;
+    while (more) {
+        Q8Item nxt = cur;
+        more = q8_next(nchunks, groups, nwarps, nxt);
+        if (more) {
+            staged_issue<Q4K>(j, stage, buf ^ 1, nxt, nvec, lane);
+            cp_async_wait<1>();                        // this item's copies have landed, the next one's fly
+        } else {
+            cp_async_wait_all();
+        }
+        __syncwarp();
+        const int g0 = cur.c * (GemvStage<Q4K>::PIECES >> 2);     // the chunk's first group of 32 columns
+        const int ng = min(GemvStage<Q4K>::PIECES >> 2, ngx - g0);
+        const uint8_t* piece[GEMV_ROWS];
+#pragma unroll
+        for (int s = 0; s < GEMV_ROWS; s++) {
+            // a slot without a row reads slot 0's staged piece (its sum is never stored)
+            const uint8_t* src = staged_src<Q4K>(j, cur, s, nvec);
+            piece[s] = src ? stage + (buf * GEMV_ROWS + s) * GEMV_STAGE_PIECE(Q4K) + ((size_t)src & 15)
+                           : s ? piece[0] : stage;
+        }
+        for (int v = lane; v < ng; v += 32) {
+            const int boff = (v >> 3) * 144;
+            float dw[GEMV_ROWS], dm[GEMV_ROWS];
+            int sc[GEMV_ROWS], mn[GEMV_ROWS], wq[GEMV_ROWS][8];
+#pragma unroll
+            for (int s = 0; s < GEMV_ROWS; s++) {
+                const uint8_t* b = piece[s] + boff;
+                const uint2 h0 = *reinterpret_cast<const uint2*>(b), h1 = *reinterpret_cast<const uint2*>(b + 8);
+                const unsigned a = h0.y >> sh8, c = h1.x >> sh8, e = h1.y >> sh8;
+                sc[s] = (int)(gi < 4 ? a & 63u : (e & 15u) | ((a >> 6) & 3u) << 4);
+                mn[s] = (int)(gi < 4 ? c & 63u : ((e >> 4) & 15u) | ((c >> 6) & 3u) << 4);
+                dw[s] = __half2float(__ushort_as_half((unsigned short)(h0.x & 0xffffu)));
+                dm[s] = __half2float(__ushort_as_half((unsigned short)(h0.x >> 16)));
+                const uint4 q0 = *reinterpret_cast<const uint4*>(b + qoff);
+                const uint4 q1 = *reinterpret_cast<const uint4*>(b + qoff + 16);
+                wq[s][0] = (int)((q0.x >> sh) & 0x0F0F0F0Fu); wq[s][1] = (int)((q0.y >> sh) & 0x0F0F0F0Fu);
+                wq[s][2] = (int)((q0.z >> sh) & 0x0F0F0F0Fu); wq[s][3] = (int)((q0.w >> sh) & 0x0F0F0F0Fu);
+                wq[s][4] = (int)((q1.x >> sh) & 0x0F0F0F0Fu); wq[s][5] = (int)((q1.y >> sh) & 0x0F0F0F0Fu);
+                wq[s][6] = (int)((q1.z >> sh) & 0x0F0F0F0Fu); wq[s][7] = (int)((q1.w >> sh) & 0x0F0F0F0Fu);
+            }
+#pragma unroll
+            for (int n = 0; n < NB; n++) {
+                if (n >= j.nx) break;
+                const int gx = g0 + v;
+                const int4* x4 = reinterpret_cast<const int4*>(xq + (size_t)n * j.cols + 32 * gx);
+                const int4 xa = x4[0], xb = x4[1];
+                const float dx = xd[(size_t)n * nbx + (gx >> 3)];
+                const int xsum = xs[n * ngx + gx];
+#pragma unroll
+                for (int s = 0; s < GEMV_ROWS; s++) {
+                    int isum = __dp4a(wq[s][0], xa.x, 0);
+                    isum = __dp4a(wq[s][1], xa.y, isum); isum = __dp4a(wq[s][2], xa.z, isum);
+                    isum = __dp4a(wq[s][3], xa.w, isum); isum = __dp4a(wq[s][4], xb.x, isum);
+                    isum = __dp4a(wq[s][5], xb.y, isum); isum = __dp4a(wq[s][6], xb.z, isum);
+                    isum = __dp4a(wq[s][7], xb.w, isum);
+                    // |sc * isum| <= 63 * 15 * 127 * 32 < 2^22 and |mn * code sum| <= 63 * 127 * 32: exact floats
+                    const float t = __fsub_rn(__fmul_rn(dw[s], i22_to_float(sc[s] * isum)),
+                                              __fmul_rn(dm[s], i22_to_float(mn[s] * xsum)));
+                    acc[n][s] = fmaf(t, dx, acc[n][s]);
+                }
+            }
+        }
+        __syncwarp();                                  // all lanes done reading before the buffer is refilled
+        if (cur.c == nchunks - 1) {
+#pragma unroll
+            for (int n = 0; n < NB; n++) {
+                if (n < j.nx) epilogue(j, cur.g, warp_sum4(acc[n]), 1.0f, n);   // the norm is in x's codes
+#pragma unroll
+                for (int s = 0; s < GEMV_ROWS; s++) acc[n][s] = 0.0f;
+            }
+        }
+        cur = nxt;
+        buf ^= 1;
+    }
+}
+
+// As gemv_q4_k, int8 activations (x_group_rows 0). Launch: as gemv_q4_k, dynamic shared memory
+// warps * GEMV_STAGE_WARP(Q4K) + nx * (cols + cols / 64 + cols / 8) rounded up to 16 (ops/gemv.py i8_x_bytes).
+extern "C" __global__ void gemv_q4_k_i8(const uint8_t* W0, const uint8_t* W1, const uint8_t* W2, const uint8_t* W3,
+                                        int rows0, int rows1, int rows2, int rows3, float* y0, float* y1, float* y2,
+                                        float* y3, const float* x, int cols, int x_group_rows, const float* norm_w,
+                                        float norm_eps, int flags) {
+    GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3)
+    gemv_q4k_i8<1>(j);
+}
+
+// As gemv_q4_k_rows, int8 activations. Launch: as gemv_q4_k_i8.
+extern "C" __global__ void gemv_q4_k_i8_rows(const uint8_t* W0, const uint8_t* W1, const uint8_t* W2,
+                                             const uint8_t* W3, int rows0, int rows1, int rows2, int rows3, float* y0,
+                                             float* y1, float* y2, float* y3, const float* x, int cols,
+                                             int x_group_rows, const float* norm_w, float norm_eps, int flags, int nx,
+                                             int x_stride) {
+    GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3)
+    j.nx = nx; j.x_stride = x_stride;
+    gemv_q4k_i8<GEMV_MAX_X>(j);
+}
+
+// As gemv_q4_k_hc_post, int8 activations. Launch: as gemv_q4_k_i8.
+extern "C" __global__ void gemv_q4_k_i8_hc_post(const uint8_t* W, int rows, const float* x, int cols, int x_group_rows,
+                                                const float* norm_w, float norm_eps, int flags, const float* mix,
+                                                float* X) {
+    GEMV_HC_POST_BODY
+    gemv_q4k_i8<1>(j);
+}
+
+// As gemv_q4_k_hc_post_rows, int8 activations. Launch: as gemv_q4_k_i8.
+extern "C" __global__ void gemv_q4_k_i8_hc_post_rows(const uint8_t* W, int rows, const float* x, int cols,
+                                                     int x_group_rows, const float* norm_w, float norm_eps, int flags,
+                                                     const float* mix, float* X, int nx, int x_stride) {
+    GEMV_HC_POST_BODY
+    j.nx = nx; j.x_stride = x_stride;
+    gemv_q4k_i8<GEMV_MAX_X>(j);
+}
+
+// As gemv_q4_k_swiglu, int8 activations. Launch: as gemv_q4_k_i8.
+extern "C" __global__ void gemv_q4_k_i8_swiglu(const uint8_t* Wg, const uint8_t* Wu, int rows, float* y,
+                                               const float* x, int cols, const float* norm_w, float norm_eps,
+                                               int flags, float clamp) {
+    GEMV_SWIGLU_BODY
+    gemv_q4k_i8<1>(j);
+}
+
+// As gemv_q4_k_swiglu_rows, int8 activations. Launch: as gemv_q4_k_i8.
+extern "C" __global__ void gemv_q4_k_i8_swiglu_rows(const uint8_t* Wg, const uint8_t* Wu, int rows, float* y,
+                                                    const float* x, int cols, const float* norm_w, float norm_eps,
+                                                    int flags, float clamp, int nx, int x_stride) {
+    GEMV_SWIGLU_BODY
+    j.nx = nx; j.x_stride = x_stride;
+    gemv_q4k_i8<GEMV_MAX_X>(j);
 }

@@ -137,7 +137,7 @@ def test_refusals(rt, arena, put):
     r = rng(13)
     x = put(r.standard_normal(64).astype(np.float32), False)
     y = arena.scratch(8, np.float32)
-    with pytest.raises(Ds4Error, match="Q8_0 weights only"):
+    with pytest.raises(Ds4Error, match="Q8_0 and Q4_K weights only"):
         ops.gemv(rt, [(put(gemv_weights(r, "F16", 8, 64)), y, 8)], GemvX(x, 64, act_quant=True))
     with pytest.raises(Ds4Error, match="input groups"):
         ops.gemv_hc_post(rt, put(gemv_weights(r, "Q8_0", 8, 32)), GemvX(x, 32, x_group_rows=4, act_quant=True),
@@ -228,3 +228,40 @@ def test_grouped_rows_over_several_launches_and_warps(rt, arena, put):
             assert y.download()[k * rows:(k + 1) * rows].tobytes() == one.download().tobytes(), f"row {k} {warps}"
     want, mag = tg.gemv_i8(W, xs[nx - 1], rows, cols, x_group_rows=xgr)
     twins.assert_close_scaled(one.download(), want, mag, cols, "i8 grouped 8192")
+
+
+def near_half_codes(r: np.random.Generator, cols: int) -> np.ndarray:
+    """x whose every Q8_0 block has a scale d that is not a power of two and values within an ulp of (k + 1/2) d:
+    where a quotient x / d computed other than correctly rounded (cu/gemv.cu div_rn_rcp's contract) lands on the
+    other side of a code's half."""
+    x = np.empty(cols, np.float32)
+    for b in range(cols // 32):
+        d = np.float32(r.uniform(0.01, 3.0)) / np.float32(127)
+        k = r.integers(-127, 127, 32).astype(np.float64) + 0.5
+        v = (k * np.float64(d)).astype(np.float32)
+        step = r.integers(-1, 2, 32)
+        v = np.where(step > 0, np.nextafter(v, np.float32(np.inf)), np.where(step < 0, np.nextafter(v, np.float32(-np.inf)), v))
+        v[r.integers(0, 32)] = np.float32(127) * d                     # the block's amax: d = fl(amax / 127)
+        x[32 * b:32 * b + 32] = v
+    return x
+
+
+@pytest.mark.parametrize("kind", ["near_half", "tiny"])
+def test_codes_near_a_half_and_outside_the_fast_range(rt, arena, put, kind):
+    """The codes equal ref.ops.q8_0_round's on quotients next to a code's half (the reciprocal-based quotient,
+    div_rn_rcp); blocks whose scale is below its range (tiny: d < 2^-30) take __fdiv_rn out of line (their f16
+    scale is 0 in the reference too; above 2^30 it is inf); plain and grouped kernels."""
+    r = rng(31, len(kind))
+    rows, cols = 12, 256
+    x = near_half_codes(r, cols)
+    if kind == "tiny":
+        x = (x * np.float32(1e-9)).astype(np.float32)
+    W = gemv_weights(r, "Q8_0", rows, cols)
+    y = arena.scratch(rows, np.float32)
+    ops.gemv(rt, [(put(W), y, rows)], GemvX(put(x, False), cols, act_quant=True), warps=2)
+    check(y.download(), W, x, rows, cols, f"i8 {kind}")
+    xg = np.concatenate([x, x[::-1].copy()])
+    yg = arena.scratch(rows, np.float32)
+    ops.gemv(rt, [(put(W), yg, rows)], GemvX(put(xg, False), cols, x_group_rows=8, act_quant=True), warps=2)
+    want, mag = tg.gemv_i8(W, xg, rows, cols, x_group_rows=8)
+    twins.assert_close_scaled(yg.download(), want, mag, cols, f"i8 grouped {kind}")

@@ -370,6 +370,57 @@ def test_act_quant_numerics_are_planned_as_the_engine_runs_them(device):
             "gemv_q8_0_i8_grouped_rows"} <= rows
 
 
+@pytest.mark.parametrize("device", ["gb10", "h200"])
+def test_act_quant_v41_q4_k_gemvs_take_the_int8_kernels(device):
+    """V4.1 under act_quant: every Q4_K GEMV without input groups on gemv_q4_k_i8* (x rounded as Q8_K inside: no
+    act_round_q8_k before it), only the grouped wo_a (no int8 Q4_K kernel with input groups) still behind an
+    act_round_q8_k; the same weight bytes; a verify step on the _rows kernels; none refused."""
+    from ds4py.cuda.plan import plan_step
+
+    exact = plan_step("v41-flash-vq", "decode", device, ctx=2048)
+    quant = plan_step("v41-flash-vq", "decode", device, ctx=2048, numerics="act_quant")
+    names = [ln.kernel for ln in quant]
+    assert all(ln.problem is None for ln in quant)
+    fp32 = [ln for ln in quant if ln.kernel.startswith("gemv_q4_k") and "_i8" not in ln.kernel]
+    assert fp32 and all(dict(ln.scalars)["x_group_rows"] > 0 for ln in fp32)           # the grouped wo_a only
+    assert names.count("act_round_q8_k") == len(fp32)
+    assert {"gemv_q4_k_i8", "gemv_q4_k_i8_hc_post", "gemv_q4_k_i8_swiglu"} <= set(names)
+    assert (sum(timemodel.launch_traffic(ln, 2048).weight for ln in quant)
+            == sum(timemodel.launch_traffic(ln, 2048).weight for ln in exact))
+    rows = plan_step("v41-flash-vq", "rows", device, ctx=2048, numerics="act_quant")
+    assert {"gemv_q4_k_i8_rows", "gemv_q4_k_i8_hc_post_rows", "gemv_q4_k_i8_swiglu_rows"} <= {ln.kernel for ln in rows}
+    assert all(ln.problem is None for ln in rows)
+
+
+def test_the_x_quantisation_of_the_int8_gemvs_is_counted():
+    """The committed SASS table holds each int8 GEMV's x-quantisation pass (sass.quant_loop: 1,024 values a warp
+    pass); the model adds its instructions (every block of an ungrouped kernel quantises all of x, its warps sharing
+    the passes; a grouped kernel's warp quantises each x group its run enters) and a warp's first quantisation
+    before the rest of its bytes stream."""
+    table = sass.load_table()["sm_90"]
+    for k in ("gemv_q8_0_i8", "gemv_q8_0_i8_grouped", "gemv_q8_0_i8_rows", "gemv_q4_k_i8", "gemv_q4_k_i8_swiglu_rows"):
+        assert table[k].prologue > 0 and table[k].prologue_values == 1024, k
+    assert table["gemv_q8_0"].prologue == 0 and table["moe_gate_up_i8_q4_k"].prologue == 0
+    loop = table["gemv_q8_0_i8"]
+    cols, rows = 4096, 4096
+    sc = (("rows0", rows), ("cols", cols), ("x_group_rows", 0))
+    base = launch("gemv_q8_0_i8", 256, 128, weight=rows * cols // 32 * 34, dev=H200, scalars=sc)
+    pro = timemodel.quant_prologue(base, loop)
+    assert pro.warp_insns == 256 * (cols // 1024) * loop.prologue             # each block: x's 4 passes
+    assert pro.first_insns == loop.prologue                                    # 4 warps, one pass each
+    with_pro = timemodel.model_kernel(base, H200, 2048, loops={"gemv_q8_0_i8": loop})
+    without = timemodel.model_kernel(base, H200, 2048, loops={"gemv_q8_0_i8": sass.LoopCount(
+        "gemv_q8_0_i8", loop.instructions, loop.memory, loop.fma, loop.convert, loop.integer, loop.control,
+        loop.other, loop.products, loop.ldg_bytes, loop.async_copy, loop.pipelined)})
+    assert with_pro.t_issue_us > without.t_issue_us and with_pro.time_us >= without.time_us
+    # grouped: 8,192 rows in groups of 1,024 over 128 x 4 warps: runs of 4 row groups (16 rows), one group each
+    g = launch("gemv_q8_0_i8_grouped", 128, 128, weight=8192 * cols // 32 * 34, dev=H200,
+               scalars=(("rows0", 8192), ("cols", cols), ("x_group_rows", 1024)))
+    gl = table["gemv_q8_0_i8_grouped"]
+    gp = timemodel.quant_prologue(g, gl)
+    assert gp.first_insns == 4 * gl.prologue and gp.warp_insns == 512 * 4 * gl.prologue
+
+
 def test_an_sm_with_one_warp_issues_at_most_one_instruction_per_clock():
     t = timemodel.timing_for(H200)
     n = 1 << 20

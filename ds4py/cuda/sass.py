@@ -24,7 +24,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 TABLE = Path(__file__).resolve().parents[1] / "data" / "gpu_sass_loops.json"
@@ -68,6 +68,9 @@ class LoopCount:
     async_copy: bool = False  # the kernel stages with cp.async (LDGSTS): its loads are in flight before its math
     pipelined: bool = False   # it waits for its cp.async groups with some left in flight (DEPBAR.LE SB0, n > 0):
                               # a ring whose next tile loads while this one computes
+    prologue: int = 0         # int8-activation GEMVs: instructions (one thread) of one pass of the loop that
+    prologue_values: int = 0  # quantises x into shared memory, and the x values one pass quantises per warp
+                              # (quant_loop; 0: none)
 
     @property
     def per_product(self) -> float:
@@ -180,11 +183,15 @@ def inner_loop(kernel: str, insns: list[tuple[int, str, str, str]]) -> LoopCount
     weight."""
     spans = loops(insns)
     staged = any(op.startswith("LDGSTS") for _, op, _, _ in insns)
+    # an int8-activation GEMV's weight loop is its integer-dot loop (not the x quantisation's divisions)
+    dots_only = any(kernel.startswith(prefix) for prefix, _ in QUANT_LANE_VALUES)
     ring = staged and any(op.startswith("DEPBAR") and re.search(r"SB0,\s*0x[1-9a-f]", o) for _, op, o, _ in insns)
 
     def own(a: int, b: int, nested: list[tuple[int, int]]) -> LoopCount | None:
         body = [insns[i] for i in range(a, b + 1) if not any(c <= i <= d for c, d in nested)]
         if not any(op.startswith(("LDG", "LDS", "LD.", "LDGSTS")) or op == "LD" for _, op, _, _ in body):
+            return None
+        if dots_only and not any(op.startswith(("IDP", "DP4A")) for _, op, _, _ in body):
             return None
         return _count(kernel, body, staged, ring)
 
@@ -198,6 +205,34 @@ def inner_loop(kernel: str, insns: list[tuple[int, str, str, str]]) -> LoopCount
     if flat and flat.products and (best is None or flat.products >= 4 * best.products):
         best = flat
     return best
+
+
+# Values one lane quantises per pass of the int8-activation GEMVs' x-quantisation loop (cu/gemv.cu, `#pragma
+# unroll 1` loops): a Q8_0 block (q8_0_block_lane: gemv_i8_quantise, gemv_i8_quantise_warp) or a Q8_K group
+# (gemv_q8k_quantise), 32 values either way.
+QUANT_LANE_VALUES = (("gemv_q4_k_i8", 32), ("gemv_q8_0_i8", 32))
+
+
+def quant_loop(kernel: str, insns: list[tuple[int, str, str, str]]) -> tuple[int, int]:
+    """(instructions, x values per warp) of one pass of an int8-activation GEMV's x-quantisation loop, (0, 0) for
+    other kernels: of the loops whose own body stores to shared memory, checks divisions (FCHK: the correctly
+    rounded quotients of the rounding and the norm) and has no integer dot, the one with the most FCHK (the
+    shortest span among equals: nvdisasm's layout gives some branches spans that reach into other loops). Its
+    values: 32 lanes x QUANT_LANE_VALUES."""
+    per_lane = next((v for prefix, v in QUANT_LANE_VALUES if kernel.startswith(prefix)), 0)
+    if not per_lane:
+        return 0, 0
+    spans = loops(insns)
+    best = None
+    for a, b in spans:
+        nested = [(x, y) for x, y in spans if (x, y) != (a, b) and a <= x and y <= b]
+        body = [insns[i][1] for i in range(a, b + 1) if not any(x <= i <= y for x, y in nested)]
+        fchk = sum(op.startswith("FCHK") for op in body)
+        if fchk and any(op.startswith("STS") for op in body) and not any(op.startswith(("IDP", "DP4A")) for op in body):
+            key = (fchk, -(b - a))
+            if best is None or key > best[0]:
+                best = (key, len(body))
+    return (best[1], 32 * per_lane) if best else (0, 0)
 
 
 def attn_tile_counts(insns: list[tuple[int, str, str, str]]) -> dict[str, float]:
@@ -221,8 +256,13 @@ def attn_tile_counts(insns: list[tuple[int, str, str, str]]) -> dict[str, float]
 
 
 def count_cubin(cubin: bytes, only: re.Pattern = STREAMING) -> dict[str, LoopCount]:
-    return {k: c for k, insns in disassemble(cubin).items() if only.match(k)
-            for c in [inner_loop(k, insns)] if c is not None}
+    out = {}
+    for k, insns in disassemble(cubin).items():
+        c = inner_loop(k, insns) if only.match(k) else None
+        if c is not None:
+            pro, vals = quant_loop(k, insns)
+            out[k] = replace(c, prologue=pro, prologue_values=vals) if pro else c
+    return out
 
 
 def table_from(compiled: dict[str, dict]) -> dict[str, dict[str, dict]]:
@@ -234,6 +274,8 @@ def table_from(compiled: dict[str, dict]) -> dict[str, dict[str, dict]]:
             for k, c in count_cubin(mods[stem].cubin).items():
                 d = asdict(c)
                 del d["kernel"]
+                if not d["prologue"]:                  # the kernels without an x quantisation: as before
+                    del d["prologue"], d["prologue_values"]
                 rows[k] = d
         out[arch] = dict(sorted(rows.items()))
     return out

@@ -17,6 +17,9 @@ Per kernel (all times in microseconds):
               before any math (cp.async, then wait for all of them: no ring) with one block per SM: nothing
               overlaps its copy
               + t_tail: a last block's serial work after an atomic ticket (tail_us: round trips, Sinkhorn)
+              an int8-activation GEMV (quant_prologue) also issues its x quantisation (the SASS count of that loop x
+              its passes) and cannot stream past its ring's first pieces until a warp's first quantisation is done:
+              time >= that prologue (one warp's passes at its share of the SM's issue) + the rest of its bytes
               + the launch gap (smaller with PDL: the next kernel's launch overlaps this one's tail)
 A step is its kernels in order, except inside a fork-join region (PlannedLaunch.region: the KV branch, the shared
 expert), where the side stream runs beside the main stream: the region takes max(main's time, side's time, both
@@ -377,6 +380,43 @@ def _inflight(launch: Any, loop: Any, active_sms: int, blocks_here: int) -> int:
 
 
 @dataclass(frozen=True)
+class Prologue:
+    warp_insns: float         # the launch's warp instructions quantising x (all warps, all quantisations)
+    first_insns: float        # one warp's instructions before its first dot: its share of the first quantisation
+
+
+def quant_prologue(launch: Any, loop: Any) -> Prologue | None:
+    """The x quantisation of an int8-activation GEMV (cu/gemv.cu; LoopCount.prologue: instructions of one pass of
+    its loop, prologue_values the values a warp quantises per pass), None for other kernels. Ungrouped
+    (gemv_i8_quantise, gemv_q8k_quantise): every block quantises all nx x cols values, its warps sharing the passes;
+    grouped (gemv_q8_0_i8_grouped*: gemv_i8_quantise_warp): each warp alone quantises a group's nx x cols values at
+    every x group its run of row groups enters (runs of ceil(row groups / warps) groups of GEMV_ROWS rows). The
+    warps' RMS of x (a norm prologue's warp_norm_den loop: each warp reads x once) is not counted."""
+    from ds4py.cuda.ops.gemv import GEMV_ROWS
+
+    if loop is None or not getattr(loop, "prologue", 0) or not loop.prologue_values:
+        return None
+    s = _scalars(launch)
+    cols, nx, xgr = int(s.get("cols", 0)), int(s.get("nx", 1) or 1), int(s.get("x_group_rows", 0) or 0)
+    warps = max(1, math.ceil(launch.block[0] * launch.block[1] * launch.block[2] / 32))
+    blocks = launch.grid[0] * launch.grid[1] * launch.grid[2]
+    passes = math.ceil(nx * cols / loop.prologue_values)        # one quantisation of x (or of one x group)
+    if not xgr:
+        per_warp = math.ceil(passes / warps)                     # a warp without a pass skips the loop
+        return Prologue(blocks * passes * loop.prologue, per_warp * loop.prologue)
+    rows = sum(int(v) for k, v in s.items() if re.fullmatch(r"rows\d?", k))
+    groups = math.ceil(rows / GEMV_ROWS)
+    nwarps = blocks * warps
+    run = math.ceil(groups / nwarps)
+    quantisations = 0
+    for w in range(nwarps):
+        g0, g1 = w * run, min(groups, (w + 1) * run)
+        if g0 < g1:
+            quantisations += (GEMV_ROWS * (g1 - 1)) // xgr - (GEMV_ROWS * g0) // xgr + 1
+    return Prologue(quantisations * passes * loop.prologue, passes * loop.prologue)
+
+
+@dataclass(frozen=True)
 class TileChain:
     time_us: float            # the launch's blocks' serial chains, wave after wave
     t_issue_us: float         # the instruction part of it
@@ -441,19 +481,26 @@ def model_kernel(launch: Any, dev: DeviceProfile, ctx: int, loops: dict | None =
     instr = None
     t_issue = t_issue_dev = 0.0
     t_dram = nbytes / (dev.copy_gbps * 1e3 * coal) if nbytes else 0.0
+    pro = quant_prologue(launch, loop)
+    t_pro = 0.0
     if loop is not None and tr.weights:
         instr = loop.per_product / 32.0                            # warp instructions per product
-        warp_insns = tr.weights * tr.rows * instr
+        warp_insns = tr.weights * tr.rows * instr + (pro.warp_insns if pro else 0.0)
         t_issue_dev = warp_insns / (dev.sm_count * t.ipc * t.clock_ghz * 1e3)
         # a warp issues at most one instruction per clock: an SM holding fewer warps than the IPC cannot reach it
         warps_here = here * max(1, math.ceil(launch.block[0] * launch.block[1] * launch.block[2] / 32))
         t_issue = warp_insns / (active * min(t.ipc, warps_here) * t.clock_ghz * 1e3)
+        if pro:
+            # a warp's first quantisation, at its share of the SM's issue slots; meanwhile only the ring's first
+            # pieces (issued before pdl_wait: the bytes in flight) stream, the rest after it
+            t_pro = pro.first_insns / (t.clock_ghz * 1e3 * min(1.0, t.ipc / warps_here))
+            t_pro += max(0, nbytes - inflight) / min(bw, little) if nbytes else 0.0
     t_mma = tr.flops / (t.mma_tflops * 1e6) if tr.flops else 0.0
     t_floor = t.latency_ns / 1e3
     gap = t.gap_pdl_us if launch.pdl else t.gap_us
     serial = loop is not None and loop.async_copy and not loop.pipelined and here == 1
     terms = {"bandwidth" if bw <= little else "latency-parallelism": t_mem, "issue": t_issue, "mma": t_mma,
-             "latency floor": t_floor}
+             "latency floor": t_floor, "x quantisation": t_pro}
     if chain is not None:
         t_issue, t_issue_dev = chain.t_issue_us, chain.t_issue_dev_us
         terms = {"bandwidth": t_mem, "tile chain": chain.time_us}

@@ -162,8 +162,8 @@ def merged(old: dict, new: dict, replace: str = "") -> dict:
 def model_width_gemv(rows: int = 16, cols: int = 4096, nx: int = 1) -> list[dict]:
     """The dense GEMV of every weight type at the model's width (V4 Flash: 4096 columns; the twin tests' rows are a
     few hundred bytes, where a row's partly used last sector weighs heavily), traffic build, one launch each of the
-    plain kernel and its hc_post and SwiGLU epilogues (Q8_0: also its int8-activation kernels, plain, with two
-    input groups, hc_post and SwiGLU)."""
+    plain kernel and its hc_post and SwiGLU epilogues (Q8_0 and Q4_K: also their int8-activation kernels; Q8_0 with
+    two input groups too)."""
     import numpy as np
 
     from ds4py.cuda import ops
@@ -199,7 +199,7 @@ def model_width_gemv(rows: int = 16, cols: int = 4096, nx: int = 1) -> list[dict
                 X, mix = arena.scratch(nx * hc * rows, np.float32), arena.scratch(nx * (2 + hc) * hc, np.float32)
                 X.upload(r.standard_normal(nx * hc * rows).astype(np.float32))
                 mix.upload(r.random(nx * (2 + hc) * hc).astype(np.float32))
-                for act_quant in (False, True) if kind == "Q8_0" else (False,):   # Q8_0: and its int8 kernels
+                for act_quant in (False, True) if kind in ("Q8_0", "Q4_K") else (False,):   # and their int8 kernels
                     xin = GemvX(x, cols, nx=nx, act_quant=act_quant)
                     ops.gemv(rt, [(W, y, rows)], xin)
                     ops.gemv_hc_post(rt, W, xin, HcResidual(X, mix, rows, hc))

@@ -151,9 +151,9 @@ class GemvX:
     """The activations of a GEMV launch: nx rows x[n] = x + n * x_stride (None: one row's width), each `cols`
     values per input group. x_group_rows > 0: rows [g*x_group_rows, (g+1)*x_group_rows) of every matrix read
     x[g*cols:(g+1)*cols] (a multiple of 4). norm = (w, eps): x RMS-normalised first (times w unless None).
-    act_quant: the activations' numerics are int8 (Numerics.act_quant): Q8_0 weights only, x rounded as Q8_0
-    (after the norm) inside the kernel, dp4a block dots (gemv_q8_0_i8*; with input groups gemv_q8_0_i8_grouped*,
-    plain gemv only)."""
+    act_quant: the activations' numerics are int8 (Numerics.act_quant): Q8_0 or Q4_K weights, x rounded inside the
+    kernel (after the norm) as the reference rounds that product's input, dp4a block dots (Q8_0: gemv_q8_0_i8*, x as
+    Q8_0, with input groups gemv_q8_0_i8_grouped*, plain gemv only; Q4_K: gemv_q4_k_i8*, x as Q8_K, no groups)."""
     x: DeviceArray
     cols: int
     nx: int = 1
@@ -173,37 +173,53 @@ class SwiGlu:
     clamp: float = 0.0
 
 
-# ---- int8 activations (Numerics.act_quant): gemv_q8_0_i8[_hc_post | _swiglu][_rows] ---------------------------------
+# ---- int8 activations (Numerics.act_quant): gemv_{q8_0,q4_k}_i8[_hc_post | _swiglu][_rows] ------------------------
 # x is quantised (Q8_0 blocks, the reference's q8_0_round) once per block into shared memory behind the weight ring:
 # nx * (cols + cols / 8) bytes. A launch takes as many activation rows as fit I8_SMEM_LIMIT (GB10's 101,376 B per
 # block, less the driver's and static bytes); more rows are more launches, each row's bits the same.
 I8_SMEM_LIMIT = 101_376 - 2048
+I8_Q4_K_WARPS = 4                                         # warps of a one-row Q4_K int8 launch (at most)
 
 
-def i8_x_bytes(nx: int, cols: int) -> int:
-    """Shared bytes of nx rows of quantised x: codes, then f32 scales (16-byte rounded)."""
-    return (nx * (cols + cols // 8) + 15) & ~15
+def _i8_row_bytes(cols: int, qtype: str = "Q8_0") -> int:
+    """Shared bytes of one row of quantised x: Q8_0, codes + an f32 scale per 32; Q4_K (x as Q8_K), codes + an f32
+    scale per 256 + an int code sum per 32."""
+    return cols + cols // 8 + (cols // 64 if qtype == "Q4_K" else 0)
 
 
-def i8_rows_per_launch(cols: int, warps: int) -> int:
+def i8_x_bytes(nx: int, cols: int, qtype: str = "Q8_0") -> int:
+    """Shared bytes of nx rows of quantised x (16-byte rounded): codes, then scales (and Q4_K's code sums)."""
+    return (nx * _i8_row_bytes(cols, qtype) + 15) & ~15
+
+
+def i8_rows_per_launch(cols: int, warps: int, qtype: str = "Q8_0") -> int:
     """Activation rows of int8 x that fit one block's shared memory beside `warps` warps' weight ring."""
-    return max(1, (I8_SMEM_LIMIT - warps * Q8_WARP_SMEM) // (cols + cols // 8))
+    return max(1, (I8_SMEM_LIMIT - warps * WARP_SMEM[qtype]) // _i8_row_bytes(cols, qtype))
 
 
 def _i8_launches(rt: Any, what: str, qtype: str, groups: int, cols: int, nx: int, x_group_rows: int,
                  warps: int | None, grid: int | None, kernel: str) -> tuple[int, int, int, int]:
-    """(grid, threads, dynamic smem, rows per launch) of an int8-activation Q8_0 launch. With input groups
-    (gemv_q8_0_i8_grouped*: x quantised in the block loop) the shared memory is the ring alone: every row in one
-    launch."""
-    need(qtype == "Q8_0", f"{what}: int8 activations (act_quant) have a kernel for Q8_0 weights only, not {qtype}")
+    """(grid, threads, dynamic smem, rows per launch) of an int8-activation Q8_0 or Q4_K launch. With input groups
+    (gemv_q8_0_i8_grouped*: each warp's x group quantised into its own shared memory) see _i8_grouped_launches."""
+    need(qtype in I8_TYPES, f"{what}: int8 activations (act_quant) have kernels for Q8_0 and Q4_K weights only, "
+                            f"not {qtype}")
     if x_group_rows > 0:
+        need(qtype == "Q8_0", f"{what}: int8 activations with input groups have a kernel for Q8_0 weights only")
         return _i8_grouped_launches(rt, what, groups, cols, nx, warps, grid, kernel)
-    warps = warps or _fill_warps(rt, qtype, groups)
+    if warps is None:
+        warps = max(2, _fill_warps(rt, qtype, groups))         # >= 2 warps share the x quantisation
+        if qtype == "Q4_K" and nx == 1:
+            # every block quantises all of x: Q4_K's smaller ring lets a block take more warps, so fewer blocks
+            # (the same wave) repeat it
+            warps = I8_Q4_K_WARPS
+            while warps > 2 and warps * WARP_SMEM[qtype] + i8_x_bytes(1, cols, qtype) > I8_SMEM_LIMIT:
+                warps -= 1
     need(1 <= warps <= 32, f"gemv: warps must be 1..32, got {warps}")
-    ring = warps * Q8_WARP_SMEM
-    per = min(nx, i8_rows_per_launch(cols, warps))
-    need(ring + i8_x_bytes(1, cols) <= I8_SMEM_LIMIT, f"{what}: {cols} columns of int8 x do not fit shared memory")
-    smem = ring + i8_x_bytes(per, cols)
+    ring = warps * WARP_SMEM[qtype]
+    per = min(nx, i8_rows_per_launch(cols, warps, qtype))
+    need(ring + i8_x_bytes(1, cols, qtype) <= I8_SMEM_LIMIT,
+         f"{what}: {cols} columns of int8 x do not fit shared memory")
+    smem = ring + i8_x_bytes(per, cols, qtype)
     grid = grid or min(ceil_div(groups, warps), blocks_that_fit(rt, 32 * warps, smem, kernel=kernel))
     return grid, 32 * warps, smem, per
 
@@ -238,6 +254,14 @@ def _i8_kernel(base: str, n: int) -> str:
     return base + ("_rows" if n > 1 else "")
 
 
+I8_TYPES = ("Q8_0", "Q4_K")                               # the weight types with int8-activation kernels
+
+
+def _i8_base(qtype: str, variant: str = "") -> str:
+    """gemv_q8_0_i8 / gemv_q4_k_i8 (+ _hc_post / _swiglu): the int8 kernel of a type (checked by _i8_launches)."""
+    return _KERNEL.get(qtype, "gemv") + "_i8" + variant
+
+
 def gemv(rt: Any, outs: Sequence[tuple[DeviceArray, DeviceArray, int]], xin: GemvX, add: bool = False,
          warps: int | None = None, grid: int | None = None, stream: Any = None, pdl: bool = False) -> None:
     """y_m = W_m @ x (y_m += with add) for up to 4 (W_m, y_m, rows_m) of one weight type sharing x (GemvX: its
@@ -263,7 +287,7 @@ def gemv(rt: Any, outs: Sequence[tuple[DeviceArray, DeviceArray, int]], xin: Gem
     ys = [o[1] for o in outs] + [None] * (MAX_MATS - len(outs))
     rows = [o[2] for o in outs] + [0] * (MAX_MATS - len(outs))
     if act_quant:
-        base = "gemv_q8_0_i8_grouped" if x_group_rows else "gemv_q8_0_i8"
+        base = _i8_base(qtype, "_grouped" if x_group_rows else "")
         g, b, smem, per = _i8_launches(rt, "gemv", qtype, groups, cols, nx, x_group_rows, warps, grid,
                                        _i8_kernel(base, nx))
         for n0 in range(0, nx, per):
@@ -299,11 +323,11 @@ def gemv_hc_post(rt: Any, W: DeviceArray, xin: GemvX, res: HcResidual, warps: in
     if act_quant:
         need(x_group_rows == 0, "gemv_hc_post: int8 activations do not combine with input groups here (round x first)")
         g, b, smem, per = _i8_launches(rt, "gemv_hc_post", qtype, ceil_div(rows, GEMV_ROWS), cols, nx, x_group_rows,
-                                       warps, grid, _i8_kernel("gemv_q8_0_i8_hc_post", nx))
+                                       warps, grid, _i8_kernel(_i8_base(qtype, "_hc_post"), nx))
         mrec = (2 + hc) * hc
         for n0 in range(0, nx, per):
             k = min(per, nx - n0)
-            rt.launch(_i8_kernel("gemv_q8_0_i8_hc_post", k), g, b, W, rows, x.view(4 * n0 * stride, x.size - n0 * stride),
+            rt.launch(_i8_kernel(_i8_base(qtype, "_hc_post"), k), g, b, W, rows, x.view(4 * n0 * stride, x.size - n0 * stride),
                       cols, 0, norm_w, eps, flags, mix.view(4 * n0 * mrec, k * mrec),
                       X.view(4 * n0 * hc * rows, k * hc * rows), *((k, stride) if k > 1 else ()), smem=smem,
                       stream=stream, pdl=pdl and n0 == 0)
@@ -329,10 +353,10 @@ def gemv_swiglu(rt: Any, ffn: SwiGlu, xin: GemvX, y: DeviceArray, warps: int | N
     norm_w, eps, flags = _check_common("gemv_swiglu", qtype, x, cols, 0, xin.norm, nx, stride)
     if act_quant:
         g, b, smem, per = _i8_launches(rt, "gemv_swiglu", qtype, ceil_div(rows, 2), cols, nx, 0, warps, grid,
-                                       _i8_kernel("gemv_q8_0_i8_swiglu", nx))
+                                       _i8_kernel(_i8_base(qtype, "_swiglu"), nx))
         for n0 in range(0, nx, per):
             k = min(per, nx - n0)
-            rt.launch(_i8_kernel("gemv_q8_0_i8_swiglu", k), g, b, Wg, Wu, rows, y.view(4 * n0 * rows, k * rows),
+            rt.launch(_i8_kernel(_i8_base(qtype, "_swiglu"), k), g, b, Wg, Wu, rows, y.view(4 * n0 * rows, k * rows),
                       x.view(4 * n0 * stride, x.size - n0 * stride), cols, norm_w, eps, flags, float(clamp),
                       *((k, stride) if k > 1 else ()), smem=smem, stream=stream, pdl=pdl and n0 == 0)
         return

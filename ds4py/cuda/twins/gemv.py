@@ -65,26 +65,31 @@ def mix_parts(mix: np.ndarray, hc: int = 4) -> tuple[np.ndarray, np.ndarray, np.
     return mix[:hc], mix[hc:2 * hc], mix[2 * hc:2 * hc + hc * hc].reshape(hc, hc)
 
 
-def act_x(x: np.ndarray, cols: int, norm: tuple[np.ndarray | None, float] | None = None) -> np.ndarray:
-    """What the int8-activation Q8_0 kernels (gemv_q8_0_i8*) compute with: x (RMS-normalised first with norm)
-    rounded as the reference's act_quant mode rounds a Q8_0 product's input (ref.ops.q8_0_round)."""
+ROUNDINGS = {"q8_0": ref.q8_0_round, "q8_k": ref.q8_k_round}     # Q8_0 weights' x / the K-quants' (Q4_K) x
+
+
+def act_x(x: np.ndarray, cols: int, norm: tuple[np.ndarray | None, float] | None = None,
+          rounding: str = "q8_0") -> np.ndarray:
+    """What the int8-activation kernels compute with: x (RMS-normalised first with norm) rounded as the reference's
+    act_quant mode rounds the product's input: Q8_0 weights (gemv_q8_0_i8*) ref.ops.q8_0_round, Q4_K
+    (gemv_q4_k_i8*, rounding "q8_k") ref.ops.q8_k_round."""
     x = np.asarray(x, np.float32).reshape(-1)[:cols]
     if norm is not None:
         x = ref.rmsnorm(x, norm[0], norm[1])
-    return ref.q8_0_round(x[None])[0]
+    return ROUNDINGS[rounding](x[None])[0]
 
 
 def gemv_i8(W: np.ndarray, x: np.ndarray, rows: int, cols: int,
             norm: tuple[np.ndarray | None, float] | None = None,
-            x_group_rows: int = 0) -> tuple[np.ndarray, np.ndarray]:
+            x_group_rows: int = 0, rounding: str = "q8_0") -> tuple[np.ndarray, np.ndarray]:
     """gemv_q8_0_i8 (x_group_rows > 0: gemv_q8_0_i8_grouped, row block g reading group g's x, each group rounded on
-    its own): (y [rows], sum_c |W x_r| per row) for the rounded x_r = act_x(x): the fp32 product the kernel's
-    exact integer block dots equal up to the rounding of its sums."""
+    its own) or, rounding "q8_k", gemv_q4_k_i8: (y [rows], sum_c |W x_r| per row) for the rounded x_r = act_x(x):
+    the fp32 product the kernel's exact integer block dots equal up to the rounding of its sums."""
     if x_group_rows:
         groups = -(-rows // x_group_rows)
         x = np.asarray(x, np.float32).reshape(-1)[:groups * cols].reshape(groups, cols)
-        xr = np.concatenate([act_x(xg, cols) for xg in x])
+        xr = np.concatenate([act_x(xg, cols, rounding=rounding) for xg in x])
     else:
-        xr = act_x(x, cols, norm)
+        xr = act_x(x, cols, norm, rounding)
     return (gemv(W, xr, rows, cols, x_group_rows=x_group_rows),
             magnitude(W, xr, rows, cols, x_group_rows=x_group_rows))
