@@ -402,6 +402,7 @@ class Verdict:
         self.depth_hits: dict[int, float] = {}  # per chained position j: Σ accepted, Σ predicted (_depth_factors)
         self.depth_pred: dict[int, float] = {}
         self.gap, self.skipped = 1, 0  # plain steps between probes while drafting does not pay (doubling)
+        self.off = False               # drafting_pays said no at the last check, and no round has drafted since
 
 
 class Scheduler:
@@ -524,11 +525,20 @@ class Scheduler:
         self.decisions += 1
         if k_max < 1 or self.fixed_k is not None:
             return k_max >= 1 and bool(self.fixed_k)
+        v = self.verdict
+        if v.off and v.skipped < v.gap:
+            # drafting did not pay at the last check and nothing but plain steps' times came in since: plain until
+            # the next probe, without re-checking. Why: the check (drafting_pays over the recent σ_1, the cost
+            # line's refit after every timed step) cost ~0.14 ms a plain step, ~2% of a plain step of the trained
+            # tiny model on the CPU, which a scheduler that had turned drafting off paid on every token (issue 38,
+            # fifth session). A drafting round's new evidence clears `off` (record()).
+            v.skipped += 1
+            return False
         if not self.costs.known():
             return not self.costs.verified()          # bootstrap: a short block, then one plain row
-        v = self.verdict
         if v.first.n == 0:                         # nothing known of the draft under these rules: try it
             return True
+        v.off = False
         if self.drafting_pays():
             v.gap, v.skipped = 1, 0
             # re-time a plain step now and then (MeasuredCosts.plain_due): rounds are judged against it
@@ -539,6 +549,7 @@ class Scheduler:
             v.gap, v.skipped = min(2 * v.gap, WINDOW), 0
             return True
         v.skipped += 1
+        v.off = True
         return False
 
     def drafting_pays(self) -> bool:
@@ -612,6 +623,7 @@ class Scheduler:
         self.first_rounds += 1
         self.verdict.first.add(float(sigma1), float(first_hit))
         self.verdict.first_sigmas.append(float(sigma1))
+        self.verdict.off = False       # new evidence: the next decision re-checks drafting_pays
 
     def accepted_run(self, a: int) -> None:
         """A verify accepted the drafts at positions 1..a."""
