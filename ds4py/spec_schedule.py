@@ -121,7 +121,8 @@ class MeasuredCosts:
     a + b·r through the per-count medians (weighted least squares, weight = samples; a count's first sample is a
     warm-up, left out once the count has a second).
 
-    The verify slope is floored by the marginal cost of the best-measured extra row, median(r=2) − median(r=1)
+    The line runs through the one-row median (_refit says why); its slope is floored by the marginal cost of the
+    best-measured extra row, median(r=2) − median(r=1)
     (every plain step times r = 1, every k = 1 round r = 2): on the trained tiny model the least-squares slope
     through few, noisy long-round counts came out 2.5–5 ms per row against ~3.6 ms measured directly, so long
     rounds looked cheap and the scheduler lost up to 13% on prose. The floor errs toward short rounds, whose
@@ -185,13 +186,20 @@ class MeasuredCosts:
         self._stale = False
         pts = _count_medians(self._rows, {r: self._ticks["verify", r] for r in self._rows}, self.steps)
         line = _line(pts)
-        if line is not None:
-            med = {r: (t, w) for r, t, w in pts}
-            if 1 in med and 2 in med and min(med[1][1], med[2][1]) >= 2:
-                floor = med[2][0] - med[1][0]
-                if floor > line[1]:            # pivot the line about its weighted centre onto the floor slope
-                    rm, tm = _centre(pts)
-                    line = (float(tm - floor * rm), float(floor))
+        med = {r: (t, w) for r, t, w in pts}
+        if line is not None and 1 in med:
+            # through the one-row median (every plain step and k = 0 round times it: the best-measured count),
+            # the weighted least-squares slope of the other counts about it. Why anchored (issue 38, fifth
+            # session): through the weighted centre, a few slow long rounds (old samples of a loaded phase) tilted
+            # the line so that it read verify(1) 6.1 ms and verify(2) 11.4 against medians of 9.2 and 13.6 ms
+            # measured on prose: a 2-row verify looked 1.1x a plain step instead of 1.5x and rounds that lost
+            # were taken
+            t1 = med[1][0]
+            rest = [(r - 1, t - t1, w) for r, t, w in pts if r != 1]
+            b = max(sum(w * x * y for x, y, w in rest) / sum(w * x * x for x, _, w in rest), 0.0)
+            if 2 in med and min(med[1][1], med[2][1]) >= 2:
+                b = max(b, med[2][0] - t1)     # floored by the best-measured extra row (see the class docstring)
+            line = (float(t1 - b), float(b))
         self._line = line
         self._catch = _line(_count_medians(self._first_rows, {r: self._ticks["first", r] for r in self._first_rows},
                                            self.steps))
