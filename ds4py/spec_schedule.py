@@ -121,7 +121,8 @@ class MeasuredCosts:
     a + b·r through the per-count medians (weighted least squares, weight = samples; a count's first sample is a
     warm-up, left out once the count has a second).
 
-    The verify slope is floored by the marginal cost of the best-measured extra row, median(r=2) − median(r=1)
+    The line runs through the one-row median (_refit says why); its slope is floored by the marginal cost of the
+    best-measured extra row, median(r=2) − median(r=1)
     (every plain step times r = 1, every k = 1 round r = 2): on the trained tiny model the least-squares slope
     through few, noisy long-round counts came out 2.5–5 ms per row against ~3.6 ms measured directly, so long
     rounds looked cheap and the scheduler lost up to 13% on prose. The floor errs toward short rounds, whose
@@ -185,13 +186,20 @@ class MeasuredCosts:
         self._stale = False
         pts = _count_medians(self._rows, {r: self._ticks["verify", r] for r in self._rows}, self.steps)
         line = _line(pts)
-        if line is not None:
-            med = {r: (t, w) for r, t, w in pts}
-            if 1 in med and 2 in med and min(med[1][1], med[2][1]) >= 2:
-                floor = med[2][0] - med[1][0]
-                if floor > line[1]:            # pivot the line about its weighted centre onto the floor slope
-                    rm, tm = _centre(pts)
-                    line = (float(tm - floor * rm), float(floor))
+        med = {r: (t, w) for r, t, w in pts}
+        if line is not None and 1 in med:
+            # through the one-row median (every plain step and k = 0 round times it: the best-measured count),
+            # the weighted least-squares slope of the other counts about it. Why anchored (issue 38, fifth
+            # session): through the weighted centre, a few slow long rounds (old samples of a loaded phase) tilted
+            # the line so that it read verify(1) 6.1 ms and verify(2) 11.4 against medians of 9.2 and 13.6 ms
+            # measured on prose: a 2-row verify looked 1.1x a plain step instead of 1.5x and rounds that lost
+            # were taken
+            t1 = med[1][0]
+            rest = [(r - 1, t - t1, w) for r, t, w in pts if r != 1]
+            b = max(sum(w * x * y for x, y, w in rest) / sum(w * x * x for x, _, w in rest), 0.0)
+            if 2 in med and min(med[1][1], med[2][1]) >= 2:
+                b = max(b, med[2][0] - t1)     # floored by the best-measured extra row (see the class docstring)
+            line = (float(t1 - b), float(b))
         self._line = line
         self._catch = _line(_count_medians(self._first_rows, {r: self._ticks["first", r] for r in self._first_rows},
                                            self.steps))
@@ -402,6 +410,7 @@ class Verdict:
         self.depth_hits: dict[int, float] = {}  # per chained position j: Σ accepted, Σ predicted (_depth_factors)
         self.depth_pred: dict[int, float] = {}
         self.gap, self.skipped = 1, 0  # plain steps between probes while drafting does not pay (doubling)
+        self.off = False               # drafting_pays said no at the last check, and no round has drafted since
 
 
 class Scheduler:
@@ -524,11 +533,20 @@ class Scheduler:
         self.decisions += 1
         if k_max < 1 or self.fixed_k is not None:
             return k_max >= 1 and bool(self.fixed_k)
+        v = self.verdict
+        if v.off and v.skipped < v.gap:
+            # drafting did not pay at the last check and nothing but plain steps' times came in since: plain until
+            # the next probe, without re-checking. Why: the check (drafting_pays over the recent σ_1, the cost
+            # line's refit after every timed step) cost ~0.14 ms a plain step, ~2% of a plain step of the trained
+            # tiny model on the CPU, which a scheduler that had turned drafting off paid on every token (issue 38,
+            # fifth session). A drafting round's new evidence clears `off` (record()).
+            v.skipped += 1
+            return False
         if not self.costs.known():
             return not self.costs.verified()          # bootstrap: a short block, then one plain row
-        v = self.verdict
         if v.first.n == 0:                         # nothing known of the draft under these rules: try it
             return True
+        v.off = False
         if self.drafting_pays():
             v.gap, v.skipped = 1, 0
             # re-time a plain step now and then (MeasuredCosts.plain_due): rounds are judged against it
@@ -539,6 +557,7 @@ class Scheduler:
             v.gap, v.skipped = min(2 * v.gap, WINDOW), 0
             return True
         v.skipped += 1
+        v.off = True
         return False
 
     def drafting_pays(self) -> bool:
@@ -612,6 +631,7 @@ class Scheduler:
         self.first_rounds += 1
         self.verdict.first.add(float(sigma1), float(first_hit))
         self.verdict.first_sigmas.append(float(sigma1))
+        self.verdict.off = False       # new evidence: the next decision re-checks drafting_pays
 
     def accepted_run(self, a: int) -> None:
         """A verify accepted the drafts at positions 1..a."""
