@@ -1148,19 +1148,22 @@ extern "C" __global__ void gemv_q8_0_i8_grouped_rows(const uint8_t* W0, const ui
 // sum(nibble * code) in 8 dp4a, exact; the sub-block adds d_x * (d * (sc * sum) - dmin * (mn * code sum)) to the
 // lane's row sum (fmaf, sub-blocks in increasing order), then warp_sum4 and the epilogue as every GEMV. So y equals
 // the fp32 product on q8_k_round(x) up to the fp32 rounding of the sums (tests/test_cu_emu_gemv_i8.py), and a row's
-// bits do not depend on nx (the _rows kernels run the single-row arithmetic). No input groups (refused by the host).
+// bits do not depend on nx (the _rows kernels run the single-row arithmetic). Input groups: gemv_q4_k_i8_grouped[_rows].
 // Launch: as gemv_q4_k, dynamic shared memory warps * GEMV_STAGE_WARP(Q4K) + nx * (cols + cols / 64 + cols / 8)
 // (ops/gemv.py i8_x_bytes).
 
 // x rows [nx][cols] quantised as Q8_K: lane t of a pass takes the 32 values of group t (a 256-block's 8 groups on 8
 // consecutive lanes: cols % 256 == 0), the block's amax over its 8 lanes; every lane runs the same passes (the
 // shuffles), then a barrier.
-template <int NB>
+// WARP (the grouped kernel): the calling warp alone quantises x group xgroup (x + n * x_stride + xgroup * cols) into
+// its own codes, __syncwarp instead of the barrier.
+template <int NB, bool WARP = false>
 __device__ __forceinline__ void gemv_q8k_quantise(const GemvJob& j, const float den[NB], int8_t* xq, float* xd,
-                                                  int* xs) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+                                                  int* xs, int xgroup = 0) {
+    const int lane = threadIdx.x & 31, warp = WARP ? 0 : threadIdx.x >> 5, warps = WARP ? 1 : blockDim.x >> 5;
     const int ngx = j.cols >> 5, total = j.nx * ngx;
     const bool weighted = (j.flags & GEMV_NORM) && j.norm_w;
+    if (WARP) __syncwarp();                            // the previous group's codes are no longer read
 #pragma unroll 1
     for (int base = 32 * warp; base < total; base += 32 * warps) {        // warp-uniform trip count
         const int t = base + lane;
@@ -1170,7 +1173,8 @@ __device__ __forceinline__ void gemv_q8k_quantise(const GemvJob& j, const float 
 #pragma unroll
         for (int i = 0; i < 32; i++) v[i] = 0.0f;
         if (live) {
-            const float4* x4 = reinterpret_cast<const float4*>(j.x + (size_t)n * j.x_stride) + 8 * gx;
+            const float4* x4 = reinterpret_cast<const float4*>(j.x + (size_t)n * j.x_stride +
+                                                               (WARP ? (size_t)xgroup * j.cols : 0)) + 8 * gx;
             float r = den[0];
 #pragma unroll
             for (int m = 1; m < NB; m++) r = n == m ? den[m] : r;           // no runtime index into den
@@ -1214,7 +1218,10 @@ __device__ __forceinline__ void gemv_q8k_quantise(const GemvJob& j, const float 
         xs[t] = sum;
         if ((lane & 7) == 0) xd[(size_t)n * (j.cols >> 8) + (gx >> 3)] = is != 0.0f ? __fdiv_rn(1.0f, is) : 0.0f;
     }
-    __syncthreads();
+    if (WARP)
+        __syncwarp();
+    else
+        __syncthreads();
 }
 
 // An int below 2^22 in magnitude as a float, exactly: 1.5 * 2^23 + v in the mantissa, less 1.5 * 2^23 (full-rate
@@ -1223,30 +1230,38 @@ __device__ __forceinline__ float i22_to_float(int v) {
     return __fsub_rn(__int_as_float(0x4B400000 + v), 12582912.0f);
 }
 
-template <int NB>
+// GROUPED (input groups, x_group_rows > 0, no norm; gemv_q4_k_i8_grouped): as gemv_q8_i8's GROUPED, a warp takes a
+// run of consecutive row groups and quantises its x group (Q8_K, gemv_q8k_quantise<WARP>) into its own shared
+// memory whenever the group changes, so each group's rows = gemv_q4_k_i8 on that group's x bit for bit.
+template <int NB, bool GROUPED = false>
 __device__ __forceinline__ void gemv_q4k_i8(const GemvJob& j) {
     extern __shared__ __align__(16) uint8_t gemv_stage[];
     const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     const int gwarp = blockIdx.x * warps + (threadIdx.x >> 5), nwarps = gridDim.x * warps;
     uint8_t* stage = gemv_stage + (threadIdx.x >> 5) * GEMV_STAGE_WARP(Q4K);
     const int ngx = j.cols >> 5, nbx = j.cols >> 8;
-    int8_t* xq = reinterpret_cast<int8_t*>(gemv_stage + warps * GEMV_STAGE_WARP(Q4K));
+    // x's codes + scales + code sums: the block's (all of x), or GROUPED the warp's own (its current x group)
+    const int xbytes = (j.nx * (j.cols + (j.cols >> 6) + (j.cols >> 3)) + 15) & ~15;
+    int8_t* xq = reinterpret_cast<int8_t*>(gemv_stage + warps * GEMV_STAGE_WARP(Q4K) +
+                                           (GROUPED ? (threadIdx.x >> 5) * xbytes : 0));
     float* xd = reinterpret_cast<float*>(xq + (size_t)j.nx * j.cols);
     int* xs = reinterpret_cast<int*>(xd + (size_t)j.nx * nbx);
     const int nvec = j.cols >> 3;
     const int nchunks = (nvec + GemvStage<Q4K>::PIECES - 1) / GemvStage<Q4K>::PIECES;
     const int groups = group_count(j);
-    Q8Item cur{gwarp, 0};
-    const bool any = cur.g < groups;
+    const int run = GROUPED ? (groups + nwarps - 1) / nwarps : 0;          // GROUPED: the warp's row groups
+    const int g_end = GROUPED ? min(groups, (gwarp + 1) * run) : groups;
+    const int g_step = GROUPED ? 1 : nwarps;
+    Q8Item cur{GROUPED ? gwarp * run : gwarp, 0};
+    const bool any = cur.g < g_end;
     if (any) staged_issue<Q4K>(j, stage, 0, cur, nvec, lane);  // before pdl_wait: weights only
     pdl_wait();
     pdl_launch_dependents();
-    {
-        float den[NB];
+    float den[NB];
 #pragma unroll
-        for (int n = 0; n < NB; n++) den[n] = (n < j.nx && (j.flags & GEMV_NORM)) ? warp_norm_den(j, n) : 1.0f;
-        gemv_q8k_quantise<NB>(j, den, xq, xd, xs);
-    }
+    for (int n = 0; n < NB; n++) den[n] = (n < j.nx && (j.flags & GEMV_NORM)) ? warp_norm_den(j, n) : 1.0f;
+    if (!GROUPED) gemv_q8k_quantise<NB>(j, den, xq, xd, xs);
+    int xgroup = -1;                                   // GROUPED: the x group whose codes are in xq
     // the lane's sub-block within a 256-block is fixed (lane & 7: the pieces hold whole blocks, 8 groups each)
     const int gi = lane & 7, sh = 4 * (gi & 1), sh8 = 8 * (gi & 3), qoff = 16 + 32 * (gi >> 1);
     float acc[NB][GEMV_ROWS];
@@ -1258,13 +1273,21 @@ __device__ __forceinline__ void gemv_q4k_i8(const GemvJob& j) {
     bool more = any;
     while (more) {
         Q8Item nxt = cur;
-        more = q8_next(nchunks, groups, nwarps, nxt);
-        if (more) {
-            staged_issue<Q4K>(j, stage, buf ^ 1, nxt, nvec, lane);
-            cp_async_wait<1>();                        // this item's copies have landed, the next one's fly
-        } else {
-            cp_async_wait_all();
+        more = q8_next(nchunks, g_end, g_step, nxt);
+        if (more) staged_issue<Q4K>(j, stage, buf ^ 1, nxt, nvec, lane);
+        if (GROUPED) {                                 // x_group_rows divides: the item's 4 slots share a group
+            int m0, row0;
+            slot_row(j, cur.g, 0, m0, row0);
+            const int xg = (row0 < 0 ? 0 : row0) / j.x_group_rows;
+            if (xg != xgroup) {                        // quantised while this item's and the next one's copies fly
+                gemv_q8k_quantise<NB, true>(j, den, xq, xd, xs, xg);
+                xgroup = xg;
+            }
         }
+        if (more)
+            cp_async_wait<1>();                        // this item's copies have landed, the next one's fly
+        else
+            cp_async_wait_all();
         __syncwarp();
         const int g0 = cur.c * (GemvStage<Q4K>::PIECES >> 2);     // the chunk's first group of 32 columns
         const int ng = min(GemvStage<Q4K>::PIECES >> 2, ngx - g0);
@@ -1385,4 +1408,27 @@ extern "C" __global__ void gemv_q4_k_i8_swiglu_rows(const uint8_t* Wg, const uin
     GEMV_SWIGLU_BODY
     j.nx = nx; j.x_stride = x_stride;
     gemv_q4k_i8<GEMV_MAX_X>(j);
+}
+
+// As gemv_q4_k with input groups (x_group_rows > 0, no norm), int8 activations: a warp's runs of row groups, its x
+// group quantised as Q8_K into its own shared memory (GROUPED), so each group's rows = gemv_q4_k_i8 on x[g*cols:]
+// bit for bit (V4.1 Flash's grouped wo_a under act_quant). Launch: as gemv_q4_k, dynamic shared memory
+// warps * (GEMV_STAGE_WARP(Q4K) + nx * (cols + cols / 64 + cols / 8) rounded up to 16) (ops/gemv.py).
+extern "C" __global__ void gemv_q4_k_i8_grouped(const uint8_t* W0, const uint8_t* W1, const uint8_t* W2,
+                                                const uint8_t* W3, int rows0, int rows1, int rows2, int rows3,
+                                                float* y0, float* y1, float* y2, float* y3, const float* x, int cols,
+                                                int x_group_rows, const float* norm_w, float norm_eps, int flags) {
+    GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3)
+    gemv_q4k_i8<1, true>(j);
+}
+
+// As gemv_q4_k_i8_grouped for nx activation rows x + n * x_stride (a multi-row step's wo_a). Launch: as it.
+extern "C" __global__ void gemv_q4_k_i8_grouped_rows(const uint8_t* W0, const uint8_t* W1, const uint8_t* W2,
+                                                     const uint8_t* W3, int rows0, int rows1, int rows2, int rows3,
+                                                     float* y0, float* y1, float* y2, float* y3, const float* x,
+                                                     int cols, int x_group_rows, const float* norm_w, float norm_eps,
+                                                     int flags, int nx, int x_stride) {
+    GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3)
+    j.nx = nx; j.x_stride = x_stride;
+    gemv_q4k_i8<GEMV_MAX_X, true>(j);
 }

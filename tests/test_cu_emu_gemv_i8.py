@@ -213,8 +213,8 @@ def test_grouped_rows_over_several_launches_and_warps(rt, arena, put):
     from ds4py.cuda.ops.gemv import _i8_grouped_launches
 
     cols, xgr, rows, nx = 8192, 4, 10, 3
-    assert _i8_grouped_launches(rt, "t", 3, cols, nx, 4, None, "gemv_q8_0_i8_grouped_rows")[3] == 1
-    assert _i8_grouped_launches(rt, "t", 3, cols, nx, None, None, "gemv_q8_0_i8_grouped_rows")[3] == nx
+    assert _i8_grouped_launches(rt, "t", "Q8_0", 3, cols, nx, 4, None, "gemv_q8_0_i8_grouped_rows")[3] == 1
+    assert _i8_grouped_launches(rt, "t", "Q8_0", 3, cols, nx, None, None, "gemv_q8_0_i8_grouped_rows")[3] == nx
     r = rng(23, cols)
     W = gemv_weights(r, "Q8_0", rows, cols)
     xs = grouped_x(r, 3, cols, nx)

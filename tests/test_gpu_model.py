@@ -372,23 +372,25 @@ def test_act_quant_numerics_are_planned_as_the_engine_runs_them(device):
 
 @pytest.mark.parametrize("device", ["gb10", "h200"])
 def test_act_quant_v41_q4_k_gemvs_take_the_int8_kernels(device):
-    """V4.1 under act_quant: every Q4_K GEMV without input groups on gemv_q4_k_i8* (x rounded as Q8_K inside: no
-    act_round_q8_k before it), only the grouped wo_a (no int8 Q4_K kernel with input groups) still behind an
-    act_round_q8_k; the same weight bytes; a verify step on the _rows kernels; none refused."""
+    """V4.1 under act_quant: every Q4_K GEMV on gemv_q4_k_i8* (x rounded as Q8_K inside: no act_round_q8_k left in
+    decode), the grouped wo_a on gemv_q4_k_i8_grouped; the same weight bytes and launches as exact (less nothing:
+    every rounding is in a GEMV); a verify step on the _rows kernels; none refused."""
     from ds4py.cuda.plan import plan_step
 
     exact = plan_step("v41-flash-vq", "decode", device, ctx=2048)
     quant = plan_step("v41-flash-vq", "decode", device, ctx=2048, numerics="act_quant")
     names = [ln.kernel for ln in quant]
     assert all(ln.problem is None for ln in quant)
-    fp32 = [ln for ln in quant if ln.kernel.startswith("gemv_q4_k") and "_i8" not in ln.kernel]
-    assert fp32 and all(dict(ln.scalars)["x_group_rows"] > 0 for ln in fp32)           # the grouped wo_a only
-    assert names.count("act_round_q8_k") == len(fp32)
+    assert not [ln for ln in quant if ln.kernel.startswith("gemv_q4_k") and "_i8" not in ln.kernel]
+    assert "act_round_q8_k" not in names
+    grouped = [ln for ln in quant if ln.kernel == "gemv_q4_k_i8_grouped"]
+    assert grouped and all(dict(ln.scalars)["x_group_rows"] > 0 for ln in grouped)     # the grouped wo_a
     assert {"gemv_q4_k_i8", "gemv_q4_k_i8_hc_post", "gemv_q4_k_i8_swiglu"} <= set(names)
     assert (sum(timemodel.launch_traffic(ln, 2048).weight for ln in quant)
             == sum(timemodel.launch_traffic(ln, 2048).weight for ln in exact))
     rows = plan_step("v41-flash-vq", "rows", device, ctx=2048, numerics="act_quant")
-    assert {"gemv_q4_k_i8_rows", "gemv_q4_k_i8_hc_post_rows", "gemv_q4_k_i8_swiglu_rows"} <= {ln.kernel for ln in rows}
+    assert {"gemv_q4_k_i8_rows", "gemv_q4_k_i8_hc_post_rows", "gemv_q4_k_i8_swiglu_rows",
+            "gemv_q4_k_i8_grouped_rows"} <= {ln.kernel for ln in rows}
     assert all(ln.problem is None for ln in rows)
 
 

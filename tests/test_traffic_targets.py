@@ -72,7 +72,8 @@ def test_the_decode_kernels_are_judged_at_the_model_width():
     report = json.loads(REPORT.read_text())
     wide = report["model_width"]["kernels"]
     gemv = [f"gemv_{t}{epi}{rows}" for t in ("f16", "f32", "q4_k", "q4_k_i8", "q8_0", "q8_0_i8")
-            for epi in ("", "_hc_post", "_swiglu") for rows in ("", "_rows")] + ["gemv_q8_0_i8_grouped"]
+            for epi in ("", "_hc_post", "_swiglu") for rows in ("", "_rows")] + ["gemv_q8_0_i8_grouped",
+                                                                                     "gemv_q4_k_i8_grouped"]
     experts = [f"moe_{m}_i8_{f}" for m in ("gate_up", "down") for f in ("iq2_xxs", "q2_k", "q4_k")]
     for kernel in gemv + experts:
         args = {a: c for a, c in wide[kernel]["args"].items() if a in traffic.MATRIX_ARGS}

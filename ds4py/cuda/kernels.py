@@ -123,7 +123,7 @@ def gemvs(ls: Any, mats: list[tuple[DevTensor, DeviceArray, int]], x: DeviceArra
 # weights, Q8_K blocks of 256 for the K- and IQ-quants; ds4py/ref/weights.py Weights.act). Here: one act_round
 # launch writes the rounded copy the fp32 GEMVs / GEMMs then read (after the RMSNorm a fused norm prologue would
 # apply), except where a kernel rounds x itself: the Q8_0 GEMVs (gemv_q8_0_i8*: dp4a; the grouped wo_a too), the
-# Q4_K GEMVs without input groups (gemv_q4_k_i8*: x as Q8_K, dp4a) and the
+# Q4_K GEMVs (gemv_q4_k_i8*: x as Q8_K, dp4a; the grouped wo_a too) and the
 # routed / shared experts of a format with int8 kernels (ops/experts.py I8_FORMATS: moe_*_i8_<fmt>). A copy lives in the workspace's aq.<stream>.<rounding> (layer.act_shapes);
 # `own` (x has no other reader: o, u, a routed or shared h) rounds x in place.
 def act_kind(rec: Any, qtype: Any) -> str | None:
@@ -151,13 +151,13 @@ def act_x(ls: Any, rec: Any, kind: str | None, x: DeviceArray, width: int, n: in
     return y
 
 
-def i8_gemv(rec: Any, W: DevTensor, gemm: bool = False, grouped: bool = False) -> bool:
+def i8_gemv(rec: Any, W: DevTensor, gemm: bool = False) -> bool:
     """Whether a product with W runs on an int8-activation GEMV (x rounded inside) in this recording: act_quant
-    numerics, not a block's tensor-core GEMM, Q8_0 weights (input groups: gemv_q8_0_i8_grouped, the grouped wo_a)
-    or Q4_K weights without input groups (gemv_q4_k_i8*)."""
+    numerics, not a block's tensor-core GEMM, Q8_0 or Q4_K weights (gemv_q8_0_i8*, gemv_q4_k_i8*; with input
+    groups gemv_{q8_0,q4_k}_i8_grouped, the grouped wo_a)."""
     if not rec.numerics.act_quant or isinstance(W.qtype, str) or gemm:
         return False
-    return int(W.qtype) == int(QT.Q8_0) or (int(W.qtype) == int(QT.Q4_K) and not grouped)
+    return int(W.qtype) in (int(QT.Q8_0), int(QT.Q4_K))
 
 
 def act_groups(ls: Any, rec: Any, mats: list, x: DeviceArray, cols: int, n: int, stream: Callable, norm,
@@ -169,7 +169,7 @@ def act_groups(ls: Any, rec: Any, mats: list, x: DeviceArray, cols: int, n: int,
         return [(mats, x, norm, False)]
     by_kind: dict[Any, list] = {}
     for m in mats:
-        key = "i8" if i8_gemv(rec, m[0], gemm=gemm, grouped=x_group_rows > 0) else act_kind(rec, m[0].qtype)
+        key = "i8" if i8_gemv(rec, m[0], gemm=gemm) else act_kind(rec, m[0].qtype)
         by_kind.setdefault(key, []).append(m)
     width = cols * (-(-mats[0][2] // x_group_rows) if x_group_rows else 1)
     stride = x_stride if x_stride is not None else width

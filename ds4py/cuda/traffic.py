@@ -162,8 +162,8 @@ def merged(old: dict, new: dict, replace: str = "") -> dict:
 def model_width_gemv(rows: int = 16, cols: int = 4096, nx: int = 1) -> list[dict]:
     """The dense GEMV of every weight type at the model's width (V4 Flash: 4096 columns; the twin tests' rows are a
     few hundred bytes, where a row's partly used last sector weighs heavily), traffic build, one launch each of the
-    plain kernel and its hc_post and SwiGLU epilogues (Q8_0 and Q4_K: also their int8-activation kernels; Q8_0 with
-    two input groups too)."""
+    plain kernel and its hc_post and SwiGLU epilogues (Q8_0 and Q4_K: also their int8-activation kernels, and with
+    two input groups)."""
     import numpy as np
 
     from ds4py.cuda import ops
@@ -204,7 +204,7 @@ def model_width_gemv(rows: int = 16, cols: int = 4096, nx: int = 1) -> list[dict
                     ops.gemv(rt, [(W, y, rows)], xin)
                     ops.gemv_hc_post(rt, W, xin, HcResidual(X, mix, rows, hc))
                     ops.gemv_swiglu(rt, SwiGlu(W, Wu, rows), xin, y)
-                if kind == "Q8_0":                   # two input groups (the grouped wo_a), int8 activations
+                if kind in ("Q8_0", "Q4_K"):         # two input groups (the grouped wo_a), int8 activations
                     xg = arena.scratch(2 * cols * nx, np.float32)
                     xg.upload(r.standard_normal(2 * cols * nx).astype(np.float32))
                     ops.gemv(rt, [(W, y, rows)], GemvX(xg, cols, nx=nx, x_group_rows=rows // 2, act_quant=True))

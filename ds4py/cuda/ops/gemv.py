@@ -153,7 +153,7 @@ class GemvX:
     x[g*cols:(g+1)*cols] (a multiple of 4). norm = (w, eps): x RMS-normalised first (times w unless None).
     act_quant: the activations' numerics are int8 (Numerics.act_quant): Q8_0 or Q4_K weights, x rounded inside the
     kernel (after the norm) as the reference rounds that product's input, dp4a block dots (Q8_0: gemv_q8_0_i8*, x as
-    Q8_0, with input groups gemv_q8_0_i8_grouped*, plain gemv only; Q4_K: gemv_q4_k_i8*, x as Q8_K, no groups)."""
+    Q8_0; Q4_K: gemv_q4_k_i8*, x as Q8_K; with input groups gemv_{q8_0,q4_k}_i8_grouped*, plain gemv only)."""
     x: DeviceArray
     cols: int
     nx: int = 1
@@ -204,8 +204,7 @@ def _i8_launches(rt: Any, what: str, qtype: str, groups: int, cols: int, nx: int
     need(qtype in I8_TYPES, f"{what}: int8 activations (act_quant) have kernels for Q8_0 and Q4_K weights only, "
                             f"not {qtype}")
     if x_group_rows > 0:
-        need(qtype == "Q8_0", f"{what}: int8 activations with input groups have a kernel for Q8_0 weights only")
-        return _i8_grouped_launches(rt, what, groups, cols, nx, warps, grid, kernel)
+        return _i8_grouped_launches(rt, what, qtype, groups, cols, nx, warps, grid, kernel)
     if warps is None:
         warps = max(2, _fill_warps(rt, qtype, groups))         # >= 2 warps share the x quantisation
         if qtype == "Q4_K" and nx == 1:
@@ -224,20 +223,20 @@ def _i8_launches(rt: Any, what: str, qtype: str, groups: int, cols: int, nx: int
     return grid, 32 * warps, smem, per
 
 
-# With input groups (gemv_q8_0_i8_grouped*) each warp quantises its current x group into its own shared memory
-# (nx * (cols + cols / 8) bytes beside its ring) and takes a run of consecutive row groups, so that one quantisation
-# serves I8_GROUP_RUN row groups (16 rows) or more: the grid is sized for that, never above one wave.
+# With input groups (gemv_q8_0_i8_grouped*, gemv_q4_k_i8_grouped*) each warp quantises its current x group into its
+# own shared memory (i8_x_bytes(nx, cols) beside its ring) and takes a run of consecutive row groups, so that one
+# quantisation serves I8_GROUP_RUN row groups (16 rows) or more: the grid is sized for that, never above one wave.
 I8_GROUP_RUN = 4
 
 
-def _i8_grouped_launches(rt: Any, what: str, groups: int, cols: int, nx: int, warps: int | None,
+def _i8_grouped_launches(rt: Any, what: str, qtype: str, groups: int, cols: int, nx: int, warps: int | None,
                          grid: int | None, kernel: str) -> tuple[int, int, int, int]:
-    """(grid, threads, dynamic smem, rows per launch) of gemv_q8_0_i8_grouped*: the default warps (fewer when a
-    warp's nx rows of x would not fit beside its ring), as many rows per launch as fit."""
-    per_warp = lambda k: Q8_WARP_SMEM + i8_x_bytes(k, cols)                      # noqa: E731
+    """(grid, threads, dynamic smem, rows per launch) of gemv_{q8_0,q4_k}_i8_grouped*: the type's default warps
+    (fewer when a warp's nx rows of x would not fit beside its ring), as many rows per launch as fit."""
+    per_warp = lambda k: WARP_SMEM[qtype] + i8_x_bytes(k, cols, qtype)          # noqa: E731
     need(per_warp(1) <= I8_SMEM_LIMIT, f"{what}: {cols} columns of int8 x do not fit shared memory")
     if warps is None:
-        warps = DEFAULT_WARPS["Q8_0"]
+        warps = DEFAULT_WARPS[qtype]
         while warps > 1 and warps * per_warp(nx) > I8_SMEM_LIMIT:
             warps -= 1
     need(1 <= warps <= 32 and warps * per_warp(1) <= I8_SMEM_LIMIT,
