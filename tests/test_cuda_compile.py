@@ -5,6 +5,8 @@ kernel waits (pdl_wait)."""
 
 from __future__ import annotations
 
+import json
+
 import re
 import shutil
 from pathlib import Path
@@ -340,8 +342,8 @@ def test_sass_loop_table_equals_the_build(compiled):
     except sass.SassUnavailableError as e:
         pytest.skip(str(e))
     built = sass.table_from(compiled)
-    committed = {arch: {k: {f: v for f, v in vars(c).items() if f != "kernel"} for k, c in rows.items()}
-                 for arch, rows in sass.load_table().items()}
+    # the rows as committed: table_from leaves out a zero prologue, which LoopCount (load_table) fills in
+    committed = json.loads(sass.TABLE.read_text())["archs"] if sass.TABLE.is_file() else {}
     assert set(built) == set(ARCHS)
     for arch in ARCHS:
         want = committed.get(arch) or {}

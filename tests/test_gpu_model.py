@@ -598,3 +598,81 @@ def test_the_mtp_draft_step_and_the_verify_rows(device):
     (draft,) = [m for m in timemodel.run(device, "v4-flash-q2", (2048,), steps=("draft",)) if m.tokens == 1]
     head = planned_model("v4-flash-q2", device).w.binding.head.array.nbytes
     assert draft.weight_kv_bytes > head and not draft.refused
+
+
+def mma_listing(fill_after_wait: bool) -> list[tuple[int, str, str, str]]:
+    """A tensor-core k-tile loop (cu/moe_prefill.cu's shape): at a chunk boundary wait for all cp.async groups and
+    fill the ring's next chunk (a nested loop of cp.async copies), a nested staging loop (decode, 2 FFMA), a
+    barrier, 4 HMMA.16816 and a scale FFMA on the accumulators. fill_after_wait False: the copies come before the
+    wait (stage, then wait for all of it: no ring)."""
+    wait = [("DEPBAR.LE", " SB0, 0x0 ", ""), ("BAR.SYNC.DEFER_BLOCKING", " 0x0 ", "")]
+    fill = [("LDGSTS.E.BYPASS.128", " [R27], desc[UR8][R24.64] ", ".L_x_2"), ("IADD3", " R1, R1, 0x80, RZ ", ""),
+            ("BRA", " `(.L_x_2) ", ""), ("LDGDEPBAR", "", "")]
+    ins = [("S2R", " R0, SR_TID.X ", ""), ("LOP3.LUT", " P0, RZ, R23, 0x1, RZ, 0xc0, !PT ", ".L_x_1")]
+    ins += wait + fill if fill_after_wait else fill + wait
+    ins += [("LDG.E.128", " R28, desc[UR8][R46.64] ", ""),
+            ("LDS", " R4, [R1] ", ".L_x_3"), ("FFMA", " R5, R4, R6, R7 ", ""), ("FFMA", " R8, R4, R9, R7 ", ""),
+            ("STS", " [R2], R5 ", ""), ("BRA", " `(.L_x_3) ", ""), ("BAR.SYNC.DEFER_BLOCKING", " 0x0 ", "")]
+    ins += [("HMMA.16816.F32.BF16", f" R{28 + 4 * i}, R52, R36, R{28 + 4 * i} ", "") for i in range(4)]
+    ins += [("FFMA", " R28, R28, R10, R11 ", ""), ("BRA", " `(.L_x_1) ", ""), ("EXIT", "", "")]
+    return [(16 * i, op, o, lab) for i, (op, o, lab) in enumerate(ins)]
+
+
+def test_the_sass_mma_loop_of_the_tensor_core_experts_on_a_listing():
+    """A tensor-core GEMM's weight loop is its k-tile loop: the nested staging loop counted once, the ring's fill
+    loop (cp.async, once per chunk) left out; products are the HMMA multiply-adds one lane does (16 x 8 x 16 / 32 =
+    64 each, over mma_pieces: VQ-8's x in 3 bf16 pieces, F16's weights in 2), not the decode's FFMA; a cp.async
+    issued after a wait for all groups (the next chunk while this one computes) is a ring."""
+    ins = mma_listing(True)
+    assert sass.mma_products("HMMA.16816.F32.BF16") == 64 and sass.mma_products("HMMA.1688.F32") == 32
+    assert sass.mma_products("FFMA") == 0
+    n = len(ins)
+    c = sass.inner_loop("moe_prefill_down_q2_k", ins)
+    assert c is not None and c.products == 4 * 64 and c.async_copy and c.pipelined
+    assert c.instructions == (n - 2) - 3 and c.ldg_bytes == 16       # the loop's span (1 .. n - 2) less the fill's 3
+    assert (c.memory, c.fma) == (4, 7)          # LDGDEPBAR, LDG, LDS, STS; FFMA x 3, HMMA x 4
+    assert sass.inner_loop("moe_prefill_down_vq12", ins).products == 4 * 64 // 3
+    assert sass.inner_loop("moe_prefill_gate_up_f16", ins).products == 4 * 64 // 2
+    assert sass.mma_pieces("moe_prefill_down_vq13") == 3 and sass.mma_pieces("moe_prefill_down_iq2_xxs") == 1
+    staged = sass.inner_loop("moe_prefill_down_q2_k", mma_listing(False))
+    assert staged.async_copy and not staged.pipelined
+
+
+@pytest.mark.parametrize("arch", ["sm_121", "sm_90"])
+def test_the_committed_sass_table_holds_the_tensor_core_prefill_experts(arch):
+    """Every moe_prefill_{gate_up,down}_<fmt> has its k-tile MMA loop in the table: 16 HMMA.16816 per matrix and
+    k tile (a 64 x 64 block tile of 32 k columns over 4 warps: 1,024 multiply-adds a lane) over the format's
+    pieces, pipelined on the sector ring (cp.async) except VQ-8 at 13 bits (direct loads), and several SASS
+    instructions per HMMA (the decode and the scales run on the CUDA cores beside the tensor cores)."""
+    rows = {k: v for k, v in sass.load_table()[arch].items() if k.startswith("moe_prefill_")}
+    fmts = ("iq2_xxs", "q2_k", "q4_k", "q8_0", "mxfp4", "f16", "vq12", "vq13")
+    for f in fmts:
+        for mats, name in ((2, f"moe_prefill_gate_up_{f}"), (1, f"moe_prefill_down_{f}")):
+            c = rows[name]
+            assert c.products == 1024 * mats, (name, c)
+            assert c.async_copy == c.pipelined == (f != "vq13"), (name, c)
+            hmma = 16 * mats * sass.mma_pieces(name)
+            assert 4 * hmma < c.instructions < 40 * hmma, (name, c)
+
+
+def test_the_tensor_core_prefill_experts_are_issue_bound_not_bandwidth_bound():
+    """H200 V4.1 prefill: the ring's chunk in flight (half its shared memory per resident block, beside the
+    activation tile's loads) is credited, so the weight stream is no longer latency-bound; the experts' time is
+    their SASS instructions (issue), or on GB10 the tensor cores (mma: VQ-8's three bf16 pieces of x), both above
+    their DRAM time. The down kernel's tensor work is counted (its pairs come from H: it has no `sorted`)."""
+    from ds4py.cuda.plan import plan_step
+
+    for dev, bound in ((H200, {"issue"}), (GB10, {"issue", "mma"})):
+        launches = plan_step("v41-flash-vq", "prefill", dev.key, ctx=2048, block=2048)
+        seen = set()
+        for ln in launches:
+            if not ln.kernel.startswith(("moe_prefill_gate_up_vq12", "moe_prefill_down_vq12")) or ln.kernel in seen:
+                continue
+            seen.add(ln.kernel)
+            kt = timemodel.model_kernel(ln, dev, 2048, loops=sass.load_table()[dev.arch])
+            ring = timemodel.moe_prefill_ring(ln.kernel)
+            assert ring in (24576, 12288), ln.kernel
+            blocks = min(ln.grid[0] * ln.grid[1], dev.sm_count * kt.blocks_per_sm)
+            assert kt.inflight_bytes == blocks * (ring // 2 + 128 * 64), (ln.kernel, kt.inflight_bytes)
+            assert kt.t_mma_us > 0 and kt.limiter in bound and kt.t_mem_us < kt.time_us / 2, (dev.key, kt)
+        assert seen == {"moe_prefill_gate_up_vq12", "moe_prefill_down_vq12"}

@@ -9,7 +9,8 @@ the table against the build it already makes.
 The loop: the body of a backward branch (a BRA whose target is at or before it), less the loops nested in it. Of
 the loops that load data (global or shared loads) and multiply (FFMA / FMUL / HFMA2 / HMUL2 / integer dot products
 DP4A), the densest in products; the straight-line code outside every loop where a kernel's work is fully unrolled
-there (inner_loop gives the rule). Its
+there (inner_loop gives the rule); for a tensor-core GEMM (moe_prefill_*) the loop with the most HMMA, its
+nested loops at one pass each (mma_loop), products = the HMMA multiply-adds one lane does (64 per HMMA.16816) per product (mma_pieces: bf16 pieces). Its
 `products` (one FFMA or FMUL, two per HFMA2 / HMUL2, four per DP4A / IDP) stand for the weights it consumes: each
 weight of a GEMV meets its activation in one multiply (with --fmad=false a multiply-add is FMUL + FADD: one
 product). Scale multiplies count too, so for block formats the count is a slight over-estimate of weights per
@@ -29,7 +30,10 @@ from pathlib import Path
 
 TABLE = Path(__file__).resolve().parents[1] / "data" / "gpu_sass_loops.json"
 # the kernels whose inner loop streams weights (decode GEMVs and expert products, single- and multi-row)
-STREAMING = re.compile(r"^(gemv_|moe_gate_up_|moe_down_)")
+# and the prefill experts' grouped tensor-core GEMMs (moe_prefill_{gate_up,down}_<fmt>: their k-tile MMA loop)
+STREAMING = re.compile(r"^(gemv_|moe_gate_up_|moe_down_|moe_prefill_gate_up_|moe_prefill_down_)")
+# multiply-adds one lane's share of a warp MMA does: m x n x k / 32 (HMMA.16816: 16 x 8 x 16 / 32 = 64)
+_MMA_SHAPE = re.compile(r"^HMMA\.(16)(8)(8|16|32)\b")
 
 CLASSES = {
     "memory": re.compile(r"^(LDG|LDS|LDSM|LD|LDGSTS|LDGDEPBAR|STG|STS|ST|ATOM|RED|LDC|LDCU|ULDC|CCTL|LDL|STL)\b"),
@@ -140,6 +144,53 @@ def _products(opcode: str, operands: str = "") -> int:
     return n
 
 
+def mma_products(opcode: str) -> int:
+    """Multiply-adds one lane's share of a tensor-core MMA does (HMMA.16816: 64, HMMA.1688: 32), 0 otherwise."""
+    m = _MMA_SHAPE.match(opcode)
+    return int(m.group(1)) * int(m.group(2)) * int(m.group(3)) // 32 if m else 0
+
+
+def mma_loop(kernel: str, insns: list[tuple[int, str, str, str]]) -> LoopCount | None:
+    """A tensor-core GEMM's weight loop (moe_prefill_*): the loop whose own body holds the most HMMA (the k-tile
+    loop: stage the tile's weights and activations into shared memory, barrier, MMAs), counted over its whole span
+    once with the loops nested in it (the staging / decode loops) at one pass each, less the nested loops that
+    issue cp.async (the ring's fill: once per chunk of k tiles, at a chunk boundary): a lower bound of a pass's
+    instructions. Its products are the HMMA multiply-adds one lane does
+    (mma_products); the decode's scale multiplies (FFMA / FMUL) are not products here. Pipelined: a cp.async
+    issued after a wait for all groups (DEPBAR.LE SB0, 0x0) within the loop (cu/moe_prefill.cu moep_ring_step:
+    wait for chunk c, issue chunk c + 1, compute chunk c) or a wait with some groups left in flight."""
+    spans = loops(insns)
+
+    def own_mma(a: int, b: int) -> int:
+        nested = [(x, y) for x, y in spans if (x, y) != (a, b) and a <= x and y <= b]
+        return sum(mma_products(insns[i][1]) for i in range(a, b + 1) if not any(c <= i <= d for c, d in nested))
+
+    best = max(spans, key=lambda sp: (own_mma(*sp), -(sp[1] - sp[0])), default=None)
+    if best is None or own_mma(*best) == 0:
+        return None
+    span = insns[best[0]:best[1] + 1]
+    staged = any(op.startswith("LDGSTS") for _, op, _, _ in span)
+    # the ring's fill loops (nested loops that issue cp.async) run once per chunk of k tiles, not every pass
+    fills = [(x, y) for x, y in spans if best[0] <= x and y <= best[1] and (x, y) != best
+             and any(insns[i][1].startswith("LDGSTS") for i in range(x, y + 1))]
+    body = [insns[i] for i in range(best[0], best[1] + 1) if not any(x <= i <= y for x, y in fills)]
+    waits = [i for i, (_, op, o, _) in enumerate(span) if op.startswith("DEPBAR")]
+    ring = staged and (any(re.search(r"SB0,\s*0x[1-9a-f]", span[i][2]) for i in waits)
+                       or any(op.startswith("LDGSTS") and i > min(waits) for i, (_, op, _, _) in enumerate(span)
+                              if waits))
+    c = _count(kernel, body, staged, ring)
+    return replace(c, products=sum(mma_products(op) for _, op, _, _ in body) // mma_pieces(kernel))
+
+
+def mma_pieces(kernel: str) -> int:
+    """MMA multiply-adds per weight x activation product of a moe_prefill_* kernel (cu/moe_prefill.cu): VQ-8's
+    activations go in as three bf16 pieces (ops/moe_prefill.x_pieces: exact), F16's weights as two; else one."""
+    from ds4py.cuda.ops.moe_prefill import x_pieces
+
+    fmt = kernel.rsplit("_", 1)[-1]
+    return x_pieces(fmt) if re.fullmatch(r"vq\d+", fmt) else 2 if fmt == "f16" else 1
+
+
 def loops(insns: list[tuple[int, str, str, str]]) -> list[tuple[int, int]]:
     """(first index, branch index) of every backward branch's body."""
     at = {lab: i for i, (_, _, _, lab) in enumerate(insns) if lab}
@@ -181,6 +232,8 @@ def inner_loop(kernel: str, insns: list[tuple[int, str, str, str]]) -> LoopCount
     unrolled, e.g. moe_gate_up's 8 rows per thread, works there, once per thread). Work an outer loop does once
     per tile (copies, waits, scale decoding) is not counted: the count is a lower bound of instructions per
     weight."""
+    if any(mma_products(op) for _, op, _, _ in insns):
+        return mma_loop(kernel, insns)
     spans = loops(insns)
     staged = any(op.startswith("LDGSTS") for _, op, _, _ in insns)
     # an int8-activation GEMV's weight loop is its integer-dot loop (not the x quantisation's divisions)

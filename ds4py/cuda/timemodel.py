@@ -288,10 +288,18 @@ def launch_traffic(launch: Any, ctx: int) -> Traffic:
         flops = 2.0 * s["T"] * s["N"] * s["K"]
         rows = int(s["T"])
     elif k.startswith("moe_prefill_") and fmt:
-        pairs = next((a.nbytes // 4 for a in launch.args if a.name == "sorted"), 0)
+        # pairs from H [P, ff] (gate + up writes it, down reads it; only gate + up has `sorted`); the tensor cores
+        # run whole BM-row work items (expected_work_items: padded rows count) and each weight x activation
+        # product as sass.mma_pieces MMA multiply-adds (VQ-8: x in three bf16 pieces, F16: the weight in two)
+        from ds4py.cuda.ops.moe_prefill import BM
+        from ds4py.cuda.sass import mma_pieces
+
+        ff = int(s.get("ff", 0))
+        pairs = next((a.nbytes // (4 * ff) for a in launch.args if a.name == "H" and ff), 0)
         per_expert = weights / n_experts
-        flops = 2.0 * pairs * per_expert
-        rows = max(1, pairs // n_experts)
+        items = expected_work_items(pairs, n_experts) if pairs else 0.0
+        rows = max(1, round(BM * items / n_experts))
+        flops = 2.0 * rows * n_experts * per_expert * mma_pieces(k)
     return Traffic(weight, kv, act, weights, rows, flops)
 
 
@@ -366,12 +374,32 @@ class KernelTime:
         return self.weight_bytes + self.kv_bytes + self.act_bytes
 
 
+def moe_prefill_ring(kernel: str) -> int:
+    """Dynamic shared memory of a moe_prefill_{gate_up,down}_<fmt> kernel's weight sector ring (both buffers;
+    ops/moe_prefill.weight_ring_bytes), 0 for other kernels and VQ-8 at 13 bits (direct loads)."""
+    m = re.fullmatch(r"moe_prefill_(gate_up|down)_(\w+)", kernel)
+    if not m:
+        return 0
+    from ds4py.cuda.ops.experts import FORMATS, VQ_FORMATS
+    from ds4py.cuda.ops.moe_prefill import weight_ring_bytes
+
+    fmt = m.group(2)
+    qtype: int | str | None = fmt if fmt in VQ_FORMATS else next(
+        (int(q) for q in FORMATS if q.name.lower() == fmt), None)
+    return weight_ring_bytes(qtype, 2 if m.group(1) == "gate_up" else 1) if qtype is not None else 0
+
+
 def _inflight(launch: Any, loop: Any, active_sms: int, blocks_here: int) -> int:
     """Bytes in flight on the device: per block, a cp.async stage (the dynamic shared memory: every load issued
     before the wait) or, for direct loads, each warp's loads of one loop pass (the SASS count's global bytes x 32
     lanes; LANE_BYTES per lane when unknown)."""
     warps = max(1, math.ceil(launch.block[0] * launch.block[1] * launch.block[2] / 32))
-    if loop is not None and loop.async_copy and launch.smem > 0:
+    ring = moe_prefill_ring(launch.kernel)
+    if loop is not None and loop.async_copy and loop.pipelined and ring:
+        # the grouped tensor-core GEMMs' sector ring: one chunk (half the ring) in flight while the block decodes
+        # and multiplies the other, beside the activation tile's direct loads of the pass
+        per_block = ring // 2 + warps * 32 * loop.ldg_bytes
+    elif loop is not None and loop.async_copy and launch.smem > 0:
         per_block = launch.smem
     else:
         per_lane = loop.ldg_bytes if loop is not None and loop.ldg_bytes else lane_bytes(launch)
