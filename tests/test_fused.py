@@ -250,8 +250,8 @@ def test_paging_hints_follow_the_layers_and_the_routed_experts_and_change_nothin
     picked = {}                                       # layer -> (its FFN weights, the experts the router picked)
     real_route = forward.route
 
-    def spy(w, cfg, ro, Fw, x, ids, seg):
-        idx, wts = real_route(w, cfg, ro, Fw, x, ids, seg)
+    def spy(w, cfg, ro, Fw, x, ids, seg, *rest):       # rest: the router's logits when computed with others
+        idx, wts = real_route(w, cfg, ro, Fw, x, ids, seg, *rest)
         picked[ro.layer] = (Fw, set(int(e) for e in np.unique(idx)))
         return idx, wts
 
