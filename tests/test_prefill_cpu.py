@@ -175,15 +175,3 @@ def test_a_long_prefill_equals_the_one_block_attention(v4_gguf, monkeypatch):
     want = exact.prefill(exact.new_state(), ids, all_logits=True)
     np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
-
-
-@pytest.mark.parametrize("T", [63, 64, 65, 300, 1000])
-def test_a_prefill_blas_product_in_row_pieces_keeps_its_bits(T):
-    """Weights._mm: a long sequence's F16 / F32 product in row pieces over the threads equals the one product
-    (ops.mm) bit for bit, per sequence of the step."""
-    w = Weights(None, kernels="jit", threads=3, lean=True)
-    x = rng.standard_normal((T, 512)).astype(np.float32)
-    wT = rng.standard_normal((200, 512)).astype(np.float32).T
-    np.testing.assert_array_equal(w._mm(x, wT, None), x @ wT)
-    seg = [slice(0, T // 3), slice(T // 3, T)]
-    np.testing.assert_array_equal(w._mm(x, wT, seg), ops.mm(x, wT, seg))

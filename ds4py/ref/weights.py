@@ -42,7 +42,6 @@ LEAN_CACHE_BYTES = 32 << 20
 LEAN_STREAM_BYTES = 16 << 20
 STREAM_ROWS = 8192
 KERNELS = ("auto", "dequant", "fused", "jit")
-SPLIT_ROWS = 32              # the smallest row piece of a prefill's BLAS product spread over the threads (_mm)
 FUSED_MAX_ROWS = 8           # steps of up to this many rows use the fused kernels (decode, a short verify)
 # ggml's CPU dot products quantise the activation side to Q8_0 (Q8_0 / MXFP4 weights) or Q8_K (K / IQ quants)
 Q8_0_ACT = (Q.Q8_0, Q.MXFP4)
@@ -406,34 +405,8 @@ class Weights:
             return self._dense_q8_0(t.raw_bytes(), x, seg)
         out_rows, ncols = t.shape
         if ("all", t.name) in self._cache or out_rows * ncols * 4 <= self.cache_bytes:
-            return self._mm(x, self.get(t).T, seg)
+            return mm(x, self.get(t).T, seg)
         return self._streamed(t, t.raw if t.qtype in (Q.F32, Q.F16) else t.raw_bytes(), x, seg)
-
-    def _mm(self, x: np.ndarray, wT: np.ndarray, seg: list[slice] | None) -> np.ndarray:
-        """mm(x, wT, seg), a long sequence's product in row pieces of at least SPLIT_ROWS spread over the
-        kernels' threads (Runner.each; BLAS on one thread each): a prefill's F16 / F32 products (compressor,
-        indexer, router) otherwise run on the calling thread alone when BLAS has one thread. OpenBLAS computes an
-        output row of a product of this many rows the same whichever rows are beside it (it splits its own
-        threads the same way: ref/blas.py), so the bits are mm's."""
-        if (self.runner is None or self.runner.threads < 2 or x.shape[0] < 2 * SPLIT_ROWS
-                or x.dtype != F32 or wT.dtype != F32):
-            return mm(x, wT, seg)
-        return per_row(lambda r: self._mm_pieces(r, wT), x, seg)
-
-    def _mm_pieces(self, x: np.ndarray, wT: np.ndarray) -> np.ndarray:
-        T = x.shape[0]
-        if T < 2 * SPLIT_ROWS:
-            return x @ wT
-        n = min(T // SPLIT_ROWS, 4 * self.runner.threads)           # a few pieces a thread: a busy core takes fewer
-        bounds = [T * i // n for i in range(n + 1)]
-        y = np.empty((T, wT.shape[1]), F32)
-        x = np.ascontiguousarray(x)
-
-        def piece(i: int) -> None:
-            np.matmul(x[bounds[i]:bounds[i + 1]], wT, out=y[bounds[i]:bounds[i + 1]])
-
-        self.runner.each(piece, n)
-        return y
 
     def _streamed(self, t: TensorInfo, raw: np.ndarray, x: np.ndarray, seg: list[slice] | None) -> np.ndarray:
         """x @ W.T for the stored rows `raw` of matrix t (or of one expert of it), dequantised a chunk of rows
