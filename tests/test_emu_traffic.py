@@ -6,6 +6,7 @@ pdl_wait, a cp.async load; then the profile of one real kernel through the twin 
 from __future__ import annotations
 
 import ctypes
+import os
 from pathlib import Path
 
 import numpy as np
@@ -163,6 +164,21 @@ def test_a_real_gemv_reads_each_weight_byte_once(kind, monkeypatch):
     assert len(w) == 1 and w[0]["unique_bytes"] == w[0]["arg_bytes"] == W.nbytes
     assert w[0]["coverage"] == 1.0 and w[0]["reread_blocks"] == 1.0
     assert 0 < w[0]["coalescing"] <= 1.0
+
+
+@pytest.mark.parametrize("outer", [None, "race"])
+def test_traffic_build_restores_the_callers_setting(monkeypatch, outer):
+    """The model-width recorders' context (traffic.traffic_build): the traffic build inside, the caller's
+    DS4PY_EMU_CHECK (or none) back after, also when the block raises."""
+    if outer is None:
+        monkeypatch.delenv("DS4PY_EMU_CHECK", raising=False)
+    else:
+        monkeypatch.setenv("DS4PY_EMU_CHECK", outer)
+    with pytest.raises(RuntimeError, match="inside"):
+        with traffic.traffic_build():
+            assert os.environ["DS4PY_EMU_CHECK"] == "traffic"
+            raise RuntimeError("inside")
+    assert os.environ.get("DS4PY_EMU_CHECK") == outer
 
 
 @pytest.mark.parametrize("pair,requests,sectors", [(0, 1, 16), (1, 2, 64)])

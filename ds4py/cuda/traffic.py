@@ -17,6 +17,7 @@ below 95% coalescing or read more than 1.1 times.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -24,10 +25,18 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence, TypeVar
 
 from ds4py.cuda.traffic_record import (ARG_COUNTERS, SMEM_COUNTERS, WEIGHT_PARAMS,  # noqa: F401
                                        collect, derive_arg, derive_smem, launch_record, record)
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from ds4py.cuda.emu_runtime import EmuRuntime
+    from ds4py.cuda.memory import Arena
+
+Case = TypeVar("Case")
 
 COALESCING_TARGET = 0.95          # issue 34: every weight-streaming kernel's weight argument
 REREAD_LIMIT = 1.1
@@ -159,6 +168,40 @@ def merged(old: dict, new: dict, replace: str = "") -> dict:
     return rep
 
 
+@contextlib.contextmanager
+def traffic_build() -> Iterator[None]:
+    """DS4PY_EMU_CHECK=traffic inside the block (the emulator builds and loads the traffic-counting kernels), the
+    caller's setting restored after."""
+    old = os.environ.get("DS4PY_EMU_CHECK")
+    os.environ["DS4PY_EMU_CHECK"] = "traffic"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("DS4PY_EMU_CHECK", None)
+        else:
+            os.environ["DS4PY_EMU_CHECK"] = old
+
+
+def record_cases(cases: Iterable[Case], launch: Callable[[EmuRuntime, Arena, Case], None], *, weights_bytes: int,
+                 scratch_bytes: int) -> list[dict]:
+    """The model-width recorders' common shape: one emulator runtime of the traffic build (PDL checked) and one
+    arena; per case fresh weights and a fresh step, `launch(rt, arena, case)`, synchronise; the launch records."""
+    from ds4py.cuda.emu_runtime import EmuRuntime
+
+    with traffic_build():
+        rt = EmuRuntime(check_pdl=True)
+        arena = rt.arena(weights_bytes=weights_bytes, scratch_bytes=scratch_bytes)
+        with collect() as recs:
+            for case in cases:
+                arena.reset_weights()
+                arena.begin_step()
+                launch(rt, arena, case)
+                rt.synchronize()
+        arena.close()
+    return recs
+
+
 def model_width_gemv(rows: int = 16, cols: int = 4096, nx: int = 1) -> list[dict]:
     """The dense GEMV of every weight type at the model's width (V4 Flash: 4096 columns; the twin tests' rows are a
     few hundred bytes, where a row's partly used last sector weighs heavily), traffic build, one launch each of the
@@ -169,7 +212,6 @@ def model_width_gemv(rows: int = 16, cols: int = 4096, nx: int = 1) -> list[dict
     from ds4py.cuda import ops
     from ds4py.cuda.ops.gemv import GemvX, SwiGlu
     from ds4py.cuda.ops.mhc import HcResidual
-    from ds4py.cuda.emu_runtime import EmuRuntime
     from ds4py.quant import kquants, simple
 
     r = np.random.default_rng(34)
@@ -182,40 +224,28 @@ def model_width_gemv(rows: int = 16, cols: int = 4096, nx: int = 1) -> list[dict
 
     weights, ups = typed(Wf), typed(Uf)
     hc = 4
-    old = os.environ.get("DS4PY_EMU_CHECK")
-    os.environ["DS4PY_EMU_CHECK"] = "traffic"
-    try:
-        rt = EmuRuntime(check_pdl=True)
-        arena = rt.arena(weights_bytes=8 * rows * cols + (1 << 20), scratch_bytes=1 << 20)
-        with collect() as recs:
-            for kind, host in weights.items():
-                arena.reset_weights()
-                arena.begin_step()
-                W, Wu = arena.weights(host.shape, host.dtype), arena.weights(host.shape, host.dtype)
-                W.upload(host)
-                Wu.upload(ups[kind])
-                x, y = arena.scratch(cols * nx, np.float32), arena.scratch(rows * nx, np.float32)
-                x.upload(r.standard_normal(cols * nx).astype(np.float32))
-                X, mix = arena.scratch(nx * hc * rows, np.float32), arena.scratch(nx * (2 + hc) * hc, np.float32)
-                X.upload(r.standard_normal(nx * hc * rows).astype(np.float32))
-                mix.upload(r.random(nx * (2 + hc) * hc).astype(np.float32))
-                for act_quant in (False, True) if kind in ("Q8_0", "Q4_K") else (False,):   # and their int8 kernels
-                    xin = GemvX(x, cols, nx=nx, act_quant=act_quant)
-                    ops.gemv(rt, [(W, y, rows)], xin)
-                    ops.gemv_hc_post(rt, W, xin, HcResidual(X, mix, rows, hc))
-                    ops.gemv_swiglu(rt, SwiGlu(W, Wu, rows), xin, y)
-                if kind in ("Q8_0", "Q4_K"):         # two input groups (the grouped wo_a), int8 activations
-                    xg = arena.scratch(2 * cols * nx, np.float32)
-                    xg.upload(r.standard_normal(2 * cols * nx).astype(np.float32))
-                    ops.gemv(rt, [(W, y, rows)], GemvX(xg, cols, nx=nx, x_group_rows=rows // 2, act_quant=True))
-                rt.synchronize()
-        arena.close()
-    finally:
-        if old is None:
-            os.environ.pop("DS4PY_EMU_CHECK", None)
-        else:
-            os.environ["DS4PY_EMU_CHECK"] = old
-    return recs
+
+    def launch(rt: EmuRuntime, arena: Arena, kind: str) -> None:
+        host = weights[kind]
+        W, Wu = arena.weights(host.shape, host.dtype), arena.weights(host.shape, host.dtype)
+        W.upload(host)
+        Wu.upload(ups[kind])
+        x, y = arena.scratch(cols * nx, np.float32), arena.scratch(rows * nx, np.float32)
+        x.upload(r.standard_normal(cols * nx).astype(np.float32))
+        X, mix = arena.scratch(nx * hc * rows, np.float32), arena.scratch(nx * (2 + hc) * hc, np.float32)
+        X.upload(r.standard_normal(nx * hc * rows).astype(np.float32))
+        mix.upload(r.random(nx * (2 + hc) * hc).astype(np.float32))
+        for act_quant in (False, True) if kind in ("Q8_0", "Q4_K") else (False,):   # and their int8 kernels
+            xin = GemvX(x, cols, nx=nx, act_quant=act_quant)
+            ops.gemv(rt, [(W, y, rows)], xin)
+            ops.gemv_hc_post(rt, W, xin, HcResidual(X, mix, rows, hc))
+            ops.gemv_swiglu(rt, SwiGlu(W, Wu, rows), xin, y)
+        if kind in ("Q8_0", "Q4_K"):         # two input groups (the grouped wo_a), int8 activations
+            xg = arena.scratch(2 * cols * nx, np.float32)
+            xg.upload(r.standard_normal(2 * cols * nx).astype(np.float32))
+            ops.gemv(rt, [(W, y, rows)], GemvX(xg, cols, nx=nx, x_group_rows=rows // 2, act_quant=True))
+
+    return record_cases(weights, launch, weights_bytes=8 * rows * cols + (1 << 20), scratch_bytes=1 << 20)
 
 
 def model_width_gemm(T: int = 64, rows: int = 128, cols: int = 4096) -> list[dict]:
@@ -225,35 +255,63 @@ def model_width_gemm(T: int = 64, rows: int = 128, cols: int = 4096) -> list[dic
     import numpy as np
 
     from ds4py.cuda.ops.gemm import GemmShape, gemm
-    from ds4py.cuda.emu_runtime import EmuRuntime
     from ds4py.quant import kquants, simple
 
     r = np.random.default_rng(35)
     Wf = (r.standard_normal((rows, cols)) * 0.1).astype(np.float32)
     weights = {"F32": Wf, "F16": Wf.astype(np.float16), "Q8_0": simple.quant_q8_0(Wf).reshape(rows, -1),
                "Q4_K": kquants.quant_q4_k(Wf.reshape(-1, 256)).reshape(rows, -1)}
-    old = os.environ.get("DS4PY_EMU_CHECK")
-    os.environ["DS4PY_EMU_CHECK"] = "traffic"
-    try:
-        rt = EmuRuntime(check_pdl=True)
-        arena = rt.arena(weights_bytes=4 * rows * cols + (1 << 20), scratch_bytes=4 * T * (cols + rows) + (1 << 20))
-        with collect() as recs:
-            for kind, host in weights.items():
-                arena.reset_weights()
-                arena.begin_step()
-                W = arena.weights(host.shape, host.dtype)
-                W.upload(host)
-                x, y = arena.scratch(T * cols, np.float32), arena.scratch(T * rows, np.float32)
-                x.upload(r.standard_normal(T * cols).astype(np.float32))
-                gemm(rt, W, x, y, GemmShape(T=T, N=rows, K=cols))
-                rt.synchronize()
-        arena.close()
-    finally:
-        if old is None:
-            os.environ.pop("DS4PY_EMU_CHECK", None)
+
+    def launch(rt: EmuRuntime, arena: Arena, host: np.ndarray) -> None:
+        W = arena.weights(host.shape, host.dtype)
+        W.upload(host)
+        x, y = arena.scratch(T * cols, np.float32), arena.scratch(T * rows, np.float32)
+        x.upload(r.standard_normal(T * cols).astype(np.float32))
+        gemm(rt, W, x, y, GemmShape(T=T, N=rows, K=cols))
+
+    return record_cases(weights.values(), launch, weights_bytes=4 * rows * cols + (1 << 20),
+                        scratch_bytes=4 * T * (cols + rows) + (1 << 20))
+
+
+def _prefill_expert_launch(r: np.random.Generator, T: int, dim: int, ff: int, rows: int, gate_up: Callable,
+                           down: Callable, matrix_shape: Callable) -> Callable:
+    """launch(rt, arena, (qtype, is_down)) for record_cases: one expert of `rows` weight rows and T tokens routed to
+    it, random weight bytes of shape `matrix_shape(qtype, rows, cols)` (the traffic does not depend on the values;
+    F16: finite halves), then the prefill experts' `gate_up` op (rows of `dim` columns) or `down` op (rows of
+    `ff`)."""
+    import numpy as np
+
+    from ds4py.cuda.ops import moe_prefill as mp
+    from ds4py.cuda.ops.core import TokenRows
+    from ds4py.cuda.ops.experts import Experts, Slots
+    from ds4py.ggml_types import GGMLQuantizationType as QT
+
+    def launch(rt: EmuRuntime, arena: Arena, case: tuple) -> None:
+        qtype, is_down = case
+        cols, feat, fd = (ff, rows, (ff, rows)) if is_down else (dim, rows, (rows, dim))
+
+        def mat():
+            host = r.integers(0, 256, matrix_shape(qtype, feat, cols), dtype=np.uint8)
+            if not isinstance(qtype, str) and int(qtype) == int(QT.F16):    # finite halves
+                host = (r.standard_normal(host.size // 2) * 0.1).astype(np.float16).view(np.uint8)
+            w = arena.weights(host.shape, np.uint8)
+            w.upload(host)
+            return w
+
+        bufs = mp.MoePrefillBuffers.alloc(lambda sh, dt: arena.scratch(sh, dt), T, 1, 1, *fd)
+        ids = arena.scratch((T,), np.int32)
+        ids.upload(np.zeros(T, np.int32))
+        mp.moe_prefill_route(rt, ids, bufs, T, 1, 1)
+        if is_down:
+            bufs.H.upload(r.standard_normal((T, ff)).astype(np.float32))
+            down(rt, Experts(fmt=qtype, n_experts=1, ff=ff, dim=rows, down=mat()), bufs, T, 1)
         else:
-            os.environ["DS4PY_EMU_CHECK"] = old
-    return recs
+            x = arena.scratch((T, dim), np.float32)
+            x.upload(r.standard_normal((T, dim)).astype(np.float32))
+            gate_up(rt, Experts(fmt=qtype, n_experts=1, ff=rows, dim=dim, gate=mat(), up=mat()), TokenRows(x=x, T=T),
+                    Slots(k=1), bufs)
+
+    return launch
 
 
 def model_width_moe_tiles(T: int = 4, dim: int = 4096, ff: int = 2048, rows: int = 64) -> list[dict]:
@@ -262,52 +320,13 @@ def model_width_moe_tiles(T: int = 4, dim: int = 4096, ff: int = 2048, rows: int
     weight bytes (the traffic does not depend on the values), traffic build, one launch each."""
     import numpy as np
 
-    from ds4py.cuda.emu_runtime import EmuRuntime
     from ds4py.cuda.ops import moe_prefill as mp
-    from ds4py.cuda.ops.core import TokenRows
-    from ds4py.cuda.ops.experts import FORMATS, Experts, Slots, row_bytes
-    from ds4py.ggml_types import GGMLQuantizationType as QT
+    from ds4py.cuda.ops.experts import FORMATS, row_bytes
 
-    r = np.random.default_rng(36)
-    old = os.environ.get("DS4PY_EMU_CHECK")
-    os.environ["DS4PY_EMU_CHECK"] = "traffic"
-    try:
-        rt = EmuRuntime(check_pdl=True)
-        arena = rt.arena(weights_bytes=8 * rows * dim + (1 << 20), scratch_bytes=16 * T * (dim + ff) + (1 << 20))
-        with collect() as recs:
-            for qtype in FORMATS:
-                for down in (False, True):
-                    arena.reset_weights()
-                    arena.begin_step()
-                    cols, feat, fd = (ff, rows, (ff, rows)) if down else (dim, rows, (rows, dim))
-
-                    def mat():
-                        host = r.integers(0, 256, (1, feat, row_bytes(qtype, cols)), dtype=np.uint8)
-                        if int(qtype) == int(QT.F16):     # finite halves (the values do not matter otherwise)
-                            host = (r.standard_normal(host.size // 2) * 0.1).astype(np.float16).view(np.uint8)
-                        w = arena.weights(host.shape, np.uint8)
-                        w.upload(host.reshape(1, feat, -1))
-                        return w
-
-                    bufs = mp.MoePrefillBuffers.alloc(lambda sh, dt: arena.scratch(sh, dt), T, 1, 1, *fd)
-                    ids = arena.scratch((T,), np.int32)
-                    ids.upload(np.zeros(T, np.int32))
-                    mp.moe_prefill_route(rt, ids, bufs, T, 1, 1)
-                    if down:
-                        bufs.H.upload(r.standard_normal((T, ff)).astype(np.float32))
-                        mp.moe_tile_down(rt, Experts(fmt=qtype, n_experts=1, ff=ff, dim=rows, down=mat()), bufs, T, 1)
-                    else:
-                        x = arena.scratch((T, dim), np.float32)
-                        x.upload(r.standard_normal((T, dim)).astype(np.float32))
-                        mp.moe_tile_gate_up(rt, Experts(fmt=qtype, n_experts=1, ff=rows, dim=dim, gate=mat(), up=mat()),
-                                            TokenRows(x=x, T=T), Slots(k=1), bufs)
-                    rt.synchronize()
-        arena.close()
-    finally:
-        if old is None:
-            os.environ.pop("DS4PY_EMU_CHECK", None)
-        else:
-            os.environ["DS4PY_EMU_CHECK"] = old
+    launch = _prefill_expert_launch(np.random.default_rng(36), T, dim, ff, rows, mp.moe_tile_gate_up,
+                                    mp.moe_tile_down, lambda qtype, feat, cols: (1, feat, row_bytes(qtype, cols)))
+    recs = record_cases([(q, down) for q in FORMATS for down in (False, True)], launch,
+                        weights_bytes=8 * rows * dim + (1 << 20), scratch_bytes=16 * T * (dim + ff) + (1 << 20))
     return [x for x in recs if x["kernel"].startswith(("moe_gate_up_tile_", "moe_down_tile_"))]
 
 
@@ -318,53 +337,13 @@ def model_width_moe_prefill(T: int = 16, dim: int = 4096, ff: int = 2048, rows: 
     the values), traffic build, one launch each."""
     import numpy as np
 
-    from ds4py.cuda.emu_runtime import EmuRuntime
     from ds4py.cuda.ops import moe_prefill as mp
-    from ds4py.cuda.ops.core import TokenRows
-    from ds4py.cuda.ops.experts import FORMATS, Experts, Slots, matrix_bytes
-    from ds4py.ggml_types import GGMLQuantizationType as QT
+    from ds4py.cuda.ops.experts import FORMATS, matrix_bytes
 
-    r = np.random.default_rng(37)
-    old = os.environ.get("DS4PY_EMU_CHECK")
-    os.environ["DS4PY_EMU_CHECK"] = "traffic"
-    try:
-        rt = EmuRuntime(check_pdl=True)
-        arena = rt.arena(weights_bytes=8 * rows * dim + (1 << 20), scratch_bytes=16 * T * (dim + ff) + (1 << 20))
-        with collect() as recs:
-            for qtype in [*FORMATS, "vq12", "vq13"]:
-                for down in (False, True):
-                    arena.reset_weights()
-                    arena.begin_step()
-                    cols, feat, fd = (ff, rows, (ff, rows)) if down else (dim, rows, (rows, dim))
-
-                    def mat():
-                        host = r.integers(0, 256, matrix_bytes(qtype, 1, feat, cols), dtype=np.uint8)
-                        if not isinstance(qtype, str) and int(qtype) == int(QT.F16):    # finite halves
-                            host = (r.standard_normal(host.size // 2) * 0.1).astype(np.float16).view(np.uint8)
-                        w = arena.weights(host.shape, np.uint8)
-                        w.upload(host)
-                        return w
-
-                    bufs = mp.MoePrefillBuffers.alloc(lambda sh, dt: arena.scratch(sh, dt), T, 1, 1, *fd)
-                    ids = arena.scratch((T,), np.int32)
-                    ids.upload(np.zeros(T, np.int32))
-                    mp.moe_prefill_route(rt, ids, bufs, T, 1, 1)
-                    if down:
-                        bufs.H.upload(r.standard_normal((T, ff)).astype(np.float32))
-                        mp.moe_prefill_down(rt, Experts(fmt=qtype, n_experts=1, ff=ff, dim=rows, down=mat()), bufs,
-                                            T, 1)
-                    else:
-                        x = arena.scratch((T, dim), np.float32)
-                        x.upload(r.standard_normal((T, dim)).astype(np.float32))
-                        mp.moe_prefill_gate_up(rt, Experts(fmt=qtype, n_experts=1, ff=rows, dim=dim, gate=mat(),
-                                                           up=mat()), TokenRows(x=x, T=T), Slots(k=1), bufs)
-                    rt.synchronize()
-        arena.close()
-    finally:
-        if old is None:
-            os.environ.pop("DS4PY_EMU_CHECK", None)
-        else:
-            os.environ["DS4PY_EMU_CHECK"] = old
+    launch = _prefill_expert_launch(np.random.default_rng(37), T, dim, ff, rows, mp.moe_prefill_gate_up,
+                                    mp.moe_prefill_down, lambda qtype, feat, cols: matrix_bytes(qtype, 1, feat, cols))
+    recs = record_cases([(q, down) for q in [*FORMATS, "vq12", "vq13"] for down in (False, True)], launch,
+                        weights_bytes=8 * rows * dim + (1 << 20), scratch_bytes=16 * T * (dim + ff) + (1 << 20))
     return [x for x in recs if x["kernel"].startswith(("moe_prefill_gate_up_", "moe_prefill_down_"))]
 
 
@@ -375,46 +354,32 @@ def model_width_experts_i8(dim: int = 4096, ff: int = 2048, rows: int = 64, k: i
     on the values), traffic build, one launch each."""
     import numpy as np
 
-    from ds4py.cuda.emu_runtime import EmuRuntime
     from ds4py.cuda.ops import experts as mx
     from ds4py.cuda.ops.core import TokenRows
 
     r = np.random.default_rng(37)
-    old = os.environ.get("DS4PY_EMU_CHECK")
-    os.environ["DS4PY_EMU_CHECK"] = "traffic"
-    try:
-        rt = EmuRuntime(check_pdl=True)
-        arena = rt.arena(weights_bytes=4 * k * rows * dim + (1 << 20), scratch_bytes=8 * k * (dim + ff) + (1 << 20))
-        with collect() as recs:
-            for qtype in sorted(mx.I8_FORMATS, key=int):
-                arena.reset_weights()
-                arena.begin_step()
 
-                def mat(feat: int, cols: int):
-                    host = r.integers(0, 256, (k, feat, mx.row_bytes(qtype, cols)), dtype=np.uint8)
-                    w = arena.weights(host.shape, np.uint8)
-                    w.upload(host)
-                    return w
+    def launch(rt: EmuRuntime, arena: Arena, qtype: object) -> None:
+        def mat(feat: int, cols: int):
+            host = r.integers(0, 256, (k, feat, mx.row_bytes(qtype, cols)), dtype=np.uint8)
+            w = arena.weights(host.shape, np.uint8)
+            w.upload(host)
+            return w
 
-                ids = arena.scratch((k,), np.int32)
-                ids.upload(np.arange(k, dtype=np.int32)[::-1].copy())
-                slots = mx.Slots(ids=ids, k=k)
-                x, h = arena.scratch((dim,), np.float32), arena.scratch((k, ff), np.float32)
-                x.upload(r.standard_normal(dim).astype(np.float32))
-                mx.moe_gate_up(rt, mx.Experts(fmt=qtype, n_experts=k, ff=rows, dim=dim, gate=mat(rows, dim),
-                                              up=mat(rows, dim), act_quant=True), x, h, slots)
-                h.upload(r.standard_normal((k, ff)).astype(np.float32))
-                y = arena.scratch((rows,), np.float32)
-                mx.moe_down(rt, mx.Experts(fmt=qtype, n_experts=k, ff=ff, dim=rows, down=mat(rows, ff), act_quant=True),
-                            TokenRows(x=h, y=y), slots)
-                rt.synchronize()
-        arena.close()
-    finally:
-        if old is None:
-            os.environ.pop("DS4PY_EMU_CHECK", None)
-        else:
-            os.environ["DS4PY_EMU_CHECK"] = old
-    return recs
+        ids = arena.scratch((k,), np.int32)
+        ids.upload(np.arange(k, dtype=np.int32)[::-1].copy())
+        slots = mx.Slots(ids=ids, k=k)
+        x, h = arena.scratch((dim,), np.float32), arena.scratch((k, ff), np.float32)
+        x.upload(r.standard_normal(dim).astype(np.float32))
+        mx.moe_gate_up(rt, mx.Experts(fmt=qtype, n_experts=k, ff=rows, dim=dim, gate=mat(rows, dim),
+                                      up=mat(rows, dim), act_quant=True), x, h, slots)
+        h.upload(r.standard_normal((k, ff)).astype(np.float32))
+        y = arena.scratch((rows,), np.float32)
+        mx.moe_down(rt, mx.Experts(fmt=qtype, n_experts=k, ff=ff, dim=rows, down=mat(rows, ff), act_quant=True),
+                    TokenRows(x=h, y=y), slots)
+
+    return record_cases(sorted(mx.I8_FORMATS, key=int), launch, weights_bytes=4 * k * rows * dim + (1 << 20),
+                        scratch_bytes=8 * k * (dim + ff) + (1 << 20))
 
 
 def twin_tests(repo: Path) -> list[str]:
