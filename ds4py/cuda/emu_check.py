@@ -145,7 +145,7 @@ UNREACHED = {
     "gemm_mma_tile_f16": "a probe of the mma fragment layout (tests, tests/gpu), not an engine kernel",
     "gemv_f16_hc_post": "F16 dense weights: no tiny or synthetic model stores its dense weights in F16",
     **{k: "int8 Q4_K output projection: the synthetic q4_k model's attn_output_b is not 256 columns wide, so it stays "
-          "Q8_0 (tests/test_cu_emu_gemv_q4k_i8.py runs it against its twin, the _rows kernel = single rows)"
+          "Q8_0 (tests/test_cu_emu_gemv_i8.py runs it against its twin, the _rows kernel = single rows)"
        for k in ("gemv_q4_k_i8_hc_post", "gemv_q4_k_i8_hc_post_rows")},
     "gemv_f16_hc_post_rows": "F16 dense weights (as above)",
     "gemv_f16_swiglu": "F16 dense weights (as above)",
