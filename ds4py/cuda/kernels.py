@@ -18,11 +18,13 @@ cu/moe_formats.cuh's MOE_FORMATS list: a new one needs its decoder there, no ent
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from ds4py.cuda import ops
 from ds4py.cuda.memory import DeviceArray
 from ds4py.cuda.device_weights import GEMV_TYPES, DevTensor
+from ds4py.cuda.devices import DeviceProfile
+from ds4py.cuda.launch import Dim
 from ds4py.cuda.ops import act_quant as ops_aq
 from ds4py.cuda.ops import attention as ops_attn
 from ds4py.cuda.ops import compressor as ops_comp
@@ -42,16 +44,50 @@ from ds4py.cuda.ops.mhc import HcResidual, mix_record
 from ds4py.cuda.ops.rmsnorm import rmsnorm
 from ds4py.ggml_types import GGMLQuantizationType as QT
 from ds4py.host.indexer import weight_scale
+from ds4py.schema import AttentionWeights, CompressorWeights, EngramWeights, FfnWeights, SwigluWeights
+
+if TYPE_CHECKING:
+    from ds4py.config import LayerRoles
+    from ds4py.cuda.layer import Recording
 
 DECODE, ROWS, BLOCK = "decode", "rows", "block"
 
+# The operations' arguments by the names they take throughout: ls a Launcher, rec the layer schedule's Recording,
+# il a layer index, ro its LayerRoles, and the layer's weights as the device binding holds them (schema structs of
+# DevTensor):
+Attention = AttentionWeights[DevTensor]      # A: a layer's attention
+Compressor = CompressorWeights[DevTensor]    # C: a compressor (the attention's or its indexer's)
+Ffn = FfnWeights[DevTensor]                  # Fw: a layer's MoE (router, routed and shared experts)
+Swiglu = SwigluWeights[DevTensor]            # S: the shared expert, E: the routed experts (gate, up, down)
+Engram = EngramWeights[DevTensor]            # V4.1's Engram e
+WeightFormat = QT | str                      # a GGML type, or an expert kernel format ("vq12", "vq13": VQ-8)
+State = dict[str, DeviceArray]               # one sequence's state arrays ("{il}.win", "{il}.comp_rows", ...)
+Stream = object                              # a runtime's stream handle (CUstream, EmuStream, PlanStream): opaque
+Mats = list[tuple[DevTensor, DeviceArray, int]]          # products sharing x: (weights, y, rows)
+Norm = tuple[DeviceArray | None, float] | None           # an RMSNorm prologue (weights or None, eps), or none
+
 
 # ---- launches: streams, PDL, counting ------------------------------------------------------------------------
+class LaunchRuntime(Protocol):
+    """What a Launcher drives: Runtime, EmuRuntime or the plan runtime (ds4py/cuda/plan_runtime.py)."""
+    device: object                           # what ops size grids from (sm_count, ...): a device or its profile
+    profile: DeviceProfile
+    main: Stream
+    side: Stream
+
+    def launch(self, name: str, grid: Dim, block: Dim, *args: object, smem: int = 0, stream: Stream = None,
+               pdl: bool = False) -> None: ...
+
+    def fork(self) -> None: ...
+
+    def join(self) -> None: ...
+
+
 class Launcher:
     """The runtime as the record functions see it: counts kernel launches and picks each launch's stream and PDL
     flag (no PDL on the first launch after a fork / join on that stream: its other dependency is an event)."""
 
-    def __init__(self, rt: Any, pdl: bool):
+    def __init__(self, rt: LaunchRuntime, pdl: bool):
         self.rt, self.pdl = rt, pdl
         self.device, self.profile = rt.device, rt.profile
         self.launches = 0
@@ -59,13 +95,13 @@ class Launcher:
         self._fresh = {id(rt.main): True, id(rt.side): True}
 
     # ops.* call rt.launch(...) and read rt.device: this object stands in for the runtime there
-    def launch(self, name: str, grid: Any, block: Any, *args: Any, smem: int = 0, stream: Any = None,
+    def launch(self, name: str, grid: Dim, block: Dim, *args: object, smem: int = 0, stream: Stream = None,
                pdl: bool = False) -> None:
         self.launches += 1
         self.side_launches += stream is self.rt.side
         self.rt.launch(name, grid, block, *args, smem=smem, stream=stream, pdl=pdl)
 
-    def on(self, stream: Any) -> dict:
+    def on(self, stream: Stream) -> dict:
         """stream= / pdl= for the next op on `stream` (main or side)."""
         fresh = self._fresh[id(stream)]
         self._fresh[id(stream)] = False
@@ -98,14 +134,14 @@ def rows_of(a: DeviceArray, n0: int, n: int, width: int) -> DeviceArray:
 
 
 # ---- dense products ------------------------------------------------------------------------------------------
-def gemvs(ls: Any, mats: list[tuple[DevTensor, DeviceArray, int]], x: DeviceArray, cols: int, n: int, stream: Callable,
-          norm=None, x_group_rows: int = 0, x_stride: int | None = None, add: bool = False,
+def gemvs(ls: Launcher, mats: Mats, x: DeviceArray, cols: int, n: int, stream: Callable,
+          norm: Norm = None, x_group_rows: int = 0, x_stride: int | None = None, add: bool = False,
           act_quant: bool = False) -> None:
     """y_m[r] = W_m x[r] for n activation rows x[r] = x + r * x_stride into y_m + r * rows_m, matrices sharing x:
     one launch per weight type, up to 4 matrices and GEMV_MAX_X rows each (one row: the single-row kernel).
     act_quant: Q8_0 matrices on the int8-activation kernels (x rounded inside)."""
     stride = x_stride if x_stride is not None else cols
-    by_type: dict[Any, list] = {}
+    by_type: dict[WeightFormat, list] = {}
     for t, y, rows in mats:
         by_type.setdefault(t.qtype, []).append((t.array, y, rows))
     for group in by_type.values():
@@ -126,13 +162,13 @@ def gemvs(ls: Any, mats: list[tuple[DevTensor, DeviceArray, int]], x: DeviceArra
 # Q4_K GEMVs (gemv_q4_k_i8*: x as Q8_K, dp4a; the grouped wo_a too) and the
 # routed / shared experts of a format with int8 kernels (ops/experts.py I8_FORMATS: moe_*_i8_<fmt>). A copy lives in the workspace's aq.<stream>.<rounding> (layer.act_shapes);
 # `own` (x has no other reader: o, u, a routed or shared h) rounds x in place.
-def act_kind(rec: Any, qtype: Any) -> str | None:
+def act_kind(rec: Recording, qtype: WeightFormat) -> str | None:
     """How a product with weights of `qtype` sees its activation in this recording's numerics (None: as it is)."""
     return ops_aq.rounding(qtype) if rec.numerics.act_quant else None
 
 
-def act_x(ls: Any, rec: Any, kind: str | None, x: DeviceArray, width: int, n: int, stream: Callable,
-          stride: int | None = None, norm=None, own: bool = False) -> DeviceArray:
+def act_x(ls: Launcher, rec: Recording, kind: str | None, x: DeviceArray, width: int, n: int, stream: Callable,
+          stride: int | None = None, norm: Norm = None, own: bool = False) -> DeviceArray:
     """x's n rows of `width` floats (`stride` apart) as a product rounding by `kind` reads them, RMS-normalised
     first when norm = (w, eps): x itself (kind None, no norm), x rounded in place (own), or the stream's copy."""
     stride = width if stride is None else stride
@@ -151,7 +187,7 @@ def act_x(ls: Any, rec: Any, kind: str | None, x: DeviceArray, width: int, n: in
     return y
 
 
-def i8_gemv(rec: Any, W: DevTensor, gemm: bool = False) -> bool:
+def i8_gemv(rec: Recording, W: DevTensor, gemm: bool = False) -> bool:
     """Whether a product with W runs on an int8-activation GEMV (x rounded inside) in this recording: act_quant
     numerics, not a block's tensor-core GEMM, Q8_0 or Q4_K weights (gemv_q8_0_i8*, gemv_q4_k_i8*; with input
     groups gemv_{q8_0,q4_k}_i8_grouped, the grouped wo_a)."""
@@ -160,14 +196,14 @@ def i8_gemv(rec: Any, W: DevTensor, gemm: bool = False) -> bool:
     return int(W.qtype) in (int(QT.Q8_0), int(QT.Q4_K))
 
 
-def act_groups(ls: Any, rec: Any, mats: list, x: DeviceArray, cols: int, n: int, stream: Callable, norm,
-               x_group_rows: int, x_stride: int | None, own: bool,
-               gemm: bool = False) -> list[tuple[list, DeviceArray, Any, bool]]:
+def act_groups(ls: Launcher, rec: Recording, mats: Mats, x: DeviceArray, cols: int, n: int, stream: Callable,
+               norm: Norm, x_group_rows: int, x_stride: int | None, own: bool,
+               gemm: bool = False) -> list[tuple[Mats, DeviceArray, Norm, bool]]:
     """(matrices, the x they read, the norm left to their kernel, int8 GEMV) per rounding of `mats` (one group, x and
     norm as given, unless the numerics round). gemm: the block's tensor-core GEMMs (no int8 kernel)."""
     if not rec.numerics.act_quant:
         return [(mats, x, norm, False)]
-    by_kind: dict[Any, list] = {}
+    by_kind: dict[str | None, list] = {}
     for m in mats:
         key = "i8" if i8_gemv(rec, m[0], gemm=gemm) else act_kind(rec, m[0].qtype)
         by_kind.setdefault(key, []).append(m)
@@ -183,7 +219,7 @@ def act_groups(ls: Any, rec: Any, mats: list, x: DeviceArray, cols: int, n: int,
     return out
 
 
-def dense_gemv(ls: Any, rec: Any, mats: list, x: DeviceArray, cols: int, stream: Callable, norm=None,
+def dense_gemv(ls: Launcher, rec: Recording, mats: Mats, x: DeviceArray, cols: int, stream: Callable, norm: Norm = None,
                x_group_rows: int = 0, x_stride: int | None = None, n: int | None = None, add: bool = False,
                own: bool = False) -> None:
     n = rec.R if n is None else n
@@ -195,9 +231,9 @@ def mma_ok(W: DevTensor) -> bool:
     return W.qtype in GEMV_TYPES            # the GEMM reads what the GEMVs read (Q8_0 / F16 / F32 / Q4_K)
 
 
-def dense_block(ls: Any, rec: Any, mats: list, x: DeviceArray, cols: int, stream: Callable, norm=None,
-                x_group_rows: int = 0, x_stride: int | None = None, n: int | None = None, add: bool = False,
-                own: bool = False) -> None:
+def dense_block(ls: Launcher, rec: Recording, mats: Mats, x: DeviceArray, cols: int, stream: Callable,
+                norm: Norm = None, x_group_rows: int = 0, x_stride: int | None = None, n: int | None = None,
+                add: bool = False, own: bool = False) -> None:
     """y_m[t] = W_m x[t] for the block's rows on tensor cores (norm = (w, eps): x[t] RMS-normalised first), or the
     `_rows` GEMVs when the block runs without tensor cores or a matrix's type has no GEMM."""
     T = rec.R if n is None else n
@@ -207,7 +243,7 @@ def dense_block(ls: Any, rec: Any, mats: list, x: DeviceArray, cols: int, stream
         _dense_block(ls, rec, group, xk, cols, nk, x_group_rows, x_stride, T, add, i8)
 
 
-def _dense_block(ls: Any, rec: Any, mats: list, x: DeviceArray, cols: int, norm, x_group_rows: int,
+def _dense_block(ls: Launcher, rec: Recording, mats: Mats, x: DeviceArray, cols: int, norm: Norm, x_group_rows: int,
                  x_stride: int | None, T: int, add: bool, i8: bool = False) -> None:
     if add or not rec.mma or not all(mma_ok(W) for W, _, _ in mats):
         gemvs(ls, mats, x, cols, T, ls.main, norm=norm, x_group_rows=x_group_rows, x_stride=x_stride, add=add,
@@ -220,7 +256,7 @@ def _dense_block(ls: Any, rec: Any, mats: list, x: DeviceArray, cols: int, norm,
     gemm(ls, rec, mats, x, cols, T, x_group_rows, x_stride)
 
 
-def gemm(ls: Any, rec: Any, mats: list, x: DeviceArray, cols: int, T: int, x_group_rows: int = 0,
+def gemm(ls: Launcher, rec: Recording, mats: Mats, x: DeviceArray, cols: int, T: int, x_group_rows: int = 0,
          x_stride: int | None = None) -> None:
     """y = W x on tensor cores, x as rec.x_pieces bf16 pieces accumulated (hi first): the weights are exact in the
     GEMM (Q8_0 codes and scale, F16 / F32 as bf16 pieces), so with three pieces the product sees x exactly and
@@ -239,7 +275,7 @@ def gemm(ls: Any, rec: Any, mats: list, x: DeviceArray, cols: int, T: int, x_gro
                           accumulate=i > 0, **ls.main())
 
 
-def gemv_hc_post(ls: Any, rec: Any, W: DevTensor, u: DeviceArray, X: DeviceArray, mix: DeviceArray,
+def gemv_hc_post(ls: Launcher, rec: Recording, W: DevTensor, u: DeviceArray, X: DeviceArray, mix: DeviceArray,
                  cols: int) -> None:
     """X[r] <- post_k (W u[r]) + sum_j C[j,k] X[r, j]: the output projection into the residual, GEMV_MAX_X rows
     per launch."""
@@ -254,12 +290,12 @@ def gemv_hc_post(ls: Any, rec: Any, W: DevTensor, u: DeviceArray, X: DeviceArray
         ops.gemv_hc_post(ls, W.array, GemvX(rows_of(u, r0, k, cols), cols=cols, nx=k, act_quant=i8), res, **ls.main())
 
 
-def residual(rec: Any, X: DeviceArray, mix: DeviceArray) -> HcResidual:
+def residual(rec: Recording, X: DeviceArray, mix: DeviceArray) -> HcResidual:
     """The residual X [R, hc, dim] a sub-layer's output goes back into, with that sub-layer's mix records."""
     return HcResidual(X=X, mix=mix, dim=rec.cfg.dim, hc=rec.cfg.hc_mult)
 
 
-def block_hc_post(ls: Any, rec: Any, W: DevTensor, u: DeviceArray, X: DeviceArray, mix: DeviceArray,
+def block_hc_post(ls: Launcher, rec: Recording, W: DevTensor, u: DeviceArray, X: DeviceArray, mix: DeviceArray,
                   cols: int) -> None:
     if rec.mma and mma_ok(W):
         f = rec.ws.f
@@ -271,18 +307,18 @@ def block_hc_post(ls: Any, rec: Any, W: DevTensor, u: DeviceArray, X: DeviceArra
 
 
 # ---- what reads a state: once per row (DECODE, ROWS), once for the block (BLOCK) -------------------------------
-def _fq(rec: Any) -> tuple[bool, bool]:
+def _fq(rec: Recording) -> tuple[bool, bool]:
     return rec.numerics.fake_quant, rec.numerics.kv_dtype == "f16"
 
 
-def kv_row(rec: Any, il: int, A: Any) -> ops_attn.KvRow:
+def kv_row(rec: Recording, il: int, A: Attention) -> ops_attn.KvRow:
     """Layer il's kv row: its kv norm, RoPE freqs, head and rope dims and the step's numerics."""
     cfg, (fq, f16) = rec.cfg, _fq(rec)
     return ops_attn.KvRow(norm_w=A.kv_norm.array, freqs=rec.freqs[il], hd=cfg.head_dim, rd=cfg.rope_dim,
                           eps=cfg.norm_eps, fake_quant=fq, round_f16=f16)
 
 
-def kv_store_rows(ls: Any, rec: Any, il: int, A: Any, stream: Callable) -> None:
+def kv_store_rows(ls: Launcher, rec: Recording, il: int, A: Attention, stream: Callable) -> None:
     """Each row's kv row, normalised and roped, into its state's window ring."""
     cfg, rows, kr = rec.cfg, rec.rows, kv_row(rec, il, A)
     for n in range(rec.R):
@@ -290,12 +326,12 @@ def kv_store_rows(ls: Any, rec: Any, il: int, A: Any, stream: Callable) -> None:
                           **stream())
 
 
-def kv_store_block(ls: Any, rec: Any, il: int, A: Any, stream: Callable) -> None:
+def kv_store_block(ls: Launcher, rec: Recording, il: int, A: Attention, stream: Callable) -> None:
     """The block's kv rows into the block buffer kvb (the ring gets them after attention, attend_block)."""
     ops_pfa.kv_rows(ls, kv_row(rec, il, A), rec.ws.kv, rec.rows.positions, rec.ws.kvb, rec.R, **ls.main())
 
 
-def _compressor(rec: Any, il: int, ro: Any, C: Any, which: str) -> tuple:
+def _compressor(rec: Recording, il: int, ro: LayerRoles, C: Compressor, which: str) -> tuple:
     """(the op's layer struct, the state keys of its rings and rows, kv / score inputs) of a compressor."""
     cfg, ws, (fq, f16) = rec.cfg, rec.ws, _fq(rec)
     if which == "comp":
@@ -309,11 +345,12 @@ def _compressor(rec: Any, il: int, ro: Any, C: Any, which: str) -> tuple:
     return layer, ("idx_kv", "idx_score", "idx_keys"), ws.ikv, ws.isc
 
 
-def _comp_state(p: Any, il: int, keys: tuple) -> ops_comp.CompState:
+def _comp_state(p: State, il: int, keys: tuple) -> ops_comp.CompState:
     return ops_comp.CompState(*(p[f"{il}.{k}"] for k in keys))
 
 
-def compress_rows(ls: Any, rec: Any, il: int, ro: Any, C: Any, which: str, stream: Callable) -> None:
+def compress_rows(ls: Launcher, rec: Recording, il: int, ro: LayerRoles, C: Compressor, which: str,
+                  stream: Callable) -> None:
     """Each row's compressor update (and emission when its group completes) in its state."""
     rows = rec.rows
     layer, keys, x_kv, x_sc = _compressor(rec, il, ro, C, which)
@@ -323,7 +360,8 @@ def compress_rows(ls: Any, rec: Any, il: int, ro: Any, C: Any, which: str, strea
                                    row(x_sc, n, w), rows.pos(n), **stream())
 
 
-def compress_block(ls: Any, rec: Any, il: int, ro: Any, C: Any, which: str, stream: Callable) -> None:
+def compress_block(ls: Launcher, rec: Recording, il: int, ro: LayerRoles, C: Compressor, which: str,
+                   stream: Callable) -> None:
     """Every group the block completes, pooled in parallel, then the block's tail into the compressor's rings."""
     T = rec.R
     layer, keys, x_kv, x_sc = _compressor(rec, il, ro, C, which)
@@ -332,46 +370,46 @@ def compress_block(ls: Any, rec: Any, il: int, ro: Any, C: Any, which: str, stre
     ops_comp.compressor_prefill(ls, layer, _comp_state(rec.rows.state(0), il, keys), chunk, **ls.main())
 
 
-def index_query(rec: Any, il: int) -> ops_idx.IndexQuery:
+def index_query(rec: Recording, il: int) -> ops_idx.IndexQuery:
     """Layer il's indexer queries: RoPE freqs, heads, head dim, rope dims, the step's FP4 round trip."""
     cfg = rec.cfg
     return ops_idx.IndexQuery(freqs=rec.freqs[il], n_heads=cfg.index_heads, ihd=cfg.index_head_dim, rd=cfg.rope_dim,
                               fake_quant=rec.numerics.fake_quant)
 
 
-def index_scorer(rec: Any, ro: Any) -> ops_idx.IndexScorer:
+def index_scorer(rec: Recording, ro: LayerRoles) -> ops_idx.IndexScorer:
     """A layer's indexer scoring (heads, head dim, weight scale, its keys' ratio)."""
     ih, ihd = rec.cfg.index_heads, rec.cfg.index_head_dim
     return ops_idx.IndexScorer(n_heads=ih, ihd=ihd, wscale=weight_scale(ihd, ih), ratio=ro.index_ratio)
 
 
-def index_queries_rows(ls: Any, rec: Any, il: int) -> None:
+def index_queries_rows(ls: Launcher, rec: Recording, il: int) -> None:
     cfg, iqd, iq = rec.cfg, rec.cfg.index_heads * rec.cfg.index_head_dim, index_query(rec, il)
     for n in range(rec.R):
         ops_idx.indexer_q_prep(ls, iq, row(rec.ws.iq_raw, n, cfg.index_q_dim), rec.rows.pos(n),
                                row(rec.ws.iq, n, iqd), **ls.main())
 
 
-def index_queries_block(ls: Any, rec: Any, il: int) -> None:
+def index_queries_block(ls: Launcher, rec: Recording, il: int) -> None:
     ops_idx.indexer_q_prep_rows(ls, index_query(rec, il), rec.ws.iq_raw, rec.rows.positions, rec.ws.iq, rec.R,
                                 **ls.main())
 
 
-def attn_layer(rec: Any, il: int, A: Any, q_norm: bool = True) -> ops_attn.AttnLayer:
+def attn_layer(rec: Recording, il: int, A: Attention, q_norm: bool = True) -> ops_attn.AttnLayer:
     """Layer il's attention shapes and arrays (RoPE freqs, sinks) for the attention ops."""
     cfg = rec.cfg
     return ops_attn.AttnLayer(freqs=rec.freqs[il], sinks=A.sinks.array, n_heads=cfg.n_heads, rope_dim=cfg.rope_dim,
                               window=cfg.window, eps=cfg.norm_eps, scale=cfg.head_dim ** -0.5, q_norm=q_norm)
 
 
-def _decode_buffers(rec: Any, n: int, pos: Any, plan: Any) -> ops_attn.DecodeBuffers:
+def _decode_buffers(rec: Recording, n: int, pos: DeviceArray, plan: ops_attn.AttnPlan) -> ops_attn.DecodeBuffers:
     """Row n's query, position slot, the shared split partials (sized by its plan) and output."""
     ws, qd = rec.ws, rec.cfg.q_dim
     return ops_attn.DecodeBuffers(q_raw=row(ws.q, n, qd), pos_slot=pos, part_o=ws.part_o.view(0, plan.part_o_shape),
                                   part_ml=ws.part_ml.view(0, plan.part_ml_shape), out=row(ws.o, n, qd))
 
 
-def attend_rows(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
+def attend_rows(ls: Launcher, rec: Recording, il: int, ro: LayerRoles, A: Attention) -> None:
     """Each row: the indexer's scores and top-k over its state's keys (indexer layers), then split-key attention
     over its window, compressed rows and the sink, with its own context bucket's plan."""
     cfg, ws, rows = rec.cfg, rec.ws, rec.rows
@@ -396,7 +434,7 @@ def attend_rows(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
                                   _decode_buffers(rec, n, pos, plan), **ls.main(), combine_pdl=ls.main()["pdl"])
 
 
-def attend_block(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
+def attend_block(ls: Launcher, rec: Recording, il: int, ro: LayerRoles, A: Attention) -> None:
     """The indexer's scores and per-query top-k for every row, attention for every query row (its window rows:
     the ring before the block, kvb inside it), and only then the block's last window rows into the ring, so no
     query reads a slot a later row of the block overwrote."""
@@ -422,7 +460,7 @@ def attend_block(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
     ops_pfa.ring_store(ls, ws.kvb, T, pos, p[f"{il}.win"], **ls.main())
 
 
-def router(rec: Any, ro: Any, Fw: Any) -> ops_route.Router:
+def router(rec: Recording, ro: LayerRoles, Fw: Ffn) -> ops_route.Router:
     """A layer's routing: its bias (top-k layers) or token table (hash layers), k of n experts, scale, norms."""
     cfg = rec.cfg
     return ops_route.Router(bias=None if ro.hash_routing else Fw.route_bias.array,
@@ -431,19 +469,19 @@ def router(rec: Any, ro: Any, Fw: Any) -> ops_route.Router:
                             gate_temp=cfg.gate_temp, norm_eps=cfg.route_norm_eps)
 
 
-def route_rows(ls: Any, rec: Any, ro: Any, Fw: Any) -> None:
+def route_rows(ls: Launcher, rec: Recording, ro: LayerRoles, Fw: Ffn) -> None:
     ws, k, NX, route = rec.ws, rec.cfg.n_experts_used, rec.cfg.n_experts, router(rec, ro, Fw)
     for n in range(rec.R):
         ops_route.moe_route(ls, route, row(ws.router, n, NX), rec.rows.token(n),
                             Slots(ids=row(ws.ids, n, k), weights=row(ws.wts, n, k), k=k), **ls.main())
 
 
-def route_block(ls: Any, rec: Any, ro: Any, Fw: Any) -> None:
+def route_block(ls: Launcher, rec: Recording, ro: LayerRoles, Fw: Ffn) -> None:
     ops_route.moe_route_rows(ls, router(rec, ro, Fw), rec.ws.router, rec.rows.tokens, slots(rec), rec.R, **ls.main())
 
 
 # ---- experts ---------------------------------------------------------------------------------------------------
-def shared_expert(rec: Any, S: Any, clamp: float = 0.0, act_quant: bool = False) -> Experts:
+def shared_expert(rec: Recording, S: Swiglu, clamp: float = 0.0, act_quant: bool = False) -> Experts:
     """The layer's shared expert as one expert every row chooses (its Q8_0 / F16 matrices are expert formats).
     act_quant: the op runs its int8-activation kernel (expert_input says when)."""
     cfg = rec.cfg
@@ -451,7 +489,7 @@ def shared_expert(rec: Any, S: Any, clamp: float = 0.0, act_quant: bool = False)
                    down=S.down.array, down_fmt=S.down.qtype, clamp=clamp, act_quant=act_quant)
 
 
-def routed_experts(rec: Any, E: Any, clamp: float = 0.0, act_quant: bool = False) -> Experts:
+def routed_experts(rec: Recording, E: Swiglu, clamp: float = 0.0, act_quant: bool = False) -> Experts:
     """The layer's routed experts (gate and up share one kernel format; down has its own). act_quant: as
     shared_expert's."""
     cfg = rec.cfg
@@ -461,7 +499,7 @@ def routed_experts(rec: Any, E: Any, clamp: float = 0.0, act_quant: bool = False
                    act_quant=act_quant)
 
 
-def shared_gate_up_gemv(ls: Any, rec: Any, S: Any, clamp: float, stream: Callable) -> None:
+def shared_gate_up_gemv(ls: Launcher, rec: Recording, S: Swiglu, clamp: float, stream: Callable) -> None:
     """h_shared[r] = silu(min(gate x[r], c)) * clamp(up x[r], c): fused GEMVs (BLOCK with tensor cores: two GEMMs
     and the SwiGLU)."""
     ws, D, sff = rec.ws, rec.cfg.dim, rec.cfg.shared_ff
@@ -479,7 +517,7 @@ def shared_gate_up_gemv(ls: Any, rec: Any, S: Any, clamp: float, stream: Callabl
                         rows_of(ws.h_shared, r0, k, sff), **stream())
 
 
-def expert_input(ls: Any, rec: Any, fmt: Any, x: DeviceArray, width: int, n: int, stream: Callable,
+def expert_input(ls: Launcher, rec: Recording, fmt: WeightFormat, x: DeviceArray, width: int, n: int, stream: Callable,
                  own: bool = False) -> tuple[DeviceArray, bool]:
     """(the x an expert kernel of format `fmt` reads, whether it takes its int8 kernel): under act_quant a format
     with int8 kernels rounds inside (x as it is), another reads x rounded by act_x (Q8_0 / MXFP4: Q8_0 blocks; F16,
@@ -492,13 +530,13 @@ def expert_input(ls: Any, rec: Any, fmt: Any, x: DeviceArray, width: int, n: int
 
 
 
-def shared_gate_up_expert(ls: Any, rec: Any, S: Any, clamp: float, stream: Callable) -> None:
+def shared_gate_up_expert(ls: Launcher, rec: Recording, S: Swiglu, clamp: float, stream: Callable) -> None:
     ws = rec.ws
     x, i8 = expert_input(ls, rec, S.gate.qtype, ws.x_ffn, rec.cfg.dim, 1, stream)
     ops_moe.moe_gate_up(ls, shared_expert(rec, S, clamp, i8), x, ws.h_shared, **stream())
 
 
-def shared_gate_up_expert_rows(ls: Any, rec: Any, S: Any, clamp: float, stream: Callable) -> None:
+def shared_gate_up_expert_rows(ls: Launcher, rec: Recording, S: Swiglu, clamp: float, stream: Callable) -> None:
     ws, D, sff = rec.ws, rec.cfg.dim, rec.cfg.shared_ff
     x, i8 = expert_input(ls, rec, S.gate.qtype, ws.x_ffn, D, rec.R, stream)
     ex, step = shared_expert(rec, S, clamp, i8), ops_moe.MAX_PAIRS
@@ -508,36 +546,36 @@ def shared_gate_up_expert_rows(ls: Any, rec: Any, S: Any, clamp: float, stream: 
                                  **stream())
 
 
-def shared_down_dense(ls: Any, rec: Any, S: Any, stream: Callable) -> None:
+def shared_down_dense(ls: Launcher, rec: Recording, S: Swiglu, stream: Callable) -> None:
     of(rec.mode).dense(ls, rec, [(S.down, rec.ws.y_shared, rec.cfg.dim)], rec.ws.h_shared, rec.cfg.shared_ff, stream,
                        own=True)
 
 
-def shared_down_expert(ls: Any, rec: Any, S: Any, stream: Callable) -> None:
+def shared_down_expert(ls: Launcher, rec: Recording, S: Swiglu, stream: Callable) -> None:
     ws, cfg = rec.ws, rec.cfg
     h, i8 = expert_input(ls, rec, S.down.qtype, ws.h_shared, cfg.shared_ff, 1, stream, own=True)
     ops_moe.moe_down(ls, shared_expert(rec, S, act_quant=i8), TokenRows(x=h, y=ws.y_shared), **stream())
 
 
-def shared_down_expert_rows(ls: Any, rec: Any, S: Any, stream: Callable) -> None:
+def shared_down_expert_rows(ls: Launcher, rec: Recording, S: Swiglu, stream: Callable) -> None:
     ws, cfg = rec.ws, rec.cfg
     h, i8 = expert_input(ls, rec, S.down.qtype, ws.h_shared, cfg.shared_ff, rec.R, stream, own=True)
     ops_moe.moe_down_rows(ls, shared_expert(rec, S, act_quant=i8), TokenRows(x=h, y=ws.y_shared, T=rec.R),
                           **stream())
 
 
-def slots(rec: Any) -> Slots:
+def slots(rec: Recording) -> Slots:
     """The router's choices of every row: ids and weights [R, k]."""
     return Slots(ids=rec.ws.ids, weights=rec.ws.wts, k=rec.cfg.n_experts_used)
 
 
-def experts_gate_up_one(ls: Any, rec: Any, E: Any, clamp: float) -> None:
+def experts_gate_up_one(ls: Launcher, rec: Recording, E: Swiglu, clamp: float) -> None:
     cfg, ws = rec.cfg, rec.ws
     x, i8 = expert_input(ls, rec, E.gate.kernel_format, ws.x_ffn, cfg.dim, 1, ls.main)
     ops_moe.moe_gate_up(ls, routed_experts(rec, E, clamp, i8), x, ws.h, slots(rec), **ls.main())
 
 
-def experts_down_one(ls: Any, rec: Any, E: Any, X: DeviceArray, X_out: DeviceArray) -> DeviceArray:
+def experts_down_one(ls: Launcher, rec: Recording, E: Swiglu, X: DeviceArray, X_out: DeviceArray) -> DeviceArray:
     ws, hc = rec.ws, rec.cfg.hc_mult
     mix = ws.mix_ffn
     h, i8 = expert_input(ls, rec, E.down.kernel_format, ws.h, rec.cfg.expert_ff, rec.cfg.n_experts_used, ls.main,
@@ -547,7 +585,7 @@ def experts_down_one(ls: Any, rec: Any, E: Any, X: DeviceArray, X_out: DeviceArr
     return X_out
 
 
-def experts_gate_up_rows(ls: Any, rec: Any, E: Any, clamp: float) -> None:
+def experts_gate_up_rows(ls: Launcher, rec: Recording, E: Swiglu, clamp: float) -> None:
     """The rows' routed gate + up grouped by distinct expert: each expert's rows read once for every (row, slot)
     pair that chose it (at most MAX_PAIRS pairs per launch)."""
     ws, k, ff, D = rec.ws, rec.cfg.n_experts_used, rec.cfg.expert_ff, rec.cfg.dim
@@ -561,7 +599,7 @@ def experts_gate_up_rows(ls: Any, rec: Any, E: Any, clamp: float) -> None:
                                  **ls.main())
 
 
-def experts_down_rows(ls: Any, rec: Any, E: Any, X: DeviceArray, X_out: DeviceArray) -> DeviceArray:
+def experts_down_rows(ls: Launcher, rec: Recording, E: Swiglu, X: DeviceArray, X_out: DeviceArray) -> DeviceArray:
     ws, cfg = rec.ws, rec.cfg
     h, i8 = expert_input(ls, rec, E.down.kernel_format, ws.h, cfg.expert_ff, rec.R * cfg.n_experts_used, ls.main,
                          own=True)
@@ -570,7 +608,7 @@ def experts_down_rows(ls: Any, rec: Any, E: Any, X: DeviceArray, X_out: DeviceAr
     return X_out
 
 
-def experts_gate_up_block(ls: Any, rec: Any, E: Any, clamp: float) -> None:
+def experts_gate_up_block(ls: Launcher, rec: Recording, E: Swiglu, clamp: float) -> None:
     """The whole routed MoE of the block grouped by expert into ws.f: on tensor cores (expert_mma) or as exact fp32
     token tiles (expert_tiles); else the exact grouped rows kernels (gate + up here, the down in experts_down_block)."""
     if not layer_grouped(rec):
@@ -582,17 +620,17 @@ def experts_gate_up_block(ls: Any, rec: Any, E: Any, clamp: float) -> None:
         rec.moe_bufs(), **ls.main())
 
 
-def expert_mma(rec: Any, E: Any) -> bool:
+def expert_mma(rec: Recording, E: Swiglu) -> bool:
     """The routed MoE of a block on tensor cores (cu/moe_prefill.cu): the engine's prefill_expert_mma for GGML-format
     experts (x and h in bf16), prefill_vq_expert_mma (default on: x and h exact) for a VQ-8 file's."""
     return rec.expert_mma
 
 
-def layer_grouped(rec: Any) -> bool:
+def layer_grouped(rec: Recording) -> bool:
     return rec.expert_mma or rec.expert_tiles
 
 
-def experts_down_block(ls: Any, rec: Any, E: Any, X: DeviceArray, X_out: DeviceArray) -> DeviceArray:
+def experts_down_block(ls: Launcher, rec: Recording, E: Swiglu, X: DeviceArray, X_out: DeviceArray) -> DeviceArray:
     if not layer_grouped(rec):
         return experts_down_rows(ls, rec, E, X, X_out)
     ops.hc_post(ls, rec.ws.f, residual(rec, X, rec.ws.mix_ffn), rec.R, **ls.main())
@@ -600,7 +638,7 @@ def experts_down_block(ls: Any, rec: Any, E: Any, X: DeviceArray, X_out: DeviceA
 
 
 # ---- V4.1's layer roles (MODEL.md §3; ref/forward.py with ref/v41.py): the same schedule, these operations ---------
-def v41_kv_store_rows(ls: Any, rec: Any, il: int, A: Any, stream: Callable) -> None:
+def v41_kv_store_rows(ls: Launcher, rec: Recording, il: int, A: Attention, stream: Callable) -> None:
     """Each row's kv row (FP8 over the whole row in blocks of 32) into its state's window ring."""
     cfg, rows, kr = rec.cfg, rec.rows, kv_row(rec, il, A)
     for n in range(rec.R):
@@ -608,12 +646,13 @@ def v41_kv_store_rows(ls: Any, rec: Any, il: int, A: Any, stream: Callable) -> N
         ops_v41.kv_rows(ls, kr, one, rows.state(n)[f"{il}.win"], **stream())
 
 
-def v41_kv_store_block(ls: Any, rec: Any, il: int, A: Any, stream: Callable) -> None:
+def v41_kv_store_block(ls: Launcher, rec: Recording, il: int, A: Attention, stream: Callable) -> None:
     block = ops_v41.RawRows(raw=rec.ws.kv, pos=rec.rows.positions, n_rows=rec.R)
     ops_v41.kv_rows(ls, kv_row(rec, il, A), block, rec.ws.kvb, ring=False, **ls.main())
 
 
-def _v41_compress(ls: Any, rec: Any, il: int, ro: Any, A: Any, stream: Callable, parts: list) -> None:
+def _v41_compress(ls: Launcher, rec: Recording, il: int, ro: LayerRoles, A: Attention, stream: Callable,
+                  parts: list) -> None:
     """parts: (state arrays, positions, first row, rows) per launch: one per row (DECODE, ROWS) or the block."""
     cfg, ws, (fq, f16) = rec.cfg, rec.ws, _fq(rec)
     C, hd, ihd = A.comp, cfg.head_dim, cfg.index_head_dim
@@ -637,20 +676,20 @@ def _v41_compress(ls: Any, rec: Any, il: int, ro: Any, A: Any, stream: Callable,
         ops_v41.index_keys(ls, keys_row, keys, p[f"{il}.idx_keys"], ro.ratio, **stream())
 
 
-def v41_compress_rows(ls: Any, rec: Any, il: int, ro: Any, A: Any, stream: Callable) -> None:
+def v41_compress_rows(ls: Launcher, rec: Recording, il: int, ro: LayerRoles, A: Attention, stream: Callable) -> None:
     _v41_compress(ls, rec, il, ro, A, stream, [(rec.rows.state(n), rec.rows.pos(n), n, 1) for n in range(rec.R)])
 
 
-def v41_compress_block(ls: Any, rec: Any, il: int, ro: Any, A: Any, stream: Callable) -> None:
+def v41_compress_block(ls: Launcher, rec: Recording, il: int, ro: LayerRoles, A: Attention, stream: Callable) -> None:
     _v41_compress(ls, rec, il, ro, A, stream, [(rec.rows.state(0), rec.rows.positions, 0, rec.R)])
 
 
-def v41_index_queries(ls: Any, rec: Any, il: int) -> None:
+def v41_index_queries(ls: Launcher, rec: Recording, il: int) -> None:
     """Every row's indexer query at once (RoPE + FP4; each row's values do not depend on the others)."""
     ops_v41.index_q(ls, index_query(rec, il), rec.ws.iq_raw, rec.rows.positions, rec.ws.iq, rec.R, **ls.main())
 
 
-def _v41_select(ls: Any, rec: Any, ro: Any, sr: Any, cand: Any) -> None:
+def _v41_select(ls: Launcher, rec: Recording, ro: LayerRoles, sr: ops_topk.ScoreRows, cand: DeviceArray) -> None:
     """The candidate source's blocks from its scores, or an indexer after it masked to them."""
     cfg = rec.cfg
     if ro.candidate_source or ro.uses_candidates:
@@ -658,7 +697,7 @@ def _v41_select(ls: Any, rec: Any, ro: Any, sr: Any, cand: Any) -> None:
                            **ls.main())
 
 
-def v41_attend_rows(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
+def v41_attend_rows(ls: Launcher, rec: Recording, il: int, ro: LayerRoles, A: Attention) -> None:
     """Each row: an index source scores its key owner's rows (the candidate source publishes its blocks, the
     indexers after it score inside them) and keeps the top-k in the row's sel; a compressed layer attends to its kv
     source's rows through the latest index source's sel (written earlier in this step); no per-head q norm."""
@@ -685,7 +724,7 @@ def v41_attend_rows(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
                                   _decode_buffers(rec, n, pos, plan), **ls.main(), combine_pdl=ls.main()["pdl"])
 
 
-def v41_attend_block(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
+def v41_attend_block(ls: Launcher, rec: Recording, il: int, ro: LayerRoles, A: Attention) -> None:
     """attend_block's order with V4.1's roles: scores of every row, candidates, top-k, attention, ring store."""
     cfg, ws, T = rec.cfg, rec.ws, rec.R
     p, pos = rec.rows.state(0), rec.rows.positions
@@ -709,7 +748,7 @@ def v41_attend_block(ls: Any, rec: Any, il: int, ro: Any, A: Any) -> None:
     ops_pfa.ring_store(ls, ws.kvb, T, pos, p[f"{il}.win"], **ls.main())
 
 
-def v41_engram(ls: Any, rec: Any, e: int, E: Any, X: DeviceArray) -> None:
+def v41_engram(ls: Launcher, rec: Recording, e: int, E: Engram, X: DeviceArray) -> None:
     """Engram e before its block: the rows' table rows (the step's input: FP8 codes and scales staged by the host)
     dequantised, kv = wkv . rows, then the gate into every hc copy of X in place."""
     cfg, ws, R = rec.cfg, rec.ws, rec.R
@@ -765,12 +804,12 @@ for _mode, _ops in _BY_MODE.items():
         KERNELS[(_op, "*", _mode)] = _fn
 
 
-def weight_format(qtype: Any) -> str:
+def weight_format(qtype: WeightFormat) -> str:
     """"dense" for what the GEMVs / GEMMs read (Q8_0, F16, F32, Q4_K), "experts" for the expert formats."""
     return "dense" if qtype in GEMV_TYPES else "experts"
 
 
-def pick(op: str, qtype: Any, mode: str) -> Callable:
+def pick(op: str, qtype: WeightFormat, mode: str) -> Callable:
     """The kernel of `op` for weights of `qtype` (None: any) in `mode`."""
     fn = KERNELS.get((op, weight_format(qtype), mode)) if qtype is not None else None
     return fn if fn is not None else KERNELS[(op, "*", mode)]
