@@ -31,9 +31,7 @@ import sys
 import tempfile
 import time
 
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from cpu_harness import in_turn, run_child, save, wait_child
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hum old songs about rivers "
          "and stone").split()
@@ -74,27 +72,11 @@ def child(a: argparse.Namespace) -> dict:
             "decode_cpu_s": (c2 - c1) / a.gen, "generated": gen, "kernels": m.kernels_label}
 
 
-def wait_child(cmd: list[str], env: dict | None = None) -> tuple[str, str, dict]:
-    """Run cmd; its stdout, stderr and own rusage (CPU s, peak RSS bytes, major faults, wall s)."""
-    t = time.perf_counter()
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        p = subprocess.Popen(cmd, stdout=out, stderr=err, env=env)
-        _, status, ru = os.wait4(p.pid, 0)
-        p.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0), err.seek(0)
-        so, se = out.read(), err.read()
-    if p.returncode != 0:
-        raise SystemExit(f"{cmd[0]} failed ({p.returncode}):\n{se[-3000:]}")
-    return so, se, {"cpu_s": ru.ru_utime + ru.ru_stime, "peak_rss": ru.ru_maxrss * 1024,
-                    "major_faults": ru.ru_majflt, "wall_s": time.perf_counter() - t}
-
-
 def run_ds4(a: argparse.Namespace, tmp: str, gen: int | None = None) -> dict:
     out = os.path.join(tmp, "ds4.csv")
     gen = a.gen if gen is None else gen
-    _, _, ru = wait_child([a.ds4, "-m", a.model, "--cpu", "-t", str(a.threads), "--prompt-file", a.prompt_file,
-                           "--ctx-start", str(a.ctx), "--ctx-max", str(a.ctx), "--gen-tokens", str(gen),
-                           "--csv", out])
+    _, ru = wait_child([a.ds4, "-m", a.model, "--cpu", "-t", str(a.threads), "--prompt-file", a.prompt_file,
+                        "--ctx-start", str(a.ctx), "--ctx-max", str(a.ctx), "--gen-tokens", str(gen), "--csv", out])
     with open(out) as f:
         row = next(csv.DictReader(f))
     r = {"engine": "ds4", "prefill_tps": float(row["prefill_tps"]), "decode_s": 1.0 / float(row["gen_tps"]), **ru}
@@ -106,12 +88,11 @@ def run_ds4(a: argparse.Namespace, tmp: str, gen: int | None = None) -> dict:
 
 
 def run_ds4py(a: argparse.Namespace) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", "-m", a.model, "--threads", str(a.threads),
-           "--ctx", str(a.ctx), "--gen", str(a.gen), "--prompt-file", a.prompt_file, "--kernels", a.kernels]
+    args = ["-m", a.model, "--threads", str(a.threads), "--ctx", str(a.ctx), "--gen", str(a.gen), "--prompt-file",
+            a.prompt_file, "--kernels", a.kernels]
     if a.mem_budget_mb is not None:
-        cmd += ["--mem-budget-mb", str(a.mem_budget_mb)]
-    so, _, ru = wait_child(cmd, {**os.environ, "PYTHONPATH": REPO})
-    r = json.loads(so.strip().splitlines()[-1])
+        args += ["--mem-budget-mb", str(a.mem_budget_mb)]
+    r, ru = run_child(__file__, args)
     return {"engine": "ds4py", **r, **ru}
 
 
@@ -151,8 +132,7 @@ def main() -> int:
         n_ds4 = ds4_token_count(a)
         rows = []
         for r in range(a.rounds):
-            order = ("ds4", "ds4py") if r % 2 == 0 else ("ds4py", "ds4")
-            for eng in order:
+            for eng in in_turn(("ds4", "ds4py"), r):
                 row = run_ds4(a, tmp) if eng == "ds4" else run_ds4py(a)
                 row.update(round=r, loadavg=os.getloadavg()[0])
                 rows.append(row)
@@ -181,9 +161,7 @@ def main() -> int:
               f"  CPU s/token median {s['decode_cpu_s_median'] or float('nan'):.3f}")
     print(f"ds4py / ds4: {summary['ratio_min']:.2f}x (min), {summary['ratio_median']:.2f}x (median)"
           + (f", CPU {summary['cpu_ratio_median']:.2f}x (median)" if summary["cpu_ratio_median"] else ""))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"summary": summary, "runs": rows}, f, indent=1)
+    save(a.json, summary, rows)
     return 0
 
 

@@ -40,12 +40,9 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from cpu_harness import in_turn, run_child, save, stats, wait_child
 
 
 def child(a: argparse.Namespace) -> dict:
@@ -130,23 +127,6 @@ def resident_by_kind(m) -> dict | None:
     return {k: round(v) for k, v in out.items()}
 
 
-def wait_child(cmd: list[str], env: dict | None = None, procs=None) -> tuple[str, dict]:
-    """Run cmd (in the cgroup whose cgroup.procs is `procs`, if given); its stdout and its own rusage (CPU s,
-    peak RSS bytes, major faults, wall s, and the wall-clock time it was started: start_at)."""
-    t, start_at = time.perf_counter(), time.time()
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        p = subprocess.Popen(cmd, stdout=out, stderr=err, env=env,
-                             preexec_fn=None if procs is None else (lambda: procs.write_text(str(os.getpid()))))
-        _, status, ru = os.wait4(p.pid, 0)
-        code = os.waitstatus_to_exitcode(status)
-        out.seek(0), err.seek(0)
-        so, se = out.read(), err.read()
-    if code != 0:
-        raise SystemExit(f"{os.path.basename(cmd[0])} failed ({code}):\n{se[-3000:]}")
-    return so, {"cpu_s": ru.ru_utime + ru.ru_stime, "peak_rss": ru.ru_maxrss * 1024,
-                "major_faults": ru.ru_majflt, "wall_s": time.perf_counter() - t, "start_at": start_at}
-
-
 def run_llama(a: argparse.Namespace, prefill: int) -> dict:
     n_p, n_g = (prefill, 0) if prefill else (0, a.gen)
     so, ru = wait_child([a.llama_bench, "-m", a.model, "-t", str(a.threads), "-p", str(n_p), "-n", str(n_g),
@@ -167,10 +147,9 @@ ENGINES = {"default": "ds4py", "exact": "ds4py-exact"}
 
 
 def run_ds4py(a: argparse.Namespace, prefill: int, numerics: str) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", "-m", a.model, "--threads", str(a.threads),
-           "--gen", str(a.gen), "--kernels", a.kernels, "--child-prefill", str(prefill), "--child-numerics", numerics]
-    so, ru = wait_child(cmd, {**os.environ, "PYTHONPATH": REPO})
-    return {"engine": ENGINES[numerics], **json.loads(so.strip().splitlines()[-1]), **ru}
+    res, ru = run_child(__file__, ["-m", a.model, "--threads", str(a.threads), "--gen", str(a.gen), "--kernels",
+                                   a.kernels, "--child-prefill", str(prefill), "--child-numerics", numerics])
+    return {"engine": ENGINES[numerics], **res, **ru}
 
 
 def resident_share(path: str) -> float | None:
@@ -200,11 +179,9 @@ def cgroup_llama(a: argparse.Namespace, procs) -> dict:
 
 
 def cgroup_ds4py(a: argparse.Namespace, numerics: str, procs) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--child-cgroup", "-m", a.model, "--threads",
-           str(a.threads), "--gen", str(a.gen), "--kernels", a.kernels, "--child-numerics", numerics,
-           "--cgroup-prompt", str(a.cgroup_prompt)]
-    so, ru = wait_child(cmd, {**os.environ, "PYTHONPATH": REPO}, procs=procs)
-    res = json.loads(so.strip().splitlines()[-1])
+    res, ru = run_child(__file__, ["--child-cgroup", "-m", a.model, "--threads", str(a.threads), "--gen", str(a.gen),
+                                   "--kernels", a.kernels, "--child-numerics", numerics, "--cgroup-prompt",
+                                   str(a.cgroup_prompt)], procs=procs)
     return {"engine": ENGINES[numerics], **res, **ru, "first_token_s": res["first_token_at"] - ru["start_at"]}
 
 
@@ -221,7 +198,7 @@ def run_cgroup(a: argparse.Namespace, variants: list[str]) -> dict:
     rows = []
     try:
         for r in range(a.rounds):
-            for eng in (engines if r % 2 == 0 else engines[::-1]):
+            for eng in in_turn(engines, r):
                 drop_cache(a.model)
                 before = resident_share(a.model)
                 try:
@@ -282,11 +259,6 @@ def decode_bytes(model: str) -> int | None:
         return None
 
 
-def stats(vals: list[float]) -> dict:
-    v = sorted(vals)
-    return {"min": v[0], "median": statistics.median(v), "max": v[-1], "n": len(v)}
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--llama-bench", help="llama.cpp's llama-bench binary (a CPU build)")
@@ -328,20 +300,17 @@ def main() -> int:
     engines = ["llama.cpp"] + [ENGINES[v] for v in variants]
     if a.cgroup_mb:
         out = run_cgroup(a, variants)
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump(out, f, indent=1)
+        save(a.json, out["summary"], out["runs"])
         return 0
     if not a.no_warm:
         print(f"page cache: read {os.path.getsize(a.model) / 1e9:.2f} GB in {warm(a.model):.1f} s", flush=True)
     tests = [0] + prefills
     rows = []
     for r in range(max(a.rounds, a.rounds_long)):
-        order = engines if r % 2 == 0 else engines[::-1]
         for test in tests:
             if r >= (a.rounds_long if test > 512 else a.rounds):
                 continue
-            for eng in order:
+            for eng in in_turn(engines, r):
                 row = (run_llama(a, test) if eng == "llama.cpp"
                        else run_ds4py(a, test, next(v for v in variants if ENGINES[v] == eng)))
                 row.update(round=r, test=f"pp{test}" if test else f"tg{a.gen}", loadavg=os.getloadavg()[0])
@@ -383,9 +352,7 @@ def main() -> int:
                       f"llama.cpp {v['ratio_median']:.2f}x median, {v['ratio_min']:.2f}x min"
                       + (f"  {per_token / (v['median'] / 1e3) / 1e9:.1f} GB/s" if per_token else ""))
         summary[name] = s
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"summary": summary, "runs": rows}, f, indent=1)
+    save(a.json, summary, rows)
     return 0
 
 
