@@ -77,6 +77,26 @@ def iq2_xxs(raw, xq, xd, y, f16, grid2, sign2, parts):
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
+def _tile_with_mins(W, dw, dm, mn, n, xq, xd, xbs, y, r0):
+    """The K-quants with a min term (Q2_K, Q4_K): one unpacked tile of n rows (y's rows r0 ..) against every
+    token, y[t, r0 + k] = sum_b d_x (d isum - dmin m), isum the block's int16 x int8 dot, m its sub-block mins'
+    dot with the Q8_K 16-sums (the same integers and float operations, in the same order, as jit_i8_kernels)."""
+    nb, T = dw.shape[1], xq.shape[0]
+    for t in range(T):
+        xt = xq[t]
+        bt = xbs[t]
+        for k in range(n):
+            wk = W[k]
+            mk = mn[k]
+            acc = F32(0)
+            for b in range(nb):
+                isum = _dot(wk[256 * b:256 * b + 256], xt[256 * b:256 * b + 256])
+                m = _dot(mk[16 * b:16 * b + 16], bt[16 * b:16 * b + 16])
+                acc += xd[t, b] * (dw[k, b] * F32(isum) - dm[k, b] * F32(m))
+            y[t, r0 + k] = acc
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
 def _unpack_q2_k(raw, r, W, k, dw, dm, mn, f16, w8u):
     """Row r of Q2_K blocks into W[k] (int16 code * sub-block scale), dw / dm[k] (d, dmin) and mn[k] (int32
     sub-block mins, 16 a block). A block is unpacked as jit_i8_kernels.q2_k does it (8 bytes a word into the
@@ -104,7 +124,7 @@ def _unpack_q2_k(raw, r, W, k, dw, dm, mn, f16, w8u):
 @njit(**OPTS)
 def q2_k(raw, xq, xd, xbs, y, f16, parts):
     """raw [R, nb, 84] Q2_K rows; activation Q8_K (xq, xd, xbs). y[t, r] = sum_b d_x (d isum - dmin m)."""
-    R, nb, T = raw.shape[0], raw.shape[1], xq.shape[0]
+    R, nb = raw.shape[0], raw.shape[1]
     for p in prange(parts):
         W = np.empty((ROWS, nb * 256), I16)
         dw = np.empty((ROWS, nb), F32)
@@ -116,18 +136,7 @@ def q2_k(raw, xq, xd, xbs, y, f16, parts):
             n = min(ROWS, hi - r0)
             for k in range(n):
                 _unpack_q2_k(raw, r0 + k, W, k, dw, dm, mn, f16, w8u)
-            for t in range(T):
-                xt = xq[t]
-                bt = xbs[t]
-                for k in range(n):
-                    wk = W[k]
-                    mk = mn[k]
-                    acc = F32(0)
-                    for b in range(nb):
-                        isum = _dot(wk[256 * b:256 * b + 256], xt[256 * b:256 * b + 256])
-                        m = _dot(mk[16 * b:16 * b + 16], bt[16 * b:16 * b + 16])
-                        acc += xd[t, b] * (dw[k, b] * F32(isum) - dm[k, b] * F32(m))
-                    y[t, r0 + k] = acc
+            _tile_with_mins(W, dw, dm, mn, n, xq, xd, xbs, y, r0)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -160,7 +169,7 @@ def _unpack_q4_k(raw, r, W, k, dw, dm, mn, f16, sc):
 @njit(**OPTS)
 def q4_k(raw, xq, xd, xbs, y, f16, parts):
     """raw [R, nb, 144] Q4_K rows; activation Q8_K (xq, xd, xbs). y[t, r] = sum_b d_x (d isum - dmin m)."""
-    R, nb, T = raw.shape[0], raw.shape[1], xq.shape[0]
+    R, nb = raw.shape[0], raw.shape[1]
     for p in prange(parts):
         W = np.empty((ROWS, nb * 256), I16)
         dw = np.empty((ROWS, nb), F32)
@@ -172,18 +181,7 @@ def q4_k(raw, xq, xd, xbs, y, f16, parts):
             n = min(ROWS, hi - r0)
             for k in range(n):
                 _unpack_q4_k(raw, r0 + k, W, k, dw, dm, mn, f16, sc)
-            for t in range(T):
-                xt = xq[t]
-                bt = xbs[t]
-                for k in range(n):
-                    wk = W[k]
-                    mk = mn[k]
-                    acc = F32(0)
-                    for b in range(nb):
-                        isum = _dot(wk[256 * b:256 * b + 256], xt[256 * b:256 * b + 256])
-                        m = _dot(mk[16 * b:16 * b + 16], bt[16 * b:16 * b + 16])
-                        acc += xd[t, b] * (dw[k, b] * F32(isum) - dm[k, b] * F32(m))
-                    y[t, r0 + k] = acc
+            _tile_with_mins(W, dw, dm, mn, n, xq, xd, xbs, y, r0)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
