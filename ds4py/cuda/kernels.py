@@ -790,11 +790,11 @@ KERNELS: dict[tuple[str, str, str], Callable] = {
     ("shared_down", "experts", BLOCK): shared_down_expert_rows,
 }
 # V4.1 (cfg.variant "v41"): the operations whose math differs; the rest are V4's
+_V41_PER_ROW = dict(kv_store=v41_kv_store_rows, compress=v41_compress_rows, index_queries=v41_index_queries,
+                    attend=v41_attend_rows, engram=v41_engram)          # DECODE and ROWS: row by row
 _V41_BY_MODE = {
-    DECODE: dict(kv_store=v41_kv_store_rows, compress=v41_compress_rows, index_queries=v41_index_queries,
-                 attend=v41_attend_rows, engram=v41_engram),
-    ROWS: dict(kv_store=v41_kv_store_rows, compress=v41_compress_rows, index_queries=v41_index_queries,
-               attend=v41_attend_rows, engram=v41_engram),
+    DECODE: _V41_PER_ROW,
+    ROWS: _V41_PER_ROW,
     BLOCK: dict(kv_store=v41_kv_store_block, compress=v41_compress_block, index_queries=v41_index_queries,
                 attend=v41_attend_block, engram=v41_engram),
 }
