@@ -84,3 +84,18 @@ def gemv_weights(r: np.random.Generator, kind: str, rows: int, cols: int, scale:
         from ds4py.quant import kquants
         return kquants.quant_q4_k(Wf.reshape(-1, 256)).reshape(rows, -1)
     return twins.quant_q8_0(Wf).reshape(rows, -1)
+
+
+def check_gemv(got: np.ndarray, W: np.ndarray, x: np.ndarray, rows: int, cols: int, what: str, norm=None,
+               x_group_rows: int = 0, base: np.ndarray | None = None) -> None:
+    """A GEMV's y against its twin (ds4py/cuda/twins/gemv.py) within the fp32 rounding of its sums, scaled by
+    sum |W x| (assert_close_scaled; with the RMSNorm prologue 4x that); base: what an accumulating launch added to."""
+    from ds4py.cuda import twins
+    from ds4py.cuda.twins import gemv as tg
+
+    want = tg.gemv(W, x, rows, cols, norm=norm, x_group_rows=x_group_rows)
+    xm = x if norm is None else tg.ref.rmsnorm(np.asarray(x, np.float32), norm[0], norm[1])
+    mag = tg.magnitude(W, xm, rows, cols, x_group_rows)
+    if base is not None:
+        want, mag = want + base, mag + np.abs(base)
+    twins.assert_close_scaled(got, want, mag, cols, what, factor=1.0 if norm is None else 4.0)

@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cu_fixtures import GEMV_KINDS, arena, gemv_weights, put, requires_emulator, rng, rt  # noqa: F401 (fixtures)
+from cu_fixtures import (GEMV_KINDS, arena, check_gemv, gemv_weights, put, requires_emulator,  # noqa: F401 (fixtures)
+                         rng, rt)
 from ds4py.cuda import ops, twins
 from ds4py.cuda.memory import DeviceArray
 from ds4py.cuda.twins import gemv as tg
@@ -17,16 +18,6 @@ from ds4py.cuda.ops.mhc import HcResidual
 from ds4py.errors import Ds4Error
 
 pytestmark = requires_emulator
-
-
-
-def check(got, W, x, rows, cols, what, norm=None, x_group_rows=0, base=None):
-    want = tg.gemv(W, x, rows, cols, norm=norm, x_group_rows=x_group_rows)
-    xm = x if norm is None else tg.ref.rmsnorm(np.asarray(x, np.float32), norm[0], norm[1])
-    mag = tg.magnitude(W, xm, rows, cols, x_group_rows)
-    if base is not None:
-        want, mag = want + base, mag + np.abs(base)
-    twins.assert_close_scaled(got, want, mag, cols, what, factor=1.0 if norm is None else 4.0)
 
 
 # (rows, cols, warps, grid): ragged row counts (not a multiple of 4 rows per warp step), Q8_0 rows spanning 1, 2
@@ -43,7 +34,7 @@ def test_gemv(rt, arena, put, kind, rows, cols, warps, grid):
     x = r.standard_normal(cols).astype(np.float32)
     y = arena.scratch(rows, np.float32)
     ops.gemv(rt, [(put(W), y, rows)], GemvX(put(x, False), cols), warps=warps, grid=grid)
-    check(y.download(), W, x, rows, cols, f"{kind} {rows}x{cols}")
+    check_gemv(y.download(), W, x, rows, cols, f"{kind} {rows}x{cols}")
 
 
 @pytest.mark.parametrize("kind", GEMV_KINDS)
@@ -60,11 +51,11 @@ def test_several_matrices_norm_and_add(rt, arena, put, kind):
         ys = [arena.scratch(n, np.float32) for n in shapes]
         ops.gemv(rt, [(put(W), y, n) for W, y, n in zip(Ws, ys, shapes)], GemvX(dx, cols, norm=norm_dev), warps=2)
         for W, y, n in zip(Ws, ys, shapes):
-            check(y.download(), W, x, n, cols, f"{kind} multi {n}", norm=norm_host)
+            check_gemv(y.download(), W, x, n, cols, f"{kind} multi {n}", norm=norm_host)
     base = r.standard_normal(shapes[0]).astype(np.float32)
     y = put(base, False)
     ops.gemv(rt, [(put(Ws[0]), y, shapes[0])], GemvX(dx, cols), add=True)
-    check(y.download(), Ws[0], x, shapes[0], cols, f"{kind} add", base=base)
+    check_gemv(y.download(), Ws[0], x, shapes[0], cols, f"{kind} add", base=base)
 
 
 @pytest.mark.parametrize("kind", ("F16", "Q8_0"))
@@ -76,7 +67,7 @@ def test_input_groups(rt, arena, put, kind):
     x = r.standard_normal(3 * cols).astype(np.float32)
     y = arena.scratch(rows, np.float32)
     ops.gemv(rt, [(put(W), y, rows)], GemvX(put(x, False), cols, x_group_rows=group), warps=2)
-    check(y.download(), W, x, rows, cols, f"{kind} groups", x_group_rows=group)
+    check_gemv(y.download(), W, x, rows, cols, f"{kind} groups", x_group_rows=group)
 
 
 @pytest.mark.parametrize("shift", [2, 6, 14])
@@ -91,7 +82,7 @@ def test_q8_0_rows_at_any_even_address(rt, arena, put, shift):
     x = r.standard_normal(cols).astype(np.float32)
     y = arena.scratch(rows, np.float32)
     ops.gemv(rt, [(dW, y, rows)], GemvX(put(x, False), cols), warps=3)
-    check(y.download(), W, x, rows, cols, f"q8_0 at +{shift}")
+    check_gemv(y.download(), W, x, rows, cols, f"q8_0 at +{shift}")
 
 
 @pytest.mark.parametrize("kind", GEMV_KINDS)
@@ -157,11 +148,11 @@ def test_the_tolerance_sees_one_quant_off(rt, arena, put):
     x = r.standard_normal(cols).astype(np.float32)
     y = arena.scratch(rows, np.float32)
     ops.gemv(rt, [(put(W), y, rows)], GemvX(put(x, False), cols))
-    check(y.download(), W, x, rows, cols, "unchanged")
+    check_gemv(y.download(), W, x, rows, cols, "unchanged")
     bad = W.copy()
     bad[5, 34 * 7 + 2 + int(np.argmax(np.abs(x[224:256])))] += 1       # quant of the largest |x| in block 7
     with pytest.raises(AssertionError, match="1 of 16"):
-        check(y.download(), bad, x, rows, cols, "one quant off")
+        check_gemv(y.download(), bad, x, rows, cols, "one quant off")
 
 
 def test_wrapper_checks(rt, arena, put):

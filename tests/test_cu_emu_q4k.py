@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cu_fixtures import arena, gemv_weights, put, requires_emulator, rng, rt  # noqa: F401 (fixtures)
+from cu_fixtures import arena, check_gemv, gemv_weights, put, requires_emulator, rng, rt  # noqa: F401 (fixtures)
 from ds4py.cuda import ops, twins
 from ds4py.cuda.ops import gemm as ops_gemm
 from ds4py.cuda.ops.gemv import weight_type
@@ -20,15 +20,6 @@ from ds4py.cuda.ops.mhc import HcResidual
 from ds4py.errors import Ds4Error
 
 pytestmark = requires_emulator
-
-
-def check(got, W, x, rows, cols, what, norm=None, x_group_rows=0, base=None):
-    want = tg.gemv(W, x, rows, cols, norm=norm, x_group_rows=x_group_rows)
-    xm = x if norm is None else tg.ref.rmsnorm(np.asarray(x, np.float32), norm[0], norm[1])
-    mag = tg.magnitude(W, xm, rows, cols, x_group_rows)
-    if base is not None:
-        want, mag = want + base, mag + np.abs(base)
-    twins.assert_close_scaled(got, want, mag, cols, what, factor=1.0 if norm is None else 4.0)
 
 
 def test_the_type_follows_the_byte_count(arena, put):
@@ -44,7 +35,7 @@ def test_gemv(rt, arena, put, rows, cols, warps, grid):
     x = r.standard_normal(cols).astype(np.float32)
     y = arena.scratch(rows, np.float32)
     ops.gemv(rt, [(put(W), y, rows)], GemvX(put(x, False), cols), warps=warps, grid=grid)
-    check(y.download(), W, x, rows, cols, f"q4_k {rows}x{cols}")
+    check_gemv(y.download(), W, x, rows, cols, f"q4_k {rows}x{cols}")
 
 
 def test_several_matrices_norm_add_and_groups(rt, arena, put):
@@ -58,17 +49,17 @@ def test_several_matrices_norm_add_and_groups(rt, arena, put):
         ys = [arena.scratch(n, np.float32) for n in shapes]
         ops.gemv(rt, [(put(W), y, n) for W, y, n in zip(Ws, ys, shapes)], GemvX(dx, cols, norm=norm_dev), warps=2)
         for W, y, n in zip(Ws, ys, shapes):
-            check(y.download(), W, x, n, cols, f"q4_k multi {n}", norm=norm_host)
+            check_gemv(y.download(), W, x, n, cols, f"q4_k multi {n}", norm=norm_host)
     base = r.standard_normal(shapes[0]).astype(np.float32)
     y = put(base, False)
     ops.gemv(rt, [(put(Ws[0]), y, shapes[0])], GemvX(dx, cols), add=True)
-    check(y.download(), Ws[0], x, shapes[0], cols, "q4_k add", base=base)
+    check_gemv(y.download(), Ws[0], x, shapes[0], cols, "q4_k add", base=base)
     rows, group = 24, 8                                  # wo_a style: rows [g*8, (g+1)*8) read x[g]
     W = gemv_weights(r, "Q4_K", rows, cols)
     xg = r.standard_normal(3 * cols).astype(np.float32)
     y = arena.scratch(rows, np.float32)
     ops.gemv(rt, [(put(W), y, rows)], GemvX(put(xg, False), cols, x_group_rows=group), warps=2)
-    check(y.download(), W, xg, rows, cols, "q4_k groups", x_group_rows=group)
+    check_gemv(y.download(), W, xg, rows, cols, "q4_k groups", x_group_rows=group)
 
 
 def test_hc_post_and_swiglu_epilogues(rt, arena, put):
