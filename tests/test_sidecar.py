@@ -462,3 +462,15 @@ def test_posttrain_input_errors(fitted, models, work):
     r = ds4py("posttrain-fit", "--base", base, "--sidecar", out, "--ids", work / "req.npy", "--split", 96,
               "--targets", work / "none.npy", "--out", work / "pt-none")
     assert r.returncode == 2 and "marks no decision point" in r.stderr
+
+
+@pytest.mark.parametrize("command", ["sidecar-fit", "posttrain-fit"])
+def test_fit_commands_refuse_an_out_that_exists_or_has_no_folder(tmp_path, command):
+    """Before any work: --out must not exist and its folder must (ds4py/cli/_options.py check_new_out), one
+    sentence each."""
+    args = {"sidecar-fit": ["--base", "b.gguf", "--teacher", "t.gguf"],
+            "posttrain-fit": ["--base", "b.gguf", "--ids", "i.npy", "--split", 1, "--targets", "t.npy"]}[command]
+    (tmp_path / "taken").mkdir()
+    for out, why in [(tmp_path / "taken", "already exists"), (tmp_path / "no" / "such", "does not exist")]:
+        r = ds4py(command, *args, "--out", out)
+        assert r.returncode == 2 and why in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

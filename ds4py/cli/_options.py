@@ -139,3 +139,15 @@ def choose_model(args: argparse.Namespace, command: str, attr: str = "model", pa
     if choice.why != "-m" or choice.name:
         print(announce(command, choice), file=sys.stderr, flush=True)
     return False
+
+
+def check_new_out(path: str, flag: str = "--out") -> None:
+    """A directory a command will create: refused in one sentence when it exists already or its folder does not
+    exist or is not writable (before any work starts)."""
+    import os
+
+    if os.path.exists(path):
+        raise Ds4Error(f"{flag} {path}: already exists; remove it or choose another name")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise Ds4Error(f"{flag} {path}: the folder {parent} does not exist or is not writable")

@@ -33,20 +33,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import os
     import sys
 
     import numpy as np
 
     from ds4py.cli.score import load_ids
+    from ds4py.cli._options import check_new_out
     from ds4py.errors import Ds4Error
     from ds4py.vq.posttrain_fit import Options, fit_posttrain, keep_or_reject
 
-    if os.path.exists(args.out):
-        raise Ds4Error(f"--out {args.out}: already exists; remove it or choose another name")
-    parent = os.path.dirname(os.path.abspath(args.out))
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-        raise Ds4Error(f"--out {args.out}: the folder {parent} does not exist or is not writable")
+    check_new_out(args.out)
     ids = load_ids(args.ids)
     try:
         targets = np.load(args.targets, allow_pickle=False)

@@ -57,14 +57,11 @@ def run(args: argparse.Namespace) -> int:
 
     import numpy as np
 
+    from ds4py.cli._options import check_new_out
     from ds4py.errors import Ds4Error
     from ds4py.vq.sidecar_fit import Options, fit_sidecar
 
-    if os.path.exists(args.out):
-        raise Ds4Error(f"--out {args.out}: already exists; remove it or choose another name")
-    parent = os.path.dirname(os.path.abspath(args.out))
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-        raise Ds4Error(f"--out {args.out}: the folder {parent} does not exist or is not writable")
+    check_new_out(args.out)
     sources = [(os.path.basename(n), np.asarray(ids, np.int64)) for n, ids in read_sources(args)]
     try:
         lambdas = tuple(float(x) for x in args.lambdas.split(","))
