@@ -127,21 +127,21 @@ def _group_x(x: np.ndarray, k: int) -> np.ndarray:
 # ---- the formats ----------------------------------------------------------------------------------------------
 # Each: prepare(x [T, C] float32) -> prep;  rows(raw uint8 [R, row_nbytes], prep, scr) -> float32 [T, R].
 
-class _F32:
+class _AsItIs:
+    """The float formats: their rows take x as it is."""
+
     @staticmethod
     def prepare(x):
         return x
 
+
+class _F32(_AsItIs):
     @staticmethod
     def rows(raw, x, scr, finite=False):
         return x @ raw.view(F32).T
 
 
-class _F16:
-    @staticmethod
-    def prepare(x):
-        return x
-
+class _F16(_AsItIs):
     @staticmethod
     def rows(raw, x, scr, finite=False):
         h = raw.view(np.uint16)
@@ -150,11 +150,7 @@ class _F16:
         return x @ f16_to_f32(h, scr.get("w", h.shape, np.int32)).T
 
 
-class _BF16:
-    @staticmethod
-    def prepare(x):
-        return x
-
+class _BF16(_AsItIs):
     @staticmethod
     def rows(raw, x, scr, finite=False):
         h = raw.view(np.uint16)
