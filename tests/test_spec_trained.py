@@ -402,3 +402,90 @@ def test_a_requests_prepare_is_not_round_overhead(pair, prompts, monkeypatch):
         _spec(spec, prompts[dom])
     assert now[0] == 2.0 and spec.costs._overhead.n > 2
     assert max(spec.costs._overhead.samples) == 0.0
+
+
+def test_multi_row_verify_read_against_the_one_row_steps_timed_with_it():
+    """A load swing scales every step alike: verify(2) is read as its samples over the one-row steps timed around
+    them, times the one-row median now. Probes timed verify(2) at 30 ms while plain steps took 20 (a loaded phase);
+    the machine then got quiet (plain 10 ms) and no probe has run since: verify(2) is 15 ms (1.5 plain steps), not
+    the stale 30 ms (3 plain steps: a break-even acceptance above 1, drafting never tried again)."""
+    c = MeasuredCosts()
+    for i in range(24):                      # loaded: a probe every 4 steps
+        c.observe_plain(20e-3)
+        c.observe_verify(1, 20e-3)
+        if i % 4 == 3:
+            c.observe_verify(2, 30e-3)
+    for _ in range(20):                      # quiet, plain steps only
+        c.observe_plain(10e-3)
+        c.observe_verify(1, 10e-3)
+    assert c.plain() == pytest.approx(10e-3) and c.verify(1) == pytest.approx(10e-3)
+    assert c.verify(2) == pytest.approx(15e-3)
+    costs = StepCosts(10e-3, {2: 15e-3}, 1e-3)
+    assert break_even_acceptance(costs) == pytest.approx(0.6)
+    d = MeasuredCosts()                      # the bootstrap round's verify, timed before any one-row step
+    d.observe_verify(3, 24e-3)
+    for _ in range(6):
+        d.observe_verify(1, 8e-3)
+    assert d.verify(3) == pytest.approx(24e-3)
+
+
+def test_a_run_of_hits_is_followed():
+    """Acceptance comes in runs that σ does not see: after a round whose first draft was a hit the next round is
+    judged by the rounds that followed a hit (their own calibration, Verdict.after_hit), not by every round. Most
+    rounds were unconfident and missed often (σ_1 0.2, accepted 30%): drafting does not pay on them. A probe's
+    hit is followed; the rounds after it, as unconfident (σ_1 0.2) but accepted 90% of the time (a repeated
+    line), keep the run going and their first drafts are verified (k = 1); a miss ends the run; once rounds after
+    a hit stop paying (accepted 30%), a hit is no longer followed."""
+    costs = StepCosts(10e-3, {2: 14.5e-3}, 1.7e-3)
+    s = Scheduler(costs, k_max=4)
+    for _ in range(64):
+        s.record(0.3, 0.2)
+    s.hit = False
+    assert not s.drafting_pays()
+    s.verdict.gap = WINDOW                    # no probe due in what follows
+    assert not s.should_draft(4)              # the pooled verdict: off
+    s.record(1.0, 0.2)                        # a probe's first draft was a hit
+    assert s.should_draft(4)                  # nothing known of the rounds after a hit: tried
+    for _ in range(9):
+        s.record(1.0, 0.2)
+        assert s.should_draft(4)
+    s.record(0.0, 0.2)                        # the tenth after a hit: accepted 90% of the time
+    assert s.verdict.after_hit.n == 10 and s.verdict.after_hit([0.2])[0] == pytest.approx(0.9)
+    s.record(1.0, 0.2)
+    assert s.should_draft(4) and s.include([0.2])         # judged by the rounds after a hit: k = 1
+    s.record(0.0, 0.2)                        # a miss ends the run
+    assert not s.should_draft(4)
+    s.hit = False
+    assert not s.include([0.2])               # not right after a hit: the pooled calibration (0.3), k = 0
+    for _ in range(40):                       # rounds after a hit that missed
+        s.verdict.after_hit.add(0.2, 0.0)
+    s.record(1.0, 0.2)
+    assert not s.should_draft(4)
+
+
+def test_lockstep_bench_alternates_the_sides(pair, prompts):
+    """bench/spec_trained.py --lockstep: the side that has fed the fewest tokens advances next, every side ends
+    with the same tokens fed, each charged its own time; greedy output identical to plain."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import spec_trained
+
+    model, mtp = pair
+    spec = MtpSpec(model, mtp, fixed_k=2)
+    st = spec.new_state()
+    lg = spec.step([st], [list(prompts["prose"])])[0]
+    params = SamplingParams(temperature=0.0)
+    sides = {"plain": spec_trained._PlainSide(model, st.copy(), lg, params),
+             "spec": spec_trained._SpecSide(spec, st.copy(), lg, params)}
+    order = []
+    for name, side in sides.items():
+        adv = side.advance
+        side.advance = (lambda adv, name: lambda n: order.append((name, {k: s.fed for k, s in sides.items()}))
+                        or adv(n))(adv, name)
+    cpu = spec_trained.lockstep(sides, 16, 1)
+    assert all(fed[name] == min(f for f in fed.values() if f < 16) for name, fed in order)
+    assert order[0][0] == "spec"              # ties in the rotated order
+    assert sides["plain"].fed == 16 and sides["spec"].fed == 16 and set(cpu) == {"plain", "spec"}
+    assert sides["spec"].tokens(16) == sides["plain"].tokens(16) and min(cpu.values()) > 0
+    assert sum(sides["spec"].ks) > 0          # rounds that drafted: the sides ran apart and were re-aligned
