@@ -443,6 +443,7 @@ class Verdict:
         # first-position calibration and recent σ_1
         self.after_hit = _Calibration()
         self.after_hit_sigmas: deque[float] = deque(maxlen=WINDOW)
+        self.hit_gap, self.hit_skipped = 1, 0  # hits between follows while the rounds after a hit do not pay
         self.depth_hits: dict[int, float] = {}  # per chained position j: Σ accepted, Σ predicted (_depth_factors)
         self.depth_pred: dict[int, float] = {}
         self.gap, self.skipped = 1, 0  # plain steps between probes while drafting does not pay (doubling)
@@ -506,6 +507,7 @@ class Scheduler:
         self.decisions = 0
         self.hit = False               # this request's last round's first draft was a hit (should_draft's run)
         self.following = False         # the round being decided comes right after such a round
+        self.probing = False           # the round being decided is a probe (include() verifies its first draft)
 
     @property
     def first(self) -> _Calibration:
@@ -575,9 +577,8 @@ class Scheduler:
             return k_max >= 1 and bool(self.fixed_k)
         v = self.verdict
         hit, self.hit = self.hit, False
-        self.following = hit
-        if hit and self.costs.known() and (not v.after_hit.n or self.drafting_pays(v.after_hit_sigmas,
-                                                                                  v.after_hit)):
+        self.following, self.probing = hit, False
+        if hit and self.costs.known() and self._follow():
             # the last round's first draft was a hit: judge the next round by the rounds that followed a hit
             # (their own calibration, Verdict.after_hit). Why (issue 38, sixth session): acceptance comes in runs
             # (a repeated line of code, a stock phrase) that σ does not see -- on the trained tiny model's code
@@ -585,7 +586,7 @@ class Scheduler:
             # acceptance 0.77 after a hit and 0.42 after a miss (code, greedy; prose 0.78 / 0.54), against a
             # CPU break-even near 0.75. Judged over every round, the scheduler stayed off on whole requests where
             # k = 1 won 7-14% (lockstep). A probe that lands in a run is now followed while rounds after a hit
-            # pay. Nothing known of them yet: try it.
+            # pay (_follow).
             if self.costs.plain_due():
                 self.hit = True        # a re-timed plain step does not end the run
                 return False
@@ -601,6 +602,7 @@ class Scheduler:
         if not self.costs.known():
             return not self.costs.verified()          # bootstrap: a short block, then one plain row
         if v.first.n == 0:                         # nothing known of the draft under these rules: try it
+            self.probing = True
             return True
         v.off = False
         if self.drafting_pays():
@@ -611,6 +613,7 @@ class Scheduler:
             # the gap doubles up to WINDOW plain steps: a verdict pooled over the model's requests is re-checked
             # at least that often (a probe costs about a draft step and a verify row beyond a plain step: < 1%)
             v.gap, v.skipped = min(2 * v.gap, WINDOW), 0
+            self.probing = True
             return True
         v.skipped += 1
         v.off = True
@@ -646,11 +649,34 @@ class Scheduler:
         no MTP block) and the round's host work beyond its steps (costs.overhead())."""
         return spent + self.costs.verify(rows) + self.costs.catch_up() * tokens + self.costs.overhead()
 
+    def _follow(self) -> bool:
+        """After a hit: draft the next round? While the rounds after a hit pay (drafting_pays over their σ_1 and
+        calibration), else once every after_hit gap hits (doubling up to WINDOW while they do not pay, back to 1
+        when they do): one unlucky round must not turn following off for good, as the rounds after a hit are
+        only measured by following them (a probe, which verifies its draft: include())."""
+        v = self.verdict
+        if v.after_hit.n and self.drafting_pays(v.after_hit_sigmas, v.after_hit):
+            v.hit_gap, v.hit_skipped = 1, 0
+            return True
+        if v.hit_skipped >= v.hit_gap or not v.after_hit.n:
+            v.hit_gap, v.hit_skipped = min(2 * v.hit_gap, WINDOW) if v.after_hit.n else 1, 0
+            self.probing = True
+            return True
+        v.hit_skipped += 1
+        return False
+
     def include(self, sigmas: Sequence[float]) -> bool:
-        """q_i is known (σ_i = sigmas[-1]): verify position i?"""
+        """q_i is known (σ_i = sigmas[-1]): verify position i? A probe verifies its first draft whatever σ_1
+        says. Why (issue 38, sixth session): verify(2) is timed only by rounds that verify a draft; with one slow
+        sample (the bootstrap's first 3-row verify, cold) the cost line read verify(2) at ~2x a plain step, a
+        break-even acceptance above 1, so no round verified a draft again and the estimate was never refreshed
+        (lockstep, trained tiny model). A probe's k = 1 costs ~0.1 plain step beyond its k = 0 at the CPU's
+        measured costs, once every up to WINDOW steps."""
         i = len(sigmas)
         if self._free():
             return i <= self._free_k()
+        if i == 1 and self.probing:
+            return True
         if i > self.verdict.depth + 1:  # one position beyond the deepest one accepted so far, no further
             return False
         E, a = self._expected(sigmas)
