@@ -431,17 +431,17 @@ def test_multi_row_verify_read_against_the_one_row_steps_timed_with_it():
 
 def test_a_run_of_hits_is_followed():
     """Acceptance comes in runs that σ does not see: after a round whose first draft was a hit the next round is
-    judged by the rounds that followed a hit (their own calibration, Verdict.after_hit), not by every round. Most
-    rounds were unconfident and missed often (σ_1 0.2, accepted 30%): drafting does not pay on them. A probe's
-    hit is followed; the rounds after it, as unconfident (σ_1 0.2) but accepted 90% of the time (a repeated
-    line), keep the run going and their first drafts are verified (k = 1); a miss ends the run; once rounds after
-    a hit stop paying (accepted 30%), a hit is no longer followed."""
+    judged by the rounds that followed runs of hits (their acceptance per run length and calibration), not by
+    every round. Most rounds were unconfident and missed often (σ_1 0.2, accepted 30%): drafting does not pay on
+    them. A probe's hit is followed (run lengths not measured yet are tried); rounds after it, as unconfident
+    (σ_1 0.2) but accepted 90% of the time (a repeated line), keep the run going and their first drafts are
+    verified (k = 1); a miss ends the run; once following stops paying (runs that missed), hits are followed
+    only as probes, after 1, 2, 4, ... runs."""
     costs = StepCosts(10e-3, {2: 14.5e-3}, 1.7e-3)
     s = Scheduler(costs, k_max=4)
     for _ in range(64):
         s.record(0.3, 0.2)
-    s.hit = False
-    assert not s.drafting_pays()
+    assert not s.drafting_pays() and s.run == 0
     s.verdict.gap = WINDOW                    # no probe due in what follows
     assert not s.should_draft(4)              # the pooled verdict: off
     s.record(1.0, 0.2)                        # a probe's first draft was a hit
@@ -449,18 +449,40 @@ def test_a_run_of_hits_is_followed():
     for _ in range(9):
         s.record(1.0, 0.2)
         assert s.should_draft(4)
+    assert s.following == 10
     s.record(0.0, 0.2)                        # the tenth after a hit: accepted 90% of the time
     assert s.verdict.after_hit.n == 10 and s.verdict.after_hit([0.2])[0] == pytest.approx(0.9)
+    assert sorted(s.verdict.runs) == [1, 2, 3] and s.verdict.runs[3] == [7.0, 8]
     s.record(1.0, 0.2)
     assert s.should_draft(4) and s.include([0.2])         # judged by the rounds after a hit: k = 1
     s.record(0.0, 0.2)                        # a miss ends the run
-    assert not s.should_draft(4)
-    s.hit = False
+    assert not s.should_draft(4) and not s.following
     assert not s.include([0.2])               # not right after a hit: the pooled calibration (0.3), k = 0
-    for _ in range(40):                       # rounds after a hit that missed
-        s.verdict.after_hit.add(0.2, 0.0)
-    s.record(1.0, 0.2)
-    assert not s.should_draft(4)
+    s.verdict.runs = {r: [0.0, 40] for r in (1, 2, 3)}    # runs that missed: following does not pay
+    s.verdict.hit_gap, s.verdict.hit_skipped = 1, 0
+    follows = []
+    for _ in range(12):                       # hits not followed, but for a probe after 1, 2, 4, ... runs
+        s.record(1.0, 0.2)
+        follows.append(s.should_draft(4))
+        if follows[-1]:
+            s.record(0.0, 0.2)                # the probe's round misses
+    assert follows == [False, True, False, False, True] + [False] * 4 + [True, False, False]
+
+
+def test_a_probe_verifies_its_first_draft():
+    """verify(2) is timed only by rounds that verify a draft: a probe verifies its first draft whatever σ_1 says
+    (one slow verify sample had made every draft look unprofitable, so none was verified again and the estimate
+    was never refreshed); a round that is not a probe decides by σ_1."""
+    costs = StepCosts(10e-3, {2: 25e-3}, 1.7e-3)  # a verify row far dearer than a plain step: k = 1 never pays
+    s = Scheduler(costs, k_max=4)
+    for _ in range(64):
+        s.record(0.3, 0.2)
+    decisions = [s.should_draft(4) for _ in range(4)]
+    assert decisions == [False, True, False, False]   # probes after 1, 2, ... plain steps
+    s.should_draft(4)
+    assert s.probing and s.include([0.2]) and not s.include([0.2, 0.2])
+    s.record(0.0, 0.2)
+    assert not s.should_draft(4) and not s.probing and not s.include([0.2])
 
 
 def test_lockstep_bench_alternates_the_sides(pair, prompts):
