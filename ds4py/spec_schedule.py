@@ -442,9 +442,7 @@ class Verdict:
         self.chained = _Calibration()  # chained positions i ≥ 2 that a verify reached (σ_i, accepted)
         self.depth = 0                 # the deepest position a verify has accepted so far
         self.first_sigmas: deque[float] = deque(maxlen=WINDOW)    # the recent rounds' σ_1
-        # the rounds right after a round whose first draft was a hit (Scheduler.should_draft): their own
-        # first-position calibration and recent σ_1
-        self.after_hit = _Calibration()
+        # the rounds right after r first-draft hits in a row (Scheduler._follow): their first-position acceptance
         self.runs: dict[int, list[float]] = {}  # per run of r hits (r ≤ RUN_CAP): [Σ first-position hits, rounds]
         self.hit_gap, self.hit_skipped = 1, 0  # runs not followed between follows while following does not pay
         self.depth_hits: dict[int, float] = {}  # per chained position j: Σ accepted, Σ predicted (_depth_factors)
@@ -531,9 +529,14 @@ class Scheduler:
         """The acceptance probability of the drafts at positions 1..len(sigmas), given the ones before were
         accepted (see the class docstring): the first position's calibration for σ_1, the chained positions' for
         the rest (the first position's until a verify has reached a chained position); right after a hit the
-        first position's is the rounds-after-a-hit one (Verdict.after_hit, should_draft), once it has a sample."""
+        first position's is the acceptance measured after runs of that length (_run_accept: σ does not see a run,
+        should_draft), once there is one."""
         v = self.verdict
-        first = (v.after_hit if self.following and v.after_hit.n else self.first)(sigmas[:1])
+        r = min(self.following, RUN_CAP)
+        if r and r in v.runs:
+            first = np.full(min(len(sigmas), 1), self._run_accept(r))
+        else:
+            first = self.first(sigmas[:1])
         rest = (self.chained if self.chained.n else self.first)(sigmas[1:])
         return np.concatenate([first, np.minimum(1.0, rest * self._depth_factors(len(rest)))])
 
@@ -583,7 +586,7 @@ class Scheduler:
         self.following, self.probing = run, False
         if run and self.costs.known() and self._follow(run):
             # the last round's first draft was a hit: judge the next round by the rounds that followed a hit
-            # (their own calibration, Verdict.after_hit). Why (issue 38, sixth session): acceptance comes in runs
+            # (their acceptance per run length, Verdict.runs). Why (issue 38, sixth session): acceptance comes in runs
             # (a repeated line of code, a stock phrase) that σ does not see -- on the trained tiny model's code
             # two prompts' drafts were accepted 94% and 100% of the time at a mean σ_1 of 0.18 --: first-draft
             # acceptance 0.77 after a hit and 0.42 after a miss (code, greedy; prose 0.78 / 0.54), against a
@@ -666,20 +669,15 @@ class Scheduler:
         if r not in v.runs:
             self.probing = True
             return True
-        pool = v.first.hits / v.first.n if v.first.n else 0.5
         plain, spent = self.costs.plain(), self._spent(1)
-
-        def accept(b: int) -> float:          # a pseudo-round at the pooled acceptance
-            h, n = v.runs.get(b, (0.0, 0))
-            return (h + pool) / (n + 1)
 
         def gain(p: float) -> float:
             return 1 + p - self._round(spent, 2, 1 + p) / plain
 
-        p = accept(RUN_CAP)
+        p = self._run_accept(RUN_CAP)
         value = max(0.0, gain(p) / max(1 - p, 1 / WINDOW))
         for b in range(RUN_CAP - 1, r - 1, -1):
-            p = accept(b)
+            p = self._run_accept(b)
             value = max(0.0, gain(p) + p * value)
         if value > 0:
             v.hit_gap, v.hit_skipped = 1, 0
@@ -691,18 +689,27 @@ class Scheduler:
         v.hit_skipped += 1
         return False
 
+    def _run_accept(self, r: int) -> float:
+        """The first-draft acceptance after r hits in a row (RUN_CAP: r or more), with one pseudo-round at the
+        pooled acceptance."""
+        v = self.verdict
+        pool = v.first.hits / v.first.n if v.first.n else 0.5
+        h, n = v.runs.get(r, (0.0, 0))
+        return (h + pool) / (n + 1)
+
     def include(self, sigmas: Sequence[float]) -> bool:
         """q_i is known (σ_i = sigmas[-1]): verify position i? A probe verifies its first draft whatever σ_1
         says. Why (issue 38, sixth session): verify(2) is timed only by rounds that verify a draft; with one slow
         sample (the bootstrap's first 3-row verify, cold) the cost line read verify(2) at ~2x a plain step, a
         break-even acceptance above 1, so no round verified a draft again and the estimate was never refreshed
         (lockstep, trained tiny model). A probe's k = 1 costs ~0.1 plain step beyond its k = 0 at the CPU's
-        measured costs, once every up to WINDOW steps."""
+        measured costs, once every up to WINDOW steps. Not where the calibration predicts no acceptance at all
+        (random weights: there a probe's verify row would only cost)."""
         i = len(sigmas)
         if self._free():
             return i <= self._free_k()
         if i == 1 and self.probing:
-            return True
+            return bool(self.calibrated(sigmas)[0] > 0)      # unless it is predicted never to be kept
         if i > self.verdict.depth + 1:  # one position beyond the deepest one accepted so far, no further
             return False
         E, a = self._expected(sigmas)
@@ -737,7 +744,6 @@ class Scheduler:
     def record(self, first_hit: float, sigma1: float) -> None:
         """A drafting round's first position: its acceptance (greedy: 0 / 1; sampled: Σ min(p, q)) and σ_1."""
         if self.following:             # this round came right after `following` hits in a row (should_draft)
-            self.verdict.after_hit.add(float(sigma1), float(first_hit))
             h = self.verdict.runs.setdefault(min(self.following, RUN_CAP), [0.0, 0])
             h[0] += float(first_hit)
             h[1] += 1

@@ -431,8 +431,8 @@ def test_multi_row_verify_read_against_the_one_row_steps_timed_with_it():
 
 def test_a_run_of_hits_is_followed():
     """Acceptance comes in runs that σ does not see: after a round whose first draft was a hit the next round is
-    judged by the rounds that followed runs of hits (their acceptance per run length and calibration), not by
-    every round. Most rounds were unconfident and missed often (σ_1 0.2, accepted 30%): drafting does not pay on
+    judged by the rounds that followed runs of hits (their acceptance per run length, σ aside), not by every
+    round. Most rounds were unconfident and missed often (σ_1 0.2, accepted 30%): drafting does not pay on
     them. A probe's hit is followed (run lengths not measured yet are tried); rounds after it, as unconfident
     (σ_1 0.2) but accepted 90% of the time (a repeated line), keep the run going and their first drafts are
     verified (k = 1); a miss ends the run; once following stops paying (runs that missed), hits are followed
@@ -451,8 +451,8 @@ def test_a_run_of_hits_is_followed():
         assert s.should_draft(4)
     assert s.following == 10
     s.record(0.0, 0.2)                        # the tenth after a hit: accepted 90% of the time
-    assert s.verdict.after_hit.n == 10 and s.verdict.after_hit([0.2])[0] == pytest.approx(0.9)
     assert sorted(s.verdict.runs) == [1, 2, 3] and s.verdict.runs[3] == [7.0, 8]
+    assert s._run_accept(3) == pytest.approx((7 + s.verdict.first.hits / s.verdict.first.n) / 9)
     s.record(1.0, 0.2)
     assert s.should_draft(4) and s.include([0.2])         # judged by the rounds after a hit: k = 1
     s.record(0.0, 0.2)                        # a miss ends the run
@@ -483,6 +483,11 @@ def test_a_probe_verifies_its_first_draft():
     assert s.probing and s.include([0.2]) and not s.include([0.2, 0.2])
     s.record(0.0, 0.2)
     assert not s.should_draft(4) and not s.probing and not s.include([0.2])
+    never = Scheduler(costs, k_max=4)         # a draft never kept (random weights): a probe verifies nothing
+    for _ in range(64):
+        never.record(0.0, 0.2)
+    assert [never.should_draft(4) for _ in range(2)] == [False, True]
+    assert never.probing and not never.include([0.2])
 
 
 def test_lockstep_bench_alternates_the_sides(pair, prompts):
