@@ -36,9 +36,6 @@ SPAN = 16
 # outvoted after ~14 drafting rounds, not ~160 with a fixed gap of 32; where a round of k = 1 beats plain by 20%,
 # one plain step in 32 rounds gives back ~0.4% of the speed.
 REFRESH = 32
-# Runs of first-draft hits are told apart up to this length (Scheduler._follow): on the trained tiny model the
-# first-draft acceptance was 0.42 after a miss, 0.77 after one hit, 0.85 after two (code, greedy).
-RUN_CAP = 3
 
 
 class _Median:
@@ -442,9 +439,6 @@ class Verdict:
         self.chained = _Calibration()  # chained positions i ≥ 2 that a verify reached (σ_i, accepted)
         self.depth = 0                 # the deepest position a verify has accepted so far
         self.first_sigmas: deque[float] = deque(maxlen=WINDOW)    # the recent rounds' σ_1
-        # the rounds right after r first-draft hits in a row (Scheduler._follow): their first-position acceptance
-        self.runs: dict[int, list[float]] = {}  # per run of r hits (r ≤ RUN_CAP): [Σ first-position hits, rounds]
-        self.hit_gap, self.hit_skipped = 1, 0  # runs not followed between follows while following does not pay
         self.depth_hits: dict[int, float] = {}  # per chained position j: Σ accepted, Σ predicted (_depth_factors)
         self.depth_pred: dict[int, float] = {}
         self.gap, self.skipped = 1, 0  # plain steps between probes while drafting does not pay (doubling)
@@ -506,8 +500,6 @@ class Scheduler:
         self.first_rounds = 0
         self.chained_hits, self.chained_n = 0.0, 0    # chained positions a verify reached, accepted
         self.decisions = 0
-        self.run = 0                   # this request's last rounds' first drafts: hits in a row (should_draft)
-        self.following = 0             # the round being decided comes right after that many hits in a row
         self.probing = False           # the round being decided is a probe (include() verifies its first draft)
 
     @property
@@ -528,15 +520,8 @@ class Scheduler:
     def calibrated(self, sigmas: Sequence[float]) -> np.ndarray:
         """The acceptance probability of the drafts at positions 1..len(sigmas), given the ones before were
         accepted (see the class docstring): the first position's calibration for σ_1, the chained positions' for
-        the rest (the first position's until a verify has reached a chained position); right after a hit the
-        first position's is the acceptance measured after runs of that length (_run_accept: σ does not see a run,
-        should_draft), once there is one."""
-        v = self.verdict
-        r = min(self.following, RUN_CAP)
-        if r and r in v.runs:
-            first = np.full(min(len(sigmas), 1), self._run_accept(r))
-        else:
-            first = self.first(sigmas[:1])
+        the rest (the first position's until a verify has reached a chained position)."""
+        first = self.first(sigmas[:1])
         rest = (self.chained if self.chained.n else self.first)(sigmas[1:])
         return np.concatenate([first, np.minimum(1.0, rest * self._depth_factors(len(rest)))])
 
@@ -582,21 +567,7 @@ class Scheduler:
         if k_max < 1 or self.fixed_k is not None:
             return k_max >= 1 and bool(self.fixed_k)
         v = self.verdict
-        run, self.run = self.run, 0
-        self.following, self.probing = run, False
-        if run and self.costs.known() and self._follow(run):
-            # the last round's first draft was a hit: judge the next round by the rounds that followed a hit
-            # (their acceptance per run length, Verdict.runs). Why (issue 38, sixth session): acceptance comes in runs
-            # (a repeated line of code, a stock phrase) that σ does not see -- on the trained tiny model's code
-            # two prompts' drafts were accepted 94% and 100% of the time at a mean σ_1 of 0.18 --: first-draft
-            # acceptance 0.77 after a hit and 0.42 after a miss (code, greedy; prose 0.78 / 0.54), against a
-            # CPU break-even near 0.75. Judged over every round, the scheduler stayed off on whole requests where
-            # k = 1 won 7-14% (lockstep). A probe that lands in a run is now followed while following pays
-            # (_follow).
-            if self.costs.plain_due():
-                self.run = run         # a re-timed plain step does not end the run
-                return False
-            return True
+        self.probing = False
         if v.off and v.skipped < v.gap:
             # drafting did not pay at the last check and nothing but plain steps' times came in since: plain until
             # the next probe, without re-checking. Why: the check (drafting_pays over the recent σ_1, the cost
@@ -625,13 +596,12 @@ class Scheduler:
         v.off = True
         return False
 
-    def drafting_pays(self, sigmas: Sequence[float] | None = None, calibration: "_Calibration | None" = None
-                      ) -> bool:
+    def drafting_pays(self) -> bool:
         """Does a round that drafts q_1 out-earn plain steps, over the first-position confidences σ_1 seen so far
         (each round's value as include() would decide it: k = 1 at E = 1 + c(σ_1) tokens, or the draft step
         wasted on a k = 0 round)? The long-run rate Σ tokens / Σ cost against 1 / plain(). Positions beyond the
         first only add (include() takes them only when they raise the rate), so this errs toward plain."""
-        c = (calibration or self.first)(self.verdict.first_sigmas if sigmas is None else sigmas)
+        c = self.first(self.verdict.first_sigmas)
         spent = self._spent(1)
         one, zero = self._round(spent, 2, 1 + c), self._round(spent, 1, 1.0)
         take = ((1 + c) / one > 1 / zero) & (c * self.costs.plain() > one - zero)      # as include() decides
@@ -654,48 +624,6 @@ class Scheduler:
         next draft step to catch up (a plain step's row is charged nothing: plain decoding, the baseline, runs
         no MTP block) and the round's host work beyond its steps (costs.overhead())."""
         return spent + self.costs.verify(rows) + self.costs.catch_up() * tokens + self.costs.overhead()
-
-    def _follow(self, run: int) -> bool:
-        """After `run` hits in a row: draft the next round? If following pays: a round of k = 1 at the
-        acceptance measured after runs of that length, plus (on a hit) what following the longer run is worth,
-        in plain steps saved -- V(r) = max(0, g(p_r) + p_r·V(r + 1)), g(p) = 1 + p − round(1 + p) / plain,
-        runs of RUN_CAP or more pooled (V = g / (1 − p) there): a run of one hit may not pay alone (code: 0.77
-        after one hit, 0.85 after two) yet lead to runs that do. A run length not measured yet is followed
-        (a probe); while following does not pay, once every hit_gap runs (doubling up to WINDOW, back to 1 when
-        it pays): one unlucky round must not turn following off for good, as rounds after a run are only
-        measured by following it (a probe verifies its draft: include())."""
-        v = self.verdict
-        r = min(run, RUN_CAP)
-        if r not in v.runs:
-            self.probing = True
-            return True
-        plain, spent = self.costs.plain(), self._spent(1)
-
-        def gain(p: float) -> float:
-            return 1 + p - self._round(spent, 2, 1 + p) / plain
-
-        p = self._run_accept(RUN_CAP)
-        value = max(0.0, gain(p) / max(1 - p, 1 / WINDOW))
-        for b in range(RUN_CAP - 1, r - 1, -1):
-            p = self._run_accept(b)
-            value = max(0.0, gain(p) + p * value)
-        if value > 0:
-            v.hit_gap, v.hit_skipped = 1, 0
-            return True
-        if v.hit_skipped >= v.hit_gap:
-            v.hit_gap, v.hit_skipped = min(2 * v.hit_gap, WINDOW), 0
-            self.probing = True
-            return True
-        v.hit_skipped += 1
-        return False
-
-    def _run_accept(self, r: int) -> float:
-        """The first-draft acceptance after r hits in a row (RUN_CAP: r or more), with one pseudo-round at the
-        pooled acceptance."""
-        v = self.verdict
-        pool = v.first.hits / v.first.n if v.first.n else 0.5
-        h, n = v.runs.get(r, (0.0, 0))
-        return (h + pool) / (n + 1)
 
     def include(self, sigmas: Sequence[float]) -> bool:
         """q_i is known (σ_i = sigmas[-1]): verify position i? A probe verifies its first draft whatever σ_1
@@ -742,13 +670,6 @@ class Scheduler:
         return ((tokens + more) / cost_more > tokens / cost) and more * self.costs.plain() > extra
 
     def record(self, first_hit: float, sigma1: float) -> None:
-        """A drafting round's first position: its acceptance (greedy: 0 / 1; sampled: Σ min(p, q)) and σ_1."""
-        if self.following:             # this round came right after `following` hits in a row (should_draft)
-            h = self.verdict.runs.setdefault(min(self.following, RUN_CAP), [0.0, 0])
-            h[0] += float(first_hit)
-            h[1] += 1
-        # a hit: greedy 1; sampled Σ min(p, q) ≥ 0.5, the draft more likely kept than not
-        self.run = self.following + 1 if first_hit >= 0.5 else 0
         self.first_hits += first_hit
         self.first_sigma += sigma1
         self.first_rounds += 1

@@ -429,46 +429,6 @@ def test_multi_row_verify_read_against_the_one_row_steps_timed_with_it():
     assert d.verify(3) == pytest.approx(24e-3)
 
 
-def test_a_run_of_hits_is_followed():
-    """Acceptance comes in runs that σ does not see: after a round whose first draft was a hit the next round is
-    judged by the rounds that followed runs of hits (their acceptance per run length, σ aside), not by every
-    round. Most rounds were unconfident and missed often (σ_1 0.2, accepted 30%): drafting does not pay on
-    them. A probe's hit is followed (run lengths not measured yet are tried); rounds after it, as unconfident
-    (σ_1 0.2) but accepted 90% of the time (a repeated line), keep the run going and their first drafts are
-    verified (k = 1); a miss ends the run; once following stops paying (runs that missed), hits are followed
-    only as probes, after 1, 2, 4, ... runs."""
-    costs = StepCosts(10e-3, {2: 14.5e-3}, 1.7e-3)
-    s = Scheduler(costs, k_max=4)
-    for _ in range(64):
-        s.record(0.3, 0.2)
-    assert not s.drafting_pays() and s.run == 0
-    s.verdict.gap = WINDOW                    # no probe due in what follows
-    assert not s.should_draft(4)              # the pooled verdict: off
-    s.record(1.0, 0.2)                        # a probe's first draft was a hit
-    assert s.should_draft(4)                  # nothing known of the rounds after a hit: tried
-    for _ in range(9):
-        s.record(1.0, 0.2)
-        assert s.should_draft(4)
-    assert s.following == 10
-    s.record(0.0, 0.2)                        # the tenth after a hit: accepted 90% of the time
-    assert sorted(s.verdict.runs) == [1, 2, 3] and s.verdict.runs[3] == [7.0, 8]
-    assert s._run_accept(3) == pytest.approx((7 + s.verdict.first.hits / s.verdict.first.n) / 9)
-    s.record(1.0, 0.2)
-    assert s.should_draft(4) and s.include([0.2])         # judged by the rounds after a hit: k = 1
-    s.record(0.0, 0.2)                        # a miss ends the run
-    assert not s.should_draft(4) and not s.following
-    assert not s.include([0.2])               # not right after a hit: the pooled calibration (0.3), k = 0
-    s.verdict.runs = {r: [0.0, 40] for r in (1, 2, 3)}    # runs that missed: following does not pay
-    s.verdict.hit_gap, s.verdict.hit_skipped = 1, 0
-    follows = []
-    for _ in range(12):                       # hits not followed, but for a probe after 1, 2, 4, ... runs
-        s.record(1.0, 0.2)
-        follows.append(s.should_draft(4))
-        if follows[-1]:
-            s.record(0.0, 0.2)                # the probe's round misses
-    assert follows == [False, True, False, False, True] + [False] * 4 + [True, False, False]
-
-
 def test_a_probe_verifies_its_first_draft():
     """verify(2) is timed only by rounds that verify a draft: a probe verifies its first draft whatever σ_1 says
     (one slow verify sample had made every draft look unprofitable, so none was verified again and the estimate
