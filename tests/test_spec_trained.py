@@ -430,21 +430,31 @@ def test_multi_row_verify_read_against_the_one_row_steps_timed_with_it():
 
 
 def test_a_probe_verifies_its_first_draft():
-    """verify(2) is timed only by rounds that verify a draft: a probe verifies its first draft whatever σ_1 says
-    (one slow verify sample had made every draft look unprofitable, so none was verified again and the estimate
-    was never refreshed); a round that is not a probe decides by σ_1."""
-    costs = StepCosts(10e-3, {2: 25e-3}, 1.7e-3)  # a verify row far dearer than a plain step: k = 1 never pays
-    s = Scheduler(costs, k_max=4)
+    """verify(2) is timed only by rounds that verify a draft: while fewer than RECENT were timed, a probe
+    verifies its first draft whatever σ_1 says (one slow cold sample had made every draft look unprofitable, so
+    none was verified again and the estimate was never refreshed); then, and on a round that is not a probe, σ_1
+    decides; a draft never kept (random weights) is not verified by a probe."""
+    c = MeasuredCosts()
+    c.observe_verify(3, 40e-3)                # the bootstrap round's 3-row verify, cold: 4 plain steps
+    for _ in range(8):
+        c.observe_plain(10e-3)
+        c.observe_verify(1, 10e-3)
+    c.observe_draft(True, 1.7e-3)
+    s = Scheduler(c, k_max=4)
     for _ in range(64):
         s.record(0.3, 0.2)
-    decisions = [s.should_draft(4) for _ in range(4)]
-    assert decisions == [False, True, False, False]   # probes after 1, 2, ... plain steps
-    s.should_draft(4)
+    assert c.verify(2) == pytest.approx(25e-3)                 # k = 1 never pays on this line
+    assert [s.should_draft(4) for _ in range(2)] == [False, True]     # a probe after 1 plain step
     assert s.probing and s.include([0.2]) and not s.include([0.2, 0.2])
+    for _ in range(RECENT):                   # its verify and the next ones time 2 rows at 1.45 plain steps
+        c.observe_verify(2, 14.5e-3)
+    assert c.timed(2) == RECENT and c.verify(2) < 20e-3        # (the cold 3-row sample still tilts the line)
+    assert s.probing and not s.include([0.2])                  # measured: σ_1 decides
     s.record(0.0, 0.2)
-    assert not s.should_draft(4) and not s.probing and not s.include([0.2])
-    never = Scheduler(costs, k_max=4)         # a draft never kept (random weights): a probe verifies nothing
-    for _ in range(64):
+    s.should_draft(4)
+    assert not s.probing and not s.include([0.2])
+    never = Scheduler(StepCosts(10e-3, {2: 25e-3}, 1.7e-3), k_max=4)
+    for _ in range(64):                       # a draft never kept (random weights): a probe verifies nothing
         never.record(0.0, 0.2)
     assert [never.should_draft(4) for _ in range(2)] == [False, True]
     assert never.probing and not never.include([0.2])
