@@ -34,7 +34,8 @@ alternations and hits every side alike (the back-to-back probes above each take 
 machine's phases are that long). Reported per domain, mode and variant: the speed ratio plain CPU time / variant
 CPU time for the same generated tokens (pooled over the prompt x repetition units), its 95% bootstrap interval
 over those units and their min / median, the acceptance, tokens per round, mean k and k over time, and the cost
-model's break-even first-draft acceptance beside the measured one.
+model's break-even first-draft acceptance beside the measured one; with k = 1 among the variants also the
+break-even the lockstep itself measures (a k = 1 round costs tokens per round / ratio plain steps).
 """
 
 from __future__ import annotations
@@ -238,6 +239,9 @@ def run_domain_lockstep(model, mtp, dom: str, args, variants: list[str], mode: s
     out["measured_acceptance"] = measured_acceptance(scheds)
     if reqs and any(r.scheduler.costs.known() for r in reqs):
         out["cost_model"] = break_even(reqs)
+    if "1" in out["variants"]:      # k = 1 measured: a round costs tokens/round / ratio plain steps, so it breaks
+        k1 = out["variants"]["1"]   # even at the first-draft acceptance that cost - 1 (one draft a round)
+        out["lockstep_break_even"] = k1["tokens_per_round"] / k1["ratio"] - 1
     out["load_after"] = os.getloadavg()
     return out
 
@@ -451,6 +455,11 @@ def main() -> int:
                   + (f", chained where the scheduler went ({ma['chained_scheduler']:.3f}, "
                      f"{ma['chained_scheduler_positions']} positions: selected by confidence)"
                      if ma["chained_scheduler"] is not None else "") + " |", flush=True)
+            if "lockstep_break_even" in r:
+                print(f"|   measured in lockstep ({dom}, {mode}): a k = 1 round costs "
+                      f"{r['variants']['1']['tokens_per_round'] / r['variants']['1']['ratio']:.2f} plain steps: "
+                      f"break-even first-draft acceptance {r['lockstep_break_even']:.2f}, measured "
+                      f"{r['measured_acceptance']['first']:.2f} |", flush=True)
             if "cost_model" in r:
                 c = r["cost_model"]
                 print(f"|   cost model ({dom}, {mode}; load {r['load_after'][0]:.1f}): plain {c['plain_ms']:.1f} ms, "
