@@ -25,6 +25,17 @@ measured acceptance (first draft; chained, from the fixed k >= 2 variants) on th
 Flash q2 shapes (bench/spec_gpu_model.py; `--gpu-model none` skips it): the modelled speed-up per k on GB10 and
 H200 and the break-even acceptance there. `--repeat N` decodes every prompt N times per variant in alternating
 order (ABBA) and sums the times.
+
+`--lockstep`: the A/B measurement that resolves a few percent on a shared machine. Per prompt (and repetition)
+plain decoding and every variant run in one process with their own states, advanced alternately: the side that
+has fed the fewest tokens goes next (ties in a rotating order), one plain step or one speculative round at a time,
+and each side is charged only the process CPU time of its own steps. A load swing then lasts over many
+alternations and hits every side alike (the back-to-back probes above each take a whole request, ~0.7 s, and the
+machine's phases are that long). Reported per domain, mode and variant: the speed ratio plain CPU time / variant
+CPU time for the same generated tokens (pooled over the prompt x repetition units), its 95% bootstrap interval
+over those units and their min / median, the acceptance, tokens per round, mean k and k over time, and the cost
+model's break-even first-draft acceptance beside the measured one; with k = 1 among the variants also the
+break-even the lockstep itself measures (a k = 1 round costs tokens per round / ratio plain steps).
 """
 
 from __future__ import annotations
@@ -98,6 +109,152 @@ def _add(a, b):
     out.add(a)
     out.add(b)
     return out
+
+
+class _PlainSide:
+    """Lockstep: plain decoding (as plain_probe), one main step per advance."""
+
+    def __init__(self, model, state, logits: np.ndarray, params: SamplingParams):
+        self.model, self.state, self.logits = model, state, logits
+        self.sampler, self.out = Sampler(params), []
+
+    @property
+    def fed(self) -> int:
+        return len(self.out)
+
+    def advance(self, n: int) -> None:
+        lg = self.logits.copy()
+        lg[EOS] = -np.inf
+        self.out.append(self.sampler.sample(lg))
+        self.logits = self.model.step([self.state.main], [[self.out[-1]]])[0]
+
+    def tokens(self, n: int) -> list[int]:
+        return self.out[:n]
+
+
+class _SpecSide:
+    """Lockstep: the speculative driver (as spec_probe), one round per advance; the first token (sampled from the
+    prompt's logits, as plain's first) in the first advance."""
+
+    def __init__(self, spec, state, logits: np.ndarray, params: SamplingParams):
+        self.spec, self.state, self.logits, self.params = spec, state, logits, params
+        self.req = self.sampler = None
+        self.out, self.ks = [], []
+
+    @property
+    def fed(self) -> int:
+        return max(len(self.out) - 1, 0)
+
+    def advance(self, n: int) -> None:
+        if self.req is None:
+            self.req = self.spec.new_request(self.params, suppress=[EOS])
+            self.sampler = Sampler(self.params)
+            self.out.append(self.req._sample(self.logits, self.sampler))
+        r = self.req.round(self.state, self.out[-1], self.sampler, n + 1 - len(self.out))
+        self.ks.append(r.stats.drafted)
+        self.out += r.tokens
+
+    def tokens(self, n: int) -> list[int]:
+        return self.out[:n]
+
+
+def lockstep(sides: dict, n: int, first: int) -> dict[str, float]:
+    """Advance every side until each has fed n tokens: the one that has fed the fewest goes next (ties in the
+    order of `sides` rotated by `first`); each side charged the process CPU time of its own advances."""
+    names = list(sides)
+    names = names[first % len(names):] + names[:first % len(names)]
+    cpu = dict.fromkeys(names, 0.0)
+    while True:
+        todo = [v for v in names if sides[v].fed < n]
+        if not todo:
+            return cpu
+        v = min(todo, key=lambda v: sides[v].fed)          # min keeps the first of equals: the rotated order
+        c0 = time.process_time()
+        sides[v].advance(n)
+        cpu[v] += time.process_time() - c0
+
+
+def bootstrap(plain: list[float], spec: list[float], reps: int = 4000, seed: int = 0) -> tuple[float, float]:
+    """95% interval of Σ plain / Σ spec over the units (prompt x repetition), resampled with replacement."""
+    p, s = np.asarray(plain), np.asarray(spec)
+    idx = np.random.default_rng(seed).integers(0, len(p), (reps, len(p)))
+    r = p[idx].sum(1) / s[idx].sum(1)
+    return float(np.quantile(r, 0.025)), float(np.quantile(r, 0.975))
+
+
+def run_domain_lockstep(model, mtp, dom: str, args, variants: list[str], mode: str) -> dict:
+    """run_domain's report, measured in lockstep (module docstring)."""
+    ids = np.load(TRAINED / f"test_{dom}.ids.npy").astype(np.int64)
+    params = SamplingParams(temperature=0.0) if mode == "greedy" else SAMPLED
+    specs = {v: MtpSpec(model, mtp, fixed_k=None if v in SCHEDULED else int(v)) for v in variants}
+    if "fresh" in specs:
+        specs["fresh"].verdict = lambda params: Verdict()
+    offs = np.linspace(0, len(ids) - args.prompt_tokens - 1, args.prompts).astype(int)
+    n = args.gen_tokens
+    units = {v: [] for v in ["plain"] + variants}          # CPU seconds per prompt x repetition
+    per = {v: {"acc": [0, 0], "rounds": 0, "tokens": 0, "plain": 0, "ks": []} for v in variants}
+    reqs, scheds = [], []
+    base = specs[variants[0]]
+    turn = 0
+    for i, off in enumerate(offs):
+        st0 = base.new_state()
+        logits = base.step([st0], [list(ids[off:off + args.prompt_tokens])])[0]
+        for rep in range(args.repeat):
+            sides = {"plain": _PlainSide(model, st0.copy(), logits, params)}
+            sides |= {v: _SpecSide(specs[v], st0.copy(), logits, params) for v in variants}
+            cpu = lockstep(sides, n, turn)
+            turn += 1
+            plain = sides["plain"].tokens(n)
+            for v in ["plain"] + variants:
+                units[v].append(cpu[v])
+            for v in variants:
+                sd = sides[v]
+                if mode == "greedy" and sd.tokens(n) != plain:
+                    raise SystemExit(f"{dom} prompt {i} {v}: speculative greedy output differs from plain")
+                stats, p = sd.req.stats, per[v]
+                p["acc"][0] += stats.accepted
+                p["acc"][1] += stats.drafted
+                p["rounds"] += stats.rounds
+                p["tokens"] += stats.spec_tokens
+                p["plain"] += stats.plain_steps
+                if rep == 0:
+                    p["ks"].append(sd.ks)
+                scheds.append((v, sd.req.scheduler))
+                if v == "sched":
+                    reqs.append(sd.req)
+    out = {"plain_cpu_ms_per_token": 1e3 * sum(units["plain"]) / (n * len(units["plain"])), "variants": {},
+           "units": len(units["plain"])}
+    for v in variants:
+        p = per[v]
+        steps = p["rounds"] + p["plain"]
+        ratios = [a / b for a, b in zip(units["plain"], units[v])]
+        lo, hi = bootstrap(units["plain"], units[v])
+        out["variants"][v] = {
+            "acceptance": p["acc"][0] / max(p["acc"][1], 1), "drafted": p["acc"][1],
+            "tokens_per_round": p["tokens"] / max(p["rounds"], 1), "mean_k": p["acc"][1] / max(steps, 1),
+            "plain_steps": p["plain"], "rounds": p["rounds"], "k_over_time": [quarters(k) for k in p["ks"]],
+            "ratio": sum(units["plain"]) / sum(units[v]), "ratio_ci95": [lo, hi], "ratio_min": min(ratios),
+            "ratio_median": statistics.median(ratios), "unit_ratios": ratios,
+            "cpu_ms_per_token": 1e3 * sum(units[v]) / (n * len(units[v]))}
+    out["measured_acceptance"] = measured_acceptance(scheds)
+    if reqs and any(r.scheduler.costs.known() for r in reqs):
+        out["cost_model"] = break_even(reqs)
+    if "1" in out["variants"]:      # k = 1 measured: a round costs tokens/round / ratio plain steps, so it breaks
+        k1 = out["variants"]["1"]   # even at the first-draft acceptance that cost - 1 (one draft a round)
+        out["lockstep_break_even"] = k1["tokens_per_round"] / k1["ratio"] - 1
+    out["load_after"] = os.getloadavg()
+    return out
+
+
+def warm_up(model, mtp) -> None:
+    """Lockstep: compile and touch every step kind once (plain, verify of 1..3 rows, draft, catch-up) on a
+    throwaway pair, so the first measured side does not pay for it."""
+    spec = MtpSpec(model, mtp, fixed_k=2)
+    st = spec.new_state()
+    logits = spec.step([st], [list(range(2, 34))])[0]
+    plain = _PlainSide(model, st.copy(), logits, SamplingParams(temperature=0.0))
+    side = _SpecSide(spec, st, logits, SamplingParams(temperature=0.0))
+    lockstep({"plain": plain, "spec": side}, 8, 0)
 
 
 def timed(f):
@@ -242,8 +399,17 @@ def main() -> int:
     ap.add_argument("--gpu-model", default="gb10,h200",
                     help="also model the measured acceptance on these devices' GPU time model at V4 Flash q2 "
                          "shapes (bench/spec_gpu_model.py; 'none': skip)")
+    ap.add_argument("--lockstep", action="store_true",
+                    help="plain and every variant advanced alternately in one process, each charged its own CPU "
+                         "time (see the module docstring): resolves a few percent on a shared machine")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
+    variants = [v.strip() for v in args.ks.split(",") if v.strip()]
+    bad = [v for v in variants if v not in SCHEDULED and not (v.isdigit() and int(v) >= 1)]
+    if bad or not variants:
+        ap.error(f"--ks takes sched, fresh and fixed draft lengths >= 1, got {args.ks!r}")
+    if min(args.prompts, args.gen_tokens, args.repeat) < 1:
+        ap.error("--prompts, --gen-tokens and --repeat take counts >= 1")
     if args.clock == "cpu":
         spec_module.CLOCK = time.process_time
     work = Path(args.work or tempfile.mkdtemp(prefix="spec_trained_"))
@@ -251,23 +417,34 @@ def main() -> int:
     main_f, mtp_f = convert(work)
     model = RefModel(main_f, kernels=args.kernels, threads=args.threads)
     mtp = open_mtp(model, mtp_f)
-    variants = [v.strip() for v in args.ks.split(",") if v.strip()]
     load0 = os.getloadavg()
     res = {"config": vars(args) | {"kernels_in_use": str(model.kernels)}, "load_before": load0, "runs": {}}
     print(f"load average before: {load0[0]:.1f} {load0[1]:.1f} {load0[2]:.1f} (2 cores shared with other jobs)",
           flush=True)
-    print("| domain | mode | variant | acceptance | tokens/round | mean k | k over time (quarters, prompt 1) | "
-          "wall speed-up min | wall speed-up median | CPU-time speed-up min | CPU-time speed-up median | "
-          "CPU-time speed-up pooled | plain tok/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    if args.lockstep:
+        warm_up(model, mtp)
+        print("| domain | mode | variant | acceptance | tokens/round | mean k | k over time (quarters, prompt 1) | "
+              "speed-up (lockstep CPU time, pooled) | 95% bootstrap interval | per-unit min / median | "
+              "plain ms/token | load |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    else:
+        print("| domain | mode | variant | acceptance | tokens/round | mean k | k over time (quarters, prompt 1) | "
+              "wall speed-up min | wall speed-up median | CPU-time speed-up min | CPU-time speed-up median | "
+              "CPU-time speed-up pooled | plain tok/s |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for mode in args.modes.split(","):
         for dom in args.domains.split(","):
-            r = run_domain(model, mtp, dom, args, variants, mode)
+            r = (run_domain_lockstep if args.lockstep else run_domain)(model, mtp, dom, args, variants, mode)
             res["runs"][f"{dom}/{mode}"] = r
             for v, s in r["variants"].items():
-                print(f"| {dom} | {mode} | {NAMES.get(v, 'k=' + v)} | {s['acceptance']:.3f} | "
-                      f"{s['tokens_per_round']:.2f} | {s['mean_k']:.2f} | {s['k_over_time'][0]} | "
-                      f"{s['speedup_min']:.2f} | {s['speedup_median']:.2f} | {s['cpu_speedup_min']:.2f} | "
+                head = (f"| {dom} | {mode} | {NAMES.get(v, 'k=' + v)} | {s['acceptance']:.3f} | "
+                        f"{s['tokens_per_round']:.2f} | {s['mean_k']:.2f} | {s['k_over_time'][0]} | ")
+                if args.lockstep:
+                    print(head + f"**{s['ratio']:.3f}** | {s['ratio_ci95'][0]:.3f}–{s['ratio_ci95'][1]:.3f} | "
+                          f"{s['ratio_min']:.3f} / {s['ratio_median']:.3f} | {r['plain_cpu_ms_per_token']:.2f} | "
+                          f"{r['load_after'][0]:.1f} |", flush=True)
+                    continue
+                print(head + f"{s['speedup_min']:.2f} | {s['speedup_median']:.2f} | {s['cpu_speedup_min']:.2f} | "
                       f"{s['cpu_speedup_median']:.2f} | {s['cpu_speedup_pooled']:.2f} | "
                       f"{r['plain_tps_median']:.1f} |", flush=True)
             ma = r["measured_acceptance"]
@@ -278,13 +455,20 @@ def main() -> int:
                   + (f", chained where the scheduler went ({ma['chained_scheduler']:.3f}, "
                      f"{ma['chained_scheduler_positions']} positions: selected by confidence)"
                      if ma["chained_scheduler"] is not None else "") + " |", flush=True)
+            if "lockstep_break_even" in r:
+                print(f"|   measured in lockstep ({dom}, {mode}): a k = 1 round costs "
+                      f"{r['variants']['1']['tokens_per_round'] / r['variants']['1']['ratio']:.2f} plain steps: "
+                      f"break-even first-draft acceptance {r['lockstep_break_even']:.2f}, measured "
+                      f"{r['measured_acceptance']['first']:.2f} |", flush=True)
             if "cost_model" in r:
                 c = r["cost_model"]
                 print(f"|   cost model ({dom}, {mode}; load {r['load_after'][0]:.1f}): plain {c['plain_ms']:.1f} ms, "
                       f"first draft {c['draft_ms']:.1f} ms, verify(2) {c['verify2_ms']:.1f} ms, MTP catch-up "
                       f"{c['catch_up_ms']:.1f} ms/token, round overhead {c['overhead_ms']:.2f} ms: break-even "
                       f"first-draft acceptance "
-                      f"{c['break_even_acceptance']:.2f} |", flush=True)
+                      f"{c['break_even_acceptance']:.2f}, measured {ma['first']:.2f}: "
+                      + ("drafting can pay" if ma["first"] > c["break_even_acceptance"] else
+                         "below break-even, plain is the right choice") + " |", flush=True)
     res["load_after"] = os.getloadavg()
     print(f"load average after: {res['load_after'][0]:.1f} {res['load_after'][1]:.1f} {res['load_after'][2]:.1f}")
     devices = [d.strip() for d in args.gpu_model.split(",") if d.strip() and d.strip() != "none"]

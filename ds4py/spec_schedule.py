@@ -139,6 +139,7 @@ class MeasuredCosts:
                                                                  _Median(clock))
         self._rows: dict[int, deque[float]] = {}
         self._first_rows: dict[int, deque[float]] = {}
+        self._refs: dict[int, deque[float | None]] = {}      # per multi-row verify sample: the one-row median then
         self._ticks: dict[tuple[str, int], deque[int]] = {}   # the step count at each _rows / _first_rows sample
         self._line: tuple[float, float] | None = None
         self._catch: tuple[float, float] | None = None
@@ -170,6 +171,10 @@ class MeasuredCosts:
 
     def observe_verify(self, rows: int, seconds: float) -> None:
         self.steps += 1
+        if rows != 1:                  # the one-row steps timed around it (_relative), None before any
+            one = self._rows.get(1)
+            self._refs.setdefault(rows, deque(maxlen=WINDOW)).append(
+                _median(_recent(one, self._ticks["verify", 1], self.steps)) if one else None)
         self._sample(self._rows, "verify", rows, seconds)
 
     def observe_overhead(self, seconds: float) -> None:
@@ -180,11 +185,38 @@ class MeasuredCosts:
         """What a drafting round costs beyond its steps: the median of observe_overhead (0 before one)."""
         return self._overhead.value() or 0.0
 
+    def _relative(self, pts: list[tuple[int, float, int]]) -> list[tuple[int, float, int]]:
+        """Each multi-row count's median re-read as (its samples over the one-row steps timed around them) x the
+        one-row median now. Why (issue 38, sixth session): with drafting off, verify(2) is timed only by probes,
+        up to WINDOW steps apart, so its recent samples reach back over several load phases of a shared machine
+        while the one-row median is the last SPAN steps': in lockstep at load 6-9 the scheduler read verify(2)
+        at 2.2x a plain step (7.2 vs 16.2 ms; its probes' own neighbours said 1.45-1.5x, as a k = 1 run beside
+        it measured), a break-even acceptance of 1.6 that no draft reaches, and kept drafting off where k = 1
+        won 2-14%. A load swing scales every step alike; the ratio of steps timed together does not move."""
+        ones, t1 = self._rows[1], self._ticks["verify", 1]
+        med1 = next(t for r, t, _ in pts if r == 1)
+        out = []
+        for r, t, w in pts:
+            if r != 1:
+                v, refs, ticks = self._rows[r], self._refs[r], self._ticks["verify", r]
+                ratios = []
+                for i in range(len(v) - w, len(v)):          # the samples _count_medians read (the last w)
+                    ref = refs[i]
+                    if ref is None:                          # timed before any one-row step: the nearest ones
+                        near = sorted(range(len(t1)), key=lambda j: abs(t1[j] - ticks[i]))[:RECENT]
+                        ref = _median([ones[j] for j in near])
+                    ratios.append(v[i] / max(ref, 1e-12))
+                t = med1 * _median(ratios)
+            out.append((r, t, w))
+        return out
+
     def _refit(self) -> None:
         if not self._stale:
             return
         self._stale = False
         pts = _count_medians(self._rows, {r: self._ticks["verify", r] for r in self._rows}, self.steps)
+        if len(pts) > 1 and 1 in self._rows:
+            pts = self._relative(pts)
         line = _line(pts)
         med = {r: (t, w) for r, t, w in pts}
         if line is not None and 1 in med:
@@ -215,6 +247,10 @@ class MeasuredCosts:
 
     def verified(self) -> bool:
         return bool(self._rows)
+
+    def timed(self, rows: int) -> int:
+        """Samples of verifies of `rows` rows in the window."""
+        return len(self._rows.get(rows, ()))
 
     def known(self) -> bool:
         return self.line() is not None and self._first.n > 0
@@ -266,6 +302,9 @@ class ByteCosts:
 
     def plain_due(self) -> bool:
         return False                           # given costs: nothing to re-time
+
+    def timed(self, rows: int) -> int:
+        return WINDOW                          # given costs: known without timing
 
     def overhead(self) -> float:
         return 0.0                             # bytes only: a seeded request's k must not depend on the clock
@@ -329,6 +368,9 @@ class StepCosts:
 
     def plain_due(self) -> bool:
         return False                           # given costs: nothing to re-time
+
+    def timed(self, rows: int) -> int:
+        return WINDOW                          # given costs: known without timing
 
     def overhead(self) -> float:
         return self._over
@@ -468,6 +510,7 @@ class Scheduler:
         self.first_rounds = 0
         self.chained_hits, self.chained_n = 0.0, 0    # chained positions a verify reached, accepted
         self.decisions = 0
+        self.probing = False           # the round being decided is a probe (include() verifies its first draft)
 
     @property
     def first(self) -> _Calibration:
@@ -534,6 +577,7 @@ class Scheduler:
         if k_max < 1 or self.fixed_k is not None:
             return k_max >= 1 and bool(self.fixed_k)
         v = self.verdict
+        self.probing = False
         if v.off and v.skipped < v.gap:
             # drafting did not pay at the last check and nothing but plain steps' times came in since: plain until
             # the next probe, without re-checking. Why: the check (drafting_pays over the recent σ_1, the cost
@@ -545,6 +589,7 @@ class Scheduler:
         if not self.costs.known():
             return not self.costs.verified()          # bootstrap: a short block, then one plain row
         if v.first.n == 0:                         # nothing known of the draft under these rules: try it
+            self.probing = True
             return True
         v.off = False
         if self.drafting_pays():
@@ -555,6 +600,7 @@ class Scheduler:
             # the gap doubles up to WINDOW plain steps: a verdict pooled over the model's requests is re-checked
             # at least that often (a probe costs about a draft step and a verify row beyond a plain step: < 1%)
             v.gap, v.skipped = min(2 * v.gap, WINDOW), 0
+            self.probing = True
             return True
         v.skipped += 1
         v.off = True
@@ -590,10 +636,18 @@ class Scheduler:
         return spent + self.costs.verify(rows) + self.costs.catch_up() * tokens + self.costs.overhead()
 
     def include(self, sigmas: Sequence[float]) -> bool:
-        """q_i is known (σ_i = sigmas[-1]): verify position i?"""
+        """q_i is known (σ_i = sigmas[-1]): verify position i? A probe verifies its first draft whatever σ_1
+        says while fewer than RECENT verifies of 2 rows were timed. Why (issue 38, sixth session): verify(2) is
+        timed only by rounds that verify a draft; with one slow sample (the bootstrap's 3-row verify, cold) the
+        cost line read verify(2) at ~2x a plain step, a break-even acceptance above 1, so no round verified a
+        draft again and the estimate was never refreshed (lockstep, trained tiny model). Not always: on
+        bench/spec_replay.py's virtual clock, probes that always verified cost code greedy 1% (0.953 vs 0.964x).
+        Not where the calibration predicts no acceptance at all (random weights: a verify row would only cost)."""
         i = len(sigmas)
         if self._free():
             return i <= self._free_k()
+        if i == 1 and self.probing and self.costs.timed(2) < RECENT:
+            return bool(self.calibrated(sigmas)[0] > 0)      # unless it is predicted never to be kept
         if i > self.verdict.depth + 1:  # one position beyond the deepest one accepted so far, no further
             return False
         E, a = self._expected(sigmas)

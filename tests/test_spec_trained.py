@@ -402,3 +402,87 @@ def test_a_requests_prepare_is_not_round_overhead(pair, prompts, monkeypatch):
         _spec(spec, prompts[dom])
     assert now[0] == 2.0 and spec.costs._overhead.n > 2
     assert max(spec.costs._overhead.samples) == 0.0
+
+
+def test_multi_row_verify_read_against_the_one_row_steps_timed_with_it():
+    """A load swing scales every step alike: verify(2) is read as its samples over the one-row steps timed around
+    them, times the one-row median now. Probes timed verify(2) at 30 ms while plain steps took 20 (a loaded phase);
+    the machine then got quiet (plain 10 ms) and no probe has run since: verify(2) is 15 ms (1.5 plain steps), not
+    the stale 30 ms (3 plain steps: a break-even acceptance above 1, drafting never tried again)."""
+    c = MeasuredCosts()
+    for i in range(24):                      # loaded: a probe every 4 steps
+        c.observe_plain(20e-3)
+        c.observe_verify(1, 20e-3)
+        if i % 4 == 3:
+            c.observe_verify(2, 30e-3)
+    for _ in range(20):                      # quiet, plain steps only
+        c.observe_plain(10e-3)
+        c.observe_verify(1, 10e-3)
+    assert c.plain() == pytest.approx(10e-3) and c.verify(1) == pytest.approx(10e-3)
+    assert c.verify(2) == pytest.approx(15e-3)
+    costs = StepCosts(10e-3, {2: 15e-3}, 1e-3)
+    assert break_even_acceptance(costs) == pytest.approx(0.6)
+    d = MeasuredCosts()                      # the bootstrap round's verify, timed before any one-row step
+    d.observe_verify(3, 24e-3)
+    for _ in range(6):
+        d.observe_verify(1, 8e-3)
+    assert d.verify(3) == pytest.approx(24e-3)
+
+
+def test_a_probe_verifies_its_first_draft():
+    """verify(2) is timed only by rounds that verify a draft: while fewer than RECENT were timed, a probe
+    verifies its first draft whatever σ_1 says (one slow cold sample had made every draft look unprofitable, so
+    none was verified again and the estimate was never refreshed); then, and on a round that is not a probe, σ_1
+    decides; a draft never kept (random weights) is not verified by a probe."""
+    c = MeasuredCosts()
+    c.observe_verify(3, 40e-3)                # the bootstrap round's 3-row verify, cold: 4 plain steps
+    for _ in range(8):
+        c.observe_plain(10e-3)
+        c.observe_verify(1, 10e-3)
+    c.observe_draft(True, 1.7e-3)
+    s = Scheduler(c, k_max=4)
+    for _ in range(64):
+        s.record(0.3, 0.2)
+    assert c.verify(2) == pytest.approx(25e-3)                 # k = 1 never pays on this line
+    assert [s.should_draft(4) for _ in range(2)] == [False, True]     # a probe after 1 plain step
+    assert s.probing and s.include([0.2]) and not s.include([0.2, 0.2])
+    for _ in range(RECENT):                   # its verify and the next ones time 2 rows at 1.45 plain steps
+        c.observe_verify(2, 14.5e-3)
+    assert c.timed(2) == RECENT and c.verify(2) < 20e-3        # (the cold 3-row sample still tilts the line)
+    assert s.probing and not s.include([0.2])                  # measured: σ_1 decides
+    s.record(0.0, 0.2)
+    s.should_draft(4)
+    assert not s.probing and not s.include([0.2])
+    never = Scheduler(StepCosts(10e-3, {2: 25e-3}, 1.7e-3), k_max=4)
+    for _ in range(64):                       # a draft never kept (random weights): a probe verifies nothing
+        never.record(0.0, 0.2)
+    assert [never.should_draft(4) for _ in range(2)] == [False, True]
+    assert never.probing and not never.include([0.2])
+
+
+def test_lockstep_bench_alternates_the_sides(pair, prompts):
+    """bench/spec_trained.py --lockstep: the side that has fed the fewest tokens advances next, every side ends
+    with the same tokens fed, each charged its own time; greedy output identical to plain."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import spec_trained
+
+    model, mtp = pair
+    spec = MtpSpec(model, mtp, fixed_k=2)
+    st = spec.new_state()
+    lg = spec.step([st], [list(prompts["prose"])])[0]
+    params = SamplingParams(temperature=0.0)
+    sides = {"plain": spec_trained._PlainSide(model, st.copy(), lg, params),
+             "spec": spec_trained._SpecSide(spec, st.copy(), lg, params)}
+    order = []
+    for name, side in sides.items():
+        adv = side.advance
+        side.advance = (lambda adv, name: lambda n: order.append((name, {k: s.fed for k, s in sides.items()}))
+                        or adv(n))(adv, name)
+    cpu = spec_trained.lockstep(sides, 16, 1)
+    assert all(fed[name] == min(f for f in fed.values() if f < 16) for name, fed in order)
+    assert order[0][0] == "spec"              # ties in the rotated order
+    assert sides["plain"].fed == 16 and sides["spec"].fed == 16 and set(cpu) == {"plain", "spec"}
+    assert sides["spec"].tokens(16) == sides["plain"].tokens(16) and min(cpu.values()) > 0
+    assert sum(sides["spec"].ks) > 0          # rounds that drafted: the sides ran apart and were re-aligned
