@@ -74,23 +74,6 @@ def _import():
     return jit_kernels
 
 
-def read_ahead(on: bool) -> None:
-    """Whether the pooled decode kernels' next weights are read into the cache during the serial gaps between
-    them (ds4py.quant.prefetch; the engine turns it on where the whole file stays in memory)."""
-    _state["ahead"] = bool(on) and os.environ.get("DS4PY_PREFETCH", "1") != "0"
-
-
-def _reader():
-    """The read-ahead thread when read_ahead is on (started at the first pooled call), else None."""
-    if not _state.get("ahead"):
-        return None
-    r = _state.get("reader")
-    if r is None:
-        from ds4py.quant import prefetch
-        r = _state["reader"] = prefetch.Prefetcher()
-    return r
-
-
 def loaded() -> bool:
     """Whether the kernels are loaded already (numba imported by an earlier compiled product); never imports."""
     return "mod" in _state
@@ -174,15 +157,8 @@ def _call(name: str, fn, args: tuple, threads: int, pool: bool = True) -> None:
             fn(*args)
             return
         with _lock:
-            n = max(1, min(threads, numba.config.NUMBA_NUM_THREADS))
-            numba.set_num_threads(n)
-            ahead = _reader()
-            if ahead is None:
-                fn(*args)
-                return
-            key = ahead.before(name, args, n)
+            numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
             fn(*args)
-            ahead.after(key)
     finally:
         if timer is not None:
             timer.cancel()

@@ -14,7 +14,7 @@ from ds4py.fingerprint import file_fingerprint
 from ds4py.gguf import GGUFFile
 from ds4py.kv import state_layout
 from ds4py.contract import DEFAULT_ROLLBACK_HORIZON, Capabilities, ModelBase, Numerics, WeightBytes
-from ds4py.quant import jit, vq
+from ds4py.quant import vq
 from ds4py.ref import heap, prefault
 from ds4py.ref.forward import Net, Trace, V41Step, Wanted, forward
 from ds4py.ref.state import RefState
@@ -84,8 +84,6 @@ class RefModel(ModelBase):
         # dense tensors first, as llama.cpp's MAP_POPULATE does at load, so decode steps take no page faults
         self.populating = None if mem_budget_mb is not None or madvise else prefault.start(
             self.gguf, [(t.offset, t.nbytes) for n, t in self.gguf.tensors.items() if "_exps" not in n])
-        if self.populating is not None and kernels != "dequant":     # the file stays in memory: read ahead of the
-            jit.read_ahead(True)                # dense decode kernels in the serial gaps (ds4py.quant.prefetch)
         self.layout = state_layout(self.config, rollback_horizon)
         self.rollback_horizon = rollback_horizon
         header = min(t.offset for t in self.gguf.tensors.values())       # the whole GGUF header
