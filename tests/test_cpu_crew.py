@@ -160,3 +160,25 @@ def test_the_crew_runs_at_once_and_an_error_in_a_helper_reaches_the_caller():
     ran.clear()
     crew.run(lambda: ran.append(1), (), 2)               # the helpers still answer
     assert ran == [1, 1, 1]
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="no fork here")
+def test_a_forked_child_makes_its_own_helpers():
+    import os
+
+    crew = jit._crew
+    crew.run(lambda: None, (), 1)                        # the parent has a helper now
+    pid = os.fork()
+    if pid == 0:                                         # the child: its helper list starts empty, and works
+        code = 1
+        try:
+            if crew.helpers:
+                code = 2
+            else:
+                met = threading.Barrier(2, timeout=10)
+                crew.run(met.wait, (), 1)
+                code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

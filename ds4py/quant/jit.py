@@ -235,6 +235,8 @@ class Crew:
 
 
 _crew = Crew()
+if hasattr(os, "register_at_fork"):          # a forked child has none of the parent's helper threads
+    os.register_at_fork(after_in_child=lambda: _crew.helpers.clear())
 
 
 def _grab_args(name: str, args: tuple) -> tuple:
