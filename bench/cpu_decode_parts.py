@@ -9,7 +9,8 @@ minimum wall over the tokens is kept (on a shared machine the minimum filters ou
 load: report the load printed with it), with the weight bytes it reads (the routed experts: the picked experts'
 slices only) and its GB/s; the serial gaps between the calls (the main thread's numpy / Python, both kernel
 threads idle) likewise; `--bw` GB/s prices all the bytes at that bus rate (the floor of a step whose kernels all
-ran at it). --ab-crew: tokens alternate numba's pool (A) and ds4py.quant.jit's own threads (B, $DS4PY_CREW=1),
+ran at it). --ab-crew: tokens alternate numba's pool (A, $DS4PY_CREW=0) and ds4py.quant.jit's own threads (B, the
+default),
 the order swapped every pair; both tables and the per-pair B / A median.
 """
 
@@ -102,7 +103,7 @@ def main() -> None:
         rec.append((name, w0, time.perf_counter(), weight_bytes(name, args)))
 
     jit._call = timed
-    variants = ("A", "B") if a.ab_crew else ("A",)
+    variants = ("A", "B") if a.ab_crew else ("B" if jit.CREW else "A",)
     toks: dict = {v: [] for v in variants}
     load0 = os.getloadavg()[0]
     for i in range(a.tokens):
@@ -116,7 +117,7 @@ def main() -> None:
     print(f"{a.model}, {a.threads} threads; load {load0:.1f} -> {os.getloadavg()[0]:.1f}")
     for v in variants:
         if a.ab_crew:
-            print(f"{v}: {'jit crew ($DS4PY_CREW=1)' if v == 'B' else 'numba pool (default)'}")
+            print(f"{v}: {'jit crew (default)' if v == 'B' else 'numba pool ($DS4PY_CREW=0)'}")
         table(toks[v], a.bw)
     if a.ab_crew:
         r = [(b[1] - b[0]) / (x[1] - x[0]) for x, b in zip(toks["A"], toks["B"])]

@@ -1,5 +1,5 @@
-"""The pooled decode kernels on jit's own threads (the calling thread + helper threads, jit.Crew; opt-in,
-$DS4PY_CREW=1) instead of numba's pool: the same bits.
+"""The pooled decode kernels on jit's own threads (the calling thread + helper threads, jit.Crew; the default,
+$DS4PY_CREW=0 for numba's pool) instead of numba's pool: the same bits.
 
 Each `<name>_dec` kernel of ds4py.quant.jit_decode has a serial twin `<name>_grab` (the same pieces from one shared
 counter, the same row kernels) that the calling thread and threads - 1 helpers run at once. Checked: every product

@@ -169,13 +169,14 @@ def _call(name: str, fn, args: tuple, threads: int, pool: bool = True) -> None:
             timer.cancel()
 
 
-# $DS4PY_CREW=1: the pooled decode kernels (jit_decode's `<name>_dec`) run on this thread and helper threads of ours
-# rather than on numba's pool (each thread runs `<name>_grab`: the same pieces from one counter, the same bits).
-# numba's launch wakes two sleeping workers while the calling thread sleeps (~0.1 ms of wall a call on this 2-core
-# host, 29 calls a decode token); the crew's caller works at once and wakes one helper. Off by default: on a loaded
-# host the kernel wakes the helper onto the caller's own core (seen in 200 of 200 calls at load 9), so a call gets
-# one core where numba's sleeping workers spread over both; an idle host is untested (notes/s6dec.md).
-CREW = os.environ.get("DS4PY_CREW") == "1"
+# The pooled decode kernels (jit_decode's `<name>_dec`) run on this thread and helper threads of ours rather than
+# on numba's pool (each thread runs `<name>_grab`: the same pieces from one counter, the same bits). numba's launch
+# wakes two sleeping workers while the calling thread sleeps (~0.1 ms a call on a 2-core host, 29 calls a decode
+# token); here the caller works at once and wakes one helper. syn4 at 2 threads, tokens alternating in one
+# process with the machine's other load held off (autogroup nice -19): 0.66-0.85x numba's wall a token (per-pair
+# median). On a host loaded by other processes at equal priority the helper is woken onto the caller's own core
+# (200 of 200 calls at load 9) and the two are even (0.96-1.06x). $DS4PY_CREW=0: numba's pool (notes/s6dec.md).
+CREW = os.environ.get("DS4PY_CREW", "1") != "0"
 
 
 class _Helper:
