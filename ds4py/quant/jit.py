@@ -175,7 +175,7 @@ def _call(name: str, fn, args: tuple, threads: int, pool: bool = True) -> None:
 # token); here the caller works at once and wakes one helper. syn4 at 2 threads, tokens alternating in one
 # process with the machine's other load held off (autogroup nice -19): 0.66-0.85x numba's wall a token (per-pair
 # median). On a host loaded by other processes at equal priority the helper is woken onto the caller's own core
-# (200 of 200 calls at load 9) and the two are even (0.96-1.06x). $DS4PY_CREW=0: numba's pool (notes/s6dec.md).
+# (200 of 200 calls at load 9) and the two are even (0.94-1.06x). $DS4PY_CREW=0: numba's pool (notes/s6dec.md).
 CREW = os.environ.get("DS4PY_CREW", "1") != "0"
 
 
