@@ -176,7 +176,7 @@ def test_fp8_fake_quant_is_the_numpy_ops_bits(block, monkeypatch):
 @pytest.mark.parametrize("inverse", [False, True])
 def test_rope_tail_is_the_numpy_ops_bits(inverse, monkeypatch):
     """Query-like [T, H, d] and key-like [T, d] rows, one and several tokens, positions up to 2^20, the plain and
-    YaRN frequencies of a real-width layer, float16 input, a rope part as wide as the row."""
+    YaRN frequencies of a real-width layer, float16 and Fortran-ordered input, a rope part as wide as the row."""
     from ds4py.host.rope import rope_freqs
 
     _load_twins()
@@ -184,9 +184,9 @@ def test_rope_tail_is_the_numpy_ops_bits(inverse, monkeypatch):
     plain = rope_freqs(64, 10000.0)
     yarn = rope_freqs(64, 160000.0, 16.0, 65536, 32.0, 1.0)
     for freqs in (plain, yarn):
-        for shape in [(1, 64, 512), (3, 512), (5, 8, 64), (1, 64)]:
+        for shape in [(1, 64, 512), (3, 512), (5, 8, 64), (1, 64), (2, 3, 4, 64)]:
             x = (rng.standard_normal(shape) * 3).astype(F32)
             pos = rng.integers(0, 1 << 20, shape[0])
-            for y in (x, x.astype(np.float16)):
+            for y in (x, x.astype(np.float16), np.asfortranarray(x)):
                 _same_bits(ops.rope_tail(y, pos, freqs, inverse),
                            _numpy_op(monkeypatch, ops.rope_tail, y, pos, freqs, inverse))

@@ -87,7 +87,8 @@ def rope_tail(x: np.ndarray, pos: np.ndarray, freqs: np.ndarray, inverse: bool =
     rd = 2 * freqs.size
     out = x.astype(F32, copy=True)
     fast = _ops_jit()
-    if fast is not None and x.ndim >= 2 and out.size and rd <= x.shape[-1] and freqs.dtype == F32:
+    if (fast is not None and x.ndim >= 2 and out.size and rd <= x.shape[-1] and freqs.dtype == F32
+            and out.flags.c_contiguous):                                  # (rotated in place through a view)
         ang = np.asarray(pos, dtype=F32)[:, None] * freqs[None, :]        # numpy's cos / sin, as rope takes them
         sin = np.sin(ang)
         fast.rope_rows(out.reshape(len(ang), -1, x.shape[-1]), np.cos(ang), -sin if inverse else sin)
