@@ -126,3 +126,67 @@ def test_the_logits_do_not_depend_on_blas_threads(golden, monkeypatch):
             api[1](before)
     for a, b in zip(want, got):
         np.testing.assert_array_equal(a, b)
+
+
+def _load_twins():
+    """The compiled kernels loaded (ops uses its twins only then), as a decode step has them."""
+    from ds4py.quant import jit_i8
+
+    jit_i8._kernels()
+    assert ops._ops_jit() is not None
+
+
+def _numpy_op(monkeypatch, fn, *args, **kw):
+    """fn on numpy's path (no compiled twins)."""
+    monkeypatch.setattr(ops, "_ops_jit", lambda: None)
+    try:
+        return fn(*args, **kw)
+    finally:
+        monkeypatch.undo()
+
+
+def _same_bits(a, b):
+    assert a.dtype == b.dtype == F32 and a.shape == b.shape
+    np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+@pytest.mark.parametrize("block", [32, 64])
+def test_fp8_fake_quant_is_the_numpy_ops_bits(block, monkeypatch):
+    """Every scale from subnormal to the e4m3 range and past it, zero and tiny blocks (the 1e-4 floor), exact
+    powers of two (frexp's 0.5 mantissa), ties of the rounding, signed zeros, strided and 3-d inputs; a non-finite
+    block takes numpy's path."""
+    _load_twins()
+    rng = np.random.default_rng(block)
+    for scale in [1e-42, 1e-30, 1e-6, 1e-4, 3e-3, 1, 7, 448, 1e4, 3e30]:
+        x = (rng.standard_normal((5, 7 * block)) * scale).astype(F32)
+        x[1, :block] = 0
+        x[1, block] = -0.0
+        x[2, :block] = np.float32(2.0) ** rng.integers(-10, 10, block)          # powers of two
+        x[3, :block] = (rng.integers(-64, 64, block) + 0.5) * np.float32(2.0 ** -4)   # ties
+        x[4, :block] = rng.standard_normal(block).astype(F32) * np.float32(1e-5)
+        for y in (x, x[:, :5 * block], x[::2], x.reshape(5, 7, block)[:, 1:4].reshape(5, 3 * block),
+                  x.reshape(5, 7, block)):
+            _same_bits(ops.fp8_fake_quant(y, block), _numpy_op(monkeypatch, ops.fp8_fake_quant, y, block))
+    x = rng.standard_normal((3, 2 * block)).astype(F32)
+    x[0, 3], x[1, block + 1] = np.nan, np.inf
+    got, want = ops.fp8_fake_quant(x, block), _numpy_op(monkeypatch, ops.fp8_fake_quant, x, block)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rope_tail_is_the_numpy_ops_bits(inverse, monkeypatch):
+    """Query-like [T, H, d] and key-like [T, d] rows, one and several tokens, positions up to 2^20, the plain and
+    YaRN frequencies of a real-width layer, float16 and Fortran-ordered input, a rope part as wide as the row."""
+    from ds4py.host.rope import rope_freqs
+
+    _load_twins()
+    rng = np.random.default_rng(int(inverse))
+    plain = rope_freqs(64, 10000.0)
+    yarn = rope_freqs(64, 160000.0, 16.0, 65536, 32.0, 1.0)
+    for freqs in (plain, yarn):
+        for shape in [(1, 64, 512), (3, 512), (5, 8, 64), (1, 64), (2, 3, 4, 64)]:
+            x = (rng.standard_normal(shape) * 3).astype(F32)
+            pos = rng.integers(0, 1 << 20, shape[0])
+            for y in (x, x.astype(np.float16), np.asfortranarray(x)):
+                _same_bits(ops.rope_tail(y, pos, freqs, inverse),
+                           _numpy_op(monkeypatch, ops.rope_tail, y, pos, freqs, inverse))

@@ -138,12 +138,14 @@ def _cached(fn) -> bool:
 
 def _call(name: str, fn, args: tuple, threads: int, pool: bool = True) -> None:
     """fn(*args), announcing a first compile; pool=False: a serial kernel, run on this thread without numba's
-    pool (or its lock)."""
+    pool (or its lock); a pooled `<name>_dec` of jit_decode runs as `<name>_grab` on this thread and the crew."""
     numba = _state["numba"]
+    n = max(1, min(threads, numba.config.NUMBA_NUM_THREADS))
+    grab = _state["dec"].GRAB.get(name) if pool and CREW and n > 1 else None
     timer = None
     if name not in _announced:              # first call in this process: a compile (or a cache load) may follow
         _announced.add(name)
-        if not _cached(fn):
+        if not _cached(grab or fn):
             print(f"ds4py: compiling the CPU kernel {name} (first use: seconds; then cached under {cache_dir()})",
                   file=sys.stderr, flush=True)
         else:                                # cached, but maybe stale (source changed) or for another CPU
@@ -157,11 +159,95 @@ def _call(name: str, fn, args: tuple, threads: int, pool: bool = True) -> None:
             fn(*args)
             return
         with _lock:
-            numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
-            fn(*args)
+            if grab is None:
+                numba.set_num_threads(n)
+                fn(*args)
+            else:
+                _crew.run(grab, _grab_args(name, args), n - 1)
     finally:
         if timer is not None:
             timer.cancel()
+
+
+# The pooled decode kernels (jit_decode's `<name>_dec`) run on this thread and helper threads of ours rather than
+# on numba's pool (each thread runs `<name>_grab`: the same pieces from one counter, the same bits). numba's launch
+# wakes two sleeping workers while the calling thread sleeps (~0.1 ms a call on a 2-core host, 29 calls a decode
+# token); here the caller works at once and wakes one helper. syn4 at 2 threads, tokens alternating in one
+# process with the machine's other load held off (autogroup nice -19): 0.66-0.85x numba's wall a token (per-pair
+# median). On a host loaded by other processes at equal priority the helper is woken onto the caller's own core
+# (200 of 200 calls at load 9) and the two are even (0.94-1.06x). $DS4PY_CREW=0: numba's pool (notes/s6dec.md).
+CREW = os.environ.get("DS4PY_CREW", "1") != "0"
+
+
+class _Helper:
+    """One helper thread: runs a posted (kernel, args) once per post (the kernels release the GIL)."""
+
+    def __init__(self):
+        self.go, self.done = threading.Lock(), threading.Lock()
+        self.go.acquire()
+        self.done.acquire()
+        self.job, self.error = None, None
+        threading.Thread(target=self._loop, name="ds4py-kernel", daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            self.go.acquire()
+            fn, args = self.job
+            try:
+                fn(*args)
+            except BaseException as e:      # handed to the caller (Crew.run)
+                self.error = e
+            self.job = None
+            self.done.release()
+
+    def post(self, fn, args: tuple) -> None:
+        self.job = (fn, args)
+        self.go.release()
+
+    def wait(self) -> BaseException | None:
+        self.done.acquire()
+        e, self.error = self.error, None
+        return e
+
+
+class Crew:
+    """The helper threads of the pooled decode kernels (made as needed; used under _lock)."""
+
+    def __init__(self):
+        self.helpers: list[_Helper] = []
+
+    def run(self, fn, args: tuple, k: int) -> None:
+        """fn(*args) on this thread and k helpers at once; the first error raised in any of them is raised."""
+        while len(self.helpers) < k:
+            self.helpers.append(_Helper())
+        hs = self.helpers[:k]
+        for h in hs:
+            h.post(fn, args)
+        err = None
+        try:
+            fn(*args)
+        except BaseException as e:
+            err = e
+        for h in hs:
+            e = h.wait()
+            err = err or e
+        if err is not None:
+            raise err
+
+
+_crew = Crew()
+if hasattr(os, "register_at_fork"):          # a forked child has none of the parent's helper threads
+    os.register_at_fork(after_in_child=lambda: _crew.helpers.clear())
+
+
+def _grab_args(name: str, args: tuple) -> tuple:
+    """`<name>_grab`'s arguments: the `_dec` call's, its x codes permuted once (jit_decode.GRAB_PERM), and a
+    fresh piece counter."""
+    perm = _state["dec"].GRAB_PERM.get(name)
+    if perm is not None:
+        i, fn = perm
+        args = (*args[:i], fn(args[i]), *args[i + 1:])
+    return (*args, np.zeros(1, np.int64))
 
 
 # a decode kernel on a matrix smaller than this runs on the calling thread: numba's parallel launch costs ~0.1 ms

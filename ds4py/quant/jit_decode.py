@@ -1118,3 +1118,131 @@ def q8_0_iq2_xxs_ex_dec(q8, xq8, xd8, y8, n8, wa, wb, ex, gs, xr, xq, xd, ya, yb
             else:
                 iq2_xxs_ex_rows(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, grid8, sign8, bounds[c - n8],
                                 bounds[c - n8 + 1])
+
+
+# ---- the parallel kernels as serial piece loops (jit._call's own threads: ds4py.quant.jit.Crew) ------------------
+# `<name>_dec`'s loop body without numba's launch: each of the calling thread and the crew's helper threads runs
+# `<name>_grab(*the _dec arguments, ctr)` at once, taking the next piece from the shared counter ctr until none is
+# left. Same pieces, same row kernels: the same bits. The x_perm'd kernels take the permuted codes (GRAB_PERM: the
+# argument's index and its permutation, applied once by the caller).
+@njit(**SERIAL)
+def q8_0_grab(raw, xq, xd, y, f16, parts, ctr):
+    R = raw.shape[0]
+    n = _pieces(parts, R)
+    while True:
+        c = _grab(ctr)
+        if c >= n:
+            break
+        q8_0_rows(raw, xq, xd, y, f16, c * R // n, (c + 1) * R // n)
+
+
+@njit(**SERIAL)
+def f16_grab(raw, x, y, f16, parts, ctr):
+    R = raw.shape[0]
+    n = _pieces(parts, R)
+    while True:
+        c = _grab(ctr)
+        if c >= n:
+            break
+        f16_rows(raw, x, y, f16, c * R // n, (c + 1) * R // n)
+
+
+@njit(**SERIAL)
+def iq2_xxs_grab(raw, xp, xd, y, f16, grid8, sign8, parts, ctr):
+    R, T = raw.shape[0], xp.shape[0]
+    n = _pieces(parts, R)
+    while True:
+        c = _grab(ctr)
+        if c >= n:
+            break
+        _iq2_xxs_pairs(raw, xp, xd, np.arange(T), 0, T, y, f16, grid8, sign8, c * R // n, (c + 1) * R // n)
+
+
+@njit(**SERIAL)
+def q2_k_grab(raw, xp, xd, xbs, y, f16, parts, ctr):
+    R, T = raw.shape[0], xp.shape[0]
+    n = _pieces(parts, R)
+    while True:
+        c = _grab(ctr)
+        if c >= n:
+            break
+        _q2_k_pairs(raw, xp, xd, xbs, np.arange(T), 0, T, y, f16, c * R // n, (c + 1) * R // n)
+
+
+@njit(**SERIAL)
+def iq2_xxs_ex_grab(wa, wb, ex, gs, xr, xp, xd, ya, yb, f16, grid8, sign8, bounds, parts, ctr):
+    n = bounds.shape[0] - 1
+    while True:
+        c = _grab(ctr)
+        if c >= n:
+            break
+        _iq2_xxs_ex(wa, wb, ex, gs, xr, xp, xd, ya, yb, f16, grid8, sign8, bounds[c], bounds[c + 1])
+
+
+@njit(**SERIAL)
+def q2_k_ex_grab(wa, wb, ex, gs, xr, xp, xd, xbs, ya, yb, f16, bounds, parts, ctr):
+    n = bounds.shape[0] - 1
+    while True:
+        c = _grab(ctr)
+        if c >= n:
+            break
+        _q2_k_ex(wa, wb, ex, gs, xr, xp, xd, xbs, ya, yb, f16, bounds[c], bounds[c + 1])
+
+
+@njit(**SERIAL)
+def q8_0_ex_grab(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, bounds, parts, ctr):
+    n = bounds.shape[0] - 1
+    while True:
+        c = _grab(ctr)
+        if c >= n:
+            break
+        q8_0_ex_rows(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, bounds[c], bounds[c + 1])
+
+
+@njit(**SERIAL)
+def q8_0_many_grab(q0, q1, q2, q3, y0, y1, y2, y3, xq, xd, f16, nq, rows, rbytes, parts, ctr):
+    qs, ys = (q0, q1, q2, q3), (y0, y1, y2, y3)
+    total, n = _many_pieces(rows, rbytes, parts)
+    while True:
+        c = _grab(ctr)
+        if c >= n:
+            break
+        _q8_0_many_piece(qs, ys, xq, xd, f16, nq, rows, _many_row_at(c * total // n, rows, rbytes),
+                         _many_row_at((c + 1) * total // n, rows, rbytes))
+
+
+@njit(**SERIAL)
+def mixed_many_grab(q0, q1, q2, q3, y0, y1, y2, y3, xq, xd, h0, h1, h2, h3, h4, h5, z0, z1, z2, z3, z4, z5, x,
+                    f16, nq, nh, rows, rbytes, parts, ctr):
+    qs, yq = (q0, q1, q2, q3), (y0, y1, y2, y3)
+    hs, yh = (h0, h1, h2, h3, h4, h5), (z0, z1, z2, z3, z4, z5)
+    total, n = _many_pieces(rows, rbytes, parts)
+    while True:
+        c = _grab(ctr)
+        if c >= n:
+            break
+        _mixed_many_piece(qs, yq, xq, xd, hs, yh, x, f16, nq, nh, rows, _many_row_at(c * total // n, rows, rbytes),
+                          _many_row_at((c + 1) * total // n, rows, rbytes))
+
+
+@njit(**SERIAL)
+def q8_0_iq2_xxs_ex_grab(q8, xq8, xd8, y8, n8, wa, wb, ex, gs, xr, xp, xd, ya, yb, f16, grid8, sign8, bounds, parts,
+                         ctr):
+    R = q8.shape[0]
+    n = n8 + bounds.shape[0] - 1
+    while True:
+        c = _grab(ctr)
+        if c >= n:
+            break
+        if c < n8:
+            q8_0_rows(q8, xq8, xd8, y8, f16, c * R // n8, (c + 1) * R // n8)
+        else:
+            _iq2_xxs_ex(wa, wb, ex, gs, xr, xp, xd, ya, yb, f16, grid8, sign8, bounds[c - n8], bounds[c - n8 + 1])
+
+
+GRAB = {"q8_0_dec": q8_0_grab, "f16_dec": f16_grab, "iq2_xxs_dec": iq2_xxs_grab, "q2_k_dec": q2_k_grab,
+        "iq2_xxs_ex_dec": iq2_xxs_ex_grab, "q2_k_ex_dec": q2_k_ex_grab, "q8_0_ex_dec": q8_0_ex_grab,
+        "q8_0_many_dec": q8_0_many_grab, "mixed_many_dec": mixed_many_grab,
+        "q8_0_iq2_xxs_ex_dec": q8_0_iq2_xxs_ex_grab}
+GRAB_PERM = {"iq2_xxs_dec": (1, x_perm), "q2_k_dec": (1, x_perm_q2k), "iq2_xxs_ex_dec": (5, x_perm),
+             "q2_k_ex_dec": (5, x_perm_q2k), "q8_0_iq2_xxs_ex_dec": (10, x_perm)}

@@ -86,6 +86,13 @@ def rope_tail(x: np.ndarray, pos: np.ndarray, freqs: np.ndarray, inverse: bool =
     """RoPE on the last rd dims of x (the first dims are left alone); returns a new array."""
     rd = 2 * freqs.size
     out = x.astype(F32, copy=True)
+    fast = _ops_jit()
+    if (fast is not None and x.ndim >= 2 and out.size and rd <= x.shape[-1] and freqs.dtype == F32
+            and out.flags.c_contiguous):                                  # (rotated in place through a view)
+        ang = np.asarray(pos, dtype=F32)[:, None] * freqs[None, :]        # numpy's cos / sin, as rope takes them
+        sin = np.sin(ang)
+        fast.rope_rows(out.reshape(len(ang), -1, x.shape[-1]), np.cos(ang), -sin if inverse else sin)
+        return out                                                        # rope's operations compiled
     out[..., -rd:] = rope(x[..., -rd:], pos, freqs, inverse)
     return out
 
@@ -116,6 +123,13 @@ def round_e2m1(y: np.ndarray) -> np.ndarray:
 
 def fp8_fake_quant(x: np.ndarray, block: int = 64) -> np.ndarray:
     """FP8 e4m3 quant-dequant in blocks of `block` along the last axis, scale 2^ceil(log2(amax/448))."""
+    fast = _ops_jit()
+    if fast is not None and x.ndim >= 1 and x.size and block > 0 and x.shape[-1] % block == 0:
+        xc = np.ascontiguousarray(x, dtype=F32)
+        out = np.empty(xc.shape, F32)
+        if fast.fp8_fake_quant_rows(xc.reshape(-1, xc.shape[-1]), block, F32(1.0 / 448.0), F32(1e-4),
+                                    out.reshape(-1, xc.shape[-1])):
+            return out                                         # numpy's operations compiled (finite blocks)
     xb = x.astype(F32).reshape(*x.shape[:-1], x.shape[-1] // block, block)
     amax = np.maximum(np.abs(xb).max(-1, keepdims=True), F32(1e-4))
     s = pow2_scale(amax, 1.0 / 448.0)

@@ -1,0 +1,184 @@
+"""The pooled decode kernels on jit's own threads (the calling thread + helper threads, jit.Crew; the default,
+$DS4PY_CREW=0 for numba's pool) instead of numba's pool: the same bits.
+
+Each `<name>_dec` kernel of ds4py.quant.jit_decode has a serial twin `<name>_grab` (the same pieces from one shared
+counter, the same row kernels) that the calling thread and threads - 1 helpers run at once. Checked: every product
+family a decode step makes (one matrix per format, the routed experts, the shared expert with the routed gate / up,
+several matrices of one activation) gives numba's pooled kernel's bits at 2 and 3 threads (up to the cores), the twin run by
+that many threads; the grab twins take the `_dec` arguments plus the counter (a changed `_dec` signature
+fails here); the crew's threads run at once; an error in a helper reaches the caller and leaves the crew
+usable.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from ds4py.quant import jit, jit_i8
+
+pytestmark = pytest.mark.skipif(not jit.available(), reason=f"numba unavailable: {jit.unavailable_reason()}")
+
+F32 = np.float32
+
+
+def _stored(qt, rows, cols, rng):
+    from test_fused import stored
+
+    return stored(qt, rows, cols, rng)
+
+
+def _width(threads):
+    """The threads a pooled call runs on: as many as asked, up to numba's thread count (this host's cores)."""
+    return min(threads, jit._state["numba"].config.NUMBA_NUM_THREADS)
+
+
+def _both(fn, monkeypatch):
+    """fn() on numba's pool, then on the crew (every product pooled): the two results, and the kernels the crew
+    ran with the threads that took pieces."""
+    monkeypatch.setattr(jit, "SERIAL_BYTES", 0)
+    monkeypatch.setattr(jit, "CREW", False)
+    pool = fn()
+    monkeypatch.setattr(jit, "CREW", True)
+    seen, real = [], jit.Crew.run
+
+    def spy(self, grab, args, k):
+        ran = set()
+
+        def grab_spy(*a):                    # which threads ran the twin (each takes pieces while any are left)
+            ran.add(threading.get_ident())
+            grab(*a)
+
+        real(self, grab_spy, args, k)
+        seen.append((grab.__name__, len(ran)))
+
+    monkeypatch.setattr(jit.Crew, "run", spy)
+    crew = fn()
+    monkeypatch.setattr(jit.Crew, "run", real)
+    return pool, crew, seen
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("qt", [Q.Q8_0, Q.IQ2_XXS, Q.Q2_K, Q.F16], ids=lambda q: q.name)
+def test_one_matrix_on_the_crew_gives_the_pool_bits(qt, threads, monkeypatch):
+    rng = np.random.default_rng([int(qt), threads])
+    for rows, cols in ((1, 256), (37, 512), (300, 1024)):
+        raw = _stored(qt, rows, cols, rng)
+        x = (rng.standard_normal((2, cols)) * 3).astype(F32)
+        mm = jit.matmul if qt == Q.F16 else jit_i8.matmul
+        pool, crew, seen = _both(lambda: [mm(qt, raw, x[t:t + 1], threads) for t in range(2)], monkeypatch)
+        for a, b in zip(pool, crew):
+            np.testing.assert_array_equal(a, b, err_msg=f"{rows} x {cols}")
+        if rows == 1 or (qt == Q.F16 and not jit._state["dec"].NATIVE_HALF):
+            continue                         # one row: one thread, no pool; jit_kernels.f16_rows: no crew twin
+        assert len(seen) == 2 and all(name.endswith("_grab") for name, _ in seen)
+        assert all(n == _width(threads) for _, n in seen)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("qt", jit_i8.EXPERT_FORMATS, ids=lambda q: q.name)
+def test_routed_experts_on_the_crew_give_the_pool_bits(qt, threads, monkeypatch):
+    rng = np.random.default_rng([int(qt), threads, 1])
+    tokens, k, n_experts, rows, cols = 1, 6, 16, 64, 512
+    gate = np.stack([_stored(qt, rows, cols, rng) for _ in range(n_experts)])
+    up = np.stack([_stored(qt, rows, cols, rng) for _ in range(n_experts)])
+    x = (rng.standard_normal((tokens, cols)) * 2).astype(F32)
+    ex = np.sort(rng.choice(n_experts, k, replace=False))
+    gs, tok = np.arange(k + 1), np.zeros(k, np.int64)
+    h = rng.standard_normal((k, cols)).astype(F32)
+
+    def run():
+        g, u = jit_i8.experts_matmul(qt, (gate, up), ex, gs, tok, x, threads)
+        d, = jit_i8.experts_matmul(qt, (gate,), ex, gs, np.arange(k), h, threads)
+        return g, u, d
+
+    pool, crew, seen = _both(run, monkeypatch)
+    for a, b in zip(pool, crew):
+        np.testing.assert_array_equal(a, b)
+    assert [name for name, _ in seen] == [f"{qt.name.lower()}_ex_grab"] * 2
+    assert all(n == _width(threads) for _, n in seen)
+
+
+def test_shared_down_with_the_routed_gate_up_and_many_matrices_give_the_pool_bits(monkeypatch):
+    rng = np.random.default_rng(5)
+    n_experts, rows, cols, k = 16, 64, 512, 6
+    gate = np.stack([_stored(Q.IQ2_XXS, rows, cols, rng) for _ in range(n_experts)])
+    up = np.stack([_stored(Q.IQ2_XXS, rows, cols, rng) for _ in range(n_experts)])
+    q8 = _stored(Q.Q8_0, 200, 320, rng)
+    x = rng.standard_normal((1, cols)).astype(F32)
+    h = (rng.standard_normal((1, 320)) * 3).astype(F32)
+    ex, gs, tok = np.sort(rng.choice(n_experts, k, replace=False)), np.arange(k + 1), np.zeros(k, np.int64)
+    q8s = [_stored(Q.Q8_0, r, 512, rng) for r in (100, 7, 64)]
+    h16s = [_stored(Q.F16, r, 512, rng) for r in (33, 16)]
+
+    def run():
+        out = jit_i8.experts_matmul(Q.IQ2_XXS, (gate, up), ex, gs, tok, x, 2, plain=(q8, h))
+        yq, _ = jit_i8.matmul_many(q8s, [], x, 2)
+        mq, mh = jit_i8.matmul_many(q8s[:2], h16s, x, 3)
+        return [*out, *yq, *mq, *mh]
+
+    pool, crew, seen = _both(run, monkeypatch)
+    assert len(pool) == len(crew) == 10
+    for a, b in zip(pool, crew):
+        np.testing.assert_array_equal(a, b)
+    assert seen == [("q8_0_iq2_xxs_ex_grab", 2), ("q8_0_many_grab", 2), ("mixed_many_grab", _width(3))]
+
+
+def test_every_grab_twin_takes_its_kernels_arguments_and_a_counter():
+    jit_i8._kernels()
+    dec = jit._state["dec"]
+    assert set(dec.GRAB) >= {"q8_0_dec", "q8_0_many_dec", "mixed_many_dec", "q8_0_ex_dec", "q8_0_iq2_xxs_ex_dec",
+                             "q2_k_ex_dec", "iq2_xxs_ex_dec"}
+    for name, grab in dec.GRAB.items():
+        want = list(inspect.signature(getattr(dec, name).py_func).parameters)
+        got = list(inspect.signature(grab.py_func).parameters)
+        i, _ = dec.GRAB_PERM.get(name, (None, None))
+        if i is not None:                    # the permuted codes in place of xq
+            assert want[i] == "xq" and got[i] == "xp", name
+            want[i] = "xp"
+        assert got == want + ["ctr"], name
+
+
+def test_the_crew_runs_at_once_and_an_error_in_a_helper_reaches_the_caller():
+    crew = jit.Crew()
+    met = threading.Barrier(3, timeout=30)               # passes only if all three run at the same time
+    crew.run(met.wait, (), 2)
+    ran = []
+
+    def boom(who):
+        ran.append(threading.get_ident())
+        if threading.get_ident() != who:
+            raise RuntimeError("a helper failed")
+
+    with pytest.raises(RuntimeError, match="a helper failed"):
+        crew.run(boom, (threading.get_ident(),), 2)
+    assert len(set(ran)) == 3
+    ran.clear()
+    crew.run(lambda: ran.append(1), (), 2)               # the helpers still answer
+    assert ran == [1, 1, 1]
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="no fork here")
+def test_a_forked_child_makes_its_own_helpers():
+    import os
+
+    crew = jit._crew
+    crew.run(lambda: None, (), 1)                        # the parent has a helper now
+    pid = os.fork()
+    if pid == 0:                                         # the child: its helper list starts empty, and works
+        code = 1
+        try:
+            if crew.helpers:
+                code = 2
+            else:
+                met = threading.Barrier(2, timeout=10)
+                crew.run(met.wait, (), 1)
+                code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
