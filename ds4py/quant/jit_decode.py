@@ -34,43 +34,32 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
+from ds4py.quant.isa import target_features
+
 F32, I32N = np.float32, np.int32
 OPTS = dict(parallel=True, cache=True, nogil=True, boundscheck=False)
 I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 
 
-def _host_avx2() -> bool:
-    """Whether numba compiles for this host and it has AVX2: then the byte products use pmaddubsw + pmaddwd
-    (LLVM does not form them from the portable IR: it widened to vpmulld); a cross-target build
-    ($NUMBA_CPU_NAME) and other CPUs get the portable IR."""
-    import numba
-    from llvmlite import binding
+_FEATURES = target_features()           # what LLVM compiles for (isa.py)
 
-    if numba.config.CPU_NAME:
-        return False
-    try:
-        return bool(binding.get_host_cpu_features().get("avx2"))
-    except RuntimeError:                     # features unknown on this platform
-        return False
+
+def _host_avx2() -> bool:
+    """Whether numba compiles for a target with AVX2 (this host's features, or $NUMBA_CPU_FEATURES: isa.py): then
+    the byte products use pmaddubsw + pmaddwd (LLVM does not form them from the portable IR: it widened to
+    vpmulld); a cross-target build ($NUMBA_CPU_NAME alone) and other CPUs get the portable IR."""
+    return bool(_FEATURES.get("avx2"))
 
 
 AVX2 = _host_avx2()
 
 
 def _host_avx512() -> bool:
-    """Whether the host (numba compiling for it) has the AVX-512 set the IQ2_XXS kernel uses: BW + VL (byte
-    multiply-adds and masks on 512 bits), VBMI (vpmultishiftqb: a block's 32 sign fields cut out in one
-    instruction), GFNI (vgf2p8affineqb: the parity bit of each of them in one). Zen 4, Ice Lake and later."""
-    import numba
-    from llvmlite import binding
-
-    if not AVX2 or numba.config.CPU_NAME:
-        return False
-    try:
-        f = binding.get_host_cpu_features()
-    except RuntimeError:
-        return False
-    return all(f.get(k) for k in ("avx512f", "avx512bw", "avx512vl", "avx512vbmi", "avx512vnni", "gfni"))
+    """Whether the target has the AVX-512 set the IQ2_XXS kernel uses: BW + VL (byte multiply-adds and masks on 512
+    bits), VBMI (vpmultishiftqb: a block's 32 sign fields cut out in one instruction), GFNI (vgf2p8affineqb: the
+    parity bit of each of them in one). Zen 4, Ice Lake and later."""
+    return AVX2 and all(_FEATURES.get(k) for k in ("avx512f", "avx512bw", "avx512vl", "avx512vbmi", "avx512vnni",
+                                                   "gfni"))
 
 
 AVX512 = _host_avx512()
@@ -82,17 +71,9 @@ def _native_half() -> bool:
     first compile: measured with NUMBA_CPU_NAME=generic). Then F16 keeps jit_kernels.f16_rows' table."""
     import platform
 
-    import numba
-    from llvmlite import binding
-
     if platform.machine().lower() in ("aarch64", "arm64"):
         return True
-    if numba.config.CPU_NAME:
-        return False
-    try:
-        return bool(binding.get_host_cpu_features().get("f16c"))
-    except RuntimeError:
-        return False
+    return bool(_FEATURES.get("f16c"))
 
 
 NATIVE_HALF = _native_half()
