@@ -172,6 +172,103 @@ def _iq2_signed_dot(builder, gv, m, x, ls):
     return _dot_u8s8(builder, gv, xs, lsv)                       # pairs: 2 * 43 * 127 < 2^15
 
 
+
+# ---- IQ2_XXS on AVX2 (+ FMA; no AVX-512: most laptops): the signs and scales of a block decoded in vector registers
+# ggml's AVX2 scheme (_iq2_gather: 4 grid rows and 4 keven sign patterns a group by scalar loads, the ls by scalar
+# shifts) measured 3.3-4.0 GB/s a core here (~330 instructions a block, its scalar index arithmetic spilling). Now
+# the grid rows stay 64-bit table loads (a 256-entry table of 16-bit rows has no fast AVX2 lookup: vpshufb is 16
+# entries a lane; gathers are slow on Zen and microcode-slowed on Intel since Downfall) and the rest is vector code:
+# - grid: a group's rows 0 / 1 (2 / 3) interleaved byte by byte (vpunpcklbw where ggml has vpunpcklqdq: the same
+#   count), so word w of lane L holds weight w of entries 2 L and 2 L + 1; x is permuted to match once a call
+#   (x_perm);
+# - signs, all 8 groups at once: the 8 aux words in one <8 x i32>; each 7-bit field e moved to byte e (field e sits
+#   at bit 7 e), its parity as bit 7 from a 16-entry nibble table (two vpshufb and a xor: ggml's ksigns_iq2xs
+#   without the 128-entry table); then per group one vpshufb puts sign bytes (e, e + 1) in every word of lane e / 2
+#   and one vpmullw by 2^(7 - w) moves bit w of both bytes of word w to the bytes' top bits (the low byte's bit 7 is
+#   bit w of the low byte, the high byte's is bit 8 + w: the same shift for both), so vpsignb(x, that | 1) signs
+#   x: 4 instructions a group where a mask by and / compare / xor / sub took 6;
+# - scales: 2 ls + 1 = (aux >> 28) * 2 + 1 for the 8 groups as words in both lanes, one vpshufb a group.
+# The dot product is ggml's: pmaddubsw (magnitudes x signed x, pairs |.| <= 2 * 43 * 127 < 2^15) and pmaddwd by the
+# group's 2 ls + 1. The integer block sum is the other paths' exactly: the same bits.
+_B32, _H16, _W8 = ir.VectorType(I8, 32), ir.VectorType(I16, 16), ir.VectorType(I32, 8)
+_PARITY_NIBBLE = [0x80 * (bin(i).count("1") & 1) for i in range(16)]
+# sign byte of (group g, entry e) at lane e // 2, byte 2 g + e % 2 (32 bytes: t's byte 4 g + e moved there)
+_SIGN_ORDER = [4 * ((j % 16) // 2) + 2 * (j // 16) + j % 2 for j in range(32)]
+
+
+def _pshufb(builder, table, idx):
+    return _x86(builder, "llvm.x86.avx2.pshuf.b", _B32, table, idx)
+
+
+def _iq2_decode256(builder, p, grid):
+    """The block of 64 code bytes at p -> 8 x (<32 x i8> grid magnitudes of group g, <32 x i8> sign bytes whose
+    sign is the weight's (never 0: for vpsignb), <16 x i16> its 2 ls + 1 in every word), in x_perm's order."""
+    q0 = _vload(builder, p, _const(I64, 0), _W8)
+    q1 = _vload(builder, p, _const(I64, 32), _W8)
+    aux = builder.shuffle_vector(q0, q1, ir.Constant(_W8, [1, 3, 5, 7, 9, 11, 13, 15]))       # dword g: group g
+    t = builder.and_(aux, _splat(_W8, 0x7F))
+    for e in (1, 2, 3):                                         # field e (bits 7 e ..) to byte e (bits 8 e ..)
+        t = builder.or_(t, builder.and_(builder.shl(aux, _splat(_W8, e)), _splat(_W8, 0x7F << (8 * e))))
+    tb = builder.bitcast(t, _B32)
+    lo = builder.and_(tb, _splat(_B32, 15))
+    hi = builder.bitcast(builder.lshr(builder.bitcast(tb, _H16), _splat(_H16, 4)), _B32)
+    hi = builder.and_(hi, _splat(_B32, 15))
+    par = ir.Constant(_B32, _PARITY_NIBBLE * 2)
+    sgn = builder.or_(tb, builder.xor(_pshufb(builder, par, lo), _pshufb(builder, par, hi)))   # byte 4 g + e
+    sgn = builder.shuffle_vector(sgn, sgn, ir.Constant(ir.VectorType(I32, 32), _SIGN_ORDER))
+    # 2 ls + 1 of group g as word g of both lanes
+    sc = builder.or_(builder.shl(builder.lshr(aux, _splat(_W8, 28)), _splat(_W8, 1)), _splat(_W8, 1))
+    scw = builder.bitcast(sc, _H16)                             # word 2 g: group g
+    scw = builder.bitcast(builder.shuffle_vector(scw, scw, ir.Constant(ir.VectorType(I32, 16),
+                                                                       [2 * (i % 8) for i in range(16)])), _B32)
+    shifts = ir.Constant(_H16, [1 << (7 - (w % 8)) for w in range(16)])
+    out = []
+    for g in range(8):
+        gv = _iq2_grid_rows(builder, builder.gep(p, [_const(I64, 8 * g)]), grid)
+        e = _pshufb(builder, sgn, ir.Constant(_B32, [2 * g + i % 2 for i in range(32)]))
+        top = builder.bitcast(builder.mul(builder.bitcast(e, _H16), shifts), _B32)
+        sb = builder.or_(top, _splat(_B32, 1))
+        sw = builder.bitcast(_pshufb(builder, scw, ir.Constant(_B32, [2 * g + i % 2 for i in range(32)])), _H16)
+        out.append((gv, sb, sw))
+    return out
+
+
+class _ByteLoad(ir.instructions.LoadInstr):
+    """A volatile byte load: kept a load (movzx from memory), where LLVM would take the byte out of the block's
+    vector load (vpextrb: 2 micro-ops each, 32 a block)."""
+
+    def descr(self, buf):
+        [val] = self.operands
+        buf.append(f"load volatile {self.type}, {val.type} {val.get_reference()}, align 1\n")
+
+
+def _iq2_grid_rows(builder, p, grid):
+    """A group's 4 grid rows (index bytes at p) as <32 x i8> magnitudes, rows 0 / 1 interleaved byte by byte in
+    lane 0, rows 2 / 3 in lane 1: four 64-bit table loads."""
+    rows = []
+    for k in range(4):
+        ld = _ByteLoad(builder.block, builder.gep(p, [_const(I64, k)]), typ=I8)
+        builder._insert(ld)
+        row = builder.load(builder.gep(grid, [builder.zext(ld, I64)]))
+        rows.append(builder.bitcast(builder.insert_element(ir.Constant(ir.VectorType(I64, 2), None), row,
+                                                           _const(I32, 0)), ir.VectorType(I8, 16)))
+    inter = ir.Constant(ir.VectorType(I32, 16), [16 * (i % 2) + i // 2 for i in range(16)])
+    lo, hi = builder.shuffle_vector(rows[0], rows[1], inter), builder.shuffle_vector(rows[2], rows[3], inter)
+    return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(I32, 32), list(range(32))))
+
+
+def _iq2_dot256(builder, dec, xp, xo):
+    """<8 x i32> partial sums of a decoded block (_iq2_decode256) times its 256 activation bytes at xp[xo]."""
+    acc = None
+    for g, (gv, sb, sw) in enumerate(dec):
+        x = _vload(builder, xp, builder.add(xo, _const(xo.type, 32 * g)), _B32)
+        xs = _x86(builder, "llvm.x86.avx2.psign.b", _B32, x, sb)      # x, or -x where the weight's sign is minus
+        pr = _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", _H16, gv, xs)
+        v = _x86(builder, "llvm.x86.avx2.pmadd.wd", _W8, pr, sw)
+        acc = v if acc is None else builder.add(acc, v)
+    return acc
+
+
 # ---- IQ2_XXS on AVX-512 (VBMI + GFNI + VNNI): a block's signs, scales and grid rows decoded in vector registers
 # A block's 64 code bytes are 8 groups of (4 grid-index bytes, u32 aux: 4 x 7 sign bits at bits 0 / 7 / 14 / 21 and
 # ls at 28..31), i.e. group g is qword g of one <64 x i8> load. The AVX2 path above spends ~30 instructions a group
@@ -276,6 +373,8 @@ def iq2_block(typingctx, raw, off, xq, xo, grid8, sign8):
         grid, signs = _data(context, builder, sig, args, 4), _data(context, builder, sig, args, 5)
         if AVX512:
             return _hsum(builder, _iq2_dot512(builder, _iq2_decode512(builder, p), xp, args[3]))
+        if AVX2:
+            return _hsum(builder, _iq2_dot256(builder, _iq2_decode256(builder, p, grid), xp, args[3]))
         b32 = ir.VectorType(I8, 32)
         acc = None
         for g in range(8):
@@ -324,6 +423,11 @@ def iq2_block2(typingctx, raw, off, xq, xo, grid8, sign8):
             vb = _iq2_dot512(builder, _iq2_decode512(builder, builder.gep(p, [_const(I64, 66)])), xp,
                              builder.add(xo, _const(xo.type, 256)))
             sums = _hsum2(builder, va, vb)
+        elif AVX2:
+            grid = _data(context, builder, sig, args, 4)
+            sums = [_hsum(builder, _iq2_dot256(builder, _iq2_decode256(builder, builder.gep(p, [_const(I64, 66 * i)]),
+                                                                         grid), xp,
+                                               builder.add(xo, _const(xo.type, 256 * i)))) for i in range(2)]
         else:
             grid, signs = _data(context, builder, sig, args, 4), _data(context, builder, sig, args, 5)
             b32 = ir.VectorType(I8, 32)
@@ -361,6 +465,8 @@ def iq2_block_pairs(typingctx, raw, off, d, b, xq, xr, j0, j1, xd, accs, grid8, 
         NB = builder.extract_value(xd_ary.shape, 1)
         if AVX512:
             dec = _iq2_decode512(builder, p)
+        elif AVX2:
+            dec = _iq2_decode256(builder, p, grid)
         else:
             groups = [_iq2_gather(builder, builder.gep(p, [_const(I64, 8 * g)]), grid, signs) for g in range(8)]
         b32 = ir.VectorType(I8, 32)
@@ -371,6 +477,8 @@ def iq2_block_pairs(typingctx, raw, off, d, b, xq, xr, j0, j1, xd, accs, grid8, 
             xo = builder.add(builder.mul(t, C), builder.mul(blk, _const(I64, 256)))
             if AVX512:
                 acc = _iq2_dot512(builder, dec, xq_ary.data, xo)
+            elif AVX2:
+                acc = _iq2_dot256(builder, dec, xq_ary.data, xo)
             else:
                 acc = None
                 for g, (gv, m, ls) in enumerate(groups):
@@ -627,9 +735,10 @@ def _pieces(parts, R):
 def x_perm(xq):
     """The activation codes xq [T, C] in the order the IQ2_XXS kernels read them: on the AVX-512 path, per block
     of 256, its 32 runs of 8 (run 4 g + e: grid entry e of group g) as entry-major (zmm e holds entry e of
-    every group, so a block's sign masks and scales need no cross-lane moves); elsewhere xq itself. Integer block
+    every group, so a block's sign masks and scales need no cross-lane moves); on the AVX2 path each group's
+    entries 0 / 1 and 2 / 3 interleaved byte by byte (_iq2_grid_rows); elsewhere xq itself. Integer block
     sums are exact in any order: the same bits."""
-    if not AVX512:
+    if not AVX2:
         return xq
     T, C = xq.shape
     out = np.empty((T, C), np.int8)
@@ -638,7 +747,10 @@ def x_perm(xq):
             for g in range(8):
                 for e in range(4):
                     for i in range(8):
-                        out[t, 256 * b + 64 * e + 8 * g + i] = xq[t, 256 * b + 32 * g + 8 * e + i]
+                        if AVX512:
+                            out[t, 256 * b + 64 * e + 8 * g + i] = xq[t, 256 * b + 32 * g + 8 * e + i]
+                        else:       # AVX2: byte 16 (e // 2) + 2 i + e % 2 of group g (_iq2_grid_rows' order)
+                            out[t, 256 * b + 32 * g + 16 * (e // 2) + 2 * i + e % 2] = xq[t, 256 * b + 32 * g + 8 * e + i]
     return out
 
 
