@@ -175,25 +175,25 @@ def _iq2_signed_dot(builder, gv, m, x, ls):
 
 # ---- IQ2_XXS on AVX2 (+ FMA; no AVX-512: most laptops): the signs and scales of a block decoded in vector registers
 # ggml's AVX2 scheme (_iq2_gather: 4 grid rows and 4 keven sign patterns a group by scalar loads, the ls by scalar
-# shifts) measured 3.3-4.0 GB/s a core here (~330 instructions a block, its scalar index arithmetic spilling). Now
-# the grid rows stay 64-bit table loads (a 256-entry table of 16-bit rows has no fast AVX2 lookup: vpshufb is 16
-# entries a lane; gathers are slow on Zen and microcode-slowed on Intel since Downfall) and the rest is vector code:
-# - grid: a group's rows 0 / 1 (2 / 3) interleaved byte by byte (vpunpcklbw where ggml has vpunpcklqdq: the same
-#   count), so word w of lane L holds weight w of entries 2 L and 2 L + 1; x is permuted to match once a call
-#   (x_perm);
-# - signs, all 8 groups at once: the 8 aux words in one <8 x i32>; each 7-bit field e moved to byte e (field e sits
-#   at bit 7 e), its parity as bit 7 from a 16-entry nibble table (two vpshufb and a xor: ggml's ksigns_iq2xs
-#   without the 128-entry table); then per group one vpshufb puts sign bytes (e, e + 1) in every word of lane e / 2
-#   and one vpmullw by 2^(7 - w) moves bit w of both bytes of word w to the bytes' top bits (the low byte's bit 7 is
-#   bit w of the low byte, the high byte's is bit 8 + w: the same shift for both), so vpsignb(x, that | 1) signs
-#   x: 4 instructions a group where a mask by and / compare / xor / sub took 6;
-# - scales: 2 ls + 1 = (aux >> 28) * 2 + 1 for the 8 groups as words in both lanes, one vpshufb a group.
+# shifts) measured 3.3-4.0 GB/s a core here: ~330 instructions a block, its scalar index arithmetic spilling, and
+# ~60 of them on the shuffle ports (vpunpcklqdq, vinserti128, vpbroadcastw). Here the block is 8 units of 32
+# weights, unit (j, r) = rows 2 r, 2 r + 1 of group j in lane 0 and of group j + 4 in lane 1 (x permuted to match
+# once a call: x_perm), so every per-unit move stays inside a lane:
+# - grid: rows stay 64-bit table loads (a 256-entry table of 16-bit rows has no fast AVX2 lookup: vpshufb is 16
+#   entries a lane; gathers are slow on Zen and microcode-slowed on Intel since Downfall), as vpbroadcastq loads
+#   put together by vpblendd (no shuffle port);
+# - signs, all 8 groups at once: the 8 aux words in one <8 x i32> (dword g: group g, lane g // 4); each 7-bit field
+#   e moved to byte e (field e sits at bit 7 e); its parity as bit 7 from a 16-entry nibble table (two vpshufb and
+#   a xor: ggml's ksigns_iq2xs without the 128-entry table); each sign byte s paired with s >> 1 in a word. A
+#   unit's word w then takes (s, s >> 1) of its entry by one vpshufb, and one vpmullw by 2^(7 - i) (i = 2 (w % 4):
+#   the weight of the word's low byte) moves bit i of s into the low byte's bit 7 and bit i + 1 into the high
+#   byte's; vpsignb(x, that | 1) signs x (4 instructions a unit, where and / compare / xor / sub took 6);
+# - scales: 2 ls + 1 = (aux >> 28) * 2 + 1, one vpshufb for two units (group j in lane 0, j + 4 in lane 1).
 # The dot product is ggml's: pmaddubsw (magnitudes x signed x, pairs |.| <= 2 * 43 * 127 < 2^15) and pmaddwd by the
 # group's 2 ls + 1. The integer block sum is the other paths' exactly: the same bits.
 _B32, _H16, _W8 = ir.VectorType(I8, 32), ir.VectorType(I16, 16), ir.VectorType(I32, 8)
 _PARITY_NIBBLE = [0x80 * (bin(i).count("1") & 1) for i in range(16)]
-# sign byte of (group g, entry e) at lane e // 2, byte 2 g + e % 2 (32 bytes: t's byte 4 g + e moved there)
-_SIGN_ORDER = [4 * ((j % 16) // 2) + 2 * (j // 16) + j % 2 for j in range(32)]
+_SHIFT_WORDS = [1 << (7 - 2 * (w % 4)) for w in range(16)]       # word w: 2^(7 - i), i = its low byte's weight
 
 
 def _pshufb(builder, table, idx):
@@ -201,8 +201,9 @@ def _pshufb(builder, table, idx):
 
 
 def _iq2_decode256(builder, p, grid):
-    """The block of 64 code bytes at p -> 8 x (<32 x i8> grid magnitudes of group g, <32 x i8> sign bytes whose
-    sign is the weight's (never 0: for vpsignb), <16 x i16> its 2 ls + 1 in every word), in x_perm's order."""
+    """The block of 64 code bytes at p -> 8 units (j, r) as (<32 x i8> grid magnitudes, <32 x i8> bytes whose sign
+    is the weight's (never 0: for vpsignb), <16 x i16> the 2 ls + 1 of group j (lane 0) / j + 4 (lane 1)), unit
+    2 j + r reading x_perm's 32 bytes 32 (2 j + r) of the block."""
     q0 = _vload(builder, p, _const(I64, 0), _W8)
     q1 = _vload(builder, p, _const(I64, 32), _W8)
     aux = builder.shuffle_vector(q0, q1, ir.Constant(_W8, [1, 3, 5, 7, 9, 11, 13, 15]))       # dword g: group g
@@ -215,21 +216,24 @@ def _iq2_decode256(builder, p, grid):
     hi = builder.and_(hi, _splat(_B32, 15))
     par = ir.Constant(_B32, _PARITY_NIBBLE * 2)
     sgn = builder.or_(tb, builder.xor(_pshufb(builder, par, lo), _pshufb(builder, par, hi)))   # byte 4 g + e
-    sgn = builder.shuffle_vector(sgn, sgn, ir.Constant(ir.VectorType(I32, 32), _SIGN_ORDER))
-    # 2 ls + 1 of group g as word g of both lanes
+    half = builder.lshr(sgn, _splat(_B32, 1))
+    # words (s, s >> 1): pairs[0] lanes hold groups (0, 1) / (4, 5), pairs[1] groups (2, 3) / (6, 7)
+    pairs = [builder.shuffle_vector(sgn, half, ir.Constant(ir.VectorType(I32, 32),
+                                                           [16 * (i // 16) + 8 * h + (i % 16) // 2 + 32 * (i % 2)
+                                                            for i in range(32)])) for h in range(2)]
     sc = builder.or_(builder.shl(builder.lshr(aux, _splat(_W8, 28)), _splat(_W8, 1)), _splat(_W8, 1))
-    scw = builder.bitcast(sc, _H16)                             # word 2 g: group g
-    scw = builder.bitcast(builder.shuffle_vector(scw, scw, ir.Constant(ir.VectorType(I32, 16),
-                                                                       [2 * (i % 8) for i in range(16)])), _B32)
-    shifts = ir.Constant(_H16, [1 << (7 - (w % 8)) for w in range(16)])
+    scb = builder.bitcast(sc, _B32)                             # dword g % 4 of lane g // 4: group g
+    shifts = ir.Constant(_H16, _SHIFT_WORDS)
     out = []
-    for g in range(8):
-        gv = _iq2_grid_rows(builder, builder.gep(p, [_const(I64, 8 * g)]), grid)
-        e = _pshufb(builder, sgn, ir.Constant(_B32, [2 * g + i % 2 for i in range(32)]))
-        top = builder.bitcast(builder.mul(builder.bitcast(e, _H16), shifts), _B32)
-        sb = builder.or_(top, _splat(_B32, 1))
-        sw = builder.bitcast(_pshufb(builder, scw, ir.Constant(_B32, [2 * g + i % 2 for i in range(32)])), _H16)
-        out.append((gv, sb, sw))
+    for j in range(4):
+        sw = builder.bitcast(_pshufb(builder, scb, ir.Constant(_B32, [4 * j + i % 2 for i in range(32)])), _H16)
+        for r in range(2):
+            gv = _iq2_unit_rows(builder, p, grid, j, r)
+            # word w of a lane: entry 2 r + w // 4 of its group; group j % 2 of pairs[j // 2]
+            ctl = [2 * (4 * (j % 2) + 2 * r + (i % 16) // 8) + i % 2 for i in range(32)]
+            e = _pshufb(builder, pairs[j // 2], ir.Constant(_B32, ctl))
+            top = builder.bitcast(builder.mul(builder.bitcast(e, _H16), shifts), _B32)
+            out.append((gv, builder.or_(top, _splat(_B32, 1)), sw))
     return out
 
 
@@ -242,26 +246,27 @@ class _ByteLoad(ir.instructions.LoadInstr):
         buf.append(f"load volatile {self.type}, {val.type} {val.get_reference()}, align 1\n")
 
 
-def _iq2_grid_rows(builder, p, grid):
-    """A group's 4 grid rows (index bytes at p) as <32 x i8> magnitudes, rows 0 / 1 interleaved byte by byte in
-    lane 0, rows 2 / 3 in lane 1: four 64-bit table loads."""
-    rows = []
-    for k in range(4):
-        ld = _ByteLoad(builder.block, builder.gep(p, [_const(I64, k)]), typ=I8)
+def _iq2_unit_rows(builder, p, grid, j, r):
+    """Unit (j, r)'s grid rows as <32 x i8> magnitudes: qwords = rows 2 r, 2 r + 1 of group j, then of group j + 4
+    (index bytes at p + 8 g + row): four 64-bit table loads (broadcast) put together by blends."""
+    v4 = ir.VectorType(I64, 4)
+    out = None
+    for q, (g, k) in enumerate(((j, 2 * r), (j, 2 * r + 1), (j + 4, 2 * r), (j + 4, 2 * r + 1))):
+        ld = _ByteLoad(builder.block, builder.gep(p, [_const(I64, 8 * g + k)]), typ=I8)
         builder._insert(ld)
         row = builder.load(builder.gep(grid, [builder.zext(ld, I64)]))
-        rows.append(builder.bitcast(builder.insert_element(ir.Constant(ir.VectorType(I64, 2), None), row,
-                                                           _const(I32, 0)), ir.VectorType(I8, 16)))
-    inter = ir.Constant(ir.VectorType(I32, 16), [16 * (i % 2) + i // 2 for i in range(16)])
-    lo, hi = builder.shuffle_vector(rows[0], rows[1], inter), builder.shuffle_vector(rows[2], rows[3], inter)
-    return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(I32, 32), list(range(32))))
+        bc = builder.insert_element(ir.Constant(v4, None), row, _const(I32, 0))
+        bc = builder.shuffle_vector(bc, bc, ir.Constant(ir.VectorType(I32, 4), [0] * 4))
+        out = bc if out is None else builder.shuffle_vector(
+            out, bc, ir.Constant(ir.VectorType(I32, 4), [4 + i if i == q else i for i in range(4)]))
+    return builder.bitcast(out, _B32)
 
 
 def _iq2_dot256(builder, dec, xp, xo):
     """<8 x i32> partial sums of a decoded block (_iq2_decode256) times its 256 activation bytes at xp[xo]."""
     acc = None
-    for g, (gv, sb, sw) in enumerate(dec):
-        x = _vload(builder, xp, builder.add(xo, _const(xo.type, 32 * g)), _B32)
+    for u, (gv, sb, sw) in enumerate(dec):
+        x = _vload(builder, xp, builder.add(xo, _const(xo.type, 32 * u)), _B32)
         xs = _x86(builder, "llvm.x86.avx2.psign.b", _B32, x, sb)      # x, or -x where the weight's sign is minus
         pr = _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", _H16, gv, xs)
         v = _x86(builder, "llvm.x86.avx2.pmadd.wd", _W8, pr, sw)
@@ -735,8 +740,8 @@ def _pieces(parts, R):
 def x_perm(xq):
     """The activation codes xq [T, C] in the order the IQ2_XXS kernels read them: on the AVX-512 path, per block
     of 256, its 32 runs of 8 (run 4 g + e: grid entry e of group g) as entry-major (zmm e holds entry e of
-    every group, so a block's sign masks and scales need no cross-lane moves); on the AVX2 path each group's
-    entries 0 / 1 and 2 / 3 interleaved byte by byte (_iq2_grid_rows); elsewhere xq itself. Integer block
+    every group, so a block's sign masks and scales need no cross-lane moves); on the AVX2 path unit (j, r) =
+    entries 2 r, 2 r + 1 of group j, then of group j + 4 (_iq2_decode256); elsewhere xq itself. Integer block
     sums are exact in any order: the same bits."""
     if not AVX2:
         return xq
@@ -749,8 +754,10 @@ def x_perm(xq):
                     for i in range(8):
                         if AVX512:
                             out[t, 256 * b + 64 * e + 8 * g + i] = xq[t, 256 * b + 32 * g + 8 * e + i]
-                        else:       # AVX2: byte 16 (e // 2) + 2 i + e % 2 of group g (_iq2_grid_rows' order)
-                            out[t, 256 * b + 32 * g + 16 * (e // 2) + 2 * i + e % 2] = xq[t, 256 * b + 32 * g + 8 * e + i]
+                        else:       # AVX2: unit (g % 4, e // 2), lane g // 4 (_iq2_decode256's order)
+                            u = 2 * (g % 4) + e // 2
+                            out[t, 256 * b + 32 * u + 16 * (g // 4) + 8 * (e % 2) + i] = \
+                                xq[t, 256 * b + 32 * g + 8 * e + i]
     return out
 
 
