@@ -194,6 +194,8 @@ def _iq2_signed_dot(builder, gv, m, x, ls):
 _B32, _H16, _W8 = ir.VectorType(I8, 32), ir.VectorType(I16, 16), ir.VectorType(I32, 8)
 _PARITY_NIBBLE = [0x80 * (bin(i).count("1") & 1) for i in range(16)]
 _SHIFT_WORDS = [1 << (7 - 2 * (w % 4)) for w in range(16)]       # word w: 2^(7 - i), i = its low byte's weight
+_AUX_GROUPS = (0, 4, 1, 5, 2, 6, 3, 7)      # the group in dword k of _iq2_decode256's aux vector (lane k // 4)
+_AUX_SLOT = np.argsort(np.array(_AUX_GROUPS))               # group g -> its dword
 
 
 def _pshufb(builder, table, idx):
@@ -204,9 +206,13 @@ def _iq2_decode256(builder, p, grid):
     """The block of 64 code bytes at p -> 8 units (j, r) as (<32 x i8> grid magnitudes, <32 x i8> bytes whose sign
     is the weight's (never 0: for vpsignb), <16 x i16> the 2 ls + 1 of group j (lane 0) / j + 4 (lane 1)), unit
     2 j + r reading x_perm's 32 bytes 32 (2 j + r) of the block."""
-    q0 = _vload(builder, p, _const(I64, 0), _W8)
-    q1 = _vload(builder, p, _const(I64, 32), _W8)
-    aux = builder.shuffle_vector(q0, q1, ir.Constant(_W8, [1, 3, 5, 7, 9, 11, 13, 15]))       # dword g: group g
+    q0 = _vload(builder, p, _const(I64, 0), ir.VectorType(I64, 4))
+    q1 = _vload(builder, p, _const(I64, 32), ir.VectorType(I64, 4))
+    # the 8 aux words without a lane crossing (short latency: the block's critical path starts here): dwords
+    # [0, 4, 1, 5 | 2, 6, 3, 7] hold groups _AUX_GROUPS (q0's aux shifted down a dword, q1's in place)
+    aux = builder.bitcast(builder.shuffle_vector(builder.bitcast(builder.lshr(q0, _splat(q0.type, 32)), _W8),
+                                                 builder.bitcast(q1, _W8),
+                                                 ir.Constant(_W8, [0, 9, 2, 11, 4, 13, 6, 15])), _W8)
     t = builder.and_(aux, _splat(_W8, 0x7F))
     for e in (1, 2, 3):                                         # field e (bits 7 e ..) to byte e (bits 8 e ..)
         t = builder.or_(t, builder.and_(builder.shl(aux, _splat(_W8, e)), _splat(_W8, 0x7F << (8 * e))))
@@ -217,19 +223,26 @@ def _iq2_decode256(builder, p, grid):
     par = ir.Constant(_B32, _PARITY_NIBBLE * 2)
     sgn = builder.or_(tb, builder.xor(_pshufb(builder, par, lo), _pshufb(builder, par, hi)))   # byte 4 g + e
     half = builder.lshr(sgn, _splat(_B32, 1))
-    # words (s, s >> 1): pairs[0] lanes hold groups (0, 1) / (4, 5), pairs[1] groups (2, 3) / (6, 7)
+    # words (s, s >> 1) of the lane's sign bytes 0..7 (pairs[0]: dwords 0, 1 of each lane), 8..15 (pairs[1])
     pairs = [builder.shuffle_vector(sgn, half, ir.Constant(ir.VectorType(I32, 32),
                                                            [16 * (i // 16) + 8 * h + (i % 16) // 2 + 32 * (i % 2)
                                                             for i in range(32)])) for h in range(2)]
     sc = builder.or_(builder.shl(builder.lshr(aux, _splat(_W8, 28)), _splat(_W8, 1)), _splat(_W8, 1))
-    scb = builder.bitcast(sc, _B32)                             # dword g % 4 of lane g // 4: group g
+    scb = builder.bitcast(sc, _B32)                             # dword k: group _AUX_GROUPS[k]
     shifts = ir.Constant(_H16, _SHIFT_WORDS)
     out = []
-    for j in range(4):
+    for j in range(4):                                          # unit pair j: dword j of each lane
+        idx = {}
+        for g in (_AUX_GROUPS[j], _AUX_GROUPS[4 + j]):
+            # a group's 4 index bytes: one 32-bit load, cut by the scalar ALUs (the load ports are busier)
+            ld = _ByteLoad(builder.block, builder.bitcast(builder.gep(p, [_const(I64, 8 * g)]), I32.as_pointer()),
+                           typ=I32)
+            builder._insert(ld)
+            idx[g] = ld
         sw = builder.bitcast(_pshufb(builder, scb, ir.Constant(_B32, [4 * j + i % 2 for i in range(32)])), _H16)
         for r in range(2):
-            gv = _iq2_unit_rows(builder, p, grid, j, r)
-            # word w of a lane: entry 2 r + w // 4 of its group; group j % 2 of pairs[j // 2]
+            gv = _iq2_unit_rows(builder, idx, grid, j, r)
+            # word w of a lane: entry 2 r + w // 4 of the lane's dword j = byte 4 (j % 2) + ... of pairs[j // 2]
             ctl = [2 * (4 * (j % 2) + 2 * r + (i % 16) // 8) + i % 2 for i in range(32)]
             e = _pshufb(builder, pairs[j // 2], ir.Constant(_B32, ctl))
             top = builder.bitcast(builder.mul(builder.bitcast(e, _H16), shifts), _B32)
@@ -238,23 +251,23 @@ def _iq2_decode256(builder, p, grid):
 
 
 class _ByteLoad(ir.instructions.LoadInstr):
-    """A volatile byte load: kept a load (movzx from memory), where LLVM would take the byte out of the block's
-    vector load (vpextrb: 2 micro-ops each, 32 a block)."""
+    """A volatile scalar load: kept a load, where LLVM would take the bytes out of the block's vector load (vpextrb:
+    2 micro-ops each, 32 a block)."""
 
     def descr(self, buf):
         [val] = self.operands
         buf.append(f"load volatile {self.type}, {val.type} {val.get_reference()}, align 1\n")
 
 
-def _iq2_unit_rows(builder, p, grid, j, r):
-    """Unit (j, r)'s grid rows as <32 x i8> magnitudes: qwords = rows 2 r, 2 r + 1 of group j, then of group j + 4
-    (index bytes at p + 8 g + row): four 64-bit table loads (broadcast) put together by blends."""
+def _iq2_unit_rows(builder, idx, grid, j, r):
+    """Unit (j, r)'s grid rows as <32 x i8> magnitudes: qwords = rows 2 r, 2 r + 1 of group _AUX_GROUPS[j], then of
+    group _AUX_GROUPS[4 + j] (idx[g]: group g's 4 index bytes): four 64-bit table loads."""
     v4 = ir.VectorType(I64, 4)
     out = None
-    for q, (g, k) in enumerate(((j, 2 * r), (j, 2 * r + 1), (j + 4, 2 * r), (j + 4, 2 * r + 1))):
-        ld = _ByteLoad(builder.block, builder.gep(p, [_const(I64, 8 * g + k)]), typ=I8)
-        builder._insert(ld)
-        row = builder.load(builder.gep(grid, [builder.zext(ld, I64)]))
+    ga, gb = _AUX_GROUPS[j], _AUX_GROUPS[4 + j]
+    for q, (g, k) in enumerate(((ga, 2 * r), (ga, 2 * r + 1), (gb, 2 * r), (gb, 2 * r + 1))):
+        i = builder.and_(builder.lshr(idx[g], _const(I32, 8 * k)), _const(I32, 255))
+        row = builder.load(builder.gep(grid, [builder.zext(i, I64)]))
         bc = builder.insert_element(ir.Constant(v4, None), row, _const(I32, 0))
         bc = builder.shuffle_vector(bc, bc, ir.Constant(ir.VectorType(I32, 4), [0] * 4))
         out = bc if out is None else builder.shuffle_vector(
@@ -264,14 +277,15 @@ def _iq2_unit_rows(builder, p, grid, j, r):
 
 def _iq2_dot256(builder, dec, xp, xo):
     """<8 x i32> partial sums of a decoded block (_iq2_decode256) times its 256 activation bytes at xp[xo]."""
-    acc = None
+    vs = []
     for u, (gv, sb, sw) in enumerate(dec):
         x = _vload(builder, xp, builder.add(xo, _const(xo.type, 32 * u)), _B32)
         xs = _x86(builder, "llvm.x86.avx2.psign.b", _B32, x, sb)      # x, or -x where the weight's sign is minus
         pr = _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", _H16, gv, xs)
-        v = _x86(builder, "llvm.x86.avx2.pmadd.wd", _W8, pr, sw)
-        acc = v if acc is None else builder.add(acc, v)
-    return acc
+        vs.append(_x86(builder, "llvm.x86.avx2.pmadd.wd", _W8, pr, sw))
+    while len(vs) > 1:                                          # a tree: the block's latency, not 8 adds in a row
+        vs = [builder.add(vs[i], vs[i + 1]) for i in range(0, len(vs), 2)]
+    return vs[0]
 
 
 # ---- IQ2_XXS on AVX-512 (VBMI + GFNI + VNNI): a block's signs, scales and grid rows decoded in vector registers
@@ -754,10 +768,10 @@ def x_perm(xq):
                     for i in range(8):
                         if AVX512:
                             out[t, 256 * b + 64 * e + 8 * g + i] = xq[t, 256 * b + 32 * g + 8 * e + i]
-                        else:       # AVX2: unit (g % 4, e // 2), lane g // 4 (_iq2_decode256's order)
-                            u = 2 * (g % 4) + e // 2
-                            out[t, 256 * b + 32 * u + 16 * (g // 4) + 8 * (e % 2) + i] = \
-                                xq[t, 256 * b + 32 * g + 8 * e + i]
+                        else:       # AVX2: unit (j, e // 2), lane L (_iq2_decode256's order)
+                            k = _AUX_SLOT[g]
+                            u, L = 2 * (k % 4) + e // 2, k // 4
+                            out[t, 256 * b + 32 * u + 16 * L + 8 * (e % 2) + i] = xq[t, 256 * b + 32 * g + 8 * e + i]
     return out
 
 
