@@ -262,17 +262,36 @@ class _ByteLoad(ir.instructions.LoadInstr):
 def _iq2_unit_rows(builder, idx, grid, j, r):
     """Unit (j, r)'s grid rows as <32 x i8> magnitudes: qwords = rows 2 r, 2 r + 1 of group _AUX_GROUPS[j], then of
     group _AUX_GROUPS[4 + j] (idx[g]: group g's 4 index bytes): four 64-bit table loads."""
-    v4 = ir.VectorType(I64, 4)
-    out = None
+    v2 = ir.VectorType(I64, 2)
+    table = _grid16(builder.module)
     ga, gb = _AUX_GROUPS[j], _AUX_GROUPS[4 + j]
-    for q, (g, k) in enumerate(((ga, 2 * r), (ga, 2 * r + 1), (gb, 2 * r), (gb, 2 * r + 1))):
-        i = builder.and_(builder.lshr(idx[g], _const(I32, 8 * k)), _const(I32, 255))
-        row = builder.load(builder.gep(grid, [builder.zext(i, I64)]))
-        bc = builder.insert_element(ir.Constant(v4, None), row, _const(I32, 0))
-        bc = builder.shuffle_vector(bc, bc, ir.Constant(ir.VectorType(I32, 4), [0] * 4))
-        out = bc if out is None else builder.shuffle_vector(
-            out, bc, ir.Constant(ir.VectorType(I32, 4), [4 + i if i == q else i for i in range(4)]))
-    return builder.bitcast(out, _B32)
+    rows = []
+    for g, k in ((ga, 2 * r), (ga, 2 * r + 1), (gb, 2 * r), (gb, 2 * r + 1)):
+        i = builder.zext(builder.and_(builder.lshr(idx[g], _const(I32, 8 * k)), _const(I32, 255)), I64)
+        rows.append(builder.load(builder.gep(table, [_const(I64, 0), i]), align=16))        # (row, row)
+    # (row a, row b) by a blend of (a, a) and (b, b): no shuffle port; one vinserti128 for the two lanes
+    pair = ir.Constant(ir.VectorType(I32, 2), [0, 3])
+    lo, hi = builder.shuffle_vector(rows[0], rows[1], pair), builder.shuffle_vector(rows[2], rows[3], pair)
+    return builder.bitcast(builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(I32, 4), [0, 1, 2, 3])), _B32)
+
+
+def _grid16(module):
+    """IQ2_XXS's 256 grid rows, each twice (16 bytes: a row loads as (row, row) for the blends of _iq2_unit_rows),
+    a constant of the module."""
+    name = "ds4py_iq2xxs_grid16"
+    if name in module.globals:
+        return module.globals[name]
+    from ds4py.quant.iq2 import GRID
+
+    rows = np.ascontiguousarray(GRID.astype(np.uint8)).view(np.uint64).ravel().astype(np.int64)
+    v2 = ir.VectorType(I64, 2)
+    ty = ir.ArrayType(v2, 256)
+    gv = ir.GlobalVariable(module, ty, name=name)
+    gv.initializer = ir.Constant(ty, [ir.Constant(v2, [int(r), int(r)]) for r in rows])
+    gv.global_constant = True
+    gv.linkage = "internal"
+    gv.align = 16
+    return gv
 
 
 def _iq2_dot256(builder, dec, xp, xo):
