@@ -232,16 +232,9 @@ def _iq2_decode256(builder, p, grid):
     shifts = ir.Constant(_H16, _SHIFT_WORDS)
     out = []
     for j in range(4):                                          # unit pair j: dword j of each lane
-        idx = {}
-        for g in (_AUX_GROUPS[j], _AUX_GROUPS[4 + j]):
-            # a group's 4 index bytes: one 32-bit load, cut by the scalar ALUs (the load ports are busier)
-            ld = _ByteLoad(builder.block, builder.bitcast(builder.gep(p, [_const(I64, 8 * g)]), I32.as_pointer()),
-                           typ=I32)
-            builder._insert(ld)
-            idx[g] = ld
         sw = builder.bitcast(_pshufb(builder, scb, ir.Constant(_B32, [4 * j + i % 2 for i in range(32)])), _H16)
         for r in range(2):
-            gv = _iq2_unit_rows(builder, idx, grid, j, r)
+            gv = _iq2_unit_rows(builder, p, j, r)
             # word w of a lane: entry 2 r + w // 4 of the lane's dword j = byte 4 (j % 2) + ... of pairs[j // 2]
             ctl = [2 * (4 * (j % 2) + 2 * r + (i % 16) // 8) + i % 2 for i in range(32)]
             e = _pshufb(builder, pairs[j // 2], ir.Constant(_B32, ctl))
@@ -259,35 +252,40 @@ class _ByteLoad(ir.instructions.LoadInstr):
         buf.append(f"load volatile {self.type}, {val.type} {val.get_reference()}, align 1\n")
 
 
-def _iq2_unit_rows(builder, idx, grid, j, r):
+
+def _iq2_unit_rows(builder, p, j, r):
     """Unit (j, r)'s grid rows as <32 x i8> magnitudes: qwords = rows 2 r, 2 r + 1 of group _AUX_GROUPS[j], then of
-    group _AUX_GROUPS[4 + j] (idx[g]: group g's 4 index bytes): four 64-bit table loads."""
+    group _AUX_GROUPS[4 + j] (group g's index bytes at p + 8 g): per row one byte load and one 16-byte table load
+    at 8 x index (one address each: (row a, row a + 1) and (row b - 1, row b)), a blend takes (row a, row b) (no
+    shuffle port), one vinserti128 the two lanes."""
     v2 = ir.VectorType(I64, 2)
-    table = _grid16(builder.module)
+    table = builder.gep(_grid_padded(builder.module), [_const(I64, 0), _const(I64, 1)])      # row 0
     ga, gb = _AUX_GROUPS[j], _AUX_GROUPS[4 + j]
     rows = []
-    for g, k in ((ga, 2 * r), (ga, 2 * r + 1), (gb, 2 * r), (gb, 2 * r + 1)):
-        i = builder.zext(builder.and_(builder.lshr(idx[g], _const(I32, 8 * k)), _const(I32, 255)), I64)
-        rows.append(builder.load(builder.gep(table, [_const(I64, 0), i]), align=16))        # (row, row)
-    # (row a, row b) by a blend of (a, a) and (b, b): no shuffle port; one vinserti128 for the two lanes
+    for n, (g, k) in enumerate(((ga, 2 * r), (ga, 2 * r + 1), (gb, 2 * r), (gb, 2 * r + 1))):
+        ld = _ByteLoad(builder.block, builder.gep(p, [_const(I64, 8 * g + k)]), typ=I8)
+        builder._insert(ld)
+        i = builder.sub(builder.zext(ld, I64), _const(I64, n % 2))          # the second row of a pair: at 8 (i - 1)
+        row = _ByteLoad(builder.block, builder.bitcast(builder.gep(table, [i]), v2.as_pointer()), typ=v2)
+        builder._insert(row)                    # volatile: kept one 16-byte load (not narrowed to a qword + insert)
+        rows.append(row)
     pair = ir.Constant(ir.VectorType(I32, 2), [0, 3])
     lo, hi = builder.shuffle_vector(rows[0], rows[1], pair), builder.shuffle_vector(rows[2], rows[3], pair)
     return builder.bitcast(builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(I32, 4), [0, 1, 2, 3])), _B32)
 
 
-def _grid16(module):
-    """IQ2_XXS's 256 grid rows, each twice (16 bytes: a row loads as (row, row) for the blends of _iq2_unit_rows),
-    a constant of the module."""
-    name = "ds4py_iq2xxs_grid16"
+def _grid_padded(module):
+    """IQ2_XXS's 256 grid rows as qwords with one zero qword before and after (16-byte loads at 8 (index - 1) and
+    8 index stay inside), a constant of the module."""
+    name = "ds4py_iq2xxs_grid_padded"
     if name in module.globals:
         return module.globals[name]
     from ds4py.quant.iq2 import GRID
 
-    rows = np.ascontiguousarray(GRID.astype(np.uint8)).view(np.uint64).ravel().astype(np.int64)
-    v2 = ir.VectorType(I64, 2)
-    ty = ir.ArrayType(v2, 256)
+    rows = np.ascontiguousarray(GRID.astype(np.uint8)).view(np.int64).ravel()
+    ty = ir.ArrayType(I64, 258)
     gv = ir.GlobalVariable(module, ty, name=name)
-    gv.initializer = ir.Constant(ty, [ir.Constant(v2, [int(r), int(r)]) for r in rows])
+    gv.initializer = ir.Constant(ty, [0] + [int(v) for v in rows] + [0])
     gv.global_constant = True
     gv.linkage = "internal"
     gv.align = 16
