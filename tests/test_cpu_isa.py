@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType as Q
 
 from ds4py.quant import isa
 

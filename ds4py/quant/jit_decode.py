@@ -177,18 +177,23 @@ def _iq2_signed_dot(builder, gv, m, x, ls):
 # ggml's AVX2 scheme (_iq2_gather: 4 grid rows and 4 keven sign patterns a group by scalar loads, the ls by scalar
 # shifts) measured 3.3-4.0 GB/s a core here: ~330 instructions a block, its scalar index arithmetic spilling, and
 # ~60 of them on the shuffle ports (vpunpcklqdq, vinserti128, vpbroadcastw). Here the block is 8 units of 32
-# weights, unit (j, r) = rows 2 r, 2 r + 1 of group j in lane 0 and of group j + 4 in lane 1 (x permuted to match
-# once a call: x_perm), so every per-unit move stays inside a lane:
-# - grid: rows stay 64-bit table loads (a 256-entry table of 16-bit rows has no fast AVX2 lookup: vpshufb is 16
-#   entries a lane; gathers are slow on Zen and microcode-slowed on Intel since Downfall), as vpbroadcastq loads
-#   put together by vpblendd (no shuffle port);
-# - signs, all 8 groups at once: the 8 aux words in one <8 x i32> (dword g: group g, lane g // 4); each 7-bit field
+# weights, unit (j, r) = rows 2 r, 2 r + 1 of group _AUX_GROUPS[j] in lane 0 and of group _AUX_GROUPS[4 + j] in
+# lane 1 (x permuted to match once a call: x_perm), so every per-unit move stays inside a lane:
+# - grid: rows stay 64-bit table rows (a 256-entry table of 16-bit rows has no fast AVX2 lookup: vpshufb is 16
+#   entries a lane; gathers are slow on Zen and microcode-slowed on Intel since Downfall): a byte load of the
+#   index and a 16-byte load at 8 x index from a padded copy of the table (one addressing mode, no index
+#   arithmetic), two rows paired by vpblendd (no shuffle port), one vinserti128 a unit;
+# - signs, all 8 groups at once: the 8 aux words in one <8 x i32> (dword k: group _AUX_GROUPS[k], no lane
+#   crossing to get there: the block's critical path starts here); each 7-bit field
 #   e moved to byte e (field e sits at bit 7 e); its parity as bit 7 from a 16-entry nibble table (two vpshufb and
 #   a xor: ggml's ksigns_iq2xs without the 128-entry table); each sign byte s paired with s >> 1 in a word. A
 #   unit's word w then takes (s, s >> 1) of its entry by one vpshufb, and one vpmullw by 2^(7 - i) (i = 2 (w % 4):
 #   the weight of the word's low byte) moves bit i of s into the low byte's bit 7 and bit i + 1 into the high
 #   byte's; vpsignb(x, that | 1) signs x (4 instructions a unit, where and / compare / xor / sub took 6);
-# - scales: 2 ls + 1 = (aux >> 28) * 2 + 1, one vpshufb for two units (group j in lane 0, j + 4 in lane 1).
+# - scales: 2 ls + 1 = (aux >> 28) * 2 + 1, one vpshufb for two units (their lanes' groups);
+# - the 8 units' sums added as a tree (the block's latency, not 8 adds in a row).
+# Measured one thread from memory (bench/cpu_kernel_gbs.py --isa avx2, Zen 4 built without AVX-512): 3.3 -> 4.2
+# GB/s a core; ~220 instructions a block (ggml's ~330).
 # The dot product is ggml's: pmaddubsw (magnitudes x signed x, pairs |.| <= 2 * 43 * 127 < 2^15) and pmaddwd by the
 # group's 2 ls + 1. The integer block sum is the other paths' exactly: the same bits.
 _B32, _H16, _W8 = ir.VectorType(I8, 32), ir.VectorType(I16, 16), ir.VectorType(I32, 8)
@@ -202,9 +207,9 @@ def _pshufb(builder, table, idx):
     return _x86(builder, "llvm.x86.avx2.pshuf.b", _B32, table, idx)
 
 
-def _iq2_decode256(builder, p, grid):
+def _iq2_decode256(builder, p):
     """The block of 64 code bytes at p -> 8 units (j, r) as (<32 x i8> grid magnitudes, <32 x i8> bytes whose sign
-    is the weight's (never 0: for vpsignb), <16 x i16> the 2 ls + 1 of group j (lane 0) / j + 4 (lane 1)), unit
+    is the weight's (never 0: for vpsignb), <16 x i16> the 2 ls + 1 of the lanes' groups), unit
     2 j + r reading x_perm's 32 bytes 32 (2 j + r) of the block."""
     q0 = _vload(builder, p, _const(I64, 0), ir.VectorType(I64, 4))
     q1 = _vload(builder, p, _const(I64, 32), ir.VectorType(I64, 4))
@@ -410,7 +415,7 @@ def iq2_block(typingctx, raw, off, xq, xo, grid8, sign8):
         if AVX512:
             return _hsum(builder, _iq2_dot512(builder, _iq2_decode512(builder, p), xp, args[3]))
         if AVX2:
-            return _hsum(builder, _iq2_dot256(builder, _iq2_decode256(builder, p, grid), xp, args[3]))
+            return _hsum(builder, _iq2_dot256(builder, _iq2_decode256(builder, p), xp, args[3]))
         b32 = ir.VectorType(I8, 32)
         acc = None
         for g in range(8):
@@ -460,10 +465,8 @@ def iq2_block2(typingctx, raw, off, xq, xo, grid8, sign8):
                              builder.add(xo, _const(xo.type, 256)))
             sums = _hsum2(builder, va, vb)
         elif AVX2:
-            grid = _data(context, builder, sig, args, 4)
-            sums = [_hsum(builder, _iq2_dot256(builder, _iq2_decode256(builder, builder.gep(p, [_const(I64, 66 * i)]),
-                                                                         grid), xp,
-                                               builder.add(xo, _const(xo.type, 256 * i)))) for i in range(2)]
+            sums = [_hsum(builder, _iq2_dot256(builder, _iq2_decode256(builder, builder.gep(p, [_const(I64, 66 * i)])),
+                                               xp, builder.add(xo, _const(xo.type, 256 * i)))) for i in range(2)]
         else:
             grid, signs = _data(context, builder, sig, args, 4), _data(context, builder, sig, args, 5)
             b32 = ir.VectorType(I8, 32)
@@ -502,7 +505,7 @@ def iq2_block_pairs(typingctx, raw, off, d, b, xq, xr, j0, j1, xd, accs, grid8, 
         if AVX512:
             dec = _iq2_decode512(builder, p)
         elif AVX2:
-            dec = _iq2_decode256(builder, p, grid)
+            dec = _iq2_decode256(builder, p)
         else:
             groups = [_iq2_gather(builder, builder.gep(p, [_const(I64, 8 * g)]), grid, signs) for g in range(8)]
         b32 = ir.VectorType(I8, 32)
@@ -772,7 +775,8 @@ def x_perm(xq):
     """The activation codes xq [T, C] in the order the IQ2_XXS kernels read them: on the AVX-512 path, per block
     of 256, its 32 runs of 8 (run 4 g + e: grid entry e of group g) as entry-major (zmm e holds entry e of
     every group, so a block's sign masks and scales need no cross-lane moves); on the AVX2 path unit (j, r) =
-    entries 2 r, 2 r + 1 of group j, then of group j + 4 (_iq2_decode256); elsewhere xq itself. Integer block
+    entries 2 r, 2 r + 1 of group _AUX_GROUPS[j], then of group _AUX_GROUPS[4 + j] (_iq2_decode256); elsewhere xq
+    itself. Integer block
     sums are exact in any order: the same bits."""
     if not AVX2:
         return xq
