@@ -1,7 +1,7 @@
 """One-thread speed of the CPU decode kernels (ds4py.quant.jit_decode, int8 activations; F16 in fp32), in GB/s of
 weights a core, against this host's copy bandwidth.
 
-    python3 bench/cpu_kernel_gbs.py [--mb 160] [--reps 5] [--threads 2]
+    python3 bench/cpu_kernel_gbs.py [--mb 160] [--reps 5] [--threads 2] [--isa native|avx2|portable]
 
 Each format's serial row kernel (`<fmt>_rows`: one token, the way a decode step runs it) streams a random matrix of
 about --mb MB (larger than the last-level cache) at a real model width; the time is the calling thread's CPU time,
@@ -20,8 +20,6 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from ds4py.quant import jit, jit_i8  # noqa: E402
 
 F32 = np.float32
 
@@ -49,7 +47,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="also time the pooled kernels on this many threads")
     ap.add_argument("--only", default="", help="comma-separated formats (iq2_xxs,q2_k,q8_0,f16)")
+    ap.add_argument("--isa", default="native", help="instruction set to build the kernels for: native, avx2, portable")
     a = ap.parse_args()
+    from ds4py.quant import isa                    # before numba compiles anything: its target comes from the env
+    try:
+        os.environ.update(isa.numba_env(a.isa))
+    except ValueError as e:
+        sys.exit(str(e))
+    from ds4py.quant import jit, jit_i8
     jit_i8._kernels()
     dec = jit_i8._tables["dec"]
     f16 = jit._state["f16"]

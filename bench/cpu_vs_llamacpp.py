@@ -3,7 +3,7 @@ llama-bench, on the same GGUF, at the same thread count, interleaved.
 
     python bench/cpu_vs_llamacpp.py --llama-bench PATH/llama-bench -m MODEL.gguf [--threads 2] [--gen 8]
                                     [--prefill 128,512,2048] [--rounds 3] [--rounds-long 1] [--kernels auto]
-                                    [--no-warm] [--json OUT.json] [--numerics default,exact]
+                                    [--no-warm] [--json OUT.json] [--numerics default,exact] [--isa avx2]
     python bench/cpu_vs_llamacpp.py --llama-bench PATH/llama-bench -m MODEL.gguf --cgroup-mb 2048 [--gen 8]
                                     [--rounds 2] [--cgroup-prompt 4] [--numerics default]
 
@@ -26,6 +26,9 @@ share before the run is printed): first token = process start to the logits of a
 (ds4py: the median of --gen decode steps after the first one, same process; llama.cpp: `-p 0 -n G -r 1` right
 after, warm-up run included, its tg rate). ds4py runs with its paging hints on (madvise: routed experts
 MADV_RANDOM, each layer's dense tensors MADV_WILLNEED one layer ahead) and the lean private memory.
+--isa avx2 builds ds4py's kernels without AVX-512 (ds4py.quant.isa: the laptop case measured on an AVX-512 host;
+give --llama-bench an AVX2-only llama.cpp build, cmake -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON
+-DGGML_F16C=ON -DGGML_AVX512=OFF, for the same comparison).
 Per run: ms / decoded token or prefill tokens / s, the child's CPU seconds, peak RSS and major page faults
 (os.wait4), and the 1-minute load average when it ended. The summary gives min and median over the rounds and
 ds4py / llama.cpp ratios (decode time, prefill rate), plus the weight bytes one decode step reads (the file's
@@ -66,7 +69,9 @@ def child(a: argparse.Namespace) -> dict:
     rng = np.random.default_rng(0)
     vocab = m.config.vocab_size
     st = m.new_state()
-    out = {"kernels": m.kernels_label, "open_s": open_s, "populate_wait_s": populate_s}
+    from ds4py.quant import jit_decode                    # which ISA path the kernels took (--isa)
+    out = {"kernels": m.kernels_label, "open_s": open_s, "populate_wait_s": populate_s,
+           "isa_path": "avx512" if jit_decode.AVX512 else "avx2" if jit_decode.AVX2 else "portable"}
     if a.child_cgroup:                                     # memory-cgroup case: cold first token, then decode
         logits = m.prefill(st, [int(i) for i in rng.integers(0, vocab, a.cgroup_prompt)])
         out["first_token_at"] = time.time()
@@ -274,6 +279,10 @@ def main() -> int:
                         "the CLI's default; ds4py.quant.jit_i8 / jit_decode) and / or exact (fp32 activations: "
                         "--exact, Numerics())")
     p.add_argument("--no-warm", action="store_true", help="skip reading the file into the page cache first")
+    p.add_argument("--isa", default="native",
+                   help="instruction set ds4py's compiled kernels are built for: native (the host's), avx2 (AVX2 + FMA "
+                        "without AVX-512: the laptop case on an AVX-512 host; pair it with an AVX2-only llama.cpp "
+                        "build), portable (ds4py.quant.isa)")
     p.add_argument("--json", metavar="OUT.json")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--child-prefill", type=int, default=0, help=argparse.SUPPRESS)
@@ -288,6 +297,11 @@ def main() -> int:
         return 0
     if not a.llama_bench:
         p.error("--llama-bench PATH (llama.cpp's llama-bench binary) is required")
+    from ds4py.quant import isa
+    try:
+        os.environ.update(isa.numba_env(a.isa))           # the ds4py children inherit it
+    except ValueError as e:
+        p.error(str(e))
     for path, what in ((a.llama_bench, "--llama-bench"), (a.model, "--model")):
         if not os.path.isfile(path):
             p.error(f"{what}: no such file: {path}")
@@ -321,12 +335,14 @@ def main() -> int:
                       f"{row['peak_rss'] / 2**20:.0f} MiB  major faults {row['major_faults']}  "
                       f"load {row['loadavg']:.1f}", flush=True)
     per_token = decode_bytes(a.model)
-    summary: dict = {"model": a.model, "file_bytes": os.path.getsize(a.model), "threads": a.threads,
+    summary: dict = {"model": a.model, "file_bytes": os.path.getsize(a.model), "threads": a.threads, "isa": a.isa,
                      "gen": a.gen, "rounds": a.rounds, "rounds_long": a.rounds_long, "decode_bytes": per_token,
                      "ds4py_kernels": next(r["kernels"] for r in rows if r["engine"] != "llama.cpp"),
                      "load": stats([r["loadavg"] for r in rows]),
                      "major_faults": {e: sum(r["major_faults"] for r in rows if r["engine"] == e) for e in engines}}
-    print(f"ds4py kernels: {summary['ds4py_kernels']}; load average over the runs "
+    summary["isa_path"] = sorted({r["isa_path"] for r in rows if "isa_path" in r})
+    print(f"ds4py kernels: {summary['ds4py_kernels']} (--isa {a.isa}: {', '.join(summary['isa_path'])} path); "
+          "load average over the runs "
           f"{summary['load']['min']:.1f}..{summary['load']['max']:.1f}; major faults "
           + ", ".join(f"{e} {n}" for e, n in summary["major_faults"].items()))
     for test in tests:

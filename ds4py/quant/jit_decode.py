@@ -34,43 +34,32 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
+from ds4py.quant.isa import target_features
+
 F32, I32N = np.float32, np.int32
 OPTS = dict(parallel=True, cache=True, nogil=True, boundscheck=False)
 I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 
 
-def _host_avx2() -> bool:
-    """Whether numba compiles for this host and it has AVX2: then the byte products use pmaddubsw + pmaddwd
-    (LLVM does not form them from the portable IR: it widened to vpmulld); a cross-target build
-    ($NUMBA_CPU_NAME) and other CPUs get the portable IR."""
-    import numba
-    from llvmlite import binding
+_FEATURES = target_features()           # what LLVM compiles for (isa.py)
 
-    if numba.config.CPU_NAME:
-        return False
-    try:
-        return bool(binding.get_host_cpu_features().get("avx2"))
-    except RuntimeError:                     # features unknown on this platform
-        return False
+
+def _host_avx2() -> bool:
+    """Whether numba compiles for a target with AVX2 (this host's features, or $NUMBA_CPU_FEATURES: isa.py): then
+    the byte products use pmaddubsw + pmaddwd (LLVM does not form them from the portable IR: it widened to
+    vpmulld); a cross-target build ($NUMBA_CPU_NAME alone) and other CPUs get the portable IR."""
+    return bool(_FEATURES.get("avx2"))
 
 
 AVX2 = _host_avx2()
 
 
 def _host_avx512() -> bool:
-    """Whether the host (numba compiling for it) has the AVX-512 set the IQ2_XXS kernel uses: BW + VL (byte
-    multiply-adds and masks on 512 bits), VBMI (vpmultishiftqb: a block's 32 sign fields cut out in one
-    instruction), GFNI (vgf2p8affineqb: the parity bit of each of them in one). Zen 4, Ice Lake and later."""
-    import numba
-    from llvmlite import binding
-
-    if not AVX2 or numba.config.CPU_NAME:
-        return False
-    try:
-        f = binding.get_host_cpu_features()
-    except RuntimeError:
-        return False
-    return all(f.get(k) for k in ("avx512f", "avx512bw", "avx512vl", "avx512vbmi", "avx512vnni", "gfni"))
+    """Whether the target has the AVX-512 set the IQ2_XXS kernel uses: BW + VL (byte multiply-adds and masks on 512
+    bits), VBMI (vpmultishiftqb: a block's 32 sign fields cut out in one instruction), GFNI (vgf2p8affineqb: the
+    parity bit of each of them in one). Zen 4, Ice Lake and later."""
+    return AVX2 and all(_FEATURES.get(k) for k in ("avx512f", "avx512bw", "avx512vl", "avx512vbmi", "avx512vnni",
+                                                   "gfni"))
 
 
 AVX512 = _host_avx512()
@@ -82,17 +71,9 @@ def _native_half() -> bool:
     first compile: measured with NUMBA_CPU_NAME=generic). Then F16 keeps jit_kernels.f16_rows' table."""
     import platform
 
-    import numba
-    from llvmlite import binding
-
     if platform.machine().lower() in ("aarch64", "arm64"):
         return True
-    if numba.config.CPU_NAME:
-        return False
-    try:
-        return bool(binding.get_host_cpu_features().get("f16c"))
-    except RuntimeError:
-        return False
+    return bool(_FEATURES.get("f16c"))
 
 
 NATIVE_HALF = _native_half()
@@ -189,6 +170,144 @@ def _iq2_signed_dot(builder, gv, m, x, ls):
     lsv = builder.insert_element(ir.Constant(h16, None), ls, _const(I32, 0))
     lsv = builder.shuffle_vector(lsv, lsv, ir.Constant(ir.VectorType(I32, 16), [0] * 16))
     return _dot_u8s8(builder, gv, xs, lsv)                       # pairs: 2 * 43 * 127 < 2^15
+
+
+
+# ---- IQ2_XXS on AVX2 (+ FMA; no AVX-512: most laptops): the signs and scales of a block decoded in vector registers
+# ggml's AVX2 scheme (_iq2_gather: 4 grid rows and 4 keven sign patterns a group by scalar loads, the ls by scalar
+# shifts) measured 3.3-4.0 GB/s a core here: ~330 instructions a block, its scalar index arithmetic spilling, and
+# ~60 of them on the shuffle ports (vpunpcklqdq, vinserti128, vpbroadcastw). Here the block is 8 units of 32
+# weights, unit (j, r) = rows 2 r, 2 r + 1 of group _AUX_GROUPS[j] in lane 0 and of group _AUX_GROUPS[4 + j] in
+# lane 1 (x permuted to match once a call: x_perm), so every per-unit move stays inside a lane:
+# - grid: rows stay 64-bit table rows (a 256-entry table of 16-bit rows has no fast AVX2 lookup: vpshufb is 16
+#   entries a lane; gathers are slow on Zen and microcode-slowed on Intel since Downfall): a byte load of the
+#   index and a 16-byte load at 8 x index from a padded copy of the table (one addressing mode, no index
+#   arithmetic), two rows paired by vpblendd (no shuffle port), one vinserti128 a unit;
+# - signs, all 8 groups at once: the 8 aux words in one <8 x i32> (dword k: group _AUX_GROUPS[k], no lane
+#   crossing to get there: the block's critical path starts here); each 7-bit field
+#   e moved to byte e (field e sits at bit 7 e); its parity as bit 7 from a 16-entry nibble table (two vpshufb and
+#   a xor: ggml's ksigns_iq2xs without the 128-entry table); each sign byte s paired with s >> 1 in a word. A
+#   unit's word w then takes (s, s >> 1) of its entry by one vpshufb, and one vpmullw by 2^(7 - i) (i = 2 (w % 4):
+#   the weight of the word's low byte) moves bit i of s into the low byte's bit 7 and bit i + 1 into the high
+#   byte's; vpsignb(x, that | 1) signs x (4 instructions a unit, where and / compare / xor / sub took 6);
+# - scales: 2 ls + 1 = (aux >> 28) * 2 + 1, one vpshufb for two units (their lanes' groups);
+# - the 8 units' sums added as a tree (the block's latency, not 8 adds in a row).
+# Measured one thread from memory (bench/cpu_kernel_gbs.py --isa avx2, Zen 4 built without AVX-512): 3.3 -> 4.2
+# GB/s a core; ~220 instructions a block (ggml's ~330).
+# The dot product is ggml's: pmaddubsw (magnitudes x signed x, pairs |.| <= 2 * 43 * 127 < 2^15) and pmaddwd by the
+# group's 2 ls + 1. The integer block sum is the other paths' exactly: the same bits.
+_B32, _H16, _W8 = ir.VectorType(I8, 32), ir.VectorType(I16, 16), ir.VectorType(I32, 8)
+_PARITY_NIBBLE = [0x80 * (bin(i).count("1") & 1) for i in range(16)]
+_SHIFT_WORDS = [1 << (7 - 2 * (w % 4)) for w in range(16)]       # word w: 2^(7 - i), i = its low byte's weight
+_AUX_GROUPS = (0, 4, 1, 5, 2, 6, 3, 7)      # the group in dword k of _iq2_decode256's aux vector (lane k // 4)
+_AUX_SLOT = np.argsort(np.array(_AUX_GROUPS))               # group g -> its dword
+
+
+def _pshufb(builder, table, idx):
+    return _x86(builder, "llvm.x86.avx2.pshuf.b", _B32, table, idx)
+
+
+def _iq2_decode256(builder, p):
+    """The block of 64 code bytes at p -> 8 units (j, r) as (<32 x i8> grid magnitudes, <32 x i8> bytes whose sign
+    is the weight's (never 0: for vpsignb), <16 x i16> the 2 ls + 1 of the lanes' groups), unit
+    2 j + r reading x_perm's 32 bytes 32 (2 j + r) of the block."""
+    q0 = _vload(builder, p, _const(I64, 0), ir.VectorType(I64, 4))
+    q1 = _vload(builder, p, _const(I64, 32), ir.VectorType(I64, 4))
+    # the 8 aux words without a lane crossing (short latency: the block's critical path starts here): dwords
+    # [0, 4, 1, 5 | 2, 6, 3, 7] hold groups _AUX_GROUPS (q0's aux shifted down a dword, q1's in place)
+    aux = builder.bitcast(builder.shuffle_vector(builder.bitcast(builder.lshr(q0, _splat(q0.type, 32)), _W8),
+                                                 builder.bitcast(q1, _W8),
+                                                 ir.Constant(_W8, [0, 9, 2, 11, 4, 13, 6, 15])), _W8)
+    t = builder.and_(aux, _splat(_W8, 0x7F))
+    for e in (1, 2, 3):                                         # field e (bits 7 e ..) to byte e (bits 8 e ..)
+        t = builder.or_(t, builder.and_(builder.shl(aux, _splat(_W8, e)), _splat(_W8, 0x7F << (8 * e))))
+    tb = builder.bitcast(t, _B32)
+    lo = builder.and_(tb, _splat(_B32, 15))
+    hi = builder.bitcast(builder.lshr(builder.bitcast(tb, _H16), _splat(_H16, 4)), _B32)
+    hi = builder.and_(hi, _splat(_B32, 15))
+    par = ir.Constant(_B32, _PARITY_NIBBLE * 2)
+    sgn = builder.or_(tb, builder.xor(_pshufb(builder, par, lo), _pshufb(builder, par, hi)))   # byte 4 g + e
+    half = builder.lshr(sgn, _splat(_B32, 1))
+    # words (s, s >> 1) of the lane's sign bytes 0..7 (pairs[0]: dwords 0, 1 of each lane), 8..15 (pairs[1])
+    pairs = [builder.shuffle_vector(sgn, half, ir.Constant(ir.VectorType(I32, 32),
+                                                           [16 * (i // 16) + 8 * h + (i % 16) // 2 + 32 * (i % 2)
+                                                            for i in range(32)])) for h in range(2)]
+    sc = builder.or_(builder.shl(builder.lshr(aux, _splat(_W8, 28)), _splat(_W8, 1)), _splat(_W8, 1))
+    scb = builder.bitcast(sc, _B32)                             # dword k: group _AUX_GROUPS[k]
+    shifts = ir.Constant(_H16, _SHIFT_WORDS)
+    out = []
+    for j in range(4):                                          # unit pair j: dword j of each lane
+        sw = builder.bitcast(_pshufb(builder, scb, ir.Constant(_B32, [4 * j + i % 2 for i in range(32)])), _H16)
+        for r in range(2):
+            gv = _iq2_unit_rows(builder, p, j, r)
+            # word w of a lane: entry 2 r + w // 4 of the lane's dword j = byte 4 (j % 2) + ... of pairs[j // 2]
+            ctl = [2 * (4 * (j % 2) + 2 * r + (i % 16) // 8) + i % 2 for i in range(32)]
+            e = _pshufb(builder, pairs[j // 2], ir.Constant(_B32, ctl))
+            top = builder.bitcast(builder.mul(builder.bitcast(e, _H16), shifts), _B32)
+            out.append((gv, builder.or_(top, _splat(_B32, 1)), sw))
+    return out
+
+
+class _ByteLoad(ir.instructions.LoadInstr):
+    """A volatile scalar load: kept a load, where LLVM would take the bytes out of the block's vector load (vpextrb:
+    2 micro-ops each, 32 a block)."""
+
+    def descr(self, buf):
+        [val] = self.operands
+        buf.append(f"load volatile {self.type}, {val.type} {val.get_reference()}, align 1\n")
+
+
+
+def _iq2_unit_rows(builder, p, j, r):
+    """Unit (j, r)'s grid rows as <32 x i8> magnitudes: qwords = rows 2 r, 2 r + 1 of group _AUX_GROUPS[j], then of
+    group _AUX_GROUPS[4 + j] (group g's index bytes at p + 8 g): per row one byte load and one 16-byte table load
+    at 8 x index (one address each: (row a, row a + 1) and (row b - 1, row b)), a blend takes (row a, row b) (no
+    shuffle port), one vinserti128 the two lanes."""
+    v2 = ir.VectorType(I64, 2)
+    table = builder.gep(_grid_padded(builder.module), [_const(I64, 0), _const(I64, 1)])      # row 0
+    ga, gb = _AUX_GROUPS[j], _AUX_GROUPS[4 + j]
+    rows = []
+    for n, (g, k) in enumerate(((ga, 2 * r), (ga, 2 * r + 1), (gb, 2 * r), (gb, 2 * r + 1))):
+        ld = _ByteLoad(builder.block, builder.gep(p, [_const(I64, 8 * g + k)]), typ=I8)
+        builder._insert(ld)
+        i = builder.sub(builder.zext(ld, I64), _const(I64, n % 2))          # the second row of a pair: at 8 (i - 1)
+        row = _ByteLoad(builder.block, builder.bitcast(builder.gep(table, [i]), v2.as_pointer()), typ=v2)
+        builder._insert(row)                    # volatile: kept one 16-byte load (not narrowed to a qword + insert)
+        rows.append(row)
+    pair = ir.Constant(ir.VectorType(I32, 2), [0, 3])
+    lo, hi = builder.shuffle_vector(rows[0], rows[1], pair), builder.shuffle_vector(rows[2], rows[3], pair)
+    return builder.bitcast(builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(I32, 4), [0, 1, 2, 3])), _B32)
+
+
+def _grid_padded(module):
+    """IQ2_XXS's 256 grid rows as qwords with one zero qword before and after (16-byte loads at 8 (index - 1) and
+    8 index stay inside), a constant of the module."""
+    name = "ds4py_iq2xxs_grid_padded"
+    if name in module.globals:
+        return module.globals[name]
+    from ds4py.quant.iq2 import GRID
+
+    rows = np.ascontiguousarray(GRID.astype(np.uint8)).view(np.int64).ravel()
+    ty = ir.ArrayType(I64, 258)
+    gv = ir.GlobalVariable(module, ty, name=name)
+    gv.initializer = ir.Constant(ty, [0] + [int(v) for v in rows] + [0])
+    gv.global_constant = True
+    gv.linkage = "internal"
+    gv.align = 16
+    return gv
+
+
+def _iq2_dot256(builder, dec, xp, xo):
+    """<8 x i32> partial sums of a decoded block (_iq2_decode256) times its 256 activation bytes at xp[xo]."""
+    vs = []
+    for u, (gv, sb, sw) in enumerate(dec):
+        x = _vload(builder, xp, builder.add(xo, _const(xo.type, 32 * u)), _B32)
+        xs = _x86(builder, "llvm.x86.avx2.psign.b", _B32, x, sb)      # x, or -x where the weight's sign is minus
+        pr = _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", _H16, gv, xs)
+        vs.append(_x86(builder, "llvm.x86.avx2.pmadd.wd", _W8, pr, sw))
+    while len(vs) > 1:                                          # a tree: the block's latency, not 8 adds in a row
+        vs = [builder.add(vs[i], vs[i + 1]) for i in range(0, len(vs), 2)]
+    return vs[0]
 
 
 # ---- IQ2_XXS on AVX-512 (VBMI + GFNI + VNNI): a block's signs, scales and grid rows decoded in vector registers
@@ -295,6 +414,8 @@ def iq2_block(typingctx, raw, off, xq, xo, grid8, sign8):
         grid, signs = _data(context, builder, sig, args, 4), _data(context, builder, sig, args, 5)
         if AVX512:
             return _hsum(builder, _iq2_dot512(builder, _iq2_decode512(builder, p), xp, args[3]))
+        if AVX2:
+            return _hsum(builder, _iq2_dot256(builder, _iq2_decode256(builder, p), xp, args[3]))
         b32 = ir.VectorType(I8, 32)
         acc = None
         for g in range(8):
@@ -343,6 +464,9 @@ def iq2_block2(typingctx, raw, off, xq, xo, grid8, sign8):
             vb = _iq2_dot512(builder, _iq2_decode512(builder, builder.gep(p, [_const(I64, 66)])), xp,
                              builder.add(xo, _const(xo.type, 256)))
             sums = _hsum2(builder, va, vb)
+        elif AVX2:
+            sums = [_hsum(builder, _iq2_dot256(builder, _iq2_decode256(builder, builder.gep(p, [_const(I64, 66 * i)])),
+                                               xp, builder.add(xo, _const(xo.type, 256 * i)))) for i in range(2)]
         else:
             grid, signs = _data(context, builder, sig, args, 4), _data(context, builder, sig, args, 5)
             b32 = ir.VectorType(I8, 32)
@@ -380,6 +504,8 @@ def iq2_block_pairs(typingctx, raw, off, d, b, xq, xr, j0, j1, xd, accs, grid8, 
         NB = builder.extract_value(xd_ary.shape, 1)
         if AVX512:
             dec = _iq2_decode512(builder, p)
+        elif AVX2:
+            dec = _iq2_decode256(builder, p)
         else:
             groups = [_iq2_gather(builder, builder.gep(p, [_const(I64, 8 * g)]), grid, signs) for g in range(8)]
         b32 = ir.VectorType(I8, 32)
@@ -390,6 +516,8 @@ def iq2_block_pairs(typingctx, raw, off, d, b, xq, xr, j0, j1, xd, accs, grid8, 
             xo = builder.add(builder.mul(t, C), builder.mul(blk, _const(I64, 256)))
             if AVX512:
                 acc = _iq2_dot512(builder, dec, xq_ary.data, xo)
+            elif AVX2:
+                acc = _iq2_dot256(builder, dec, xq_ary.data, xo)
             else:
                 acc = None
                 for g, (gv, m, ls) in enumerate(groups):
@@ -646,9 +774,11 @@ def _pieces(parts, R):
 def x_perm(xq):
     """The activation codes xq [T, C] in the order the IQ2_XXS kernels read them: on the AVX-512 path, per block
     of 256, its 32 runs of 8 (run 4 g + e: grid entry e of group g) as entry-major (zmm e holds entry e of
-    every group, so a block's sign masks and scales need no cross-lane moves); elsewhere xq itself. Integer block
+    every group, so a block's sign masks and scales need no cross-lane moves); on the AVX2 path unit (j, r) =
+    entries 2 r, 2 r + 1 of group _AUX_GROUPS[j], then of group _AUX_GROUPS[4 + j] (_iq2_decode256); elsewhere xq
+    itself. Integer block
     sums are exact in any order: the same bits."""
-    if not AVX512:
+    if not AVX2:
         return xq
     T, C = xq.shape
     out = np.empty((T, C), np.int8)
@@ -657,7 +787,12 @@ def x_perm(xq):
             for g in range(8):
                 for e in range(4):
                     for i in range(8):
-                        out[t, 256 * b + 64 * e + 8 * g + i] = xq[t, 256 * b + 32 * g + 8 * e + i]
+                        if AVX512:
+                            out[t, 256 * b + 64 * e + 8 * g + i] = xq[t, 256 * b + 32 * g + 8 * e + i]
+                        else:       # AVX2: unit (j, e // 2), lane L (_iq2_decode256's order)
+                            k = _AUX_SLOT[g]
+                            u, L = 2 * (k % 4) + e // 2, k // 4
+                            out[t, 256 * b + 32 * u + 16 * L + 8 * (e % 2) + i] = xq[t, 256 * b + 32 * g + 8 * e + i]
     return out
 
 

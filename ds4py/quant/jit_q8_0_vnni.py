@@ -25,6 +25,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
+from ds4py.quant.isa import target_features
+
 F32 = np.float32
 I8, I32, I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
 LANES = 16                   # rows per tile: one 512-bit register of int32 sums
@@ -32,16 +34,9 @@ TOKENS = 4                   # tokens per pass over a tile
 
 
 def _host_vnni() -> bool:
-    """Whether numba compiles for this host and it has AVX-512 F / BW and VNNI (vpdpbusd on 512-bit registers)."""
-    import numba
-    from llvmlite import binding
-
-    if numba.config.CPU_NAME:
-        return False
-    try:
-        f = binding.get_host_cpu_features()
-    except RuntimeError:
-        return False
+    """Whether numba compiles for a target with AVX-512 F / BW and VNNI (vpdpbusd on 512-bit registers): the host,
+    or $NUMBA_CPU_FEATURES (ds4py.quant.isa)."""
+    f = target_features()
     return all(f.get(k) for k in ("avx512f", "avx512bw", "avx512vnni"))
 
 
