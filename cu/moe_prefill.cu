@@ -210,7 +210,7 @@ __device__ __forceinline__ void moep_split8(const float* v, uint16_t* dst, int p
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             const __nv_bfloat162 h = __floats2bfloat162_rn(r[2 * i], r[2 * i + 1]);
-            w[i] = (unsigned)__bfloat16_as_ushort(h.x) | ((unsigned)__bfloat16_as_ushort(h.y) << 16);
+            w[i] = *reinterpret_cast<const unsigned*>(&h);   // the pair's word as is (no 16-bit halves to re-pack)
             const float b0 = __uint_as_float(w[i] << 16), b1 = __uint_as_float(w[i] & 0xffff0000u);
             if (p == 0 && sum) {
                 *sum += b0;
