@@ -54,8 +54,16 @@
 #define MOEP_LDS (MOEP_BK + 8)
 #define MOEP_THREADS (32 * MOEP_WARPS_M * MOEP_WARPS_N)
 #define MOEP_ROUTE_THREADS (32 * MOEP_ROUTE_WARPS)
-#define MOEP_MT 2
-#define MOEP_NT 4
+// A warp's piece of the BM x BN tile: MOEP_MT m tiles of 16 rows by MOEP_NT n tiles of 8 features, the warps stacked
+// along the rows (BM / 16 warps of 16 rows x all BN features): each B fragment feeds every piece of its warp's rows,
+// and a warp whose 16 rows are all the work item's padding (past its last row) skips its MMAs whole (one warp-
+// uniform branch: no m tile loop to break the MMA schedule).
+#define MOEP_MT 1
+#define MOEP_NT 8
+#define MOEP_WTM (16 * MOEP_MT)
+#define MOEP_WTN (8 * MOEP_NT)
+#define MOEP_WGN (MOEP_BN / MOEP_WTN)
+static_assert((MOEP_BM / MOEP_WTM) * MOEP_WGN * 32 == MOEP_THREADS, "the warps cover the tile once");
 static_assert(MOEP_THREADS % MOEP_BM == 0, "every tile row has the same number of staging threads");
 
 // ---- route: count, scan, scatter -----------------------------------------------------------------------------
@@ -187,6 +195,36 @@ template <int F> struct MoepF<F, true> {                           // VQ-8 at F 
 };
 #define MOEP_APIECE (MOEP_BM * MOEP_LDS)
 
+// Eight fp32 values in NP bf16 pieces whose sum is the value (tile_split8's pieces: each piece the round-to-nearest-
+// even bf16 of what the pieces before it left, NP = 1: the values rounded), two values per conversion (one cvt of
+// a pair gives the 32-bit word the 16-byte store takes; the rounded values come back from its halves). Piece p goes
+// to dst + p * piece; sum += the first piece's values in order (moep_stage_a's half sums).
+template <int NP>
+__device__ __forceinline__ void moep_split8(const float* v, uint16_t* dst, int piece, float* sum = nullptr) {
+    float r[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++) r[i] = v[i];
+#pragma unroll
+    for (int p = 0; p < NP; p++) {
+        unsigned w[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const __nv_bfloat162 h = __floats2bfloat162_rn(r[2 * i], r[2 * i + 1]);
+            w[i] = *reinterpret_cast<const unsigned*>(&h);   // the pair's word as is (no 16-bit halves to re-pack)
+            const float b0 = __uint_as_float(w[i] << 16), b1 = __uint_as_float(w[i] & 0xffff0000u);
+            if (p == 0 && sum) {
+                *sum += b0;
+                *sum += b1;
+            }
+            if (p + 1 < NP) {
+                r[2 * i] = r[2 * i] - b0;                        // exact: the remainder has the few bits left
+                r[2 * i + 1] = r[2 * i + 1] - b1;
+            }
+        }
+        *reinterpret_cast<uint4*>(dst + p * piece) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+}
+
 // Stage the tile's A rows (k columns [k, k + 32) of MOEP_BM rows from arow, zeros for a missing row) as XP bf16
 // pieces (piece p at as + p * MOEP_APIECE; XP = 1: the values rounded to bf16), and sx[h * BM + r] = the fp32 sum
 // of row r's 16 staged values of half h (the K-quants' mins multiply it). Thread -> (row tid % BM, half tid / BM).
@@ -207,13 +245,11 @@ __device__ __forceinline__ void moep_stage_a(uint16_t* as, float* sx, const floa
             for (int i = 0; i < 8; i++) v[i] = 0.0f;
         }
         if constexpr (XP == 1) {
-#pragma unroll
-            for (int i = 0; i < 8; i++) sum += tile_bf16_value(tile_bf16(v[i]));
-            tile_store8(as + r * MOEP_LDS + 16 * h + c, v);
+            moep_split8<1>(v, as + r * MOEP_LDS + 16 * h + c, MOEP_APIECE, &sum);   // the sum of the rounded values
         } else {
 #pragma unroll
             for (int i = 0; i < 8; i++) sum += v[i];
-            tile_split8<XP>(v, as + r * MOEP_LDS + 16 * h + c, MOEP_APIECE);
+            moep_split8<XP>(v, as + r * MOEP_LDS + 16 * h + c, MOEP_APIECE);
         }
     }
     sx[h * MOEP_BM + r] = sum;
@@ -293,7 +329,7 @@ __device__ __forceinline__ void moep_stage_w(uint16_t* dst, float* sc, float* mn
     }
     if constexpr (MoeFmt<F>::CODES == MOE_CODES_NONE) {
 #pragma unroll
-        for (int i = 0; i < 32; i += 8) tile_split8<2>(w + i, dst + i, MOEP_PIECE);
+        for (int i = 0; i < 32; i += 8) moep_split8<2>(w + i, dst + i, MOEP_PIECE);
     } else {
 #pragma unroll
         for (int i = 0; i < 32; i += 8) tile_store8(dst + i, w + i);
@@ -305,34 +341,39 @@ __device__ __forceinline__ void moep_stage_w(uint16_t* dst, float* sc, float* mn
     }
 }
 
-// acc += sum over the XP pieces of A (hi first, MOEP_APIECE apart) of A_p B^T over BK columns: tile_mma with each
-// k16 step's B fragments loaded once for all the pieces (fewer live registers and shared loads than XP calls).
+// acc += sum over the XP pieces of A (hi first, MOEP_APIECE apart) of A_p B^T over BK columns, k16 step by k16 step:
+// the fragments by ldmatrix (ldsm_x4: one A quadrant set per m tile and piece, two n tiles of B per load, each B
+// fragment loaded once for all the pieces and m tiles), the MMAs in tile_mma's order (per k16 step: piece, m tile,
+// n tile), so every accumulator sees the same sequence of MMAs as with 32-bit fragment loads.
+// Lane i's ldmatrix row: matrix j = i / 8, row i % 8; A: the quadrant (rows 8 (j & 1), columns 8 (j >> 1)),
+// B: n tile 2 q + (j >> 1), k half j & 1 (the fragment layout of portable.cuh).
 template <int XP, int BK>
 __device__ __forceinline__ void moep_mma(float (&acc)[MOEP_MT][MOEP_NT][4], const uint16_t* As, const uint16_t* Bs) {
-    if constexpr (XP == 1) {
-        tile_mma<MOEP_MT, MOEP_NT, BK, MOEP_LDS>(acc, As, Bs);
-    } else {
-        const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    static_assert(MOEP_NT % 2 == 0, "B fragments come two n tiles per ldmatrix");
+    const int lane = threadIdx.x & 31, j = lane >> 3, r = lane & 7;
+    const uint16_t* arow = As + (r + 8 * (j & 1)) * MOEP_LDS + 8 * (j >> 1);
+    const uint16_t* brow = Bs + (r + 8 * (j >> 1)) * MOEP_LDS + 8 * (j & 1);
 #pragma unroll
-        for (int ks = 0; ks < BK; ks += 16) {
-            unsigned b[MOEP_NT][2];
+    for (int ks = 0; ks < BK; ks += 16) {
+        unsigned b[MOEP_NT][2];
 #pragma unroll
-            for (int nt = 0; nt < MOEP_NT; nt++) {
-                const uint16_t* q = Bs + (nt * 8 + g) * MOEP_LDS + ks + 2 * t;
-                b[nt][0] = tile_ld32(q);
-                b[nt][1] = tile_ld32(q + 8);
-            }
-#pragma unroll
-            for (int p = 0; p < XP; p++)
-#pragma unroll
-                for (int mt = 0; mt < MOEP_MT; mt++) {
-                    const uint16_t* ap = As + p * MOEP_APIECE + (mt * 16 + g) * MOEP_LDS + ks + 2 * t;
-                    const unsigned a[4] = {tile_ld32(ap), tile_ld32(ap + 8 * MOEP_LDS), tile_ld32(ap + 8),
-                                           tile_ld32(ap + 8 * MOEP_LDS + 8)};
-#pragma unroll
-                    for (int nt = 0; nt < MOEP_NT; nt++) mma_m16n8k16_bf16_f32(acc[mt][nt], a, b[nt]);
-                }
+        for (int nt = 0; nt < MOEP_NT; nt += 2) {
+            unsigned q[4];
+            ldsm_x4(q, brow + nt * 8 * MOEP_LDS + ks);
+            b[nt][0] = q[0];
+            b[nt][1] = q[1];
+            b[nt + 1][0] = q[2];
+            b[nt + 1][1] = q[3];
         }
+#pragma unroll
+        for (int p = 0; p < XP; p++)
+#pragma unroll
+            for (int mt = 0; mt < MOEP_MT; mt++) {
+                unsigned a[4];
+                ldsm_x4(a, arow + p * MOEP_APIECE + mt * 16 * MOEP_LDS + ks);
+#pragma unroll
+                for (int nt = 0; nt < MOEP_NT; nt++) mma_m16n8k16_bf16_f32(acc[mt][nt], a, b[nt]);
+            }
     }
 }
 
@@ -357,12 +398,12 @@ __device__ __forceinline__ void moep_tile(float (&acc)[MOEP_MT][MOEP_NT][4], con
             else moep_mma<XP, MOEP_BK>(P, a, b);
 #pragma unroll
             for (int nt = 0; nt < MOEP_NT; nt++) {
-                const int n = wn * 32 + nt * 8 + 2 * t;
+                const int n = wn * MOEP_WTN + nt * 8 + 2 * t;
                 const float s0 = sc[h * MOEP_BN + n], s1 = sc[h * MOEP_BN + n + 1];
                 const float o0 = mn[h * MOEP_BN + n], o1 = mn[h * MOEP_BN + n + 1];
 #pragma unroll
                 for (int mt = 0; mt < MOEP_MT; mt++) {
-                    const int m = wm * 32 + mt * 16 + g;
+                    const int m = wm * MOEP_WTM + mt * 16 + g;
 #pragma unroll
                     for (int i = 0; i < 4; i++) {
                         const float s_ = (i & 1) ? s1 : s0;
@@ -379,6 +420,14 @@ __device__ __forceinline__ void moep_tile(float (&acc)[MOEP_MT][MOEP_NT][4], con
         }
     }
 }
+
+// The k-tile loop's two forms (moep_gate_up / moep_down): with the warp's MMAs, or without them for a warp whose
+// 16 rows are all its work item's padding (past the item's last row: nothing of them is stored). Both stage their
+// share of the tiles and meet every barrier; the choice is one warp-uniform branch before the loop, so the MMA
+// loop itself has no branch around its MMAs.
+template <bool ON> struct MoepMmaOn {
+    static constexpr bool on = ON;
+};
 
 __device__ __forceinline__ float moep_silu(float g) { return g * (1.0f / (1.0f + expf(-g))); }
 
@@ -549,7 +598,7 @@ __device__ __forceinline__ void moep_gate_up(const uint64_t* grid, uint8_t* ring
     int b, r0, r1;
     if (!moep_item(tile_bucket, tile_row, offsets, info, b, r0, r1, by)) return;
     const int n0 = bx * MOEP_BN, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int wm = warp / MOEP_WARPS_N, wn = warp % MOEP_WARPS_N, g = lane >> 2, t = lane & 3;
+    const int wm = warp / MOEP_WGN, wn = warp % MOEP_WGN, g = lane >> 2, t = lane & 3;
     const bool bad = b == n_experts;
     if (!bad) {
         if (tid == 0) {                            // block-uniform, in shared memory: no registers beside the tiles
@@ -571,6 +620,7 @@ __device__ __forceinline__ void moep_gate_up(const uint64_t* grid, uint8_t* ring
         tile_zero(accg);
         tile_zero(accu);
         const int nkt = dim / MOEP_BK;
+        auto k_loop = [&](auto mma) {
         for (int kt = 0; kt < nkt; kt++) {
             moep_ring_step<F, 2>(ring, w, kt, nkt);
             moep_stage_a<XP>(as, sx, arow, avalid, kt * MOEP_BK);
@@ -581,19 +631,24 @@ __device__ __forceinline__ void moep_gate_up(const uint64_t* grid, uint8_t* ring
                                      n_experts, ff, dim);
             }
             __syncthreads();
-            const uint16_t* a = as + wm * 32 * MOEP_LDS;
-            moep_tile<F>(accg, a, ws + wn * 32 * MOEP_LDS, wsc, wmn, sx, wm, wn);
-            moep_tile<F>(accu, a, ws + NP * MOEP_PIECE + wn * 32 * MOEP_LDS, wsc + 2 * MOEP_BN, wmn + 2 * MOEP_BN, sx,
-                         wm, wn);
+            if constexpr (decltype(mma)::on) {
+                const uint16_t* a = as + wm * MOEP_WTM * MOEP_LDS;
+                moep_tile<F>(accg, a, ws + wn * MOEP_WTN * MOEP_LDS, wsc, wmn, sx, wm, wn);
+                moep_tile<F>(accu, a, ws + NP * MOEP_PIECE + wn * MOEP_WTN * MOEP_LDS, wsc + 2 * MOEP_BN,
+                             wmn + 2 * MOEP_BN, sx, wm, wn);
+            }
         }
+        };
+        if (r1 - r0 > wm * MOEP_WTM) k_loop(MoepMmaOn<true>{});        // the warp has rows that exist
+        else k_loop(MoepMmaOn<false>{});
 #pragma unroll
         for (int mt = 0; mt < MOEP_MT; mt++)
 #pragma unroll
             for (int nt = 0; nt < MOEP_NT; nt++)
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
-                    const int r = r0 + wm * 32 + mt * 16 + g + 8 * (i >> 1);
-                    const int n = n0 + wn * 32 + nt * 8 + 2 * t + (i & 1);
+                    const int r = r0 + wm * MOEP_WTM + mt * 16 + g + 8 * (i >> 1);
+                    const int n = n0 + wn * MOEP_WTN + nt * 8 + 2 * t + (i & 1);
                     if (r < r1 && n < ff) {
                         float gv = accg[mt][nt][i], uv = accu[mt][nt][i];
                         if (clamp > 0.0f) {
@@ -625,7 +680,7 @@ __device__ __forceinline__ void moep_down(const uint64_t* grid, uint8_t* ring, c
     int b, r0, r1;
     if (!moep_item(tile_bucket, tile_row, offsets, info, b, r0, r1, by)) return;
     const int n0 = bx * MOEP_BN, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int wm = warp / MOEP_WARPS_N, wn = warp % MOEP_WARPS_N, g = lane >> 2, t = lane & 3;
+    const int wm = warp / MOEP_WGN, wn = warp % MOEP_WGN, g = lane >> 2, t = lane & 3;
     const bool bad = b == n_experts;
     float acc[MOEP_MT][MOEP_NT][4];
     tile_zero(acc);
@@ -646,6 +701,7 @@ __device__ __forceinline__ void moep_down(const uint64_t* grid, uint8_t* ring, c
         const bool avalid = ar < r1;
         const float* arow = H + (size_t)(avalid ? ar : 0) * ff;
         const int nkt = ff / MOEP_BK;
+        auto k_loop = [&](auto mma) {
         for (int kt = 0; kt < nkt; kt++) {
             moep_ring_step<F, 1>(ring, w, kt, nkt);
             moep_stage_a<XP>(as, sx, arow, avalid, kt * MOEP_BK);
@@ -653,8 +709,12 @@ __device__ __forceinline__ void moep_down(const uint64_t* grid, uint8_t* ring, c
                 moep_stage_row<F, 1>(ws + j * MOEP_LDS, wsc + j, wmn + j, ring, w, 0, j, kt, grid, gain, W, b, n0,
                                      n_experts, dim, ff);
             __syncthreads();
-            moep_tile<F>(acc, as + wm * 32 * MOEP_LDS, ws + wn * 32 * MOEP_LDS, wsc, wmn, sx, wm, wn);
+            if constexpr (decltype(mma)::on)
+                moep_tile<F>(acc, as + wm * MOEP_WTM * MOEP_LDS, ws + wn * MOEP_WTN * MOEP_LDS, wsc, wmn, sx, wm, wn);
         }
+        };
+        if (r1 - r0 > wm * MOEP_WTM) k_loop(MoepMmaOn<true>{});
+        else k_loop(MoepMmaOn<false>{});
     }
 #pragma unroll
     for (int mt = 0; mt < MOEP_MT; mt++)
@@ -662,8 +722,8 @@ __device__ __forceinline__ void moep_down(const uint64_t* grid, uint8_t* ring, c
         for (int nt = 0; nt < MOEP_NT; nt++)
 #pragma unroll
             for (int i = 0; i < 4; i++) {
-                const int r = r0 + wm * 32 + mt * 16 + g + 8 * (i >> 1);
-                const int n = n0 + wn * 32 + nt * 8 + 2 * t + (i & 1);
+                const int r = r0 + wm * MOEP_WTM + mt * 16 + g + 8 * (i >> 1);
+                const int n = n0 + wn * MOEP_WTN + nt * 8 + 2 * t + (i & 1);
                 if (r < r1 && n < dim) Yp[(size_t)r * dim + n] = bad ? __int_as_float(0x7fc00000) : acc[mt][nt][i];
             }
 }

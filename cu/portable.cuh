@@ -8,6 +8,7 @@
 //   cp_async_wait<N>(), cp_async_wait_all()
 //   fp8_{e4m3,e5m2}_to_float, fp8x2_*_to_half2, float_to_fp8_*, float2_to_fp8x2_*   (cvt, sm_89+)
 //   mma_m16n8k16_f16_f32, mma_m16n8k16_bf16_f32   one warp-wide tensor-core tile, D += A*B (mma.sync, sm_80+)
+//   ldsm_x4(r, row)                           four 8x8 16-bit matrices from shared memory into fragments (ldmatrix)
 //
 // FP8 is the OCP format: e4m3 "fn" (bias 7, no infinity, 0x7f/0xff NaN, max 448) and e5m2 (bias 15, IEEE-like,
 // max 57344). Float -> FP8 rounds to nearest-even and saturates to the largest finite value (PTX .satfinite);
@@ -250,5 +251,27 @@ __device__ __forceinline__ void mma_m16n8k16_bf16_f32(float* d, const unsigned* 
                  "{%0,%1,%2,%3};"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------------------------
+// ldsm_x4(r, row): ldmatrix.sync.aligned.m8n8.x4.shared.b16, the whole warp together. Lane i gives `row`, the
+// 16-byte aligned shared-memory address of row i % 8 of matrix i / 8 (8 consecutive 16-bit values); lane l receives
+// in r[j] the two values at row l / 4, columns 2 (l % 4) and 2 (l % 4) + 1 of matrix j (lower column in the low
+// half): with the matrices chosen as the quadrants of a 16 x 16 A tile or two k halves of two 8-row B tiles, r holds
+// the mma_m16n8k16 fragments above. The emulator exchanges the row addresses (one warp collective) and each lane
+// reads its own 4 bytes of each matrix. sm_80+ only, as the MMA it feeds.
+#if defined(DS4_EMU)
+#define ldsm_x4(r, row) ::ds4_emu_ldsm_x4(EMU_SITE("ldsm_x4"), (r), (row))
+inline void ds4_emu_ldsm_x4(::__emu::Site s, unsigned* r, const void* row) {
+    const void* rows[4];
+    ::__emu::ldsm_rows(s, row, rows);
+    for (int j = 0; j < 4; j++) r[j] = *static_cast<const unsigned*>(rows[j]);
+}
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+__device__ __forceinline__ void ldsm_x4(unsigned* r, const void* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(ds4_smem_addr(row)));
 }
 #endif

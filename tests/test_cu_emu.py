@@ -374,6 +374,24 @@ def test_mma_tile(mod, grid, block):
     np.testing.assert_array_equal(D, want)             # the emulator sums in double and rounds once
 
 
+@pytest.mark.parametrize("grid,block", [(1, 32), (2, 64)])
+def test_ldsm_x4_gives_the_mma_fragments(mod, grid, block):
+    """portable.cuh ldsm_x4 (ldmatrix .x4): lane l gets, of matrix j (the quadrant whose rows lanes 8j .. 8j + 7
+    named), the two values at row l / 4, columns 2 (l % 4) and 2 (l % 4) + 1; a row address off 16 bytes is refused
+    as the device would fault."""
+    tiles = grid * block // 32
+    M = np.random.default_rng(tiles).integers(0, 1 << 16, (tiles, 16, 16), dtype=np.uint16)
+    out = np.zeros((tiles, 32, 4), np.uint32)
+    mod.launch("ldsm_tile", grid, block, [M, out, 0], order="random", seed=2)
+    lane = np.arange(32)
+    for j in range(4):
+        rows, cols = lane // 4 + 8 * (j & 1), 8 * (j >> 1) + 2 * (lane % 4)
+        want = M[:, rows, cols].astype(np.uint32) | (M[:, rows, cols + 1].astype(np.uint32) << 16)
+        np.testing.assert_array_equal(out[:, :, j], want)
+    with pytest.raises(emu.EmuKernelError, match="16-byte aligned"):
+        mod.launch("ldsm_tile", 1, 32, [M[:1], out[:1], 1])
+
+
 def test_rewrite_source_only_touches_dynamic_shared_declarations():
     src = ("// extern __shared__ in a comment\n"
            "/* and\n here */ __shared__ float s[32];\n"

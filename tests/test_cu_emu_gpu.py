@@ -56,6 +56,17 @@ def test_cp_async_on_gpu(mod):
     np.testing.assert_array_equal(out, x.reshape(2, 256)[:, ::-1].reshape(-1))
 
 
+def test_ldsm_x4_on_gpu(mod):
+    M = np.random.default_rng(9).integers(0, 1 << 16, (2, 16, 16), dtype=np.uint16)
+    out = np.zeros((2, 32, 4), np.uint32)
+    mod.launch("ldsm_tile", 1, 64, [M, out, 0])
+    lane = np.arange(32)
+    for j in range(4):
+        rows, cols = lane // 4 + 8 * (j & 1), 8 * (j >> 1) + 2 * (lane % 4)
+        want = M[:, rows, cols].astype(np.uint32) | (M[:, rows, cols + 1].astype(np.uint32) << 16)
+        np.testing.assert_array_equal(out[:, :, j], want, "ldmatrix's lanes differ from the emulator's")
+
+
 def test_mma_tile_on_gpu(mod):
     r = np.random.default_rng(8)
     A = r.standard_normal((2, 16, 16)).astype(np.float16)

@@ -676,3 +676,27 @@ def test_the_tensor_core_prefill_experts_are_issue_bound_not_bandwidth_bound():
             assert kt.inflight_bytes == blocks * (ring // 2 + 128 * 64), (ln.kernel, kt.inflight_bytes)
             assert kt.t_mma_us > 0 and kt.limiter in bound and kt.t_mem_us < kt.time_us / 2, (dev.key, kt)
         assert seen == {"moe_prefill_gate_up_vq12", "moe_prefill_down_vq12"}
+
+
+def test_the_tensor_core_prefill_counts_its_mma_work_per_16_row_warp():
+    """cu/moe_prefill.cu: a work item's MMAs run 16 rows per warp and a warp whose rows are all the item's padding
+    runs its k loop without them, so the modelled tensor work of an expert with c pairs is 16 ceil(c / 16) rows
+    (V4.1 prefill: 384 experts, 32 pairs each on average: ~1.23x the pairs), while its staging (the issue count)
+    still covers whole 64-row work items (~2.0x)."""
+    from ds4py.cuda.ops.moe_prefill import BM, WARP_ROWS
+    from ds4py.cuda.plan import plan_step
+
+    assert (BM, WARP_ROWS) == (64, 16)
+    assert timemodel.expected_work_items(40, 1, 16) == 3.0 and timemodel.expected_work_items(40, 1) == 1.0
+    launches = plan_step("v41-flash-vq", "prefill", "h200", ctx=2048, block=2048)
+    for name, pieces in (("moe_prefill_gate_up_vq12", 3), ("moe_prefill_down_vq12", 3)):
+        ln = next(x for x in launches if x.kernel == name)
+        s = timemodel._scalars(ln)
+        n_experts, ff = int(s["n_experts"]), int(s["ff"])
+        pairs = next(a.nbytes // (4 * ff) for a in ln.args if a.name == "H")
+        tr = timemodel.launch_traffic(ln, 2048)
+        mma_rows = tr.flops / (2.0 * tr.weights * pieces)           # rows per expert the tensor cores run
+        assert mma_rows == pytest.approx(WARP_ROWS * timemodel.expected_work_items(pairs, n_experts, WARP_ROWS)
+                                         / n_experts)
+        assert 1.1 < mma_rows * n_experts / pairs < 1.3, (name, mma_rows, pairs)
+        assert tr.rows * n_experts / pairs > 1.9, (name, tr.rows)

@@ -499,6 +499,22 @@ inline void mma_m16n8k16(Site s, float* d, const unsigned* a, const unsigned* b)
     for (int i = 0; i < 4; i++) d[i] = bits_f32((unsigned)f->out[i]);
 }
 
+// ldmatrix (.m8n8.x4.b16): lane i gives the 16-byte aligned address of row i % 8 of matrix i / 8; lane l gets, for
+// each matrix j, the address of its 4 bytes (row l / 4, 16-bit columns 2 (l % 4), 2 (l % 4) + 1), which it then
+// reads itself in the kernel's own code (portable.cuh), so the race and traffic builds see each lane's load.
+inline void combine_ldsm(Fiber* lanes, unsigned) {
+    for (int l = 0; l < 32; l++)
+        for (int j = 0; j < 4; j++) lanes[l].out[j] = lanes[8 * j + (l >> 2)].in[0] + 4 * (uint64_t)(l & 3);
+}
+inline void ldsm_rows(Site s, const void* row, const void** rows) {
+    if (reinterpret_cast<uintptr_t>(row) & 15)
+        fail("%s at %s:%d: row address %p is not 16-byte aligned", s.what, s.file, s.line, row);
+    Fiber* f = L.cur;
+    f->in[0] = (uint64_t)reinterpret_cast<uintptr_t>(row);
+    warp_collective(s, 0xffffffffu, combine_ldsm);
+    for (int j = 0; j < 4; j++) rows[j] = reinterpret_cast<const void*>((uintptr_t)f->out[j]);
+}
+
 // ---- thread start and end --------------------------------------------------------------------------------------
 inline void thread_exit(Fiber* f) {
     if (L.pdl_check && !f->waited) fail("returned without calling pdl_wait() (every kernel waits first)");

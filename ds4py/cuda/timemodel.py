@@ -288,10 +288,12 @@ def launch_traffic(launch: Any, ctx: int) -> Traffic:
         flops = 2.0 * s["T"] * s["N"] * s["K"]
         rows = int(s["T"])
     elif k.startswith("moe_prefill_") and fmt:
-        # pairs from H [P, ff] (gate + up writes it, down reads it; only gate + up has `sorted`); the tensor cores
-        # run whole BM-row work items (expected_work_items: padded rows count) and each weight x activation
-        # product as sass.mma_pieces MMA multiply-adds (VQ-8: x in three bf16 pieces, F16: the weight in two)
-        from ds4py.cuda.ops.moe_prefill import BM
+        # pairs from H [P, ff] (gate + up writes it, down reads it; only gate + up has `sorted`); a block runs a
+        # whole BM-row work item (expected_work_items: padded rows count: the staging, `rows`), its warps' MMAs
+        # WARP_ROWS rows at a time, skipping a warp whose rows are all padding (an expert's c pairs: 16 ceil(c / 16)
+        # MMA rows), and each weight x activation product as sass.mma_pieces MMA multiply-adds (VQ-8: x in three
+        # bf16 pieces, F16: the weight in two)
+        from ds4py.cuda.ops.moe_prefill import BM, WARP_ROWS
         from ds4py.cuda.sass import mma_pieces
 
         ff = int(s.get("ff", 0))
@@ -299,7 +301,8 @@ def launch_traffic(launch: Any, ctx: int) -> Traffic:
         per_expert = weights / n_experts
         items = expected_work_items(pairs, n_experts) if pairs else 0.0
         rows = max(1, round(BM * items / n_experts))
-        flops = 2.0 * rows * n_experts * per_expert * mma_pieces(k)
+        mma_rows = WARP_ROWS * expected_work_items(pairs, n_experts, WARP_ROWS) / n_experts if pairs else 0.0
+        flops = 2.0 * mma_rows * n_experts * per_expert * mma_pieces(k)
     return Traffic(weight, kv, act, weights, rows, flops)
 
 

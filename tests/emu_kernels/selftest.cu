@@ -183,6 +183,20 @@ extern "C" __global__ void mma_tile(const __half* A, const __half* B, const floa
     D[(g + 8) * 8 + 2 * t + 1] = d[3];
 }
 
+// ldmatrix x4 per warp: a 16 x 16 tile of 16-bit values (in, row-major) staged in shared rows 24 values apart, each
+// lane giving the row of quadrant i / 8 (rows 8 ((i / 8) & 1), columns 8 (i / 8 / 2)) at `shift` values past it (0:
+// aligned; else a misaligned row address); out[tile][lane][j] = r[j] (the mma A fragment of portable.cuh).
+extern "C" __global__ void ldsm_tile(const unsigned short* in, unsigned* out, int shift) {
+    __shared__ __align__(16) unsigned short s[2][16 * 24 + 8];
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, tile = blockIdx.x * (blockDim.x >> 5) + w;
+    for (int i = lane; i < 256; i += 32) s[w][(i / 16) * 24 + i % 16] = in[tile * 256 + i];
+    __syncwarp();
+    const int q = lane >> 3;
+    unsigned r[4];
+    ldsm_x4(r, &s[w][((lane & 7) + 8 * (q & 1)) * 24 + 8 * (q >> 1) + shift]);
+    for (int j = 0; j < 4; j++) out[(tile * 32 + lane) * 4 + j] = r[j];
+}
+
 extern "C" __global__ void __launch_bounds__(64) bounded(int* out, int d) { out[threadIdx.x] = 100 / d; }
 
 // Two half-warps shuffle independently with disjoint masks at different call sites, then rejoin at __syncwarp.

@@ -51,6 +51,8 @@ THREADS = 32 * DEFINES["MOEP_WARPS_M"] * DEFINES["MOEP_WARPS_N"]
 MAX_EXPERTS = DEFINES["MOEP_MAX_EXPERTS"]
 ROUTE_THREADS = 32 * DEFINES["MOEP_ROUTE_WARPS"]
 TILE_ROWS = 32                    # weight rows per block of the exact token tiles at most (8 threads each)
+WARP_ROWS = 16                    # cu/moe_prefill.cu MOEP_WTM: a tensor-core warp's rows of a work item (a warp
+                                  # whose rows are all the item's padding skips its MMAs)
 
 
 def max_tiles(n_pairs: int, n_experts: int) -> int:
