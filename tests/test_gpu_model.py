@@ -676,3 +676,66 @@ def test_the_tensor_core_prefill_experts_are_issue_bound_not_bandwidth_bound():
             assert kt.inflight_bytes == blocks * (ring // 2 + 128 * 64), (ln.kernel, kt.inflight_bytes)
             assert kt.t_mma_us > 0 and kt.limiter in bound and kt.t_mem_us < kt.time_us / 2, (dev.key, kt)
         assert seen == {"moe_prefill_gate_up_vq12", "moe_prefill_down_vq12"}
+
+
+def test_a_pdl_gemv_streams_its_pre_wait_ring_items_under_the_previous_kernel():
+    """Every kernel calls pdl_launch_dependents right after its pdl_wait, so the next PDL kernel of its stream
+    starts while it runs: a GEMV's ring items issued before pdl_wait (Q8_0: Q8_STAGES - 1 per warp) stream in the
+    DRAM time the previous kernel leaves free and in the PDL gap, and leave its memory time. Nothing is credited
+    without PDL, to a kernel that loads no weights before its wait, or from a kernel of the other stream."""
+    from dataclasses import replace
+
+    from ds4py.cuda.ops.gemv import DEFINES, GEMV_ROWS, Q8_0_BLOCK_BYTES, WARP_SMEM
+
+    t = timemodel.timing_for(H200)
+    cols, rows = 4096, 8192
+    weight = rows * cols // 32 * Q8_0_BLOCK_BYTES
+    gemv = launch("gemv_q8_0", 4 * H200.sm_count, 128, weight=weight, smem=4 * WARP_SMEM["Q8_0"], dev=H200,
+                  scalars=(("rows0", rows), ("cols", cols)))
+    per_block = 4 * (DEFINES["Q8_STAGES"] - 1) * GEMV_ROWS * DEFINES["Q8_CHUNK_BLOCKS"] * Q8_0_BLOCK_BYTES
+    tr = timemodel.launch_traffic(gemv, 2048)
+    assert timemodel.prewait_bytes(gemv, tr) == per_block
+    assert timemodel.prewait_bytes(launch("moe_gate_up_i8_iq2_xxs", 64, 256, weight=weight, dev=H200), tr) == 0
+    # a one-block latency-bound kernel leaves the DRAM almost idle: the GEMV's pre-wait items stream meanwhile
+    tiny = launch("rmsnorm_f32", 1, 1024, act=1 << 16, dev=H200)
+    alone = timemodel.model_step([gemv], H200, 2048, loops={}).kernels[0]
+    m = timemodel.model_step([tiny, gemv], H200, 2048, loops={})
+    ka, kb = m.kernels
+    rate = kb.bytes / alone.t_mem_us
+    free = ka.time_us - ka.t_gap_us - ka.t_dram_us
+    assert kb.prefetched_bytes == pytest.approx((free + kb.t_gap_us) * rate, rel=1e-6)
+    assert kb.prefetched_bytes <= 4 * H200.sm_count * per_block
+    assert kb.t_mem_us == pytest.approx(alone.t_mem_us - kb.prefetched_bytes / rate, rel=1e-6)
+    assert m.time_us == pytest.approx(ka.time_us + kb.time_us) and kb.time_us < alone.time_us
+    # after a bandwidth-bound kernel only the PDL gap is free DRAM time
+    m = timemodel.model_step([gemv, gemv], H200, 2048, loops={})
+    assert m.kernels[1].prefetched_bytes == pytest.approx(t.gap_pdl_us * rate, rel=1e-6)
+    # no PDL, no pre-wait weight loads, or the previous kernel on the other stream: nothing
+    for seq in ([tiny, replace(gemv, pdl=False)], [tiny, launch("rmsnorm_f32", 64, 256, act=1 << 24, dev=H200)],
+                [replace(tiny, stream="side"), gemv]):
+        assert all(k.prefetched_bytes == 0 for k in timemodel.model_step(seq, H200, 2048, loops={}).kernels)
+    # the pre-wait items cap it: a long latency-bound kernel before a small GEMV brings in at most what its
+    # blocks issue before the wait
+    small = launch("gemv_q8_0", 32, 64, weight=weight, smem=2 * WARP_SMEM["Q8_0"], dev=H200,
+                   scalars=(("rows0", rows), ("cols", cols)))
+    slow = launch("topk_select", 1, 32, act=8 << 20, dev=H200)
+    kb = timemodel.model_step([slow, small], H200, 2048, loops={}).kernels[1]
+    assert kb.prefetched_bytes == 32 * 2 * (DEFINES["Q8_STAGES"] - 1) * GEMV_ROWS * DEFINES["Q8_CHUNK_BLOCKS"] \
+        * Q8_0_BLOCK_BYTES
+
+
+def test_the_gemvs_credited_with_pre_wait_loads_load_weights_before_pdl_wait_in_the_traffic_report():
+    """timemodel.prewait_bytes credits the gemv_* kernels only; the emulator's traffic report (model-width
+    records) shows each of them loading its weights before pdl_wait, and the routed experts (which wait for the
+    router's ids first) none."""
+    report = json.loads(timemodel.TRAFFIC_REPORT.read_text())
+    wide = report["model_width"]["kernels"]
+    weights = lambda k: [a for n, a in wide[k]["args"].items() if n.startswith("W")]       # noqa: E731
+    gemvs = [k for k in wide if k.startswith("gemv_")]
+    assert len(gemvs) >= 20
+    for k in gemvs:
+        assert sum(a.get("pre_pdl_bytes", 0) for a in weights(k)) > 0, k
+    routed = [k for k in wide if k.startswith(("moe_gate_up_i8_", "moe_down_i8_"))]
+    assert routed
+    for k in routed:
+        assert sum(a.get("pre_pdl_bytes", 0) for a in weights(k)) == 0, k
