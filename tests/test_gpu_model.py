@@ -575,6 +575,43 @@ def test_the_attention_tile_counts_equal_the_build():
         assert sass.attn_tile_counts(sass.disassemble(mod.cubin)["attn_decode_partial"]) == want, arch
 
 
+def test_the_sinkhorn_round_counts_equal_the_build():
+    """timemodel.SINKHORN_ROUND (a round's dependent shuffle rounds and divisions, which set hc_mix's last-block
+    tail) is what nvdisasm counts in this tree's hc_mix (skipped without NVRTC or nvdisasm): 2 shuffle rounds (a
+    row and a column sum, each partner shuffled at once) and 2 divisions; the xor butterflies it replaced were 4."""
+    from ds4py.cuda import compiler
+
+    try:
+        sass.nvdisasm()
+        compiler.nvrtc_version()
+    except Exception as e:                                        # noqa: BLE001 - any missing tool skips
+        pytest.skip(f"no NVRTC / nvdisasm here: {e}")
+    src = compiler.CU_DIR / "mhc.cu"
+    for arch, want in timemodel.SINKHORN_ROUND.items():
+        listing = sass.disassemble(compiler.compile_file(src, arch, compiler.file_options(src)).cubin)
+        for k in ("hc_mix_f16", "hc_mix_f32"):
+            assert sass.sinkhorn_round(listing[k]) == want, (arch, k)
+    want = timemodel.SINKHORN_ROUND["sm_90"]
+    assert timemodel.SINKHORN_ROUND_CYCLES == (want["shuffle_rounds"] * timemodel.SHUFFLE_CYCLES
+                                               + want["divisions"] * timemodel.DIVISION_CYCLES)
+
+
+def test_the_sinkhorn_round_finder_on_a_listing():
+    """sass.sinkhorn_round: the loop that shuffles and takes a reciprocal; a run of back-to-back shuffles is one
+    round on the dependent chain."""
+    import unittest.mock as um
+
+    body = ["SHFL.BFLY", "SHFL.BFLY", "FADD", "MUFU.RCP", "FFMA", "SHFL.BFLY", "FADD", "SHFL.BFLY", "FADD",
+            "MUFU.RCP", "FFMA"]
+
+    def listing(ops):
+        return [(16 * i, op, "", "") for i, op in enumerate(["MOV", *ops, "BRA"])]
+
+    with um.patch.object(sass, "loops", lambda ins: [(1, len(ins) - 1)]):     # the loop: all but the first MOV
+        assert sass.sinkhorn_round(listing(body)) == {"shuffle_rounds": 3, "divisions": 2}
+        assert sass.sinkhorn_round(listing(["FADD", "LDS"])) == {"shuffle_rounds": 0, "divisions": 0}
+
+
 def test_the_route_keeps_every_logit_of_its_lane_in_flight():
     """moe_route loads the lane's n_experts / 32 logits before scoring any (cu/router.cu): 32 B a lane at 256
     experts, not the 16-byte guess."""

@@ -309,8 +309,16 @@ def _hc_of(nrows: int) -> int:
     return next((h for h in (1, 2, 4, 8, 16) if (2 + h) * h == nrows), nrows)
 
 
-SINKHORN_ROUND_CYCLES = 180   # one Sinkhorn round on one warp: 4 dependent shuffles (~25 cycles) + 2 IEEE
-                              # divisions (~40): an estimate from the instruction latencies, not a SASS count
+# One Sinkhorn round on one warp (cu/mhc.cu, hc_mix's last block): its dependent chain is a row sum, a division, a
+# column sum, a division. SINKHORN_ROUND: the round's shuffle rounds (runs of shuffles issued back to back: one
+# shuffle latency each) and IEEE divisions as nvdisasm counts them (sass.sinkhorn_round; tests/test_gpu_model.py
+# checks them against a fresh build); the latencies are estimates, not counts: a shuffle ~25 cycles (+ 2 to issue
+# the run's other shuffles at hc 4), a division ~40 (MUFU.RCP and its 5 dependent FFMA). Until branch s6h200 the
+# sums were xor butterflies, 4 dependent shuffles a round: 180 cycles.
+SINKHORN_ROUND = {"sm_90": {"shuffle_rounds": 2, "divisions": 2}, "sm_121": {"shuffle_rounds": 2, "divisions": 2}}
+SHUFFLE_CYCLES, DIVISION_CYCLES = 25 + 2, 40
+SINKHORN_ROUND_CYCLES = (SINKHORN_ROUND["sm_90"]["shuffle_rounds"] * SHUFFLE_CYCLES
+                         + SINKHORN_ROUND["sm_90"]["divisions"] * DIVISION_CYCLES)
 
 
 def tail_us(launch: Any, t: Timing) -> float:
