@@ -534,7 +534,7 @@ def test_decode_attention_is_charged_its_tile_chain():
     """attn_decode_partial stages a whole 16-key tile with cp.async and computes it before the next: a block's time
     is a round trip for its queries plus, per tile, a round trip, the tile's intake and the tile loop's
     instructions (nvdisasm count) at one per clock per warp; its bytes in flight are one tile per resident block.
-    The combine keeps 8 splits' rows (64 bytes a lane) in flight."""
+    The combine keeps ATTN_COMBINE_SPLITS (16) splits' rows (128 bytes a lane) in flight."""
     from ds4py.cuda.ops.attention import ATTN_TILE, attn_plan
 
     row = 4 * 512
@@ -556,7 +556,9 @@ def test_decode_attention_is_charged_its_tile_chain():
         assert k.time_us == pytest.approx(lat + 2 * (lat + intake) + 2 * insns / clk + t.gap_pdl_us)
         assert k.inflight_bytes == 32 * ATTN_TILE * row
     comb = timemodel.model_kernel(launch("attn_decode_combine", 64, 256, act=1 << 20, dev=H200), H200, 2048, loops={})
-    assert comb.inflight_bytes == 64 * 256 * 64
+    from ds4py.cuda.ops.attention import ATTN_COMBINE_SPLITS
+
+    assert ATTN_COMBINE_SPLITS == 16 and comb.inflight_bytes == 64 * 256 * 8 * ATTN_COMBINE_SPLITS   # float2 rows
 
 
 def test_the_attention_tile_counts_equal_the_build():

@@ -39,8 +39,16 @@ from typing import Any, Iterable, Sequence
 from ds4py.cuda.devices import DeviceProfile
 
 LANE_BYTES = 16           # a kernel with no SASS count: one 16-byte load per lane in flight (assumed)
-LANE_BYTES_OF = {"attn_decode_combine": 64}   # ... unless its source says otherwise: the combine loads 8 splits'
-                                              # float2 rows before using any (cu/attention.cu)
+
+
+def _combine_lane_bytes() -> int:
+    """attn_decode_combine loads ATTN_COMBINE_SPLITS splits' float2 rows before using any (cu/attention.cu)."""
+    from ds4py.cuda.ops.attention import ATTN_COMBINE_SPLITS
+
+    return 8 * ATTN_COMBINE_SPLITS
+
+
+LANE_BYTES_OF = {"attn_decode_combine": _combine_lane_bytes()}   # ... where the source says more than LANE_BYTES
 
 
 def lane_bytes(launch: Any) -> int:
