@@ -764,10 +764,14 @@ def test_a_pdl_gemv_streams_its_pre_wait_ring_items_under_the_previous_kernel():
 
 
 def test_the_gemvs_credited_with_pre_wait_loads_load_weights_before_pdl_wait_in_the_traffic_report():
-    """timemodel.prewait_bytes credits the gemv_* kernels only; the emulator's traffic report (model-width
-    records) shows each of them loading its weights before pdl_wait, and the routed experts (which wait for the
-    router's ids first) none."""
+    """timemodel.prewait_bytes credits the gemv_* kernels and hc_mix; the emulator's traffic report (model-width
+    records; hc_mix's twin tests) shows each of them loading its weights before pdl_wait, and the routed experts
+    (which wait for the router's ids first) none."""
     report = json.loads(timemodel.TRAFFIC_REPORT.read_text())
+    for k in ("hc_mix_f16", "hc_mix_f32"):
+        assert report["kernels"][k]["args"]["fn"]["pre_pdl_bytes"] > 0, k
+        mix = launch(k, 32, 1024, weight=24 * 16384 * 2, dev=H200)
+        assert timemodel.prewait_bytes(mix, timemodel.launch_traffic(mix, 2048)) == 24 * 16384 * 2 // 32
     wide = report["model_width"]["kernels"]
     weights = lambda k: [a for n, a in wide[k]["args"].items() if n.startswith("W")]       # noqa: E731
     gemvs = [k for k in wide if k.startswith("gemv_")]

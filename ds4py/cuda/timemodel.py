@@ -508,13 +508,18 @@ def prewait_bytes(launch: Any, tr: Traffic) -> int:
     pre_pdl_bytes show it per kernel): every warp of a Q8_0 GEMV (gemv_q8_0*, the int8 ones too) its first
     Q8_STAGES - 1 ring items, of a staged F16 / F32 / Q4_K GEMV (gemv_staged, gemv_q4_k_i8*) its first item; an
     item is GEMV_ROWS rows x one piece (a chunk of a row, or the whole row when shorter); at most the block's share
-    of the launch's weights. 0 for every other kernel: they wait before their first weight load (the routed
-    experts need the router's ids); the shared expert's early stage is not counted."""
+    of the launch's weights; hc_mix_* (cu/mhc.cu) its chunk of fn, every 128-byte line prefetched into L2 before
+    the wait. 0 for every other kernel: they wait before their first weight load (the routed experts need the
+    router's ids); the shared expert's early stage and VQ-8's codebook copies are not counted."""
     from ds4py.cuda.ops.gemv import DEFINES, GEMV_ROWS, Q8_0_BLOCK_BYTES
 
-    m = _GEMV_TYPE.match(launch.kernel)
     blocks = launch.grid[0] * launch.grid[1] * launch.grid[2]
-    if not m or not tr.weight or not blocks:
+    if not tr.weight or not blocks:
+        return 0
+    if launch.kernel.startswith("hc_mix_"):
+        return math.ceil(tr.weight / blocks)
+    m = _GEMV_TYPE.match(launch.kernel)
+    if not m:
         return 0
     cols = int(_scalars(launch).get("cols", 0))
     _, qk, nb = weight_format(launch.kernel) or ("", 1, 1)
