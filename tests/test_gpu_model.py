@@ -764,14 +764,22 @@ def test_a_pdl_gemv_streams_its_pre_wait_ring_items_under_the_previous_kernel():
 
 
 def test_the_gemvs_credited_with_pre_wait_loads_load_weights_before_pdl_wait_in_the_traffic_report():
-    """timemodel.prewait_bytes credits the gemv_* kernels and hc_mix; the emulator's traffic report (model-width
-    records; hc_mix's twin tests) shows each of them loading its weights before pdl_wait, and the routed experts
+    """timemodel.prewait_bytes credits the gemv_* kernels, hc_mix and the route's bias; the emulator's traffic
+    report (model-width records; hc_mix's and the router's twin tests) shows each of them loading its weights before pdl_wait, and the routed experts
     (which wait for the router's ids first) none."""
     report = json.loads(timemodel.TRAFFIC_REPORT.read_text())
+    for k, w in (("hc_mix_f16", "fn"), ("hc_mix_f32", "fn"), ("moe_route", "bias")):
+        assert report["kernels"][k]["args"][w]["pre_pdl_bytes"] > 0, k
     for k in ("hc_mix_f16", "hc_mix_f32"):
-        assert report["kernels"][k]["args"]["fn"]["pre_pdl_bytes"] > 0, k
         mix = launch(k, 32, 1024, weight=24 * 16384 * 2, dev=H200)
         assert timemodel.prewait_bytes(mix, timemodel.launch_traffic(mix, 2048)) == 24 * 16384 * 2 // 32
+    base = launch("moe_route", 1, 32, weight=1024, act=1024, dev=H200)          # its W stands for the bias here
+    route = PlannedLaunch(0, "moe_route", "test", base.grid, base.block, 0, 0, 32, "main", True,
+                          (PlannedArg("logits", 1024, True, "activation"),
+                           PlannedArg("bias", 1024, True, "blk.5.exp_probs_b.bias"),
+                           PlannedArg("tid2eid", 0, True, "null")), (("n_experts", 256),), base.occupancy,
+                          base.waves, base.problem)
+    assert timemodel.prewait_bytes(route, timemodel.launch_traffic(route, 2048)) == 1024
     wide = report["model_width"]["kernels"]
     weights = lambda k: [a for n, a in wide[k]["args"].items() if n.startswith("W")]       # noqa: E731
     gemvs = [k for k in wide if k.startswith("gemv_")]
