@@ -21,6 +21,8 @@ Per kernel (all times in microseconds):
               its passes) and cannot stream past its ring's first pieces until a warp's first quantisation is done:
               time >= that prologue (one warp's passes at its share of the SM's issue) + the rest of its bytes
               + the launch gap (smaller with PDL: the next kernel's launch overlaps this one's tail)
+              bytes: less those its pre-wait loads brought in under the previous kernel of its stream, in the DRAM time
+              that kernel left free and in the PDL gap (pdl_overlap, prewait_bytes)
 A step is its kernels in order, except inside a fork-join region (PlannedLaunch.region: the KV branch, the shared
 expert), where the side stream runs beside the main stream: the region takes max(main's time, side's time, both
 streams' DRAM time at copy bandwidth, both streams' instructions over the whole device's issue rate) (step_regions).
@@ -741,8 +743,9 @@ class StepModel:
 def model_step(launches: Sequence[Any], dev: DeviceProfile, ctx: int, tokens: int = 1, shapes: str = "",
                step: str = "decode", loops: dict | None = None, coalescing: dict[str, float] | None = None,
                timing: Timing | None = None) -> StepModel:
-    """Every planned launch of one step modelled in order; the step is their sum (the side stream's kernels are
-    counted as if serial: an upper bound where they would overlap)."""
+    """Every planned launch of one step modelled in order, each PDL launch less the weight bytes its pre-wait loads
+    brought in under the previous kernel of its stream (pdl_overlap); StepModel.time_us overlaps the fork-join
+    regions (step_regions)."""
     if loops is None:
         from ds4py.cuda.sass import load_table
 
