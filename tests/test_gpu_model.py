@@ -765,8 +765,8 @@ def test_a_pdl_gemv_streams_its_pre_wait_ring_items_under_the_previous_kernel():
 
 def test_the_gemvs_credited_with_pre_wait_loads_load_weights_before_pdl_wait_in_the_traffic_report():
     """timemodel.prewait_bytes credits the gemv_* kernels, hc_mix and the route's bias; the emulator's traffic
-    report (model-width records; hc_mix's and the router's twin tests) shows each of them loading its weights before pdl_wait, and the routed experts
-    (which wait for the router's ids first) none."""
+    report (model-width records; hc_mix's and the router's twin tests) shows each of them loading its weights
+    before pdl_wait, and the routed experts (which wait for the router's ids first) none."""
     report = json.loads(timemodel.TRAFFIC_REPORT.read_text())
     for k, w in (("hc_mix_f16", "fn"), ("hc_mix_f32", "fn"), ("moe_route", "bias")):
         assert report["kernels"][k]["args"][w]["pre_pdl_bytes"] > 0, k

@@ -316,7 +316,8 @@ def sinkhorn_round(insns: list[tuple[int, str, str, str]]) -> dict[str, int]:
     for a, b in sorted(loops(insns), key=lambda sp: sp[1] - sp[0]):
         ops = [op for _, op, _, _ in insns[a:b + 1]]
         if any(op.startswith("SHFL") for op in ops) and any(op.startswith("MUFU.RCP") for op in ops):
-            runs = sum(1 for i, op in enumerate(ops) if op.startswith("SHFL") and (i == 0 or not ops[i - 1].startswith("SHFL")))
+            shfl = [op.startswith("SHFL") for op in ops]
+            runs = sum(1 for i, on in enumerate(shfl) if on and (i == 0 or not shfl[i - 1]))
             return {"shuffle_rounds": runs, "divisions": sum(op.startswith("MUFU.RCP") for op in ops)}
     return {"shuffle_rounds": 0, "divisions": 0}
 

@@ -511,8 +511,9 @@ def prewait_bytes(launch: Any, tr: Traffic) -> int:
     Q8_STAGES - 1 ring items, of a staged F16 / F32 / Q4_K GEMV (gemv_staged, gemv_q4_k_i8*) its first item; an
     item is GEMV_ROWS rows x one piece (a chunk of a row, or the whole row when shorter); at most the block's share
     of the launch's weights; hc_mix_* (cu/mhc.cu) its chunk of fn, every 128-byte line prefetched into L2 before
-    the wait; moe_route / moe_route_rows (cu/router.cu) the bias. 0 for every other kernel: they wait before their first weight load (the routed experts need the
-    router's ids); the shared expert's early stage and VQ-8's codebook copies are not counted."""
+    the wait; moe_route / moe_route_rows (cu/router.cu) the bias. 0 for every other kernel: they wait before
+    their first weight load (the routed experts need the router's ids); the shared expert's early stage and
+    VQ-8's codebook copies are not counted."""
     from ds4py.cuda.ops.gemv import DEFINES, GEMV_ROWS, Q8_0_BLOCK_BYTES
 
     blocks = launch.grid[0] * launch.grid[1] * launch.grid[2]
