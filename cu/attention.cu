@@ -26,6 +26,9 @@
 #ifndef ATTN_HPW
 #error "ATTN_HPW comes from the DEFINES table of ds4py/cuda/ops/attention.py"
 #endif
+#ifndef ATTN_COMBINE_SPLITS
+#error "ATTN_COMBINE_SPLITS comes from the DEFINES table of ds4py/cuda/ops/attention.py"
+#endif
 #define ATTN_PAIRS (ATTN_MAX_HD / 64)     // dim pairs per lane in the P.V product
 #define ATTN_NEG_INF (-__int_as_float(0x7f800000))
 
@@ -251,15 +254,16 @@ extern "C" __global__ void attn_decode_combine(const float* part_o, const float*
     float L = 0.0f;
     float2 acc = make_float2(0.0f, 0.0f);
     const float2* po = reinterpret_cast<const float2*>(part_o + (size_t)h * splits * hd) + t;
-    for (int s0 = 0; s0 < splits; s0 += 8) {
-        // 8 splits' rows loaded before any is used (an empty split's row is zeros, written by the partial), so
-        // the loads do not wait one by one behind the empty-split test; the sums keep split order
-        float2 v[8];
+    for (int s0 = 0; s0 < splits; s0 += ATTN_COMBINE_SPLITS) {
+        // ATTN_COMBINE_SPLITS splits' rows loaded before any is used (an empty split's row is zeros, written by the
+        // partial), so the loads do not wait one by one behind the empty-split test and a block keeps its head's
+        // rows in flight; the sums keep split order (the batch size never changes the arithmetic)
+        float2 v[ATTN_COMBINE_SPLITS];
 #pragma unroll
-        for (int i = 0; i < 8; ++i)
+        for (int i = 0; i < ATTN_COMBINE_SPLITS; ++i)
             v[i] = live && s0 + i < splits ? po[(size_t)(s0 + i) * (hd / 2)] : make_float2(0.0f, 0.0f);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
+        for (int i = 0; i < ATTN_COMBINE_SPLITS; ++i) {
             const int s = s0 + i;
             if (s >= splits) break;
             const float m = ml[2 * s];

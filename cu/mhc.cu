@@ -49,22 +49,32 @@ __device__ __forceinline__ void load8(const float* p, float* o) {
     o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w; o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
 }
 
-// Sum over the hc x hc matrix held one entry per lane (lane & (hc*hc - 1)): rows (over k) or columns (over j).
-__device__ __forceinline__ float row_sum(float v) {
+// The hc x hc matrix is held one entry per lane (lane & (hc*hc - 1)). The Sinkhorn warp's sums and max over a row
+// (over k: hc lanes 1 apart) or a column (over j: hc lanes hc apart): the xor
+// butterfly's values in its exact operand order ((v_0 + v_1) + (v_2 + v_3) at hc 4, v_k the lane at xor k * step),
+// but every partner's value shuffled at once, so a round waits for one shuffle latency per sum instead of
+// log2(hc) of them (the last block's tail: 20 rounds of a row and a column sum each).
+template <int STEP, class Op>
+__device__ __forceinline__ float xor_tree(float v, Op op) {
+    float t[HC];
+    t[0] = v;
 #pragma unroll
-    for (int o = 1; o < HC; o <<= 1) v += __shfl_xor_sync(DS4_FULL_MASK, v, o);
-    return v;
-}
-__device__ __forceinline__ float row_max(float v) {
+    for (int k = 1; k < HC; k++) t[k] = __shfl_xor_sync(DS4_FULL_MASK, v, k * STEP);
 #pragma unroll
-    for (int o = 1; o < HC; o <<= 1) v = fmaxf(v, __shfl_xor_sync(DS4_FULL_MASK, v, o));
-    return v;
-}
-__device__ __forceinline__ float col_sum(float v) {
+    for (int o = 1; o < HC; o <<= 1)
 #pragma unroll
-    for (int o = HC; o < HC * HC; o <<= 1) v += __shfl_xor_sync(DS4_FULL_MASK, v, o);
-    return v;
+        for (int k = 0; k < HC; k += 2 * o) t[k] = op(t[k], t[k + o]);
+    return t[0];
 }
+struct AddOp {
+    __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
+};
+struct MaxOp {
+    __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+__device__ __forceinline__ float row_sum(float v) { return xor_tree<1>(v, AddOp()); }
+__device__ __forceinline__ float row_max(float v) { return xor_tree<1>(v, MaxOp()); }
+__device__ __forceinline__ float col_sum(float v) { return xor_tree<HC>(v, AddOp()); }
 
 // One thread's 4 columns (cb, cb + blockDim.x, ...) of a collapse pass: x (hc rows) and w, loaded together so a
 // thread keeps 4 * (hc + 1) loads in flight. hc_mix's last block loads its first pass before the Sinkhorn.

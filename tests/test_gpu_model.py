@@ -534,7 +534,7 @@ def test_decode_attention_is_charged_its_tile_chain():
     """attn_decode_partial stages a whole 16-key tile with cp.async and computes it before the next: a block's time
     is a round trip for its queries plus, per tile, a round trip, the tile's intake and the tile loop's
     instructions (nvdisasm count) at one per clock per warp; its bytes in flight are one tile per resident block.
-    The combine keeps 8 splits' rows (64 bytes a lane) in flight."""
+    The combine keeps ATTN_COMBINE_SPLITS (16) splits' rows (128 bytes a lane) in flight."""
     from ds4py.cuda.ops.attention import ATTN_TILE, attn_plan
 
     row = 4 * 512
@@ -556,7 +556,9 @@ def test_decode_attention_is_charged_its_tile_chain():
         assert k.time_us == pytest.approx(lat + 2 * (lat + intake) + 2 * insns / clk + t.gap_pdl_us)
         assert k.inflight_bytes == 32 * ATTN_TILE * row
     comb = timemodel.model_kernel(launch("attn_decode_combine", 64, 256, act=1 << 20, dev=H200), H200, 2048, loops={})
-    assert comb.inflight_bytes == 64 * 256 * 64
+    from ds4py.cuda.ops.attention import ATTN_COMBINE_SPLITS
+
+    assert ATTN_COMBINE_SPLITS == 16 and comb.inflight_bytes == 64 * 256 * 8 * ATTN_COMBINE_SPLITS   # float2 rows
 
 
 def test_the_attention_tile_counts_equal_the_build():
@@ -573,6 +575,43 @@ def test_the_attention_tile_counts_equal_the_build():
     for arch, want in timemodel.ATTN_TILE_SASS.items():
         mod = compiler.compile_file(src, arch, compiler.file_options(src))
         assert sass.attn_tile_counts(sass.disassemble(mod.cubin)["attn_decode_partial"]) == want, arch
+
+
+def test_the_sinkhorn_round_counts_equal_the_build():
+    """timemodel.SINKHORN_ROUND (a round's dependent shuffle rounds and divisions, which set hc_mix's last-block
+    tail) is what nvdisasm counts in this tree's hc_mix (skipped without NVRTC or nvdisasm): 2 shuffle rounds (a
+    row and a column sum, each partner shuffled at once) and 2 divisions; the xor butterflies it replaced were 4."""
+    from ds4py.cuda import compiler
+
+    try:
+        sass.nvdisasm()
+        compiler.nvrtc_version()
+    except Exception as e:                                        # noqa: BLE001 - any missing tool skips
+        pytest.skip(f"no NVRTC / nvdisasm here: {e}")
+    src = compiler.CU_DIR / "mhc.cu"
+    for arch, want in timemodel.SINKHORN_ROUND.items():
+        listing = sass.disassemble(compiler.compile_file(src, arch, compiler.file_options(src)).cubin)
+        for k in ("hc_mix_f16", "hc_mix_f32"):
+            assert sass.sinkhorn_round(listing[k]) == want, (arch, k)
+    want = timemodel.SINKHORN_ROUND["sm_90"]
+    assert timemodel.SINKHORN_ROUND_CYCLES == (want["shuffle_rounds"] * timemodel.SHUFFLE_CYCLES
+                                               + want["divisions"] * timemodel.DIVISION_CYCLES)
+
+
+def test_the_sinkhorn_round_finder_on_a_listing():
+    """sass.sinkhorn_round: the loop that shuffles and takes a reciprocal; a run of back-to-back shuffles is one
+    round on the dependent chain."""
+    import unittest.mock as um
+
+    body = ["SHFL.BFLY", "SHFL.BFLY", "FADD", "MUFU.RCP", "FFMA", "SHFL.BFLY", "FADD", "SHFL.BFLY", "FADD",
+            "MUFU.RCP", "FFMA"]
+
+    def listing(ops):
+        return [(16 * i, op, "", "") for i, op in enumerate(["MOV", *ops, "BRA"])]
+
+    with um.patch.object(sass, "loops", lambda ins: [(1, len(ins) - 1)]):     # the loop: all but the first MOV
+        assert sass.sinkhorn_round(listing(body)) == {"shuffle_rounds": 3, "divisions": 2}
+        assert sass.sinkhorn_round(listing(["FADD", "LDS"])) == {"shuffle_rounds": 0, "divisions": 0}
 
 
 def test_the_route_keeps_every_logit_of_its_lane_in_flight():
@@ -700,3 +739,78 @@ def test_the_tensor_core_prefill_counts_its_mma_work_per_16_row_warp():
                                          / n_experts)
         assert 1.1 < mma_rows * n_experts / pairs < 1.3, (name, mma_rows, pairs)
         assert tr.rows * n_experts / pairs > 1.9, (name, tr.rows)
+
+
+def test_a_pdl_gemv_streams_its_pre_wait_ring_items_under_the_previous_kernel():
+    """Every kernel calls pdl_launch_dependents right after its pdl_wait, so the next PDL kernel of its stream
+    starts while it runs: a GEMV's ring items issued before pdl_wait (Q8_0: Q8_STAGES - 1 per warp) stream in the
+    DRAM time the previous kernel leaves free and in the PDL gap, and leave its memory time. Nothing is credited
+    without PDL, to a kernel that loads no weights before its wait, or from a kernel of the other stream."""
+    from dataclasses import replace
+
+    from ds4py.cuda.ops.gemv import DEFINES, GEMV_ROWS, Q8_0_BLOCK_BYTES, WARP_SMEM
+
+    t = timemodel.timing_for(H200)
+    cols, rows = 4096, 8192
+    weight = rows * cols // 32 * Q8_0_BLOCK_BYTES
+    gemv = launch("gemv_q8_0", 4 * H200.sm_count, 128, weight=weight, smem=4 * WARP_SMEM["Q8_0"], dev=H200,
+                  scalars=(("rows0", rows), ("cols", cols)))
+    per_block = 4 * (DEFINES["Q8_STAGES"] - 1) * GEMV_ROWS * DEFINES["Q8_CHUNK_BLOCKS"] * Q8_0_BLOCK_BYTES
+    tr = timemodel.launch_traffic(gemv, 2048)
+    assert timemodel.prewait_bytes(gemv, tr) == per_block
+    assert timemodel.prewait_bytes(launch("moe_gate_up_i8_iq2_xxs", 64, 256, weight=weight, dev=H200), tr) == 0
+    # a one-block latency-bound kernel leaves the DRAM almost idle: the GEMV's pre-wait items stream meanwhile
+    tiny = launch("rmsnorm_f32", 1, 1024, act=1 << 16, dev=H200)
+    alone = timemodel.model_step([gemv], H200, 2048, loops={}).kernels[0]
+    m = timemodel.model_step([tiny, gemv], H200, 2048, loops={})
+    ka, kb = m.kernels
+    rate = kb.bytes / alone.t_mem_us
+    free = ka.time_us - ka.t_gap_us - ka.t_dram_us
+    assert kb.prefetched_bytes == pytest.approx((free + kb.t_gap_us) * rate, rel=1e-6)
+    assert kb.prefetched_bytes <= 4 * H200.sm_count * per_block
+    assert kb.t_mem_us == pytest.approx(alone.t_mem_us - kb.prefetched_bytes / rate, rel=1e-6)
+    assert m.time_us == pytest.approx(ka.time_us + kb.time_us) and kb.time_us < alone.time_us
+    # after a bandwidth-bound kernel only the PDL gap is free DRAM time
+    m = timemodel.model_step([gemv, gemv], H200, 2048, loops={})
+    assert m.kernels[1].prefetched_bytes == pytest.approx(t.gap_pdl_us * rate, rel=1e-6)
+    # no PDL, no pre-wait weight loads, or the previous kernel on the other stream: nothing
+    for seq in ([tiny, replace(gemv, pdl=False)], [tiny, launch("rmsnorm_f32", 64, 256, act=1 << 24, dev=H200)],
+                [replace(tiny, stream="side"), gemv]):
+        assert all(k.prefetched_bytes == 0 for k in timemodel.model_step(seq, H200, 2048, loops={}).kernels)
+    # the pre-wait items cap it: a long latency-bound kernel before a small GEMV brings in at most what its
+    # blocks issue before the wait
+    small = launch("gemv_q8_0", 32, 64, weight=weight, smem=2 * WARP_SMEM["Q8_0"], dev=H200,
+                   scalars=(("rows0", rows), ("cols", cols)))
+    slow = launch("topk_select", 1, 32, act=8 << 20, dev=H200)
+    kb = timemodel.model_step([slow, small], H200, 2048, loops={}).kernels[1]
+    assert kb.prefetched_bytes == 32 * 2 * (DEFINES["Q8_STAGES"] - 1) * GEMV_ROWS * DEFINES["Q8_CHUNK_BLOCKS"] \
+        * Q8_0_BLOCK_BYTES
+
+
+def test_the_gemvs_credited_with_pre_wait_loads_load_weights_before_pdl_wait_in_the_traffic_report():
+    """timemodel.prewait_bytes credits the gemv_* kernels, hc_mix and the route's bias; the emulator's traffic
+    report (model-width records; hc_mix's and the router's twin tests) shows each of them loading its weights
+    before pdl_wait, and the routed experts (which wait for the router's ids first) none."""
+    report = json.loads(timemodel.TRAFFIC_REPORT.read_text())
+    for k, w in (("hc_mix_f16", "fn"), ("hc_mix_f32", "fn"), ("moe_route", "bias")):
+        assert report["kernels"][k]["args"][w]["pre_pdl_bytes"] > 0, k
+    for k in ("hc_mix_f16", "hc_mix_f32"):
+        mix = launch(k, 32, 1024, weight=24 * 16384 * 2, dev=H200)
+        assert timemodel.prewait_bytes(mix, timemodel.launch_traffic(mix, 2048)) == 24 * 16384 * 2 // 32
+    base = launch("moe_route", 1, 32, weight=1024, act=1024, dev=H200)          # its W stands for the bias here
+    route = PlannedLaunch(0, "moe_route", "test", base.grid, base.block, 0, 0, 32, "main", True,
+                          (PlannedArg("logits", 1024, True, "activation"),
+                           PlannedArg("bias", 1024, True, "blk.5.exp_probs_b.bias"),
+                           PlannedArg("tid2eid", 0, True, "null")), (("n_experts", 256),), base.occupancy,
+                          base.waves, base.problem)
+    assert timemodel.prewait_bytes(route, timemodel.launch_traffic(route, 2048)) == 1024
+    wide = report["model_width"]["kernels"]
+    weights = lambda k: [a for n, a in wide[k]["args"].items() if n.startswith("W")]       # noqa: E731
+    gemvs = [k for k in wide if k.startswith("gemv_")]
+    assert len(gemvs) >= 20
+    for k in gemvs:
+        assert sum(a.get("pre_pdl_bytes", 0) for a in weights(k)) > 0, k
+    routed = [k for k in wide if k.startswith(("moe_gate_up_i8_", "moe_down_i8_"))]
+    assert routed
+    for k in routed:
+        assert sum(a.get("pre_pdl_bytes", 0) for a in weights(k)) == 0, k

@@ -308,6 +308,20 @@ def attn_tile_counts(insns: list[tuple[int, str, str, str]]) -> dict[str, float]
             "rest": size(tile) - sum(size(sp) for sp in children)}
 
 
+def sinkhorn_round(insns: list[tuple[int, str, str, str]]) -> dict[str, int]:
+    """hc_mix's Sinkhorn round (cu/mhc.cu: its loop over the rounds, the one that shuffles and takes a reciprocal),
+    for the time model's last-block tail: its shuffle rounds (runs of SHFL with nothing between them: one shuffle
+    latency each on the round's dependent chain) and its IEEE divisions (MUFU.RCP). {"shuffle_rounds",
+    "divisions"}."""
+    for a, b in sorted(loops(insns), key=lambda sp: sp[1] - sp[0]):
+        ops = [op for _, op, _, _ in insns[a:b + 1]]
+        if any(op.startswith("SHFL") for op in ops) and any(op.startswith("MUFU.RCP") for op in ops):
+            shfl = [op.startswith("SHFL") for op in ops]
+            runs = sum(1 for i, on in enumerate(shfl) if on and (i == 0 or not shfl[i - 1]))
+            return {"shuffle_rounds": runs, "divisions": sum(op.startswith("MUFU.RCP") for op in ops)}
+    return {"shuffle_rounds": 0, "divisions": 0}
+
+
 def count_cubin(cubin: bytes, only: re.Pattern = STREAMING) -> dict[str, LoopCount]:
     out = {}
     for k, insns in disassemble(cubin).items():

@@ -21,6 +21,8 @@ Per kernel (all times in microseconds):
               its passes) and cannot stream past its ring's first pieces until a warp's first quantisation is done:
               time >= that prologue (one warp's passes at its share of the SM's issue) + the rest of its bytes
               + the launch gap (smaller with PDL: the next kernel's launch overlaps this one's tail)
+              bytes: less those its pre-wait loads brought in under the previous kernel of its stream, in the DRAM time
+              that kernel left free and in the PDL gap (pdl_overlap, prewait_bytes)
 A step is its kernels in order, except inside a fork-join region (PlannedLaunch.region: the KV branch, the shared
 expert), where the side stream runs beside the main stream: the region takes max(main's time, side's time, both
 streams' DRAM time at copy bandwidth, both streams' instructions over the whole device's issue rate) (step_regions).
@@ -39,8 +41,16 @@ from typing import Any, Iterable, Sequence
 from ds4py.cuda.devices import DeviceProfile
 
 LANE_BYTES = 16           # a kernel with no SASS count: one 16-byte load per lane in flight (assumed)
-LANE_BYTES_OF = {"attn_decode_combine": 64}   # ... unless its source says otherwise: the combine loads 8 splits'
-                                              # float2 rows before using any (cu/attention.cu)
+
+
+def _combine_lane_bytes() -> int:
+    """attn_decode_combine loads ATTN_COMBINE_SPLITS splits' float2 rows before using any (cu/attention.cu)."""
+    from ds4py.cuda.ops.attention import ATTN_COMBINE_SPLITS
+
+    return 8 * ATTN_COMBINE_SPLITS
+
+
+LANE_BYTES_OF = {"attn_decode_combine": _combine_lane_bytes()}   # ... where the source says more than LANE_BYTES
 
 
 def lane_bytes(launch: Any) -> int:
@@ -312,8 +322,16 @@ def _hc_of(nrows: int) -> int:
     return next((h for h in (1, 2, 4, 8, 16) if (2 + h) * h == nrows), nrows)
 
 
-SINKHORN_ROUND_CYCLES = 180   # one Sinkhorn round on one warp: 4 dependent shuffles (~25 cycles) + 2 IEEE
-                              # divisions (~40): an estimate from the instruction latencies, not a SASS count
+# One Sinkhorn round on one warp (cu/mhc.cu, hc_mix's last block): its dependent chain is a row sum, a division, a
+# column sum, a division. SINKHORN_ROUND: the round's shuffle rounds (runs of shuffles issued back to back: one
+# shuffle latency each) and IEEE divisions as nvdisasm counts them (sass.sinkhorn_round; tests/test_gpu_model.py
+# checks them against a fresh build); the latencies are estimates, not counts: a shuffle ~25 cycles (+ 2 to issue
+# the run's other shuffles at hc 4), a division ~40 (MUFU.RCP and its 5 dependent FFMA). Until branch s6h200 the
+# sums were xor butterflies, 4 dependent shuffles a round: 180 cycles.
+SINKHORN_ROUND = {"sm_90": {"shuffle_rounds": 2, "divisions": 2}, "sm_121": {"shuffle_rounds": 2, "divisions": 2}}
+SHUFFLE_CYCLES, DIVISION_CYCLES = 25 + 2, 40
+SINKHORN_ROUND_CYCLES = (SINKHORN_ROUND["sm_90"]["shuffle_rounds"] * SHUFFLE_CYCLES
+                         + SINKHORN_ROUND["sm_90"]["divisions"] * DIVISION_CYCLES)
 
 
 def tail_us(launch: Any, t: Timing) -> float:
@@ -371,6 +389,7 @@ class KernelTime:
     region: int = -1          # its fork-join region (-1: none)
     t_dram_us: float = 0.0    # its bytes at the copy bandwidth x coalescing: the DRAM time it takes from the device
     t_issue_dev_us: float = 0.0   # its warp instructions at the whole device's issue rate (all SMs x IPC)
+    prefetched_bytes: int = 0     # weight bytes loaded before pdl_wait under the previous kernel (pdl_overlap)
 
     @property
     def bytes(self) -> int:
@@ -484,11 +503,106 @@ def attn_tile_chain(launch: Any, dev: DeviceProfile, t: Timing, tr: Traffic, her
                      min(blocks, dev.sm_count * here) * tile_bytes)
 
 
+# ---- PDL: weights loaded before pdl_wait under the previous kernel ---------------------------------------------------
+_GEMV_TYPE = re.compile(r"^gemv_(q8_0|f16|f32|q4_k)")
+_PIECE = {"f16": 16 * 256, "f32": 32 * 32, "q4_k": 144 * 8}      # bytes of one row's staged piece (ops/gemv DEFINES)
+
+
+def prewait_bytes(launch: Any, tr: Traffic) -> int:
+    """Weight bytes one block of a launch issues before its pdl_wait (cu/gemv.cu; the traffic report's
+    pre_pdl_bytes show it per kernel): every warp of a Q8_0 GEMV (gemv_q8_0*, the int8 ones too) its first
+    Q8_STAGES - 1 ring items, of a staged F16 / F32 / Q4_K GEMV (gemv_staged, gemv_q4_k_i8*) its first item; an
+    item is GEMV_ROWS rows x one piece (a chunk of a row, or the whole row when shorter); at most the block's share
+    of the launch's weights; hc_mix_* (cu/mhc.cu) its chunk of fn, every 128-byte line prefetched into L2 before
+    the wait; moe_route / moe_route_rows (cu/router.cu) the bias. 0 for every other kernel: they wait before
+    their first weight load (the routed experts need the router's ids); the shared expert's early stage and
+    VQ-8's codebook copies are not counted."""
+    from ds4py.cuda.ops.gemv import DEFINES, GEMV_ROWS, Q8_0_BLOCK_BYTES
+
+    blocks = launch.grid[0] * launch.grid[1] * launch.grid[2]
+    if not tr.weight or not blocks:
+        return 0
+    if launch.kernel.startswith("hc_mix_"):
+        return math.ceil(tr.weight / blocks)
+    if launch.kernel in ("moe_route", "moe_route_rows"):              # the bias (route_bias), not tid2eid's rows
+        return sum(int(a.nbytes) for a in launch.args if a.name == "bias")
+    m = _GEMV_TYPE.match(launch.kernel)
+    if not m:
+        return 0
+    cols = int(_scalars(launch).get("cols", 0))
+    _, qk, nb = weight_format(launch.kernel) or ("", 1, 1)
+    row = cols * nb // qk if cols else tr.weight                  # bytes of one weight row
+    piece = DEFINES["Q8_CHUNK_BLOCKS"] * Q8_0_BLOCK_BYTES if m.group(1) == "q8_0" else _PIECE[m.group(1)]
+    items = DEFINES["Q8_STAGES"] - 1 if m.group(1) == "q8_0" else 1
+    warps = max(1, math.ceil(launch.threads / 32))
+    per_block = warps * items * GEMV_ROWS * min(piece, row)
+    return min(per_block, math.ceil(tr.weight / blocks))
+
+
+def _fits_beside(dev: DeviceProfile, a: Any, b: Any, a_here: int) -> int:
+    """Blocks of launch b one SM holds beside a_here resident blocks of launch a (threads, registers, shared
+    memory and block slots, as devices.occupancy counts them), at most b's own occupancy."""
+    from ds4py.cuda.devices import regs_per_warp, smem_per_block
+
+    wa, wb = max(1, math.ceil(a.threads / 32)), max(1, math.ceil(b.threads / 32))
+    room = {"warps": (dev.warps_per_sm - a_here * wa) // wb,
+            "registers": (dev.regs_per_sm - a_here * wa * regs_per_warp(dev, a.registers))
+            // (wb * regs_per_warp(dev, b.registers)),
+            "shared memory": (dev.smem_per_sm - a_here * smem_per_block(dev, a.smem + a.static_smem))
+            // smem_per_block(dev, b.smem + b.static_smem),
+            "blocks": dev.max_blocks_per_sm - a_here}
+    return max(0, min(min(room.values()), b.occupancy.blocks_per_sm))
+
+
+def pdl_overlap(launches: Sequence[Any], ks: Sequence["KernelTime"], dev: DeviceProfile, t: Timing) -> dict[int, int]:
+    """{position: weight bytes} each PDL launch's loads before pdl_wait bring in before it passes the wait. Every
+    kernel here calls pdl_launch_dependents right after its own pdl_wait, so the next kernel of its stream launches
+    while it runs: its blocks that fit beside the running kernel's resident blocks (and all of its first wave once
+    that kernel's blocks retire) issue their pre-wait weight loads and wait (CUDA Programming Guide, "Programmatic
+    Dependent Launch and Synchronization": the secondary kernel's preamble overlaps the primary's execution;
+    griddepcontrol.wait then waits for the primary's completion and memory flush). Those bytes stream (a) in the
+    DRAM time the previous kernel leaves free (its modelled time less its gap and its bytes at the copy bandwidth:
+    a latency-bound tail, an issue-bound loop) and (b) during the launch's own PDL gap, each at the launch's own
+    rate; at most what its resident blocks issue before the wait (prewait_bytes)."""
+    out: dict[int, int] = {}
+    prev: dict[str, int] = {}
+    for i, (b, kb) in enumerate(zip(launches, ks)):
+        j = prev.get(b.stream)
+        prev[b.stream] = i
+        if j is None or not b.pdl or kb.t_mem_us <= 0:
+            continue
+        per_block = prewait_bytes(b, launch_traffic_cached(b, kb))
+        if not per_block:
+            continue
+        a, ka = launches[j], ks[j]
+        rate = kb.bytes / kb.t_mem_us                               # bytes per µs the launch streams at
+        a_blocks = a.grid[0] * a.grid[1] * a.grid[2]
+        a_active = min(dev.sm_count, a_blocks)
+        a_here = min(max(1, a.occupancy.blocks_per_sm), math.ceil(a_blocks / dev.sm_count))
+        b_blocks = b.grid[0] * b.grid[1] * b.grid[2]
+        beside = min(b_blocks, a_active * _fits_beside(dev, a, b, a_here)
+                     + (dev.sm_count - a_active) * max(1, b.occupancy.blocks_per_sm))
+        first_wave = min(b_blocks, dev.sm_count * max(1, b.occupancy.blocks_per_sm))
+        free_us = max(0.0, ka.time_us - ka.t_gap_us - ka.t_dram_us)
+        under_a = min(beside * per_block, free_us * rate)
+        got = min(first_wave * per_block, under_a + kb.t_gap_us * rate, kb.weight_bytes)
+        if got > 0:
+            out[i] = int(got)
+    return out
+
+
+def launch_traffic_cached(launch: Any, k: "KernelTime") -> Traffic:
+    """The launch's traffic as its KernelTime recorded it (weight bytes; what prewait_bytes needs)."""
+    return Traffic(k.weight_bytes, k.kv_bytes, k.act_bytes, 0, 1, 0.0)
+
+
 def model_kernel(launch: Any, dev: DeviceProfile, ctx: int, loops: dict | None = None,
-                 coalescing: dict[str, float] | None = None, timing: Timing | None = None) -> KernelTime:
+                 coalescing: dict[str, float] | None = None, timing: Timing | None = None,
+                 prefetched: int = 0) -> KernelTime:
     """The modelled time of one planned launch on `dev` (see the module doc for the formulas). loops: the SASS
     table's rows for dev's arch ({kernel: LoopCount}); coalescing: {kernel: efficiency 0..1} from a traffic
-    profile (missing: 1.0, labelled assumed)."""
+    profile (missing: 1.0, labelled assumed); prefetched: weight bytes its loads issued before pdl_wait brought in
+    under the previous kernel and the launch gap (pdl_overlap), no longer in its memory time."""
     t = timing or timing_for(dev)
     loop = (loops or {}).get(launch.kernel)
     tr = launch_traffic(launch, ctx)
@@ -508,7 +622,7 @@ def model_kernel(launch: Any, dev: DeviceProfile, ctx: int, loops: dict | None =
     # bytes per microsecond: the copy bandwidth, or what the active SMs can take in (a grid of few blocks)
     bw = min(dev.copy_gbps * 1e3, active * t.sm_bytes_per_clk * t.clock_ghz * 1e3) * coal
     little = inflight / (t.latency_ns / 1e3)                      # bytes per microsecond Little's law allows
-    t_mem = nbytes / min(bw, little) if nbytes else 0.0
+    t_mem = max(0, nbytes - prefetched) / min(bw, little) if nbytes else 0.0
     instr = None
     t_issue = t_issue_dev = 0.0
     t_dram = nbytes / (dev.copy_gbps * 1e3 * coal) if nbytes else 0.0
@@ -552,7 +666,7 @@ def model_kernel(launch: Any, dev: DeviceProfile, ctx: int, loops: dict | None =
                       tuple(launch.block), launch.smem + launch.static_smem, launch.registers, occ.blocks_per_sm,
                       occ.limiter, round(launch.waves, 3), tr.weight, tr.kv, tr.act, coal, coal_src, inflight,
                       instr, t_mem, t_issue, t_mma, t_floor, gap, body + gap, limiter, launch.problem, t_tail,
-                      int(getattr(launch, "region", -1)), t_dram, t_issue_dev)
+                      int(getattr(launch, "region", -1)), t_dram, t_issue_dev, prefetched)
 
 
 # ---- a step ----------------------------------------------------------------------------------------------------------
@@ -633,13 +747,16 @@ class StepModel:
 def model_step(launches: Sequence[Any], dev: DeviceProfile, ctx: int, tokens: int = 1, shapes: str = "",
                step: str = "decode", loops: dict | None = None, coalescing: dict[str, float] | None = None,
                timing: Timing | None = None) -> StepModel:
-    """Every planned launch of one step modelled in order; the step is their sum (the side stream's kernels are
-    counted as if serial: an upper bound where they would overlap)."""
+    """Every planned launch of one step modelled in order, each PDL launch less the weight bytes its pre-wait loads
+    brought in under the previous kernel of its stream (pdl_overlap); StepModel.time_us overlaps the fork-join
+    regions (step_regions)."""
     if loops is None:
         from ds4py.cuda.sass import load_table
 
         loops = load_table().get(dev.arch, {})
     ks = [model_kernel(l, dev, ctx, loops, coalescing, timing) for l in launches]
+    for i, got in pdl_overlap(launches, ks, dev, timing or timing_for(dev)).items():
+        ks[i] = model_kernel(launches[i], dev, ctx, loops, coalescing, timing, prefetched=got)
     notes = []
     if not loops:
         notes.append("no SASS inner-loop table for this arch: issue time not modelled")

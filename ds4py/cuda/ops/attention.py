@@ -18,7 +18,10 @@ from ds4py.cuda.ops.core import aligned, is_dtype, need
 ATTN_TILE = 16                 # keys staged per tile
 ATTN_HPW = 4                   # heads per warp
 ATTN_MAX_HD = 512              # largest head dim
-DEFINES = {"ATTN_TILE": ATTN_TILE, "ATTN_HPW": ATTN_HPW, "ATTN_MAX_HD": ATTN_MAX_HD}   # -D values of cu/attention.cu
+ATTN_COMBINE_SPLITS = 16       # splits' rows a combine thread loads before using any (16 float2: H200 keeps 2 MB
+                               # in flight over a head per block; 8 left a ratio-4 layer's combine latency-bound)
+DEFINES = {"ATTN_TILE": ATTN_TILE, "ATTN_HPW": ATTN_HPW, "ATTN_MAX_HD": ATTN_MAX_HD,
+           "ATTN_COMBINE_SPLITS": ATTN_COMBINE_SPLITS}                                  # -D values of cu/attention.cu
 
 
 def pair_threads(dim: int) -> int:
