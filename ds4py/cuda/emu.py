@@ -36,7 +36,7 @@ CU_DIR = Path(__file__).resolve().parents[2] / "cu"
 EMU_DIR = CU_DIR / "emu"
 FLAGS = ("-std=c++17", "-O2", "-g0", "-fPIC", "-shared", "-fvisibility=hidden", "-fno-strict-aliasing",
          "-ffp-contract=off", "-Wl,-Bsymbolic", "-DDS4_EMU=1")
-GENERATOR_VERSION = "ds4py-emu-v5"   # v4: template-local __shared__ moved into emu_shared
+GENERATOR_VERSION = "ds4py-emu-v5"   # v5: template-local __shared__ moved into emu_shared
 # The checker builds (docs/cuda-emu.md "Checker builds"), chosen with DS4PY_EMU_CHECK=race,asan (or `check=`):
 # race: every access instrumented (-fsanitize=thread, routed to cu/emu/emu_check.h's shared-memory race detector,
 #   no TSan runtime: compiled, then linked without it);
@@ -284,7 +284,7 @@ def _move_template_shared(obj: Path, unit: str, name: str) -> None:
     renames = []
     for mangled, plain in zip(sections, d.stdout.splitlines()):
         var = plain.rsplit("::", 1)[-1]
-        if re.search(rf"\b__shared__\b[^;]*\b{re.escape(var)}\b", code):
+        if not plain.startswith("__emu::") and re.search(rf"\b__shared__\b[^;]*\b{re.escape(var)}\b", code):
             kind = "bss" if f".bss.{mangled}" in r.stdout else "data"
             renames += ["--rename-section", f".{kind}.{mangled}=emu_shared,alloc,load,contents,data"]
     if renames:
