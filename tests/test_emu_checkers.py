@@ -46,6 +46,24 @@ def test_race_detector_reports_planted_races_and_not_their_fixes(race):
         race.launch("warp_swap", 1, 32, [x, y, 0])
 
 
+def test_race_on_a_template_local_shared_array_is_reported(race):
+    """The shared array of a function template (g++ ignores the section attribute of a template's static local;
+    the build moves it into emu_shared) is checked like any other, named by its function."""
+    x, y = np.arange(64, dtype=np.float32), np.zeros(64, np.float32)
+    race.launch("tpl_neighbour_sum", 1, 64, [x, y, 1])
+    assert y[0] == 1 and y[63] == 63
+    with pytest.raises(emu.EmuKernelError, match=r"tpl_neighbour_sum: thread \(1,0,0\) .*shared-memory race: a write "
+                       r"to static __shared__ byte \d+ \(address 0x[0-9a-f]+: byte 4 of "
+                       r"tpl_neighbour<256>\(float const\*, int\)::s, 1024 bytes\) that thread \(0,0,0\) read"):
+        race.launch("tpl_neighbour_sum", 1, 64, [x, y, 0])
+
+
+def test_template_local_shared_arrays_count_as_static_shared_memory():
+    """Every __shared__ array of checkers.cu lies in the static shared-memory section the runtime poisons and the
+    checkers classify: s[256] + count + s[32] + a[32] + b[32] + the template's s[256] (with alignment padding)."""
+    assert emu.EmuModule(CHECKERS).static_smem_bytes >= 4 * (256 + 1 + 32 + 32 + 32 + 256)
+
+
 def test_the_plain_emulator_misses_what_the_checkers_find():
     """Why the checker builds exist: the same planted bugs pass silently on the plain build."""
     m = emu.EmuModule(CHECKERS)

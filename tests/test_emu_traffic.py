@@ -77,6 +77,16 @@ def test_shared_memory_bank_conflicts(mod, stride, wavefronts):
     assert r["smem"]["store"]["wavefronts"] == r["smem"]["store"]["requests"] == 33     # the conflict-free fill
 
 
+@pytest.mark.parametrize("stride,wavefronts", [(1, 1), (32, 32)])
+def test_bank_conflicts_on_a_template_local_shared_array(mod, stride, wavefronts):
+    """A __shared__ array declared inside a function template (g++ gives that static its own COMDAT section, not
+    emu_shared; the build moves it) is shared memory to the profile too: 32-way at stride 32."""
+    r = profile(mod, "tpl_smem_stride", 1, 32, [f32(32 * 33), np.zeros(32, np.float32), stride])
+    load = r["smem"]["load"]
+    assert (load["requests"], load["wavefronts"], load["ideal_wavefronts"]) == (1, wavefronts, 1)
+    assert r["smem"]["store"]["requests"] == 33
+
+
 def test_input_read_twice_shows_a_reread_of_two(mod):
     r = profile(mod, "read_passes", 1, 64, [f32(256), np.zeros(64, np.float32), 256, 2])
     x = r["args"]["x"]

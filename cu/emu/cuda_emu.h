@@ -34,6 +34,8 @@
 #define __managed__
 // Static shared memory: one instance per kernel (blocks run one at a time), kept in its own section so each
 // block can start with it poisoned. `extern __shared__` (dynamic) is rewritten by emu.py (see rewrite_source).
+// g++ ignores this section attribute on a function template's static local (own COMDAT .bss section instead):
+// emu.py moves those into emu_shared after compiling (_move_template_shared), or no checker would see them.
 #define __shared__ static __attribute__((section("emu_shared")))
 
 // ---- vector types ----------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ CU_DIR = Path(__file__).resolve().parents[2] / "cu"
 EMU_DIR = CU_DIR / "emu"
 FLAGS = ("-std=c++17", "-O2", "-g0", "-fPIC", "-shared", "-fvisibility=hidden", "-fno-strict-aliasing",
          "-ffp-contract=off", "-Wl,-Bsymbolic", "-DDS4_EMU=1")
-GENERATOR_VERSION = "ds4py-emu-v3"
+GENERATOR_VERSION = "ds4py-emu-v5"   # v5: template-local __shared__ moved into emu_shared
 # The checker builds (docs/cuda-emu.md "Checker builds"), chosen with DS4PY_EMU_CHECK=race,asan (or `check=`):
 # race: every access instrumented (-fsanitize=thread, routed to cu/emu/emu_check.h's shared-memory race detector,
 #   no TSan runtime: compiled, then linked without it);
@@ -236,12 +236,16 @@ def _compile(cxx: str, source: Path, unit: str, extra_flags: Sequence[str], out:
     t0 = time.perf_counter()
     cmd = [cxx, *FLAGS, *extra_flags, f"-I{EMU_DIR / 'include'}", f"-I{source.parent}", f"-I{CU_DIR}",
            "-include", str(EMU_DIR / "cuda_emu.h"), "-x", "c++", str(tmp_src)]
-    # the race and traffic builds link without the sanitizer (its hooks are in the library itself, no TSan runtime)
-    steps = ([cmd + ["-c", "-o", str(tmp_obj)],
-              [cxx, "-shared", "-fPIC", "-Wl,-Bsymbolic", str(tmp_obj), "-o", str(tmp_so)]]
-             if "race" in modes or "traffic" in modes else [cmd + ["-o", str(tmp_so)]])
+    # Compiled, then its template-local __shared__ arrays moved into emu_shared (_move_template_shared), then
+    # linked; the race and traffic builds link without the sanitizer (its hooks are in the library itself, no
+    # TSan runtime).
+    link = [cxx, "-shared", "-fPIC", "-Wl,-Bsymbolic", *[f for m in modes for f in LINK_CHECKS[m]], str(tmp_obj),
+            "-o", str(tmp_so)]
     try:
-        for c in steps:
+        for c in (cmd + ["-c", "-o", str(tmp_obj)], None, link):
+            if c is None:
+                _move_template_shared(tmp_obj, unit, source.name)
+                continue
             r = subprocess.run(c, capture_output=True, text=True)
             if r.returncode != 0:
                 raise EmuCompileError(f"the emulator could not compile {source.name}:\n{r.stderr.strip()}")
@@ -252,6 +256,41 @@ def _compile(cxx: str, source: Path, unit: str, extra_flags: Sequence[str], out:
         tmp_src.unlink(missing_ok=True)
         tmp_so.unlink(missing_ok=True)
         tmp_obj.unlink(missing_ok=True)
+
+
+_LOCAL_STATIC_SECTION = re.compile(r"\]\s+\.(?:bss|data)\.(_ZZ\S+)\s")
+
+
+def _move_template_shared(obj: Path, unit: str, name: str) -> None:
+    """Put every `__shared__` array declared inside a function template into the emu_shared section, where the
+    runtime's shared-memory ranges (__start/__stop_emu_shared: the race detector's shadow, the traffic profile's
+    classifier, the poisoning at block start, static_smem_bytes) look for it. g++ (12) ignores a section attribute
+    on a static local of a template instantiation and gives it its own COMDAT section `.bss.<mangled name>`
+    instead, so `__shared__` (cu/emu/cuda_emu.h: static + section("emu_shared")) alone leaves such arrays as
+    unclassified host memory. A static local whose (unqualified) name the source declares `__shared__` somewhere
+    is taken to be that array: device code has no other function-local statics. The moved sections get contents
+    (PROGBITS, like the attribute's own emu_shared): a NOBITS one would make the linker emit a second output
+    section of that name, and __start/__stop_emu_shared would bracket only one of the two."""
+    readelf, objcopy, demangle = shutil.which("readelf"), shutil.which("objcopy"), shutil.which("c++filt")
+    if not (readelf and objcopy and demangle):
+        raise EmuCompileError("the emulator needs binutils (readelf, objcopy, c++filt) to place template-local "
+                              "__shared__ arrays")
+    r = subprocess.run([readelf, "-SW", str(obj)], capture_output=True, text=True, check=True)
+    sections = [m.group(1) for line in r.stdout.splitlines() if (m := _LOCAL_STATIC_SECTION.search(line))]
+    if not sections:
+        return
+    d = subprocess.run([demangle], input="\n".join(sections), capture_output=True, text=True, check=True)
+    code = _COMMENT.sub("", unit)
+    renames = []
+    for mangled, plain in zip(sections, d.stdout.splitlines()):
+        var = plain.rsplit("::", 1)[-1]
+        if not plain.startswith("__emu::") and re.search(rf"\b__shared__\b[^;]*\b{re.escape(var)}\b", code):
+            kind = "bss" if f".bss.{mangled}" in r.stdout else "data"
+            renames += ["--rename-section", f".{kind}.{mangled}=emu_shared,alloc,load,contents,data"]
+    if renames:
+        c = subprocess.run([objcopy, *renames, str(obj)], capture_output=True, text=True)
+        if c.returncode != 0:
+            raise EmuCompileError(f"the emulator could not place the __shared__ arrays of {name}:\n{c.stderr.strip()}")
 
 
 # ---- guarded host buffers ------------------------------------------------------------------------------------

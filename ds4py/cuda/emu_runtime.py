@@ -428,8 +428,11 @@ class EmuRuntime:
         mod = self.module(k.module)
         prof = self.profile
         res = resources.kernel(prof.arch, name)          # the committed ptxas report (None: a kernel not in it)
+        # the kernel's own static shared memory from its ptxas report; without a row, the file's static
+        # __shared__ section (every kernel of the file together: an upper bound)
+        static_smem = res.smem if res is not None else mod.static_smem_bytes
         g, b = check_geometry(name, grid, block, smem, k.max_threads, self.device.smem_per_block_optin,
-                              mod.static_smem_bytes, res.registers if res is not None else 0, prof)
+                              static_smem, res.registers if res is not None else 0, prof)
         raw = check_args(name, k.params, args)     # the GPU launcher's checks, before anything is queued
         for p, v in zip(k.params, args):
             if p.is_pointer and isinstance(v, DeviceArray) and v.mem is not self.memory:

@@ -12,6 +12,20 @@ extern "C" __global__ void neighbour_sum(const float* x, float* y, int sync) {
     y[t] = s[t] + s[(t + 1) % blockDim.x];
 }
 
+// neighbour_sum with its shared array declared inside a function template (as cu/moe_prefill.cu's tiles are):
+// g++ places such a static in its own COMDAT section, not in emu_shared, unless the build moves it there
+// (ds4py/cuda/emu.py _move_template_shared); the race must be seen all the same.
+template <int N> __device__ float tpl_neighbour(const float* x, int sync) {
+    __shared__ float s[N];
+    const int t = threadIdx.x;
+    s[t] = x[t];
+    if (sync) __syncthreads();
+    return s[t] + s[(t + 1) % blockDim.x];
+}
+extern "C" __global__ void tpl_neighbour_sum(const float* x, float* y, int sync) {
+    y[threadIdx.x] = tpl_neighbour<256>(x, sync);
+}
+
 // Launch: grid 1, block 64. All threads add into one shared counter atomically (no race), then read it after
 // a barrier; with `plain`, thread 0 also overwrites it without an atomic inside the interval (a race).
 extern "C" __global__ void shared_counter(int* out, int plain) {

@@ -47,6 +47,19 @@ extern "C" __global__ void smem_stride(const float* x, float* y, int stride) {
     y[threadIdx.x] = s[threadIdx.x * stride];
 }
 
+// smem_stride with the shared array declared inside a function template (its static lands outside emu_shared
+// unless the build moves it; ds4py/cuda/emu.py _move_template_shared): the same wavefronts must be counted.
+template <int N> __device__ float tpl_stride(const float* x, int stride) {
+    __shared__ float s[N];
+    for (int i = threadIdx.x; i < N; i += blockDim.x) s[i] = x[i];
+    __syncthreads();
+    return s[threadIdx.x * stride];
+}
+extern "C" __global__ void tpl_smem_stride(const float* x, float* y, int stride) {
+    pdl_wait();
+    y[threadIdx.x] = tpl_stride<32 * 33>(x, stride);
+}
+
 // A global load through cp.async: 16 bytes per lane, consecutive: 100% coalesced, counted as a load of x.
 extern "C" __global__ void cp_async_copy(const float* x, float* y) {
     __shared__ __align__(16) float s[32 * 4];
