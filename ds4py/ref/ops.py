@@ -238,6 +238,19 @@ def hc_coeffs(X: np.ndarray, fn: np.ndarray, scale: np.ndarray, base: np.ndarray
               iters: int, seg: list[slice] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The mixes of the state X: (pre [T, hc], post [T, hc], comb [T, hc, hc]); seg: the rows' sequences."""
     hc = X.shape[1]
+    fast = _ops_jit()
+    if (fast is not None and X.dtype == fn.dtype == scale.dtype == base.dtype == F32 and X.ndim == 3
+            and 0 < hc <= fast.MAX_N and fn.shape == (hc * (2 + hc), X.shape[1] * X.shape[2])
+            and scale.shape == (3,) and base.shape == (hc * (2 + hc),)):
+        xf = np.ascontiguousarray(X.reshape(X.shape[0], -1))
+        g = np.ascontiguousarray(mm(xf, fn.T, seg), dtype=F32)
+        e_in = fast.hc_mix_exp_inputs(g, xf, scale, base, hc, F32(norm_eps), np.empty_like(g))
+        with np.errstate(over="ignore"):
+            e = np.exp(e_in)                              # numpy's exp, one call for the three (same bits)
+        T = len(X)
+        pre, post, comb = np.empty((T, hc), F32), np.empty((T, hc), F32), np.empty((T, hc, hc), F32)
+        fast.hc_mix_from_exps(e, hc, F32(hc_eps), int(iters), pre, post, comb)  # numpy's operations compiled
+        return pre, post, comb
     m = hc_mixes(X, fn, norm_eps, seg)
     pre = sigmoid(m[:, :hc] * scale[0] + base[:hc]) + F32(hc_eps)
     post = 2 * sigmoid(m[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
