@@ -226,3 +226,28 @@ def test_hc_coeffs_is_the_numpy_ops_bits(monkeypatch):
     fn[0, :], fn[9, 5] = 1e30, -np.inf                                          # exp overflows, a NaN comb row
     both(X, fn, scale, np.zeros(24, F32), 1e-6, 1e-6, 3)
     both(X.astype(np.float64), fn, scale, np.zeros(24, F32), 1e-6, 1e-6, 3)     # another dtype: numpy's own
+
+
+def test_swiglu_hidden_and_grouped_adds_are_the_numpy_ops_bits(monkeypatch):
+    """ops.swiglu_hidden's twins (clamps, silu around numpy's exp, the pair weights) and ops.add_rows_grouped
+    (forward._routed_run's per-expert `y[tok] += d`, a repeated row keeping its last write as numpy's does)
+    against numpy's expressions: clamps on and off, values past the clamp and exp's overflow, NaN / inf."""
+    rng = np.random.default_rng(31)
+    for N, F in ((1, 64), (6, 130), (9, 2048)):
+        for clamp in (0.0, 10.0):
+            g = (rng.standard_normal((N, F)) * rng.uniform(0.1, 200)).astype(F32)
+            u = (rng.standard_normal((N, F)) * rng.uniform(0.1, 200)).astype(F32)
+            g[0, :4], u[0, 4:8] = (np.nan, np.inf, -np.inf, -100.0), (np.nan, -np.inf, np.inf, -0.0)
+            wt = rng.uniform(0, 2, N).astype(F32)
+            for weight in (None, wt):
+                _same_bits(ops.swiglu_hidden(g, u, clamp, weight),
+                           _numpy_op(monkeypatch, ops.swiglu_hidden, g, u, clamp, weight))
+    for T, pairs in ((1, 6), (4, 30)):
+        y = rng.standard_normal((T, 96)).astype(F32)
+        d = (rng.standard_normal((pairs, 96)) * 10).astype(F32)
+        tok = rng.integers(0, T, pairs)
+        gs = np.unique(np.concatenate(([0, pairs], rng.integers(1, pairs, 3))))
+        tok[1] = tok[0]                                                # a row twice in one group
+        d[2, 5] = np.nan
+        _same_bits(ops.add_rows_grouped(y.copy(), d, tok, gs),
+                   _numpy_op(monkeypatch, ops.add_rows_grouped, y.copy(), d, tok, gs))

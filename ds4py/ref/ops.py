@@ -354,8 +354,22 @@ def swiglu_of(x: np.ndarray, gate, up, down, clamp: float, weight: np.ndarray | 
     return down(swiglu_hidden(g, u, clamp, weight))
 
 
+_NO_ROW_WEIGHT = np.zeros(1, F32)
+
+
 def swiglu_hidden(g: np.ndarray, u: np.ndarray, clamp: float, weight: np.ndarray | None = None) -> np.ndarray:
     """swiglu's hidden activation from the gate and up products: silu(min(g, c)) · clamp(u, −c, c) [· weight]."""
+    fast = _ops_jit()
+    if (fast is not None and g.dtype == u.dtype == F32 and g.ndim == 2 and g.shape == u.shape
+            and (weight is None or (weight.dtype == F32 and weight.shape == g.shape[:1]))):
+        g, u = np.ascontiguousarray(g), np.ascontiguousarray(u)
+        gc, neg = np.empty_like(g), np.empty_like(g)
+        c = F32(clamp if clamp > 0 else 0)
+        fast.swiglu_gate_neg(g, c, gc, neg)
+        with np.errstate(over="ignore"):
+            e = np.exp(neg, out=neg)                        # numpy's exp (sigmoid's), in place
+        w = _NO_ROW_WEIGHT if weight is None else np.ascontiguousarray(weight)
+        return fast.swiglu_rows(gc, e, u, c, w, weight is not None, np.empty_like(g))  # numpy's operations compiled
     if clamp > 0:
         g = np.minimum(g, F32(clamp))
         u = np.clip(u, F32(-clamp), F32(clamp))
@@ -363,3 +377,15 @@ def swiglu_hidden(g: np.ndarray, u: np.ndarray, clamp: float, weight: np.ndarray
     if weight is not None:
         h = h * weight[:, None]
     return h
+
+
+def add_rows_grouped(y: np.ndarray, d: np.ndarray, tok: np.ndarray, gs: np.ndarray) -> np.ndarray:
+    """For each group g in order, y[tok[gs[g]:gs[g+1]]] += d[gs[g]:gs[g+1]] (in place; returns y)."""
+    fast = _ops_jit()
+    if (fast is not None and y.dtype == d.dtype == F32 and y.ndim == d.ndim == 2 and y.flags.c_contiguous
+            and d.shape[1:] == y.shape[1:]):
+        return fast.add_rows_grouped(y, np.ascontiguousarray(d), np.ascontiguousarray(tok, dtype=np.int64),
+                                     np.ascontiguousarray(gs, dtype=np.int64))   # numpy's adds compiled
+    for a, b in zip(gs[:-1], gs[1:]):
+        y[tok[a:b]] += d[a:b]
+    return y
