@@ -11,7 +11,8 @@ slices only) and its GB/s; the serial gaps between the calls (the main thread's 
 threads idle) likewise; `--bw` GB/s prices all the bytes at that bus rate (the floor of a step whose kernels all
 ran at it). --ab-crew: tokens alternate numba's pool (A, $DS4PY_CREW=0) and ds4py.quant.jit's own threads (B, the
 default),
-the order swapped every pair; both tables and the per-pair B / A median.
+the order swapped every pair; both tables and the per-pair B / A median. --gaps N: the N largest serial gaps, each
+named by the kernel calls (name#position in the token) on either side.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def weight_bytes(name: str, args: tuple) -> int:
     return total
 
 
-def table(toks: list, bw: float) -> None:
+def table(toks: list, bw: float, top: int = 0) -> None:
     """Per kernel: calls, the sum of its positions' minimum wall, bytes, GB/s; the head; the gaps."""
     P = len(toks[0][2])
     cmin = [min(t[2][j][2] - t[2][j][1] for t in toks) for j in range(P)]
@@ -76,6 +77,11 @@ def table(toks: list, bw: float) -> None:
     print(f"  kernel calls {sum(cmin) * 1e3:.2f} ms for {tb / 1e6:.0f} MB ({tb / sum(cmin) / 1e9:.1f} GB/s); "
           f"serial gaps {sum(gmin) * 1e3:.2f} ms over {P + 1}; sum {(sum(cmin) + sum(gmin)) * 1e3:.2f} ms; "
           f"all bytes at {bw:g} GB/s: {tb / bw / 1e6:.2f} ms")
+    if top:
+        order = sorted(range(P + 1), key=lambda j: -gmin[j])[:top]
+        print(f"  largest gaps (min ms, between the calls around it): " + "; ".join(
+            f"{gmin[j] * 1e3:.2f} {names[j - 1] if j else 'start'}#{j - 1} -> {names[j] if j < P else 'end'}#{j}"
+            for j in order))
 
 
 def main() -> None:
@@ -84,6 +90,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--bw", type=float, default=44.0, help="bus GB/s to price the bytes at")
+    ap.add_argument("--gaps", type=int, default=0, help="list the N largest serial gaps")
     ap.add_argument("--ab-crew", action="store_true", help="alternate numba's pool and jit's own threads")
     a = ap.parse_args()
     if not os.path.isfile(a.model):
@@ -118,7 +125,7 @@ def main() -> None:
     for v in variants:
         if a.ab_crew:
             print(f"{v}: {'jit crew (default)' if v == 'B' else 'numba pool ($DS4PY_CREW=0)'}")
-        table(toks[v], a.bw)
+        table(toks[v], a.bw, a.gaps)
     if a.ab_crew:
         r = [(b[1] - b[0]) / (x[1] - x[0]) for x, b in zip(toks["A"], toks["B"])]
         print(f"B / A token wall per pair: median {statistics.median(r):.3f}")

@@ -190,3 +190,64 @@ def test_rope_tail_is_the_numpy_ops_bits(inverse, monkeypatch):
             for y in (x, x.astype(np.float16), np.asfortranarray(x)):
                 _same_bits(ops.rope_tail(y, pos, freqs, inverse),
                            _numpy_op(monkeypatch, ops.rope_tail, y, pos, freqs, inverse))
+
+
+def test_hc_coeffs_is_the_numpy_ops_bits(monkeypatch):
+    """ops.hc_coeffs with its twins around the GEMV (the mixes' scaling, the affines, the comb rows' max, one numpy
+    exp for all, the sigmoids and the Sinkhorn rounds) against numpy's expressions: every copy count the twins take,
+    token counts, per-sequence products, scales up to exp's overflow, NaN / inf in the state; a copy count beyond
+    them and another dtype keep numpy's path."""
+    from ds4py.ref import ops_jit
+
+    assert jit.loaded() and ops._ops_jit() is ops_jit
+    rng = np.random.default_rng(29)
+
+    def both(*args, **kw):
+        got = ops.hc_coeffs(*args, **kw)
+        want = _numpy_op(monkeypatch, ops.hc_coeffs, *args, **kw)
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype and g.shape == w.shape
+            np.testing.assert_array_equal(g.view(np.uint8), w.view(np.uint8))
+        return got
+
+    for n in range(1, ops_jit.MAX_N + 2):
+        for T, D in ((1, 64), (3, 40), (5, 128)):
+            for sc in (1e-3, 1.0, 1e4):
+                X = (rng.standard_normal((T, n, D)) * sc).astype(F32)
+                fn = (rng.standard_normal((n * (2 + n), n * D)) * 0.2).astype(F32)
+                scale = rng.uniform(0.01, 300, 3).astype(F32)
+                base = rng.standard_normal(n * (2 + n)).astype(F32)
+                seg = [slice(0, 1), slice(1, T)] if T > 1 else None
+                both(X, fn, scale, base, 1e-6, 1e-6, 20, seg)
+    X[0, 0, 3], X[-1, -1, 0] = np.inf, np.nan                                # non-finite states: numpy's NaNs
+    both(X, fn, scale, base, 1e-6, 1e-6, 20)
+    X = (rng.standard_normal((2, 4, 64))).astype(F32)
+    fn = (rng.standard_normal((24, 256)) * 0.2).astype(F32)
+    fn[0, :], fn[9, 5] = 1e30, -np.inf                                          # exp overflows, a NaN comb row
+    both(X, fn, scale, np.zeros(24, F32), 1e-6, 1e-6, 3)
+    both(X.astype(np.float64), fn, scale, np.zeros(24, F32), 1e-6, 1e-6, 3)     # another dtype: numpy's own
+
+
+def test_swiglu_hidden_and_grouped_adds_are_the_numpy_ops_bits(monkeypatch):
+    """ops.swiglu_hidden's twins (clamps, silu around numpy's exp, the pair weights) and ops.add_rows_grouped
+    (forward._routed_run's per-expert `y[tok] += d`, a repeated row keeping its last write as numpy's does)
+    against numpy's expressions: clamps on and off, values past the clamp and exp's overflow, NaN / inf."""
+    rng = np.random.default_rng(31)
+    for N, F in ((1, 64), (6, 130), (9, 2048)):
+        for clamp in (0.0, 10.0):
+            g = (rng.standard_normal((N, F)) * rng.uniform(0.1, 200)).astype(F32)
+            u = (rng.standard_normal((N, F)) * rng.uniform(0.1, 200)).astype(F32)
+            g[0, :4], u[0, 4:8] = (np.nan, np.inf, -np.inf, -100.0), (np.nan, -np.inf, np.inf, -0.0)
+            wt = rng.uniform(0, 2, N).astype(F32)
+            for weight in (None, wt):
+                _same_bits(ops.swiglu_hidden(g, u, clamp, weight),
+                           _numpy_op(monkeypatch, ops.swiglu_hidden, g, u, clamp, weight))
+    for T, pairs in ((1, 6), (4, 30)):
+        y = rng.standard_normal((T, 96)).astype(F32)
+        d = (rng.standard_normal((pairs, 96)) * 10).astype(F32)
+        tok = rng.integers(0, T, pairs)
+        gs = np.unique(np.concatenate(([0, pairs], rng.integers(1, pairs, 3))))
+        tok[1] = tok[0]                                                # a row twice in one group
+        d[2, 5] = np.nan
+        _same_bits(ops.add_rows_grouped(y.copy(), d, tok, gs),
+                   _numpy_op(monkeypatch, ops.add_rows_grouped, y.copy(), d, tok, gs))

@@ -496,16 +496,13 @@ def _routed_run(w, E, x, ex, gs, tok, slot, wts, clamp, y, parts, shared=None) -
         g, u = w.experts_linear((E.gate, E.up), ex, gs, tok, x)
     else:
         (g, u), y = w.experts_linear_and((E.gate, E.up), ex, gs, tok, x, *shared)
-    if clamp > 0:
-        g = np.minimum(g, F32(clamp))
-        u = np.clip(u, F32(-clamp), F32(clamp))
-    h = ops.silu(g) * u
-    h = h * wts[tok, slot][:, None]
+    h = ops.swiglu_hidden(g, u, clamp, wts[tok, slot])   # silu(min(g, c)) * clip(u, -c, c) * the pair's weight
     d, = w.experts_linear((E.down,), ex, gs, np.arange(len(tok)), h)
+    if parts is None:
+        return ops.add_rows_grouped(y, d, tok, gs)
     for a, b in zip(gs[:-1], gs[1:]):
         y[tok[a:b]] += d[a:b]
-        if parts is not None:
-            parts[tok[a:b], slot[a:b]] = d[a:b]
+        parts[tok[a:b], slot[a:b]] = d[a:b]
     return y
 
 

@@ -238,6 +238,19 @@ def hc_coeffs(X: np.ndarray, fn: np.ndarray, scale: np.ndarray, base: np.ndarray
               iters: int, seg: list[slice] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The mixes of the state X: (pre [T, hc], post [T, hc], comb [T, hc, hc]); seg: the rows' sequences."""
     hc = X.shape[1]
+    fast = _ops_jit()
+    if (fast is not None and X.dtype == fn.dtype == scale.dtype == base.dtype == F32 and X.ndim == 3
+            and 0 < hc <= fast.MAX_N and fn.shape == (hc * (2 + hc), X.shape[1] * X.shape[2])
+            and scale.shape == (3,) and base.shape == (hc * (2 + hc),)):
+        xf = np.ascontiguousarray(X.reshape(X.shape[0], -1))
+        g = np.ascontiguousarray(mm(xf, fn.T, seg), dtype=F32)
+        e_in = fast.hc_mix_exp_inputs(g, xf, scale, base, hc, F32(norm_eps), np.empty_like(g))
+        with np.errstate(over="ignore"):
+            e = np.exp(e_in)                              # numpy's exp, one call for the three (same bits)
+        T = len(X)
+        pre, post, comb = np.empty((T, hc), F32), np.empty((T, hc), F32), np.empty((T, hc, hc), F32)
+        fast.hc_mix_from_exps(e, hc, F32(hc_eps), int(iters), pre, post, comb)  # numpy's operations compiled
+        return pre, post, comb
     m = hc_mixes(X, fn, norm_eps, seg)
     pre = sigmoid(m[:, :hc] * scale[0] + base[:hc]) + F32(hc_eps)
     post = 2 * sigmoid(m[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
@@ -341,8 +354,22 @@ def swiglu_of(x: np.ndarray, gate, up, down, clamp: float, weight: np.ndarray | 
     return down(swiglu_hidden(g, u, clamp, weight))
 
 
+_NO_ROW_WEIGHT = np.zeros(1, F32)
+
+
 def swiglu_hidden(g: np.ndarray, u: np.ndarray, clamp: float, weight: np.ndarray | None = None) -> np.ndarray:
     """swiglu's hidden activation from the gate and up products: silu(min(g, c)) · clamp(u, −c, c) [· weight]."""
+    fast = _ops_jit()
+    if (fast is not None and g.dtype == u.dtype == F32 and g.ndim == 2 and g.shape == u.shape
+            and (weight is None or (weight.dtype == F32 and weight.shape == g.shape[:1]))):
+        g, u = np.ascontiguousarray(g), np.ascontiguousarray(u)
+        gc, neg = np.empty_like(g), np.empty_like(g)
+        c = F32(clamp if clamp > 0 else 0)
+        fast.swiglu_gate_neg(g, c, gc, neg)
+        with np.errstate(over="ignore"):
+            e = np.exp(neg, out=neg)                        # numpy's exp (sigmoid's), in place
+        w = _NO_ROW_WEIGHT if weight is None else np.ascontiguousarray(weight)
+        return fast.swiglu_rows(gc, e, u, c, w, weight is not None, np.empty_like(g))  # numpy's operations compiled
     if clamp > 0:
         g = np.minimum(g, F32(clamp))
         u = np.clip(u, F32(-clamp), F32(clamp))
@@ -350,3 +377,15 @@ def swiglu_hidden(g: np.ndarray, u: np.ndarray, clamp: float, weight: np.ndarray
     if weight is not None:
         h = h * weight[:, None]
     return h
+
+
+def add_rows_grouped(y: np.ndarray, d: np.ndarray, tok: np.ndarray, gs: np.ndarray) -> np.ndarray:
+    """For each group g in order, y[tok[gs[g]:gs[g+1]]] += d[gs[g]:gs[g+1]] (in place; returns y)."""
+    fast = _ops_jit()
+    if (fast is not None and y.dtype == d.dtype == F32 and y.ndim == d.ndim == 2 and y.flags.c_contiguous
+            and d.shape[1:] == y.shape[1:]):
+        return fast.add_rows_grouped(y, np.ascontiguousarray(d), np.ascontiguousarray(tok, dtype=np.int64),
+                                     np.ascontiguousarray(gs, dtype=np.int64))   # numpy's adds compiled
+    for a, b in zip(gs[:-1], gs[1:]):
+        y[tok[a:b]] += d[a:b]
+    return y

@@ -12,6 +12,14 @@ the per-layer decode path pays every token.
 - hc_collapse: ops.hc_collapse without the [T, n, D] temporary (two a layer).
 - fp8_fake_quant_rows: ops.fp8_fake_quant (frexp / ldexp / rint / clip per element: exact or rounded once, as
   numpy rounds them; ~90 us of numpy calls a KV row in a decode step).
+- hc_mix_exp_inputs / hc_mix_from_exps: ops.hc_coeffs around its GEMV (the mixes' rsqrt(mean of squares)
+  scaling, the three scale / base affines, the negations and the comb rows' max) and after one numpy exp over all
+  the values (numpy's float32 exp gives the same bits for a value wherever it lies in the array), the sigmoids,
+  the + eps, the 2x and the Sinkhorn rounds: ~20 numpy calls of 1-3 us each, 8 calls a decode token.
+- swiglu_gate_neg / swiglu_rows: ops.swiglu_hidden around one numpy exp (the clamps, silu's sigmoid, the
+  products and the row weights in numpy's order and rounding; ~8 numpy calls, five a decode token).
+- add_rows_grouped: forward._routed_run's `y[tok[a:b]] += d[a:b]` per expert group (six fancy-index adds a
+  layer in a decode step).
 - rope_rows: ops.rope_tail's rotation with numpy's cos / sin (numba's float32 sin / cos differ from numpy's in
   some inputs, so those stay numpy's), products and sums rounded as numpy rounds them (~40 us a call, ~14 a
   decode token).
@@ -251,3 +259,97 @@ def rope_rows(out, cos, sin):
                 c, s = cos[t, i], sin[t, i]
                 out[t, g, o + 2 * i] = np.float32(x0 * c) - np.float32(x1 * s)
                 out[t, g, o + 2 * i + 1] = np.float32(x0 * s) + np.float32(x1 * c)
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def hc_mix_exp_inputs(g, xf, scale, base, n, eps, out):
+    """The arguments of ops.hc_coeffs' exps, out [T, 2n + n*n] from g = xf @ fn.T [T, 2n + n*n] (BLAS, the
+    caller's) and the state rows xf [T, K]: m = g / sqrt(mean(xf * xf) + eps) (ops.hc_mixes: numpy's pairwise
+    sum, the mean's float64 division, float32 add, sqrt, divide); pre's and post's -(m * scale + base) (sigmoid's
+    exp(-x)); the comb's m * scale[2] + base - its row's max (ops.sinkhorn's exp(C - C.max(-1)); a NaN in a row
+    is that row's max, as numpy's max gives it)."""
+    T, K = xf.shape
+    sq = np.empty(K, F32)
+    z = np.empty(n, F32)
+    for t in range(T):
+        for i in range(K):
+            sq[i] = xf[t, i] * xf[t, i]
+        den = np.sqrt(F32(np.float64(pairwise_sum(sq, 0, K)) / np.float64(K)) + eps)
+        for j in range(2 * n):
+            out[t, j] = -((g[t, j] / den) * scale[j // n] + base[j])
+        for r in range(n):
+            o = 2 * n + r * n
+            for k in range(n):
+                z[k] = (g[t, o + k] / den) * scale[2] + base[o + k]
+            mx = z[0]
+            for k in range(1, n):
+                if mx != mx:
+                    break
+                if z[k] != z[k] or z[k] > mx:
+                    mx = z[k]
+            for k in range(n):
+                out[t, o + k] = z[k] - mx
+    return out
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def hc_mix_from_exps(e, n, hc_eps, iters, pre, post, comb):
+    """ops.hc_coeffs' (pre, post, comb) from e = exp(hc_mix_exp_inputs(...)): pre = 1 / (1 + e) + hc_eps,
+    post = 2 * (1 / (1 + e)), comb = the Sinkhorn rounds (sinkhorn_rounds) on the comb's exps."""
+    T = e.shape[0]
+    for t in range(T):
+        for j in range(n):
+            pre[t, j] = F32(1) / (F32(1) + e[t, j]) + hc_eps
+            post[t, j] = F32(2) * (F32(1) / (F32(1) + e[t, n + j]))
+            for k in range(n):
+                comb[t, j, k] = e[t, 2 * n + j * n + k]
+    sinkhorn_rounds(comb, iters, hc_eps)
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def swiglu_gate_neg(g, clamp, gc, neg):
+    """gc = np.minimum(g, clamp) where clamp > 0 (NaN stays NaN, as numpy's minimum gives it) else g, and
+    neg = -gc (silu's sigmoid's exp(-x) argument), g / gc / neg float32 [N, F]."""
+    N, F = g.shape
+    for t in range(N):
+        for i in range(F):
+            v = g[t, i]
+            if clamp > 0 and not (v != v) and v > clamp:
+                v = clamp
+            gc[t, i] = v
+            neg[t, i] = -v
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def swiglu_rows(gc, e, u, clamp, weight, has_weight, out):
+    """out = ((gc * (1 / (1 + e))) * clip(u, -clamp, clamp)) [* weight[t]] from e = exp(-gc) (ops.swiglu_hidden:
+    silu(x) = x * sigmoid(x), numpy's clip as maximum then minimum, NaN kept; each product rounded to float32)."""
+    N, F = gc.shape
+    for t in range(N):
+        for i in range(F):
+            v = u[t, i]
+            if clamp > 0 and not (v != v):
+                if v < -clamp:
+                    v = -clamp
+                if v > clamp:
+                    v = clamp
+            h = (gc[t, i] * (F32(1) / (F32(1) + e[t, i]))) * v
+            out[t, i] = h * weight[t] if has_weight else h
+    return out
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def add_rows_grouped(y, d, tok, gs):
+    """For each group g in order: y[tok[gs[g]:gs[g + 1]]] += d[gs[g]:gs[g + 1]] as numpy does it (the group's
+    sums from y as it was before the group, then written in order: a repeated row keeps its last write)."""
+    D = y.shape[1]
+    for g in range(gs.shape[0] - 1):
+        a, b = gs[g], gs[g + 1]
+        tmp = np.empty((b - a, D), F32)
+        for j in range(a, b):
+            for i in range(D):
+                tmp[j - a, i] = y[tok[j], i] + d[j, i]
+        for j in range(a, b):
+            for i in range(D):
+                y[tok[j], i] = tmp[j - a, i]
+    return y
