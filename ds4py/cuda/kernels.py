@@ -18,7 +18,7 @@ cu/moe_formats.cuh's MOE_FORMATS list: a new one needs its decoder there, no ent
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from ds4py.cuda import ops
 from ds4py.cuda.memory import DeviceArray
@@ -47,10 +47,35 @@ from ds4py.host.indexer import weight_scale
 from ds4py.schema import AttentionWeights, CompressorWeights, EngramWeights, FfnWeights, SwigluWeights
 
 if TYPE_CHECKING:
-    from ds4py.config import LayerRoles
-    from ds4py.cuda.layer import Recording
+    from ds4py.config import LayerRoles, ModelConfig
+    from ds4py.contract import Numerics
 
 DECODE, ROWS, BLOCK = "decode", "rows", "block"
+
+
+class Recording(Protocol):
+    """What the operations read of the layer schedule's recording (ds4py/cuda/layer.py `Recording`, which imports
+    this module: a Protocol here keeps the import graph pointing one way)."""
+    cfg: ModelConfig
+    numerics: Numerics
+    freqs: list
+    ws: Any                          # layer.Workspace: its arrays by name
+    rows: Any                        # layer.RowSet
+    engram_weights: dict
+    mma: bool
+    x_pieces: int
+    expert_mma: bool
+    expert_tiles: bool
+
+    @property
+    def mode(self) -> str: ...
+
+    @property
+    def R(self) -> int: ...
+
+    def plan(self, n: int, il: int, profile: DeviceProfile | None = None) -> ops_attn.AttnPlan: ...
+
+    def moe_bufs(self) -> ops_moep.MoePrefillBuffers: ...
 
 # The operations' arguments by the names they take throughout: ls a Launcher, rec the layer schedule's Recording,
 # il a layer index, ro its LayerRoles, and the layer's weights as the device binding holds them (schema structs of
