@@ -781,9 +781,11 @@ __device__ __forceinline__ void moep_down(const uint64_t* grid, uint8_t* ring, c
             w.r1 = w.h1 = nullptr;
             moep_rows_done<F, 1>(w);
         }
-        if constexpr (VQ)
+        if constexpr (VQ) {
+            __syncthreads();                       // the persistent grid: the previous tile's MMAs read the gains
             for (int j = tid; j < MOEP_BN; j += MOEP_THREADS)
                 gain[j] = moep_vq_gain<F>(W, b, n0 + j, n_experts, dim, ff);
+        }
         __syncthreads();                                              // w
         moep_ring_start<F, 1>(ring, w);
         const int ar = r0 + tid % MOEP_BM;
