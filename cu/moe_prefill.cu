@@ -187,13 +187,14 @@ template <int F> struct MoepF<F, true> {                           // VQ-8 at F 
 };
 #define MOEP_APIECE (MOEP_BM * MOEP_LDS)
 
-// The shared tiles' layout. GGML formats: rows MOEP_LDS 16-bit values apart (mma_tile.cuh: BK + 8). VQ-8 (three A
-// pieces beside the B tile) packs them: rows of BK = 32 values (64 bytes), their four 16-byte chunks XOR-swizzled by
-// (row >> 1) & 3, so the fragment loads of 8 rows x 4 lanes and the 16-byte stores of 8 rows still hit 32 distinct
-// banks; 5,120 bytes less in gate + up, what leaves room for the 13-bit windows beside the 64 KiB codebook.
+// The shared tiles' layout: rows MOEP_LDS 16-bit values apart (mma_tile.cuh: BK + 8). VQ-8 at 13 bits packs them
+// (three A pieces beside the B tiles, and the 64 KiB codebook): rows of BK = 32 values (64 bytes), their four 16-byte
+// chunks XOR-swizzled by (row >> 1) & 3, so the fragment loads of 8 rows x 4 lanes and the 16-byte stores of 8 rows
+// still hit 32 distinct banks; 5,120 bytes less in gate + up, room for its windows (MoepWin). (Only there: the
+// swizzle's address arithmetic costs the down ~40 SASS instructions a k tile.)
 // at(row, col): the value's offset (col even; the 8 values of an aligned chunk stay together).
 template <int F> struct MoepL {
-    static constexpr bool SW = MoepF<F>::VQ;
+    static constexpr bool SW = MoepF<F>::VQ && F - FMT_VQ_BASE == 13;
     static constexpr int LDS = SW ? MOEP_BK : MOEP_LDS, APIECE = MOEP_BM * LDS, PIECE = MOEP_BN * LDS;
     __device__ static __forceinline__ int at(int row, int col) {
         return row * LDS + (SW ? ((((col >> 3) ^ (row >> 1)) & 3) << 3 | (col & 7)) : col);
