@@ -3,7 +3,7 @@
 warp request's sector bytes used. A kernel still below it would be listed here with the reason (none is); the
 list may only shrink (a listed kernel that reaches the target fails the test until it is removed), and a kernel
 not listed that falls below fails. No emulator run: the report is the measurement (re-record it after changing
-a kernel).""""""
+a kernel)."""
 
 from __future__ import annotations
 
