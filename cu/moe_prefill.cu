@@ -23,7 +23,7 @@
 // memory of every block.
 // Weight loads: each block streams its tile's weight rows through a double-buffered ring of whole 32-byte sectors
 // in shared memory (MoepRing below; each weight byte read once per block, whole sectors per warp request) and
-// decodes them from there (VQ-8 at 13 bits: no room, direct loads).
+// decodes them from there (VQ-8 at 13 bits: no room for it, a window of whole sectors per tile row, MoepWin).
 #include <cuda_fp16.h>
 #include "types.cuh"
 #include "portable.cuh"
@@ -891,7 +891,7 @@ __device__ __forceinline__ const uint64_t* moep_load_codebook(uint8_t* smem, con
 }
 
 // Launch: grid (ceil(ff / MOEP_BN), max_tiles), block MOEP_THREADS, dynamic shared memory KC * 8 + the ring
-// after it (none at 13 bits). Not persistent:
+// after it (at 13 bits the windows). Not persistent:
 // the tile loop costs the 13-bit kernel a spill on sm_121 (168 registers), so each block copies the codebook.
 #define MOEP_VQ_GATE_UP(name, F, QK, NB, KC) \
 extern "C" __global__ __launch_bounds__(MOEP_THREADS, MOEP_MIN_BLOCKS) void moe_prefill_gate_up_##name(const uint8_t* Wg, \
@@ -907,7 +907,7 @@ extern "C" __global__ __launch_bounds__(MOEP_THREADS, MOEP_MIN_BLOCKS) void moe_
 }
 
 // Launch: grid (persistent: min(ceil(dim / MOEP_BN) x max_tiles, one wave)), block MOEP_THREADS, dynamic shared
-// memory KC * 8 + the ring after it (none at 13 bits).
+// memory KC * 8 + the ring after it (at 13 bits the windows).
 #define MOEP_VQ_DOWN(name, F, QK, NB, KC) \
 extern "C" __global__ __launch_bounds__(MOEP_THREADS, MOEP_MIN_BLOCKS) void moe_prefill_down_##name(const uint8_t* W, \
         const float* H, const int* tile_bucket, const int* tile_row, const int* offsets, const int* info, \
