@@ -43,6 +43,12 @@
 #ifndef MOEP_ROUTE_WARPS
 #error "MOEP_ROUTE_WARPS comes from ds4py/cuda/ops/moe_prefill.py (DEFINES)"
 #endif
+#ifndef MOEP_WIN_S
+#error "MOEP_WIN_S comes from ds4py/cuda/ops/moe_prefill.py (DEFINES)"
+#endif
+#ifndef MOEP_WIN_H
+#error "MOEP_WIN_H comes from ds4py/cuda/ops/moe_prefill.py (DEFINES)"
+#endif
 
 #define MOEP_BM (32 * MOEP_WARPS_M)
 #define MOEP_BN (32 * MOEP_WARPS_N)
