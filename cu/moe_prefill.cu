@@ -23,7 +23,7 @@
 // memory of every block.
 // Weight loads: each block streams its tile's weight rows through a double-buffered ring of whole 32-byte sectors
 // in shared memory (MoepRing below; each weight byte read once per block, whole sectors per warp request) and
-// decodes them from there (VQ-8 at 13 bits: no room, direct loads).
+// decodes them from there (VQ-8 at 13 bits: no room for it, a window of whole sectors per tile row, MoepWin).
 #include <cuda_fp16.h>
 #include "types.cuh"
 #include "portable.cuh"
@@ -42,6 +42,12 @@
 #endif
 #ifndef MOEP_ROUTE_WARPS
 #error "MOEP_ROUTE_WARPS comes from ds4py/cuda/ops/moe_prefill.py (DEFINES)"
+#endif
+#ifndef MOEP_WIN_S
+#error "MOEP_WIN_S comes from ds4py/cuda/ops/moe_prefill.py (DEFINES)"
+#endif
+#ifndef MOEP_WIN_H
+#error "MOEP_WIN_H comes from ds4py/cuda/ops/moe_prefill.py (DEFINES)"
 #endif
 
 #define MOEP_BM (32 * MOEP_WARPS_M)
@@ -195,6 +201,20 @@ template <int F> struct MoepF<F, true> {                           // VQ-8 at F 
 };
 #define MOEP_APIECE (MOEP_BM * MOEP_LDS)
 
+// The shared tiles' layout: rows MOEP_LDS 16-bit values apart (mma_tile.cuh: BK + 8). VQ-8 at 13 bits packs them
+// (three A pieces beside the B tiles, and the 64 KiB codebook): rows of BK = 32 values (64 bytes), their four 16-byte
+// chunks XOR-swizzled by (row >> 1) & 3, so the fragment loads of 8 rows x 4 lanes and the 16-byte stores of 8 rows
+// still hit 32 distinct banks; 5,120 bytes less in gate + up, room for its windows (MoepWin). (Only there: the
+// swizzle's address arithmetic costs the down ~40 SASS instructions a k tile.)
+// at(row, col): the value's offset (col even; the 8 values of an aligned chunk stay together).
+template <int F> struct MoepL {
+    static constexpr bool SW = MoepF<F>::VQ && F - FMT_VQ_BASE == 13;
+    static constexpr int LDS = SW ? MOEP_BK : MOEP_LDS, APIECE = MOEP_BM * LDS, PIECE = MOEP_BN * LDS;
+    __device__ static __forceinline__ int at(int row, int col) {
+        return row * LDS + (SW ? ((((col >> 3) ^ (row >> 1)) & 3) << 3 | (col & 7)) : col);
+    }
+};
+
 // Eight fp32 values in NP bf16 pieces whose sum is the value (tile_split8's pieces: each piece the round-to-nearest-
 // even bf16 of what the pieces before it left, NP = 1: the values rounded), two values per conversion (one cvt of
 // a pair gives the 32-bit word the 16-byte store takes; the rounded values come back from its halves). Piece p goes
@@ -226,11 +246,14 @@ __device__ __forceinline__ void moep_split8(const float* v, uint16_t* dst, int p
 }
 
 // Stage the tile's A rows (k columns [k, k + 32) of MOEP_BM rows from arow, zeros for a missing row) as XP bf16
-// pieces (piece p at as + p * MOEP_APIECE; XP = 1: the values rounded to bf16), and sx[h * BM + r] = the fp32 sum
-// of row r's 16 staged values of half h (the K-quants' mins multiply it). Thread -> (row tid % BM, half tid / BM).
+// pieces (MoepL<F>'s layout, piece p at as + p * L::APIECE; XP = 1: the values rounded to bf16), and
+// sx[h * BM + r] = the fp32 sum of row r's 16 staged values of half h (the K-quants' mins multiply it).
+// Thread -> (row tid % BM, half tid / BM).
 static_assert(MOEP_THREADS == 2 * MOEP_BM, "two threads, one per 16 columns, stage each A row");
-template <int XP>
+template <int F>
 __device__ __forceinline__ void moep_stage_a(uint16_t* as, float* sx, const float* arow, bool valid, int k) {
+    using L = MoepL<F>;
+    constexpr int XP = MoepF<F>::XP;
     const int r = threadIdx.x % MOEP_BM, h = threadIdx.x / MOEP_BM;
     float sum = 0.0f;
 #pragma unroll
@@ -245,14 +268,12 @@ __device__ __forceinline__ void moep_stage_a(uint16_t* as, float* sx, const floa
             for (int i = 0; i < 8; i++) v[i] = 0.0f;
         }
         if constexpr (XP == 1) {
-            moep_split8<1>(v, as + r * MOEP_LDS + 16 * h + c, MOEP_APIECE, &sum);   // the sum of the rounded values
+            moep_split8<1>(v, as + L::at(r, 16 * h + c), L::APIECE, &sum);   // the sum of the rounded values
         } else {
-#pragma unroll
-            for (int i = 0; i < 8; i++) sum += v[i];
-            moep_split8<XP>(v, as + r * MOEP_LDS + 16 * h + c, MOEP_APIECE);
+            moep_split8<XP>(v, as + L::at(r, 16 * h + c), L::APIECE);
         }
     }
-    sx[h * MOEP_BM + r] = sum;
+    if constexpr (XP == 1) sx[h * MOEP_BM + r] = sum;                // (VQ-8's scaled codes need no sums of x)
 }
 
 // Weight pieces per matrix in shared memory: the codes (one piece), or for F16 the values as two bf16 pieces.
@@ -261,15 +282,12 @@ template <int F> struct MoepW {
 };
 #define MOEP_PIECE (MOEP_BN * MOEP_LDS)
 
-// VQ-8: column group kg (4 indices) of a weight row as its 32 codeword values (exact in bf16) and the row gain g as
-// the scale of both halves. s: the row's stream from its group 0 (the ring's copy, or global memory), h: its hi
-// row (13 bits), cb: the shared-memory codebook; valid false: zeros.
-template <int BITS>
-__device__ __forceinline__ void moep_stage_vq(uint16_t* dst, float* sc, float* mn, const uint8_t* s, const uint8_t* h,
-                                              float g, bool valid, int kg, const uint64_t* cb) {
-    using V = MoeVq<BITS>;
-    unsigned idx[4] = {0u, 0u, 0u, 0u};
-    if (valid) V::indices(s, h, kg, idx);
+// VQ-8: a column group of tile row r (its 4 codeword indices idx) into the B tile ws (MoepL's layout) as its 32
+// codeword values (exact in bf16; the row gain, the group's scale, is read from the gains in shared memory by
+// moep_tile), cb: the shared-memory codebook; valid false: zeros.
+template <int F>
+__device__ __forceinline__ void moep_stage_vq(uint16_t* ws, int r, const unsigned (&idx)[4], bool valid,
+                                              const uint64_t* cb) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         const uint64_t c = valid ? cb[idx[i]] : 0ull;
@@ -280,24 +298,17 @@ __device__ __forceinline__ void moep_stage_vq(uint16_t* dst, float* sc, float* m
             v[j] = f.x;
             v[j + 1] = f.y;
         }
-        tile_store8(dst + 8 * i, v);
+        tile_store8(ws + MoepL<F>::at(r, 8 * i), v);
     }
-    sc[0] = sc[MOEP_BN] = valid ? g : 0.0f;
-    mn[0] = mn[MOEP_BN] = 0.0f;
 }
 
-// Column group kg of a weight row into the shared tile: its codes (exact bf16) and per half its scale sc[h * BN]
-// and min mn[h * BN] (dst / sc / mn point at the row), or for F16 its exact values as two bf16 pieces. base: the
-// row's bytes from column group 0 (the ring's copy of the row's chunk, kg counted from the chunk, or the row in
-// global memory); valid false (past the last row): zeros. grid: the IQ2_XXS grid, or VQ-8's codebook; VQ-8: h the
-// hi row (13 bits), g the row gain.
+// Column group kg of a GGML weight row into the shared tile: its codes (exact bf16) and per half its scale
+// sc[h * BN] and min mn[h * BN] (dst / sc / mn point at the row), or for F16 its exact values as two bf16 pieces.
+// base: the row's bytes from column group 0 (the ring's copy of the row's chunk, kg counted from the chunk); valid
+// false (past the last row): zeros. grid: the IQ2_XXS grid.
 template <int F>
 __device__ __forceinline__ void moep_stage_w(uint16_t* dst, float* sc, float* mn, const uint8_t* base, bool valid,
-                                             int kg, const uint64_t* grid, const uint8_t* h = nullptr, float g = 0.0f) {
-    if constexpr (MoepF<F>::VQ) {
-        moep_stage_vq<F - FMT_VQ_BASE>(dst, sc, mn, base, h, g, valid, kg, grid);
-        return;
-    } else {
+                                             int kg, const uint64_t* grid) {
     float s[2] = {0.0f, 0.0f}, o[2] = {0.0f, 0.0f};
     if constexpr (F == FMT_IQ2_XXS) {            // 8 codes at a time (fewer live registers beside the accumulators)
         unsigned a0 = 0u, a1 = 0u;
@@ -338,28 +349,34 @@ __device__ __forceinline__ void moep_stage_w(uint16_t* dst, float* sc, float* mn
         mn[0] = o[0];
         mn[MOEP_BN] = o[1];
     }
-    }
 }
 
-// acc += sum over the XP pieces of A (hi first, MOEP_APIECE apart) of A_p B^T over BK columns, k16 step by k16 step:
+// acc += sum over the XP pieces of A (hi first, L::APIECE apart) of A_p B^T over BK columns, k16 step by k16 step:
 // the fragments by ldmatrix (ldsm_x4: one A quadrant set per m tile and piece, two n tiles of B per load, each B
 // fragment loaded once for all the pieces and m tiles), the MMAs in tile_mma's order (per k16 step: piece, m tile,
 // n tile), so every accumulator sees the same sequence of MMAs as with 32-bit fragment loads.
 // Lane i's ldmatrix row: matrix j = i / 8, row i % 8; A: the quadrant (rows 8 (j & 1), columns 8 (j >> 1)),
-// B: n tile 2 q + (j >> 1), k half j & 1 (the fragment layout of portable.cuh).
-template <int XP, int BK>
+// B: n tile 2 q + (j >> 1), k half j & 1 (the fragment layout of portable.cuh). Its address through MoepL<F>::at:
+// As / Bs are the warp's first rows (a multiple of 8 rows into the tile) and the lane's rows differ from row i % 8 by
+// multiples of 8, which MoepL's swizzle ((row >> 1) & 3) does not see; a column multiple of 8 keeps the 16-byte
+// chunk whole (ldmatrix's row). BK = 16 with As / Bs moved 16 columns (the affine K-quants' halves) only unswizzled.
+template <int F, int BK>
 __device__ __forceinline__ void moep_mma(float (&acc)[MOEP_MT][MOEP_NT][4], const uint16_t* As, const uint16_t* Bs) {
+    using L = MoepL<F>;
+    constexpr int XP = MoepF<F>::XP;
     static_assert(MOEP_NT % 2 == 0, "B fragments come two n tiles per ldmatrix");
+    static_assert(BK == MOEP_BK || !L::SW, "a swizzled tile is multiplied whole");
     const int lane = threadIdx.x & 31, j = lane >> 3, r = lane & 7;
-    const uint16_t* arow = As + (r + 8 * (j & 1)) * MOEP_LDS + 8 * (j >> 1);
-    const uint16_t* brow = Bs + (r + 8 * (j >> 1)) * MOEP_LDS + 8 * (j & 1);
+    const int ar = r + 8 * (j & 1), ac = 8 * (j >> 1), br = r + 8 * (j >> 1), bc = 8 * (j & 1);
 #pragma unroll
     for (int ks = 0; ks < BK; ks += 16) {
+        const uint16_t* arow = As + L::at(ar, ks + ac);
+        const uint16_t* brow = Bs + L::at(br, ks + bc);
         unsigned b[MOEP_NT][2];
 #pragma unroll
         for (int nt = 0; nt < MOEP_NT; nt += 2) {
             unsigned q[4];
-            ldsm_x4(q, brow + nt * 8 * MOEP_LDS + ks);
+            ldsm_x4(q, brow + nt * 8 * L::LDS);
             b[nt][0] = q[0];
             b[nt][1] = q[1];
             b[nt + 1][0] = q[2];
@@ -370,7 +387,7 @@ __device__ __forceinline__ void moep_mma(float (&acc)[MOEP_MT][MOEP_NT][4], cons
 #pragma unroll
             for (int mt = 0; mt < MOEP_MT; mt++) {
                 unsigned a[4];
-                ldsm_x4(a, arow + p * MOEP_APIECE + mt * 16 * MOEP_LDS + ks);
+                ldsm_x4(a, arow + p * L::APIECE + mt * 16 * L::LDS);
 #pragma unroll
                 for (int nt = 0; nt < MOEP_NT; nt++) mma_m16n8k16_bf16_f32(acc[mt][nt], a, b[nt]);
             }
@@ -383,10 +400,10 @@ __device__ __forceinline__ void moep_mma(float (&acc)[MOEP_MT][MOEP_NT][4], cons
 template <int F>
 __device__ __forceinline__ void moep_tile(float (&acc)[MOEP_MT][MOEP_NT][4], const uint16_t* a, const uint16_t* b,
                                           const float* sc, const float* mn, const float* sx, int wm, int wn) {
-    constexpr int KIND = MoepF<F>::T::CODES, XP = MoepF<F>::XP;
+    constexpr int KIND = MoepF<F>::T::CODES;
     if constexpr (KIND == MOE_CODES_NONE) {
-        moep_mma<XP, MOEP_BK>(acc, a, b);
-        moep_mma<XP, MOEP_BK>(acc, a, b + MOEP_PIECE);
+        moep_mma<F, MOEP_BK>(acc, a, b);
+        moep_mma<F, MOEP_BK>(acc, a, b + MOEP_PIECE);
     } else {
         const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
         constexpr int HALVES = KIND == MOE_CODES_AFFINE16 ? 2 : 1;
@@ -394,8 +411,8 @@ __device__ __forceinline__ void moep_tile(float (&acc)[MOEP_MT][MOEP_NT][4], con
         for (int h = 0; h < HALVES; h++) {
             float P[MOEP_MT][MOEP_NT][4];
             tile_zero(P);
-            if constexpr (HALVES == 2) moep_mma<XP, 16>(P, a + 16 * h, b + 16 * h);
-            else moep_mma<XP, MOEP_BK>(P, a, b);
+            if constexpr (HALVES == 2) moep_mma<F, 16>(P, a + 16 * h, b + 16 * h);
+            else moep_mma<F, MOEP_BK>(P, a, b);
 #pragma unroll
             for (int nt = 0; nt < MOEP_NT; nt++) {
                 const int n = wn * MOEP_WTN + nt * 8 + 2 * t;
@@ -441,7 +458,7 @@ __device__ __forceinline__ float moep_silu(float g) { return g * (1.0f / (1.0f +
 // sectors), the one sector the chunks share from the previous buffer. Chunk c + 1 is copied while the tensor
 // cores multiply chunk c (after the barrier that ends chunk c - 1's reads), and the decoders read chunk c's bytes
 // from shared memory at the same offsets (mod 16) as in global memory: the staged tiles are the same bits.
-// VQ-8 at 13 bits has no ring (its 64 KiB codebook leaves no room at GB10's 101,376 bytes): direct loads.
+// VQ-8 at 13 bits has no room for it beside its 64 KiB codebook at GB10's 101,376 bytes: MoepWin below.
 template <int F> struct MoepRing {
     using T = typename MoepF<F>::T;
     static constexpr bool ON = !(MoepF<F>::VQ && F - FMT_VQ_BASE == 13);
@@ -459,13 +476,21 @@ template <int F> struct MoepRing {
 // The tile's rows of MATS (1, 2) matrices: row r of matrix m starts at row(m) + r * rb, rows < nrows are real.
 // Named pointers, not an array: a runtime index would put the struct in local memory. The ring's arithmetic is in
 // 32-bit offsets from the tile's first sector (base(m) = row(m) rounded down to 32 bytes, phase(m) = the rest).
+// VQ-8 at 13 bits (MoepWin) also: the hi rows, hi row r of matrix m at hrow(m) + r * hb, and the phases (mod 32, as
+// bit masks) of the tile rows' first stream / hi bytes.
 template <int MATS> struct MoepRows {
     const uint8_t* r0;
     const uint8_t* r1;
-    int rb, nrows;
+    const uint8_t* h0;
+    const uint8_t* h1;
+    int rb, nrows, hb;
+    unsigned smask, hmask;
     __device__ __forceinline__ const uint8_t* row(int m) const { return MATS > 1 && m ? r1 : r0; }
     __device__ __forceinline__ int phase(int m) const { return (int)(reinterpret_cast<size_t>(row(m)) & 31); }
     __device__ __forceinline__ const uint8_t* base(int m) const { return row(m) - phase(m); }
+    __device__ __forceinline__ const uint8_t* hrow(int m) const { return MATS > 1 && m ? h1 : h0; }
+    __device__ __forceinline__ int hphase(int m) const { return (int)(reinterpret_cast<size_t>(hrow(m)) & 31); }
+    __device__ __forceinline__ const uint8_t* hbase(int m) const { return hrow(m) - hphase(m); }
 };
 
 // Copy chunk c of every tile row into ring buffer c % 2 (cp.async; the caller commits). Nothing outside the tile's
@@ -510,15 +535,17 @@ __device__ __forceinline__ const uint8_t* moep_ring_row(const uint8_t* ring, con
 }
 
 // The tile rows [n0, n0 + BN) of expert e of matrix W [n_experts][rows][cols] (GGML raw rows, or a VQ-8 device
-// copy past its codebook: the stream rows).
+// copy past its codebook: the stream rows, and at 13 bits the hi rows after the n_experts streams).
 template <int F, int MATS>
 __device__ __forceinline__ void moep_rows_at(MoepRows<MATS>& w, int m, const uint8_t* W, int e, int n0, int rows,
-                                             int cols) {
+                                             int cols, int n_experts) {
     if constexpr (MoepF<F>::VQ) {
         using V = typename MoepF<F>::T;
         const size_t es = V::expert_bytes(rows, cols);
         w.rb = V::stream_bytes(cols);
+        w.hb = V::hi_bytes(cols);
         (m ? w.r1 : w.r0) = W + (size_t)e * es + (size_t)n0 * w.rb;
+        (m ? w.h1 : w.h0) = W + (size_t)n_experts * es + ((size_t)e * rows + n0) * w.hb;
     } else {
         w.rb = moe_row_bytes<F>(cols);
         (m ? w.r1 : w.r0) = W + ((size_t)e * rows + n0) * w.rb;
@@ -539,36 +566,138 @@ __device__ __forceinline__ float moep_vq_gain(const uint8_t* W, int e, int row, 
     return __uint_as_float(gp[0] | ((unsigned)gp[1] << 8) | ((unsigned)gp[2] << 16) | ((unsigned)gp[3] << 24));
 }
 
-// VQ-8 at 13 bits (no ring): tile row r's stream row and hi row in global memory.
-template <int F>
-__device__ __forceinline__ const uint8_t* moep_vq_hi(const uint8_t* W, int e, int row, int n_experts, int rows,
-                                                     int cols) {
-    using V = typename MoepF<F>::T;
-    return W + (size_t)n_experts * V::expert_bytes(rows, cols) + ((size_t)e * rows + row) * V::hi_bytes(cols);
+// ---- VQ-8 at 13 bits: a window per tile row ----------------------------------------------------------------------
+// The 64 KiB codebook leaves ~14.8 KB of GB10's 101,376 bytes per block (gate + up; the down more): not enough for
+// MoepRing's two chunk buffers of 128 rows plus the hi rows. So each tile row has windows of its own in the dynamic
+// shared memory after the codebook: MOEP_WIN_S 32-byte slots of its stream row, MOEP_WIN_H of its hi row (a byte
+// per 64 columns); the row's sector s (counted from base(m) / hbase(m), whole sectors from the real address) lives
+// in slot s % N, so byte q of the row's offsets is at (q mod 32 N) of its window. When k tile kt's group starts in
+// a new sector, the slot of the one before it (read by k tile kt - 1 last: after the barrier) takes the sector
+// N - 1 ahead, both 16-byte halves from adjacent threads (whole sectors per warp request); each weight byte is read
+// once (a sector two rows share: once per row). A group is 6 stream bytes: from the first group starting in
+// sector s to the first reaching s + 1 are >= 4 k tiles, so with two slots k tile kt's copies must be complete by
+// kt + 4 (cp.async.wait_group MOEP_WIN_LEAD - 1 at the top of a k tile). The hi row crosses a sector every 64 k tiles:
+// one slot, refilled at the k tile that first reads the new sector, and waited for at once (a block-uniform test
+// from the rows' phases: at V4 shapes once per work item of the gate + up, never in the down).
+#define MOEP_WIN_LEAD 4
+static_assert(MOEP_WIN_S == 2 && MOEP_WIN_H == 1, "the lead and the hi refill assume two stream slots, one hi slot");
+
+// One 16-byte half j of sector s (offsets from bp) into a window of wb bytes: only bytes of the tile's range
+// [first, end) (from the 16-byte piece of its first byte; a piece across the end byte by byte, none past it).
+__device__ __forceinline__ void moep_win_piece(uint8_t* win, int wb, const uint8_t* bp, int s, int j, int first,
+                                               int end) {
+    const int pos = 32 * s + 16 * j;
+    if (pos < (first & ~15) || pos >= end) return;
+    uint8_t* dst = win + (pos & (wb - 1));
+    if (pos + 16 <= end) cp_async_16(dst, bp + pos);
+    else
+        for (int q = 0; pos + q < end; ++q) dst[q] = bp[pos + q];
 }
 
-// Stage k tile kt of tile row (m, r) from the ring (chunk kt / KT) or, without one, from global memory.
+// The phases (mod 32) of the first bytes of rows 0 .. nrows - 1 starting at p0 + r * rb, as a bit mask (they repeat
+// within 32 rows).
+__device__ __forceinline__ unsigned moep_phases(int p0, int rb, int nrows) {
+    unsigned m = 0u;
+    for (int r = 0; r < nrows && r < 32; ++r) m |= 1u << ((p0 + r * rb) & 31);
+    return m;
+}
+
+// Whether some tile row's group kt starts in a new stream sector (kt >= 1): a phase p with (p + 6 kt) mod 32 < 6.
+__device__ __forceinline__ bool moep_win_moves(unsigned smask, int kt) {
+    return (__funnelshift_r(smask, smask, (unsigned)(-6 * kt) & 31u) & 63u) != 0u;
+}
+// Whether some tile row's hi nibble of k tile kt starts a new hi sector (kt >= 1): kt even, (p + kt / 2) mod 32 == 0.
+__device__ __forceinline__ bool moep_win_hi_moves(unsigned hmask, int kt) {
+    return (kt & 1) == 0 && ((hmask >> ((unsigned)(-(kt >> 1)) & 31u)) & 1u) != 0u;
+}
+
+// Copy the windows' sectors for k tile kt (block-uniform; the caller commits): kt == 0 every row's first
+// MOEP_WIN_S stream sectors and first hi sector; kt > 0 the sector MOEP_WIN_S - 1 past the new one of each row whose
+// group kt starts a new stream sector, and the new hi sector of each row whose nibble kt starts one.
+template <int MATS>
+__device__ __forceinline__ void moep_win_fill(uint8_t* win, const MoepRows<MATS>& w, int kt) {
+    constexpr int ROWS = MATS * MOEP_BN, SB = 32 * MOEP_WIN_S, HB = 32 * MOEP_WIN_H;
+    uint8_t* hwin = win + ROWS * SB;
+    const bool s_all = kt == 0, s_new = s_all || moep_win_moves(w.smask, kt);
+    const bool h_new = kt == 0 || moep_win_hi_moves(w.hmask, kt);
+    if (s_new)
+#pragma unroll 1
+        for (int i = threadIdx.x; i < ROWS * 2 * (s_all ? MOEP_WIN_S : 1); i += MOEP_THREADS) {
+            const int n = i / (2 * ROWS), rr = (i >> 1) % ROWS, m = MATS > 1 && rr >= MOEP_BN ? 1 : 0;
+            const int r = rr - m * MOEP_BN, first = w.phase(m), a = first + r * w.rb, q = a + 6 * kt;
+            if (r >= w.nrows || (!s_all && (q >> 5) == ((q - 6) >> 5))) continue;
+            const int sec = (q >> 5) + (s_all ? n : MOEP_WIN_S - 1);
+            if (32 * sec < a + w.rb)                                  // the row has bytes there
+                moep_win_piece(win + rr * SB, SB, w.base(m), sec, i & 1, first, first + w.nrows * w.rb);
+        }
+    if (h_new)
+#pragma unroll 1
+        for (int i = threadIdx.x; i < ROWS * 2; i += MOEP_THREADS) {
+            const int rr = i >> 1, m = MATS > 1 && rr >= MOEP_BN ? 1 : 0, r = rr - m * MOEP_BN;
+            const int first = w.hphase(m), a = first + r * w.hb, q = a + (kt >> 1);
+            if (r >= w.nrows || (kt > 0 && (q >> 5) == ((q - 1) >> 5))) continue;
+            moep_win_piece(hwin + rr * HB, HB, w.hbase(m), q >> 5, i & 1, first, first + w.nrows * w.hb);
+        }
+}
+
+// The 4 codeword indices of k tile kt of tile row (m, r) from its windows (MoeVq<13>::indices' bits: the group's 6
+// stream bytes as three aligned 16-bit halves, each within one slot, and the hi nibble).
+template <int MATS>
+__device__ __forceinline__ void moep_win_indices(const uint8_t* win, const MoepRows<MATS>& w, int m, int r, int kt,
+                                                 unsigned (&idx)[4]) {
+    constexpr int ROWS = MATS * MOEP_BN, SB = 32 * MOEP_WIN_S, HB = 32 * MOEP_WIN_H;
+    const int rr = m * MOEP_BN + r, q = w.phase(m) + r * w.rb + 6 * kt;  // even: rows and groups 2-byte aligned
+    const uint8_t* sw = win + rr * SB;
+    const unsigned lo = *reinterpret_cast<const uint16_t*>(sw + (q & (SB - 1))) |
+                        (unsigned)*reinterpret_cast<const uint16_t*>(sw + ((q + 2) & (SB - 1))) << 16;
+    const unsigned hi = *reinterpret_cast<const uint16_t*>(sw + ((q + 4) & (SB - 1)));
+    const unsigned h0 = lo & 0xFFFFFFu, h1 = (lo >> 24) | (hi << 8);
+    idx[0] = h0 & 4095u;
+    idx[1] = h0 >> 12;
+    idx[2] = h1 & 4095u;
+    idx[3] = (h1 >> 12) & 4095u;
+    const int hq = w.hphase(m) + r * w.hb + (kt >> 1);
+    const unsigned t = (win[ROWS * SB + rr * HB + (hq & (HB - 1))] >> (4 * (kt & 1))) & 15u;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) idx[i] |= ((t >> i) & 1u) << 12;
+}
+
+// Stage k tile kt of tile row (m, r) into the tiles: ws_m / sc_m / mn_m the matrix's B tile and its scales and
+// mins (GGML), from the ring (chunk kt / KT) or the windows (VQ-8 at 13 bits); VQ-8's scales are its gains.
 template <int F, int MATS>
-__device__ __forceinline__ void moep_stage_row(uint16_t* dst, float* sc, float* mn, const uint8_t* ring,
-                                               const MoepRows<MATS>& w, int m, int r, int kt, const uint64_t* grid,
-                                               const float* gain, const uint8_t* W, int e, int n0, int n_experts,
-                                               int rows, int cols) {
+__device__ __forceinline__ void moep_stage_row(uint16_t* ws_m, float* sc_m, float* mn_m, const uint8_t* ring,
+                                               const MoepRows<MATS>& w, int m, int r, int kt, const uint64_t* grid) {
     using R = MoepRing<F>;
     const bool valid = r < w.nrows;
-    float g = 0.0f;
-    if constexpr (MoepF<F>::VQ) g = gain[m * MOEP_BN + r];
-    if constexpr (R::ON) {
-        const int c = kt / R::KT;
-        moep_stage_w<F>(dst, sc, mn, moep_ring_row<F, MATS>(ring, w, m, r, c), valid, kt - c * R::KT, grid, nullptr, g);
+    if constexpr (MoepF<F>::VQ) {
+        unsigned idx[4] = {0u, 0u, 0u, 0u};
+        if constexpr (R::ON) {
+            const int c = kt / R::KT;
+            if (valid) MoepF<F>::T::indices(moep_ring_row<F, MATS>(ring, w, m, r, c), nullptr, kt - c * R::KT, idx);
+        } else {
+            if (valid) moep_win_indices<MATS>(ring, w, m, r, kt, idx);
+        }
+        moep_stage_vq<F>(ws_m, r, idx, valid, grid);
     } else {
-        const uint8_t* row = w.row(m) + (size_t)r * w.rb;
-        moep_stage_w<F>(dst, sc, mn, row, valid, kt, grid, valid ? moep_vq_hi<F>(W, e, n0 + r, n_experts, rows, cols)
-                                                                  : nullptr, g);
+        const int c = kt / R::KT;
+        moep_stage_w<F>(ws_m + r * MOEP_LDS, sc_m + r, mn_m + r, moep_ring_row<F, MATS>(ring, w, m, r, c), valid,
+                        kt - c * R::KT, grid);
     }
 }
 
-// The k-tile loop's top: at a chunk's first k tile wait for its copy, then (after the barrier: every thread is done
-// with chunk c - 1's buffer and the last tile's MMA) start chunk c + 1's; other k tiles: the barrier only.
+// Before the k-tile loop (after the barrier that publishes w): the ring's chunk 0, or the windows' first sectors.
+template <int F, int MATS>
+__device__ __forceinline__ void moep_ring_start(uint8_t* ring, const MoepRows<MATS>& w) {
+    if constexpr (MoepRing<F>::ON) moep_ring_fill<F, MATS>(ring, w, 0);
+    else moep_win_fill<MATS>(ring, w, 0);
+    cp_async_commit();
+}
+
+// The k-tile loop's top. Ring: at a chunk's first k tile wait for its copy, then (after the barrier: every thread is
+// done with chunk c - 1's buffer and the last tile's MMA) start chunk c + 1's; other k tiles: the barrier only.
+// Windows (VQ-8 at 13 bits): k tile 0 waits for the first sectors; then the copies of k tile kt - MOEP_WIN_LEAD and
+// before are waited for, the barrier frees the slots k tile kt - 1 read, k tile kt's copies start, and a new hi
+// sector is waited for at once.
 template <int F, int MATS>
 __device__ __forceinline__ void moep_ring_step(uint8_t* ring, const MoepRows<MATS>& w, int kt, int nkt) {
     using R = MoepRing<F>;
@@ -580,8 +709,34 @@ __device__ __forceinline__ void moep_ring_step(uint8_t* ring, const MoepRows<MAT
             cp_async_commit();
             return;
         }
+        __syncthreads();
+    } else {
+        if (kt == 0) {
+            cp_async_wait_all();
+            __syncthreads();
+            return;
+        }
+        cp_async_wait<MOEP_WIN_LEAD - 1>();
+        __syncthreads();
+        moep_win_fill<MATS>(ring, w, kt);
+        cp_async_commit();
+        if (moep_win_hi_moves(w.hmask, kt)) {
+            cp_async_wait_all();
+            __syncthreads();
+        }
     }
-    __syncthreads();
+}
+
+// Thread 0, after moep_rows_at for every matrix: the windows' phase masks (VQ-8 at 13 bits).
+template <int F, int MATS>
+__device__ __forceinline__ void moep_rows_done(MoepRows<MATS>& w) {
+    if constexpr (!MoepRing<F>::ON) {
+        w.smask = w.hmask = 0u;
+        for (int m = 0; m < MATS; ++m) {
+            w.smask |= moep_phases(w.phase(m), w.rb, w.nrows);
+            w.hmask |= moep_phases(w.hphase(m), w.hb, w.nrows);
+        }
+    }
 }
 
 template <int F>
@@ -589,11 +744,13 @@ __device__ __forceinline__ void moep_gate_up(const uint64_t* grid, uint8_t* ring
         const float* x, int ldx, const float* route_w, const int* sorted, const int* tile_bucket,
         const int* tile_row, const int* offsets, const int* info, float* H, int n_experts, int ff, int dim, int k,
         float clamp, int bx, int by) {
+    using L = MoepL<F>;
     constexpr int NP = MoepW<F>::NP, XP = MoepF<F>::XP;
-    __shared__ __align__(16) uint16_t as[XP * MOEP_APIECE];
-    __shared__ __align__(16) uint16_t ws[2 * NP * MOEP_PIECE];
-    __shared__ float wsc[2 * 2 * MOEP_BN], wmn[2 * 2 * MOEP_BN], sx[2 * MOEP_BM];
-    __shared__ float gain[MoepF<F>::VQ ? 2 * MOEP_BN : 1];
+    constexpr bool VQ = MoepF<F>::VQ;                                 // scales: the gains; no mins, no sums of x
+    __shared__ __align__(16) uint16_t as[XP * L::APIECE];
+    __shared__ __align__(16) uint16_t ws[2 * NP * L::PIECE];
+    __shared__ float wsc[VQ ? 1 : 2 * 2 * MOEP_BN], wmn[VQ ? 1 : 2 * 2 * MOEP_BN], sx[VQ ? 1 : 2 * MOEP_BM];
+    __shared__ float gain[VQ ? 2 * MOEP_BN : 1];
     __shared__ MoepRows<2> w;
     int b, r0, r1;
     if (!moep_item(tile_bucket, tile_row, offsets, info, b, r0, r1, by)) return;
@@ -602,17 +759,15 @@ __device__ __forceinline__ void moep_gate_up(const uint64_t* grid, uint8_t* ring
     const bool bad = b == n_experts;
     if (!bad) {
         if (tid == 0) {                            // block-uniform, in shared memory: no registers beside the tiles
-            moep_rows_at<F, 2>(w, 0, Wg, b, n0, ff, dim);
-            moep_rows_at<F, 2>(w, 1, Wu, b, n0, ff, dim);
+            moep_rows_at<F, 2>(w, 0, Wg, b, n0, ff, dim, n_experts);
+            moep_rows_at<F, 2>(w, 1, Wu, b, n0, ff, dim, n_experts);
+            moep_rows_done<F, 2>(w);
         }
-        if constexpr (MoepF<F>::VQ)
+        if constexpr (VQ)
             for (int j = tid; j < 2 * MOEP_BN; j += MOEP_THREADS)
                 gain[j] = moep_vq_gain<F>(j < MOEP_BN ? Wg : Wu, b, n0 + j % MOEP_BN, n_experts, ff, dim);
         __syncthreads();                                              // w
-        if constexpr (MoepRing<F>::ON) {
-            moep_ring_fill<F, 2>(ring, w, 0);
-            cp_async_commit();
-        }
+        moep_ring_start<F, 2>(ring, w);
         const int ar = r0 + tid % MOEP_BM;
         const bool avalid = ar < r1;
         const float* arow = x + (size_t)(avalid ? sorted[ar] / k : 0) * ldx;
@@ -623,19 +778,18 @@ __device__ __forceinline__ void moep_gate_up(const uint64_t* grid, uint8_t* ring
         auto k_loop = [&](auto mma) {
         for (int kt = 0; kt < nkt; kt++) {
             moep_ring_step<F, 2>(ring, w, kt, nkt);
-            moep_stage_a<XP>(as, sx, arow, avalid, kt * MOEP_BK);
+            moep_stage_a<F>(as, sx, arow, avalid, kt * MOEP_BK);
             for (int j = tid; j < 2 * MOEP_BN; j += MOEP_THREADS) {
                 const int mat = j / MOEP_BN, r = j % MOEP_BN;
-                moep_stage_row<F, 2>(ws + mat * NP * MOEP_PIECE + r * MOEP_LDS, wsc + mat * 2 * MOEP_BN + r,
-                                     wmn + mat * 2 * MOEP_BN + r, ring, w, mat, r, kt, grid, gain, mat ? Wu : Wg, b, n0,
-                                     n_experts, ff, dim);
+                moep_stage_row<F, 2>(ws + mat * NP * L::PIECE, wsc + (VQ ? 0 : mat * 2 * MOEP_BN),
+                                     wmn + (VQ ? 0 : mat * 2 * MOEP_BN), ring, w, mat, r, kt, grid);
             }
             __syncthreads();
             if constexpr (decltype(mma)::on) {
-                const uint16_t* a = as + wm * MOEP_WTM * MOEP_LDS;
-                moep_tile<F>(accg, a, ws + wn * MOEP_WTN * MOEP_LDS, wsc, wmn, sx, wm, wn);
-                moep_tile<F>(accu, a, ws + NP * MOEP_PIECE + wn * MOEP_WTN * MOEP_LDS, wsc + 2 * MOEP_BN,
-                             wmn + 2 * MOEP_BN, sx, wm, wn);
+                const uint16_t* a = as + wm * MOEP_WTM * L::LDS;
+                moep_tile<F>(accg, a, ws + wn * MOEP_WTN * L::LDS, VQ ? gain : wsc, wmn, sx, wm, wn);
+                moep_tile<F>(accu, a, ws + NP * L::PIECE + wn * MOEP_WTN * L::LDS,
+                             VQ ? gain + MOEP_BN : wsc + 2 * MOEP_BN, wmn + (VQ ? 0 : 2 * MOEP_BN), sx, wm, wn);
             }
         }
         };
@@ -671,11 +825,13 @@ template <int F>
 __device__ __forceinline__ void moep_down(const uint64_t* grid, uint8_t* ring, const uint8_t* W, const float* H,
         const int* tile_bucket, const int* tile_row, const int* offsets, const int* info, float* Yp, int n_experts,
         int dim, int ff, int bx, int by) {
+    using L = MoepL<F>;
     constexpr int NP = MoepW<F>::NP, XP = MoepF<F>::XP;
-    __shared__ __align__(16) uint16_t as[XP * MOEP_APIECE];
-    __shared__ __align__(16) uint16_t ws[NP * MOEP_PIECE];
-    __shared__ float wsc[2 * MOEP_BN], wmn[2 * MOEP_BN], sx[2 * MOEP_BM];
-    __shared__ float gain[MoepF<F>::VQ ? MOEP_BN : 1];
+    constexpr bool VQ = MoepF<F>::VQ;
+    __shared__ __align__(16) uint16_t as[XP * L::APIECE];
+    __shared__ __align__(16) uint16_t ws[NP * L::PIECE];
+    __shared__ float wsc[VQ ? 1 : 2 * MOEP_BN], wmn[VQ ? 1 : 2 * MOEP_BN], sx[VQ ? 1 : 2 * MOEP_BM];
+    __shared__ float gain[VQ ? MOEP_BN : 1];
     __shared__ MoepRows<1> w;
     int b, r0, r1;
     if (!moep_item(tile_bucket, tile_row, offsets, info, b, r0, r1, by)) return;
@@ -686,17 +842,17 @@ __device__ __forceinline__ void moep_down(const uint64_t* grid, uint8_t* ring, c
     tile_zero(acc);
     if (!bad) {
         if (tid == 0) {
-            moep_rows_at<F, 1>(w, 0, W, b, n0, dim, ff);
-            w.r1 = nullptr;
+            moep_rows_at<F, 1>(w, 0, W, b, n0, dim, ff, n_experts);
+            w.r1 = w.h1 = nullptr;
+            moep_rows_done<F, 1>(w);
         }
-        if constexpr (MoepF<F>::VQ)
+        if constexpr (VQ) {
+            __syncthreads();                       // the persistent grid: the previous tile's MMAs read the gains
             for (int j = tid; j < MOEP_BN; j += MOEP_THREADS)
                 gain[j] = moep_vq_gain<F>(W, b, n0 + j, n_experts, dim, ff);
-        __syncthreads();                                              // w
-        if constexpr (MoepRing<F>::ON) {
-            moep_ring_fill<F, 1>(ring, w, 0);
-            cp_async_commit();
         }
+        __syncthreads();                                              // w
+        moep_ring_start<F, 1>(ring, w);
         const int ar = r0 + tid % MOEP_BM;
         const bool avalid = ar < r1;
         const float* arow = H + (size_t)(avalid ? ar : 0) * ff;
@@ -704,13 +860,13 @@ __device__ __forceinline__ void moep_down(const uint64_t* grid, uint8_t* ring, c
         auto k_loop = [&](auto mma) {
         for (int kt = 0; kt < nkt; kt++) {
             moep_ring_step<F, 1>(ring, w, kt, nkt);
-            moep_stage_a<XP>(as, sx, arow, avalid, kt * MOEP_BK);
+            moep_stage_a<F>(as, sx, arow, avalid, kt * MOEP_BK);
             for (int j = tid; j < MOEP_BN; j += MOEP_THREADS)
-                moep_stage_row<F, 1>(ws + j * MOEP_LDS, wsc + j, wmn + j, ring, w, 0, j, kt, grid, gain, W, b, n0,
-                                     n_experts, dim, ff);
+                moep_stage_row<F, 1>(ws, wsc, wmn, ring, w, 0, j, kt, grid);
             __syncthreads();
             if constexpr (decltype(mma)::on)
-                moep_tile<F>(acc, as + wm * MOEP_WTM * MOEP_LDS, ws + wn * MOEP_WTN * MOEP_LDS, wsc, wmn, sx, wm, wn);
+                moep_tile<F>(acc, as + wm * MOEP_WTM * L::LDS, ws + wn * MOEP_WTN * L::LDS, VQ ? gain : wsc, wmn, sx,
+                             wm, wn);
         }
         };
         if (r1 - r0 > wm * MOEP_WTM) k_loop(MoepMmaOn<true>{});
@@ -805,7 +961,7 @@ __device__ __forceinline__ const uint64_t* moep_load_codebook(uint8_t* smem, con
 }
 
 // Launch: grid (ceil(ff / MOEP_BN), max_tiles), block MOEP_THREADS, dynamic shared memory KC * 8 + the ring
-// after it (none at 13 bits). Not persistent:
+// after it (at 13 bits the windows). Not persistent:
 // the tile loop costs the 13-bit kernel a spill on sm_121 (168 registers), so each block copies the codebook.
 #define MOEP_VQ_GATE_UP(name, F, QK, NB, KC) \
 extern "C" __global__ __launch_bounds__(MOEP_THREADS, MOEP_MIN_BLOCKS) void moe_prefill_gate_up_##name(const uint8_t* Wg, \
@@ -821,7 +977,7 @@ extern "C" __global__ __launch_bounds__(MOEP_THREADS, MOEP_MIN_BLOCKS) void moe_
 }
 
 // Launch: grid (persistent: min(ceil(dim / MOEP_BN) x max_tiles, one wave)), block MOEP_THREADS, dynamic shared
-// memory KC * 8 + the ring after it (none at 13 bits).
+// memory KC * 8 + the ring after it (at 13 bits the windows).
 #define MOEP_VQ_DOWN(name, F, QK, NB, KC) \
 extern "C" __global__ __launch_bounds__(MOEP_THREADS, MOEP_MIN_BLOCKS) void moe_prefill_down_##name(const uint8_t* W, \
         const float* H, const int* tile_bucket, const int* tile_row, const int* offsets, const int* info, \

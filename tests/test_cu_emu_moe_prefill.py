@@ -333,6 +333,31 @@ def test_vq_whole_moe_against_twin_and_reference(kdev, case, order):
     assert_close_scaled(got[good], ref, mag[good], n, f"vq{bits} whole vs reference")
 
 
+@pytest.mark.parametrize("dim,ff", [(832, 128), (256, 2240)])
+def test_vq13_windows_at_wide_rows(kdev, dim, ff):
+    """13 bits at rows of many sectors (cu/moe_prefill.cu MoepWin: each tile row's stream and hi windows): 156 / 420
+    stream bytes and 13 / 35 hi bytes a row, so the rows start at every phase of a sector and cross their hi sectors
+    at different k tiles; gate + up and down against the twin."""
+    T, k, E = 24, 2, 2
+    r = rng(9, dim, ff)
+    cb = codebook(r, 13)
+    fmt, dg, Wg = vq_experts(r, 13, cb, E, ff, dim)
+    _, du, Wu = vq_experts(r, 13, cb, E, ff, dim)
+    _, dd, Wd = vq_experts(r, 13, cb, E, dim, ff)
+    x = r.standard_normal((T, dim)).astype(np.float32)
+    ids = ids_case("random", r, T, k, E)
+    wts = (r.random((T, k)) + 0.2).astype(np.float32)
+    dev = kdev("random", 1)
+    bufs = bufs_on(dev, T, k, E, ff, dim)
+    y = dev.var(np.full((T, dim), np.nan, np.float32))
+    ex = Experts(fmt=fmt, n_experts=E, ff=ff, dim=dim, gate=dev.const(dg), up=dev.const(du), down=dev.const(dd),
+                 clamp=0.4)
+    ops_mp.moe_prefill(dev.rt, ex, TokenRows(x=dev.const(x), y=y, T=T), Slots(ids=dev.const(ids),
+                       weights=dev.const(wts), k=k), bufs)
+    want, mag = twin.moe(Wg, Wu, Wd, x, ids, wts, 0.4, ops_mp.BM, ops_mp.max_tiles(T * k, E), None, exact=True)
+    assert_close_scaled(y.download().astype(np.float64), want, mag, dim + ff, f"vq13 {dim} x {ff}")
+
+
 def test_vq_wrappers_reject_bad_input(kdev):
     dev = kdev()
     bufs = bufs_on(dev, 4, 2, 3, 64, 64)

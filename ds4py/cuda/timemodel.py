@@ -398,7 +398,7 @@ class KernelTime:
 
 def moe_prefill_ring(kernel: str) -> int:
     """Dynamic shared memory of a moe_prefill_{gate_up,down}_<fmt> kernel's weight sector ring (both buffers;
-    ops/moe_prefill.weight_ring_bytes), 0 for other kernels and VQ-8 at 13 bits (direct loads)."""
+    ops/moe_prefill.weight_ring_bytes: at 13 bits the per-row windows), 0 for other kernels."""
     m = re.fullmatch(r"moe_prefill_(gate_up|down)_(\w+)", kernel)
     if not m:
         return 0

@@ -42,6 +42,8 @@ DEFINES = {
     "MOEP_MAX_EXPERTS": 512,      # routed experts the route kernel's shared counters hold (V4 Flash 256, V4.1 384)
     "MOEP_ROUTE_WARPS": 16,       # the route kernel's warps, each counting a chunk of the pairs per expert (16 x 513
                                   # counters: 33 KB of static shared memory)
+    "MOEP_WIN_S": 2,              # VQ-8 at 13 bits: 32-byte slots of each tile row's stream window (cu MoepWin)
+    "MOEP_WIN_H": 1,              # ... and of its hi row's window
     "MOET_NT": 16,                # the exact token tiles (moe_*_tile_<fmt>): tokens one decoded weight group meets
                                   # while its codes sit in registers
 }
@@ -119,14 +121,19 @@ def ring_pitch(qtype: int | str) -> int:
 
 
 def ring_on(qtype: int | str) -> bool:
-    """Whether the kernel streams its weight rows through the sector ring (VQ-8 at 13 bits: no room beside its
-    64 KiB codebook within GB10's 101,376 bytes per block, direct loads)."""
+    """Whether the kernel streams its weight rows through the sector ring of chunk buffers (VQ-8 at 13 bits: no room
+    for it beside its 64 KiB codebook within GB10's 101,376 bytes per block: a window of whole sectors per tile row
+    instead, cu/moe_prefill.cu MoepWin)."""
     return not (isinstance(qtype, str) and VQ_FORMATS[qtype][1] == 13)
 
 
 def weight_ring_bytes(qtype: int | str, mats: int) -> int:
-    """Dynamic shared memory of the sector ring: two buffers of BN rows of `mats` matrices (gate + up: 2, down: 1)."""
-    return 2 * mats * BN * ring_pitch(qtype) if ring_on(qtype) else 0
+    """Dynamic shared memory of the weight rows' staging for BN rows of `mats` matrices (gate + up: 2, down: 1): the
+    sector ring's two buffers, or at 13 bits each row's windows (MOEP_WIN_S stream + MOEP_WIN_H hi slots of 32
+    bytes)."""
+    if ring_on(qtype):
+        return 2 * mats * BN * ring_pitch(qtype)
+    return mats * BN * 32 * (DEFINES["MOEP_WIN_S"] + DEFINES["MOEP_WIN_H"])
 
 
 def launch_smem(qtype: int | str, mats: int) -> int:
