@@ -187,7 +187,7 @@ class MeasuredCosts:
 
     def _relative(self, pts: list[tuple[int, float, int]]) -> list[tuple[int, float, int]]:
         """Each multi-row count's median re-read as (its samples over the one-row steps timed around them) x the
-        one-row median now. Why (issue 38, sixth session): with drafting off, verify(2) is timed only by probes,
+        one-row median now. Why (issue 38, fifth session): with drafting off, verify(2) is timed only by probes,
         up to WINDOW steps apart, so its recent samples reach back over several load phases of a shared machine
         while the one-row median is the last SPAN steps': in lockstep at load 6-9 the scheduler read verify(2)
         at 2.2x a plain step (7.2 vs 16.2 ms; its probes' own neighbours said 1.45-1.5x, as a k = 1 run beside
@@ -637,7 +637,7 @@ class Scheduler:
 
     def include(self, sigmas: Sequence[float]) -> bool:
         """q_i is known (σ_i = sigmas[-1]): verify position i? A probe verifies its first draft whatever σ_1
-        says while fewer than RECENT verifies of 2 rows were timed. Why (issue 38, sixth session): verify(2) is
+        says while fewer than RECENT verifies of 2 rows were timed. Why (issue 38, fifth session): verify(2) is
         timed only by rounds that verify a draft; with one slow sample (the bootstrap's 3-row verify, cold) the
         cost line read verify(2) at ~2x a plain step, a break-even acceptance above 1, so no round verified a
         draft again and the estimate was never refreshed (lockstep, trained tiny model). Not always: on
