@@ -76,12 +76,23 @@ def test_ptxas_report_every_kernel_no_spills(compiled):
     print("\n" + "\n".join(lines))
 
 
+# Kernels whose register count NVRTC gives one more or less from build to build, even one file at a time in a
+# child process (tests/nvrtc_build.py): moe_gate_up_i8_iq2_xxs on sm_90 differed from the committed 60 in a
+# fresh-clone CI run of 2026-12-07 while a fresh single-job build on the same machine gave 60 again; indexer_scores
+# 55 / 56 earlier. Only these rows, only by one register, and only with every other field equal, are let through.
+REGISTER_JITTER = {("sm_90", "moe_gate_up_i8_iq2_xxs"), ("sm_90", "indexer_scores")}
+
+
 def test_committed_resource_table_is_this_build(compiled):
     """ds4py/data/kernel_resources.json (the registers the emulator and the plan-only runtime check launches with)
     and docs/cuda.md's table are this build's ptxas report."""
     from ds4py.cuda import resources
 
     built, have = resources.from_modules(compiled), resources.committed()
+    for arch, name in REGISTER_JITTER:          # within one register of the committed row: the committed row stands
+        b, h = built.get(arch, {}).get(name), have.get(arch, {}).get(name)
+        if b and h and abs(b["registers"] - h["registers"]) <= 1 and {**b, "registers": 0} == {**h, "registers": 0}:
+            built[arch][name] = h
     stale = sorted({f"{a} {k}" for a in set(built) | set(have) for k in set(built.get(a, {})) | set(have.get(a, {}))
                     if built.get(a, {}).get(k) != have.get(a, {}).get(k)})
     assert not stale, (f"the committed resource table differs from the build for {len(stale)} kernels "
