@@ -39,23 +39,29 @@ _BACKEND_OPTIONS = {"ref": frozenset({"kernels", "threads", "mem_budget_mb", "ca
 # backends the CLI opens with int8 activations by default (the reference backend: ds4's and llama.cpp's CPU
 # numerics, the fast path of its compiled kernels); the others keep their own default (fp32)
 _CLI_INT8 = {"ref": True}
+# backends the CLI opens with the opened device's declared default (contract.DEVICE_NUMERICS, decided at open:
+# docs/cuda.md "Activation numerics"); auto passes it on to CUDA only (the reference keeps its own default)
+_CLI_DEVICE = {"cuda": True, "cuda-emu": True, "auto": True}
 
 
 def cli_numerics(backend: str, exact: bool = False, act_quant: bool = False):
-    """The numerics the CLI (run / chat / serve / bench) opens `backend` with, or None for the backend's own
-    default: the reference backend runs int8 activations (Numerics.ds4(): ds4's and llama.cpp's CPU numerics,
-    the fast path of its compiled kernels, ds4py.quant.jit_i8) unless `exact` (--exact) asks for fp32
-    (Numerics()); the other backends keep theirs (fp32) unless `act_quant` (--act-quant) asks for int8."""
-    from ds4py.contract import Numerics
+    """The numerics the CLI (run / chat / serve / bench / doctor) opens `backend` with: fp32 (Numerics()) with
+    `exact` (--exact), int8 (Numerics.ds4()) with `act_quant` (--act-quant), on any backend; else the reference
+    backend's int8 activations (ds4's and llama.cpp's CPU numerics, the fast path of its compiled kernels,
+    ds4py.quant.jit_i8), the GPU backends' DEVICE_NUMERICS (the opened device's declared default), or None (the
+    backend's own default)."""
+    from ds4py.contract import DEVICE_NUMERICS, Numerics
     from ds4py.errors import Ds4Error
 
     if exact and act_quant:
         raise Ds4Error("--exact (fp32 activations) and --act-quant (int8 activations) contradict each other; give one")
     if act_quant:
         return Numerics.ds4()
-    if not _CLI_INT8.get(backend, False):
-        return None
-    return Numerics() if exact else Numerics.ds4()
+    if exact:
+        return Numerics()
+    if _CLI_INT8.get(backend, False):
+        return Numerics.ds4()
+    return DEVICE_NUMERICS if _CLI_DEVICE.get(backend, False) else None
 
 
 def cli_int8_default(backend: str) -> bool:
@@ -98,8 +104,11 @@ def _open_auto(path: str, ctx: int | None = None, **kwargs) -> Model:
     except (CudaUnavailableError, UnsupportedByBackend) as e:
         why = str(e).rstrip(".")
     print(f"ds4py: backend auto: {why}; using the reference backend (ref)", file=sys.stderr, flush=True)
+    from ds4py.contract import DEVICE_NUMERICS
     from ds4py.ref.engine import RefModel
 
+    if isinstance(kwargs.get("numerics"), str) and kwargs["numerics"] == DEVICE_NUMERICS:
+        del kwargs["numerics"]               # no device here: the reference's own default (fp32)
     return RefModel(path, **kwargs)
 
 

@@ -33,6 +33,10 @@ from ds4py.errors import ContextLengthError, Ds4Error, UnsupportedByBackend  # n
 
 DEFAULT_ROLLBACK_HORIZON = 16
 KV_DTYPES = ("f32", "f16")
+# numerics=DEVICE_NUMERICS: the GPU backends run the opened device's declared default activations (fp32 or int8,
+# docs/cuda.md "Activation numerics"), decided at open and said in model.numerics_why; what the CLI passes without
+# --exact / --act-quant. The reference takes Numerics only.
+DEVICE_NUMERICS = "device"
 
 
 @dataclass(frozen=True)
@@ -186,6 +190,7 @@ class ModelBase(ABC):
     stable_rows = 1          # a step of one-row chunks is row-stable by definition; backends declare more
     gguf: Any = None
     stack: Any = None
+    numerics_why = ""        # why `numerics` are what they are when the backend chose them (DEVICE_NUMERICS)
     startup: dict = MappingProxyType({})      # type: ignore[assignment]  (read-only; backends set their own)
 
     @property

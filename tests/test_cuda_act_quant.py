@@ -117,11 +117,15 @@ def test_act_quant_rows_are_bit_identical_to_single_steps(ds4_aq):
 
 def test_run_act_quant_on_cuda_emu_is_the_in_process_model(ds4_gguf):
     """`run --backend cuda-emu --act-quant`: the greedy continuation of the CUDA engine under Numerics.ds4()
-    in-process, one stderr line naming the numerics; --exact with --act-quant is one sentence."""
+    in-process, one stderr line naming the numerics; the emulator made as a device whose declared default is
+    int8 ($DS4PY_EMU_DEVICE; H200's while fp32 misses its target) runs the same without the flag, its line saying
+    why; --exact with --act-quant is one sentence."""
+    import os
     import subprocess
     import sys
 
-    from ds4py.cli._options import OPT_IN_INT8_LINE
+    from ds4py.cli._options import OPT_IN_INT8_LINE, device_line
+    from ds4py.cuda.devices import PROFILES, default_numerics
     from ds4py.sampling import SamplingParams
     from ds4py.session import Session, TokenEvent
     from ds4py.tokenizer import Tokenizer
@@ -133,14 +137,22 @@ def test_run_act_quant_on_cuda_emu_is_the_in_process_model(ds4_gguf):
     want = "".join(e.text for e in session.generate(ids, SamplingParams(temperature=0, max_tokens=4))
                    if isinstance(e, TokenEvent))
 
-    def cli(*argv):
+    def cli(*argv, device=None):
+        env = {k: v for k, v in os.environ.items() if k != "DS4PY_EMU_DEVICE"}
         return subprocess.run([sys.executable, "-m", "ds4py", "run", "--raw", "-m", ds4_gguf, "--backend", "cuda-emu",
                                *argv, "-p", prompt, "--temp", "0", "-n", "4"], capture_output=True, text=True,
-                              timeout=600)
+                              timeout=600, env={**env, **({"DS4PY_EMU_DEVICE": device} if device else {})})
 
     out = cli("--act-quant")
     assert out.returncode == 0, out.stderr
     assert out.stdout == want + "\n"
     assert out.stderr.count("ds4py: numerics:") == 1 and OPT_IN_INT8_LINE in out.stderr, out.stderr
+    int8 = [k for k, p in PROFILES.items() if p.act_numerics == "int8"]
+    if int8:                    # the device-default path of the CLI, end to end (plan-only rule: devices.py)
+        out = cli(device=int8[0])
+        assert out.returncode == 0, out.stderr
+        assert out.stdout == want + "\n"
+        line = device_line(True, default_numerics(PROFILES[int8[0]], emulated=True).why)
+        assert out.stderr.count("ds4py: numerics:") == 1 and line in out.stderr, out.stderr
     bad = cli("--act-quant", "--exact")
     assert bad.returncode == 2 and "contradict" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1

@@ -36,6 +36,10 @@ def test_doctor_without_a_gpu_says_so_and_checks_what_it_can():
     assert checks["nvrtc"]["status"] == "ok" and rep["nvrtc"]["arch"] == "sm_90" and checks["nvrtc"]["seconds"] > 0
     assert checks["smoke_emulator"]["status"] == "ok" and checks["smoke_emulator"]["mismatches"] == 0
     assert rep["auto"]["backend"] == "ref" and rep["driver"] is None and "bandwidth_gbps" not in rep
+    from ds4py.cuda.devices import PROFILES
+
+    assert checks["numerics"]["status"] == "absent" and set(rep["numerics"]) == set(PROFILES)   # each declared one
+    assert all(rep["numerics"][k]["act_quant"] == (p.act_numerics == "int8") for k, p in PROFILES.items())
     r = subprocess.run([sys.executable, "-m", "ds4py", "doctor"], cwd=REPO, capture_output=True, text=True,
                        timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
     lines = r.stdout.strip().splitlines()
@@ -48,6 +52,8 @@ def test_doctor_model_on_the_emulator_matches_the_reference(golden):
     assert r.returncode == 0 and rep["ok"], r.stdout[-2000:] + r.stderr[-2000:]
     m = rep["model"]
     assert m["backend"] == "cuda-emu" and len(m["positions"]) == 5 and m["top1_equal"] == 5
+    # the emulator's own device (no $DS4PY_EMU_DEVICE) declares nothing: fp32, as the reference here
+    assert m["act_quant"] is False and m["numerics_why"].startswith("the emulator's default")
     assert [p["kind"] for p in m["positions"]] == ["prompt"] * 4 + ["decode"]
     # ds4-tiny's FP8 KV fake-quant may round a near-tie value the other way (tests/cuda_engine_checks.py)
     assert 0 < m["max_abs_delta"] < 1e-3, m
@@ -57,6 +63,9 @@ def test_doctor_positions_are_checked():
     r = subprocess.run([sys.executable, "-m", "ds4py", "doctor", "--positions", "x"], cwd=REPO, capture_output=True,
                        text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert r.returncode == 2 and r.stderr.strip().startswith("ds4py doctor: error: --positions takes")
+    r = subprocess.run([sys.executable, "-m", "ds4py", "doctor", "--exact", "--act-quant"], cwd=REPO,
+                       capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 2 and "contradict each other" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
 def test_auto_falls_back_when_the_model_does_not_fit_in_free_memory(monkeypatch, golden):

@@ -50,15 +50,16 @@ def add_cpu_arguments(p, numerics: bool = True) -> None:
                         "than RAM runs from the mapped file)")
     if numerics:
         p.add_argument("--exact", action="store_true",
-                       help="reference backend: fp32 activations (DeepSeek's official numerics, the golden "
-                            "tests' tolerances) instead of the default int8 activations (ds4's and llama.cpp's CPU "
-                            "numerics: each quantised matmul sees its activation rounded per Q8_0 / Q8_K block, "
-                            "integer dot products; = score --act-quant)")
+                       help="fp32 activations on any backend (DeepSeek's official numerics, the golden tests' "
+                            "tolerances) instead of the default: int8 activations on the reference backend (ds4's "
+                            "and llama.cpp's CPU numerics: each quantised matmul sees its activation rounded per "
+                            "Q8_0 / Q8_K block, integer dot products; = score --act-quant), the device's declared "
+                            "default on CUDA (int8 where fp32 misses its bandwidth target: H200)")
         p.add_argument("--act-quant", action="store_true",
                        help="int8 activations on any backend (ds4's numerics, = score --act-quant: each quantised "
                             "matmul sees its activation rounded per Q8_0 / Q8_K block, F16 KV): the reference "
-                            "backend's default, the CUDA backends' declared non-default numerics (int8 expert "
-                            "kernels; docs/cuda.md 'Activation numerics')")
+                            "backend's default; on CUDA the default of a device where fp32 misses its bandwidth "
+                            "target, else opt-in (docs/cuda.md 'Activation numerics')")
 
 
 INT8_LINE = ("ds4py: numerics: int8 activations (each quantised matmul's input rounded per Q8_0 / Q8_K block, as "
@@ -68,10 +69,17 @@ OPT_IN_INT8_LINE = ("ds4py: numerics: int8 activations (--act-quant: each quanti
                   "Q8_K block, as ds4's and llama.cpp's CPU paths; F16 KV); without it fp32 activations")
 
 
+def device_line(act_quant: bool, why: str) -> str:
+    """The numerics line of a model that ran its device's declared default (contract.DEVICE_NUMERICS)."""
+    if act_quant:
+        return f"ds4py: numerics: int8 activations: {why}; --exact for fp32"
+    return f"ds4py: numerics: fp32 activations: {why}; --act-quant for int8"
+
+
 def cpu_numerics(args: argparse.Namespace) -> dict:
-    """The numerics for run / chat / serve / bench as an open_model keyword (ds4py.backends.cli_numerics: int8
-    activations on the reference backend unless --exact; {} for a backend that keeps its own). say_numerics
-    prints the line once the model is open."""
+    """The numerics for run / chat / serve / bench as an open_model keyword (ds4py.backends.cli_numerics: --exact /
+    --act-quant on any backend; else int8 activations on the reference backend, the device's declared default on
+    CUDA; {} for a backend that keeps its own). say_numerics prints the line once the model is open."""
     from ds4py.backends import cli_numerics
 
     numerics = cli_numerics(getattr(args, "backend", "ref"), bool(getattr(args, "exact", False)),
@@ -79,18 +87,26 @@ def cpu_numerics(args: argparse.Namespace) -> dict:
     return {} if numerics is None else {"numerics": numerics}
 
 
-def say_numerics(args: argparse.Namespace) -> None:
-    """The one stderr line naming the numerics cpu_numerics chose (after the open, so that a refused file is
-    still one line)."""
+def say_numerics(args: argparse.Namespace, model) -> None:
+    """The one stderr line naming the numerics the opened `model` runs and why (after the open, so that a refused
+    file is still one line): the flag's, the reference's default, or the device's declared default (the model's
+    numerics_why). None where auto fell back to the reference without a flag (its own default, fp32, as before)."""
     import sys
 
+    from ds4py.contract import DEVICE_NUMERICS
+
     numerics = cpu_numerics(args).get("numerics")
-    if numerics is not None:
+    if isinstance(numerics, str) and numerics == DEVICE_NUMERICS:
+        line = device_line(model.numerics.act_quant, model.numerics_why) if model.numerics_why else None
+    elif numerics is not None:
         from ds4py.backends import cli_int8_default
 
         line = INT8_LINE if numerics.act_quant else EXACT_LINE
         if numerics.act_quant and not cli_int8_default(getattr(args, "backend", "ref")):
             line = OPT_IN_INT8_LINE
+    else:
+        line = None
+    if line is not None:
         print(line, file=sys.stderr, flush=True)
 
 

@@ -129,8 +129,9 @@ def run_gpu_model(args: argparse.Namespace) -> int:
           "(assumptions: docs/cuda.md, 'The GPU time model')")
     for mdl in models:
         sys.stdout.write(timemodel.format_step(mdl))
-    # the declared non-default numerics: int8 activations (Numerics.ds4()), decode as the engine plans it under them
-    # (docs/cuda.md "Activation numerics" says why it is not the default)
+    # the other numerics: int8 activations (Numerics.ds4()), decode as the engine plans it under them (the CLI's
+    # default on a device where fp32 misses its decode target: devices.py act_numerics, docs/cuda.md "Activation
+    # numerics")
     quant = timemodel.run(device, shapes, ctxs, coalescing=timemodel.load_coalescing(args.traffic),
                           steps=("decode",), numerics="act_quant")
     for mdl in quant:
@@ -202,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
     points = bench.frontiers(args.ctx_start, args.ctx_max, step_incr if not args.step_mul else None, args.step_mul)
     t0 = time.perf_counter()
     model = open_model(args.model_path, backend=args.backend, **model_kwargs(args), **cpu_numerics(args))
-    say_numerics(args)
+    say_numerics(args, model)
     startup = {"model_open_s": time.perf_counter() - t0}
     startup.update(model.startup)
     if args.bandwidth == "auto":

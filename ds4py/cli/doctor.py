@@ -17,6 +17,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where -m runs against the reference: the GPU (default) or the CPU emulator")
     p.add_argument("--positions", default="8,3", metavar="PROMPT,DECODE",
                    help="with -m: how many prompt positions and greedy decode steps to compare (default 8,3)")
+    p.add_argument("--exact", action="store_true",
+                   help="with -m: fp32 activations on the GPU and the reference (default: the device's declared "
+                        "default, docs/cuda.md 'Activation numerics')")
+    p.add_argument("--act-quant", action="store_true",
+                   help="with -m: int8 activations on the GPU and the reference (Numerics.ds4())")
     p.add_argument("--json", nargs="?", const="-", metavar="FILE",
                    help="write the report as JSON (to FILE, or to standard output instead of the table)")
 
@@ -32,7 +37,10 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError
     except ValueError:
         raise Ds4Error(f"--positions takes PROMPT,DECODE (at least 1 and 0), got {args.positions!r}") from None
-    rep = doctor.run(args.model, args.backend, n_prompt, n_decode)
+    from ds4py.backends import cli_numerics
+
+    numerics = cli_numerics(args.backend, args.exact, args.act_quant)     # both: one sentence
+    rep = doctor.run(args.model, args.backend, n_prompt, n_decode, numerics)
     if args.json == "-":
         print(json.dumps(rep.as_json(), indent=1))
     else:

@@ -67,7 +67,7 @@ def open_model_for_generation(args):
 
     model = open_model(args.model, backend=args.backend, ctx=args.ctx, **model_kwargs(args),
                        **cpu_numerics(args))
-    say_numerics(args)
+    say_numerics(args, model)
     return speculative(model, args.mtp, enabled=not args.no_spec)
 
 

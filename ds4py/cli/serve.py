@@ -267,8 +267,9 @@ def run(args) -> int:
         path = str(ensure_demo_model()) if demo else args.model
         engine = make_engine(path, args.backend, args.ctx, memory, args.mtp, not args.no_spec, args.sessions,
                              args.kv_disk_dir, disk_mb, **model_kwargs(args), **cpu_numerics(args))
-        say_numerics(args)
-        mtp = engine.model.drafter if isinstance(engine.model, SpecModel) else None
+        spec = isinstance(engine.model, SpecModel)
+        say_numerics(args, engine.model.model if spec else engine.model)
+        mtp = engine.model.drafter if spec else None
         config.backend, config.model_context = engine.model.backend, int(engine.model.config.context_length)
         print(f"ds4py serve: model ready in {time.perf_counter() - t0:.1f} s (context {engine.ctx_size} tokens"
               f"{f'; speculative decoding with {mtp.path}' if mtp is not None else ''})", file=sys.stderr, flush=True)

@@ -59,6 +59,11 @@ class DeviceProfile:
     max_block: tuple[int, int, int] = (1024, 1024, 64)
     max_grid: tuple[int, int, int] = (2**31 - 1, 65535, 65535)
     ordinal: int = 0
+    names: tuple[str, ...] = ()       # what the driver calls this part (cuDeviceGetName): a GPU of another name
+                                      # borrows the profile's limits and speeds, never its declared numerics
+    decode_target: tuple[str, float] | None = None   # the V4 Flash q2 decode target: ("copy" | "roofline", fraction)
+    act_numerics: str | None = None   # the activations the CLI runs here unless told (ACT_NUMERICS; None: fp32,
+                                      # undeclared): "exact" iff fp32 meets decode_target in the model, else "int8"
 
     @property
     def arch(self) -> str:
@@ -82,7 +87,10 @@ GB10 = DeviceProfile(
     l2_bytes=24 << 20,                # 24 MB L2 (GB10)
     copy_gbps=230.0,                  # measured device copy on a DGX Spark (~230 GB/s)
     nominal_gbps=273.0,               # LPDDR5x-8533, 256-bit: 273 GB/s (DGX Spark datasheet)
-    total_mem=128 << 30)              # 128 GB unified memory
+    total_mem=128 << 30,              # 128 GB unified memory
+    names=("NVIDIA GB10",),
+    decode_target=("copy", 0.90),     # issue 34: V4 Flash q2 decode at >= 90% of the copy bandwidth
+    act_numerics="exact")             # modelled (bench gpu-model, v4-flash-q2, 2K): fp32 96.0% of copy: meets
 H200 = DeviceProfile(
     key="h200", name="NVIDIA H200 (SXM)", cc=(9, 0),
     sm_count=132,                     # GH100 as shipped in H100 / H200 SXM: 132 SMs (Hopper whitepaper)
@@ -92,8 +100,40 @@ H200 = DeviceProfile(
     l2_bytes=50 << 20,                # 50 MB L2 (Hopper whitepaper)
     copy_gbps=4300.0,                 # ~90% of nominal, what a device copy reaches on HBM3e (to be measured)
     nominal_gbps=4800.0,              # 4.8 TB/s HBM3e (H200 datasheet)
-    total_mem=141 << 30)              # 141 GB HBM3e
+    total_mem=141 << 30,              # 141 GB HBM3e
+    names=("NVIDIA H200",),
+    decode_target=("roofline", 0.50),  # issue 34: V4 Flash q2 decode at >= 50% of the bandwidth roofline (nominal)
+    act_numerics="int8")              # modelled (bench gpu-model, v4-flash-q2, 2K): fp32 41.6% misses, int8 53.4%
 PROFILES: dict[str, DeviceProfile] = {p.key: p for p in (GB10, H200)}
+
+# ---- the default activation numerics (issue 34) ------------------------------------------------------------------
+ACT_NUMERICS = ("exact", "int8")      # fp32 activations (Numerics()); int8 (Numerics.ds4(), the reference's
+                                      # --act-quant mode)
+TARGET_SHAPES, TARGET_CTX = "v4-flash-q2", 2048     # the decode step the targets are modelled on
+
+
+@dataclass(frozen=True)
+class DefaultNumerics:
+    """The activation numerics a device runs when the caller leaves the choice to it, and why (one clause)."""
+    act_quant: bool
+    why: str
+
+
+def default_numerics(p: DeviceProfile | None, emulated: bool = False) -> DefaultNumerics:
+    """A device's declared default (docs/cuda.md "Activation numerics"): int8 activations where the profile
+    declares them (fp32 misses its decode target in the model), else fp32: declared (fp32 meets it), or the default
+    of a device no profile declares (None, or a profile without act_numerics) and of the emulator's own device."""
+    where = "the emulated device's" if emulated else "this device's"
+    if emulated and (p is None or p.act_numerics is None):
+        return DefaultNumerics(False, "the emulator's default (no device named: $DS4PY_EMU_DEVICE names one)")
+    if p is None or p.act_numerics is None:
+        return DefaultNumerics(False, f"the default of a device no profile declares ({p.name if p else 'unknown'})")
+    if p.act_numerics not in ACT_NUMERICS:
+        raise KernelArgumentError(f"device profile {p.key}: act_numerics must be one of {', '.join(ACT_NUMERICS)}, "
+                                  f"got {p.act_numerics!r}")
+    if p.act_numerics == "int8":
+        return DefaultNumerics(True, f"{where} default ({p.name}: fp32 misses the bandwidth target here)")
+    return DefaultNumerics(False, f"{where} default ({p.name}: fp32 meets the bandwidth target here)")
 
 
 def profile(key: str | DeviceProfile) -> DeviceProfile:
@@ -108,13 +148,15 @@ def profile(key: str | DeviceProfile) -> DeviceProfile:
 
 def profile_for_device(dev: Any) -> DeviceProfile:
     """A profile for an opened GPU (driver.Device): its own SM count, shared memory, threads per SM and L2, the
-    arch-level limits of its compute capability, the bandwidths of the named profile of the same arch (if any)."""
+    arch-level limits of its compute capability, the bandwidths of the named profile of the same arch (if any);
+    that profile's declared numerics only when the GPU is that part (its name in `names`)."""
     like = next((p for p in PROFILES.values() if p.cc[0] == dev.cc[0]), H200)
+    declared = like.act_numerics if dev.name in like.names else None     # the part itself, not its arch
     smem_sm = int(dev.smem_per_sm or 0) or int(dev.smem_per_block_optin) + like.smem_reserved_per_block
     return replace(like, key=f"gpu{dev.ordinal}", name=dev.name, cc=tuple(dev.cc), sm_count=int(dev.sm_count),
                    threads_per_sm=int(dev.threads_per_sm), smem_per_sm=smem_sm,
                    smem_per_block_optin=int(dev.smem_per_block_optin), l2_bytes=int(dev.l2_bytes),
-                   total_mem=int(dev.total_mem), ordinal=int(dev.ordinal))
+                   total_mem=int(dev.total_mem), ordinal=int(dev.ordinal), act_numerics=declared)
 
 
 # ---- occupancy ---------------------------------------------------------------------------------------------------

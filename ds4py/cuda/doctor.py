@@ -107,6 +107,27 @@ def check_driver(rep: Report) -> Any:
     return dev
 
 
+def check_numerics(rep: Report, dev: Any) -> None:
+    """The activations the GPU runs unless told (--exact / --act-quant) and why: its device profile's declared
+    default (ds4py.cuda.devices.default_numerics; docs/cuda.md "Activation numerics"); with no GPU, every
+    profiled device's."""
+    from ds4py.cuda.devices import PROFILES, default_numerics, profile_for_device
+
+    def word(d: Any) -> str:
+        return "int8" if d.act_quant else "fp32"
+
+    if dev is None:
+        declared = {p.key: default_numerics(p) for p in PROFILES.values()}
+        rep.info["numerics"] = {k: {"act_quant": d.act_quant, "why": d.why} for k, d in declared.items()}
+        rep.add("numerics", "absent", "no GPU; the profiled devices' default activations: "
+                + ", ".join(f"{k} {word(d)}" for k, d in declared.items()) + " (docs/cuda.md 'Activation numerics')")
+        return
+    d = default_numerics(profile_for_device(dev))
+    rep.info["numerics"] = {"act_quant": d.act_quant, "why": d.why}
+    rep.add("numerics", "ok", f"the GPU runs {word(d)} activations unless told: {d.why}; "
+            f"{'--exact for fp32' if d.act_quant else '--act-quant for int8'}", act_quant=d.act_quant)
+
+
 def check_bindings(rep: Report, dev: Any) -> None:
     """cuda-bindings M.x calls the driver API of CUDA M: the driver must support CUDA >= M."""
     if dev is None:
@@ -279,15 +300,18 @@ def check_auto(rep: Report, model: str | None) -> None:
     rep.add("auto", "ok", f"--backend auto picks {pick}: {why}")
 
 
-def compare_model(rep: Report, path: str, backend: str, n_prompt: int = 8, n_decode: int = 3) -> None:
+def compare_model(rep: Report, path: str, backend: str, n_prompt: int = 8, n_decode: int = 3,
+                  numerics: Any = None) -> None:
     """The same ids through `backend` and the reference: every prompt position and a few greedy decode steps
-    (the reference's tokens fed to both), top-1 and max |Δlogit| per position."""
+    (the reference's tokens fed to both), top-1 and max |Δlogit| per position. numerics: the backend's (default:
+    DEVICE_NUMERICS, the device's declared default, as run / chat / serve open it); the reference runs the same."""
     from ds4py.backends import open_model
+    from ds4py.contract import DEVICE_NUMERICS
 
     t0 = time.perf_counter()
     try:
-        ref = open_model(path, backend="ref")
-        dev = open_model(path, backend=backend)
+        dev = open_model(path, backend=backend, numerics=DEVICE_NUMERICS if numerics is None else numerics)
+        ref = open_model(path, backend="ref", numerics=dev.numerics)
     except Ds4Error as e:
         rep.add("model", "fail" if backend != "cuda" or not isinstance(e, CudaUnavailableError) else "absent",
                 f"{Path(path).name}: {_err(e)}")
@@ -317,14 +341,19 @@ def compare_model(rep: Report, path: str, backend: str, n_prompt: int = 8, n_dec
     same = sum(x["top1"] == x["top1_ref"] for x in positions)
     tol = 1e-2 * max(1.0, scale)
     ok = agree == len(positions) and worst <= tol
-    rep.info["model"] = {"path": path, "backend": dev.backend, "positions": positions, "top1_equal": same,
+    act = "int8" if dev.numerics.act_quant else "fp32"
+    rep.info["model"] = {"path": path, "backend": dev.backend, "act_quant": dev.numerics.act_quant,
+                         "numerics_why": dev.numerics_why, "positions": positions, "top1_equal": same,
                          "max_abs_delta": worst, "tolerance": tol, "seconds": round(time.perf_counter() - t0, 2)}
     rep.add("model", "ok" if ok else "fail",
-            f"{Path(path).name} on {dev.backend} vs ref: top-1 equal at {same} of {len(positions)} positions "
+            f"{Path(path).name} on {dev.backend} vs ref ({act} activations on both): top-1 equal at {same} of "
+            f"{len(positions)} positions "
             f"({n_prompt} prompt, {n_decode} decode), max |Δlogit| {worst:.2e} (tolerance {tol:.1e})")
 
 
-def run(model: str | None = None, backend: str = "cuda", n_prompt: int = 8, n_decode: int = 3) -> Report:
+def run(model: str | None = None, backend: str = "cuda", n_prompt: int = 8, n_decode: int = 3,
+        numerics: Any = None) -> Report:
+    """Every check; with `model`, compare_model on `backend` under `numerics` (default: the device's)."""
     rep = Report()
     check_packages(rep)
     dev = None
@@ -332,6 +361,7 @@ def run(model: str | None = None, backend: str = "cuda", n_prompt: int = 8, n_de
         dev = check_driver(rep)
     except Ds4Error as e:
         rep.add("gpu", "fail", _err(e))
+    check_numerics(rep, dev)
     check_bindings(rep, dev)
     arch = check_nvrtc(rep, dev)
     check_gpu_runtime(rep, dev, arch)
@@ -340,7 +370,7 @@ def run(model: str | None = None, backend: str = "cuda", n_prompt: int = 8, n_de
     check_emulator(rep)
     check_auto(rep, model)
     if model is not None:
-        compare_model(rep, model, backend, n_prompt, n_decode)
+        compare_model(rep, model, backend, n_prompt, n_decode, numerics)
     return rep
 
 

@@ -74,6 +74,8 @@ class EmuDevice:
     threads_per_sm: int = H200.threads_per_sm
     smem_per_sm: int = 0           # 0: the per-block opt-in + the 1 KB the driver reserves (true of GB10 and H200)
     profile: DeviceProfile = H200
+    named: bool = False            # made as the profiled device (from_profile, $DS4PY_EMU_DEVICE): it runs that
+                                   # device's declared default numerics; False: fp32 (docs/cuda.md "Activation numerics")
 
     @property
     def arch(self) -> str:
@@ -84,7 +86,7 @@ class EmuDevice:
         """The emulator as the profiled device ("gb10", "h200" or a DeviceProfile)."""
         p = device_profile(p)
         return cls(f"CPU emulator ({p.key}-like limits)", p.cc, p.sm_count, p.l2_bytes, p.smem_per_block_optin,
-                   total_mem, 0, p.threads_per_sm, p.smem_per_sm, p)
+                   total_mem, 0, p.threads_per_sm, p.smem_per_sm, p, named=True)
 
     @classmethod
     def default(cls) -> "EmuDevice":

@@ -15,6 +15,8 @@ Numerics: fp32 activations and accumulation, the model's FP8 / FP4 fake-quant (N
 storage (kv_dtype "f16") as the reference computes them; with Numerics.act_quant (ds4's int8 activations, the
 reference's --act-quant mode) the activation of every quantised product rounded as the reference rounds it
 (kernels.act_x; the int8 expert kernels round inside), a block's experts on the int8 grouped rows kernels.
+numerics="device" (contract.DEVICE_NUMERICS, what the CLI passes without --exact / --act-quant): the opened
+device's declared default (ds4py/cuda/devices.py act_numerics), decided once the runtime is up, why in numerics_why.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ class CudaModel(CudaStates, ModelBase):
     state_type = CudaState
     stable_rows = MAX_ROWS     # a verify of 1 + k <= 16 rows is one multi-row step (spec: k <= 15)
 
-    def __init__(self, path: str, numerics: Numerics | None = None,
+    def __init__(self, path: str, numerics: Numerics | str | None = None,
                  rollback_horizon: int = DEFAULT_ROLLBACK_HORIZON, runtime: Any = None, emulate: bool = False,
                  pdl: bool | None = None, graphs: bool | None = None, progress: bool | None = None,
                  sidecar: Any = None, posttrain: Any = None, engram_dir: str | None = None,
@@ -100,7 +102,7 @@ class CudaModel(CudaStates, ModelBase):
 
     @classmethod
     def synthetic(cls, cfg: ModelConfig, seed: int = 0, experts: tuple = synth.Q2_EXPERTS,
-                  numerics: Numerics | None = None, rollback_horizon: int = DEFAULT_ROLLBACK_HORIZON,
+                  numerics: Numerics | str | None = None, rollback_horizon: int = DEFAULT_ROLLBACK_HORIZON,
                   runtime: Any = None, emulate: bool = False, pdl: bool | None = None, graphs: bool | None = None,
                   vq: "synth.VqWidths | None" = None, dense: str | None = None,
                   engram_table: tuple[str, int] | None = None, options: EngineOptions | None = None) -> "CudaModel":
@@ -121,14 +123,15 @@ class CudaModel(CudaStates, ModelBase):
                     lambda rt, ws0: synth.load(rt, cfg, ws0, seed, experts, vq, dense), time.perf_counter())
         return self
 
-    def _setup(self, cfg: ModelConfig, numerics: Numerics | None, rollback_horizon: int, runtime: Any,
+    def _setup(self, cfg: ModelConfig, numerics: Numerics | str | None, rollback_horizon: int, runtime: Any,
                emulate: bool, options: EngineOptions, progress: bool, fingerprint: str,
                load: Callable[[Any, int], DeviceWeights], t0: float) -> None:
-        self.config, self.numerics = cfg, loading.numerics(numerics)
+        self.config, numerics = cfg, loading.numerics(numerics)
         self.layout = state_layout(cfg, rollback_horizon)
         self.rollback_horizon = rollback_horizon
         self.fingerprint = fingerprint
         self.rt = loading.runtime(runtime, emulate, cfg, progress)
+        self.numerics, self.numerics_why = loading.device_numerics(numerics, self.rt)   # the device is known now
         from ds4py.cuda.emu_runtime import EmuRuntime
 
         self.emulated = isinstance(self.rt, EmuRuntime)

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from ds4py.config import ModelConfig
-from ds4py.contract import Numerics
+from ds4py.contract import DEVICE_NUMERICS, Numerics
 from ds4py.cuda import layer
 from ds4py.cuda.compiler import model_defines
 from ds4py.cuda.engram_feed import EngramFeed
@@ -39,11 +39,32 @@ def runtime(given: Any, emulate: bool, cfg: ModelConfig, progress: bool) -> Any:
     return given
 
 
-def numerics(given: Numerics | None) -> Numerics:
+def numerics(given: Numerics | str | None) -> Numerics | str:
+    """The constructor's numerics, checked before the runtime starts: a Numerics (default: Numerics(), fp32), or
+    DEVICE_NUMERICS, which device_numerics resolves once the device is open."""
     given = Numerics() if given is None else given
+    if isinstance(given, str) and given == DEVICE_NUMERICS:
+        return given
     if not isinstance(given, Numerics):
-        raise Ds4Error(f"numerics must be a ds4py.model.Numerics, got {type(given).__name__}")
+        raise Ds4Error(f"numerics must be a ds4py.model.Numerics or {DEVICE_NUMERICS!r} (the device's default), "
+                       f"got {given!r}")
     return given
+
+
+def device_numerics(given: Numerics | str, rt: Any) -> tuple[Numerics, str]:
+    """(numerics, why): `given` as it is (why ""), or for DEVICE_NUMERICS the opened device's declared default
+    (ds4py.cuda.devices.default_numerics of the runtime's profile: the GPU's when it is a profiled part, the
+    emulator's when it was made as one, $DS4PY_EMU_DEVICE) and why, in one clause."""
+    if isinstance(given, Numerics):
+        return given, ""
+    from ds4py.cuda.devices import default_numerics
+    from ds4py.cuda.emu_runtime import EmuRuntime
+
+    if isinstance(rt, EmuRuntime):
+        d = default_numerics(rt.profile if rt.device.named else None, emulated=True)
+    else:
+        d = default_numerics(rt.profile)         # Runtime: profile_for_device, declared only for a profiled part
+    return (Numerics.ds4() if d.act_quant else Numerics()), d.why
 
 
 def options(given: EngineOptions | None, pdl: bool | None, graphs: bool | None) -> EngineOptions:
