@@ -4,6 +4,7 @@
     gb10 = profile("gb10")
     occ = occupancy(gb10, threads=256, registers=96, smem=40_000)     # blocks per SM and what limits them
     check_launch(gb10, "moe_down_vq13", grid, block, smem, resources)  # raises LaunchRefused naming the limit
+    default_numerics(profile("h200"))       # the activations the CLI runs there unless told, and why (issue 34)
 
 Every number is sourced in docs/cuda.md ("Device profiles"). Per-arch limits (threads, warps, blocks and registers
 per SM, register allocation, shared memory per SM and per block, the 1 KB the driver reserves per block) are the
