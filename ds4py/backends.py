@@ -107,8 +107,14 @@ def _open_auto(path: str, ctx: int | None = None, **kwargs) -> Model:
     from ds4py.contract import DEVICE_NUMERICS
     from ds4py.ref.engine import RefModel
 
-    if isinstance(kwargs.get("numerics"), str) and kwargs["numerics"] == DEVICE_NUMERICS:
-        del kwargs["numerics"]               # no device here: the reference's own default (fp32)
-    return RefModel(path, **kwargs)
+    chosen = isinstance(kwargs.get("numerics"), str) and kwargs["numerics"] == DEVICE_NUMERICS
+    if chosen:                               # no device here: the reference's CLI default (int8, its fast path)
+        from ds4py.contract import Numerics
+
+        kwargs["numerics"] = Numerics.ds4()
+    model = RefModel(path, **kwargs)
+    if chosen:
+        model.numerics_why = "the reference backend's default (no GPU here: ds4's and llama.cpp's CPU numerics)"
+    return model
 
 

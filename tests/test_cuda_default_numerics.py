@@ -127,8 +127,9 @@ def test_the_numerics_line_says_which_and_why(capsys):
         assert capsys.readouterr().err == device_line(True, h200.why) + "\n"
         say_numerics(args, SimpleNamespace(numerics=Numerics(), numerics_why="x"))
         assert capsys.readouterr().err == "ds4py: numerics: fp32 activations: x; --act-quant for int8\n"
-        say_numerics(args, SimpleNamespace(numerics=Numerics(), numerics_why=""))    # auto fell back to ref
-        assert capsys.readouterr().err == ""
+        ref_why = "the reference backend's default (no GPU here: ds4's and llama.cpp's CPU numerics)"
+        say_numerics(args, SimpleNamespace(numerics=Numerics.ds4(), numerics_why=ref_why))   # auto fell back to ref
+        assert capsys.readouterr().err == device_line(True, ref_why) + "\n"
         say_numerics(argparse.Namespace(backend=backend, exact=True, act_quant=False), None)
         assert capsys.readouterr().err == EXACT_LINE + "\n"
         say_numerics(argparse.Namespace(backend=backend, exact=False, act_quant=True), None)
@@ -137,14 +138,15 @@ def test_the_numerics_line_says_which_and_why(capsys):
                                            "(SXM): fp32 misses the bandwidth target here); --exact for fp32")
 
 
-def test_auto_without_a_gpu_opens_the_reference_with_its_own_default(golden, capsys):
+def test_auto_without_a_gpu_opens_the_reference_with_its_cli_default(golden, capsys):
+    """auto without a GPU runs the reference as `--backend ref` would: int8 activations (its fast path), said."""
     from ds4py.backends import open_model
     from ds4py.cuda import driver
 
     if driver.available():
         pytest.skip("this machine has a GPU: auto may pick it")
     m = open_model(str(golden / "ds4-tiny" / "tiny.gguf"), backend="auto", numerics=DEVICE_NUMERICS)
-    assert m.backend == "ref" and m.numerics == Numerics() and m.numerics_why == ""
+    assert m.backend == "ref" and m.numerics == Numerics.ds4() and "reference backend's default" in m.numerics_why
     with pytest.raises(Ds4Error, match="numerics must be a ds4py.model.Numerics"):
         open_model(str(golden / "ds4-tiny" / "tiny.gguf"), backend="ref", numerics=DEVICE_NUMERICS)
 

@@ -90,7 +90,7 @@ def cpu_numerics(args: argparse.Namespace) -> dict:
 def say_numerics(args: argparse.Namespace, model) -> None:
     """The one stderr line naming the numerics the opened `model` runs and why (after the open, so that a refused
     file is still one line): the flag's, the reference's default, or the device's declared default (the model's
-    numerics_why). None where auto fell back to the reference without a flag (its own default, fp32, as before)."""
+    numerics_why; where auto fell back to the reference, that backend's int8 default)."""
     import sys
 
     from ds4py.contract import DEVICE_NUMERICS
