@@ -69,17 +69,24 @@ def test_the_prefill_kernels_are_judged_at_the_model_width():
                 (kernel, arg)
 
 
+GGML_EXPERTS = ("iq2_xxs", "q2_k", "q4_k", "mxfp4", "q8_0", "f16")
+I8_EXPERTS = ("iq2_xxs", "q2_k", "q4_k")
+VQ_WIDTHS = range(6, 14)
+
+
 def test_the_decode_kernels_are_judged_at_the_model_width():
     """Every decode GEMV (each weight type; plain, hc_post and SwiGLU; one row and the `_rows` kernels; Q8_0's
-    int8-activation kernels) and every int8-activation decode expert kernel is recorded at the model's width (rows
-    of 4,096 columns, down 2,048) and meets the target there: every matrix byte read once per launch, and the
-    GEMVs' weights start loading before pdl_wait (they never depend on the previous kernel)."""
+    int8-activation kernels) and every exact-format decode expert kernel (gate + up and down, one token and the
+    grouped `_rows`; fp32 and the int8-activation ones) is recorded at the model's width (rows of 4,096 columns,
+    down 2,048) and meets the target there: every matrix byte read once per launch, and the GEMVs' weights start
+    loading before pdl_wait (they never depend on the previous kernel)."""
     report = json.loads(REPORT.read_text())
     wide = report["model_width"]["kernels"]
     gemv = [f"gemv_{t}{epi}{rows}" for t in ("f16", "f32", "q4_k", "q4_k_i8", "q8_0", "q8_0_i8")
             for epi in ("", "_hc_post", "_swiglu") for rows in ("", "_rows")] + ["gemv_q8_0_i8_grouped",
                                                                                      "gemv_q4_k_i8_grouped"]
-    experts = [f"moe_{m}_i8_{f}" for m in ("gate_up", "down") for f in ("iq2_xxs", "q2_k", "q4_k")]
+    experts = [f"moe_{m}{rows}_{f}" for m in ("gate_up", "down") for rows in ("", "_rows") for f in GGML_EXPERTS]
+    experts += [f"moe_{m}{rows}_i8_{f}" for m in ("gate_up", "down") for rows in ("", "_rows") for f in I8_EXPERTS]
     for kernel in gemv + experts:
         args = {a: c for a, c in wide[kernel]["args"].items() if a in traffic.MATRIX_ARGS}
         assert args, kernel
@@ -88,6 +95,28 @@ def test_the_decode_kernels_are_judged_at_the_model_width():
             assert c["reread"] <= traffic.REREAD_LIMIT, (kernel, arg, c["reread"])
             assert c["coverage"] == 1.0, (kernel, arg, c["coverage"])
             assert kernel in experts or c["pre_pdl_bytes"] > 0, (kernel, arg, "no weight load before pdl_wait")
+
+
+def test_the_vq_decode_experts_are_judged_at_the_model_width():
+    """VQ-8's decode experts at every width 6-13 bits (gate + up, down and their grouped `_rows`) are recorded at the
+    model's width (rows of 4,096 columns, down 2,048) and meet the target there; past the codebook (8 << bits bytes
+    at the head of Wg / W, copied into shared memory by every persistent block of the launch, also those that find
+    no tile; the kernels read no codebook from Wu) every matrix byte - streams, hi rows, gains - is read, and read
+    once."""
+    report = json.loads(REPORT.read_text())
+    wide = report["model_width"]["kernels"]
+    for bits in VQ_WIDTHS:
+        book = 8 << bits
+        for m, mats in (("gate_up", ("Wg", "Wu")), ("down", ("W",))):
+            for rows in ("", "_rows"):
+                kernel = f"moe_{m}{rows}_vq{bits}"
+                for arg in mats:
+                    c = wide[kernel]["args"][arg]
+                    assert c["coalescing"] >= traffic.COALESCING_TARGET, (kernel, arg, c["coalescing"])
+                    copies = math.prod(c["largest_launch"]["grid"]) if arg != "Wu" else 0
+                    past = c["unique_bytes"] - (book if copies else 0)
+                    assert past == c["arg_bytes"] - book, (kernel, arg, "matrix bytes past the codebook unread")
+                    assert c["distinct_bytes"] - copies * book <= traffic.REREAD_LIMIT * past, (kernel, arg)
 
 
 def test_the_judge_prefers_the_model_width_and_ignores_small_arguments():
