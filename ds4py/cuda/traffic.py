@@ -102,13 +102,15 @@ MATRIX_ARGS = frozenset({"W", "W0", "W1", "W2", "W3", "Wg", "Wu"})
 def weight_coalescing(report: dict) -> dict[tuple[str, str], float]:
     """{(kernel, matrix argument): coalescing per warp request} of every weight-streaming kernel in a report,
     judged where the report holds the kernel at the model's width (its `model_width` section: rows that start on
-    a sector as every model shape's do), else at the largest launch its twin tests make (as findings())."""
+    a sector as every model shape's do; also a kernel no twin test launches), else at the largest launch its twin
+    tests make (as findings())."""
     wide = (report.get("model_width") or {}).get("kernels") or {}
+    kernels = report.get("kernels") or {}
     out = {}
-    for name, k in (report.get("kernels") or {}).items():
+    for name in sorted(set(kernels) | set(wide)):
         if not STREAMING.search(name):
             continue
-        for arg, c in wide.get(name, k)["args"].items():
+        for arg, c in (wide.get(name) or kernels[name])["args"].items():
             if arg in MATRIX_ARGS and c.get("requests") and c.get("coalescing") is not None:
                 out[(name, arg)] = (c.get("largest_launch") or c)["coalescing"]
     return out
@@ -330,19 +332,21 @@ def model_width_moe_tiles(T: int = 4, dim: int = 4096, ff: int = 2048, rows: int
     return [x for x in recs if x["kernel"].startswith(("moe_gate_up_tile_", "moe_down_tile_"))]
 
 
-def model_width_moe_prefill(T: int = 16, dim: int = 4096, ff: int = 2048, rows: int = 64) -> list[dict]:
+def model_width_moe_prefill(T: int = 16, dim: int = 4096, ff: int = 2048, rows: int = 64,
+                            formats: Sequence[object] | None = None) -> list[dict]:
     """The tensor-core prefill experts (moe_prefill_gate_up_<fmt>: rows of `dim` columns; moe_prefill_down_<fmt>:
-    rows of `ff`, V4 Flash's widths) of every GGML format and VQ-8 at 12 and 13 bits (V4.1's), one expert of `rows`
-    weight rows (one feature tile) and T tokens (one work item), random weight bytes (the traffic does not depend on
-    the values), traffic build, one launch each."""
+    rows of `ff`, V4 Flash's widths) of every format (default: every GGML format and VQ-8 at every width 6 .. 13;
+    V4.1's are 12 and 13), one expert of `rows` weight rows (one feature tile) and T tokens (one work item), random
+    weight bytes (the traffic does not depend on the values), traffic build, one launch each."""
     import numpy as np
 
     from ds4py.cuda.ops import moe_prefill as mp
-    from ds4py.cuda.ops.experts import FORMATS, matrix_bytes
+    from ds4py.cuda.ops.experts import FORMATS, VQ_FORMATS, matrix_bytes
 
     launch = _prefill_expert_launch(np.random.default_rng(37), T, dim, ff, rows, mp.moe_prefill_gate_up,
                                     mp.moe_prefill_down, lambda qtype, feat, cols: matrix_bytes(qtype, 1, feat, cols))
-    recs = record_cases([(q, down) for q in [*FORMATS, "vq12", "vq13"] for down in (False, True)], launch,
+    formats = [*FORMATS, *VQ_FORMATS] if formats is None else formats
+    recs = record_cases([(q, down) for q in formats for down in (False, True)], launch,
                         weights_bytes=8 * rows * dim + (1 << 20), scratch_bytes=16 * T * (dim + ff) + (1 << 20))
     return [x for x in recs if x["kernel"].startswith(("moe_prefill_gate_up_", "moe_prefill_down_"))]
 
@@ -457,7 +461,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                       "gemm of every dense weight type, 64 tokens x 128 x 4096; the experts' "
                                       "token tiles of every GGML format, 4 tokens, 64 rows of 4096 (gate + up) "
                                       "and of 2048 columns (down); the tensor-core prefill experts of every GGML "
-                                      "format and VQ-8 at 12 / 13 bits, 16 tokens, the same rows; the decode "
+                                      "format and VQ-8 at every width 6-13, 16 tokens, the same rows; the decode "
                                       "experts of every GGML format and VQ-8 at every width 6-13 (and the "
                                       "int8-activation kernels of the formats that have them), one token and the "
                                       "grouped _rows kernels of 2 rows, 2 slots, 64 rows of 4096 (gate + up) and "
