@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 
 from ds4py.cuda import traffic
+from ds4py.quant import vq
 
 REPORT = Path(__file__).resolve().parents[1] / "bench" / "traffic" / "report.json"
 
@@ -21,7 +22,7 @@ BELOW_TARGET: dict[str, str] = {}
 
 GGML_EXPERTS = ("iq2_xxs", "q2_k", "q4_k", "mxfp4", "q8_0", "f16")
 I8_EXPERTS = ("iq2_xxs", "q2_k", "q4_k")
-VQ_WIDTHS = range(6, 14)                       # every VQ-8 width quantize-vq writes
+VQ_WIDTHS = range(vq.MIN_BITS, vq.MAX_BITS + 1)  # every VQ-8 width quantize-vq writes (6 .. 13)
 
 
 def below(report: dict) -> dict[str, float]:
@@ -53,9 +54,9 @@ def test_the_prefill_kernels_are_judged_at_the_model_width():
     report = json.loads(REPORT.read_text())
     wide = report["model_width"]["kernels"]
     mats = {f"gemm_{t}": ("W",) for t in ("f16", "f32", "q8_0", "q4_k")}
-    for f in ("iq2_xxs", "q2_k", "q4_k", "mxfp4", "q8_0", "f16"):
+    for f in GGML_EXPERTS:
         mats.update({f"moe_gate_up_tile_{f}": ("Wg", "Wu"), f"moe_down_tile_{f}": ("W",)})
-    for f in ("iq2_xxs", "q2_k", "q4_k", "mxfp4", "q8_0", "f16", *(f"vq{b}" for b in VQ_WIDTHS)):
+    for f in (*GGML_EXPERTS, *(f"vq{b}" for b in VQ_WIDTHS)):
         mats.update({f"moe_prefill_gate_up_{f}": ("Wg", "Wu"), f"moe_prefill_down_{f}": ("W",)})
     for kernel, args in mats.items():
         for arg in args:
