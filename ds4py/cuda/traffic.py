@@ -102,13 +102,15 @@ MATRIX_ARGS = frozenset({"W", "W0", "W1", "W2", "W3", "Wg", "Wu"})
 def weight_coalescing(report: dict) -> dict[tuple[str, str], float]:
     """{(kernel, matrix argument): coalescing per warp request} of every weight-streaming kernel in a report,
     judged where the report holds the kernel at the model's width (its `model_width` section: rows that start on
-    a sector as every model shape's do), else at the largest launch its twin tests make (as findings())."""
+    a sector as every model shape's do; also a kernel no twin test launches), else at the largest launch its twin
+    tests make (as findings())."""
     wide = (report.get("model_width") or {}).get("kernels") or {}
+    kernels = report.get("kernels") or {}
     out = {}
-    for name, k in (report.get("kernels") or {}).items():
+    for name in sorted(set(kernels) | set(wide)):
         if not STREAMING.search(name):
             continue
-        for arg, c in wide.get(name, k)["args"].items():
+        for arg, c in (wide.get(name) or kernels[name])["args"].items():
             if arg in MATRIX_ARGS and c.get("requests") and c.get("coalescing") is not None:
                 out[(name, arg)] = (c.get("largest_launch") or c)["coalescing"]
     return out
@@ -330,56 +332,82 @@ def model_width_moe_tiles(T: int = 4, dim: int = 4096, ff: int = 2048, rows: int
     return [x for x in recs if x["kernel"].startswith(("moe_gate_up_tile_", "moe_down_tile_"))]
 
 
-def model_width_moe_prefill(T: int = 16, dim: int = 4096, ff: int = 2048, rows: int = 64) -> list[dict]:
+def model_width_moe_prefill(T: int = 16, dim: int = 4096, ff: int = 2048, rows: int = 64,
+                            formats: Sequence[object] | None = None) -> list[dict]:
     """The tensor-core prefill experts (moe_prefill_gate_up_<fmt>: rows of `dim` columns; moe_prefill_down_<fmt>:
-    rows of `ff`, V4 Flash's widths) of every GGML format and VQ-8 at 12 and 13 bits (V4.1's), one expert of `rows`
-    weight rows (one feature tile) and T tokens (one work item), random weight bytes (the traffic does not depend on
-    the values), traffic build, one launch each."""
+    rows of `ff`, V4 Flash's widths) of every format (default: every GGML format and VQ-8 at every width 6 .. 13;
+    V4.1's are 12 and 13), one expert of `rows` weight rows (one feature tile) and T tokens (one work item), random
+    weight bytes (the traffic does not depend on the values), traffic build, one launch each."""
     import numpy as np
 
     from ds4py.cuda.ops import moe_prefill as mp
-    from ds4py.cuda.ops.experts import FORMATS, matrix_bytes
+    from ds4py.cuda.ops.experts import FORMATS, VQ_FORMATS, matrix_bytes
 
     launch = _prefill_expert_launch(np.random.default_rng(37), T, dim, ff, rows, mp.moe_prefill_gate_up,
                                     mp.moe_prefill_down, lambda qtype, feat, cols: matrix_bytes(qtype, 1, feat, cols))
-    recs = record_cases([(q, down) for q in [*FORMATS, "vq12", "vq13"] for down in (False, True)], launch,
+    formats = [*FORMATS, *VQ_FORMATS] if formats is None else formats
+    recs = record_cases([(q, down) for q in formats for down in (False, True)], launch,
                         weights_bytes=8 * rows * dim + (1 << 20), scratch_bytes=16 * T * (dim + ff) + (1 << 20))
     return [x for x in recs if x["kernel"].startswith(("moe_prefill_gate_up_", "moe_prefill_down_"))]
 
 
-def model_width_experts_i8(dim: int = 4096, ff: int = 2048, rows: int = 64, k: int = 2) -> list[dict]:
-    """The decode experts' int8-activation kernels (moe_gate_up_i8_<fmt>: rows of `dim` columns; moe_down_i8_<fmt>:
-    rows of `ff`, V4 Flash's widths; the twin tests' rows of 256-1,024 columns end mid-sector) of every format with
-    int8 kernels, `rows` weight rows of each of k experts, k slots, random weight bytes (the traffic does not depend
-    on the values), traffic build, one launch each."""
+def model_width_experts(dim: int = 4096, ff: int = 2048, rows: int = 64, k: int = 2, nx: int = 2,
+                        formats: Sequence[object] | None = None, act_quant: bool = False) -> list[dict]:
+    """The decode experts (moe_gate_up_<fmt>: rows of `dim` columns; moe_down_<fmt>: rows of `ff`, V4 Flash's widths;
+    the twin tests' rows of 256-1,024 columns end mid-sector) and their grouped `_rows` kernels, of every format
+    (default: every GGML format and VQ-8 at every width 6 .. 13; act_quant: the int8-activation kernels of the
+    formats that have them), `rows` weight rows of each of k experts, k slots; the `_rows` kernels on nx rows: gate +
+    up with every row choosing the same k experts (grouped: each expert's rows read once), down with each row its
+    own k experts (moe_down_rows reads an expert once per row that chose it, as moe_down would); random weight bytes
+    (the traffic does not depend on the values), traffic build, one launch each."""
     import numpy as np
 
     from ds4py.cuda.ops import experts as mx
     from ds4py.cuda.ops.core import TokenRows
 
-    r = np.random.default_rng(37)
+    r = np.random.default_rng(38)
+    if formats is None:
+        formats = sorted(mx.I8_FORMATS, key=int) if act_quant else [*sorted(mx.FORMATS, key=int), *mx.VQ_FORMATS]
 
     def launch(rt: EmuRuntime, arena: Arena, qtype: object) -> None:
-        def mat(feat: int, cols: int):
-            host = r.integers(0, 256, (k, feat, mx.row_bytes(qtype, cols)), dtype=np.uint8)
+        def mat(n_experts: int, feat: int, cols: int):
+            host = r.integers(0, 256, mx.matrix_bytes(qtype, n_experts, feat, cols), dtype=np.uint8)
             w = arena.weights(host.shape, np.uint8)
             w.upload(host)
             return w
 
-        ids = arena.scratch((k,), np.int32)
-        ids.upload(np.arange(k, dtype=np.int32)[::-1].copy())
-        slots = mx.Slots(ids=ids, k=k)
-        x, h = arena.scratch((dim,), np.float32), arena.scratch((k, ff), np.float32)
-        x.upload(r.standard_normal(dim).astype(np.float32))
-        mx.moe_gate_up(rt, mx.Experts(fmt=qtype, n_experts=k, ff=rows, dim=dim, gate=mat(rows, dim),
-                                      up=mat(rows, dim), act_quant=True), x, h, slots)
-        h.upload(r.standard_normal((k, ff)).astype(np.float32))
-        y = arena.scratch((rows,), np.float32)
-        mx.moe_down(rt, mx.Experts(fmt=qtype, n_experts=k, ff=ff, dim=rows, down=mat(rows, ff), act_quant=True),
-                    TokenRows(x=h, y=y), slots)
+        def slots(ids: np.ndarray) -> mx.Slots:
+            d = arena.scratch(ids.shape, np.int32)
+            d.upload(ids.astype(np.int32))
+            return mx.Slots(ids=d, k=k)
 
-    return record_cases(sorted(mx.I8_FORMATS, key=int), launch, weights_bytes=4 * k * rows * dim + (1 << 20),
-                        scratch_bytes=8 * k * (dim + ff) + (1 << 20))
+        chosen = np.arange(k)[::-1]                    # every row chooses experts k - 1 .. 0
+        apart = np.arange(nx * k)[::-1]                # row n chooses its own k experts (moe_down_rows)
+        up = mx.Experts(fmt=qtype, n_experts=k, ff=rows, dim=dim, gate=mat(k, rows, dim), up=mat(k, rows, dim),
+                        act_quant=act_quant)
+        down = mx.Experts(fmt=qtype, n_experts=k, ff=ff, dim=rows, down=mat(k, rows, ff), act_quant=act_quant)
+        down_nx = mx.Experts(fmt=qtype, n_experts=nx * k, ff=ff, dim=rows, down=mat(nx * k, rows, ff),
+                             act_quant=act_quant)
+        x, h = arena.scratch((nx, dim), np.float32), arena.scratch((nx * k, ff), np.float32)
+        x.upload(r.standard_normal((nx, dim)).astype(np.float32))
+        h.upload(r.standard_normal((nx * k, ff)).astype(np.float32))
+        x1, y = arena.scratch((dim,), np.float32), arena.scratch((nx, rows), np.float32)
+        x1.upload(r.standard_normal(dim).astype(np.float32))
+        mx.moe_gate_up(rt, up, x1, arena.scratch((k, rows), np.float32), slots(chosen))
+        mx.moe_down(rt, down, TokenRows(x=h, y=arena.scratch((rows,), np.float32)), slots(chosen))
+        mx.moe_gate_up_rows(rt, up, TokenRows(x=x, y=arena.scratch((nx * k, rows), np.float32), T=nx),
+                            slots(np.tile(chosen, nx)))
+        mx.moe_down_rows(rt, down_nx, TokenRows(x=h, y=y, T=nx), slots(apart))
+
+    weights = (3 + nx) * max(mx.matrix_bytes(q, k, rows, dim) for q in formats)
+    return record_cases(formats, launch, weights_bytes=weights + (1 << 20),
+                        scratch_bytes=8 * nx * k * (dim + ff) + (1 << 20))
+
+
+def model_width_experts_i8(dim: int = 4096, ff: int = 2048, rows: int = 64, k: int = 2) -> list[dict]:
+    """The decode experts' int8-activation kernels (moe_gate_up_i8_<fmt>, moe_down_i8_<fmt> and their `_rows`) of
+    every format with int8 kernels, as model_width_experts."""
+    return model_width_experts(dim, ff, rows, k, act_quant=True)
 
 
 def twin_tests(repo: Path) -> list[str]:
@@ -395,7 +423,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/traffic/report.json", help="the per-kernel report (JSON)")
     ap.add_argument("--records", help="keep the per-launch records (JSON lines) here")
     ap.add_argument("--from-records", help="summarise these per-launch records instead of running tests")
-    ap.add_argument("--no-model-width", action="store_true", help="skip the GEMVs, GEMMs, expert tiles and int8 decode experts at the model's width")
+    ap.add_argument("--no-model-width", action="store_true",
+                    help="skip the GEMVs, GEMMs, prefill and decode experts at the model's width")
     ap.add_argument("--update", nargs="?", const="", default=None, metavar="REGEX",
                     help="merge into the existing --out report: add the kernels it lacks, replace those matching "
                          "REGEX (default: none; the others keep what their own tests recorded)")
@@ -426,15 +455,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         rep = merged(json.loads(out.read_text()), rep, a.update)
     if not a.no_model_width:
         width = (model_width_gemv() + model_width_gemv(nx=4) + model_width_gemm() + model_width_moe_tiles()
-                 + model_width_moe_prefill() + model_width_experts_i8())
+                 + model_width_moe_prefill() + model_width_experts() + model_width_experts_i8())
         rep["model_width"] = {"what": "gemv of every weight type, 16 x 4096, one and four activation rows, plain, "
                                       "hc_post and SwiGLU (Q8_0: and int8 activations); "
                                       "gemm of every dense weight type, 64 tokens x 128 x 4096; the experts' "
                                       "token tiles of every GGML format, 4 tokens, 64 rows of 4096 (gate + up) "
                                       "and of 2048 columns (down); the tensor-core prefill experts of every GGML "
-                                      "format and VQ-8 at 12 / 13 bits, 16 tokens, the same rows; the decode "
-                                      "experts' int8-activation kernels of every format that has them, 2 slots, 64 "
-                                      "rows of 4096 (gate + up) and of 2048 columns (down)",
+                                      "format and VQ-8 at every width 6-13, 16 tokens, the same rows; the decode "
+                                      "experts of every GGML format and VQ-8 at every width 6-13 (and the "
+                                      "int8-activation kernels of the formats that have them), one token and the "
+                                      "grouped _rows kernels of 2 rows, 2 slots, 64 rows of 4096 (gate + up) and "
+                                      "of 2048 columns (down); the _rows down: each row its own 2 experts",
                               "kernels": summarize(width)}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rep, indent=1, sort_keys=True) + "\n")
