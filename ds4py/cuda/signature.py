@@ -157,7 +157,7 @@ def _substitute(body: str, params: list[str], args: list[str]) -> str:
     for p, a in zip(params, args):
         body = re.sub(rf"\s*##\s*{p}\b|\b{p}\s*##\s*", a, body)
         body = re.sub(rf"(?<![\w#]){p}\b", a, body)
-    return body
+    return re.sub(r"\s*##\s*", "", body)           # the pastes left, as the _rows of k_##name##_rows
 
 
 def expand_lists(source_text: str) -> str:
