@@ -357,17 +357,12 @@ __device__ __forceinline__ void q8_ring_issue(const GemvJob& j, uint8_t* stage, 
     ibuf = ibuf + 1 == Q8_STAGES ? 0 : ibuf + 1;
 }
 
-// Where slot s's staged bytes start in buffer buf (its piece + the source's 16-byte phase), src(s) the slot's
-// source (null: no row). A slot without a row decodes slot 0's staged piece instead of branching in the loop: its
+// Where slot s's staged bytes start in buffer buf: its piece + the 16-byte phase of src, its source in global
+// memory (null: no row). A slot without a row decodes slot 0's staged piece instead of branching in the loop: its
 // sum is never stored (epilogue skips row < 0); slot 0 of a group always has a row.
-template <class Src>
-__device__ __forceinline__ void ring_pieces(uint8_t* stage, int buf, int piece_bytes, Src src,
-                                            const uint8_t* (&piece)[GEMV_ROWS]) {
-#pragma unroll
-    for (int s = 0; s < GEMV_ROWS; s++) {
-        const uint8_t* p = src(s);
-        piece[s] = p ? stage + (buf * GEMV_ROWS + s) * piece_bytes + ((size_t)p & 15) : s ? piece[0] : stage;
-    }
+__device__ __forceinline__ const uint8_t* ring_piece(uint8_t* stage, int buf, int piece_bytes, int s,
+                                                     const uint8_t* src, const uint8_t* const* piece) {
+    return src ? stage + (buf * GEMV_ROWS + s) * piece_bytes + ((size_t)src & 15) : s ? piece[0] : stage;
 }
 
 template <int NB> __device__ __forceinline__ void acc_zero(float (&acc)[NB][GEMV_ROWS]) {
@@ -443,7 +438,9 @@ __device__ __forceinline__ void gemv_q8(const GemvJob& j) {
         const int nb = min(Q8_CHUNK_BLOCKS, nblocks - b0);
         const float4* w4 = reinterpret_cast<const float4*>(j.norm_w);
         const uint8_t* piece[GEMV_ROWS];
-        ring_pieces(stage, buf, Q8_PIECE_BYTES, [&](int s) { return q8_src(j, cur, s, nblocks); }, piece);
+#pragma unroll
+        for (int s = 0; s < GEMV_ROWS; s++)
+            piece[s] = ring_piece(stage, buf, Q8_PIECE_BYTES, s, q8_src(j, cur, s, nblocks), piece);
         const float* x0 = slot_x(j, row0, 0);         // found once per chunk (x_group_rows divides); row n is
                                                       // x0 + n * x_stride
 #pragma unroll(NB == 1 ? 2 : 1)                   // the multi-row bodies are register-bound already
@@ -565,7 +562,9 @@ __device__ __forceinline__ void gemv_staged(const GemvJob& j) {
         const int v0 = cur.c * GemvStage<T>::PIECES;   // the chunk's first piece of 8 columns
         const int nv = min(GemvStage<T>::PIECES, nvec - v0);
         const uint8_t* piece[GEMV_ROWS];
-        ring_pieces(stage, buf, GEMV_STAGE_PIECE(T), [&](int s) { return staged_src<T>(j, cur, s, nvec); }, piece);
+#pragma unroll
+        for (int s = 0; s < GEMV_ROWS; s++)
+            piece[s] = ring_piece(stage, buf, GEMV_STAGE_PIECE(T), s, staged_src<T>(j, cur, s, nvec), piece);
         const float* x0 = slot_x(j, row0, 0);
 #pragma unroll 2
         for (int v = lane; v < nv; v += 32) {
@@ -777,7 +776,9 @@ __device__ __forceinline__ void gemv_q8_i8(const GemvJob& j) {
         const int b0 = cur.c * Q8_CHUNK_BLOCKS;
         const int nb = min(Q8_CHUNK_BLOCKS, nblocks - b0);
         const uint8_t* piece[GEMV_ROWS];
-        ring_pieces(stage, buf, Q8_PIECE_BYTES, [&](int s) { return q8_src(j, cur, s, nblocks); }, piece);
+#pragma unroll
+        for (int s = 0; s < GEMV_ROWS; s++)
+            piece[s] = ring_piece(stage, buf, Q8_PIECE_BYTES, s, q8_src(j, cur, s, nblocks), piece);
         if (GROUPED) {
             const int xg = item_x_group(j, cur.g);
             if (xg != xgroup) {
@@ -965,8 +966,9 @@ __device__ __forceinline__ void gemv_q4k_i8(const GemvJob& j) {
         const int g0 = cur.c * (GemvStage<Q4K>::PIECES >> 2);     // the chunk's first group of 32 columns
         const int ng = min(GemvStage<Q4K>::PIECES >> 2, ngx - g0);
         const uint8_t* piece[GEMV_ROWS];
-        ring_pieces(stage, buf, GEMV_STAGE_PIECE(Q4K), [&](int s) { return staged_src<Q4K>(j, cur, s, nvec); },
-                    piece);
+#pragma unroll
+        for (int s = 0; s < GEMV_ROWS; s++)
+            piece[s] = ring_piece(stage, buf, GEMV_STAGE_PIECE(Q4K), s, staged_src<Q4K>(j, cur, s, nvec), piece);
         for (int v = lane; v < ng; v += 32) {
             const int boff = (v >> 3) * 144;
             float dw[GEMV_ROWS], dm[GEMV_ROWS];
