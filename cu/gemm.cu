@@ -450,9 +450,10 @@ extern "C" __global__ __launch_bounds__(GEMM_THREADS) void gemm_q4_k(const uint8
 }
 
 // ---- one mma tile from per-lane fragments (ds4py/cuda/twins/mma.py packs them): the fragment-layout check ----
-// a [tiles, 32, 4], b [tiles, 32, 2], c / d [tiles, 32, 4] (lane-major): d = mma(a, b) + c for tile blockIdx.x.
-// Launch: grid (tiles), block 32.
-extern "C" __global__ void gemm_mma_tile_f16(const unsigned* a, const unsigned* b, const float* c, float* d) {
+// a [tiles, 32, 4], b [tiles, 32, 2], c / d [tiles, 32, 4] (lane-major): d = mma(a, b) + c for tile blockIdx.x, with
+// f16 (BF16 false) or bf16 fragments.
+template <bool BF16>
+__device__ __forceinline__ void gemm_mma_tile(const unsigned* a, const unsigned* b, const float* c, float* d) {
     pdl_wait();
     const int lane = threadIdx.x, tile = blockIdx.x;
     const unsigned ra[4] = {a[(tile * 32 + lane) * 4], a[(tile * 32 + lane) * 4 + 1], a[(tile * 32 + lane) * 4 + 2],
@@ -461,22 +462,20 @@ extern "C" __global__ void gemm_mma_tile_f16(const unsigned* a, const unsigned* 
     float acc[4];
 #pragma unroll
     for (int i = 0; i < 4; i++) acc[i] = c[(tile * 32 + lane) * 4 + i];
-    mma_m16n8k16_f16_f32(acc, ra, rb);
+    if constexpr (BF16)
+        mma_m16n8k16_bf16_f32(acc, ra, rb);
+    else
+        mma_m16n8k16_f16_f32(acc, ra, rb);
 #pragma unroll
     for (int i = 0; i < 4; i++) d[(tile * 32 + lane) * 4 + i] = acc[i];
 }
 
-// As gemm_mma_tile_f16 with bf16 fragments. Launch: grid (tiles), block 32.
+// f16 fragments. Launch: grid (tiles), block 32.
+extern "C" __global__ void gemm_mma_tile_f16(const unsigned* a, const unsigned* b, const float* c, float* d) {
+    gemm_mma_tile<false>(a, b, c, d);
+}
+
+// bf16 fragments. Launch: grid (tiles), block 32.
 extern "C" __global__ void gemm_mma_tile_bf16(const unsigned* a, const unsigned* b, const float* c, float* d) {
-    pdl_wait();
-    const int lane = threadIdx.x, tile = blockIdx.x;
-    const unsigned ra[4] = {a[(tile * 32 + lane) * 4], a[(tile * 32 + lane) * 4 + 1], a[(tile * 32 + lane) * 4 + 2],
-                            a[(tile * 32 + lane) * 4 + 3]};
-    const unsigned rb[2] = {b[(tile * 32 + lane) * 2], b[(tile * 32 + lane) * 2 + 1]};
-    float acc[4];
-#pragma unroll
-    for (int i = 0; i < 4; i++) acc[i] = c[(tile * 32 + lane) * 4 + i];
-    mma_m16n8k16_bf16_f32(acc, ra, rb);
-#pragma unroll
-    for (int i = 0; i < 4; i++) d[(tile * 32 + lane) * 4 + i] = acc[i];
+    gemm_mma_tile<true>(a, b, c, d);
 }

@@ -329,6 +329,72 @@ __device__ __forceinline__ void q8_issue(const GemvJob& j, uint8_t* stage, int b
     }
 }
 
+// ---- the rings' shared pieces (gemv_q8, gemv_staged, and their int8-activation twins gemv_q8_i8, gemv_q4k_i8) ---
+// The calling warp's items: grid-stride over the row groups (from group gwarp, step nwarps), or GROUPED a run of
+// consecutive groups (the grouped int8 kernels: one quantisation of an x group serves the run's rows).
+struct GemvItems {
+    Q8Item first;
+    int end, step;                                     // the groups before `end`, `step` apart
+};
+template <bool GROUPED>
+__device__ __forceinline__ GemvItems gemv_items(int groups, int gwarp, int nwarps) {
+    const int run = GROUPED ? (groups + nwarps - 1) / nwarps : 0;
+    return {{GROUPED ? gwarp * run : gwarp, 0}, GROUPED ? min(groups, (gwarp + 1) * run) : groups,
+            GROUPED ? 1 : nwarps};
+}
+
+// One step of the Q8_0 ring's issuing side: the copies of item `ahead` into buffer ibuf while there is one, one
+// commit group either way (empty past the last item, so "the oldest group has landed" is always
+// cp_async_wait<Q8_STAGES - 1>), then the next item and buffer.
+__device__ __forceinline__ void q8_ring_issue(const GemvJob& j, uint8_t* stage, int nblocks, int nchunks,
+                                              const GemvItems& items, int lane, Q8Item& ahead, bool& issuing,
+                                              int& ibuf) {
+    if (issuing) {
+        q8_issue(j, stage, ibuf, ahead, nblocks, lane);
+        issuing = q8_next(nchunks, items.end, items.step, ahead);
+    }
+    cp_async_commit();
+    ibuf = ibuf + 1 == Q8_STAGES ? 0 : ibuf + 1;
+}
+
+// Where slot s's staged bytes start in buffer buf: its piece + the 16-byte phase of src, its source in global
+// memory (null: no row). A slot without a row decodes slot 0's staged piece instead of branching in the loop: its
+// sum is never stored (epilogue skips row < 0); slot 0 of a group always has a row.
+__device__ __forceinline__ const uint8_t* ring_piece(uint8_t* stage, int buf, int piece_bytes, int s,
+                                                     const uint8_t* src, const uint8_t* const* piece) {
+    return src ? stage + (buf * GEMV_ROWS + s) * piece_bytes + ((size_t)src & 15) : s ? piece[0] : stage;
+}
+
+template <int NB> __device__ __forceinline__ void acc_zero(float (&acc)[NB][GEMV_ROWS]) {
+#pragma unroll
+    for (int n = 0; n < NB; n++)
+#pragma unroll
+        for (int s = 0; s < GEMV_ROWS; s++) acc[n][s] = 0.0f;
+}
+
+// After the last chunk of item `cur`'s group: each activation row's 4 slot sums reduced over the warp (warp_sum4)
+// and stored by the epilogue, times scale[n] (the RMSNorm scale; null: 1, the norm is in x's codes), and the sums
+// zeroed for the next group.
+template <int NB>
+__device__ __forceinline__ void gemv_group_done(const GemvJob& j, const Q8Item& cur, int nchunks,
+                                                float (&acc)[NB][GEMV_ROWS], const float* scale) {
+    if (cur.c == nchunks - 1) {
+#pragma unroll
+        for (int n = 0; n < NB; n++) {
+            if (n < j.nx) epilogue(j, cur.g, warp_sum4(acc[n]), scale ? scale[n] : 1.0f, n);
+#pragma unroll
+            for (int s = 0; s < GEMV_ROWS; s++) acc[n][s] = 0.0f;
+        }
+    }
+}
+
+// GROUPED: the x group of item group g (x_group_rows divides: the item's 4 slots share one).
+__device__ __forceinline__ int item_x_group(const GemvJob& j, int g) {
+    int m0, row0;
+    slot_row(j, g, 0, m0, row0);
+    return (row0 < 0 ? 0 : row0) / j.x_group_rows;
+}
+
 // Q8_0 weights [rows, cols] (cols % 32 == 0), x 16-byte aligned, W 2-byte aligned; NB accumulator sets.
 template <int NB>
 __device__ __forceinline__ void gemv_q8(const GemvJob& j) {
@@ -338,24 +404,16 @@ __device__ __forceinline__ void gemv_q8(const GemvJob& j) {
     uint8_t* stage = q8_stage + (threadIdx.x >> 5) * Q8_WARP_SMEM;
     const int nblocks = j.cols >> 5;
     const int nchunks = (nblocks + Q8_CHUNK_BLOCKS - 1) / Q8_CHUNK_BLOCKS;
-    const int groups = group_count(j);
-    Q8Item cur{gwarp, 0};
-    const bool any = cur.g < groups;
+    const GemvItems items = gemv_items<false>(group_count(j), gwarp, nwarps);
+    Q8Item cur = items.first;
+    const bool any = cur.g < items.end;
     // The ring: item i lives in buffer i % Q8_STAGES; Q8_STAGES - 1 items are in flight while one is decoded.
-    // Every step commits one group (empty past the last item), so "the oldest group has landed" is always
-    // cp_async_wait<Q8_STAGES - 1>.
     Q8Item ahead = cur;                                // the next item to issue
     bool issuing = any;
     int ibuf = 0;                                      // its buffer
 #pragma unroll
-    for (int k = 0; k < Q8_STAGES - 1; k++) {          // before pdl_wait: weights only
-        if (issuing) {
-            q8_issue(j, stage, ibuf, ahead, nblocks, lane);
-            issuing = q8_next(nchunks, groups, nwarps, ahead);
-        }
-        cp_async_commit();
-        ibuf = ibuf + 1 == Q8_STAGES ? 0 : ibuf + 1;
-    }
+    for (int k = 0; k < Q8_STAGES - 1; k++)            // before pdl_wait: weights only
+        q8_ring_issue(j, stage, nblocks, nchunks, items, lane, ahead, issuing, ibuf);
     pdl_wait();                                        // from here on x (the previous kernel's output) is ready
     pdl_launch_dependents();
     float scale[NB];
@@ -364,21 +422,13 @@ __device__ __forceinline__ void gemv_q8(const GemvJob& j) {
     const bool weighted = (j.flags & GEMV_NORM) && j.norm_w;
     const int sub = lane & 7;                          // which 4 quants of a block this lane takes
     float acc[NB][GEMV_ROWS];
-#pragma unroll
-    for (int n = 0; n < NB; n++)
-#pragma unroll
-        for (int s = 0; s < GEMV_ROWS; s++) acc[n][s] = 0.0f;
+    acc_zero(acc);
     int buf = 0;
     bool more = any;
     while (more) {
         Q8Item nxt = cur;
-        more = q8_next(nchunks, groups, nwarps, nxt);
-        if (issuing) {                                 // into the buffer the previous item freed
-            q8_issue(j, stage, ibuf, ahead, nblocks, lane);
-            issuing = q8_next(nchunks, groups, nwarps, ahead);
-        }
-        cp_async_commit();
-        ibuf = ibuf + 1 == Q8_STAGES ? 0 : ibuf + 1;
+        more = q8_next(nchunks, items.end, items.step, nxt);
+        q8_ring_issue(j, stage, nblocks, nchunks, items, lane, ahead, issuing, ibuf);   // into the freed buffer
         cp_async_wait<Q8_STAGES - 1>();                // this item's copies have landed, the next ones fly
         __syncwarp();
         int m0, row0;
@@ -389,13 +439,8 @@ __device__ __forceinline__ void gemv_q8(const GemvJob& j) {
         const float4* w4 = reinterpret_cast<const float4*>(j.norm_w);
         const uint8_t* piece[GEMV_ROWS];
 #pragma unroll
-        for (int s = 0; s < GEMV_ROWS; s++) {
-            // A slot without a row decodes slot 0's staged piece instead of branching in the loop: its sum is
-            // never stored (epilogue skips row < 0); slot 0 of a group always has a row.
-            const uint8_t* src = q8_src(j, cur, s, nblocks);
-            piece[s] = src ? stage + (buf * GEMV_ROWS + s) * Q8_PIECE_BYTES + ((size_t)src & 15)
-                       : s ? piece[0] : stage;
-        }
+        for (int s = 0; s < GEMV_ROWS; s++)
+            piece[s] = ring_piece(stage, buf, Q8_PIECE_BYTES, s, q8_src(j, cur, s, nblocks), piece);
         const float* x0 = slot_x(j, row0, 0);         // found once per chunk (x_group_rows divides); row n is
                                                       // x0 + n * x_stride
 #pragma unroll(NB == 1 ? 2 : 1)                   // the multi-row bodies are register-bound already
@@ -423,14 +468,7 @@ __device__ __forceinline__ void gemv_q8(const GemvJob& j) {
             }
         }
         __syncwarp();                                  // all lanes done reading before the buffer is refilled
-        if (cur.c == nchunks - 1) {
-#pragma unroll
-            for (int n = 0; n < NB; n++) {
-                if (n < j.nx) epilogue(j, cur.g, warp_sum4(acc[n]), scale[n], n);
-#pragma unroll
-                for (int s = 0; s < GEMV_ROWS; s++) acc[n][s] = 0.0f;
-            }
-        }
+        gemv_group_done(j, cur, nchunks, acc, scale);
         cur = nxt;
         buf = buf + 1 == Q8_STAGES ? 0 : buf + 1;
     }
@@ -494,9 +532,9 @@ __device__ __forceinline__ void gemv_staged(const GemvJob& j) {
     uint8_t* stage = gemv_stage + (threadIdx.x >> 5) * GEMV_STAGE_WARP(T);
     const int nvec = j.cols >> 3;
     const int nchunks = (nvec + GemvStage<T>::PIECES - 1) / GemvStage<T>::PIECES;
-    const int groups = group_count(j);
-    Q8Item cur{gwarp, 0};
-    const bool any = cur.g < groups;
+    const GemvItems items = gemv_items<false>(group_count(j), gwarp, nwarps);
+    Q8Item cur = items.first;
+    const bool any = cur.g < items.end;
     if (any) staged_issue<T>(j, stage, 0, cur, nvec, lane);    // before pdl_wait: weights only
     pdl_wait();
     pdl_launch_dependents();
@@ -505,15 +543,12 @@ __device__ __forceinline__ void gemv_staged(const GemvJob& j) {
     for (int n = 0; n < NB; n++) scale[n] = (n < j.nx && (j.flags & GEMV_NORM)) ? warp_norm_scale(j, n) : 1.0f;
     const bool weighted = (j.flags & GEMV_NORM) && j.norm_w;
     float acc[NB][GEMV_ROWS];
-#pragma unroll
-    for (int n = 0; n < NB; n++)
-#pragma unroll
-        for (int s = 0; s < GEMV_ROWS; s++) acc[n][s] = 0.0f;
+    acc_zero(acc);
     int buf = 0;
     bool more = any;
     while (more) {
         Q8Item nxt = cur;
-        more = q8_next(nchunks, groups, nwarps, nxt);
+        more = q8_next(nchunks, items.end, items.step, nxt);
         if (more) {
             staged_issue<T>(j, stage, buf ^ 1, nxt, nvec, lane);
             cp_async_wait<1>();                        // this item's copies have landed, the next one's fly
@@ -526,20 +561,16 @@ __device__ __forceinline__ void gemv_staged(const GemvJob& j) {
         if (row0 < 0) row0 = 0;
         const int v0 = cur.c * GemvStage<T>::PIECES;   // the chunk's first piece of 8 columns
         const int nv = min(GemvStage<T>::PIECES, nvec - v0);
-        const T* piece[GEMV_ROWS];
+        const uint8_t* piece[GEMV_ROWS];
 #pragma unroll
-        for (int s = 0; s < GEMV_ROWS; s++) {
-            // a slot without a row decodes slot 0's staged piece (its sum is never stored)
-            const uint8_t* src = staged_src<T>(j, cur, s, nvec);
-            piece[s] = reinterpret_cast<const T*>(src ? stage + (buf * GEMV_ROWS + s) * GEMV_STAGE_PIECE(T) + ((size_t)src & 15)
-                                                      : s ? reinterpret_cast<const uint8_t*>(piece[0]) : stage);
-        }
+        for (int s = 0; s < GEMV_ROWS; s++)
+            piece[s] = ring_piece(stage, buf, GEMV_STAGE_PIECE(T), s, staged_src<T>(j, cur, s, nvec), piece);
         const float* x0 = slot_x(j, row0, 0);
 #pragma unroll 2
         for (int v = lane; v < nv; v += 32) {
             float wf[GEMV_ROWS][8];
 #pragma unroll
-            for (int s = 0; s < GEMV_ROWS; s++) load_w8(piece[s], v, wf[s]);
+            for (int s = 0; s < GEMV_ROWS; s++) load_w8(reinterpret_cast<const T*>(piece[s]), v, wf[s]);
 #pragma unroll
             for (int n = 0; n < NB; n++) {
                 if (n >= j.nx) break;
@@ -550,253 +581,10 @@ __device__ __forceinline__ void gemv_staged(const GemvJob& j) {
             }
         }
         __syncwarp();                                  // all lanes done reading before the buffer is refilled
-        if (cur.c == nchunks - 1) {
-#pragma unroll
-            for (int n = 0; n < NB; n++) {
-                if (n < j.nx) epilogue(j, cur.g, warp_sum4(acc[n]), scale[n], n);
-#pragma unroll
-                for (int s = 0; s < GEMV_ROWS; s++) acc[n][s] = 0.0f;
-            }
-        }
+        gemv_group_done(j, cur, nchunks, acc, scale);
         cur = nxt;
         buf ^= 1;
     }
-}
-
-// ---- entry points ----------------------------------------------------------------------------------------------
-#define GEMV_JOB(W0, W1, W2, W3, r0, r1, r2, r3, y0, y1, y2, y3)                                                     \
-    GemvJob j;                                                                                                     \
-    j.W[0] = W0; j.W[1] = W1; j.W[2] = W2; j.W[3] = W3;                                                            \
-    j.rows[0] = r0; j.rows[1] = r1; j.rows[2] = r2; j.rows[3] = r3;                                                \
-    j.y[0] = y0; j.y[1] = y1; j.y[2] = y2; j.y[3] = y3;                                                            \
-    j.nmat = W3 ? 4 : W2 ? 3 : W1 ? 2 : 1;                                                                          \
-    j.x = x; j.nx = 1; j.x_stride = 0; j.cols = cols; j.x_group_rows = x_group_rows;                             \
-    j.norm_w = norm_w; j.norm_eps = norm_eps;                                                                      \
-    j.flags = flags; j.epi = EPI_STORE; j.mix = nullptr; j.hc_x = nullptr; j.clamp = 0.0f;
-
-// Plain: y_m = W_m x (+= with GEMV_ADD) for up to 4 matrices W_m [rows_m, cols] sharing x (unused W_m null).
-// Launch: block (32*warps), grid (any; ops/gemv.py picks min(groups / warps, what fits the SMs)), dynamic shared
-// memory warps x the type's ring per warp (ops/gemv.py WARP_SMEM: Q8_0 13,248 B at 3 stages, F16 / F32 8,320 B,
-// Q4_K 9,344 B). F16 / F32: cols % 8 == 0, W and x 16-byte aligned. Q8_0: cols % 32 == 0, W 2-byte aligned. x_group_rows: a multiple of 4, or 0.
-extern "C" __global__ void gemv_q8_0(const uint8_t* W0, const uint8_t* W1, const uint8_t* W2, const uint8_t* W3,
-                                     int rows0, int rows1, int rows2, int rows3, float* y0, float* y1, float* y2,
-                                     float* y3, const float* x, int cols, int x_group_rows, const float* norm_w,
-                                     float norm_eps, int flags) {
-    GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3)
-    gemv_q8<1>(j);
-}
-
-// Same as gemv_q8_0, F16 weights. Launch: as gemv_q8_0 (its F16 ring).
-extern "C" __global__ void gemv_f16(const __half* W0, const __half* W1, const __half* W2, const __half* W3,
-                                    int rows0, int rows1, int rows2, int rows3, float* y0, float* y1, float* y2,
-                                    float* y3, const float* x, int cols, int x_group_rows, const float* norm_w,
-                                    float norm_eps, int flags) {
-    GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3)
-    gemv_staged<__half, 1>(j);
-}
-
-// Same as gemv_q8_0, F32 weights. Launch: as gemv_q8_0 (its F32 ring).
-extern "C" __global__ void gemv_f32(const float* W0, const float* W1, const float* W2, const float* W3,
-                                    int rows0, int rows1, int rows2, int rows3, float* y0, float* y1, float* y2,
-                                    float* y3, const float* x, int cols, int x_group_rows, const float* norm_w,
-                                    float norm_eps, int flags) {
-    GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3)
-    gemv_staged<float, 1>(j);
-}
-
-// hc_post epilogue: f = W x (W [D, cols]), then X'_k[r] = post_k f[r] + sum_j C[j,k] X_j[r] in place, with
-// mix = [pre, post, comb] of this sub-layer (hc_mix_*) and X [DS4_HC, D]. Launch: as gemv_q8_0.
-#define GEMV_HC_POST_BODY                                                                                          \
-    GEMV_JOB(W, nullptr, nullptr, nullptr, rows, 0, 0, 0, nullptr, nullptr, nullptr, nullptr)                     \
-    j.epi = EPI_HC_POST; j.mix = mix; j.hc_x = X;
-extern "C" __global__ void gemv_q8_0_hc_post(const uint8_t* W, int rows, const float* x, int cols, int x_group_rows,
-                                             const float* norm_w, float norm_eps, int flags, const float* mix,
-                                             float* X) {
-    GEMV_HC_POST_BODY
-    gemv_q8<1>(j);
-}
-
-// As gemv_q8_0_hc_post, F16 weights. Launch: as gemv_f16.
-extern "C" __global__ void gemv_f16_hc_post(const __half* W, int rows, const float* x, int cols, int x_group_rows,
-                                            const float* norm_w, float norm_eps, int flags, const float* mix,
-                                            float* X) {
-    GEMV_HC_POST_BODY
-    gemv_staged<__half, 1>(j);
-}
-
-// As gemv_q8_0_hc_post, F32 weights. Launch: as gemv_f32.
-extern "C" __global__ void gemv_f32_hc_post(const float* W, int rows, const float* x, int cols, int x_group_rows,
-                                            const float* norm_w, float norm_eps, int flags, const float* mix,
-                                            float* X) {
-    GEMV_HC_POST_BODY
-    gemv_staged<float, 1>(j);
-}
-
-// SwiGLU epilogue: y[r] = silu(min(g[r], c)) * clamp(u[r], -c, c) with g = Wg x, u = Wu x (both [rows, cols]);
-// clamp <= 0 turns the clamp off. Launch: as gemv_q8_0.
-#define GEMV_SWIGLU_BODY                                                                                           \
-    const int x_group_rows = 0;                                                                                   \
-    GEMV_JOB(Wg, Wu, nullptr, nullptr, rows, rows, 0, 0, y, nullptr, nullptr, nullptr)                            \
-    j.epi = EPI_SWIGLU; j.clamp = clamp;
-extern "C" __global__ void gemv_q8_0_swiglu(const uint8_t* Wg, const uint8_t* Wu, int rows, float* y,
-                                            const float* x, int cols, const float* norm_w, float norm_eps,
-                                            int flags, float clamp) {
-    GEMV_SWIGLU_BODY
-    gemv_q8<1>(j);
-}
-
-// As gemv_q8_0_swiglu, F16 weights. Launch: as gemv_f16.
-extern "C" __global__ void gemv_f16_swiglu(const __half* Wg, const __half* Wu, int rows, float* y, const float* x,
-                                           int cols, const float* norm_w, float norm_eps, int flags, float clamp) {
-    GEMV_SWIGLU_BODY
-    gemv_staged<__half, 1>(j);
-}
-
-// As gemv_q8_0_swiglu, F32 weights. Launch: as gemv_f32.
-extern "C" __global__ void gemv_f32_swiglu(const float* Wg, const float* Wu, int rows, float* y, const float* x,
-                                           int cols, const float* norm_w, float norm_eps, int flags, float clamp) {
-    GEMV_SWIGLU_BODY
-    gemv_staged<float, 1>(j);
-}
-
-// Multi-row twins of the entry points above: nx <= GEMV_MAX_X activation rows x + n * x_stride (see the top of
-// the file); same launch geometry and shared memory. y / X / mix advance by one row's worth per n.
-
-// gemv_q8_0 for nx activation rows. Launch: as gemv_q8_0.
-extern "C" __global__ void gemv_q8_0_rows(const uint8_t* W0, const uint8_t* W1, const uint8_t* W2, const uint8_t* W3,
-                                     int rows0, int rows1, int rows2, int rows3, float* y0, float* y1, float* y2,
-                                     float* y3, const float* x, int cols, int x_group_rows, const float* norm_w,
-                                     float norm_eps, int flags, int nx, int x_stride) {
-    GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3)
-    j.nx = nx; j.x_stride = x_stride;
-    gemv_q8<GEMV_MAX_X>(j);
-}
-
-// gemv_f16 for nx activation rows. Launch: as gemv_f16.
-extern "C" __global__ void gemv_f16_rows(const __half* W0, const __half* W1, const __half* W2, const __half* W3,
-                                    int rows0, int rows1, int rows2, int rows3, float* y0, float* y1, float* y2,
-                                    float* y3, const float* x, int cols, int x_group_rows, const float* norm_w,
-                                    float norm_eps, int flags, int nx, int x_stride) {
-    GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3)
-    j.nx = nx; j.x_stride = x_stride;
-    gemv_staged<__half, GEMV_MAX_X>(j);
-}
-
-// gemv_f32 for nx activation rows. Launch: as gemv_f32.
-extern "C" __global__ void gemv_f32_rows(const float* W0, const float* W1, const float* W2, const float* W3,
-                                    int rows0, int rows1, int rows2, int rows3, float* y0, float* y1, float* y2,
-                                    float* y3, const float* x, int cols, int x_group_rows, const float* norm_w,
-                                    float norm_eps, int flags, int nx, int x_stride) {
-    GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3)
-    j.nx = nx; j.x_stride = x_stride;
-    gemv_staged<float, GEMV_MAX_X>(j);
-}
-
-// gemv_q8_0_hc_post for nx activation rows. Launch: as gemv_q8_0_hc_post.
-extern "C" __global__ void gemv_q8_0_hc_post_rows(const uint8_t* W, int rows, const float* x, int cols, int x_group_rows,
-                                             const float* norm_w, float norm_eps, int flags, const float* mix,
-                                             float* X, int nx, int x_stride) {
-    GEMV_HC_POST_BODY
-    j.nx = nx; j.x_stride = x_stride;
-    gemv_q8<GEMV_MAX_X>(j);
-}
-
-// gemv_f16_hc_post for nx activation rows. Launch: as gemv_f16_hc_post.
-extern "C" __global__ void gemv_f16_hc_post_rows(const __half* W, int rows, const float* x, int cols, int x_group_rows,
-                                            const float* norm_w, float norm_eps, int flags, const float* mix,
-                                            float* X, int nx, int x_stride) {
-    GEMV_HC_POST_BODY
-    j.nx = nx; j.x_stride = x_stride;
-    gemv_staged<__half, GEMV_MAX_X>(j);
-}
-
-// gemv_f32_hc_post for nx activation rows. Launch: as gemv_f32_hc_post.
-extern "C" __global__ void gemv_f32_hc_post_rows(const float* W, int rows, const float* x, int cols, int x_group_rows,
-                                            const float* norm_w, float norm_eps, int flags, const float* mix,
-                                            float* X, int nx, int x_stride) {
-    GEMV_HC_POST_BODY
-    j.nx = nx; j.x_stride = x_stride;
-    gemv_staged<float, GEMV_MAX_X>(j);
-}
-
-// gemv_q8_0_swiglu for nx activation rows. Launch: as gemv_q8_0_swiglu.
-extern "C" __global__ void gemv_q8_0_swiglu_rows(const uint8_t* Wg, const uint8_t* Wu, int rows, float* y,
-                                            const float* x, int cols, const float* norm_w, float norm_eps,
-                                            int flags, float clamp, int nx, int x_stride) {
-    GEMV_SWIGLU_BODY
-    j.nx = nx; j.x_stride = x_stride;
-    gemv_q8<GEMV_MAX_X>(j);
-}
-
-// gemv_f16_swiglu for nx activation rows. Launch: as gemv_f16_swiglu.
-extern "C" __global__ void gemv_f16_swiglu_rows(const __half* Wg, const __half* Wu, int rows, float* y, const float* x,
-                                           int cols, const float* norm_w, float norm_eps, int flags, float clamp, int nx,
-                                           int x_stride) {
-    GEMV_SWIGLU_BODY
-    j.nx = nx; j.x_stride = x_stride;
-    gemv_staged<__half, GEMV_MAX_X>(j);
-}
-
-// gemv_f32_swiglu for nx activation rows. Launch: as gemv_f32_swiglu.
-extern "C" __global__ void gemv_f32_swiglu_rows(const float* Wg, const float* Wu, int rows, float* y, const float* x,
-                                           int cols, const float* norm_w, float norm_eps, int flags, float clamp, int nx,
-                                           int x_stride) {
-    GEMV_SWIGLU_BODY
-    j.nx = nx; j.x_stride = x_stride;
-    gemv_staged<float, GEMV_MAX_X>(j);
-}
-
-// ---- Q4_K: the staged path with a Q4_K piece decoder (load_w8(const Q4K*, ...)) ----
-// As gemv_f32 for Q4_K weights (cols % 256 == 0, W 16-byte aligned). Launch: as gemv_f32.
-extern "C" __global__ void gemv_q4_k(const uint8_t* W0, const uint8_t* W1, const uint8_t* W2, const uint8_t* W3,
-                                    int rows0, int rows1, int rows2, int rows3, float* y0, float* y1, float* y2,
-                                    float* y3, const float* x, int cols, int x_group_rows, const float* norm_w,
-                                    float norm_eps, int flags) {
-    GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3)
-    gemv_staged<Q4K, 1>(j);
-}
-
-// As gemv_f32_hc_post for Q4_K weights (cols % 256 == 0, W 16-byte aligned). Launch: as gemv_f32_hc_post.
-extern "C" __global__ void gemv_q4_k_hc_post(const uint8_t* W, int rows, const float* x, int cols, int x_group_rows,
-                                            const float* norm_w, float norm_eps, int flags, const float* mix,
-                                            float* X) {
-    GEMV_HC_POST_BODY
-    gemv_staged<Q4K, 1>(j);
-}
-
-// As gemv_f32_swiglu for Q4_K weights (cols % 256 == 0, W 16-byte aligned). Launch: as gemv_f32_swiglu.
-extern "C" __global__ void gemv_q4_k_swiglu(const uint8_t* Wg, const uint8_t* Wu, int rows, float* y, const float* x,
-                                           int cols, const float* norm_w, float norm_eps, int flags, float clamp) {
-    GEMV_SWIGLU_BODY
-    gemv_staged<Q4K, 1>(j);
-}
-
-// As gemv_f32_rows for Q4_K weights (cols % 256 == 0, W 16-byte aligned). Launch: as gemv_f32_rows.
-extern "C" __global__ void gemv_q4_k_rows(const uint8_t* W0, const uint8_t* W1, const uint8_t* W2, const uint8_t* W3,
-                                    int rows0, int rows1, int rows2, int rows3, float* y0, float* y1, float* y2,
-                                    float* y3, const float* x, int cols, int x_group_rows, const float* norm_w,
-                                    float norm_eps, int flags, int nx, int x_stride) {
-    GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3)
-    j.nx = nx; j.x_stride = x_stride;
-    gemv_staged<Q4K, GEMV_MAX_X>(j);
-}
-
-// As gemv_f32_hc_post_rows for Q4_K weights (cols % 256 == 0, W 16-byte aligned). Launch: as gemv_f32_hc_post_rows.
-extern "C" __global__ void gemv_q4_k_hc_post_rows(const uint8_t* W, int rows, const float* x, int cols, int x_group_rows,
-                                            const float* norm_w, float norm_eps, int flags, const float* mix,
-                                            float* X, int nx, int x_stride) {
-    GEMV_HC_POST_BODY
-    j.nx = nx; j.x_stride = x_stride;
-    gemv_staged<Q4K, GEMV_MAX_X>(j);
-}
-
-// As gemv_f32_swiglu_rows for Q4_K weights (cols % 256 == 0, W 16-byte aligned). Launch: as gemv_f32_swiglu_rows.
-extern "C" __global__ void gemv_q4_k_swiglu_rows(const uint8_t* Wg, const uint8_t* Wu, int rows, float* y, const float* x,
-                                           int cols, const float* norm_w, float norm_eps, int flags, float clamp, int nx,
-                                           int x_stride) {
-    GEMV_SWIGLU_BODY
-    j.nx = nx; j.x_stride = x_stride;
-    gemv_staged<Q4K, GEMV_MAX_X>(j);
 }
 
 // ---- Q8_0 with int8 activations (Numerics.act_quant): dp4a, as llama.cpp's mmvq ------------------------------------
@@ -956,24 +744,15 @@ __device__ __forceinline__ void gemv_q8_i8(const GemvJob& j) {
     float* xd = reinterpret_cast<float*>(xq + (size_t)j.nx * j.cols);
     const int nblocks = j.cols >> 5;
     const int nchunks = (nblocks + Q8_CHUNK_BLOCKS - 1) / Q8_CHUNK_BLOCKS;
-    const int groups = group_count(j);
-    const int run = GROUPED ? (groups + nwarps - 1) / nwarps : 0;          // GROUPED: the warp's row groups
-    const int g_end = GROUPED ? min(groups, (gwarp + 1) * run) : groups;
-    const int g_step = GROUPED ? 1 : nwarps;
-    Q8Item cur{GROUPED ? gwarp * run : gwarp, 0};
-    const bool any = cur.g < g_end;
+    const GemvItems items = gemv_items<GROUPED>(group_count(j), gwarp, nwarps);
+    Q8Item cur = items.first;
+    const bool any = cur.g < items.end;
     Q8Item ahead = cur;                                // the ring, as gemv_q8
     bool issuing = any;
     int ibuf = 0;
 #pragma unroll
-    for (int k = 0; k < Q8_STAGES - 1; k++) {          // before pdl_wait: weights only
-        if (issuing) {
-            q8_issue(j, stage, ibuf, ahead, nblocks, lane);
-            issuing = q8_next(nchunks, g_end, g_step, ahead);
-        }
-        cp_async_commit();
-        ibuf = ibuf + 1 == Q8_STAGES ? 0 : ibuf + 1;
-    }
+    for (int k = 0; k < Q8_STAGES - 1; k++)            // before pdl_wait: weights only
+        q8_ring_issue(j, stage, nblocks, nchunks, items, lane, ahead, issuing, ibuf);
     pdl_wait();
     pdl_launch_dependents();
     if (!GROUPED) {
@@ -985,36 +764,23 @@ __device__ __forceinline__ void gemv_q8_i8(const GemvJob& j) {
     const int sub = lane & 7;
     int xgroup = -1;                                   // GROUPED: the x group whose codes are in xq
     float acc[NB][GEMV_ROWS];
-#pragma unroll
-    for (int n = 0; n < NB; n++)
-#pragma unroll
-        for (int s = 0; s < GEMV_ROWS; s++) acc[n][s] = 0.0f;
+    acc_zero(acc);
     int buf = 0;
     bool more = any;
     while (more) {
         Q8Item nxt = cur;
-        more = q8_next(nchunks, g_end, g_step, nxt);
-        if (issuing) {
-            q8_issue(j, stage, ibuf, ahead, nblocks, lane);
-            issuing = q8_next(nchunks, g_end, g_step, ahead);
-        }
-        cp_async_commit();
-        ibuf = ibuf + 1 == Q8_STAGES ? 0 : ibuf + 1;
+        more = q8_next(nchunks, items.end, items.step, nxt);
+        q8_ring_issue(j, stage, nblocks, nchunks, items, lane, ahead, issuing, ibuf);
         cp_async_wait<Q8_STAGES - 1>();
         __syncwarp();
         const int b0 = cur.c * Q8_CHUNK_BLOCKS;
         const int nb = min(Q8_CHUNK_BLOCKS, nblocks - b0);
         const uint8_t* piece[GEMV_ROWS];
 #pragma unroll
-        for (int s = 0; s < GEMV_ROWS; s++) {
-            const uint8_t* src = q8_src(j, cur, s, nblocks);
-            piece[s] = src ? stage + (buf * GEMV_ROWS + s) * Q8_PIECE_BYTES + ((size_t)src & 15)
-                       : s ? piece[0] : stage;
-        }
-        if (GROUPED) {                                 // x_group_rows divides: the item's 4 slots share a group
-            int m0, row0;
-            slot_row(j, cur.g, 0, m0, row0);
-            const int xg = (row0 < 0 ? 0 : row0) / j.x_group_rows;
+        for (int s = 0; s < GEMV_ROWS; s++)
+            piece[s] = ring_piece(stage, buf, Q8_PIECE_BYTES, s, q8_src(j, cur, s, nblocks), piece);
+        if (GROUPED) {
+            const int xg = item_x_group(j, cur.g);
             if (xg != xgroup) {
                 gemv_i8_quantise_warp(j, xg, xq, xd);
                 xgroup = xg;
@@ -1046,94 +812,10 @@ __device__ __forceinline__ void gemv_q8_i8(const GemvJob& j) {
             }
         }
         __syncwarp();
-        if (cur.c == nchunks - 1) {
-#pragma unroll
-            for (int n = 0; n < NB; n++) {
-                if (n < j.nx) epilogue(j, cur.g, warp_sum4(acc[n]), 1.0f, n);   // the norm is in x's codes
-#pragma unroll
-                for (int s = 0; s < GEMV_ROWS; s++) acc[n][s] = 0.0f;
-            }
-        }
+        gemv_group_done(j, cur, nchunks, acc, nullptr);                 // the norm is in x's codes
         cur = nxt;
         buf = buf + 1 == Q8_STAGES ? 0 : buf + 1;
     }
-}
-
-// As gemv_q8_0, int8 activations (x_group_rows 0). Launch: as gemv_q8_0, dynamic shared memory warps * Q8_WARP_SMEM
-// + nx * (cols + cols / 8) rounded up to 16 (ops/gemv.py i8_x_bytes).
-extern "C" __global__ void gemv_q8_0_i8(const uint8_t* W0, const uint8_t* W1, const uint8_t* W2, const uint8_t* W3,
-                                        int rows0, int rows1, int rows2, int rows3, float* y0, float* y1, float* y2,
-                                        float* y3, const float* x, int cols, int x_group_rows, const float* norm_w,
-                                        float norm_eps, int flags) {
-    GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3)
-    gemv_q8_i8<1>(j);
-}
-
-// As gemv_q8_0_rows, int8 activations. Launch: as gemv_q8_0_i8.
-extern "C" __global__ void gemv_q8_0_i8_rows(const uint8_t* W0, const uint8_t* W1, const uint8_t* W2,
-                                             const uint8_t* W3, int rows0, int rows1, int rows2, int rows3, float* y0,
-                                             float* y1, float* y2, float* y3, const float* x, int cols,
-                                             int x_group_rows, const float* norm_w, float norm_eps, int flags, int nx,
-                                             int x_stride) {
-    GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3)
-    j.nx = nx; j.x_stride = x_stride;
-    gemv_q8_i8<GEMV_MAX_X>(j);
-}
-
-// As gemv_q8_0_hc_post, int8 activations. Launch: as gemv_q8_0_i8.
-extern "C" __global__ void gemv_q8_0_i8_hc_post(const uint8_t* W, int rows, const float* x, int cols, int x_group_rows,
-                                                const float* norm_w, float norm_eps, int flags, const float* mix,
-                                                float* X) {
-    GEMV_HC_POST_BODY
-    gemv_q8_i8<1>(j);
-}
-
-// As gemv_q8_0_hc_post_rows, int8 activations. Launch: as gemv_q8_0_i8.
-extern "C" __global__ void gemv_q8_0_i8_hc_post_rows(const uint8_t* W, int rows, const float* x, int cols,
-                                                     int x_group_rows, const float* norm_w, float norm_eps, int flags,
-                                                     const float* mix, float* X, int nx, int x_stride) {
-    GEMV_HC_POST_BODY
-    j.nx = nx; j.x_stride = x_stride;
-    gemv_q8_i8<GEMV_MAX_X>(j);
-}
-
-// As gemv_q8_0_swiglu, int8 activations. Launch: as gemv_q8_0_i8.
-extern "C" __global__ void gemv_q8_0_i8_swiglu(const uint8_t* Wg, const uint8_t* Wu, int rows, float* y,
-                                               const float* x, int cols, const float* norm_w, float norm_eps,
-                                               int flags, float clamp) {
-    GEMV_SWIGLU_BODY
-    gemv_q8_i8<1>(j);
-}
-
-// As gemv_q8_0_swiglu_rows, int8 activations. Launch: as gemv_q8_0_i8.
-extern "C" __global__ void gemv_q8_0_i8_swiglu_rows(const uint8_t* Wg, const uint8_t* Wu, int rows, float* y,
-                                                    const float* x, int cols, const float* norm_w, float norm_eps,
-                                                    int flags, float clamp, int nx, int x_stride) {
-    GEMV_SWIGLU_BODY
-    j.nx = nx; j.x_stride = x_stride;
-    gemv_q8_i8<GEMV_MAX_X>(j);
-}
-
-// As gemv_q8_0 with input groups (x_group_rows > 0, no norm), int8 activations: a warp's runs of row groups, its x
-// group quantised into its own shared memory (GROUPED), so each group's rows = gemv_q8_0_i8 on x[g*cols:] bit for
-// bit. Launch: as gemv_q8_0, dynamic shared memory warps * (Q8_WARP_SMEM + nx * (cols + cols / 8) rounded up to 16).
-extern "C" __global__ void gemv_q8_0_i8_grouped(const uint8_t* W0, const uint8_t* W1, const uint8_t* W2,
-                                                const uint8_t* W3, int rows0, int rows1, int rows2, int rows3,
-                                                float* y0, float* y1, float* y2, float* y3, const float* x, int cols,
-                                                int x_group_rows, const float* norm_w, float norm_eps, int flags) {
-    GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3)
-    gemv_q8_i8<1, true>(j);
-}
-
-// As gemv_q8_0_i8_grouped for nx activation rows x + n * x_stride (a multi-row step's wo_a). Launch: as it.
-extern "C" __global__ void gemv_q8_0_i8_grouped_rows(const uint8_t* W0, const uint8_t* W1, const uint8_t* W2,
-                                                     const uint8_t* W3, int rows0, int rows1, int rows2, int rows3,
-                                                     float* y0, float* y1, float* y2, float* y3, const float* x,
-                                                     int cols, int x_group_rows, const float* norm_w, float norm_eps,
-                                                     int flags, int nx, int x_stride) {
-    GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3)
-    j.nx = nx; j.x_stride = x_stride;
-    gemv_q8_i8<GEMV_MAX_X, true>(j);
 }
 
 // ---- Q4_K with int8 activations (Numerics.act_quant): dp4a against Q8_K codes -----------------------------------
@@ -1248,12 +930,9 @@ __device__ __forceinline__ void gemv_q4k_i8(const GemvJob& j) {
     int* xs = reinterpret_cast<int*>(xd + (size_t)j.nx * nbx);
     const int nvec = j.cols >> 3;
     const int nchunks = (nvec + GemvStage<Q4K>::PIECES - 1) / GemvStage<Q4K>::PIECES;
-    const int groups = group_count(j);
-    const int run = GROUPED ? (groups + nwarps - 1) / nwarps : 0;          // GROUPED: the warp's row groups
-    const int g_end = GROUPED ? min(groups, (gwarp + 1) * run) : groups;
-    const int g_step = GROUPED ? 1 : nwarps;
-    Q8Item cur{GROUPED ? gwarp * run : gwarp, 0};
-    const bool any = cur.g < g_end;
+    const GemvItems items = gemv_items<GROUPED>(group_count(j), gwarp, nwarps);
+    Q8Item cur = items.first;
+    const bool any = cur.g < items.end;
     if (any) staged_issue<Q4K>(j, stage, 0, cur, nvec, lane);  // before pdl_wait: weights only
     pdl_wait();
     pdl_launch_dependents();
@@ -1265,20 +944,15 @@ __device__ __forceinline__ void gemv_q4k_i8(const GemvJob& j) {
     // the lane's sub-block within a 256-block is fixed (lane & 7: the pieces hold whole blocks, 8 groups each)
     const int gi = lane & 7, sh = 4 * (gi & 1), sh8 = 8 * (gi & 3), qoff = 16 + 32 * (gi >> 1);
     float acc[NB][GEMV_ROWS];
-#pragma unroll
-    for (int n = 0; n < NB; n++)
-#pragma unroll
-        for (int s = 0; s < GEMV_ROWS; s++) acc[n][s] = 0.0f;
+    acc_zero(acc);
     int buf = 0;
     bool more = any;
     while (more) {
         Q8Item nxt = cur;
-        more = q8_next(nchunks, g_end, g_step, nxt);
+        more = q8_next(nchunks, items.end, items.step, nxt);
         if (more) staged_issue<Q4K>(j, stage, buf ^ 1, nxt, nvec, lane);
-        if (GROUPED) {                                 // x_group_rows divides: the item's 4 slots share a group
-            int m0, row0;
-            slot_row(j, cur.g, 0, m0, row0);
-            const int xg = (row0 < 0 ? 0 : row0) / j.x_group_rows;
+        if (GROUPED) {
+            const int xg = item_x_group(j, cur.g);
             if (xg != xgroup) {                        // quantised while this item's and the next one's copies fly
                 gemv_q8k_quantise<NB, true>(j, den, xq, xd, xs, xg);
                 xgroup = xg;
@@ -1293,12 +967,8 @@ __device__ __forceinline__ void gemv_q4k_i8(const GemvJob& j) {
         const int ng = min(GemvStage<Q4K>::PIECES >> 2, ngx - g0);
         const uint8_t* piece[GEMV_ROWS];
 #pragma unroll
-        for (int s = 0; s < GEMV_ROWS; s++) {
-            // a slot without a row reads slot 0's staged piece (its sum is never stored)
-            const uint8_t* src = staged_src<Q4K>(j, cur, s, nvec);
-            piece[s] = src ? stage + (buf * GEMV_ROWS + s) * GEMV_STAGE_PIECE(Q4K) + ((size_t)src & 15)
-                           : s ? piece[0] : stage;
-        }
+        for (int s = 0; s < GEMV_ROWS; s++)
+            piece[s] = ring_piece(stage, buf, GEMV_STAGE_PIECE(Q4K), s, staged_src<Q4K>(j, cur, s, nvec), piece);
         for (int v = lane; v < ng; v += 32) {
             const int boff = (v >> 3) * 144;
             float dw[GEMV_ROWS], dm[GEMV_ROWS];
@@ -1342,93 +1012,150 @@ __device__ __forceinline__ void gemv_q4k_i8(const GemvJob& j) {
             }
         }
         __syncwarp();                                  // all lanes done reading before the buffer is refilled
-        if (cur.c == nchunks - 1) {
-#pragma unroll
-            for (int n = 0; n < NB; n++) {
-                if (n < j.nx) epilogue(j, cur.g, warp_sum4(acc[n]), 1.0f, n);   // the norm is in x's codes
-#pragma unroll
-                for (int s = 0; s < GEMV_ROWS; s++) acc[n][s] = 0.0f;
-            }
-        }
+        gemv_group_done(j, cur, nchunks, acc, nullptr);                 // the norm is in x's codes
         cur = nxt;
         buf ^= 1;
     }
 }
 
-// As gemv_q4_k, int8 activations (x_group_rows 0). Launch: as gemv_q4_k, dynamic shared memory
-// warps * GEMV_STAGE_WARP(Q4K) + nx * (cols + cols / 64 + cols / 8) rounded up to 16 (ops/gemv.py i8_x_bytes).
-extern "C" __global__ void gemv_q4_k_i8(const uint8_t* W0, const uint8_t* W1, const uint8_t* W2, const uint8_t* W3,
-                                        int rows0, int rows1, int rows2, int rows3, float* y0, float* y1, float* y2,
-                                        float* y3, const float* x, int cols, int x_group_rows, const float* norm_w,
-                                        float norm_eps, int flags) {
-    GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3)
-    gemv_q4k_i8<1>(j);
+// ---- entry points: gemv_<format>[_hc_post | _swiglu][_rows], one of each per entry of GEMV_FORMATS --------------
+// X(name, W's element type, ring): the kernels named gemv_<name>... run ring<NB>(j), the format's body above, with
+// NB = 1, or GEMV_MAX_X in the _rows twins (nx <= GEMV_MAX_X activation rows x + n * x_stride, see the top of the
+// file; y / X / mix advance by one row's worth per n; same launch geometry and shared memory).
+//   q8_0: cols % 32 == 0, W 2-byte aligned.
+//   f16, f32: cols % 8 == 0, W and x 16-byte aligned.
+//   q4_k: cols % 256 == 0, W 16-byte aligned.
+//   q8_0_i8, q4_k_i8: as q8_0, q4_k with int8 activations (x_group_rows 0; input groups: GEMV_GROUPED_FORMATS).
+// Dynamic shared memory: warps x the format's ring per warp (ops/gemv.py WARP_SMEM: Q8_0 13,248 B at 3 stages,
+// F16 / F32 8,320 B, Q4_K 9,344 B), + for the int8 formats the block's x codes after the rings: nx * (cols +
+// cols / 8) (Q8_0) or nx * (cols + cols / 64 + cols / 8) (Q4_K) rounded up to 16 (ops/gemv.py i8_x_bytes).
+template <int NB> __device__ __forceinline__ void gemv_f16_ring(const GemvJob& j) { gemv_staged<__half, NB>(j); }
+template <int NB> __device__ __forceinline__ void gemv_f32_ring(const GemvJob& j) { gemv_staged<float, NB>(j); }
+template <int NB> __device__ __forceinline__ void gemv_q4k_ring(const GemvJob& j) { gemv_staged<Q4K, NB>(j); }
+#define GEMV_FORMATS(X) \
+    X(q8_0, uint8_t, gemv_q8) \
+    X(f16, __half, gemv_f16_ring) \
+    X(f32, float, gemv_f32_ring) \
+    X(q4_k, uint8_t, gemv_q4k_ring) \
+    X(q8_0_i8, uint8_t, gemv_q8_i8) \
+    X(q4_k_i8, uint8_t, gemv_q4k_i8)
+#define GEMV_GROUPED_FORMATS(X) \
+    X(q8_0_i8, uint8_t, gemv_q8_i8) \
+    X(q4_k_i8, uint8_t, gemv_q4k_i8)
+
+#define GEMV_JOB(W0, W1, W2, W3, r0, r1, r2, r3, y0, y1, y2, y3)                                                     \
+    GemvJob j;                                                                                                     \
+    j.W[0] = W0; j.W[1] = W1; j.W[2] = W2; j.W[3] = W3;                                                            \
+    j.rows[0] = r0; j.rows[1] = r1; j.rows[2] = r2; j.rows[3] = r3;                                                \
+    j.y[0] = y0; j.y[1] = y1; j.y[2] = y2; j.y[3] = y3;                                                            \
+    j.nmat = W3 ? 4 : W2 ? 3 : W1 ? 2 : 1;                                                                          \
+    j.x = x; j.nx = 1; j.x_stride = 0; j.cols = cols; j.x_group_rows = x_group_rows;                             \
+    j.norm_w = norm_w; j.norm_eps = norm_eps;                                                                      \
+    j.flags = flags; j.epi = EPI_STORE; j.mix = nullptr; j.hc_x = nullptr; j.clamp = 0.0f;
+
+// The job of the hc_post and SwiGLU kernels (one matrix; two, gate and up, sharing x).
+#define GEMV_HC_POST_JOB \
+    GEMV_JOB(W, nullptr, nullptr, nullptr, rows, 0, 0, 0, nullptr, nullptr, nullptr, nullptr) \
+    j.epi = EPI_HC_POST; j.mix = mix; j.hc_x = X;
+#define GEMV_SWIGLU_JOB \
+    const int x_group_rows = 0; \
+    GEMV_JOB(Wg, Wu, nullptr, nullptr, rows, rows, 0, 0, y, nullptr, nullptr, nullptr) \
+    j.epi = EPI_SWIGLU; j.clamp = clamp;
+
+// Plain: y_m = W_m x (+= with GEMV_ADD) for up to 4 matrices W_m [rows_m, cols] sharing x (unused W_m null).
+// x_group_rows: a multiple of 4, or 0. Launch: block (32*warps), grid (any; ops/gemv.py picks min(groups / warps,
+// what fits the SMs)), dynamic shared memory as GEMV_FORMATS says.
+#define GEMV_PLAIN(name, WT, ring) \
+extern "C" __global__ void gemv_##name(const WT* W0, const WT* W1, const WT* W2, const WT* W3, int rows0, int rows1, \
+                                       int rows2, int rows3, float* y0, float* y1, float* y2, float* y3, \
+                                       const float* x, int cols, int x_group_rows, const float* norm_w, \
+                                       float norm_eps, int flags) { \
+    GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3) \
+    ring<1>(j); \
 }
 
-// As gemv_q4_k_rows, int8 activations. Launch: as gemv_q4_k_i8.
-extern "C" __global__ void gemv_q4_k_i8_rows(const uint8_t* W0, const uint8_t* W1, const uint8_t* W2,
-                                             const uint8_t* W3, int rows0, int rows1, int rows2, int rows3, float* y0,
-                                             float* y1, float* y2, float* y3, const float* x, int cols,
-                                             int x_group_rows, const float* norm_w, float norm_eps, int flags, int nx,
-                                             int x_stride) {
-    GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3)
-    j.nx = nx; j.x_stride = x_stride;
-    gemv_q4k_i8<GEMV_MAX_X>(j);
+// The plain kernel for nx activation rows. Launch: as the plain kernel.
+#define GEMV_PLAIN_ROWS(name, WT, ring) \
+extern "C" __global__ void gemv_##name##_rows(const WT* W0, const WT* W1, const WT* W2, const WT* W3, int rows0, \
+                                              int rows1, int rows2, int rows3, float* y0, float* y1, float* y2, \
+                                              float* y3, const float* x, int cols, int x_group_rows, \
+                                              const float* norm_w, float norm_eps, int flags, int nx, int x_stride) { \
+    GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3) \
+    j.nx = nx; j.x_stride = x_stride; \
+    ring<GEMV_MAX_X>(j); \
 }
 
-// As gemv_q4_k_hc_post, int8 activations. Launch: as gemv_q4_k_i8.
-extern "C" __global__ void gemv_q4_k_i8_hc_post(const uint8_t* W, int rows, const float* x, int cols, int x_group_rows,
-                                                const float* norm_w, float norm_eps, int flags, const float* mix,
-                                                float* X) {
-    GEMV_HC_POST_BODY
-    gemv_q4k_i8<1>(j);
+// hc_post epilogue: f = W x (W [D, cols]), then X'_k[r] = post_k f[r] + sum_j C[j,k] X_j[r] in place, with
+// mix = [pre, post, comb] of this sub-layer (hc_mix_*) and X [DS4_HC, D]. Launch: as the plain kernel.
+#define GEMV_HC_POST(name, WT, ring) \
+extern "C" __global__ void gemv_##name##_hc_post(const WT* W, int rows, const float* x, int cols, int x_group_rows, \
+                                                 const float* norm_w, float norm_eps, int flags, const float* mix, \
+                                                 float* X) { \
+    GEMV_HC_POST_JOB \
+    ring<1>(j); \
 }
 
-// As gemv_q4_k_hc_post_rows, int8 activations. Launch: as gemv_q4_k_i8.
-extern "C" __global__ void gemv_q4_k_i8_hc_post_rows(const uint8_t* W, int rows, const float* x, int cols,
-                                                     int x_group_rows, const float* norm_w, float norm_eps, int flags,
-                                                     const float* mix, float* X, int nx, int x_stride) {
-    GEMV_HC_POST_BODY
-    j.nx = nx; j.x_stride = x_stride;
-    gemv_q4k_i8<GEMV_MAX_X>(j);
+// The hc_post kernel for nx activation rows (X + n * DS4_HC * D, mix + n * (2 + DS4_HC) * DS4_HC). Launch: as the
+// plain kernel.
+#define GEMV_HC_POST_ROWS(name, WT, ring) \
+extern "C" __global__ void gemv_##name##_hc_post_rows(const WT* W, int rows, const float* x, int cols, \
+                                                      int x_group_rows, const float* norm_w, float norm_eps, \
+                                                      int flags, const float* mix, float* X, int nx, int x_stride) { \
+    GEMV_HC_POST_JOB \
+    j.nx = nx; j.x_stride = x_stride; \
+    ring<GEMV_MAX_X>(j); \
 }
 
-// As gemv_q4_k_swiglu, int8 activations. Launch: as gemv_q4_k_i8.
-extern "C" __global__ void gemv_q4_k_i8_swiglu(const uint8_t* Wg, const uint8_t* Wu, int rows, float* y,
-                                               const float* x, int cols, const float* norm_w, float norm_eps,
-                                               int flags, float clamp) {
-    GEMV_SWIGLU_BODY
-    gemv_q4k_i8<1>(j);
+// SwiGLU epilogue: y[r] = silu(min(g[r], c)) * clamp(u[r], -c, c) with g = Wg x, u = Wu x (both [rows, cols]);
+// clamp <= 0 turns the clamp off. Launch: as the plain kernel.
+#define GEMV_SWIGLU(name, WT, ring) \
+extern "C" __global__ void gemv_##name##_swiglu(const WT* Wg, const WT* Wu, int rows, float* y, const float* x, \
+                                                int cols, const float* norm_w, float norm_eps, int flags, \
+                                                float clamp) { \
+    GEMV_SWIGLU_JOB \
+    ring<1>(j); \
 }
 
-// As gemv_q4_k_swiglu_rows, int8 activations. Launch: as gemv_q4_k_i8.
-extern "C" __global__ void gemv_q4_k_i8_swiglu_rows(const uint8_t* Wg, const uint8_t* Wu, int rows, float* y,
-                                                    const float* x, int cols, const float* norm_w, float norm_eps,
-                                                    int flags, float clamp, int nx, int x_stride) {
-    GEMV_SWIGLU_BODY
-    j.nx = nx; j.x_stride = x_stride;
-    gemv_q4k_i8<GEMV_MAX_X>(j);
+// The SwiGLU kernel for nx activation rows. Launch: as the plain kernel.
+#define GEMV_SWIGLU_ROWS(name, WT, ring) \
+extern "C" __global__ void gemv_##name##_swiglu_rows(const WT* Wg, const WT* Wu, int rows, float* y, const float* x, \
+                                                     int cols, const float* norm_w, float norm_eps, int flags, \
+                                                     float clamp, int nx, int x_stride) { \
+    GEMV_SWIGLU_JOB \
+    j.nx = nx; j.x_stride = x_stride; \
+    ring<GEMV_MAX_X>(j); \
 }
 
-// As gemv_q4_k with input groups (x_group_rows > 0, no norm), int8 activations: a warp's runs of row groups, its x
-// group quantised as Q8_K into its own shared memory (GROUPED), so each group's rows = gemv_q4_k_i8 on x[g*cols:]
-// bit for bit (V4.1 Flash's grouped wo_a under act_quant). Launch: as gemv_q4_k, dynamic shared memory
-// warps * (GEMV_STAGE_WARP(Q4K) + nx * (cols + cols / 64 + cols / 8) rounded up to 16) (ops/gemv.py).
-extern "C" __global__ void gemv_q4_k_i8_grouped(const uint8_t* W0, const uint8_t* W1, const uint8_t* W2,
-                                                const uint8_t* W3, int rows0, int rows1, int rows2, int rows3,
-                                                float* y0, float* y1, float* y2, float* y3, const float* x, int cols,
-                                                int x_group_rows, const float* norm_w, float norm_eps, int flags) {
-    GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3)
-    gemv_q4k_i8<1, true>(j);
+// The plain int8 kernel with input groups (x_group_rows > 0, no norm): a warp's runs of row groups, its x group
+// quantised into its own shared memory (the ring's GROUPED), so each group's rows = the plain int8 kernel on
+// x[g*cols:] bit for bit (V4.1 Flash's grouped wo_a under act_quant). Launch: as the plain kernel, dynamic shared
+// memory warps * (the ring per warp + the x codes, i8_x_bytes) (ops/gemv.py).
+#define GEMV_GROUPED(name, WT, ring) \
+extern "C" __global__ void gemv_##name##_grouped(const WT* W0, const WT* W1, const WT* W2, const WT* W3, int rows0, \
+                                                 int rows1, int rows2, int rows3, float* y0, float* y1, float* y2, \
+                                                 float* y3, const float* x, int cols, int x_group_rows, \
+                                                 const float* norm_w, float norm_eps, int flags) { \
+    GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3) \
+    ring<1, true>(j); \
 }
 
-// As gemv_q4_k_i8_grouped for nx activation rows x + n * x_stride (a multi-row step's wo_a). Launch: as it.
-extern "C" __global__ void gemv_q4_k_i8_grouped_rows(const uint8_t* W0, const uint8_t* W1, const uint8_t* W2,
-                                                     const uint8_t* W3, int rows0, int rows1, int rows2, int rows3,
-                                                     float* y0, float* y1, float* y2, float* y3, const float* x,
-                                                     int cols, int x_group_rows, const float* norm_w, float norm_eps,
-                                                     int flags, int nx, int x_stride) {
-    GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3)
-    j.nx = nx; j.x_stride = x_stride;
-    gemv_q4k_i8<GEMV_MAX_X, true>(j);
+// The grouped kernel for nx activation rows x + n * x_stride (a multi-row step's wo_a). Launch: as it.
+#define GEMV_GROUPED_ROWS(name, WT, ring) \
+extern "C" __global__ void gemv_##name##_grouped_rows(const WT* W0, const WT* W1, const WT* W2, const WT* W3, \
+                                                      int rows0, int rows1, int rows2, int rows3, float* y0, \
+                                                      float* y1, float* y2, float* y3, const float* x, int cols, \
+                                                      int x_group_rows, const float* norm_w, float norm_eps, \
+                                                      int flags, int nx, int x_stride) { \
+    GEMV_JOB(W0, W1, W2, W3, rows0, rows1, rows2, rows3, y0, y1, y2, y3) \
+    j.nx = nx; j.x_stride = x_stride; \
+    ring<GEMV_MAX_X, true>(j); \
 }
+
+GEMV_FORMATS(GEMV_PLAIN)
+GEMV_FORMATS(GEMV_PLAIN_ROWS)
+GEMV_FORMATS(GEMV_HC_POST)
+GEMV_FORMATS(GEMV_HC_POST_ROWS)
+GEMV_FORMATS(GEMV_SWIGLU)
+GEMV_FORMATS(GEMV_SWIGLU_ROWS)
+GEMV_GROUPED_FORMATS(GEMV_GROUPED)
+GEMV_GROUPED_FORMATS(GEMV_GROUPED_ROWS)

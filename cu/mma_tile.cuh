@@ -10,9 +10,6 @@
 #include "types.cuh"
 #include "portable.cuh"
 
-// bf16 round-to-nearest-even of a float, as its 16 bits (NaN stays NaN).
-__device__ __forceinline__ unsigned tile_bf16(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
-__device__ __forceinline__ float tile_bf16_value(unsigned bits) { return __uint_as_float(bits << 16); }
 __device__ __forceinline__ unsigned tile_ld32(const uint16_t* p) { return *reinterpret_cast<const unsigned*>(p); }
 
 // One k-tile: acc += A[warp rows][k0 .. k0+BK) * B[warp cols][k0 .. k0+BK)^T, k16 steps in increasing order.
@@ -54,57 +51,47 @@ __device__ __forceinline__ void tile_zero(float (&acc)[MT][NT][4]) {
             for (int i = 0; i < 4; i++) acc[mt][nt][i] = 0.0f;
 }
 
-// Eight fp32 values -> eight bf16 patterns in one 16-byte shared store.
-__device__ __forceinline__ void tile_store8(uint16_t* dst, const float* v) {
-    uint4 p;
-    p.x = tile_bf16(v[0]) | (tile_bf16(v[1]) << 16);
-    p.y = tile_bf16(v[2]) | (tile_bf16(v[3]) << 16);
-    p.z = tile_bf16(v[4]) | (tile_bf16(v[5]) << 16);
-    p.w = tile_bf16(v[6]) | (tile_bf16(v[7]) << 16);
-    *reinterpret_cast<uint4*>(dst) = p;
-}
-
-// Split exact fp32 values into NP bf16 pieces whose sum is the value (NP = 2 covers F16, 3 covers F32 normals):
-// piece p of the 8 values goes to dst + p * piece.
-template <int NP>
-__device__ __forceinline__ void tile_split8(const float* v, uint16_t* dst, int piece) {
-    float r[8];
+// Split N (8 or 4) fp32 values into NP bf16 pieces whose sum is the value (NP = 1: the values rounded; 2 covers
+// F16, 3 covers F32 normals): each piece the round-to-nearest-even bf16 of what the pieces before it left, piece p
+// in one 16-byte (N = 8) or 8-byte (N = 4) shared store at dst + p * piece; sum (optional) += the first piece's
+// values in order. Two values per conversion: one cvt of a pair gives the 32-bit word the store takes, and the
+// rounded values come back from its halves (no 16-bit halves to re-pack).
+template <int N, int NP>
+__device__ __forceinline__ void tile_split(const float* v, uint16_t* dst, int piece, float* sum = nullptr) {
+    static_assert(N == 8 || N == 4, "one 16-byte or 8-byte store a piece");
+    float r[N];
 #pragma unroll
-    for (int i = 0; i < 8; i++) r[i] = v[i];
+    for (int i = 0; i < N; i++) r[i] = v[i];
 #pragma unroll
     for (int p = 0; p < NP; p++) {
-        float b[8];
+        unsigned w[N / 2];
 #pragma unroll
-        for (int i = 0; i < 8; i++) {
-            b[i] = tile_bf16_value(tile_bf16(r[i]));
-            r[i] = r[i] - b[i];                                  // exact: the remainder has the few bits left
+        for (int i = 0; i < N / 2; i++) {
+            const __nv_bfloat162 h = __floats2bfloat162_rn(r[2 * i], r[2 * i + 1]);
+            w[i] = *reinterpret_cast<const unsigned*>(&h);
+            const float b0 = __uint_as_float(w[i] << 16), b1 = __uint_as_float(w[i] & 0xffff0000u);
+            if (p == 0 && sum) {
+                *sum += b0;
+                *sum += b1;
+            }
+            if (p + 1 < NP) {
+                r[2 * i] = r[2 * i] - b0;                        // exact: the remainder has the few bits left
+                r[2 * i + 1] = r[2 * i + 1] - b1;
+            }
         }
-        tile_store8(dst + p * piece, b);                         // on the bf16 grid: stored as it is
+        if constexpr (N == 8)
+            *reinterpret_cast<uint4*>(dst + p * piece) = make_uint4(w[0], w[1], w[2], w[3]);
+        else
+            *reinterpret_cast<uint2*>(dst + p * piece) = make_uint2(w[0], w[1]);
     }
 }
-
-// Four fp32 values -> four bf16 patterns in one 8-byte shared store.
-__device__ __forceinline__ void tile_store4(uint16_t* dst, const float* v) {
-    uint2 p;
-    p.x = tile_bf16(v[0]) | (tile_bf16(v[1]) << 16);
-    p.y = tile_bf16(v[2]) | (tile_bf16(v[3]) << 16);
-    *reinterpret_cast<uint2*>(dst) = p;
-}
-
-// tile_split8 for four values (8-byte stores).
 template <int NP>
-__device__ __forceinline__ void tile_split4(const float* v, uint16_t* dst, int piece) {
-    float r[4];
-#pragma unroll
-    for (int i = 0; i < 4; i++) r[i] = v[i];
-#pragma unroll
-    for (int p = 0; p < NP; p++) {
-        float b[4];
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            b[i] = tile_bf16_value(tile_bf16(r[i]));
-            r[i] = r[i] - b[i];
-        }
-        tile_store4(dst + p * piece, b);
-    }
+__device__ __forceinline__ void tile_split8(const float* v, uint16_t* dst, int piece, float* sum = nullptr) {
+    tile_split<8, NP>(v, dst, piece, sum);
 }
+template <int NP>
+__device__ __forceinline__ void tile_split4(const float* v, uint16_t* dst, int piece) { tile_split<4, NP>(v, dst, piece); }
+
+// Eight (four) fp32 values -> eight (four) bf16 patterns in one 16-byte (8-byte) shared store.
+__device__ __forceinline__ void tile_store8(uint16_t* dst, const float* v) { tile_split<8, 1>(v, dst, 0); }
+__device__ __forceinline__ void tile_store4(uint16_t* dst, const float* v) { tile_split<4, 1>(v, dst, 0); }

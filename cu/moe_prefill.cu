@@ -215,36 +215,6 @@ template <int F> struct MoepL {
     }
 };
 
-// Eight fp32 values in NP bf16 pieces whose sum is the value (tile_split8's pieces: each piece the round-to-nearest-
-// even bf16 of what the pieces before it left, NP = 1: the values rounded), two values per conversion (one cvt of
-// a pair gives the 32-bit word the 16-byte store takes; the rounded values come back from its halves). Piece p goes
-// to dst + p * piece; sum += the first piece's values in order (moep_stage_a's half sums).
-template <int NP>
-__device__ __forceinline__ void moep_split8(const float* v, uint16_t* dst, int piece, float* sum = nullptr) {
-    float r[8];
-#pragma unroll
-    for (int i = 0; i < 8; i++) r[i] = v[i];
-#pragma unroll
-    for (int p = 0; p < NP; p++) {
-        unsigned w[4];
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const __nv_bfloat162 h = __floats2bfloat162_rn(r[2 * i], r[2 * i + 1]);
-            w[i] = *reinterpret_cast<const unsigned*>(&h);   // the pair's word as is (no 16-bit halves to re-pack)
-            const float b0 = __uint_as_float(w[i] << 16), b1 = __uint_as_float(w[i] & 0xffff0000u);
-            if (p == 0 && sum) {
-                *sum += b0;
-                *sum += b1;
-            }
-            if (p + 1 < NP) {
-                r[2 * i] = r[2 * i] - b0;                        // exact: the remainder has the few bits left
-                r[2 * i + 1] = r[2 * i + 1] - b1;
-            }
-        }
-        *reinterpret_cast<uint4*>(dst + p * piece) = make_uint4(w[0], w[1], w[2], w[3]);
-    }
-}
-
 // Stage the tile's A rows (k columns [k, k + 32) of MOEP_BM rows from arow, zeros for a missing row) as XP bf16
 // pieces (MoepL<F>'s layout, piece p at as + p * L::APIECE; XP = 1: the values rounded to bf16), and
 // sx[h * BM + r] = the fp32 sum of row r's 16 staged values of half h (the K-quants' mins multiply it).
@@ -268,9 +238,9 @@ __device__ __forceinline__ void moep_stage_a(uint16_t* as, float* sx, const floa
             for (int i = 0; i < 8; i++) v[i] = 0.0f;
         }
         if constexpr (XP == 1) {
-            moep_split8<1>(v, as + L::at(r, 16 * h + c), L::APIECE, &sum);   // the sum of the rounded values
+            tile_split8<1>(v, as + L::at(r, 16 * h + c), L::APIECE, &sum);   // the sum of the rounded values
         } else {
-            moep_split8<XP>(v, as + L::at(r, 16 * h + c), L::APIECE);
+            tile_split8<XP>(v, as + L::at(r, 16 * h + c), L::APIECE);
         }
     }
     if constexpr (XP == 1) sx[h * MOEP_BM + r] = sum;                // (VQ-8's scaled codes need no sums of x)
@@ -340,7 +310,7 @@ __device__ __forceinline__ void moep_stage_w(uint16_t* dst, float* sc, float* mn
     }
     if constexpr (MoeFmt<F>::CODES == MOE_CODES_NONE) {
 #pragma unroll
-        for (int i = 0; i < 32; i += 8) moep_split8<2>(w + i, dst + i, MOEP_PIECE);
+        for (int i = 0; i < 32; i += 8) tile_split8<2>(w + i, dst + i, MOEP_PIECE);
     } else {
 #pragma unroll
         for (int i = 0; i < 32; i += 8) tile_store8(dst + i, w + i);
@@ -898,61 +868,19 @@ extern "C" __global__ void moe_prefill_combine(const float* Yp, const int* pos, 
     y[(size_t)t * ldy + n] = s;
 }
 
-// ---- entry points: one pair per format of MOE_FORMATS (moe_formats.cuh) ----------------------------------------
+// ---- entry points: one pair per format of MOE_FORMATS and of MOE_VQ_FORMATS (moe_formats.cuh) ------------------
 // Common contracts. Wg / Wu [n_experts, ff, dim], W [n_experts, dim, ff]: the stacked expert tensors' raw GGUF
 // bytes; dim and ff multiples of 256 for IQ2_XXS / Q2_K / Q4_K, of 32 otherwise (and of 32 always). x [T, ldx]
 // float32 (16-byte aligned, ldx % 4 == 0), route_w [T*k] (null: 1), H [P, ff] and Yp [P, dim] float32 in sorted
 // order; sorted / tile_* / offsets / info from moe_prefill_route. clamp <= 0: no clamp.
-
-// Gate + up + SwiGLU per work item. Launch: grid (ceil(ff / MOEP_BN), max_tiles), block MOEP_THREADS, dynamic
-// shared memory: the sector ring, 2 x 2 x MOEP_BN x MoepRing<F>::PITCH (ops/moe_prefill.py launch_smem).
-#define MOEP_GATE_UP(name, F, QK, NB, TABLE) \
-extern "C" __global__ __launch_bounds__(MOEP_THREADS, MOEP_MIN_BLOCKS) void moe_prefill_gate_up_##name(const uint8_t* Wg, \
-        const uint8_t* Wu, const float* x, const float* route_w, const int* sorted, const int* tile_bucket, \
-        const int* tile_row, const int* offsets, const int* info, float* H, int n_experts, int ff, int dim, int k, \
-        int ldx, float clamp) { \
-    extern __shared__ __align__(16) uint8_t moep_smem[]; \
-    __shared__ uint64_t grid_s[TABLE ? 256 : 1]; \
-    pdl_wait(); \
-    pdl_launch_dependents(); \
-    if (TABLE) { \
-        moe_load_grid(grid_s); \
-        __syncthreads(); \
-    } \
-    moep_gate_up<F>(TABLE ? grid_s : nullptr, moep_smem, Wg, Wu, x, ldx, route_w, sorted, tile_bucket, tile_row, \
-                    offsets, info, H, n_experts, ff, dim, k, clamp, blockIdx.x, blockIdx.y); \
-}
-
-// Down per work item. Launch: grid (ceil(dim / MOEP_BN), max_tiles), block MOEP_THREADS, dynamic shared memory
-// the ring, 2 x MOEP_BN x MoepRing<F>::PITCH.
-#define MOEP_DOWN(name, F, QK, NB, TABLE) \
-extern "C" __global__ __launch_bounds__(MOEP_THREADS, MOEP_MIN_BLOCKS) void moe_prefill_down_##name(const uint8_t* W, \
-        const float* H, const int* tile_bucket, const int* tile_row, const int* offsets, const int* info, \
-        float* Yp, int n_experts, int dim, int ff) { \
-    extern __shared__ __align__(16) uint8_t moep_smem[]; \
-    __shared__ uint64_t grid_s[TABLE ? 256 : 1]; \
-    pdl_wait(); \
-    pdl_launch_dependents(); \
-    if (TABLE) { \
-        moe_load_grid(grid_s); \
-        __syncthreads(); \
-    } \
-    moep_down<F>(TABLE ? grid_s : nullptr, moep_smem, W, H, tile_bucket, tile_row, offsets, info, Yp, n_experts, dim, \
-                 ff, blockIdx.x, blockIdx.y); \
-}
-
-MOE_FORMATS(MOEP_GATE_UP)
-MOE_FORMATS(MOEP_DOWN)
-
-// ---- VQ-8 entry points: one pair per format of MOE_VQ_FORMATS --------------------------------------------------
-// As the pair above with Wg / Wu / W the VQ device copies (ds4py/cuda/vq_layout.py: the layer's codebook of KC
-// codewords x 8 E4M3 bytes at the head of each, the same in all three); dim and ff multiples of 64. The down is
-// persistent: the grid is one wave (ds4py/cuda/ops/moe_prefill.py), block i takes the (feature tile, work item) pairs t = i, i +
-// gridDim.x, ... < feature tiles x info[0] (feature tile t % tiles, item t / tiles), so the codebook is copied
-// into the dynamic shared memory (KC * 8 bytes, before pdl_wait: the weights do not depend on the previous kernel)
-// once per resident block, not once per tile; it is visible after the first k tile's barrier, and every tile
-// starts with a barrier before it stages. A tile's arithmetic is the one-block-per-tile kernel's: the bits do not
-// depend on the grid.
+// VQ-8: Wg / Wu / W the VQ device copies (ds4py/cuda/vq_layout.py: the layer's codebook of KC codewords x 8 E4M3
+// bytes at the head of each, the same in all three); dim and ff multiples of 64. The VQ-8 down is persistent: the
+// grid is one wave (ds4py/cuda/ops/moe_prefill.py), block i takes the (feature tile, work item) pairs t = i,
+// i + gridDim.x, ... < feature tiles x info[0] (feature tile t % tiles, item t / tiles), so the codebook is copied
+// into the dynamic shared memory once per resident block, not once per tile; it is visible after the first k
+// tile's barrier, and every tile starts with a barrier before it stages. A tile's arithmetic is the
+// one-block-per-tile kernel's: the bits do not depend on the grid. The VQ-8 gate + up is not persistent: the tile
+// loop costs the 13-bit kernel a spill on sm_121 (168 registers), so each block copies the codebook.
 __device__ __forceinline__ const uint64_t* moep_load_codebook(uint8_t* smem, const uint8_t* W, int kc) {
     uint64_t* cb = reinterpret_cast<uint64_t*>(smem);
     const uint64_t* src = reinterpret_cast<const uint64_t*>(W);
@@ -960,40 +888,72 @@ __device__ __forceinline__ const uint64_t* moep_load_codebook(uint8_t* smem, con
     return cb;
 }
 
-// Launch: grid (ceil(ff / MOEP_BN), max_tiles), block MOEP_THREADS, dynamic shared memory KC * 8 + the ring
-// after it (at 13 bits the windows). Not persistent:
-// the tile loop costs the 13-bit kernel a spill on sm_121 (168 registers), so each block copies the codebook.
-#define MOEP_VQ_GATE_UP(name, F, QK, NB, KC) \
+// The block's decode table, pdl_wait and pdl_launch_dependents called. TK: the list entry's last field, TABLE for
+// a ggml format (1: the IQ2_XXS grid, staged into grid_s after pdl_wait), KC for VQ-8 (the codebook, copied from
+// W's head into the head of the dynamic shared memory before pdl_wait: the weights do not depend on the previous
+// kernel; the ring and the weights then start 8 * KC bytes on, moep_skip).
+template <int F, int TK>
+__device__ __forceinline__ const uint64_t* moep_table(uint8_t* smem, uint64_t* grid_s, const uint8_t* W) {
+    if constexpr (MoepF<F>::VQ) {
+        const uint64_t* cb = moep_load_codebook(smem, W, TK);
+        pdl_wait();
+        pdl_launch_dependents();
+        return cb;
+    } else {
+        pdl_wait();
+        pdl_launch_dependents();
+        if (TK) {
+            moe_load_grid(grid_s);
+            __syncthreads();
+        }
+        return TK ? grid_s : nullptr;
+    }
+}
+template <int F, int TK> constexpr int moep_skip = MoepF<F>::VQ ? 8 * TK : 0;
+template <int F, int TK> constexpr int moep_grid_len = !MoepF<F>::VQ && TK ? 256 : 1;
+
+// Gate + up + SwiGLU per work item. Launch: grid (ceil(ff / MOEP_BN), max_tiles), block MOEP_THREADS, dynamic
+// shared memory: (VQ-8: KC * 8 +) the sector ring, 2 x 2 x MOEP_BN x MoepRing<F>::PITCH, or at VQ-8 13 bits the
+// windows (ops/moe_prefill.py launch_smem).
+#define MOEP_GATE_UP(name, F, QK, NB, TK) \
 extern "C" __global__ __launch_bounds__(MOEP_THREADS, MOEP_MIN_BLOCKS) void moe_prefill_gate_up_##name(const uint8_t* Wg, \
         const uint8_t* Wu, const float* x, const float* route_w, const int* sorted, const int* tile_bucket, \
         const int* tile_row, const int* offsets, const int* info, float* H, int n_experts, int ff, int dim, int k, \
         int ldx, float clamp) { \
     extern __shared__ __align__(16) uint8_t moep_smem[]; \
-    const uint64_t* cb = moep_load_codebook(moep_smem, Wg, KC); \
-    pdl_wait(); \
-    pdl_launch_dependents(); \
-    moep_gate_up<F>(cb, moep_smem + 8 * KC, Wg + 8 * KC, Wu + 8 * KC, x, ldx, route_w, sorted, tile_bucket, tile_row, \
+    __shared__ uint64_t grid_s[moep_grid_len<F, TK>]; \
+    const uint64_t* table = moep_table<F, TK>(moep_smem, grid_s, Wg); \
+    constexpr int skip = moep_skip<F, TK>; \
+    moep_gate_up<F>(table, moep_smem + skip, Wg + skip, Wu + skip, x, ldx, route_w, sorted, tile_bucket, tile_row, \
                     offsets, info, H, n_experts, ff, dim, k, clamp, blockIdx.x, blockIdx.y); \
 }
 
-// Launch: grid (persistent: min(ceil(dim / MOEP_BN) x max_tiles, one wave)), block MOEP_THREADS, dynamic shared
-// memory KC * 8 + the ring after it (at 13 bits the windows).
-#define MOEP_VQ_DOWN(name, F, QK, NB, KC) \
+// Down per work item. Launch: grid (ceil(dim / MOEP_BN), max_tiles; VQ-8 persistent: min(that many blocks, one
+// wave)), block MOEP_THREADS, dynamic shared memory (VQ-8: KC * 8 +) the ring, 2 x MOEP_BN x MoepRing<F>::PITCH,
+// or at VQ-8 13 bits the windows.
+#define MOEP_DOWN(name, F, QK, NB, TK) \
 extern "C" __global__ __launch_bounds__(MOEP_THREADS, MOEP_MIN_BLOCKS) void moe_prefill_down_##name(const uint8_t* W, \
         const float* H, const int* tile_bucket, const int* tile_row, const int* offsets, const int* info, \
         float* Yp, int n_experts, int dim, int ff) { \
     extern __shared__ __align__(16) uint8_t moep_smem[]; \
-    const uint64_t* cb = moep_load_codebook(moep_smem, W, KC); \
-    pdl_wait(); \
-    pdl_launch_dependents(); \
-    const int tiles = (dim + MOEP_BN - 1) / MOEP_BN; \
-    for (int t = blockIdx.x; t < tiles * info[0]; t += gridDim.x) \
-        moep_down<F>(cb, moep_smem + 8 * KC, W + 8 * KC, H, tile_bucket, tile_row, offsets, info, Yp, n_experts, dim, \
-                     ff, t % tiles, t / tiles); \
+    __shared__ uint64_t grid_s[moep_grid_len<F, TK>]; \
+    const uint64_t* table = moep_table<F, TK>(moep_smem, grid_s, W); \
+    constexpr int skip = moep_skip<F, TK>; \
+    if constexpr (MoepF<F>::VQ) {                     /* persistent: t = (feature tile, work item) */ \
+        const int tiles = (dim + MOEP_BN - 1) / MOEP_BN; \
+        for (int t = blockIdx.x; t < tiles * info[0]; t += gridDim.x) \
+            moep_down<F>(table, moep_smem + skip, W + skip, H, tile_bucket, tile_row, offsets, info, Yp, n_experts, \
+                         dim, ff, t % tiles, t / tiles); \
+    } else { \
+        moep_down<F>(table, moep_smem, W, H, tile_bucket, tile_row, offsets, info, Yp, n_experts, dim, ff, blockIdx.x, \
+                     blockIdx.y); \
+    } \
 }
 
-MOE_VQ_FORMATS(MOEP_VQ_GATE_UP)
-MOE_VQ_FORMATS(MOEP_VQ_DOWN)
+MOE_FORMATS(MOEP_GATE_UP)
+MOE_FORMATS(MOEP_DOWN)
+MOE_VQ_FORMATS(MOEP_GATE_UP)
+MOE_VQ_FORMATS(MOEP_DOWN)
 
 // ---- exact fp32 token tiles (the default prefill experts of the GGML formats) ----------------------------------
 //   moe_gate_up_tile_<fmt>  per work item (the route's tile of up to MOEP_BM sorted rows of one expert) and

@@ -157,73 +157,65 @@ DS4_HD __forceinline__ float ds4_sw_fp8_e5m2_to_float(unsigned char v) {
 #define DS4_HW_FP8 1
 #endif
 
-// Two FP8 values packed in 16 bits (low byte first) <-> half2 (.x from the low byte).
-__device__ __forceinline__ __half2 fp8x2_e4m3_to_half2(unsigned short v) {
+// Two FP8 values packed in 16 bits (low byte first) <-> half2 (.x from the low byte); E5M2: e5m2, else e4m3 (the
+// named wrappers below).
+template <bool E5M2>
+__device__ __forceinline__ __half2 fp8x2_to_half2(unsigned short v) {
 #ifdef DS4_HW_FP8
     unsigned r;
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(v));
+    if constexpr (E5M2)
+        asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(r) : "h"(v));
+    else
+        asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(v));
     return __halves2half2(__ushort_as_half((unsigned short)(r & 0xffffu)), __ushort_as_half((unsigned short)(r >> 16)));
 #else
-    return __floats2half2_rn(ds4_sw_fp8_e4m3_to_float((unsigned char)(v & 0xffu)),
-                             ds4_sw_fp8_e4m3_to_float((unsigned char)(v >> 8)));
+    if constexpr (E5M2)                                // e5m2 is the top byte of an IEEE half
+        return __halves2half2(__ushort_as_half((unsigned short)((v & 0xffu) << 8)),
+                              __ushort_as_half((unsigned short)(v & 0xff00u)));
+    else
+        return __floats2half2_rn(ds4_sw_fp8_e4m3_to_float((unsigned char)(v & 0xffu)),
+                                 ds4_sw_fp8_e4m3_to_float((unsigned char)(v >> 8)));
 #endif
 }
 
-__device__ __forceinline__ __half2 fp8x2_e5m2_to_half2(unsigned short v) {
+template <bool E5M2>
+__device__ __forceinline__ float fp8_to_float(unsigned char v) {
 #ifdef DS4_HW_FP8
-    unsigned r;
-    asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(r) : "h"(v));
-    return __halves2half2(__ushort_as_half((unsigned short)(r & 0xffffu)), __ushort_as_half((unsigned short)(r >> 16)));
-#else  // e5m2 is the top byte of an IEEE half
-    return __halves2half2(__ushort_as_half((unsigned short)((v & 0xffu) << 8)),
-                          __ushort_as_half((unsigned short)(v & 0xff00u)));
-#endif
-}
-
-__device__ __forceinline__ float fp8_e4m3_to_float(unsigned char v) {
-#ifdef DS4_HW_FP8
-    return __low2float(fp8x2_e4m3_to_half2(v));
+    return __low2float(fp8x2_to_half2<E5M2>(v));
 #else
-    return ds4_sw_fp8_e4m3_to_float(v);
-#endif
-}
-
-__device__ __forceinline__ float fp8_e5m2_to_float(unsigned char v) {
-#ifdef DS4_HW_FP8
-    return __low2float(fp8x2_e5m2_to_half2(v));
-#else
-    return ds4_sw_fp8_e5m2_to_float(v);
+    return E5M2 ? ds4_sw_fp8_e5m2_to_float(v) : ds4_sw_fp8_e4m3_to_float(v);
 #endif
 }
 
 // (lo, hi) -> 16 bits with lo in the low byte. PTX packs its first source operand into the upper byte.
-__device__ __forceinline__ unsigned short float2_to_fp8x2_e4m3(float lo, float hi) {
+template <bool E5M2>
+__device__ __forceinline__ unsigned short float2_to_fp8x2(float lo, float hi) {
 #ifdef DS4_HW_FP8
     unsigned short r;
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    if constexpr (E5M2)
+        asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    else
+        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
     return r;
 #else
-    return (unsigned short)(ds4_sw_float_to_fp8_e4m3(lo) | (ds4_sw_float_to_fp8_e4m3(hi) << 8));
+    return E5M2 ? (unsigned short)(ds4_sw_float_to_fp8_e5m2(lo) | (ds4_sw_float_to_fp8_e5m2(hi) << 8))
+                : (unsigned short)(ds4_sw_float_to_fp8_e4m3(lo) | (ds4_sw_float_to_fp8_e4m3(hi) << 8));
 #endif
 }
 
-__device__ __forceinline__ unsigned short float2_to_fp8x2_e5m2(float lo, float hi) {
-#ifdef DS4_HW_FP8
-    unsigned short r;
-    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
-    return r;
-#else
-    return (unsigned short)(ds4_sw_float_to_fp8_e5m2(lo) | (ds4_sw_float_to_fp8_e5m2(hi) << 8));
-#endif
+template <bool E5M2>
+__device__ __forceinline__ unsigned char float_to_fp8(float f) {
+    return (unsigned char)(float2_to_fp8x2<E5M2>(f, 0.0f) & 0xffu);
 }
 
-__device__ __forceinline__ unsigned char float_to_fp8_e4m3(float f) {
-    return (unsigned char)(float2_to_fp8x2_e4m3(f, 0.0f) & 0xffu);
-}
-
-__device__ __forceinline__ unsigned char float_to_fp8_e5m2(float f) {
-    return (unsigned char)(float2_to_fp8x2_e5m2(f, 0.0f) & 0xffu);
-}
+__device__ __forceinline__ __half2 fp8x2_e4m3_to_half2(unsigned short v) { return fp8x2_to_half2<false>(v); }
+__device__ __forceinline__ __half2 fp8x2_e5m2_to_half2(unsigned short v) { return fp8x2_to_half2<true>(v); }
+__device__ __forceinline__ float fp8_e4m3_to_float(unsigned char v) { return fp8_to_float<false>(v); }
+__device__ __forceinline__ float fp8_e5m2_to_float(unsigned char v) { return fp8_to_float<true>(v); }
+__device__ __forceinline__ unsigned short float2_to_fp8x2_e4m3(float lo, float hi) { return float2_to_fp8x2<false>(lo, hi); }
+__device__ __forceinline__ unsigned short float2_to_fp8x2_e5m2(float lo, float hi) { return float2_to_fp8x2<true>(lo, hi); }
+__device__ __forceinline__ unsigned char float_to_fp8_e4m3(float f) { return float_to_fp8<false>(f); }
+__device__ __forceinline__ unsigned char float_to_fp8_e5m2(float f) { return float_to_fp8<true>(f); }
 
 // ---------------------------------------------------------------------------------------------------------------
 // One tensor-core tile, the whole warp together: D(16x8 f32) += A(16x16, row-major) * B(16x8, col-major), with

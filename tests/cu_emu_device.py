@@ -6,6 +6,7 @@ take the `kdev` fixture run unchanged on a real device (tests/gpu/test_cuda_attn
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from ds4py.cuda.emu_runtime import EmuRuntime
 from ds4py.cuda.memory import DeviceArray
@@ -50,6 +51,23 @@ def devices():
 
     def make(order: str = "forward", seed: int = 0, **kw) -> EmuDevice:
         made.append(EmuDevice(order, seed, **kw))
+        return made[-1]
+
+    yield make
+    for d in made:
+        d.close()
+
+
+def gpu_devices(rt, mib: int):
+    """The same fixture body on a GPU runtime rt (tests/gpu: `def kdev(rt): yield from gpu_devices(rt, mib)`):
+    make(order="forward", seed=0, weights_mib=mib, scratch_mib=mib) -> a KernelDevice of regions of at least 64 MiB.
+    Thread order and seed are emulator settings: another order is skipped (the GPU runs each case once)."""
+    made: list[KernelDevice] = []
+
+    def make(order: str = "forward", seed: int = 0, **kw) -> KernelDevice:
+        if order != "forward":
+            pytest.skip("thread order is an emulator setting; the GPU runs each case once")
+        made.append(KernelDevice(rt, max(kw.get("weights_mib", mib), 64), max(kw.get("scratch_mib", mib), 64)))
         return made[-1]
 
     yield make

@@ -4,8 +4,12 @@ put on a GPU runtime, and re-runs the same test functions there."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -18,6 +22,18 @@ from ds4py.cuda import emu
 ORDERS = ("forward",) if os.environ.get("DS4PY_EMU_TRAFFIC") else ("forward", "reverse", "random")
 
 requires_emulator = pytest.mark.skipif(emu.compiler() is None, reason="the CUDA emulator needs g++")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def bench_on_emulator(script: str, out: Path) -> dict:
+    """bench/<script> --emu --json out (its cut-down shapes on the CPU emulator): the JSON it wrote, once it exited
+    0 and says it was emulated and measured the copy bandwidth."""
+    r = subprocess.run([sys.executable, str(REPO / "bench" / script), "--emu", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["emulated"] and res["copy_GBps"] > 0
+    return res
 
 
 @contextmanager

@@ -5,6 +5,8 @@ across orders."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
@@ -129,20 +131,30 @@ def test_down(kdev, case, order):
     r = rng(int(qtype), ff, dim, 1)
     raw, W = expert_tensor(r, qtype, n_exp, dim, ff)
     h = r.standard_normal((slots, ff)).astype(np.float32)
-    ids = None if n_exp == 1 else r.integers(0, n_exp, slots).astype(np.int32)
+    ids, add, post, comb, X, got = run_down(kdev(order, ff), r,
+                                            Experts(fmt=qtype, n_experts=n_exp, ff=ff, dim=dim, down=raw), h, epi, rpb)
+    want, mag = twin.down(W, ids, h, slots, add, post, comb, X)
+    assert_close_scaled(got.reshape(want.shape), want, mag, ff * slots + HC, f"down {case}")
+
+
+HC = 4                                            # the hc_post epilogue's streams in the down tests
+
+
+def run_down(dev, r, ex: Experts, h: np.ndarray, epi: str, rpb: int | None):
+    """The down kernel of experts `ex` (down: the host bytes) on the slots' h [slots, ff] with epilogue epi ("y",
+    "add" or "hc"), its ids, add and hc_post inputs drawn from r in that order: (ids, add, post, comb, X, out)."""
+    slots, dim = len(h), ex.dim
+    ids = None if ex.n_experts == 1 else r.integers(0, ex.n_experts, slots).astype(np.int32)
     add = r.standard_normal(dim).astype(np.float32) if epi != "y" else None
-    hc = 4
-    post = (r.random(hc) * 2).astype(np.float32) if epi == "hc" else None
-    comb = r.random((hc, hc)).astype(np.float32) if epi == "hc" else None
-    X = r.standard_normal((hc, dim)).astype(np.float32) if epi == "hc" else None
-    dev = kdev(order, ff)
-    d_out = dev.var(np.full((hc if epi == "hc" else 1, dim), np.nan, np.float32))
-    ops_moe.moe_down(dev.rt, Experts(fmt=qtype, n_experts=n_exp, ff=ff, dim=dim, down=dev.const(raw)),
+    post = (r.random(HC) * 2).astype(np.float32) if epi == "hc" else None
+    comb = r.random((HC, HC)).astype(np.float32) if epi == "hc" else None
+    X = r.standard_normal((HC, dim)).astype(np.float32) if epi == "hc" else None
+    d_out = dev.var(np.full((HC if epi == "hc" else 1, dim), np.nan, np.float32))
+    ops_moe.moe_down(dev.rt, replace(ex, down=dev.const(ex.down)),
                      TokenRows(x=dev.const(h), y=d_out, add=dev.const(add)), Slots(ids=dev.const(ids), k=slots),
                      hc=HcPost(dev.const(post), dev.const(comb), dev.const(X)) if epi == "hc" else None,
                      rows_per_block=rpb)
-    want, mag = twin.down(W, ids, h, slots, add, post, comb, X)
-    assert_close_scaled(d_out.download().reshape(want.shape), want, mag, ff * slots + hc, f"down {case}")
+    return ids, add, post, comb, X, d_out.download()
 
 
 def test_moe_is_bit_identical_across_orders(kdev):

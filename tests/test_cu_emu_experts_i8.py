@@ -15,12 +15,11 @@ from ds4py.cuda import emu
 from ds4py.cuda.ops import experts as ops_moe
 from ds4py.cuda.twins import experts as twin
 from ds4py.cuda.twins.core import assert_close_scaled
-from ds4py.cuda.ops.core import TokenRows
-from ds4py.cuda.ops.experts import Experts, HcPost, Slots
+from ds4py.cuda.ops.experts import Experts, Slots
 from ds4py.errors import Ds4Error
 from ds4py.ref import ops as ref_ops
 from tests.cu_emu_device import devices
-from tests.test_cu_emu_experts import expert_tensor, rng
+from tests.test_cu_emu_experts import HC, expert_tensor, rng, run_down
 
 pytestmark = pytest.mark.skipif(emu.compiler() is None, reason="the CUDA emulator needs g++")
 kdev = pytest.fixture(devices, name="kdev")
@@ -83,20 +82,10 @@ def test_down_i8(kdev, case, order):
     r = rng(int(qtype), ff, dim, 9)
     raw, W = expert_tensor(r, qtype, n_exp, dim, ff)
     h = np.stack([activations(r, ff) for _ in range(slots)])
-    ids = None if n_exp == 1 else r.integers(0, n_exp, slots).astype(np.int32)
-    add = r.standard_normal(dim).astype(np.float32) if epi != "y" else None
-    hc = 4
-    post = (r.random(hc) * 2).astype(np.float32) if epi == "hc" else None
-    comb = r.random((hc, hc)).astype(np.float32) if epi == "hc" else None
-    X = r.standard_normal((hc, dim)).astype(np.float32) if epi == "hc" else None
-    dev = kdev(order, ff)
-    d_out = dev.var(np.full((hc if epi == "hc" else 1, dim), np.nan, np.float32))
-    ops_moe.moe_down(dev.rt, Experts(fmt=qtype, n_experts=n_exp, ff=ff, dim=dim, down=dev.const(raw), act_quant=True),
-                     TokenRows(x=dev.const(h), y=d_out, add=dev.const(add)), Slots(ids=dev.const(ids), k=slots),
-                     hc=HcPost(dev.const(post), dev.const(comb), dev.const(X)) if epi == "hc" else None,
-                     rows_per_block=rpb)
+    ids, add, post, comb, X, got = run_down(
+        kdev(order, ff), r, Experts(fmt=qtype, n_experts=n_exp, ff=ff, dim=dim, down=raw, act_quant=True), h, epi, rpb)
     want, mag = twin.down_i8(W, ids, h, slots, add, post, comb, X)
-    assert_close_scaled(d_out.download().reshape(want.shape), want, mag, ff * slots + hc, f"down_i8 {case}")
+    assert_close_scaled(got.reshape(want.shape), want, mag, ff * slots + HC, f"down_i8 {case}")
 
 
 def test_the_twin_rounds_with_the_reference():

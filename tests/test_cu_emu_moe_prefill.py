@@ -7,6 +7,7 @@ effective float32 gains) stage by stage and whole within fp32 tolerances (x and 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -53,6 +54,23 @@ def ids_case(name: str, r, T: int, k: int, E: int) -> np.ndarray:
         ids = r.integers(0, E, (T, k))
         ids[1, 0], ids[T - 1, k - 1], ids[T // 2, 0] = -1, E, 1 << 30
     return np.ascontiguousarray(ids, np.int32)
+
+
+def whole_moe(dev, op, r, shape, ex: Experts):
+    """Run the whole-MoE wrapper `op` (moe_prefill or moe_tiles) of experts `ex` (gate / up / down the host bytes)
+    on dev with T tokens of k slots among E experts (shape = (T, k, E, ids case)), x, ids, route weights and add
+    drawn from r in that order: (x, ids, wts, add, y as float64)."""
+    T, k, E, how = shape
+    x = r.standard_normal((T, ex.dim)).astype(np.float32)
+    ids = ids_case(how, r, T, k, E)
+    wts = (r.random((T, k)) + 0.2).astype(np.float32)
+    add = r.standard_normal((T, ex.dim)).astype(np.float32)
+    bufs = bufs_on(dev, T, k, E, ex.ff, ex.dim)
+    y = dev.var(np.full((T, ex.dim), np.nan, np.float32))
+    ex = replace(ex, gate=dev.const(ex.gate), up=dev.const(ex.up), down=dev.const(ex.down))
+    op(dev.rt, ex, TokenRows(x=dev.const(x), y=y, T=T, add=dev.const(add)),
+       Slots(ids=dev.const(ids), weights=dev.const(wts), k=k), bufs)
+    return x, ids, wts, add, y.download().astype(np.float64)
 
 
 @pytest.mark.parametrize("case", [("random", 37, 6, 8), ("skew", 150, 2, 5), ("one", 70, 3, 4), ("bad", 20, 4, 6),
@@ -154,19 +172,10 @@ def test_whole_moe_against_twin_and_reference(kdev, case, order):
     rg, Wg = _experts(r, qg, E, ff, dim)
     ru, Wu = _experts(r, qg, E, ff, dim)
     rd, Wd = _experts(r, qd, E, dim, ff)
-    x = r.standard_normal((T, dim)).astype(np.float32)
-    ids = ids_case(how, r, T, k, E)
-    wts = (r.random((T, k)) + 0.2).astype(np.float32)
-    add = r.standard_normal((T, dim)).astype(np.float32)
     clamp = 10.0
-    dev = kdev(order, T)
-    bufs = bufs_on(dev, T, k, E, ff, dim)
-    y = dev.var(np.full((T, dim), np.nan, np.float32))
-    ex = Experts(fmt=qg, n_experts=E, ff=ff, dim=dim, gate=dev.const(rg), up=dev.const(ru), down=dev.const(rd),
-                 down_fmt=qd, clamp=clamp)
-    ops_mp.moe_prefill(dev.rt, ex, TokenRows(x=dev.const(x), y=y, T=T, add=dev.const(add)),
-                       Slots(ids=dev.const(ids), weights=dev.const(wts), k=k), bufs)
-    got = y.download().astype(np.float64)
+    x, ids, wts, add, got = whole_moe(kdev(order, T), ops_mp.moe_prefill, r, (T, k, E, how),
+                                      Experts(fmt=qg, n_experts=E, ff=ff, dim=dim, gate=rg, up=ru, down=rd,
+                                              down_fmt=qd, clamp=clamp))
     want, mag = twin.moe(Wg, Wu, Wd, x, ids, wts, clamp, ops_mp.BM, ops_mp.max_tiles(T * k, E), add)
     ref = _reference_moe(Wg, Wu, Wd, x, ids, wts, clamp, add)
     e_twin = np.abs(got - want) / mag
@@ -306,19 +315,10 @@ def test_vq_whole_moe_against_twin_and_reference(kdev, case, order):
     fmt, dg, Wg = vq_experts(r, bits, cb, E, ff, dim)
     _, du, Wu = vq_experts(r, bits, cb, E, ff, dim)
     _, dd, Wd = vq_experts(r, bits, cb, E, dim, ff)
-    x = r.standard_normal((T, dim)).astype(np.float32)
-    ids = ids_case(how, r, T, k, E)
-    wts = (r.random((T, k)) + 0.2).astype(np.float32)
-    add = r.standard_normal((T, dim)).astype(np.float32)
     clamp = 0.4
-    dev = kdev(order, T)
-    bufs = bufs_on(dev, T, k, E, ff, dim)
-    y = dev.var(np.full((T, dim), np.nan, np.float32))
-    ex = Experts(fmt=fmt, n_experts=E, ff=ff, dim=dim, gate=dev.const(dg), up=dev.const(du), down=dev.const(dd),
-                 clamp=clamp)
-    ops_mp.moe_prefill(dev.rt, ex, TokenRows(x=dev.const(x), y=y, T=T, add=dev.const(add)),
-                       Slots(ids=dev.const(ids), weights=dev.const(wts), k=k), bufs)
-    got = y.download().astype(np.float64)
+    x, ids, wts, add, got = whole_moe(kdev(order, T), ops_mp.moe_prefill, r, (T, k, E, how),
+                                      Experts(fmt=fmt, n_experts=E, ff=ff, dim=dim, gate=dg, up=du, down=dd,
+                                              clamp=clamp))
     want, mag = twin.moe(Wg, Wu, Wd, x, ids, wts, clamp, ops_mp.BM, ops_mp.max_tiles(T * k, E), add, exact=True)
     good = ((ids >= 0) & (ids < E)).all(1)
     assert np.isnan(got[~good]).all() and np.isfinite(got[good]).all() and good.sum() >= T - 3

@@ -20,7 +20,7 @@ from ds4py.cuda.ops.core import TokenRows
 from ds4py.cuda.ops.experts import Experts, Slots
 from ds4py.errors import Ds4Error
 from tests.cu_emu_device import devices
-from tests.test_cu_emu_moe_prefill import _experts, _reference_moe, bufs_on, ids_case, rng
+from tests.test_cu_emu_moe_prefill import _experts, _reference_moe, bufs_on, ids_case, rng, whole_moe
 
 pytestmark = requires_emulator
 kdev = pytest.fixture(devices, name="kdev")
@@ -110,19 +110,10 @@ def test_whole_tiled_moe_against_twin_and_reference(kdev, case):
     rg, Wg = _experts(r, qg, E, ff, dim)
     ru, Wu = _experts(r, qg, E, ff, dim)
     rd, Wd = _experts(r, qd, E, dim, ff)
-    x = r.standard_normal((T, dim)).astype(np.float32)
-    ids = ids_case(how, r, T, k, E)
-    wts = (r.random((T, k)) + 0.2).astype(np.float32)
-    add = r.standard_normal((T, dim)).astype(np.float32)
     clamp = 10.0
-    dev = kdev("random", T)
-    bufs = bufs_on(dev, T, k, E, ff, dim)
-    y = dev.var(np.full((T, dim), np.nan, np.float32))
-    ex = Experts(fmt=qg, n_experts=E, ff=ff, dim=dim, gate=dev.const(rg), up=dev.const(ru), down=dev.const(rd),
-                 down_fmt=qd, clamp=clamp)
-    ops_mp.moe_tiles(dev.rt, ex, TokenRows(x=dev.const(x), y=y, T=T, add=dev.const(add)),
-                     Slots(ids=dev.const(ids), weights=dev.const(wts), k=k), bufs)
-    got = y.download().astype(np.float64)
+    x, ids, wts, add, got = whole_moe(kdev("random", T), ops_mp.moe_tiles, r, (T, k, E, how),
+                                      Experts(fmt=qg, n_experts=E, ff=ff, dim=dim, gate=rg, up=ru, down=rd,
+                                              down_fmt=qd, clamp=clamp))
     want, mag = twin.moe(Wg, Wu, Wd, x, ids, wts, clamp, ops_mp.BM, ops_mp.max_tiles(T * k, E), add, exact=True)
     ref = _reference_moe(Wg, Wu, Wd, x, ids, wts, clamp, add)
     e_twin, e_ref = np.abs(got - want) / mag, np.abs(got - ref) / mag

@@ -29,21 +29,14 @@ from ds4py.cuda.ops.topk import Visible
 from ds4py.errors import Ds4Error
 from ds4py.ref import ops
 from tests.cu_emu_device import devices
+from tests.test_cu_emu_attention import EPS, EPS32, ORDERS, yarn_freqs
 
 pytestmark = pytest.mark.skipif(emu.compiler() is None, reason="the CUDA emulator needs g++")
 kdev = pytest.fixture(devices, name="kdev")
 
-ORDERS = ("forward", "reverse", "random")
-EPS = 1e-6
-EPS32 = float(np.finfo(np.float32).eps)
-
 
 def rng(*seed: int) -> np.random.Generator:
     return np.random.default_rng([11, *seed])
-
-
-def yarn_freqs(rd: int) -> np.ndarray:
-    return ops.rope_freqs(rd, 160000.0, 16.0, 65536, 32.0, 1.0)
 
 
 def positions(p0: int, T: int) -> np.ndarray:

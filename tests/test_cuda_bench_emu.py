@@ -3,26 +3,12 @@ checked here - every kernel it times, its correctness spot checks, and the JSON 
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
-import pytest
-
-from ds4py.cuda import emu
-
-REPO = Path(__file__).resolve().parents[1]
+from cu_fixtures import bench_on_emulator, requires_emulator
 
 
-@pytest.mark.skipif(emu.compiler() is None, reason="the CUDA emulator needs g++")
+@requires_emulator
 def test_gemv_bandwidth_runs_on_the_emulator(tmp_path):
-    out = tmp_path / "gb.json"
-    r = subprocess.run([sys.executable, str(REPO / "bench" / "gemv_bandwidth.py"), "--emu", "--json", str(out)],
-                       capture_output=True, text=True, timeout=600, cwd=REPO)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    res = json.loads(out.read_text())
-    assert res["emulated"] and res["copy_GBps"] > 0
+    res = bench_on_emulator("gemv_bandwidth.py", tmp_path / "gb.json")
     names = {g["name"] for g in res["gemv"]}
     assert {"q_b", "wo_a", "wo_b", "head", "q_a+kv", "shexp gate+up"} <= names
     assert all(g["us"] > 0 for g in res["gemv"])

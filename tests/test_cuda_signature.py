@@ -158,3 +158,5 @@ def test_entry_points_come_from_one_format_list():
     out = expand_lists(src)
     assert set(parse_kernels(src)) == {"k_aa", "k_bb"} and "body<2>(x, n, 9);" in out
     assert out.count('// Launch: one block\nextern "C"') == 2 and out.count("__global__") == 2
+    mid = src.replace("k_##name(", "k_##name##_rows(")            # a paste on both sides (gemv_##name##_rows)
+    assert set(parse_kernels(mid)) == {"k_aa_rows", "k_bb_rows"} and "##" not in expand_lists(mid)

@@ -561,9 +561,9 @@ def test_decode_attention_is_charged_its_tile_chain():
     assert ATTN_COMBINE_SPLITS == 16 and comb.inflight_bytes == 64 * 256 * 8 * ATTN_COMBINE_SPLITS   # float2 rows
 
 
-def test_the_attention_tile_counts_equal_the_build():
-    """timemodel.ATTN_TILE_SASS is what nvdisasm counts in this tree's attn_decode_partial (skipped without NVRTC or
-    nvdisasm); a kernel change that moves them fails here until the constants are updated."""
+def _listing(stem: str, arch: str) -> dict:
+    """nvdisasm's listing of this tree's cu/<stem>.cu built for arch (the test is skipped without NVRTC or
+    nvdisasm)."""
     from ds4py.cuda import compiler
 
     try:
@@ -571,26 +571,23 @@ def test_the_attention_tile_counts_equal_the_build():
         compiler.nvrtc_version()
     except Exception as e:                                        # noqa: BLE001 - any missing tool skips
         pytest.skip(f"no NVRTC / nvdisasm here: {e}")
-    src = compiler.CU_DIR / "attention.cu"
+    src = compiler.CU_DIR / f"{stem}.cu"
+    return sass.disassemble(compiler.compile_file(src, arch, compiler.file_options(src)).cubin)
+
+
+def test_the_attention_tile_counts_equal_the_build():
+    """timemodel.ATTN_TILE_SASS is what nvdisasm counts in this tree's attn_decode_partial (skipped without NVRTC or
+    nvdisasm); a kernel change that moves them fails here until the constants are updated."""
     for arch, want in timemodel.ATTN_TILE_SASS.items():
-        mod = compiler.compile_file(src, arch, compiler.file_options(src))
-        assert sass.attn_tile_counts(sass.disassemble(mod.cubin)["attn_decode_partial"]) == want, arch
+        assert sass.attn_tile_counts(_listing("attention", arch)["attn_decode_partial"]) == want, arch
 
 
 def test_the_sinkhorn_round_counts_equal_the_build():
     """timemodel.SINKHORN_ROUND (a round's dependent shuffle rounds and divisions, which set hc_mix's last-block
     tail) is what nvdisasm counts in this tree's hc_mix (skipped without NVRTC or nvdisasm): 2 shuffle rounds (a
     row and a column sum, each partner shuffled at once) and 2 divisions; the xor butterflies it replaced were 4."""
-    from ds4py.cuda import compiler
-
-    try:
-        sass.nvdisasm()
-        compiler.nvrtc_version()
-    except Exception as e:                                        # noqa: BLE001 - any missing tool skips
-        pytest.skip(f"no NVRTC / nvdisasm here: {e}")
-    src = compiler.CU_DIR / "mhc.cu"
     for arch, want in timemodel.SINKHORN_ROUND.items():
-        listing = sass.disassemble(compiler.compile_file(src, arch, compiler.file_options(src)).cubin)
+        listing = _listing("mhc", arch)
         for k in ("hc_mix_f16", "hc_mix_f32"):
             assert sass.sinkhorn_round(listing[k]) == want, (arch, k)
     want = timemodel.SINKHORN_ROUND["sm_90"]

@@ -7,7 +7,7 @@ each parameter's name and C type. The CPU emulator (ds4py/cuda/emu.py) reuses `p
 
 Entry points generated from a list (one kernel per weight format) are expanded first, as the C preprocessor does
 it: a list macro `#define MOE_FORMATS(X) X(a, ...) X(b, ...)` (in the source or a header it includes from cu/),
-a template `#define ENTRY(name, ...) extern "C" __global__ void k_##name(...) { ... }` and its use
+a template `#define ENTRY(name, ...) extern "C" __global__ void k_##name(...) { ... }` (or k_##name##_rows) and its use
 `MOE_FORMATS(ENTRY)` at the start of a line become one kernel per entry (expand_lists).
 """
 
@@ -157,7 +157,7 @@ def _substitute(body: str, params: list[str], args: list[str]) -> str:
     for p, a in zip(params, args):
         body = re.sub(rf"\s*##\s*{p}\b|\b{p}\s*##\s*", a, body)
         body = re.sub(rf"(?<![\w#]){p}\b", a, body)
-    return body
+    return re.sub(r"\s*##\s*", "", body)           # the pastes left, as the _rows of k_##name##_rows
 
 
 def expand_lists(source_text: str) -> str:

@@ -30,7 +30,7 @@ from ds4py.cuda.ops.core import TokenRows
 from ds4py.cuda.ops.experts import Experts, Slots
 from ds4py.ref import ops
 from ds4py.ref.forward import topk_mask
-from tests.cu_emu_device import KernelDevice
+from tests.cu_emu_device import gpu_devices
 from gpu_sizes import shrink
 from tests.test_cu_emu_attention import (test_attention_is_bit_identical_across_thread_orders,  # noqa: F401
                                    test_decode_attention, test_fp8_fake_quant_is_exact_on_the_grid, test_kv_store)
@@ -56,19 +56,8 @@ IH, IHD, TOPK = 64, 128, 512                         # its indexer
 
 @pytest.fixture
 def kdev(rt):
-    """The emulator tests' device factory, on the GPU (thread order and seed do not apply to hardware)."""
-    made = []
-
-    def make(order: str = "forward", seed: int = 0, **kw):
-        if order != "forward":
-            pytest.skip("thread order is an emulator setting; the GPU runs each case once")
-        kw = {"weights_mib": 256, "scratch_mib": 256, **kw}
-        made.append(KernelDevice(rt, max(kw["weights_mib"], 64), max(kw["scratch_mib"], 64)))
-        return made[-1]
-
-    yield make
-    for d in made:
-        d.close()
+    """The emulator tests' device factory on the GPU (256 MiB regions unless a test asks for more)."""
+    yield from gpu_devices(rt, 256)
 
 
 def yarn() -> np.ndarray:

@@ -22,7 +22,7 @@ from ds4py.cuda.twins.core import assert_close_scaled
 from ds4py.cuda.ops.core import TokenRows
 from ds4py.cuda.ops.experts import Experts, Slots
 from ds4py.cuda.ops.gemm import GemmShape
-from tests.cu_emu_device import KernelDevice
+from tests.cu_emu_device import gpu_devices
 from tests.test_cu_emu_experts import expert_tensor
 from test_cu_emu_gemm import (test_gemm_against_the_twin, test_gemm_rows_do_not_depend_on_T_or_neighbours,  # noqa: F401
                               test_mma_fragment_layout_matches_the_twin, test_tensor_core_path_vs_scalar_fp32)
@@ -35,18 +35,8 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture
 def kdev(rt):
-    """The emulator tests' device factory on the GPU (thread orders are an emulator setting: skipped)."""
-    made = []
-
-    def make(order: str = "forward", seed: int = 0, **kw):
-        if order != "forward":
-            pytest.skip("thread order is an emulator setting; the GPU runs each case once")
-        made.append(KernelDevice(rt, kw.get("weights_mib", 1024), kw.get("scratch_mib", 1024)))
-        return made[-1]
-
-    yield make
-    for d in made:
-        d.close()
+    """The emulator tests' device factory on the GPU (1024 MiB regions unless a test asks for more)."""
+    yield from gpu_devices(rt, 1024)
 
 
 def _timed(rt, fn, reps: int = 5) -> float:

@@ -13,7 +13,7 @@ from gpu_sizes import shrink
 from ds4py.cuda import ops, twins
 from ds4py.cuda.ops.gemv import GEMV_MAX_X
 from ds4py.cuda.ops.gemv import GemvX
-from tests.cu_emu_device import KernelDevice
+from tests.cu_emu_device import gpu_devices
 from tests.gpu.test_gpu_engine import _cuda, models  # noqa: F401 (fixture)
 from test_cu_emu_rows import (test_gemv_rows_equal_single_rows,  # noqa: F401
                               test_gemv_rows_input_groups_and_the_widest_launch,
@@ -25,17 +25,8 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture
 def kdev(rt):
-    made = []
-
-    def make(order: str = "forward", seed: int = 0, **kw):
-        if order != "forward":
-            pytest.skip("thread order is an emulator setting; the GPU runs each case once")
-        made.append(KernelDevice(rt, 64, 64))
-        return made[-1]
-
-    yield make
-    for d in made:
-        d.close()
+    """The emulator tests' device factory on the GPU (64 MiB regions unless a test asks for more)."""
+    yield from gpu_devices(rt, 64)
 
 
 def test_q8_0_rows_gemv_at_the_q_b_shape_is_bit_identical_to_single_rows(rt, put, arena):
