@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ds4py.quant.jit_i8_kernels import LOW2, _dot, _iq2_xxs_words, _load_u64
+from ds4py.quant.jit_i8_kernels import _dot, _iq2_xxs_words, _q2_k_words
 
 F32 = np.float32
 I32 = np.int32
@@ -113,8 +113,8 @@ def _part_with_mins(raw, xq, xd, xbs, y, f16, p, parts, q4):
 @njit(cache=True, nogil=True, boundscheck=False)
 def _unpack_q2_k(raw, r, W, k, dw, dm, mn, f16, w8u):
     """Row r of Q2_K blocks into W[k] (int16 code * sub-block scale), dw / dm[k] (d, dmin) and mn[k] (int32
-    sub-block mins, 16 a block). A block is unpacked as jit_i8_kernels.q2_k does it (8 bytes a word into the
-    scratch w8u), then widened to int16 in one vectorisable loop."""
+    sub-block mins, 16 a block). A block is unpacked as jit_i8_kernels.q2_k does it (_q2_k_words: 8 bytes a word
+    into the scratch w8u), then widened to int16 in one vectorisable loop."""
     nb = raw.shape[1]
     wk = W[k]
     w8 = w8u.view(np.int8)
@@ -123,13 +123,7 @@ def _unpack_q2_k(raw, r, W, k, dw, dm, mn, f16, w8u):
         dm[k, b] = f16[np.int32(raw[r, b, 82]) | (np.int32(raw[r, b, 83]) << 8)]
         for i in range(16):
             mn[k, 16 * b + i] = I32(raw[r, b, i] >> 4)
-        for h in range(2):
-            for j in range(4):
-                for half in range(2):
-                    sv = np.uint64(raw[r, b, 8 * h + 2 * j + half] & 15)
-                    for q in range(2):
-                        c = _load_u64(raw, (r * nb + b) * 84 + 16 + 32 * h + 16 * half + 8 * q)
-                        w8u[16 * h + 4 * j + 2 * half + q] = ((c >> np.uint64(2 * j)) & LOW2) * sv
+        _q2_k_words(raw, r, b, w8u)
         wb = wk[256 * b:256 * b + 256]
         for i in range(256):
             wb[i] = I16(w8[i])

@@ -68,6 +68,19 @@ def q8_0(raw, q, xq, xd, y, f16, parts):
             for t in range(T):
                 y[t, r] = acc[t]
 
+@njit(cache=True, nogil=True, boundscheck=False, inline="always")
+def _q2_k_words(raw, r, b, wu):
+    """Block b of Q2_K row r's codes times their sub-block scales into the 32 words wu, 8 int8 weights a word
+    (q2_k says how). Inlined: the prefill kernels (jit_i8_gemm_kernels) unpack a row with it too."""
+    nb = raw.shape[1]
+    for h in range(2):
+        for j in range(4):
+            for half in range(2):
+                sv = np.uint64(raw[r, b, 8 * h + 2 * j + half] & 15)
+                for k in range(2):
+                    c = _load_u64(raw, (r * nb + b) * 84 + 16 + 32 * h + 16 * half + 8 * k)
+                    wu[16 * h + 4 * j + 2 * half + k] = ((c >> np.uint64(2 * j)) & LOW2) * sv
+
 
 @njit(**OPTS)
 def q2_k(raw, xq, xd, xbs, y, f16, parts):
@@ -85,13 +98,7 @@ def q2_k(raw, xq, xd, xbs, y, f16, parts):
             for b in range(nb):
                 d = f16[np.int32(raw[r, b, 80]) | (np.int32(raw[r, b, 81]) << 8)]
                 dm = f16[np.int32(raw[r, b, 82]) | (np.int32(raw[r, b, 83]) << 8)]
-                for h in range(2):
-                    for j in range(4):
-                        for half in range(2):
-                            sv = np.uint64(raw[r, b, 8 * h + 2 * j + half] & 15)
-                            for k in range(2):
-                                c = _load_u64(raw, (r * nb + b) * 84 + 16 + 32 * h + 16 * half + 8 * k)
-                                wu[16 * h + 4 * j + 2 * half + k] = ((c >> np.uint64(2 * j)) & LOW2) * sv
+                _q2_k_words(raw, r, b, wu)
                 for t in range(T):
                     isum = _dot(w, xq[t, 256 * b:256 * b + 256])
                     m = I32(0)
