@@ -27,7 +27,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -35,9 +34,8 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
 
-from trained_files import REPO, TRAINED, base, halves, sidecar, teacher  # noqa: E402  (puts the repo on sys.path)
+from trained_files import REPO, TRAINED, halves, prepare, sidecar  # noqa: E402  (puts the repo on sys.path)
 from ds4py.ref.engine import RefModel  # noqa: E402
-from ds4py.tokenizer import Tokenizer  # noqa: E402
 
 
 def score_rows(m: RefModel, ids: np.ndarray, P: int) -> np.ndarray:
@@ -110,10 +108,7 @@ def main() -> int:
                          "were measured on this base, before unbiased gains were the default)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    work = Path(args.work or tempfile.mkdtemp(prefix="posttrain_trained_"))
-    work.mkdir(parents=True, exist_ok=True)
-    teacher_path, base_p = teacher(work), base(work, args.biased)
-    tok = Tokenizer.from_gguf(str(teacher_path))
+    work, teacher_path, base_p, tok = prepare(args.work, args.biased, "posttrain_trained_")
     teacher_m = RefModel(str(teacher_path), threads=1)
     P, T = args.prompt, args.prompt + args.gen
     res: dict = {"prompt": P, "gen": args.gen, "ridge": args.ridge, "generated": args.generated, "domains": {}}

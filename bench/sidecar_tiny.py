@@ -33,7 +33,7 @@ from ds4py.vq.quantize import Options, quantize_vq  # noqa: E402
 from ds4py.vq.rulers import rulers  # noqa: E402
 from ds4py.vq.sidecar_fit import Options as FitOptions  # noqa: E402
 from ds4py.vq.sidecar_fit import fit_sidecar  # noqa: E402
-from ds4py.vq.sidecar_synth import domain_text  # noqa: E402
+from ds4py.vq.sidecar_synth import decision_request, domain_text  # noqa: E402
 
 SHAPE = dict(n_layers=3, hash_layers=1, n_heads=8, head_dim=128, o_groups=4, n_experts=32)
 V = 512
@@ -89,16 +89,8 @@ def main() -> int:
                   f"{(s != 1).mean():.1%} of gains changed")
 
     # post-training on a request
-    ids = domain_text(V, 160, walk=7, **chain)
     P = 96
-    m = models["base + sidecar"]
-    st = m.new_state()
-    lg = np.concatenate([m.prefill(st, ids[:P], all_logits=True)] + [m.decode(st, int(x))[None] for x in ids[P:]])
-    order = np.argsort(-lg, 1)
-    rng = np.random.default_rng(0)
-    rows = rng.choice(np.arange(P - 1, 160), 8, replace=False)
-    tg = np.full(160, -1)
-    tg[rows] = order[rows, 1 + rng.integers(0, 3, 8)]
+    ids, tg, _ = decision_request(models["base + sidecar"], V, 160, P, 8, **chain)
     t0 = time.perf_counter()
     cand, rep = fit_posttrain(str(base), sc, ids, P, tg, progress=print)
     rep["wall_s"] = time.perf_counter() - t0

@@ -18,16 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
 from pathlib import Path
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
 
-from trained_files import LAMBDAS, TRAINED, base, halves, sidecar, teacher  # noqa: E402  (puts the repo on sys.path)
+from trained_files import LAMBDAS, TRAINED, halves, prepare, sidecar  # noqa: E402  (puts the repo on sys.path)
 from ds4py.ref.engine import RefModel  # noqa: E402
-from ds4py.tokenizer import Tokenizer  # noqa: E402
 from ds4py.vq.rulers import rulers  # noqa: E402
 
 
@@ -47,10 +45,7 @@ def main() -> int:
                          "most of what a sidecar then finds is that shrinkage)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    work = Path(args.work or tempfile.mkdtemp(prefix="sidecar_trained_"))
-    work.mkdir(parents=True, exist_ok=True)
-    teacher_p, base_p = teacher(work), base(work, args.biased)
-    tok = Tokenizer.from_gguf(str(teacher_p))
+    work, teacher_p, base_p, tok = prepare(args.work, args.biased, "sidecar_trained_")
     evals, res = {}, {"sidecars": {}}
     for dom in ("code", "prose"):
         _, held = halves((TRAINED / f"test_{dom}.txt").read_text())

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,6 +45,17 @@ def base(work: Path, biased: bool = False) -> Path:
                         "16", "--workers", "1", "-q"] + (["--no-unbiased-gains"] if biased else []),
                        check=True, cwd=REPO)
     return p
+
+
+def prepare(work: str | None, biased: bool, prefix: str):
+    """A bench's start: its work folder (`work`, made if missing; else a fresh temporary one named `prefix`...),
+    the teacher and the VQ-8 base in it, and the teacher's tokenizer."""
+    from ds4py.tokenizer import Tokenizer
+
+    folder = Path(work or tempfile.mkdtemp(prefix=prefix))
+    folder.mkdir(parents=True, exist_ok=True)
+    t = teacher(folder)
+    return folder, t, base(folder, biased), Tokenizer.from_gguf(str(t))
 
 
 def sidecar(work: Path, dom: str, biased: bool = False, lambdas: str = LAMBDAS) -> tuple[Path, Path, float | None]:

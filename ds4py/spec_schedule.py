@@ -273,20 +273,11 @@ class MeasuredCosts:
         return v if v is not None else self._first.value()
 
 
-class ByteCosts:
-    """Deterministic costs for a seeded sampled request (its tokens depend on the drafts, so its k must not
-    depend on the clock): the bytes each step reads, the decode roofline. A verify of r rows reads the dense
-    weights once and r rows' routed experts (no sharing assumed); a first draft step reads the draft (MTP: the
-    block and the head), a chained one `chain_bytes` (MTP: the same; DSpark: nothing, its block holds every
-    position); a plain step the model and what the draft reads per main row beyond the head (MTP: its catch-up
-    row)."""
+class _GivenCosts:
+    """The costs known without timing (ByteCosts, StepCosts): every observation is ignored, nothing is due for a
+    re-time, and the verify line is known from the start."""
 
     deterministic = True
-
-    def __init__(self, main_bytes: int, routed_bytes: int, draft_bytes: int, head_bytes: int,
-                 chain_bytes: int | None = None):
-        self.main, self.routed, self.draft_b, self.head = main_bytes, routed_bytes, draft_bytes, head_bytes
-        self.chain = draft_bytes if chain_bytes is None else chain_bytes
 
     def observe_plain(self, seconds: float) -> None:
         pass
@@ -294,8 +285,8 @@ class ByteCosts:
     def observe_draft(self, first: bool, seconds: float, rows: int = 1) -> None:
         pass
 
-    def catch_up(self) -> float:
-        return 0.0                             # plain() already counts the MTP block's row per token
+    def observe_verify(self, rows: int, seconds: float) -> None:
+        pass
 
     def observe_overhead(self, seconds: float) -> None:
         pass
@@ -306,17 +297,31 @@ class ByteCosts:
     def timed(self, rows: int) -> int:
         return WINDOW                          # given costs: known without timing
 
-    def overhead(self) -> float:
-        return 0.0                             # bytes only: a seeded request's k must not depend on the clock
-
-    def observe_verify(self, rows: int, seconds: float) -> None:
-        pass
-
     def verified(self) -> bool:
         return True
 
     def known(self) -> bool:
         return True
+
+
+class ByteCosts(_GivenCosts):
+    """Deterministic costs for a seeded sampled request (its tokens depend on the drafts, so its k must not
+    depend on the clock): the bytes each step reads, the decode roofline. A verify of r rows reads the dense
+    weights once and r rows' routed experts (no sharing assumed); a first draft step reads the draft (MTP: the
+    block and the head), a chained one `chain_bytes` (MTP: the same; DSpark: nothing, its block holds every
+    position); a plain step the model and what the draft reads per main row beyond the head (MTP: its catch-up
+    row)."""
+
+    def __init__(self, main_bytes: int, routed_bytes: int, draft_bytes: int, head_bytes: int,
+                 chain_bytes: int | None = None):
+        self.main, self.routed, self.draft_b, self.head = main_bytes, routed_bytes, draft_bytes, head_bytes
+        self.chain = draft_bytes if chain_bytes is None else chain_bytes
+
+    def catch_up(self) -> float:
+        return 0.0                             # plain() already counts the MTP block's row per token
+
+    def overhead(self) -> float:
+        return 0.0                             # bytes only: a seeded request's k must not depend on the clock
 
     def verify(self, rows: int) -> float:
         return float(self.main + (rows - 1) * self.routed)
@@ -328,14 +333,12 @@ class ByteCosts:
         return float(self.draft_b if first else self.chain)
 
 
-class StepCosts:
+class StepCosts(_GivenCosts):
     """Deterministic costs from given step times (seconds): a plain step, a verify of r rows (a dict by r; a line
     through the two nearest counts outside it) and the draft step as g + m·r in its pending rows (draft1, draft2:
     one and two rows) -- MeasuredCosts' model with its medians replaced by these numbers. For what-if questions
     (the GPU time model's steps: bench/spec_gpu_model.py), not for a request's decisions. overhead: a drafting
     round's host work beyond its steps (MeasuredCosts.overhead)."""
-
-    deterministic = True
 
     def __init__(self, plain: float, verify: dict[int, float], draft1: float, draft2: float | None = None,
                  overhead: float = 0.0):
@@ -345,32 +348,8 @@ class StepCosts:
         self._m = max(float(draft2) - float(draft1), 0.0) if draft2 is not None else 0.0
         self._first = self._chain = float(draft1)       # one row (g + m); a first step's extra rows: catch_up()
 
-    def observe_plain(self, seconds: float) -> None:
-        pass
-
-    def observe_draft(self, first: bool, seconds: float, rows: int = 1) -> None:
-        pass
-
-    def observe_verify(self, rows: int, seconds: float) -> None:
-        pass
-
-    def verified(self) -> bool:
-        return True
-
-    def known(self) -> bool:
-        return True
-
     def catch_up(self) -> float:
         return self._m
-
-    def observe_overhead(self, seconds: float) -> None:
-        pass
-
-    def plain_due(self) -> bool:
-        return False                           # given costs: nothing to re-time
-
-    def timed(self, rows: int) -> int:
-        return WINDOW                          # given costs: known without timing
 
     def overhead(self) -> float:
         return self._over

@@ -1,8 +1,8 @@
 """The pooled decode kernels on jit's own threads (the calling thread + helper threads, jit.Crew; the default,
 $DS4PY_CREW=0 for numba's pool) instead of numba's pool: the same bits.
 
-Each `<name>_dec` kernel of ds4py.quant.jit_decode has a serial twin `<name>_grab` (the same pieces from one shared
-counter, the same row kernels) that the calling thread and threads - 1 helpers run at once. Checked: every product
+Each `<name>_dec` kernel of ds4py.quant.jit_decode runs its piece loop `<name>_grab` (the pieces from one shared
+counter, the row kernels) on numba's pool; the crew has the calling thread and threads - 1 helpers run it at once. Checked: every product
 family a decode step makes (one matrix per format, the routed experts, the shared expert with the routed gate / up,
 several matrices of one activation) gives numba's pooled kernel's bits at 2 and 3 threads (up to the cores), the twin run by
 that many threads; the grab twins take the `_dec` arguments plus the counter (a changed `_dec` signature

@@ -34,7 +34,7 @@ from ds4py.sampling import SamplingParams
 from ds4py.session import Session, TokenEvent
 from spec_fakes import NullTokenizer
 from test_dspark_cli import _cli, chat_model  # noqa: F401  (the fixture: the draft file with a real vocabulary)
-from test_dspark_golden import QAT_CLEAN, QAT_MAX, TOL, _sfx, _taps, gold  # noqa: F401  (the golden tolerances, the stored taps, the fixture)
+from test_dspark_golden import QAT_CLEAN, QAT_MAX, TOL, _sfx, _taps, draft_errors, gold  # noqa: F401  (the golden tolerances, the stored taps, the error checks, the fixture)
 
 pytestmark = pytest.mark.skipif(emu.compiler() is None, reason="the CUDA emulator needs g++")
 FP32_NOISE = 2e-5                   # cuda-emu vs the reference on the same rings (measured <= 2.7e-6)
@@ -224,17 +224,7 @@ def test_speculative_pair_state_crosses_backends(cudas, refs):
 
 
 def test_draft_errors(cudas, v41_gguf):
-    draft = cudas[False].open_dspark()
-    st = draft.new_state()
-    with pytest.raises(Ds4Error, match="at least one fed main position"):
-        draft.block(st, 3)
-    with pytest.raises(Ds4Error, match=r"taps must be \[T, 768\]"):
-        draft.feed([st], [np.zeros((2, 5), np.float32)])
-    draft.feed([st], [np.zeros((2, 768), np.float32)])
-    with pytest.raises(Ds4Error, match="outside the vocabulary"):
-        draft.block(st, 512)
-    with pytest.raises(Ds4Error, match="state from this draft"):
-        draft.block(cudas[False].new_state(), 1)
+    draft_errors(cudas[False])
     with pytest.raises(Ds4Error, match="no DSpark draft"):
         open_model(v41_gguf, backend="cuda-emu").open_dspark()
 

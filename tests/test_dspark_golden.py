@@ -163,9 +163,11 @@ def test_score_draft_out_end_to_end(dspark_gguf, gold, tmp_path, case, fq):
         assert np.array_equal(got["output_ids"], gold[f"{case}_draft_output_ids{s}"])
 
 
-def test_draft_errors(models, dspark_gguf, v41_gguf, tmp_path):
-    m = models[False]
-    draft = m.open_dspark()
+def draft_errors(model):
+    """The refusals of `model`'s DSpark draft (a block before any fed position, taps of the wrong width, a token
+    outside the vocabulary, another model's state), each one sentence; returns the draft and its state (2 positions
+    fed). tests/test_cuda_dspark.py runs it on the CUDA draft."""
+    draft = model.open_dspark()
     st = draft.new_state()
     with pytest.raises(Ds4Error, match="at least one fed main position"):
         draft.block(st, 3)
@@ -175,7 +177,12 @@ def test_draft_errors(models, dspark_gguf, v41_gguf, tmp_path):
     with pytest.raises(Ds4Error, match="outside the vocabulary"):
         draft.block(st, 512)
     with pytest.raises(Ds4Error, match="state from this draft"):
-        draft.block(m.new_state(), 1)
+        draft.block(model.new_state(), 1)
+    return draft, st
+
+
+def test_draft_errors(models, dspark_gguf, v41_gguf, tmp_path):
+    draft, st = draft_errors(models[False])
     assert st.n_tokens == 2 and draft.load_state(draft.save_state(st)).n_tokens == 2
     np.save(tmp_path / "ids.npy", np.arange(8))
     r = ds4py("score", "-m", dspark_gguf, "--ids", tmp_path / "ids.npy", "--split", 4, "--out", tmp_path / "l.npy",

@@ -4,6 +4,7 @@ the rest of a 2048-token chunk)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import time
@@ -63,13 +64,15 @@ def tok(golden):
     return Tokenizer.from_gguf(str(golden / "ds4-tiny" / "tiny.gguf"))
 
 
-def _busy_after_disconnect(tok, chunk) -> tuple[float, list[int]]:
-    """Seconds the engine stays busy after a client disconnects 0.3 s into the prefill of 6000 tokens."""
+@contextlib.contextmanager
+def _prefilling(tok, tokens: int, chunk):
+    """A server whose engine (SlowModel, 1 ms a token; prefill chunks `chunk`) has started the prefill of a
+    completion of `tokens` tokens: yields (the model, the server state, the client's socket)."""
     model = SlowModel(tok.vocab_size, per_token=0.001)
     state = ServerState(ServerConfig())
     state.set_engine(Engine(Session(model, tok, ctx_size=16384, prefill_chunk=chunk), tok))
     with BackgroundServer(state) as srv:
-        body = json.dumps({"prompt": [5] * 6000, "max_tokens": 2}).encode()
+        body = json.dumps({"prompt": [5] * tokens, "max_tokens": 2}).encode()
         s = socket.create_connection((srv.host, srv.port), timeout=30)
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                   b"Content-Length: %d\r\n\r\n" % len(body) + body)
@@ -77,6 +80,12 @@ def _busy_after_disconnect(tok, chunk) -> tuple[float, list[int]]:
         while not model.calls:
             assert time.monotonic() - t0 < 10
             time.sleep(0.01)
+        yield model, state, s
+
+
+def _busy_after_disconnect(tok, chunk) -> tuple[float, list[int]]:
+    """Seconds the engine stays busy after a client disconnects 0.3 s into the prefill of 6000 tokens."""
+    with _prefilling(tok, 6000, chunk) as (model, state, s):
         time.sleep(0.3)
         s.close()
         t_gone = time.monotonic()
@@ -127,18 +136,7 @@ def test_serve_prefills_in_paced_chunks(golden):
 def test_shutdown_during_prefill_stops_the_engine_and_tells_the_client(tok):
     """SIGTERM's path (run_server: state.close() first): the running prefill is cancelled at its next chunk, the
     engine thread ends within a second, and the waiting client gets a 503 saying the server is shutting down."""
-    model = SlowModel(tok.vocab_size, per_token=0.001)
-    state = ServerState(ServerConfig())
-    state.set_engine(Engine(Session(model, tok, ctx_size=16384, prefill_chunk=PrefillPacer(seconds=0.1)), tok))
-    with BackgroundServer(state) as srv:
-        body = json.dumps({"prompt": [5] * 12000, "max_tokens": 2}).encode()
-        s = socket.create_connection((srv.host, srv.port), timeout=30)
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
-        t0 = time.monotonic()
-        while not model.calls:
-            assert time.monotonic() - t0 < 10
-            time.sleep(0.01)
+    with _prefilling(tok, 12000, PrefillPacer(seconds=0.1)) as (model, state, s):
         time.sleep(0.2)
         t_stop = time.monotonic()
         state.close()

@@ -13,10 +13,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ds4py.model import Numerics
 from ds4py.ref.engine import RefModel
+from golden_runs import CASES, logit_diffs, picks, reference_runs, row_diffs
 
-CASES = ("a", "b", "c", "d")
 NOQUANT_ATOL = 1e-4      # measured <= 3.2e-6 over every position of every case (Haswell and Prescott kernels)
 # fp32_fixed: a ~1e-7 summation-order difference can tip one FP8 / FP4 rounding of a cached row (the official
 # prefill and decode differ by 4e-2 on case a that way); which position flips depends on the BLAS kernel (ours
@@ -36,28 +35,7 @@ def gold(golden):
 
 @pytest.fixture(scope="module")
 def runs(v41_gguf, gold):
-    """Per (case, mode): prefill of ids[:P] (all positions, with trace), teacher-forced decode (traced), and a
-    fresh full prefill (the consistency arrays)."""
-    out = {}
-    for fq in (True, False):
-        model = RefModel(v41_gguf, numerics=Numerics(fake_quant=fq))
-        for c in CASES:
-            ids, P = gold[f"{c}_ids"], int(gold[f"{c}_P"])
-            st, tr = model.new_state(), model.new_trace()
-            prefill = model.prefill(st, ids[:P], all_logits=True, trace=tr)
-            dec, dec_tr = [], []
-            for t in ids[P:]:
-                dtr = model.new_trace()
-                dec.append(model.decode(st, int(t), trace=dtr))
-                dec_tr.append(dtr)
-            full = model.prefill(model.new_state(), ids, all_logits=True)
-            out[c, fq] = dict(prefill=prefill, trace=tr, decode=np.array(dec), dec_trace=dec_tr, full=full,
-                              model=model)
-    return out
-
-
-def _row_diffs(got, want):
-    return np.abs(np.atleast_2d(got) - np.atleast_2d(want)).max(1)
+    return reference_runs(v41_gguf, gold)
 
 
 @pytest.mark.parametrize("fq", [True, False], ids=["fp32_fixed", "noquant"])
@@ -65,27 +43,15 @@ def _row_diffs(got, want):
 def test_logits(runs, gold, case, fq):
     """Prefill-last, every decode step and every consistency position (a fresh prefill): identical top-1
     everywhere; noquant within 1e-4 row by row, fp32_fixed pooled over the case (flips allowed)."""
-    r, s = runs[case, fq], _suffix(fq)
-    P = int(gold[f"{case}_P"])
-    pos = gold[f"{case}_consistency_positions{s}"]
-    pairs = {"prefill last": (r["prefill"][-1], gold[f"{case}_prefill_last_logits{s}"]),
-             "decode": (r["decode"], gold[f"{case}_decode_logits{s}"]),
-             "consistency prefill": (r["full"][pos], gold[f"{case}_consistency_prefill_logits{s}"])}
-    diffs = []
-    for what, (got, want) in pairs.items():
-        assert np.array_equal(np.atleast_2d(got).argmax(-1), np.atleast_2d(want).argmax(-1)), f"{what}: top-1 differs"
-        d = _row_diffs(got, want)
-        if not fq:
-            assert d.max() <= NOQUANT_ATOL, f"{what}: max |diff| {d.max():.2e} > {NOQUANT_ATOL}"
-        diffs.append(d)
-    d = np.concatenate(diffs)
+    r, P = runs[case, fq], int(gold[f"{case}_P"])
+    d = logit_diffs(r, gold, case, _suffix(fq), None if fq else NOQUANT_ATOL)
     if fq:
         assert d.max() <= QAT_MAX, f"max |diff| {d.max():.3f} > {QAT_MAX}"
         assert np.median(d) <= QAT_MEDIAN, f"median row max |diff| {np.median(d):.2e} > {QAT_MEDIAN}"
     # decode agrees with our own prefill (the fixed index-key sharing): the prefill path's top-1 everywhere
     assert np.array_equal(r["decode"].argmax(-1), r["full"][P:].argmax(-1))
     if not fq:
-        assert _row_diffs(r["decode"], r["full"][P:]).max() <= NOQUANT_ATOL
+        assert row_diffs(r["decode"], r["full"][P:]).max() <= NOQUANT_ATOL
 
 
 @pytest.mark.parametrize("fq", [True, False], ids=["fp32_fixed", "noquant"])
@@ -115,10 +81,6 @@ def test_engram_hash_ids(runs, gold, case):
     assert np.array_equal(dec, gold[f"{case}_decode_hash_ids"])
 
 
-def _picks(row) -> set:
-    return {int(x) for x in row if x >= 0}
-
-
 @pytest.mark.parametrize("fq", [True, False], ids=["fp32_fixed", "noquant"])
 def test_decode_indexer_topk(runs, gold, fq):
     """The rows every index source picks in decode (layer 1: ratio 2, own keys; 3: ratio 1, candidate source;
@@ -134,7 +96,7 @@ def test_decode_indexer_topk(runs, gold, fq):
                 sel = dtr.indexer_selected[il]
                 got = set() if sel is None else {cfg.window + int(g) for g in np.nonzero(sel[0])[0]}
                 total += 1
-                bad += got != _picks(want[j])
+                bad += got != picks(want[j])
     assert total == 3 * sum(len(gold[f"{c}_ids"]) - int(gold[f"{c}_P"]) for c in CASES)
     assert bad <= max(1, 0.02 * total), f"{bad} of {total} decode indexer rows pick different rows"
 
@@ -161,8 +123,8 @@ def test_official_decode_bug_switch(v41_gguf, gold, runs):
             got = {"bug": tr.indexer_selected[1], "fix": runs[c, True]["dec_trace"][j].indexer_selected[1]}
             for (mode, sfx) in match:
                 sel = got[mode]
-                picks = set() if sel is None else {W + int(g) for g in np.nonzero(sel[0])[0]}
-                match[mode, sfx] += picks == _picks(gold[f"{c}_decode_indexer_topk_L1{sfx}"][j])
+                chosen = set() if sel is None else {W + int(g) for g in np.nonzero(sel[0])[0]}
+                match[mode, sfx] += chosen == picks(gold[f"{c}_decode_indexer_topk_L1{sfx}"][j])
     assert steps == 71
     assert match["bug", ""] >= 25 and match["fix", ""] <= 15, match
     assert match["fix", "_bf16_fixed"] >= 35 and match["bug", "_bf16_fixed"] <= 15, match
@@ -178,5 +140,5 @@ def test_fp32_fixed_criterion_catches_a_wrong_rounding(v41_gguf, gold, monkeypat
     model = RefModel(v41_gguf)
     ids, P = gold["c_ids"], int(gold["c_P"])
     got = model.prefill(model.new_state(), ids, all_logits=True)[gold["c_consistency_positions_fp32_fixed"]]
-    d = _row_diffs(got, gold["c_consistency_prefill_logits_fp32_fixed"])
+    d = row_diffs(got, gold["c_consistency_prefill_logits_fp32_fixed"])
     assert np.median(d) > QAT_MEDIAN and d.max() > QAT_MAX

@@ -11,10 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ds4py.model import Numerics
-from ds4py.ref.engine import RefModel
+from golden_runs import CASES, logit_diffs, picks, reference_runs
 
-CASES = ("a", "b", "c", "d")
 NOQUANT_ATOL = 1e-4
 # qat: the FP8/FP4 fake-quant turns ~1e-7 summation-order differences (BLAS vs torch) into occasional
 # rounding flips that then persist in the KV cache (the official code's own prefill and decode differ by up
@@ -31,31 +29,11 @@ def gold(golden):
 
 @pytest.fixture(scope="session")
 def runs(v4_gguf, gold):
-    """Per (case, mode): prefill of ids[:P] (all positions, with trace), then teacher-forced decode."""
-    out = {}
-    for fq in (True, False):
-        model = RefModel(v4_gguf, numerics=Numerics(fake_quant=fq))
-        for c in CASES:
-            ids, P = gold[f"{c}_ids"], int(gold[f"{c}_P"])
-            st, tr = model.new_state(), model.new_trace()
-            prefill = model.prefill(st, ids[:P], all_logits=True, trace=tr)
-            dec, dec_tr = [], []
-            for t in ids[P:]:
-                dtr = model.new_trace()
-                dec.append(model.decode(st, int(t), trace=dtr))
-                dec_tr.append(dtr)
-            full = model.prefill(model.new_state(), ids, all_logits=True)      # for the consistency arrays
-            out[c, fq] = dict(prefill=prefill, trace=tr, decode=np.array(dec), dec_trace=dec_tr, full=full,
-                              model=model)
-    return out
+    return reference_runs(v4_gguf, gold)
 
 
 def _suffix(fq):
     return "" if fq else "_noquant"
-
-
-def _row_diffs(got, want):
-    return np.abs(np.atleast_2d(got) - np.atleast_2d(want)).max(1)
 
 
 @pytest.mark.parametrize("fq", [True, False], ids=["qat", "noquant"])
@@ -63,19 +41,7 @@ def _row_diffs(got, want):
 def test_logits(runs, gold, case, fq):
     """Prefill-last, decode and consistency (fresh full prefill) logits; noquant row by row, qat pooled over
     the case's positions (a rounding-boundary flip moves one position and, through the cache, its followers)."""
-    r, s = runs[case, fq], _suffix(fq)
-    pos = gold[f"{case}_consistency_positions{s}"]
-    pairs = {"prefill last": (r["prefill"][-1], gold[f"{case}_prefill_last_logits{s}"]),
-             "decode": (r["decode"], gold[f"{case}_decode_logits{s}"]),
-             "consistency prefill": (r["full"][pos], gold[f"{case}_consistency_prefill_logits{s}"])}
-    diffs = []
-    for what, (got, want) in pairs.items():
-        assert np.array_equal(got.argmax(-1), want.argmax(-1)), f"{what}: top-1 differs"
-        d = _row_diffs(got, want)
-        if not fq:
-            assert d.max() <= NOQUANT_ATOL, f"{what}: max |diff| {d.max():.2e} > {NOQUANT_ATOL}"
-        diffs.append(d)
-    d = np.concatenate(diffs)
+    d = logit_diffs(runs[case, fq], gold, case, _suffix(fq), None if fq else NOQUANT_ATOL)
     if fq:
         assert d.max() <= QAT_MAX, f"max |diff| {d.max():.3f} > {QAT_MAX}"
         assert np.median(d) <= QAT_MEDIAN, f"median row max |diff| {np.median(d):.2e} > {QAT_MEDIAN}"
@@ -122,10 +88,6 @@ def test_hidden_state_criterion_catches_a_wrong_block(runs, gold):
         check_hidden_states(hidden_state_errors(hc, hidden))
 
 
-def _picks(row) -> set:
-    return {int(x) for x in row if x >= 0}
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_indexer_topk(runs, gold, case):
     """Indexer picks (qat): prefill indices are P + row, decode indices window + row (golden README)."""
@@ -138,11 +100,11 @@ def test_indexer_topk(runs, gold, case):
         sel = r["trace"].indexer_selected[il]
         for t in range(want.shape[0] if want.shape[1] else 0):
             total += 1
-            mismatched += {P + int(g) for g in np.nonzero(sel[t])[0]} != _picks(want[t])
+            mismatched += {P + int(g) for g in np.nonzero(sel[t])[0]} != picks(want[t])
         want = gold[f"{case}_decode_indexer_topk_L{il}"]
         for j, dtr in enumerate(r["dec_trace"]):
             total += 1
-            mismatched += {cfg.window + int(g) for g in np.nonzero(dtr.indexer_selected[il][0])[0]} != _picks(want[j])
+            mismatched += {cfg.window + int(g) for g in np.nonzero(dtr.indexer_selected[il][0])[0]} != picks(want[j])
     # near-ties after an FP4 flip may swap one pick; measured worst case: 44 of 816 rows (case d)
     assert mismatched <= max(1, 0.08 * total), f"{mismatched} of {total} indexer rows pick different rows"
 

@@ -24,7 +24,7 @@ from ds4py.vq.rulers import rulers
 from ds4py.vq.sidecar_capture import CaptureError, capture, check_sum, router_scores, top_k
 from ds4py.vq.sidecar_fit import Options as FitOptions
 from ds4py.vq.sidecar_fit import fit_bias, gauss_seidel
-from ds4py.vq.sidecar_synth import domain_text
+from ds4py.vq.sidecar_synth import decision_request, domain_text
 
 from helpers import REPO, start_serve
 
@@ -369,16 +369,8 @@ def request_ids(fitted, models, work):
     """A 'request': 96 prompt tokens + 64 generated; 8 decision points asking for the 2nd-4th choice."""
     out, _ = fitted
     _, base = models
-    ids = domain_text(V, 160, walk=7, **CHAIN)
     P = 96
-    m = RefModel(str(base), sidecar=str(out))
-    st = m.new_state()
-    lg = np.concatenate([m.prefill(st, ids[:P], all_logits=True)] + [m.decode(st, int(t))[None] for t in ids[P:]])
-    order = np.argsort(-lg, 1)
-    rng = np.random.default_rng(0)
-    rows = rng.choice(np.arange(P - 1, 160), 8, replace=False)
-    targets = np.full(160, -1)
-    targets[rows] = order[rows, 1 + rng.integers(0, 3, 8)]
+    ids, targets, lg = decision_request(RefModel(str(base), sidecar=str(out)), V, 160, P, 8, **CHAIN)
     np.save(work / "req.npy", ids)
     np.save(work / "targets.npy", targets[P - 1:])                       # in score rows (T - P + 1)
     return ids, P, targets, lg

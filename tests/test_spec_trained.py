@@ -53,6 +53,23 @@ def _spec(spec, prompt):
     return out[:GEN], req, ks
 
 
+def _timed_costs(plain: float, verify1: float, verify2: float, draft: float, draft3: float | None = None,
+                 overhead: float | None = None) -> MeasuredCosts:
+    """MeasuredCosts after three rounds that timed a plain step, a verify of 1 and of 2 rows, a first draft step
+    of one row (and of 3 rows, a round's overhead, where given), in seconds."""
+    c = MeasuredCosts()
+    for _ in range(3):
+        c.observe_plain(plain)
+        c.observe_verify(1, verify1)
+        c.observe_verify(2, verify2)
+        c.observe_draft(True, draft)
+        if draft3 is not None:
+            c.observe_draft(True, draft3, rows=3)
+        if overhead is not None:
+            c.observe_overhead(overhead)
+    return c
+
+
 @pytest.mark.parametrize("dom", ["code", "prose"])
 @pytest.mark.parametrize("k", [None, 1, 3], ids=["scheduler", "k1", "k3"])
 def test_greedy_speculation_is_plain_decoding(pair, prompts, dom, k):
@@ -119,12 +136,7 @@ def test_a_request_starts_from_the_pooled_verdict():
     first round nor probe after 1, 2, 4 plain steps again: it continues the pooled probe gap, which doubles up to
     WINDOW plain steps (a pooled verdict is still re-checked that often). Its own calibration starts empty only
     without a verdict (a seeded request)."""
-    c = MeasuredCosts()
-    for _ in range(3):
-        c.observe_plain(10e-3)
-        c.observe_verify(1, 9e-3)
-        c.observe_verify(2, 14e-3)
-        c.observe_draft(True, 1e-3)
+    c = _timed_costs(10e-3, 9e-3, 14e-3, 1e-3)
     first = Scheduler(c, k_max=4)
     for _ in range(20):
         first.record(0.0, 0.3)                 # the draft never accepted
@@ -188,13 +200,7 @@ def test_catch_up_cost_charged_to_speculative_tokens():
     (1.35 / 13 ms > 1 / 10 ms) loses once its tokens' MTP rows (1.5 ms each) are counted, and the scheduler
     decodes plainly, probing after 1, 2, 4, ... plain steps; with the costs changed so that drafting pays, it
     drafts at the next check (when the gap runs out)."""
-    c = MeasuredCosts()
-    for _ in range(3):
-        c.observe_plain(10e-3)
-        c.observe_verify(1, 9e-3)
-        c.observe_verify(2, 12e-3)
-        c.observe_draft(True, 1e-3, rows=1)
-        c.observe_draft(True, 4e-3, rows=3)
+    c = _timed_costs(10e-3, 9e-3, 12e-3, 1e-3, draft3=4e-3)
     assert c.catch_up() == pytest.approx(1.5e-3) and c.draft(True) == pytest.approx(1e-3)
     assert c.verify(2) == pytest.approx(12e-3)
     s = Scheduler(c, k_max=4)
@@ -213,13 +219,7 @@ def test_catch_up_cost_charged_to_speculative_tokens():
     # plain steps between: it cost ~2% of a plain step of the trained tiny model on the CPU
     assert len(checks) == 7
     del s.drafting_pays
-    free = MeasuredCosts()                  # the same costs with a flat first draft: m = 0, drafting pays
-    for _ in range(3):
-        free.observe_plain(10e-3)
-        free.observe_verify(1, 9e-3)
-        free.observe_verify(2, 12e-3)
-        free.observe_draft(True, 1e-3, rows=1)
-        free.observe_draft(True, 1e-3, rows=3)
+    free = _timed_costs(10e-3, 9e-3, 12e-3, 1e-3, draft3=1e-3)     # the same with a flat first draft: m = 0
     free.observe_plain(10e-3)               # a plain step just timed: no re-timing due (plain_due)
     s.costs = free
     assert free.catch_up() == 0.0 and s.drafting_pays()
@@ -251,12 +251,7 @@ def test_round_overhead_is_measured_and_charged(pair, prompts):
     spec = MtpSpec(*pair)
     _, req, ks = _spec(spec, prompts["code"][:32])
     assert spec.costs._overhead.n >= req.stats.rounds > 0 and spec.costs.overhead() > 0.0
-    c = MeasuredCosts()
-    for _ in range(3):
-        c.observe_plain(10e-3)
-        c.observe_verify(1, 9e-3)
-        c.observe_verify(2, 14e-3)
-        c.observe_draft(True, 1e-3)
+    c = _timed_costs(10e-3, 9e-3, 14e-3, 1e-3)
     s = Scheduler(c, k_max=4)
     for _ in range(20):
         s.record(0.55, 0.5)
@@ -364,13 +359,7 @@ def test_a_position_must_earn_the_plain_rate():
     draft step spent, a round's rate can be below plain's (here a k = 0 round: 1 token in 10 ms against 8 ms
     plain), and a first draft accepted with probability 0.45 beats that rate (1.45 tokens in 14 ms) while the
     4 ms its verify row costs would decode 0.5 tokens plainly; at 0.55 it pays."""
-    c = MeasuredCosts()
-    for _ in range(3):
-        c.observe_plain(8e-3)
-        c.observe_verify(1, 8e-3)
-        c.observe_verify(2, 12e-3)
-        c.observe_draft(True, 1.5e-3)
-        c.observe_overhead(0.5e-3)
+    c = _timed_costs(8e-3, 8e-3, 12e-3, 1.5e-3, overhead=0.5e-3)
     for acc, verified in ((0.45, False), (0.55, True)):
         s = Scheduler(c, k_max=4)
         for _ in range(10):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 
+from ds4py.cli import BACKENDS
 from ds4py.errors import Ds4Error
 from ds4py.backends import backend_options
 
@@ -108,6 +109,16 @@ def say_numerics(args: argparse.Namespace, model) -> None:
         line = None
     if line is not None:
         print(line, file=sys.stderr, flush=True)
+
+
+def add_engine_arguments(p, numerics: bool = True) -> None:
+    """--backend, the stack on the model (add_stack_arguments) and the reference backend's options
+    (add_cpu_arguments): what every command that opens a model for the engine takes."""
+    p.add_argument("--backend", choices=BACKENDS, default="ref",
+                   help="engine backend: ref (numpy, default), cuda (GPU), cuda-emu (the CUDA engine on the CPU "
+                        "emulator: slow, for tests), auto (cuda where a GPU can run the model, else ref)")
+    add_stack_arguments(p)
+    add_cpu_arguments(p, numerics)
 
 
 def add_stack_arguments(p: argparse.ArgumentParser) -> None:

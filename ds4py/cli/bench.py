@@ -7,9 +7,7 @@ import argparse
 import sys
 import time
 
-from ds4py.cli import BACKENDS
-from ds4py.cli._options import (add_cpu_arguments, add_engram_dir, add_stack_arguments, cpu_numerics, model_kwargs,
-                                say_numerics)
+from ds4py.cli._options import add_engine_arguments, add_engram_dir, cpu_numerics, model_kwargs, say_numerics
 
 NAME = "bench"
 HELP = ("benchmark: prefill/decode sweep over context sizes (default), `bench serve` against a running server, or "
@@ -24,11 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("-m", "--model", dest="model_path", default=None,
                    help="GGUF model file or a pulled model's name (default: the pulled model, as serve uses; the "
                         "demo model when none is pulled)")
-    g.add_argument("--backend", choices=BACKENDS, default="ref",
-                   help="engine backend: ref (numpy, default), cuda (GPU), cuda-emu (the CUDA engine on the CPU "
-                        "emulator: slow, for tests), auto (cuda where a GPU can run the model, else ref)")
-    add_stack_arguments(g)
-    add_cpu_arguments(g)
+    add_engine_arguments(g)
     add_engram_dir(g)
     g.add_argument("--prompt-file", help="text walked to every frontier (default: bundled public-domain book)")
     g.add_argument("--ctx-start", type=int, default=None,

@@ -12,9 +12,8 @@ import json
 import sys
 import time
 
-from ds4py.cli import BACKENDS
-from ds4py.cli._options import (add_cpu_arguments, add_spec_arguments, add_engram_dir, add_stack_arguments, describe,
-                                model_kwargs, cpu_numerics, say_numerics)
+from ds4py.cli._options import (add_engine_arguments, add_engram_dir, add_spec_arguments, cpu_numerics, describe,
+                                model_kwargs, say_numerics)
 
 NAME = "run"
 HELP = "generate one answer to a prompt (streamed; reasoning shown separately)"
@@ -29,11 +28,7 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
                    help="GGUF file or a pulled model's name (default: the pulled model, as serve picks it; else the "
                         "random-weight demo model that serve uses, generated once under "
                         "~/.cache/ds4py)")
-    p.add_argument("--backend", choices=BACKENDS, default="ref",
-                   help="engine backend: ref (numpy, default), cuda (GPU), cuda-emu (the CUDA engine on the CPU "
-                        "emulator: slow, for tests), auto (cuda where a GPU can run the model, else ref)")
-    add_stack_arguments(p)
-    add_cpu_arguments(p)
+    add_engine_arguments(p)
     p.add_argument("--ctx", type=int, default=None, help="context size in tokens (default: the model's)")
     add_engram_dir(p)
     p.add_argument("--system", "-s", default=None, help="system prompt")

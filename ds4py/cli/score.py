@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import argparse
 
-from ds4py.cli import BACKENDS
-from ds4py.cli._options import add_cpu_arguments, add_engram_dir, add_stack_arguments, describe, model_kwargs
+from ds4py.cli._options import add_engine_arguments, add_engram_dir, describe, model_kwargs
 
 NAME = "score"
 HELP = "prefill ids[:P] then teacher-forced decode of the rest; write float32 logits [T-P+1, vocab]"
@@ -27,11 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ids", required=True, help=".npy file with a 1-D integer array of token ids")
     p.add_argument("--split", type=int, required=True, metavar="P", help="number of ids to prefill (1..T)")
     p.add_argument("--out", required=True, help="output .npy (float32 [T-P+1, vocab])")
-    p.add_argument("--backend", choices=BACKENDS, default="ref",
-                   help="engine backend: ref (numpy, default), cuda (GPU), cuda-emu (the CUDA engine on the CPU "
-                        "emulator: slow, for tests), auto (cuda where a GPU can run the model, else ref)")
-    add_stack_arguments(p)
-    add_cpu_arguments(p, numerics=False)
+    add_engine_arguments(p, numerics=False)
     p.add_argument("--no-fake-quant", action="store_true",
                    help="skip the FP8/FP4 KV and indexer quant-dequant (official 'train' numerics)")
     p.add_argument("--mtp", metavar="MTP.gguf", default=None,

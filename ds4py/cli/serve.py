@@ -11,9 +11,8 @@ import threading
 import time
 from pathlib import Path
 
-from ds4py.cli import BACKENDS
-from ds4py.cli._options import (add_cpu_arguments, add_engram_dir, add_spec_arguments, add_stack_arguments,
-                                model_kwargs, cpu_numerics, say_numerics)
+from ds4py.cli._options import (add_engine_arguments, add_engram_dir, add_spec_arguments, cpu_numerics, model_kwargs,
+                                say_numerics)
 
 NAME = "serve"
 HELP = "OpenAI / Anthropic compatible HTTP server (chat, completions, responses, messages)"
@@ -29,11 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="GGUF file or a pulled model's name (default: $DS4PY_MODEL, the default of `ds4py list "
                         "--default`, or the one model `ds4py pull` fetched; when none is pulled, a small random-weight "
                         "demo model, generated once under ~/.cache/ds4py)")
-    p.add_argument("--backend", choices=BACKENDS, default="ref",
-                   help="engine backend: ref (numpy, default), cuda (GPU), cuda-emu (the CUDA engine on the CPU "
-                        "emulator: slow, for tests), auto (cuda where a GPU can run the model, else ref)")
-    add_stack_arguments(p)
-    add_cpu_arguments(p)
+    add_engine_arguments(p)
     p.add_argument("--ctx", type=int, default=32768,
                    help="context size in tokens (default 32768, capped at the model's)")
     p.add_argument("--max-tokens", type=int, default=None, metavar="N",

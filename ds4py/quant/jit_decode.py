@@ -748,7 +748,11 @@ SERIAL = dict(cache=True, nogil=True, boundscheck=False)
 # The parallel kernels hand out their rows in CHUNKS_PER_THREAD x threads pieces, each thread taking the next
 # piece from a shared counter until none is left (dynamic scheduling): with one equal piece a thread, a thread
 # that the OS deschedules (another process, the page-cache writeback, ...) holds the whole step up while the other
-# idles. Rows are independent, so the bits are the same for any cut.
+# idles. Rows are independent, so the bits are the same for any cut. That piece loop is written once per kernel,
+# as `<name>_grab(*the _dec arguments, ctr)`: it takes pieces from the counter ctr until none is left. `<name>_dec`
+# runs it on numba's pool (a prange of `parts` copies over one counter); jit._call runs it on the calling thread and
+# jit.Crew's helper threads instead (GRAB). Same pieces, same row kernels: the same bits. The x_perm'd kernels'
+# grab takes the permuted codes (GRAB_PERM: the argument's index and its permutation, applied once by the caller).
 CHUNKS_PER_THREAD = 8
 
 
@@ -803,18 +807,23 @@ def iq2_xxs_rows(raw, xq, xd, y, f16, grid8, sign8, r0, r1):
     _iq2_xxs_pairs(raw, x_perm(xq), xd, np.arange(T), 0, T, y, f16, grid8, sign8, r0, r1)
 
 
+@njit(**SERIAL)
+def iq2_xxs_grab(raw, xp, xd, y, f16, grid8, sign8, parts, ctr):
+    R, T = raw.shape[0], xp.shape[0]
+    n = _pieces(parts, R)
+    while True:
+        c = _grab(ctr)
+        if c >= n:
+            break
+        _iq2_xxs_pairs(raw, xp, xd, np.arange(T), 0, T, y, f16, grid8, sign8, c * R // n, (c + 1) * R // n)
+
+
 @njit(**OPTS)
 def iq2_xxs_dec(raw, xq, xd, y, f16, grid8, sign8, parts):
-    R, T = raw.shape[0], xq.shape[0]
-    n = _pieces(parts, R)
     ctr = np.zeros(1, np.int64)
     xp = x_perm(xq)
     for p in prange(parts):
-        while True:
-            c = _grab(ctr)
-            if c >= n:
-                break
-            _iq2_xxs_pairs(raw, xp, xd, np.arange(T), 0, T, y, f16, grid8, sign8, c * R // n, (c + 1) * R // n)
+        iq2_xxs_grab(raw, xp, xd, y, f16, grid8, sign8, parts, ctr)
 
 
 @njit(**SERIAL)
@@ -842,18 +851,23 @@ def q2_k_rows(raw, xq, xd, xbs, y, f16, r0, r1):
     _q2_k_pairs(raw, x_perm_q2k(xq), xd, xbs, np.arange(T), 0, T, y, f16, r0, r1)
 
 
+@njit(**SERIAL)
+def q2_k_grab(raw, xp, xd, xbs, y, f16, parts, ctr):
+    R, T = raw.shape[0], xp.shape[0]
+    n = _pieces(parts, R)
+    while True:
+        c = _grab(ctr)
+        if c >= n:
+            break
+        _q2_k_pairs(raw, xp, xd, xbs, np.arange(T), 0, T, y, f16, c * R // n, (c + 1) * R // n)
+
+
 @njit(**OPTS)
 def q2_k_dec(raw, xq, xd, xbs, y, f16, parts):
-    R, T = raw.shape[0], xq.shape[0]
-    n = _pieces(parts, R)
     ctr = np.zeros(1, np.int64)
     xp = x_perm_q2k(xq)
     for p in prange(parts):
-        while True:
-            c = _grab(ctr)
-            if c >= n:
-                break
-            _q2_k_pairs(raw, xp, xd, xbs, np.arange(T), 0, T, y, f16, c * R // n, (c + 1) * R // n)
+        q2_k_grab(raw, xp, xd, xbs, y, f16, parts, ctr)
 
 
 @njit(**SERIAL)
@@ -863,17 +877,22 @@ def q8_0_rows(raw, xq, xd, y, f16, r0, r1):
     _q8_0_pairs(raw, xq, xd, np.arange(T), 0, T, y, f16, r0, r1)
 
 
-@njit(**OPTS)
-def q8_0_dec(raw, xq, xd, y, f16, parts):
+@njit(**SERIAL)
+def q8_0_grab(raw, xq, xd, y, f16, parts, ctr):
     R = raw.shape[0]
     n = _pieces(parts, R)
+    while True:
+        c = _grab(ctr)
+        if c >= n:
+            break
+        q8_0_rows(raw, xq, xd, y, f16, c * R // n, (c + 1) * R // n)
+
+
+@njit(**OPTS)
+def q8_0_dec(raw, xq, xd, y, f16, parts):
     ctr = np.zeros(1, np.int64)
     for p in prange(parts):
-        while True:
-            c = _grab(ctr)
-            if c >= n:
-                break
-            q8_0_rows(raw, xq, xd, y, f16, c * R // n, (c + 1) * R // n)
+        q8_0_grab(raw, xq, xd, y, f16, parts, ctr)
 
 
 @njit(**SERIAL)
@@ -893,17 +912,22 @@ def f16_rows(raw, x, y, f16, r0, r1):
             y[t, r] = acc.sum()
 
 
-@njit(**OPTS)
-def f16_dec(raw, x, y, f16, parts):
+@njit(**SERIAL)
+def f16_grab(raw, x, y, f16, parts, ctr):
     R = raw.shape[0]
     n = _pieces(parts, R)
+    while True:
+        c = _grab(ctr)
+        if c >= n:
+            break
+        f16_rows(raw, x, y, f16, c * R // n, (c + 1) * R // n)
+
+
+@njit(**OPTS)
+def f16_dec(raw, x, y, f16, parts):
     ctr = np.zeros(1, np.int64)
     for p in prange(parts):
-        while True:
-            c = _grab(ctr)
-            if c >= n:
-                break
-            f16_rows(raw, x, y, f16, c * R // n, (c + 1) * R // n)
+        f16_grab(raw, x, y, f16, parts, ctr)
 
 
 # ---- a layer's routed experts in one call (jit_i8.experts_matmul: the MoE of a decode step) -------------------
@@ -978,17 +1002,22 @@ def _iq2_xxs_ex(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, grid8, sign8, k0, k1):
             _iq2_xxs_pairs(wb[ex[g]], xq, xd, xr, gs[g], gs[g + 1], yb, f16, grid8, sign8, r0, r1)
 
 
+@njit(**SERIAL)
+def iq2_xxs_ex_grab(wa, wb, ex, gs, xr, xp, xd, ya, yb, f16, grid8, sign8, bounds, parts, ctr):
+    n = bounds.shape[0] - 1
+    while True:
+        c = _grab(ctr)
+        if c >= n:
+            break
+        _iq2_xxs_ex(wa, wb, ex, gs, xr, xp, xd, ya, yb, f16, grid8, sign8, bounds[c], bounds[c + 1])
+
+
 @njit(**OPTS)
 def iq2_xxs_ex_dec(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, grid8, sign8, bounds, parts):
-    n = bounds.shape[0] - 1
     ctr = np.zeros(1, np.int64)
     xp = x_perm(xq)
-    for p in prange(min(n, parts)):
-        while True:
-            c = _grab(ctr)
-            if c >= n:
-                break
-            _iq2_xxs_ex(wa, wb, ex, gs, xr, xp, xd, ya, yb, f16, grid8, sign8, bounds[c], bounds[c + 1])
+    for p in prange(min(bounds.shape[0] - 1, parts)):
+        iq2_xxs_ex_grab(wa, wb, ex, gs, xr, xp, xd, ya, yb, f16, grid8, sign8, bounds, parts, ctr)
 
 
 @njit(**SERIAL)
@@ -1033,17 +1062,22 @@ def _q2_k_ex(wa, wb, ex, gs, xr, xq, xd, xbs, ya, yb, f16, k0, k1):
             _q2_k_pairs(wb[ex[g]], xq, xd, xbs, xr, gs[g], gs[g + 1], yb, f16, r0, r1)
 
 
+@njit(**SERIAL)
+def q2_k_ex_grab(wa, wb, ex, gs, xr, xp, xd, xbs, ya, yb, f16, bounds, parts, ctr):
+    n = bounds.shape[0] - 1
+    while True:
+        c = _grab(ctr)
+        if c >= n:
+            break
+        _q2_k_ex(wa, wb, ex, gs, xr, xp, xd, xbs, ya, yb, f16, bounds[c], bounds[c + 1])
+
+
 @njit(**OPTS)
 def q2_k_ex_dec(wa, wb, ex, gs, xr, xq, xd, xbs, ya, yb, f16, bounds, parts):
-    n = bounds.shape[0] - 1
     ctr = np.zeros(1, np.int64)
     xp = x_perm_q2k(xq)
-    for p in prange(min(n, parts)):
-        while True:
-            c = _grab(ctr)
-            if c >= n:
-                break
-            _q2_k_ex(wa, wb, ex, gs, xr, xp, xd, xbs, ya, yb, f16, bounds[c], bounds[c + 1])
+    for p in prange(min(bounds.shape[0] - 1, parts)):
+        q2_k_ex_grab(wa, wb, ex, gs, xr, xp, xd, xbs, ya, yb, f16, bounds, parts, ctr)
 
 
 @njit(**SERIAL)
@@ -1066,16 +1100,21 @@ def q8_0_ex_rows(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, k0, k1):
             _q8_0_pairs(wb[ex[g]], xq, xd, xr, gs[g], gs[g + 1], yb, f16, r0, r1)
 
 
+@njit(**SERIAL)
+def q8_0_ex_grab(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, bounds, parts, ctr):
+    n = bounds.shape[0] - 1
+    while True:
+        c = _grab(ctr)
+        if c >= n:
+            break
+        q8_0_ex_rows(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, bounds[c], bounds[c + 1])
+
+
 @njit(**OPTS)
 def q8_0_ex_dec(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, bounds, parts):
-    n = bounds.shape[0] - 1
     ctr = np.zeros(1, np.int64)
-    for p in prange(min(n, parts)):
-        while True:
-            c = _grab(ctr)
-            if c >= n:
-                break
-            q8_0_ex_rows(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, bounds[c], bounds[c + 1])
+    for p in prange(min(bounds.shape[0] - 1, parts)):
+        q8_0_ex_grab(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, bounds, parts, ctr)
 
 
 # ---- the activation quantisers (ds4py.quant.jit_i8.quant_q8_0 / quant_q8_k: numpy's operations, one pass) ------
@@ -1182,18 +1221,23 @@ def q8_0_many_rows(q0, q1, q2, q3, y0, y1, y2, y3, xq, xd, f16, nq, rows, g0, g1
     _q8_0_many_piece((q0, q1, q2, q3), (y0, y1, y2, y3), xq, xd, f16, nq, rows, g0, g1)
 
 
-@njit(**OPTS)
-def q8_0_many_dec(q0, q1, q2, q3, y0, y1, y2, y3, xq, xd, f16, nq, rows, rbytes, parts):
+@njit(**SERIAL)
+def q8_0_many_grab(q0, q1, q2, q3, y0, y1, y2, y3, xq, xd, f16, nq, rows, rbytes, parts, ctr):
     qs, ys = (q0, q1, q2, q3), (y0, y1, y2, y3)
     total, n = _many_pieces(rows, rbytes, parts)
+    while True:
+        c = _grab(ctr)
+        if c >= n:
+            break
+        _q8_0_many_piece(qs, ys, xq, xd, f16, nq, rows, _many_row_at(c * total // n, rows, rbytes),
+                         _many_row_at((c + 1) * total // n, rows, rbytes))
+
+
+@njit(**OPTS)
+def q8_0_many_dec(q0, q1, q2, q3, y0, y1, y2, y3, xq, xd, f16, nq, rows, rbytes, parts):
     ctr = np.zeros(1, np.int64)
     for p in prange(parts):
-        while True:
-            c = _grab(ctr)
-            if c >= n:
-                break
-            _q8_0_many_piece(qs, ys, xq, xd, f16, nq, rows, _many_row_at(c * total // n, rows, rbytes),
-                             _many_row_at((c + 1) * total // n, rows, rbytes))
+        q8_0_many_grab(q0, q1, q2, q3, y0, y1, y2, y3, xq, xd, f16, nq, rows, rbytes, parts, ctr)
 
 
 @njit(**SERIAL)
@@ -1218,134 +1262,6 @@ def mixed_many_rows(q0, q1, q2, q3, y0, y1, y2, y3, xq, xd, h0, h1, h2, h3, h4, 
                       (z0, z1, z2, z3, z4, z5), x, f16, nq, nh, rows, g0, g1)
 
 
-@njit(**OPTS)
-def mixed_many_dec(q0, q1, q2, q3, y0, y1, y2, y3, xq, xd, h0, h1, h2, h3, h4, h5, z0, z1, z2, z3, z4, z5, x,
-                   f16, nq, nh, rows, rbytes, parts):
-    qs, yq = (q0, q1, q2, q3), (y0, y1, y2, y3)
-    hs, yh = (h0, h1, h2, h3, h4, h5), (z0, z1, z2, z3, z4, z5)
-    total, n = _many_pieces(rows, rbytes, parts)
-    ctr = np.zeros(1, np.int64)
-    for p in prange(parts):
-        while True:
-            c = _grab(ctr)
-            if c >= n:
-                break
-            _mixed_many_piece(qs, yq, xq, xd, hs, yh, x, f16, nq, nh, rows, _many_row_at(c * total // n, rows, rbytes),
-                              _many_row_at((c + 1) * total // n, rows, rbytes))
-
-
-# ---- the shared expert's down projection with the routed experts' gate and up, in one call --------------------
-# (jit_i8.experts_matmul's `plain`): pieces 0..n8 are row ranges of one Q8_0 matrix q8 times its own activation
-# (xq8, xd8; q8_0_rows), the rest iq2_xxs_ex_rows' task ranges bounds[c - n8]..bounds[c - n8 + 1]: both products'
-# bits, one launch instead of two.
-@njit(**OPTS)
-def q8_0_iq2_xxs_ex_dec(q8, xq8, xd8, y8, n8, wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, grid8, sign8, bounds, parts):
-    R = q8.shape[0]
-    n = n8 + bounds.shape[0] - 1
-    ctr = np.zeros(1, np.int64)
-    for p in prange(parts):
-        while True:
-            c = _grab(ctr)
-            if c >= n:
-                break
-            if c < n8:
-                q8_0_rows(q8, xq8, xd8, y8, f16, c * R // n8, (c + 1) * R // n8)
-            else:
-                iq2_xxs_ex_rows(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, grid8, sign8, bounds[c - n8],
-                                bounds[c - n8 + 1])
-
-
-# ---- the parallel kernels as serial piece loops (jit._call's own threads: ds4py.quant.jit.Crew) ------------------
-# `<name>_dec`'s loop body without numba's launch: each of the calling thread and the crew's helper threads runs
-# `<name>_grab(*the _dec arguments, ctr)` at once, taking the next piece from the shared counter ctr until none is
-# left. Same pieces, same row kernels: the same bits. The x_perm'd kernels take the permuted codes (GRAB_PERM: the
-# argument's index and its permutation, applied once by the caller).
-@njit(**SERIAL)
-def q8_0_grab(raw, xq, xd, y, f16, parts, ctr):
-    R = raw.shape[0]
-    n = _pieces(parts, R)
-    while True:
-        c = _grab(ctr)
-        if c >= n:
-            break
-        q8_0_rows(raw, xq, xd, y, f16, c * R // n, (c + 1) * R // n)
-
-
-@njit(**SERIAL)
-def f16_grab(raw, x, y, f16, parts, ctr):
-    R = raw.shape[0]
-    n = _pieces(parts, R)
-    while True:
-        c = _grab(ctr)
-        if c >= n:
-            break
-        f16_rows(raw, x, y, f16, c * R // n, (c + 1) * R // n)
-
-
-@njit(**SERIAL)
-def iq2_xxs_grab(raw, xp, xd, y, f16, grid8, sign8, parts, ctr):
-    R, T = raw.shape[0], xp.shape[0]
-    n = _pieces(parts, R)
-    while True:
-        c = _grab(ctr)
-        if c >= n:
-            break
-        _iq2_xxs_pairs(raw, xp, xd, np.arange(T), 0, T, y, f16, grid8, sign8, c * R // n, (c + 1) * R // n)
-
-
-@njit(**SERIAL)
-def q2_k_grab(raw, xp, xd, xbs, y, f16, parts, ctr):
-    R, T = raw.shape[0], xp.shape[0]
-    n = _pieces(parts, R)
-    while True:
-        c = _grab(ctr)
-        if c >= n:
-            break
-        _q2_k_pairs(raw, xp, xd, xbs, np.arange(T), 0, T, y, f16, c * R // n, (c + 1) * R // n)
-
-
-@njit(**SERIAL)
-def iq2_xxs_ex_grab(wa, wb, ex, gs, xr, xp, xd, ya, yb, f16, grid8, sign8, bounds, parts, ctr):
-    n = bounds.shape[0] - 1
-    while True:
-        c = _grab(ctr)
-        if c >= n:
-            break
-        _iq2_xxs_ex(wa, wb, ex, gs, xr, xp, xd, ya, yb, f16, grid8, sign8, bounds[c], bounds[c + 1])
-
-
-@njit(**SERIAL)
-def q2_k_ex_grab(wa, wb, ex, gs, xr, xp, xd, xbs, ya, yb, f16, bounds, parts, ctr):
-    n = bounds.shape[0] - 1
-    while True:
-        c = _grab(ctr)
-        if c >= n:
-            break
-        _q2_k_ex(wa, wb, ex, gs, xr, xp, xd, xbs, ya, yb, f16, bounds[c], bounds[c + 1])
-
-
-@njit(**SERIAL)
-def q8_0_ex_grab(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, bounds, parts, ctr):
-    n = bounds.shape[0] - 1
-    while True:
-        c = _grab(ctr)
-        if c >= n:
-            break
-        q8_0_ex_rows(wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, bounds[c], bounds[c + 1])
-
-
-@njit(**SERIAL)
-def q8_0_many_grab(q0, q1, q2, q3, y0, y1, y2, y3, xq, xd, f16, nq, rows, rbytes, parts, ctr):
-    qs, ys = (q0, q1, q2, q3), (y0, y1, y2, y3)
-    total, n = _many_pieces(rows, rbytes, parts)
-    while True:
-        c = _grab(ctr)
-        if c >= n:
-            break
-        _q8_0_many_piece(qs, ys, xq, xd, f16, nq, rows, _many_row_at(c * total // n, rows, rbytes),
-                         _many_row_at((c + 1) * total // n, rows, rbytes))
-
-
 @njit(**SERIAL)
 def mixed_many_grab(q0, q1, q2, q3, y0, y1, y2, y3, xq, xd, h0, h1, h2, h3, h4, h5, z0, z1, z2, z3, z4, z5, x,
                     f16, nq, nh, rows, rbytes, parts, ctr):
@@ -1360,6 +1276,19 @@ def mixed_many_grab(q0, q1, q2, q3, y0, y1, y2, y3, xq, xd, h0, h1, h2, h3, h4, 
                           _many_row_at((c + 1) * total // n, rows, rbytes))
 
 
+@njit(**OPTS)
+def mixed_many_dec(q0, q1, q2, q3, y0, y1, y2, y3, xq, xd, h0, h1, h2, h3, h4, h5, z0, z1, z2, z3, z4, z5, x,
+                   f16, nq, nh, rows, rbytes, parts):
+    ctr = np.zeros(1, np.int64)
+    for p in prange(parts):
+        mixed_many_grab(q0, q1, q2, q3, y0, y1, y2, y3, xq, xd, h0, h1, h2, h3, h4, h5, z0, z1, z2, z3, z4, z5,
+                        x, f16, nq, nh, rows, rbytes, parts, ctr)
+
+
+# ---- the shared expert's down projection with the routed experts' gate and up, in one call --------------------
+# (jit_i8.experts_matmul's `plain`): pieces 0..n8 are row ranges of one Q8_0 matrix q8 times its own activation
+# (xq8, xd8; q8_0_rows), the rest iq2_xxs_ex_rows' task ranges bounds[c - n8]..bounds[c - n8 + 1]: both products'
+# bits, one launch instead of two.
 @njit(**SERIAL)
 def q8_0_iq2_xxs_ex_grab(q8, xq8, xd8, y8, n8, wa, wb, ex, gs, xr, xp, xd, ya, yb, f16, grid8, sign8, bounds, parts,
                          ctr):
@@ -1375,6 +1304,16 @@ def q8_0_iq2_xxs_ex_grab(q8, xq8, xd8, y8, n8, wa, wb, ex, gs, xr, xp, xd, ya, y
             _iq2_xxs_ex(wa, wb, ex, gs, xr, xp, xd, ya, yb, f16, grid8, sign8, bounds[c - n8], bounds[c - n8 + 1])
 
 
+@njit(**OPTS)
+def q8_0_iq2_xxs_ex_dec(q8, xq8, xd8, y8, n8, wa, wb, ex, gs, xr, xq, xd, ya, yb, f16, grid8, sign8, bounds, parts):
+    ctr = np.zeros(1, np.int64)
+    xp = x_perm(xq)
+    for p in prange(parts):
+        q8_0_iq2_xxs_ex_grab(q8, xq8, xd8, y8, n8, wa, wb, ex, gs, xr, xp, xd, ya, yb, f16, grid8, sign8,
+                             bounds, parts, ctr)
+
+
+# each pooled `<name>_dec` -> its piece loop, and the x argument its caller permutes first (jit._grab_args)
 GRAB = {"q8_0_dec": q8_0_grab, "f16_dec": f16_grab, "iq2_xxs_dec": iq2_xxs_grab, "q2_k_dec": q2_k_grab,
         "iq2_xxs_ex_dec": iq2_xxs_ex_grab, "q2_k_ex_dec": q2_k_ex_grab, "q8_0_ex_dec": q8_0_ex_grab,
         "q8_0_many_dec": q8_0_many_grab, "mixed_many_dec": mixed_many_grab,

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ds4py.quant.jit_i8_kernels import LOW2, ONES16, _dot, _load_u64
+from ds4py.quant.jit_i8_kernels import _dot, _iq2_xxs_words, _q2_k_words
 
 F32 = np.float32
 I32 = np.int32
@@ -35,23 +35,13 @@ OPTS = dict(parallel=True, cache=True, nogil=True, boundscheck=False)
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def _unpack_iq2_xxs(raw, r, W, k, dw, f16, grid2, sign2):
-    """Row r of IQ2_XXS blocks into W[k] (int16 grid * sign * (2 ls + 1)) and dw[k] (d / 8), as
-    jit_i8_kernels.iq2_xxs does a block at a time."""
+    """Row r of IQ2_XXS blocks into W[k] (int16 grid * sign * (2 ls + 1)) and dw[k] (d / 8), a block at a time as
+    jit_i8_kernels.iq2_xxs does (_iq2_xxs_words)."""
     nb = raw.shape[1]
     wu = W[k].view(np.uint64)
     for b in range(nb):
         dw[k, b] = f16[np.int32(raw[r, b, 0]) | (np.int32(raw[r, b, 1]) << 8)] * F32(0.125)
-        for g in range(8):
-            o = 2 + 8 * g
-            aux = (np.int64(raw[r, b, o + 4]) | (np.int64(raw[r, b, o + 5]) << 8)
-                   | (np.int64(raw[r, b, o + 6]) << 16) | (np.int64(raw[r, b, o + 7]) << 24))
-            ls = np.uint64(2 * (aux >> 28) + 1)
-            for q in range(4):
-                gi = np.int64(raw[r, b, o + q])
-                si = (aux >> (7 * q)) & 127
-                for h in range(2):
-                    m = sign2[si, h]
-                    wu[64 * b + 8 * g + 2 * q + h] = ((grid2[gi, h] * ls) ^ m) + (m & ONES16)
+        _iq2_xxs_words(raw, r, b, wu, 64 * b, grid2, sign2)
 
 
 @njit(**OPTS)
@@ -97,11 +87,34 @@ def _tile_with_mins(W, dw, dm, mn, n, xq, xd, xbs, y, r0):
             y[t, r0 + k] = acc
 
 
+@njit(cache=True, nogil=True, boundscheck=False, inline="always")
+def _part_with_mins(raw, xq, xd, xbs, y, f16, p, parts, q4):
+    """Part p of `parts` of the rows of a K-quant with a min term (q4: Q4_K, else Q2_K), tile by tile: ROWS rows
+    unpacked (_unpack_q4_k / _unpack_q2_k), then every token against them (_tile_with_mins). Inlined into q2_k /
+    q4_k, where q4 is a constant."""
+    R, nb = raw.shape[0], raw.shape[1]
+    W = np.empty((ROWS, nb * 256), I16)
+    dw = np.empty((ROWS, nb), F32)
+    dm = np.empty((ROWS, nb), F32)
+    mn = np.empty((ROWS, nb * 16), I32)
+    w8u = np.empty(32, np.uint64)                   # Q2_K's scratch: a block's codes as words
+    sc = np.empty(8, I16)                           # Q4_K's: a block's 6-bit scales
+    lo, hi = p * R // parts, (p + 1) * R // parts
+    for r0 in range(lo, hi, ROWS):
+        n = min(ROWS, hi - r0)
+        for k in range(n):
+            if q4:
+                _unpack_q4_k(raw, r0 + k, W, k, dw, dm, mn, f16, sc)
+            else:
+                _unpack_q2_k(raw, r0 + k, W, k, dw, dm, mn, f16, w8u)
+        _tile_with_mins(W, dw, dm, mn, n, xq, xd, xbs, y, r0)
+
+
 @njit(cache=True, nogil=True, boundscheck=False)
 def _unpack_q2_k(raw, r, W, k, dw, dm, mn, f16, w8u):
     """Row r of Q2_K blocks into W[k] (int16 code * sub-block scale), dw / dm[k] (d, dmin) and mn[k] (int32
-    sub-block mins, 16 a block). A block is unpacked as jit_i8_kernels.q2_k does it (8 bytes a word into the
-    scratch w8u), then widened to int16 in one vectorisable loop."""
+    sub-block mins, 16 a block). A block is unpacked as jit_i8_kernels.q2_k does it (_q2_k_words: 8 bytes a word
+    into the scratch w8u), then widened to int16 in one vectorisable loop."""
     nb = raw.shape[1]
     wk = W[k]
     w8 = w8u.view(np.int8)
@@ -110,13 +123,7 @@ def _unpack_q2_k(raw, r, W, k, dw, dm, mn, f16, w8u):
         dm[k, b] = f16[np.int32(raw[r, b, 82]) | (np.int32(raw[r, b, 83]) << 8)]
         for i in range(16):
             mn[k, 16 * b + i] = I32(raw[r, b, i] >> 4)
-        for h in range(2):
-            for j in range(4):
-                for half in range(2):
-                    sv = np.uint64(raw[r, b, 8 * h + 2 * j + half] & 15)
-                    for q in range(2):
-                        c = _load_u64(raw, (r * nb + b) * 84 + 16 + 32 * h + 16 * half + 8 * q)
-                        w8u[16 * h + 4 * j + 2 * half + q] = ((c >> np.uint64(2 * j)) & LOW2) * sv
+        _q2_k_words(raw, r, b, w8u)
         wb = wk[256 * b:256 * b + 256]
         for i in range(256):
             wb[i] = I16(w8[i])
@@ -125,19 +132,8 @@ def _unpack_q2_k(raw, r, W, k, dw, dm, mn, f16, w8u):
 @njit(**OPTS)
 def q2_k(raw, xq, xd, xbs, y, f16, parts):
     """raw [R, nb, 84] Q2_K rows; activation Q8_K (xq, xd, xbs). y[t, r] = sum_b d_x (d isum - dmin m)."""
-    R, nb = raw.shape[0], raw.shape[1]
     for p in prange(parts):
-        W = np.empty((ROWS, nb * 256), I16)
-        dw = np.empty((ROWS, nb), F32)
-        dm = np.empty((ROWS, nb), F32)
-        mn = np.empty((ROWS, nb * 16), I32)
-        w8u = np.empty(32, np.uint64)
-        lo, hi = p * R // parts, (p + 1) * R // parts
-        for r0 in range(lo, hi, ROWS):
-            n = min(ROWS, hi - r0)
-            for k in range(n):
-                _unpack_q2_k(raw, r0 + k, W, k, dw, dm, mn, f16, w8u)
-            _tile_with_mins(W, dw, dm, mn, n, xq, xd, xbs, y, r0)
+        _part_with_mins(raw, xq, xd, xbs, y, f16, p, parts, False)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -170,19 +166,8 @@ def _unpack_q4_k(raw, r, W, k, dw, dm, mn, f16, sc):
 @njit(**OPTS)
 def q4_k(raw, xq, xd, xbs, y, f16, parts):
     """raw [R, nb, 144] Q4_K rows; activation Q8_K (xq, xd, xbs). y[t, r] = sum_b d_x (d isum - dmin m)."""
-    R, nb = raw.shape[0], raw.shape[1]
     for p in prange(parts):
-        W = np.empty((ROWS, nb * 256), I16)
-        dw = np.empty((ROWS, nb), F32)
-        dm = np.empty((ROWS, nb), F32)
-        mn = np.empty((ROWS, nb * 16), I32)
-        sc = np.empty(8, I16)
-        lo, hi = p * R // parts, (p + 1) * R // parts
-        for r0 in range(lo, hi, ROWS):
-            n = min(ROWS, hi - r0)
-            for k in range(n):
-                _unpack_q4_k(raw, r0 + k, W, k, dw, dm, mn, f16, sc)
-            _tile_with_mins(W, dw, dm, mn, n, xq, xd, xbs, y, r0)
+        _part_with_mins(raw, xq, xd, xbs, y, f16, p, parts, True)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)

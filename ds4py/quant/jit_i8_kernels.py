@@ -68,6 +68,19 @@ def q8_0(raw, q, xq, xd, y, f16, parts):
             for t in range(T):
                 y[t, r] = acc[t]
 
+@njit(cache=True, nogil=True, boundscheck=False, inline="always")
+def _q2_k_words(raw, r, b, wu):
+    """Block b of Q2_K row r's codes times their sub-block scales into the 32 words wu, 8 int8 weights a word
+    (q2_k says how). Inlined: the prefill kernels (jit_i8_gemm_kernels) unpack a row with it too."""
+    nb = raw.shape[1]
+    for h in range(2):
+        for j in range(4):
+            for half in range(2):
+                sv = np.uint64(raw[r, b, 8 * h + 2 * j + half] & 15)
+                for k in range(2):
+                    c = _load_u64(raw, (r * nb + b) * 84 + 16 + 32 * h + 16 * half + 8 * k)
+                    wu[16 * h + 4 * j + 2 * half + k] = ((c >> np.uint64(2 * j)) & LOW2) * sv
+
 
 @njit(**OPTS)
 def q2_k(raw, xq, xd, xbs, y, f16, parts):
@@ -85,13 +98,7 @@ def q2_k(raw, xq, xd, xbs, y, f16, parts):
             for b in range(nb):
                 d = f16[np.int32(raw[r, b, 80]) | (np.int32(raw[r, b, 81]) << 8)]
                 dm = f16[np.int32(raw[r, b, 82]) | (np.int32(raw[r, b, 83]) << 8)]
-                for h in range(2):
-                    for j in range(4):
-                        for half in range(2):
-                            sv = np.uint64(raw[r, b, 8 * h + 2 * j + half] & 15)
-                            for k in range(2):
-                                c = _load_u64(raw, (r * nb + b) * 84 + 16 + 32 * h + 16 * half + 8 * k)
-                                wu[16 * h + 4 * j + 2 * half + k] = ((c >> np.uint64(2 * j)) & LOW2) * sv
+                _q2_k_words(raw, r, b, wu)
                 for t in range(T):
                     isum = _dot(w, xq[t, 256 * b:256 * b + 256])
                     m = I32(0)
@@ -139,6 +146,22 @@ def q4_k(raw, xq, xd, xbs, y, f16, parts):
                 y[t, r] = acc[t]
 
 
+@njit(cache=True, nogil=True, boundscheck=False, inline="always")
+def _iq2_xxs_words(raw, r, b, wu, o, grid2, sign2):
+    """Block b of IQ2_XXS row r unpacked into the 64 words wu[o:o + 64], four int16 weights grid * sign * (2 ls + 1)
+    a word (iq2_xxs says how). Inlined: the prefill kernels (jit_i8_gemm_kernels) unpack a row with it too."""
+    for g in range(8):
+        ob = 2 + 8 * g
+        aux = (np.int64(raw[r, b, ob + 4]) | (np.int64(raw[r, b, ob + 5]) << 8)
+               | (np.int64(raw[r, b, ob + 6]) << 16) | (np.int64(raw[r, b, ob + 7]) << 24))
+        ls = np.uint64(2 * (aux >> 28) + 1)
+        for k in range(4):
+            gi = np.int64(raw[r, b, ob + k])
+            si = (aux >> (7 * k)) & 127
+            for h in range(2):
+                m = sign2[si, h]
+                wu[o + 8 * g + 2 * k + h] = ((grid2[gi, h] * ls) ^ m) + (m & ONES16)
+
 
 @njit(**OPTS)
 def iq2_xxs(raw, xq, xd, y, f16, grid2, sign2, parts):
@@ -159,17 +182,7 @@ def iq2_xxs(raw, xq, xd, y, f16, grid2, sign2, parts):
             acc[:] = 0
             for b in range(nb):
                 d = f16[np.int32(raw[r, b, 0]) | (np.int32(raw[r, b, 1]) << 8)] * F32(0.125)
-                for g in range(8):
-                    o = 2 + 8 * g
-                    aux = (np.int64(raw[r, b, o + 4]) | (np.int64(raw[r, b, o + 5]) << 8)
-                           | (np.int64(raw[r, b, o + 6]) << 16) | (np.int64(raw[r, b, o + 7]) << 24))
-                    ls = np.uint64(2 * (aux >> 28) + 1)
-                    for k in range(4):
-                        gi = np.int64(raw[r, b, o + k])
-                        si = (aux >> (7 * k)) & 127
-                        for h in range(2):
-                            m = sign2[si, h]
-                            wu[8 * g + 2 * k + h] = ((grid2[gi, h] * ls) ^ m) + (m & ONES16)
+                _iq2_xxs_words(raw, r, b, wu, 0, grid2, sign2)
                 for t in range(T):
                     acc[t] += (d * xd[t, b]) * F32(_dot(w, xq[t, 256 * b:256 * b + 256]))
             for t in range(T):

@@ -32,3 +32,21 @@ def domain_text(vocab: int, n_tokens: int, walk: int, domain: int = 0, **chain) 
         out[i] = words[w]
         w = int(succ[w, r.choice(len(p), p=p)])
     return out
+
+
+def decision_request(model, vocab: int, n_tokens: int = 160, prompt: int = 96, points: int = 8,
+                     **chain) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A post-training request on `model` (a loaded model: prefill / decode): walk 7 of domain 0's chain, its
+    first `prompt` tokens prefilled and the rest decoded teacher-forced, and `points` decision points in the
+    continuation that ask for the model's 2nd, 3rd or 4th choice -> (ids [n_tokens], targets [n_tokens]: the
+    asked-for id at a decision row, else -1, logits [n_tokens, vocab]: row i the model's after token i)."""
+    ids = domain_text(vocab, n_tokens, walk=7, **chain)
+    st = model.new_state()
+    lg = np.concatenate([model.prefill(st, ids[:prompt], all_logits=True)]
+                        + [model.decode(st, int(t))[None] for t in ids[prompt:]])
+    order = np.argsort(-lg, 1)
+    rng = np.random.default_rng(0)
+    rows = rng.choice(np.arange(prompt - 1, n_tokens), points, replace=False)
+    targets = np.full(n_tokens, -1)
+    targets[rows] = order[rows, 1 + rng.integers(0, 3, points)]
+    return ids, targets, lg
