@@ -571,8 +571,8 @@ extern "C" __global__ void moe_gate_up_##name(const uint8_t* Wg, const uint8_t* 
                                               const float* route_w, float* h, int n_experts, int ff, int dim, \
                                               int rows_per_block, float clamp) { \
     extern __shared__ __align__(16) uint8_t moe_smem[]; \
-    __shared__ uint64_t grid_s[TABLE ? 256 : 1]; \
-    if (TABLE) moe_load_grid(grid_s);                 /* a constant table */ \
+    __shared__ __align__(16) uint64_t grid_s[TABLE ? 512 : 1]; \
+    if (TABLE) moe_load_grid16(grid_s);               /* a constant table */ \
     moe_gate_up_impl<F>(moe_smem, TABLE ? grid_s : nullptr, Wg, Wu, x, ids, route_w, h, n_experts, ff, dim, \
                         rows_per_block, clamp, blockIdx.x, MOE_WAIT);  /* pdl_wait inside */ \
 }
@@ -585,8 +585,8 @@ extern "C" __global__ void moe_down_##name(const uint8_t* W, const int* ids, con
                                            float* out, int n_slots, int n_experts, int dim, int ff, \
                                            int rows_per_block, int hc) { \
     extern __shared__ __align__(16) uint8_t moe_smem[]; \
-    __shared__ uint64_t grid_s[TABLE ? 256 : 1]; \
-    if (TABLE) moe_load_grid(grid_s);                 /* a constant table */ \
+    __shared__ __align__(16) uint64_t grid_s[TABLE ? 512 : 1]; \
+    if (TABLE) moe_load_grid16(grid_s);               /* a constant table */ \
     moe_down_impl<F>(moe_smem, TABLE ? grid_s : nullptr, W, ids, h, add, hc_post, hc_comb, hc_x, out, n_slots, \
                      n_experts, dim, ff, rows_per_block, hc, blockIdx.x, MOE_WAIT);  /* pdl_wait inside */ \
 }
@@ -654,10 +654,10 @@ extern "C" __global__ void moe_gate_up_rows_##name(const uint8_t* Wg, const uint
                                                    int k, int x_stride) { \
     extern __shared__ __align__(16) uint8_t moe_smem[]; \
     __shared__ int pick; \
-    __shared__ uint64_t grid_s[TABLE ? 256 : 1]; \
+    __shared__ __align__(16) uint64_t grid_s[TABLE ? 512 : 1]; \
     pdl_wait(); \
     pdl_launch_dependents(); \
-    if (TABLE) moe_load_grid(grid_s); \
+    if (TABLE) moe_load_grid16(grid_s); \
     moe_gate_up_rows_impl<F>(moe_smem, TABLE ? grid_s : nullptr, Wg, Wu, x, ids, route_w, h, n_experts, ff, dim, \
                              rows_per_block, clamp, n_pairs, k, x_stride, &pick, blockIdx.x); \
 }
@@ -668,10 +668,10 @@ extern "C" __global__ void moe_down_rows_##name(const uint8_t* W, const int* ids
                                                 const float* mix, const float* hc_x, float* out, int n_slots, \
                                                 int n_experts, int dim, int ff, int rows_per_block, int hc) { \
     extern __shared__ __align__(16) uint8_t moe_smem[]; \
-    __shared__ uint64_t grid_s[TABLE ? 256 : 1]; \
+    __shared__ __align__(16) uint64_t grid_s[TABLE ? 512 : 1]; \
     pdl_wait(); \
     pdl_launch_dependents(); \
-    if (TABLE) moe_load_grid(grid_s); \
+    if (TABLE) moe_load_grid16(grid_s); \
     moe_down_rows_impl<F>(moe_smem, TABLE ? grid_s : nullptr, W, ids, h, add, mix, hc_x, out, n_slots, n_experts, \
                           dim, ff, rows_per_block, hc, blockIdx.x); \
 }

@@ -204,24 +204,41 @@ template <> struct MoeFmt<FMT_IQ2_XXS> {
             }
         }
     }
+    // grid: moe_load_grid16's table (the magnitudes as bf16 halves of 4 words per entry), not moe_iq2xxs_grid.
+    // The products and sums of fmaf(byte_j, x_j with sign bit j flipped, s) over j, in that order (moe_prefill.cu's
+    // tile dot keeps it; its tests compare the bits): a magnitude's float is its word shifted or masked (no byte
+    // permute and subtraction), and the sign bits reach x by rotations of a1, one per two weights: the bit rotated
+    // to 31 goes on by a LOP3 with 0x80000000, the bit at 0 by one IMAD x + (r << 31) (it flips bit 31 the same).
     __device__ static __forceinline__ float dot(const uint8_t* base, int grp, const float* x, const float*,
                                                 const uint64_t* grid) {
+        const uint4* g16 = reinterpret_cast<const uint4*>(grid);
         unsigned a0, a1;
         float db;
         aux(base, grp, a0, a1, db);
-        // 0x4B000000 for moe_b2f through grid entry 0 (0x08080808 in each half), a value ptxas cannot fold: the
-        // constant sits in a register and each PRMT's one immediate slot holds its selector (with the constant
-        // as the immediate, every PRMT needed a MOV of its selector)
-        const unsigned kx = 0x4B000000u + ((unsigned)grid[0] - 0x08080808u);
         float s0 = 0.0f, s1 = 0.0f;
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-            const uint64_t g = grid[(a0 >> (8 * k)) & 255u];
-            const unsigned sg = signs(a1, k), lo = (unsigned)g, hi = (unsigned)(g >> 32);
+            const uint4 g = g16[(a0 >> (8 * k)) & 255u];
+            // sign j of the group: bit 7k + j of a1 (j < 7), bit 7 the parity of the 7 (ksigns_iq2xs)
+            const unsigned r1 = __funnelshift_r(a1, a1, 7 * k + 1);    // bit 0: sign 1, bit 31: sign 0
+            const unsigned r3 = __funnelshift_r(a1, a1, 7 * k + 3);    // signs 3, 2
+            const unsigned r5 = __funnelshift_r(a1, a1, 7 * k + 5);    // signs 5, 4
+            const unsigned r7 = __funnelshift_r(a1, a1, 7 * k + 7);    // bit 31: sign 6
+            const unsigned par = (unsigned)__popc(a1 & (127u << (7 * k)));   // bit 0: sign 7
+            const unsigned w[8] = {g.x << 16, g.x & 0xFFFF0000u, g.y << 16, g.y & 0xFFFF0000u,
+                                   g.z << 16, g.z & 0xFFFF0000u, g.w << 16, g.w & 0xFFFF0000u};
+            const unsigned xs[8] = {__float_as_uint(x[8 * k]) ^ (r1 & 0x80000000u),
+                                    __float_as_uint(x[8 * k + 1]) + (r1 << 31),
+                                    __float_as_uint(x[8 * k + 2]) ^ (r3 & 0x80000000u),
+                                    __float_as_uint(x[8 * k + 3]) + (r3 << 31),
+                                    __float_as_uint(x[8 * k + 4]) ^ (r5 & 0x80000000u),
+                                    __float_as_uint(x[8 * k + 5]) + (r5 << 31),
+                                    __float_as_uint(x[8 * k + 6]) ^ (r7 & 0x80000000u),
+                                    __float_as_uint(x[8 * k + 7]) + (par << 31)};
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {                          // the sign goes on x (same bits)
-                s0 = fmaf(moe_b2f(lo, j, kx), moe_flip(x[8 * k + j], sg, j), s0);
-                s1 = fmaf(moe_b2f(hi, j, kx), moe_flip(x[8 * k + j + 4], sg, j + 4), s1);
+            for (int j = 0; j < 4; ++j) {
+                s0 = fmaf(__uint_as_float(w[j]), __uint_as_float(xs[j]), s0);
+                s1 = fmaf(__uint_as_float(w[j + 4]), __uint_as_float(xs[j + 4]), s1);
             }
         }
         return (s0 + s1) * db;
@@ -568,4 +585,20 @@ template <int F> __device__ __forceinline__ int moe_row_bytes(int cols) { return
 // The IQ2_XXS grid into shared memory (a block-wide copy; __syncthreads before use).
 __device__ __forceinline__ void moe_load_grid(uint64_t* grid_s) {
     for (int i = threadIdx.x; i < 256; i += blockDim.x) grid_s[i] = moe_iq2xxs_grid[i];
+}
+
+// The IQ2_XXS grid as MoeFmt<FMT_IQ2_XXS>::dot reads it, 256 x 16 bytes (at, 16-byte aligned, has 512 words): entry
+// i's word p = the bf16 bits of magnitude 2p + 1 (high half) and 2p (low half), exact (8, 25, 43 need 6 significant
+// bits), so `word << 16` and `word & 0xFFFF0000` are their floats. A block-wide fill; __syncthreads before use.
+__device__ __forceinline__ void moe_load_grid16(uint64_t* at) {
+    uint4* t = reinterpret_cast<uint4*>(at);
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) {
+        const uint64_t g = moe_iq2xxs_grid[i];
+        unsigned w[4];
+#pragma unroll
+        for (int p = 0; p < 4; ++p)
+            w[p] = (__float_as_uint(moe_u2f((unsigned)(g >> (16 * p + 8)) & 255u)) & 0xFFFF0000u) |
+                   (__float_as_uint(moe_u2f((unsigned)(g >> (16 * p)) & 255u)) >> 16);
+        t[i] = make_uint4(w[0], w[1], w[2], w[3]);
+    }
 }

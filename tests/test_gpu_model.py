@@ -455,11 +455,32 @@ def test_small_q8_and_f16_gemvs_spread_over_the_sms(device):
     assert router and all(ln.grid[0] == 64 and ln.block[0] == 32 for ln in router)
 
 
+@pytest.mark.parametrize("device", ["gb10", "h200"])
+@pytest.mark.parametrize("numerics", ["exact", "act_quant"])
+def test_the_iq2_gate_up_keeps_three_blocks_per_sm_beside_its_tables(device, numerics):
+    """cu/experts.cu's IQ2_XXS kernels hold 4 KiB of static tables (the fp32 dots' bf16 grid, the int8 dots' grid +
+    signs): ops/experts.py stages IQ2_TABLES_EXTRA less for them, so 3 blocks of the decode gate + up still fit a
+    GB10 SM's shared memory (registers allow 3 at <= 80 per thread: the committed ptxas table)."""
+    from ds4py.cuda.devices import occupancy
+    from ds4py.cuda.plan import plan_step
+
+    dev = profile(device)
+    name = "moe_gate_up_iq2_xxs" if numerics == "exact" else "moe_gate_up_i8_iq2_xxs"
+    gu = next(ln for ln in plan_step("v4-flash-q2", "decode", device, ctx=2048, numerics=numerics)
+              if ln.kernel == name)
+    assert gu.static_smem >= 4096
+    assert gu.occupancy.by["shared memory"] >= 3
+    # with the full budget's stage (14 rows of 4096 columns, not 13) the tables would leave GB10 two blocks
+    full = 2 * ((14 * 1056 + 31) & ~15)
+    assert gu.smem < full
+    assert device == "h200" or occupancy(dev, gu.threads, gu.registers, full + gu.static_smem).by["shared memory"] < 3
+
+
 def test_prefill_expert_tiles_read_each_expert_about_once_per_block():
     """A 2,048-token V4 Flash q2 prefill block: the token tiles (the default) stream each layer's expert tensors
     once per work item (~1.01x their bytes: 259 items for 256 experts at 12,288 pairs); the grouped rows kernels
     they replace read them ~13x (gate + up, once per <= 1,024 pairs) and ~48x (down, once per token's slot). The
-    model's prefill step is several times faster on both devices."""
+    model's prefill step is more than twice as fast on both devices."""
     from ds4py.cuda.plan import plan_step
 
     assert abs(timemodel.expected_work_items(12288, 256) - 258.8) < 0.1
@@ -478,8 +499,8 @@ def test_prefill_expert_tiles_read_each_expert_about_once_per_block():
         for dev in (H200, GB10):
             times[tiles, dev.key] = timemodel.model_step(launches, dev, 2048, tokens=2048).time_us
     assert expert_bytes[False] > 15 * expert_bytes[True], expert_bytes
-    for dev in ("h200", "gb10"):
-        assert times[True, dev] * 2.5 < times[False, dev], times
+    for dev in ("h200", "gb10"):       # H200: 2.45x since branch s7h200x's faster IQ2_XXS rows kernels (2.9x before)
+        assert times[True, dev] * 2 < times[False, dev], times
 
 
 def test_a_fork_join_region_overlaps_the_side_stream_within_the_shared_dram_and_issue():

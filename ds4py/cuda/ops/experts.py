@@ -24,9 +24,12 @@ from ds4py.cuda.signature import CU_DIR, list_of
 
 MOE_RPT = 8                    # rows per thread (accumulators per matrix)
 DEFINES = {"MOE_RPT": MOE_RPT}                                                     # -D values of cu/experts.cu
-# staged rows per block (ggml formats): 3 blocks fit a GB10 SM's ~100 KB (30 KiB + the IQ2 grid's 2 KiB + the
+# staged rows per block (ggml formats): 3 blocks fit a GB10 SM's ~100 KB (30 KiB + 2 KiB of static tables + the
 # driver's 1 KiB each), no opt-in; registers permitting (<= 80 at 256 threads: docs/cuda.md)
 SMEM_BUDGET = 30 * 1024
+# IQ2_XXS's static tables take 4 KiB (experts.cu: the fp32 dots' bf16 grid, moe_load_grid16; the int8 dots' grid +
+# signs), 2 KiB more than the budget above leaves: its stage gets that much less, so 3 blocks still fit a GB10 SM
+IQ2_TABLES_EXTRA = 2048
 # VQ-8: the codebook (up to 64 KiB) + the stage + the kernels' static shared memory must fit the smallest
 # per-block opt-in of the devices ds4py targets: GB10 (sm_121), 101,376 B (docs/cuda.md "Device facts").
 SMEM_LIMIT = 101_376
@@ -165,10 +168,11 @@ class MoePlan:
 
 
 def vq_budget(qtype: Any) -> int:
-    """Dynamic shared bytes a block may stage: SMEM_BUDGET, and for VQ-8 at most what the codebook leaves of
-    SMEM_LIMIT (35,584 B at 13 bits: above SMEM_BUDGET, so every width stages SMEM_BUDGET)."""
+    """Dynamic shared bytes a block may stage: SMEM_BUDGET (IQ2_XXS: less IQ2_TABLES_EXTRA), and for VQ-8 at most
+    what the codebook leaves of SMEM_LIMIT (35,584 B at 13 bits: above SMEM_BUDGET, so every width stages
+    SMEM_BUDGET)."""
     if not isinstance(qtype, str):
-        return SMEM_BUDGET
+        return SMEM_BUDGET - (IQ2_TABLES_EXTRA if qtype == QT.IQ2_XXS else 0)
     return min(SMEM_BUDGET, SMEM_LIMIT - codebook_bytes(qtype) - STATIC_RESERVE)
 
 
