@@ -69,7 +69,7 @@ def _import():
     _state["signs"] = np.ascontiguousarray(iq2.SIGNS, dtype=F32)
     _state["e8m0"] = mxfp4.e8m0_half(np.arange(256)).astype(F32)
     _state["kvalues"] = mxfp4.KVALUES.astype(F32)
-    _state["spin_mod"], _state["spin"] = jit_spin, jit_spin.reached
+    _state["spin_mod"], _state["spin"], _state["publish"] = jit_spin, jit_spin.reached, jit_spin.publish_then_wait
     _state["mod"] = jit_kernels
     _state["dec"] = jit_decode
     return jit_kernels
@@ -199,8 +199,10 @@ SPIN_US = _spin_us()
 class _Helper:
     """One helper thread: runs a posted (kernel, args) once per post (the kernels release the GIL).
 
-    box[0] is the last posted job's number, box[8] (another cache line) the last finished one's; `mu` guards the
-    job, the error and who sleeps on which lock, so that a post or finish never misses a sleeper."""
+    box[0]: the last posted job's number; box[8] (another cache line): the last finished one's, stored by the
+    helper with the GIL released (jit_spin.publish_then_wait: a caller that sees it never waits for the GIL on
+    this thread); box[9]: the job a caller sleeps on `done` for (0: none). `mu` guards the job, the error and who
+    sleeps on which lock, so that a post or a finish never misses a sleeper."""
 
     def __init__(self, crew: "Crew"):
         self.crew = crew
@@ -209,34 +211,28 @@ class _Helper:
         self.done.acquire()
         self.box = np.zeros(16, np.int64)
         self.seq = 0
-        self.job, self.error, self.asleep, self.waiting = None, None, False, False
+        self.job, self.error, self.asleep = None, None, False
         threading.Thread(target=self._loop, name="ds4py-kernel", daemon=True).start()
 
     def _loop(self) -> None:
-        seen = 0
+        seen = finished = 0
         while True:
-            polls = self.crew.npolls
-            if polls:
-                _state["spin"](self.box, 0, seen + 1, polls)      # the next post, GIL released
+            _state["publish"](self.box, finished, seen + 1, self.crew.npolls)
             with self.mu:
+                if self.box[9] and self.box[8] >= self.box[9]:     # the caller sleeps on this job: wake it
+                    self.box[9] = 0
+                    self.done.release()
                 job, self.job = self.job, None                     # claimed: the caller waits for it now
                 seen = int(self.box[0])
                 self.asleep = job is None
             if job is None:
                 self.go.acquire()                                  # released by the next post
                 continue
-            fn, args, seq = job
-            err = None
+            fn, args, finished = job
             try:
                 fn(*args)
             except BaseException as e:      # handed to the caller (Crew.run)
-                err = e
-            with self.mu:
-                self.error = err
-                self.box[8] = seq
-                wake, self.waiting = self.waiting, False
-            if wake:
-                self.done.release()
+                self.error = e
 
     def post(self, fn, args: tuple) -> None:
         self.seq += 1
@@ -249,20 +245,17 @@ class _Helper:
 
     def finish(self) -> BaseException | None:
         """After the caller's own share: call the job off if it has not started, else wait for it; its error."""
-        seq = self.seq
+        seq, box = self.seq, self.box
         with self.mu:
             if self.crew.revoke and self.job is not None:
                 self.job = None
                 return None
-            if self.box[8] >= seq:
-                e, self.error = self.error, None
-                return e
-        polls = self.crew.npolls
-        if polls:
-            _state["spin"](self.box, 8, seq, polls)
+        if box[8] < seq and self.crew.npolls:
+            _state["spin"](box, 8, seq, self.crew.npolls)
         with self.mu:
-            self.waiting = self.box[8] < seq
-            sleep = self.waiting
+            sleep = box[8] < seq
+            if sleep:
+                box[9] = seq
         if sleep:
             self.done.acquire()
         with self.mu:
@@ -281,9 +274,10 @@ class Crew:
 
     def polls(self) -> int:
         """spin_us in polls of jit_spin.reached (0: no spin; measured once per process, by the calling thread)."""
-        if self.spin_us <= 0 or "spin" not in _state:
+        if self.spin_us <= 0:
             return 0
-        if "polls_per_us" not in _state:
+        if "polls_per_us" not in _state:            # (and the helpers' publish_then_wait loaded before they run)
+            _state["publish"](np.zeros(16, np.int64), 0, 1, 0)
             _state["polls_per_us"] = _state["spin_mod"].polls_per_us()
         return int(self.spin_us * _state["polls_per_us"])
 

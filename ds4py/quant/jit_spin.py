@@ -33,6 +33,19 @@ def _load_acquire(typingctx, box, i):
 
 
 @intrinsic
+def _store_release(typingctx, box, i, v):
+    """box[i] = v of an int64 array, as an atomic release store (the stores before it are seen first)."""
+    sig = types.void(box, i, v)
+
+    def codegen(context, builder, sig, args):
+        ary = context.make_array(sig.args[0])(context, builder, args[0])
+        builder.store_atomic(args[2], builder.gep(ary.data, [args[1]]), "release", 8)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
 def _pause(typingctx):
     """The spin-wait hint (x86 `pause`: frees the core's other hyperthread, saves power); nothing elsewhere."""
     sig = types.void()
@@ -54,6 +67,19 @@ def reached(box, i, v, iters):
             return True
         _pause()
     return _load_acquire(box, i) >= v
+
+
+@njit(cache=True, nogil=True)
+def publish_then_wait(box, done, v, iters):
+    """A helper between jobs: box[8] = done (the job it finished), then up to `iters` polls for the next post
+    (box[0] >= v) or a caller asleep on it (box[9] != 0). The store is made with the GIL released, so that the
+    caller, which sees it and goes on, never waits for the GIL on this thread."""
+    _store_release(box, 8, done)
+    for _ in range(iters):
+        if _load_acquire(box, 0) >= v or _load_acquire(box, 9) != 0:
+            return True
+        _pause()
+    return False
 
 
 def polls_per_us() -> float:
