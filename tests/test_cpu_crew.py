@@ -288,3 +288,14 @@ def test_run_returns_only_when_every_piece_is_done(spin_us):
 
         crew.run(share, (), 1)
         assert done == [1] * n, (n, late)
+
+
+@pytest.mark.parametrize("value, want", [("40", 40.0), ("0", 0.0), ("abc", None), ("inf", None), ("-3", None)])
+def test_the_spin_time_from_the_environment(value, want, monkeypatch, capsys):
+    monkeypatch.setenv("DS4PY_CREW_SPIN_US", value)
+    got = jit._spin_us(123.0)
+    err = capsys.readouterr().err
+    if want is None:                                     # one line naming the variable, and the default
+        assert got == 123.0 and err.count("\n") == 1 and "DS4PY_CREW_SPIN_US" in err
+    else:
+        assert got == want and err == ""

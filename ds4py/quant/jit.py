@@ -184,13 +184,17 @@ CREW = os.environ.get("DS4PY_CREW", "1") != "0"
 # long for a helper's last piece before it sleeps. $DS4PY_CREW=wait: the previous crew (helpers sleep between
 # calls, the caller waits for each), for A/B runs (bench/cpu_crew_ab.py).
 def _spin_us(default: float = 250.0) -> float:
+    """$DS4PY_CREW_SPIN_US: microseconds, 0 to 100,000 (a bad value: one line on stderr and the default)."""
     v = os.environ.get("DS4PY_CREW_SPIN_US", "")
     try:
-        return max(0.0, float(v)) if v else default
+        us = float(v) if v else default
     except ValueError:
-        print(f"ds4py: DS4PY_CREW_SPIN_US={v!r} is not a number of microseconds; spinning {default:g}",
-              file=sys.stderr, flush=True)
+        us = -1.0
+    if not 0.0 <= us <= 1e5:
+        print(f"ds4py: DS4PY_CREW_SPIN_US={v!r} is not a number of microseconds from 0 to 100000; spinning "
+              f"{default:g}", file=sys.stderr, flush=True)
         return default
+    return us
 
 
 SPIN_US = _spin_us()
