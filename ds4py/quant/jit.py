@@ -181,9 +181,9 @@ CREW = os.environ.get("DS4PY_CREW", "1") != "0"
 # that waited for it lost what the helper was meant to save (1.02-1.12x llama.cpp's time at load 3-5, 0.90x quiet).
 # So: a helper that has not started when the caller has taken the last piece is called off (the caller waits for
 # no one); a helper spins SPIN_US (GIL-free, jit_spin) for the next job before it sleeps, and a caller spins as
-# long for a helper's last piece before it sleeps. 50 us: at load 11-15 (bench/cpu_crew_ab.py, syn4, 2 threads)
-# 50 us cost no CPU a token that the sleeping crew did not, 250 us 4% more CPU and 2-4% more wall; the wall of all
-# three within noise of the previous crew's there (numba's pool 0.84-0.97x). $DS4PY_CREW=wait: the previous crew
+# long for a helper's last piece before it sleeps. 50 us: at load 5-15 (bench/cpu_crew_ab.py, syn4, 2 threads)
+# 50 us cost within 1% of the sleeping crew's CPU a token, 250 us 3-4% more; the wall of both 1.00-1.08x the
+# previous crew's there and numba's pool 0.82-0.97x (bench/README.md). $DS4PY_CREW=wait: the previous crew
 # (helpers sleep between calls, the caller waits for each), for A/B runs.
 def _spin_us(default: float = 50.0) -> float:
     """$DS4PY_CREW_SPIN_US: microseconds, 0 to 100,000 (a bad value: one line on stderr and the default)."""
