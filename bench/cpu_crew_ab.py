@@ -1,7 +1,7 @@
 """The pooled decode kernels' threads, A/B in one process: the previous crew against the current one, round by round.
 
     python bench/cpu_crew_ab.py -m MODEL.gguf [--threads 2] [--gen 8] [--rounds 6] [--busy 0,2] [--pool]
-                                [--spin-us 250,50] [--json OUT.json]
+                                [--spin-us 250,50] [--auto] [--json OUT.json]
 
 Arms (ds4py.quant.jit.Crew, switched between rounds in one process, the file and the compiled kernels shared):
 - wait: the previous crew ($DS4PY_CREW=wait): a helper sleeps on a lock between calls, the caller waits for it
@@ -9,7 +9,8 @@ Arms (ds4py.quant.jit.Crew, switched between rounds in one process, the file and
 - spin: the current one (the default): a helper not started by the time the caller has taken the last piece is
   called off, and both threads spin (GIL-free, $DS4PY_CREW_SPIN_US) before they sleep; --spin-us U,V,...: one
   arm `spinU` per spin time instead;
-- pool (--pool): numba's workqueue pool ($DS4PY_CREW=0).
+- pool (--pool): numba's workqueue pool ($DS4PY_CREW=0);
+- auto (--auto): the default ($DS4PY_CREW=auto): numba's pool while the host is busy (jit.host_busy), else spin.
 The file is read once first (page cache warm), then for each --busy count B (default 0 and 2) B busy processes
 (a Python spin loop each, started and ended here, each in its own session: with autogroup scheduling, as another
 user's load and not a share of this process's group) run beside --rounds rounds; each round runs every arm, the
@@ -32,7 +33,8 @@ from cpu_harness import REPO  # noqa: F401  (sys.path: this checkout first; OPEN
 
 ARMS = {"wait": {"crew": True, "spin_us": 0.0, "revoke": False},
         "spin": {"crew": True, "spin_us": None, "revoke": True},
-        "pool": {"crew": False, "spin_us": 0.0, "revoke": False}}
+        "pool": {"crew": False, "spin_us": 0.0, "revoke": False},
+        "auto": {"crew": True, "spin_us": None, "revoke": True, "auto": True}}
 
 
 BUSY = "x = 0\nwhile True:\n    x += 1\n"          # another process's load: one core's worth of pure Python
@@ -40,6 +42,7 @@ BUSY = "x = 0\nwhile True:\n    x += 1\n"          # another process's load: one
 
 def set_arm(jit, name: str) -> None:
     arm = ARMS[name]
+    jit.AUTO = arm.get("auto", False)
     jit.CREW = arm["crew"]
     jit._crew.spin_us = jit.SPIN_US if arm["spin_us"] is None else arm["spin_us"]
     jit._crew.revoke = arm["revoke"]
@@ -65,6 +68,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--busy", default="0,2", help="comma-separated counts of busy processes to run beside")
     ap.add_argument("--pool", action="store_true", help="numba's pool as a third arm")
+    ap.add_argument("--auto", action="store_true", help="the default ($DS4PY_CREW=auto: the pool while busy) too")
     ap.add_argument("--spin-us", default="", help="comma-separated spin times, one arm each (default: $DS4PY_CREW_SPIN_US)")
     ap.add_argument("--no-warm", action="store_true", help="skip reading the file once first")
     ap.add_argument("--json", help="write the rounds and the summary here")
@@ -92,7 +96,8 @@ def main() -> None:
     m = RefModel(a.model, numerics=Numerics.ds4(), threads=a.threads)
     if not jit.available():
         sys.exit(f"cpu_crew_ab: numba is unavailable ({jit.unavailable_reason()}): no pooled kernels to compare")
-    arms = ["wait"] + ([f"spin{u:g}" for u in spins] or ["spin"]) + (["pool"] if a.pool else [])
+    arms = (["wait"] + ([f"spin{u:g}" for u in spins] or ["spin"]) + (["pool"] if a.pool else [])
+            + (["auto"] if a.auto else []))
     for name in arms:                              # compile / load every arm's kernels before the clock
         set_arm(jit, name)
         decode_round(m, 2)
@@ -117,7 +122,7 @@ def main() -> None:
                 p.terminate()
             for p in procs:
                 p.wait()
-        set_arm(jit, "spin")
+        set_arm(jit, "auto")
         print(f"busy processes {b}: load {load0:.1f} -> {load1:.1f}")
         summary = {}
         for name in arms:

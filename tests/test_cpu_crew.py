@@ -43,6 +43,7 @@ def _both(fn, monkeypatch):
     ran with the threads it ran them on (the caller + helpers; a helper not started by the time the caller has
     taken the last piece is called off, so fewer may have run the twin)."""
     monkeypatch.setattr(jit, "SERIAL_BYTES", 0)
+    monkeypatch.setattr(jit, "AUTO", False)              # the crew even on a busy host
     monkeypatch.setattr(jit, "CREW", False)
     pool = fn()
     monkeypatch.setattr(jit, "CREW", True)
@@ -222,6 +223,7 @@ def test_any_split_of_the_pieces_between_caller_and_helper_gives_the_pool_bits(q
 
     mm = jit_i8.matmul
     monkeypatch.setattr(jit, "SERIAL_BYTES", 0)
+    monkeypatch.setattr(jit, "AUTO", False)
     for rows, cols in ((5, 256), (45, 512)):
         raw = _stored(qt, rows, cols, rng)
         x = (rng.standard_normal((1, cols)) * 3).astype(F32)
@@ -299,3 +301,25 @@ def test_the_spin_time_from_the_environment(value, want, monkeypatch, capsys):
         assert got == 123.0 and err.count("\n") == 1 and "DS4PY_CREW_SPIN_US" in err
     else:
         assert got == want and err == ""
+
+
+def test_auto_takes_numbas_pool_while_the_host_is_busy(monkeypatch):
+    """$DS4PY_CREW=auto: a pooled product runs on numba's pool while the load average is above the CPUs + margin,
+    on the crew otherwise; the verdict is read again after BUSY_EVERY_S (the same bits either way: above)."""
+    import os
+
+    rng = np.random.default_rng(11)
+    raw, x = _stored(Q.Q8_0, 64, 512, rng), rng.standard_normal((1, 512)).astype(F32)
+    monkeypatch.setattr(jit, "SERIAL_BYTES", 0)
+    monkeypatch.setattr(jit, "CREW", True)
+    monkeypatch.setattr(jit, "AUTO", True)
+    runs, real = [], jit.Crew.run
+    monkeypatch.setattr(jit.Crew, "run", lambda self, *a: (runs.append(1), real(self, *a)))
+    got = {}
+    for load in (1e6, 0.0):
+        monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+        monkeypatch.setattr(jit, "_busy", [-1e9, False])     # read it now
+        runs.clear()
+        got[load] = jit_i8.matmul(Q.Q8_0, raw, x, 2)
+        assert bool(runs) == (load == 0.0), load
+    np.testing.assert_array_equal(got[1e6], got[0.0])

@@ -142,10 +142,11 @@ def _call(name: str, fn, args: tuple, threads: int, pool: bool = True) -> None:
     pool (or its lock); a pooled `<name>_dec` of jit_decode runs as `<name>_grab` on this thread and the crew."""
     numba = _state["numba"]
     n = max(1, min(threads, numba.config.NUMBA_NUM_THREADS))
-    grab = _state["dec"].GRAB.get(name) if pool and CREW and n > 1 else None
+    grab = _state["dec"].GRAB.get(name) if pool and CREW and n > 1 and not (AUTO and host_busy()) else None
     timer = None
-    if name not in _announced:              # first call in this process: a compile (or a cache load) may follow
-        _announced.add(name)
+    key = name if grab is None else f"{name} (crew)"
+    if key not in _announced:               # first call in this process: a compile (or a cache load) may follow
+        _announced.add(key)
         if not _cached(grab or fn):
             print(f"ds4py: compiling the CPU kernel {name} (first use: seconds; then cached under {cache_dir()})",
                   file=sys.stderr, flush=True)
@@ -176,7 +177,33 @@ def _call(name: str, fn, args: tuple, threads: int, pool: bool = True) -> None:
 # token); here the caller works at once and posts the job to one helper. syn4 at 2 threads, tokens alternating in
 # one process with the machine's other load held off (autogroup nice -19): 0.66-0.85x numba's wall a token
 # (per-pair median). $DS4PY_CREW=0: numba's pool (notes/s6dec.md).
-CREW = os.environ.get("DS4PY_CREW", "1") != "0"
+CREW = os.environ.get("DS4PY_CREW", "auto") != "0"
+# $DS4PY_CREW=auto (the default): numba's pool while the host is busy, the crew otherwise. In a paired A/B at load
+# 4-15 on 2 cores (bench/cpu_crew_ab.py, seventh session) numba's pool took 0.76-0.97x the crew's wall a token at
+# the same CPU (likely, not measured: its workers are native threads, where the crew's helper is a Python thread
+# that takes the GIL a few times a call, and under load a wait for the GIL is a wait for the scheduler; pinning
+# the two threads to two cores did not help). Busy: the 1-minute load
+# average (which counts this process's own kernel threads) above the usable CPUs + BUSY_MARGIN, read at most every
+# BUSY_EVERY_S. $DS4PY_CREW=1: the crew always.
+AUTO = os.environ.get("DS4PY_CREW", "auto") == "auto"
+BUSY_MARGIN = 1.5
+BUSY_EVERY_S = 0.5
+_busy = [0.0, False]                          # when last read, and the verdict
+
+
+def host_busy() -> bool:
+    """Whether other processes load this host (the load average above the usable CPUs + BUSY_MARGIN)."""
+    import time
+
+    now = time.monotonic()
+    if now - _busy[0] >= BUSY_EVERY_S:
+        try:
+            cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            _busy[1] = os.getloadavg()[0] > cpus + BUSY_MARGIN
+        except OSError:                       # no load average here: the crew
+            _busy[1] = False
+        _busy[0] = now
+    return _busy[1]
 # Under other load a helper that sleeps between calls is woken late, often onto the caller's own core, and a caller
 # that waited for it lost what the helper was meant to save (1.02-1.12x llama.cpp's time at load 3-5, 0.90x quiet).
 # So: a helper that has not started when the caller has taken the last piece is called off (the caller waits for
