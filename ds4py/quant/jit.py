@@ -178,8 +178,8 @@ def _call(name: str, fn, args: tuple, threads: int, pool: bool = True) -> None:
 # one process with the machine's other load held off (autogroup nice -19): 0.66-0.85x numba's wall a token
 # (per-pair median). $DS4PY_CREW=0: numba's pool (notes/s6dec.md).
 CREW = os.environ.get("DS4PY_CREW", "auto") != "0"
-# $DS4PY_CREW=auto (the default): numba's pool while the host is busy, the crew otherwise. In a paired A/B at load
-# 4-15 on 2 cores (bench/cpu_crew_ab.py, seventh session) numba's pool took 0.76-0.97x the crew's wall a token at
+# $DS4PY_CREW=auto (the default): numba's pool while the host is busy, the crew otherwise. In paired A/Bs at load
+# 2.6-15 on 2 cores (bench/cpu_crew_ab.py, seventh session) numba's pool took 0.62-0.97x the crew's wall a token at
 # the same CPU (likely, not measured: its workers are native threads, where the crew's helper is a Python thread
 # that takes the GIL a few times a call, and under load a wait for the GIL is a wait for the scheduler; pinning
 # the two threads to two cores did not help). Busy: the 1-minute load
@@ -209,8 +209,8 @@ def host_busy() -> bool:
 # So: a helper that has not started when the caller has taken the last piece is called off (the caller waits for
 # no one); a helper spins SPIN_US (GIL-free, jit_spin) for the next job before it sleeps, and a caller spins as
 # long for a helper's last piece before it sleeps. 50 us: at load 5-15 (bench/cpu_crew_ab.py, syn4, 2 threads)
-# 50 us cost within 1% of the sleeping crew's CPU a token, 250 us 3-4% more; the wall of both 1.00-1.08x the
-# previous crew's there and numba's pool 0.82-0.97x (bench/README.md). $DS4PY_CREW=wait: the previous crew
+# 50 us cost within 1% of the sleeping crew's CPU a token, 250 us 3-4% more; the wall of both 0.85-1.08x the
+# previous crew's at load 2.6-15 and numba's pool 0.62-0.97x (bench/README.md). $DS4PY_CREW=wait: the previous crew
 # (helpers sleep between calls, the caller waits for each), for A/B runs.
 def _spin_us(default: float = 50.0) -> float:
     """$DS4PY_CREW_SPIN_US: microseconds, 0 to 100,000 (a bad value: one line on stderr and the default)."""
