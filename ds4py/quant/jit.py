@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -193,8 +194,6 @@ _busy = [0.0, False]                          # when last read, and the verdict
 
 def host_busy() -> bool:
     """Whether other processes load this host (the load average above the usable CPUs + BUSY_MARGIN)."""
-    import time
-
     now = time.monotonic()
     if now - _busy[0] >= BUSY_EVERY_S:
         try:
