@@ -95,6 +95,7 @@ def main() -> None:
     a = ap.parse_args()
     if not os.path.isfile(a.model):
         sys.exit(f"cpu_decode_parts: no model file at {a.model}")
+    jit.AUTO = jit.AUTO and not a.ab_crew           # --ab-crew: the crew in B even on a busy host
     m = RefModel(a.model, numerics=Numerics.ds4(), threads=a.threads)
     st = m.new_state()
     lg = m.prefill(st, [5])

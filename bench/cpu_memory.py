@@ -1,7 +1,7 @@
 """Private memory and open time of the CPU reference backend, as `run` / `serve` use it (bench, not a test).
 
     python bench/cpu_memory.py -m MODEL.gguf [--kernels auto] [--threads 2] [--prompt 64] [--gen 8]
-                               [--rounds 2] [--compare PATH/OTHER/CHECKOUT] [--json OUT.json]
+                               [--rounds 2] [--compare PATH/OTHER/CHECKOUT] [--json OUT.json] [--open-only]
 
 Each run is a fresh child process (its memory its own): import ds4py, open the model (RefModel, timed wall and
 CPU), load the tokenizer from the file (what `run` / `serve` also do), prefill --prompt tokens, decode --gen
@@ -10,7 +10,9 @@ so the mapped weights, lose to ds4py); it is read after each phase and sampled e
 cache is the state's own bytes (state.nbytes()); "above KV" = peak private - KV. File-backed RSS (the mapped
 weights, shared with the page cache) and the peak total RSS are reported beside it.
 --compare PATH runs the same protocol with the ds4py of another checkout (e.g. the main branch: the numbers
-before a change), the two interleaved round by round, so a busy machine hits both.
+before a change), the two interleaved round by round, so a busy machine hits both. --open-only: each child stops
+after the open (many short rounds: the open's wall / CPU min and median, and the opening thread's own CPU,
+without the background threads the open starts).
 """
 
 from __future__ import annotations
@@ -49,10 +51,15 @@ w, c = time.perf_counter(), time.process_time()
 from ds4py.ref.engine import RefModel
 from ds4py.tokenizer import Tokenizer
 out["import_s"], out["import_cpu_s"] = time.perf_counter() - w, time.process_time() - c
-w, c = time.perf_counter(), time.process_time()
+w, c, t = time.perf_counter(), time.process_time(), time.thread_time()
 m = RefModel(a["model"], kernels=a["kernels"], threads=a["threads"])
 out["open_s"], out["open_cpu_s"] = time.perf_counter() - w, time.process_time() - c
+out["open_thread_cpu_s"] = time.thread_time() - t
 out["open_private"] = status()["RssAnon"]
+out["load"] = os.getloadavg()[0]
+if a["open_only"]:
+    print("RESULT " + json.dumps(out))
+    sys.exit(0)
 w = time.perf_counter()
 tok = Tokenizer.from_gguf(m.gguf)
 out["tokenizer_s"] = time.perf_counter() - w
@@ -80,7 +87,7 @@ print("RESULT " + json.dumps(out))
 def run_child(repo: str, args: argparse.Namespace) -> dict:
     env = {**os.environ, "PYTHONPATH": repo, "OPENBLAS_NUM_THREADS": "1"}
     spec = json.dumps({"model": args.model, "kernels": args.kernels, "threads": args.threads,
-                       "prompt": args.prompt, "gen": args.gen})
+                       "prompt": args.prompt, "gen": args.gen, "open_only": args.open_only})
     r = subprocess.run([sys.executable, "-c", CHILD, spec], capture_output=True, text=True, env=env, cwd="/")
     line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
     if r.returncode != 0 or line is None:
@@ -98,6 +105,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--compare", metavar="PATH", help="another checkout's root: its ds4py runs interleaved")
     ap.add_argument("--json", metavar="OUT")
+    ap.add_argument("--open-only", action="store_true", help="stop each run after the open")
     args = ap.parse_args()
     repos = [("this", REPO)] + ([("compare", os.path.abspath(args.compare))] if args.compare else [])
     runs: dict[str, list[dict]] = {name: [] for name, _ in repos}
@@ -105,10 +113,25 @@ def main() -> None:
         for name, repo in (repos if rnd % 2 == 0 else repos[::-1]):
             r = run_child(repo, args)
             runs[name].append(r)
-            print(f"round {rnd + 1} {name}: open {r['open_s']:.3f} s (cpu {r['open_cpu_s']:.3f}), peak private "
-                  f"{r['peak_private'] / 2**20:.0f} MiB", file=sys.stderr, flush=True)
+            print(f"round {rnd + 1} {name}: open {r['open_s']:.3f} s (cpu {r['open_cpu_s']:.3f})" + (
+                "" if args.open_only else f", peak private {r['peak_private'] / 2**20:.0f} MiB"),
+                file=sys.stderr, flush=True)
     mib = lambda v: f"{v / 2**20:.0f}"                                              # noqa: E731
     med = lambda rs, k: statistics.median(r[k] for r in rs)                        # noqa: E731
+    if args.open_only:
+        loads = [r["load"] for rs in runs.values() for r in rs]
+        print(f"model {args.model}, open only, {args.rounds} rounds, load {min(loads):.1f}-{max(loads):.1f}\n")
+        print("| ds4py | open wall s min / median | open CPU s min / median | opening thread CPU s median |")
+        print("|---|---|---|---|")
+        for name, repo in repos:
+            rs = runs[name]
+            print(f"| {name} ({repo}) | {min(r['open_s'] for r in rs):.3f} / {med(rs, 'open_s'):.3f} | "
+                  f"{min(r['open_cpu_s'] for r in rs):.3f} / {med(rs, 'open_cpu_s'):.3f} | "
+                  f"{med(rs, 'open_thread_cpu_s'):.3f} |")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"args": vars(args), "runs": runs}, f, indent=1)
+        return
     print(f"model {args.model}, kernels {args.kernels}, {args.threads} threads, prefill {args.prompt}, "
           f"decode {args.gen}, {args.rounds} rounds (medians)\n")
     print("| ds4py | open s (wall / cpu) | tokenizer s | private MiB: open / +tokenizer / after prefill / end / peak "

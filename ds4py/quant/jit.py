@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -59,7 +60,7 @@ def _import():
         if (numba.config.CACHE_DIR != os.environ["NUMBA_CACHE_DIR"]
                 or numba.config.THREADING_LAYER != os.environ["NUMBA_THREADING_LAYER"]):   # imported before us
             numba.core.config.reload_config()
-        from ds4py.quant import iq2, jit_decode, jit_kernels, mxfp4
+        from ds4py.quant import iq2, jit_decode, jit_kernels, jit_spin, mxfp4
     except Exception as e:                                             # missing, or broken (llvmlite mismatch)
         _state["error"] = f"{type(e).__name__}: {e}".splitlines()[0]
         return None
@@ -69,6 +70,7 @@ def _import():
     _state["signs"] = np.ascontiguousarray(iq2.SIGNS, dtype=F32)
     _state["e8m0"] = mxfp4.e8m0_half(np.arange(256)).astype(F32)
     _state["kvalues"] = mxfp4.KVALUES.astype(F32)
+    _state["spin_mod"], _state["spin"], _state["publish"] = jit_spin, jit_spin.reached, jit_spin.publish_then_wait
     _state["mod"] = jit_kernels
     _state["dec"] = jit_decode
     return jit_kernels
@@ -141,10 +143,11 @@ def _call(name: str, fn, args: tuple, threads: int, pool: bool = True) -> None:
     pool (or its lock); a pooled `<name>_dec` of jit_decode runs as `<name>_grab` on this thread and the crew."""
     numba = _state["numba"]
     n = max(1, min(threads, numba.config.NUMBA_NUM_THREADS))
-    grab = _state["dec"].GRAB.get(name) if pool and CREW and n > 1 else None
+    grab = _state["dec"].GRAB.get(name) if pool and CREW and n > 1 and not (AUTO and host_busy()) else None
     timer = None
-    if name not in _announced:              # first call in this process: a compile (or a cache load) may follow
-        _announced.add(name)
+    key = name if grab is None else f"{name} (crew)"
+    if key not in _announced:               # first call in this process: a compile (or a cache load) may follow
+        _announced.add(key)
         if not _cached(grab or fn):
             print(f"ds4py: compiling the CPU kernel {name} (first use: seconds; then cached under {cache_dir()})",
                   file=sys.stderr, flush=True)
@@ -172,55 +175,152 @@ def _call(name: str, fn, args: tuple, threads: int, pool: bool = True) -> None:
 # The pooled decode kernels (jit_decode's `<name>_dec`) run on this thread and helper threads of ours rather than
 # on numba's pool (each thread runs `<name>_grab`: the same pieces from one counter, the same bits). numba's launch
 # wakes two sleeping workers while the calling thread sleeps (~0.1 ms a call on a 2-core host, 29 calls a decode
-# token); here the caller works at once and wakes one helper. syn4 at 2 threads, tokens alternating in one
-# process with the machine's other load held off (autogroup nice -19): 0.66-0.85x numba's wall a token (per-pair
-# median). On a host loaded by other processes at equal priority the helper is woken onto the caller's own core
-# (200 of 200 calls at load 9) and the two are even (0.94-1.06x). $DS4PY_CREW=0: numba's pool (notes/s6dec.md).
-CREW = os.environ.get("DS4PY_CREW", "1") != "0"
+# token); here the caller works at once and posts the job to one helper. syn4 at 2 threads, tokens alternating in
+# one process with the machine's other load held off (autogroup nice -19): 0.66-0.85x numba's wall a token
+# (per-pair median). $DS4PY_CREW=0: numba's pool (notes/s6dec.md).
+CREW = os.environ.get("DS4PY_CREW", "auto") != "0"
+# $DS4PY_CREW=auto (the default): numba's pool while the host is busy, the crew otherwise. In paired A/Bs at load
+# 2.6-15 on 2 cores (bench/cpu_crew_ab.py, seventh session) numba's pool took 0.62-0.97x the crew's wall a token at
+# the same CPU (likely, not measured: its workers are native threads, where the crew's helper is a Python thread
+# that takes the GIL a few times a call, and under load a wait for the GIL is a wait for the scheduler; pinning
+# the two threads to two cores did not help). Busy: the 1-minute load
+# average (which counts this process's own kernel threads) above the usable CPUs + BUSY_MARGIN, read at most every
+# BUSY_EVERY_S. $DS4PY_CREW=1: the crew always.
+AUTO = os.environ.get("DS4PY_CREW", "auto") == "auto"
+BUSY_MARGIN = 1.5
+BUSY_EVERY_S = 0.5
+_busy = [0.0, False]                          # when last read, and the verdict
+
+
+def host_busy() -> bool:
+    """Whether other processes load this host (the load average above the usable CPUs + BUSY_MARGIN)."""
+    now = time.monotonic()
+    if now - _busy[0] >= BUSY_EVERY_S:
+        try:
+            cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            _busy[1] = os.getloadavg()[0] > cpus + BUSY_MARGIN
+        except OSError:                       # no load average here: the crew
+            _busy[1] = False
+        _busy[0] = now
+    return _busy[1]
+# Under other load a helper that sleeps between calls is woken late, often onto the caller's own core, and a caller
+# that waited for it lost what the helper was meant to save (1.02-1.12x llama.cpp's time at load 3-5, 0.90x quiet).
+# So: a helper that has not started when the caller has taken the last piece is called off (the caller waits for
+# no one); a helper spins SPIN_US (GIL-free, jit_spin) for the next job before it sleeps, and a caller spins as
+# long for a helper's last piece before it sleeps. 50 us: at load 5-15 (bench/cpu_crew_ab.py, syn4, 2 threads)
+# 50 us cost within 1% of the sleeping crew's CPU a token, 250 us 3-4% more; the wall of both 0.85-1.08x the
+# previous crew's at load 2.6-15 and numba's pool 0.62-0.97x (bench/README.md). $DS4PY_CREW=wait: the previous crew
+# (helpers sleep between calls, the caller waits for each), for A/B runs.
+def _spin_us(default: float = 50.0) -> float:
+    """$DS4PY_CREW_SPIN_US: microseconds, 0 to 100,000 (a bad value: one line on stderr and the default)."""
+    v = os.environ.get("DS4PY_CREW_SPIN_US", "")
+    try:
+        us = float(v) if v else default
+    except ValueError:
+        us = -1.0
+    if not 0.0 <= us <= 1e5:
+        print(f"ds4py: DS4PY_CREW_SPIN_US={v!r} is not a number of microseconds from 0 to 100000; spinning "
+              f"{default:g}", file=sys.stderr, flush=True)
+        return default
+    return us
+
+
+SPIN_US = _spin_us()
 
 
 class _Helper:
-    """One helper thread: runs a posted (kernel, args) once per post (the kernels release the GIL)."""
+    """One helper thread: runs a posted (kernel, args) once per post (the kernels release the GIL).
 
-    def __init__(self):
-        self.go, self.done = threading.Lock(), threading.Lock()
+    box[0]: the last posted job's number; box[8] (another cache line): the last finished one's, stored by the
+    helper with the GIL released (jit_spin.publish_then_wait: a caller that sees it never waits for the GIL on
+    this thread); box[9]: the job a caller sleeps on `done` for (0: none). `mu` guards the job, the error and who
+    sleeps on which lock, so that a post or a finish never misses a sleeper."""
+
+    def __init__(self, crew: "Crew"):
+        self.crew = crew
+        self.mu, self.go, self.done = threading.Lock(), threading.Lock(), threading.Lock()
         self.go.acquire()
         self.done.acquire()
-        self.job, self.error = None, None
+        self.box = np.zeros(16, np.int64)
+        self.seq = 0
+        self.job, self.error, self.asleep = None, None, False
         threading.Thread(target=self._loop, name="ds4py-kernel", daemon=True).start()
 
     def _loop(self) -> None:
+        seen = finished = 0
         while True:
-            self.go.acquire()
-            fn, args = self.job
+            _state["publish"](self.box, finished, seen + 1, self.crew.npolls)
+            with self.mu:
+                if self.box[9] and self.box[8] >= self.box[9]:     # the caller sleeps on this job: wake it
+                    self.box[9] = 0
+                    self.done.release()
+                job, self.job = self.job, None                     # claimed: the caller waits for it now
+                seen = int(self.box[0])
+                self.asleep = job is None
+            if job is None:
+                self.go.acquire()                                  # released by the next post
+                continue
+            fn, args, finished = job
             try:
                 fn(*args)
             except BaseException as e:      # handed to the caller (Crew.run)
                 self.error = e
-            self.job = None
-            self.done.release()
 
     def post(self, fn, args: tuple) -> None:
-        self.job = (fn, args)
-        self.go.release()
+        self.seq += 1
+        with self.mu:
+            self.job = (fn, args, self.seq)
+            self.box[0] = self.seq
+            wake, self.asleep = self.asleep, False
+        if wake:
+            self.go.release()
 
-    def wait(self) -> BaseException | None:
-        self.done.acquire()
-        e, self.error = self.error, None
+    def finish(self) -> BaseException | None:
+        """After the caller's own share: call the job off if it has not started, else wait for it; its error."""
+        seq, box = self.seq, self.box
+        with self.mu:
+            if self.crew.revoke and self.job is not None:
+                self.job = None
+                return None
+        if box[8] < seq and self.crew.npolls:
+            _state["spin"](box, 8, seq, self.crew.npolls)
+        with self.mu:
+            sleep = box[8] < seq
+            if sleep:
+                box[9] = seq
+        if sleep:
+            self.done.acquire()
+        with self.mu:
+            e, self.error = self.error, None
         return e
 
 
 class Crew:
-    """The helper threads of the pooled decode kernels (made as needed; used under _lock)."""
+    """The helper threads of the pooled decode kernels (made as needed; used under _lock). spin_us: how long a
+    thread spins before it sleeps; revoke: whether the caller calls off a helper that has not started."""
 
-    def __init__(self):
+    def __init__(self, spin_us: float = SPIN_US, revoke: bool = True):
         self.helpers: list[_Helper] = []
+        self.spin_us, self.revoke = spin_us, revoke
+        self.npolls = 0
+
+    def polls(self) -> int:
+        """spin_us in polls of jit_spin.reached (0: no spin; measured once per process, by the calling thread)."""
+        if self.spin_us <= 0:
+            return 0
+        if "polls_per_us" not in _state:            # (and the helpers' publish_then_wait loaded before they run)
+            _state["publish"](np.zeros(16, np.int64), 0, 1, 0)
+            _state["polls_per_us"] = _state["spin_mod"].polls_per_us()
+        return int(self.spin_us * _state["polls_per_us"])
 
     def run(self, fn, args: tuple, k: int) -> None:
-        """fn(*args) on this thread and k helpers at once; the first error raised in any of them is raised."""
+        """fn(*args) on this thread and k helpers at once; the first error raised in any of them is raised. fn
+        shares one job out (each call takes pieces until none is left), so a helper that has not started when this
+        thread's call returns is called off (revoke)."""
         while len(self.helpers) < k:
-            self.helpers.append(_Helper())
+            self.helpers.append(_Helper(self))
         hs = self.helpers[:k]
+        self.npolls = self.polls()
         for h in hs:
             h.post(fn, args)
         err = None
@@ -229,13 +329,13 @@ class Crew:
         except BaseException as e:
             err = e
         for h in hs:
-            e = h.wait()
+            e = h.finish()
             err = err or e
         if err is not None:
             raise err
 
 
-_crew = Crew()
+_crew = Crew(**({"spin_us": 0.0, "revoke": False} if os.environ.get("DS4PY_CREW") == "wait" else {}))
 if hasattr(os, "register_at_fork"):          # a forked child has none of the parent's helper threads
     os.register_at_fork(after_in_child=lambda: _crew.helpers.clear())
 
