@@ -5,10 +5,11 @@
    assembly holds the sdot instructions the path emits (in the loop, for the looped ones); built with the portable
    path it holds none (LLVM does not form sdot from it: why the path exists), so a kernel turned scalar or
    portable fails here.
-2. The NEON builders' integer results equal the portable path's, run on this host: the same IR with sdot
-   replaced by a function that does what Arm's manual says sdot does, JIT-compiled for the host and called on
-   random bytes (Q8_0: the 8 partial sums lane by lane, as q8_0_row converts them to float; IQ2_XXS / Q2_K: the
-   block sums).
+2. The NEON path runs on this host: the kernels compiled afresh with the NEON path on and sdot emitted as
+   portable IR doing what Arm's manual says sdot does (lane i += the 4 products of bytes 4i..4i+3), against
+   the kernels built here (IQ2_XXS, Q2_K: the same bits on every path), a numpy replay of the portable Q8_0 row
+   (q8_0_row's 8 float lanes: the lanes' integers must be the portable path's) and the block-buffer Q8_0
+   kernel (the dense prefill tile: the same float sequence per block).
 The run on an aarch64 CPU (qemu-aarch64, the kernels' property tests against the dequant oracle) is a bench note:
 bench/README.md.
 """
@@ -42,13 +43,16 @@ def _aarch64_machine():
 
 @pytest.fixture
 def paths(monkeypatch):
-    """set(neon): jit_decode's codegen takes the NEON path (True) or the portable one (False), x86's off."""
-    from ds4py.quant import jit_decode
+    """set(neon): the decode and dense-prefill codegen take the NEON path (True) or the portable one (False),
+    x86's off."""
+    from ds4py.quant import jit_decode, jit_q8_0_vnni
 
     def set_path(neon: bool):
         monkeypatch.setattr(jit_decode, "AVX2", False)
         monkeypatch.setattr(jit_decode, "AVX512", False)
         monkeypatch.setattr(jit_decode, "NEON", neon)
+        monkeypatch.setattr(jit_q8_0_vnni, "NEON", neon)
+        monkeypatch.setattr(jit_q8_0_vnni, "TOKENS", 2 if neon else 4)
     return set_path
 
 
@@ -102,6 +106,7 @@ def _cases():
     from numba import types
 
     from ds4py.quant import jit_decode as d
+    from ds4py.quant import jit_q8_0_vnni as v
 
     i64 = types.int64
     a = lambda dt, nd: types.Array(dt, nd, "C")                                          # noqa: E731
@@ -116,6 +121,9 @@ def _cases():
         "q2k_block": (d.q2k_block, (a(u8, 3), i64, a(i8, 2), i64), 16, False),
         "q2k_block2": (d.q2k_block2, (a(u8, 3), i64, a(i8, 2), i64, a(types.int32, 2), i64), 32, False),
         "q8_0_row": (d.q8_0_row, (a(u8, 3), i64, a(i8, 2), i64, a(f32, 2), i64, i64, a(f32, 1)), 2, True),
+        # the dense prefill tile: 8 pieces of 4 bytes a block x 2 tokens x 4 registers of 4 rows
+        "q8_0_tile": (v.q8_0_tile, (a(u8, 4), a(types.int32, 2), a(f32, 2), a(u8, 2), a(f32, 2), a(i64, 1),
+                                    a(f32, 2)), 64, True),
     }
 
 
@@ -127,8 +135,9 @@ def test_each_neon_kernel_compiles_to_sdot_for_aarch64(name, paths):
     asm = _compile(_intrinsic_ir(intr, argtys), tm)
     body = max(_loops(asm), key=len) if looped else asm
     assert body.count("\tsdot\t") == want, f"{name}: {body.count(chr(9) + 'sdot' + chr(9))} sdot, want {want}\n{body}"
-    paths(False)                                   # the portable IR: LLVM forms no sdot of its own
-    assert "sdot" not in _compile(_intrinsic_ir(intr, argtys), tm), name
+    if name != "q8_0_tile":                         # (x86 only off NEON: vpdpbusd)
+        paths(False)                               # the portable IR: LLVM forms no sdot of its own
+        assert "sdot" not in _compile(_intrinsic_ir(intr, argtys), tm), name
 
 
 def test_enabled_only_on_aarch64_with_dotprod():
@@ -141,116 +150,80 @@ def test_enabled_only_on_aarch64_with_dotprod():
     assert not jit_neon.enabled("x86_64", {"dotprod": True, "avx2": True})
 
 
-# ---- 2. the NEON builders' integers against the portable path's, run on this host ---------------------------
-_SDOT_EMULATED = """
-define internal <4 x i32> @sdot_emulated(<4 x i32> %acc, <16 x i8> %a, <16 x i8> %b) alwaysinline {
-  %a32 = sext <16 x i8> %a to <16 x i32>
-  %b32 = sext <16 x i8> %b to <16 x i32>
-  %p = mul <16 x i32> %a32, %b32
-  %p0 = shufflevector <16 x i32> %p, <16 x i32> poison, <4 x i32> <i32 0, i32 4, i32 8, i32 12>
-  %p1 = shufflevector <16 x i32> %p, <16 x i32> poison, <4 x i32> <i32 1, i32 5, i32 9, i32 13>
-  %p2 = shufflevector <16 x i32> %p, <16 x i32> poison, <4 x i32> <i32 2, i32 6, i32 10, i32 14>
-  %p3 = shufflevector <16 x i32> %p, <16 x i32> poison, <4 x i32> <i32 3, i32 7, i32 11, i32 15>
-  %s01 = add <4 x i32> %p0, %p1
-  %s23 = add <4 x i32> %p2, %p3
-  %s = add <4 x i32> %s01, %s23
-  %r = add <4 x i32> %acc, %s
-  ret <4 x i32> %r
-}
-"""
-
-
-def _host_functions(build):
-    """build(module) adds functions to a fresh module; it is compiled for this host (sdot calls -> sdot_emulated)
-    -> the execution engine (keep it alive) and a lookup of function addresses."""
-    from llvmlite import binding as llvm
+# ---- 2. the NEON path run on this host, sdot emulated ----------------------------------------------------------
+def _sdot_emulated(builder, acc, a, b):
+    """Arm's sdot in portable IR: acc lane i + sum_k a[4i + k] * b[4i + k] (signed bytes)."""
     from llvmlite import ir
 
-    from ds4py.quant import jit_neon
-
-    llvm.initialize_native_target()
-    llvm.initialize_native_asmprinter()
-    mod = ir.Module(name="neon_host")
-    build(mod)
-    text = str(mod).replace(f"declare <4 x i32> @\"{jit_neon.SDOT}\"", "; sdot: defined below")
-    text = text.replace(f"declare <4 x i32> @{jit_neon.SDOT}", "; sdot: defined below")
-    text = re.sub(r"^declare .*@\"?llvm\.aarch64\.neon\.sdot[^\n]*$", "", text, flags=re.M)
-    text = text.replace(f"@\"{jit_neon.SDOT}\"", "@sdot_emulated").replace(f"@{jit_neon.SDOT}", "@sdot_emulated")
-    m = llvm.parse_assembly(text + _SDOT_EMULATED)
-    m.verify()
-    tm = llvm.Target.from_default_triple().create_target_machine()
-    ee = llvm.create_mcjit_compiler(m, tm)
-    ee.finalize_object()
-    return ee, ee.get_function_address
+    v16 = ir.VectorType(ir.IntType(32), 16)
+    p = builder.mul(builder.sext(a, v16), builder.sext(b, v16))
+    for k in range(4):
+        acc = builder.add(acc, builder.shuffle_vector(p, p, ir.Constant(ir.VectorType(ir.IntType(32), 4),
+                                                                         [4 * i + k for i in range(4)])))
+    return acc
 
 
-def _ptr(a: np.ndarray):
-    return a.ctypes.data_as(ctypes.c_void_p)
+def _q8_0_portable_rows(raw, xq, xd, f16):
+    """q8_0_row's float sequence on the portable path, in numpy float32: per block, lane i's integer (bytes 2i,
+    2i+1, 2i+16, 2i+17) times d_w * d_x added to float lane i, the 8 lanes summed by halving at the end."""
+    R, nb, _ = raw.shape
+    T = xq.shape[0]
+    w = raw[:, :, 2:].view(np.int8).astype(np.int32)                        # [R, nb, 32]
+    d = f16[raw[:, :, 0].astype(np.int32) | (raw[:, :, 1].astype(np.int32) << 8)]
+    y = np.empty((T, R), np.float32)
+    for t in range(T):
+        p = w * xq[t].reshape(nb, 32).astype(np.int32)
+        lanes = (p[..., 0:16:2] + p[..., 1:16:2] + p[..., 16::2] + p[..., 17::2]).astype(np.float32)
+        acc = np.zeros((R, 8), np.float32)
+        for b in range(nb):
+            acc = acc + lanes[:, b] * (d[:, b] * xd[t, b])[:, None]
+        for n in (4, 2, 1):
+            acc = acc[:, :n] + acc[:, n:2 * n]
+        y[t] = acc[:, 0]
+    return y
 
 
-def test_neon_integer_results_equal_the_portable_paths(paths):
-    from llvmlite import ir
+def test_the_neon_path_run_here_gives_the_portable_bits(paths, monkeypatch):
+    from gguf import GGMLQuantizationType as Q
+    from numba import njit
 
-    from ds4py.quant import iq2, jit_decode as d
+    from ds4py.quant import jit_decode, jit_i8, jit_neon, jit_q8_0_vnni
+    from test_fused import stored
 
-    I8, I32, I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
-    p8, p32, p64 = I8.as_pointer(), I32.as_pointer(), I64.as_pointer()
-    b32 = ir.VectorType(I8, 32)
-
-    def fn(mod, name, args):
-        f = ir.Function(mod, ir.FunctionType(ir.VoidType(), args), name=name)
-        return f, ir.IRBuilder(f.append_basic_block("entry"))
-
-    def build(mod):
-        for neon in (True, False):
-            paths(neon)
-            tag = "neon" if neon else "portable"
-            # Q8_0: out[0:8] = _dot_s8s8(w, x) (the lanes q8_0_row converts)
-            f, b = fn(mod, f"q8_{tag}", [p8, p8, p32])
-            v = d._dot_s8s8(b, d._vload(b, f.args[0], ir.Constant(I64, 0), b32),
-                            d._vload(b, f.args[1], ir.Constant(I64, 0), b32))
-            b.store(v, b.bitcast(f.args[2], v.type.as_pointer()), align=4)
-            b.ret_void()
-            # Q2_K: out[0] = the block sum of the 84-byte block at p against 256 bytes of x
-            f, b = fn(mod, f"q2k_{tag}", [p8, p8, p32])
-            b.store(d._hsum(b, d._q2k_sum_vec(b, f.args[0], f.args[1], ir.Constant(I64, 0))), f.args[2])
-            b.ret_void()
-            # IQ2_XXS: out[0] = the block sum of 8 groups (8 bytes each at p) against 256 bytes of x
-            f, b = fn(mod, f"iq2_{tag}", [p8, p8, p64, p64, p32])
-            acc = None
-            for g in range(8):
-                gv, m, ls = d._iq2_gather(b, b.gep(f.args[0], [ir.Constant(I64, 8 * g)]), f.args[2], f.args[3])
-                v = d._iq2_signed_dot(b, gv, m, d._vload(b, f.args[1], ir.Constant(I64, 32 * g), b32), ls)
-                acc = v if acc is None else b.add(acc, v)
-            b.store(d._hsum(b, acc), f.args[4])
-            b.ret_void()
-
-    ee, addr = _host_functions(build)
-    vp = ctypes.c_void_p
-    call3 = ctypes.CFUNCTYPE(None, vp, vp, vp)
-    call5 = ctypes.CFUNCTYPE(None, vp, vp, vp, vp, vp)
-    grid8 = np.ascontiguousarray(iq2.GRID.astype(np.uint8)).view(np.uint64).ravel()
-    sign8 = np.where(iq2.SIGNS < 0, np.uint8(0xFF), np.uint8(1)).astype(np.uint8).view(np.uint64).ravel()
+    jit_i8._kernels()
+    f16, tabs = jit._state["f16"], (jit_i8._tables["grid8"], jit_i8._tables["sign8"])
+    paths(True)
+    monkeypatch.setattr(jit_neon, "sdot", _sdot_emulated)
+    fresh = lambda f: njit(nogil=True, boundscheck=False)(f.py_func)          # noqa: E731  (compiled now: NEON)
+    iq2, q2k, q8 = fresh(jit_decode._iq2_xxs_pairs), fresh(jit_decode._q2_k_pairs), fresh(jit_decode._q8_0_pairs)
+    tile = fresh(jit_q8_0_vnni.q8_0_vnni)
     rng = np.random.default_rng(35)
-    for trial in range(50):
-        x = rng.integers(-127, 128, 256, dtype=np.int8)
-        if trial == 0:
-            x[:] = -127                                          # the extremes
-        w = rng.integers(-128, 128, 32, dtype=np.int8)
-        if trial == 1:
-            w[:] = -128
-        outs = {}
-        for tag in ("neon", "portable"):
-            o8, o2, oi = np.zeros(8, np.int32), np.zeros(1, np.int32), np.zeros(1, np.int32)
-            call3(addr(f"q8_{tag}"))(_ptr(w), _ptr(x), _ptr(o8))
-            q2 = rng.integers(0, 256, 84, dtype=np.uint8) if tag == "neon" else q2
-            call3(addr(f"q2k_{tag}"))(_ptr(q2), _ptr(x), _ptr(o2))
-            g = rng.integers(0, 256, 64, dtype=np.uint8) if tag == "neon" else g
-            call5(addr(f"iq2_{tag}"))(_ptr(g), _ptr(x), _ptr(grid8), _ptr(sign8), _ptr(oi))
-            outs[tag] = (o8, o2, oi)
-        for got, want, what in zip(outs["neon"], outs["portable"], ("Q8_0 lanes", "Q2_K sum", "IQ2_XXS sum")):
-            np.testing.assert_array_equal(got, want, err_msg=f"{what}, trial {trial}")
-        # and the portable path is the arithmetic it says: Q8_0 lane i = bytes 2i, 2i+1, 2i+16, 2i+17
-        p = w.astype(np.int32) * x[:32].astype(np.int32)
-        np.testing.assert_array_equal(outs["portable"][0], p[0:16:2] + p[1:16:2] + p[16::2] + p[17::2])
-    del ee
+    for cols in (256, 768, 1280):
+        x = (rng.standard_normal((3, cols)) * rng.uniform(0.1, 10, (3, 1))).astype(np.float32)
+        x[1, :256] = 0
+        xr, R = np.arange(3), 7
+        xq, xd, xbs = jit_i8.quant_q8_k(x)
+        for qt, nbytes in ((Q.IQ2_XXS, 66), (Q.Q2_K, 84)):
+            raw = stored(qt, R, cols, rng)
+            for T in (1, 3):                              # one token (two blocks a call) and a block's pairs
+                y = np.empty((T, R), np.float32)
+                w = raw.reshape(R, cols // 256, nbytes)
+                if qt == Q.IQ2_XXS:
+                    iq2(w, xq[:T], xd[:T], xr[:T], 0, T, y, f16, *tabs, 0, R)
+                else:
+                    q2k(w, xq[:T], xd[:T], xbs[:T], xr[:T], 0, T, y, f16, 0, R)
+                np.testing.assert_array_equal(y, jit_i8.matmul(qt, raw, x[:T], 1), err_msg=f"{qt.name} {cols} T{T}")
+        raw = stored(Q.Q8_0, R, cols, rng)
+        if cols == 256:
+            raw.reshape(R, -1, 34)[0, 0, 2:] = 0x80                    # -128 codes
+        w = raw.reshape(R, cols // 32, 34)
+        xq, xd = jit_i8.quant_q8_0(x)
+        y = np.empty((3, R), np.float32)
+        q8(w, xq, xd, xr, 0, 3, y, f16, 0, R)
+        np.testing.assert_array_equal(y, _q8_0_portable_rows(w, xq, xd, f16), err_msg=f"Q8_0 row {cols}")
+        y = np.empty((3, R), np.float32)                # the dense prefill tile: the block-buffer kernel's bits
+        tile(w, xq.view(np.uint8) ^ np.uint8(0x80), xd, y, f16, 1)
+        k = jit_i8._tables["mod"]
+        want = np.empty((3, R), np.float32)
+        k.q8_0(w, w.view(np.int8), xq, xd, want, f16, 1)
+        np.testing.assert_array_equal(y, want, err_msg=f"Q8_0 tile {cols}")
