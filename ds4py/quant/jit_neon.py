@@ -2,10 +2,12 @@
 
 jit_decode's kernels write their inner loops in explicit vector IR; on x86 the byte multiply-adds call AVX2 /
 AVX-512 instructions by name, elsewhere they stay LLVM's portable vector IR, which LLVM lowers on aarch64 to
-widening multiplies (smull / smlal / sadalp: 8 byte products an instruction). Where numba compiles for aarch64
-with the dot-product extension (ARMv8.2 `dotprod`: Neoverse N1 / V1 / V2 (DGX Spark's Grace), Cortex-A76 and later,
-Apple M1 and later; `ENABLED`), these builders replace them with `sdot` (llvm.aarch64.neon.sdot: 16 signed byte
-products summed by 4 into 4 int32 lanes, one instruction).
+widening (sshll) and 16-bit multiplies (umull, mla; smull for Q8_0): 8 byte products an instruction at best,
+IQ2_XXS 573 and Q2_K 395 instructions a block (llvmlite, generic +neon). Where numba compiles for aarch64
+with the dot-product extension (ARMv8.2 `dotprod`: Neoverse N1 / V1 / V2 (Graviton 2+, Grace), Cortex-A76 and
+later (DGX Spark's GB10: Cortex-X925 / A725), Apple M1 and later; `ENABLED`), these builders replace them with
+`sdot` (llvm.aarch64.neon.sdot: 16 signed byte products summed by 4 into 4 int32 lanes, one instruction):
+IQ2_XXS 263, Q2_K 105 instructions a block.
 
 Same bits as the portable path: the integer sums are exact (any grouping gives the same int32), so IQ2_XXS and
 Q2_K, whose float epilogue takes one int32 a block, are unchanged; Q8_0's q8_0_row converts 8 partial sums a
