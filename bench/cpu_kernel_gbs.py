@@ -1,7 +1,7 @@
 """One-thread speed of the CPU decode kernels (ds4py.quant.jit_decode, int8 activations; F16 in fp32), in GB/s of
 weights a core, against this host's copy bandwidth.
 
-    python3 bench/cpu_kernel_gbs.py [--mb 160] [--reps 5] [--threads 2] [--isa native|avx2|portable]
+    python3 bench/cpu_kernel_gbs.py [--mb 160] [--reps 5] [--threads 2] [--isa native|avx2|neon|portable]
 
 Each format's serial row kernel (`<fmt>_rows`: one token, the way a decode step runs it) streams a random matrix of
 about --mb MB (larger than the last-level cache) at a real model width; the time is the calling thread's CPU time,
@@ -47,7 +47,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="also time the pooled kernels on this many threads")
     ap.add_argument("--only", default="", help="comma-separated formats (iq2_xxs,q2_k,q8_0,f16)")
-    ap.add_argument("--isa", default="native", help="instruction set to build the kernels for: native, avx2, portable")
+    ap.add_argument("--isa", default="native",
+                    help="instruction set to build the kernels for: native, avx2, neon, portable")
     a = ap.parse_args()
     from ds4py.quant import isa                    # before numba compiles anything: its target comes from the env
     try:
@@ -60,7 +61,7 @@ def main() -> None:
     f16 = jit._state["f16"]
     rng = np.random.default_rng(0)
     print(f"load {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f}; AVX2 {dec.AVX2}; "
-          f"AVX-512 path {dec.AVX512}")
+          f"AVX-512 path {dec.AVX512}; NEON sdot path {dec.NEON}")
     src = np.ones(a.mb << 20, np.uint8)
     dst = np.empty_like(src)
     t = _best(lambda: np.copyto(dst, src), a.reps, time.thread_time)

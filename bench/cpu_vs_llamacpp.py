@@ -71,7 +71,8 @@ def child(a: argparse.Namespace) -> dict:
     st = m.new_state()
     from ds4py.quant import jit_decode                    # which ISA path the kernels took (--isa)
     out = {"kernels": m.kernels_label, "open_s": open_s, "populate_wait_s": populate_s,
-           "isa_path": "avx512" if jit_decode.AVX512 else "avx2" if jit_decode.AVX2 else "portable"}
+           "isa_path": ("avx512" if jit_decode.AVX512 else "avx2" if jit_decode.AVX2
+                        else "neon" if jit_decode.NEON else "portable")}
     if a.child_cgroup:                                     # memory-cgroup case: cold first token, then decode
         logits = m.prefill(st, [int(i) for i in rng.integers(0, vocab, a.cgroup_prompt)])
         out["first_token_at"] = time.time()
@@ -282,7 +283,8 @@ def main() -> int:
     p.add_argument("--isa", default="native",
                    help="instruction set ds4py's compiled kernels are built for: native (the host's), avx2 (AVX2 + FMA "
                         "without AVX-512: the laptop case on an AVX-512 host; pair it with an AVX2-only llama.cpp "
-                        "build), portable (ds4py.quant.isa)")
+                        "build), neon (aarch64 with the dot-product extension: the sdot path), portable "
+                        "(ds4py.quant.isa)")
     p.add_argument("--json", metavar="OUT.json")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--child-prefill", type=int, default=0, help=argparse.SUPPRESS)

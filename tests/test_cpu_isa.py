@@ -59,7 +59,17 @@ def test_bad_isa_is_one_sentence():
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "cpu_kernel_gbs.py"), "--isa", "avx9"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
-    assert r.stderr.strip() == "unknown ISA level 'avx9': choose one of native, avx2, portable"
+    assert r.stderr.strip() == "unknown ISA level 'avx9': choose one of native, avx2, neon, portable"
+
+
+def test_neon_level_needs_an_aarch64_host_with_dotprod():
+    """--isa neon: the sdot path (ds4py.quant.jit_neon) where the kernel reports the dot-product extension."""
+    if not isa.aarch64_dotprod():
+        with pytest.raises(ValueError, match="needs an aarch64 host with the dot-product extension"):
+            isa.numba_env("neon")
+        return
+    feats = isa.numba_env("neon")["NUMBA_CPU_FEATURES"].split(",")
+    assert {"+neon", "+dotprod"} <= set(feats)
 
 
 # the decode kernels on random stored rows: T = 1 (one token: two blocks a call), 3 (a block's decode shared by the

@@ -228,8 +228,8 @@ def test_a_model_with_int8_activations_equals_the_act_quant_oracle(golden, monke
 
 def test_the_decode_kernels_compile_to_byte_multiply_adds():
     """The explicit vector IR (ds4py.quant.jit_decode) reaches the byte multiply-adds: vpdpbusd on AVX-512 VBMI +
-    VNNI hosts, pmaddubsw (+ pmaddwd or vpdpwssd) on AVX2 hosts; elsewhere the portable IR, checked for a SIMD
-    multiply-add of the target."""
+    VNNI hosts, pmaddubsw (+ pmaddwd or vpdpwssd) on AVX2 hosts, sdot on aarch64 with dotprod; elsewhere the
+    portable IR, checked for a SIMD multiply-add of the target."""
     from numba import njit
 
     from ds4py.quant import jit_decode
@@ -249,6 +249,8 @@ def test_the_decode_kernels_compile_to_byte_multiply_adds():
         want = ("vpdpbusd",)
     elif jit_decode.AVX2:
         want = ("vpmaddubsw",)
+    elif jit_decode.NEON:                                   # aarch64 with dotprod (ds4py.quant.jit_neon)
+        want = ("sdot",)
     elif arch in ("x86_64", "amd64"):
         want = ("pmaddwd", "pmaddubsw", "pmullw")
     else:

@@ -74,7 +74,8 @@ def test_dense_q8_0_equals_the_act_quant_reference_at_every_row_length():
         assert (np.abs(got - want) / mag).max() < 1e-5, f"cols={cols}: off the act_quant reference"
 
 
-@pytest.mark.skipif(not jit_i8_gemm.q8_0_int8(), reason="no AVX-512 VNNI here: dense Q8_0 keeps dequantise + BLAS")
+@pytest.mark.skipif(not jit_i8_gemm.q8_0_int8(),
+                    reason="no AVX-512 VNNI or aarch64 sdot here: dense Q8_0 keeps dequantise + BLAS")
 def test_int8_q8_0_equals_the_act_quant_reference_at_every_row_length():
     """The VNNI product (rows as lanes, tiles of 16 rows, 4 tokens a pass): every multiple of 32 to 1,024 and
     longer rows, partial tiles and token groups, against the float64 product of the rounded x; a token's row is

@@ -8,7 +8,8 @@ alias the table) and cannot carry a vector float accumulator across blocks. Thes
 code directly, in LLVM's portable vector types (<32 x i8>, <16 x i32>, <8 x float>, <64 x half>): LLVM lowers
 them to NEON on aarch64 and SSE / AVX on x86-64. On AVX2 hosts the byte products call pmaddubsw / pmaddwd /
 psignb by name (LLVM did not form them from the portable IR: it widened to 32-bit multiplies); a cross-target
-build ($NUMBA_CPU_NAME) takes the portable IR (tested: the same results).
+build ($NUMBA_CPU_NAME) takes the portable IR (tested: the same results). On aarch64 with the dot-product extension
+they call sdot (ds4py.quant.jit_neon: NEON; LLVM did not form it from the portable IR either), the same bits.
 Integer block sums are exact, so IQ2_XXS / Q2_K give ds4py.quant.jit_i8_kernels' bits. The intrinsics live in
 this file with the kernels that inline them: numba's disk cache keys a kernel on its own source file only, so an
 intrinsic edited elsewhere would leave stale compiled kernels behind (seen while writing these).
@@ -34,6 +35,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
+from ds4py.quant import jit_neon
 from ds4py.quant.isa import target_features
 
 F32, I32N = np.float32, np.int32
@@ -63,6 +65,8 @@ def _host_avx512() -> bool:
 
 
 AVX512 = _host_avx512()
+# aarch64 with the dot-product extension: the byte products on sdot (ds4py.quant.jit_neon), else the portable IR
+NEON = jit_neon.ENABLED and not AVX2
 
 
 def _native_half() -> bool:
@@ -161,6 +165,8 @@ def _iq2_gather(builder, p, grid, signs):
 def _iq2_signed_dot(builder, gv, m, x, ls):
     """<16 x i32> / <8 x i32> partial sums of grid magnitudes gv times the activation bytes x signed by the
     sign bytes m (+1 / -1), times ls."""
+    if NEON:
+        return jit_neon.iq2_signed_dot(builder, gv, m, x, ls)
     if AVX2:
         xs = _x86(builder, "llvm.x86.avx2.psign.b", x.type, x, m)      # one instruction (|x| <= 127)
     else:
@@ -574,6 +580,8 @@ def _q2k_sum_vec(builder, p, xp, xo):
     """The Q2_K block at p against x at xp[xo]: the integer partial sums of scale * code * x, one vector."""
     if AVX512:
         return _q2k_dot512(builder, p, xp, xo)
+    if NEON:
+        return jit_neon.q2k_sum_vec(builder, p, xp, xo)
     b16, b32 = ir.VectorType(I8, 16), ir.VectorType(I8, 32)
     h16 = ir.VectorType(I16, 16)
     sc = builder.zext(builder.and_(_vload(builder, p, _const(I64, 0), b16), _splat(b16, 15)), h16)
@@ -640,6 +648,8 @@ def q2k_block2(typingctx, raw, off, xq, xo, xbs, bo):
 
 def _dot_s8s8(builder, w, x):
     """<32 x i8> w, x (both signed, |.| <= 127 or w = -128) -> <8 x i32> partial sums of w * x."""
+    if NEON:
+        return jit_neon.dot_s8s8(builder, w, x)
     if AVX2:
         b32, h16, w8 = ir.VectorType(I8, 32), ir.VectorType(I16, 16), ir.VectorType(I32, 8)
         aw = _x86(builder, "llvm.x86.avx2.psign.b", b32, w, w)            # |w| (as unsigned bytes)

@@ -2,7 +2,7 @@
 
     if jit_i8_gemm.supported(qtype):
         y = jit_i8_gemm.matmul(qtype, raw, x, threads)     # raw uint8 [R, row_nbytes], x [T, C] -> [T, R]
-    y = jit_i8_gemm.q8_0_matmul(raw, x, threads)            # dense Q8_0, int8 (AVX-512 VNNI hosts: q8_0_int8())
+    y = jit_i8_gemm.q8_0_matmul(raw, x, threads)            # dense Q8_0, int8 (VNNI / aarch64 sdot: q8_0_int8())
     y = jit_i8_gemm.dense_q8_0(raw, x_rounded, threads, seg)  # dense Q8_0 elsewhere: dequantise + BLAS
 
 Routed experts (IQ2_XXS, Q2_K, Q4_K): x is quantised per block exactly as ds4py.quant.jit_i8 does it (the
@@ -10,8 +10,9 @@ reference's act_quant rounding), and every (token, row) gets jit_i8's own float 
 bit for bit jit_i8.matmul's: which of the two runs is a speed choice only (no batch-invariance question). The
 kernels (jit_i8_gemm_kernels) unpack a tile of rows once and run every token over it while it is in cache.
 
-Dense Q8_0 matrices (attention projections, shared expert, grouped output), on hosts with AVX-512 VNNI
-(q8_0_int8()): int8 products, x quantised as jit_i8 does, exact int32 block sums with the rows as vector lanes
+Dense Q8_0 matrices (attention projections, shared expert, grouped output), on hosts with AVX-512 VNNI or
+aarch64 sdot (q8_0_int8()): int8 products, x quantised as jit_i8 does, exact int32 block sums with the rows as
+vector lanes
 (ds4py.quant.jit_q8_0_vnni: ~100 GMAC/s a core here against ~35 for the BLAS route below), each (token, row)
 acc += (d_w * d_x) * isum in block order: the int8-activation numerics of the decode kernels, within float32
 rounding of the reference's act_quant product (tests/test_jit_i8_gemm.py), the same bits at any token count.
@@ -85,7 +86,7 @@ def _q8_0_int8_available() -> bool:
 
 
 def q8_0_int8() -> bool:
-    """Whether q8_0_matmul runs here (numba loads and the host has AVX-512 VNNI)."""
+    """Whether q8_0_matmul runs here (numba loads and the host has AVX-512 VNNI, or is aarch64 with sdot)."""
     if "vnni" not in _pool:
         _pool["vnni"] = jit.available() and _q8_0_int8_available()
     return _pool["vnni"]

@@ -1,7 +1,8 @@
-"""The dense Q8_0 prefill product in int8 on AVX-512 VNNI hosts (vpdpbusd): many tokens times one Q8_0 matrix.
+"""The dense Q8_0 prefill product in int8 on AVX-512 VNNI hosts (vpdpbusd) and on aarch64 with the dot-product
+extension (sdot: ds4py.quant.jit_neon): many tokens times one Q8_0 matrix.
 
-Imported only through ds4py.quant.jit_i8_gemm (`q8_0_matmul`), which takes it where the host has AVX-512 VNNI
-(AVAILABLE) and keeps the dequantise-and-BLAS product (jit_i8_gemm.dense_q8_0) elsewhere.
+Imported only through ds4py.quant.jit_i8_gemm (`q8_0_matmul`), which takes it where the host has AVX-512 VNNI or
+aarch64 sdot (AVAILABLE) and keeps the dequantise-and-BLAS product (jit_i8_gemm.dense_q8_0) elsewhere.
 
 Why: float32 BLAS on the rounded activation ran at ~38 GMAC/s a core here (OpenBLAS sgemm, plus ~10% to
 dequantise the tiles); Q8_0's blocks of 32 weights made a per-(row, token) int8 dot product end in a horizontal sum
@@ -11,6 +12,9 @@ broadcast 4-byte piece of one token's codes into each row's int32 lane; 8 of the
 sums with no horizontal sum, for 4 tokens at once (the weights loaded once for the 4).
 vpdpbusd multiplies unsigned by signed bytes: the activation codes go in as x + 128 (1..255), the weights as
 signed bytes, and 128 * (the block's weight sum) is taken off after: the block's sum is exact either way.
+On aarch64 (NEON) the tile is four 128-bit registers of 4 rows: sdot multiplies signed by signed bytes, so the
+broadcast piece goes in as the codes themselves (xu ^ 0x80) and nothing is taken off; 2 tokens a pass (their
+sums and float accumulators, 16 registers, stay within NEON's 32). The same exact block sums, the same bits.
 
 Numerics: the int8-activation mode's (ds4py.quant.jit_i8: x quantised per block of 32 as ops.q8_0_round does,
 codes and f16-rounded scales): per (token, row) acc += (d_w * d_x) * isum over the blocks in order, isum the exact
@@ -25,12 +29,11 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
+from ds4py.quant import jit_neon
 from ds4py.quant.isa import target_features
 
 F32 = np.float32
 I8, I32, I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
-LANES = 16                   # rows per tile: one 512-bit register of int32 sums
-TOKENS = 4                   # tokens per pass over a tile
 
 
 def _host_vnni() -> bool:
@@ -40,11 +43,31 @@ def _host_vnni() -> bool:
     return all(f.get(k) for k in ("avx512f", "avx512bw", "avx512vnni"))
 
 
-AVAILABLE = _host_vnni()
+VNNI = _host_vnni()
+NEON = jit_neon.ENABLED and not VNNI
+AVAILABLE = VNNI or NEON
+LANES = 16                   # rows per tile: one 512-bit register of int32 sums (NEON: four of 128 bits)
+TOKENS = 2 if NEON else 4    # tokens per pass over a tile
 
 
 def _data(context, builder, ty, val):
     return context.make_array(ty)(context, builder, val)
+
+
+def _sdot16(builder, acc, w, x):
+    """vpdpbusd's shape on NEON: <16 x i32> acc plus, lane l, the 4 signed byte products of dword l of w and x
+    (<16 x i32> each): four sdot on 4 lanes each."""
+    b64 = ir.VectorType(I8, 64)
+    wb, xb = builder.bitcast(w, b64), builder.bitcast(x, b64)
+    parts = []
+    for k in range(4):
+        sel = ir.Constant(ir.VectorType(I32, 16), list(range(16 * k, 16 * k + 16)))
+        a4 = builder.shuffle_vector(acc, acc, ir.Constant(ir.VectorType(I32, 4), list(range(4 * k, 4 * k + 4))))
+        wk, xk = builder.shuffle_vector(wb, wb, sel), builder.shuffle_vector(xb, xb, sel)
+        parts.append(jit_neon.sdot(builder, a4, wk, xk))
+    lo = builder.shuffle_vector(parts[0], parts[1], ir.Constant(ir.VectorType(I32, 8), list(range(8))))
+    hi = builder.shuffle_vector(parts[2], parts[3], ir.Constant(ir.VectorType(I32, 8), list(range(8))))
+    return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(I32, 16), list(range(16))))
 
 
 @intrinsic
@@ -66,7 +89,7 @@ def q8_0_tile(typingctx, pk, corr, dw, xu, xd, ts, out):
         v16 = ir.VectorType(I32, LANES)
         f16v = ir.VectorType(ir.FloatType(), LANES)
         fn = builder.module.globals.get("llvm.x86.avx512.vpdpbusd.512")
-        if fn is None:
+        if fn is None and not NEON:
             fn = ir.Function(builder.module, ir.FunctionType(v16, [v16, v16, v16]), name="llvm.x86.avx512.vpdpbusd.512")
         i32p = I32.as_pointer()
         ts = [builder.load(builder.gep(ts_p, [ir.Constant(I64, i)])) for i in range(TOKENS)]
@@ -96,13 +119,17 @@ def q8_0_tile(typingctx, pk, corr, dw, xu, xd, ts, out):
                 xv = builder.load(builder.bitcast(builder.gep(xu_a.data, [xo]), i32p), align=1)
                 xs = builder.shuffle_vector(builder.insert_element(ir.Constant(v16, None), xv, ir.Constant(I32, 0)),
                                             ir.Constant(v16, None), ir.Constant(v16, [0] * LANES))
-                isums[i] = builder.call(fn, [isums[i], xs, w])
+                if NEON:                            # signed codes: xu ^ 0x80 in each byte (0x80808080)
+                    xs = builder.xor(xs, ir.Constant(v16, [-0x7F7F7F80] * LANES))
+                    isums[i] = _sdot16(builder, isums[i], w, xs)
+                else:
+                    isums[i] = builder.call(fn, [isums[i], xs, w])
         lo = builder.mul(b, ir.Constant(I64, LANES))
         cr = builder.load(builder.bitcast(builder.gep(corr_p, [lo]), v16.as_pointer()), align=4)
         dwv = builder.load(builder.bitcast(builder.gep(dw_p, [lo]), f16v.as_pointer()), align=4)
         nxt_accs = []
         for i in range(TOKENS):
-            s = builder.sitofp(builder.sub(isums[i], cr), f16v)
+            s = builder.sitofp(isums[i] if NEON else builder.sub(isums[i], cr), f16v)
             xdv = builder.load(builder.gep(xd_a.data, [builder.add(xdrow[i], b)]))
             xds = builder.shuffle_vector(builder.insert_element(ir.Constant(f16v, None), xdv, ir.Constant(I32, 0)),
                                          ir.Constant(f16v, None), ir.Constant(v16, [0] * LANES))

@@ -51,7 +51,7 @@ Q8_K_ACT = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ2_XXS)
 # to jit_i8.DECODE_ROWS rows (its decode kernel, 8 float lanes per row: 1.5-2x the fp32 kernel's GB/s); the
 # others, and Q8_0's longer steps, keep the fp32 kernels on the rounded x (faster there: an int8 Q8_0 or MXFP4
 # block of 32 in the buffer kernels costs a horizontal sum each), except a prefill's dense Q8_0 products on
-# AVX-512 VNNI hosts (_dense_q8_0: jit_i8_gemm.q8_0_matmul, rows as vector lanes, ~3x dequantise + BLAS)
+# AVX-512 VNNI and aarch64 sdot hosts (_dense_q8_0: jit_i8_gemm.q8_0_matmul, rows as vector lanes, ~3x BLAS)
 INT8_KERNELS = (Q.IQ2_XXS, Q.Q2_K, Q.Q4_K)
 INT8_DECODE_KERNELS = (Q.Q8_0,)
 
@@ -392,8 +392,8 @@ class Weights:
         return t.qtype == Q.F16 and self._fuse(t) and self.runner.compiled and jit.takes(t.qtype, t.shape[-1])
 
     def _dense_q8_0(self, raw: np.ndarray, x: np.ndarray, seg: list[slice] | None) -> np.ndarray:
-        """A prefill sequence's product with dense Q8_0 rows, x rounded (act): int8 on AVX-512 VNNI hosts
-        (jit_i8_gemm.q8_0_matmul; quantising the rounded x gives its own codes and scales back), else the
+        """A prefill sequence's product with dense Q8_0 rows, x rounded (act): int8 on AVX-512 VNNI and aarch64
+        sdot hosts (jit_i8_gemm.q8_0_matmul; quantising the rounded x gives its own codes and scales back), else the
         dequantised tiles + BLAS. Chosen here, per sequence by _split, so a sequence's bits never depend on what
         else the step holds, and row-stable steps keep the decode kernels."""
         if jit_i8_gemm.q8_0_int8():
