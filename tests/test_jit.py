@@ -155,3 +155,22 @@ def test_a_first_compile_says_so_and_the_next_process_reuses_the_cache(tmp_path)
     again = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert again.returncode == 0, again.stderr
     assert again.stdout.split()[1:] == ["1", "0"]                # loaded from the disk cache, not compiled
+
+
+def test_the_default_cache_folder_changes_with_any_kernel_source(tmp_path, monkeypatch):
+    """numba checks only a kernel's own file: the default cache folder is keyed on every source it inlines from."""
+    import shutil
+
+    from ds4py.quant import jit
+
+    src = Path(jit.__file__).parent
+    for name in jit._KERNEL_SOURCES:
+        shutil.copy(src / name, tmp_path / name)
+    assert jit.source_tag(tmp_path) == jit.source_tag()
+    before = jit.source_tag(tmp_path)
+    (tmp_path / "jit_i8_kernels.py").write_text((src / "jit_i8_kernels.py").read_text() + "\n# an edit\n")
+    assert jit.source_tag(tmp_path) != before
+    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
+    assert jit.cache_dir().endswith(str(Path("ds4py") / "numba" / jit.source_tag()))
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "mine"))
+    assert jit.cache_dir() == str(tmp_path / "mine")

@@ -7,8 +7,9 @@ numba is a runtime dependency, yet an environment may lack it (or have one that 
 says so once, with the reason, and the caller falls back to the numpy fused kernels (ds4py.quant.dot).
 
 The kernels (ds4py.quant.jit_kernels) are compiled on first use and cached on disk: under $NUMBA_CACHE_DIR when
-set, else ~/.cache/ds4py/numba (numba's default, a __pycache__ beside the source, is not writable when the
-package is installed read-only, and one shared folder lets every test process reuse one compile). A first
+set, else ~/.cache/ds4py/numba/<12 hex digits of the kernel sources' hash> (numba's default, a __pycache__ beside
+the source, is not writable when the package is installed read-only, and one shared folder lets every test process
+reuse one compile; the hash keeps an edited helper that another module inlines from replaying stale code). A first
 compile takes seconds per kernel: a line on stderr says so first (or, when the cache has an entry that turns
 out stale, once the call has taken a few seconds).
 """
@@ -35,8 +36,32 @@ _init_lock = threading.Lock()
 _announced: set[str] = set()
 
 
+# the modules numba compiles kernels from, helpers inlined across them included: numba's disk cache checks only the
+# kernel's own file, so an edit to a helper in another of them (jit_i8_kernels' unpacking, inlined by the tiled
+# kernels; jit_neon's, by jit_decode) would otherwise replay stale machine code
+_KERNEL_SOURCES = ("iq2.py", "isa.py", "jit_decode.py", "jit_i8_gemm_kernels.py", "jit_i8_kernels.py",
+                   "jit_kernels.py", "jit_neon.py", "jit_q8_0_vnni.py", "jit_spin.py", "mxfp4.py")
+_source_tag: list[str] = []
+
+
+def source_tag(folder: Path | None = None) -> str:
+    """12 hex digits of the kernel sources' SHA-256: the default cache's subfolder, new whenever a source changes."""
+    import hashlib
+
+    if folder is None and _source_tag:
+        return _source_tag[0]
+    h = hashlib.sha256()
+    for name in _KERNEL_SOURCES:
+        h.update(name.encode() + b"\0" + ((folder or Path(__file__).parent) / name).read_bytes())
+    tag = h.hexdigest()[:12]
+    if folder is None:
+        _source_tag.append(tag)
+    return tag
+
+
 def cache_dir() -> str:
-    return os.environ.get("NUMBA_CACHE_DIR") or str(Path.home() / ".cache" / "ds4py" / "numba")
+    """$NUMBA_CACHE_DIR when set (the caller's folder, as given), else ~/.cache/ds4py/numba/<source_tag()>."""
+    return os.environ.get("NUMBA_CACHE_DIR") or str(Path.home() / ".cache" / "ds4py" / "numba" / source_tag())
 
 
 def _load():

@@ -17,8 +17,9 @@ block to float lane by lane, so `dot_s8s8` keeps the portable path's 8 lanes (la
 Each builder takes an llvmlite IRBuilder and values (no numba context), so tests/test_jit_neon.py compiles the
 very IR they emit for aarch64-unknown-linux-gnu (+neon,+dotprod) on any host and checks the sdot instructions in
 its assembly; bench/README.md says how the kernels were run on aarch64 (qemu-aarch64).
-numba's disk cache keys a compiled kernel on its own source file (jit_decode.py) only: after editing this file
-on aarch64, clear the cache ($NUMBA_CACHE_DIR, ds4py.quant.jit.cache_dir()) or touch jit_decode.py.
+numba's disk cache keys a compiled kernel on its own source file (jit_decode.py) only; the default cache folder
+(ds4py.quant.jit.cache_dir()) is keyed on this file too (jit.source_tag), so an edit here compiles afresh. With
+$NUMBA_CACHE_DIR set, clear it after editing this file.
 """
 
 from __future__ import annotations
