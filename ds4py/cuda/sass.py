@@ -13,8 +13,10 @@ there (inner_loop gives the rule); for a tensor-core GEMM (moe_prefill_*) the lo
 nested loops at one pass each (mma_loop), products = the HMMA multiply-adds one lane does (64 per HMMA.16816) per product (mma_pieces: bf16 pieces). Its
 `products` (one FFMA or FMUL, two per HFMA2 / HMUL2, four per DP4A / IDP) stand for the weights it consumes: each
 weight of a GEMV meets its activation in one multiply (with --fmad=false a multiply-add is FMUL + FADD: one
-product). Scale multiplies count too, so for block formats the count is a slight over-estimate of weights per
-iteration and instructions per weight a slight under-estimate; the table says so by name (`per_product`).
+product). The loop is chosen by its multiplies; its products are the weight products only (weight_products: not a
+block scale times its sum, nor x times the RMSNorm weight or a scale decoded before it meets a weight, followed
+through the registers; until branch s7sass they counted, and H200's gemv_q8_0 was charged 4.94 instructions per
+weight where it issues 7.41). A predicated multiply still issues: it stays an instruction of the loop.
 """
 
 from __future__ import annotations
