@@ -833,3 +833,69 @@ def test_the_gemvs_credited_with_pre_wait_loads_load_weights_before_pdl_wait_in_
     assert routed
     for k in routed:
         assert sum(a.get("pre_pdl_bytes", 0) for a in weights(k)) == 0, k
+
+
+def q8_listing(norm: bool) -> list[tuple[int, str, str, str]]:
+    """A Q8_0 GEMV pass as ptxas writes it (cu/gemv.cu gemv_q8, --fmad=false): a block's f16 scale and 4 int8
+    weights from shared memory, decoded (byte permute, exact subtraction), x from global memory (times the norm
+    weight, predicated: issued in every launch), 4 weight products summed, the sum scaled by d, accumulated."""
+    ins = [("LDS.U16", " R30, [R33] ", ".L_x_9"), ("LDS", " R13, [R37] ", ""),
+           ("LDG.E.128", " R8, desc[UR8][R28.64] ", ""), ("LDG.E.128", " R20, desc[UR8][R26.64] ", ""),
+           ("HADD2.F32", " R30, -RZ, R30.H0_H0 ", "")]
+    if norm:
+        ins += [("FMUL", f" R{8 + i}, R{8 + i}, R{20 + i} ", "") for i in range(4)]   # @!P1 (disassemble
+                                                                                            # drops predicates)
+    for i in range(4):
+        ins += [("PRMT", f" R{14 + i}, R13, 0x765{i}, R12 ", ""), ("FADD", f" R{14 + i}, R{14 + i}, -8388736 ", ""),
+                ("FMUL", f" R{14 + i}, R{14 + i}, R{8 + i} ", "")]
+    ins += [("FADD", " R14, R14, R15 ", ""), ("FADD", " R14, R14, R16 ", ""), ("FADD", " R14, R14, R17 ", ""),
+            ("FMUL", " R14, R30, R14 ", ""), ("FADD", " R7, R7, R14 ", ""), ("BRA", " `(.L_x_9) ", "")]
+    return [(16 * i, op, o, lab) for i, (op, o, lab) in enumerate(ins)]
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_a_loop_is_charged_per_weight_not_per_multiply(norm):
+    """The weights a Q8_0 pass consumes are its 4 weight x activation products: not the block scale's multiply of
+    their sum, nor x times the RMSNorm weight (predicated: still issued, so still instructions). Until branch
+    s7sass the table counted every multiply (5 or 9 here; 4.94 SASS instructions per weight for H200's
+    gemv_q8_0 where it does 7.41)."""
+    ins = q8_listing(norm)
+    assert sum(sass._products(op, o) for _, op, o, _ in ins) == (9 if norm else 5)     # the old count
+    assert sass.weight_products(ins) == 4
+    if norm:                                  # 9 multiplies: a weight loop (the finder needs 8)
+        c = sass.inner_loop("gemv_q8_0", ins)
+        assert c is not None and c.products == 4 and c.instructions == len(ins) and c.per_product == len(ins) / 4
+
+
+def test_int8_dots_and_decoded_weights_are_charged_per_weight():
+    """An int8 pass: each IDP.4A is 4 products; its sum (through the magic-number conversion) times dx x dw (a
+    factor, not a product) is a scale. A Q4_K-style decode: q x (d x sc) - dmin x m is a weight, not 2 products;
+    the weight times x is the one product."""
+    i8 = [("LDS", " R54, [R56] ", ".L_x_5"), ("LDS.U16", " R59, [R72] ", ""), ("LDS", " R28, [R76] ", ""),
+          ("LDS.U16", " R55, [R47] ", ""), ("IDP.4A.S8.S8", " R59, R59, R54, RZ ", ""),
+          ("VIADD", " R59, R59, 0x4b400000 ", ""), ("FADD", " R50, R59, -12582912 ", ""),
+          ("HADD2.F32", " R55, -RZ, R55.H0_H0 ", ""), ("FMUL", " R55, R55, R28 ", ""),
+          ("FFMA", " R11, R50, R55, R11 ", ""), ("BRA", " `(.L_x_5) ", "")]
+    c = sass.weight_products([(16 * i, *x) for i, x in enumerate(i8)])
+    assert c == 4
+    q4 = [("LDS.64", " R4, [R2] ", ".L_x_6"), ("LDG.E.128", " R8, desc[UR8][R28.64] ", ""),
+          ("FMUL", " R20, R30, R31 ", ""), ("FMUL", " R21, R32, R33 ", "")]
+    for i in range(4):
+        q4 += [("PRMT", f" R{12 + i}, R4, 0x765{i}, R40 ", ""), ("FADD", f" R{12 + i}, R{12 + i}, -8388608 ", ""),
+               ("FMUL", f" R{12 + i}, R{12 + i}, R20 ", ""), ("FADD", f" R{12 + i}, R{12 + i}, -R21 ", ""),
+               ("FMUL", f" R{12 + i}, R{12 + i}, R{8 + i} ", "")]
+    q4 += [("FADD", " R12, R12, R13 ", ""), ("FADD", " R12, R12, R14 ", ""), ("FADD", " R12, R12, R15 ", ""),
+           ("FADD", " R7, R7, R12 ", ""), ("BRA", " `(.L_x_6) ", "")]
+    assert sass.weight_products([(16 * i, *x) for i, x in enumerate(q4)]) == 4
+
+
+def test_the_committed_table_charges_whole_weights():
+    """gemv_q8_0 (one weight loop, its norm multiplies predicated) does 32 weights a pass on both archs: 2 blocks'
+    4 quants for 4 rows; the int8 Q8_0 GEMVs the same 32 (8 IDP.4A); the experts' loops whole 256s."""
+    table = sass.load_table()
+    for arch in ("sm_90", "sm_121"):
+        rows = table[arch]
+        for k in ("gemv_q8_0", "gemv_q8_0_hc_post", "gemv_q8_0_swiglu", "gemv_q8_0_i8", "gemv_q8_0_i8_grouped"):
+            assert rows[k].products == 32, (arch, k, rows[k])
+        for k in ("moe_down_iq2_xxs", "moe_down_q8_0", "moe_down_vq8"):
+            assert rows[k].products == 256, (arch, k, rows[k])

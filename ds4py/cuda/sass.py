@@ -13,8 +13,10 @@ there (inner_loop gives the rule); for a tensor-core GEMM (moe_prefill_*) the lo
 nested loops at one pass each (mma_loop), products = the HMMA multiply-adds one lane does (64 per HMMA.16816) per product (mma_pieces: bf16 pieces). Its
 `products` (one FFMA or FMUL, two per HFMA2 / HMUL2, four per DP4A / IDP) stand for the weights it consumes: each
 weight of a GEMV meets its activation in one multiply (with --fmad=false a multiply-add is FMUL + FADD: one
-product). Scale multiplies count too, so for block formats the count is a slight over-estimate of weights per
-iteration and instructions per weight a slight under-estimate; the table says so by name (`per_product`).
+product). The loop is chosen by its multiplies; its products are the weight products only (weight_products: not a
+block scale times its sum, nor x times the RMSNorm weight or a scale decoded before it meets a weight, followed
+through the registers; until branch s7sass they counted, and H200's gemv_q8_0 was charged 4.94 instructions per
+weight where it issues 7.41). A predicated multiply still issues: it stays an instruction of the loop.
 """
 
 from __future__ import annotations
@@ -212,6 +214,123 @@ def load_width(opcode: str) -> int:
     return 4
 
 
+_REG = re.compile(r"\bR(\d+)(?:\.64)?\b")
+_SUM_OPS = ("FFMA", "HFMA2", "DFMA", "FFMA2", "DP4A", "IDP")     # a multiply-add: its result is a sum of products
+_MUL_OPS = ("FMUL", "HMUL2", "DMUL", "FMUL2")
+_ADD_OPS = ("FADD", "HADD2", "DADD", "FADD2")
+_LOADS = ("LDG", "LDS", "LD", "LDC", "LDL", "LDSM")
+
+
+def _dest(opcode: str, operands: str) -> list[int]:
+    """The general registers an instruction writes: its first operand, 4 of them for a 128-bit load, 2 for a 64-bit
+    one or a wide multiply (none: a predicate, a store, a branch)."""
+    if opcode.split(".")[0] in ("STG", "STS", "ST", "STL", "RED", "BRA", "BAR", "BSSY", "BSYNC", "LDGSTS"):
+        return []
+    first = operands.split(",")[0].strip()
+    m = re.fullmatch(r"R(\d+)(?:\.64)?", first)
+    if not m:
+        return []
+    parts = opcode.split(".")
+    n = 4 if "128" in parts else 2 if ("64" in parts or "WIDE" in parts or first.endswith(".64")) else 1
+    return list(range(int(m.group(1)), int(m.group(1)) + n))
+
+
+def _sources(operands: str) -> list[list[int]]:
+    """The registers of each source operand (a 64-bit pair R4.64: R4 and R5), by position after the destination."""
+    out = []
+    for o in operands.split(",")[1:]:
+        regs = []
+        for m in _REG.finditer(o):
+            r = int(m.group(1))
+            regs += [r, r + 1] if m.group(0).endswith(".64") else [r]
+        out.append(regs)
+    return out
+
+
+def weight_products(body: list[tuple[int, str, str, str]]) -> int:
+    """The weight x activation products a loop body does (what its instructions are charged per): every multiply
+    (_products: one per FFMA / FMUL, two per HFMA2 / HMUL2, four per DP4A / IDP), less those that only scale or
+    prepare a product, found by following registers through the body (a loop: a value read before the body writes
+    it comes from the previous pass):
+      - a scale: a multiply one of whose factors is a sum of 3 or more products (a Q8_0 block's d times its
+        4-weight sum; the int8 kernels' scales times the integer dot's sum);
+      - a factor: a FMUL / HMUL2 whose result, through additions and conversions, only ever becomes a factor of
+        another multiply (x times the RMSNorm weight, predicated or not; dx x dw before it scales the dot; a Q4_K
+        nibble times its sub-block scale, less the min, before it meets x).
+    A predicated multiply is an instruction either way (a predicated-off instruction still issues)."""
+    n = len(body)
+    writers: dict[int, list[int]] = {}
+    for i, (_, op, o, _) in enumerate(body):
+        for r in _dest(op, o):
+            writers.setdefault(r, []).append(i)
+    base = [op.split(".")[0] for _, op, _, _ in body]
+    srcs = [_sources(o) for _, _, o, _ in body]
+    dests = [set(_dest(op, o)) for _, op, o, _ in body]
+    prods = [_products(op, o) for _, op, o, _ in body]
+    passes = ("MOV", "IMAD", "PRMT", "F2F", "I2F", "I2FP", "F2FP", "HADD2", "FADD", "DADD", "FADD2", "FSEL", "SEL")
+
+    def writer(reg: int, at: int) -> int | None:
+        ws = writers.get(reg)
+        if not ws:
+            return None
+        before = [w for w in ws if w < at]
+        return before[-1] if before else ws[-1]          # else the last write of the previous pass
+
+    def leaves(reg: int, at: int, seen: frozenset = frozenset()) -> int:
+        """Products summed into reg (through additions, multiply-adds' addends and conversions)."""
+        w = writer(reg, at)
+        if w is None or w in seen:
+            return 0
+        seen = seen | {w}
+        if base[w] in _SUM_OPS:
+            add = srcs[w][2] if len(srcs[w]) > 2 else []
+            return prods[w] + sum(leaves(r, w, seen) for r in add)
+        if base[w] in _MUL_OPS:
+            return 1 if prods[w] else 0
+        if base[w] in _ADD_OPS or base[w] in ("MOV", "F2F", "I2F", "I2FP", "VIADD", "IADD3", "IADD"):
+            return sum(leaves(r, w, seen) for regs in srcs[w] for r in regs)
+        return 0
+
+    def only_factor(i: int) -> bool:
+        """The value written at i reaches only multiplies' factors (through additions and conversions)."""
+        todo, seen = [i], set()
+        while todo:
+            d = todo.pop()
+            if d in seen:
+                return False                                 # it circulates: an accumulator
+            seen.add(d)
+            regs, used = dests[d], False
+            for k in list(range(d + 1, n)) + list(range(0, d + 1)):
+                for pos, rs in enumerate(srcs[k]):
+                    if regs & set(rs):
+                        used = True
+                        if base[k] in _MUL_OPS + _SUM_OPS and pos < 2 and prods[k]:
+                            if any(leaves(r, k) >= 3 for r in rs):
+                                return False                 # a sum of products, scaled: they are products
+                            continue
+                        if base[k] in passes and base[k] not in _SUM_OPS:
+                            todo.append(k)
+                            continue
+                        return False
+                if k != d and regs & dests[k]:           # overwritten (a predicated write counts too)
+                    break
+            if not used:
+                return False                                 # live out of the loop
+        return True
+
+    total = 0
+    for i in range(n):
+        if not prods[i]:
+            continue
+        if base[i] not in ("DP4A", "IDP"):
+            if any(leaves(r, i) >= 3 for regs in srcs[i][:2] for r in regs):
+                continue                                  # a scale of a sum of products
+            if base[i] in _MUL_OPS and only_factor(i):
+                continue                                  # a factor of a product
+        total += prods[i]
+    return total
+
+
 def _count(kernel: str, body: list[tuple[int, str, str, str]], async_copy: bool = False,
            pipelined: bool = False) -> LoopCount:
     counts = {c: 0 for c in (*CLASSES, "other")}
@@ -219,8 +338,7 @@ def _count(kernel: str, body: list[tuple[int, str, str, str]], async_copy: bool 
         counts[classify(op)] += 1
     ldg = sum(load_width(op) for _, op, _, _ in body if op.startswith("LDG.") or op == "LDG")
     return LoopCount(kernel, len(body), counts["memory"], counts["fma"], counts["convert"], counts["integer"],
-                     counts["control"], counts["other"], sum(_products(op, o) for _, op, o, _ in body), ldg, async_copy,
-                     pipelined)
+                     counts["control"], counts["other"], weight_products(body), ldg, async_copy, pipelined)
 
 
 def inner_loop(kernel: str, insns: list[tuple[int, str, str, str]]) -> LoopCount | None:
@@ -240,24 +358,25 @@ def inner_loop(kernel: str, insns: list[tuple[int, str, str, str]]) -> LoopCount
     dots_only = any(kernel.startswith(prefix) for prefix, _ in QUANT_LANE_VALUES)
     ring = staged and any(op.startswith("DEPBAR") and re.search(r"SB0,\s*0x[1-9a-f]", o) for _, op, o, _ in insns)
 
-    def own(a: int, b: int, nested: list[tuple[int, int]]) -> LoopCount | None:
+    def own(a: int, b: int, nested: list[tuple[int, int]]) -> tuple[LoopCount, int] | None:
         body = [insns[i] for i in range(a, b + 1) if not any(c <= i <= d for c, d in nested)]
         if not any(op.startswith(("LDG", "LDS", "LD.", "LDGSTS")) or op == "LD" for _, op, _, _ in body):
             return None
         if dots_only and not any(op.startswith(("IDP", "DP4A")) for _, op, _, _ in body):
             return None
-        return _count(kernel, body, staged, ring)
+        # (the count, its multiplies): the loop is chosen by its multiplies, charged per weight product
+        return _count(kernel, body, staged, ring), sum(_products(op, o) for _, op, o, _ in body)
 
     cands = [c for a, b in spans
              for c in [own(a, b, [(x, y) for x, y in spans if (x, y) != (a, b) and a <= x and y <= b])]
-             if c is not None and c.products >= 8]
-    dense = max((c.products / c.instructions for c in cands), default=0.0)
-    best = max((c for c in cands if c.products / c.instructions >= 0.5 * dense),
-               key=lambda c: (c.products, -c.instructions), default=None)
+             if c is not None and c[1] >= 8]
+    dense = max((m / c.instructions for c, m in cands), default=0.0)
+    best = max((cm for cm in cands if cm[1] / cm[0].instructions >= 0.5 * dense),
+               key=lambda cm: (cm[1], -cm[0].instructions), default=None)
     flat = own(0, len(insns) - 1, spans) if insns else None
-    if flat and flat.products and (best is None or flat.products >= 4 * best.products):
+    if flat and flat[1] and (best is None or flat[1] >= 4 * best[1]):
         best = flat
-    return best
+    return best[0] if best else None
 
 
 # Values one lane quantises per pass of the int8-activation GEMVs' x-quantisation loop (cu/gemv.cu, `#pragma
