@@ -42,38 +42,49 @@ __device__ __forceinline__ void act_store8(float* y, size_t at, const float o[8]
     *reinterpret_cast<float4*>(y + at + 4) = make_float4(o[4], o[5], o[6], o[7]);
 }
 
+// The two roundings of a thread's 8 floats v (o: the rounded values), amax the largest magnitude of their block
+// (LANES threads).
+struct ActQ8_0 {
+    static constexpr int LANES = 4;
+    __device__ static __forceinline__ void apply(const float v[8], float amax, float o[8]) {
+        const float d = __fdiv_rn(amax, 127.0f);
+        const float div = d > 0.0f ? d : 1.0f;
+        const float d16 = __half2float(__float2half_rn(d));
+#pragma unroll
+        for (int j = 0; j < 8; ++j) o[j] = __fmul_rn(rintf(__fdiv_rn(v[j], div)), d16);
+    }
+};
+struct ActQ8_K {
+    static constexpr int LANES = 32;
+    __device__ static __forceinline__ void apply(const float v[8], float amax, float o[8]) {
+        const float is = amax != 0.0f ? __fdiv_rn(-127.0f, amax) : 0.0f;
+        const float d = is != 0.0f ? __fdiv_rn(1.0f, is) : 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) o[j] = __fmul_rn(fminf(rintf(__fmul_rn(v[j], is)), 127.0f), d);
+    }
+};
+
+// A kernel's body: load, round as Q, store.
+template <class Q>
+__device__ __forceinline__ void act_round(const float* x, float* y, int n_rows, int width, int stride) {
+    pdl_wait();
+    pdl_launch_dependents();
+    float v[8], amax, o[8];
+    size_t at;
+    if (!act_load8<Q::LANES>(x, n_rows, width, stride, v, at, amax)) return;
+    Q::apply(v, amax, o);
+    act_store8(y, at, o);
+}
+
 // Common contract: x, y [n_rows rows of `width` floats, `stride` floats apart] (16-byte aligned, stride % 8 == 0);
 // y may be x. Launch: grid (ceil(n_rows * width / 8 / threads)), block (threads, a multiple of 32).
 
 // Q8_0 rounding, width % 32 == 0. Launch: as above.
 extern "C" __global__ void act_round_q8_0(const float* x, float* y, int n_rows, int width, int stride) {
-    pdl_wait();
-    pdl_launch_dependents();
-    float v[8], amax;
-    size_t at;
-    const bool live = act_load8<4>(x, n_rows, width, stride, v, at, amax);
-    if (!live) return;
-    const float d = __fdiv_rn(amax, 127.0f);
-    const float div = d > 0.0f ? d : 1.0f;
-    const float d16 = __half2float(__float2half_rn(d));
-    float o[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) o[j] = __fmul_rn(rintf(__fdiv_rn(v[j], div)), d16);
-    act_store8(y, at, o);
+    act_round<ActQ8_0>(x, y, n_rows, width, stride);
 }
 
 // Q8_K rounding, width % 256 == 0. Launch: as above.
 extern "C" __global__ void act_round_q8_k(const float* x, float* y, int n_rows, int width, int stride) {
-    pdl_wait();
-    pdl_launch_dependents();
-    float v[8], amax;
-    size_t at;
-    const bool live = act_load8<32>(x, n_rows, width, stride, v, at, amax);
-    if (!live) return;
-    const float is = amax != 0.0f ? __fdiv_rn(-127.0f, amax) : 0.0f;
-    const float d = is != 0.0f ? __fdiv_rn(1.0f, is) : 0.0f;
-    float o[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) o[j] = __fmul_rn(fminf(rintf(__fmul_rn(v[j], is)), 127.0f), d);
-    act_store8(y, at, o);
+    act_round<ActQ8_K>(x, y, n_rows, width, stride);
 }

@@ -28,24 +28,7 @@
 
 #include "moe_formats.cuh"
 
-// ---- block helpers ------------------------------------------------------------------------------------------
-// Start copying n bytes from global src into shared dst + (src % 16), so 16-byte words stay 16-byte aligned: the
-// aligned middle by cp.async, the ends byte by byte. dst is 16-byte aligned with n + 16 bytes of room; the whole
-// block calls it, then cp_async_commit / cp_async_wait_all / __syncthreads before reading.
-__device__ __forceinline__ const uint8_t* moe_stage(uint8_t* dst, const uint8_t* src, int n) {
-    const int phase = (int)(reinterpret_cast<size_t>(src) & 15);
-    int head = phase ? 16 - phase : 0;
-    if (head > n) head = n;
-    const int words = (n - head) >> 4;
-    uint8_t* out = dst + phase;
-    for (int i = threadIdx.x; i < words; i += blockDim.x) cp_async_16(out + head + 16 * i, src + head + 16 * i);
-    for (int i = threadIdx.x; i < head; i += blockDim.x) out[i] = src[i];
-    for (int i = head + 16 * words + threadIdx.x; i < n; i += blockDim.x) out[i] = src[i];
-    return out;
-}
-
-__device__ __forceinline__ int moe_room(int n) { return (n + 31) & ~15; }      // n + 16, rounded up to 16
-
+// ---- block helpers (moe_stage / moe_room: cu/moe_formats.cuh) ---------------------------------------------
 // A staged span of nr consecutive rows of one matrix in shared memory: row r at rows + r * rb; VQ-8 also its hi
 // rows at hi + r * hb (13 bits) and its gains at gain[r].
 struct MoeSpan {
@@ -564,32 +547,71 @@ __device__ __forceinline__ void moe_dequant_impl(const uint64_t* grid, const uin
 // (cols = dim for gate/up, ff for down), RL = blockDim.x / G row lanes, rows_per_block <= 8 * RL; the dynamic
 // shared memory is max(staged rows, partial sums), computed by ds4py/cuda/ops/experts.py (moe_smem_bytes).
 
+// The constant tables of activations A in grid_s (512 words; a block-wide fill, the impl syncs before reading):
+// fp32, the IQ2_XXS magnitudes as bf16 halves (moe_load_grid16); int8, the grid and its sign masks (moe_i8_signs).
+template <class A> __device__ __forceinline__ void moe_load_tables(uint64_t* grid_s) { moe_load_grid16(grid_s); }
+template <> __device__ __forceinline__ void moe_load_tables<MoeActI8>(uint64_t* grid_s) {
+    moe_load_grid(grid_s);
+    moe_i8_signs(grid_s + 256);
+}
+
+// The bodies of the four decode entry points of format F with activations ACT (MoeActF, MoeActI8), each kernel
+// named kname: the per-list templates below (MOE_GATE_UP, MOE_GATE_UP_I8, ...) name one each, with its contract.
+#define MOE_GATE_UP_KERNEL(kname, F, TABLE, ACT) \
+extern "C" __global__ void kname(const uint8_t* Wg, const uint8_t* Wu, const float* x, const int* ids, \
+                                 const float* route_w, float* h, int n_experts, int ff, int dim, int rows_per_block, \
+                                 float clamp) { \
+    extern __shared__ __align__(16) uint8_t moe_smem[]; \
+    __shared__ __align__(16) uint64_t grid_s[TABLE ? 512 : 1]; \
+    if (TABLE) moe_load_tables<ACT>(grid_s); \
+    moe_gate_up_impl<F, ACT>(moe_smem, TABLE ? grid_s : nullptr, Wg, Wu, x, ids, route_w, h, n_experts, ff, dim, \
+                             rows_per_block, clamp, blockIdx.x, MOE_WAIT);  /* pdl_wait inside */ \
+}
+#define MOE_DOWN_KERNEL(kname, F, TABLE, ACT) \
+extern "C" __global__ void kname(const uint8_t* W, const int* ids, const float* h, const float* add, \
+                                 const float* hc_post, const float* hc_comb, const float* hc_x, float* out, \
+                                 int n_slots, int n_experts, int dim, int ff, int rows_per_block, int hc) { \
+    extern __shared__ __align__(16) uint8_t moe_smem[]; \
+    __shared__ __align__(16) uint64_t grid_s[TABLE ? 512 : 1]; \
+    if (TABLE) moe_load_tables<ACT>(grid_s); \
+    moe_down_impl<F, ACT>(moe_smem, TABLE ? grid_s : nullptr, W, ids, h, add, hc_post, hc_comb, hc_x, out, n_slots, \
+                          n_experts, dim, ff, rows_per_block, hc, blockIdx.x, MOE_WAIT);  /* pdl_wait inside */ \
+}
+#define MOE_GATE_UP_ROWS_KERNEL(kname, F, TABLE, ACT) \
+extern "C" __global__ void kname(const uint8_t* Wg, const uint8_t* Wu, const float* x, const int* ids, \
+                                 const float* route_w, float* h, int n_experts, int ff, int dim, int rows_per_block, \
+                                 float clamp, int n_pairs, int k, int x_stride) { \
+    extern __shared__ __align__(16) uint8_t moe_smem[]; \
+    __shared__ int pick; \
+    __shared__ __align__(16) uint64_t grid_s[TABLE ? 512 : 1]; \
+    pdl_wait(); \
+    pdl_launch_dependents(); \
+    if (TABLE) moe_load_tables<ACT>(grid_s); \
+    moe_gate_up_rows_impl<F, ACT>(moe_smem, TABLE ? grid_s : nullptr, Wg, Wu, x, ids, route_w, h, n_experts, ff, \
+                                  dim, rows_per_block, clamp, n_pairs, k, x_stride, &pick, blockIdx.x); \
+}
+#define MOE_DOWN_ROWS_KERNEL(kname, F, TABLE, ACT) \
+extern "C" __global__ void kname(const uint8_t* W, const int* ids, const float* h, const float* add, \
+                                 const float* mix, const float* hc_x, float* out, int n_slots, int n_experts, \
+                                 int dim, int ff, int rows_per_block, int hc) { \
+    extern __shared__ __align__(16) uint8_t moe_smem[]; \
+    __shared__ __align__(16) uint64_t grid_s[TABLE ? 512 : 1]; \
+    pdl_wait(); \
+    pdl_launch_dependents(); \
+    if (TABLE) moe_load_tables<ACT>(grid_s); \
+    moe_down_rows_impl<F, ACT>(moe_smem, TABLE ? grid_s : nullptr, W, ids, h, add, mix, hc_x, out, n_slots, \
+                               n_experts, dim, ff, rows_per_block, hc, blockIdx.x); \
+}
+
 // h[s, r] for rows r of expert ids[s]. Launch: grid (ceil(ff / rows_per_block), n_slots), block (32 * ceil(G * RL /
 // 32)), dynamic shared memory moe_smem_bytes.
 #define MOE_GATE_UP(name, F, QK, NB, TABLE) \
-extern "C" __global__ void moe_gate_up_##name(const uint8_t* Wg, const uint8_t* Wu, const float* x, const int* ids, \
-                                              const float* route_w, float* h, int n_experts, int ff, int dim, \
-                                              int rows_per_block, float clamp) { \
-    extern __shared__ __align__(16) uint8_t moe_smem[]; \
-    __shared__ __align__(16) uint64_t grid_s[TABLE ? 512 : 1]; \
-    if (TABLE) moe_load_grid16(grid_s);               /* a constant table */ \
-    moe_gate_up_impl<F>(moe_smem, TABLE ? grid_s : nullptr, Wg, Wu, x, ids, route_w, h, n_experts, ff, dim, \
-                        rows_per_block, clamp, blockIdx.x, MOE_WAIT);  /* pdl_wait inside */ \
-}
+    MOE_GATE_UP_KERNEL(moe_gate_up_##name, F, TABLE, MoeActF)
 
 // y or X' rows [r0, r0 + rows_per_block) summed over the n_slots experts. Launch: grid (ceil(dim / rows_per_block)),
 // block (32 * ceil(G * RL / 32)), dynamic shared memory moe_smem_bytes.
 #define MOE_DOWN(name, F, QK, NB, TABLE) \
-extern "C" __global__ void moe_down_##name(const uint8_t* W, const int* ids, const float* h, const float* add, \
-                                           const float* hc_post, const float* hc_comb, const float* hc_x, \
-                                           float* out, int n_slots, int n_experts, int dim, int ff, \
-                                           int rows_per_block, int hc) { \
-    extern __shared__ __align__(16) uint8_t moe_smem[]; \
-    __shared__ __align__(16) uint64_t grid_s[TABLE ? 512 : 1]; \
-    if (TABLE) moe_load_grid16(grid_s);               /* a constant table */ \
-    moe_down_impl<F>(moe_smem, TABLE ? grid_s : nullptr, W, ids, h, add, hc_post, hc_comb, hc_x, out, n_slots, \
-                     n_experts, dim, ff, rows_per_block, hc, blockIdx.x, MOE_WAIT);  /* pdl_wait inside */ \
-}
+    MOE_DOWN_KERNEL(moe_down_##name, F, TABLE, MoeActF)
 
 // out[32g + j] = value j of column group g (n_groups groups of 32 from the start of W). Launch: grid
 // (ceil(n_groups / 256)), block (256).
@@ -609,34 +631,11 @@ MOE_FORMATS(MOE_DEQUANT)
 // inside (MoeActI8::load), so the engine needs no other buffer.
 // As moe_gate_up_<fmt>, x rounded as Q8_K. Launch: as moe_gate_up_<fmt>.
 #define MOE_GATE_UP_I8(name, F, QK, NB, TABLE) \
-extern "C" __global__ void moe_gate_up_i8_##name(const uint8_t* Wg, const uint8_t* Wu, const float* x, \
-                                                 const int* ids, const float* route_w, float* h, int n_experts, \
-                                                 int ff, int dim, int rows_per_block, float clamp) { \
-    extern __shared__ __align__(16) uint8_t moe_smem[]; \
-    __shared__ __align__(16) uint64_t grid_s[TABLE ? 512 : 1]; \
-    if (TABLE) { \
-        moe_load_grid(grid_s);                        /* constant tables */ \
-        moe_i8_signs(grid_s + 256); \
-    } \
-    moe_gate_up_impl<F, MoeActI8>(moe_smem, TABLE ? grid_s : nullptr, Wg, Wu, x, ids, route_w, h, n_experts, ff, \
-                                  dim, rows_per_block, clamp, blockIdx.x, MOE_WAIT);  /* pdl_wait inside */ \
-}
+    MOE_GATE_UP_KERNEL(moe_gate_up_i8_##name, F, TABLE, MoeActI8)
 
 // As moe_down_<fmt>, each slot's h rounded as Q8_K. Launch: as moe_down_<fmt>.
 #define MOE_DOWN_I8(name, F, QK, NB, TABLE) \
-extern "C" __global__ void moe_down_i8_##name(const uint8_t* W, const int* ids, const float* h, const float* add, \
-                                              const float* hc_post, const float* hc_comb, const float* hc_x, \
-                                              float* out, int n_slots, int n_experts, int dim, int ff, \
-                                              int rows_per_block, int hc) { \
-    extern __shared__ __align__(16) uint8_t moe_smem[]; \
-    __shared__ __align__(16) uint64_t grid_s[TABLE ? 512 : 1]; \
-    if (TABLE) { \
-        moe_load_grid(grid_s);                        /* constant tables */ \
-        moe_i8_signs(grid_s + 256); \
-    } \
-    moe_down_impl<F, MoeActI8>(moe_smem, TABLE ? grid_s : nullptr, W, ids, h, add, hc_post, hc_comb, hc_x, out, \
-                               n_slots, n_experts, dim, ff, rows_per_block, hc, blockIdx.x, MOE_WAIT); \
-}
+    MOE_DOWN_KERNEL(moe_down_i8_##name, F, TABLE, MoeActI8)
 
 MOE_I8_FORMATS(MOE_GATE_UP_I8)
 MOE_I8_FORMATS(MOE_DOWN_I8)
@@ -648,33 +647,11 @@ MOE_I8_FORMATS(MOE_DOWN_I8)
 
 // Grouped gate + up of nx rows. Launch: grid (ceil(ff / rows_per_block), distinct experts at most), smem moe_rows_plan.
 #define MOE_GATE_UP_ROWS(name, F, QK, NB, TABLE) \
-extern "C" __global__ void moe_gate_up_rows_##name(const uint8_t* Wg, const uint8_t* Wu, const float* x, \
-                                                   const int* ids, const float* route_w, float* h, int n_experts, \
-                                                   int ff, int dim, int rows_per_block, float clamp, int n_pairs, \
-                                                   int k, int x_stride) { \
-    extern __shared__ __align__(16) uint8_t moe_smem[]; \
-    __shared__ int pick; \
-    __shared__ __align__(16) uint64_t grid_s[TABLE ? 512 : 1]; \
-    pdl_wait(); \
-    pdl_launch_dependents(); \
-    if (TABLE) moe_load_grid16(grid_s); \
-    moe_gate_up_rows_impl<F>(moe_smem, TABLE ? grid_s : nullptr, Wg, Wu, x, ids, route_w, h, n_experts, ff, dim, \
-                             rows_per_block, clamp, n_pairs, k, x_stride, &pick, blockIdx.x); \
-}
+    MOE_GATE_UP_ROWS_KERNEL(moe_gate_up_rows_##name, F, TABLE, MoeActF)
 
 // Per-row down of nx rows. Launch: grid (ceil(dim / rows_per_block), nx), smem as moe_down.
 #define MOE_DOWN_ROWS(name, F, QK, NB, TABLE) \
-extern "C" __global__ void moe_down_rows_##name(const uint8_t* W, const int* ids, const float* h, const float* add, \
-                                                const float* mix, const float* hc_x, float* out, int n_slots, \
-                                                int n_experts, int dim, int ff, int rows_per_block, int hc) { \
-    extern __shared__ __align__(16) uint8_t moe_smem[]; \
-    __shared__ __align__(16) uint64_t grid_s[TABLE ? 512 : 1]; \
-    pdl_wait(); \
-    pdl_launch_dependents(); \
-    if (TABLE) moe_load_grid16(grid_s); \
-    moe_down_rows_impl<F>(moe_smem, TABLE ? grid_s : nullptr, W, ids, h, add, mix, hc_x, out, n_slots, n_experts, \
-                          dim, ff, rows_per_block, hc, blockIdx.x); \
-}
+    MOE_DOWN_ROWS_KERNEL(moe_down_rows_##name, F, TABLE, MoeActF)
 
 MOE_FORMATS(MOE_GATE_UP_ROWS)
 MOE_FORMATS(MOE_DOWN_ROWS)
@@ -684,40 +661,11 @@ MOE_FORMATS(MOE_DOWN_ROWS)
 // pair runs exactly moe_gate_up_i8_<fmt>'s / moe_down_i8_<fmt>'s arithmetic, so a row of a multi-row step is
 // bit-identical to its single step (tests/test_cu_emu_act_quant.py). Launch: as the fp32 rows kernels.
 #define MOE_GATE_UP_ROWS_I8(name, F, QK, NB, TABLE) \
-extern "C" __global__ void moe_gate_up_rows_i8_##name(const uint8_t* Wg, const uint8_t* Wu, const float* x, \
-                                                      const int* ids, const float* route_w, float* h, \
-                                                      int n_experts, int ff, int dim, int rows_per_block, \
-                                                      float clamp, int n_pairs, int k, int x_stride) { \
-    extern __shared__ __align__(16) uint8_t moe_smem[]; \
-    __shared__ int pick; \
-    __shared__ __align__(16) uint64_t grid_s[TABLE ? 512 : 1]; \
-    pdl_wait(); \
-    pdl_launch_dependents(); \
-    if (TABLE) { \
-        moe_load_grid(grid_s);                        /* constant tables */ \
-        moe_i8_signs(grid_s + 256); \
-    } \
-    moe_gate_up_rows_impl<F, MoeActI8>(moe_smem, TABLE ? grid_s : nullptr, Wg, Wu, x, ids, route_w, h, n_experts, \
-                                       ff, dim, rows_per_block, clamp, n_pairs, k, x_stride, &pick, blockIdx.x); \
-}
+    MOE_GATE_UP_ROWS_KERNEL(moe_gate_up_rows_i8_##name, F, TABLE, MoeActI8)
 
 // As moe_down_rows_<fmt>, each slot's h rounded as Q8_K. Launch: as moe_down_rows_<fmt>.
 #define MOE_DOWN_ROWS_I8(name, F, QK, NB, TABLE) \
-extern "C" __global__ void moe_down_rows_i8_##name(const uint8_t* W, const int* ids, const float* h, \
-                                                   const float* add, const float* mix, const float* hc_x, float* out, \
-                                                   int n_slots, int n_experts, int dim, int ff, int rows_per_block, \
-                                                   int hc) { \
-    extern __shared__ __align__(16) uint8_t moe_smem[]; \
-    __shared__ __align__(16) uint64_t grid_s[TABLE ? 512 : 1]; \
-    pdl_wait(); \
-    pdl_launch_dependents(); \
-    if (TABLE) { \
-        moe_load_grid(grid_s);                        /* constant tables */ \
-        moe_i8_signs(grid_s + 256); \
-    } \
-    moe_down_rows_impl<F, MoeActI8>(moe_smem, TABLE ? grid_s : nullptr, W, ids, h, add, mix, hc_x, out, n_slots, \
-                                    n_experts, dim, ff, rows_per_block, hc, blockIdx.x); \
-}
+    MOE_DOWN_ROWS_KERNEL(moe_down_rows_i8_##name, F, TABLE, MoeActI8)
 
 MOE_I8_FORMATS(MOE_GATE_UP_ROWS_I8)
 MOE_I8_FORMATS(MOE_DOWN_ROWS_I8)

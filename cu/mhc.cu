@@ -269,24 +269,18 @@ __device__ __forceinline__ void hc_mix_body(const T* fn, int nrows, const float*
 // T records of MIX floats. scale: [3] (head: [1]), base: [nrows]. y null: the mix only; y [T, D] given: the last
 // block of token t also writes y[t] = RMSNorm(sum_j pre_j X[t, j]; w) (w null: no weight) with pre = pre_mix
 // [t * pre_stride ...] (pre_mix null: this launch's record), as hc_collapse_norm at the same block size would.
-extern "C" __global__ __launch_bounds__(1024) void hc_mix_f16(const __half* fn, int nrows, const float* X, int n,
-                                                                const float* scale, const float* base, float* partial,
-                                                                unsigned* ticket, float* mix, float norm_eps,
-                                                                float hc_eps, int iters, const float* pre_mix,
-                                                                int pre_stride, const float* w, float eps, float* y) {
-    hc_mix_body(fn, nrows, X, n, scale, base, partial, ticket, mix, norm_eps, hc_eps, iters,
-                MixCollapse{pre_mix, pre_stride, w, eps, y});
+#define HC_MIX(name, T) \
+extern "C" __global__ __launch_bounds__(1024) void name(const T* fn, int nrows, const float* X, int n, \
+                                                        const float* scale, const float* base, float* partial, \
+                                                        unsigned* ticket, float* mix, float norm_eps, float hc_eps, \
+                                                        int iters, const float* pre_mix, int pre_stride, \
+                                                        const float* w, float eps, float* y) { \
+    hc_mix_body(fn, nrows, X, n, scale, base, partial, ticket, mix, norm_eps, hc_eps, iters, \
+                MixCollapse{pre_mix, pre_stride, w, eps, y}); \
 }
-
+HC_MIX(hc_mix_f16, __half)
 // As hc_mix_f16 with F32 fn. Launch: as hc_mix_f16.
-extern "C" __global__ __launch_bounds__(1024) void hc_mix_f32(const float* fn, int nrows, const float* X, int n,
-                                                                const float* scale, const float* base, float* partial,
-                                                                unsigned* ticket, float* mix, float norm_eps,
-                                                                float hc_eps, int iters, const float* pre_mix,
-                                                                int pre_stride, const float* w, float eps, float* y) {
-    hc_mix_body(fn, nrows, X, n, scale, base, partial, ticket, mix, norm_eps, hc_eps, iters,
-                MixCollapse{pre_mix, pre_stride, w, eps, y});
-}
+HC_MIX(hc_mix_f32, float)
 
 // y[t] = RMSNorm(sum_j pre_j X[t, j]; w) with pre = mix[t * mix_stride ...] and w optional (null: no weight).
 // Launch: grid (T), block (threads, a multiple of 32, <= 1024). X [T, hc, D], y [T, D].

@@ -161,19 +161,8 @@ template <> struct MoeFmt<FMT_IQ2_XXS> {
     // cq: the integer codes of the group (exact in bf16) and w = s[h] * c - o[h] for half h (o = 0 here)
     __device__ static __forceinline__ void cq(const uint8_t* base, int grp, float* c, float* s, float* o,
                                               const uint64_t* grid) {
-        unsigned a0, a1;
         float db;
-        aux(base, grp, a0, a1, db);
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const uint64_t g = grid[(a0 >> (8 * k)) & 255u];
-            const unsigned sg = signs(a1, k);
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const float v = moe_u2f((unsigned)(g >> (8 * j)) & 255u);
-                c[8 * k + j] = (sg >> j) & 1u ? -v : v;
-            }
-        }
+        values<false>(base, grp, c, db, grid);
         s[0] = s[1] = db;
         o[0] = o[1] = 0.0f;
     }
@@ -190,8 +179,14 @@ template <> struct MoeFmt<FMT_IQ2_XXS> {
         return si | ((unsigned)(__popc(si) & 1) << 7);
     }
     __device__ static __forceinline__ void dq(const uint8_t* base, int grp, float* w, const uint64_t* grid) {
-        unsigned a0, a1;
         float db;
+        values<true>(base, grp, w, db, grid);
+    }
+    // The group's 32 signed grid magnitudes into out, times db (its scale) where SCALED: cq's codes or dq's weights.
+    template <bool SCALED>
+    __device__ static __forceinline__ void values(const uint8_t* base, int grp, float* out, float& db,
+                                                  const uint64_t* grid) {
+        unsigned a0, a1;
         aux(base, grp, a0, a1, db);
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
@@ -199,8 +194,9 @@ template <> struct MoeFmt<FMT_IQ2_XXS> {
             const unsigned sg = signs(a1, k);
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
-                const float v = __fmul_rn(moe_u2f((unsigned)(g >> (8 * j)) & 255u), db);
-                w[8 * k + j] = (sg >> j) & 1u ? -v : v;
+                float v = moe_u2f((unsigned)(g >> (8 * j)) & 255u);
+                if (SCALED) v = __fmul_rn(v, db);
+                out[8 * k + j] = (sg >> j) & 1u ? -v : v;
             }
         }
     }
@@ -602,3 +598,20 @@ __device__ __forceinline__ void moe_load_grid16(uint64_t* at) {
         t[i] = make_uint4(w[0], w[1], w[2], w[3]);
     }
 }
+
+// Start copying n bytes from global src into shared dst + (src % 16), so 16-byte words stay 16-byte aligned: the
+// aligned middle by cp.async, the ends byte by byte. dst is 16-byte aligned with n + 16 bytes of room; the whole
+// block calls it, then cp_async_commit / cp_async_wait_all / __syncthreads before reading.
+__device__ __forceinline__ const uint8_t* moe_stage(uint8_t* dst, const uint8_t* src, int n) {
+    const int phase = (int)(reinterpret_cast<size_t>(src) & 15);
+    int head = phase ? 16 - phase : 0;
+    if (head > n) head = n;
+    const int words = (n - head) >> 4;
+    uint8_t* out = dst + phase;
+    for (int i = threadIdx.x; i < words; i += blockDim.x) cp_async_16(out + head + 16 * i, src + head + 16 * i);
+    for (int i = threadIdx.x; i < head; i += blockDim.x) out[i] = src[i];
+    for (int i = head + 16 * words + threadIdx.x; i < n; i += blockDim.x) out[i] = src[i];
+    return out;
+}
+
+__device__ __forceinline__ int moe_room(int n) { return (n + 31) & ~15; }      // n + 16, rounded up to 16

@@ -1183,25 +1183,14 @@ __device__ __forceinline__ float moet_parts(float s) {
     return s;
 }
 
-// Rows [r0, r0 + nr) of expert e of a stacked matrix [n_experts, rows, cols] into dst (cp.async, 16-byte words
-// kept 16-byte aligned as experts.cu moe_stage); the block commits, waits and syncs.
+// Rows [r0, r0 + nr) of expert e of a stacked matrix [n_experts, rows, cols] into dst (moe_stage, cu/moe_formats.cuh);
+// the block commits, waits and syncs.
 template <int F>
 __device__ __forceinline__ const uint8_t* moet_stage(uint8_t* dst, const uint8_t* W, int e, int r0, int nr,
                                                      int rows, int cols) {
-    const int rb = MoeRow<F>::bytes(cols), n = nr * rb;
-    const uint8_t* src = W + ((size_t)e * rows + r0) * rb;
-    const int phase = (int)(reinterpret_cast<size_t>(src) & 15);
-    int head = phase ? 16 - phase : 0;
-    if (head > n) head = n;
-    const int words = (n - head) >> 4;
-    uint8_t* out = dst + phase;
-    for (int i = threadIdx.x; i < words; i += blockDim.x) cp_async_16(out + head + 16 * i, src + head + 16 * i);
-    for (int i = threadIdx.x; i < head; i += blockDim.x) out[i] = src[i];
-    for (int i = head + 16 * words + threadIdx.x; i < n; i += blockDim.x) out[i] = src[i];
-    return out;
+    const int rb = MoeRow<F>::bytes(cols);
+    return moe_stage(dst, W + ((size_t)e * rows + r0) * rb, nr * rb);
 }
-
-__device__ __forceinline__ int moet_room(int n) { return (n + 31) & ~15; }
 
 template <int F>
 __device__ __forceinline__ void moet_gate_up(uint8_t* smem, const uint64_t* grid, const uint8_t* Wg,
@@ -1221,12 +1210,12 @@ __device__ __forceinline__ void moet_gate_up(uint8_t* smem, const uint64_t* grid
     }
     const int rb = MoeRow<F>::bytes(dim);
     const uint8_t* sg = moet_stage<F>(smem, Wg, b, f0, nr, ff, dim);
-    const uint8_t* su = moet_stage<F>(smem + moet_room(nr * rb), Wu, b, f0, nr, ff, dim);
+    const uint8_t* su = moet_stage<F>(smem + moe_room(nr * rb), Wu, b, f0, nr, ff, dim);
     cp_async_commit();
     cp_async_wait_all();
     __syncthreads();
     const bool worker = row < nr;
-    float* xs_s = reinterpret_cast<float*>(smem + 2 * moet_room(nr * rb));
+    float* xs_s = reinterpret_cast<float*>(smem + 2 * moe_room(nr * rb));
     __shared__ int off[MOET_NT];                                      // the chunk's x rows (offsets into x)
     for (int c0 = r0; c0 < r1; c0 += MOET_NT) {                      // block-uniform
         const int nt = min(MOET_NT, r1 - c0);
@@ -1293,7 +1282,7 @@ __device__ __forceinline__ void moet_down(uint8_t* smem, const uint64_t* grid, c
     cp_async_wait_all();
     __syncthreads();
     const bool worker = row < nr;
-    float* hs_s = reinterpret_cast<float*>(smem + moet_room(nr * rb));
+    float* hs_s = reinterpret_cast<float*>(smem + moe_room(nr * rb));
     __shared__ int off[MOET_NT];                                      // the chunk's H rows
     for (int c0 = r0; c0 < r1; c0 += MOET_NT) {                      // block-uniform
         const int nt = min(MOET_NT, r1 - c0);
@@ -1326,7 +1315,7 @@ __device__ __forceinline__ void moet_down(uint8_t* smem, const uint64_t* grid, c
 
 // Contracts as moe_prefill_gate_up / _down above (the GGML formats), plus rows_per_block (<= 32: one weight row
 // per 8 threads). Launch: grid (ceil(ff / rows_per_block), max_tiles), block 32 * ceil(8 * rows_per_block / 32),
-// dynamic shared memory 2 x moet_room(rows_per_block x row bytes) + (Q2_K, Q4_K: the half sums) 8 x MOET_NT x
+// dynamic shared memory 2 x moe_room(rows_per_block x row bytes) + (Q2_K, Q4_K: the half sums) 8 x MOET_NT x
 // dim / 32 (ds4py/cuda/ops/moe_prefill.py tile_smem).
 #define MOET_GATE_UP(name, F, QK, NB, TABLE) \
 extern "C" __global__ void moe_gate_up_tile_##name(const uint8_t* Wg, const uint8_t* Wu, const float* x, \
@@ -1342,7 +1331,7 @@ extern "C" __global__ void moe_gate_up_tile_##name(const uint8_t* Wg, const uint
                     offsets, info, H, n_experts, ff, dim, k, rows_per_block, clamp); \
 }
 
-// Launch: grid (ceil(dim / rows_per_block), max_tiles), block as above, dynamic shared memory moet_room(
+// Launch: grid (ceil(dim / rows_per_block), max_tiles), block as above, dynamic shared memory moe_room(
 // rows_per_block x row bytes) + (Q2_K, Q4_K) 8 x MOET_NT x ff / 32.
 #define MOET_DOWN(name, F, QK, NB, TABLE) \
 extern "C" __global__ void moe_down_tile_##name(const uint8_t* W, const float* H, const int* tile_bucket, \

@@ -160,3 +160,21 @@ def test_entry_points_come_from_one_format_list():
     assert out.count('// Launch: one block\nextern "C"') == 2 and out.count("__global__") == 2
     mid = src.replace("k_##name(", "k_##name##_rows(")            # a paste on both sides (gemv_##name##_rows)
     assert set(parse_kernels(mid)) == {"k_aa_rows", "k_bb_rows"} and "##" not in expand_lists(mid)
+
+
+def test_shared_kernel_templates_expand_as_the_preprocessor_would():
+    """A template used on a line of its own (HC_MIX(hc_mix_f16, __half)) and a per-list template whose body is
+    such a use (MOE_GATE_UP_I8 -> MOE_GATE_UP_KERNEL) become kernels, each behind its contract; the template's
+    own #define lines never do, and a line that expands to no kernel stays as written."""
+    from ds4py.cuda.signature import expand_lists
+
+    src = ('#define FMTS(X) \\\n    X(aa, 1) \\\n    X(bb, 2)\n\n'
+           '// shared body\n#define KERNEL(kname, F, ACT) \\\n'
+           'extern "C" __global__ void kname(const float* x, int n) { \\\n    body<F, ACT>(x, n); \\\n}\n\n'
+           '// Launch: per format\n#define ENTRY_I8(name, F) \\\n    KERNEL(k_i8_##name, F, ActI8)\n\n'
+           'FMTS(ENTRY_I8)\n\n// Launch: a direct use\nKERNEL(k_plain, 3, ActF)\nhelper(a, b)\n')
+    out = expand_lists(src)
+    assert list(parse_kernels(src)) == ["k_i8_aa", "k_i8_bb", "k_plain"]
+    assert "body<2, ActI8>(x, n);" in out and "body<3, ActF>(x, n);" in out and "#define" not in out.split("FMTS")[-1]
+    assert out.count('// Launch: per format\nextern "C"') == 2 and out.count("__global__") == 3
+    assert "helper(a, b)" in out and "k_i8_name" not in out

@@ -8,7 +8,8 @@ each parameter's name and C type. The CPU emulator (ds4py/cuda/emu.py) reuses `p
 Entry points generated from a list (one kernel per weight format) are expanded first, as the C preprocessor does
 it: a list macro `#define MOE_FORMATS(X) X(a, ...) X(b, ...)` (in the source or a header it includes from cu/),
 a template `#define ENTRY(name, ...) extern "C" __global__ void k_##name(...) { ... }` (or k_##name##_rows) and its use
-`MOE_FORMATS(ENTRY)` at the start of a line become one kernel per entry (expand_lists).
+`MOE_FORMATS(ENTRY)` at the start of a line become one kernel per entry (expand_lists); so does a line
+`ENTRY(args)` whose expansion is a kernel, and a template whose body is such a line.
 """
 
 from __future__ import annotations
@@ -160,13 +161,16 @@ def _substitute(body: str, params: list[str], args: list[str]) -> str:
     return re.sub(r"\s*##\s*", "", body)           # the pastes left, as the _rows of k_##name##_rows
 
 
+_USE = re.compile(r"^[ \t]*(\w+)\(([^()\n]*)\)[ \t]*$", re.M)
+
+
 def expand_lists(source_text: str) -> str:
     """The source with every `LIST(TEMPLATE)` line replaced by the template expanded once per entry of the list,
-    each expansion preceded by the comment block above the template's #define (its contract and Launch: line),
-    and the templates' #defines removed."""
+    and every `TEMPLATE(args)` line whose expansion declares a kernel replaced by that expansion (a template's
+    body may itself be such a line: a per-list template naming a shared one); each top-level expansion preceded
+    by the comment block above the template's #define (its contract and Launch: line), and the #defines of the
+    templates used removed."""
     lists = _lists(source_text)
-    if not lists:
-        return source_text
     templates = {}
     for m in _MACRO_DEF.finditer(source_text):
         if m.group(1) in lists:
@@ -177,16 +181,30 @@ def expand_lists(source_text: str) -> str:
         comment = comment if comment.lstrip().startswith("//") else ""
         params = [p.strip() for p in m.group(2).split(",")]
         templates[m.group(1)] = (comment, params, m.group(3).replace("\\\n", "\n"))
+    used: set[str] = set()
 
-    def use(m: re.Match) -> str:
-        lst, tmpl = m.group(1), m.group(2)
-        if lst not in lists or tmpl not in templates:
+    def expand(text: str, depth: int) -> str:
+        def use(m: re.Match) -> str:
+            name, inner = m.group(1), m.group(2).strip()
+            if text[max(m.start() - 2, 0):m.start()] == "\\\n":
+                return m.group(0)                                  # a line of a #define: the template itself
+            if name in lists and inner in templates:
+                comment, params, body = templates[inner]
+                used.add(inner)
+                return "\n\n".join(f"{comment}\n{expand(_substitute(body, params, args), depth + 1).strip()}"
+                                   for args in lists[name])
+            if name in templates and depth < 8:
+                comment, params, body = templates[name]
+                out = expand(_substitute(body, params, [a.strip() for a in inner.split(",")]), depth + 1).strip()
+                if "__global__" in out:
+                    used.add(name)
+                    return f"{comment}\n{out}" if depth == 0 else out
             return m.group(0)
-        comment, params, body = templates[tmpl]
-        return "\n\n".join(f"{comment}\n{_substitute(body, params, args).strip()}" for args in lists[lst])
 
-    out = re.sub(r"^(\w+)\((\w+)\)\s*$", use, source_text, flags=re.M)
-    return _MACRO_DEF.sub(lambda m: "" if m.group(1) in templates else m.group(0), out)   # the templates themselves
+        return _USE.sub(use, text)
+
+    out = expand(source_text, 0)
+    return _MACRO_DEF.sub(lambda m: "" if m.group(1) in used else m.group(0), out)   # the templates themselves
 
 
 def parse_kernels(source_text: str) -> dict[str, list[Param]]:
