@@ -151,12 +151,16 @@ class OracleDraft:
             st.begin_step(len(c))
             st.end_step(len(c))
             rows = np.full((len(c), self.vocab), -10.0, np.float32)
-            for r, p in enumerate(pos):
-                t = self.truth[p + 2] if p + 2 < len(self.truth) else 0
-                rows[r, (t + 1) % self.vocab if p in self.wrong else t] = 10.0
+            for r, (p, t) in enumerate(zip(pos, c)):
+                d = self.propose(int(p), int(t))
+                rows[r, (d + 1) % self.vocab if p in self.wrong else d] = 10.0
             lg.append(rows if all_logits else rows[-1])
             out.append(np.asarray(h, np.float32))
         return (lg if logits else []), out
+
+    def propose(self, pos: int, token: int) -> int:
+        """The token this oracle drafts at position `pos` after `token`: what the truth holds two further on."""
+        return self.truth[pos + 2] if pos + 2 < len(self.truth) else 0
 
     def weight_bytes_per_token(self) -> int:
         return 1

@@ -275,11 +275,10 @@ def test_rounds_of_several_sessions_equal_plain_answers(model, monkeypatch):
     equal to plain sequential ones (oracle drafts: long accepted runs; the real draft: rejections)."""
     from contextlib import contextmanager
 
-    from ds4py import driver as runner
     from ds4py.server.pool import SessionPool
     from ds4py.server.worker import Engine
     from test_sessions import BackgroundServer, ServerConfig, ServerState, completion, concurrently, post
-    from test_spec_sessions import IdsTokenizer
+    from test_spec_sessions import IdsTokenizer, record_verifies
 
     @contextmanager
     def serving(m):
@@ -287,13 +286,7 @@ def test_rounds_of_several_sessions_equal_plain_answers(model, monkeypatch):
         state.set_engine(Engine(SessionPool(m, IdsTokenizer(), 3, 256), IdsTokenizer()))
         with BackgroundServer(state) as srv:
             yield srv
-    seen: list[list[int]] = []
-    real = runner.ModelRunner.verify
-
-    def verify(self, states, chunks):
-        seen.append([len(c) for c in chunks])
-        return real(self, states, chunks)
-    monkeypatch.setattr(runner.ModelRunner, "verify", verify)
+    seen = record_verifies(monkeypatch)
     prompts = [[5 + i, 40 + 3 * i, 7, 200 - i] for i in range(3)]
     with serving(model) as srv:
         plain = [post(srv, completion(p, n=10))["choices"][0]["text"] for p in prompts]
