@@ -16,6 +16,8 @@ import numpy as np
 from ds4py.errors import Ds4Error
 from ds4py.kv import StateLayout, StateCounters
 from ds4py.model import Capabilities, WeightBytes
+from ds4py.sampling import SamplingParams
+from ds4py.session import Session, TokenEvent
 
 
 class FakeContract:
@@ -189,3 +191,16 @@ class NullTokenizer:
 
     def stream(self):
         return SimpleNamespace(push=lambda t: "", flush=lambda: "")
+
+
+def assert_seeded_runs_reproduce(spec) -> None:
+    """A seeded sampled request over `spec` gives the same 40 tokens in a fresh session and after another request,
+    and another seed other tokens."""
+    def gen(session, seed):
+        prm = SamplingParams(temperature=1.0, seed=seed, max_tokens=40, ignore_eos=True)
+        return [e.token_id for e in session.generate([1, 2, 3], prm) if isinstance(e, TokenEvent)]
+    a = gen(Session(spec, NullTokenizer(), 512), 5)
+    s = Session(spec, NullTokenizer(), 512)
+    gen(s, 6)
+    assert gen(s, 5) == a
+    assert gen(Session(spec, NullTokenizer(), 512), 6) != a

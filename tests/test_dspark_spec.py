@@ -25,7 +25,7 @@ from ds4py.sampling import Sampler, SamplingParams
 from ds4py.session import Session, TokenEvent
 from ds4py.drafts import speculative
 from ds4py.spec import ByteCosts
-from spec_fakes import CounterState, MarkovModel, NullTokenizer, chi_square_p
+from spec_fakes import CounterState, MarkovModel, NullTokenizer, assert_seeded_runs_reproduce, chi_square_p
 
 PROMPTS = [[7, 301, 12], list(range(40, 80))]       # short, and longer than the 16-row window
 N = 24
@@ -307,12 +307,5 @@ def test_seeded_sampled_requests_reproduce():
     target = TapMarkov(vocab=8, period=5, seed=3)
     spec = DSparkSpec(target, MarkovDSpark(target, 0.5, seed=4, block=4))
     spec.byte_costs = lambda: ByteCosts(main_bytes=1000, routed_bytes=100, draft_bytes=150, head_bytes=150)
-
-    def gen(session, seed):
-        prm = SamplingParams(temperature=1.0, seed=seed, max_tokens=40, ignore_eos=True)
-        return [e.token_id for e in session.generate([1, 2, 3], prm) if isinstance(e, TokenEvent)]
-    a = gen(Session(spec, NullTokenizer(), 512), 5)
-    s = Session(spec, NullTokenizer(), 512)
-    gen(s, 6)
-    assert gen(s, 5) == a and gen(Session(spec, NullTokenizer(), 512), 6) != a
+    assert_seeded_runs_reproduce(spec)
     assert spec.stats.rounds > 0 and spec.stats.accepted > 0
