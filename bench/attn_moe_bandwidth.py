@@ -13,7 +13,6 @@ the window + every row).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -33,7 +32,7 @@ from ds4py.cuda.probe import device_copy_bandwidth_gbps  # noqa: E402
 from ds4py.cuda.ops.core import TokenRows  # noqa: E402
 from ds4py.cuda.ops.experts import Experts, Slots  # noqa: E402
 from ds4py.ref import ops as ref_ops  # noqa: E402
-from gemv_bandwidth import exit_timed, fill_tiled, run_and_close, timed_graph  # noqa: E402
+from gemv_bandwidth import bench_args, exit_timed, fill_tiled, run_and_close, timed_graph  # noqa: E402
 
 D, FF, NX, K = 4096, 2048, 256, 6                   # V4 Flash MoE (--emu: 512 x 256, 24 experts)
 H, HD, RD, W, RING, TOPK = 64, 512, 64, 128, 144, 512
@@ -218,11 +217,7 @@ def bench_compressor(rt, arena, r, reps, res) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     global D, FF, NX, CONTEXTS
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--json", help="write the results here")
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--emu", action="store_true", help="run on the CPU emulator at cut-down shapes (a code check)")
-    args = ap.parse_args(argv)
+    args = bench_args(__doc__, argv)
     if args.emu:
         from ds4py.cuda.emu_runtime import EmuRuntime
 

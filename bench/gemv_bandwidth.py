@@ -224,11 +224,7 @@ def bench_chain(rt, arena, r, emu: bool, res: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--json", help="write the results here")
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--emu", action="store_true", help="run on the CPU emulator at cut-down shapes (a code check)")
-    args = ap.parse_args(argv)
+    args = bench_args(__doc__, argv)
 
     if args.emu:
         from ds4py.cuda.emu_runtime import EmuRuntime
@@ -254,6 +250,15 @@ def main(argv: list[str] | None = None) -> int:
     return run_and_close(rt, arena, res, args.json, lambda: bench_gemvs(rt, arena, r, copy_gbs, reps, args.emu, res),
                          lambda: bench_small_kernels(rt, arena, r, reps, args.emu, res),
                          lambda: bench_chain(rt, arena, r, args.emu, res))
+
+
+def bench_args(doc: str, argv: list[str] | None) -> argparse.Namespace:
+    """The options of the bandwidth benches (--json, --reps, --emu), with the script's docstring as --help."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--emu", action="store_true", help="run on the CPU emulator at cut-down shapes (a code check)")
+    return ap.parse_args(argv)
 
 
 def run_and_close(rt, arena, res: dict, json_path: str | None, *benches: Callable[[], None]) -> int:
