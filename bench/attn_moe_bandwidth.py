@@ -13,10 +13,7 @@ the window + every row).
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +32,7 @@ from ds4py.cuda.probe import device_copy_bandwidth_gbps  # noqa: E402
 from ds4py.cuda.ops.core import TokenRows  # noqa: E402
 from ds4py.cuda.ops.experts import Experts, Slots  # noqa: E402
 from ds4py.ref import ops as ref_ops  # noqa: E402
-from gemv_bandwidth import fill_tiled, timed_graph  # noqa: E402
+from gemv_bandwidth import bench_args, exit_timed, fill_tiled, run_and_close, timed_graph  # noqa: E402
 
 D, FF, NX, K = 4096, 2048, 256, 6                   # V4 Flash MoE (--emu: 512 x 256, 24 experts)
 H, HD, RD, W, RING, TOPK = 64, 512, 64, 128, 144, 512
@@ -220,11 +217,7 @@ def bench_compressor(rt, arena, r, reps, res) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     global D, FF, NX, CONTEXTS
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--json", help="write the results here")
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--emu", action="store_true", help="run on the CPU emulator at cut-down shapes (a code check)")
-    args = ap.parse_args(argv)
+    args = bench_args(__doc__, argv)
     if args.emu:
         from ds4py.cuda.emu_runtime import EmuRuntime
 
@@ -246,21 +239,10 @@ def main(argv: list[str] | None = None) -> int:
     r = np.random.default_rng(0)
     arena = rt.arena(weights_bytes=(4 << 30) if not args.emu else (192 << 20),
                      scratch_bytes=(256 << 20) if not args.emu else (64 << 20))
-    try:
-        bench_experts(rt, arena, r, reps, copy_gbs, res)
-        bench_attention(rt, arena, r, reps, res)
-        bench_compressor(rt, arena, r, reps, res)
-    finally:
-        rt.synchronize()
-        arena.close()
-        rt.close()
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1))
-    return 0
+    return run_and_close(rt, arena, res, args.json, lambda: bench_experts(rt, arena, r, reps, copy_gbs, res),
+                         lambda: bench_attention(rt, arena, r, reps, res),
+                         lambda: bench_compressor(rt, arena, r, reps, res))
 
 
 if __name__ == "__main__":
-    t0 = time.perf_counter()
-    rc = main()
-    print(f"attn_moe_bandwidth: done in {time.perf_counter() - t0:.0f} s")
-    sys.exit(rc)
+    exit_timed("attn_moe_bandwidth", main)

@@ -19,6 +19,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -223,11 +224,7 @@ def bench_chain(rt, arena, r, emu: bool, res: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--json", help="write the results here")
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--emu", action="store_true", help="run on the CPU emulator at cut-down shapes (a code check)")
-    args = ap.parse_args(argv)
+    args = bench_args(__doc__, argv)
 
     if args.emu:
         from ds4py.cuda.emu_runtime import EmuRuntime
@@ -250,21 +247,42 @@ def main(argv: list[str] | None = None) -> int:
     print(f"copy (device to device, read + write): {copy_gbs:.0f} GB/s")
     r = np.random.default_rng(0)
     arena = rt.arena(weights_bytes=(1400 << 20) if not args.emu else (16 << 20), scratch_bytes=8 << 20)
+    return run_and_close(rt, arena, res, args.json, lambda: bench_gemvs(rt, arena, r, copy_gbs, reps, args.emu, res),
+                         lambda: bench_small_kernels(rt, arena, r, reps, args.emu, res),
+                         lambda: bench_chain(rt, arena, r, args.emu, res))
+
+
+def bench_args(doc: str, argv: list[str] | None) -> argparse.Namespace:
+    """The options of the bandwidth benches (--json, --reps, --emu), with the script's docstring as --help."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--emu", action="store_true", help="run on the CPU emulator at cut-down shapes (a code check)")
+    return ap.parse_args(argv)
+
+
+def run_and_close(rt, arena, res: dict, json_path: str | None, *benches: Callable[[], None]) -> int:
+    """Run the benches in turn, then free the arena and the runtime (also on an error) and write `res` as JSON to
+    json_path when one is given; status 0."""
     try:
-        bench_gemvs(rt, arena, r, copy_gbs, reps, args.emu, res)
-        bench_small_kernels(rt, arena, r, reps, args.emu, res)
-        bench_chain(rt, arena, r, args.emu, res)
+        for bench in benches:
+            bench()
     finally:
         rt.synchronize()
         arena.close()
         rt.close()
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1))
+    if json_path:
+        Path(json_path).write_text(json.dumps(res, indent=1))
     return 0
 
 
-if __name__ == "__main__":
+def exit_timed(name: str, main: Callable[[], int]) -> None:
+    """A bench script's entry: run main, say how long the whole run took, exit with main's status."""
     t0 = time.perf_counter()
     rc = main()
-    print(f"gemv_bandwidth: done in {time.perf_counter() - t0:.0f} s")
+    print(f"{name}: done in {time.perf_counter() - t0:.0f} s")
     sys.exit(rc)
+
+
+if __name__ == "__main__":
+    exit_timed("gemv_bandwidth", main)

@@ -115,3 +115,26 @@ def check_gemv(got: np.ndarray, W: np.ndarray, x: np.ndarray, rows: int, cols: i
     if base is not None:
         want, mag = want + base, mag + np.abs(base)
     twins.assert_close_scaled(got, want, mag, cols, what, factor=1.0 if norm is None else 4.0)
+
+
+def check_several_matrices(rt: Any, arena: Any, put: Callable, r: np.random.Generator, kind: str, cols: int,
+                           label: str, norms: list) -> None:
+    """q_a + kv style: three `kind` matrices of 5, 12 and 7 rows share x in one launch, under each (device, host)
+    RMSNorm prologue of `norms` (None: none); then an accumulating launch of the first. Draws from r in that order."""
+    from ds4py.cuda import ops
+    from ds4py.cuda.ops.gemv import GemvX
+
+    shapes = [5, 12, 7]
+    Ws = [gemv_weights(r, kind, n, cols) for n in shapes]
+    x = (r.standard_normal(cols) * 3).astype(np.float32)
+    nw = (1 + 0.1 * r.standard_normal(cols)).astype(np.float32)
+    dx, dnw = put(x, False), put(nw)
+    for norm_dev, norm_host in [(None, None), ((dnw, 1e-6), (nw, 1e-6))] + norms:
+        ys = [arena.scratch(n, np.float32) for n in shapes]
+        ops.gemv(rt, [(put(W), y, n) for W, y, n in zip(Ws, ys, shapes)], GemvX(dx, cols, norm=norm_dev), warps=2)
+        for W, y, n in zip(Ws, ys, shapes):
+            check_gemv(y.download(), W, x, n, cols, f"{label} multi {n}", norm=norm_host)
+    base = r.standard_normal(shapes[0]).astype(np.float32)
+    y = put(base, False)
+    ops.gemv(rt, [(put(Ws[0]), y, shapes[0])], GemvX(dx, cols), add=True)
+    check_gemv(y.download(), Ws[0], x, shapes[0], cols, f"{label} add", base=base)

@@ -10,6 +10,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 # The golden data: ../shared/golden beside the repository, or DS4PY_GOLDEN (the subset that travels to a GPU
@@ -17,6 +18,16 @@ REPO = Path(__file__).resolve().parents[1]
 GOLDEN = Path(os.environ.get("DS4PY_GOLDEN") or REPO.parent / "shared" / "golden")
 # The trained tiny V4 + MTP (two domains, its own tokenizer, official outputs): beside the golden folder.
 TRAINED = GOLDEN.parent / "trained" / "v4-tiny-trained"
+
+
+def bench_module(name: str) -> Any:
+    """bench/<name>.py imported as a module (bench/ is scripts, not a package), for tests of its functions."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def free_port() -> int:

@@ -16,6 +16,8 @@ import numpy as np
 from ds4py.errors import Ds4Error
 from ds4py.kv import StateLayout, StateCounters
 from ds4py.model import Capabilities, WeightBytes
+from ds4py.sampling import SamplingParams
+from ds4py.session import Session, TokenEvent
 
 
 class FakeContract:
@@ -151,12 +153,16 @@ class OracleDraft:
             st.begin_step(len(c))
             st.end_step(len(c))
             rows = np.full((len(c), self.vocab), -10.0, np.float32)
-            for r, p in enumerate(pos):
-                t = self.truth[p + 2] if p + 2 < len(self.truth) else 0
-                rows[r, (t + 1) % self.vocab if p in self.wrong else t] = 10.0
+            for r, (p, t) in enumerate(zip(pos, c)):
+                d = self.propose(int(p), int(t))
+                rows[r, (d + 1) % self.vocab if p in self.wrong else d] = 10.0
             lg.append(rows if all_logits else rows[-1])
             out.append(np.asarray(h, np.float32))
         return (lg if logits else []), out
+
+    def propose(self, pos: int, token: int) -> int:
+        """The token this oracle drafts at position `pos` after `token`: what the truth holds two further on."""
+        return self.truth[pos + 2] if pos + 2 < len(self.truth) else 0
 
     def weight_bytes_per_token(self) -> int:
         return 1
@@ -185,3 +191,16 @@ class NullTokenizer:
 
     def stream(self):
         return SimpleNamespace(push=lambda t: "", flush=lambda: "")
+
+
+def assert_seeded_runs_reproduce(spec) -> None:
+    """A seeded sampled request over `spec` gives the same 40 tokens in a fresh session and after another request,
+    and another seed other tokens."""
+    def gen(session, seed):
+        prm = SamplingParams(temperature=1.0, seed=seed, max_tokens=40, ignore_eos=True)
+        return [e.token_id for e in session.generate([1, 2, 3], prm) if isinstance(e, TokenEvent)]
+    a = gen(Session(spec, NullTokenizer(), 512), 5)
+    s = Session(spec, NullTokenizer(), 512)
+    gen(s, 6)
+    assert gen(s, 5) == a
+    assert gen(Session(spec, NullTokenizer(), 512), 6) != a

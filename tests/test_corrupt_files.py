@@ -4,10 +4,13 @@ that loads and then answers noise or NaN. Files are built with tests/gguf_tools.
 
 from __future__ import annotations
 
+import json
 import math
 import struct
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 
 import numpy as np
 import pytest
@@ -258,13 +261,19 @@ def test_commands_print_one_line(base, tmp_path, case):
         assert len(lines) == 1 and "error:" in lines[0] and "Traceback" not in r.stderr, r.stderr
 
 
+def _fetch(srv, path: str, body: dict | None = None) -> tuple[int, dict]:
+    """A GET (or, with a body, a JSON POST) to the background server: the status and the JSON answer, 5xx too."""
+    req = urllib.request.Request(srv.base_url + path, data=body and json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        r = urllib.request.urlopen(req, timeout=30)
+        return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
 def test_serve_reports_the_reason_on_health_and_every_request(base, tmp_path):
     """serve keeps its port (so the reason can be read) but is never healthy with a broken model."""
-    import json
-    import time
-    import urllib.error
-    import urllib.request
-
     from ds4py.cli.serve import make_engine
     from ds4py.server.app import BackgroundServer, ServerConfig, ServerState
     from ds4py.server.toolmemory import ToolMemory
@@ -273,29 +282,16 @@ def test_serve_reports_the_reason_on_health_and_every_request(base, tmp_path):
     state = ServerState(ServerConfig())
     with BackgroundServer(state) as srv:
         state.load_in_background(lambda: make_engine(path, "ref", 256, ToolMemory())).join(60)
-
-        def fetch(p, body=None):
-            req = urllib.request.Request(srv.base_url + p, data=body and json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-            try:
-                r = urllib.request.urlopen(req, timeout=30)
-                return r.status, json.loads(r.read())
-            except urllib.error.HTTPError as e:
-                return e.code, json.loads(e.read())
-        status, body = fetch("/health")
+        status, body = _fetch(srv, "/health")
         assert status == 503 and body["status"] == "error" and "blk.1.ffn_norm.weight" in body["error"]
         assert "NaN" in body["error"] and not body["error"].startswith("GGUFError")
-        status, body = fetch("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+        status, body = _fetch(srv, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
         assert status == 503 and "blk.1.ffn_norm.weight" in body["error"]["message"]
-
 
 
 def test_a_model_that_turns_out_broken_while_serving_is_reported_on_health(golden):
     """Non-finite logits (a corrupt weight outside the rows sampled at load): that request fails with the reason,
     /health stops saying ok, and later requests get the same reason as a 503 instead of a 500 each."""
-    import json
-    import urllib.error
-    import urllib.request
     from types import SimpleNamespace
 
     from ds4py.server.app import BackgroundServer, ServerConfig, ServerState
@@ -333,23 +329,14 @@ def test_a_model_that_turns_out_broken_while_serving_is_reported_on_health(golde
 
     state = ServerState(ServerConfig())
     state.set_engine(Engine(Session(NaNModel(), tok, ctx_size=512), tok))
-
-    def fetch(srv, p, body=None):
-        req = urllib.request.Request(srv.base_url + p, data=body and json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        try:
-            r = urllib.request.urlopen(req, timeout=30)
-            return r.status, json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read())
     with BackgroundServer(state) as srv:
         chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-        assert fetch(srv, "/health")[0] == 200
-        status, body = fetch(srv, "/v1/chat/completions", chat)
+        assert _fetch(srv, "/health")[0] == 200
+        status, body = _fetch(srv, "/v1/chat/completions", chat)
         assert status == 503 and "invalid logits" in body["error"]["message"], body
-        status, body = fetch(srv, "/health")
+        status, body = _fetch(srv, "/health")
         assert status == 503 and body["status"] == "error" and "inspect" in body["error"]
-        status, body = fetch(srv, "/v1/messages", chat)
+        status, body = _fetch(srv, "/v1/messages", chat)
         assert status == 503 and "weights are corrupt" in body["error"]["message"]
 
 

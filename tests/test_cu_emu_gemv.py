@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cu_fixtures import (GEMV_KINDS, arena, check_gemv, gemv_weights, put, requires_emulator,  # noqa: F401 (fixtures)
-                         rng, rt)
+from cu_fixtures import (GEMV_KINDS, arena, check_gemv, check_several_matrices, gemv_weights, put,  # noqa: F401 (fixtures)
+                         requires_emulator, rng, rt)
 from ds4py.cuda import ops, twins
 from ds4py.cuda.memory import DeviceArray
 from ds4py.cuda.twins import gemv as tg
@@ -40,22 +40,7 @@ def test_gemv(rt, arena, put, kind, rows, cols, warps, grid):
 @pytest.mark.parametrize("kind", GEMV_KINDS)
 def test_several_matrices_norm_and_add(rt, arena, put, kind):
     """q_a + kv style: three matrices share x in one launch; RMSNorm prologue with and without a weight; add."""
-    r = rng(7, len(kind))
-    cols = 160
-    shapes = [5, 12, 7]
-    Ws = [gemv_weights(r, kind, n, cols) for n in shapes]
-    x = (r.standard_normal(cols) * 3).astype(np.float32)
-    nw = (1 + 0.1 * r.standard_normal(cols)).astype(np.float32)
-    dx, dnw = put(x, False), put(nw)
-    for norm_dev, norm_host in [(None, None), ((dnw, 1e-6), (nw, 1e-6)), ((None, 1e-5), (None, 1e-5))]:
-        ys = [arena.scratch(n, np.float32) for n in shapes]
-        ops.gemv(rt, [(put(W), y, n) for W, y, n in zip(Ws, ys, shapes)], GemvX(dx, cols, norm=norm_dev), warps=2)
-        for W, y, n in zip(Ws, ys, shapes):
-            check_gemv(y.download(), W, x, n, cols, f"{kind} multi {n}", norm=norm_host)
-    base = r.standard_normal(shapes[0]).astype(np.float32)
-    y = put(base, False)
-    ops.gemv(rt, [(put(Ws[0]), y, shapes[0])], GemvX(dx, cols), add=True)
-    check_gemv(y.download(), Ws[0], x, shapes[0], cols, f"{kind} add", base=base)
+    check_several_matrices(rt, arena, put, rng(7, len(kind)), kind, 160, kind, [((None, 1e-5), (None, 1e-5))])
 
 
 @pytest.mark.parametrize("kind", ("F16", "Q8_0"))

@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cu_fixtures import arena, check_gemv, gemv_weights, put, requires_emulator, rng, rt  # noqa: F401 (fixtures)
+from cu_fixtures import (arena, check_gemv, check_several_matrices, gemv_weights, put,  # noqa: F401 (fixtures)
+                         requires_emulator, rng, rt)
 from ds4py.cuda import ops, twins
 from ds4py.cuda.ops import gemm as ops_gemm
 from ds4py.cuda.ops.gemv import weight_type
@@ -40,20 +41,8 @@ def test_gemv(rt, arena, put, rows, cols, warps, grid):
 
 def test_several_matrices_norm_add_and_groups(rt, arena, put):
     r = rng(42)
-    cols, shapes = 256, [5, 12, 7]
-    Ws = [gemv_weights(r, "Q4_K", n, cols) for n in shapes]
-    x = (r.standard_normal(cols) * 3).astype(np.float32)
-    nw = (1 + 0.1 * r.standard_normal(cols)).astype(np.float32)
-    dx, dnw = put(x, False), put(nw)
-    for norm_dev, norm_host in [(None, None), ((dnw, 1e-6), (nw, 1e-6))]:
-        ys = [arena.scratch(n, np.float32) for n in shapes]
-        ops.gemv(rt, [(put(W), y, n) for W, y, n in zip(Ws, ys, shapes)], GemvX(dx, cols, norm=norm_dev), warps=2)
-        for W, y, n in zip(Ws, ys, shapes):
-            check_gemv(y.download(), W, x, n, cols, f"q4_k multi {n}", norm=norm_host)
-    base = r.standard_normal(shapes[0]).astype(np.float32)
-    y = put(base, False)
-    ops.gemv(rt, [(put(Ws[0]), y, shapes[0])], GemvX(dx, cols), add=True)
-    check_gemv(y.download(), Ws[0], x, shapes[0], cols, "q4_k add", base=base)
+    cols = 256
+    check_several_matrices(rt, arena, put, r, "Q4_K", cols, "q4_k", [])
     rows, group = 24, 8                                  # wo_a style: rows [g*8, (g+1)*8) read x[g]
     W = gemv_weights(r, "Q4_K", rows, cols)
     xg = r.standard_normal(3 * cols).astype(np.float32)

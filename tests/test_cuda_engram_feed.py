@@ -13,20 +13,9 @@ import pytest
 from ds4py.cuda import emu
 from ds4py.cuda.layer import BLOCK
 from ds4py.cuda.options import temporarily
-from ds4py.model import open_model
+from test_cuda_v41 import FP32_NOISE, cuda, gold  # noqa: F401  (block vs single steps: fp32 noise; the fixtures)
 
 pytestmark = pytest.mark.skipif(emu.compiler() is None, reason="the CUDA emulator needs g++")
-FP32_NOISE = 1e-4                    # as tests/test_cuda_v41.py: block vs single steps (fp32 noise)
-
-
-@pytest.fixture(scope="module")
-def gold(golden):
-    return np.load(golden / "v41-tiny" / "cases.npz")
-
-
-@pytest.fixture(scope="module")
-def cuda(v41_gguf):
-    return open_model(v41_gguf, backend="cuda-emu")
 
 
 def _mirror_is_device(cuda, st) -> None:

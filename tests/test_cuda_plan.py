@@ -139,3 +139,12 @@ def test_planned_arguments_carry_sizes_and_labels():
     attn = [a for ln in launches if ln.kernel == "attn_decode_partial" for a in ln.args]
     assert any(a.label.startswith("state.") for a in attn)
     assert {ln.stream for ln in launches} == {"main", "side"} and any(ln.pdl for ln in launches)
+
+
+def test_module_main_states_a_bad_argument_in_one_line(capsys):
+    """`python3 -m ds4py.cuda.plan --ctx -5`: one sentence on stderr and status 2, never a traceback."""
+    from ds4py.errors import exit_with
+    with pytest.raises(SystemExit) as ex:
+        exit_with(lambda: plan.main(["--ctx", "-5"]))
+    assert ex.value.code == 2
+    assert capsys.readouterr().err == "ds4py: error: ctx must be a positive number of tokens, got -5\n"

@@ -20,19 +20,10 @@ from ds4py.sampling import SamplingParams
 from ds4py.server.toolmemory import StoredCall, ToolMemory
 from ds4py.session import Session, TokenEvent
 from ds4py.tokenizer import Tokenizer
+from test_sessions import model, tok  # noqa: F401  (the fixtures: the tiny golden model and its tokenizer)
 
 POLICY = KVCachePolicy(min_tokens=32, trim_tokens=4, align_tokens=32, continued_interval=96)
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
-
-
-@pytest.fixture(scope="module")
-def model(golden):
-    return open_model(str(golden / "ds4-tiny" / "tiny.gguf"))
-
-
-@pytest.fixture(scope="module")
-def tok(golden):
-    return Tokenizer.from_gguf(golden / "ds4-tiny" / "tiny.gguf")
 
 
 @pytest.fixture(scope="module")

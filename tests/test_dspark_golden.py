@@ -83,17 +83,27 @@ def test_isolated_draft_matches_the_official_calls(models, gold, fq):
             assert ring_d.max() <= 0.1 and (ring_d > TOL).mean() <= 0.01, f"case {c}: ring after the prompt"
         else:
             assert ring_d.max() <= TOL, f"case {c}: ring after the prompt"
-        for j, (lg, cf, ids, _) in enumerate(calls):
-            d = max(np.abs(lg - gold[f"{c}_draft_logits{s}"][j]).max(),
-                    np.abs(cf - gold[f"{c}_draft_confidence{s}"][j]).max())
-            diffs.append(d)
-            if not fq:
-                assert d <= TOL, f"case {c} call {j}: |diff| {d:.2e}"
-                assert np.array_equal(ids, gold[f"{c}_draft_output_ids{s}"][j]), f"case {c} call {j}: drafted ids"
+        diffs += [golden_call_diff(gold, c, s, fq, j, lg, cf, ids) for j, (lg, cf, ids, _) in enumerate(calls)]
     d = np.array(diffs)
     assert len(d) == 22 + 38 + 39 + 2 + 24
     if fq:
-        assert d.max() <= QAT_MAX and (d <= TOL).mean() >= QAT_CLEAN, (d.max(), (d <= TOL).mean())
+        assert_qat_spread(d)
+
+
+def golden_call_diff(gold, c: str, s: str, fq: bool, j: int, lg, cf, ids) -> float:
+    """Draft call j of case c against the official code: the largest |diff| of its logits and confidences; noquant,
+    also within TOL and the same drafted ids (tests/test_cuda_dspark.py checks the CUDA draft with it)."""
+    d = max(np.abs(lg - gold[f"{c}_draft_logits{s}"][j]).max(),
+            np.abs(cf - gold[f"{c}_draft_confidence{s}"][j]).max())
+    if not fq:
+        assert d <= TOL, f"case {c} call {j}: |diff| {d:.2e}"
+        assert np.array_equal(ids, gold[f"{c}_draft_output_ids{s}"][j]), f"case {c} call {j}: drafted ids"
+    return d
+
+
+def assert_qat_spread(d: np.ndarray) -> None:
+    """fp32_fixed draft calls: every |diff| within QAT_MAX and at least QAT_CLEAN of them within TOL."""
+    assert d.max() <= QAT_MAX and (d <= TOL).mean() >= QAT_CLEAN, (d.max(), (d <= TOL).mean())
 
 
 def test_case_a_intermediates(models, gold):

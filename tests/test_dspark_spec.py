@@ -25,7 +25,7 @@ from ds4py.sampling import Sampler, SamplingParams
 from ds4py.session import Session, TokenEvent
 from ds4py.drafts import speculative
 from ds4py.spec import ByteCosts
-from spec_fakes import CounterState, MarkovModel, NullTokenizer, chi_square_p
+from spec_fakes import CounterState, MarkovModel, NullTokenizer, assert_seeded_runs_reproduce, chi_square_p
 
 PROMPTS = [[7, 301, 12], list(range(40, 80))]       # short, and longer than the 16-row window
 N = 24
@@ -275,11 +275,10 @@ def test_rounds_of_several_sessions_equal_plain_answers(model, monkeypatch):
     equal to plain sequential ones (oracle drafts: long accepted runs; the real draft: rejections)."""
     from contextlib import contextmanager
 
-    from ds4py import driver as runner
     from ds4py.server.pool import SessionPool
     from ds4py.server.worker import Engine
     from test_sessions import BackgroundServer, ServerConfig, ServerState, completion, concurrently, post
-    from test_spec_sessions import IdsTokenizer
+    from test_spec_sessions import IdsTokenizer, record_verifies
 
     @contextmanager
     def serving(m):
@@ -287,13 +286,7 @@ def test_rounds_of_several_sessions_equal_plain_answers(model, monkeypatch):
         state.set_engine(Engine(SessionPool(m, IdsTokenizer(), 3, 256), IdsTokenizer()))
         with BackgroundServer(state) as srv:
             yield srv
-    seen: list[list[int]] = []
-    real = runner.ModelRunner.verify
-
-    def verify(self, states, chunks):
-        seen.append([len(c) for c in chunks])
-        return real(self, states, chunks)
-    monkeypatch.setattr(runner.ModelRunner, "verify", verify)
+    seen = record_verifies(monkeypatch)
     prompts = [[5 + i, 40 + 3 * i, 7, 200 - i] for i in range(3)]
     with serving(model) as srv:
         plain = [post(srv, completion(p, n=10))["choices"][0]["text"] for p in prompts]
@@ -314,12 +307,5 @@ def test_seeded_sampled_requests_reproduce():
     target = TapMarkov(vocab=8, period=5, seed=3)
     spec = DSparkSpec(target, MarkovDSpark(target, 0.5, seed=4, block=4))
     spec.byte_costs = lambda: ByteCosts(main_bytes=1000, routed_bytes=100, draft_bytes=150, head_bytes=150)
-
-    def gen(session, seed):
-        prm = SamplingParams(temperature=1.0, seed=seed, max_tokens=40, ignore_eos=True)
-        return [e.token_id for e in session.generate([1, 2, 3], prm) if isinstance(e, TokenEvent)]
-    a = gen(Session(spec, NullTokenizer(), 512), 5)
-    s = Session(spec, NullTokenizer(), 512)
-    gen(s, 6)
-    assert gen(s, 5) == a and gen(Session(spec, NullTokenizer(), 512), 6) != a
+    assert_seeded_runs_reproduce(spec)
     assert spec.stats.rounds > 0 and spec.stats.accepted > 0

@@ -5,16 +5,11 @@ nothing may be logged with a traceback. (`python bench/fuzz_server.py --random 6
 
 from __future__ import annotations
 
-import importlib.util
-
-from helpers import REPO
+from helpers import bench_module
 
 
 def _harness():
-    spec = importlib.util.spec_from_file_location("fuzz_server", REPO / "bench" / "fuzz_server.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_module("fuzz_server")
 
 
 def test_fuzzed_requests_get_clean_answers():

@@ -201,13 +201,9 @@ def test_coalescing_comes_from_a_traffic_report(tmp_path, capsys):
 def test_the_device_check_summary_carries_model_vs_measured():
     """bench/device_summary.py lifts cuda_decode.py --kernel-times into summary.json's model_vs_measured: per kernel
     launches, measured and modelled µs, their ratio and the model's limiter; an error stays one string."""
-    import importlib.util
-    from pathlib import Path
+    from helpers import bench_module
 
-    spec = importlib.util.spec_from_file_location(
-        "device_summary", Path(__file__).resolve().parents[1] / "bench" / "device_summary.py")
-    ds = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ds)
+    ds = bench_module("device_summary")
     kt = {"profile": "gpu0", "ctx": 33, "measured_us": 50.0, "modelled_us": 40.0, "ratio": 1.25, "kernels": [
         {"kernel": "gemv_q8_0", "family": "gemv q8_0", "launches": 3, "measured_us": 30.0, "modelled_us": 20.0,
          "bytes": 1, "limiter": "bandwidth", "ratio": 1.5}]}

@@ -3,17 +3,11 @@ MAX_PARAMS parameters (rt, stream and pdl included). Reads source only."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parent.parent
+from helpers import bench_module
 
 
 def _op_widths():
-    spec = importlib.util.spec_from_file_location("op_widths", REPO / "bench" / "op_widths.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_module("op_widths")
 
 
 def test_no_op_is_wider_than_max_params():

@@ -9,7 +9,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import anthropic
 import openai
@@ -24,14 +23,7 @@ from ds4py.server.worker import Engine
 from ds4py.session import Session
 from ds4py.tokenizer import Tokenizer
 from test_prefill_cancel import SlowModel
-
-CTX = 1024
-NOTHINK = {"thinking": {"type": "disabled"}}
-
-
-@pytest.fixture(scope="module")
-def tiny(golden) -> Path:
-    return golden / "ds4-tiny" / "tiny.gguf"
+from test_server import CTX, NOTHINK, tiny  # noqa: F401  (the fixture: the tiny golden file)
 
 
 @pytest.fixture(scope="module")

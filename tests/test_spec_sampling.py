@@ -11,7 +11,7 @@ from ds4py.sampling import Sampler, SamplingParams
 from ds4py.session import Session, TokenEvent
 from ds4py.spec import ByteCosts, accept_sampled
 from ds4py.mtp_spec import MtpSpec
-from spec_fakes import MarkovDraft, MarkovModel, NullTokenizer, chi_square_p
+from spec_fakes import MarkovDraft, MarkovModel, NullTokenizer, assert_seeded_runs_reproduce, chi_square_p
 
 P_MIN = 1e-3        # fixed seeds: each test's outcome is deterministic; a correct sampler fails 0.1% of seed sets
 
@@ -91,13 +91,5 @@ def test_seeded_runs_reproduce_and_differ_by_seed():
     # byte costs where a verify row pays at this draft's acceptance (~0.8): the model's own make every row cost a
     # whole step (break-even 0.91), and the calibrated scheduler then rightly decodes plainly, never reaching a round
     spec.byte_costs = lambda: ByteCosts(main_bytes=1000, routed_bytes=100, draft_bytes=100, head_bytes=10)
-
-    def gen(session, seed):
-        prm = SamplingParams(temperature=1.0, seed=seed, max_tokens=40, ignore_eos=True)
-        return [e.token_id for e in session.generate([1, 2, 3], prm) if isinstance(e, TokenEvent)]
-    a = gen(Session(spec, NullTokenizer(), 512), 5)
-    s = Session(spec, NullTokenizer(), 512)
-    gen(s, 6)
-    assert gen(s, 5) == a
-    assert gen(Session(spec, NullTokenizer(), 512), 6) != a
+    assert_seeded_runs_reproduce(spec)
     assert spec.stats.rounds > 0

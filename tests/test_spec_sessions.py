@@ -36,19 +36,8 @@ class TableDraft(OracleDraft):
         super().__init__([], vocab, wrong)
         self.table = {(j, t[j + 1]): t[j + 2] for t in truths for j in range(len(t) - 2)}
 
-    def step(self, states, hidden, next_ids, all_logits=False, logits=True):
-        lg, out = [], []
-        for st, h, c in zip(states, hidden, next_ids):
-            pos = np.arange(st.n_tokens, st.n_tokens + len(c))
-            st.begin_step(len(c))
-            st.end_step(len(c))
-            rows = np.full((len(c), self.vocab), -10.0, np.float32)
-            for r, (p, t) in enumerate(zip(pos, c)):
-                d = self.table.get((int(p), int(t)), 0)
-                rows[r, (d + 1) % self.vocab if p in self.wrong else d] = 10.0
-            lg.append(rows if all_logits else rows[-1])
-            out.append(np.asarray(h, np.float32))
-        return (lg if logits else []), out
+    def propose(self, pos: int, token: int) -> int:
+        return self.table.get((pos, token), 0)
 
 
 PROMPTS = [np.random.default_rng(70 + i).integers(3, 256, 5 + 6 * i).tolist() for i in range(4)]
@@ -68,8 +57,8 @@ def plain(model):
     return [(t, [int(x) for x in t.strip("<>").split("><")]) for t in out]
 
 
-@pytest.fixture
-def verifies(monkeypatch):
+def record_verifies(monkeypatch) -> list[list[int]]:
+    """Each ModelRunner.verify call's row counts per session, appended to the returned list as the calls come."""
     seen: list[list[int]] = []
     real = runner.ModelRunner.verify
 
@@ -78,6 +67,11 @@ def verifies(monkeypatch):
         return real(self, states, chunks)
     monkeypatch.setattr(runner.ModelRunner, "verify", verify)
     return seen
+
+
+@pytest.fixture
+def verifies(monkeypatch):
+    return record_verifies(monkeypatch)
 
 
 def _stop_runs(model, plain, concurrent: bool):

@@ -297,6 +297,21 @@ def test_costs_keep_a_window_of_recent_samples():
     assert len(c._plain.samples) == len(c._rows[1]) == WINDOW
 
 
+def _scheduled_rounds(s: Scheduler, costs: MeasuredCosts, n: int, verify_2: float) -> list[bool]:
+    """n decisions of `s` (k = 4), each timed into `costs` as it ran: a drafting round a 1 ms draft step and a
+    2-row verify of verify_2 seconds, a plain round an 8 ms plain step and a 7.9 ms 1-row verify."""
+    decisions = []
+    for _ in range(n):
+        decisions.append(s.should_draft(4))
+        if decisions[-1]:
+            costs.observe_draft(True, 1e-3)
+            costs.observe_verify(2, verify_2)
+        else:
+            costs.observe_plain(8e-3)
+            costs.observe_verify(1, 7.9e-3)
+    return decisions
+
+
 def test_a_drafting_scheduler_re_times_the_plain_step():
     """A scheduler that drafts every round times no plain step, so it judged its rounds against plain steps timed
     long ago: on the trained tiny model a plain median of 10.8 ms from the first request's few plain steps against
@@ -315,16 +330,7 @@ def test_a_drafting_scheduler_re_times_the_plain_step():
     for _ in range(40):
         s.record(0.6, 0.5)                         # first-draft acceptance 0.6
     assert s.drafting_pays()
-    decisions = []
-    for _ in range(20 * REFRESH):
-        d = s.should_draft(4)
-        decisions.append(d)
-        if d:
-            c.observe_draft(True, 1e-3)
-            c.observe_verify(2, 14e-3)
-        else:
-            c.observe_plain(8e-3)
-            c.observe_verify(1, 7.9e-3)
+    decisions = _scheduled_rounds(s, c, 20 * REFRESH, verify_2=14e-3)
     plains = [i for i, d in enumerate(decisions) if not d]
     assert plains[:3] == [0, 5, 14]           # 3 rounds drafted before (due at 2): then gaps of 4, 8 rounds
     assert c.plain() == pytest.approx(8e-3) and not s.drafting_pays()
@@ -339,15 +345,7 @@ def test_a_drafting_scheduler_re_times_the_plain_step():
     s = Scheduler(d, k_max=4)
     for _ in range(40):
         s.record(0.8, 0.5)
-    decisions = []
-    for _ in range(8 * REFRESH):
-        decisions.append(s.should_draft(4))
-        if decisions[-1]:
-            d.observe_draft(True, 1e-3)
-            d.observe_verify(2, 9e-3)
-        else:
-            d.observe_plain(8e-3)
-            d.observe_verify(1, 7.9e-3)
+    decisions = _scheduled_rounds(s, d, 8 * REFRESH, verify_2=9e-3)
     plains = [i for i, x in enumerate(decisions) if not x]
     gaps = [b - a - 1 for a, b in zip(plains, plains[1:])]
     assert gaps[:4] == [4, 8, 16, 32] and set(gaps[4:]) == {REFRESH}

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from ds4py.cuda.signature import Param, parse_kernels
-from ds4py.errors import CudaUnavailableError, Ds4Error
+from ds4py.errors import CudaUnavailableError, Ds4Error, exit_with
 
 CU_DIR = Path(os.environ.get("DS4PY_CU_DIR") or Path(__file__).resolve().parents[2] / "cu")
 # --fmad=false: no multiply-add contraction, as the emulator's g++ build (-ffp-contract=off). The bit-identity
@@ -454,8 +454,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main(sys.argv[1:]))
-    except Ds4Error as e:
-        print(f"ds4py: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    exit_with(lambda: main(sys.argv[1:]))

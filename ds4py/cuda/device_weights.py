@@ -214,23 +214,35 @@ def upload_entries(rt: Any, store: Any, gguf, entries: list, field: Any = None,
     for name, (_, _, a, _) in host.items():
         offs[name] = at
         at += align_up(a.nbytes)
-    ex_offs = []
-    for a in extra:
-        ex_offs.append(at)
-        at += align_up(a.nbytes)
+    ex_offs, at = place_after(extra, at)
     blk = store.block(max(at, ALIGN))
     tensors = {}
     for name, (qt, shape, a, fmt) in host.items():
         d = blk.array(offs[name], a.shape, a.dtype)
         d.upload(np.ascontiguousarray(a))
         tensors[name] = DevTensor(name, qt, shape, d, fmt)
+    arrays = upload_float32(blk, extra, ex_offs)
+    rt.synchronize()
+    return blk, tensors, arrays
+
+
+def place_after(extra: tuple[np.ndarray, ...], at: int) -> tuple[list[int], int]:
+    """(offsets, end): the arrays `extra` laid out from byte `at` of a block, each aligned."""
+    offs = []
+    for a in extra:
+        offs.append(at)
+        at += align_up(a.nbytes)
+    return offs, at
+
+
+def upload_float32(blk: Any, extra: tuple[np.ndarray, ...], offs: list[int]) -> list[DeviceArray]:
+    """The arrays `extra` as float32 device arrays at `offs` of `blk` (place_after's offsets); not synchronized."""
     arrays = []
-    for a, o in zip(extra, ex_offs):
+    for a, o in zip(extra, offs):
         d = blk.array(o, a.shape, np.float32)
         d.upload(np.ascontiguousarray(a, np.float32))
         arrays.append(d)
-    rt.synchronize()
-    return blk, tensors, arrays
+    return arrays
 
 
 _PLAIN = {QT.F32: np.float32, QT.F16: np.float16, QT.I32: np.int32}

@@ -25,7 +25,7 @@ from typing import Any
 
 from ds4py.config import ModelConfig
 from ds4py.cuda.plan_runtime import PlanRuntime, PlannedLaunch
-from ds4py.errors import Ds4Error
+from ds4py.errors import Ds4Error, exit_with
 from ds4py.ggml_types import GGMLQuantizationType as QT
 
 KINDS = ("decode", "rows", "prefill", "draft")
@@ -247,8 +247,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except Ds4Error as e:
-        print(f"ds4py: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    exit_with(main)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ds4py.cuda.compiler import KernelResources
-from ds4py.errors import Ds4Error
+from ds4py.errors import Ds4Error, exit_with
 
 TABLE = Path(__file__).resolve().parents[1] / "data" / "kernel_resources.json"
 DOC = Path(__file__).resolve().parents[2] / "docs" / "cuda.md"
@@ -130,8 +130,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main(sys.argv[1:]))
-    except Ds4Error as e:
-        print(f"ds4py: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    exit_with(lambda: main(sys.argv[1:]))

@@ -30,7 +30,7 @@ from ds4py.ggml_types import GGMLQuantizationType as QT
 
 from ds4py import quant, schema
 from ds4py.cuda.memory import DeviceArray, align_up
-from ds4py.cuda.device_weights import DevTensor, DeviceWeights, role, rope_tables
+from ds4py.cuda.device_weights import DevTensor, DeviceWeights, place_after, role, rope_tables, upload_float32
 from ds4py.cuda.ops import fill
 from ds4py.vq.quantize import Q4K_SUFFIXES
 from ds4py.cuda.ops.experts import VQ_FORMATS, matrix_bytes, vq_expert_bytes, vq_format, vq_row_parts
@@ -149,18 +149,10 @@ def load_mtp(rt: Any, store: Any, cfg, seed: int = 0, experts: tuple[QT, QT] = Q
     as `load` fills the main model's (its VQ-8 experts at the first layer's width), plus the float32 arrays
     `extra` after them: device_weights.upload_entries' result, without a file."""
     plan, at = _place(list(schema.mtp_entries(cfg)), experts, vq, dense)
-    offs = []
-    end = at
-    for a in extra:
-        offs.append(end)
-        end += align_up(a.nbytes)
+    offs, end = place_after(extra, at)
     blk = store.block(end)
     tensors = _fill_blob(rt, cfg, blk.array(0, (max(at, 4),), np.uint8), plan, seed)
-    arrays = []
-    for a, o in zip(extra, offs):
-        d = blk.array(o, a.shape, np.float32)
-        d.upload(np.ascontiguousarray(a, np.float32))
-        arrays.append(d)
+    arrays = upload_float32(blk, extra, offs)
     rt.synchronize()
     return blk, tensors, arrays
 
