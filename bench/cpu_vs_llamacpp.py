@@ -136,7 +136,7 @@ def resident_by_kind(m) -> dict | None:
 def run_llama(a: argparse.Namespace, prefill: int) -> dict:
     n_p, n_g = (prefill, 0) if prefill else (0, a.gen)
     so, ru = wait_child([a.llama_bench, "-m", a.model, "-t", str(a.threads), "-p", str(n_p), "-n", str(n_g),
-                         "-r", "1", "-o", "json"])
+                         "-r", "1", "-o", "json", *a.llama_args.split()])
     res = json.loads(so[so.index("["):])[0]
     tps = float(res["avg_ts"])
     r = {"engine": "llama.cpp", **ru}
@@ -268,6 +268,9 @@ def decode_bytes(model: str) -> int | None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--llama-bench", help="llama.cpp's llama-bench binary (a CPU build)")
+    p.add_argument("--llama-args", default="",
+                   help="extra llama-bench arguments for the side-by-side runs, e.g. '--repack 0' where its default "
+                        "build aborts at context creation (an Intel AMX host: ggml_backend_sched_split_graph)")
     p.add_argument("-m", "--model", required=True)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--gen", type=int, default=8, help="decoded tokens per decode run")
@@ -337,7 +340,7 @@ def main() -> int:
                       f"{row['peak_rss'] / 2**20:.0f} MiB  major faults {row['major_faults']}  "
                       f"load {row['loadavg']:.1f}", flush=True)
     per_token = decode_bytes(a.model)
-    summary: dict = {"model": a.model, "file_bytes": os.path.getsize(a.model), "threads": a.threads, "isa": a.isa,
+    summary: dict = {"model": a.model, "file_bytes": os.path.getsize(a.model), "threads": a.threads, "isa": a.isa, "llama_args": a.llama_args,
                      "gen": a.gen, "rounds": a.rounds, "rounds_long": a.rounds_long, "decode_bytes": per_token,
                      "ds4py_kernels": next(r["kernels"] for r in rows if r["engine"] != "llama.cpp"),
                      "load": stats([r["loadavg"] for r in rows]),
